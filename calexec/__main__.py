@@ -1,0 +1,4 @@
+from calexec.cli import main
+import sys
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""What touches the world: the cffi CalRT driver, threads, CLI."""

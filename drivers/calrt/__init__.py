@@ -1,0 +1,1 @@
+"""CalRT C ABI (calrt.h), the bundled C emulator and its cffi build."""

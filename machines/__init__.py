@@ -1,0 +1,1 @@
+"""Declared statecharts and the controllers that own them (no cffi)."""
