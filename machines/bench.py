@@ -1,0 +1,104 @@
+"""``calexec bench charts [--json] [--iters N]``: per-job chart work on the hot path.
+
+One decode job's chart work: a Job run along its success path, a KV txn reserve -> submitted
+-> committed, and a buffer slot lease -> submit -> device_done -> give_back. Measured on the
+compiled form (``ChartRun``, coverage recording off as in production) and, in the same process,
+on fresh python-statemachine instances of the same declarations as the baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from collections.abc import Callable
+
+from calexec.machines.compiled import BUFFER_SLOT, CHARTS, JOB, KV_TXN
+from calexec.machines.coverage import RECORDER
+
+# The workload: events of one successful decode job, per chart.
+JOB_EVENTS = ("admit", "begin_preparation", "enqueue", "infer_accepted", "wait_returned", "deliver")
+KV_EVENTS = ("mark_submitted", "commit")
+SLOT_EVENTS = ("lease", "submit", "device_done", "give_back")
+WORKLOAD = ((JOB, JOB_EVENTS), (KV_TXN, KV_EVENTS), (BUFFER_SLOT, SLOT_EVENTS))
+
+
+class _SuccessModel:
+    """Answers every guard of every chart with True: the success path of a healthy job."""
+
+
+for _name in sorted({g for chart in CHARTS.values() for g in chart.guard_names}):
+    setattr(_SuccessModel, _name, lambda self: True)
+
+
+def _compiled_job(model: _SuccessModel) -> None:
+    for chart, events in WORKLOAD:
+        run = chart.run(model)
+        for event in events:
+            run.send(event)
+
+
+def _statemachine_job(_shared: _SuccessModel) -> None:
+    for chart, events in WORKLOAD:
+        # python-statemachine keeps the state on its model, so each machine needs its own.
+        machine = chart.declaration(_SuccessModel())
+        for event in events:
+            machine.send(event)
+
+
+def _percentile(sorted_us: list[float], fraction: float) -> float:
+    return sorted_us[min(len(sorted_us) - 1, int(fraction * len(sorted_us)))]
+
+
+def _measure(work: Callable[[_SuccessModel], None], iters: int) -> list[float]:
+    model = _SuccessModel()
+    for _ in range(min(iters, 200)):  # warm-up
+        work(model)
+    samples = []
+    clock = time.perf_counter_ns
+    for _ in range(iters):
+        start = clock()
+        work(model)
+        samples.append((clock() - start) / 1000.0)
+    samples.sort()
+    return samples
+
+
+def run_bench(iters: int) -> dict[str, float | int | str]:
+    """Measure both forms; return the figures (microseconds per job)."""
+    was_recording = RECORDER.enabled
+    RECORDER.enabled = False
+    try:
+        compiled = _measure(_compiled_job, iters)
+        baseline = _measure(_statemachine_job, iters)
+    finally:
+        RECORDER.enabled = was_recording
+    p50, base_p50 = _percentile(compiled, 0.5), _percentile(baseline, 0.5)
+    return {
+        "per_job_chart_us_p50": round(p50, 2),
+        "per_job_chart_us_p99": round(_percentile(compiled, 0.99), 2),
+        "statemachine_us_p50": round(base_p50, 2),
+        "statemachine_us_p99": round(_percentile(baseline, 0.99), 2),
+        "speedup_p50": round(base_p50 / p50, 1),
+        "transitions_per_job": sum(len(events) for _, events in WORKLOAD),
+        "iters": iters,
+        "python": platform.python_version(),
+    }
+
+
+def main(argv: list[str]) -> int:
+    """Entry point; ``argv`` starts with the command words ``bench charts``."""
+    parser = argparse.ArgumentParser(prog="calexec bench charts", description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--iters", type=int, default=2000, help="jobs per form (default 2000)")
+    args = parser.parse_args(argv[2:])
+    if args.iters < 1:
+        parser.error(f"--iters must be >= 1, got {args.iters}")
+    result = run_bench(args.iters)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for key, value in result.items():
+            print(f"{key:<24} {value}")
+    return 0

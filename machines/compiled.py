@@ -1,0 +1,232 @@
+"""The hot-path form of the declared charts: transition tables derived at import time.
+
+python-statemachine 3.2.2 costs ~185 us to build a machine and ~85 us per ``send()``; the
+executor needs a few microseconds. So at import each class of ``calexec.machines.charts`` is
+introspected (states, initial, finals, and every transition's event, source, target, ``cond``
+and ``unless`` guard names) into a frozen ``CompiledChart``. Nothing here hand-writes a
+transition: the declaration stays the single source of truth, and a hypothesis test checks
+that ``ChartRun`` and the real ``StateMachine`` agree on random event/guard sequences.
+
+Semantics copied from ``StateMachine``: for ``(state, event)`` the candidate transitions are
+tried in declaration order; the first whose ``cond`` guards are all true and ``unless`` guards
+all false is taken. No candidate at all -> ``IllegalTransition``; candidates whose guards all
+fail -> ``GuardRejected``. Guards are zero-argument methods of the owner's model object,
+called by name. Final states have no transitions, so any event there is illegal.
+
+Thread model: a ``ChartRun`` has exactly one owner at a time (the executor serialises the
+events of a job, a txn, a slot); it takes no lock. Concurrent ``send`` on one run is a bug.
+``CompiledChart`` objects are immutable and shared freely.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+import attrs
+from statemachine import StateMachine
+from statemachine.callbacks import CallbackGroup
+
+from calexec.machines.charts import DECLARED
+from calexec.machines.coverage import RECORDER
+
+
+class ChartTransitionError(Exception):
+    """Base of the errors a ``ChartRun`` raises when an event cannot be taken."""
+
+
+class IllegalTransition(ChartTransitionError):
+    """The event has no declared transition from the current state (or is unknown)."""
+
+    def __init__(self, chart: str, state: str, event: str) -> None:
+        self.chart, self.state, self.event = chart, state, event
+        super().__init__(
+            f"{chart}: event {event!r} is not allowed in state {state!r} "
+            f"(no declared transition {state} --{event}-->)"
+        )
+
+
+class GuardRejected(ChartTransitionError):
+    """Every transition declared for ``(state, event)`` had a guard that failed."""
+
+    def __init__(self, chart: str, state: str, event: str, guards: tuple[str, ...]) -> None:
+        self.chart, self.state, self.event, self.guards = chart, state, event, guards
+        super().__init__(
+            f"{chart}: event {event!r} in state {state!r} rejected by guard(s) "
+            f"{', '.join(guards)}"
+        )
+
+
+@attrs.frozen
+class Transition:
+    """One declared transition for one event. ``id`` is its index in ``chart.transitions``;
+    ``key`` is ``(chart name, id)``, the coverage recorder's key."""
+
+    source: str
+    event: str
+    target: str
+    conds: tuple[str, ...]
+    unless: tuple[str, ...]
+    id: int
+    key: tuple[str, int]
+
+    @property
+    def guards(self) -> tuple[str, ...]:
+        """Guard names as python-statemachine prints them (``!name`` for ``unless``)."""
+        return self.conds + tuple(f"!{name}" for name in self.unless)
+
+
+@attrs.frozen
+class CompiledChart:
+    """Immutable transition table of one declared chart."""
+
+    name: str
+    declaration: type[StateMachine]
+    states: tuple[str, ...]
+    initial: str
+    finals: frozenset[str]
+    events: tuple[str, ...]
+    transitions: tuple[Transition, ...]
+    table: Mapping[tuple[str, str], tuple[Transition, ...]]
+    guard_names: frozenset[str]
+    # (id(declared statemachine Transition), event) -> Transition, for the coverage listener.
+    by_declared: Mapping[tuple[int, str], Transition] = attrs.field(repr=False)
+
+    def run(self, model: Any, state: str | None = None) -> ChartRun:
+        """A new run on ``model`` (the guard provider), in ``state`` or the initial state."""
+        if state is None:
+            state = self.initial
+        elif state not in self.states:
+            raise ValueError(f"{self.name}: state={state!r} is not one of {self.states}")
+        return ChartRun(self, state, model)
+
+    def outgoing(self, state: str) -> tuple[Transition, ...]:
+        """Declared transitions leaving ``state``, in declaration order."""
+        return tuple(t for t in self.transitions if t.source == state)
+
+
+class ChartRun:
+    """A lightweight run of a ``CompiledChart``: ``state`` is the current state id.
+
+    One owner at a time (see the module docstring); ``model`` answers the guards.
+    """
+
+    __slots__ = ("chart", "state", "model", "_table")
+
+    def __init__(self, chart: CompiledChart, state: str, model: Any) -> None:
+        self.chart = chart
+        self.state = state
+        self.model = model
+        self._table = chart.table
+
+    @property
+    def final(self) -> bool:
+        """Whether the run is in a final state (no event can be taken any more)."""
+        return self.state in self.chart.finals
+
+    def select(self, event: str) -> Transition:
+        """The transition ``send(event)`` would take now (guards evaluated), without taking it.
+        Raises ``IllegalTransition`` or ``GuardRejected``."""
+        candidates = self._table.get((self.state, event))
+        if candidates is None:
+            raise IllegalTransition(self.chart.name, self.state, event)
+        model = self.model
+        for transition in candidates:
+            for name in transition.conds:
+                if not getattr(model, name)():
+                    break
+            else:
+                for name in transition.unless:
+                    if getattr(model, name)():
+                        break
+                else:
+                    return transition
+        guards = tuple(dict.fromkeys(g for t in candidates for g in t.guards))
+        raise GuardRejected(self.chart.name, self.state, event, guards)
+
+    def send(self, event: str) -> str:
+        """Take ``event``; return the new state id. Raises ``IllegalTransition`` or
+        ``GuardRejected`` (the state is then unchanged)."""
+        transition = self.select(event)
+        self.state = transition.target
+        RECORDER.record(transition.key)
+        return transition.target
+
+    def can(self, event: str) -> bool:
+        """Whether ``send(event)`` would succeed now (guards are evaluated)."""
+        try:
+            self.select(event)
+        except ChartTransitionError:
+            return False
+        return True
+
+    def __repr__(self) -> str:
+        return f"ChartRun({self.chart.name}, state={self.state!r})"
+
+
+def _guard_names(transition: Any, expected: bool) -> tuple[str, ...]:
+    names = []
+    for spec in transition._specs:
+        if spec.group != CallbackGroup.COND or spec.expected_value is not expected:
+            continue
+        if not isinstance(spec.func, str) or not spec.func.isidentifier():
+            raise ValueError(
+                f"guard {spec.func!r} on {transition}: the compiled form supports named guards "
+                f"only (one method name per guard, no expressions or callables)"
+            )
+        names.append(spec.func)
+    return tuple(names)
+
+
+def compile_chart(name: str, declaration: type[StateMachine]) -> CompiledChart:
+    """Derive the ``CompiledChart`` of a flat ``StateMachine`` declaration."""
+    if declaration.initial_state is None:
+        raise ValueError(f"{name}: declaration {declaration.__name__} has no initial state")
+    states = tuple(state.id for state in declaration.states)
+    transitions: list[Transition] = []
+    by_declared: dict[tuple[int, str], Transition] = {}
+    for state in declaration.states:
+        if state.states:
+            raise ValueError(f"{name}: compound state {state.id!r} is not supported")
+        for declared in state.transitions:
+            conds, unless = _guard_names(declared, True), _guard_names(declared, False)
+            for event in declared.events:
+                index = len(transitions)
+                transition = Transition(
+                    source=state.id,
+                    event=str(event),
+                    target=declared.target.id,
+                    conds=conds,
+                    unless=unless,
+                    id=index,
+                    key=(name, index),
+                )
+                transitions.append(transition)
+                by_declared[(id(declared), str(event))] = transition
+    table: dict[tuple[str, str], tuple[Transition, ...]] = {}
+    for transition in transitions:
+        slot = (transition.source, transition.event)
+        table[slot] = table.get(slot, ()) + (transition,)
+    return CompiledChart(
+        name=name,
+        declaration=declaration,
+        states=states,
+        initial=declaration.initial_state.id,
+        finals=frozenset(state.id for state in declaration.final_states),
+        events=tuple(str(event) for event in declaration._events),
+        transitions=tuple(transitions),
+        table=MappingProxyType(table),
+        guard_names=frozenset(g for t in transitions for g in t.conds + t.unless),
+        by_declared=MappingProxyType(by_declared),
+    )
+
+
+#: chart name -> CompiledChart, same order as ``charts.DECLARED``.
+CHARTS: Mapping[str, CompiledChart] = MappingProxyType(
+    {name: compile_chart(name, declaration) for name, declaration in DECLARED.items()}
+)
+JOB = CHARTS["job"]
+KV_TXN = CHARTS["kv_txn"]
+LIFECYCLE = CHARTS["lifecycle"]
+BUFFER_SLOT = CHARTS["buffer_slot"]

@@ -1,0 +1,21 @@
+"""Shared test configuration.
+
+hypothesis: the ``ci`` profile (derandomised, no deadline, printed reproduction blob) is loaded
+when the ``CI`` environment variable is set, as ``.ci/run`` does; locally the ``dev`` profile.
+"""
+
+import os
+
+from hypothesis import HealthCheck, settings
+
+pytest_plugins = ["transition_coverage_plugin"]
+
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile("dev", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("ci" if os.environ.get("CI") else "dev")

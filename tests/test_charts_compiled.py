@@ -1,0 +1,158 @@
+"""The compiled form: equivalence with python-statemachine, and §5-derived properties.
+
+Random event sequences with random guard outcomes (per step) are run on the real
+``StateMachine`` instance and on ``ChartRun``; they must agree on every state and error. The
+same kind of sequences on ``ChartRun`` alone must never reach a configuration the spec forbids.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from statemachine.exceptions import TransitionNotAllowed
+
+from calexec.machines.compiled import (
+    BUFFER_SLOT,
+    CHARTS,
+    JOB,
+    KV_TXN,
+    LIFECYCLE,
+    ChartTransitionError,
+    GuardRejected,
+    IllegalTransition,
+)
+from calexec.machines.coverage import TransitionListener
+from calexec.machines.paths import GuardTable
+
+
+def steps_for(chart, max_size=25):
+    """Sequences of (event, guard outcomes); a few unknown events are mixed in."""
+    events = st.sampled_from(chart.events + ("not_an_event",))
+    outcomes = st.fixed_dictionaries({name: st.booleans() for name in sorted(chart.guard_names)})
+    return st.lists(st.tuples(events, outcomes), max_size=max_size)
+
+
+@pytest.mark.parametrize("chart", CHARTS.values(), ids=list(CHARTS))
+def test_compiled_equals_statemachine(chart):
+    @given(steps=steps_for(chart))
+    def check(steps):
+        real_model = GuardTable.for_chart(chart)
+        machine = chart.declaration(real_model, listeners=[TransitionListener(chart)])
+        run = chart.run(GuardTable.for_chart(chart))
+        for event, outcomes in steps:
+            real_model.outcomes = outcomes
+            run.model.outcomes = outcomes
+            allowed = {e.id for e in machine.allowed_events} if not machine.is_terminated else set()
+            try:
+                machine.send(event)
+                real_error = None
+            except TransitionNotAllowed as err:
+                real_error = err
+            try:
+                run.send(event)
+                compiled_error = None
+            except ChartTransitionError as err:
+                compiled_error = err
+            assert (real_error is None) == (compiled_error is None), (event, run.state)
+            if compiled_error is not None:
+                # No declared transition <-> IllegalTransition; declared but refused <-> guards.
+                expected = GuardRejected if event in allowed else IllegalTransition
+                assert type(compiled_error) is expected
+            (real_state,) = machine.configuration_values
+            assert run.state == real_state
+            assert run.final == machine.is_terminated
+
+    check()
+
+
+def trace(chart, steps):
+    """Run ``steps`` on a ChartRun; return [(source, event, target, outcomes)] taken."""
+    model = GuardTable.for_chart(chart)
+    run = chart.run(model)
+    taken = []
+    for event, outcomes in steps:
+        model.outcomes = outcomes
+        source = run.state
+        try:
+            run.send(event)
+        except ChartTransitionError:
+            assert run.state == source  # a refused event never moves the run
+            continue
+        taken.append((source, event, run.state, outcomes))
+    return taken
+
+
+@given(steps=steps_for(JOB, max_size=40))
+def test_job_properties(steps):
+    taken = trace(JOB, steps)
+    visited = [JOB.initial] + [target for _, _, target, _ in taken]
+    for source, event, target, outcomes in taken:
+        if target == "Succeeded":
+            # A job reaches Succeeded only through Submitted then Completing, with a validated
+            # output and no cancel (§5.1-6, §5.1-7, §6.5).
+            assert source == "Completing"
+            assert visited.index("Submitted") < visited.index("Completing")
+            assert outcomes["output_validated"] and outcomes["not_cancelled"]
+        if target == "Failed" and "Submitted" in visited:
+            # After submit a job ends Failed only through CancelRequested, once Wait returned
+            # cleanly or the runtime no longer holds its buffers (FI12).
+            assert source == "CancelRequested"
+            assert outcomes["runtime_finished_cleanly"] or outcomes["runtime_not_using_buffers"]
+        if target == "Submitted":
+            # FI11: a job that saw CancelRequested is never submitted.
+            assert source == "Queued" and "CancelRequested" not in visited
+    assert visited.count("CancelRequested") <= 1
+
+
+@given(steps=steps_for(KV_TXN))
+def test_kv_txn_properties(steps):
+    taken = trace(KV_TXN, steps)
+    visited = [KV_TXN.initial] + [target for _, _, target, _ in taken]
+    for source, _, target, outcomes in taken:
+        if target == "Committed":  # §5.1-6
+            assert source == "Submitted" and outcomes["device_finished_and_output_valid"]
+        if target == "RolledBack":  # §7: rollback only before submit
+            assert "Submitted" not in visited
+        if target == "Unknown":  # §7: Unknown only after submit
+            assert source == "Submitted"
+
+
+@given(steps=steps_for(BUFFER_SLOT, max_size=40))
+def test_buffer_slot_properties(steps):
+    for source, _, target, outcomes in trace(BUFFER_SLOT, steps):
+        assert (source, target) != ("InFlight", "Free")  # never reused while in flight
+        if target == "Free":  # FI15: back to the free list only after UndoSlice
+            assert source == "Leased" and outcomes["undo_slice_done"]
+        if source == "InFlight" and target == "Leased":  # §5.1-4
+            assert outcomes["runtime_done"]
+        if target == "Retired":  # §5.1-8: destroyed only once quarantined and reset
+            assert source == "Quarantined" and outcomes["reset_confirmed"]
+
+
+@given(steps=steps_for(LIFECYCLE, max_size=40))
+def test_lifecycle_properties(steps):
+    taken = trace(LIFECYCLE, steps)
+    for index, (source, _, target, outcomes) in enumerate(taken):
+        if target == "Ready":  # §9.2: a new generation and a passed golden before traffic
+            assert source == "Warming" and outcomes["golden_passed"]
+            previous_source, _, _, previous_outcomes = taken[index - 1]
+            assert previous_source == "Configuring" and previous_outcomes["generation_advanced"]
+        if target == "Recovering":  # §9.1: nothing submitted is abandoned
+            assert outcomes["all_submitted_drained"]
+        if target == "Stopped":  # FI13: clean shutdown drains submitted work
+            assert source == "Draining" and outcomes["all_submitted_drained"]
+
+
+def test_bench_reports_both_forms(capsys):
+    import json
+
+    from calexec.machines import bench
+
+    assert bench.main(["bench", "charts", "--json", "--iters", "3"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["iters"] == 3 and result["transitions_per_job"] == 12
+    for key in ("per_job_chart_us_p50", "per_job_chart_us_p99", "statemachine_us_p50"):
+        assert result[key] > 0
+    ratio = result["statemachine_us_p50"] / result["per_job_chart_us_p50"]
+    assert result["speedup_p50"] == pytest.approx(ratio, rel=0.02)
