@@ -54,6 +54,7 @@ class DeviceJobStatus(enum.IntEnum):
     RUNNING = 2
     DONE = 3
     DONE_CCU_EXCEPTION = 4
+    ABORTED = 5  # discarded by a reset before it finished (output not written)
 
 
 def describe(raw_code: int) -> str:

@@ -63,7 +63,7 @@ def test_code_numbers_match_the_spec():
         "UNKNOWN": 20, "DTYPE_MISMATCH": 21, "SHAPE_MISMATCH": 22, "DEPENDENCY": 23, "MAP_BROKEN": 24,
         "SOFT_RESET_FAILED": 25, "UNSUPPORTED": 27, "DEVICE_CRASH": 28, "WRONG_DIRECTION": 29,
     }
-    assert [int(s) for s in DeviceJobStatus] == [0, 1, 2, 3, 4]
+    assert [int(s) for s in DeviceJobStatus] == [0, 1, 2, 3, 4, 5]
     assert DeviceJobStatus(4).name == "DONE_CCU_EXCEPTION"
 
 

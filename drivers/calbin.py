@@ -1,0 +1,173 @@
+"""The synthetic calbin format: a pure-Python writer and reader.
+
+Text, UTF-8, one directive per line (the emulator's parser in ``calrt/emulator.c`` is
+its twin)::
+
+    CALBIN 1
+    seed <u64>
+    model <name> <kind>                          kind: prefill_ids | prefill_embeds | decode
+    salt <u64>                                   optional, XORed into the state before logits
+    meta <key> <i64>
+    input <name> <dtype> <sliceable 0|1> <d0,d1,...>
+    output <name> <dtype> 0 <d0,d1,...>
+    csr <name>
+    end
+
+The bytes are a pure function of the parameters, so the file's sha256 identifies the
+model generation. The default calbin holds the three Qwen3 graphs and a decoy
+(``qwen3_decode_s40960_b1_draft``, a different salt) whose name has the decode graph's name
+as a prefix: substring lookup picks the wrong graph and the tokens then differ.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import attrs
+
+MAX_SEQ = 40960
+VOCAB = 151936
+DEFAULT_TILE_D0 = 16
+DEFAULT_HIDDEN = 64
+DEFAULT_SEED = 0x0C0FFEE
+DECOY_SALT = 0x5A17D1CE0DDBA11
+KINDS = ("prefill_ids", "prefill_embeds", "decode")
+
+PREFILL_IDS = "qwen3_prefill_ids_s40960_b1"
+PREFILL_EMBEDS = "qwen3_prefill_embeds_s40960_b1"
+DECODE = "qwen3_decode_s40960_b1"
+DECOY = "qwen3_decode_s40960_b1_draft"
+
+
+@attrs.frozen
+class TensorSpec:
+    name: str
+    dtype: str
+    shape: tuple[int, ...] = attrs.field(converter=tuple)
+    sliceable: bool = False
+
+
+@attrs.frozen
+class ModelSpec:
+    name: str
+    kind: str = attrs.field(validator=attrs.validators.in_(KINDS))
+    inputs: tuple[TensorSpec, ...] = attrs.field(converter=tuple)
+    outputs: tuple[TensorSpec, ...] = attrs.field(converter=tuple)
+    csrs: tuple[str, ...] = attrs.field(converter=tuple)
+    meta: tuple[tuple[str, int], ...] = attrs.field(converter=tuple)
+    salt: int = 0
+
+
+@attrs.frozen
+class CalbinSpec:
+    seed: int
+    models: tuple[ModelSpec, ...] = attrs.field(converter=tuple)
+
+    def model(self, name: str) -> ModelSpec:
+        """The model with exactly this name (KeyError naming it otherwise)."""
+        for m in self.models:
+            if m.name == name:
+                return m
+        raise KeyError(f"calbin has no model named {name!r}")
+
+
+def default_spec(tile_d0: int = DEFAULT_TILE_D0, seed: int = DEFAULT_SEED, hidden: int = DEFAULT_HIDDEN) -> CalbinSpec:
+    """The default synthetic Qwen3 calbin (prefill ids/embeds, decode, decoy)."""
+    if tile_d0 < 1:
+        raise ValueError(f"tile_d0 must be >= 1, got {tile_d0}")
+    if not 0 <= seed < 2**64:
+        raise ValueError(f"seed must be a u64, got {seed}")
+    if hidden < 1:
+        raise ValueError(f"hidden must be >= 1, got {hidden}")
+    csrs = ("cur_seq_len", "total_seq_len")
+
+    def meta(d0: int) -> tuple[tuple[str, int], ...]:
+        return (("logits_tile_d0", d0), ("max_seq", MAX_SEQ), ("max_batch", 1), ("vocab", VOCAB), ("hidden", hidden))
+
+    pos = TensorSpec("positions", "S32", (1, MAX_SEQ), True)
+    prefill_out = (TensorSpec("logits", "BF16", (1, tile_d0, VOCAB)),)
+    decode_in = (TensorSpec("input_ids", "S32", (1, 1)), TensorSpec("positions", "S32", (1, 1)))
+    decode_out = (TensorSpec("logits", "BF16", (1, 1, VOCAB)),)
+    return CalbinSpec(
+        seed=seed,
+        models=(
+            ModelSpec(PREFILL_IDS, "prefill_ids", (TensorSpec("input_ids", "S32", (1, MAX_SEQ), True), pos),
+                      prefill_out, csrs, meta(tile_d0)),
+            ModelSpec(PREFILL_EMBEDS, "prefill_embeds",
+                      (TensorSpec("inputs_embeds", "BF16", (1, MAX_SEQ, hidden), True), pos),
+                      prefill_out, csrs, meta(tile_d0)),
+            ModelSpec(DECODE, "decode", decode_in, decode_out, csrs, meta(1)),
+            ModelSpec(DECOY, "decode", decode_in, decode_out, csrs, meta(1), salt=DECOY_SALT),
+        ),
+    )
+
+
+def _tensor_line(word: str, t: TensorSpec) -> str:
+    return f"{word} {t.name} {t.dtype} {int(t.sliceable)} {','.join(str(d) for d in t.shape)}\n"
+
+
+def dumps(spec: CalbinSpec) -> bytes:
+    """The calbin bytes of spec (deterministic)."""
+    out = ["CALBIN 1\n", f"seed {spec.seed}\n"]
+    for m in spec.models:
+        out.append(f"model {m.name} {m.kind}\n")
+        if m.salt:
+            out.append(f"salt {m.salt}\n")
+        out.extend(f"meta {k} {v}\n" for k, v in m.meta)
+        out.extend(_tensor_line("input", t) for t in m.inputs)
+        out.extend(_tensor_line("output", t) for t in m.outputs)
+        out.extend(f"csr {c}\n" for c in m.csrs)
+        out.append("end\n")
+    return "".join(out).encode("utf-8")
+
+
+def write(path: str, spec: CalbinSpec | None = None) -> str:
+    """Write spec (default: ``default_spec()``) to path; returns the file's sha256 hex."""
+    data = dumps(spec if spec is not None else default_spec())
+    with open(path, "wb") as f:
+        f.write(data)
+    return hashlib.sha256(data).hexdigest()
+
+
+def loads(data: bytes) -> CalbinSpec:
+    """Parse calbin bytes; ValueError naming the line on a malformed file."""
+    lines = data.decode("utf-8").split("\n")
+    if not lines or lines[0] != "CALBIN 1":
+        raise ValueError(f"not a calbin: header is {lines[0][:40]!r}, expected 'CALBIN 1'")
+    seed = None
+    models: list[ModelSpec] = []
+    cur: dict | None = None
+    for no, line in enumerate(lines[1:], start=2):
+        if not line:
+            continue
+        word, _, rest = line.partition(" ")
+        args = rest.split()
+        try:
+            if word == "seed" and cur is None:
+                seed = int(args[0])
+            elif word == "model" and cur is None:
+                cur = {"name": args[0], "kind": args[1], "inputs": [], "outputs": [], "csrs": [], "meta": [], "salt": 0}
+            elif word == "salt" and cur is not None:
+                cur["salt"] = int(args[0])
+            elif word == "meta" and cur is not None:
+                cur["meta"].append((args[0], int(args[1])))
+            elif word in ("input", "output") and cur is not None:
+                shape = tuple(int(d) for d in args[3].split(","))
+                cur[word + "s"].append(TensorSpec(args[0], args[1], shape, args[2] == "1"))
+            elif word == "csr" and cur is not None:
+                cur["csrs"].append(args[0])
+            elif word == "end" and cur is not None:
+                models.append(ModelSpec(**cur))
+                cur = None
+            else:
+                raise ValueError(f"unexpected directive {word!r}")
+        except (IndexError, ValueError, TypeError) as exc:
+            raise ValueError(f"calbin line {no}: {line!r}: {exc}") from None
+    if seed is None or cur is not None:
+        raise ValueError("calbin: missing seed or unterminated model")
+    return CalbinSpec(seed=seed, models=tuple(models))
+
+
+def read(path: str) -> CalbinSpec:
+    with open(path, "rb") as f:
+        return loads(f.read())

@@ -1,0 +1,179 @@
+"""``calexec demo``: prefill and greedy-decode a few sequences straight through the driver.
+
+Also home of ``DirectRunner``, the synchronous driver harness (no executor: submit, Wait,
+read back) that the demo, ``calexec sim bench`` and the driver tests share. The harness is
+for demos, benchmarks and tests; it raises ``DriverError`` carrying the raw code instead of
+returning it, which the executor's control path must never do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from calexec.drivers import calbin as calbin_fmt
+from calexec.drivers import oracle
+from calexec.drivers.runtime import CalRT, JobStatus
+
+
+class DriverError(RuntimeError):
+    """A CalRT call of the harness failed; ``code`` is the raw CalRT code."""
+
+    def __init__(self, what: str, code: int) -> None:
+        super().__init__(f"{what} failed with CalRT code {code}")
+        self.code = code
+
+
+def check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise DriverError(what, rc)
+
+
+class _Slot:
+    """Buffers and host arrays of one model (host arrays never move: they are mapped)."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        info = model.info
+        self.inputs: dict[str, np.ndarray] = {}
+        rc, self.inbuf = model.create_input_buf()
+        check(rc, f"{info.name}: create_input_buf")
+        rc, self.outbuf = model.create_output_buf()
+        check(rc, f"{info.name}: create_output_buf")
+        dt = {"S32": np.int32, "BF16": np.uint16}
+        for t in info.inputs:
+            arr = np.zeros(t.shape, dtype=dt[t.dtype])
+            check(self.inbuf.map(t.name, arr), f"{info.name}: map {t.name}")
+            self.inputs[t.name] = arr
+        out = info.outputs[0]
+        self.logits = np.zeros(out.shape, dtype=np.uint16)
+        check(self.outbuf.map(out.name, self.logits), f"{info.name}: map {out.name}")
+        self.sliceable = {t.name: t.sliceable for t in info.inputs}
+        self.row_elems = {t.name: int(np.prod(t.shape[2:], dtype=np.int64)) for t in info.inputs}
+
+
+class DirectRunner:
+    """One device, one calbin (configured), one KV manager and one buffer slot per model.
+
+    ``submit`` fills the slot's host arrays, slices, sets CSRs, Applies KV and calls infer;
+    ``finish`` Waits and returns the job status; the slot's ``logits`` array holds the output.
+    """
+
+    def __init__(self, rt: CalRT, calbin_path: str, config: str = "") -> None:
+        rc, self.device = rt.open_device(config)
+        check(rc, "device_open")
+        rc, self.calbin = self.device.load_calbin(calbin_path)
+        check(rc, "calbin_load")
+        check(self.device.configure(self.calbin), "configure")
+        rc, self.kv = self.device.create_kv(self.calbin)
+        check(rc, "kv_create")
+        rc, models = self.calbin.models()
+        check(rc, "get_all_models")
+        self.models = {m.info.name: m for m in models}  # exact names, no substring lookup
+        self.spec = calbin_fmt.read(calbin_path)
+        self._slots: dict[str, _Slot] = {}
+
+    def slot(self, name: str) -> _Slot:
+        if name not in self._slots:
+            if name not in self.models:
+                raise KeyError(f"calbin has no model named {name!r}")
+            self._slots[name] = _Slot(self.models[name])
+        return self._slots[name]
+
+    def submit(self, name: str, seq: int, past: int, tokens=None, embeds=None, task: int | None = None) -> int:
+        """Prepare and submit one job; returns infer()'s code (KV Apply failure -> DriverError)."""
+        s = self.slot(name)
+        if embeds is not None:
+            n = int(embeds.shape[0])
+            s.inputs["inputs_embeds"][0, :n] = embeds
+            data_name = "inputs_embeds"
+        else:
+            n = len(tokens)
+            s.inputs["input_ids"][0, :n] = tokens
+            data_name = "input_ids"
+        s.inputs["positions"][0, :n] = np.arange(past, past + n, dtype=np.int32)
+        for t in (data_name, "positions"):
+            if s.sliceable[t]:
+                check(s.inbuf.slice(t, 0, n * s.row_elems[t]), f"{name}: slice {t}")
+        check(s.inbuf.set_csr("cur_seq_len", n), f"{name}: set_csr cur_seq_len")
+        check(s.inbuf.set_csr("total_seq_len", past + n), f"{name}: set_csr total_seq_len")
+        if not self.kv.apply(seq, past + n):
+            raise DriverError(f"{name}: kv apply(seq={seq}, target={past + n})", 0)
+        if task is None:
+            return self.device.infer(s.model, self.kv, seq, s.inbuf, s.outbuf)
+        return self.device.infer_with_fixed_task_type(s.model, self.kv, seq, s.inbuf, s.outbuf, task)
+
+    def finish(self, name: str, timeout_us: int = -1) -> int:
+        """Wait for the slot's job; returns its JobStatus (DriverError on a Wait failure)."""
+        s = self.slot(name)
+        check(s.outbuf.wait(timeout_us), f"{name}: wait")
+        rc, status = s.outbuf.get_status()
+        check(rc, f"{name}: get_status")
+        return status
+
+    def run(self, name: str, seq: int, past: int, tokens=None, embeds=None) -> np.ndarray:
+        """Submit + finish; returns the logits row of the last token (BF16 bits)."""
+        check(self.submit(name, seq, past, tokens, embeds), f"{name}: infer")
+        status = self.finish(name)
+        if status != JobStatus.DONE:
+            raise DriverError(f"{name}: job ended {JobStatus(status).name}", 0)
+        s = self.slot(name)
+        n = len(tokens) if tokens is not None else int(embeds.shape[0])
+        return s.logits[0, (n - 1) % s.logits.shape[1]]
+
+    def close(self) -> int:
+        return self.device.close()
+
+
+def _argmax(row: np.ndarray) -> int:
+    return int(np.argmax(oracle.bf16_to_f32(row)))
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="calexec demo", description=__doc__.splitlines()[0])
+    p.add_argument("--seqs", type=int, default=3)
+    p.add_argument("--tokens", type=int, default=5, help="tokens to decode per sequence")
+    p.add_argument("--prompt-len", type=int, default=17)
+    args = p.parse_args(argv[1:])
+    with tempfile.TemporaryDirectory(prefix="calexec-demo-") as tmp:
+        path = os.path.join(tmp, "qwen3_synthetic.calbin")
+        sha = calbin_fmt.write(path)
+        spec = calbin_fmt.read(path)
+        runner = DirectRunner(CalRT.load(), path)
+        print(f"runtime {runner.device.rt.version}, calbin sha256 {sha[:16]}...")
+        d0 = spec.model(calbin_fmt.PREFILL_IDS).outputs[0].shape[1]
+        ok = True
+        for seq in range(args.seqs):
+            prompt = [(seq * 7919 + i * 104729) % calbin_fmt.VOCAB for i in range(args.prompt_len)]
+            ref = oracle.OracleSequence(spec.seed)
+            ref_row = ref.prefill(prompt, d0)[0, oracle.valid_row(len(prompt), d0)]
+            t0 = time.perf_counter()
+            row = runner.run(calbin_fmt.PREFILL_IDS, seq, 0, tokens=prompt)
+            ttft = (time.perf_counter() - t0) * 1e3
+            ok &= bool(np.array_equal(row, ref_row))
+            generated, step_ms = [], []
+            token = _argmax(row)
+            for _ in range(args.tokens):
+                generated.append(token)
+                t0 = time.perf_counter()
+                row = runner.run(calbin_fmt.DECODE, seq, len(prompt) + len(generated) - 1, tokens=[token])
+                step_ms.append((time.perf_counter() - t0) * 1e3)
+                ok &= bool(np.array_equal(row, ref.decode(token)[0, 0]))
+                token = _argmax(row)
+            expect = [oracle.argmax_token(s) for s in ref.states[len(prompt):-1]]
+            ok &= generated == expect
+            print(f"seq {seq}: prompt {len(prompt)} tokens, ttft {ttft:.2f} ms, "
+                  f"tpot {np.median(step_ms):.3f} ms, tokens {generated}")
+        counters = runner.device.emu.counters() if runner.device.emu else {}
+        runner.close()
+    print(f"oracle match: {'yes' if ok else 'NO'}; device counters: {counters}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main(["demo", *sys.argv[1:]]))
