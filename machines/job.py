@@ -1,0 +1,169 @@
+"""Jobs and their handles (spec §4.2 ``JobContext``, §6.1, §9.1).
+
+A ``Job`` is the executor's ``JobContext``: the request, its lease and KV transaction, its
+own ``JobTimings`` (S11: never a shared map), and a run of the declared ``JobChart``. The job
+is the chart's guard provider. Exactly one thread owns a job at a time (request thread until
+it is queued, then the submitter, then the completion thread); ownership moves with the
+queues, so chart events need no per-job lock.
+
+``JobHandle`` is what callers hold (semantics of concurrent.futures/trio, as design.md asks):
+``wait_until(deadline)`` only observes and never cancels; ``cancel()`` is idempotent, only
+records the request and returns whether it was recorded while the job could still be
+affected; the owner thread acts on it at its next checkpoint (before admission, before
+submit, after Wait). A cancel never frees device-held resources (§5.1-7).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+import attrs
+import numpy as np
+
+from calexec.contracts.codes import DeviceJobStatus
+from calexec.contracts.status import Phase, Status
+from calexec.contracts.types import JobTimings, TaskKind
+from calexec.machines.compiled import JOB
+
+
+def now_us() -> int:
+    return time.monotonic_ns() // 1000
+
+
+@attrs.frozen
+class InferenceResult:
+    """A delivered result: the requested logits slice as FP32 and the greedy token of it."""
+
+    job_id: int
+    seq_id: int
+    generation: int
+    kind: TaskKind
+    logits: np.ndarray = attrs.field(eq=False, repr=False)
+    argmax: int  # index within the requested slice (== token id when the slice starts at 0)
+    kv_len: int  # committed sequence length after this job
+    timings: JobTimings = attrs.field(eq=False)
+
+
+class Job:
+    """The executor's per-job context and JobChart guard provider."""
+
+    __slots__ = ("job_id", "generation_id", "request", "kind", "submodel", "deadline",
+                 "cancel_flag", "lease", "txn", "timings", "run", "wait_rc", "device_status",
+                 "output_status", "result", "_done", "_on_cancel", "internal", "logits_out",
+                 "__weakref__")
+
+    def __init__(self, job_id: int, generation_id: int, request: Any,
+                 on_cancel: Callable[[], None], internal: bool = False) -> None:
+        self.job_id = job_id
+        self.generation_id = generation_id
+        self.request = request
+        self.kind: TaskKind = request.kind
+        self.submodel = None
+        self.deadline: float = request.deadline
+        self.cancel_flag = False
+        self.lease = None
+        self.txn = None
+        self.timings = JobTimings(accepted_us=now_us())
+        self.run = JOB.run(self)
+        self.wait_rc: int | None = None
+        self.device_status: int | None = None
+        self.output_status: Status | None = None
+        self.result: InferenceResult | Status | None = None
+        self._done = threading.Event()
+        self._on_cancel = on_cancel
+        self.internal = internal
+        self.logits_out: np.ndarray | None = None
+
+    # ---- JobChart guards -------------------------------------------------------------------
+    def not_cancelled(self) -> bool:
+        return not self.cancel_flag
+
+    def runtime_not_using_buffers(self) -> bool:
+        lease = self.lease
+        return lease is None or not lease.held or lease.slot.runtime_done()
+
+    def runtime_finished_cleanly(self) -> bool:
+        return self.wait_rc == 0 and self.device_status == DeviceJobStatus.DONE
+
+    def output_validated(self) -> bool:
+        return self.output_status is not None and self.output_status.ok
+
+    # ---- resolution --------------------------------------------------------------------------
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def resolve(self, result: "InferenceResult | Status") -> None:
+        if isinstance(result, Status):
+            result = result.with_context(job_id=self.job_id, seq_id=self.request.seq_id,
+                                         generation=self.generation_id)
+        self.result = result
+        self._done.set()
+
+    def ctx(self) -> dict[str, int]:
+        return {"job_id": self.job_id, "seq_id": self.request.seq_id,
+                "generation": self.generation_id}
+
+    def __repr__(self) -> str:
+        return (f"Job(id={self.job_id}, seq={self.request.seq_id}, kind={self.kind.name}, "
+                f"gen={self.generation_id}, state={self.run.state})")
+
+
+class JobHandle:
+    """The caller's view of one job."""
+
+    __slots__ = ("_job",)
+
+    def __init__(self, job: Job) -> None:
+        self._job = job
+
+    @property
+    def job_id(self) -> int:
+        return self._job.job_id
+
+    @property
+    def state(self) -> str:
+        """The job's JobChart state (a snapshot)."""
+        return self._job.run.state
+
+    @property
+    def timings(self) -> JobTimings:
+        return self._job.timings
+
+    @property
+    def done(self) -> bool:
+        return self._job.done
+
+    @property
+    def cancel_requested(self) -> bool:
+        return self._job.cancel_flag
+
+    def wait_until(self, deadline: float | None) -> "InferenceResult | Status":
+        """Block until the job is resolved or ``deadline`` (absolute ``time.monotonic()``;
+        None waits without limit). Never cancels: on timeout the job keeps running and a
+        ``wait.deadline`` Status is returned."""
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if self._job._done.wait(timeout):
+            return self._job.result
+        return Status.deadline(Phase.WAIT, "wait_until deadline passed; the job continues "
+                                           f"(state {self._job.run.state})", **self._job.ctx())
+
+    def result(self, timeout: float | None = None) -> "InferenceResult | Status":
+        """``wait_until`` with a relative timeout in seconds."""
+        return self.wait_until(None if timeout is None else time.monotonic() + timeout)
+
+    def cancel(self) -> bool:
+        """Request cancellation. Idempotent. True when the request was recorded before the job
+        was resolved (it may still complete: a submitted job is always waited for)."""
+        job = self._job
+        if job.done:
+            return False
+        if not job.cancel_flag:
+            job.cancel_flag = True
+            job._on_cancel()
+        return True
+
+    def __repr__(self) -> str:
+        return f"JobHandle({self._job!r})"

@@ -1,0 +1,300 @@
+"""KV coordinator: bounded admission waits and KV transactions (spec §7, S01, S02, FI04).
+
+``reserve`` replaces the old ``do { ok = Apply(); } while (!ok)`` busy loop (S01): it asks
+``canAllocate`` first, calls ``Apply`` once, and when either says no it waits on a condition
+variable until capacity is released, the deadline passes, the job is cancelled or the
+executor shuts down. Each wake-up retries ``Apply`` exactly once. A capacity *epoch* counter,
+bumped under ``admission_mu`` whenever capacity is given back, closes the window between a
+failed ``Apply`` and the wait: no release can be missed, and no thread spins.
+
+A successful reserve opens a ``KvTxn``: a run of the declared ``KvTxnChart`` (Reserved ->
+Submitted -> Committed | Unknown; Reserved -> RolledBack). The coordinator keeps one view per
+sequence: committed length, whether a txn is open (one at a time per sequence), and whether the
+sequence is Unknown. After any failure past submit the sequence is Unknown (§7) and every new
+reserve on it is refused until ``reset_sequence`` releases it on the device.
+
+Locking: ``admission_mu`` (rank 1) guards the sequence table, the epoch and the condition; it
+is never held across a runtime call. Runtime KvManager calls are serialised by ``_kv_call_mu``,
+a leaf lock (nothing else is acquired while holding it), since 0.7.6 documents no thread
+safety for KvManager.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+import attrs
+
+from calexec.contracts.errors import Category
+from calexec.contracts.status import Phase, Status
+from calexec.machines.compiled import KV_TXN
+from calexec.machines.locks import ADMISSION, LockOrder
+
+
+@attrs.define(slots=True, eq=False)
+class SeqView:
+    """What the coordinator knows about one sequence."""
+
+    seq_id: int
+    committed_len: int = 0
+    reserved_len: int = 0
+    open_txn: "KvTxn | None" = None
+    unknown_reason: str | None = None
+
+
+class _Claim:
+    """Placeholder holding a sequence while its reserve waits for capacity (not a txn yet)."""
+
+    __slots__ = ("seq_id",)
+
+    def __init__(self, seq_id: int) -> None:
+        self.seq_id = seq_id
+
+    def __repr__(self) -> str:
+        return f"waiting for KV capacity (seq {self.seq_id})"
+
+
+class KvTxn:
+    """One KV reservation (§7 ``KvReservation``); its state is a ``KvTxnChart`` run."""
+
+    __slots__ = ("seq_id", "old_len", "target_len", "old_reserved", "generation_id",
+                 "device_finished", "output_valid", "run")
+
+    def __init__(self, seq_id: int, old_len: int, target_len: int, old_reserved: int,
+                 generation_id: int) -> None:
+        self.seq_id = seq_id
+        self.old_len = old_len
+        self.target_len = target_len
+        self.old_reserved = old_reserved
+        self.generation_id = generation_id
+        self.device_finished = False
+        self.output_valid = False
+        self.run = KV_TXN.run(self)
+
+    @property
+    def state(self) -> str:
+        return self.run.state
+
+    def device_finished_and_output_valid(self) -> bool:
+        return self.device_finished and self.output_valid
+
+    def __repr__(self) -> str:
+        return (f"KvTxn(seq={self.seq_id}, {self.old_len}->{self.target_len}, "
+                f"gen={self.generation_id}, {self.run.state})")
+
+
+class KvCoordinator:
+    """Admission of KV capacity for one KvManager of one generation."""
+
+    def __init__(self, kv: Any, generation_id: int, locks: LockOrder) -> None:
+        self.kv = kv
+        self.generation_id = generation_id
+        self.admission_mu = locks.lock(ADMISSION)
+        self._changed = threading.Condition(self.admission_mu)
+        self._kv_call_mu = threading.Lock()
+        self._epoch = 0
+        self._closed = False
+        self.seqs: dict[int, SeqView] = {}
+        # Observability: how often waiters woke and retried Apply (FI04 proves no spinning).
+        self.wakeups = 0
+        self.apply_calls = 0
+
+    # ---- helpers -----------------------------------------------------------------------------
+    def blocks_for(self, tokens: int) -> int:
+        size = self.kv.block_size
+        return -(-tokens // size)
+
+    def _view(self, seq_id: int) -> SeqView:
+        view = self.seqs.get(seq_id)
+        if view is None:
+            view = self.seqs[seq_id] = SeqView(seq_id)
+        return view
+
+    def _apply(self, seq_id: int, target: int) -> bool:
+        with self._kv_call_mu:
+            self.apply_calls += 1
+            return bool(self.kv.apply(seq_id, target))
+
+    def _bump(self) -> None:
+        """Capacity or state changed: wake waiters (caller holds admission_mu)."""
+        self._epoch += 1
+        self._changed.notify_all()
+
+    def wake(self) -> None:
+        """A cancel or shutdown happened: let waiters re-check their stop condition."""
+        with self.admission_mu:
+            self._changed.notify_all()
+
+    def close(self) -> None:
+        """Shutdown: every current and future wait ends with UNAVAILABLE."""
+        with self.admission_mu:
+            self._closed = True
+            self._changed.notify_all()
+
+    # ---- the transaction -----------------------------------------------------------------------
+    def reserve(self, seq_id: int, past_len: int, token_count: int, deadline: float,
+                stop: Callable[[], Status | None] = lambda: None) -> "KvTxn | Status":
+        """Reserve capacity so ``seq_id`` can hold ``past_len + token_count`` tokens.
+
+        Waits (condition variable, no polling) until capacity frees up, ``deadline``
+        (absolute ``time.monotonic()``) passes, or ``stop()`` returns a Status (cancel).
+        A reservation only grows: a job with ``past_len`` below the committed length rewinds
+        on the device (which keeps a state per position) without shrinking anything first,
+        so a rollback never has to undo a truncation."""
+        target = past_len + token_count
+        ctx = {"seq_id": seq_id, "generation": self.generation_id}
+        with self.admission_mu:
+            view = self._view(seq_id)
+            if view.unknown_reason is not None:
+                return Status.failure(
+                    "kv.sequence_unknown", Category.UNAVAILABLE, Phase.ADMISSION,
+                    f"sequence {seq_id} is Unknown after '{view.unknown_reason}'; reset it "
+                    "before reuse", **ctx)
+            if view.open_txn is not None:
+                return Status.failure(
+                    "kv.sequence_busy", Category.INVALID_REQUEST, Phase.ADMISSION,
+                    f"sequence {seq_id} already has a job open ({view.open_txn!r}); a sequence "
+                    "runs one job at a time", **ctx)
+            if past_len > view.committed_len:
+                return Status.failure(
+                    "kv.past_len_beyond_committed", Category.INVALID_REQUEST, Phase.ADMISSION,
+                    f"past_len={past_len} is beyond the committed length {view.committed_len} "
+                    f"of sequence {seq_id}", **ctx)
+            # Claim the sequence while waiting so a second job cannot interleave with this one.
+            view.open_txn = claim = _Claim(seq_id)
+            old_reserved = view.reserved_len
+        apply_target = max(target, old_reserved)
+        try:
+            ended = None
+            if self.blocks_for(apply_target) > self.blocks_for(old_reserved):
+                ended = self._wait_for_capacity(seq_id, apply_target, old_reserved, deadline,
+                                                stop, ctx)
+        except BaseException:
+            self._unclaim(seq_id, claim)
+            raise
+        if ended is not None:
+            self._unclaim(seq_id, claim)
+            return ended
+        with self.admission_mu:
+            view = self.seqs[seq_id]
+            view.reserved_len = apply_target
+            txn = KvTxn(seq_id, past_len, target, old_reserved, self.generation_id)
+            view.open_txn = txn
+        return txn
+
+    def _unclaim(self, seq_id: int, claim: "_Claim") -> None:
+        with self.admission_mu:
+            view = self.seqs[seq_id]
+            if view.open_txn is claim:
+                view.open_txn = None
+            self._bump()
+
+    def _wait_for_capacity(self, seq_id: int, target: int, reserved: int, deadline: float,
+                           stop: Callable[[], Status | None], ctx: dict) -> Status | None:
+        """None when Apply succeeded; else the Status that ended the wait."""
+        needed = self.blocks_for(target) - self.blocks_for(reserved)
+        while True:
+            with self.admission_mu:
+                if self._closed:
+                    return Status.unavailable(Phase.ADMISSION, "executor is shutting down", **ctx)
+                epoch = self._epoch
+            stopped = stop()
+            if stopped is not None:
+                return stopped
+            with self._kv_call_mu:
+                fits = bool(self.kv.can_allocate(needed))
+            if fits and self._apply(seq_id, target):
+                return None
+            with self.admission_mu:
+                while self._epoch == epoch and not self._closed:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        return Status.failure(
+                            "kv.deadline", Category.RESOURCE_EXHAUSTED, Phase.ADMISSION,
+                            f"KV capacity for seq {seq_id} (target_len={target}, {needed} more "
+                            "blocks) not available before the deadline", **ctx)
+                    if stop() is not None:
+                        break
+                    self._changed.wait(remaining)
+                    self.wakeups += 1
+
+    def mark_submitted(self, txn: KvTxn) -> None:
+        txn.run.send("mark_submitted")
+
+    def rollback(self, txn: KvTxn) -> Status:
+        """Before submit only (the chart refuses it after): give back what reserve grew."""
+        txn.run.send("rollback")
+        ok = True
+        if self.blocks_for(txn.old_reserved) < self.blocks_for(self.seqs[txn.seq_id].reserved_len):
+            ok = self._apply(txn.seq_id, txn.old_reserved)
+        with self.admission_mu:
+            view = self.seqs[txn.seq_id]
+            if ok:
+                view.reserved_len = txn.old_reserved
+            view.open_txn = None
+            self._bump()
+        if not ok:
+            return Status.failure("kv.apply_refused", Category.UNKNOWN, Phase.ADMISSION,
+                                  f"Apply({txn.seq_id}, {txn.old_reserved}) refused a shrink",
+                                  seq_id=txn.seq_id, generation=txn.generation_id)
+        return Status.OK
+
+    def commit(self, txn: KvTxn) -> None:
+        """Device finished and output validated (guarded by the chart)."""
+        txn.run.send("commit")
+        with self.admission_mu:
+            view = self.seqs[txn.seq_id]
+            view.committed_len = txn.target_len
+            view.open_txn = None
+            self._bump()
+
+    def mark_unknown(self, txn: KvTxn, reason: str) -> None:
+        """Any failure after submit: the device KV of this sequence is Unknown (§7)."""
+        if txn.run.state == "Submitted":
+            txn.run.send("mark_unknown")
+        with self.admission_mu:
+            view = self.seqs[txn.seq_id]
+            view.unknown_reason = reason
+            view.open_txn = None
+            self._bump()
+
+    def reset_sequence(self, seq_id: int) -> Status:
+        """Release a sequence on the device (clears Unknown); refused while a job is open."""
+        with self.admission_mu:
+            view = self._view(seq_id)
+            if view.open_txn is not None:
+                return Status.failure("kv.sequence_busy", Category.INVALID_REQUEST,
+                                      Phase.ADMISSION, f"sequence {seq_id} has a job open; "
+                                      "cannot reset it now", seq_id=seq_id)
+        with self._kv_call_mu:
+            rc = self.kv.release(seq_id)
+        if rc != 0:
+            return Status.from_calrt(rc, Phase.ADMISSION, f"KvManager release of seq {seq_id}",
+                                     seq_id=seq_id)
+        with self.admission_mu:
+            self.seqs[seq_id] = SeqView(seq_id)
+            self._bump()
+        return Status.OK
+
+    def truncate(self, seq_id: int, length: int) -> Status:
+        """Keep the first ``length`` tokens (llama's seq_rm to the end); refused while the
+        sequence is busy or Unknown. The reservation shrinks with it."""
+        with self.admission_mu:
+            view = self._view(seq_id)
+            if view.open_txn is not None or view.unknown_reason is not None:
+                return Status.failure("kv.sequence_busy", Category.INVALID_REQUEST,
+                                      Phase.ADMISSION, f"sequence {seq_id} is busy or Unknown",
+                                      seq_id=seq_id)
+            if length > view.committed_len:
+                return Status.failure("kv.truncate_beyond_committed", Category.INVALID_REQUEST,
+                                      Phase.ADMISSION, f"truncate length={length} is beyond the "
+                                      f"committed length {view.committed_len}", seq_id=seq_id)
+        if not self._apply(seq_id, length):
+            return Status.failure("kv.apply_refused", Category.UNKNOWN, Phase.ADMISSION,
+                                  f"Apply({seq_id}, {length}) refused a truncation", seq_id=seq_id)
+        with self.admission_mu:
+            view.committed_len = view.reserved_len = length
+            self._bump()
+        return Status.OK

@@ -1,0 +1,375 @@
+"""Generation-scoped buffer pool and move-only leases (spec §4.2, §5.1-3/4/5/8, S06, S07, FI15).
+
+A ``BufferPool`` is built once per model generation. Every ``BufferSlot`` owns host storage
+(numpy arrays) allocated once, and one runtime InputBuf/OutputBuf pair created once and mapped
+once onto that storage. Host arrays are never resized, moved or freed while mapped (invariant
+4): they live as long as the slot, and a slot is destroyed only when it is Free or Retired.
+
+Each slot's state is a run of the declared ``BufferSlotChart`` (Free, Leased, InFlight,
+Quarantined, Retired); the slot object answers the chart's guards:
+
+- ``runtime_done``: the runtime no longer uses the slot's buffers (GetStatus is not
+  PENDING/RUNNING; IDLE when infer() never accepted the job).
+- ``undo_slice_done``: every SliceTensor was undone (FI15; else ``give_back`` quarantines).
+- ``reset_confirmed``: the pool's generation was torn down by a confirmed reset.
+
+A ``BufferLease`` is the only way to reach a leased slot. It is move-only: ``moved()`` hands
+the slot to a new lease object and invalidates the old one; copying or pickling raises. Using
+a released or moved-from lease raises ``LeaseError`` (a programming error, counted in
+``pool.misuse``). Releasing while the slot is InFlight does not return it: the slot is
+quarantined (§4.2: "Submitted-state destruction asserts and quarantines"), and so does a
+lease that is garbage-collected while still holding a slot.
+
+Locking: ``pool_mu`` (rank 2 of §5.2) guards the free lists and slot transitions; no runtime
+call is made while holding it except ``get_status`` in the ``runtime_done`` guard, which does
+not block.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+import time
+from collections import deque
+from typing import Any, Callable
+
+import numpy as np
+
+from calexec.contracts.codes import DeviceJobStatus
+from calexec.contracts.prepare import TensorSlice, check_slice
+from calexec.contracts.status import Phase, Status
+from calexec.contracts.types import (EngineSlot, ModelGeneration, SubmodelContract, TaskKind,
+                                     TensorContract)
+from calexec.machines.compiled import BUFFER_SLOT
+from calexec.machines.locks import POOL, LockOrder
+
+
+class LeaseError(RuntimeError):
+    """A lease was used after release, released twice, or used after being moved from."""
+
+
+def host_array(contract: TensorContract) -> np.ndarray:
+    """Flat host storage for one tensor contract (allocated once, never resized)."""
+    array = np.zeros(math.prod(contract.shape), dtype=contract.dtype.host_dtype)
+    if array.nbytes != contract.byte_size:
+        raise ValueError(
+            f"tensor {contract.name!r}: shape {contract.shape} x {contract.dtype} is "
+            f"{array.nbytes} bytes but the contract says byte_size={contract.byte_size}"
+        )
+    return array
+
+
+class BufferSlot:
+    """One slot: host storage + mapped runtime buffers for one submodel (§4.2 BufferSlot)."""
+
+    __slots__ = ("slot_id", "generation_id", "kind", "engine", "submodel", "model", "inbuf",
+                 "outbuf", "host_input", "host_position", "host_output", "scratch", "sliced", "run",
+                 "_pool", "__weakref__")
+
+    def __init__(self, pool: "BufferPool", slot_id: int, submodel: SubmodelContract,
+                 model: Any, engine: EngineSlot) -> None:
+        self._pool = pool
+        self.slot_id = slot_id
+        self.generation_id = pool.generation_id
+        self.kind = submodel.kind
+        self.engine = engine
+        self.submodel = submodel
+        self.model = model
+        self.inbuf = None
+        self.outbuf = None
+        self.host_input = host_array(submodel.token_or_embed)
+        self.host_position = host_array(submodel.position)
+        self.host_output = host_array(submodel.logits)
+        # Scratch for the finiteness check of one logits row (no per-token allocation).
+        self.scratch = np.empty(pool.generation.vocab_size, dtype=np.uint16)
+        self.sliced: set[str] = set()
+        self.run = BUFFER_SLOT.run(self)
+
+    # ---- guards of BufferSlotChart -------------------------------------------------------
+    def runtime_done(self) -> bool:
+        rc, status = self.outbuf.get_status()
+        return rc == 0 and status not in (DeviceJobStatus.PENDING, DeviceJobStatus.RUNNING)
+
+    def undo_slice_done(self) -> bool:
+        return not self.sliced
+
+    def reset_confirmed(self) -> bool:
+        return self._pool.reset_confirmed
+
+    # ---- runtime calls on the slot's buffers (return Status, never raise) -----------------
+    def _map(self) -> Status:
+        sm = self.submodel
+        for rc, what in (
+            (self.inbuf.map(sm.token_or_embed.name, self.host_input), sm.token_or_embed.name),
+            (self.inbuf.map(sm.position.name, self.host_position), sm.position.name),
+            (self.outbuf.map(sm.logits.name, self.host_output), sm.logits.name),
+        ):
+            if rc != 0:
+                return Status.from_map(rc, what, generation=self.generation_id)
+        return Status.OK
+
+    def slice_input(self, planned: TensorSlice) -> Status:
+        """SliceTensor one input (§6.3 steps 6 and 8): the byte range is checked against the
+        contract first (FI03: nothing out of range reaches the runtime), then passed to the
+        runtime in elements."""
+        contract = self.submodel.token_or_embed
+        if planned.tensor != contract.name:
+            contract = self.submodel.position
+        status = check_slice(contract, planned.offset, planned.size)
+        if not status.ok:
+            return status
+        item = contract.dtype.itemsize
+        rc = self.inbuf.slice(planned.tensor, planned.offset // item, planned.size // item)
+        if rc != 0:
+            return Status.from_slice(rc, planned.tensor, planned.offset, planned.size)
+        self.sliced.add(planned.tensor)
+        return Status.OK
+
+    def undo_slices(self) -> Status:
+        """UndoSlice every sliced tensor (§6.5 "reset slice/tensors")."""
+        result = Status.OK
+        for name in sorted(self.sliced):
+            rc = self.inbuf.undo_slice(name)
+            if rc == 0:
+                self.sliced.discard(name)
+            elif result.ok:
+                result = Status.from_calrt(rc, Phase.RELEASE, message=f"UndoSlice({name!r}) failed")
+        return result
+
+    def __repr__(self) -> str:
+        return (f"BufferSlot(id={self.slot_id}, gen={self.generation_id}, "
+                f"kind={self.kind.name}, state={self.run.state})")
+
+
+class BufferLease:
+    """Move-only ownership of one leased slot (§4.2 ``BufferLease``)."""
+
+    __slots__ = ("_slot", "_state", "owner")
+
+    def __init__(self, slot: BufferSlot, owner: int | None = None) -> None:
+        self._slot: BufferSlot | None = slot
+        self._state = "held"  # held | moved | released
+        self.owner = owner
+
+    @property
+    def slot(self) -> BufferSlot:
+        if self._slot is None:
+            self._misuse(f"use of a {self._state} lease")
+        return self._slot
+
+    @property
+    def held(self) -> bool:
+        return self._slot is not None
+
+    def moved(self, owner: int | None = None) -> "BufferLease":
+        """Hand the slot to a new lease; this one becomes unusable (C++ move semantics)."""
+        slot = self.slot
+        self._slot, self._state = None, "moved"
+        return BufferLease(slot, owner if owner is not None else self.owner)
+
+    def release(self) -> Status:
+        """Return the slot: Free if the runtime is done and slices were undone, else quarantine.
+
+        Releasing while the slot is InFlight quarantines it (never a silent reuse)."""
+        if self._slot is None:
+            self._misuse(f"release of a {self._state} lease")
+        slot, self._slot, self._state = self._slot, None, "released"
+        return slot._pool._give_back(slot)
+
+    def _misuse(self, what: str):
+        pool = None if self._slot is None else self._slot._pool
+        if pool is not None:
+            pool.misuse += 1
+        raise LeaseError(f"{what} (owner job {self.owner})")
+
+    def __copy__(self):
+        raise LeaseError("BufferLease is move-only: use moved(), never copy")
+
+    __deepcopy__ = __copy__
+
+    def __reduce__(self):
+        raise LeaseError("BufferLease is move-only and cannot be pickled")
+
+    def __del__(self) -> None:
+        slot = getattr(self, "_slot", None)
+        if slot is not None:  # dropped while holding: conservative quarantine (§4.2)
+            slot._pool._quarantine_dropped(slot)
+
+
+class BufferPool:
+    """All slots of one model generation (S07: created once, mapped once, reused)."""
+
+    def __init__(self, generation: ModelGeneration, models: dict[TaskKind, Any],
+                 slots_per_kind: dict[TaskKind, int], locks: LockOrder,
+                 engines: tuple[EngineSlot, ...] = (EngineSlot.AUTO,)) -> None:
+        self.generation = generation
+        self.generation_id = generation.generation_id
+        self.pool_mu = locks.lock(POOL)
+        self._available = threading.Condition(self.pool_mu)
+        self.reset_confirmed = False
+        self.misuse = 0
+        self.dropped = 0
+        self.slots: list[BufferSlot] = []
+        self._free: dict[tuple[TaskKind, EngineSlot], deque[BufferSlot]] = {}
+        ids = itertools.count()
+        for kind, count in slots_per_kind.items():
+            submodel = generation.submodels[kind]
+            for index in range(count):
+                engine = engines[index % len(engines)]
+                slot = BufferSlot(self, next(ids), submodel, models[kind], engine)
+                self.slots.append(slot)
+                self._free.setdefault((kind, engine), deque()).append(slot)
+        self._models = models
+
+    def open(self) -> Status:
+        """Create and map every slot's runtime buffers once. On failure nothing stays mapped."""
+        for slot in self.slots:
+            rc, slot.inbuf = slot.model.create_input_buf()
+            if rc != 0:
+                self.close()
+                return Status.from_calrt(rc, Phase.MAP, message="InputBuf create failed",
+                                         generation=self.generation_id)
+            rc, slot.outbuf = slot.model.create_output_buf()
+            if rc != 0:
+                self.close()
+                return Status.from_calrt(rc, Phase.MAP, message="OutputBuf create failed",
+                                         generation=self.generation_id)
+            status = slot._map()
+            if not status.ok:
+                self.close()
+                return status
+        return Status.OK
+
+    def close(self) -> None:
+        """Destroy the runtime buffers of slots the runtime cannot touch any more.
+
+        Free and Retired slots are destroyed. Leased/InFlight/Quarantined slots keep their
+        buffers and host storage alive (invariant 4) until a confirmed reset retires them."""
+        with self.pool_mu:
+            for slot in self.slots:
+                if slot.run.state in ("Free", "Retired"):
+                    for buf in (slot.inbuf, slot.outbuf):
+                        if buf is not None:
+                            buf.destroy()
+                    slot.inbuf = slot.outbuf = None
+
+    # ---- leasing ---------------------------------------------------------------------------
+    def acquire(self, kind: TaskKind, deadline: float, engine: EngineSlot = EngineSlot.AUTO,
+                owner: int | None = None,
+                stop: Callable[[], Status | None] = lambda: None) -> "BufferLease | Status":
+        """Lease a free slot of ``kind``, waiting on a condition (never polling) until
+        ``deadline`` (absolute ``time.monotonic()``); ``stop()`` returning a Status (cancel,
+        shutdown) ends the wait with it."""
+        key = (kind, engine)
+        with self._available:
+            while True:
+                free = self._free.get(key)
+                if free:
+                    slot = free.popleft()
+                    slot.run.send("lease")
+                    return BufferLease(slot, owner)
+                if key not in self._free:
+                    return Status.invalid(5, f"no buffer slot for kind={kind.name} "
+                                             f"engine={engine.name} in this generation")
+                stopped = stop()
+                if stopped is not None:
+                    return stopped
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return Status.exhausted(
+                        "buffer", Phase.LEASE, f"no free {kind.name} buffer slot before the deadline",
+                        generation=self.generation_id)
+                self._available.wait(remaining)
+
+    def wake(self) -> None:
+        """Wake waiters (a cancel or shutdown happened)."""
+        with self._available:
+            self._available.notify_all()
+
+    def mark_in_flight(self, lease: BufferLease) -> None:
+        with self.pool_mu:
+            lease.slot.run.send("submit")
+
+    def device_done(self, lease: BufferLease) -> bool:
+        """InFlight -> Leased once the runtime finished with the buffers; False if it has not."""
+        with self.pool_mu:
+            run = lease.slot.run
+            if run.state != "InFlight":
+                return run.state == "Leased"
+            if not run.can("device_done"):
+                return False
+            run.send("device_done")
+            return True
+
+    def quarantine(self, lease: BufferLease, reason: str) -> None:
+        """Quarantine the leased slot (failure after submit, §6.5); the lease is consumed."""
+        slot = lease.slot
+        lease._slot, lease._state = None, "released"
+        with self.pool_mu:
+            if slot.run.state != "Quarantined":
+                slot.run.send("quarantine")
+
+    def _give_back(self, slot: BufferSlot) -> Status:
+        with self._available:
+            run = slot.run
+            if run.state == "InFlight":
+                run.send("drop_in_flight")
+                return Status.internal("lease_in_flight", Phase.RELEASE,
+                                       f"lease of slot {slot.slot_id} released while the runtime "
+                                       "may still DMA it: slot quarantined",
+                                       generation=slot.generation_id)
+            if run.state != "Leased":
+                self.misuse += 1
+                return Status.internal("lease_state", Phase.RELEASE, f"slot {slot.slot_id} returned in state "
+                                                      f"{run.state}", generation=slot.generation_id)
+            target = run.send("give_back")
+            if target == "Free":
+                self._free[(slot.kind, slot.engine)].append(slot)
+                self._available.notify()
+                return Status.OK
+            return Status.internal("undo_slice_missing", Phase.RELEASE,
+                                   f"slot {slot.slot_id} returned with active slices "
+                                   f"{sorted(slot.sliced)} (UndoSlice missing): quarantined",
+                                   generation=slot.generation_id)
+
+    def _quarantine_dropped(self, slot: BufferSlot) -> None:
+        with self.pool_mu:
+            self.dropped += 1
+            if slot.run.state in ("Leased", "InFlight"):
+                slot.run.send("quarantine")
+
+    def quarantine_all(self) -> int:
+        """Invariant 8: a reset quarantines every slot of this (old) generation."""
+        count = 0
+        with self.pool_mu:
+            for slot in self.slots:
+                if slot.run.state in ("Free", "Leased", "InFlight"):
+                    slot.run.send("quarantine")
+                    count += 1
+            for free in self._free.values():
+                free.clear()
+        return count
+
+    def retire_quarantined(self) -> int:
+        """After a confirmed reset: Quarantined -> Retired, buffers destroyed."""
+        self.reset_confirmed = True
+        count = 0
+        with self.pool_mu:
+            for slot in self.slots:
+                if slot.run.state == "Quarantined":
+                    slot.run.send("retire")
+                    for buf in (slot.inbuf, slot.outbuf):
+                        if buf is not None:
+                            buf.destroy()
+                    slot.inbuf = slot.outbuf = None
+                    count += 1
+        return count
+
+    # ---- observability ---------------------------------------------------------------------
+    def counts(self) -> dict[str, int]:
+        """Slots per chart state (for metrics and the leased==0 check)."""
+        result = {state: 0 for state in BUFFER_SLOT.states}
+        for slot in self.slots:
+            result[slot.run.state] += 1
+        return result

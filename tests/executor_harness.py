@@ -1,0 +1,117 @@
+"""Shared helpers for executor tests: a started DeviceExecutor on the bundled emulator, request
+builders, and the numpy oracle's expectation for a sequence."""
+
+from __future__ import annotations
+
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+from calexec.contracts.manifest import default_manifest_path, load_manifest
+from calexec.contracts.prepare import InferenceRequest
+from calexec.contracts.status import Status
+from calexec.contracts.types import TaskKind
+from calexec.drivers import calbin as cb
+from calexec.drivers import oracle
+from calexec.drivers.runtime import CalRT, Fault, FaultMode
+from calexec.machines.executor import DeviceExecutor, ExecutorConfig
+
+SEED = cb.default_spec().seed
+MANIFEST = load_manifest(default_manifest_path())
+
+
+def write_calbin(directory: Path) -> str:
+    path = directory / "qwen3_synthetic.calbin"
+    cb.write(str(path), cb.default_spec())
+    return str(path)
+
+
+def make_executor(calbin_path: str, device_config: str = "", **config) -> DeviceExecutor:
+    """A started executor (asserts start succeeded)."""
+    config.setdefault("check_lock_order", True)
+    config.setdefault("strict_lock_order", False)
+    executor = DeviceExecutor(CalRT.load(), MANIFEST,
+                              ExecutorConfig(calbin_path=calbin_path, device_config=device_config,
+                                             **config))
+    status = executor.start()
+    assert status.ok, status
+    return executor
+
+
+@contextmanager
+def running_executor(calbin_path: str, device_config: str = "", **config):
+    executor = make_executor(calbin_path, device_config, **config)
+    try:
+        yield executor
+    finally:
+        if not executor.lifecycle.final:
+            executor.shutdown(grace=5.0)
+
+
+def deadline(seconds: float = 10.0) -> float:
+    return time.monotonic() + seconds
+
+
+def prefill(seq: int, tokens, past: int = 0, seconds: float = 10.0, **kw) -> InferenceRequest:
+    tokens = np.asarray(tokens, dtype=np.int32)
+    return InferenceRequest(seq_id=seq, kind=TaskKind.PREFILL_IDS, tokens=tokens,
+                            positions=np.arange(past, past + len(tokens), dtype=np.int32),
+                            past_len=past, deadline=deadline(seconds), **kw)
+
+
+def decode(seq: int, token: int, past: int, seconds: float = 10.0, **kw) -> InferenceRequest:
+    return InferenceRequest(seq_id=seq, kind=TaskKind.DECODE,
+                            tokens=np.asarray([token], dtype=np.int32),
+                            positions=np.asarray([past], dtype=np.int32), past_len=past,
+                            deadline=deadline(seconds), **kw)
+
+
+def expected_greedy(prompt, steps: int) -> list[int]:
+    """The oracle's greedy tokens: first from the prefill, then ``steps`` decodes."""
+    ref = oracle.OracleSequence(SEED)
+    ref.run(list(prompt))
+    out = [ref.next_token()]
+    for _ in range(steps):
+        ref.run([out[-1]])
+        out.append(ref.next_token())
+    return out
+
+
+def greedy(executor: DeviceExecutor, seq: int, prompt, steps: int) -> list[int]:
+    result = executor.enqueue(prefill(seq, prompt)).wait_until(deadline())
+    assert not isinstance(result, Status), result
+    out, past = [result.argmax], result.kv_len
+    for _ in range(steps):
+        result = executor.enqueue(decode(seq, out[-1], past)).wait_until(deadline())
+        assert not isinstance(result, Status), result
+        out.append(result.argmax)
+        past = result.kv_len
+    return out
+
+
+def arm(executor: DeviceExecutor, point: str, mode: str = "NTH", param: int = 1, rc: int = 0,
+        seed: int = 0) -> None:
+    assert executor.device.emu.set_fault(Fault[point], FaultMode[mode], param, seed, rc) == 0
+
+
+def fired(executor: DeviceExecutor, point: str) -> int:
+    rc, _calls, count = executor.device.emu.fault_stats(Fault[point])
+    assert rc == 0
+    return count
+
+
+def settle(executor: DeviceExecutor, seconds: float = 5.0) -> dict:
+    """Wait until nothing is queued or in flight; return the snapshot."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        snap = executor.snapshot()
+        if snap["queued"] == 0 and snap["inflight"] == 0:
+            return snap
+        time.sleep(0.002)
+    return executor.snapshot()
+
+
+__all__ = [name for name in dir(sys.modules[__name__]) if not name.startswith("_")]

@@ -1,0 +1,264 @@
+"""DeviceExecutor Phase A against the emulator: correctness vs the oracle and the named fault
+injections of spec §12 (FI02-FI05, FI07-FI13, FI15) with their expected results."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from calexec.contracts.errors import Category
+from calexec.contracts.prepare import TensorSlice
+from calexec.contracts.status import Phase, Status
+from calexec.contracts.types import TaskKind
+from calexec.drivers import oracle
+from calexec.drivers.runtime import Fault, Stage
+from calexec.machines.pool import BufferSlot
+from executor_harness import (SEED, arm, decode, deadline, expected_greedy, fired, greedy,
+                              prefill, running_executor, settle, write_calbin)
+
+PROMPT = [11, 22, 33, 44, 55, 66, 77]
+
+
+@pytest.fixture(scope="module")
+def calbin(tmp_path_factory):
+    return write_calbin(tmp_path_factory.mktemp("calbin"))
+
+
+def device_len(executor, seq):
+    rc, n = executor.kv.seq_len(seq)
+    assert rc == 0
+    return n
+
+
+def slot_states(executor):
+    return executor.pool.counts()
+
+
+def test_greedy_matches_oracle_and_two_sequences_stay_independent(calbin):
+    with running_executor(calbin) as ex:
+        a = greedy(ex, 1, PROMPT, 6)
+        b = greedy(ex, 2, PROMPT[::-1], 6)
+        assert a == expected_greedy(PROMPT, 6)
+        assert b == expected_greedy(PROMPT[::-1], 6)
+        # interleaved: same answers
+        ex.kvc.reset_sequence(1), ex.kvc.reset_sequence(2)
+        r1 = ex.enqueue(prefill(1, PROMPT)).wait_until(deadline())
+        r2 = ex.enqueue(prefill(2, PROMPT[::-1])).wait_until(deadline())
+        assert [r1.argmax, r2.argmax] == [a[0], b[0]]
+        assert device_len(ex, 1) == ex.kvc.seqs[1].committed_len == len(PROMPT)
+        assert ex.locks.violations == []
+        assert ex.infer_threads == {"calexec-submitter"}
+        assert ex.wait_threads == {"calexec-completion"}
+
+
+def test_logits_slice_lands_in_caller_array(calbin):
+    with running_executor(calbin) as ex:
+        out = np.full(100, -1.0, dtype=np.float32)
+        res = ex.enqueue(prefill(3, PROMPT, want_logits=(1000, 100)), logits_out=out)
+        res = res.wait_until(deadline())
+        assert res.logits.base is out or res.logits is out or np.shares_memory(res.logits, out)
+        ref = oracle.OracleSequence(SEED)
+        row = ref.prefill(PROMPT, 16)[0, (len(PROMPT) - 1) % 16]
+        assert np.array_equal(out, oracle.bf16_to_f32(row[1000:1100]))
+
+
+def test_fi02_unknown_csr_fails_prepare_without_submit(calbin):
+    with running_executor(calbin) as ex:
+        submitted = ex.device.emu.counters()["jobs_submitted"]
+        arm(ex, "UNKNOWN_CSR")
+        res = ex.enqueue(prefill(1, PROMPT)).wait_until(deadline())
+        assert isinstance(res, Status) and res.phase == Phase.CSR and res.raw == 4
+        assert res.step == 7 and "cur_seq_len" in res.message
+        assert ex.device.emu.counters()["jobs_submitted"] == submitted
+        assert slot_states(ex)["Free"] == len(ex.pool.slots)
+        assert ex.kvc.seqs[1].open_txn is None and ex.kvc.seqs[1].reserved_len == 0
+        assert greedy(ex, 1, PROMPT, 1) == expected_greedy(PROMPT, 1)
+
+
+def test_fi03_slice_beyond_bytesize_rejected_locally(calbin):
+    with running_executor(calbin) as ex:
+        arm(ex, "SLICE_FAIL", "NTH", 10**9)  # never fires; counts slice calls
+        slot: BufferSlot = next(s for s in ex.pool.slots if s.kind == TaskKind.PREFILL_IDS)
+        contract = slot.submodel.token_or_embed
+        status = slot.slice_input(TensorSlice(contract.name, 0, contract.byte_size + 1))
+        assert not status.ok and status.step == 6 and str(contract.byte_size) in status.message
+        _, calls, _ = ex.device.emu.fault_stats(Fault.SLICE_FAIL)
+        assert calls == 0
+        # through a request: one token more than max_seq never reaches the device
+        res = ex.enqueue(prefill(1, np.zeros(40961, np.int32))).wait_until(deadline())
+        assert isinstance(res, Status) and res.category == Category.INVALID_REQUEST
+        assert res.http_status == 400
+
+
+def test_fi04_kv_shortage_waits_on_condition_until_deadline(calbin):
+    with running_executor(calbin) as ex:
+        arm(ex, "CAN_ALLOCATE_FALSE", "ALWAYS")
+        applies = ex.kvc.apply_calls
+        cpu0, wall0 = time.process_time(), time.monotonic()
+        res = ex.enqueue(prefill(1, PROMPT, seconds=0.4)).wait_until(deadline())
+        cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
+        assert isinstance(res, Status) and res.code == "kv.deadline" and res.http_status == 429
+        assert wall >= 0.35
+        # no polling: canAllocate asked once, Apply never called, no wake-ups happened
+        assert fired(ex, "CAN_ALLOCATE_FALSE") == 1
+        assert ex.kvc.apply_calls == applies
+        assert cpu < wall  # an idle wait; a busy loop would burn the whole interval
+        assert slot_states(ex)["Free"] == len(ex.pool.slots)
+
+
+def test_fi04_waiter_woken_when_capacity_released(calbin, tmp_path):
+    # 4 blocks of 256 tokens: seq 1 takes all of them, seq 2 must wait for its release.
+    with running_executor(calbin, "kv_blocks=4;kv_block_size=256") as ex:
+        assert not isinstance(ex.enqueue(prefill(1, np.arange(1000) % 500)).wait_until(
+            deadline()), Status)
+        holder = {}
+        t = threading.Thread(target=lambda: holder.update(
+            r=ex.enqueue(prefill(2, PROMPT, seconds=10)).wait_until(deadline())))
+        t.start()
+        time.sleep(0.2)
+        assert t.is_alive()  # waiting, not failed
+        wakeups = ex.kvc.wakeups
+        assert ex.kvc.reset_sequence(1).ok
+        t.join(5)
+        assert not isinstance(holder["r"], Status), holder["r"]
+        assert ex.kvc.wakeups - wakeups <= 2  # woken by the release, not by polling
+
+
+def test_fi05_submit_busy_rolls_back_without_wait(calbin):
+    with running_executor(calbin) as ex:
+        greedy(ex, 1, PROMPT, 0)
+        arm(ex, "WAIT_RC", "NTH", 10**9)  # counts Wait calls, never fires
+        arm(ex, "SUBMIT_RC", rc=17)
+        res = ex.enqueue(decode(1, 5, len(PROMPT))).wait_until(deadline())
+        assert isinstance(res, Status) and res.raw == 17 and res.phase == Phase.SUBMIT
+        assert res.category == Category.TRANSIENT
+        _, wait_calls, _ = ex.device.emu.fault_stats(Fault.WAIT_RC)
+        assert wait_calls == 0
+        assert ex.kvc.seqs[1].committed_len == len(PROMPT) == device_len(ex, 1)
+        assert ex.kvc.seqs[1].open_txn is None and ex.kvc.seqs[1].unknown_reason is None
+        assert slot_states(ex)["Free"] == len(ex.pool.slots)
+        res = ex.enqueue(decode(1, 5, len(PROMPT))).wait_until(deadline())
+        assert not isinstance(res, Status)
+
+
+@pytest.mark.parametrize("point,code", [
+    ("WAIT_RC", "calrt.wait_failed"),            # FI07
+    ("CCU_EXCEPTION", "device.ccu_exception"),   # FI08
+    ("OUTPUT_SHORT", "internal.output_short"),   # FI09
+    ("OUTPUT_NAN", "internal.output_not_finite"),  # FI10
+    ("OUTPUT_INF", "internal.output_not_finite"),  # FI10
+])
+def test_failure_after_submit_quarantines_and_marks_sequence_unknown(calbin, point, code):
+    with running_executor(calbin) as ex:
+        greedy(ex, 1, PROMPT, 0)
+        arm(ex, point)
+        out = np.full(151936, 7.0, dtype=np.float32)
+        res = ex.enqueue(decode(1, 5, len(PROMPT)), logits_out=out).wait_until(deadline())
+        settle(ex)
+        assert isinstance(res, Status) and res.code == code, res
+        assert fired(ex, point) == 1
+        assert np.all(out == 7.0)  # no logits delivered, no write past anything
+        assert ex.kvc.seqs[1].unknown_reason == code
+        assert slot_states(ex)["Quarantined"] == 1
+        assert ex.faults.reports[-1].code == code
+        # an Unknown sequence is refused until reset; other sequences keep working
+        again = ex.enqueue(decode(1, 5, len(PROMPT))).wait_until(deadline())
+        assert isinstance(again, Status) and again.code == "kv.sequence_unknown"
+        assert greedy(ex, 2, PROMPT, 1) == expected_greedy(PROMPT, 1)
+        assert ex.kvc.reset_sequence(1).ok
+        assert greedy(ex, 1, PROMPT, 1) == expected_greedy(PROMPT, 1)
+
+
+def stepped(ex):
+    assert ex.device.emu.set_stepped(True) == 0
+
+
+def test_fi11_cancel_before_submit_never_reaches_device(calbin):
+    with running_executor(calbin, threads=False) as ex:
+        submitted = ex.device.emu.counters()["jobs_submitted"]
+        handle = ex.enqueue(prefill(1, PROMPT))
+        assert handle.state == "Queued" and slot_states(ex)["Leased"] == 1
+        assert handle.cancel() and handle.cancel()  # idempotent
+        assert ex.submit_one()
+        res = handle.wait_until(deadline())
+        assert isinstance(res, Status) and res.category == Category.CANCELLED
+        assert handle.state == "Failed"
+        assert ex.device.emu.counters()["jobs_submitted"] == submitted
+        assert slot_states(ex)["Free"] == len(ex.pool.slots)
+        assert ex.kvc.seqs[1].reserved_len == 0 and ex.kvc.seqs[1].open_txn is None
+        assert not handle.cancel()  # already resolved
+
+
+def test_fi12_cancel_after_submit_still_waits_and_releases_after_completion(calbin):
+    with running_executor(calbin, threads=False) as ex:
+        stepped(ex)
+        handle = ex.enqueue(prefill(1, PROMPT))
+        assert ex.submit_one() and handle.state == "Submitted"
+        assert handle.cancel()
+        assert slot_states(ex)["InFlight"] == 1  # cancel frees nothing the device holds
+        rc, did = ex.device.emu.step(0, Stage.JOB)
+        assert rc == 0
+        assert ex.complete_one()
+        res = handle.wait_until(deadline())
+        assert isinstance(res, Status) and res.category == Category.CANCELLED
+        assert handle.state == "Failed"
+        assert ex.wait_threads  # Wait() did happen
+        assert slot_states(ex)["Free"] == len(ex.pool.slots)
+        # the device executed the job: the KV truth is committed, not rolled back
+        assert ex.kvc.seqs[1].committed_len == len(PROMPT) == device_len(ex, 1)
+
+
+def test_fi13_shutdown_cancels_queued_and_drains_submitted(calbin):
+    with running_executor(calbin, "decode_us=300000") as ex:
+        greedy(ex, 1, PROMPT, 0), greedy(ex, 2, PROMPT, 0)
+        submitted = ex.enqueue(decode(1, 5, len(PROMPT)))
+        time.sleep(0.05)
+        queued = ex.enqueue(decode(2, 5, len(PROMPT)))
+        assert submitted.state == "Submitted" and queued.state == "Queued"
+        assert ex.shutdown(grace=5.0).ok
+        assert not isinstance(submitted.wait_until(deadline()), Status)
+        res = queued.wait_until(deadline())
+        assert isinstance(res, Status) and res.category == Category.CANCELLED
+        assert ex.state == "Stopped"
+        assert slot_states(ex)["Leased"] == slot_states(ex)["InFlight"] == 0
+
+
+def test_fi15_missing_undo_slice_quarantines_the_slot(calbin, monkeypatch):
+    with running_executor(calbin) as ex:
+        monkeypatch.setattr(BufferSlot, "undo_slices", lambda self: Status.OK)
+        res = ex.enqueue(prefill(1, PROMPT)).wait_until(deadline())
+        settle(ex)
+        assert not isinstance(res, Status)  # the result was valid and is delivered
+        quarantined = [s for s in ex.pool.slots if s.run.state == "Quarantined"]
+        assert len(quarantined) == 1
+        rc, active = quarantined[0].inbuf.active_slices()  # the emulator's ground truth
+        assert rc == 0 and active == 2
+        assert ex.faults.reports[-1].code == "internal.undo_slice_missing"
+
+
+def test_admission_refuses_when_not_ready_and_token_budget(calbin):
+    with running_executor(calbin, max_pending_tokens=8) as ex:
+        res = ex.enqueue(prefill(1, list(range(9)))).wait_until(deadline())
+        assert isinstance(res, Status) and res.code == "queue.full" and res.http_status == 429
+    res = ex.enqueue(prefill(1, PROMPT)).wait_until(deadline())
+    assert isinstance(res, Status) and res.http_status == 503
+
+
+def test_decode_sync_maps_status_and_logs_context(calbin, caplog):
+    with running_executor(calbin) as ex:
+        code, res = ex.decode_sync(prefill(1, PROMPT))
+        assert code == 0 and res.argmax == expected_greedy(PROMPT, 0)[0]
+        arm(ex, "SUBMIT_RC", rc=18)
+        with caplog.at_level(logging.WARNING, logger="calexec.executor"):
+            code, res = ex.decode_sync(decode(1, 5, len(PROMPT)))
+        assert code == -2 and res.raw == 18
+        line = caplog.records[-1].getMessage()
+        for part in (f"job_id={res.job_id}", "seq_id=1", "generation=1", "raw=18",
+                     "phase=submit"):
+            assert part in line
+        code, _ = ex.decode_sync(prefill(1, []))
+        assert code == -1
