@@ -279,21 +279,28 @@ class DeviceExecutor:
                 getattr(obj, fn)()
 
     # ---- enqueue (§6.2) -------------------------------------------------------------------------
-    def enqueue(self, request: InferenceRequest,
-                logits_out: np.ndarray | None = None) -> JobHandle:
+    def enqueue(self, request: InferenceRequest, logits_out: np.ndarray | None = None,
+                on_created: Callable[[JobHandle], None] | None = None) -> JobHandle:
         """Validate, admit, lease, prepare and queue one job. Never raises for a bad request or
         a runtime error: the returned handle is then already resolved with the Status.
 
+        Admission may block the calling thread (KV or buffer wait, bounded by the request's
+        deadline). ``on_created`` receives the handle before admission starts, so another
+        thread (e.g. a client-disconnect handler) can cancel a job that is still waiting.
         ``logits_out``: a contiguous float32 array receiving the requested logits slice
         (zero allocations per token); None allocates one per job."""
-        return self._enqueue(request, internal=False, logits_out=logits_out)
+        return self._enqueue(request, internal=False, logits_out=logits_out,
+                             on_created=on_created)
 
     def _enqueue(self, request: InferenceRequest, internal: bool,
-                 logits_out: np.ndarray | None = None) -> JobHandle:
+                 logits_out: np.ndarray | None = None,
+                 on_created: Callable[[JobHandle], None] | None = None) -> JobHandle:
         job = Job(next(self._job_ids), self.generation.generation_id if self.generation else 0,
                   request, self._wake_waiters, internal=internal)
         job.logits_out = logits_out
         handle = JobHandle(job)
+        if on_created is not None:
+            on_created(handle)
         with self.lifecycle_mu:
             state = self.lifecycle.state
         if not (state == "Ready" or (internal and state == "Warming")) or self._stopping:

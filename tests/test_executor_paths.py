@@ -1,0 +1,230 @@
+"""Every declared Job and KV-transaction transition is reached through the real executor.
+
+The test is parametrised over the charts' declared transitions (``compiled.JOB`` and
+``compiled.KV_TXN``), not over a hand-written list: a transition added to a chart becomes a
+new test case that fails until a scenario drives the executor through it. Each scenario
+runs a real executor on the emulator (threads or stepped) with the fault plan or a
+concurrent cancel that the transition's guards call for; the test asserts the transition was
+taken by the executor's own chart runs (the coverage recorder, scoped to the scenario).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+
+import pytest
+
+from calexec.contracts.status import Status
+from calexec.drivers.runtime import Stage
+from calexec.machines import executor as executor_module
+from calexec.machines.compiled import JOB, KV_TXN
+from calexec.machines.coverage import RECORDER
+from calexec.machines.paths import transition_paths
+from calexec.machines.pool import BufferSlot
+from executor_harness import (arm, decode, deadline, greedy, prefill, running_executor,
+                              write_calbin)
+
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
+
+
+@pytest.fixture(scope="module")
+def calbin(tmp_path_factory):
+    return write_calbin(tmp_path_factory.mktemp("paths"))
+
+
+@contextmanager
+def recording():
+    """Scope the global transition recorder to one scenario; merge afterwards."""
+    saved, enabled = RECORDER.hits, RECORDER.enabled
+    RECORDER.hits, RECORDER.enabled = set(), True
+    scoped = RECORDER.hits
+    try:
+        yield scoped
+    finally:
+        RECORDER.hits, RECORDER.enabled = saved | scoped, enabled
+
+
+# ---- scenarios: each drives the executor along one family of paths ----------------------------
+def happy_path(calbin):
+    with running_executor(calbin) as ex:
+        greedy(ex, 1, PROMPT, 2)
+
+
+def invalid_request(calbin):
+    with running_executor(calbin) as ex:
+        assert isinstance(ex.enqueue(prefill(1, [])).wait_until(deadline()), Status)
+
+
+def enqueue_in_thread(ex, request):
+    """Enqueue from another thread; return (thread, box) once the handle exists."""
+    box, created = {}, threading.Event()
+
+    def on_created(handle):
+        box["handle"] = handle
+        created.set()
+
+    thread = threading.Thread(target=lambda: box.update(
+        result=ex.enqueue(request, on_created=on_created)))
+    thread.start()
+    assert created.wait(5)
+    return thread, box
+
+
+def cancel_while_waiting_for_kv(calbin):
+    with running_executor(calbin) as ex:
+        arm(ex, "CAN_ALLOCATE_FALSE", "ALWAYS")
+        thread, box = enqueue_in_thread(ex, prefill(1, PROMPT))
+        time.sleep(0.05)
+        assert box["handle"].state == "Created"  # blocked in the KV wait
+        assert box["handle"].cancel()
+        thread.join(5)
+        res = box["result"].wait_until(deadline())
+        assert isinstance(res, Status) and res.code == "request.cancelled"
+
+
+def cancel_while_waiting_for_slot(calbin):
+    with running_executor(calbin, threads=False, slots_per_kind=1) as ex:
+        first = ex.enqueue(prefill(1, PROMPT))  # holds the only prefill slot (queued)
+        thread, box = enqueue_in_thread(ex, prefill(2, PROMPT))
+        time.sleep(0.05)
+        assert box["handle"].state == "Admitted"  # blocked in the buffer wait
+        assert box["handle"].cancel()
+        thread.join(5)
+        res = box["result"].wait_until(deadline())
+        assert isinstance(res, Status) and res.code == "request.cancelled"
+        first.cancel()
+        ex.submit_one()
+
+
+def lease_deadline(calbin):
+    with running_executor(calbin, threads=False, slots_per_kind=1) as ex:
+        ex.enqueue(prefill(1, PROMPT))
+        res = ex.enqueue(prefill(2, PROMPT, seconds=0.05)).wait_until(deadline())
+        assert isinstance(res, Status) and res.code == "admission.deadline"
+
+
+def cancel_while_preparing(calbin, monkeypatch):
+    original = BufferSlot.slice_input
+
+    def slice_then_cancel(self, planned):
+        for handle in created:
+            handle.cancel()  # a cancel arriving while the job is being prepared
+        return original(self, planned)
+
+    created = []
+
+    monkeypatch.setattr(BufferSlot, "slice_input", slice_then_cancel)
+    with running_executor(calbin) as ex:
+        res = ex.enqueue(prefill(1, PROMPT), on_created=created.append).wait_until(deadline())
+        assert isinstance(res, Status) and res.code == "request.cancelled"
+
+
+def csr_failure(calbin):
+    with running_executor(calbin) as ex:
+        arm(ex, "UNKNOWN_CSR")
+        assert isinstance(ex.enqueue(prefill(1, PROMPT)).wait_until(deadline()), Status)
+
+
+def cancel_queued_and_submit_failure(calbin):
+    with running_executor(calbin, threads=False) as ex:
+        handle = ex.enqueue(prefill(1, PROMPT))
+        handle.cancel()
+        ex.submit_one()
+        arm(ex, "SUBMIT_RC", rc=17)
+        handle = ex.enqueue(prefill(1, PROMPT))
+        ex.submit_one()
+        assert isinstance(handle.wait_until(deadline()), Status)
+
+
+def cancel_submitted(calbin):
+    with running_executor(calbin, threads=False) as ex:
+        assert ex.device.emu.set_stepped(True) == 0
+        handle = ex.enqueue(prefill(1, PROMPT))
+        ex.submit_one()
+        handle.cancel()
+        ex.device.emu.step(0, Stage.JOB)
+        ex.complete_one()
+        assert isinstance(handle.wait_until(deadline()), Status)
+        # cancelled after submit and Wait fails with the device done: Quarantined
+        handle = ex.enqueue(prefill(2, PROMPT))
+        ex.submit_one()
+        handle.cancel()
+        ex.device.emu.step(0, Stage.JOB)
+        arm(ex, "WAIT_RC")
+        ex.complete_one()
+        assert handle.state == "Quarantined"
+
+
+def cancel_submitted_then_wait_fails_while_running(calbin):
+    with running_executor(calbin, threads=False, timeout_grace_s=0.0) as ex:
+        assert ex.device.emu.set_stepped(True) == 0
+        handle = ex.enqueue(prefill(1, PROMPT))
+        ex.submit_one()
+        handle.cancel()
+        arm(ex, "WAIT_RC")
+        ex.complete_one()  # Wait fails while the job is still queued on the device
+        assert handle.state == "Quarantined"
+        ex.device.emu.set_stepped(False)
+
+
+def failures_after_submit(calbin):
+    with running_executor(calbin, timeout_grace_s=2.0) as ex:
+        greedy(ex, 1, PROMPT, 0)
+        for point in ("CCU_EXCEPTION", "OUTPUT_NAN"):
+            arm(ex, point)
+            ex.enqueue(decode(1, 1, len(PROMPT))).wait_until(deadline())
+            ex.kvc.reset_sequence(1)
+            greedy(ex, 1, PROMPT, 0)
+    with running_executor(calbin, "decode_us=50000", timeout_grace_s=2.0) as ex:
+        greedy(ex, 1, PROMPT, 0)
+        arm(ex, "WAIT_RC")  # Wait fails while the device still runs the job: keep buffers
+        res = ex.enqueue(decode(1, 1, len(PROMPT))).wait_until(deadline())
+        assert isinstance(res, Status)
+
+
+def cancel_while_completing(calbin, monkeypatch):
+    original = executor_module.DeviceExecutor._postprocess
+
+    def postprocess_then_cancel(self, job):
+        if not job.internal:  # leave the start-up golden run alone
+            job.cancel_flag = True  # a cancel arriving between Wait() and delivery
+        return original(self, job)
+
+    monkeypatch.setattr(executor_module.DeviceExecutor, "_postprocess", postprocess_then_cancel)
+    with running_executor(calbin) as ex:
+        res = ex.enqueue(prefill(1, PROMPT)).wait_until(deadline())
+        assert isinstance(res, Status) and res.code == "request.cancelled"
+
+
+SCENARIOS = [happy_path, invalid_request, cancel_while_waiting_for_kv,
+             cancel_while_waiting_for_slot, lease_deadline, cancel_while_preparing, csr_failure,
+             cancel_queued_and_submit_failure, cancel_submitted,
+             cancel_submitted_then_wait_fails_while_running, failures_after_submit,
+             cancel_while_completing]
+
+
+@pytest.fixture(scope="module")
+def taken(calbin):
+    """Run every scenario once, recording the transitions the executor's runs take."""
+    hits = set()
+    for scenario in SCENARIOS:
+        with recording() as scoped, pytest.MonkeyPatch.context() as monkeypatch:
+            if "monkeypatch" in scenario.__code__.co_varnames[:scenario.__code__.co_argcount]:
+                scenario(calbin, monkeypatch)
+            else:
+                scenario(calbin)
+        hits |= scoped
+    return hits
+
+
+@pytest.mark.parametrize("transition", [t for c in (JOB, KV_TXN) for t in c.transitions],
+                         ids=lambda t: f"{t.key[0]}:{t.source}-{t.event}->{t.target}")
+def test_declared_transition_reached_through_executor(taken, transition):
+    path = next(p for p in transition_paths(JOB if transition.key[0] == "job" else KV_TXN)
+                if p.transition == transition)
+    assert transition.key in taken, (
+        f"no executor scenario takes {transition.source} --{transition.event}--> "
+        f"{transition.target} (chart path: {' -> '.join(path.events)}); add one to SCENARIOS")
+
