@@ -215,19 +215,35 @@ def _step6_ranges(req: InferenceRequest, sub: SubmodelContract, vocab_size: int)
         if not status.ok:
             return status
     if not req.kind.takes_embeddings:
-        bad = np.flatnonzero((req.tokens < 0) | (req.tokens >= vocab_size))
-        if bad.size:
-            i = int(bad[0])
+        i = _first_index(req.tokens, lambda a: (a < 0) | (a >= vocab_size),
+                         lambda v: not 0 <= v < vocab_size)
+        if i is not None:
             return Status.invalid(6, f"tokens[{i}]={int(req.tokens[i])} outside [0, vocab_size={vocab_size})")
-    expected = np.arange(req.past_len, req.past_len + req.token_count, dtype=np.int64)
-    wrong = np.flatnonzero(req.positions.astype(np.int64) != expected)
-    if wrong.size:
-        i = int(wrong[0])
-        return Status.invalid(6, f"positions[{i}]={int(req.positions[i])}, expected past_len + {i} = {int(expected[i])}")
+    past = req.past_len
+    if req.positions.shape[0] <= _SMALL:  # decode: plain ints beat numpy's per-call overhead
+        i = next((k for k, v in enumerate(req.positions.tolist()) if v != past + k), None)
+    else:
+        expected = np.arange(past, past + req.positions.shape[0], dtype=np.int64)
+        wrong = np.flatnonzero(req.positions.astype(np.int64) != expected)
+        i = int(wrong[0]) if wrong.size else None
+    if i is not None:
+        return Status.invalid(6, f"positions[{i}]={int(req.positions[i])}, expected past_len + {i} = {past + i}")
     base, count = req.logits_range(vocab_size)
     if count < 1 or not logits_slice_ok(base, count, vocab_size):
         return Status.invalid(6, f"want_logits=(base={base}, count={count}) outside vocab_size={vocab_size}")
     return Status.OK
+
+
+#: at or below this many elements, checks run on Python ints (numpy's per-call cost dominates)
+_SMALL = 16
+
+
+def _first_index(arr: np.ndarray, bad_mask, bad_value) -> int | None:
+    """Index of the first element failing a check, or None."""
+    if arr.shape[0] <= _SMALL:
+        return next((k for k, v in enumerate(arr.tolist()) if bad_value(v)), None)
+    bad = np.flatnonzero(bad_mask(arr))
+    return int(bad[0]) if bad.size else None
 
 
 def check_request(req: InferenceRequest, gen: ModelGeneration) -> Status:

@@ -118,6 +118,8 @@ class DeviceExecutor:
         self._submit_cv = threading.Condition(self.submit_mu)
         self._submit_q: deque[Job] = deque()
         self._inflight = 0  # guarded by submit_mu
+        # quarantined slots whose job failed Wait while still on the device (submit_mu)
+        self._held_by_runtime: list = []
         self._completion_mu = threading.Lock()  # completion_mu: never held across Wait()
         self._completion_cv = threading.Condition(self._completion_mu)
         self._completion_q: deque[Job] = deque()
@@ -151,6 +153,7 @@ class DeviceExecutor:
         return self._golden_ok
 
     def all_submitted_drained(self) -> bool:
+        self._reap_held()
         with self.submit_mu:
             return self._inflight == 0 and not self._completion_q
 
@@ -450,7 +453,17 @@ class DeviceExecutor:
                     break
                 if not block or (self._stopping_threads and not self._submit_q):
                     return False
-                self._submit_cv.wait()
+                if self._held_by_runtime:
+                    # A failed Wait left buffers with the runtime: nobody signals when it lets
+                    # go, so re-check on a short timer (only in this degraded state).
+                    self._submit_cv.wait(0.05)
+                    self._submit_cv.release()
+                    try:
+                        self._reap_held()
+                    finally:
+                        self._submit_cv.acquire()
+                else:
+                    self._submit_cv.wait()
             halted = self._halted
             if halted is not None:
                 status = halted.with_context(**job.ctx())
@@ -548,6 +561,7 @@ class DeviceExecutor:
                 job.run.send("fault")
             self._quarantine_after_submit(job, result, release_permit=True)
             return
+        # §6.5 order: KV commit -> reset slices -> deliver -> release the lease.
         job.output_status = Status.OK
         job.txn.device_finished = job.txn.output_valid = True
         self.kvc.commit(job.txn)
@@ -557,18 +571,17 @@ class DeviceExecutor:
         if target != "Completing":  # cancelled after submit (FI12): result discarded
             if job.run.state == "CancelRequested":
                 job.run.send("fail")
-            final: InferenceResult | Status = Status.cancelled(
-                Phase.CANCEL, "cancelled after submit: Wait completed, result discarded",
-                **job.ctx())
             self.counters["cancelled"] += 1
+            job.resolve(Status.cancelled(
+                Phase.CANCEL, "cancelled after submit: Wait completed, result discarded",
+                **job.ctx()))
         else:
-            final = result
             self.counters["succeeded"] += 1
+            job.resolve(result)
         self.pool.device_done(job.lease)
         released = job.lease.release()
         self._release_budget(job)
         self._release_permit()
-        job.resolve(final)
         for problem in (undo, released):
             if not problem.ok:  # FI15: slot quarantined by the pool; the job's result stands
                 self.faults.report(problem.with_context(**job.ctx()), job)
@@ -590,14 +603,26 @@ class DeviceExecutor:
                                        "the device; buffers kept", **job.ctx())
         job.run.send("execution_timeout")
         self._quarantine_after_submit(job, status, release_permit=False)
+        with self._submit_cv:
+            self._held_by_runtime.append(slot)
         slot.outbuf.wait(int(self.config.timeout_grace_s * 1e6))
-        if slot.runtime_done():
-            self._release_permit()
-        else:
+        if not self._reap_held():
             self._halt(Status.failure("device.hung", Category.DEVICE, Phase.WAIT,
                                       f"job {job.job_id} still on the device after the "
                                       f"{self.config.timeout_grace_s}s grace; admission halted",
                                       **job.ctx()))
+
+    def _reap_held(self) -> bool:
+        """Return the permits of quarantined slots the runtime has let go of since a failed
+        Wait; True when the runtime holds none any more."""
+        with self._submit_cv:
+            still = [slot for slot in self._held_by_runtime if not slot.runtime_done()]
+            freed = len(self._held_by_runtime) - len(still)
+            self._held_by_runtime = still
+            self._inflight -= freed
+            if freed:
+                self._submit_cv.notify_all()
+            return not still
 
     def _halt(self, status: Status) -> None:
         """Stop admitting and fail everything queued with ``status`` (device unusable)."""

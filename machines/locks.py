@@ -48,8 +48,10 @@ class LockOrder:
     def held_by_current_thread(self) -> tuple[str, ...]:
         return tuple(RANK_NAMES[r] for r in self._held())
 
-    def lock(self, rank: int) -> "RankedLock":
-        return RankedLock(self, rank)
+    def lock(self, rank: int) -> "RankedLock | threading.Lock":
+        """A lock of ``rank``: a checking ``RankedLock`` in checking mode, else a plain
+        ``threading.Lock`` (the hot path pays nothing for the checks it does not run)."""
+        return RankedLock(self, rank) if self.checking else threading.Lock()
 
     def _before_acquire(self, rank: int) -> None:
         held = self._held()

@@ -35,6 +35,9 @@ def device_len(executor, seq):
 
 
 def slot_states(executor):
+    """Slot states once the completion thread is done with the last job (a result is
+    delivered before its lease goes back, in §6.5 order)."""
+    settle(executor)
     return executor.pool.counts()
 
 
