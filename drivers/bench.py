@@ -1,0 +1,415 @@
+"""``calexec bench overhead`` and ``calexec bench logits`` (spec §10.1, §11 PR5/PR6, §13.3).
+
+``bench overhead [--json] [--tokens N] [--runs R] [--zero-tokens M] [--seed S]`` compares, in
+one process, the *direct synchronous path* (what llama-calrt did before: one thread, no queues;
+``DirectRunner`` submit + ``Wait`` + BF16->FP32 of the decode row + argmax) with the same greedy
+decode through ``DeviceExecutor`` (threads on, in-flight capacity 1; ``enqueue`` +
+``wait_until`` per token, the argmax fed back). Each side has its own emulated device of the
+same kind, built from the same calbin. Runs are interleaved in A/B, B/A blocks so that drift
+(other processes, CPU frequency) falls on both sides alike:
+
+1. TPOT with the 10 ms decode profile: P50/P99 per token of each side and their ratios
+   (executor / direct). Spec gate <= 1.03 / <= 1.05, project goal <= 1.01 / <= 1.02.
+2. Control overhead on the zero-latency profile: the P50 of the paired per-token differences
+   (executor token i minus direct token i of the same run), both raw P50s, and where the
+   executor's time goes, from each job's own ``JobTimings``.
+
+Both sides convert with the same direct conversion into a preallocated row, so the ratios
+isolate the executor's control work (queues, threads, charts, checks), not PR6's gain.
+
+``bench logits [--json] [--iters N] [--seed S]``: ``bf16_to_f32_into`` of one vocab row vs the
+legacy ``bf16_to_f32_legacy`` (whole tensor to a temporary FP32 vector, then the slice), for
+the decode tensor [1,1,V] and the prefill tile [1,D0,V], with ``np.copyto`` of the same FP32
+destination as the floor; CPU time per call and tracemalloc allocation figures (§13.3).
+
+Both print one JSON object with ``--json`` (else a table); progress goes to stderr. The
+thresholds above are reported, never asserted: a benchmark reports numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+import tracemalloc
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from calexec.contracts.manifest import default_manifest_path, load_manifest
+from calexec.contracts.prepare import InferenceRequest
+from calexec.contracts.status import Status
+from calexec.contracts.types import TaskKind
+from calexec.drivers import calbin as calbin_fmt
+from calexec.drivers.demo import DirectRunner, DriverError
+from calexec.drivers.runtime import CalRT
+from calexec.drivers.simbench import PROFILE_DECODE_US
+from calexec.machines.executor import DeviceExecutor, ExecutorConfig
+from calexec.machines.postprocess import bf16_to_f32_into, bf16_to_f32_legacy
+
+#: §13.3 gate for PR1-PR5 and the project's tighter goal (reported alongside the figures).
+SPEC_GATE = {"p50_ratio": 1.03, "p99_ratio": 1.05}
+GOAL = {"p50_ratio": 1.01, "p99_ratio": 1.02, "overhead_us_p50": 150.0}
+
+PROMPT_LEN = 17  # one token past a D0=16 tile: the prefill's valid row is not row 0
+BENCH_SEQ = 1  # the executor's golden warm-up uses seq 0
+WARMUP_TOKENS = 8
+_WAIT_S = 30.0  # per-job deadline: generous, a benchmark job never comes near it
+
+
+class BenchError(RuntimeError):
+    """A benchmark could not run (device, executor or job failure); the message says which."""
+
+
+def _progress(message: str) -> None:
+    print(f"bench: {message}", file=sys.stderr, flush=True)
+
+
+def _p(samples: Sequence[float] | np.ndarray, q: float) -> float:
+    return round(float(np.percentile(np.asarray(samples, dtype=np.float64), q)), 2)
+
+
+# ---- the two decode loops ---------------------------------------------------------------------
+class DirectLoop:
+    """The direct synchronous path on its own emulated device: ``DirectRunner.run`` (fill
+    inputs, slice, CSRs, KV Apply, ``infer``, ``Wait``, status) then the direct conversion of
+    the valid row into a preallocated FP32 row and its argmax, all on the calling thread."""
+
+    def __init__(self, rt: CalRT, calbin_path: str) -> None:
+        self.runner = DirectRunner(rt, calbin_path)
+        self.row = np.empty(calbin_fmt.VOCAB, dtype=np.float32)
+
+    def set_decode_latency(self, decode_us: int) -> None:
+        rc = self.runner.device.emu.set_latency(decode_us=decode_us)
+        if rc != 0:
+            raise BenchError(f"direct device: set_latency(decode_us={decode_us}) returned {rc}")
+
+    def _token(self, bf16_row: np.ndarray) -> int:
+        bf16_to_f32_into(bf16_row, 0, bf16_row.shape[0], self.row)
+        return int(np.argmax(self.row))
+
+    def decode_block(self, prompt: np.ndarray, n: int) -> tuple[list[int], list[float]]:
+        """Prefill ``prompt`` on a fresh sequence, then decode ``n`` tokens greedily.
+        Returns (tokens, per-decode-token wall time in us)."""
+        runner = self.runner
+        rc = runner.kv.release(BENCH_SEQ)
+        if rc != 0:
+            raise BenchError(f"direct device: KV release of seq {BENCH_SEQ} returned {rc}")
+        token = self._token(runner.run(calbin_fmt.PREFILL_IDS, BENCH_SEQ, 0, tokens=prompt))
+        tokens, times = [token], []
+        clock = time.perf_counter_ns
+        for past in range(len(prompt), len(prompt) + n):
+            t0 = clock()
+            token = self._token(runner.run(calbin_fmt.DECODE, BENCH_SEQ, past, tokens=[token]))
+            times.append((clock() - t0) / 1e3)
+            tokens.append(token)
+        return tokens, times
+
+    def dma_violations(self) -> int:
+        counters = self.runner.device.emu.counters()
+        return counters["dma_input_violations"] + counters["dma_output_violations"]
+
+    def close(self) -> None:
+        self.runner.close()
+
+
+class ExecutorLoop:
+    """The same greedy decode through ``DeviceExecutor`` (threads on, capacity 1): one
+    ``enqueue`` + ``wait_until`` per token into a preallocated logits row."""
+
+    def __init__(self, rt: CalRT, calbin_path: str) -> None:
+        self.ex = DeviceExecutor(rt, load_manifest(default_manifest_path()),
+                                 ExecutorConfig(calbin_path=calbin_path, inflight_capacity=1))
+        status = self.ex.start()
+        if not status.ok:
+            raise BenchError(f"executor start failed: {status}")
+        self.row = np.empty(calbin_fmt.VOCAB, dtype=np.float32)
+
+    def set_decode_latency(self, decode_us: int) -> None:
+        rc = self.ex.device.emu.set_latency(decode_us=decode_us)
+        if rc != 0:
+            raise BenchError(f"executor device: set_latency(decode_us={decode_us}) returned {rc}")
+
+    def _run(self, kind: TaskKind, tokens: np.ndarray, past: int):
+        request = InferenceRequest(seq_id=BENCH_SEQ, kind=kind, tokens=tokens,
+                                   positions=np.arange(past, past + len(tokens), dtype=np.int32),
+                                   past_len=past, deadline=time.monotonic() + _WAIT_S)
+        result = self.ex.enqueue(request, logits_out=self.row).wait_until(request.deadline)
+        if isinstance(result, Status):
+            raise BenchError(f"executor {kind.name} job at past_len={past} failed: {result}")
+        return result
+
+    def decode_block(self, prompt: np.ndarray, n: int, timings: list | None = None
+                     ) -> tuple[list[int], list[float]]:
+        """As :meth:`DirectLoop.decode_block`; appends each decode job's ``(wall_us,
+        JobTimings)`` to ``timings`` when given."""
+        status = self.ex.kvc.reset_sequence(BENCH_SEQ)
+        if not status.ok:
+            raise BenchError(f"executor: reset of seq {BENCH_SEQ} failed: {status}")
+        result = self._run(TaskKind.PREFILL_IDS, prompt, 0)
+        tokens, times = [result.argmax], []
+        clock = time.perf_counter_ns
+        for past in range(len(prompt), len(prompt) + n):
+            t0 = clock()
+            result = self._run(TaskKind.DECODE, np.asarray([tokens[-1]], dtype=np.int32), past)
+            wall = (clock() - t0) / 1e3
+            times.append(wall)
+            tokens.append(result.argmax)
+            if timings is not None:
+                timings.append((wall, result.timings))
+        return tokens, times
+
+    def dma_violations(self) -> int:
+        counters = self.ex.device.emu.counters()
+        return counters["dma_input_violations"] + counters["dma_output_violations"]
+
+    def close(self) -> None:
+        status = self.ex.shutdown()
+        if not status.ok:
+            _progress(f"executor shutdown: {status}")
+
+
+def _paired_runs(direct: DirectLoop, executor: ExecutorLoop, prompts: list[np.ndarray], n: int,
+                 label: str, timings: list) -> dict[str, Any]:
+    """One block per side per run, alternating which side goes first (A/B, B/A, ...); the
+    executor's ``(wall_us, JobTimings)`` per decode job are appended to ``timings``."""
+    d_times: list[list[float]] = []
+    e_times: list[list[float]] = []
+    identical = True
+    for r, prompt in enumerate(prompts):
+        order = ("direct", "executor") if r % 2 == 0 else ("executor", "direct")
+        out: dict[str, tuple[list[int], list[float]]] = {}
+        for side in order:
+            out[side] = (direct.decode_block(prompt, n) if side == "direct"
+                         else executor.decode_block(prompt, n, timings))
+        identical &= out["direct"][0] == out["executor"][0]
+        d_times.append(out["direct"][1])
+        e_times.append(out["executor"][1])
+        _progress(f"{label}: run {r + 1}/{len(prompts)} ({'/'.join(order)}) "
+                  f"direct P50 {np.median(d_times[-1]):.1f} us, "
+                  f"executor P50 {np.median(e_times[-1]):.1f} us")
+    return {"direct": np.concatenate(d_times), "executor": np.concatenate(e_times),
+            "identical": identical}
+
+
+def _breakdown(timings: list) -> dict[str, float]:
+    """P50 in us of each span of the executor's decode jobs (from their own JobTimings).
+    ``caller_us`` is the wall time not covered by the job's stamps: building the request
+    before ``accepted``, resolving it and waking the waiting caller after postprocess."""
+    spans: dict[str, list[float]] = {k: [] for k in (
+        "admission_us", "prepare_us", "queue_wait_us", "execution_us", "postprocess_us",
+        "caller_us", "total_us")}
+    for wall, t in timings:
+        post = t.postprocess_ms * 1000.0
+        spans["admission_us"].append(t.admitted_us - t.accepted_us)
+        spans["prepare_us"].append(t.queued_us - t.admitted_us)
+        spans["queue_wait_us"].append(t.submitted_us - t.queued_us)
+        spans["execution_us"].append(t.completed_us - t.submitted_us)
+        spans["postprocess_us"].append(post)
+        spans["caller_us"].append(wall - (t.completed_us - t.accepted_us) - post)
+        spans["total_us"].append(wall)
+    return {k: _p(v, 50) for k, v in spans.items()}
+
+
+def run_overhead(tokens: int, runs: int, zero_tokens: int, seed: int) -> dict[str, Any]:
+    """Run both phases and return the figures (times in us)."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, calbin_fmt.VOCAB, PROMPT_LEN, dtype=np.int32) for _ in range(runs)]
+    with tempfile.TemporaryDirectory(prefix="calexec-bench-") as tmp:
+        path = os.path.join(tmp, "bench.calbin")
+        calbin_fmt.write(path)
+        rt = CalRT.load()
+        direct = DirectLoop(rt, path)
+        try:
+            executor = ExecutorLoop(rt, path)
+        except BaseException:
+            direct.close()
+            raise
+        try:
+            warm = min(WARMUP_TOKENS, zero_tokens)
+            direct.decode_block(prompts[0], warm)
+            executor.decode_block(prompts[0], warm)
+            zero_timings: list = []
+            zero = _paired_runs(direct, executor, prompts, zero_tokens, "zero-latency",
+                                zero_timings)
+            for side in (direct, executor):
+                side.set_decode_latency(PROFILE_DECODE_US)
+            tpot_timings: list = []
+            tpot = _paired_runs(direct, executor, prompts, tokens, "10 ms decode", tpot_timings)
+            dma = direct.dma_violations() + executor.dma_violations()
+        finally:
+            executor.close()
+            direct.close()
+    d, e = tpot["direct"], tpot["executor"]
+    zd, ze = zero["direct"], zero["executor"]
+    return {
+        "tokens": tokens, "runs": runs, "zero_tokens": zero_tokens, "seed": seed,
+        "prompt_len": PROMPT_LEN, "decode_us": PROFILE_DECODE_US,
+        "tokens_identical": bool(zero["identical"] and tpot["identical"]),
+        "direct_tpot_us_p50": _p(d, 50), "direct_tpot_us_p99": _p(d, 99),
+        "executor_tpot_us_p50": _p(e, 50), "executor_tpot_us_p99": _p(e, 99),
+        "p50_ratio": round(_p(e, 50) / _p(d, 50), 4),
+        "p99_ratio": round(_p(e, 99) / _p(d, 99), 4),
+        "direct_us_p50": _p(zd, 50), "executor_us_p50": _p(ze, 50),
+        "direct_us_p99": _p(zd, 99), "executor_us_p99": _p(ze, 99),
+        "overhead_us_p50": _p(ze - zd, 50),
+        "executor_breakdown_us_p50": _breakdown(zero_timings),
+        "executor_tpot_breakdown_us_p50": _breakdown(tpot_timings),
+        "dma_violations": dma,
+        "spec_gate": SPEC_GATE, "goal": GOAL,
+        "cpus": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__,
+    }
+
+
+# ---- logits conversion --------------------------------------------------------------------------
+def _bf16_bits(rng: np.random.Generator, size: int) -> np.ndarray:
+    """Finite BF16 values (the top halves of normal FP32 samples) as uint16."""
+    return (rng.standard_normal(size, dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
+def _alloc_bytes(fn: Callable[[], None], calls: int) -> tuple[float, float]:
+    """(median peak transient bytes per call, bytes still held per call after ``calls``)
+    measured with tracemalloc, which traces both Python's allocator and numpy's data buffers."""
+    was_tracing = tracemalloc.is_tracing()
+    if not was_tracing:
+        tracemalloc.start()
+    try:
+        fn()  # first-call effects (caches) are not per-token costs
+        peaks = np.zeros(calls)  # preallocated: the loop itself must not retain memory
+        start = tracemalloc.get_traced_memory()[0]
+        for i in range(calls):
+            tracemalloc.reset_peak()
+            before = tracemalloc.get_traced_memory()[0]
+            fn()
+            peaks[i] = tracemalloc.get_traced_memory()[1] - before
+        retained = (tracemalloc.get_traced_memory()[0] - start) / calls
+    finally:
+        if not was_tracing:
+            tracemalloc.stop()
+    return float(np.median(peaks)), float(retained)
+
+
+def _cpu_us(fn: Callable[[], None], calls: int) -> float:
+    """Thread CPU time per call in us over ``calls`` back-to-back calls."""
+    t0 = time.thread_time_ns()
+    for _ in range(calls):
+        fn()
+    return round((time.thread_time_ns() - t0) / 1e3 / calls, 2)
+
+
+def run_logits(iters: int, seed: int) -> dict[str, Any]:
+    """Time and check the conversions; return the figures (us per call, bytes)."""
+    vocab, d0 = calbin_fmt.VOCAB, calbin_fmt.DEFAULT_TILE_D0
+    rng = np.random.default_rng(seed)
+    decode_src = _bf16_bits(rng, vocab)  # [1,1,V] flattened
+    prefill_src = _bf16_bits(rng, d0 * vocab)  # [1,D0,V] flattened
+    prefill_base = (d0 - 2) * vocab  # a row other than 0, as a prefill's valid row can be
+    dst = {name: np.empty(vocab, dtype=np.float32) for name in
+           ("direct", "legacy", "direct_prefill", "legacy_prefill", "copy")}
+    copy_src = np.empty(vocab, dtype=np.float32)
+    copy_src.view(np.uint32)[:] = decode_src.astype(np.uint32) << 16
+    cases: dict[str, Callable[[], None]] = {
+        "direct": lambda: bf16_to_f32_into(decode_src, 0, vocab, dst["direct"]),
+        "legacy": lambda: bf16_to_f32_legacy(decode_src, 0, vocab, dst["legacy"]),
+        "direct_prefill": lambda: bf16_to_f32_into(prefill_src, prefill_base, vocab,
+                                                   dst["direct_prefill"]),
+        "legacy_prefill": lambda: bf16_to_f32_legacy(prefill_src, prefill_base, vocab,
+                                                     dst["legacy_prefill"]),
+        "copy": lambda: np.copyto(dst["copy"], copy_src),
+    }
+    names = list(cases)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    clock = time.perf_counter_ns
+    _progress(f"logits: {iters} interleaved iterations of {len(names)} cases")
+    for i in range(iters):
+        for k in range(len(names)):  # rotate the order each iteration: drift hits all alike
+            name = names[(i + k) % len(names)]
+            fn = cases[name]
+            t0 = clock()
+            fn()
+            samples[name].append((clock() - t0) / 1e3)
+    identical = (np.array_equal(dst["direct"].view(np.uint32), dst["legacy"].view(np.uint32))
+                 and np.array_equal(dst["direct_prefill"].view(np.uint32),
+                                    dst["legacy_prefill"].view(np.uint32)))
+    _progress("logits: CPU time and tracemalloc allocation figures")
+    cpu_calls = max(1, min(iters, 200))
+    alloc_calls = max(1, min(iters, 100))
+    alloc = {name: _alloc_bytes(cases[name], alloc_calls) for name in names}
+    p50 = {name: _p(samples[name], 50) for name in names}
+    return {
+        "iters": iters, "seed": seed, "vocab": vocab, "tile_d0": d0,
+        "bit_identical": bool(identical),
+        **{f"{name}_us_p50": p50[name] for name in names},
+        **{f"{name}_us_p99": _p(samples[name], 99) for name in names},
+        **{f"{name}_cpu_us": _cpu_us(cases[name], cpu_calls) for name in names},
+        "speedup_vs_legacy": round(p50["legacy"] / p50["direct"], 2),
+        "speedup_vs_legacy_prefill": round(p50["legacy_prefill"] / p50["direct_prefill"], 2),
+        "ratio_to_copy": round(p50["direct"] / p50["copy"], 2),
+        "allocations_per_token": {
+            "slice_bytes": vocab * 4,
+            **{f"{name}_peak_bytes": alloc[name][0] for name in names},
+            **{f"{name}_retained_bytes": alloc[name][1] for name in names},
+        },
+        "cpus": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__,
+    }
+
+
+# ---- CLI -------------------------------------------------------------------------------------------
+def _emit(result: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(result))
+        return
+    for key, value in result.items():
+        if isinstance(value, dict):
+            print(f"{key}:")
+            for sub, v in value.items():
+                print(f"  {sub:<28} {v}")
+        else:
+            print(f"{key:<30} {value}")
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def main(argv: list[str]) -> int:
+    """Entry point; ``argv`` starts with the command words (``bench overhead|logits``)."""
+    command = argv[1] if len(argv) > 1 else ""
+    parser = argparse.ArgumentParser(prog=f"calexec bench {command}".strip())
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--seed", type=int, default=0)
+    if command == "overhead":
+        parser.add_argument("--tokens", type=_positive, default=150,
+                            help="decode tokens per block at the 10 ms profile (default 150)")
+        parser.add_argument("--runs", type=_positive, default=8,
+                            help="paired A/B blocks per phase (default 8)")
+        parser.add_argument("--zero-tokens", type=_positive, default=500,
+                            help="decode tokens per block at zero latency (default 500)")
+    elif command == "logits":
+        parser.add_argument("--iters", type=_positive, default=2000,
+                            help="timed calls per case (default 2000)")
+    else:
+        print("usage: calexec bench {overhead|logits} [--json] ...", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv[2:])
+    try:
+        if command == "overhead":
+            limit = calbin_fmt.MAX_SEQ - PROMPT_LEN
+            if max(args.tokens, args.zero_tokens) > limit:
+                parser.error(f"--tokens/--zero-tokens must be <= {limit}")
+            result = run_overhead(args.tokens, args.runs, args.zero_tokens, args.seed)
+        else:
+            result = run_logits(args.iters, args.seed)
+    except (BenchError, DriverError) as exc:
+        print(f"calexec bench {command}: {exc}", file=sys.stderr)
+        return 1
+    _emit(result, args.json)
+    return 0

@@ -1,0 +1,101 @@
+"""``calexec bench overhead`` and ``calexec bench logits`` run in-process with tiny sizes.
+
+These check the reports' shape and the correctness facts the benchmarks verify (identical
+tokens on both paths, bit-identical conversions, no slice-sized allocation on the direct
+path). They never gate on a timing figure: benchmarks report numbers, tests don't.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from calexec.drivers import bench
+
+OVERHEAD_KEYS = {
+    "p50_ratio", "p99_ratio", "overhead_us_p50", "tokens_identical",
+    "direct_tpot_us_p50", "direct_tpot_us_p99", "executor_tpot_us_p50", "executor_tpot_us_p99",
+    "direct_us_p50", "executor_us_p50", "executor_breakdown_us_p50",
+    "executor_tpot_breakdown_us_p50", "tokens", "runs", "zero_tokens", "seed", "dma_violations",
+}
+BREAKDOWN_KEYS = {"admission_us", "prepare_us", "queue_wait_us", "execution_us",
+                  "postprocess_us", "caller_us", "total_us"}
+LOGITS_CASES = ("direct", "legacy", "direct_prefill", "legacy_prefill", "copy")
+LOGITS_KEYS = {"speedup_vs_legacy", "speedup_vs_legacy_prefill", "ratio_to_copy",
+               "bit_identical", "allocations_per_token", "iters",
+               *(f"{case}_us_p50" for case in LOGITS_CASES),
+               *(f"{case}_cpu_us" for case in LOGITS_CASES)}
+
+
+def _run_json(argv: list[str], capsys) -> dict:
+    assert bench.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1, f"--json must print exactly one line, got {out!r}"
+    return json.loads(out)
+
+
+def _numbers(value) -> list[float]:
+    """Every number inside a (nested) report, booleans excluded."""
+    if isinstance(value, dict):
+        return [n for v in value.values() for n in _numbers(v)]
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return [float(value)]
+    return []
+
+
+def test_overhead_json_report(capsys):
+    report = _run_json(["bench", "overhead", "--json", "--tokens", "8", "--runs", "2",
+                        "--zero-tokens", "12", "--seed", "3"], capsys)
+    assert OVERHEAD_KEYS <= report.keys(), OVERHEAD_KEYS - report.keys()
+    assert (report["tokens"], report["runs"], report["zero_tokens"], report["seed"]) == (8, 2, 12, 3)
+    assert report["tokens_identical"] is True
+    assert report["dma_violations"] == 0
+    for key in ("executor_breakdown_us_p50", "executor_tpot_breakdown_us_p50"):
+        assert BREAKDOWN_KEYS <= report[key].keys()
+    numbers = _numbers(report)
+    assert numbers and all(math.isfinite(n) for n in numbers)
+    # Ratios are derived from the reported percentiles (numbers may be anything).
+    assert report["p50_ratio"] == pytest.approx(
+        report["executor_tpot_us_p50"] / report["direct_tpot_us_p50"], rel=1e-3)
+    assert report["p99_ratio"] == pytest.approx(
+        report["executor_tpot_us_p99"] / report["direct_tpot_us_p99"], rel=1e-3)
+
+
+def test_logits_json_report(capsys):
+    report = _run_json(["bench", "logits", "--json", "--iters", "20"], capsys)
+    assert LOGITS_KEYS <= report.keys(), LOGITS_KEYS - report.keys()
+    assert report["iters"] == 20
+    assert report["bit_identical"] is True
+    numbers = _numbers(report)
+    assert numbers and all(math.isfinite(n) for n in numbers)
+    alloc = report["allocations_per_token"]
+    slice_bytes = alloc["slice_bytes"]
+    assert slice_bytes == report["vocab"] * 4
+    # Allocation facts, not timings: the direct path holds no buffer of the slice's size,
+    # the legacy path a full FP32 copy of the tensor (16 rows for the prefill tile).
+    assert alloc["direct_peak_bytes"] < slice_bytes
+    assert alloc["direct_prefill_peak_bytes"] < slice_bytes
+    assert alloc["legacy_peak_bytes"] >= slice_bytes
+    assert alloc["legacy_prefill_peak_bytes"] >= report["tile_d0"] * slice_bytes
+
+
+def test_text_report_names_the_figures(capsys):
+    assert bench.main(["bench", "logits", "--iters", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "speedup_vs_legacy" in out and "bit_identical" in out and "True" in out
+
+
+def test_unknown_subcommand_is_a_usage_error(capsys):
+    assert bench.main(["bench", "nonsense"]) == 2
+    assert "usage" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["bench", "overhead", "--tokens", "0"],
+                                  ["bench", "logits", "--iters", "-1"]])
+def test_non_positive_sizes_are_rejected(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.main(argv)
+    assert exc.value.code == 2
+    assert "must be >= 1" in capsys.readouterr().err
