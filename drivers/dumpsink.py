@@ -1,0 +1,82 @@
+"""The controlled dump sink (spec S12): off unless configured, bounded, private by default.
+
+The legacy code dumped to a path hard-coded under a user's home directory. Here:
+
+* there is no default: a sink exists only when a directory is given explicitly;
+* a directory under a home directory (``$HOME``, ``/home/*``, ``/root``) is refused unless
+  ``allow_home=True`` is passed explicitly;
+* records are JSON lines appended to ``<dir>/calexec-dump-<pid>.jsonl``; once the file would
+  exceed ``max_bytes`` further records are dropped and counted, never truncated mid-line;
+* prompt and completion content (token ids and text) is written only with
+  ``include_content=True``; otherwise a record holds counts, status, finish reason and timings.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+#: Record keys that carry user content; removed unless the sink allows content.
+CONTENT_KEYS = ("prompt", "prompt_token_ids", "text", "token_ids")
+
+
+class DumpConfigError(ValueError):
+    """The dump sink configuration is refused; the message names the field and value."""
+
+
+def _home_roots() -> list[Path]:
+    roots = [Path("/home"), Path("/root")]
+    home = os.environ.get("HOME")
+    if home:
+        roots.append(Path(home))
+    return [r.resolve() for r in roots]
+
+
+def under_home(path: Path) -> bool:
+    """True when ``path`` (resolved) is a home directory or lies inside one."""
+    resolved = path.resolve()
+    return any(resolved == root or root in resolved.parents for root in _home_roots())
+
+
+class DumpSink:
+    """Append-only, size-capped JSON-lines sink. Thread-safe."""
+
+    def __init__(self, directory: str | os.PathLike[str], max_bytes: int,
+                 include_content: bool = False, allow_home: bool = False) -> None:
+        if not str(directory):
+            raise DumpConfigError("dump directory='': an explicit directory is required")
+        path = Path(directory)
+        if not path.is_absolute():
+            raise DumpConfigError(f"dump directory={str(directory)!r}: must be an absolute path")
+        if max_bytes <= 0:
+            raise DumpConfigError(f"dump max_bytes={max_bytes}: must be > 0")
+        if under_home(path) and not allow_home:
+            raise DumpConfigError(f"dump directory={str(directory)!r} is under a home directory; "
+                                  "choose another directory (S12)")
+        path.mkdir(parents=True, exist_ok=True)
+        self.path = path / f"calexec-dump-{os.getpid()}.jsonl"
+        self.max_bytes = max_bytes
+        self.include_content = include_content
+        self.written_bytes = self.path.stat().st_size if self.path.exists() else 0
+        self.records = 0
+        self.dropped = 0
+        self._mu = threading.Lock()
+
+    def write(self, record: dict[str, Any]) -> bool:
+        """Append one record (content keys removed unless allowed). False when dropped by the
+        size cap."""
+        if not self.include_content:
+            record = {k: v for k, v in record.items() if k not in CONTENT_KEYS}
+        line = (json.dumps(record, sort_keys=True, separators=(",", ":")) + "\n").encode("utf-8")
+        with self._mu:
+            if self.written_bytes + len(line) > self.max_bytes:
+                self.dropped += 1
+                return False
+            with open(self.path, "ab") as f:
+                f.write(line)
+            self.written_bytes += len(line)
+            self.records += 1
+        return True

@@ -1,0 +1,628 @@
+"""The reference HTTP server: one ``DeviceExecutor`` embedded in a FastAPI app (issue 6).
+
+``create_app(executor, config, dump)`` builds the app around an executor that is already
+started; ``CompletionService`` (``app.state.service``) does the work; ``DrainingServer`` is the
+uvicorn server whose SIGTERM/SIGINT starts a drain instead of an immediate stop. docs/server.md
+is the reference for endpoints, errors, metrics and the tokenizer.
+
+One completion: validate -> lease a KV sequence id from the free list -> PREFILL_IDS job at
+past_len 0 -> DECODE jobs feeding the greedy token back, until ``max_tokens``, the end token,
+the deadline or an error -> wait until the last job is resolved -> ``reset_sequence`` -> id
+back to the free list. Blocking executor calls (``enqueue``, ``JobHandle.wait_until``) run in
+worker threads under a per-app ``CapacityLimiter``; the event loop never blocks on the device.
+A request whose client disconnects is cancelled (FI12: ``JobHandle.cancel()``; a submitted job
+is still waited for and its result discarded) and its sequence released once the job ends.
+
+Errors are §8 Status values rendered with ``Status.http_status``; the body has the OpenAI shape
+``{"error": {"message", "type", "code", "param"}}`` plus ``"status": Status.to_dict()``; 429
+and 503 carry ``Retry-After``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hmac
+import itertools
+import json
+import logging
+import signal
+import threading
+import time
+from types import FrameType
+from typing import Any, Literal
+
+import anyio
+import attrs
+import numpy as np
+import uvicorn
+from anyio import to_thread
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+
+from calexec.contracts.errors import Category
+from calexec.contracts.prepare import InferenceRequest
+from calexec.contracts.status import Phase, Status
+from calexec.contracts.types import TaskKind
+from calexec.drivers import tokenizer
+from calexec.drivers.dumpsink import DumpSink
+from calexec.drivers.metrics import ServerMetrics
+from calexec.machines.compiled import CHARTS, JOB
+from calexec.machines.diagrams import render_chart_svg
+
+log = logging.getLogger("calexec.server")
+
+
+@attrs.frozen
+class ServerConfig:
+    """Operational settings of the server (the model's limits come from the executor)."""
+
+    #: admin bearer token; None disables the admin endpoints (always 403).
+    admin_token: str | None = None
+    model_name: str = "calexec-qwen3-synthetic"
+    #: completion request body limit (413 above it).
+    max_body_bytes: int = attrs.field(default=1 << 20, validator=attrs.validators.gt(0))
+    #: per-request deadline when the body gives no ``timeout``; and the largest one accepted.
+    default_timeout_s: float = attrs.field(default=30.0, validator=attrs.validators.gt(0))
+    max_timeout_s: float = attrs.field(default=600.0, validator=attrs.validators.gt(0))
+    #: KV sequence ids the server leases to requests: 1..max_sequences (0 is the golden run's).
+    max_sequences: int = attrs.field(default=32, validator=attrs.validators.ge(1))
+    #: worker threads for blocking executor calls (bounds concurrent device work requests).
+    worker_threads: int = attrs.field(default=16, validator=attrs.validators.ge(1))
+    #: Retry-After seconds on 429 and 503.
+    retry_after_s: int = attrs.field(default=1, validator=attrs.validators.ge(0))
+    end_token_id: int = tokenizer.END_TOKEN_ID
+    #: how long to wait for a cancelled job to resolve before its sequence id is withheld.
+    release_wait_s: float = attrs.field(default=60.0, validator=attrs.validators.gt(0))
+
+
+class CompletionBody(BaseModel):
+    """``POST /v1/completions`` body. Unknown fields are ignored; known fields are type-checked
+    strictly (a wrong type is a 400). ``temperature``/``top_p`` are accepted and ignored: the
+    server is greedy. ``timeout`` (seconds) is calexec's per-request deadline."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    prompt: StrictStr | list[StrictInt]
+    max_tokens: StrictInt = Field(default=16, ge=1)
+    stream: StrictBool = False
+    timeout: float | None = Field(default=None, gt=0)
+    n: Literal[1] = 1
+    model: StrictStr | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+
+
+_ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error",
+               403: "permission_error", 413: "invalid_request_error", 429: "rate_limit_error",
+               499: "cancelled_error", 503: "unavailable_error", 504: "timeout_error"}
+
+
+def error_response(status: Status, param: str | None = None, retry_after: int = 1,
+                   http_status: int | None = None) -> JSONResponse:
+    """The JSON error body of a failure Status (OpenAI shape + calexec's status dict)."""
+    code = status.http_status if http_status is None else http_status
+    body = {"error": error_body(status, param, code), "status": status.to_dict()}
+    headers = {"Retry-After": str(retry_after)} if code in (429, 503) else None
+    return JSONResponse(body, status_code=code, headers=headers)
+
+
+def error_body(status: Status, param: str | None = None,
+               http_status: int | None = None) -> dict[str, Any]:
+    """The OpenAI-shaped ``error`` object of a failure (also the SSE error event's)."""
+    code = status.http_status if http_status is None else http_status
+    return {"message": status.message or status.code,
+            "type": _ERROR_TYPE.get(code, "server_error"), "code": status.code, "param": param}
+
+
+def _invalid(message: str) -> Status:
+    return Status.failure("request.invalid", Category.INVALID_REQUEST, Phase.VALIDATE, message)
+
+
+class SequencePool:
+    """Free list of KV sequence ids. Thread-safe."""
+
+    def __init__(self, ids: range) -> None:
+        self._free = list(reversed(ids))
+        self.size = len(ids)
+        self.leaked = 0
+        self._mu = threading.Lock()
+
+    def acquire(self) -> int | None:
+        with self._mu:
+            return self._free.pop() if self._free else None
+
+    def release(self, seq_id: int) -> None:
+        with self._mu:
+            self._free.append(seq_id)
+
+    def withhold(self) -> None:
+        """A sequence could not be released on the device: keep it out of circulation."""
+        with self._mu:
+            self.leaked += 1
+
+    @property
+    def in_use(self) -> int:
+        with self._mu:
+            return self.size - len(self._free) - self.leaked
+
+
+@attrs.define(eq=False)
+class Generation:
+    """One completion request in progress."""
+
+    request_id: int
+    seq_id: int
+    prompt: list[int]
+    max_tokens: int
+    deadline: float  # absolute time.monotonic()
+    started: float
+    stream: bool
+    logits: np.ndarray
+    tokens: list[int] = attrs.Factory(list)
+    past: int = 0
+    handle: Any = None  # JobHandle of the current/last job
+    finish_reason: str | None = None
+    status: Status | None = None
+    first_token_at: float | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None or self.status is not None
+
+    def next_request(self) -> InferenceRequest:
+        if self.handle is None:
+            ids = np.asarray(self.prompt, dtype=np.int32)
+            return InferenceRequest(seq_id=self.seq_id, kind=TaskKind.PREFILL_IDS, tokens=ids,
+                                    positions=np.arange(len(ids), dtype=np.int32), past_len=0,
+                                    deadline=self.deadline, request_id=self.request_id)
+        return InferenceRequest(seq_id=self.seq_id, kind=TaskKind.DECODE,
+                                tokens=np.asarray(self.tokens[-1:], dtype=np.int32),
+                                positions=np.asarray([self.past], dtype=np.int32),
+                                past_len=self.past, deadline=self.deadline,
+                                request_id=self.request_id)
+
+
+class CompletionService:
+    """Completions, drain and live-job bookkeeping around one executor."""
+
+    def __init__(self, executor: Any, config: ServerConfig, dump: DumpSink | None) -> None:
+        self.executor = executor
+        self.config = config
+        self.dump = dump
+        self.sequences = SequencePool(range(1, config.max_sequences + 1))
+        self.draining = False
+        self.drain_status: Status | None = None
+        self.on_drained: list[Any] = []  # callables run once a drain has finished
+        self.active = 0  # admitted completion requests not yet finished
+        self._live: dict[int, Generation] = {}
+        self._ids = itertools.count(1)
+        self._limiter = anyio.CapacityLimiter(config.worker_threads)
+        self._drain_task: asyncio.Task | None = None
+        self.metrics = ServerMetrics(executor.snapshot, self._server_gauges)
+
+    def _server_gauges(self) -> dict[str, float]:
+        return {"calexec_num_requests_running": self.active,
+                "calexec_kv_sequences_in_use": self.sequences.in_use,
+                "calexec_kv_sequences_leaked": self.sequences.leaked,
+                "calexec_server_draining": 1.0 if self.draining else 0.0}
+
+    @property
+    def ready(self) -> bool:
+        return self.executor.state == "Ready" and not self.draining
+
+    def live_job_counts(self) -> dict[str, int]:
+        """JobChart state -> number of live jobs held by the server's requests."""
+        counts = dict.fromkeys(JOB.states, 0)
+        for gen in list(self._live.values()):
+            if gen.handle is not None:
+                counts[gen.handle.state] += 1
+        return counts
+
+    # ---- admission ------------------------------------------------------------------------------
+    def admit(self, body: CompletionBody) -> "tuple[Generation | None, Status, str | None]":
+        """A Generation holding a sequence id, or (None, failure, offending field)."""
+        if self.draining:
+            return None, Status.unavailable(Phase.ADMISSION, "server is draining"), None
+        generation = self.executor.generation
+        if generation is None or self.executor.state != "Ready":
+            return None, Status.unavailable(
+                Phase.ADMISSION, f"device lifecycle is {self.executor.state}"), None
+        vocab = generation.vocab_size
+        max_seq = generation.submodels[TaskKind.DECODE].max_seq
+        prompt = tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else body.prompt
+        if not prompt:
+            return None, _invalid("prompt is empty"), "prompt"
+        bad = next((i for i, t in enumerate(prompt) if not 0 <= t < vocab), None)
+        if bad is not None:
+            return None, _invalid(f"prompt[{bad}]={prompt[bad]} outside the vocabulary "
+                                  f"[0, {vocab})"), "prompt"
+        if len(prompt) > max_seq:
+            return None, _invalid(f"prompt has {len(prompt)} tokens > max_seq={max_seq}"), "prompt"
+        if len(prompt) + body.max_tokens > max_seq:
+            return None, _invalid(f"max_tokens={body.max_tokens} + {len(prompt)} prompt tokens "
+                                  f"> max_seq={max_seq}"), "max_tokens"
+        timeout = self.config.default_timeout_s if body.timeout is None else body.timeout
+        if timeout > self.config.max_timeout_s:
+            return None, _invalid(f"timeout={timeout} > max_timeout_s="
+                                  f"{self.config.max_timeout_s}"), "timeout"
+        seq_id = self.sequences.acquire()
+        if seq_id is None:
+            return None, Status.exhausted("kv", Phase.ADMISSION, "all "
+                                          f"{self.sequences.size} KV sequence ids are in use"), None
+        now = time.monotonic()
+        gen = Generation(next(self._ids), seq_id, list(prompt), body.max_tokens, now + timeout,
+                         now, body.stream, np.empty(vocab, dtype=np.float32))
+        self.active += 1
+        self._live[gen.request_id] = gen
+        self.metrics.requests.labels("true" if body.stream else "false").inc()
+        return gen, Status.OK, None
+
+    # ---- generation -----------------------------------------------------------------------------
+    async def advance(self, gen: Generation) -> int | None:
+        """Run one job; the new token, or None when the generation has ended (``finish_reason``
+        or ``status`` then says why)."""
+        if gen.done:
+            return None
+        def on_created(created) -> None:
+            gen.handle = created  # reachable for a disconnect while admission still waits
+
+        try:
+            handle = await to_thread.run_sync(
+                functools.partial(self.executor.enqueue, gen.next_request(), gen.logits,
+                                  on_created=on_created),
+                abandon_on_cancel=True, limiter=self._limiter)
+        except anyio.get_cancelled_exc_class():
+            if gen.handle is not None:
+                gen.handle.cancel()  # the enqueue thread sees the cancel and releases
+            raise
+        try:
+            result = await to_thread.run_sync(handle.wait_until, gen.deadline,
+                                              abandon_on_cancel=True, limiter=self._limiter)
+        except anyio.get_cancelled_exc_class():
+            handle.cancel()
+            raise
+        if isinstance(result, Status):
+            handle.cancel()  # wait deadline: the job continues unless told otherwise
+            gen.status = result
+            return None
+        self.metrics.observe_job(result.kind, result.timings)
+        if gen.first_token_at is None:
+            gen.first_token_at = result.timings.completed_us / 1e6
+            self.metrics.ttft.observe(max(0.0, gen.first_token_at - gen.started))
+        gen.past = result.kv_len
+        token = result.argmax
+        if token == self.config.end_token_id:
+            gen.finish_reason = "stop"
+            return None
+        gen.tokens.append(token)
+        if len(gen.tokens) >= gen.max_tokens:
+            gen.finish_reason = "length"
+        return token
+
+    async def finish(self, gen: Generation, abandoned: bool = False) -> None:
+        """Wait for the last job, release the sequence, record metrics and the dump record.
+        ``abandoned``: an unfinished generation was given up by its client (cancelled). Shielded: runs to the end even when the request task is being cancelled."""
+        with anyio.CancelScope(shield=True):
+            if abandoned and not gen.done:  # the request task ended early: client went away
+                gen.status = Status.cancelled(Phase.CANCEL, "client disconnected")
+            handle = gen.handle
+            if handle is not None and not handle.done:
+                handle.cancel()
+                await to_thread.run_sync(handle.wait_until,
+                                         time.monotonic() + self.config.release_wait_s)
+            if handle is None or handle.done:
+                released = await to_thread.run_sync(self._release_sequence, gen.seq_id)
+            else:
+                released = Status.failure("server.sequence_withheld", Category.INTERNAL,
+                                          Phase.RELEASE, f"job {handle.job_id} unresolved after "
+                                          f"{self.config.release_wait_s}s", seq_id=gen.seq_id)
+            if not released.ok:
+                log.warning("sequence %d withheld: %s", gen.seq_id, released)
+                self.sequences.withhold()
+            self._record(gen)
+            self._live.pop(gen.request_id, None)
+            self.active -= 1
+
+    def _release_sequence(self, seq_id: int) -> Status:
+        status = self.executor.kvc.reset_sequence(seq_id)
+        if status.ok:
+            self.sequences.release(seq_id)
+        return status
+
+    def _record(self, gen: Generation) -> None:
+        m = self.metrics
+        if gen.status is not None:
+            m.observe_failure(gen.status)
+        else:
+            m.success.labels(gen.finish_reason).inc()
+            m.prompt_tokens.inc(len(gen.prompt))
+            m.generation_tokens.inc(len(gen.tokens))
+            m.e2e.observe(time.monotonic() - gen.started)
+        if self.dump is not None:
+            self.dump.write({
+                "request_id": gen.request_id, "seq_id": gen.seq_id, "stream": gen.stream,
+                "prompt_tokens": len(gen.prompt), "completion_tokens": len(gen.tokens),
+                "finish_reason": gen.finish_reason,
+                "status": None if gen.status is None else gen.status.to_dict(),
+                "latency_s": round(time.monotonic() - gen.started, 6),
+                "last_job_timings": None if gen.handle is None else gen.handle.timings.to_dict(),
+                "prompt_token_ids": gen.prompt, "token_ids": gen.tokens,
+                "text": tokenizer.decode(gen.tokens)})
+
+    # ---- drain ----------------------------------------------------------------------------------
+    def start_drain(self, grace: float) -> asyncio.Task:
+        """Begin a drain (idempotent): the running task."""
+        if self._drain_task is None:
+            self._drain_task = asyncio.get_running_loop().create_task(self.drain(grace))
+        return self._drain_task
+
+    async def drain(self, grace: float) -> Status:
+        """Refuse new work (503), let admitted requests finish within ``grace`` seconds, then
+        shut the executor down with the rest of the grace. Runs ``on_drained`` callbacks."""
+        self.draining = True
+        deadline = time.monotonic() + grace
+        while self.active and time.monotonic() < deadline:
+            await anyio.sleep(0.01)
+        remaining = max(0.0, deadline - time.monotonic())
+        status = await to_thread.run_sync(self.executor.shutdown, remaining)
+        if status.ok and self.active:
+            status = Status.failure("shutdown.requests_pending", Category.DEVICE, Phase.SHUTDOWN,
+                                    f"{self.active} requests still running after grace={grace}s")
+        self.drain_status = status
+        for callback in self.on_drained:
+            callback(status)
+        return status
+
+
+def _completion_chunk(service: CompletionService, gen: Generation, text: str,
+                      token_ids: list[int], finish_reason: str | None,
+                      usage: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "id": f"cmpl-{gen.request_id}", "object": "text_completion",
+        "created": int(time.time()), "model": service.config.model_name,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+                     "token_ids": token_ids}]}
+    if usage:
+        body["usage"] = {"prompt_tokens": len(gen.prompt), "completion_tokens": len(gen.tokens),
+                         "total_tokens": len(gen.prompt) + len(gen.tokens)}
+    return body
+
+
+def _sse(data: Any) -> bytes:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n".encode("utf-8")
+
+
+async def _read_body(request: Request, limit: int) -> bytes | None:
+    """The body, or None when it exceeds ``limit`` bytes (declared or actual)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        return None
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _until_disconnect(request: Request, work) -> None:
+    """Run ``await work()``; cancel it if the client disconnects first."""
+    async with anyio.create_task_group() as tg:
+        async def watch() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            tg.cancel_scope.cancel()
+        tg.start_soon(watch)
+        await work()
+        tg.cancel_scope.cancel()
+
+
+@functools.lru_cache(maxsize=64)
+def _chart_svg(chart: str, active: str | None) -> str:
+    return render_chart_svg(chart, active)
+
+
+def create_app(executor: Any, config: ServerConfig | None = None,
+               dump: DumpSink | None = None) -> FastAPI:
+    """The FastAPI app serving ``executor`` (already started; not shut down by the app: use
+    ``app.state.service.drain(grace)``)."""
+    config = config or ServerConfig()
+    service = CompletionService(executor, config, dump)
+    app = FastAPI(title="calexec reference server", docs_url=None, redoc_url=None)
+    app.state.service = service
+    retry = config.retry_after_s
+
+    def fail(status: Status, param: str | None = None, http_status: int | None = None,
+             count: bool = True) -> JSONResponse:
+        """Error response of a completion request; counted unless it was counted already."""
+        if count:
+            service.metrics.observe_failure(status)
+        return error_response(status, param, retry, http_status)
+
+    def admin_refusal(request: Request) -> JSONResponse | None:
+        header = request.headers.get("authorization", "")
+        if config.admin_token is None:
+            return error_response(Status.failure("admin.disabled", Category.INVALID_REQUEST,
+                                                 Phase.VALIDATE, "no admin token is configured"),
+                                  http_status=403)
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            return error_response(Status.failure("admin.unauthenticated", Category.INVALID_REQUEST,
+                                                 Phase.VALIDATE, "Authorization: Bearer <token> "
+                                                 "required"), http_status=401)
+        if not hmac.compare_digest(token.encode("utf-8"), config.admin_token.encode("utf-8")):
+            return error_response(Status.failure("admin.forbidden", Category.INVALID_REQUEST,
+                                                 Phase.VALIDATE, "admin token does not match"),
+                                  http_status=403)
+        return None
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        state = executor.state
+        if service.ready:
+            return JSONResponse({"status": "ready", "lifecycle": state})
+        reason = "server is draining" if service.draining else f"device lifecycle is {state}"
+        return error_response(Status.unavailable(Phase.ADMISSION, reason), retry_after=retry)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(service.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/admin/drain")
+    async def admin_drain(request: Request) -> Response:
+        refused = admin_refusal(request)
+        if refused is not None:
+            return refused
+        raw_grace = request.query_params.get("grace", "30")
+        try:
+            grace = float(raw_grace)
+        except ValueError:
+            grace = -1.0
+        if not grace >= 0:
+            return error_response(_invalid(f"grace={raw_grace!r}: must be a number >= 0"), "grace")
+        service.start_drain(grace)
+        return JSONResponse({"draining": True, "grace": grace}, status_code=202)
+
+    @app.get("/debug/jobs")
+    async def debug_jobs() -> dict[str, Any]:
+        return {"lifecycle": executor.state, "jobs": service.live_job_counts()}
+
+    @app.get("/debug/statecharts/{chart}.svg")
+    async def chart_svg(chart: str) -> Response:
+        if chart not in CHARTS:
+            return error_response(_invalid(f"chart={chart!r} is not one of {sorted(CHARTS)}"),
+                                  "chart", http_status=404)
+        svg = await to_thread.run_sync(_chart_svg, chart, _active_state(chart))
+        return Response(svg, media_type="image/svg+xml")
+
+    def _active_state(chart: str) -> str | None:
+        if chart == "lifecycle":
+            return executor.state
+        if chart == "job":
+            counts = service.live_job_counts()
+            busiest = max(counts, key=counts.get)
+            return busiest if counts[busiest] else None
+        return None
+
+    @app.get("/debug/statecharts")
+    async def statecharts() -> HTMLResponse:
+        svgs = {name: await to_thread.run_sync(_chart_svg, name, _active_state(name))
+                for name in CHARTS}
+        counts = service.live_job_counts()
+        rows = "".join(f"<tr><td>{s}</td><td class='count'>{n}</td></tr>" for s, n in counts.items())
+        sections = "".join(f"<section><h2>{name}</h2>{_strip_xml_decl(svg)}</section>"
+                           for name, svg in svgs.items())
+        html = ("<!doctype html><html><head><meta charset='utf-8'><title>calexec statecharts"
+                "</title></head><body><h1>calexec statecharts</h1>"
+                f"<p>lifecycle: <b id='lifecycle'>{executor.state}</b>; generation "
+                f"{executor.snapshot()['generation']}; draining: {service.draining}</p>"
+                f"<table id='jobs'><tr><th>job state</th><th>live jobs</th></tr>{rows}</table>"
+                f"{sections}</body></html>")
+        return HTMLResponse(html)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        raw = await _read_body(request, config.max_body_bytes)
+        if raw is None:
+            return fail(_invalid(f"request body exceeds max_body_bytes={config.max_body_bytes}"),
+                        http_status=413)
+        try:
+            body = CompletionBody.model_validate_json(raw)
+        except ValidationError as err:
+            first = err.errors()[0]
+            param = ".".join(str(p) for p in first["loc"]) or None
+            return fail(_invalid(f"{param or 'body'}: {first['msg']}"), param)
+        gen, status, param = service.admit(body)
+        if gen is None:
+            return fail(status, param)
+        if body.stream:
+            return await _stream(request, gen)
+        try:
+            async def run() -> None:
+                while await service.advance(gen) is not None:
+                    pass
+            await _until_disconnect(request, run)
+        finally:
+            await service.finish(gen, abandoned=True)
+        if gen.status is not None:
+            return fail(gen.status, count=False)  # counted by finish()
+        body_out = _completion_chunk(service, gen, tokenizer.decode(gen.tokens), gen.tokens,
+                                     gen.finish_reason, usage=True)
+        return JSONResponse(body_out)
+
+    async def _stream(request: Request, gen: Generation) -> Response:
+        try:
+            first = await service.advance(gen)
+        except BaseException:
+            await service.finish(gen, abandoned=True)
+            raise
+        if gen.status is not None:
+            await service.finish(gen)
+            return fail(gen.status, count=False)
+
+        async def events():
+            detok = tokenizer.Detokenizer()
+            token = first
+            try:
+                while token is not None:
+                    yield _sse(_completion_chunk(service, gen, detok.feed(token), [token], None,
+                                                 usage=False))
+                    token = await service.advance(gen)
+                if gen.status is not None:
+                    yield _sse({"error": error_body(gen.status)})
+                else:
+                    yield _sse(_completion_chunk(service, gen, detok.flush(), [],
+                                                 gen.finish_reason, usage=True))
+                    yield b"data: [DONE]\n\n"
+            finally:
+                await service.finish(gen, abandoned=True)
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    return app
+
+
+def _strip_xml_decl(svg: str) -> str:
+    return svg.split("?>", 1)[1] if svg.startswith("<?xml") else svg
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn server whose first SIGTERM/SIGINT drains the service (new requests 503,
+    admitted ones finish, executor shut down) and then exits; a second signal forces exit.
+    It also exits when the executor's lifecycle ends Failed (a supervisor restarts it)."""
+
+    def __init__(self, config: uvicorn.Config, service: CompletionService, grace: float) -> None:
+        super().__init__(config)
+        self.service = service
+        self.grace = grace
+        self._loop: asyncio.AbstractEventLoop | None = None
+        service.on_drained.append(self._drained)
+
+    def _drained(self, status: Status) -> None:
+        self.should_exit = True
+
+    async def startup(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets=sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.service.draining or self._loop is None:
+            self.should_exit = self.force_exit = True
+            return
+        log.info("signal %s: draining (grace %.1fs)", signal.Signals(sig).name, self.grace)
+        self._loop.call_soon_threadsafe(self.service.start_drain, self.grace)
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.service.executor.state == "Failed" and not self.service.draining:
+            log.error("executor lifecycle is Failed: exiting")
+            self.should_exit = True
+        return await super().on_tick(counter)

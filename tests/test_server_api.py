@@ -1,0 +1,340 @@
+"""The reference server through FastAPI's TestClient (in-process ASGI; no sockets)."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+from fastapi.testclient import TestClient
+
+from calexec.drivers import tokenizer
+from calexec.drivers.dumpsink import DumpConfigError, DumpSink
+from calexec.drivers.runtime import Emulator, Fault, FaultMode
+from calexec.drivers.server import ServerConfig, create_app
+from test_server_support import SVG_ACTIVE, metric_value, oracle_tokens, started_executor, wait_for
+
+TOKEN = "test-admin-token"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    executor = started_executor(tmp_path_factory.mktemp("calbin"))
+    app = create_app(executor, ServerConfig(admin_token=TOKEN, max_body_bytes=4096))
+    with TestClient(app) as client:
+        yield client, app.state.service
+    executor.shutdown(5.0)
+
+
+@pytest.fixture
+def fresh(tmp_path):
+    """A function-scoped (executor, factory) pair for tests that change the device or drain."""
+    made = []
+
+    def make(device_config: str = "", **config):
+        executor = started_executor(tmp_path, device_config)
+        made.append(executor)
+        return executor, create_app(executor, ServerConfig(**{"admin_token": TOKEN, **config}))
+    yield make
+    for executor in made:
+        executor.shutdown(5.0)
+
+
+def complete(client, **body):
+    return client.post("/v1/completions", json=body)
+
+
+# ---- completions --------------------------------------------------------------------------------
+@pytest.mark.parametrize("prompt", [[5, 6, 7, 8], [151935], list(range(100, 140))])
+def test_greedy_tokens_equal_the_oracle(served, prompt):
+    client, service = served
+    r = complete(client, prompt=prompt, max_tokens=6)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    expected = oracle_tokens(prompt, 6)
+    assert choice["token_ids"] == expected
+    assert choice["text"] == tokenizer.decode(expected)
+    assert choice["finish_reason"] == "length"
+    assert r.json()["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 6,
+                                 "total_tokens": len(prompt) + 6}
+    assert service.sequences.in_use == 0
+
+
+def test_text_prompt_goes_through_the_byte_tokenizer(served):
+    client, _ = served
+    r = complete(client, prompt="héllo", max_tokens=3)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == len("héllo".encode("utf-8"))
+    assert r.json()["choices"][0]["token_ids"] == oracle_tokens(tokenizer.encode("héllo"), 3)
+
+
+def test_streaming_chunks_concatenate_to_the_non_streaming_text(served):
+    client, _ = served
+    plain = complete(client, prompt=[9, 10, 11], max_tokens=5).json()["choices"][0]
+    r = complete(client, prompt=[9, 10, 11], max_tokens=5, stream=True)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = [line[len("data: "):] for line in r.text.split("\n\n") if line]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == plain["text"]
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == plain["token_ids"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["usage"]["completion_tokens"] == 5
+
+
+def test_end_token_stops_the_generation(fresh):
+    prompt = [40, 41, 42]
+    expected = oracle_tokens(prompt, 4)
+    _, app = fresh(end_token_id=expected[2])
+    with TestClient(app) as client:
+        body = complete(client, prompt=prompt, max_tokens=10).json()
+    assert body["choices"][0]["token_ids"] == expected[:2]
+    assert body["choices"][0]["finish_reason"] == "stop"
+
+
+# ---- 400 / 413 ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": [1, 151936]}, "prompt"),              # out of vocabulary
+    ({"prompt": [-1]}, "prompt"),
+    ({"prompt": []}, "prompt"),                       # empty
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": [1], "max_tokens": 40960}, "max_tokens"),  # 1 + 40960 > max_seq
+    ({"prompt": [1] * 40961}, "prompt"),              # longer than max_seq (body limit raised)
+    ({"prompt": [1], "max_tokens": "3"}, "max_tokens"),     # wrong type
+    ({"prompt": [1], "max_tokens": 0}, "max_tokens"),
+    ({"prompt": [1], "stream": "yes"}, "stream"),
+    ({"prompt": [1], "n": 2}, "n"),
+    ({"max_tokens": 3}, "prompt"),                    # missing
+])
+def test_bad_input_is_400_with_a_json_body_and_serving_continues(fresh, body, param):
+    _, app = fresh(max_body_bytes=1 << 20)
+    with TestClient(app) as client:
+        r = complete(client, **body)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and err["param"] == param
+        assert r.json()["status"]["http_status"] == 400
+        assert complete(client, prompt=[1, 2], max_tokens=1).status_code == 200
+
+
+def test_malformed_json_is_400(served):
+    client, _ = served
+    r = client.post("/v1/completions", content=b'{"prompt": [1, 2', headers={
+        "content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "request.invalid"
+    assert complete(client, prompt=[3], max_tokens=1).status_code == 200
+
+
+def test_body_over_the_limit_is_413(served):
+    client, _ = served
+    r = complete(client, prompt=[1] * 3000)  # > 4096 bytes of JSON
+    assert r.status_code == 413
+    assert "max_body_bytes=4096" in r.json()["error"]["message"]
+
+
+# ---- 429 / 504 / 503 ------------------------------------------------------------------------------
+def test_kv_exhausted_is_429_with_retry_after(fresh):
+    # 2 blocks of 16 tokens: the 19-token golden run fits, a 40-token prompt never does.
+    executor, app = fresh("kv_blocks=2;kv_block_size=16")
+    with TestClient(app) as client:
+        r = complete(client, prompt=list(range(1, 41)), max_tokens=1, timeout=0.2)
+        assert r.status_code == 429, r.text
+        assert r.headers["retry-after"] == "1"
+        assert r.json()["status"]["category"] == "resource_exhausted"
+        assert complete(client, prompt=[1, 2, 3], max_tokens=2).status_code == 200
+    assert app.state.service.sequences.in_use == 0
+
+
+def test_sequence_ids_exhausted_is_429(fresh):
+    executor, app = fresh(max_sequences=1)
+    service = app.state.service
+    held = service.sequences.acquire()
+    with TestClient(app) as client:
+        r = complete(client, prompt=[1], max_tokens=1)
+        assert r.status_code == 429 and r.json()["error"]["code"] == "kv.full"
+        service.sequences.release(held)
+        assert complete(client, prompt=[1], max_tokens=1).status_code == 200
+
+
+def test_deadline_is_504_and_the_sequence_is_released_after_the_job(fresh):
+    executor, app = fresh()
+    Emulator(executor.device).set_latency(decode_us=300_000)
+    with TestClient(app) as client:
+        r = complete(client, prompt=[1, 2, 3], max_tokens=3, timeout=0.1)
+        assert r.status_code == 504, r.text
+        assert r.json()["status"]["category"] == "deadline"
+    service = app.state.service
+    assert service.sequences.in_use == 0 and service.active == 0
+    assert executor.snapshot()["inflight"] == 0
+
+
+def test_drain_makes_ready_and_completions_503(fresh):
+    executor, app = fresh()
+    service = app.state.service
+    with TestClient(app) as client:
+        assert client.get("/ready").status_code == 200
+        assert client.post("/admin/drain", params={"grace": 5},
+                           headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 202
+        wait_for(lambda: service.drain_status is not None, what="drain")
+        ready = client.get("/ready")
+        assert ready.status_code == 503 and ready.headers["retry-after"] == "1"
+        r = complete(client, prompt=[1], max_tokens=1)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["type"] == "unavailable_error"
+        assert client.get("/health").status_code == 200
+    assert service.drain_status.ok and executor.state == "Stopped"
+
+
+# ---- admin ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("headers, code", [({}, 401), ({"Authorization": "Bearer nope"}, 403),
+                                           ({"Authorization": f"Basic {TOKEN}"}, 401)])
+def test_admin_refused_without_the_token(served, headers, code):
+    client, service = served
+    assert client.post("/admin/drain", headers=headers).status_code == code
+    assert not service.draining and client.get("/ready").status_code == 200
+
+
+def test_admin_drain_refuses_a_bad_grace(served):
+    client, service = served
+    r = client.post("/admin/drain", params={"grace": "soon"},
+                    headers={"Authorization": f"Bearer {TOKEN}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "grace"
+    assert not service.draining
+
+
+def test_admin_disabled_without_a_configured_token(fresh):
+    _, app = fresh(admin_token=None)
+    with TestClient(app) as client:
+        r = client.post("/admin/drain", headers={"Authorization": f"Bearer {TOKEN}"})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "admin.disabled"
+
+
+# ---- metrics --------------------------------------------------------------------------------------------
+def test_metrics_exist_and_move_after_requests(served):
+    client, _ = served
+    before = client.get("/metrics").text
+    assert client.get("/metrics").headers["content-type"].startswith("text/plain")
+    for name in ("calexec_time_to_first_token_seconds_count",
+                 "calexec_time_per_output_token_seconds_count",
+                 "calexec_job_queue_wait_seconds_count", "calexec_job_device_wait_seconds_count",
+                 "calexec_job_h2d_seconds_count", "calexec_job_d2h_seconds_count",
+                 "calexec_job_postprocess_seconds_count"):
+        assert f"# TYPE {name.removesuffix('_count')} histogram" in before, name
+    ttft0 = metric_value(before, "calexec_time_to_first_token_seconds_count") or 0
+    bad0 = metric_value(before, "calexec_request_failures_total",
+                        {"category": "invalid_request"}) or 0
+    ok0 = metric_value(before, "calexec_request_success_total", {"finished_reason": "length"}) or 0
+    assert complete(client, prompt=[7, 8], max_tokens=3).status_code == 200
+    assert complete(client, prompt=[151936]).status_code == 400
+    after = client.get("/metrics").text
+    assert metric_value(after, "calexec_time_to_first_token_seconds_count") == ttft0 + 1
+    assert metric_value(after, "calexec_request_failures_total",
+                        {"category": "invalid_request", "raw": "none"}) == bad0 + 1
+    assert metric_value(after, "calexec_request_success_total",
+                        {"finished_reason": "length"}) == ok0 + 1
+    assert metric_value(after, "calexec_job_device_wait_seconds_count", {"kind": "decode"}) >= 2
+    assert metric_value(after, "calexec_lifecycle_state", {"state": "Ready"}) == 1
+    assert metric_value(after, "calexec_lifecycle_state", {"state": "Failed"}) == 0
+    assert metric_value(after, "calexec_generation") == 1
+    assert metric_value(after, "calexec_buffer_slots", {"state": "Quarantined"}) == 0
+    assert metric_value(after, "calexec_buffer_slots", {"state": "Free"}) > 0
+    assert metric_value(after, "calexec_jobs_inflight") == 0
+    assert metric_value(after, "calexec_executor_jobs_total", {"outcome": "succeeded"}) > 0
+
+
+def test_failure_counter_carries_the_raw_calrt_code(fresh):
+    executor, app = fresh()
+    Emulator(executor.device).set_fault(Fault.SUBMIT_RC, FaultMode.NTH, 1, rc=17)  # DEVICE_BUSY
+    with TestClient(app) as client:
+        r = complete(client, prompt=[1, 2], max_tokens=2)
+        assert r.status_code == 503 and r.json()["status"]["raw"] == 17
+        text = client.get("/metrics").text
+    assert metric_value(text, "calexec_request_failures_total",
+                        {"category": "transient", "raw": "17"}) == 1
+
+
+# ---- statecharts -------------------------------------------------------------------------------------
+def test_statecharts_svg_highlights_the_lifecycle_state(served):
+    client, _ = served
+    r = client.get("/debug/statecharts/lifecycle.svg")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("image/svg+xml")
+    assert SVG_ACTIVE.findall(r.text) == ["Ready"]
+    page = client.get("/debug/statecharts")
+    assert page.status_code == 200 and page.text.count("<svg") == 4
+    assert "<b id='lifecycle'>Ready</b>" in page.text and "<table id='jobs'>" in page.text
+    assert client.get("/debug/statecharts/nope.svg").status_code == 404
+
+
+def test_live_job_counts_show_a_running_job(fresh):
+    executor, app = fresh()
+    Emulator(executor.device).set_latency(prefill_per_token_us=300_000, decode_us=300_000)
+    seen: list[tuple[dict, list[str]]] = []
+    with TestClient(app) as client:
+        worker = threading.Thread(target=complete, args=(client,),
+                                  kwargs={"prompt": [1], "max_tokens": 3})
+        worker.start()
+
+        def observed() -> bool:  # a /debug/jobs count and the job SVG taken while it runs
+            jobs = client.get("/debug/jobs").json()["jobs"]
+            seen.append((jobs, SVG_ACTIVE.findall(client.get("/debug/statecharts/job.svg").text)))
+            return jobs["Submitted"] == 1 and seen[-1][1] == ["Submitted"]
+        wait_for(observed, what="a submitted job in /debug/jobs and the job chart")
+        worker.join(10)
+    jobs, highlighted = seen[-1]
+    assert sum(jobs.values()) == 1 and highlighted == ["Submitted"]
+    assert app.state.service.live_job_counts() == dict.fromkeys(jobs, 0)
+
+
+# ---- dump sink -----------------------------------------------------------------------------------------
+def test_dump_sink_writes_no_prompt_text_by_default_and_respects_the_cap(fresh, tmp_path):
+    executor = started_executor(tmp_path)
+    try:
+        sink = DumpSink(tmp_path / "dump", max_bytes=10_000)
+        app = create_app(executor, ServerConfig(), sink)
+        with TestClient(app) as client:
+            assert complete(client, prompt="SECRET-PROMPT", max_tokens=2).status_code == 200
+        record = json.loads(sink.path.read_text())
+        assert "SECRET" not in sink.path.read_text()
+        assert "prompt_token_ids" not in record and "text" not in record
+        assert record["prompt_tokens"] == len("SECRET-PROMPT") and record["completion_tokens"] == 2
+        size = sink.path.stat().st_size
+        capped = DumpSink(tmp_path / "capped", max_bytes=size + size // 2)
+        app = create_app(executor, ServerConfig(), capped)
+        with TestClient(app) as client:
+            for _ in range(3):
+                assert complete(client, prompt="SECRET-PROMPT", max_tokens=2).status_code == 200
+        assert capped.records == 1 and capped.dropped == 2
+        assert capped.path.stat().st_size <= capped.max_bytes
+    finally:
+        executor.shutdown(5.0)
+
+
+def test_dump_sink_writes_content_only_when_allowed(tmp_path):
+    sink = DumpSink(tmp_path, max_bytes=1000, include_content=True)
+    sink.write({"prompt_token_ids": [1, 2], "text": "hi", "n": 1})
+    assert json.loads(sink.path.read_text()) == {"prompt_token_ids": [1, 2], "text": "hi", "n": 1}
+
+
+@pytest.mark.parametrize("directory", ["", "relative/dir", "/root/calexec-dump", "/home/u/d"])
+def test_dump_sink_refuses_missing_relative_and_home_paths(directory):
+    with pytest.raises(DumpConfigError):
+        DumpSink(directory, max_bytes=1000)
+
+
+# ---- tokenizer -----------------------------------------------------------------------------------------
+def test_tokenizer_round_trip_and_incremental_decode():
+    text = "a€b"
+    ids = tokenizer.encode(text)
+    assert ids == [tokenizer.BYTE_OFFSET + b for b in text.encode()]
+    assert tokenizer.decode(ids) == text
+    mixed = ids[:2] + [7] + ids[2:] + [151000]  # '€' split by a non-byte id
+    detok = tokenizer.Detokenizer()
+    streamed = "".join(detok.feed(t) for t in mixed) + detok.flush()
+    assert streamed == tokenizer.decode(mixed) == "a\ufffd<7>\ufffd\ufffdb<151000>"
+
+
+def test_requests_do_not_leak_sequences(served):
+    client, service = served
+    for i in range(5):
+        assert complete(client, prompt=[i + 1], max_tokens=2).status_code == 200
+    assert service.sequences.in_use == 0 and service.active == 0
