@@ -69,7 +69,7 @@ def dtype_name(code: int) -> str:
         return f"UNKNOWN_{code}"
 
 
-def _host(arr: np.ndarray, what: str):
+def _host(ffi, arr: np.ndarray, what: str):
     if not isinstance(arr, np.ndarray):
         raise ValueError(f"{what}: expected a numpy array, got {type(arr).__name__}")
     if not arr.flags.c_contiguous:
@@ -77,17 +77,34 @@ def _host(arr: np.ndarray, what: str):
     code = _NP_TO_DTYPE.get(arr.dtype)
     if code is None:
         raise ValueError(f"{what}: unsupported numpy dtype {arr.dtype}")
-    return _ffi.from_buffer(arr), int(code), arr.nbytes
+    return ffi.from_buffer(arr), int(code), arr.nbytes
+
+
+_ABI_FFI = None
+
+
+def _abi_ffi():
+    """The ABI-mode FFI for ``dlopen`` of an external implementation (one per process)."""
+    global _ABI_FFI
+    if _ABI_FFI is None:
+        from cffi import FFI
+
+        from calexec.drivers.calrt.build_ffi import cdef_text
+
+        ffi = FFI()
+        ffi.cdef(cdef_text())
+        _ABI_FFI = ffi
+    return _ABI_FFI
 
 
 class CalRT:
     """A loaded CalRT library (the bundled emulator or a dlopen'ed shim)."""
 
-    def __init__(self, lib, path: str | None) -> None:
-        self.ffi = _ffi
+    def __init__(self, lib, path: str | None, ffi=_ffi) -> None:
+        self.ffi = ffi
         self.lib = lib
         self.path = path  # None for the bundled API-mode module
-        self.version = _ffi.string(lib.calrt_version()).decode()
+        self.version = ffi.string(lib.calrt_version()).decode()
         try:
             lib.calrt_emu_get_counters  # noqa: B018 - probing for the emulator controls
             self.has_emu = True
@@ -101,10 +118,13 @@ class CalRT:
             lib_path = os.environ.get(ENV_LIB) or None
         if lib_path is None:
             return cls(_emu_lib, None)
-        return cls(_ffi.dlopen(lib_path), lib_path)
+        # A plain (ABI-mode) FFI with the same cdef: the API-mode module's ffi.dlopen would
+        # resolve the names to the bundled emulator's own functions, not the library's.
+        ffi = _abi_ffi()
+        return cls(ffi.dlopen(lib_path), lib_path, ffi)
 
     def open_device(self, config: str = "") -> tuple[int, "Device | None"]:
-        out = _ffi.new("calrt_device **")
+        out = self.ffi.new("calrt_device **")
         rc = self.lib.calrt_device_open(config.encode(), out)
         return rc, (Device(self, out[0]) if rc == 0 else None)
 
@@ -112,11 +132,12 @@ class CalRT:
 class Device:
     """One virtual device. ``emu`` is the emulator controls, or None for a vendor shim."""
 
-    __slots__ = ("rt", "_lib", "_h", "emu")
+    __slots__ = ("rt", "_lib", "_ffi", "_h", "emu")
 
     def __init__(self, rt: CalRT, handle) -> None:
         self.rt = rt
         self._lib = rt.lib
+        self._ffi = rt.ffi
         self._h = handle
         self.emu = Emulator(self) if rt.has_emu else None
 
@@ -131,7 +152,7 @@ class Device:
                 sha = hashlib.sha256(f.read()).hexdigest()
         except OSError:
             sha = None
-        out = _ffi.new("calrt_calbin **")
+        out = self._ffi.new("calrt_calbin **")
         rc = self._lib.calrt_calbin_load(self._h, os.fsencode(path), out)
         if rc != 0:
             return rc, None
@@ -156,7 +177,7 @@ class Device:
         return self._lib.calrt_reset(self._h)
 
     def create_kv(self, calbin: "Calbin") -> tuple[int, "KvManager | None"]:
-        out = _ffi.new("calrt_kv **")
+        out = self._ffi.new("calrt_kv **")
         rc = self._lib.calrt_kv_create(self._h, calbin._h, out)
         return rc, (KvManager(self, out[0]) if rc == 0 else None)
 
@@ -171,20 +192,21 @@ class Device:
 class Calbin:
     """A loaded calbin. ``sha256`` is of the file's bytes (identifies the generation)."""
 
-    __slots__ = ("device", "_lib", "_h", "sha256")
+    __slots__ = ("device", "_lib", "_ffi", "_h", "sha256")
 
     def __init__(self, device: Device, handle, sha256: str) -> None:
         self.device = device
         self._lib = device._lib
+        self._ffi = device._ffi
         self._h = handle
         self.sha256 = sha256
 
     def models(self) -> tuple[int, list["Model"]]:
-        count = _ffi.new("int32_t *")
-        rc = self._lib.calrt_get_all_models(self._h, _ffi.NULL, 0, count)
+        count = self._ffi.new("int32_t *")
+        rc = self._lib.calrt_get_all_models(self._h, self._ffi.NULL, 0, count)
         if rc != 0:
             return rc, []
-        arr = _ffi.new("calrt_model *[]", max(count[0], 1))
+        arr = self._ffi.new("calrt_model *[]", max(count[0], 1))
         rc = self._lib.calrt_get_all_models(self._h, arr, count[0], count)
         return rc, ([Model(self, arr[i]) for i in range(count[0])] if rc == 0 else [])
 
@@ -195,11 +217,12 @@ class Calbin:
 class Model:
     """One graph of a calbin; ``info`` is its RuntimeModelInfo (read once, cached)."""
 
-    __slots__ = ("calbin", "_lib", "_h", "_info")
+    __slots__ = ("calbin", "_lib", "_ffi", "_h", "_info")
 
     def __init__(self, calbin: Calbin, handle) -> None:
         self.calbin = calbin
         self._lib = calbin._lib
+        self._ffi = calbin._ffi
         self._h = handle
         self._info: RuntimeModelInfo | None = None
 
@@ -220,11 +243,11 @@ class Model:
 
     def _read_info(self) -> RuntimeModelInfo:
         lib = self._lib
-        buf = _ffi.new("char[]", 256)
-        n = _ffi.new("int32_t *")
+        buf = self._ffi.new("char[]", 256)
+        n = self._ffi.new("int32_t *")
         self._check(lib.calrt_model_name(self._h, buf, 256), "model_name")
-        name = _ffi.string(buf).decode()
-        tinfo = _ffi.new("calrt_tensor_info *")
+        name = self._ffi.string(buf).decode()
+        tinfo = self._ffi.new("calrt_tensor_info *")
 
         def tensors(count_fn, info_fn) -> list[RuntimeTensorInfo]:
             self._check(count_fn(self._h, n), f"{name}: tensor count")
@@ -232,7 +255,7 @@ class Model:
             for i in range(n[0]):
                 self._check(info_fn(self._h, i, tinfo), f"{name}: tensor info {i}")
                 out.append(RuntimeTensorInfo(
-                    name=_ffi.string(tinfo.name).decode(),
+                    name=self._ffi.string(tinfo.name).decode(),
                     shape=[tinfo.shape[d] for d in range(tinfo.rank)],
                     dtype=dtype_name(tinfo.dtype),
                     byte_size=int(tinfo.byte_size),
@@ -246,27 +269,27 @@ class Model:
         csrs = []
         for i in range(n[0]):
             self._check(lib.calrt_model_csr_name(self._h, i, buf, 256), f"{name}: csr {i}")
-            csrs.append(_ffi.string(buf).decode())
+            csrs.append(self._ffi.string(buf).decode())
         self._check(lib.calrt_model_num_meta(self._h, n), f"{name}: meta count")
         meta = {}
-        val = _ffi.new("int64_t *")
+        val = self._ffi.new("int64_t *")
         for i in range(n[0]):
             self._check(lib.calrt_model_meta_at(self._h, i, buf, 256, val), f"{name}: meta {i}")
-            meta[_ffi.string(buf).decode()] = int(val[0])
+            meta[self._ffi.string(buf).decode()] = int(val[0])
         return RuntimeModelInfo(name=name, inputs=inputs, outputs=outputs, csr_names=csrs, meta=meta)
 
     def meta(self, key: str) -> tuple[int, int]:
-        val = _ffi.new("int64_t *")
+        val = self._ffi.new("int64_t *")
         rc = self._lib.calrt_model_meta(self._h, key.encode(), val)
         return rc, int(val[0]) if rc == 0 else 0
 
     def create_input_buf(self) -> tuple[int, "InputBuf | None"]:
-        out = _ffi.new("calrt_inputbuf **")
+        out = self._ffi.new("calrt_inputbuf **")
         rc = self._lib.calrt_inputbuf_create(self._h, out)
         return rc, (InputBuf(self, out[0]) if rc == 0 else None)
 
     def create_output_buf(self) -> tuple[int, "OutputBuf | None"]:
-        out = _ffi.new("calrt_outputbuf **")
+        out = self._ffi.new("calrt_outputbuf **")
         rc = self._lib.calrt_outputbuf_create(self._h, out)
         return rc, (OutputBuf(self, out[0]) if rc == 0 else None)
 
@@ -274,18 +297,19 @@ class Model:
 class InputBuf:
     """InputBuf of one model. Mapped arrays stay referenced until remap or destroy."""
 
-    __slots__ = ("model", "_lib", "_h", "_arrays", "_n")
+    __slots__ = ("model", "_lib", "_ffi", "_h", "_arrays", "_n")
 
     def __init__(self, model: Model, handle) -> None:
         self.model = model
         self._lib = model._lib
+        self._ffi = model._ffi
         self._h = handle
         self._arrays: dict[str, np.ndarray] = {}
-        self._n = _ffi.new("int32_t *")
+        self._n = self._ffi.new("int32_t *")
 
     def map(self, tensor: str, arr: np.ndarray) -> int:
         """MapBuf: the device reads arr at H2D; do not write it until the job completes."""
-        ptr, dtype, size = _host(arr, f"input tensor {tensor!r}")
+        ptr, dtype, size = _host(self._ffi, arr, f"input tensor {tensor!r}")
         rc = self._lib.calrt_inputbuf_map(self._h, tensor.encode(), dtype, ptr, size)
         if rc == 0:
             self._arrays[tensor] = arr
@@ -315,18 +339,19 @@ class InputBuf:
 class OutputBuf:
     """OutputBuf of one model; the device writes the mapped array at D2H."""
 
-    __slots__ = ("model", "_lib", "_h", "_array", "_status", "_bytes")
+    __slots__ = ("model", "_lib", "_ffi", "_h", "_array", "_status", "_bytes")
 
     def __init__(self, model: Model, handle) -> None:
         self.model = model
         self._lib = model._lib
+        self._ffi = model._ffi
         self._h = handle
         self._array: np.ndarray | None = None
-        self._status = _ffi.new("int32_t *")
-        self._bytes = _ffi.new("uint64_t *")
+        self._status = self._ffi.new("int32_t *")
+        self._bytes = self._ffi.new("uint64_t *")
 
     def map(self, tensor: str, arr: np.ndarray) -> int:
-        ptr, dtype, size = _host(arr, f"output tensor {tensor!r}")
+        ptr, dtype, size = _host(self._ffi, arr, f"output tensor {tensor!r}")
         rc = self._lib.calrt_outputbuf_map(self._h, tensor.encode(), dtype, ptr, size)
         if rc == 0:
             self._array = arr
@@ -354,15 +379,16 @@ class OutputBuf:
 class KvManager:
     """The device's KvManager. can_allocate/apply are bools without a reason, as 0.7.6."""
 
-    __slots__ = ("device", "_lib", "_h", "block_size", "capacity_blocks", "max_seqs", "_len")
+    __slots__ = ("device", "_lib", "_ffi", "_h", "block_size", "capacity_blocks", "max_seqs", "_len")
 
     def __init__(self, device: Device, handle) -> None:
         self.device = device
         self._lib = device._lib
+        self._ffi = device._ffi
         self._h = handle
-        self._len = _ffi.new("uint32_t *")
-        bs, cap, free, seqs = (_ffi.new("uint32_t *"), _ffi.new("uint32_t *"), _ffi.new("uint32_t *"),
-                               _ffi.new("int32_t *"))
+        self._len = self._ffi.new("uint32_t *")
+        bs, cap, free, seqs = (self._ffi.new("uint32_t *"), self._ffi.new("uint32_t *"), self._ffi.new("uint32_t *"),
+                               self._ffi.new("int32_t *"))
         rc = self._lib.calrt_kv_geometry(handle, bs, cap, free, seqs)
         if rc != 0:
             raise RuntimeError(f"CalRT kv_geometry failed with code {rc}")
@@ -371,8 +397,8 @@ class KvManager:
         self.max_seqs = int(seqs[0])
 
     def free_blocks(self) -> tuple[int, int]:
-        bs, cap, free, seqs = (_ffi.new("uint32_t *"), _ffi.new("uint32_t *"), _ffi.new("uint32_t *"),
-                               _ffi.new("int32_t *"))
+        bs, cap, free, seqs = (self._ffi.new("uint32_t *"), self._ffi.new("uint32_t *"), self._ffi.new("uint32_t *"),
+                               self._ffi.new("int32_t *"))
         rc = self._lib.calrt_kv_geometry(self._h, bs, cap, free, seqs)
         return rc, int(free[0]) if rc == 0 else 0
 
@@ -399,13 +425,14 @@ _COUNTER_FIELDS = tuple(name for name, _ in _ffi.typeof("calrt_emu_counters").fi
 class Emulator:
     """calrt_emu_ controls of a device (latency, knobs, faults, stepped mode, counters)."""
 
-    __slots__ = ("_lib", "_h", "_did", "_counters")
+    __slots__ = ("_lib", "_ffi", "_h", "_did", "_counters")
 
     def __init__(self, device: Device) -> None:
         self._lib = device._lib
+        self._ffi = device._ffi
         self._h = device._h
-        self._did = _ffi.new("int32_t *")
-        self._counters = _ffi.new("calrt_emu_counters *")
+        self._did = self._ffi.new("int32_t *")
+        self._counters = self._ffi.new("calrt_emu_counters *")
 
     def set_latency(self, h2d_us: int = 0, prefill_per_token_us: int = 0, decode_us: int = 0, d2h_us: int = 0) -> int:
         return self._lib.calrt_emu_set_latency(self._h, h2d_us, prefill_per_token_us, decode_us, d2h_us)
@@ -414,7 +441,7 @@ class Emulator:
         return self._lib.calrt_emu_set_knob(self._h, key.encode(), value)
 
     def get_knob(self, key: str) -> tuple[int, int]:
-        val = _ffi.new("int64_t *")
+        val = self._ffi.new("int64_t *")
         rc = self._lib.calrt_emu_get_knob(self._h, key.encode(), val)
         return rc, int(val[0]) if rc == 0 else 0
 
@@ -431,7 +458,7 @@ class Emulator:
 
     def fault_stats(self, point: int) -> tuple[int, int, int]:
         """(rc, calls counted, fired) since the point was last set."""
-        calls, fired = _ffi.new("uint64_t *"), _ffi.new("uint64_t *")
+        calls, fired = self._ffi.new("uint64_t *"), self._ffi.new("uint64_t *")
         rc = self._lib.calrt_emu_fault_stats(self._h, point, calls, fired)
         return rc, int(calls[0]), int(fired[0])
 
@@ -445,7 +472,7 @@ class Emulator:
 
     def pending(self, engine: int = 0) -> tuple[int, int, int]:
         """(rc, jobs queued or running, next stage of the head job)."""
-        jobs, stage = _ffi.new("int32_t *"), _ffi.new("int32_t *")
+        jobs, stage = self._ffi.new("int32_t *"), self._ffi.new("int32_t *")
         rc = self._lib.calrt_emu_pending(self._h, engine, jobs, stage)
         return rc, int(jobs[0]), int(stage[0])
 
