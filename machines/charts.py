@@ -48,6 +48,10 @@ GUARD_RULES: dict[str, str] = {
         "KvManager and buffer pool before warming"
     ),
     "golden_passed": "§9.2: the fixed prefill+decode golden check passed; only then take traffic",
+    "last_good_known": (
+        "§8 Artifact row / §9.2 model switch: a previously Ready calbin other than the refused "
+        "one is known, so the switch can roll back to it"
+    ),
     "all_submitted_drained": (
         "§9.1/§5.1-7: every submitted job has returned from Wait() (or been handed to a "
         "verified reset); no DMA buffer is released before that"
@@ -182,6 +186,11 @@ class LifecycleChart(StateMachine):
     recover = Draining.to(Recovering, cond="all_submitted_drained")
     reconfigure = Recovering.to(Configuring, cond="reset_confirmed")
     stop = Draining.to(Stopped, cond="all_submitted_drained")
+    # §9.2 model switch: a generation that fails to configure or to pass its golden is
+    # refused and the last known good calbin is configured again (as Triton keeps the old
+    # model on a failed reload); the previous model keeps serving after its own golden.
+    roll_back = (Warming.to(Configuring, cond="last_good_known")
+                 | Configuring.to.itself(cond="last_good_known"))
     fail = (
         Ready.to(Failed)
         | Draining.to(Failed)

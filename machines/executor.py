@@ -39,6 +39,8 @@ from calexec.contracts.prepare import (InferenceRequest, check_request, plan_sli
 from calexec.contracts.status import Phase, Status, llama_decode_code
 from calexec.contracts.types import ModelGeneration, TaskKind
 from calexec.machines.compiled import LIFECYCLE, GuardRejected
+from calexec.machines.faults import Action, Decision, FaultController, RecoveryPolicy
+from calexec.machines.generation import Generation, open_generation
 from calexec.machines.job import InferenceResult, Job, JobHandle, now_us
 from calexec.machines.kv import KvCoordinator
 from calexec.machines.locks import LIFECYCLE as LIFECYCLE_RANK
@@ -51,24 +53,9 @@ log = logging.getLogger("calexec.executor")
 
 class FaultSink(Protocol):
     """Where the executor reports every failure after submit and every runtime failure.
-
-    The recovery issue's fault controller implements it (drain, reset, generation+1)."""
+    ``calexec.machines.faults.FaultController`` (the default) applies the §8 actions."""
 
     def report(self, status: Status, job: Job | None) -> None: ...
-
-
-class RecordingFaultSink:
-    """Default sink: keeps the reports (bounded) and counts them by category."""
-
-    def __init__(self, keep: int = 1000) -> None:
-        self.reports: deque[Status] = deque(maxlen=keep)
-        self.by_category: dict[Category, int] = {}
-        self._mu = threading.Lock()
-
-    def report(self, status: Status, job: Job | None) -> None:
-        with self._mu:
-            self.reports.append(status)
-            self.by_category[status.category] = self.by_category.get(status.category, 0) + 1
 
 
 @attrs.define
@@ -95,12 +82,18 @@ class ExecutorConfig:
     #: record lock acquisition order (tests); strict raises on a violation.
     check_lock_order: bool = False
     strict_lock_order: bool = False
-    #: warm-up golden run at start (§9.2 Warming); tokens recorded on the first start.
+    #: the fixed golden run of §9.2 Warming: this prompt, then greedy decode steps
     golden_tokens: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17)
     golden_decode_steps: int = 2
     golden_seq_id: int = 0
-    #: expected golden output (greedy tokens); None: record the first warm-up's output.
-    golden_expected: tuple[int, ...] | None = None
+    #: expected golden tokens per calbin sha256. A calbin without an entry records its first
+    #: warm-up's tokens (trust on first use) unless ``require_golden`` is set.
+    goldens: dict[str, tuple[int, ...]] = attrs.field(factory=dict)
+    require_golden: bool = False
+    #: recovery thresholds and reset choice (calexec.machines.faults.RecoveryPolicy)
+    recovery: RecoveryPolicy = attrs.field(factory=RecoveryPolicy)
+    #: retired generations whose host storage is kept alive (stale DMA after a reset, FI14)
+    keep_retired_generations: int = 4
 
 
 class DeviceExecutor:
@@ -111,7 +104,9 @@ class DeviceExecutor:
         self.runtime = runtime
         self.manifest = manifest
         self.config = config
-        self.faults = fault_sink or RecordingFaultSink()
+        self.faults = fault_sink or FaultController(config.recovery)
+        if hasattr(self.faults, "attach"):
+            self.faults.attach(self)
         self.locks = LockOrder(checking=config.check_lock_order, strict=config.strict_lock_order)
         self.lifecycle_mu = self.locks.lock(LIFECYCLE_RANK)
         self.submit_mu = self.locks.lock(SUBMIT)
@@ -127,27 +122,58 @@ class DeviceExecutor:
         self._job_ids = itertools.count(1)
         self._gen_ids = itertools.count(1)
         self.lifecycle = LIFECYCLE.run(self)
-        self.generation: ModelGeneration | None = None
-        self.device = self.calbin = self.kv = None
-        self.pool: BufferPool | None = None
-        self.kvc: KvCoordinator | None = None
-        self._models: dict[TaskKind, Any] = {}
+        self.device: Any = None
+        self.gen: Generation | None = None
+        self._retired: deque[Generation] = deque(maxlen=config.keep_retired_generations)
         self._threads: list[threading.Thread] = []
         self._stopping = False
-        self._halted: Status | None = None  # set when the device is unusable (guarded by submit_mu)
+        self._admitting = False  # Ready and not draining (read without a lock: a bool)
+        self._refusal: Status | None = None  # why queued jobs are failed (submit_mu)
         self._golden_ok = False
-        self.golden_output: tuple[int, ...] | None = config.golden_expected
+        self._teardown_confirmed = False
+        self._rollback_path: str | None = None
+        self.good_calbins: list[str] = []  # calbin paths that reached Ready, newest last
+        self.goldens: dict[str, tuple[int, ...]] = dict(config.goldens)
         self.start_status: Status | None = None
+        self.failure: Status | None = None  # why the lifecycle is Failed
+        # recovery: one at a time, on its own thread (threads mode) or run by the caller
+        self._recovery_mu = threading.Lock()
+        self._pending_recovery: Decision | None = None
+        self._recovery_thread: threading.Thread | None = None
+        self.recoveries: list[dict[str, Any]] = []
         # Observability (§10.3): counters read by metrics; thread identity of runtime calls
-        # (invariant 2) recorded when lock-order checking is on.
+        # (invariant 2).
         self.counters = {"submitted": 0, "succeeded": 0, "failed": 0, "quarantined": 0,
-                         "cancelled": 0}
+                         "cancelled": 0, "stale_completions": 0, "submit_retries": 0}
+        self._counters_mu = threading.Lock()
         self.infer_threads: set[str] = set()
         self.wait_threads: set[str] = set()
 
+    # ---- the current generation's parts (None before start) ----------------------------------
+    @property
+    def generation(self) -> ModelGeneration | None:
+        return None if self.gen is None else self.gen.contracts
+
+    @property
+    def pool(self) -> BufferPool | None:
+        return None if self.gen is None else self.gen.pool
+
+    @property
+    def kvc(self) -> KvCoordinator | None:
+        return None if self.gen is None else self.gen.kvc
+
+    @property
+    def kv(self) -> Any:
+        return None if self.gen is None else self.gen.kv
+
+    @property
+    def _models(self) -> dict[TaskKind, Any]:
+        return {} if self.gen is None else self.gen.models
+
     # ---- lifecycle guards (LifecycleChart) ------------------------------------------------
     def generation_advanced(self) -> bool:
-        return self.generation is not None and self.pool is not None and self.kvc is not None
+        """A fresh generation (new id, calbin, KvManager, pool) is open."""
+        return self.gen is not None and self.gen.id == self._last_gen_id
 
     def golden_passed(self) -> bool:
         return self._golden_ok
@@ -158,11 +184,18 @@ class DeviceExecutor:
             return self._inflight == 0 and not self._completion_q
 
     def reset_confirmed(self) -> bool:
-        return False  # reset-based recovery is the recovery controller's (issue 5)
+        """The runtime no longer touches any old-generation buffer: the old generation was
+        released after a drain, or after a confirmed reset."""
+        return self._teardown_confirmed
+
+    def last_good_known(self) -> bool:
+        return self._rollback_path is not None
 
     @property
     def state(self) -> str:
         return self.lifecycle.state
+
+    _last_gen_id = 0
 
     # ---- start: Configuring -> Warming -> Ready ----------------------------------------------
     def start(self) -> Status:
@@ -170,7 +203,9 @@ class DeviceExecutor:
 
         FI01: the manifest is resolved against ``GetAllModels`` before ``configure``; a
         mismatch refuses the generation and nothing is configured."""
-        status = self._open_generation()
+        rc, self.device = self.runtime.open_device(self.config.device_config)
+        status = (Status.from_calrt(rc, Phase.CONFIGURE, "device open") if rc != 0 else
+                  self._open(self.config.calbin_path))
         if status.ok:
             self.lifecycle.send("configured")
             if self.config.threads:
@@ -178,65 +213,61 @@ class DeviceExecutor:
             status = self._warm_up()
         if not status.ok:
             self.start_status = status
-            self.faults.report(status, None)
-            self._teardown_after_failed_start()
-            with self.lifecycle_mu:
-                self.lifecycle.send("fail")
+            self._fail(status)
+            self._stop_threads()
+            if self.gen is not None:
+                self.gen.pool.close()
+                self.gen.release(self.device)
+            if self.device is not None:
+                self.device.close()
             return status
-        with self.lifecycle_mu:
-            self.lifecycle.send("warmed")
+        self._go_ready()
         self.start_status = Status.OK
         return Status.OK
 
-    def _open_generation(self) -> Status:
-        cfg = self.config
+    def _open(self, calbin_path: str) -> Status:
+        """Open generation+1 of ``calbin_path`` (Configuring)."""
         gen_id = next(self._gen_ids)
-        rc, self.device = self.runtime.open_device(cfg.device_config)
-        if rc != 0:
-            return Status.from_calrt(rc, Phase.CONFIGURE, "device open", generation=gen_id)
-        rc, self.calbin = self.device.load_calbin(cfg.calbin_path)
-        if rc != 0:
-            return Status.from_calrt(rc, Phase.CONFIGURE, f"calbin load {cfg.calbin_path!r}",
-                                     generation=gen_id)
-        rc, models = self.calbin.models()
-        if rc != 0:
-            return Status.from_calrt(rc, Phase.LOOKUP, "GetAllModels", generation=gen_id)
-        generation = self.manifest.resolve([m.info for m in models], generation_id=gen_id,
-                                           calbin_sha256=self.calbin.sha256)
-        if isinstance(generation, Status):
-            return generation
-        by_name = {m.info.name: m for m in models}
-        self._models = {kind: by_name[sub.exact_name] for kind, sub in generation.submodels.items()}
-        rc = self.device.configure(self.calbin)
-        if rc != 0:
-            return Status.from_calrt(rc, Phase.CONFIGURE, "configure", generation=gen_id)
-        rc, self.kv = self.device.create_kv(self.calbin)
-        if rc != 0:
-            return Status.from_calrt(rc, Phase.CONFIGURE, "KvManager create", generation=gen_id)
-        pool = BufferPool(generation, self._models,
-                          {kind: cfg.slots_per_kind for kind in generation.submodels}, self.locks)
-        status = pool.open()
-        if not status.ok:
-            return status
-        self.pool = pool
-        self.kvc = KvCoordinator(self.kv, gen_id, self.locks)
-        self.generation = generation
+        gen = open_generation(self.device, self.manifest, calbin_path, gen_id,
+                              self.config.slots_per_kind, self.locks)
+        if isinstance(gen, Status):
+            return gen
+        self.gen, self._last_gen_id = gen, gen_id
+        self._golden_ok = self._teardown_confirmed = False
+        with self._submit_cv:
+            self._refusal = None  # the new generation's own golden jobs may queue
         return Status.OK
 
+    def _go_ready(self) -> None:
+        with self.lifecycle_mu:
+            self.lifecycle.send("warmed")
+            with self._submit_cv:
+                self._refusal = None
+            self._admitting = not self._stopping
+        path = self.gen.calbin_path
+        if path in self.good_calbins:
+            self.good_calbins.remove(path)
+        self.good_calbins.append(path)
+
     def _warm_up(self) -> Status:
-        """§9.2 Warming: a fixed prefill + decode through the real path; compare the greedy
-        tokens with the recorded golden (recorded on the first start when none is given)."""
+        """§9.2 Warming: a fixed prefill + decode through the real path, compared with the
+        golden recorded for this calbin (recorded on first use unless ``require_golden``)."""
         cfg = self.config
         tokens = self._run_golden()
         if isinstance(tokens, Status):
             return tokens
-        if self.golden_output is None:
-            self.golden_output = tokens
-        if tokens != self.golden_output:
-            return Status.failure("golden.mismatch", Category.UNKNOWN, Phase.GOLDEN,
-                                  f"golden tokens {list(tokens)} != recorded "
-                                  f"{list(self.golden_output)}",
-                                  generation=self.generation.generation_id)
+        sha = self.gen.sha256
+        expected = self.goldens.get(sha)
+        if expected is None:
+            if cfg.require_golden:
+                return Status.failure("golden.missing", Category.ARTIFACT, Phase.GOLDEN,
+                                      f"no recorded golden for calbin sha256 {sha[:16]}...",
+                                      generation=self.gen.id)
+            self.goldens[sha] = expected = tokens
+        if tokens != tuple(expected):
+            return Status.failure("golden.mismatch", Category.INTERNAL, Phase.GOLDEN,
+                                  f"golden tokens {list(tokens)} != recorded {list(expected)}",
+                                  generation=self.gen.id)
         status = self.kvc.reset_sequence(cfg.golden_seq_id)
         self._golden_ok = status.ok
         return status
@@ -252,7 +283,7 @@ class DeviceExecutor:
         request = InferenceRequest(seq_id=seq, kind=TaskKind.PREFILL_IDS, tokens=prompt,
                                    positions=np.arange(len(prompt), dtype=np.int32), past_len=0,
                                    deadline=time.monotonic() + 60.0)
-        for step in range(cfg.golden_decode_steps + 1):
+        for _ in range(cfg.golden_decode_steps + 1):
             result = self._run_internal(request)
             if isinstance(result, Status):
                 return result
@@ -272,14 +303,211 @@ class DeviceExecutor:
                     break
         return handle.wait_until(request.deadline)
 
-    def _teardown_after_failed_start(self) -> None:
-        self._stop_threads()
-        if self.pool is not None:
-            self.pool.close()
-        for name, obj, fn in (("kv", self.kv, "destroy"), ("calbin", self.calbin, "unload"),
-                              ("device", self.device, "close")):
-            if obj is not None:
-                getattr(obj, fn)()
+    def _fail(self, status: Status) -> None:
+        """Lifecycle -> Failed with ``status`` as the reason; queued work is refused."""
+        with self.lifecycle_mu:
+            self._admitting = False
+            if not self.lifecycle.final:
+                self.lifecycle.send("fail")
+                self.failure = status
+        self._refuse_queued(status)
+        log.error("device lifecycle Failed: %s", status)
+
+    # ---- recovery (§9.1, §9.2): Ready -> Draining -> Recovering -> Configuring -> Warming ------
+    def request_recovery(self, decision: Decision) -> None:
+        """Called by the fault controller; never blocks. Runs the recovery on its own thread
+        (threads mode) or leaves it for ``run_pending_recovery`` (stepped mode)."""
+        if decision.action is Action.STOP:
+            self._stop_admission(Status.unavailable(Phase.RECOVERY, decision.reason))
+            self._fail(decision.status)
+            return
+        with self.lifecycle_mu:
+            if self.lifecycle.state != "Ready" or self._pending_recovery is not None:
+                return  # already draining/recovering: one recovery covers it
+            self._pending_recovery = decision
+            self._admitting = False  # stop admission at once (§8 Device row)
+        if self.config.threads:
+            thread = threading.Thread(target=self.run_pending_recovery, name="calexec-recovery",
+                                      daemon=True)
+            self._recovery_thread = thread
+            thread.start()
+
+    def run_pending_recovery(self) -> Status | None:
+        """Run the recovery the controller asked for, if any (stepped mode calls this)."""
+        with self.lifecycle_mu:
+            decision, self._pending_recovery = self._pending_recovery, None
+        if decision is None:
+            return None
+        return self.recover(decision.status, reset=decision.action is Action.RESET_REBUILD,
+                            calbin_path=(self._last_good_other() if decision.action is
+                                         Action.ROLLBACK else None))
+
+    def switch_model(self, calbin_path: str) -> Status:
+        """Model switch through the lifecycle: the new calbin goes live only after its golden
+        passes; otherwise the previous one is configured again and keeps serving."""
+        return self.recover(Status.failure("lifecycle.model_switch", Category.LIFECYCLE,
+                                           Phase.RECOVERY, f"switch to {calbin_path!r}"),
+                            reset=False, calbin_path=calbin_path)
+
+    def recover(self, reason: Status, reset: bool = True,
+                calbin_path: str | None = None) -> Status:
+        """Drain, optionally reset, tear down the generation, open generation+1 of
+        ``calbin_path`` (default: the current calbin), run the golden, reopen admission."""
+        with self._recovery_mu:
+            t0 = time.monotonic()
+            record: dict[str, Any] = {"reason": reason.code, "reset": reset,
+                                      "from_generation": self.gen.id if self.gen else None}
+            status = self._recover(reason, reset, calbin_path, record)
+            record.update(ok=status.ok, status=status.code, seconds=time.monotonic() - t0,
+                          to_generation=self.gen.id if self.gen else None,
+                          lifecycle=self.lifecycle.state)
+            self.recoveries.append(record)
+            return status
+
+    def _recover(self, reason: Status, reset: bool, calbin_path: str | None,
+                 record: dict[str, Any]) -> Status:
+        policy = self.config.recovery
+        with self.lifecycle_mu:
+            if self.lifecycle.state != "Ready":
+                return Status.unavailable(Phase.RECOVERY,
+                                          f"cannot recover from lifecycle {self.lifecycle.state}")
+            self.lifecycle.send("drain")
+        unavailable = Status.unavailable(Phase.RECOVERY,
+                                         f"device recovering after {reason.code}; retry later")
+        self._stop_admission(unavailable)
+        drained = self._drain(policy.drain_grace_s)
+        reset_done = False
+        if not drained and reset and policy.reset_kind != "none":
+            status = self._reset(policy.reset_kind)  # aborts what the device still holds
+            if not status.ok:
+                self._fail(status)
+                return status
+            reset_done = True
+            drained = self._drain(policy.drain_grace_s)
+        if not drained:
+            status = Status.failure("recovery.not_drained", Category.DEVICE, Phase.RECOVERY,
+                                    "submitted jobs did not finish and no safe reset is "
+                                    f"configured (reset_kind={policy.reset_kind}); the "
+                                    "process should exit for its supervisor", **self._gctx())
+            self._fail(status)
+            return status
+        with self.lifecycle_mu:
+            self.lifecycle.send("recover")
+        old = self.gen
+        old.pool.quarantine_all()  # invariant 8: every old-generation slot
+        if reset and not reset_done:
+            if policy.reset_kind == "none":
+                # a device fault needs a reset the runtime cannot give safely: stop (§9.1)
+                status = Status.failure("recovery.no_safe_reset", Category.DEVICE,
+                                        Phase.RECOVERY, f"{reason.code} needs a device reset "
+                                        "and reset_kind=none; the process should exit for its "
+                                        "supervisor", **self._gctx())
+            else:
+                status = self._reset(policy.reset_kind)
+            if not status.ok:
+                self._fail(status)
+                return status
+        record["reset_kind"] = policy.reset_kind if reset else None
+        status = old.release(self.device)
+        self._retired.append(old)
+        if not status.ok:
+            self._fail(status)
+            return status
+        self._teardown_confirmed = True
+        with self.lifecycle_mu:
+            self.lifecycle.send("reconfigure")
+        target = calbin_path or old.calbin_path
+        # One more attempt if this one fails: a switch rolls back to the last good calbin
+        # (Triton keeps the old model on a failed reload); a recovery retries its calbin once.
+        self._rollback_path = (self._last_good_other(exclude=target) if calbin_path else
+                               target if target in self.good_calbins else None)
+        status = self._configure_and_warm(target)
+        refused: list[str] = []
+        while not status.ok and self.lifecycle.can("roll_back"):
+            refused.append(status.code)
+            self._release_failed_generation()
+            fallback = self._rollback_path
+            self.lifecycle.send("roll_back")
+            self._rollback_path = None
+            status = self._configure_and_warm(fallback)
+            if status.ok and fallback != target:
+                record["refused"] = refused
+                self._go_ready()
+                return Status.failure("recovery.rolled_back", Category.ARTIFACT, Phase.RECOVERY,
+                                      f"{target!r} was refused ({refused[0]}); {fallback!r} "
+                                      "serves again", **self._gctx())
+        record["refused"] = refused
+        if not status.ok:
+            self._fail(status)
+            return status
+        self._go_ready()
+        return Status.OK
+
+    def _configure_and_warm(self, calbin_path: str) -> Status:
+        """Configuring -> Warming -> (golden) with a fresh generation of ``calbin_path``."""
+        status = self._open(calbin_path)
+        if not status.ok:
+            self.gen = None
+            return status
+        with self.lifecycle_mu:
+            self.lifecycle.send("configured")
+        return self._warm_up()
+
+    def _release_failed_generation(self) -> None:
+        """Tear down a generation refused while Configuring/Warming (its golden jobs may
+        still be on the device: drain, and reset if they do not finish)."""
+        gen = self.gen
+        if gen is None:
+            return
+        policy = self.config.recovery
+        if not self._drain(policy.drain_grace_s) and policy.reset_kind != "none":
+            self._reset(policy.reset_kind)
+            self._drain(policy.drain_grace_s)
+        gen.release(self.device)
+        self._retired.append(gen)
+        self.gen = None
+
+    def _last_good_other(self, exclude: str | None = None) -> str | None:
+        exclude = exclude if exclude is not None else (self.gen.calbin_path if self.gen else None)
+        others = [p for p in self.good_calbins if p != exclude]
+        return others[-1] if others else None
+
+    def _reset(self, kind: str) -> Status:
+        rc = getattr(self.device, kind)()
+        return Status.from_calrt(rc, Phase.RECOVERY, f"device {kind}", **self._gctx())
+
+    def _gctx(self) -> dict[str, int]:
+        return {} if self.gen is None else {"generation": self.gen.id}
+
+    def _stop_admission(self, status: Status) -> None:
+        """No new admissions; waiters end; queued (not submitted) jobs fail with ``status``
+        (UNAVAILABLE: the client retries after Retry-After; nothing is dropped silently)."""
+        self._admitting = False
+        self._refuse_queued(status)
+        if self.gen is not None:
+            self.gen.kvc.wake()
+            self.gen.pool.wake()
+
+    def _refuse_queued(self, status: Status) -> None:
+        with self._submit_cv:
+            self._refusal = status
+            self._submit_cv.notify_all()
+        if not self.config.threads:
+            while self._submit_q and self.submit_one():
+                pass
+
+    def _drain(self, grace: float) -> bool:
+        """Wait until every submitted job returned from Wait (or the grace ends)."""
+        deadline = time.monotonic() + grace
+        while True:
+            if not self.config.threads:
+                while self.complete_one():
+                    pass
+            if self.all_submitted_drained() and not self._submit_q:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.002)
 
     # ---- enqueue (§6.2) -------------------------------------------------------------------------
     def enqueue(self, request: InferenceRequest, logits_out: np.ndarray | None = None,
@@ -298,18 +526,20 @@ class DeviceExecutor:
     def _enqueue(self, request: InferenceRequest, internal: bool,
                  logits_out: np.ndarray | None = None,
                  on_created: Callable[[JobHandle], None] | None = None) -> JobHandle:
-        job = Job(next(self._job_ids), self.generation.generation_id if self.generation else 0,
-                  request, self._wake_waiters, internal=internal)
+        gen = self.gen
+        job = Job(next(self._job_ids), gen.id if gen is not None else 0, request,
+                  self._wake_waiters, internal=internal)
+        job.gen = gen
         job.logits_out = logits_out
         handle = JobHandle(job)
         if on_created is not None:
             on_created(handle)
-        with self.lifecycle_mu:
-            state = self.lifecycle.state
-        if not (state == "Ready" or (internal and state == "Warming")) or self._stopping:
+        if not (self._admitting or (internal and self.lifecycle.state == "Warming")) \
+                or self._stopping or gen is None:
             return self._fail_early(job, Status.unavailable(
-                Phase.ADMISSION, f"device lifecycle is {state}; not admitting", **job.ctx()))
-        generation = self.generation
+                Phase.ADMISSION, f"device lifecycle is {self.lifecycle.state}; not admitting",
+                **job.ctx()))
+        generation = gen.contracts
         status = check_request(request, generation)
         if not status.ok:
             return self._fail_early(job, status)
@@ -319,15 +549,16 @@ class DeviceExecutor:
             return self._fail_early(job, stop())
         # Admission: token budget, then KV (both released on every failure below).
         tokens = request.token_count
+        budget = self._token_budget()
         with self.submit_mu:
-            if (self._pending_tokens + tokens > self.config.max_pending_tokens
-                    and not job.internal):
+            if self._pending_tokens + tokens > budget and not job.internal:
                 return self._fail_early(job, Status.exhausted(
                     "queue", Phase.ADMISSION, f"token budget: {self._pending_tokens} pending + "
-                    f"{tokens} > max_pending_tokens={self.config.max_pending_tokens}",
+                    f"{tokens} > {budget} (max_pending_tokens="
+                    f"{self.config.max_pending_tokens}, reduced after transient faults)",
                     **job.ctx()))
             self._pending_tokens += tokens
-        txn = self.kvc.reserve(request.seq_id, request.past_len, tokens, job.deadline, stop)
+        txn = gen.kvc.reserve(request.seq_id, request.past_len, tokens, job.deadline, stop)
         if isinstance(txn, Status):
             self._release_budget(job)
             return self._fail_early(job, txn.with_context(job_id=job.job_id))
@@ -335,7 +566,7 @@ class DeviceExecutor:
         if not self._advance(job, "admit"):
             return self._fail_before_submit(job, Status.cancelled(Phase.ADMISSION, **job.ctx()))
         job.timings.admitted_us = now_us()
-        lease = self.pool.acquire(request.kind, job.deadline, owner=job.job_id, stop=stop)
+        lease = gen.pool.acquire(request.kind, job.deadline, owner=job.job_id, stop=stop)
         if isinstance(lease, Status):
             return self._fail_before_submit(job, lease.with_context(**job.ctx()))
         job.lease = lease
@@ -351,6 +582,10 @@ class DeviceExecutor:
             self._submit_q.append(job)
             self._submit_cv.notify_all()
         return handle
+
+    def _token_budget(self) -> int:
+        factor = getattr(self.faults, "admission_factor", lambda: 1.0)()
+        return int(self.config.max_pending_tokens * factor)
 
     def _prepare(self, job: Job) -> Status:
         """Copy inputs into the leased host storage, slice, set CSRs (§6.3 steps 7-8)."""
@@ -376,9 +611,9 @@ class DeviceExecutor:
         def stop() -> Status | None:
             if job.cancel_flag:
                 return Status.cancelled(Phase.ADMISSION, **job.ctx())
-            if self._stopping and not job.internal:
-                return Status.unavailable(Phase.SHUTDOWN, "executor is shutting down",
-                                          **job.ctx())
+            if not job.internal and (self._stopping or not self._admitting):
+                return Status.unavailable(Phase.ADMISSION, "executor is shutting down or "
+                                          "recovering; retry later", **job.ctx())
             if time.monotonic() >= job.deadline:
                 return Status.deadline(Phase.ADMISSION, "admission deadline passed", **job.ctx())
             return None
@@ -419,26 +654,31 @@ class DeviceExecutor:
             job.lease.slot.undo_slices()
             job.lease.release()
         if job.txn is not None and job.txn.run.state == "Reserved":
-            self.kvc.rollback(job.txn)
+            job.gen.kvc.rollback(job.txn)
         self._release_budget(job)
         if job.cancel_flag and job.run.state not in ("CancelRequested",):
             job.run.send("cancel")
         job.run.send("fail")
         self._count(status)
-        job.resolve(status)
         if not job.internal and status.category not in (Category.CANCELLED, Category.DEADLINE,
                                                         Category.INVALID_REQUEST,
-                                                        Category.RESOURCE_EXHAUSTED):
-            self.faults.report(status, job)
+                                                        Category.RESOURCE_EXHAUSTED,
+                                                        Category.UNAVAILABLE):
+            self.faults.report(status, job)  # first: admission stops before the caller sees it
+        job.resolve(status)
         return JobHandle(job)
 
     def _release_budget(self, job: Job) -> None:
         with self.submit_mu:
             self._pending_tokens -= job.request.token_count
 
+    def _bump(self, key: str) -> None:
+        with self._counters_mu:  # leaf lock: counters are bumped from several threads
+            self.counters[key] += 1
+
     def _count(self, status: Status) -> None:
         key = "cancelled" if status.category == Category.CANCELLED else "failed"
-        self.counters[key] += 1
+        self._bump(key)
 
     # ---- submitter (§6.4) ----------------------------------------------------------------------
     def submit_one(self, block: bool = False) -> bool:
@@ -448,7 +688,7 @@ class DeviceExecutor:
             while True:
                 if self._submit_q and (self._inflight < self.config.inflight_capacity
                                        or self._submit_q[0].cancel_flag
-                                       or self._halted is not None):
+                                       or self._refusal is not None):
                     job = self._submit_q.popleft()
                     break
                 if not block or (self._stopping_threads and not self._submit_q):
@@ -464,9 +704,9 @@ class DeviceExecutor:
                         self._submit_cv.acquire()
                 else:
                     self._submit_cv.wait()
-            halted = self._halted
-            if halted is not None:
-                status = halted.with_context(**job.ctx())
+            refusal = self._refusal
+            if refusal is not None:
+                status = refusal.with_context(**job.ctx())
             elif job.cancel_flag:
                 status = Status.cancelled(Phase.SUBMIT, **job.ctx())
             elif time.monotonic() >= job.deadline:
@@ -482,21 +722,29 @@ class DeviceExecutor:
         return True
 
     def _submit(self, job: Job) -> None:
-        slot = job.lease.slot
-        self.pool.mark_in_flight(job.lease)
+        gen, slot = job.gen, job.lease.slot
+        gen.pool.mark_in_flight(job.lease)
         self.infer_threads.add(threading.current_thread().name)
-        rc = self.device.infer(slot.model, self.kv, job.request.seq_id, slot.inbuf, slot.outbuf)
+        rc = self.device.infer(slot.model, gen.kv, job.request.seq_id, slot.inbuf, slot.outbuf)
+        attempt = 0
+        while rc == CalrtCode.DEVICE_BUSY and attempt < self.config.recovery.submit_retries:
+            # §8 Transient row: the runtime did not run the graph; bounded retry with backoff.
+            attempt += 1
+            self._bump("submit_retries")
+            time.sleep(getattr(self.faults, "backoff", lambda a: 0.001)(attempt))
+            rc = self.device.infer(slot.model, gen.kv, job.request.seq_id, slot.inbuf,
+                                   slot.outbuf)
         if rc != CalrtCode.SUCCESS:
             # FI05: the runtime did not take the job: software rollback, no Wait.
-            self.pool.device_done(job.lease)
+            gen.pool.device_done(job.lease)
             self._release_permit()
             status = Status.from_calrt(rc, Phase.SUBMIT, "infer", **job.ctx())
             self._fail_before_submit(job, status)
             return
         job.timings.submitted_us = now_us()
         job.run.send("infer_accepted")
-        self.kvc.mark_submitted(job.txn)
-        self.counters["submitted"] += 1
+        gen.kvc.mark_submitted(job.txn)
+        self._bump("submitted")
         with self._completion_cv:
             self._completion_q.append(job)
             self._completion_cv.notify()
@@ -564,21 +812,21 @@ class DeviceExecutor:
         # §6.5 order: KV commit -> reset slices -> deliver -> release the lease.
         job.output_status = Status.OK
         job.txn.device_finished = job.txn.output_valid = True
-        self.kvc.commit(job.txn)
+        job.gen.kvc.commit(job.txn)
         undo = slot.undo_slices()
         if target == "Completing" and not self._advance(job, "deliver"):
             target = "CancelRequested"
         if target != "Completing":  # cancelled after submit (FI12): result discarded
             if job.run.state == "CancelRequested":
                 job.run.send("fail")
-            self.counters["cancelled"] += 1
+            self._bump("cancelled")
             job.resolve(Status.cancelled(
                 Phase.CANCEL, "cancelled after submit: Wait completed, result discarded",
                 **job.ctx()))
         else:
-            self.counters["succeeded"] += 1
+            self._bump("succeeded" if job.gen is self.gen else "stale_completions")
             job.resolve(result)
-        self.pool.device_done(job.lease)
+        job.gen.pool.device_done(job.lease)
         released = job.lease.release()
         self._release_budget(job)
         self._release_permit()
@@ -607,10 +855,12 @@ class DeviceExecutor:
             self._held_by_runtime.append(slot)
         slot.outbuf.wait(int(self.config.timeout_grace_s * 1e6))
         if not self._reap_held():
-            self._halt(Status.failure("device.hung", Category.DEVICE, Phase.WAIT,
-                                      f"job {job.job_id} still on the device after the "
-                                      f"{self.config.timeout_grace_s}s grace; admission halted",
-                                      **job.ctx()))
+            # §9.1: still held after the grace: the recovery resets the device (or, with no
+            # safe reset configured, the lifecycle ends Failed for the supervisor).
+            self.faults.report(Status.failure(
+                "device.hung", Category.DEVICE, Phase.WAIT,
+                f"job {job.job_id} still on the device after the "
+                f"{self.config.timeout_grace_s}s grace", **job.ctx()), job)
 
     def _reap_held(self) -> bool:
         """Return the permits of quarantined slots the runtime has let go of since a failed
@@ -624,23 +874,10 @@ class DeviceExecutor:
                 self._submit_cv.notify_all()
             return not still
 
-    def _halt(self, status: Status) -> None:
-        """Stop admitting and fail everything queued with ``status`` (device unusable)."""
-        with self.lifecycle_mu:
-            if not self.lifecycle.final:
-                if self.lifecycle.state == "Ready":
-                    self.lifecycle.send("drain")
-                self.lifecycle.send("fail")
-        with self._submit_cv:
-            self._halted = status
-            self._submit_cv.notify_all()
-        self._wake_waiters()
-        self.faults.report(status, None)
-
     def _postprocess(self, job: Job) -> "InferenceResult | Status":
         """Output size (FI09), finiteness (FI10), then the direct conversion (§10.1)."""
         request, slot, sm = job.request, job.lease.slot, job.submodel
-        vocab = self.generation.vocab_size
+        vocab = job.gen.contracts.vocab_size
         row = valid_logits_row(request.token_count, sm.logits_tile_d0)
         first, count = request.logits_range(vocab)
         base = row * vocab + first
@@ -665,16 +902,16 @@ class DeviceExecutor:
 
     def _quarantine_after_submit(self, job: Job, status: Status, release_permit: bool) -> None:
         """§6.5 failure after submit: no commit, sequence Unknown, slot quarantined, report."""
-        self.kvc.mark_unknown(job.txn, status.code)
-        self.pool.quarantine(job.lease, status.code)
+        job.gen.kvc.mark_unknown(job.txn, status.code)
+        job.gen.pool.quarantine(job.lease, status.code)
         self._release_budget(job)
+        self._bump("quarantined")
+        # first the controller: admission stops before the next job gets the permit and
+        # before the caller sees the failure
+        self.faults.report(status, job)
         if release_permit:
             self._release_permit()
-        if job.run.state == "CancelRequested":
-            job.run.send("execution_timeout" if not release_permit else "wait_returned")
-        self.counters["quarantined"] += 1
         job.resolve(status)
-        self.faults.report(status, job)
 
     # ---- threads ---------------------------------------------------------------------------------
     _stopping_threads = False
@@ -704,42 +941,48 @@ class DeviceExecutor:
     # ---- shutdown (FI13) ---------------------------------------------------------------------------
     def shutdown(self, grace: float = 10.0) -> Status:
         """Stop admission, cancel queued jobs, drain submitted ones within ``grace`` seconds,
-        stop the threads, release the generation. Stopped when drained, Failed otherwise."""
+        stop the threads, release the generation and the device. Ends Stopped when drained
+        (FI13), Failed otherwise. Idempotent."""
+        recovery = self._recovery_thread
+        if recovery is not None and recovery is not threading.current_thread():
+            recovery.join(grace)
         with self.lifecycle_mu:
-            if self.lifecycle.final:
-                return Status.OK if self.lifecycle.state == "Stopped" else self.start_status
+            already_final = self.lifecycle.final
             self._stopping = True
+            self._admitting = False
             if self.lifecycle.state == "Ready":
                 self.lifecycle.send("drain")
-        if self.kvc is not None:
-            self.kvc.close()
+        if self.gen is not None:
+            self.gen.kvc.close()
         with self._submit_cv:
             for job in self._submit_q:
                 job.cancel_flag = True
             self._submit_cv.notify_all()
         self._wake_waiters()
-        deadline = time.monotonic() + grace
         if not self.config.threads:
-            while self.submit_one() or self.complete_one():
+            while self.submit_one():
                 pass
-        while time.monotonic() < deadline and not (self.all_submitted_drained()
-                                                   and not self._submit_q):
-            time.sleep(0.005)
-        drained = self.all_submitted_drained() and not self._submit_q
+        drained = self._drain(grace)
         self._stop_threads()
         with self.lifecycle_mu:
             if drained and self.lifecycle.can("stop"):
                 self.lifecycle.send("stop")
             elif not self.lifecycle.final:
                 self.lifecycle.send("fail")
+                self.failure = Status.failure(
+                    "shutdown.not_drained", Category.DEVICE, Phase.SHUTDOWN,
+                    f"submitted work did not drain within grace={grace}s")
+        if self.device is None or (already_final and self.gen is None):
+            return self.failure or self.start_status or Status.OK
         if not drained:
-            return Status.failure("shutdown.not_drained", Category.DEVICE, Phase.SHUTDOWN,
-                                  f"submitted work did not drain within grace={grace}s")
-        self.pool.close()
-        self.kv.destroy()
-        self.calbin.unload()
+            # the runtime may still DMA into our buffers: keep everything mapped and alive
+            return self.failure
+        if self.gen is not None:
+            self.gen.release(self.device)
+            self._retired.append(self.gen)
+            self.gen = None
         self.device.close()
-        return Status.OK
+        return Status.OK if self.lifecycle.state == "Stopped" else self.failure
 
     # ---- synchronous compatibility entry (§6.1) -------------------------------------------------
     def decode_sync(self, request: InferenceRequest) -> tuple[int, "InferenceResult | Status"]:
@@ -763,12 +1006,14 @@ class DeviceExecutor:
     def snapshot(self) -> dict[str, Any]:
         with self.submit_mu:
             queued, inflight, pending = len(self._submit_q), self._inflight, self._pending_tokens
+        pool = self.pool
         return {
             "lifecycle": self.lifecycle.state,
-            "generation": None if self.generation is None else self.generation.generation_id,
+            "generation": None if self.gen is None else self.gen.id,
             "queued": queued,
             "inflight": inflight,
             "pending_tokens": pending,
-            "slots": None if self.pool is None else self.pool.counts(),
+            "slots": None if pool is None else pool.counts(),
+            "recoveries": len(self.recoveries),
             **self.counters,
         }

@@ -52,7 +52,7 @@ class Job:
     __slots__ = ("job_id", "generation_id", "request", "kind", "submodel", "deadline",
                  "cancel_flag", "lease", "txn", "timings", "run", "wait_rc", "device_status",
                  "output_status", "result", "_done", "_on_cancel", "internal", "logits_out",
-                 "__weakref__")
+                 "gen", "__weakref__")
 
     def __init__(self, job_id: int, generation_id: int, request: Any,
                  on_cancel: Callable[[], None], internal: bool = False) -> None:
@@ -75,6 +75,9 @@ class Job:
         self._on_cancel = on_cancel
         self.internal = internal
         self.logits_out: np.ndarray | None = None
+        # the Generation the job was admitted into: its completion touches only that
+        # generation's pool and KV, even after a recovery opened a newer one (FI14)
+        self.gen = None
 
     # ---- JobChart guards -------------------------------------------------------------------
     def not_cancelled(self) -> bool:

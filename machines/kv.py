@@ -145,6 +145,12 @@ class KvCoordinator:
         so a rollback never has to undo a truncation."""
         target = past_len + token_count
         ctx = {"seq_id": seq_id, "generation": self.generation_id}
+        max_seqs = getattr(self.kv, "max_seqs", None)
+        if max_seqs is not None and not 0 <= seq_id < max_seqs:
+            # Apply would only say "false" (0.7.6 gives no reason): refuse now, not at the deadline
+            return Status.failure("kv.seq_id_out_of_range", Category.INVALID_REQUEST,
+                                  Phase.ADMISSION, f"seq_id={seq_id} outside the KvManager's "
+                                  f"[0, max_seqs={max_seqs})", **ctx)
         with self.admission_mu:
             view = self._view(seq_id)
             if view.unknown_reason is not None:

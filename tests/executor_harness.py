@@ -29,13 +29,15 @@ def write_calbin(directory: Path) -> str:
     return str(path)
 
 
-def make_executor(calbin_path: str, device_config: str = "", **config) -> DeviceExecutor:
-    """A started executor (asserts start succeeded)."""
+def make_executor(calbin_path: str, device_config: str = "", fault_sink=None,
+                  **config) -> DeviceExecutor:
+    """A started executor (asserts start succeeded). ``fault_sink``: None gives the real
+    FaultController; job-path tests pass a ``RecordingFaultSink`` so no recovery runs."""
     config.setdefault("check_lock_order", True)
     config.setdefault("strict_lock_order", False)
     executor = DeviceExecutor(CalRT.load(), MANIFEST,
                               ExecutorConfig(calbin_path=calbin_path, device_config=device_config,
-                                             **config))
+                                             **config), fault_sink=fault_sink)
     status = executor.start()
     assert status.ok, status
     return executor
@@ -49,6 +51,14 @@ def running_executor(calbin_path: str, device_config: str = "", **config):
     finally:
         if not executor.lifecycle.final:
             executor.shutdown(grace=5.0)
+
+
+def running_job_path(calbin_path: str, device_config: str = "", **config):
+    """The job path alone: a passive fault sink, so no recovery interferes (recovery has its
+    own tests in test_recovery.py)."""
+    from calexec.machines.faults import RecordingFaultSink
+    config.setdefault("fault_sink", RecordingFaultSink())
+    return running_executor(calbin_path, device_config, **config)
 
 
 def deadline(seconds: float = 10.0) -> float:

@@ -17,8 +17,9 @@ from calexec.contracts.types import TaskKind
 from calexec.drivers import oracle
 from calexec.drivers.runtime import Fault, Stage
 from calexec.machines.pool import BufferSlot
+from executor_harness import running_job_path as running_executor
 from executor_harness import (SEED, arm, decode, deadline, expected_greedy, fired, greedy,
-                              prefill, running_executor, settle, write_calbin)
+                              prefill, settle, write_calbin)
 
 PROMPT = [11, 22, 33, 44, 55, 66, 77]
 
@@ -131,14 +132,24 @@ def test_fi04_waiter_woken_when_capacity_released(calbin, tmp_path):
         assert ex.kvc.wakeups - wakeups <= 2  # woken by the release, not by polling
 
 
+def test_submit_busy_is_retried_with_backoff_before_failing(calbin):
+    with running_executor(calbin) as ex:
+        greedy(ex, 1, PROMPT, 0)
+        arm(ex, "SUBMIT_RC", rc=17)  # busy once: the runtime did not run the graph
+        res = ex.enqueue(decode(1, 5, len(PROMPT))).wait_until(deadline())
+        assert not isinstance(res, Status) and ex.counters["submit_retries"] == 1
+
+
 def test_fi05_submit_busy_rolls_back_without_wait(calbin):
     with running_executor(calbin) as ex:
         greedy(ex, 1, PROMPT, 0)
         arm(ex, "WAIT_RC", "NTH", 10**9)  # counts Wait calls, never fires
-        arm(ex, "SUBMIT_RC", rc=17)
+        arm(ex, "SUBMIT_RC", "ALWAYS", rc=17)
         res = ex.enqueue(decode(1, 5, len(PROMPT))).wait_until(deadline())
         assert isinstance(res, Status) and res.raw == 17 and res.phase == Phase.SUBMIT
         assert res.category == Category.TRANSIENT
+        assert ex.counters["submit_retries"] == ex.config.recovery.submit_retries
+        assert ex.device.emu.clear_fault(Fault.SUBMIT_RC) == 0
         _, wait_calls, _ = ex.device.emu.fault_stats(Fault.WAIT_RC)
         assert wait_calls == 0
         assert ex.kvc.seqs[1].committed_len == len(PROMPT) == device_len(ex, 1)
@@ -222,12 +233,13 @@ def test_fi13_shutdown_cancels_queued_and_drains_submitted(calbin):
         time.sleep(0.05)
         queued = ex.enqueue(decode(2, 5, len(PROMPT)))
         assert submitted.state == "Submitted" and queued.state == "Queued"
+        pool = ex.pool
         assert ex.shutdown(grace=5.0).ok
         assert not isinstance(submitted.wait_until(deadline()), Status)
         res = queued.wait_until(deadline())
         assert isinstance(res, Status) and res.category == Category.CANCELLED
         assert ex.state == "Stopped"
-        assert slot_states(ex)["Leased"] == slot_states(ex)["InFlight"] == 0
+        assert pool.counts()["Leased"] == pool.counts()["InFlight"] == 0
 
 
 def test_fi15_missing_undo_slice_quarantines_the_slot(calbin, monkeypatch):
@@ -265,3 +277,12 @@ def test_decode_sync_maps_status_and_logs_context(calbin, caplog):
             assert part in line
         code, _ = ex.decode_sync(prefill(1, []))
         assert code == -1
+
+
+def test_sequence_id_beyond_kv_manager_is_refused_at_once(calbin):
+    with running_executor(calbin) as ex:
+        t0 = time.monotonic()
+        res = ex.enqueue(prefill(ex.kv.max_seqs, PROMPT, seconds=30)).wait_until(deadline())
+        assert isinstance(res, Status) and res.code == "kv.seq_id_out_of_range"
+        assert res.http_status == 400 and str(ex.kv.max_seqs) in res.message
+        assert time.monotonic() - t0 < 30  # not a wait to the deadline

@@ -23,7 +23,8 @@ from calexec.machines.compiled import JOB, KV_TXN
 from calexec.machines.coverage import RECORDER
 from calexec.machines.paths import transition_paths
 from calexec.machines.pool import BufferSlot
-from executor_harness import (arm, decode, deadline, greedy, prefill, running_executor,
+from executor_harness import running_job_path as running_executor
+from executor_harness import (arm, decode, deadline, greedy, prefill,
                               write_calbin)
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
@@ -132,7 +133,7 @@ def cancel_queued_and_submit_failure(calbin):
         handle = ex.enqueue(prefill(1, PROMPT))
         handle.cancel()
         ex.submit_one()
-        arm(ex, "SUBMIT_RC", rc=17)
+        arm(ex, "SUBMIT_RC", rc=18)  # unavailable: not retried
         handle = ex.enqueue(prefill(1, PROMPT))
         ex.submit_one()
         assert isinstance(handle.wait_until(deadline()), Status)

@@ -26,6 +26,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 
 from calexec.contracts.codes import DeviceJobStatus
 from calexec.contracts.status import Status
+from calexec.drivers import calbin as cb
 from calexec.drivers import oracle
 from calexec.drivers.runtime import Did, Fault, FaultMode, Stage
 from calexec.machines.job import InferenceResult
@@ -36,6 +37,8 @@ SEQS = (1, 2, 3)
 FAULTS = ("SUBMIT_RC", "WAIT_RC", "CCU_EXCEPTION", "OUTPUT_NAN", "OUTPUT_SHORT", "UNKNOWN_CSR",
           "CAN_ALLOCATE_FALSE", "APPLY_FALSE", "SLICE_FAIL")
 CALBIN: dict[str, str] = {}
+CALBIN_SHA: dict[str, str] = {}
+OTHER_SEED = SEED ^ 0x5A5A5A5A
 
 
 class Recorder:
@@ -59,23 +62,35 @@ class Recorder:
 class ExecutorMachine(RuleBasedStateMachine):
     @initialize()
     def start(self):
+        self.seeds = {CALBIN["path"]: SEED, CALBIN["other"]: OTHER_SEED}
+        self.seed = SEED
         self.ex = make_executor(CALBIN["path"], "kv_blocks=10;kv_block_size=16", threads=False,
                                 slots_per_kind=len(SEQS), check_lock_order=True,
                                 timeout_grace_s=0.0)
         ex = self.ex
         self.infer_callers: list[str] = []
         self.wait_callers: list[str] = []
-        ex.device = Recorder(ex.device, "infer", self.infer_callers)
-        for slot in ex.pool.slots:
-            slot.outbuf = Recorder(slot.outbuf, "wait", self.wait_callers)
-        self.host = {slot.slot_id: (id(slot.host_input), slot.host_input.ctypes.data,
-                                    slot.host_output.ctypes.data, slot.host_output.nbytes)
-                     for slot in ex.pool.slots}
         self.emu = ex.device.emu
+        ex.device = Recorder(ex.device, "infer", self.infer_callers)
+        self.host: dict = {}
+        self.pools: list = []
+        self.instrument_generation()
         assert self.emu.set_stepped(True) == 0
-        self.oracles = {seq: oracle.OracleSequence(SEED) for seq in SEQS}
+        self.oracles = {seq: oracle.OracleSequence(self.seed) for seq in SEQS}
         self.jobs: list = []  # (handle, seq, tokens, past, want)
         self.checked: set[int] = set()
+
+    def instrument_generation(self):
+        """Wrap the current generation's output buffers and remember its host storage."""
+        pool = self.ex.pool
+        if pool is None or pool in self.pools:
+            return
+        self.pools.append(pool)
+        for slot in pool.slots:
+            slot.outbuf = Recorder(slot.outbuf, "wait", self.wait_callers)
+            self.host[(pool.generation_id, slot.slot_id)] = (
+                slot, id(slot.host_input), slot.host_input.ctypes.data,
+                slot.host_output.ctypes.data, slot.host_output.nbytes)
 
     def teardown(self):
         ex = getattr(self, "ex", None)
@@ -83,12 +98,16 @@ class ExecutorMachine(RuleBasedStateMachine):
             return
         self.emu.set_stepped(False)
         status = ex.shutdown(grace=5.0)
-        assert status.ok, status
-        assert ex.pool.counts()["Leased"] == 0 and ex.pool.counts()["InFlight"] == 0
+        assert ex.state in ("Stopped", "Failed")
+        assert status.ok or ex.state == "Failed", status
+        for pool in self.pools:  # nothing leased, nothing left in flight, in any generation
+            assert pool.counts()["Leased"] == 0 and pool.counts()["InFlight"] == 0
+        for handle, *_ in self.jobs:  # the lifecycle never leaves a job waiting forever
+            assert handle.done, handle
 
     # ---- helpers ---------------------------------------------------------------------------
     def committed(self, seq: int) -> int:
-        view = self.ex.kvc.seqs.get(seq)
+        view = self.ex.kvc.seqs.get(seq) if self.ex.gen is not None else None
         return 0 if view is None else view.committed_len
 
     def live_jobs(self):
@@ -107,12 +126,16 @@ class ExecutorMachine(RuleBasedStateMachine):
                 ref.run(list(tokens), past)
                 if isinstance(job.result, InferenceResult):
                     logits = oracle.bf16_to_f32(oracle.logits_bf16(ref.states[-1]))
+                    assert job.generation_id == job.gen.id
                     base, count = want if want is not None else (0, logits.shape[0])
                     assert np.array_equal(job.result.logits, logits[base:base + count])
             elif isinstance(job.result, InferenceResult):
                 raise AssertionError(f"result delivered without a KV commit: {job!r}")
 
     # ---- rules: the public operations --------------------------------------------------------
+    def serving(self) -> bool:
+        return self.ex.gen is not None
+
     def pick_seq(self, data) -> int:
         """Mostly a sequence with no open job (a busy one must be refused: kv.sequence_busy)."""
         free = [s for s in SEQS if self.ex.kvc.seqs.get(s) is None
@@ -120,6 +143,7 @@ class ExecutorMachine(RuleBasedStateMachine):
         busy_on_purpose = data.draw(st.integers(0, 9)) == 0
         return data.draw(st.sampled_from(SEQS if busy_on_purpose or not free else free))
 
+    @precondition(lambda self: self.serving())
     @rule(n=st.integers(1, 20), rewind=st.booleans(),
           want=st.one_of(st.none(), st.tuples(st.integers(0, 151000), st.integers(1, 900))),
           data=st.data())
@@ -130,6 +154,7 @@ class ExecutorMachine(RuleBasedStateMachine):
         handle = self.ex.enqueue(prefill(seq, tokens, past, seconds=0.02, want_logits=want))
         self.jobs.append((handle, seq, tokens, past, want))
 
+    @precondition(lambda self: self.serving())
     @rule(token=st.integers(0, 151935), data=st.data())
     def enqueue_decode(self, token, data):
         seq = self.pick_seq(data)
@@ -180,20 +205,61 @@ class ExecutorMachine(RuleBasedStateMachine):
     def arm_fault(self, point, nth):
         assert self.emu.set_fault(Fault[point], FaultMode.NTH, nth, 0, 0) == 0
 
+    @precondition(lambda self: self.serving())
     @rule(seq=st.sampled_from(SEQS))
     def reset_sequence(self, seq):
         status = self.ex.kvc.reset_sequence(seq)
         if status.ok:
-            self.oracles[seq] = oracle.OracleSequence(SEED)
+            self.oracles[seq] = oracle.OracleSequence(self.seed)
         else:
             assert status.code == "kv.sequence_busy"
+
+    @precondition(lambda self: self.ex._pending_recovery is not None)
+    @rule()
+    def run_recovery(self):
+        """The controller asked for a recovery (reset/rebuild/rollback): run it."""
+        self.recover_with(lambda: self.ex.run_pending_recovery())
+
+    @precondition(lambda self: self.ex.state == "Ready")
+    @rule(to_other=st.booleans(), golden_ok=st.booleans())
+    def switch_model(self, to_other, golden_ok):
+        path = CALBIN["other"] if to_other else CALBIN["path"]
+        sha = CALBIN_SHA[path]
+        if not golden_ok:  # a recorded golden that this calbin cannot meet: refused
+            self.ex.goldens[sha] = (1, 2, 3)
+        before = self.ex.gen.calbin_path
+        status = self.recover_with(lambda: self.ex.switch_model(path))
+        if not golden_ok:
+            del self.ex.goldens[sha]
+            assert not status.ok
+            if self.ex.state == "Ready":  # rolled back: the previous calbin serves again
+                assert self.ex.gen.calbin_path == before or path == before
+
+    def recover_with(self, action):
+        """Recovery drains through Wait(): let the device run by itself meanwhile."""
+        assert self.emu.set_stepped(False) == 0
+        status = action()
+        assert self.emu.set_stepped(True) == 0
+        self.settle_results()
+        self.instrument_generation()
+        if self.ex.gen is not None:  # generation+1: a fresh KvManager, every sequence empty
+            self.seed = self.seeds[self.ex.gen.calbin_path]
+            self.oracles = {seq: oracle.OracleSequence(self.seed) for seq in SEQS}
+        return status
+
+    @invariant()
+    def lifecycle_is_ready_or_failed_between_rules(self):
+        assert self.ex.state in ("Ready", "Failed"), self.ex.state
+        if self.ex.state == "Failed":
+            assert self.ex.failure is not None and not self.ex.failure.ok
 
     # ---- §5.1 invariants ---------------------------------------------------------------------------
     @invariant()
     def inv1_executor_owns_device_calbin_kv(self):
-        ex = self.ex
-        assert all(slot.model in ex._models.values() for slot in ex.pool.slots)
-        assert ex.kvc.kv is ex.kv
+        gen = self.ex.gen
+        if gen is not None:
+            assert all(slot.model in gen.models.values() for slot in gen.pool.slots)
+            assert gen.kvc.kv is gen.kv and self.ex.kv is gen.kv
 
     @invariant()
     def inv2_only_submitter_infers_only_completion_waits(self):
@@ -202,40 +268,44 @@ class ExecutorMachine(RuleBasedStateMachine):
 
     @invariant()
     def inv3_slot_belongs_to_at_most_one_job(self):
-        owners: dict[int, int] = {}
+        owners: dict[tuple[int, int], int] = {}
         for job in self.live_jobs():
             if job.lease is not None and job.lease.held:
-                sid = job.lease.slot.slot_id
-                assert sid not in owners, f"slot {sid} held by {owners[sid]} and {job.job_id}"
-                owners[sid] = job.job_id
-        for slot in self.ex.pool.slots:
-            if slot.run.state in ("Leased", "InFlight"):
-                assert slot.slot_id in owners, f"{slot!r} leased but owned by no live job"
+                slot = job.lease.slot
+                key = (slot.generation_id, slot.slot_id)
+                assert key not in owners, f"slot {key} held by {owners[key]} and {job.job_id}"
+                owners[key] = job.job_id
+        for pool in self.pools:
+            for slot in pool.slots:
+                if slot.run.state in ("Leased", "InFlight"):
+                    assert (slot.generation_id, slot.slot_id) in owners, \
+                        f"{slot!r} leased but owned by no live job"
 
     @invariant()
     def inv4_host_storage_never_moves_while_mapped(self):
-        for slot in self.ex.pool.slots:
-            assert self.host[slot.slot_id] == (id(slot.host_input), slot.host_input.ctypes.data,
-                                               slot.host_output.ctypes.data,
-                                               slot.host_output.nbytes)
+        for (slot, *seen) in self.host.values():
+            assert seen == [id(slot.host_input), slot.host_input.ctypes.data,
+                            slot.host_output.ctypes.data, slot.host_output.nbytes]
 
     @invariant()
     def inv5_job_generation_matches_pool(self):
-        gen = self.ex.pool.generation_id
         for job in self.live_jobs():
-            assert job.generation_id == gen
+            # a live job belongs to the serving generation: a recovery resolves every job of
+            # the generation it tears down before opening the next one
+            assert job.gen is self.ex.gen and job.generation_id == job.gen.id
             if job.lease is not None and job.lease.held:
-                assert job.lease.slot.generation_id == gen
+                assert job.lease.slot.generation_id == job.generation_id
 
     @invariant()
     def inv6_kv_commit_only_after_device_done_and_valid(self):
-        for seq in SEQS:
-            view = self.ex.kvc.seqs.get(seq)
+        gen = self.ex.gen
+        for seq in SEQS if gen is not None else ():
+            view = gen.kvc.seqs.get(seq)
             if view is None or view.unknown_reason is not None:
                 continue
             if view.open_txn is None or view.open_txn.__class__.__name__ == "_Claim" or \
                     view.open_txn.run.state == "Reserved":
-                rc, device_len = self.ex.kv.seq_len(seq)
+                rc, device_len = gen.kv.seq_len(seq)
                 assert rc == 0 and device_len == view.committed_len, (seq, device_len, view)
         for handle, *_ in self.jobs:
             job = handle._job
@@ -251,9 +321,10 @@ class ExecutorMachine(RuleBasedStateMachine):
 
     @invariant()
     def inv8_old_generation_slots_quarantined(self):
-        gen = self.ex.pool.generation_id
-        for slot in self.ex.pool.slots:
-            assert slot.generation_id == gen or slot.run.state in ("Quarantined", "Retired")
+        current = self.ex.pool
+        for pool in self.pools:
+            if pool is not current:
+                assert all(slot.run.state in ("Quarantined", "Retired") for slot in pool.slots)
 
     @invariant()
     def lock_order_respected(self):
@@ -278,7 +349,11 @@ ExecutorMachine.TestCase.settings = settings(
 
 @pytest.fixture(scope="module", autouse=True)
 def _calbin(tmp_path_factory):
-    CALBIN["path"] = write_calbin(tmp_path_factory.mktemp("stateful"))
+    directory = tmp_path_factory.mktemp("stateful")
+    CALBIN["path"] = write_calbin(directory)
+    CALBIN["other"] = str(directory / "other.calbin")
+    CALBIN_SHA[CALBIN["path"]] = cb.write(str(directory / "again.calbin"), cb.default_spec())
+    CALBIN_SHA[CALBIN["other"]] = cb.write(CALBIN["other"], cb.default_spec(seed=OTHER_SEED))
 
 
 TestExecutorStateful = ExecutorMachine.TestCase

@@ -1,0 +1,205 @@
+"""Fault controller: the §8 table's automatic actions, applied to every reported failure.
+
+The executor reports every failure that concerns the device or the generation (every
+failure after submit, runtime errors before it, golden mismatches, a device that never lets
+go of a job). The controller looks the Status up row by row and decides:
+
+=====================  ==========================================================================
+category               decision
+=====================  ==========================================================================
+REQUEST_ARTIFACT       record the manifest difference; keep serving; no reset
+LIFECYCLE              drain and rebuild the generation (generation+1), no reset
+ARTIFACT               refuse the generation: roll back to the last known good calbin
+COMPATIBILITY          stop: lifecycle Failed with the reason; no automatic retry
+TRANSIENT              admission reduced while transient faults are recent; past
+                       ``transient_threshold`` within ``transient_window_s``: drain and rebuild
+DEVICE                 stop admission at once, quarantine, reset, rebuild; escalate to Failed
+                       past ``max_recoveries`` within ``recovery_window_s``
+PROGRAMMING            switch the feature off (``disabled_features``); no reset
+UNKNOWN, INTERNAL      the generation is tainted (NaN/Inf output, short output, golden
+                       mismatch, unlisted codes): reset and rebuild, golden re-run (FI10)
+CANCELLED, DEADLINE,   the request's own outcome: nothing to do
+RESOURCE_EXHAUSTED,
+INVALID_REQUEST,
+UNAVAILABLE
+=====================  ==========================================================================
+
+The controller never blocks the reporting thread: a recovery runs on its own thread (or, in
+stepped mode, waits for the test to call ``DeviceExecutor.run_pending_recovery``). Every
+decision is kept in ``decisions`` (bounded) for logs, metrics and tests. Thresholds are
+``RecoveryPolicy`` fields with the defaults documented there.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import random
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import attrs
+
+from calexec.contracts.errors import Category
+from calexec.contracts.status import Status
+
+log = logging.getLogger("calexec.faults")
+
+
+class Action(enum.Enum):
+    NONE = "none"
+    RECORD = "record"  # keep serving, remember (manifest difference)
+    REDUCE_ADMISSION = "reduce_admission"  # transient below the threshold
+    REBUILD = "rebuild"  # drain, generation+1 of the same calbin, no reset
+    RESET_REBUILD = "reset_rebuild"  # drain, reset, generation+1, golden
+    ROLLBACK = "rollback"  # drain, generation+1 of the last known good calbin
+    DISABLE_FEATURE = "disable_feature"
+    STOP = "stop"  # Failed, a person must act
+
+
+@attrs.define
+class RecoveryPolicy:
+    """Recovery thresholds (documented defaults)."""
+
+    #: which reset a recovery uses: "reset" | "reset_ccu" | "reset_configuration" | "none".
+    #: "none" means the runtime offers no safe reset: a hung device ends Failed and the
+    #: embedding process exits for its supervisor (§9.1).
+    reset_kind: str = attrs.field(default="reset", validator=attrs.validators.in_(
+        ("reset", "reset_ccu", "reset_configuration", "none")))
+    #: how long a drain waits for submitted jobs before the reset (or Failed)
+    drain_grace_s: float = 5.0
+    #: escalation: more recoveries than this within the window -> Failed
+    max_recoveries: int = 5
+    recovery_window_s: float = 60.0
+    #: transient faults (13, 17) within the window before a drain + rebuild
+    transient_threshold: int = 8
+    transient_window_s: float = 10.0
+    #: admission budget factor while transient faults are recent
+    reduced_admission: float = 0.5
+    #: infer() retries on a transient code (the runtime did not run the graph), with
+    #: exponential backoff from backoff_base_s, capped at backoff_max_s, +/- jitter fraction
+    submit_retries: int = 2
+    backoff_base_s: float = 0.001
+    backoff_max_s: float = 0.02
+    jitter: float = 0.5
+
+
+_ACTIONS: dict[Category, Action] = {
+    Category.REQUEST_ARTIFACT: Action.RECORD,
+    Category.LIFECYCLE: Action.REBUILD,
+    Category.ARTIFACT: Action.ROLLBACK,
+    Category.COMPATIBILITY: Action.STOP,
+    Category.TRANSIENT: Action.REDUCE_ADMISSION,
+    Category.DEVICE: Action.RESET_REBUILD,
+    Category.PROGRAMMING: Action.DISABLE_FEATURE,
+    Category.UNKNOWN: Action.RESET_REBUILD,
+    Category.INTERNAL: Action.RESET_REBUILD,
+}
+
+
+@attrs.frozen
+class Decision:
+    action: Action
+    status: Status
+    reason: str
+    at: float = attrs.field(factory=time.monotonic)
+
+
+class FaultController:
+    """Applies the §8 automatic actions for one executor (``attach`` wires it)."""
+
+    def __init__(self, policy: RecoveryPolicy | None = None, seed: int | None = None) -> None:
+        self.policy = policy or RecoveryPolicy()
+        self.executor: Any = None
+        self.decisions: deque[Decision] = deque(maxlen=1000)
+        self.manifest_differences: deque[Status] = deque(maxlen=100)
+        self.disabled_features: set[str] = set()
+        self.counts: dict[Category, int] = {}
+        self._transients: deque[float] = deque()
+        self._recoveries: deque[float] = deque()
+        self._mu = threading.Lock()
+        self._rng = random.Random(seed)
+
+    def attach(self, executor: Any) -> None:
+        self.executor = executor
+
+    # ---- the table ------------------------------------------------------------------------
+    def decide(self, status: Status) -> Decision:
+        """The decision for one failure (pure but for the sliding windows)."""
+        action = _ACTIONS.get(status.category, Action.NONE)
+        now = time.monotonic()
+        reason = f"{status.category.value}: {status.code}"
+        if action is Action.REDUCE_ADMISSION:
+            window = self._transients
+            window.append(now)
+            while window and now - window[0] > self.policy.transient_window_s:
+                window.popleft()
+            if len(window) >= self.policy.transient_threshold:
+                window.clear()
+                action, reason = Action.REBUILD, (
+                    f"{self.policy.transient_threshold} transient faults within "
+                    f"{self.policy.transient_window_s}s (last: {status.code})")
+        if action in (Action.REBUILD, Action.RESET_REBUILD, Action.ROLLBACK):
+            recent = self._recoveries
+            while recent and now - recent[0] > self.policy.recovery_window_s:
+                recent.popleft()
+            if len(recent) >= self.policy.max_recoveries:
+                action, reason = Action.STOP, (
+                    f"escalation: {len(recent)} recoveries within "
+                    f"{self.policy.recovery_window_s}s; last fault {status.code}")
+            else:
+                recent.append(now)
+        return Decision(action, status, reason, now)
+
+    def report(self, status: Status, job: Any = None) -> None:
+        """FaultSink: decide and act. Never blocks on a recovery."""
+        if status.ok or status.category is None:
+            return
+        with self._mu:
+            self.counts[status.category] = self.counts.get(status.category, 0) + 1
+            decision = self.decide(status)
+            self.decisions.append(decision)
+            if decision.action is Action.RECORD:
+                self.manifest_differences.append(status)
+            elif decision.action is Action.DISABLE_FEATURE:
+                self.disabled_features.add(status.phase.value if status.phase else status.code)
+        if decision.action not in (Action.NONE, Action.RECORD, Action.REDUCE_ADMISSION,
+                                   Action.DISABLE_FEATURE):
+            log.warning("fault %s -> %s (%s)", status, decision.action.value, decision.reason)
+            if self.executor is not None:
+                self.executor.request_recovery(decision)
+
+    # ---- queries used by the executor -----------------------------------------------------------
+    def admission_factor(self) -> float:
+        """Budget factor: reduced while transient faults are recent (§8 'reduce admission')."""
+        window = self._transients
+        now = time.monotonic()
+        if window and now - window[-1] <= self.policy.transient_window_s:
+            return self.policy.reduced_admission
+        return 1.0
+
+    def backoff(self, attempt: int) -> float:
+        """Seconds before submit retry ``attempt`` (1-based): exponential, capped, jittered."""
+        p = self.policy
+        base = min(p.backoff_max_s, p.backoff_base_s * (2 ** (attempt - 1)))
+        return max(0.0, base * (1.0 + p.jitter * (2.0 * self._rng.random() - 1.0)))
+
+    def last(self) -> Decision | None:
+        return self.decisions[-1] if self.decisions else None
+
+
+class RecordingFaultSink:
+    """A passive sink: keeps the reports (bounded) and counts them by category, acts on
+    nothing. For tests of the job path alone and for embedders with their own controller."""
+
+    def __init__(self, keep: int = 1000) -> None:
+        self.reports: deque[Status] = deque(maxlen=keep)
+        self.by_category: dict[Category, int] = {}
+        self._mu = threading.Lock()
+
+    def report(self, status: Status, job: Any = None) -> None:
+        with self._mu:
+            self.reports.append(status)
+            self.by_category[status.category] = self.by_category.get(status.category, 0) + 1

@@ -1,0 +1,104 @@
+"""One model generation: everything the executor builds for a calbin, scoped together (§9.2).
+
+A ``Generation`` owns the loaded calbin, the contracts resolved from the manifest, the models
+by task kind, the KvManager, the buffer pool and the KV coordinator of one generation id.
+Jobs keep a reference to the generation they were admitted into, so a completion from an
+old generation only ever touches that generation's pool and KV (FI14), never the new one's.
+
+``open_generation`` builds one through the driver (FI01: the manifest is resolved against
+``GetAllModels`` before ``configure``). ``Generation.release`` tears it down once the runtime
+holds none of its buffers; host storage of slots that were in flight stays referenced by the
+generation object, which the executor keeps in a bounded list of retired generations, so a
+stale DMA that lands after a reset writes into live memory the executor never reads again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from calexec.contracts.status import Phase, Status
+from calexec.contracts.types import ModelGeneration, TaskKind
+from calexec.machines.kv import KvCoordinator
+from calexec.machines.locks import LockOrder
+from calexec.machines.pool import BufferPool
+
+
+class Generation:
+    """The runtime objects and controllers of one generation id."""
+
+    def __init__(self, contracts: ModelGeneration, calbin_path: str, calbin: Any,
+                 models: dict[TaskKind, Any], kv: Any, pool: BufferPool,
+                 kvc: KvCoordinator) -> None:
+        self.contracts = contracts
+        self.calbin_path = calbin_path
+        self.calbin = calbin
+        self.models = models
+        self.kv = kv
+        self.pool = pool
+        self.kvc = kvc
+
+    @property
+    def id(self) -> int:
+        return self.contracts.generation_id
+
+    @property
+    def sha256(self) -> str:
+        return self.contracts.calbin_sha256
+
+    def release(self, device: Any) -> Status:
+        """Tear down once the runtime no longer uses any buffer of this generation (drained,
+        or after a confirmed reset): slots retired, KvManager destroyed, configuration dropped,
+        calbin unloaded. Host storage stays alive with this object."""
+        self.pool.quarantine_all()
+        self.pool.retire_quarantined()
+        self.kvc.close()
+        status = Status.OK
+        for what, rc in (("KvManager destroy", self.kv.destroy()),
+                         ("reset_configuration", device.reset_configuration()),
+                         ("calbin unload", self.calbin.unload())):
+            if rc != 0 and status.ok:
+                status = Status.from_calrt(rc, Phase.RECOVERY, what, generation=self.id)
+        return status
+
+    def __repr__(self) -> str:
+        return f"Generation(id={self.id}, calbin={self.calbin_path!r})"
+
+
+def open_generation(device: Any, manifest: Any, calbin_path: str, generation_id: int,
+                    slots_per_kind: int, locks: LockOrder) -> "Generation | Status":
+    """Load, resolve (exact names, before configure), configure, create KV and pool."""
+    ctx = {"generation": generation_id}
+    rc, calbin = device.load_calbin(calbin_path)
+    if rc != 0:
+        return Status.from_calrt(rc, Phase.CONFIGURE, f"calbin load {calbin_path!r}", **ctx)
+    done: list[tuple[Any, str]] = [(calbin, "unload")]
+
+    def undo(status: Status) -> Status:
+        for obj, method in reversed(done):
+            getattr(obj, method)()
+        return status
+
+    rc, models = calbin.models()
+    if rc != 0:
+        return undo(Status.from_calrt(rc, Phase.LOOKUP, "GetAllModels", **ctx))
+    contracts = manifest.resolve([m.info for m in models], generation_id=generation_id,
+                                 calbin_sha256=calbin.sha256)
+    if isinstance(contracts, Status):
+        return undo(contracts)
+    by_name = {m.info.name: m for m in models}
+    by_kind = {kind: by_name[sub.exact_name] for kind, sub in contracts.submodels.items()}
+    rc = device.configure(calbin)
+    if rc != 0:
+        return undo(Status.from_calrt(rc, Phase.CONFIGURE, "configure", **ctx))
+    done.append((device, "reset_configuration"))
+    rc, kv = device.create_kv(calbin)
+    if rc != 0:
+        return undo(Status.from_calrt(rc, Phase.CONFIGURE, "KvManager create", **ctx))
+    done.append((kv, "destroy"))
+    pool = BufferPool(contracts, by_kind, {kind: slots_per_kind for kind in contracts.submodels},
+                      locks)
+    status = pool.open()
+    if not status.ok:
+        return undo(status)
+    return Generation(contracts, calbin_path, calbin, by_kind, kv, pool,
+                      KvCoordinator(kv, generation_id, locks))

@@ -1,0 +1,324 @@
+"""Recovery and fault control (spec §8, §9, §12): the fault controller applies the §8 table,
+the lifecycle chart drives generation+1 rebuilds proved by the golden, model switches roll
+back, stale completions never touch the new generation; FI06, FI07, FI08, FI10, FI14; one
+scenario per §8 category ending Ready (golden passed) or Failed with the reason; every
+declared lifecycle transition reached through the executor."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from calexec.contracts.errors import Category
+from calexec.contracts.status import Status
+from calexec.drivers import calbin as cb
+from calexec.drivers import oracle
+from calexec.machines.compiled import LIFECYCLE
+from calexec.machines.faults import Action, RecoveryPolicy
+from calexec.machines.pool import BufferPool
+from executor_harness import (SEED, arm, decode, deadline, expected_greedy, fired, greedy,
+                              make_executor, prefill, running_executor, settle,
+                              write_calbin)
+from test_executor_paths import recording
+
+PROMPT = [7, 7, 8, 9, 10]
+OTHER_SEED = SEED ^ 0xABCDEF
+
+
+@pytest.fixture(scope="module")
+def calbins(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("recovery")
+    main = write_calbin(directory)
+    other = str(directory / "other.calbin")
+    cb.write(other, cb.default_spec(seed=OTHER_SEED))
+    return {"main": main, "other": other, "missing": str(directory / "missing.calbin")}
+
+
+def wait_state(ex, states, seconds=10.0):
+    """Wait for the recovery thread to bring the lifecycle to one of ``states``."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if ex.state in states and ex._pending_recovery is None and (
+                ex._recovery_thread is None or not ex._recovery_thread.is_alive()):
+            return ex.state
+        time.sleep(0.005)
+    raise AssertionError(f"lifecycle stuck in {ex.state} (wanted {states})")
+
+
+def serves_oracle(ex, seq=1, seed=SEED):
+    ref = oracle.OracleSequence(seed)
+    ref.run(PROMPT)
+    out = greedy(ex, seq, PROMPT, 2)
+    want = [ref.next_token()]
+    for _ in range(2):
+        ref.run([want[-1]])
+        want.append(ref.next_token())
+    return out == want
+
+
+def last_action(ex):
+    return ex.faults.last().action
+
+
+# ---- FI06, FI07, FI08, FI10, FI14 ----------------------------------------------------------------
+def test_fi06_submit_unavailable_stops_admission_and_recovers(calbins):
+    with running_executor(calbins["main"]) as ex:
+        greedy(ex, 1, PROMPT, 0)
+        arm(ex, "SUBMIT_RC", rc=18)
+        res = ex.enqueue(decode(1, 3, len(PROMPT))).wait_until(deadline())
+        assert isinstance(res, Status) and res.raw == 18 and res.category == Category.DEVICE
+        assert last_action(ex) is Action.RESET_REBUILD
+        assert wait_state(ex, ("Ready",)) == "Ready"
+        assert ex.gen.id == 2 and ex.recoveries[-1]["ok"] and ex.recoveries[-1]["reset"]
+        assert serves_oracle(ex)
+
+
+def test_fi07_wait_timeout_quarantines_without_logits(calbins):
+    with running_executor(calbins["main"], "decode_us=30000") as ex:
+        greedy(ex, 1, PROMPT, 0)
+        arm(ex, "WAIT_RC")  # Wait says TIMEOUT while the job still runs on the device
+        out = np.full(151936, 5.0, dtype=np.float32)
+        res = ex.enqueue(decode(1, 3, len(PROMPT)), logits_out=out).wait_until(deadline())
+        assert isinstance(res, Status) and res.raw == 13
+        assert np.all(out == 5.0)
+        assert ex.kvc.seqs[1].unknown_reason == res.code
+        assert [s.run.state for s in ex.pool.slots].count("Quarantined") == 1
+        # transient: admission reduced, no recovery below the threshold
+        assert last_action(ex) is Action.REDUCE_ADMISSION and ex.faults.admission_factor() < 1
+        assert wait_state(ex, ("Ready",)) == "Ready" and ex.gen.id == 1
+
+
+def test_execution_timeout_of_a_hung_job_resets_and_rebuilds(calbins):
+    policy = RecoveryPolicy(drain_grace_s=0.2)
+    with running_executor(calbins["main"], execution_timeout_s=0.2, timeout_grace_s=0.1,
+                          recovery=policy) as ex:
+        greedy(ex, 1, PROMPT, 0)
+        arm(ex, "HANG")
+        res = ex.enqueue(decode(1, 3, len(PROMPT))).wait_until(deadline())
+        assert isinstance(res, Status) and res.code == "execution.deadline"
+        assert wait_state(ex, ("Ready",)) == "Ready"
+        # §9.1: admission stopped, the buffers kept through the grace, then the reset
+        assert ex.recoveries[-1]["reason"] == "execution.deadline" and ex.gen.id == 2
+        assert ex.recoveries[-1]["reset_kind"] == "reset"
+        assert ex.device.emu.counters()["jobs_aborted"] >= 1
+        assert serves_oracle(ex)
+
+
+@pytest.mark.parametrize("point", ["CCU_EXCEPTION", "OUTPUT_NAN"])  # FI08, FI10
+def test_fi08_fi10_device_and_output_faults_rebuild_the_generation(calbins, point):
+    with running_executor(calbins["main"]) as ex:
+        greedy(ex, 1, PROMPT, 0)
+        old_pool: BufferPool = ex.pool
+        arm(ex, point)
+        res = ex.enqueue(decode(1, 3, len(PROMPT))).wait_until(deadline())
+        assert isinstance(res, Status) and fired(ex, point) == 1
+        assert wait_state(ex, ("Ready",)) == "Ready"
+        assert ex.gen.id == 2 and ex.golden_passed()
+        # invariant 8: every old-generation slot was quarantined and retired
+        assert all(s.run.state == "Retired" for s in old_pool.slots)
+        assert serves_oracle(ex)
+
+
+def test_fi14_stale_completion_after_reset_never_touches_the_new_generation(calbins):
+    with running_executor(calbins["main"], "stale_delay_us=20000", execution_timeout_s=0.2,
+                          timeout_grace_s=0.05, recovery=RecoveryPolicy(drain_grace_s=0.2)) as ex:
+        greedy(ex, 1, PROMPT, 0)
+        arm(ex, "HANG")
+        arm(ex, "STALE_COMPLETION")
+        stale = ex.enqueue(decode(1, 3, len(PROMPT)))
+        res = stale.wait_until(deadline())
+        assert isinstance(res, Status)
+        old_slot = next(s for s in ex.pool.slots if s.run.state == "Quarantined")
+        old_slot.host_output[:] = 0x1234  # a marker: the stale DMA must overwrite it
+        assert wait_state(ex, ("Ready",)) == "Ready"
+        new_gen = ex.gen
+        end = time.monotonic() + 5
+        while ex.device.emu.counters()["stale_completions"] < 1 and time.monotonic() < end:
+            time.sleep(0.005)
+        assert ex.device.emu.counters()["stale_completions"] == 1
+        # the stale D2H landed in the old generation's host buffer, kept alive for it
+        assert not np.all(old_slot.host_output == 0x1234)
+        assert old_slot.generation_id == 1 and new_gen.id == 2
+        assert stale.wait_until(deadline()) is res  # resolved once, with its failure
+        assert serves_oracle(ex)
+        settle(ex)
+        assert all(s.run.state == "Free" for s in new_gen.pool.slots)
+        assert ex.counters["stale_completions"] == 0  # nothing counted as new-generation work
+
+
+# ---- one scenario per §8 category ------------------------------------------------------------------
+@pytest.mark.parametrize("rc,category,action,end", [
+    (14, Category.REQUEST_ARTIFACT, Action.RECORD, "Ready"),
+    (16, Category.LIFECYCLE, Action.REBUILD, "Ready"),
+    (19, Category.ARTIFACT, Action.ROLLBACK, "Ready"),
+    (8, Category.COMPATIBILITY, Action.STOP, "Failed"),
+    (18, Category.DEVICE, Action.RESET_REBUILD, "Ready"),
+    (27, Category.PROGRAMMING, Action.DISABLE_FEATURE, "Ready"),
+    (20, Category.UNKNOWN, Action.RESET_REBUILD, "Ready"),
+    (26, Category.UNKNOWN, Action.RESET_REBUILD, "Ready"),
+])
+def test_each_category_ends_ready_with_golden_or_failed_with_reason(calbins, rc, category,
+                                                                    action, end):
+    with running_executor(calbins["main"]) as ex:
+        greedy(ex, 1, PROMPT, 0)
+        arm(ex, "SUBMIT_RC", rc=rc)
+        res = ex.enqueue(decode(1, 3, len(PROMPT))).wait_until(deadline())
+        assert isinstance(res, Status) and res.raw == rc and res.category == category
+        assert last_action(ex) is action
+        assert wait_state(ex, (end,)) == end
+        if end == "Ready":
+            assert ex.golden_passed()
+            rebuilt = action not in (Action.RECORD, Action.DISABLE_FEATURE)
+            assert ex.gen.id == (2 if rebuilt else 1)
+            assert serves_oracle(ex, seq=2)
+        else:
+            assert ex.failure is not None and ex.failure.raw == rc
+            refused = ex.enqueue(prefill(2, PROMPT)).wait_until(deadline())
+            assert isinstance(refused, Status) and refused.http_status == 503
+    if action is Action.RECORD:
+        assert list(ex.faults.manifest_differences)[-1].raw == rc
+    if action is Action.DISABLE_FEATURE:
+        assert "submit" in ex.faults.disabled_features
+
+
+def test_transient_faults_past_the_threshold_drain_and_rebuild(calbins):
+    policy = RecoveryPolicy(transient_threshold=3, submit_retries=0)
+    with running_executor(calbins["main"], recovery=policy) as ex:
+        greedy(ex, 1, PROMPT, 0)
+        arm(ex, "SUBMIT_RC", "ALWAYS", rc=17)
+        for _ in range(3):
+            ex.enqueue(decode(1, 3, len(PROMPT))).wait_until(deadline())
+            if ex.state != "Ready":
+                break
+        assert last_action(ex) is Action.REBUILD
+        ex.device.emu.clear_fault(0)
+        assert wait_state(ex, ("Ready",)) == "Ready" and ex.gen.id == 2
+
+
+def test_escalation_past_max_recoveries_ends_failed(calbins):
+    policy = RecoveryPolicy(max_recoveries=2)
+    with running_executor(calbins["main"], recovery=policy) as ex:
+        for attempt in range(3):
+            greedy(ex, 1, PROMPT, 0)
+            arm(ex, "CCU_EXCEPTION")
+            ex.enqueue(decode(1, 3, len(PROMPT))).wait_until(deadline())
+            state = wait_state(ex, ("Ready", "Failed"))
+        assert state == "Failed" and "escalation" in ex.faults.last().reason
+
+
+def test_no_safe_reset_ends_failed_for_the_supervisor(calbins):
+    policy = RecoveryPolicy(reset_kind="none", drain_grace_s=0.2)
+    with running_executor(calbins["main"], recovery=policy, execution_timeout_s=0.2,
+                          timeout_grace_s=0.05) as ex:
+        greedy(ex, 1, PROMPT, 0)
+        arm(ex, "HANG")
+        ex.enqueue(decode(1, 3, len(PROMPT))).wait_until(deadline())
+        assert wait_state(ex, ("Failed",)) == "Failed"
+        assert ex.failure.code == "recovery.not_drained"
+        assert "supervisor" in ex.failure.message
+
+
+def test_device_fault_without_a_safe_reset_fails_from_recovering(calbins):
+    policy = RecoveryPolicy(reset_kind="none")
+    with running_executor(calbins["main"], recovery=policy) as ex:
+        greedy(ex, 1, PROMPT, 0)
+        arm(ex, "CCU_EXCEPTION")
+        ex.enqueue(decode(1, 3, len(PROMPT))).wait_until(deadline())
+        assert wait_state(ex, ("Failed",)) == "Failed"
+        assert ex.failure.code == "recovery.no_safe_reset"
+
+
+# ---- model switch (§9.2) ------------------------------------------------------------------------------
+def test_model_switch_goes_live_after_its_golden(calbins):
+    with running_executor(calbins["main"]) as ex:
+        assert ex.switch_model(calbins["other"]).ok
+        assert ex.state == "Ready" and ex.gen.id == 2 and ex.gen.calbin_path == calbins["other"]
+        assert serves_oracle(ex, seed=OTHER_SEED)
+        assert ex.good_calbins == [calbins["main"], calbins["other"]]
+
+
+def test_failed_switch_keeps_the_previous_model_serving(calbins):
+    with running_executor(calbins["main"]) as ex:
+        other_sha = cb.write(calbins["other"] + ".copy", cb.default_spec(seed=OTHER_SEED))
+        ex.goldens[other_sha] = (1, 2, 3)  # a recorded golden the new model cannot meet
+        status = ex.switch_model(calbins["other"] + ".copy")
+        assert status.code == "recovery.rolled_back" and "golden.mismatch" in status.message
+        assert ex.state == "Ready" and ex.gen.calbin_path == calbins["main"]
+        assert serves_oracle(ex)
+        status = ex.switch_model(calbins["missing"])  # cannot even load: rolled back too
+        assert status.code == "recovery.rolled_back" and ex.state == "Ready"
+        assert serves_oracle(ex)
+
+
+def test_requests_during_recovery_get_unavailable_not_dropped(calbins):
+    with running_executor(calbins["main"], "decode_us=20000",
+                          recovery=RecoveryPolicy(drain_grace_s=1.0)) as ex:
+        greedy(ex, 1, PROMPT, 0)
+        greedy(ex, 2, PROMPT, 0)
+        arm(ex, "CCU_EXCEPTION")
+        faulted = ex.enqueue(decode(1, 3, len(PROMPT)))
+        queued = ex.enqueue(decode(2, 3, len(PROMPT)))  # waits for the in-flight permit
+        assert isinstance(faulted.wait_until(deadline()), Status)
+        refused = queued.wait_until(deadline())
+        assert isinstance(refused, Status) and refused.category == Category.UNAVAILABLE
+        assert refused.http_status == 503  # the client retries after Retry-After
+        assert wait_state(ex, ("Ready",)) == "Ready"
+        assert serves_oracle(ex, seq=2)  # the same request succeeds on generation 2
+
+
+# ---- the lifecycle chart, transition by transition, through the executor --------------------------------
+def lifecycle_scenarios(calbins):
+    # start (configured, warmed), drain/recover/reconfigure via a device fault, stop
+    with running_executor(calbins["main"]) as ex:
+        arm(ex, "CCU_EXCEPTION")
+        greedy_failure = ex.enqueue(prefill(1, PROMPT)).wait_until(deadline())
+        assert isinstance(greedy_failure, Status)
+        wait_state(ex, ("Ready",))
+        # roll_back from Warming (golden refused) and from Configuring (load failed)
+        sha = cb.write(calbins["other"] + ".bad", cb.default_spec(seed=OTHER_SEED))
+        ex.goldens[sha] = (0,)
+        ex.switch_model(calbins["other"] + ".bad")
+        ex.switch_model(calbins["missing"])
+    # Ready -> Failed (compatibility)
+    with running_executor(calbins["main"]) as ex:
+        arm(ex, "SUBMIT_RC", rc=9)
+        ex.enqueue(prefill(1, PROMPT)).wait_until(deadline())
+        wait_state(ex, ("Failed",))
+    # Draining -> Failed (hung device, no safe reset)
+    test_no_safe_reset_ends_failed_for_the_supervisor(calbins)
+    # Recovering -> Failed (device fault, no safe reset)
+    test_device_fault_without_a_safe_reset_fails_from_recovering(calbins)
+    # Configuring -> Failed (FI01 at start: one character changed in the manifest)
+    from calexec.contracts.manifest import load_manifest, default_manifest_path
+    import attrs
+    from calexec.drivers.runtime import CalRT
+    from calexec.machines.executor import DeviceExecutor, ExecutorConfig
+    manifest = load_manifest(default_manifest_path())
+    bad = attrs.evolve(manifest, submodels={
+        kind: attrs.evolve(s, exact_name=s.exact_name.replace("decode", "dekode"))
+        for kind, s in manifest.submodels.items()})
+    ex = DeviceExecutor(CalRT.load(), bad, ExecutorConfig(calbin_path=calbins["main"]))
+    status = ex.start()
+    assert not status.ok and ex.state == "Failed" and "dekode" in status.message
+    # Warming -> Failed (no recorded golden and one is required)
+    ex = DeviceExecutor(CalRT.load(), manifest,
+                        ExecutorConfig(calbin_path=calbins["main"], require_golden=True))
+    status = ex.start()
+    assert status.code == "golden.missing" and ex.state == "Failed"
+
+
+@pytest.fixture(scope="module")
+def lifecycle_taken(calbins):
+    with recording() as hits:
+        lifecycle_scenarios(calbins)
+    return hits
+
+
+@pytest.mark.parametrize("transition", LIFECYCLE.transitions,
+                         ids=lambda t: f"{t.source}-{t.event}->{t.target}")
+def test_lifecycle_transition_reached_through_executor(lifecycle_taken, transition):
+    assert transition.key in lifecycle_taken, (
+        f"no executor scenario takes {transition.source} --{transition.event}--> "
+        f"{transition.target}; add one to lifecycle_scenarios")
