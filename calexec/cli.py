@@ -18,6 +18,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench charts": ("calexec.machines.bench", "per-job chart work on the hot path"),
     "bench overhead": ("calexec.drivers.bench", "executor vs direct synchronous loop (TPOT ratios, control overhead)"),
     "bench logits": ("calexec.drivers.bench", "direct BF16->FP32 slice conversion vs the legacy path"),
+    "conform": ("calexec.drivers.conform.runner", "answer the spec's §14 vendor questions for a calrt.h library (--report DIR)"),
+    "bench recovery": ("calexec.drivers.bench", "time from an injected device fault to Ready again, requests failed per recovery"),
     "serve": ("calexec.drivers.serve", "run the reference HTTP server (OpenAI-style completions, metrics, drain)"),
 }
 

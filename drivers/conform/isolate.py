@@ -1,0 +1,95 @@
+"""Run one experiment in a child process with a timeout.
+
+A runtime under test may crash (a signal) or hang (a Wait that never returns, a reset that
+blocks): the experiment therefore runs in a fresh ``spawn`` child, and the parent only waits
+on a pipe with a deadline. The outcome says what happened; it never raises for anything the
+child did, and a child past its deadline is killed (SIGKILL) so the runner never hangs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing as mp
+import os
+import signal
+import time
+import traceback
+from typing import Any, Callable
+
+import attrs
+
+OK, ERROR, TIMEOUT, SIGNALLED, EXITED = "ok", "error", "timeout", "signal", "exit"
+
+
+@attrs.frozen
+class Outcome:
+    """``status`` ok | error (the experiment raised) | timeout | signal | exit (the child
+    ended without a result); ``result`` is the experiment's return value when ok;
+    ``reason`` says what went wrong otherwise."""
+
+    status: str
+    result: Any
+    reason: str
+    seconds: float
+
+
+def _child(conn, module: str, func: str, kwargs: dict) -> None:
+    try:
+        result = getattr(importlib.import_module(module), func)(**kwargs)
+        conn.send((OK, result))
+    except Exception as exc:  # noqa: BLE001 - any failure of the experiment is reported, not raised
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        conn.send((ERROR, f"{type(exc).__name__}: {exc} (at {os.path.basename(where.filename)}:{where.lineno})"))
+    finally:
+        conn.close()
+
+
+def _signal_name(num: int) -> str:
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"
+
+
+def run_isolated(target: str, kwargs: dict, timeout_s: float,
+                 on_start: Callable[[int], None] | None = None) -> Outcome:
+    """Call ``module:function(**kwargs)`` in a spawn child; wait at most timeout_s.
+
+    ``on_start(pid)`` is called once the child runs (tests use it to kill the child)."""
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    module, _, func = target.partition(":")
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(child, module, func, kwargs), daemon=True)
+    t0 = time.monotonic()
+    proc.start()
+    child.close()
+    if on_start is not None:
+        on_start(proc.pid)
+    message, got = None, False
+    try:
+        got = parent.poll(timeout_s)
+        message = parent.recv() if got else None
+    except (EOFError, OSError):
+        message = None  # the child died before sending a result
+    seconds = time.monotonic() - t0
+    if message is None:
+        if not got:
+            proc.kill()
+            proc.join(5)
+            return Outcome(TIMEOUT, None, f"experiment did not finish within {timeout_s:.1f} s "
+                                          f"(child killed): the runtime hung", seconds)
+        proc.join(5)
+        code = proc.exitcode
+        if code is not None and code < 0:
+            return Outcome(SIGNALLED, None, f"child killed by {_signal_name(-code)} mid-experiment", seconds)
+        return Outcome(EXITED, None, f"child exited with code {code} without a result", seconds)
+    proc.join(5)
+    if proc.is_alive():  # the result arrived but the runtime keeps the process (e.g. close hangs)
+        proc.kill()
+        proc.join(5)
+    status, payload = message
+    if status == OK:
+        return Outcome(OK, payload, "", seconds)
+    return Outcome(ERROR, None, f"experiment failed: {payload}", seconds)
