@@ -34,6 +34,7 @@ import os
 import platform
 import sys
 import tempfile
+import threading
 import time
 import tracemalloc
 from collections.abc import Callable, Sequence
@@ -360,6 +361,109 @@ def run_logits(iters: int, seed: int) -> dict[str, Any]:
 
 
 # ---- CLI -------------------------------------------------------------------------------------------
+def run_recovery(recoveries: int, seed: int) -> dict[str, Any]:
+    """§9.2 figures: time from an injected device fault (DONE_CCU_EXCEPTION) to Ready again
+    on the zero-latency profile, over ``recoveries`` recoveries, while a client thread keeps
+    sending decode requests on another sequence; what happened to those requests."""
+    from calexec.drivers.runtime import Fault, FaultMode
+    from calexec.machines.faults import RecoveryPolicy
+
+    with tempfile.TemporaryDirectory(prefix="calexec-bench-") as tmp:
+        path = os.path.join(tmp, "bench.calbin")
+        calbin_fmt.write(path, calbin_fmt.default_spec())
+        config = ExecutorConfig(calbin_path=path, recovery=RecoveryPolicy(
+            max_recoveries=recoveries + 1, recovery_window_s=3600.0))
+        ex = DeviceExecutor(CalRT.load(), load_manifest(default_manifest_path()), config)
+        status = ex.start()
+        if not status.ok:
+            raise BenchError(f"executor start failed: {status}")
+        rng = np.random.default_rng(seed)
+        prompt = rng.integers(0, calbin_fmt.VOCAB, PROMPT_LEN, dtype=np.int32)
+        outcomes: dict[str, int] = {}
+        stop = threading.Event()
+        unresolved = [0]
+
+        def client() -> None:  # bounded by the recoveries loop (stop) and a job cap
+            past = None
+            for _ in range(1_000_000):
+                if stop.is_set():
+                    return
+                if past is None:
+                    ex.kvc.reset_sequence(2) if ex.kvc is not None else None
+                    req = InferenceRequest(seq_id=2, kind=TaskKind.PREFILL_IDS, tokens=prompt,
+                                           positions=np.arange(PROMPT_LEN, dtype=np.int32),
+                                           past_len=0, deadline=time.monotonic() + _WAIT_S)
+                else:
+                    req = InferenceRequest(seq_id=2, kind=TaskKind.DECODE,
+                                           tokens=np.asarray([1], dtype=np.int32),
+                                           positions=np.asarray([past], dtype=np.int32),
+                                           past_len=past, deadline=time.monotonic() + _WAIT_S)
+                handle = ex.enqueue(req)
+                result = handle.wait_until(time.monotonic() + _WAIT_S)
+                if not handle.done:
+                    unresolved[0] += 1
+                key = "ok" if not isinstance(result, Status) else result.code
+                outcomes[key] = outcomes.get(key, 0) + 1
+                past = None if isinstance(result, Status) or result.kv_len > 4000 else result.kv_len
+                if isinstance(result, Status) and result.category.value == "unavailable":
+                    time.sleep(0.001)  # Retry-After, scaled down
+
+        thread = threading.Thread(target=client, name="bench-client", daemon=True)
+        thread.start()
+        seconds: list[float] = []
+        try:
+            for i in range(recoveries):
+                if i % 10 == 0:
+                    _progress(f"bench recovery: {i}/{recoveries}")
+                ex.kvc.reset_sequence(1)
+                first = InferenceRequest(seq_id=1, kind=TaskKind.PREFILL_IDS, tokens=prompt,
+                                         positions=np.arange(PROMPT_LEN, dtype=np.int32),
+                                         past_len=0, deadline=time.monotonic() + _WAIT_S)
+                ex.enqueue(first).wait_until(first.deadline)
+                generation = ex.gen.id
+                ex.device.emu.set_fault(Fault.CCU_EXCEPTION, FaultMode.NTH, 1, 0, 0)
+                t0 = time.perf_counter()
+                req = InferenceRequest(seq_id=1, kind=TaskKind.DECODE,
+                                       tokens=np.asarray([1], dtype=np.int32),
+                                       positions=np.asarray([PROMPT_LEN], dtype=np.int32),
+                                       past_len=PROMPT_LEN, deadline=time.monotonic() + _WAIT_S)
+                result = ex.enqueue(req).wait_until(req.deadline)
+                if not isinstance(result, Status):
+                    # the client's job took the fault: the recovery still happens
+                    pass
+                end = time.monotonic() + _WAIT_S
+                while not (ex.state == "Ready" and ex.gen is not None
+                           and ex.gen.id > generation) and time.monotonic() < end:
+                    if ex.state == "Failed":
+                        raise BenchError(f"recovery {i} ended Failed: {ex.failure}")
+                    time.sleep(0.0002)
+                seconds.append(time.perf_counter() - t0)
+        finally:
+            stop.set()
+            thread.join(_WAIT_S)
+            ex.shutdown()
+    ms = np.asarray(seconds) * 1000.0
+    unavailable = sum(v for k, v in outcomes.items() if k.startswith("lifecycle.unavailable"))
+    # the injected fault fires on the next accepted job: when that is the client's, it is the
+    # job in flight, not a failure beyond it
+    in_flight = outcomes.get("device.ccu_exception", 0)
+    other = {k: v for k, v in outcomes.items() if k not in ("ok", "device.ccu_exception")
+             and not k.startswith("lifecycle.unavailable")}
+    return {
+        "recoveries": recoveries,
+        "recovery_ms_p50": round(_p(ms, 50), 3),
+        "recovery_ms_p99": round(_p(ms, 99), 3),
+        "client_requests": sum(outcomes.values()),
+        "client_ok": outcomes.get("ok", 0),
+        "client_unavailable_per_recovery": round(unavailable / max(recoveries, 1), 3),
+        "client_failed_in_flight": in_flight,
+        "client_failed_beyond_in_flight": sum(other.values()),
+        "client_failures_by_code": other,
+        "client_unresolved": unresolved[0],
+        "generations_opened": ex.recoveries[-1]["to_generation"] if ex.recoveries else 1,
+    }
+
+
 def _emit(result: dict[str, Any], as_json: bool) -> None:
     if as_json:
         print(json.dumps(result))
@@ -396,8 +500,11 @@ def main(argv: list[str]) -> int:
     elif command == "logits":
         parser.add_argument("--iters", type=_positive, default=2000,
                             help="timed calls per case (default 2000)")
+    elif command == "recovery":
+        parser.add_argument("--recoveries", type=_positive, default=100,
+                            help="injected device faults, each followed by a recovery (100)")
     else:
-        print("usage: calexec bench {overhead|logits} [--json] ...", file=sys.stderr)
+        print("usage: calexec bench {overhead|logits|recovery} [--json] ...", file=sys.stderr)
         return 2
     args = parser.parse_args(argv[2:])
     try:
@@ -406,6 +513,8 @@ def main(argv: list[str]) -> int:
             if max(args.tokens, args.zero_tokens) > limit:
                 parser.error(f"--tokens/--zero-tokens must be <= {limit}")
             result = run_overhead(args.tokens, args.runs, args.zero_tokens, args.seed)
+        elif command == "recovery":
+            result = run_recovery(args.recoveries, args.seed)
         else:
             result = run_logits(args.iters, args.seed)
     except (BenchError, DriverError) as exc:
