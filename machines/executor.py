@@ -86,6 +86,8 @@ class ExecutorConfig:
     golden_tokens: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17)
     golden_decode_steps: int = 2
     golden_seq_id: int = 0
+    #: deadline of each golden job (a golden that cannot finish fails the warm-up, never hangs)
+    golden_timeout_s: float = 10.0
     #: expected golden tokens per calbin sha256. A calbin without an entry records its first
     #: warm-up's tokens (trust on first use) unless ``require_golden`` is set.
     goldens: dict[str, tuple[int, ...]] = attrs.field(factory=dict)
@@ -282,7 +284,7 @@ class DeviceExecutor:
         out: list[int] = []
         request = InferenceRequest(seq_id=seq, kind=TaskKind.PREFILL_IDS, tokens=prompt,
                                    positions=np.arange(len(prompt), dtype=np.int32), past_len=0,
-                                   deadline=time.monotonic() + 60.0)
+                                   deadline=time.monotonic() + cfg.golden_timeout_s)
         for _ in range(cfg.golden_decode_steps + 1):
             result = self._run_internal(request)
             if isinstance(result, Status):
@@ -292,7 +294,7 @@ class DeviceExecutor:
             request = InferenceRequest(seq_id=seq, kind=TaskKind.DECODE,
                                        tokens=np.asarray([result.argmax], dtype=np.int32),
                                        positions=np.asarray([past], dtype=np.int32),
-                                       past_len=past, deadline=time.monotonic() + 60.0)
+                                       past_len=past, deadline=time.monotonic() + cfg.golden_timeout_s)
         return tuple(out)
 
     def _run_internal(self, request: InferenceRequest) -> "InferenceResult | Status":

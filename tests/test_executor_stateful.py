@@ -66,7 +66,7 @@ class ExecutorMachine(RuleBasedStateMachine):
         self.seed = SEED
         self.ex = make_executor(CALBIN["path"], "kv_blocks=10;kv_block_size=16", threads=False,
                                 slots_per_kind=len(SEQS), check_lock_order=True,
-                                timeout_grace_s=0.0)
+                                timeout_grace_s=0.0, golden_timeout_s=2.0)
         ex = self.ex
         self.infer_callers: list[str] = []
         self.wait_callers: list[str] = []
@@ -236,7 +236,10 @@ class ExecutorMachine(RuleBasedStateMachine):
                 assert self.ex.gen.calbin_path == before or path == before
 
     def recover_with(self, action):
-        """Recovery drains through Wait(): let the device run by itself meanwhile."""
+        """Recovery drains through Wait(): let the device run by itself meanwhile. Faults
+        armed for traffic are cleared first (a fault firing inside the golden is covered by
+        test_recovery.py); the golden's own deadline bounds it either way."""
+        assert self.emu.clear_all_faults() == 0
         assert self.emu.set_stepped(False) == 0
         status = action()
         assert self.emu.set_stepped(True) == 0
