@@ -491,6 +491,27 @@ def create_app(executor: Any, config: ServerConfig | None = None,
         service.start_drain(grace)
         return JSONResponse({"draining": True, "grace": grace}, status_code=202)
 
+    @app.post("/admin/reload")
+    async def admin_reload(request: Request) -> Response:
+        """Model switch through the lifecycle (§9.2): body {"calbin": PATH}. The new calbin
+        serves only after its golden passes; otherwise the previous one serves again."""
+        refused = admin_refusal(request)
+        if refused is not None:
+            return refused
+        try:
+            body = await request.json()
+        except ValueError:
+            body = None
+        path = body.get("calbin") if isinstance(body, dict) else None
+        if not isinstance(path, str) or not path:
+            return error_response(_invalid(f"calbin={path!r}: a calbin file path is required"),
+                                  "calbin")
+        status = await to_thread.run_sync(executor.switch_model, path)
+        if not status.ok:
+            return error_response(status, "calbin")
+        return JSONResponse({"reloaded": True, "calbin": path,
+                             "generation": executor.gen.id, "lifecycle": executor.state})
+
     @app.get("/debug/jobs")
     async def debug_jobs() -> dict[str, Any]:
         return {"lifecycle": executor.state, "jobs": service.live_job_counts()}

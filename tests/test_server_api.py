@@ -209,6 +209,29 @@ def test_admin_disabled_without_a_configured_token(fresh):
         assert r.status_code == 403 and r.json()["error"]["code"] == "admin.disabled"
 
 
+def test_admin_reload_switches_the_model_and_rolls_back_a_bad_one(fresh, tmp_path):
+    from calexec.drivers import calbin as cb
+    executor, app = fresh()
+    other_seed = cb.DEFAULT_SEED ^ 0x77
+    other = tmp_path / "other.calbin"
+    cb.write(str(other), cb.default_spec(seed=other_seed))
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    with TestClient(app) as client:
+        assert client.post("/admin/reload", json={"calbin": str(other)}).status_code == 401
+        r = client.post("/admin/reload", json={"calbin": str(other)}, headers=auth)
+        assert r.status_code == 200 and r.json()["generation"] == 2, r.text
+        assert client.get("/ready").status_code == 200
+        r = complete(client, prompt=[5, 6, 7], max_tokens=4)
+        assert r.json()["choices"][0]["token_ids"] == oracle_tokens([5, 6, 7], 4, other_seed)
+        r = client.post("/admin/reload", json={"calbin": str(tmp_path / "missing.calbin")},
+                        headers=auth)
+        assert r.status_code == 500 and r.json()["status"]["code"] == "recovery.rolled_back"
+        r = complete(client, prompt=[5, 6, 7], max_tokens=4)  # the previous model serves
+        assert r.json()["choices"][0]["token_ids"] == oracle_tokens([5, 6, 7], 4, other_seed)
+        r = client.post("/admin/reload", json={}, headers=auth)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "calbin"
+
+
 # ---- metrics --------------------------------------------------------------------------------------------
 def test_metrics_exist_and_move_after_requests(served):
     client, _ = served
@@ -244,7 +267,8 @@ def test_metrics_exist_and_move_after_requests(served):
 
 def test_failure_counter_carries_the_raw_calrt_code(fresh):
     executor, app = fresh()
-    Emulator(executor.device).set_fault(Fault.SUBMIT_RC, FaultMode.NTH, 1, rc=17)  # DEVICE_BUSY
+    # DEVICE_BUSY on every try: the executor's bounded retries give up and the job fails
+    Emulator(executor.device).set_fault(Fault.SUBMIT_RC, FaultMode.ALWAYS, 1, rc=17)
     with TestClient(app) as client:
         r = complete(client, prompt=[1, 2], max_tokens=2)
         assert r.status_code == 503 and r.json()["status"]["raw"] == 17
