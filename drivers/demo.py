@@ -1,9 +1,10 @@
-"""``calexec demo``: prefill and greedy-decode a few sequences straight through the driver.
+"""``calexec demo``: a few sequences prefilled and greedily decoded, interleaved, through the
+``DeviceExecutor`` (the control core) on the bundled emulator, checked against the oracle.
 
 Also home of ``DirectRunner``, the synchronous driver harness (no executor: submit, Wait,
-read back) that the demo, ``calexec sim bench`` and the driver tests share. The harness is
-for demos, benchmarks and tests; it raises ``DriverError`` carrying the raw code instead of
-returning it, which the executor's control path must never do.
+read back) that ``calexec sim bench``, the overhead benchmark's baseline and the driver tests
+share. The harness raises ``DriverError`` carrying the raw code instead of returning it, which
+the executor's control path must never do.
 """
 
 from __future__ import annotations
@@ -135,44 +136,76 @@ def _argmax(row: np.ndarray) -> int:
 
 
 def main(argv: list[str]) -> int:
+    from calexec.contracts.manifest import default_manifest_path, load_manifest
+    from calexec.contracts.prepare import InferenceRequest
+    from calexec.contracts.status import Status
+    from calexec.contracts.types import TaskKind
+    from calexec.machines.executor import DeviceExecutor, ExecutorConfig
+
     p = argparse.ArgumentParser(prog="calexec demo", description=__doc__.splitlines()[0])
     p.add_argument("--seqs", type=int, default=3)
     p.add_argument("--tokens", type=int, default=5, help="tokens to decode per sequence")
     p.add_argument("--prompt-len", type=int, default=17)
+    p.add_argument("--decode-us", type=int, default=0, help="emulated decode latency (us)")
     args = p.parse_args(argv[1:])
     with tempfile.TemporaryDirectory(prefix="calexec-demo-") as tmp:
         path = os.path.join(tmp, "qwen3_synthetic.calbin")
         sha = calbin_fmt.write(path)
-        spec = calbin_fmt.read(path)
-        runner = DirectRunner(CalRT.load(), path)
-        print(f"runtime {runner.device.rt.version}, calbin sha256 {sha[:16]}...")
-        d0 = spec.model(calbin_fmt.PREFILL_IDS).outputs[0].shape[1]
+        seed = calbin_fmt.read(path).seed
+        config = ExecutorConfig(calbin_path=path, device_config=f"decode_us={args.decode_us}")
+        ex = DeviceExecutor(CalRT.load(), load_manifest(default_manifest_path()), config)
+        status = ex.start()
+        if not status.ok:
+            print(f"calexec demo: executor start failed: {status}", file=sys.stderr)
+            return 1
+        print(f"runtime {ex.runtime.version}, calbin sha256 {sha[:16]}..., generation "
+              f"{ex.gen.id}, lifecycle {ex.state}, golden {list(ex.goldens[sha])}")
+        seqs = range(1, args.seqs + 1)
+        refs = {seq: oracle.OracleSequence(seed) for seq in seqs}
+        state: dict[int, dict] = {}
+
+        def run(seq: int, kind: TaskKind, tokens: list[int], past: int):
+            request = InferenceRequest(
+                seq_id=seq, kind=kind, tokens=np.asarray(tokens, dtype=np.int32),
+                positions=np.arange(past, past + len(tokens), dtype=np.int32), past_len=past,
+                deadline=time.monotonic() + 30.0)
+            return ex.enqueue(request).wait_until(request.deadline)
+
         ok = True
-        for seq in range(args.seqs):
+        for seq in seqs:  # prefill every sequence, then decode them round-robin
             prompt = [(seq * 7919 + i * 104729) % calbin_fmt.VOCAB for i in range(args.prompt_len)]
-            ref = oracle.OracleSequence(spec.seed)
-            ref_row = ref.prefill(prompt, d0)[0, oracle.valid_row(len(prompt), d0)]
-            t0 = time.perf_counter()
-            row = runner.run(calbin_fmt.PREFILL_IDS, seq, 0, tokens=prompt)
-            ttft = (time.perf_counter() - t0) * 1e3
-            ok &= bool(np.array_equal(row, ref_row))
-            generated, step_ms = [], []
-            token = _argmax(row)
-            for _ in range(args.tokens):
-                generated.append(token)
-                t0 = time.perf_counter()
-                row = runner.run(calbin_fmt.DECODE, seq, len(prompt) + len(generated) - 1, tokens=[token])
-                step_ms.append((time.perf_counter() - t0) * 1e3)
-                ok &= bool(np.array_equal(row, ref.decode(token)[0, 0]))
-                token = _argmax(row)
-            expect = [oracle.argmax_token(s) for s in ref.states[len(prompt):-1]]
-            ok &= generated == expect
-            print(f"seq {seq}: prompt {len(prompt)} tokens, ttft {ttft:.2f} ms, "
-                  f"tpot {np.median(step_ms):.3f} ms, tokens {generated}")
-        counters = runner.device.emu.counters() if runner.device.emu else {}
-        runner.close()
-    print(f"oracle match: {'yes' if ok else 'NO'}; device counters: {counters}")
-    return 0 if ok else 1
+            result = run(seq, TaskKind.PREFILL_IDS, prompt, 0)
+            if isinstance(result, Status):
+                print(f"seq {seq}: prefill failed: {result}", file=sys.stderr)
+                return 1
+            refs[seq].run(prompt)
+            ok &= result.argmax == refs[seq].next_token()
+            state[seq] = {"prompt": len(prompt), "tokens": [result.argmax], "past": result.kv_len,
+                          "ttft_ms": result.timings.total_ms(), "tpot_ms": []}
+        for _ in range(args.tokens - 1):
+            for seq in seqs:
+                st = state[seq]
+                result = run(seq, TaskKind.DECODE, [st["tokens"][-1]], st["past"])
+                if isinstance(result, Status):
+                    print(f"seq {seq}: decode failed: {result}", file=sys.stderr)
+                    return 1
+                refs[seq].run([st["tokens"][-1]])
+                ok &= result.argmax == refs[seq].next_token()
+                st["tokens"].append(result.argmax)
+                st["past"] = result.kv_len
+                st["tpot_ms"].append(result.timings.total_ms())
+        for seq in seqs:
+            st = state[seq]
+            tpot = np.median(st["tpot_ms"]) if st["tpot_ms"] else float("nan")
+            print(f"seq {seq}: prompt {st['prompt']} tokens, ttft {st['ttft_ms']:.2f} ms, "
+                  f"tpot {tpot:.3f} ms, tokens {st['tokens']}")
+        snapshot = ex.snapshot()
+        counters = ex.device.emu.counters() if ex.device.emu else {}
+        status = ex.shutdown()
+    print(f"oracle match: {'yes' if ok else 'NO'}; executor: succeeded={snapshot['succeeded']} "
+          f"failed={snapshot['failed']} slots={snapshot['slots']}; shutdown {status}, "
+          f"lifecycle {ex.state}; device: {counters}")
+    return 0 if ok and status.ok else 1
 
 
 if __name__ == "__main__":  # pragma: no cover
