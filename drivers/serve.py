@@ -1,36 +1,53 @@
 """``calexec serve``: the reference HTTP server on the bundled emulator (or a vendor shim).
 
-Exit codes: 0 after a clean drain (SIGTERM/SIGINT or ``POST /admin/drain``); 2 for bad
-arguments or configuration; 3 when the executor failed to start or ended ``Failed`` (for
-example work did not drain within ``--grace``). The library never exits the process; this
+``--once`` is the smoke run (README's run command): serve on an ephemeral loopback port, send
+one sample completion over the socket, print it as a curl command with the JSON response,
+drain and exit.
+
+Exit codes: 0 after a clean drain (SIGTERM/SIGINT, ``POST /admin/drain``, or the end of
+``--once``); 2 for bad arguments or configuration; 3 when the executor failed to start or
+ended ``Failed`` (for example work did not drain within ``--grace``); 4 when the ``--once``
+sample request did not return a completion. The library never exits the process; this
 module's ``main`` returns the code to the console script.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
+import re
+import shlex
 import sys
 import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
+from typing import Any, TextIO
 
 import uvicorn
 
 from calexec.contracts.manifest import default_manifest_path, load_manifest
-from calexec.drivers import calbin
+from calexec.drivers import calbin, tokenizer
 from calexec.drivers.dumpsink import DumpConfigError, DumpSink
 from calexec.drivers.runtime import CalRT
 from calexec.drivers.server import DrainingServer, ServerConfig, create_app
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 
-EXIT_OK, EXIT_USAGE, EXIT_FAILED = 0, 2, 3
+EXIT_OK, EXIT_USAGE, EXIT_FAILED, EXIT_SAMPLE_FAILED = 0, 2, 3, 4
+
+#: the ``--once`` sample request body
+SAMPLE_REQUEST: dict[str, Any] = {"prompt": "Hello, Calculet!", "max_tokens": 8}
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="calexec serve", description=__doc__.splitlines()[0])
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    p.add_argument("--port", type=int, help="TCP port (default 8000; with --once an "
+                                             "ephemeral port)")
     p.add_argument("--calbin", help="calbin to serve (default: the synthetic calbin, written "
                                     "to a temporary directory)")
     p.add_argument("--runtime-lib", help="CalRT shim library to dlopen (default: the bundled "
@@ -46,7 +63,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dump-max-bytes", type=int, default=16 << 20, help="dump size cap")
     p.add_argument("--dump-prompts", action="store_true",
                    help="also dump prompt and completion content (off by default)")
-    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
+                   help="log level (default info; with --once warning)")
+    p.add_argument("--once", action="store_true",
+                   help="smoke run: serve, send one sample completion over loopback, print it "
+                        "as a curl command with the JSON response, drain and exit")
     return p
 
 
@@ -62,7 +83,9 @@ def _admin_token(path: Path | None) -> str | None:
 def main(argv: list[str]) -> int:
     """Entry point; ``argv`` starts with the command word ``serve``."""
     args = _parser().parse_args(argv[1:])
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    port = args.port if args.port is not None else 0 if args.once else 8000
+    log_level = args.log_level or ("warning" if args.once else "info")
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         token = _admin_token(args.admin_token_file)
         dump = None if args.dump_dir is None else DumpSink(
@@ -86,9 +109,11 @@ def main(argv: list[str]) -> int:
             print(f"calexec serve: executor failed to start: {status}", file=sys.stderr)
             return EXIT_FAILED
         app = create_app(executor, config, dump)
-        server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port,
-                                               log_level=args.log_level, access_log=False),
-                                app.state.service, args.grace)
+        sample = SampleRun(args.timeout + 10.0, sys.stdout) if args.once else None
+        server = DrainingServer(uvicorn.Config(app, host=args.host, port=port,
+                                               log_level=log_level, access_log=False),
+                                app.state.service, args.grace,
+                                on_started=None if sample is None else sample.start)
         server.run()
         service = app.state.service
         if service.drain_status is None:  # left the loop without a drain (failed executor)
@@ -98,4 +123,74 @@ def main(argv: list[str]) -> int:
         if not status.ok or executor.state != "Stopped":
             print(f"calexec serve: executor ended {executor.state}: {status}", file=sys.stderr)
             return EXIT_FAILED
+        if sample is not None:
+            if not sample.ok:
+                print("calexec serve --once: the sample request failed (see above)",
+                      file=sys.stderr)
+                return EXIT_SAMPLE_FAILED
+            print(f"drained: executor {executor.state}; exit {EXIT_OK}", file=sys.stdout,
+                  flush=True)
         return EXIT_OK
+
+
+class SampleRun:
+    """``--once``: from a worker thread, send :data:`SAMPLE_REQUEST` to the running server,
+    print it as a curl command and the JSON response, then start the drain (always, so the
+    process ends). ``ok`` is True only when a completion came back with HTTP 200."""
+
+    def __init__(self, timeout_s: float, out: TextIO) -> None:
+        self.timeout_s = timeout_s
+        self.out = out
+        self.ok = False
+
+    def start(self, server: DrainingServer, url: str) -> None:
+        """``DrainingServer.on_started``: never blocks the event loop."""
+        threading.Thread(target=self._run, args=(server, url), name="calexec-serve-once",
+                         daemon=True).start()
+
+    def _run(self, server: DrainingServer, url: str) -> None:
+        try:
+            self.ok = self._request(url)
+        finally:
+            server.drain_soon()
+
+    def _request(self, url: str) -> bool:
+        endpoint = f"{url}/v1/completions"
+        body = json.dumps(SAMPLE_REQUEST)
+        say = self._say
+        say(f"calexec serve --once: the synthetic calbin on the bundled emulator, serving {url}")
+        say("sample request:")
+        say(f"  curl -s {endpoint} -H 'content-type: application/json' -d {shlex.quote(body)}")
+        request = urllib.request.Request(endpoint, data=body.encode("utf-8"), method="POST",
+                                         headers={"content-type": "application/json"})
+        t0 = time.monotonic()
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                code, raw = response.status, response.read()
+        except urllib.error.HTTPError as err:
+            code, raw = err.code, err.read()
+        except (OSError, ValueError) as err:  # connection refused/reset, timeout
+            say(f"request failed: {err}")
+            return False
+        ms = (time.monotonic() - t0) * 1000.0
+        try:
+            reply = json.loads(raw)
+        except ValueError:
+            say(f"response (HTTP {code}, {ms:.1f} ms) is not JSON: {raw[:200]!r}")
+            return False
+        say(f"response (HTTP {code}, {ms:.1f} ms):")
+        # indented, but lists of numbers (token_ids) kept on one line
+        say(re.sub(r"\[[\d,\s]*\]", lambda m: json.dumps(json.loads(m.group(0))),
+                   json.dumps(reply, indent=2)))
+        if code != 200:
+            return False
+        choice = reply["choices"][0]
+        say(f"completion: {reply['usage']['completion_tokens']} tokens after "
+            f"{reply['usage']['prompt_tokens']} prompt tokens, finish_reason="
+            f"{choice['finish_reason']}, text {choice['text']!r}")
+        say(f"  (byte-level tokenizer: ids {tokenizer.BYTE_OFFSET}..{tokenizer.BYTE_OFFSET + 255} "
+            "are UTF-8 bytes, other ids print as <id>; the synthetic model's weights are random)")
+        return True
+
+    def _say(self, line: str) -> None:
+        print(line, file=self.out, flush=True)

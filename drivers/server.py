@@ -30,7 +30,7 @@ import signal
 import threading
 import time
 from types import FrameType
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import anyio
 import attrs
@@ -468,7 +468,8 @@ def create_app(executor: Any, config: ServerConfig | None = None,
     async def ready() -> Response:
         state = executor.state
         if service.ready:
-            return JSONResponse({"status": "ready", "lifecycle": state})
+            return JSONResponse({"status": "ready", "lifecycle": state,
+                                 "generation": executor.snapshot()["generation"]})
         reason = "server is draining" if service.draining else f"device lifecycle is {state}"
         return error_response(Status.unavailable(Phase.ADMISSION, reason), retry_after=retry)
 
@@ -535,14 +536,17 @@ def create_app(executor: Any, config: ServerConfig | None = None,
 
     @app.get("/debug/statecharts")
     async def statecharts() -> HTMLResponse:
+        """The lifecycle chart first (the operator's question: is it Ready?), then the rest;
+        every chart scaled to the window's width."""
+        order = sorted(CHARTS, key=lambda name: name != "lifecycle")
         svgs = {name: await to_thread.run_sync(_chart_svg, name, _active_state(name))
-                for name in CHARTS}
+                for name in order}
         counts = service.live_job_counts()
         rows = "".join(f"<tr><td>{s}</td><td class='count'>{n}</td></tr>" for s, n in counts.items())
         sections = "".join(f"<section><h2>{name}</h2>{_strip_xml_decl(svg)}</section>"
                            for name, svg in svgs.items())
         html = ("<!doctype html><html><head><meta charset='utf-8'><title>calexec statecharts"
-                "</title></head><body><h1>calexec statecharts</h1>"
+                f"</title><style>{_PAGE_CSS}</style></head><body><h1>calexec statecharts</h1>"
                 f"<p>lifecycle: <b id='lifecycle'>{executor.state}</b>; generation "
                 f"{executor.snapshot()['generation']}; draining: {service.draining}</p>"
                 f"<table id='jobs'><tr><th>job state</th><th>live jobs</th></tr>{rows}</table>"
@@ -612,6 +616,18 @@ def create_app(executor: Any, config: ServerConfig | None = None,
     return app
 
 
+_PAGE_CSS = ("body{font-family:sans-serif;margin:1em} section svg{max-width:100%;height:auto} "
+             "table{border-collapse:collapse} td,th{padding:0 .6em;text-align:left} "
+             "td.count{text-align:right}")
+
+
+def _listening_url(sockname: tuple) -> str:
+    """``http://HOST:PORT`` for a bound socket's address; a wildcard bind maps to loopback."""
+    host, port = sockname[0], sockname[1]
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def _strip_xml_decl(svg: str) -> str:
     return svg.split("?>", 1)[1] if svg.startswith("<?xml") else svg
 
@@ -621,10 +637,15 @@ class DrainingServer(uvicorn.Server):
     admitted ones finish, executor shut down) and then exits; a second signal forces exit.
     It also exits when the executor's lifecycle ends Failed (a supervisor restarts it)."""
 
-    def __init__(self, config: uvicorn.Config, service: CompletionService, grace: float) -> None:
+    def __init__(self, config: uvicorn.Config, service: CompletionService, grace: float,
+                 on_started: "Callable[[DrainingServer, str], None] | None" = None) -> None:
+        """``on_started(server, url)`` runs on the event loop once the socket listens (``url``
+        is ``http://HOST:PORT`` of the bound socket, a wildcard bind given as loopback); it
+        must not block."""
         super().__init__(config)
         self.service = service
         self.grace = grace
+        self.on_started = on_started
         self._loop: asyncio.AbstractEventLoop | None = None
         service.on_drained.append(self._drained)
 
@@ -634,13 +655,20 @@ class DrainingServer(uvicorn.Server):
     async def startup(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets=sockets)
+        if self.started and self.on_started is not None:
+            self.on_started(self, _listening_url(self.servers[0].sockets[0].getsockname()))
+
+    def drain_soon(self) -> None:
+        """Start the drain from any thread (no-op before the loop runs or once draining)."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self.service.start_drain, self.grace)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.service.draining or self._loop is None:
             self.should_exit = self.force_exit = True
             return
         log.info("signal %s: draining (grace %.1fs)", signal.Signals(sig).name, self.grace)
-        self._loop.call_soon_threadsafe(self.service.start_drain, self.grace)
+        self.drain_soon()
 
     async def on_tick(self, counter: int) -> bool:
         if self.service.executor.state == "Failed" and not self.service.draining:

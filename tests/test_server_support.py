@@ -18,12 +18,13 @@ from calexec.drivers.runtime import CalRT
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 
 
-def started_executor(tmp: Path, device_config: str = "") -> DeviceExecutor:
+def started_executor(tmp: Path, device_config: str = "", **config) -> DeviceExecutor:
     """A started executor serving the default synthetic calbin written into ``tmp``."""
     path = str(tmp / "synthetic.calbin")
     calbin.write(path, calbin.default_spec())
     executor = DeviceExecutor(CalRT.load(), load_manifest(default_manifest_path()),
-                              ExecutorConfig(calbin_path=path, device_config=device_config))
+                              ExecutorConfig(calbin_path=path, device_config=device_config,
+                                             **config))
     status = executor.start()
     if not status.ok:
         raise RuntimeError(f"executor did not start: {status}")
