@@ -37,7 +37,7 @@ from calexec.contracts.errors import Category
 from calexec.contracts.prepare import (InferenceRequest, check_request, plan_slices,
                                        valid_logits_row)
 from calexec.contracts.status import Phase, Status, llama_decode_code
-from calexec.contracts.types import ModelGeneration, TaskKind
+from calexec.contracts.types import EngineSlot, ModelGeneration, TaskKind
 from calexec.machines.compiled import LIFECYCLE, GuardRejected
 from calexec.machines.faults import Action, Decision, FaultController, RecoveryPolicy
 from calexec.machines.generation import Generation, open_generation
@@ -65,8 +65,14 @@ class ExecutorConfig:
 
     calbin_path: str
     device_config: str = ""
-    #: Phase A: 1. Phase B (ping/pong) is a separate, validated mode.
+    #: Phase A: 1 (default). Phase B: 2, each buffer slot fixed to PING or PONG and submitted
+    #: with infer_with_fixed_task_type; enable only after `calexec accept --phase b` and
+    #: `calexec conform` proved overlap and slot reuse. Back to 1 is configuration only.
     inflight_capacity: int = attrs.field(default=1, validator=attrs.validators.in_((1, 2)))
+    #: Phase B automatic downgrade to capacity 1: this many failures after submit within
+    #: the window (logged, counted in snapshot()["downgrades"]).
+    downgrade_after_faults: int = attrs.field(default=2, validator=attrs.validators.ge(1))
+    downgrade_window_s: float = 60.0
     #: buffer slots per task kind: one in flight + one being prepared keeps the device busy.
     slots_per_kind: int = attrs.field(default=2, validator=attrs.validators.ge(1))
     #: admission token budget: jobs admitted but not yet completed, in tokens.
@@ -115,6 +121,9 @@ class DeviceExecutor:
         self._submit_cv = threading.Condition(self.submit_mu)
         self._submit_q: deque[Job] = deque()
         self._inflight = 0  # guarded by submit_mu
+        self._capacity = config.inflight_capacity  # effective; a downgrade lowers it
+        self.downgrades: list[dict[str, Any]] = []
+        self._phase_b_faults: deque[float] = deque()
         # quarantined slots whose job failed Wait while still on the device (submit_mu)
         self._held_by_runtime: list = []
         self._completion_mu = threading.Lock()  # completion_mu: never held across Wait()
@@ -207,7 +216,9 @@ class DeviceExecutor:
         mismatch refuses the generation and nothing is configured."""
         rc, self.device = self.runtime.open_device(self.config.device_config)
         status = (Status.from_calrt(rc, Phase.CONFIGURE, "device open") if rc != 0 else
-                  self._open(self.config.calbin_path))
+                  self._enable_phase_b())
+        if status.ok:
+            status = self._open(self.config.calbin_path)
         if status.ok:
             self.lifecycle.send("configured")
             if self.config.threads:
@@ -227,11 +238,37 @@ class DeviceExecutor:
         self.start_status = Status.OK
         return Status.OK
 
+    def _enable_phase_b(self) -> Status:
+        """Phase B needs the runtime's parallel mode (§6.4); Phase A leaves it off."""
+        if self.config.inflight_capacity != 2:
+            return Status.OK
+        rc = self.device.enable_parallel_mode(True)
+        return Status.from_calrt(rc, Phase.CONFIGURE, "EnableParallelMode(true) for Phase B")
+
+    def _downgrade(self, status: Status) -> None:
+        """Phase B -> capacity 1 after ``downgrade_after_faults`` failures after submit within
+        the window: the ping/pong slots stay, only one job is in flight again."""
+        now = time.monotonic()
+        window = self._phase_b_faults
+        window.append(now)
+        while window and now - window[0] > self.config.downgrade_window_s:
+            window.popleft()
+        if self._capacity == 2 and len(window) >= self.config.downgrade_after_faults:
+            with self._submit_cv:
+                self._capacity = 1
+            self.downgrades.append({"at": now, "reason": status.code,
+                                    "faults_in_window": len(window)})
+            log.warning("Phase B downgraded to in-flight capacity 1 after %d failures after "
+                        "submit within %.0fs (last: %s)", len(window),
+                        self.config.downgrade_window_s, status)
+
     def _open(self, calbin_path: str) -> Status:
         """Open generation+1 of ``calbin_path`` (Configuring)."""
         gen_id = next(self._gen_ids)
+        engines = ((EngineSlot.PING, EngineSlot.PONG) if self.config.inflight_capacity == 2
+                   else (EngineSlot.AUTO,))
         gen = open_generation(self.device, self.manifest, calbin_path, gen_id,
-                              self.config.slots_per_kind, self.locks)
+                              self.config.slots_per_kind, self.locks, engines)
         if isinstance(gen, Status):
             return gen
         self.gen, self._last_gen_id = gen, gen_id
@@ -688,7 +725,7 @@ class DeviceExecutor:
         (empty queue, or no in-flight permit and ``block`` is False)."""
         with self._submit_cv:
             while True:
-                if self._submit_q and (self._inflight < self.config.inflight_capacity
+                if self._submit_q and (self._inflight < self._capacity
                                        or self._submit_q[0].cancel_flag
                                        or self._refusal is not None):
                     job = self._submit_q.popleft()
@@ -727,15 +764,14 @@ class DeviceExecutor:
         gen, slot = job.gen, job.lease.slot
         gen.pool.mark_in_flight(job.lease)
         self.infer_threads.add(threading.current_thread().name)
-        rc = self.device.infer(slot.model, gen.kv, job.request.seq_id, slot.inbuf, slot.outbuf)
+        rc = self._infer(gen, slot, job.request.seq_id)
         attempt = 0
         while rc == CalrtCode.DEVICE_BUSY and attempt < self.config.recovery.submit_retries:
             # §8 Transient row: the runtime did not run the graph; bounded retry with backoff.
             attempt += 1
             self._bump("submit_retries")
             time.sleep(getattr(self.faults, "backoff", lambda a: 0.001)(attempt))
-            rc = self.device.infer(slot.model, gen.kv, job.request.seq_id, slot.inbuf,
-                                   slot.outbuf)
+            rc = self._infer(gen, slot, job.request.seq_id)
         if rc != CalrtCode.SUCCESS:
             # FI05: the runtime did not take the job: software rollback, no Wait.
             gen.pool.device_done(job.lease)
@@ -750,6 +786,13 @@ class DeviceExecutor:
         with self._completion_cv:
             self._completion_q.append(job)
             self._completion_cv.notify()
+
+    def _infer(self, gen: Generation, slot, seq_id: int) -> int:
+        """Phase A: infer(); Phase B: infer_with_fixed_task_type on the slot's PING/PONG."""
+        if slot.engine == EngineSlot.AUTO:
+            return self.device.infer(slot.model, gen.kv, seq_id, slot.inbuf, slot.outbuf)
+        return self.device.infer_with_fixed_task_type(slot.model, gen.kv, seq_id, slot.inbuf,
+                                                      slot.outbuf, int(slot.engine))
 
     def _release_permit(self) -> None:
         with self._submit_cv:
@@ -908,6 +951,8 @@ class DeviceExecutor:
         job.gen.pool.quarantine(job.lease, status.code)
         self._release_budget(job)
         self._bump("quarantined")
+        if self.config.inflight_capacity == 2:
+            self._downgrade(status)
         # first the controller: admission stops before the next job gets the permit and
         # before the caller sees the failure
         self.faults.report(status, job)
@@ -1014,6 +1059,8 @@ class DeviceExecutor:
             "generation": None if self.gen is None else self.gen.id,
             "queued": queued,
             "inflight": inflight,
+            "inflight_capacity": self._capacity,
+            "downgrades": len(self.downgrades),
             "pending_tokens": pending,
             "slots": None if pool is None else pool.counts(),
             "recoveries": len(self.recoveries),

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from calexec.contracts.status import Phase, Status
-from calexec.contracts.types import ModelGeneration, TaskKind
+from calexec.contracts.types import EngineSlot, ModelGeneration, TaskKind
 from calexec.machines.kv import KvCoordinator
 from calexec.machines.locks import LockOrder
 from calexec.machines.pool import BufferPool
@@ -65,7 +65,8 @@ class Generation:
 
 
 def open_generation(device: Any, manifest: Any, calbin_path: str, generation_id: int,
-                    slots_per_kind: int, locks: LockOrder) -> "Generation | Status":
+                    slots_per_kind: int, locks: LockOrder,
+                    engines: tuple[EngineSlot, ...] = (EngineSlot.AUTO,)) -> "Generation | Status":
     """Load, resolve (exact names, before configure), configure, create KV and pool."""
     ctx = {"generation": generation_id}
     rc, calbin = device.load_calbin(calbin_path)
@@ -96,7 +97,7 @@ def open_generation(device: Any, manifest: Any, calbin_path: str, generation_id:
         return undo(Status.from_calrt(rc, Phase.CONFIGURE, "KvManager create", **ctx))
     done.append((kv, "destroy"))
     pool = BufferPool(contracts, by_kind, {kind: slots_per_kind for kind in contracts.submodels},
-                      locks)
+                      locks, engines)
     status = pool.open()
     if not status.ok:
         return undo(status)

@@ -211,7 +211,8 @@ class BufferPool:
         self.misuse = 0
         self.dropped = 0
         self.slots: list[BufferSlot] = []
-        self._free: dict[tuple[TaskKind, EngineSlot], deque[BufferSlot]] = {}
+        # free slots per task kind; in Phase B each slot is fixed to PING or PONG (§6.4)
+        self._free: dict[TaskKind, deque[BufferSlot]] = {}
         ids = itertools.count()
         for kind, count in slots_per_kind.items():
             submodel = generation.submodels[kind]
@@ -219,7 +220,7 @@ class BufferPool:
                 engine = engines[index % len(engines)]
                 slot = BufferSlot(self, next(ids), submodel, models[kind], engine)
                 self.slots.append(slot)
-                self._free.setdefault((kind, engine), deque()).append(slot)
+                self._free.setdefault(kind, deque()).append(slot)
         self._models = models
 
     def open(self) -> Status:
@@ -255,23 +256,21 @@ class BufferPool:
                     slot.inbuf = slot.outbuf = None
 
     # ---- leasing ---------------------------------------------------------------------------
-    def acquire(self, kind: TaskKind, deadline: float, engine: EngineSlot = EngineSlot.AUTO,
-                owner: int | None = None,
+    def acquire(self, kind: TaskKind, deadline: float, owner: int | None = None,
                 stop: Callable[[], Status | None] = lambda: None) -> "BufferLease | Status":
-        """Lease a free slot of ``kind``, waiting on a condition (never polling) until
-        ``deadline`` (absolute ``time.monotonic()``); ``stop()`` returning a Status (cancel,
-        shutdown) ends the wait with it."""
-        key = (kind, engine)
+        """Lease a free slot of ``kind`` (of whichever engine it is fixed to), waiting on a
+        condition (never polling) until ``deadline`` (absolute ``time.monotonic()``);
+        ``stop()`` returning a Status (cancel, shutdown) ends the wait with it."""
         with self._available:
             while True:
-                free = self._free.get(key)
+                free = self._free.get(kind)
                 if free:
                     slot = free.popleft()
                     slot.run.send("lease")
                     return BufferLease(slot, owner)
-                if key not in self._free:
-                    return Status.invalid(5, f"no buffer slot for kind={kind.name} "
-                                             f"engine={engine.name} in this generation")
+                if free is None:
+                    return Status.invalid(5, f"no buffer slot for kind={kind.name} in this "
+                                             "generation")
                 stopped = stop()
                 if stopped is not None:
                     return stopped
@@ -325,7 +324,7 @@ class BufferPool:
                                                       f"{run.state}", generation=slot.generation_id)
             target = run.send("give_back")
             if target == "Free":
-                self._free[(slot.kind, slot.engine)].append(slot)
+                self._free[slot.kind].append(slot)
                 self._available.notify()
                 return Status.OK
             return Status.internal("undo_slice_missing", Phase.RELEASE,

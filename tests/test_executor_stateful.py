@@ -42,14 +42,14 @@ OTHER_SEED = SEED ^ 0x5A5A5A5A
 
 
 class Recorder:
-    """Wraps a runtime object, recording which executor function called ``name``."""
+    """Wraps a runtime object, recording which executor function called ``names``."""
 
-    def __init__(self, inner, name: str, log: list[str]) -> None:
-        self._inner, self._name, self._log = inner, name, log
+    def __init__(self, inner, names: tuple[str, ...], log: list[str]) -> None:
+        self._inner, self._names, self._log = inner, names, log
 
     def __getattr__(self, attr):
         value = getattr(self._inner, attr)
-        if attr != self._name:
+        if attr not in self._names:
             return value
 
         def recorded(*args, **kwargs):
@@ -60,18 +60,21 @@ class Recorder:
 
 
 class ExecutorMachine(RuleBasedStateMachine):
+    CAPACITY = 1  # Phase A
     @initialize()
     def start(self):
         self.seeds = {CALBIN["path"]: SEED, CALBIN["other"]: OTHER_SEED}
         self.seed = SEED
-        self.ex = make_executor(CALBIN["path"], "kv_blocks=10;kv_block_size=16", threads=False,
+        self.ex = make_executor(CALBIN["path"], "kv_blocks=10;kv_block_size=16",
+                                inflight_capacity=self.CAPACITY, threads=False,
                                 slots_per_kind=len(SEQS), check_lock_order=True,
                                 timeout_grace_s=0.0, golden_timeout_s=2.0)
         ex = self.ex
         self.infer_callers: list[str] = []
         self.wait_callers: list[str] = []
         self.emu = ex.device.emu
-        ex.device = Recorder(ex.device, "infer", self.infer_callers)
+        ex.device = Recorder(ex.device, ("infer", "infer_with_fixed_task_type"),
+                             self.infer_callers)
         self.host: dict = {}
         self.pools: list = []
         self.instrument_generation()
@@ -87,7 +90,7 @@ class ExecutorMachine(RuleBasedStateMachine):
             return
         self.pools.append(pool)
         for slot in pool.slots:
-            slot.outbuf = Recorder(slot.outbuf, "wait", self.wait_callers)
+            slot.outbuf = Recorder(slot.outbuf, ("wait",), self.wait_callers)
             self.host[(pool.generation_id, slot.slot_id)] = (
                 slot, id(slot.host_input), slot.host_input.ctypes.data,
                 slot.host_output.ctypes.data, slot.host_output.nbytes)
@@ -195,11 +198,16 @@ class ExecutorMachine(RuleBasedStateMachine):
         self.settle_results()
 
     def finish_head_on_device(self):
-        for _ in range(8):  # bounded: a job has four stages
-            rc, did = self.emu.step(0, Stage.JOB)
+        """Run the oldest submitted job to its end on its own engine (PING/PONG in Phase B);
+        in Phase B the other engine's job may have to finish first (overlap knob)."""
+        engine = max(0, int(self.ex._completion_q[0].lease.slot.engine))
+        for _ in range(16):  # bounded: a job has four stages, at most two jobs in flight
+            rc, did = self.emu.step(engine, Stage.JOB)
             assert rc == 0
             if did in (Did.NOTHING, Did.SIGNAL):
                 break
+            if did == Did.BLOCKED:
+                self.emu.step(1 - engine, Stage.JOB)
 
     @rule(point=st.sampled_from(FAULTS), nth=st.integers(1, 3))
     def arm_fault(self, point, nth):
@@ -266,7 +274,7 @@ class ExecutorMachine(RuleBasedStateMachine):
 
     @invariant()
     def inv2_only_submitter_infers_only_completion_waits(self):
-        assert set(self.infer_callers) <= {"_submit"}
+        assert set(self.infer_callers) <= {"_infer"}  # called only from _submit
         assert set(self.wait_callers) <= {"_complete", "_runtime_still_holds"}
 
     @invariant()
@@ -360,3 +368,15 @@ def _calbin(tmp_path_factory):
 
 
 TestExecutorStateful = ExecutorMachine.TestCase
+
+
+class PhaseBMachine(ExecutorMachine):
+    """The same rules and invariants with two jobs in flight on PING/PONG (§6.4 Phase B)."""
+
+    CAPACITY = 2
+
+
+PhaseBMachine.TestCase.settings = settings(
+    max_examples=max(EXAMPLES // 4, 50), stateful_step_count=25, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+TestPhaseBStateful = PhaseBMachine.TestCase
