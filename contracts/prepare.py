@@ -105,11 +105,17 @@ class InferenceRequest:
     def primary_name(self) -> str:
         return "embeddings" if self.kind.takes_embeddings else "tokens"
 
+    _token_count: int = attrs.field(init=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        arr = self.positions if self.positions is not None else self.primary
+        object.__setattr__(self, "_token_count", 0 if arr is None else _rows(arr))
+
     @property
     def token_count(self) -> int:
-        """Number of positions (else of the first input's rows; 0 when both are missing)."""
-        arr = self.positions if self.positions is not None else self.primary
-        return 0 if arr is None else _rows(arr)
+        """Number of positions (else of the first input's rows; 0 when both are missing);
+        computed once at construction (the arrays must not change afterwards)."""
+        return self._token_count
 
     def logits_range(self, vocab_size: int) -> tuple[int, int]:
         """``(base, count)`` of logits to return, resolving None to the whole vocabulary."""
