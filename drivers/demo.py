@@ -58,6 +58,21 @@ class _Slot:
         self.row_elems = {t.name: int(np.prod(t.shape[2:], dtype=np.int64)) for t in info.inputs}
 
 
+def open_configured(rt: CalRT, calbin_path: str, config: str = ""):
+    """Device opened, calbin loaded and configured, KV manager created, models by exact name
+    (the harness setup shared by DirectRunner and the conformance rig; raises DriverError)."""
+    rc, device = rt.open_device(config)
+    check(rc, f"device_open({config!r})")
+    rc, calbin = device.load_calbin(calbin_path)
+    check(rc, "calbin_load")
+    check(device.configure(calbin), "configure")
+    rc, kv = device.create_kv(calbin)
+    check(rc, "kv_create")
+    rc, models = calbin.models()
+    check(rc, "get_all_models")
+    return device, calbin, kv, {m.info.name: m for m in models}  # exact names only
+
+
 class DirectRunner:
     """One device, one calbin (configured), one KV manager and one buffer slot per model.
 
@@ -66,16 +81,7 @@ class DirectRunner:
     """
 
     def __init__(self, rt: CalRT, calbin_path: str, config: str = "") -> None:
-        rc, self.device = rt.open_device(config)
-        check(rc, "device_open")
-        rc, self.calbin = self.device.load_calbin(calbin_path)
-        check(rc, "calbin_load")
-        check(self.device.configure(self.calbin), "configure")
-        rc, self.kv = self.device.create_kv(self.calbin)
-        check(rc, "kv_create")
-        rc, models = self.calbin.models()
-        check(rc, "get_all_models")
-        self.models = {m.info.name: m for m in models}  # exact names, no substring lookup
+        self.device, self.calbin, self.kv, self.models = open_configured(rt, calbin_path, config)
         self.spec = calbin_fmt.read(calbin_path)
         self._slots: dict[str, _Slot] = {}
 
@@ -207,6 +213,3 @@ def main(argv: list[str]) -> int:
           f"lifecycle {ex.state}; device: {counters}")
     return 0 if ok and status.ok else 1
 
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main(["demo", *sys.argv[1:]]))

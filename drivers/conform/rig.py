@@ -19,7 +19,7 @@ import numpy as np
 
 from calexec.drivers import calbin as calbin_fmt
 from calexec.drivers import oracle
-from calexec.drivers.demo import DriverError, check
+from calexec.drivers.demo import DriverError, check, open_configured
 from calexec.drivers.runtime import CalRT, JobStatus
 
 CANARY = 0xFFFF  # BF16 NaN bits: the synthetic model never produces them
@@ -108,17 +108,9 @@ class Rig:
     def __init__(self, lib_path: str, calbin_path: str, config: str = "") -> None:
         self.rt = CalRT.load(lib_path)
         self.config = config
-        rc, self.device = self.rt.open_device(config)
-        check(rc, f"device_open({config!r})")
+        self.device, self.calbin, self.kv, self.models = open_configured(self.rt, calbin_path,
+                                                                         config)
         self.emu = self.device.emu
-        rc, self.calbin = self.device.load_calbin(calbin_path)
-        check(rc, "calbin_load")
-        check(self.device.configure(self.calbin), "configure")
-        rc, self.kv = self.device.create_kv(self.calbin)
-        check(rc, "kv_create")
-        rc, models = self.calbin.models()
-        check(rc, "get_all_models")
-        self.models = {m.info.name: m for m in models}
         self.seed = calbin_fmt.read(calbin_path).seed
         self.parallel_rc = self.device.enable_parallel_mode(True)
         self._probe: Slot | None = None
