@@ -171,3 +171,11 @@ def test_output_short_writes_half_and_reports_valid_bytes(runner):
     ref = oracle.OracleSequence(SEED).decode(3)[0, 0]
     assert np.array_equal(row[:half], ref[:half])
     assert (row[half:] == 0xFFFF).all()  # never written by the device
+
+
+def test_latency_profile_is_bounded_like_the_knobs():
+    rc, dev = CalRT.load().open_device("")
+    assert rc == 0
+    assert dev.emu.set_latency(decode_us=60_000_001) == 4  # beyond the knobs' 60 s range
+    assert dev.emu.set_latency(decode_us=60_000_000) == 0
+    assert dev.emu.set_latency() == 0 and dev.close() == 0

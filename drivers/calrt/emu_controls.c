@@ -11,7 +11,10 @@
 int32_t calrt_emu_set_latency(calrt_device *h, int64_t h2d_us, int64_t prefill_per_token_us, int64_t decode_us,
                               int64_t d2h_us)
 {
-    if (h2d_us < 0 || prefill_per_token_us < 0 || decode_us < 0 || d2h_us < 0)
+    /* the same 0..60 s range the knobs accept (a huge sleep would wedge a stage) */
+    const int64_t max_us = 60000000;
+    if (h2d_us < 0 || prefill_per_token_us < 0 || decode_us < 0 || d2h_us < 0 || h2d_us > max_us ||
+        prefill_per_token_us > max_us || decode_us > max_us || d2h_us > max_us)
         return CALRT_ERR_INVALID_VALUE;
     emu_device *dev = (emu_device *)emu_acquire(h, OBJ_DEVICE);
     if (!dev)
