@@ -99,3 +99,14 @@ def test_non_positive_sizes_are_rejected(argv, capsys):
         bench.main(argv)
     assert exc.value.code == 2
     assert "must be >= 1" in capsys.readouterr().err
+
+
+def test_server_bench_json_report(capsys):
+    from calexec.drivers import bench_server
+    assert bench_server.main(["bench", "server", "--json", "--requests", "3", "--max-tokens",
+                              "2", "--decode-us", "0"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for level in ("c1", "c8"):
+        for side in ("direct", "server"):
+            assert all(math.isfinite(v) and v > 0 for v in report[level][side].values())
+        assert math.isfinite(report[level]["throughput_ratio"])
