@@ -7,8 +7,14 @@ drain and exit.
 Exit codes: 0 after a clean drain (SIGTERM/SIGINT, ``POST /admin/drain``, or the end of
 ``--once``); 2 for bad arguments or configuration; 3 when the executor failed to start or
 ended ``Failed`` (for example work did not drain within ``--grace``); 4 when the ``--once``
-sample request did not return a completion. The library never exits the process; this
-module's ``main`` returns the code to the console script.
+sample request did not return a completion.
+
+``--ray --replicas N`` serves the same app from N Ray Serve replicas, one device each
+(drivers/ray_serve.py, docs/deployment.md): it joins the cluster in ``$RAY_ADDRESS`` or starts
+a local one, serves until SIGTERM/SIGINT (or, with ``--once``, one sample completion), then
+shuts Serve down (each replica drains within ``--grace``) and exits 0; 3 when the deployment
+did not start. The library never exits the process; this module's ``main`` returns the code
+to the console script.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ import logging
 import os
 import re
 import shlex
+import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -65,6 +73,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="also dump prompt and completion content (off by default)")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
                    help="log level (default info; with --once warning)")
+    p.add_argument("--ray", action="store_true",
+                   help="serve through Ray Serve, one replica per device (needs calexec[ray])")
+    p.add_argument("--replicas", type=int, help="with --ray: number of replicas/devices "
+                                                "(default 1)")
     p.add_argument("--once", action="store_true",
                    help="smoke run: serve, send one sample completion over loopback, print it "
                         "as a curl command with the JSON response, drain and exit")
@@ -92,9 +104,17 @@ def main(argv: list[str]) -> int:
             args.dump_dir.absolute(), args.dump_max_bytes, include_content=args.dump_prompts)
         config = ServerConfig(admin_token=token, max_sequences=args.max_sequences,
                               default_timeout_s=args.timeout)
+        if args.replicas is not None and not args.ray:
+            raise ValueError(f"--replicas={args.replicas} needs --ray")
+        if args.ray and dump is not None:
+            raise ValueError("--dump-dir is not supported with --ray")
+        if args.ray and (args.replicas or 1) < 1:
+            raise ValueError(f"--replicas={args.replicas}: must be >= 1")
     except (OSError, ValueError, DumpConfigError) as err:
         print(f"calexec serve: {err}", file=sys.stderr)
         return EXIT_USAGE
+    if args.ray:
+        return _serve_ray(args, config, port)
     with tempfile.TemporaryDirectory(prefix="calexec-serve-") as tmp:
         path = args.calbin
         if path is None:
@@ -133,6 +153,46 @@ def main(argv: list[str]) -> int:
         return EXIT_OK
 
 
+def _serve_ray(args: argparse.Namespace, config: ServerConfig, port: int) -> int:
+    """``--ray``: deploy ``--replicas`` replicas behind Serve's proxy on ``--host:--port``."""
+    try:
+        import ray
+        from ray import serve
+
+        from calexec.drivers.ray_serve import ReplicaSettings, build_app
+    except ImportError as err:
+        print(f"calexec serve --ray: {err}; install the extra: pip install 'calexec[ray]'",
+              file=sys.stderr)
+        return EXIT_USAGE
+    if port == 0:  # --once: an ephemeral port the proxy can bind
+        with socket.socket() as s:
+            s.bind((args.host, 0))
+            port = s.getsockname()[1]
+    settings = ReplicaSettings(device_config=args.device_config, calbin_path=args.calbin,
+                               runtime_lib=args.runtime_lib, grace_s=args.grace, server=config)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False)
+    try:
+        serve.start(http_options={"host": args.host, "port": port})
+        try:
+            serve.run(build_app(settings, args.replicas or 1), name="calexec", route_prefix="/")
+        except RuntimeError as err:  # a replica could not start (see the replica logs)
+            print(f"calexec serve --ray: deployment failed: {err}", file=sys.stderr)
+            return EXIT_FAILED
+        url = f"http://{args.host}:{port}"
+        if args.once:
+            ok = SampleRun(args.timeout + 10.0, sys.stdout).request(url)
+            return EXIT_OK if ok else EXIT_SAMPLE_FAILED
+        print(f"calexec serve --ray: {args.replicas or 1} replica(s) serving {url}", flush=True)
+        stop.wait()
+        return EXIT_OK
+    finally:
+        serve.shutdown()  # replicas drain within --grace (graceful_shutdown_timeout_s)
+        ray.shutdown()
+
+
 class SampleRun:
     """``--once``: from a worker thread, send :data:`SAMPLE_REQUEST` to the running server,
     print it as a curl command and the JSON response, then start the drain (always, so the
@@ -150,11 +210,12 @@ class SampleRun:
 
     def _run(self, server: DrainingServer, url: str) -> None:
         try:
-            self.ok = self._request(url)
+            self.ok = self.request(url)
         finally:
             server.drain_soon()
 
-    def _request(self, url: str) -> bool:
+    def request(self, url: str) -> bool:
+        """Send the sample to ``url`` and print it; True for an HTTP 200 completion."""
         endpoint = f"{url}/v1/completions"
         body = json.dumps(SAMPLE_REQUEST)
         say = self._say

@@ -1,0 +1,292 @@
+"""Ray Serve as router and supervisor: one replica per device (issue 9).
+
+Each replica of :func:`build_app`'s deployment is one Ray actor process that owns exactly one
+device (§5 invariant 1): it opens its own device (with the bundled emulator, its own emulator
+instance), writes the synthetic calbin into a replica-local temporary directory unless a calbin
+path is given, starts a ``DeviceExecutor`` (Configuring -> Warming -> golden -> Ready) and
+serves the reference server's app (``create_app``) as its FastAPI ingress: the same OpenAI-style
+completions, streaming, errors, /ready, /health and /metrics. Ray Serve routes HTTP requests
+across the replicas and supervises them:
+
+- ``check_health`` reads the lifecycle chart. Ready, Draining, Recovering, Configuring and
+  Warming are healthy (the executor recovers itself); Failed raises :class:`ReplicaFailed`, so
+  the Serve controller stops the replica and starts a new one: the supervisor restart of §9.1.
+  The replacement opens a fresh device and generation and passes its golden in its constructor
+  before Serve routes traffic to it.
+- Routing follows the lifecycle, not only the health check: every replica reports whether it
+  serves (``record_routing_stats``, pulled by the controller every
+  ``routing_stats_period_s``), and :class:`LifecycleRouter` (Serve's request-router API) ranks
+  replicas that do not serve (Failed, Recovering, Warming, draining...) after those that do.
+  A Failed replica therefore stops taking new requests within about one stats period plus the
+  controller's 0.1 s loop, instead of answering 503 until its third failed health check.
+- Scale-down, redeploy and ``serve.shutdown`` stop a replica gracefully: Serve stops routing to
+  it and waits for its ongoing requests, then the destructor drains the service (admission
+  refused, admitted requests finished) and shuts the executor down within
+  ``ReplicaSettings.grace_s``. The deployment's ``graceful_shutdown_timeout_s`` is set above
+  that grace so Ray does not kill the process mid-drain.
+- Per-replica metrics: each replica exports Ray Serve gauges (:data:`RAY_GAUGES`) tagged with
+  ``device``; Ray adds ``replica``, ``deployment`` and ``application``, and its metrics agent
+  serves them to Prometheus per node. The replica's own /metrics (the reference server's) is
+  reachable through the router too, one replica per request; every response carries
+  ``x-calexec-replica`` and ``x-calexec-device`` headers naming who served it.
+
+Ray is an optional extra (``pip install calexec[ray]``); this module imports it at import time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import socket
+import tempfile
+from typing import Any
+
+import attrs
+from ray import serve
+from ray.serve import metrics as serve_metrics
+from ray.serve.config import RequestRouterConfig
+from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+
+from calexec.contracts.manifest import default_manifest_path, load_manifest
+from calexec.drivers import calbin
+from calexec.drivers.runtime import CalRT, Fault, FaultMode
+from calexec.drivers.server import ServerConfig, create_app
+from calexec.machines.executor import DeviceExecutor, ExecutorConfig
+
+log = logging.getLogger("calexec.ray_serve")
+
+#: lifecycle states in which a replica is healthy: it serves, or recovers by itself.
+HEALTHY_STATES = frozenset({"Ready", "Draining", "Recovering", "Configuring", "Warming"})
+
+#: Ray Serve gauges exported by every replica (tag ``device``; Ray adds ``replica``):
+#: name -> (description, executor snapshot / server key).
+RAY_GAUGES: dict[str, tuple[str, str]] = {
+    "calexec_replica_ready": ("1 while the replica's lifecycle is Ready and not draining.",
+                              "ready"),
+    "calexec_replica_generation": ("Model generation id of the replica's device.", "generation"),
+    "calexec_replica_jobs_inflight": ("Jobs submitted to the replica's device.", "inflight"),
+    "calexec_replica_requests_running": ("Completion requests being served.", "active"),
+    "calexec_replica_jobs_succeeded": ("Jobs completed successfully (cumulative).",
+                                       "succeeded"),
+    "calexec_replica_jobs_failed": ("Jobs failed (cumulative).", "failed"),
+}
+
+
+class ReplicaFailed(RuntimeError):
+    """``check_health``'s verdict: the device lifecycle is not one the replica recovers from."""
+
+
+@attrs.frozen
+class ReplicaSettings:
+    """Settings of every replica of the deployment (one device each)."""
+
+    #: device config string passed to ``open_device`` (e.g. ``decode_us=10000``).
+    device_config: str = ""
+    #: calbin to serve; None writes the synthetic calbin into a replica-local temp dir.
+    calbin_path: str | None = None
+    #: CalRT shim library; None: ``$CALEXEC_CALRT_LIB`` or the bundled emulator.
+    runtime_lib: str | None = None
+    #: drain grace of a replica being stopped (requests, then executor shutdown).
+    grace_s: float = attrs.field(default=30.0, validator=attrs.validators.ge(0))
+    #: the reference server's settings (admin token, sequences, deadlines).
+    server: ServerConfig = attrs.field(factory=ServerConfig)
+    #: how often the Ray Serve gauges are refreshed.
+    metrics_period_s: float = attrs.field(default=1.0, validator=attrs.validators.gt(0))
+
+
+def check_lifecycle(state: str, failure: Any = None) -> None:
+    """Raise :class:`ReplicaFailed` unless ``state`` is in :data:`HEALTHY_STATES`."""
+    if state not in HEALTHY_STATES:
+        raise ReplicaFailed(f"device lifecycle is {state}: {failure}")
+
+
+def routing_stats(state: str, serving: bool) -> dict[str, Any]:
+    """What a replica reports to the router (``record_routing_stats``): its lifecycle state and
+    whether it admits requests now (Ready and not draining)."""
+    return {"lifecycle": state, "serving": serving}
+
+
+def is_serving(stats: dict[str, Any]) -> bool:
+    """Whether the router should prefer a replica whose last report is ``stats``. A replica
+    with no report yet (``{}``: Serve has not pulled one since it started) counts as serving:
+    Serve marks a replica running only after its constructor, which ends with the golden run."""
+    return bool(stats.get("serving", True))
+
+
+class LifecycleRouter(FIFOMixin, RequestRouter):
+    """Serve request router: power of two choices among the replicas that serve, then among
+    the others.
+
+    Rank one holds two random replicas whose routing stats say they serve (:func:`is_serving`);
+    Serve sends the request to the one with the shorter queue. Only when neither can take it
+    (both at ``max_ongoing_requests``) or none serves does Serve try rank two, the replicas
+    that do not serve: their answer is the reference server's clear 503 + Retry-After, never a
+    request parked in the router. A replica's lifecycle reaches the router through the
+    controller (which pulls it) and a long poll: about ``request_routing_stats_period_s`` plus
+    one or two controller loops (0.1 s each) late."""
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None
+                              ) -> list[list[RunningReplica]]:
+        return rank_by_lifecycle(candidate_replicas)
+
+
+def rank_by_lifecycle(candidates: list[Any]) -> list[list[Any]]:
+    """:class:`LifecycleRouter`'s ranking of replicas (anything with ``routing_stats``): up to
+    two random serving replicas, then up to two random others; empty ranks are left out."""
+    serving = [r for r in candidates if is_serving(r.routing_stats)]
+    others = [r for r in candidates if not is_serving(r.routing_stats)]
+    ranks = [random.sample(serving, min(2, len(serving))),
+             random.sample(others, min(2, len(others)))]
+    return [rank for rank in ranks if rank]
+
+
+@serve.ingress()
+class CalexecReplica:
+    """One replica: one device, one executor, the reference server's app as ingress."""
+
+    def __init__(self, settings: ReplicaSettings) -> None:
+        """Open the device and start the executor (golden included); raise on failure so Ray
+        retries the constructor instead of routing to a replica that cannot serve."""
+        self.settings = settings
+        self._tmp = tempfile.TemporaryDirectory(prefix="calexec-replica-")
+        path = settings.calbin_path
+        if path is None:
+            path = os.path.join(self._tmp.name, "synthetic.calbin")
+            calbin.write(path, calbin.default_spec())
+        self.executor = DeviceExecutor(CalRT.load(settings.runtime_lib),
+                                       load_manifest(default_manifest_path()),
+                                       ExecutorConfig(calbin_path=path,
+                                                      device_config=settings.device_config))
+        status = self.executor.start()
+        if not status.ok:
+            self._tmp.cleanup()
+            raise RuntimeError(f"calexec replica: executor failed to start: {status}")
+        self._app = create_app(self.executor, settings.server)
+        self.service = self._app.state.service
+        self.device = device_label(self.executor, settings)
+        self.replica = serve.get_replica_context().replica_id.unique_id
+        self._app.add_middleware(ReplicaHeaders, replica=self.replica, device=self.device)
+        self._gauges = {name: serve_metrics.Gauge(name, doc, tag_keys=("device",))
+                        for name, (doc, _) in RAY_GAUGES.items()}
+        for gauge in self._gauges.values():
+            gauge.set_default_tags({"device": self.device})
+        self._metrics_task = asyncio.get_running_loop().create_task(self._export_metrics())
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return self._app
+
+    def check_health(self) -> None:
+        """Ray Serve's health probe: raises :class:`ReplicaFailed` when the lifecycle is
+        Failed (or Stopped), so the controller replaces this replica."""
+        check_lifecycle(self.executor.state, self.executor.failure)
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Ray Serve's routing-stats hook, pulled by the controller every
+        ``request_routing_stats_period_s`` and handed to :class:`LifecycleRouter`."""
+        return routing_stats(self.executor.state, self.service.ready)
+
+    def identity(self) -> dict[str, Any]:
+        """Which replica and device answered, and its lifecycle (handle calls, tests, ops)."""
+        snap = self.executor.snapshot()
+        return {"replica": self.replica, "device": self.device, "pid": os.getpid(), "lifecycle": snap["lifecycle"],
+                "generation": snap["generation"], "succeeded": snap["succeeded"]}
+
+    def inject_submit_fault(self, rc: int, nth: int = 1) -> dict[str, Any]:
+        """Emulator only: the ``nth`` next ``infer()`` on this replica's device returns ``rc``
+        (fault drills and tests). ``{"replica", "device", "rc"}``: the emulator's return code
+        (0: armed), or -1 on a vendor runtime (nothing armed)."""
+        device = self.executor.device
+        rc_armed = -1 if device is None or device.emu is None else device.emu.set_fault(
+            Fault.SUBMIT_RC, FaultMode.NTH, nth, 0, rc=rc)
+        return {"replica": self.replica, "device": self.device, "rc": rc_armed}
+
+    def _gauge_values(self) -> dict[str, float]:
+        snap = self.executor.snapshot()
+        values = {"ready": 1.0 if self.service.ready else 0.0,
+                  "generation": snap["generation"] or 0, "inflight": snap["inflight"],
+                  "active": self.service.active, "succeeded": snap["succeeded"],
+                  "failed": snap["failed"]}
+        return {name: float(values[key]) for name, (_, key) in RAY_GAUGES.items()}
+
+    async def _export_metrics(self) -> None:
+        while True:
+            for name, value in self._gauge_values().items():
+                self._gauges[name].set(value)
+            await asyncio.sleep(self.settings.metrics_period_s)
+
+    async def __del__(self) -> None:
+        """Graceful stop (scale-down, redeploy, replacement, shutdown): Serve has stopped
+        routing here and waited for ongoing requests; drain what is left and shut the
+        executor down within ``grace_s``. Ray also calls this after a constructor that
+        raised; the executor then never started (nothing to drain)."""
+        if not hasattr(self, "_metrics_task"):
+            return
+        self._metrics_task.cancel()
+        status = await self.service.drain(self.settings.grace_s)
+        if not status.ok:
+            # a Failed replica being replaced ends here too: its reason is the executor's
+            log.warning("replica drain ended %s: %s", self.executor.state, status)
+        self._tmp.cleanup()
+
+
+class ReplicaHeaders:
+    """ASGI middleware: every HTTP response names the replica and device that served it
+    (``x-calexec-replica``, ``x-calexec-device``), streaming responses included."""
+
+    def __init__(self, app: Any, replica: str, device: str) -> None:
+        self.app = app
+        self._headers = [(b"x-calexec-replica", replica.encode()),
+                         (b"x-calexec-device", device.encode())]
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_headers(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *self._headers]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
+
+
+def device_label(executor: DeviceExecutor, settings: ReplicaSettings) -> str:
+    """The ``device`` metrics tag: ``host/emu-PID`` for the replica's own emulator instance,
+    ``host/DEVICE_CONFIG`` for a vendor runtime (the config string selects the device)."""
+    host = socket.gethostname()
+    if executor.device is not None and executor.device.emu is not None:
+        return f"{host}/emu-{os.getpid()}"
+    return f"{host}/{settings.device_config or 'default'}"
+
+
+def build_app(settings: ReplicaSettings, replicas: int, health_check_period_s: float = 0.5,
+              health_check_timeout_s: float = 10.0, routing_stats_period_s: float = 0.1) -> Any:
+    """The bound Serve application: ``replicas`` replicas of :class:`CalexecReplica`, routed
+    by :class:`LifecycleRouter`.
+
+    ``graceful_shutdown_timeout_s`` is the drain grace plus 10 s of headroom for the
+    executor's shutdown; one replica per device, so replicas take no Ray CPU (``num_cpus=0``)
+    and a device-bound cluster schedules them with a custom resource instead
+    (docs/deployment.md). Serve replaces a replica after 3 consecutive failed health checks
+    (about ``3 * health_check_period_s``); the router stops preferring it as soon as its
+    routing stats (pulled every ``routing_stats_period_s``) say it no longer serves."""
+    if replicas < 1:
+        raise ValueError(f"replicas={replicas}: must be >= 1")
+    if routing_stats_period_s <= 0:
+        raise ValueError(f"routing_stats_period_s={routing_stats_period_s}: must be > 0")
+    deployment = serve.deployment(
+        CalexecReplica, name="calexec", num_replicas=replicas,
+        ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=settings.server.max_sequences,
+        graceful_shutdown_wait_loop_s=0.2,
+        graceful_shutdown_timeout_s=settings.grace_s + 10.0,
+        health_check_period_s=health_check_period_s,
+        health_check_timeout_s=health_check_timeout_s,
+        request_router_config=RequestRouterConfig(
+            request_router_class=LifecycleRouter,
+            request_routing_stats_period_s=routing_stats_period_s))
+    return deployment.bind(settings)
