@@ -878,6 +878,7 @@ class DeviceExecutor:
         for problem in (undo, released):
             if not problem.ok:  # FI15: slot quarantined by the pool; the job's result stands
                 self.faults.report(problem.with_context(**job.ctx()), job)
+                self._check_pool(job)
 
     def _runtime_still_holds(self, job: Job, slot, rc: int) -> None:
         """Wait() failed (timeout, FI07) while the runtime still runs the job (§9.1).
@@ -956,9 +957,21 @@ class DeviceExecutor:
         # first the controller: admission stops before the next job gets the permit and
         # before the caller sees the failure
         self.faults.report(status, job)
+        self._check_pool(job)
         if release_permit:
             self._release_permit()
         job.resolve(status)
+
+    def _check_pool(self, job: Job) -> None:
+        """Quarantined slots come back only through a reset (invariant 8). When a task kind
+        has none left, the generation cannot serve that kind: ask for reset + generation+1
+        (a transient fault would otherwise leave the executor Ready but unable to serve)."""
+        gen = job.gen
+        if gen is not None and gen is self.gen and gen.pool.usable(job.kind) == 0:
+            self.faults.report(Status.failure(
+                "pool.exhausted", Category.DEVICE, Phase.RELEASE,
+                f"every {job.kind.name} buffer slot of generation {gen.id} is quarantined; "
+                "a reset and generation+1 rebuild the pool", generation=gen.id), job)
 
     # ---- threads ---------------------------------------------------------------------------------
     _stopping_threads = False

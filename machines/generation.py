@@ -26,6 +26,9 @@ from calexec.machines.pool import BufferPool
 class Generation:
     """The runtime objects and controllers of one generation id."""
 
+    __slots__ = ("contracts", "calbin_path", "calbin", "models", "kv", "pool", "kvc",
+                 "__weakref__")
+
     def __init__(self, contracts: ModelGeneration, calbin_path: str, calbin: Any,
                  models: dict[TaskKind, Any], kv: Any, pool: BufferPool,
                  kvc: KvCoordinator) -> None:

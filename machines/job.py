@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from typing import Any, Callable
 
 import attrs
@@ -52,7 +53,7 @@ class Job:
     __slots__ = ("job_id", "generation_id", "request", "kind", "submodel", "deadline",
                  "cancel_flag", "lease", "txn", "timings", "run", "wait_rc", "device_status",
                  "output_status", "result", "_done", "_on_cancel", "internal", "logits_out",
-                 "gen", "__weakref__")
+                 "_gen", "__weakref__")
 
     def __init__(self, job_id: int, generation_id: int, request: Any,
                  on_cancel: Callable[[], None], internal: bool = False) -> None:
@@ -75,9 +76,20 @@ class Job:
         self._on_cancel = on_cancel
         self.internal = internal
         self.logits_out: np.ndarray | None = None
-        # the Generation the job was admitted into: its completion touches only that
-        # generation's pool and KV, even after a recovery opened a newer one (FI14)
-        self.gen = None
+        self._gen = None
+
+    @property
+    def gen(self):
+        """The Generation the job was admitted into: its completion touches only that
+        generation's pool and KV, even after a recovery opened a newer one (FI14). Held
+        weakly: a live job's generation is always held by the executor (a recovery resolves
+        every job of a generation before dropping it), and a finished job kept by a caller
+        must not pin a whole generation's buffers."""
+        return None if self._gen is None else self._gen()
+
+    @gen.setter
+    def gen(self, generation) -> None:
+        self._gen = None if generation is None else weakref.ref(generation)
 
     # ---- JobChart guards -------------------------------------------------------------------
     def not_cancelled(self) -> bool:

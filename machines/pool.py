@@ -365,6 +365,12 @@ class BufferPool:
                     count += 1
         return count
 
+    def usable(self, kind: TaskKind) -> int:
+        """Slots of ``kind`` that can still be leased now or later (not quarantined/retired)."""
+        with self.pool_mu:
+            return sum(1 for slot in self.slots if slot.kind == kind
+                       and slot.run.state not in ("Quarantined", "Retired"))
+
     # ---- observability ---------------------------------------------------------------------
     def counts(self) -> dict[str, int]:
         """Slots per chart state (for metrics and the leased==0 check)."""

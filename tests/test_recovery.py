@@ -322,3 +322,21 @@ def test_lifecycle_transition_reached_through_executor(lifecycle_taken, transiti
     assert transition.key in lifecycle_taken, (
         f"no executor scenario takes {transition.source} --{transition.event}--> "
         f"{transition.target}; add one to lifecycle_scenarios")
+
+
+def test_transient_failures_that_quarantine_every_slot_trigger_a_rebuild(calbins):
+    """Two Wait timeouts quarantine both decode slots; transient faults alone would not
+    recover, so the pool's exhaustion asks for reset + generation+1 (§13.2: golden passes
+    or explicit Failed, never Ready-but-unable-to-serve)."""
+    with running_executor(calbins["main"], "decode_us=20000") as ex:
+        greedy(ex, 1, PROMPT, 0)
+        greedy(ex, 2, PROMPT, 0)
+        for seq in (1, 2):
+            arm(ex, "WAIT_RC")
+            res = ex.enqueue(decode(seq, 3, len(PROMPT))).wait_until(deadline())
+            assert isinstance(res, Status) and res.raw == 13
+            if ex.state != "Ready":
+                break
+        assert wait_state(ex, ("Ready",)) == "Ready" and ex.gen.id == 2
+        assert ex.recoveries[-1]["reason"] == "pool.exhausted"
+        assert serves_oracle(ex, seq=3)
