@@ -38,6 +38,7 @@ from typing import Any, TextIO
 
 import uvicorn
 
+from calexec.drivers.memory import pin_mmap_threshold
 from calexec.contracts.manifest import default_manifest_path, load_manifest
 from calexec.drivers import calbin, tokenizer
 from calexec.drivers.dumpsink import DumpConfigError, DumpSink
@@ -95,6 +96,7 @@ def _admin_token(path: Path | None) -> str | None:
 def main(argv: list[str]) -> int:
     """Entry point; ``argv`` starts with the command word ``serve``."""
     args = _parser().parse_args(argv[1:])
+    pin_mmap_threshold()  # a long-running server: freed buffers go back to the OS
     port = args.port if args.port is not None else 0 if args.once else 8000
     log_level = args.log_level or ("warning" if args.once else "info")
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")

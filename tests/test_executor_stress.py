@@ -24,7 +24,6 @@ What each test proves:
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import os
 import random
@@ -43,6 +42,7 @@ from calexec.drivers import oracle
 from calexec.drivers.runtime import Fault
 from calexec.machines.faults import RecordingFaultSink
 from calexec.machines.job import InferenceResult, JobHandle
+from calexec.drivers.memory import pin_mmap_threshold
 from executor_harness import (SEED, arm, decode, expected_greedy, fired, make_executor, prefill,
                               settle, write_calbin)
 
@@ -277,17 +277,10 @@ def job_path_executor(calbin: str, device_config: str, **config):
                          check_lock_order=True, **config)
 
 
-M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
-
-
 def fix_mmap_threshold() -> None:
-    """Pin glibc's mmap threshold at its initial 128 KiB so freed large arrays (the 600 KiB
-    logits of every job, the oracle's temporaries) go back to the OS at once. Left dynamic,
-    glibc raises the threshold after the first large free and keeps such blocks in
-    per-thread arenas: RSS then moved by 0, +6 and +30 MiB over three identical runs with no
-    live growth, and by <= 1 MiB with the threshold pinned. Only the allocation strategy of
-    this process changes; nothing the executor does."""
-    assert ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 128 << 10) == 1
+    """Pin glibc's mmap threshold so freed large arrays go back to the OS at once: RSS then
+    reflects live memory (drivers/memory.py explains the measurement)."""
+    assert pin_mmap_threshold()
 
 
 def rss_bytes() -> int:
