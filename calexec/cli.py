@@ -20,6 +20,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench logits": ("calexec.drivers.bench", "direct BF16->FP32 slice conversion vs the legacy path"),
     "conform": ("calexec.drivers.conform.runner", "answer the spec's §14 vendor questions for a calrt.h library (--report DIR)"),
     "bench recovery": ("calexec.drivers.bench", "time from an injected device fault to Ready again, requests failed per recovery"),
+    "accept": ("calexec.drivers.accept", "the §13 acceptance gates (--quick|--full, --phase a|b|both, --report DIR, --json)"),
+    "bench pingpong": ("calexec.drivers.bench", "Phase B: tokens/s at in-flight 2 vs 1 per emulator overlap setting, TPOT P99, trace"),
     "bench server": ("calexec.drivers.bench_server", "the server's own overhead: HTTP vs in-process executor at concurrency 1 and 8"),
     "serve": ("calexec.drivers.serve", "run the reference HTTP server (OpenAI-style completions, metrics, drain)"),
 }

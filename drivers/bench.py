@@ -1,4 +1,4 @@
-"""``calexec bench overhead`` and ``calexec bench logits`` (spec §10.1, §11 PR5/PR6, §13.3).
+"""``calexec bench overhead|logits|recovery|pingpong`` (spec §6.4, §9.2, §10.1, §11, §13.3).
 
 ``bench overhead [--json] [--tokens N] [--runs R] [--zero-tokens M] [--seed S]`` compares, in
 one process, the *direct synchronous path* (what llama-calrt did before: one thread, no queues;
@@ -22,7 +22,15 @@ legacy ``bf16_to_f32_legacy`` (whole tensor to a temporary FP32 vector, then the
 the decode tensor [1,1,V] and the prefill tile [1,D0,V], with ``np.copyto`` of the same FP32
 destination as the floor; CPU time per call and tracemalloc allocation figures (§13.3).
 
-Both print one JSON object with ``--json`` (else a table); progress goes to stderr. The
+``bench pingpong [--json] [--seqs N] [--tokens T] [--solo-tokens S] [--trace PATH]`` (§6.4,
+§13.3 Phase B): for each overlap setting of the emulator (none / dma / full), with
+``PINGPONG_PROFILE`` (H2D 2 ms, decode 10 ms, D2H 2 ms), aggregate tokens/s of N sequences
+decoding at once at in-flight capacity 2 vs 1 (``aggregate_speedup``), the single-request TPOT
+P99 ratio of one sequence decoding alone (``tpot_p99_ratio``), the theoretical bound of the
+profile, and the spec's rule (>= +10 % aggregate, <= +5 % TPOT P99) applied; ``--trace``
+exports the job timelines as Chrome/Perfetto trace JSON (``calexec.drivers.trace``).
+
+All print one JSON object with ``--json`` (else a table); progress goes to stderr. The
 thresholds above are reported, never asserted: a benchmark reports numbers.
 """
 
@@ -464,6 +472,163 @@ def run_recovery(recoveries: int, seed: int) -> dict[str, Any]:
     }
 
 
+# ---- Phase B: ping/pong -----------------------------------------------------------------------------
+#: the latency profile of ``bench pingpong`` (us): H2D and D2H large enough that the DMA-only
+#: overlap setting differs from none and from full
+PINGPONG_PROFILE = {"h2d_us": 2000, "decode_us": 10000, "d2h_us": 2000}
+PINGPONG_OVERLAPS = ("none", "dma", "full")
+#: §13.3: Phase B on by default only at >= +10 % aggregate tokens/s and <= +5 % TPOT P99
+PHASE_B_RULE = {"min_aggregate_speedup": 1.10, "max_tpot_p99_ratio": 1.05}
+
+
+def pingpong_bound(overlap: str, h2d_us: int, decode_us: int, d2h_us: int) -> float:
+    """Theoretical aggregate speedup of two engines over one for a decode profile: ``none``
+    serialises whole jobs (1.0); ``dma`` overlaps only transfers, so the exclusive compute
+    stage limits it to ``min(2, job / compute)``; ``full`` runs both engines side by side (2.0).
+    Host-side work is not in the profile, so real figures sit below the bound."""
+    job = h2d_us + decode_us + d2h_us
+    return {"none": 1.0, "dma": min(2.0, job / decode_us) if decode_us else 2.0,
+            "full": 2.0}[overlap]
+
+
+class _PingPongRun:
+    """One executor at ``capacity`` on a device with ``overlap`` and ``PINGPONG_PROFILE``;
+    ``decode(seqs, tokens)`` decodes the sequences concurrently (one client thread each) and
+    checks every token against the oracle."""
+
+    def __init__(self, rt: CalRT, calbin_path: str, capacity: int, overlap: str) -> None:
+        profile = ";".join(f"{k}={v}" for k, v in PINGPONG_PROFILE.items())
+        self.ex = DeviceExecutor(rt, load_manifest(default_manifest_path()), ExecutorConfig(
+            calbin_path=calbin_path, inflight_capacity=capacity,
+            device_config=f"overlap={overlap};{profile}"))
+        status = self.ex.start()
+        if not status.ok:
+            raise BenchError(f"executor (capacity {capacity}, overlap {overlap}) start failed: "
+                             f"{status}")
+        self.seed = calbin_fmt.read(calbin_path).seed
+        self.jobs: list = []  # (job_id, seq, kind, JobTimings) of every decode job
+
+    def _run(self, req: InferenceRequest):
+        result = self.ex.enqueue(req).wait_until(req.deadline)
+        if isinstance(result, Status):
+            raise BenchError(f"seq {req.seq_id} {req.kind.name} at past_len={req.past_len} "
+                             f"failed: {result}")
+        return result
+
+    def _client(self, seq: int, tokens: int, tpot_us: list, errors: list) -> None:
+        from calexec.drivers import oracle
+        try:
+            ref = oracle.OracleSequence(self.seed)
+            prompt = np.arange(seq, seq + PROMPT_LEN, dtype=np.int32)
+            status = self.ex.kvc.reset_sequence(seq)
+            if not status.ok:
+                raise BenchError(f"reset of seq {seq} failed: {status}")
+            result = self._run(InferenceRequest(
+                seq_id=seq, kind=TaskKind.PREFILL_IDS, tokens=prompt,
+                positions=np.arange(PROMPT_LEN, dtype=np.int32), past_len=0,
+                deadline=time.monotonic() + _WAIT_S))
+            ref.run(prompt.tolist())
+            for _ in range(tokens):
+                if result.argmax != ref.next_token():
+                    raise BenchError(f"seq {seq}: token {result.argmax} != oracle "
+                                     f"{ref.next_token()} at length {ref.length}")
+                past, token = result.kv_len, result.argmax
+                t0 = time.perf_counter_ns()
+                result = self._run(InferenceRequest(
+                    seq_id=seq, kind=TaskKind.DECODE, tokens=np.asarray([token], np.int32),
+                    positions=np.asarray([past], np.int32), past_len=past,
+                    deadline=time.monotonic() + _WAIT_S))
+                tpot_us.append((time.perf_counter_ns() - t0) / 1e3)
+                self.jobs.append((result.job_id, seq, "decode", result.timings))
+                ref.run([token])
+        except BenchError as exc:
+            errors.append(str(exc))
+
+    def decode(self, seqs: Sequence[int], tokens: int) -> dict[str, Any]:
+        """Decode ``tokens`` per sequence, all sequences at once; aggregate tokens/s and the
+        per-token latency each client saw."""
+        tpot: list[float] = []
+        errors: list[str] = []
+        threads = [threading.Thread(target=self._client, args=(s, tokens, tpot, errors),
+                                    name=f"pingpong-{s}") for s in seqs]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(_WAIT_S * (tokens + 1))
+        wall = time.perf_counter() - t0
+        if errors or any(t.is_alive() for t in threads):
+            raise BenchError("; ".join(errors) or "a pingpong client did not finish")
+        return {"tokens_per_s": round(len(seqs) * tokens / wall, 2),
+                "tpot_us_p50": _p(tpot, 50), "tpot_us_p99": _p(tpot, 99)}
+
+    def close(self) -> dict[str, Any]:
+        snap = self.ex.snapshot()
+        counters = self.ex.device.emu.counters()
+        self.ex.shutdown()
+        return {"inflight_capacity_end": snap.get("inflight_capacity"),
+                "downgrades": snap.get("downgrades", 0),
+                "dma_violations": counters["dma_input_violations"]
+                + counters["dma_output_violations"]}
+
+
+def run_pingpong(seqs: int, tokens: int, solo_tokens: int, trace_path: str | None = None,
+                 overlaps: Sequence[str] = PINGPONG_OVERLAPS) -> dict[str, Any]:
+    """Phase B vs Phase A per overlap setting: aggregate tokens/s of ``seqs`` sequences
+    decoding ``tokens`` each at once (capacity 2 vs 1), single-request TPOT P99 of one
+    sequence decoding ``solo_tokens`` alone, the theoretical bound, and §13.3's rule applied.
+    ``trace_path``: the job timelines of the loaded runs of the last overlap setting."""
+    from calexec.drivers.trace import TracedJob, write_trace
+
+    results: dict[str, Any] = {}
+    traced: dict[str, list] = {}
+    with tempfile.TemporaryDirectory(prefix="calexec-bench-") as tmp:
+        path = os.path.join(tmp, "bench.calbin")
+        calbin_fmt.write(path)
+        rt = CalRT.load()
+        for overlap in overlaps:
+            side: dict[int, dict[str, Any]] = {}
+            for capacity in (1, 2):
+                _progress(f"pingpong: overlap {overlap}, capacity {capacity}")
+                run = _PingPongRun(rt, path, capacity, overlap)
+                try:
+                    loaded = run.decode(range(1, seqs + 1), tokens)
+                    loaded_jobs = list(run.jobs)
+                    solo = run.decode([seqs + 1], solo_tokens)
+                finally:
+                    health = run.close()
+                side[capacity] = {"loaded": loaded, "solo": solo, **health}
+                traced[f"capacity {capacity}, overlap {overlap}"] = [
+                    TracedJob(job_id, seq, kind, timings)
+                    for job_id, seq, kind, timings in loaded_jobs]
+            speedup = side[2]["loaded"]["tokens_per_s"] / side[1]["loaded"]["tokens_per_s"]
+            tpot_ratio = side[2]["solo"]["tpot_us_p99"] / side[1]["solo"]["tpot_us_p99"]
+            bound = pingpong_bound(overlap, **PINGPONG_PROFILE)
+            results[overlap] = {
+                "aggregate_speedup": round(speedup, 4),
+                "tpot_p99_ratio": round(tpot_ratio, 4),
+                "loaded_tpot_p99_ratio": round(side[2]["loaded"]["tpot_us_p99"]
+                                               / side[1]["loaded"]["tpot_us_p99"], 4),
+                "bound_speedup": round(bound, 4),
+                "bound_tokens_per_s": round(bound * 1e6 / sum(PINGPONG_PROFILE.values()), 2),
+                "meets_phase_b_rule": bool(
+                    speedup >= PHASE_B_RULE["min_aggregate_speedup"]
+                    and tpot_ratio <= PHASE_B_RULE["max_tpot_p99_ratio"]),
+                "capacity_1": side[1], "capacity_2": side[2]}
+    if trace_path:
+        last = overlaps[-1]
+        write_trace(trace_path, {k: v for k, v in traced.items() if k.endswith(last)})
+    return {
+        "seqs": seqs, "tokens": tokens, "solo_tokens": solo_tokens,
+        "profile_us": PINGPONG_PROFILE, "rule": PHASE_B_RULE, "overlap": results,
+        "enable_by_default": {o: r["meets_phase_b_rule"] for o, r in results.items()},
+        "note": "the rule is necessary, not sufficient: §13.3 also needs correctness and the "
+                "24 h soak (calexec accept --full --phase b) before Phase B goes on by default",
+        "trace": trace_path,
+        "cpus": os.cpu_count(), "python": platform.python_version(),
+    }
+
+
 def _emit(result: dict[str, Any], as_json: bool) -> None:
     if as_json:
         print(json.dumps(result))
@@ -503,8 +668,18 @@ def main(argv: list[str]) -> int:
     elif command == "recovery":
         parser.add_argument("--recoveries", type=_positive, default=100,
                             help="injected device faults, each followed by a recovery (100)")
+    elif command == "pingpong":
+        parser.add_argument("--seqs", type=_positive, default=4,
+                            help="sequences decoding at once (default 4)")
+        parser.add_argument("--tokens", type=_positive, default=40,
+                            help="decode tokens per sequence, loaded runs (default 40)")
+        parser.add_argument("--solo-tokens", type=_positive, default=60,
+                            help="decode tokens of the single-request TPOT run (default 60)")
+        parser.add_argument("--trace", metavar="PATH",
+                            help="write the job timelines (trace-event JSON) of one run")
     else:
-        print("usage: calexec bench {overhead|logits|recovery} [--json] ...", file=sys.stderr)
+        print("usage: calexec bench {overhead|logits|recovery|pingpong} [--json] ...",
+              file=sys.stderr)
         return 2
     args = parser.parse_args(argv[2:])
     try:
@@ -515,6 +690,11 @@ def main(argv: list[str]) -> int:
             result = run_overhead(args.tokens, args.runs, args.zero_tokens, args.seed)
         elif command == "recovery":
             result = run_recovery(args.recoveries, args.seed)
+        elif command == "pingpong":
+            limit = calbin_fmt.MAX_SEQ - PROMPT_LEN
+            if max(args.tokens, args.solo_tokens) > limit:
+                parser.error(f"--tokens/--solo-tokens must be <= {limit}")
+            result = run_pingpong(args.seqs, args.tokens, args.solo_tokens, args.trace)
         else:
             result = run_logits(args.iters, args.seed)
     except (BenchError, DriverError) as exc:

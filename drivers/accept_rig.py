@@ -1,0 +1,152 @@
+"""Shared pieces of the §13 acceptance gates: the gate result, the executor rig of one phase,
+request builders, the progress bar and the growth test of the soak.
+
+Phase ``a`` is in-flight capacity 1 (``infer``); phase ``b`` is capacity 2 with each buffer slot
+fixed to PING or PONG (``infer_with_fixed_task_type``, parallel mode on). Every wait here is
+bounded: a job that does not resolve by its deadline plus ``HANG_GRACE_S`` counts as hung.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+import attrs
+import numpy as np
+
+from calexec.drivers.memory import rss_bytes
+from calexec.contracts.manifest import default_manifest_path, load_manifest
+from calexec.contracts.prepare import InferenceRequest
+from calexec.contracts.errors import Category
+from calexec.contracts.status import Phase, Status
+from calexec.contracts.types import TaskKind
+from calexec.drivers.runtime import CalRT
+from calexec.machines.executor import DeviceExecutor, ExecutorConfig
+from calexec.machines.faults import RecoveryPolicy
+
+PHASE_CAPACITY = {"a": 1, "b": 2}
+JOB_S = 10.0  # per-job deadline; a zero-latency job finishes in well under a millisecond
+HANG_GRACE_S = 5.0  # beyond the job's deadline: the job is hung
+
+
+@attrs.frozen
+class Gate:
+    """One acceptance gate's verdict: ``value`` is the measured figure named by ``metric``."""
+
+    name: str
+    passed: bool
+    value: float | int
+    metric: str
+    details: dict[str, Any] = attrs.field(factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"passed": self.passed, "value": self.value, "metric": self.metric,
+                "details": self.details}
+
+
+class Progress:
+    """A plain-text carriage-return progress bar on a stream (stderr by default)."""
+
+    def __init__(self, total_gates: int, stream: TextIO | None = None, width: int = 24) -> None:
+        self.total = max(1, total_gates)
+        self.done = 0
+        self.stream = stream if stream is not None else sys.stderr
+        self.width = width
+
+    def update(self, gate: str, step: int, steps: int) -> None:
+        frac = (self.done + (step / steps if steps else 1.0)) / self.total
+        fill = int(round(frac * self.width))
+        self.stream.write(f"\r[{'#' * fill}{'.' * (self.width - fill)}] {frac * 100:5.1f}% "
+                          f"{gate} {step}/{steps}   ")
+        self.stream.flush()
+
+    def gate_done(self) -> None:
+        self.done += 1
+
+    def close(self) -> None:
+        self.stream.write("\n")
+        self.stream.flush()
+
+
+class Silent(Progress):
+    """No output (the Python API's default)."""
+
+    def update(self, gate: str, step: int, steps: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def request(seq: int, kind: TaskKind, tokens: Sequence[int] | np.ndarray, past: int,
+            seconds: float = JOB_S) -> InferenceRequest:
+    tokens = np.asarray(tokens, dtype=np.int32)
+    return InferenceRequest(seq_id=seq, kind=kind, tokens=tokens,
+                            positions=np.arange(past, past + len(tokens), dtype=np.int32),
+                            past_len=past, deadline=time.monotonic() + seconds)
+
+
+def open_executor(calbin_path: str, phase: str, recovery: RecoveryPolicy | None = None,
+                  device_config: str = "") -> "DeviceExecutor | Status":
+    """A started executor of ``phase`` on its own emulated device, or the start Status."""
+    if phase not in PHASE_CAPACITY:
+        raise ValueError(f"phase must be one of {sorted(PHASE_CAPACITY)}, got {phase!r}")
+    config = ExecutorConfig(calbin_path=calbin_path, device_config=device_config,
+                            inflight_capacity=PHASE_CAPACITY[phase],
+                            recovery=recovery or RecoveryPolicy())
+    ex = DeviceExecutor(CalRT.load(), load_manifest(default_manifest_path()), config)
+    status = ex.start()
+    return ex if status.ok else status
+
+
+def run_job(ex: DeviceExecutor, req: InferenceRequest) -> "Any":
+    """Enqueue and wait (bounded). Returns the InferenceResult or a Status; a job still
+    unresolved after its deadline plus ``HANG_GRACE_S`` returns a ``Status`` whose code is
+    ``accept.hung``."""
+    handle = ex.enqueue(req)
+    result = handle.wait_until(req.deadline + HANG_GRACE_S)
+    if not handle.done:
+        return hung_status(req.seq_id)
+    return result
+
+
+def hung_status(seq: int) -> Status:
+    return Status.failure("accept.hung", Category.INTERNAL, Phase.WAIT,
+                          f"job of seq {seq} unresolved past its deadline + {HANG_GRACE_S}s")
+
+
+def leased(snapshot: dict[str, Any]) -> int:
+    """Slots currently out of the pool (Leased or InFlight) in an executor snapshot."""
+    slots = snapshot.get("slots") or {}
+    return int(slots.get("Leased", 0) + slots.get("InFlight", 0))
+
+
+def rss_mib() -> float:
+    """Resident set size of this process in MiB."""
+    return rss_bytes() / (1 << 20)
+
+
+def growth(times: Sequence[float], values: Sequence[float], warmup_fraction: float,
+           slack: float) -> dict[str, Any]:
+    """The soak's no-monotonic-growth test of one sampled series.
+
+    Samples before ``warmup_fraction`` of the run are ignored; the rest is cut in thirds and
+    the series passes when ``max(last third) <= max(first third) + slack``. The least-squares
+    slope over the post-warm-up samples (per hour) is reported alongside, not gated: a short
+    run's slope extrapolates noise."""
+    t = np.asarray(times, dtype=np.float64)
+    v = np.asarray(values, dtype=np.float64)
+    if len(t) == 0:
+        return {"passed": False, "reason": "no samples"}
+    keep = t >= t[0] + warmup_fraction * (t[-1] - t[0])
+    t, v = t[keep], v[keep]
+    if len(v) < 3:
+        return {"passed": False, "reason": f"only {len(v)} samples after warm-up"}
+    third = len(v) // 3
+    first, last = float(v[:third].max()), float(v[-third:].max())
+    slope = float(np.polyfit(t - t[0], v, 1)[0]) * 3600.0 if np.ptp(t) > 0 else 0.0
+    return {"passed": last <= first + slack, "first_third_max": round(first, 3),
+            "last_third_max": round(last, 3), "slack": slack, "samples": int(len(v)),
+            "slope_per_hour": round(slope, 3)}

@@ -1,0 +1,99 @@
+"""`calexec accept` (spec §13): the gates pass on reduced sizes in both phases, a broken
+executor makes the exit status non-zero, the report files hold every gate, and the soak's
+growth rule separates flat from growing series."""
+
+from __future__ import annotations
+
+import json
+
+import attrs
+import numpy as np
+import pytest
+
+from calexec.drivers import accept
+from calexec.drivers.accept_report import write_report
+from calexec.drivers.accept_rig import growth
+from calexec.machines.executor import DeviceExecutor
+
+TINY = attrs.evolve(accept.QUICK, mode="tiny", prompts=3, decode_steps=3,
+                    lengths=(1, 16, 17, 40959), crosstalk_tokens=20, injections=14,
+                    soak_seconds=3.0, soak_sample_s=0.05, soak_fault_every_s=0.2)
+GATE_NAMES = [f"{g}_{p}" for p in ("a", "b") for g in accept.GATES]
+
+
+@pytest.fixture(scope="module")
+def tiny_report():
+    return accept.run_accept(TINY, ("a", "b"))
+
+
+def test_every_gate_passes_on_reduced_sizes_in_both_phases(tiny_report):
+    gates = tiny_report["gates"]
+    assert list(gates) == GATE_NAMES
+    failed = {name: g["details"] for name, g in gates.items() if not g["passed"]}
+    assert not failed, failed
+    assert tiny_report["passed"] is True
+    # the measured values say what passing means
+    assert gates["correctness_a"]["value"] == 1.0
+    assert gates["correctness_b"]["details"]["max_abs"] == 0.0
+    assert gates["lengths_a"]["value"] == len(TINY.lengths)
+    assert gates["lengths_b"]["details"]["bounds_check"]["jobs_submitted_delta"] == 0
+    assert gates["crosstalk_a"]["value"] == 0 and gates["crosstalk_b"]["value"] == 0
+    assert set(gates["crosstalk_b"]["details"]["overlap"]) == {"none", "dma", "full"}
+    assert gates["injections_a"]["value"] == 0  # hung jobs
+    assert gates["soak_b"]["details"]["leased_after_shutdown"] == 0
+    assert gates["soak_a"]["details"]["ccu_unexplained"] == 0
+
+
+def test_report_files_hold_every_gate(tiny_report, tmp_path):
+    written = write_report(tiny_report, str(tmp_path))
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert set(data["gates"]) == set(GATE_NAMES)
+    for name, gate in data["gates"].items():
+        assert isinstance(gate["passed"], bool) and "value" in gate, name
+    md = (tmp_path / "report.md").read_text()
+    assert all(f"| {name} |" in md for name in GATE_NAMES)
+    pngs = [p for p in written if p.endswith(".png")]
+    assert {p.rsplit("/", 1)[1] for p in pngs} == {"latency.png", "rss.png"}
+    for p in pngs:
+        with open(p, "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_wrong_token_fails_the_gate_and_the_exit_status(monkeypatch, capsys):
+    real = DeviceExecutor._postprocess
+
+    def off_by_one(self, job):
+        result = real(self, job)
+        if job.internal or not hasattr(result, "argmax"):
+            return result  # the golden warm-up stays intact, so the executor starts
+        return attrs.evolve(result, argmax=(result.argmax + 1) % len(result.logits))
+
+    monkeypatch.setattr(DeviceExecutor, "_postprocess", off_by_one)
+    rc = accept.main(["accept", "--quick", "--phase", "a", "--gates", "correctness", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 1
+    assert out["passed"] is False
+    assert out["gates"]["correctness_a"]["passed"] is False
+    assert out["gates"]["correctness_a"]["value"] == 0.0
+
+
+def test_cli_refuses_an_unknown_gate(capsys):
+    assert accept.main(["accept", "--gates", "nope"]) == 2
+    assert "nope" in capsys.readouterr().err
+
+
+def test_sizes_name_the_bad_field():
+    with pytest.raises(ValueError, match="Sizes.lengths"):
+        attrs.evolve(TINY, lengths=(40960,))
+    with pytest.raises(ValueError, match="Sizes.injections"):
+        attrs.evolve(TINY, injections=0)
+
+
+def test_growth_rule_flat_passes_growing_fails():
+    t = np.arange(60.0)
+    flat = 100.0 + np.sin(t)  # bounded noise
+    grows = 100.0 + 0.5 * t
+    assert growth(t, flat, 0.3, 2.0)["passed"] is True
+    verdict = growth(t, grows, 0.3, 2.0)
+    assert verdict["passed"] is False and verdict["slope_per_hour"] > 0
+    assert growth(t[:2], flat[:2], 0.3, 2.0)["passed"] is False  # too few samples
