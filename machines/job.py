@@ -115,6 +115,10 @@ class Job:
             result = result.with_context(job_id=self.job_id, seq_id=self.request.seq_id,
                                          generation=self.generation_id)
         self.result = result
+        # The job's chart is final: drop the run's back-reference so a finished job is freed
+        # by reference counting (a Job <-> ChartRun cycle would keep its result's logits
+        # array alive until a full garbage collection; the acceptance soak saw RSS climb).
+        self.run.model = None
         self._done.set()
 
     def ctx(self) -> dict[str, int]:

@@ -77,6 +77,10 @@ class KvTxn:
     def state(self) -> str:
         return self.run.state
 
+    def finished(self) -> None:
+        """Final state reached: break the txn <-> run cycle (reference counting frees it)."""
+        self.run.model = None
+
     def device_finished_and_output_valid(self) -> bool:
         return self.device_finished and self.output_valid
 
@@ -232,6 +236,7 @@ class KvCoordinator:
     def rollback(self, txn: KvTxn) -> Status:
         """Before submit only (the chart refuses it after): give back what reserve grew."""
         txn.run.send("rollback")
+        txn.finished()
         ok = True
         if self.blocks_for(txn.old_reserved) < self.blocks_for(self.seqs[txn.seq_id].reserved_len):
             ok = self._apply(txn.seq_id, txn.old_reserved)
@@ -250,6 +255,7 @@ class KvCoordinator:
     def commit(self, txn: KvTxn) -> None:
         """Device finished and output validated (guarded by the chart)."""
         txn.run.send("commit")
+        txn.finished()
         with self.admission_mu:
             view = self.seqs[txn.seq_id]
             view.committed_len = txn.target_len
@@ -260,6 +266,7 @@ class KvCoordinator:
         """Any failure after submit: the device KV of this sequence is Unknown (§7)."""
         if txn.run.state == "Submitted":
             txn.run.send("mark_unknown")
+        txn.finished()
         with self.admission_mu:
             view = self.seqs[txn.seq_id]
             view.unknown_reason = reason
