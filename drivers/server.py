@@ -164,6 +164,7 @@ class Generation:
     tokens: list[int] = attrs.Factory(list)
     past: int = 0
     handle: Any = None  # JobHandle of the current/last job
+    abandoned: bool = False  # the client went away: cancel whatever job is or becomes current
     finish_reason: str | None = None
     status: Status | None = None
     first_token_at: float | None = None
@@ -268,6 +269,8 @@ class CompletionService:
             return None
         def on_created(created) -> None:
             gen.handle = created  # reachable for a disconnect while admission still waits
+            if gen.abandoned:  # the client left before this job existed
+                created.cancel()
 
         try:
             handle = await to_thread.run_sync(
@@ -275,6 +278,9 @@ class CompletionService:
                                   on_created=on_created),
                 abandon_on_cancel=True, limiter=self._limiter)
         except anyio.get_cancelled_exc_class():
+            # Flag first, then cancel the current handle: whichever of this and on_created
+            # runs second sees the other's write, so the new job is always cancelled.
+            gen.abandoned = True
             if gen.handle is not None:
                 gen.handle.cancel()  # the enqueue thread sees the cancel and releases
             raise
