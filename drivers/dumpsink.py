@@ -3,7 +3,8 @@
 The legacy code dumped to a path hard-coded under a user's home directory. Here:
 
 * there is no default: a sink exists only when a directory is given explicitly;
-* a directory under a home directory (``$HOME``, ``/home/*``, ``/root``) is refused unless
+* a directory under a home directory (``$HOME``, or the system's home and root-user home
+  directories, see ``_home_roots``) is refused unless
   ``allow_home=True`` is passed explicitly;
 * records are JSON lines appended to ``<dir>/calexec-dump-<pid>.jsonl``; once the file would
   exceed ``max_bytes`` further records are dropped and counted, never truncated mid-line;
