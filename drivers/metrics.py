@@ -78,6 +78,17 @@ class _ExecutorCollector(Collector):
                      snap["pending_tokens"])
         yield _gauge("calexec_generation", "Current model generation id (0: none).",
                      snap["generation"] or 0)
+        yield _gauge("calexec_inflight_capacity",
+                     "Effective in-flight capacity (2 in Phase B until a downgrade).",
+                     snap["inflight_capacity"])
+        recoveries = CounterMetricFamily("calexec_recoveries",
+                                         "Recoveries (drain, rebuild, golden) run by the executor.")
+        recoveries.add_metric([], snap["recoveries"])
+        yield recoveries
+        downgrades = CounterMetricFamily("calexec_pingpong_downgrades",
+                                         "Automatic Phase B downgrades to in-flight capacity 1.")
+        downgrades.add_metric([], snap["downgrades"])
+        yield downgrades
         slots = GaugeMetricFamily("calexec_buffer_slots", "Buffer slots by BufferSlotChart state.",
                                   labels=["state"])
         counts = snap["slots"] or {}

@@ -116,3 +116,24 @@ def test_back_to_phase_a_is_configuration_only(calbin):
         assert {slot.engine for slot in ex.pool.slots} == {EngineSlot.AUTO}
     with running_executor(calbin, inflight_capacity=2) as ex:
         assert {slot.engine for slot in ex.pool.slots} == {EngineSlot.PING, EngineSlot.PONG}
+
+
+def test_downgrade_is_visible_in_metrics(calbin):
+    from fastapi.testclient import TestClient
+
+    from calexec.drivers.server import ServerConfig, create_app
+    from test_server_support import metric_value
+
+    with running_job_path(calbin, "decode_us=1000", inflight_capacity=2, slots_per_kind=3,
+                          downgrade_after_faults=1) as ex:
+        with TestClient(create_app(ex, ServerConfig())) as client:
+            text = client.get("/metrics").text
+            assert metric_value(text, "calexec_inflight_capacity") == 2
+            assert metric_value(text, "calexec_pingpong_downgrades_total") == 0
+            assert not isinstance(ex.enqueue(prefill(1, [1, 2])).wait_until(deadline()), Status)
+            arm(ex, "CCU_EXCEPTION")
+            assert isinstance(ex.enqueue(decode(1, 1, 2)).wait_until(deadline()), Status)
+            settle(ex)
+            text = client.get("/metrics").text
+            assert metric_value(text, "calexec_inflight_capacity") == 1
+            assert metric_value(text, "calexec_pingpong_downgrades_total") == 1
