@@ -179,3 +179,27 @@ def test_latency_profile_is_bounded_like_the_knobs():
     assert dev.emu.set_latency(decode_us=60_000_001) == 4  # beyond the knobs' 60 s range
     assert dev.emu.set_latency(decode_us=60_000_000) == 0
     assert dev.emu.set_latency() == 0 and dev.close() == 0
+
+
+def test_wait_failure_after_compute_still_applies_the_kv_policy(tmp_path):
+    """An injected Wait failure that hits a job between compute and D2H follows
+    kv_after_failed_wait like one that hits it earlier (stepped mode pins the moment)."""
+    from calexec.drivers import calbin as cb
+    from calexec.drivers.demo import DirectRunner
+    from calexec.drivers.runtime import Stage
+    path = str(tmp_path / "c.calbin")
+    cb.write(path, cb.default_spec())
+    r = DirectRunner(CalRT.load(), path, "kv_after_failed_wait=unchanged")
+    emu = r.device.emu
+    r.run(cb.PREFILL_IDS, 1, 0, tokens=[1, 2, 3])
+    assert r.kv.seq_len(1) == (0, 3)
+    assert emu.set_stepped(True) == 0
+    r.submit(cb.DECODE, 1, 3, tokens=[4])
+    for stage in (Stage.H2D, Stage.COMPUTE):
+        assert emu.step(0, stage)[0] == 0
+    assert r.kv.seq_len(1) == (0, 4)  # committed at the end of compute
+    assert emu.set_fault(Fault.WAIT_RC, FaultMode.NTH, 1, 0, 0) == 0
+    assert r.slot(cb.DECODE).outbuf.wait(0) == Rc.ERR_TIMEOUT
+    assert r.kv.seq_len(1) == (0, 3)  # unchanged: back to the job's past_len
+    assert emu.set_stepped(False) == 0
+    r.close()

@@ -1278,7 +1278,10 @@ int32_t calrt_wait(calrt_outputbuf *h, int64_t timeout_us)
     if (emu_fault_fire(dev, CALRT_EMU_FAULT_WAIT_RC)) {
         int32_t rc = dev->faults[CALRT_EMU_FAULT_WAIT_RC].rc ? dev->faults[CALRT_EMU_FAULT_WAIT_RC].rc
                                                              : CALRT_ERR_TIMEOUT;
-        if (ob->job)
+        if (ob->job && ob->job->computed)
+            /* the job already committed its KV at the end of compute: apply the policy now */
+            emu_kv_fail_policy(dev, ob->job->kv, ob->job->seq, ob->job->past, ob->job->cur);
+        else if (ob->job)
             ob->job->kv_failed = 1;
         else if (ob->status == CALRT_JOB_DONE && dev->kv && dev->kv->serial == ob->last_kv_serial)
             emu_kv_fail_policy(dev, dev->kv, ob->last_seq, ob->last_past, ob->last_cur);
