@@ -131,15 +131,17 @@ def write(path: str, spec: CalbinSpec | None = None) -> str:
 
 def loads(data: bytes) -> CalbinSpec:
     """Parse calbin bytes; ValueError naming the line on a malformed file."""
-    lines = data.decode("utf-8").split("\n")
+    if not data.endswith(b"\n"):
+        raise ValueError("not a calbin: every line, the last included, ends with a newline")
+    lines = data.decode("utf-8").split("\n")[:-1]
     if not lines or lines[0] != "CALBIN 1":
         raise ValueError(f"not a calbin: header is {lines[0][:40]!r}, expected 'CALBIN 1'")
     seed = None
     models: list[ModelSpec] = []
     cur: dict | None = None
     for no, line in enumerate(lines[1:], start=2):
-        if not line:
-            continue
+        if not line:  # the C loader refuses blank lines too (19): one format, one grammar
+            raise ValueError(f"line {no}: blank line")
         word, _, rest = line.partition(" ")
         args = rest.split()
         try:

@@ -69,6 +69,12 @@ def test_calbin_sha256_and_format_round_trip(calbin_path, tmp_path):
     rc, cb8 = dev.load_calbin(str(other))
     assert rc == 0 and cb8.sha256 != cb.sha256
     assert calbin.read(str(other)).model(calbin.PREFILL_IDS).outputs[0].shape == (1, 8, calbin.VOCAB)
+    # one grammar for both loaders: a blank line is refused by Python and by C (19)
+    blank = tmp_path / "blank.calbin"
+    blank.write_bytes(data.replace(b"\nend\n", b"\n\nend\n", 1))
+    with pytest.raises(ValueError, match="blank line"):
+        calbin.loads(blank.read_bytes())
+    assert dev.load_calbin(str(blank))[0] == Rc.ERR_INVALID_CALBIN
     assert dev.close() == 0
 
 
