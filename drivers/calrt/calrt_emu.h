@@ -17,7 +17,8 @@
  *   dma_guard (1: checksum inputs/outputs to detect host writes in flight)
  *   stale_delay_us (1000: delay after a reset before a stale completion lands)
  *   stepped (0: device threads run by themselves; 1: only calrt_emu_step advances work)
- * Unknown key -> 5, bad value -> 4. All setters take effect for the next stage/job.
+ * set_knob: unknown key -> 5, bad value -> 4; in the device config string both -> 5 (the
+ * configuration is invalid). All setters take effect for the next stage/job.
  *
  * Latency: each stage sleeps on an absolute CLOCK_MONOTONIC deadline (clock_nanosleep)
  * that starts when the stage starts, so a stage lasts max(real work, profile).
