@@ -921,13 +921,19 @@ class DeviceExecutor:
         """Return the permits of quarantined slots the runtime has let go of since a failed
         Wait; True when the runtime holds none any more."""
         with self._submit_cv:
-            still = [slot for slot in self._held_by_runtime if not slot.runtime_done()]
-            freed = len(self._held_by_runtime) - len(still)
-            self._held_by_runtime = still
-            self._inflight -= freed
+            held = list(self._held_by_runtime)
+        if not held:
+            return True
+        # GetStatus outside submit_mu (§5.2: no runtime call under the queue locks)
+        let_go = [slot for slot in held if slot.runtime_done()]
+        with self._submit_cv:
+            freed = [slot for slot in let_go if slot in self._held_by_runtime]  # not reaped yet
+            for slot in freed:
+                self._held_by_runtime.remove(slot)
+            self._inflight -= len(freed)
             if freed:
                 self._submit_cv.notify_all()
-            return not still
+            return not self._held_by_runtime
 
     def _postprocess(self, job: Job) -> "InferenceResult | Status":
         """Output size (FI09), finiteness (FI10), then the direct conversion (§10.1)."""
