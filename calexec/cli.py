@@ -11,7 +11,7 @@ import sys
 
 # name -> (module, one-line help). Two-word commands ("sim bench") are looked up first.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("calexec.drivers.demo", "prefill and decode a few sequences on the bundled emulator"),
+    "demo": ("calexec.drivers.demo", "prefill and decode a few sequences through the executor on the bundled emulator"),
     "sim bench": ("calexec.drivers.simbench", "measure the emulator's host-side cost and profile accuracy"),
     "sim write-calbin": ("calexec.drivers.simbench", "write the default synthetic calbin"),
     "diagrams": ("calexec.machines.diagrams", "render the declared statecharts to diagrams/ (--check: fail if stale)"),
