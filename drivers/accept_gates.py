@@ -419,9 +419,11 @@ def injections(ctx: AcceptContext, phase: str, progress: Progress) -> Gate:
                     break  # explicit Failed: the gate accepts it if it says why
                 kind = INJECTION_KINDS[int(rng.integers(len(INJECTION_KINDS)))]
                 result = _inject(ex, kind, rng, ctx.seed)
-                if kind == "ccu_exception":
-                    ccu_injected += ex.device.emu.fault_stats(Fault.CCU_EXCEPTION)[2]
                 ex.device.emu.clear_all_faults()
+                if kind == "ccu_exception":
+                    # read after the clear (fired survives it; the next set resets it): the armed
+                    # fault may have fired on a traffic job after the injected one returned
+                    ccu_injected += ex.device.emu.fault_stats(Fault.CCU_EXCEPTION)[2]
                 if isinstance(result, Status):
                     key = result.code
                     hung += key == "accept.hung"
