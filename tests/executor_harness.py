@@ -113,6 +113,15 @@ def fired(executor: DeviceExecutor, point: str) -> int:
     return count
 
 
+def until(predicate, seconds: float = 10.0, what: str = "condition") -> None:
+    """Poll ``predicate`` (bounded); AssertionError naming ``what`` when it never holds."""
+    end = time.monotonic() + seconds
+    while not predicate():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out after {seconds}s waiting for {what}")
+        time.sleep(0.001)
+
+
 def settle(executor: DeviceExecutor, seconds: float = 5.0) -> dict:
     """Wait until nothing is queued or in flight; return the snapshot. (Stepped executors
     only move when the test drives them: nothing to wait for.)"""

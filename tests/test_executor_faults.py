@@ -19,7 +19,7 @@ from calexec.drivers.runtime import Fault, Stage
 from calexec.machines.pool import BufferSlot
 from executor_harness import running_job_path as running_executor
 from executor_harness import (SEED, arm, decode, deadline, expected_greedy, fired, greedy,
-                              prefill, settle, write_calbin)
+                              prefill, settle, until, write_calbin)
 
 PROMPT = [11, 22, 33, 44, 55, 66, 77]
 
@@ -230,7 +230,7 @@ def test_fi13_shutdown_cancels_queued_and_drains_submitted(calbin):
     with running_executor(calbin, "decode_us=300000") as ex:
         greedy(ex, 1, PROMPT, 0), greedy(ex, 2, PROMPT, 0)
         submitted = ex.enqueue(decode(1, 5, len(PROMPT)))
-        time.sleep(0.05)
+        until(lambda: submitted.state == "Submitted", what="the first job on the device")
         queued = ex.enqueue(decode(2, 5, len(PROMPT)))
         assert submitted.state == "Submitted" and queued.state == "Queued"
         pool = ex.pool

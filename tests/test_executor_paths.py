@@ -11,7 +11,6 @@ taken by the executor's own chart runs (the coverage recorder, scoped to the sce
 from __future__ import annotations
 
 import threading
-import time
 from contextlib import contextmanager
 
 import pytest
@@ -24,7 +23,7 @@ from calexec.machines.coverage import RECORDER
 from calexec.machines.paths import transition_paths
 from calexec.machines.pool import BufferSlot
 from executor_harness import running_job_path as running_executor
-from executor_harness import (arm, decode, deadline, greedy, prefill,
+from executor_harness import (arm, decode, deadline, greedy, prefill, until,
                               write_calbin)
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
@@ -77,7 +76,8 @@ def cancel_while_waiting_for_kv(calbin):
     with running_executor(calbin) as ex:
         arm(ex, "CAN_ALLOCATE_FALSE", "ALWAYS")
         thread, box = enqueue_in_thread(ex, prefill(1, PROMPT))
-        time.sleep(0.05)
+        until(lambda: ex.kvc.seqs.get(1) is not None and ex.kvc.seqs[1].open_txn is not None,
+              what="the job to wait for KV capacity")
         assert box["handle"].state == "Created"  # blocked in the KV wait
         assert box["handle"].cancel()
         thread.join(5)
@@ -89,8 +89,7 @@ def cancel_while_waiting_for_slot(calbin):
     with running_executor(calbin, threads=False, slots_per_kind=1) as ex:
         first = ex.enqueue(prefill(1, PROMPT))  # holds the only prefill slot (queued)
         thread, box = enqueue_in_thread(ex, prefill(2, PROMPT))
-        time.sleep(0.05)
-        assert box["handle"].state == "Admitted"  # blocked in the buffer wait
+        until(lambda: box["handle"].state == "Admitted", what="the job to wait for a slot")
         assert box["handle"].cancel()
         thread.join(5)
         res = box["result"].wait_until(deadline())

@@ -18,9 +18,8 @@ from calexec.drivers import oracle
 from calexec.machines.compiled import LIFECYCLE
 from calexec.machines.faults import Action, RecoveryPolicy
 from calexec.machines.pool import BufferPool
-from executor_harness import (SEED, arm, decode, deadline, expected_greedy, fired, greedy,
-                              make_executor, prefill, running_executor, settle,
-                              write_calbin)
+from executor_harness import (SEED, arm, decode, deadline, fired, greedy, prefill,
+                              running_executor, settle, write_calbin)
 from test_executor_paths import recording
 
 PROMPT = [7, 7, 8, 9, 10]

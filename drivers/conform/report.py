@@ -68,7 +68,7 @@ def safe_settings(questions: list[dict]) -> list[dict[str, str]]:
         if not _proven(q, f"reset.{kind}.keeps_kv"):
             extra.append("rebuild every sequence's KV")
         add(f"reset_kind={kind}" + (f" (then {', '.join(extra)})" if extra else ""),
-            f"the weakest reset that aborts both engines' jobs with no stale write and passes the golden")
+            "the weakest reset that aborts both engines' jobs with no stale write and passes the golden")
     else:
         add("reset_kind=none: recover by process restart", "no reset was proven to abort jobs, leave host buffers "
             "untouched and pass the golden (§9.1)")
