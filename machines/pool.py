@@ -41,7 +41,7 @@ from calexec.contracts.prepare import TensorSlice, check_slice
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import (EngineSlot, ModelGeneration, SubmodelContract, TaskKind,
                                      TensorContract)
-from calexec.machines.compiled import BUFFER_SLOT
+from calexec.machines.compiled import BUFFER_SLOT, GuardRejected
 from calexec.machines.locks import POOL, LockOrder
 
 
@@ -296,9 +296,10 @@ class BufferPool:
             run = lease.slot.run
             if run.state != "InFlight":
                 return run.state == "Leased"
-            if not run.can("device_done"):
+            try:  # the guard asks the runtime once (GetStatus), not once for can() and again
+                run.send("device_done")
+            except GuardRejected:
                 return False
-            run.send("device_done")
             return True
 
     def quarantine(self, lease: BufferLease, reason: str) -> None:
