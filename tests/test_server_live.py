@@ -59,6 +59,7 @@ def test_streaming_client_disconnect_cancels_its_job(live):
     server, executor, service = live
     Emulator(executor.device).set_latency(decode_us=100_000)
     cancelled0 = executor.counters["cancelled"]
+    submitted0 = executor.counters["submitted"]
     with httpx.Client(base_url=server.url, timeout=20) as client:
         with client.stream("POST", "/v1/completions",
                            json={"prompt": [1, 2, 3], "max_tokens": 200, "stream": True}) as r:
@@ -68,7 +69,10 @@ def test_streaming_client_disconnect_cancels_its_job(live):
         # leaving the block closes the connection mid-stream
         wait_for(lambda: service.active == 0, what="the request to finish after disconnect")
         metrics = client.get("/metrics").text
-    assert executor.counters["cancelled"] == cancelled0 + 1  # the job ended cancelled (FI12)
+    # The generation stopped early: the job in flight when the disconnect was noticed ended
+    # cancelled (FI12), or, when it was noticed between two jobs (at a send), none was started.
+    assert executor.counters["submitted"] - submitted0 < 10  # far from max_tokens=200
+    assert executor.counters["cancelled"] - cancelled0 in (0, 1)
     assert service.sequences.in_use == 0 and service.sequences.leaked == 0
     assert metric_value(metrics, "calexec_request_failures_total",
                         {"category": "cancelled"}) == 1
