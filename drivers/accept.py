@@ -163,6 +163,3 @@ def main(argv: list[str]) -> int:
               f"{report['seconds']} s" + (f"; report in {args.report}" if args.report else ""))
     return 0 if report["passed"] else 1
 
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main(["accept", *sys.argv[1:]]))
