@@ -8,7 +8,7 @@ import os
 
 from hypothesis import HealthCheck, settings
 
-pytest_plugins = ["transition_coverage_plugin"]
+pytest_plugins = ["transition_coverage_plugin", "driver_fixtures"]
 
 settings.register_profile(
     "ci",

@@ -19,20 +19,6 @@ SEED = 5
 CALRT_DIR = os.path.join(os.path.dirname(calbin.__file__), "calrt")
 
 
-@pytest.fixture(scope="module")
-def calbin_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("api") / "q.calbin"
-    calbin.write(str(path), calbin.default_spec(seed=SEED))
-    return str(path)
-
-
-@pytest.fixture
-def runner(calbin_path):
-    r = DirectRunner(CalRT.load(), calbin_path)
-    yield r
-    r.close()
-
-
 def test_models_report_exact_names_tensors_csrs_and_meta(runner):
     rc, models = runner.calbin.models()
     assert rc == 0

@@ -14,20 +14,6 @@ SEED = 77
 D = calbin.DECODE
 
 
-@pytest.fixture(scope="module")
-def calbin_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("faults") / "q.calbin"
-    calbin.write(str(path), calbin.default_spec(seed=SEED))
-    return str(path)
-
-
-@pytest.fixture
-def runner(calbin_path):
-    r = DirectRunner(CalRT.load(), calbin_path)
-    yield r
-    r.close()
-
-
 def _fire_pattern(r: DirectRunner, point: int, calls: int) -> list[bool]:
     """Which of `calls` consecutive calls at a cheap API point fired."""
     s = r.slot(D)
