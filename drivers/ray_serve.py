@@ -41,7 +41,7 @@ import os
 import random
 import socket
 import tempfile
-from typing import Any
+from typing import Any, AsyncIterator
 
 import attrs
 from ray import serve
@@ -51,6 +51,8 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, R
 
 from calexec.contracts.manifest import default_manifest_path, load_manifest
 from calexec.drivers import calbin
+from calexec.drivers import replica_registry
+from calexec.drivers.fleet_edge import ReplicaEdge, serve_relayed
 from calexec.drivers.runtime import CalRT, Fault, FaultMode
 from calexec.drivers.server import ServerConfig, create_app
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
@@ -71,7 +73,12 @@ RAY_GAUGES: dict[str, tuple[str, str]] = {
     "calexec_replica_jobs_succeeded": ("Jobs completed successfully (cumulative).",
                                        "succeeded"),
     "calexec_replica_jobs_failed": ("Jobs failed (cumulative).", "failed"),
+    "calexec_replica_requests_relayed": ("Completions this replica could not serve and relayed "
+                                         "to a sibling (cumulative).", "relayed"),
 }
+
+#: the handle method a replica relays completions through (see drivers/fleet_edge.py).
+RELAY_METHOD = "relay_http"
 
 
 class ReplicaFailed(RuntimeError):
@@ -127,20 +134,46 @@ class LifecycleRouter(FIFOMixin, RequestRouter):
     controller (which pulls it) and a long poll: about ``request_routing_stats_period_s`` plus
     one or two controller loops (0.1 s each) late."""
 
+    def initialize_state(self, **kwargs: Any) -> None:
+        # so this process's relay can ask whether a sibling serves (drivers/replica_registry.py
+        # says why this state is not kept in this module)
+        replica_registry.register_router(self)
+
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
                               ) -> list[list[RunningReplica]]:
-        return rank_by_lifecycle(candidate_replicas)
+        relay = (pending_request is not None
+                 and pending_request.metadata.call_method == RELAY_METHOD)
+        me = replica_registry.self_replica() if relay else None
+        return rank_by_lifecycle(candidate_replicas, exclude=me)
 
 
-def rank_by_lifecycle(candidates: list[Any]) -> list[list[Any]]:
-    """:class:`LifecycleRouter`'s ranking of replicas (anything with ``routing_stats``): up to
-    two random serving replicas, then up to two random others; empty ranks are left out."""
+def rank_by_lifecycle(candidates: list[Any], exclude: Any = None) -> list[list[Any]]:
+    """:class:`LifecycleRouter`'s ranking of replicas (anything with ``routing_stats`` and
+    ``replica_id``): up to two random serving replicas, then up to two random others; empty
+    ranks are left out. ``exclude`` (a relaying replica's own id) is never chosen while
+    another replica exists; alone, it gets the request back and answers it itself (a relayed
+    request is never relayed again), so a relay is never parked in the router."""
+    if exclude is not None:
+        others = [r for r in candidates if r.replica_id != exclude]
+        candidates = others or candidates
     serving = [r for r in candidates if is_serving(r.routing_stats)]
     others = [r for r in candidates if not is_serving(r.routing_stats)]
     ranks = [random.sample(serving, min(2, len(serving))),
              random.sample(others, min(2, len(others)))]
     return [rank for rank in ranks if rank]
+
+
+def sibling_serves(app_name: str, self_id: Any) -> bool:
+    """Whether a router of this process knows a replica of ``app_name`` other than ``self_id``
+    whose last routing stats say it serves (the relay's precondition)."""
+    for router in replica_registry.routers():
+        if router.app_name != app_name:
+            continue
+        replicas = list(router.curr_replicas.values())  # replaced whole by Serve, never mutated
+        if any(r.replica_id != self_id and is_serving(r.routing_stats) for r in replicas):
+            return True
+    return False
 
 
 @serve.ingress()
@@ -167,16 +200,43 @@ class CalexecReplica:
         self._app = create_app(self.executor, settings.server)
         self.service = self._app.state.service
         self.device = device_label(self.executor, settings)
-        self.replica = serve.get_replica_context().replica_id.unique_id
+        replica_id = serve.get_replica_context().replica_id
+        replica_registry.set_self_replica(replica_id)
+        self.replica = replica_id.unique_id
         self._app.add_middleware(ReplicaHeaders, replica=self.replica, device=self.device)
+        deployment = replica_id.deployment_id
+        self._siblings = serve.get_deployment_handle(deployment.name, deployment.app_name)
+        self._relay_handle = self._siblings.options(method_name=RELAY_METHOD, stream=True)
+        self.edge = ReplicaEdge(
+            self._app, replica=self.replica, serving=lambda: self.service.ready,
+            relay=lambda request: self._relay_handle.remote(request),
+            relay_target=lambda: sibling_serves(deployment.app_name, replica_id),
+            max_body_bytes=settings.server.max_body_bytes,
+            retry_after_s=settings.server.retry_after_s)
         self._gauges = {name: serve_metrics.Gauge(name, doc, tag_keys=("device",))
                         for name, (doc, _) in RAY_GAUGES.items()}
         for gauge in self._gauges.values():
             gauge.set_default_tags({"device": self.device})
-        self._metrics_task = asyncio.get_running_loop().create_task(self._export_metrics())
+        loop = asyncio.get_running_loop()
+        self._metrics_task = loop.create_task(self._export_metrics())
+        self._warm_task = loop.create_task(self._warm_relay())
 
     def __serve_build_asgi_app__(self) -> Any:
-        return self._app
+        return self.edge
+
+    async def relay_http(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """A sibling's relayed completion (drivers/fleet_edge.py), served by this replica's
+        edge and streamed back as ASGI messages; never relayed again."""
+        async for message in serve_relayed(self.edge, request):
+            yield message
+
+    async def _warm_relay(self) -> None:
+        """One call through this replica's own handle, so its router exists and follows the
+        deployment's replicas and their routing stats before a relay needs them."""
+        try:
+            await self._siblings.identity.remote()
+        except Exception as err:  # the relay then answers here (503) until a router exists
+            log.warning("relay handle warm-up failed: %r", err)
 
     def check_health(self) -> None:
         """Ray Serve's health probe: raises :class:`ReplicaFailed` when the lifecycle is
@@ -191,8 +251,9 @@ class CalexecReplica:
     def identity(self) -> dict[str, Any]:
         """Which replica and device answered, and its lifecycle (handle calls, tests, ops)."""
         snap = self.executor.snapshot()
-        return {"replica": self.replica, "device": self.device, "pid": os.getpid(), "lifecycle": snap["lifecycle"],
-                "generation": snap["generation"], "succeeded": snap["succeeded"]}
+        return {"replica": self.replica, "device": self.device, "pid": os.getpid(),
+                "lifecycle": snap["lifecycle"], "generation": snap["generation"],
+                "succeeded": snap["succeeded"], "relayed": self.edge.relayed}
 
     def inject_submit_fault(self, rc: int, nth: int = 1) -> dict[str, Any]:
         """Emulator only: the ``nth`` next ``infer()`` on this replica's device returns ``rc``
@@ -208,7 +269,7 @@ class CalexecReplica:
         values = {"ready": 1.0 if self.service.ready else 0.0,
                   "generation": snap["generation"] or 0, "inflight": snap["inflight"],
                   "active": self.service.active, "succeeded": snap["succeeded"],
-                  "failed": snap["failed"]}
+                  "failed": snap["failed"], "relayed": self.edge.relayed}
         return {name: float(values[key]) for name, (_, key) in RAY_GAUGES.items()}
 
     async def _export_metrics(self) -> None:
@@ -225,6 +286,7 @@ class CalexecReplica:
         if not hasattr(self, "_metrics_task"):
             return
         self._metrics_task.cancel()
+        self._warm_task.cancel()
         status = await self.service.drain(self.settings.grace_s)
         if not status.ok:
             # a Failed replica being replaced ends here too: its reason is the executor's
