@@ -18,6 +18,7 @@ import time
 import httpx
 import pytest
 import ray
+from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
 from calexec.contracts.codes import CalrtCode
@@ -32,9 +33,16 @@ REPLICA = "x-calexec-replica"
 RELAYED = "x-calexec-relayed-from"
 
 
+METRICS_PORT = free_port()
+
+
 @pytest.fixture(scope="module")
 def proxy_url():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # Ray's metrics agent serves every process's metrics in the Prometheus format on
+    # METRICS_PORT (loopback), pushed every second instead of Ray's default 10 s
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             _metrics_export_port=METRICS_PORT,
+             _system_config={"metrics_report_interval_ms": 1000})
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -42,6 +50,17 @@ def proxy_url():
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def scrape_ray_gauge(name: str) -> dict[tuple[str, str], float]:
+    """(replica, device) -> value of Ray Serve gauge ``ray_<name>`` on Ray's metrics endpoint."""
+    text = httpx.get(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10).text
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == f"ray_{name}":
+                values[sample.labels["replica"], sample.labels["device"]] = sample.value
+    return values
 
 
 def deploy(replicas: int, decode_us: int) -> "serve.handle.DeploymentHandle":
@@ -205,6 +224,17 @@ def test_two_replicas_serve_concurrent_requests_and_both_take_traffic(proxy_url)
     assert len(chunks) >= 4 and chunks[-1] == b"data: [DONE]\n\n"  # 3 tokens, usage, DONE
     events = [json.loads(c[6:]) for c in chunks[:-1]]
     assert [t for e in events for t in e["choices"][0]["token_ids"]] == oracle_tokens([7, 8], 3)
+    # per-replica metrics, labelled by replica and device, scraped from Ray's metrics export:
+    # every replica that served reports Ready and the jobs it ran
+    expected = {(rid, dev) for rid, dev in devices.items()}
+
+    def exported() -> bool:
+        ready = scrape_ray_gauge("calexec_replica_ready")
+        jobs = scrape_ray_gauge("calexec_replica_jobs_succeeded")
+        return (expected <= ready.keys() and all(ready[k] == 1.0 for k in expected)
+                and all(jobs.get(k, 0) > 0 for k in expected))
+    wait_for(exported, timeout=30, what="per-replica gauges on Ray's metrics endpoint")
+    assert set(scrape_ray_gauge("calexec_replica_requests_relayed")) >= expected
 
 
 def test_compatibility_fault_fails_one_replica_ray_replaces_it(proxy_url):
