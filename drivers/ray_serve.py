@@ -170,7 +170,9 @@ def sibling_serves(app_name: str, self_id: Any) -> bool:
     for router in replica_registry.routers():
         if router.app_name != app_name:
             continue
-        replicas = list(router.curr_replicas.values())  # replaced whole by Serve, never mutated
+        # Serve replaces this dict (or pops a dead replica) on its router thread; list() copies
+        # it in one C-level pass under the GIL, so the copy is consistent
+        replicas = list(router.curr_replicas.values())
         if any(r.replica_id != self_id and is_serving(r.routing_stats) for r in replicas):
             return True
     return False
