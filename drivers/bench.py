@@ -20,7 +20,9 @@ isolate the executor's control work (queues, threads, charts, checks), not PR6's
 ``bench logits [--json] [--iters N] [--seed S]``: ``bf16_to_f32_into`` of one vocab row vs the
 legacy ``bf16_to_f32_legacy`` (whole tensor to a temporary FP32 vector, then the slice), for
 the decode tensor [1,1,V] and the prefill tile [1,D0,V], with ``np.copyto`` of the same FP32
-destination as the floor; CPU time per call and tracemalloc allocation figures (§13.3).
+destination as the floor; CPU time per call, allocation counts per call
+(``allocation_count_per_call``: Python allocator calls and numpy data buffers, counted by
+``calexec.drivers.alloccount``) and tracemalloc's transient/retained bytes (§13.3).
 
 ``bench pingpong [--json] [--seqs N] [--tokens T] [--solo-tokens S] [--trace PATH]`` (§6.4,
 §13.3 Phase B): for each overlap setting of the emulator (none / dma / full), with
@@ -54,6 +56,7 @@ from calexec.contracts.manifest import default_manifest_path, load_manifest
 from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.status import Status
 from calexec.contracts.types import TaskKind
+from calexec.drivers import alloccount
 from calexec.drivers import calbin as calbin_fmt
 from calexec.drivers.demo import DirectRunner, DriverError
 from calexec.drivers.runtime import CalRT
@@ -345,9 +348,10 @@ def run_logits(iters: int, seed: int) -> dict[str, Any]:
     identical = (np.array_equal(dst["direct"].view(np.uint32), dst["legacy"].view(np.uint32))
                  and np.array_equal(dst["direct_prefill"].view(np.uint32),
                                     dst["legacy_prefill"].view(np.uint32)))
-    _progress("logits: CPU time and tracemalloc allocation figures")
+    _progress("logits: CPU time, allocation counts and tracemalloc bytes")
     cpu_calls = max(1, min(iters, 200))
     alloc_calls = max(1, min(iters, 100))
+    counts = {name: alloccount.count(cases[name], alloc_calls) for name in names}
     alloc = {name: _alloc_bytes(cases[name], alloc_calls) for name in names}
     p50 = {name: _p(samples[name], 50) for name in names}
     return {
@@ -359,6 +363,7 @@ def run_logits(iters: int, seed: int) -> dict[str, Any]:
         "speedup_vs_legacy": round(p50["legacy"] / p50["direct"], 2),
         "speedup_vs_legacy_prefill": round(p50["legacy_prefill"] / p50["direct_prefill"], 2),
         "ratio_to_copy": round(p50["direct"] / p50["copy"], 2),
+        "allocation_count_per_call": {name: counts[name].as_dict() for name in names},
         "allocations_per_token": {
             "slice_bytes": vocab * 4,
             **{f"{name}_peak_bytes": alloc[name][0] for name in names},

@@ -24,7 +24,7 @@ BREAKDOWN_KEYS = {"admission_us", "prepare_us", "queue_wait_us", "execution_us",
                   "postprocess_us", "caller_us", "total_us"}
 LOGITS_CASES = ("direct", "legacy", "direct_prefill", "legacy_prefill", "copy")
 LOGITS_KEYS = {"speedup_vs_legacy", "speedup_vs_legacy_prefill", "ratio_to_copy",
-               "bit_identical", "allocations_per_token", "iters",
+               "bit_identical", "allocations_per_token", "allocation_count_per_call", "iters",
                *(f"{case}_us_p50" for case in LOGITS_CASES),
                *(f"{case}_cpu_us" for case in LOGITS_CASES)}
 
@@ -79,6 +79,11 @@ def test_logits_json_report(capsys):
     assert alloc["direct_prefill_peak_bytes"] < slice_bytes
     assert alloc["legacy_peak_bytes"] >= slice_bytes
     assert alloc["legacy_prefill_peak_bytes"] >= report["tile_d0"] * slice_bytes
+    counts = report["allocation_count_per_call"]
+    # counted, not inferred from bytes: the direct path allocates no numpy buffer per call
+    assert counts["direct"]["numpy_data"] == 0 and counts["direct_prefill"]["numpy_data"] == 0
+    assert counts["legacy"]["numpy_data"] >= 2 and counts["legacy_prefill"]["numpy_data"] >= 2
+    assert counts["copy"] == {"python": pytest.approx(0, abs=0.5), "numpy_data": 0}
 
 
 def test_text_report_names_the_figures(capsys):
