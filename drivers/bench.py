@@ -10,6 +10,9 @@ same kind, built from the same calbin. Runs are interleaved in A/B, B/A blocks s
 
 1. TPOT with the 10 ms decode profile: P50/P99 per token of each side and their ratios
    (executor / direct). Spec gate <= 1.03 / <= 1.05, project goal <= 1.01 / <= 1.02.
+   ``--gil-switch-us`` (default 500, what ``calexec serve`` uses; 0 keeps Python's 5000) sets
+   the interpreter's GIL switch interval for the run (drivers/process.py); both sides run
+   under it, the report names it (``gil_switch_interval_us``).
 2. Control overhead on the zero-latency profile: the P50 of the paired per-token differences
    (executor token i minus direct token i of the same run), both raw P50s, and where the
    executor's time goes, from each job's own ``JobTimings``.
@@ -59,6 +62,7 @@ from calexec.contracts.types import TaskKind
 from calexec.drivers import alloccount
 from calexec.drivers import calbin as calbin_fmt
 from calexec.drivers.demo import DirectRunner, DriverError
+from calexec.drivers.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
 from calexec.drivers.runtime import CalRT
 from calexec.drivers.simbench import PROFILE_DECODE_US
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
@@ -665,6 +669,9 @@ def main(argv: list[str]) -> int:
                             help="decode tokens per block at the 10 ms profile (default 150)")
         parser.add_argument("--runs", type=_positive, default=8,
                             help="paired A/B blocks per phase (default 8)")
+        parser.add_argument("--gil-switch-us", type=int, default=SERVING_SWITCH_INTERVAL_US,
+                            help="GIL switch interval for the run (us; 0 keeps Python's 5000; "
+                                 "default: what calexec serve uses)")
         parser.add_argument("--zero-tokens", type=_positive, default=500,
                             help="decode tokens per block at zero latency (default 500)")
     elif command == "logits":
@@ -692,7 +699,14 @@ def main(argv: list[str]) -> int:
             limit = calbin_fmt.MAX_SEQ - PROMPT_LEN
             if max(args.tokens, args.zero_tokens) > limit:
                 parser.error(f"--tokens/--zero-tokens must be <= {limit}")
-            result = run_overhead(args.tokens, args.runs, args.zero_tokens, args.seed)
+            if args.gil_switch_us < 0:
+                parser.error(f"--gil-switch-us={args.gil_switch_us}: must be >= 0")
+            previous = set_gil_switch_interval_us(args.gil_switch_us)
+            try:
+                result = run_overhead(args.tokens, args.runs, args.zero_tokens, args.seed)
+            finally:
+                set_gil_switch_interval_us(previous)
+            result["gil_switch_interval_us"] = args.gil_switch_us or previous
         elif command == "recovery":
             result = run_recovery(args.recoveries, args.seed)
         elif command == "pingpong":

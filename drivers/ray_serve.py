@@ -53,6 +53,7 @@ from calexec.contracts.manifest import default_manifest_path, load_manifest
 from calexec.drivers import calbin
 from calexec.drivers import replica_registry
 from calexec.drivers.fleet_edge import ReplicaEdge, serve_relayed
+from calexec.drivers.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
 from calexec.drivers.runtime import CalRT, Fault, FaultMode
 from calexec.drivers.server import ServerConfig, create_app
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
@@ -101,6 +102,9 @@ class ReplicaSettings:
     server: ServerConfig = attrs.field(factory=ServerConfig)
     #: how often the Ray Serve gauges are refreshed.
     metrics_period_s: float = attrs.field(default=1.0, validator=attrs.validators.gt(0))
+    #: GIL switch interval of the replica process in us (0: Python's default; drivers/process.py)
+    gil_switch_us: int = attrs.field(default=SERVING_SWITCH_INTERVAL_US,
+                                     validator=attrs.validators.ge(0))
 
 
 def check_lifecycle(state: str, failure: Any = None) -> None:
@@ -186,6 +190,7 @@ class CalexecReplica:
         """Open the device and start the executor (golden included); raise on failure so Ray
         retries the constructor instead of routing to a replica that cannot serve."""
         self.settings = settings
+        set_gil_switch_interval_us(settings.gil_switch_us)  # the process is this replica's
         self._tmp = tempfile.TemporaryDirectory(prefix="calexec-replica-")
         path = settings.calbin_path
         if path is None:

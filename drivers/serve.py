@@ -39,6 +39,7 @@ from typing import Any, TextIO
 import uvicorn
 
 from calexec.drivers.memory import pin_mmap_threshold
+from calexec.drivers.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
 from calexec.contracts.manifest import default_manifest_path, load_manifest
 from calexec.drivers import calbin, tokenizer
 from calexec.drivers.dumpsink import DumpConfigError, DumpSink
@@ -72,6 +73,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dump-max-bytes", type=int, default=16 << 20, help="dump size cap")
     p.add_argument("--dump-prompts", action="store_true",
                    help="also dump prompt and completion content (off by default)")
+    p.add_argument("--gil-switch-us", type=int, default=SERVING_SWITCH_INTERVAL_US,
+                   help="GIL switch interval in microseconds (default %(default)s; 0 keeps "
+                        "Python's 5000): shorter hand-offs between the executor's threads, "
+                        "see drivers/process.py")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
                    help="log level (default info; with --once warning)")
     p.add_argument("--ray", action="store_true",
@@ -101,6 +106,7 @@ def main(argv: list[str]) -> int:
     log_level = args.log_level or ("warning" if args.once else "info")
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
+        set_gil_switch_interval_us(args.gil_switch_us)
         token = _admin_token(args.admin_token_file)
         dump = None if args.dump_dir is None else DumpSink(
             args.dump_dir.absolute(), args.dump_max_bytes, include_content=args.dump_prompts)
@@ -171,7 +177,8 @@ def _serve_ray(args: argparse.Namespace, config: ServerConfig, port: int) -> int
             s.bind((args.host, 0))
             port = s.getsockname()[1]
     settings = ReplicaSettings(device_config=args.device_config, calbin_path=args.calbin,
-                               runtime_lib=args.runtime_lib, grace_s=args.grace, server=config)
+                               runtime_lib=args.runtime_lib, grace_s=args.grace, server=config,
+                               gil_switch_us=args.gil_switch_us)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

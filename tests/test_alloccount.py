@@ -41,7 +41,6 @@ def test_hooks_are_removed_and_counting_can_repeat():
     kept = []
     count(lambda: kept.append(np.full(100, 1.0)), 20)
     assert len(kept) == 21 and sum(float(k.sum()) for k in kept) == 2100.0  # + 1 warm-up
-    del kept
 
 
 def test_nested_count_and_bad_calls_are_refused():

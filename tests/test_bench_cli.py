@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 
 import pytest
 
@@ -46,9 +47,12 @@ def _numbers(value) -> list[float]:
 
 
 def test_overhead_json_report(capsys):
+    before = sys.getswitchinterval()
     report = _run_json(["bench", "overhead", "--json", "--tokens", "8", "--runs", "2",
-                        "--zero-tokens", "12", "--seed", "3"], capsys)
+                        "--zero-tokens", "12", "--seed", "3", "--gil-switch-us", "700"], capsys)
     assert OVERHEAD_KEYS <= report.keys(), OVERHEAD_KEYS - report.keys()
+    assert report["gil_switch_interval_us"] == 700
+    assert sys.getswitchinterval() == before  # restored after the run
     assert (report["tokens"], report["runs"], report["zero_tokens"], report["seed"]) == (8, 2, 12, 3)
     assert report["tokens_identical"] is True
     assert report["dma_violations"] == 0
