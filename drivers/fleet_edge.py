@@ -186,10 +186,11 @@ def header(scope: Message, name: bytes) -> bytes | None:
 
 
 def relay_request(scope: Message, body: bytes, replica: str) -> Message:
-    """What crosses to the sibling: method, path, query, headers (plus ``x-calexec-relayed-from``)
-    and the whole body; plain bytes and strings, so it pickles."""
+    """What crosses to the sibling: method, path, query, headers (plus ``x-calexec-relayed-from``;
+    the body is whole now, so its length replaces any chunked framing) and the body; plain bytes
+    and strings, so it pickles."""
     headers = [(bytes(k), bytes(v)) for k, v in scope.get("headers", [])
-               if k.lower() not in (RELAYED_FROM, b"content-length")]
+               if k.lower() not in (RELAYED_FROM, b"content-length", b"transfer-encoding")]
     headers += [(RELAYED_FROM, replica.encode()), (b"content-length", str(len(body)).encode())]
     return {"method": scope["method"], "path": route_path(scope),
             "query_string": bytes(scope.get("query_string", b"")), "headers": headers,

@@ -282,7 +282,8 @@ def test_read_body_reports_complete_overflow_and_disconnect():
 def test_relay_request_strips_a_forged_marker_and_sets_its_own():
     scope = {"method": "POST", "path": "/x/v1/completions", "root_path": "/x",
              "headers": [(b"x-calexec-relayed-from", b"forged"), (b"content-length", b"99"),
-                         (b"authorization", b"Bearer t")], "query_string": b"a=1"}
+                         (b"transfer-encoding", b"chunked"), (b"authorization", b"Bearer t")],
+             "query_string": b"a=1"}
     request = relay_request(scope, b"{}", "r1")
     assert request["path"] == "/v1/completions" and request["query_string"] == b"a=1"
     assert request["headers"] == [(b"authorization", b"Bearer t"), (RELAYED_FROM, b"r1"),
