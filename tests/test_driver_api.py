@@ -159,6 +159,32 @@ def test_slice_checks_and_active_slice_query(runner):
     assert ib.active_slices() == (0, 1)
 
 
+def test_slice_must_be_whole_rows_and_a_row_aligned_offset_is_read(runner):
+    """calrt.h: SliceTensor refuses an offset or count that is not a whole number of rows
+    with 4 (a row of inputs_embeds is `hidden` elements), so infer() never sees one; a slice
+    of whole rows at an offset is taken and the job reads its rows from there."""
+    s = runner.slot(calbin.PREFILL_EMBEDS)
+    ib, h = s.inbuf, calbin.DEFAULT_HIDDEN
+    assert s.row_elems["inputs_embeds"] == h > 1
+    assert ib.slice("inputs_embeds", 1, 3 * h) == Rc.ERR_INVALID_VALUE  # offset inside a row
+    assert ib.slice("inputs_embeds", 2 * h, 3 * h - 1) == Rc.ERR_INVALID_VALUE  # partial last row
+    assert ib.slice("inputs_embeds", 0, 1) == Rc.ERR_INVALID_VALUE
+    assert ib.slice("inputs_embeds", 1, calbin.MAX_SEQ * h) == Rc.ERR_OUT_OF_BOUNDS  # range first
+    assert ib.active_slices() == (0, 0)  # a refused slice leaves nothing behind
+    # Rows 2..4 of the host arrays hold a 3-token prefill.
+    embeds = np.random.default_rng(3).integers(0, 2**16, size=(3, h), dtype=np.uint16)
+    s.inputs["inputs_embeds"][0, 2:5] = embeds
+    s.inputs["positions"][0, 2:5] = [0, 1, 2]
+    assert ib.slice("inputs_embeds", 2 * h, 3 * h) == 0 and ib.slice("positions", 2, 3) == 0
+    check(ib.set_csr("cur_seq_len", 3), "csr")
+    check(ib.set_csr("total_seq_len", 3), "csr")
+    assert runner.kv.apply(1, 3)
+    assert runner.device.infer(s.model, runner.kv, 1, ib, s.outbuf) == 0
+    assert runner.finish(calbin.PREFILL_EMBEDS) == JobStatus.DONE
+    expect = oracle.OracleSequence(SEED).prefill(oracle.embed_tokens(embeds), 16)
+    assert np.array_equal(s.logits, expect)
+
+
 def test_infer_validation_codes(runner, calbin_path):
     d, kv = runner.device, runner.kv
     s = runner.slot(calbin.DECODE)

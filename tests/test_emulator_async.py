@@ -91,6 +91,32 @@ def test_dma_guard_counts_host_input_and_output_writes_in_flight(runner):
     assert np.array_equal(s.logits[0, 0], _decode_ref([4]))
 
 
+def test_dma_guard_is_fixed_per_job_when_it_is_submitted(runner):
+    """The knob is read at infer(): turning it on while a job submitted without it is queued
+    counts nothing for that job, and turning it off does not stop checking a guarded job."""
+    emu = runner.device.emu
+    s = runner.slot(D)
+    check(emu.set_knob("dma_guard", 0), "guard off")
+    check(emu.set_stepped(True), "stepped")
+    assert runner.submit(D, 0, 0, tokens=[3]) == 0
+    check(emu.set_knob("dma_guard", 1), "guard on")  # while the job is queued
+    assert emu.step(0, Stage.JOB) == (0, Did.SIGNAL)
+    c = emu.counters()
+    assert (c["dma_input_violations"], c["dma_output_violations"]) == (0, 0)
+    assert runner.finish(D) == JobStatus.DONE
+    assert np.array_equal(s.logits[0, 0], _decode_ref([3]))
+    # Submitted with the guard on, then turned off: the job's writes in flight still count.
+    assert runner.submit(D, 0, 1, tokens=[5]) == 0
+    check(emu.set_knob("dma_guard", 0), "guard off")
+    s.inputs["input_ids"][0, 0] = 6
+    assert emu.step(0, Stage.H2D) == (0, Did.H2D)
+    assert emu.step(0, Stage.COMPUTE) == (0, Did.COMPUTE)
+    s.logits[0, 0, 0] ^= 1
+    assert emu.step(0, Stage.JOB) == (0, Did.SIGNAL)
+    c = emu.counters()
+    assert (c["dma_input_violations"], c["dma_output_violations"]) == (1, 1)
+
+
 def test_clean_run_has_no_dma_violations(runner):
     for past in range(3):
         runner.run(D, 0, past, tokens=[past + 1])

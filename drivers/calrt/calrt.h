@@ -182,9 +182,12 @@ int32_t calrt_inputbuf_map(calrt_inputbuf *buf, const char *tensor, int32_t dtyp
 int32_t calrt_outputbuf_map(calrt_outputbuf *buf, const char *tensor, int32_t dtype, void *host, uint64_t size);
 
 /* SliceTensor: the valid region the device reads is elements [offset, offset + count) of
- * the flattened tensor. 4 unknown tensor or count 0, 27 tensor not sliceable,
- * 14 region beyond the tensor (overflow-safe). The slice stays active until UndoSlice or a
- * remap; a pooled buffer returned with an active slice is a caller bug (see calrt_emu.h). */
+ * the flattened tensor. The device reads whole rows (a row is shape[2] * ... * shape[rank-1]
+ * elements, 1 for rank 2), so offset and count must both be multiples of the row.
+ * 4 unknown tensor, count 0, or offset/count not a whole number of rows; 27 tensor not
+ * sliceable; 14 region beyond the tensor (overflow-safe; checked before the rows).
+ * The slice stays active until UndoSlice or a remap; a pooled buffer returned with an
+ * active slice is a caller bug (see calrt_emu.h). */
 int32_t calrt_inputbuf_slice(calrt_inputbuf *buf, const char *tensor, uint64_t offset_elems, uint64_t count_elems);
 /* UndoSlice: the whole tensor is valid again. 4 unknown tensor; no-op without a slice. */
 int32_t calrt_inputbuf_undo_slice(calrt_inputbuf *buf, const char *tensor);

@@ -14,11 +14,13 @@
  *   kv_after_failed_wait (CALRT_EMU_KV_*, default UNCHANGED; unchanged|partial|unknown)
  *   reset_ccu_scope (JOBS), reset_config_scope (JOBS|CONFIG), reset_scope (JOBS|KV|CONFIG):
  *       bitmasks of CALRT_EMU_SCOPE_*, what each reset does
- *   dma_guard (1: checksum inputs/outputs to detect host writes in flight)
+ *   dma_guard (1: checksum inputs/outputs to detect host writes in flight; fixed per job
+ *       at infer(): flipping it affects only jobs submitted afterwards)
  *   stale_delay_us (1000: delay after a reset before a stale completion lands)
  *   stepped (0: device threads run by themselves; 1: only calrt_emu_step advances work)
  * set_knob: unknown key -> 5, bad value -> 4; in the device config string both -> 5 (the
- * configuration is invalid). All setters take effect for the next stage/job.
+ * configuration is invalid). All setters take effect for the next stage/job (dma_guard:
+ * the next job submitted).
  *
  * Latency: each stage sleeps on an absolute CLOCK_MONOTONIC deadline (clock_nanosleep)
  * that starts when the stage starts, so a stage lasts max(real work, profile).

@@ -233,7 +233,7 @@ int emu_deliver_ghost_locked(emu_device *dev)
 static void stage_h2d(emu_device *dev, int e, emu_job *job)
 {
     int64_t deadline = emu_now_ns() + dev->k.h2d_us * 1000;
-    int guard = (int)dev->k.dma_guard;
+    int guard = job->guard; /* as at infer(), not the knob now */
     int violated = 0;
     job->ob->status = CALRT_JOB_RUNNING;
     stage_enter(dev, e);
@@ -327,7 +327,7 @@ static void stage_compute(emu_device *dev, int e, emu_job *job)
 static void stage_d2h(emu_device *dev, int e, emu_job *job)
 {
     int64_t deadline = emu_now_ns() + dev->k.d2h_us * 1000;
-    int guard = (int)dev->k.dma_guard;
+    int guard = job->guard; /* as at infer(), not the knob now */
     uint64_t size = job->m->out[0].byte_size;
     uint64_t valid = job->f_short ? (size / 2) & ~1ull : size;
     int violated = 0;

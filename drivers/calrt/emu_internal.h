@@ -140,6 +140,7 @@ typedef struct emu_job {
     emu_outbuf *ob;
     const uint8_t *in_host[2]; /* tokens/embeds region, positions region */
     uint64_t in_bytes[2];
+    int guard; /* dma_guard at infer(): in_sum/out_sum exist only when it was on */
     uint64_t in_sum[2];
     uint64_t out_sum;
     uint8_t *staging; /* device copy of the inputs, in_bytes[0] + in_bytes[1] */

@@ -911,6 +911,10 @@ int32_t calrt_inputbuf_slice(calrt_inputbuf *h, const char *tensor, uint64_t off
                                                                          : CALRT_ERR_OUT_OF_BOUNDS);
     if (offset > t->elems || count > t->elems - offset)
         return emu_unlock_rc(dev, CALRT_ERR_OUT_OF_BOUNDS);
+    /* The device reads whole rows. Refused here, where the bad argument is, rather than at
+     * infer(), whose codes are about the job (calrt.h documents 4 for this call). */
+    if (offset % t->row_elems || count % t->row_elems)
+        return emu_unlock_rc(dev, CALRT_ERR_INVALID_VALUE);
     b->t[i].sliced = 1;
     b->t[i].off = offset;
     b->t[i].cnt = count;
@@ -1118,9 +1122,8 @@ static int32_t job_region(const emu_model *m, const emu_inbuf *ib, int i, uint32
     const emu_map *mp = &ib->t[i];
     if (!mp->mapped)
         return CALRT_ERR_INVALID_VALUE;
+    /* Whole rows: calrt_inputbuf_slice admits only those, and the whole tensor is whole rows. */
     uint64_t off = mp->sliced ? mp->off : 0, cnt = mp->sliced ? mp->cnt : t->elems;
-    if (off % t->row_elems || cnt % t->row_elems)
-        return CALRT_ERR_SHAPE_MISMATCH;
     if (cnt / t->row_elems < cur)
         return CALRT_ERR_OUT_OF_BOUNDS;
     uint64_t start = off * t->elem_size, len = (uint64_t)cur * t->row_elems * t->elem_size;
@@ -1196,13 +1199,17 @@ static int32_t infer_locked(emu_device *dev, emu_model *m, emu_kv *kv, int32_t s
     job->cur = (uint32_t)cur;
     job->ib = ib;
     job->ob = ob;
+    /* The guard is a property of the job, fixed here: the stages compare against checksums
+     * taken now, so a job submitted with the guard off has none to compare against, whatever
+     * the knob says when it runs. */
+    job->guard = dev->k.dma_guard != 0;
     for (int i = 0; i < 2; i++) {
         job->in_host[i] = host[i];
         job->in_bytes[i] = bytes[i];
-        if (dev->k.dma_guard)
+        if (job->guard)
             job->in_sum[i] = emu_checksum(host[i], bytes[i]);
     }
-    if (dev->k.dma_guard)
+    if (job->guard)
         job->out_sum = emu_checksum(ob->map.host, ob->map.size);
     job->f_ccu = emu_fault_fire(dev, CALRT_EMU_FAULT_CCU_EXCEPTION);
     job->f_nan = emu_fault_fire(dev, CALRT_EMU_FAULT_OUTPUT_NAN);
