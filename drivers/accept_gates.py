@@ -107,7 +107,8 @@ def _greedy(ex, seq: int, prompt: np.ndarray, steps: int, ctx: AcceptContext, se
             stats: _LogitStats | None = None) -> "tuple[list[int], Status | None]":
     """Greedy prefill + ``steps`` decodes of a fresh ``seq``, every row checked against the
     oracle when ``stats`` is given. Returns (tokens, the first failure or None)."""
-    status = ex.kvc.reset_sequence(seq)
+    # a job of ``seq`` the device still runs after a failed Wait: wait for it to let go
+    status = ex.kvc.reset_sequence(seq, wait_s=RESET_WAIT_S)
     if not status.ok:
         return [], status
     ref = oracle.OracleSequence(ctx.seed)
@@ -322,6 +323,9 @@ INJECTION_KINDS = ("cancel", "deadline") + tuple(label for label, _, _ in FAULTS
 #: per-job deadline under injections: far above a zero-latency job, short enough that a job
 #: refused admission (e.g. no usable slot) costs the run little
 INJECTION_JOB_S = 1.0
+#: how long a gate waits for the device to let go of a sequence whose Wait failed before it
+#: resets the sequence (machines/kv.py reset_sequence)
+RESET_WAIT_S = 5.0
 #: consecutive injections refused at admission while Ready before the gate stops (stuck)
 STUCK_AFTER = 8
 
@@ -342,7 +346,8 @@ class _Traffic:
         ref, last, jobs = None, 0, 0
         while not self.stop.is_set():
             if ref is None:
-                if self.ex.kvc is None or not self.ex.kvc.reset_sequence(self.seq).ok:
+                if self.ex.kvc is None or not self.ex.kvc.reset_sequence(
+                        self.seq, wait_s=RESET_WAIT_S).ok:
                     time.sleep(0.002)  # recovering: no generation to talk to yet
                     continue
                 ref = oracle.OracleSequence(self.seed)
@@ -470,9 +475,11 @@ def injections(ctx: AcceptContext, phase: str, progress: Progress) -> Gate:
 def _inject(ex, kind: str, rng: np.random.Generator, seed: int) -> "Any":
     """One injection on seq 1 (fresh prefill, then the injected decode). Returns the
     decode's Status, True for a correct delivered token, False for a wrong one."""
-    if ex.kvc is None or not ex.kvc.reset_sequence(1).ok:
-        return Status.unavailable(Phase.RECOVERY, "seq 1 could not be reset before the "
-                                  "injection (no generation or a job still open)")
+    reset = (ex.kvc.reset_sequence(1, wait_s=RESET_WAIT_S) if ex.kvc is not None else
+             Status.unavailable(Phase.RECOVERY, "no generation"))
+    if not reset.ok:
+        return Status.unavailable(Phase.RECOVERY, f"seq 1 could not be reset before the "
+                                  f"injection: {reset}")
     prompt = rng.integers(0, VOCAB, 5, dtype=np.int32)
     first = run_job(ex, request(1, TaskKind.PREFILL_IDS, prompt, 0, INJECTION_JOB_S))
     if isinstance(first, Status):

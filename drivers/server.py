@@ -333,7 +333,8 @@ class CompletionService:
             self.active -= 1
 
     def _release_sequence(self, seq_id: int) -> Status:
-        status = self.executor.kvc.reset_sequence(seq_id)
+        # a job the device still runs after a failed Wait: wait for it to let go (bounded)
+        status = self.executor.kvc.reset_sequence(seq_id, wait_s=self.config.release_wait_s)
         if status.ok:
             self.sequences.release(seq_id)
         return status

@@ -132,6 +132,8 @@ class DeviceExecutor(DeviceLifecycle):
         self.downgrades: list[dict[str, Any]] = []
         self._phase_b_faults: deque[float] = deque()
         # quarantined slots whose job failed Wait while still on the device (submit_mu)
+        # (slot, its generation's KV coordinator, seq id) of jobs whose Wait failed while the
+        # runtime still runs them (submit_mu)
         self._held_by_runtime: list = []
         self._completion_mu = threading.Lock()  # completion_mu: never held across Wait()
         self._completion_cv = threading.Condition(self._completion_mu)
@@ -553,9 +555,9 @@ class DeviceExecutor(DeviceLifecycle):
             status = Status.from_calrt(rc, Phase.WAIT, "Wait failed while the job is still on "
                                        "the device; buffers kept", **job.ctx())
         job.run.send("execution_timeout")
-        self._quarantine_after_submit(job, status, release_permit=False)
+        self._quarantine_after_submit(job, status, release_permit=False, on_device=True)
         with self._submit_cv:
-            self._held_by_runtime.append(slot)
+            self._held_by_runtime.append((slot, job.gen.kvc, job.request.seq_id))
         slot.outbuf.wait(int(self.config.timeout_grace_s * 1e6))
         if not self._reap_held():
             # §9.1: still held after the grace: the recovery resets the device (or, with no
@@ -573,15 +575,18 @@ class DeviceExecutor(DeviceLifecycle):
         if not held:
             return True
         # GetStatus outside submit_mu (§5.2: no runtime call under the queue locks)
-        let_go = [slot for slot in held if slot.runtime_done()]
+        let_go = [entry for entry in held if entry[0].runtime_done()]
         with self._submit_cv:
-            freed = [slot for slot in let_go if slot in self._held_by_runtime]  # not reaped yet
-            for slot in freed:
-                self._held_by_runtime.remove(slot)
+            freed = [entry for entry in let_go if entry in self._held_by_runtime]  # not reaped
+            for entry in freed:
+                self._held_by_runtime.remove(entry)
             self._inflight -= len(freed)
             if freed:
                 self._submit_cv.notify_all()
-            return not self._held_by_runtime
+            none_left = not self._held_by_runtime
+        for _, kvc, seq_id in freed:  # admission_mu ranks above submit_mu: after releasing it
+            kvc.device_let_go(seq_id)
+        return none_left
 
     def _postprocess(self, job: Job) -> "InferenceResult | Status":
         """Output size (FI09), finiteness (FI10), then the direct conversion (§10.1)."""
@@ -609,9 +614,12 @@ class DeviceExecutor(DeviceLifecycle):
                                argmax=int(np.argmax(dst[:count])), kv_len=job.txn.target_len,
                                timings=job.timings)
 
-    def _quarantine_after_submit(self, job: Job, status: Status, release_permit: bool) -> None:
-        """§6.5 failure after submit: no commit, sequence Unknown, slot quarantined, report."""
-        job.gen.kvc.mark_unknown(job.txn, status.code)
+    def _quarantine_after_submit(self, job: Job, status: Status, release_permit: bool,
+                                 on_device: bool = False) -> None:
+        """§6.5 failure after submit: no commit, sequence Unknown, slot quarantined, report.
+        ``on_device``: the runtime still runs the job; its sequence cannot be reset until the
+        runtime lets go (``_reap_held``)."""
+        job.gen.kvc.mark_unknown(job.txn, status.code, on_device=on_device)
         job.gen.pool.quarantine(job.lease, status.code)
         self._release_budget(job)
         self._bump("quarantined")

@@ -42,6 +42,9 @@ class SeqView:
     reserved_len: int = 0
     open_txn: "KvTxn | None" = None
     unknown_reason: str | None = None
+    #: jobs of this sequence the runtime still runs after their Wait failed (§9.1): the device
+    #: may still write this sequence's KV, so it cannot be reset or truncated yet
+    on_device: int = 0
 
 
 class _Claim:
@@ -262,8 +265,10 @@ class KvCoordinator:
             view.open_txn = None
             self._bump()
 
-    def mark_unknown(self, txn: KvTxn, reason: str) -> None:
-        """Any failure after submit: the device KV of this sequence is Unknown (§7)."""
+    def mark_unknown(self, txn: KvTxn, reason: str, on_device: bool = False) -> None:
+        """Any failure after submit: the device KV of this sequence is Unknown (§7).
+        ``on_device``: the runtime still runs the job (its Wait failed); the sequence stays
+        un-resettable until :meth:`device_let_go`."""
         if txn.run.state == "Submitted":
             txn.run.send("mark_unknown")
         txn.finished()
@@ -271,16 +276,44 @@ class KvCoordinator:
             view = self.seqs[txn.seq_id]
             view.unknown_reason = reason
             view.open_txn = None
+            view.on_device += on_device
             self._bump()
 
-    def reset_sequence(self, seq_id: int) -> Status:
-        """Release a sequence on the device (clears Unknown); refused while a job is open."""
+    def device_let_go(self, seq_id: int) -> None:
+        """The runtime finished a job of ``seq_id`` that was marked ``on_device``."""
         with self.admission_mu:
             view = self._view(seq_id)
+            view.on_device = max(0, view.on_device - 1)
+            self._bump()
+
+    def reset_sequence(self, seq_id: int, wait_s: float = 0.0) -> Status:
+        """Release a sequence on the device (clears Unknown); refused while a job is open.
+
+        While the runtime still runs one of its jobs after a failed Wait (``on_device``),
+        releasing the KV would let that job write it afterwards, and the sequence's next job
+        would meet KV it does not expect (a CCU exception on the device). The reset then waits
+        up to ``wait_s`` seconds (condition variable: the completion thread signals when the
+        device lets go) and is refused with ``kv.sequence_on_device`` (UNAVAILABLE: retry
+        later) if the device still holds the job."""
+        deadline = time.monotonic() + wait_s
+        with self.admission_mu:
+            view = self._view(seq_id)
+            while view.on_device and not self._closed:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._changed.wait(remaining)
+                view = self._view(seq_id)
             if view.open_txn is not None:
                 return Status.failure("kv.sequence_busy", Category.INVALID_REQUEST,
                                       Phase.ADMISSION, f"sequence {seq_id} has a job open; "
                                       "cannot reset it now", seq_id=seq_id)
+            if view.on_device:
+                return Status.failure("kv.sequence_on_device", Category.UNAVAILABLE,
+                                      Phase.ADMISSION, f"sequence {seq_id}: the device still "
+                                      f"runs a job of it after a failed Wait (waited {wait_s}s); "
+                                      "it can be reset once the device lets go or after a "
+                                      "device reset", seq_id=seq_id)
         with self._kv_call_mu:
             rc = self.kv.release(seq_id)
         if rc != 0:
@@ -296,7 +329,8 @@ class KvCoordinator:
         sequence is busy or Unknown. The reservation shrinks with it."""
         with self.admission_mu:
             view = self._view(seq_id)
-            if view.open_txn is not None or view.unknown_reason is not None:
+            if (view.open_txn is not None or view.unknown_reason is not None
+                    or view.on_device):
                 return Status.failure("kv.sequence_busy", Category.INVALID_REQUEST,
                                       Phase.ADMISSION, f"sequence {seq_id} is busy or Unknown",
                                       seq_id=seq_id)

@@ -89,6 +89,33 @@ def test_fi07_wait_timeout_quarantines_without_logits(calbins):
         assert wait_state(ex, ("Ready",)) == "Ready" and ex.gen.id == 1
 
 
+@pytest.mark.parametrize("capacity", [1, 2])
+def test_sequence_of_a_job_still_on_the_device_cannot_be_reset_until_it_lets_go(calbins,
+                                                                               capacity):
+    """FI07 follow-up: Wait failed but the device still runs the job and will still write the
+    sequence's KV. Releasing that KV now (reset_sequence) let the late job write it afterwards,
+    and the sequence's next job met KV it did not expect: an unexplained CCU exception (found
+    by the acceptance injections in Phase B). The reset is refused until the device lets go."""
+    with running_executor(calbins["main"], inflight_capacity=capacity,
+                          timeout_grace_s=30.0) as ex:
+        greedy(ex, 1, PROMPT, 0)
+        ex.device.emu.set_latency(0, 0, 1_500_000, 0)  # the next decode runs 1.5 s
+        arm(ex, "WAIT_RC")  # Wait says TIMEOUT while the job still runs on the device
+        res = ex.enqueue(decode(1, 3, len(PROMPT))).wait_until(deadline())
+        assert isinstance(res, Status) and res.raw == 13
+        refused = ex.kvc.reset_sequence(1)
+        assert refused.code == "kv.sequence_on_device" and refused.seq_id == 1
+        assert refused.category is Category.UNAVAILABLE
+        assert ex.kvc.truncate(1, 0).code == "kv.sequence_busy"
+        assert ex.kvc.seqs[1].on_device == 1
+        # a bounded wait ends when the completion thread sees the device let go
+        assert ex.kvc.reset_sequence(1, wait_s=10.0).ok
+        assert ex.kvc.seqs[1].on_device == 0
+        ex.device.emu.set_latency(0, 0, 0, 0)
+        assert serves_oracle(ex)  # a fresh prefill + decodes on seq 1, as the oracle says
+        assert ex.device.emu.counters()["ccu_exceptions"] == 0
+
+
 def test_execution_timeout_of_a_hung_job_resets_and_rebuilds(calbins):
     policy = RecoveryPolicy(drain_grace_s=0.2)
     with running_executor(calbins["main"], execution_timeout_s=0.2, timeout_grace_s=0.1,
