@@ -230,7 +230,7 @@ class ExecutorMachine(RuleBasedStateMachine):
         if status.ok:
             self.oracles[seq] = oracle.OracleSequence(self.seed)
         else:
-            assert status.code == "kv.sequence_busy"
+            assert status.code in ("kv.sequence_busy", "kv.sequence_on_device")
 
     @precondition(lambda self: self.ex._pending_recovery is not None)
     @rule()
