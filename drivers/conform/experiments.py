@@ -532,6 +532,10 @@ def _later_jobs_ok(rig: Rig, seq: int) -> bool:
     return ok
 
 
+#: emulator only, with arm_stale: delay from a reset to the stale completion it witnesses
+STALE_WITNESS_DELAY_US = 50_000
+
+
 def _stale_window_s(rig: Rig) -> float:
     if rig.emu is None:
         return 0.1
@@ -693,6 +697,10 @@ def _reset_one(lib: str, calbin: str, config: str, kind: str, arm_stale: bool) -
         check(rig.emu.set_fault(Fault.HANG, FaultMode.ALWAYS), "arm HANG")
         if arm_stale:
             check(rig.emu.set_fault(Fault.STALE_COMPLETION, FaultMode.ALWAYS), "arm STALE_COMPLETION")
+            # the stale write must land after the canaries are armed (right after the reset
+            # returns): with the default 1 ms a loaded machine armed them too late and the
+            # witness missed the write
+            check(rig.emu.set_knob("stale_delay_us", STALE_WITNESS_DELAY_US), "stale delay")
     engines = (0, 1) if rig.parallel_rc == 0 else (0, 0)
     inflight = [rig.slot(DECODE if hang else PREFILL_IDS) for _ in engines]
     for i, (slot, engine) in enumerate(zip(inflight, engines)):
