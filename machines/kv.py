@@ -48,15 +48,18 @@ class SeqView:
 
 
 class _Claim:
-    """Placeholder holding a sequence while its reserve waits for capacity (not a txn yet)."""
+    """Placeholder holding a sequence while a KvManager call for it runs outside the lock: a
+    reserve waiting for capacity (not a txn yet), a reset or a truncation. Any other job,
+    reset or truncation of the sequence meanwhile gets ``kv.sequence_busy``."""
 
-    __slots__ = ("seq_id",)
+    __slots__ = ("seq_id", "what")
 
-    def __init__(self, seq_id: int) -> None:
+    def __init__(self, seq_id: int, what: str = "waiting for KV capacity") -> None:
         self.seq_id = seq_id
+        self.what = what
 
     def __repr__(self) -> str:
-        return f"waiting for KV capacity (seq {self.seq_id})"
+        return f"{self.what} (seq {self.seq_id})"
 
 
 class KvTxn:
@@ -168,8 +171,8 @@ class KvCoordinator:
             if view.open_txn is not None:
                 return Status.failure(
                     "kv.sequence_busy", Category.INVALID_REQUEST, Phase.ADMISSION,
-                    f"sequence {seq_id} already has a job open ({view.open_txn!r}); a sequence "
-                    "runs one job at a time", **ctx)
+                    f"sequence {seq_id} is busy ({view.open_txn!r}); a sequence runs one job "
+                    "at a time", **ctx)
             if past_len > view.committed_len:
                 return Status.failure(
                     "kv.past_len_beyond_committed", Category.INVALID_REQUEST, Phase.ADMISSION,
@@ -306,17 +309,26 @@ class KvCoordinator:
                 view = self._view(seq_id)
             if view.open_txn is not None:
                 return Status.failure("kv.sequence_busy", Category.INVALID_REQUEST,
-                                      Phase.ADMISSION, f"sequence {seq_id} has a job open; "
-                                      "cannot reset it now", seq_id=seq_id)
+                                      Phase.ADMISSION, f"sequence {seq_id} is busy "
+                                      f"({view.open_txn!r}); cannot reset it now", seq_id=seq_id)
             if view.on_device:
                 return Status.failure("kv.sequence_on_device", Category.UNAVAILABLE,
                                       Phase.ADMISSION, f"sequence {seq_id}: the device still "
                                       f"runs a job of it after a failed Wait (waited {wait_s}s); "
                                       "it can be reset once the device lets go or after a "
                                       "device reset", seq_id=seq_id)
-        with self._kv_call_mu:
-            rc = self.kv.release(seq_id)
+            # Hold the sequence through the release: a job admitted between the check above
+            # and the fresh view below would otherwise lose its txn to the fresh view (two jobs
+            # of one sequence at once: seen in the stress test) and its KV to the release.
+            view.open_txn = claim = _Claim(seq_id, "being reset")
+        try:
+            with self._kv_call_mu:
+                rc = self.kv.release(seq_id)
+        except BaseException:
+            self._unclaim(seq_id, claim)
+            raise
         if rc != 0:
+            self._unclaim(seq_id, claim)
             return Status.from_calrt(rc, Phase.ADMISSION, f"KvManager release of seq {seq_id}",
                                      seq_id=seq_id)
         with self.admission_mu:
@@ -338,10 +350,19 @@ class KvCoordinator:
                 return Status.failure("kv.truncate_beyond_committed", Category.INVALID_REQUEST,
                                       Phase.ADMISSION, f"truncate length={length} is beyond the "
                                       f"committed length {view.committed_len}", seq_id=seq_id)
-        if not self._apply(seq_id, length):
+            view.open_txn = claim = _Claim(seq_id, "being truncated")  # as in reset_sequence
+        try:
+            applied = self._apply(seq_id, length)
+        except BaseException:
+            self._unclaim(seq_id, claim)
+            raise
+        with self.admission_mu:
+            if applied:
+                view.committed_len = view.reserved_len = length
+            if view.open_txn is claim:
+                view.open_txn = None
+            self._bump()
+        if not applied:
             return Status.failure("kv.apply_refused", Category.UNKNOWN, Phase.ADMISSION,
                                   f"Apply({seq_id}, {length}) refused a truncation", seq_id=seq_id)
-        with self.admission_mu:
-            view.committed_len = view.reserved_len = length
-            self._bump()
         return Status.OK
