@@ -213,13 +213,15 @@ def test_transient_faults_past_the_threshold_drain_and_rebuild(calbins):
     policy = RecoveryPolicy(transient_threshold=3, submit_retries=0)
     with running_executor(calbins["main"], recovery=policy) as ex:
         greedy(ex, 1, PROMPT, 0)
-        arm(ex, "SUBMIT_RC", "ALWAYS", rc=17)
         for _ in range(3):
-            ex.enqueue(decode(1, 3, len(PROMPT))).wait_until(deadline())
+            # armed once per job: the rebuild's own golden jobs must not meet the fault (with
+            # ALWAYS, clearing it after the third failure raced the recovery thread's golden)
+            arm(ex, "SUBMIT_RC", "NTH", 1, rc=17)
+            res = ex.enqueue(decode(1, 3, len(PROMPT))).wait_until(deadline())
+            assert isinstance(res, Status) and res.raw == 17
             if ex.state != "Ready":
                 break
         assert last_action(ex) is Action.REBUILD
-        ex.device.emu.clear_fault(0)
         assert wait_state(ex, ("Ready",)) == "Ready" and ex.gen.id == 2
 
 
