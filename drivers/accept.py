@@ -115,8 +115,9 @@ def run_accept(sizes: Sizes = QUICK, phases: Sequence[str] = ("a", "b"),
         "gates": results,
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
         "seconds": round(time.time() - started, 3),
-        "series": {"latency_ms": {k: [round(v, 4) for v in vals]
-                                  for k, vals in ctx.latencies_ms.items()},
+        "series": {"latency_ms": {k: [round(v, 4) for v in r.values]
+                                  for k, r in ctx.latencies_ms.items()},
+                   "latency_jobs": {k: r.seen for k, r in ctx.latencies_ms.items()},
                    "rss_mib": {k: [[round(t, 3), round(v, 3)] for t, v in vals]
                                for k, vals in ctx.rss_series.items()}},
         "environment": {"cpus": os.cpu_count(), "python": platform.python_version(),

@@ -62,9 +62,12 @@ def _plots(report: dict[str, Any], directory: str) -> list[str]:
     latency = {k: v for k, v in report["series"]["latency_ms"].items() if v}
     if latency:
         fig, ax = plt.subplots(figsize=(9, 4.5))
+        seen = report["series"].get("latency_jobs", {})
         for label, values in sorted(latency.items()):
-            ax.hist(values, bins=60, histtype="step", label=f"{label} (n={len(values)})",
-                    log=True)
+            total = seen.get(label, len(values))
+            sample = f"n={len(values)}" if total == len(values) else \
+                f"uniform sample of {len(values)} of {total} jobs"
+            ax.hist(values, bins=60, histtype="step", label=f"{label} ({sample})", log=True)
         ax.set_xlabel("job latency, accepted -> completed (ms)")
         ax.set_ylabel("jobs")
         ax.set_title("per-job latency distribution", fontsize=10, loc="left")

@@ -97,3 +97,22 @@ def test_growth_rule_flat_passes_growing_fails():
     verdict = growth(t, grows, 0.3, 2.0)
     assert verdict["passed"] is False and verdict["slope_per_hour"] > 0
     assert growth(t[:2], flat[:2], 0.3, 2.0)["passed"] is False  # too few samples
+
+
+def test_latency_reservoir_keeps_a_bounded_uniform_sample():
+    """The soak records every job's latency; only a bounded sample may be kept, or the gate
+    measures its own bookkeeping (a 30-minute soak grew 72 MiB that way)."""
+    from calexec.drivers.accept_gates import LatencyReservoir
+
+    reservoir = LatencyReservoir(capacity=1000, seed=5)
+    for value in range(100_000):
+        reservoir.add(float(value))
+    assert reservoir.seen == 100_000 and len(reservoir.values) == 1000
+    assert len(set(reservoir.values)) == 1000  # distinct jobs, no duplicates
+    # uniform over the whole run (seeded, so exact): not just the first or last values
+    assert 40_000 < np.mean(reservoir.values) < 60_000
+    assert min(reservoir.values) < 10_000 and max(reservoir.values) > 90_000
+    small = LatencyReservoir(capacity=10)
+    for value in (1.0, 2.0, 3.0):
+        small.add(value)
+    assert small.values == [1.0, 2.0, 3.0] and small.seen == 3
