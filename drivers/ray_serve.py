@@ -19,6 +19,12 @@ across the replicas and supervises them:
   replicas that do not serve (Failed, Recovering, Warming, draining...) after those that do.
   A Failed replica therefore stops taking new requests within about one stats period plus the
   controller's 0.1 s loop, instead of answering 503 until its third failed health check.
+- What a replica's device cannot serve is served by a sibling: the replica's app is wrapped
+  in the fleet edge (:class:`~calexec.drivers.fleet_edge.ReplicaEdge`), which relays a
+  completion once, before any byte reached the client, when it arrives while the replica does
+  not serve or is answered 503 here (or 500 after the failure took the device down). The relay
+  is a streaming handle call to this deployment's ``relay_http``, which
+  :class:`LifecycleRouter` never routes back to the relaying replica while another exists.
 - Scale-down, redeploy and ``serve.shutdown`` stop a replica gracefully: Serve stops routing to
   it and waits for its ongoing requests, then the destructor drains the service (admission
   refused, admitted requests finished) and shuts the executor down within
