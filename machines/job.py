@@ -53,7 +53,7 @@ class Job:
     __slots__ = ("job_id", "generation_id", "request", "kind", "submodel", "deadline",
                  "cancel_flag", "lease", "txn", "timings", "run", "wait_rc", "device_status",
                  "output_status", "result", "_done", "_on_cancel", "internal", "logits_out",
-                 "_gen", "__weakref__")
+                 "_gen", "budget_taken", "permit_held", "__weakref__")
 
     def __init__(self, job_id: int, generation_id: int, request: Any,
                  on_cancel: Callable[[], None], internal: bool = False) -> None:
@@ -77,6 +77,8 @@ class Job:
         self.internal = internal
         self.logits_out: np.ndarray | None = None
         self._gen = None
+        self.budget_taken = False  # holds request.token_count of the admission budget
+        self.permit_held = False  # holds one in-flight permit (submitter -> release)
 
     @property
     def gen(self):
