@@ -13,8 +13,6 @@ methods read and write the executor's state (locks, queues, generations) set up 
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from typing import Any
 
 import numpy as np
@@ -215,10 +213,8 @@ class DeviceLifecycle:
             self._pending_recovery = decision
             self._admitting = False  # stop admission at once (§8 Device row)
         if self.config.threads:
-            thread = threading.Thread(target=self._supervised_recovery, name="calexec-recovery",
-                                      daemon=True)
-            self._recovery_thread = thread
-            thread.start()
+            self._recovery_thread = self.clock.start_thread(self._supervised_recovery,
+                                                            "calexec-recovery")
 
     def _supervised_recovery(self) -> None:
         """The recovery thread's barrier: an exception mid-recovery leaves the device in an

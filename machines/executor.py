@@ -28,7 +28,6 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-import time
 from collections import deque
 from typing import Any, Callable, Protocol
 
@@ -170,10 +169,11 @@ class DeviceExecutor(DeviceLifecycle):
         self.faults = fault_sink or FaultController(config.recovery)
         if hasattr(self.faults, "attach"):
             self.faults.attach(self)
-        self.locks = LockOrder(checking=config.check_lock_order, strict=config.strict_lock_order)
+        self.locks = LockOrder(checking=config.check_lock_order, strict=config.strict_lock_order,
+                               clock=clock)
         self.lifecycle_mu = self.locks.lock(LIFECYCLE_RANK)
         self.submit_mu = self.locks.lock(SUBMIT)
-        self._submit_cv = threading.Condition(self.submit_mu)
+        self._submit_cv = clock.condition(self.submit_mu)
         self._submit_q: deque[Job] = deque()
         self._inflight = 0  # guarded by submit_mu
         self._capacity = config.inflight_capacity  # effective; a downgrade lowers it
@@ -184,7 +184,7 @@ class DeviceExecutor(DeviceLifecycle):
         # runtime still runs them (submit_mu)
         self._held_by_runtime: list = []
         self._completion_mu = self.locks.lock(COMPLETION)  # never held across Wait()
-        self._completion_cv = threading.Condition(self._completion_mu)
+        self._completion_cv = clock.condition(self._completion_mu)
         self._completion_q: deque[Job] = deque()
         self._pending_tokens = 0  # guarded by submit_mu
         self._job_ids = itertools.count(1)
@@ -269,7 +269,7 @@ class DeviceExecutor(DeviceLifecycle):
                 4, f"request: expected an InferenceRequest, got {type(request).__name__}"))
         gen = self.gen
         job = Job(next(self._job_ids), gen.id if gen is not None else 0, request,
-                  self._wake_waiters, internal=internal)
+                  self._wake_waiters, internal=internal, clock=self.clock)
         job.gen = gen
         job.logits_out = logits_out
         handle = JobHandle(job)
@@ -653,7 +653,7 @@ class DeviceExecutor(DeviceLifecycle):
             while not self._completion_q:
                 if not block or self._stopping_threads:
                     return False
-                self._completion_cv.wait()
+                self.clock.wait(self._completion_cv, None)  # idle: a submit or shutdown ends it
             job = self._completion_q[0]
         self._holding["calexec-completion"] = job  # the barrier resolves it if _complete raises
         try:
@@ -853,10 +853,7 @@ class DeviceExecutor(DeviceLifecycle):
         for name, step in (("calexec-submitter", self.submit_one),
                            ("calexec-completion", self.complete_one)):
             self._holding[name] = None
-            thread = threading.Thread(target=self._loop, args=(name, step), name=name,
-                                      daemon=True)
-            thread.start()
-            self._threads.append(thread)
+            self._threads.append(self.clock.start_thread(self._loop, name, (name, step)))
 
     def _loop(self, name: str, step: Callable[..., bool]) -> None:
         """The barrier every executor thread runs under: an unexpected exception is an

@@ -32,6 +32,10 @@ from __future__ import annotations
 import os
 import threading
 import weakref
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from calexec.machines.clock import Clock
 
 RECOVERY, LIFECYCLE, ADMISSION, POOL, SUBMIT, COMPLETION, KV_CALL, FAULTS, COUNTERS = range(9)
 RANK_NAMES = {
@@ -62,7 +66,10 @@ class LockOrderViolation(RuntimeError):
 class LockOrder:
     """Per-executor registry of ranked locks and of the order violations seen."""
 
-    def __init__(self, checking: bool = False, strict: bool = False) -> None:
+    def __init__(self, checking: bool = False, strict: bool = False,
+                 clock: "Clock | None" = None) -> None:
+        from calexec.machines.clock import SYSTEM
+        self.clock = clock or SYSTEM  # carried to every controller that gets this order
         self.checking = checking or checking_from_env()
         self.strict = strict
         self.violations: list[str] = []
@@ -81,7 +88,11 @@ class LockOrder:
     def lock(self, rank: int) -> "RankedLock | threading.Lock":
         """A lock of ``rank``: a checking ``RankedLock`` in checking mode, else a plain
         ``threading.Lock`` (the hot path pays nothing for the checks it does not run)."""
-        return RankedLock(self, rank) if self.checking else threading.Lock()
+        return RankedLock(self, rank) if self.checking else self._plain_lock()
+
+    def _plain_lock(self):
+        """The lock of non-checking mode (the explorer overrides it with a controlled one)."""
+        return threading.Lock()
 
     def _before_acquire(self, rank: int) -> None:
         held = self._held()
@@ -103,7 +114,7 @@ class RankedLock:
     def __init__(self, order: LockOrder, rank: int) -> None:
         self._order = order
         self.rank = rank
-        self._lock = threading.Lock()
+        self._lock = order._plain_lock()
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
         order = self._order

@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import threading
-import time
 from collections import deque
 from typing import Any, Callable
 
@@ -223,7 +221,8 @@ class BufferPool:
         self.generation = generation
         self.generation_id = generation.generation_id
         self.pool_mu = locks.lock(POOL)
-        self._available = threading.Condition(self.pool_mu)
+        self.clock = locks.clock
+        self._available = self.clock.condition(self.pool_mu)
         self.reset_confirmed = False
         self.misuse = 0
         self.dropped = 0
@@ -295,12 +294,12 @@ class BufferPool:
                 stopped = stop()
                 if stopped is not None:
                     return stopped
-                remaining = deadline - time.monotonic()
+                remaining = deadline - self.clock.monotonic()
                 if remaining <= 0:
                     return Status.exhausted(
                         "buffer", Phase.LEASE, f"no free {kind.name} buffer slot before the deadline",
                         generation=self.generation_id)
-                self._available.wait(remaining)
+                self.clock.wait(self._available, remaining)
 
     def wake(self) -> None:
         """Wake waiters (a cancel or shutdown happened)."""

@@ -14,7 +14,6 @@ the real driver (each of these failed, hung or crashed on the tree before the fi
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import pytest
