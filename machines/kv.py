@@ -22,7 +22,6 @@ safety for KvManager.
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any, Callable
 
 import attrs
@@ -102,7 +101,8 @@ class KvCoordinator:
         self.kv = kv
         self.generation_id = generation_id
         self.admission_mu = locks.lock(ADMISSION)
-        self._changed = threading.Condition(self.admission_mu)
+        self.clock = locks.clock
+        self._changed = self.clock.condition(self.admission_mu)
         self._kv_call_mu = threading.Lock()
         self._epoch = 0
         self._closed = False
@@ -225,7 +225,7 @@ class KvCoordinator:
                 return None
             with self.admission_mu:
                 while self._epoch == epoch and not self._closed:
-                    remaining = deadline - time.monotonic()
+                    remaining = deadline - self.clock.monotonic()
                     if remaining <= 0:
                         return Status.failure(
                             "kv.deadline", Category.RESOURCE_EXHAUSTED, Phase.ADMISSION,
@@ -233,7 +233,7 @@ class KvCoordinator:
                             "blocks) not available before the deadline", **ctx)
                     if stop() is not None:
                         break
-                    self._changed.wait(remaining)
+                    self.clock.wait(self._changed, remaining)
                     self.wakeups += 1
 
     def mark_submitted(self, txn: KvTxn) -> None:
@@ -298,14 +298,14 @@ class KvCoordinator:
         up to ``wait_s`` seconds (condition variable: the completion thread signals when the
         device lets go) and is refused with ``kv.sequence_on_device`` (UNAVAILABLE: retry
         later) if the device still holds the job."""
-        deadline = time.monotonic() + wait_s
+        deadline = self.clock.monotonic() + wait_s
         with self.admission_mu:
             view = self._view(seq_id)
             while view.on_device and not self._closed:
-                remaining = deadline - time.monotonic()
+                remaining = deadline - self.clock.monotonic()
                 if remaining <= 0:
                     break
-                self._changed.wait(remaining)
+                self.clock.wait(self._changed, remaining)
                 view = self._view(seq_id)
             if view.open_txn is not None:
                 return Status.failure("kv.sequence_busy", Category.INVALID_REQUEST,
