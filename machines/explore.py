@@ -95,6 +95,40 @@ class TapeChooser:
         return value % len(options)
 
 
+class PriorityTapeChooser(TapeChooser):
+    """The tape as PCT change points (for hypothesis): threads have priorities, the newest
+    thread first; option 0 is the highest-priority runnable thread (device steps come after
+    every thread, a time jump last). A tape value v > 0 picks the v-th option in priority
+    order instead and drops the thread it preempted below all others, so one value starves
+    a thread for as long as others can run (a PCT priority change point). A shrunk tape is a
+    schedule with fewer change points."""
+
+    def __init__(self, tape: Sequence[int] = ()) -> None:
+        super().__init__(tape)
+        self.prio: dict[str, float] = {}
+        self.top = 0.0
+        self.low = 0.0
+
+    def _key(self, option) -> tuple:
+        if isinstance(option, CThread):
+            if option.label not in self.prio:
+                self.top += 1.0
+                self.prio[option.label] = self.top
+            return (0, -self.prio[option.label])
+        return (1 if option != "jump" else 2, option)
+
+    def choose(self, options: list, sched: "Scheduler") -> int:
+        order = sorted(range(len(options)), key=lambda i: self._key(options[i]))
+        value = self.tape[self.i] if self.i < len(self.tape) else 0
+        self.i += 1
+        pick = order[value % len(options)]
+        first = options[order[0]]
+        if pick != order[0] and isinstance(first, CThread):
+            self.low -= 1.0
+            self.prio[first.label] = self.low
+        return pick
+
+
 class ReplayChooser(TapeChooser):
     """Replays recorded choice indices exactly (0 after the end)."""
 
@@ -932,8 +966,7 @@ class Explorer:
     def run(self, steps: int = 1_000_000, tape: Sequence[int] | None = None,
             horizon_s: float = 30.0) -> str:
         self.script.append(("run", steps, horizon_s))
-        if tape is not None and isinstance(self.chooser, TapeChooser) \
-                and not isinstance(self.chooser, ReplayChooser):
+        if tape is not None and isinstance(self.chooser, PriorityTapeChooser):
             self.chooser.extend(tape)
         why = self.sched.run(steps, horizon_s)
         self._raise_if_failed()
