@@ -750,6 +750,15 @@ class OutputBufProxy(_Proxy):
         self._model.sched.point("runtime.GetStatus")
         return self._inner.get_status()
 
+    def destroy(self) -> int:
+        """§5.1 invariant 4: never destroyed while the runtime may still write it."""
+        rc, status = self._inner.get_status()
+        if rc == 0 and status in _PENDING:
+            self._model.sched.fail("an OutputBuf was destroyed while the runtime still runs "
+                                   f"its job (GetStatus={status}): its generation was torn "
+                                   "down under a job on the device")
+        return self._inner.destroy()
+
 
 # ---- the explorer: an executor, its scenario actions and its checks -------------------------------
 FAULTS = ("SUBMIT_RC", "WAIT_RC", "CCU_EXCEPTION", "OUTPUT_NAN", "OUTPUT_SHORT", "UNKNOWN_CSR",
