@@ -1220,8 +1220,10 @@ def random_script(rng: random.Random, length: int) -> list[tuple]:
             script.append(("cancel", rng.randrange(8)))
         elif r < 0.53:
             script.append(("bad_argument", rng.randrange(3)))
-        elif r < 0.68:
+        elif r < 0.63:
             script.append(("arm", rng.choice(FAULTS), rng.randint(1, 3)))
+        elif r < 0.68:
+            script.append(("arm", "HANG", 1))
         elif r < 0.73:
             script.append(("request_recovery",))
         elif r < 0.80:
@@ -1239,7 +1241,7 @@ def explore_seed(calbins: dict[str, str], seed: int, length: int = 12,
     ``ExplorationFailure`` (with the seed) on a violation. ``explore_seed(calbins, seed)``
     replays it."""
     rng = random.Random(seed)
-    options = {"reset_kind": "none" if rng.random() < 0.2 else "reset",
+    options = {"reset_kind": "none" if rng.random() < 0.3 else "reset",
                "kv_blocks": rng.choice((8, 64))}
     script = [a for a in random_script(rng, length) if a[0] not in exclude]
     chooser = PCTChooser(seed, depth=rng.randint(1, 4), steps=3000)
@@ -1259,15 +1261,77 @@ def replay(calbins: dict[str, str], script: Sequence[tuple], choices: Sequence[i
     """Replay a recorded schedule exactly (script + choice indices from a failure report)."""
     explorer = Explorer(calbins, ReplayChooser(choices), **options)
     try:
+        explorer.start()
         for action in script:
-            if action[0] == "start":
-                continue
-            if explorer.ex is None:
-                explorer.start()
             perform(explorer, tuple(action))
     finally:
         explorer.close()
     return explorer
+
+
+class _LenientReplay(ReplayChooser):
+    """A replay that tolerates a changed schedule (index modulo the options): for shrinking."""
+
+    def choose(self, options: list, sched: "Scheduler") -> int:
+        value = self.tape[self.i] if self.i < len(self.tape) else 0
+        self.i += 1
+        return value % len(options)
+
+
+def _run_script(calbins, script, chooser, options) -> "str | None":
+    explorer = Explorer(calbins, chooser, **options)
+    try:
+        explorer.start()
+        for action in script:
+            perform(explorer, tuple(action))
+    except ExplorationFailure as failure:
+        return str(failure).split("\n")[0]
+    finally:
+        explorer.close()
+    return None
+
+
+def shrink(calbins: dict[str, str], info: dict, attempts: int = 300) -> dict:
+    """Greedy shrinking of a failure's ``replay_info`` (e.g. from a PCT seed): drop script
+    actions, then zero runs of choices (0 = the default, no preemption), keeping any schedule
+    that still fails with the same first line. Returns the smaller ``replay_info`` with
+    ``preemptions`` = its non-zero choices."""
+    options = dict(info["options"])
+    script = [tuple(a) for a in info["script"]]
+    choices = list(info["choices"])
+    target = _run_script(calbins, script, _LenientReplay(choices), options)
+    if target is None:
+        raise ValueError("the recorded schedule does not fail when replayed")
+    tries = 0
+
+    def still_fails(s, c) -> bool:
+        nonlocal tries
+        tries += 1
+        return _run_script(calbins, s, _LenientReplay(c), options) == target
+
+    i = 0
+    while i < len(script) and tries < attempts:  # drop actions (never the final one)
+        candidate = script[:i] + script[i + 1:]
+        if script[i][0] != "finish" and still_fails(candidate, choices):
+            script = candidate
+        else:
+            i += 1
+    chunk = max(1, len(choices) // 2)
+    while chunk >= 1 and tries < attempts:  # zero runs of choices, halving the run length
+        start = 0
+        while start < len(choices) and tries < attempts:
+            if any(choices[start:start + chunk]):
+                candidate = choices[:start] + [0] * len(choices[start:start + chunk]) \
+                    + choices[start + chunk:]
+                if still_fails(script, candidate):
+                    choices = candidate
+            start += chunk
+        chunk //= 2
+    while choices and choices[-1] == 0:
+        choices.pop()
+    return {"seed": info.get("seed"), "options": options, "script": script,
+            "choices": choices, "failure": target, "replays": tries,
+            "preemptions": sum(1 for c in choices if c)}
 
 
 def replay_file(path: str, calbins: dict[str, str] | None = None) -> Explorer:
