@@ -47,7 +47,6 @@ import sys
 import tempfile
 import threading
 import traceback
-from contextlib import contextmanager
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -776,26 +775,44 @@ def write_calbins(directory: str) -> dict[str, str]:
     return {"main": main, "other": other}
 
 
-@contextmanager
-def _virtual_timings(sched: Scheduler):
-    """Job timings (``now_us``) and the fault controller's windows on the virtual clock: the
-    executor derives the §9.1 execution deadline from ``timings.submitted_us`` and the
-    controller reads ``time.monotonic()``, both real time otherwise (not yet routed through
-    the executor's Clock)."""
+_ACTIVE: list[Scheduler] = []  # schedulers whose virtual time the patched readers use
+_SAVED: list = []
+
+
+def _virtual_now_us() -> int:
+    return int(_ACTIVE[-1].now * 1e6)
+
+
+class _VirtualTime:  # the fault controller's sliding windows read time.monotonic()
+    @staticmethod
+    def monotonic() -> float:
+        return _ACTIVE[-1].now
+
+
+def _enter_virtual_time(sched: Scheduler) -> None:
+    """Job timings (``now_us``) and the fault controller's windows on the virtual clock while
+    an explorer is open: the executor derives the §9.1 execution deadline from
+    ``timings.submitted_us`` and the controller reads ``time.monotonic()``, both real time
+    otherwise (not yet routed through the executor's Clock)."""
     from calexec.machines import executor as ex_mod
     from calexec.machines import faults as faults_mod
     from calexec.machines import job as job_mod
-    saved = job_mod.now_us, ex_mod.now_us, faults_mod.time
+    if not _ACTIVE:
+        _SAVED[:] = [job_mod.now_us, ex_mod.now_us, faults_mod.time]
+        job_mod.now_us = ex_mod.now_us = _virtual_now_us
+        faults_mod.time = _VirtualTime
+    _ACTIVE.append(sched)
 
-    class _Time:  # the fault controller's sliding windows read time.monotonic()
-        monotonic = staticmethod(lambda: sched.now)
 
-    job_mod.now_us = ex_mod.now_us = lambda: int(sched.now * 1e6)
-    faults_mod.time = _Time
-    try:
-        yield
-    finally:
-        job_mod.now_us, ex_mod.now_us, faults_mod.time = saved
+def _exit_virtual_time(sched: Scheduler) -> None:
+    from calexec.machines import executor as ex_mod
+    from calexec.machines import faults as faults_mod
+    from calexec.machines import job as job_mod
+    if sched in _ACTIVE:
+        _ACTIVE.remove(sched)
+    if not _ACTIVE and _SAVED:
+        job_mod.now_us, ex_mod.now_us, faults_mod.time = _SAVED
+        _SAVED.clear()
 
 
 class Explorer:
@@ -827,8 +844,7 @@ class Explorer:
         self.gens: list = []
         self.discarded: set[int] = set()
         self.ex = None
-        self._timings = _virtual_timings(self.sched)
-        self._timings.__enter__()
+        _enter_virtual_time(self.sched)
         self._closed = False
 
     # ---- scenario ---------------------------------------------------------------------------
@@ -1024,7 +1040,7 @@ class Explorer:
             return
         self._closed = True
         self.sched.abort()
-        self._timings.__exit__(None, None, None)
+        _exit_virtual_time(self.sched)
         ex = self.ex
         if ex is not None and ex.device is not None and not self.device.closed:
             self.device.closed = True
@@ -1244,7 +1260,9 @@ def explore_seed(calbins: dict[str, str], seed: int, length: int = 12,
     options = {"reset_kind": "none" if rng.random() < 0.3 else "reset",
                "kv_blocks": rng.choice((8, 64))}
     script = [a for a in random_script(rng, length) if a[0] not in exclude]
-    chooser = PCTChooser(seed, depth=rng.randint(1, 4), steps=3000)
+    # change points over the schedule's expected length (~25 choices per action), as
+    # Shuttle sizes them from the executions it has seen
+    chooser = PCTChooser(seed, depth=rng.randint(1, 4), steps=25 * (len(script) + 4))
     explorer = Explorer(calbins, chooser, seed=seed, **options)
     try:
         explorer.start()
