@@ -147,18 +147,24 @@ class PCTChooser:
     running one drops below all others. When no thread can run but the device could, time
     is let pass instead with probability ``p_jump`` (a slow device)."""
 
-    def __init__(self, seed: int, depth: int = 3, steps: int = 4000, p_jump: float = 0.08) -> None:
+    def __init__(self, seed: int, depth: int = 3, steps: int = 400, p_jump: float = 0.08) -> None:
         self.rng = random.Random(seed)
         self.depth = depth
-        self.change = set(self.rng.sample(range(1, steps), max(0, depth - 1)))
+        self.change = set(self.rng.sample(range(1, max(steps, depth + 1)), max(0, depth - 1)))
         self.prio: dict[str, float] = {}
         self.low = 0.0
         self.p_jump = p_jump
         self.i = 0
+        self.offset: int | None = None  # change points count from begin() (after start)
+
+    def begin(self) -> None:
+        """The scenario starts: change points are placed over the choices from here."""
+        self.offset = self.i
 
     def choose(self, options: list, sched: "Scheduler") -> int:
         self.i += 1
-        if self.i in self.change and sched.running is not None:
+        if self.offset is not None and self.i - self.offset in self.change \
+                and sched.running is not None:
             self.low -= 1.0
             self.prio[sched.running.label] = self.low
         if options[-1] == "jump" and self.rng.random() < self.p_jump:
@@ -878,6 +884,8 @@ class Explorer:
             self.sched.run(1_000_000, 60.0)
         finally:
             self.sched.slow_device = True
+        if hasattr(self.chooser, "begin"):
+            self.chooser.begin()
         status = out.get("status")
         if self.sched.failure is None and (status is None or not status.ok):
             self.sched.fail(f"executor start under the explorer did not succeed: {status}")
@@ -1265,9 +1273,9 @@ def explore_seed(calbins: dict[str, str], seed: int, length: int = 12,
     options = {"reset_kind": "none" if rng.random() < 0.3 else "reset",
                "kv_blocks": rng.choice((8, 64))}
     script = [a for a in random_script(rng, length) if a[0] not in exclude]
-    # change points over the schedule's expected length (~25 choices per action), as
-    # Shuttle sizes them from the executions it has seen
-    chooser = PCTChooser(seed, depth=rng.randint(1, 4), steps=25 * (len(script) + 4))
+    # change points over the scenario's expected length (~12 choices per action after the
+    # start), as Shuttle sizes them from the executions it has seen
+    chooser = PCTChooser(seed, depth=rng.randint(1, 6), steps=12 * len(script) + 20)
     explorer = Explorer(calbins, chooser, seed=seed, **options)
     try:
         explorer.start()
