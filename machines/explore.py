@@ -123,8 +123,8 @@ class PriorityTapeChooser(TapeChooser):
         pick = order[value % len(options)]
         first = options[order[0]]
         if pick != order[0] and isinstance(first, CThread):
-            self.low -= 1.0
-            self.prio[first.label] = self.low
+            self.low += 1e-3  # as PCT: below the undemoted, above earlier victims
+            self.prio[first.label] = self.low - 1e6
         return pick
 
 
@@ -144,7 +144,8 @@ class PCTChooser:
     """Probabilistic concurrency testing (Burckhardt et al., ASPLOS 2010; Shuttle's and
     Coyote's PCT): each thread (and each device engine) gets a random priority when first
     seen; the highest-priority runnable one runs; at ``depth - 1`` random change points the
-    running one drops below all others. When no thread can run but the device could, time
+    running one drops below all undemoted ones (the j-th victim gets priority j, so the
+    first victim stays the lowest). When no thread can run but the device could, time
     is let pass instead with probability ``p_jump`` (a slow device)."""
 
     def __init__(self, seed: int, depth: int = 3, steps: int = 400, p_jump: float = 0.08) -> None:
@@ -165,7 +166,9 @@ class PCTChooser:
         self.i += 1
         if self.offset is not None and self.i - self.offset in self.change \
                 and sched.running is not None:
-            self.low -= 1.0
+            # the j-th change point gives priority j/1000: below every undemoted thread, above
+            # the threads demoted before (PCT: the first victim stays the lowest)
+            self.low += 1e-3
             self.prio[sched.running.label] = self.low
         if options[-1] == "jump" and self.rng.random() < self.p_jump:
             return len(options) - 1
