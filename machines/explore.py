@@ -903,7 +903,10 @@ class Explorer:
         def body():
             request = make()
             handle = ex.enqueue(request, logits_out=logits_out, on_created=self.handles.append)
-            self.results.append((handle, request, handle.wait_until(None)))
+            result = handle.wait_until(None)
+            self.results.append((handle, request, result))
+            if isinstance(result, Status) and result.code == "internal.unexpected_exception":
+                self.sched.fail(f"enqueue's barrier caught an exception: {result}")
         self._spawn("request", body)
 
     def _deadline(self, seconds: float) -> float:
