@@ -157,6 +157,7 @@ class PCTChooser:
         self.p_jump = p_jump
         self.i = 0
         self.offset: int | None = None  # change points count from begin() (after start)
+        self.params = [seed, depth, steps, p_jump]
 
     def begin(self) -> None:
         """The scenario starts: change points are placed over the choices from here."""
@@ -1192,7 +1193,8 @@ class Explorer:
         if sched.failure is None:
             return
         info = {"seed": self.seed, "options": self.options, "script": self.script,
-                "choices": list(sched.choices)}
+                "choices": list(sched.choices),
+                "pct": getattr(self.chooser, "params", None)}
         path = os.path.join(tempfile.gettempdir(),
                             f"calexec-explore-{os.getpid()}-{len(sched.choices)}.json")
         try:
@@ -1340,19 +1342,40 @@ def shrink(calbins: dict[str, str], info: dict, attempts: int = 300) -> dict:
     if target is None:
         raise ValueError("the recorded schedule does not fail when replayed")
     tries = 0
+    pct = info.get("pct")
 
     def still_fails(s, c) -> bool:
         nonlocal tries
         tries += 1
         return _run_script(calbins, s, _LenientReplay(c), options) == target
 
+    def pct_fails(s) -> "list[int] | None":
+        """The script under the failure's own PCT priorities (robust to dropped actions:
+        priorities, not choice indices); the recorded choices when it still fails."""
+        nonlocal tries
+        tries += 1
+        explorer = Explorer(calbins, PCTChooser(*pct), **options)
+        try:
+            explorer.start()
+            for action in s:
+                perform(explorer, tuple(action))
+        except ExplorationFailure as failure:
+            if str(failure).split("\n")[0] == target:
+                return list(failure.replay_info["choices"])
+        finally:
+            explorer.close()
+        return None
+
     i = 0
     while i < len(script) and tries < attempts:  # drop actions (never the final one)
         candidate = script[:i] + script[i + 1:]
-        if script[i][0] != "finish" and still_fails(candidate, choices):
-            script = candidate
-        else:
-            i += 1
+        if script[i][0] != "finish":
+            found = pct_fails(candidate) if pct else (
+                choices if still_fails(candidate, choices) else None)
+            if found is not None:
+                script, choices = candidate, found
+                continue
+        i += 1
     chunk = max(1, len(choices) // 2)
     while chunk >= 1 and tries < attempts:  # zero runs of choices, halving the run length
         start = 0
