@@ -43,6 +43,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import sys
 import tempfile
 import threading
@@ -1324,10 +1325,15 @@ def _run_script(calbins, script, chooser, options) -> "str | None":
         for action in script:
             perform(explorer, tuple(action))
     except ExplorationFailure as failure:
-        return str(failure).split("\n")[0]
+        return _kind(failure)
     finally:
         explorer.close()
     return None
+
+
+def _kind(failure: ExplorationFailure) -> str:
+    """A failure's first line without its numbers (job ids and times move when shrinking)."""
+    return re.sub(r"[0-9][0-9.]*", "#", str(failure).split("\n")[0])
 
 
 def shrink(calbins: dict[str, str], info: dict, attempts: int = 300) -> dict:
@@ -1360,7 +1366,7 @@ def shrink(calbins: dict[str, str], info: dict, attempts: int = 300) -> dict:
             for action in s:
                 perform(explorer, tuple(action))
         except ExplorationFailure as failure:
-            if str(failure).split("\n")[0] == target:
+            if _kind(failure) == target:
                 return list(failure.replay_info["choices"])
         finally:
             explorer.close()
