@@ -1009,6 +1009,15 @@ class Explorer:
                 kvc.reset_sequence(seq)
         self._spawn("admin-reset-seq", body)
 
+    def shutdown(self) -> None:
+        """A drain/shutdown started now, racing whatever runs (``finish`` waits for admin
+        calls first). Not in the default scenarios: a model switch racing shutdown is a known
+        open finding (switch_model raises AttributeError once shutdown released the
+        generation)."""
+        self.script.append(("shutdown",))
+        ex = self.ex
+        self._spawn("shutdown-early", lambda: ex.shutdown(grace=2.0))
+
     def run(self, steps: int = 1_000_000, tape: Sequence[int] | None = None,
             horizon_s: float = 30.0) -> str:
         self.script.append(("run", steps, horizon_s))
