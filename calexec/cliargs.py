@@ -47,7 +47,13 @@ class UserError(Exception):
 
 def missing_extra(extra: str) -> str | None:
     """The pip command that installs ``extra``, or None when it is installed."""
-    if all(importlib.util.find_spec(name) is not None for name in EXTRAS[extra]):
+    for name in EXTRAS[extra]:
+        try:
+            if importlib.util.find_spec(name) is None:
+                break
+        except (ImportError, ValueError):  # blocked, or a broken half-installed module
+            break
+    else:
         return None
     return f"pip install 'calexec[{extra}]'"
 

@@ -71,6 +71,8 @@ class DeviceSpec:
 
     def check(self) -> None:
         """Validate every setting without opening a device; raises DeviceSpecError."""
+        if self.reset_kind is not None and self.conform_report is not None:
+            self.reset()  # the conflict is named before any path
         lib_flag = "--runtime-lib" if self.runtime_lib else f"${ENV_LIB}"
         _readable_file(lib_flag, self.library)
         _readable_file("--manifest", self.manifest_path)
