@@ -674,7 +674,7 @@ def _positive(text: str) -> int:
 def main(argv: list[str]) -> int:
     """Entry point; ``argv`` starts with the command words (``bench overhead|logits``)."""
     command = argv[1] if len(argv) > 1 else ""
-    parser = cliargs.parser(f"calexec bench {command}".strip(), None)
+    parser = cliargs.parser(f"calexec bench {command}".strip(), __doc__)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts")
     if command in ("overhead", "recovery", "pingpong"):
