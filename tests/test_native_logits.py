@@ -202,3 +202,19 @@ def test_executor_uses_the_fused_path_and_matches_the_numpy_fallback(calbin):
     assert fused_tokens == numpy_tokens
     for a, b in zip(fused_rows, numpy_rows):
         assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def test_executor_turns_a_refused_slice_into_a_status(calbin):
+    # §10.1 bounds are checked again natively; a refusal (here forced) fails the job with a
+    # status naming the slice, never an access out of bounds or a dead completion thread
+    class Refusing(FusedLogits):
+        __slots__ = ()
+
+        def __call__(self, src, base, n, dst):
+            return EBOUNDS
+
+    with running_executor(calbin) as ex:
+        ex._fused_logits = Refusing()
+        res = ex.enqueue(prefill(1, [1, 2, 3])).wait_until(deadline())
+    assert isinstance(res, Status) and res.code == "internal.logits_slice", res
+    assert "refused (1: slice out of bounds)" in res.message and "base=" in res.message
