@@ -87,6 +87,30 @@ def test_fused_matches_numpy_on_finite_values_with_ties(data, size):
     check_against_numpy(src, base, size - base)
 
 
+@settings(max_examples=200)
+@given(data=st.data(), size=st.integers(1, 3 * BLOCK + 5))
+def test_fused_matches_numpy_when_the_maximum_is_a_signed_zero(data, size):
+    # -0 == +0 for np.argmax: whichever zero comes first is the argmax
+    negatives = st.sampled_from([0x8001, 0x807F, 0x8080, 0xBF80, 0xFF7F])
+    src = data.draw(hnp.arrays(np.uint16, size, elements=st.one_of(
+        negatives, st.sampled_from([0x0000, 0x8000]))))
+    check_against_numpy(src, 0, size)
+
+
+@pytest.mark.parametrize("bits,expected", [
+    ([0x8000, 0x0000], 0), ([0x0000, 0x8000], 0), ([0xBF80, 0x8000, 0x0000], 1),
+    ([0x8001] * 5 + [0x8000] + [0x8001] * 2000 + [0x0000], 5),  # across a block boundary
+    ([0x8001] * 1500 + [0x0000] + [0x8000], 1500),
+    ([0x0001, 0x0002, 0x0002, 0x0001], 1), ([0x8002, 0x8001, 0x8001], 1),  # denormals
+])
+def test_signed_zero_and_denormal_ties_follow_np_argmax(bits, expected):
+    src = np.array(bits, np.uint16)
+    dst = np.empty(len(bits), np.float32)
+    fused = FusedLogits()
+    assert fused(src, 0, len(bits), dst) == OK
+    assert fused.argmax == expected == int(np.argmax(dst))
+
+
 @pytest.mark.parametrize("base,n", [(0, V), (14 * V, V), (15 * V + 1, V - 1), (16 * V - 1, 1),
                                     (16 * V, 0), (3 * V + BLOCK - 1, BLOCK + 2)])
 def test_fused_matches_numpy_on_a_prefill_tile(base, n):
