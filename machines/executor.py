@@ -104,6 +104,10 @@ class ExecutorConfig:
     require_golden: bool = False
     #: recovery thresholds and reset choice (calexec.machines.faults.RecoveryPolicy)
     recovery: RecoveryPolicy = attrs.field(factory=RecoveryPolicy)
+    #: queue through recovery (Triton's DELAY policy): up to this many requests that arrive
+    #: while the device drains/recovers/configures/warms wait for Ready within their
+    #: deadline instead of an immediate UNAVAILABLE; 0 refuses them at once
+    ready_queue_max: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     #: /ready and health(): a job still on the device this long past its request deadline
     #: means the device stalls (the execution deadline above is the hard bound)
     stall_after_s: float = attrs.field(default=1.0, validator=attrs.validators.gt(0))
@@ -174,6 +178,9 @@ class DeviceExecutor(DeviceLifecycle):
         self.lifecycle_mu = self.locks.lock(LIFECYCLE_RANK)
         self.submit_mu = self.locks.lock(SUBMIT)
         self._submit_cv = clock.condition(self.submit_mu)
+        # requests waiting for Ready during a recovery (lifecycle_mu; ready_queue_max)
+        self._ready_cv = clock.condition(self.lifecycle_mu)
+        self._ready_waiters = 0
         self._submit_q: deque[Job] = deque()
         self._inflight = 0  # guarded by submit_mu
         self._capacity = config.inflight_capacity  # effective; a downgrade lowers it
@@ -275,6 +282,12 @@ class DeviceExecutor(DeviceLifecycle):
         handle = JobHandle(job)
         if on_created is not None:
             on_created(handle)
+        if not internal and not self._admitting and self.config.ready_queue_max:
+            waited = self._wait_for_ready(job)
+            if waited is not None:
+                return self._fail_early(job, waited)
+            gen = self.gen
+            job.gen, job.generation_id = gen, gen.id if gen is not None else 0
         if not (self._admitting or (internal and self.lifecycle.state == "Warming")) \
                 or self._stopping or gen is None:
             return self._fail_early(job, Status.unavailable(
@@ -416,8 +429,47 @@ class DeviceExecutor(DeviceLifecycle):
             return None
         return stop
 
+    def _wait_for_ready(self, job: Job) -> Status | None:
+        """Queue through recovery (Triton's DELAY policy): a request that arrives while the
+        device drains, recovers, configures or warms up waits for Ready, bounded by its
+        deadline and by ``ready_queue_max`` waiters. None when it may go on; else why not
+        (UNAVAILABLE when the queue is full, the lifecycle Failed or the executor stops;
+        DEADLINE when its deadline passed first; CANCELLED)."""
+        with self._ready_cv:
+            state = self.lifecycle.state
+            if state not in ("Draining", "Recovering", "Configuring", "Warming") and not (
+                    state == "Ready" and self._pending_recovery is not None):
+                return None  # Ready (admits), or Created/Failed/Stopped: answered by the caller
+            if self._ready_waiters >= self.config.ready_queue_max:
+                return Status.unavailable(Phase.ADMISSION, f"device lifecycle is "
+                                          f"{self.lifecycle.state} and {self._ready_waiters} "
+                                          "requests already wait for Ready; retry later",
+                                          **job.ctx())
+            self._ready_waiters += 1
+            try:
+                while not self._admitting:
+                    if self._stopping or self.lifecycle.final:
+                        return None
+                    if job.cancel_flag:
+                        return Status.cancelled(Phase.ADMISSION, **job.ctx())
+                    remaining = job.deadline - self.clock.monotonic()
+                    if remaining <= 0:
+                        return Status.deadline(Phase.ADMISSION, "deadline passed while the "
+                                               f"device was {self.lifecycle.state}",
+                                               **job.ctx())
+                    self.clock.wait(self._ready_cv, remaining)
+                return None
+            finally:
+                self._ready_waiters -= 1
+
+    def _ready_changed(self) -> None:
+        """Ready, Failed or stopping: wake the requests waiting for Ready."""
+        with self._ready_cv:
+            self._ready_cv.notify_all()
+
     def _wake_waiters(self) -> None:
         """A cancel was recorded: end admission/lease waits so the owner sees it."""
+        self._ready_changed()
         if self.kvc is not None:
             self.kvc.wake()
         if self.pool is not None:
@@ -972,6 +1024,7 @@ class DeviceExecutor(DeviceLifecycle):
             self._admitting = False
             if self.lifecycle.state == "Ready":
                 self.lifecycle.send("drain")
+            self._ready_cv.notify_all()
         if self.gen is not None:
             self.gen.kvc.close()
         with self._submit_cv:
@@ -1040,6 +1093,7 @@ class DeviceExecutor(DeviceLifecycle):
             "slots": None if pool is None else pool.counts(),
             "recoveries": len(self.recoveries),
             "thread_faults": len(self.thread_faults),
+            "waiting_for_ready": self._ready_waiters,
             "retired_generations_kept": len(self._retired),
             **self.counters,
         }
