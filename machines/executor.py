@@ -28,7 +28,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Any, Callable, Protocol
 
 import attrs
@@ -108,6 +108,9 @@ class ExecutorConfig:
     #: while the device drains/recovers/configures/warms wait for Ready within their
     #: deadline instead of an immediate UNAVAILABLE; 0 refuses them at once
     ready_queue_max: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    #: the path of each job (taken transitions, refused events and their guards) is kept for
+    #: this many most recent jobs (``job_trail``); 0 keeps none
+    job_trails_kept: int = attrs.field(default=1024, validator=attrs.validators.ge(0))
     #: /ready and health(): a job still on the device this long past its request deadline
     #: means the device stalls (the execution deadline above is the hard bound)
     stall_after_s: float = attrs.field(default=1.0, validator=attrs.validators.gt(0))
@@ -144,6 +147,9 @@ def _check_caller_arguments(request: InferenceRequest, logits_out: Any,
     if problems:
         return Status.invalid(6, "logits_out: " + "; ".join(problems))
     return Status.OK
+
+
+_TRAIL_STEPS = 32  # a job takes at most ~8 transitions; refused events are few
 
 
 class _NoRequest:
@@ -229,6 +235,7 @@ class DeviceExecutor(DeviceLifecycle):
         self.counters = {"submitted": 0, "succeeded": 0, "failed": 0, "quarantined": 0,
                          "cancelled": 0, "stale_completions": 0, "submit_retries": 0}
         self._counters_mu = self.locks.lock(COUNTERS)
+        self._trails: OrderedDict[int, dict[str, Any]] = OrderedDict()  # counters_mu
         self.infer_threads: set[str] = set()
         self.wait_threads: set[str] = set()
 
@@ -279,6 +286,9 @@ class DeviceExecutor(DeviceLifecycle):
                   self._wake_waiters, internal=internal, clock=self.clock)
         job.gen = gen
         job.logits_out = logits_out
+        if self.config.job_trails_kept:
+            job.run.trail = deque(maxlen=_TRAIL_STEPS)
+            job.on_resolved = self._keep_trail
         handle = JobHandle(job)
         if on_created is not None:
             on_created(handle)
@@ -428,6 +438,34 @@ class DeviceExecutor(DeviceLifecycle):
                 return Status.deadline(Phase.ADMISSION, "admission deadline passed", **job.ctx())
             return None
         return stop
+
+    def _keep_trail(self, job: Job) -> None:
+        """A job resolved: keep its path (bounded, newest last) for ``job_trail``."""
+        result = job.result
+        record = {"job_id": job.job_id, "seq_id": job.request.seq_id, "kind": job.kind.name,
+                  "generation": job.generation_id, "state": job.run.state,
+                  "status": "ok" if not isinstance(result, Status) else result.code,
+                  "trail": job.run.trail}
+        trails = self._trails
+        with self._counters_mu:
+            trails[job.job_id] = record
+            while len(trails) > self.config.job_trails_kept:
+                trails.popitem(last=False)
+
+    def job_trail(self, job_id: int) -> dict[str, Any] | None:
+        """What happened to one recent job: its chart path as a list of steps ``{event,
+        from, to, refused_by, t}`` (``to`` None and ``refused_by`` the guards when an event
+        was refused), its final state and status code; None when not kept (still running,
+        or older than ``job_trails_kept`` jobs)."""
+        with self._counters_mu:
+            record = self._trails.get(job_id)
+            if record is None:
+                return None
+            steps = list(record["trail"])
+        out = {key: value for key, value in record.items() if key != "trail"}
+        out["trail"] = [{"event": e, "from": s, "to": t, "refused_by": list(g) if g else None,
+                         "t": at} for e, s, t, g, at in steps]
+        return out
 
     def _wait_for_ready(self, job: Job) -> Status | None:
         """Queue through recovery (Triton's DELAY policy): a request that arrives while the
