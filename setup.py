@@ -3,7 +3,8 @@
 # calexec.<layer>[.<sub>] through the package-dir mapping.
 #
 # Compiled by cffi in API mode at install time: the bundled CalRT emulator, and the allocation
-# counter used by the benchmarks (§13.3 allocation counts).
+# counter used by the benchmarks (§13.3 allocation counts), and the host-side native helpers
+# (the fused logits postprocess, drivers/native_build.py).
 from setuptools import find_packages, setup
 
 LAYERS = ("contracts", "machines", "drivers")
@@ -15,4 +16,5 @@ for layer in LAYERS:
 setup(packages=packages,
       package_dir={"calexec": "calexec", **{f"calexec.{layer}": layer for layer in LAYERS}},
       cffi_modules=["drivers/calrt/build_ffi.py:ffibuilder",
-                    "drivers/alloccount_build.py:ffibuilder"])
+                    "drivers/alloccount_build.py:ffibuilder",
+                    "drivers/native_build.py:ffibuilder"])

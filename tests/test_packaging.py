@@ -42,11 +42,13 @@ def source_files() -> set[str]:
             rel = pkg.relative_to(base).as_posix()
             dest = prefix if rel == "." else f"{prefix}/{rel}"
             want |= {f"{dest}/{py.name}" for py in pkg.glob("*.py")}
-    calrt = ROOT / "drivers" / "calrt"
-    want |= {f"calexec/drivers/calrt/{f.name}" for f in calrt.iterdir()
-             if f.suffix in (".h", ".c") or f.name == "Makefile"}
-    want |= {f"calexec/contracts/manifests/{f.name}"
-             for f in (ROOT / "contracts" / "manifests").glob("*.toml")}
+    # every file the package-data globs of pyproject.toml match
+    for package, globs in pyproject()["tool"]["setuptools"]["package-data"].items():
+        parts = package.split(".")
+        folder = ROOT / LAYERS["/".join(parts[:2])] / "/".join(parts[2:])
+        dest = "/".join(parts)
+        for pattern in globs:
+            want |= {f"{dest}/{f.relative_to(folder).as_posix()}" for f in folder.glob(pattern)}
     return want
 
 
@@ -72,12 +74,14 @@ def test_the_wheel_holds_every_subpackage_and_data_file(wheel):
     names = set(wheel.namelist())
     want = source_files()
     assert "calexec/drivers/conform/runner.py" in want  # the one a hand list once forgot
-    assert "calexec/contracts/manifests/qwen3_synthetic.toml" in want
+    assert {"calexec/contracts/manifests/qwen3_synthetic.toml", "calexec/drivers/calrt/Makefile",
+            "calexec/drivers/calrt/calrt.h", "calexec/drivers/calrt/emulator.c"} <= want
     missing = sorted(want - names)
     assert not missing, f"not in the wheel: {missing}"
     # the compiled emulator and allocation counter, and nothing from the tests
     assert any(n.startswith("calexec/drivers/calrt/_calrt_emu") and n.endswith(".so") for n in names)
-    assert any(n.startswith("calexec/drivers/_alloccount") and n.endswith(".so") for n in names)
+    for module in ("calexec/drivers/_alloccount", "calexec/drivers/_calexec_native"):
+        assert any(n.startswith(module) and n.endswith(".so") for n in names), module
     assert not [n for n in names if n.startswith("tests/") or "/tests/" in n]
 
 
