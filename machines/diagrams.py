@@ -8,7 +8,6 @@ comment, so ``--check`` compares DOT text only and never depends on graphviz's S
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import re
 import sys
@@ -99,25 +98,36 @@ def stale_files(out: Path) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    """Entry point; ``argv`` starts with the command word ``diagrams``."""
-    parser = argparse.ArgumentParser(prog="calexec diagrams", description=__doc__.splitlines()[0])
+    """Entry point; ``argv`` starts with the command word ``diagrams``. Exit 0, 1 when
+    ``--check`` finds a stale file, 2 when ``--out`` cannot be written or graphviz's ``dot``
+    is missing (one line, no traceback)."""
+    from calexec.cliargs import EXIT_CONFIG, parser as cli_parser
+
+    parser = cli_parser("calexec diagrams", __doc__)
     parser.add_argument("--out", type=Path, default=Path("diagrams"), help="output directory")
-    parser.add_argument("--check", action="store_true", help="exit 1 if any diagram is stale")
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 if any diagram in --out is stale (compares DOT text; "
+                             "needs no graphviz binary)")
     args = parser.parse_args(argv[1:])
-    if args.check:
-        problems = stale_files(args.out)
-        for problem in problems:
-            print(f"stale: {problem}", file=sys.stderr)
-        if problems:
-            print(f"fix: {FIX_COMMAND} --out {args.out}", file=sys.stderr)
-            return 1
-        print(f"diagrams in {args.out} are up to date")
-        return 0
     try:
+        if args.check:
+            problems = stale_files(args.out)
+            for problem in problems:
+                print(f"stale: {problem}", file=sys.stderr)
+            if problems:
+                print(f"fix: {FIX_COMMAND} --out {args.out}", file=sys.stderr)
+                return 1
+            print(f"diagrams in {args.out} are up to date")
+            return 0
         written = write_all(args.out)
-    except GraphvizError as err:
-        print(f"calexec diagrams: {err}", file=sys.stderr)
-        return 1
+    except GraphvizError as err:  # first: 'dot not found' is also an OSError
+        print(f"calexec diagrams: graphviz's dot failed (install graphviz): "
+              f"{str(err.args[0] if err.args else err).splitlines()[0]}", file=sys.stderr)
+        return EXIT_CONFIG
+    except OSError as err:
+        print(f"calexec diagrams: --out={str(args.out)!r}: {err.strerror or err}"
+              f"{f' ({err.filename})' if err.filename else ''}", file=sys.stderr)
+        return EXIT_CONFIG
     for path in written:
         print(path)
     return 0

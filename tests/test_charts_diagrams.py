@@ -14,12 +14,13 @@ REPO_DIAGRAMS = Path(__file__).resolve().parent.parent / "diagrams"
 
 
 @pytest.fixture(scope="module")
-def rendered(tmp_path_factory):
+def rendered(tmp_path_factory):  # its users are marked requires_tool("dot"): SVG rendering
     out = tmp_path_factory.mktemp("diagrams")
     assert diagrams.main(["diagrams", "--out", str(out)]) == 0
     return out
 
 
+@pytest.mark.requires_tool("dot")
 def test_render_then_check_passes(rendered):
     assert sorted(p.name for p in rendered.iterdir()) == sorted(
         f"{name}.{ext}" for name in CHARTS for ext in ("dot", "svg")
@@ -36,6 +37,7 @@ def test_dot_is_deterministic_and_complete():
             assert re.search(rf"^{state} \[", dot, re.M), state
 
 
+@pytest.mark.requires_tool("dot")
 def test_modified_dot_fails_check(rendered, tmp_path, capsys):
     for path in rendered.iterdir():
         (tmp_path / path.name).write_bytes(path.read_bytes())
@@ -46,6 +48,7 @@ def test_modified_dot_fails_check(rendered, tmp_path, capsys):
     assert "job.dot: differs" in err and "fix: calexec diagrams --out" in err
 
 
+@pytest.mark.requires_tool("dot")
 def test_svg_missing_or_from_another_dot_fails_check(rendered, tmp_path, capsys):
     for path in rendered.iterdir():
         (tmp_path / path.name).write_bytes(path.read_bytes())
@@ -57,6 +60,7 @@ def test_svg_missing_or_from_another_dot_fails_check(rendered, tmp_path, capsys)
     assert err.count("stale: ") == 2  # the untouched charts are not reported
 
 
+@pytest.mark.requires_tool("dot")
 def test_live_view_highlights_the_active_state():
     svg = diagrams.render_chart_svg("job", active_state="Submitted")
     assert svg.startswith("<?xml") and "calexec-dot-sha256" in svg

@@ -278,6 +278,7 @@ def test_failure_counter_carries_the_raw_calrt_code(fresh):
 
 
 # ---- statecharts -------------------------------------------------------------------------------------
+@pytest.mark.requires_tool("dot")
 def test_statecharts_svg_highlights_the_lifecycle_state(served):
     client, _ = served
     r = client.get("/debug/statecharts/lifecycle.svg")
@@ -289,6 +290,7 @@ def test_statecharts_svg_highlights_the_lifecycle_state(served):
     assert client.get("/debug/statecharts/nope.svg").status_code == 404
 
 
+@pytest.mark.requires_tool("dot")
 def test_live_job_counts_show_a_running_job(fresh):
     executor, app = fresh()
     Emulator(executor.device).set_latency(prefill_per_token_us=300_000, decode_us=300_000)
