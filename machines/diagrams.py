@@ -1,9 +1,27 @@
-"""``calexec diagrams [--out DIR] [--check]``: render the declared charts to DOT + SVG.
+"""``calexec diagrams [--out DIR] [--check] [--png DIR]``: render the declared charts.
 
-DOT comes from python-statemachine's ``DotGraphMachine`` (pydot); the object ids it embeds in
-helper node names are renumbered in order of appearance, so the DOT is deterministic. The SVG is
-rendered by graphviz ``dot`` and carries the sha256 of the DOT it was rendered from in a
-comment, so ``--check`` compares DOT text only and never depends on graphviz's SVG bytes.
+The DOT is generated here from the compiled charts (``calexec.machines.compiled``, derived from
+the declarations at import time), so a diagram can only show declared transitions. It is
+deterministic text; the SVG is rendered by graphviz ``dot`` and carries the sha256 of the DOT it
+was rendered from in a comment, so ``--check`` compares DOT text only and never depends on
+graphviz's SVG bytes. ``--png DIR`` also writes a PNG of each chart (for docs/diagrams.md).
+
+Rendering rules (each diagram's legend states them):
+
+- A double border is a final state; the black dot points at the initial state; a turquoise
+  fill is the current state (live view only).
+- An edge label is ``Event [guard, ...]``: the transition is taken only when every guard
+  holds. ``[else]`` marks the unguarded fallback of an event that also has a guarded
+  transition from the same state (declaration order: first passing candidate wins).
+- Several transitions between the same two states are drawn as ONE edge whose label has one
+  line per transition. Labels are tied to their edge by a leader line (graphviz ``decorate``).
+- **Grouping**: the same transition (event, guards, target) declared from at least
+  ``GROUP_MIN`` states is drawn as ONE bold edge leaving a dashed box around those states
+  (graphviz cluster, ``ltail``); the box's title names the event(s). Boxes must nest, so
+  when two such source sets overlap without nesting, the larger is boxed first and the
+  other is boxed on its part inside (if still ``GROUP_MIN`` states), its other sources keep
+  their own edges (job chart: ``Fail`` from the four states before submit is one edge from
+  the inner box; ``CancelRequested -> Failed`` keeps its own).
 """
 
 from __future__ import annotations
@@ -11,43 +29,209 @@ from __future__ import annotations
 import argparse
 import hashlib
 import re
+import shutil
+import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
-from statemachine.contrib.diagram import DotGraphMachine, GraphvizError, run_graphviz
+from calexec.machines.compiled import CHARTS, CompiledChart, Transition
 
-from calexec.machines.compiled import CHARTS
-
-_OBJECT_ID = re.compile(r"(?<=_)\d{6,}")
 _SHA_COMMENT = "<!-- calexec-dot-sha256: {} -->"
 _SHA_PATTERN = re.compile(r"<!-- calexec-dot-sha256: ([0-9a-f]{64}) -->")
 FIX_COMMAND = "calexec diagrams"
+#: a transition declared from this many states (or more) is drawn once, from a box
+GROUP_MIN = 3
+ACTIVE_FILL = "turquoise"
+LEGEND_CLUSTER = "cluster_legend"
+FONT = "Helvetica"
 
 
-def _stable(dot: str) -> str:
-    numbers: dict[str, str] = {}
-    return _OBJECT_ID.sub(lambda m: numbers.setdefault(m.group(0), str(len(numbers))), dot)
+class GraphvizError(RuntimeError):
+    """graphviz ``dot`` is missing or failed."""
 
 
-def _chart(chart_name: str):
+def _chart(chart_name: str) -> CompiledChart:
     if chart_name not in CHARTS:
         raise ValueError(f"chart_name={chart_name!r} is not one of {sorted(CHARTS)}")
     return CHARTS[chart_name]
 
 
+def _q(text: str) -> str:
+    """A DOT double-quoted string (``\\l`` line ends are kept as graphviz escapes)."""
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\\\\l", "\\l") + '"'
+
+
+def _event_label(event: str) -> str:
+    return event.replace("_", " ").capitalize()
+
+
+def transition_label(chart: CompiledChart, transition: Transition) -> str:
+    """``Event [guards]`` of one transition; ``[else]`` for an unguarded fallback."""
+    text = _event_label(transition.event)
+    if transition.guards:
+        return f"{text} [{', '.join(transition.guards)}]"
+    alternatives = chart.table[(transition.source, transition.event)]
+    if any(t.guards for t in alternatives if t.id < transition.id):
+        return f"{text} [else]"
+    return text
+
+
+def groups(chart: CompiledChart) -> list[tuple[tuple[str, ...], tuple[Transition, ...]]]:
+    """The boxes of ``chart``: (states in the box, transitions drawn from the box), outer
+    boxes first. Deterministic (declaration order breaks ties)."""
+    by_key: dict[tuple[str, str, tuple[str, ...]], list[Transition]] = {}
+    for t in chart.transitions:
+        by_key.setdefault((t.event, t.target, t.guards), []).append(t)
+    order = {state: i for i, state in enumerate(chart.states)}
+    candidates = [ts for ts in by_key.values()
+                  if len(ts) >= GROUP_MIN and all(t.source != t.target for t in ts)
+                  and ts[0].target not in {t.source for t in ts}]
+    candidates.sort(key=lambda ts: (-len(ts), ts[0].id))
+    boxes: list[tuple[frozenset[str], list[Transition]]] = []
+    for ts in candidates:
+        sources = frozenset(t.source for t in ts)
+        for box, _ in boxes:
+            if not (sources <= box or box <= sources or not sources & box):
+                sources = sources & box  # keep the part that nests
+        if len(sources) < GROUP_MIN:
+            continue
+        if ts[0].target in sources:
+            continue
+        chosen = [t for t in ts if t.source in sources]
+        for box, members in boxes:
+            if box == sources:
+                members.extend(chosen)
+                break
+        else:
+            boxes.append((sources, chosen))
+    boxes.sort(key=lambda b: (-len(b[0]), min(t.id for t in b[1])))
+    return [(tuple(sorted(box, key=order.__getitem__)), tuple(members))
+            for box, members in boxes]
+
+
+def _legend(boxed: bool) -> list[str]:
+    """One HTML-like table node: each drawing convention next to a sample of it."""
+    cell = '<TD ALIGN="LEFT">{}</TD>'
+    rows = [
+        ('<TD>&#9679;&#8594; <B>S</B></TD>', "initial state S"),
+        ('<TD><TABLE BORDER="1" CELLBORDER="0" CELLPADDING="2" STYLE="ROUNDED"><TR><TD>'
+         '<TABLE BORDER="1" CELLBORDER="0" STYLE="ROUNDED"><TR><TD>S</TD></TR></TABLE>'
+         '</TD></TR></TABLE></TD>', "final state (double border)"),
+        (f'<TD BGCOLOR="{ACTIVE_FILL}" STYLE="ROUNDED" BORDER="1">S</TD>',
+         "current state (live view only)"),
+        ("<TD>Event [g, h]</TD>", "taken only when guards g and h both hold"),
+        ("<TD>Event [else]</TD>", "taken when the guarded alternative is refused"),
+        ("<TD>two lines</TD>", "one edge, one transition per label line"),
+    ]
+    if boxed:
+        rows.append(('<TD>dashed box &#8594;</TD>',
+                     "<B>bold</B> edge leaving a dashed box: declared from EVERY state in it"))
+    body = "".join(f"<TR>{sample}{cell.format(text)}</TR>" for sample, text in rows)
+    return [
+        f"subgraph {LEGEND_CLUSTER} {{",
+        'label="Legend"; style="rounded"; color="gray50"; fontsize=12;',
+        f'legend [shape=plaintext, style="", fontsize=11, label=<<TABLE BORDER="0" '
+        f'CELLBORDER="0" CELLSPACING="3">{body}</TABLE>>];',
+        "}",
+    ]
+
+
 def render_chart_dot(chart_name: str, active_state: str | None = None) -> str:
     """Deterministic DOT of one chart; ``active_state`` (a state id) is highlighted."""
     chart = _chart(chart_name)
-    if active_state is None:
-        machine = chart.declaration
-    elif active_state not in chart.states:
+    if active_state is not None and active_state not in chart.states:
         raise ValueError(f"{chart_name}: active_state={active_state!r} is not one of {chart.states}")
-    else:
-        # An instance is needed to highlight a state; its guards are never evaluated.
-        guards = SimpleNamespace(**{name: (lambda: False) for name in chart.guard_names})
-        machine = chart.declaration(guards, start_value=active_state)
-    return _stable(DotGraphMachine(machine).get_graph().to_string())
+    boxes = groups(chart)
+    boxed_ids = {t.id for _, members in boxes for t in members}
+    title = chart.declaration.__name__
+    out = [
+        f"digraph {title} {{",
+        f'label={_q(f"{title} (declared in calexec/machines/charts.py)")}; labelloc=t; '
+        f"fontsize=16; fontname={FONT};",
+        "rankdir=TB; compound=true; newrank=true; nodesep=0.35; ranksep=0.55; "
+        "splines=true; forcelabels=true;",
+        f"node [fontname={FONT}, fontsize=14, shape=rectangle, style=\"rounded, filled\", "
+        "fillcolor=white, penwidth=1.5];",
+        f"edge [fontname={FONT}, fontsize=12, decorate=true, arrowsize=0.8];",
+        'initial [label="", shape=point, width=0.15, style=filled, fillcolor=black];',
+    ]
+
+    def node(state: str) -> str:
+        attrs_ = []
+        if state in chart.finals:
+            attrs_.append("peripheries=2")
+        if state == active_state:
+            attrs_.append(f"fillcolor={ACTIVE_FILL}")
+        return f"{state} [{', '.join([f'label={_q(state)}'] + attrs_)}];"
+
+    placed: set[str] = set()
+
+    def emit_box(index: int, indent: str) -> None:
+        states, members = boxes[index]
+        events = ", ".join(dict.fromkeys(_event_label(t.event) for t in members))
+        out.append(f"{indent}subgraph cluster_group_{index} {{")
+        out.append(f'{indent}label={_q(f"{events}: from every state in this box")}; '
+                   'style="dashed, rounded"; color="gray40"; fontsize=12;')
+        inner = [j for j in range(index + 1, len(boxes))
+                 if set(boxes[j][0]) < set(states)
+                 and not any(set(boxes[j][0]) < set(boxes[k][0]) < set(states)
+                             for k in range(index + 1, len(boxes)))]
+        for j in inner:
+            emit_box(j, indent + "  ")
+        for state in states:
+            if state not in placed:
+                placed.add(state)
+                out.append(indent + "  " + node(state))
+        out.append(f"{indent}}}")
+
+    top = [i for i in range(len(boxes))
+           if not any(set(boxes[i][0]) < set(boxes[k][0]) for k in range(len(boxes)))]
+    for i in top:
+        emit_box(i, "")
+    for state in chart.states:
+        if state not in placed:
+            out.append(node(state))
+    out.append(f"initial -> {chart.initial};")
+    # one edge per (source, target); boxed transitions leave their box once
+    edges: dict[tuple[str, str], list[str]] = {}
+    tails: dict[tuple[str, str], str] = {}
+    for index, (states, members) in enumerate(boxes):
+        for t in members:
+            key = (f"cluster_group_{index}", t.target)
+            label = transition_label(chart, t)
+            labels = edges.setdefault(key, [])
+            if label not in labels:
+                labels.append(label)
+            tails[key] = states[len(states) // 2]
+    for t in chart.transitions:
+        if t.id not in boxed_ids:
+            edges.setdefault((t.source, t.target), []).append(transition_label(chart, t))
+    for (source, target), labels in edges.items():
+        text = _q("".join(f"{line}\\l" for line in labels))
+        if source.startswith("cluster_group_"):
+            out.append(f"{tails[(source, target)]} -> {target} [label={text}, ltail={source}, "
+                       "penwidth=2.5];")
+        else:
+            out.append(f"{source} -> {target} [label={text}];")
+    out += _legend(bool(boxes))
+    out.append("}")
+    return "\n".join(out) + "\n"
+
+
+def run_graphviz(dot: str, fmt: str) -> bytes:
+    """``dot -T<fmt>`` of ``dot`` text; ``GraphvizError`` when graphviz is missing or fails."""
+    exe = shutil.which("dot")
+    if exe is None:
+        raise GraphvizError("graphviz 'dot' is not on PATH (Debian: apt-get install graphviz)")
+    try:
+        done = subprocess.run([exe, f"-T{fmt}"], input=dot.encode("utf-8"), capture_output=True,
+                              timeout=60, check=False)
+    except subprocess.TimeoutExpired:
+        raise GraphvizError(f"dot -T{fmt} did not finish within 60 s") from None
+    if done.returncode != 0:
+        raise GraphvizError(f"dot -T{fmt} exited {done.returncode}: "
+                            f"{done.stderr.decode('utf-8', 'replace').strip()}")
+    return done.stdout
 
 
 def _svg_from_dot(dot: str) -> str:
@@ -60,21 +244,29 @@ def _svg_from_dot(dot: str) -> str:
 def render_chart_svg(chart_name: str, active_state: str | None = None) -> str:
     """SVG text of one chart (for a live view), ``active_state`` highlighted.
 
-    Raises ``ValueError`` for an unknown chart or state and graphviz's ``GraphvizError`` when
-    ``dot`` is missing or fails.
+    Raises ``ValueError`` for an unknown chart or state and ``GraphvizError`` when ``dot`` is
+    missing or fails.
     """
     return _svg_from_dot(render_chart_dot(chart_name, active_state))
 
 
-def write_all(out: Path) -> list[Path]:
-    """Render every chart to ``out/<chart>.dot`` and ``out/<chart>.svg``; return the files."""
+def write_all(out: Path, png: Path | None = None) -> list[Path]:
+    """Render every chart to ``out/<chart>.dot`` and ``out/<chart>.svg`` (and
+    ``png/<chart>.png`` when ``png`` is given); return the files written."""
     out.mkdir(parents=True, exist_ok=True)
+    if png is not None:
+        png.mkdir(parents=True, exist_ok=True)
     written = []
     for name in CHARTS:
         dot = render_chart_dot(name)
         (out / f"{name}.dot").write_text(dot, encoding="utf-8")
         (out / f"{name}.svg").write_text(_svg_from_dot(dot), encoding="utf-8")
         written += [out / f"{name}.dot", out / f"{name}.svg"]
+        if png is not None:
+            # 96 dpi: the diagrams' 12-14 pt text is ~16-19 px high, legible without zoom
+            (png / f"{name}.png").write_bytes(run_graphviz(dot.replace(
+                "digraph", "digraph", 1).replace("{\n", "{\ndpi=96;\n", 1), "png"))
+            written.append(png / f"{name}.png")
     return written
 
 
@@ -103,6 +295,8 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="calexec diagrams", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("diagrams"), help="output directory")
     parser.add_argument("--check", action="store_true", help="exit 1 if any diagram is stale")
+    parser.add_argument("--png", type=Path, default=None, metavar="DIR",
+                        help="also write <chart>.png to DIR (docs/img for docs/diagrams.md)")
     args = parser.parse_args(argv[1:])
     if args.check:
         problems = stale_files(args.out)
@@ -114,7 +308,7 @@ def main(argv: list[str]) -> int:
         print(f"diagrams in {args.out} are up to date")
         return 0
     try:
-        written = write_all(args.out)
+        written = write_all(args.out, args.png)
     except GraphvizError as err:
         print(f"calexec diagrams: {err}", file=sys.stderr)
         return 1
