@@ -165,7 +165,7 @@ def main(argv: list[str]) -> int:
             print(f"calexec demo: executor start failed: {status}", file=sys.stderr)
             return 1
         print(f"runtime {ex.runtime.version}, calbin sha256 {sha[:16]}..., generation "
-              f"{ex.gen.id}, lifecycle {ex.state}, golden {list(ex.goldens[sha])}")
+              f"{ex.gen.id}, lifecycle {ex.state}, golden {list(ex.expected_golden(sha)[0])}")
         seqs = range(1, args.seqs + 1)
         refs = {seq: oracle.OracleSequence(seed) for seq in seqs}
         state: dict[int, dict] = {}

@@ -62,6 +62,9 @@ def _parser() -> argparse.ArgumentParser:
                                     "to a temporary directory)")
     p.add_argument("--runtime-lib", help="CalRT shim library to dlopen (default: the bundled "
                                          "emulator)")
+    p.add_argument("--allow-unpinned-golden", action="store_true",
+                   help="start (and /admin/reload) a calbin with no golden pinned by `calexec "
+                        "golden record` (its first warm-up is trusted; logged at WARNING)")
     p.add_argument("--device-config", default="", help="device config string, e.g. "
                    "'kv_blocks=64;decode_us=10000' (emulator keys: drivers/calrt/calrt_emu.h)")
     p.add_argument("--admin-token-file", type=Path, help="file holding the admin bearer "
@@ -131,7 +134,8 @@ def main(argv: list[str]) -> int:
         executor = DeviceExecutor(CalRT.load(args.runtime_lib),
                                   load_manifest(default_manifest_path()),
                                   ExecutorConfig(calbin_path=path,
-                                                 device_config=args.device_config))
+                                                 device_config=args.device_config,
+                                                 allow_unpinned_golden=args.allow_unpinned_golden))
         status = executor.start()
         if not status.ok:
             print(f"calexec serve: executor failed to start: {status}", file=sys.stderr)

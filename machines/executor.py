@@ -98,10 +98,14 @@ class ExecutorConfig:
     golden_seq_id: int = 0
     #: deadline of each golden job (a golden that cannot finish fails the warm-up, never hangs)
     golden_timeout_s: float = 10.0
-    #: expected golden tokens per calbin sha256. A calbin without an entry records its first
-    #: warm-up's tokens (trust on first use) unless ``require_golden`` is set.
+    #: expected golden tokens per calbin sha256 for the prompt above, given by the operator;
+    #: they take precedence over the goldens pinned next to the manifest (``Manifest.goldens``,
+    #: written by ``calexec golden record``).
     goldens: dict[str, tuple[int, ...]] = attrs.field(factory=dict)
-    require_golden: bool = False
+    #: §9.2: start or switch to a calbin with no pinned golden. Refused by default; when set,
+    #: the first warm-up's tokens become the expected ones for this process (trust on first
+    #: use), logged at WARNING and shown in ``snapshot()["golden"]``.
+    allow_unpinned_golden: bool = False
     #: recovery thresholds and reset choice (calexec.machines.faults.RecoveryPolicy)
     recovery: RecoveryPolicy = attrs.field(factory=RecoveryPolicy)
     #: retired generations whose host storage is kept alive (stale DMA after a reset, FI14)
@@ -154,6 +158,8 @@ class DeviceExecutor(DeviceLifecycle):
         self._rollback_path: str | None = None
         self.good_calbins: list[str] = []  # calbin paths that reached Ready, newest last
         self.goldens: dict[str, tuple[int, ...]] = dict(config.goldens)
+        self.golden_source: str | None = None  # the current generation's: pinned|config|unpinned
+        self.unpinned_goldens: set[str] = set()  # calbin sha256s accepted by allow_unpinned_golden
         self.start_status: Status | None = None
         self.failure: Status | None = None  # why the lifecycle is Failed
         # recovery: one at a time, on its own thread (threads mode) or run by the caller
@@ -748,5 +754,7 @@ class DeviceExecutor(DeviceLifecycle):
             "pending_tokens": pending,
             "slots": None if pool is None else pool.counts(),
             "recoveries": len(self.recoveries),
+            "golden": self.golden_source,
+            "allow_unpinned_golden": self.config.allow_unpinned_golden,
             **self.counters,
         }

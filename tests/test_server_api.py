@@ -214,7 +214,10 @@ def test_admin_reload_switches_the_model_and_rolls_back_a_bad_one(fresh, tmp_pat
     executor, app = fresh()
     other_seed = cb.DEFAULT_SEED ^ 0x77
     other = tmp_path / "other.calbin"
-    cb.write(str(other), cb.default_spec(seed=other_seed))
+    other_sha = cb.write(str(other), cb.default_spec(seed=other_seed))
+    executor.goldens[other_sha] = tuple(oracle_tokens(list(executor.config.golden_tokens),
+                                                      executor.config.golden_decode_steps + 1,
+                                                      other_seed))  # the operator pins it
     auth = {"Authorization": f"Bearer {TOKEN}"}
     with TestClient(app) as client:
         assert client.post("/admin/reload", json={"calbin": str(other)}).status_code == 401
