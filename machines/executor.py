@@ -55,6 +55,16 @@ from calexec.machines.postprocess import bf16_all_finite, bf16_to_f32_into
 log = logging.getLogger("calexec.executor")
 
 
+#: Features a §8 PROGRAMMING fault (27 unsupported, 29 wrong direction) switches off until the
+#: next generation (``DeviceExecutor.disable_feature``). A PROGRAMMING fault elsewhere (plain
+#: infer, Wait, CSRs, slices: all mandatory paths) has nothing optional to switch off: the job
+#: fails, the fault is recorded, serving continues, no reset.
+FEATURES: dict[str, str] = {
+    "fixed_engine": "Phase B: infer_with_fixed_task_type on the PING/PONG slots; off: plain "
+                    "infer() and in-flight capacity 1",
+}
+
+
 class FaultSink(Protocol):
     """Where the executor reports every failure after submit and every runtime failure.
     ``calexec.machines.faults.FaultController`` (the default) applies the §8 actions."""
@@ -133,6 +143,7 @@ class DeviceExecutor(DeviceLifecycle):
         self._submit_q: deque[Job] = deque()
         self._inflight = 0  # guarded by submit_mu
         self._capacity = config.inflight_capacity  # effective; a downgrade lowers it
+        self._features_off: dict[str, int] = {}  # FEATURES name -> generation it went off in
         self.downgrades: list[dict[str, Any]] = []
         self._phase_b_faults: deque[float] = deque()
         # quarantined slots whose job failed Wait while still on the device (submit_mu)
@@ -390,7 +401,7 @@ class DeviceExecutor(DeviceLifecycle):
         (empty queue, or no in-flight permit and ``block`` is False)."""
         with self._submit_cv:
             while True:
-                if self._submit_q and (self._inflight < self._capacity
+                if self._submit_q and (self._inflight < self._effective_capacity()
                                        or self._submit_q[0].cancel_flag
                                        or self._refusal is not None):
                     job = self._submit_q.popleft()
@@ -453,11 +464,41 @@ class DeviceExecutor(DeviceLifecycle):
             self._completion_cv.notify()
 
     def _infer(self, gen: Generation, slot, seq_id: int) -> int:
-        """Phase A: infer(); Phase B: infer_with_fixed_task_type on the slot's PING/PONG."""
-        if slot.engine == EngineSlot.AUTO:
+        """Phase A: infer(); Phase B: infer_with_fixed_task_type on the slot's PING/PONG
+        (plain infer() while ``fixed_engine`` is switched off)."""
+        if slot.engine == EngineSlot.AUTO or self.feature_disabled("fixed_engine"):
             return self.device.infer(slot.model, gen.kv, seq_id, slot.inbuf, slot.outbuf)
         return self.device.infer_with_fixed_task_type(slot.model, gen.kv, seq_id, slot.inbuf,
                                                       slot.outbuf, int(slot.engine))
+
+    # ---- §8 PROGRAMMING: switch the feature off until the next generation ------------------------
+    def feature_disabled(self, name: str) -> bool:
+        """Whether FEATURES ``name`` is off for the current generation."""
+        gen = self.gen
+        return gen is not None and self._features_off.get(name) == gen.id
+
+    def _effective_capacity(self) -> int:
+        return 1 if self._features_off and self.feature_disabled("fixed_engine") else self._capacity
+
+    def disable_feature(self, status: Status, job: Job | None = None) -> str | None:
+        """Called by the fault controller for a PROGRAMMING fault: switch off the feature the
+        failed call used, for this generation (generation+1 turns it on again). Returns the
+        feature, or None when the call was on a mandatory path (nothing to switch off)."""
+        gen = self.gen
+        # Phase B slots are all PING/PONG (``_open``): an infer failure there came from
+        # infer_with_fixed_task_type unless that path is already off
+        feature = ("fixed_engine" if status.phase is Phase.SUBMIT
+                   and self.config.inflight_capacity == 2
+                   and not self.feature_disabled("fixed_engine") else None)
+        if feature is None or gen is None:
+            log.warning("PROGRAMMING fault %s on a mandatory path: nothing to switch off", status)
+            return None
+        with self._submit_cv:
+            self._features_off[feature] = gen.id
+            self._submit_cv.notify_all()
+        log.warning("feature %s switched off until generation %d (%s): %s", feature, gen.id + 1,
+                    FEATURES[feature], status)
+        return feature
 
     def _release_permit(self) -> None:
         with self._submit_cv:
@@ -749,7 +790,8 @@ class DeviceExecutor(DeviceLifecycle):
             "generation": None if self.gen is None else self.gen.id,
             "queued": queued,
             "inflight": inflight,
-            "inflight_capacity": self._capacity,
+            "inflight_capacity": self._effective_capacity(),
+            "disabled_features": sorted(f for f in self._features_off if self.feature_disabled(f)),
             "downgrades": len(self.downgrades),
             "pending_tokens": pending,
             "slots": None if pool is None else pool.counts(),

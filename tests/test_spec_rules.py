@@ -227,3 +227,67 @@ def test_goldens_round_trip_through_the_writer(tmp_path):
     gl.pin(path, a)
     assert gl.pin(path, b) == gl.load_goldens(path)
     assert gl.load_goldens(path)["a" * 64] == (a, b)
+
+
+# ---- §8 PROGRAMMING: the feature is really off until the next generation ----------------------
+class EngineCalls:
+    """Records which submit path each infer took: "infer" or the fixed task type."""
+
+    def __init__(self, device) -> None:
+        self._device, self.calls = device, []
+
+    def __getattr__(self, name):
+        return getattr(self._device, name)
+
+    def infer(self, *args):
+        self.calls.append("infer")
+        return self._device.infer(*args)
+
+    def infer_with_fixed_task_type(self, *args):
+        self.calls.append("fixed")
+        return self._device.infer_with_fixed_task_type(*args)
+
+
+def test_programming_fault_switches_the_fixed_engine_path_off_until_generation_plus_one(calbins):
+    from fastapi.testclient import TestClient
+
+    from calexec.contracts.errors import Category
+    from calexec.contracts.status import Status
+    from calexec.drivers.server import ServerConfig, create_app
+    from executor_harness import arm, deadline, prefill, running_executor
+    from test_server_support import metric_value
+
+    with running_executor(calbins["main"], inflight_capacity=2) as ex:
+        ex.device = engines = EngineCalls(ex.device)
+        assert not isinstance(ex.enqueue(prefill(1, [1, 2])).wait_until(deadline()), Status)
+        assert engines.calls == ["fixed"] and ex.snapshot()["disabled_features"] == []
+        arm(ex, "SUBMIT_RC", rc=27)  # CalRT "unsupported" from infer_with_fixed_task_type
+        failed = ex.enqueue(prefill(2, [1, 2])).wait_until(deadline())
+        assert isinstance(failed, Status) and failed.category is Category.PROGRAMMING
+        snap = ex.snapshot()
+        assert snap["disabled_features"] == ["fixed_engine"] and snap["inflight_capacity"] == 1
+        assert snap["generation"] == 1 and snap["lifecycle"] == "Ready"  # no reset, no rebuild
+        with TestClient(create_app(ex, ServerConfig())) as client:
+            text = client.get("/metrics").text
+        assert metric_value(text, "calexec_feature_disabled", {"feature": "fixed_engine"}) == 1
+        engines.calls.clear()
+        assert not isinstance(ex.enqueue(prefill(3, [1, 2])).wait_until(deadline()), Status)
+        assert engines.calls == ["infer"]  # the plain path serves meanwhile
+        # generation+1 switches it on again
+        assert ex.switch_model(calbins["main"]).ok and ex.gen.id == 2
+        snap = ex.snapshot()
+        assert snap["disabled_features"] == [] and snap["inflight_capacity"] == 2
+        engines.calls.clear()
+        assert not isinstance(ex.enqueue(prefill(4, [1, 2])).wait_until(deadline()), Status)
+        assert engines.calls == ["fixed"]
+
+
+def test_programming_fault_on_a_mandatory_path_switches_nothing_off(calbins):
+    from calexec.contracts.status import Status
+    from executor_harness import arm, deadline, prefill, running_executor
+
+    with running_executor(calbins["main"]) as ex:  # Phase A: plain infer is the only path
+        arm(ex, "SUBMIT_RC", rc=27)
+        assert isinstance(ex.enqueue(prefill(1, [1, 2])).wait_until(deadline()), Status)
+        assert ex.snapshot()["disabled_features"] == [] and ex.snapshot()["inflight_capacity"] == 1
+        assert not isinstance(ex.enqueue(prefill(2, [1, 2])).wait_until(deadline()), Status)
