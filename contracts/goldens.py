@@ -5,7 +5,7 @@ is recorded the first time a calbin is seen checks nothing on that first run (a 
 model switch would pass by definition), so the expected tokens are pinned in a file next to the
 manifest, ``<manifest stem>.goldens.toml`` (``goldens_path``), written by
 ``calexec golden record --calbin X [--manifest M]`` and loaded with the manifest
-(``Manifest.goldens``). Format (docs/manifest.md §5)::
+(``Manifest.goldens``). Format (docs/manifest.md §6)::
 
     format = 1
 
@@ -155,7 +155,7 @@ def _toml_str(text: str) -> str:
 
 def dumps(goldens: Goldens) -> str:
     """TOML text of ``goldens`` (sorted by sha256, then prompt), loadable by ``load_goldens``."""
-    lines = ["# calexec pinned goldens (docs/manifest.md section 5); written by",
+    lines = ["# calexec pinned goldens (docs/manifest.md section 6); written by",
              "# `calexec golden record`. One [[golden]] per calbin sha256 and warm-up prompt.",
              f"format = {FORMAT}"]
     for sha in sorted(goldens):
