@@ -4,7 +4,8 @@ The DOT is generated here from the compiled charts (``calexec.machines.compiled`
 the declarations at import time), so a diagram can only show declared transitions. It is
 deterministic text; the SVG is rendered by graphviz ``dot`` and carries the sha256 of the DOT it
 was rendered from in a comment, so ``--check`` compares DOT text only and never depends on
-graphviz's SVG bytes. ``--png DIR`` also writes a PNG of each chart (for docs/diagrams.md).
+graphviz's SVG bytes. ``--png DIR`` also writes a PNG of each chart (for docs/diagrams.md),
+with the same sha256 in a PNG ``tEXt`` chunk, so ``--check --png DIR`` checks those too.
 
 Rendering rules (each diagram's legend states them):
 
@@ -30,14 +31,18 @@ import argparse
 import hashlib
 import re
 import shutil
+import struct
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 from calexec.machines.compiled import CHARTS, CompiledChart, Transition
 
 _SHA_COMMENT = "<!-- calexec-dot-sha256: {} -->"
 _SHA_PATTERN = re.compile(r"<!-- calexec-dot-sha256: ([0-9a-f]{64}) -->")
+_PNG_KEY = b"calexec-dot-sha256"
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 FIX_COMMAND = "calexec diagrams"
 #: a transition declared from this many states (or more) is drawn once, from a box
 GROUP_MIN = 3
@@ -241,6 +246,24 @@ def _svg_from_dot(dot: str) -> str:
     return f"{head}{sep}\n{comment}{body}" if sep else f"{comment}\n{svg}"
 
 
+def _png_from_dot(dot: str) -> bytes:
+    """PNG at 96 dpi with the DOT's sha256 in a ``tEXt`` chunk right after ``IHDR``."""
+    png = run_graphviz(dot.replace("{\n", "{\ndpi=96;\n", 1), "png")
+    if not png.startswith(_PNG_SIGNATURE) or png[12:16] != b"IHDR":
+        raise GraphvizError("dot -Tpng did not return a PNG")
+    end_ihdr = 8 + 12 + struct.unpack(">I", png[8:12])[0]
+    data = _PNG_KEY + b"\0" + hashlib.sha256(dot.encode("utf-8")).hexdigest().encode("ascii")
+    chunk = (struct.pack(">I", len(data)) + b"tEXt" + data
+             + struct.pack(">I", zlib.crc32(b"tEXt" + data)))
+    return png[:end_ihdr] + chunk + png[end_ihdr:]
+
+
+def _png_sha(png: bytes) -> str | None:
+    """The DOT sha256 stored by ``_png_from_dot``, or None."""
+    found = re.search(re.escape(_PNG_KEY) + rb"\0([0-9a-f]{64})", png[:4096])
+    return found.group(1).decode("ascii") if found else None
+
+
 def render_chart_svg(chart_name: str, active_state: str | None = None) -> str:
     """SVG text of one chart (for a live view), ``active_state`` highlighted.
 
@@ -264,16 +287,23 @@ def write_all(out: Path, png: Path | None = None) -> list[Path]:
         written += [out / f"{name}.dot", out / f"{name}.svg"]
         if png is not None:
             # 96 dpi: the diagrams' 12-14 pt text is ~16-19 px high, legible without zoom
-            (png / f"{name}.png").write_bytes(run_graphviz(dot.replace(
-                "digraph", "digraph", 1).replace("{\n", "{\ndpi=96;\n", 1), "png"))
+            (png / f"{name}.png").write_bytes(_png_from_dot(dot))
             written.append(png / f"{name}.png")
     return written
 
 
-def stale_files(out: Path) -> list[str]:
-    """Problems with the committed diagrams in ``out``, one message per stale file."""
+def stale_files(out: Path, png: Path | None = None) -> list[str]:
+    """Problems with the committed diagrams in ``out`` (and PNGs in ``png``), one message per
+    stale file."""
     problems = []
     for name in CHARTS:
+        if png is not None:
+            png_path = png / f"{name}.png"
+            expected = hashlib.sha256(render_chart_dot(name).encode("utf-8")).hexdigest()
+            if not png_path.is_file():
+                problems.append(f"{png_path}: missing")
+            elif _png_sha(png_path.read_bytes()) != expected:
+                problems.append(f"{png_path}: not rendered from the current DOT")
         dot_path, svg_path = out / f"{name}.dot", out / f"{name}.svg"
         fresh = render_chart_dot(name)
         if not dot_path.is_file():
@@ -299,13 +329,14 @@ def main(argv: list[str]) -> int:
                         help="also write <chart>.png to DIR (docs/img for docs/diagrams.md)")
     args = parser.parse_args(argv[1:])
     if args.check:
-        problems = stale_files(args.out)
+        problems = stale_files(args.out, args.png)
         for problem in problems:
             print(f"stale: {problem}", file=sys.stderr)
         if problems:
-            print(f"fix: {FIX_COMMAND} --out {args.out}", file=sys.stderr)
+            print(f"fix: {FIX_COMMAND} --out {args.out}"
+                  + (f" --png {args.png}" if args.png else ""), file=sys.stderr)
             return 1
-        print(f"diagrams in {args.out} are up to date")
+        print(f"diagrams in {args.out}{f' and {args.png}' if args.png else ''} are up to date")
         return 0
     try:
         written = write_all(args.out, args.png)

@@ -11,6 +11,7 @@ from calexec.machines import diagrams
 from calexec.machines.compiled import CHARTS
 
 REPO_DIAGRAMS = Path(__file__).resolve().parent.parent / "diagrams"
+REPO_PNGS = Path(__file__).resolve().parent.parent / "docs" / "img"  # docs/diagrams.md
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +71,8 @@ def test_live_view_highlights_the_active_state():
 
 
 def test_committed_diagrams_are_current():
-    assert diagrams.stale_files(REPO_DIAGRAMS) == [], "run: calexec diagrams"
+    assert diagrams.stale_files(REPO_DIAGRAMS, REPO_PNGS) == [], \
+        "run: calexec diagrams --png docs/img"
 
 
 # ---- structure a reviewer relies on (issue 18) -----------------------------------------------
@@ -160,9 +162,19 @@ def test_svg_text_stays_legible(rendered):
                                                   re.M)
 
 
-def test_png_option_writes_one_png_per_chart(tmp_path):
-    assert diagrams.main(["diagrams", "--out", str(tmp_path / "d"), "--png",
-                          str(tmp_path / "img")]) == 0
+def test_png_option_writes_one_png_per_chart_and_check_covers_them(tmp_path, capsys):
+    from PIL import Image
+
+    out, img = str(tmp_path / "d"), tmp_path / "img"
+    assert diagrams.main(["diagrams", "--out", out, "--png", str(img)]) == 0
     for name in CHARTS:
-        data = (tmp_path / "img" / f"{name}.png").read_bytes()
-        assert data.startswith(b"\x89PNG\r\n\x1a\n"), name
+        with Image.open(img / f"{name}.png") as image:  # a valid PNG with its DOT's digest
+            image.load()
+            assert image.format == "PNG" and image.text.get("calexec-dot-sha256"), name
+    assert diagrams.main(["diagrams", "--out", out, "--png", str(img), "--check"]) == 0
+    (img / "job.png").write_bytes((img / "kv_txn.png").read_bytes())
+    (img / "lifecycle.png").unlink()
+    assert diagrams.main(["diagrams", "--out", out, "--png", str(img), "--check"]) == 1
+    err = capsys.readouterr().err
+    assert "job.png: not rendered from the current DOT" in err and "lifecycle.png: missing" in err
+    assert "--png" in err
