@@ -114,8 +114,9 @@ def groups(chart: CompiledChart) -> list[tuple[tuple[str, ...], tuple[Transition
             for box, members in boxes]
 
 
-def _legend(boxed: bool) -> list[str]:
-    """One HTML-like table node: each drawing convention next to a sample of it."""
+def _legend(boxed: bool, finals: list[str]) -> list[str]:
+    """One HTML-like table node: each drawing convention next to a sample of it, kept below
+    the chart (invisible edges from the final states) so the chart itself comes first."""
     cell = '<TD ALIGN="LEFT">{}</TD>'
     rows = [
         ('<TD>&#9679;&#8594; <B>S</B></TD>', "initial state S"),
@@ -138,6 +139,7 @@ def _legend(boxed: bool) -> list[str]:
         f'legend [shape=plaintext, style="", fontsize=11, label=<<TABLE BORDER="0" '
         f'CELLBORDER="0" CELLSPACING="3">{body}</TABLE>>];',
         "}",
+        *(f"{state} -> legend [style=invis];" for state in finals),
     ]
 
 
@@ -218,7 +220,7 @@ def render_chart_dot(chart_name: str, active_state: str | None = None) -> str:
                        "penwidth=2.5];")
         else:
             out.append(f"{source} -> {target} [label={text}];")
-    out += _legend(bool(boxes))
+    out += _legend(bool(boxes), [s for s in chart.states if s in chart.finals])
     out.append("}")
     return "\n".join(out) + "\n"
 
