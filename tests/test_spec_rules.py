@@ -291,3 +291,22 @@ def test_programming_fault_on_a_mandatory_path_switches_nothing_off(calbins):
         assert isinstance(ex.enqueue(prefill(1, [1, 2])).wait_until(deadline()), Status)
         assert ex.snapshot()["disabled_features"] == [] and ex.snapshot()["inflight_capacity"] == 1
         assert not isinstance(ex.enqueue(prefill(2, [1, 2])).wait_until(deadline()), Status)
+
+
+def test_golden_record_usage_errors_name_the_problem(calbins, tmp_path, capsys):
+    missing = str(tmp_path / "nope.calbin")
+    assert golden_cli.main(["golden", "record", "--calbin", missing]) == 2
+    assert "nope.calbin" in capsys.readouterr().err
+    bad_manifest = tmp_path / "bad.toml"
+    bad_manifest.write_text('name = "x"\n')
+    assert golden_cli.main(["golden", "record", "--calbin", calbins["main"],
+                            "--manifest", str(bad_manifest)]) == 2
+    assert "bad.toml" in capsys.readouterr().err
+    # a calbin the manifest refuses: nothing is pinned
+    manifest_path = copied_manifest(tmp_path)
+    text = manifest_path.read_text().replace('ignored_models = ["qwen3_decode_s40960_b1_draft"]\n', "")
+    manifest_path.write_text(text)
+    assert golden_cli.main(["golden", "record", "--calbin", calbins["main"],
+                            "--manifest", str(manifest_path)]) == 1
+    assert "manifest.model_unlisted" in capsys.readouterr().err
+    assert not gl.goldens_path(manifest_path).exists()
