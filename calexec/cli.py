@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "accept": ("calexec.drivers.accept", "the §13 acceptance gates (--quick|--full, --phase a|b|both, --report DIR, --json)"),
     "bench pingpong": ("calexec.drivers.bench", "Phase B: tokens/s at in-flight 2 vs 1 per emulator overlap setting, TPOT P99, trace"),
     "bench server": ("calexec.drivers.bench_server", "the server's own overhead: HTTP vs in-process executor at concurrency 1 and 8"),
+    "diagrams live": ("calexec.drivers.live_charts", "screenshot the live /debug/statecharts page under load (--out PNG)"),
     "golden record": ("calexec.drivers.golden", "run a calbin's warm-up on the emulator and pin its golden next to the manifest"),
     "serve": ("calexec.drivers.serve", "run the reference HTTP server (OpenAI-style completions, metrics, drain)"),
 }

@@ -47,6 +47,10 @@ FIX_COMMAND = "calexec diagrams"
 #: a transition declared from this many states (or more) is drawn once, from a box
 GROUP_MIN = 3
 ACTIVE_FILL = "turquoise"
+#: SVG ids: a state's node group is ``NODE_ID + state``; an edge's group is ``EDGE_ID`` + the
+#: ids of the transitions it draws joined by ``_`` (``CompiledChart.transitions[i].id``)
+NODE_ID = "s_"
+EDGE_ID = "t_"
 LEGEND_CLUSTER = "cluster_legend"
 FONT = "Helvetica"
 
@@ -169,7 +173,7 @@ def render_chart_dot(chart_name: str, active_state: str | None = None) -> str:
             attrs_.append("peripheries=2")
         if state == active_state:
             attrs_.append(f"fillcolor={ACTIVE_FILL}")
-        return f"{state} [{', '.join([f'label={_q(state)}'] + attrs_)}];"
+        return f"{state} [{', '.join([f'label={_q(state)}', f'id={_q(NODE_ID + state)}'] + attrs_)}];"
 
     placed: set[str] = set()
 
@@ -201,6 +205,7 @@ def render_chart_dot(chart_name: str, active_state: str | None = None) -> str:
     out.append(f"initial -> {chart.initial};")
     # one edge per (source, target); boxed transitions leave their box once
     edges: dict[tuple[str, str], list[str]] = {}
+    ids: dict[tuple[str, str], list[int]] = {}
     tails: dict[tuple[str, str], str] = {}
     for index, (states, members) in enumerate(boxes):
         for t in members:
@@ -209,17 +214,21 @@ def render_chart_dot(chart_name: str, active_state: str | None = None) -> str:
             labels = edges.setdefault(key, [])
             if label not in labels:
                 labels.append(label)
+            ids.setdefault(key, []).append(t.id)
             tails[key] = states[len(states) // 2]
     for t in chart.transitions:
         if t.id not in boxed_ids:
             edges.setdefault((t.source, t.target), []).append(transition_label(chart, t))
+            ids.setdefault((t.source, t.target), []).append(t.id)
     for (source, target), labels in edges.items():
         text = _q("".join(f"{line}\\l" for line in labels))
+        # the SVG group of the edge is named after the transition ids it draws (live rates)
+        edge_id = _q(EDGE_ID + "_".join(map(str, sorted(ids[(source, target)]))))
         if source.startswith("cluster_group_"):
-            out.append(f"{tails[(source, target)]} -> {target} [label={text}, ltail={source}, "
-                       "penwidth=2.5];")
+            out.append(f"{tails[(source, target)]} -> {target} [label={text}, id={edge_id}, "
+                       f"ltail={source}, penwidth=2.5];")
         else:
-            out.append(f"{source} -> {target} [label={text}];")
+            out.append(f"{source} -> {target} [label={text}, id={edge_id}];")
     out += _legend(bool(boxes), [s for s in chart.states if s in chart.finals])
     out.append("}")
     return "\n".join(out) + "\n"

@@ -178,3 +178,14 @@ def test_png_option_writes_one_png_per_chart_and_check_covers_them(tmp_path, cap
     err = capsys.readouterr().err
     assert "job.png: not rendered from the current DOT" in err and "lifecycle.png: missing" in err
     assert "--png" in err
+
+
+def test_svg_ids_name_every_state_and_every_transition_once(rendered):
+    """The live view finds a state's node and a transition's edge by these ids."""
+    for name, chart in CHARTS.items():
+        svg = (rendered / f"{name}.svg").read_text()
+        for state in chart.states:
+            assert f'id="{diagrams.NODE_ID}{state}"' in svg, (name, state)
+        edge_ids = re.findall(rf'<g id="{diagrams.EDGE_ID}([\d_]+)" class="edge"', svg)
+        drawn = [int(i) for group in edge_ids for i in group.split("_")]
+        assert sorted(drawn) == [t.id for t in chart.transitions], name
