@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import html
 import re
 import shutil
 import struct
 import subprocess
 import sys
 import zlib
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from calexec.machines.compiled import CHARTS, CompiledChart, Transition
@@ -51,6 +53,8 @@ ACTIVE_FILL = "turquoise"
 #: ids of the transitions it draws joined by ``_`` (``CompiledChart.transitions[i].id``)
 NODE_ID = "s_"
 EDGE_ID = "t_"
+#: edges and states of one job's path (/debug/jobs/{id})
+PATH_COLOR = "red"
 LEGEND_CLUSTER = "cluster_legend"
 FONT = "Helvetica"
 
@@ -147,9 +151,15 @@ def _legend(boxed: bool, finals: list[str]) -> list[str]:
     ]
 
 
-def render_chart_dot(chart_name: str, active_state: str | None = None) -> str:
-    """Deterministic DOT of one chart; ``active_state`` (a state id) is highlighted."""
+def render_chart_dot(chart_name: str, active_state: str | None = None,
+                     taken: Iterable[int] = (), notes: Mapping[str, str] | None = None) -> str:
+    """Deterministic DOT of one chart; ``active_state`` (a state id) is highlighted, the edges
+    of the ``taken`` transition ids drawn in ``PATH_COLOR``, ``notes`` (state -> text) written
+    next to their state (the path of one job, its refusing guards)."""
     chart = _chart(chart_name)
+    taken = frozenset(taken)
+    notes = dict(notes or {})
+    visited = {s for t in chart.transitions if t.id in taken for s in (t.source, t.target)}
     if active_state is not None and active_state not in chart.states:
         raise ValueError(f"{chart_name}: active_state={active_state!r} is not one of {chart.states}")
     boxes = groups(chart)
@@ -173,7 +183,14 @@ def render_chart_dot(chart_name: str, active_state: str | None = None) -> str:
             attrs_.append("peripheries=2")
         if state == active_state:
             attrs_.append(f"fillcolor={ACTIVE_FILL}")
-        return f"{state} [{', '.join([f'label={_q(state)}', f'id={_q(NODE_ID + state)}'] + attrs_)}];"
+        if state in visited:
+            attrs_.append(f"color={PATH_COLOR}, penwidth=2.5")
+        label = _q(state)
+        if state in notes:  # inside the node, so it cannot be mistaken for another's
+            lines = "".join(f'<BR/><FONT POINT-SIZE="11" COLOR="{PATH_COLOR}">{html.escape(line)}'
+                            "</FONT>" for line in notes[state].split("\n"))
+            label = f"<{html.escape(state)}{lines}>"
+        return f"{state} [{', '.join([f'label={label}', f'id={_q(NODE_ID + state)}'] + attrs_)}];"
 
     placed: set[str] = set()
 
@@ -224,11 +241,13 @@ def render_chart_dot(chart_name: str, active_state: str | None = None) -> str:
         text = _q("".join(f"{line}\\l" for line in labels))
         # the SVG group of the edge is named after the transition ids it draws (live rates)
         edge_id = _q(EDGE_ID + "_".join(map(str, sorted(ids[(source, target)]))))
+        path = (f", color={PATH_COLOR}, fontcolor={PATH_COLOR}, penwidth=3.5"
+                if taken.intersection(ids[(source, target)]) else "")
         if source.startswith("cluster_group_"):
             out.append(f"{tails[(source, target)]} -> {target} [label={text}, id={edge_id}, "
-                       f"ltail={source}, penwidth=2.5];")
+                       f"ltail={source}, penwidth=2.5{path}];")
         else:
-            out.append(f"{source} -> {target} [label={text}, id={edge_id}];")
+            out.append(f"{source} -> {target} [label={text}, id={edge_id}{path}];")
     out += _legend(bool(boxes), [s for s in chart.states if s in chart.finals])
     out.append("}")
     return "\n".join(out) + "\n"
@@ -273,6 +292,26 @@ def _png_sha(png: bytes) -> str | None:
     """The DOT sha256 stored by ``_png_from_dot``, or None."""
     found = re.search(re.escape(_PNG_KEY) + rb"\0([0-9a-f]{64})", png[:4096])
     return found.group(1).decode("ascii") if found else None
+
+
+def render_path_svg(chart_name: str, steps: Iterable) -> str:
+    """SVG of ``chart_name`` with one run's trail (``compiled.Step``s) drawn on it: the taken
+    transitions in ``PATH_COLOR``, the last state filled, and next to each state where an
+    event was refused the event and the guards that refused it."""
+    taken, notes, last = set(), {}, None
+    for step in steps:
+        line = None
+        if step.transition is not None:
+            taken.add(step.transition)
+            last = step.target
+            if step.refused:  # a guarded alternative refused: the fallback was taken
+                line = f"{_event_label(step.event)}: [{', '.join(step.refused)}] refused"
+        else:
+            why = f"[{', '.join(step.refused)}]" if step.refused else "(not declared here)"
+            line = f"refused: {_event_label(step.event)} {why}"
+        if line is not None:
+            notes[step.source] = f"{notes[step.source]}\n{line}" if step.source in notes else line
+    return _svg_from_dot(render_chart_dot(chart_name, last, taken, notes))
 
 
 def render_chart_svg(chart_name: str, active_state: str | None = None) -> str:

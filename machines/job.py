@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from collections import deque
 from typing import Any, Callable
 
 import attrs
@@ -26,7 +27,10 @@ from calexec.contracts.codes import DeviceJobStatus
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import JobTimings, TaskKind
 from calexec.machines.clock import SYSTEM, Clock
-from calexec.machines.compiled import JOB
+from calexec.machines.compiled import JOB, Step
+
+#: events kept per job (a job's path is at most ~8 transitions plus refusals)
+TRAIL_STEPS = 32
 
 
 def now_us() -> int:
@@ -70,6 +74,7 @@ class Job:
         self.txn = None
         self.timings = JobTimings(accepted_us=now_us())
         self.run = JOB.run(self)
+        self.run.trail = deque(maxlen=TRAIL_STEPS)  # the job's path (/debug/jobs/{id})
         self.wait_rc: int | None = None
         self.device_status: int | None = None
         self.output_status: Status | None = None
@@ -162,6 +167,12 @@ class JobHandle:
     @property
     def cancel_requested(self) -> bool:
         return self._job.cancel_flag
+
+    @property
+    def trail(self) -> tuple[Step, ...]:
+        """Every event sent to the job's chart so far, taken or refused (a snapshot)."""
+        trail = self._job.run.trail
+        return () if trail is None else tuple(trail)
 
     def wait_until(self, deadline: float | None) -> "InferenceResult | Status":
         """Block until the job is resolved or ``deadline`` (absolute ``time.monotonic()``;

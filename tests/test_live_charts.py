@@ -11,6 +11,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from calexec.contracts.status import Status
 from calexec.drivers.live_charts import TransitionRates, chromium_capture
 from calexec.drivers.server import ServerConfig, create_app
 from calexec.machines.compiled import CHARTS, JOB
@@ -96,3 +97,66 @@ def test_page_refreshes_itself_in_headless_chromium_under_load(executor, tmp_pat
     assert re.search(r'<g id="t_\d+" class="edge"[^>]*data-rate="[1-9][\d.]*"', job), \
         "no job transition rate under load"
     assert "live-count" in dom and "live-rate" in dom
+
+
+# ---- the path of one job ------------------------------------------------------------------------
+TOKEN = "path-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def test_a_run_trail_records_taken_and_refused_events_with_the_failing_guard():
+    from collections import deque
+
+    from calexec.machines.compiled import GuardRejected, IllegalTransition
+
+    class Job:
+        cancel = False
+
+        def not_cancelled(self):
+            return not self.cancel
+
+    job = Job()
+    run = JOB.run(job)
+    run.trail = deque(maxlen=4)
+    run.send("admit")
+    job.cancel = True
+    with pytest.raises(GuardRejected):
+        run.send("begin_preparation")
+    with pytest.raises(IllegalTransition):
+        run.send("deliver")
+    run.send("cancel")
+    steps = [(s.event, s.source, s.target, s.passed, s.refused) for s in run.trail]
+    assert steps == [("admit", "Created", "Admitted", ("not_cancelled",), ()),
+                     ("begin_preparation", "Admitted", None, (), ("not_cancelled",)),
+                     ("deliver", "Admitted", None, (), ()),
+                     ("cancel", "Admitted", "CancelRequested", (), ())]
+    assert run.trail.maxlen == 4
+
+
+def test_debug_job_path_of_a_failed_request_names_the_refusing_guard(executor):
+    from executor_harness import arm
+
+    with TestClient(create_app(executor, ServerConfig(admin_token=TOKEN))) as client:
+        arm(executor, "CCU_EXCEPTION")  # Wait succeeds, the device status is not DONE
+        r = client.post("/v1/completions", json={"prompt": [4, 2], "max_tokens": 2})
+        assert r.status_code >= 500, r.text
+        job_id = r.json()["status"]["job_id"]  # the error body names the job
+        assert isinstance(job_id, int)
+        assert client.get(f"/debug/jobs/{job_id}").status_code == 401
+        path = client.get(f"/debug/jobs/{job_id}?format=json", headers=AUTH).json()
+        assert path["state"] == "Quarantined" and path["done"]
+        events = [(s["event"], s["from"], s["to"]) for s in path["steps"]]
+        assert events[:4] == [("admit", "Created", "Admitted"),
+                              ("begin_preparation", "Admitted", "Preparing"),
+                              ("enqueue", "Preparing", "Queued"),
+                              ("infer_accepted", "Queued", "Submitted")]
+        wait = path["steps"][4]
+        assert (wait["event"], wait["to"], wait["refused"]) == (
+            "wait_returned", "Quarantined", ["runtime_finished_cleanly"])
+        page = client.get(f"/debug/jobs/{job_id}", headers=AUTH)
+        assert page.status_code == 200 and "runtime_finished_cleanly" in page.text
+        assert page.text.count('stroke="red"') >= 5  # the path's edges drawn in red
+        assert client.get("/debug/jobs/999999", headers=AUTH).status_code == 404
+        assert client.get("/debug/jobs/abc", headers=AUTH).status_code == 400
+        ok = client.post("/v1/completions", json={"prompt": [4, 2], "max_tokens": 1})
+        assert ok.status_code == 200
