@@ -30,7 +30,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from typing import Any, Callable
 
 from calexec.machines.compiled import CHARTS
@@ -225,68 +225,33 @@ def page(svgs: dict[str, str], initial: dict[str, Any] | None = None) -> str:
         f"{sections}<script>{script}</script></body></html>")
 
 
-# ---- the path of one job: /debug/jobs/{id} -------------------------------------------------------
-#: finished jobs whose path the server keeps (oldest forgotten first)
-JOB_PATHS_KEPT = 1024
-
-
-class JobPaths:
-    """The last ``keep`` jobs' paths (their JobChart trails), by job id. Thread-safe."""
-
-    def __init__(self, keep: int = JOB_PATHS_KEPT) -> None:
-        self.keep = keep
-        self._mu = threading.Lock()
-        self._paths: OrderedDict[int, dict[str, Any]] = OrderedDict()
-
-    def remember(self, handle: Any, request_id: Any = None) -> None:
-        entry = path_of(handle, request_id)
-        with self._mu:
-            self._paths[entry["job_id"]] = entry
-            self._paths.move_to_end(entry["job_id"])
-            while len(self._paths) > self.keep:
-                self._paths.popitem(last=False)
-
-    def get(self, job_id: int) -> dict[str, Any] | None:
-        with self._mu:
-            return self._paths.get(job_id)
-
-
-def path_of(handle: Any, request_id: Any = None) -> dict[str, Any]:
-    """A JSON-able snapshot of one job's path (``JobHandle.trail``)."""
-    trail = handle.trail
-    t0 = trail[0].at if trail else 0.0
-    return {
-        "job_id": handle.job_id, "request_id": request_id, "state": handle.state,
-        "done": handle.done,
-        "steps": [{"ms": round((s.at - t0) * 1e3, 3), "event": s.event, "from": s.source,
-                   "to": s.target, "transition": s.transition, "passed": list(s.passed),
-                   "refused": list(s.refused)} for s in trail],
-        "_trail": trail,
-    }
-
-
-def path_page(entry: dict[str, Any]) -> str:
-    """HTML of one job's path: the job chart with the path drawn, and the steps in order."""
-    svg = render_path_svg("job", entry["_trail"])
+# ---- the path of one job: /debug/jobs/{id} (DeviceExecutor.job_trail) ----------------------
+def path_page(record: dict[str, Any]) -> str:
+    """HTML of one job's path (a ``DeviceExecutor.job_trail`` record): the job chart with the
+    path drawn, and the steps in order."""
+    steps = record["trail"]
+    svg = render_path_svg("job", steps)
     svg = svg[svg.index("?>") + 2:] if svg.startswith("<?xml") else svg
+    t0 = steps[0]["t"] if steps else 0.0
     rows = "".join(
-        f"<tr><td>{s['ms']:.3f}</td><td>{html.escape(s['event'])}</td>"
+        f"<tr><td>{(s['t'] - t0) * 1e3:.3f}</td><td>{html.escape(s['event'])}</td>"
         f"<td>{html.escape(s['from'])}</td><td>{html.escape(s['to'] or 'refused')}</td>"
-        f"<td>{html.escape(', '.join(s['passed']))}</td>"
-        f"<td class='refused'>{html.escape(', '.join(s['refused']))}</td></tr>"
-        for s in entry["steps"])
+        f"<td class='refused'>{html.escape(', '.join(s['refused_by'] or []))}</td></tr>"
+        for s in steps)
     return (
         "<!doctype html><html><head><meta charset='utf-8'>"
-        f"<title>calexec job {entry['job_id']}</title><style>{_CSS}"
+        f"<title>calexec job {record['job_id']}</title><style>{_CSS}"
         "table.steps td,table.steps th{padding:0 .7em;text-align:left}"
         ".refused{color:#b00000;font-weight:bold}</style></head><body>"
-        f"<h1>job {entry['job_id']}: {html.escape(entry['state'])}</h1>"
-        f"<p>request {html.escape(str(entry['request_id']))}; "
-        f"{'finished' if entry['done'] else 'still running'}. Red edges: the transitions it "
-        "took; red text inside a state: an event refused there and the guard(s) that "
-        "refused it (each guard's spec rule: calexec/machines/charts.py GUARD_RULES).</p>"
+        f"<h1>job {record['job_id']}: {html.escape(str(record['state']))} "
+        f"({html.escape(str(record['status']))})</h1>"
+        f"<p>sequence {record['seq_id']}, {html.escape(str(record['kind']))}, generation "
+        f"{record['generation']}. Red edges: the transitions it took; red text inside a state: "
+        "an event refused there and the guard(s) that refused it, or the guards of the "
+        "alternatives an [else] fallback passed over (each guard's spec rule: "
+        "calexec/machines/charts.py GUARD_RULES).</p>"
         "<table class='steps'><tr><th>ms</th><th>event</th><th>from</th><th>to</th>"
-        f"<th>guards held</th><th>guards refused</th></tr>{rows}</table>"
+        f"<th>refused by</th></tr>{rows}</table>"
         f"<section data-chart='job'>{svg}</section></body></html>")
 
 
@@ -405,9 +370,8 @@ def _job_path_shot(ex: Any, server: Any, url: str, tmp: str, out: str) -> subpro
     with httpx.Client(base_url=url, timeout=30) as http:
         body = http.post("/v1/completions", json={"prompt": [7, 7, 8], "max_tokens": 4}).json()
     job_id = body["status"]["job_id"]
-    service = server.config.app.state.service
     page_file = os.path.join(tmp, f"job_{job_id}.html")
     with open(page_file, "w", encoding="utf-8") as fh:
-        fh.write(path_page(service.job_paths.get(job_id)))
+        fh.write(path_page(ex.job_trail(job_id)))
     return chromium_capture(f"file://{page_file}", tmp, screenshot=out, size=(1200, 1500),
                             budget_ms=500)

@@ -50,7 +50,7 @@ from calexec.drivers import tokenizer
 from calexec.drivers.dumpsink import DumpSink
 from calexec.drivers.metrics import ServerMetrics
 from calexec.machines.compiled import CHARTS, JOB
-from calexec.drivers.live_charts import JobPaths, TransitionRates, live_state, path_of, path_page
+from calexec.drivers.live_charts import TransitionRates, live_state, path_page
 from calexec.drivers.live_charts import page as live_page
 from calexec.machines.diagrams import render_chart_svg
 
@@ -201,7 +201,6 @@ class CompletionService:
         self.on_drained: list[Any] = []  # callables run once a drain has finished
         self.active = 0  # admitted completion requests not yet finished
         self._live: dict[int, Generation] = {}
-        self.job_paths = JobPaths()  # /debug/jobs/{id}
         self._ids = itertools.count(1)
         self._limiter = anyio.CapacityLimiter(config.worker_threads)
         self._drain_task: asyncio.Task | None = None
@@ -293,7 +292,6 @@ class CompletionService:
         except anyio.get_cancelled_exc_class():
             handle.cancel()
             raise
-        self.job_paths.remember(handle, gen.request_id)
         if isinstance(result, Status):
             handle.cancel()  # wait deadline: the job continues unless told otherwise
             gen.status = result
@@ -323,8 +321,6 @@ class CompletionService:
                 handle.cancel()
                 await to_thread.run_sync(handle.wait_until,
                                          time.monotonic() + self.config.release_wait_s)
-            if handle is not None:
-                self.job_paths.remember(handle, gen.request_id)
             if handle is None or handle.done:
                 released = await to_thread.run_sync(self._release_sequence, gen.seq_id)
             else:
@@ -541,16 +537,14 @@ def create_app(executor: Any, config: ServerConfig | None = None,
             return error_response(_invalid(f"job_id={job_id!r}: must be a job id (integer)"),
                                   "job_id")
         wanted = int(job_id)
-        entry = next((path_of(g.handle, g.request_id) for g in list(service._live.values())
-                      if g.handle is not None and g.handle.job_id == wanted), None)
-        entry = entry or service.job_paths.get(wanted)
-        if entry is None:
+        record = executor.job_trail(wanted)
+        if record is None:
             return error_response(_invalid(
-                f"job_id={wanted}: unknown (the server keeps the last "
-                f"{service.job_paths.keep} jobs of its requests)"), "job_id", http_status=404)
+                f"job_id={wanted}: unknown, still running, or older than the last "
+                f"{executor.config.job_trails_kept} jobs"), "job_id", http_status=404)
         if request.query_params.get("format") == "json":
-            return JSONResponse({k: v for k, v in entry.items() if not k.startswith("_")})
-        svg_page = await to_thread.run_sync(path_page, entry)
+            return JSONResponse(record)
+        svg_page = await to_thread.run_sync(path_page, record)
         return HTMLResponse(svg_page)
 
     @app.get("/debug/statecharts/{chart}.svg")

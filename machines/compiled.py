@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any, NamedTuple
+from typing import Any
 
 import attrs
 from statemachine import StateMachine
@@ -111,27 +111,15 @@ class CompiledChart:
         return tuple(t for t in self.transitions if t.source == state)
 
 
-class Step(NamedTuple):
-    """One event sent to a run that keeps a trail (``ChartRun.trail``). ``target`` is None when
-    the event was refused: ``refused`` then names the guards that refused it (empty for an
-    event with no transition from ``source``). For a taken transition, ``passed`` are its
-    guards (all held) and ``refused`` those of the earlier candidates that did not."""
-
-    at: float  # time.monotonic()
-    event: str
-    source: str
-    target: str | None
-    transition: int | None  # Transition.id
-    passed: tuple[str, ...]
-    refused: tuple[str, ...]
-
-
 class ChartRun:
     """A lightweight run of a ``CompiledChart``: ``state`` is the current state id.
 
-    One owner at a time (see the module docstring); ``model`` answers the guards. ``trail``:
-    None, or a bounded ``collections.deque`` the run appends a ``Step`` to for every event
-    sent, taken or refused (the path of one job, /debug/jobs/{id}).
+    One owner at a time (see the module docstring); ``model`` answers the guards.
+
+    ``trail``: None, or a bounded ``deque`` the run appends each taken transition to as
+    ``(event, source, target, None, t)`` and each refused event to as ``(event, source, None,
+    refusing guards, t)`` (``t`` from ``time.monotonic()``): the path of one job, for design
+    review (``DeviceExecutor.job_trail``).
     """
 
     __slots__ = ("chart", "state", "model", "_table", "trail")
@@ -141,7 +129,7 @@ class ChartRun:
         self.state = state
         self.model = model
         self._table = chart.table
-        self.trail: Any = None
+        self.trail = None
 
     @property
     def final(self) -> bool:
@@ -166,37 +154,20 @@ class ChartRun:
                 else:
                     return transition
         guards = tuple(dict.fromkeys(g for t in candidates for g in t.guards))
+        if self.trail is not None:
+            self.trail.append((event, self.state, None, guards, time.monotonic()))
         raise GuardRejected(self.chart.name, self.state, event, guards)
 
     def send(self, event: str) -> str:
         """Take ``event``; return the new state id. Raises ``IllegalTransition`` or
         ``GuardRejected`` (the state is then unchanged)."""
-        try:
-            transition = self.select(event)
-        except ChartTransitionError:
-            if self.trail is not None:
-                self.trail.append(Step(time.monotonic(), event, self.state, None, None, (),
-                                       self._failing(event, None)))
-            raise
+        transition = self.select(event)
         if self.trail is not None:
-            self.trail.append(Step(time.monotonic(), event, self.state, transition.target,
-                                   transition.id, transition.guards,
-                                   self._failing(event, transition.id)))
+            self.trail.append((event, self.state, transition.target, None, time.monotonic()))
         self.state = transition.target
         self.chart.taken[transition.id] += 1
         RECORDER.record(transition.key)
         return transition.target
-
-    def _failing(self, event: str, before: int | None) -> tuple[str, ...]:
-        """For the trail only: the guard that failed in each candidate of ``event`` tried
-        before transition ``before`` (all candidates when None), evaluated again."""
-        failed = []
-        for t in self._table.get((self.state, event), ()):
-            if before is not None and t.id >= before:
-                break
-            failed += [name for name in t.conds if not getattr(self.model, name)()][:1] or \
-                [f"!{name}" for name in t.unless if getattr(self.model, name)()][:1]
-        return tuple(failed)
 
     def can(self, event: str) -> bool:
         """Whether ``send(event)`` would succeed now (guards are evaluated)."""

@@ -294,23 +294,34 @@ def _png_sha(png: bytes) -> str | None:
     return found.group(1).decode("ascii") if found else None
 
 
-def render_path_svg(chart_name: str, steps: Iterable) -> str:
-    """SVG of ``chart_name`` with one run's trail (``compiled.Step``s) drawn on it: the taken
-    transitions in ``PATH_COLOR``, the last state filled, and next to each state where an
-    event was refused the event and the guards that refused it."""
+def render_path_svg(chart_name: str, steps: Iterable[Mapping]) -> str:
+    """SVG of ``chart_name`` with one run's path drawn on it. ``steps`` are
+    ``DeviceExecutor.job_trail`` steps (``event``, ``from``, ``to``, ``refused_by``): the taken
+    transitions in ``PATH_COLOR``, the last state filled, and inside each state the events
+    refused there with their guards (and, for an ``[else]`` fallback, the guards of the
+    alternatives passed over, which therefore did not hold)."""
+    chart = _chart(chart_name)
     taken, notes, last = set(), {}, None
     for step in steps:
+        event, source, target = step["event"], step["from"], step["to"]
         line = None
-        if step.transition is not None:
-            taken.add(step.transition)
-            last = step.target
-            if step.refused:  # a guarded alternative refused: the fallback was taken
-                line = f"{_event_label(step.event)}: [{', '.join(step.refused)}] refused"
+        if target is not None:
+            candidates = chart.table.get((source, event), ())
+            chosen = next((t for t in candidates if t.target == target), None)
+            if chosen is None:
+                raise ValueError(f"{chart_name}: step {source} --{event}--> {target} is not "
+                                 "a declared transition")
+            taken.add(chosen.id)
+            last = target
+            passed_over = [g for t in candidates if t.id < chosen.id for g in t.guards]
+            if passed_over:
+                line = f"{_event_label(event)}: [{', '.join(passed_over)}] refused"
         else:
-            why = f"[{', '.join(step.refused)}]" if step.refused else "(not declared here)"
-            line = f"refused: {_event_label(step.event)} {why}"
+            guards = step.get("refused_by")
+            why = f"[{', '.join(guards)}]" if guards else "(not declared here)"
+            line = f"refused: {_event_label(event)} {why}"
         if line is not None:
-            notes[step.source] = f"{notes[step.source]}\n{line}" if step.source in notes else line
+            notes[source] = f"{notes[source]}\n{line}" if source in notes else line
     return _svg_from_dot(render_chart_dot(chart_name, last, taken, notes))
 
 

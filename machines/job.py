@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections import deque
 from typing import Any, Callable
 
 import attrs
@@ -27,10 +26,7 @@ from calexec.contracts.codes import DeviceJobStatus
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import JobTimings, TaskKind
 from calexec.machines.clock import SYSTEM, Clock
-from calexec.machines.compiled import JOB, Step
-
-#: events kept per job (a job's path is at most ~8 transitions plus refusals)
-TRAIL_STEPS = 32
+from calexec.machines.compiled import JOB
 
 
 def now_us() -> int:
@@ -57,7 +53,7 @@ class Job:
     __slots__ = ("job_id", "generation_id", "request", "kind", "submodel", "deadline",
                  "cancel_flag", "lease", "txn", "timings", "run", "wait_rc", "device_status",
                  "output_status", "result", "_done", "_on_cancel", "internal", "logits_out",
-                 "_gen", "budget_taken", "permit_held", "clock", "__weakref__")
+                 "_gen", "budget_taken", "permit_held", "clock", "on_resolved", "__weakref__")
 
     def __init__(self, job_id: int, generation_id: int, request: Any,
                  on_cancel: Callable[[], None], internal: bool = False,
@@ -74,7 +70,6 @@ class Job:
         self.txn = None
         self.timings = JobTimings(accepted_us=now_us())
         self.run = JOB.run(self)
-        self.run.trail = deque(maxlen=TRAIL_STEPS)  # the job's path (/debug/jobs/{id})
         self.wait_rc: int | None = None
         self.device_status: int | None = None
         self.output_status: Status | None = None
@@ -84,6 +79,7 @@ class Job:
         self.internal = internal
         self.logits_out: np.ndarray | None = None
         self._gen = None
+        self.on_resolved: Callable[[Job], None] | None = None  # the executor's job trail
         self.budget_taken = False  # holds request.token_count of the admission budget
         self.permit_held = False  # holds one in-flight permit (submitter -> release)
 
@@ -128,6 +124,8 @@ class Job:
         # by reference counting (a Job <-> ChartRun cycle would keep its result's logits
         # array alive until a full garbage collection; the acceptance soak saw RSS climb).
         self.run.model = None
+        if self.on_resolved is not None:
+            self.on_resolved(self)
         self._done.set()
 
     def ctx(self) -> dict[str, int]:
@@ -167,12 +165,6 @@ class JobHandle:
     @property
     def cancel_requested(self) -> bool:
         return self._job.cancel_flag
-
-    @property
-    def trail(self) -> tuple[Step, ...]:
-        """Every event sent to the job's chart so far, taken or refused (a snapshot)."""
-        trail = self._job.run.trail
-        return () if trail is None else tuple(trail)
 
     def wait_until(self, deadline: float | None) -> "InferenceResult | Status":
         """Block until the job is resolved or ``deadline`` (absolute ``time.monotonic()``;
