@@ -67,6 +67,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=cliargs.port, help="TCP port (default 8000; with --once an "
                                                       "ephemeral port)")
     cliargs.add_device_args(p, reset=True)
+    p.add_argument("--allow-unpinned-golden", action="store_true",
+                   help="start (and /admin/reload) a calbin with no golden pinned by `calexec "
+                        "golden record` (its first warm-up is trusted; logged at WARNING)")
     p.add_argument("--device-config", default="", help="device config string, e.g. "
                    "'kv_blocks=64;decode_us=10000' (emulator keys: docs/emulator.md; a key the "
                    "runtime refuses is named)")
@@ -147,7 +150,8 @@ def main(argv: list[str]) -> int:
             reset_kind, why = spec.reset()
             executor = DeviceExecutor(runtime, spec.manifest(), ExecutorConfig(
                 calbin_path=spec.calbin(tmp), device_config=args.device_config,
-                recovery=spec.recovery()))
+                recovery=spec.recovery(),
+                allow_unpinned_golden=args.allow_unpinned_golden))
         except (OSError, ValueError) as err:
             print(f"calexec serve: {err}", file=sys.stderr)
             return EXIT_USAGE

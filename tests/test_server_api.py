@@ -214,7 +214,10 @@ def test_admin_reload_switches_the_model_and_rolls_back_a_bad_one(fresh, tmp_pat
     executor, app = fresh()
     other_seed = cb.DEFAULT_SEED ^ 0x77
     other = tmp_path / "other.calbin"
-    cb.write(str(other), cb.default_spec(seed=other_seed))
+    other_sha = cb.write(str(other), cb.default_spec(seed=other_seed))
+    executor.goldens[other_sha] = tuple(oracle_tokens(list(executor.config.golden_tokens),
+                                                      executor.config.golden_decode_steps + 1,
+                                                      other_seed))  # the operator pins it
     auth = {"Authorization": f"Bearer {TOKEN}"}
     with TestClient(app) as client:
         assert client.post("/admin/reload", json={"calbin": str(other)}).status_code == 401
@@ -286,7 +289,8 @@ def test_statecharts_svg_highlights_the_lifecycle_state(served):
     assert SVG_ACTIVE.findall(r.text) == ["Ready"]
     page = client.get("/debug/statecharts")
     assert page.status_code == 200 and page.text.count("<svg") == 4
-    assert "<b id='lifecycle'>Ready</b>" in page.text and "<table id='jobs'>" in page.text
+    assert "<b id='lifecycle'>Ready</b>" in page.text
+    assert "/debug/statecharts/live.json" in page.text  # the page refreshes itself
     assert client.get("/debug/statecharts/nope.svg").status_code == 404
 
 
