@@ -13,7 +13,8 @@ Exit status: 0 recorded, 1 the executor did not start (Status printed), 2 usage 
 
 from __future__ import annotations
 
-import argparse
+from calexec import cliargs
+
 import sys
 from pathlib import Path
 
@@ -48,8 +49,7 @@ def record(calbin: str, manifest_path: str | Path, runtime_lib: str | None = Non
 
 def main(argv: list[str]) -> int:
     """Entry point; ``argv`` starts with the command words ``golden record``."""
-    parser = argparse.ArgumentParser(prog="calexec golden record",
-                                     description=__doc__.splitlines()[0])
+    parser = cliargs.parser("calexec golden record", __doc__)
     parser.add_argument("--calbin", required=True, help="calbin file to run")
     parser.add_argument("--manifest", default=str(default_manifest_path()),
                         help="manifest the calbin is resolved against (default: the packaged "

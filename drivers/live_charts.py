@@ -19,7 +19,8 @@ screenshot of the page under that load (for docs/diagrams.md).
 
 from __future__ import annotations
 
-import argparse
+from calexec import cliargs
+
 import html
 import json
 import os
@@ -291,8 +292,8 @@ def chromium_capture(url: str, workdir: str, screenshot: str | None = None,
 
 def main(argv: list[str]) -> int:
     """``calexec diagrams live --out PNG [--job-out PNG] [--seconds S] [--clients N]``."""
-    parser = argparse.ArgumentParser(prog="calexec diagrams live",
-                                     description="screenshot /debug/statecharts under load")
+    parser = cliargs.parser("calexec diagrams live",
+                            "Screenshot /debug/statecharts under load, and one job's path.")
     parser.add_argument("--out", default="docs/img/live.png", help="PNG to write")
     parser.add_argument("--job-out", default="docs/img/job_path.png",
                         help="PNG of /debug/jobs/{id} for a request failed by an injected CCU "
