@@ -28,7 +28,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Any, Callable, Protocol
 
 import attrs
@@ -53,6 +53,16 @@ from calexec.machines.pool import BufferPool
 from calexec.machines.postprocess import bf16_all_finite, bf16_to_f32_into
 
 log = logging.getLogger("calexec.executor")
+
+
+#: Features a §8 PROGRAMMING fault (27 unsupported, 29 wrong direction) switches off until the
+#: next generation (``DeviceExecutor.disable_feature``). A PROGRAMMING fault elsewhere (plain
+#: infer, Wait, CSRs, slices: all mandatory paths) has nothing optional to switch off: the job
+#: fails, the fault is recorded, serving continues, no reset.
+FEATURES: dict[str, str] = {
+    "fixed_engine": "Phase B: infer_with_fixed_task_type on the PING/PONG slots; off: plain "
+                    "infer() and in-flight capacity 1",
+}
 
 
 class FaultSink(Protocol):
@@ -98,12 +108,23 @@ class ExecutorConfig:
     golden_seq_id: int = 0
     #: deadline of each golden job (a golden that cannot finish fails the warm-up, never hangs)
     golden_timeout_s: float = 10.0
-    #: expected golden tokens per calbin sha256. A calbin without an entry records its first
-    #: warm-up's tokens (trust on first use) unless ``require_golden`` is set.
+    #: expected golden tokens per calbin sha256 for the prompt above, given by the operator;
+    #: they take precedence over the goldens pinned next to the manifest (``Manifest.goldens``,
+    #: written by ``calexec golden record``).
     goldens: dict[str, tuple[int, ...]] = attrs.field(factory=dict)
-    require_golden: bool = False
+    #: §9.2: start or switch to a calbin with no pinned golden. Refused by default; when set,
+    #: the first warm-up's tokens become the expected ones for this process (trust on first
+    #: use), logged at WARNING and shown in ``snapshot()["golden"]``.
+    allow_unpinned_golden: bool = False
     #: recovery thresholds and reset choice (calexec.machines.faults.RecoveryPolicy)
     recovery: RecoveryPolicy = attrs.field(factory=RecoveryPolicy)
+    #: queue through recovery (Triton's DELAY policy): up to this many requests that arrive
+    #: while the device drains/recovers/configures/warms wait for Ready within their
+    #: deadline instead of an immediate UNAVAILABLE; 0 refuses them at once
+    ready_queue_max: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    #: the path of each job (taken transitions, refused events and their guards) is kept for
+    #: this many most recent jobs (``job_trail``); 0 keeps none
+    job_trails_kept: int = attrs.field(default=1024, validator=attrs.validators.ge(0))
     #: /ready and health(): a job still on the device this long past its request deadline
     #: means the device stalls (the execution deadline above is the hard bound)
     stall_after_s: float = attrs.field(default=1.0, validator=attrs.validators.gt(0))
@@ -142,6 +163,9 @@ def _check_caller_arguments(request: InferenceRequest, logits_out: Any,
     return Status.OK
 
 
+_TRAIL_STEPS = 32  # a job takes at most ~8 transitions; refused events are few
+
+
 class _NoRequest:
     """Stand-in request of a job refused because the caller passed no InferenceRequest."""
 
@@ -167,6 +191,7 @@ class DeviceExecutor(DeviceLifecycle):
         self.config = config
         self.clock = clock
         self.faults = fault_sink or FaultController(config.recovery)
+        self._fused_logits = getattr(runtime, "logits_postprocessor", lambda: None)()
         if hasattr(self.faults, "attach"):
             self.faults.attach(self)
         self.locks = LockOrder(checking=config.check_lock_order, strict=config.strict_lock_order,
@@ -174,9 +199,13 @@ class DeviceExecutor(DeviceLifecycle):
         self.lifecycle_mu = self.locks.lock(LIFECYCLE_RANK)
         self.submit_mu = self.locks.lock(SUBMIT)
         self._submit_cv = clock.condition(self.submit_mu)
+        # requests waiting for Ready during a recovery (lifecycle_mu; ready_queue_max)
+        self._ready_cv = clock.condition(self.lifecycle_mu)
+        self._ready_waiters = 0
         self._submit_q: deque[Job] = deque()
         self._inflight = 0  # guarded by submit_mu
         self._capacity = config.inflight_capacity  # effective; a downgrade lowers it
+        self._features_off: dict[str, int] = {}  # FEATURES name -> generation it went off in
         self.downgrades: list[dict[str, Any]] = []
         self._phase_b_faults: deque[float] = deque()
         # quarantined slots whose job failed Wait while still on the device (submit_mu)
@@ -210,6 +239,8 @@ class DeviceExecutor(DeviceLifecycle):
         self._rollback_path: str | None = None
         self.good_calbins: list[str] = []  # calbin paths that reached Ready, newest last
         self.goldens: dict[str, tuple[int, ...]] = dict(config.goldens)
+        self.golden_source: str | None = None  # the current generation's: pinned|config|unpinned
+        self.unpinned_goldens: set[str] = set()  # calbin sha256s accepted by allow_unpinned_golden
         self.start_status: Status | None = None
         self.failure: Status | None = None  # why the lifecycle is Failed
         # recovery: one at a time, on its own thread (threads mode) or run by the caller
@@ -222,6 +253,7 @@ class DeviceExecutor(DeviceLifecycle):
         self.counters = {"submitted": 0, "succeeded": 0, "failed": 0, "quarantined": 0,
                          "cancelled": 0, "stale_completions": 0, "submit_retries": 0}
         self._counters_mu = self.locks.lock(COUNTERS)
+        self._trails: OrderedDict[int, dict[str, Any]] = OrderedDict()  # counters_mu
         self.infer_threads: set[str] = set()
         self.wait_threads: set[str] = set()
 
@@ -272,9 +304,18 @@ class DeviceExecutor(DeviceLifecycle):
                   self._wake_waiters, internal=internal, clock=self.clock)
         job.gen = gen
         job.logits_out = logits_out
+        if self.config.job_trails_kept:
+            job.run.trail = deque(maxlen=_TRAIL_STEPS)
+            job.on_resolved = self._keep_trail
         handle = JobHandle(job)
         if on_created is not None:
             on_created(handle)
+        if not internal and not self._admitting and self.config.ready_queue_max:
+            waited = self._wait_for_ready(job)
+            if waited is not None:
+                return self._fail_early(job, waited)
+            gen = self.gen
+            job.gen, job.generation_id = gen, gen.id if gen is not None else 0
         if not (self._admitting or (internal and self.lifecycle.state == "Warming")) \
                 or self._stopping or gen is None:
             return self._fail_early(job, Status.unavailable(
@@ -416,8 +457,75 @@ class DeviceExecutor(DeviceLifecycle):
             return None
         return stop
 
+    def _keep_trail(self, job: Job) -> None:
+        """A job resolved: keep its path (bounded, newest last) for ``job_trail``."""
+        result = job.result
+        record = {"job_id": job.job_id, "seq_id": job.request.seq_id, "kind": job.kind.name,
+                  "generation": job.generation_id, "state": job.run.state,
+                  "status": "ok" if not isinstance(result, Status) else result.code,
+                  "trail": job.run.trail}
+        trails = self._trails
+        with self._counters_mu:
+            trails[job.job_id] = record
+            while len(trails) > self.config.job_trails_kept:
+                trails.popitem(last=False)
+
+    def job_trail(self, job_id: int) -> dict[str, Any] | None:
+        """What happened to one recent job: its chart path as a list of steps ``{event,
+        from, to, refused_by, t}`` (``to`` None and ``refused_by`` the guards when an event
+        was refused), its final state and status code; None when not kept (still running,
+        or older than ``job_trails_kept`` jobs)."""
+        with self._counters_mu:
+            record = self._trails.get(job_id)
+            if record is None:
+                return None
+            steps = list(record["trail"])
+        out = {key: value for key, value in record.items() if key != "trail"}
+        out["trail"] = [{"event": e, "from": s, "to": t, "refused_by": list(g) if g else None,
+                         "t": at} for e, s, t, g, at in steps]
+        return out
+
+    def _wait_for_ready(self, job: Job) -> Status | None:
+        """Queue through recovery (Triton's DELAY policy): a request that arrives while the
+        device drains, recovers, configures or warms up waits for Ready, bounded by its
+        deadline and by ``ready_queue_max`` waiters. None when it may go on; else why not
+        (UNAVAILABLE when the queue is full, the lifecycle Failed or the executor stops;
+        DEADLINE when its deadline passed first; CANCELLED)."""
+        with self._ready_cv:
+            state = self.lifecycle.state
+            if state not in ("Draining", "Recovering", "Configuring", "Warming") and not (
+                    state == "Ready" and self._pending_recovery is not None):
+                return None  # Ready (admits), or Created/Failed/Stopped: answered by the caller
+            if self._ready_waiters >= self.config.ready_queue_max:
+                return Status.unavailable(Phase.ADMISSION, f"device lifecycle is "
+                                          f"{self.lifecycle.state} and {self._ready_waiters} "
+                                          "requests already wait for Ready; retry later",
+                                          **job.ctx())
+            self._ready_waiters += 1
+            try:
+                while not self._admitting:
+                    if self._stopping or self.lifecycle.final:
+                        return None
+                    if job.cancel_flag:
+                        return Status.cancelled(Phase.ADMISSION, **job.ctx())
+                    remaining = job.deadline - self.clock.monotonic()
+                    if remaining <= 0:
+                        return Status.deadline(Phase.ADMISSION, "deadline passed while the "
+                                               f"device was {self.lifecycle.state}",
+                                               **job.ctx())
+                    self.clock.wait(self._ready_cv, remaining)
+                return None
+            finally:
+                self._ready_waiters -= 1
+
+    def _ready_changed(self) -> None:
+        """Ready, Failed or stopping: wake the requests waiting for Ready."""
+        with self._ready_cv:
+            self._ready_cv.notify_all()
+
     def _wake_waiters(self) -> None:
         """A cancel was recorded: end admission/lease waits so the owner sees it."""
+        self._ready_changed()
         if self.kvc is not None:
             self.kvc.wake()
         if self.pool is not None:
@@ -547,7 +655,7 @@ class DeviceExecutor(DeviceLifecycle):
                     self._handing_off += len(ended)
                     job = None
                     break
-                if self._submit_q and self._inflight < self._capacity:
+                if self._submit_q and self._inflight < self._effective_capacity():
                     job = self._submit_q.popleft()
                     self._inflight += 1
                     job.permit_held = True
@@ -633,11 +741,40 @@ class DeviceExecutor(DeviceLifecycle):
             self._completion_cv.notify()
 
     def _infer(self, gen: Generation, slot, seq_id: int) -> int:
-        """Phase A: infer(); Phase B: infer_with_fixed_task_type on the slot's PING/PONG."""
-        if slot.engine == EngineSlot.AUTO:
+        """Phase A: infer(); Phase B: infer_with_fixed_task_type on the slot's PING/PONG
+        (plain infer() while ``fixed_engine`` is switched off)."""
+        if slot.engine == EngineSlot.AUTO or self.feature_disabled("fixed_engine"):
             return self.device.infer(slot.model, gen.kv, seq_id, slot.inbuf, slot.outbuf)
         return self.device.infer_with_fixed_task_type(slot.model, gen.kv, seq_id, slot.inbuf,
                                                       slot.outbuf, int(slot.engine))
+
+    # ---- §8 PROGRAMMING: switch the feature off until the next generation ------------------------
+    def feature_disabled(self, name: str) -> bool:
+        """Whether FEATURES ``name`` is off for the current generation."""
+        gen = self.gen
+        return gen is not None and self._features_off.get(name) == gen.id
+
+    def _effective_capacity(self) -> int:
+        return 1 if self._features_off and self.feature_disabled("fixed_engine") else self._capacity
+
+    def disable_feature(self, status: Status, job: Job | None = None) -> str | None:
+        """Called by the fault controller for a PROGRAMMING fault: switch off the feature the
+        failed call used, for this generation (generation+1 turns it on again). Returns the
+        feature, or None when the call was on a mandatory path (nothing to switch off)."""
+        gen = self.gen
+        # Phase B slots are all PING/PONG (``_open``): an infer failure there came from
+        # infer_with_fixed_task_type unless that path is already off
+        feature = ("fixed_engine" if status.phase is Phase.SUBMIT
+                   and self.config.inflight_capacity == 2
+                   and not self.feature_disabled("fixed_engine") else None)
+        if feature is None or gen is None:
+            log.warning("PROGRAMMING fault %s on a mandatory path: nothing to switch off", status)
+            return None
+        # one dict store (atomic); no lock: it only lowers the capacity, so no waiter needs waking
+        self._features_off[feature] = gen.id
+        log.warning("feature %s switched off until generation %d (%s): %s", feature, gen.id + 1,
+                    FEATURES[feature], status)
+        return feature
 
     def _release_permit(self, job: Job) -> None:
         with self._submit_cv:
@@ -788,7 +925,9 @@ class DeviceExecutor(DeviceLifecycle):
         return none_left
 
     def _postprocess(self, job: Job) -> "InferenceResult | Status":
-        """Output size (FI09), finiteness (FI10), then the direct conversion (§10.1)."""
+        """Output size (FI09), finiteness (FI10), then the direct conversion (§10.1) and the
+        argmax: fused in one native pass when the runtime offers it (``self._fused_logits``,
+        drivers/native.py; GIL released), else the numpy path. Same bits, same argmax."""
         request, slot, sm = job.request, job.lease.slot, job.submodel
         vocab = job.gen.contracts.vocab_size
         row = valid_logits_row(request.token_count, sm.logits_tile_d0)
@@ -801,16 +940,33 @@ class DeviceExecutor(DeviceLifecycle):
             return Status.internal("output_short", Phase.OUTPUT_CHECK,
                                    f"output {sm.logits.name!r} holds {valid_bytes} bytes, "
                                    f"contract ByteSize is {sm.logits.byte_size}", **job.ctx())
-        src = slot.host_output[base:base + count]
-        if not bf16_all_finite(src, slot.scratch):
-            return Status.internal("output_not_finite", Phase.OUTPUT_CHECK,
-                                   f"NaN/Inf in logits row {row} [{first}, {first + count})",
-                                   **job.ctx())
-        dst = job.logits_out if job.logits_out is not None else np.empty(count, np.float32)
-        bf16_to_f32_into(slot.host_output, base, count, dst)
+        fused = self._fused_logits
+        if fused is not None:
+            dst = job.logits_out if job.logits_out is not None else np.empty(count, np.float32)
+            rc = fused(slot.host_output, base, count, dst)
+            if rc == fused.NONFINITE:  # dst is partly written: not a result
+                return Status.internal("output_not_finite", Phase.OUTPUT_CHECK,
+                                       f"NaN/Inf in logits row {row} [{first}, {first + count}) "
+                                       f"at index {first + fused.first_nonfinite}", **job.ctx())
+            if rc != 0:  # §10.1 bounds or a short destination, refused before any access
+                return Status.internal("logits_slice", Phase.OUTPUT_CHECK,
+                                       f"logits slice base={base} n={count} refused ({rc}: "
+                                       f"{fused.RC_NAMES.get(rc)}) for an output of "
+                                       f"{slot.host_output.shape[0]} elements and a "
+                                       f"destination of {dst.shape[0]}", **job.ctx())
+            argmax = fused.argmax
+        else:
+            src = slot.host_output[base:base + count]
+            if not bf16_all_finite(src, slot.scratch):
+                return Status.internal("output_not_finite", Phase.OUTPUT_CHECK,
+                                       f"NaN/Inf in logits row {row} [{first}, {first + count})",
+                                       **job.ctx())
+            dst = job.logits_out if job.logits_out is not None else np.empty(count, np.float32)
+            bf16_to_f32_into(slot.host_output, base, count, dst)
+            argmax = int(np.argmax(dst[:count]))
         return InferenceResult(job_id=job.job_id, seq_id=request.seq_id,
                                generation=job.generation_id, kind=job.kind, logits=dst[:count],
-                               argmax=int(np.argmax(dst[:count])), kv_len=job.txn.target_len,
+                               argmax=argmax, kv_len=job.txn.target_len,
                                timings=job.timings)
 
     def _quarantine_after_submit(self, job: Job, status: Status, release_permit: bool,
@@ -972,6 +1128,7 @@ class DeviceExecutor(DeviceLifecycle):
             self._admitting = False
             if self.lifecycle.state == "Ready":
                 self.lifecycle.send("drain")
+            self._ready_cv.notify_all()
         if self.gen is not None:
             self.gen.kvc.close()
         with self._submit_cv:
@@ -1034,12 +1191,16 @@ class DeviceExecutor(DeviceLifecycle):
             "generation": None if self.gen is None else self.gen.id,
             "queued": queued,
             "inflight": inflight,
-            "inflight_capacity": self._capacity,
+            "inflight_capacity": self._effective_capacity(),
+            "disabled_features": sorted(f for f in self._features_off if self.feature_disabled(f)),
             "downgrades": len(self.downgrades),
             "pending_tokens": pending,
             "slots": None if pool is None else pool.counts(),
             "recoveries": len(self.recoveries),
+            "golden": self.golden_source,
+            "allow_unpinned_golden": self.config.allow_unpinned_golden,
             "thread_faults": len(self.thread_faults),
+            "waiting_for_ready": self._ready_waiters,
             "retired_generations_kept": len(self._retired),
             **self.counters,
         }
