@@ -157,7 +157,7 @@ class PCTChooser:
         self.low = 0.0
         self.p_jump = p_jump
         self.i = 0
-        self.offset: int | None = None  # change points count from begin() (after start)
+        self.offset = 0  # change points count from here; the Explorer moves it past start
         self.params = [seed, depth, steps, p_jump]
 
     def begin(self) -> None:
@@ -166,8 +166,7 @@ class PCTChooser:
 
     def choose(self, options: list, sched: "Scheduler") -> int:
         self.i += 1
-        if self.offset is not None and self.i - self.offset in self.change \
-                and sched.running is not None:
+        if self.i - self.offset in self.change and sched.running is not None:
             # the j-th change point gives priority j/1000: below every undemoted thread, above
             # the threads demoted before (PCT: the first victim stays the lowest)
             self.low += 1e-3
@@ -781,14 +780,35 @@ FAULTS = ("SUBMIT_RC", "WAIT_RC", "CCU_EXCEPTION", "OUTPUT_NAN", "OUTPUT_SHORT",
 SEQS = (1, 2, 3)
 
 
+OTHER_SEED_XOR = 0x5A5A5A
+GOLDEN_DECODE_STEPS = 1
+_GOLDENS: dict[str, tuple[int, ...]] = {}  # calbin sha256 -> oracle golden tokens
+
+
 def write_calbins(directory: str) -> dict[str, str]:
-    """The two calbins a scenario switches between (the synthetic model, two seeds)."""
+    """The two calbins a scenario switches between (the synthetic model, two seeds); their
+    §9.2 goldens are pinned from the numpy oracle (an independent expectation)."""
     from calexec.drivers import calbin as cb
     main = os.path.join(directory, "explore_main.calbin")
     other = os.path.join(directory, "explore_other.calbin")
-    cb.write(main, cb.default_spec())
-    cb.write(other, cb.default_spec(seed=cb.default_spec().seed ^ 0x5A5A5A))
+    seed = cb.default_spec().seed
+    for path, calbin_seed in ((main, seed), (other, seed ^ OTHER_SEED_XOR)):
+        sha = cb.write(path, cb.default_spec(seed=calbin_seed))
+        if sha not in _GOLDENS:
+            _GOLDENS[sha] = _oracle_golden(calbin_seed)
     return {"main": main, "other": other}
+
+
+def _oracle_golden(seed: int) -> tuple[int, ...]:
+    from calexec.drivers import oracle
+    from calexec.machines.executor import ExecutorConfig
+    ref = oracle.OracleSequence(seed)
+    ref.run(list(ExecutorConfig(calbin_path="").golden_tokens))
+    out = [ref.next_token()]
+    for _ in range(GOLDEN_DECODE_STEPS):
+        ref.run([out[-1]])
+        out.append(ref.next_token())
+    return tuple(out)
 
 
 _ACTIVE: list[Scheduler] = []  # schedulers whose virtual time the patched readers use
@@ -877,7 +897,8 @@ class Explorer:
             device_config=f"kv_blocks={o['kv_blocks']};kv_block_size=16;dma_guard=0",
             inflight_capacity=o["capacity"], slots_per_kind=2, check_lock_order=True,
             execution_timeout_s=2.0, timeout_grace_s=0.2, golden_timeout_s=2.0,
-            golden_decode_steps=1, fence_grace_s=0.5, recovery=policy)
+            golden_decode_steps=GOLDEN_DECODE_STEPS, goldens=dict(_GOLDENS),
+            fence_grace_s=0.5, recovery=policy)
         clock = VirtualClock(self.sched)
         self.ex = DeviceExecutor(RuntimeProxy(CalRT.load(), self.device),
                                  load_manifest(default_manifest_path()), config,
@@ -986,17 +1007,21 @@ class Explorer:
         ex, path = self.ex, self.calbins["other" if to_other else "main"]
 
         def body():
-            sha = None
+            sha = pinned = None
             if not golden_ok:
                 with open(path, "rb") as f:
                     sha = hashlib.sha256(f.read()).hexdigest()
+                pinned = ex.goldens.get(sha)
                 ex.goldens[sha] = (1, 2, 3)
             try:
                 if ex.state == "Ready":
                     ex.switch_model(path)
             finally:
                 if sha is not None:
-                    ex.goldens.pop(sha, None)
+                    if pinned is None:
+                        ex.goldens.pop(sha, None)
+                    else:
+                        ex.goldens[sha] = pinned
         self._spawn("admin-switch", body)
 
     def reset_sequence(self, seq: int) -> None:
