@@ -39,6 +39,7 @@ reported by a real-time watchdog with its stack.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
@@ -811,6 +812,7 @@ def _oracle_golden(seed: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+_CLOSED = 0  # explorers closed in this process
 _ACTIVE: list[Scheduler] = []  # schedulers whose virtual time the patched readers use
 _SAVED: list = []
 
@@ -1100,6 +1102,13 @@ class Explorer:
         if ex is not None and ex.device is not None and not self.device.closed:
             self.device.closed = True
             ex.device._inner.close()
+        # earlier explorers' executors (tens of MB of host buffers per generation) sit in
+        # reference cycles: collect them every few explorers, or a long exploration grows by
+        # gigabytes between the collector's own runs
+        global _CLOSED
+        _CLOSED += 1
+        if _CLOSED % 4 == 0:
+            gc.collect()
 
     # ---- checks -------------------------------------------------------------------------------
     def _committed(self, seq: int) -> int:

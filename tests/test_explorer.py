@@ -15,7 +15,7 @@ import logging
 import os
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
 
@@ -227,5 +227,8 @@ class ExplorerMachine(RuleBasedStateMachine):
 
 ExplorerMachine.TestCase.settings = settings(
     max_examples=EXAMPLES, stateful_step_count=12, deadline=None,
+    # no explain phase: it traces every line of every thread (minutes per failure); the
+    # explorer's own report names the failing schedule and its replay
+    phases=[phase for phase in Phase if phase is not Phase.explain],
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 TestExplorerStateful = ExplorerMachine.TestCase
