@@ -7,9 +7,10 @@ How it works (after AWS Shuttle and loom, kept small):
   (``Clock.lock``, used by ``LockOrder``), condition, event and thread the executor, the KV
   coordinator, the buffer pool and the jobs make is a controlled one. Exactly one controlled
   thread runs at a time; every other one is parked on its own semaphore. Every lock acquire,
-  condition wait, event set/wait, thread start and join, clock read, sleep and runtime call
-  (``infer``, ``Wait``, ``GetStatus``, resets) is a *scheduling point*: the running thread
-  asks the ``Scheduler`` which runnable thread goes next and hands over if it is another one.
+  condition wait, event set/wait, thread start and join, sleep and runtime call (``infer``,
+  ``Wait``, ``GetStatus``, resets) is a *scheduling point*: the running thread asks the
+  ``Scheduler`` which runnable thread goes next and hands over if it is another one (clock
+  reads only with ``VirtualClock.clock_points``: under autojump they add no behaviour).
 - Time is virtual and moves only when no thread can run (trio's ``autojump``): to the
   earliest deadline of a timed wait. Deadlines, backoff, drain graces and execution timeouts
   are explored without sleeping.
@@ -17,11 +18,13 @@ How it works (after AWS Shuttle and loom, kept small):
   virtually until the job's status changes or its timeout passes; "run the next stage of
   engine e" is one of the scheduler's choices, and so is "let time pass" while the device
   could still progress (a slow device: execution timeouts).
-- Choices come from a ``Chooser``: ``TapeChooser`` (a list of integers, e.g. drawn by
-  hypothesis, so a failure shrinks to a short schedule; 0 = the default, no preemption),
-  ``PCTChooser`` (seeded random priorities with d-1 priority change points, as Shuttle's and
-  Coyote's PCT) or a recorded choice list (``replay``). Every choice with more than one option
-  is recorded; a failure prints the seed, the script and the choices that replay it exactly.
+- Choices come from a chooser: ``PriorityTapeChooser`` (a list of integers drawn by
+  hypothesis, used as priority change points, so a failure shrinks to a short schedule; 0 =
+  the default), ``PCTChooser`` (seeded random priorities with d-1 priority change points, as
+  Shuttle's and Coyote's PCT), ``TapeChooser`` (plain option indices) or a recorded choice
+  list (``replay``). Every choice with more than one option is recorded; a failure prints the
+  seed, the script and the choices that replay it exactly; ``shrink`` makes a PCT failure
+  smaller.
 - Checked at every scheduling point: the lock order (``LockOrder.violations``), no executor
   thread caught an exception (``thread_faults``), the in-flight bound; whenever no thread can
   run: §5.1 invariants 5, 6, 7, 8, leased slots/tokens/permits back to zero when idle, host
