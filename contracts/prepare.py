@@ -90,6 +90,10 @@ class InferenceRequest:
     embeddings: np.ndarray | None = attrs.field(default=None, validator=_optional_array)
     want_logits: tuple[int, int] | None = attrs.field(default=None, converter=_optional_range)
     request_id: int = attrs.field(default=0, converter=operator.index)
+    #: KV tokens the whole request needs to finish (prompt + max new tokens): the prefill
+    #: reserves them up front, all or nothing (§7, no hold and wait); None: this job's only.
+    kv_reserve_len: int | None = attrs.field(default=None, converter=attrs.converters.optional(
+        operator.index), validator=attrs.validators.optional(attrs.validators.ge(0)))
 
     @property
     def seq_id(self) -> int:

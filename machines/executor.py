@@ -51,6 +51,7 @@ from calexec.machines.locks import LIFECYCLE as LIFECYCLE_RANK
 from calexec.machines.locks import SUBMIT, LockOrder
 from calexec.machines.pool import BufferPool
 from calexec.machines.postprocess import bf16_all_finite, bf16_to_f32_into
+from calexec.machines.sequences import SequenceOwnership
 
 log = logging.getLogger("calexec.executor")
 
@@ -108,7 +109,7 @@ class ExecutorConfig:
     keep_retired_generations: int = 4
 
 
-class DeviceExecutor(DeviceLifecycle):
+class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
     """The control core: owns the device, calbin, KvManager and buffer pool (invariant 1).
 
     This class is the job path; the device lifecycle (start, golden, recovery, model switch)
@@ -239,7 +240,8 @@ class DeviceExecutor(DeviceLifecycle):
                     f"{self.config.max_pending_tokens}, reduced after transient faults)",
                     **job.ctx()))
             self._pending_tokens += tokens
-        txn = gen.kvc.reserve(request.seq_id, request.past_len, tokens, job.deadline, stop)
+        txn = gen.kvc.reserve(request.seq_id, request.past_len, tokens, job.deadline, stop,
+                              reserve_len=request.kv_reserve_len)
         if isinstance(txn, Status):
             self._release_budget(job)
             return self._fail_early(job, txn.with_context(job_id=job.job_id))
