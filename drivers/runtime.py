@@ -144,6 +144,15 @@ class Device:
     def close(self) -> int:
         return self._lib.calrt_device_close(self._h)
 
+    def dma_quiescent(self) -> bool | None:
+        """Proof that the device will write no host memory it was given before now (no stale
+        completion pending, §9.2 / FI14): True or False from the emulator's counters; None
+        for a vendor shim, which offers no such proof (retired host memory is then kept)."""
+        if self.emu is None:
+            return None
+        counters = self.emu.counters()
+        return bool(counters) and counters.get("stale_pending", 1) == 0
+
     def load_calbin(self, path: str) -> tuple[int, "Calbin | None"]:
         """(rc, Calbin). The sha256 is of the bytes read here; if Python cannot read the
         file the runtime's own code (10/11) is returned."""

@@ -44,6 +44,8 @@ import attrs
 
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Status
+from calexec.machines.clock import SYSTEM
+from calexec.machines.locks import FAULTS
 
 log = logging.getLogger("calexec.faults")
 
@@ -119,17 +121,24 @@ class FaultController:
         self.counts: dict[Category, int] = {}
         self._transients: deque[float] = deque()
         self._recoveries: deque[float] = deque()
-        self._mu = threading.Lock()
+        self._mu = threading.Lock()  # faults_mu (a leaf); ranked once attached
+        self._clock = SYSTEM
         self._rng = random.Random(seed)
 
     def attach(self, executor: Any) -> None:
+        """Wire the controller to ``executor``: its clock, and a ranked leaf lock
+        (``faults_mu``) from its lock order."""
         self.executor = executor
+        locks = getattr(executor, "locks", None)
+        if locks is not None:
+            self._mu = locks.lock(FAULTS)
+            self._clock = locks.clock
 
     # ---- the table ------------------------------------------------------------------------
     def decide(self, status: Status) -> Decision:
         """The decision for one failure (pure but for the sliding windows)."""
         action = _ACTIONS.get(status.category, Action.NONE)
-        now = time.monotonic()
+        now = self._clock.monotonic()
         reason = f"{status.category.value}: {status.code}"
         if action is Action.REDUCE_ADMISSION:
             window = self._transients
@@ -174,11 +183,11 @@ class FaultController:
     # ---- queries used by the executor -----------------------------------------------------------
     def admission_factor(self) -> float:
         """Budget factor: reduced while transient faults are recent (§8 'reduce admission')."""
-        window = self._transients
-        now = time.monotonic()
-        if window and now - window[-1] <= self.policy.transient_window_s:
-            return self.policy.reduced_admission
-        return 1.0
+        now = self._clock.monotonic()
+        with self._mu:  # decide() trims the same window under this lock
+            recent = bool(self._transients) and (
+                now - self._transients[-1] <= self.policy.transient_window_s)
+        return self.policy.reduced_admission if recent else 1.0
 
     def backoff(self, attempt: int) -> float:
         """Seconds before submit retry ``attempt`` (1-based): exponential, capped, jittered."""

@@ -21,16 +21,15 @@ quarantined (§4.2: "Submitted-state destruction asserts and quarantines"), and 
 lease that is garbage-collected while still holding a slot.
 
 Locking: ``pool_mu`` (rank 2 of §5.2) guards the free lists and slot transitions; no runtime
-call is made while holding it except ``get_status`` in the ``runtime_done`` guard, which does
-not block.
+call is made while holding it (§5.2): ``GetStatus`` is asked before the lock is taken and the
+``runtime_done`` guard reads that answer (``BufferSlot.runtime_answer``); buffers are destroyed
+after the lock is released.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-import threading
-import time
 from collections import deque
 from typing import Any, Callable
 
@@ -65,7 +64,7 @@ class BufferSlot:
 
     __slots__ = ("slot_id", "generation_id", "kind", "engine", "submodel", "model", "inbuf",
                  "outbuf", "host_input", "host_position", "host_output", "scratch", "sliced", "run",
-                 "_pool", "__weakref__")
+                 "runtime_answer", "_pool", "__weakref__")
 
     def __init__(self, pool: "BufferPool", slot_id: int, submodel: SubmodelContract,
                  model: Any, engine: EngineSlot) -> None:
@@ -84,12 +83,28 @@ class BufferSlot:
         # Scratch for the finiteness check of one logits row (no per-token allocation).
         self.scratch = np.empty(pool.generation.vocab_size, dtype=np.uint16)
         self.sliced: set[str] = set()
+        #: the runtime's last GetStatus answer (rc, status) for this slot's output buffer
+        self.runtime_answer: tuple[int, int] | None = None
         self.run = BUFFER_SLOT.run(self)
 
     # ---- guards of BufferSlotChart -------------------------------------------------------
+    def ask_runtime(self) -> tuple[int, int] | None:
+        """GetStatus of the output buffer (a runtime call: never under pool_mu), kept as
+        ``runtime_answer`` for the chart's ``runtime_done`` guard. None once destroyed."""
+        outbuf = self.outbuf
+        self.runtime_answer = None if outbuf is None else outbuf.get_status()
+        return self.runtime_answer
+
     def runtime_done(self) -> bool:
-        rc, status = self.outbuf.get_status()
-        return rc == 0 and status not in (DeviceJobStatus.PENDING, DeviceJobStatus.RUNNING)
+        """Guard: the runtime's last answer says it no longer uses the buffers."""
+        answer = self.runtime_answer
+        return answer is not None and answer[0] == 0 and answer[1] not in (
+            DeviceJobStatus.PENDING, DeviceJobStatus.RUNNING)
+
+    def runtime_let_go(self) -> bool:
+        """Ask the runtime now (outside any pool lock) whether it let go of the buffers."""
+        self.ask_runtime()
+        return self.runtime_done()
 
     def undo_slice_done(self) -> bool:
         return not self.sliced
@@ -206,11 +221,13 @@ class BufferPool:
         self.generation = generation
         self.generation_id = generation.generation_id
         self.pool_mu = locks.lock(POOL)
-        self._available = threading.Condition(self.pool_mu)
+        self.clock = locks.clock
+        self._available = self.clock.condition(self.pool_mu)
         self.reset_confirmed = False
         self.misuse = 0
         self.dropped = 0
         self.slots: list[BufferSlot] = []
+        self.opened = False  # every slot's buffers created and mapped
         # free slots per task kind; in Phase B each slot is fixed to PING or PONG (§6.4)
         self._free: dict[TaskKind, deque[BufferSlot]] = {}
         ids = itertools.count()
@@ -240,6 +257,7 @@ class BufferPool:
             if not status.ok:
                 self.close()
                 return status
+        self.opened = True
         return Status.OK
 
     def close(self) -> None:
@@ -247,13 +265,15 @@ class BufferPool:
 
         Free and Retired slots are destroyed. Leased/InFlight/Quarantined slots keep their
         buffers and host storage alive (invariant 4) until a confirmed reset retires them."""
+        doomed = []
         with self.pool_mu:
+            self.opened = False
             for slot in self.slots:
                 if slot.run.state in ("Free", "Retired"):
-                    for buf in (slot.inbuf, slot.outbuf):
-                        if buf is not None:
-                            buf.destroy()
+                    doomed += [buf for buf in (slot.inbuf, slot.outbuf) if buf is not None]
                     slot.inbuf = slot.outbuf = None
+        for buf in doomed:  # runtime calls after pool_mu is released (§5.2)
+            buf.destroy()
 
     # ---- leasing ---------------------------------------------------------------------------
     def acquire(self, kind: TaskKind, deadline: float, owner: int | None = None,
@@ -274,12 +294,12 @@ class BufferPool:
                 stopped = stop()
                 if stopped is not None:
                     return stopped
-                remaining = deadline - time.monotonic()
+                remaining = deadline - self.clock.monotonic()
                 if remaining <= 0:
                     return Status.exhausted(
                         "buffer", Phase.LEASE, f"no free {kind.name} buffer slot before the deadline",
                         generation=self.generation_id)
-                self._available.wait(remaining)
+                self.clock.wait(self._available, remaining)
 
     def wake(self) -> None:
         """Wake waiters (a cancel or shutdown happened)."""
@@ -291,12 +311,16 @@ class BufferPool:
             lease.slot.run.send("submit")
 
     def device_done(self, lease: BufferLease) -> bool:
-        """InFlight -> Leased once the runtime finished with the buffers; False if it has not."""
+        """InFlight -> Leased once the runtime finished with the buffers; False if it has not.
+        GetStatus is asked before pool_mu is taken; the guard reads that answer."""
+        slot = lease.slot
+        if slot.run.state == "InFlight":
+            slot.ask_runtime()
         with self.pool_mu:
-            run = lease.slot.run
+            run = slot.run
             if run.state != "InFlight":
                 return run.state == "Leased"
-            try:  # the guard asks the runtime once (GetStatus), not once for can() and again
+            try:
                 run.send("device_done")
             except GuardRejected:
                 return False
@@ -355,15 +379,16 @@ class BufferPool:
         """After a confirmed reset: Quarantined -> Retired, buffers destroyed."""
         self.reset_confirmed = True
         count = 0
+        doomed = []
         with self.pool_mu:
             for slot in self.slots:
                 if slot.run.state == "Quarantined":
                     slot.run.send("retire")
-                    for buf in (slot.inbuf, slot.outbuf):
-                        if buf is not None:
-                            buf.destroy()
+                    doomed += [buf for buf in (slot.inbuf, slot.outbuf) if buf is not None]
                     slot.inbuf = slot.outbuf = None
                     count += 1
+        for buf in doomed:  # runtime calls after pool_mu is released (§5.2)
+            buf.destroy()
         return count
 
     def drop_storage(self) -> None:

@@ -6,6 +6,8 @@ when the ``CI`` environment variable is set, as ``.ci/run`` does; locally the ``
 
 import os
 
+import pytest
+
 from hypothesis import HealthCheck, settings
 
 pytest_plugins = ["transition_coverage_plugin", "driver_fixtures"]
@@ -19,3 +21,18 @@ settings.register_profile(
 )
 settings.register_profile("dev", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
+
+# Lock-rank checking on in every test (issue 13): each executor, KV coordinator and pool built
+# during a test checks the §5.2 order (machines/locks.py), and no test may end with a violation.
+os.environ.setdefault("CALEXEC_CHECK_LOCK_ORDER", "1")
+
+
+@pytest.fixture(autouse=True)
+def _no_lock_order_violations():
+    from calexec.machines.locks import ALL_ORDERS
+
+    before = {id(order): len(order.violations) for order in list(ALL_ORDERS)}
+    yield
+    new = [v for order in list(ALL_ORDERS)
+           for v in order.violations[before.get(id(order), 0):]]
+    assert not new, f"lock order violations: {new[:3]}"
