@@ -394,10 +394,11 @@ class CompletionService:
             gen.status = moved
             return None
         # The request deadline bounds everything below, thread limiters included: the
-        # executor answers at the deadline itself (its own, more precise Status); half the
-        # slack later the handler stops waiting anyway (504) and cancels the job, if any; the
-        # sequence is released once the job ended (finish()).
-        stop_at = gen.deadline + self.config.deadline_slack_s / 2
+        # executor answers at the deadline itself (its own, more precise Status); a tenth of
+        # the slack later the handler stops waiting anyway (504) and cancels the job, if any;
+        # the rest of the slack is for the event loop to send the answer. The sequence is
+        # released once the job ended (finish()).
+        stop_at = gen.deadline + self.config.deadline_slack_s / 10
         with anyio.move_on_after(max(0.0, stop_at - time.monotonic())) as scope:
             result, handle = await self._run_job(gen)
         if scope.cancelled_caught:
@@ -544,8 +545,8 @@ class CompletionService:
             status = Status.unavailable(Phase.RELEASE, f"job of sequence {seq_id} unresolved "
                                         "and the executor stopped", seq_id=seq_id)
             if handle is None or handle.done:
-                while True:
-                    status = self.executor.release_sequence(seq_id, step)
+                while True:  # slices of at most 1 s: the executor may end meanwhile
+                    status = self.executor.release_sequence(seq_id, min(step, 1.0))
                     if status.ok or status.category != Category.UNAVAILABLE \
                             or self._executor_final():
                         break
