@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import EngineSlot, ModelGeneration, TaskKind
 from calexec.machines.kv import KvCoordinator
@@ -67,7 +68,13 @@ class Generation:
         calbin unloaded. Host storage stays alive with this object."""
         self.closing = True
         self.pool.quarantine_all()
-        self.pool.retire_quarantined()
+        held = self.pool.retire_quarantined()
+        if held:  # the runtime says it still uses these: nothing of the generation is freed
+            return Status.failure(
+                "recovery.buffers_in_use", Category.DEVICE, Phase.RECOVERY,
+                f"the runtime still uses {len(held)} buffer slot(s) of generation {self.id} "
+                f"({', '.join(str(s.slot_id) for s in held)}); teardown refused",
+                generation=self.id)
         self.kvc.close()
         self.released = True
         status = Status.OK

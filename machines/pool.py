@@ -11,7 +11,9 @@ Quarantined, Retired); the slot object answers the chart's guards:
 - ``runtime_done``: the runtime no longer uses the slot's buffers (GetStatus is not
   PENDING/RUNNING; IDLE when infer() never accepted the job).
 - ``undo_slice_done``: every SliceTensor was undone (FI15; else ``give_back`` quarantines).
-- ``reset_confirmed``: the pool's generation was torn down by a confirmed reset.
+- ``reset_confirmed``: after the drain or reset that ended the generation, the runtime's own
+  answer (GetStatus, asked outside pool_mu) says it no longer runs anything on the slot; a slot
+  whose job still runs is never retired (its buffers stay mapped).
 
 A ``BufferLease`` is the only way to reach a leased slot. It is move-only: ``moved()`` hands
 the slot to a new lease object and invalidates the old one; copying or pickling raises. Using
@@ -110,7 +112,9 @@ class BufferSlot:
         return not self.sliced
 
     def reset_confirmed(self) -> bool:
-        return self._pool.reset_confirmed
+        """Guard of ``retire``: the runtime's answer, asked once the generation was drained
+        or reset, says the slot is no longer in use (a hung job keeps its slot)."""
+        return self.runtime_done()
 
     # ---- runtime calls on the slot's buffers (return Status, never raise) -----------------
     def _map(self) -> Status:
@@ -223,7 +227,6 @@ class BufferPool:
         self.pool_mu = locks.lock(POOL)
         self.clock = locks.clock
         self._available = self.clock.condition(self.pool_mu)
-        self.reset_confirmed = False
         self.misuse = 0
         self.dropped = 0
         self.slots: list[BufferSlot] = []
@@ -375,21 +378,28 @@ class BufferPool:
                 free.clear()
         return count
 
-    def retire_quarantined(self) -> int:
-        """After a confirmed reset: Quarantined -> Retired, buffers destroyed."""
-        self.reset_confirmed = True
-        count = 0
-        doomed = []
+    def retire_quarantined(self) -> list[BufferSlot]:
+        """After the drain or reset that ended the generation: Quarantined -> Retired and
+        buffers destroyed, for every slot the runtime says it let go of (asked first, outside
+        pool_mu). Returns the slots the runtime still uses (their buffers stay mapped)."""
+        for slot in self.slots:
+            if slot.run.state == "Quarantined":
+                slot.ask_runtime()
+        doomed, held = [], []
         with self.pool_mu:
             for slot in self.slots:
-                if slot.run.state == "Quarantined":
+                if slot.run.state != "Quarantined":
+                    continue
+                try:
                     slot.run.send("retire")
-                    doomed += [buf for buf in (slot.inbuf, slot.outbuf) if buf is not None]
-                    slot.inbuf = slot.outbuf = None
-                    count += 1
+                except GuardRejected:
+                    held.append(slot)
+                    continue
+                doomed += [buf for buf in (slot.inbuf, slot.outbuf) if buf is not None]
+                slot.inbuf = slot.outbuf = None
         for buf in doomed:  # runtime calls after pool_mu is released (§5.2)
             buf.destroy()
-        return count
+        return held
 
     def drop_storage(self) -> None:
         """Free the host arrays of every slot; only for a retired pool whose runtime buffers
