@@ -400,3 +400,75 @@ def test_a_good_reload_still_switches(admin, tmp_path):
     cb.write(str(other), cb.default_spec(seed=cb.DEFAULT_SEED ^ 0x55))
     r = client.post("/admin/reload", json={"calbin": str(other)}, headers=AUTH)
     assert r.status_code == 200 and r.json()["generation"] == 2, r.text
+
+
+# ---- defect 6, end to end: a `calexec serve` process -----------------------------------------------
+def test_sigterm_after_a_refused_reload_under_load_exits_0(tmp_path, corrupt):
+    """Streaming clients, a corrupt calbin reloaded (refused, rolled back), then SIGTERM: every
+    stream ends with [DONE] or an SSE error event and the process exits 0. Before the fix the
+    requests finishing during the rollback raised AttributeError (streams cut, requests left
+    "running" holding their ids) and the drain ended not drained: exit 3."""
+    import signal
+    import subprocess
+    import sys
+
+    from test_server_support import free_port
+
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "calexec", "serve", "--port", str(port), "--grace", "20",
+         "--device-config", "decode_us=10000", "--admin-token-file", str(token_file),
+         "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        cwd=tmp_path)
+    try:
+        def up() -> bool:
+            try:
+                return httpx.get(f"{url}/ready", timeout=1).status_code == 200
+            except httpx.TransportError:
+                assert proc.poll() is None, proc.stderr.read().decode()
+                return False
+        wait_for(up, timeout=30, what="calexec serve to become ready")
+        streams: list[list[str]] = []
+        stop = threading.Event()
+
+        def stream(i: int) -> None:
+            while not stop.is_set():
+                lines: list[str] = []
+                streams.append(lines)
+                with httpx.stream("POST", f"{url}/v1/completions", timeout=30,
+                                  json={"prompt": [i + 1, 7], "max_tokens": 40,
+                                        "stream": True}) as r:
+                    if r.status_code != 200:
+                        lines.append(f"HTTP {r.status_code} {r.read().decode()}")
+                        stop.wait(0.01)
+                        continue
+                    lines.extend(line for line in r.iter_lines() if line)
+        workers = [threading.Thread(target=stream, args=(i,)) for i in range(12)]
+        for w in workers:
+            w.start()
+        wait_for(lambda: sum(1 for lines in streams if len(lines) > 2) >= 12,
+                 what="streams going")
+        for _ in range(4):
+            r = httpx.post(f"{url}/admin/reload", json={"calbin": corrupt}, headers=AUTH,
+                           timeout=30)
+            assert r.status_code == 500 and r.json()["status"]["code"] == "recovery.rolled_back"
+            assert httpx.get(f"{url}/ready", timeout=5).status_code == 200
+        stop.set()
+        proc.send_signal(signal.SIGTERM)
+        for w in workers:
+            w.join(30)
+        assert proc.wait(timeout=30) == 0, proc.stderr.read().decode()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    for lines in streams:
+        last = lines[-1] if lines else "(no event)"
+        if last.startswith("HTTP "):
+            assert last.startswith("HTTP 503 {"), last  # refused before it started: JSON
+            continue
+        assert last == "data: [DONE]" or json.loads(last[len("data: "):])["error"]["code"], \
+            lines[-3:]
