@@ -173,6 +173,8 @@ def _step2_widths(req: InferenceRequest, sub: SubmodelContract) -> Status:
     # max_seq <= S32_MAX (SubmodelContract), so passing this also keeps every position in s32.
     if total > sub.max_seq:
         return Status.invalid(2, f"past_len={past} + token_count={n} = {total} > max_seq={sub.max_seq}")
+    if req.kv_reserve_len is not None and req.kv_reserve_len > sub.max_seq:
+        return Status.invalid(2, f"kv_reserve_len={req.kv_reserve_len} > max_seq={sub.max_seq}")
     return Status.OK
 
 

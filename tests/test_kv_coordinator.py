@@ -221,3 +221,45 @@ def test_a_request_larger_than_the_whole_kv_is_refused_at_once():
     assert refused.category is Category.INVALID_REQUEST and "97 tokens" in refused.message
     assert kv.calls == 0 and (1 not in kvc.seqs or kvc.seqs[1].open_txn is None)
     assert isinstance(kvc.reserve(1, 0, 40, time.monotonic() + 5, reserve_len=96), KvTxn)
+
+
+def test_kv_reserve_len_is_checked_against_max_seq_and_sign():
+    """A reservation the KvManager can never grant (beyond max_seq: Apply says no for ever)
+    is a §6.3 step-2 refusal, not a wait to the deadline; a negative one a construction
+    error."""
+    import numpy as np
+    import pytest
+
+    from calexec.contracts.manifest import default_manifest_path, load_manifest
+    from calexec.contracts.prepare import InferenceRequest, check_request
+    from calexec.contracts.types import TaskKind
+    from calexec.drivers import calbin as cb
+
+    import tempfile
+
+    from calexec.drivers.runtime import CalRT
+    manifest = load_manifest(default_manifest_path())
+    with tempfile.TemporaryDirectory() as tmp:  # the generation's contracts, as at start
+        path = f"{tmp}/c.calbin"
+        cb.write(path, cb.default_spec())
+        rc, device = CalRT.load().open_device("")
+        assert rc == 0
+        rc, calbin = device.load_calbin(path)
+        assert rc == 0
+        rc, models = calbin.models()
+        gen = manifest.resolve([m.info for m in models], generation_id=1,
+                               calbin_sha256=calbin.sha256)
+        calbin.unload()
+        device.close()
+    max_seq = gen.submodels[TaskKind.PREFILL_IDS].max_seq
+
+    def request(reserve):
+        return InferenceRequest(seq_id=1, kind=TaskKind.PREFILL_IDS,
+                                tokens=np.array([1, 2], np.int32),
+                                positions=np.array([0, 1], np.int32), past_len=0,
+                                deadline=time.monotonic() + 5, kv_reserve_len=reserve)
+    assert check_request(request(max_seq), gen).ok
+    refused = check_request(request(max_seq + 1), gen)
+    assert refused.category is Category.INVALID_REQUEST and "kv_reserve_len" in refused.message
+    with pytest.raises(ValueError):
+        request(-1)
