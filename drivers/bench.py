@@ -515,7 +515,7 @@ class _PingPongRun:
             raise BenchError(f"executor (capacity {capacity}, overlap {overlap}) start failed: "
                              f"{status}")
         self.seed = calbin_fmt.read(calbin_path).seed
-        self.jobs: list = []  # (job_id, seq, kind, JobTimings) of every decode job
+        self.jobs: list = []  # (job_id, seq, kind, JobTimings, chart steps) of every decode job
 
     def _run(self, req: InferenceRequest):
         result = self.ex.enqueue(req).wait_until(req.deadline)
@@ -548,7 +548,9 @@ class _PingPongRun:
                     positions=np.asarray([past], np.int32), past_len=past,
                     deadline=time.monotonic() + _WAIT_S))
                 tpot_us.append((time.perf_counter_ns() - t0) / 1e3)
-                self.jobs.append((result.job_id, seq, "decode", result.timings))
+                trail = self.ex.job_trail(result.job_id)
+                self.jobs.append((result.job_id, seq, "decode", result.timings,
+                                  tuple(trail["trail"]) if trail else ()))
                 ref.run([token])
         except BenchError as exc:
             errors.append(str(exc))
@@ -608,8 +610,8 @@ def run_pingpong(seqs: int, tokens: int, solo_tokens: int, trace_path: str | Non
                     health = run.close()
                 side[capacity] = {"loaded": loaded, "solo": solo, **health}
                 traced[f"capacity {capacity}, overlap {overlap}"] = [
-                    TracedJob(job_id, seq, kind, timings)
-                    for job_id, seq, kind, timings in loaded_jobs]
+                    TracedJob(job_id, seq, kind, timings, steps)
+                    for job_id, seq, kind, timings, steps in loaded_jobs]
             speedup = side[2]["loaded"]["tokens_per_s"] / side[1]["loaded"]["tokens_per_s"]
             tpot_ratio = side[2]["solo"]["tpot_us_p99"] / side[1]["solo"]["tpot_us_p99"]
             bound = pingpong_bound(overlap, **PINGPONG_PROFILE)

@@ -129,6 +129,7 @@ class DeviceLifecycle:
             with self._submit_cv:
                 self._refusal = None
             self._admitting = not self._stopping
+            self._ready_cv.notify_all()  # requests queued through the recovery go on
         path = self.gen.calbin_path
         if path in self.good_calbins:
             self.good_calbins.remove(path)
@@ -196,6 +197,7 @@ class DeviceLifecycle:
             if not self.lifecycle.final:
                 self.lifecycle.send("fail")
                 self.failure = status
+            self._ready_cv.notify_all()
         self._refuse_queued(status)
         log.error("device lifecycle Failed: %s", status)
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Any, Callable, Protocol
 
 import attrs
@@ -105,6 +105,13 @@ class ExecutorConfig:
     require_golden: bool = False
     #: recovery thresholds and reset choice (calexec.machines.faults.RecoveryPolicy)
     recovery: RecoveryPolicy = attrs.field(factory=RecoveryPolicy)
+    #: queue through recovery (Triton's DELAY policy): up to this many requests that arrive
+    #: while the device drains/recovers/configures/warms wait for Ready within their
+    #: deadline instead of an immediate UNAVAILABLE; 0 refuses them at once
+    ready_queue_max: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    #: the path of each job (taken transitions, refused events and their guards) is kept for
+    #: this many most recent jobs (``job_trail``); 0 keeps none
+    job_trails_kept: int = attrs.field(default=1024, validator=attrs.validators.ge(0))
     #: /ready and health(): a job still on the device this long past its request deadline
     #: means the device stalls (the execution deadline above is the hard bound)
     stall_after_s: float = attrs.field(default=1.0, validator=attrs.validators.gt(0))
@@ -143,6 +150,9 @@ def _check_caller_arguments(request: InferenceRequest, logits_out: Any,
     return Status.OK
 
 
+_TRAIL_STEPS = 32  # a job takes at most ~8 transitions; refused events are few
+
+
 class _NoRequest:
     """Stand-in request of a job refused because the caller passed no InferenceRequest."""
 
@@ -175,6 +185,9 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         self.lifecycle_mu = self.locks.lock(LIFECYCLE_RANK)
         self.submit_mu = self.locks.lock(SUBMIT)
         self._submit_cv = clock.condition(self.submit_mu)
+        # requests waiting for Ready during a recovery (lifecycle_mu; ready_queue_max)
+        self._ready_cv = clock.condition(self.lifecycle_mu)
+        self._ready_waiters = 0
         self._submit_q: deque[Job] = deque()
         self._inflight = 0  # guarded by submit_mu
         self._capacity = config.inflight_capacity  # effective; a downgrade lowers it
@@ -223,6 +236,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         self.counters = {"submitted": 0, "succeeded": 0, "failed": 0, "quarantined": 0,
                          "cancelled": 0, "stale_completions": 0, "submit_retries": 0}
         self._counters_mu = self.locks.lock(COUNTERS)
+        self._trails: OrderedDict[int, dict[str, Any]] = OrderedDict()  # counters_mu
         self.infer_threads: set[str] = set()
         self.wait_threads: set[str] = set()
 
@@ -273,9 +287,18 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
                   self._wake_waiters, internal=internal, clock=self.clock)
         job.gen = gen
         job.logits_out = logits_out
+        if self.config.job_trails_kept:
+            job.run.trail = deque(maxlen=_TRAIL_STEPS)
+            job.on_resolved = self._keep_trail
         handle = JobHandle(job)
         if on_created is not None:
             on_created(handle)
+        if not internal and not self._admitting and self.config.ready_queue_max:
+            waited = self._wait_for_ready(job)
+            if waited is not None:
+                return self._fail_early(job, waited)
+            gen = self.gen
+            job.gen, job.generation_id = gen, gen.id if gen is not None else 0
         if not (self._admitting or (internal and self.lifecycle.state == "Warming")) \
                 or self._stopping or gen is None:
             return self._fail_early(job, Status.unavailable(
@@ -418,8 +441,75 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             return None
         return stop
 
+    def _keep_trail(self, job: Job) -> None:
+        """A job resolved: keep its path (bounded, newest last) for ``job_trail``."""
+        result = job.result
+        record = {"job_id": job.job_id, "seq_id": job.request.seq_id, "kind": job.kind.name,
+                  "generation": job.generation_id, "state": job.run.state,
+                  "status": "ok" if not isinstance(result, Status) else result.code,
+                  "trail": job.run.trail}
+        trails = self._trails
+        with self._counters_mu:
+            trails[job.job_id] = record
+            while len(trails) > self.config.job_trails_kept:
+                trails.popitem(last=False)
+
+    def job_trail(self, job_id: int) -> dict[str, Any] | None:
+        """What happened to one recent job: its chart path as a list of steps ``{event,
+        from, to, refused_by, t}`` (``to`` None and ``refused_by`` the guards when an event
+        was refused), its final state and status code; None when not kept (still running,
+        or older than ``job_trails_kept`` jobs)."""
+        with self._counters_mu:
+            record = self._trails.get(job_id)
+            if record is None:
+                return None
+            steps = list(record["trail"])
+        out = {key: value for key, value in record.items() if key != "trail"}
+        out["trail"] = [{"event": e, "from": s, "to": t, "refused_by": list(g) if g else None,
+                         "t": at} for e, s, t, g, at in steps]
+        return out
+
+    def _wait_for_ready(self, job: Job) -> Status | None:
+        """Queue through recovery (Triton's DELAY policy): a request that arrives while the
+        device drains, recovers, configures or warms up waits for Ready, bounded by its
+        deadline and by ``ready_queue_max`` waiters. None when it may go on; else why not
+        (UNAVAILABLE when the queue is full, the lifecycle Failed or the executor stops;
+        DEADLINE when its deadline passed first; CANCELLED)."""
+        with self._ready_cv:
+            state = self.lifecycle.state
+            if state not in ("Draining", "Recovering", "Configuring", "Warming") and not (
+                    state == "Ready" and self._pending_recovery is not None):
+                return None  # Ready (admits), or Created/Failed/Stopped: answered by the caller
+            if self._ready_waiters >= self.config.ready_queue_max:
+                return Status.unavailable(Phase.ADMISSION, f"device lifecycle is "
+                                          f"{self.lifecycle.state} and {self._ready_waiters} "
+                                          "requests already wait for Ready; retry later",
+                                          **job.ctx())
+            self._ready_waiters += 1
+            try:
+                while not self._admitting:
+                    if self._stopping or self.lifecycle.final:
+                        return None
+                    if job.cancel_flag:
+                        return Status.cancelled(Phase.ADMISSION, **job.ctx())
+                    remaining = job.deadline - self.clock.monotonic()
+                    if remaining <= 0:
+                        return Status.deadline(Phase.ADMISSION, "deadline passed while the "
+                                               f"device was {self.lifecycle.state}",
+                                               **job.ctx())
+                    self.clock.wait(self._ready_cv, remaining)
+                return None
+            finally:
+                self._ready_waiters -= 1
+
+    def _ready_changed(self) -> None:
+        """Ready, Failed or stopping: wake the requests waiting for Ready."""
+        with self._ready_cv:
+            self._ready_cv.notify_all()
+
     def _wake_waiters(self) -> None:
         """A cancel was recorded: end admission/lease waits so the owner sees it."""
+        self._ready_changed()
         if self.kvc is not None:
             self.kvc.wake()
         if self.pool is not None:
@@ -974,6 +1064,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             self._admitting = False
             if self.lifecycle.state == "Ready":
                 self.lifecycle.send("drain")
+            self._ready_cv.notify_all()
         if self.gen is not None:
             self.gen.kvc.close()
         with self._submit_cv:
@@ -1042,6 +1133,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             "slots": None if pool is None else pool.counts(),
             "recoveries": len(self.recoveries),
             "thread_faults": len(self.thread_faults),
+            "waiting_for_ready": self._ready_waiters,
             "retired_generations_kept": len(self._retired),
             **self.counters,
         }

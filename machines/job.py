@@ -53,7 +53,7 @@ class Job:
     __slots__ = ("job_id", "generation_id", "request", "kind", "submodel", "deadline",
                  "cancel_flag", "lease", "txn", "timings", "run", "wait_rc", "device_status",
                  "output_status", "result", "_done", "_on_cancel", "internal", "logits_out",
-                 "_gen", "budget_taken", "permit_held", "clock", "__weakref__")
+                 "_gen", "budget_taken", "permit_held", "clock", "on_resolved", "__weakref__")
 
     def __init__(self, job_id: int, generation_id: int, request: Any,
                  on_cancel: Callable[[], None], internal: bool = False,
@@ -79,6 +79,7 @@ class Job:
         self.internal = internal
         self.logits_out: np.ndarray | None = None
         self._gen = None
+        self.on_resolved: Callable[[Job], None] | None = None  # the executor's job trail
         self.budget_taken = False  # holds request.token_count of the admission budget
         self.permit_held = False  # holds one in-flight permit (submitter -> release)
 
@@ -123,6 +124,8 @@ class Job:
         # by reference counting (a Job <-> ChartRun cycle would keep its result's logits
         # array alive until a full garbage collection; the acceptance soak saw RSS climb).
         self.run.model = None
+        if self.on_resolved is not None:
+            self.on_resolved(self)
         self._done.set()
 
     def ctx(self) -> dict[str, int]:

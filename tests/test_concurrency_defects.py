@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from calexec.contracts.errors import Category
-from calexec.contracts.status import Status
+from calexec.contracts.status import Phase, Status
 from calexec.drivers import calbin as cb
 from calexec.machines.faults import RecoveryPolicy
 from executor_harness import (SEED, arm, decode, deadline, expected_greedy, greedy, prefill,
@@ -153,7 +153,7 @@ def test_enqueue_racing_a_recovery_never_reaches_the_new_generation(calbins, pau
         ex._prepare = original
         recovery = threading.Thread(target=lambda: out.setdefault(
             "rec", ex.recover(Status.failure("test.recover", Category.DEVICE,
-                                             __import__("calexec").contracts.status.Phase.RECOVERY,
+                                             Phase.RECOVERY,
                                              "test"))))
         recovery.start()
         until(lambda: ex.gen is not None and ex.gen.closing, 5, "the recovery to fence gen 1")
@@ -266,3 +266,68 @@ def test_retired_memory_is_dropped_once_the_device_proves_no_dma_is_pending(calb
         assert victim not in ex._retired
         assert all(s.host_output is None for s in victim.pool.slots)
         assert len(ex._retired) == 0  # everything retired so far is proven free
+
+
+# ---- queue through recovery (issue 16's executor half) ------------------------------------------
+def recovery_held_in_warming(ex):
+    """Start a recovery whose golden run waits for the returned event: the lifecycle stays
+    in Warming until the test sets it."""
+    held, release = threading.Event(), threading.Event()
+    warm_up = ex._warm_up
+
+    def slow_warm_up():
+        held.set()
+        release.wait(10)
+        return warm_up()
+
+    ex._warm_up = slow_warm_up
+    reason = Status.failure("test.recover", Category.DEVICE,
+                            Phase.RECOVERY, "test")
+    thread = threading.Thread(target=ex.recover, args=(reason,))
+    thread.start()
+    assert held.wait(10)
+    return release, thread
+
+
+def test_requests_arriving_during_a_recovery_wait_for_ready_and_complete(calbins):
+    with running_executor(calbins["main"], ready_queue_max=2) as ex:
+        release, recovery = recovery_held_in_warming(ex)
+        assert ex.state == "Warming"
+        out = {}
+        client = threading.Thread(target=lambda: out.setdefault(
+            "tokens", greedy(ex, 4, PROMPT, 1)))
+        client.start()
+        until(lambda: ex.snapshot()["waiting_for_ready"] == 1, 5, "the request to queue")
+        release.set()
+        recovery.join(10)
+        client.join(10)
+        assert out["tokens"] == expected_greedy(PROMPT, 1)
+        assert ex.snapshot()["waiting_for_ready"] == 0
+
+
+def test_a_full_ready_queue_and_a_failed_lifecycle_answer_unavailable(calbins):
+    with running_executor(calbins["main"], ready_queue_max=1) as ex:
+        release, recovery = recovery_held_in_warming(ex)
+        results = []
+        waiter = threading.Thread(target=lambda: results.append(
+            ex.enqueue(prefill(4, PROMPT)).wait_until(deadline(10))))
+        waiter.start()
+        until(lambda: ex.snapshot()["waiting_for_ready"] == 1, 5, "the first request to queue")
+        full = ex.enqueue(prefill(5, PROMPT)).wait_until(deadline(5))
+        assert isinstance(full, Status) and full.category == Category.UNAVAILABLE
+        assert "already wait for Ready" in full.message
+        ex._fail(Status.failure("test.failed", Category.COMPATIBILITY,
+                                Phase.RECOVERY, "test"))
+        waiter.join(10)
+        assert isinstance(results[0], Status) and results[0].category == Category.UNAVAILABLE
+        release.set()
+        recovery.join(10)
+
+
+def test_without_a_ready_queue_requests_during_recovery_are_refused_at_once(calbins):
+    with running_executor(calbins["main"]) as ex:
+        release, recovery = recovery_held_in_warming(ex)
+        res = ex.enqueue(prefill(4, PROMPT)).wait_until(deadline(5))
+        assert isinstance(res, Status) and res.category == Category.UNAVAILABLE
+        release.set()
+        recovery.join(10)
