@@ -77,7 +77,8 @@ class ServerConfig:
     max_timeout_s: float = attrs.field(default=600.0, validator=attrs.validators.gt(0))
     #: KV sequence ids the server leases to requests: 1..max_sequences (0 is the golden run's).
     max_sequences: int = attrs.field(default=32, validator=attrs.validators.ge(1))
-    #: worker threads for blocking executor calls (bounds concurrent device work requests).
+    #: worker threads for blocking executor calls: this many for prefills (which may wait for
+    #: KV or a slot) and as many again for the decodes and waits of running requests.
     worker_threads: int = attrs.field(default=16, validator=attrs.validators.ge(1))
     #: Retry-After seconds on 429 and 503.
     retry_after_s: int = attrs.field(default=1, validator=attrs.validators.ge(0))
