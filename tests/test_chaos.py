@@ -113,6 +113,8 @@ def _client(url: str, index: int, stop: threading.Event, out: list) -> None:
                 rec.error = repr(err)
             rec.end = time.monotonic()
             out.append(rec)
+            if rec.code in (429, 503):  # Retry-After: back off a little (shorter, to keep
+                stop.wait(rng.uniform(0.05, 0.25))  # the pressure on, but never a spin)
 
 
 def _check(rec: Record, slack: float, problems: list[str], wrong: list[str]) -> None:
