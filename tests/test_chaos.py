@@ -4,7 +4,8 @@ injects every job-level emulator fault kind, hung jobs, good and refused reloads
 whose new generation cannot map its buffers), then drains.
 
 Asserts: 0 wrong tokens against the numpy oracle; 0 responses later than the request deadline
-plus ``ServerConfig.deadline_slack_s``; every response a documented status with a JSON error
+plus ``ServerConfig.deadline_slack_s`` as the server measures it (its dump records; the clients,
+in the same process, get ``HARNESS_ALLOWANCE_S`` more for their own GIL share); every response a documented status with a JSON error
 body (or, once a stream started, an SSE error event); free + in-use + withheld sequence ids =
 capacity throughout, and every id free, no slot leased or in flight when idle; ``/ready`` 200
 again within ``RECOVERY_BOUND_S`` after each scheduled fault; the final drain ends Stopped
@@ -32,6 +33,7 @@ from collections import Counter
 
 import httpx
 
+from calexec.drivers.dumpsink import DumpSink
 from calexec.drivers.runtime import Fault, FaultMode
 from calexec.drivers.server import ServerConfig, create_app
 from calexec.machines.faults import RecoveryPolicy
@@ -41,6 +43,10 @@ SECONDS = float(os.environ.get("CALEXEC_CHAOS_SECONDS", "6"))
 CLIENTS = int(os.environ.get("CALEXEC_CHAOS_CLIENTS", "16"))
 SEED = int(os.environ.get("CALEXEC_CHAOS_SEED", "13"))
 RECOVERY_BOUND_S = 20.0  # a hung job: execution deadline + grace + drain + reset + golden
+#: the clients run in the server's process: their own threads compete with it for the GIL and
+#: the 2 cores, so what a client measures may exceed what the server took by this much. The
+#: server-side latency (dump records: admission to answer) is held to deadline + slack alone.
+HARNESS_ALLOWANCE_S = 1.0
 TOKEN = "chaos-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 DOCUMENTED = {200, 429, 500, 503, 504}  # docs/server.md "Errors" (400s: none sent here)
@@ -117,15 +123,20 @@ def _client(url: str, index: int, stop: threading.Event, out: list) -> None:
                 stop.wait(rng.uniform(0.05, 0.25))  # the pressure on, but never a spin)
 
 
-def _check(rec: Record, slack: float, problems: list[str], wrong: list[str]) -> None:
-    """Adds what is wrong with one record to ``problems`` / ``wrong`` (wrong tokens)."""
+def _check(rec: Record, slack: float, server_s: float | None, problems: list[str],
+           wrong: list[str]) -> None:
+    """Adds what is wrong with one record to ``problems`` / ``wrong`` (wrong tokens).
+    ``server_s``: the server-side latency of the request (its dump record), if admitted."""
     where = f"{rec.kind} prompt={rec.prompt} max_tokens={rec.max_tokens}"
     if rec.error is not None:
         problems.append(f"{where}: transport error {rec.error}")
         return
-    if rec.kind != "disconnect" and rec.end - rec.start > rec.timeout + slack:
+    if rec.kind != "disconnect" and (
+            rec.end - rec.start > rec.timeout + slack + HARNESS_ALLOWANCE_S
+            or server_s is not None and server_s > rec.timeout + slack):
         problems.append(f"{where}: answered {rec.end - rec.start - rec.timeout:.3f}s after "
-                        f"its {rec.timeout:.3f}s deadline (slack {slack}s)")
+                        f"its {rec.timeout:.3f}s deadline (server-side {server_s}s; slack "
+                        f"{slack}s)")
     if rec.code not in DOCUMENTED:
         problems.append(f"{where}: undocumented HTTP {rec.code}: {rec.body}")
         return
@@ -195,7 +206,10 @@ def test_chaos_soak_under_faults_reloads_and_hangs(tmp_path):
     corrupt = tmp_path / "corrupt.calbin"
     corrupt.write_bytes(b"corrupt calbin " * 64)
     config = ServerConfig(admin_token=TOKEN)
-    app = create_app(executor, config)
+    # one dump record per request: its server-side latency tells a late answer's handler time
+    # from the time it waited for the event loop or the socket
+    dump = DumpSink(tmp_path / "dump", max_bytes=256 << 20, include_content=True)
+    app = create_app(executor, config, dump)
     service = app.state.service
     emu = executor.device.emu
     rng = random.Random(SEED)
@@ -270,11 +284,20 @@ def test_chaos_soak_under_faults_reloads_and_hangs(tmp_path):
         emu.clear_all_faults()
         if not executor.lifecycle.final:
             executor.shutdown(5.0)
+    server_latency: dict[tuple, list[float]] = {}
+    for line in dump.path.read_text().splitlines() if dump.path.exists() else []:
+        entry = json.loads(line)
+        server_latency.setdefault(tuple(entry["prompt_token_ids"]), []).append(
+            entry["latency_s"])
     wrong: list[str] = []
     for rec in records:
-        _check(rec, config.deadline_slack_s, problems, wrong)
+        server_s = max(server_latency.get(tuple(rec.prompt), [None]) or [None],
+                       key=lambda v: -1 if v is None else v)
+        _check(rec, config.deadline_slack_s, server_s, problems, wrong)
     late = [rec.end - rec.start - rec.timeout for rec in records if rec.kind != "disconnect"
             and rec.error is None]
+    server_late = [max(server_latency.get(tuple(rec.prompt), [0.0])) - rec.timeout
+                   for rec in records if rec.kind != "disconnect"]
     figures = {
         "seed": SEED, "seconds": SECONDS, "clients": CLIENTS, "requests": len(records),
         "by_status": dict(Counter(str(rec.code) for rec in records)),
@@ -283,6 +306,9 @@ def test_chaos_soak_under_faults_reloads_and_hangs(tmp_path):
         "max_ready_after_s": max((s["ready_after_s"] or 0 for s in steps), default=0),
         "recoveries": len(executor.recoveries), "wrong_tokens": len(wrong),
         "max_past_deadline_s": round(max(late, default=0.0), 3),
+        "p99_past_deadline_s": round(sorted(late)[int(0.99 * (len(late) - 1))], 3) if late
+        else 0.0,
+        "max_server_side_past_deadline_s": round(max(server_late, default=0.0), 3),
         "slack_s": config.deadline_slack_s, "idle": idle, "final_ready": final_ready,
         "drain": service.drain_status.code, "lifecycle": executor.state,
         "problems": len(problems)}
