@@ -23,9 +23,13 @@ isolate the executor's control work (queues, threads, charts, checks), not PR6's
 ``bench logits [--json] [--iters N] [--seed S]``: ``bf16_to_f32_into`` of one vocab row vs the
 legacy ``bf16_to_f32_legacy`` (whole tensor to a temporary FP32 vector, then the slice), for
 the decode tensor [1,1,V] and the prefill tile [1,D0,V], with ``np.copyto`` of the same FP32
-destination as the floor; CPU time per call, allocation counts per call
+destination as the floor; beside them the executor's whole postprocess both ways:
+``numpy_path`` (finiteness check + conversion + ``np.argmax``) and ``fused`` /
+``fused_prefill`` / ``fused_sumexp`` (the native one-pass ``FusedLogits``, drivers/native.py,
+without and with the sum of exponentials); CPU time per call, allocation counts per call
 (``allocation_count_per_call``: Python allocator calls and numpy data buffers, counted by
-``calexec.drivers.alloccount``) and tracemalloc's transient/retained bytes (§13.3).
+``calexec.drivers.alloccount``), tracemalloc's transient/retained bytes (§13.3), and the fused
+results' bit-identity with the numpy path (``fused_bit_identical``).
 
 ``bench pingpong [--json] [--seqs N] [--tokens T] [--solo-tokens S] [--trace PATH]`` (§6.4,
 §13.3 Phase B): for each overlap setting of the emulator (none / dma / full), with
@@ -63,10 +67,11 @@ from calexec.drivers import alloccount
 from calexec.drivers import calbin as calbin_fmt
 from calexec.drivers.demo import DirectRunner, DriverError
 from calexec.drivers.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
+from calexec.drivers.native import FusedLogits
 from calexec.drivers.runtime import CalRT
 from calexec.drivers.simbench import PROFILE_DECODE_US
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
-from calexec.machines.postprocess import bf16_to_f32_into, bf16_to_f32_legacy
+from calexec.machines.postprocess import bf16_all_finite, bf16_to_f32_into, bf16_to_f32_legacy
 
 #: §13.3 gate for PR1-PR5 and the project's tighter goal (reported alongside the figures).
 SPEC_GATE = {"p50_ratio": 1.03, "p99_ratio": 1.05}
@@ -326,10 +331,28 @@ def run_logits(iters: int, seed: int) -> dict[str, Any]:
     prefill_src = _bf16_bits(rng, d0 * vocab)  # [1,D0,V] flattened
     prefill_base = (d0 - 2) * vocab  # a row other than 0, as a prefill's valid row can be
     dst = {name: np.empty(vocab, dtype=np.float32) for name in
-           ("direct", "legacy", "direct_prefill", "legacy_prefill", "copy")}
+           ("direct", "legacy", "direct_prefill", "legacy_prefill", "copy", "numpy_path",
+            "fused", "fused_prefill", "fused_sumexp")}
     copy_src = np.empty(vocab, dtype=np.float32)
     copy_src.view(np.uint32)[:] = decode_src.astype(np.uint32) << 16
-    cases: dict[str, Callable[[], None]] = {
+    scratch = np.empty(vocab, dtype=np.uint16)
+    fused = FusedLogits()
+
+    def numpy_path() -> int:  # the executor's fallback: finiteness, conversion, argmax
+        if not bf16_all_finite(decode_src[:vocab], scratch):
+            return -1
+        bf16_to_f32_into(decode_src, 0, vocab, dst["numpy_path"])
+        return int(np.argmax(dst["numpy_path"]))
+
+    def fused_call(src: np.ndarray, base: int, out: np.ndarray, sumexp: bool = False):
+        run = fused.with_sumexp if sumexp else fused
+
+        def call() -> int:  # the executor's fused path: one native pass, then the argmax
+            run(src, base, vocab, out)
+            return fused.argmax
+        return call
+
+    cases: dict[str, Callable[[], object]] = {
         "direct": lambda: bf16_to_f32_into(decode_src, 0, vocab, dst["direct"]),
         "legacy": lambda: bf16_to_f32_legacy(decode_src, 0, vocab, dst["legacy"]),
         "direct_prefill": lambda: bf16_to_f32_into(prefill_src, prefill_base, vocab,
@@ -337,6 +360,10 @@ def run_logits(iters: int, seed: int) -> dict[str, Any]:
         "legacy_prefill": lambda: bf16_to_f32_legacy(prefill_src, prefill_base, vocab,
                                                      dst["legacy_prefill"]),
         "copy": lambda: np.copyto(dst["copy"], copy_src),
+        "numpy_path": numpy_path,
+        "fused": fused_call(decode_src, 0, dst["fused"]),
+        "fused_prefill": fused_call(prefill_src, prefill_base, dst["fused_prefill"]),
+        "fused_sumexp": fused_call(decode_src, 0, dst["fused_sumexp"], sumexp=True),
     }
     names = list(cases)
     samples: dict[str, list[float]] = {name: [] for name in names}
@@ -349,32 +376,62 @@ def run_logits(iters: int, seed: int) -> dict[str, Any]:
             t0 = clock()
             fn()
             samples[name].append((clock() - t0) / 1e3)
-    identical = (np.array_equal(dst["direct"].view(np.uint32), dst["legacy"].view(np.uint32))
-                 and np.array_equal(dst["direct_prefill"].view(np.uint32),
-                                    dst["legacy_prefill"].view(np.uint32)))
+
+    def same_bits(a: str, b: str) -> bool:
+        return np.array_equal(dst[a].view(np.uint32), dst[b].view(np.uint32))
+    identical = same_bits("direct", "legacy") and same_bits("direct_prefill", "legacy_prefill")
+    fused_identical = (same_bits("fused", "direct") and same_bits("fused_sumexp", "direct")
+                       and same_bits("fused_prefill", "direct_prefill")
+                       and cases["fused"]() == numpy_path()
+                       and cases["fused_prefill"]() == int(np.argmax(dst["direct_prefill"])))
+    cases["fused_sumexp"]()
+    reference = dst["direct"].astype(np.float64)
+    sumexp_error = abs(fused.sumexp / float(np.exp(reference - reference.max()).sum()) - 1)
     _progress("logits: CPU time, allocation counts and tracemalloc bytes")
     cpu_calls = max(1, min(iters, 200))
     alloc_calls = max(1, min(iters, 100))
     counts = {name: alloccount.count(cases[name], alloc_calls) for name in names}
     alloc = {name: _alloc_bytes(cases[name], alloc_calls) for name in names}
     p50 = {name: _p(samples[name], 50) for name in names}
+    cpu = {name: _cpu_us(cases[name], cpu_calls) for name in names}
     return {
         "iters": iters, "seed": seed, "vocab": vocab, "tile_d0": d0,
         "bit_identical": bool(identical),
+        "fused_bit_identical": bool(fused_identical),
+        "fused_sumexp_rel_error": float(f"{sumexp_error:.3g}"),
         **{f"{name}_us_p50": p50[name] for name in names},
         **{f"{name}_us_p99": _p(samples[name], 99) for name in names},
-        **{f"{name}_cpu_us": _cpu_us(cases[name], cpu_calls) for name in names},
+        **{f"{name}_cpu_us": cpu[name] for name in names},
         "speedup_vs_legacy": round(p50["legacy"] / p50["direct"], 2),
         "speedup_vs_legacy_prefill": round(p50["legacy_prefill"] / p50["direct_prefill"], 2),
         "ratio_to_copy": round(p50["direct"] / p50["copy"], 2),
+        "fused_ratio_to_copy": round(p50["fused"] / p50["copy"], 2),
+        "fused_prefill_ratio_to_copy": round(p50["fused_prefill"] / p50["copy"], 2),
+        "numpy_path_ratio_to_copy": round(p50["numpy_path"] / p50["copy"], 2),
+        "fused_speedup_vs_numpy_path": round(p50["numpy_path"] / p50["fused"], 2),
+        # back-to-back CPU time: steadier than the wall ratios on a loaded host
+        "fused_cpu_ratio_to_copy": round(cpu["fused"] / cpu["copy"], 2),
         "allocation_count_per_call": {name: counts[name].as_dict() for name in names},
         "allocations_per_token": {
             "slice_bytes": vocab * 4,
             **{f"{name}_peak_bytes": alloc[name][0] for name in names},
             **{f"{name}_retained_bytes": alloc[name][1] for name in names},
         },
+        "cpu_model": _cpu_model(),
         "cpus": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__,
     }
+
+
+def _cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``, as ``lscpu`` shows it), else the platform's."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 # ---- CLI -------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ import numpy as np
 from calexec.contracts.runtime_view import RuntimeModelInfo, RuntimeTensorInfo
 from calexec.drivers.calrt._calrt_emu import ffi as _ffi
 from calexec.drivers.calrt._calrt_emu import lib as _emu_lib
+from calexec.drivers.native import FusedLogits
 
 ENV_LIB = "CALEXEC_CALRT_LIB"
 
@@ -122,6 +123,11 @@ class CalRT:
         # resolve the names to the bundled emulator's own functions, not the library's.
         ffi = _abi_ffi()
         return cls(ffi.dlopen(lib_path), lib_path, ffi)
+
+    def logits_postprocessor(self) -> FusedLogits:
+        """A new fused native logits postprocess (drivers/native.py) for the executor's
+        completion path. Host code, not CalRT: the same whichever library is loaded."""
+        return FusedLogits()
 
     def open_device(self, config: str = "") -> tuple[int, "Device | None"]:
         out = self.ffi.new("calrt_device **")

@@ -178,6 +178,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         self.config = config
         self.clock = clock
         self.faults = fault_sink or FaultController(config.recovery)
+        self._fused_logits = getattr(runtime, "logits_postprocessor", lambda: None)()
         if hasattr(self.faults, "attach"):
             self.faults.attach(self)
         self.locks = LockOrder(checking=config.check_lock_order, strict=config.strict_lock_order,
@@ -880,7 +881,9 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         return none_left
 
     def _postprocess(self, job: Job) -> "InferenceResult | Status":
-        """Output size (FI09), finiteness (FI10), then the direct conversion (§10.1)."""
+        """Output size (FI09), finiteness (FI10), then the direct conversion (§10.1) and the
+        argmax: fused in one native pass when the runtime offers it (``self._fused_logits``,
+        drivers/native.py; GIL released), else the numpy path. Same bits, same argmax."""
         request, slot, sm = job.request, job.lease.slot, job.submodel
         vocab = job.gen.contracts.vocab_size
         row = valid_logits_row(request.token_count, sm.logits_tile_d0)
@@ -893,16 +896,33 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             return Status.internal("output_short", Phase.OUTPUT_CHECK,
                                    f"output {sm.logits.name!r} holds {valid_bytes} bytes, "
                                    f"contract ByteSize is {sm.logits.byte_size}", **job.ctx())
-        src = slot.host_output[base:base + count]
-        if not bf16_all_finite(src, slot.scratch):
-            return Status.internal("output_not_finite", Phase.OUTPUT_CHECK,
-                                   f"NaN/Inf in logits row {row} [{first}, {first + count})",
-                                   **job.ctx())
-        dst = job.logits_out if job.logits_out is not None else np.empty(count, np.float32)
-        bf16_to_f32_into(slot.host_output, base, count, dst)
+        fused = self._fused_logits
+        if fused is not None:
+            dst = job.logits_out if job.logits_out is not None else np.empty(count, np.float32)
+            rc = fused(slot.host_output, base, count, dst)
+            if rc == fused.NONFINITE:  # dst is partly written: not a result
+                return Status.internal("output_not_finite", Phase.OUTPUT_CHECK,
+                                       f"NaN/Inf in logits row {row} [{first}, {first + count}) "
+                                       f"at index {first + fused.first_nonfinite}", **job.ctx())
+            if rc != 0:  # §10.1 bounds or a short destination, refused before any access
+                return Status.internal("logits_slice", Phase.OUTPUT_CHECK,
+                                       f"logits slice base={base} n={count} refused ({rc}: "
+                                       f"{fused.RC_NAMES.get(rc)}) for an output of "
+                                       f"{slot.host_output.shape[0]} elements and a "
+                                       f"destination of {dst.shape[0]}", **job.ctx())
+            argmax = fused.argmax
+        else:
+            src = slot.host_output[base:base + count]
+            if not bf16_all_finite(src, slot.scratch):
+                return Status.internal("output_not_finite", Phase.OUTPUT_CHECK,
+                                       f"NaN/Inf in logits row {row} [{first}, {first + count})",
+                                       **job.ctx())
+            dst = job.logits_out if job.logits_out is not None else np.empty(count, np.float32)
+            bf16_to_f32_into(slot.host_output, base, count, dst)
+            argmax = int(np.argmax(dst[:count]))
         return InferenceResult(job_id=job.job_id, seq_id=request.seq_id,
                                generation=job.generation_id, kind=job.kind, logits=dst[:count],
-                               argmax=int(np.argmax(dst[:count])), kv_len=job.txn.target_len,
+                               argmax=argmax, kv_len=job.txn.target_len,
                                timings=job.timings)
 
     def _quarantine_after_submit(self, job: Job, status: Status, release_permit: bool,
