@@ -18,7 +18,8 @@ from fastapi.testclient import TestClient
 from calexec.drivers import calbin as cb
 from calexec.drivers.runtime import Stage
 from calexec.drivers.server import ServerConfig, create_app
-from test_server_support import LiveServer, oracle_tokens, started_executor, wait_for
+from test_server_support import (LiveServer, metric_value, oracle_tokens, started_executor,
+                                 wait_for)
 
 TOKEN = "robust-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -114,8 +115,12 @@ def test_a_request_finishing_during_a_refused_switch_gives_its_sequence_back(tmp
             r = client.post("/v1/completions", json={"prompt": [3, 4, 5], "max_tokens": 4})
             assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == \
                 oracle_tokens([3, 4, 5], 4)
-        wait_for(lambda: sequences_settled(service), what="ids back after the last request")
-        assert_sequences_whole(service)
+            wait_for(lambda: sequences_settled(service), what="ids back after the last request")
+            assert_sequences_whole(service)
+            metrics = client.get("/metrics").text  # the invariant, as exported
+        values = {name: metric_value(metrics, f"calexec_kv_sequences_{name}")
+                  for name in ("free", "in_use", "withheld", "capacity")}
+        assert values == {"free": 32, "in_use": 0, "withheld": 0, "capacity": 32}, values
     finally:
         executor.shutdown(5.0)
 
