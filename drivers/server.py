@@ -409,7 +409,8 @@ class CompletionService:
                                          "stopped waiting", seq_id=gen.seq_id)
             return None
         if isinstance(result, Status):
-            handle.cancel()  # wait deadline: the job continues unless told otherwise
+            if handle is not None:
+                handle.cancel()  # wait deadline: the job continues unless told otherwise
             gen.status = self._generation_moved(gen, result) or result
             return None
         if gen.generation_id is None:
