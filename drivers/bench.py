@@ -59,13 +59,14 @@ from typing import Any
 
 import numpy as np
 
-from calexec.contracts.manifest import default_manifest_path, load_manifest
+from calexec import cliargs
 from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.status import Status
 from calexec.contracts.types import TaskKind
 from calexec.drivers import alloccount
 from calexec.drivers import calbin as calbin_fmt
 from calexec.drivers.demo import DirectRunner, DriverError
+from calexec.drivers.device_spec import DeviceSpec, DeviceSpecError
 from calexec.drivers.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
 from calexec.drivers.native import FusedLogits
 from calexec.drivers.runtime import CalRT
@@ -143,9 +144,10 @@ class ExecutorLoop:
     """The same greedy decode through ``DeviceExecutor`` (threads on, capacity 1): one
     ``enqueue`` + ``wait_until`` per token into a preallocated logits row."""
 
-    def __init__(self, rt: CalRT, calbin_path: str) -> None:
-        self.ex = DeviceExecutor(rt, load_manifest(default_manifest_path()),
-                                 ExecutorConfig(calbin_path=calbin_path, inflight_capacity=1))
+    def __init__(self, rt: CalRT, calbin_path: str, device: DeviceSpec = DeviceSpec()) -> None:
+        self.ex = DeviceExecutor(rt, device.manifest(),
+                                 ExecutorConfig(calbin_path=calbin_path, inflight_capacity=1,
+                                                recovery=device.recovery()))
         status = self.ex.start()
         if not status.ok:
             raise BenchError(f"executor start failed: {status}")
@@ -237,17 +239,18 @@ def _breakdown(timings: list) -> dict[str, float]:
     return {k: _p(v, 50) for k, v in spans.items()}
 
 
-def run_overhead(tokens: int, runs: int, zero_tokens: int, seed: int) -> dict[str, Any]:
-    """Run both phases and return the figures (times in us)."""
+def run_overhead(tokens: int, runs: int, zero_tokens: int, seed: int,
+                 device: DeviceSpec = DeviceSpec()) -> dict[str, Any]:
+    """Run both phases and return the figures (times in us); ``device`` names the runtime,
+    manifest and (synthetic) calbin (default: the bundled emulator's)."""
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, calbin_fmt.VOCAB, PROMPT_LEN, dtype=np.int32) for _ in range(runs)]
     with tempfile.TemporaryDirectory(prefix="calexec-bench-") as tmp:
-        path = os.path.join(tmp, "bench.calbin")
-        calbin_fmt.write(path)
-        rt = CalRT.load()
+        path = device.calbin(tmp)
+        rt = _emulator_runtime(device)
         direct = DirectLoop(rt, path)
         try:
-            executor = ExecutorLoop(rt, path)
+            executor = ExecutorLoop(rt, path, device)
         except BaseException:
             direct.close()
             raise
@@ -422,6 +425,16 @@ def run_logits(iters: int, seed: int) -> dict[str, Any]:
     }
 
 
+def _emulator_runtime(device: DeviceSpec) -> CalRT:
+    """The runtime of ``device``; these benchmarks drive the emulator's latency and fault
+    controls, so a library without them is refused (BenchError)."""
+    rt = device.runtime()
+    if not rt.has_emu:
+        raise BenchError(f"{device.library!r} has no emulator controls (calrt_emu_*): this "
+                         "benchmark sets emulated latencies and faults")
+    return rt
+
+
 def _cpu_model() -> str:
     """The CPU's model name (``/proc/cpuinfo``, as ``lscpu`` shows it), else the platform's."""
     try:
@@ -435,19 +448,17 @@ def _cpu_model() -> str:
 
 
 # ---- CLI -------------------------------------------------------------------------------------------
-def run_recovery(recoveries: int, seed: int) -> dict[str, Any]:
+def run_recovery(recoveries: int, seed: int, device: DeviceSpec = DeviceSpec()) -> dict[str, Any]:
     """§9.2 figures: time from an injected device fault (DONE_CCU_EXCEPTION) to Ready again
     on the zero-latency profile, over ``recoveries`` recoveries, while a client thread keeps
     sending decode requests on another sequence; what happened to those requests."""
     from calexec.drivers.runtime import Fault, FaultMode
-    from calexec.machines.faults import RecoveryPolicy
 
     with tempfile.TemporaryDirectory(prefix="calexec-bench-") as tmp:
-        path = os.path.join(tmp, "bench.calbin")
-        calbin_fmt.write(path, calbin_fmt.default_spec())
-        config = ExecutorConfig(calbin_path=path, recovery=RecoveryPolicy(
+        path = device.calbin(tmp)
+        config = ExecutorConfig(calbin_path=path, recovery=device.recovery(
             max_recoveries=recoveries + 1, recovery_window_s=3600.0))
-        ex = DeviceExecutor(CalRT.load(), load_manifest(default_manifest_path()), config)
+        ex = DeviceExecutor(_emulator_runtime(device), device.manifest(), config)
         status = ex.start()
         if not status.ok:
             raise BenchError(f"executor start failed: {status}")
@@ -562,11 +573,12 @@ class _PingPongRun:
     ``decode(seqs, tokens)`` decodes the sequences concurrently (one client thread each) and
     checks every token against the oracle."""
 
-    def __init__(self, rt: CalRT, calbin_path: str, capacity: int, overlap: str) -> None:
+    def __init__(self, rt: CalRT, calbin_path: str, capacity: int, overlap: str,
+                 device: DeviceSpec = DeviceSpec()) -> None:
         profile = ";".join(f"{k}={v}" for k, v in PINGPONG_PROFILE.items())
-        self.ex = DeviceExecutor(rt, load_manifest(default_manifest_path()), ExecutorConfig(
+        self.ex = DeviceExecutor(rt, device.manifest(), ExecutorConfig(
             calbin_path=calbin_path, inflight_capacity=capacity,
-            device_config=f"overlap={overlap};{profile}"))
+            device_config=f"overlap={overlap};{profile}", recovery=device.recovery()))
         status = self.ex.start()
         if not status.ok:
             raise BenchError(f"executor (capacity {capacity}, overlap {overlap}) start failed: "
@@ -641,7 +653,8 @@ class _PingPongRun:
 
 
 def run_pingpong(seqs: int, tokens: int, solo_tokens: int, trace_path: str | None = None,
-                 overlaps: Sequence[str] = PINGPONG_OVERLAPS) -> dict[str, Any]:
+                 overlaps: Sequence[str] = PINGPONG_OVERLAPS,
+                 device: DeviceSpec = DeviceSpec()) -> dict[str, Any]:
     """Phase B vs Phase A per overlap setting: aggregate tokens/s of ``seqs`` sequences
     decoding ``tokens`` each at once (capacity 2 vs 1), single-request TPOT P99 of one
     sequence decoding ``solo_tokens`` alone, the theoretical bound, and §13.3's rule applied.
@@ -651,14 +664,13 @@ def run_pingpong(seqs: int, tokens: int, solo_tokens: int, trace_path: str | Non
     results: dict[str, Any] = {}
     traced: dict[str, list] = {}
     with tempfile.TemporaryDirectory(prefix="calexec-bench-") as tmp:
-        path = os.path.join(tmp, "bench.calbin")
-        calbin_fmt.write(path)
-        rt = CalRT.load()
+        path = device.calbin(tmp)
+        rt = _emulator_runtime(device)
         for overlap in overlaps:
             side: dict[int, dict[str, Any]] = {}
             for capacity in (1, 2):
                 _progress(f"pingpong: overlap {overlap}, capacity {capacity}")
-                run = _PingPongRun(rt, path, capacity, overlap)
+                run = _PingPongRun(rt, path, capacity, overlap, device)
                 try:
                     loaded = run.decode(range(1, seqs + 1), tokens)
                     loaded_jobs = list(run.jobs)
@@ -717,12 +729,15 @@ def _positive(text: str) -> int:
     return value
 
 
+@cliargs.command_main
 def main(argv: list[str]) -> int:
     """Entry point; ``argv`` starts with the command words (``bench overhead|logits``)."""
     command = argv[1] if len(argv) > 1 else ""
-    parser = argparse.ArgumentParser(prog=f"calexec bench {command}".strip())
+    parser = cliargs.parser(f"calexec bench {command}".strip(), __doc__)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts")
+    if command in ("overhead", "recovery", "pingpong"):
+        cliargs.add_device_args(parser)
     if command == "overhead":
         parser.add_argument("--tokens", type=_positive, default=150,
                             help="decode tokens per block at the 10 ms profile (default 150)")
@@ -753,6 +768,7 @@ def main(argv: list[str]) -> int:
               file=sys.stderr)
         return 2
     args = parser.parse_args(argv[2:])
+    device = cliargs.device_spec(args) if command != "logits" else DeviceSpec()
     try:
         if command == "overhead":
             limit = calbin_fmt.MAX_SEQ - PROMPT_LEN
@@ -762,20 +778,22 @@ def main(argv: list[str]) -> int:
                 parser.error(f"--gil-switch-us={args.gil_switch_us}: must be >= 0")
             previous = set_gil_switch_interval_us(args.gil_switch_us)
             try:
-                result = run_overhead(args.tokens, args.runs, args.zero_tokens, args.seed)
+                result = run_overhead(args.tokens, args.runs, args.zero_tokens, args.seed,
+                                      device)
             finally:
                 set_gil_switch_interval_us(previous)
             result["gil_switch_interval_us"] = args.gil_switch_us or previous
         elif command == "recovery":
-            result = run_recovery(args.recoveries, args.seed)
+            result = run_recovery(args.recoveries, args.seed, device)
         elif command == "pingpong":
             limit = calbin_fmt.MAX_SEQ - PROMPT_LEN
             if max(args.tokens, args.solo_tokens) > limit:
                 parser.error(f"--tokens/--solo-tokens must be <= {limit}")
-            result = run_pingpong(args.seqs, args.tokens, args.solo_tokens, args.trace)
+            result = run_pingpong(args.seqs, args.tokens, args.solo_tokens, args.trace,
+                                  device=device)
         else:
             result = run_logits(args.iters, args.seed)
-    except (BenchError, DriverError) as exc:
+    except (BenchError, DriverError, DeviceSpecError) as exc:
         print(f"calexec bench {command}: {exc}", file=sys.stderr)
         return 1
     _emit(result, args.json)

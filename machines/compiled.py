@@ -93,6 +93,10 @@ class CompiledChart:
     guard_names: frozenset[str]
     # (id(declared statemachine Transition), event) -> Transition, for the coverage listener.
     by_declared: Mapping[tuple[int, str], Transition] = attrs.field(repr=False)
+    #: times each transition (by id) was taken in this process, for live transition rates
+    #: (/debug/statecharts). Plain ``+=`` from several threads: monitoring only, it may
+    #: undercount under contention; never used for a decision.
+    taken: list[int] = attrs.field(repr=False, eq=False, factory=list)
 
     def run(self, model: Any, state: str | None = None) -> ChartRun:
         """A new run on ``model`` (the guard provider), in ``state`` or the initial state."""
@@ -161,6 +165,7 @@ class ChartRun:
         if self.trail is not None:
             self.trail.append((event, self.state, transition.target, None, time.monotonic()))
         self.state = transition.target
+        self.chart.taken[transition.id] += 1
         RECORDER.record(transition.key)
         return transition.target
 
@@ -230,6 +235,7 @@ def compile_chart(name: str, declaration: type[StateMachine]) -> CompiledChart:
         table=MappingProxyType(table),
         guard_names=frozenset(g for t in transitions for g in t.conds + t.unless),
         by_declared=MappingProxyType(by_declared),
+        taken=[0] * len(transitions),
     )
 
 

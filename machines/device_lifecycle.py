@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 
 from calexec.contracts.errors import Category
+from calexec.contracts.goldens import goldens_path
+from calexec.contracts.goldens import lookup as lookup_golden
 from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import EngineSlot, TaskKind
@@ -135,21 +137,42 @@ class DeviceLifecycle:
             self.good_calbins.remove(path)
         self.good_calbins.append(path)
 
+    def expected_golden(self, sha: str) -> "tuple[tuple[int, ...] | None, str]":
+        """(expected tokens or None, where they come from) for calbin ``sha``: the operator's
+        ``goldens`` (``config.goldens``, or an unpinned run accepted in this process), else the
+        golden pinned next to the manifest for this prompt and decode steps."""
+        if sha in self.goldens:
+            return tuple(self.goldens[sha]), ("unpinned" if sha in self.unpinned_goldens
+                                              else "config")
+        pinned = lookup_golden(getattr(self.manifest, "goldens", {}), sha,
+                               self.config.golden_tokens, self.config.golden_decode_steps)
+        return (None, "unpinned") if pinned is None else (pinned.tokens, "pinned")
+
     def _warm_up(self) -> Status:
         """§9.2 Warming: a fixed prefill + decode through the real path, compared with the
-        golden recorded for this calbin (recorded on first use unless ``require_golden``)."""
+        golden pinned for this calbin. No pinned golden: refused (ARTIFACT, before anything
+        runs) unless ``allow_unpinned_golden``, which accepts the first run's tokens."""
         cfg = self.config
+        sha = self.gen.sha256
+        expected, source = self.expected_golden(sha)
+        if expected is None and not cfg.allow_unpinned_golden:
+            return Status.failure(
+                "golden.unpinned", Category.ARTIFACT, Phase.GOLDEN,
+                f"calbin {self.gen.calbin_path!r} (sha256 {sha}) has no pinned golden for "
+                f"golden_tokens/golden_decode_steps={cfg.golden_decode_steps} in "
+                f"{goldens_path(getattr(self.manifest, 'source', 'manifest'))}; run `calexec "
+                f"golden record --calbin {self.gen.calbin_path}` or set allow_unpinned_golden",
+                generation=self.gen.id)
         tokens = self._run_golden()
         if isinstance(tokens, Status):
             return tokens
-        sha = self.gen.sha256
-        expected = self.goldens.get(sha)
         if expected is None:
-            if cfg.require_golden:
-                return Status.failure("golden.missing", Category.ARTIFACT, Phase.GOLDEN,
-                                      f"no recorded golden for calbin sha256 {sha[:16]}...",
-                                      generation=self.gen.id)
+            log.warning("allow_unpinned_golden: calbin %r (sha256 %s) goes Ready on an unpinned "
+                        "golden %s (first run trusted; §9.2 asks for a fixed golden)",
+                        self.gen.calbin_path, sha, list(tokens))
             self.goldens[sha] = expected = tokens
+            self.unpinned_goldens.add(sha)
+        self.golden_source = source
         if tokens != tuple(expected):
             return Status.failure("golden.mismatch", Category.INTERNAL, Phase.GOLDEN,
                                   f"golden tokens {list(tokens)} != recorded {list(expected)}",

@@ -56,6 +56,16 @@ from calexec.machines.sequences import SequenceOwnership
 log = logging.getLogger("calexec.executor")
 
 
+#: Features a §8 PROGRAMMING fault (27 unsupported, 29 wrong direction) switches off until the
+#: next generation (``DeviceExecutor.disable_feature``). A PROGRAMMING fault elsewhere (plain
+#: infer, Wait, CSRs, slices: all mandatory paths) has nothing optional to switch off: the job
+#: fails, the fault is recorded, serving continues, no reset.
+FEATURES: dict[str, str] = {
+    "fixed_engine": "Phase B: infer_with_fixed_task_type on the PING/PONG slots; off: plain "
+                    "infer() and in-flight capacity 1",
+}
+
+
 class FaultSink(Protocol):
     """Where the executor reports every failure after submit and every runtime failure.
     ``calexec.machines.faults.FaultController`` (the default) applies the §8 actions."""
@@ -99,10 +109,14 @@ class ExecutorConfig:
     golden_seq_id: int = 0
     #: deadline of each golden job (a golden that cannot finish fails the warm-up, never hangs)
     golden_timeout_s: float = 10.0
-    #: expected golden tokens per calbin sha256. A calbin without an entry records its first
-    #: warm-up's tokens (trust on first use) unless ``require_golden`` is set.
+    #: expected golden tokens per calbin sha256 for the prompt above, given by the operator;
+    #: they take precedence over the goldens pinned next to the manifest (``Manifest.goldens``,
+    #: written by ``calexec golden record``).
     goldens: dict[str, tuple[int, ...]] = attrs.field(factory=dict)
-    require_golden: bool = False
+    #: §9.2: start or switch to a calbin with no pinned golden. Refused by default; when set,
+    #: the first warm-up's tokens become the expected ones for this process (trust on first
+    #: use), logged at WARNING and shown in ``snapshot()["golden"]``.
+    allow_unpinned_golden: bool = False
     #: recovery thresholds and reset choice (calexec.machines.faults.RecoveryPolicy)
     recovery: RecoveryPolicy = attrs.field(factory=RecoveryPolicy)
     #: queue through recovery (Triton's DELAY policy): up to this many requests that arrive
@@ -192,6 +206,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         self._submit_q: deque[Job] = deque()
         self._inflight = 0  # guarded by submit_mu
         self._capacity = config.inflight_capacity  # effective; a downgrade lowers it
+        self._features_off: dict[str, int] = {}  # FEATURES name -> generation it went off in
         self.downgrades: list[dict[str, Any]] = []
         self._phase_b_faults: deque[float] = deque()
         # quarantined slots whose job failed Wait while still on the device (submit_mu)
@@ -225,6 +240,8 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         self._rollback_path: str | None = None
         self.good_calbins: list[str] = []  # calbin paths that reached Ready, newest last
         self.goldens: dict[str, tuple[int, ...]] = dict(config.goldens)
+        self.golden_source: str | None = None  # the current generation's: pinned|config|unpinned
+        self.unpinned_goldens: set[str] = set()  # calbin sha256s accepted by allow_unpinned_golden
         self.start_status: Status | None = None
         self.failure: Status | None = None  # why the lifecycle is Failed
         # recovery: one at a time, on its own thread (threads mode) or run by the caller
@@ -640,7 +657,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
                     self._handing_off += len(ended)
                     job = None
                     break
-                if self._submit_q and self._inflight < self._capacity:
+                if self._submit_q and self._inflight < self._effective_capacity():
                     job = self._submit_q.popleft()
                     self._inflight += 1
                     job.permit_held = True
@@ -726,11 +743,40 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             self._completion_cv.notify()
 
     def _infer(self, gen: Generation, slot, seq_id: int) -> int:
-        """Phase A: infer(); Phase B: infer_with_fixed_task_type on the slot's PING/PONG."""
-        if slot.engine == EngineSlot.AUTO:
+        """Phase A: infer(); Phase B: infer_with_fixed_task_type on the slot's PING/PONG
+        (plain infer() while ``fixed_engine`` is switched off)."""
+        if slot.engine == EngineSlot.AUTO or self.feature_disabled("fixed_engine"):
             return self.device.infer(slot.model, gen.kv, seq_id, slot.inbuf, slot.outbuf)
         return self.device.infer_with_fixed_task_type(slot.model, gen.kv, seq_id, slot.inbuf,
                                                       slot.outbuf, int(slot.engine))
+
+    # ---- §8 PROGRAMMING: switch the feature off until the next generation ------------------------
+    def feature_disabled(self, name: str) -> bool:
+        """Whether FEATURES ``name`` is off for the current generation."""
+        gen = self.gen
+        return gen is not None and self._features_off.get(name) == gen.id
+
+    def _effective_capacity(self) -> int:
+        return 1 if self._features_off and self.feature_disabled("fixed_engine") else self._capacity
+
+    def disable_feature(self, status: Status, job: Job | None = None) -> str | None:
+        """Called by the fault controller for a PROGRAMMING fault: switch off the feature the
+        failed call used, for this generation (generation+1 turns it on again). Returns the
+        feature, or None when the call was on a mandatory path (nothing to switch off)."""
+        gen = self.gen
+        # Phase B slots are all PING/PONG (``_open``): an infer failure there came from
+        # infer_with_fixed_task_type unless that path is already off
+        feature = ("fixed_engine" if status.phase is Phase.SUBMIT
+                   and self.config.inflight_capacity == 2
+                   and not self.feature_disabled("fixed_engine") else None)
+        if feature is None or gen is None:
+            log.warning("PROGRAMMING fault %s on a mandatory path: nothing to switch off", status)
+            return None
+        # one dict store (atomic); no lock: it only lowers the capacity, so no waiter needs waking
+        self._features_off[feature] = gen.id
+        log.warning("feature %s switched off until generation %d (%s): %s", feature, gen.id + 1,
+                    FEATURES[feature], status)
+        return feature
 
     def _release_permit(self, job: Job) -> None:
         with self._submit_cv:
@@ -1147,11 +1193,14 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             "generation": None if self.gen is None else self.gen.id,
             "queued": queued,
             "inflight": inflight,
-            "inflight_capacity": self._capacity,
+            "inflight_capacity": self._effective_capacity(),
+            "disabled_features": sorted(f for f in self._features_off if self.feature_disabled(f)),
             "downgrades": len(self.downgrades),
             "pending_tokens": pending,
             "slots": None if pool is None else pool.counts(),
             "recoveries": len(self.recoveries),
+            "golden": self.golden_source,
+            "allow_unpinned_golden": self.config.allow_unpinned_golden,
             "thread_faults": len(self.thread_faults),
             "waiting_for_ready": self._ready_waiters,
             "retired_generations_kept": len(self._retired),

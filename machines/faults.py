@@ -15,7 +15,9 @@ TRANSIENT              admission reduced while transient faults are recent; past
                        ``transient_threshold`` within ``transient_window_s``: drain and rebuild
 DEVICE                 stop admission at once, quarantine, reset, rebuild; escalate to Failed
                        past ``max_recoveries`` within ``recovery_window_s``
-PROGRAMMING            switch the feature off (``disabled_features``); no reset
+PROGRAMMING            switch the feature off until the next generation
+                       (``DeviceExecutor.disable_feature``: the Phase B fixed-engine path);
+                       ``disabled_features`` records the phases; no reset
 UNKNOWN, INTERNAL      the generation is tainted (NaN/Inf output, short output, golden
                        mismatch, unlisted codes): reset and rebuild, golden re-run (FI10)
 CANCELLED, DEADLINE,   the request's own outcome: nothing to do
@@ -174,6 +176,8 @@ class FaultController:
                 self.manifest_differences.append(status)
             elif decision.action is Action.DISABLE_FEATURE:
                 self.disabled_features.add(status.phase.value if status.phase else status.code)
+        if decision.action is Action.DISABLE_FEATURE and self.executor is not None:
+            self.executor.disable_feature(status, job)
         if decision.action not in (Action.NONE, Action.RECORD, Action.REDUCE_ADMISSION,
                                    Action.DISABLE_FEATURE):
             log.warning("fault %s -> %s (%s)", status, decision.action.value, decision.reason)

@@ -1,5 +1,9 @@
 """Shared test configuration.
 
+System tools and optional extras: ``tests/needs.py`` (skip when absent, fail under
+``CALEXEC_REQUIRE_TOOLS=1``); the ``requires_tool(name, ...)`` marker is checked here before a
+test's fixtures are set up.
+
 hypothesis: the ``ci`` profile (derandomised, no deadline, printed reproduction blob) is loaded
 when the ``CI`` environment variable is set, as ``.ci/run`` does; locally the ``dev`` profile.
 """
@@ -7,8 +11,9 @@ when the ``CI`` environment variable is set, as ``.ci/run`` does; locally the ``
 import os
 
 import pytest
-
 from hypothesis import HealthCheck, settings
+
+import needs
 
 pytest_plugins = ["transition_coverage_plugin", "driver_fixtures"]
 
@@ -36,3 +41,15 @@ def _no_lock_order_violations():
     new = [v for order in list(ALL_ORDERS)
            for v in order.violations[before.get(id(order), 0):]]
     assert not new, f"lock order violations: {new[:3]}"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "requires_tool(*names): the test runs system tools "
+                            "(skipped when absent; failed under CALEXEC_REQUIRE_TOOLS=1)")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    for marker in item.iter_markers("requires_tool"):
+        for name in marker.args:
+            needs.tool(name)

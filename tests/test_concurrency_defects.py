@@ -22,8 +22,9 @@ from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
 from calexec.drivers import calbin as cb
 from calexec.machines.faults import RecoveryPolicy
-from executor_harness import (SEED, arm, decode, deadline, expected_greedy, greedy, prefill,
-                              running_executor, settle, until, write_calbin)
+from executor_harness import (SEED, arm, decode, deadline, expected_greedy, greedy,
+                              oracle_golden, prefill, running_executor, settle, until,
+                              write_calbin)
 
 PROMPT = [5, 6, 7, 8]
 
@@ -33,8 +34,10 @@ def calbins(tmp_path_factory):
     directory = tmp_path_factory.mktemp("concurrency")
     main = write_calbin(directory)
     other = str(directory / "other.calbin")
-    cb.write(other, cb.default_spec(seed=SEED ^ 0x5A5A5A))
-    return {"main": main, "other": other}
+    other_sha = cb.write(other, cb.default_spec(seed=SEED ^ 0x5A5A5A))
+    # §9.2: a switch needs the new calbin's golden pinned (the oracle's tokens)
+    return {"main": main, "other": other,
+            "goldens": {other_sha: oracle_golden(SEED ^ 0x5A5A5A)}}
 
 
 def ready_again(ex, seconds=10.0):
@@ -179,7 +182,8 @@ def switch_with_hung_golden(ex, other):
 def test_a_switch_whose_golden_hangs_rolls_back_after_a_reset(calbins):
     policy = RecoveryPolicy(drain_grace_s=0.2)
     with running_executor(calbins["main"], execution_timeout_s=0.3, timeout_grace_s=0.05,
-                          golden_timeout_s=0.3, recovery=policy) as ex:
+                          golden_timeout_s=0.3, recovery=policy,
+                          goldens=calbins["goldens"]) as ex:
         greedy(ex, 1, PROMPT, 0)
         status = switch_with_hung_golden(ex, calbins["other"])
         assert status.code == "recovery.rolled_back", status
@@ -195,7 +199,8 @@ def test_a_switch_whose_golden_hangs_without_safe_reset_ends_failed_keeping_the_
     torn down (its buffers stay mapped), the lifecycle ends Failed with the reason."""
     policy = RecoveryPolicy(drain_grace_s=0.2, reset_kind="none")
     with running_executor(calbins["main"], execution_timeout_s=0.3, timeout_grace_s=0.05,
-                          golden_timeout_s=0.3, recovery=policy) as ex:
+                          golden_timeout_s=0.3, recovery=policy,
+                          goldens=calbins["goldens"]) as ex:
         greedy(ex, 1, PROMPT, 0)
         status = switch_with_hung_golden(ex, calbins["other"])
         assert status.code == "recovery.generation_on_device", status
@@ -246,7 +251,7 @@ def test_retired_memory_is_kept_while_a_stale_dma_is_pending(calbins):
     DMA will write into; now it stays alive while the device says the write is pending."""
     policy = RecoveryPolicy(drain_grace_s=0.2, max_recoveries=20)
     with running_executor(calbins["main"], execution_timeout_s=0.2, timeout_grace_s=0.05,
-                          recovery=policy) as ex:
+                          recovery=policy, goldens=calbins["goldens"]) as ex:
         victim = hang_with_stale_dma(ex, 60_000_000)  # lands in 60 s: pending throughout
         for path in ("other", "main", "other", "main"):
             assert ex.switch_model(calbins[path]).ok
@@ -259,7 +264,7 @@ def test_retired_memory_is_kept_while_a_stale_dma_is_pending(calbins):
 def test_retired_memory_is_dropped_once_the_device_proves_no_dma_is_pending(calbins):
     policy = RecoveryPolicy(drain_grace_s=0.2, max_recoveries=20)
     with running_executor(calbins["main"], execution_timeout_s=0.2, timeout_grace_s=0.05,
-                          recovery=policy) as ex:
+                          recovery=policy, goldens=calbins["goldens"]) as ex:
         victim = hang_with_stale_dma(ex, 1000)
         until(lambda: ex.device.emu.counters()["stale_pending"] == 0, 10, "the stale DMA")
         assert ex.switch_model(calbins["other"]).ok
