@@ -402,7 +402,11 @@ def test_drain_refuses_a_bad_grace_with_400_and_does_not_start(admin, grace):
 def test_a_good_reload_still_switches(admin, tmp_path):
     client, executor, _ = admin
     other = tmp_path / "other.calbin"
-    cb.write(str(other), cb.default_spec(seed=cb.DEFAULT_SEED ^ 0x55))
+    seed = cb.DEFAULT_SEED ^ 0x55
+    sha = cb.write(str(other), cb.default_spec(seed=seed))
+    executor.goldens[sha] = tuple(oracle_tokens(list(executor.config.golden_tokens),
+                                                executor.config.golden_decode_steps + 1,
+                                                seed))  # the operator pins it
     r = client.post("/admin/reload", json={"calbin": str(other)}, headers=AUTH)
     assert r.status_code == 200 and r.json()["generation"] == 2, r.text
 
