@@ -51,6 +51,7 @@ from calexec.machines.locks import COMPLETION, COUNTERS, RECOVERY, SUBMIT, LockO
 from calexec.machines.locks import LIFECYCLE as LIFECYCLE_RANK
 from calexec.machines.pool import BufferPool
 from calexec.machines.postprocess import bf16_all_finite, bf16_to_f32_into
+from calexec.machines.sequences import SequenceOwnership
 
 log = logging.getLogger("calexec.executor")
 
@@ -178,7 +179,7 @@ class _NoRequest:
 _NO_REQUEST = _NoRequest()
 
 
-class DeviceExecutor(DeviceLifecycle):
+class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
     """The control core: owns the device, calbin, KvManager and buffer pool (invariant 1).
 
     This class is the job path; the device lifecycle (start, golden, recovery, model switch)
@@ -358,7 +359,8 @@ class DeviceExecutor(DeviceLifecycle):
                     **job.ctx()))
             self._pending_tokens += tokens
             job.budget_taken = True
-        txn = gen.kvc.reserve(request.seq_id, request.past_len, tokens, job.deadline, stop)
+        txn = gen.kvc.reserve(request.seq_id, request.past_len, tokens, job.deadline, stop,
+                              reserve_len=request.kv_reserve_len)
         if isinstance(txn, Status):
             self._release_budget(job)
             return self._fail_early(job, txn.with_context(job_id=job.job_id))
