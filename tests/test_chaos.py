@@ -265,8 +265,10 @@ def test_chaos_soak_under_faults_reloads_and_hangs(tmp_path):
                 emu.clear_all_faults()
                 # idle: every request ended, every id free, no slot leased or in flight
                 try:
+                    # (a fault armed late may still be recovering: idle includes Ready again)
                     wait_for(lambda: service.active == 0 and service.releases_pending == 0
-                             and service.sequences.in_use == 0, timeout=30,
+                             and service.sequences.in_use == 0 and not executor.health()
+                             and executor.snapshot()["inflight"] == 0, timeout=30,
                              what="the server to go idle")
                 except AssertionError as err:
                     raise AssertionError(f"{err}: {_diagnose(executor, service)}") from None
