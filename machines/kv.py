@@ -34,16 +34,14 @@ both complete when sent together: the second waits, holding nothing, for the fir
 
 from __future__ import annotations
 
-import threading
-import time
 from typing import Any, Callable
 
 import attrs
 
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
-from calexec.machines.compiled import KV_TXN
-from calexec.machines.locks import ADMISSION, LockOrder
+from calexec.machines.compiled import KV_TXN, GuardRejected
+from calexec.machines.locks import ADMISSION, KV_CALL, LockOrder
 
 
 @attrs.define(slots=True, eq=False)
@@ -79,7 +77,7 @@ class KvTxn:
     """One KV reservation (§7 ``KvReservation``); its state is a ``KvTxnChart`` run."""
 
     __slots__ = ("seq_id", "old_len", "target_len", "old_reserved", "generation_id",
-                 "device_finished", "output_valid", "run")
+                 "evidence", "run")
 
     def __init__(self, seq_id: int, old_len: int, target_len: int, old_reserved: int,
                  generation_id: int) -> None:
@@ -88,8 +86,9 @@ class KvTxn:
         self.target_len = target_len
         self.old_reserved = old_reserved
         self.generation_id = generation_id
-        self.device_finished = False
-        self.output_valid = False
+        #: the job whose device run this txn stands for (set at mark_submitted): the commit
+        #: guard asks it what the runtime answered and whether the output was validated
+        self.evidence = None
         self.run = KV_TXN.run(self)
 
     @property
@@ -101,7 +100,11 @@ class KvTxn:
         self.run.model = None
 
     def device_finished_and_output_valid(self) -> bool:
-        return self.device_finished and self.output_valid
+        """Guard of ``commit`` (§5.1-6): the runtime's own answers (Wait rc 0 and status
+        DONE) and the output check of the job, read from the job, never set for the guard."""
+        job = self.evidence
+        return (job is not None and job.runtime_finished_cleanly()
+                and job.output_validated())
 
     def __repr__(self) -> str:
         return (f"KvTxn(seq={self.seq_id}, {self.old_len}->{self.target_len}, "
@@ -115,8 +118,9 @@ class KvCoordinator:
         self.kv = kv
         self.generation_id = generation_id
         self.admission_mu = locks.lock(ADMISSION)
-        self._changed = threading.Condition(self.admission_mu)
-        self._kv_call_mu = threading.Lock()
+        self.clock = locks.clock
+        self._changed = self.clock.condition(self.admission_mu)
+        self._kv_call_mu = locks.lock(KV_CALL)  # a leaf: KvManager calls only
         self._epoch = 0
         self._closed = False
         self._kv_closed = False  # under _kv_call_mu: no KvManager call after close()
@@ -267,7 +271,7 @@ class KvCoordinator:
                 return None
             with self.admission_mu:
                 while self._epoch == epoch and not self._closed:
-                    remaining = deadline - time.monotonic()
+                    remaining = deadline - self.clock.monotonic()
                     if remaining <= 0:
                         return Status.failure(
                             "kv.deadline", Category.RESOURCE_EXHAUSTED, Phase.ADMISSION,
@@ -275,10 +279,12 @@ class KvCoordinator:
                             "blocks) not available before the deadline", **ctx)
                     if stop() is not None:
                         break
-                    self._changed.wait(remaining)
+                    self.clock.wait(self._changed, remaining)
                     self.wakeups += 1
 
-    def mark_submitted(self, txn: KvTxn) -> None:
+    def mark_submitted(self, txn: KvTxn, evidence=None) -> None:
+        """infer() accepted the job ``evidence`` (which answers the commit guard later)."""
+        txn.evidence = evidence
         txn.run.send("mark_submitted")
 
     def rollback(self, txn: KvTxn) -> Status:
@@ -301,8 +307,20 @@ class KvCoordinator:
                                   seq_id=txn.seq_id, generation=txn.generation_id)
         return Status.OK
 
+    def settle(self, txn: KvTxn, reason: str, on_device: bool = False) -> bool:
+        """After the device run: commit if the chart's guard finds the runtime finished
+        cleanly and the output valid, else the sequence is Unknown (§7) with ``reason``.
+        The guard decides; True when committed."""
+        try:
+            self.commit(txn)
+            return True
+        except GuardRejected:
+            self.mark_unknown(txn, reason, on_device)
+            return False
+
     def commit(self, txn: KvTxn) -> None:
-        """Device finished and output validated (guarded by the chart)."""
+        """Device finished and output validated (guarded by the chart: ``GuardRejected``
+        otherwise, the txn unchanged)."""
         txn.run.send("commit")
         txn.finished()
         with self.admission_mu:
@@ -341,14 +359,14 @@ class KvCoordinator:
         up to ``wait_s`` seconds (condition variable: the completion thread signals when the
         device lets go) and is refused with ``kv.sequence_on_device`` (UNAVAILABLE: retry
         later) if the device still holds the job."""
-        deadline = time.monotonic() + wait_s
+        deadline = self.clock.monotonic() + wait_s
         with self.admission_mu:
             view = self._view(seq_id)
             while view.on_device and not self._closed:
-                remaining = deadline - time.monotonic()
+                remaining = deadline - self.clock.monotonic()
                 if remaining <= 0:
                     break
-                self._changed.wait(remaining)
+                self.clock.wait(self._changed, remaining)
                 view = self._view(seq_id)
             if view.open_txn is not None:
                 return Status.failure("kv.sequence_busy", Category.INVALID_REQUEST,

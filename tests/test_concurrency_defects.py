@@ -224,7 +224,7 @@ def test_a_switch_while_a_job_hangs_resets_and_goes_live(calbins):
         greedy(ex, 1, PROMPT, 0)
         arm(ex, "HANG")
         hung = ex.enqueue(decode(1, 3, len(PROMPT)))
-        until(lambda: ex.snapshot()["inflight"] == 1, 5, "the job to hang on the device")
+        until(lambda: hung.state == "Submitted", 5, "the job to hang on the device")
         status = ex.switch_model(calbins["other"])
         assert status.ok, status
         assert ex.state == "Ready" and ex.gen.calbin_path == calbins["other"]
@@ -252,7 +252,7 @@ def test_a_queued_job_fails_at_its_deadline_and_gives_back_its_kv_and_slot(calbi
         greedy(ex, 1, PROMPT, 0)
         greedy(ex, 2, PROMPT, 0)
         slow = ex.enqueue(decode(1, 3, len(PROMPT)))  # 1.5 s on the device
-        until(lambda: ex.snapshot()["inflight"] == 1, 5, "the slow job to be in flight")
+        until(lambda: slow.state == "Submitted", 5, "the slow job to be in flight")
         short = ex.enqueue(decode(2, 3, len(PROMPT), seconds=0.2))
         res = short.wait_until(deadline(10))
         assert isinstance(res, Status) and res.category == Category.DEADLINE, res

@@ -7,6 +7,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from calexec.contracts.errors import Category
 from calexec.machines.kv import KvCoordinator, KvTxn
 from calexec.machines.locks import LockOrder
@@ -56,6 +58,20 @@ class GatedKv:
         return 0
 
 
+class _Finished:
+    """A job whose device run finished cleanly with a validated output (the commit guard's
+    evidence)."""
+
+    def runtime_finished_cleanly(self) -> bool:
+        return True
+
+    def output_validated(self) -> bool:
+        return True
+
+
+FINISHED = _Finished()
+
+
 def coordinator(capacity_blocks: int | None = None) -> tuple[KvCoordinator, GatedKv]:
     kv = GatedKv(capacity_blocks)
     return KvCoordinator(kv, 1, LockOrder(checking=True, strict=True)), kv
@@ -99,8 +115,7 @@ def test_no_job_is_admitted_while_its_sequence_is_being_reset():
 def test_no_job_is_admitted_while_its_sequence_is_being_truncated():
     kvc, kv = coordinator()
     txn = reserve(kvc, 2, tokens=20)
-    txn.device_finished = txn.output_valid = True
-    kvc.mark_submitted(txn)
+    kvc.mark_submitted(txn, evidence=FINISHED)
     kvc.commit(txn)
     kv.gate.clear()
     kv.entered.clear()
@@ -152,8 +167,7 @@ def test_close_waits_for_a_kv_call_in_progress_and_fences_every_later_one():
     withheld for ever), and calls after close still reached the destroyed KvManager."""
     kvc, kv = coordinator()
     txn = reserve(kvc, 1)
-    txn.device_finished = txn.output_valid = True
-    kvc.mark_submitted(txn)
+    kvc.mark_submitted(txn, evidence=FINISHED)
     kvc.commit(txn)
     kv.gate.clear()
     kv.entered.clear()
@@ -195,16 +209,14 @@ def test_reserve_applies_the_whole_request_up_front_all_or_nothing():
                                                    reserve_len=70))
     time.sleep(0.05)
     assert second.is_alive() and 2 not in kv.lens  # waiting, holding nothing
-    first.device_finished = first.output_valid = True
-    kvc.mark_submitted(first)
+    kvc.mark_submitted(first, evidence=FINISHED)
     kvc.commit(first)
     # the decodes of the first request never wait: their KV is already reserved
     calls = kv.calls
     for past in range(40, 69):
         txn = kvc.reserve(1, past, 1, time.monotonic() + 5, reserve_len=70)
         assert isinstance(txn, KvTxn)
-        txn.device_finished = txn.output_valid = True
-        kvc.mark_submitted(txn)
+        kvc.mark_submitted(txn, evidence=FINISHED)
         kvc.commit(txn)
     assert kv.calls == calls
     assert kvc.reset_sequence(1).ok
@@ -263,3 +275,24 @@ def test_kv_reserve_len_is_checked_against_max_seq_and_sign():
     assert refused.category is Category.INVALID_REQUEST and "kv_reserve_len" in refused.message
     with pytest.raises(ValueError):
         request(-1)
+
+
+class _Failed(_Finished):
+    def runtime_finished_cleanly(self) -> bool:  # e.g. Wait rc 0 but DONE_CCU_EXCEPTION
+        return False
+
+
+def test_the_commit_guard_decides_from_the_jobs_evidence():
+    """§5.1-6: settle() asks the chart; a run the runtime did not finish cleanly never
+    commits, whatever the caller tries (forcing the guard true fails this test)."""
+    from calexec.machines.compiled import GuardRejected
+    kvc, _ = coordinator()
+    txn = reserve(kvc, 1)
+    kvc.mark_submitted(txn, evidence=_Failed())
+    with pytest.raises(GuardRejected):
+        kvc.commit(txn)
+    assert kvc.settle(txn, "ccu_exception") is False
+    assert kvc.seqs[1].unknown_reason == "ccu_exception" and kvc.seqs[1].committed_len == 0
+    good = reserve(kvc, 2)
+    kvc.mark_submitted(good, evidence=FINISHED)
+    assert kvc.settle(good, "unused") is True and kvc.seqs[2].committed_len == good.target_len
