@@ -701,8 +701,14 @@ def create_app(executor: Any, config: ServerConfig | None = None,
         (``executor.health()``: a dead executor thread, a job past its deadline, lifecycle
         not Ready), ``status`` is then ``degraded``."""
         reasons = service.health()
+        snap = executor.snapshot()
         return {"status": "degraded" if reasons else "ok", "reasons": reasons,
-                "lifecycle": executor.state}
+                "lifecycle": executor.state, "generation": snap.get("generation"),
+                # §9.2: "unpinned" while serving a calbin whose golden no file pins
+                # (--allow-unpinned-golden); §8 PROGRAMMING: features off until generation+1
+                "golden": snap.get("golden"),
+                "disabled_features": snap.get("disabled_features", []),
+                "thread_faults": snap.get("thread_faults", 0)}
 
     @app.get("/ready")
     async def ready() -> Response:

@@ -260,8 +260,12 @@ def test_ready_and_health_follow_executor_health(tmp_path):
     try:
         with TestClient(app) as client:
             assert client.get("/ready").status_code == 200
-            assert client.get("/health").json() == {"status": "ok", "reasons": [],
-                                                    "lifecycle": "Ready"}
+            health = client.get("/health").json()
+            assert {k: health[k] for k in ("status", "reasons", "lifecycle")} == {
+                "status": "ok", "reasons": [], "lifecycle": "Ready"}
+            # §9.2 pin state and §8 disabled features are on /health too (issue 18)
+            assert health["golden"] == "pinned" and health["disabled_features"] == []
+            assert health["thread_faults"] == 0 and health["generation"] == 1
             reasons.append("job 12 on the device is 3.0s past its execution deadline")
             ready = client.get("/ready")
             assert ready.status_code == 503 and ready.headers["retry-after"] == "1"
