@@ -1033,10 +1033,11 @@ class Explorer:
         self.script.append(("reset_sequence", seq))
         ex = self.ex
 
-        def body():
-            kvc = ex.kvc
-            if kvc is not None:
-                kvc.reset_sequence(seq)
+        def body():  # the owner of the id gives it back (SequenceOwnership), racing anything
+            status = ex.release_sequence(seq)
+            if not status.ok and status.code not in ("kv.sequence_busy",
+                                                     "kv.sequence_on_device"):
+                self.sched.fail(f"release_sequence({seq}) failed: {status}")
         self._spawn("admin-reset-seq", body)
 
     def shutdown(self) -> None:
