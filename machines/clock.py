@@ -47,6 +47,9 @@ class Clock:
         return max(0.0, deadline - self.monotonic())
 
     # ---- the synchronisation objects the executor makes ---------------------------------------
+    def lock(self) -> threading.Lock:
+        return threading.Lock()
+
     def condition(self, lock) -> threading.Condition:
         return threading.Condition(lock)
 

@@ -91,8 +91,9 @@ class LockOrder:
         return RankedLock(self, rank) if self.checking else self._plain_lock()
 
     def _plain_lock(self):
-        """The lock of non-checking mode (the explorer overrides it with a controlled one)."""
-        return threading.Lock()
+        """The lock under a ranked lock or of non-checking mode: made by the clock (the
+        interleaving explorer's clock hands out controlled locks)."""
+        return self.clock.lock()
 
     def _before_acquire(self, rank: int) -> None:
         held = self._held()

@@ -1,0 +1,234 @@
+"""The interleaving explorer (calexec.machines.explore, issue 14): the executor's real threads
+run one at a time under a controlled scheduler with a virtual clock, the stepped emulator's
+stages are scheduling choices, and every schedule is checked (docs/testing.md).
+
+Sizes: ``CALEXEC_EXPLORE_SCHEDULES`` schedules in all (CI: 2000, locally 200), a fifth of them
+as hypothesis examples of the stateful machine (shrinking schedules), the rest PCT-random
+scenarios from consecutive seeds starting at ``CALEXEC_EXPLORE_SEED`` (default 0). Nightly:
+``CALEXEC_EXPLORE_SCHEDULES=100000 CALEXEC_EXPLORE_SEED=$RANDOM python -m pytest -q
+tests/test_explorer.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
+
+from calexec.machines import explore as X
+
+SCHEDULES = int(os.environ.get("CALEXEC_EXPLORE_SCHEDULES",
+                               "2000" if os.environ.get("CI") else "200"))
+FIRST_SEED = int(os.environ.get("CALEXEC_EXPLORE_SEED", "0"))
+EXAMPLES = max(SCHEDULES // 5, 10)
+CALBINS: dict[str, str] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _calbins(tmp_path_factory):
+    CALBINS.update(X.write_calbins(str(tmp_path_factory.mktemp("explore"))))
+    logging.disable(logging.ERROR)  # recoveries log by design; failures carry their own report
+    yield
+    logging.disable(logging.NOTSET)
+
+
+# ---- the scheduler itself, on toy programs --------------------------------------------------------
+def toy(chooser, program):
+    sched = X.Scheduler(chooser)
+    clock = X.VirtualClock(sched)
+    program(sched, clock)
+    try:
+        why = sched.run(10_000, 100.0)
+        return sched, why, [t.label for t in sched.threads if not t.finished]
+    finally:
+        sched.abort()
+
+
+def lock_order_inversion(sched, clock):
+    a, b = clock.lock(), clock.lock()
+
+    def one():
+        with a:
+            with b:
+                pass
+
+    def two():
+        with b:
+            with a:
+                pass
+    sched.spawn(one, "one")
+    sched.spawn(two, "two")
+
+
+def test_no_preemption_runs_a_lock_inversion_to_completion():
+    sched, why, stuck = toy(X.TapeChooser(), lock_order_inversion)
+    assert why == "quiescent" and stuck == []
+
+
+def test_some_schedule_deadlocks_the_lock_inversion_and_replays_exactly():
+    found = None
+    for seed in range(50):
+        sched, why, stuck = toy(X.PCTChooser(seed, depth=2, steps=8), lock_order_inversion)
+        if why == "quiescent" and stuck:
+            found = sched.choices
+            break
+    assert found is not None, "no PCT schedule of 50 deadlocked a two-lock inversion"
+    again, why, stuck = toy(X.ReplayChooser(found), lock_order_inversion)
+    assert why == "quiescent" and sorted(stuck) == ["one#0", "two#1"]
+    assert again.choices == found
+
+
+def test_virtual_time_jumps_only_when_every_thread_waits():
+    seen = []
+
+    def program(sched, clock):
+        def sleeper():
+            t0 = clock.monotonic()
+            clock.sleep(3600.0)
+            seen.append(clock.monotonic() - t0)
+        sched.spawn(sleeper, "sleeper")
+    sched, why, _ = toy(X.TapeChooser(), program)
+    assert seen == [3600.0] and why == "quiescent"
+
+
+def test_a_condition_wait_times_out_on_the_virtual_clock():
+    got = []
+
+    def program(sched, clock):
+        cond = clock.condition(clock.lock())
+
+        def waiter():
+            with cond:
+                got.append(clock.wait(cond, 5.0))
+        sched.spawn(waiter, "waiter")
+    sched, _, _ = toy(X.TapeChooser(), program)
+    assert got == [False] and sched.now == 1005.0
+
+
+# ---- the executor under the explorer ------------------------------------------------------------------
+def test_a_schedule_serves_requests_and_shuts_down_clean():
+    x = X.Explorer(CALBINS)
+    try:
+        x.start()
+        x.prefill(1, 4)
+        x.prefill(2, 3)
+        assert x.run() == "quiescent"
+        results = [r for _, _, r in x.results]
+        assert [type(r).__name__ for r in results] == ["InferenceResult"] * 2
+        assert sorted(r.kv_len for r in results) == [3, 4]
+        x.finish()
+        assert x.ex.state == "Stopped"
+    finally:
+        x.close()
+
+
+def test_a_leak_is_found_and_the_report_replays_it(monkeypatch):
+    """A planted bug (the token budget is never given back) is reported with a replay file
+    that reproduces the same failure."""
+    from calexec.machines.executor import DeviceExecutor
+    original = DeviceExecutor._release_budget
+
+    def leaky(self, job):
+        if not job.internal:
+            return
+        original(self, job)
+    monkeypatch.setattr(DeviceExecutor, "_release_budget", leaky)
+    x = X.Explorer(CALBINS)
+    with pytest.raises(X.ExplorationFailure) as first:
+        try:
+            x.start()
+            x.prefill(1, 4)
+            x.run()
+        finally:
+            x.close()
+    assert "pending_tokens=4" in str(first.value)
+    info = first.value.replay_info
+    with pytest.raises(X.ExplorationFailure) as again:
+        X.replay(CALBINS, info["script"], info["choices"], **info["options"])
+    assert str(again.value).split("\n")[0] == str(first.value).split("\n")[0]
+
+
+def test_pct_random_schedules():
+    """PCT schedules of random scenarios (traffic, faults, hangs, recoveries, switches,
+    refused goldens, cancels, bad arguments, sequence resets, shutdown)."""
+    count = SCHEDULES - EXAMPLES
+    for seed in range(FIRST_SEED, FIRST_SEED + count):
+        X.explore_seed(CALBINS, seed)  # raises ExplorationFailure naming the seed
+
+
+# ---- hypothesis: scenario and schedule drawn together, failures shrink -------------------------------
+class ExplorerMachine(RuleBasedStateMachine):
+    @initialize(no_safe_reset=st.booleans(), small_kv=st.booleans(),
+                pct=st.one_of(st.none(), st.tuples(st.integers(0, 2**32 - 1), st.integers(1, 4))))
+    def start(self, no_safe_reset, small_kv, pct):
+        """``pct``: None schedules by the drawn tapes (they shrink); (seed, depth) by a PCT
+        chooser (the tapes are then unused; the failure still shrinks its actions)."""
+        chooser = X.PriorityTapeChooser() if pct is None else X.PCTChooser(*pct)
+        self.x = X.Explorer(CALBINS, chooser, reset_kind="none" if no_safe_reset else "reset",
+                            kv_blocks=8 if small_kv else 64)
+        self.x.start()
+
+    @rule(seq=st.sampled_from(X.SEQS), n=st.integers(1, 20),
+          deadline=st.sampled_from((0.05, 0.5, 5.0)), rewind=st.booleans())
+    def prefill(self, seq, n, deadline, rewind):
+        self.x.prefill(seq, n, deadline, rewind)
+
+    @rule(seq=st.sampled_from(X.SEQS), deadline=st.sampled_from((0.05, 0.5, 5.0)))
+    def decode(self, seq, deadline):
+        self.x.decode(seq, deadline)
+
+    @rule(which=st.integers(0, 2))
+    def bad_argument(self, which):
+        self.x.bad_argument(which)
+
+    @rule(index=st.integers(0, 7))
+    def cancel(self, index):
+        self.x.cancel(index)
+
+    @rule(point=st.sampled_from(X.FAULTS), nth=st.integers(1, 3))
+    def arm(self, point, nth):
+        self.x.arm(point, nth)
+
+    @rule()
+    def hang_next_job(self):
+        self.x.arm("HANG", 1)
+
+    @rule()
+    def request_recovery(self):
+        self.x.request_recovery()
+
+    @rule(to_other=st.booleans(), golden_ok=st.booleans())
+    def switch(self, to_other, golden_ok):
+        self.x.switch(to_other, golden_ok)
+
+    @rule(seq=st.sampled_from(X.SEQS))
+    def reset_sequence(self, seq):
+        self.x.reset_sequence(seq)
+
+    @rule(steps=st.one_of(st.just(1_000_000), st.integers(1, 120)),
+          tape=st.lists(st.integers(0, 7), max_size=24))
+    def run(self, steps, tape):
+        self.x.run(steps, tape=tape)
+
+    def teardown(self):
+        x = getattr(self, "x", None)
+        if x is None:
+            return
+        try:
+            if x.ex is not None and x.sched.failure is None:
+                x.finish()
+        finally:
+            x.close()
+
+
+ExplorerMachine.TestCase.settings = settings(
+    max_examples=EXAMPLES, stateful_step_count=12, deadline=None,
+    # no explain phase: it traces every line of every thread (minutes per failure); the
+    # explorer's own report names the failing schedule and its replay
+    phases=[phase for phase in Phase if phase is not Phase.explain],
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+TestExplorerStateful = ExplorerMachine.TestCase
