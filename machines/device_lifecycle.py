@@ -13,6 +13,7 @@ methods read and write the executor's state (locks, queues, generations) set up 
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 import numpy as np
@@ -280,10 +281,16 @@ class DeviceLifecycle:
         """Drain, optionally reset, tear down the generation, open generation+1 of
         ``calbin_path`` (default: the current calbin), run the golden, reopen admission."""
         with self._recovery_mu:
-            t0 = self.clock.monotonic()
-            record: dict[str, Any] = {"reason": reason.code, "reset": reset,
-                                      "from_generation": self.gen.id if self.gen else None}
-            status = self._recover(reason, reset, calbin_path, record)
+            self._recovery_owner = threading.get_ident()
+            try:
+                if self._stopping:  # shutdown ran first: nothing left to recover
+                    return Status.unavailable(Phase.RECOVERY, "the executor is shutting down")
+                t0 = self.clock.monotonic()
+                record: dict[str, Any] = {"reason": reason.code, "reset": reset,
+                                          "from_generation": self.gen.id if self.gen else None}
+                status = self._recover(reason, reset, calbin_path, record)
+            finally:
+                self._recovery_owner = None
             record.update(ok=status.ok, status=status.code, seconds=self.clock.monotonic() - t0,
                           to_generation=self.gen.id if self.gen else None,
                           lifecycle=self.lifecycle.state)

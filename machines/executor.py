@@ -246,6 +246,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         self.failure: Status | None = None  # why the lifecycle is Failed
         # recovery: one at a time, on its own thread (threads mode) or run by the caller
         self._recovery_mu = self.locks.lock(RECOVERY)
+        self._recovery_owner: int | None = None  # thread ident holding recovery_mu in recover()
         self._pending_recovery: Decision | None = None
         self._recovery_thread: threading.Thread | None = None
         self.recoveries: list[dict[str, Any]] = []
@@ -735,6 +736,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             self._fail_before_submit(job, status)
             return
         job.timings.submitted_us = now_us()
+        job.submitted_at = self.clock.monotonic()  # the §9.1 execution deadline's start
         job.run.send("infer_accepted")
         gen.kvc.mark_submitted(job.txn, evidence=job)
         self._bump("submitted")
@@ -807,7 +809,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
 
     def _execution_deadline(self, job: Job) -> float:
         cfg = self.config
-        return (job.timings.submitted_us / 1e6 + cfg.execution_timeout_s
+        return (job.submitted_at + cfg.execution_timeout_s
                 + cfg.execution_timeout_per_token_s * job.request.token_count)
 
     def _complete(self, job: Job) -> None:
@@ -1127,10 +1129,28 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
     def shutdown(self, grace: float = 10.0) -> Status:
         """Stop admission, cancel queued jobs, drain submitted ones within ``grace`` seconds,
         stop the threads, release the generation and the device. Ends Stopped when drained
-        (FI13), Failed otherwise. Idempotent."""
+        (FI13), Failed otherwise. Idempotent.
+
+        A recovery or model switch in progress (the controller's thread, or a caller's
+        ``recover``/``switch_model``) finishes first, within ``grace``: shutdown holds
+        ``recovery_mu`` from then on, so no recovery runs under its teardown (a later one finds
+        the lifecycle final and does nothing). If it does not finish in time nothing is torn
+        down and ``shutdown.recovery_busy`` is returned."""
         recovery = self._recovery_thread
         if recovery is not None and recovery is not threading.current_thread():
             recovery.join(grace)
+        if self._recovery_owner == threading.get_ident():
+            return self._shutdown(grace)  # called from within a recovery: it holds the lock
+        if not self._recovery_mu.acquire(timeout=max(grace, 0.0)):
+            return Status.failure("shutdown.recovery_busy", Category.LIFECYCLE, Phase.SHUTDOWN,
+                                  f"a recovery or model switch still runs after grace={grace}s; "
+                                  "nothing was torn down")
+        try:
+            return self._shutdown(grace)
+        finally:
+            self._recovery_mu.release()
+
+    def _shutdown(self, grace: float) -> Status:
         with self.lifecycle_mu:
             already_final = self.lifecycle.final
             self._stopping = True

@@ -232,3 +232,20 @@ ExplorerMachine.TestCase.settings = settings(
     phases=[phase for phase in Phase if phase is not Phase.explain],
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 TestExplorerStateful = ExplorerMachine.TestCase
+
+
+# ---- found by the explorer on main, fixed: a model switch racing shutdown ---------------------------
+@pytest.mark.parametrize("seed", [4, 11, 23, 37, 58])
+def test_a_model_switch_racing_shutdown_never_tears_down_under_it(seed):
+    """Shutdown joined the controller's recovery thread but not a caller's switch_model and
+    tore the generation down under it (IllegalTransition 'recover' in 'Stopped', GuardRejected,
+    AttributeError: 5 of 60 PCT seeds). Shutdown now waits for the switch (recovery_mu)."""
+    x = X.Explorer(CALBINS, X.PCTChooser(seed, depth=3, steps=80))
+    try:
+        x.start()
+        for action in (("prefill", 1, 4, 5.0, False), ("switch", True, True), ("shutdown",),
+                       ("run", 1000000, 30.0), ("finish",)):
+            X.perform(x, action)
+        assert x.ex.state == "Stopped"
+    finally:
+        x.close()
