@@ -360,39 +360,52 @@ def exp_overlap(lib: str, calbin: str, config: str, quick: bool) -> dict:
     spans: list[dict] = []
     poll_us = 250
 
-    t0 = time.perf_counter()
-    serial_status = [_timed_job(rig, slots[i], seq, toks, 0, t0, poll_us, spans, "serial", i)
-                     for i, (seq, toks) in enumerate(jobs)]
-    serial_s = time.perf_counter() - t0
-    serial_ok = sum(bool(np.array_equal(s.last_row(), w)) for s, w in zip(slots, want))
-    for s in slots:
-        s.arm_canary()
-
-    t1 = time.perf_counter()
+    # Wall-clock timings only ever get slower under load, so each phase is run ``trials`` times
+    # and the fastest run of each is compared (min-of-k): a busy host then blurs the verdict
+    # much less (one noisy run on a loaded 2-core CI machine matched no bound).
+    trials = 3
+    serial_s = parallel_s = float("inf")
+    serial_status: list[int] = []
     par_status: dict[int, int] = {}
     errors: list[str] = []
+    serial_ok = n
+    for trial in range(trials):
+        t0 = time.perf_counter()
+        serial_status = [_timed_job(rig, slots[i], seq, toks, 0, t0, poll_us, spans, "serial", i)
+                         for i, (seq, toks) in enumerate(jobs)]
+        serial_s = min(serial_s, time.perf_counter() - t0)
+        serial_ok = min(serial_ok, sum(bool(np.array_equal(s.last_row(), w))
+                                       for s, w in zip(slots, want)))
+        for s in slots:
+            s.arm_canary()
 
-    def engine_loop(engine: int) -> None:
-        try:
-            for i in range(engine, n, 2):
-                seq, toks = jobs[i]
-                par_status[i] = _timed_job(rig, slots[i], seq, toks, engine, t1, poll_us, spans, "parallel", i)
-        except DriverError as exc:
-            errors.append(f"engine {engine}: {exc}")
+        t1 = time.perf_counter()
 
-    threads = [threading.Thread(target=engine_loop, args=(e,)) for e in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    parallel_s = time.perf_counter() - t1
+        def engine_loop(engine: int, t1: float = t1) -> None:
+            try:
+                for i in range(engine, n, 2):
+                    seq, toks = jobs[i]
+                    par_status[i] = _timed_job(rig, slots[i], seq, toks, engine, t1, poll_us,
+                                               spans, "parallel", i)
+            except DriverError as exc:
+                errors.append(f"engine {engine}: {exc}")
+
+        threads = [threading.Thread(target=engine_loop, args=(e,)) for e in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        parallel_s = min(parallel_s, time.perf_counter() - t1)
+        if errors:
+            break
     parallel_ok = sum(bool(np.array_equal(s.last_row(), w)) for s, w in zip(slots, want))
     rig.set_latency()
     rig.close()
 
     bounds = overlap_bounds(n, *((h2d, compute, d2h) if known else (None, None, None)))
     speedup = serial_s / parallel_s
-    numbers = {"jobs": n, "serial_ms": round(serial_s * 1e3, 3), "parallel_ms": round(parallel_s * 1e3, 3),
+    numbers = {"jobs": n, "trials": trials, "serial_ms": round(serial_s * 1e3, 3),
+               "parallel_ms": round(parallel_s * 1e3, 3),
                "speedup": round(speedup, 4), "bounds": {k: round(v, 4) for k, v in bounds.items()},
                "profile_us": {"h2d": h2d, "compute": compute, "d2h": d2h} if known else None,
                "job": f"{model} x{ntok} tokens", "serial_correct": serial_ok, "parallel_correct": parallel_ok,
