@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import re
 import socket
-import threading
 import time
 from pathlib import Path
 
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from calexec.contracts.manifest import default_manifest_path, load_manifest
 from calexec.drivers import calbin, oracle
+from calexec.drivers.chaos import LiveServer  # noqa: F401 - re-exported for the server tests
 from calexec.drivers.runtime import CalRT
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 
@@ -65,26 +64,6 @@ def wait_for(predicate, timeout: float = 10.0, what: str = "condition") -> None:
         if time.monotonic() > end:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.01)
-
-
-class LiveServer:
-    """uvicorn serving ``app`` on 127.0.0.1 (ephemeral port) in a background thread."""
-
-    def __init__(self, app) -> None:
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0,
-                                                    log_level="warning", access_log=False))
-        self.thread = threading.Thread(target=self.server.run, name="uvicorn-test", daemon=True)
-
-    def __enter__(self) -> "LiveServer":
-        self.thread.start()
-        wait_for(lambda: self.server.started, what="uvicorn startup")
-        self.port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
 
 
 SVG_ACTIVE = re.compile(r"<title>(\w+)</title>\s*<\w+ fill=\"turquoise\"")
