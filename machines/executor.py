@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import threading
 from collections import OrderedDict, deque
 from typing import Any, Callable, Protocol
@@ -139,7 +140,7 @@ def _check_caller_arguments(request: InferenceRequest, logits_out: Any,
     """Arguments the caller hands to ``enqueue`` besides the §6.3 request checks: the deadline
     and the destination of the logits (its dtype, shape, size, contiguity, writability). A bad
     one fails that caller with INVALID_ARGUMENT, never the executor's threads."""
-    if not np.isfinite(request.deadline):
+    if not math.isfinite(request.deadline):
         return Status.invalid(1, f"deadline={request.deadline}: must be a finite "
                                  "time.monotonic() value")
     if logits_out is None:
