@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "accept": ("calexec.drivers.accept", "the §13 acceptance gates (--quick|--full, --phase a|b|both, --report DIR, --json)"),
     "bench pingpong": ("calexec.drivers.bench", "Phase B: tokens/s at in-flight 2 vs 1 per emulator overlap setting, TPOT P99, trace"),
     "bench server": ("calexec.drivers.bench_server", "the server's own overhead: HTTP vs in-process executor at concurrency 1 and 8"),
+    "charts mutate": ("calexec.drivers.charts_mutate", "mutation testing of declared charts: each guard forced true/false, transition dropped, target changed (--chart module:Class, --test-cmd, --json, --report DIR)"),
     "serve": ("calexec.drivers.serve", "run the reference HTTP server (OpenAI-style completions, metrics, drain)"),
 }
 
