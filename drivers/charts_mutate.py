@@ -11,6 +11,11 @@ or the command exited with a code of ``--error-codes``: pytest's internal error,
 no tests). A command that exceeds ``--timeout`` is killed (``how: timeout``), as PIT counts it.
 The unmutated command runs first and must pass.
 
+A survivor listed in the ``--equivalent`` TOML file (``[[mutant]]`` tables with ``chart``,
+``id`` and ``reason``; calexec's is ``docs/chart_mutants_equivalent.toml``) is reported
+**equivalent** with its reason and left out of the score; a listed mutant that is killed is
+reported as a stale entry.
+
 Report: Markdown on stdout (``--json``: JSON instead), both into ``--report DIR``
 (``mutation.md``, ``mutation.json``); score per chart = killed / (killed + survived).
 """
@@ -29,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -45,15 +51,23 @@ CALEXEC_CHARTS = {
     "buffer_slot": "calexec.machines.charts:BufferSlotChart",
 }
 #: The model-based tests of calexec's charts at a fast size: the charts on both forms, the
-#: generated paths on bare charts and through the executor, the single-thread stateful test.
+#: generated paths on bare charts and through the executor (job, KV txn, lifecycle), the
+#: single-thread stateful test.
+#: A mutant that breaks path generation is a collection error; the other files still run, so
+#: the report still says whether the executor's tests notice it too.
 DEFAULT_TEST_CMD = (
     f"{shlex.quote(sys.executable)} -m pytest -q -p no:cacheprovider --hypothesis-profile=mutate "
+    "--continue-on-collection-errors "
     "tests/test_charts_declared.py tests/test_charts_compiled.py tests/test_charts_paths.py "
-    "tests/test_executor_paths.py tests/test_executor_stateful.py::TestExecutorStateful"
+    "tests/test_executor_paths.py tests/test_recovery.py::test_lifecycle_transition_reached_through_executor "
+    "tests/test_executor_stateful.py::TestExecutorStateful"
 )
 #: Killers under this prefix test a chart alone; the report also counts mutants killed by any
 #: other test (for calexec: through the executor).
 DEFAULT_CHART_ONLY_PREFIX = "tests/test_charts_"
+#: calexec's documented equivalent mutants, relative to --cwd (used when it exists).
+DEFAULT_EQUIVALENT = "docs/chart_mutants_equivalent.toml"
+STATUSES = ("killed", "survived", "equivalent", "error")
 SITECUSTOMIZE = '''\
 # Written by `calexec charts mutate`: apply the chart mutant named in CALEXEC_CHART_MUTANT.
 import importlib.machinery as _machinery
@@ -84,12 +98,13 @@ class Chart:
 class Outcome:
     chart: str
     mutant: mutants_mod.Mutant
-    status: str = "error"  # killed | survived | error
+    status: str = "error"  # one of STATUSES
     how: str = ""
     seconds: float = 0.0
     exit_code: int | None = None
     killed_by: list[str] = attrs.Factory(list)
     output_tail: str = ""
+    reason: str = ""  # why it is equivalent, from the --equivalent list
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -97,6 +112,7 @@ class Outcome:
             "transition": self.mutant.transition, "detail": self.mutant.detail,
             "status": self.status, "how": self.how, "seconds": round(self.seconds, 2),
             "exit_code": self.exit_code, "killed_by": self.killed_by,
+            **({"reason": self.reason} if self.reason else {}),
             **({"output_tail": self.output_tail} if self.status == "error" else {}),
         }
 
@@ -137,8 +153,13 @@ def _parser() -> argparse.ArgumentParser:
                         help="failing test ids under this prefix test the chart alone; the "
                              "report also scores kills by other tests (default for calexec's "
                              f"command: {DEFAULT_CHART_ONLY_PREFIX})")
+    parser.add_argument("--equivalent", metavar="TOML",
+                        help="documented equivalent mutants ([[mutant]] chart, id, reason); "
+                             f"default for calexec's command: {DEFAULT_EQUIVALENT}")
     parser.add_argument("--fail-under", type=float, metavar="PCT",
                         help="exit 1 when a chart's score is below PCT percent")
+    parser.add_argument("--fail-on-survivor", action="store_true",
+                        help="exit 1 when a mutant survives that is not a documented equivalent")
     parser.add_argument("--json", action="store_true", help="print the JSON report, not Markdown")
     parser.add_argument("--report", metavar="DIR", help="also write mutation.md and mutation.json")
     return parser
@@ -164,8 +185,8 @@ def _resolve_chart(spec: str, cwd: Path) -> Chart:
     if not (isinstance(declaration, type) and issubclass(declaration, StateChart)):
         raise ValueError(f"--chart {spec!r}: {class_name!r} in {module_name} is not a "
                          f"python-statemachine StateMachine class")
-    if spec == target and ":" in spec:
-        name = class_name
+    if spec == target and ":" in spec:  # a bare module:Class: calexec's own keep their names
+        name = next((n for n, t in CALEXEC_CHARTS.items() if t == target), class_name)
     return Chart(name, target, declaration)
 
 
@@ -233,6 +254,20 @@ def _kill(proc: subprocess.Popen) -> None:
         pass
 
 
+def _on_sigterm_interrupt() -> Any:
+    """Make SIGTERM raise KeyboardInterrupt in the main thread; return the old handler (None
+    when not on the main thread, where handlers cannot be set)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def interrupt(_signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    return signal.signal(signal.SIGTERM, interrupt)
+
+
 def _judge(outcome: Outcome, code: int | None, output: str, applied: bool,
            error_codes: set[int]) -> None:
     outcome.exit_code = code
@@ -251,6 +286,22 @@ def _judge(outcome: Outcome, code: int | None, output: str, applied: bool,
         outcome.output_tail = output[-2000:]
 
 
+def load_equivalents(path: Path) -> dict[tuple[str, str], str]:
+    """(chart, mutant id) -> reason, from a TOML file of ``[[mutant]]`` tables."""
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError) as err:
+        raise ValueError(f"--equivalent {str(path)!r}: {err}") from err
+    result = {}
+    for index, entry in enumerate(data.get("mutant", [])):
+        missing = [k for k in ("chart", "id", "reason") if not str(entry.get(k, "")).strip()]
+        if missing:
+            raise ValueError(f"--equivalent {str(path)!r}: [[mutant]] #{index + 1} has no "
+                             f"{', '.join(missing)}")
+        result[(entry["chart"], entry["id"])] = entry["reason"].strip()
+    return result
+
+
 def _score(killed: int, survived: int) -> float | None:
     return None if killed + survived == 0 else 100.0 * killed / (killed + survived)
 
@@ -259,7 +310,7 @@ def summarise(outcomes: list[Outcome], charts: list[Chart], prefix: str | None) 
     summary = {}
     for chart in charts:
         mine = [o for o in outcomes if o.chart == chart.name]
-        counts = {s: sum(o.status == s for o in mine) for s in ("killed", "survived", "error")}
+        counts = {s: sum(o.status == s for o in mine) for s in STATUSES}
         entry: dict[str, Any] = {"class": chart.target, "mutants": len(mine), **counts,
                                  "score": _score(counts["killed"], counts["survived"])}
         if prefix:
@@ -283,26 +334,29 @@ def markdown(report: dict[str, Any]) -> str:
              f"- unmutated run: {report['baseline_s']:.1f} s; target mutants per transition: "
              f"{report['targets_per_transition'] or 'all'}; mutants run: {len(report['mutants'])}"
              f" in {report['elapsed_s']:.0f} s with {report['jobs']} worker(s)", ""]
-    head = "| chart | mutants | killed | survived | error | score |"
-    rule = "|---|---:|---:|---:|---:|---:|"
+    head = "| chart | mutants | killed | survived | equivalent | error | score |"
+    rule = "|---|---:|---:|---:|---:|---:|---:|"
     if prefix:
         head += f" killed beyond `{prefix}*` | score beyond |"
         rule += "---:|---:|"
     lines += [head, rule]
     for name, entry in report["charts"].items():
         row = (f"| {name} | {entry['mutants']} | {entry['killed']} | {entry['survived']} | "
-               f"{entry['error']} | {_pct(entry['score'])} |")
+               f"{entry['equivalent']} | {entry['error']} | {_pct(entry['score'])} |")
         if prefix:
             row += (f" {entry['killed_beyond_chart_only_tests']} | "
                     f"{_pct(entry['score_beyond_chart_only_tests'])} |")
         lines.append(row)
-    lines += ["", "| chart | mutant | status | s | killed by |", "|---|---|---|---:|---|"]
-    order = {"survived": 0, "error": 1, "killed": 2}
+    for stale in report["stale_equivalents"]:
+        lines.append(f"\n**stale equivalent entry**: {stale['chart']} `{stale['id']}` is killed now; "
+                     f"remove it from the list")
+    lines += ["", "| chart | mutant | status | s | killed by / why |", "|---|---|---|---:|---|"]
+    order = {"survived": 0, "error": 1, "equivalent": 2, "killed": 3}
     for m in sorted(report["mutants"], key=lambda m: order[m["status"]]):
         killers = ", ".join(f"`{k}`" for k in m["killed_by"][:3])
         if len(m["killed_by"]) > 3:
             killers += f" (+{len(m['killed_by']) - 3})"
-        detail = killers or m["how"]
+        detail = killers or m.get("reason") or m["how"]
         lines.append(f"| {m['chart']} | `{m['id']}` | {m['status']} | {m['seconds']:.1f} | "
                      f"{detail} |")
     return "\n".join(lines) + "\n"
@@ -337,6 +391,11 @@ def main(argv: list[str] | None = None) -> int:
         if not command:
             raise ValueError("--test-cmd '': empty command")
         chosen = _select(charts, args)
+        equivalent_path = Path(args.equivalent) if args.equivalent else (
+            cwd / DEFAULT_EQUIVALENT if args.test_cmd is None and own else None)
+        equivalents = {}
+        if equivalent_path is not None and (args.equivalent or equivalent_path.is_file()):
+            equivalents = load_equivalents(cwd / equivalent_path)
     except ValueError as err:
         print(f"calexec charts mutate: {err}", file=sys.stderr)
         return 2
@@ -379,20 +438,27 @@ def main(argv: list[str] | None = None) -> int:
             code, outcome.seconds, output = _run(command, cwd, env, timeout)
             applied = ack.is_file() and env[mutants_mod.ENV] in ack.read_text().splitlines()
             _judge(outcome, code, output, applied, error_codes)
+            outcome.reason = equivalents.get((chart.name, mutant.id), "")
+            if outcome.status == "survived" and outcome.reason:
+                outcome.status = "equivalent"
             print(f"  [{index + 1}/{len(chosen)}] {outcome.status:8} {chart.name} {mutant.id} "
                   f"({outcome.seconds:.1f} s)", file=sys.stderr)
             return outcome
 
         start = time.monotonic()
         pool = ThreadPoolExecutor(max_workers=args.jobs)
+        previous = _on_sigterm_interrupt()
         try:
             outcomes = list(pool.map(lambda item: one(item[0], *item[1]), enumerate(chosen)))
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: no test command outlives the run
             pool.shutdown(wait=False, cancel_futures=True)
             for proc in list(_LIVE):
                 _kill(proc)
             print("calexec charts mutate: interrupted", file=sys.stderr)
             return 130
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
         pool.shutdown()
         elapsed = time.monotonic() - start
 
@@ -401,7 +467,10 @@ def main(argv: list[str] | None = None) -> int:
         "targets_per_transition": args.targets_per_transition, "jobs": args.jobs,
         "timeout_s": round(timeout, 1), "elapsed_s": round(elapsed, 1),
         "chart_only_prefix": prefix,
+        "equivalent_list": str(equivalent_path) if equivalents else None,
         "charts": summarise(outcomes, charts, prefix),
+        "stale_equivalents": [{"chart": o.chart, "id": o.mutant.id} for o in outcomes
+                              if o.reason and o.status == "killed"],
         "mutants": [o.to_json() for o in outcomes],
     }
     text = markdown(report)
@@ -412,6 +481,8 @@ def main(argv: list[str] | None = None) -> int:
         (out / "mutation.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2) if args.json else text)
     if any(o.status == "error" for o in outcomes):
+        return 1
+    if args.fail_on_survivor and any(o.status == "survived" for o in outcomes):
         return 1
     if args.fail_under is not None and any(
             (e["score"] is not None and e["score"] < args.fail_under)

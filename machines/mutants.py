@@ -85,7 +85,8 @@ def _sites(declaration: type, targets_per_transition: int) -> Iterator[tuple[Mut
         for transition in list(state.transitions):
             if transition.initial:
                 continue
-            base = f"{state.id}-{'|'.join(str(e) for e in transition.events)}->{transition.target.id}"
+            events = "+".join(str(e) for e in transition.events)  # no "|": ids go in tables
+            base = f"{state.id}-{events}->{transition.target.id}"
             seen[base] = seen.get(base, 0) + 1
             label = base if seen[base] == 1 else f"{base}#{seen[base]}"
             for spec in _guard_specs(transition):

@@ -117,6 +117,38 @@ def test_user_chart_killed_and_equivalent_mutants(tmp_path, capsys):
     assert json.loads((tmp_path / "report" / "mutation.json").read_text()) == report
 
 
+def test_documented_equivalent_is_not_a_survivor_and_stale_entries_are_named(tmp_path, capsys):
+    command = _door_project(tmp_path)
+    killable = "guard-true:closed-lock->locked:has_key"
+    equivalent = "guard-false:closed-push->opened:strong"
+    (tmp_path / "equivalent.toml").write_text(textwrap.dedent(f"""
+        [[mutant]]
+        chart = "Door"
+        id = "{equivalent}"
+        reason = "the guardless fallback opens the door too"
+
+        [[mutant]]
+        chart = "Door"
+        id = "{killable}"
+        reason = "wrongly listed"
+    """))
+    status, out = _mutate(capsys, tmp_path, "--chart", "door:Door", "--test-cmd", command,
+                          "--mutant", killable, "--mutant", equivalent,
+                          "--equivalent", "equivalent.toml", "--fail-on-survivor")
+    assert status == 0, out.err
+    report = json.loads(out.out)
+    by_id = {m["id"]: m for m in report["mutants"]}
+    assert by_id[equivalent]["status"] == "equivalent"
+    assert by_id[equivalent]["reason"] == "the guardless fallback opens the door too"
+    assert by_id[killable]["status"] == "killed"
+    assert report["stale_equivalents"] == [{"chart": "Door", "id": killable}]
+    assert report["charts"]["Door"]["score"] == 100.0
+    # the same run without the list: the survivor fails --fail-on-survivor
+    status, out = _mutate(capsys, tmp_path, "--chart", "door:Door", "--test-cmd", command,
+                          "--mutant", equivalent, "--fail-on-survivor")
+    assert status == 1 and json.loads(out.out)["mutants"][0]["status"] == "survived"
+
+
 def test_mutant_that_never_reaches_the_chart_is_an_error(tmp_path, capsys):
     _door_project(tmp_path)
     status, out = _mutate(capsys, tmp_path, "--chart", "door:Door",
@@ -137,8 +169,11 @@ def test_mutant_that_never_reaches_the_chart_is_an_error(tmp_path, capsys):
         (["--chart", "nosuchmodule:Door", "--test-cmd", "true"], "cannot import module"),
         (["--chart", "door", "--test-cmd", "true"], "expected one of job, kv_txn"),
         (["--chart", "door:Door", "--test-cmd", "false"], "fails without any mutant"),
+        (["--chart", "door:Door", "--test-cmd", "true", "--equivalent", "door.py"],
+         "--equivalent"),
     ],
-    ids=["no-test-cmd", "unknown-mutant", "not-a-chart", "no-module", "bad-spec", "red-baseline"],
+    ids=["no-test-cmd", "unknown-mutant", "not-a-chart", "no-module", "bad-spec", "red-baseline",
+         "bad-equivalent-list"],
 )
 def test_bad_arguments_are_named(tmp_path, capsys, args, message):
     _door_project(tmp_path)
