@@ -1,53 +1,167 @@
-"""The ``calexec`` console script.
+"""The ``calexec`` console script: an argparse front (``--help``, ``--version``, the command
+list, "did you mean" for a mistyped command) over one module per subcommand.
 
-Each subcommand lives in its own module with ``main(argv: list[str]) -> int``; this file
-only dispatches, so adding a subcommand never touches another's code.
+Each subcommand lives in its own module with ``main(argv: list[str]) -> int``; ``argv`` starts
+with the command words (``["sim", "bench", "--json"]``), so one module can serve several
+commands. The module parses the rest with its own parser from ``calexec.cliargs.parser`` (help
+with defaults, one-line errors). This file only dispatches.
+
+Registering a subcommand is one line in :data:`COMMANDS`::
+
+    "golden record": Command("calexec.drivers.golden", "record the golden of a calbin"),
+
+with ``extra="server"`` (or ``"plots"``, ``"ray"``) when the module needs an optional extra:
+without it the command prints the ``pip install`` line and exits 2 instead of importing.
+
+Errors never end in a traceback: ``UserError`` (``calexec.cliargs``) and argparse errors print
+one line naming the offender; an unexpected exception prints one line and exits 70 (set
+``CALEXEC_DEBUG=1`` to see the traceback). Exit codes: 0 success; 1 the command's check failed
+(gate, stale diagram, oracle mismatch); 2 bad usage or configuration; 3 runtime refusal (the
+executor did not start or ended Failed); 4 ``serve --once``'s sample request failed; 70 an
+internal error (a bug); 130 interrupted.
 """
 
 from __future__ import annotations
 
+import argparse
+import difflib
 import importlib
+import os
 import sys
+from typing import NamedTuple
 
-# name -> (module, one-line help). Two-word commands ("sim bench") are looked up first.
-COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("calexec.drivers.demo", "prefill and decode a few sequences through the executor on the bundled emulator"),
-    "sim bench": ("calexec.drivers.simbench", "measure the emulator's host-side cost and profile accuracy"),
-    "sim write-calbin": ("calexec.drivers.simbench", "write the default synthetic calbin"),
-    "diagrams": ("calexec.machines.diagrams", "render the declared statecharts to diagrams/ (--check: fail if stale)"),
-    "bench charts": ("calexec.machines.bench", "per-job chart work on the hot path"),
-    "bench overhead": ("calexec.drivers.bench", "executor vs direct synchronous loop (TPOT ratios, control overhead)"),
-    "bench logits": ("calexec.drivers.bench", "direct BF16->FP32 slice conversion vs the legacy path"),
-    "conform": ("calexec.drivers.conform.runner", "answer the spec's §14 vendor questions for a calrt.h library (--report DIR)"),
-    "bench recovery": ("calexec.drivers.bench", "time from an injected device fault to Ready again, requests failed per recovery"),
-    "accept": ("calexec.drivers.accept", "the §13 acceptance gates (--quick|--full, --phase a|b|both, --report DIR, --json)"),
-    "bench pingpong": ("calexec.drivers.bench", "Phase B: tokens/s at in-flight 2 vs 1 per emulator overlap setting, TPOT P99, trace"),
-    "bench server": ("calexec.drivers.bench_server", "the server's own overhead: HTTP vs in-process executor at concurrency 1 and 8"),
-    "charts mutate": ("calexec.drivers.charts_mutate", "mutation testing of declared charts: each guard forced true/false, transition dropped, target changed (--chart module:Class, --test-cmd, --json, --report DIR)"),
-    "serve": ("calexec.drivers.serve", "run the reference HTTP server (OpenAI-style completions, metrics, drain)"),
+from calexec import __version__
+from calexec.cliargs import EXIT_CONFIG, Parser, UserError, missing_extra
+
+EXIT_INTERNAL, EXIT_INTERRUPTED = 70, 130
+
+
+class Command(NamedTuple):
+    module: str  #: module with ``main(argv) -> int``
+    help: str  #: one line for ``calexec --help``
+    extra: str | None = None  #: optional extra the module imports (server, plots, ray)
+
+
+# Two-word commands ("sim bench") are looked up before one-word ones.
+COMMANDS: dict[str, Command] = {
+    "demo": Command("calexec.drivers.demo", "prefill and decode a few sequences through the executor, checked against the oracle"),
+    "serve": Command("calexec.drivers.serve", "run the reference HTTP server (OpenAI-style completions, metrics, drain)", "server"),
+    "accept": Command("calexec.drivers.accept", "the §13 acceptance gates (--quick|--full, --phase a|b|both, --report DIR)"),
+    "conform": Command("calexec.drivers.conform.runner", "answer the spec's §14 vendor questions for a calrt.h library (--report DIR)"),
+    "diagrams": Command("calexec.machines.diagrams", "render the declared statecharts to diagrams/ (--check: fail if stale)"),
+    "sim bench": Command("calexec.drivers.simbench", "measure the emulator's host-side cost and profile accuracy"),
+    "sim write-calbin": Command("calexec.drivers.simbench", "write the default synthetic calbin"),
+    "bench charts": Command("calexec.machines.bench", "per-job chart work on the hot path"),
+    "bench overhead": Command("calexec.drivers.bench", "executor vs direct synchronous loop (TPOT ratios, control overhead)"),
+    "bench logits": Command("calexec.drivers.bench", "direct BF16->FP32 slice conversion vs the legacy path"),
+    "bench recovery": Command("calexec.drivers.bench", "time from an injected device fault to Ready again, requests failed per recovery"),
+    "bench pingpong": Command("calexec.drivers.bench", "Phase B: tokens/s at in-flight 2 vs 1 per overlap setting, TPOT P99, trace"),
+    "bench server": Command("calexec.drivers.bench_server", "the server's own overhead: HTTP vs in-process executor", "server"),
+    "diagrams live": Command("calexec.drivers.live_charts", "screenshot the live /debug/statecharts page under load and one job's path (headless Chromium)", "server"),
+    "golden record": Command("calexec.drivers.golden", "run a calbin's warm-up on the emulator and pin its golden next to the manifest"),
+    "charts mutate": Command("calexec.drivers.charts_mutate", "mutation testing of declared charts (calexec's or --chart module:Class with --test-cmd): guards forced, transitions dropped, targets changed"),
 }
 
+_EPILOG = """\
+'calexec COMMAND --help' lists a command's flags with their defaults.
 
-def _usage() -> str:
-    lines = ["usage: calexec <command> [options]", "", "commands:"]
-    for name, (_, help_text) in COMMANDS.items():
-        lines.append(f"  {name:<18} {help_text}")
-    return "\n".join(lines)
+exit codes: 0 success; 1 a check failed (gate, stale diagram, oracle mismatch); 2 bad usage or
+configuration; 3 runtime refusal (executor did not start or ended Failed); 4 serve --once's
+sample request failed; 70 internal error (CALEXEC_DEBUG=1 shows the traceback); 130 interrupted.
+"""
+
+
+def _groups() -> dict[str, list[str]]:
+    """First word -> second words of the two-word commands (``sim`` -> bench, write-calbin)."""
+    groups: dict[str, list[str]] = {}
+    for name in COMMANDS:
+        first, _, second = name.partition(" ")
+        if second:
+            groups.setdefault(first, []).append(second)
+    return groups
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser: ``--version`` and one subparser per command (for the help)."""
+    p = Parser(prog="calexec", epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+               description="calexec: the control core of an asynchronous Calculet NPU executor, "
+                           "its reference server and the tools that measure it")
+    p.add_argument("--version", action="version", version=f"calexec {__version__}")
+    sub = p.add_subparsers(title="commands", metavar="COMMAND")
+    for name, command in COMMANDS.items():
+        note = f" [needs calexec[{command.extra}]]" if command.extra and missing_extra(
+            command.extra) else ""
+        sub.add_parser(name, help=command.help + note, add_help=False)
+    return p
+
+
+def _lookup(argv: list[str]) -> str | None:
+    for width in (2, 1):
+        name = " ".join(argv[:width])
+        if len(argv) >= width and name in COMMANDS:
+            return name
+    return None
+
+
+def _unknown(argv: list[str]) -> int:
+    groups = _groups()
+    if argv[0] in groups:
+        word = argv[1] if len(argv) > 1 else ""
+        if word in ("", "-h", "--help"):
+            out = sys.stdout if word else sys.stderr
+            print(f"usage: calexec {argv[0]} {{{','.join(groups[argv[0]])}}} ...\n", file=out)
+            for second in groups[argv[0]]:
+                print(f"  {argv[0]} {second:<14} {COMMANDS[f'{argv[0]} {second}'].help}",
+                      file=out)
+            return 0 if word else EXIT_CONFIG
+        offender, candidates = f"{argv[0]} {word}", [f"{argv[0]} {s}" for s in groups[argv[0]]]
+    else:
+        offender, candidates = argv[0], [*COMMANDS, *groups]
+    close = difflib.get_close_matches(offender, candidates, n=1, cutoff=0.5)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    print(f"calexec: unknown command {offender!r}{hint}; see calexec --help", file=sys.stderr)
+    return EXIT_CONFIG
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(_usage())
-        return 0 if argv else 2
-    for width in (2, 1):
-        name = " ".join(argv[:width])
-        if len(argv) >= width and name in COMMANDS:
-            module = importlib.import_module(COMMANDS[name][0])
-            # The module sees the full command words, so one module can serve several.
-            return int(module.main(argv) or 0)
-    print(f"calexec: unknown command {' '.join(argv[:2])!r}\n\n{_usage()}", file=sys.stderr)
-    return 2
+    if not argv or argv[0].startswith("-"):
+        parser = build_parser()
+        if not argv:
+            parser.print_help(sys.stderr)
+            return EXIT_CONFIG
+        try:
+            parser.parse_args(argv[:1])  # --help / --version exit 0; another flag: error 2
+        except SystemExit as exc:
+            return int(exc.code or 0)
+        return EXIT_CONFIG  # pragma: no cover - parse_args always exits for a lone flag
+    name = _lookup(argv)
+    if name is None:
+        return _unknown(argv)
+    command = COMMANDS[name]
+    prog = f"calexec {name}"
+    try:
+        if command.extra:
+            install = missing_extra(command.extra)
+            if install is not None:
+                raise UserError(f"needs the optional [{command.extra}] extra: {install}")
+        module = importlib.import_module(command.module)
+        return int(module.main(argv) or 0)
+    except UserError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return exc.code
+    except SystemExit as exc:  # argparse's --help (0) and usage errors (2)
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # a bug: one line, the traceback on request
+        if os.environ.get("CALEXEC_DEBUG"):
+            raise
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        print(f"{prog}: internal error: {type(exc).__name__}: {first} "
+              "(set CALEXEC_DEBUG=1 for the traceback)", file=sys.stderr)
+        return EXIT_INTERNAL
 
 
 if __name__ == "__main__":  # pragma: no cover - `python -m calexec.cli`

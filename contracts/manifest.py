@@ -5,8 +5,9 @@ unknown kinds and inconsistent contracts raise :class:`ManifestError` naming the
 and the value). ``Manifest.resolve(models, generation_id, calbin_sha256)`` checks it against
 the runtime's ``GetAllModels`` answer and returns a :class:`ModelGeneration` or an ARTIFACT
 ``Status`` naming the offender; it never raises. Lookup is by EXACT name, never substring
-(S08): every manifest name must appear exactly once; runtime models the manifest does not
-list are allowed and reported by ``Manifest.unlisted``. Format: docs/manifest.md.
+(S08): every manifest name must appear exactly once, and a runtime model the manifest does not
+list (neither a submodel nor in ``ignored_models``) refuses the generation (§10.2: missing,
+extra or duplicated models all keep it from Ready). Format: docs/manifest.md.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 import attrs
 
+from calexec.contracts.goldens import NO_GOLDENS, GoldenFileError, Goldens, goldens_path, load_goldens
 from calexec.contracts.runtime_view import RuntimeModelInfo, RuntimeTensorInfo
 from calexec.contracts.status import Status
 from calexec.contracts.types import (
@@ -34,8 +36,8 @@ from calexec.contracts.types import (
 )
 
 _TOP_KEYS = {"name": str, "calrt_version": str, "calbin_sha256": str, "vocab_size": int, "hidden_size": int,
-             "submodel": list}
-_TOP_OPTIONAL = {"calbin_sha256"}
+             "submodel": list, "ignored_models": list}
+_TOP_OPTIONAL = {"calbin_sha256", "ignored_models"}
 _TENSOR_ROLES = ("token_or_embed", "position", "logits")
 _SUB_KEYS = {"kind": str, "exact_name": str, "csr_cur_seq": str, "csr_total_seq": str, "max_batch": int,
              "max_seq": int, "logits_tile_d0": int, **{role: dict for role in _TENSOR_ROLES}}
@@ -161,11 +163,17 @@ class Manifest:
     hidden_size: int
     submodels: Mapping[TaskKind, SubmodelContract] = attrs.field(hash=False)
     source: str
+    #: runtime models the calbin carries that calexec never runs (exact names): listed so
+    #: that the manifest still describes the calbin completely (§10.2)
+    ignored_models: tuple[str, ...] = ()
+    #: the goldens pinned next to the manifest (``<stem>.goldens.toml``, contracts/goldens.py)
+    goldens: Goldens = attrs.field(default=NO_GOLDENS, hash=False)
 
     def unlisted(self, models: Sequence[RuntimeModelInfo]) -> tuple[str, ...]:
-        """Runtime model names the manifest does not list (allowed, but worth logging)."""
-        listed = {sub.exact_name for sub in self.submodels.values()}
-        return tuple(m.name for m in models if m.name not in listed)
+        """Runtime model names the manifest lists neither as a submodel nor as ignored (each
+        one keeps the generation from Ready, §10.2)."""
+        listed = {sub.exact_name for sub in self.submodels.values()} | set(self.ignored_models)
+        return tuple(dict.fromkeys(m.name for m in models if m.name not in listed))
 
     def resolve(self, models: Sequence[RuntimeModelInfo], generation_id: int,
                 calbin_sha256: str) -> ModelGeneration | Status:
@@ -176,7 +184,8 @@ class Manifest:
         repeated in (``model_duplicate``) the runtime list; a tensor missing/duplicated or
         differing in dtype, rank, shape, byte_size or sliceable (``tensor_*``); a CSR name absent
         (``csr_missing``); logits_tile_d0/max_seq/max_batch differing from the graph metadata
-        (``meta_mismatch``).
+        (``meta_mismatch``); a runtime model the manifest lists neither as a submodel nor in
+        ``ignored_models`` (``model_unlisted``, every such name in the message, §10.2).
         """
         sha = calbin_sha256.lower() if isinstance(calbin_sha256, str) else calbin_sha256
         if not isinstance(sha, str) or not SHA256_RE.match(sha):
@@ -199,6 +208,14 @@ class Manifest:
             status = _check_model(sub, found[0])
             if status is not None:
                 return status
+        unlisted = self.unlisted(models)
+        if unlisted:
+            return Status.artifact(
+                "model_unlisted",
+                f"runtime models {list(unlisted)} are not listed in {self.source} (neither a "
+                f"[[submodel]] exact_name nor in ignored_models); §10.2 refuses Ready on a "
+                f"calbin with models the manifest does not describe",
+            )
         return ModelGeneration(
             generation_id=generation_id, calbin_sha256=sha, calrt_version=self.calrt_version,
             submodels=self.submodels, vocab_size=self.vocab_size, hidden_size=self.hidden_size,
@@ -233,9 +250,24 @@ def load_manifest(path: str | Path) -> Manifest:
         names[sub.exact_name] = index
     if not submodels:
         raise ManifestError(file, "submodel", [], "at least one [[submodel]] is required")
+    ignored = table.get("ignored_models", [])
+    for index, entry in enumerate(ignored):
+        key = f"ignored_models[{index}]"
+        if not isinstance(entry, str) or not entry:
+            raise ManifestError(file, key, entry, "must be a non-empty string (an exact model name)")
+        if entry in names:
+            raise ManifestError(file, key, entry,
+                                f"is submodel[{names[entry]}]'s exact_name; a model is served or ignored")
+        if entry in ignored[:index]:
+            raise ManifestError(file, key, entry, "listed twice")
+    try:
+        goldens = load_goldens(goldens_path(path))
+    except GoldenFileError as exc:
+        raise ManifestError(exc.file, exc.key, exc.value, exc.problem) from None
     return Manifest(name=table["name"], calrt_version=table["calrt_version"], calbin_sha256=sha,
                     vocab_size=table["vocab_size"], hidden_size=table["hidden_size"],
-                    submodels=types.MappingProxyType(submodels), source=file)
+                    submodels=types.MappingProxyType(submodels), source=file,
+                    ignored_models=tuple(ignored), goldens=goldens)
 
 
 def default_manifest_path() -> Path:

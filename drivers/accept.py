@@ -10,8 +10,11 @@ measured ``value`` (named by ``metric``) and details. ``--quick`` (the default, 
 uses reduced sizes and a 20 s soak; ``--full`` the spec's sizes and a 24 h soak unless
 ``--soak-seconds`` says otherwise. With ``--report DIR``: report.md, report.json (the same
 content) and PNG plots (per-job latency distribution, RSS over the soak). ``--json`` prints the
-report object. A progress bar runs on stderr. Exit status: 0 all gates passed, 1 a gate
-failed, 2 usage error.
+report object. Progress goes to stderr: a bar on a terminal, plain lines (at most one per 10 s,
+one per gate) in a log. ``--runtime-lib`` / ``--manifest`` / ``--calbin`` replace the bundled
+emulator, its manifest and the synthetic calbin (the gates need the emulator controls and a
+synthetic calbin: they inject faults and check every token against the oracle). Exit status:
+0 all gates passed, 1 a gate failed, 2 usage or configuration error.
 
 Python API: ``run_accept(sizes, phases, gates, progress)`` -> report dict; ``QUICK`` / ``FULL``
 and ``attrs.evolve`` for a test-size override.
@@ -32,6 +35,8 @@ from typing import Any
 import attrs
 import numpy as np
 
+from calexec import cliargs
+from calexec.drivers.device_spec import DeviceSpec
 from calexec.drivers.memory import pin_mmap_threshold
 from calexec.drivers import calbin as calbin_fmt
 from calexec.drivers.accept_gates import GATES, AcceptContext
@@ -82,15 +87,20 @@ PHASES = {"a": ("a",), "b": ("b",), "both": ("a", "b")}
 
 
 def run_accept(sizes: Sizes = QUICK, phases: Sequence[str] = ("a", "b"),
-               gates: Sequence[str] | None = None, progress: Progress | None = None
-               ) -> dict[str, Any]:
+               gates: Sequence[str] | None = None, progress: Progress | None = None,
+               device: DeviceSpec = DeviceSpec()) -> dict[str, Any]:
     """Run ``gates`` (default all, in ``GATES`` order) for each phase; return the report
     object: ``passed`` (every gate passed), ``gates`` (name -> ``Gate.to_dict()``), the sizes,
-    environment, and the per-job latency / RSS series the plots are drawn from."""
+    environment, and the per-job latency / RSS series the plots are drawn from. ``device``:
+    the runtime library (it needs the emulator controls: the gates inject faults), manifest
+    and synthetic calbin (the oracle checks every token); default the bundled emulator's."""
     names = list(GATES) if gates is None else list(gates)
     unknown = [g for g in names if g not in GATES]
     if unknown:
         raise ValueError(f"unknown gate(s) {unknown}; known: {list(GATES)}")
+    if not device.runtime().has_emu:
+        raise ValueError(f"runtime library {device.library!r} has no emulator controls "
+                         "(calrt_emu_*): the gates inject faults and set latencies through them")
     if "soak" in names:
         pin_mmap_threshold()  # RSS must reflect live memory (drivers/memory.py)
     progress = progress or Silent(0)
@@ -98,9 +108,9 @@ def run_accept(sizes: Sizes = QUICK, phases: Sequence[str] = ("a", "b"),
     started = time.time()
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="calexec-accept-") as tmp:
-        path = os.path.join(tmp, "accept.calbin")
-        calbin_fmt.write(path, calbin_fmt.default_spec())
-        ctx = AcceptContext(calbin_path=path, seed=calbin_fmt.read(path).seed, sizes=sizes)
+        path = device.calbin(tmp)
+        ctx = AcceptContext(calbin_path=path, seed=calbin_fmt.read(path).seed, sizes=sizes,
+                            device=device)
         for phase in phases:
             for name in names:
                 t0 = time.monotonic()
@@ -126,7 +136,7 @@ def run_accept(sizes: Sizes = QUICK, phases: Sequence[str] = ("a", "b"),
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="calexec accept", description=__doc__.splitlines()[0])
+    p = cliargs.parser("calexec accept", __doc__)
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="reduced sizes, 20 s soak (default)")
     mode.add_argument("--full", action="store_true", help="the spec's sizes, 24 h soak")
@@ -134,26 +144,36 @@ def _parser() -> argparse.ArgumentParser:
                    help="a: in-flight 1; b: in-flight 2 (PING/PONG); both (default)")
     p.add_argument("--report", metavar="DIR", help="write report.md, report.json and plots")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    p.add_argument("--soak-seconds", type=float, help="soak duration (quick 20, full 86400)")
+    p.add_argument("--soak-seconds", type=cliargs.positive_float,
+                   help="soak duration (quick 20, full 86400)")
     p.add_argument("--gates", help=f"comma-separated subset of {','.join(GATES)}")
+    cliargs.add_device_args(p)
     return p
 
 
+@cliargs.command_main
 def main(argv: list[str]) -> int:
     """Entry point; ``argv`` starts with the command word (``accept``)."""
     parser = _parser()
     args = parser.parse_args(argv[1:])
     sizes = FULL if args.full else QUICK
+    if args.report:  # before the run: a missing extra must not cost the run
+        cliargs.require_extra("plots", "--report (PNG plots)")
+    device = cliargs.device_spec(args)
     try:
         if args.soak_seconds is not None:
             sizes = attrs.evolve(sizes, soak_seconds=args.soak_seconds)
         gates = None if not args.gates else [g.strip() for g in args.gates.split(",")]
-        report = run_accept(sizes, PHASES[args.phase], gates, Progress(0))
+        report = run_accept(sizes, PHASES[args.phase], gates, Progress(0), device)
     except ValueError as exc:
         print(f"calexec accept: {exc}", file=sys.stderr)
         return 2
     if args.report:
-        write_report(report, args.report)
+        try:
+            write_report(report, args.report)
+        except OSError as exc:
+            raise cliargs.UserError(f"--report={args.report!r}: cannot write the report: "
+                                    f"{exc.strerror or exc}") from None
     if args.json:
         print(json.dumps({k: v for k, v in report.items() if k != "series"}))
     else:

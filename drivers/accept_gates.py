@@ -35,8 +35,8 @@ from calexec.drivers import oracle
 from calexec.drivers.accept_rig import (HANG_GRACE_S, JOB_S, Gate, Progress, growth, hung_status, leased,
                                         open_executor, request, rss_mib, run_job)
 from calexec.drivers.bench import DirectLoop
-from calexec.drivers.runtime import CalRT, Fault, FaultMode, Overlap
-from calexec.machines.faults import RecoveryPolicy
+from calexec.drivers.device_spec import DeviceSpec
+from calexec.drivers.runtime import Fault, FaultMode, Overlap
 
 VOCAB = calbin_fmt.VOCAB
 MAX_SEQ = calbin_fmt.MAX_SEQ
@@ -81,6 +81,8 @@ class AcceptContext:
     calbin_path: str
     seed: int
     sizes: Any  # calexec.drivers.accept.Sizes
+    #: the runtime library and manifest the gates open (default: the bundled emulator's)
+    device: DeviceSpec = DeviceSpec()
     latencies_ms: dict[str, LatencyReservoir] = attrs.field(factory=dict)
     rss_series: dict[str, list[tuple[float, float]]] = attrs.field(factory=dict)
 
@@ -178,10 +180,10 @@ def _oracle_greedy(seed: int, prompt: np.ndarray, steps: int) -> list[int]:
 def correctness(ctx: AcceptContext, phase: str, progress: Progress) -> Gate:
     name, metric = f"correctness_{phase}", "identical_fraction"
     sizes = ctx.sizes
-    ex = open_executor(ctx.calbin_path, phase)
+    ex = open_executor(ctx.calbin_path, phase, device=ctx.device)
     if isinstance(ex, Status):
         return _failed_start(name, metric, ex)
-    direct = DirectLoop(CalRT.load(), ctx.calbin_path)
+    direct = DirectLoop(ctx.device.runtime(), ctx.calbin_path)
     rng = ctx.rng(1)
     stats = _LogitStats()
     identical, mismatches, errors = 0, [], []
@@ -221,7 +223,7 @@ def correctness(ctx: AcceptContext, phase: str, progress: Progress) -> Gate:
 def lengths(ctx: AcceptContext, phase: str, progress: Progress) -> Gate:
     name, metric = f"lengths_{phase}", "lengths_correct"
     sizes = ctx.sizes
-    ex = open_executor(ctx.calbin_path, phase)
+    ex = open_executor(ctx.calbin_path, phase, device=ctx.device)
     if isinstance(ex, Status):
         return _failed_start(name, metric, ex)
     rng = ctx.rng(2)
@@ -289,7 +291,8 @@ def crosstalk(ctx: AcceptContext, phase: str, progress: Progress) -> Gate:
 def _crosstalk_run(ctx: AcceptContext, phase: str, setting: str, progress: Progress,
                    name: str, k: int, runs: int) -> dict[str, Any]:
     profile = "" if phase == "a" else ";".join(f"{key}={v}" for key, v in OVERLAP_PROFILE.items())
-    ex = open_executor(ctx.calbin_path, phase, device_config=profile)
+    ex = open_executor(ctx.calbin_path, phase, device_config=profile,
+                       device=ctx.device)
     if isinstance(ex, Status):
         return {"ok": False, "error": f"executor start failed: {ex}"}
     rng = ctx.rng(3)
@@ -439,8 +442,9 @@ def _wait_settled(ex, seconds: float) -> str:
 def injections(ctx: AcceptContext, phase: str, progress: Progress) -> Gate:
     name, metric = f"injections_{phase}", "hung"
     n = ctx.sizes.injections
-    policy = RecoveryPolicy(max_recoveries=n + 10, recovery_window_s=3600.0, drain_grace_s=2.0)
-    ex = open_executor(ctx.calbin_path, phase, recovery=policy)
+    policy = ctx.device.recovery(max_recoveries=n + 10, recovery_window_s=3600.0,
+                                  drain_grace_s=2.0)
+    ex = open_executor(ctx.calbin_path, phase, recovery=policy, device=ctx.device)
     if isinstance(ex, Status):
         return _failed_start(name, metric, ex)
     rng = ctx.rng(4)
@@ -542,8 +546,8 @@ def _inject(ex, kind: str, rng: np.random.Generator, seed: int) -> "Any":
 def soak(ctx: AcceptContext, phase: str, progress: Progress) -> Gate:
     name, metric = f"soak_{phase}", "rss_growth_mib"
     sizes = ctx.sizes
-    policy = RecoveryPolicy(max_recoveries=1_000_000, recovery_window_s=3600.0)
-    ex = open_executor(ctx.calbin_path, phase, recovery=policy)
+    policy = ctx.device.recovery(max_recoveries=1_000_000, recovery_window_s=3600.0)
+    ex = open_executor(ctx.calbin_path, phase, recovery=policy, device=ctx.device)
     if isinstance(ex, Status):
         return _failed_start(name, metric, ex)
     samples: dict[str, list[float]] = {"t": [], "rss_mib": [], "leased": [], "queued": []}
@@ -555,12 +559,11 @@ def soak(ctx: AcceptContext, phase: str, progress: Progress) -> Gate:
         for c in clients:
             c.cancel_every = 50
             c.__enter__()
-        # The first ring+1 faults come early, inside the warm-up: each recovery retires a
-        # generation whose host storage the executor keeps (stale DMA, FI14) until its ring of
-        # retired generations is full; after that RSS must stay flat. With one fault every
-        # soak_fault_every_s only, a soak shorter than ring+1 intervals saw each retired
-        # generation (~11 MiB here) as growth.
-        ring = ex.config.keep_retired_generations
+        # The first faults come early, inside the warm-up: each recovery retires a generation
+        # whose host storage the executor keeps until the device proves no stale DMA into it
+        # is pending (FI14); the allocator's high-water mark settles over the first few
+        # recoveries, after which RSS must stay flat.
+        ring = 4
         early_gap = min(sizes.soak_fault_every_s,
                         sizes.soak_seconds * sizes.soak_warmup_fraction / (ring + 2))
         try:

@@ -8,21 +8,21 @@ bounded: a job that does not resolve by its deadline plus ``HANG_GRACE_S`` count
 
 from __future__ import annotations
 
+import io
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 import attrs
 import numpy as np
 
 from calexec.drivers.memory import rss_bytes
-from calexec.contracts.manifest import default_manifest_path, load_manifest
 from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import TaskKind
-from calexec.drivers.runtime import CalRT
+from calexec.drivers.device_spec import DeviceSpec
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 from calexec.machines.faults import RecoveryPolicy
 
@@ -47,34 +47,83 @@ class Gate:
 
 
 class Progress:
-    """A plain-text carriage-return progress bar on a stream (stderr by default)."""
+    """Progress of the gates on a stream (stderr by default).
 
-    def __init__(self, total_gates: int, stream: TextIO | None = None, width: int = 24) -> None:
+    On a terminal: a tqdm bar (tqdm comes with the ``[plots]`` extra; without it a plain
+    carriage-return bar). Elsewhere (a log file, a CI pipe): one plain line at most every
+    ``every_s`` seconds and one when a gate ends, never a carriage return."""
+
+    def __init__(self, total_gates: int, stream: TextIO | None = None, width: int = 24,
+                 every_s: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.total = max(1, total_gates)
         self.done = 0
         self.stream = stream if stream is not None else sys.stderr
         self.width = width
+        self.every_s = every_s
+        self.clock = clock
+        isatty = getattr(self.stream, "isatty", None)
+        self.tty = bool(isatty and isatty())
+        self._last: float | None = None
+        self._gate = ""
+        self._bar: Any = None
+        if self.tty:
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                tqdm = None
+            if tqdm is not None:
+                self._bar = tqdm(total=1000, file=self.stream, unit="‰", leave=True,
+                                 bar_format="{l_bar}{bar}| {elapsed}<{remaining}")
+
+    def _fraction(self, step: int, steps: int) -> float:
+        return min(1.0, (self.done + (step / steps if steps else 1.0)) / self.total)
 
     def update(self, gate: str, step: int, steps: int) -> None:
-        frac = (self.done + (step / steps if steps else 1.0)) / self.total
-        fill = int(round(frac * self.width))
-        self.stream.write(f"\r[{'#' * fill}{'.' * (self.width - fill)}] {frac * 100:5.1f}% "
-                          f"{gate} {step}/{steps}   ")
+        frac = self._fraction(step, steps)
+        self._gate = gate
+        if self._bar is not None:
+            self._bar.set_description(f"{gate} {step}/{steps}", refresh=False)
+            self._bar.update(int(frac * 1000) - self._bar.n)
+        elif self.tty:
+            fill = int(round(frac * self.width))
+            self.stream.write(f"\r[{'#' * fill}{'.' * (self.width - fill)}] {frac * 100:5.1f}% "
+                              f"{gate} {step}/{steps}   ")
+            self.stream.flush()
+        else:
+            now = self.clock()
+            if self._last is None or now - self._last >= self.every_s:
+                self._last = now
+                self._line(f"{frac * 100:5.1f}% {gate} {step}/{steps}")
+
+    def _line(self, text: str) -> None:
+        self.stream.write(f"[accept] {text}\n")
         self.stream.flush()
 
     def gate_done(self) -> None:
         self.done += 1
+        if not self.tty:
+            self._line(f"{self.done * 100 / self.total:5.1f}% {self._gate or 'gate'} done "
+                       f"({self.done}/{self.total} gates)")
 
     def close(self) -> None:
-        self.stream.write("\n")
-        self.stream.flush()
+        if self._bar is not None:
+            self._bar.close()
+        elif self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
 
 
 class Silent(Progress):
     """No output (the Python API's default)."""
 
+    def __init__(self, total_gates: int = 0) -> None:
+        super().__init__(total_gates, stream=io.StringIO())
+
     def update(self, gate: str, step: int, steps: int) -> None:
         pass
+
+    def gate_done(self) -> None:
+        self.done += 1
 
     def close(self) -> None:
         pass
@@ -89,14 +138,16 @@ def request(seq: int, kind: TaskKind, tokens: Sequence[int] | np.ndarray, past: 
 
 
 def open_executor(calbin_path: str, phase: str, recovery: RecoveryPolicy | None = None,
-                  device_config: str = "") -> "DeviceExecutor | Status":
-    """A started executor of ``phase`` on its own emulated device, or the start Status."""
+                  device_config: str = "", device: DeviceSpec = DeviceSpec()
+                  ) -> "DeviceExecutor | Status":
+    """A started executor of ``phase`` on its own device of ``device``'s runtime (default:
+    the bundled emulator) with ``device``'s manifest, or the start Status."""
     if phase not in PHASE_CAPACITY:
         raise ValueError(f"phase must be one of {sorted(PHASE_CAPACITY)}, got {phase!r}")
     config = ExecutorConfig(calbin_path=calbin_path, device_config=device_config,
                             inflight_capacity=PHASE_CAPACITY[phase],
-                            recovery=recovery or RecoveryPolicy())
-    ex = DeviceExecutor(CalRT.load(), load_manifest(default_manifest_path()), config)
+                            recovery=recovery or device.recovery())
+    ex = DeviceExecutor(device.runtime(), device.manifest(), config)
     status = ex.start()
     return ex if status.ok else status
 

@@ -23,9 +23,13 @@ isolate the executor's control work (queues, threads, charts, checks), not PR6's
 ``bench logits [--json] [--iters N] [--seed S]``: ``bf16_to_f32_into`` of one vocab row vs the
 legacy ``bf16_to_f32_legacy`` (whole tensor to a temporary FP32 vector, then the slice), for
 the decode tensor [1,1,V] and the prefill tile [1,D0,V], with ``np.copyto`` of the same FP32
-destination as the floor; CPU time per call, allocation counts per call
+destination as the floor; beside them the executor's whole postprocess both ways:
+``numpy_path`` (finiteness check + conversion + ``np.argmax``) and ``fused`` /
+``fused_prefill`` / ``fused_sumexp`` (the native one-pass ``FusedLogits``, drivers/native.py,
+without and with the sum of exponentials); CPU time per call, allocation counts per call
 (``allocation_count_per_call``: Python allocator calls and numpy data buffers, counted by
-``calexec.drivers.alloccount``) and tracemalloc's transient/retained bytes (§13.3).
+``calexec.drivers.alloccount``), tracemalloc's transient/retained bytes (§13.3), and the fused
+results' bit-identity with the numpy path (``fused_bit_identical``).
 
 ``bench pingpong [--json] [--seqs N] [--tokens T] [--solo-tokens S] [--trace PATH]`` (§6.4,
 §13.3 Phase B): for each overlap setting of the emulator (none / dma / full), with
@@ -55,18 +59,20 @@ from typing import Any
 
 import numpy as np
 
-from calexec.contracts.manifest import default_manifest_path, load_manifest
+from calexec import cliargs
 from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.status import Status
 from calexec.contracts.types import TaskKind
 from calexec.drivers import alloccount
 from calexec.drivers import calbin as calbin_fmt
 from calexec.drivers.demo import DirectRunner, DriverError
+from calexec.drivers.device_spec import DeviceSpec, DeviceSpecError
 from calexec.drivers.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
+from calexec.drivers.native import FusedLogits
 from calexec.drivers.runtime import CalRT
 from calexec.drivers.simbench import PROFILE_DECODE_US
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
-from calexec.machines.postprocess import bf16_to_f32_into, bf16_to_f32_legacy
+from calexec.machines.postprocess import bf16_all_finite, bf16_to_f32_into, bf16_to_f32_legacy
 
 #: §13.3 gate for PR1-PR5 and the project's tighter goal (reported alongside the figures).
 SPEC_GATE = {"p50_ratio": 1.03, "p99_ratio": 1.05}
@@ -138,9 +144,10 @@ class ExecutorLoop:
     """The same greedy decode through ``DeviceExecutor`` (threads on, capacity 1): one
     ``enqueue`` + ``wait_until`` per token into a preallocated logits row."""
 
-    def __init__(self, rt: CalRT, calbin_path: str) -> None:
-        self.ex = DeviceExecutor(rt, load_manifest(default_manifest_path()),
-                                 ExecutorConfig(calbin_path=calbin_path, inflight_capacity=1))
+    def __init__(self, rt: CalRT, calbin_path: str, device: DeviceSpec = DeviceSpec()) -> None:
+        self.ex = DeviceExecutor(rt, device.manifest(),
+                                 ExecutorConfig(calbin_path=calbin_path, inflight_capacity=1,
+                                                recovery=device.recovery()))
         status = self.ex.start()
         if not status.ok:
             raise BenchError(f"executor start failed: {status}")
@@ -232,17 +239,18 @@ def _breakdown(timings: list) -> dict[str, float]:
     return {k: _p(v, 50) for k, v in spans.items()}
 
 
-def run_overhead(tokens: int, runs: int, zero_tokens: int, seed: int) -> dict[str, Any]:
-    """Run both phases and return the figures (times in us)."""
+def run_overhead(tokens: int, runs: int, zero_tokens: int, seed: int,
+                 device: DeviceSpec = DeviceSpec()) -> dict[str, Any]:
+    """Run both phases and return the figures (times in us); ``device`` names the runtime,
+    manifest and (synthetic) calbin (default: the bundled emulator's)."""
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, calbin_fmt.VOCAB, PROMPT_LEN, dtype=np.int32) for _ in range(runs)]
     with tempfile.TemporaryDirectory(prefix="calexec-bench-") as tmp:
-        path = os.path.join(tmp, "bench.calbin")
-        calbin_fmt.write(path)
-        rt = CalRT.load()
+        path = device.calbin(tmp)
+        rt = _emulator_runtime(device)
         direct = DirectLoop(rt, path)
         try:
-            executor = ExecutorLoop(rt, path)
+            executor = ExecutorLoop(rt, path, device)
         except BaseException:
             direct.close()
             raise
@@ -326,10 +334,28 @@ def run_logits(iters: int, seed: int) -> dict[str, Any]:
     prefill_src = _bf16_bits(rng, d0 * vocab)  # [1,D0,V] flattened
     prefill_base = (d0 - 2) * vocab  # a row other than 0, as a prefill's valid row can be
     dst = {name: np.empty(vocab, dtype=np.float32) for name in
-           ("direct", "legacy", "direct_prefill", "legacy_prefill", "copy")}
+           ("direct", "legacy", "direct_prefill", "legacy_prefill", "copy", "numpy_path",
+            "fused", "fused_prefill", "fused_sumexp")}
     copy_src = np.empty(vocab, dtype=np.float32)
     copy_src.view(np.uint32)[:] = decode_src.astype(np.uint32) << 16
-    cases: dict[str, Callable[[], None]] = {
+    scratch = np.empty(vocab, dtype=np.uint16)
+    fused = FusedLogits()
+
+    def numpy_path() -> int:  # the executor's fallback: finiteness, conversion, argmax
+        if not bf16_all_finite(decode_src[:vocab], scratch):
+            return -1
+        bf16_to_f32_into(decode_src, 0, vocab, dst["numpy_path"])
+        return int(np.argmax(dst["numpy_path"]))
+
+    def fused_call(src: np.ndarray, base: int, out: np.ndarray, sumexp: bool = False):
+        run = fused.with_sumexp if sumexp else fused
+
+        def call() -> int:  # the executor's fused path: one native pass, then the argmax
+            run(src, base, vocab, out)
+            return fused.argmax
+        return call
+
+    cases: dict[str, Callable[[], object]] = {
         "direct": lambda: bf16_to_f32_into(decode_src, 0, vocab, dst["direct"]),
         "legacy": lambda: bf16_to_f32_legacy(decode_src, 0, vocab, dst["legacy"]),
         "direct_prefill": lambda: bf16_to_f32_into(prefill_src, prefill_base, vocab,
@@ -337,6 +363,10 @@ def run_logits(iters: int, seed: int) -> dict[str, Any]:
         "legacy_prefill": lambda: bf16_to_f32_legacy(prefill_src, prefill_base, vocab,
                                                      dst["legacy_prefill"]),
         "copy": lambda: np.copyto(dst["copy"], copy_src),
+        "numpy_path": numpy_path,
+        "fused": fused_call(decode_src, 0, dst["fused"]),
+        "fused_prefill": fused_call(prefill_src, prefill_base, dst["fused_prefill"]),
+        "fused_sumexp": fused_call(decode_src, 0, dst["fused_sumexp"], sumexp=True),
     }
     names = list(cases)
     samples: dict[str, list[float]] = {name: [] for name in names}
@@ -349,48 +379,86 @@ def run_logits(iters: int, seed: int) -> dict[str, Any]:
             t0 = clock()
             fn()
             samples[name].append((clock() - t0) / 1e3)
-    identical = (np.array_equal(dst["direct"].view(np.uint32), dst["legacy"].view(np.uint32))
-                 and np.array_equal(dst["direct_prefill"].view(np.uint32),
-                                    dst["legacy_prefill"].view(np.uint32)))
+
+    def same_bits(a: str, b: str) -> bool:
+        return np.array_equal(dst[a].view(np.uint32), dst[b].view(np.uint32))
+    identical = same_bits("direct", "legacy") and same_bits("direct_prefill", "legacy_prefill")
+    fused_identical = (same_bits("fused", "direct") and same_bits("fused_sumexp", "direct")
+                       and same_bits("fused_prefill", "direct_prefill")
+                       and cases["fused"]() == numpy_path()
+                       and cases["fused_prefill"]() == int(np.argmax(dst["direct_prefill"])))
+    cases["fused_sumexp"]()
+    reference = dst["direct"].astype(np.float64)
+    sumexp_error = abs(fused.sumexp / float(np.exp(reference - reference.max()).sum()) - 1)
     _progress("logits: CPU time, allocation counts and tracemalloc bytes")
     cpu_calls = max(1, min(iters, 200))
     alloc_calls = max(1, min(iters, 100))
     counts = {name: alloccount.count(cases[name], alloc_calls) for name in names}
     alloc = {name: _alloc_bytes(cases[name], alloc_calls) for name in names}
     p50 = {name: _p(samples[name], 50) for name in names}
+    cpu = {name: _cpu_us(cases[name], cpu_calls) for name in names}
     return {
         "iters": iters, "seed": seed, "vocab": vocab, "tile_d0": d0,
         "bit_identical": bool(identical),
+        "fused_bit_identical": bool(fused_identical),
+        "fused_sumexp_rel_error": float(f"{sumexp_error:.3g}"),
         **{f"{name}_us_p50": p50[name] for name in names},
         **{f"{name}_us_p99": _p(samples[name], 99) for name in names},
-        **{f"{name}_cpu_us": _cpu_us(cases[name], cpu_calls) for name in names},
+        **{f"{name}_cpu_us": cpu[name] for name in names},
         "speedup_vs_legacy": round(p50["legacy"] / p50["direct"], 2),
         "speedup_vs_legacy_prefill": round(p50["legacy_prefill"] / p50["direct_prefill"], 2),
         "ratio_to_copy": round(p50["direct"] / p50["copy"], 2),
+        "fused_ratio_to_copy": round(p50["fused"] / p50["copy"], 2),
+        "fused_prefill_ratio_to_copy": round(p50["fused_prefill"] / p50["copy"], 2),
+        "numpy_path_ratio_to_copy": round(p50["numpy_path"] / p50["copy"], 2),
+        "fused_speedup_vs_numpy_path": round(p50["numpy_path"] / p50["fused"], 2),
+        # back-to-back CPU time: steadier than the wall ratios on a loaded host
+        "fused_cpu_ratio_to_copy": round(cpu["fused"] / cpu["copy"], 2),
         "allocation_count_per_call": {name: counts[name].as_dict() for name in names},
         "allocations_per_token": {
             "slice_bytes": vocab * 4,
             **{f"{name}_peak_bytes": alloc[name][0] for name in names},
             **{f"{name}_retained_bytes": alloc[name][1] for name in names},
         },
+        "cpu_model": _cpu_model(),
         "cpus": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__,
     }
 
 
+def _emulator_runtime(device: DeviceSpec) -> CalRT:
+    """The runtime of ``device``; these benchmarks drive the emulator's latency and fault
+    controls, so a library without them is refused (BenchError)."""
+    rt = device.runtime()
+    if not rt.has_emu:
+        raise BenchError(f"{device.library!r} has no emulator controls (calrt_emu_*): this "
+                         "benchmark sets emulated latencies and faults")
+    return rt
+
+
+def _cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``, as ``lscpu`` shows it), else the platform's."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 # ---- CLI -------------------------------------------------------------------------------------------
-def run_recovery(recoveries: int, seed: int) -> dict[str, Any]:
+def run_recovery(recoveries: int, seed: int, device: DeviceSpec = DeviceSpec()) -> dict[str, Any]:
     """§9.2 figures: time from an injected device fault (DONE_CCU_EXCEPTION) to Ready again
     on the zero-latency profile, over ``recoveries`` recoveries, while a client thread keeps
     sending decode requests on another sequence; what happened to those requests."""
     from calexec.drivers.runtime import Fault, FaultMode
-    from calexec.machines.faults import RecoveryPolicy
 
     with tempfile.TemporaryDirectory(prefix="calexec-bench-") as tmp:
-        path = os.path.join(tmp, "bench.calbin")
-        calbin_fmt.write(path, calbin_fmt.default_spec())
-        config = ExecutorConfig(calbin_path=path, recovery=RecoveryPolicy(
+        path = device.calbin(tmp)
+        config = ExecutorConfig(calbin_path=path, recovery=device.recovery(
             max_recoveries=recoveries + 1, recovery_window_s=3600.0))
-        ex = DeviceExecutor(CalRT.load(), load_manifest(default_manifest_path()), config)
+        ex = DeviceExecutor(_emulator_runtime(device), device.manifest(), config)
         status = ex.start()
         if not status.ok:
             raise BenchError(f"executor start failed: {status}")
@@ -505,17 +573,18 @@ class _PingPongRun:
     ``decode(seqs, tokens)`` decodes the sequences concurrently (one client thread each) and
     checks every token against the oracle."""
 
-    def __init__(self, rt: CalRT, calbin_path: str, capacity: int, overlap: str) -> None:
+    def __init__(self, rt: CalRT, calbin_path: str, capacity: int, overlap: str,
+                 device: DeviceSpec = DeviceSpec()) -> None:
         profile = ";".join(f"{k}={v}" for k, v in PINGPONG_PROFILE.items())
-        self.ex = DeviceExecutor(rt, load_manifest(default_manifest_path()), ExecutorConfig(
+        self.ex = DeviceExecutor(rt, device.manifest(), ExecutorConfig(
             calbin_path=calbin_path, inflight_capacity=capacity,
-            device_config=f"overlap={overlap};{profile}"))
+            device_config=f"overlap={overlap};{profile}", recovery=device.recovery()))
         status = self.ex.start()
         if not status.ok:
             raise BenchError(f"executor (capacity {capacity}, overlap {overlap}) start failed: "
                              f"{status}")
         self.seed = calbin_fmt.read(calbin_path).seed
-        self.jobs: list = []  # (job_id, seq, kind, JobTimings) of every decode job
+        self.jobs: list = []  # (job_id, seq, kind, JobTimings, chart steps) of every decode job
 
     def _run(self, req: InferenceRequest):
         result = self.ex.enqueue(req).wait_until(req.deadline)
@@ -548,7 +617,9 @@ class _PingPongRun:
                     positions=np.asarray([past], np.int32), past_len=past,
                     deadline=time.monotonic() + _WAIT_S))
                 tpot_us.append((time.perf_counter_ns() - t0) / 1e3)
-                self.jobs.append((result.job_id, seq, "decode", result.timings))
+                trail = self.ex.job_trail(result.job_id)
+                self.jobs.append((result.job_id, seq, "decode", result.timings,
+                                  tuple(trail["trail"]) if trail else ()))
                 ref.run([token])
         except BenchError as exc:
             errors.append(str(exc))
@@ -582,7 +653,8 @@ class _PingPongRun:
 
 
 def run_pingpong(seqs: int, tokens: int, solo_tokens: int, trace_path: str | None = None,
-                 overlaps: Sequence[str] = PINGPONG_OVERLAPS) -> dict[str, Any]:
+                 overlaps: Sequence[str] = PINGPONG_OVERLAPS,
+                 device: DeviceSpec = DeviceSpec()) -> dict[str, Any]:
     """Phase B vs Phase A per overlap setting: aggregate tokens/s of ``seqs`` sequences
     decoding ``tokens`` each at once (capacity 2 vs 1), single-request TPOT P99 of one
     sequence decoding ``solo_tokens`` alone, the theoretical bound, and §13.3's rule applied.
@@ -592,14 +664,13 @@ def run_pingpong(seqs: int, tokens: int, solo_tokens: int, trace_path: str | Non
     results: dict[str, Any] = {}
     traced: dict[str, list] = {}
     with tempfile.TemporaryDirectory(prefix="calexec-bench-") as tmp:
-        path = os.path.join(tmp, "bench.calbin")
-        calbin_fmt.write(path)
-        rt = CalRT.load()
+        path = device.calbin(tmp)
+        rt = _emulator_runtime(device)
         for overlap in overlaps:
             side: dict[int, dict[str, Any]] = {}
             for capacity in (1, 2):
                 _progress(f"pingpong: overlap {overlap}, capacity {capacity}")
-                run = _PingPongRun(rt, path, capacity, overlap)
+                run = _PingPongRun(rt, path, capacity, overlap, device)
                 try:
                     loaded = run.decode(range(1, seqs + 1), tokens)
                     loaded_jobs = list(run.jobs)
@@ -608,8 +679,8 @@ def run_pingpong(seqs: int, tokens: int, solo_tokens: int, trace_path: str | Non
                     health = run.close()
                 side[capacity] = {"loaded": loaded, "solo": solo, **health}
                 traced[f"capacity {capacity}, overlap {overlap}"] = [
-                    TracedJob(job_id, seq, kind, timings)
-                    for job_id, seq, kind, timings in loaded_jobs]
+                    TracedJob(job_id, seq, kind, timings, steps)
+                    for job_id, seq, kind, timings, steps in loaded_jobs]
             speedup = side[2]["loaded"]["tokens_per_s"] / side[1]["loaded"]["tokens_per_s"]
             tpot_ratio = side[2]["solo"]["tpot_us_p99"] / side[1]["solo"]["tpot_us_p99"]
             bound = pingpong_bound(overlap, **PINGPONG_PROFILE)
@@ -658,12 +729,15 @@ def _positive(text: str) -> int:
     return value
 
 
+@cliargs.command_main
 def main(argv: list[str]) -> int:
     """Entry point; ``argv`` starts with the command words (``bench overhead|logits``)."""
     command = argv[1] if len(argv) > 1 else ""
-    parser = argparse.ArgumentParser(prog=f"calexec bench {command}".strip())
+    parser = cliargs.parser(f"calexec bench {command}".strip(), __doc__)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts")
+    if command in ("overhead", "recovery", "pingpong"):
+        cliargs.add_device_args(parser)
     if command == "overhead":
         parser.add_argument("--tokens", type=_positive, default=150,
                             help="decode tokens per block at the 10 ms profile (default 150)")
@@ -694,6 +768,7 @@ def main(argv: list[str]) -> int:
               file=sys.stderr)
         return 2
     args = parser.parse_args(argv[2:])
+    device = cliargs.device_spec(args) if command != "logits" else DeviceSpec()
     try:
         if command == "overhead":
             limit = calbin_fmt.MAX_SEQ - PROMPT_LEN
@@ -703,20 +778,22 @@ def main(argv: list[str]) -> int:
                 parser.error(f"--gil-switch-us={args.gil_switch_us}: must be >= 0")
             previous = set_gil_switch_interval_us(args.gil_switch_us)
             try:
-                result = run_overhead(args.tokens, args.runs, args.zero_tokens, args.seed)
+                result = run_overhead(args.tokens, args.runs, args.zero_tokens, args.seed,
+                                      device)
             finally:
                 set_gil_switch_interval_us(previous)
             result["gil_switch_interval_us"] = args.gil_switch_us or previous
         elif command == "recovery":
-            result = run_recovery(args.recoveries, args.seed)
+            result = run_recovery(args.recoveries, args.seed, device)
         elif command == "pingpong":
             limit = calbin_fmt.MAX_SEQ - PROMPT_LEN
             if max(args.tokens, args.solo_tokens) > limit:
                 parser.error(f"--tokens/--solo-tokens must be <= {limit}")
-            result = run_pingpong(args.seqs, args.tokens, args.solo_tokens, args.trace)
+            result = run_pingpong(args.seqs, args.tokens, args.solo_tokens, args.trace,
+                                  device=device)
         else:
             result = run_logits(args.iters, args.seed)
-    except (BenchError, DriverError) as exc:
+    except (BenchError, DriverError, DeviceSpecError) as exc:
         print(f"calexec bench {command}: {exc}", file=sys.stderr)
         return 1
     _emit(result, args.json)

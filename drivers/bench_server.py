@@ -10,9 +10,7 @@ reported, never asserted.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import sys
 import tempfile
 import threading
@@ -21,12 +19,11 @@ from typing import Any, Callable
 
 import numpy as np
 
-from calexec.contracts.manifest import default_manifest_path, load_manifest
+from calexec import cliargs
 from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.status import Status
 from calexec.contracts.types import TaskKind
-from calexec.drivers import calbin as calbin_fmt
-from calexec.drivers.runtime import CalRT
+from calexec.drivers.device_spec import DeviceSpec, DeviceSpecError
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 
 _WAIT_S = 60.0
@@ -90,17 +87,18 @@ def _load(requests: int, concurrency: int, one: Callable[[int, int], None]) -> d
             "p99_ms": round(float(np.percentile(ms, 99)), 3)}
 
 
-def run_server_bench(requests: int, max_tokens: int, decode_us: int) -> dict[str, Any]:
+def run_server_bench(requests: int, max_tokens: int, decode_us: int,
+                     device: DeviceSpec = DeviceSpec()) -> dict[str, Any]:
     import httpx
     import uvicorn
 
     from calexec.drivers.server import ServerConfig, create_app
 
     with tempfile.TemporaryDirectory(prefix="calexec-bench-") as tmp:
-        path = os.path.join(tmp, "bench.calbin")
-        calbin_fmt.write(path, calbin_fmt.default_spec())
-        ex = DeviceExecutor(CalRT.load(), load_manifest(default_manifest_path()),
-                            ExecutorConfig(calbin_path=path, device_config=f"decode_us={decode_us}"))
+        path = device.calbin(tmp)
+        ex = DeviceExecutor(device.runtime(), device.manifest(),
+                            ExecutorConfig(calbin_path=path, device_config=f"decode_us={decode_us}",
+                                           recovery=device.recovery()))
         status = ex.start()
         if not status.ok:
             raise BenchError(f"executor start failed: {status}")
@@ -146,19 +144,24 @@ def run_server_bench(requests: int, max_tokens: int, decode_us: int) -> dict[str
     return result
 
 
+@cliargs.command_main
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="calexec bench server")
+    parser = cliargs.parser("calexec bench server", __doc__)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--requests", type=int, default=40, help="requests per phase (40)")
-    parser.add_argument("--max-tokens", type=int, default=8, help="tokens per request (8)")
+    parser.add_argument("--requests", type=cliargs.positive_int, default=40,
+                        help="requests per phase")
+    parser.add_argument("--max-tokens", type=cliargs.positive_int, default=8,
+                        help="tokens per request")
     parser.add_argument("--decode-us", type=int, default=10000,
-                        help="emulated decode latency in us (10000; 0 = zero latency)")
+                        help="emulated decode latency in us (0 = zero latency)")
+    cliargs.add_device_args(parser)
     args = parser.parse_args(argv[2:])
-    if args.requests < 1 or args.max_tokens < 1 or args.decode_us < 0:
-        parser.error("--requests and --max-tokens must be >= 1, --decode-us >= 0")
+    if args.decode_us < 0:
+        parser.error(f"--decode-us={args.decode_us}: must be >= 0")
+    device = cliargs.device_spec(args)
     try:
-        result = run_server_bench(args.requests, args.max_tokens, args.decode_us)
-    except BenchError as exc:
+        result = run_server_bench(args.requests, args.max_tokens, args.decode_us, device)
+    except (BenchError, DeviceSpecError) as exc:
         print(f"calexec bench server: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))

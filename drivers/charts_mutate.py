@@ -41,6 +41,7 @@ from typing import Any
 
 import attrs
 
+from calexec import cliargs
 from calexec.machines import mutants as mutants_mod
 
 #: calexec's own charts, by the names ``machines.charts.DECLARED`` gives them.
@@ -118,11 +119,8 @@ class Outcome:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="calexec charts mutate",
-        description="Mutation testing of declared statecharts: guards forced true/false, "
-                    "transitions dropped, targets changed; each mutant runs the test command.")
-    parser.add_argument("--chart", action="append", default=[], metavar="NAME|module:Class",
+    parser = cliargs.parser("calexec charts mutate", __doc__)
+    parser.add_argument("--chart", action="append", metavar="NAME|module:Class",
                         help="a chart to mutate (repeatable): one of calexec's "
                              f"({', '.join(CALEXEC_CHARTS)}) or any flat StateMachine subclass "
                              "as module:Class (then --test-cmd is required); default: calexec's four")
@@ -135,7 +133,7 @@ def _parser() -> argparse.ArgumentParser:
                              "declared after the target (0: every other state; default 2)")
     parser.add_argument("--kind", action="append", choices=mutants_mod.KINDS,
                         help="only these mutant kinds (repeatable)")
-    parser.add_argument("--mutant", action="append", default=[], metavar="ID",
+    parser.add_argument("--mutant", action="append", metavar="ID",
                         help="only this mutant id (repeatable; CHART/ID when several charts)")
     parser.add_argument("--sample", type=int, metavar="N",
                         help="a deterministic sample of N mutants spread over charts and kinds")

@@ -9,14 +9,14 @@ the executor's control path must never do.
 
 from __future__ import annotations
 
-import argparse
-import os
+import hashlib
 import sys
 import tempfile
 import time
 
 import numpy as np
 
+from calexec import cliargs
 from calexec.drivers import calbin as calbin_fmt
 from calexec.drivers import oracle
 from calexec.drivers.runtime import CalRT, JobStatus
@@ -141,31 +141,47 @@ def _argmax(row: np.ndarray) -> int:
     return int(np.argmax(oracle.bf16_to_f32(row)))
 
 
+@cliargs.command_main
 def main(argv: list[str]) -> int:
-    from calexec.contracts.manifest import default_manifest_path, load_manifest
     from calexec.contracts.prepare import InferenceRequest
     from calexec.contracts.status import Status
     from calexec.contracts.types import TaskKind
     from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 
-    p = argparse.ArgumentParser(prog="calexec demo", description=__doc__.splitlines()[0])
-    p.add_argument("--seqs", type=int, default=3)
-    p.add_argument("--tokens", type=int, default=5, help="tokens to decode per sequence")
-    p.add_argument("--prompt-len", type=int, default=17)
-    p.add_argument("--decode-us", type=int, default=0, help="emulated decode latency (us)")
+    p = cliargs.parser("calexec demo", __doc__)
+    p.add_argument("--seqs", type=cliargs.positive_int, default=3,
+                   help="sequences prefilled, then decoded round-robin")
+    p.add_argument("--tokens", type=cliargs.positive_int, default=5,
+                   help="tokens to decode per sequence")
+    p.add_argument("--prompt-len", type=cliargs.positive_int, default=17,
+                   help="prompt tokens per sequence")
+    p.add_argument("--decode-us", type=int, default=0,
+                   help="emulated decode latency in microseconds (emulator device config)")
+    cliargs.add_device_args(p)
     args = p.parse_args(argv[1:])
+    if args.prompt_len + args.tokens > calbin_fmt.MAX_SEQ:
+        raise cliargs.UserError(f"--prompt-len + --tokens = {args.prompt_len + args.tokens}: "
+                                f"above the model's max_seq {calbin_fmt.MAX_SEQ}")
+    spec = cliargs.device_spec(args)
     with tempfile.TemporaryDirectory(prefix="calexec-demo-") as tmp:
-        path = os.path.join(tmp, "qwen3_synthetic.calbin")
-        sha = calbin_fmt.write(path)
-        seed = calbin_fmt.read(path).seed
-        config = ExecutorConfig(calbin_path=path, device_config=f"decode_us={args.decode_us}")
-        ex = DeviceExecutor(CalRT.load(), load_manifest(default_manifest_path()), config)
+        path = spec.calbin(tmp)
+        try:  # the oracle checks the tokens: only a synthetic calbin has one
+            spec_of_calbin = calbin_fmt.read(path)
+        except (OSError, ValueError) as exc:
+            raise cliargs.UserError(f"--calbin={path!r}: the demo checks tokens against the "
+                                    f"synthetic model's oracle and needs a synthetic calbin "
+                                    f"(calexec sim write-calbin): {exc}") from None
+        seed = spec_of_calbin.seed
+        with open(path, "rb") as f:
+            sha = hashlib.sha256(f.read()).hexdigest()
+        config = ExecutorConfig(calbin_path=path, device_config=f"decode_us={args.decode_us}",
+                                recovery=spec.recovery())
+        ex = DeviceExecutor(spec.runtime(), spec.manifest(), config)
         status = ex.start()
         if not status.ok:
-            print(f"calexec demo: executor start failed: {status}", file=sys.stderr)
-            return 1
+            raise cliargs.UserError(f"executor start failed: {status}", cliargs.EXIT_REFUSED)
         print(f"runtime {ex.runtime.version}, calbin sha256 {sha[:16]}..., generation "
-              f"{ex.gen.id}, lifecycle {ex.state}, golden {list(ex.goldens[sha])}")
+              f"{ex.gen.id}, lifecycle {ex.state}, golden {list(ex.expected_golden(sha)[0])}")
         seqs = range(1, args.seqs + 1)
         refs = {seq: oracle.OracleSequence(seed) for seq in seqs}
         state: dict[int, dict] = {}

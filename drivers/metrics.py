@@ -35,6 +35,8 @@ calexec_generation                          gauge      current model generation 
 calexec_kv_sequences_in_use                 gauge      KV sequence ids leased by the server
 calexec_kv_sequences_leaked                 gauge      sequence ids withheld after a failed release
 calexec_server_draining                     gauge      1 while the server drains
+calexec_feature_disabled                    gauge      feature; 1 while a §8 PROGRAMMING fault keeps it off
+calexec_golden_unpinned                     gauge      1 while serving on a golden no file pins (§9.2)
 ==========================================  =========  =================================================
 """
 
@@ -49,6 +51,7 @@ from prometheus_client.registry import Collector
 from calexec.contracts.status import Status
 from calexec.contracts.types import JobTimings, TaskKind
 from calexec.machines.compiled import BUFFER_SLOT, LIFECYCLE
+from calexec.machines.executor import FEATURES
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0, 20.0, 40.0)
@@ -101,6 +104,15 @@ class _ExecutorCollector(Collector):
         for state in LIFECYCLE.states:
             lifecycle.add_metric([state], 1.0 if snap["lifecycle"] == state else 0.0)
         yield lifecycle
+        features = GaugeMetricFamily("calexec_feature_disabled",
+                                     "1 while a PROGRAMMING fault keeps the feature off (until "
+                                     "the next generation).", labels=["feature"])
+        for name in FEATURES:
+            features.add_metric([name], 1.0 if name in snap.get("disabled_features", ()) else 0.0)
+        yield features
+        yield _gauge("calexec_golden_unpinned", "1 while the current generation passed a golden "
+                     "no file pins (allow_unpinned_golden).",
+                     1.0 if snap.get("golden") == "unpinned" else 0.0)
         jobs = CounterMetricFamily("calexec_executor_jobs", "Executor job outcomes.",
                                    labels=["outcome"])
         for outcome in ("submitted", "succeeded", "failed", "quarantined", "cancelled"):

@@ -55,12 +55,11 @@ from ray.serve import metrics as serve_metrics
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
-from calexec.contracts.manifest import default_manifest_path, load_manifest
-from calexec.drivers import calbin
 from calexec.drivers import replica_registry
+from calexec.drivers.device_spec import DeviceSpec
 from calexec.drivers.fleet_edge import ReplicaEdge, serve_relayed
 from calexec.drivers.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
-from calexec.drivers.runtime import CalRT, Fault, FaultMode
+from calexec.drivers.runtime import Fault, FaultMode
 from calexec.drivers.server import ServerConfig, create_app
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 
@@ -102,6 +101,11 @@ class ReplicaSettings:
     calbin_path: str | None = None
     #: CalRT shim library; None: ``$CALEXEC_CALRT_LIB`` or the bundled emulator.
     runtime_lib: str | None = None
+    #: model manifest; None: the packaged synthetic one.
+    manifest_path: str | None = None
+    #: ``RecoveryPolicy.reset_kind``; None: the rule of drivers/device_spec.py (an external
+    #: library without an explicit kind gets "none", §9.1).
+    reset_kind: str | None = None
     #: drain grace of a replica being stopped (requests, then executor shutdown).
     grace_s: float = attrs.field(default=30.0, validator=attrs.validators.ge(0))
     #: the reference server's settings (admin token, sequences, deadlines).
@@ -198,14 +202,11 @@ class CalexecReplica:
         self.settings = settings
         set_gil_switch_interval_us(settings.gil_switch_us)  # the process is this replica's
         self._tmp = tempfile.TemporaryDirectory(prefix="calexec-replica-")
-        path = settings.calbin_path
-        if path is None:
-            path = os.path.join(self._tmp.name, "synthetic.calbin")
-            calbin.write(path, calbin.default_spec())
-        self.executor = DeviceExecutor(CalRT.load(settings.runtime_lib),
-                                       load_manifest(default_manifest_path()),
-                                       ExecutorConfig(calbin_path=path,
-                                                      device_config=settings.device_config))
+        spec = DeviceSpec(manifest_path=settings.manifest_path, calbin_path=settings.calbin_path,
+                          runtime_lib=settings.runtime_lib, reset_kind=settings.reset_kind)
+        self.executor = DeviceExecutor(spec.runtime(), spec.manifest(), ExecutorConfig(
+            calbin_path=spec.calbin(self._tmp.name), device_config=settings.device_config,
+            recovery=spec.recovery()))
         status = self.executor.start()
         if not status.ok:
             self._tmp.cleanup()

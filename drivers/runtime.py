@@ -28,6 +28,7 @@ import numpy as np
 from calexec.contracts.runtime_view import RuntimeModelInfo, RuntimeTensorInfo
 from calexec.drivers.calrt._calrt_emu import ffi as _ffi
 from calexec.drivers.calrt._calrt_emu import lib as _emu_lib
+from calexec.drivers.native import FusedLogits
 
 ENV_LIB = "CALEXEC_CALRT_LIB"
 
@@ -123,6 +124,11 @@ class CalRT:
         ffi = _abi_ffi()
         return cls(ffi.dlopen(lib_path), lib_path, ffi)
 
+    def logits_postprocessor(self) -> FusedLogits:
+        """A new fused native logits postprocess (drivers/native.py) for the executor's
+        completion path. Host code, not CalRT: the same whichever library is loaded."""
+        return FusedLogits()
+
     def open_device(self, config: str = "") -> tuple[int, "Device | None"]:
         out = self.ffi.new("calrt_device **")
         rc = self.lib.calrt_device_open(config.encode(), out)
@@ -143,6 +149,15 @@ class Device:
 
     def close(self) -> int:
         return self._lib.calrt_device_close(self._h)
+
+    def dma_quiescent(self) -> bool | None:
+        """Proof that the device will write no host memory it was given before now (no stale
+        completion pending, §9.2 / FI14): True or False from the emulator's counters; None
+        for a vendor shim, which offers no such proof (retired host memory is then kept)."""
+        if self.emu is None:
+            return None
+        counters = self.emu.counters()
+        return bool(counters) and counters.get("stale_pending", 1) == 0
 
     def load_calbin(self, path: str) -> tuple[int, "Calbin | None"]:
         """(rc, Calbin). The sha256 is of the bytes read here; if Python cannot read the

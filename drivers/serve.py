@@ -5,9 +5,12 @@ one sample completion over the socket, print it as a curl command with the JSON 
 drain and exit.
 
 Exit codes: 0 after a clean drain (SIGTERM/SIGINT, ``POST /admin/drain``, or the end of
-``--once``); 2 for bad arguments or configuration; 3 when the executor failed to start or
-ended ``Failed`` (for example work did not drain within ``--grace``); 4 when the ``--once``
-sample request did not return a completion.
+``--once``); 2 for bad arguments or configuration (one line naming the flag); 3 when the
+executor failed to start or its lifecycle ended ``Failed`` (work did not drain within
+``--grace``, or a device fault needed a reset that ``--reset-kind`` / ``--conform-report`` did
+not allow: with an external ``--runtime-lib`` and neither, the reset kind is ``none``, spec
+§9.1), so a supervisor restarts the process; 4 when the ``--once`` sample request did not
+return a completion.
 
 ``--ray --replicas N`` serves the same app from N Ray Serve replicas, one device each
 (drivers/ray_serve.py, docs/deployment.md): it joins the cluster in ``$RAY_ADDRESS`` or starts
@@ -36,47 +39,59 @@ import urllib.request
 from pathlib import Path
 from typing import Any, TextIO
 
+import attrs
 import uvicorn
 
 from calexec.drivers.memory import pin_mmap_threshold
 from calexec.drivers.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
-from calexec.contracts.manifest import default_manifest_path, load_manifest
-from calexec.drivers import calbin, tokenizer
+from calexec import cliargs
+from calexec.drivers import tokenizer
 from calexec.drivers.dumpsink import DumpConfigError, DumpSink
-from calexec.drivers.runtime import CalRT
 from calexec.drivers.server import DrainingServer, ServerConfig, create_app
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 
 EXIT_OK, EXIT_USAGE, EXIT_FAILED, EXIT_SAMPLE_FAILED = 0, 2, 3, 4
+
+#: ServerConfig's defaults the flags show (and ``--timeout`` is checked against at startup)
+_SERVER_DEFAULTS = attrs.fields(ServerConfig)
+MAX_TIMEOUT_S: float = _SERVER_DEFAULTS.max_timeout_s.default
+DEFAULT_MODEL_NAME: str = _SERVER_DEFAULTS.model_name.default
 
 #: the ``--once`` sample request body
 SAMPLE_REQUEST: dict[str, Any] = {"prompt": "Hello, Calculet!", "max_tokens": 8}
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="calexec serve", description=__doc__.splitlines()[0])
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="TCP port (default 8000; with --once an "
-                                             "ephemeral port)")
-    p.add_argument("--calbin", help="calbin to serve (default: the synthetic calbin, written "
-                                    "to a temporary directory)")
-    p.add_argument("--runtime-lib", help="CalRT shim library to dlopen (default: the bundled "
-                                         "emulator)")
+    p = cliargs.parser("calexec serve", __doc__)
+    p.add_argument("--host", default="127.0.0.1", help="bind address")
+    p.add_argument("--port", type=cliargs.port, help="TCP port (default 8000; with --once an "
+                                                      "ephemeral port)")
+    cliargs.add_device_args(p, reset=True)
+    p.add_argument("--allow-unpinned-golden", action="store_true",
+                   help="start (and /admin/reload) a calbin with no golden pinned by `calexec "
+                        "golden record` (its first warm-up is trusted; logged at WARNING)")
     p.add_argument("--device-config", default="", help="device config string, e.g. "
-                   "'kv_blocks=64;decode_us=10000' (emulator keys: drivers/calrt/calrt_emu.h)")
+                   "'kv_blocks=64;decode_us=10000' (emulator keys: docs/emulator.md; a key the "
+                   "runtime refuses is named)")
+    p.add_argument("--served-model-name", default=DEFAULT_MODEL_NAME, metavar="NAME",
+                   help="the model name the API reports")
     p.add_argument("--admin-token-file", type=Path, help="file holding the admin bearer "
                    "token; without it the admin endpoints are disabled")
-    p.add_argument("--grace", type=float, default=30.0, help="drain grace in seconds")
-    p.add_argument("--max-sequences", type=int, default=32, help="KV sequence ids to lease")
-    p.add_argument("--timeout", type=float, default=30.0, help="default request deadline (s)")
+    p.add_argument("--grace", type=cliargs.positive_float, default=30.0,
+                   help="drain grace in seconds")
+    p.add_argument("--max-sequences", type=cliargs.positive_int, default=32,
+                   help="KV sequence ids to lease")
+    p.add_argument("--timeout", type=cliargs.positive_float, default=30.0,
+                   help="default request deadline in seconds (at most the server's "
+                        f"max_timeout_s, {MAX_TIMEOUT_S:g})")
     p.add_argument("--dump-dir", type=Path, help="enable the dump sink in this directory")
-    p.add_argument("--dump-max-bytes", type=int, default=16 << 20, help="dump size cap")
+    p.add_argument("--dump-max-bytes", type=cliargs.positive_int, default=16 << 20,
+                   help="dump size cap in bytes")
     p.add_argument("--dump-prompts", action="store_true",
                    help="also dump prompt and completion content (off by default)")
     p.add_argument("--gil-switch-us", type=int, default=SERVING_SWITCH_INTERVAL_US,
-                   help="GIL switch interval in microseconds (default %(default)s; 0 keeps "
-                        "Python's 5000): shorter hand-offs between the executor's threads, "
-                        "see drivers/process.py")
+                   help="GIL switch interval in microseconds (0 keeps Python's 5000): shorter "
+                        "hand-offs between the executor's threads, see drivers/process.py")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
                    help="log level (default info; with --once warning)")
     p.add_argument("--ray", action="store_true",
@@ -98,6 +113,7 @@ def _admin_token(path: Path | None) -> str | None:
     return token
 
 
+@cliargs.command_main
 def main(argv: list[str]) -> int:
     """Entry point; ``argv`` starts with the command word ``serve``."""
     args = _parser().parse_args(argv[1:])
@@ -110,28 +126,36 @@ def main(argv: list[str]) -> int:
         token = _admin_token(args.admin_token_file)
         dump = None if args.dump_dir is None else DumpSink(
             args.dump_dir.absolute(), args.dump_max_bytes, include_content=args.dump_prompts)
+        if args.timeout > MAX_TIMEOUT_S:  # refused here, not per request blaming the client
+            raise ValueError(f"--timeout={args.timeout:g}: above the server's largest request "
+                             f"deadline, max_timeout_s={MAX_TIMEOUT_S:g}")
         config = ServerConfig(admin_token=token, max_sequences=args.max_sequences,
-                              default_timeout_s=args.timeout)
+                              default_timeout_s=args.timeout, model_name=args.served_model_name)
         if args.replicas is not None and not args.ray:
             raise ValueError(f"--replicas={args.replicas} needs --ray")
         if args.ray and dump is not None:
             raise ValueError("--dump-dir is not supported with --ray")
         if args.ray and (args.replicas or 1) < 1:
             raise ValueError(f"--replicas={args.replicas}: must be >= 1")
+        spec = cliargs.device_spec(args)
     except (OSError, ValueError, DumpConfigError) as err:
         print(f"calexec serve: {err}", file=sys.stderr)
         return EXIT_USAGE
     if args.ray:
-        return _serve_ray(args, config, port)
+        return _serve_ray(args, config, port, spec)
     with tempfile.TemporaryDirectory(prefix="calexec-serve-") as tmp:
-        path = args.calbin
-        if path is None:
-            path = os.path.join(tmp, "synthetic.calbin")
-            calbin.write(path, calbin.default_spec())
-        executor = DeviceExecutor(CalRT.load(args.runtime_lib),
-                                  load_manifest(default_manifest_path()),
-                                  ExecutorConfig(calbin_path=path,
-                                                 device_config=args.device_config))
+        try:
+            runtime = spec.runtime()
+            spec.check_device_config(runtime, args.device_config)
+            reset_kind, why = spec.reset()
+            executor = DeviceExecutor(runtime, spec.manifest(), ExecutorConfig(
+                calbin_path=spec.calbin(tmp), device_config=args.device_config,
+                recovery=spec.recovery(),
+                allow_unpinned_golden=args.allow_unpinned_golden))
+        except (OSError, ValueError) as err:
+            print(f"calexec serve: {err}", file=sys.stderr)
+            return EXIT_USAGE
+        logging.getLogger("calexec.serve").info("reset_kind=%s from %s", reset_kind, why)
         status = executor.start()
         if not status.ok:
             print(f"calexec serve: executor failed to start: {status}", file=sys.stderr)
@@ -161,7 +185,7 @@ def main(argv: list[str]) -> int:
         return EXIT_OK
 
 
-def _serve_ray(args: argparse.Namespace, config: ServerConfig, port: int) -> int:
+def _serve_ray(args: argparse.Namespace, config: ServerConfig, port: int, spec) -> int:
     """``--ray``: deploy ``--replicas`` replicas behind Serve's proxy on ``--host:--port``."""
     try:
         import ray
@@ -178,7 +202,8 @@ def _serve_ray(args: argparse.Namespace, config: ServerConfig, port: int) -> int
             port = s.getsockname()[1]
     settings = ReplicaSettings(device_config=args.device_config, calbin_path=args.calbin,
                                runtime_lib=args.runtime_lib, grace_s=args.grace, server=config,
-                               gil_switch_us=args.gil_switch_us)
+                               gil_switch_us=args.gil_switch_us, manifest_path=args.manifest,
+                               reset_kind=spec.reset()[0])
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -50,6 +50,8 @@ from calexec.drivers import tokenizer
 from calexec.drivers.dumpsink import DumpSink
 from calexec.drivers.metrics import ServerMetrics
 from calexec.machines.compiled import CHARTS, JOB
+from calexec.drivers.live_charts import TransitionRates, live_state, path_page
+from calexec.drivers.live_charts import page as live_page
 from calexec.machines.diagrams import render_chart_svg
 
 log = logging.getLogger("calexec.server")
@@ -524,6 +526,27 @@ def create_app(executor: Any, config: ServerConfig | None = None,
     async def debug_jobs() -> dict[str, Any]:
         return {"lifecycle": executor.state, "jobs": service.live_job_counts()}
 
+    @app.get("/debug/jobs/{job_id}")
+    async def debug_job(job_id: str, request: Request) -> Response:
+        """The path of one job (admin): taken transitions and refusing guards, on the chart.
+        ``?format=json`` for the data. A failed request's error body names its ``job_id``."""
+        refused = admin_refusal(request)
+        if refused is not None:
+            return refused
+        if not job_id.isdigit():
+            return error_response(_invalid(f"job_id={job_id!r}: must be a job id (integer)"),
+                                  "job_id")
+        wanted = int(job_id)
+        record = executor.job_trail(wanted)
+        if record is None:
+            return error_response(_invalid(
+                f"job_id={wanted}: unknown, still running, or older than the last "
+                f"{executor.config.job_trails_kept} jobs"), "job_id", http_status=404)
+        if request.query_params.get("format") == "json":
+            return JSONResponse(record)
+        svg_page = await to_thread.run_sync(path_page, record)
+        return HTMLResponse(svg_page)
+
     @app.get("/debug/statecharts/{chart}.svg")
     async def chart_svg(chart: str) -> Response:
         if chart not in CHARTS:
@@ -541,24 +564,22 @@ def create_app(executor: Any, config: ServerConfig | None = None,
             return busiest if counts[busiest] else None
         return None
 
+    rates = TransitionRates()
+
+    @app.get("/debug/statecharts/live.json")
+    async def statecharts_live() -> dict[str, Any]:
+        """Counts per state of every chart and transition rates (drivers/live_charts.py)."""
+        return live_state(executor, service.live_job_counts, rates)
+
     @app.get("/debug/statecharts")
     async def statecharts() -> HTMLResponse:
         """The lifecycle chart first (the operator's question: is it Ready?), then the rest;
-        every chart scaled to the window's width."""
+        every chart scaled to the window's width; a script keeps counts and rates live."""
         order = sorted(CHARTS, key=lambda name: name != "lifecycle")
-        svgs = {name: await to_thread.run_sync(_chart_svg, name, _active_state(name))
+        svgs = {name: _strip_xml_decl(await to_thread.run_sync(_chart_svg, name,
+                                                               _active_state(name)))
                 for name in order}
-        counts = service.live_job_counts()
-        rows = "".join(f"<tr><td>{s}</td><td class='count'>{n}</td></tr>" for s, n in counts.items())
-        sections = "".join(f"<section><h2>{name}</h2>{_strip_xml_decl(svg)}</section>"
-                           for name, svg in svgs.items())
-        html = ("<!doctype html><html><head><meta charset='utf-8'><title>calexec statecharts"
-                f"</title><style>{_PAGE_CSS}</style></head><body><h1>calexec statecharts</h1>"
-                f"<p>lifecycle: <b id='lifecycle'>{executor.state}</b>; generation "
-                f"{executor.snapshot()['generation']}; draining: {service.draining}</p>"
-                f"<table id='jobs'><tr><th>job state</th><th>live jobs</th></tr>{rows}</table>"
-                f"{sections}</body></html>")
-        return HTMLResponse(html)
+        return HTMLResponse(live_page(svgs, live_state(executor, service.live_job_counts, rates)))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -621,11 +642,6 @@ def create_app(executor: Any, config: ServerConfig | None = None,
                                  headers={"Cache-Control": "no-cache"})
 
     return app
-
-
-_PAGE_CSS = ("body{font-family:sans-serif;margin:1em} section svg{max-width:100%;height:auto} "
-             "table{border-collapse:collapse} td,th{padding:0 .6em;text-align:left} "
-             "td.count{text-align:right}")
 
 
 def _listening_url(sockname: tuple) -> str:

@@ -12,35 +12,41 @@ Prints one JSON object (``--json``) or a short table; progress goes to stderr.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import sys
 import tempfile
 import time
 
 import numpy as np
 
+from calexec import cliargs
 from calexec.drivers import calbin as calbin_fmt
 from calexec.drivers.demo import DirectRunner, check
-from calexec.drivers.runtime import CalRT, JobStatus
+from calexec.drivers.runtime import JobStatus
 
 PROFILE_DECODE_US = 10_000
 
 
 def _write_calbin(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="calexec sim write-calbin")
-    p.add_argument("path")
-    p.add_argument("--tile-d0", type=int, default=calbin_fmt.DEFAULT_TILE_D0)
-    p.add_argument("--seed", type=int, default=calbin_fmt.DEFAULT_SEED)
-    p.add_argument("--hidden", type=int, default=calbin_fmt.DEFAULT_HIDDEN)
+    p = cliargs.parser("calexec sim write-calbin", "Write the default synthetic calbin to PATH "
+                       "and print its sha256 (which names the model generation).")
+    p.add_argument("path", help="file to write")
+    p.add_argument("--tile-d0", type=int, default=calbin_fmt.DEFAULT_TILE_D0,
+                   help="logits tile D0 of the prefill models")
+    p.add_argument("--seed", type=int, default=calbin_fmt.DEFAULT_SEED,
+                   help="seed of the synthetic weights")
+    p.add_argument("--hidden", type=int, default=calbin_fmt.DEFAULT_HIDDEN,
+                   help="hidden size")
     args = p.parse_args(argv)
     try:
         spec = calbin_fmt.default_spec(tile_d0=args.tile_d0, seed=args.seed, hidden=args.hidden)
     except ValueError as exc:
-        print(f"calexec sim write-calbin: {exc}", file=sys.stderr)
-        return 2
-    print(calbin_fmt.write(args.path, spec))
+        raise cliargs.UserError(str(exc)) from None
+    try:
+        sha = calbin_fmt.write(args.path, spec)
+    except OSError as exc:
+        raise cliargs.UserError(f"cannot write {args.path!r}: {exc.strerror or exc}") from None
+    print(sha)
     return 0
 
 
@@ -76,18 +82,22 @@ def _decode_job_times(runner: DirectRunner, iters: int, seq: int) -> np.ndarray:
 
 
 def _bench(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="calexec sim bench")
-    p.add_argument("--json", action="store_true")
+    p = cliargs.parser("calexec sim bench", __doc__)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--iters", type=int, default=2000, help="zero-latency decode jobs")
     p.add_argument("--profile-iters", type=int, default=50, help="10 ms decode jobs")
+    cliargs.add_device_args(p, manifest=False)
     args = p.parse_args(argv)
     if args.iters < 1 or args.profile_iters < 1 or args.iters >= calbin_fmt.MAX_SEQ:
-        print(f"calexec sim bench: iters must be in 1..{calbin_fmt.MAX_SEQ - 1}", file=sys.stderr)
-        return 2
+        raise cliargs.UserError(f"--iters/--profile-iters must be in 1..{calbin_fmt.MAX_SEQ - 1}")
+    device = cliargs.device_spec(args)
     with tempfile.TemporaryDirectory(prefix="calexec-bench-") as tmp:
-        path = os.path.join(tmp, "bench.calbin")
-        calbin_fmt.write(path)
-        runner = DirectRunner(CalRT.load(), path)
+        path = device.calbin(tmp)
+        rt = device.runtime()
+        if not rt.has_emu:
+            raise cliargs.UserError(f"{device.library!r} has no emulator controls (calrt_emu_*): "
+                                    "sim bench measures the emulator")
+        runner = DirectRunner(rt, path)
         print(f"sim bench: {args.iters} zero-latency decode jobs", file=sys.stderr)
         zero = _decode_job_times(runner, args.iters, seq=0)
         print(f"sim bench: {args.profile_iters} decode jobs at {PROFILE_DECODE_US} us", file=sys.stderr)
@@ -97,7 +107,7 @@ def _bench(argv: list[str]) -> int:
         runner.close()
     med = float(np.median(prof))
     result = {
-        "runtime": CalRT.load().version,
+        "runtime": rt.version,
         "decode_job_iters": args.iters,
         "decode_job_us_p50": round(float(np.percentile(zero, 50)), 2),
         "decode_job_us_p99": round(float(np.percentile(zero, 99)), 2),
@@ -115,6 +125,7 @@ def _bench(argv: list[str]) -> int:
     return 0
 
 
+@cliargs.command_main
 def main(argv: list[str]) -> int:
     if argv[:2] == ["sim", "write-calbin"]:
         return _write_calbin(argv[2:])

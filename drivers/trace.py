@@ -14,6 +14,8 @@ Output: the trace-event JSON object (``{"traceEvents": [...]}``, times in us) th
   ``prepare`` (admitted -> queued), ``queued`` (queued -> submitted).
 
 ``h2d`` / ``d2h`` spans are added when the timings carry them (a runtime that reports them).
+A job's chart path (``DeviceExecutor.job_trail``: taken transitions and refused events) is
+drawn as instant events on its host lane, ``event: from -> to`` or ``event refused by guard``.
 Timestamps are made relative to the earliest stamp of all runs. ``validate`` checks the shape
 tools rely on (used by the tests and by ``calexec bench pingpong --trace``).
 """
@@ -39,6 +41,8 @@ class TracedJob:
     seq_id: int
     kind: str
     timings: JobTimings
+    #: the job's chart path, ``job_trail(job_id)["trail"]`` (steps with ``t`` in seconds)
+    steps: tuple = ()
 
 
 def _lanes(jobs: Sequence[TracedJob]) -> dict[int, int]:
@@ -90,6 +94,12 @@ def trace_events(runs: Mapping[str, Iterable[TracedJob]]) -> dict[str, Any]:
                                      ("queued", t.queued_us, t.submitted_us)):
                 if start and end:
                     events.append(_x(name, start - origin, end - start, pid, host, args))
+            for step in job.steps:
+                name = (f"{step['event']}: {step['from']} -> {step['to']}" if step["to"] else
+                        f"{step['event']} refused by {', '.join(step['refused_by'] or [])}")
+                events.append({"name": name, "cat": "calexec.chart", "ph": "i", "s": "t",
+                               "ts": round(step["t"] * 1e6 - origin, 3), "pid": pid,
+                               "tid": host, "args": args})
             if job.job_id not in lanes:
                 continue
             lane = lanes[job.job_id]
@@ -135,6 +145,9 @@ def validate(trace: Any) -> list[str]:
                 problems.append(f"event {i} ({ev['name']}): X event without numeric ts/dur")
             elif ev["dur"] < 0:
                 problems.append(f"event {i} ({ev['name']}): negative dur {ev['dur']}")
+        elif ev["ph"] == "i":
+            if not isinstance(ev.get("ts"), (int, float)):
+                problems.append(f"event {i} ({ev['name']}): instant event without numeric ts")
         elif ev["ph"] == "M":
             if not isinstance(ev.get("args", {}).get("name"), str):
                 problems.append(f"event {i}: metadata event without args.name")

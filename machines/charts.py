@@ -57,8 +57,8 @@ GUARD_RULES: dict[str, str] = {
         "verified reset); no DMA buffer is released before that"
     ),
     "reset_confirmed": (
-        "§9.1/§9.2: the vendor-confirmed reset completed, so the runtime no longer touches "
-        "any old-generation buffer"
+        "§9.1/§9.2: after the drain or the vendor-confirmed reset, the runtime no longer "
+        "touches any old-generation buffer (its own answer, never assumed)"
     ),
     # Buffer slot (§4.2, §5.1-3/4/8, FI15)
     "runtime_done": "§4.2/§5.1-4: the runtime finished with the slot's mapped host buffers",

@@ -20,6 +20,7 @@ events of a job, a txn, a slot); it takes no lock. Concurrent ``send`` on one ru
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
@@ -92,6 +93,10 @@ class CompiledChart:
     guard_names: frozenset[str]
     # (id(declared statemachine Transition), event) -> Transition, for the coverage listener.
     by_declared: Mapping[tuple[int, str], Transition] = attrs.field(repr=False)
+    #: times each transition (by id) was taken in this process, for live transition rates
+    #: (/debug/statecharts). Plain ``+=`` from several threads: monitoring only, it may
+    #: undercount under contention; never used for a decision.
+    taken: list[int] = attrs.field(repr=False, eq=False, factory=list)
 
     def run(self, model: Any, state: str | None = None) -> ChartRun:
         """A new run on ``model`` (the guard provider), in ``state`` or the initial state."""
@@ -110,15 +115,21 @@ class ChartRun:
     """A lightweight run of a ``CompiledChart``: ``state`` is the current state id.
 
     One owner at a time (see the module docstring); ``model`` answers the guards.
+
+    ``trail``: None, or a bounded ``deque`` the run appends each taken transition to as
+    ``(event, source, target, None, t)`` and each refused event to as ``(event, source, None,
+    refusing guards, t)`` (``t`` from ``time.monotonic()``): the path of one job, for design
+    review (``DeviceExecutor.job_trail``).
     """
 
-    __slots__ = ("chart", "state", "model", "_table")
+    __slots__ = ("chart", "state", "model", "_table", "trail")
 
     def __init__(self, chart: CompiledChart, state: str, model: Any) -> None:
         self.chart = chart
         self.state = state
         self.model = model
         self._table = chart.table
+        self.trail = None
 
     @property
     def final(self) -> bool:
@@ -143,13 +154,18 @@ class ChartRun:
                 else:
                     return transition
         guards = tuple(dict.fromkeys(g for t in candidates for g in t.guards))
+        if self.trail is not None:
+            self.trail.append((event, self.state, None, guards, time.monotonic()))
         raise GuardRejected(self.chart.name, self.state, event, guards)
 
     def send(self, event: str) -> str:
         """Take ``event``; return the new state id. Raises ``IllegalTransition`` or
         ``GuardRejected`` (the state is then unchanged)."""
         transition = self.select(event)
+        if self.trail is not None:
+            self.trail.append((event, self.state, transition.target, None, time.monotonic()))
         self.state = transition.target
+        self.chart.taken[transition.id] += 1
         RECORDER.record(transition.key)
         return transition.target
 
@@ -247,6 +263,7 @@ def compile_chart(name: str, declaration: type[StateMachine]) -> CompiledChart:
         table=MappingProxyType(table),
         guard_names=frozenset(g for t in transitions for g in t.conds + t.unless),
         by_declared=MappingProxyType(by_declared),
+        taken=[0] * len(transitions),
     )
 
 

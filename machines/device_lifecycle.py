@@ -13,13 +13,13 @@ methods read and write the executor's state (locks, queues, generations) set up 
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from typing import Any
 
 import numpy as np
 
 from calexec.contracts.errors import Category
+from calexec.contracts.goldens import goldens_path
+from calexec.contracts.goldens import lookup as lookup_golden
 from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import EngineSlot, TaskKind
@@ -36,8 +36,13 @@ class DeviceLifecycle:
 
     # ---- lifecycle guards (LifecycleChart) ------------------------------------------------
     def generation_advanced(self) -> bool:
-        """A fresh generation (new id, calbin, KvManager, pool) is open."""
-        return self.gen is not None and self.gen.id == self._last_gen_id
+        """A fresh generation is open: its id is above every generation that served or was
+        retired, its pool is mapped and its KV coordinator open (read from the objects, not
+        from a flag set for this guard)."""
+        gen = self.gen
+        if gen is None or gen.closing or gen.released or not gen.pool.opened:
+            return False
+        return all(gen.id > old.id for old in self._retired) and gen.id > self._served_gen_id
 
     def golden_passed(self) -> bool:
         return self._golden_ok
@@ -45,12 +50,19 @@ class DeviceLifecycle:
     def all_submitted_drained(self) -> bool:
         self._reap_held()
         with self.submit_mu:
-            return self._inflight == 0 and not self._completion_q
+            return (self._inflight == 0 and self._handing_off == 0 and not self._submit_q
+                    and not self._completion_q)
 
     def reset_confirmed(self) -> bool:
-        """The runtime no longer touches any old-generation buffer: the old generation was
-        released after a drain, or after a confirmed reset."""
-        return self._teardown_confirmed
+        """The runtime no longer touches any old-generation buffer: every generation that
+        served before is torn down (released after a drain, or after a confirmed reset) and
+        no failed job is still held by the runtime."""
+        if self.gen is not None and self.gen.id == self._served_gen_id:
+            return False  # the generation that served is still the current one
+        with self.submit_mu:
+            if self._held_by_runtime:
+                return False
+        return all(old.released for old in self._retired if old.id <= self._served_gen_id)
 
     def last_good_known(self) -> bool:
         return self._rollback_path is not None
@@ -59,7 +71,8 @@ class DeviceLifecycle:
     def state(self) -> str:
         return self.lifecycle.state
 
-    _last_gen_id = 0
+    #: id of the newest generation that reached Ready
+    _served_gen_id = 0
 
     # ---- start: Configuring -> Warming -> Ready ----------------------------------------------
     def start(self) -> Status:
@@ -80,12 +93,10 @@ class DeviceLifecycle:
         if not status.ok:
             self.start_status = status
             self._fail(status)
+            released = self._release_failed_generation()
             self._stop_threads()
-            if self.gen is not None:
-                self.gen.pool.close()
-                self.gen.release(self.device)
-            if self.device is not None:
-                self.device.close()
+            if self.device is not None and released.ok:
+                self.device.close()  # else a job may still run: keep the device open
             return status
         self._go_ready()
         self.start_status = Status.OK
@@ -107,8 +118,8 @@ class DeviceLifecycle:
                               self.config.slots_per_kind, self.locks, engines)
         if isinstance(gen, Status):
             return gen
-        self.gen, self._last_gen_id = gen, gen_id
-        self._golden_ok = self._teardown_confirmed = False
+        self.gen = gen
+        self._golden_ok = False
         with self._submit_cv:
             self._refusal = None  # the new generation's own golden jobs may queue
         return Status.OK
@@ -116,29 +127,52 @@ class DeviceLifecycle:
     def _go_ready(self) -> None:
         with self.lifecycle_mu:
             self.lifecycle.send("warmed")
+            self._served_gen_id = self.gen.id
             with self._submit_cv:
                 self._refusal = None
             self._admitting = not self._stopping
+            self._ready_cv.notify_all()  # requests queued through the recovery go on
         path = self.gen.calbin_path
         if path in self.good_calbins:
             self.good_calbins.remove(path)
         self.good_calbins.append(path)
 
+    def expected_golden(self, sha: str) -> "tuple[tuple[int, ...] | None, str]":
+        """(expected tokens or None, where they come from) for calbin ``sha``: the operator's
+        ``goldens`` (``config.goldens``, or an unpinned run accepted in this process), else the
+        golden pinned next to the manifest for this prompt and decode steps."""
+        if sha in self.goldens:
+            return tuple(self.goldens[sha]), ("unpinned" if sha in self.unpinned_goldens
+                                              else "config")
+        pinned = lookup_golden(getattr(self.manifest, "goldens", {}), sha,
+                               self.config.golden_tokens, self.config.golden_decode_steps)
+        return (None, "unpinned") if pinned is None else (pinned.tokens, "pinned")
+
     def _warm_up(self) -> Status:
         """§9.2 Warming: a fixed prefill + decode through the real path, compared with the
-        golden recorded for this calbin (recorded on first use unless ``require_golden``)."""
+        golden pinned for this calbin. No pinned golden: refused (ARTIFACT, before anything
+        runs) unless ``allow_unpinned_golden``, which accepts the first run's tokens."""
         cfg = self.config
+        sha = self.gen.sha256
+        expected, source = self.expected_golden(sha)
+        if expected is None and not cfg.allow_unpinned_golden:
+            return Status.failure(
+                "golden.unpinned", Category.ARTIFACT, Phase.GOLDEN,
+                f"calbin {self.gen.calbin_path!r} (sha256 {sha}) has no pinned golden for "
+                f"golden_tokens/golden_decode_steps={cfg.golden_decode_steps} in "
+                f"{goldens_path(getattr(self.manifest, 'source', 'manifest'))}; run `calexec "
+                f"golden record --calbin {self.gen.calbin_path}` or set allow_unpinned_golden",
+                generation=self.gen.id)
         tokens = self._run_golden()
         if isinstance(tokens, Status):
             return tokens
-        sha = self.gen.sha256
-        expected = self.goldens.get(sha)
         if expected is None:
-            if cfg.require_golden:
-                return Status.failure("golden.missing", Category.ARTIFACT, Phase.GOLDEN,
-                                      f"no recorded golden for calbin sha256 {sha[:16]}...",
-                                      generation=self.gen.id)
+            log.warning("allow_unpinned_golden: calbin %r (sha256 %s) goes Ready on an unpinned "
+                        "golden %s (first run trusted; §9.2 asks for a fixed golden)",
+                        self.gen.calbin_path, sha, list(tokens))
             self.goldens[sha] = expected = tokens
+            self.unpinned_goldens.add(sha)
+        self.golden_source = source
         if tokens != tuple(expected):
             return Status.failure("golden.mismatch", Category.INTERNAL, Phase.GOLDEN,
                                   f"golden tokens {list(tokens)} != recorded {list(expected)}",
@@ -157,7 +191,7 @@ class DeviceLifecycle:
         out: list[int] = []
         request = InferenceRequest(seq_id=seq, kind=TaskKind.PREFILL_IDS, tokens=prompt,
                                    positions=np.arange(len(prompt), dtype=np.int32), past_len=0,
-                                   deadline=time.monotonic() + cfg.golden_timeout_s)
+                                   deadline=self.clock.monotonic() + cfg.golden_timeout_s)
         for _ in range(cfg.golden_decode_steps + 1):
             result = self._run_internal(request)
             if isinstance(result, Status):
@@ -167,7 +201,8 @@ class DeviceLifecycle:
             request = InferenceRequest(seq_id=seq, kind=TaskKind.DECODE,
                                        tokens=np.asarray([result.argmax], dtype=np.int32),
                                        positions=np.asarray([past], dtype=np.int32),
-                                       past_len=past, deadline=time.monotonic() + cfg.golden_timeout_s)
+                                       past_len=past,
+                                       deadline=self.clock.monotonic() + cfg.golden_timeout_s)
         return tuple(out)
 
     def _run_internal(self, request: InferenceRequest) -> "InferenceResult | Status":
@@ -185,6 +220,7 @@ class DeviceLifecycle:
             if not self.lifecycle.final:
                 self.lifecycle.send("fail")
                 self.failure = status
+            self._ready_cv.notify_all()
         self._refuse_queued(status)
         log.error("device lifecycle Failed: %s", status)
 
@@ -202,10 +238,25 @@ class DeviceLifecycle:
             self._pending_recovery = decision
             self._admitting = False  # stop admission at once (§8 Device row)
         if self.config.threads:
-            thread = threading.Thread(target=self.run_pending_recovery, name="calexec-recovery",
-                                      daemon=True)
-            self._recovery_thread = thread
-            thread.start()
+            self._recovery_thread = self.clock.start_thread(self._supervised_recovery,
+                                                            "calexec-recovery")
+
+    def _supervised_recovery(self) -> None:
+        """The recovery thread's barrier: an exception mid-recovery leaves the device in an
+        unknown state, so the lifecycle ends Failed with the reason (never a dead thread
+        with the lifecycle stuck in Draining or Recovering)."""
+        try:
+            self.run_pending_recovery()
+        except Exception as exc:  # noqa: BLE001 - the barrier
+            status = Status.internal("recovery_exception", Phase.RECOVERY,
+                                     f"recovery raised {type(exc).__name__}: {exc}",
+                                     **self._gctx())
+            log.error("recovery thread caught %s", status, exc_info=exc)
+            self.thread_faults.append({"thread": "calexec-recovery",
+                                       "error": f"{type(exc).__name__}: {exc}", "job": None,
+                                       "at": self.clock.monotonic()})
+            self._stop_admission(status)
+            self._fail(status)
 
     def run_pending_recovery(self) -> Status | None:
         """Run the recovery the controller asked for, if any (stepped mode calls this)."""
@@ -229,11 +280,11 @@ class DeviceLifecycle:
         """Drain, optionally reset, tear down the generation, open generation+1 of
         ``calbin_path`` (default: the current calbin), run the golden, reopen admission."""
         with self._recovery_mu:
-            t0 = time.monotonic()
+            t0 = self.clock.monotonic()
             record: dict[str, Any] = {"reason": reason.code, "reset": reset,
                                       "from_generation": self.gen.id if self.gen else None}
             status = self._recover(reason, reset, calbin_path, record)
-            record.update(ok=status.ok, status=status.code, seconds=time.monotonic() - t0,
+            record.update(ok=status.ok, status=status.code, seconds=self.clock.monotonic() - t0,
                           to_generation=self.gen.id if self.gen else None,
                           lifecycle=self.lifecycle.state)
             self.recoveries.append(record)
@@ -250,6 +301,14 @@ class DeviceLifecycle:
         unavailable = Status.unavailable(Phase.RECOVERY,
                                          f"device recovering after {reason.code}; retry later")
         self._stop_admission(unavailable)
+        # fencing: no request thread works on the old generation past this point
+        if not self._fence(self.gen, self.config.fence_grace_s):
+            status = Status.internal("recovery.fence", Phase.RECOVERY,
+                                     "request threads did not leave generation "
+                                     f"{self.gen.id} within {self.config.fence_grace_s}s",
+                                     **self._gctx())
+            self._fail(status)
+            return status
         drained = self._drain(policy.drain_grace_s)
         reset_done = False
         if not drained and reset and policy.reset_kind != "none":
@@ -260,10 +319,13 @@ class DeviceLifecycle:
             reset_done = True
             drained = self._drain(policy.drain_grace_s)
         if not drained:
+            how = (f"after a device {policy.reset_kind}" if reset_done else
+                   f"and no safe reset is configured (reset_kind={policy.reset_kind})"
+                   if policy.reset_kind == "none" else "(this fault asks for no reset)")
             status = Status.failure("recovery.not_drained", Category.DEVICE, Phase.RECOVERY,
-                                    "submitted jobs did not finish and no safe reset is "
-                                    f"configured (reset_kind={policy.reset_kind}); the "
-                                    "process should exit for its supervisor", **self._gctx())
+                                    f"submitted jobs did not finish within "
+                                    f"{policy.drain_grace_s}s {how}; the process should exit "
+                                    "for its supervisor", **self._gctx())
             self._fail(status)
             return status
         with self.lifecycle_mu:
@@ -285,10 +347,10 @@ class DeviceLifecycle:
         record["reset_kind"] = policy.reset_kind if reset else None
         status = old.release(self.device)
         self._retire(old)
+        self.gen = None
         if not status.ok:
             self._fail(status)
             return status
-        self._teardown_confirmed = True
         with self.lifecycle_mu:
             self.lifecycle.send("reconfigure")
         target = calbin_path or old.calbin_path
@@ -300,7 +362,11 @@ class DeviceLifecycle:
         refused: list[str] = []
         while not status.ok and self.lifecycle.can("roll_back"):
             refused.append(status.code)
-            self._release_failed_generation()
+            released = self._release_failed_generation()
+            if not released.ok:  # its job still runs on the device: §9.1, never torn down
+                record["refused"] = refused
+                self._fail(released)
+                return released
             fallback = self._rollback_path
             self.lifecycle.send("roll_back")
             self._rollback_path = None
@@ -328,28 +394,58 @@ class DeviceLifecycle:
             self.lifecycle.send("configured")
         return self._warm_up()
 
-    def _release_failed_generation(self) -> None:
-        """Tear down a generation refused while Configuring/Warming (its golden jobs may
-        still be on the device: drain, and reset if they do not finish)."""
+    def _release_failed_generation(self) -> Status:
+        """Tear down a generation refused while Configuring/Warming, or at a failed start,
+        only once the runtime let go of it (§9.1): its golden jobs may still be on the
+        device, so fence, drain, and reset if they do not finish. A job still on the device
+        after that keeps the generation alive (buffers mapped, KvManager kept): the Status
+        says so and the caller ends Failed for the supervisor instead of rolling back."""
         gen = self.gen
         if gen is None:
-            return
+            return Status.OK
         policy = self.config.recovery
-        if not self._drain(policy.drain_grace_s) and policy.reset_kind != "none":
-            self._reset(policy.reset_kind)
-            self._drain(policy.drain_grace_s)
-        gen.release(self.device)
-        self._retire(gen)
+        self._stop_admission(Status.unavailable(Phase.RECOVERY,
+                                                f"generation {gen.id} refused; retry later"))
+        fenced = self._fence(gen, self.config.fence_grace_s)
+        drained = fenced and self._drain(policy.drain_grace_s)
+        if fenced and not drained and policy.reset_kind != "none":
+            reset = self._reset(policy.reset_kind)
+            drained = reset.ok and self._drain(policy.drain_grace_s)
         self.gen = None
+        if not drained:
+            self._retire(gen)  # kept, never released: the device may still use it
+            return Status.failure(
+                "recovery.generation_on_device", Category.DEVICE, Phase.RECOVERY,
+                f"generation {gen.id} was refused while a job of it is still on the device "
+                f"and no reset freed it (reset_kind={policy.reset_kind}); its buffers stay "
+                "mapped; the process should exit for its supervisor (§9.1)", generation=gen.id)
+        status = gen.release(self.device)
+        self._retire(gen)
+        return status
 
     def _retire(self, gen: Generation) -> None:
-        """Keep a released generation's host storage alive (a stale DMA after a reset lands in
-        it, FI14); past ``keep_retired_generations`` the oldest is discarded. Its objects form
-        reference cycles (slots and their chart runs), so its storage is dropped explicitly
-        instead of waiting for a full garbage collection."""
-        self._retired.append(gen)
-        while len(self._retired) > self.config.keep_retired_generations:
-            self._retired.popleft().discard()
+        """Keep a retired generation's host storage until the device proves it writes none of
+        it any more (a stale DMA after a reset lands there, FI14; never in reused memory).
+        Proof is ``device.dma_quiescent()``; a runtime without it keeps them all (logged).
+        A generation that was never released (its job still on the device) is kept as is.
+        Discarded storage is dropped explicitly: slots and their chart runs form cycles."""
+        if gen not in self._retired:
+            self._retired.append(gen)
+        self._discard_proven()
+
+    def _discard_proven(self) -> None:
+        released = [gen for gen in self._retired if gen.released]
+        if not released or self.device is None:
+            return
+        probe = getattr(self.device, "dma_quiescent", None)
+        proven = probe() if probe is not None else None
+        if proven is None and len(released) > 4:
+            log.warning("%d retired generations kept: the runtime offers no proof that no "
+                        "stale DMA is pending (dma_quiescent)", len(released))
+        if proven:
+            for gen in released:
+                self._retired.remove(gen)
+                gen.discard()
 
     def _last_good_other(self, exclude: str | None = None) -> str | None:
         exclude = exclude if exclude is not None else (self.gen.calbin_path if self.gen else None)
@@ -381,14 +477,15 @@ class DeviceLifecycle:
                 pass
 
     def _drain(self, grace: float) -> bool:
-        """Wait until every submitted job returned from Wait (or the grace ends)."""
-        deadline = time.monotonic() + grace
+        """Wait until every queued job was failed or submitted and every submitted job
+        returned from Wait (or the grace ends: bounded)."""
+        deadline = self.clock.monotonic() + grace
         while True:
             if not self.config.threads:
-                while self.complete_one():
+                while self.submit_one() or self.complete_one():
                     pass
-            if self.all_submitted_drained() and not self._submit_q:
+            if self.all_submitted_drained():
                 return True
-            if time.monotonic() >= deadline:
+            if self.clock.monotonic() >= deadline:
                 return False
-            time.sleep(0.002)
+            self.clock.sleep(0.002)

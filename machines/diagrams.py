@@ -1,53 +1,271 @@
-"""``calexec diagrams [--out DIR] [--check]``: render the declared charts to DOT + SVG.
+"""``calexec diagrams [--out DIR] [--check] [--png DIR]``: render the declared charts.
 
-DOT comes from python-statemachine's ``DotGraphMachine`` (pydot); the object ids it embeds in
-helper node names are renumbered in order of appearance, so the DOT is deterministic. The SVG is
-rendered by graphviz ``dot`` and carries the sha256 of the DOT it was rendered from in a
-comment, so ``--check`` compares DOT text only and never depends on graphviz's SVG bytes.
+The DOT is generated here from the compiled charts (``calexec.machines.compiled``, derived from
+the declarations at import time), so a diagram can only show declared transitions. It is
+deterministic text; the SVG is rendered by graphviz ``dot`` and carries the sha256 of the DOT it
+was rendered from in a comment, so ``--check`` compares DOT text only and never depends on
+graphviz's SVG bytes. ``--png DIR`` also writes a PNG of each chart (for docs/diagrams.md),
+with the same sha256 in a PNG ``tEXt`` chunk, so ``--check --png DIR`` checks those too.
+
+Rendering rules (each diagram's legend states them):
+
+- A double border is a final state; the black dot points at the initial state; a turquoise
+  fill is the current state (live view only).
+- An edge label is ``Event [guard, ...]``: the transition is taken only when every guard
+  holds. ``[else]`` marks the unguarded fallback of an event that also has a guarded
+  transition from the same state (declaration order: first passing candidate wins).
+- Several transitions between the same two states are drawn as ONE edge whose label has one
+  line per transition. Labels are tied to their edge by a leader line (graphviz ``decorate``).
+- **Grouping**: the same transition (event, guards, target) declared from at least
+  ``GROUP_MIN`` states is drawn as ONE bold edge leaving a dashed box around those states
+  (graphviz cluster, ``ltail``); the box's title names the event(s). Boxes must nest, so
+  when two such source sets overlap without nesting, the larger is boxed first and the
+  other is boxed on its part inside (if still ``GROUP_MIN`` states), its other sources keep
+  their own edges (job chart: ``Fail`` from the four states before submit is one edge from
+  the inner box; ``CancelRequested -> Failed`` keeps its own).
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
+import html
 import re
+import shutil
+import struct
+import subprocess
 import sys
+import zlib
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from types import SimpleNamespace
 
-from statemachine.contrib.diagram import DotGraphMachine, GraphvizError, run_graphviz
+from calexec.machines.compiled import CHARTS, CompiledChart, Transition
 
-from calexec.machines.compiled import CHARTS
-
-_OBJECT_ID = re.compile(r"(?<=_)\d{6,}")
 _SHA_COMMENT = "<!-- calexec-dot-sha256: {} -->"
 _SHA_PATTERN = re.compile(r"<!-- calexec-dot-sha256: ([0-9a-f]{64}) -->")
+_PNG_KEY = b"calexec-dot-sha256"
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 FIX_COMMAND = "calexec diagrams"
+#: a transition declared from this many states (or more) is drawn once, from a box
+GROUP_MIN = 3
+ACTIVE_FILL = "turquoise"
+#: SVG ids: a state's node group is ``NODE_ID + state``; an edge's group is ``EDGE_ID`` + the
+#: ids of the transitions it draws joined by ``_`` (``CompiledChart.transitions[i].id``)
+NODE_ID = "s_"
+EDGE_ID = "t_"
+#: edges and states of one job's path (/debug/jobs/{id})
+PATH_COLOR = "red"
+LEGEND_CLUSTER = "cluster_legend"
+FONT = "Helvetica"
 
 
-def _stable(dot: str) -> str:
-    numbers: dict[str, str] = {}
-    return _OBJECT_ID.sub(lambda m: numbers.setdefault(m.group(0), str(len(numbers))), dot)
+class GraphvizError(RuntimeError):
+    """graphviz ``dot`` is missing or failed."""
 
 
-def _chart(chart_name: str):
+def _chart(chart_name: str) -> CompiledChart:
     if chart_name not in CHARTS:
         raise ValueError(f"chart_name={chart_name!r} is not one of {sorted(CHARTS)}")
     return CHARTS[chart_name]
 
 
-def render_chart_dot(chart_name: str, active_state: str | None = None) -> str:
-    """Deterministic DOT of one chart; ``active_state`` (a state id) is highlighted."""
+def _q(text: str) -> str:
+    """A DOT double-quoted string (``\\l`` line ends are kept as graphviz escapes)."""
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\\\\l", "\\l") + '"'
+
+
+def _event_label(event: str) -> str:
+    return event.replace("_", " ").capitalize()
+
+
+def transition_label(chart: CompiledChart, transition: Transition) -> str:
+    """``Event [guards]`` of one transition; ``[else]`` for an unguarded fallback."""
+    text = _event_label(transition.event)
+    if transition.guards:
+        return f"{text} [{', '.join(transition.guards)}]"
+    alternatives = chart.table[(transition.source, transition.event)]
+    if any(t.guards for t in alternatives if t.id < transition.id):
+        return f"{text} [else]"
+    return text
+
+
+def groups(chart: CompiledChart) -> list[tuple[tuple[str, ...], tuple[Transition, ...]]]:
+    """The boxes of ``chart``: (states in the box, transitions drawn from the box), outer
+    boxes first. Deterministic (declaration order breaks ties)."""
+    by_key: dict[tuple[str, str, tuple[str, ...]], list[Transition]] = {}
+    for t in chart.transitions:
+        by_key.setdefault((t.event, t.target, t.guards), []).append(t)
+    order = {state: i for i, state in enumerate(chart.states)}
+    candidates = [ts for ts in by_key.values()
+                  if len(ts) >= GROUP_MIN and all(t.source != t.target for t in ts)
+                  and ts[0].target not in {t.source for t in ts}]
+    candidates.sort(key=lambda ts: (-len(ts), ts[0].id))
+    boxes: list[tuple[frozenset[str], list[Transition]]] = []
+    for ts in candidates:
+        sources = frozenset(t.source for t in ts)
+        for box, _ in boxes:
+            if not (sources <= box or box <= sources or not sources & box):
+                sources = sources & box  # keep the part that nests
+        if len(sources) < GROUP_MIN:
+            continue
+        if ts[0].target in sources:
+            continue
+        chosen = [t for t in ts if t.source in sources]
+        for box, members in boxes:
+            if box == sources:
+                members.extend(chosen)
+                break
+        else:
+            boxes.append((sources, chosen))
+    boxes.sort(key=lambda b: (-len(b[0]), min(t.id for t in b[1])))
+    return [(tuple(sorted(box, key=order.__getitem__)), tuple(members))
+            for box, members in boxes]
+
+
+def _legend(boxed: bool, finals: list[str]) -> list[str]:
+    """One HTML-like table node: each drawing convention next to a sample of it, kept below
+    the chart (invisible edges from the final states) so the chart itself comes first."""
+    cell = '<TD ALIGN="LEFT">{}</TD>'
+    rows = [
+        ('<TD>&#9679;&#8594; <B>S</B></TD>', "initial state S"),
+        ('<TD><TABLE BORDER="1" CELLBORDER="0" CELLPADDING="2" STYLE="ROUNDED"><TR><TD>'
+         '<TABLE BORDER="1" CELLBORDER="0" STYLE="ROUNDED"><TR><TD>S</TD></TR></TABLE>'
+         '</TD></TR></TABLE></TD>', "final state (double border)"),
+        (f'<TD BGCOLOR="{ACTIVE_FILL}" STYLE="ROUNDED" BORDER="1">S</TD>',
+         "current state (live view only)"),
+        ("<TD>Event [g, h]</TD>", "taken only when guards g and h both hold"),
+        ("<TD>Event [else]</TD>", "taken when the guarded alternative is refused"),
+        ("<TD>two lines</TD>", "one edge, one transition per label line"),
+    ]
+    if boxed:
+        rows.append(('<TD>dashed box &#8594;</TD>',
+                     "<B>bold</B> edge leaving a dashed box: declared from EVERY state in it"))
+    body = "".join(f"<TR>{sample}{cell.format(text)}</TR>" for sample, text in rows)
+    return [
+        f"subgraph {LEGEND_CLUSTER} {{",
+        'label="Legend"; style="rounded"; color="gray50"; fontsize=12;',
+        f'legend [shape=plaintext, style="", fontsize=11, label=<<TABLE BORDER="0" '
+        f'CELLBORDER="0" CELLSPACING="3">{body}</TABLE>>];',
+        "}",
+        *(f"{state} -> legend [style=invis];" for state in finals),
+    ]
+
+
+def render_chart_dot(chart_name: str, active_state: str | None = None,
+                     taken: Iterable[int] = (), notes: Mapping[str, str] | None = None) -> str:
+    """Deterministic DOT of one chart; ``active_state`` (a state id) is highlighted, the edges
+    of the ``taken`` transition ids drawn in ``PATH_COLOR``, ``notes`` (state -> text) written
+    next to their state (the path of one job, its refusing guards)."""
     chart = _chart(chart_name)
-    if active_state is None:
-        machine = chart.declaration
-    elif active_state not in chart.states:
+    taken = frozenset(taken)
+    notes = dict(notes or {})
+    visited = {s for t in chart.transitions if t.id in taken for s in (t.source, t.target)}
+    if active_state is not None and active_state not in chart.states:
         raise ValueError(f"{chart_name}: active_state={active_state!r} is not one of {chart.states}")
-    else:
-        # An instance is needed to highlight a state; its guards are never evaluated.
-        guards = SimpleNamespace(**{name: (lambda: False) for name in chart.guard_names})
-        machine = chart.declaration(guards, start_value=active_state)
-    return _stable(DotGraphMachine(machine).get_graph().to_string())
+    boxes = groups(chart)
+    boxed_ids = {t.id for _, members in boxes for t in members}
+    title = chart.declaration.__name__
+    out = [
+        f"digraph {title} {{",
+        f'label={_q(f"{title} (declared in calexec/machines/charts.py)")}; labelloc=t; '
+        f"fontsize=16; fontname={FONT};",
+        "rankdir=TB; compound=true; newrank=true; nodesep=0.35; ranksep=0.55; "
+        "splines=true; forcelabels=true;",
+        f"node [fontname={FONT}, fontsize=14, shape=rectangle, style=\"rounded, filled\", "
+        "fillcolor=white, penwidth=1.5];",
+        f"edge [fontname={FONT}, fontsize=12, decorate=true, arrowsize=0.8];",
+        'initial [label="", shape=point, width=0.15, style=filled, fillcolor=black];',
+    ]
+
+    def node(state: str) -> str:
+        attrs_ = []
+        if state in chart.finals:
+            attrs_.append("peripheries=2")
+        if state == active_state:
+            attrs_.append(f"fillcolor={ACTIVE_FILL}")
+        if state in visited:
+            attrs_.append(f"color={PATH_COLOR}, penwidth=2.5")
+        label = _q(state)
+        if state in notes:  # inside the node, so it cannot be mistaken for another's
+            lines = "".join(f'<BR/><FONT POINT-SIZE="11" COLOR="{PATH_COLOR}">{html.escape(line)}'
+                            "</FONT>" for line in notes[state].split("\n"))
+            label = f"<{html.escape(state)}{lines}>"
+        return f"{state} [{', '.join([f'label={label}', f'id={_q(NODE_ID + state)}'] + attrs_)}];"
+
+    placed: set[str] = set()
+
+    def emit_box(index: int, indent: str) -> None:
+        states, members = boxes[index]
+        events = ", ".join(dict.fromkeys(_event_label(t.event) for t in members))
+        out.append(f"{indent}subgraph cluster_group_{index} {{")
+        out.append(f'{indent}label={_q(f"{events}: from every state in this box")}; '
+                   'style="dashed, rounded"; color="gray40"; fontsize=12;')
+        inner = [j for j in range(index + 1, len(boxes))
+                 if set(boxes[j][0]) < set(states)
+                 and not any(set(boxes[j][0]) < set(boxes[k][0]) < set(states)
+                             for k in range(index + 1, len(boxes)))]
+        for j in inner:
+            emit_box(j, indent + "  ")
+        for state in states:
+            if state not in placed:
+                placed.add(state)
+                out.append(indent + "  " + node(state))
+        out.append(f"{indent}}}")
+
+    top = [i for i in range(len(boxes))
+           if not any(set(boxes[i][0]) < set(boxes[k][0]) for k in range(len(boxes)))]
+    for i in top:
+        emit_box(i, "")
+    for state in chart.states:
+        if state not in placed:
+            out.append(node(state))
+    out.append(f"initial -> {chart.initial};")
+    # one edge per (source, target); boxed transitions leave their box once
+    edges: dict[tuple[str, str], list[str]] = {}
+    ids: dict[tuple[str, str], list[int]] = {}
+    tails: dict[tuple[str, str], str] = {}
+    for index, (states, members) in enumerate(boxes):
+        for t in members:
+            key = (f"cluster_group_{index}", t.target)
+            label = transition_label(chart, t)
+            labels = edges.setdefault(key, [])
+            if label not in labels:
+                labels.append(label)
+            ids.setdefault(key, []).append(t.id)
+            tails[key] = states[len(states) // 2]
+    for t in chart.transitions:
+        if t.id not in boxed_ids:
+            edges.setdefault((t.source, t.target), []).append(transition_label(chart, t))
+            ids.setdefault((t.source, t.target), []).append(t.id)
+    for (source, target), labels in edges.items():
+        text = _q("".join(f"{line}\\l" for line in labels))
+        # the SVG group of the edge is named after the transition ids it draws (live rates)
+        edge_id = _q(EDGE_ID + "_".join(map(str, sorted(ids[(source, target)]))))
+        path = (f", color={PATH_COLOR}, fontcolor={PATH_COLOR}, penwidth=3.5"
+                if taken.intersection(ids[(source, target)]) else "")
+        if source.startswith("cluster_group_"):
+            out.append(f"{tails[(source, target)]} -> {target} [label={text}, id={edge_id}, "
+                       f"ltail={source}, penwidth=2.5{path}];")
+        else:
+            out.append(f"{source} -> {target} [label={text}, id={edge_id}{path}];")
+    out += _legend(bool(boxes), [s for s in chart.states if s in chart.finals])
+    out.append("}")
+    return "\n".join(out) + "\n"
+
+
+def run_graphviz(dot: str, fmt: str) -> bytes:
+    """``dot -T<fmt>`` of ``dot`` text; ``GraphvizError`` when graphviz is missing or fails."""
+    exe = shutil.which("dot")
+    if exe is None:
+        raise GraphvizError("graphviz 'dot' is not on PATH (Debian: apt-get install graphviz)")
+    try:
+        done = subprocess.run([exe, f"-T{fmt}"], input=dot.encode("utf-8"), capture_output=True,
+                              timeout=60, check=False)
+    except subprocess.TimeoutExpired:
+        raise GraphvizError(f"dot -T{fmt} did not finish within 60 s") from None
+    if done.returncode != 0:
+        raise GraphvizError(f"dot -T{fmt} exited {done.returncode}: "
+                            f"{done.stderr.decode('utf-8', 'replace').strip()}")
+    return done.stdout
 
 
 def _svg_from_dot(dot: str) -> str:
@@ -57,31 +275,95 @@ def _svg_from_dot(dot: str) -> str:
     return f"{head}{sep}\n{comment}{body}" if sep else f"{comment}\n{svg}"
 
 
+def _png_from_dot(dot: str) -> bytes:
+    """PNG at 96 dpi with the DOT's sha256 in a ``tEXt`` chunk right after ``IHDR``."""
+    png = run_graphviz(dot.replace("{\n", "{\ndpi=96;\n", 1), "png")
+    if not png.startswith(_PNG_SIGNATURE) or png[12:16] != b"IHDR":
+        raise GraphvizError("dot -Tpng did not return a PNG")
+    end_ihdr = 8 + 12 + struct.unpack(">I", png[8:12])[0]
+    data = _PNG_KEY + b"\0" + hashlib.sha256(dot.encode("utf-8")).hexdigest().encode("ascii")
+    chunk = (struct.pack(">I", len(data)) + b"tEXt" + data
+             + struct.pack(">I", zlib.crc32(b"tEXt" + data)))
+    return png[:end_ihdr] + chunk + png[end_ihdr:]
+
+
+def _png_sha(png: bytes) -> str | None:
+    """The DOT sha256 stored by ``_png_from_dot``, or None."""
+    found = re.search(re.escape(_PNG_KEY) + rb"\0([0-9a-f]{64})", png[:4096])
+    return found.group(1).decode("ascii") if found else None
+
+
+def render_path_svg(chart_name: str, steps: Iterable[Mapping]) -> str:
+    """SVG of ``chart_name`` with one run's path drawn on it. ``steps`` are
+    ``DeviceExecutor.job_trail`` steps (``event``, ``from``, ``to``, ``refused_by``): the taken
+    transitions in ``PATH_COLOR``, the last state filled, and inside each state the events
+    refused there with their guards (and, for an ``[else]`` fallback, the guards of the
+    alternatives passed over, which therefore did not hold)."""
+    chart = _chart(chart_name)
+    taken, notes, last = set(), {}, None
+    for step in steps:
+        event, source, target = step["event"], step["from"], step["to"]
+        line = None
+        if target is not None:
+            candidates = chart.table.get((source, event), ())
+            chosen = next((t for t in candidates if t.target == target), None)
+            if chosen is None:
+                raise ValueError(f"{chart_name}: step {source} --{event}--> {target} is not "
+                                 "a declared transition")
+            taken.add(chosen.id)
+            last = target
+            passed_over = [g for t in candidates if t.id < chosen.id for g in t.guards]
+            if passed_over:
+                line = f"{_event_label(event)}: [{', '.join(passed_over)}] refused"
+        else:
+            guards = step.get("refused_by")
+            why = f"[{', '.join(guards)}]" if guards else "(not declared here)"
+            line = f"refused: {_event_label(event)} {why}"
+        if line is not None:
+            notes[source] = f"{notes[source]}\n{line}" if source in notes else line
+    return _svg_from_dot(render_chart_dot(chart_name, last, taken, notes))
+
+
 def render_chart_svg(chart_name: str, active_state: str | None = None) -> str:
     """SVG text of one chart (for a live view), ``active_state`` highlighted.
 
-    Raises ``ValueError`` for an unknown chart or state and graphviz's ``GraphvizError`` when
-    ``dot`` is missing or fails.
+    Raises ``ValueError`` for an unknown chart or state and ``GraphvizError`` when ``dot`` is
+    missing or fails.
     """
     return _svg_from_dot(render_chart_dot(chart_name, active_state))
 
 
-def write_all(out: Path) -> list[Path]:
-    """Render every chart to ``out/<chart>.dot`` and ``out/<chart>.svg``; return the files."""
+def write_all(out: Path, png: Path | None = None) -> list[Path]:
+    """Render every chart to ``out/<chart>.dot`` and ``out/<chart>.svg`` (and
+    ``png/<chart>.png`` when ``png`` is given); return the files written."""
     out.mkdir(parents=True, exist_ok=True)
+    if png is not None:
+        png.mkdir(parents=True, exist_ok=True)
     written = []
     for name in CHARTS:
         dot = render_chart_dot(name)
         (out / f"{name}.dot").write_text(dot, encoding="utf-8")
         (out / f"{name}.svg").write_text(_svg_from_dot(dot), encoding="utf-8")
         written += [out / f"{name}.dot", out / f"{name}.svg"]
+        if png is not None:
+            # 96 dpi: the diagrams' 12-14 pt text is ~16-19 px high, legible without zoom
+            (png / f"{name}.png").write_bytes(_png_from_dot(dot))
+            written.append(png / f"{name}.png")
     return written
 
 
-def stale_files(out: Path) -> list[str]:
-    """Problems with the committed diagrams in ``out``, one message per stale file."""
+def stale_files(out: Path, png: Path | None = None) -> list[str]:
+    """Problems with the committed diagrams in ``out`` (and PNGs in ``png``), one message per
+    stale file."""
     problems = []
     for name in CHARTS:
+        if png is not None:
+            png_path = png / f"{name}.png"
+            expected = hashlib.sha256(render_chart_dot(name).encode("utf-8")).hexdigest()
+            if not png_path.is_file():
+                problems.append(f"{png_path}: missing")
+            elif _png_sha(png_path.read_bytes()) != expected:
+                problems.append(f"{png_path}: not rendered from the current DOT")
         dot_path, svg_path = out / f"{name}.dot", out / f"{name}.svg"
         fresh = render_chart_dot(name)
         if not dot_path.is_file():
@@ -99,25 +381,41 @@ def stale_files(out: Path) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    """Entry point; ``argv`` starts with the command word ``diagrams``."""
-    parser = argparse.ArgumentParser(prog="calexec diagrams", description=__doc__.splitlines()[0])
+    """Entry point; ``argv`` starts with the command word ``diagrams``. Exit 0, 1 when
+    ``--check`` finds a stale file, 2 when ``--out`` cannot be written or graphviz's ``dot``
+    is missing (one line, no traceback)."""
+    from calexec.cliargs import EXIT_CONFIG, parser as cli_parser
+
+    parser = cli_parser("calexec diagrams", __doc__)
     parser.add_argument("--out", type=Path, default=Path("diagrams"), help="output directory")
-    parser.add_argument("--check", action="store_true", help="exit 1 if any diagram is stale")
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 if any diagram in --out (and --png DIR) is stale (compares "
+                             "DOT text and the DOT sha256 the SVG/PNG carry; needs no graphviz "
+                             "binary)")
+    parser.add_argument("--png", type=Path, default=None, metavar="DIR",
+                        help="also write <chart>.png to DIR (docs/img for docs/diagrams.md)")
     args = parser.parse_args(argv[1:])
-    if args.check:
-        problems = stale_files(args.out)
-        for problem in problems:
-            print(f"stale: {problem}", file=sys.stderr)
-        if problems:
-            print(f"fix: {FIX_COMMAND} --out {args.out}", file=sys.stderr)
-            return 1
-        print(f"diagrams in {args.out} are up to date")
-        return 0
     try:
-        written = write_all(args.out)
-    except GraphvizError as err:
-        print(f"calexec diagrams: {err}", file=sys.stderr)
-        return 1
+        if args.check:
+            problems = stale_files(args.out, args.png)
+            for problem in problems:
+                print(f"stale: {problem}", file=sys.stderr)
+            if problems:
+                print(f"fix: {FIX_COMMAND} --out {args.out}"
+                      + (f" --png {args.png}" if args.png else ""), file=sys.stderr)
+                return 1
+            print(f"diagrams in {args.out}{f' and {args.png}' if args.png else ''} are up to "
+                  "date")
+            return 0
+        written = write_all(args.out, args.png)
+    except GraphvizError as err:  # first: 'dot not found' is also an OSError
+        print(f"calexec diagrams: graphviz's dot failed (install graphviz): "
+              f"{str(err.args[0] if err.args else err).splitlines()[0]}", file=sys.stderr)
+        return EXIT_CONFIG
+    except OSError as err:
+        print(f"calexec diagrams: --out={str(args.out)!r}: {err.strerror or err}"
+              f"{f' ({err.filename})' if err.filename else ''}", file=sys.stderr)
+        return EXIT_CONFIG
     for path in written:
         print(path)
     return 0

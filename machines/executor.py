@@ -28,8 +28,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-import time
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Any, Callable, Protocol
 
 import attrs
@@ -41,18 +40,29 @@ from calexec.contracts.prepare import (InferenceRequest, check_request, plan_sli
                                        valid_logits_row)
 from calexec.contracts.status import Phase, Status, llama_decode_code
 from calexec.contracts.types import EngineSlot, ModelGeneration, TaskKind
+from calexec.machines.clock import SYSTEM, Clock
 from calexec.machines.compiled import LIFECYCLE, GuardRejected
 from calexec.machines.device_lifecycle import DeviceLifecycle
 from calexec.machines.faults import Decision, FaultController, RecoveryPolicy
 from calexec.machines.generation import Generation
 from calexec.machines.job import InferenceResult, Job, JobHandle, now_us
 from calexec.machines.kv import KvCoordinator
+from calexec.machines.locks import COMPLETION, COUNTERS, RECOVERY, SUBMIT, LockOrder
 from calexec.machines.locks import LIFECYCLE as LIFECYCLE_RANK
-from calexec.machines.locks import SUBMIT, LockOrder
 from calexec.machines.pool import BufferPool
 from calexec.machines.postprocess import bf16_all_finite, bf16_to_f32_into
 
 log = logging.getLogger("calexec.executor")
+
+
+#: Features a §8 PROGRAMMING fault (27 unsupported, 29 wrong direction) switches off until the
+#: next generation (``DeviceExecutor.disable_feature``). A PROGRAMMING fault elsewhere (plain
+#: infer, Wait, CSRs, slices: all mandatory paths) has nothing optional to switch off: the job
+#: fails, the fault is recorded, serving continues, no reset.
+FEATURES: dict[str, str] = {
+    "fixed_engine": "Phase B: infer_with_fixed_task_type on the PING/PONG slots; off: plain "
+                    "infer() and in-flight capacity 1",
+}
 
 
 class FaultSink(Protocol):
@@ -98,14 +108,74 @@ class ExecutorConfig:
     golden_seq_id: int = 0
     #: deadline of each golden job (a golden that cannot finish fails the warm-up, never hangs)
     golden_timeout_s: float = 10.0
-    #: expected golden tokens per calbin sha256. A calbin without an entry records its first
-    #: warm-up's tokens (trust on first use) unless ``require_golden`` is set.
+    #: expected golden tokens per calbin sha256 for the prompt above, given by the operator;
+    #: they take precedence over the goldens pinned next to the manifest (``Manifest.goldens``,
+    #: written by ``calexec golden record``).
     goldens: dict[str, tuple[int, ...]] = attrs.field(factory=dict)
-    require_golden: bool = False
+    #: §9.2: start or switch to a calbin with no pinned golden. Refused by default; when set,
+    #: the first warm-up's tokens become the expected ones for this process (trust on first
+    #: use), logged at WARNING and shown in ``snapshot()["golden"]``.
+    allow_unpinned_golden: bool = False
     #: recovery thresholds and reset choice (calexec.machines.faults.RecoveryPolicy)
     recovery: RecoveryPolicy = attrs.field(factory=RecoveryPolicy)
-    #: retired generations whose host storage is kept alive (stale DMA after a reset, FI14)
-    keep_retired_generations: int = 4
+    #: queue through recovery (Triton's DELAY policy): up to this many requests that arrive
+    #: while the device drains/recovers/configures/warms wait for Ready within their
+    #: deadline instead of an immediate UNAVAILABLE; 0 refuses them at once
+    ready_queue_max: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    #: the path of each job (taken transitions, refused events and their guards) is kept for
+    #: this many most recent jobs (``job_trail``); 0 keeps none
+    job_trails_kept: int = attrs.field(default=1024, validator=attrs.validators.ge(0))
+    #: /ready and health(): a job still on the device this long past its request deadline
+    #: means the device stalls (the execution deadline above is the hard bound)
+    stall_after_s: float = attrs.field(default=1.0, validator=attrs.validators.gt(0))
+    #: how long a recovery waits for request threads still preparing a job of the old
+    #: generation to leave it (they end at once: admission is stopped and their waits woken)
+    fence_grace_s: float = attrs.field(default=2.0, validator=attrs.validators.gt(0))
+
+
+def _check_caller_arguments(request: InferenceRequest, logits_out: Any,
+                             vocab: int) -> Status:
+    """Arguments the caller hands to ``enqueue`` besides the §6.3 request checks: the deadline
+    and the destination of the logits (its dtype, shape, size, contiguity, writability). A bad
+    one fails that caller with INVALID_ARGUMENT, never the executor's threads."""
+    if not np.isfinite(request.deadline):
+        return Status.invalid(1, f"deadline={request.deadline}: must be a finite "
+                                 "time.monotonic() value")
+    if logits_out is None:
+        return Status.OK
+    if not isinstance(logits_out, np.ndarray):
+        return Status.invalid(6, f"logits_out: expected a numpy float32 array, got "
+                                 f"{type(logits_out).__name__}")
+    _, count = request.logits_range(vocab)
+    problems = []
+    if logits_out.dtype != np.float32:
+        problems.append(f"dtype {logits_out.dtype} (must be float32)")
+    if logits_out.ndim != 1:
+        problems.append(f"shape {logits_out.shape} (must be 1-D)")
+    elif logits_out.shape[0] < count:
+        problems.append(f"{logits_out.shape[0]} elements < the {count} requested")
+    if not logits_out.flags.c_contiguous:
+        problems.append("not C-contiguous")
+    if not logits_out.flags.writeable:
+        problems.append("read-only")
+    if problems:
+        return Status.invalid(6, "logits_out: " + "; ".join(problems))
+    return Status.OK
+
+
+_TRAIL_STEPS = 32  # a job takes at most ~8 transitions; refused events are few
+
+
+class _NoRequest:
+    """Stand-in request of a job refused because the caller passed no InferenceRequest."""
+
+    seq_id = -1
+    kind = TaskKind.DECODE
+    deadline = 0.0
+    token_count = 0
+
+
+_NO_REQUEST = _NoRequest()
 
 
 class DeviceExecutor(DeviceLifecycle):
@@ -115,28 +185,35 @@ class DeviceExecutor(DeviceLifecycle):
     is the ``DeviceLifecycle`` mixin in machines/device_lifecycle.py."""
 
     def __init__(self, runtime: Any, manifest: Any, config: ExecutorConfig,
-                 fault_sink: FaultSink | None = None) -> None:
+                 fault_sink: FaultSink | None = None, clock: Clock = SYSTEM) -> None:
         self.runtime = runtime
         self.manifest = manifest
         self.config = config
+        self.clock = clock
         self.faults = fault_sink or FaultController(config.recovery)
+        self._fused_logits = getattr(runtime, "logits_postprocessor", lambda: None)()
         if hasattr(self.faults, "attach"):
             self.faults.attach(self)
-        self.locks = LockOrder(checking=config.check_lock_order, strict=config.strict_lock_order)
+        self.locks = LockOrder(checking=config.check_lock_order, strict=config.strict_lock_order,
+                               clock=clock)
         self.lifecycle_mu = self.locks.lock(LIFECYCLE_RANK)
         self.submit_mu = self.locks.lock(SUBMIT)
-        self._submit_cv = threading.Condition(self.submit_mu)
+        self._submit_cv = clock.condition(self.submit_mu)
+        # requests waiting for Ready during a recovery (lifecycle_mu; ready_queue_max)
+        self._ready_cv = clock.condition(self.lifecycle_mu)
+        self._ready_waiters = 0
         self._submit_q: deque[Job] = deque()
         self._inflight = 0  # guarded by submit_mu
         self._capacity = config.inflight_capacity  # effective; a downgrade lowers it
+        self._features_off: dict[str, int] = {}  # FEATURES name -> generation it went off in
         self.downgrades: list[dict[str, Any]] = []
         self._phase_b_faults: deque[float] = deque()
         # quarantined slots whose job failed Wait while still on the device (submit_mu)
         # (slot, its generation's KV coordinator, seq id) of jobs whose Wait failed while the
         # runtime still runs them (submit_mu)
         self._held_by_runtime: list = []
-        self._completion_mu = threading.Lock()  # completion_mu: never held across Wait()
-        self._completion_cv = threading.Condition(self._completion_mu)
+        self._completion_mu = self.locks.lock(COMPLETION)  # never held across Wait()
+        self._completion_cv = clock.condition(self._completion_mu)
         self._completion_q: deque[Job] = deque()
         self._pending_tokens = 0  # guarded by submit_mu
         self._job_ids = itertools.count(1)
@@ -144,8 +221,16 @@ class DeviceExecutor(DeviceLifecycle):
         self.lifecycle = LIFECYCLE.run(self)
         self.device: Any = None
         self.gen: Generation | None = None
+        # released generations whose host memory the device may still write (kept until
+        # Device.dma_quiescent() proves otherwise), and generations refused while their job
+        # was still on the device (never torn down: §9.1)
         self._retired: deque[Generation] = deque()
         self._threads: list[threading.Thread] = []
+        # supervision: what each executor thread holds now, and what its barrier caught
+        self._holding: dict[str, Job | None] = {}
+        self.thread_faults: deque[dict[str, Any]] = deque(maxlen=100)
+        self._waiting_on: Job | None = None  # the job the completion thread waits for
+        self._handing_off = 0  # jobs popped by the submitter, not yet failed/submitted (submit_mu)
         self._stopping = False
         self._admitting = False  # Ready and not draining (read without a lock: a bool)
         self._refusal: Status | None = None  # why queued jobs are failed (submit_mu)
@@ -154,10 +239,12 @@ class DeviceExecutor(DeviceLifecycle):
         self._rollback_path: str | None = None
         self.good_calbins: list[str] = []  # calbin paths that reached Ready, newest last
         self.goldens: dict[str, tuple[int, ...]] = dict(config.goldens)
+        self.golden_source: str | None = None  # the current generation's: pinned|config|unpinned
+        self.unpinned_goldens: set[str] = set()  # calbin sha256s accepted by allow_unpinned_golden
         self.start_status: Status | None = None
         self.failure: Status | None = None  # why the lifecycle is Failed
         # recovery: one at a time, on its own thread (threads mode) or run by the caller
-        self._recovery_mu = threading.Lock()
+        self._recovery_mu = self.locks.lock(RECOVERY)
         self._pending_recovery: Decision | None = None
         self._recovery_thread: threading.Thread | None = None
         self.recoveries: list[dict[str, Any]] = []
@@ -165,7 +252,8 @@ class DeviceExecutor(DeviceLifecycle):
         # (invariant 2).
         self.counters = {"submitted": 0, "succeeded": 0, "failed": 0, "quarantined": 0,
                          "cancelled": 0, "stale_completions": 0, "submit_retries": 0}
-        self._counters_mu = threading.Lock()
+        self._counters_mu = self.locks.lock(COUNTERS)
+        self._trails: OrderedDict[int, dict[str, Any]] = OrderedDict()  # counters_mu
         self.infer_threads: set[str] = set()
         self.wait_threads: set[str] = set()
 
@@ -207,14 +295,27 @@ class DeviceExecutor(DeviceLifecycle):
     def _enqueue(self, request: InferenceRequest, internal: bool,
                  logits_out: np.ndarray | None = None,
                  on_created: Callable[[JobHandle], None] | None = None) -> JobHandle:
+        if not isinstance(request, InferenceRequest):
+            job = Job(next(self._job_ids), 0, _NO_REQUEST, self._wake_waiters)
+            return self._fail_early(job, Status.invalid(
+                4, f"request: expected an InferenceRequest, got {type(request).__name__}"))
         gen = self.gen
         job = Job(next(self._job_ids), gen.id if gen is not None else 0, request,
-                  self._wake_waiters, internal=internal)
+                  self._wake_waiters, internal=internal, clock=self.clock)
         job.gen = gen
         job.logits_out = logits_out
+        if self.config.job_trails_kept:
+            job.run.trail = deque(maxlen=_TRAIL_STEPS)
+            job.on_resolved = self._keep_trail
         handle = JobHandle(job)
         if on_created is not None:
             on_created(handle)
+        if not internal and not self._admitting and self.config.ready_queue_max:
+            waited = self._wait_for_ready(job)
+            if waited is not None:
+                return self._fail_early(job, waited)
+            gen = self.gen
+            job.gen, job.generation_id = gen, gen.id if gen is not None else 0
         if not (self._admitting or (internal and self.lifecycle.state == "Warming")) \
                 or self._stopping or gen is None:
             return self._fail_early(job, Status.unavailable(
@@ -222,9 +323,26 @@ class DeviceExecutor(DeviceLifecycle):
                 **job.ctx()))
         generation = gen.contracts
         status = check_request(request, generation)
+        if status.ok:
+            status = _check_caller_arguments(request, logits_out, generation.vocab_size)
         if not status.ok:
-            return self._fail_early(job, status)
+            return self._fail_early(job, status.with_context(**job.ctx()))
         job.submodel = generation.submodels[request.kind]
+        # Fencing: from here until the job is queued (or failed) this thread works on ``gen``;
+        # a recovery closes the generation and waits for it to leave before tearing it down.
+        if not self._enter(gen):
+            return self._fail_early(job, Status.unavailable(
+                Phase.ADMISSION, f"generation {gen.id} is closing; retry later", **job.ctx()))
+        try:
+            return self._admit_and_queue(job, handle, gen)
+        except Exception as exc:  # barrier: a bug here fails this job, never leaks or hangs
+            log.exception("enqueue of job %d raised", job.job_id)
+            return self._abandon_before_submit(job, exc, "enqueue")
+        finally:
+            self._exit(gen)
+
+    def _admit_and_queue(self, job: Job, handle: JobHandle, gen: Generation) -> JobHandle:
+        request = job.request
         stop = self._stop_reason(job)
         if stop() is not None:
             return self._fail_early(job, stop())
@@ -239,6 +357,7 @@ class DeviceExecutor(DeviceLifecycle):
                     f"{self.config.max_pending_tokens}, reduced after transient faults)",
                     **job.ctx()))
             self._pending_tokens += tokens
+            job.budget_taken = True
         txn = gen.kvc.reserve(request.seq_id, request.past_len, tokens, job.deadline, stop)
         if isinstance(txn, Status):
             self._release_budget(job)
@@ -260,9 +379,44 @@ class DeviceExecutor(DeviceLifecycle):
             return self._fail_before_submit(job, Status.cancelled(Phase.PREPARE, **job.ctx()))
         job.timings.queued_us = now_us()
         with self._submit_cv:
-            self._submit_q.append(job)
-            self._submit_cv.notify_all()
+            fenced = gen.closing or gen is not self.gen
+            if not fenced:
+                self._submit_q.append(job)
+                self._submit_cv.notify_all()
+        if fenced:  # generation fencing: never into another generation's queue
+            return self._fail_before_submit(job, Status.unavailable(
+                Phase.SUBMIT, f"generation {gen.id} retired before the job was queued; retry",
+                **job.ctx()))
         return handle
+
+    def _enter(self, gen: Generation) -> bool:
+        with self.submit_mu:
+            if gen.closing or gen is not self.gen:
+                return False
+            gen.users += 1
+            return True
+
+    def _exit(self, gen: Generation) -> None:
+        with self._submit_cv:
+            gen.users -= 1
+            if gen.closing and gen.users == 0:
+                self._submit_cv.notify_all()
+
+    def _fence(self, gen: Generation, grace: float) -> bool:
+        """Close ``gen`` to request threads and wait (at most ``grace`` s) for those inside
+        to leave. Their waits end at once: admission is stopped and they are woken."""
+        deadline = self.clock.monotonic() + grace
+        with self._submit_cv:
+            gen.closing = True
+        gen.kvc.wake()
+        gen.pool.wake()
+        with self._submit_cv:
+            while gen.users:
+                remaining = deadline - self.clock.monotonic()
+                if remaining <= 0:
+                    return False
+                self.clock.wait(self._submit_cv, remaining)
+        return True
 
     def _token_budget(self) -> int:
         factor = getattr(self.faults, "admission_factor", lambda: 1.0)()
@@ -289,19 +443,89 @@ class DeviceExecutor(DeviceLifecycle):
         return Status.OK
 
     def _stop_reason(self, job: Job) -> Callable[[], Status | None]:
+        gen = job.gen
+
         def stop() -> Status | None:
             if job.cancel_flag:
                 return Status.cancelled(Phase.ADMISSION, **job.ctx())
-            if not job.internal and (self._stopping or not self._admitting):
+            if (not job.internal and (self._stopping or not self._admitting)) or (
+                    gen is not None and gen.closing):
                 return Status.unavailable(Phase.ADMISSION, "executor is shutting down or "
                                           "recovering; retry later", **job.ctx())
-            if time.monotonic() >= job.deadline:
+            if self.clock.monotonic() >= job.deadline:
                 return Status.deadline(Phase.ADMISSION, "admission deadline passed", **job.ctx())
             return None
         return stop
 
+    def _keep_trail(self, job: Job) -> None:
+        """A job resolved: keep its path (bounded, newest last) for ``job_trail``."""
+        result = job.result
+        record = {"job_id": job.job_id, "seq_id": job.request.seq_id, "kind": job.kind.name,
+                  "generation": job.generation_id, "state": job.run.state,
+                  "status": "ok" if not isinstance(result, Status) else result.code,
+                  "trail": job.run.trail}
+        trails = self._trails
+        with self._counters_mu:
+            trails[job.job_id] = record
+            while len(trails) > self.config.job_trails_kept:
+                trails.popitem(last=False)
+
+    def job_trail(self, job_id: int) -> dict[str, Any] | None:
+        """What happened to one recent job: its chart path as a list of steps ``{event,
+        from, to, refused_by, t}`` (``to`` None and ``refused_by`` the guards when an event
+        was refused), its final state and status code; None when not kept (still running,
+        or older than ``job_trails_kept`` jobs)."""
+        with self._counters_mu:
+            record = self._trails.get(job_id)
+            if record is None:
+                return None
+            steps = list(record["trail"])
+        out = {key: value for key, value in record.items() if key != "trail"}
+        out["trail"] = [{"event": e, "from": s, "to": t, "refused_by": list(g) if g else None,
+                         "t": at} for e, s, t, g, at in steps]
+        return out
+
+    def _wait_for_ready(self, job: Job) -> Status | None:
+        """Queue through recovery (Triton's DELAY policy): a request that arrives while the
+        device drains, recovers, configures or warms up waits for Ready, bounded by its
+        deadline and by ``ready_queue_max`` waiters. None when it may go on; else why not
+        (UNAVAILABLE when the queue is full, the lifecycle Failed or the executor stops;
+        DEADLINE when its deadline passed first; CANCELLED)."""
+        with self._ready_cv:
+            state = self.lifecycle.state
+            if state not in ("Draining", "Recovering", "Configuring", "Warming") and not (
+                    state == "Ready" and self._pending_recovery is not None):
+                return None  # Ready (admits), or Created/Failed/Stopped: answered by the caller
+            if self._ready_waiters >= self.config.ready_queue_max:
+                return Status.unavailable(Phase.ADMISSION, f"device lifecycle is "
+                                          f"{self.lifecycle.state} and {self._ready_waiters} "
+                                          "requests already wait for Ready; retry later",
+                                          **job.ctx())
+            self._ready_waiters += 1
+            try:
+                while not self._admitting:
+                    if self._stopping or self.lifecycle.final:
+                        return None
+                    if job.cancel_flag:
+                        return Status.cancelled(Phase.ADMISSION, **job.ctx())
+                    remaining = job.deadline - self.clock.monotonic()
+                    if remaining <= 0:
+                        return Status.deadline(Phase.ADMISSION, "deadline passed while the "
+                                               f"device was {self.lifecycle.state}",
+                                               **job.ctx())
+                    self.clock.wait(self._ready_cv, remaining)
+                return None
+            finally:
+                self._ready_waiters -= 1
+
+    def _ready_changed(self) -> None:
+        """Ready, Failed or stopping: wake the requests waiting for Ready."""
+        with self._ready_cv:
+            self._ready_cv.notify_all()
+
     def _wake_waiters(self) -> None:
         """A cancel was recorded: end admission/lease waits so the owner sees it."""
+        self._ready_changed()
         if self.kvc is not None:
             self.kvc.wake()
         if self.pool is not None:
@@ -322,7 +546,7 @@ class DeviceExecutor(DeviceLifecycle):
     def _downgrade(self, status: Status) -> None:
         """Phase B -> capacity 1 after ``downgrade_after_faults`` failures after submit within
         the window: the ping/pong slots stay, only one job is in flight again."""
-        now = time.monotonic()
+        now = self.clock.monotonic()
         window = self._phase_b_faults
         window.append(now)
         while window and now - window[0] > self.config.downgrade_window_s:
@@ -347,12 +571,16 @@ class DeviceExecutor(DeviceLifecycle):
         return JobHandle(job)
 
     def _fail_before_submit(self, job: Job, status: Status) -> JobHandle:
-        """Release in reverse order: slices, lease, KV txn, token budget (§6.2)."""
+        """Release in reverse order: slices, lease, KV txn, token budget (§6.2). A job of a
+        generation already torn down touches none of its runtime objects."""
+        gen = job.gen
+        live = gen is not None and not gen.released
         if job.lease is not None:
-            job.lease.slot.undo_slices()
+            if live:
+                job.lease.slot.undo_slices()
             job.lease.release()
-        if job.txn is not None and job.txn.run.state == "Reserved":
-            job.gen.kvc.rollback(job.txn)
+        if live and job.txn is not None and job.txn.run.state == "Reserved":
+            gen.kvc.rollback(job.txn)
         self._release_budget(job)
         if job.cancel_flag and job.run.state not in ("CancelRequested",):
             job.run.send("cancel")
@@ -366,9 +594,38 @@ class DeviceExecutor(DeviceLifecycle):
         job.resolve(status)
         return JobHandle(job)
 
+    def _abandon_before_submit(self, job: Job, exc: BaseException, where: str) -> JobHandle:
+        """The barrier's path for a job whose preparation raised: release what it holds (each
+        step on its own: one failing does not stop the others), resolve it INTERNAL, report."""
+        status = Status.internal("unexpected_exception", Phase.ADMISSION,
+                                 f"{where} raised {type(exc).__name__}: {exc}", **job.ctx())
+        lease, job.lease = job.lease, None
+        for step in (lambda: lease is not None and lease.slot.undo_slices(),
+                     lambda: lease is not None and job.gen.pool.quarantine(lease, status.code),
+                     lambda: job.txn is not None and job.txn.run.state == "Reserved"
+                     and job.gen.kvc.rollback(job.txn)):
+            try:
+                step()
+            except Exception:  # noqa: BLE001 - best effort; the fault below rebuilds
+                log.exception("releasing job %d after %s raised", job.job_id, where)
+        if job.budget_taken:
+            self._release_budget(job)
+        try:
+            if job.cancel_flag and job.run.can("cancel"):
+                job.run.send("cancel")
+            job.run.send("fail")
+        except Exception:  # noqa: BLE001 - the chart refused: the job is resolved regardless
+            log.exception("job %d: chart refused fail after %s", job.job_id, where)
+        self._count(status)
+        self.faults.report(status, job)
+        job.resolve(status)
+        return JobHandle(job)
+
     def _release_budget(self, job: Job) -> None:
         with self.submit_mu:
-            self._pending_tokens -= job.request.token_count
+            if job.budget_taken:
+                job.budget_taken = False
+                self._pending_tokens -= job.request.token_count
 
     def _bump(self, key: str) -> None:
         with self._counters_mu:  # leaf lock: counters are bumped from several threads
@@ -380,44 +637,81 @@ class DeviceExecutor(DeviceLifecycle):
 
     # ---- submitter (§6.4) ----------------------------------------------------------------------
     def submit_one(self, block: bool = False) -> bool:
-        """Take the next queued job and submit it. Returns False when there was nothing to do
-        (empty queue, or no in-flight permit and ``block`` is False)."""
+        """Submit the next queued job, or fail every queued job that can no longer be
+        submitted (cancelled, past its queue deadline, refused, of a retired generation) as
+        soon as that is so, wherever it stands in the queue (§9.1 queue deadline). Returns
+        False when there was nothing to do (and ``block`` is False, or the threads stop).
+
+        The blocking wait is bounded by the earliest queued deadline; with an empty queue it
+        is the submitter's idle wait, ended by a new job or by shutdown (shutdown-only)."""
         with self._submit_cv:
             while True:
-                if self._submit_q and (self._inflight < self._capacity
-                                       or self._submit_q[0].cancel_flag
-                                       or self._refusal is not None):
+                now = self.clock.monotonic()
+                ended = [(job, status) for job in self._submit_q
+                         if (status := self._unsubmittable(job, now)) is not None]
+                if ended:
+                    for job, _ in ended:
+                        self._submit_q.remove(job)
+                    self._handing_off += len(ended)
+                    job = None
+                    break
+                if self._submit_q and self._inflight < self._effective_capacity():
                     job = self._submit_q.popleft()
+                    self._inflight += 1
+                    job.permit_held = True
+                    self._handing_off += 1
                     break
                 if not block or (self._stopping_threads and not self._submit_q):
                     return False
+                timeout = (min(j.deadline for j in self._submit_q) - now
+                           if self._submit_q else None)
                 if self._held_by_runtime:
                     # A failed Wait left buffers with the runtime: nobody signals when it lets
                     # go, so re-check on a short timer (only in this degraded state).
-                    self._submit_cv.wait(0.05)
+                    timeout = 0.05 if timeout is None else min(timeout, 0.05)
+                self.clock.wait(self._submit_cv, None if timeout is None else max(timeout, 0))
+                if self._held_by_runtime:
                     self._submit_cv.release()
                     try:
                         self._reap_held()
                     finally:
                         self._submit_cv.acquire()
-                else:
-                    self._submit_cv.wait()
-            refusal = self._refusal
-            if refusal is not None:
-                status = refusal.with_context(**job.ctx())
-            elif job.cancel_flag:
-                status = Status.cancelled(Phase.SUBMIT, **job.ctx())
-            elif time.monotonic() >= job.deadline:
-                status = Status.deadline(Phase.SUBMIT, "queue deadline passed before infer()",
-                                         **job.ctx())
-            else:
-                status = None
-                self._inflight += 1
-        if status is not None:
-            self._fail_before_submit(job, status)
+        if job is None:
+            try:
+                for job, status in ended:
+                    self._holding["calexec-submitter"] = job
+                    self._fail_before_submit(job, status)
+            finally:
+                self._handed_off(len(ended))
+            self._holding["calexec-submitter"] = None
             return True
-        self._submit(job)
+        self._holding["calexec-submitter"] = job  # the barrier resolves it if _submit raises
+        try:
+            self._submit(job)
+        finally:
+            self._handed_off(1)
+        self._holding["calexec-submitter"] = None
         return True
+
+    def _unsubmittable(self, job: Job, now: float) -> Status | None:
+        """Why a queued job can no longer be submitted (submit_mu held), or None."""
+        if self._refusal is not None:
+            return self._refusal.with_context(**job.ctx())
+        if job.cancel_flag:
+            return Status.cancelled(Phase.SUBMIT, **job.ctx())
+        if now >= job.deadline:
+            return Status.deadline(Phase.SUBMIT, "queue deadline passed before infer()",
+                                   **job.ctx())
+        gen = job.gen
+        if gen is None or gen is not self.gen or gen.closing:
+            return Status.unavailable(Phase.SUBMIT, f"generation {job.generation_id} retired "
+                                      "before submit; retry", **job.ctx())
+        return None
+
+    def _handed_off(self, count: int) -> None:
+        with self._submit_cv:
+            self._handing_off -= count
+            self._submit_cv.notify_all()
 
     def _submit(self, job: Job) -> None:
         gen, slot = job.gen, job.lease.slot
@@ -429,12 +723,12 @@ class DeviceExecutor(DeviceLifecycle):
             # §8 Transient row: the runtime did not run the graph; bounded retry with backoff.
             attempt += 1
             self._bump("submit_retries")
-            time.sleep(getattr(self.faults, "backoff", lambda a: 0.001)(attempt))
+            self.clock.sleep(getattr(self.faults, "backoff", lambda a: 0.001)(attempt))
             rc = self._infer(gen, slot, job.request.seq_id)
         if rc != CalrtCode.SUCCESS:
             # FI05: the runtime did not take the job: software rollback, no Wait.
             gen.pool.device_done(job.lease)
-            self._release_permit()
+            self._release_permit(job)
             status = Status.from_calrt(rc, Phase.SUBMIT, "infer", **job.ctx())
             self._fail_before_submit(job, status)
             return
@@ -447,16 +741,47 @@ class DeviceExecutor(DeviceLifecycle):
             self._completion_cv.notify()
 
     def _infer(self, gen: Generation, slot, seq_id: int) -> int:
-        """Phase A: infer(); Phase B: infer_with_fixed_task_type on the slot's PING/PONG."""
-        if slot.engine == EngineSlot.AUTO:
+        """Phase A: infer(); Phase B: infer_with_fixed_task_type on the slot's PING/PONG
+        (plain infer() while ``fixed_engine`` is switched off)."""
+        if slot.engine == EngineSlot.AUTO or self.feature_disabled("fixed_engine"):
             return self.device.infer(slot.model, gen.kv, seq_id, slot.inbuf, slot.outbuf)
         return self.device.infer_with_fixed_task_type(slot.model, gen.kv, seq_id, slot.inbuf,
                                                       slot.outbuf, int(slot.engine))
 
-    def _release_permit(self) -> None:
+    # ---- §8 PROGRAMMING: switch the feature off until the next generation ------------------------
+    def feature_disabled(self, name: str) -> bool:
+        """Whether FEATURES ``name`` is off for the current generation."""
+        gen = self.gen
+        return gen is not None and self._features_off.get(name) == gen.id
+
+    def _effective_capacity(self) -> int:
+        return 1 if self._features_off and self.feature_disabled("fixed_engine") else self._capacity
+
+    def disable_feature(self, status: Status, job: Job | None = None) -> str | None:
+        """Called by the fault controller for a PROGRAMMING fault: switch off the feature the
+        failed call used, for this generation (generation+1 turns it on again). Returns the
+        feature, or None when the call was on a mandatory path (nothing to switch off)."""
+        gen = self.gen
+        # Phase B slots are all PING/PONG (``_open``): an infer failure there came from
+        # infer_with_fixed_task_type unless that path is already off
+        feature = ("fixed_engine" if status.phase is Phase.SUBMIT
+                   and self.config.inflight_capacity == 2
+                   and not self.feature_disabled("fixed_engine") else None)
+        if feature is None or gen is None:
+            log.warning("PROGRAMMING fault %s on a mandatory path: nothing to switch off", status)
+            return None
+        # one dict store (atomic); no lock: it only lowers the capacity, so no waiter needs waking
+        self._features_off[feature] = gen.id
+        log.warning("feature %s switched off until generation %d (%s): %s", feature, gen.id + 1,
+                    FEATURES[feature], status)
+        return feature
+
+    def _release_permit(self, job: Job) -> None:
         with self._submit_cv:
-            self._inflight -= 1
-            self._submit_cv.notify_all()
+            if job.permit_held:
+                job.permit_held = False
+                self._inflight -= 1
+                self._submit_cv.notify_all()
 
     # ---- completion (§6.5) -----------------------------------------------------------------------
     def complete_one(self, block: bool = False) -> bool:
@@ -465,11 +790,17 @@ class DeviceExecutor(DeviceLifecycle):
             while not self._completion_q:
                 if not block or self._stopping_threads:
                     return False
-                self._completion_cv.wait()
+                self.clock.wait(self._completion_cv, None)  # idle: a submit or shutdown ends it
             job = self._completion_q[0]
-        self._complete(job)
-        with self._completion_cv:
-            self._completion_q.popleft()
+        self._holding["calexec-completion"] = job  # the barrier resolves it if _complete raises
+        try:
+            self._complete(job)
+        finally:
+            with self._completion_cv:
+                if self._completion_q and self._completion_q[0] is job:
+                    self._completion_q.popleft()
+            self._waiting_on = None
+        self._holding["calexec-completion"] = None
         return True
 
     def _execution_deadline(self, job: Job) -> float:
@@ -480,15 +811,20 @@ class DeviceExecutor(DeviceLifecycle):
     def _complete(self, job: Job) -> None:
         slot = job.lease.slot
         outbuf = slot.outbuf
-        if self.locks.checking and self.locks.held_by_current_thread():
-            self.locks.violations.append(
-                f"Wait() called holding {self.locks.held_by_current_thread()}")
+        # §5.2: no executor lock across Wait(). recovery_mu is exempt: only a recovery holds
+        # it, and in stepped mode that recovery drives this very call (the job path never
+        # takes recovery_mu, so holding it cannot block a job).
+        held = [n for n in self.locks.held_by_current_thread() if n != "recovery_mu"]
+        if self.locks.checking and held:
+            self.locks.violations.append(f"Wait() called holding {tuple(held)}")
         self.wait_threads.add(threading.current_thread().name)
         t0 = now_us()
+        self._waiting_on = job
         # One Wait() bounded by the §9.1 execution deadline; no lock is held here.
-        remaining_us = int((self._execution_deadline(job) - time.monotonic()) * 1e6)
+        remaining_us = int((self._execution_deadline(job) - self.clock.monotonic()) * 1e6)
         rc = outbuf.wait(max(0, remaining_us))
-        _, device_status = outbuf.get_status()
+        slot.runtime_answer = answer = outbuf.get_status()  # the runtime's answer, for guards
+        device_status = answer[1]
         job.timings.completed_us = now_us()
         job.timings.device_wait_ms = (job.timings.completed_us - t0) / 1000.0
         job.wait_rc, job.device_status = rc, device_status
@@ -502,7 +838,7 @@ class DeviceExecutor(DeviceLifecycle):
         if target == "Quarantined":
             status = (Status.from_calrt(rc, Phase.WAIT, "Wait", **job.ctx()) if rc != 0 else
                       Status.from_device_status(device_status, **job.ctx()))
-            self._quarantine_after_submit(job, status, release_permit=slot.runtime_done())
+            self._quarantine_after_submit(job, status, release_permit=slot.runtime_let_go())
             return
         t1 = now_us()
         result = self._postprocess(job)
@@ -533,7 +869,7 @@ class DeviceExecutor(DeviceLifecycle):
         job.gen.pool.device_done(job.lease)
         released = job.lease.release()
         self._release_budget(job)
-        self._release_permit()
+        self._release_permit(job)
         for problem in (undo, released):
             if not problem.ok:  # FI15: slot quarantined by the pool; the job's result stands
                 self.faults.report(problem.with_context(**job.ctx()), job)
@@ -547,7 +883,7 @@ class DeviceExecutor(DeviceLifecycle):
         thread then waits a grace period for the device to let go; only then is the in-flight
         permit returned. A device that never lets go halts admission (Phase A has no safe
         reset of its own; the recovery controller resets and opens generation+1)."""
-        if time.monotonic() >= self._execution_deadline(job):
+        if self.clock.monotonic() >= self._execution_deadline(job):
             status = Status.failure("execution.deadline", Category.DEVICE, Phase.WAIT,
                                     "execution deadline passed; buffers kept until the device "
                                     "lets go or a reset", raw=rc, **job.ctx())
@@ -575,7 +911,7 @@ class DeviceExecutor(DeviceLifecycle):
         if not held:
             return True
         # GetStatus outside submit_mu (§5.2: no runtime call under the queue locks)
-        let_go = [entry for entry in held if entry[0].runtime_done()]
+        let_go = [entry for entry in held if entry[0].runtime_let_go()]
         with self._submit_cv:
             freed = [entry for entry in let_go if entry in self._held_by_runtime]  # not reaped
             for entry in freed:
@@ -589,7 +925,9 @@ class DeviceExecutor(DeviceLifecycle):
         return none_left
 
     def _postprocess(self, job: Job) -> "InferenceResult | Status":
-        """Output size (FI09), finiteness (FI10), then the direct conversion (§10.1)."""
+        """Output size (FI09), finiteness (FI10), then the direct conversion (§10.1) and the
+        argmax: fused in one native pass when the runtime offers it (``self._fused_logits``,
+        drivers/native.py; GIL released), else the numpy path. Same bits, same argmax."""
         request, slot, sm = job.request, job.lease.slot, job.submodel
         vocab = job.gen.contracts.vocab_size
         row = valid_logits_row(request.token_count, sm.logits_tile_d0)
@@ -602,16 +940,33 @@ class DeviceExecutor(DeviceLifecycle):
             return Status.internal("output_short", Phase.OUTPUT_CHECK,
                                    f"output {sm.logits.name!r} holds {valid_bytes} bytes, "
                                    f"contract ByteSize is {sm.logits.byte_size}", **job.ctx())
-        src = slot.host_output[base:base + count]
-        if not bf16_all_finite(src, slot.scratch):
-            return Status.internal("output_not_finite", Phase.OUTPUT_CHECK,
-                                   f"NaN/Inf in logits row {row} [{first}, {first + count})",
-                                   **job.ctx())
-        dst = job.logits_out if job.logits_out is not None else np.empty(count, np.float32)
-        bf16_to_f32_into(slot.host_output, base, count, dst)
+        fused = self._fused_logits
+        if fused is not None:
+            dst = job.logits_out if job.logits_out is not None else np.empty(count, np.float32)
+            rc = fused(slot.host_output, base, count, dst)
+            if rc == fused.NONFINITE:  # dst is partly written: not a result
+                return Status.internal("output_not_finite", Phase.OUTPUT_CHECK,
+                                       f"NaN/Inf in logits row {row} [{first}, {first + count}) "
+                                       f"at index {first + fused.first_nonfinite}", **job.ctx())
+            if rc != 0:  # §10.1 bounds or a short destination, refused before any access
+                return Status.internal("logits_slice", Phase.OUTPUT_CHECK,
+                                       f"logits slice base={base} n={count} refused ({rc}: "
+                                       f"{fused.RC_NAMES.get(rc)}) for an output of "
+                                       f"{slot.host_output.shape[0]} elements and a "
+                                       f"destination of {dst.shape[0]}", **job.ctx())
+            argmax = fused.argmax
+        else:
+            src = slot.host_output[base:base + count]
+            if not bf16_all_finite(src, slot.scratch):
+                return Status.internal("output_not_finite", Phase.OUTPUT_CHECK,
+                                       f"NaN/Inf in logits row {row} [{first}, {first + count})",
+                                       **job.ctx())
+            dst = job.logits_out if job.logits_out is not None else np.empty(count, np.float32)
+            bf16_to_f32_into(slot.host_output, base, count, dst)
+            argmax = int(np.argmax(dst[:count]))
         return InferenceResult(job_id=job.job_id, seq_id=request.seq_id,
                                generation=job.generation_id, kind=job.kind, logits=dst[:count],
-                               argmax=int(np.argmax(dst[:count])), kv_len=job.txn.target_len,
+                               argmax=argmax, kv_len=job.txn.target_len,
                                timings=job.timings)
 
     def _quarantine_after_submit(self, job: Job, status: Status, release_permit: bool,
@@ -630,7 +985,9 @@ class DeviceExecutor(DeviceLifecycle):
         self.faults.report(status, job)
         self._check_pool(job)
         if release_permit:
-            self._release_permit()
+            self._release_permit(job)
+        elif on_device:
+            job.permit_held = False  # the _held_by_runtime entry owns the permit now
         job.resolve(status)
 
     def _check_pool(self, job: Job) -> None:
@@ -651,13 +1008,101 @@ class DeviceExecutor(DeviceLifecycle):
         self._stopping_threads = False
         for name, step in (("calexec-submitter", self.submit_one),
                            ("calexec-completion", self.complete_one)):
-            thread = threading.Thread(target=self._loop, args=(step,), name=name, daemon=True)
-            thread.start()
-            self._threads.append(thread)
+            self._holding[name] = None
+            self._threads.append(self.clock.start_thread(self._loop, name, (name, step)))
 
-    def _loop(self, step: Callable[..., bool]) -> None:
-        while step(block=True):
-            pass
+    def _loop(self, name: str, step: Callable[..., bool]) -> None:
+        """The barrier every executor thread runs under: an unexpected exception is an
+        INTERNAL fault (the job the thread held is resolved with it, the fault controller
+        rebuilds the generation), never a dead thread."""
+        while True:
+            try:
+                if not step(block=True):
+                    return
+            except Exception as exc:  # noqa: BLE001 - the barrier
+                self._thread_fault(name, exc)
+                if self._stopping_threads:
+                    return
+
+    def _thread_fault(self, name: str, exc: BaseException) -> None:
+        job = self._holding.get(name)
+        self._holding[name] = None
+        status = Status.internal("thread_exception", Phase.SUBMIT if "submit" in name
+                                 else Phase.WAIT, f"{name} raised {type(exc).__name__}: {exc}",
+                                 **(job.ctx() if job is not None else {}))
+        log.error("executor thread %s caught %s (job %s); reported as a fault", name,
+                  status, None if job is None else job.job_id, exc_info=exc)
+        self.thread_faults.append({"thread": name, "error": f"{type(exc).__name__}: {exc}",
+                                   "job": None if job is None else job.job_id,
+                                   "at": self.clock.monotonic()})
+        abandon = job is not None and not job.done
+        if abandon:
+            self._abandon_after_submit(job, status)
+        try:  # first the controller: admission stops before the caller sees the failure
+            self.faults.report(status, job)
+        except Exception:  # noqa: BLE001 - a failing fault sink must not kill the barrier
+            log.exception("fault sink raised while reporting %s", status)
+            self._fail(status)
+        if abandon:
+            self._count(status)
+            job.resolve(status)
+
+    def _abandon_after_submit(self, job: Job, status: Status) -> None:
+        """A thread raised holding ``job`` at an unknown point: assume the runtime may still
+        use its buffers (slot quarantined, KV Unknown, permit held until the runtime lets go,
+        like a failed Wait). The caller resolves the job once the fault is reported."""
+        lease = job.lease
+        submitted = job.timings.submitted_us > 0
+        on_device = submitted and job.wait_rc is None
+        for step in (lambda: job.txn is not None and not job.txn.run.final
+                     and job.gen.kvc.mark_unknown(job.txn, status.code, on_device=on_device),
+                     lambda: lease is not None and lease.held
+                     and job.gen.pool.quarantine(lease, status.code)):
+            try:
+                step()
+            except Exception:  # noqa: BLE001 - best effort; the recovery rebuilds
+                log.exception("abandoning job %d", job.job_id)
+        self._release_budget(job)
+        if job.permit_held:
+            if submitted and job.wait_rc is None and lease is not None:
+                # the runtime may still run it: the permit goes back when it lets go
+                job.permit_held = False
+                with self._submit_cv:
+                    self._held_by_runtime.append((lease.slot, job.gen.kvc, job.request.seq_id))
+            else:
+                self._release_permit(job)
+
+    def threads_alive(self) -> dict[str, bool]:
+        return {t.name: t.is_alive() for t in self._threads}
+
+    def health(self) -> list[str]:
+        """Why the executor cannot serve now (empty: it can). Part of readiness: a dead
+        executor thread, a job on the device past its deadline, buffers the device has not
+        let go of, a lifecycle that is not Ready."""
+        reasons = []
+        state = self.lifecycle.state
+        if state != "Ready" or not self._admitting:
+            reasons.append(f"lifecycle is {state}" + ("" if self._admitting else
+                                                     ", not admitting"))
+            if self.failure is not None and state == "Failed":
+                reasons.append(f"failed: {self.failure}")
+        if self.config.threads and not self._stopping:
+            for name, alive in self.threads_alive().items():
+                if not alive:
+                    reasons.append(f"executor thread {name} is not running")
+        job = self._waiting_on
+        if job is not None and not job.done:
+            now = self.clock.monotonic()
+            late = now - min(self._execution_deadline(job),
+                             job.deadline + self.config.stall_after_s)
+            if late >= 0:
+                reasons.append(f"job {job.job_id} (seq {job.request.seq_id}) is on the device "
+                               f"{now - job.deadline:.3f}s past its deadline")
+        with self.submit_mu:
+            held = len(self._held_by_runtime)
+        if held:
+            reasons.append(f"the device has not let go of {held} failed job(s)")
+        return reasons
 
     def _stop_threads(self) -> None:
         self._stopping_threads = True
@@ -683,6 +1128,7 @@ class DeviceExecutor(DeviceLifecycle):
             self._admitting = False
             if self.lifecycle.state == "Ready":
                 self.lifecycle.send("drain")
+            self._ready_cv.notify_all()
         if self.gen is not None:
             self.gen.kvc.close()
         with self._submit_cv:
@@ -690,6 +1136,8 @@ class DeviceExecutor(DeviceLifecycle):
                 job.cancel_flag = True
             self._submit_cv.notify_all()
         self._wake_waiters()
+        if self.gen is not None:  # no request thread works on it past this point
+            self._fence(self.gen, min(grace, self.config.fence_grace_s))
         if not self.config.threads:
             while self.submit_one():
                 pass
@@ -743,10 +1191,16 @@ class DeviceExecutor(DeviceLifecycle):
             "generation": None if self.gen is None else self.gen.id,
             "queued": queued,
             "inflight": inflight,
-            "inflight_capacity": self._capacity,
+            "inflight_capacity": self._effective_capacity(),
+            "disabled_features": sorted(f for f in self._features_off if self.feature_disabled(f)),
             "downgrades": len(self.downgrades),
             "pending_tokens": pending,
             "slots": None if pool is None else pool.counts(),
             "recoveries": len(self.recoveries),
+            "golden": self.golden_source,
+            "allow_unpinned_golden": self.config.allow_unpinned_golden,
+            "thread_faults": len(self.thread_faults),
+            "waiting_for_ready": self._ready_waiters,
+            "retired_generations_kept": len(self._retired),
             **self.counters,
         }

@@ -15,7 +15,9 @@ TRANSIENT              admission reduced while transient faults are recent; past
                        ``transient_threshold`` within ``transient_window_s``: drain and rebuild
 DEVICE                 stop admission at once, quarantine, reset, rebuild; escalate to Failed
                        past ``max_recoveries`` within ``recovery_window_s``
-PROGRAMMING            switch the feature off (``disabled_features``); no reset
+PROGRAMMING            switch the feature off until the next generation
+                       (``DeviceExecutor.disable_feature``: the Phase B fixed-engine path);
+                       ``disabled_features`` records the phases; no reset
 UNKNOWN, INTERNAL      the generation is tainted (NaN/Inf output, short output, golden
                        mismatch, unlisted codes): reset and rebuild, golden re-run (FI10)
 CANCELLED, DEADLINE,   the request's own outcome: nothing to do
@@ -44,6 +46,8 @@ import attrs
 
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Status
+from calexec.machines.clock import SYSTEM
+from calexec.machines.locks import FAULTS
 
 log = logging.getLogger("calexec.faults")
 
@@ -119,17 +123,24 @@ class FaultController:
         self.counts: dict[Category, int] = {}
         self._transients: deque[float] = deque()
         self._recoveries: deque[float] = deque()
-        self._mu = threading.Lock()
+        self._mu = threading.Lock()  # faults_mu (a leaf); ranked once attached
+        self._clock = SYSTEM
         self._rng = random.Random(seed)
 
     def attach(self, executor: Any) -> None:
+        """Wire the controller to ``executor``: its clock, and a ranked leaf lock
+        (``faults_mu``) from its lock order."""
         self.executor = executor
+        locks = getattr(executor, "locks", None)
+        if locks is not None:
+            self._mu = locks.lock(FAULTS)
+            self._clock = locks.clock
 
     # ---- the table ------------------------------------------------------------------------
     def decide(self, status: Status) -> Decision:
         """The decision for one failure (pure but for the sliding windows)."""
         action = _ACTIONS.get(status.category, Action.NONE)
-        now = time.monotonic()
+        now = self._clock.monotonic()
         reason = f"{status.category.value}: {status.code}"
         if action is Action.REDUCE_ADMISSION:
             window = self._transients
@@ -165,6 +176,8 @@ class FaultController:
                 self.manifest_differences.append(status)
             elif decision.action is Action.DISABLE_FEATURE:
                 self.disabled_features.add(status.phase.value if status.phase else status.code)
+        if decision.action is Action.DISABLE_FEATURE and self.executor is not None:
+            self.executor.disable_feature(status, job)
         if decision.action not in (Action.NONE, Action.RECORD, Action.REDUCE_ADMISSION,
                                    Action.DISABLE_FEATURE):
             log.warning("fault %s -> %s (%s)", status, decision.action.value, decision.reason)
@@ -174,11 +187,11 @@ class FaultController:
     # ---- queries used by the executor -----------------------------------------------------------
     def admission_factor(self) -> float:
         """Budget factor: reduced while transient faults are recent (§8 'reduce admission')."""
-        window = self._transients
-        now = time.monotonic()
-        if window and now - window[-1] <= self.policy.transient_window_s:
-            return self.policy.reduced_admission
-        return 1.0
+        now = self._clock.monotonic()
+        with self._mu:  # decide() trims the same window under this lock
+            recent = bool(self._transients) and (
+                now - self._transients[-1] <= self.policy.transient_window_s)
+        return self.policy.reduced_admission if recent else 1.0
 
     def backoff(self, attempt: int) -> float:
         """Seconds before submit retry ``attempt`` (1-based): exponential, capped, jittered."""

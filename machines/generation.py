@@ -8,14 +8,22 @@ old generation only ever touches that generation's pool and KV (FI14), never the
 ``open_generation`` builds one through the driver (FI01: the manifest is resolved against
 ``GetAllModels`` before ``configure``). ``Generation.release`` tears it down once the runtime
 holds none of its buffers; host storage of slots that were in flight stays referenced by the
-generation object, which the executor keeps in a bounded list of retired generations, so a
-stale DMA that lands after a reset writes into live memory the executor never reads again.
+generation object, which the executor keeps among its retired generations until the runtime
+proves no DMA into it is pending (``Device.dma_quiescent``), so a stale DMA that lands after a
+reset writes into live memory the executor never reads again, never into reused memory.
+
+Fencing (issue 13): a request thread works on a generation's pool and KV only between
+``DeviceExecutor._enter`` and ``_exit``, which count ``users`` under ``submit_mu``. A recovery
+sets ``closing`` under the same lock, then waits (bounded) for ``users`` to reach 0: after that
+no request thread can lease, prepare or queue anything of this generation, and its teardown
+cannot pull buffers from under one.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import EngineSlot, ModelGeneration, TaskKind
 from calexec.machines.kv import KvCoordinator
@@ -27,7 +35,7 @@ class Generation:
     """The runtime objects and controllers of one generation id."""
 
     __slots__ = ("contracts", "calbin_path", "calbin", "models", "kv", "pool", "kvc",
-                 "__weakref__")
+                 "users", "closing", "released", "__weakref__")
 
     def __init__(self, contracts: ModelGeneration, calbin_path: str, calbin: Any,
                  models: dict[TaskKind, Any], kv: Any, pool: BufferPool,
@@ -39,6 +47,12 @@ class Generation:
         self.kv = kv
         self.pool = pool
         self.kvc = kvc
+        #: request threads inside enqueue working on this generation (submit_mu)
+        self.users = 0
+        #: fenced: no request thread may enter, no job of it may be queued (submit_mu)
+        self.closing = False
+        #: torn down: runtime objects destroyed, only host storage left
+        self.released = False
 
     @property
     def id(self) -> int:
@@ -52,9 +66,17 @@ class Generation:
         """Tear down once the runtime no longer uses any buffer of this generation (drained,
         or after a confirmed reset): slots retired, KvManager destroyed, configuration dropped,
         calbin unloaded. Host storage stays alive with this object."""
+        self.closing = True
         self.pool.quarantine_all()
-        self.pool.retire_quarantined()
+        held = self.pool.retire_quarantined()
+        if held:  # the runtime says it still uses these: nothing of the generation is freed
+            return Status.failure(
+                "recovery.buffers_in_use", Category.DEVICE, Phase.RECOVERY,
+                f"the runtime still uses {len(held)} buffer slot(s) of generation {self.id} "
+                f"({', '.join(str(s.slot_id) for s in held)}); teardown refused",
+                generation=self.id)
         self.kvc.close()
+        self.released = True
         status = Status.OK
         for what, rc in (("KvManager destroy", self.kv.destroy()),
                          ("reset_configuration", device.reset_configuration()),

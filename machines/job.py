@@ -15,7 +15,6 @@ submit, after Wait). A cancel never frees device-held resources (§5.1-7).
 
 from __future__ import annotations
 
-import threading
 import time
 import weakref
 from typing import Any, Callable
@@ -26,6 +25,7 @@ import numpy as np
 from calexec.contracts.codes import DeviceJobStatus
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import JobTimings, TaskKind
+from calexec.machines.clock import SYSTEM, Clock
 from calexec.machines.compiled import JOB
 
 
@@ -53,10 +53,12 @@ class Job:
     __slots__ = ("job_id", "generation_id", "request", "kind", "submodel", "deadline",
                  "cancel_flag", "lease", "txn", "timings", "run", "wait_rc", "device_status",
                  "output_status", "result", "_done", "_on_cancel", "internal", "logits_out",
-                 "_gen", "__weakref__")
+                 "_gen", "budget_taken", "permit_held", "clock", "on_resolved", "__weakref__")
 
     def __init__(self, job_id: int, generation_id: int, request: Any,
-                 on_cancel: Callable[[], None], internal: bool = False) -> None:
+                 on_cancel: Callable[[], None], internal: bool = False,
+                 clock: Clock = SYSTEM) -> None:
+        self.clock = clock
         self.job_id = job_id
         self.generation_id = generation_id
         self.request = request
@@ -72,11 +74,14 @@ class Job:
         self.device_status: int | None = None
         self.output_status: Status | None = None
         self.result: InferenceResult | Status | None = None
-        self._done = threading.Event()
+        self._done = clock.event()
         self._on_cancel = on_cancel
         self.internal = internal
         self.logits_out: np.ndarray | None = None
         self._gen = None
+        self.on_resolved: Callable[[Job], None] | None = None  # the executor's job trail
+        self.budget_taken = False  # holds request.token_count of the admission budget
+        self.permit_held = False  # holds one in-flight permit (submitter -> release)
 
     @property
     def gen(self):
@@ -119,6 +124,8 @@ class Job:
         # by reference counting (a Job <-> ChartRun cycle would keep its result's logits
         # array alive until a full garbage collection; the acceptance soak saw RSS climb).
         self.run.model = None
+        if self.on_resolved is not None:
+            self.on_resolved(self)
         self._done.set()
 
     def ctx(self) -> dict[str, int]:
@@ -163,15 +170,17 @@ class JobHandle:
         """Block until the job is resolved or ``deadline`` (absolute ``time.monotonic()``;
         None waits without limit). Never cancels: on timeout the job keeps running and a
         ``wait.deadline`` Status is returned."""
-        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-        if self._job._done.wait(timeout):
+        clock = self._job.clock
+        timeout = None if deadline is None else clock.remaining(deadline)
+        if clock.wait_event(self._job._done, timeout):
             return self._job.result
         return Status.deadline(Phase.WAIT, "wait_until deadline passed; the job continues "
                                            f"(state {self._job.run.state})", **self._job.ctx())
 
     def result(self, timeout: float | None = None) -> "InferenceResult | Status":
         """``wait_until`` with a relative timeout in seconds."""
-        return self.wait_until(None if timeout is None else time.monotonic() + timeout)
+        return self.wait_until(None if timeout is None else
+                               self._job.clock.monotonic() + timeout)
 
     def cancel(self) -> bool:
         """Request cancellation. Idempotent. True when the request was recorded before the job

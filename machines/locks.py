@@ -5,6 +5,21 @@ The spec fixes one acquisition order for the executor's locks::
     lifecycle_mu -> admission_mu -> pool_mu -> submit_mu
 
 and forbids the completion thread from holding any of them while it blocks in ``Wait()``.
+calexec ranks every other lock it owns around that order (issue 13: no lock outside it)::
+
+    recovery_mu -> lifecycle_mu -> admission_mu -> pool_mu -> submit_mu -> completion_mu
+        -> kv_call_mu -> faults_mu -> counters_mu
+
+``recovery_mu`` serialises recoveries and is held across their lifecycle steps, so it ranks
+first; ``kv_call_mu`` (KvManager calls), ``faults_mu`` (the fault controller's windows) and
+``counters_mu`` are leaves: nothing is acquired while holding them. No runtime call is made
+while holding pool_mu, submit_mu or completion_mu (§5.2); KvManager calls hold only the leaf
+``kv_call_mu``.
+
+Checking mode is on when ``ExecutorConfig.check_lock_order`` is set or the environment variable
+``CALEXEC_CHECK_LOCK_ORDER=1`` is (the test suite sets it, so every test checks the order);
+every ``LockOrder`` registers itself in ``ALL_ORDERS`` so a test fixture can assert that no
+executor built during a test saw a violation.
 ``RankedLock`` is a ``threading.Lock`` with a rank. In checking mode (tests, or
 ``ExecutorConfig.check_lock_order``) every acquisition is checked against the ranks the calling
 thread already holds; an out-of-order acquisition is recorded in ``LockOrder.violations`` (and
@@ -14,16 +29,34 @@ completion thread prove it holds nothing before ``Wait()``.
 
 from __future__ import annotations
 
+import os
 import threading
+import weakref
+from typing import TYPE_CHECKING
 
-LIFECYCLE, ADMISSION, POOL, SUBMIT, COMPLETION = range(5)
+if TYPE_CHECKING:
+    from calexec.machines.clock import Clock
+
+RECOVERY, LIFECYCLE, ADMISSION, POOL, SUBMIT, COMPLETION, KV_CALL, FAULTS, COUNTERS = range(9)
 RANK_NAMES = {
+    RECOVERY: "recovery_mu",
     LIFECYCLE: "lifecycle_mu",
     ADMISSION: "admission_mu",
     POOL: "pool_mu",
     SUBMIT: "submit_mu",
     COMPLETION: "completion_mu",
+    KV_CALL: "kv_call_mu",
+    FAULTS: "faults_mu",
+    COUNTERS: "counters_mu",
 }
+ORDER_TEXT = " -> ".join(RANK_NAMES[r] for r in sorted(RANK_NAMES))
+
+#: every LockOrder created in this process (weakly): tests assert none saw a violation
+ALL_ORDERS: "weakref.WeakSet[LockOrder]" = weakref.WeakSet()
+
+
+def checking_from_env() -> bool:
+    return os.environ.get("CALEXEC_CHECK_LOCK_ORDER", "") not in ("", "0")
 
 
 class LockOrderViolation(RuntimeError):
@@ -33,11 +66,15 @@ class LockOrderViolation(RuntimeError):
 class LockOrder:
     """Per-executor registry of ranked locks and of the order violations seen."""
 
-    def __init__(self, checking: bool = False, strict: bool = False) -> None:
-        self.checking = checking
+    def __init__(self, checking: bool = False, strict: bool = False,
+                 clock: "Clock | None" = None) -> None:
+        from calexec.machines.clock import SYSTEM
+        self.clock = clock or SYSTEM  # carried to every controller that gets this order
+        self.checking = checking or checking_from_env()
         self.strict = strict
         self.violations: list[str] = []
         self._local = threading.local()
+        ALL_ORDERS.add(self)
 
     def _held(self) -> list[int]:
         held = getattr(self._local, "held", None)
@@ -51,15 +88,18 @@ class LockOrder:
     def lock(self, rank: int) -> "RankedLock | threading.Lock":
         """A lock of ``rank``: a checking ``RankedLock`` in checking mode, else a plain
         ``threading.Lock`` (the hot path pays nothing for the checks it does not run)."""
-        return RankedLock(self, rank) if self.checking else threading.Lock()
+        return RankedLock(self, rank) if self.checking else self._plain_lock()
+
+    def _plain_lock(self):
+        """The lock of non-checking mode (the explorer overrides it with a controlled one)."""
+        return threading.Lock()
 
     def _before_acquire(self, rank: int) -> None:
         held = self._held()
         if held and held[-1] >= rank:
             message = (
                 f"{RANK_NAMES[rank]} acquired while holding {RANK_NAMES[held[-1]]} "
-                f"(thread {threading.current_thread().name}); order is "
-                "lifecycle_mu -> admission_mu -> pool_mu -> submit_mu"
+                f"(thread {threading.current_thread().name}); order is {ORDER_TEXT}"
             )
             self.violations.append(message)
             if self.strict:
@@ -74,7 +114,7 @@ class RankedLock:
     def __init__(self, order: LockOrder, rank: int) -> None:
         self._order = order
         self.rank = rank
-        self._lock = threading.Lock()
+        self._lock = order._plain_lock()
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
         order = self._order

@@ -11,7 +11,9 @@ Quarantined, Retired); the slot object answers the chart's guards:
 - ``runtime_done``: the runtime no longer uses the slot's buffers (GetStatus is not
   PENDING/RUNNING; IDLE when infer() never accepted the job).
 - ``undo_slice_done``: every SliceTensor was undone (FI15; else ``give_back`` quarantines).
-- ``reset_confirmed``: the pool's generation was torn down by a confirmed reset.
+- ``reset_confirmed``: after the drain or reset that ended the generation, the runtime's own
+  answer (GetStatus, asked outside pool_mu) says it no longer runs anything on the slot; a slot
+  whose job still runs is never retired (its buffers stay mapped).
 
 A ``BufferLease`` is the only way to reach a leased slot. It is move-only: ``moved()`` hands
 the slot to a new lease object and invalidates the old one; copying or pickling raises. Using
@@ -21,16 +23,15 @@ quarantined (§4.2: "Submitted-state destruction asserts and quarantines"), and 
 lease that is garbage-collected while still holding a slot.
 
 Locking: ``pool_mu`` (rank 2 of §5.2) guards the free lists and slot transitions; no runtime
-call is made while holding it except ``get_status`` in the ``runtime_done`` guard, which does
-not block.
+call is made while holding it (§5.2): ``GetStatus`` is asked before the lock is taken and the
+``runtime_done`` guard reads that answer (``BufferSlot.runtime_answer``); buffers are destroyed
+after the lock is released.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-import threading
-import time
 from collections import deque
 from typing import Any, Callable
 
@@ -65,7 +66,7 @@ class BufferSlot:
 
     __slots__ = ("slot_id", "generation_id", "kind", "engine", "submodel", "model", "inbuf",
                  "outbuf", "host_input", "host_position", "host_output", "scratch", "sliced", "run",
-                 "_pool", "__weakref__")
+                 "runtime_answer", "_pool", "__weakref__")
 
     def __init__(self, pool: "BufferPool", slot_id: int, submodel: SubmodelContract,
                  model: Any, engine: EngineSlot) -> None:
@@ -84,18 +85,36 @@ class BufferSlot:
         # Scratch for the finiteness check of one logits row (no per-token allocation).
         self.scratch = np.empty(pool.generation.vocab_size, dtype=np.uint16)
         self.sliced: set[str] = set()
+        #: the runtime's last GetStatus answer (rc, status) for this slot's output buffer
+        self.runtime_answer: tuple[int, int] | None = None
         self.run = BUFFER_SLOT.run(self)
 
     # ---- guards of BufferSlotChart -------------------------------------------------------
+    def ask_runtime(self) -> tuple[int, int] | None:
+        """GetStatus of the output buffer (a runtime call: never under pool_mu), kept as
+        ``runtime_answer`` for the chart's ``runtime_done`` guard. None once destroyed."""
+        outbuf = self.outbuf
+        self.runtime_answer = None if outbuf is None else outbuf.get_status()
+        return self.runtime_answer
+
     def runtime_done(self) -> bool:
-        rc, status = self.outbuf.get_status()
-        return rc == 0 and status not in (DeviceJobStatus.PENDING, DeviceJobStatus.RUNNING)
+        """Guard: the runtime's last answer says it no longer uses the buffers."""
+        answer = self.runtime_answer
+        return answer is not None and answer[0] == 0 and answer[1] not in (
+            DeviceJobStatus.PENDING, DeviceJobStatus.RUNNING)
+
+    def runtime_let_go(self) -> bool:
+        """Ask the runtime now (outside any pool lock) whether it let go of the buffers."""
+        self.ask_runtime()
+        return self.runtime_done()
 
     def undo_slice_done(self) -> bool:
         return not self.sliced
 
     def reset_confirmed(self) -> bool:
-        return self._pool.reset_confirmed
+        """Guard of ``retire``: the runtime's answer, asked once the generation was drained
+        or reset, says the slot is no longer in use (a hung job keeps its slot)."""
+        return self.runtime_done()
 
     # ---- runtime calls on the slot's buffers (return Status, never raise) -----------------
     def _map(self) -> Status:
@@ -206,11 +225,12 @@ class BufferPool:
         self.generation = generation
         self.generation_id = generation.generation_id
         self.pool_mu = locks.lock(POOL)
-        self._available = threading.Condition(self.pool_mu)
-        self.reset_confirmed = False
+        self.clock = locks.clock
+        self._available = self.clock.condition(self.pool_mu)
         self.misuse = 0
         self.dropped = 0
         self.slots: list[BufferSlot] = []
+        self.opened = False  # every slot's buffers created and mapped
         # free slots per task kind; in Phase B each slot is fixed to PING or PONG (§6.4)
         self._free: dict[TaskKind, deque[BufferSlot]] = {}
         ids = itertools.count()
@@ -240,6 +260,7 @@ class BufferPool:
             if not status.ok:
                 self.close()
                 return status
+        self.opened = True
         return Status.OK
 
     def close(self) -> None:
@@ -247,13 +268,15 @@ class BufferPool:
 
         Free and Retired slots are destroyed. Leased/InFlight/Quarantined slots keep their
         buffers and host storage alive (invariant 4) until a confirmed reset retires them."""
+        doomed = []
         with self.pool_mu:
+            self.opened = False
             for slot in self.slots:
                 if slot.run.state in ("Free", "Retired"):
-                    for buf in (slot.inbuf, slot.outbuf):
-                        if buf is not None:
-                            buf.destroy()
+                    doomed += [buf for buf in (slot.inbuf, slot.outbuf) if buf is not None]
                     slot.inbuf = slot.outbuf = None
+        for buf in doomed:  # runtime calls after pool_mu is released (§5.2)
+            buf.destroy()
 
     # ---- leasing ---------------------------------------------------------------------------
     def acquire(self, kind: TaskKind, deadline: float, owner: int | None = None,
@@ -274,12 +297,12 @@ class BufferPool:
                 stopped = stop()
                 if stopped is not None:
                     return stopped
-                remaining = deadline - time.monotonic()
+                remaining = deadline - self.clock.monotonic()
                 if remaining <= 0:
                     return Status.exhausted(
                         "buffer", Phase.LEASE, f"no free {kind.name} buffer slot before the deadline",
                         generation=self.generation_id)
-                self._available.wait(remaining)
+                self.clock.wait(self._available, remaining)
 
     def wake(self) -> None:
         """Wake waiters (a cancel or shutdown happened)."""
@@ -291,12 +314,16 @@ class BufferPool:
             lease.slot.run.send("submit")
 
     def device_done(self, lease: BufferLease) -> bool:
-        """InFlight -> Leased once the runtime finished with the buffers; False if it has not."""
+        """InFlight -> Leased once the runtime finished with the buffers; False if it has not.
+        GetStatus is asked before pool_mu is taken; the guard reads that answer."""
+        slot = lease.slot
+        if slot.run.state == "InFlight":
+            slot.ask_runtime()
         with self.pool_mu:
-            run = lease.slot.run
+            run = slot.run
             if run.state != "InFlight":
                 return run.state == "Leased"
-            try:  # the guard asks the runtime once (GetStatus), not once for can() and again
+            try:
                 run.send("device_done")
             except GuardRejected:
                 return False
@@ -351,20 +378,28 @@ class BufferPool:
                 free.clear()
         return count
 
-    def retire_quarantined(self) -> int:
-        """After a confirmed reset: Quarantined -> Retired, buffers destroyed."""
-        self.reset_confirmed = True
-        count = 0
+    def retire_quarantined(self) -> list[BufferSlot]:
+        """After the drain or reset that ended the generation: Quarantined -> Retired and
+        buffers destroyed, for every slot the runtime says it let go of (asked first, outside
+        pool_mu). Returns the slots the runtime still uses (their buffers stay mapped)."""
+        for slot in self.slots:
+            if slot.run.state == "Quarantined":
+                slot.ask_runtime()
+        doomed, held = [], []
         with self.pool_mu:
             for slot in self.slots:
-                if slot.run.state == "Quarantined":
+                if slot.run.state != "Quarantined":
+                    continue
+                try:
                     slot.run.send("retire")
-                    for buf in (slot.inbuf, slot.outbuf):
-                        if buf is not None:
-                            buf.destroy()
-                    slot.inbuf = slot.outbuf = None
-                    count += 1
-        return count
+                except GuardRejected:
+                    held.append(slot)
+                    continue
+                doomed += [buf for buf in (slot.inbuf, slot.outbuf) if buf is not None]
+                slot.inbuf = slot.outbuf = None
+        for buf in doomed:  # runtime calls after pool_mu is released (§5.2)
+            buf.destroy()
+        return held
 
     def drop_storage(self) -> None:
         """Free the host arrays of every slot; only for a retired pool whose runtime buffers

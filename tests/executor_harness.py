@@ -23,6 +23,19 @@ SEED = cb.default_spec().seed
 MANIFEST = load_manifest(default_manifest_path())
 
 
+def oracle_golden(seed: int, config: ExecutorConfig | None = None) -> tuple[int, ...]:
+    """The §9.2 warm-up tokens of a synthetic calbin of ``seed``, from the numpy oracle (an
+    independent expectation, used to pin a golden for calbins the packaged file does not)."""
+    config = config or ExecutorConfig(calbin_path="")
+    ref = oracle.OracleSequence(seed)
+    ref.run(list(config.golden_tokens))
+    out = [ref.next_token()]
+    for _ in range(config.golden_decode_steps):
+        ref.run([out[-1]])
+        out.append(ref.next_token())
+    return tuple(out)
+
+
 def write_calbin(directory: Path) -> str:
     path = directory / "qwen3_synthetic.calbin"
     cb.write(str(path), cb.default_spec())

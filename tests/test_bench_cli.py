@@ -23,9 +23,12 @@ OVERHEAD_KEYS = {
 }
 BREAKDOWN_KEYS = {"admission_us", "prepare_us", "queue_wait_us", "execution_us",
                   "postprocess_us", "caller_us", "total_us"}
-LOGITS_CASES = ("direct", "legacy", "direct_prefill", "legacy_prefill", "copy")
+LOGITS_CASES = ("direct", "legacy", "direct_prefill", "legacy_prefill", "copy", "numpy_path",
+                "fused", "fused_prefill", "fused_sumexp")
 LOGITS_KEYS = {"speedup_vs_legacy", "speedup_vs_legacy_prefill", "ratio_to_copy",
-               "bit_identical", "allocations_per_token", "allocation_count_per_call", "iters",
+               "fused_ratio_to_copy", "fused_prefill_ratio_to_copy", "numpy_path_ratio_to_copy",
+               "fused_speedup_vs_numpy_path", "fused_cpu_ratio_to_copy", "fused_bit_identical", "fused_sumexp_rel_error",
+               "cpu_model", "bit_identical", "allocations_per_token", "allocation_count_per_call", "iters",
                *(f"{case}_us_p50" for case in LOGITS_CASES),
                *(f"{case}_cpu_us" for case in LOGITS_CASES)}
 
@@ -88,6 +91,13 @@ def test_logits_json_report(capsys):
     assert counts["direct"]["numpy_data"] == 0 and counts["direct_prefill"]["numpy_data"] == 0
     assert counts["legacy"]["numpy_data"] >= 2 and counts["legacy_prefill"]["numpy_data"] >= 2
     assert counts["copy"] == {"python": pytest.approx(0, abs=0.5), "numpy_data": 0}
+    # the fused native path: same bits and argmax as the numpy path, no numpy buffer, and at
+    # most the argmax's int (the goal of issue 17: <= 2 Python allocations per call)
+    assert report["fused_bit_identical"] is True
+    assert report["fused_sumexp_rel_error"] < 1e-5
+    for case in ("fused", "fused_prefill", "fused_sumexp"):
+        assert counts[case]["numpy_data"] == 0 and counts[case]["python"] <= 2, (case, counts)
+    assert counts["numpy_path"]["numpy_data"] >= 1  # np.argmax's and max's 0-d results
 
 
 def test_text_report_names_the_figures(capsys):

@@ -11,15 +11,17 @@ from calexec.machines import diagrams
 from calexec.machines.compiled import CHARTS
 
 REPO_DIAGRAMS = Path(__file__).resolve().parent.parent / "diagrams"
+REPO_PNGS = Path(__file__).resolve().parent.parent / "docs" / "img"  # docs/diagrams.md
 
 
 @pytest.fixture(scope="module")
-def rendered(tmp_path_factory):
+def rendered(tmp_path_factory):  # its users are marked requires_tool("dot"): SVG rendering
     out = tmp_path_factory.mktemp("diagrams")
     assert diagrams.main(["diagrams", "--out", str(out)]) == 0
     return out
 
 
+@pytest.mark.requires_tool("dot")
 def test_render_then_check_passes(rendered):
     assert sorted(p.name for p in rendered.iterdir()) == sorted(
         f"{name}.{ext}" for name in CHARTS for ext in ("dot", "svg")
@@ -33,9 +35,10 @@ def test_dot_is_deterministic_and_complete():
         assert dot == diagrams.render_chart_dot(name)
         assert not re.search(r"_\d{6,}", dot), "object ids leaked into the DOT"
         for state in chart.states:
-            assert re.search(rf"^{state} \[", dot, re.M), state
+            assert re.search(rf"^\s*{state} \[", dot, re.M), state
 
 
+@pytest.mark.requires_tool("dot")
 def test_modified_dot_fails_check(rendered, tmp_path, capsys):
     for path in rendered.iterdir():
         (tmp_path / path.name).write_bytes(path.read_bytes())
@@ -46,6 +49,7 @@ def test_modified_dot_fails_check(rendered, tmp_path, capsys):
     assert "job.dot: differs" in err and "fix: calexec diagrams --out" in err
 
 
+@pytest.mark.requires_tool("dot")
 def test_svg_missing_or_from_another_dot_fails_check(rendered, tmp_path, capsys):
     for path in rendered.iterdir():
         (tmp_path / path.name).write_bytes(path.read_bytes())
@@ -57,12 +61,13 @@ def test_svg_missing_or_from_another_dot_fails_check(rendered, tmp_path, capsys)
     assert err.count("stale: ") == 2  # the untouched charts are not reported
 
 
+@pytest.mark.requires_tool("dot")
 def test_live_view_highlights_the_active_state():
     svg = diagrams.render_chart_svg("job", active_state="Submitted")
     assert svg.startswith("<?xml") and "calexec-dot-sha256" in svg
     active = diagrams.render_chart_dot("job", active_state="Submitted")
-    assert re.search(r"^Submitted \[.*fillcolor=turquoise", active, re.M)
-    assert not re.search(r"^Created \[.*fillcolor=turquoise", active, re.M)
+    assert re.search(r"^\s*Submitted \[.*fillcolor=turquoise", active, re.M)
+    assert not re.search(r"^\s*Created \[.*fillcolor=turquoise", active, re.M)
     with pytest.raises(ValueError, match="active_state='Nowhere'"):
         diagrams.render_chart_dot("job", active_state="Nowhere")
     with pytest.raises(ValueError, match="chart_name='nope'"):
@@ -70,4 +75,121 @@ def test_live_view_highlights_the_active_state():
 
 
 def test_committed_diagrams_are_current():
-    assert diagrams.stale_files(REPO_DIAGRAMS) == [], "run: calexec diagrams"
+    assert diagrams.stale_files(REPO_DIAGRAMS, REPO_PNGS) == [], \
+        "run: calexec diagrams --png docs/img"
+
+
+# ---- structure a reviewer relies on (issue 18) -----------------------------------------------
+_CLUSTER = re.compile(r"^\s*subgraph (cluster_\w+) \{|^\s*\}|^\s*(\w+) \[label=", re.M)
+_EDGE = re.compile(r'^(\w+) -> (\w+) \[label="((?:[^"\\]|\\.)*)"(.*)\];$', re.M)
+
+
+def parse(dot: str):
+    """(cluster -> its states, incl. nested boxes; edges as (tail, head, label lines, ltail))."""
+    members: dict[str, set[str]] = {}
+    stack: list[str] = []
+    for m in _CLUSTER.finditer(dot):
+        if m.group(1):
+            stack.append(m.group(1))
+            members[m.group(1)] = set()
+        elif m.group(2):
+            for name in stack:
+                members[name].add(m.group(2))
+        elif stack:
+            stack.pop()
+    edges = []
+    for tail, head, label, rest in _EDGE.findall(dot):
+        lines = [line for line in label.split("\\l") if line]
+        ltail = re.search(r"ltail=(\w+)", rest)
+        edges.append((tail, head, lines, ltail.group(1) if ltail else None))
+    return members, edges
+
+
+def test_diagram_shows_exactly_the_declared_transitions():
+    """Expanding every box edge to the states in its box gives back the compiled table."""
+    for name, chart in CHARTS.items():
+        members, edges = parse(diagrams.render_chart_dot(name))
+        drawn = set()
+        for tail, head, lines, ltail in edges:
+            sources = members[ltail] if ltail else {tail}
+            drawn |= {(source, line, head) for source in sources for line in lines}
+        declared = {(t.source, diagrams.transition_label(chart, t), t.target)
+                    for t in chart.transitions}
+        assert drawn == declared, name
+
+
+def test_job_chart_draws_one_cancel_and_one_fail_edge_from_boxes():
+    members, edges = parse(diagrams.render_chart_dot("job"))
+    cancel = [e for e in edges if "Cancel" in e[2]]
+    assert len(cancel) == 1
+    assert members[cancel[0][3]] == {"Created", "Admitted", "Preparing", "Queued", "Submitted",
+                                     "Completing"}
+    fail_from_box = [e for e in edges if e[3] and any(line.startswith("Fail") for line in e[2])]
+    assert len(fail_from_box) == 1
+    assert members[fail_from_box[0][3]] == {"Created", "Admitted", "Preparing", "Queued"}
+    # the only other Fail is the end of a cancelled job, merged with its Wait-returned twin
+    others = [e for e in edges if not e[3] and any(line.startswith("Fail") for line in e[2])]
+    assert [(e[0], e[1], len(e[2])) for e in others] == [("CancelRequested", "Failed", 2)]
+
+
+def test_lifecycle_and_slot_group_their_any_state_transitions():
+    members, edges = parse(diagrams.render_chart_dot("lifecycle"))
+    fail = [e for e in edges if any(line.startswith("Fail") for line in e[2])]
+    assert len(fail) == 1 and members[fail[0][3]] == {"Configuring", "Warming", "Ready",
+                                                      "Draining", "Recovering"}
+    members, edges = parse(diagrams.render_chart_dot("buffer_slot"))
+    quarantine = [e for e in edges if "Quarantine" in e[2]]
+    assert len(quarantine) == 1 and members[quarantine[0][3]] == {"Free", "Leased", "InFlight"}
+
+
+def test_every_diagram_has_a_legend_and_attached_labels():
+    for name in CHARTS:
+        dot = diagrams.render_chart_dot(name)
+        assert "subgraph cluster_legend {" in dot, name
+        assert re.search(r"final state \(double border\)", dot)
+        assert re.search(r"taken only when guards", dot)
+        assert "edge [" in dot and "decorate=true" in dot, name  # leader line to its edge
+        # no two edges between the same pair of states (their labels would be ambiguous)
+        _, edges = parse(dot)
+        pairs = [(e[3] or e[0], e[1]) for e in edges]
+        assert len(pairs) == len(set(pairs)), name
+    assert "[else]" in diagrams.render_chart_dot("buffer_slot")  # give_back's fallback
+
+
+def test_svg_text_stays_legible(rendered):
+    for name in CHARTS:
+        svg = (rendered / f"{name}.svg").read_text()
+        sizes = [float(s) for s in re.findall(r'font-size="([\d.]+)"', svg)]
+        assert sizes and min(sizes) >= 11.0, (name, min(sizes))
+        # natural size (no graphviz "size" shrink): points map 1:1 to CSS pixels at 100 %
+        assert "viewBox" in svg and not re.search(r"^size=", diagrams.render_chart_dot(name),
+                                                  re.M)
+
+
+def test_png_option_writes_one_png_per_chart_and_check_covers_them(tmp_path, capsys):
+    from PIL import Image
+
+    out, img = str(tmp_path / "d"), tmp_path / "img"
+    assert diagrams.main(["diagrams", "--out", out, "--png", str(img)]) == 0
+    for name in CHARTS:
+        with Image.open(img / f"{name}.png") as image:  # a valid PNG with its DOT's digest
+            image.load()
+            assert image.format == "PNG" and image.text.get("calexec-dot-sha256"), name
+    assert diagrams.main(["diagrams", "--out", out, "--png", str(img), "--check"]) == 0
+    (img / "job.png").write_bytes((img / "kv_txn.png").read_bytes())
+    (img / "lifecycle.png").unlink()
+    assert diagrams.main(["diagrams", "--out", out, "--png", str(img), "--check"]) == 1
+    err = capsys.readouterr().err
+    assert "job.png: not rendered from the current DOT" in err and "lifecycle.png: missing" in err
+    assert "--png" in err
+
+
+def test_svg_ids_name_every_state_and_every_transition_once(rendered):
+    """The live view finds a state's node and a transition's edge by these ids."""
+    for name, chart in CHARTS.items():
+        svg = (rendered / f"{name}.svg").read_text()
+        for state in chart.states:
+            assert f'id="{diagrams.NODE_ID}{state}"' in svg, (name, state)
+        edge_ids = re.findall(rf'<g id="{diagrams.EDGE_ID}([\d_]+)" class="edge"', svg)
+        drawn = [int(i) for group in edge_ids for i in group.split("_")]
+        assert sorted(drawn) == [t.id for t in chart.transitions], name

@@ -1,17 +1,252 @@
-"""The `calexec` dispatcher: every listed command resolves to a module with main(argv)."""
+"""The ``calexec`` console script: the argparse front, help with defaults, "did you mean",
+one-line user errors with their documented exit codes (never a traceback), the one-line
+``pip install`` of a missing extra, progress lines in a log, and ``--served-model-name``.
 
+User errors run ``python -m calexec`` in a child process: what a user sees on stderr is
+checked whole, and a command's process-wide settings (GIL interval, malloc) stay out of this
+process."""
+
+from __future__ import annotations
+
+import argparse
 import importlib
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
 
-from calexec import cli
+import pytest
+
+from calexec import __version__, cli
+from calexec.drivers.accept_rig import Progress
+
+TIMEOUT_S = 120
 
 
+def calexec(*argv: str, pre: str = "", timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess:
+    """``calexec ARGV`` in a child; ``pre`` is Python run first (e.g. to block an extra)."""
+    code = f"{pre}\nimport sys\nfrom calexec.cli import main\nsys.exit(main({list(argv)!r}))"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def one_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert "Traceback" not in stderr and len(lines) == 1, stderr
+    return lines[0]
+
+
+# ---- the front -------------------------------------------------------------------------------
 def test_every_command_resolves_to_a_main():
-    for name, (module, help_text) in cli.COMMANDS.items():
-        assert callable(importlib.import_module(module).main), name
-        assert help_text
+    for name, command in cli.COMMANDS.items():
+        assert callable(importlib.import_module(command.module).main), name
+        assert command.help and command.extra in (None, "server", "plots", "ray")
 
 
-def test_help_and_unknown_command(capsys):
-    assert cli.main(["--help"]) == 0 and "serve" in capsys.readouterr().out
-    assert cli.main([]) == 2
+def test_help_version_and_unknown_command(capsys):
+    assert cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in cli.COMMANDS) and "exit codes" in out
+    assert cli.main(["--version"]) == 0 and capsys.readouterr().out.strip() == f"calexec {__version__}"
+    assert cli.main([]) == 2 and "usage: calexec" in capsys.readouterr().err
     assert cli.main(["nope"]) == 2 and "unknown command 'nope'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, suggestion", [
+    (["serv"], "did you mean 'serve'?"),
+    (["acept", "--quick"], "did you mean 'accept'?"),
+    (["bench", "overheda"], "did you mean 'bench overhead'?"),
+    (["sim", "write-calbn", "x"], "did you mean 'sim write-calbin'?"),
+])
+def test_mistyped_command_gets_a_suggestion(argv, suggestion, capsys):
+    assert cli.main(argv) == 2
+    assert suggestion in one_line(capsys.readouterr().err)
+
+
+def test_mistyped_flag_gets_a_suggestion(capsys):
+    assert cli.main(["demo", "--seq", "2", "--tokns", "3"]) == 2
+    line = one_line(capsys.readouterr().err)
+    assert line.startswith("calexec demo: error:") and "did you mean --tokens?" in line
+
+
+def test_group_word_lists_its_subcommands(capsys):
+    assert cli.main(["bench", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"bench {w}" in out for w in ("charts", "overhead", "logits", "recovery",
+                                               "pingpong", "server"))
+
+
+def _parsers(monkeypatch) -> dict[str, argparse.ArgumentParser]:
+    """Each command's own parser, captured at parse time (the command never runs)."""
+    seen: dict[str, argparse.ArgumentParser] = {}
+
+    class Captured(Exception):
+        pass
+
+    def capture(self, args=None, namespace=None):
+        seen[current] = self
+        raise Captured
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", capture)
+    for current in cli.COMMANDS:
+        words = current.split()
+        with pytest.raises(Captured):
+            importlib.import_module(cli.COMMANDS[current].module).main(
+                [*words, *(["PATH"] if current == "sim write-calbin" else [])])
+    return seen
+
+
+def test_every_flag_of_every_command_has_help_and_shows_its_default(monkeypatch):
+    parsers = _parsers(monkeypatch)
+    assert set(parsers) == set(cli.COMMANDS)
+    for name, parser in parsers.items():
+        for action in parser._actions:
+            assert action.help, f"calexec {name}: {action.option_strings or action.dest} has no help"
+        text = parser.format_help()
+        for action in parser._actions:
+            if action.option_strings and action.default not in (None, False, "", argparse.SUPPRESS):
+                assert "default" in (action.help or "") or "(default:" in text, (name, action.dest)
+    serve_help = parsers["serve"].format_help()
+    for flag in ("--manifest", "--calbin", "--runtime-lib", "--reset-kind", "--conform-report",
+                 "--served-model-name"):
+        assert flag in serve_help
+    assert "(default: 127.0.0.1)" in serve_help and "(default: 30.0)" in serve_help
+    for name in ("demo", "accept", "bench overhead", "bench recovery", "bench pingpong",
+                 "bench server"):
+        text = parsers[name].format_help()
+        assert all(f in text for f in ("--manifest", "--calbin", "--runtime-lib")), name
+    assert "--calbin" in parsers["conform"].format_help()
+    assert "--runtime-lib" in parsers["conform"].format_help()
+
+
+# ---- user errors: one line naming the offender, exit 2 (configuration) ------------------------
+def _not_a_dir(tmp_path: Path) -> str:
+    (tmp_path / "file").write_text("x")
+    return str(tmp_path / "file" / "out")
+
+
+def _bad_manifest(tmp_path: Path) -> str:
+    path = tmp_path / "bad.toml"
+    path.write_text('name = "m"\ncalrt_version = "0.7.6"\nvocab_size = -3\nhidden_size = 64\n')
+    return str(path)
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["serve", "--runtime-lib", "/nonexistent"], "--runtime-lib='/nonexistent': no such file"),
+    (["serve", "--port", "70000"], "70000 is not a TCP port"),
+    (["sim", "write-calbin", "/nonexistent/x"], "cannot write '/nonexistent/x'"),
+    (["diagrams", "--out", "{not_a_dir}"], "--out="),
+    (["serve", "--once", "--device-config", "decode_us=5;kv_blockz=4"], "kv_blockz='4' refused"),
+    (["serve", "--device-config", "kv_blocks"], "item 'kv_blocks' is not key=value"),
+    (["serve", "--timeout", "601"], "--timeout=601: above the server's largest request deadline"),
+    (["serve", "--manifest", "{bad_manifest}"], "submodel: missing required key"),
+    (["serve", "--reset-kind", "reset", "--conform-report", "/nonexistent"], "not both"),
+    (["serve", "--conform-report", "/nonexistent"], "/nonexistent"),
+    (["demo", "--calbin", "/nonexistent/c.calbin"], "--calbin='/nonexistent/c.calbin'"),
+    (["demo", "--manifest", "/nonexistent.toml"], "--manifest='/nonexistent.toml'"),
+    (["accept", "--runtime-lib", "/nonexistent"], "--runtime-lib='/nonexistent'"),
+    (["bench", "overhead", "--runtime-lib", "/nonexistent"], "--runtime-lib='/nonexistent'"),
+    (["conform", "--runtime-lib", "/nonexistent"], "'/nonexistent' does not exist"),
+    (["accept", "--soak-seconds", "inf"], "--soak-seconds"),
+])
+def test_user_errors_are_one_line_naming_the_offender_exit_2(argv, named, tmp_path):
+    argv = [a.format(not_a_dir=_not_a_dir(tmp_path), bad_manifest=_bad_manifest(tmp_path))
+            for a in argv]
+    done = calexec(*argv)
+    line = one_line(done.stderr)
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert line.startswith(f"calexec {cli._lookup(argv)}:") and named in line, line
+
+
+def test_a_library_that_is_not_one_is_named_exit_2(tmp_path):
+    fake = tmp_path / "libfake.so"
+    fake.write_bytes(b"not an ELF")
+    done = calexec("serve", "--runtime-lib", str(fake))
+    assert done.returncode == 2 and f"--runtime-lib='{fake}': cannot load" in one_line(done.stderr)
+
+
+def test_an_unexpected_exception_is_one_line_exit_70(monkeypatch, capsys):
+    module = importlib.import_module(cli.COMMANDS["demo"].module)
+    monkeypatch.setattr(module, "main", lambda argv: 1 / 0)
+    assert cli.main(["demo"]) == 70
+    line = one_line(capsys.readouterr().err)
+    assert "internal error: ZeroDivisionError" in line and "CALEXEC_DEBUG=1" in line
+
+
+# ---- optional extras: the core works without them, a command that needs one says so ----------
+BLOCK_EXTRAS = """
+import sys
+class _Block:
+    BLOCKED = ("fastapi", "uvicorn", "prometheus_client", "starlette", "matplotlib", "tqdm", "ray")
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in self.BLOCKED:
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked by the test)")
+        return None
+sys.meta_path.insert(0, _Block())
+"""
+
+#: modules that exist to serve HTTP or run Ray: the only ones allowed to need an extra
+SERVER_ONLY = {"calexec.drivers.server", "calexec.drivers.serve", "calexec.drivers.metrics",
+               "calexec.drivers.bench_server", "calexec.drivers.ray_serve",
+               "calexec.drivers.fleet_edge"}
+
+
+def test_the_core_and_the_tools_import_without_any_extra():
+    code = BLOCK_EXTRAS + """
+import importlib, pkgutil, json
+import calexec, calexec.contracts, calexec.machines, calexec.drivers
+failed = {}
+for pkg in (calexec, calexec.contracts, calexec.machines, calexec.drivers):
+    for info in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
+        if info.name.endswith("__main__"):
+            continue
+        try:
+            importlib.import_module(info.name)
+        except ImportError as exc:
+            failed[info.name] = str(exc)
+print(json.dumps(failed))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    assert done.returncode == 0, done.stderr
+    failed = json.loads(done.stdout)
+    assert set(failed) <= SERVER_ONLY, failed
+    assert "calexec.machines.executor" not in failed
+
+
+def test_a_command_without_its_extra_prints_the_pip_line_exit_2(tmp_path):
+    serve = calexec("serve", "--once", pre=BLOCK_EXTRAS)
+    assert serve.returncode == 2
+    assert one_line(serve.stderr) == ("calexec serve: needs the optional [server] extra: "
+                                      "pip install 'calexec[server]'")
+    report = calexec("accept", "--gates", "lengths", "--report", str(tmp_path), pre=BLOCK_EXTRAS)
+    assert report.returncode == 2 and "pip install 'calexec[plots]'" in one_line(report.stderr)
+    demo = calexec("demo", "--seqs", "1", "--tokens", "2", pre=BLOCK_EXTRAS)
+    assert demo.returncode == 0 and "oracle match: yes" in demo.stdout, demo.stderr
+
+
+# ---- progress in a log file ------------------------------------------------------------------
+def test_progress_into_a_log_is_plain_periodic_lines():
+    now = [0.0]
+    log = io.StringIO()  # not a TTY
+    progress = Progress(2, stream=log, every_s=10.0, clock=lambda: now[0])
+    for gate in ("correctness_a", "lengths_a"):
+        for step in range(1000):  # 100 s of steps, one every 0.1 s
+            progress.update(gate, step, 1000)
+            now[0] += 0.1
+        progress.gate_done()
+    progress.close()
+    text = log.getvalue()
+    assert "\r" not in text
+    lines = text.splitlines()
+    assert 10 <= len(lines) <= 24, lines  # one per 10 s, plus one per gate
+    assert lines[-1] == "[accept] 100.0% lengths_a done (2/2 gates)"
+    assert all(line.startswith("[accept] ") for line in lines)
+
+
+# ---- serve: --served-model-name ----------------------------------------------------------------
+def test_served_model_name_is_what_the_api_reports():
+    done = calexec("serve", "--once", "--served-model-name", "my-model")
+    assert done.returncode == 0, done.stderr
+    assert '"model": "my-model"' in done.stdout

@@ -137,7 +137,46 @@ def test_exact_match_resolves_and_ignores_the_decoy(manifest):
     assert isinstance(gen, ModelGeneration)
     assert (gen.generation_id, gen.calbin_sha256, gen.calrt_version, gen.vocab_size) == (5, SHA, "0.7.6", V)
     assert gen.submodel(TaskKind.DECODE).exact_name == "qwen3_decode_s40960_b1"
-    assert manifest.unlisted(models) == ("qwen3_decode_s40960_b1_draft",)
+    assert manifest.ignored_models == ("qwen3_decode_s40960_b1_draft",)
+    assert manifest.unlisted(models) == ()
+
+
+# ---- §10.2: a runtime model the manifest does not list refuses Ready -------------------------
+
+def test_unlisted_runtime_model_refuses_the_generation(manifest):
+    models = emulator_models() + [attrs.evolve(emulator_models()[2], name="qwen3_decode_s40960_b1_v2")]
+    result = manifest.resolve(models, 1, SHA)
+    assert_refused(result, "model_unlisted", "'qwen3_decode_s40960_b1_v2'", "ignored_models")
+    assert "qwen3_decode_s40960_b1_draft" not in result.message  # listed as ignored
+
+
+def test_the_decoy_refuses_ready_unless_the_manifest_lists_it(tmp_path):
+    text = "\n".join(line for line in DEFAULT_TEXT.splitlines() if not line.startswith("ignored_models"))
+    bare = load_manifest(write(tmp_path, text))
+    assert bare.ignored_models == ()
+    result = bare.resolve(emulator_models(), 1, SHA)
+    assert_refused(result, "model_unlisted", "'qwen3_decode_s40960_b1_draft'")
+
+
+def test_missing_is_reported_before_unlisted(tmp_path):
+    """FI01: the renamed manifest entry is named, not just the runtime model it left over."""
+    text = replace_once(DEFAULT_TEXT, '"qwen3_decode_s40960_b1"', '"qwen3_decode_s40960_b2"')
+    result = load_manifest(write(tmp_path, text)).resolve(emulator_models(), 1, SHA)
+    assert_refused(result, "model_missing", "'qwen3_decode_s40960_b2'")
+
+
+@pytest.mark.parametrize(("value", "key", "problem"), [
+    ('["qwen3_decode_s40960_b1"]', "ignored_models[0]", "a model is served or ignored"),
+    ('["a", "a"]', "ignored_models[1]", "listed twice"),
+    ('[1]', "ignored_models[0]", "non-empty string"),
+    ('"qwen3_decode_s40960_b1_draft"', "ignored_models", "must be of TOML type array"),
+])
+def test_malformed_ignored_models(tmp_path, value, key, problem):
+    text = replace_once(DEFAULT_TEXT, 'ignored_models = ["qwen3_decode_s40960_b1_draft"]',
+                        f"ignored_models = {value}")
+    with pytest.raises(ManifestError) as info:
+        load_manifest(write(tmp_path, text))
+    assert info.value.key == key and problem in str(info.value), str(info.value)
 
 
 def assert_refused(result, reason, *names):

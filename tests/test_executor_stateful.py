@@ -30,7 +30,7 @@ from calexec.drivers import calbin as cb
 from calexec.drivers import oracle
 from calexec.drivers.runtime import Did, Fault, FaultMode, Stage
 from calexec.machines.job import InferenceResult
-from executor_harness import SEED, decode, make_executor, prefill, write_calbin
+from executor_harness import SEED, decode, make_executor, oracle_golden, prefill, write_calbin
 
 EXAMPLES = int(os.environ.get("CALEXEC_STATEFUL_EXAMPLES", "2000" if os.environ.get("CI") else "300"))
 SEQS = (1, 2, 3)
@@ -75,7 +75,8 @@ class ExecutorMachine(RuleBasedStateMachine):
         self.ex = make_executor(CALBIN["path"], "kv_blocks=64;kv_block_size=16",
                                 inflight_capacity=self.CAPACITY, threads=False,
                                 slots_per_kind=len(SEQS), check_lock_order=True,
-                                timeout_grace_s=0.0, golden_timeout_s=2.0)
+                                timeout_grace_s=0.0, golden_timeout_s=2.0,
+                                goldens={CALBIN_SHA[CALBIN["other"]]: oracle_golden(OTHER_SEED)})
         ex = self.ex
         self.infer_callers: list[str] = []
         self.wait_callers: list[str] = []

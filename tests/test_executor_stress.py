@@ -230,7 +230,10 @@ class SequenceClient:
             assert result.kv_len == self.ref.length
             assert result.argmax == self.ref.next_token()
             assert np.array_equal(result.logits, oracle_logits(self.ref.states[-1]))
-        view = self.ex.kvc.seqs[self.seq]
+        view = self.ex.kvc.seqs.get(self.seq)
+        if view is None:  # refused before its first KV reservation (e.g. the token budget)
+            assert outcome != AFTER_SUBMIT and self.ref.length == 0, (outcome, result)
+            return self.book.record(outcome, result, committed)
         if outcome == AFTER_SUBMIT:
             assert view.unknown_reason == result.code
             self.restart()

@@ -20,7 +20,7 @@ from calexec.drivers import oracle
 from calexec.machines.compiled import LIFECYCLE
 from calexec.machines.faults import Action, RecoveryPolicy
 from calexec.machines.pool import BufferPool
-from executor_harness import (SEED, arm, decode, deadline, fired, greedy, prefill,
+from executor_harness import (SEED, arm, decode, deadline, fired, greedy, oracle_golden, prefill,
                               running_executor, settle, write_calbin)
 from test_executor_paths import recording
 
@@ -262,7 +262,8 @@ def test_device_fault_without_a_safe_reset_fails_from_recovering(calbins):
 
 # ---- model switch (§9.2) ------------------------------------------------------------------------------
 def test_model_switch_goes_live_after_its_golden(calbins):
-    with running_executor(calbins["main"]) as ex:
+    other_sha = cb.write(calbins["other"], cb.default_spec(seed=OTHER_SEED))
+    with running_executor(calbins["main"], goldens={other_sha: oracle_golden(OTHER_SEED)}) as ex:
         assert ex.switch_model(calbins["other"]).ok
         assert ex.state == "Ready" and ex.gen.id == 2 and ex.gen.calbin_path == calbins["other"]
         assert serves_oracle(ex, seed=OTHER_SEED)
@@ -341,11 +342,10 @@ def lifecycle_scenarios(calbins):
     ex = DeviceExecutor(CalRT.load(), bad, ExecutorConfig(calbin_path=calbins["main"]))
     status = ex.start()
     assert not status.ok and ex.state == "Failed" and "dekode" in status.message
-    # Warming -> Failed (no recorded golden and one is required)
-    ex = DeviceExecutor(CalRT.load(), manifest,
-                        ExecutorConfig(calbin_path=calbins["main"], require_golden=True))
+    # Warming -> Failed (no pinned golden for this calbin, allow_unpinned_golden not set)
+    ex = DeviceExecutor(CalRT.load(), manifest, ExecutorConfig(calbin_path=calbins["other"]))
     status = ex.start()
-    assert status.code == "golden.missing" and ex.state == "Failed"
+    assert status.code == "golden.unpinned" and ex.state == "Failed"
 
 
 @pytest.fixture(scope="module")

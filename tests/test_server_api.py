@@ -214,7 +214,10 @@ def test_admin_reload_switches_the_model_and_rolls_back_a_bad_one(fresh, tmp_pat
     executor, app = fresh()
     other_seed = cb.DEFAULT_SEED ^ 0x77
     other = tmp_path / "other.calbin"
-    cb.write(str(other), cb.default_spec(seed=other_seed))
+    other_sha = cb.write(str(other), cb.default_spec(seed=other_seed))
+    executor.goldens[other_sha] = tuple(oracle_tokens(list(executor.config.golden_tokens),
+                                                      executor.config.golden_decode_steps + 1,
+                                                      other_seed))  # the operator pins it
     auth = {"Authorization": f"Bearer {TOKEN}"}
     with TestClient(app) as client:
         assert client.post("/admin/reload", json={"calbin": str(other)}).status_code == 401
@@ -278,6 +281,7 @@ def test_failure_counter_carries_the_raw_calrt_code(fresh):
 
 
 # ---- statecharts -------------------------------------------------------------------------------------
+@pytest.mark.requires_tool("dot")
 def test_statecharts_svg_highlights_the_lifecycle_state(served):
     client, _ = served
     r = client.get("/debug/statecharts/lifecycle.svg")
@@ -285,10 +289,12 @@ def test_statecharts_svg_highlights_the_lifecycle_state(served):
     assert SVG_ACTIVE.findall(r.text) == ["Ready"]
     page = client.get("/debug/statecharts")
     assert page.status_code == 200 and page.text.count("<svg") == 4
-    assert "<b id='lifecycle'>Ready</b>" in page.text and "<table id='jobs'>" in page.text
+    assert "<b id='lifecycle'>Ready</b>" in page.text
+    assert "/debug/statecharts/live.json" in page.text  # the page refreshes itself
     assert client.get("/debug/statecharts/nope.svg").status_code == 404
 
 
+@pytest.mark.requires_tool("dot")
 def test_live_job_counts_show_a_running_job(fresh):
     executor, app = fresh()
     Emulator(executor.device).set_latency(prefill_per_token_us=300_000, decode_us=300_000)

@@ -3,7 +3,8 @@ through an injected device fault and its recovery, ``promtool check metrics`` on
 a headless-Chromium screenshot of /debug/statecharts.
 
 promtool (Debian package ``prometheus``) and chromium (Debian package ``chromium``) are
-installed by ``.ci/install-server-tools``; a missing tool fails the test loudly (never a skip).
+installed by ``.ci/install-server-tools``; a missing tool skips the test with the reason, and
+fails it under ``CALEXEC_REQUIRE_TOOLS=1`` (as ``.ci/run`` sets it; tests/needs.py).
 Everything talks to 127.0.0.1 only; every wait is bounded.
 """
 
@@ -12,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +24,7 @@ import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
 
+import needs
 from calexec.drivers import tokenizer
 from calexec.drivers.runtime import Fault, FaultMode, Stage
 from calexec.drivers.serve import SAMPLE_REQUEST
@@ -31,17 +32,7 @@ from calexec.drivers.server import ServerConfig, create_app
 from test_server_support import (LiveServer, metric_value, oracle_tokens, started_executor,
                                  wait_for)
 
-INSTALL_SCRIPT = ".ci/install-server-tools"
 TURQUOISE = (64, 224, 208)  # the highlighted state's fill (machines/diagrams.py)
-
-
-def system_tool(name: str, package: str) -> str:
-    """Path of a Debian-provided tool; fails (not skips) naming the install script."""
-    path = shutil.which(name)
-    if path is None:
-        pytest.fail(f"{name!r} is not on PATH: run `bash {INSTALL_SCRIPT}` as root (installs "
-                    f"Debian's {package!r} package)", pytrace=False)
-    return path
 
 
 def run_bounded(argv: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
@@ -153,7 +144,7 @@ def test_ready_follows_an_injected_device_fault_through_recovery(tmp_path):
 
 # ---- promtool check metrics ----------------------------------------------------------------------
 def test_promtool_accepts_the_metrics_exposition(tmp_path):
-    promtool = system_tool("promtool", "prometheus")
+    promtool = needs.tool("promtool")
     # promtool's lint is live: a counter without _total is reported (exit non-zero)
     lint = subprocess.run([promtool, "check", "metrics"], input="# TYPE x_bytes counter\n"
                           "x_bytes 1\n", capture_output=True, text=True, timeout=30)
@@ -184,8 +175,9 @@ def test_promtool_accepts_the_metrics_exposition(tmp_path):
 
 
 # ---- headless Chromium screenshot of /debug/statecharts -----------------------------------------
+@pytest.mark.requires_tool("dot")
 def test_statecharts_page_renders_in_headless_chromium(tmp_path):
-    chromium = system_tool("chromium", "chromium")
+    chromium = needs.tool("chromium")
     shot = tmp_path / "statecharts.png"
     executor = started_executor(tmp_path)
     try:

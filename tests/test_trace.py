@@ -8,7 +8,7 @@ import math
 
 from calexec.contracts.types import JobTimings
 from calexec.drivers import bench
-from calexec.drivers.trace import TracedJob, trace_events, validate, write_trace
+from calexec.drivers.trace import HOST_TID_BASE, TracedJob, trace_events, validate, write_trace
 
 
 def _job(job_id: int, seq: int, submitted: int, completed: int) -> TracedJob:
@@ -69,3 +69,22 @@ def test_bench_pingpong_json_shape_and_trace(tmp_path, capsys):
     assert validate(trace) == []
     complete = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert complete and all(k in e for e in complete for k in ("ts", "dur", "pid", "tid"))
+
+
+def test_a_jobs_chart_path_becomes_instant_events_on_its_host_lane(tmp_path):
+    from executor_harness import deadline, prefill, running_job_path, write_calbin
+    with running_job_path(write_calbin(tmp_path)) as ex:
+        handle = ex.enqueue(prefill(1, [1, 2, 3]))
+        result = handle.wait_until(deadline())
+        steps = tuple(ex.job_trail(handle.job_id)["trail"])
+    trace = trace_events({"run": [TracedJob(result.job_id, 1, "prefill", result.timings,
+                                            steps)]})
+    assert validate(trace) == []
+    instants = [e for e in trace["traceEvents"] if e["ph"] == "i"]
+    assert [e["name"] for e in instants][:2] == ["admit: Created -> Admitted",
+                                                 "begin_preparation: Admitted -> Preparing"]
+    assert instants[-1]["name"] == "deliver: Completing -> Succeeded"
+    assert all(e["tid"] == HOST_TID_BASE + 1 for e in instants)
+    # the chart steps fall inside the job's own host/device timeline
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert min(e["ts"] for e in spans) <= instants[0]["ts"] <= instants[-1]["ts"]

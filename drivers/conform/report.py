@@ -8,6 +8,7 @@ otherwise the conservative value is listed with the reason.
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 from calexec.drivers.conform.experiments import RESET_KINDS
@@ -60,10 +61,8 @@ def safe_settings(questions: list[dict]) -> list[dict[str, str]]:
     else:
         add("kv_after_failed_wait=unknown: release the sequence after any failed Wait",
             "not measured: assume the worst")
-    usable = [k for k in RESET_KINDS
-              if all(_proven(q, f"reset.{k}.{a}") for a in ("aborts_jobs", "no_stale_writes", "golden_after"))]
-    if usable:
-        kind = usable[0]
+    kind = reset_kind(questions)
+    if kind != "none":
         extra = [] if _proven(q, f"reset.{kind}.keeps_config") else ["configure again"]
         if not _proven(q, f"reset.{kind}.keeps_kv"):
             extra.append("rebuild every sequence's KV")
@@ -79,6 +78,38 @@ def safe_settings(questions: list[dict]) -> list[dict[str, str]]:
     else:
         add("on execution timeout: hold the buffers and restart the process", "no reset proven to recover")
     return out
+
+
+def reset_kind(questions: list[dict]) -> str:
+    """The executor's ``RecoveryPolicy.reset_kind`` these verdicts justify: the weakest reset
+    proven to abort both engines' jobs with no stale write and to pass the golden after it;
+    ``"none"`` when no reset was proven (then a fault that needs a reset ends Failed, §9.1)."""
+    q = _by_id(questions)
+    usable = [k for k in RESET_KINDS
+              if all(_proven(q, f"reset.{k}.{a}") for a in ("aborts_jobs", "no_stale_writes", "golden_after"))]
+    return usable[0] if usable else "none"
+
+
+class ReportError(ValueError):
+    """A conformance report that cannot be read; the message names the file and the problem."""
+
+
+def load_run(path: str) -> dict[str, Any]:
+    """The run dict of a ``calexec conform --report DIR`` report: ``path`` is that directory or
+    its ``conformance.json``. Raises :class:`ReportError`."""
+    file = os.path.join(path, "conformance.json") if os.path.isdir(path) else path
+    try:
+        with open(file, encoding="utf-8") as f:
+            run = json.load(f)
+    except OSError as exc:
+        raise ReportError(f"{file!r}: cannot read the conformance report: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise ReportError(f"{file!r}: not a conformance report (invalid JSON: {exc})") from None
+    if not isinstance(run, dict) or not isinstance(run.get("questions"), list) or not all(
+            isinstance(q, dict) and {"id", "verdict"} <= q.keys() for q in run["questions"]):
+        raise ReportError(f"{file!r}: not a conformance report (no 'questions' list of verdicts)")
+    run["source"] = file
+    return run
 
 
 def to_json(run: dict[str, Any]) -> str:

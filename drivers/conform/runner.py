@@ -8,7 +8,6 @@ Exit 0 when the run completed (whatever the verdicts), 1 when the runner itself 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -16,6 +15,7 @@ import tempfile
 import time
 from typing import Any, Callable
 
+from calexec import cliargs
 from calexec.drivers import calbin as calbin_fmt
 from calexec.drivers.conform import report, trace
 from calexec.drivers.conform.experiments import EXPERIMENTS, QUESTIONS
@@ -46,11 +46,13 @@ def probe_library(lib: str) -> tuple[str, bool]:
 def run(lib: str | None, config: str = "", quick: bool = False, only: tuple[str, ...] = (),
         timeout_s: float | None = None, work_dir: str | None = None,
         experiment_kwargs: dict[str, dict] | None = None,
-        on_child: Callable[[str, int], None] | None = None) -> dict[str, Any]:
+        on_child: Callable[[str, int], None] | None = None,
+        calbin_path: str | None = None) -> dict[str, Any]:
     """Run the experiments (all, or ``only``) and return the run dict the report renders.
 
     lib None builds the bundled emulator as ``libcalrt_emu.so`` into work_dir (a temp dir
-    by default) and dlopens it. ``experiment_kwargs`` passes extra keyword arguments to
+    by default) and dlopens it. ``calbin_path``: a synthetic calbin to use (the experiments
+    check outputs against its oracle); None writes the default one. ``experiment_kwargs`` passes extra keyword arguments to
     one experiment (tests); ``on_child(name, pid)`` is called when its child starts."""
     unknown = [name for name in only if name not in EXPERIMENTS]
     if unknown:
@@ -62,8 +64,9 @@ def run(lib: str | None, config: str = "", quick: bool = False, only: tuple[str,
         if bundled:
             _progress("building libcalrt_emu.so (bundled emulator, dlopen path)")
             lib = build_emulator_lib(work)
-        calbin = os.path.join(work, "conform.calbin")
-        calbin_fmt.write(calbin)
+        calbin = calbin_path or os.path.join(work, "conform.calbin")
+        if calbin_path is None:
+            calbin_fmt.write(calbin)
         version, has_emu = _runtime_info(lib)
         questions, timeline, experiments = [], [], {}
         for name in only or tuple(EXPERIMENTS):
@@ -103,22 +106,36 @@ def write_report(run_dict: dict[str, Any], out_dir: str) -> list[str]:
     return ["conformance.md", "conformance.json", *written]
 
 
+@cliargs.command_main
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="calexec conform", description=__doc__.splitlines()[0])
-    p.add_argument("--lib", help="shared library implementing calrt.h (default: build the bundled emulator)")
+    p = cliargs.parser("calexec conform", __doc__)
+    p.add_argument("--lib", "--runtime-lib", dest="lib", metavar="PATH",
+                   help="shared library implementing calrt.h (default: build the bundled emulator)")
+    p.add_argument("--calbin", metavar="PATH", help="synthetic calbin the experiments load and check "
+                   "against its oracle (default: the default synthetic calbin)")
     p.add_argument("--report", metavar="DIR", help="write conformance.md/.json, trace.json, timing.png here")
     p.add_argument("--json", action="store_true", help="print the run as one JSON object on stdout")
     p.add_argument("--quick", action="store_true", help="small sizes (seconds, for CI)")
     p.add_argument("--config", default="", help="device config string passed to calrt_device_open")
     p.add_argument("--only", action="append", choices=list(EXPERIMENTS), help="run only this experiment (repeat)")
-    p.add_argument("--timeout", type=float, help="seconds per experiment child (default 30 quick / 120)")
+    p.add_argument("--timeout", type=cliargs.positive_float,
+                   help="seconds per experiment child (default 30 quick / 120)")
     args = p.parse_args(argv[1:])
     if args.lib and not os.path.exists(args.lib):
         print(f"calexec conform: --lib {args.lib!r} does not exist", file=sys.stderr)
         return 2
+    if args.calbin is not None:
+        try:
+            calbin_fmt.read(args.calbin)
+        except (OSError, ValueError) as exc:
+            raise cliargs.UserError(f"--calbin={args.calbin!r}: not a readable synthetic calbin: {exc}") from None
+        args.calbin = os.path.abspath(args.calbin)
+    if args.report:  # before the run: timing.png needs matplotlib
+        cliargs.require_extra("plots", "--report (timing.png)")
     t0 = time.monotonic()
     try:
-        result = run(args.lib, args.config, args.quick, tuple(args.only or ()), args.timeout)
+        result = run(args.lib, args.config, args.quick, tuple(args.only or ()), args.timeout,
+                     calbin_path=args.calbin)
         if args.report:
             files = write_report(result, args.report)
             _progress(f"report written to {args.report}: {', '.join(files)}")

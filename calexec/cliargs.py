@@ -1,0 +1,185 @@
+"""What every ``calexec`` subcommand's argument parsing shares.
+
+- :func:`parser`: an ``argparse`` parser whose help shows each flag's default and whose errors
+  are one line (``calexec serve: error: argument --port: ...``) with a "did you mean" for a
+  mistyped flag, exit 2.
+- :class:`UserError`: raised by a subcommand for a bad setting (exit 2, :data:`EXIT_CONFIG`) or
+  a runtime refusal (exit 3, :data:`EXIT_REFUSED`); ``calexec.cli`` prints its one line.
+- :func:`add_device_args` / :func:`device_spec`: ``--manifest``, ``--calbin``,
+  ``--runtime-lib`` (and for ``serve`` ``--reset-kind`` / ``--conform-report``) on every entry
+  point that opens a device, turned into a validated ``DeviceSpec``.
+- :func:`require_extra`: the one-line ``pip install`` a command prints when an optional extra
+  it needs is not installed.
+
+Exit codes, the same for every subcommand: 0 success; 1 the command ran and its check failed
+(a gate, a stale diagram, an oracle mismatch); 2 bad usage or configuration (named in the
+message); 3 a runtime refusal (the executor did not start, or its lifecycle ended Failed);
+``serve --once`` adds 4 (the sample request failed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import functools
+import importlib.util
+import sys
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_REFUSED = 0, 1, 2, 3
+
+#: optional extras and the modules whose absence means the extra is not installed
+EXTRAS: dict[str, tuple[str, ...]] = {
+    "server": ("fastapi", "uvicorn", "prometheus_client"),
+    "plots": ("matplotlib",),
+    "ray": ("ray",),
+}
+
+
+class UserError(Exception):
+    """A one-line error for the user, and the exit code that goes with it."""
+
+    def __init__(self, message: str, code: int = EXIT_CONFIG) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def missing_extra(extra: str) -> str | None:
+    """The pip command that installs ``extra``, or None when it is installed."""
+    for name in EXTRAS[extra]:
+        try:
+            if importlib.util.find_spec(name) is None:
+                break
+        except (ImportError, ValueError):  # blocked, or a broken half-installed module
+            break
+    else:
+        return None
+    return f"pip install 'calexec[{extra}]'"
+
+
+def require_extra(extra: str, what: str) -> None:
+    """Raise :class:`UserError` (exit 2) naming the install command when ``extra`` is absent."""
+    command = missing_extra(extra)
+    if command is not None:
+        raise UserError(f"{what} needs the optional [{extra}] extra: {command}")
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Help text with each flag's default appended, unless it is None/False or already said."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("%(default)" not in text and "(default" not in text and action.option_strings
+                and action.default not in (None, False, argparse.SUPPRESS, "")):
+            text += " (default: %(default)s)"
+        return text
+
+
+class Parser(argparse.ArgumentParser):
+    """One-line errors with suggestions; exit 2 through ``SystemExit`` as argparse does."""
+
+    def error(self, message: str) -> NoReturn:
+        if message.startswith("unrecognized arguments:"):
+            flags = [s for s in self._option_string_actions if s.startswith("--")]
+            for word in message.split(":", 1)[1].split():
+                close = difflib.get_close_matches(word.split("=")[0], flags, n=1, cutoff=0.6)
+                if close:
+                    message += f" (did you mean {close[0]}?)"
+                    break
+        self.exit(EXIT_CONFIG, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def parser(prog: str, doc: str | None) -> Parser:
+    """A subcommand's parser: ``doc``'s first paragraph is the description."""
+    description = (doc or "").strip().split("\n\n")[0].replace("``", "")
+    return Parser(prog=prog, description=description, formatter_class=_Formatter)
+
+
+# ---- value types: argparse turns their ValueError/ArgumentTypeError into a one-line error ----
+def port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a TCP port (0..65535)")
+    return value
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+# ---- the device an entry point opens ---------------------------------------------------------
+def add_device_args(p: argparse.ArgumentParser, *, calbin: bool = True, manifest: bool = True,
+                    reset: bool = False) -> None:
+    """``--runtime-lib``, ``--manifest``, ``--calbin`` (and ``--reset-kind``,
+    ``--conform-report`` with ``reset``) with the bundled emulator's defaults."""
+    group = p.add_argument_group("device (defaults: the bundled emulator and its synthetic model)")
+    group.add_argument("--runtime-lib", metavar="PATH",
+                       help="CalRT library implementing drivers/calrt/calrt.h to dlopen "
+                            "(default: $CALEXEC_CALRT_LIB, else the bundled emulator)")
+    if manifest:
+        group.add_argument("--manifest", metavar="PATH",
+                           help="model manifest TOML, docs/manifest.md (default: the packaged "
+                                "synthetic Qwen3 manifest)")
+    if calbin:
+        group.add_argument("--calbin", metavar="PATH",
+                           help="calbin to load (default: the synthetic calbin, written to a "
+                                "temporary directory)")
+    if reset:
+        group.add_argument("--reset-kind", choices=("reset", "reset_ccu",
+                                                    "reset_configuration", "none"),
+                           help="the reset a recovery uses (default: the bundled emulator's "
+                                "'reset'; with an external library the --conform-report "
+                                "verdict, else 'none': a fault that needs a reset ends Failed)")
+        group.add_argument("--conform-report", metavar="PATH",
+                           help="a `calexec conform --report DIR` directory (or its "
+                                "conformance.json): the reset kind its verdicts prove safe")
+
+
+def device_spec(args: argparse.Namespace) -> Any:
+    """The validated ``DeviceSpec`` of :func:`add_device_args`' flags; raises UserError."""
+    from calexec.drivers.device_spec import DeviceSpec, DeviceSpecError
+
+    spec = DeviceSpec(manifest_path=getattr(args, "manifest", None),
+                      calbin_path=getattr(args, "calbin", None),
+                      runtime_lib=getattr(args, "runtime_lib", None),
+                      reset_kind=getattr(args, "reset_kind", None),
+                      conform_report=getattr(args, "conform_report", None))
+    try:
+        spec.check()
+    except DeviceSpecError as exc:
+        raise UserError(str(exc)) from None
+    return spec
+
+
+def say(prog: str, message: str) -> None:
+    """One line on stderr, prefixed with the command."""
+    print(f"{prog}: {message}", file=sys.stderr, flush=True)
+
+
+def command_main(fn: Callable[[list[str]], int]) -> Callable[[list[str]], int]:
+    """Decorate a subcommand's ``main(argv)``: a :class:`UserError` becomes its one line on
+    stderr (``calexec <command>: message``) and its exit code, whether the module is called
+    through ``calexec.cli`` or directly."""
+
+    @functools.wraps(fn)
+    def main(argv: list[str]) -> int:
+        try:
+            return fn(argv)
+        except UserError as exc:
+            from calexec.cli import _lookup
+
+            say(f"calexec {_lookup(argv) or argv[0]}", str(exc))
+            return exc.code
+
+    return main

@@ -1,0 +1,168 @@
+"""What a command-line entry point opens: the runtime library, the manifest, the calbin, and
+the reset the executor may use on it (spec §9.1).
+
+``DeviceSpec`` is built from the shared flags (``--runtime-lib``, ``--manifest``, ``--calbin``,
+and for ``serve`` ``--reset-kind`` / ``--conform-report``); every default is the bundled
+emulator with its synthetic Qwen3 calbin and packaged manifest. ``check()`` validates every path
+before anything opens a device and raises :class:`DeviceSpecError` naming the flag and value.
+
+The reset rule (§9.1, issue 13): the bundled emulator's resets are known safe (its conformance
+run proves them), so it keeps ``RecoveryPolicy``'s default. For an external runtime library
+(``--runtime-lib`` or ``$CALEXEC_CALRT_LIB``) nobody knows whether a reset aborts the device's
+jobs without a stale DMA write: the reset kind comes from ``--reset-kind`` or from the verdicts
+of a ``calexec conform`` report; with neither, ``reset_kind="none"``, so a device fault that
+needs a reset ends the lifecycle ``Failed`` and ``calexec serve`` exits for its supervisor.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import attrs
+
+from calexec.contracts.manifest import Manifest, default_manifest_path, load_manifest
+from calexec.drivers import calbin as calbin_fmt
+from calexec.drivers.runtime import ENV_LIB, CalRT
+from calexec.machines.faults import RecoveryPolicy
+
+RESET_KINDS = ("reset", "reset_ccu", "reset_configuration", "none")
+
+
+class DeviceSpecError(ValueError):
+    """A bad entry-point setting; the message names the flag and the value (one line)."""
+
+
+def _readable_file(flag: str, path: str | None) -> None:
+    if path is None:
+        return
+    if "\0" in path:
+        raise DeviceSpecError(f"{flag}={path!r}: contains a NUL byte")
+    if not os.path.exists(path):
+        raise DeviceSpecError(f"{flag}={path!r}: no such file")
+    if not os.path.isfile(path):
+        raise DeviceSpecError(f"{flag}={path!r}: not a regular file")
+    if not os.access(path, os.R_OK):
+        raise DeviceSpecError(f"{flag}={path!r}: not readable")
+
+
+@attrs.frozen
+class DeviceSpec:
+    """``None`` fields mean the defaults: the packaged manifest, a freshly written synthetic
+    calbin, ``$CALEXEC_CALRT_LIB`` or else the bundled emulator, and the reset rule above."""
+
+    manifest_path: str | None = None
+    calbin_path: str | None = None
+    runtime_lib: str | None = None
+    #: an explicit ``RecoveryPolicy.reset_kind`` (``--reset-kind``)
+    reset_kind: str | None = attrs.field(default=None, validator=attrs.validators.optional(
+        attrs.validators.in_(RESET_KINDS)))
+    #: a ``calexec conform`` report (its directory or conformance.json): its reset verdicts
+    conform_report: str | None = None
+
+    @property
+    def library(self) -> str | None:
+        """The external library that will be dlopen'ed, or None for the bundled emulator."""
+        return self.runtime_lib or os.environ.get(ENV_LIB) or None
+
+    @property
+    def external(self) -> bool:
+        return self.library is not None
+
+    def check(self) -> None:
+        """Validate every setting without opening a device; raises DeviceSpecError."""
+        if self.reset_kind is not None and self.conform_report is not None:
+            self.reset()  # the conflict is named before any path
+        lib_flag = "--runtime-lib" if self.runtime_lib else f"${ENV_LIB}"
+        _readable_file(lib_flag, self.library)
+        _readable_file("--manifest", self.manifest_path)
+        _readable_file("--calbin", self.calbin_path)
+        _readable_file("--conform-report", None if self.conform_report is None or
+                       os.path.isdir(self.conform_report) else self.conform_report)
+        self.manifest()
+        self.reset()
+
+    def runtime(self) -> CalRT:
+        """The loaded runtime; a library that cannot be dlopen'ed is a DeviceSpecError."""
+        try:
+            return CalRT.load(self.runtime_lib)
+        except (OSError, AttributeError) as exc:  # dlopen failed / not a calrt.h library
+            flag = "--runtime-lib" if self.runtime_lib else f"${ENV_LIB}"
+            raise DeviceSpecError(f"{flag}={self.library!r}: cannot load: "
+                                  f"{str(exc).splitlines()[0].split('  Additionally')[0]}") from None
+
+    def manifest(self) -> Manifest:
+        """The manifest (default: the packaged synthetic one); a bad file is a DeviceSpecError
+        naming the key (``ManifestError``'s message)."""
+        try:
+            return load_manifest(self.manifest_path or default_manifest_path())
+        except OSError as exc:
+            raise DeviceSpecError(f"--manifest={self.manifest_path!r}: {exc.strerror or exc}") \
+                from None
+        except ValueError as exc:
+            raise DeviceSpecError(f"--manifest: {exc}") from None
+
+    def calbin(self, tmp_dir: str) -> str:
+        """``--calbin``, or the default synthetic calbin written into ``tmp_dir``."""
+        if self.calbin_path is not None:
+            return self.calbin_path
+        path = os.path.join(tmp_dir, "synthetic.calbin")
+        calbin_fmt.write(path, calbin_fmt.default_spec())
+        return path
+
+    def reset(self) -> tuple[str, str]:
+        """``(reset_kind, why)`` by the rule in the module docstring."""
+        if self.reset_kind is not None and self.conform_report is not None:
+            raise DeviceSpecError(f"--reset-kind={self.reset_kind} and --conform-report="
+                                  f"{self.conform_report!r}: give one of them, not both")
+        if self.reset_kind is not None:
+            return self.reset_kind, f"--reset-kind={self.reset_kind}"
+        if self.conform_report is not None:
+            from calexec.drivers.conform import report
+
+            try:
+                run = report.load_run(self.conform_report)
+            except report.ReportError as exc:
+                raise DeviceSpecError(f"--conform-report: {exc}") from None
+            if self.external and run.get("bundled"):
+                raise DeviceSpecError(f"--conform-report={self.conform_report!r}: the report is "
+                                      "of the bundled emulator, not of the external library "
+                                      f"{self.library!r}")
+            kind = report.reset_kind(run["questions"])
+            return kind, (f"the conformance report {run['source']!r} of "
+                          f"{run.get('runtime', '?')} ({run.get('library', '?')})")
+        if self.external:
+            return "none", (f"external runtime library {self.library!r} with neither "
+                            "--reset-kind nor --conform-report: no reset is known to be safe "
+                            "(§9.1)")
+        return RecoveryPolicy().reset_kind, "the bundled emulator (its resets are known safe)"
+
+    def recovery(self, **fields: Any) -> RecoveryPolicy:
+        """A RecoveryPolicy (``fields`` override its defaults) with the resolved reset kind."""
+        return RecoveryPolicy(**{"reset_kind": self.reset()[0], **fields})
+
+    def check_device_config(self, rt: CalRT, config: str) -> None:
+        """Name the ``key=value`` of ``config`` the runtime refuses: when ``calrt_device_open``
+        refuses the whole string, each item is tried alone. Raises DeviceSpecError."""
+        if not config:
+            return
+        items = [item for item in config.split(";") if item.strip()]
+        for item in items:
+            if "=" not in item:
+                raise DeviceSpecError(f"--device-config: item {item!r} is not key=value")
+        rc, device = rt.open_device(config)
+        if rc == 0:
+            device.close()
+            return
+        for item in items:
+            rc_one, one = rt.open_device(item)
+            if rc_one == 0:
+                one.close()
+                continue
+            key, _, value = item.partition("=")
+            raise DeviceSpecError(f"--device-config: {key.strip()}={value.strip()!r} refused by "
+                                  f"the runtime (calrt_device_open returned {rc_one}); the "
+                                  "emulator's keys are listed in docs/emulator.md")
+        raise DeviceSpecError(f"--device-config={config!r}: refused by the runtime "
+                              f"(calrt_device_open returned {rc}), though each item alone opens")
+

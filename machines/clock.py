@@ -1,0 +1,62 @@
+"""One clock for the executor, the KV coordinator, the buffer pool, the fault controller and
+the jobs (issue 13: "inject one clock"), and the one place where they make their
+synchronisation objects.
+
+Every deadline in calexec is an absolute value of ``Clock.monotonic()`` (by default
+``time.monotonic()``), and every wait goes through the clock: ``wait(cond, timeout)``,
+``wait_event(event, timeout)``, ``sleep``. Conditions, events and the executor's threads are
+made by ``condition(lock)``, ``event()`` and ``start_thread(...)``; locks by
+``LockOrder.lock(rank)`` (machines/locks.py), which carries the clock so every controller that
+gets the executor's ``LockOrder`` also gets its clock. A test, or the interleaving explorer,
+replaces the clock (a virtual clock that advances only when every thread is blocked, with
+controlled locks and conditions) without touching the code under test.
+
+``SYSTEM`` is the real clock.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+
+class Clock:
+    """Monotonic time, sleeps and timed condition waits. The default is the system's."""
+
+    __slots__ = ()
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def sleep(self, seconds: float) -> None:
+        if seconds > 0:
+            time.sleep(seconds)
+
+    def wait(self, cond: threading.Condition, timeout: float | None) -> bool:
+        """``cond.wait(timeout)`` (the caller holds ``cond``'s lock). ``None`` is allowed only
+        for a documented shutdown-only wait."""
+        return cond.wait(timeout)
+
+    def wait_event(self, event: threading.Event, timeout: float | None) -> bool:
+        """``event.wait(timeout)``; ``None`` only for a wait the caller chose to leave open
+        (``JobHandle.wait_until(None)``)."""
+        return event.wait(timeout)
+
+    def remaining(self, deadline: float) -> float:
+        """Seconds until ``deadline`` (an absolute ``monotonic()`` value), never negative."""
+        return max(0.0, deadline - self.monotonic())
+
+    # ---- the synchronisation objects the executor makes ---------------------------------------
+    def condition(self, lock) -> threading.Condition:
+        return threading.Condition(lock)
+
+    def event(self) -> threading.Event:
+        return threading.Event()
+
+    def start_thread(self, target, name: str, args: tuple = ()) -> threading.Thread:
+        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+        thread.start()
+        return thread
+
+
+SYSTEM = Clock()

@@ -1,0 +1,338 @@
+"""Issue 13's executor defects, each reproduced through the public API with real threads and
+the real driver (each of these failed, hung or crashed on the tree before the fix):
+
+1. a thread that raised died silently and everything after it hung (supervision barrier,
+   argument validation at enqueue);
+2. enqueue raced a recovery: a request thread paused in preparation or before the queue push
+   reached a torn-down generation (generation fencing);
+3. a generation refused while its golden job hung was torn down under the job (teardown only
+   after the runtime let go);
+4. a queued job kept its KV and slot past its deadline until it reached the queue's head;
+8. retired host memory was dropped by count while a stale DMA into it was still pending.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from calexec.contracts.errors import Category
+from calexec.contracts.status import Phase, Status
+from calexec.drivers import calbin as cb
+from calexec.machines.faults import RecoveryPolicy
+from executor_harness import (SEED, arm, decode, deadline, expected_greedy, greedy,
+                              oracle_golden, prefill, running_executor, settle, until,
+                              write_calbin)
+
+PROMPT = [5, 6, 7, 8]
+
+
+@pytest.fixture(scope="module")
+def calbins(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("concurrency")
+    main = write_calbin(directory)
+    other = str(directory / "other.calbin")
+    other_sha = cb.write(other, cb.default_spec(seed=SEED ^ 0x5A5A5A))
+    # §9.2: a switch needs the new calbin's golden pinned (the oracle's tokens)
+    return {"main": main, "other": other,
+            "goldens": {other_sha: oracle_golden(SEED ^ 0x5A5A5A)}}
+
+
+def ready_again(ex, seconds=10.0):
+    until(lambda: ex.state == "Ready" and ex._pending_recovery is None
+          and (ex._recovery_thread is None or not ex._recovery_thread.is_alive()),
+          seconds, f"lifecycle Ready (is {ex.state})")
+
+
+def still_serves(ex, seq=3):
+    assert greedy(ex, seq, PROMPT, 2) == expected_greedy(PROMPT, 2)
+    ex.kvc.reset_sequence(seq)
+
+
+# ---- defect 1: supervision and argument validation -----------------------------------------------
+@pytest.mark.parametrize("bad", [
+    np.zeros(10, np.float32),                    # too small for the vocab
+    np.zeros(200_000, np.float64),               # wrong dtype
+    np.zeros((2, 151936), np.float32),           # 2-D
+    np.zeros(400_000, np.float32)[::2],          # not contiguous
+    "not an array",
+])
+def test_a_bad_logits_out_fails_that_caller_only(calbins, bad):
+    with running_executor(calbins["main"]) as ex:
+        res = ex.enqueue(prefill(1, PROMPT), logits_out=bad).wait_until(deadline(5))
+        assert isinstance(res, Status) and res.category == Category.INVALID_REQUEST, res
+        assert "logits_out" in res.message
+        assert ex.health() == [] and all(ex.threads_alive().values())
+        still_serves(ex)
+
+
+def test_a_read_only_logits_out_is_refused(calbins):
+    buf = np.zeros(151936, np.float32)
+    buf.flags.writeable = False
+    with running_executor(calbins["main"]) as ex:
+        res = ex.enqueue(prefill(1, PROMPT), logits_out=buf).wait_until(deadline(5))
+        assert isinstance(res, Status) and "read-only" in res.message
+
+
+def test_a_non_finite_deadline_is_refused(calbins):
+    with running_executor(calbins["main"]) as ex:
+        req = prefill(1, PROMPT)
+        import attrs
+        res = ex.enqueue(attrs.evolve(req, deadline=float("nan"))).wait_until(deadline(5))
+        assert isinstance(res, Status) and res.category == Category.INVALID_REQUEST
+        assert "deadline" in res.message
+
+
+@pytest.mark.parametrize("where", ["_postprocess", "_infer"])
+def test_an_exception_in_an_executor_thread_is_a_fault_not_a_dead_thread(calbins, where):
+    """The completion thread (postprocess) or the submitter (infer) raises once: the job it
+    held resolves INTERNAL, the thread lives, the generation is rebuilt, serving goes on."""
+    with running_executor(calbins["main"]) as ex:
+        original = getattr(ex, where)
+        calls = {"n": 0}
+
+        def boom(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise ValueError("injected bug")
+            return original(*args, **kwargs)
+
+        setattr(ex, where, boom)
+        res = ex.enqueue(prefill(1, PROMPT)).wait_until(deadline(5))
+        assert isinstance(res, Status), res
+        assert res.code == "internal.thread_exception" and "injected bug" in res.message
+        assert ex.thread_faults and ex.thread_faults[-1]["error"] == "ValueError: injected bug"
+        ready_again(ex)
+        assert ex.gen.id == 2  # INTERNAL: reset and rebuild, golden re-run
+        assert all(ex.threads_alive().values())
+        still_serves(ex)
+        snap = settle(ex)
+        assert snap["inflight"] == 0 and snap["pending_tokens"] == 0
+
+
+def test_health_names_a_dead_thread(calbins):
+    with running_executor(calbins["main"]) as ex:
+        assert ex.health() == []
+        ex._stopping_threads = True  # stop the threads as a crash would, without shutdown
+        with ex._completion_cv:
+            ex._completion_cv.notify_all()
+        with ex._submit_cv:
+            ex._submit_cv.notify_all()
+        until(lambda: not any(ex.threads_alive().values()), 5, "threads to stop")
+        assert any("calexec-completion is not running" in r for r in ex.health())
+
+
+# ---- defect 2: generation fencing ------------------------------------------------------------------
+@pytest.mark.parametrize("pause", ["before_prepare", "before_push"])
+def test_enqueue_racing_a_recovery_never_reaches_the_new_generation(calbins, pause):
+    """A request thread holds a leased slot of generation 1 and is paused (inside
+    preparation, or after it, before the queue push) while a recovery opens generation 2.
+    The recovery waits for it to leave; its job ends UNAVAILABLE (retryable), nothing
+    leaks, and both generations' threads keep serving."""
+    with running_executor(calbins["main"]) as ex:
+        greedy(ex, 1, PROMPT, 0)
+        original = ex._prepare
+        paused, go = threading.Event(), threading.Event()
+
+        def prepare(job):
+            if pause == "before_prepare":
+                paused.set()
+                go.wait(10)
+            status = original(job)
+            if pause == "before_push":
+                paused.set()
+                go.wait(10)
+            return status
+
+        ex._prepare = prepare
+        out = {}
+        requester = threading.Thread(
+            target=lambda: out.setdefault("res", ex.enqueue(decode(1, 3, len(PROMPT)))
+                                          .wait_until(deadline(10))))
+        requester.start()
+        assert paused.wait(5)
+        ex._prepare = original
+        recovery = threading.Thread(target=lambda: out.setdefault(
+            "rec", ex.recover(Status.failure("test.recover", Category.DEVICE,
+                                             Phase.RECOVERY,
+                                             "test"))))
+        recovery.start()
+        until(lambda: ex.gen is not None and ex.gen.closing, 5, "the recovery to fence gen 1")
+        go.set()
+        requester.join(10)
+        recovery.join(10)
+        res = out["res"]
+        assert isinstance(res, Status) and res.category == Category.UNAVAILABLE, res
+        assert out["rec"].ok, out["rec"]
+        assert ex.state == "Ready" and ex.gen.id == 2
+        assert not ex.thread_faults and all(ex.threads_alive().values())
+        snap = settle(ex)
+        assert snap["pending_tokens"] == 0 and snap["inflight"] == 0
+        still_serves(ex)
+
+
+# ---- defect 3: a refused generation is torn down only after the runtime let go --------------------
+def switch_with_hung_golden(ex, other):
+    arm(ex, "HANG")  # the next job, the new calbin's golden prefill, hangs on the device
+    return ex.switch_model(other)
+
+
+def test_a_switch_whose_golden_hangs_rolls_back_after_a_reset(calbins):
+    policy = RecoveryPolicy(drain_grace_s=0.2)
+    with running_executor(calbins["main"], execution_timeout_s=0.3, timeout_grace_s=0.05,
+                          golden_timeout_s=0.3, recovery=policy,
+                          goldens=calbins["goldens"]) as ex:
+        greedy(ex, 1, PROMPT, 0)
+        status = switch_with_hung_golden(ex, calbins["other"])
+        assert status.code == "recovery.rolled_back", status
+        assert ex.state == "Ready" and ex.gen.calbin_path == calbins["main"]
+        assert not ex.thread_faults and all(ex.threads_alive().values())
+        refused = [g for g in ex._retired if g.calbin_path == calbins["other"]]
+        assert all(g.released for g in refused)  # torn down only after the reset freed it
+        still_serves(ex)
+
+
+def test_a_switch_whose_golden_hangs_without_safe_reset_ends_failed_keeping_the_buffers(calbins):
+    """§9.1: no safe reset and a job still on the device: the refused generation is never
+    torn down (its buffers stay mapped), the lifecycle ends Failed with the reason."""
+    policy = RecoveryPolicy(drain_grace_s=0.2, reset_kind="none")
+    with running_executor(calbins["main"], execution_timeout_s=0.3, timeout_grace_s=0.05,
+                          golden_timeout_s=0.3, recovery=policy,
+                          goldens=calbins["goldens"]) as ex:
+        greedy(ex, 1, PROMPT, 0)
+        status = switch_with_hung_golden(ex, calbins["other"])
+        assert status.code == "recovery.generation_on_device", status
+        assert ex.state == "Failed" and ex.failure.code == "recovery.generation_on_device"
+        kept = [g for g in ex._retired if g.calbin_path == calbins["other"]]
+        assert kept and not kept[-1].released
+        assert all(s.inbuf is not None and s.host_output is not None
+                   for s in kept[-1].pool.slots)
+        assert not ex.thread_faults
+        assert any("Failed" in r for r in ex.health())
+        ex.device.reset()  # let the hung job go so the test's shutdown can drain
+
+
+# ---- defect 4: queued jobs expire at their deadline, wherever they stand ----------------------------
+def test_a_queued_job_fails_at_its_deadline_and_gives_back_its_kv_and_slot(calbins):
+    with running_executor(calbins["main"], "decode_us=1500000") as ex:
+        greedy(ex, 1, PROMPT, 0)
+        greedy(ex, 2, PROMPT, 0)
+        slow = ex.enqueue(decode(1, 3, len(PROMPT)))  # 1.5 s on the device
+        until(lambda: ex.snapshot()["inflight"] == 1, 5, "the slow job to be in flight")
+        short = ex.enqueue(decode(2, 3, len(PROMPT), seconds=0.2))
+        res = short.wait_until(deadline(10))
+        assert isinstance(res, Status) and res.category == Category.DEADLINE, res
+        # it ended while the job ahead of it was still on the device, its KV given back
+        assert not slow.done
+        assert ex.kvc.seqs[2].open_txn is None
+        assert ex.snapshot()["pending_tokens"] == 1  # only the slow job's token
+        assert not isinstance(slow.wait_until(deadline(10)), Status)
+
+
+# ---- defect 8: retired host memory is freed on proof, not by count -----------------------------------
+def hang_with_stale_dma(ex, stale_delay_us):
+    """A hung job aborted by the recovery's reset; its stale DMA lands ``stale_delay_us``
+    after the reset. Returns the generation it will write into."""
+    ex.device.emu.set_knob("stale_delay_us", stale_delay_us)
+    greedy(ex, 1, PROMPT, 0)
+    arm(ex, "HANG")
+    arm(ex, "STALE_COMPLETION")
+    victim = ex.gen
+    res = ex.enqueue(decode(1, 3, len(PROMPT))).wait_until(deadline())
+    assert isinstance(res, Status)
+    ready_again(ex)
+    return victim
+
+
+def test_retired_memory_is_kept_while_a_stale_dma_is_pending(calbins):
+    """Four model switches right after: the old ring of 4 dropped the generation the stale
+    DMA will write into; now it stays alive while the device says the write is pending."""
+    policy = RecoveryPolicy(drain_grace_s=0.2, max_recoveries=20)
+    with running_executor(calbins["main"], execution_timeout_s=0.2, timeout_grace_s=0.05,
+                          recovery=policy, goldens=calbins["goldens"]) as ex:
+        victim = hang_with_stale_dma(ex, 60_000_000)  # lands in 60 s: pending throughout
+        for path in ("other", "main", "other", "main"):
+            assert ex.switch_model(calbins[path]).ok
+        assert ex.device.emu.counters()["stale_pending"] == 1
+        assert victim in ex._retired and victim.released
+        assert all(s.host_output is not None for s in victim.pool.slots)
+        still_serves(ex)  # (closing the device at shutdown drops the pending write)
+
+
+def test_retired_memory_is_dropped_once_the_device_proves_no_dma_is_pending(calbins):
+    policy = RecoveryPolicy(drain_grace_s=0.2, max_recoveries=20)
+    with running_executor(calbins["main"], execution_timeout_s=0.2, timeout_grace_s=0.05,
+                          recovery=policy, goldens=calbins["goldens"]) as ex:
+        victim = hang_with_stale_dma(ex, 1000)
+        until(lambda: ex.device.emu.counters()["stale_pending"] == 0, 10, "the stale DMA")
+        assert ex.switch_model(calbins["other"]).ok
+        assert victim not in ex._retired
+        assert all(s.host_output is None for s in victim.pool.slots)
+        assert len(ex._retired) == 0  # everything retired so far is proven free
+
+
+# ---- queue through recovery (issue 16's executor half) ------------------------------------------
+def recovery_held_in_warming(ex):
+    """Start a recovery whose golden run waits for the returned event: the lifecycle stays
+    in Warming until the test sets it."""
+    held, release = threading.Event(), threading.Event()
+    warm_up = ex._warm_up
+
+    def slow_warm_up():
+        held.set()
+        release.wait(10)
+        return warm_up()
+
+    ex._warm_up = slow_warm_up
+    reason = Status.failure("test.recover", Category.DEVICE,
+                            Phase.RECOVERY, "test")
+    thread = threading.Thread(target=ex.recover, args=(reason,))
+    thread.start()
+    assert held.wait(10)
+    return release, thread
+
+
+def test_requests_arriving_during_a_recovery_wait_for_ready_and_complete(calbins):
+    with running_executor(calbins["main"], ready_queue_max=2) as ex:
+        release, recovery = recovery_held_in_warming(ex)
+        assert ex.state == "Warming"
+        out = {}
+        client = threading.Thread(target=lambda: out.setdefault(
+            "tokens", greedy(ex, 4, PROMPT, 1)))
+        client.start()
+        until(lambda: ex.snapshot()["waiting_for_ready"] == 1, 5, "the request to queue")
+        release.set()
+        recovery.join(10)
+        client.join(10)
+        assert out["tokens"] == expected_greedy(PROMPT, 1)
+        assert ex.snapshot()["waiting_for_ready"] == 0
+
+
+def test_a_full_ready_queue_and_a_failed_lifecycle_answer_unavailable(calbins):
+    with running_executor(calbins["main"], ready_queue_max=1) as ex:
+        release, recovery = recovery_held_in_warming(ex)
+        results = []
+        waiter = threading.Thread(target=lambda: results.append(
+            ex.enqueue(prefill(4, PROMPT)).wait_until(deadline(10))))
+        waiter.start()
+        until(lambda: ex.snapshot()["waiting_for_ready"] == 1, 5, "the first request to queue")
+        full = ex.enqueue(prefill(5, PROMPT)).wait_until(deadline(5))
+        assert isinstance(full, Status) and full.category == Category.UNAVAILABLE
+        assert "already wait for Ready" in full.message
+        ex._fail(Status.failure("test.failed", Category.COMPATIBILITY,
+                                Phase.RECOVERY, "test"))
+        waiter.join(10)
+        assert isinstance(results[0], Status) and results[0].category == Category.UNAVAILABLE
+        release.set()
+        recovery.join(10)
+
+
+def test_without_a_ready_queue_requests_during_recovery_are_refused_at_once(calbins):
+    with running_executor(calbins["main"]) as ex:
+        release, recovery = recovery_held_in_warming(ex)
+        res = ex.enqueue(prefill(4, PROMPT)).wait_until(deadline(5))
+        assert isinstance(res, Status) and res.category == Category.UNAVAILABLE
+        release.set()
+        recovery.join(10)

@@ -1,0 +1,133 @@
+"""The live statecharts page (issue 18): counts on every chart's nodes, transition rates on the
+edges over the last minute, refreshed by the page itself; checked through live.json and in
+headless Chromium (the DOM after the page's script ran)."""
+
+from __future__ import annotations
+
+import re
+import threading
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from calexec.contracts.status import Status
+from calexec.drivers.live_charts import TransitionRates, chromium_capture
+from calexec.drivers.server import ServerConfig, create_app
+from calexec.machines.compiled import CHARTS, JOB
+from test_server_support import LiveServer, started_executor
+
+
+@pytest.fixture(scope="module")
+def executor(tmp_path_factory):
+    ex = started_executor(tmp_path_factory.mktemp("live"), "decode_us=2000")
+    yield ex
+    ex.shutdown(5.0)
+
+
+class Guards:
+    def __getattr__(self, name):
+        return lambda: True
+
+
+def test_rates_are_transitions_per_minute_over_the_window():
+    now = [100.0]
+    rates = TransitionRates(window_s=60.0, clock=lambda: now[0])
+    admit = next(t for t in JOB.transitions if t.event == "admit")
+    for _ in range(3):
+        JOB.run(Guards()).send("admit")
+    now[0] = 130.0  # 3 admits in 30 s: 6 per minute
+    assert rates.per_minute()["job"][admit.id] == pytest.approx(6.0)
+    now[0] = 250.0  # nothing new for two minutes: the window forgets them
+    rates.per_minute()
+    now[0] = 251.0
+    assert rates.per_minute()["job"][admit.id] == 0.0
+
+
+def test_live_json_counts_every_chart_and_rates_move_with_traffic(executor):
+    with TestClient(create_app(executor, ServerConfig())) as client:
+        for i in range(3):
+            r = client.post("/v1/completions", json={"prompt": [i + 1, 2], "max_tokens": 3})
+            assert r.status_code == 200, r.text
+        live = client.get("/debug/statecharts/live.json").json()
+    assert set(live["charts"]) == set(CHARTS)
+    for name, chart in CHARTS.items():
+        assert set(live["charts"][name]["counts"]) == set(chart.states), name
+        assert len(live["charts"][name]["per_minute"]) == len(chart.transitions), name
+    assert live["charts"]["lifecycle"]["counts"]["Ready"] == 1 and live["lifecycle"] == "Ready"
+    assert sum(live["charts"]["buffer_slot"]["counts"].values()) == len(executor.pool.slots)
+    admit = next(t for t in JOB.transitions if t.event == "admit")
+    assert live["charts"]["job"]["per_minute"][admit.id] > 0
+    assert live["golden"] == "pinned" and live["disabled_features"] == []
+
+
+def test_page_refreshes_itself_in_headless_chromium_under_load(executor, tmp_path):
+    """The DOM after 4 s of page time: every state of every chart carries a live count, every
+    edge a rate, the page updated itself more than once, the job chart shows traffic."""
+    stop = threading.Event()
+    with LiveServer(create_app(executor, ServerConfig())) as server:
+        def client(i):
+            with httpx.Client(base_url=server.url, timeout=30) as http:
+                while not stop.is_set():
+                    http.post("/v1/completions", json={"prompt": [i + 1, 2, 3], "max_tokens": 8})
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        try:
+            done = chromium_capture(f"{server.url}/debug/statecharts", str(tmp_path))
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(30)
+    assert done.returncode == 0, done.stderr[-2000:]
+    dom = done.stdout
+    updates = re.search(r'<body[^>]*data-updates="(\d+)"', dom)
+    assert updates and int(updates.group(1)) >= 2, "the page did not refresh itself"
+    for name, chart in CHARTS.items():
+        section = dom[dom.index(f'data-chart="{name}"'):]
+        section = section[:section.index("</section>")]
+        for state in chart.states:
+            node = re.search(rf'<g id="s_{state}" class="node"[^>]*data-count="(\d+)"', section)
+            assert node, (name, state)
+        rates = re.findall(r'<g id="t_[\d_]+" class="edge"[^>]*data-rate="([\d.]+)"', section)
+        assert rates and len(rates) == section.count('<g id="t_'), name
+    ready = re.search(r'<g id="s_Ready" class="node"[^>]*data-count="(\d+)"', dom)
+    assert ready.group(1) == "1"
+    job = dom[dom.index('data-chart="job"'):]
+    assert re.search(r'<g id="t_\d+" class="edge"[^>]*data-rate="[1-9][\d.]*"', job), \
+        "no job transition rate under load"
+    assert "live-count" in dom and "live-rate" in dom
+
+
+# ---- the path of one job ------------------------------------------------------------------------
+TOKEN = "path-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def test_debug_job_path_of_a_failed_request_names_the_refusing_guard(executor):
+    from executor_harness import arm
+
+    with TestClient(create_app(executor, ServerConfig(admin_token=TOKEN))) as client:
+        arm(executor, "CCU_EXCEPTION")  # Wait succeeds, the device status is not DONE
+        r = client.post("/v1/completions", json={"prompt": [4, 2], "max_tokens": 2})
+        assert r.status_code >= 500, r.text
+        job_id = r.json()["status"]["job_id"]  # the error body names the job
+        assert isinstance(job_id, int)
+        assert client.get(f"/debug/jobs/{job_id}").status_code == 401
+        path = client.get(f"/debug/jobs/{job_id}?format=json", headers=AUTH).json()
+        assert path["state"] == "Quarantined" and path["status"] == "device.ccu_exception"
+        events = [(s["event"], s["from"], s["to"]) for s in path["trail"]]
+        assert events[:4] == [("admit", "Created", "Admitted"),
+                              ("begin_preparation", "Admitted", "Preparing"),
+                              ("enqueue", "Preparing", "Queued"),
+                              ("infer_accepted", "Queued", "Submitted")]
+        assert events[4] == ("wait_returned", "Submitted", "Quarantined")
+        page = client.get(f"/debug/jobs/{job_id}", headers=AUTH)
+        # the [else] fallback names the guard of the alternative it passed over
+        assert page.status_code == 200
+        assert "Wait returned: [runtime_finished_cleanly] refused" in page.text
+        assert page.text.count('stroke="red"') >= 5  # the path's edges drawn in red
+        assert client.get("/debug/jobs/999999", headers=AUTH).status_code == 404
+        assert client.get("/debug/jobs/abc", headers=AUTH).status_code == 400
+        ok = client.post("/v1/completions", json={"prompt": [4, 2], "max_tokens": 1})
+        assert ok.status_code == 200
