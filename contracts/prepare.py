@@ -90,6 +90,10 @@ class InferenceRequest:
     embeddings: np.ndarray | None = attrs.field(default=None, validator=_optional_array)
     want_logits: tuple[int, int] | None = attrs.field(default=None, converter=_optional_range)
     request_id: int = attrs.field(default=0, converter=operator.index)
+    #: KV tokens the whole request needs to finish (prompt + max new tokens): the prefill
+    #: reserves them up front, all or nothing (§7, no hold and wait); None: this job's only.
+    kv_reserve_len: int | None = attrs.field(default=None, converter=attrs.converters.optional(
+        operator.index), validator=attrs.validators.optional(attrs.validators.ge(0)))
 
     @property
     def seq_id(self) -> int:
@@ -169,6 +173,8 @@ def _step2_widths(req: InferenceRequest, sub: SubmodelContract) -> Status:
     # max_seq <= S32_MAX (SubmodelContract), so passing this also keeps every position in s32.
     if total > sub.max_seq:
         return Status.invalid(2, f"past_len={past} + token_count={n} = {total} > max_seq={sub.max_seq}")
+    if req.kv_reserve_len is not None and req.kv_reserve_len > sub.max_seq:
+        return Status.invalid(2, f"kv_reserve_len={req.kv_reserve_len} > max_seq={sub.max_seq}")
     return Status.OK
 
 

@@ -66,6 +66,8 @@ class Sizes:
     soak_sample_s: float = attrs.field(default=0.25, validator=_positive)
     soak_fault_every_s: float = attrs.field(default=2.0, validator=_positive)
     soak_warmup_fraction: float = 0.3
+    #: the threaded fault soak of the reference server (issue 13), per phase
+    chaos_seconds: float = attrs.field(default=6.0, validator=_positive)
     seed: int = 0
 
     @lengths.validator
@@ -82,7 +84,7 @@ QUICK = Sizes(mode="quick", prompts=20, max_prompt_len=64, decode_steps=8, lengt
 FULL = Sizes(mode="full", prompts=100, max_prompt_len=256, decode_steps=32,
              lengths=SPEC_LENGTHS, crosstalk_tokens=1000, injections=1000,
              soak_seconds=24 * 3600.0, soak_sample_s=5.0, soak_fault_every_s=600.0,
-             soak_warmup_fraction=0.1)
+             soak_warmup_fraction=0.1, chaos_seconds=1800.0)
 PHASES = {"a": ("a",), "b": ("b",), "both": ("a", "b")}
 
 
@@ -146,6 +148,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.add_argument("--soak-seconds", type=cliargs.positive_float,
                    help="soak duration (quick 20, full 86400)")
+    p.add_argument("--chaos-seconds", type=cliargs.positive_float,
+                   help="length of the chaos gate's fault soak of the server per phase "
+                        "(quick 6, full 1800)")
     p.add_argument("--gates", help=f"comma-separated subset of {','.join(GATES)}")
     cliargs.add_device_args(p)
     return p
@@ -163,6 +168,8 @@ def main(argv: list[str]) -> int:
     try:
         if args.soak_seconds is not None:
             sizes = attrs.evolve(sizes, soak_seconds=args.soak_seconds)
+        if args.chaos_seconds is not None:
+            sizes = attrs.evolve(sizes, chaos_seconds=args.chaos_seconds)
         gates = None if not args.gates else [g.strip() for g in args.gates.split(",")]
         report = run_accept(sizes, PHASES[args.phase], gates, Progress(0), device)
     except ValueError as exc:

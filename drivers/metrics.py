@@ -33,7 +33,9 @@ calexec_buffer_slots                        gauge      state (Free|Leased|InFlig
 calexec_lifecycle_state                     gauge      state; 1 for the current lifecycle state
 calexec_generation                          gauge      current model generation id (0: none)
 calexec_kv_sequences_in_use                 gauge      KV sequence ids leased by the server
-calexec_kv_sequences_leaked                 gauge      sequence ids withheld after a failed release
+calexec_kv_sequences_free                   gauge      KV sequence ids free to lease
+calexec_kv_sequences_withheld               gauge      sequence ids withheld after a failed release
+calexec_kv_sequences_capacity               gauge      sequence ids owned (= free + in use + withheld)
 calexec_server_draining                     gauge      1 while the server drains
 calexec_feature_disabled                    gauge      feature; 1 while a §8 PROGRAMMING fault keeps it off
 calexec_golden_unpinned                     gauge      1 while serving on a golden no file pins (§9.2)
@@ -125,7 +127,10 @@ class _ExecutorCollector(Collector):
 _SERVER_GAUGE_HELP = {
     "calexec_num_requests_running": "Completion requests being served.",
     "calexec_kv_sequences_in_use": "KV sequence ids leased by the server.",
-    "calexec_kv_sequences_leaked": "KV sequence ids withheld after a failed release.",
+    "calexec_kv_sequences_free": "KV sequence ids free to lease.",
+    "calexec_kv_sequences_withheld": "KV sequence ids withheld after a failed release.",
+    "calexec_kv_sequences_capacity": "KV sequence ids the server owns "
+                                     "(= free + in use + withheld).",
     "calexec_server_draining": "1 while the server drains.",
 }
 
@@ -139,7 +144,7 @@ class ServerMetrics:
 
     def __init__(self, snapshot: Snapshot, server_gauges: Callable[[], dict[str, float]]) -> None:
         """``server_gauges`` returns the values of the ``calexec_num_requests_running``,
-        ``calexec_kv_sequences_in_use``, ``calexec_kv_sequences_leaked`` and
+        ``calexec_kv_sequences_{in_use,free,withheld,capacity}`` and
         ``calexec_server_draining`` gauges."""
         self.registry = CollectorRegistry()
         reg = self.registry

@@ -6,12 +6,17 @@ uvicorn server whose SIGTERM/SIGINT starts a drain instead of an immediate stop.
 is the reference for endpoints, errors, metrics and the tokenizer.
 
 One completion: validate -> lease a KV sequence id from the free list -> PREFILL_IDS job at
-past_len 0 -> DECODE jobs feeding the greedy token back, until ``max_tokens``, the end token,
-the deadline or an error -> wait until the last job is resolved -> ``reset_sequence`` -> id
-back to the free list. Blocking executor calls (``enqueue``, ``JobHandle.wait_until``) run in
-worker threads under a per-app ``CapacityLimiter``; the event loop never blocks on the device.
-A request whose client disconnects is cancelled (FI12: ``JobHandle.cancel()``; a submitted job
-is still waited for and its result discarded) and its sequence released once the job ends.
+past_len 0 reserving the KV of the whole request (prompt + max_tokens, all or nothing: no hold
+and wait, §7) -> DECODE jobs feeding the greedy token back, until ``max_tokens``, the end
+token, the deadline or an error -> answer -> once the last job is resolved,
+``executor.release_sequence`` -> id back to the free list (in the background when the job is
+still running: a response is never later than the request deadline plus
+``ServerConfig.deadline_slack_s``, and an id is never reused before its job ended). Blocking
+executor calls (``enqueue``, ``JobHandle.wait_until``) run in worker threads under per-app
+``CapacityLimiter``s (a prefill that may wait for KV never takes the threads the running
+requests need); the event loop never blocks on the device. A request whose client disconnects
+is cancelled (FI12: ``JobHandle.cancel()``; a submitted job is still waited for and its result
+discarded) and its sequence released once the job ends.
 
 Errors are §8 Status values rendered with ``Status.http_status``; the body has the OpenAI shape
 ``{"error": {"message", "type", "code", "param"}}`` plus ``"status": Status.to_dict()``; 429
@@ -26,7 +31,10 @@ import hmac
 import itertools
 import json
 import logging
+import math
+import os
 import signal
+import stat
 import threading
 import time
 from types import FrameType
@@ -71,13 +79,22 @@ class ServerConfig:
     max_timeout_s: float = attrs.field(default=600.0, validator=attrs.validators.gt(0))
     #: KV sequence ids the server leases to requests: 1..max_sequences (0 is the golden run's).
     max_sequences: int = attrs.field(default=32, validator=attrs.validators.ge(1))
-    #: worker threads for blocking executor calls (bounds concurrent device work requests).
+    #: worker threads for blocking executor calls: this many for prefills (which may wait for
+    #: KV or a slot) and as many again for the decodes and waits of running requests.
     worker_threads: int = attrs.field(default=16, validator=attrs.validators.ge(1))
     #: Retry-After seconds on 429 and 503.
     retry_after_s: int = attrs.field(default=1, validator=attrs.validators.ge(0))
     end_token_id: int = tokenizer.END_TOKEN_ID
-    #: how long to wait for a cancelled job to resolve before its sequence id is withheld.
+    #: one bounded wait (s) of the background release of a sequence id for its last job to
+    #: end / the device to let go; repeated until the executor is Stopped or Failed.
     release_wait_s: float = attrs.field(default=60.0, validator=attrs.validators.gt(0))
+    #: a response (or a stream's last event) is sent at most this long after the request's
+    #: deadline, hung device or not (docs/server.md).
+    deadline_slack_s: float = attrs.field(default=0.5, validator=attrs.validators.gt(0))
+    #: ``/admin/drain?grace=`` is refused above this (seconds).
+    max_drain_grace_s: float = attrs.field(default=3600.0, validator=attrs.validators.gt(0))
+    #: ``/admin/reload`` refuses a calbin larger than this (bytes).
+    max_calbin_bytes: int = attrs.field(default=16 << 30, validator=attrs.validators.gt(0))
 
 
 class CompletionBody(BaseModel):
@@ -96,6 +113,9 @@ class CompletionBody(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
 
+
+#: the request field a refusal by the executor is about (the error body's ``param``)
+_PARAM_OF_CODE = {"kv.exceeds_capacity": "max_tokens"}
 
 _ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error",
                403: "permission_error", 413: "invalid_request_error", 429: "rate_limit_error",
@@ -123,32 +143,99 @@ def _invalid(message: str) -> Status:
     return Status.failure("request.invalid", Category.INVALID_REQUEST, Phase.VALIDATE, message)
 
 
+#: longest ``/admin/reload`` path accepted (Linux PATH_MAX)
+MAX_PATH_CHARS = 4096
+
+
+def calbin_path_refusal(path: Any, max_bytes: int) -> str | None:
+    """Why ``path`` cannot be a calbin to load (None: it can), checked before the lifecycle
+    moves and without opening it: a string, no NUL, at most ``MAX_PATH_CHARS``, an existing
+    regular file (``os.stat`` + ``S_ISREG``: a FIFO, a device such as /dev/zero or a directory
+    is refused without blocking on it), non-empty, at most ``max_bytes``, readable."""
+    if not isinstance(path, str) or not path:
+        return f"calbin={path!r}: a calbin file path (a non-empty string) is required"
+    shown = repr(path[:200])
+    if "\x00" in path:
+        return f"calbin={shown}: the path contains a NUL character"
+    if len(path) > MAX_PATH_CHARS:
+        return f"calbin={shown}...: the path is longer than {MAX_PATH_CHARS} characters"
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        return f"calbin={shown}: no such file"
+    except (OSError, ValueError) as err:
+        return f"calbin={shown}: cannot stat the file ({err})"
+    if not stat.S_ISREG(info.st_mode):
+        return f"calbin={shown}: not a regular file (mode {stat.filemode(info.st_mode)})"
+    if info.st_size == 0:
+        return f"calbin={shown}: the file is empty"
+    if info.st_size > max_bytes:
+        return f"calbin={shown}: {info.st_size} bytes > max_calbin_bytes={max_bytes}"
+    if not os.access(path, os.R_OK):
+        return f"calbin={shown}: the file is not readable by the server"
+    return None
+
+
 class SequencePool:
-    """Free list of KV sequence ids. Thread-safe."""
+    """The server's KV sequence ids (it owns them, above every generation's KvManager): each
+    id is free, in use (leased to a request, until its release on the executor succeeded) or
+    withheld (its release failed for good: never reused). Invariant, checked by
+    :meth:`consistent` and exported as metrics: free + in use + withheld = capacity.
+    Thread-safe."""
 
     def __init__(self, ids: range) -> None:
         self._free = list(reversed(ids))
         self.size = len(ids)
-        self.leaked = 0
+        self._in_use: set[int] = set()
+        self._withheld: set[int] = set()
         self._mu = threading.Lock()
 
     def acquire(self) -> int | None:
         with self._mu:
-            return self._free.pop() if self._free else None
+            if not self._free:
+                return None
+            seq_id = self._free.pop()
+            self._in_use.add(seq_id)
+            return seq_id
 
     def release(self, seq_id: int) -> None:
         with self._mu:
+            if seq_id not in self._in_use:
+                raise ValueError(f"sequence {seq_id} is not in use")
+            self._in_use.discard(seq_id)
             self._free.append(seq_id)
 
-    def withhold(self) -> None:
+    def withhold(self, seq_id: int) -> None:
         """A sequence could not be released on the device: keep it out of circulation."""
         with self._mu:
-            self.leaked += 1
+            self._in_use.discard(seq_id)
+            self._withheld.add(seq_id)
+
+    def counts(self) -> dict[str, int]:
+        with self._mu:
+            return {"free": len(self._free), "in_use": len(self._in_use),
+                    "withheld": len(self._withheld), "capacity": self.size}
+
+    def consistent(self) -> bool:
+        """free + in use + withheld = capacity, and no id is in two of them."""
+        with self._mu:
+            free = set(self._free)
+            return (len(free) == len(self._free)
+                    and len(free) + len(self._in_use) + len(self._withheld) == self.size
+                    and not free & self._in_use and not free & self._withheld
+                    and not self._in_use & self._withheld)
 
     @property
     def in_use(self) -> int:
         with self._mu:
-            return self.size - len(self._free) - self.leaked
+            return len(self._in_use)
+
+    @property
+    def withheld(self) -> int:
+        with self._mu:
+            return len(self._withheld)
+
+    leaked = withheld  # the older name
 
 
 @attrs.define(eq=False)
@@ -170,6 +257,13 @@ class Generation:
     finish_reason: str | None = None
     status: Status | None = None
     first_token_at: float | None = None
+    #: model generation of the request's jobs (its KV lives in that generation's KvManager)
+    generation_id: int | None = None
+    # Enqueue fence: ``closed`` once the request finished (no enqueue may start after it);
+    # ``enqueue_idle`` is clear while an enqueue call runs in a worker thread.
+    mu: threading.Lock = attrs.Factory(threading.Lock)
+    closed: bool = False
+    enqueue_idle: threading.Event = attrs.Factory(lambda: _set_event())
 
     @property
     def done(self) -> bool:
@@ -180,12 +274,19 @@ class Generation:
             ids = np.asarray(self.prompt, dtype=np.int32)
             return InferenceRequest(seq_id=self.seq_id, kind=TaskKind.PREFILL_IDS, tokens=ids,
                                     positions=np.arange(len(ids), dtype=np.int32), past_len=0,
-                                    deadline=self.deadline, request_id=self.request_id)
+                                    deadline=self.deadline, request_id=self.request_id,
+                                    kv_reserve_len=len(self.prompt) + self.max_tokens)
         return InferenceRequest(seq_id=self.seq_id, kind=TaskKind.DECODE,
                                 tokens=np.asarray(self.tokens[-1:], dtype=np.int32),
                                 positions=np.asarray([self.past], dtype=np.int32),
                                 past_len=self.past, deadline=self.deadline,
                                 request_id=self.request_id)
+
+
+def _set_event() -> threading.Event:
+    event = threading.Event()
+    event.set()
+    return event
 
 
 class CompletionService:
@@ -202,19 +303,38 @@ class CompletionService:
         self.active = 0  # admitted completion requests not yet finished
         self._live: dict[int, Generation] = {}
         self._ids = itertools.count(1)
+        # Prefills (may wait for KV capacity or a slot) and the jobs of requests that already
+        # hold their KV take threads from separate limiters: waiting prefills never starve
+        # the running requests of threads (that would be hold and wait again).
         self._limiter = anyio.CapacityLimiter(config.worker_threads)
+        self._admit_limiter = anyio.CapacityLimiter(config.worker_threads)
         self._drain_task: asyncio.Task | None = None
+        self._releasing: set[threading.Thread] = set()  # background sequence releases
+        self._releasing_mu = threading.Lock()
         self.metrics = ServerMetrics(executor.snapshot, self._server_gauges)
 
     def _server_gauges(self) -> dict[str, float]:
+        counts = self.sequences.counts()
         return {"calexec_num_requests_running": self.active,
-                "calexec_kv_sequences_in_use": self.sequences.in_use,
-                "calexec_kv_sequences_leaked": self.sequences.leaked,
+                "calexec_kv_sequences_in_use": counts["in_use"],
+                "calexec_kv_sequences_free": counts["free"],
+                "calexec_kv_sequences_withheld": counts["withheld"],
+                "calexec_kv_sequences_capacity": counts["capacity"],
                 "calexec_server_draining": 1.0 if self.draining else 0.0}
+
+    def health(self) -> list[str]:
+        """Why the executor cannot serve now (empty: it can): ``executor.health()``."""
+        return list(getattr(self.executor, "health", lambda: [])())
 
     @property
     def ready(self) -> bool:
-        return self.executor.state == "Ready" and not self.draining
+        return self.executor.state == "Ready" and not self.draining and not self.health()
+
+    @property
+    def releases_pending(self) -> int:
+        """Sequence releases waiting in the background for a job to end."""
+        with self._releasing_mu:
+            return len(self._releasing)
 
     def live_job_counts(self) -> dict[str, int]:
         """JobChart state -> number of live jobs held by the server's requests."""
@@ -251,6 +371,9 @@ class CompletionService:
         if timeout > self.config.max_timeout_s:
             return None, _invalid(f"timeout={timeout} > max_timeout_s="
                                   f"{self.config.max_timeout_s}"), "timeout"
+        reasons = self.health()
+        if reasons:
+            return None, Status.unavailable(Phase.ADMISSION, "; ".join(reasons)), None
         seq_id = self.sequences.acquire()
         if seq_id is None:
             return None, Status.exhausted("kv", Phase.ADMISSION, "all "
@@ -269,33 +392,31 @@ class CompletionService:
         or ``status`` then says why)."""
         if gen.done:
             return None
-        def on_created(created) -> None:
-            gen.handle = created  # reachable for a disconnect while admission still waits
-            if gen.abandoned:  # the client left before this job existed
-                created.cancel()
-
-        try:
-            handle = await to_thread.run_sync(
-                functools.partial(self.executor.enqueue, gen.next_request(), gen.logits,
-                                  on_created=on_created),
-                abandon_on_cancel=True, limiter=self._limiter)
-        except anyio.get_cancelled_exc_class():
-            # Flag first, then cancel the current handle: whichever of this and on_created
-            # runs second sees the other's write, so the new job is always cancelled.
-            gen.abandoned = True
-            if gen.handle is not None:
-                gen.handle.cancel()  # the enqueue thread sees the cancel and releases
-            raise
-        try:
-            result = await to_thread.run_sync(handle.wait_until, gen.deadline,
-                                              abandon_on_cancel=True, limiter=self._limiter)
-        except anyio.get_cancelled_exc_class():
-            handle.cancel()
-            raise
-        if isinstance(result, Status):
-            handle.cancel()  # wait deadline: the job continues unless told otherwise
-            gen.status = result
+        moved = self._generation_moved(gen)
+        if moved is not None:
+            gen.status = moved
             return None
+        # The request deadline bounds everything below, thread limiters included: the
+        # executor answers at the deadline itself (its own, more precise Status); a tenth of
+        # the slack later the handler stops waiting anyway (504) and cancels the job, if any;
+        # the rest of the slack is for the event loop to send the answer. The sequence is
+        # released once the job ended (finish()).
+        stop_at = gen.deadline + self.config.deadline_slack_s / 10
+        with anyio.move_on_after(max(0.0, stop_at - time.monotonic())) as scope:
+            result, handle = await self._run_job(gen)
+        if scope.cancelled_caught:
+            if gen.handle is not None:
+                gen.handle.cancel()
+            gen.status = Status.deadline(Phase.WAIT, "request deadline passed; the server "
+                                         "stopped waiting", seq_id=gen.seq_id)
+            return None
+        if isinstance(result, Status):
+            if handle is not None:
+                handle.cancel()  # wait deadline: the job continues unless told otherwise
+            gen.status = self._generation_moved(gen, result) or result
+            return None
+        if gen.generation_id is None:
+            gen.generation_id = result.generation
         self.metrics.observe_job(result.kind, result.timings)
         if gen.first_token_at is None:
             gen.first_token_at = result.timings.completed_us / 1e6
@@ -310,36 +431,140 @@ class CompletionService:
             gen.finish_reason = "length"
         return token
 
-    async def finish(self, gen: Generation, abandoned: bool = False) -> None:
-        """Wait for the last job, release the sequence, record metrics and the dump record.
-        ``abandoned``: an unfinished generation was given up by its client (cancelled). Shielded: runs to the end even when the request task is being cancelled."""
-        with anyio.CancelScope(shield=True):
-            if abandoned and not gen.done:  # the request task ended early: client went away
-                gen.status = Status.cancelled(Phase.CANCEL, "client disconnected")
-            handle = gen.handle
-            if handle is not None and not handle.done:
-                handle.cancel()
-                await to_thread.run_sync(handle.wait_until,
-                                         time.monotonic() + self.config.release_wait_s)
-            if handle is None or handle.done:
-                released = await to_thread.run_sync(self._release_sequence, gen.seq_id)
-            else:
-                released = Status.failure("server.sequence_withheld", Category.INTERNAL,
-                                          Phase.RELEASE, f"job {handle.job_id} unresolved after "
-                                          f"{self.config.release_wait_s}s", seq_id=gen.seq_id)
-            if not released.ok:
-                log.warning("sequence %d withheld: %s", gen.seq_id, released)
-                self.sequences.withhold()
-            self._record(gen)
-            self._live.pop(gen.request_id, None)
-            self.active -= 1
+    async def _run_job(self, gen: Generation) -> "tuple[Any, Any]":
+        """Enqueue the request's next job and wait for it: (result, handle)."""
+        def on_created(created) -> None:
+            gen.handle = created  # reachable for a disconnect while admission still waits
+            if gen.abandoned:  # the client left before this job existed
+                created.cancel()
 
-    def _release_sequence(self, seq_id: int) -> Status:
-        # a job the device still runs after a failed Wait: wait for it to let go (bounded)
-        status = self.executor.kvc.reset_sequence(seq_id, wait_s=self.config.release_wait_s)
+        def enqueue(request: InferenceRequest):
+            with gen.mu:  # the fence with finish(): no enqueue starts once the request ended
+                if gen.closed:
+                    return None
+                gen.enqueue_idle.clear()
+            try:
+                return self.executor.enqueue(request, gen.logits, on_created=on_created)
+            finally:
+                gen.enqueue_idle.set()
+
+        request = gen.next_request()
+        limiter = self._admit_limiter if request.kind == TaskKind.PREFILL_IDS else self._limiter
+        try:
+            handle = await to_thread.run_sync(enqueue, request, abandon_on_cancel=True,
+                                              limiter=limiter)
+        except anyio.get_cancelled_exc_class():
+            # Flag first, then cancel the current handle: whichever of this and on_created
+            # runs second sees the other's write, so the new job is always cancelled.
+            gen.abandoned = True
+            if gen.handle is not None:
+                gen.handle.cancel()  # the enqueue thread sees the cancel and releases
+            raise
+        if handle is None:
+            return Status.cancelled(Phase.CANCEL, "request already finished"), None
+        try:
+            result = await to_thread.run_sync(handle.wait_until, gen.deadline,
+                                              abandon_on_cancel=True, limiter=self._limiter)
+        except anyio.get_cancelled_exc_class():
+            handle.cancel()
+            raise
+        return result, handle
+
+    def _generation_moved(self, gen: Generation, result: Status | None = None) -> Status | None:
+        """UNAVAILABLE (retry) when the request's KV generation is no longer the executor's:
+        a recovery or model switch ended it between two of its jobs (its KV died with it)."""
+        if gen.generation_id is None:
+            return None
+        current = self.executor.snapshot()["generation"]
+        if current == gen.generation_id:
+            return None
+        return Status.unavailable(Phase.ADMISSION, f"the request's generation {gen.generation_id}"
+                                  f" was replaced by {current} (recovery or model switch); "
+                                  "retry", seq_id=gen.seq_id)
+
+    async def finish(self, gen: Generation, abandoned: bool = False) -> None:
+        """Finish a request at once: cancel its job if one is still running, record metrics
+        and the dump record, and give its sequence id back once its last job ended (now when
+        it has, else from a background thread). ``abandoned``: an unfinished generation was
+        given up by its client (cancelled). Shielded and never raises: runs to the end even
+        when the request task is being cancelled, so a request never stays "running"."""
+        with anyio.CancelScope(shield=True):
+            try:
+                if abandoned and not gen.done:  # the request task ended early: client left
+                    gen.status = Status.cancelled(Phase.CANCEL, "client disconnected")
+                with gen.mu:
+                    gen.closed = True  # no enqueue starts after this
+                idle = gen.enqueue_idle.is_set()  # then none runs: gen.handle is the last job
+                handle = gen.handle
+                if handle is not None and not handle.done:
+                    handle.cancel()
+                if idle and (handle is None or handle.done):
+                    released = await to_thread.run_sync(self._release_now, gen.seq_id)
+                    if not released:
+                        self._release_later(gen)
+                else:
+                    self._release_later(gen)
+            except Exception:  # never leave a request running or its id in limbo
+                log.exception("finishing request %d", gen.request_id)
+                self._release_later(gen)
+            finally:
+                try:
+                    self._record(gen)
+                except Exception:
+                    log.exception("recording request %d", gen.request_id)
+                self._live.pop(gen.request_id, None)
+                self.active -= 1
+
+    def _release_now(self, seq_id: int) -> bool:
+        """Release without waiting for the device; True when the id is free again."""
+        status = self.executor.release_sequence(seq_id, 0.0)
         if status.ok:
             self.sequences.release(seq_id)
-        return status
+        return status.ok
+
+    def _release_later(self, gen: Generation) -> None:
+        thread = threading.Thread(target=self._release_when_done, args=(gen,),
+                                  name=f"calexec-seq-release-{gen.seq_id}", daemon=True)
+        with self._releasing_mu:
+            self._releasing.add(thread)
+        thread.start()
+
+    def _executor_final(self) -> bool:
+        return self.executor.state in ("Stopped", "Failed")
+
+    def _release_when_done(self, gen: Generation) -> None:
+        """Background: wait (in bounded slices) until no enqueue of the request runs and its
+        last job ended, then release the sequence on the executor, retrying while the device
+        still runs a job of it. The id is reused only after that; it is withheld when the
+        executor ends (Stopped/Failed) first."""
+        seq_id, step = gen.seq_id, self.config.release_wait_s
+        try:
+            while not gen.enqueue_idle.wait(min(step, 1.0)):
+                pass
+            handle = gen.handle  # the last job: finish() closed the request to new ones
+            if handle is not None:
+                handle.cancel()
+            while handle is not None and not handle.done and not self._executor_final():
+                handle.wait_until(time.monotonic() + min(step, 1.0))
+            status = Status.unavailable(Phase.RELEASE, f"job of sequence {seq_id} unresolved "
+                                        "and the executor stopped", seq_id=seq_id)
+            if handle is None or handle.done:
+                while True:  # slices of at most 1 s: the executor may end meanwhile
+                    status = self.executor.release_sequence(seq_id, min(step, 1.0))
+                    if status.ok or status.category != Category.UNAVAILABLE \
+                            or self._executor_final():
+                        break
+            if status.ok:
+                self.sequences.release(seq_id)
+            else:
+                log.warning("sequence %d withheld: %s", seq_id, status)
+                self.sequences.withhold(seq_id)
+        except Exception:
+            log.exception("releasing sequence %d", seq_id)
+            self.sequences.withhold(seq_id)
+        finally:
+            with self._releasing_mu:
+                self._releasing.discard(threading.current_thread())
 
     def _record(self, gen: Generation) -> None:
         m = self.metrics
@@ -448,6 +673,7 @@ def create_app(executor: Any, config: ServerConfig | None = None,
     def fail(status: Status, param: str | None = None, http_status: int | None = None,
              count: bool = True) -> JSONResponse:
         """Error response of a completion request; counted unless it was counted already."""
+        param = param or _PARAM_OF_CODE.get(status.code)
         if count:
             service.metrics.observe_failure(status)
         return error_response(status, param, retry, http_status)
@@ -470,16 +696,29 @@ def create_app(executor: Any, config: ServerConfig | None = None,
         return None
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health() -> dict[str, Any]:
+        """200 while the process serves HTTP; ``reasons`` says why the executor cannot serve
+        (``executor.health()``: a dead executor thread, a job past its deadline, lifecycle
+        not Ready), ``status`` is then ``degraded``."""
+        reasons = service.health()
+        snap = executor.snapshot()
+        return {"status": "degraded" if reasons else "ok", "reasons": reasons,
+                "lifecycle": executor.state, "generation": snap.get("generation"),
+                # §9.2: "unpinned" while serving a calbin whose golden no file pins
+                # (--allow-unpinned-golden); §8 PROGRAMMING: features off until generation+1
+                "golden": snap.get("golden"),
+                "disabled_features": snap.get("disabled_features", []),
+                "thread_faults": snap.get("thread_faults", 0)}
 
     @app.get("/ready")
     async def ready() -> Response:
         state = executor.state
+        reasons = service.health()
         if service.ready:
             return JSONResponse({"status": "ready", "lifecycle": state,
                                  "generation": executor.snapshot()["generation"]})
-        reason = "server is draining" if service.draining else f"device lifecycle is {state}"
+        reason = ("server is draining" if service.draining else "; ".join(reasons) if reasons
+                  else f"device lifecycle is {state}")
         return error_response(Status.unavailable(Phase.ADMISSION, reason), retry_after=retry)
 
     @app.get("/metrics")
@@ -495,9 +734,11 @@ def create_app(executor: Any, config: ServerConfig | None = None,
         try:
             grace = float(raw_grace)
         except ValueError:
-            grace = -1.0
-        if not grace >= 0:
-            return error_response(_invalid(f"grace={raw_grace!r}: must be a number >= 0"), "grace")
+            grace = math.nan
+        if not (math.isfinite(grace) and 0 <= grace <= config.max_drain_grace_s):
+            return error_response(_invalid(f"grace={raw_grace[:64]!r}: must be a finite number "
+                                           f"of seconds in [0, {config.max_drain_grace_s:g}]"),
+                                  "grace")
         service.start_drain(grace)
         return JSONResponse({"draining": True, "grace": grace}, status_code=202)
 
@@ -513,9 +754,15 @@ def create_app(executor: Any, config: ServerConfig | None = None,
         except ValueError:
             body = None
         path = body.get("calbin") if isinstance(body, dict) else None
-        if not isinstance(path, str) or not path:
-            return error_response(_invalid(f"calbin={path!r}: a calbin file path is required"),
-                                  "calbin")
+        refusal = calbin_path_refusal(path, config.max_calbin_bytes)
+        if refusal is not None:
+            return error_response(_invalid(refusal), "calbin")
+        # the lifecycle moves only when it can: not while draining, recovering or unhealthy
+        reasons = ["server is draining"] if service.draining else service.health()
+        if reasons:
+            return error_response(Status.unavailable(
+                Phase.RECOVERY, f"reload refused, lifecycle unchanged: {'; '.join(reasons)}"),
+                "calbin", retry_after=retry)
         status = await to_thread.run_sync(executor.switch_model, path)
         if not status.ok:
             return error_response(status, "calbin")
@@ -630,7 +877,8 @@ def create_app(executor: Any, config: ServerConfig | None = None,
                                                  usage=False))
                     token = await service.advance(gen)
                 if gen.status is not None:
-                    yield _sse({"error": error_body(gen.status)})
+                    yield _sse({"error": error_body(gen.status,
+                                                    _PARAM_OF_CODE.get(gen.status.code))})
                 else:
                     yield _sse(_completion_chunk(service, gen, detok.flush(), [],
                                                  gen.finish_reason, usage=True))

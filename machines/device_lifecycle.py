@@ -311,7 +311,10 @@ class DeviceLifecycle:
             return status
         drained = self._drain(policy.drain_grace_s)
         reset_done = False
-        if not drained and reset and policy.reset_kind != "none":
+        # A job still on the device after the drain grace needs the safe reset whatever the
+        # cause of this recovery (§9.1: a model switch or a LIFECYCLE rebuild asks for none,
+        # but a hung job would otherwise end it Failed).
+        if not drained and policy.reset_kind != "none":
             status = self._reset(policy.reset_kind)  # aborts what the device still holds
             if not status.ok:
                 self._fail(status)
@@ -320,8 +323,7 @@ class DeviceLifecycle:
             drained = self._drain(policy.drain_grace_s)
         if not drained:
             how = (f"after a device {policy.reset_kind}" if reset_done else
-                   f"and no safe reset is configured (reset_kind={policy.reset_kind})"
-                   if policy.reset_kind == "none" else "(this fault asks for no reset)")
+                   f"and no safe reset is configured (reset_kind={policy.reset_kind})")
             status = Status.failure("recovery.not_drained", Category.DEVICE, Phase.RECOVERY,
                                     f"submitted jobs did not finish within "
                                     f"{policy.drain_grace_s}s {how}; the process should exit "
@@ -344,7 +346,7 @@ class DeviceLifecycle:
             if not status.ok:
                 self._fail(status)
                 return status
-        record["reset_kind"] = policy.reset_kind if reset else None
+        record["reset_kind"] = policy.reset_kind if reset or reset_done else None
         status = old.release(self.device)
         self._retire(old)
         self.gen = None
@@ -356,7 +358,10 @@ class DeviceLifecycle:
         target = calbin_path or old.calbin_path
         # One more attempt if this one fails: a switch rolls back to the last good calbin
         # (Triton keeps the old model on a failed reload); a recovery retries its calbin once.
-        self._rollback_path = (self._last_good_other(exclude=target) if calbin_path else
+        # The other chance if this one is refused: a switch to another calbin rolls back to
+        # the last good one; a recovery, or a reload of the calbin that served, retries it.
+        switching = calbin_path is not None and calbin_path != old.calbin_path
+        self._rollback_path = (self._last_good_other(exclude=target) if switching else
                                target if target in self.good_calbins else None)
         status = self._configure_and_warm(target)
         refused: list[str] = []

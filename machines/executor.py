@@ -51,6 +51,7 @@ from calexec.machines.locks import COMPLETION, COUNTERS, RECOVERY, SUBMIT, LockO
 from calexec.machines.locks import LIFECYCLE as LIFECYCLE_RANK
 from calexec.machines.pool import BufferPool
 from calexec.machines.postprocess import bf16_all_finite, bf16_to_f32_into
+from calexec.machines.sequences import SequenceOwnership
 
 log = logging.getLogger("calexec.executor")
 
@@ -178,7 +179,7 @@ class _NoRequest:
 _NO_REQUEST = _NoRequest()
 
 
-class DeviceExecutor(DeviceLifecycle):
+class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
     """The control core: owns the device, calbin, KvManager and buffer pool (invariant 1).
 
     This class is the job path; the device lifecycle (start, golden, recovery, model switch)
@@ -358,7 +359,8 @@ class DeviceExecutor(DeviceLifecycle):
                     **job.ctx()))
             self._pending_tokens += tokens
             job.budget_taken = True
-        txn = gen.kvc.reserve(request.seq_id, request.past_len, tokens, job.deadline, stop)
+        txn = gen.kvc.reserve(request.seq_id, request.past_len, tokens, job.deadline, stop,
+                              reserve_len=request.kv_reserve_len)
         if isinstance(txn, Status):
             self._release_budget(job)
             return self._fail_early(job, txn.with_context(job_id=job.job_id))
@@ -734,7 +736,7 @@ class DeviceExecutor(DeviceLifecycle):
             return
         job.timings.submitted_us = now_us()
         job.run.send("infer_accepted")
-        gen.kvc.mark_submitted(job.txn)
+        gen.kvc.mark_submitted(job.txn, evidence=job)
         self._bump("submitted")
         with self._completion_cv:
             self._completion_q.append(job)
@@ -851,8 +853,13 @@ class DeviceExecutor(DeviceLifecycle):
             return
         # §6.5 order: KV commit -> reset slices -> deliver -> release the lease.
         job.output_status = Status.OK
-        job.txn.device_finished = job.txn.output_valid = True
-        job.gen.kvc.commit(job.txn)
+        if not job.gen.kvc.settle(job.txn, "commit refused"):  # the chart's guard decides
+            status = Status.internal("kv_commit_refused", Phase.OUTPUT_CHECK, "the KV "
+                                     "transaction's guard refused the commit", **job.ctx())
+            if target == "Completing":
+                job.run.send("fault")
+            self._quarantine_after_submit(job, status, release_permit=True, settled=True)
+            return
         undo = slot.undo_slices()
         if target == "Completing" and not self._advance(job, "deliver"):
             target = "CancelRequested"
@@ -970,11 +977,13 @@ class DeviceExecutor(DeviceLifecycle):
                                timings=job.timings)
 
     def _quarantine_after_submit(self, job: Job, status: Status, release_permit: bool,
-                                 on_device: bool = False) -> None:
-        """§6.5 failure after submit: no commit, sequence Unknown, slot quarantined, report.
-        ``on_device``: the runtime still runs the job; its sequence cannot be reset until the
-        runtime lets go (``_reap_held``)."""
-        job.gen.kvc.mark_unknown(job.txn, status.code, on_device=on_device)
+                                 on_device: bool = False, settled: bool = False) -> None:
+        """§6.5 failure after submit: the KV txn is settled by its chart (the commit guard
+        reads the runtime's answers and the output check: here it refuses, so the sequence
+        is Unknown), slot quarantined, report. ``on_device``: the runtime still runs the job;
+        its sequence cannot be reset until the runtime lets go (``_reap_held``)."""
+        if not settled:
+            job.gen.kvc.settle(job.txn, status.code, on_device=on_device)
         job.gen.pool.quarantine(job.lease, status.code)
         self._release_budget(job)
         self._bump("quarantined")

@@ -17,20 +17,31 @@ Locking: ``admission_mu`` (rank 1) guards the sequence table, the epoch and the 
 is never held across a runtime call. Runtime KvManager calls are serialised by ``_kv_call_mu``,
 a leaf lock (nothing else is acquired while holding it), since 0.7.6 documents no thread
 safety for KvManager.
+
+No use after destroy (issue 13): ``close()`` ends the KvManager's life for the coordinator
+under ``_kv_call_mu``, so once it returns no KvManager call is running and none starts: every
+later call answers without the device (a reserve ends UNAVAILABLE, a reset or a rollback
+succeeds: the sequence's KV died with its KvManager). ``Generation.release`` closes the
+coordinator before it destroys the KvManager.
+
+No hold and wait (§7, issue 13 defect 7): ``reserve`` applies the largest of the job's target,
+what the sequence already holds and the request's ``kv_reserve_len`` (what the whole request
+needs to finish) in one ``Apply``, all or nothing; a request whose whole KV exceeds the
+KvManager's capacity is refused at once (``kv.exceeds_capacity``), not at its deadline. A
+request that reserved up front never waits for KV again, so two requests that each fit alone
+both complete when sent together: the second waits, holding nothing, for the first to release.
 """
 
 from __future__ import annotations
 
-import threading
-import time
 from typing import Any, Callable
 
 import attrs
 
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
-from calexec.machines.compiled import KV_TXN
-from calexec.machines.locks import ADMISSION, LockOrder
+from calexec.machines.compiled import KV_TXN, GuardRejected
+from calexec.machines.locks import ADMISSION, KV_CALL, LockOrder
 
 
 @attrs.define(slots=True, eq=False)
@@ -66,7 +77,7 @@ class KvTxn:
     """One KV reservation (§7 ``KvReservation``); its state is a ``KvTxnChart`` run."""
 
     __slots__ = ("seq_id", "old_len", "target_len", "old_reserved", "generation_id",
-                 "device_finished", "output_valid", "run")
+                 "evidence", "run")
 
     def __init__(self, seq_id: int, old_len: int, target_len: int, old_reserved: int,
                  generation_id: int) -> None:
@@ -75,8 +86,9 @@ class KvTxn:
         self.target_len = target_len
         self.old_reserved = old_reserved
         self.generation_id = generation_id
-        self.device_finished = False
-        self.output_valid = False
+        #: the job whose device run this txn stands for (set at mark_submitted): the commit
+        #: guard asks it what the runtime answered and whether the output was validated
+        self.evidence = None
         self.run = KV_TXN.run(self)
 
     @property
@@ -88,7 +100,11 @@ class KvTxn:
         self.run.model = None
 
     def device_finished_and_output_valid(self) -> bool:
-        return self.device_finished and self.output_valid
+        """Guard of ``commit`` (§5.1-6): the runtime's own answers (Wait rc 0 and status
+        DONE) and the output check of the job, read from the job, never set for the guard."""
+        job = self.evidence
+        return (job is not None and job.runtime_finished_cleanly()
+                and job.output_validated())
 
     def __repr__(self) -> str:
         return (f"KvTxn(seq={self.seq_id}, {self.old_len}->{self.target_len}, "
@@ -102,10 +118,12 @@ class KvCoordinator:
         self.kv = kv
         self.generation_id = generation_id
         self.admission_mu = locks.lock(ADMISSION)
-        self._changed = threading.Condition(self.admission_mu)
-        self._kv_call_mu = threading.Lock()
+        self.clock = locks.clock
+        self._changed = self.clock.condition(self.admission_mu)
+        self._kv_call_mu = locks.lock(KV_CALL)  # a leaf: KvManager calls only
         self._epoch = 0
         self._closed = False
+        self._kv_closed = False  # under _kv_call_mu: no KvManager call after close()
         self.seqs: dict[int, SeqView] = {}
         # Observability: how often waiters woke and retried Apply (FI04 proves no spinning).
         self.wakeups = 0
@@ -122,10 +140,22 @@ class KvCoordinator:
             view = self.seqs[seq_id] = SeqView(seq_id)
         return view
 
-    def _apply(self, seq_id: int, target: int) -> bool:
+    def _apply(self, seq_id: int, target: int) -> "bool | None":
+        """Apply on the KvManager; None once the coordinator is closed (no device call)."""
         with self._kv_call_mu:
+            if self._kv_closed:
+                return None
             self.apply_calls += 1
             return bool(self.kv.apply(seq_id, target))
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran: the KvManager is (about to be) destroyed."""
+        return self._closed
+
+    def capacity_blocks(self) -> int | None:
+        """The KvManager's total blocks (None when the runtime object does not say)."""
+        return getattr(self.kv, "capacity_blocks", None)
 
     def _bump(self) -> None:
         """Capacity or state changed: wake waiters (caller holds admission_mu)."""
@@ -138,15 +168,22 @@ class KvCoordinator:
             self._changed.notify_all()
 
     def close(self) -> None:
-        """Shutdown: every current and future wait ends with UNAVAILABLE."""
+        """Shutdown or teardown: every current and future wait ends with UNAVAILABLE, and
+        once this returns no KvManager call runs or starts (the caller may destroy it)."""
         with self.admission_mu:
             self._closed = True
             self._changed.notify_all()
+        with self._kv_call_mu:  # waits for a call in progress; admission_mu is not held
+            self._kv_closed = True
 
     # ---- the transaction -----------------------------------------------------------------------
     def reserve(self, seq_id: int, past_len: int, token_count: int, deadline: float,
-                stop: Callable[[], Status | None] = lambda: None) -> "KvTxn | Status":
-        """Reserve capacity so ``seq_id`` can hold ``past_len + token_count`` tokens.
+                stop: Callable[[], Status | None] = lambda: None,
+                reserve_len: int | None = None) -> "KvTxn | Status":
+        """Reserve capacity so ``seq_id`` can hold ``past_len + token_count`` tokens, and at
+        least ``reserve_len`` tokens (the request's ``kv_reserve_len``: everything it needs to
+        finish, applied all or nothing so it never holds part of the KV while waiting for the
+        rest).
 
         Waits (condition variable, no polling) until capacity frees up, ``deadline``
         (absolute ``time.monotonic()``) passes, or ``stop()`` returns a Status (cancel).
@@ -161,6 +198,15 @@ class KvCoordinator:
             return Status.failure("kv.seq_id_out_of_range", Category.INVALID_REQUEST,
                                   Phase.ADMISSION, f"seq_id={seq_id} outside the KvManager's "
                                   f"[0, max_seqs={max_seqs})", **ctx)
+        wanted = max(target, reserve_len or 0)
+        capacity = self.capacity_blocks()
+        if capacity is not None and self.blocks_for(wanted) > capacity:
+            # it would wait for capacity that can never exist: refuse now, not at the deadline
+            return Status.failure(
+                "kv.exceeds_capacity", Category.INVALID_REQUEST, Phase.ADMISSION,
+                f"sequence {seq_id} needs {wanted} tokens of KV ({self.blocks_for(wanted)} "
+                f"blocks of {self.kv.block_size}) > the KvManager's capacity of {capacity} "
+                "blocks; shorten the prompt or max_tokens", **ctx)
         with self.admission_mu:
             view = self._view(seq_id)
             if view.unknown_reason is not None:
@@ -181,7 +227,7 @@ class KvCoordinator:
             # Claim the sequence while waiting so a second job cannot interleave with this one.
             view.open_txn = claim = _Claim(seq_id)
             old_reserved = view.reserved_len
-        apply_target = max(target, old_reserved)
+        apply_target = max(wanted, old_reserved)
         try:
             ended = None
             if self.blocks_for(apply_target) > self.blocks_for(old_reserved):
@@ -220,12 +266,12 @@ class KvCoordinator:
             if stopped is not None:
                 return stopped
             with self._kv_call_mu:
-                fits = bool(self.kv.can_allocate(needed))
+                fits = not self._kv_closed and bool(self.kv.can_allocate(needed))
             if fits and self._apply(seq_id, target):
                 return None
             with self.admission_mu:
                 while self._epoch == epoch and not self._closed:
-                    remaining = deadline - time.monotonic()
+                    remaining = deadline - self.clock.monotonic()
                     if remaining <= 0:
                         return Status.failure(
                             "kv.deadline", Category.RESOURCE_EXHAUSTED, Phase.ADMISSION,
@@ -233,10 +279,12 @@ class KvCoordinator:
                             "blocks) not available before the deadline", **ctx)
                     if stop() is not None:
                         break
-                    self._changed.wait(remaining)
+                    self.clock.wait(self._changed, remaining)
                     self.wakeups += 1
 
-    def mark_submitted(self, txn: KvTxn) -> None:
+    def mark_submitted(self, txn: KvTxn, evidence=None) -> None:
+        """infer() accepted the job ``evidence`` (which answers the commit guard later)."""
+        txn.evidence = evidence
         txn.run.send("mark_submitted")
 
     def rollback(self, txn: KvTxn) -> Status:
@@ -245,7 +293,8 @@ class KvCoordinator:
         txn.finished()
         ok = True
         if self.blocks_for(txn.old_reserved) < self.blocks_for(self.seqs[txn.seq_id].reserved_len):
-            ok = self._apply(txn.seq_id, txn.old_reserved)
+            # None: closed, the KvManager (and what it reserved) is gone: nothing to give back
+            ok = self._apply(txn.seq_id, txn.old_reserved) is not False
         with self.admission_mu:
             view = self.seqs[txn.seq_id]
             if ok:
@@ -258,8 +307,20 @@ class KvCoordinator:
                                   seq_id=txn.seq_id, generation=txn.generation_id)
         return Status.OK
 
+    def settle(self, txn: KvTxn, reason: str, on_device: bool = False) -> bool:
+        """After the device run: commit if the chart's guard finds the runtime finished
+        cleanly and the output valid, else the sequence is Unknown (§7) with ``reason``.
+        The guard decides; True when committed."""
+        try:
+            self.commit(txn)
+            return True
+        except GuardRejected:
+            self.mark_unknown(txn, reason, on_device)
+            return False
+
     def commit(self, txn: KvTxn) -> None:
-        """Device finished and output validated (guarded by the chart)."""
+        """Device finished and output validated (guarded by the chart: ``GuardRejected``
+        otherwise, the txn unchanged)."""
         txn.run.send("commit")
         txn.finished()
         with self.admission_mu:
@@ -298,19 +359,23 @@ class KvCoordinator:
         up to ``wait_s`` seconds (condition variable: the completion thread signals when the
         device lets go) and is refused with ``kv.sequence_on_device`` (UNAVAILABLE: retry
         later) if the device still holds the job."""
-        deadline = time.monotonic() + wait_s
+        deadline = self.clock.monotonic() + wait_s
         with self.admission_mu:
             view = self._view(seq_id)
             while view.on_device and not self._closed:
-                remaining = deadline - time.monotonic()
+                remaining = deadline - self.clock.monotonic()
                 if remaining <= 0:
                     break
-                self._changed.wait(remaining)
+                self.clock.wait(self._changed, remaining)
                 view = self._view(seq_id)
             if view.open_txn is not None:
                 return Status.failure("kv.sequence_busy", Category.INVALID_REQUEST,
                                       Phase.ADMISSION, f"sequence {seq_id} is busy "
                                       f"({view.open_txn!r}); cannot reset it now", seq_id=seq_id)
+            if self._closed:  # torn down (or shutting down): its KV dies with the KvManager
+                self.seqs[seq_id] = SeqView(seq_id)
+                self._bump()
+                return Status.OK
             if view.on_device:
                 return Status.failure("kv.sequence_on_device", Category.UNAVAILABLE,
                                       Phase.ADMISSION, f"sequence {seq_id}: the device still "
@@ -323,7 +388,7 @@ class KvCoordinator:
             view.open_txn = claim = _Claim(seq_id, "being reset")
         try:
             with self._kv_call_mu:
-                rc = self.kv.release(seq_id)
+                rc = 0 if self._kv_closed else self.kv.release(seq_id)
         except BaseException:
             self._unclaim(seq_id, claim)
             raise
@@ -362,6 +427,9 @@ class KvCoordinator:
             if view.open_txn is claim:
                 view.open_txn = None
             self._bump()
+        if applied is None:
+            return Status.unavailable(Phase.ADMISSION, f"sequence {seq_id}: the KvManager of "
+                                      f"generation {self.generation_id} is closed", seq_id=seq_id)
         if not applied:
             return Status.failure("kv.apply_refused", Category.UNKNOWN, Phase.ADMISSION,
                                   f"Apply({seq_id}, {length}) refused a truncation", seq_id=seq_id)

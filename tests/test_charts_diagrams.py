@@ -156,6 +156,7 @@ def test_every_diagram_has_a_legend_and_attached_labels():
     assert "[else]" in diagrams.render_chart_dot("buffer_slot")  # give_back's fallback
 
 
+@pytest.mark.requires_tool("dot")
 def test_svg_text_stays_legible(rendered):
     for name in CHARTS:
         svg = (rendered / f"{name}.svg").read_text()
@@ -166,6 +167,7 @@ def test_svg_text_stays_legible(rendered):
                                                   re.M)
 
 
+@pytest.mark.requires_tool("dot")
 def test_png_option_writes_one_png_per_chart_and_check_covers_them(tmp_path, capsys):
     from PIL import Image
 
@@ -184,6 +186,7 @@ def test_png_option_writes_one_png_per_chart_and_check_covers_them(tmp_path, cap
     assert "--png" in err
 
 
+@pytest.mark.requires_tool("dot")
 def test_svg_ids_name_every_state_and_every_transition_once(rendered):
     """The live view finds a state's node and a transition's edge by these ids."""
     for name, chart in CHARTS.items():

@@ -214,13 +214,45 @@ def test_a_switch_whose_golden_hangs_without_safe_reset_ends_failed_keeping_the_
         ex.device.reset()  # let the hung job go so the test's shutdown can drain
 
 
+def test_a_switch_while_a_job_hangs_resets_and_goes_live(calbins):
+    """Found by the chaos soak: a model switch asks for no reset, so a job hung on the device
+    made its drain fail and the lifecycle end Failed. A job still on the device after the
+    drain grace now gets the safe reset whatever the recovery's cause."""
+    policy = RecoveryPolicy(drain_grace_s=0.2)
+    with running_executor(calbins["main"], execution_timeout_s=30, recovery=policy,
+                          goldens=calbins["goldens"]) as ex:
+        greedy(ex, 1, PROMPT, 0)
+        arm(ex, "HANG")
+        hung = ex.enqueue(decode(1, 3, len(PROMPT)))
+        until(lambda: hung.state == "Submitted", 5, "the job to hang on the device")
+        status = ex.switch_model(calbins["other"])
+        assert status.ok, status
+        assert ex.state == "Ready" and ex.gen.calbin_path == calbins["other"]
+        assert ex.recoveries[-1]["reset_kind"] == "reset"
+        res = hung.wait_until(deadline(5))
+        assert isinstance(res, Status)  # aborted by the reset: a failure, never a hang
+
+
+def test_a_reload_of_the_serving_calbin_that_fails_to_open_retries_it(calbins):
+    """Found by the chaos soak: reloading the calbin that serves excluded that very calbin
+    from the rollback, so one failed open ended the lifecycle Failed."""
+    with running_executor(calbins["main"]) as ex:
+        greedy(ex, 1, PROMPT, 0)
+        arm(ex, "MAP_FAIL", rc=24)  # the new generation's first MapBuf fails
+        status = ex.switch_model(calbins["main"])
+        assert status.ok, status
+        assert ex.state == "Ready" and ex.gen.calbin_path == calbins["main"]
+        assert ex.recoveries[-1]["refused"] and ex.gen.id == 3
+        still_serves(ex)
+
+
 # ---- defect 4: queued jobs expire at their deadline, wherever they stand ----------------------------
 def test_a_queued_job_fails_at_its_deadline_and_gives_back_its_kv_and_slot(calbins):
     with running_executor(calbins["main"], "decode_us=1500000") as ex:
         greedy(ex, 1, PROMPT, 0)
         greedy(ex, 2, PROMPT, 0)
         slow = ex.enqueue(decode(1, 3, len(PROMPT)))  # 1.5 s on the device
-        until(lambda: ex.snapshot()["inflight"] == 1, 5, "the slow job to be in flight")
+        until(lambda: slow.state == "Submitted", 5, "the slow job to be in flight")
         short = ex.enqueue(decode(2, 3, len(PROMPT), seconds=0.2))
         res = short.wait_until(deadline(10))
         assert isinstance(res, Status) and res.category == Category.DEADLINE, res

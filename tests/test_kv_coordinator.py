@@ -7,6 +7,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from calexec.contracts.errors import Category
 from calexec.machines.kv import KvCoordinator, KvTxn
 from calexec.machines.locks import LockOrder
@@ -18,21 +20,35 @@ class GatedKv:
     block_size = 16
     max_seqs = 8
 
-    def __init__(self) -> None:
+    def __init__(self, capacity_blocks: int | None = None) -> None:
         self.gate = threading.Event()
         self.gate.set()
         self.entered = threading.Event()
         self.lens: dict[int, int] = {}
+        self.calls = 0
+        self.destroyed = False
+        self.capacity_blocks = capacity_blocks
+
+    def _used(self) -> int:
+        return sum(-(-n // self.block_size) for n in self.lens.values())
 
     def can_allocate(self, blocks: int) -> bool:
-        return True
+        self.calls += 1
+        assert not self.destroyed, "can_allocate on a destroyed KvManager"
+        return self.capacity_blocks is None or self._used() + blocks <= self.capacity_blocks
 
     def _call(self) -> None:
+        self.calls += 1
+        assert not self.destroyed, "call on a destroyed KvManager"
         self.entered.set()
         assert self.gate.wait(10), "the test never let the call go"
+        assert not self.destroyed, "destroyed while a call ran"
 
     def apply(self, seq: int, target: int) -> bool:
         self._call()
+        grow = -(-target // self.block_size) - -(-self.lens.get(seq, 0) // self.block_size)
+        if self.capacity_blocks is not None and self._used() + grow > self.capacity_blocks:
+            return False  # all or nothing, as the 0.7.6 Apply
         self.lens[seq] = target
         return True
 
@@ -42,13 +58,28 @@ class GatedKv:
         return 0
 
 
-def coordinator() -> tuple[KvCoordinator, GatedKv]:
-    kv = GatedKv()
+class _Finished:
+    """A job whose device run finished cleanly with a validated output (the commit guard's
+    evidence)."""
+
+    def runtime_finished_cleanly(self) -> bool:
+        return True
+
+    def output_validated(self) -> bool:
+        return True
+
+
+FINISHED = _Finished()
+
+
+def coordinator(capacity_blocks: int | None = None) -> tuple[KvCoordinator, GatedKv]:
+    kv = GatedKv(capacity_blocks)
     return KvCoordinator(kv, 1, LockOrder(checking=True, strict=True)), kv
 
 
-def reserve(kvc: KvCoordinator, seq: int, past: int = 0, tokens: int = 4):
-    return kvc.reserve(seq, past, tokens, time.monotonic() + 5)
+def reserve(kvc: KvCoordinator, seq: int, past: int = 0, tokens: int = 4, seconds: float = 5,
+            **kw):
+    return kvc.reserve(seq, past, tokens, time.monotonic() + seconds, **kw)
 
 
 def in_thread(fn) -> tuple[threading.Thread, list]:
@@ -84,8 +115,7 @@ def test_no_job_is_admitted_while_its_sequence_is_being_reset():
 def test_no_job_is_admitted_while_its_sequence_is_being_truncated():
     kvc, kv = coordinator()
     txn = reserve(kvc, 2, tokens=20)
-    txn.device_finished = txn.output_valid = True
-    kvc.mark_submitted(txn)
+    kvc.mark_submitted(txn, evidence=FINISHED)
     kvc.commit(txn)
     kv.gate.clear()
     kv.entered.clear()
@@ -115,12 +145,154 @@ def test_reset_waits_for_the_device_to_let_go_of_a_failed_job():
 
 
 def test_a_waiting_reset_ends_when_the_coordinator_closes():
-    kvc, _ = coordinator()
+    """Closed = the generation is torn down (or the executor stops): the sequence's KV dies
+    with its KvManager, so the waiting reset ends at once, successfully, without calling it."""
+    kvc, kv = coordinator()
     txn = reserve(kvc, 4)
     kvc.mark_submitted(txn)
     kvc.mark_unknown(txn, "calrt.wait_failed", on_device=True)
     waiting, result = in_thread(lambda: kvc.reset_sequence(4, wait_s=10))
     time.sleep(0.05)
+    calls = kv.calls
     kvc.close()
     waiting.join(5)
-    assert not waiting.is_alive() and result[0].code == "kv.sequence_on_device"
+    assert not waiting.is_alive() and result[0].ok
+    assert kv.calls == calls and 4 in kv.lens  # not released on a KvManager being destroyed
+
+
+# ---- issue 13: no use after destroy (defect 5) ---------------------------------------------------
+def test_close_waits_for_a_kv_call_in_progress_and_fences_every_later_one():
+    """Before the fix close() only flagged the waits: a reset already past its checks called
+    release on a KvManager that Generation.release destroyed meanwhile (release -> 4, the id
+    withheld for ever), and calls after close still reached the destroyed KvManager."""
+    kvc, kv = coordinator()
+    txn = reserve(kvc, 1)
+    kvc.mark_submitted(txn, evidence=FINISHED)
+    kvc.commit(txn)
+    kv.gate.clear()
+    kv.entered.clear()
+    resetting, reset_result = in_thread(lambda: kvc.reset_sequence(1))
+    assert kv.entered.wait(5)  # inside KvManager release
+    closing, _ = in_thread(kvc.close)
+    time.sleep(0.05)
+    assert closing.is_alive()  # close() waits for the call in progress ...
+    kv.gate.set()
+    closing.join(5)
+    resetting.join(5)
+    assert not closing.is_alive() and reset_result[0].ok
+    kv.destroyed = True  # ... so the caller may destroy the KvManager once close() returned
+    calls = kv.calls
+    assert kvc.reset_sequence(2).ok  # a sequence of a torn-down generation: released, no call
+    assert reserve(kvc, 3).category is Category.UNAVAILABLE
+    assert kvc.truncate(1, 0).category is Category.UNAVAILABLE
+    assert kv.calls == calls
+
+
+def test_a_rollback_after_close_gives_back_nothing_on_the_device():
+    kvc, kv = coordinator()
+    txn = reserve(kvc, 5, tokens=40)
+    kvc.close()
+    kv.destroyed = True
+    assert kvc.rollback(txn).ok and kvc.seqs[5].open_txn is None
+
+
+# ---- issue 13: no hold and wait (defect 7) -------------------------------------------------------
+def test_reserve_applies_the_whole_request_up_front_all_or_nothing():
+    """6 blocks of 16 tokens; a request of 40 prompt + 30 new tokens needs 5. Before the fix
+    each prefill took 3 blocks and each request then waited for the rest while holding its
+    part (both failed at their deadline). Now the first takes all 5 at once, the second
+    waits holding nothing and gets them when the first releases."""
+    kvc, kv = coordinator(capacity_blocks=6)
+    first = kvc.reserve(1, 0, 40, time.monotonic() + 5, reserve_len=70)
+    assert isinstance(first, KvTxn) and kv.lens[1] == 70 and kvc.seqs[1].reserved_len == 70
+    second, result = in_thread(lambda: kvc.reserve(2, 0, 40, time.monotonic() + 10,
+                                                   reserve_len=70))
+    time.sleep(0.05)
+    assert second.is_alive() and 2 not in kv.lens  # waiting, holding nothing
+    kvc.mark_submitted(first, evidence=FINISHED)
+    kvc.commit(first)
+    # the decodes of the first request never wait: their KV is already reserved
+    calls = kv.calls
+    for past in range(40, 69):
+        txn = kvc.reserve(1, past, 1, time.monotonic() + 5, reserve_len=70)
+        assert isinstance(txn, KvTxn)
+        kvc.mark_submitted(txn, evidence=FINISHED)
+        kvc.commit(txn)
+    assert kv.calls == calls
+    assert kvc.reset_sequence(1).ok
+    second.join(5)
+    assert isinstance(result[0], KvTxn) and kv.lens[2] == 70
+
+
+def test_a_request_larger_than_the_whole_kv_is_refused_at_once():
+    kvc, kv = coordinator(capacity_blocks=6)
+    # a deadline an hour away: the refusal comes at once, before any KvManager call (waiting
+    # for capacity would ask can_allocate first)
+    refused = kvc.reserve(1, 0, 40, time.monotonic() + 3600, reserve_len=97)  # 7 blocks > 6
+    assert refused.code == "kv.exceeds_capacity"
+    assert refused.category is Category.INVALID_REQUEST and "97 tokens" in refused.message
+    assert kv.calls == 0 and (1 not in kvc.seqs or kvc.seqs[1].open_txn is None)
+    assert isinstance(kvc.reserve(1, 0, 40, time.monotonic() + 5, reserve_len=96), KvTxn)
+
+
+def test_kv_reserve_len_is_checked_against_max_seq_and_sign():
+    """A reservation the KvManager can never grant (beyond max_seq: Apply says no for ever)
+    is a §6.3 step-2 refusal, not a wait to the deadline; a negative one a construction
+    error."""
+    import numpy as np
+    import pytest
+
+    from calexec.contracts.manifest import default_manifest_path, load_manifest
+    from calexec.contracts.prepare import InferenceRequest, check_request
+    from calexec.contracts.types import TaskKind
+    from calexec.drivers import calbin as cb
+
+    import tempfile
+
+    from calexec.drivers.runtime import CalRT
+    manifest = load_manifest(default_manifest_path())
+    with tempfile.TemporaryDirectory() as tmp:  # the generation's contracts, as at start
+        path = f"{tmp}/c.calbin"
+        cb.write(path, cb.default_spec())
+        rc, device = CalRT.load().open_device("")
+        assert rc == 0
+        rc, calbin = device.load_calbin(path)
+        assert rc == 0
+        rc, models = calbin.models()
+        gen = manifest.resolve([m.info for m in models], generation_id=1,
+                               calbin_sha256=calbin.sha256)
+        calbin.unload()
+        device.close()
+    max_seq = gen.submodels[TaskKind.PREFILL_IDS].max_seq
+
+    def request(reserve):
+        return InferenceRequest(seq_id=1, kind=TaskKind.PREFILL_IDS,
+                                tokens=np.array([1, 2], np.int32),
+                                positions=np.array([0, 1], np.int32), past_len=0,
+                                deadline=time.monotonic() + 5, kv_reserve_len=reserve)
+    assert check_request(request(max_seq), gen).ok
+    refused = check_request(request(max_seq + 1), gen)
+    assert refused.category is Category.INVALID_REQUEST and "kv_reserve_len" in refused.message
+    with pytest.raises(ValueError):
+        request(-1)
+
+
+class _Failed(_Finished):
+    def runtime_finished_cleanly(self) -> bool:  # e.g. Wait rc 0 but DONE_CCU_EXCEPTION
+        return False
+
+
+def test_the_commit_guard_decides_from_the_jobs_evidence():
+    """§5.1-6: settle() asks the chart; a run the runtime did not finish cleanly never
+    commits, whatever the caller tries (forcing the guard true fails this test)."""
+    from calexec.machines.compiled import GuardRejected
+    kvc, _ = coordinator()
+    txn = reserve(kvc, 1)
+    kvc.mark_submitted(txn, evidence=_Failed())
+    with pytest.raises(GuardRejected):
+        kvc.commit(txn)
+    assert kvc.settle(txn, "ccu_exception") is False
+    assert kvc.seqs[1].unknown_reason == "ccu_exception" and kvc.seqs[1].committed_len == 0
+    good = reserve(kvc, 2)
+    kvc.mark_submitted(good, evidence=FINISHED)
+    assert kvc.settle(good, "unused") is True and kvc.seqs[2].committed_len == good.target_len

@@ -61,6 +61,7 @@ def test_live_json_counts_every_chart_and_rates_move_with_traffic(executor):
     assert live["golden"] == "pinned" and live["disabled_features"] == []
 
 
+@pytest.mark.requires_tool("chromium", "dot")
 def test_page_refreshes_itself_in_headless_chromium_under_load(executor, tmp_path):
     """The DOM after 4 s of page time: every state of every chart carries a live count, every
     edge a rate, the page updated itself more than once, the job chart shows traffic."""
@@ -104,6 +105,7 @@ TOKEN = "path-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
+@pytest.mark.requires_tool("dot")
 def test_debug_job_path_of_a_failed_request_names_the_refusing_guard(executor):
     from executor_harness import arm
 

@@ -134,13 +134,32 @@ def test_body_over_the_limit_is_413(served):
 
 # ---- 429 / 504 / 503 ------------------------------------------------------------------------------
 def test_kv_exhausted_is_429_with_retry_after(fresh):
-    # 2 blocks of 16 tokens: the 19-token golden run fits, a 40-token prompt never does.
-    executor, app = fresh("kv_blocks=2;kv_block_size=16")
+    executor, app = fresh()
+    # the KvManager says "no capacity" to every ask: the request waits (holding no KV) until
+    # its deadline, then 429
+    executor.device.emu.set_fault(Fault.CAN_ALLOCATE_FALSE, FaultMode.ALWAYS, 1)
     with TestClient(app) as client:
         r = complete(client, prompt=list(range(1, 41)), max_tokens=1, timeout=0.2)
         assert r.status_code == 429, r.text
         assert r.headers["retry-after"] == "1"
+        assert r.json()["status"]["code"] == "kv.deadline"
         assert r.json()["status"]["category"] == "resource_exhausted"
+        executor.device.emu.clear_fault(Fault.CAN_ALLOCATE_FALSE)
+        assert complete(client, prompt=[1, 2, 3], max_tokens=2).status_code == 200
+    assert app.state.service.sequences.in_use == 0
+
+
+def test_a_request_that_can_never_fit_the_kv_is_400_at_once(fresh):
+    """Issue 13 defect 7: 2 blocks of 16 tokens (the 19-token golden fits); 40 prompt tokens
+    + 1 can never fit. Before: it waited for capacity until its deadline (30 s here), then
+    429. Now: refused at once, 400 naming max_tokens, before any KV is taken."""
+    executor, app = fresh("kv_blocks=2;kv_block_size=16")
+    with TestClient(app) as client:
+        r = complete(client, prompt=list(range(1, 41)), max_tokens=1, timeout=30)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "kv.exceeds_capacity" and err["param"] == "max_tokens"
+        assert "41 tokens" in err["message"] and "capacity of 2 blocks" in err["message"]
         assert complete(client, prompt=[1, 2, 3], max_tokens=2).status_code == 200
     assert app.state.service.sequences.in_use == 0
 
@@ -164,8 +183,10 @@ def test_deadline_is_504_and_the_sequence_is_released_after_the_job(fresh):
         assert r.status_code == 504, r.text
         assert r.json()["status"]["category"] == "deadline"
     service = app.state.service
-    assert service.sequences.in_use == 0 and service.active == 0
-    assert executor.snapshot()["inflight"] == 0
+    assert service.active == 0
+    # the id comes back once the job ended (in the background), never before
+    wait_for(lambda: service.sequences.in_use == 0, what="the sequence's release")
+    assert executor.snapshot()["inflight"] == 0 and service.sequences.consistent()
 
 
 def test_drain_makes_ready_and_completions_503(fresh):
@@ -226,8 +247,9 @@ def test_admin_reload_switches_the_model_and_rolls_back_a_bad_one(fresh, tmp_pat
         assert client.get("/ready").status_code == 200
         r = complete(client, prompt=[5, 6, 7], max_tokens=4)
         assert r.json()["choices"][0]["token_ids"] == oracle_tokens([5, 6, 7], 4, other_seed)
-        r = client.post("/admin/reload", json={"calbin": str(tmp_path / "missing.calbin")},
-                        headers=auth)
+        corrupt = tmp_path / "corrupt.calbin"
+        corrupt.write_bytes(b"not a calbin" * 10)
+        r = client.post("/admin/reload", json={"calbin": str(corrupt)}, headers=auth)
         assert r.status_code == 500 and r.json()["status"]["code"] == "recovery.rolled_back"
         r = complete(client, prompt=[5, 6, 7], max_tokens=4)  # the previous model serves
         assert r.json()["choices"][0]["token_ids"] == oracle_tokens([5, 6, 7], 4, other_seed)

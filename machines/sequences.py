@@ -1,0 +1,44 @@
+"""Sequence ownership across generations (issue 13, §7, §9.2): a mixin of ``DeviceExecutor``.
+
+KV sequence ids are owned *above* the KvManager: the embedding server leases them from its own
+free list (``drivers/server.py`` ``SequencePool``) and gives each back exactly once, through
+:meth:`SequenceOwnership.release_sequence`. A KvManager lives and dies with its generation, so
+what releasing an id means depends on where its KV is:
+
+* the id has KV in the **current** generation's KvManager: it is reset there
+  (``KvCoordinator.reset_sequence``: refused while a job of it is open, and waiting, bounded by
+  ``wait_s``, while the device still runs a job of it after a failed Wait);
+* its generation was **retired** (recovery, model switch, refused switch and roll back): its KV
+  died with that generation's KvManager, which is destroyed or about to be. Nothing is called on
+  it; the release succeeds at once. The current generation's KvManager has never seen the id, so
+  it is clean there too.
+
+A release racing a recovery cannot reach a destroyed KvManager: ``Generation.release`` closes
+the generation's ``KvCoordinator`` before destroying its KvManager, and ``close`` fences every
+KvManager call under the coordinator's call lock (a call after it answers without the device).
+
+The mixin reads ``self.gen`` (the executor's current ``Generation``, None during a switch) and
+touches nothing else of the executor; it takes no executor lock.
+"""
+
+from __future__ import annotations
+
+from calexec.contracts.status import Status
+
+
+class SequenceOwnership:
+    """``release_sequence`` for the owner of the sequence ids (mixin of ``DeviceExecutor``)."""
+
+    def release_sequence(self, seq_id: int, wait_s: float = 0.0) -> Status:
+        """Give back the KV of ``seq_id`` once its last job is resolved.
+
+        OK when the current generation released it, or when no live generation holds KV of it
+        (its generation retired: the KV died with that KvManager; or the lifecycle is between
+        generations). ``kv.sequence_on_device`` (UNAVAILABLE: retry) while the device still
+        runs a job of it after ``wait_s`` seconds; ``kv.sequence_busy`` while a job of it is
+        open (the caller released too early: a bug on its side)."""
+        gen = getattr(self, "gen", None)
+        kvc = None if gen is None else gen.kvc
+        if kvc is None or seq_id not in kvc.seqs:
+            return Status.OK  # no KV of it in a live KvManager: nothing to release on the device
+        return kvc.reset_sequence(seq_id, wait_s=wait_s)
