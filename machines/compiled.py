@@ -186,6 +186,8 @@ def _guard_names(transition: Any, expected: bool) -> tuple[str, ...]:
     for spec in transition._specs:
         if spec.group != CallbackGroup.COND or spec.expected_value is not expected:
             continue
+        if _constant(spec) is not None:
+            continue
         if not isinstance(spec.func, str) or not spec.func.isidentifier():
             raise ValueError(
                 f"guard {spec.func!r} on {transition}: the compiled form supports named guards "
@@ -195,17 +197,44 @@ def _guard_names(transition: Any, expected: bool) -> tuple[str, ...]:
     return tuple(names)
 
 
+def _constant(spec: Any) -> bool | None:
+    """The fixed answer of a constant guard (``machines.mutants.constant_guard``, used by chart
+    mutation testing), else ``None``."""
+    value = getattr(spec.func, "calexec_constant", None)
+    return value if isinstance(value, bool) else None
+
+
+def _blocked(transition: Any) -> bool:
+    """Whether a constant guard of ``transition`` always refuses it."""
+    return any(
+        spec.group == CallbackGroup.COND and _constant(spec) is not None
+        and _constant(spec) is not spec.expected_value
+        for spec in transition._specs
+    )
+
+
 def compile_chart(name: str, declaration: type[StateMachine]) -> CompiledChart:
-    """Derive the ``CompiledChart`` of a flat ``StateMachine`` declaration."""
+    """Derive the ``CompiledChart`` of a flat ``StateMachine`` declaration.
+
+    A constant guard (only chart mutation testing declares one) is folded: one that always
+    passes is left out of the transition's guards; one that always refuses leaves the
+    transition out of the table while its ``(state, event)`` slot stays, so the event is
+    ``GuardRejected`` as ``StateMachine`` refuses it.
+    """
     if declaration.initial_state is None:
         raise ValueError(f"{name}: declaration {declaration.__name__} has no initial state")
     states = tuple(state.id for state in declaration.states)
     transitions: list[Transition] = []
     by_declared: dict[tuple[int, str], Transition] = {}
+    table: dict[tuple[str, str], tuple[Transition, ...]] = {}
     for state in declaration.states:
         if state.states:
             raise ValueError(f"{name}: compound state {state.id!r} is not supported")
         for declared in state.transitions:
+            if _blocked(declared):  # never taken, but the event is refused, not illegal
+                for event in declared.events:
+                    table.setdefault((state.id, str(event)), ())
+                continue
             conds, unless = _guard_names(declared, True), _guard_names(declared, False)
             for event in declared.events:
                 index = len(transitions)
@@ -220,7 +249,6 @@ def compile_chart(name: str, declaration: type[StateMachine]) -> CompiledChart:
                 )
                 transitions.append(transition)
                 by_declared[(id(declared), str(event))] = transition
-    table: dict[tuple[str, str], tuple[Transition, ...]] = {}
     for transition in transitions:
         slot = (transition.source, transition.event)
         table[slot] = table.get(slot, ()) + (transition,)

@@ -6,12 +6,14 @@ test's fixtures are set up.
 
 hypothesis: the ``ci`` profile (derandomised, no deadline, printed reproduction blob) is loaded
 when the ``CI`` environment variable is set, as ``.ci/run`` does; locally the ``dev`` profile.
+``calexec charts mutate`` picks ``mutate`` (``--hypothesis-profile=mutate``): derandomised, no
+example database, no shrinking (a mutant only needs a failure, not the smallest one).
 """
 
 import os
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 import needs
 
@@ -25,6 +27,14 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.register_profile("dev", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile(
+    "mutate",
+    derandomize=True,
+    deadline=None,
+    database=None,
+    phases=[Phase.explicit, Phase.generate],
+    suppress_health_check=[HealthCheck.too_slow],
+)
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 # Lock-rank checking on in every test (issue 13): each executor, KV coordinator and pool built

@@ -93,6 +93,17 @@ def test_guard_refuses(chart, state, event, outcomes):
     assert run.state == state_of(machine) == state
 
 
+@pytest.mark.parametrize("state", ["Created", "Admitted", "Preparing", "Queued", "Submitted",
+                                   "Completing"])
+def test_cancel_is_recorded_as_cancel_requested(state):
+    # §5.1-7/FI11/FI12: a cancel of a job that has not ended moves it to CancelRequested, from
+    # where it still waits for the runtime (after submit) before it may end.
+    machine, run = both(JOB, state)
+    machine.send("cancel")
+    assert state_of(machine) == "CancelRequested"
+    assert run.send("cancel") == "CancelRequested"
+
+
 @pytest.mark.parametrize(
     ("chart", "state", "event"),
     [

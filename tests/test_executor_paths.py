@@ -16,12 +16,13 @@ from contextlib import contextmanager
 import pytest
 
 from calexec.contracts.status import Status
+from calexec.contracts.types import TaskKind
 from calexec.drivers.runtime import Stage
 from calexec.machines import executor as executor_module
 from calexec.machines.compiled import JOB, KV_TXN
 from calexec.machines.coverage import RECORDER
 from calexec.machines.paths import transition_paths
-from calexec.machines.pool import BufferSlot
+from calexec.machines.pool import BufferPool, BufferSlot
 from executor_harness import running_job_path as running_executor
 from executor_harness import (arm, decode, deadline, greedy, prefill, until,
                               write_calbin)
@@ -52,9 +53,19 @@ def happy_path(calbin):
         greedy(ex, 1, PROMPT, 2)
 
 
+def ended(handle, state: str):
+    """The job's end state: §6.2, a failure before submit ends Failed (nothing held by the
+    runtime); §6.5/§9.1, a failure after submit ends Quarantined; its KV txn is closed."""
+    assert handle.done and handle.state == state, (handle.state, state)
+    txn = handle._job.txn  # §7: a job that ended leaves no open KV transaction
+    assert txn is None or txn.run.final, txn
+
+
 def invalid_request(calbin):
     with running_executor(calbin) as ex:
-        assert isinstance(ex.enqueue(prefill(1, [])).wait_until(deadline()), Status)
+        handle = ex.enqueue(prefill(1, []))
+        assert isinstance(handle.wait_until(deadline()), Status)
+        ended(handle, "Failed")
 
 
 def enqueue_in_thread(ex, request):
@@ -83,6 +94,7 @@ def cancel_while_waiting_for_kv(calbin):
         thread.join(5)
         res = box["result"].wait_until(deadline())
         assert isinstance(res, Status) and res.code == "request.cancelled"
+        ended(box["result"], "Failed")
 
 
 def cancel_while_waiting_for_slot(calbin):
@@ -94,6 +106,7 @@ def cancel_while_waiting_for_slot(calbin):
         thread.join(5)
         res = box["result"].wait_until(deadline())
         assert isinstance(res, Status) and res.code == "request.cancelled"
+        ended(box["result"], "Failed")
         first.cancel()
         ex.submit_one()
 
@@ -101,8 +114,10 @@ def cancel_while_waiting_for_slot(calbin):
 def lease_deadline(calbin):
     with running_executor(calbin, threads=False, slots_per_kind=1) as ex:
         ex.enqueue(prefill(1, PROMPT))
-        res = ex.enqueue(prefill(2, PROMPT, seconds=0.05)).wait_until(deadline())
+        handle = ex.enqueue(prefill(2, PROMPT, seconds=0.05))
+        res = handle.wait_until(deadline())
         assert isinstance(res, Status) and res.code == "admission.deadline"
+        ended(handle, "Failed")
 
 
 def cancel_while_preparing(calbin, monkeypatch):
@@ -117,14 +132,18 @@ def cancel_while_preparing(calbin, monkeypatch):
 
     monkeypatch.setattr(BufferSlot, "slice_input", slice_then_cancel)
     with running_executor(calbin) as ex:
-        res = ex.enqueue(prefill(1, PROMPT), on_created=created.append).wait_until(deadline())
+        handle = ex.enqueue(prefill(1, PROMPT), on_created=created.append)
+        res = handle.wait_until(deadline())
         assert isinstance(res, Status) and res.code == "request.cancelled"
+        ended(handle, "Failed")
 
 
 def csr_failure(calbin):
     with running_executor(calbin) as ex:
         arm(ex, "UNKNOWN_CSR")
-        assert isinstance(ex.enqueue(prefill(1, PROMPT)).wait_until(deadline()), Status)
+        handle = ex.enqueue(prefill(1, PROMPT))
+        assert isinstance(handle.wait_until(deadline()), Status)
+        ended(handle, "Failed")
 
 
 def cancel_queued_and_submit_failure(calbin):
@@ -132,10 +151,12 @@ def cancel_queued_and_submit_failure(calbin):
         handle = ex.enqueue(prefill(1, PROMPT))
         handle.cancel()
         ex.submit_one()
+        ended(handle, "Failed")
         arm(ex, "SUBMIT_RC", rc=18)  # unavailable: not retried
         handle = ex.enqueue(prefill(1, PROMPT))
         ex.submit_one()
         assert isinstance(handle.wait_until(deadline()), Status)
+        ended(handle, "Failed")
 
 
 def cancel_submitted(calbin):
@@ -147,6 +168,7 @@ def cancel_submitted(calbin):
         ex.device.emu.step(0, Stage.JOB)
         ex.complete_one()
         assert isinstance(handle.wait_until(deadline()), Status)
+        ended(handle, "Failed")  # FI12: Wait returned cleanly, the result is discarded
         # cancelled after submit and Wait fails with the device done: Quarantined
         handle = ex.enqueue(prefill(2, PROMPT))
         ex.submit_one()
@@ -174,14 +196,17 @@ def failures_after_submit(calbin):
         greedy(ex, 1, PROMPT, 0)
         for point in ("CCU_EXCEPTION", "OUTPUT_NAN"):
             arm(ex, point)
-            ex.enqueue(decode(1, 1, len(PROMPT))).wait_until(deadline())
+            handle = ex.enqueue(decode(1, 1, len(PROMPT)))
+            assert isinstance(handle.wait_until(deadline()), Status)
+            ended(handle, "Quarantined")
             ex.kvc.reset_sequence(1)
             greedy(ex, 1, PROMPT, 0)
     with running_executor(calbin, "decode_us=50000", timeout_grace_s=2.0) as ex:
         greedy(ex, 1, PROMPT, 0)
         arm(ex, "WAIT_RC")  # Wait fails while the device still runs the job: keep buffers
-        res = ex.enqueue(decode(1, 1, len(PROMPT))).wait_until(deadline())
-        assert isinstance(res, Status)
+        handle = ex.enqueue(decode(1, 1, len(PROMPT)))
+        assert isinstance(handle.wait_until(deadline()), Status)
+        ended(handle, "Quarantined")
 
 
 def cancel_while_completing(calbin, monkeypatch):
@@ -194,8 +219,51 @@ def cancel_while_completing(calbin, monkeypatch):
 
     monkeypatch.setattr(executor_module.DeviceExecutor, "_postprocess", postprocess_then_cancel)
     with running_executor(calbin) as ex:
-        res = ex.enqueue(prefill(1, PROMPT)).wait_until(deadline())
+        handle = ex.enqueue(prefill(1, PROMPT))
+        res = handle.wait_until(deadline())
         assert isinstance(res, Status) and res.code == "request.cancelled"
+        ended(handle, "Failed")
+
+
+def test_cancel_after_the_lease_prepares_nothing(calbin, monkeypatch):
+    """§6.2/FI11: a job cancelled once its slot is leased never writes the slot's inputs: the
+    ``not_cancelled`` guard of ``begin_preparation`` refuses it and it ends Failed."""
+    created, sliced = [], []
+    acquire, slice_input = BufferPool.acquire, BufferSlot.slice_input
+
+    def acquire_then_cancel(self, *args, **kwargs):
+        lease = acquire(self, *args, **kwargs)
+        for handle in created:
+            handle.cancel()  # a cancel arriving just after the lease
+        return lease
+
+    def recording_slice(self, planned):
+        sliced.append(planned)
+        return slice_input(self, planned)
+
+    monkeypatch.setattr(BufferPool, "acquire", acquire_then_cancel)
+    monkeypatch.setattr(BufferSlot, "slice_input", recording_slice)
+    with running_executor(calbin) as ex:
+        sliced.clear()  # the start-up golden run prepared its own jobs
+        handle = ex.enqueue(prefill(1, PROMPT), on_created=created.append)
+        res = handle.wait_until(deadline())
+    assert isinstance(res, Status) and res.code == "request.cancelled"
+    assert sliced == []
+    ended(handle, "Failed")
+
+
+def test_reset_quarantines_a_slot_still_leased(calbin):
+    """§5.1-8 (invariant 8): a reset quarantines every slot of the old generation, a slot still
+    leased to a request in preparation included (``Leased --quarantine--> Quarantined``, which
+    the single-threaded tests never reach: there a lease is only held inside one call)."""
+    with running_executor(calbin, threads=False) as ex:
+        lease = ex.pool.acquire(TaskKind.PREFILL_IDS, deadline(), owner=0)
+        slot = lease.slot
+        assert slot.run.state == "Leased"
+        ex.pool.quarantine_all()
+        assert slot.run.state == "Quarantined"
+        assert not lease.release().ok  # the request thread finds its slot gone
+        assert slot.run.state == "Quarantined"
 
 
 SCENARIOS = [happy_path, invalid_request, cancel_while_waiting_for_kv,

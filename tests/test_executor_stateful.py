@@ -108,9 +108,12 @@ class ExecutorMachine(RuleBasedStateMachine):
         if ex is None:
             return
         self.emu.set_stepped(False)
+        was_ready = ex.state == "Ready"
         status = ex.shutdown(grace=5.0)
         assert ex.state in ("Stopped", "Failed")
         assert status.ok or ex.state == "Failed", status
+        if was_ready:  # FI13: a serving executor drains within the grace and ends Stopped
+            assert status.ok and ex.state == "Stopped", (ex.state, status)
         for pool in self.pools:  # nothing leased, nothing left in flight, in any generation
             assert pool.counts()["Leased"] == 0 and pool.counts()["InFlight"] == 0
         for handle, *_ in self.jobs:  # the lifecycle never leaves a job waiting forever
@@ -253,6 +256,9 @@ class ExecutorMachine(RuleBasedStateMachine):
             assert not status.ok
             if self.ex.state == "Ready":  # rolled back: the previous calbin serves again
                 assert self.ex.gen.calbin_path == before or path == before
+            if path != before:  # §9.2: the last good calbin is known, so the switch rolls back
+                assert self.ex.state == "Ready" and self.ex.gen.calbin_path == before, \
+                    (self.ex.state, status)
 
     def recover_with(self, action):
         """Recovery drains through Wait(): let the device run by itself meanwhile. Faults
@@ -357,6 +363,18 @@ class ExecutorMachine(RuleBasedStateMachine):
     @invariant()
     def inflight_within_capacity(self):
         assert 0 <= self.ex._inflight <= self.ex.config.inflight_capacity
+
+    @invariant()
+    def resolved_jobs_rest_in_the_final_state_of_their_result(self):
+        # §4.2: a delivered result is Succeeded; an error value is Failed (nothing held by the
+        # runtime) or Quarantined (failed after submit); never a resolved job in a live state.
+        for handle, *_ in self.jobs:
+            if handle.done:
+                expected = (("Succeeded",) if isinstance(handle._job.result, InferenceResult)
+                            else ("Failed", "Quarantined"))
+                assert handle.state in expected, (handle.state, handle._job.result)
+                txn = handle._job.txn  # §7: and it leaves no open KV transaction
+                assert txn is None or txn.run.final, txn
 
     @invariant()
     def failures_are_values_with_context(self):

@@ -6,6 +6,8 @@ declared lifecycle transition reached through the executor."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
 
 import numpy as np
@@ -310,6 +312,15 @@ def lifecycle_scenarios(calbins):
         ex.goldens[sha] = (0,)
         ex.switch_model(calbins["other"] + ".bad")
         ex.switch_model(calbins["missing"])
+    # a switch whose rollback fails too ends Failed with the reason (§9.2): the last good
+    # calbin is gone, and there is nothing left to roll back to
+    with running_executor(calbins["main"]) as ex:
+        copy = calbins["main"] + ".copy"
+        shutil.copyfile(calbins["main"], copy)
+        assert ex.switch_model(copy).ok
+        os.remove(copy)
+        status = ex.switch_model(calbins["missing"])
+        assert not status.ok and ex.state == "Failed", (status, ex.state)
     # Ready -> Failed (compatibility)
     with running_executor(calbins["main"]) as ex:
         arm(ex, "SUBMIT_RC", rc=9)

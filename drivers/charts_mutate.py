@@ -1,0 +1,493 @@
+"""``calexec charts mutate``: mutation testing of declared statecharts.
+
+For each chart (calexec's four by default, or any flat python-statemachine ``StateMachine``
+subclass given as ``--chart module:Class``) the mutants of ``calexec.machines.mutants`` are
+derived from the declaration; each is run against a test command in a fresh process that
+applies it at import (a ``sitecustomize`` on ``PYTHONPATH`` installs the hook), so the code
+under test, and for calexec the compiled table the executor runs, is the mutant. A mutant is
+**killed** when the command fails, **survived** when it passes, and **error** when it could
+not be judged (the mutant was never applied because the command did not import the chart,
+or the command exited with a code of ``--error-codes``: pytest's internal error, usage error,
+no tests). A command that exceeds ``--timeout`` is killed (``how: timeout``), as PIT counts it.
+The unmutated command runs first and must pass.
+
+A survivor listed in the ``--equivalent`` TOML file (``[[mutant]]`` tables with ``chart``,
+``id`` and ``reason``; calexec's is ``docs/chart_mutants_equivalent.toml``) is reported
+**equivalent** with its reason and left out of the score; a listed mutant that is killed is
+reported as a stale entry.
+
+Report: Markdown on stdout (``--json``: JSON instead), both into ``--report DIR``
+(``mutation.md``, ``mutation.json``); score per chart = killed / (killed + survived).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import random
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from calexec import cliargs
+from calexec.machines import mutants as mutants_mod
+
+#: calexec's own charts, by the names ``machines.charts.DECLARED`` gives them.
+CALEXEC_CHARTS = {
+    "job": "calexec.machines.charts:JobChart",
+    "kv_txn": "calexec.machines.charts:KvTxnChart",
+    "lifecycle": "calexec.machines.charts:LifecycleChart",
+    "buffer_slot": "calexec.machines.charts:BufferSlotChart",
+}
+#: The model-based tests of calexec's charts at a fast size: the charts on both forms, the
+#: generated paths on bare charts and through the executor (job, KV txn, lifecycle), the
+#: single-thread stateful test.
+#: A mutant that breaks path generation is a collection error; the other files still run, so
+#: the report still says whether the executor's tests notice it too.
+DEFAULT_TEST_CMD = (
+    f"{shlex.quote(sys.executable)} -m pytest -q -p no:cacheprovider --hypothesis-profile=mutate "
+    "--continue-on-collection-errors "
+    "tests/test_charts_declared.py tests/test_charts_compiled.py tests/test_charts_paths.py "
+    "tests/test_executor_paths.py tests/test_recovery.py::test_lifecycle_transition_reached_through_executor "
+    "tests/test_executor_stateful.py::TestExecutorStateful"
+)
+#: Killers under this prefix test a chart alone; the report also counts mutants killed by any
+#: other test (for calexec: through the executor).
+DEFAULT_CHART_ONLY_PREFIX = "tests/test_charts_"
+#: calexec's documented equivalent mutants, relative to --cwd (used when it exists).
+DEFAULT_EQUIVALENT = "docs/chart_mutants_equivalent.toml"
+STATUSES = ("killed", "survived", "equivalent", "error")
+SITECUSTOMIZE = '''\
+# Written by `calexec charts mutate`: apply the chart mutant named in CALEXEC_CHART_MUTANT.
+import importlib.machinery as _machinery
+import importlib.util as _util
+import os as _os
+import sys as _sys
+
+from calexec.machines.mutants import install_from_env as _install
+
+_install()
+_here = _os.path.dirname(_os.path.abspath(__file__))
+_next = _machinery.PathFinder.find_spec(
+    "sitecustomize", [p for p in _sys.path if _os.path.abspath(p or ".") != _here])
+if _next is not None and _next.loader is not None:  # keep the environment's own one working
+    _next.loader.exec_module(_util.module_from_spec(_next))
+'''
+FAILED_LINE = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.MULTILINE)
+
+
+@attrs.frozen
+class Chart:
+    name: str
+    target: str  # module:Class
+    declaration: type
+
+
+@attrs.define
+class Outcome:
+    chart: str
+    mutant: mutants_mod.Mutant
+    status: str = "error"  # one of STATUSES
+    how: str = ""
+    seconds: float = 0.0
+    exit_code: int | None = None
+    killed_by: list[str] = attrs.Factory(list)
+    output_tail: str = ""
+    reason: str = ""  # why it is equivalent, from the --equivalent list
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "chart": self.chart, "id": self.mutant.id, "kind": self.mutant.kind,
+            "transition": self.mutant.transition, "detail": self.mutant.detail,
+            "status": self.status, "how": self.how, "seconds": round(self.seconds, 2),
+            "exit_code": self.exit_code, "killed_by": self.killed_by,
+            **({"reason": self.reason} if self.reason else {}),
+            **({"output_tail": self.output_tail} if self.status == "error" else {}),
+        }
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = cliargs.parser("calexec charts mutate", __doc__)
+    parser.add_argument("--chart", action="append", metavar="NAME|module:Class",
+                        help="a chart to mutate (repeatable): one of calexec's "
+                             f"({', '.join(CALEXEC_CHARTS)}) or any flat StateMachine subclass "
+                             "as module:Class (then --test-cmd is required); default: calexec's four")
+    parser.add_argument("--test-cmd", help="the command that tests the chart, run once per "
+                        "mutant (shell words, no shell); default: calexec's model-based tests")
+    parser.add_argument("--cwd", default=".", help="directory the test command runs in and "
+                        "that is put on sys.path to import --chart modules (default: .)")
+    parser.add_argument("--targets-per-transition", type=int, default=2, metavar="K",
+                        help="target mutants per transition: the source itself, then the states "
+                             "declared after the target (0: every other state; default 2)")
+    parser.add_argument("--kind", action="append", choices=mutants_mod.KINDS,
+                        help="only these mutant kinds (repeatable)")
+    parser.add_argument("--mutant", action="append", metavar="ID",
+                        help="only this mutant id (repeatable; CHART/ID when several charts)")
+    parser.add_argument("--sample", type=int, metavar="N",
+                        help="a deterministic sample of N mutants spread over charts and kinds")
+    parser.add_argument("--seed", type=int, default=0, help="seed of --sample (default 0)")
+    parser.add_argument("--jobs", type=int, default=2, help="mutants run at once (default 2)")
+    parser.add_argument("--timeout", type=float, metavar="S",
+                        help="seconds per mutant; longer counts as killed (default: 5x the "
+                             "unmutated run + 30)")
+    parser.add_argument("--examples", type=int, default=30,
+                        help="CALEXEC_STATEFUL_EXAMPLES for the default command (default 30)")
+    parser.add_argument("--error-codes", default="3,4,5",
+                        help="exit codes meaning 'not judged' rather than killed (default "
+                             "3,4,5: pytest's internal error, usage error, no tests)")
+    parser.add_argument("--chart-only-prefix", metavar="PREFIX",
+                        help="failing test ids under this prefix test the chart alone; the "
+                             "report also scores kills by other tests (default for calexec's "
+                             f"command: {DEFAULT_CHART_ONLY_PREFIX})")
+    parser.add_argument("--equivalent", metavar="TOML",
+                        help="documented equivalent mutants ([[mutant]] chart, id, reason); "
+                             f"default for calexec's command: {DEFAULT_EQUIVALENT}")
+    parser.add_argument("--fail-under", type=float, metavar="PCT",
+                        help="exit 1 when a chart's score is below PCT percent")
+    parser.add_argument("--fail-on-survivor", action="store_true",
+                        help="exit 1 when a mutant survives that is not a documented equivalent")
+    parser.add_argument("--json", action="store_true", help="print the JSON report, not Markdown")
+    parser.add_argument("--report", metavar="DIR", help="also write mutation.md and mutation.json")
+    return parser
+
+
+def _resolve_chart(spec: str, cwd: Path) -> Chart:
+    name, target = spec, CALEXEC_CHARTS.get(spec, spec)
+    if "=" in spec:
+        name, _, target = spec.partition("=")
+    module_name, sep, class_name = target.partition(":")
+    if not sep or not module_name or not class_name:
+        raise ValueError(f"--chart {spec!r}: expected one of {', '.join(CALEXEC_CHARTS)} or "
+                         f"module:Class")
+    if str(cwd) not in sys.path:
+        sys.path.insert(0, str(cwd))
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"--chart {spec!r}: cannot import module {module_name!r}: {err}") from err
+    declaration = getattr(module, class_name, None)
+    from statemachine import StateChart
+
+    if not (isinstance(declaration, type) and issubclass(declaration, StateChart)):
+        raise ValueError(f"--chart {spec!r}: {class_name!r} in {module_name} is not a "
+                         f"python-statemachine StateMachine class")
+    if spec == target and ":" in spec:  # a bare module:Class: calexec's own keep their names
+        name = next((n for n, t in CALEXEC_CHARTS.items() if t == target), class_name)
+    return Chart(name, target, declaration)
+
+
+def _select(charts: list[Chart], args: argparse.Namespace) -> list[tuple[Chart, mutants_mod.Mutant]]:
+    chosen = []
+    for chart in charts:
+        for mutant in mutants_mod.derive(chart.declaration, args.targets_per_transition):
+            if args.kind and mutant.kind not in args.kind:
+                continue
+            chosen.append((chart, mutant))
+    if args.mutant:
+        wanted = set(args.mutant)
+        by_id = {}
+        for chart in charts:  # explicit ids may name any target, whatever --targets-per-transition
+            for mutant in mutants_mod.derive(chart.declaration, 0):
+                by_id[f"{chart.name}/{mutant.id}"] = (chart, mutant)
+                if len(charts) == 1:
+                    by_id[mutant.id] = (chart, mutant)
+        unknown = sorted(wanted - set(by_id))
+        if unknown:
+            raise ValueError(f"--mutant {unknown[0]!r}: no such mutant (list them with --json "
+                             f"on a --sample run, or see derive())")
+        chosen = list(dict.fromkeys(by_id[m] for m in args.mutant))
+    if args.sample is not None and args.sample < len(chosen):
+        groups: dict[tuple[str, str], list] = {}
+        for item in chosen:
+            groups.setdefault((item[0].name, item[1].kind), []).append(item)
+        rng = random.Random(args.seed)
+        queues = [rng.sample(items, len(items)) for items in groups.values()]
+        picked: set[int] = set()
+        while len(picked) < args.sample:
+            for queue in queues:
+                if queue and len(picked) < args.sample:
+                    picked.add(id(queue.pop()))
+        chosen = [item for item in chosen if id(item) in picked]
+    return chosen
+
+
+_LIVE: set[subprocess.Popen] = set()  # test commands running now (killed on interrupt)
+
+
+def _run(command: list[str], cwd: Path, env: dict[str, str], timeout: float | None):
+    """(exit code or None on timeout, seconds, output). The command runs in its own process
+    group, killed whole on timeout."""
+    start = time.monotonic()
+    proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    _LIVE.add(proc)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+        code: int | None = proc.returncode
+    except subprocess.TimeoutExpired:
+        _kill(proc)
+        output, _ = proc.communicate()
+        code = None
+    finally:
+        _LIVE.discard(proc)
+    return code, time.monotonic() - start, output
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # already gone
+        pass
+
+
+def _on_sigterm_interrupt() -> Any:
+    """Make SIGTERM raise KeyboardInterrupt in the main thread; return the old handler (None
+    when not on the main thread, where handlers cannot be set)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def interrupt(_signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    return signal.signal(signal.SIGTERM, interrupt)
+
+
+def _judge(outcome: Outcome, code: int | None, output: str, applied: bool,
+           error_codes: set[int]) -> None:
+    outcome.exit_code = code
+    if not applied:
+        outcome.status, outcome.how = "error", "mutant never applied: the command did not import the chart"
+    elif code is None:
+        outcome.status, outcome.how = "killed", "timeout"
+    elif code == 0:
+        outcome.status = "survived"
+    elif code in error_codes:
+        outcome.status, outcome.how = "error", f"exit code {code}"
+    else:
+        outcome.status, outcome.how = "killed", f"exit code {code}"
+        outcome.killed_by = list(dict.fromkeys(m.split(" ")[0] for m in FAILED_LINE.findall(output)))
+    if outcome.status == "error":
+        outcome.output_tail = output[-2000:]
+
+
+def load_equivalents(path: Path) -> dict[tuple[str, str], str]:
+    """(chart, mutant id) -> reason, from a TOML file of ``[[mutant]]`` tables."""
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError) as err:
+        raise ValueError(f"--equivalent {str(path)!r}: {err}") from err
+    result = {}
+    for index, entry in enumerate(data.get("mutant", [])):
+        missing = [k for k in ("chart", "id", "reason") if not str(entry.get(k, "")).strip()]
+        if missing:
+            raise ValueError(f"--equivalent {str(path)!r}: [[mutant]] #{index + 1} has no "
+                             f"{', '.join(missing)}")
+        result[(entry["chart"], entry["id"])] = entry["reason"].strip()
+    return result
+
+
+def _score(killed: int, survived: int) -> float | None:
+    return None if killed + survived == 0 else 100.0 * killed / (killed + survived)
+
+
+def summarise(outcomes: list[Outcome], charts: list[Chart], prefix: str | None) -> dict[str, Any]:
+    summary = {}
+    for chart in charts:
+        mine = [o for o in outcomes if o.chart == chart.name]
+        counts = {s: sum(o.status == s for o in mine) for s in STATUSES}
+        entry: dict[str, Any] = {"class": chart.target, "mutants": len(mine), **counts,
+                                 "score": _score(counts["killed"], counts["survived"])}
+        if prefix:
+            beyond = sum(o.status == "killed" and (o.how == "timeout" or any(
+                not k.startswith(prefix) for k in o.killed_by)) for o in mine)
+            entry["killed_beyond_chart_only_tests"] = beyond
+            entry["score_beyond_chart_only_tests"] = _score(
+                beyond, counts["killed"] + counts["survived"] - beyond)
+        summary[chart.name] = entry
+    return summary
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f} %"
+
+
+def markdown(report: dict[str, Any]) -> str:
+    prefix = report["chart_only_prefix"]
+    lines = ["# Chart mutation report", "",
+             f"- command: `{report['command']}` (in `{report['cwd']}`)",
+             f"- unmutated run: {report['baseline_s']:.1f} s; target mutants per transition: "
+             f"{report['targets_per_transition'] or 'all'}; mutants run: {len(report['mutants'])}"
+             f" in {report['elapsed_s']:.0f} s with {report['jobs']} worker(s)", ""]
+    head = "| chart | mutants | killed | survived | equivalent | error | score |"
+    rule = "|---|---:|---:|---:|---:|---:|---:|"
+    if prefix:
+        head += f" killed beyond `{prefix}*` | score beyond |"
+        rule += "---:|---:|"
+    lines += [head, rule]
+    for name, entry in report["charts"].items():
+        row = (f"| {name} | {entry['mutants']} | {entry['killed']} | {entry['survived']} | "
+               f"{entry['equivalent']} | {entry['error']} | {_pct(entry['score'])} |")
+        if prefix:
+            row += (f" {entry['killed_beyond_chart_only_tests']} | "
+                    f"{_pct(entry['score_beyond_chart_only_tests'])} |")
+        lines.append(row)
+    for stale in report["stale_equivalents"]:
+        lines.append(f"\n**stale equivalent entry**: {stale['chart']} `{stale['id']}` is killed now; "
+                     f"remove it from the list")
+    lines += ["", "| chart | mutant | status | s | killed by / why |", "|---|---|---|---:|---|"]
+    order = {"survived": 0, "error": 1, "equivalent": 2, "killed": 3}
+    for m in sorted(report["mutants"], key=lambda m: order[m["status"]]):
+        killers = ", ".join(f"`{k}`" for k in m["killed_by"][:3])
+        if len(m["killed_by"]) > 3:
+            killers += f" (+{len(m['killed_by']) - 3})"
+        detail = killers or m.get("reason") or m["how"]
+        lines.append(f"| {m['chart']} | `{m['id']}` | {m['status']} | {m['seconds']:.1f} | "
+                     f"{detail} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    while argv[:1] in (["charts"], ["mutate"]):  # the dispatcher passes the command words
+        argv = argv[1:]
+    args = _parser().parse_args(argv)
+    cwd = Path(args.cwd).resolve()
+    try:
+        if args.jobs < 1:
+            raise ValueError(f"--jobs {args.jobs}: must be at least 1")
+        if args.targets_per_transition < 0:
+            raise ValueError(f"--targets-per-transition {args.targets_per_transition}: must be >= 0")
+        if args.sample is not None and args.sample < 1:
+            raise ValueError(f"--sample {args.sample}: must be at least 1")
+        error_codes = {int(c) for c in args.error_codes.split(",") if c.strip()}
+        specs = args.chart or list(CALEXEC_CHARTS)
+        charts = [_resolve_chart(spec, cwd) for spec in specs]
+        if len({c.name for c in charts}) != len(charts):
+            raise ValueError(f"--chart: two charts share a name in {specs}; use NAME=module:Class")
+        own = all(c.target in CALEXEC_CHARTS.values() for c in charts)
+        if args.test_cmd is None and not own:
+            raise ValueError("--test-cmd is required for a chart that is not calexec's own")
+        if args.test_cmd is None and not (cwd / "tests" / "test_executor_stateful.py").is_file():
+            raise ValueError(f"--cwd {str(cwd)!r}: calexec's default test command needs its "
+                             f"tests/ directory (run from the calexec checkout or give --test-cmd)")
+        command_text = args.test_cmd or DEFAULT_TEST_CMD
+        command = shlex.split(command_text)
+        if not command:
+            raise ValueError("--test-cmd '': empty command")
+        chosen = _select(charts, args)
+        equivalent_path = Path(args.equivalent) if args.equivalent else (
+            cwd / DEFAULT_EQUIVALENT if args.test_cmd is None and own else None)
+        equivalents = {}
+        if equivalent_path is not None and (args.equivalent or equivalent_path.is_file()):
+            equivalents = load_equivalents(cwd / equivalent_path)
+    except ValueError as err:
+        print(f"calexec charts mutate: {err}", file=sys.stderr)
+        return 2
+    prefix = args.chart_only_prefix if args.chart_only_prefix is not None else (
+        DEFAULT_CHART_ONLY_PREFIX if args.test_cmd is None else None)
+
+    with tempfile.TemporaryDirectory(prefix="calexec-mutate-") as scratch_dir:
+        scratch = Path(scratch_dir)
+        site = scratch / "site"
+        site.mkdir()
+        (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+        base_env = dict(os.environ)
+        for name in (mutants_mod.ENV, mutants_mod.ACK_ENV):
+            base_env.pop(name, None)
+        base_env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(site), str(cwd), base_env.get("PYTHONPATH")]))
+        if args.test_cmd is None:
+            base_env["CALEXEC_STATEFUL_EXAMPLES"] = str(args.examples)
+
+        def env_for(tag: str) -> dict[str, str]:
+            env = dict(base_env)
+            env["HYPOTHESIS_STORAGE_DIRECTORY"] = str(scratch / f"hypothesis-{tag}")
+            return env
+
+        print(f"charts mutate: unmutated run of `{command_text}` ...", file=sys.stderr)
+        code, baseline_s, output = _run(command, cwd, env_for("baseline"), None)
+        if code != 0:
+            print(f"calexec charts mutate: the test command fails without any mutant "
+                  f"(exit code {code}); fix it first. Its output ends:\n{output[-3000:]}",
+                  file=sys.stderr)
+            return 2
+        timeout = args.timeout if args.timeout is not None else 5 * baseline_s + 30
+
+        def one(index: int, chart: Chart, mutant: mutants_mod.Mutant) -> Outcome:
+            outcome = Outcome(chart.name, mutant)
+            env = env_for(str(index))
+            ack = scratch / f"ack-{index}"
+            env[mutants_mod.ENV] = f"{chart.target}@{mutant.id}"
+            env[mutants_mod.ACK_ENV] = str(ack)
+            code, outcome.seconds, output = _run(command, cwd, env, timeout)
+            applied = ack.is_file() and env[mutants_mod.ENV] in ack.read_text().splitlines()
+            _judge(outcome, code, output, applied, error_codes)
+            outcome.reason = equivalents.get((chart.name, mutant.id), "")
+            if outcome.status == "survived" and outcome.reason:
+                outcome.status = "equivalent"
+            print(f"  [{index + 1}/{len(chosen)}] {outcome.status:8} {chart.name} {mutant.id} "
+                  f"({outcome.seconds:.1f} s)", file=sys.stderr)
+            return outcome
+
+        start = time.monotonic()
+        pool = ThreadPoolExecutor(max_workers=args.jobs)
+        previous = _on_sigterm_interrupt()
+        try:
+            outcomes = list(pool.map(lambda item: one(item[0], *item[1]), enumerate(chosen)))
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: no test command outlives the run
+            pool.shutdown(wait=False, cancel_futures=True)
+            for proc in list(_LIVE):
+                _kill(proc)
+            print("calexec charts mutate: interrupted", file=sys.stderr)
+            return 130
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+        pool.shutdown()
+        elapsed = time.monotonic() - start
+
+    report = {
+        "command": command_text, "cwd": str(cwd), "baseline_s": round(baseline_s, 2),
+        "targets_per_transition": args.targets_per_transition, "jobs": args.jobs,
+        "timeout_s": round(timeout, 1), "elapsed_s": round(elapsed, 1),
+        "chart_only_prefix": prefix,
+        "equivalent_list": str(equivalent_path) if equivalents else None,
+        "charts": summarise(outcomes, charts, prefix),
+        "stale_equivalents": [{"chart": o.chart, "id": o.mutant.id} for o in outcomes
+                              if o.reason and o.status == "killed"],
+        "mutants": [o.to_json() for o in outcomes],
+    }
+    text = markdown(report)
+    if args.report:
+        out = Path(args.report)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "mutation.md").write_text(text)
+        (out / "mutation.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2) if args.json else text)
+    if any(o.status == "error" for o in outcomes):
+        return 1
+    if args.fail_on_survivor and any(o.status == "survived" for o in outcomes):
+        return 1
+    if args.fail_under is not None and any(
+            (e["score"] is not None and e["score"] < args.fail_under)
+            for e in report["charts"].values()):
+        return 1
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover - `python -m calexec.drivers.charts_mutate`
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""Mutants of a declared python-statemachine chart, derived from its declaration.
+
+Chart mutation testing (``calexec charts mutate``) asks whether a test suite notices when a
+chart is wrong. The mutants are enumerated from any flat ``StateMachine`` class, nothing is
+written per mutant:
+
+- ``guard-true`` / ``guard-false``: one declared guard (a ``cond`` or ``unless`` entry of one
+  transition) replaced by a constant guard returning True / False. The ``unless`` sense is
+  kept: an ``unless`` guard forced true refuses its transition.
+- ``drop``: one declared transition removed.
+- ``target``: one declared transition sent to another state of the chart.
+
+A mutant is applied **in place** to the declaration class (its ``State`` and ``Transition``
+objects, which every instance and ``compiled.compile_chart`` read), so the compiled table and
+every real ``StateMachine`` built afterwards run the mutant. In a test process this happens at
+import: ``install_from_env`` (run from a ``sitecustomize`` the mutation runner puts on
+``PYTHONPATH``) reads ``CALEXEC_CHART_MUTANT=<module>:<Class>@<mutant id>`` and mutates the
+class right after its module is executed, before anything derived from it (for calexec,
+``machines.compiled``) is built. It then appends the same string to the file named by
+``CALEXEC_CHART_MUTANT_ACK``, which is how the runner knows the mutant really ran. Nothing here
+runs, and nothing is imported, when the variable is unset.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import os
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import attrs
+from statemachine.callbacks import CallbackGroup, CallbackSpec
+
+ENV = "CALEXEC_CHART_MUTANT"
+ACK_ENV = "CALEXEC_CHART_MUTANT_ACK"
+KINDS = ("guard-true", "guard-false", "drop", "target")
+
+
+@attrs.frozen
+class Mutant:
+    """One mutant of one chart. ``id`` is ``<kind>:<transition>[:<detail>]``, where
+    ``transition`` is ``Source-event->Target`` (``#n`` for the n-th duplicate) and ``detail``
+    the guard (``!name`` for ``unless``) or the new target."""
+
+    id: str
+    kind: str
+    transition: str
+    detail: str = ""
+
+
+def constant_guard(value: bool) -> Callable[..., bool]:
+    """A guard that always answers ``value``; ``compiled.compile_chart`` folds it."""
+
+    def guard(*_args: Any, **_kwargs: Any) -> bool:
+        return value
+
+    guard.__name__ = f"forced_{str(value).lower()}"
+    guard.calexec_constant = value  # type: ignore[attr-defined]
+    return guard
+
+
+def _guard_specs(transition: Any) -> list[CallbackSpec]:
+    return [s for s in transition._specs if s.group == CallbackGroup.COND and not s.is_convention]
+
+
+def _states(declaration: type) -> list[Any]:
+    states = list(declaration.states)
+    for state in states:
+        if state.states:
+            raise ValueError(
+                f"{declaration.__name__}: compound state {state.id!r}: chart mutation supports "
+                f"flat charts only"
+            )
+    return states
+
+
+def _sites(declaration: type, targets_per_transition: int) -> Iterator[tuple[Mutant, Callable[[], None]]]:
+    """Every mutant of ``declaration`` with the action that applies it, in declaration order:
+    for each state (declaration order), each transition (declaration order): guard mutants,
+    then the drop, then the target mutants."""
+    states = _states(declaration)
+    seen: dict[str, int] = {}
+    for state in states:
+        for transition in list(state.transitions):
+            if transition.initial:
+                continue
+            events = "+".join(str(e) for e in transition.events)  # no "|": ids go in tables
+            base = f"{state.id}-{events}->{transition.target.id}"
+            seen[base] = seen.get(base, 0) + 1
+            label = base if seen[base] == 1 else f"{base}#{seen[base]}"
+            for spec in _guard_specs(transition):
+                for value in (True, False):
+                    kind = f"guard-{str(value).lower()}"
+                    yield (Mutant(f"{kind}:{label}:{spec}", kind, label, str(spec)),
+                           _force(transition, spec, value))
+            yield Mutant(f"drop:{label}", "drop", label), _drop(state, transition)
+            for new in _other_targets(states, transition, targets_per_transition):
+                yield (Mutant(f"target:{label}:{new.id}", "target", label, new.id),
+                       _retarget(transition, new))
+
+
+def _other_targets(states: list[Any], transition: Any, limit: int) -> list[Any]:
+    """The states a ``target`` mutant may send ``transition`` to. ``limit`` 0: every other
+    state. Otherwise the first ``limit`` of: the source itself (the event does nothing), then
+    the states declared after the original target, wrapping round (a deterministic spread
+    over early, late and final states)."""
+    original, source = transition.target, transition.source
+    start = states.index(original)
+    after = [s for s in states[start + 1:] + states[:start] if s is not original]
+    if limit == 0:
+        return after
+    ordered = ([source] if source is not original else []) + [s for s in after if s is not source]
+    return ordered[:limit]
+
+
+def _force(transition: Any, spec: CallbackSpec, value: bool) -> Callable[[], None]:
+    def apply() -> None:
+        items = transition._specs.items
+        items[items.index(spec)] = CallbackSpec(
+            constant_guard(value), CallbackGroup.COND, priority=spec.priority,
+            expected_value=spec.expected_value)
+    return apply
+
+
+def _drop(state: Any, transition: Any) -> Callable[[], None]:
+    def apply() -> None:
+        state.transitions.transitions.remove(transition)
+    return apply
+
+
+def _retarget(transition: Any, new: Any) -> Callable[[], None]:
+    def apply() -> None:
+        transition._targets = [new]
+        transition.is_self = new is transition.source
+    return apply
+
+
+def derive(declaration: type, targets_per_transition: int = 2) -> list[Mutant]:
+    """Every mutant of the flat ``StateMachine`` class ``declaration`` (see ``_sites``)."""
+    return [mutant for mutant, _ in _sites(declaration, targets_per_transition)]
+
+
+def apply(declaration: type, mutant_id: str) -> Mutant:
+    """Mutate ``declaration`` in place by ``mutant_id`` (as ``derive`` names it, with any
+    number of target mutants). Raises ``ValueError`` for an unknown id."""
+    for mutant, action in _sites(declaration, 0):
+        if mutant.id == mutant_id:
+            action()
+            return mutant
+    raise ValueError(f"{declaration.__name__}: no mutant {mutant_id!r} (see derive())")
+
+
+class _ApplyAfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``callback(module)`` right after ``name`` is executed by its own loader."""
+
+    def __init__(self, name: str, callback: Callable[[Any], None]) -> None:
+        self.name, self.callback = name, callback
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != self.name:
+            return None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _Loader(spec.loader, self.callback)
+                sys.meta_path.remove(self)
+                return spec
+        return None
+
+
+class _Loader(importlib.abc.Loader):
+    def __init__(self, inner: Any, callback: Callable[[Any], None]) -> None:
+        self.inner, self.callback = inner, callback
+
+    def create_module(self, spec: Any) -> Any:
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        self.inner.exec_module(module)
+        self.callback(module)
+
+
+def install_from_env(environ: Any = os.environ) -> None:
+    """Arrange for the mutant named by ``CALEXEC_CHART_MUTANT`` to be applied (see the module
+    docstring). Does nothing when it is unset."""
+    value = environ.get(ENV)
+    if not value:
+        return
+    target, _, mutant_id = value.partition("@")
+    module_name, _, class_name = target.partition(":")
+    if not (module_name and class_name and mutant_id):
+        raise ValueError(f"{ENV}={value!r}: expected <module>:<Class>@<mutant id>")
+
+    def mutate(module: Any) -> None:
+        apply(getattr(module, class_name), mutant_id)
+        ack = environ.get(ACK_ENV)
+        if ack:
+            with open(ack, "a", encoding="utf-8") as out:
+                out.write(value + "\n")
+
+    if module_name in sys.modules:
+        mutate(sys.modules[module_name])
+    else:
+        sys.meta_path.insert(0, _ApplyAfterImport(module_name, mutate))

@@ -1,0 +1,268 @@
+"""``calexec charts mutate``: mutants derived from a declaration, applied before compiling, and
+judged by a user's own test command on a user's own chart."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import textwrap
+
+import pytest
+from statemachine import State, StateMachine
+from statemachine.exceptions import TransitionNotAllowed
+
+from calexec.drivers import charts_mutate
+from calexec.machines import mutants
+from calexec.machines.charts import JobChart
+from calexec.machines.compiled import GuardRejected, IllegalTransition, compile_chart
+from calexec.machines.paths import GuardTable
+
+DOOR = '''
+from statemachine import State, StateMachine
+
+
+class Door(StateMachine):
+    closed = State(initial=True)
+    opened = State()
+    locked = State()
+    gone = State(final=True)
+
+    lock = closed.to(locked, cond="has_key")
+    unlock = locked.to(closed, cond="has_key")
+    # A strong push opens the door; so does a weak one: the guard decides nothing.
+    push = closed.to(opened, cond="strong") | closed.to(opened)
+    close = opened.to(closed)
+    remove = closed.to(gone) | opened.to(gone)
+'''
+
+DOOR_TESTS = '''
+import pytest
+from door import Door
+
+
+class Who:
+    def __init__(self, key=False, strong=False):
+        self.key, self.push_hard = key, strong
+
+    def has_key(self):
+        return self.key
+
+    def strong(self):
+        return self.push_hard
+
+
+def state(door):
+    (value,) = door.configuration_values
+    return value
+
+
+def test_lock_needs_the_key():
+    with pytest.raises(Door.TransitionNotAllowed):
+        Door(Who(key=False)).send("lock")
+    door = Door(Who(key=True))
+    door.send("lock")
+    assert state(door) == "locked"
+
+
+def test_push_opens_and_close_closes():
+    door = Door(Who())
+    door.send("push")
+    assert state(door) == "opened"
+    door.send("close")
+    assert state(door) == "closed"
+'''
+
+
+@pytest.fixture(autouse=True)
+def _forget_door(monkeypatch):
+    """The runner imports --chart modules from --cwd: undo that after each test."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    yield
+    sys.modules.pop("door", None)
+
+
+def _door_project(tmp_path):
+    (tmp_path / "door.py").write_text(textwrap.dedent(DOOR))
+    (tmp_path / "test_door.py").write_text(textwrap.dedent(DOOR_TESTS))
+    return f"{sys.executable} -m pytest -q -p no:cacheprovider test_door.py"
+
+
+def _mutate(capsys, tmp_path, *args):
+    status = charts_mutate.main(["charts", "mutate", "--cwd", str(tmp_path), "--json", *args])
+    captured = capsys.readouterr()
+    return status, captured
+
+
+def test_user_chart_killed_and_equivalent_mutants(tmp_path, capsys):
+    command = _door_project(tmp_path)
+    killable = "guard-true:closed-lock->locked:has_key"  # test_lock_needs_the_key sees it
+    equivalent = "guard-false:closed-push->opened:strong"  # the fallback opens the door too
+    dropped = "drop:opened-close->closed"
+    status, out = _mutate(capsys, tmp_path, "--chart", "door:Door", "--test-cmd", command,
+                          "--mutant", killable, "--mutant", equivalent, "--mutant", dropped,
+                          "--report", str(tmp_path / "report"))
+    assert status == 0, out.err
+    report = json.loads(out.out)
+    by_id = {m["id"]: m for m in report["mutants"]}
+    assert by_id[killable]["status"] == "killed"
+    assert by_id[killable]["killed_by"] == ["test_door.py::test_lock_needs_the_key"]
+    assert by_id[dropped]["status"] == "killed"
+    assert by_id[equivalent]["status"] == "survived"
+    door = report["charts"]["Door"]
+    assert (door["mutants"], door["killed"], door["survived"], door["error"]) == (3, 2, 1, 0)
+    assert door["score"] == pytest.approx(200 / 3)
+    markdown = (tmp_path / "report" / "mutation.md").read_text()
+    assert f"| Door | `{equivalent}` | survived |" in markdown
+    assert json.loads((tmp_path / "report" / "mutation.json").read_text()) == report
+
+
+def test_documented_equivalent_is_not_a_survivor_and_stale_entries_are_named(tmp_path, capsys):
+    command = _door_project(tmp_path)
+    killable = "guard-true:closed-lock->locked:has_key"
+    equivalent = "guard-false:closed-push->opened:strong"
+    (tmp_path / "equivalent.toml").write_text(textwrap.dedent(f"""
+        [[mutant]]
+        chart = "Door"
+        id = "{equivalent}"
+        reason = "the guardless fallback opens the door too"
+
+        [[mutant]]
+        chart = "Door"
+        id = "{killable}"
+        reason = "wrongly listed"
+    """))
+    status, out = _mutate(capsys, tmp_path, "--chart", "door:Door", "--test-cmd", command,
+                          "--mutant", killable, "--mutant", equivalent,
+                          "--equivalent", "equivalent.toml", "--fail-on-survivor")
+    assert status == 0, out.err
+    report = json.loads(out.out)
+    by_id = {m["id"]: m for m in report["mutants"]}
+    assert by_id[equivalent]["status"] == "equivalent"
+    assert by_id[equivalent]["reason"] == "the guardless fallback opens the door too"
+    assert by_id[killable]["status"] == "killed"
+    assert report["stale_equivalents"] == [{"chart": "Door", "id": killable}]
+    assert report["charts"]["Door"]["score"] == 100.0
+    # the same run without the list: the survivor fails --fail-on-survivor
+    status, out = _mutate(capsys, tmp_path, "--chart", "door:Door", "--test-cmd", command,
+                          "--mutant", equivalent, "--fail-on-survivor")
+    assert status == 1 and json.loads(out.out)["mutants"][0]["status"] == "survived"
+
+
+def test_mutant_that_never_reaches_the_chart_is_an_error(tmp_path, capsys):
+    _door_project(tmp_path)
+    status, out = _mutate(capsys, tmp_path, "--chart", "door:Door",
+                          "--test-cmd", f"{sys.executable} -c pass",
+                          "--mutant", "drop:opened-close->closed")
+    assert status == 1
+    (mutant,) = json.loads(out.out)["mutants"]
+    assert mutant["status"] == "error" and "never applied" in mutant["how"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--chart", "door:Door", "--mutant", "drop:nowhere"], "--test-cmd is required"),
+        (["--chart", "door:Door", "--test-cmd", "true", "--mutant", "drop:nowhere"],
+         "--mutant 'drop:nowhere': no such mutant"),
+        (["--chart", "door:Nope", "--test-cmd", "true"], "'Nope' in door is not"),
+        (["--chart", "nosuchmodule:Door", "--test-cmd", "true"], "cannot import module"),
+        (["--chart", "door", "--test-cmd", "true"], "expected one of job, kv_txn"),
+        (["--chart", "door:Door", "--test-cmd", "false"], "fails without any mutant"),
+        (["--chart", "door:Door", "--test-cmd", "true", "--equivalent", "door.py"],
+         "--equivalent"),
+    ],
+    ids=["no-test-cmd", "unknown-mutant", "not-a-chart", "no-module", "bad-spec", "red-baseline",
+         "bad-equivalent-list"],
+)
+def test_bad_arguments_are_named(tmp_path, capsys, args, message):
+    _door_project(tmp_path)
+    status, out = _mutate(capsys, tmp_path, *args)
+    assert status == 2
+    assert message in out.err
+
+
+def _light():
+    class Light(StateMachine):
+        off = State(initial=True)
+        on = State()
+        burnt = State(final=True)
+
+        switch = off.to(on, cond="powered") | on.to(off)
+        fail = on.to(burnt, unless="fused")
+
+    return Light
+
+
+def test_mutants_are_derived_from_the_declaration():
+    ids = [m.id for m in mutants.derive(_light(), targets_per_transition=0)]
+    assert ids == [
+        "guard-true:off-switch->on:powered", "guard-false:off-switch->on:powered",
+        "drop:off-switch->on", "target:off-switch->on:burnt", "target:off-switch->on:off",
+        "drop:on-switch->off", "target:on-switch->off:on", "target:on-switch->off:burnt",
+        "guard-true:on-fail->burnt:!fused", "guard-false:on-fail->burnt:!fused",
+        "drop:on-fail->burnt", "target:on-fail->burnt:off", "target:on-fail->burnt:on",
+    ]
+    # a bounded selection: the source itself first, then the states declared after the target
+    assert [m.id for m in mutants.derive(_light(), 1) if m.kind == "target"] == [
+        "target:off-switch->on:off", "target:on-switch->off:on", "target:on-fail->burnt:on"]
+
+
+@pytest.mark.parametrize(
+    ("mutant", "outcomes", "expected"),
+    [
+        ("guard-true:off-switch->on:powered", {"powered": False}, "on"),
+        ("guard-false:off-switch->on:powered", {"powered": True}, GuardRejected),
+        ("drop:off-switch->on", {"powered": True}, IllegalTransition),
+        ("target:off-switch->on:burnt", {"powered": True}, "burnt"),
+    ],
+)
+def test_compiled_table_follows_the_mutated_declaration(mutant, outcomes, expected):
+    light = _light()
+    mutants.apply(light, mutant)
+    chart = compile_chart("light", light)
+    model = GuardTable.for_chart(chart, outcomes=outcomes, default=False)
+    run = chart.run(model)
+    machine = light(GuardTable.for_chart(chart, outcomes=outcomes, default=False))
+    if isinstance(expected, str):
+        assert run.send("switch") == expected
+        machine.send("switch")
+        assert list(machine.configuration_values) == [expected]
+    else:
+        with pytest.raises(expected):
+            run.send("switch")
+        with pytest.raises(TransitionNotAllowed):
+            machine.send("switch")
+        assert run.state == "off"
+
+
+def test_unless_guard_keeps_its_sense():
+    light = _light()
+    mutants.apply(light, "guard-true:on-fail->burnt:!fused")  # fused() forced true: refused
+    chart = compile_chart("light", light)
+    with pytest.raises(GuardRejected):
+        chart.run(GuardTable.for_chart(chart, default=False), "on").send("fail")
+
+
+def test_install_from_env_applies_on_import_and_acknowledges(tmp_path, monkeypatch):
+    (tmp_path / "lamp_chart.py").write_text(textwrap.dedent(DOOR))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ack = tmp_path / "ack"
+    value = "lamp_chart:Door@drop:opened-close->closed"
+    mutants.install_from_env({mutants.ENV: value, mutants.ACK_ENV: str(ack)})
+    try:
+        import lamp_chart
+    finally:
+        sys.modules.pop("lamp_chart", None)
+    assert [t.event for t in lamp_chart.Door.opened.transitions] == ["remove"]
+    assert ack.read_text() == value + "\n"
+    mutants.install_from_env({})  # unset: nothing installed
+    assert not any(isinstance(f, mutants._ApplyAfterImport) for f in sys.meta_path)
+
+
+def test_sample_is_deterministic_and_spread():
+    chart = charts_mutate.Chart("job", charts_mutate.CALEXEC_CHARTS["job"], JobChart)
+    args = argparse.Namespace(targets_per_transition=2, kind=None, mutant=[], sample=8, seed=0)
+    first = charts_mutate._select([chart], args)
+    assert first == charts_mutate._select([chart], args) and len(first) == 8
+    assert {m.kind for _, m in first} == set(mutants.KINDS)
