@@ -372,7 +372,7 @@ class DeviceLifecycle:
                                target if target in self.good_calbins else None)
         status = self._configure_and_warm(target)
         refused: list[str] = []
-        while not status.ok and self.lifecycle.can("roll_back"):
+        while not status.ok and not self._stopping and self.lifecycle.can("roll_back"):
             refused.append(status.code)
             released = self._release_failed_generation()
             if not released.ok:  # its job still runs on the device: §9.1, never torn down

@@ -1133,23 +1133,44 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         (FI13), Failed otherwise. Idempotent.
 
         A recovery or model switch in progress (the controller's thread, or a caller's
-        ``recover``/``switch_model``) finishes first, within ``grace``: shutdown holds
-        ``recovery_mu`` from then on, so no recovery runs under its teardown (a later one finds
-        the lifecycle final and does nothing). If it does not finish in time nothing is torn
-        down and ``shutdown.recovery_busy`` is returned."""
-        recovery = self._recovery_thread
-        if recovery is not None and recovery is not threading.current_thread():
-            recovery.join(grace)
+        ``recover``/``switch_model``) ends first: it gets half of ``grace`` to finish on its own
+        (a switch then goes live and shutdown ends Stopped); then admission (golden runs
+        included) stops and queued jobs are cancelled, so it ends quickly (Failed, if it had
+        already torn the old generation down). Shutdown holds ``recovery_mu`` from then on,
+        so no recovery runs under its teardown (a later one finds the executor stopping and
+        does nothing). If it still runs after ``grace`` nothing is torn down and
+        ``shutdown.recovery_busy`` is returned."""
         if self._recovery_owner == threading.get_ident():
             return self._shutdown(grace)  # called from within a recovery: it holds the lock
-        if not self._recovery_mu.acquire(timeout=max(grace, 0.0)):
-            return Status.failure("shutdown.recovery_busy", Category.LIFECYCLE, Phase.SHUTDOWN,
-                                  f"a recovery or model switch still runs after grace={grace}s; "
-                                  "nothing was torn down")
+        start = self.clock.monotonic()
+        end, left = start + max(grace, 0.0), lambda until: max(0.0, until - self.clock.monotonic())
+        halfway = start + max(grace, 0.0) / 2
+        recovery = self._recovery_thread
+        if recovery is not None and recovery is not threading.current_thread():
+            recovery.join(left(halfway))
+        if not self._recovery_mu.acquire(timeout=left(halfway)):
+            self._interrupt()  # the recovery still runs: make it end
+            if not self._recovery_mu.acquire(timeout=left(end)):
+                return Status.failure(
+                    "shutdown.recovery_busy", Category.LIFECYCLE, Phase.SHUTDOWN,
+                    f"a recovery or model switch still runs after grace={grace}s; nothing "
+                    "was torn down")
         try:
             return self._shutdown(grace)
         finally:
             self._recovery_mu.release()
+
+    def _interrupt(self) -> None:
+        """Stop admission (golden runs included) and cancel queued jobs: what a recovery in
+        progress waits for ends at once."""
+        with self.lifecycle_mu:
+            self._stopping = True
+            self._admitting = False
+        with self._submit_cv:
+            for job in self._submit_q:
+                job.cancel_flag = True
+            self._submit_cv.notify_all()
+        self._wake_waiters()
 
     def _shutdown(self, grace: float) -> Status:
         with self.lifecycle_mu:
