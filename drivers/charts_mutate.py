@@ -487,7 +487,3 @@ def main(argv: list[str] | None = None) -> int:
             for e in report["charts"].values()):
         return 1
     return 0
-
-
-if __name__ == "__main__":  # pragma: no cover - `python -m calexec.drivers.charts_mutate`
-    sys.exit(main())

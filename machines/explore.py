@@ -595,7 +595,7 @@ class Scheduler:
         return (f"watchdog: thread {running and running.name} did not reach a scheduling point "
                 f"within {WATCHDOG_S}s real time (an uncontrolled blocking call?)\n{stack}")
 
-    def abort(self) -> None:
+    def abort_threads(self) -> None:
         """Tear down: every parked thread raises _Abort and ends."""
         self.aborting = True
         for thread in self.threads:
@@ -1107,7 +1107,7 @@ class Explorer:
         if self._closed:
             return
         self._closed = True
-        self.sched.abort()
+        self.sched.abort_threads()
         _exit_virtual_time(self.sched)
         ex = self.ex
         if ex is not None and ex.device is not None and not self.device.closed:

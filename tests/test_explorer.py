@@ -45,7 +45,7 @@ def toy(chooser, program):
         why = sched.run(10_000, 100.0)
         return sched, why, [t.label for t in sched.threads if not t.finished]
     finally:
-        sched.abort()
+        sched.abort_threads()
 
 
 def lock_order_inversion(sched, clock):
