@@ -237,7 +237,6 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         self._admitting = False  # Ready and not draining (read without a lock: a bool)
         self._refusal: Status | None = None  # why queued jobs are failed (submit_mu)
         self._golden_ok = False
-        self._teardown_confirmed = False
         self._rollback_path: str | None = None
         self.good_calbins: list[str] = []  # calbin paths that reached Ready, newest last
         self.goldens: dict[str, tuple[int, ...]] = dict(config.goldens)

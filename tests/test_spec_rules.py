@@ -18,6 +18,7 @@ from calexec.drivers import golden as golden_cli
 from calexec.drivers.runtime import CalRT
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 from executor_harness import SEED, oracle_golden, write_calbin
+from test_phase_b import TaskTypes
 
 OTHER_SEED = SEED ^ 0x5EED
 
@@ -230,18 +231,8 @@ def test_goldens_round_trip_through_the_writer(tmp_path):
 
 
 # ---- §8 PROGRAMMING: the feature is really off until the next generation ----------------------
-class EngineCalls:
-    """Records which submit path each infer took: "infer" or the fixed task type."""
-
-    def __init__(self, device) -> None:
-        self._device, self.calls = device, []
-
-    def __getattr__(self, name):
-        return getattr(self._device, name)
-
-    def infer(self, *args):
-        self.calls.append("infer")
-        return self._device.infer(*args)
+class EngineCalls(TaskTypes):
+    """Records which submit path each infer took: "infer" or "fixed" (the fixed task type)."""
 
     def infer_with_fixed_task_type(self, *args):
         self.calls.append("fixed")
