@@ -55,6 +55,7 @@ from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import TaskKind
 from calexec.drivers import tokenizer
+from calexec.drivers.admission import AdmissionQueue
 from calexec.drivers.dumpsink import DumpSink
 from calexec.drivers.metrics import ServerMetrics
 from calexec.machines.compiled import CHARTS, JOB
@@ -95,6 +96,12 @@ class ServerConfig:
     max_drain_grace_s: float = attrs.field(default=3600.0, validator=attrs.validators.gt(0))
     #: ``/admin/reload`` refuses a calbin larger than this (bytes).
     max_calbin_bytes: int = attrs.field(default=16 << 30, validator=attrs.validators.gt(0))
+    #: requests that may wait (within their deadline) for a KV sequence id or for the
+    #: lifecycle to be Ready again; one more is refused (429 ids / 503 recovery), 0 never waits
+    max_waiting: int = attrs.field(default=64, validator=attrs.validators.ge(0))
+    #: the waiting queue re-reads the executor's lifecycle in slices this long (the executor
+    #: has no state-change event; a freed sequence id wakes the queue at once)
+    lifecycle_poll_s: float = attrs.field(default=0.005, validator=attrs.validators.gt(0))
 
 
 class CompletionBody(BaseModel):
@@ -189,6 +196,7 @@ class SequencePool:
         self._in_use: set[int] = set()
         self._withheld: set[int] = set()
         self._mu = threading.Lock()
+        self.on_free: Callable[[], None] | None = None  # called (any thread) after a release
 
     def acquire(self) -> int | None:
         with self._mu:
@@ -204,6 +212,8 @@ class SequencePool:
                 raise ValueError(f"sequence {seq_id} is not in use")
             self._in_use.discard(seq_id)
             self._free.append(seq_id)
+        if self.on_free is not None:
+            self.on_free()
 
     def withhold(self, seq_id: int) -> None:
         """A sequence could not be released on the device: keep it out of circulation."""
@@ -243,7 +253,7 @@ class Generation:
     """One completion request in progress."""
 
     request_id: int
-    seq_id: int
+    seq_id: int | None  # None while waiting for one (drivers/admission.py)
     prompt: list[int]
     max_tokens: int
     deadline: float  # absolute time.monotonic()
@@ -264,6 +274,7 @@ class Generation:
     mu: threading.Lock = attrs.Factory(threading.Lock)
     closed: bool = False
     enqueue_idle: threading.Event = attrs.Factory(lambda: _set_event())
+    waiter: Any = None  # drivers/admission.py: Waiter / refusal while seq_id is None
 
     @property
     def done(self) -> bool:
@@ -312,10 +323,17 @@ class CompletionService:
         self._releasing: set[threading.Thread] = set()  # background sequence releases
         self._releasing_mu = threading.Lock()
         self.metrics = ServerMetrics(executor.snapshot, self._server_gauges)
+        self.admission = AdmissionQueue(self.sequences, lambda: executor.state, self.health,
+                                        lambda: self.draining, config.max_waiting,
+                                        config.lifecycle_poll_s)
+        self.sequences.on_free = self.admission.wake_threadsafe
+        self._contracts = executor.generation  # validation while the generation is replaced
 
     def _server_gauges(self) -> dict[str, float]:
         counts = self.sequences.counts()
-        return {"calexec_num_requests_running": self.active,
+        waiting = self.admission.waiting
+        return {"calexec_num_requests_running": self.active - waiting,
+                "calexec_num_requests_waiting": waiting,
                 "calexec_kv_sequences_in_use": counts["in_use"],
                 "calexec_kv_sequences_free": counts["free"],
                 "calexec_kv_sequences_withheld": counts["withheld"],
@@ -346,11 +364,13 @@ class CompletionService:
 
     # ---- admission ------------------------------------------------------------------------------
     def admit(self, body: CompletionBody) -> "tuple[Generation | None, Status, str | None]":
-        """A Generation holding a sequence id, or (None, failure, offending field)."""
+        """A Generation holding a sequence id or waiting for one (``gen.waiter``: its first
+        ``advance`` waits, drivers/admission.py), or (None, failure, offending field)."""
         if self.draining:
             return None, Status.unavailable(Phase.ADMISSION, "server is draining"), None
-        generation = self.executor.generation
-        if generation is None or self.executor.state != "Ready":
+        # while a recovery replaces the generation, requests are validated against the last one
+        generation = self._contracts = self.executor.generation or self._contracts
+        if generation is None:
             return None, Status.unavailable(
                 Phase.ADMISSION, f"device lifecycle is {self.executor.state}"), None
         vocab = generation.vocab_size
@@ -371,16 +391,14 @@ class CompletionService:
         if timeout > self.config.max_timeout_s:
             return None, _invalid(f"timeout={timeout} > max_timeout_s="
                                   f"{self.config.max_timeout_s}"), "timeout"
-        reasons = self.health()
-        if reasons:
-            return None, Status.unavailable(Phase.ADMISSION, "; ".join(reasons)), None
-        seq_id = self.sequences.acquire()
-        if seq_id is None:
-            return None, Status.exhausted("kv", Phase.ADMISSION, "all "
-                                          f"{self.sequences.size} KV sequence ids are in use"), None
+        got = self.admission.try_admit()  # an id, a place in the waiting queue, or a refusal
+        if isinstance(got, Status):
+            return None, got, None
         now = time.monotonic()
-        gen = Generation(next(self._ids), seq_id, list(prompt), body.max_tokens, now + timeout,
-                         now, body.stream, np.empty(vocab, dtype=np.float32))
+        gen = Generation(next(self._ids), got if isinstance(got, int) else None, list(prompt),
+                         body.max_tokens, now + timeout, now, body.stream,
+                         np.empty(vocab, dtype=np.float32),
+                         waiter=None if isinstance(got, int) else got)
         self.active += 1
         self._live[gen.request_id] = gen
         self.metrics.requests.labels("true" if body.stream else "false").inc()
@@ -392,6 +410,11 @@ class CompletionService:
         or ``status`` then says why)."""
         if gen.done:
             return None
+        if gen.seq_id is None:  # waiting for a sequence id and Ready (drivers/admission.py)
+            refused = await self.admission.take(gen, gen.deadline)
+            if refused is not None:
+                gen.status = refused
+                return None
         moved = self._generation_moved(gen)
         if moved is not None:
             gen.status = moved
@@ -498,7 +521,10 @@ class CompletionService:
                 handle = gen.handle
                 if handle is not None and not handle.done:
                     handle.cancel()
-                if idle and (handle is None or handle.done):
+                self.admission.leave(gen.waiter)  # still waiting for a sequence id: no more
+                if gen.seq_id is None:  # it never got one
+                    pass
+                elif idle and (handle is None or handle.done):
                     released = await to_thread.run_sync(self._release_now, gen.seq_id)
                     if not released:
                         self._release_later(gen)
@@ -597,6 +623,7 @@ class CompletionService:
         """Refuse new work (503), let admitted requests finish within ``grace`` seconds, then
         shut the executor down with the rest of the grace. Runs ``on_drained`` callbacks."""
         self.draining = True
+        self.admission.pump()  # requests waiting for a sequence id or Ready: 503 now
         deadline = time.monotonic() + grace
         while self.active and time.monotonic() < deadline:
             await anyio.sleep(0.01)
@@ -859,11 +886,19 @@ def create_app(executor: Any, config: ServerConfig | None = None,
         return JSONResponse(body_out)
 
     async def _stream(request: Request, gen: Generation) -> Response:
-        try:
+        first: int | None = None
+
+        async def first_token() -> None:  # may wait for a sequence id: watch for disconnect
+            nonlocal first
             first = await service.advance(gen)
+        try:
+            await _until_disconnect(request, first_token)
         except BaseException:
             await service.finish(gen, abandoned=True)
             raise
+        if first is None and not gen.done:  # the client left before the first token
+            await service.finish(gen, abandoned=True)
+            return fail(gen.status, count=False)
         if gen.status is not None:
             await service.finish(gen)
             return fail(gen.status, count=False)

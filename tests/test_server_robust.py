@@ -224,9 +224,12 @@ def test_a_hung_job_does_not_delay_the_504_and_its_sequence_waits_for_the_job(tm
             assert r.status_code == 504 and r.json()["error"]["type"] == "timeout_error"
             assert _busy(emu) is not None  # answered while the job is still on the device
             assert service.sequences.in_use == 1  # ... and its id is not free before it ended
+            # (issue 16: a request finding no free id waits for one until its deadline)
             refused = httpx.post(f"{server.url}/v1/completions", timeout=10,
-                                 json={"prompt": [1], "max_tokens": 1})
-            assert refused.status_code == 429 and refused.json()["error"]["code"] == "kv.full"
+                                 json={"prompt": [1], "max_tokens": 1, "timeout": 0.3})
+            assert refused.status_code == 504, refused.text
+            assert refused.json()["error"]["code"] == "admission.deadline"
+            assert service.sequences.in_use == 1
             _step_one_job(emu)  # the job ends (its result discarded): the id comes back
             wait_for(lambda: sequences_settled(service), what="the id back after the job")
             assert_sequences_whole(service)
