@@ -27,6 +27,10 @@ calexec_generation_tokens_total             counter    generated tokens of succe
 calexec_executor_jobs_total                 counter    outcome; the executor's own job counters
 calexec_num_requests_running                gauge      completion requests being served
 calexec_num_requests_waiting                gauge      requests waiting for a sequence id or Ready
+calexec_resumes_total                       counter    cause; generations resumed on a fresh sequence
+calexec_resumed_tokens_reprefilled_total    counter    prompt + produced tokens re-prefilled by resumes
+calexec_resume_lost_seconds                 histogram  time lost to one resume (failure -> re-prefill)
+calexec_resume_budget_exhausted_total       counter    requests failed after spending their resume budget
 calexec_jobs_inflight                       gauge      jobs submitted to the device (<= capacity)
 calexec_queue_depth                         gauge      jobs prepared and waiting for infer()
 calexec_pending_tokens                      gauge      admission token budget in use

@@ -58,6 +58,7 @@ from calexec.drivers import tokenizer
 from calexec.drivers.admission import AdmissionQueue
 from calexec.drivers.dumpsink import DumpSink
 from calexec.drivers.metrics import ServerMetrics
+from calexec.drivers.resume import Resumer
 from calexec.machines.compiled import CHARTS, JOB
 from calexec.drivers.live_charts import TransitionRates, live_state, path_page
 from calexec.drivers.live_charts import page as live_page
@@ -102,6 +103,10 @@ class ServerConfig:
     #: the waiting queue re-reads the executor's lifecycle in slices this long (the executor
     #: has no state-change event; a freed sequence id wakes the queue at once)
     lifecycle_poll_s: float = attrs.field(default=0.005, validator=attrs.validators.gt(0))
+    #: resumes of one generation after retryable/device failures (drivers/resume.py); 0: none
+    max_resumes: int = attrs.field(default=3, validator=attrs.validators.ge(0))
+    #: total time (s) one request may lose to resumes before it gets the failure instead
+    resume_budget_s: float = attrs.field(default=10.0, validator=attrs.validators.gt(0))
 
 
 class CompletionBody(BaseModel):
@@ -253,7 +258,7 @@ class Generation:
     """One completion request in progress."""
 
     request_id: int
-    seq_id: int | None  # None while waiting for one (drivers/admission.py)
+    seq_id: int | None  # None while waiting for one (admission, resume)
     prompt: list[int]
     max_tokens: int
     deadline: float  # absolute time.monotonic()
@@ -274,15 +279,21 @@ class Generation:
     mu: threading.Lock = attrs.Factory(threading.Lock)
     closed: bool = False
     enqueue_idle: threading.Event = attrs.Factory(lambda: _set_event())
-    waiter: Any = None  # drivers/admission.py: Waiter / refusal while seq_id is None
+    # drivers/admission.py, drivers/resume.py
+    waiter: Any = None  # Waiter / sequence id / refusal while seq_id is None
+    reprefill: bool = False  # the next job re-prefills prompt + tokens on a fresh sequence
+    resumes: int = 0
+    resume_s: float = 0.0  # time lost to finished resumes
+    resume_started: float | None = None  # the failure the running resume started at
+    resume_failure: Status | None = None  # what the request ends with if the resume gives up
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None or self.status is not None
 
     def next_request(self) -> InferenceRequest:
-        if self.handle is None:
-            ids = np.asarray(self.prompt, dtype=np.int32)
+        if self.handle is None or self.reprefill:
+            ids = np.asarray(self.prompt + self.tokens, dtype=np.int32)
             return InferenceRequest(seq_id=self.seq_id, kind=TaskKind.PREFILL_IDS, tokens=ids,
                                     positions=np.arange(len(ids), dtype=np.int32), past_len=0,
                                     deadline=self.deadline, request_id=self.request_id,
@@ -327,6 +338,7 @@ class CompletionService:
                                         lambda: self.draining, config.max_waiting,
                                         config.lifecycle_poll_s)
         self.sequences.on_free = self.admission.wake_threadsafe
+        self.resumer = Resumer(self)
         self._contracts = executor.generation  # validation while the generation is replaced
 
     def _server_gauges(self) -> dict[str, float]:
@@ -410,13 +422,15 @@ class CompletionService:
         or ``status`` then says why)."""
         if gen.done:
             return None
-        if gen.seq_id is None:  # waiting for a sequence id and Ready (drivers/admission.py)
-            refused = await self.admission.take(gen, gen.deadline)
+        if gen.seq_id is None:  # waiting for a sequence id and Ready (admission or resume)
+            refused = await self.resumer.take_sequence(gen)
             if refused is not None:
                 gen.status = refused
                 return None
         moved = self._generation_moved(gen)
         if moved is not None:
+            if await self.resumer.resume(gen, moved, replaced=True):
+                return await self.advance(gen)  # recursion bounded by max_resumes
             gen.status = moved
             return None
         # The request deadline bounds everything below, thread limiters included: the
@@ -436,10 +450,14 @@ class CompletionService:
         if isinstance(result, Status):
             if handle is not None:
                 handle.cancel()  # wait deadline: the job continues unless told otherwise
-            gen.status = self._generation_moved(gen, result) or result
+            moved = self._generation_moved(gen, result)
+            if await self.resumer.resume(gen, moved or result, replaced=moved is not None):
+                return await self.advance(gen)  # recursion bounded by max_resumes
+            gen.status = moved or result
             return None
         if gen.generation_id is None:
             gen.generation_id = result.generation
+        self.resumer.resumed(gen)
         self.metrics.observe_job(result.kind, result.timings)
         if gen.first_token_at is None:
             gen.first_token_at = result.timings.completed_us / 1e6
@@ -522,7 +540,7 @@ class CompletionService:
                 if handle is not None and not handle.done:
                     handle.cancel()
                 self.admission.leave(gen.waiter)  # still waiting for a sequence id: no more
-                if gen.seq_id is None:  # it never got one
+                if gen.seq_id is None:  # it holds none (a resume released the failed one)
                     pass
                 elif idle and (handle is None or handle.done):
                     released = await to_thread.run_sync(self._release_now, gen.seq_id)
