@@ -9,8 +9,9 @@ One mechanism for both reasons:
 * ``AdmissionQueue.try_admit`` (synchronous, on the event loop) gives an id at once when the
   lifecycle is Ready, the executor healthy, nobody waits ahead and an id is free; else it
   registers a :class:`Waiter` (FIFO), or refuses when ``max_waiting`` requests already wait
-  (429 ``kv.full`` when the lifecycle is Ready and ids are exhausted, 503 during recovery) or
-  when waiting cannot help (draining server, lifecycle Failed/Stopped/Created: 503).
+  (429 ``kv.full`` when the lifecycle is Ready, healthy and ids are exhausted; 503 during
+  recovery or while ``executor.health()`` names a reason, e.g. a hung job not yet recovered)
+  or when waiting cannot help (draining server, lifecycle Failed/Stopped/Created: 503).
 * ``AdmissionQueue.wait`` suspends the request's task (no worker thread: the thread limiters of
   running requests are untouched) until the waiter is handed an id, refused, or its deadline
   passes (504 ``admission.deadline``). A cancelled wait (client disconnect) leaves the queue and
@@ -86,23 +87,20 @@ class AdmissionQueue:
             return Status.unavailable(Phase.ADMISSION, f"device lifecycle is {state}")
         queue = self._resumes if resume else self._fresh
         ahead = len(self._resumes) if resume else self.waiting
-        if state == "Ready" and not ahead:
-            reasons = self._health()
-            if reasons and not resume:
-                return Status.unavailable(Phase.ADMISSION, "; ".join(reasons))
-            if not reasons:
-                seq_id = self.sequences.acquire()
-                if seq_id is not None:
-                    return seq_id
+        reasons = self._health() if state == "Ready" else []
+        if state == "Ready" and not ahead and not reasons:
+            seq_id = self.sequences.acquire()
+            if seq_id is not None:
+                return seq_id
         if not resume and self.waiting >= self.max_waiting:
-            if state == "Ready":
+            full = f"{self.waiting} requests already wait (max_waiting={self.max_waiting})"
+            if state == "Ready" and not reasons:
                 return Status.exhausted(
                     "kv", Phase.ADMISSION, f"all {self.sequences.size} KV sequence ids are in "
-                    f"use and {self.waiting} requests already wait for one (max_waiting="
-                    f"{self.max_waiting})")
+                    f"use and {full}")
             return Status.unavailable(
-                Phase.ADMISSION, f"device lifecycle is {state} and {self.waiting} requests "
-                f"already wait for Ready (max_waiting={self.max_waiting})")
+                Phase.ADMISSION, f"{'; '.join(reasons) or f'device lifecycle is {state}'} "
+                f"and {full}")
         waiter = Waiter(resume)
         queue.append(waiter)
         self._ensure_watcher()
@@ -124,9 +122,12 @@ class AdmissionQueue:
         if waiter.status is not None:
             return waiter.status
         self.leave(waiter)
+        state = self._state()
+        reasons = self._health() if state == "Ready" else []
         return Status.deadline(Phase.ADMISSION, f"deadline passed after waiting "
                                f"{time.monotonic() - waiter.since:.3f}s for a KV sequence id "
-                               f"(device lifecycle {self._state()})")
+                               f"and Ready (device lifecycle {state}"
+                               + "".join(f"; {r}" for r in reasons) + ")")
 
     async def take(self, gen: Any, until: float) -> Status | None:
         """``gen`` holds no sequence: give it the id its waiter (``gen.waiter``, from
