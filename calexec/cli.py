@@ -57,6 +57,7 @@ COMMANDS: dict[str, Command] = {
     "bench recovery": Command("calexec.drivers.bench", "time from an injected device fault to Ready again, requests failed per recovery"),
     "bench pingpong": Command("calexec.drivers.bench", "Phase B: tokens/s at in-flight 2 vs 1 per overlap setting, TPOT P99, trace"),
     "bench server": Command("calexec.drivers.bench_server", "the server's own overhead: HTTP vs in-process executor", "server"),
+    "bench faults": Command("calexec.drivers.bench_faults", "device faults under load: client errors, tokens vs a fault-free run, resumes and added latency per fault", "server"),
     "diagrams live": Command("calexec.drivers.live_charts", "screenshot the live /debug/statecharts page under load and one job's path (headless Chromium)", "server"),
     "golden record": Command("calexec.drivers.golden", "run a calbin's warm-up on the emulator and pin its golden next to the manifest"),
     "charts mutate": Command("calexec.drivers.charts_mutate", "mutation testing of declared charts (calexec's or --chart module:Class with --test-cmd): guards forced, transitions dropped, targets changed"),

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 import types
-from typing import Any
+from typing import Any, Callable
 
 import anyio
 from anyio import to_thread
@@ -58,6 +58,9 @@ class Resumer:
         self.exhausted = Counter("calexec_resume_budget_exhausted",
                                  "Requests that failed because their resume budget was spent.",
                                  registry=reg)
+        #: called with (the failure's time.monotonic(), seconds lost, cause) after each resume
+        #: that reached its re-prefill's result (``calexec bench faults`` attributes them)
+        self.on_resumed: Callable[[float, float, str], None] | None = None
 
     def resumable(self, failure: Status) -> bool:
         return failure.category in RESUMABLE
@@ -79,7 +82,8 @@ class Resumer:
         if gen.resume_started is None:
             gen.resume_started = now
         gen.resumes += 1
-        self.resumes.labels(REPLACED if replaced else failure.category.value).inc()
+        gen.resume_cause = REPLACED if replaced else failure.category.value
+        self.resumes.labels(gen.resume_cause).inc()
         gen.resume_failure = failure
         # Register first: the id the failed sequence frees below goes to this request ahead of
         # requests not yet admitted (pump serves resumes first).
@@ -129,8 +133,10 @@ class Resumer:
         gen.reprefill = False
         self.reprefilled.inc(len(gen.prompt) + len(gen.tokens))
         if gen.resume_started is not None:
-            lost = time.monotonic() - gen.resume_started
+            started, lost = gen.resume_started, time.monotonic() - gen.resume_started
             gen.resume_s += lost
             gen.resume_started = None
             self.lost.observe(lost)
+            if self.on_resumed is not None:
+                self.on_resumed(started, lost, gen.resume_cause)
 

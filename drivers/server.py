@@ -286,6 +286,7 @@ class Generation:
     resume_s: float = 0.0  # time lost to finished resumes
     resume_started: float | None = None  # the failure the running resume started at
     resume_failure: Status | None = None  # what the request ends with if the resume gives up
+    resume_cause: str | None = None  # calexec_resumes_total's cause of the last resume
 
     @property
     def done(self) -> bool:
