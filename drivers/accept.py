@@ -38,7 +38,7 @@ import numpy as np
 from calexec import cliargs
 from calexec.drivers.device_spec import DeviceSpec
 from calexec.drivers.memory import pin_mmap_threshold
-from calexec.drivers import calbin as calbin_fmt
+from calexec.drivers.synthetic import calbin as calbin_fmt
 from calexec.drivers.accept_gates import GATES, AcceptContext
 from calexec.drivers.accept_report import write_report
 from calexec.drivers.accept_rig import Progress, Silent

@@ -32,8 +32,8 @@ import numpy as np
 
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import TaskKind
-from calexec.drivers import calbin as calbin_fmt
-from calexec.drivers import oracle
+from calexec.drivers.synthetic import calbin as calbin_fmt
+from calexec.drivers.synthetic import oracle
 from calexec.drivers.accept_rig import (HANG_GRACE_S, JOB_S, Gate, Progress, growth, hung_status, leased,
                                         open_executor, request, rss_mib, run_job)
 from calexec.drivers.bench import DirectLoop

@@ -64,7 +64,7 @@ from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.status import Status
 from calexec.contracts.types import TaskKind
 from calexec.drivers import alloccount
-from calexec.drivers import calbin as calbin_fmt
+from calexec.drivers.synthetic import calbin as calbin_fmt
 from calexec.drivers.demo import DirectRunner, DriverError
 from calexec.drivers.device_spec import DeviceSpec, DeviceSpecError
 from calexec.drivers.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
@@ -594,7 +594,7 @@ class _PingPongRun:
         return result
 
     def _client(self, seq: int, tokens: int, tpot_us: list, errors: list) -> None:
-        from calexec.drivers import oracle
+        from calexec.drivers.synthetic import oracle
         try:
             ref = oracle.OracleSequence(self.seed)
             prompt = np.arange(seq, seq + PROMPT_LEN, dtype=np.int32)

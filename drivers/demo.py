@@ -17,8 +17,8 @@ import time
 import numpy as np
 
 from calexec import cliargs
-from calexec.drivers import calbin as calbin_fmt
-from calexec.drivers import oracle
+from calexec.drivers.synthetic import calbin as calbin_fmt
+from calexec.drivers.synthetic import oracle
 from calexec.drivers.runtime import CalRT, JobStatus
 
 

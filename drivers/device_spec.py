@@ -22,7 +22,7 @@ from typing import Any
 import attrs
 
 from calexec.contracts.manifest import Manifest, default_manifest_path, load_manifest
-from calexec.drivers import calbin as calbin_fmt
+from calexec.drivers.synthetic import calbin as calbin_fmt
 from calexec.drivers.runtime import ENV_LIB, CalRT
 from calexec.machines.faults import RecoveryPolicy
 

@@ -305,7 +305,7 @@ def main(argv: list[str]) -> int:
     import uvicorn
 
     from calexec.contracts.manifest import default_manifest_path, load_manifest
-    from calexec.drivers import calbin
+    from calexec.drivers.synthetic import calbin
     from calexec.drivers.runtime import CalRT
     from calexec.drivers.server import ServerConfig, create_app
     from calexec.machines.executor import DeviceExecutor, ExecutorConfig

@@ -45,7 +45,7 @@ import uvicorn
 from calexec.drivers.memory import pin_mmap_threshold
 from calexec.drivers.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
 from calexec import cliargs
-from calexec.drivers import tokenizer
+from calexec.drivers.synthetic import tokenizer
 from calexec.drivers.dumpsink import DumpConfigError, DumpSink
 from calexec.drivers.server import DrainingServer, ServerConfig, create_app
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig

@@ -54,7 +54,7 @@ from calexec.contracts.errors import Category
 from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import TaskKind
-from calexec.drivers import tokenizer
+from calexec.drivers.synthetic import tokenizer
 from calexec.drivers.dumpsink import DumpSink
 from calexec.drivers.metrics import ServerMetrics
 from calexec.machines.compiled import CHARTS, JOB

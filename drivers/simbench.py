@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 from calexec import cliargs
-from calexec.drivers import calbin as calbin_fmt
+from calexec.drivers.synthetic import calbin as calbin_fmt
 from calexec.drivers.demo import DirectRunner, check
 from calexec.drivers.runtime import JobStatus
 

@@ -792,7 +792,7 @@ _GOLDENS: dict[str, tuple[int, ...]] = {}  # calbin sha256 -> oracle golden toke
 def write_calbins(directory: str) -> dict[str, str]:
     """The two calbins a scenario switches between (the synthetic model, two seeds); their
     §9.2 goldens are pinned from the numpy oracle (an independent expectation)."""
-    from calexec.drivers import calbin as cb
+    from calexec.drivers.synthetic import calbin as cb
     main = os.path.join(directory, "explore_main.calbin")
     other = os.path.join(directory, "explore_other.calbin")
     seed = cb.default_spec().seed
@@ -804,7 +804,7 @@ def write_calbins(directory: str) -> dict[str, str]:
 
 
 def _oracle_golden(seed: int) -> tuple[int, ...]:
-    from calexec.drivers import oracle
+    from calexec.drivers.synthetic import oracle
     from calexec.machines.executor import ExecutorConfig
     ref = oracle.OracleSequence(seed)
     ref.run(list(ExecutorConfig(calbin_path="").golden_tokens))

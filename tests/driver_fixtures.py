@@ -6,7 +6,7 @@
 
 import pytest
 
-from calexec.drivers import calbin
+from calexec.drivers.synthetic import calbin
 from calexec.drivers.demo import DirectRunner
 from calexec.drivers.runtime import CalRT
 

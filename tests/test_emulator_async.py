@@ -9,7 +9,8 @@ import time
 import numpy as np
 import pytest
 
-from calexec.drivers import calbin, oracle
+from calexec.drivers.synthetic import oracle
+from calexec.drivers.synthetic import calbin
 from calexec.drivers.demo import DirectRunner, check
 from calexec.drivers.runtime import CalRT, Did, Fault, FaultMode, JobStatus, Overlap, Rc, Scope, Stage, TaskType
 

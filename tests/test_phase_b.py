@@ -13,7 +13,7 @@ import pytest
 
 from calexec.contracts.status import Status
 from calexec.contracts.types import EngineSlot
-from calexec.drivers import oracle
+from calexec.drivers.synthetic import oracle
 from executor_harness import (SEED, arm, decode, deadline, prefill, running_executor,
                               running_job_path, settle, write_calbin)
 

@@ -15,8 +15,8 @@ import pytest
 
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Status
-from calexec.drivers import calbin as cb
-from calexec.drivers import oracle
+from calexec.drivers.synthetic import calbin as cb
+from calexec.drivers.synthetic import oracle
 from calexec.machines.compiled import LIFECYCLE
 from calexec.machines.faults import Action, RecoveryPolicy
 from calexec.machines.pool import BufferPool

@@ -20,7 +20,7 @@ import pytest
 
 from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.types import TaskKind
-from calexec.drivers import calbin
+from calexec.drivers.synthetic import calbin
 from calexec.drivers.conform import report, runner
 from calexec.drivers.conform.rig import build_emulator_lib
 from calexec.drivers.device_spec import DeviceSpec, DeviceSpecError

@@ -25,7 +25,7 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 import needs
-from calexec.drivers import tokenizer
+from calexec.drivers.synthetic import tokenizer
 from calexec.drivers.runtime import Fault, FaultMode, Stage
 from calexec.drivers.serve import SAMPLE_REQUEST
 from calexec.drivers.server import ServerConfig, create_app

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from calexec.drivers import calbin as cb
+from calexec.drivers.synthetic import calbin as cb
 from calexec.drivers.runtime import Stage
 from calexec.drivers.server import ServerConfig, create_app
 from test_server_support import (LiveServer, metric_value, oracle_tokens, started_executor,

@@ -13,7 +13,7 @@ import pytest
 
 from calexec.contracts import goldens as gl
 from calexec.contracts.manifest import ManifestError, default_manifest_path, load_manifest
-from calexec.drivers import calbin as cb
+from calexec.drivers.synthetic import calbin as cb
 from calexec.drivers import golden as golden_cli
 from calexec.drivers.runtime import CalRT
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig

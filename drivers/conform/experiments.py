@@ -17,8 +17,8 @@ import time
 
 import numpy as np
 
-from calexec.drivers import oracle
-from calexec.drivers.calbin import DECODE, PREFILL_IDS
+from calexec.drivers.synthetic import oracle
+from calexec.drivers.synthetic.calbin import DECODE, PREFILL_IDS
 from calexec.drivers.conform.rig import FINAL_STATUSES, WAIT_CAP_US, Rig, Slot, tokens_for, wait_final
 from calexec.drivers.conform.verdict import DISPROVEN, INCONCLUSIVE, PROVEN, Answer, inconclusive
 from calexec.drivers.demo import DriverError, check

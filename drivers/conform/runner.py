@@ -16,7 +16,7 @@ import time
 from typing import Any, Callable
 
 from calexec import cliargs
-from calexec.drivers import calbin as calbin_fmt
+from calexec.drivers.synthetic import calbin as calbin_fmt
 from calexec.drivers.conform import report, trace
 from calexec.drivers.conform.experiments import EXPERIMENTS, QUESTIONS
 from calexec.drivers.conform.isolate import OK, run_isolated
