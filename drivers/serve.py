@@ -13,7 +13,7 @@ not allow: with an external ``--runtime-lib`` and neither, the reset kind is ``n
 return a completion.
 
 ``--ray --replicas N`` serves the same app from N Ray Serve replicas, one device each
-(drivers/ray_serve.py, docs/deployment.md): it joins the cluster in ``$RAY_ADDRESS`` or starts
+(drivers/fleet/ray_serve.py, docs/deployment.md): it joins the cluster in ``$RAY_ADDRESS`` or starts
 a local one, serves until SIGTERM/SIGINT (or, with ``--once``, one sample completion), then
 shuts Serve down (each replica drains within ``--grace``) and exits 0; 3 when the deployment
 did not start. The library never exits the process; this module's ``main`` returns the code
@@ -191,7 +191,7 @@ def _serve_ray(args: argparse.Namespace, config: ServerConfig, port: int, spec) 
         import ray
         from ray import serve
 
-        from calexec.drivers.ray_serve import ReplicaSettings, build_app
+        from calexec.drivers.fleet.ray_serve import ReplicaSettings, build_app
     except ImportError as err:
         print(f"calexec serve --ray: {err}; install the extra: pip install 'calexec[ray]'",
               file=sys.stderr)

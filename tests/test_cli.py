@@ -188,8 +188,8 @@ sys.meta_path.insert(0, _Block())
 
 #: modules that exist to serve HTTP or run Ray: the only ones allowed to need an extra
 SERVER_ONLY = {"calexec.drivers.server", "calexec.drivers.serve", "calexec.drivers.metrics",
-               "calexec.drivers.bench_server", "calexec.drivers.ray_serve",
-               "calexec.drivers.fleet_edge", "calexec.drivers.chaos"}
+               "calexec.drivers.bench_server", "calexec.drivers.fleet.ray_serve",
+               "calexec.drivers.fleet.edge", "calexec.drivers.chaos"}
 
 
 def test_the_core_and_the_tools_import_without_any_extra():
