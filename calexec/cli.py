@@ -45,7 +45,7 @@ class Command(NamedTuple):
 # Two-word commands ("sim bench") are looked up before one-word ones.
 COMMANDS: dict[str, Command] = {
     "demo": Command("calexec.drivers.demo", "prefill and decode a few sequences through the executor, checked against the oracle"),
-    "serve": Command("calexec.drivers.serve", "run the reference HTTP server (OpenAI-style completions, metrics, drain)", "server"),
+    "serve": Command("calexec.drivers.serving.serve", "run the reference HTTP server (OpenAI-style completions, metrics, drain)", "server"),
     "accept": Command("calexec.drivers.accept", "the §13 acceptance gates (--quick|--full, --phase a|b|both, --report DIR)"),
     "conform": Command("calexec.drivers.conform.runner", "answer the spec's §14 vendor questions for a calrt.h library (--report DIR)"),
     "diagrams": Command("calexec.machines.diagrams", "render the declared statecharts to diagrams/ (--check: fail if stale)"),
@@ -57,7 +57,7 @@ COMMANDS: dict[str, Command] = {
     "bench recovery": Command("calexec.drivers.bench", "time from an injected device fault to Ready again, requests failed per recovery"),
     "bench pingpong": Command("calexec.drivers.bench", "Phase B: tokens/s at in-flight 2 vs 1 per overlap setting, TPOT P99, trace"),
     "bench server": Command("calexec.drivers.bench_server", "the server's own overhead: HTTP vs in-process executor", "server"),
-    "diagrams live": Command("calexec.drivers.live_charts", "screenshot the live /debug/statecharts page under load and one job's path (headless Chromium)", "server"),
+    "diagrams live": Command("calexec.drivers.serving.live_charts", "screenshot the live /debug/statecharts page under load and one job's path (headless Chromium)", "server"),
     "golden record": Command("calexec.drivers.golden", "run a calbin's warm-up on the emulator and pin its golden next to the manifest"),
     "charts mutate": Command("calexec.drivers.charts_mutate", "mutation testing of declared charts (calexec's or --chart module:Class with --test-cmd): guards forced, transitions dropped, targets changed"),
 }

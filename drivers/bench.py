@@ -11,7 +11,7 @@ same kind, built from the same calbin. Runs are interleaved in A/B, B/A blocks s
 1. TPOT with the 10 ms decode profile: P50/P99 per token of each side and their ratios
    (executor / direct). Spec gate <= 1.03 / <= 1.05, project goal <= 1.01 / <= 1.02.
    ``--gil-switch-us`` (default 500, what ``calexec serve`` uses; 0 keeps Python's 5000) sets
-   the interpreter's GIL switch interval for the run (drivers/process.py); both sides run
+   the interpreter's GIL switch interval for the run (drivers/serving/process.py); both sides run
    under it, the report names it (``gil_switch_interval_us``).
 2. Control overhead on the zero-latency profile: the P50 of the paired per-token differences
    (executor token i minus direct token i of the same run), both raw P50s, and where the
@@ -67,7 +67,7 @@ from calexec.drivers import alloccount
 from calexec.drivers.synthetic import calbin as calbin_fmt
 from calexec.drivers.demo import DirectRunner, DriverError
 from calexec.drivers.device_spec import DeviceSpec, DeviceSpecError
-from calexec.drivers.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
+from calexec.drivers.serving.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
 from calexec.drivers.native import FusedLogits
 from calexec.drivers.runtime import CalRT
 from calexec.drivers.simbench import PROFILE_DECODE_US

@@ -187,7 +187,7 @@ sys.meta_path.insert(0, _Block())
 """
 
 #: modules that exist to serve HTTP or run Ray: the only ones allowed to need an extra
-SERVER_ONLY = {"calexec.drivers.server", "calexec.drivers.serve", "calexec.drivers.metrics",
+SERVER_ONLY = {"calexec.drivers.serving.server", "calexec.drivers.serving.serve", "calexec.drivers.serving.metrics",
                "calexec.drivers.bench_server", "calexec.drivers.fleet.ray_serve",
                "calexec.drivers.fleet.edge", "calexec.drivers.chaos"}
 

@@ -152,7 +152,7 @@ def test_bundled_emulator_recovers_with_its_reset(tmp_path, monkeypatch):
 
 # ---- calexec serve: exits for its supervisor when the lifecycle is Failed ---------------------
 FAULT_AFTER_START = """
-import calexec.drivers.serve as serve
+import calexec.drivers.serving.serve as serve
 from calexec.drivers.runtime import Fault, FaultMode
 
 class FaultAfterStart(serve.DeviceExecutor):

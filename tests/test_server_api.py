@@ -9,9 +9,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from calexec.drivers.synthetic import tokenizer
-from calexec.drivers.dumpsink import DumpConfigError, DumpSink
+from calexec.drivers.serving.dumpsink import DumpConfigError, DumpSink
 from calexec.drivers.runtime import Emulator, Fault, FaultMode
-from calexec.drivers.server import ServerConfig, create_app
+from calexec.drivers.serving.server import ServerConfig, create_app
 from test_server_support import SVG_ACTIVE, metric_value, oracle_tokens, started_executor, wait_for
 
 TOKEN = "test-admin-token"

@@ -16,7 +16,7 @@ import pytest
 
 from calexec.drivers.synthetic import tokenizer
 from calexec.drivers.runtime import Emulator
-from calexec.drivers.server import ServerConfig, create_app
+from calexec.drivers.serving.server import ServerConfig, create_app
 from test_server_support import (LiveServer, free_port, metric_value, oracle_tokens,
                                  started_executor, wait_for)
 

@@ -244,7 +244,7 @@ def test_programming_fault_switches_the_fixed_engine_path_off_until_generation_p
 
     from calexec.contracts.errors import Category
     from calexec.contracts.status import Status
-    from calexec.drivers.server import ServerConfig, create_app
+    from calexec.drivers.serving.server import ServerConfig, create_app
     from executor_harness import arm, deadline, prefill, running_executor
     from test_server_support import metric_value
 

@@ -58,9 +58,9 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, R
 from calexec.drivers.fleet import registry as replica_registry
 from calexec.drivers.device_spec import DeviceSpec
 from calexec.drivers.fleet.edge import ReplicaEdge, serve_relayed
-from calexec.drivers.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
+from calexec.drivers.serving.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
 from calexec.drivers.runtime import Fault, FaultMode
-from calexec.drivers.server import ServerConfig, create_app
+from calexec.drivers.serving.server import ServerConfig, create_app
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 
 log = logging.getLogger("calexec.ray_serve")
@@ -112,7 +112,7 @@ class ReplicaSettings:
     server: ServerConfig = attrs.field(factory=ServerConfig)
     #: how often the Ray Serve gauges are refreshed.
     metrics_period_s: float = attrs.field(default=1.0, validator=attrs.validators.gt(0))
-    #: GIL switch interval of the replica process in us (0: Python's default; drivers/process.py)
+    #: GIL switch interval of the replica process in us (0: Python's default; drivers/serving/process.py)
     gil_switch_us: int = attrs.field(default=SERVING_SWITCH_INTERVAL_US,
                                      validator=attrs.validators.ge(0))
 

@@ -307,7 +307,7 @@ def main(argv: list[str]) -> int:
     from calexec.contracts.manifest import default_manifest_path, load_manifest
     from calexec.drivers.synthetic import calbin
     from calexec.drivers.runtime import CalRT
-    from calexec.drivers.server import ServerConfig, create_app
+    from calexec.drivers.serving.server import ServerConfig, create_app
     from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 
     with tempfile.TemporaryDirectory(prefix="calexec-live-") as tmp:

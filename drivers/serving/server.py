@@ -55,11 +55,11 @@ from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import TaskKind
 from calexec.drivers.synthetic import tokenizer
-from calexec.drivers.dumpsink import DumpSink
-from calexec.drivers.metrics import ServerMetrics
+from calexec.drivers.serving.dumpsink import DumpSink
+from calexec.drivers.serving.metrics import ServerMetrics
 from calexec.machines.compiled import CHARTS, JOB
-from calexec.drivers.live_charts import TransitionRates, live_state, path_page
-from calexec.drivers.live_charts import page as live_page
+from calexec.drivers.serving.live_charts import TransitionRates, live_state, path_page
+from calexec.drivers.serving.live_charts import page as live_page
 from calexec.machines.diagrams import render_chart_svg
 
 log = logging.getLogger("calexec.server")
@@ -815,7 +815,7 @@ def create_app(executor: Any, config: ServerConfig | None = None,
 
     @app.get("/debug/statecharts/live.json")
     async def statecharts_live() -> dict[str, Any]:
-        """Counts per state of every chart and transition rates (drivers/live_charts.py)."""
+        """Counts per state of every chart and transition rates (drivers/serving/live_charts.py)."""
         return live_state(executor, service.live_job_counts, rates)
 
     @app.get("/debug/statecharts")

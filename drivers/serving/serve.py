@@ -43,11 +43,11 @@ import attrs
 import uvicorn
 
 from calexec.drivers.memory import pin_mmap_threshold
-from calexec.drivers.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
+from calexec.drivers.serving.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
 from calexec import cliargs
 from calexec.drivers.synthetic import tokenizer
-from calexec.drivers.dumpsink import DumpConfigError, DumpSink
-from calexec.drivers.server import DrainingServer, ServerConfig, create_app
+from calexec.drivers.serving.dumpsink import DumpConfigError, DumpSink
+from calexec.drivers.serving.server import DrainingServer, ServerConfig, create_app
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 
 EXIT_OK, EXIT_USAGE, EXIT_FAILED, EXIT_SAMPLE_FAILED = 0, 2, 3, 4
@@ -91,7 +91,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="also dump prompt and completion content (off by default)")
     p.add_argument("--gil-switch-us", type=int, default=SERVING_SWITCH_INTERVAL_US,
                    help="GIL switch interval in microseconds (0 keeps Python's 5000): shorter "
-                        "hand-offs between the executor's threads, see drivers/process.py")
+                        "hand-offs between the executor's threads, see drivers/serving/process.py")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
                    help="log level (default info; with --once warning)")
     p.add_argument("--ray", action="store_true",
