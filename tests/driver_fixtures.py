@@ -7,7 +7,7 @@
 import pytest
 
 from calexec.drivers.synthetic import calbin
-from calexec.drivers.demo import DirectRunner
+from calexec.drivers.tools.demo import DirectRunner
 from calexec.drivers.runtime import CalRT
 
 

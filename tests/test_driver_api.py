@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from calexec.contracts.runtime_view import RuntimeModelInfo
-from calexec.drivers import simbench
+from calexec.drivers.tools.bench import sim as simbench
 from calexec.drivers.synthetic import oracle
 from calexec.drivers.synthetic import calbin
-from calexec.drivers.demo import DirectRunner, check
+from calexec.drivers.tools.demo import DirectRunner, check
 from calexec.drivers.runtime import CalRT, Did, JobStatus, Rc, Stage
 
 SEED = 5

@@ -21,8 +21,8 @@ import pytest
 from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.types import TaskKind
 from calexec.drivers.synthetic import calbin
-from calexec.drivers.conform import report, runner
-from calexec.drivers.conform.rig import build_emulator_lib
+from calexec.drivers.tools.conform import report, runner
+from calexec.drivers.tools.conform.rig import build_emulator_lib
 from calexec.drivers.device_spec import DeviceSpec, DeviceSpecError
 from calexec.drivers.runtime import ENV_LIB, Fault, FaultMode
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig

@@ -19,7 +19,7 @@ import numpy as np
 
 from calexec.drivers.synthetic import calbin as calbin_fmt
 from calexec.drivers.synthetic import oracle
-from calexec.drivers.demo import DriverError, check, open_configured
+from calexec.drivers.tools.demo import DriverError, check, open_configured
 from calexec.drivers.runtime import CalRT, JobStatus
 
 CANARY = 0xFFFF  # BF16 NaN bits: the synthetic model never produces them

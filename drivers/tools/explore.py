@@ -1261,7 +1261,7 @@ class Explorer:
         shown = choices if len(choices) <= 200 else f"{len(choices)} choices, see {path}"
         message = (f"{sched.failure}\n--- at virtual t={sched.now - 1000.0:.3f}s after "
                    f"{sched.steps} steps; threads:\n{sched.describe()}\n--- last choices: "
-                   f"{' '.join(sched.trace[-40:])}\n--- replay: calexec.machines.explore."
+                   f"{' '.join(sched.trace[-40:])}\n--- replay: calexec.drivers.tools.explore."
                    f"replay_file({path!r})  (seed={self.seed}, script={self.script!r}, "
                    f"choices={shown})")
         self.close()

@@ -11,8 +11,8 @@ import json
 import os
 from typing import Any
 
-from calexec.drivers.conform.experiments import RESET_KINDS
-from calexec.drivers.conform.verdict import PROVEN
+from calexec.drivers.tools.conform.experiments import RESET_KINDS
+from calexec.drivers.tools.conform.verdict import PROVEN
 
 
 def _by_id(questions: list[dict]) -> dict[str, dict]:

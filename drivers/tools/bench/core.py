@@ -65,12 +65,12 @@ from calexec.contracts.status import Status
 from calexec.contracts.types import TaskKind
 from calexec.drivers import alloccount
 from calexec.drivers.synthetic import calbin as calbin_fmt
-from calexec.drivers.demo import DirectRunner, DriverError
+from calexec.drivers.tools.demo import DirectRunner, DriverError
 from calexec.drivers.device_spec import DeviceSpec, DeviceSpecError
 from calexec.drivers.serving.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
 from calexec.drivers.native import FusedLogits
 from calexec.drivers.runtime import CalRT
-from calexec.drivers.simbench import PROFILE_DECODE_US
+from calexec.drivers.tools.bench.sim import PROFILE_DECODE_US
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 from calexec.machines.postprocess import bf16_all_finite, bf16_to_f32_into, bf16_to_f32_legacy
 
