@@ -8,7 +8,7 @@ import pytest
 
 from calexec.drivers.synthetic import calbin
 from calexec.drivers.tools.demo import DirectRunner
-from calexec.drivers.runtime import CalRT
+from calexec.drivers.calrt.runtime import CalRT
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from calexec.contracts.status import Status
 from calexec.contracts.types import TaskKind
 from calexec.drivers.synthetic import calbin as cb
 from calexec.drivers.synthetic import oracle
-from calexec.drivers.runtime import CalRT, Fault, FaultMode
+from calexec.drivers.calrt.runtime import CalRT, Fault, FaultMode
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 
 SEED = cb.default_spec().seed

@@ -15,7 +15,7 @@ from calexec.drivers.tools.bench import sim as simbench
 from calexec.drivers.synthetic import oracle
 from calexec.drivers.synthetic import calbin
 from calexec.drivers.tools.demo import DirectRunner, check
-from calexec.drivers.runtime import CalRT, Did, JobStatus, Rc, Stage
+from calexec.drivers.calrt.runtime import CalRT, Did, JobStatus, Rc, Stage
 
 SEED = 5
 CALRT_DIR = os.path.join(os.path.dirname(calbin.__file__), "calrt")

@@ -12,7 +12,7 @@ import pytest
 from calexec.drivers.synthetic import oracle
 from calexec.drivers.synthetic import calbin
 from calexec.drivers.tools.demo import DirectRunner, check
-from calexec.drivers.runtime import CalRT, Did, Fault, FaultMode, JobStatus, Overlap, Rc, Scope, Stage, TaskType
+from calexec.drivers.calrt.runtime import CalRT, Did, Fault, FaultMode, JobStatus, Overlap, Rc, Scope, Stage, TaskType
 
 SEED = 0x1234
 D = calbin.DECODE

@@ -17,7 +17,7 @@ import pytest
 
 from calexec.contracts.status import Status
 from calexec.contracts.types import TaskKind
-from calexec.drivers.runtime import Stage
+from calexec.drivers.calrt.runtime import Stage
 from calexec.machines import executor as executor_module
 from calexec.machines.compiled import JOB, KV_TXN
 from calexec.machines.coverage import RECORDER

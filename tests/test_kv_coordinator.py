@@ -249,7 +249,7 @@ def test_kv_reserve_len_is_checked_against_max_seq_and_sign():
 
     import tempfile
 
-    from calexec.drivers.runtime import CalRT
+    from calexec.drivers.calrt.runtime import CalRT
     manifest = load_manifest(default_manifest_path())
     with tempfile.TemporaryDirectory() as tmp:  # the generation's contracts, as at start
         path = f"{tmp}/c.calbin"

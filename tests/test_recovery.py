@@ -333,7 +333,7 @@ def lifecycle_scenarios(calbins):
     # Configuring -> Failed (FI01 at start: one character changed in the manifest)
     from calexec.contracts.manifest import load_manifest, default_manifest_path
     import attrs
-    from calexec.drivers.runtime import CalRT
+    from calexec.drivers.calrt.runtime import CalRT
     from calexec.machines.executor import DeviceExecutor, ExecutorConfig
     manifest = load_manifest(default_manifest_path())
     bad = attrs.evolve(manifest, submodels={

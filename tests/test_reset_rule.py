@@ -24,7 +24,7 @@ from calexec.drivers.synthetic import calbin
 from calexec.drivers.tools.conform import report, runner
 from calexec.drivers.tools.conform.rig import build_emulator_lib
 from calexec.drivers.device_spec import DeviceSpec, DeviceSpecError
-from calexec.drivers.runtime import ENV_LIB, Fault, FaultMode
+from calexec.drivers.calrt.runtime import ENV_LIB, Fault, FaultMode
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 from test_server_support import wait_for
 
@@ -153,7 +153,7 @@ def test_bundled_emulator_recovers_with_its_reset(tmp_path, monkeypatch):
 # ---- calexec serve: exits for its supervisor when the lifecycle is Failed ---------------------
 FAULT_AFTER_START = """
 import calexec.drivers.serving.serve as serve
-from calexec.drivers.runtime import Fault, FaultMode
+from calexec.drivers.calrt.runtime import Fault, FaultMode
 
 class FaultAfterStart(serve.DeviceExecutor):
     def start(self):

@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 
 from calexec.drivers.synthetic import tokenizer
 from calexec.drivers.serving.dumpsink import DumpConfigError, DumpSink
-from calexec.drivers.runtime import Emulator, Fault, FaultMode
+from calexec.drivers.calrt.runtime import Emulator, Fault, FaultMode
 from calexec.drivers.serving.server import ServerConfig, create_app
 from test_server_support import SVG_ACTIVE, metric_value, oracle_tokens, started_executor, wait_for
 

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from calexec.drivers.synthetic import tokenizer
-from calexec.drivers.runtime import Emulator
+from calexec.drivers.calrt.runtime import Emulator
 from calexec.drivers.serving.server import ServerConfig, create_app
 from test_server_support import (LiveServer, free_port, metric_value, oracle_tokens,
                                  started_executor, wait_for)

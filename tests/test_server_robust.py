@@ -16,7 +16,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from calexec.drivers.synthetic import calbin as cb
-from calexec.drivers.runtime import Stage
+from calexec.drivers.calrt.runtime import Stage
 from calexec.drivers.serving.server import ServerConfig, create_app
 from test_server_support import (LiveServer, metric_value, oracle_tokens, started_executor,
                                  wait_for)

@@ -19,7 +19,7 @@ import numpy as np
 from calexec import cliargs
 from calexec.drivers.synthetic import calbin as calbin_fmt
 from calexec.drivers.synthetic import oracle
-from calexec.drivers.runtime import CalRT, JobStatus
+from calexec.drivers.calrt.runtime import CalRT, JobStatus
 
 
 class DriverError(RuntimeError):

@@ -647,7 +647,7 @@ class DeviceModel:
         return out
 
     def step(self, label: str) -> None:
-        from calexec.drivers.runtime import Did, Stage
+        from calexec.drivers.calrt.runtime import Did, Stage
         engine = int(label[len("device"):])
         if self.sched.on_step is not None:
             self.sched.on_step()
@@ -658,7 +658,7 @@ class DeviceModel:
             self.epoch += 1
 
     def wait_fault_fires_next(self) -> bool:
-        from calexec.drivers.runtime import Fault
+        from calexec.drivers.calrt.runtime import Fault
         nth = self.armed.get(int(Fault.WAIT_RC))
         if nth is None:
             return False
@@ -681,7 +681,7 @@ class _Proxy:
 
 
 def _wrap(value, model: DeviceModel):
-    from calexec.drivers import runtime as rt
+    from calexec.drivers.calrt import runtime as rt
     if isinstance(value, tuple):
         return tuple(_wrap(v, model) for v in value)
     if isinstance(value, list):
@@ -891,7 +891,7 @@ class Explorer:
     # ---- scenario ---------------------------------------------------------------------------
     def start(self) -> None:
         from calexec.contracts.manifest import default_manifest_path, load_manifest
-        from calexec.drivers.runtime import CalRT
+        from calexec.drivers.calrt.runtime import CalRT
         from calexec.machines.executor import DeviceExecutor, ExecutorConfig
         from calexec.machines.faults import FaultController, RecoveryPolicy
         o = self.options
@@ -986,7 +986,7 @@ class Explorer:
 
     def arm(self, point: str, nth: int = 1) -> None:
         """Arm an emulator fault on the Nth counted call (driver side: atomic)."""
-        from calexec.drivers.runtime import Fault, FaultMode
+        from calexec.drivers.calrt.runtime import Fault, FaultMode
         self.script.append(("arm", point, nth))
         emu = self.device.emu
         if emu is None or self.device.closed:

@@ -38,7 +38,7 @@ from calexec.drivers.tools.accept.rig import (HANG_GRACE_S, JOB_S, Gate, Progres
                                         open_executor, request, rss_mib, run_job)
 from calexec.drivers.tools.bench.core import DirectLoop
 from calexec.drivers.device_spec import DeviceSpec
-from calexec.drivers.runtime import Fault, FaultMode, Overlap
+from calexec.drivers.calrt.runtime import Fault, FaultMode, Overlap
 
 VOCAB = calbin_fmt.VOCAB
 MAX_SEQ = calbin_fmt.MAX_SEQ

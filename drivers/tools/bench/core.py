@@ -69,7 +69,7 @@ from calexec.drivers.tools.demo import DirectRunner, DriverError
 from calexec.drivers.device_spec import DeviceSpec, DeviceSpecError
 from calexec.drivers.serving.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
 from calexec.drivers.native import FusedLogits
-from calexec.drivers.runtime import CalRT
+from calexec.drivers.calrt.runtime import CalRT
 from calexec.drivers.tools.bench.sim import PROFILE_DECODE_US
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 from calexec.machines.postprocess import bf16_all_finite, bf16_to_f32_into, bf16_to_f32_legacy
@@ -452,7 +452,7 @@ def run_recovery(recoveries: int, seed: int, device: DeviceSpec = DeviceSpec()) 
     """§9.2 figures: time from an injected device fault (DONE_CCU_EXCEPTION) to Ready again
     on the zero-latency profile, over ``recoveries`` recoveries, while a client thread keeps
     sending decode requests on another sequence; what happened to those requests."""
-    from calexec.drivers.runtime import Fault, FaultMode
+    from calexec.drivers.calrt.runtime import Fault, FaultMode
 
     with tempfile.TemporaryDirectory(prefix="calexec-bench-") as tmp:
         path = device.calbin(tmp)

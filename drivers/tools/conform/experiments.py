@@ -22,7 +22,7 @@ from calexec.drivers.synthetic.calbin import DECODE, PREFILL_IDS
 from calexec.drivers.tools.conform.rig import FINAL_STATUSES, WAIT_CAP_US, Rig, Slot, tokens_for, wait_final
 from calexec.drivers.tools.conform.verdict import DISPROVEN, INCONCLUSIVE, PROVEN, Answer, inconclusive
 from calexec.drivers.tools.demo import DriverError, check
-from calexec.drivers.runtime import Fault, FaultMode, JobStatus, Stage
+from calexec.drivers.calrt.runtime import Fault, FaultMode, JobStatus, Stage
 
 RESET_KINDS = ("reset_ccu", "reset_configuration", "reset")
 RESET_ASPECTS = {

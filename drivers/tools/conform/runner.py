@@ -37,7 +37,7 @@ def _runtime_info(lib: str) -> tuple[str, bool]:
 
 
 def probe_library(lib: str) -> tuple[str, bool]:
-    from calexec.drivers.runtime import CalRT
+    from calexec.drivers.calrt.runtime import CalRT
 
     rt = CalRT.load(lib)
     return rt.version, rt.has_emu
