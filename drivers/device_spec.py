@@ -118,7 +118,7 @@ class DeviceSpec:
         if self.reset_kind is not None:
             return self.reset_kind, f"--reset-kind={self.reset_kind}"
         if self.conform_report is not None:
-            from calexec.drivers.tools.conform import report
+            from calexec.drivers.calrt import conformance as report
 
             try:
                 run = report.load_run(self.conform_report)

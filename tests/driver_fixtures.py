@@ -7,7 +7,7 @@
 import pytest
 
 from calexec.drivers.synthetic import calbin
-from calexec.drivers.tools.demo import DirectRunner
+from calexec.drivers.direct import DirectRunner
 from calexec.drivers.calrt.runtime import CalRT
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from calexec.drivers.synthetic import oracle
 from calexec.drivers.synthetic import calbin
-from calexec.drivers.tools.demo import DirectRunner, check
+from calexec.drivers.direct import DirectRunner, check
 from calexec.drivers.calrt.runtime import CalRT, Did, Fault, FaultMode, JobStatus, Overlap, Rc, Scope, Stage, TaskType
 
 SEED = 0x1234

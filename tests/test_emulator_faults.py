@@ -8,7 +8,7 @@ import pytest
 
 from calexec.drivers.synthetic import oracle
 from calexec.drivers.synthetic import calbin
-from calexec.drivers.tools.demo import DirectRunner, check
+from calexec.drivers.direct import DirectRunner, check
 from calexec.drivers.calrt.runtime import CalRT, Fault, FaultMode, JobStatus, KvPolicy, Rc
 
 SEED = 77
@@ -172,7 +172,7 @@ def test_wait_failure_after_compute_still_applies_the_kv_policy(tmp_path):
     """An injected Wait failure that hits a job between compute and D2H follows
     kv_after_failed_wait like one that hits it earlier (stepped mode pins the moment)."""
     from calexec.drivers.synthetic import calbin as cb
-    from calexec.drivers.tools.demo import DirectRunner
+    from calexec.drivers.direct import DirectRunner
     from calexec.drivers.calrt.runtime import Stage
     path = str(tmp_path / "c.calbin")
     cb.write(path, cb.default_spec())

@@ -7,7 +7,7 @@ import pytest
 
 from calexec.drivers.synthetic import oracle
 from calexec.drivers.synthetic import calbin
-from calexec.drivers.tools.demo import DirectRunner, check
+from calexec.drivers.direct import DirectRunner, check
 from calexec.drivers.calrt.runtime import CalRT, JobStatus
 
 SEED = 0xBADC0DE

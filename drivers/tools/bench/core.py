@@ -65,7 +65,7 @@ from calexec.contracts.status import Status
 from calexec.contracts.types import TaskKind
 from calexec.drivers import alloccount
 from calexec.drivers.synthetic import calbin as calbin_fmt
-from calexec.drivers.tools.demo import DirectRunner, DriverError
+from calexec.drivers.direct import DirectRunner, DriverError
 from calexec.drivers.device_spec import DeviceSpec, DeviceSpecError
 from calexec.drivers.serving.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
 from calexec.drivers.native import FusedLogits

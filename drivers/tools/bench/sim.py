@@ -21,7 +21,7 @@ import numpy as np
 
 from calexec import cliargs
 from calexec.drivers.synthetic import calbin as calbin_fmt
-from calexec.drivers.tools.demo import DirectRunner, check
+from calexec.drivers.direct import DirectRunner, check
 from calexec.drivers.calrt.runtime import JobStatus
 
 PROFILE_DECODE_US = 10_000

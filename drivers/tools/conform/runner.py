@@ -17,11 +17,12 @@ from typing import Any, Callable
 
 from calexec import cliargs
 from calexec.drivers.synthetic import calbin as calbin_fmt
-from calexec.drivers.tools.conform import report, trace
+from calexec.drivers.calrt import conformance as report
+from calexec.drivers.tools.conform import trace
 from calexec.drivers.tools.conform.experiments import EXPERIMENTS, QUESTIONS
 from calexec.drivers.tools.conform.isolate import OK, run_isolated
 from calexec.drivers.tools.conform.rig import build_emulator_lib
-from calexec.drivers.tools.conform.verdict import inconclusive
+from calexec.drivers.calrt.verdict import inconclusive
 
 MODULE = "calexec.drivers.tools.conform.experiments"
 
