@@ -78,8 +78,8 @@ SLOT_EV_QUARANTINE = "quarantine"
 SLOT_EV_RETIRE = "retire"
 
 
-_stale = sorted(k for k, v in globals().items()
-                if k.isupper() and _declared().get(k) != v)
+_names = _declared()
+_stale = sorted(k for k, v in globals().items() if k.isupper() and _names.get(k) != v)
 if _stale:
     raise ImportError(f"machines/chart_names.py is stale (`calexec charts names`): "
                       f"{_stale} no longer match the declared charts")

@@ -320,8 +320,8 @@ def names_source() -> str:
         lines += [f"# ---- {chart_name}: events"]
         lines += [f'{prefix}_EV_{e.upper()} = "{e}"' for e in chart.events]
     lines += ["", "",
-              "_stale = sorted(k for k, v in globals().items()",
-              "                if k.isupper() and _declared().get(k) != v)",
+              "_names = _declared()",
+              "_stale = sorted(k for k, v in globals().items() if k.isupper() and _names.get(k) != v)",
               "if _stale:",
               "    raise ImportError(f\"machines/chart_names.py is stale (`calexec charts names`): \"",
               "                      f\"{_stale} no longer match the declared charts\")",
