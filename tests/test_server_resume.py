@@ -1,4 +1,4 @@
-"""Issue 16: resumable generations (drivers/resume.py): a retryable or device-side failure of a
+"""Issue 16: resumable generations (drivers/serving/resume.py): a retryable or device-side failure of a
 request's job costs the client latency, not an error.
 
 Real executor on the bundled emulator, loopback servers only, faults injected through the
@@ -18,9 +18,9 @@ import httpx  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 
 from calexec.contracts.types import TaskKind  # noqa: E402
-from calexec.drivers.chaos import FAULTS  # noqa: E402
-from calexec.drivers.runtime import Fault, FaultMode, Stage  # noqa: E402
-from calexec.drivers.server import ServerConfig, create_app  # noqa: E402
+from calexec.drivers.tools.chaos import FAULTS  # noqa: E402
+from calexec.drivers.calrt.runtime import Fault, FaultMode, Stage  # noqa: E402
+from calexec.drivers.serving.server import ServerConfig, create_app  # noqa: E402
 from calexec.machines.faults import RecoveryPolicy  # noqa: E402
 from test_server_support import (LiveServer, metric_value, oracle_tokens,  # noqa: E402
                                  started_executor, wait_for)

@@ -1,5 +1,5 @@
 """Issue 16 (and issue 15's sequence-id bullet): a request waits for a KV sequence id and for a
-Ready lifecycle within its deadline instead of an immediate 429/503 (drivers/admission.py).
+Ready lifecycle within its deadline instead of an immediate 429/503 (drivers/serving/admission.py).
 
 Real executor on the bundled emulator, loopback servers only; the recovery's golden is held on
 the stepped emulator so the Warming window is deterministic. Every wait is a bounded poll of a
@@ -19,8 +19,8 @@ import httpx  # noqa: E402
 
 from calexec.contracts.errors import Category  # noqa: E402
 from calexec.contracts.status import Phase, Status  # noqa: E402
-from calexec.drivers.admission import AdmissionQueue, Waiter  # noqa: E402
-from calexec.drivers.server import SequencePool, ServerConfig, create_app  # noqa: E402
+from calexec.drivers.serving.admission import AdmissionQueue, Waiter  # noqa: E402
+from calexec.drivers.serving.server import SequencePool, ServerConfig, create_app  # noqa: E402
 from test_server_support import (LiveServer, metric_value, oracle_tokens,  # noqa: E402
                                  started_executor, wait_for)
 
