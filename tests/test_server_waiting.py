@@ -259,3 +259,17 @@ def test_queue_serves_resumes_first_then_fifo_and_a_cancelled_waiter_returns_its
         box["state"] = "Ready"
         assert await queue.wait(c, time.monotonic() + 5) == 1  # the watcher saw Ready
     anyio.run(main)
+
+
+def test_an_id_answered_at_once_but_never_taken_goes_back_on_leave():
+    """A resume's ``try_admit`` may answer an id at once; a request finishing before its next
+    step took it (``finish`` -> ``leave``) gives it back instead of leaking it."""
+    async def main() -> None:
+        pool, queue, _ = _queue(2)
+        seq_id = queue.try_admit(resume=True)
+        assert isinstance(seq_id, int) and pool.counts()["in_use"] == 1
+        queue.leave(seq_id)
+        assert pool.counts() == {"free": 2, "in_use": 0, "withheld": 0, "capacity": 2}
+        queue.leave(None)  # nothing to give back
+        assert pool.consistent()
+    anyio.run(main)

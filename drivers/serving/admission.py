@@ -141,7 +141,11 @@ class AdmissionQueue:
         return None
 
     def leave(self, waiter: Any) -> None:
-        """``waiter`` gives up (idempotent): out of the queue; an id it was handed goes back."""
+        """``waiter`` gives up (idempotent): out of the queue; an id it was handed goes back
+        (also an id ``try_admit`` answered at once and nobody took yet)."""
+        if isinstance(waiter, int) and not isinstance(waiter, bool):
+            self.sequences.release(waiter)
+            return
         if not isinstance(waiter, Waiter):
             return
         if waiter.queued:
