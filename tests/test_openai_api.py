@@ -339,3 +339,23 @@ def test_hf_tokens_outside_the_calbin_vocabulary_are_a_400_naming_the_prompt(tmp
             assert "prompt[1]=200000" in err.value.body["message"]
     finally:
         executor.shutdown(5.0)
+
+
+# ---- calexec serve flags ------------------------------------------------------------------
+def test_serve_once_with_api_key_and_tokenizer(tmp_path):
+    from test_cli import calexec
+    _, path = _hf_tokenizer(tmp_path)
+    done = calexec("serve", "--once", "--api-key", "k3y", "--tokenizer", str(path))
+    assert done.returncode == 0, done.stderr
+    assert "Authorization: Bearer $CALEXEC_API_KEY" in done.stdout
+    assert "byte-level tokenizer" not in done.stdout
+
+
+@pytest.mark.parametrize(("argv", "named"), [
+    (["--tokenizer", "/nonexistent/tokenizer.json"], "--tokenizer='/nonexistent/tokenizer.json'"),
+    (["--api-key", " "], "--api-key is empty")])
+def test_serve_flag_errors_are_one_line_exit_2(argv, named):
+    from test_cli import calexec, one_line
+    done = calexec("serve", "--once", *argv)
+    assert done.returncode == 2
+    assert named in one_line(done.stderr)
