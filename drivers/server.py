@@ -56,7 +56,7 @@ from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import TaskKind
 from calexec.drivers import sampling, tokenizer
 from calexec.drivers.dumpsink import DumpSink
-from calexec.drivers.metrics import ServerMetrics
+from calexec.drivers.metrics import ServerMetrics, kv_usage_fraction
 from calexec.machines.compiled import CHARTS, JOB
 from calexec.drivers.live_charts import TransitionRates, live_state, path_page
 from calexec.drivers.live_charts import page as live_page
@@ -324,7 +324,7 @@ class CompletionService:
         self._drain_task: asyncio.Task | None = None
         self._releasing: set[threading.Thread] = set()  # background sequence releases
         self._releasing_mu = threading.Lock()
-        self.metrics = ServerMetrics(executor.snapshot, self._server_gauges)
+        self.metrics = ServerMetrics(executor.snapshot, self._server_gauges, config.model_name)
         self.tokenizer = tokenizer.load(config.tokenizer_path)
         self.started_at = time.time()
 
@@ -335,7 +335,8 @@ class CompletionService:
                 "calexec_kv_sequences_free": counts["free"],
                 "calexec_kv_sequences_withheld": counts["withheld"],
                 "calexec_kv_sequences_capacity": counts["capacity"],
-                "calexec_server_draining": 1.0 if self.draining else 0.0}
+                "calexec_server_draining": 1.0 if self.draining else 0.0,
+                "calexec_kv_cache_usage_perc": kv_usage_fraction(self.executor)}
 
     def health(self) -> list[str]:
         """Why the executor cannot serve now (empty: it can): ``executor.health()``."""
@@ -593,6 +594,8 @@ class CompletionService:
             m.success.labels(gen.finish_reason).inc()
             m.prompt_tokens.inc(len(gen.prompt))
             m.generation_tokens.inc(len(gen.tokens))
+            m.request_prompt_tokens.observe(len(gen.prompt))
+            m.request_generation_tokens.observe(len(gen.tokens))
             m.e2e.observe(time.monotonic() - gen.started)
         if self.dump is not None:
             self.dump.write({

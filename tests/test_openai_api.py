@@ -359,3 +359,66 @@ def test_serve_flag_errors_are_one_line_exit_2(argv, named):
     done = calexec("serve", "--once", *argv)
     assert done.returncode == 2
     assert named in one_line(done.stderr)
+
+
+# ---- metrics ------------------------------------------------------------------------------
+def test_request_metrics_carry_model_name_and_token_histograms(live):
+    server, client, _ = live
+    before = httpx.get(f"{server.url}/metrics").text
+    labels = {"model_name": MODEL}
+    n0 = metric_value(before, "calexec_request_prompt_tokens_count", labels) or 0
+    s0 = metric_value(before, "calexec_request_prompt_tokens_sum", labels) or 0
+    g0 = metric_value(before, "calexec_request_generation_tokens_sum", labels) or 0
+    client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=2)
+    after = httpx.get(f"{server.url}/metrics").text
+    assert metric_value(after, "calexec_request_prompt_tokens_count", labels) == n0 + 1
+    assert metric_value(after, "calexec_request_prompt_tokens_sum", labels) == s0 + 3
+    assert metric_value(after, "calexec_request_generation_tokens_sum", labels) == g0 + 2
+    assert metric_value(after, "calexec_requests_total", {"stream": "false", **labels}) >= 1
+    assert metric_value(after, "calexec_request_success_total",
+                        {"finished_reason": "length", **labels}) >= 1
+
+
+def test_kv_usage_fraction_follows_the_running_requests(tmp_path):
+    from calexec.drivers.runtime import Emulator
+    executor = started_executor(tmp_path)
+    app = create_app(executor, ServerConfig())
+    try:
+        with LiveServer(app) as server:
+            def usage() -> float:
+                return metric_value(httpx.get(f"{server.url}/metrics").text,
+                                    "calexec_kv_cache_usage_perc")
+            assert usage() == 0.0
+            Emulator(executor.device).set_latency(decode_us=50_000)
+            with httpx.Client(base_url=server.url, timeout=30) as http:
+                with http.stream("POST", "/v1/completions", json={
+                        "prompt": [1, 2, 3], "max_tokens": 100, "stream": True}) as r:
+                    lines = r.iter_lines()
+                    assert next(lines).startswith("data: ")  # a token: the KV is reserved
+                    running = usage()
+                    # keep ``lines`` alive until here: a dropped iter_lines() generator may
+                    # close the response (a disconnect: the request is cancelled)
+                    assert next(lines) == ""  # the end of the first event
+                    assert next(lines).startswith("data: ")
+            assert 0.0 < running <= 1.0
+            Emulator(executor.device).set_latency(decode_us=0)
+            from test_server_support import wait_for
+            wait_for(lambda: usage() == 0.0, what="the KV to be released")
+    finally:
+        executor.shutdown(5.0)
+
+
+def test_h2d_d2h_histograms_observe_measured_copies_only():
+    from calexec.contracts.types import JobTimings, TaskKind
+    from calexec.drivers.metrics import ServerMetrics
+    metrics = ServerMetrics(lambda: {}, dict)
+    stamps = dict(accepted_us=1, admitted_us=2, queued_us=3, submitted_us=4, completed_us=9)
+    metrics.observe_job(TaskKind.DECODE, JobTimings(**stamps))  # not measured: 0.0
+    h2d = metrics.stages["h2d"].labels("decode")
+    d2h = metrics.stages["d2h"].labels("decode")
+    assert h2d._sum.get() == 0 and metrics.registry.get_sample_value(
+        "calexec_job_h2d_seconds_count", {"kind": "decode"}) == 0
+    metrics.observe_job(TaskKind.DECODE, JobTimings(**stamps, h2d_ms=2.0, d2h_ms=0.5))
+    assert metrics.registry.get_sample_value("calexec_job_h2d_seconds_count",
+                                             {"kind": "decode"}) == 1
+    assert d2h._sum.get() == pytest.approx(0.0005)
