@@ -12,8 +12,8 @@ import httpx
 import openai
 import pytest
 
-from calexec.drivers import tokenizer
-from calexec.drivers.server import ServerConfig, create_app
+from calexec.drivers.synthetic import tokenizer
+from calexec.drivers.serving.server import ServerConfig, create_app
 from test_server_support import LiveServer, metric_value, oracle_tokens, started_executor
 
 MODEL = "calexec-qwen3-synthetic"
@@ -380,7 +380,7 @@ def test_request_metrics_carry_model_name_and_token_histograms(live):
 
 
 def test_kv_usage_fraction_follows_the_running_requests(tmp_path):
-    from calexec.drivers.runtime import Emulator
+    from calexec.drivers.calrt.runtime import Emulator
     executor = started_executor(tmp_path)
     app = create_app(executor, ServerConfig())
     try:
@@ -410,7 +410,7 @@ def test_kv_usage_fraction_follows_the_running_requests(tmp_path):
 
 def test_h2d_d2h_histograms_observe_measured_copies_only():
     from calexec.contracts.types import JobTimings, TaskKind
-    from calexec.drivers.metrics import ServerMetrics
+    from calexec.drivers.serving.metrics import ServerMetrics
     metrics = ServerMetrics(lambda: {}, dict)
     stamps = dict(accepted_us=1, admitted_us=2, queued_us=3, submitted_us=4, completed_us=9)
     metrics.observe_job(TaskKind.DECODE, JobTimings(**stamps))  # not measured: 0.0

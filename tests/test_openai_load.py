@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from calexec.drivers.server import ServerConfig, create_app
+from calexec.drivers.serving.server import ServerConfig, create_app
 from test_server_support import LiveServer, started_executor
 
 # not pytest.importorskip: importing locust monkey-patches this process with gevent (the

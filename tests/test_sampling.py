@@ -1,4 +1,4 @@
-"""Host-side sampling (drivers/sampling.py): the determinism contract (the choice depends only
+"""Host-side sampling (drivers/serving/sampling.py): the determinism contract (the choice depends only
 on logits, params and the token index), greedy = argmax, top-k/top-p bounds, logprobs, and
 validation errors that name the field and the value."""
 
@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from calexec.drivers.sampling import (GREEDY, MAX_LOGPROBS, SamplingError, SamplingParams,
+from calexec.drivers.serving.sampling import (GREEDY, MAX_LOGPROBS, SamplingError, SamplingParams,
                                       log_softmax, pick)
 
 

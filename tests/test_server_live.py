@@ -14,9 +14,9 @@ import httpx
 import openai
 import pytest
 
-from calexec.drivers import tokenizer
-from calexec.drivers.runtime import Emulator
-from calexec.drivers.server import ServerConfig, create_app
+from calexec.drivers.synthetic import tokenizer
+from calexec.drivers.calrt.runtime import Emulator
+from calexec.drivers.serving.server import ServerConfig, create_app
 from test_server_support import (LiveServer, free_port, metric_value, oracle_tokens,
                                  started_executor, wait_for)
 

@@ -13,7 +13,7 @@ not allow: with an external ``--runtime-lib`` and neither, the reset kind is ``n
 return a completion.
 
 ``--ray --replicas N`` serves the same app from N Ray Serve replicas, one device each
-(drivers/ray_serve.py, docs/deployment.md): it joins the cluster in ``$RAY_ADDRESS`` or starts
+(drivers/fleet/ray_serve.py, docs/deployment.md): it joins the cluster in ``$RAY_ADDRESS`` or starts
 a local one, serves until SIGTERM/SIGINT (or, with ``--once``, one sample completion), then
 shuts Serve down (each replica drains within ``--grace``) and exits 0; 3 when the deployment
 did not start. The library never exits the process; this module's ``main`` returns the code
@@ -43,11 +43,12 @@ import attrs
 import uvicorn
 
 from calexec.drivers.memory import pin_mmap_threshold
-from calexec.drivers.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
+from calexec.drivers.serving.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
 from calexec import cliargs
-from calexec.drivers import tokenizer
-from calexec.drivers.dumpsink import DumpConfigError, DumpSink
-from calexec.drivers.server import DrainingServer, ServerConfig, create_app
+from calexec.drivers.synthetic import tokenizer
+from calexec.drivers.serving import hf_tokenizer
+from calexec.drivers.serving.dumpsink import DumpConfigError, DumpSink
+from calexec.drivers.serving.server import DrainingServer, ServerConfig, create_app
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 
 EXIT_OK, EXIT_USAGE, EXIT_FAILED, EXIT_SAMPLE_FAILED = 0, 2, 3, 4
@@ -102,7 +103,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="also dump prompt and completion content (off by default)")
     p.add_argument("--gil-switch-us", type=int, default=SERVING_SWITCH_INTERVAL_US,
                    help="GIL switch interval in microseconds (0 keeps Python's 5000): shorter "
-                        "hand-offs between the executor's threads, see drivers/process.py")
+                        "hand-offs between the executor's threads, see drivers/serving/process.py")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
                    help="log level (default info; with --once warning)")
     p.add_argument("--ray", action="store_true",
@@ -143,7 +144,7 @@ def main(argv: list[str]) -> int:
         if args.api_key is not None and not args.api_key.strip():
             raise ValueError("--api-key is empty")
         tokenizer_path = None if args.tokenizer is None else os.path.abspath(args.tokenizer)
-        loaded = tokenizer.load(tokenizer_path)  # TokenizerLoadError names the path
+        loaded = hf_tokenizer.load(tokenizer_path)  # TokenizerLoadError names the path
         end_token = DEFAULT_END_TOKEN if loaded.eos_token_id is None else loaded.eos_token_id
         config = ServerConfig(admin_token=token, max_sequences=args.max_sequences,
                               default_timeout_s=args.timeout, model_name=args.served_model_name,
@@ -211,7 +212,7 @@ def _serve_ray(args: argparse.Namespace, config: ServerConfig, port: int, spec) 
         import ray
         from ray import serve
 
-        from calexec.drivers.ray_serve import ReplicaSettings, build_app
+        from calexec.drivers.fleet.ray_serve import ReplicaSettings, build_app
     except ImportError as err:
         print(f"calexec serve --ray: {err}; install the extra: pip install 'calexec[ray]'",
               file=sys.stderr)

@@ -38,10 +38,11 @@ import httpx
 import uvicorn
 
 from calexec.contracts.manifest import default_manifest_path, load_manifest
-from calexec.drivers import calbin, oracle
-from calexec.drivers.dumpsink import DumpSink
-from calexec.drivers.runtime import CalRT, Fault, FaultMode
-from calexec.drivers.server import ServerConfig, create_app
+from calexec.drivers.synthetic import oracle
+from calexec.drivers.synthetic import calbin
+from calexec.drivers.serving.dumpsink import DumpSink
+from calexec.drivers.calrt.runtime import CalRT, Fault, FaultMode
+from calexec.drivers.serving.server import ServerConfig, create_app
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 from calexec.machines.faults import RecoveryPolicy
 

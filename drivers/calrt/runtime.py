@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import logging
 import os
 
 import numpy as np
@@ -29,6 +30,10 @@ from calexec.contracts.runtime_view import RuntimeModelInfo, RuntimeTensorInfo
 from calexec.drivers.calrt._calrt_emu import ffi as _ffi
 from calexec.drivers.calrt._calrt_emu import lib as _emu_lib
 from calexec.drivers.native import FusedLogits
+
+#: fault injection (the emulator's fault plan): every armed point is logged here, marked
+#: INJECTED, so an injected fault is never mistaken for a real one in a log
+inject_log = logging.getLogger("calexec.injected")
 
 ENV_LIB = "CALEXEC_CALRT_LIB"
 
@@ -149,6 +154,12 @@ class Device:
 
     def close(self) -> int:
         return self._lib.calrt_device_close(self._h)
+
+    def injected_faults_fired(self) -> int | None:
+        """How many injected faults the emulator's fault plan has fired (None for a vendor
+        shim, which injects none): the fault controller marks a fault INJECTED in its log when
+        this moved since its last report."""
+        return None if self.emu is None else self.emu.injected_fired()
 
     def dma_quiescent(self) -> bool | None:
         """Proof that the device will write no host memory it was given before now (no stale
@@ -437,6 +448,13 @@ class KvManager:
 _COUNTER_FIELDS = tuple(name for name, _ in _ffi.typeof("calrt_emu_counters").fields)
 
 
+def _name(enum_type, value: int) -> str:
+    try:
+        return enum_type(value).name
+    except ValueError:
+        return str(value)
+
+
 class Emulator:
     """calrt_emu_ controls of a device (latency, knobs, faults, stepped mode, counters)."""
 
@@ -461,8 +479,18 @@ class Emulator:
         return rc, int(val[0]) if rc == 0 else 0
 
     def set_fault(self, point: int, mode: int, param: int = 1, seed: int = 0, rc: int = 0) -> int:
-        """Arm a fault point (see calrt_emu.h: NTH param=n, EVERY_K param=k, PROB param=ppm)."""
-        return self._lib.calrt_emu_fault_set(self._h, point, mode, param, seed, rc)
+        """Arm a fault point (see calrt_emu.h: NTH param=n, EVERY_K param=k, PROB param=ppm).
+        Logged (``calexec.injected``, marked INJECTED) when it is armed."""
+        result = self._lib.calrt_emu_fault_set(self._h, point, mode, param, seed, rc)
+        if result == 0 and mode != FaultMode.OFF:
+            inject_log.warning("INJECTED fault armed: point=%s mode=%s param=%d seed=%d rc=%d",
+                               _name(Fault, point), _name(FaultMode, mode), param, seed, rc)
+        return result
+
+    def injected_fired(self) -> int:
+        """Faults the fault plan has fired, summed over every point (each point counts from
+        the moment it was last armed)."""
+        return sum(self.fault_stats(p)[2] for p in Fault if p != Fault.COUNT)
 
     def clear_fault(self, point: int) -> int:
         return self._lib.calrt_emu_fault_clear(self._h, point)

@@ -17,10 +17,11 @@ import time
 
 import numpy as np
 
-from calexec.drivers import calbin as calbin_fmt
-from calexec.drivers import oracle
-from calexec.drivers.demo import DriverError, check, open_configured
-from calexec.drivers.runtime import CalRT, JobStatus
+from calexec.drivers.synthetic import calbin as calbin_fmt
+from calexec.drivers.synthetic import oracle
+from calexec.drivers import calrt as calrt_pkg
+from calexec.drivers.direct import DriverError, check, open_configured
+from calexec.drivers.calrt.runtime import CalRT, JobStatus
 
 CANARY = 0xFFFF  # BF16 NaN bits: the synthetic model never produces them
 FINAL_STATUSES = (JobStatus.DONE, JobStatus.DONE_CCU_EXCEPTION, JobStatus.ABORTED)
@@ -30,7 +31,7 @@ WAIT_CAP_US = 5_000_000  # no experiment waits longer than this for one job
 def build_emulator_lib(out_dir: str) -> str:
     """Build libcalrt_emu.so into out_dir with drivers/calrt/Makefile; returns its path.
     Raises RuntimeError with the compiler output when the build fails."""
-    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "calrt")
+    here = os.path.dirname(os.path.abspath(calrt_pkg.__file__))  # drivers/calrt: Makefile + C
     proc = subprocess.run(["make", "-s", "-C", here, "lib", f"O={out_dir}"], capture_output=True, text=True)
     path = os.path.join(out_dir, "libcalrt_emu.so")
     if proc.returncode != 0 or not os.path.exists(path):

@@ -92,7 +92,7 @@ def run_server_bench(requests: int, max_tokens: int, decode_us: int,
     import httpx
     import uvicorn
 
-    from calexec.drivers.server import ServerConfig, create_app
+    from calexec.drivers.serving.server import ServerConfig, create_app
 
     with tempfile.TemporaryDirectory(prefix="calexec-bench-") as tmp:
         path = device.calbin(tmp)

@@ -11,7 +11,7 @@ same kind, built from the same calbin. Runs are interleaved in A/B, B/A blocks s
 1. TPOT with the 10 ms decode profile: P50/P99 per token of each side and their ratios
    (executor / direct). Spec gate <= 1.03 / <= 1.05, project goal <= 1.01 / <= 1.02.
    ``--gil-switch-us`` (default 500, what ``calexec serve`` uses; 0 keeps Python's 5000) sets
-   the interpreter's GIL switch interval for the run (drivers/process.py); both sides run
+   the interpreter's GIL switch interval for the run (drivers/serving/process.py); both sides run
    under it, the report names it (``gil_switch_interval_us``).
 2. Control overhead on the zero-latency profile: the P50 of the paired per-token differences
    (executor token i minus direct token i of the same run), both raw P50s, and where the
@@ -64,13 +64,13 @@ from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.status import Status
 from calexec.contracts.types import TaskKind
 from calexec.drivers import alloccount
-from calexec.drivers import calbin as calbin_fmt
-from calexec.drivers.demo import DirectRunner, DriverError
+from calexec.drivers.synthetic import calbin as calbin_fmt
+from calexec.drivers.direct import DirectRunner, DriverError
 from calexec.drivers.device_spec import DeviceSpec, DeviceSpecError
-from calexec.drivers.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
+from calexec.drivers.serving.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
 from calexec.drivers.native import FusedLogits
-from calexec.drivers.runtime import CalRT
-from calexec.drivers.simbench import PROFILE_DECODE_US
+from calexec.drivers.calrt.runtime import CalRT
+from calexec.drivers.tools.bench.sim import PROFILE_DECODE_US
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 from calexec.machines.postprocess import bf16_all_finite, bf16_to_f32_into, bf16_to_f32_legacy
 
@@ -452,7 +452,7 @@ def run_recovery(recoveries: int, seed: int, device: DeviceSpec = DeviceSpec()) 
     """§9.2 figures: time from an injected device fault (DONE_CCU_EXCEPTION) to Ready again
     on the zero-latency profile, over ``recoveries`` recoveries, while a client thread keeps
     sending decode requests on another sequence; what happened to those requests."""
-    from calexec.drivers.runtime import Fault, FaultMode
+    from calexec.drivers.calrt.runtime import Fault, FaultMode
 
     with tempfile.TemporaryDirectory(prefix="calexec-bench-") as tmp:
         path = device.calbin(tmp)
@@ -594,7 +594,7 @@ class _PingPongRun:
         return result
 
     def _client(self, seq: int, tokens: int, tpot_us: list, errors: list) -> None:
-        from calexec.drivers import oracle
+        from calexec.drivers.synthetic import oracle
         try:
             ref = oracle.OracleSequence(self.seed)
             prompt = np.arange(seq, seq + PROMPT_LEN, dtype=np.int32)

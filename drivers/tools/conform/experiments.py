@@ -17,14 +17,14 @@ import time
 
 import numpy as np
 
-from calexec.drivers import oracle
-from calexec.drivers.calbin import DECODE, PREFILL_IDS
-from calexec.drivers.conform.rig import FINAL_STATUSES, WAIT_CAP_US, Rig, Slot, tokens_for, wait_final
-from calexec.drivers.conform.verdict import DISPROVEN, INCONCLUSIVE, PROVEN, Answer, inconclusive
-from calexec.drivers.demo import DriverError, check
-from calexec.drivers.runtime import Fault, FaultMode, JobStatus, Stage
+from calexec.drivers.synthetic import oracle
+from calexec.drivers.synthetic.calbin import DECODE, PREFILL_IDS
+from calexec.drivers.tools.conform.rig import FINAL_STATUSES, WAIT_CAP_US, Rig, Slot, tokens_for, wait_final
+from calexec.drivers.calrt.verdict import DISPROVEN, INCONCLUSIVE, PROVEN, Answer, inconclusive
+from calexec.drivers.calrt.conformance import RESET_KINDS
+from calexec.drivers.direct import DriverError, check
+from calexec.drivers.calrt.runtime import Fault, FaultMode, JobStatus, Stage
 
-RESET_KINDS = ("reset_ccu", "reset_configuration", "reset")
 RESET_ASPECTS = {
     "aborts_jobs": "{kind} aborts the in-flight jobs of both engines (PING and PONG)",
     "keeps_kv": "{kind} keeps the committed KV of every sequence intact",

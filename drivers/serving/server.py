@@ -54,12 +54,13 @@ from calexec.contracts.errors import Category
 from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import TaskKind
-from calexec.drivers import sampling, tokenizer
-from calexec.drivers.dumpsink import DumpSink
-from calexec.drivers.metrics import ServerMetrics, kv_usage_fraction
+from calexec.drivers.synthetic import tokenizer
+from calexec.drivers.serving import hf_tokenizer, sampling
+from calexec.drivers.serving.dumpsink import DumpSink
+from calexec.drivers.serving.metrics import ServerMetrics, kv_usage_fraction
 from calexec.machines.compiled import CHARTS, JOB
-from calexec.drivers.live_charts import TransitionRates, live_state, path_page
-from calexec.drivers.live_charts import page as live_page
+from calexec.drivers.serving.live_charts import TransitionRates, live_state, path_page
+from calexec.drivers.serving.live_charts import page as live_page
 from calexec.machines.diagrams import render_chart_svg
 
 log = logging.getLogger("calexec.server")
@@ -104,7 +105,7 @@ class ServerConfig:
 class CompletionBody(BaseModel):
     """What ``CompletionService.admit`` reads of a request (``prompt``, ``max_tokens``,
     ``stream``, ``timeout``: calexec's per-request deadline in seconds). The OpenAI bodies,
-    with every parameter implemented or refused, are in drivers/openai_api.py."""
+    with every parameter implemented or refused, are in drivers/serving/openai_api.py."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -269,7 +270,7 @@ class Generation:
     first_token_at: float | None = None
     #: model generation of the request's jobs (its KV lives in that generation's KvManager)
     generation_id: int | None = None
-    #: how tokens are chosen (drivers/sampling.py); logprobs of each token when asked for
+    #: how tokens are chosen (drivers/serving/sampling.py); logprobs of each token when asked for
     sampling: "sampling.SamplingParams" = sampling.GREEDY
     token_logprobs: list = attrs.Factory(list)
     # Enqueue fence: ``closed`` once the request finished (no enqueue may start after it);
@@ -325,7 +326,7 @@ class CompletionService:
         self._releasing: set[threading.Thread] = set()  # background sequence releases
         self._releasing_mu = threading.Lock()
         self.metrics = ServerMetrics(executor.snapshot, self._server_gauges, config.model_name)
-        self.tokenizer = tokenizer.load(config.tokenizer_path)
+        self.tokenizer = hf_tokenizer.load(config.tokenizer_path)
         self.started_at = time.time()
 
     def _server_gauges(self) -> dict[str, float]:
@@ -823,7 +824,7 @@ def create_app(executor: Any, config: ServerConfig | None = None,
 
     @app.get("/debug/statecharts/live.json")
     async def statecharts_live() -> dict[str, Any]:
-        """Counts per state of every chart and transition rates (drivers/live_charts.py)."""
+        """Counts per state of every chart and transition rates (drivers/serving/live_charts.py)."""
         return live_state(executor, service.live_job_counts, rates)
 
     @app.get("/debug/statecharts")
@@ -836,7 +837,7 @@ def create_app(executor: Any, config: ServerConfig | None = None,
                 for name in order}
         return HTMLResponse(live_page(svgs, live_state(executor, service.live_job_counts, rates)))
 
-    from calexec.drivers import openai_api  # it imports this module
+    from calexec.drivers.serving import openai_api  # it imports this module
     openai_api.add_routes(app, service, fail)
 
     return app

@@ -28,7 +28,7 @@ the single server does: the clear 503 + ``Retry-After``. Every relayed response 
 ``x-calexec-relayed-from: <this replica>`` beside the sibling's own ``x-calexec-replica``.
 
 The edge knows nothing of Ray: ``relay(request) -> async iterator of ASGI messages`` and
-``relay_target() -> bool`` are given by the host (drivers/ray_serve.py: a streaming
+``relay_target() -> bool`` are given by the host (drivers/fleet/ray_serve.py: a streaming
 DeploymentHandle call to :func:`serve_relayed`, and whether the router knows a sibling that
 serves), so tests drive it with plain functions.
 """

@@ -3,7 +3,7 @@
 ``calexec accept [--quick | --full] [--phase a|b|both] [--report DIR] [--json]
 [--soak-seconds S] [--gates NAME,...]``
 
-Gates (``drivers/accept_gates.py`` says what each proves): correctness, lengths, crosstalk,
+Gates (``drivers/tools/accept/gates.py`` says what each proves): correctness, lengths, crosstalk,
 injections, soak; each runs once per selected phase (``a``: in-flight capacity 1; ``b``:
 capacity 2 with PING/PONG slots) and is reported as ``<gate>_<phase>`` with ``passed``, its
 measured ``value`` (named by ``metric``) and details. ``--quick`` (the default, what CI runs)
@@ -38,10 +38,10 @@ import numpy as np
 from calexec import cliargs
 from calexec.drivers.device_spec import DeviceSpec
 from calexec.drivers.memory import pin_mmap_threshold
-from calexec.drivers import calbin as calbin_fmt
-from calexec.drivers.accept_gates import GATES, AcceptContext
-from calexec.drivers.accept_report import write_report
-from calexec.drivers.accept_rig import Progress, Silent
+from calexec.drivers.synthetic import calbin as calbin_fmt
+from calexec.drivers.tools.accept.gates import GATES, AcceptContext
+from calexec.drivers.tools.accept.report import write_report
+from calexec.drivers.tools.accept.rig import Progress, Silent
 
 SPEC_LENGTHS = (1, 2, 15, 16, 17, 127, 128, 1024, 4095, 4096, 40959)
 

@@ -3,8 +3,8 @@ table (every known OpenAI parameter is implemented or refused with a 400 naming 
 template, response and stream chunk shapes, and the routes ``/v1/models``,
 ``/v1/completions``, ``/v1/chat/completions``, ``/tokenize``, ``/detokenize``.
 
-The generation itself is ``CompletionService`` (drivers/server.py): ``admit`` -> ``advance``
-(one token per call, chosen by drivers/sampling.py) -> ``finish``. This module turns tokens
+The generation itself is ``CompletionService`` (drivers/serving/server.py): ``admit`` -> ``advance``
+(one token per call, chosen by drivers/serving/sampling.py) -> ``finish``. This module turns tokens
 into text (stop strings, echo, logprobs) and the OpenAI JSON. docs/server.md has the table.
 """
 
@@ -23,8 +23,8 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Str
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import TaskKind
-from calexec.drivers import sampling
-from calexec.drivers.sampling import SamplingError, SamplingParams, TokenLogprobs
+from calexec.drivers.serving import sampling
+from calexec.drivers.serving.sampling import SamplingError, SamplingParams, TokenLogprobs
 
 Number = StrictInt | StrictFloat
 
@@ -366,7 +366,7 @@ class _Admission:
 def add_routes(app: FastAPI, service: Any, fail: Callable[..., Response]) -> None:
     """Register the OpenAI endpoints on ``app`` (``fail(status, param, http_status)`` renders
     and counts an error)."""
-    from calexec.drivers import server as srv  # server.py imports this module lazily
+    from calexec.drivers.serving import server as srv  # server.py imports this lazily
 
     config = service.config
 

@@ -20,7 +20,7 @@ across the replicas and supervises them:
   A Failed replica therefore stops taking new requests within about one stats period plus the
   controller's 0.1 s loop, instead of answering 503 until its third failed health check.
 - What a replica's device cannot serve is served by a sibling: the replica's app is wrapped
-  in the fleet edge (:class:`~calexec.drivers.fleet_edge.ReplicaEdge`), which relays a
+  in the fleet edge (:class:`~calexec.drivers.fleet.edge.ReplicaEdge`), which relays a
   completion once, before any byte reached the client, when it arrives while the replica does
   not serve or is answered 503 here (or 500 after the failure took the device down). The relay
   is a streaming handle call to this deployment's ``relay_http``, which
@@ -55,12 +55,12 @@ from ray.serve import metrics as serve_metrics
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
-from calexec.drivers import replica_registry
+from calexec.drivers.fleet import registry as replica_registry
 from calexec.drivers.device_spec import DeviceSpec
-from calexec.drivers.fleet_edge import ReplicaEdge, serve_relayed
-from calexec.drivers.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
-from calexec.drivers.runtime import Fault, FaultMode
-from calexec.drivers.server import ServerConfig, create_app
+from calexec.drivers.fleet.edge import ReplicaEdge, serve_relayed
+from calexec.drivers.serving.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
+from calexec.drivers.calrt.runtime import Fault, FaultMode
+from calexec.drivers.serving.server import ServerConfig, create_app
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 
 log = logging.getLogger("calexec.ray_serve")
@@ -83,7 +83,7 @@ RAY_GAUGES: dict[str, tuple[str, str]] = {
                                          "to a sibling (cumulative).", "relayed"),
 }
 
-#: the handle method a replica relays completions through (see drivers/fleet_edge.py).
+#: the handle method a replica relays completions through (see drivers/fleet/edge.py).
 RELAY_METHOD = "relay_http"
 
 
@@ -112,7 +112,7 @@ class ReplicaSettings:
     server: ServerConfig = attrs.field(factory=ServerConfig)
     #: how often the Ray Serve gauges are refreshed.
     metrics_period_s: float = attrs.field(default=1.0, validator=attrs.validators.gt(0))
-    #: GIL switch interval of the replica process in us (0: Python's default; drivers/process.py)
+    #: GIL switch interval of the replica process in us (0: Python's default; drivers/serving/process.py)
     gil_switch_us: int = attrs.field(default=SERVING_SWITCH_INTERVAL_US,
                                      validator=attrs.validators.ge(0))
 
@@ -149,7 +149,7 @@ class LifecycleRouter(FIFOMixin, RequestRouter):
     one or two controller loops (0.1 s each) late."""
 
     def initialize_state(self, **kwargs: Any) -> None:
-        # so this process's relay can ask whether a sibling serves (drivers/replica_registry.py
+        # so this process's relay can ask whether a sibling serves (drivers/fleet/registry.py
         # says why this state is not kept in this module)
         replica_registry.register_router(self)
 
@@ -239,7 +239,7 @@ class CalexecReplica:
         return self.edge
 
     async def relay_http(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """A sibling's relayed completion (drivers/fleet_edge.py), served by this replica's
+        """A sibling's relayed completion (drivers/fleet/edge.py), served by this replica's
         edge and streamed back as ASGI messages; never relayed again."""
         async for message in serve_relayed(self.edge, request):
             yield message

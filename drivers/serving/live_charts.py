@@ -305,9 +305,9 @@ def main(argv: list[str]) -> int:
     import uvicorn
 
     from calexec.contracts.manifest import default_manifest_path, load_manifest
-    from calexec.drivers import calbin
-    from calexec.drivers.runtime import CalRT
-    from calexec.drivers.server import ServerConfig, create_app
+    from calexec.drivers.synthetic import calbin
+    from calexec.drivers.calrt.runtime import CalRT
+    from calexec.drivers.serving.server import ServerConfig, create_app
     from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 
     with tempfile.TemporaryDirectory(prefix="calexec-live-") as tmp:
@@ -365,7 +365,7 @@ def _job_path_shot(ex: Any, server: Any, url: str, tmp: str, out: str) -> subpro
     """A request failed by a DONE_CCU_EXCEPTION: screenshot of its job's path page."""
     import httpx
 
-    from calexec.drivers.runtime import Fault, FaultMode
+    from calexec.drivers.calrt.runtime import Fault, FaultMode
 
     ex.device.emu.set_fault(Fault.CCU_EXCEPTION, FaultMode.NTH, 1, 0, 0)
     with httpx.Client(base_url=url, timeout=30) as http:

@@ -29,7 +29,7 @@ def record(calbin: str, manifest_path: str | Path, runtime_lib: str | None = Non
            device_config: str = "", note: str = "") -> PinnedGolden | Status:
     """Run the warm-up of ``calbin`` once (no pinned golden consulted) and return its golden,
     or the Status that kept the executor from starting."""
-    from calexec.drivers.runtime import CalRT
+    from calexec.drivers.calrt.runtime import CalRT
     from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 
     manifest = attrs.evolve(load_manifest(manifest_path), goldens=NO_GOLDENS)

@@ -16,14 +16,15 @@ import time
 from typing import Any, Callable
 
 from calexec import cliargs
-from calexec.drivers import calbin as calbin_fmt
-from calexec.drivers.conform import report, trace
-from calexec.drivers.conform.experiments import EXPERIMENTS, QUESTIONS
-from calexec.drivers.conform.isolate import OK, run_isolated
-from calexec.drivers.conform.rig import build_emulator_lib
-from calexec.drivers.conform.verdict import inconclusive
+from calexec.drivers.synthetic import calbin as calbin_fmt
+from calexec.drivers.calrt import conformance as report
+from calexec.drivers.tools.conform import trace
+from calexec.drivers.tools.conform.experiments import EXPERIMENTS, QUESTIONS
+from calexec.drivers.tools.conform.isolate import OK, run_isolated
+from calexec.drivers.tools.conform.rig import build_emulator_lib
+from calexec.drivers.calrt.verdict import inconclusive
 
-MODULE = "calexec.drivers.conform.experiments"
+MODULE = "calexec.drivers.tools.conform.experiments"
 
 
 def _progress(msg: str) -> None:
@@ -32,12 +33,12 @@ def _progress(msg: str) -> None:
 
 def _runtime_info(lib: str) -> tuple[str, bool]:
     """(version, has emulator controls), read in a child so a broken library cannot hurt us."""
-    out = run_isolated("calexec.drivers.conform.runner:probe_library", {"lib": lib}, 30.0)
+    out = run_isolated("calexec.drivers.tools.conform.runner:probe_library", {"lib": lib}, 30.0)
     return tuple(out.result) if out.status == OK else (f"unknown ({out.reason})", False)
 
 
 def probe_library(lib: str) -> tuple[str, bool]:
-    from calexec.drivers.runtime import CalRT
+    from calexec.drivers.calrt.runtime import CalRT
 
     rt = CalRT.load(lib)
     return rt.version, rt.has_emu

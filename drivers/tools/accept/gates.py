@@ -32,13 +32,13 @@ import numpy as np
 
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import TaskKind
-from calexec.drivers import calbin as calbin_fmt
-from calexec.drivers import oracle
-from calexec.drivers.accept_rig import (HANG_GRACE_S, JOB_S, Gate, Progress, growth, hung_status, leased,
+from calexec.drivers.synthetic import calbin as calbin_fmt
+from calexec.drivers.synthetic import oracle
+from calexec.drivers.tools.accept.rig import (HANG_GRACE_S, JOB_S, Gate, Progress, growth, hung_status, leased,
                                         open_executor, request, rss_mib, run_job)
-from calexec.drivers.bench import DirectLoop
+from calexec.drivers.tools.bench.core import DirectLoop
 from calexec.drivers.device_spec import DeviceSpec
-from calexec.drivers.runtime import Fault, FaultMode, Overlap
+from calexec.drivers.calrt.runtime import Fault, FaultMode, Overlap
 
 VOCAB = calbin_fmt.VOCAB
 MAX_SEQ = calbin_fmt.MAX_SEQ
@@ -82,7 +82,7 @@ class AcceptContext:
 
     calbin_path: str
     seed: int
-    sizes: Any  # calexec.drivers.accept.Sizes
+    sizes: Any  # calexec.drivers.tools.accept.run.Sizes
     #: the runtime library and manifest the gates open (default: the bundled emulator's)
     device: DeviceSpec = DeviceSpec()
     latencies_ms: dict[str, LatencyReservoir] = attrs.field(factory=dict)
@@ -628,13 +628,13 @@ def soak(ctx: AcceptContext, phase: str, progress: Progress) -> Gate:
 
 
 def chaos(ctx: AcceptContext, phase: str, progress: Progress) -> Gate:
-    """Issue 13's threaded fault soak of the reference server (``calexec.drivers.chaos``):
+    """Issue 13's threaded fault soak of the reference server (``calexec.drivers.tools.chaos``):
     16 loopback clients while a seeded schedule injects every emulator fault kind, hung jobs
     and good/refused reloads, for ``chaos_seconds``; the gate passes when no rule broke
-    (drivers/chaos.py lists them). The server runs the bundled emulator's synthetic calbin."""
+    (drivers/tools/chaos.py lists them). The server runs the bundled emulator's synthetic calbin."""
     name, metric = f"chaos_{phase}", "problems"
     try:
-        from calexec.drivers import chaos as soak_of_the_server
+        from calexec.drivers.tools import chaos as soak_of_the_server
     except ImportError as exc:  # the [server] extra is missing
         return Gate(name, False, 0, metric, {"error": f"needs the [server] extra ({exc})"})
     with tempfile.TemporaryDirectory(prefix="calexec-chaos-") as tmp:

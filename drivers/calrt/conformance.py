@@ -11,8 +11,10 @@ import json
 import os
 from typing import Any
 
-from calexec.drivers.conform.experiments import RESET_KINDS
-from calexec.drivers.conform.verdict import PROVEN
+from calexec.drivers.calrt.verdict import PROVEN
+
+#: the resets a report gives verdicts for (``calexec conform``'s experiments try each)
+RESET_KINDS = ("reset_ccu", "reset_configuration", "reset")
 
 
 def _by_id(questions: list[dict]) -> dict[str, dict]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from calexec.drivers.calbin import VOCAB
+from calexec.drivers.synthetic.calbin import VOCAB
 
 MASK = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15

@@ -647,7 +647,7 @@ class DeviceModel:
         return out
 
     def step(self, label: str) -> None:
-        from calexec.drivers.runtime import Did, Stage
+        from calexec.drivers.calrt.runtime import Did, Stage
         engine = int(label[len("device"):])
         if self.sched.on_step is not None:
             self.sched.on_step()
@@ -658,7 +658,7 @@ class DeviceModel:
             self.epoch += 1
 
     def wait_fault_fires_next(self) -> bool:
-        from calexec.drivers.runtime import Fault
+        from calexec.drivers.calrt.runtime import Fault
         nth = self.armed.get(int(Fault.WAIT_RC))
         if nth is None:
             return False
@@ -681,7 +681,7 @@ class _Proxy:
 
 
 def _wrap(value, model: DeviceModel):
-    from calexec.drivers import runtime as rt
+    from calexec.drivers.calrt import runtime as rt
     if isinstance(value, tuple):
         return tuple(_wrap(v, model) for v in value)
     if isinstance(value, list):
@@ -792,7 +792,7 @@ _GOLDENS: dict[str, tuple[int, ...]] = {}  # calbin sha256 -> oracle golden toke
 def write_calbins(directory: str) -> dict[str, str]:
     """The two calbins a scenario switches between (the synthetic model, two seeds); their
     §9.2 goldens are pinned from the numpy oracle (an independent expectation)."""
-    from calexec.drivers import calbin as cb
+    from calexec.drivers.synthetic import calbin as cb
     main = os.path.join(directory, "explore_main.calbin")
     other = os.path.join(directory, "explore_other.calbin")
     seed = cb.default_spec().seed
@@ -804,7 +804,7 @@ def write_calbins(directory: str) -> dict[str, str]:
 
 
 def _oracle_golden(seed: int) -> tuple[int, ...]:
-    from calexec.drivers import oracle
+    from calexec.drivers.synthetic import oracle
     from calexec.machines.executor import ExecutorConfig
     ref = oracle.OracleSequence(seed)
     ref.run(list(ExecutorConfig(calbin_path="").golden_tokens))
@@ -891,7 +891,7 @@ class Explorer:
     # ---- scenario ---------------------------------------------------------------------------
     def start(self) -> None:
         from calexec.contracts.manifest import default_manifest_path, load_manifest
-        from calexec.drivers.runtime import CalRT
+        from calexec.drivers.calrt.runtime import CalRT
         from calexec.machines.executor import DeviceExecutor, ExecutorConfig
         from calexec.machines.faults import FaultController, RecoveryPolicy
         o = self.options
@@ -986,7 +986,7 @@ class Explorer:
 
     def arm(self, point: str, nth: int = 1) -> None:
         """Arm an emulator fault on the Nth counted call (driver side: atomic)."""
-        from calexec.drivers.runtime import Fault, FaultMode
+        from calexec.drivers.calrt.runtime import Fault, FaultMode
         self.script.append(("arm", point, nth))
         emu = self.device.emu
         if emu is None or self.device.closed:
@@ -1261,7 +1261,7 @@ class Explorer:
         shown = choices if len(choices) <= 200 else f"{len(choices)} choices, see {path}"
         message = (f"{sched.failure}\n--- at virtual t={sched.now - 1000.0:.3f}s after "
                    f"{sched.steps} steps; threads:\n{sched.describe()}\n--- last choices: "
-                   f"{' '.join(sched.trace[-40:])}\n--- replay: calexec.machines.explore."
+                   f"{' '.join(sched.trace[-40:])}\n--- replay: calexec.drivers.tools.explore."
                    f"replay_file({path!r})  (seed={self.seed}, script={self.script!r}, "
                    f"choices={shown})")
         self.close()
