@@ -103,3 +103,32 @@ def test_a_request_without_seed_gets_one_at_admission():
     assert SamplingParams(seed=-5).seed == -5  # negative seeds are taken modulo 2**64
     assert pick(logits, SamplingParams(temperature=1.0, seed=-5), 0)[0] == \
         pick(logits, SamplingParams(temperature=1.0, seed=(1 << 64) - 5), 0)[0]
+
+
+@pytest.mark.parametrize("n", [1, 7, 1023, 1024, 1025, 5000])
+def test_the_two_level_inverse_cdf_equals_a_plain_cumsum_search(n):
+    from calexec.drivers.serving.sampling import _inverse_cdf
+    rng = np.random.default_rng(n)
+    probs = rng.random(n) ** 4  # uneven
+    probs[rng.integers(0, n, size=max(1, n // 10))] = 0.0  # zero-mass tokens are never chosen
+    if not probs.any():
+        probs[0] = 1.0
+    for u in [0.0, 1e-12, *rng.random(200).tolist(), 1 - 1e-12]:
+        plain = np.cumsum(probs)
+        expected = min(int(np.searchsorted(plain, u * plain[-1], side="right")), n - 1)
+        got = _inverse_cdf(probs, u)
+        assert probs[got] > 0
+        # the block sums may round differently from one long cumsum only at a boundary
+        assert got == expected or abs(plain[min(got, expected)] - u * plain[-1]) < 1e-9
+
+
+def test_top_p_on_a_peaked_row_matches_a_full_sort():
+    logits = _logits(6, n=50000) * 4  # peaked: the nucleus is a few tokens
+    for top_p in (0.5, 0.9, 0.99):
+        probs = np.exp(log_softmax(logits))
+        order = np.lexsort((np.arange(len(probs)), -probs))
+        need = int(np.searchsorted(np.cumsum(probs[order]), top_p * probs.sum())) + 1
+        nucleus = set(order[:need].tolist())
+        chosen = {pick(logits, SamplingParams(temperature=1.0, top_p=top_p, seed=2), i)[0]
+                  for i in range(200)}
+        assert chosen <= nucleus and len(chosen) > 1

@@ -180,22 +180,59 @@ def token_logprobs(logits: np.ndarray, token: int, top: int) -> TokenLogprobs:
 
 
 def _sample(logits: np.ndarray, params: SamplingParams, index: int) -> int:
-    x = logits.astype(np.float64) / params.temperature
-    vocab = x.shape[0]
-    if 1 < params.top_k < vocab:
-        ids = np.argpartition(-x, params.top_k - 1)[:params.top_k]
-    else:
-        ids = np.arange(vocab)
-    if params.top_p < 1.0 or ids.shape[0] < vocab:
-        ids = ids[np.lexsort((ids, -x[ids]))]  # most likely first, ties by id: deterministic
-    z = x[ids] - x[ids].max()
-    probs = np.exp(z)
-    probs /= probs.sum()
+    x = logits.astype(np.float64)
+    ids = None  # None: every token, in id order; else the candidates, most likely first
+    if 1 < params.top_k < x.shape[0]:
+        ids = _most_likely(x, np.argpartition(-x, params.top_k - 1)[:params.top_k])
+        x = x[ids]
+    probs = np.exp((x - x.max()) / params.temperature)
     if params.top_p < 1.0:
-        cut = int(np.searchsorted(np.cumsum(probs), params.top_p)) + 1  # smallest set >= top_p
-        ids, probs = ids[:cut], probs[:cut]
-        probs = probs / probs.sum()
+        if ids is None:
+            ids = _nucleus_candidates(probs, params.top_p)
+            probs = probs[ids]
+        cut = int(np.searchsorted(np.cumsum(probs), params.top_p * probs.sum())) + 1
+        ids, probs = ids[:cut], probs[:cut]  # the smallest most-likely set with mass >= top_p
     rng = np.random.default_rng([params.seed % (1 << 64), index])
-    cdf = np.cumsum(probs)
-    choice = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
-    return int(ids[min(choice, len(ids) - 1)])
+    position = _inverse_cdf(probs, rng.random())
+    return position if ids is None else int(ids[position])
+
+
+def _most_likely(x: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """``ids`` ordered most likely first, ties by id (deterministic)."""
+    return ids[np.lexsort((ids, -x[ids]))]
+
+
+def _nucleus_candidates(probs: np.ndarray, top_p: float) -> np.ndarray:
+    """The most likely tokens, most likely first, at least as many as the nucleus of mass
+    ``top_p`` needs: the top 256, 2048, ... (one partial partition each) until their mass
+    reaches it, so the whole vocabulary is sorted only for a nearly flat distribution."""
+    need = top_p * probs.sum()
+    n, k = probs.shape[0], 256
+    while k < n:
+        top = np.argpartition(-probs, k - 1)[:k]
+        if probs[top].sum() >= need:
+            return _most_likely(probs, top)
+        k *= 8
+    return _most_likely(probs, np.arange(n))
+
+
+#: block size of :func:`_inverse_cdf`'s two-level search
+_BLOCK = 1024
+
+
+def _inverse_cdf(probs: np.ndarray, u: float) -> int:
+    """The position where the cumulative mass of ``probs`` (unnormalised) first exceeds
+    ``u`` times their total: one cumulative sum over block sums, then one inside the block
+    (a full-vocabulary ``cumsum`` costs ~0.5 ms; block sums are vectorised)."""
+    n = probs.shape[0]
+    whole = n - n % _BLOCK
+    sums = probs[:whole].reshape(-1, _BLOCK).sum(axis=1)
+    if whole < n:
+        sums = np.append(sums, probs[whole:].sum())
+    edges = np.cumsum(sums)
+    target = u * edges[-1]
+    block = min(int(np.searchsorted(edges, target, side="right")), len(sums) - 1)
+    before = edges[block - 1] if block else 0.0
+    start = block * _BLOCK
+    inside = before + np.cumsum(probs[start:start + _BLOCK])
+    return start + min(int(np.searchsorted(inside, target, side="right")), len(inside) - 1)
