@@ -422,3 +422,23 @@ def test_h2d_d2h_histograms_observe_measured_copies_only():
     assert metrics.registry.get_sample_value("calexec_job_h2d_seconds_count",
                                              {"kind": "decode"}) == 1
     assert d2h._sum.get() == pytest.approx(0.0005)
+
+
+def test_an_unseeded_request_is_reproducible_from_its_dump_record(tmp_path):
+    from calexec.drivers.serving.dumpsink import DumpSink
+    executor = started_executor(tmp_path)
+    sink = DumpSink(tmp_path / "dump", max_bytes=1 << 20, include_content=True)
+    app = create_app(executor, ServerConfig(), sink)
+    try:
+        with LiveServer(app) as server:
+            client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+            body = dict(model=MODEL, prompt=[71, 72], max_tokens=6, temperature=1.0)
+            first = client.completions.create(**body).choices[0].model_extra["token_ids"]
+            records = [json.loads(line) for path in (tmp_path / "dump").iterdir()
+                       for line in path.read_text().splitlines()]
+            seed = records[-1]["sampling"]["seed"]
+            assert isinstance(seed, int) and records[-1]["token_ids"] == first
+            again = client.completions.create(seed=seed, **body)
+            assert again.choices[0].model_extra["token_ids"] == first
+    finally:
+        executor.shutdown(5.0)

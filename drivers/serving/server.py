@@ -606,6 +606,9 @@ class CompletionService:
                 "status": None if gen.status is None else gen.status.to_dict(),
                 "latency_s": round(time.monotonic() - gen.started, 6),
                 "last_job_timings": None if gen.handle is None else gen.handle.timings.to_dict(),
+                # with the prompt ids, enough to replay the request's tokens (sampling.pick)
+                "sampling": {"temperature": gen.sampling.temperature, "top_p": gen.sampling.top_p,
+                             "top_k": gen.sampling.top_k, "seed": gen.sampling.seed},
                 "prompt_token_ids": gen.prompt, "token_ids": gen.tokens,
                 "text": self.tokenizer.decode(gen.tokens)})
 
