@@ -42,6 +42,8 @@ from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
 from calexec.machines.compiled import KV_TXN, GuardRejected
 from calexec.machines.locks import ADMISSION, KV_CALL, LockOrder
+from calexec.machines.chart_names import (KV_EV_COMMIT, KV_EV_MARK_SUBMITTED, KV_EV_MARK_UNKNOWN,
+                                          KV_EV_ROLLBACK, KV_SUBMITTED)
 
 
 @attrs.define(slots=True, eq=False)
@@ -285,11 +287,11 @@ class KvCoordinator:
     def mark_submitted(self, txn: KvTxn, evidence=None) -> None:
         """infer() accepted the job ``evidence`` (which answers the commit guard later)."""
         txn.evidence = evidence
-        txn.run.send("mark_submitted")
+        txn.run.send(KV_EV_MARK_SUBMITTED)
 
     def rollback(self, txn: KvTxn) -> Status:
         """Before submit only (the chart refuses it after): give back what reserve grew."""
-        txn.run.send("rollback")
+        txn.run.send(KV_EV_ROLLBACK)
         txn.finished()
         ok = True
         if self.blocks_for(txn.old_reserved) < self.blocks_for(self.seqs[txn.seq_id].reserved_len):
@@ -321,7 +323,7 @@ class KvCoordinator:
     def commit(self, txn: KvTxn) -> None:
         """Device finished and output validated (guarded by the chart: ``GuardRejected``
         otherwise, the txn unchanged)."""
-        txn.run.send("commit")
+        txn.run.send(KV_EV_COMMIT)
         txn.finished()
         with self.admission_mu:
             view = self.seqs[txn.seq_id]
@@ -333,8 +335,8 @@ class KvCoordinator:
         """Any failure after submit: the device KV of this sequence is Unknown (§7).
         ``on_device``: the runtime still runs the job (its Wait failed); the sequence stays
         un-resettable until :meth:`device_let_go`."""
-        if txn.run.state == "Submitted":
-            txn.run.send("mark_unknown")
+        if txn.run.state == KV_SUBMITTED:
+            txn.run.send(KV_EV_MARK_UNKNOWN)
         txn.finished()
         with self.admission_mu:
             view = self.seqs[txn.seq_id]
