@@ -247,8 +247,9 @@ def test_tokenize_and_detokenize_bodies(live):
     chat = httpx.post(f"{server.url}/tokenize",
                       json={"messages": [{"role": "user", "content": "hi"}]}).json()
     assert chat["tokens"] == tokenizer.encode("user: hi\nassistant:")
-    bad = httpx.post(f"{server.url}/detokenize", json={"tokens": ["a"]})
-    assert bad.status_code == 400 and bad.json()["error"]["param"].startswith("tokens")
+    for tokens in (["a"], [-1], [1 << 40]):
+        bad = httpx.post(f"{server.url}/detokenize", json={"tokens": tokens})
+        assert bad.status_code == 400 and bad.json()["error"]["param"].startswith("tokens")
 
 
 # ---- API key ------------------------------------------------------------------------------

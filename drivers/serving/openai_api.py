@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hmac
 import time
-from typing import Any, Callable, Literal
+from typing import Annotated, Any, Callable, Literal
 
 import attrs
 from fastapi import FastAPI, Request
@@ -561,7 +561,7 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: StrictStr | None = None
-    tokens: list[StrictInt]
+    tokens: list[Annotated[StrictInt, Field(ge=0, lt=1 << 31)]]
 
 
 def _usage(gen: Any) -> dict[str, int]:
