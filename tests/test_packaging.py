@@ -97,7 +97,7 @@ def test_the_wheel_metadata_keeps_the_core_small(wheel):
     for req in core:
         assert req.specifier and not any(s.operator == "==" for s in req.specifier), req
     extras = set(meta.get_all("Provides-Extra"))
-    assert {"server", "plots", "ray", "test"} <= extras
+    assert {"server", "plots", "ray", "test", "tokenizer", "load"} <= extras
     entry_points = next(n for n in wheel.namelist() if n.endswith("entry_points.txt"))
     assert "calexec = calexec.cli:main" in wheel.read(entry_points).decode()
 

@@ -16,12 +16,14 @@ calexec_e2e_request_latency_seconds         histogram  request arrival -> last t
 calexec_job_admission_wait_seconds          histogram  kind; accepted -> KV and token budget obtained
 calexec_job_queue_wait_seconds              histogram  kind; queued -> infer() accepted (§9.1 queue)
 calexec_job_device_wait_seconds             histogram  kind; time spent in Wait()
-calexec_job_h2d_seconds                     histogram  kind; host->device copy (0 on CalRT 0.7.6)
-calexec_job_d2h_seconds                     histogram  kind; device->host copy (0 on CalRT 0.7.6)
+calexec_job_h2d_seconds                     histogram  kind; host->device copy, when a job measured it
+calexec_job_d2h_seconds                     histogram  kind; device->host copy, when a job measured it
 calexec_job_postprocess_seconds             histogram  kind; output checks + BF16->FP32 conversion
-calexec_requests_total                      counter    stream; completion requests received
-calexec_request_success_total               counter    finished_reason (stop|length)
-calexec_request_failures_total              counter    category, code, raw (CalRT code or "none")
+calexec_requests_total                      counter    stream, model_name; completion requests received
+calexec_request_success_total               counter    finished_reason (stop|length), model_name
+calexec_request_failures_total              counter    category, code, raw (CalRT code or "none"), model_name
+calexec_request_prompt_tokens               histogram  model_name; prompt tokens of each successful request
+calexec_request_generation_tokens           histogram  model_name; generated tokens of each successful request
 calexec_prompt_tokens_total                 counter    prompt tokens of successful requests
 calexec_generation_tokens_total             counter    generated tokens of successful requests
 calexec_executor_jobs_total                 counter    outcome; the executor's own job counters
@@ -41,6 +43,7 @@ calexec_kv_sequences_in_use                 gauge      KV sequence ids leased by
 calexec_kv_sequences_free                   gauge      KV sequence ids free to lease
 calexec_kv_sequences_withheld               gauge      sequence ids withheld after a failed release
 calexec_kv_sequences_capacity               gauge      sequence ids owned (= free + in use + withheld)
+calexec_kv_cache_usage_perc                 gauge      KV blocks reserved / KvManager capacity (0..1)
 calexec_server_draining                     gauge      1 while the server drains
 calexec_feature_disabled                    gauge      feature; 1 while a §8 PROGRAMMING fault keeps it off
 calexec_golden_unpinned                     gauge      1 while serving on a golden no file pins (§9.2)
@@ -66,6 +69,8 @@ TPOT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05
                 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0,
                20.0, 30.0, 40.0, 50.0, 60.0)
+#: 1-2-5 steps up to the synthetic model's max_seq (40960) and beyond
+TOKEN_BUCKETS = tuple(m * 10 ** e for e in range(6) for m in (1, 2, 5) if m * 10 ** e <= 100000)
 STAGE_BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005,
                  0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -138,7 +143,35 @@ _SERVER_GAUGE_HELP = {
     "calexec_kv_sequences_capacity": "KV sequence ids the server owns "
                                      "(= free + in use + withheld).",
     "calexec_server_draining": "1 while the server drains.",
+    "calexec_kv_cache_usage_perc": "KV blocks reserved by the sequences of the current "
+                                   "generation / the KvManager's capacity (0..1).",
 }
+
+
+def kv_usage_fraction(executor: Any) -> float:
+    """Blocks the current generation's KV coordinator holds reserved for its sequences over
+    the KvManager's capacity, from the coordinator's host-side view (no device call): 0 when
+    there is no generation or the runtime does not report its capacity."""
+    kvc = getattr(executor, "kvc", None)
+    if kvc is None:
+        return 0.0
+    capacity = kvc.capacity_blocks()
+    if not capacity:
+        return 0.0
+    with kvc.admission_mu:
+        views = list(kvc.seqs.values())
+    return min(1.0, sum(kvc.blocks_for(v.reserved_len) for v in views) / capacity)
+
+
+class _WithModel:
+    """A labelled metric whose last label, ``model_name``, is bound: ``labels(*rest)``."""
+
+    def __init__(self, metric: Any, model_name: str) -> None:
+        self.metric = metric
+        self.model_name = model_name
+
+    def labels(self, *values: str) -> Any:
+        return self.metric.labels(*values, self.model_name)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -148,10 +181,12 @@ def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
 class ServerMetrics:
     """The server's metrics in a registry of their own."""
 
-    def __init__(self, snapshot: Snapshot, server_gauges: Callable[[], dict[str, float]]) -> None:
+    def __init__(self, snapshot: Snapshot, server_gauges: Callable[[], dict[str, float]],
+                 model_name: str = "calexec") -> None:
         """``server_gauges`` returns the values of the ``calexec_num_requests_running``,
-        ``calexec_kv_sequences_{in_use,free,withheld,capacity}`` and
-        ``calexec_server_draining`` gauges."""
+        ``calexec_kv_sequences_{in_use,free,withheld,capacity}``,
+        ``calexec_kv_cache_usage_perc`` and ``calexec_server_draining`` gauges.
+        ``model_name`` labels the request counters and token histograms (vLLM's label)."""
         self.registry = CollectorRegistry()
         reg = self.registry
         self.ttft = Histogram("calexec_time_to_first_token_seconds",
@@ -169,17 +204,29 @@ class ServerMetrics:
             for name, doc in (("admission_wait", "Accepted to KV and token budget obtained."),
                               ("queue_wait", "Queued to infer() accepted (queue deadline span)."),
                               ("device_wait", "Time spent in Wait()."),
-                              ("h2d", "Host to device copy (0 on CalRT 0.7.6)."),
-                              ("d2h", "Device to host copy (0 on CalRT 0.7.6)."),
+                              ("h2d", "Host to device copy, when the job measured it."),
+                              ("d2h", "Device to host copy, when the job measured it."),
                               ("postprocess", "Output checks and BF16->FP32 conversion."))
         }
-        self.requests = Counter("calexec_requests", "Completion requests received.", ["stream"],
-                                registry=reg)
-        self.success = Counter("calexec_request_success", "Completion requests finished.",
-                               ["finished_reason"], registry=reg)
-        self.failures = Counter("calexec_request_failures",
-                                "Failed completion requests by category, code and raw CalRT code.",
-                                ["category", "code", "raw"], registry=reg)
+        for kind in TaskKind:  # every family shows (count 0) before its first observation
+            for histogram in self.stages.values():
+                histogram.labels(kind.name.lower())
+        model = ["model_name"]
+        self.requests = _WithModel(Counter("calexec_requests", "Completion requests received.",
+                                           ["stream", *model], registry=reg), model_name)
+        self.success = _WithModel(Counter("calexec_request_success",
+                                          "Completion requests finished.",
+                                          ["finished_reason", *model], registry=reg), model_name)
+        self.failures = _WithModel(Counter(
+            "calexec_request_failures",
+            "Failed completion requests by category, code and raw CalRT code.",
+            ["category", "code", "raw", *model], registry=reg), model_name)
+        self.request_prompt_tokens = Histogram(
+            "calexec_request_prompt_tokens", "Prompt tokens of each successful request.", model,
+            buckets=TOKEN_BUCKETS, registry=reg).labels(model_name)
+        self.request_generation_tokens = Histogram(
+            "calexec_request_generation_tokens", "Generated tokens of each successful request.",
+            model, buckets=TOKEN_BUCKETS, registry=reg).labels(model_name)
         self.prompt_tokens = Counter("calexec_prompt_tokens", "Prompt tokens of finished requests.",
                                      registry=reg)
         self.generation_tokens = Counter("calexec_generation_tokens",
@@ -187,11 +234,15 @@ class ServerMetrics:
         reg.register(_ExecutorCollector(snapshot, server_gauges))
 
     def observe_job(self, kind: TaskKind, timings: JobTimings) -> None:
-        """One completed job's own timings (S11)."""
+        """One completed job's own timings (S11). ``h2d_ms``/``d2h_ms`` are observed only when
+        the job measured them (> 0): JobTimings' 0 means "not measured", and on CalRT 0.7.6 no
+        layer measures them (the copies run inside the device's job, between ``infer()`` and
+        ``Wait()``, so they are part of ``device_wait``): observing those zeros made the
+        histograms claim instant copies."""
         label = kind.name.lower()
         spans = {"admission_wait": timings.admission_wait_ms(),
                  "queue_wait": timings.queue_wait_ms(), "device_wait": timings.device_wait_ms,
-                 "h2d": timings.h2d_ms, "d2h": timings.d2h_ms,
+                 "h2d": timings.h2d_ms or None, "d2h": timings.d2h_ms or None,
                  "postprocess": timings.postprocess_ms}
         for name, ms in spans.items():
             if ms is not None:

@@ -46,6 +46,7 @@ from calexec.drivers.memory import pin_mmap_threshold
 from calexec.drivers.serving.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
 from calexec import cliargs
 from calexec.drivers.synthetic import tokenizer
+from calexec.drivers.serving import hf_tokenizer
 from calexec.drivers.serving.dumpsink import DumpConfigError, DumpSink
 from calexec.drivers.serving.server import DrainingServer, ServerConfig, create_app
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
@@ -56,6 +57,7 @@ EXIT_OK, EXIT_USAGE, EXIT_FAILED, EXIT_SAMPLE_FAILED = 0, 2, 3, 4
 _SERVER_DEFAULTS = attrs.fields(ServerConfig)
 MAX_TIMEOUT_S: float = _SERVER_DEFAULTS.max_timeout_s.default
 DEFAULT_MODEL_NAME: str = _SERVER_DEFAULTS.model_name.default
+DEFAULT_END_TOKEN: int = _SERVER_DEFAULTS.end_token_id.default
 
 #: the ``--once`` sample request body
 SAMPLE_REQUEST: dict[str, Any] = {"prompt": "Hello, Calculet!", "max_tokens": 8}
@@ -74,7 +76,17 @@ def _parser() -> argparse.ArgumentParser:
                    "'kv_blocks=64;decode_us=10000' (emulator keys: docs/emulator.md; a key the "
                    "runtime refuses is named)")
     p.add_argument("--served-model-name", default=DEFAULT_MODEL_NAME, metavar="NAME",
-                   help="the model name the API reports")
+                   help="the model name the API reports (requests may also name the "
+                        "manifest's model; any other `model` is a 404)")
+    p.add_argument("--tokenizer", metavar="PATH", help="a Hugging Face tokenizer.json (or its "
+                   "directory; tokenizer_config.json next to it gives the chat template and "
+                   "eos_token) loaded with the `tokenizers` library (pip install "
+                   "'calexec[tokenizer]'); default: the byte-level tokenizer of the synthetic "
+                   "model")
+    p.add_argument("--api-key", metavar="KEY", default=os.environ.get("CALEXEC_API_KEY"),
+                   help="OpenAI endpoints (/v1/*, /tokenize, /detokenize) need "
+                        "'Authorization: Bearer KEY' (default: $CALEXEC_API_KEY; unset: open); "
+                        "/health, /ready, /metrics stay open")
     p.add_argument("--admin-token-file", type=Path, help="file holding the admin bearer "
                    "token; without it the admin endpoints are disabled")
     p.add_argument("--grace", type=cliargs.positive_float, default=30.0,
@@ -129,8 +141,15 @@ def main(argv: list[str]) -> int:
         if args.timeout > MAX_TIMEOUT_S:  # refused here, not per request blaming the client
             raise ValueError(f"--timeout={args.timeout:g}: above the server's largest request "
                              f"deadline, max_timeout_s={MAX_TIMEOUT_S:g}")
+        if args.api_key is not None and not args.api_key.strip():
+            raise ValueError("--api-key is empty")
+        tokenizer_path = None if args.tokenizer is None else os.path.abspath(args.tokenizer)
+        loaded = hf_tokenizer.load(tokenizer_path)  # TokenizerLoadError names the path
+        end_token = DEFAULT_END_TOKEN if loaded.eos_token_id is None else loaded.eos_token_id
         config = ServerConfig(admin_token=token, max_sequences=args.max_sequences,
-                              default_timeout_s=args.timeout, model_name=args.served_model_name)
+                              default_timeout_s=args.timeout, model_name=args.served_model_name,
+                              api_key=args.api_key, tokenizer_path=tokenizer_path,
+                              end_token_id=end_token)
         if args.replicas is not None and not args.ray:
             raise ValueError(f"--replicas={args.replicas} needs --ray")
         if args.ray and dump is not None:
@@ -161,7 +180,9 @@ def main(argv: list[str]) -> int:
             print(f"calexec serve: executor failed to start: {status}", file=sys.stderr)
             return EXIT_FAILED
         app = create_app(executor, config, dump)
-        sample = SampleRun(args.timeout + 10.0, sys.stdout) if args.once else None
+        sample = SampleRun(args.timeout + 10.0, sys.stdout, args.api_key) if args.once else None
+        if sample is not None:
+            sample.byte_level = args.tokenizer is None
         server = DrainingServer(uvicorn.Config(app, host=args.host, port=port,
                                                log_level=log_level, access_log=False),
                                 app.state.service, args.grace,
@@ -217,7 +238,7 @@ def _serve_ray(args: argparse.Namespace, config: ServerConfig, port: int, spec) 
             return EXIT_FAILED
         url = f"http://{args.host}:{port}"
         if args.once:
-            ok = SampleRun(args.timeout + 10.0, sys.stdout).request(url)
+            ok = SampleRun(args.timeout + 10.0, sys.stdout, args.api_key).request(url)
             return EXIT_OK if ok else EXIT_SAMPLE_FAILED
         print(f"calexec serve --ray: {args.replicas or 1} replica(s) serving {url}", flush=True)
         stop.wait()
@@ -232,9 +253,11 @@ class SampleRun:
     print it as a curl command and the JSON response, then start the drain (always, so the
     process ends). ``ok`` is True only when a completion came back with HTTP 200."""
 
-    def __init__(self, timeout_s: float, out: TextIO) -> None:
+    def __init__(self, timeout_s: float, out: TextIO, api_key: str | None = None) -> None:
         self.timeout_s = timeout_s
         self.out = out
+        self.api_key = api_key
+        self.byte_level = True  # the sample's note on the tokenizer (False with --tokenizer)
         self.ok = False
 
     def start(self, server: DrainingServer, url: str) -> None:
@@ -255,9 +278,15 @@ class SampleRun:
         say = self._say
         say(f"calexec serve --once: the synthetic calbin on the bundled emulator, serving {url}")
         say("sample request:")
-        say(f"  curl -s {endpoint} -H 'content-type: application/json' -d {shlex.quote(body)}")
+        headers = {"content-type": "application/json"}
+        auth = ""
+        if self.api_key is not None:
+            headers["authorization"] = f"Bearer {self.api_key}"
+            auth = " -H \"Authorization: Bearer $CALEXEC_API_KEY\""
+        say(f"  curl -s {endpoint} -H 'content-type: application/json'{auth} "
+            f"-d {shlex.quote(body)}")
         request = urllib.request.Request(endpoint, data=body.encode("utf-8"), method="POST",
-                                         headers={"content-type": "application/json"})
+                                         headers=headers)
         t0 = time.monotonic()
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
@@ -283,8 +312,10 @@ class SampleRun:
         say(f"completion: {reply['usage']['completion_tokens']} tokens after "
             f"{reply['usage']['prompt_tokens']} prompt tokens, finish_reason="
             f"{choice['finish_reason']}, text {choice['text']!r}")
-        say(f"  (byte-level tokenizer: ids {tokenizer.BYTE_OFFSET}..{tokenizer.BYTE_OFFSET + 255} "
-            "are UTF-8 bytes, other ids print as <id>; the synthetic model's weights are random)")
+        if self.byte_level:
+            say(f"  (byte-level tokenizer: ids {tokenizer.BYTE_OFFSET}.."
+                f"{tokenizer.BYTE_OFFSET + 255} are UTF-8 bytes, other ids print as <id>; the "
+                "synthetic model's weights are random)")
         return True
 
     def _say(self, line: str) -> None:

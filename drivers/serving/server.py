@@ -46,18 +46,19 @@ import numpy as np
 import uvicorn
 from anyio import to_thread
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from calexec.contracts.errors import Category
 from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import TaskKind
 from calexec.drivers.synthetic import tokenizer
+from calexec.drivers.serving import hf_tokenizer, sampling
 from calexec.drivers.serving.admission import AdmissionQueue
 from calexec.drivers.serving.dumpsink import DumpSink
-from calexec.drivers.serving.metrics import ServerMetrics
+from calexec.drivers.serving.metrics import ServerMetrics, kv_usage_fraction
 from calexec.drivers.serving.resume import Resumer
 from calexec.machines.compiled import CHARTS, JOB
 from calexec.drivers.serving.live_charts import TransitionRates, live_state, path_page
@@ -74,6 +75,10 @@ class ServerConfig:
     #: admin bearer token; None disables the admin endpoints (always 403).
     admin_token: str | None = None
     model_name: str = "calexec-qwen3-synthetic"
+    #: OpenAI endpoints need ``Authorization: Bearer <api_key>`` when set (docs/server.md)
+    api_key: str | None = None
+    #: a Hugging Face tokenizer.json (or its directory); None: the byte-level tokenizer
+    tokenizer_path: str | None = None
     #: completion request body limit (413 above it).
     max_body_bytes: int = attrs.field(default=1 << 20, validator=attrs.validators.gt(0))
     #: per-request deadline when the body gives no ``timeout``; and the largest one accepted.
@@ -110,9 +115,9 @@ class ServerConfig:
 
 
 class CompletionBody(BaseModel):
-    """``POST /v1/completions`` body. Unknown fields are ignored; known fields are type-checked
-    strictly (a wrong type is a 400). ``temperature``/``top_p`` are accepted and ignored: the
-    server is greedy. ``timeout`` (seconds) is calexec's per-request deadline."""
+    """What ``CompletionService.admit`` reads of a request (``prompt``, ``max_tokens``,
+    ``stream``, ``timeout``: calexec's per-request deadline in seconds). The OpenAI bodies,
+    with every parameter implemented or refused, are in drivers/serving/openai_api.py."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -130,8 +135,13 @@ class CompletionBody(BaseModel):
 _PARAM_OF_CODE = {"kv.exceeds_capacity": "max_tokens"}
 
 _ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error",
-               403: "permission_error", 413: "invalid_request_error", 429: "rate_limit_error",
+               403: "permission_error", 404: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
                499: "cancelled_error", 503: "unavailable_error", 504: "timeout_error"}
+
+
+#: Status codes whose OpenAI error ``code`` is OpenAI's own name (``status.code`` keeps calexec's)
+_OPENAI_CODE = {"request.model_not_found": "model_not_found",
+                "request.invalid_api_key": "invalid_api_key"}
 
 
 def error_response(status: Status, param: str | None = None, retry_after: int = 1,
@@ -148,7 +158,8 @@ def error_body(status: Status, param: str | None = None,
     """The OpenAI-shaped ``error`` object of a failure (also the SSE error event's)."""
     code = status.http_status if http_status is None else http_status
     return {"message": status.message or status.code,
-            "type": _ERROR_TYPE.get(code, "server_error"), "code": status.code, "param": param}
+            "type": _ERROR_TYPE.get(code, "server_error"),
+            "code": _OPENAI_CODE.get(status.code, status.code), "param": param}
 
 
 def _invalid(message: str) -> Status:
@@ -274,6 +285,9 @@ class Generation:
     first_token_at: float | None = None
     #: model generation of the request's jobs (its KV lives in that generation's KvManager)
     generation_id: int | None = None
+    #: how tokens are chosen (drivers/serving/sampling.py); logprobs of each token when asked for
+    sampling: "sampling.SamplingParams" = sampling.GREEDY
+    token_logprobs: list = attrs.Factory(list)
     # Enqueue fence: ``closed`` once the request finished (no enqueue may start after it);
     # ``enqueue_idle`` is clear while an enqueue call runs in a worker thread.
     mu: threading.Lock = attrs.Factory(threading.Lock)
@@ -334,7 +348,9 @@ class CompletionService:
         self._drain_task: asyncio.Task | None = None
         self._releasing: set[threading.Thread] = set()  # background sequence releases
         self._releasing_mu = threading.Lock()
-        self.metrics = ServerMetrics(executor.snapshot, self._server_gauges)
+        self.metrics = ServerMetrics(executor.snapshot, self._server_gauges, config.model_name)
+        self.tokenizer = hf_tokenizer.load(config.tokenizer_path)
+        self.started_at = time.time()
         self.admission = AdmissionQueue(self.sequences, lambda: executor.state, self.health,
                                         lambda: self.draining, config.max_waiting,
                                         config.lifecycle_poll_s)
@@ -351,7 +367,8 @@ class CompletionService:
                 "calexec_kv_sequences_free": counts["free"],
                 "calexec_kv_sequences_withheld": counts["withheld"],
                 "calexec_kv_sequences_capacity": counts["capacity"],
-                "calexec_server_draining": 1.0 if self.draining else 0.0}
+                "calexec_server_draining": 1.0 if self.draining else 0.0,
+                "calexec_kv_cache_usage_perc": kv_usage_fraction(self.executor)}
 
     def health(self) -> list[str]:
         """Why the executor cannot serve now (empty: it can): ``executor.health()``."""
@@ -388,7 +405,7 @@ class CompletionService:
                 Phase.ADMISSION, f"device lifecycle is {self.executor.state}"), None
         vocab = generation.vocab_size
         max_seq = generation.submodels[TaskKind.DECODE].max_seq
-        prompt = tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else body.prompt
+        prompt = self.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else body.prompt
         if not prompt:
             return None, _invalid("prompt is empty"), "prompt"
         bad = next((i for i, t in enumerate(prompt) if not 0 <= t < vocab), None)
@@ -464,11 +481,15 @@ class CompletionService:
             gen.first_token_at = result.timings.completed_us / 1e6
             self.metrics.ttft.observe(max(0.0, gen.first_token_at - gen.started))
         gen.past = result.kv_len
-        token = result.argmax
-        if token == self.config.end_token_id:
+        args = (result.logits, gen.sampling, len(gen.tokens), result.argmax)
+        token, logprobs = (sampling.pick(*args) if gen.sampling.plain_greedy else
+                           await to_thread.run_sync(sampling.pick, *args, limiter=self._limiter))
+        if token == self.config.end_token_id or token in gen.sampling.stop_token_ids:
             gen.finish_reason = "stop"
             return None
         gen.tokens.append(token)
+        if logprobs is not None:
+            gen.token_logprobs.append(logprobs)
         if len(gen.tokens) >= gen.max_tokens:
             gen.finish_reason = "length"
         return token
@@ -619,6 +640,8 @@ class CompletionService:
             m.success.labels(gen.finish_reason).inc()
             m.prompt_tokens.inc(len(gen.prompt))
             m.generation_tokens.inc(len(gen.tokens))
+            m.request_prompt_tokens.observe(len(gen.prompt))
+            m.request_generation_tokens.observe(len(gen.tokens))
             m.e2e.observe(time.monotonic() - gen.started)
         if self.dump is not None:
             self.dump.write({
@@ -628,8 +651,11 @@ class CompletionService:
                 "status": None if gen.status is None else gen.status.to_dict(),
                 "latency_s": round(time.monotonic() - gen.started, 6),
                 "last_job_timings": None if gen.handle is None else gen.handle.timings.to_dict(),
+                # with the prompt ids, enough to replay the request's tokens (sampling.pick)
+                "sampling": {"temperature": gen.sampling.temperature, "top_p": gen.sampling.top_p,
+                             "top_k": gen.sampling.top_k, "seed": gen.sampling.seed},
                 "prompt_token_ids": gen.prompt, "token_ids": gen.tokens,
-                "text": tokenizer.decode(gen.tokens)})
+                "text": self.tokenizer.decode(gen.tokens)})
 
     # ---- drain ----------------------------------------------------------------------------------
     def start_drain(self, grace: float) -> asyncio.Task:
@@ -655,20 +681,6 @@ class CompletionService:
         for callback in self.on_drained:
             callback(status)
         return status
-
-
-def _completion_chunk(service: CompletionService, gen: Generation, text: str,
-                      token_ids: list[int], finish_reason: str | None,
-                      usage: bool) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "id": f"cmpl-{gen.request_id}", "object": "text_completion",
-        "created": int(time.time()), "model": service.config.model_name,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
-                     "token_ids": token_ids}]}
-    if usage:
-        body["usage"] = {"prompt_tokens": len(gen.prompt), "completion_tokens": len(gen.tokens),
-                         "total_tokens": len(gen.prompt) + len(gen.tokens)}
-    return body
 
 
 def _sse(data: Any) -> bytes:
@@ -874,74 +886,8 @@ def create_app(executor: Any, config: ServerConfig | None = None,
                 for name in order}
         return HTMLResponse(live_page(svgs, live_state(executor, service.live_job_counts, rates)))
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        raw = await _read_body(request, config.max_body_bytes)
-        if raw is None:
-            return fail(_invalid(f"request body exceeds max_body_bytes={config.max_body_bytes}"),
-                        http_status=413)
-        try:
-            body = CompletionBody.model_validate_json(raw)
-        except ValidationError as err:
-            first = err.errors()[0]
-            param = ".".join(str(p) for p in first["loc"]) or None
-            return fail(_invalid(f"{param or 'body'}: {first['msg']}"), param)
-        gen, status, param = service.admit(body)
-        if gen is None:
-            return fail(status, param)
-        if body.stream:
-            return await _stream(request, gen)
-        try:
-            async def run() -> None:
-                while await service.advance(gen) is not None:
-                    pass
-            await _until_disconnect(request, run)
-        finally:
-            await service.finish(gen, abandoned=True)
-        if gen.status is not None:
-            return fail(gen.status, count=False)  # counted by finish()
-        body_out = _completion_chunk(service, gen, tokenizer.decode(gen.tokens), gen.tokens,
-                                     gen.finish_reason, usage=True)
-        return JSONResponse(body_out)
-
-    async def _stream(request: Request, gen: Generation) -> Response:
-        first: int | None = None
-
-        async def first_token() -> None:  # may wait for a sequence id: watch for disconnect
-            nonlocal first
-            first = await service.advance(gen)
-        try:
-            await _until_disconnect(request, first_token)
-        except BaseException:
-            await service.finish(gen, abandoned=True)
-            raise
-        if first is None and not gen.done:  # the client left before the first token
-            await service.finish(gen, abandoned=True)
-            return fail(gen.status, count=False)
-        if gen.status is not None:
-            await service.finish(gen)
-            return fail(gen.status, count=False)
-
-        async def events():
-            detok = tokenizer.Detokenizer()
-            token = first
-            try:
-                while token is not None:
-                    yield _sse(_completion_chunk(service, gen, detok.feed(token), [token], None,
-                                                 usage=False))
-                    token = await service.advance(gen)
-                if gen.status is not None:
-                    yield _sse({"error": error_body(gen.status,
-                                                    _PARAM_OF_CODE.get(gen.status.code))})
-                else:
-                    yield _sse(_completion_chunk(service, gen, detok.flush(), [],
-                                                 gen.finish_reason, usage=True))
-                    yield b"data: [DONE]\n\n"
-            finally:
-                await service.finish(gen, abandoned=True)
-
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+    from calexec.drivers.serving import openai_api  # it imports this module
+    openai_api.add_routes(app, service, fail)
 
     return app
 

@@ -59,3 +59,31 @@ def decode(token_ids: list[int]) -> str:
     """Text of ``token_ids`` (the concatenation of a :class:`Detokenizer`'s output)."""
     detok = Detokenizer()
     return "".join(detok.feed(t) for t in token_ids) + detok.flush()
+
+
+class ByteTokenizer:
+    """The byte-level tokenizer above as an object (the server's default): the interface
+    :class:`HFTokenizer` shares."""
+
+    name = "byte-level"
+    chat_template: str | None = None
+    #: the end-of-text id this tokenizer knows (None: the server's ``end_token_id``)
+    eos_token_id: int | None = None
+    bos_token: str = ""
+    eos_token: str = ""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return encode(text)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return decode(token_ids)
+
+    def detokenizer(self) -> "Detokenizer":
+        return Detokenizer()
+
+    def token_text(self, token_id: int) -> str:
+        """How one token reads on its own (the ``tokens`` of logprobs)."""
+        return decode([token_id])
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        return list(self.token_text(token_id).encode("utf-8"))
