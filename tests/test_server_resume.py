@@ -341,3 +341,36 @@ def test_a_resume_re_prefills_up_to_max_seq_tokens(tmp_path):
             == len(prompt) + 4
     finally:
         executor.shutdown(5.0)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_seeded_sampling_resumes_with_identical_tokens(tmp_path, stream):
+    """Sampling is a pure function of (logits, params, seed, token index): a request sampled
+    with a seed, faulted on a decode and resumed, sends exactly the fault-free run's tokens."""
+    executor = fault_executor(tmp_path)
+    app = create_app(executor, ServerConfig())
+    body = {"prompt": PROMPT, "max_tokens": 10, "temperature": 2.0, "seed": 1234,
+            "timeout": 20}
+
+    def tokens_of(client) -> list[int]:
+        if not stream:
+            r = client.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["token_ids"]
+        with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            assert r.status_code == 200
+            tokens, ended, _ = stream_tokens(r)
+        assert ended == "done"
+        return tokens
+    try:
+        with TestClient(app) as client:
+            reference = tokens_of(client)
+            assert reference != oracle_tokens(PROMPT, 10)  # sampled, not greedy
+            arm(executor.device.emu, "ccu_exception", 5)
+            resumed = tokens_of(client)
+            executor.device.emu.clear_all_faults()
+            metrics = client.get("/metrics").text
+        assert resumed == reference
+        assert metric_value(metrics, "calexec_resumes_total", {"cause": "device"}) == 1
+    finally:
+        executor.shutdown(5.0)

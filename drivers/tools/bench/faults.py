@@ -3,7 +3,8 @@ costs a client of the reference server with resumable generations (issue 16).
 
 An in-process server (uvicorn on 127.0.0.1, an ephemeral port; the synthetic calbin on the
 bundled emulator) serves ``--clients`` concurrent loopback clients, half of them streaming,
-each sending seeded greedy completions back to back, while a seeded schedule injects
+each sending completions back to back (half greedy, half sampled with a seed: sampling is a
+pure function of the seed and the token index), while a seeded schedule injects
 ``--faults`` device faults one at a time, cycling through every retryable job-level kind
 (CCU exception, NaN/Inf/short output, Wait failure, submit 17 busy and 18 unavailable, a hung
 job, a hung job with a stale completion): arm the fault on the 1st-3rd next job, wait until it
@@ -93,6 +94,8 @@ def _client(url: str, index: int, seed: int, stop: threading.Event, out: list,
             prompt = [rng.randrange(1, 150000) for _ in range(rng.randint(1, 16))]
             body = {"prompt": prompt, "max_tokens": rng.randint(4, 16), "stream": stream,
                     "timeout": REQUEST_TIMEOUT_S}
+            if rng.random() < 0.5:  # half greedy, half sampled with a seed
+                body.update(temperature=rng.choice([0.7, 1.0, 1.5]), seed=rng.randrange(1 << 31))
             current[index] = time.monotonic()
             tokens, error = _request(http, body)
             current[index] = None
@@ -229,6 +232,8 @@ def run_fault_bench(faults: int, clients: int, seed: int, progress=None) -> dict
             if not executor.lifecycle.final:
                 executor.shutdown(10.0)
     identical = sum(1 for k, (_, tokens) in enumerate(done) if reference.get(k) == tokens)
+    sampled = [k for k, (body, _) in enumerate(done) if "seed" in body]
+    identical_sampled = sum(1 for k in sampled if reference.get(k) == done[k][1])
     errors = Counter(error for _, _, error in records if error is not None)
     # attribute each resume to the fault armed last before its failure
     per_fault: dict[int, float] = {}
@@ -248,6 +253,9 @@ def run_fault_bench(faults: int, clients: int, seed: int, progress=None) -> dict
         "client_errors": sum(errors.values()), "errors": dict(errors),
         "tokens_identical_pct": round(100.0 * identical / len(done), 3) if done else None,
         "tokens_mismatched": len(done) - identical,
+        "completed_sampled": len(sampled),
+        "tokens_identical_pct_sampled": round(100.0 * identical_sampled / len(sampled), 3)
+        if sampled else None,
         "resumes": len(resumed), "resumes_by_cause": dict(Counter(c for _, _, c in resumed)),
         "resumes_per_fault": round(len(resumed) / fired, 3) if fired else None,
         "faults_with_a_resume": len(per_fault),
