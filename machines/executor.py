@@ -1214,10 +1214,12 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         return Status.OK if self.lifecycle.state == "Stopped" else self.failure
 
     # ---- synchronous compatibility entry (§6.1) -------------------------------------------------
-    def decode_sync(self, request: InferenceRequest) -> tuple[int, "InferenceResult | Status"]:
+    def decode_sync(self, request: InferenceRequest, logits_out: np.ndarray | None = None
+                    ) -> tuple[int, "InferenceResult | Status"]:
         """``llama_decode``-style: (int code, result or Status). Logs every failure with
-        job_id, seq_id, generation, raw CalRT code and phase."""
-        handle = self.enqueue(request)
+        job_id, seq_id, generation, raw CalRT code and phase. ``logits_out`` as for
+        ``enqueue`` (a llama context's own logits row: no allocation per token)."""
+        handle = self.enqueue(request, logits_out=logits_out)
         if not self.config.threads:
             while not handle.done and (self.submit_one() or self.complete_one()):
                 pass
