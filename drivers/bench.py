@@ -219,7 +219,7 @@ def _label_conditions(ex: DeviceExecutor) -> None:
 
 
 #: the executor paths the benchmark measures against the direct loop
-MODES = ("enqueue", "decode_sync")
+MODES = ("enqueue", "prearmed", "decode_sync")
 
 
 class ExecutorLoop:
