@@ -9,8 +9,12 @@ behind the job on the device, within the sequence's reservation), buffer slot le
 Created -> Admitted -> Preparing, inputs copied, slices and both CSRs set for the known
 sequence length. ``_fire`` writes the token into the slot and the request, sends the chart to
 Queued and wakes the submitter, which infers (invariant 2: only the submitter infers, only the
-completion thread Waits; the stream adds no thread). Right after firing job N the caller arms
-job N+1, while N is on the device.
+completion thread Waits; the stream adds no thread). Job N+1 is armed by the submitter, after
+it submitted job N and while it has nothing else to submit (``_arm_next``): N is on the device
+then, the caller is waiting and the completion thread is in ``Wait`` with the GIL released, so
+the arming contends with nothing on the critical path. Should the step come before the arming
+(a fast device), the caller admits the job itself; should the arming find no free slot (the
+slot of job N-1 not given back yet), it is tried again when a lease comes back.
 
 Arming never waits: when no slot is free, the budget is spent or the next token would need KV
 beyond the reservation, nothing is armed (the attempt is not counted as a failure) and the
@@ -48,6 +52,10 @@ if TYPE_CHECKING:
     from calexec.machines.executor import DeviceExecutor
 
 log = logging.getLogger("calexec.stream")
+
+#: how long ``close()`` waits for the submitter to finish arming the stream's next job (it is
+#: a few hundred microseconds of work that never waits; the bound only guards a bug)
+_CLOSE_WAIT_S = 2.0
 
 
 @attrs.frozen
@@ -187,8 +195,21 @@ class DecodeStream:
         with ex._submit_cv:  # the submitter reads status when it finishes arming
             if self.status is None:
                 self.status = status
-            job, self._armed = self._armed, None
             self._unqueue()
+            # the submitter may be arming the next job right now: it releases that job itself
+            # on seeing the stream closed; wait for it (bounded), so that once close() returns
+            # the sequence is free (a reset or the next request may follow at once)
+            end = ex.clock.monotonic() + _CLOSE_WAIT_S
+            while self._arming:
+                remaining = end - ex.clock.monotonic()
+                if remaining <= 0:
+                    log.warning("decode stream of seq %d: the submitter still arms its next "
+                                "job after %.1fs; it releases it when done", self.seq_id,
+                                _CLOSE_WAIT_S)
+                    break
+                self._arm_waiter = True
+                ex.clock.wait(ex._submit_cv, remaining)
+            job, self._armed = self._armed, None
         if job is not None:
             ex._disarm(job, Status.cancelled(
                 Phase.CANCEL, f"decode stream of seq {self.seq_id} closed: {status.code}"),
@@ -206,29 +227,35 @@ class DecodeStream:
     def _arm_next(self) -> None:
         """On the submitter thread, with nothing to submit (``DeviceExecutor.submit_one``):
         arm the job after the one just fired (``_next``: its KV txn and the next position),
-        while that one is on the device. Never raises and never waits."""
-        ex, job = self.ex, None
+        while that one is on the device. Never raises and never waits. ``_arming`` ends only
+        after a job armed for a stream that closed meanwhile is released, so ``close()``
+        (which waits for it) returns with the sequence free."""
+        ex, job, drop = self.ex, None, None
         try:
             prev_txn, past = self._next
             if self.status is None:
                 job = self._arm_job(prev_txn, past, blocking=False)
         except Exception:  # noqa: BLE001 - a failed pre-arm only means nothing is armed
             log.exception("pre-arming the next job of seq %d raised", self.seq_id)
-        finally:
+        try:
             with ex._submit_cv:
-                self._arming = False
-                keep = isinstance(job, Job) and self.status is None
-                if keep:
-                    self._armed = job
+                if isinstance(job, Job):
+                    if self.status is None:
+                        self._armed = job
+                    else:
+                        drop = job  # the stream closed meanwhile
                 elif (isinstance(job, Status) and job.code == "buffer.full"
                       and self.status is None):
                     ex._prearm_wait.append(self)  # again when a lease comes back
+            if drop is not None:
+                ex._disarm(drop, Status.cancelled(Phase.CANCEL, "decode stream closed"),
+                           counted=False)
+        finally:
+            with ex._submit_cv:
+                self._arming = False
                 if self._arm_waiter:
                     self._arm_waiter = False
                     ex._submit_cv.notify_all()
-        if isinstance(job, Job) and not keep:  # the stream closed meanwhile
-            ex._disarm(job, Status.cancelled(Phase.CANCEL, "decode stream closed"),
-                       counted=False)
 
     def _arm_job(self, prev_txn: Any, past: int, blocking: bool,
                  notify: bool = False) -> "Job | Status":

@@ -272,3 +272,43 @@ def test_max_len_stops_arming(calbin):
         over = stream.step(result.argmax)
         assert isinstance(over, Status) and "max_len" in over.message
         assert_released(ex, 1)
+
+
+def test_close_while_the_submitter_arms_returns_with_the_sequence_free(calbin, monkeypatch):
+    """close() racing the submitter's arming of the next job: it waits for the arming to end
+    (the submitter releases that job itself), so the sequence is free when close() returns.
+    Before the fix close() returned at once and a reset right after met kv.sequence_busy."""
+    import threading
+
+    from calexec.machines.stream import DecodeStream
+    entered, release = threading.Event(), threading.Event()
+    original = DecodeStream._arm_job
+
+    def gated(self, prev_txn, past, blocking, notify=False):
+        if prev_txn is not None:  # the submitter arming behind a fired job
+            entered.set()
+            assert release.wait(10)
+        return original(self, prev_txn, past, blocking, notify)
+
+    monkeypatch.setattr(DecodeStream, "_arm_job", gated)
+    with running_job_path(calbin) as ex:
+        stream, token = open_stream(ex, 1, 4)
+        assert isinstance(stream.step(token), InferenceResult)
+        assert entered.wait(10)  # the submitter is arming the next job now
+
+        def let_go():  # once close() waits for the arming, let the submitter finish it
+            until(lambda: stream._arm_waiter, what="close() waiting for the arming")
+            release.set()
+
+        helper = threading.Thread(target=let_go)
+        helper.start()
+        try:
+            stream.close()
+            assert not stream._arming and stream._armed is None
+            view = ex.kvc.seqs[1]
+            assert view.open_txn is None and view.next_txn is None, view
+            assert ex.kvc.reset_sequence(1).ok  # free at once
+        finally:
+            release.set()
+            helper.join(10)
+        assert not ex._armed and ex.snapshot()["pending_tokens"] == 0
