@@ -879,7 +879,8 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             if job.permit_held:
                 job.permit_held = False
                 self._inflight -= 1
-                self._submit_cv.notify_all()
+                if self._submit_q:  # only a queued job waits for a permit (issue 17: the
+                    self._submit_cv.notify_all()  # idle submitter is not woken for nothing)
 
     # ---- completion (§6.5) -----------------------------------------------------------------------
     def complete_one(self, block: bool = False) -> bool:
@@ -957,6 +958,11 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             self._quarantine_after_submit(job, status, release_permit=True, settled=True)
             return
         undo = slot.undo_slices()
+        # Wait returned and GetStatus said done: the device is free, so the in-flight permit
+        # and the token budget go back before the caller is woken (issue 17, A/B measured:
+        # the caller's next job finds its permit free; the lease still goes back after)
+        self._release_budget(job)
+        self._release_permit(job)
         if target == "Completing" and not self._advance(job, "deliver"):
             target = "CancelRequested"
         if target != "Completing":  # cancelled after submit (FI12): result discarded
@@ -976,8 +982,6 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
                 self._prearm_q.extend(self._prearm_wait)
                 self._prearm_wait.clear()
                 self._submit_cv.notify_all()
-        self._release_budget(job)
-        self._release_permit(job)
         for problem in (undo, released):
             if not problem.ok:  # FI15: slot quarantined by the pool; the job's result stands
                 self.faults.report(problem.with_context(**job.ctx()), job)
