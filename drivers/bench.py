@@ -3,10 +3,14 @@
 ``bench overhead [--json] [--tokens N] [--runs R] [--zero-tokens M] [--seed S]`` compares, in
 one process, the *direct synchronous path* (what llama-calrt did before: one thread, no queues;
 ``DirectRunner`` submit + ``Wait`` + BF16->FP32 of the decode row + argmax) with the same greedy
-decode through ``DeviceExecutor`` (threads on, in-flight capacity 1; ``enqueue`` +
-``wait_until`` per token, the argmax fed back). Each side has its own emulated device of the
-same kind, built from the same calbin. Runs are interleaved in A/B, B/A blocks so that drift
-(other processes, CPU frequency) falls on both sides alike:
+decode through ``DeviceExecutor`` (threads on, in-flight capacity 1) in three modes (``MODES``):
+``enqueue`` + ``wait_until`` per token, ``prearmed`` (``decode_stream``: the next job armed
+while the current one runs, ``step(token)`` per token) and ``decode_sync`` (the llama.cpp-style
+entry), the argmax fed back. The direct side has its own emulated device, the executor modes
+share one of the same kind, built from the same calbin. Each run decodes one block per side,
+the order rotated from run to run, so that drift (other processes, CPU frequency) falls on
+every side alike. Per mode and token it also counts the cross-thread hand-offs (a counting
+clock given to this executor only) and the Python/numpy allocations (``alloccount``):
 
 1. TPOT with the 10 ms decode profile: P50/P99 per token of each side and their ratios
    (executor / direct). Spec gate <= 1.03 / <= 1.05, project goal <= 1.01 / <= 1.02.
@@ -925,15 +929,15 @@ def main(argv: list[str]) -> int:
     if command in ("overhead", "recovery", "pingpong"):
         cliargs.add_device_args(parser)
     if command == "overhead":
-        parser.add_argument("--tokens", type=_positive, default=150,
-                            help="decode tokens per block at the 10 ms profile (default 150)")
-        parser.add_argument("--runs", type=_positive, default=8,
-                            help="paired A/B blocks per phase (default 8)")
+        parser.add_argument("--tokens", type=_positive, default=100,
+                            help="decode tokens per block at the 10 ms profile (default 100)")
+        parser.add_argument("--runs", type=_positive, default=6,
+                            help="blocks per side and phase, order rotated (default 6)")
         parser.add_argument("--gil-switch-us", type=int, default=SERVING_SWITCH_INTERVAL_US,
                             help="GIL switch interval for the run (us; 0 keeps Python's 5000; "
                                  "default: what calexec serve uses)")
-        parser.add_argument("--zero-tokens", type=_positive, default=500,
-                            help="decode tokens per block at zero latency (default 500)")
+        parser.add_argument("--zero-tokens", type=_positive, default=300,
+                            help="decode tokens per block at zero latency (default 300)")
     elif command == "logits":
         parser.add_argument("--iters", type=_positive, default=2000,
                             help="timed calls per case (default 2000)")
