@@ -22,8 +22,8 @@ from typing import Any
 import attrs
 
 from calexec.contracts.manifest import Manifest, default_manifest_path, load_manifest
-from calexec.drivers import calbin as calbin_fmt
-from calexec.drivers.runtime import ENV_LIB, CalRT
+from calexec.drivers.synthetic import calbin as calbin_fmt
+from calexec.drivers.calrt.runtime import ENV_LIB, CalRT
 from calexec.machines.faults import RecoveryPolicy
 
 RESET_KINDS = ("reset", "reset_ccu", "reset_configuration", "none")
@@ -118,7 +118,7 @@ class DeviceSpec:
         if self.reset_kind is not None:
             return self.reset_kind, f"--reset-kind={self.reset_kind}"
         if self.conform_report is not None:
-            from calexec.drivers.conform import report
+            from calexec.drivers.calrt import conformance as report
 
             try:
                 run = report.load_run(self.conform_report)

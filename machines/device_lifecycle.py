@@ -27,6 +27,10 @@ from calexec.contracts.types import EngineSlot, TaskKind
 from calexec.machines.faults import Action, Decision
 from calexec.machines.generation import Generation, open_generation
 from calexec.machines.job import InferenceResult
+from calexec.machines.chart_names import (LIFECYCLE_EV_CONFIGURED, LIFECYCLE_EV_DRAIN,
+                                          LIFECYCLE_EV_FAIL, LIFECYCLE_EV_RECONFIGURE,
+                                          LIFECYCLE_EV_RECOVER, LIFECYCLE_EV_ROLL_BACK,
+                                          LIFECYCLE_EV_WARMED, LIFECYCLE_READY)
 
 log = logging.getLogger("calexec.executor")
 
@@ -87,7 +91,7 @@ class DeviceLifecycle:
         if status.ok:
             status = self._open(self.config.calbin_path)
         if status.ok:
-            self.lifecycle.send("configured")
+            self.lifecycle.send(LIFECYCLE_EV_CONFIGURED)
             if self.config.threads:
                 self._start_threads()
             status = self._warm_up()
@@ -127,7 +131,7 @@ class DeviceLifecycle:
 
     def _go_ready(self) -> None:
         with self.lifecycle_mu:
-            self.lifecycle.send("warmed")
+            self.lifecycle.send(LIFECYCLE_EV_WARMED)
             self._served_gen_id = self.gen.id
             with self._submit_cv:
                 self._refusal = None
@@ -219,7 +223,7 @@ class DeviceLifecycle:
         with self.lifecycle_mu:
             self._admitting = False
             if not self.lifecycle.final:
-                self.lifecycle.send("fail")
+                self.lifecycle.send(LIFECYCLE_EV_FAIL)
                 self.failure = status
             self._ready_cv.notify_all()
         self._refuse_queued(status)
@@ -234,7 +238,7 @@ class DeviceLifecycle:
             self._fail(decision.status)
             return
         with self.lifecycle_mu:
-            if self.lifecycle.state != "Ready" or self._pending_recovery is not None:
+            if self.lifecycle.state != LIFECYCLE_READY or self._pending_recovery is not None:
                 return  # already draining/recovering: one recovery covers it
             self._pending_recovery = decision
             self._admitting = False  # stop admission at once (§8 Device row)
@@ -301,10 +305,10 @@ class DeviceLifecycle:
                  record: dict[str, Any]) -> Status:
         policy = self.config.recovery
         with self.lifecycle_mu:
-            if self.lifecycle.state != "Ready":
+            if self.lifecycle.state != LIFECYCLE_READY:
                 return Status.unavailable(Phase.RECOVERY,
                                           f"cannot recover from lifecycle {self.lifecycle.state}")
-            self.lifecycle.send("drain")
+            self.lifecycle.send(LIFECYCLE_EV_DRAIN)
         unavailable = Status.unavailable(Phase.RECOVERY,
                                          f"device recovering after {reason.code}; retry later")
         self._stop_admission(unavailable)
@@ -338,7 +342,7 @@ class DeviceLifecycle:
             self._fail(status)
             return status
         with self.lifecycle_mu:
-            self.lifecycle.send("recover")
+            self.lifecycle.send(LIFECYCLE_EV_RECOVER)
         old = self.gen
         old.pool.quarantine_all()  # invariant 8: every old-generation slot
         if reset and not reset_done:
@@ -361,7 +365,7 @@ class DeviceLifecycle:
             self._fail(status)
             return status
         with self.lifecycle_mu:
-            self.lifecycle.send("reconfigure")
+            self.lifecycle.send(LIFECYCLE_EV_RECONFIGURE)
         target = calbin_path or old.calbin_path
         # One more attempt if this one fails: a switch rolls back to the last good calbin
         # (Triton keeps the old model on a failed reload); a recovery retries its calbin once.
@@ -372,7 +376,7 @@ class DeviceLifecycle:
                                target if target in self.good_calbins else None)
         status = self._configure_and_warm(target)
         refused: list[str] = []
-        while not status.ok and not self._stopping and self.lifecycle.can("roll_back"):
+        while not status.ok and not self._stopping and self.lifecycle.can(LIFECYCLE_EV_ROLL_BACK):
             refused.append(status.code)
             released = self._release_failed_generation()
             if not released.ok:  # its job still runs on the device: §9.1, never torn down
@@ -380,7 +384,7 @@ class DeviceLifecycle:
                 self._fail(released)
                 return released
             fallback = self._rollback_path
-            self.lifecycle.send("roll_back")
+            self.lifecycle.send(LIFECYCLE_EV_ROLL_BACK)
             self._rollback_path = None
             status = self._configure_and_warm(fallback)
             if status.ok and fallback != target:
@@ -403,7 +407,7 @@ class DeviceLifecycle:
             self.gen = None
             return status
         with self.lifecycle_mu:
-            self.lifecycle.send("configured")
+            self.lifecycle.send(LIFECYCLE_EV_CONFIGURED)
         return self._warm_up()
 
     def _release_failed_generation(self) -> Status:

@@ -1,11 +1,11 @@
-"""``calexec diagrams [--out DIR] [--check] [--png DIR]``: render the declared charts.
+"""Render the declared charts: DOT text, SVG and PNG bytes (no files, no CLI: ``calexec
+diagrams``, which writes and checks diagrams/, is drivers/tools/diagrams.py).
 
 The DOT is generated here from the compiled charts (``calexec.machines.compiled``, derived from
 the declarations at import time), so a diagram can only show declared transitions. It is
 deterministic text; the SVG is rendered by graphviz ``dot`` and carries the sha256 of the DOT it
-was rendered from in a comment, so ``--check`` compares DOT text only and never depends on
-graphviz's SVG bytes. ``--png DIR`` also writes a PNG of each chart (for docs/diagrams.md),
-with the same sha256 in a PNG ``tEXt`` chunk, so ``--check --png DIR`` checks those too.
+was rendered from in a comment, so a staleness check compares DOT text only and never depends on
+graphviz's SVG bytes. A PNG of a chart (for docs/diagrams.md) carries the same sha256 in a PNG ``tEXt`` chunk.
 
 Rendering rules (each diagram's legend states them):
 
@@ -33,10 +33,8 @@ import re
 import shutil
 import struct
 import subprocess
-import sys
 import zlib
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 
 from calexec.machines.compiled import CHARTS, CompiledChart, Transition
 
@@ -331,91 +329,3 @@ def render_chart_svg(chart_name: str, active_state: str | None = None) -> str:
     missing or fails.
     """
     return _svg_from_dot(render_chart_dot(chart_name, active_state))
-
-
-def write_all(out: Path, png: Path | None = None) -> list[Path]:
-    """Render every chart to ``out/<chart>.dot`` and ``out/<chart>.svg`` (and
-    ``png/<chart>.png`` when ``png`` is given); return the files written."""
-    out.mkdir(parents=True, exist_ok=True)
-    if png is not None:
-        png.mkdir(parents=True, exist_ok=True)
-    written = []
-    for name in CHARTS:
-        dot = render_chart_dot(name)
-        (out / f"{name}.dot").write_text(dot, encoding="utf-8")
-        (out / f"{name}.svg").write_text(_svg_from_dot(dot), encoding="utf-8")
-        written += [out / f"{name}.dot", out / f"{name}.svg"]
-        if png is not None:
-            # 96 dpi: the diagrams' 12-14 pt text is ~16-19 px high, legible without zoom
-            (png / f"{name}.png").write_bytes(_png_from_dot(dot))
-            written.append(png / f"{name}.png")
-    return written
-
-
-def stale_files(out: Path, png: Path | None = None) -> list[str]:
-    """Problems with the committed diagrams in ``out`` (and PNGs in ``png``), one message per
-    stale file."""
-    problems = []
-    for name in CHARTS:
-        if png is not None:
-            png_path = png / f"{name}.png"
-            expected = hashlib.sha256(render_chart_dot(name).encode("utf-8")).hexdigest()
-            if not png_path.is_file():
-                problems.append(f"{png_path}: missing")
-            elif _png_sha(png_path.read_bytes()) != expected:
-                problems.append(f"{png_path}: not rendered from the current DOT")
-        dot_path, svg_path = out / f"{name}.dot", out / f"{name}.svg"
-        fresh = render_chart_dot(name)
-        if not dot_path.is_file():
-            problems.append(f"{dot_path}: missing")
-        elif dot_path.read_text(encoding="utf-8") != fresh:
-            problems.append(f"{dot_path}: differs from the declared chart")
-        if not svg_path.is_file():
-            problems.append(f"{svg_path}: missing")
-            continue
-        found = _SHA_PATTERN.search(svg_path.read_text(encoding="utf-8"))
-        expected = hashlib.sha256(fresh.encode("utf-8")).hexdigest()
-        if found is None or found.group(1) != expected:
-            problems.append(f"{svg_path}: not rendered from the current DOT")
-    return problems
-
-
-def main(argv: list[str]) -> int:
-    """Entry point; ``argv`` starts with the command word ``diagrams``. Exit 0, 1 when
-    ``--check`` finds a stale file, 2 when ``--out`` cannot be written or graphviz's ``dot``
-    is missing (one line, no traceback)."""
-    from calexec.cliargs import EXIT_CONFIG, parser as cli_parser
-
-    parser = cli_parser("calexec diagrams", __doc__)
-    parser.add_argument("--out", type=Path, default=Path("diagrams"), help="output directory")
-    parser.add_argument("--check", action="store_true",
-                        help="exit 1 if any diagram in --out (and --png DIR) is stale (compares "
-                             "DOT text and the DOT sha256 the SVG/PNG carry; needs no graphviz "
-                             "binary)")
-    parser.add_argument("--png", type=Path, default=None, metavar="DIR",
-                        help="also write <chart>.png to DIR (docs/img for docs/diagrams.md)")
-    args = parser.parse_args(argv[1:])
-    try:
-        if args.check:
-            problems = stale_files(args.out, args.png)
-            for problem in problems:
-                print(f"stale: {problem}", file=sys.stderr)
-            if problems:
-                print(f"fix: {FIX_COMMAND} --out {args.out}"
-                      + (f" --png {args.png}" if args.png else ""), file=sys.stderr)
-                return 1
-            print(f"diagrams in {args.out}{f' and {args.png}' if args.png else ''} are up to "
-                  "date")
-            return 0
-        written = write_all(args.out, args.png)
-    except GraphvizError as err:  # first: 'dot not found' is also an OSError
-        print(f"calexec diagrams: graphviz's dot failed (install graphviz): "
-              f"{str(err.args[0] if err.args else err).splitlines()[0]}", file=sys.stderr)
-        return EXIT_CONFIG
-    except OSError as err:
-        print(f"calexec diagrams: --out={str(args.out)!r}: {err.strerror or err}"
-              f"{f' ({err.filename})' if err.filename else ''}", file=sys.stderr)
-        return EXIT_CONFIG
-    for path in written:
-        print(path)
-    return 0

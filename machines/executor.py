@@ -17,7 +17,7 @@ Path of one job (docs/architecture.md tells the same story):
 Only the submitter calls ``infer`` and only the completion thread calls ``Wait`` (invariant 2);
 with ``ExecutorConfig(threads=False)`` both are called by whoever drives ``submit_one`` and
 ``complete_one`` (stepped mode for deterministic tests). The runtime objects are duck-typed:
-``calexec.drivers.runtime`` provides them; this module imports no cffi.
+``calexec.drivers.calrt.runtime`` provides them; this module imports no cffi.
 
 The device's own life (start, golden run, Failed, recovery, model switch along the lifecycle
 chart) is the ``DeviceLifecycle`` mixin in machines/device_lifecycle.py.

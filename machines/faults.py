@@ -126,6 +126,7 @@ class FaultController:
         self._mu = threading.Lock()  # faults_mu (a leaf); ranked once attached
         self._clock = SYSTEM
         self._rng = random.Random(seed)
+        self._fired_seen = 0  # the runtime's injected-fault count at the last report
 
     def attach(self, executor: Any) -> None:
         """Wire the controller to ``executor``: its clock, and a ranked leaf lock
@@ -168,6 +169,7 @@ class FaultController:
         """FaultSink: decide and act. Never blocks on a recovery."""
         if status.ok or status.category is None:
             return
+        injected = self._injected()  # before the lock: it asks the runtime
         with self._mu:
             self.counts[status.category] = self.counts.get(status.category, 0) + 1
             decision = self.decide(status)
@@ -180,9 +182,22 @@ class FaultController:
             self.executor.disable_feature(status, job)
         if decision.action not in (Action.NONE, Action.RECORD, Action.REDUCE_ADMISSION,
                                    Action.DISABLE_FEATURE):
-            log.warning("fault %s -> %s (%s)", status, decision.action.value, decision.reason)
+            log.warning("%sfault %s -> %s (%s)", "INJECTED " if injected else "",
+                        status, decision.action.value, decision.reason)
             if self.executor is not None:
                 self.executor.request_recovery(decision)
+
+    def _injected(self) -> bool:
+        """The runtime's fault plan fired since the last look (the emulator counts the faults
+        it injects; a vendor runtime answers None: never marked). Read outside ``faults_mu``:
+        it calls into the runtime."""
+        device = getattr(self.executor, "device", None)
+        probe = getattr(device, "injected_faults_fired", None)
+        fired = probe() if probe is not None else None
+        if fired is None:
+            return False
+        moved, self._fired_seen = fired != self._fired_seen, fired
+        return moved
 
     # ---- queries used by the executor -----------------------------------------------------------
     def admission_factor(self) -> float:

@@ -42,6 +42,8 @@ from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
 from calexec.machines.compiled import KV_TXN, GuardRejected
 from calexec.machines.locks import ADMISSION, KV_CALL, LockOrder
+from calexec.machines.chart_names import (KV_COMMITTED, KV_EV_COMMIT, KV_EV_MARK_SUBMITTED,
+                                          KV_EV_MARK_UNKNOWN, KV_EV_ROLLBACK, KV_SUBMITTED)
 
 
 @attrs.define(slots=True, eq=False)
@@ -313,10 +315,10 @@ class KvCoordinator:
             if view.open_txn is prev and view.next_txn is None:
                 view.next_txn = txn
             elif (view.open_txn is None and view.next_txn is None
-                  and prev.run.state == "Committed" and view.committed_len == prev.target_len):
+                  and prev.run.state == KV_COMMITTED and view.committed_len == prev.target_len):
                 view.open_txn = txn  # prev already committed: this one is open at once
             else:
-                txn.run.send("rollback")
+                txn.run.send(KV_EV_ROLLBACK)
                 txn.finished()
                 return Status.failure("kv.sequence_busy", Category.INVALID_REQUEST,
                                       Phase.ADMISSION, f"sequence {seq_id} is busy "
@@ -329,11 +331,11 @@ class KvCoordinator:
     def mark_submitted(self, txn: KvTxn, evidence=None) -> None:
         """infer() accepted the job ``evidence`` (which answers the commit guard later)."""
         txn.evidence = evidence
-        txn.run.send("mark_submitted")
+        txn.run.send(KV_EV_MARK_SUBMITTED)
 
     def rollback(self, txn: KvTxn) -> Status:
         """Before submit only (the chart refuses it after): give back what reserve grew."""
-        txn.run.send("rollback")
+        txn.run.send(KV_EV_ROLLBACK)
         txn.finished()
         with self.admission_mu:
             view = self.seqs[txn.seq_id]
@@ -371,7 +373,7 @@ class KvCoordinator:
     def commit(self, txn: KvTxn) -> None:
         """Device finished and output validated (guarded by the chart: ``GuardRejected``
         otherwise, the txn unchanged)."""
-        txn.run.send("commit")
+        txn.run.send(KV_EV_COMMIT)
         txn.finished()
         with self.admission_mu:
             view = self.seqs[txn.seq_id]
@@ -383,8 +385,8 @@ class KvCoordinator:
         """Any failure after submit: the device KV of this sequence is Unknown (§7).
         ``on_device``: the runtime still runs the job (its Wait failed); the sequence stays
         un-resettable until :meth:`device_let_go`."""
-        if txn.run.state == "Submitted":
-            txn.run.send("mark_unknown")
+        if txn.run.state == KV_SUBMITTED:
+            txn.run.send(KV_EV_MARK_UNKNOWN)
         txn.finished()
         with self.admission_mu:
             view = self.seqs[txn.seq_id]

@@ -44,6 +44,11 @@ from calexec.contracts.types import (EngineSlot, ModelGeneration, SubmodelContra
                                      TensorContract)
 from calexec.machines.compiled import BUFFER_SLOT, GuardRejected
 from calexec.machines.locks import POOL, LockOrder
+from calexec.machines.chart_names import (SLOT_EV_DEVICE_DONE, SLOT_EV_DROP_IN_FLIGHT,
+                                          SLOT_EV_GIVE_BACK, SLOT_EV_LEASE, SLOT_EV_QUARANTINE,
+                                          SLOT_EV_RETIRE, SLOT_EV_SUBMIT, SLOT_FREE,
+                                          SLOT_IN_FLIGHT, SLOT_LEASED, SLOT_QUARANTINED,
+                                          SLOT_RETIRED)
 
 
 class LeaseError(RuntimeError):
@@ -272,7 +277,7 @@ class BufferPool:
         with self.pool_mu:
             self.opened = False
             for slot in self.slots:
-                if slot.run.state in ("Free", "Retired"):
+                if slot.run.state in (SLOT_FREE, SLOT_RETIRED):
                     doomed += [buf for buf in (slot.inbuf, slot.outbuf) if buf is not None]
                     slot.inbuf = slot.outbuf = None
         for buf in doomed:  # runtime calls after pool_mu is released (§5.2)
@@ -289,7 +294,7 @@ class BufferPool:
                 free = self._free.get(kind)
                 if free:
                     slot = free.popleft()
-                    slot.run.send("lease")
+                    slot.run.send(SLOT_EV_LEASE)
                     return BufferLease(slot, owner)
                 if free is None:
                     return Status.invalid(5, f"no buffer slot for kind={kind.name} in this "
@@ -311,20 +316,20 @@ class BufferPool:
 
     def mark_in_flight(self, lease: BufferLease) -> None:
         with self.pool_mu:
-            lease.slot.run.send("submit")
+            lease.slot.run.send(SLOT_EV_SUBMIT)
 
     def device_done(self, lease: BufferLease) -> bool:
         """InFlight -> Leased once the runtime finished with the buffers; False if it has not.
         GetStatus is asked before pool_mu is taken; the guard reads that answer."""
         slot = lease.slot
-        if slot.run.state == "InFlight":
+        if slot.run.state == SLOT_IN_FLIGHT:
             slot.ask_runtime()
         with self.pool_mu:
             run = slot.run
-            if run.state != "InFlight":
-                return run.state == "Leased"
+            if run.state != SLOT_IN_FLIGHT:
+                return run.state == SLOT_LEASED
             try:
-                run.send("device_done")
+                run.send(SLOT_EV_DEVICE_DONE)
             except GuardRejected:
                 return False
             return True
@@ -334,24 +339,24 @@ class BufferPool:
         slot = lease.slot
         lease._slot, lease._state = None, "released"
         with self.pool_mu:
-            if slot.run.state != "Quarantined":
-                slot.run.send("quarantine")
+            if slot.run.state != SLOT_QUARANTINED:
+                slot.run.send(SLOT_EV_QUARANTINE)
 
     def _give_back(self, slot: BufferSlot) -> Status:
         with self._available:
             run = slot.run
-            if run.state == "InFlight":
-                run.send("drop_in_flight")
+            if run.state == SLOT_IN_FLIGHT:
+                run.send(SLOT_EV_DROP_IN_FLIGHT)
                 return Status.internal("lease_in_flight", Phase.RELEASE,
                                        f"lease of slot {slot.slot_id} released while the runtime "
                                        "may still DMA it: slot quarantined",
                                        generation=slot.generation_id)
-            if run.state != "Leased":
+            if run.state != SLOT_LEASED:
                 self.misuse += 1
                 return Status.internal("lease_state", Phase.RELEASE, f"slot {slot.slot_id} returned in state "
                                                       f"{run.state}", generation=slot.generation_id)
-            target = run.send("give_back")
-            if target == "Free":
+            target = run.send(SLOT_EV_GIVE_BACK)
+            if target == SLOT_FREE:
                 self._free[slot.kind].append(slot)
                 self._available.notify()
                 return Status.OK
@@ -363,16 +368,16 @@ class BufferPool:
     def _quarantine_dropped(self, slot: BufferSlot) -> None:
         with self.pool_mu:
             self.dropped += 1
-            if slot.run.state in ("Leased", "InFlight"):
-                slot.run.send("quarantine")
+            if slot.run.state in (SLOT_LEASED, SLOT_IN_FLIGHT):
+                slot.run.send(SLOT_EV_QUARANTINE)
 
     def quarantine_all(self) -> int:
         """Invariant 8: a reset quarantines every slot of this (old) generation."""
         count = 0
         with self.pool_mu:
             for slot in self.slots:
-                if slot.run.state in ("Free", "Leased", "InFlight"):
-                    slot.run.send("quarantine")
+                if slot.run.state in (SLOT_FREE, SLOT_LEASED, SLOT_IN_FLIGHT):
+                    slot.run.send(SLOT_EV_QUARANTINE)
                     count += 1
             for free in self._free.values():
                 free.clear()
@@ -383,15 +388,15 @@ class BufferPool:
         buffers destroyed, for every slot the runtime says it let go of (asked first, outside
         pool_mu). Returns the slots the runtime still uses (their buffers stay mapped)."""
         for slot in self.slots:
-            if slot.run.state == "Quarantined":
+            if slot.run.state == SLOT_QUARANTINED:
                 slot.ask_runtime()
         doomed, held = [], []
         with self.pool_mu:
             for slot in self.slots:
-                if slot.run.state != "Quarantined":
+                if slot.run.state != SLOT_QUARANTINED:
                     continue
                 try:
-                    slot.run.send("retire")
+                    slot.run.send(SLOT_EV_RETIRE)
                 except GuardRejected:
                     held.append(slot)
                     continue
@@ -406,7 +411,7 @@ class BufferPool:
         are destroyed (every slot Retired), so invariant 4 cannot be broken."""
         with self.pool_mu:
             for slot in self.slots:
-                if slot.run.state != "Retired":
+                if slot.run.state != SLOT_RETIRED:
                     raise LeaseError(f"drop_storage of {slot!r}: only Retired slots")
                 slot.host_input = slot.host_position = slot.host_output = slot.scratch = None
 
@@ -414,7 +419,7 @@ class BufferPool:
         """Slots of ``kind`` that can still be leased now or later (not quarantined/retired)."""
         with self.pool_mu:
             return sum(1 for slot in self.slots if slot.kind == kind
-                       and slot.run.state not in ("Quarantined", "Retired"))
+                       and slot.run.state not in (SLOT_QUARANTINED, SLOT_RETIRED))
 
     # ---- observability ---------------------------------------------------------------------
     def counts(self) -> dict[str, int]:

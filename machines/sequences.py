@@ -1,7 +1,7 @@
 """Sequence ownership across generations (issue 13, §7, §9.2): a mixin of ``DeviceExecutor``.
 
 KV sequence ids are owned *above* the KvManager: the embedding server leases them from its own
-free list (``drivers/server.py`` ``SequencePool``) and gives each back exactly once, through
+free list (``drivers/serving/server.py`` ``SequencePool``) and gives each back exactly once, through
 :meth:`SequenceOwnership.release_sequence`. A KvManager lives and dies with its generation, so
 what releasing an id means depends on where its KV is:
 

@@ -6,9 +6,9 @@
 
 import pytest
 
-from calexec.drivers import calbin
-from calexec.drivers.demo import DirectRunner
-from calexec.drivers.runtime import CalRT
+from calexec.drivers.synthetic import calbin
+from calexec.drivers.direct import DirectRunner
+from calexec.drivers.calrt.runtime import CalRT
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,9 @@ import attrs
 import numpy as np
 import pytest
 
-from calexec.drivers import accept
-from calexec.drivers.accept_report import write_report
-from calexec.drivers.accept_rig import growth
+from calexec.drivers.tools.accept import run as accept
+from calexec.drivers.tools.accept.report import write_report
+from calexec.drivers.tools.accept.rig import growth
 from calexec.machines.executor import DeviceExecutor
 
 TINY = attrs.evolve(accept.QUICK, mode="tiny", prompts=3, decode_steps=3,
@@ -102,7 +102,7 @@ def test_growth_rule_flat_passes_growing_fails():
 def test_latency_reservoir_keeps_a_bounded_uniform_sample():
     """The soak records every job's latency; only a bounded sample may be kept, or the gate
     measures its own bookkeeping (a 30-minute soak grew 72 MiB that way)."""
-    from calexec.drivers.accept_gates import LatencyReservoir
+    from calexec.drivers.tools.accept.gates import LatencyReservoir
 
     reservoir = LatencyReservoir(capacity=1000, seed=5)
     for value in range(100_000):

@@ -1,8 +1,8 @@
-"""Threaded fault soak of the reference server (issue 13), through ``calexec.drivers.chaos``:
+"""Threaded fault soak of the reference server (issue 13), through ``calexec.drivers.tools.chaos``:
 ~16 concurrent loopback clients (plain and streaming completions, early disconnects, short
 timeouts) while a seeded schedule injects every job-level emulator fault kind, hung jobs, good
 and refused reloads (and a reload whose new generation cannot map its buffers), then drains.
-What is asserted is listed in drivers/chaos.py: 0 wrong tokens against the oracle, 0 responses
+What is asserted is listed in drivers/tools/chaos.py: 0 wrong tokens against the oracle, 0 responses
 later than deadline + slack, only documented statuses with JSON bodies or SSE error events,
 free + in-use + withheld sequence ids = capacity, nothing leased when idle, /ready 200 after
 each fault within the recovery bound, the drain ending Stopped.
@@ -25,7 +25,7 @@ import os
 import pytest
 
 pytest.importorskip("httpx", reason="the chaos soak drives the server over HTTP ([server])")
-from calexec.drivers import chaos  # noqa: E402
+from calexec.drivers.tools import chaos  # noqa: E402
 
 SECONDS = float(os.environ.get("CALEXEC_CHAOS_SECONDS", "6"))
 CLIENTS = int(os.environ.get("CALEXEC_CHAOS_CLIENTS", "16"))

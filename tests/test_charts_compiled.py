@@ -23,7 +23,7 @@ from calexec.machines.compiled import (
     IllegalTransition,
 )
 from calexec.machines.coverage import TransitionListener
-from calexec.machines.paths import GuardTable
+from chartpaths import GuardTable
 
 
 def steps_for(chart, max_size=25):
@@ -147,7 +147,7 @@ def test_lifecycle_properties(steps):
 def test_bench_reports_both_forms(capsys):
     import json
 
-    from calexec.machines import bench
+    from calexec.drivers.tools.bench import charts as bench
 
     assert bench.main(["bench", "charts", "--json", "--iters", "3"]) == 0
     result = json.loads(capsys.readouterr().out)

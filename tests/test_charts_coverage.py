@@ -12,7 +12,7 @@ import pytest
 
 from calexec.machines.compiled import CHARTS, KV_TXN
 from calexec.machines.coverage import TransitionListener, TransitionRecorder, describe, report
-from calexec.machines.paths import GuardTable
+from chartpaths import GuardTable
 
 PLUGIN_DIR = Path(__file__).resolve().parent
 
@@ -63,7 +63,7 @@ def _run_pytest(tmp_path: Path, test_body: str, *args: str, gate: str | None = N
 
 PARTIAL = """
     from calexec.machines.compiled import KV_TXN
-    from calexec.machines.paths import GuardTable
+    from chartpaths import GuardTable
 
     def test_one():
         KV_TXN.run(GuardTable.for_chart(KV_TXN)).send("rollback")
@@ -71,7 +71,7 @@ PARTIAL = """
 
 FULL = """
     from calexec.machines.compiled import CHARTS
-    from calexec.machines.paths import GuardTable, drive, transition_paths
+    from chartpaths import GuardTable, drive, transition_paths
 
     def test_all():
         for chart in CHARTS.values():

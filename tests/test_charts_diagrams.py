@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from calexec.drivers.tools import diagrams as diagrams_cli
 from calexec.machines import diagrams
 from calexec.machines.compiled import CHARTS
 
@@ -17,7 +18,7 @@ REPO_PNGS = Path(__file__).resolve().parent.parent / "docs" / "img"  # docs/diag
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory):  # its users are marked requires_tool("dot"): SVG rendering
     out = tmp_path_factory.mktemp("diagrams")
-    assert diagrams.main(["diagrams", "--out", str(out)]) == 0
+    assert diagrams_cli.main(["diagrams", "--out", str(out)]) == 0
     return out
 
 
@@ -26,7 +27,7 @@ def test_render_then_check_passes(rendered):
     assert sorted(p.name for p in rendered.iterdir()) == sorted(
         f"{name}.{ext}" for name in CHARTS for ext in ("dot", "svg")
     )
-    assert diagrams.main(["diagrams", "--out", str(rendered), "--check"]) == 0
+    assert diagrams_cli.main(["diagrams", "--out", str(rendered), "--check"]) == 0
 
 
 def test_dot_is_deterministic_and_complete():
@@ -44,7 +45,7 @@ def test_modified_dot_fails_check(rendered, tmp_path, capsys):
         (tmp_path / path.name).write_bytes(path.read_bytes())
     dot = tmp_path / "job.dot"
     dot.write_text(dot.read_text().replace("Succeeded", "Succeded", 1))
-    assert diagrams.main(["diagrams", "--out", str(tmp_path), "--check"]) == 1
+    assert diagrams_cli.main(["diagrams", "--out", str(tmp_path), "--check"]) == 1
     err = capsys.readouterr().err
     assert "job.dot: differs" in err and "fix: calexec diagrams --out" in err
 
@@ -55,7 +56,7 @@ def test_svg_missing_or_from_another_dot_fails_check(rendered, tmp_path, capsys)
         (tmp_path / path.name).write_bytes(path.read_bytes())
     (tmp_path / "kv_txn.svg").unlink()
     (tmp_path / "lifecycle.svg").write_text((tmp_path / "job.svg").read_text())
-    assert diagrams.main(["diagrams", "--out", str(tmp_path), "--check"]) == 1
+    assert diagrams_cli.main(["diagrams", "--out", str(tmp_path), "--check"]) == 1
     err = capsys.readouterr().err
     assert "kv_txn.svg: missing" in err and "lifecycle.svg: not rendered" in err
     assert err.count("stale: ") == 2  # the untouched charts are not reported
@@ -75,7 +76,7 @@ def test_live_view_highlights_the_active_state():
 
 
 def test_committed_diagrams_are_current():
-    assert diagrams.stale_files(REPO_DIAGRAMS, REPO_PNGS) == [], \
+    assert diagrams_cli.stale_files(REPO_DIAGRAMS, REPO_PNGS) == [], \
         "run: calexec diagrams --png docs/img"
 
 
@@ -172,15 +173,15 @@ def test_png_option_writes_one_png_per_chart_and_check_covers_them(tmp_path, cap
     from PIL import Image
 
     out, img = str(tmp_path / "d"), tmp_path / "img"
-    assert diagrams.main(["diagrams", "--out", out, "--png", str(img)]) == 0
+    assert diagrams_cli.main(["diagrams", "--out", out, "--png", str(img)]) == 0
     for name in CHARTS:
         with Image.open(img / f"{name}.png") as image:  # a valid PNG with its DOT's digest
             image.load()
             assert image.format == "PNG" and image.text.get("calexec-dot-sha256"), name
-    assert diagrams.main(["diagrams", "--out", out, "--png", str(img), "--check"]) == 0
+    assert diagrams_cli.main(["diagrams", "--out", out, "--png", str(img), "--check"]) == 0
     (img / "job.png").write_bytes((img / "kv_txn.png").read_bytes())
     (img / "lifecycle.png").unlink()
-    assert diagrams.main(["diagrams", "--out", out, "--png", str(img), "--check"]) == 1
+    assert diagrams_cli.main(["diagrams", "--out", out, "--png", str(img), "--check"]) == 1
     err = capsys.readouterr().err
     assert "job.png: not rendered from the current DOT" in err and "lifecycle.png: missing" in err
     assert "--png" in err

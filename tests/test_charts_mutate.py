@@ -12,11 +12,11 @@ import pytest
 from statemachine import State, StateMachine
 from statemachine.exceptions import TransitionNotAllowed
 
-from calexec.drivers import charts_mutate
+from calexec.drivers.tools import charts_mutate
 from calexec.machines import mutants
 from calexec.machines.charts import JobChart
 from calexec.machines.compiled import GuardRejected, IllegalTransition, compile_chart
-from calexec.machines.paths import GuardTable
+from chartpaths import GuardTable
 
 DOOR = '''
 from statemachine import State, StateMachine

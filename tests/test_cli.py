@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from calexec import __version__, cli
-from calexec.drivers.accept_rig import Progress
+from calexec.drivers.tools.accept.rig import Progress
 
 TIMEOUT_S = 120
 
@@ -187,9 +187,10 @@ sys.meta_path.insert(0, _Block())
 """
 
 #: modules that exist to serve HTTP or run Ray: the only ones allowed to need an extra
-SERVER_ONLY = {"calexec.drivers.server", "calexec.drivers.serve", "calexec.drivers.metrics",
-               "calexec.drivers.bench_server", "calexec.drivers.ray_serve",
-               "calexec.drivers.fleet_edge", "calexec.drivers.chaos"}
+SERVER_ONLY = {"calexec.drivers.serving.server", "calexec.drivers.serving.serve", "calexec.drivers.serving.metrics",
+               "calexec.drivers.tools.bench.server", "calexec.drivers.fleet.ray_serve",
+               "calexec.drivers.fleet.edge", "calexec.drivers.tools.chaos",
+               "calexec.drivers.serving.openai_api"}
 
 
 def test_the_core_and_the_tools_import_without_any_extra():

@@ -20,7 +20,7 @@ import pytest
 
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
-from calexec.drivers import calbin as cb
+from calexec.drivers.synthetic import calbin as cb
 from calexec.machines.faults import RecoveryPolicy
 from executor_harness import (SEED, arm, decode, deadline, expected_greedy, greedy,
                               oracle_golden, prefill, running_executor, settle, until,

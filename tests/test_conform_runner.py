@@ -14,9 +14,9 @@ import signal
 
 import pytest
 
-from calexec.drivers.conform import runner
-from calexec.drivers.conform.experiments import QUESTIONS, RESET_KINDS, classify_overlap, overlap_bounds
-from calexec.drivers.conform.rig import build_emulator_lib
+from calexec.drivers.tools.conform import runner
+from calexec.drivers.tools.conform.experiments import QUESTIONS, RESET_KINDS, classify_overlap, overlap_bounds
+from calexec.drivers.tools.conform.rig import build_emulator_lib
 
 JOBS, KV, CONFIG = 1, 2, 4
 

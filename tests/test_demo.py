@@ -1,6 +1,6 @@
 """``calexec demo`` (README's first command) runs through the executor and matches the oracle."""
 
-from calexec.drivers import demo
+from calexec.drivers.tools import demo
 
 
 def test_demo_runs_through_the_executor_and_matches_the_oracle(capsys):

@@ -11,12 +11,15 @@ import numpy as np
 import pytest
 
 from calexec.contracts.runtime_view import RuntimeModelInfo
-from calexec.drivers import calbin, oracle, simbench
-from calexec.drivers.demo import DirectRunner, check
-from calexec.drivers.runtime import CalRT, Did, JobStatus, Rc, Stage
+from calexec.drivers.tools.bench import sim as simbench
+from calexec.drivers.synthetic import oracle
+from calexec.drivers.synthetic import calbin
+from calexec.drivers import calrt as calrt_pkg
+from calexec.drivers.direct import DirectRunner, check
+from calexec.drivers.calrt.runtime import CalRT, Did, JobStatus, Rc, Stage
 
 SEED = 5
-CALRT_DIR = os.path.join(os.path.dirname(calbin.__file__), "calrt")
+CALRT_DIR = os.path.dirname(calrt_pkg.__file__)  # drivers/calrt: Makefile and the C sources
 
 
 def test_models_report_exact_names_tensors_csrs_and_meta(runner):

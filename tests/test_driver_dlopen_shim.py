@@ -7,7 +7,7 @@ functions through the API-mode ffi, so a vendor shim would have been silently ig
 
 import subprocess
 
-from calexec.drivers.runtime import CalRT
+from calexec.drivers.calrt.runtime import CalRT
 
 SHIM = r'''
 const char *calrt_version(void) { return "shim-1"; }

@@ -9,9 +9,10 @@ import time
 import numpy as np
 import pytest
 
-from calexec.drivers import calbin, oracle
-from calexec.drivers.demo import DirectRunner, check
-from calexec.drivers.runtime import CalRT, Did, Fault, FaultMode, JobStatus, Overlap, Rc, Scope, Stage, TaskType
+from calexec.drivers.synthetic import oracle
+from calexec.drivers.synthetic import calbin
+from calexec.drivers.direct import DirectRunner, check
+from calexec.drivers.calrt.runtime import CalRT, Did, Fault, FaultMode, JobStatus, Overlap, Rc, Scope, Stage, TaskType
 
 SEED = 0x1234
 D = calbin.DECODE

@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from calexec.drivers import calbin, oracle
-from calexec.drivers.demo import DirectRunner, check
-from calexec.drivers.runtime import CalRT, JobStatus
+from calexec.drivers.synthetic import oracle
+from calexec.drivers.synthetic import calbin
+from calexec.drivers.direct import DirectRunner, check
+from calexec.drivers.calrt.runtime import CalRT, JobStatus
 
 SEED = 0xBADC0DE
 

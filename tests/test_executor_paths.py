@@ -17,11 +17,11 @@ import pytest
 
 from calexec.contracts.status import Status
 from calexec.contracts.types import TaskKind
-from calexec.drivers.runtime import Stage
+from calexec.drivers.calrt.runtime import Stage
 from calexec.machines import executor as executor_module
 from calexec.machines.compiled import JOB, KV_TXN
 from calexec.machines.coverage import RECORDER
-from calexec.machines.paths import transition_paths
+from chartpaths import transition_paths
 from calexec.machines.pool import BufferPool, BufferSlot
 from executor_harness import running_job_path as running_executor
 from executor_harness import (arm, decode, deadline, greedy, prefill, until,

@@ -26,9 +26,9 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 
 from calexec.contracts.codes import DeviceJobStatus
 from calexec.contracts.status import Status
-from calexec.drivers import calbin as cb
-from calexec.drivers import oracle
-from calexec.drivers.runtime import Did, Fault, FaultMode, Stage
+from calexec.drivers.synthetic import calbin as cb
+from calexec.drivers.synthetic import oracle
+from calexec.drivers.calrt.runtime import Did, Fault, FaultMode, Stage
 from calexec.machines.job import InferenceResult
 from executor_harness import (SEED, deadline, decode, make_executor, oracle_golden, prefill,
                               write_calbin)

@@ -38,8 +38,8 @@ import pytest
 
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
-from calexec.drivers import oracle
-from calexec.drivers.runtime import Fault
+from calexec.drivers.synthetic import oracle
+from calexec.drivers.calrt.runtime import Fault
 from calexec.machines.faults import RecordingFaultSink
 from calexec.machines.job import InferenceResult, JobHandle
 from calexec.drivers.memory import pin_mmap_threshold

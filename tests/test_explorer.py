@@ -1,4 +1,4 @@
-"""The interleaving explorer (calexec.machines.explore, issue 14): the executor's real threads
+"""The interleaving explorer (calexec.drivers.tools.explore, issue 14): the executor's real threads
 run one at a time under a controlled scheduler with a virtual clock, the stepped emulator's
 stages are scheduling choices, and every schedule is checked (docs/testing.md).
 
@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
 
-from calexec.machines import explore as X
+from calexec.drivers.tools import explore as X
 
 SCHEDULES = int(os.environ.get("CALEXEC_EXPLORE_SCHEDULES",
                                "2000" if os.environ.get("CI") else "200"))

@@ -1,4 +1,4 @@
-"""The fleet edge (drivers/fleet_edge.py): which completions a replica relays to a sibling.
+"""The fleet edge (drivers/fleet/edge.py): which completions a replica relays to a sibling.
 
 No Ray here: the replica's app is a small ASGI app whose answer each test chooses, the relay is
 a plain function, and the sibling is a second edge reached through ``serve_relayed``, the same
@@ -14,7 +14,7 @@ import json
 import httpx
 import pytest
 
-from calexec.drivers.fleet_edge import (RELAYED_FROM, ReplicaEdge, read_body, relay_request,
+from calexec.drivers.fleet.edge import (RELAYED_FROM, ReplicaEdge, read_body, relay_request,
                                         serve_relayed)
 
 BODY = {"prompt": [1, 2], "max_tokens": 2}

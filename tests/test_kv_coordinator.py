@@ -245,11 +245,11 @@ def test_kv_reserve_len_is_checked_against_max_seq_and_sign():
     from calexec.contracts.manifest import default_manifest_path, load_manifest
     from calexec.contracts.prepare import InferenceRequest, check_request
     from calexec.contracts.types import TaskKind
-    from calexec.drivers import calbin as cb
+    from calexec.drivers.synthetic import calbin as cb
 
     import tempfile
 
-    from calexec.drivers.runtime import CalRT
+    from calexec.drivers.calrt.runtime import CalRT
     manifest = load_manifest(default_manifest_path())
     with tempfile.TemporaryDirectory() as tmp:  # the generation's contracts, as at start
         path = f"{tmp}/c.calbin"

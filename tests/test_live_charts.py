@@ -11,9 +11,8 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from calexec.contracts.status import Status
-from calexec.drivers.live_charts import TransitionRates, chromium_capture
-from calexec.drivers.server import ServerConfig, create_app
+from calexec.drivers.serving.live_charts import TransitionRates, chromium_capture
+from calexec.drivers.serving.server import ServerConfig, create_app
 from calexec.machines.compiled import CHARTS, JOB
 from test_server_support import LiveServer, started_executor
 

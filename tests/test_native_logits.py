@@ -15,7 +15,7 @@ from calexec.contracts.status import Status
 from calexec.drivers import alloccount
 from calexec.drivers._calexec_native import lib as native_lib
 from calexec.drivers.native import EBOUNDS, EDST, NONFINITE, OK, FusedLogits
-from calexec.drivers.runtime import CalRT
+from calexec.drivers.calrt.runtime import CalRT
 from calexec.machines.postprocess import bf16_all_finite, bf16_to_f32_into
 from executor_harness import decode, deadline, prefill, running_executor, write_calbin
 

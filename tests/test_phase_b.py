@@ -13,7 +13,7 @@ import pytest
 
 from calexec.contracts.status import Status
 from calexec.contracts.types import EngineSlot
-from calexec.drivers import oracle
+from calexec.drivers.synthetic import oracle
 from executor_harness import (SEED, arm, decode, deadline, prefill, running_executor,
                               running_job_path, settle, write_calbin)
 
@@ -121,7 +121,7 @@ def test_back_to_phase_a_is_configuration_only(calbin):
 def test_downgrade_is_visible_in_metrics(calbin):
     from fastapi.testclient import TestClient
 
-    from calexec.drivers.server import ServerConfig, create_app
+    from calexec.drivers.serving.server import ServerConfig, create_app
     from test_server_support import metric_value
 
     with running_job_path(calbin, "decode_us=1000", inflight_capacity=2, slots_per_kind=3,

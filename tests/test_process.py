@@ -1,4 +1,4 @@
-"""drivers/process.py: the GIL switch interval serving entry points set."""
+"""drivers/serving/process.py: the GIL switch interval serving entry points set."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from calexec.drivers.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
+from calexec.drivers.serving.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
 
 
 def test_sets_and_returns_the_previous_interval():

@@ -26,8 +26,8 @@ ray = needs.module("ray", "ray")
 serve = needs.module("ray.serve", "ray")
 
 from calexec.contracts.codes import CalrtCode  # noqa: E402 - after the optional import
-from calexec.drivers.fleet_edge import relay_request
-from calexec.drivers.ray_serve import (HEALTHY_STATES, ReplicaFailed, ReplicaSettings, build_app,
+from calexec.drivers.fleet.edge import relay_request
+from calexec.drivers.fleet.ray_serve import (HEALTHY_STATES, ReplicaFailed, ReplicaSettings, build_app,
                                        check_lifecycle, rank_by_lifecycle, routing_stats)
 from calexec.machines.compiled import LIFECYCLE
 from test_server_support import free_port, oracle_tokens, wait_for
@@ -214,7 +214,7 @@ def test_two_replicas_serve_concurrent_requests_and_both_take_traffic(proxy_url)
         == oracle_tokens([5, 6], 3)
     identity = handle.identity.remote().result()
     assert identity["lifecycle"] == "Ready" and identity["replica"] in served
-    # the relay path between replicas (drivers/fleet_edge.py) over a real streaming handle:
+    # the relay path between replicas (drivers/fleet/edge.py) over a real streaming handle:
     # ASGI messages come back one by one, the stream stays a stream
     request = relay_request({"method": "POST", "path": "/v1/completions", "query_string": b"",
                              "headers": [(b"content-type", b"application/json")]},
@@ -246,7 +246,7 @@ def test_compatibility_fault_fails_one_replica_ray_replaces_it(proxy_url):
     request is lost: the completions the failed replica cannot serve are served by the other.
 
     The request in flight on the failed device answers 500 there (§8: Compatibility); the
-    replica's edge (drivers/fleet_edge.py) sees its lifecycle left Ready, so at the fleet's level
+    replica's edge (drivers/fleet/edge.py) sees its lifecycle left Ready, so at the fleet's level
     this is a 503, and it relays the request once to the serving replica, which answers 200.
     Requests routed to the failed replica before the router learns its lifecycle (one
     routing-stats period, 0.05-0.26 s measured) are relayed on arrival. A client would see a

@@ -6,6 +6,7 @@ declared lifecycle transition reached through the executor."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import time
@@ -14,9 +15,9 @@ import numpy as np
 import pytest
 
 from calexec.contracts.errors import Category
-from calexec.contracts.status import Status
-from calexec.drivers import calbin as cb
-from calexec.drivers import oracle
+from calexec.contracts.status import Phase, Status
+from calexec.drivers.synthetic import calbin as cb
+from calexec.drivers.synthetic import oracle
 from calexec.machines.compiled import LIFECYCLE
 from calexec.machines.faults import Action, RecoveryPolicy
 from calexec.machines.pool import BufferPool
@@ -333,7 +334,7 @@ def lifecycle_scenarios(calbins):
     # Configuring -> Failed (FI01 at start: one character changed in the manifest)
     from calexec.contracts.manifest import load_manifest, default_manifest_path
     import attrs
-    from calexec.drivers.runtime import CalRT
+    from calexec.drivers.calrt.runtime import CalRT
     from calexec.machines.executor import DeviceExecutor, ExecutorConfig
     manifest = load_manifest(default_manifest_path())
     bad = attrs.evolve(manifest, submodels={
@@ -381,3 +382,28 @@ def test_transient_failures_that_quarantine_every_slot_trigger_a_rebuild(calbins
         # device-hung report, asked for the reset + rebuild; a transient alone never does
         assert ex.recoveries[-1]["reason"] in ("pool.exhausted", "device.hung")
         assert serves_oracle(ex, seq=3)
+
+
+def test_injected_faults_are_marked_injected_in_the_log(calbins, caplog):
+    """#15 §6: an operator reading the log tells an injected fault from a real one. The arm is
+    logged (``calexec.injected``) and the fault controller's line for the fault it caused says
+    INJECTED; the same kind of fault without an armed plan (a job past its deadline is never
+    injected) is not marked."""
+    caplog.set_level(logging.WARNING)
+    with running_executor(calbins["main"]) as ex:
+        greedy(ex, 1, PROMPT, 0)
+        arm(ex, "SUBMIT_RC", rc=18)
+        res = ex.enqueue(decode(1, 3, len(PROMPT))).wait_until(deadline())
+        assert isinstance(res, Status) and res.raw == 18
+        assert wait_state(ex, ("Ready",)) == "Ready"
+        armed = [r.getMessage() for r in caplog.records if r.name == "calexec.injected"]
+        assert armed and armed[0].startswith("INJECTED fault armed: point=SUBMIT_RC mode=NTH")
+        faults = [r.getMessage() for r in caplog.records if r.name == "calexec.faults"
+                  and "-> " in r.getMessage()]
+        assert faults and faults[-1].startswith("INJECTED fault "), faults
+        # a fault the plan did not fire: reported directly, no fired counter moved
+        caplog.clear()
+        ex.faults.report(Status.failure("device.test_real", Category.DEVICE, Phase.WAIT, "real"))
+        real = [r.getMessage() for r in caplog.records if r.name == "calexec.faults"]
+        assert real and real[-1].startswith("fault "), real
+        assert wait_state(ex, ("Ready",)) == "Ready"

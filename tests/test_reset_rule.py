@@ -20,11 +20,11 @@ import pytest
 
 from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.types import TaskKind
-from calexec.drivers import calbin
-from calexec.drivers.conform import report, runner
-from calexec.drivers.conform.rig import build_emulator_lib
+from calexec.drivers.synthetic import calbin
+from calexec.drivers.tools.conform import runner
+from calexec.drivers.tools.conform.rig import build_emulator_lib
 from calexec.drivers.device_spec import DeviceSpec, DeviceSpecError
-from calexec.drivers.runtime import ENV_LIB, Fault, FaultMode
+from calexec.drivers.calrt.runtime import ENV_LIB, Fault, FaultMode
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 from test_server_support import wait_for
 
@@ -152,8 +152,8 @@ def test_bundled_emulator_recovers_with_its_reset(tmp_path, monkeypatch):
 
 # ---- calexec serve: exits for its supervisor when the lifecycle is Failed ---------------------
 FAULT_AFTER_START = """
-import calexec.drivers.serve as serve
-from calexec.drivers.runtime import Fault, FaultMode
+import calexec.drivers.serving.serve as serve
+from calexec.drivers.calrt.runtime import Fault, FaultMode
 
 class FaultAfterStart(serve.DeviceExecutor):
     def start(self):

@@ -8,10 +8,10 @@ import threading
 import pytest
 from fastapi.testclient import TestClient
 
-from calexec.drivers import tokenizer
-from calexec.drivers.dumpsink import DumpConfigError, DumpSink
-from calexec.drivers.runtime import Emulator, Fault, FaultMode
-from calexec.drivers.server import ServerConfig, create_app
+from calexec.drivers.synthetic import tokenizer
+from calexec.drivers.serving.dumpsink import DumpConfigError, DumpSink
+from calexec.drivers.calrt.runtime import Emulator, Fault, FaultMode
+from calexec.drivers.serving.server import ServerConfig, create_app
 from test_server_support import SVG_ACTIVE, metric_value, oracle_tokens, started_executor, wait_for
 
 TOKEN = "test-admin-token"
@@ -231,7 +231,7 @@ def test_admin_disabled_without_a_configured_token(fresh):
 
 
 def test_admin_reload_switches_the_model_and_rolls_back_a_bad_one(fresh, tmp_path):
-    from calexec.drivers import calbin as cb
+    from calexec.drivers.synthetic import calbin as cb
     executor, app = fresh()
     other_seed = cb.DEFAULT_SEED ^ 0x77
     other = tmp_path / "other.calbin"

@@ -25,10 +25,10 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 import needs
-from calexec.drivers import tokenizer
-from calexec.drivers.runtime import Fault, FaultMode, Stage
-from calexec.drivers.serve import SAMPLE_REQUEST
-from calexec.drivers.server import ServerConfig, create_app
+from calexec.drivers.synthetic import tokenizer
+from calexec.drivers.calrt.runtime import Fault, FaultMode, Stage
+from calexec.drivers.serving.serve import SAMPLE_REQUEST
+from calexec.drivers.serving.server import ServerConfig, create_app
 from test_server_support import (LiveServer, metric_value, oracle_tokens, started_executor,
                                  wait_for)
 
@@ -205,7 +205,7 @@ def test_full_queue_is_429_with_retry_after(tmp_path):
     """The executor's admission token budget is the queue: over it, 429 + Retry-After."""
     from fastapi.testclient import TestClient
 
-    from calexec.drivers.server import ServerConfig, create_app
+    from calexec.drivers.serving.server import ServerConfig, create_app
     from test_server_support import started_executor
 
     executor = started_executor(tmp_path, max_pending_tokens=8)

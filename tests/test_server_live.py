@@ -14,9 +14,9 @@ import httpx
 import openai
 import pytest
 
-from calexec.drivers import tokenizer
-from calexec.drivers.runtime import Emulator
-from calexec.drivers.server import ServerConfig, create_app
+from calexec.drivers.synthetic import tokenizer
+from calexec.drivers.calrt.runtime import Emulator
+from calexec.drivers.serving.server import ServerConfig, create_app
 from test_server_support import (LiveServer, free_port, metric_value, oracle_tokens,
                                  started_executor, wait_for)
 
@@ -48,10 +48,11 @@ def test_openai_client_completions_and_streaming(live):
         reasons.append(chunk.choices[0].finish_reason)
     assert "".join(pieces) == done.choices[0].text
     assert reasons[-1] == "length" and set(reasons[:-1]) == {None}
-    text = client.completions.create(model="m", prompt="hi", max_tokens=2)
+    text = client.completions.create(model="qwen3_synthetic", prompt="hi", max_tokens=2)
     assert text.usage.prompt_tokens == 2
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model="m", prompt=[151936], max_tokens=1)
+        client.completions.create(model="calexec-qwen3-synthetic", prompt=[151936],
+                                  max_tokens=1)
     assert service.sequences.in_use == 0
 
 

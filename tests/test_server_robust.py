@@ -15,9 +15,9 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from calexec.drivers import calbin as cb
-from calexec.drivers.runtime import Stage
-from calexec.drivers.server import ServerConfig, create_app
+from calexec.drivers.synthetic import calbin as cb
+from calexec.drivers.calrt.runtime import Stage
+from calexec.drivers.serving.server import ServerConfig, create_app
 from test_server_support import (LiveServer, metric_value, oracle_tokens, started_executor,
                                  wait_for)
 
@@ -126,7 +126,7 @@ def test_a_request_finishing_during_a_refused_switch_gives_its_sequence_back(tmp
 
 
 def _body(**fields):
-    from calexec.drivers.server import CompletionBody
+    from calexec.drivers.serving.server import CompletionBody
     return CompletionBody(**fields)
 
 

@@ -11,9 +11,10 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from calexec.contracts.manifest import default_manifest_path, load_manifest
-from calexec.drivers import calbin, oracle
-from calexec.drivers.chaos import LiveServer  # noqa: F401 - re-exported for the server tests
-from calexec.drivers.runtime import CalRT
+from calexec.drivers.synthetic import oracle
+from calexec.drivers.synthetic import calbin
+from calexec.drivers.tools.chaos import LiveServer  # noqa: F401 - re-exported for the server tests
+from calexec.drivers.calrt.runtime import CalRT
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 
 

@@ -13,9 +13,9 @@ import pytest
 
 from calexec.contracts import goldens as gl
 from calexec.contracts.manifest import ManifestError, default_manifest_path, load_manifest
-from calexec.drivers import calbin as cb
-from calexec.drivers import golden as golden_cli
-from calexec.drivers.runtime import CalRT
+from calexec.drivers.synthetic import calbin as cb
+from calexec.drivers.tools import golden as golden_cli
+from calexec.drivers.calrt.runtime import CalRT
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 from executor_harness import SEED, oracle_golden, write_calbin
 from test_phase_b import TaskTypes
@@ -244,7 +244,7 @@ def test_programming_fault_switches_the_fixed_engine_path_off_until_generation_p
 
     from calexec.contracts.errors import Category
     from calexec.contracts.status import Status
-    from calexec.drivers.server import ServerConfig, create_app
+    from calexec.drivers.serving.server import ServerConfig, create_app
     from executor_harness import arm, deadline, prefill, running_executor
     from test_server_support import metric_value
 

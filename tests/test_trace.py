@@ -7,7 +7,7 @@ import json
 import math
 
 from calexec.contracts.types import JobTimings
-from calexec.drivers import bench
+from calexec.drivers.tools.bench import core as bench
 from calexec.drivers.trace import HOST_TID_BASE, TracedJob, trace_events, validate, write_trace
 
 

@@ -3,7 +3,7 @@
 ``calrt.h`` and ``calrt_emu.h`` are the single source of the C ABI: this module drops their
 preprocessor lines and hands the rest to ``ffi.cdef``. The compiled module
 ``calexec.drivers.calrt._calrt_emu`` therefore carries an ``ffi`` whose declarations also
-serve ``ffi.dlopen()`` of a vendor shim (see ``calexec.drivers.runtime``).
+serve ``ffi.dlopen()`` of a vendor shim (see ``calexec.drivers.calrt.runtime``).
 
 Run by setuptools (``cffi_modules`` in setup.py) at ``pip install -e .``.
 """

@@ -3,7 +3,7 @@
  * D2H, signal), the synthetic Qwen3 model, the DMA guard, fault firing and stale
  * completions. See emu_internal.h for the locking rules.
  *
- * Synthetic model (drivers/oracle.py is its numpy twin and must match bit for bit):
+ * Synthetic model (drivers/synthetic/oracle.py is its numpy twin and must match bit for bit):
  *   sm(z)            splitmix64 finaliser
  *   mix(s, tok, pos) = sm(s ^ u32(tok) * 0x9E3779B97F4A7C15 ^ u32(pos) * 0xC2B2AE3D27D4EB4F
  *                        ^ 0xD1B54A32D192ED03)

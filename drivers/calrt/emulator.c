@@ -3,7 +3,7 @@
  * buffers, the KV manager, infer/Wait validation and resets. The calrt_emu_ controls are
  * in emu_controls.c, the device threads and the job stages in emu_engine.c.
  *
- * Calbin file format (text, UTF-8, '\n' line ends; written by drivers/calbin.py):
+ * Calbin file format (text, UTF-8, '\n' line ends; written by drivers/synthetic/calbin.py):
  *   CALBIN 1                              header, exactly (else FILE_FORMAT)
  *   seed <u64>                            initial state of every sequence is sm(seed)
  *   model <name> <kind>                   kind: prefill_ids | prefill_embeds | decode

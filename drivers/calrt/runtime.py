@@ -1,0 +1,526 @@
+"""The cffi CalRT driver: thin Python objects over the C ABI of ``calrt/calrt.h``.
+
+Two loaders, one cdef: ``CalRT.load(None)`` uses the bundled emulator compiled in API mode
+(``calexec.drivers.calrt._calrt_emu``) unless ``CALEXEC_CALRT_LIB`` names a library;
+``CalRT.load(path)`` opens a vendor shim (or ``libcalrt_emu.so``) with ``ffi.dlopen`` using
+the same ``ffi`` object.
+
+Contract of every wrapper: it returns the raw CalRT integer code (``int``; 0 success), or a
+tuple whose first item is that code; it never raises for a runtime failure and never hides a
+code. Python-side misuse (a non-contiguous array, an unsupported numpy dtype) raises
+``ValueError`` naming the bad field, before anything reaches the runtime. Handles stay
+valid until destroyed or the device is closed; a stale handle yields code 4, never a crash.
+
+Each object keeps preallocated out-parameters so the hot path (``infer``, ``wait``,
+``get_status``) allocates nothing beyond what cffi needs; the getters of one object are
+therefore meant for one owner thread at a time (the completion thread owns a submitted
+output buffer, spec section 5.1).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import logging
+import os
+
+import numpy as np
+
+from calexec.contracts.runtime_view import RuntimeModelInfo, RuntimeTensorInfo
+from calexec.drivers.calrt._calrt_emu import ffi as _ffi
+from calexec.drivers.calrt._calrt_emu import lib as _emu_lib
+from calexec.drivers.native import FusedLogits
+
+#: fault injection (the emulator's fault plan): every armed point is logged here, marked
+#: INJECTED, so an injected fault is never mistaken for a real one in a log
+inject_log = logging.getLogger("calexec.injected")
+
+ENV_LIB = "CALEXEC_CALRT_LIB"
+
+
+def _enum(name: str, ctype: str, prefix: str) -> type[enum.IntEnum]:
+    """An IntEnum built from a C enum of the cdef (the header stays the single source)."""
+    members = {k[len(prefix):]: v for k, v in _ffi.typeof(ctype).relements.items() if k.startswith(prefix)}
+    return enum.IntEnum(name, sorted(members.items(), key=lambda kv: kv[1]))
+
+
+Rc = _enum("Rc", "calrt_rc", "CALRT_")  # Rc.SUCCESS, Rc.ERR_TIMEOUT, ...
+DType = _enum("DType", "calrt_dtype", "CALRT_DTYPE_")
+TaskType = _enum("TaskType", "calrt_task_type", "CALRT_TASK_")
+JobStatus = _enum("JobStatus", "calrt_job_status", "CALRT_JOB_")
+Overlap = _enum("Overlap", "calrt_emu_overlap", "CALRT_EMU_OVERLAP_")
+KvPolicy = _enum("KvPolicy", "calrt_emu_kv_policy", "CALRT_EMU_KV_")
+Scope = _enum("Scope", "calrt_emu_scope", "CALRT_EMU_SCOPE_")
+Fault = _enum("Fault", "calrt_emu_fault_point", "CALRT_EMU_FAULT_")
+FaultMode = _enum("FaultMode", "calrt_emu_fault_mode", "CALRT_EMU_MODE_")
+Stage = _enum("Stage", "calrt_emu_stage", "CALRT_EMU_STAGE_")
+Did = _enum("Did", "calrt_emu_did", "CALRT_EMU_DID_")
+
+# numpy dtype of host memory -> CalRT dtype (BF16 travels as uint16 bits).
+_NP_TO_DTYPE = {
+    np.dtype(np.uint8): DType.U8,
+    np.dtype(np.int32): DType.S32,
+    np.dtype(np.float32): DType.F32,
+    np.dtype(np.uint16): DType.BF16,
+    np.dtype(np.float16): DType.F16,
+    np.dtype(np.int64): DType.S64,
+}
+
+
+def dtype_name(code: int) -> str:
+    """calexec.contracts dtype name of a CalRT dtype code ("S32", "BF16", ...)."""
+    try:
+        return DType(code).name
+    except ValueError:
+        return f"UNKNOWN_{code}"
+
+
+def _host(ffi, arr: np.ndarray, what: str):
+    if not isinstance(arr, np.ndarray):
+        raise ValueError(f"{what}: expected a numpy array, got {type(arr).__name__}")
+    if not arr.flags.c_contiguous:
+        raise ValueError(f"{what}: array must be C-contiguous (it is mapped, not copied)")
+    code = _NP_TO_DTYPE.get(arr.dtype)
+    if code is None:
+        raise ValueError(f"{what}: unsupported numpy dtype {arr.dtype}")
+    return ffi.from_buffer(arr), int(code), arr.nbytes
+
+
+_ABI_FFI = None
+
+
+def _abi_ffi():
+    """The ABI-mode FFI for ``dlopen`` of an external implementation (one per process)."""
+    global _ABI_FFI
+    if _ABI_FFI is None:
+        from cffi import FFI
+
+        from calexec.drivers.calrt.build_ffi import cdef_text
+
+        ffi = FFI()
+        ffi.cdef(cdef_text())
+        _ABI_FFI = ffi
+    return _ABI_FFI
+
+
+class CalRT:
+    """A loaded CalRT library (the bundled emulator or a dlopen'ed shim)."""
+
+    def __init__(self, lib, path: str | None, ffi=_ffi) -> None:
+        self.ffi = ffi
+        self.lib = lib
+        self.path = path  # None for the bundled API-mode module
+        self.version = ffi.string(lib.calrt_version()).decode()
+        try:
+            lib.calrt_emu_get_counters  # noqa: B018 - probing for the emulator controls
+            self.has_emu = True
+        except AttributeError:
+            self.has_emu = False
+
+    @classmethod
+    def load(cls, lib_path: str | None = None) -> "CalRT":
+        """lib_path None: ``$CALEXEC_CALRT_LIB`` if set, else the bundled emulator."""
+        if lib_path is None:
+            lib_path = os.environ.get(ENV_LIB) or None
+        if lib_path is None:
+            return cls(_emu_lib, None)
+        # A plain (ABI-mode) FFI with the same cdef: the API-mode module's ffi.dlopen would
+        # resolve the names to the bundled emulator's own functions, not the library's.
+        ffi = _abi_ffi()
+        return cls(ffi.dlopen(lib_path), lib_path, ffi)
+
+    def logits_postprocessor(self) -> FusedLogits:
+        """A new fused native logits postprocess (drivers/native.py) for the executor's
+        completion path. Host code, not CalRT: the same whichever library is loaded."""
+        return FusedLogits()
+
+    def open_device(self, config: str = "") -> tuple[int, "Device | None"]:
+        out = self.ffi.new("calrt_device **")
+        rc = self.lib.calrt_device_open(config.encode(), out)
+        return rc, (Device(self, out[0]) if rc == 0 else None)
+
+
+class Device:
+    """One virtual device. ``emu`` is the emulator controls, or None for a vendor shim."""
+
+    __slots__ = ("rt", "_lib", "_ffi", "_h", "emu")
+
+    def __init__(self, rt: CalRT, handle) -> None:
+        self.rt = rt
+        self._lib = rt.lib
+        self._ffi = rt.ffi
+        self._h = handle
+        self.emu = Emulator(self) if rt.has_emu else None
+
+    def close(self) -> int:
+        return self._lib.calrt_device_close(self._h)
+
+    def injected_faults_fired(self) -> int | None:
+        """How many injected faults the emulator's fault plan has fired (None for a vendor
+        shim, which injects none): the fault controller marks a fault INJECTED in its log when
+        this moved since its last report."""
+        return None if self.emu is None else self.emu.injected_fired()
+
+    def dma_quiescent(self) -> bool | None:
+        """Proof that the device will write no host memory it was given before now (no stale
+        completion pending, §9.2 / FI14): True or False from the emulator's counters; None
+        for a vendor shim, which offers no such proof (retired host memory is then kept)."""
+        if self.emu is None:
+            return None
+        counters = self.emu.counters()
+        return bool(counters) and counters.get("stale_pending", 1) == 0
+
+    def load_calbin(self, path: str) -> tuple[int, "Calbin | None"]:
+        """(rc, Calbin). The sha256 is of the bytes read here; if Python cannot read the
+        file the runtime's own code (10/11) is returned."""
+        try:
+            with open(path, "rb") as f:
+                sha = hashlib.sha256(f.read()).hexdigest()
+        except OSError:
+            sha = None
+        out = self._ffi.new("calrt_calbin **")
+        rc = self._lib.calrt_calbin_load(self._h, os.fsencode(path), out)
+        if rc != 0:
+            return rc, None
+        if sha is None:  # readable by the runtime but not by us: do not report a generation
+            self._lib.calrt_calbin_unload(out[0])
+            return Rc.ERR_FILE_READ, None
+        return rc, Calbin(self, out[0], sha)
+
+    def configure(self, calbin: "Calbin") -> int:
+        return self._lib.calrt_configure(self._h, calbin._h)
+
+    def enable_parallel_mode(self, on: bool) -> int:
+        return self._lib.calrt_enable_parallel_mode(self._h, 1 if on else 0)
+
+    def reset_ccu(self) -> int:
+        return self._lib.calrt_reset_ccu(self._h)
+
+    def reset_configuration(self) -> int:
+        return self._lib.calrt_reset_configuration(self._h)
+
+    def reset(self) -> int:
+        return self._lib.calrt_reset(self._h)
+
+    def create_kv(self, calbin: "Calbin") -> tuple[int, "KvManager | None"]:
+        out = self._ffi.new("calrt_kv **")
+        rc = self._lib.calrt_kv_create(self._h, calbin._h, out)
+        return rc, (KvManager(self, out[0]) if rc == 0 else None)
+
+    def infer(self, model: "Model", kv: "KvManager", seq: int, inbuf: "InputBuf", outbuf: "OutputBuf") -> int:
+        return self._lib.calrt_infer(self._h, model._h, kv._h, seq, inbuf._h, outbuf._h)
+
+    def infer_with_fixed_task_type(self, model: "Model", kv: "KvManager", seq: int, inbuf: "InputBuf",
+                                   outbuf: "OutputBuf", task: int) -> int:
+        return self._lib.calrt_infer_with_fixed_task_type(self._h, model._h, kv._h, seq, inbuf._h, outbuf._h, task)
+
+
+class Calbin:
+    """A loaded calbin. ``sha256`` is of the file's bytes (identifies the generation)."""
+
+    __slots__ = ("device", "_lib", "_ffi", "_h", "sha256")
+
+    def __init__(self, device: Device, handle, sha256: str) -> None:
+        self.device = device
+        self._lib = device._lib
+        self._ffi = device._ffi
+        self._h = handle
+        self.sha256 = sha256
+
+    def models(self) -> tuple[int, list["Model"]]:
+        count = self._ffi.new("int32_t *")
+        rc = self._lib.calrt_get_all_models(self._h, self._ffi.NULL, 0, count)
+        if rc != 0:
+            return rc, []
+        arr = self._ffi.new("calrt_model *[]", max(count[0], 1))
+        rc = self._lib.calrt_get_all_models(self._h, arr, count[0], count)
+        return rc, ([Model(self, arr[i]) for i in range(count[0])] if rc == 0 else [])
+
+    def unload(self) -> int:
+        return self._lib.calrt_calbin_unload(self._h)
+
+
+class Model:
+    """One graph of a calbin; ``info`` is its RuntimeModelInfo (read once, cached)."""
+
+    __slots__ = ("calbin", "_lib", "_ffi", "_h", "_info")
+
+    def __init__(self, calbin: Calbin, handle) -> None:
+        self.calbin = calbin
+        self._lib = calbin._lib
+        self._ffi = calbin._ffi
+        self._h = handle
+        self._info: RuntimeModelInfo | None = None
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+    @property
+    def info(self) -> RuntimeModelInfo:
+        """Raises RuntimeError naming the code if the runtime refuses introspection."""
+        if self._info is None:
+            self._info = self._read_info()
+        return self._info
+
+    def _check(self, rc: int, what: str) -> None:
+        if rc != 0:
+            raise RuntimeError(f"CalRT {what} failed with code {rc}")
+
+    def _read_info(self) -> RuntimeModelInfo:
+        lib = self._lib
+        buf = self._ffi.new("char[]", 256)
+        n = self._ffi.new("int32_t *")
+        self._check(lib.calrt_model_name(self._h, buf, 256), "model_name")
+        name = self._ffi.string(buf).decode()
+        tinfo = self._ffi.new("calrt_tensor_info *")
+
+        def tensors(count_fn, info_fn) -> list[RuntimeTensorInfo]:
+            self._check(count_fn(self._h, n), f"{name}: tensor count")
+            out = []
+            for i in range(n[0]):
+                self._check(info_fn(self._h, i, tinfo), f"{name}: tensor info {i}")
+                out.append(RuntimeTensorInfo(
+                    name=self._ffi.string(tinfo.name).decode(),
+                    shape=[tinfo.shape[d] for d in range(tinfo.rank)],
+                    dtype=dtype_name(tinfo.dtype),
+                    byte_size=int(tinfo.byte_size),
+                    sliceable=bool(tinfo.sliceable),
+                ))
+            return out
+
+        inputs = tensors(lib.calrt_model_num_inputs, lib.calrt_model_input_info)
+        outputs = tensors(lib.calrt_model_num_outputs, lib.calrt_model_output_info)
+        self._check(lib.calrt_model_num_csrs(self._h, n), f"{name}: csr count")
+        csrs = []
+        for i in range(n[0]):
+            self._check(lib.calrt_model_csr_name(self._h, i, buf, 256), f"{name}: csr {i}")
+            csrs.append(self._ffi.string(buf).decode())
+        self._check(lib.calrt_model_num_meta(self._h, n), f"{name}: meta count")
+        meta = {}
+        val = self._ffi.new("int64_t *")
+        for i in range(n[0]):
+            self._check(lib.calrt_model_meta_at(self._h, i, buf, 256, val), f"{name}: meta {i}")
+            meta[self._ffi.string(buf).decode()] = int(val[0])
+        return RuntimeModelInfo(name=name, inputs=inputs, outputs=outputs, csr_names=csrs, meta=meta)
+
+    def meta(self, key: str) -> tuple[int, int]:
+        val = self._ffi.new("int64_t *")
+        rc = self._lib.calrt_model_meta(self._h, key.encode(), val)
+        return rc, int(val[0]) if rc == 0 else 0
+
+    def create_input_buf(self) -> tuple[int, "InputBuf | None"]:
+        out = self._ffi.new("calrt_inputbuf **")
+        rc = self._lib.calrt_inputbuf_create(self._h, out)
+        return rc, (InputBuf(self, out[0]) if rc == 0 else None)
+
+    def create_output_buf(self) -> tuple[int, "OutputBuf | None"]:
+        out = self._ffi.new("calrt_outputbuf **")
+        rc = self._lib.calrt_outputbuf_create(self._h, out)
+        return rc, (OutputBuf(self, out[0]) if rc == 0 else None)
+
+
+class InputBuf:
+    """InputBuf of one model. Mapped arrays stay referenced until remap or destroy."""
+
+    __slots__ = ("model", "_lib", "_ffi", "_h", "_arrays", "_n")
+
+    def __init__(self, model: Model, handle) -> None:
+        self.model = model
+        self._lib = model._lib
+        self._ffi = model._ffi
+        self._h = handle
+        self._arrays: dict[str, np.ndarray] = {}
+        self._n = self._ffi.new("int32_t *")
+
+    def map(self, tensor: str, arr: np.ndarray) -> int:
+        """MapBuf: the device reads arr at H2D; do not write it until the job completes."""
+        ptr, dtype, size = _host(self._ffi, arr, f"input tensor {tensor!r}")
+        rc = self._lib.calrt_inputbuf_map(self._h, tensor.encode(), dtype, ptr, size)
+        if rc == 0:
+            self._arrays[tensor] = arr
+        return rc
+
+    def slice(self, tensor: str, offset_elems: int, count_elems: int) -> int:
+        return self._lib.calrt_inputbuf_slice(self._h, tensor.encode(), offset_elems, count_elems)
+
+    def undo_slice(self, tensor: str) -> int:
+        return self._lib.calrt_inputbuf_undo_slice(self._h, tensor.encode())
+
+    def set_csr(self, name: str, value: int) -> int:
+        return self._lib.calrt_inputbuf_set_csr(self._h, name.encode(), value)
+
+    def active_slices(self) -> tuple[int, int]:
+        """Emulator only (UndoSlice-forgotten detection): (rc, tensors with an active slice)."""
+        rc = self._lib.calrt_emu_inputbuf_active_slices(self._h, self._n)
+        return rc, int(self._n[0]) if rc == 0 else 0
+
+    def destroy(self) -> int:
+        rc = self._lib.calrt_inputbuf_destroy(self._h)
+        if rc == 0:
+            self._arrays.clear()
+        return rc
+
+
+class OutputBuf:
+    """OutputBuf of one model; the device writes the mapped array at D2H."""
+
+    __slots__ = ("model", "_lib", "_ffi", "_h", "_array", "_status", "_bytes")
+
+    def __init__(self, model: Model, handle) -> None:
+        self.model = model
+        self._lib = model._lib
+        self._ffi = model._ffi
+        self._h = handle
+        self._array: np.ndarray | None = None
+        self._status = self._ffi.new("int32_t *")
+        self._bytes = self._ffi.new("uint64_t *")
+
+    def map(self, tensor: str, arr: np.ndarray) -> int:
+        ptr, dtype, size = _host(self._ffi, arr, f"output tensor {tensor!r}")
+        rc = self._lib.calrt_outputbuf_map(self._h, tensor.encode(), dtype, ptr, size)
+        if rc == 0:
+            self._array = arr
+        return rc
+
+    def wait(self, timeout_us: int) -> int:
+        """Blocks in C with the GIL released. 0 done, 13 timeout (see calrt.h)."""
+        return self._lib.calrt_wait(self._h, timeout_us)
+
+    def get_status(self) -> tuple[int, int]:
+        rc = self._lib.calrt_get_status(self._h, self._status)
+        return rc, self._status[0]
+
+    def valid_bytes(self) -> tuple[int, int]:
+        rc = self._lib.calrt_outputbuf_valid_bytes(self._h, self._bytes)
+        return rc, int(self._bytes[0])
+
+    def destroy(self) -> int:
+        rc = self._lib.calrt_outputbuf_destroy(self._h)
+        if rc == 0:
+            self._array = None
+        return rc
+
+
+class KvManager:
+    """The device's KvManager. can_allocate/apply are bools without a reason, as 0.7.6."""
+
+    __slots__ = ("device", "_lib", "_ffi", "_h", "block_size", "capacity_blocks", "max_seqs", "_len")
+
+    def __init__(self, device: Device, handle) -> None:
+        self.device = device
+        self._lib = device._lib
+        self._ffi = device._ffi
+        self._h = handle
+        self._len = self._ffi.new("uint32_t *")
+        bs, cap, free, seqs = (self._ffi.new("uint32_t *"), self._ffi.new("uint32_t *"), self._ffi.new("uint32_t *"),
+                               self._ffi.new("int32_t *"))
+        rc = self._lib.calrt_kv_geometry(handle, bs, cap, free, seqs)
+        if rc != 0:
+            raise RuntimeError(f"CalRT kv_geometry failed with code {rc}")
+        self.block_size = int(bs[0])
+        self.capacity_blocks = int(cap[0])
+        self.max_seqs = int(seqs[0])
+
+    def free_blocks(self) -> tuple[int, int]:
+        bs, cap, free, seqs = (self._ffi.new("uint32_t *"), self._ffi.new("uint32_t *"), self._ffi.new("uint32_t *"),
+                               self._ffi.new("int32_t *"))
+        rc = self._lib.calrt_kv_geometry(self._h, bs, cap, free, seqs)
+        return rc, int(free[0]) if rc == 0 else 0
+
+    def can_allocate(self, n_blocks: int) -> bool:
+        return bool(self._lib.calrt_kv_can_allocate(self._h, n_blocks))
+
+    def apply(self, seq: int, target_len: int) -> bool:
+        return bool(self._lib.calrt_kv_apply(self._h, seq, target_len))
+
+    def seq_len(self, seq: int) -> tuple[int, int]:
+        rc = self._lib.calrt_kv_seq_len(self._h, seq, self._len)
+        return rc, int(self._len[0]) if rc == 0 else 0
+
+    def release(self, seq: int) -> int:
+        return self._lib.calrt_kv_release(self._h, seq)
+
+    def destroy(self) -> int:
+        return self._lib.calrt_kv_destroy(self._h)
+
+
+_COUNTER_FIELDS = tuple(name for name, _ in _ffi.typeof("calrt_emu_counters").fields)
+
+
+def _name(enum_type, value: int) -> str:
+    try:
+        return enum_type(value).name
+    except ValueError:
+        return str(value)
+
+
+class Emulator:
+    """calrt_emu_ controls of a device (latency, knobs, faults, stepped mode, counters)."""
+
+    __slots__ = ("_lib", "_ffi", "_h", "_did", "_counters")
+
+    def __init__(self, device: Device) -> None:
+        self._lib = device._lib
+        self._ffi = device._ffi
+        self._h = device._h
+        self._did = self._ffi.new("int32_t *")
+        self._counters = self._ffi.new("calrt_emu_counters *")
+
+    def set_latency(self, h2d_us: int = 0, prefill_per_token_us: int = 0, decode_us: int = 0, d2h_us: int = 0) -> int:
+        return self._lib.calrt_emu_set_latency(self._h, h2d_us, prefill_per_token_us, decode_us, d2h_us)
+
+    def set_knob(self, key: str, value: int) -> int:
+        return self._lib.calrt_emu_set_knob(self._h, key.encode(), value)
+
+    def get_knob(self, key: str) -> tuple[int, int]:
+        val = self._ffi.new("int64_t *")
+        rc = self._lib.calrt_emu_get_knob(self._h, key.encode(), val)
+        return rc, int(val[0]) if rc == 0 else 0
+
+    def set_fault(self, point: int, mode: int, param: int = 1, seed: int = 0, rc: int = 0) -> int:
+        """Arm a fault point (see calrt_emu.h: NTH param=n, EVERY_K param=k, PROB param=ppm).
+        Logged (``calexec.injected``, marked INJECTED) when it is armed."""
+        result = self._lib.calrt_emu_fault_set(self._h, point, mode, param, seed, rc)
+        if result == 0 and mode != FaultMode.OFF:
+            inject_log.warning("INJECTED fault armed: point=%s mode=%s param=%d seed=%d rc=%d",
+                               _name(Fault, point), _name(FaultMode, mode), param, seed, rc)
+        return result
+
+    def injected_fired(self) -> int:
+        """Faults the fault plan has fired, summed over every point (each point counts from
+        the moment it was last armed)."""
+        return sum(self.fault_stats(p)[2] for p in Fault if p != Fault.COUNT)
+
+    def clear_fault(self, point: int) -> int:
+        return self._lib.calrt_emu_fault_clear(self._h, point)
+
+    def clear_all_faults(self) -> int:
+        rcs = [self.clear_fault(p) for p in Fault if p != Fault.COUNT]
+        return next((rc for rc in rcs if rc != 0), 0)
+
+    def fault_stats(self, point: int) -> tuple[int, int, int]:
+        """(rc, calls counted, fired) since the point was last set."""
+        calls, fired = self._ffi.new("uint64_t *"), self._ffi.new("uint64_t *")
+        rc = self._lib.calrt_emu_fault_stats(self._h, point, calls, fired)
+        return rc, int(calls[0]), int(fired[0])
+
+    def set_stepped(self, on: bool) -> int:
+        return self._lib.calrt_emu_set_stepped(self._h, 1 if on else 0)
+
+    def step(self, engine: int = 0, what: int = 0) -> tuple[int, int]:
+        """Advance engine by one stage (what=Stage.NONE), a named stage, or a whole job."""
+        rc = self._lib.calrt_emu_step(self._h, engine, what, self._did)
+        return rc, self._did[0]
+
+    def pending(self, engine: int = 0) -> tuple[int, int, int]:
+        """(rc, jobs queued or running, next stage of the head job)."""
+        jobs, stage = self._ffi.new("int32_t *"), self._ffi.new("int32_t *")
+        rc = self._lib.calrt_emu_pending(self._h, engine, jobs, stage)
+        return rc, int(jobs[0]), int(stage[0])
+
+    def counters(self) -> dict[str, int]:
+        """Counter name -> value; empty dict if the device handle is stale."""
+        if self._lib.calrt_emu_get_counters(self._h, self._counters) != 0:
+            return {}
+        return {name: int(getattr(self._counters, name)) for name in _COUNTER_FIELDS}

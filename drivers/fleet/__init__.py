@@ -1,0 +1,1 @@
+"""drivers/fleet: see docs/architecture.md."""

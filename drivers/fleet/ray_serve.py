@@ -1,0 +1,368 @@
+"""Ray Serve as router and supervisor: one replica per device (issue 9).
+
+Each replica of :func:`build_app`'s deployment is one Ray actor process that owns exactly one
+device (§5 invariant 1): it opens its own device (with the bundled emulator, its own emulator
+instance), writes the synthetic calbin into a replica-local temporary directory unless a calbin
+path is given, starts a ``DeviceExecutor`` (Configuring -> Warming -> golden -> Ready) and
+serves the reference server's app (``create_app``) as its FastAPI ingress: the same OpenAI-style
+completions, streaming, errors, /ready, /health and /metrics. Ray Serve routes HTTP requests
+across the replicas and supervises them:
+
+- ``check_health`` reads the lifecycle chart. Ready, Draining, Recovering, Configuring and
+  Warming are healthy (the executor recovers itself); Failed raises :class:`ReplicaFailed`, so
+  the Serve controller stops the replica and starts a new one: the supervisor restart of §9.1.
+  The replacement opens a fresh device and generation and passes its golden in its constructor
+  before Serve routes traffic to it.
+- Routing follows the lifecycle, not only the health check: every replica reports whether it
+  serves (``record_routing_stats``, pulled by the controller every
+  ``routing_stats_period_s``), and :class:`LifecycleRouter` (Serve's request-router API) ranks
+  replicas that do not serve (Failed, Recovering, Warming, draining...) after those that do.
+  A Failed replica therefore stops taking new requests within about one stats period plus the
+  controller's 0.1 s loop, instead of answering 503 until its third failed health check.
+- What a replica's device cannot serve is served by a sibling: the replica's app is wrapped
+  in the fleet edge (:class:`~calexec.drivers.fleet.edge.ReplicaEdge`), which relays a
+  completion once, before any byte reached the client, when it arrives while the replica does
+  not serve or is answered 503 here (or 500 after the failure took the device down). The relay
+  is a streaming handle call to this deployment's ``relay_http``, which
+  :class:`LifecycleRouter` never routes back to the relaying replica while another exists.
+- Scale-down, redeploy and ``serve.shutdown`` stop a replica gracefully: Serve stops routing to
+  it and waits for its ongoing requests, then the destructor drains the service (admission
+  refused, admitted requests finished) and shuts the executor down within
+  ``ReplicaSettings.grace_s``. The deployment's ``graceful_shutdown_timeout_s`` is set above
+  that grace so Ray does not kill the process mid-drain.
+- Per-replica metrics: each replica exports Ray Serve gauges (:data:`RAY_GAUGES`) tagged with
+  ``device``; Ray adds ``replica``, ``deployment`` and ``application``, and its metrics agent
+  serves them to Prometheus per node. The replica's own /metrics (the reference server's) is
+  reachable through the router too, one replica per request; every response carries
+  ``x-calexec-replica`` and ``x-calexec-device`` headers naming who served it.
+
+Ray is an optional extra (``pip install calexec[ray]``); this module imports it at import time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import socket
+import tempfile
+from typing import Any, AsyncIterator
+
+import attrs
+from ray import serve
+from ray.serve import metrics as serve_metrics
+from ray.serve.config import RequestRouterConfig
+from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+
+from calexec.drivers.fleet import registry as replica_registry
+from calexec.drivers.device_spec import DeviceSpec
+from calexec.drivers.fleet.edge import ReplicaEdge, serve_relayed
+from calexec.drivers.serving.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
+from calexec.drivers.calrt.runtime import Fault, FaultMode
+from calexec.drivers.serving.server import ServerConfig, create_app
+from calexec.machines.executor import DeviceExecutor, ExecutorConfig
+
+log = logging.getLogger("calexec.ray_serve")
+
+#: lifecycle states in which a replica is healthy: it serves, or recovers by itself.
+HEALTHY_STATES = frozenset({"Ready", "Draining", "Recovering", "Configuring", "Warming"})
+
+#: Ray Serve gauges exported by every replica (tag ``device``; Ray adds ``replica``):
+#: name -> (description, executor snapshot / server key).
+RAY_GAUGES: dict[str, tuple[str, str]] = {
+    "calexec_replica_ready": ("1 while the replica's lifecycle is Ready and not draining.",
+                              "ready"),
+    "calexec_replica_generation": ("Model generation id of the replica's device.", "generation"),
+    "calexec_replica_jobs_inflight": ("Jobs submitted to the replica's device.", "inflight"),
+    "calexec_replica_requests_running": ("Completion requests being served.", "active"),
+    "calexec_replica_jobs_succeeded": ("Jobs completed successfully (cumulative).",
+                                       "succeeded"),
+    "calexec_replica_jobs_failed": ("Jobs failed (cumulative).", "failed"),
+    "calexec_replica_requests_relayed": ("Completions this replica could not serve and relayed "
+                                         "to a sibling (cumulative).", "relayed"),
+}
+
+#: the handle method a replica relays completions through (see drivers/fleet/edge.py).
+RELAY_METHOD = "relay_http"
+
+
+class ReplicaFailed(RuntimeError):
+    """``check_health``'s verdict: the device lifecycle is not one the replica recovers from."""
+
+
+@attrs.frozen
+class ReplicaSettings:
+    """Settings of every replica of the deployment (one device each)."""
+
+    #: device config string passed to ``open_device`` (e.g. ``decode_us=10000``).
+    device_config: str = ""
+    #: calbin to serve; None writes the synthetic calbin into a replica-local temp dir.
+    calbin_path: str | None = None
+    #: CalRT shim library; None: ``$CALEXEC_CALRT_LIB`` or the bundled emulator.
+    runtime_lib: str | None = None
+    #: model manifest; None: the packaged synthetic one.
+    manifest_path: str | None = None
+    #: ``RecoveryPolicy.reset_kind``; None: the rule of drivers/device_spec.py (an external
+    #: library without an explicit kind gets "none", §9.1).
+    reset_kind: str | None = None
+    #: drain grace of a replica being stopped (requests, then executor shutdown).
+    grace_s: float = attrs.field(default=30.0, validator=attrs.validators.ge(0))
+    #: the reference server's settings (admin token, sequences, deadlines).
+    server: ServerConfig = attrs.field(factory=ServerConfig)
+    #: how often the Ray Serve gauges are refreshed.
+    metrics_period_s: float = attrs.field(default=1.0, validator=attrs.validators.gt(0))
+    #: GIL switch interval of the replica process in us (0: Python's default; drivers/serving/process.py)
+    gil_switch_us: int = attrs.field(default=SERVING_SWITCH_INTERVAL_US,
+                                     validator=attrs.validators.ge(0))
+
+
+def check_lifecycle(state: str, failure: Any = None) -> None:
+    """Raise :class:`ReplicaFailed` unless ``state`` is in :data:`HEALTHY_STATES`."""
+    if state not in HEALTHY_STATES:
+        raise ReplicaFailed(f"device lifecycle is {state}: {failure}")
+
+
+def routing_stats(state: str, serving: bool) -> dict[str, Any]:
+    """What a replica reports to the router (``record_routing_stats``): its lifecycle state and
+    whether it admits requests now (Ready and not draining)."""
+    return {"lifecycle": state, "serving": serving}
+
+
+def is_serving(stats: dict[str, Any]) -> bool:
+    """Whether the router should prefer a replica whose last report is ``stats``. A replica
+    with no report yet (``{}``: Serve has not pulled one since it started) counts as serving:
+    Serve marks a replica running only after its constructor, which ends with the golden run."""
+    return bool(stats.get("serving", True))
+
+
+class LifecycleRouter(FIFOMixin, RequestRouter):
+    """Serve request router: power of two choices among the replicas that serve, then among
+    the others.
+
+    Rank one holds two random replicas whose routing stats say they serve (:func:`is_serving`);
+    Serve sends the request to the one with the shorter queue. Only when neither can take it
+    (both at ``max_ongoing_requests``) or none serves does Serve try rank two, the replicas
+    that do not serve: their answer is the reference server's clear 503 + Retry-After, never a
+    request parked in the router. A replica's lifecycle reaches the router through the
+    controller (which pulls it) and a long poll: about ``request_routing_stats_period_s`` plus
+    one or two controller loops (0.1 s each) late."""
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        # so this process's relay can ask whether a sibling serves (drivers/fleet/registry.py
+        # says why this state is not kept in this module)
+        replica_registry.register_router(self)
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None
+                              ) -> list[list[RunningReplica]]:
+        relay = (pending_request is not None
+                 and pending_request.metadata.call_method == RELAY_METHOD)
+        me = replica_registry.self_replica() if relay else None
+        return rank_by_lifecycle(candidate_replicas, exclude=me)
+
+
+def rank_by_lifecycle(candidates: list[Any], exclude: Any = None) -> list[list[Any]]:
+    """:class:`LifecycleRouter`'s ranking of replicas (anything with ``routing_stats`` and
+    ``replica_id``): up to two random serving replicas, then up to two random others; empty
+    ranks are left out. ``exclude`` (a relaying replica's own id) is never chosen while
+    another replica exists; alone, it gets the request back and answers it itself (a relayed
+    request is never relayed again), so a relay is never parked in the router."""
+    if exclude is not None:
+        others = [r for r in candidates if r.replica_id != exclude]
+        candidates = others or candidates
+    serving = [r for r in candidates if is_serving(r.routing_stats)]
+    others = [r for r in candidates if not is_serving(r.routing_stats)]
+    ranks = [random.sample(serving, min(2, len(serving))),
+             random.sample(others, min(2, len(others)))]
+    return [rank for rank in ranks if rank]
+
+
+def sibling_serves(app_name: str, self_id: Any) -> bool:
+    """Whether a router of this process knows a replica of ``app_name`` other than ``self_id``
+    whose last routing stats say it serves (the relay's precondition)."""
+    for router in replica_registry.routers():
+        if router.app_name != app_name:
+            continue
+        # Serve replaces this dict (or pops a dead replica) on its router thread; list() copies
+        # it in one C-level pass under the GIL, so the copy is consistent
+        replicas = list(router.curr_replicas.values())
+        if any(r.replica_id != self_id and is_serving(r.routing_stats) for r in replicas):
+            return True
+    return False
+
+
+@serve.ingress()
+class CalexecReplica:
+    """One replica: one device, one executor, the reference server's app as ingress."""
+
+    def __init__(self, settings: ReplicaSettings) -> None:
+        """Open the device and start the executor (golden included); raise on failure so Ray
+        retries the constructor instead of routing to a replica that cannot serve."""
+        self.settings = settings
+        set_gil_switch_interval_us(settings.gil_switch_us)  # the process is this replica's
+        self._tmp = tempfile.TemporaryDirectory(prefix="calexec-replica-")
+        spec = DeviceSpec(manifest_path=settings.manifest_path, calbin_path=settings.calbin_path,
+                          runtime_lib=settings.runtime_lib, reset_kind=settings.reset_kind)
+        self.executor = DeviceExecutor(spec.runtime(), spec.manifest(), ExecutorConfig(
+            calbin_path=spec.calbin(self._tmp.name), device_config=settings.device_config,
+            recovery=spec.recovery()))
+        status = self.executor.start()
+        if not status.ok:
+            self._tmp.cleanup()
+            raise RuntimeError(f"calexec replica: executor failed to start: {status}")
+        self._app = create_app(self.executor, settings.server)
+        self.service = self._app.state.service
+        self.device = device_label(self.executor, settings)
+        replica_id = serve.get_replica_context().replica_id
+        replica_registry.set_self_replica(replica_id)
+        self.replica = replica_id.unique_id
+        self._app.add_middleware(ReplicaHeaders, replica=self.replica, device=self.device)
+        deployment = replica_id.deployment_id
+        self._siblings = serve.get_deployment_handle(deployment.name, deployment.app_name)
+        self._relay_handle = self._siblings.options(method_name=RELAY_METHOD, stream=True)
+        self.edge = ReplicaEdge(
+            self._app, replica=self.replica, serving=lambda: self.service.ready,
+            relay=lambda request: self._relay_handle.remote(request),
+            relay_target=lambda: sibling_serves(deployment.app_name, replica_id),
+            max_body_bytes=settings.server.max_body_bytes,
+            retry_after_s=settings.server.retry_after_s)
+        self._gauges = {name: serve_metrics.Gauge(name, doc, tag_keys=("device",))
+                        for name, (doc, _) in RAY_GAUGES.items()}
+        for gauge in self._gauges.values():
+            gauge.set_default_tags({"device": self.device})
+        loop = asyncio.get_running_loop()
+        self._metrics_task = loop.create_task(self._export_metrics())
+        self._warm_task = loop.create_task(self._warm_relay())
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return self.edge
+
+    async def relay_http(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """A sibling's relayed completion (drivers/fleet/edge.py), served by this replica's
+        edge and streamed back as ASGI messages; never relayed again."""
+        async for message in serve_relayed(self.edge, request):
+            yield message
+
+    async def _warm_relay(self) -> None:
+        """One call through this replica's own handle, so its router exists and follows the
+        deployment's replicas and their routing stats before a relay needs them."""
+        try:
+            await self._siblings.identity.remote()
+        except Exception as err:  # the relay then answers here (503) until a router exists
+            log.warning("relay handle warm-up failed: %r", err)
+
+    def check_health(self) -> None:
+        """Ray Serve's health probe: raises :class:`ReplicaFailed` when the lifecycle is
+        Failed (or Stopped), so the controller replaces this replica."""
+        check_lifecycle(self.executor.state, self.executor.failure)
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Ray Serve's routing-stats hook, pulled by the controller every
+        ``request_routing_stats_period_s`` and handed to :class:`LifecycleRouter`."""
+        return routing_stats(self.executor.state, self.service.ready)
+
+    def identity(self) -> dict[str, Any]:
+        """Which replica and device answered, and its lifecycle (handle calls, tests, ops)."""
+        snap = self.executor.snapshot()
+        return {"replica": self.replica, "device": self.device, "pid": os.getpid(),
+                "lifecycle": snap["lifecycle"], "generation": snap["generation"],
+                "succeeded": snap["succeeded"], "relayed": self.edge.relayed}
+
+    def inject_submit_fault(self, rc: int, nth: int = 1) -> dict[str, Any]:
+        """Emulator only: the ``nth`` next ``infer()`` on this replica's device returns ``rc``
+        (fault drills and tests). ``{"replica", "device", "rc"}``: the emulator's return code
+        (0: armed), or -1 on a vendor runtime (nothing armed)."""
+        device = self.executor.device
+        rc_armed = -1 if device is None or device.emu is None else device.emu.set_fault(
+            Fault.SUBMIT_RC, FaultMode.NTH, nth, 0, rc=rc)
+        return {"replica": self.replica, "device": self.device, "rc": rc_armed}
+
+    def _gauge_values(self) -> dict[str, float]:
+        snap = self.executor.snapshot()
+        values = {"ready": 1.0 if self.service.ready else 0.0,
+                  "generation": snap["generation"] or 0, "inflight": snap["inflight"],
+                  "active": self.service.active, "succeeded": snap["succeeded"],
+                  "failed": snap["failed"], "relayed": self.edge.relayed}
+        return {name: float(values[key]) for name, (_, key) in RAY_GAUGES.items()}
+
+    async def _export_metrics(self) -> None:
+        while True:
+            for name, value in self._gauge_values().items():
+                self._gauges[name].set(value)
+            await asyncio.sleep(self.settings.metrics_period_s)
+
+    async def __del__(self) -> None:
+        """Graceful stop (scale-down, redeploy, replacement, shutdown): Serve has stopped
+        routing here and waited for ongoing requests; drain what is left and shut the
+        executor down within ``grace_s``. Ray also calls this after a constructor that
+        raised; the executor then never started (nothing to drain)."""
+        if not hasattr(self, "_metrics_task"):
+            return
+        self._metrics_task.cancel()
+        self._warm_task.cancel()
+        status = await self.service.drain(self.settings.grace_s)
+        if not status.ok:
+            # a Failed replica being replaced ends here too: its reason is the executor's
+            log.warning("replica drain ended %s: %s", self.executor.state, status)
+        self._tmp.cleanup()
+
+
+class ReplicaHeaders:
+    """ASGI middleware: every HTTP response names the replica and device that served it
+    (``x-calexec-replica``, ``x-calexec-device``), streaming responses included."""
+
+    def __init__(self, app: Any, replica: str, device: str) -> None:
+        self.app = app
+        self._headers = [(b"x-calexec-replica", replica.encode()),
+                         (b"x-calexec-device", device.encode())]
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_headers(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *self._headers]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
+
+
+def device_label(executor: DeviceExecutor, settings: ReplicaSettings) -> str:
+    """The ``device`` metrics tag: ``host/emu-PID`` for the replica's own emulator instance,
+    ``host/DEVICE_CONFIG`` for a vendor runtime (the config string selects the device)."""
+    host = socket.gethostname()
+    if executor.device is not None and executor.device.emu is not None:
+        return f"{host}/emu-{os.getpid()}"
+    return f"{host}/{settings.device_config or 'default'}"
+
+
+def build_app(settings: ReplicaSettings, replicas: int, health_check_period_s: float = 0.5,
+              health_check_timeout_s: float = 10.0, routing_stats_period_s: float = 0.1) -> Any:
+    """The bound Serve application: ``replicas`` replicas of :class:`CalexecReplica`, routed
+    by :class:`LifecycleRouter`.
+
+    ``graceful_shutdown_timeout_s`` is the drain grace plus 10 s of headroom for the
+    executor's shutdown; one replica per device, so replicas take no Ray CPU (``num_cpus=0``)
+    and a device-bound cluster schedules them with a custom resource instead
+    (docs/deployment.md). Serve replaces a replica after 3 consecutive failed health checks
+    (about ``3 * health_check_period_s``); the router stops preferring it as soon as its
+    routing stats (pulled every ``routing_stats_period_s``) say it no longer serves."""
+    if replicas < 1:
+        raise ValueError(f"replicas={replicas}: must be >= 1")
+    if routing_stats_period_s <= 0:
+        raise ValueError(f"routing_stats_period_s={routing_stats_period_s}: must be > 0")
+    deployment = serve.deployment(
+        CalexecReplica, name="calexec", num_replicas=replicas,
+        ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=settings.server.max_sequences,
+        graceful_shutdown_wait_loop_s=0.2,
+        graceful_shutdown_timeout_s=settings.grace_s + 10.0,
+        health_check_period_s=health_check_period_s,
+        health_check_timeout_s=health_check_timeout_s,
+        request_router_config=RequestRouterConfig(
+            request_router_class=LifecycleRouter,
+            request_routing_stats_period_s=routing_stats_period_s))
+    return deployment.bind(settings)

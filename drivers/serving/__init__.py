@@ -1,0 +1,1 @@
+"""drivers/serving: see docs/architecture.md."""

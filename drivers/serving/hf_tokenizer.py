@@ -1,0 +1,104 @@
+"""The server's tokenizers: the synthetic model's byte-level one (drivers/synthetic/tokenizer.py,
+the default) or a Hugging Face ``tokenizer.json`` given by ``calexec serve --tokenizer PATH``,
+loaded with the ``tokenizers`` library (the ``[tokenizer]`` extra, imported only then). Both
+offer ``encode``, ``decode``, ``detokenizer()`` (incremental ``feed``/``flush``),
+``token_text``, ``token_bytes``, ``chat_template``, ``bos_token``, ``eos_token``,
+``eos_token_id``."""
+
+from __future__ import annotations
+
+from calexec.drivers.synthetic.tokenizer import ByteTokenizer
+
+
+class TokenizerLoadError(ValueError):
+    """``--tokenizer PATH`` cannot be loaded (the message names the path and why)."""
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizer.json`` through the ``tokenizers`` library (optional extra
+    ``calexec[tokenizer]``, imported only here). ``tokenizer_config.json`` next to it, when
+    present, gives the chat template (``chat_template``) and the special tokens (``bos_token``,
+    ``eos_token``); streaming decodes with ``tokenizers.decoders.DecodeStream``."""
+
+    def __init__(self, path: str) -> None:
+        import json
+        import os
+        try:
+            from tokenizers import Tokenizer
+        except ImportError as err:
+            raise TokenizerLoadError(f"--tokenizer={path!r}: the `tokenizers` library is not "
+                                     f"installed ({err}); pip install 'calexec[tokenizer]'") from None
+        file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        try:
+            self._tok = Tokenizer.from_file(file)
+        except Exception as err:  # the library raises its own Exception type
+            raise TokenizerLoadError(f"--tokenizer={path!r}: cannot load {file!r} as a "
+                                     f"tokenizer.json: {err}") from None
+        self.name = file
+        self.chat_template = None
+        self.bos_token = self.eos_token = ""
+        self.eos_token_id = None
+        config_file = os.path.join(os.path.dirname(os.path.abspath(file)), "tokenizer_config.json")
+        if os.path.isfile(config_file):
+            try:
+                with open(config_file, encoding="utf-8") as f:
+                    config = json.load(f)
+            except (OSError, ValueError) as err:
+                raise TokenizerLoadError(f"--tokenizer={path!r}: {config_file!r} is not "
+                                         f"readable JSON: {err}") from None
+            template = config.get("chat_template")
+            if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+                named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+                template = named.get("default")
+            self.chat_template = template if isinstance(template, str) else None
+            self.bos_token = _special(config.get("bos_token"))
+            self.eos_token = _special(config.get("eos_token"))
+            if self.eos_token:
+                self.eos_token_id = self._tok.token_to_id(self.eos_token)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._tok.decode(list(token_ids), skip_special_tokens=True)
+
+    def detokenizer(self) -> "_StreamDetokenizer":
+        return _StreamDetokenizer(self._tok)
+
+    def token_text(self, token_id: int) -> str:
+        return self._tok.decode([token_id], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        return list(self.token_text(token_id).encode("utf-8"))
+
+
+def _special(value: object) -> str:
+    """A special token of tokenizer_config.json: a string or ``{"content": ...}``."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else ""
+
+
+class _StreamDetokenizer:
+    """``feed``/``flush`` over ``tokenizers.decoders.DecodeStream``."""
+
+    def __init__(self, tok) -> None:
+        from tokenizers.decoders import DecodeStream
+        self._tok = tok
+        self._stream = DecodeStream(skip_special_tokens=True)
+
+    def feed(self, token_id: int) -> str:
+        return self._stream.step(self._tok, token_id) or ""
+
+    def flush(self) -> str:
+        return ""
+
+
+def load(path: str | None) -> ByteTokenizer | HFTokenizer:
+    """The tokenizer of ``--tokenizer PATH`` (a tokenizer.json or a directory holding one);
+    None: the byte-level tokenizer. Raises :class:`TokenizerLoadError` naming the path."""
+    return ByteTokenizer() if path is None else HFTokenizer(path)

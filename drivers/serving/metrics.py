@@ -1,0 +1,255 @@
+"""Prometheus metrics of the reference server (spec §10.3, S11), prefix ``calexec_``.
+
+Names follow vLLM's server metrics (``vllm:time_to_first_token_seconds`` ->
+``calexec_time_to_first_token_seconds``). Every histogram is fed from the timings of one job
+(``InferenceResult.timings``, S11: never a map shared by sequence id) or one request, when it
+ends. Gauges are read from ``DeviceExecutor.snapshot()`` at scrape time by a custom collector,
+so a scrape always shows the executor's current state. Each :class:`ServerMetrics` owns its own
+``CollectorRegistry``: apps can be built repeatedly in one process.
+
+==========================================  =========  =================================================
+name                                        type       labels / meaning
+==========================================  =========  =================================================
+calexec_time_to_first_token_seconds         histogram  request arrival -> prefill job completed
+calexec_time_per_output_token_seconds       histogram  each decode job, accepted -> completed
+calexec_e2e_request_latency_seconds         histogram  request arrival -> last token
+calexec_job_admission_wait_seconds          histogram  kind; accepted -> KV and token budget obtained
+calexec_job_queue_wait_seconds              histogram  kind; queued -> infer() accepted (§9.1 queue)
+calexec_job_device_wait_seconds             histogram  kind; time spent in Wait()
+calexec_job_h2d_seconds                     histogram  kind; host->device copy, when a job measured it
+calexec_job_d2h_seconds                     histogram  kind; device->host copy, when a job measured it
+calexec_job_postprocess_seconds             histogram  kind; output checks + BF16->FP32 conversion
+calexec_requests_total                      counter    stream, model_name; completion requests received
+calexec_request_success_total               counter    finished_reason (stop|length), model_name
+calexec_request_failures_total              counter    category, code, raw (CalRT code or "none"), model_name
+calexec_request_prompt_tokens               histogram  model_name; prompt tokens of each successful request
+calexec_request_generation_tokens           histogram  model_name; generated tokens of each successful request
+calexec_prompt_tokens_total                 counter    prompt tokens of successful requests
+calexec_generation_tokens_total             counter    generated tokens of successful requests
+calexec_executor_jobs_total                 counter    outcome; the executor's own job counters
+calexec_num_requests_running                gauge      completion requests being served
+calexec_jobs_inflight                       gauge      jobs submitted to the device (<= capacity)
+calexec_queue_depth                         gauge      jobs prepared and waiting for infer()
+calexec_pending_tokens                      gauge      admission token budget in use
+calexec_buffer_slots                        gauge      state (Free|Leased|InFlight|Quarantined|Retired)
+calexec_lifecycle_state                     gauge      state; 1 for the current lifecycle state
+calexec_generation                          gauge      current model generation id (0: none)
+calexec_kv_sequences_in_use                 gauge      KV sequence ids leased by the server
+calexec_kv_sequences_free                   gauge      KV sequence ids free to lease
+calexec_kv_sequences_withheld               gauge      sequence ids withheld after a failed release
+calexec_kv_sequences_capacity               gauge      sequence ids owned (= free + in use + withheld)
+calexec_kv_cache_usage_perc                 gauge      KV blocks reserved / KvManager capacity (0..1)
+calexec_server_draining                     gauge      1 while the server drains
+calexec_feature_disabled                    gauge      feature; 1 while a §8 PROGRAMMING fault keeps it off
+calexec_golden_unpinned                     gauge      1 while serving on a golden no file pins (§9.2)
+==========================================  =========  =================================================
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from calexec.contracts.status import Status
+from calexec.contracts.types import JobTimings, TaskKind
+from calexec.machines.compiled import BUFFER_SLOT, LIFECYCLE
+from calexec.machines.executor import FEATURES
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0)
+TPOT_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1,
+                0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0,
+               20.0, 30.0, 40.0, 50.0, 60.0)
+#: 1-2-5 steps up to the synthetic model's max_seq (40960) and beyond
+TOKEN_BUCKETS = tuple(m * 10 ** e for e in range(6) for m in (1, 2, 5) if m * 10 ** e <= 100000)
+STAGE_BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005,
+                 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+Snapshot = Callable[[], dict[str, Any]]
+
+
+class _ExecutorCollector(Collector):
+    """Scrape-time gauges and counters from the executor snapshot and the server's counts."""
+
+    def __init__(self, snapshot: Snapshot, server_gauges: Callable[[], dict[str, float]]) -> None:
+        self._snapshot = snapshot
+        self._server_gauges = server_gauges
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._snapshot()
+        yield _gauge("calexec_jobs_inflight", "Jobs submitted to the device.", snap["inflight"])
+        yield _gauge("calexec_queue_depth", "Jobs prepared and waiting for infer().",
+                     snap["queued"])
+        yield _gauge("calexec_pending_tokens", "Admission token budget in use.",
+                     snap["pending_tokens"])
+        yield _gauge("calexec_generation", "Current model generation id (0: none).",
+                     snap["generation"] or 0)
+        yield _gauge("calexec_inflight_capacity",
+                     "Effective in-flight capacity (2 in Phase B until a downgrade).",
+                     snap["inflight_capacity"])
+        recoveries = CounterMetricFamily("calexec_recoveries",
+                                         "Recoveries (drain, rebuild, golden) run by the executor.")
+        recoveries.add_metric([], snap["recoveries"])
+        yield recoveries
+        downgrades = CounterMetricFamily("calexec_pingpong_downgrades",
+                                         "Automatic Phase B downgrades to in-flight capacity 1.")
+        downgrades.add_metric([], snap["downgrades"])
+        yield downgrades
+        slots = GaugeMetricFamily("calexec_buffer_slots", "Buffer slots by BufferSlotChart state.",
+                                  labels=["state"])
+        counts = snap["slots"] or {}
+        for state in BUFFER_SLOT.states:
+            slots.add_metric([state], counts.get(state, 0))
+        yield slots
+        lifecycle = GaugeMetricFamily("calexec_lifecycle_state",
+                                      "1 for the device lifecycle's current state.",
+                                      labels=["state"])
+        for state in LIFECYCLE.states:
+            lifecycle.add_metric([state], 1.0 if snap["lifecycle"] == state else 0.0)
+        yield lifecycle
+        features = GaugeMetricFamily("calexec_feature_disabled",
+                                     "1 while a PROGRAMMING fault keeps the feature off (until "
+                                     "the next generation).", labels=["feature"])
+        for name in FEATURES:
+            features.add_metric([name], 1.0 if name in snap.get("disabled_features", ()) else 0.0)
+        yield features
+        yield _gauge("calexec_golden_unpinned", "1 while the current generation passed a golden "
+                     "no file pins (allow_unpinned_golden).",
+                     1.0 if snap.get("golden") == "unpinned" else 0.0)
+        jobs = CounterMetricFamily("calexec_executor_jobs", "Executor job outcomes.",
+                                   labels=["outcome"])
+        for outcome in ("submitted", "succeeded", "failed", "quarantined", "cancelled"):
+            jobs.add_metric([outcome], snap[outcome])
+        yield jobs
+        for name, value in self._server_gauges().items():
+            yield _gauge(name, _SERVER_GAUGE_HELP[name], value)
+
+
+_SERVER_GAUGE_HELP = {
+    "calexec_num_requests_running": "Completion requests being served.",
+    "calexec_kv_sequences_in_use": "KV sequence ids leased by the server.",
+    "calexec_kv_sequences_free": "KV sequence ids free to lease.",
+    "calexec_kv_sequences_withheld": "KV sequence ids withheld after a failed release.",
+    "calexec_kv_sequences_capacity": "KV sequence ids the server owns "
+                                     "(= free + in use + withheld).",
+    "calexec_server_draining": "1 while the server drains.",
+    "calexec_kv_cache_usage_perc": "KV blocks reserved by the sequences of the current "
+                                   "generation / the KvManager's capacity (0..1).",
+}
+
+
+def kv_usage_fraction(executor: Any) -> float:
+    """Blocks the current generation's KV coordinator holds reserved for its sequences over
+    the KvManager's capacity, from the coordinator's host-side view (no device call): 0 when
+    there is no generation or the runtime does not report its capacity."""
+    kvc = getattr(executor, "kvc", None)
+    if kvc is None:
+        return 0.0
+    capacity = kvc.capacity_blocks()
+    if not capacity:
+        return 0.0
+    with kvc.admission_mu:
+        views = list(kvc.seqs.values())
+    return min(1.0, sum(kvc.blocks_for(v.reserved_len) for v in views) / capacity)
+
+
+class _WithModel:
+    """A labelled metric whose last label, ``model_name``, is bound: ``labels(*rest)``."""
+
+    def __init__(self, metric: Any, model_name: str) -> None:
+        self.metric = metric
+        self.model_name = model_name
+
+    def labels(self, *values: str) -> Any:
+        return self.metric.labels(*values, self.model_name)
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+class ServerMetrics:
+    """The server's metrics in a registry of their own."""
+
+    def __init__(self, snapshot: Snapshot, server_gauges: Callable[[], dict[str, float]],
+                 model_name: str = "calexec") -> None:
+        """``server_gauges`` returns the values of the ``calexec_num_requests_running``,
+        ``calexec_kv_sequences_{in_use,free,withheld,capacity}``,
+        ``calexec_kv_cache_usage_perc`` and ``calexec_server_draining`` gauges.
+        ``model_name`` labels the request counters and token histograms (vLLM's label)."""
+        self.registry = CollectorRegistry()
+        reg = self.registry
+        self.ttft = Histogram("calexec_time_to_first_token_seconds",
+                              "Request arrival to the prefill job's completion.",
+                              buckets=TTFT_BUCKETS, registry=reg)
+        self.tpot = Histogram("calexec_time_per_output_token_seconds",
+                              "Decode job, accepted to completed.", buckets=TPOT_BUCKETS,
+                              registry=reg)
+        self.e2e = Histogram("calexec_e2e_request_latency_seconds",
+                             "Request arrival to its last token.", buckets=E2E_BUCKETS,
+                             registry=reg)
+        self.stages = {
+            name: Histogram(f"calexec_job_{name}_seconds", doc, ["kind"], buckets=STAGE_BUCKETS,
+                            registry=reg)
+            for name, doc in (("admission_wait", "Accepted to KV and token budget obtained."),
+                              ("queue_wait", "Queued to infer() accepted (queue deadline span)."),
+                              ("device_wait", "Time spent in Wait()."),
+                              ("h2d", "Host to device copy, when the job measured it."),
+                              ("d2h", "Device to host copy, when the job measured it."),
+                              ("postprocess", "Output checks and BF16->FP32 conversion."))
+        }
+        for kind in TaskKind:  # every family shows (count 0) before its first observation
+            for histogram in self.stages.values():
+                histogram.labels(kind.name.lower())
+        model = ["model_name"]
+        self.requests = _WithModel(Counter("calexec_requests", "Completion requests received.",
+                                           ["stream", *model], registry=reg), model_name)
+        self.success = _WithModel(Counter("calexec_request_success",
+                                          "Completion requests finished.",
+                                          ["finished_reason", *model], registry=reg), model_name)
+        self.failures = _WithModel(Counter(
+            "calexec_request_failures",
+            "Failed completion requests by category, code and raw CalRT code.",
+            ["category", "code", "raw", *model], registry=reg), model_name)
+        self.request_prompt_tokens = Histogram(
+            "calexec_request_prompt_tokens", "Prompt tokens of each successful request.", model,
+            buckets=TOKEN_BUCKETS, registry=reg).labels(model_name)
+        self.request_generation_tokens = Histogram(
+            "calexec_request_generation_tokens", "Generated tokens of each successful request.",
+            model, buckets=TOKEN_BUCKETS, registry=reg).labels(model_name)
+        self.prompt_tokens = Counter("calexec_prompt_tokens", "Prompt tokens of finished requests.",
+                                     registry=reg)
+        self.generation_tokens = Counter("calexec_generation_tokens",
+                                         "Generated tokens of finished requests.", registry=reg)
+        reg.register(_ExecutorCollector(snapshot, server_gauges))
+
+    def observe_job(self, kind: TaskKind, timings: JobTimings) -> None:
+        """One completed job's own timings (S11). ``h2d_ms``/``d2h_ms`` are observed only when
+        the job measured them (> 0): JobTimings' 0 means "not measured", and on CalRT 0.7.6 no
+        layer measures them (the copies run inside the device's job, between ``infer()`` and
+        ``Wait()``, so they are part of ``device_wait``): observing those zeros made the
+        histograms claim instant copies."""
+        label = kind.name.lower()
+        spans = {"admission_wait": timings.admission_wait_ms(),
+                 "queue_wait": timings.queue_wait_ms(), "device_wait": timings.device_wait_ms,
+                 "h2d": timings.h2d_ms or None, "d2h": timings.d2h_ms or None,
+                 "postprocess": timings.postprocess_ms}
+        for name, ms in spans.items():
+            if ms is not None:
+                self.stages[name].labels(label).observe(ms / 1000.0)
+        if kind == TaskKind.DECODE:
+            total = timings.total_ms()
+            if total is not None:
+                self.tpot.observe(total / 1000.0)
+
+    def observe_failure(self, status: Status) -> None:
+        self.failures.labels(status.category.value, status.code,
+                             "none" if status.raw is None else str(status.raw)).inc()
+
+    def exposition(self) -> bytes:
+        """The Prometheus text format of every metric."""
+        return generate_latest(self.registry)

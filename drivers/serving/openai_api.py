@@ -1,0 +1,656 @@
+"""The OpenAI surface of the reference server (issue 15 §4): request bodies, the parameter
+table (every known OpenAI parameter is implemented or refused with a 400 naming it), the chat
+template, response and stream chunk shapes, and the routes ``/v1/models``,
+``/v1/completions``, ``/v1/chat/completions``, ``/tokenize``, ``/detokenize``.
+
+The generation itself is ``CompletionService`` (drivers/serving/server.py): ``admit`` -> ``advance``
+(one token per call, chosen by drivers/serving/sampling.py) -> ``finish``. This module turns tokens
+into text (stop strings, echo, logprobs) and the OpenAI JSON. docs/server.md has the table.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from typing import Annotated, Any, Callable, Literal
+
+import attrs
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
+                      ValidationError)
+
+from calexec.contracts.errors import Category
+from calexec.contracts.status import Phase, Status
+from calexec.contracts.types import TaskKind
+from calexec.drivers.serving import sampling
+from calexec.drivers.serving.sampling import SamplingError, SamplingParams, TokenLogprobs
+
+Number = StrictInt | StrictFloat
+
+#: chat max_tokens when the body gives neither max_tokens nor max_completion_tokens (the KV of
+#: prompt + max_tokens is reserved up front: an "until the context is full" default would
+#: reserve the whole context for every chat request)
+CHAT_DEFAULT_MAX_TOKENS = 256
+#: the plain chat template (the tokenizer has none): one "role: content" line per message,
+#: then "assistant:" for the reply
+PLAIN_TEMPLATE_DOC = "{role}: {content}\\n per message, then 'assistant:'"
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+
+class _Body(BaseModel):
+    """Fields shared by completions and chat. Unknown fields are refused (400 naming them):
+    calexec never ignores a parameter it does not implement. Refused OpenAI parameters are
+    declared ``Any`` and checked by :func:`refusal` against their neutral values."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: StrictStr | None = None
+    stream: StrictBool = False
+    stream_options: dict[str, Any] | None = None
+    n: StrictInt = 1
+    temperature: Number | None = None
+    top_p: Number | None = None
+    top_k: StrictInt | None = None  # vLLM / llama-server extension
+    seed: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    stop_token_ids: list[StrictInt] | None = None  # vLLM extension
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    timeout: Number | None = Field(default=None, gt=0)  # calexec: per-request deadline (s)
+    user: StrictStr | None = None  # metadata: accepted, ignored
+    # refused unless neutral (see REFUSED)
+    logit_bias: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+
+
+class CompletionRequest(_Body):
+    """``POST /v1/completions``."""
+
+    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
+    logprobs: StrictInt | None = None
+    echo: StrictBool = False
+    best_of: Any = None
+    suffix: Any = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: StrictStr
+    content: StrictStr | list[dict[str, Any]] | None = None
+    name: StrictStr | None = None
+
+
+class ChatRequest(_Body):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
+    # metadata: accepted, ignored
+    metadata: dict[str, Any] | None = None
+    store: StrictBool | None = None
+    service_tier: StrictStr | None = None
+    prompt_cache_key: StrictStr | None = None
+    safety_identifier: StrictStr | None = None
+    parallel_tool_calls: StrictBool | None = None  # only means something with tools
+    # refused unless neutral
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+
+
+def _none_or(*values: Any) -> Callable[[Any], bool]:
+    return lambda v: v is None or v in values
+
+
+#: refused OpenAI parameter -> (value that is accepted because it changes nothing, why refused)
+REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "logit_bias": (lambda v: v is None or v == {}, "logit_bias is not supported"),
+    "presence_penalty": (_none_or(0, 0.0), "presence_penalty is not supported (only 0)"),
+    "frequency_penalty": (_none_or(0, 0.0), "frequency_penalty is not supported (only 0)"),
+    "best_of": (_none_or(1), "best_of > 1 is not supported"),
+    "suffix": (_none_or(""), "suffix (insertion) is not supported"),
+    "tools": (lambda v: v is None or v == [], "tools (function calling) are not supported"),
+    "tool_choice": (_none_or("none"), "tool_choice is not supported (only \"none\")"),
+    "functions": (lambda v: v is None or v == [], "functions are not supported"),
+    "function_call": (_none_or("none"), "function_call is not supported (only \"none\")"),
+    "response_format": (lambda v: v is None or v == {"type": "text"},
+                        "response_format is not supported (only {\"type\": \"text\"})"),
+    "modalities": (lambda v: v is None or v == ["text"], "only modalities [\"text\"]"),
+    "audio": (_none_or(), "audio output is not supported"),
+    "prediction": (_none_or(), "predicted outputs are not supported"),
+    "reasoning_effort": (_none_or(), "reasoning_effort is not supported"),
+    "verbosity": (_none_or(), "verbosity is not supported"),
+    "web_search_options": (_none_or(), "web search is not supported"),
+}
+
+
+def invalid(message: str) -> Status:
+    return Status.failure("request.invalid", Category.INVALID_REQUEST, Phase.VALIDATE, message)
+
+
+class Refusal(Exception):
+    """A request the server answers with an error: ``status``, ``param``, ``http_status``."""
+
+    def __init__(self, status: Status, param: str | None, http_status: int | None = None):
+        super().__init__(status.message)
+        self.status, self.param, self.http_status = status, param, http_status
+
+
+def parse(model: type[BaseModel], raw: bytes) -> Any:
+    """The validated body, or :class:`Refusal` naming the first bad field."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as err:
+        first = err.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        if first["type"] == "extra_forbidden":
+            raise Refusal(invalid(f"{param}: unknown parameter, refused (calexec does not "
+                                  "ignore parameters it does not implement; docs/server.md)"),
+                          param) from None
+        raise Refusal(invalid(f"{param or 'body'}: {first['msg']}"), param) from None
+
+
+def refusal(body: _Body) -> None:
+    """Raise :class:`Refusal` for the first refused parameter with a non-neutral value."""
+    for name, (neutral, why) in REFUSED.items():
+        if name in type(body).model_fields and not neutral(getattr(body, name)):
+            raise Refusal(invalid(f"{name}={getattr(body, name)!r:.80}: {why}"), name)
+    if body.n != 1:
+        raise Refusal(invalid(f"n={body.n}: only n=1 is supported"), "n")
+    if body.stream_options is not None:
+        if not body.stream:
+            raise Refusal(invalid("stream_options: only allowed with stream=true"),
+                          "stream_options")
+        unknown = set(body.stream_options) - {"include_usage", "continuous_usage_stats"}
+        if unknown:
+            raise Refusal(invalid(f"stream_options.{sorted(unknown)[0]}: unknown option"),
+                          "stream_options")
+        if body.stream_options.get("continuous_usage_stats"):
+            raise Refusal(invalid("stream_options.continuous_usage_stats: not supported"),
+                          "stream_options")
+        if not isinstance(body.stream_options.get("include_usage", False), bool):
+            raise Refusal(invalid("stream_options.include_usage: must be a boolean"),
+                          "stream_options")
+
+
+def include_usage(body: _Body) -> bool:
+    return bool(body.stream_options and body.stream_options.get("include_usage"))
+
+
+def sampling_params(body: _Body, logprobs: int | None) -> SamplingParams:
+    """The request's sampling parameters with a seed (drawn now when the body has none)."""
+    stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
+    try:
+        params = SamplingParams(
+            temperature=0.0 if body.temperature is None else float(body.temperature),
+            top_p=1.0 if body.top_p is None else float(body.top_p),
+            top_k=-1 if body.top_k is None else body.top_k, seed=body.seed, stop=stop,
+            stop_token_ids=body.stop_token_ids or (), logprobs=logprobs)
+    except SamplingError as err:
+        raise Refusal(invalid(str(err)), err.field.split("[")[0]) from None
+    return params.resolved()
+
+
+# ---- authentication and model names ---------------------------------------------------------
+def auth_refusal(request: Request, api_key: str | None) -> Refusal | None:
+    """None when no key is configured or ``Authorization: Bearer <key>`` matches (constant
+    time); else a 401 refusal."""
+    if api_key is None:
+        return None
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("utf-8"),
+                                                          api_key.encode("utf-8")):
+        return None
+    return Refusal(Status.failure("request.invalid_api_key", Category.INVALID_REQUEST, Phase.VALIDATE,
+                                  "missing or wrong API key: send Authorization: Bearer <key>"),
+                   None, 401)
+
+
+def model_refusal(name: str | None, served: tuple[str, ...]) -> Refusal | None:
+    """404 ``model_not_found`` unless ``name`` is absent or one of the served names."""
+    if name is None or name in served:
+        return None
+    return Refusal(Status.failure("request.model_not_found", Category.INVALID_REQUEST, Phase.VALIDATE,
+                                  f"model={name[:200]!r} does not exist; served: "
+                                  f"{list(served)}"), "model", 404)
+
+
+# ---- chat template --------------------------------------------------------------------------
+def message_text(message: ChatMessage, index: int) -> str:
+    """The text of a message: a string, or its ``text`` parts joined (other parts refused)."""
+    if message.role not in CHAT_ROLES:
+        raise Refusal(invalid(f"messages[{index}].role={message.role!r}: must be one of "
+                              f"{list(CHAT_ROLES)} (tool messages need tools: not supported)"),
+                      f"messages.{index}.role")
+    if message.content is None:
+        return ""
+    if isinstance(message.content, str):
+        return message.content
+    texts = []
+    for j, part in enumerate(message.content):
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise Refusal(invalid(f"messages[{index}].content[{j}].type="
+                                  f"{part.get('type')!r}: only text parts are supported"),
+                          f"messages.{index}.content")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def render_chat(messages: list[ChatMessage], tok: Any) -> str:
+    """The prompt text of ``messages``: the tokenizer's chat template (Jinja, sandboxed, as
+    transformers renders it) when it has one, else the plain template."""
+    plain = [{"role": m.role, "content": message_text(m, i)} for i, m in enumerate(messages)]
+    template = getattr(tok, "chat_template", None)
+    if not template:
+        return "".join(f"{m['role']}: {m['content']}\n" for m in plain) + "assistant:"
+    try:
+        return _jinja_template(template).render(
+            messages=plain, add_generation_prompt=True, bos_token=tok.bos_token,
+            eos_token=tok.eos_token)
+    except Refusal:
+        raise
+    except Exception as err:  # a template's raise_exception() or a rendering error
+        raise Refusal(invalid(f"messages: the chat template refused them: {err}"),
+                      "messages") from None
+
+
+_TEMPLATES: dict[str, Any] = {}
+
+
+def _jinja_template(source: str) -> Any:
+    compiled = _TEMPLATES.get(source)
+    if compiled is None:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str) -> None:
+            raise ValueError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: time.strftime(fmt)
+        compiled = _TEMPLATES[source] = env.from_string(source)
+    return compiled
+
+
+# ---- text, stop strings, logprobs -----------------------------------------------------------
+class TextOutput:
+    """Tokens -> text, cut at the first stop string (not included, like OpenAI). ``add``
+    returns the text that became final; text that could still start a stop string is held
+    back until it cannot. ``stopped`` once a stop string matched."""
+
+    def __init__(self, tok: Any, stop: tuple[str, ...]) -> None:
+        self._detok = tok.detokenizer()
+        self._stop = stop
+        self.text = ""
+        self._sent = 0
+        self.stopped = False
+
+    def add(self, token: int) -> str:
+        if self.stopped:
+            return ""
+        return self._emit(self.text + self._detok.feed(token), final=False)
+
+    def flush(self) -> str:
+        if self.stopped:
+            return ""
+        return self._emit(self.text + self._detok.flush(), final=True)
+
+    def _emit(self, text: str, final: bool) -> str:
+        if self._stop:
+            start = max(0, self._sent - max(len(s) for s in self._stop))
+            hits = [p for p in (text.find(s, start) for s in self._stop) if p >= 0]
+            if hits:
+                text = text[:min(hits)]
+                self.stopped = final = True
+        self.text = text
+        end = len(text) if final else len(text) - self._held(text)
+        piece = text[self._sent:end]
+        self._sent = max(self._sent, end)
+        return piece
+
+    def _held(self, text: str) -> int:
+        """Length of the longest end of ``text`` that starts some stop string."""
+        held = 0
+        for s in self._stop:
+            for n in range(min(len(s) - 1, len(text)), held, -1):
+                if s.startswith(text[-n:]):
+                    held = n
+                    break
+        return held
+
+
+def completion_logprobs(tok: Any, infos: list[TokenLogprobs], offset: int) -> dict[str, Any]:
+    """The legacy completions ``logprobs`` object."""
+    tokens = [tok.token_text(i.token) for i in infos]
+    offsets, at = [], offset
+    for text in tokens:
+        offsets.append(at)
+        at += len(text)
+    return {"tokens": tokens, "token_logprobs": [i.logprob for i in infos],
+            "top_logprobs": [{tok.token_text(t): lp for t, lp in i.top} for i in infos],
+            "text_offset": offsets}
+
+
+def chat_logprobs(tok: Any, infos: list[TokenLogprobs]) -> dict[str, Any]:
+    """The chat ``logprobs`` object: ``{"content": [...]}``."""
+    def entry(token: int, logprob: float) -> dict[str, Any]:
+        return {"token": tok.token_text(token), "logprob": logprob,
+                "bytes": tok.token_bytes(token)}
+    return {"content": [{**entry(i.token, i.logprob),
+                         "top_logprobs": [entry(t, lp) for t, lp in i.top]} for i in infos]}
+
+
+# ---- routes ---------------------------------------------------------------------------------
+@attrs.define
+class _Admission:
+    """What ``CompletionService.admit`` reads of a request."""
+
+    prompt: list[int]
+    max_tokens: int
+    stream: bool
+    timeout: float | None
+
+
+def add_routes(app: FastAPI, service: Any, fail: Callable[..., Response]) -> None:
+    """Register the OpenAI endpoints on ``app`` (``fail(status, param, http_status)`` renders
+    and counts an error)."""
+    from calexec.drivers.serving import server as srv  # server.py imports this lazily
+
+    config = service.config
+
+    def served_names() -> tuple[str, ...]:
+        names = [config.model_name]
+        manifest_name = getattr(getattr(service.executor, "manifest", None), "name", None)
+        if isinstance(manifest_name, str) and manifest_name not in names:
+            names.append(manifest_name)
+        return tuple(names)
+
+    def refused(err: Refusal) -> Response:
+        return fail(err.status, err.param, err.http_status)
+
+    async def read(request: Request, model: type[BaseModel]) -> Any:
+        auth = auth_refusal(request, config.api_key)
+        if auth is not None:
+            raise auth
+        raw = await srv._read_body(request, config.max_body_bytes)
+        if raw is None:
+            raise Refusal(invalid(f"request body exceeds max_body_bytes={config.max_body_bytes}"),
+                          None, 413)
+        body = parse(model, raw)
+        not_found = model_refusal(getattr(body, "model", None), served_names())
+        if not_found is not None:
+            raise not_found
+        return body
+
+    def max_seq() -> int | None:
+        generation = service.executor.generation
+        return None if generation is None else generation.submodels[TaskKind.DECODE].max_seq
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        auth = auth_refusal(request, config.api_key)
+        if auth is not None:
+            return refused(auth)
+        created = int(service.started_at)
+        return JSONResponse({"object": "list", "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "calexec",
+             "root": config.model_name, "parent": None, "max_model_len": max_seq()}
+            for name in served_names()]})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        try:
+            body = await read(request, CompletionRequest)
+            refusal(body)
+            prompt = body.prompt
+            if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+                raise Refusal(invalid("prompt: a list of prompts (batch) is not supported; "
+                                      "send one string or one list of token ids"), "prompt")
+            if body.echo and body.logprobs is not None:
+                raise Refusal(invalid("echo=true with logprobs needs the prompt's logprobs, "
+                                      "which are not computed"), "echo")
+            params = sampling_params(body, body.logprobs)
+            ids = service.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        except Refusal as err:
+            return refused(err)
+        echo = (prompt if isinstance(prompt, str) else service.tokenizer.decode(ids)) \
+            if body.echo else ""
+        admission = _Admission(ids, 16 if body.max_tokens is None else body.max_tokens,
+                               body.stream, body.timeout)
+        return await _generate(request, admission, params, _CompletionShape(echo),
+                               include_usage(body))
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        try:
+            body = await read(request, ChatRequest)
+            refusal(body)
+            top = body.top_logprobs
+            if top is not None and not body.logprobs:
+                raise Refusal(invalid(f"top_logprobs={top}: needs logprobs=true"),
+                              "top_logprobs")
+            if top is not None and not 0 <= top <= sampling.MAX_LOGPROBS:
+                raise Refusal(invalid(f"top_logprobs={top}: must be in "
+                                      f"[0, {sampling.MAX_LOGPROBS}]"), "top_logprobs")
+            if body.max_tokens is not None and body.max_completion_tokens is not None \
+                    and body.max_tokens != body.max_completion_tokens:
+                raise Refusal(invalid(f"max_completion_tokens={body.max_completion_tokens} "
+                                      f"and max_tokens={body.max_tokens} differ: give one"),
+                              "max_completion_tokens")
+            params = sampling_params(body, (top or 0) if body.logprobs else None)
+            text = render_chat(body.messages, service.tokenizer)
+            ids = service.tokenizer.encode(text, add_special_tokens=False)
+        except Refusal as err:
+            return refused(err)
+        wanted = body.max_completion_tokens or body.max_tokens or CHAT_DEFAULT_MAX_TOKENS
+        admission = _Admission(ids, wanted, body.stream, body.timeout)
+        return await _generate(request, admission, params, _ChatShape(), include_usage(body))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        try:
+            body = await read(request, TokenizeRequest)
+            if (body.prompt is None) == (body.messages is None):
+                raise Refusal(invalid("give exactly one of prompt and messages"), "prompt")
+            if body.prompt is not None:
+                ids = service.tokenizer.encode(body.prompt, body.add_special_tokens)
+            else:
+                ids = service.tokenizer.encode(render_chat(body.messages, service.tokenizer),
+                                               add_special_tokens=False)
+        except Refusal as err:
+            return refused(err)
+        return JSONResponse({"count": len(ids), "max_model_len": max_seq(), "tokens": ids,
+                             "token_strs": None})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        try:
+            body = await read(request, DetokenizeRequest)
+        except Refusal as err:
+            return refused(err)
+        return JSONResponse({"prompt": service.tokenizer.decode(body.tokens)})
+
+    async def _generate(request: Request, admission: _Admission, params: SamplingParams,
+                        shape: "_Shape", usage_chunk: bool) -> Response:
+        gen, status, param = service.admit(admission)
+        if gen is None:
+            return fail(status, param)
+        gen.sampling = params
+        out = TextOutput(service.tokenizer, params.stop)
+        shape.start(service, gen)
+        if admission.stream:
+            return await _stream(request, gen, out, shape, usage_chunk)
+        try:
+            async def run() -> None:
+                while (token := await service.advance(gen)) is not None:
+                    out.add(token)
+                    if out.stopped:
+                        gen.finish_reason = "stop"
+            await srv._until_disconnect(request, run)
+        finally:
+            await service.finish(gen, abandoned=True)
+        if gen.status is not None:
+            return fail(gen.status, count=False)  # counted by finish()
+        out.flush()
+        return JSONResponse(shape.whole(out.text, gen))
+
+    async def _stream(request: Request, gen: Any, out: TextOutput, shape: "_Shape",
+                      usage_chunk: bool) -> Response:
+        try:
+            first = await service.advance(gen)
+        except BaseException:
+            await service.finish(gen, abandoned=True)
+            raise
+        if gen.status is not None:
+            await service.finish(gen)
+            return fail(gen.status, count=False)
+
+        async def events():
+            token = first
+            try:
+                for chunk in shape.opening():
+                    yield srv._sse(chunk)
+                while token is not None:
+                    piece = out.add(token)
+                    if out.stopped:
+                        gen.finish_reason = "stop"
+                    yield srv._sse(shape.piece(piece, token, gen))
+                    token = await service.advance(gen)
+                if gen.status is not None:
+                    yield srv._sse({"error": srv.error_body(
+                        gen.status, srv._PARAM_OF_CODE.get(gen.status.code))})
+                else:
+                    yield srv._sse(shape.last(out.flush(), gen))
+                    if usage_chunk:
+                        yield srv._sse(shape.usage_chunk(gen))
+                    yield b"data: [DONE]\n\n"
+            finally:
+                await service.finish(gen, abandoned=True)
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's ``POST /tokenize``: ``prompt`` (+ ``add_special_tokens``) or chat ``messages``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: Literal[True] = True
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's ``POST /detokenize``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: StrictStr | None = None
+    tokens: list[Annotated[StrictInt, Field(ge=0, lt=1 << 31)]]
+
+
+def _usage(gen: Any) -> dict[str, int]:
+    return {"prompt_tokens": len(gen.prompt), "completion_tokens": len(gen.tokens),
+            "total_tokens": len(gen.prompt) + len(gen.tokens)}
+
+
+class _Shape:
+    """The JSON of one kind of response (completion or chat)."""
+
+    def start(self, service: Any, gen: Any) -> None:
+        self.service, self.gen, self.created = service, gen, int(time.time())
+        self.tok = service.tokenizer
+        self.sent_logprobs = 0
+
+    def _new_logprobs(self, gen: Any) -> list[TokenLogprobs]:
+        infos = gen.token_logprobs[self.sent_logprobs:]
+        self.sent_logprobs = len(gen.token_logprobs)
+        return infos
+
+    def opening(self) -> list[dict[str, Any]]:
+        return []
+
+    def usage_chunk(self, gen: Any) -> dict[str, Any]:
+        return {**self._head(chunk=True), "choices": [], "usage": _usage(gen)}
+
+
+class _CompletionShape(_Shape):
+    def __init__(self, echo: str) -> None:
+        self.echo = echo
+        self.text_at = 0
+
+    def _head(self, chunk: bool = False) -> dict[str, Any]:
+        return {"id": f"cmpl-{self.gen.request_id}", "object": "text_completion",
+                "created": self.created, "model": self.service.config.model_name}
+
+    def _choice(self, text: str, tokens: list[int], gen: Any, finish: str | None,
+                infos: list[TokenLogprobs] | None) -> dict[str, Any]:
+        logprobs = None
+        if gen.sampling.logprobs is not None and infos is not None:
+            logprobs = completion_logprobs(self.tok, infos, self.text_at)
+        self.text_at += len(text)
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish,
+                "token_ids": tokens}
+
+    def whole(self, text: str, gen: Any) -> dict[str, Any]:
+        return {**self._head(), "choices": [self._choice(
+            self.echo + text, gen.tokens, gen, gen.finish_reason, gen.token_logprobs)],
+            "usage": _usage(gen)}
+
+    def piece(self, text: str, token: int, gen: Any) -> dict[str, Any]:
+        if self.echo:
+            text, self.echo = self.echo + text, ""
+        return {**self._head(), "choices": [self._choice(text, [token], gen, None,
+                                                         self._new_logprobs(gen))]}
+
+    def last(self, text: str, gen: Any) -> dict[str, Any]:
+        return {**self._head(), "choices": [self._choice(text, [], gen, gen.finish_reason, [])],
+                "usage": _usage(gen)}
+
+
+class _ChatShape(_Shape):
+    def _head(self, chunk: bool = False) -> dict[str, Any]:
+        return {"id": f"chatcmpl-{self.gen.request_id}",
+                "object": "chat.completion.chunk" if chunk else "chat.completion",
+                "created": self.created, "model": self.service.config.model_name}
+
+    def _logprobs(self, gen: Any, infos: list[TokenLogprobs]) -> dict[str, Any] | None:
+        return None if gen.sampling.logprobs is None else chat_logprobs(self.tok, infos)
+
+    def whole(self, text: str, gen: Any) -> dict[str, Any]:
+        return {**self._head(), "choices": [{
+            "index": 0, "message": {"role": "assistant", "content": text},
+            "logprobs": self._logprobs(gen, gen.token_logprobs),
+            "finish_reason": gen.finish_reason, "token_ids": gen.tokens}],
+            "usage": _usage(gen)}
+
+    def opening(self) -> list[dict[str, Any]]:
+        return [{**self._head(chunk=True), "choices": [{
+            "index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            "finish_reason": None}]}]
+
+    def piece(self, text: str, token: int, gen: Any) -> dict[str, Any]:
+        return {**self._head(chunk=True), "choices": [{
+            "index": 0, "delta": {"content": text},
+            "logprobs": self._logprobs(gen, self._new_logprobs(gen)), "finish_reason": None,
+            "token_ids": [token]}]}
+
+    def last(self, text: str, gen: Any) -> dict[str, Any]:
+        return {**self._head(chunk=True), "choices": [{
+            "index": 0, "delta": {"content": text} if text else {}, "logprobs": None,
+            "finish_reason": gen.finish_reason}]}

@@ -1,0 +1,322 @@
+"""``calexec serve``: the reference HTTP server on the bundled emulator (or a vendor shim).
+
+``--once`` is the smoke run (README's run command): serve on an ephemeral loopback port, send
+one sample completion over the socket, print it as a curl command with the JSON response,
+drain and exit.
+
+Exit codes: 0 after a clean drain (SIGTERM/SIGINT, ``POST /admin/drain``, or the end of
+``--once``); 2 for bad arguments or configuration (one line naming the flag); 3 when the
+executor failed to start or its lifecycle ended ``Failed`` (work did not drain within
+``--grace``, or a device fault needed a reset that ``--reset-kind`` / ``--conform-report`` did
+not allow: with an external ``--runtime-lib`` and neither, the reset kind is ``none``, spec
+§9.1), so a supervisor restarts the process; 4 when the ``--once`` sample request did not
+return a completion.
+
+``--ray --replicas N`` serves the same app from N Ray Serve replicas, one device each
+(drivers/fleet/ray_serve.py, docs/deployment.md): it joins the cluster in ``$RAY_ADDRESS`` or starts
+a local one, serves until SIGTERM/SIGINT (or, with ``--once``, one sample completion), then
+shuts Serve down (each replica drains within ``--grace``) and exits 0; 3 when the deployment
+did not start. The library never exits the process; this module's ``main`` returns the code
+to the console script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import shlex
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, TextIO
+
+import attrs
+import uvicorn
+
+from calexec.drivers.memory import pin_mmap_threshold
+from calexec.drivers.serving.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
+from calexec import cliargs
+from calexec.drivers.synthetic import tokenizer
+from calexec.drivers.serving import hf_tokenizer
+from calexec.drivers.serving.dumpsink import DumpConfigError, DumpSink
+from calexec.drivers.serving.server import DrainingServer, ServerConfig, create_app
+from calexec.machines.executor import DeviceExecutor, ExecutorConfig
+
+EXIT_OK, EXIT_USAGE, EXIT_FAILED, EXIT_SAMPLE_FAILED = 0, 2, 3, 4
+
+#: ServerConfig's defaults the flags show (and ``--timeout`` is checked against at startup)
+_SERVER_DEFAULTS = attrs.fields(ServerConfig)
+MAX_TIMEOUT_S: float = _SERVER_DEFAULTS.max_timeout_s.default
+DEFAULT_MODEL_NAME: str = _SERVER_DEFAULTS.model_name.default
+DEFAULT_END_TOKEN: int = _SERVER_DEFAULTS.end_token_id.default
+
+#: the ``--once`` sample request body
+SAMPLE_REQUEST: dict[str, Any] = {"prompt": "Hello, Calculet!", "max_tokens": 8}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = cliargs.parser("calexec serve", __doc__)
+    p.add_argument("--host", default="127.0.0.1", help="bind address")
+    p.add_argument("--port", type=cliargs.port, help="TCP port (default 8000; with --once an "
+                                                      "ephemeral port)")
+    cliargs.add_device_args(p, reset=True)
+    p.add_argument("--allow-unpinned-golden", action="store_true",
+                   help="start (and /admin/reload) a calbin with no golden pinned by `calexec "
+                        "golden record` (its first warm-up is trusted; logged at WARNING)")
+    p.add_argument("--device-config", default="", help="device config string, e.g. "
+                   "'kv_blocks=64;decode_us=10000' (emulator keys: docs/emulator.md; a key the "
+                   "runtime refuses is named)")
+    p.add_argument("--served-model-name", default=DEFAULT_MODEL_NAME, metavar="NAME",
+                   help="the model name the API reports (requests may also name the "
+                        "manifest's model; any other `model` is a 404)")
+    p.add_argument("--tokenizer", metavar="PATH", help="a Hugging Face tokenizer.json (or its "
+                   "directory; tokenizer_config.json next to it gives the chat template and "
+                   "eos_token) loaded with the `tokenizers` library (pip install "
+                   "'calexec[tokenizer]'); default: the byte-level tokenizer of the synthetic "
+                   "model")
+    p.add_argument("--api-key", metavar="KEY", default=os.environ.get("CALEXEC_API_KEY"),
+                   help="OpenAI endpoints (/v1/*, /tokenize, /detokenize) need "
+                        "'Authorization: Bearer KEY' (default: $CALEXEC_API_KEY; unset: open); "
+                        "/health, /ready, /metrics stay open")
+    p.add_argument("--admin-token-file", type=Path, help="file holding the admin bearer "
+                   "token; without it the admin endpoints are disabled")
+    p.add_argument("--grace", type=cliargs.positive_float, default=30.0,
+                   help="drain grace in seconds")
+    p.add_argument("--max-sequences", type=cliargs.positive_int, default=32,
+                   help="KV sequence ids to lease")
+    p.add_argument("--timeout", type=cliargs.positive_float, default=30.0,
+                   help="default request deadline in seconds (at most the server's "
+                        f"max_timeout_s, {MAX_TIMEOUT_S:g})")
+    p.add_argument("--dump-dir", type=Path, help="enable the dump sink in this directory")
+    p.add_argument("--dump-max-bytes", type=cliargs.positive_int, default=16 << 20,
+                   help="dump size cap in bytes")
+    p.add_argument("--dump-prompts", action="store_true",
+                   help="also dump prompt and completion content (off by default)")
+    p.add_argument("--gil-switch-us", type=int, default=SERVING_SWITCH_INTERVAL_US,
+                   help="GIL switch interval in microseconds (0 keeps Python's 5000): shorter "
+                        "hand-offs between the executor's threads, see drivers/serving/process.py")
+    p.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
+                   help="log level (default info; with --once warning)")
+    p.add_argument("--ray", action="store_true",
+                   help="serve through Ray Serve, one replica per device (needs calexec[ray])")
+    p.add_argument("--replicas", type=int, help="with --ray: number of replicas/devices "
+                                                "(default 1)")
+    p.add_argument("--once", action="store_true",
+                   help="smoke run: serve, send one sample completion over loopback, print it "
+                        "as a curl command with the JSON response, drain and exit")
+    return p
+
+
+def _admin_token(path: Path | None) -> str | None:
+    if path is None:
+        return None
+    token = path.read_text(encoding="utf-8").strip()
+    if not token:
+        raise ValueError(f"--admin-token-file={str(path)!r} is empty")
+    return token
+
+
+@cliargs.command_main
+def main(argv: list[str]) -> int:
+    """Entry point; ``argv`` starts with the command word ``serve``."""
+    args = _parser().parse_args(argv[1:])
+    pin_mmap_threshold()  # a long-running server: freed buffers go back to the OS
+    port = args.port if args.port is not None else 0 if args.once else 8000
+    log_level = args.log_level or ("warning" if args.once else "info")
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        set_gil_switch_interval_us(args.gil_switch_us)
+        token = _admin_token(args.admin_token_file)
+        dump = None if args.dump_dir is None else DumpSink(
+            args.dump_dir.absolute(), args.dump_max_bytes, include_content=args.dump_prompts)
+        if args.timeout > MAX_TIMEOUT_S:  # refused here, not per request blaming the client
+            raise ValueError(f"--timeout={args.timeout:g}: above the server's largest request "
+                             f"deadline, max_timeout_s={MAX_TIMEOUT_S:g}")
+        if args.api_key is not None and not args.api_key.strip():
+            raise ValueError("--api-key is empty")
+        tokenizer_path = None if args.tokenizer is None else os.path.abspath(args.tokenizer)
+        loaded = hf_tokenizer.load(tokenizer_path)  # TokenizerLoadError names the path
+        end_token = DEFAULT_END_TOKEN if loaded.eos_token_id is None else loaded.eos_token_id
+        config = ServerConfig(admin_token=token, max_sequences=args.max_sequences,
+                              default_timeout_s=args.timeout, model_name=args.served_model_name,
+                              api_key=args.api_key, tokenizer_path=tokenizer_path,
+                              end_token_id=end_token)
+        if args.replicas is not None and not args.ray:
+            raise ValueError(f"--replicas={args.replicas} needs --ray")
+        if args.ray and dump is not None:
+            raise ValueError("--dump-dir is not supported with --ray")
+        if args.ray and (args.replicas or 1) < 1:
+            raise ValueError(f"--replicas={args.replicas}: must be >= 1")
+        spec = cliargs.device_spec(args)
+    except (OSError, ValueError, DumpConfigError) as err:
+        print(f"calexec serve: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.ray:
+        return _serve_ray(args, config, port, spec)
+    with tempfile.TemporaryDirectory(prefix="calexec-serve-") as tmp:
+        try:
+            runtime = spec.runtime()
+            spec.check_device_config(runtime, args.device_config)
+            reset_kind, why = spec.reset()
+            executor = DeviceExecutor(runtime, spec.manifest(), ExecutorConfig(
+                calbin_path=spec.calbin(tmp), device_config=args.device_config,
+                recovery=spec.recovery(),
+                allow_unpinned_golden=args.allow_unpinned_golden))
+        except (OSError, ValueError) as err:
+            print(f"calexec serve: {err}", file=sys.stderr)
+            return EXIT_USAGE
+        logging.getLogger("calexec.serve").info("reset_kind=%s from %s", reset_kind, why)
+        status = executor.start()
+        if not status.ok:
+            print(f"calexec serve: executor failed to start: {status}", file=sys.stderr)
+            return EXIT_FAILED
+        app = create_app(executor, config, dump)
+        sample = SampleRun(args.timeout + 10.0, sys.stdout, args.api_key) if args.once else None
+        if sample is not None:
+            sample.byte_level = args.tokenizer is None
+        server = DrainingServer(uvicorn.Config(app, host=args.host, port=port,
+                                               log_level=log_level, access_log=False),
+                                app.state.service, args.grace,
+                                on_started=None if sample is None else sample.start)
+        server.run()
+        service = app.state.service
+        if service.drain_status is None:  # left the loop without a drain (failed executor)
+            status = executor.shutdown(args.grace)
+        else:
+            status = service.drain_status
+        if not status.ok or executor.state != "Stopped":
+            print(f"calexec serve: executor ended {executor.state}: {status}", file=sys.stderr)
+            return EXIT_FAILED
+        if sample is not None:
+            if not sample.ok:
+                print("calexec serve --once: the sample request failed (see above)",
+                      file=sys.stderr)
+                return EXIT_SAMPLE_FAILED
+            print(f"drained: executor {executor.state}; exit {EXIT_OK}", file=sys.stdout,
+                  flush=True)
+        return EXIT_OK
+
+
+def _serve_ray(args: argparse.Namespace, config: ServerConfig, port: int, spec) -> int:
+    """``--ray``: deploy ``--replicas`` replicas behind Serve's proxy on ``--host:--port``."""
+    try:
+        import ray
+        from ray import serve
+
+        from calexec.drivers.fleet.ray_serve import ReplicaSettings, build_app
+    except ImportError as err:
+        print(f"calexec serve --ray: {err}; install the extra: pip install 'calexec[ray]'",
+              file=sys.stderr)
+        return EXIT_USAGE
+    if port == 0:  # --once: an ephemeral port the proxy can bind
+        with socket.socket() as s:
+            s.bind((args.host, 0))
+            port = s.getsockname()[1]
+    settings = ReplicaSettings(device_config=args.device_config, calbin_path=args.calbin,
+                               runtime_lib=args.runtime_lib, grace_s=args.grace, server=config,
+                               gil_switch_us=args.gil_switch_us, manifest_path=args.manifest,
+                               reset_kind=spec.reset()[0])
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False)
+    try:
+        serve.start(http_options={"host": args.host, "port": port})
+        try:
+            serve.run(build_app(settings, args.replicas or 1), name="calexec", route_prefix="/")
+        except RuntimeError as err:  # a replica could not start (see the replica logs)
+            print(f"calexec serve --ray: deployment failed: {err}", file=sys.stderr)
+            return EXIT_FAILED
+        url = f"http://{args.host}:{port}"
+        if args.once:
+            ok = SampleRun(args.timeout + 10.0, sys.stdout, args.api_key).request(url)
+            return EXIT_OK if ok else EXIT_SAMPLE_FAILED
+        print(f"calexec serve --ray: {args.replicas or 1} replica(s) serving {url}", flush=True)
+        stop.wait()
+        return EXIT_OK
+    finally:
+        serve.shutdown()  # replicas drain within --grace (graceful_shutdown_timeout_s)
+        ray.shutdown()
+
+
+class SampleRun:
+    """``--once``: from a worker thread, send :data:`SAMPLE_REQUEST` to the running server,
+    print it as a curl command and the JSON response, then start the drain (always, so the
+    process ends). ``ok`` is True only when a completion came back with HTTP 200."""
+
+    def __init__(self, timeout_s: float, out: TextIO, api_key: str | None = None) -> None:
+        self.timeout_s = timeout_s
+        self.out = out
+        self.api_key = api_key
+        self.byte_level = True  # the sample's note on the tokenizer (False with --tokenizer)
+        self.ok = False
+
+    def start(self, server: DrainingServer, url: str) -> None:
+        """``DrainingServer.on_started``: never blocks the event loop."""
+        threading.Thread(target=self._run, args=(server, url), name="calexec-serve-once",
+                         daemon=True).start()
+
+    def _run(self, server: DrainingServer, url: str) -> None:
+        try:
+            self.ok = self.request(url)
+        finally:
+            server.drain_soon()
+
+    def request(self, url: str) -> bool:
+        """Send the sample to ``url`` and print it; True for an HTTP 200 completion."""
+        endpoint = f"{url}/v1/completions"
+        body = json.dumps(SAMPLE_REQUEST)
+        say = self._say
+        say(f"calexec serve --once: the synthetic calbin on the bundled emulator, serving {url}")
+        say("sample request:")
+        headers = {"content-type": "application/json"}
+        auth = ""
+        if self.api_key is not None:
+            headers["authorization"] = f"Bearer {self.api_key}"
+            auth = " -H \"Authorization: Bearer $CALEXEC_API_KEY\""
+        say(f"  curl -s {endpoint} -H 'content-type: application/json'{auth} "
+            f"-d {shlex.quote(body)}")
+        request = urllib.request.Request(endpoint, data=body.encode("utf-8"), method="POST",
+                                         headers=headers)
+        t0 = time.monotonic()
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                code, raw = response.status, response.read()
+        except urllib.error.HTTPError as err:
+            code, raw = err.code, err.read()
+        except (OSError, ValueError) as err:  # connection refused/reset, timeout
+            say(f"request failed: {err}")
+            return False
+        ms = (time.monotonic() - t0) * 1000.0
+        try:
+            reply = json.loads(raw)
+        except ValueError:
+            say(f"response (HTTP {code}, {ms:.1f} ms) is not JSON: {raw[:200]!r}")
+            return False
+        say(f"response (HTTP {code}, {ms:.1f} ms):")
+        # indented, but lists of numbers (token_ids) kept on one line
+        say(re.sub(r"\[[\d,\s]*\]", lambda m: json.dumps(json.loads(m.group(0))),
+                   json.dumps(reply, indent=2)))
+        if code != 200:
+            return False
+        choice = reply["choices"][0]
+        say(f"completion: {reply['usage']['completion_tokens']} tokens after "
+            f"{reply['usage']['prompt_tokens']} prompt tokens, finish_reason="
+            f"{choice['finish_reason']}, text {choice['text']!r}")
+        if self.byte_level:
+            say(f"  (byte-level tokenizer: ids {tokenizer.BYTE_OFFSET}.."
+                f"{tokenizer.BYTE_OFFSET + 255} are UTF-8 bytes, other ids print as <id>; the "
+                "synthetic model's weights are random)")
+        return True
+
+    def _say(self, line: str) -> None:
+        print(line, file=self.out, flush=True)

@@ -1,0 +1,902 @@
+"""The reference HTTP server: one ``DeviceExecutor`` embedded in a FastAPI app (issue 6).
+
+``create_app(executor, config, dump)`` builds the app around an executor that is already
+started; ``CompletionService`` (``app.state.service``) does the work; ``DrainingServer`` is the
+uvicorn server whose SIGTERM/SIGINT starts a drain instead of an immediate stop. docs/server.md
+is the reference for endpoints, errors, metrics and the tokenizer.
+
+One completion: validate -> lease a KV sequence id from the free list -> PREFILL_IDS job at
+past_len 0 reserving the KV of the whole request (prompt + max_tokens, all or nothing: no hold
+and wait, §7) -> DECODE jobs feeding the greedy token back, until ``max_tokens``, the end
+token, the deadline or an error -> answer -> once the last job is resolved,
+``executor.release_sequence`` -> id back to the free list (in the background when the job is
+still running: a response is never later than the request deadline plus
+``ServerConfig.deadline_slack_s``, and an id is never reused before its job ended). Blocking
+executor calls (``enqueue``, ``JobHandle.wait_until``) run in worker threads under per-app
+``CapacityLimiter``s (a prefill that may wait for KV never takes the threads the running
+requests need); the event loop never blocks on the device. A request whose client disconnects
+is cancelled (FI12: ``JobHandle.cancel()``; a submitted job is still waited for and its result
+discarded) and its sequence released once the job ends.
+
+Errors are §8 Status values rendered with ``Status.http_status``; the body has the OpenAI shape
+``{"error": {"message", "type", "code", "param"}}`` plus ``"status": Status.to_dict()``; 429
+and 503 carry ``Retry-After``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hmac
+import itertools
+import json
+import logging
+import math
+import os
+import signal
+import stat
+import threading
+import time
+from types import FrameType
+from typing import Any, Callable, Literal
+
+import anyio
+import attrs
+import numpy as np
+import uvicorn
+from anyio import to_thread
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+from calexec.contracts.errors import Category
+from calexec.contracts.prepare import InferenceRequest
+from calexec.contracts.status import Phase, Status
+from calexec.contracts.types import TaskKind
+from calexec.drivers.synthetic import tokenizer
+from calexec.drivers.serving import hf_tokenizer, sampling
+from calexec.drivers.serving.dumpsink import DumpSink
+from calexec.drivers.serving.metrics import ServerMetrics, kv_usage_fraction
+from calexec.machines.compiled import CHARTS, JOB
+from calexec.drivers.serving.live_charts import TransitionRates, live_state, path_page
+from calexec.drivers.serving.live_charts import page as live_page
+from calexec.machines.diagrams import render_chart_svg
+
+log = logging.getLogger("calexec.server")
+
+
+@attrs.frozen
+class ServerConfig:
+    """Operational settings of the server (the model's limits come from the executor)."""
+
+    #: admin bearer token; None disables the admin endpoints (always 403).
+    admin_token: str | None = None
+    model_name: str = "calexec-qwen3-synthetic"
+    #: OpenAI endpoints need ``Authorization: Bearer <api_key>`` when set (docs/server.md)
+    api_key: str | None = None
+    #: a Hugging Face tokenizer.json (or its directory); None: the byte-level tokenizer
+    tokenizer_path: str | None = None
+    #: completion request body limit (413 above it).
+    max_body_bytes: int = attrs.field(default=1 << 20, validator=attrs.validators.gt(0))
+    #: per-request deadline when the body gives no ``timeout``; and the largest one accepted.
+    default_timeout_s: float = attrs.field(default=30.0, validator=attrs.validators.gt(0))
+    max_timeout_s: float = attrs.field(default=600.0, validator=attrs.validators.gt(0))
+    #: KV sequence ids the server leases to requests: 1..max_sequences (0 is the golden run's).
+    max_sequences: int = attrs.field(default=32, validator=attrs.validators.ge(1))
+    #: worker threads for blocking executor calls: this many for prefills (which may wait for
+    #: KV or a slot) and as many again for the decodes and waits of running requests.
+    worker_threads: int = attrs.field(default=16, validator=attrs.validators.ge(1))
+    #: Retry-After seconds on 429 and 503.
+    retry_after_s: int = attrs.field(default=1, validator=attrs.validators.ge(0))
+    end_token_id: int = tokenizer.END_TOKEN_ID
+    #: one bounded wait (s) of the background release of a sequence id for its last job to
+    #: end / the device to let go; repeated until the executor is Stopped or Failed.
+    release_wait_s: float = attrs.field(default=60.0, validator=attrs.validators.gt(0))
+    #: a response (or a stream's last event) is sent at most this long after the request's
+    #: deadline, hung device or not (docs/server.md).
+    deadline_slack_s: float = attrs.field(default=0.5, validator=attrs.validators.gt(0))
+    #: ``/admin/drain?grace=`` is refused above this (seconds).
+    max_drain_grace_s: float = attrs.field(default=3600.0, validator=attrs.validators.gt(0))
+    #: ``/admin/reload`` refuses a calbin larger than this (bytes).
+    max_calbin_bytes: int = attrs.field(default=16 << 30, validator=attrs.validators.gt(0))
+
+
+class CompletionBody(BaseModel):
+    """What ``CompletionService.admit`` reads of a request (``prompt``, ``max_tokens``,
+    ``stream``, ``timeout``: calexec's per-request deadline in seconds). The OpenAI bodies,
+    with every parameter implemented or refused, are in drivers/serving/openai_api.py."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    prompt: StrictStr | list[StrictInt]
+    max_tokens: StrictInt = Field(default=16, ge=1)
+    stream: StrictBool = False
+    timeout: float | None = Field(default=None, gt=0)
+    n: Literal[1] = 1
+    model: StrictStr | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+
+
+#: the request field a refusal by the executor is about (the error body's ``param``)
+_PARAM_OF_CODE = {"kv.exceeds_capacity": "max_tokens"}
+
+_ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error",
+               403: "permission_error", 404: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+               499: "cancelled_error", 503: "unavailable_error", 504: "timeout_error"}
+
+
+#: Status codes whose OpenAI error ``code`` is OpenAI's own name (``status.code`` keeps calexec's)
+_OPENAI_CODE = {"request.model_not_found": "model_not_found",
+                "request.invalid_api_key": "invalid_api_key"}
+
+
+def error_response(status: Status, param: str | None = None, retry_after: int = 1,
+                   http_status: int | None = None) -> JSONResponse:
+    """The JSON error body of a failure Status (OpenAI shape + calexec's status dict)."""
+    code = status.http_status if http_status is None else http_status
+    body = {"error": error_body(status, param, code), "status": status.to_dict()}
+    headers = {"Retry-After": str(retry_after)} if code in (429, 503) else None
+    return JSONResponse(body, status_code=code, headers=headers)
+
+
+def error_body(status: Status, param: str | None = None,
+               http_status: int | None = None) -> dict[str, Any]:
+    """The OpenAI-shaped ``error`` object of a failure (also the SSE error event's)."""
+    code = status.http_status if http_status is None else http_status
+    return {"message": status.message or status.code,
+            "type": _ERROR_TYPE.get(code, "server_error"),
+            "code": _OPENAI_CODE.get(status.code, status.code), "param": param}
+
+
+def _invalid(message: str) -> Status:
+    return Status.failure("request.invalid", Category.INVALID_REQUEST, Phase.VALIDATE, message)
+
+
+#: longest ``/admin/reload`` path accepted (Linux PATH_MAX)
+MAX_PATH_CHARS = 4096
+
+
+def calbin_path_refusal(path: Any, max_bytes: int) -> str | None:
+    """Why ``path`` cannot be a calbin to load (None: it can), checked before the lifecycle
+    moves and without opening it: a string, no NUL, at most ``MAX_PATH_CHARS``, an existing
+    regular file (``os.stat`` + ``S_ISREG``: a FIFO, a device such as /dev/zero or a directory
+    is refused without blocking on it), non-empty, at most ``max_bytes``, readable."""
+    if not isinstance(path, str) or not path:
+        return f"calbin={path!r}: a calbin file path (a non-empty string) is required"
+    shown = repr(path[:200])
+    if "\x00" in path:
+        return f"calbin={shown}: the path contains a NUL character"
+    if len(path) > MAX_PATH_CHARS:
+        return f"calbin={shown}...: the path is longer than {MAX_PATH_CHARS} characters"
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        return f"calbin={shown}: no such file"
+    except (OSError, ValueError) as err:
+        return f"calbin={shown}: cannot stat the file ({err})"
+    if not stat.S_ISREG(info.st_mode):
+        return f"calbin={shown}: not a regular file (mode {stat.filemode(info.st_mode)})"
+    if info.st_size == 0:
+        return f"calbin={shown}: the file is empty"
+    if info.st_size > max_bytes:
+        return f"calbin={shown}: {info.st_size} bytes > max_calbin_bytes={max_bytes}"
+    if not os.access(path, os.R_OK):
+        return f"calbin={shown}: the file is not readable by the server"
+    return None
+
+
+class SequencePool:
+    """The server's KV sequence ids (it owns them, above every generation's KvManager): each
+    id is free, in use (leased to a request, until its release on the executor succeeded) or
+    withheld (its release failed for good: never reused). Invariant, checked by
+    :meth:`consistent` and exported as metrics: free + in use + withheld = capacity.
+    Thread-safe."""
+
+    def __init__(self, ids: range) -> None:
+        self._free = list(reversed(ids))
+        self.size = len(ids)
+        self._in_use: set[int] = set()
+        self._withheld: set[int] = set()
+        self._mu = threading.Lock()
+
+    def acquire(self) -> int | None:
+        with self._mu:
+            if not self._free:
+                return None
+            seq_id = self._free.pop()
+            self._in_use.add(seq_id)
+            return seq_id
+
+    def release(self, seq_id: int) -> None:
+        with self._mu:
+            if seq_id not in self._in_use:
+                raise ValueError(f"sequence {seq_id} is not in use")
+            self._in_use.discard(seq_id)
+            self._free.append(seq_id)
+
+    def withhold(self, seq_id: int) -> None:
+        """A sequence could not be released on the device: keep it out of circulation."""
+        with self._mu:
+            self._in_use.discard(seq_id)
+            self._withheld.add(seq_id)
+
+    def counts(self) -> dict[str, int]:
+        with self._mu:
+            return {"free": len(self._free), "in_use": len(self._in_use),
+                    "withheld": len(self._withheld), "capacity": self.size}
+
+    def consistent(self) -> bool:
+        """free + in use + withheld = capacity, and no id is in two of them."""
+        with self._mu:
+            free = set(self._free)
+            return (len(free) == len(self._free)
+                    and len(free) + len(self._in_use) + len(self._withheld) == self.size
+                    and not free & self._in_use and not free & self._withheld
+                    and not self._in_use & self._withheld)
+
+    @property
+    def in_use(self) -> int:
+        with self._mu:
+            return len(self._in_use)
+
+    @property
+    def withheld(self) -> int:
+        with self._mu:
+            return len(self._withheld)
+
+    leaked = withheld  # the older name
+
+
+@attrs.define(eq=False)
+class Generation:
+    """One completion request in progress."""
+
+    request_id: int
+    seq_id: int
+    prompt: list[int]
+    max_tokens: int
+    deadline: float  # absolute time.monotonic()
+    started: float
+    stream: bool
+    logits: np.ndarray
+    tokens: list[int] = attrs.Factory(list)
+    past: int = 0
+    handle: Any = None  # JobHandle of the current/last job
+    abandoned: bool = False  # the client went away: cancel whatever job is or becomes current
+    finish_reason: str | None = None
+    status: Status | None = None
+    first_token_at: float | None = None
+    #: model generation of the request's jobs (its KV lives in that generation's KvManager)
+    generation_id: int | None = None
+    #: how tokens are chosen (drivers/serving/sampling.py); logprobs of each token when asked for
+    sampling: "sampling.SamplingParams" = sampling.GREEDY
+    token_logprobs: list = attrs.Factory(list)
+    # Enqueue fence: ``closed`` once the request finished (no enqueue may start after it);
+    # ``enqueue_idle`` is clear while an enqueue call runs in a worker thread.
+    mu: threading.Lock = attrs.Factory(threading.Lock)
+    closed: bool = False
+    enqueue_idle: threading.Event = attrs.Factory(lambda: _set_event())
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None or self.status is not None
+
+    def next_request(self) -> InferenceRequest:
+        if self.handle is None:
+            ids = np.asarray(self.prompt, dtype=np.int32)
+            return InferenceRequest(seq_id=self.seq_id, kind=TaskKind.PREFILL_IDS, tokens=ids,
+                                    positions=np.arange(len(ids), dtype=np.int32), past_len=0,
+                                    deadline=self.deadline, request_id=self.request_id,
+                                    kv_reserve_len=len(self.prompt) + self.max_tokens)
+        return InferenceRequest(seq_id=self.seq_id, kind=TaskKind.DECODE,
+                                tokens=np.asarray(self.tokens[-1:], dtype=np.int32),
+                                positions=np.asarray([self.past], dtype=np.int32),
+                                past_len=self.past, deadline=self.deadline,
+                                request_id=self.request_id)
+
+
+def _set_event() -> threading.Event:
+    event = threading.Event()
+    event.set()
+    return event
+
+
+class CompletionService:
+    """Completions, drain and live-job bookkeeping around one executor."""
+
+    def __init__(self, executor: Any, config: ServerConfig, dump: DumpSink | None) -> None:
+        self.executor = executor
+        self.config = config
+        self.dump = dump
+        self.sequences = SequencePool(range(1, config.max_sequences + 1))
+        self.draining = False
+        self.drain_status: Status | None = None
+        self.on_drained: list[Any] = []  # callables run once a drain has finished
+        self.active = 0  # admitted completion requests not yet finished
+        self._live: dict[int, Generation] = {}
+        self._ids = itertools.count(1)
+        # Prefills (may wait for KV capacity or a slot) and the jobs of requests that already
+        # hold their KV take threads from separate limiters: waiting prefills never starve
+        # the running requests of threads (that would be hold and wait again).
+        self._limiter = anyio.CapacityLimiter(config.worker_threads)
+        self._admit_limiter = anyio.CapacityLimiter(config.worker_threads)
+        self._drain_task: asyncio.Task | None = None
+        self._releasing: set[threading.Thread] = set()  # background sequence releases
+        self._releasing_mu = threading.Lock()
+        self.metrics = ServerMetrics(executor.snapshot, self._server_gauges, config.model_name)
+        self.tokenizer = hf_tokenizer.load(config.tokenizer_path)
+        self.started_at = time.time()
+
+    def _server_gauges(self) -> dict[str, float]:
+        counts = self.sequences.counts()
+        return {"calexec_num_requests_running": self.active,
+                "calexec_kv_sequences_in_use": counts["in_use"],
+                "calexec_kv_sequences_free": counts["free"],
+                "calexec_kv_sequences_withheld": counts["withheld"],
+                "calexec_kv_sequences_capacity": counts["capacity"],
+                "calexec_server_draining": 1.0 if self.draining else 0.0,
+                "calexec_kv_cache_usage_perc": kv_usage_fraction(self.executor)}
+
+    def health(self) -> list[str]:
+        """Why the executor cannot serve now (empty: it can): ``executor.health()``."""
+        return list(getattr(self.executor, "health", lambda: [])())
+
+    @property
+    def ready(self) -> bool:
+        return self.executor.state == "Ready" and not self.draining and not self.health()
+
+    @property
+    def releases_pending(self) -> int:
+        """Sequence releases waiting in the background for a job to end."""
+        with self._releasing_mu:
+            return len(self._releasing)
+
+    def live_job_counts(self) -> dict[str, int]:
+        """JobChart state -> number of live jobs held by the server's requests."""
+        counts = dict.fromkeys(JOB.states, 0)
+        for gen in list(self._live.values()):
+            if gen.handle is not None:
+                counts[gen.handle.state] += 1
+        return counts
+
+    # ---- admission ------------------------------------------------------------------------------
+    def admit(self, body: CompletionBody) -> "tuple[Generation | None, Status, str | None]":
+        """A Generation holding a sequence id, or (None, failure, offending field)."""
+        if self.draining:
+            return None, Status.unavailable(Phase.ADMISSION, "server is draining"), None
+        generation = self.executor.generation
+        if generation is None or self.executor.state != "Ready":
+            return None, Status.unavailable(
+                Phase.ADMISSION, f"device lifecycle is {self.executor.state}"), None
+        vocab = generation.vocab_size
+        max_seq = generation.submodels[TaskKind.DECODE].max_seq
+        prompt = self.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else body.prompt
+        if not prompt:
+            return None, _invalid("prompt is empty"), "prompt"
+        bad = next((i for i, t in enumerate(prompt) if not 0 <= t < vocab), None)
+        if bad is not None:
+            return None, _invalid(f"prompt[{bad}]={prompt[bad]} outside the vocabulary "
+                                  f"[0, {vocab})"), "prompt"
+        if len(prompt) > max_seq:
+            return None, _invalid(f"prompt has {len(prompt)} tokens > max_seq={max_seq}"), "prompt"
+        if len(prompt) + body.max_tokens > max_seq:
+            return None, _invalid(f"max_tokens={body.max_tokens} + {len(prompt)} prompt tokens "
+                                  f"> max_seq={max_seq}"), "max_tokens"
+        timeout = self.config.default_timeout_s if body.timeout is None else body.timeout
+        if timeout > self.config.max_timeout_s:
+            return None, _invalid(f"timeout={timeout} > max_timeout_s="
+                                  f"{self.config.max_timeout_s}"), "timeout"
+        reasons = self.health()
+        if reasons:
+            return None, Status.unavailable(Phase.ADMISSION, "; ".join(reasons)), None
+        seq_id = self.sequences.acquire()
+        if seq_id is None:
+            return None, Status.exhausted("kv", Phase.ADMISSION, "all "
+                                          f"{self.sequences.size} KV sequence ids are in use"), None
+        now = time.monotonic()
+        gen = Generation(next(self._ids), seq_id, list(prompt), body.max_tokens, now + timeout,
+                         now, body.stream, np.empty(vocab, dtype=np.float32))
+        self.active += 1
+        self._live[gen.request_id] = gen
+        self.metrics.requests.labels("true" if body.stream else "false").inc()
+        return gen, Status.OK, None
+
+    # ---- generation -----------------------------------------------------------------------------
+    async def advance(self, gen: Generation) -> int | None:
+        """Run one job; the new token, or None when the generation has ended (``finish_reason``
+        or ``status`` then says why)."""
+        if gen.done:
+            return None
+        moved = self._generation_moved(gen)
+        if moved is not None:
+            gen.status = moved
+            return None
+        # The request deadline bounds everything below, thread limiters included: the
+        # executor answers at the deadline itself (its own, more precise Status); a tenth of
+        # the slack later the handler stops waiting anyway (504) and cancels the job, if any;
+        # the rest of the slack is for the event loop to send the answer. The sequence is
+        # released once the job ended (finish()).
+        stop_at = gen.deadline + self.config.deadline_slack_s / 10
+        with anyio.move_on_after(max(0.0, stop_at - time.monotonic())) as scope:
+            result, handle = await self._run_job(gen)
+        if scope.cancelled_caught:
+            if gen.handle is not None:
+                gen.handle.cancel()
+            gen.status = Status.deadline(Phase.WAIT, "request deadline passed; the server "
+                                         "stopped waiting", seq_id=gen.seq_id)
+            return None
+        if isinstance(result, Status):
+            if handle is not None:
+                handle.cancel()  # wait deadline: the job continues unless told otherwise
+            gen.status = self._generation_moved(gen, result) or result
+            return None
+        if gen.generation_id is None:
+            gen.generation_id = result.generation
+        self.metrics.observe_job(result.kind, result.timings)
+        if gen.first_token_at is None:
+            gen.first_token_at = result.timings.completed_us / 1e6
+            self.metrics.ttft.observe(max(0.0, gen.first_token_at - gen.started))
+        gen.past = result.kv_len
+        args = (result.logits, gen.sampling, len(gen.tokens), result.argmax)
+        token, logprobs = (sampling.pick(*args) if gen.sampling.plain_greedy else
+                           await to_thread.run_sync(sampling.pick, *args, limiter=self._limiter))
+        if token == self.config.end_token_id or token in gen.sampling.stop_token_ids:
+            gen.finish_reason = "stop"
+            return None
+        gen.tokens.append(token)
+        if logprobs is not None:
+            gen.token_logprobs.append(logprobs)
+        if len(gen.tokens) >= gen.max_tokens:
+            gen.finish_reason = "length"
+        return token
+
+    async def _run_job(self, gen: Generation) -> "tuple[Any, Any]":
+        """Enqueue the request's next job and wait for it: (result, handle)."""
+        def on_created(created) -> None:
+            gen.handle = created  # reachable for a disconnect while admission still waits
+            if gen.abandoned:  # the client left before this job existed
+                created.cancel()
+
+        def enqueue(request: InferenceRequest):
+            with gen.mu:  # the fence with finish(): no enqueue starts once the request ended
+                if gen.closed:
+                    return None
+                gen.enqueue_idle.clear()
+            try:
+                return self.executor.enqueue(request, gen.logits, on_created=on_created)
+            finally:
+                gen.enqueue_idle.set()
+
+        request = gen.next_request()
+        limiter = self._admit_limiter if request.kind == TaskKind.PREFILL_IDS else self._limiter
+        try:
+            handle = await to_thread.run_sync(enqueue, request, abandon_on_cancel=True,
+                                              limiter=limiter)
+        except anyio.get_cancelled_exc_class():
+            # Flag first, then cancel the current handle: whichever of this and on_created
+            # runs second sees the other's write, so the new job is always cancelled.
+            gen.abandoned = True
+            if gen.handle is not None:
+                gen.handle.cancel()  # the enqueue thread sees the cancel and releases
+            raise
+        if handle is None:
+            return Status.cancelled(Phase.CANCEL, "request already finished"), None
+        try:
+            result = await to_thread.run_sync(handle.wait_until, gen.deadline,
+                                              abandon_on_cancel=True, limiter=self._limiter)
+        except anyio.get_cancelled_exc_class():
+            handle.cancel()
+            raise
+        return result, handle
+
+    def _generation_moved(self, gen: Generation, result: Status | None = None) -> Status | None:
+        """UNAVAILABLE (retry) when the request's KV generation is no longer the executor's:
+        a recovery or model switch ended it between two of its jobs (its KV died with it)."""
+        if gen.generation_id is None:
+            return None
+        current = self.executor.snapshot()["generation"]
+        if current == gen.generation_id:
+            return None
+        return Status.unavailable(Phase.ADMISSION, f"the request's generation {gen.generation_id}"
+                                  f" was replaced by {current} (recovery or model switch); "
+                                  "retry", seq_id=gen.seq_id)
+
+    async def finish(self, gen: Generation, abandoned: bool = False) -> None:
+        """Finish a request at once: cancel its job if one is still running, record metrics
+        and the dump record, and give its sequence id back once its last job ended (now when
+        it has, else from a background thread). ``abandoned``: an unfinished generation was
+        given up by its client (cancelled). Shielded and never raises: runs to the end even
+        when the request task is being cancelled, so a request never stays "running"."""
+        with anyio.CancelScope(shield=True):
+            try:
+                if abandoned and not gen.done:  # the request task ended early: client left
+                    gen.status = Status.cancelled(Phase.CANCEL, "client disconnected")
+                with gen.mu:
+                    gen.closed = True  # no enqueue starts after this
+                idle = gen.enqueue_idle.is_set()  # then none runs: gen.handle is the last job
+                handle = gen.handle
+                if handle is not None and not handle.done:
+                    handle.cancel()
+                if idle and (handle is None or handle.done):
+                    released = await to_thread.run_sync(self._release_now, gen.seq_id)
+                    if not released:
+                        self._release_later(gen)
+                else:
+                    self._release_later(gen)
+            except Exception:  # never leave a request running or its id in limbo
+                log.exception("finishing request %d", gen.request_id)
+                self._release_later(gen)
+            finally:
+                try:
+                    self._record(gen)
+                except Exception:
+                    log.exception("recording request %d", gen.request_id)
+                self._live.pop(gen.request_id, None)
+                self.active -= 1
+
+    def _release_now(self, seq_id: int) -> bool:
+        """Release without waiting for the device; True when the id is free again."""
+        status = self.executor.release_sequence(seq_id, 0.0)
+        if status.ok:
+            self.sequences.release(seq_id)
+        return status.ok
+
+    def _release_later(self, gen: Generation) -> None:
+        thread = threading.Thread(target=self._release_when_done, args=(gen,),
+                                  name=f"calexec-seq-release-{gen.seq_id}", daemon=True)
+        with self._releasing_mu:
+            self._releasing.add(thread)
+        thread.start()
+
+    def _executor_final(self) -> bool:
+        return self.executor.state in ("Stopped", "Failed")
+
+    def _release_when_done(self, gen: Generation) -> None:
+        """Background: wait (in bounded slices) until no enqueue of the request runs and its
+        last job ended, then release the sequence on the executor, retrying while the device
+        still runs a job of it. The id is reused only after that; it is withheld when the
+        executor ends (Stopped/Failed) first."""
+        seq_id, step = gen.seq_id, self.config.release_wait_s
+        try:
+            while not gen.enqueue_idle.wait(min(step, 1.0)):
+                pass
+            handle = gen.handle  # the last job: finish() closed the request to new ones
+            if handle is not None:
+                handle.cancel()
+            while handle is not None and not handle.done and not self._executor_final():
+                handle.wait_until(time.monotonic() + min(step, 1.0))
+            status = Status.unavailable(Phase.RELEASE, f"job of sequence {seq_id} unresolved "
+                                        "and the executor stopped", seq_id=seq_id)
+            if handle is None or handle.done:
+                while True:  # slices of at most 1 s: the executor may end meanwhile
+                    status = self.executor.release_sequence(seq_id, min(step, 1.0))
+                    if status.ok or status.category != Category.UNAVAILABLE \
+                            or self._executor_final():
+                        break
+            if status.ok:
+                self.sequences.release(seq_id)
+            else:
+                log.warning("sequence %d withheld: %s", seq_id, status)
+                self.sequences.withhold(seq_id)
+        except Exception:
+            log.exception("releasing sequence %d", seq_id)
+            self.sequences.withhold(seq_id)
+        finally:
+            with self._releasing_mu:
+                self._releasing.discard(threading.current_thread())
+
+    def _record(self, gen: Generation) -> None:
+        m = self.metrics
+        if gen.status is not None:
+            m.observe_failure(gen.status)
+        else:
+            m.success.labels(gen.finish_reason).inc()
+            m.prompt_tokens.inc(len(gen.prompt))
+            m.generation_tokens.inc(len(gen.tokens))
+            m.request_prompt_tokens.observe(len(gen.prompt))
+            m.request_generation_tokens.observe(len(gen.tokens))
+            m.e2e.observe(time.monotonic() - gen.started)
+        if self.dump is not None:
+            self.dump.write({
+                "request_id": gen.request_id, "seq_id": gen.seq_id, "stream": gen.stream,
+                "prompt_tokens": len(gen.prompt), "completion_tokens": len(gen.tokens),
+                "finish_reason": gen.finish_reason,
+                "status": None if gen.status is None else gen.status.to_dict(),
+                "latency_s": round(time.monotonic() - gen.started, 6),
+                "last_job_timings": None if gen.handle is None else gen.handle.timings.to_dict(),
+                # with the prompt ids, enough to replay the request's tokens (sampling.pick)
+                "sampling": {"temperature": gen.sampling.temperature, "top_p": gen.sampling.top_p,
+                             "top_k": gen.sampling.top_k, "seed": gen.sampling.seed},
+                "prompt_token_ids": gen.prompt, "token_ids": gen.tokens,
+                "text": self.tokenizer.decode(gen.tokens)})
+
+    # ---- drain ----------------------------------------------------------------------------------
+    def start_drain(self, grace: float) -> asyncio.Task:
+        """Begin a drain (idempotent): the running task."""
+        if self._drain_task is None:
+            self._drain_task = asyncio.get_running_loop().create_task(self.drain(grace))
+        return self._drain_task
+
+    async def drain(self, grace: float) -> Status:
+        """Refuse new work (503), let admitted requests finish within ``grace`` seconds, then
+        shut the executor down with the rest of the grace. Runs ``on_drained`` callbacks."""
+        self.draining = True
+        deadline = time.monotonic() + grace
+        while self.active and time.monotonic() < deadline:
+            await anyio.sleep(0.01)
+        remaining = max(0.0, deadline - time.monotonic())
+        status = await to_thread.run_sync(self.executor.shutdown, remaining)
+        if status.ok and self.active:
+            status = Status.failure("shutdown.requests_pending", Category.DEVICE, Phase.SHUTDOWN,
+                                    f"{self.active} requests still running after grace={grace}s")
+        self.drain_status = status
+        for callback in self.on_drained:
+            callback(status)
+        return status
+
+
+def _sse(data: Any) -> bytes:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n".encode("utf-8")
+
+
+async def _read_body(request: Request, limit: int) -> bytes | None:
+    """The body, or None when it exceeds ``limit`` bytes (declared or actual)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        return None
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _until_disconnect(request: Request, work) -> None:
+    """Run ``await work()``; cancel it if the client disconnects first."""
+    async with anyio.create_task_group() as tg:
+        async def watch() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            tg.cancel_scope.cancel()
+        tg.start_soon(watch)
+        await work()
+        tg.cancel_scope.cancel()
+
+
+@functools.lru_cache(maxsize=64)
+def _chart_svg(chart: str, active: str | None) -> str:
+    return render_chart_svg(chart, active)
+
+
+def create_app(executor: Any, config: ServerConfig | None = None,
+               dump: DumpSink | None = None) -> FastAPI:
+    """The FastAPI app serving ``executor`` (already started; not shut down by the app: use
+    ``app.state.service.drain(grace)``)."""
+    config = config or ServerConfig()
+    service = CompletionService(executor, config, dump)
+    app = FastAPI(title="calexec reference server", docs_url=None, redoc_url=None)
+    app.state.service = service
+    retry = config.retry_after_s
+
+    def fail(status: Status, param: str | None = None, http_status: int | None = None,
+             count: bool = True) -> JSONResponse:
+        """Error response of a completion request; counted unless it was counted already."""
+        param = param or _PARAM_OF_CODE.get(status.code)
+        if count:
+            service.metrics.observe_failure(status)
+        return error_response(status, param, retry, http_status)
+
+    def admin_refusal(request: Request) -> JSONResponse | None:
+        header = request.headers.get("authorization", "")
+        if config.admin_token is None:
+            return error_response(Status.failure("admin.disabled", Category.INVALID_REQUEST,
+                                                 Phase.VALIDATE, "no admin token is configured"),
+                                  http_status=403)
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            return error_response(Status.failure("admin.unauthenticated", Category.INVALID_REQUEST,
+                                                 Phase.VALIDATE, "Authorization: Bearer <token> "
+                                                 "required"), http_status=401)
+        if not hmac.compare_digest(token.encode("utf-8"), config.admin_token.encode("utf-8")):
+            return error_response(Status.failure("admin.forbidden", Category.INVALID_REQUEST,
+                                                 Phase.VALIDATE, "admin token does not match"),
+                                  http_status=403)
+        return None
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        """200 while the process serves HTTP; ``reasons`` says why the executor cannot serve
+        (``executor.health()``: a dead executor thread, a job past its deadline, lifecycle
+        not Ready), ``status`` is then ``degraded``."""
+        reasons = service.health()
+        snap = executor.snapshot()
+        return {"status": "degraded" if reasons else "ok", "reasons": reasons,
+                "lifecycle": executor.state, "generation": snap.get("generation"),
+                # §9.2: "unpinned" while serving a calbin whose golden no file pins
+                # (--allow-unpinned-golden); §8 PROGRAMMING: features off until generation+1
+                "golden": snap.get("golden"),
+                "disabled_features": snap.get("disabled_features", []),
+                "thread_faults": snap.get("thread_faults", 0)}
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        state = executor.state
+        reasons = service.health()
+        if service.ready:
+            return JSONResponse({"status": "ready", "lifecycle": state,
+                                 "generation": executor.snapshot()["generation"]})
+        reason = ("server is draining" if service.draining else "; ".join(reasons) if reasons
+                  else f"device lifecycle is {state}")
+        return error_response(Status.unavailable(Phase.ADMISSION, reason), retry_after=retry)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(service.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/admin/drain")
+    async def admin_drain(request: Request) -> Response:
+        refused = admin_refusal(request)
+        if refused is not None:
+            return refused
+        raw_grace = request.query_params.get("grace", "30")
+        try:
+            grace = float(raw_grace)
+        except ValueError:
+            grace = math.nan
+        if not (math.isfinite(grace) and 0 <= grace <= config.max_drain_grace_s):
+            return error_response(_invalid(f"grace={raw_grace[:64]!r}: must be a finite number "
+                                           f"of seconds in [0, {config.max_drain_grace_s:g}]"),
+                                  "grace")
+        service.start_drain(grace)
+        return JSONResponse({"draining": True, "grace": grace}, status_code=202)
+
+    @app.post("/admin/reload")
+    async def admin_reload(request: Request) -> Response:
+        """Model switch through the lifecycle (§9.2): body {"calbin": PATH}. The new calbin
+        serves only after its golden passes; otherwise the previous one serves again."""
+        refused = admin_refusal(request)
+        if refused is not None:
+            return refused
+        try:
+            body = await request.json()
+        except ValueError:
+            body = None
+        path = body.get("calbin") if isinstance(body, dict) else None
+        refusal = calbin_path_refusal(path, config.max_calbin_bytes)
+        if refusal is not None:
+            return error_response(_invalid(refusal), "calbin")
+        # the lifecycle moves only when it can: not while draining, recovering or unhealthy
+        reasons = ["server is draining"] if service.draining else service.health()
+        if reasons:
+            return error_response(Status.unavailable(
+                Phase.RECOVERY, f"reload refused, lifecycle unchanged: {'; '.join(reasons)}"),
+                "calbin", retry_after=retry)
+        status = await to_thread.run_sync(executor.switch_model, path)
+        if not status.ok:
+            return error_response(status, "calbin")
+        return JSONResponse({"reloaded": True, "calbin": path,
+                             "generation": executor.gen.id, "lifecycle": executor.state})
+
+    @app.get("/debug/jobs")
+    async def debug_jobs() -> dict[str, Any]:
+        return {"lifecycle": executor.state, "jobs": service.live_job_counts()}
+
+    @app.get("/debug/jobs/{job_id}")
+    async def debug_job(job_id: str, request: Request) -> Response:
+        """The path of one job (admin): taken transitions and refusing guards, on the chart.
+        ``?format=json`` for the data. A failed request's error body names its ``job_id``."""
+        refused = admin_refusal(request)
+        if refused is not None:
+            return refused
+        if not job_id.isdigit():
+            return error_response(_invalid(f"job_id={job_id!r}: must be a job id (integer)"),
+                                  "job_id")
+        wanted = int(job_id)
+        record = executor.job_trail(wanted)
+        if record is None:
+            return error_response(_invalid(
+                f"job_id={wanted}: unknown, still running, or older than the last "
+                f"{executor.config.job_trails_kept} jobs"), "job_id", http_status=404)
+        if request.query_params.get("format") == "json":
+            return JSONResponse(record)
+        svg_page = await to_thread.run_sync(path_page, record)
+        return HTMLResponse(svg_page)
+
+    @app.get("/debug/statecharts/{chart}.svg")
+    async def chart_svg(chart: str) -> Response:
+        if chart not in CHARTS:
+            return error_response(_invalid(f"chart={chart!r} is not one of {sorted(CHARTS)}"),
+                                  "chart", http_status=404)
+        svg = await to_thread.run_sync(_chart_svg, chart, _active_state(chart))
+        return Response(svg, media_type="image/svg+xml")
+
+    def _active_state(chart: str) -> str | None:
+        if chart == "lifecycle":
+            return executor.state
+        if chart == "job":
+            counts = service.live_job_counts()
+            busiest = max(counts, key=counts.get)
+            return busiest if counts[busiest] else None
+        return None
+
+    rates = TransitionRates()
+
+    @app.get("/debug/statecharts/live.json")
+    async def statecharts_live() -> dict[str, Any]:
+        """Counts per state of every chart and transition rates (drivers/serving/live_charts.py)."""
+        return live_state(executor, service.live_job_counts, rates)
+
+    @app.get("/debug/statecharts")
+    async def statecharts() -> HTMLResponse:
+        """The lifecycle chart first (the operator's question: is it Ready?), then the rest;
+        every chart scaled to the window's width; a script keeps counts and rates live."""
+        order = sorted(CHARTS, key=lambda name: name != "lifecycle")
+        svgs = {name: _strip_xml_decl(await to_thread.run_sync(_chart_svg, name,
+                                                               _active_state(name)))
+                for name in order}
+        return HTMLResponse(live_page(svgs, live_state(executor, service.live_job_counts, rates)))
+
+    from calexec.drivers.serving import openai_api  # it imports this module
+    openai_api.add_routes(app, service, fail)
+
+    return app
+
+
+def _listening_url(sockname: tuple) -> str:
+    """``http://HOST:PORT`` for a bound socket's address; a wildcard bind maps to loopback."""
+    host, port = sockname[0], sockname[1]
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _strip_xml_decl(svg: str) -> str:
+    return svg.split("?>", 1)[1] if svg.startswith("<?xml") else svg
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn server whose first SIGTERM/SIGINT drains the service (new requests 503,
+    admitted ones finish, executor shut down) and then exits; a second signal forces exit.
+    It also exits when the executor's lifecycle ends Failed (a supervisor restarts it)."""
+
+    def __init__(self, config: uvicorn.Config, service: CompletionService, grace: float,
+                 on_started: "Callable[[DrainingServer, str], None] | None" = None) -> None:
+        """``on_started(server, url)`` runs on the event loop once the socket listens (``url``
+        is ``http://HOST:PORT`` of the bound socket, a wildcard bind given as loopback); it
+        must not block."""
+        super().__init__(config)
+        self.service = service
+        self.grace = grace
+        self.on_started = on_started
+        self._loop: asyncio.AbstractEventLoop | None = None
+        service.on_drained.append(self._drained)
+
+    def _drained(self, status: Status) -> None:
+        self.should_exit = True
+
+    async def startup(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets=sockets)
+        if self.started and self.on_started is not None:
+            self.on_started(self, _listening_url(self.servers[0].sockets[0].getsockname()))
+
+    def drain_soon(self) -> None:
+        """Start the drain from any thread (no-op before the loop runs or once draining)."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self.service.start_drain, self.grace)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.service.draining or self._loop is None:
+            self.should_exit = self.force_exit = True
+            return
+        log.info("signal %s: draining (grace %.1fs)", signal.Signals(sig).name, self.grace)
+        self.drain_soon()
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.service.executor.state == "Failed" and not self.service.draining:
+            log.error("executor lifecycle is Failed: exiting")
+            self.should_exit = True
+        return await super().on_tick(counter)

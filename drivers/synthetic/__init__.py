@@ -1,0 +1,1 @@
+"""drivers/synthetic: see docs/architecture.md."""

@@ -1,0 +1,1 @@
+"""drivers/tools: see docs/architecture.md."""

@@ -1,0 +1,1 @@
+"""drivers/tools/accept: see docs/architecture.md."""

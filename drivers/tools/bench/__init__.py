@@ -1,0 +1,1 @@
+"""drivers/tools/bench: see docs/architecture.md."""

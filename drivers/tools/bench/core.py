@@ -1,0 +1,990 @@
+"""``calexec bench overhead|logits|recovery|pingpong`` (spec §6.4, §9.2, §10.1, §11, §13.3).
+
+``bench overhead [--json] [--tokens N] [--runs R] [--zero-tokens M] [--seed S]`` compares, in
+one process, the *direct synchronous path* (what llama-calrt did before: one thread, no queues;
+``DirectRunner`` submit + ``Wait`` + BF16->FP32 of the decode row + argmax) with the same greedy
+decode through ``DeviceExecutor`` (threads on, in-flight capacity 1) in three modes (``MODES``):
+``enqueue`` + ``wait_until`` per token, ``prearmed`` (``decode_stream``: the next job armed
+while the current one runs, ``step(token)`` per token) and ``decode_sync`` (the llama.cpp-style
+entry), the argmax fed back. The direct side has its own emulated device, the executor modes
+share one of the same kind, built from the same calbin. Each run decodes one block per side,
+the order rotated from run to run, so that drift (other processes, CPU frequency) falls on
+every side alike. Per mode and token it also counts the cross-thread hand-offs (a counting
+clock given to this executor only) and the Python/numpy allocations (``alloccount``):
+
+1. TPOT with the 10 ms decode profile: P50/P99 per token of each side and their ratios
+   (executor / direct). Spec gate <= 1.03 / <= 1.05, project goal <= 1.01 / <= 1.02.
+   ``--gil-switch-us`` (default 500, what ``calexec serve`` uses; 0 keeps Python's 5000) sets
+   the interpreter's GIL switch interval for the run (drivers/serving/process.py); both sides run
+   under it, the report names it (``gil_switch_interval_us``).
+2. Control overhead on the zero-latency profile: the P50 of the paired per-token differences
+   (executor token i minus direct token i of the same run), both raw P50s, and where the
+   executor's time goes, from each job's own ``JobTimings``.
+
+Both sides convert with the same direct conversion into a preallocated row, so the ratios
+isolate the executor's control work (queues, threads, charts, checks), not PR6's gain.
+
+``bench logits [--json] [--iters N] [--seed S]``: ``bf16_to_f32_into`` of one vocab row vs the
+legacy ``bf16_to_f32_legacy`` (whole tensor to a temporary FP32 vector, then the slice), for
+the decode tensor [1,1,V] and the prefill tile [1,D0,V], with ``np.copyto`` of the same FP32
+destination as the floor; beside them the executor's whole postprocess both ways:
+``numpy_path`` (finiteness check + conversion + ``np.argmax``) and ``fused`` /
+``fused_prefill`` / ``fused_sumexp`` (the native one-pass ``FusedLogits``, drivers/native.py,
+without and with the sum of exponentials); CPU time per call, allocation counts per call
+(``allocation_count_per_call``: Python allocator calls and numpy data buffers, counted by
+``calexec.drivers.alloccount``), tracemalloc's transient/retained bytes (§13.3), and the fused
+results' bit-identity with the numpy path (``fused_bit_identical``).
+
+``bench pingpong [--json] [--seqs N] [--tokens T] [--solo-tokens S] [--trace PATH]`` (§6.4,
+§13.3 Phase B): for each overlap setting of the emulator (none / dma / full), with
+``PINGPONG_PROFILE`` (H2D 2 ms, decode 10 ms, D2H 2 ms), aggregate tokens/s of N sequences
+decoding at once at in-flight capacity 2 vs 1 (``aggregate_speedup``), the single-request TPOT
+P99 ratio of one sequence decoding alone (``tpot_p99_ratio``), the theoretical bound of the
+profile, and the spec's rule (>= +10 % aggregate, <= +5 % TPOT P99) applied; ``--trace``
+exports the job timelines as Chrome/Perfetto trace JSON (``calexec.drivers.trace``).
+
+All print one JSON object with ``--json`` (else a table); progress goes to stderr. The
+thresholds above are reported, never asserted: a benchmark reports numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import threading
+import time
+import tracemalloc
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from calexec import cliargs
+from calexec.contracts.prepare import InferenceRequest
+from calexec.contracts.status import Status
+from calexec.contracts.types import TaskKind
+from calexec.drivers import alloccount
+from calexec.drivers.synthetic import calbin as calbin_fmt
+from calexec.drivers.direct import DirectRunner, DriverError
+from calexec.drivers.device_spec import DeviceSpec, DeviceSpecError
+from calexec.drivers.serving.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
+from calexec.drivers.native import FusedLogits
+from calexec.drivers.calrt.runtime import CalRT
+from calexec.drivers.tools.bench.sim import PROFILE_DECODE_US
+from calexec.machines.clock import Clock
+from calexec.machines.executor import DeviceExecutor, ExecutorConfig
+from calexec.machines.job import now_us
+from calexec.machines.postprocess import bf16_all_finite, bf16_to_f32_into, bf16_to_f32_legacy
+
+#: §13.3 gate for PR1-PR5 and the project's tighter goal (reported alongside the figures).
+SPEC_GATE = {"p50_ratio": 1.03, "p99_ratio": 1.05}
+GOAL = {"p50_ratio": 1.01, "p99_ratio": 1.02, "overhead_us_p50": 100.0}
+
+PROMPT_LEN = 17  # one token past a D0=16 tile: the prefill's valid row is not row 0
+BENCH_SEQ = 1  # the executor's golden warm-up uses seq 0
+WARMUP_TOKENS = 8
+_WAIT_S = 30.0  # per-job deadline: generous, a benchmark job never comes near it
+
+
+class BenchError(RuntimeError):
+    """A benchmark could not run (device, executor or job failure); the message says which."""
+
+
+def _progress(message: str) -> None:
+    print(f"bench: {message}", file=sys.stderr, flush=True)
+
+
+def _p(samples: Sequence[float] | np.ndarray, q: float) -> float:
+    return round(float(np.percentile(np.asarray(samples, dtype=np.float64), q)), 2)
+
+
+# ---- the two decode loops ---------------------------------------------------------------------
+class DirectLoop:
+    """The direct synchronous path on its own emulated device: ``DirectRunner.run`` (fill
+    inputs, slice, CSRs, KV Apply, ``infer``, ``Wait``, status) then the direct conversion of
+    the valid row into a preallocated FP32 row and its argmax, all on the calling thread."""
+
+    def __init__(self, rt: CalRT, calbin_path: str) -> None:
+        self.runner = DirectRunner(rt, calbin_path)
+        self.row = np.empty(calbin_fmt.VOCAB, dtype=np.float32)
+
+    def set_decode_latency(self, decode_us: int) -> None:
+        rc = self.runner.device.emu.set_latency(decode_us=decode_us)
+        if rc != 0:
+            raise BenchError(f"direct device: set_latency(decode_us={decode_us}) returned {rc}")
+
+    def _token(self, bf16_row: np.ndarray) -> int:
+        bf16_to_f32_into(bf16_row, 0, bf16_row.shape[0], self.row)
+        return int(np.argmax(self.row))
+
+    def decode_block(self, prompt: np.ndarray, n: int) -> tuple[list[int], list[float]]:
+        """Prefill ``prompt`` on a fresh sequence, then decode ``n`` tokens greedily.
+        Returns (tokens, per-decode-token wall time in us)."""
+        runner = self.runner
+        rc = runner.kv.release(BENCH_SEQ)
+        if rc != 0:
+            raise BenchError(f"direct device: KV release of seq {BENCH_SEQ} returned {rc}")
+        token = self._token(runner.run(calbin_fmt.PREFILL_IDS, BENCH_SEQ, 0, tokens=prompt))
+        tokens, times = [token], []
+        clock = time.perf_counter_ns
+        for past in range(len(prompt), len(prompt) + n):
+            t0 = clock()
+            token = self._token(runner.run(calbin_fmt.DECODE, BENCH_SEQ, past, tokens=[token]))
+            times.append((clock() - t0) / 1e3)
+            tokens.append(token)
+        return tokens, times
+
+    def dma_violations(self) -> int:
+        counters = self.runner.device.emu.counters()
+        return counters["dma_input_violations"] + counters["dma_output_violations"]
+
+    def close(self) -> None:
+        self.runner.close()
+
+
+class HandoffTally:
+    """Counts the executor's cross-thread hand-offs: every ``notify`` of a condition and every
+    ``set`` of an event made by the clock below, split by whether a thread was waiting (a real
+    hand-off: that thread wakes) or not (a signal nobody needed), and by the notifying thread.
+    Bench only: the executor gets a ``CountingClock`` here and the plain clock everywhere else,
+    so the hot path of a serving executor pays nothing for it."""
+
+    def __init__(self) -> None:
+        self.counts: dict[tuple[str, str, bool], int] = {}
+
+    def add(self, label: str, woke: bool) -> None:
+        name = threading.current_thread().name
+        role = name if name.startswith("calexec-") else "caller"
+        key = (role, label, woke)
+        self.counts[key] = self.counts.get(key, 0) + 1  # GIL-atomic enough for a tally
+
+    def reset(self) -> None:
+        self.counts = {}
+
+    def per_token(self, tokens: int) -> dict[str, Any]:
+        woke = {f"{role}->{label}": round(n / tokens, 3)
+                for (role, label, w), n in sorted(self.counts.items()) if w}
+        empty = sum(n for (_, _, w), n in self.counts.items() if not w)
+        return {"handoffs_per_token": round(sum(woke.values()), 3), "handoffs": woke,
+                "signals_without_waiter_per_token": round(empty / tokens, 3)}
+
+
+class _CountingCondition(threading.Condition):
+    def __init__(self, lock, tally: HandoffTally) -> None:
+        super().__init__(lock)
+        self.tally = tally
+        self.label = "cond"
+
+    def notify(self, n: int = 1) -> None:
+        self.tally.add(self.label, bool(self._waiters))
+        super().notify(n)
+
+    def notify_all(self) -> None:
+        self.notify(len(self._waiters))
+
+
+class _CountingEvent(threading.Event):
+    def __init__(self, tally: HandoffTally) -> None:
+        super().__init__()
+        self.tally = tally
+
+    def set(self) -> None:
+        self.tally.add("job_done", bool(self._cond._waiters))
+        super().set()
+
+
+class CountingClock(Clock):
+    """The system clock whose conditions and events count their hand-offs (``HandoffTally``)."""
+
+    __slots__ = ("tally",)
+
+    def __init__(self, tally: HandoffTally) -> None:
+        self.tally = tally
+
+    def condition(self, lock) -> threading.Condition:
+        return _CountingCondition(lock, self.tally)
+
+    def event(self) -> threading.Event:
+        return _CountingEvent(self.tally)
+
+
+def _label_conditions(ex: DeviceExecutor) -> None:
+    """Name the executor's conditions for the hand-off report (after start: the generation's
+    pool and KV coordinator exist)."""
+    for cond, label in ((ex._submit_cv, "submit_cv"), (ex._completion_cv, "completion_cv"),
+                        (ex._ready_cv, "ready_cv"), (ex.gen.pool._available, "pool"),
+                        (ex.gen.kvc._changed, "kv")):
+        if isinstance(cond, _CountingCondition):
+            cond.label = label
+
+
+#: the executor paths the benchmark measures against the direct loop
+MODES = ("enqueue", "prearmed", "decode_sync")
+
+
+class ExecutorLoop:
+    """The same greedy decode through ``DeviceExecutor`` (threads on, capacity 1), one mode per
+    block: ``enqueue`` (``enqueue`` + ``wait_until`` per token), ``decode_sync`` (the
+    llama.cpp-style entry) or ``prearmed`` (``decode_stream``: the next job admitted and
+    prepared while the current one runs; ``step(token)`` per token), all into a preallocated
+    logits row. The prefill reserves the KV the whole block needs (``kv_reserve_len``), as the
+    server does."""
+
+    def __init__(self, rt: CalRT, calbin_path: str, device: DeviceSpec = DeviceSpec()) -> None:
+        self.tally = HandoffTally()
+        self.ex = DeviceExecutor(rt, device.manifest(),
+                                 ExecutorConfig(calbin_path=calbin_path, inflight_capacity=1,
+                                                recovery=device.recovery()),
+                                 clock=CountingClock(self.tally))
+        status = self.ex.start()
+        if not status.ok:
+            raise BenchError(f"executor start failed: {status}")
+        _label_conditions(self.ex)
+        self.row = np.empty(calbin_fmt.VOCAB, dtype=np.float32)
+        self.mode = "enqueue"
+
+    def set_decode_latency(self, decode_us: int) -> None:
+        rc = self.ex.device.emu.set_latency(decode_us=decode_us)
+        if rc != 0:
+            raise BenchError(f"executor device: set_latency(decode_us={decode_us}) returned {rc}")
+
+    def _request(self, kind: TaskKind, tokens: np.ndarray, past: int,
+                 reserve: int | None = None) -> InferenceRequest:
+        return InferenceRequest(seq_id=BENCH_SEQ, kind=kind, tokens=tokens,
+                                positions=np.arange(past, past + len(tokens), dtype=np.int32),
+                                past_len=past, deadline=time.monotonic() + _WAIT_S,
+                                kv_reserve_len=reserve)
+
+    def _check(self, result, kind: TaskKind, past: int):
+        if isinstance(result, Status):
+            raise BenchError(f"executor {self.mode} {kind.name} job at past_len={past} failed: "
+                             f"{result}")
+        return result
+
+    def _prefill(self, prompt: np.ndarray, n: int):
+        status = self.ex.kvc.reset_sequence(BENCH_SEQ)
+        if not status.ok:
+            raise BenchError(f"executor: reset of seq {BENCH_SEQ} failed: {status}")
+        request = self._request(TaskKind.PREFILL_IDS, prompt, 0, reserve=len(prompt) + n)
+        return self._check(self.ex.enqueue(request, logits_out=self.row).wait_until(
+            request.deadline), TaskKind.PREFILL_IDS, 0)
+
+    def _stepper(self, past: int) -> tuple[Callable[[int, int], Any], Callable[[], None]]:
+        """(step(token, past) -> result, close()) for the current mode."""
+        ex, row = self.ex, self.row
+        if self.mode == "prearmed":
+            stream = ex.decode_stream(BENCH_SEQ, past, time.monotonic() + _WAIT_S * 20,
+                                      logits_out=row)
+            return (lambda token, past: stream.step(token)), stream.close
+        if self.mode == "decode_sync":
+            def step(token: int, past: int):
+                request = self._request(TaskKind.DECODE, np.asarray([token], np.int32), past)
+                return ex.decode_sync(request, logits_out=row)[1]
+            return step, lambda: None
+
+        def step(token: int, past: int):
+            request = self._request(TaskKind.DECODE, np.asarray([token], np.int32), past)
+            return ex.enqueue(request, logits_out=row).wait_until(request.deadline)
+        return step, lambda: None
+
+    def decode_block(self, prompt: np.ndarray, n: int, timings: list | None = None
+                     ) -> tuple[list[int], list[float]]:
+        """As :meth:`DirectLoop.decode_block`; appends each decode job's ``(wall_us,
+        start_us, JobTimings)`` to ``timings`` when given."""
+        result = self._prefill(prompt, n)
+        tokens, times = [result.argmax], []
+        clock = time.perf_counter_ns
+        step, close = self._stepper(len(prompt))
+        try:
+            for past in range(len(prompt), len(prompt) + n):
+                start_us = now_us()
+                t0 = clock()
+                result = step(tokens[-1], past)
+                wall = (clock() - t0) / 1e3
+                self._check(result, TaskKind.DECODE, past)
+                times.append(wall)
+                tokens.append(result.argmax)
+                if timings is not None:
+                    timings.append((wall, start_us, result.timings))
+        finally:
+            close()
+        return tokens, times
+
+    def accounting(self, prompt: np.ndarray, n: int) -> dict[str, Any]:
+        """Per decode token of the current mode, zero latency: cross-thread hand-offs
+        (``HandoffTally``) over ``n`` tokens, then Python allocations and numpy data buffers
+        (``alloccount``, every thread for Python's) over ``n`` more of the same block."""
+        result = self._prefill(prompt, 2 * n + 1)
+        token, past = [result.argmax], [len(prompt)]
+        step, close = self._stepper(len(prompt))
+
+        def one() -> None:
+            r = self._check(step(token[0], past[0]), TaskKind.DECODE, past[0])
+            token[0], past[0] = r.argmax, past[0] + 1
+
+        try:
+            one()  # warm-up: the first step arms the next job
+            self.tally.reset()
+            for _ in range(n):
+                one()
+            out = self.tally.per_token(n)
+            allocs = alloccount.count(one, n, warmup=0)
+        finally:
+            close()
+        out["python_allocations_per_token"] = round(allocs.python, 2)
+        out["numpy_data_allocations_per_token"] = round(allocs.numpy_data, 2)
+        return out
+
+    def dma_violations(self) -> int:
+        counters = self.ex.device.emu.counters()
+        return counters["dma_input_violations"] + counters["dma_output_violations"]
+
+    def close(self) -> None:
+        status = self.ex.shutdown()
+        if not status.ok:
+            _progress(f"executor shutdown: {status}")
+
+
+def _paired_runs(direct: DirectLoop, executor: ExecutorLoop, modes: Sequence[str],
+                 prompts: list[np.ndarray], n: int, label: str,
+                 timings: dict[str, list]) -> dict[str, Any]:
+    """One block per side (direct and each executor mode) per run, the order rotated from run
+    to run so drift falls on every side alike; each mode's ``(wall_us, start_us, JobTimings)``
+    per decode job are appended to ``timings[mode]``."""
+    sides = ("direct", *modes)
+    times: dict[str, list[list[float]]] = {side: [] for side in sides}
+    identical = True
+    for r, prompt in enumerate(prompts):
+        order = sides[r % len(sides):] + sides[:r % len(sides)]
+        out: dict[str, list[int]] = {}
+        for side in order:
+            if side == "direct":
+                out[side], t = direct.decode_block(prompt, n)
+            else:
+                executor.mode = side
+                out[side], t = executor.decode_block(prompt, n, timings[side])
+            times[side].append(t)
+        identical &= all(out[side] == out["direct"] for side in modes)
+        _progress(f"{label}: run {r + 1}/{len(prompts)} ({'/'.join(order)}) P50 " + ", ".join(
+            f"{side} {np.median(times[side][-1]):.1f}" for side in sides) + " us")
+    result: dict[str, Any] = {side: np.concatenate(times[side]) for side in sides}
+    result["identical"] = identical
+    return result
+
+
+def _breakdown(timings: list) -> dict[str, float]:
+    """P50 in us of each span of the executor's decode jobs (from their own JobTimings).
+    ``caller_us`` is the wall time of the caller's step not covered by the job's stamps that
+    lie inside it: building the request (or writing the token into a pre-armed job),
+    resolving it and waking the waiting caller. For a pre-armed job, admission and prepare ran
+    before the step began (while the previous job was on the device): ``off_path_us`` is the
+    part of them outside the step."""
+    spans: dict[str, list[float]] = {k: [] for k in (
+        "admission_us", "prepare_us", "queue_wait_us", "execution_us", "postprocess_us",
+        "caller_us", "off_path_us", "total_us")}
+    for wall, start_us, t in timings:
+        post = t.postprocess_ms * 1000.0
+        begun = max(t.accepted_us, start_us)
+        spans["admission_us"].append(t.admitted_us - t.accepted_us)
+        spans["prepare_us"].append(t.queued_us - t.admitted_us)
+        spans["queue_wait_us"].append(t.submitted_us - t.queued_us)
+        spans["execution_us"].append(t.completed_us - t.submitted_us)
+        spans["postprocess_us"].append(post)
+        spans["caller_us"].append(wall - (t.completed_us - begun) - post)
+        spans["off_path_us"].append(min(max(start_us - t.accepted_us, 0),
+                                        t.queued_us - t.accepted_us))
+        spans["total_us"].append(wall)
+    return {k: _p(v, 50) for k, v in spans.items()}
+
+
+def run_overhead(tokens: int, runs: int, zero_tokens: int, seed: int,
+                 device: DeviceSpec = DeviceSpec(), modes: Sequence[str] = MODES,
+                 account_tokens: int = 100) -> dict[str, Any]:
+    """Run both phases for the direct loop and each executor mode and return the figures
+    (times in us); ``device`` names the runtime, manifest and (synthetic) calbin (default:
+    the bundled emulator's). The top-level figures are the ``enqueue`` mode's (as before);
+    ``modes`` holds every mode's, with its hand-offs and allocations per token."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, calbin_fmt.VOCAB, PROMPT_LEN, dtype=np.int32) for _ in range(runs)]
+    account_tokens = min(account_tokens, zero_tokens)
+    with tempfile.TemporaryDirectory(prefix="calexec-bench-") as tmp:
+        path = device.calbin(tmp)
+        rt = _emulator_runtime(device)
+        direct = DirectLoop(rt, path)
+        try:
+            executor = ExecutorLoop(rt, path, device)
+        except BaseException:
+            direct.close()
+            raise
+        try:
+            warm = min(WARMUP_TOKENS, zero_tokens)
+            direct.decode_block(prompts[0], warm)
+            accounting = {}
+            for mode in modes:
+                executor.mode = mode
+                executor.decode_block(prompts[0], warm)
+                accounting[mode] = executor.accounting(prompts[0], account_tokens)
+            zero_timings: dict[str, list] = {mode: [] for mode in modes}
+            zero = _paired_runs(direct, executor, modes, prompts, zero_tokens, "zero-latency",
+                                zero_timings)
+            for side in (direct, executor):
+                side.set_decode_latency(PROFILE_DECODE_US)
+            tpot_timings: dict[str, list] = {mode: [] for mode in modes}
+            tpot = _paired_runs(direct, executor, modes, prompts, tokens, "10 ms decode",
+                                tpot_timings)
+            dma = direct.dma_violations() + executor.dma_violations()
+        finally:
+            executor.close()
+            direct.close()
+    d, zd = tpot["direct"], zero["direct"]
+    per_mode = {}
+    for mode in modes:
+        e, ze = tpot[mode], zero[mode]
+        per_mode[mode] = {
+            "p50_ratio": round(_p(e, 50) / _p(d, 50), 4),
+            "p99_ratio": round(_p(e, 99) / _p(d, 99), 4),
+            "tpot_us_p50": _p(e, 50), "tpot_us_p99": _p(e, 99),
+            "us_p50": _p(ze, 50), "us_p99": _p(ze, 99),
+            "overhead_us_p50": _p(ze - zd, 50),
+            **accounting[mode],
+            "breakdown_us_p50": _breakdown(zero_timings[mode]),
+            "tpot_breakdown_us_p50": _breakdown(tpot_timings[mode]),
+        }
+    main = modes[0]
+    e, ze = tpot[main], zero[main]
+    return {
+        "tokens": tokens, "runs": runs, "zero_tokens": zero_tokens, "seed": seed,
+        "prompt_len": PROMPT_LEN, "decode_us": PROFILE_DECODE_US,
+        "tokens_identical": bool(zero["identical"] and tpot["identical"]),
+        "direct_tpot_us_p50": _p(d, 50), "direct_tpot_us_p99": _p(d, 99),
+        "executor_tpot_us_p50": _p(e, 50), "executor_tpot_us_p99": _p(e, 99),
+        "p50_ratio": round(_p(e, 50) / _p(d, 50), 4),
+        "p99_ratio": round(_p(e, 99) / _p(d, 99), 4),
+        "direct_us_p50": _p(zd, 50), "executor_us_p50": _p(ze, 50),
+        "direct_us_p99": _p(zd, 99), "executor_us_p99": _p(ze, 99),
+        "overhead_us_p50": _p(ze - zd, 50),
+        "executor_breakdown_us_p50": _breakdown(zero_timings[main]),
+        "executor_tpot_breakdown_us_p50": _breakdown(tpot_timings[main]),
+        "modes": per_mode,
+        "gate_met": {mode: bool(r["p50_ratio"] <= SPEC_GATE["p50_ratio"]
+                                and r["p99_ratio"] <= SPEC_GATE["p99_ratio"])
+                     for mode, r in per_mode.items()},
+        "dma_violations": dma,
+        "spec_gate": SPEC_GATE, "goal": GOAL,
+        "cpu_model": _cpu_model(),
+        "cpus": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__,
+    }
+
+
+# ---- logits conversion --------------------------------------------------------------------------
+def _bf16_bits(rng: np.random.Generator, size: int) -> np.ndarray:
+    """Finite BF16 values (the top halves of normal FP32 samples) as uint16."""
+    return (rng.standard_normal(size, dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
+def _alloc_bytes(fn: Callable[[], None], calls: int) -> tuple[float, float]:
+    """(median peak transient bytes per call, bytes still held per call after ``calls``)
+    measured with tracemalloc, which traces both Python's allocator and numpy's data buffers."""
+    was_tracing = tracemalloc.is_tracing()
+    if not was_tracing:
+        tracemalloc.start()
+    try:
+        fn()  # first-call effects (caches) are not per-token costs
+        peaks = np.zeros(calls)  # preallocated: the loop itself must not retain memory
+        start = tracemalloc.get_traced_memory()[0]
+        for i in range(calls):
+            tracemalloc.reset_peak()
+            before = tracemalloc.get_traced_memory()[0]
+            fn()
+            peaks[i] = tracemalloc.get_traced_memory()[1] - before
+        retained = (tracemalloc.get_traced_memory()[0] - start) / calls
+    finally:
+        if not was_tracing:
+            tracemalloc.stop()
+    return float(np.median(peaks)), float(retained)
+
+
+def _cpu_us(fn: Callable[[], None], calls: int) -> float:
+    """Thread CPU time per call in us over ``calls`` back-to-back calls."""
+    t0 = time.thread_time_ns()
+    for _ in range(calls):
+        fn()
+    return round((time.thread_time_ns() - t0) / 1e3 / calls, 2)
+
+
+def run_logits(iters: int, seed: int) -> dict[str, Any]:
+    """Time and check the conversions; return the figures (us per call, bytes)."""
+    vocab, d0 = calbin_fmt.VOCAB, calbin_fmt.DEFAULT_TILE_D0
+    rng = np.random.default_rng(seed)
+    decode_src = _bf16_bits(rng, vocab)  # [1,1,V] flattened
+    prefill_src = _bf16_bits(rng, d0 * vocab)  # [1,D0,V] flattened
+    prefill_base = (d0 - 2) * vocab  # a row other than 0, as a prefill's valid row can be
+    dst = {name: np.empty(vocab, dtype=np.float32) for name in
+           ("direct", "legacy", "direct_prefill", "legacy_prefill", "copy", "numpy_path",
+            "fused", "fused_prefill", "fused_sumexp")}
+    copy_src = np.empty(vocab, dtype=np.float32)
+    copy_src.view(np.uint32)[:] = decode_src.astype(np.uint32) << 16
+    scratch = np.empty(vocab, dtype=np.uint16)
+    fused = FusedLogits()
+
+    def numpy_path() -> int:  # the executor's fallback: finiteness, conversion, argmax
+        if not bf16_all_finite(decode_src[:vocab], scratch):
+            return -1
+        bf16_to_f32_into(decode_src, 0, vocab, dst["numpy_path"])
+        return int(np.argmax(dst["numpy_path"]))
+
+    def fused_call(src: np.ndarray, base: int, out: np.ndarray, sumexp: bool = False):
+        run = fused.with_sumexp if sumexp else fused
+
+        def call() -> int:  # the executor's fused path: one native pass, then the argmax
+            run(src, base, vocab, out)
+            return fused.argmax
+        return call
+
+    cases: dict[str, Callable[[], object]] = {
+        "direct": lambda: bf16_to_f32_into(decode_src, 0, vocab, dst["direct"]),
+        "legacy": lambda: bf16_to_f32_legacy(decode_src, 0, vocab, dst["legacy"]),
+        "direct_prefill": lambda: bf16_to_f32_into(prefill_src, prefill_base, vocab,
+                                                   dst["direct_prefill"]),
+        "legacy_prefill": lambda: bf16_to_f32_legacy(prefill_src, prefill_base, vocab,
+                                                     dst["legacy_prefill"]),
+        "copy": lambda: np.copyto(dst["copy"], copy_src),
+        "numpy_path": numpy_path,
+        "fused": fused_call(decode_src, 0, dst["fused"]),
+        "fused_prefill": fused_call(prefill_src, prefill_base, dst["fused_prefill"]),
+        "fused_sumexp": fused_call(decode_src, 0, dst["fused_sumexp"], sumexp=True),
+    }
+    names = list(cases)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    clock = time.perf_counter_ns
+    _progress(f"logits: {iters} interleaved iterations of {len(names)} cases")
+    for i in range(iters):
+        for k in range(len(names)):  # rotate the order each iteration: drift hits all alike
+            name = names[(i + k) % len(names)]
+            fn = cases[name]
+            t0 = clock()
+            fn()
+            samples[name].append((clock() - t0) / 1e3)
+
+    def same_bits(a: str, b: str) -> bool:
+        return np.array_equal(dst[a].view(np.uint32), dst[b].view(np.uint32))
+    identical = same_bits("direct", "legacy") and same_bits("direct_prefill", "legacy_prefill")
+    fused_identical = (same_bits("fused", "direct") and same_bits("fused_sumexp", "direct")
+                       and same_bits("fused_prefill", "direct_prefill")
+                       and cases["fused"]() == numpy_path()
+                       and cases["fused_prefill"]() == int(np.argmax(dst["direct_prefill"])))
+    cases["fused_sumexp"]()
+    reference = dst["direct"].astype(np.float64)
+    sumexp_error = abs(fused.sumexp / float(np.exp(reference - reference.max()).sum()) - 1)
+    _progress("logits: CPU time, allocation counts and tracemalloc bytes")
+    cpu_calls = max(1, min(iters, 200))
+    alloc_calls = max(1, min(iters, 100))
+    counts = {name: alloccount.count(cases[name], alloc_calls) for name in names}
+    alloc = {name: _alloc_bytes(cases[name], alloc_calls) for name in names}
+    p50 = {name: _p(samples[name], 50) for name in names}
+    cpu = {name: _cpu_us(cases[name], cpu_calls) for name in names}
+    return {
+        "iters": iters, "seed": seed, "vocab": vocab, "tile_d0": d0,
+        "bit_identical": bool(identical),
+        "fused_bit_identical": bool(fused_identical),
+        "fused_sumexp_rel_error": float(f"{sumexp_error:.3g}"),
+        **{f"{name}_us_p50": p50[name] for name in names},
+        **{f"{name}_us_p99": _p(samples[name], 99) for name in names},
+        **{f"{name}_cpu_us": cpu[name] for name in names},
+        "speedup_vs_legacy": round(p50["legacy"] / p50["direct"], 2),
+        "speedup_vs_legacy_prefill": round(p50["legacy_prefill"] / p50["direct_prefill"], 2),
+        "ratio_to_copy": round(p50["direct"] / p50["copy"], 2),
+        "fused_ratio_to_copy": round(p50["fused"] / p50["copy"], 2),
+        "fused_prefill_ratio_to_copy": round(p50["fused_prefill"] / p50["copy"], 2),
+        "numpy_path_ratio_to_copy": round(p50["numpy_path"] / p50["copy"], 2),
+        "fused_speedup_vs_numpy_path": round(p50["numpy_path"] / p50["fused"], 2),
+        # back-to-back CPU time: steadier than the wall ratios on a loaded host
+        "fused_cpu_ratio_to_copy": round(cpu["fused"] / cpu["copy"], 2),
+        "allocation_count_per_call": {name: counts[name].as_dict() for name in names},
+        "allocations_per_token": {
+            "slice_bytes": vocab * 4,
+            **{f"{name}_peak_bytes": alloc[name][0] for name in names},
+            **{f"{name}_retained_bytes": alloc[name][1] for name in names},
+        },
+        "cpu_model": _cpu_model(),
+        "cpus": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__,
+    }
+
+
+def _emulator_runtime(device: DeviceSpec) -> CalRT:
+    """The runtime of ``device``; these benchmarks drive the emulator's latency and fault
+    controls, so a library without them is refused (BenchError)."""
+    rt = device.runtime()
+    if not rt.has_emu:
+        raise BenchError(f"{device.library!r} has no emulator controls (calrt_emu_*): this "
+                         "benchmark sets emulated latencies and faults")
+    return rt
+
+
+def _cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``, as ``lscpu`` shows it), else the platform's."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+# ---- CLI -------------------------------------------------------------------------------------------
+def run_recovery(recoveries: int, seed: int, device: DeviceSpec = DeviceSpec()) -> dict[str, Any]:
+    """§9.2 figures: time from an injected device fault (DONE_CCU_EXCEPTION) to Ready again
+    on the zero-latency profile, over ``recoveries`` recoveries, while a client thread keeps
+    sending decode requests on another sequence; what happened to those requests."""
+    from calexec.drivers.calrt.runtime import Fault, FaultMode
+
+    with tempfile.TemporaryDirectory(prefix="calexec-bench-") as tmp:
+        path = device.calbin(tmp)
+        config = ExecutorConfig(calbin_path=path, recovery=device.recovery(
+            max_recoveries=recoveries + 1, recovery_window_s=3600.0))
+        ex = DeviceExecutor(_emulator_runtime(device), device.manifest(), config)
+        status = ex.start()
+        if not status.ok:
+            raise BenchError(f"executor start failed: {status}")
+        rng = np.random.default_rng(seed)
+        prompt = rng.integers(0, calbin_fmt.VOCAB, PROMPT_LEN, dtype=np.int32)
+        outcomes: dict[str, int] = {}
+        stop = threading.Event()
+        unresolved = [0]
+
+        def client() -> None:  # bounded by the recoveries loop (stop) and a job cap
+            past = None
+            for _ in range(1_000_000):
+                if stop.is_set():
+                    return
+                if past is None:
+                    ex.kvc.reset_sequence(2) if ex.kvc is not None else None
+                    req = InferenceRequest(seq_id=2, kind=TaskKind.PREFILL_IDS, tokens=prompt,
+                                           positions=np.arange(PROMPT_LEN, dtype=np.int32),
+                                           past_len=0, deadline=time.monotonic() + _WAIT_S)
+                else:
+                    req = InferenceRequest(seq_id=2, kind=TaskKind.DECODE,
+                                           tokens=np.asarray([1], dtype=np.int32),
+                                           positions=np.asarray([past], dtype=np.int32),
+                                           past_len=past, deadline=time.monotonic() + _WAIT_S)
+                handle = ex.enqueue(req)
+                result = handle.wait_until(time.monotonic() + _WAIT_S)
+                if not handle.done:
+                    unresolved[0] += 1
+                key = "ok" if not isinstance(result, Status) else result.code
+                outcomes[key] = outcomes.get(key, 0) + 1
+                past = None if isinstance(result, Status) or result.kv_len > 4000 else result.kv_len
+                if isinstance(result, Status) and result.category.value == "unavailable":
+                    time.sleep(0.001)  # Retry-After, scaled down
+
+        thread = threading.Thread(target=client, name="bench-client", daemon=True)
+        thread.start()
+        seconds: list[float] = []
+        try:
+            for i in range(recoveries):
+                if i % 10 == 0:
+                    _progress(f"bench recovery: {i}/{recoveries}")
+                ex.kvc.reset_sequence(1)
+                first = InferenceRequest(seq_id=1, kind=TaskKind.PREFILL_IDS, tokens=prompt,
+                                         positions=np.arange(PROMPT_LEN, dtype=np.int32),
+                                         past_len=0, deadline=time.monotonic() + _WAIT_S)
+                ex.enqueue(first).wait_until(first.deadline)
+                generation = ex.gen.id
+                ex.device.emu.set_fault(Fault.CCU_EXCEPTION, FaultMode.NTH, 1, 0, 0)
+                t0 = time.perf_counter()
+                req = InferenceRequest(seq_id=1, kind=TaskKind.DECODE,
+                                       tokens=np.asarray([1], dtype=np.int32),
+                                       positions=np.asarray([PROMPT_LEN], dtype=np.int32),
+                                       past_len=PROMPT_LEN, deadline=time.monotonic() + _WAIT_S)
+                result = ex.enqueue(req).wait_until(req.deadline)
+                if not isinstance(result, Status):
+                    # the client's job took the fault: the recovery still happens
+                    pass
+                end = time.monotonic() + _WAIT_S
+                while not (ex.state == "Ready" and ex.gen is not None
+                           and ex.gen.id > generation) and time.monotonic() < end:
+                    if ex.state == "Failed":
+                        raise BenchError(f"recovery {i} ended Failed: {ex.failure}")
+                    time.sleep(0.0002)
+                seconds.append(time.perf_counter() - t0)
+        finally:
+            stop.set()
+            thread.join(_WAIT_S)
+            ex.shutdown()
+    ms = np.asarray(seconds) * 1000.0
+    unavailable = sum(v for k, v in outcomes.items() if k.startswith("lifecycle.unavailable"))
+    # the injected fault fires on the next accepted job: when that is the client's, it is the
+    # job in flight, not a failure beyond it
+    in_flight = outcomes.get("device.ccu_exception", 0)
+    other = {k: v for k, v in outcomes.items() if k not in ("ok", "device.ccu_exception")
+             and not k.startswith("lifecycle.unavailable")}
+    return {
+        "recoveries": recoveries,
+        "recovery_ms_p50": round(_p(ms, 50), 3),
+        "recovery_ms_p99": round(_p(ms, 99), 3),
+        "client_requests": sum(outcomes.values()),
+        "client_ok": outcomes.get("ok", 0),
+        "client_unavailable_per_recovery": round(unavailable / max(recoveries, 1), 3),
+        "client_failed_in_flight": in_flight,
+        "client_failed_beyond_in_flight": sum(other.values()),
+        "client_failures_by_code": other,
+        "client_unresolved": unresolved[0],
+        "generations_opened": ex.recoveries[-1]["to_generation"] if ex.recoveries else 1,
+    }
+
+
+# ---- Phase B: ping/pong -----------------------------------------------------------------------------
+#: the latency profile of ``bench pingpong`` (us): H2D and D2H large enough that the DMA-only
+#: overlap setting differs from none and from full
+PINGPONG_PROFILE = {"h2d_us": 2000, "decode_us": 10000, "d2h_us": 2000}
+PINGPONG_OVERLAPS = ("none", "dma", "full")
+#: §13.3: Phase B on by default only at >= +10 % aggregate tokens/s and <= +5 % TPOT P99
+PHASE_B_RULE = {"min_aggregate_speedup": 1.10, "max_tpot_p99_ratio": 1.05}
+
+
+def pingpong_bound(overlap: str, h2d_us: int, decode_us: int, d2h_us: int) -> float:
+    """Theoretical aggregate speedup of two engines over one for a decode profile: ``none``
+    serialises whole jobs (1.0); ``dma`` overlaps only transfers, so the exclusive compute
+    stage limits it to ``min(2, job / compute)``; ``full`` runs both engines side by side (2.0).
+    Host-side work is not in the profile, so real figures sit below the bound."""
+    job = h2d_us + decode_us + d2h_us
+    return {"none": 1.0, "dma": min(2.0, job / decode_us) if decode_us else 2.0,
+            "full": 2.0}[overlap]
+
+
+class _PingPongRun:
+    """One executor at ``capacity`` on a device with ``overlap`` and ``PINGPONG_PROFILE``;
+    ``decode(seqs, tokens)`` decodes the sequences concurrently (one client thread each) and
+    checks every token against the oracle."""
+
+    def __init__(self, rt: CalRT, calbin_path: str, capacity: int, overlap: str,
+                 device: DeviceSpec = DeviceSpec()) -> None:
+        profile = ";".join(f"{k}={v}" for k, v in PINGPONG_PROFILE.items())
+        self.ex = DeviceExecutor(rt, device.manifest(), ExecutorConfig(
+            calbin_path=calbin_path, inflight_capacity=capacity,
+            device_config=f"overlap={overlap};{profile}", recovery=device.recovery()))
+        status = self.ex.start()
+        if not status.ok:
+            raise BenchError(f"executor (capacity {capacity}, overlap {overlap}) start failed: "
+                             f"{status}")
+        self.seed = calbin_fmt.read(calbin_path).seed
+        self.jobs: list = []  # (job_id, seq, kind, JobTimings, chart steps) of every decode job
+
+    def _run(self, req: InferenceRequest):
+        result = self.ex.enqueue(req).wait_until(req.deadline)
+        if isinstance(result, Status):
+            raise BenchError(f"seq {req.seq_id} {req.kind.name} at past_len={req.past_len} "
+                             f"failed: {result}")
+        return result
+
+    def _client(self, seq: int, tokens: int, tpot_us: list, errors: list) -> None:
+        from calexec.drivers.synthetic import oracle
+        try:
+            ref = oracle.OracleSequence(self.seed)
+            prompt = np.arange(seq, seq + PROMPT_LEN, dtype=np.int32)
+            status = self.ex.kvc.reset_sequence(seq)
+            if not status.ok:
+                raise BenchError(f"reset of seq {seq} failed: {status}")
+            result = self._run(InferenceRequest(
+                seq_id=seq, kind=TaskKind.PREFILL_IDS, tokens=prompt,
+                positions=np.arange(PROMPT_LEN, dtype=np.int32), past_len=0,
+                deadline=time.monotonic() + _WAIT_S))
+            ref.run(prompt.tolist())
+            for _ in range(tokens):
+                if result.argmax != ref.next_token():
+                    raise BenchError(f"seq {seq}: token {result.argmax} != oracle "
+                                     f"{ref.next_token()} at length {ref.length}")
+                past, token = result.kv_len, result.argmax
+                t0 = time.perf_counter_ns()
+                result = self._run(InferenceRequest(
+                    seq_id=seq, kind=TaskKind.DECODE, tokens=np.asarray([token], np.int32),
+                    positions=np.asarray([past], np.int32), past_len=past,
+                    deadline=time.monotonic() + _WAIT_S))
+                tpot_us.append((time.perf_counter_ns() - t0) / 1e3)
+                trail = self.ex.job_trail(result.job_id)
+                self.jobs.append((result.job_id, seq, "decode", result.timings,
+                                  tuple(trail["trail"]) if trail else ()))
+                ref.run([token])
+        except BenchError as exc:
+            errors.append(str(exc))
+
+    def decode(self, seqs: Sequence[int], tokens: int) -> dict[str, Any]:
+        """Decode ``tokens`` per sequence, all sequences at once; aggregate tokens/s and the
+        per-token latency each client saw."""
+        tpot: list[float] = []
+        errors: list[str] = []
+        threads = [threading.Thread(target=self._client, args=(s, tokens, tpot, errors),
+                                    name=f"pingpong-{s}") for s in seqs]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(_WAIT_S * (tokens + 1))
+        wall = time.perf_counter() - t0
+        if errors or any(t.is_alive() for t in threads):
+            raise BenchError("; ".join(errors) or "a pingpong client did not finish")
+        return {"tokens_per_s": round(len(seqs) * tokens / wall, 2),
+                "tpot_us_p50": _p(tpot, 50), "tpot_us_p99": _p(tpot, 99)}
+
+    def close(self) -> dict[str, Any]:
+        snap = self.ex.snapshot()
+        counters = self.ex.device.emu.counters()
+        self.ex.shutdown()
+        return {"inflight_capacity_end": snap.get("inflight_capacity"),
+                "downgrades": snap.get("downgrades", 0),
+                "dma_violations": counters["dma_input_violations"]
+                + counters["dma_output_violations"]}
+
+
+def run_pingpong(seqs: int, tokens: int, solo_tokens: int, trace_path: str | None = None,
+                 overlaps: Sequence[str] = PINGPONG_OVERLAPS,
+                 device: DeviceSpec = DeviceSpec()) -> dict[str, Any]:
+    """Phase B vs Phase A per overlap setting: aggregate tokens/s of ``seqs`` sequences
+    decoding ``tokens`` each at once (capacity 2 vs 1), single-request TPOT P99 of one
+    sequence decoding ``solo_tokens`` alone, the theoretical bound, and §13.3's rule applied.
+    ``trace_path``: the job timelines of the loaded runs of the last overlap setting."""
+    from calexec.drivers.trace import TracedJob, write_trace
+
+    results: dict[str, Any] = {}
+    traced: dict[str, list] = {}
+    with tempfile.TemporaryDirectory(prefix="calexec-bench-") as tmp:
+        path = device.calbin(tmp)
+        rt = _emulator_runtime(device)
+        for overlap in overlaps:
+            side: dict[int, dict[str, Any]] = {}
+            for capacity in (1, 2):
+                _progress(f"pingpong: overlap {overlap}, capacity {capacity}")
+                run = _PingPongRun(rt, path, capacity, overlap, device)
+                try:
+                    loaded = run.decode(range(1, seqs + 1), tokens)
+                    loaded_jobs = list(run.jobs)
+                    solo = run.decode([seqs + 1], solo_tokens)
+                finally:
+                    health = run.close()
+                side[capacity] = {"loaded": loaded, "solo": solo, **health}
+                traced[f"capacity {capacity}, overlap {overlap}"] = [
+                    TracedJob(job_id, seq, kind, timings, steps)
+                    for job_id, seq, kind, timings, steps in loaded_jobs]
+            speedup = side[2]["loaded"]["tokens_per_s"] / side[1]["loaded"]["tokens_per_s"]
+            tpot_ratio = side[2]["solo"]["tpot_us_p99"] / side[1]["solo"]["tpot_us_p99"]
+            bound = pingpong_bound(overlap, **PINGPONG_PROFILE)
+            results[overlap] = {
+                "aggregate_speedup": round(speedup, 4),
+                "tpot_p99_ratio": round(tpot_ratio, 4),
+                "loaded_tpot_p99_ratio": round(side[2]["loaded"]["tpot_us_p99"]
+                                               / side[1]["loaded"]["tpot_us_p99"], 4),
+                "bound_speedup": round(bound, 4),
+                "bound_tokens_per_s": round(bound * 1e6 / sum(PINGPONG_PROFILE.values()), 2),
+                "meets_phase_b_rule": bool(
+                    speedup >= PHASE_B_RULE["min_aggregate_speedup"]
+                    and tpot_ratio <= PHASE_B_RULE["max_tpot_p99_ratio"]),
+                "capacity_1": side[1], "capacity_2": side[2]}
+    if trace_path:
+        last = overlaps[-1]
+        write_trace(trace_path, {k: v for k, v in traced.items() if k.endswith(last)})
+    return {
+        "seqs": seqs, "tokens": tokens, "solo_tokens": solo_tokens,
+        "profile_us": PINGPONG_PROFILE, "rule": PHASE_B_RULE, "overlap": results,
+        "enable_by_default": {o: r["meets_phase_b_rule"] for o, r in results.items()},
+        "note": "the rule is necessary, not sufficient: §13.3 also needs correctness and the "
+                "24 h soak (calexec accept --full --phase b) before Phase B goes on by default",
+        "trace": trace_path,
+        "cpus": os.cpu_count(), "python": platform.python_version(),
+    }
+
+
+def _emit(result: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(result))
+        return
+    for key, value in result.items():
+        if isinstance(value, dict):
+            print(f"{key}:")
+            for sub, v in value.items():
+                print(f"  {sub:<28} {v}")
+        else:
+            print(f"{key:<30} {value}")
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+@cliargs.command_main
+def main(argv: list[str]) -> int:
+    """Entry point; ``argv`` starts with the command words (``bench overhead|logits``)."""
+    command = argv[1] if len(argv) > 1 else ""
+    parser = cliargs.parser(f"calexec bench {command}".strip(), __doc__)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts")
+    if command in ("overhead", "recovery", "pingpong"):
+        cliargs.add_device_args(parser)
+    if command == "overhead":
+        parser.add_argument("--tokens", type=_positive, default=100,
+                            help="decode tokens per block at the 10 ms profile (default 100)")
+        parser.add_argument("--runs", type=_positive, default=6,
+                            help="blocks per side and phase, order rotated (default 6)")
+        parser.add_argument("--gil-switch-us", type=int, default=SERVING_SWITCH_INTERVAL_US,
+                            help="GIL switch interval for the run (us; 0 keeps Python's 5000; "
+                                 "default: what calexec serve uses)")
+        parser.add_argument("--zero-tokens", type=_positive, default=300,
+                            help="decode tokens per block at zero latency (default 300)")
+    elif command == "logits":
+        parser.add_argument("--iters", type=_positive, default=2000,
+                            help="timed calls per case (default 2000)")
+    elif command == "recovery":
+        parser.add_argument("--recoveries", type=_positive, default=100,
+                            help="injected device faults, each followed by a recovery (100)")
+    elif command == "pingpong":
+        parser.add_argument("--seqs", type=_positive, default=4,
+                            help="sequences decoding at once (default 4)")
+        parser.add_argument("--tokens", type=_positive, default=40,
+                            help="decode tokens per sequence, loaded runs (default 40)")
+        parser.add_argument("--solo-tokens", type=_positive, default=60,
+                            help="decode tokens of the single-request TPOT run (default 60)")
+        parser.add_argument("--trace", metavar="PATH",
+                            help="write the job timelines (trace-event JSON) of one run")
+    else:
+        print("usage: calexec bench {overhead|logits|recovery|pingpong} [--json] ...",
+              file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv[2:])
+    device = cliargs.device_spec(args) if command != "logits" else DeviceSpec()
+    try:
+        if command == "overhead":
+            limit = calbin_fmt.MAX_SEQ - PROMPT_LEN
+            if max(args.tokens, args.zero_tokens) > limit:
+                parser.error(f"--tokens/--zero-tokens must be <= {limit}")
+            if args.gil_switch_us < 0:
+                parser.error(f"--gil-switch-us={args.gil_switch_us}: must be >= 0")
+            previous = set_gil_switch_interval_us(args.gil_switch_us)
+            try:
+                result = run_overhead(args.tokens, args.runs, args.zero_tokens, args.seed,
+                                      device)
+            finally:
+                set_gil_switch_interval_us(previous)
+            result["gil_switch_interval_us"] = args.gil_switch_us or previous
+        elif command == "recovery":
+            result = run_recovery(args.recoveries, args.seed, device)
+        elif command == "pingpong":
+            limit = calbin_fmt.MAX_SEQ - PROMPT_LEN
+            if max(args.tokens, args.solo_tokens) > limit:
+                parser.error(f"--tokens/--solo-tokens must be <= {limit}")
+            result = run_pingpong(args.seqs, args.tokens, args.solo_tokens, args.trace,
+                                  device=device)
+        else:
+            result = run_logits(args.iters, args.seed)
+    except (BenchError, DriverError, DeviceSpecError) as exc:
+        print(f"calexec bench {command}: {exc}", file=sys.stderr)
+        return 1
+    _emit(result, args.json)
+    return 0

@@ -1,0 +1,400 @@
+"""Threaded fault soak of the reference server (issue 13; ``tests/test_chaos.py`` runs it for
+a few seconds in the suite, ``calexec accept --gates chaos`` as long as asked).
+
+``run_chaos`` serves a started executor (bundled emulator, synthetic calbin) on a loopback port
+with uvicorn and drives it with ``clients`` concurrent clients (plain and streaming
+completions, early disconnects, short timeouts) while a seeded schedule injects every
+job-level emulator fault kind, hung jobs, good and refused reloads (and a reload whose new
+generation cannot map its buffers), then drains. It returns the run's figures and the list of
+``problems`` and ``wrong`` tokens found:
+
+* a token that differs from the numpy oracle's greedy continuation (``wrong``);
+* a response later than the request deadline plus ``ServerConfig.deadline_slack_s`` as the
+  server measures it (its dump records; clients in the same process get
+  ``HARNESS_ALLOWANCE_S`` more for their own GIL share);
+* an undocumented HTTP status, an error without a JSON body, a stream that ended without
+  ``[DONE]`` or an SSE error event;
+* free + in-use + withheld sequence ids != capacity at any step, any id not free or any slot
+  leased or in flight when idle;
+* ``/ready`` not 200 again within ``RECOVERY_BOUND_S`` after a scheduled fault;
+* a drain that does not end Stopped.
+
+Needs the ``[server]`` extra (FastAPI, uvicorn, httpx).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import random
+import shutil
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+import uvicorn
+
+from calexec.contracts.manifest import default_manifest_path, load_manifest
+from calexec.drivers.synthetic import oracle
+from calexec.drivers.synthetic import calbin
+from calexec.drivers.serving.dumpsink import DumpSink
+from calexec.drivers.calrt.runtime import CalRT, Fault, FaultMode
+from calexec.drivers.serving.server import ServerConfig, create_app
+from calexec.machines.executor import DeviceExecutor, ExecutorConfig
+from calexec.machines.faults import RecoveryPolicy
+
+RECOVERY_BOUND_S = 20.0  # a hung job: execution deadline + grace + drain + reset + golden
+#: the clients run in the server's process: their own threads compete with it for the GIL and
+#: the 2 cores, so what a client measures may exceed what the server took by this much. The
+#: server-side latency (dump records: admission to answer) is held to deadline + slack alone.
+HARNESS_ALLOWANCE_S = 1.0
+TOKEN = "chaos-admin-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+DOCUMENTED = {200, 429, 500, 503, 504}  # docs/server.md "Errors" (400s: none sent here)
+
+#: the schedule's actions: (name, emulator fault point or None, rc)
+FAULTS = [("ccu_exception", "CCU_EXCEPTION", 0), ("output_nan", "OUTPUT_NAN", 0),
+          ("output_inf", "OUTPUT_INF", 0), ("output_short", "OUTPUT_SHORT", 0),
+          ("wait_rc", "WAIT_RC", 0), ("submit_busy", "SUBMIT_RC", 17),
+          ("submit_unavailable", "SUBMIT_RC", 18), ("hang", "HANG", 0),
+          ("hang_stale", "HANG+STALE_COMPLETION", 0), ("can_allocate_false",
+                                                       "CAN_ALLOCATE_FALSE", 0),
+          ("apply_false", "APPLY_FALSE", 0), ("unknown_csr", "UNKNOWN_CSR", 0),
+          ("slice_fail", "SLICE_FAIL", 0)]
+RELOADS = ["reload_good", "reload_corrupt", "reload_map_fail"]
+ACTIONS = tuple(f[0] for f in FAULTS) + tuple(RELOADS)
+
+
+@functools.lru_cache(maxsize=4096)
+def _oracle(prompt: tuple[int, ...], n: int) -> tuple[int, ...]:
+    ref = oracle.OracleSequence(calbin.DEFAULT_SEED)
+    ref.run(list(prompt))
+    out = [ref.next_token()]
+    for _ in range(n - 1):
+        ref.run([out[-1]])
+        out.append(ref.next_token())
+    return tuple(out)
+
+
+def _wait_for(predicate, timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > end:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.01)
+
+
+class LiveServer:
+    """uvicorn serving ``app`` on 127.0.0.1 (ephemeral port) in a background thread."""
+
+    def __init__(self, app) -> None:
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0,
+                                                    log_level="warning", access_log=False))
+        self.thread = threading.Thread(target=self.server.run, name="uvicorn-chaos",
+                                       daemon=True)
+
+    def __enter__(self) -> "LiveServer":
+        self.thread.start()
+        _wait_for(lambda: self.server.started, 30, "uvicorn startup")
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def chaos_executor(workdir: Path, inflight_capacity: int = 1) -> DeviceExecutor:
+    """The executor the soak drives: the synthetic calbin on the bundled emulator with a fast
+    latency profile, short execution deadlines (hung jobs recover in about a second) and no
+    escalation to Failed (the schedule injects hundreds of faults on purpose)."""
+    path = str(workdir / "synthetic.calbin")
+    calbin.write(path, calbin.default_spec())
+    executor = DeviceExecutor(CalRT.load(), load_manifest(default_manifest_path()),
+                              ExecutorConfig(
+                                  calbin_path=path, inflight_capacity=inflight_capacity,
+                                  device_config="decode_us=1500;prefill_per_token_us=50",
+                                  execution_timeout_s=1.0, timeout_grace_s=0.2,
+                                  golden_timeout_s=5.0,
+                                  recovery=RecoveryPolicy(max_recoveries=100_000,
+                                                          drain_grace_s=1.0)))
+    status = executor.start()
+    if not status.ok:
+        raise RuntimeError(f"executor did not start: {status}")
+    return executor
+
+
+class Record:
+    """One client request and what came back."""
+
+    __slots__ = ("kind", "prompt", "max_tokens", "timeout", "start", "end", "code", "body",
+                 "events", "error")
+
+    def __init__(self, kind, prompt, max_tokens, timeout) -> None:
+        self.kind, self.prompt, self.max_tokens, self.timeout = kind, prompt, max_tokens, timeout
+        self.start = self.end = 0.0
+        self.code = None
+        self.body = None
+        self.events: list[str] = []
+        self.error = None
+
+
+def _client(url: str, index: int, seed: int, stop: threading.Event, out: list) -> None:
+    rng = random.Random(seed * 1000 + index)
+    with httpx.Client(base_url=url, timeout=30) as http:
+        while not stop.is_set():
+            kind = rng.choice(["plain", "plain", "stream", "stream", "disconnect", "short"])
+            prompt = [rng.randrange(1, 150000) for _ in range(rng.randint(1, 16))]
+            max_tokens = rng.randint(1, 10)
+            timeout = rng.uniform(0.02, 0.25) if kind == "short" else rng.uniform(1.0, 4.0)
+            rec = Record(kind, prompt, max_tokens, timeout)
+            body = {"prompt": prompt, "max_tokens": max_tokens, "timeout": timeout,
+                    "stream": kind in ("stream", "disconnect")}
+            rec.start = time.monotonic()
+            try:
+                if not body["stream"]:
+                    r = http.post("/v1/completions", json=body)
+                    rec.code, rec.body = r.status_code, r.json()
+                else:
+                    with http.stream("POST", "/v1/completions", json=body) as r:
+                        rec.code = r.status_code
+                        if r.status_code != 200:
+                            rec.body = json.loads(r.read())
+                        else:
+                            keep = rng.randint(1, 3) if kind == "disconnect" else None
+                            for line in r.iter_lines():
+                                if line:
+                                    rec.events.append(line)
+                                if keep is not None and len(rec.events) >= keep:
+                                    break  # leaving the block closes the connection
+            except Exception as err:  # noqa: BLE001 - recorded, asserted on by the test
+                rec.error = repr(err)
+            rec.end = time.monotonic()
+            out.append(rec)
+            if rec.code in (429, 503):  # Retry-After: back off a little (shorter, to keep
+                stop.wait(rng.uniform(0.05, 0.25))  # the pressure on, but never a spin)
+
+
+def _check(rec: Record, slack: float, server_s: float | None, problems: list[str],
+           wrong: list[str]) -> None:
+    """Adds what is wrong with one record to ``problems`` / ``wrong`` (wrong tokens).
+    ``server_s``: the server-side latency of the request (its dump record), if admitted."""
+    where = f"{rec.kind} prompt={rec.prompt} max_tokens={rec.max_tokens}"
+    if rec.error is not None:
+        problems.append(f"{where}: transport error {rec.error}")
+        return
+    if rec.kind != "disconnect" and (
+            rec.end - rec.start > rec.timeout + slack + HARNESS_ALLOWANCE_S
+            or server_s is not None and server_s > rec.timeout + slack):
+        problems.append(f"{where}: answered {rec.end - rec.start - rec.timeout:.3f}s after "
+                        f"its {rec.timeout:.3f}s deadline (server-side {server_s}s; slack "
+                        f"{slack}s)")
+    if rec.code not in DOCUMENTED:
+        problems.append(f"{where}: undocumented HTTP {rec.code}: {rec.body}")
+        return
+    expected = _oracle(tuple(rec.prompt), rec.max_tokens)
+    if rec.code != 200:
+        error = (rec.body or {}).get("error", {})
+        if not error.get("code") or rec.body.get("status", {}).get("http_status") != rec.code:
+            problems.append(f"{where}: HTTP {rec.code} without a JSON error body: {rec.body}")
+        return
+    if rec.body is not None:  # a plain completion
+        choice = rec.body["choices"][0]
+        tokens = choice["token_ids"]
+        if tuple(tokens) != expected[:len(tokens)] or (
+                choice["finish_reason"] == "length" and len(tokens) != rec.max_tokens):
+            wrong.append(f"{where}: {tokens} != oracle {list(expected)}")
+        return
+    tokens, ended = [], None
+    for line in rec.events:
+        data = line[len("data: "):]
+        if data == "[DONE]":
+            ended = "done"
+            continue
+        event = json.loads(data)
+        if "error" in event:
+            ended = "error"
+            if not event["error"].get("code"):
+                problems.append(f"{where}: SSE error event without a code: {event}")
+            continue
+        tokens += event["choices"][0]["token_ids"]
+    if tuple(tokens) != expected[:len(tokens)]:
+        wrong.append(f"{where}: streamed {tokens} != oracle {list(expected)}")
+    if rec.kind == "stream" and ended is None:
+        problems.append(f"{where}: the stream ended without [DONE] or an SSE error event")
+    if ended == "done" and len(tokens) != rec.max_tokens and tokens[-1:] != []:
+        # finish_reason "stop" (end token) is the only other way to end early
+        last = json.loads(rec.events[-2][len("data: "):])["choices"][0]["finish_reason"]
+        if last != "stop":
+            wrong.append(f"{where}: {len(tokens)} tokens, finish {last}")
+
+
+def _diagnose(executor, service) -> dict:
+    """What a server that does not go idle still holds."""
+    live = [{"request": gen.request_id, "seq": gen.seq_id, "done": gen.done,
+             "closed": gen.closed, "enqueue_idle": gen.enqueue_idle.is_set(),
+             "handle": None if gen.handle is None else repr(gen.handle)}
+            for gen in list(service._live.values())]
+    return {"active": service.active, "releases_pending": service.releases_pending,
+            "sequences": service.sequences.counts(), "lifecycle": executor.state,
+            "health": executor.health(), "snapshot": executor.snapshot(), "live": live[:8],
+            "threads": sorted(t.name for t in threading.enumerate())}
+
+
+def _arm(emu, point: str, rng: random.Random, rc: int) -> None:
+    for name in point.split("+"):
+        rc_set = emu.set_fault(Fault[name], FaultMode.NTH, rng.randint(1, 3),
+                               rng.randrange(1 << 30), rc)
+        if rc_set != 0:
+            raise RuntimeError(f"emulator refused fault {name} (rc {rc_set})")
+
+
+def run_chaos(workdir: Path, seconds: float = 6.0, clients: int = 16, seed: int = 13,
+              actions: tuple[str, ...] = ACTIONS, inflight_capacity: int = 1,
+              progress=None) -> dict[str, Any]:
+    """One soak; returns its figures with ``problems`` and ``wrong`` (lists of strings; both
+    empty when every rule held). ``progress(done_s, total_s)`` is called between steps."""
+    unknown = sorted(set(actions) - set(ACTIONS))
+    if unknown:
+        raise ValueError(f"unknown chaos action(s) {unknown}; known: {list(ACTIONS)}")
+    workdir = Path(workdir)
+    executor = chaos_executor(workdir, inflight_capacity)
+    idle: dict[str, Any] = {}
+    final_ready = None
+    main = executor.gen.calbin_path
+    good = str(workdir / "copy.calbin")
+    shutil.copyfile(main, good)  # the same model at another path: a switch keeps the oracle
+    corrupt = workdir / "corrupt.calbin"
+    corrupt.write_bytes(b"corrupt calbin " * 64)
+    config = ServerConfig(admin_token=TOKEN)
+    # one dump record per request: its server-side latency tells a late answer's handler time
+    # from the time it waited for the event loop or the socket
+    dump = DumpSink(workdir / "dump", max_bytes=256 << 20, include_content=True)
+    app = create_app(executor, config, dump)
+    service = app.state.service
+    emu = executor.device.emu
+    rng = random.Random(seed)
+    records: list[Record] = []
+    steps: list[dict] = []
+    problems: list[str] = []
+    stop = threading.Event()
+    try:
+        with LiveServer(app) as server:
+            threads = [threading.Thread(target=_client, args=(server.url, i, seed, stop, records),
+                                        name=f"chaos-client-{i}") for i in range(clients)]
+            for thread in threads:
+                thread.start()
+            with httpx.Client(base_url=server.url, timeout=30) as admin:
+                end = time.monotonic() + seconds
+                while time.monotonic() < end:
+                    action = rng.choice(actions)
+                    t0 = time.monotonic()
+                    if action.startswith("reload"):
+                        if action == "reload_map_fail":
+                            emu.set_fault(Fault.MAP_FAIL, FaultMode.NTH, 1)
+                        path = str(corrupt) if action == "reload_corrupt" else \
+                            rng.choice([main, good])
+                        r = admin.post("/admin/reload", json={"calbin": path}, headers=AUTH)
+                        if r.status_code not in (200, 500, 503) or "error" not in r.json() \
+                                and r.status_code != 200:
+                            problems.append(f"{action}: HTTP {r.status_code} {r.text[:300]}")
+                    else:
+                        _, point, rc = next(f for f in FAULTS if f[0] == action)
+                        _arm(emu, point, rng, rc)
+                        stop.wait(rng.uniform(0.2, 0.5))  # let the traffic meet it
+                    ready_at = None
+                    deadline = time.monotonic() + RECOVERY_BOUND_S
+                    while time.monotonic() < deadline:
+                        if admin.get("/ready").status_code == 200:
+                            ready_at = time.monotonic()
+                            break
+                        stop.wait(0.02)
+                    emu.clear_all_faults()
+                    if progress is not None:
+                        progress(time.monotonic() + seconds - end, seconds)
+                    steps.append({"action": action, "ready_after_s": None if ready_at is None
+                                  else round(ready_at - t0, 3)})
+                    if ready_at is None:
+                        problems.append(f"{action}: /ready not 200 within {RECOVERY_BOUND_S}s "
+                                        f"(lifecycle {executor.state}, health "
+                                        f"{executor.health()})")
+                        break
+                    if not service.sequences.consistent():
+                        problems.append(f"{action}: sequence ids {service.sequences.counts()}")
+                stop.set()
+                for thread in threads:
+                    thread.join(60)
+                if any(t.is_alive() for t in threads):
+                    problems.append("a client never returned")
+                emu.clear_all_faults()
+                # idle: every request ended, every id free, no slot leased or in flight
+                try:
+                    # (a fault armed late may still be recovering: idle includes Ready again)
+                    _wait_for(lambda: service.active == 0 and service.releases_pending == 0
+                              and service.sequences.in_use == 0 and not executor.health()
+                              and executor.snapshot()["inflight"] == 0, timeout=30,
+                              what="the server to go idle")
+                except TimeoutError as err:
+                    problems.append(f"{err}: {_diagnose(executor, service)}")
+                snap = executor.snapshot()
+                slots = snap["slots"] or {}
+                idle = {"sequences": service.sequences.counts(), "inflight": snap["inflight"],
+                        "queued": snap["queued"], "leased": slots.get("Leased", 0),
+                        "in_flight_slots": slots.get("InFlight", 0)}
+                final_ready = admin.get("/ready").status_code
+                r = admin.post("/admin/drain", params={"grace": 10}, headers=AUTH)
+                if r.status_code != 202:
+                    problems.append(f"drain: HTTP {r.status_code} {r.text[:300]}")
+                _wait_for(lambda: service.drain_status is not None, timeout=30, what="drain")
+    finally:
+        stop.set()
+        emu.clear_all_faults()
+        if not executor.lifecycle.final:
+            executor.shutdown(5.0)
+    server_latency: dict[tuple, list[float]] = {}
+    for line in dump.path.read_text().splitlines() if dump.path.exists() else []:
+        entry = json.loads(line)
+        server_latency.setdefault(tuple(entry["prompt_token_ids"]), []).append(
+            entry["latency_s"])
+    wrong: list[str] = []
+    for rec in records:
+        server_s = max(server_latency.get(tuple(rec.prompt), [None]) or [None],
+                       key=lambda v: -1 if v is None else v)
+        _check(rec, config.deadline_slack_s, server_s, problems, wrong)
+    late = [rec.end - rec.start - rec.timeout for rec in records if rec.kind != "disconnect"
+            and rec.error is None]
+    server_late = [max(server_latency.get(tuple(rec.prompt), [0.0])) - rec.timeout
+                   for rec in records if rec.kind != "disconnect"]
+    figures = {
+        "seed": seed, "seconds": seconds, "clients": clients, "requests": len(records),
+        "by_status": dict(Counter(str(rec.code) for rec in records)),
+        "by_kind": dict(Counter(rec.kind for rec in records)),
+        "schedule_steps": len(steps), "actions": dict(Counter(s["action"] for s in steps)),
+        "max_ready_after_s": max((s["ready_after_s"] or 0 for s in steps), default=0),
+        "recoveries": len(executor.recoveries), "wrong_tokens": len(wrong),
+        "max_past_deadline_s": round(max(late, default=0.0), 3),
+        "p99_past_deadline_s": round(sorted(late)[int(0.99 * (len(late) - 1))], 3) if late
+        else 0.0,
+        "max_server_side_past_deadline_s": round(max(server_late, default=0.0), 3),
+        "slack_s": config.deadline_slack_s, "idle": idle, "final_ready": final_ready,
+        "drain": service.drain_status.code, "lifecycle": executor.state,
+    }
+    checks = idle.get("sequences") or {}
+    if not service.sequences.consistent():
+        problems.append(f"sequence ids inconsistent at the end: {service.sequences.counts()}")
+    if checks and (checks["free"] != checks["capacity"] or checks["withheld"]):
+        problems.append(f"not every sequence id free when idle: {checks}")
+    if any(idle.get(k) for k in ("inflight", "queued", "leased", "in_flight_slots")):
+        problems.append(f"work left when idle: {idle}")
+    if final_ready != 200:
+        problems.append(f"/ready {final_ready} when idle")
+    if service.drain_status is None or not service.drain_status.ok or \
+            executor.state != "Stopped":
+        problems.append(f"drain ended {service.drain_status} in {executor.state}")
+    if not records or not steps:
+        problems.append("no request or no schedule step ran")
+    return {**figures, "problems": problems, "wrong": wrong}

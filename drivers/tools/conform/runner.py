@@ -1,0 +1,155 @@
+"""``calexec conform``: answer the spec's §14 questions for any library implementing calrt.h.
+
+Each experiment runs in its own child process with a timeout (``isolate.py``); a child that
+crashes or hangs makes its questions ``inconclusive`` with the reason, and the run goes on.
+Exit 0 when the run completed (whatever the verdicts), 1 when the runner itself failed
+(e.g. the emulator library could not be built, or the report could not be written).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+from calexec import cliargs
+from calexec.drivers.synthetic import calbin as calbin_fmt
+from calexec.drivers.calrt import conformance as report
+from calexec.drivers.tools.conform import trace
+from calexec.drivers.tools.conform.experiments import EXPERIMENTS, QUESTIONS
+from calexec.drivers.tools.conform.isolate import OK, run_isolated
+from calexec.drivers.tools.conform.rig import build_emulator_lib
+from calexec.drivers.calrt.verdict import inconclusive
+
+MODULE = "calexec.drivers.tools.conform.experiments"
+
+
+def _progress(msg: str) -> None:
+    print(f"[conform] {msg}", file=sys.stderr, flush=True)
+
+
+def _runtime_info(lib: str) -> tuple[str, bool]:
+    """(version, has emulator controls), read in a child so a broken library cannot hurt us."""
+    out = run_isolated("calexec.drivers.tools.conform.runner:probe_library", {"lib": lib}, 30.0)
+    return tuple(out.result) if out.status == OK else (f"unknown ({out.reason})", False)
+
+
+def probe_library(lib: str) -> tuple[str, bool]:
+    from calexec.drivers.calrt.runtime import CalRT
+
+    rt = CalRT.load(lib)
+    return rt.version, rt.has_emu
+
+
+def run(lib: str | None, config: str = "", quick: bool = False, only: tuple[str, ...] = (),
+        timeout_s: float | None = None, work_dir: str | None = None,
+        experiment_kwargs: dict[str, dict] | None = None,
+        on_child: Callable[[str, int], None] | None = None,
+        calbin_path: str | None = None) -> dict[str, Any]:
+    """Run the experiments (all, or ``only``) and return the run dict the report renders.
+
+    lib None builds the bundled emulator as ``libcalrt_emu.so`` into work_dir (a temp dir
+    by default) and dlopens it. ``calbin_path``: a synthetic calbin to use (the experiments
+    check outputs against its oracle); None writes the default one. ``experiment_kwargs`` passes extra keyword arguments to
+    one experiment (tests); ``on_child(name, pid)`` is called when its child starts."""
+    unknown = [name for name in only if name not in EXPERIMENTS]
+    if unknown:
+        raise ValueError(f"unknown experiment(s) {unknown}; known: {list(EXPERIMENTS)}")
+    timeout_s = timeout_s or (30.0 if quick else 120.0)
+    with tempfile.TemporaryDirectory(prefix="calexec-conform-") as tmp:
+        work = work_dir or tmp
+        bundled = lib is None
+        if bundled:
+            _progress("building libcalrt_emu.so (bundled emulator, dlopen path)")
+            lib = build_emulator_lib(work)
+        calbin = calbin_path or os.path.join(work, "conform.calbin")
+        if calbin_path is None:
+            calbin_fmt.write(calbin)
+        version, has_emu = _runtime_info(lib)
+        questions, timeline, experiments = [], [], {}
+        for name in only or tuple(EXPERIMENTS):
+            _progress(f"experiment {name} ...")
+            kwargs = {"lib": lib, "calbin": calbin, "config": config, "quick": quick,
+                      **(experiment_kwargs or {}).get(name, {})}
+            hook = (lambda pid, n=name: on_child(n, pid)) if on_child else None
+            out = run_isolated(f"{MODULE}:exp_{name}", kwargs, timeout_s, on_start=hook)
+            experiments[name] = {"status": out.status, "seconds": round(out.seconds, 3), "reason": out.reason}
+            if out.status == OK:
+                questions += out.result["answers"]
+                timeline += out.result["timeline"]
+            else:
+                questions += [inconclusive(qid, claim, out.reason, experiment=name, outcome=out.status).to_dict()
+                              for qid, claim in QUESTIONS[name].items()]
+            _progress(f"experiment {name}: {out.status} in {out.seconds:.2f} s")
+    return {"runtime": version, "library": lib, "bundled": bundled, "emulator_controls": has_emu,
+            "config": config, "quick": quick, "questions": questions, "settings": report.safe_settings(questions),
+            "experiments": experiments, "timeline": timeline}
+
+
+def write_report(run_dict: dict[str, Any], out_dir: str) -> list[str]:
+    """Write conformance.md/.json, trace.json and timing.png (when there is a timeline)."""
+    os.makedirs(out_dir, exist_ok=True)
+    written = []
+    if run_dict["timeline"]:
+        trace.write_trace(os.path.join(out_dir, "trace.json"), run_dict["timeline"])
+        overlap = next((q for q in run_dict["questions"] if q["id"] == "overlap.ping_pong"), None)
+        title = f"{run_dict['runtime']}: overlap {overlap['finding']} ({overlap['verdict']})" if overlap else ""
+        trace.write_png(os.path.join(out_dir, "timing.png"), run_dict["timeline"], title)
+        written += ["trace.json", "timing.png"]
+    run_dict["artifacts"] = written
+    with open(os.path.join(out_dir, "conformance.json"), "w", encoding="utf-8") as f:
+        f.write(report.to_json(run_dict))
+    with open(os.path.join(out_dir, "conformance.md"), "w", encoding="utf-8") as f:
+        f.write(report.to_markdown(run_dict))
+    return ["conformance.md", "conformance.json", *written]
+
+
+@cliargs.command_main
+def main(argv: list[str]) -> int:
+    p = cliargs.parser("calexec conform", __doc__)
+    p.add_argument("--lib", "--runtime-lib", dest="lib", metavar="PATH",
+                   help="shared library implementing calrt.h (default: build the bundled emulator)")
+    p.add_argument("--calbin", metavar="PATH", help="synthetic calbin the experiments load and check "
+                   "against its oracle (default: the default synthetic calbin)")
+    p.add_argument("--report", metavar="DIR", help="write conformance.md/.json, trace.json, timing.png here")
+    p.add_argument("--json", action="store_true", help="print the run as one JSON object on stdout")
+    p.add_argument("--quick", action="store_true", help="small sizes (seconds, for CI)")
+    p.add_argument("--config", default="", help="device config string passed to calrt_device_open")
+    p.add_argument("--only", action="append", choices=list(EXPERIMENTS), help="run only this experiment (repeat)")
+    p.add_argument("--timeout", type=cliargs.positive_float,
+                   help="seconds per experiment child (default 30 quick / 120)")
+    args = p.parse_args(argv[1:])
+    if args.lib and not os.path.exists(args.lib):
+        print(f"calexec conform: --lib {args.lib!r} does not exist", file=sys.stderr)
+        return 2
+    if args.calbin is not None:
+        try:
+            calbin_fmt.read(args.calbin)
+        except (OSError, ValueError) as exc:
+            raise cliargs.UserError(f"--calbin={args.calbin!r}: not a readable synthetic calbin: {exc}") from None
+        args.calbin = os.path.abspath(args.calbin)
+    if args.report:  # before the run: timing.png needs matplotlib
+        cliargs.require_extra("plots", "--report (timing.png)")
+    t0 = time.monotonic()
+    try:
+        result = run(args.lib, args.config, args.quick, tuple(args.only or ()), args.timeout,
+                     calbin_path=args.calbin)
+        if args.report:
+            files = write_report(result, args.report)
+            _progress(f"report written to {args.report}: {', '.join(files)}")
+    except (RuntimeError, OSError, ValueError) as exc:
+        print(f"calexec conform: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for q in result["questions"]:
+            print(f"{q['verdict']:<13} {q['id']:<40} {q['finding']}")
+        print("safe settings:")
+        for s in result["settings"]:
+            print(f"  {s['setting']}")
+    _progress(f"done in {time.monotonic() - t0:.1f} s")
+    return 0

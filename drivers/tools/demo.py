@@ -1,0 +1,113 @@
+"""``calexec demo``: a few sequences prefilled and greedily decoded, interleaved, through the
+``DeviceExecutor`` (the control core) on the bundled emulator, checked against the oracle.
+
+The direct synchronous harness (no executor, used by the benchmarks, conform and the driver
+tests) lives in ``drivers/direct.py``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from calexec import cliargs
+from calexec.drivers.synthetic import calbin as calbin_fmt
+from calexec.drivers.synthetic import oracle
+
+
+def _argmax(row: np.ndarray) -> int:
+    return int(np.argmax(oracle.bf16_to_f32(row)))
+
+
+@cliargs.command_main
+def main(argv: list[str]) -> int:
+    from calexec.contracts.prepare import InferenceRequest
+    from calexec.contracts.status import Status
+    from calexec.contracts.types import TaskKind
+    from calexec.machines.executor import DeviceExecutor, ExecutorConfig
+
+    p = cliargs.parser("calexec demo", __doc__)
+    p.add_argument("--seqs", type=cliargs.positive_int, default=3,
+                   help="sequences prefilled, then decoded round-robin")
+    p.add_argument("--tokens", type=cliargs.positive_int, default=5,
+                   help="tokens to decode per sequence")
+    p.add_argument("--prompt-len", type=cliargs.positive_int, default=17,
+                   help="prompt tokens per sequence")
+    p.add_argument("--decode-us", type=int, default=0,
+                   help="emulated decode latency in microseconds (emulator device config)")
+    cliargs.add_device_args(p)
+    args = p.parse_args(argv[1:])
+    if args.prompt_len + args.tokens > calbin_fmt.MAX_SEQ:
+        raise cliargs.UserError(f"--prompt-len + --tokens = {args.prompt_len + args.tokens}: "
+                                f"above the model's max_seq {calbin_fmt.MAX_SEQ}")
+    spec = cliargs.device_spec(args)
+    with tempfile.TemporaryDirectory(prefix="calexec-demo-") as tmp:
+        path = spec.calbin(tmp)
+        try:  # the oracle checks the tokens: only a synthetic calbin has one
+            spec_of_calbin = calbin_fmt.read(path)
+        except (OSError, ValueError) as exc:
+            raise cliargs.UserError(f"--calbin={path!r}: the demo checks tokens against the "
+                                    f"synthetic model's oracle and needs a synthetic calbin "
+                                    f"(calexec sim write-calbin): {exc}") from None
+        seed = spec_of_calbin.seed
+        with open(path, "rb") as f:
+            sha = hashlib.sha256(f.read()).hexdigest()
+        config = ExecutorConfig(calbin_path=path, device_config=f"decode_us={args.decode_us}",
+                                recovery=spec.recovery())
+        ex = DeviceExecutor(spec.runtime(), spec.manifest(), config)
+        status = ex.start()
+        if not status.ok:
+            raise cliargs.UserError(f"executor start failed: {status}", cliargs.EXIT_REFUSED)
+        print(f"runtime {ex.runtime.version}, calbin sha256 {sha[:16]}..., generation "
+              f"{ex.gen.id}, lifecycle {ex.state}, golden {list(ex.expected_golden(sha)[0])}")
+        seqs = range(1, args.seqs + 1)
+        refs = {seq: oracle.OracleSequence(seed) for seq in seqs}
+        state: dict[int, dict] = {}
+
+        def run(seq: int, kind: TaskKind, tokens: list[int], past: int):
+            request = InferenceRequest(
+                seq_id=seq, kind=kind, tokens=np.asarray(tokens, dtype=np.int32),
+                positions=np.arange(past, past + len(tokens), dtype=np.int32), past_len=past,
+                deadline=time.monotonic() + 30.0)
+            return ex.enqueue(request).wait_until(request.deadline)
+
+        ok = True
+        for seq in seqs:  # prefill every sequence, then decode them round-robin
+            prompt = [(seq * 7919 + i * 104729) % calbin_fmt.VOCAB for i in range(args.prompt_len)]
+            result = run(seq, TaskKind.PREFILL_IDS, prompt, 0)
+            if isinstance(result, Status):
+                print(f"seq {seq}: prefill failed: {result}", file=sys.stderr)
+                return 1
+            refs[seq].run(prompt)
+            ok &= result.argmax == refs[seq].next_token()
+            state[seq] = {"prompt": len(prompt), "tokens": [result.argmax], "past": result.kv_len,
+                          "ttft_ms": result.timings.total_ms(), "tpot_ms": []}
+        for _ in range(args.tokens - 1):
+            for seq in seqs:
+                st = state[seq]
+                result = run(seq, TaskKind.DECODE, [st["tokens"][-1]], st["past"])
+                if isinstance(result, Status):
+                    print(f"seq {seq}: decode failed: {result}", file=sys.stderr)
+                    return 1
+                refs[seq].run([st["tokens"][-1]])
+                ok &= result.argmax == refs[seq].next_token()
+                st["tokens"].append(result.argmax)
+                st["past"] = result.kv_len
+                st["tpot_ms"].append(result.timings.total_ms())
+        for seq in seqs:
+            st = state[seq]
+            tpot = np.median(st["tpot_ms"]) if st["tpot_ms"] else float("nan")
+            print(f"seq {seq}: prompt {st['prompt']} tokens, ttft {st['ttft_ms']:.2f} ms, "
+                  f"tpot {tpot:.3f} ms, tokens {st['tokens']}")
+        snapshot = ex.snapshot()
+        counters = ex.device.emu.counters() if ex.device.emu else {}
+        status = ex.shutdown()
+    print(f"oracle match: {'yes' if ok else 'NO'}; executor: succeeded={snapshot['succeeded']} "
+          f"failed={snapshot['failed']} slots={snapshot['slots']}; shutdown {status}, "
+          f"lifecycle {ex.state}; device: {counters}")
+    return 0 if ok and status.ok else 1
+

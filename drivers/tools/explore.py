@@ -1,0 +1,1465 @@
+"""Interleaving explorer: the executor's real code on real threads, one thread at a time, under a
+controlled scheduler and a virtual clock (issue 14, test support; see docs/testing.md).
+
+How it works (after AWS Shuttle and loom, kept small):
+
+- ``VirtualClock`` is the executor's ``Clock`` (``DeviceExecutor(..., clock=...)``): every lock
+  (``Clock.lock``, used by ``LockOrder``), condition, event and thread the executor, the KV
+  coordinator, the buffer pool and the jobs make is a controlled one. Exactly one controlled
+  thread runs at a time; every other one is parked on its own semaphore. Every lock acquire,
+  condition wait, event set/wait, thread start and join, sleep and runtime call (``infer``,
+  ``Wait``, ``GetStatus``, resets) is a *scheduling point*: the running thread asks the
+  ``Scheduler`` which runnable thread goes next and hands over if it is another one (clock
+  reads only with ``VirtualClock.clock_points``: under autojump they add no behaviour).
+- Time is virtual and moves only when no thread can run (trio's ``autojump``): to the
+  earliest deadline of a timed wait. Deadlines, backoff, drain graces and execution timeouts
+  are explored without sleeping.
+- The device is the bundled emulator in stepped mode. ``Wait`` polls ``GetStatus`` and blocks
+  virtually until the job's status changes or its timeout passes; "run the next stage of
+  engine e" is one of the scheduler's choices, and so is "let time pass" while the device
+  could still progress (a slow device: execution timeouts).
+- Choices come from a chooser: ``PriorityTapeChooser`` (a list of integers drawn by
+  hypothesis, used as priority change points, so a failure shrinks to a short schedule; 0 =
+  the default), ``PCTChooser`` (seeded random priorities with d-1 priority change points, as
+  Shuttle's and Coyote's PCT), ``TapeChooser`` (plain option indices) or a recorded choice
+  list (``replay``). Every choice with more than one option is recorded; a failure prints the
+  seed, the script and the choices that replay it exactly; ``shrink`` makes a PCT failure
+  smaller.
+- Checked at every scheduling point: the lock order (``LockOrder.violations``), no executor
+  thread caught an exception (``thread_faults``), the in-flight bound; whenever no thread can
+  run: §5.1 invariants 5, 6, 7, 8, leased slots/tokens/permits back to zero when idle, host
+  memory never dropped while a stale DMA is pending, the lifecycle not wedged, executor
+  threads alive; at every time jump: no handle unresolved past its bound (queued: its
+  deadline; submitted: its execution deadline; + ``slack``); when nothing can happen any more:
+  deadlock (a thread blocked for good that is not an idle executor loop, or queued work no
+  thread will take); a thread that raised.
+
+Not controlled (they never block across a scheduling point): the KV coordinator's
+``_kv_call_mu`` and the fault controller's ``_mu`` (leaf ``threading.Lock``s held only around
+runtime/pure calls), logging's locks. A controlled thread that blocks in anything else is
+reported by a real-time watchdog with its stack.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import os
+import random
+import re
+import sys
+import tempfile
+import threading
+import traceback
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from calexec.contracts.codes import DeviceJobStatus
+from calexec.contracts.errors import Category
+from calexec.contracts.prepare import InferenceRequest
+from calexec.contracts.status import Phase, Status
+from calexec.contracts.types import TaskKind
+from calexec.machines.clock import Clock
+
+WATCHDOG_S = float(os.environ.get("CALEXEC_EXPLORE_WATCHDOG_S", "60"))
+_PENDING = (int(DeviceJobStatus.PENDING), int(DeviceJobStatus.RUNNING))
+
+
+class _Abort(BaseException):
+    """Raised in a parked thread when the exploration is torn down (never caught by the
+    executor's barriers, which catch Exception)."""
+
+
+class ExplorationFailure(AssertionError):
+    """A schedule broke a rule; ``replay_info`` holds what replays it."""
+
+    def __init__(self, message: str, replay_info: dict) -> None:
+        super().__init__(message)
+        self.replay_info = replay_info
+
+
+# ---- choosers ----------------------------------------------------------------------------------
+class TapeChooser:
+    """Choice i (at the i-th point with more than one option) is ``tape[i] % n``; 0 once the
+    tape ends. Option 0 is always the default: the running thread goes on, or, when no thread
+    can run, the device steps. A shrunk tape is a schedule with fewer preemptions."""
+
+    def __init__(self, tape: Sequence[int] = ()) -> None:
+        self.tape = list(tape)
+        self.i = 0
+
+    def extend(self, tape: Sequence[int]) -> None:
+        self.tape = self.tape[:self.i] + list(tape)
+
+    def choose(self, options: list, sched: "Scheduler") -> int:
+        value = self.tape[self.i] if self.i < len(self.tape) else 0
+        self.i += 1
+        return value % len(options)
+
+
+class PriorityTapeChooser(TapeChooser):
+    """The tape as PCT change points (for hypothesis): threads have priorities, the newest
+    thread first; option 0 is the highest-priority runnable thread (device steps come after
+    every thread, a time jump last). A tape value v > 0 picks the v-th option in priority
+    order instead and drops the thread it preempted below all others, so one value starves
+    a thread for as long as others can run (a PCT priority change point). A shrunk tape is a
+    schedule with fewer change points."""
+
+    def __init__(self, tape: Sequence[int] = ()) -> None:
+        super().__init__(tape)
+        self.prio: dict[str, float] = {}
+        self.top = 0.0
+        self.low = 0.0
+
+    def _key(self, option) -> tuple:
+        if isinstance(option, CThread):
+            if option.label not in self.prio:
+                self.top += 1.0
+                self.prio[option.label] = self.top
+            return (0, -self.prio[option.label])
+        return (1 if option != "jump" else 2, option)
+
+    def choose(self, options: list, sched: "Scheduler") -> int:
+        order = sorted(range(len(options)), key=lambda i: self._key(options[i]))
+        value = self.tape[self.i] if self.i < len(self.tape) else 0
+        self.i += 1
+        pick = order[value % len(options)]
+        first = options[order[0]]
+        if pick != order[0] and isinstance(first, CThread):
+            self.low += 1e-3  # as PCT: below the undemoted, above earlier victims
+            self.prio[first.label] = self.low - 1e6
+        return pick
+
+
+class ReplayChooser(TapeChooser):
+    """Replays recorded choice indices exactly (0 after the end)."""
+
+    def choose(self, options: list, sched: "Scheduler") -> int:
+        value = self.tape[self.i] if self.i < len(self.tape) else 0
+        self.i += 1
+        if value >= len(options):
+            raise RuntimeError(f"replay diverged at choice {self.i - 1}: index {value} of "
+                               f"{len(options)} options {options}")
+        return value
+
+
+class PCTChooser:
+    """Probabilistic concurrency testing (Burckhardt et al., ASPLOS 2010; Shuttle's and
+    Coyote's PCT): each thread (and each device engine) gets a random priority when first
+    seen; the highest-priority runnable one runs; at ``depth - 1`` random change points the
+    running one drops below all undemoted ones (the j-th victim gets priority j, so the
+    first victim stays the lowest). When no thread can run but the device could, time
+    is let pass instead with probability ``p_jump`` (a slow device)."""
+
+    def __init__(self, seed: int, depth: int = 3, steps: int = 400, p_jump: float = 0.08) -> None:
+        self.rng = random.Random(seed)
+        self.depth = depth
+        self.change = set(self.rng.sample(range(1, max(steps, depth + 1)), max(0, depth - 1)))
+        self.prio: dict[str, float] = {}
+        self.low = 0.0
+        self.p_jump = p_jump
+        self.i = 0
+        self.offset = 0  # change points count from here; the Explorer moves it past start
+        self.params = [seed, depth, steps, p_jump]
+
+    def begin(self) -> None:
+        """The scenario starts: change points are placed over the choices from here."""
+        self.offset = self.i
+
+    def choose(self, options: list, sched: "Scheduler") -> int:
+        self.i += 1
+        if self.i - self.offset in self.change and sched.running is not None:
+            # the j-th change point gives priority j/1000: below every undemoted thread, above
+            # the threads demoted before (PCT: the first victim stays the lowest)
+            self.low += 1e-3
+            self.prio[sched.running.label] = self.low
+        if options[-1] == "jump" and self.rng.random() < self.p_jump:
+            return len(options) - 1
+        best, best_p = 0, None
+        for index, option in enumerate(options):
+            label = option if isinstance(option, str) else option.label
+            if label == "jump":
+                continue
+            if label not in self.prio:
+                self.prio[label] = self.rng.random() + 1.0
+            if best_p is None or self.prio[label] > best_p:
+                best, best_p = index, self.prio[label]
+        return best
+
+
+# ---- controlled threads and primitives ---------------------------------------------------------
+class CThread(threading.Thread):
+    """A real thread that runs only when the scheduler hands it the baton."""
+
+    def __init__(self, sched: "Scheduler", target: Callable, name: str, args: tuple = ()) -> None:
+        super().__init__(name=name, daemon=True)
+        self.sched = sched
+        self._fn, self._fn_args = target, args
+        self.sem = threading.Semaphore(0)
+        self.label = f"{name}#{len(sched.threads)}"
+        self.pred: Callable[[], bool] | None = None
+        self.deadline: float | None = None
+        self.what = "start"
+        self.finished = False
+        self.error: BaseException | None = None
+
+    def enabled(self, now: float) -> bool:
+        if self.finished:
+            return False
+        if self.pred is None:
+            return True
+        return self.pred() or (self.deadline is not None and now >= self.deadline)
+
+    def run(self) -> None:
+        self.sem.acquire()
+        sched = self.sched
+        try:
+            if not sched.aborting:
+                self._fn(*self._fn_args)
+        except _Abort:
+            pass
+        except BaseException as exc:  # noqa: BLE001 - reported as a failure of the schedule
+            self.error = exc
+            sched.fail(f"thread {self.name} raised {type(exc).__name__}: {exc}\n"
+                       + "".join(traceback.format_exception(exc))[-3000:])
+        finally:
+            self.finished = True
+            self.pred = None
+            sched.exit_thread(self)
+
+    # threading.Thread API seen by the executor
+    def join(self, timeout: float | None = None) -> None:
+        sched = self.sched
+        if sched.me() is None:
+            return super().join(timeout)
+        sched.point("join")
+        deadline = None if timeout is None else sched.now + timeout
+        sched.block(lambda: self.finished, deadline, f"join {self.name}")
+
+    def is_alive(self) -> bool:
+        return not self.finished
+
+
+class CLock:
+    """A non-reentrant lock; acquire is a scheduling point, blocking is virtual."""
+
+    __slots__ = ("sched", "owner")
+
+    def __init__(self, sched: "Scheduler") -> None:
+        self.sched = sched
+        self.owner: CThread | None = None
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        sched = self.sched
+        me = sched.me()
+        if me is None:  # outside the controlled world (setup, teardown): never blocks
+            if self.owner is None:
+                self.owner = sched.OUTSIDE
+                return True
+            if sched.aborting:
+                raise _Abort()
+            raise RuntimeError("an uncontrolled thread met a held controlled lock")
+        sched.point("acquire")
+        if self.owner is None:
+            self.owner = me
+            return True
+        if self.owner is me:
+            sched.fail(f"thread {me.name} re-acquired a non-reentrant lock it holds")
+            raise _Abort()
+        if not blocking:
+            return False
+        deadline = None if timeout is None or timeout < 0 else sched.now + timeout
+        if sched.block(lambda: self.owner is None, deadline, "lock"):
+            self.owner = me
+            return True
+        return False
+
+    def release(self) -> None:
+        if self.owner is None:
+            if self.sched.aborting:  # a wait unwound by the teardown did not re-acquire
+                return
+            raise RuntimeError("release of an unlocked lock")
+        self.owner = None
+
+    def locked(self) -> bool:
+        return self.owner is not None
+
+    __enter__ = acquire
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class CCondition:
+    """A condition over a (ranked) controlled lock; notify marks waiters, wait is virtual."""
+
+    def __init__(self, sched: "Scheduler", lock) -> None:
+        self.sched = sched
+        self._lock = lock
+        self._waiters: list[list[bool]] = []
+
+    def acquire(self, *args) -> bool:
+        return self._lock.acquire(*args)
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __enter__(self):
+        self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._lock.release()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        sched = self.sched
+        token = [False]
+        self._waiters.append(token)
+        self._lock.release()
+        try:
+            deadline = None if timeout is None else sched.now + max(0.0, timeout)
+            got = sched.block(lambda: token[0], deadline, "cond")
+        finally:
+            if not token[0] and token in self._waiters:
+                self._waiters.remove(token)
+            self._lock.acquire()
+        return got
+
+    def notify(self, n: int = 1) -> None:
+        for token in self._waiters[:n]:
+            token[0] = True
+        del self._waiters[:n]
+
+    def notify_all(self) -> None:
+        self.notify(len(self._waiters))
+
+
+class CEvent:
+    __slots__ = ("sched", "flag")
+
+    def __init__(self, sched: "Scheduler") -> None:
+        self.sched = sched
+        self.flag = False
+
+    def is_set(self) -> bool:
+        return self.flag
+
+    def set(self) -> None:
+        if self.sched.me() is not None:
+            self.sched.point("event.set")
+        self.flag = True
+
+    def clear(self) -> None:
+        self.flag = False
+
+    def wait(self, timeout: float | None = None) -> bool:
+        sched = self.sched
+        if sched.me() is None:
+            return self.flag
+        sched.point("event.wait")
+        if self.flag:
+            return True
+        deadline = None if timeout is None else sched.now + max(0.0, timeout)
+        return sched.block(lambda: self.flag, deadline, "event")
+
+
+class VirtualClock(Clock):
+    """The executor's clock under the explorer: controlled primitives, virtual time."""
+
+    def __init__(self, sched: "Scheduler") -> None:
+        self.sched = sched
+
+    #: a clock read is a scheduling point only if asked: time moves only when every thread
+    #: is blocked, so no other thread can change what a read returns before the reader's next
+    #: point; preempting at the read adds schedules without adding behaviours
+    clock_points = False
+
+    def monotonic(self) -> float:
+        if self.clock_points and self.sched.me() is not None:
+            self.sched.point("clock")
+        return self.sched.now
+
+    def sleep(self, seconds: float) -> None:
+        sched = self.sched
+        if sched.me() is None:
+            return
+        sched.point("sleep")
+        if seconds > 0:
+            sched.block(lambda: False, sched.now + seconds, "sleep")
+
+    def wait(self, cond, timeout):
+        return cond.wait(timeout)
+
+    def wait_event(self, event, timeout):
+        return event.wait(timeout)
+
+    def lock(self):
+        return CLock(self.sched)
+
+    def condition(self, lock):
+        return CCondition(self.sched, lock)
+
+    def event(self):
+        return CEvent(self.sched)
+
+    def start_thread(self, target, name, args=()):
+        return self.sched.spawn(target, name, args)
+
+
+# ---- the scheduler ---------------------------------------------------------------------------------
+class Scheduler:
+    """Hands one baton between controlled threads; the driver (the test's thread) starts a
+    run and gets the baton back when nothing can happen any more, the step budget is spent or
+    the virtual horizon is reached."""
+
+    OUTSIDE = object()
+
+    def __init__(self, chooser, now: float = 1000.0) -> None:
+        self.chooser = chooser
+        self.now = now
+        self.threads: list[CThread] = []
+        self.running: CThread | None = None
+        self.steps = 0
+        self.choices: list[int] = []
+        self.trace: list[str] = []  # the last choices, for the failure report
+        self.failure: str | None = None
+        self.aborting = False
+        self.driver_sem = threading.Semaphore(0)
+        self.budget = 0
+        self.horizon = now
+        self.stop_reason = ""
+        self.device: "DeviceModel | None" = None
+        self.on_point: Callable[[], None] | None = None  # cheap checks, every point
+        self.on_blocked: Callable[[], None] | None = None  # checks when no thread can run
+        self.on_jump: Callable[[], None] | None = None
+        self.on_step: Callable[[], None] | None = None  # before each device step
+        #: time may pass while the device could still progress (execution timeouts)
+        self.slow_device = True
+
+    # -- from controlled threads --
+    def me(self) -> CThread | None:
+        thread = threading.current_thread()
+        return thread if isinstance(thread, CThread) and thread.sched is self else None
+
+    def spawn(self, target: Callable, name: str, args: tuple = ()) -> CThread:
+        thread = CThread(self, target, name, args)
+        self.threads.append(thread)
+        thread.start()  # parked on its semaphore until chosen
+        if self.me() is not None:
+            self.point("spawn")
+        return thread
+
+    def fail(self, message: str) -> None:
+        if self.failure is None:
+            self.failure = message
+
+    def point(self, what: str) -> None:
+        """A preemption point: the running thread may be replaced."""
+        me = self.me()
+        if me is None:
+            return
+        if self.aborting:
+            raise _Abort()
+        me.what = what
+        me.pred = None
+        self._switch(me)
+
+    def block(self, pred: Callable[[], bool], deadline: float | None, what: str) -> bool:
+        """Block the running thread until ``pred()`` or the virtual ``deadline``."""
+        me = self.me()
+        if self.aborting:
+            raise _Abort()
+        if pred():
+            return True
+        if deadline is not None and self.now >= deadline:
+            return False
+        me.pred, me.deadline, me.what = pred, deadline, what
+        try:
+            self._switch(me)
+        finally:
+            me.pred, me.deadline = None, None
+        return pred()
+
+    def exit_thread(self, me: CThread) -> None:
+        if self.aborting:
+            return
+        nxt = self._decide(me)
+        self._transfer(None, nxt)
+
+    def _switch(self, me: CThread) -> None:
+        nxt = self._decide(me)
+        if nxt is me:
+            return
+        self._transfer(me, nxt)
+        me.sem.acquire()
+        if self.aborting:
+            raise _Abort()
+
+    def _transfer(self, me, nxt) -> None:
+        # after the release below this thread touches no shared state
+        if nxt is None:
+            self.running = None
+            self.driver_sem.release()
+        else:
+            self.running = nxt
+            nxt.sem.release()
+
+    # -- decisions --
+    def _decide(self, me: CThread | None) -> CThread | None:
+        """The next thread to run (None: back to the driver). Device steps and time jumps
+        chosen here are performed here, by whichever thread holds the baton."""
+        while True:
+            if self.failure is not None:
+                self.stop_reason = "failure"
+                return None
+            try:
+                if self.on_point is not None:
+                    self.on_point()
+            except AssertionError as exc:
+                self.fail(str(exc))
+                continue
+            now = self.now
+            live = [t for t in self.threads if not t.finished]
+            runnable = [t for t in live if t.enabled(now)]
+            if me is not None and me in runnable:  # option 0: no preemption
+                runnable.remove(me)
+                runnable.insert(0, me)
+            device = self.device.options() if self.device is not None else []
+            deadlines = [t.deadline for t in live if t.pred is not None and t.deadline is not None]
+            if not runnable:
+                try:
+                    if self.on_blocked is not None:
+                        self.on_blocked()
+                except AssertionError as exc:
+                    self.fail(str(exc))
+                    continue
+            options: list = runnable + device
+            if not runnable and deadlines and now < self.horizon and (
+                    self.slow_device or not device):
+                options.append("jump")
+            if not options:
+                self.stop_reason = "horizon" if deadlines else "quiescent"
+                return None
+            if self.steps >= self.budget:
+                self.stop_reason = "budget"
+                return None
+            index = 0
+            if len(options) > 1:
+                index = self.chooser.choose(options, self)
+                self.choices.append(index)
+            self.steps += 1
+            chosen = options[index]
+            label = chosen if isinstance(chosen, str) else chosen.label
+            if len(self.trace) > 400:
+                del self.trace[:200]
+            if isinstance(chosen, CThread):
+                if chosen is not me or len(options) > 1:
+                    self.trace.append(f"{label}:{chosen.what}")
+                return chosen
+            self.trace.append(label)
+            if chosen == "jump":
+                self.now = max(now, min(deadlines))
+                try:
+                    if self.on_jump is not None:
+                        self.on_jump()
+                except AssertionError as exc:
+                    self.fail(str(exc))
+            else:
+                self.device.step(chosen)
+
+    # -- from the driver --
+    def run(self, steps: int = 1_000_000, horizon_s: float = 60.0) -> str:
+        """Let the controlled threads run; returns why the run stopped: quiescent (nothing
+        can happen), budget, horizon or failure."""
+        if self.aborting:
+            return "failure"
+        self.budget = self.steps + steps
+        self.horizon = self.now + horizon_s
+        nxt = self._decide(None)
+        if nxt is not None:
+            self.running = nxt
+            nxt.sem.release()
+            if not self.driver_sem.acquire(timeout=WATCHDOG_S):
+                self.fail(self._watchdog_report())
+                self.stop_reason = "failure"
+        return self.stop_reason
+
+    def _watchdog_report(self) -> str:
+        running = self.running
+        frames = sys._current_frames()
+        stack = ""
+        if running is not None and running.ident in frames:
+            stack = "".join(traceback.format_stack(frames[running.ident])[-12:])
+        return (f"watchdog: thread {running and running.name} did not reach a scheduling point "
+                f"within {WATCHDOG_S}s real time (an uncontrolled blocking call?)\n{stack}")
+
+    def abort_threads(self) -> None:
+        """Tear down: every parked thread raises _Abort and ends."""
+        self.aborting = True
+        for thread in self.threads:
+            if not thread.finished:
+                thread.sem.release()
+        for thread in self.threads:
+            threading.Thread.join(thread, 5.0)
+
+    def describe(self) -> str:
+        lines = []
+        for t in self.threads:
+            if t.finished:
+                continue
+            state = "runnable" if t.pred is None else (
+                f"blocked in {t.what}" + ("" if t.deadline is None else
+                                          f" until {t.deadline - 1000.0:.3f}"))
+            lines.append(f"  {t.label}: {state}")
+        return "\n".join(lines)
+
+
+# ---- the device: stepped emulator behind controlled runtime objects ----------------------------
+class DeviceModel:
+    """Which device steps are possible now, and doing one (in the thread holding the baton)."""
+
+    def __init__(self, sched: Scheduler, engines: int = 1) -> None:
+        self.sched = sched
+        self.emu = None
+        self.engines = engines
+        self.epoch = 0  # bumped by anything that may let a stuck engine progress
+        self.stuck: dict[int, int] = {}
+        self.armed: dict[int, int] = {}  # fault point -> NTH param (for the Wait fault)
+        self.stale_armed = False
+        self.closed = False
+
+    def options(self) -> list[str]:
+        emu = self.emu
+        if emu is None or self.closed:
+            return []
+        out = []
+        for engine in range(self.engines):
+            if self.stuck.get(engine) == self.epoch:
+                continue
+            rc, jobs, _stage = emu.pending(engine)
+            if rc == 0 and jobs > 0:
+                out.append(f"device{engine}")
+        if not out and self.stale_armed and self.stuck.get(0) != self.epoch:
+            if emu.counters().get("stale_pending", 0) > 0:
+                out.append("device0")
+        return out
+
+    def step(self, label: str) -> None:
+        from calexec.drivers.calrt.runtime import Did, Stage
+        engine = int(label[len("device"):])
+        if self.sched.on_step is not None:
+            self.sched.on_step()
+        rc, did = self.emu.step(engine, int(Stage.NONE))
+        if rc != 0 or did in (Did.NOTHING, Did.HUNG, Did.BLOCKED):
+            self.stuck[engine] = self.epoch
+        else:
+            self.epoch += 1
+
+    def wait_fault_fires_next(self) -> bool:
+        from calexec.drivers.calrt.runtime import Fault
+        nth = self.armed.get(int(Fault.WAIT_RC))
+        if nth is None:
+            return False
+        rc, calls, fired = self.emu.fault_stats(Fault.WAIT_RC)
+        return rc == 0 and fired == 0 and calls + 1 == nth
+
+
+class _Proxy:
+    __slots__ = ("_inner", "_model")
+
+    def __init__(self, inner, model: DeviceModel) -> None:
+        object.__setattr__(self, "_inner", inner)
+        object.__setattr__(self, "_model", model)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._inner, name, value)
+
+
+def _wrap(value, model: DeviceModel):
+    from calexec.drivers.calrt import runtime as rt
+    if isinstance(value, tuple):
+        return tuple(_wrap(v, model) for v in value)
+    if isinstance(value, list):
+        return [_wrap(v, model) for v in value]
+    for kind, proxy in ((rt.Calbin, CalbinProxy), (rt.Model, ModelProxy),
+                        (rt.OutputBuf, OutputBufProxy)):
+        if isinstance(value, kind):
+            return proxy(value, model)
+    return value
+
+
+class RuntimeProxy(_Proxy):
+    """``CalRT`` whose device is stepped and whose blocking calls are scheduling points."""
+
+    def open_device(self, config: str = ""):
+        rc, device = self._inner.open_device(config)
+        if rc != 0:
+            return rc, device
+        model = self._model
+        model.emu = device.emu
+        if device.emu.set_stepped(True) != 0:
+            raise RuntimeError("the emulator refused stepped mode")
+        return rc, DeviceProxy(device, model)
+
+
+class DeviceProxy(_Proxy):
+    def _call(self, name, *args):
+        model = self._model
+        model.sched.point(f"runtime.{name}")
+        result = getattr(self._inner, name)(*args)
+        model.epoch += 1
+        return result
+
+    def infer(self, *args):
+        return self._call("infer", *args)
+
+    def infer_with_fixed_task_type(self, *args):
+        return self._call("infer_with_fixed_task_type", *args)
+
+    def reset(self):
+        return self._call("reset")
+
+    def reset_ccu(self):
+        return self._call("reset_ccu")
+
+    def reset_configuration(self):
+        return self._call("reset_configuration")
+
+    def load_calbin(self, path):
+        return _wrap(self._inner.load_calbin(path), self._model)
+
+    def close(self):
+        self._model.closed = True
+        return self._inner.close()
+
+
+class CalbinProxy(_Proxy):
+    def models(self):
+        return _wrap(self._inner.models(), self._model)
+
+
+class ModelProxy(_Proxy):
+    def create_output_buf(self):
+        return _wrap(self._inner.create_output_buf(), self._model)
+
+
+class OutputBufProxy(_Proxy):
+    """``Wait`` blocks virtually until the job's status changes (a device step) or the
+    timeout passes on the virtual clock; then the real ``Wait(0)`` gives the runtime's code."""
+
+    def _settled(self) -> bool:
+        rc, status = self._inner.get_status()
+        return rc != 0 or status not in _PENDING
+
+    def wait(self, timeout_us: int) -> int:
+        model = self._model
+        sched = model.sched
+        sched.point("runtime.Wait")
+        if not self._settled() and not model.wait_fault_fires_next():
+            sched.block(self._settled, sched.now + max(0, timeout_us) / 1e6, "runtime.Wait")
+        return self._inner.wait(0)
+
+    def get_status(self):
+        self._model.sched.point("runtime.GetStatus")
+        return self._inner.get_status()
+
+    def destroy(self) -> int:
+        """§5.1 invariant 4: never destroyed while the runtime may still write it."""
+        rc, status = self._inner.get_status()
+        if rc == 0 and status in _PENDING:
+            self._model.sched.fail("an OutputBuf was destroyed while the runtime still runs "
+                                   f"its job (GetStatus={status}): its generation was torn "
+                                   "down under a job on the device")
+        return self._inner.destroy()
+
+
+# ---- the explorer: an executor, its scenario actions and its checks -------------------------------
+FAULTS = ("SUBMIT_RC", "WAIT_RC", "CCU_EXCEPTION", "OUTPUT_NAN", "OUTPUT_SHORT", "UNKNOWN_CSR",
+          "SLICE_FAIL", "HANG", "STALE_COMPLETION", "CAN_ALLOCATE_FALSE", "APPLY_FALSE")
+SEQS = (1, 2, 3)
+
+
+OTHER_SEED_XOR = 0x5A5A5A
+GOLDEN_DECODE_STEPS = 1
+_GOLDENS: dict[str, tuple[int, ...]] = {}  # calbin sha256 -> oracle golden tokens
+
+
+def write_calbins(directory: str) -> dict[str, str]:
+    """The two calbins a scenario switches between (the synthetic model, two seeds); their
+    §9.2 goldens are pinned from the numpy oracle (an independent expectation)."""
+    from calexec.drivers.synthetic import calbin as cb
+    main = os.path.join(directory, "explore_main.calbin")
+    other = os.path.join(directory, "explore_other.calbin")
+    seed = cb.default_spec().seed
+    for path, calbin_seed in ((main, seed), (other, seed ^ OTHER_SEED_XOR)):
+        sha = cb.write(path, cb.default_spec(seed=calbin_seed))
+        if sha not in _GOLDENS:
+            _GOLDENS[sha] = _oracle_golden(calbin_seed)
+    return {"main": main, "other": other}
+
+
+def _oracle_golden(seed: int) -> tuple[int, ...]:
+    from calexec.drivers.synthetic import oracle
+    from calexec.machines.executor import ExecutorConfig
+    ref = oracle.OracleSequence(seed)
+    ref.run(list(ExecutorConfig(calbin_path="").golden_tokens))
+    out = [ref.next_token()]
+    for _ in range(GOLDEN_DECODE_STEPS):
+        ref.run([out[-1]])
+        out.append(ref.next_token())
+    return tuple(out)
+
+
+_CLOSED = 0  # explorers closed in this process
+_ACTIVE: list[Scheduler] = []  # schedulers whose virtual time the patched readers use
+_SAVED: list = []
+
+
+def _virtual_now_us() -> int:
+    return int(_ACTIVE[-1].now * 1e6)
+
+
+class _VirtualTime:  # the fault controller's sliding windows read time.monotonic()
+    @staticmethod
+    def monotonic() -> float:
+        return _ACTIVE[-1].now
+
+
+def _enter_virtual_time(sched: Scheduler) -> None:
+    """Job timings (``now_us``) and the fault controller's windows on the virtual clock while
+    an explorer is open: the executor derives the §9.1 execution deadline from
+    ``timings.submitted_us`` and the controller reads ``time.monotonic()``, both real time
+    otherwise (not yet routed through the executor's Clock)."""
+    from calexec.machines import executor as ex_mod
+    from calexec.machines import faults as faults_mod
+    from calexec.machines import job as job_mod
+    if not _ACTIVE:
+        _SAVED[:] = [job_mod.now_us, ex_mod.now_us, faults_mod.time]
+        job_mod.now_us = ex_mod.now_us = _virtual_now_us
+        faults_mod.time = _VirtualTime
+    _ACTIVE.append(sched)
+
+
+def _exit_virtual_time(sched: Scheduler) -> None:
+    from calexec.machines import executor as ex_mod
+    from calexec.machines import faults as faults_mod
+    from calexec.machines import job as job_mod
+    if sched in _ACTIVE:
+        _ACTIVE.remove(sched)
+    if not _ACTIVE and _SAVED:
+        job_mod.now_us, ex_mod.now_us, faults_mod.time = _SAVED
+        _SAVED.clear()
+
+
+class Explorer:
+    """One executor under the controlled scheduler. Drive it with the scenario methods
+    (``start``, ``prefill``, ``decode``, ``bad_argument``, ``cancel``, ``arm``,
+    ``request_recovery``, ``switch``, ``reset_sequence``, ``run``, ``finish``); every call is
+    recorded in ``script`` so ``replay(script, choices)`` reproduces the schedule."""
+
+    def __init__(self, calbins: dict[str, str], chooser=None, *, reset_kind: str = "reset",
+                 capacity: int = 1, kv_blocks: int = 64, slack_s: float = 0.1,
+                 seed: int | None = None) -> None:
+        self.calbins = calbins
+        self.chooser = chooser or TapeChooser()
+        self.sched = Scheduler(self.chooser)
+        self.device = DeviceModel(self.sched, engines=capacity)
+        self.sched.device = self.device
+        self.sched.on_point = self._check_point
+        self.sched.on_blocked = self._check_blocked
+        self.sched.on_jump = self._check_late
+        self.sched.on_step = self._check_memory
+        self.options = {"reset_kind": reset_kind, "capacity": capacity, "kv_blocks": kv_blocks,
+                        "slack_s": slack_s}
+        self.seed = seed
+        self.slack = slack_s
+        self.script: list[tuple] = []
+        self.handles: list = []
+        self.results: list = []
+        self.pools: list = []
+        self.gens: list = []
+        self.discarded: set[int] = set()
+        self.ex = None
+        _enter_virtual_time(self.sched)
+        self._closed = False
+
+    # ---- scenario ---------------------------------------------------------------------------
+    def start(self) -> None:
+        from calexec.contracts.manifest import default_manifest_path, load_manifest
+        from calexec.drivers.calrt.runtime import CalRT
+        from calexec.machines.executor import DeviceExecutor, ExecutorConfig
+        from calexec.machines.faults import FaultController, RecoveryPolicy
+        o = self.options
+        policy = RecoveryPolicy(reset_kind=o["reset_kind"], drain_grace_s=0.2,
+                                max_recoveries=50)
+        config = ExecutorConfig(
+            calbin_path=self.calbins["main"],
+            device_config=f"kv_blocks={o['kv_blocks']};kv_block_size=16;dma_guard=0",
+            inflight_capacity=o["capacity"], slots_per_kind=2, check_lock_order=True,
+            execution_timeout_s=2.0, timeout_grace_s=0.2, golden_timeout_s=2.0,
+            golden_decode_steps=GOLDEN_DECODE_STEPS, goldens=dict(_GOLDENS),
+            fence_grace_s=0.5, recovery=policy)
+        clock = VirtualClock(self.sched)
+        self.ex = DeviceExecutor(RuntimeProxy(CalRT.load(), self.device),
+                                 load_manifest(default_manifest_path()), config,
+                                 fault_sink=FaultController(policy, seed=0), clock=clock)
+        out = {}
+        self._spawn("main", lambda: out.setdefault("status", self.ex.start()))
+        self.sched.slow_device = False  # a start that times out proves nothing
+        try:
+            self.sched.run(1_000_000, 60.0)
+        finally:
+            self.sched.slow_device = True
+        if hasattr(self.chooser, "begin"):
+            self.chooser.begin()
+        status = out.get("status")
+        if self.sched.failure is None and (status is None or not status.ok):
+            self.sched.fail(f"executor start under the explorer did not succeed: {status}")
+        self._raise_if_failed()
+
+    def _spawn(self, name: str, fn: Callable[[], Any]) -> None:
+        self.sched.spawn(fn, name)
+
+    def _request(self, make: Callable[[], InferenceRequest], logits_out=None) -> None:
+        ex = self.ex
+
+        def body():
+            request = make()
+            handle = ex.enqueue(request, logits_out=logits_out, on_created=self.handles.append)
+            result = handle.wait_until(None)
+            self.results.append((handle, request, result))
+            if isinstance(result, Status) and result.code == "internal.unexpected_exception":
+                self.sched.fail(f"enqueue's barrier caught an exception: {result}")
+        self._spawn("request", body)
+
+    def _deadline(self, seconds: float) -> float:
+        return self.ex.clock.monotonic() + seconds
+
+    def prefill(self, seq: int, n: int, deadline_s: float = 5.0, rewind: bool = False) -> None:
+        self.script.append(("prefill", seq, n, deadline_s, rewind))
+
+        def make():
+            past = 0 if rewind else self._committed(seq)
+            tokens = np.arange(7, 7 + n, dtype=np.int32)
+            return InferenceRequest(seq_id=seq, kind=TaskKind.PREFILL_IDS, tokens=tokens,
+                                    positions=np.arange(past, past + n, dtype=np.int32),
+                                    past_len=past, deadline=self._deadline(deadline_s))
+        self._request(make)
+
+    def decode(self, seq: int, deadline_s: float = 5.0) -> None:
+        self.script.append(("decode", seq, deadline_s))
+
+        def make():
+            past = self._committed(seq)
+            return InferenceRequest(seq_id=seq, kind=TaskKind.DECODE,
+                                    tokens=np.asarray([11], dtype=np.int32),
+                                    positions=np.asarray([past], dtype=np.int32),
+                                    past_len=past, deadline=self._deadline(deadline_s))
+        self._request(make)
+
+    def bad_argument(self, which: int) -> None:
+        """A caller error: logits_out too small / of the wrong dtype, a NaN deadline."""
+        self.script.append(("bad_argument", which))
+        which %= 3
+        logits = {0: np.zeros(10, np.float32), 1: np.zeros(200_000, np.float64)}.get(which)
+
+        def make():
+            return InferenceRequest(
+                seq_id=3, kind=TaskKind.PREFILL_IDS, tokens=np.asarray([5, 6], np.int32),
+                positions=np.asarray([0, 1], np.int32), past_len=0,
+                deadline=float("nan") if which == 2 else self._deadline(5.0))
+        self._request(make, logits_out=logits)
+
+    def cancel(self, index: int) -> None:
+        self.script.append(("cancel", index))
+        handles = self.handles
+
+        def body():
+            if handles:
+                handles[index % len(handles)].cancel()
+        self._spawn("cancel", body)
+
+    def arm(self, point: str, nth: int = 1) -> None:
+        """Arm an emulator fault on the Nth counted call (driver side: atomic)."""
+        from calexec.drivers.calrt.runtime import Fault, FaultMode
+        self.script.append(("arm", point, nth))
+        emu = self.device.emu
+        if emu is None or self.device.closed:
+            return
+        if emu.set_fault(Fault[point], FaultMode.NTH, nth, 0, 0) != 0:
+            raise RuntimeError(f"arm {point} nth={nth} refused")
+        self.device.armed[int(Fault[point])] = nth
+        if point == "STALE_COMPLETION":
+            self.device.stale_armed = True
+        self.device.epoch += 1
+
+    def request_recovery(self) -> None:
+        """A device fault reported to the controller (reset, rebuild, golden)."""
+        self.script.append(("request_recovery",))
+        ex = self.ex
+        self._spawn("admin-fault", lambda: ex.faults.report(Status.failure(
+            "explorer.device_fault", Category.DEVICE, Phase.RECOVERY, "injected by the explorer")))
+
+    def switch(self, to_other: bool, golden_ok: bool = True) -> None:
+        """A model switch; ``golden_ok=False`` records a golden the calbin cannot meet, so
+        the switch is refused and rolls back."""
+        self.script.append(("switch", to_other, golden_ok))
+        ex, path = self.ex, self.calbins["other" if to_other else "main"]
+
+        def body():
+            sha = pinned = None
+            if not golden_ok:
+                with open(path, "rb") as f:
+                    sha = hashlib.sha256(f.read()).hexdigest()
+                pinned = ex.goldens.get(sha)
+                ex.goldens[sha] = (1, 2, 3)
+            try:
+                if ex.state == "Ready":
+                    ex.switch_model(path)
+            finally:
+                if sha is not None:
+                    if pinned is None:
+                        ex.goldens.pop(sha, None)
+                    else:
+                        ex.goldens[sha] = pinned
+        self._spawn("admin-switch", body)
+
+    def reset_sequence(self, seq: int) -> None:
+        self.script.append(("reset_sequence", seq))
+        ex = self.ex
+
+        def body():  # the owner of the id gives it back (SequenceOwnership), racing anything
+            status = ex.release_sequence(seq)
+            if not status.ok and status.code not in ("kv.sequence_busy",
+                                                     "kv.sequence_on_device"):
+                self.sched.fail(f"release_sequence({seq}) failed: {status}")
+        self._spawn("admin-reset-seq", body)
+
+    def shutdown(self) -> None:
+        """A drain/shutdown started now, racing whatever runs (``finish`` waits for admin
+        calls first). Not in the default scenarios: a model switch racing shutdown is a known
+        open finding (switch_model raises AttributeError once shutdown released the
+        generation)."""
+        self.script.append(("shutdown",))
+        ex = self.ex
+        self._spawn("shutdown-early", lambda: ex.shutdown(grace=2.0))
+
+    def run(self, steps: int = 1_000_000, tape: Sequence[int] | None = None,
+            horizon_s: float = 30.0) -> str:
+        self.script.append(("run", steps, horizon_s))
+        if tape is not None and isinstance(self.chooser, PriorityTapeChooser):
+            self.chooser.extend(tape)
+        why = self.sched.run(steps, horizon_s)
+        self._raise_if_failed()
+        if why == "quiescent":
+            self.check_quiescent()
+        return why
+
+    def finish(self) -> None:
+        """Shut down (drain) under the scheduler and check nothing is left behind."""
+        self.script.append(("finish",))
+        ex = self.ex
+        out = {}
+        # admin calls end first: a switch racing shutdown is a known, separate finding
+        for _ in range(50):
+            if not any(t.name.startswith("admin") and not t.finished for t in self.sched.threads):
+                break
+            if self.sched.run(1_000_000, 30.0) == "quiescent":
+                self.check_quiescent()
+            self._raise_if_failed()
+        # ``shutdown.recovery_busy``: a recovery still ran after the grace and nothing was torn
+        # down; like a supervisor, try again (bounded)
+        for _ in range(5):
+            out.clear()
+            self._spawn("shutdown", lambda: out.setdefault("status", ex.shutdown(grace=2.0)))
+            why = self.sched.run(1_000_000, 60.0)
+            self._raise_if_failed()
+            status = out.get("status")
+            if status is None or status.code != "shutdown.recovery_busy":
+                break
+        problems = []
+        if why == "horizon":
+            problems.append("shutdown did not finish within 60 s of virtual time")
+        stuck = [t.label for t in self.sched.threads if not t.finished]
+        if stuck:
+            problems.append(f"threads never ended: {stuck}\n{self.sched.describe()}")
+        undone = [h for h in self.handles if not h.done]
+        if undone:
+            problems.append(f"handles never resolved: {undone}")
+        if not ex.lifecycle.final:
+            problems.append(f"lifecycle {ex.state} after shutdown")
+        if ex.state == "Stopped":
+            for pool in self.pools:
+                counts = pool.counts()
+                if counts["Leased"] or counts["InFlight"]:
+                    problems.append(f"generation {pool.generation_id} slots left {counts}")
+        if problems:
+            self.sched.fail("; ".join(problems))
+        self._raise_if_failed()
+
+    def close(self) -> None:
+        """Abort whatever still runs and close the device (always call; idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.sched.abort_threads()
+        _exit_virtual_time(self.sched)
+        ex = self.ex
+        if ex is not None and ex.device is not None and not self.device.closed:
+            self.device.closed = True
+            ex.device._inner.close()
+        # earlier explorers' executors (tens of MB of host buffers per generation) sit in
+        # reference cycles: collect them every few explorers, or a long exploration grows by
+        # gigabytes between the collector's own runs
+        global _CLOSED
+        _CLOSED += 1
+        if _CLOSED % 4 == 0:
+            gc.collect()
+
+    # ---- checks -------------------------------------------------------------------------------
+    def _committed(self, seq: int) -> int:
+        kvc = self.ex.kvc
+        view = None if kvc is None else kvc.seqs.get(seq)
+        return 0 if view is None else view.committed_len
+
+    def _check_point(self) -> None:
+        ex = self.ex
+        if ex is None:
+            return
+        if ex.locks.violations:
+            raise AssertionError(f"lock order: {ex.locks.violations[0]}")
+        if ex.thread_faults:
+            raise AssertionError(f"an executor thread caught an exception: "
+                                 f"{ex.thread_faults[0]}")
+        if not 0 <= ex._inflight <= ex.config.inflight_capacity:
+            raise AssertionError(f"in-flight count {ex._inflight} outside "
+                                 f"[0, {ex.config.inflight_capacity}]")
+
+    def _see_generation(self) -> None:
+        gen = self.ex.gen
+        if gen is not None and gen not in self.gens:
+            self.gens.append(gen)
+            self.pools.append(gen.pool)
+
+    def _check_memory(self) -> None:
+        """Host memory the device may still DMA into is never dropped (FI14, defect 8)."""
+        self._see_generation()
+        dropped = [g for g in self.gens if g.id not in self.discarded
+                   and any(s.host_output is None for s in g.pool.slots)]
+        if not dropped or self.device.closed:
+            return
+        pending = self.device.emu.counters().get("stale_pending", 0)
+        for gen in dropped:
+            self.discarded.add(gen.id)
+        if pending:
+            raise AssertionError(f"host memory of generation(s) {[g.id for g in dropped]} "
+                                 f"dropped while {pending} stale DMA(s) are pending")
+
+    def _check_blocked(self) -> None:
+        """No thread can run: every thread is in a wait, so no update is half done."""
+        ex = self.ex
+        if ex is None:
+            return
+        self._check_memory()
+        live = [h._job for h in self.handles if not h.done]
+        for job in live:  # §5.1 invariants 5 and 7
+            lease = job.lease
+            if lease is not None and lease.held and lease.slot.generation_id != job.generation_id:
+                raise AssertionError(f"{job!r} holds a slot of generation "
+                                     f"{lease.slot.generation_id}")
+            if job.txn is not None and job.txn.run.state == "Submitted" and not (
+                    lease is not None and lease.held and lease.slot.run.state == "InFlight"):
+                raise AssertionError(f"{job!r}: KV txn Submitted but its slot is not InFlight")
+        state = ex.lifecycle.state
+        busy = [t for t in self.sched.threads if not t.finished and not (
+            t.name in ("calexec-submitter", "calexec-completion") and t.what == "cond")]
+        if state == "Ready":
+            for pool in self.pools:  # invariant 8
+                if pool is not ex.pool and any(s.run.state not in ("Quarantined", "Retired")
+                                               for s in pool.slots):
+                    raise AssertionError(f"Ready, but old generation {pool.generation_id} has "
+                                         f"slots {pool.counts()}")
+            self._check_kv()
+        if busy:
+            return
+        # idle: nobody works, so nothing may stay taken
+        if state not in ("Ready", "Failed", "Stopped"):
+            raise AssertionError(f"lifecycle wedged in {state} with no thread working")
+        if ex.config.threads and not ex._stopping:
+            dead = [name for name, alive in ex.threads_alive().items() if not alive]
+            if dead:
+                raise AssertionError(f"executor threads not running: {dead}")
+        if state == "Ready":
+            problems = []
+            if ex._pending_tokens:
+                problems.append(f"pending_tokens={ex._pending_tokens}")
+            if ex._inflight != len(ex._held_by_runtime):
+                problems.append(f"inflight={ex._inflight} with "
+                                f"{len(ex._held_by_runtime)} held by the runtime")
+            if ex._submit_q or ex._completion_q:
+                problems.append(f"queues {len(ex._submit_q)}/{len(ex._completion_q)}")
+            counts = ex.pool.counts()
+            if counts["Leased"] or (counts["InFlight"] and not ex._held_by_runtime):
+                problems.append(f"slots {counts}")
+            open_txns = [v for v in ex.kvc.seqs.values()
+                         if v.open_txn is not None or v.next_txn is not None]
+            if open_txns:
+                problems.append(f"open KV transactions {open_txns}")
+            if problems:
+                raise AssertionError("idle and Ready, but resources are still taken: "
+                                     + ", ".join(problems))
+
+    def _check_kv(self) -> None:
+        """Invariant 6: a sequence's device KV length is its committed length whenever no
+        transaction of it is open (read from the runtime's KvManager)."""
+        gen = self.ex.gen
+        if gen is None or gen.released:
+            return
+        for seq, view in list(gen.kvc.seqs.items()):
+            if view.unknown_reason is not None or view.open_txn is not None or view.on_device:
+                continue
+            rc, device_len = gen.kv.seq_len(seq)
+            if rc == 0 and device_len != view.committed_len:
+                raise AssertionError(f"seq {seq}: device KV length {device_len} != committed "
+                                     f"{view.committed_len} with no job open")
+
+    def _check_late(self) -> None:
+        """After a time jump: no handle is unresolved past its bound (+ slack)."""
+        ex, now = self.ex, self.sched.now
+        for handle in self.handles:
+            job = handle._job
+            if job.done:
+                continue
+            if job.timings.submitted_us > 0:
+                bound, what = ex._execution_deadline(job), "execution deadline"
+            else:
+                bound, what = job.deadline, "deadline (never submitted)"
+            if now > bound + self.slack:
+                raise AssertionError(f"job {job.job_id} (seq {job.request.seq_id}, state "
+                                     f"{job.run.state}) unresolved {now - bound:.3f}s past its "
+                                     f"{what}")
+
+    def _raise_if_failed(self) -> None:
+        sched = self.sched
+        if sched.failure is None:
+            return
+        info = {"seed": self.seed, "options": self.options, "script": self.script,
+                "choices": list(sched.choices),
+                "pct": getattr(self.chooser, "params", None)}
+        path = os.path.join(tempfile.gettempdir(),
+                            f"calexec-explore-{os.getpid()}-{len(sched.choices)}.json")
+        try:
+            with open(path, "w") as f:
+                json.dump(info, f)
+        except OSError:
+            path = "(not written)"
+        choices = sched.choices
+        shown = choices if len(choices) <= 200 else f"{len(choices)} choices, see {path}"
+        message = (f"{sched.failure}\n--- at virtual t={sched.now - 1000.0:.3f}s after "
+                   f"{sched.steps} steps; threads:\n{sched.describe()}\n--- last choices: "
+                   f"{' '.join(sched.trace[-40:])}\n--- replay: calexec.drivers.tools.explore."
+                   f"replay_file({path!r})  (seed={self.seed}, script={self.script!r}, "
+                   f"choices={shown})")
+        self.close()
+        raise ExplorationFailure(message, info)
+
+    def check_quiescent(self) -> None:
+        """After ``run`` ended quiescent: deadlock = a thread blocked for good that is not an
+        idle executor loop, or work that no thread will take."""
+        sched, ex = self.sched, self.ex
+        if sched.stop_reason != "quiescent":
+            return
+        stuck = []
+        for t in sched.threads:
+            if t.finished:
+                continue
+            idle = (t.name == "calexec-submitter" and not ex._submit_q and t.what == "cond") or (
+                t.name == "calexec-completion" and not ex._completion_q and t.what == "cond")
+            if not idle:
+                stuck.append(t.label)
+        if stuck:
+            sched.fail(f"deadlock: {stuck} blocked with no timed wait, no device work and "
+                       f"nothing that could wake them")
+        self._raise_if_failed()
+
+
+# ---- scripted, random and replayed runs ---------------------------------------------------------
+def perform(explorer: Explorer, action: tuple) -> None:
+    name, *args = action
+    if name == "run":
+        explorer.run(args[0], horizon_s=args[1])
+    elif name == "finish":
+        explorer.finish()
+    else:
+        getattr(explorer, name)(*args)
+
+
+def random_script(rng: random.Random, length: int) -> list[tuple]:
+    """A random scenario: traffic, faults, recoveries, switches, interleaved with runs."""
+    script: list[tuple] = []
+    for _ in range(length):
+        r = rng.random()
+        if r < 0.30:
+            script.append(("prefill", rng.choice(SEQS), rng.randint(1, 20),
+                           rng.choice((0.05, 0.5, 5.0)), rng.random() < 0.3))
+        elif r < 0.45:
+            script.append(("decode", rng.choice(SEQS), rng.choice((0.05, 0.5, 5.0))))
+        elif r < 0.50:
+            script.append(("cancel", rng.randrange(8)))
+        elif r < 0.53:
+            script.append(("bad_argument", rng.randrange(3)))
+        elif r < 0.63:
+            script.append(("arm", rng.choice(FAULTS), rng.randint(1, 3)))
+        elif r < 0.68:
+            script.append(("arm", "HANG", 1))
+        elif r < 0.73:
+            script.append(("request_recovery",))
+        elif r < 0.80:
+            script.append(("switch", rng.random() < 0.5, rng.random() < 0.7))
+        elif r < 0.83:
+            script.append(("reset_sequence", rng.choice(SEQS)))
+        else:
+            script.append(("run", rng.choice((5, 50, 1_000_000)), 30.0))
+    return script
+
+
+def explore_seed(calbins: dict[str, str], seed: int, length: int = 12,
+                 exclude: Sequence[str] = ()) -> Explorer:
+    """One PCT schedule of a random scenario, both drawn from ``seed``; raises
+    ``ExplorationFailure`` (with the seed) on a violation. ``explore_seed(calbins, seed)``
+    replays it."""
+    rng = random.Random(seed)
+    options = {"reset_kind": "none" if rng.random() < 0.3 else "reset",
+               "kv_blocks": rng.choice((8, 64))}
+    script = [a for a in random_script(rng, length) if a[0] not in exclude]
+    # change points over the scenario's expected length (~12 choices per action after the
+    # start), as Shuttle sizes them from the executions it has seen
+    chooser = PCTChooser(seed, depth=rng.randint(1, 6), steps=12 * len(script) + 20)
+    explorer = Explorer(calbins, chooser, seed=seed, **options)
+    try:
+        explorer.start()
+        for action in script:
+            perform(explorer, action)
+        explorer.finish()
+    finally:
+        explorer.close()
+    return explorer
+
+
+def replay(calbins: dict[str, str], script: Sequence[tuple], choices: Sequence[int],
+           **options) -> Explorer:
+    """Replay a recorded schedule exactly (script + choice indices from a failure report)."""
+    explorer = Explorer(calbins, ReplayChooser(choices), **options)
+    try:
+        explorer.start()
+        for action in script:
+            perform(explorer, tuple(action))
+    finally:
+        explorer.close()
+    return explorer
+
+
+class _LenientReplay(ReplayChooser):
+    """A replay that tolerates a changed schedule (index modulo the options): for shrinking."""
+
+    def choose(self, options: list, sched: "Scheduler") -> int:
+        value = self.tape[self.i] if self.i < len(self.tape) else 0
+        self.i += 1
+        return value % len(options)
+
+
+def _run_script(calbins, script, chooser, options) -> "str | None":
+    explorer = Explorer(calbins, chooser, **options)
+    try:
+        explorer.start()
+        for action in script:
+            perform(explorer, tuple(action))
+    except ExplorationFailure as failure:
+        return _kind(failure)
+    finally:
+        explorer.close()
+    return None
+
+
+def _kind(failure: ExplorationFailure) -> str:
+    """A failure's first line without its numbers (job ids and times move when shrinking)."""
+    return re.sub(r"[0-9][0-9.]*", "#", str(failure).split("\n")[0])
+
+
+def shrink(calbins: dict[str, str], info: dict, attempts: int = 300) -> dict:
+    """Greedy shrinking of a failure's ``replay_info`` (e.g. from a PCT seed): drop script
+    actions, then zero runs of choices (0 = the default, no preemption), keeping any schedule
+    that still fails with the same first line. Returns the smaller ``replay_info`` with
+    ``preemptions`` = its non-zero choices."""
+    options = dict(info["options"])
+    script = [tuple(a) for a in info["script"]]
+    choices = list(info["choices"])
+    target = _run_script(calbins, script, _LenientReplay(choices), options)
+    if target is None:
+        raise ValueError("the recorded schedule does not fail when replayed")
+    tries = 0
+    pct = info.get("pct")
+
+    def still_fails(s, c) -> bool:
+        nonlocal tries
+        tries += 1
+        return _run_script(calbins, s, _LenientReplay(c), options) == target
+
+    def pct_fails(s) -> "list[int] | None":
+        """The script under the failure's own PCT priorities (robust to dropped actions:
+        priorities, not choice indices); the recorded choices when it still fails."""
+        nonlocal tries
+        tries += 1
+        explorer = Explorer(calbins, PCTChooser(*pct), **options)
+        try:
+            explorer.start()
+            for action in s:
+                perform(explorer, tuple(action))
+        except ExplorationFailure as failure:
+            if _kind(failure) == target:
+                return list(failure.replay_info["choices"])
+        finally:
+            explorer.close()
+        return None
+
+    i = 0
+    while i < len(script) and tries < attempts:  # drop actions (never the final one)
+        candidate = script[:i] + script[i + 1:]
+        if script[i][0] != "finish":
+            found = pct_fails(candidate) if pct else (
+                choices if still_fails(candidate, choices) else None)
+            if found is not None:
+                script, choices = candidate, found
+                continue
+        i += 1
+    chunk = max(1, len(choices) // 2)
+    while chunk >= 1 and tries < attempts:  # zero runs of choices, halving the run length
+        start = 0
+        while start < len(choices) and tries < attempts:
+            if any(choices[start:start + chunk]):
+                candidate = choices[:start] + [0] * len(choices[start:start + chunk]) \
+                    + choices[start + chunk:]
+                if still_fails(script, candidate):
+                    choices = candidate
+            start += chunk
+        chunk //= 2
+    while choices and choices[-1] == 0:
+        choices.pop()
+    return {"seed": info.get("seed"), "options": options, "script": script,
+            "choices": choices, "failure": target, "replays": tries,
+            "preemptions": sum(1 for c in choices if c)}
+
+
+def replay_file(path: str, calbins: dict[str, str] | None = None) -> Explorer:
+    """Replay the JSON a failure report names (calbins: rewritten in a temp dir if None)."""
+    with open(path) as f:
+        info = json.load(f)
+    if calbins is None:
+        calbins = write_calbins(tempfile.mkdtemp(prefix="calexec-explore-"))
+    options = {k: v for k, v in info["options"].items()}
+    return replay(calbins, info["script"], info["choices"], **options)
