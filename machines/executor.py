@@ -13,6 +13,9 @@ Path of one job (docs/architecture.md tells the same story):
    rc/status double check, output size and finiteness, direct BF16->FP32 of the requested
    slice into the destination, KV commit, UndoSlice, resolve, lease back, permit back.
    Failure after submit: no commit, sequence Unknown, slot quarantined, fault reported.
+4. ``decode_stream`` (machines/stream.py): a sequence's decode loop with the next job armed
+   (admitted and prepared up to Preparing, KV txn chained behind the running job) while the
+   current one runs; a step writes the token (``_fire``) and the submitter infers.
 
 Only the submitter calls ``infer`` and only the completion thread calls ``Wait`` (invariant 2);
 with ``ExecutorConfig(threads=False)`` both are called by whoever drives ``submit_one`` and
