@@ -312,3 +312,37 @@ def test_close_while_the_submitter_arms_returns_with_the_sequence_free(calbin, m
             release.set()
             helper.join(10)
         assert not ex._armed and ex.snapshot()["pending_tokens"] == 0
+
+
+def test_a_completed_job_gives_its_permit_back_before_the_caller_wakes_and_wakes_no_idle_submitter(
+        calbin):
+    """Issue 17's wake-up cut: the permit (and budget) go back before the result is delivered,
+    so the caller's next job finds it free; and a permit nobody waits for (empty queue) does
+    not wake the idle submitter. Counted with the benchmark's counting clock. Before the fix
+    the idle submitter was woken by every completion and the permit was still held when the
+    caller woke."""
+    from calexec.drivers.calrt.runtime import CalRT
+    from calexec.drivers.tools.bench.core import CountingClock, HandoffTally, _label_conditions
+    from calexec.machines.executor import DeviceExecutor, ExecutorConfig
+    from calexec.machines.faults import RecordingFaultSink
+    from executor_harness import MANIFEST, decode
+
+    tally = HandoffTally()
+    ex = DeviceExecutor(CalRT.load(), MANIFEST, ExecutorConfig(calbin_path=calbin),
+                        fault_sink=RecordingFaultSink(), clock=CountingClock(tally))
+    assert ex.start().ok
+    try:
+        _label_conditions(ex)
+        result = ex.enqueue(prefill(1, PROMPT)).wait_until(deadline())
+        tally.reset()
+        held_at_wake = []
+        for _ in range(20):
+            result = ex.enqueue(decode(1, result.argmax, result.kv_len)).wait_until(deadline())
+            assert isinstance(result, InferenceResult), result
+            held_at_wake.append(ex.snapshot()["inflight"])
+        assert held_at_wake == [0] * 20  # the permit was back before the caller woke
+        woken = {label: n for (role, label, woke), n in tally.counts.items()
+                 if woke and role == "calexec-completion" and label == "submit_cv"}
+        assert woken == {}, woken  # the completion thread never woke the idle submitter
+    finally:
+        ex.shutdown(grace=5.0)
