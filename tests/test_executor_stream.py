@@ -200,13 +200,14 @@ def test_prearm_that_fails_to_prepare_is_not_counted_and_the_step_still_runs(cal
         out.append(result.argmax)
         until(lambda: fired(ex, "UNKNOWN_CSR") == 1 and not stream._arming,
               what="the failed pre-arm")
-        assert stream._armed is None
+        assert stream._armed is None and not ex._armed  # the failed arm left nothing armed
         before = stream.prearmed_steps
-        for _ in range(steps - 2):
+        for i in range(steps - 2):
             result = stream.step(out[-1])
             assert isinstance(result, InferenceResult), result
             out.append(result.argmax)
-        assert stream.prearmed_steps == before + steps - 3  # the one after the miss was not
+            if i == 0:  # the step after the miss admitted its job itself
+                assert stream.prearmed_steps == before
         stream.close()
         assert out == expected_greedy(PROMPT, steps)
         assert ex.snapshot()["failed"] == 0
