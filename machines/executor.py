@@ -13,6 +13,9 @@ Path of one job (docs/architecture.md tells the same story):
    rc/status double check, output size and finiteness, direct BF16->FP32 of the requested
    slice into the destination, KV commit, UndoSlice, resolve, lease back, permit back.
    Failure after submit: no commit, sequence Unknown, slot quarantined, fault reported.
+4. ``decode_stream`` (machines/stream.py): a sequence's decode loop with the next job armed
+   (admitted and prepared up to Preparing, KV txn chained behind the running job) while the
+   current one runs; a step writes the token (``_fire``) and the submitter infers.
 
 Only the submitter calls ``infer`` and only the completion thread calls ``Wait`` (invariant 2);
 with ``ExecutorConfig(threads=False)`` both are called by whoever drives ``submit_one`` and
@@ -30,7 +33,7 @@ import logging
 import math
 import threading
 from collections import OrderedDict, deque
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import attrs
 import numpy as np
@@ -53,6 +56,9 @@ from calexec.machines.locks import LIFECYCLE as LIFECYCLE_RANK
 from calexec.machines.pool import BufferPool
 from calexec.machines.postprocess import bf16_all_finite, bf16_to_f32_into
 from calexec.machines.sequences import SequenceOwnership
+
+if TYPE_CHECKING:
+    from calexec.machines.stream import DecodeStream
 
 log = logging.getLogger("calexec.executor")
 
@@ -205,6 +211,13 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         self._ready_cv = clock.condition(self.lifecycle_mu)
         self._ready_waiters = 0
         self._submit_q: deque[Job] = deque()
+        # pre-armed decode-stream jobs (machines/stream.py): admitted and prepared, waiting
+        # for their token; whoever removes one from here under submit_mu owns it (submit_mu)
+        self._armed: list[Job] = []
+        # decode streams whose next job the submitter arms while it has nothing to submit
+        self._prearm_q: deque = deque()
+        # streams whose pre-arm found no free slot: queued again when a lease comes back
+        self._prearm_wait: list = []
         self._inflight = 0  # guarded by submit_mu
         self._capacity = config.inflight_capacity  # effective; a downgrade lowers it
         self._features_off: dict[str, int] = {}  # FEATURES name -> generation it went off in
@@ -296,7 +309,8 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
 
     def _enqueue(self, request: InferenceRequest, internal: bool,
                  logits_out: np.ndarray | None = None,
-                 on_created: Callable[[JobHandle], None] | None = None) -> JobHandle:
+                 on_created: Callable[[JobHandle], None] | None = None,
+                 arm: "Any | None" = None) -> JobHandle:
         if not isinstance(request, InferenceRequest):
             job = Job(next(self._job_ids), 0, _NO_REQUEST, self._wake_waiters)
             return self._fail_early(job, Status.invalid(
@@ -306,6 +320,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
                   self._wake_waiters, internal=internal, clock=self.clock)
         job.gen = gen
         job.logits_out = logits_out
+        job.uncounted = arm is not None and not arm.blocking  # a pre-arm attempt may miss
         if self.config.job_trails_kept:
             job.run.trail = deque(maxlen=_TRAIL_STEPS)
             job.on_resolved = self._keep_trail
@@ -336,14 +351,15 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             return self._fail_early(job, Status.unavailable(
                 Phase.ADMISSION, f"generation {gen.id} is closing; retry later", **job.ctx()))
         try:
-            return self._admit_and_queue(job, handle, gen)
+            return self._admit_and_queue(job, handle, gen, arm)
         except Exception as exc:  # barrier: a bug here fails this job, never leaks or hangs
             log.exception("enqueue of job %d raised", job.job_id)
             return self._abandon_before_submit(job, exc, "enqueue")
         finally:
             self._exit(gen)
 
-    def _admit_and_queue(self, job: Job, handle: JobHandle, gen: Generation) -> JobHandle:
+    def _admit_and_queue(self, job: Job, handle: JobHandle, gen: Generation,
+                         arm: "Any | None" = None) -> JobHandle:
         request = job.request
         stop = self._stop_reason(job)
         if stop() is not None:
@@ -360,8 +376,12 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
                     **job.ctx()))
             self._pending_tokens += tokens
             job.budget_taken = True
-        txn = gen.kvc.reserve(request.seq_id, request.past_len, tokens, job.deadline, stop,
-                              reserve_len=request.kv_reserve_len)
+        # a pre-arm never waits: KV within the sequence's reservation, a slot free now
+        wait_until = job.deadline if arm is None or arm.blocking else 0.0
+        txn = (gen.kvc.reserve_next(arm.prev_txn, tokens)
+               if arm is not None and arm.prev_txn is not None else
+               gen.kvc.reserve(request.seq_id, request.past_len, tokens, wait_until, stop,
+                               reserve_len=request.kv_reserve_len))
         if isinstance(txn, Status):
             self._release_budget(job)
             return self._fail_early(job, txn.with_context(job_id=job.job_id))
@@ -369,7 +389,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         if not self._advance(job, "admit"):
             return self._fail_before_submit(job, Status.cancelled(Phase.ADMISSION, **job.ctx()))
         job.timings.admitted_us = now_us()
-        lease = gen.pool.acquire(request.kind, job.deadline, owner=job.job_id, stop=stop)
+        lease = gen.pool.acquire(request.kind, wait_until, owner=job.job_id, stop=stop)
         if isinstance(lease, Status):
             return self._fail_before_submit(job, lease.with_context(**job.ctx()))
         job.lease = lease
@@ -378,6 +398,19 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         status = self._prepare(job)
         if not status.ok:
             return self._fail_before_submit(job, status.with_context(**job.ctx()))
+        if arm is not None:  # pre-armed: Preparing until its token comes (``_fire``)
+            with self._submit_cv:
+                fenced = gen.closing or gen is not self.gen
+                if not fenced:
+                    self._armed.append(job)
+                    job.uncounted = False
+                    if arm.notify:  # the submitter's wait now ends at this job's deadline
+                        self._submit_cv.notify_all()
+            if fenced:
+                return self._fail_before_submit(job, Status.unavailable(
+                    Phase.PREPARE, f"generation {gen.id} retired while the job was armed; "
+                    "retry", **job.ctx()))
+            return handle
         if not self._advance(job, "enqueue"):
             return self._fail_before_submit(job, Status.cancelled(Phase.PREPARE, **job.ctx()))
         job.timings.queued_us = now_us()
@@ -411,6 +444,8 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         deadline = self.clock.monotonic() + grace
         with self._submit_cv:
             gen.closing = True
+            if self._armed:  # the submitter releases pre-armed jobs of a closing generation
+                self._submit_cv.notify_all()
         gen.kvc.wake()
         gen.pool.wake()
         with self._submit_cv:
@@ -569,7 +604,8 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         if job.cancel_flag and job.run.state == "Created":
             job.run.send("cancel")
         job.run.send("fail")
-        self._count(status)
+        if not job.uncounted:
+            self._count(status)
         job.resolve(status)
         return JobHandle(job)
 
@@ -588,7 +624,8 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         if job.cancel_flag and job.run.state not in ("CancelRequested",):
             job.run.send("cancel")
         job.run.send("fail")
-        self._count(status)
+        if not job.uncounted:
+            self._count(status)
         if not job.internal and status.category not in (Category.CANCELLED, Category.DEADLINE,
                                                         Category.INVALID_REQUEST,
                                                         Category.RESOURCE_EXHAUSTED,
@@ -652,9 +689,15 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
                 now = self.clock.monotonic()
                 ended = [(job, status) for job in self._submit_q
                          if (status := self._unsubmittable(job, now)) is not None]
+                for job, _ in ended:
+                    self._submit_q.remove(job)
+                if self._armed:  # pre-armed jobs cancelled, expired or fenced: released here
+                    armed = [(job, status) for job in self._armed
+                             if (status := self._unsubmittable(job, now)) is not None]
+                    for job, _ in armed:
+                        self._armed.remove(job)
+                    ended += armed
                 if ended:
-                    for job, _ in ended:
-                        self._submit_q.remove(job)
                     self._handing_off += len(ended)
                     job = None
                     break
@@ -664,10 +707,15 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
                     job.permit_held = True
                     self._handing_off += 1
                     break
+                if self._prearm_q:  # nothing to submit now: arm a decode stream's next job
+                    stream = self._prearm_q.popleft()
+                    stream._arming = True
+                    job = None
+                    break
                 if not block or (self._stopping_threads and not self._submit_q):
                     return False
-                timeout = (min(j.deadline for j in self._submit_q) - now
-                           if self._submit_q else None)
+                timeout = (min(j.deadline for j in (*self._submit_q, *self._armed)) - now
+                           if self._submit_q or self._armed else None)
                 if self._held_by_runtime:
                     # A failed Wait left buffers with the runtime: nobody signals when it lets
                     # go, so re-check on a short timer (only in this degraded state).
@@ -679,6 +727,9 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
                         self._reap_held()
                     finally:
                         self._submit_cv.acquire()
+        if job is None and not ended:
+            stream._arm_next()  # it never raises: a failed arm leaves nothing armed
+            return True
         if job is None:
             try:
                 for job, status in ended:
@@ -710,6 +761,52 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             return Status.unavailable(Phase.SUBMIT, f"generation {job.generation_id} retired "
                                       "before submit; retry", **job.ctx())
         return None
+
+    def _fire(self, job: Job, token: int, stream: Any = None, next_past: int = -1) -> JobHandle:
+        """A pre-armed decode job gets its token and joins the submit queue (machines/
+        stream.py): the token id is written into the leased slot's input and the request, the
+        chart goes Preparing -> Queued, the submitter is woken. Everything else was done when
+        it was armed. Owned only if still in ``_armed`` (the submitter may have released it:
+        cancelled, expired, fenced; then its handle carries that Status)."""
+        gen, status = job.gen, None
+        with self._submit_cv:
+            owned = job in self._armed
+            if owned:
+                self._armed.remove(job)
+                if gen.closing or gen is not self.gen:  # fencing: never into another generation
+                    status = Status.unavailable(Phase.SUBMIT, f"generation {gen.id} retired "
+                                                "before the job was queued; retry", **job.ctx())
+                else:
+                    job.request.tokens[0] = token
+                    job.lease.slot.host_input[0] = token
+                    try:
+                        job.run.send("enqueue")
+                    except GuardRejected:
+                        job.run.send("cancel")
+                        status = Status.cancelled(Phase.PREPARE, **job.ctx())
+                    else:
+                        job.timings.queued_us = now_us()
+                        self._submit_q.append(job)
+                        if next_past >= 0:  # the submitter arms the next job after this one
+                            stream._next = (job.txn, next_past)
+                            self._prearm_q.append(stream)
+                        self._submit_cv.notify_all()
+        if owned and status is not None:
+            return self._fail_before_submit(job, status)
+        return JobHandle(job)
+
+    def _disarm(self, job: Job, status: Status, counted: bool = True) -> bool:
+        """Release a pre-armed job that will not get a token (its stream closed): lease,
+        KV txn rolled back, budget, chart Failed, exactly once (False when the submitter or
+        ``_fire`` owned it already)."""
+        with self._submit_cv:
+            owned = job in self._armed
+            if owned:
+                self._armed.remove(job)
+        if owned:
+            job.uncounted = not counted
+            self._fail_before_submit(job, status.with_context(**job.ctx()))
+        return owned
 
     def _handed_off(self, count: int) -> None:
         with self._submit_cv:
@@ -785,7 +882,8 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             if job.permit_held:
                 job.permit_held = False
                 self._inflight -= 1
-                self._submit_cv.notify_all()
+                if self._submit_q:  # only a queued job waits for a permit (issue 17: the
+                    self._submit_cv.notify_all()  # idle submitter is not woken for nothing)
 
     # ---- completion (§6.5) -----------------------------------------------------------------------
     def complete_one(self, block: bool = False) -> bool:
@@ -863,6 +961,11 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             self._quarantine_after_submit(job, status, release_permit=True, settled=True)
             return
         undo = slot.undo_slices()
+        # Wait returned and GetStatus said done: the device is free, so the in-flight permit
+        # and the token budget go back before the caller is woken (issue 17, A/B measured:
+        # the caller's next job finds its permit free; the lease still goes back after)
+        self._release_budget(job)
+        self._release_permit(job)
         if target == "Completing" and not self._advance(job, "deliver"):
             target = "CancelRequested"
         if target != "Completing":  # cancelled after submit (FI12): result discarded
@@ -877,8 +980,11 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             job.resolve(result)
         job.gen.pool.device_done(job.lease)
         released = job.lease.release()
-        self._release_budget(job)
-        self._release_permit(job)
+        if self._prearm_wait:  # a pre-arm missed this slot: the submitter tries again
+            with self._submit_cv:
+                self._prearm_q.extend(self._prearm_wait)
+                self._prearm_wait.clear()
+                self._submit_cv.notify_all()
         for problem in (undo, released):
             if not problem.ok:  # FI15: slot quarantined by the pool; the job's result stands
                 self.faults.report(problem.with_context(**job.ctx()), job)
@@ -1166,7 +1272,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             self._stopping = True
             self._admitting = False
         with self._submit_cv:
-            for job in self._submit_q:
+            for job in (*self._submit_q, *self._armed):
                 job.cancel_flag = True
             self._submit_cv.notify_all()
         self._wake_waiters()
@@ -1182,7 +1288,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         if self.gen is not None:
             self.gen.kvc.close()
         with self._submit_cv:
-            for job in self._submit_q:
+            for job in (*self._submit_q, *self._armed):
                 job.cancel_flag = True
             self._submit_cv.notify_all()
         self._wake_waiters()
@@ -1214,10 +1320,12 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         return Status.OK if self.lifecycle.state == "Stopped" else self.failure
 
     # ---- synchronous compatibility entry (§6.1) -------------------------------------------------
-    def decode_sync(self, request: InferenceRequest) -> tuple[int, "InferenceResult | Status"]:
+    def decode_sync(self, request: InferenceRequest, logits_out: np.ndarray | None = None
+                    ) -> tuple[int, "InferenceResult | Status"]:
         """``llama_decode``-style: (int code, result or Status). Logs every failure with
-        job_id, seq_id, generation, raw CalRT code and phase."""
-        handle = self.enqueue(request)
+        job_id, seq_id, generation, raw CalRT code and phase. ``logits_out`` as for
+        ``enqueue`` (a llama context's own logits row: no allocation per token)."""
+        handle = self.enqueue(request, logits_out=logits_out)
         if not self.config.threads:
             while not handle.done and (self.submit_one() or self.complete_one()):
                 pass
@@ -1230,6 +1338,20 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
                         None if result.phase is None else result.phase.value, result)
             return code, result
         return 0, result
+
+    # ---- pre-armed decode stream (machines/stream.py) ------------------------------------------
+    def decode_stream(self, seq_id: int, past_len: int, deadline: float,
+                      logits_out: np.ndarray | None = None,
+                      want_logits: tuple[int, int] | None = None, max_len: int | None = None,
+                      request_id: int = 0) -> "DecodeStream":
+        """Decode steps of ``seq_id`` from ``past_len`` (its committed length) with the next
+        job pre-armed while the current one runs: ``stream.step(token)`` per token. Every job
+        has ``deadline`` (absolute ``time.monotonic()``); ``max_len``: the stream never arms
+        a job beyond this sequence length (prompt + max_tokens). The first job is armed now
+        if its resources are free. See machines/stream.py."""
+        from calexec.machines.stream import DecodeStream
+        return DecodeStream(self, seq_id, past_len, deadline, logits_out, want_logits,
+                            max_len, request_id)
 
     # ---- observability ---------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
