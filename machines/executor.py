@@ -56,6 +56,15 @@ from calexec.machines.locks import LIFECYCLE as LIFECYCLE_RANK
 from calexec.machines.pool import BufferPool
 from calexec.machines.postprocess import bf16_all_finite, bf16_to_f32_into
 from calexec.machines.sequences import SequenceOwnership
+from calexec.machines.chart_names import (JOB_CANCEL_REQUESTED, JOB_COMPLETING, JOB_CREATED,
+                                          JOB_EV_ADMIT, JOB_EV_BEGIN_PREPARATION, JOB_EV_CANCEL,
+                                          JOB_EV_DELIVER, JOB_EV_ENQUEUE, JOB_EV_EXECUTION_TIMEOUT,
+                                          JOB_EV_FAIL, JOB_EV_FAULT, JOB_EV_INFER_ACCEPTED,
+                                          JOB_EV_WAIT_RETURNED, JOB_QUARANTINED, JOB_SUBMITTED,
+                                          KV_RESERVED, LIFECYCLE_CONFIGURING, LIFECYCLE_DRAINING,
+                                          LIFECYCLE_EV_DRAIN, LIFECYCLE_EV_FAIL, LIFECYCLE_EV_STOP,
+                                          LIFECYCLE_FAILED, LIFECYCLE_READY, LIFECYCLE_RECOVERING,
+                                          LIFECYCLE_STOPPED, LIFECYCLE_WARMING)
 
 if TYPE_CHECKING:
     from calexec.machines.stream import DecodeStream
@@ -333,7 +342,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
                 return self._fail_early(job, waited)
             gen = self.gen
             job.gen, job.generation_id = gen, gen.id if gen is not None else 0
-        if not (self._admitting or (internal and self.lifecycle.state == "Warming")) \
+        if not (self._admitting or (internal and self.lifecycle.state == LIFECYCLE_WARMING)) \
                 or self._stopping or gen is None:
             return self._fail_early(job, Status.unavailable(
                 Phase.ADMISSION, f"device lifecycle is {self.lifecycle.state}; not admitting",
@@ -386,14 +395,14 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             self._release_budget(job)
             return self._fail_early(job, txn.with_context(job_id=job.job_id))
         job.txn = txn
-        if not self._advance(job, "admit"):
+        if not self._advance(job, JOB_EV_ADMIT):
             return self._fail_before_submit(job, Status.cancelled(Phase.ADMISSION, **job.ctx()))
         job.timings.admitted_us = now_us()
         lease = gen.pool.acquire(request.kind, wait_until, owner=job.job_id, stop=stop)
         if isinstance(lease, Status):
             return self._fail_before_submit(job, lease.with_context(**job.ctx()))
         job.lease = lease
-        if not self._advance(job, "begin_preparation"):
+        if not self._advance(job, JOB_EV_BEGIN_PREPARATION):
             return self._fail_before_submit(job, Status.cancelled(Phase.PREPARE, **job.ctx()))
         status = self._prepare(job)
         if not status.ok:
@@ -411,7 +420,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
                     Phase.PREPARE, f"generation {gen.id} retired while the job was armed; "
                     "retry", **job.ctx()))
             return handle
-        if not self._advance(job, "enqueue"):
+        if not self._advance(job, JOB_EV_ENQUEUE):
             return self._fail_before_submit(job, Status.cancelled(Phase.PREPARE, **job.ctx()))
         job.timings.queued_us = now_us()
         with self._submit_cv:
@@ -531,8 +540,9 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         DEADLINE when its deadline passed first; CANCELLED)."""
         with self._ready_cv:
             state = self.lifecycle.state
-            if state not in ("Draining", "Recovering", "Configuring", "Warming") and not (
-                    state == "Ready" and self._pending_recovery is not None):
+            if state not in (LIFECYCLE_DRAINING, LIFECYCLE_RECOVERING, LIFECYCLE_CONFIGURING,
+                             LIFECYCLE_WARMING) and not (
+                    state == LIFECYCLE_READY and self._pending_recovery is not None):
                 return None  # Ready (admits), or Created/Failed/Stopped: answered by the caller
             if self._ready_waiters >= self.config.ready_queue_max:
                 return Status.unavailable(Phase.ADMISSION, f"device lifecycle is "
@@ -578,7 +588,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             job.run.send(event)
             return True
         except GuardRejected:
-            job.run.send("cancel")
+            job.run.send(JOB_EV_CANCEL)
             return False
 
     def _downgrade(self, status: Status) -> None:
@@ -601,9 +611,9 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
     # ---- failure paths ------------------------------------------------------------------------
     def _fail_early(self, job: Job, status: Status) -> JobHandle:
         """Nothing acquired yet: Created -> Failed."""
-        if job.cancel_flag and job.run.state == "Created":
-            job.run.send("cancel")
-        job.run.send("fail")
+        if job.cancel_flag and job.run.state == JOB_CREATED:
+            job.run.send(JOB_EV_CANCEL)
+        job.run.send(JOB_EV_FAIL)
         if not job.uncounted:
             self._count(status)
         job.resolve(status)
@@ -618,12 +628,12 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             if live:
                 job.lease.slot.undo_slices()
             job.lease.release()
-        if live and job.txn is not None and job.txn.run.state == "Reserved":
+        if live and job.txn is not None and job.txn.run.state == KV_RESERVED:
             gen.kvc.rollback(job.txn)
         self._release_budget(job)
-        if job.cancel_flag and job.run.state not in ("CancelRequested",):
-            job.run.send("cancel")
-        job.run.send("fail")
+        if job.cancel_flag and job.run.state not in (JOB_CANCEL_REQUESTED,):
+            job.run.send(JOB_EV_CANCEL)
+        job.run.send(JOB_EV_FAIL)
         if not job.uncounted:
             self._count(status)
         if not job.internal and status.category not in (Category.CANCELLED, Category.DEADLINE,
@@ -642,7 +652,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         lease, job.lease = job.lease, None
         for step in (lambda: lease is not None and lease.slot.undo_slices(),
                      lambda: lease is not None and job.gen.pool.quarantine(lease, status.code),
-                     lambda: job.txn is not None and job.txn.run.state == "Reserved"
+                     lambda: job.txn is not None and job.txn.run.state == KV_RESERVED
                      and job.gen.kvc.rollback(job.txn)):
             try:
                 step()
@@ -651,9 +661,9 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         if job.budget_taken:
             self._release_budget(job)
         try:
-            if job.cancel_flag and job.run.can("cancel"):
-                job.run.send("cancel")
-            job.run.send("fail")
+            if job.cancel_flag and job.run.can(JOB_EV_CANCEL):
+                job.run.send(JOB_EV_CANCEL)
+            job.run.send(JOB_EV_FAIL)
         except Exception:  # noqa: BLE001 - the chart refused: the job is resolved regardless
             log.exception("job %d: chart refused fail after %s", job.job_id, where)
         self._count(status)
@@ -780,9 +790,9 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
                     job.request.tokens[0] = token
                     job.lease.slot.host_input[0] = token
                     try:
-                        job.run.send("enqueue")
+                        job.run.send(JOB_EV_ENQUEUE)
                     except GuardRejected:
-                        job.run.send("cancel")
+                        job.run.send(JOB_EV_CANCEL)
                         status = Status.cancelled(Phase.PREPARE, **job.ctx())
                     else:
                         job.timings.queued_us = now_us()
@@ -834,7 +844,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             return
         job.timings.submitted_us = now_us()
         job.submitted_at = self.clock.monotonic()  # the §9.1 execution deadline's start
-        job.run.send("infer_accepted")
+        job.run.send(JOB_EV_INFER_ACCEPTED)
         gen.kvc.mark_submitted(job.txn, evidence=job)
         self._bump("submitted")
         with self._completion_cv:
@@ -930,14 +940,14 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         job.timings.completed_us = now_us()
         job.timings.device_wait_ms = (job.timings.completed_us - t0) / 1000.0
         job.wait_rc, job.device_status = rc, device_status
-        if job.cancel_flag and job.run.state == "Submitted":
-            job.run.send("cancel")
+        if job.cancel_flag and job.run.state == JOB_SUBMITTED:
+            job.run.send(JOB_EV_CANCEL)
         if rc != CalrtCode.SUCCESS and device_status in (DeviceJobStatus.PENDING,
                                                          DeviceJobStatus.RUNNING):
             self._runtime_still_holds(job, slot, rc)
             return
-        target = job.run.send("wait_returned")
-        if target == "Quarantined":
+        target = job.run.send(JOB_EV_WAIT_RETURNED)
+        if target == JOB_QUARANTINED:
             status = (Status.from_calrt(rc, Phase.WAIT, "Wait", **job.ctx()) if rc != 0 else
                       Status.from_device_status(device_status, **job.ctx()))
             self._quarantine_after_submit(job, status, release_permit=slot.runtime_let_go())
@@ -947,8 +957,8 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         job.timings.postprocess_ms = (now_us() - t1) / 1000.0
         if isinstance(result, Status):
             job.output_status = result
-            if target == "Completing":
-                job.run.send("fault")
+            if target == JOB_COMPLETING:
+                job.run.send(JOB_EV_FAULT)
             self._quarantine_after_submit(job, result, release_permit=True)
             return
         # §6.5 order: KV commit -> reset slices -> deliver -> release the lease.
@@ -956,8 +966,8 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         if not job.gen.kvc.settle(job.txn, "commit refused"):  # the chart's guard decides
             status = Status.internal("kv_commit_refused", Phase.OUTPUT_CHECK, "the KV "
                                      "transaction's guard refused the commit", **job.ctx())
-            if target == "Completing":
-                job.run.send("fault")
+            if target == JOB_COMPLETING:
+                job.run.send(JOB_EV_FAULT)
             self._quarantine_after_submit(job, status, release_permit=True, settled=True)
             return
         undo = slot.undo_slices()
@@ -966,11 +976,11 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         # the caller's next job finds its permit free; the lease still goes back after)
         self._release_budget(job)
         self._release_permit(job)
-        if target == "Completing" and not self._advance(job, "deliver"):
-            target = "CancelRequested"
-        if target != "Completing":  # cancelled after submit (FI12): result discarded
-            if job.run.state == "CancelRequested":
-                job.run.send("fail")
+        if target == JOB_COMPLETING and not self._advance(job, JOB_EV_DELIVER):
+            target = JOB_CANCEL_REQUESTED
+        if target != JOB_COMPLETING:  # cancelled after submit (FI12): result discarded
+            if job.run.state == JOB_CANCEL_REQUESTED:
+                job.run.send(JOB_EV_FAIL)
             self._bump("cancelled")
             job.resolve(Status.cancelled(
                 Phase.CANCEL, "cancelled after submit: Wait completed, result discarded",
@@ -1005,7 +1015,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         else:
             status = Status.from_calrt(rc, Phase.WAIT, "Wait failed while the job is still on "
                                        "the device; buffers kept", **job.ctx())
-        job.run.send("execution_timeout")
+        job.run.send(JOB_EV_EXECUTION_TIMEOUT)
         self._quarantine_after_submit(job, status, release_permit=False, on_device=True)
         with self._submit_cv:
             self._held_by_runtime.append((slot, job.gen.kvc, job.request.seq_id))
@@ -1198,10 +1208,10 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         let go of, a lifecycle that is not Ready."""
         reasons = []
         state = self.lifecycle.state
-        if state != "Ready" or not self._admitting:
+        if state != LIFECYCLE_READY or not self._admitting:
             reasons.append(f"lifecycle is {state}" + ("" if self._admitting else
                                                      ", not admitting"))
-            if self.failure is not None and state == "Failed":
+            if self.failure is not None and state == LIFECYCLE_FAILED:
                 reasons.append(f"failed: {self.failure}")
         if self.config.threads and not self._stopping:
             for name, alive in self.threads_alive().items():
@@ -1282,8 +1292,8 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             already_final = self.lifecycle.final
             self._stopping = True
             self._admitting = False
-            if self.lifecycle.state == "Ready":
-                self.lifecycle.send("drain")
+            if self.lifecycle.state == LIFECYCLE_READY:
+                self.lifecycle.send(LIFECYCLE_EV_DRAIN)
             self._ready_cv.notify_all()
         if self.gen is not None:
             self.gen.kvc.close()
@@ -1300,10 +1310,10 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         drained = self._drain(grace)
         self._stop_threads()
         with self.lifecycle_mu:
-            if drained and self.lifecycle.can("stop"):
-                self.lifecycle.send("stop")
+            if drained and self.lifecycle.can(LIFECYCLE_EV_STOP):
+                self.lifecycle.send(LIFECYCLE_EV_STOP)
             elif not self.lifecycle.final:
-                self.lifecycle.send("fail")
+                self.lifecycle.send(LIFECYCLE_EV_FAIL)
                 self.failure = Status.failure(
                     "shutdown.not_drained", Category.DEVICE, Phase.SHUTDOWN,
                     f"submitted work did not drain within grace={grace}s")
@@ -1317,7 +1327,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             self._retire(self.gen)
             self.gen = None
         self.device.close()
-        return Status.OK if self.lifecycle.state == "Stopped" else self.failure
+        return Status.OK if self.lifecycle.state == LIFECYCLE_STOPPED else self.failure
 
     # ---- synchronous compatibility entry (§6.1) -------------------------------------------------
     def decode_sync(self, request: InferenceRequest, logits_out: np.ndarray | None = None
