@@ -56,7 +56,7 @@ class DeviceLifecycle:
         self._reap_held()
         with self.submit_mu:
             return (self._inflight == 0 and self._handing_off == 0 and not self._submit_q
-                    and not self._completion_q)
+                    and not self._completion_q and not self._armed)
 
     def reset_confirmed(self) -> bool:
         """The runtime no longer touches any old-generation buffer: every generation that
@@ -489,7 +489,7 @@ class DeviceLifecycle:
             self._refusal = status
             self._submit_cv.notify_all()
         if not self.config.threads:
-            while self._submit_q and self.submit_one():
+            while (self._submit_q or self._armed) and self.submit_one():
                 pass
 
     def _drain(self, grace: float) -> bool:

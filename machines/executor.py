@@ -13,6 +13,9 @@ Path of one job (docs/architecture.md tells the same story):
    rc/status double check, output size and finiteness, direct BF16->FP32 of the requested
    slice into the destination, KV commit, UndoSlice, resolve, lease back, permit back.
    Failure after submit: no commit, sequence Unknown, slot quarantined, fault reported.
+4. ``decode_stream`` (machines/stream.py): a sequence's decode loop with the next job armed
+   (admitted and prepared up to Preparing, KV txn chained behind the running job) while the
+   current one runs; a step writes the token (``_fire``) and the submitter infers.
 
 Only the submitter calls ``infer`` and only the completion thread calls ``Wait`` (invariant 2);
 with ``ExecutorConfig(threads=False)`` both are called by whoever drives ``submit_one`` and
@@ -30,7 +33,7 @@ import logging
 import math
 import threading
 from collections import OrderedDict, deque
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import attrs
 import numpy as np
@@ -53,6 +56,18 @@ from calexec.machines.locks import LIFECYCLE as LIFECYCLE_RANK
 from calexec.machines.pool import BufferPool
 from calexec.machines.postprocess import bf16_all_finite, bf16_to_f32_into
 from calexec.machines.sequences import SequenceOwnership
+from calexec.machines.chart_names import (JOB_CANCEL_REQUESTED, JOB_COMPLETING, JOB_CREATED,
+                                          JOB_EV_ADMIT, JOB_EV_BEGIN_PREPARATION, JOB_EV_CANCEL,
+                                          JOB_EV_DELIVER, JOB_EV_ENQUEUE, JOB_EV_EXECUTION_TIMEOUT,
+                                          JOB_EV_FAIL, JOB_EV_FAULT, JOB_EV_INFER_ACCEPTED,
+                                          JOB_EV_WAIT_RETURNED, JOB_QUARANTINED, JOB_SUBMITTED,
+                                          KV_RESERVED, LIFECYCLE_CONFIGURING, LIFECYCLE_DRAINING,
+                                          LIFECYCLE_EV_DRAIN, LIFECYCLE_EV_FAIL, LIFECYCLE_EV_STOP,
+                                          LIFECYCLE_FAILED, LIFECYCLE_READY, LIFECYCLE_RECOVERING,
+                                          LIFECYCLE_STOPPED, LIFECYCLE_WARMING)
+
+if TYPE_CHECKING:
+    from calexec.machines.stream import DecodeStream
 
 log = logging.getLogger("calexec.executor")
 
@@ -205,6 +220,13 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         self._ready_cv = clock.condition(self.lifecycle_mu)
         self._ready_waiters = 0
         self._submit_q: deque[Job] = deque()
+        # pre-armed decode-stream jobs (machines/stream.py): admitted and prepared, waiting
+        # for their token; whoever removes one from here under submit_mu owns it (submit_mu)
+        self._armed: list[Job] = []
+        # decode streams whose next job the submitter arms while it has nothing to submit
+        self._prearm_q: deque = deque()
+        # streams whose pre-arm found no free slot: queued again when a lease comes back
+        self._prearm_wait: list = []
         self._inflight = 0  # guarded by submit_mu
         self._capacity = config.inflight_capacity  # effective; a downgrade lowers it
         self._features_off: dict[str, int] = {}  # FEATURES name -> generation it went off in
@@ -296,7 +318,8 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
 
     def _enqueue(self, request: InferenceRequest, internal: bool,
                  logits_out: np.ndarray | None = None,
-                 on_created: Callable[[JobHandle], None] | None = None) -> JobHandle:
+                 on_created: Callable[[JobHandle], None] | None = None,
+                 arm: "Any | None" = None) -> JobHandle:
         if not isinstance(request, InferenceRequest):
             job = Job(next(self._job_ids), 0, _NO_REQUEST, self._wake_waiters)
             return self._fail_early(job, Status.invalid(
@@ -306,6 +329,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
                   self._wake_waiters, internal=internal, clock=self.clock)
         job.gen = gen
         job.logits_out = logits_out
+        job.uncounted = arm is not None and not arm.blocking  # a pre-arm attempt may miss
         if self.config.job_trails_kept:
             job.run.trail = deque(maxlen=_TRAIL_STEPS)
             job.on_resolved = self._keep_trail
@@ -318,7 +342,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
                 return self._fail_early(job, waited)
             gen = self.gen
             job.gen, job.generation_id = gen, gen.id if gen is not None else 0
-        if not (self._admitting or (internal and self.lifecycle.state == "Warming")) \
+        if not (self._admitting or (internal and self.lifecycle.state == LIFECYCLE_WARMING)) \
                 or self._stopping or gen is None:
             return self._fail_early(job, Status.unavailable(
                 Phase.ADMISSION, f"device lifecycle is {self.lifecycle.state}; not admitting",
@@ -336,14 +360,15 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             return self._fail_early(job, Status.unavailable(
                 Phase.ADMISSION, f"generation {gen.id} is closing; retry later", **job.ctx()))
         try:
-            return self._admit_and_queue(job, handle, gen)
+            return self._admit_and_queue(job, handle, gen, arm)
         except Exception as exc:  # barrier: a bug here fails this job, never leaks or hangs
             log.exception("enqueue of job %d raised", job.job_id)
             return self._abandon_before_submit(job, exc, "enqueue")
         finally:
             self._exit(gen)
 
-    def _admit_and_queue(self, job: Job, handle: JobHandle, gen: Generation) -> JobHandle:
+    def _admit_and_queue(self, job: Job, handle: JobHandle, gen: Generation,
+                         arm: "Any | None" = None) -> JobHandle:
         request = job.request
         stop = self._stop_reason(job)
         if stop() is not None:
@@ -360,25 +385,42 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
                     **job.ctx()))
             self._pending_tokens += tokens
             job.budget_taken = True
-        txn = gen.kvc.reserve(request.seq_id, request.past_len, tokens, job.deadline, stop,
-                              reserve_len=request.kv_reserve_len)
+        # a pre-arm never waits: KV within the sequence's reservation, a slot free now
+        wait_until = job.deadline if arm is None or arm.blocking else 0.0
+        txn = (gen.kvc.reserve_next(arm.prev_txn, tokens)
+               if arm is not None and arm.prev_txn is not None else
+               gen.kvc.reserve(request.seq_id, request.past_len, tokens, wait_until, stop,
+                               reserve_len=request.kv_reserve_len))
         if isinstance(txn, Status):
             self._release_budget(job)
             return self._fail_early(job, txn.with_context(job_id=job.job_id))
         job.txn = txn
-        if not self._advance(job, "admit"):
+        if not self._advance(job, JOB_EV_ADMIT):
             return self._fail_before_submit(job, Status.cancelled(Phase.ADMISSION, **job.ctx()))
         job.timings.admitted_us = now_us()
-        lease = gen.pool.acquire(request.kind, job.deadline, owner=job.job_id, stop=stop)
+        lease = gen.pool.acquire(request.kind, wait_until, owner=job.job_id, stop=stop)
         if isinstance(lease, Status):
             return self._fail_before_submit(job, lease.with_context(**job.ctx()))
         job.lease = lease
-        if not self._advance(job, "begin_preparation"):
+        if not self._advance(job, JOB_EV_BEGIN_PREPARATION):
             return self._fail_before_submit(job, Status.cancelled(Phase.PREPARE, **job.ctx()))
         status = self._prepare(job)
         if not status.ok:
             return self._fail_before_submit(job, status.with_context(**job.ctx()))
-        if not self._advance(job, "enqueue"):
+        if arm is not None:  # pre-armed: Preparing until its token comes (``_fire``)
+            with self._submit_cv:
+                fenced = gen.closing or gen is not self.gen
+                if not fenced:
+                    self._armed.append(job)
+                    job.uncounted = False
+                    if arm.notify:  # the submitter's wait now ends at this job's deadline
+                        self._submit_cv.notify_all()
+            if fenced:
+                return self._fail_before_submit(job, Status.unavailable(
+                    Phase.PREPARE, f"generation {gen.id} retired while the job was armed; "
+                    "retry", **job.ctx()))
+            return handle
+        if not self._advance(job, JOB_EV_ENQUEUE):
             return self._fail_before_submit(job, Status.cancelled(Phase.PREPARE, **job.ctx()))
         job.timings.queued_us = now_us()
         with self._submit_cv:
@@ -411,6 +453,8 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         deadline = self.clock.monotonic() + grace
         with self._submit_cv:
             gen.closing = True
+            if self._armed:  # the submitter releases pre-armed jobs of a closing generation
+                self._submit_cv.notify_all()
         gen.kvc.wake()
         gen.pool.wake()
         with self._submit_cv:
@@ -496,8 +540,9 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         DEADLINE when its deadline passed first; CANCELLED)."""
         with self._ready_cv:
             state = self.lifecycle.state
-            if state not in ("Draining", "Recovering", "Configuring", "Warming") and not (
-                    state == "Ready" and self._pending_recovery is not None):
+            if state not in (LIFECYCLE_DRAINING, LIFECYCLE_RECOVERING, LIFECYCLE_CONFIGURING,
+                             LIFECYCLE_WARMING) and not (
+                    state == LIFECYCLE_READY and self._pending_recovery is not None):
                 return None  # Ready (admits), or Created/Failed/Stopped: answered by the caller
             if self._ready_waiters >= self.config.ready_queue_max:
                 return Status.unavailable(Phase.ADMISSION, f"device lifecycle is "
@@ -543,7 +588,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             job.run.send(event)
             return True
         except GuardRejected:
-            job.run.send("cancel")
+            job.run.send(JOB_EV_CANCEL)
             return False
 
     def _downgrade(self, status: Status) -> None:
@@ -566,10 +611,11 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
     # ---- failure paths ------------------------------------------------------------------------
     def _fail_early(self, job: Job, status: Status) -> JobHandle:
         """Nothing acquired yet: Created -> Failed."""
-        if job.cancel_flag and job.run.state == "Created":
-            job.run.send("cancel")
-        job.run.send("fail")
-        self._count(status)
+        if job.cancel_flag and job.run.state == JOB_CREATED:
+            job.run.send(JOB_EV_CANCEL)
+        job.run.send(JOB_EV_FAIL)
+        if not job.uncounted:
+            self._count(status)
         job.resolve(status)
         return JobHandle(job)
 
@@ -582,13 +628,14 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             if live:
                 job.lease.slot.undo_slices()
             job.lease.release()
-        if live and job.txn is not None and job.txn.run.state == "Reserved":
+        if live and job.txn is not None and job.txn.run.state == KV_RESERVED:
             gen.kvc.rollback(job.txn)
         self._release_budget(job)
-        if job.cancel_flag and job.run.state not in ("CancelRequested",):
-            job.run.send("cancel")
-        job.run.send("fail")
-        self._count(status)
+        if job.cancel_flag and job.run.state not in (JOB_CANCEL_REQUESTED,):
+            job.run.send(JOB_EV_CANCEL)
+        job.run.send(JOB_EV_FAIL)
+        if not job.uncounted:
+            self._count(status)
         if not job.internal and status.category not in (Category.CANCELLED, Category.DEADLINE,
                                                         Category.INVALID_REQUEST,
                                                         Category.RESOURCE_EXHAUSTED,
@@ -605,7 +652,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         lease, job.lease = job.lease, None
         for step in (lambda: lease is not None and lease.slot.undo_slices(),
                      lambda: lease is not None and job.gen.pool.quarantine(lease, status.code),
-                     lambda: job.txn is not None and job.txn.run.state == "Reserved"
+                     lambda: job.txn is not None and job.txn.run.state == KV_RESERVED
                      and job.gen.kvc.rollback(job.txn)):
             try:
                 step()
@@ -614,9 +661,9 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         if job.budget_taken:
             self._release_budget(job)
         try:
-            if job.cancel_flag and job.run.can("cancel"):
-                job.run.send("cancel")
-            job.run.send("fail")
+            if job.cancel_flag and job.run.can(JOB_EV_CANCEL):
+                job.run.send(JOB_EV_CANCEL)
+            job.run.send(JOB_EV_FAIL)
         except Exception:  # noqa: BLE001 - the chart refused: the job is resolved regardless
             log.exception("job %d: chart refused fail after %s", job.job_id, where)
         self._count(status)
@@ -652,9 +699,15 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
                 now = self.clock.monotonic()
                 ended = [(job, status) for job in self._submit_q
                          if (status := self._unsubmittable(job, now)) is not None]
+                for job, _ in ended:
+                    self._submit_q.remove(job)
+                if self._armed:  # pre-armed jobs cancelled, expired or fenced: released here
+                    armed = [(job, status) for job in self._armed
+                             if (status := self._unsubmittable(job, now)) is not None]
+                    for job, _ in armed:
+                        self._armed.remove(job)
+                    ended += armed
                 if ended:
-                    for job, _ in ended:
-                        self._submit_q.remove(job)
                     self._handing_off += len(ended)
                     job = None
                     break
@@ -664,10 +717,15 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
                     job.permit_held = True
                     self._handing_off += 1
                     break
+                if self._prearm_q:  # nothing to submit now: arm a decode stream's next job
+                    stream = self._prearm_q.popleft()
+                    stream._arming = True
+                    job = None
+                    break
                 if not block or (self._stopping_threads and not self._submit_q):
                     return False
-                timeout = (min(j.deadline for j in self._submit_q) - now
-                           if self._submit_q else None)
+                timeout = (min(j.deadline for j in (*self._submit_q, *self._armed)) - now
+                           if self._submit_q or self._armed else None)
                 if self._held_by_runtime:
                     # A failed Wait left buffers with the runtime: nobody signals when it lets
                     # go, so re-check on a short timer (only in this degraded state).
@@ -679,6 +737,9 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
                         self._reap_held()
                     finally:
                         self._submit_cv.acquire()
+        if job is None and not ended:
+            stream._arm_next()  # it never raises: a failed arm leaves nothing armed
+            return True
         if job is None:
             try:
                 for job, status in ended:
@@ -711,6 +772,52 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
                                       "before submit; retry", **job.ctx())
         return None
 
+    def _fire(self, job: Job, token: int, stream: Any = None, next_past: int = -1) -> JobHandle:
+        """A pre-armed decode job gets its token and joins the submit queue (machines/
+        stream.py): the token id is written into the leased slot's input and the request, the
+        chart goes Preparing -> Queued, the submitter is woken. Everything else was done when
+        it was armed. Owned only if still in ``_armed`` (the submitter may have released it:
+        cancelled, expired, fenced; then its handle carries that Status)."""
+        gen, status = job.gen, None
+        with self._submit_cv:
+            owned = job in self._armed
+            if owned:
+                self._armed.remove(job)
+                if gen.closing or gen is not self.gen:  # fencing: never into another generation
+                    status = Status.unavailable(Phase.SUBMIT, f"generation {gen.id} retired "
+                                                "before the job was queued; retry", **job.ctx())
+                else:
+                    job.request.tokens[0] = token
+                    job.lease.slot.host_input[0] = token
+                    try:
+                        job.run.send(JOB_EV_ENQUEUE)
+                    except GuardRejected:
+                        job.run.send(JOB_EV_CANCEL)
+                        status = Status.cancelled(Phase.PREPARE, **job.ctx())
+                    else:
+                        job.timings.queued_us = now_us()
+                        self._submit_q.append(job)
+                        if next_past >= 0:  # the submitter arms the next job after this one
+                            stream._next = (job.txn, next_past)
+                            self._prearm_q.append(stream)
+                        self._submit_cv.notify_all()
+        if owned and status is not None:
+            return self._fail_before_submit(job, status)
+        return JobHandle(job)
+
+    def _disarm(self, job: Job, status: Status, counted: bool = True) -> bool:
+        """Release a pre-armed job that will not get a token (its stream closed): lease,
+        KV txn rolled back, budget, chart Failed, exactly once (False when the submitter or
+        ``_fire`` owned it already)."""
+        with self._submit_cv:
+            owned = job in self._armed
+            if owned:
+                self._armed.remove(job)
+        if owned:
+            job.uncounted = not counted
+            self._fail_before_submit(job, status.with_context(**job.ctx()))
+        return owned
+
     def _handed_off(self, count: int) -> None:
         with self._submit_cv:
             self._handing_off -= count
@@ -737,7 +844,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             return
         job.timings.submitted_us = now_us()
         job.submitted_at = self.clock.monotonic()  # the §9.1 execution deadline's start
-        job.run.send("infer_accepted")
+        job.run.send(JOB_EV_INFER_ACCEPTED)
         gen.kvc.mark_submitted(job.txn, evidence=job)
         self._bump("submitted")
         with self._completion_cv:
@@ -785,7 +892,8 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             if job.permit_held:
                 job.permit_held = False
                 self._inflight -= 1
-                self._submit_cv.notify_all()
+                if self._submit_q:  # only a queued job waits for a permit (issue 17: the
+                    self._submit_cv.notify_all()  # idle submitter is not woken for nothing)
 
     # ---- completion (§6.5) -----------------------------------------------------------------------
     def complete_one(self, block: bool = False) -> bool:
@@ -832,14 +940,14 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         job.timings.completed_us = now_us()
         job.timings.device_wait_ms = (job.timings.completed_us - t0) / 1000.0
         job.wait_rc, job.device_status = rc, device_status
-        if job.cancel_flag and job.run.state == "Submitted":
-            job.run.send("cancel")
+        if job.cancel_flag and job.run.state == JOB_SUBMITTED:
+            job.run.send(JOB_EV_CANCEL)
         if rc != CalrtCode.SUCCESS and device_status in (DeviceJobStatus.PENDING,
                                                          DeviceJobStatus.RUNNING):
             self._runtime_still_holds(job, slot, rc)
             return
-        target = job.run.send("wait_returned")
-        if target == "Quarantined":
+        target = job.run.send(JOB_EV_WAIT_RETURNED)
+        if target == JOB_QUARANTINED:
             status = (Status.from_calrt(rc, Phase.WAIT, "Wait", **job.ctx()) if rc != 0 else
                       Status.from_device_status(device_status, **job.ctx()))
             self._quarantine_after_submit(job, status, release_permit=slot.runtime_let_go())
@@ -849,8 +957,8 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         job.timings.postprocess_ms = (now_us() - t1) / 1000.0
         if isinstance(result, Status):
             job.output_status = result
-            if target == "Completing":
-                job.run.send("fault")
+            if target == JOB_COMPLETING:
+                job.run.send(JOB_EV_FAULT)
             self._quarantine_after_submit(job, result, release_permit=True)
             return
         # §6.5 order: KV commit -> reset slices -> deliver -> release the lease.
@@ -858,16 +966,21 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         if not job.gen.kvc.settle(job.txn, "commit refused"):  # the chart's guard decides
             status = Status.internal("kv_commit_refused", Phase.OUTPUT_CHECK, "the KV "
                                      "transaction's guard refused the commit", **job.ctx())
-            if target == "Completing":
-                job.run.send("fault")
+            if target == JOB_COMPLETING:
+                job.run.send(JOB_EV_FAULT)
             self._quarantine_after_submit(job, status, release_permit=True, settled=True)
             return
         undo = slot.undo_slices()
-        if target == "Completing" and not self._advance(job, "deliver"):
-            target = "CancelRequested"
-        if target != "Completing":  # cancelled after submit (FI12): result discarded
-            if job.run.state == "CancelRequested":
-                job.run.send("fail")
+        # Wait returned and GetStatus said done: the device is free, so the in-flight permit
+        # and the token budget go back before the caller is woken (issue 17, A/B measured:
+        # the caller's next job finds its permit free; the lease still goes back after)
+        self._release_budget(job)
+        self._release_permit(job)
+        if target == JOB_COMPLETING and not self._advance(job, JOB_EV_DELIVER):
+            target = JOB_CANCEL_REQUESTED
+        if target != JOB_COMPLETING:  # cancelled after submit (FI12): result discarded
+            if job.run.state == JOB_CANCEL_REQUESTED:
+                job.run.send(JOB_EV_FAIL)
             self._bump("cancelled")
             job.resolve(Status.cancelled(
                 Phase.CANCEL, "cancelled after submit: Wait completed, result discarded",
@@ -877,8 +990,11 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             job.resolve(result)
         job.gen.pool.device_done(job.lease)
         released = job.lease.release()
-        self._release_budget(job)
-        self._release_permit(job)
+        if self._prearm_wait:  # a pre-arm missed this slot: the submitter tries again
+            with self._submit_cv:
+                self._prearm_q.extend(self._prearm_wait)
+                self._prearm_wait.clear()
+                self._submit_cv.notify_all()
         for problem in (undo, released):
             if not problem.ok:  # FI15: slot quarantined by the pool; the job's result stands
                 self.faults.report(problem.with_context(**job.ctx()), job)
@@ -899,7 +1015,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         else:
             status = Status.from_calrt(rc, Phase.WAIT, "Wait failed while the job is still on "
                                        "the device; buffers kept", **job.ctx())
-        job.run.send("execution_timeout")
+        job.run.send(JOB_EV_EXECUTION_TIMEOUT)
         self._quarantine_after_submit(job, status, release_permit=False, on_device=True)
         with self._submit_cv:
             self._held_by_runtime.append((slot, job.gen.kvc, job.request.seq_id))
@@ -1092,10 +1208,10 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         let go of, a lifecycle that is not Ready."""
         reasons = []
         state = self.lifecycle.state
-        if state != "Ready" or not self._admitting:
+        if state != LIFECYCLE_READY or not self._admitting:
             reasons.append(f"lifecycle is {state}" + ("" if self._admitting else
                                                      ", not admitting"))
-            if self.failure is not None and state == "Failed":
+            if self.failure is not None and state == LIFECYCLE_FAILED:
                 reasons.append(f"failed: {self.failure}")
         if self.config.threads and not self._stopping:
             for name, alive in self.threads_alive().items():
@@ -1166,7 +1282,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             self._stopping = True
             self._admitting = False
         with self._submit_cv:
-            for job in self._submit_q:
+            for job in (*self._submit_q, *self._armed):
                 job.cancel_flag = True
             self._submit_cv.notify_all()
         self._wake_waiters()
@@ -1176,13 +1292,13 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             already_final = self.lifecycle.final
             self._stopping = True
             self._admitting = False
-            if self.lifecycle.state == "Ready":
-                self.lifecycle.send("drain")
+            if self.lifecycle.state == LIFECYCLE_READY:
+                self.lifecycle.send(LIFECYCLE_EV_DRAIN)
             self._ready_cv.notify_all()
         if self.gen is not None:
             self.gen.kvc.close()
         with self._submit_cv:
-            for job in self._submit_q:
+            for job in (*self._submit_q, *self._armed):
                 job.cancel_flag = True
             self._submit_cv.notify_all()
         self._wake_waiters()
@@ -1194,10 +1310,10 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         drained = self._drain(grace)
         self._stop_threads()
         with self.lifecycle_mu:
-            if drained and self.lifecycle.can("stop"):
-                self.lifecycle.send("stop")
+            if drained and self.lifecycle.can(LIFECYCLE_EV_STOP):
+                self.lifecycle.send(LIFECYCLE_EV_STOP)
             elif not self.lifecycle.final:
-                self.lifecycle.send("fail")
+                self.lifecycle.send(LIFECYCLE_EV_FAIL)
                 self.failure = Status.failure(
                     "shutdown.not_drained", Category.DEVICE, Phase.SHUTDOWN,
                     f"submitted work did not drain within grace={grace}s")
@@ -1211,13 +1327,15 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             self._retire(self.gen)
             self.gen = None
         self.device.close()
-        return Status.OK if self.lifecycle.state == "Stopped" else self.failure
+        return Status.OK if self.lifecycle.state == LIFECYCLE_STOPPED else self.failure
 
     # ---- synchronous compatibility entry (§6.1) -------------------------------------------------
-    def decode_sync(self, request: InferenceRequest) -> tuple[int, "InferenceResult | Status"]:
+    def decode_sync(self, request: InferenceRequest, logits_out: np.ndarray | None = None
+                    ) -> tuple[int, "InferenceResult | Status"]:
         """``llama_decode``-style: (int code, result or Status). Logs every failure with
-        job_id, seq_id, generation, raw CalRT code and phase."""
-        handle = self.enqueue(request)
+        job_id, seq_id, generation, raw CalRT code and phase. ``logits_out`` as for
+        ``enqueue`` (a llama context's own logits row: no allocation per token)."""
+        handle = self.enqueue(request, logits_out=logits_out)
         if not self.config.threads:
             while not handle.done and (self.submit_one() or self.complete_one()):
                 pass
@@ -1230,6 +1348,20 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
                         None if result.phase is None else result.phase.value, result)
             return code, result
         return 0, result
+
+    # ---- pre-armed decode stream (machines/stream.py) ------------------------------------------
+    def decode_stream(self, seq_id: int, past_len: int, deadline: float,
+                      logits_out: np.ndarray | None = None,
+                      want_logits: tuple[int, int] | None = None, max_len: int | None = None,
+                      request_id: int = 0) -> "DecodeStream":
+        """Decode steps of ``seq_id`` from ``past_len`` (its committed length) with the next
+        job pre-armed while the current one runs: ``stream.step(token)`` per token. Every job
+        has ``deadline`` (absolute ``time.monotonic()``); ``max_len``: the stream never arms
+        a job beyond this sequence length (prompt + max_tokens). The first job is armed now
+        if its resources are free. See machines/stream.py."""
+        from calexec.machines.stream import DecodeStream
+        return DecodeStream(self, seq_id, past_len, deadline, logits_out, want_logits,
+                            max_len, request_id)
 
     # ---- observability ---------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:

@@ -53,7 +53,8 @@ class Job:
     __slots__ = ("job_id", "generation_id", "request", "kind", "submodel", "deadline",
                  "cancel_flag", "lease", "txn", "timings", "run", "wait_rc", "device_status",
                  "output_status", "result", "_done", "_on_cancel", "internal", "logits_out",
-                 "_gen", "budget_taken", "permit_held", "clock", "on_resolved", "submitted_at", "__weakref__")
+                 "_gen", "budget_taken", "permit_held", "clock", "on_resolved", "submitted_at", "uncounted",
+                 "__weakref__")
 
     def __init__(self, job_id: int, generation_id: int, request: Any,
                  on_cancel: Callable[[], None], internal: bool = False,
@@ -83,6 +84,9 @@ class Job:
         self.budget_taken = False  # holds request.token_count of the admission budget
         self.submitted_at = 0.0  # Clock.monotonic() when infer() accepted it
         self.permit_held = False  # holds one in-flight permit (submitter -> release)
+        #: a failure of this job is not counted (a pre-arm attempt that found no free
+        #: resource, or a pre-armed job released because its decode stream ended)
+        self.uncounted = False
 
     @property
     def gen(self):

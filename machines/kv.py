@@ -42,8 +42,8 @@ from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
 from calexec.machines.compiled import KV_TXN, GuardRejected
 from calexec.machines.locks import ADMISSION, KV_CALL, LockOrder
-from calexec.machines.chart_names import (KV_EV_COMMIT, KV_EV_MARK_SUBMITTED, KV_EV_MARK_UNKNOWN,
-                                          KV_EV_ROLLBACK, KV_SUBMITTED)
+from calexec.machines.chart_names import (KV_COMMITTED, KV_EV_COMMIT, KV_EV_MARK_SUBMITTED,
+                                          KV_EV_MARK_UNKNOWN, KV_EV_ROLLBACK, KV_SUBMITTED)
 
 
 @attrs.define(slots=True, eq=False)
@@ -58,6 +58,9 @@ class SeqView:
     #: jobs of this sequence the runtime still runs after their Wait failed (§9.1): the device
     #: may still write this sequence's KV, so it cannot be reset or truncated yet
     on_device: int = 0
+    #: a pre-armed decode stream's next txn (``reserve_next``), Reserved behind ``open_txn``;
+    #: it becomes the open txn when that one commits, and is rolled back otherwise
+    next_txn: "KvTxn | None" = None
 
 
 class _Claim:
@@ -216,11 +219,11 @@ class KvCoordinator:
                     "kv.sequence_unknown", Category.UNAVAILABLE, Phase.ADMISSION,
                     f"sequence {seq_id} is Unknown after '{view.unknown_reason}'; reset it "
                     "before reuse", **ctx)
-            if view.open_txn is not None:
+            if view.open_txn is not None or view.next_txn is not None:
                 return Status.failure(
                     "kv.sequence_busy", Category.INVALID_REQUEST, Phase.ADMISSION,
-                    f"sequence {seq_id} is busy ({view.open_txn!r}); a sequence runs one job "
-                    "at a time", **ctx)
+                    f"sequence {seq_id} is busy ({view.open_txn or view.next_txn!r}); a "
+                    "sequence runs one job at a time", **ctx)
             if past_len > view.committed_len:
                 return Status.failure(
                     "kv.past_len_beyond_committed", Category.INVALID_REQUEST, Phase.ADMISSION,
@@ -284,6 +287,47 @@ class KvCoordinator:
                     self.clock.wait(self._changed, remaining)
                     self.wakeups += 1
 
+    def reserve_next(self, prev: KvTxn, token_count: int) -> "KvTxn | Status":
+        """Pre-arm (a decode stream): a txn for the job after ``prev`` of the same sequence,
+        from ``prev.target_len`` to ``+ token_count``, opened while ``prev`` is still open
+        (Reserved or Submitted: its job queued or on the device). Never waits and never
+        calls the KvManager: only within the reservation the sequence already holds (the
+        request's ``kv_reserve_len``); else ``kv.prearm_beyond_reservation`` and the caller
+        reserves when it submits. The txn is Reserved; it becomes the sequence's open txn
+        when ``prev`` commits; if ``prev`` does not commit, the sequence is Unknown and the
+        owner rolls this one back (``rollback``: nothing to give back)."""
+        seq_id, target = prev.seq_id, prev.target_len + token_count
+        ctx = {"seq_id": seq_id, "generation": self.generation_id}
+        with self.admission_mu:
+            view = self.seqs.get(seq_id)
+            if self._closed or view is None:
+                return Status.unavailable(Phase.ADMISSION, "KV coordinator closed", **ctx)
+            if view.unknown_reason is not None:
+                return Status.failure("kv.sequence_unknown", Category.UNAVAILABLE,
+                                      Phase.ADMISSION, f"sequence {seq_id} is Unknown after "
+                                      f"'{view.unknown_reason}'", **ctx)
+            if self.blocks_for(target) > self.blocks_for(view.reserved_len):
+                return Status.failure("kv.prearm_beyond_reservation",
+                                      Category.RESOURCE_EXHAUSTED, Phase.ADMISSION,
+                                      f"sequence {seq_id}: {target} tokens > the "
+                                      f"{view.reserved_len} reserved", **ctx)
+            txn = KvTxn(seq_id, prev.target_len, target, view.reserved_len, self.generation_id)
+            if view.open_txn is prev and view.next_txn is None:
+                view.next_txn = txn
+            elif (view.open_txn is None and view.next_txn is None
+                  and prev.run.state == KV_COMMITTED and view.committed_len == prev.target_len):
+                view.open_txn = txn  # prev already committed: this one is open at once
+            else:
+                txn.run.send(KV_EV_ROLLBACK)
+                txn.finished()
+                return Status.failure("kv.sequence_busy", Category.INVALID_REQUEST,
+                                      Phase.ADMISSION, f"sequence {seq_id} is busy "
+                                      f"({view.open_txn or view.next_txn!r}) or moved on "
+                                      f"from {prev!r}", **ctx)
+            # within the blocks already applied: the bookkeeping follows, the KvManager not
+            view.reserved_len = max(view.reserved_len, target)
+        return txn
+
     def mark_submitted(self, txn: KvTxn, evidence=None) -> None:
         """infer() accepted the job ``evidence`` (which answers the commit guard later)."""
         txn.evidence = evidence
@@ -293,6 +337,12 @@ class KvCoordinator:
         """Before submit only (the chart refuses it after): give back what reserve grew."""
         txn.run.send(KV_EV_ROLLBACK)
         txn.finished()
+        with self.admission_mu:
+            view = self.seqs[txn.seq_id]
+            if view.next_txn is txn:  # pre-armed behind an open txn: it never grew anything
+                view.next_txn = None
+                self._bump()
+                return Status.OK
         ok = True
         if self.blocks_for(txn.old_reserved) < self.blocks_for(self.seqs[txn.seq_id].reserved_len):
             # None: closed, the KvManager (and what it reserved) is gone: nothing to give back
@@ -328,7 +378,7 @@ class KvCoordinator:
         with self.admission_mu:
             view = self.seqs[txn.seq_id]
             view.committed_len = txn.target_len
-            view.open_txn = None
+            view.open_txn, view.next_txn = view.next_txn, None  # a pre-armed txn goes next
             self._bump()
 
     def mark_unknown(self, txn: KvTxn, reason: str, on_device: bool = False) -> None:
@@ -370,10 +420,11 @@ class KvCoordinator:
                     break
                 self.clock.wait(self._changed, remaining)
                 view = self._view(seq_id)
-            if view.open_txn is not None:
+            if view.open_txn is not None or view.next_txn is not None:
                 return Status.failure("kv.sequence_busy", Category.INVALID_REQUEST,
                                       Phase.ADMISSION, f"sequence {seq_id} is busy "
-                                      f"({view.open_txn!r}); cannot reset it now", seq_id=seq_id)
+                                      f"({view.open_txn or view.next_txn!r}); cannot reset it "
+                                      "now", seq_id=seq_id)
             if self._closed:  # torn down (or shutting down): its KV dies with the KvManager
                 self.seqs[seq_id] = SeqView(seq_id)
                 self._bump()
@@ -408,8 +459,8 @@ class KvCoordinator:
         sequence is busy or Unknown. The reservation shrinks with it."""
         with self.admission_mu:
             view = self._view(seq_id)
-            if (view.open_txn is not None or view.unknown_reason is not None
-                    or view.on_device):
+            if (view.open_txn is not None or view.next_txn is not None
+                    or view.unknown_reason is not None or view.on_device):
                 return Status.failure("kv.sequence_busy", Category.INVALID_REQUEST,
                                       Phase.ADMISSION, f"sequence {seq_id} is busy or Unknown",
                                       seq_id=seq_id)

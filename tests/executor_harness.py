@@ -136,14 +136,16 @@ def until(predicate, seconds: float = 10.0, what: str = "condition") -> None:
 
 
 def settle(executor: DeviceExecutor, seconds: float = 5.0) -> dict:
-    """Wait until nothing is queued or in flight; return the snapshot. (Stepped executors
+    """Wait until nothing is queued, in flight or completing; return the snapshot. (Stepped executors
     only move when the test drives them: nothing to wait for.)"""
     if not executor.config.threads:
         return executor.snapshot()
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         snap = executor.snapshot()
-        if snap["queued"] == 0 and snap["inflight"] == 0:
+        # the completion queue empties only once the completion thread gave the lease back
+        # (the permit goes back before the caller is woken, the lease after it)
+        if snap["queued"] == 0 and snap["inflight"] == 0 and not executor._completion_q:
             return snap
         time.sleep(0.002)
     return executor.snapshot()

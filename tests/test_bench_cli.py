@@ -21,6 +21,9 @@ OVERHEAD_KEYS = {
     "direct_us_p50", "executor_us_p50", "executor_breakdown_us_p50",
     "executor_tpot_breakdown_us_p50", "tokens", "runs", "zero_tokens", "seed", "dma_violations",
 }
+MODE_KEYS = {"p50_ratio", "p99_ratio", "overhead_us_p50", "handoffs_per_token", "handoffs",
+             "signals_without_waiter_per_token", "python_allocations_per_token",
+             "numpy_data_allocations_per_token", "breakdown_us_p50", "tpot_breakdown_us_p50"}
 BREAKDOWN_KEYS = {"admission_us", "prepare_us", "queue_wait_us", "execution_us",
                   "postprocess_us", "caller_us", "total_us"}
 LOGITS_CASES = ("direct", "legacy", "direct_prefill", "legacy_prefill", "copy", "numpy_path",
@@ -68,6 +71,17 @@ def test_overhead_json_report(capsys):
         report["executor_tpot_us_p50"] / report["direct_tpot_us_p50"], rel=1e-3)
     assert report["p99_ratio"] == pytest.approx(
         report["executor_tpot_us_p99"] / report["direct_tpot_us_p99"], rel=1e-3)
+    # every executor mode: its ratios, hand-offs and allocations per token, its breakdown
+    assert set(report["modes"]) == set(bench.MODES)
+    assert report["modes"]["enqueue"]["p50_ratio"] == report["p50_ratio"]
+    for mode, figures in report["modes"].items():
+        assert MODE_KEYS <= figures.keys(), (mode, MODE_KEYS - figures.keys())
+        assert BREAKDOWN_KEYS <= figures["tpot_breakdown_us_p50"].keys()
+        assert figures["handoffs_per_token"] == pytest.approx(sum(figures["handoffs"].values()),
+                                                              abs=0.01)
+        # every hand-off is named by the notifying thread and the condition it signalled
+        assert all("->" in name for name in figures["handoffs"]), figures["handoffs"]
+        assert figures["python_allocations_per_token"] >= 0
 
 
 def test_logits_json_report(capsys):

@@ -57,7 +57,8 @@ def test_a_stale_module_fails_at_import_and_check_says_how_to_fix(tmp_path, monk
 
 
 #: files of the control core that must name states and events through chart_names
-CORE = ["machines/pool.py", "machines/kv.py", "machines/device_lifecycle.py", "machines/job.py"]
+CORE = ["machines/pool.py", "machines/kv.py", "machines/device_lifecycle.py", "machines/job.py",
+        "machines/executor.py"]
 
 
 @pytest.mark.parametrize("path", CORE)

@@ -30,7 +30,8 @@ from calexec.drivers.synthetic import calbin as cb
 from calexec.drivers.synthetic import oracle
 from calexec.drivers.calrt.runtime import Did, Fault, FaultMode, Stage
 from calexec.machines.job import InferenceResult
-from executor_harness import SEED, decode, make_executor, oracle_golden, prefill, write_calbin
+from executor_harness import (SEED, deadline, decode, make_executor, oracle_golden, prefill,
+                              write_calbin)
 
 EXAMPLES = int(os.environ.get("CALEXEC_STATEFUL_EXAMPLES", "2000" if os.environ.get("CI") else "300"))
 SEQS = (1, 2, 3)
@@ -90,6 +91,7 @@ class ExecutorMachine(RuleBasedStateMachine):
         self.oracles = {seq: oracle.OracleSequence(self.seed) for seq in SEQS}
         self.jobs: list = []  # (handle, seq, tokens, past, want)
         self.checked: set[int] = set()
+        self.streams: dict = {}  # seq -> DecodeStream (issue 17: the next job pre-armed)
 
     def instrument_generation(self):
         """Wrap the current generation's output buffers and remember its host storage."""
@@ -125,7 +127,8 @@ class ExecutorMachine(RuleBasedStateMachine):
         return 0 if view is None else view.committed_len
 
     def live_jobs(self):
-        return [h._job for h, *_ in self.jobs if not h.done]
+        """Jobs not resolved yet, the pre-armed ones (holding a slot, no token yet) too."""
+        return [h._job for h, *_ in self.jobs if not h.done] + list(self.ex._armed)
 
     def settle_results(self):
         """Check resolved jobs against the oracle and advance the oracle on commits."""
@@ -178,6 +181,88 @@ class ExecutorMachine(RuleBasedStateMachine):
         past = self.committed(seq)
         handle = self.ex.enqueue(decode(seq, token, past, seconds=DEADLINE_S))
         self.jobs.append((handle, seq, [token], past, None))
+
+    # ---- rules: the pre-armed decode stream (machines/stream.py) ----------------------------
+    @precondition(lambda self: self.serving())
+    @rule(seq=st.sampled_from(SEQS))
+    def stream_open(self, seq):
+        old = self.streams.get(seq)
+        if old is not None and not old.closed:
+            return
+        self.streams[seq] = self.ex.decode_stream(seq, self.committed(seq), deadline(DEADLINE_S))
+
+    @rule(seq=st.sampled_from(SEQS), token=st.integers(0, 151935))
+    def stream_submit(self, seq, token):
+        stream = self.streams.get(seq)
+        if stream is None or stream._current is not None:
+            return
+        past = stream.past_len
+        handle = stream.submit(token)
+        if isinstance(handle, Status):
+            assert stream.closed
+            return
+        job = handle._job
+        assert job.request.past_len == past
+        # the token went in, unless the armed job was released before it came (fence, cancel:
+        # then its handle carries why)
+        assert job.request.tokens[0] == token or (job.done and job.timings.queued_us == 0)
+        self.jobs.append((handle, seq, [token], past, None))
+
+    @rule(seq=st.sampled_from(SEQS))
+    def stream_wait(self, seq):
+        stream = self.streams.get(seq)
+        if stream is None or stream._current is None or not stream._current.done:
+            return  # stepped: only a resolved step is waited for (the rules move the device)
+        result = stream.wait()
+        # a failed step closes the stream; a step in flight when it closed still delivers
+        assert not isinstance(result, Status) or stream.closed
+        self.settle_results()
+
+    @precondition(lambda self: self.serving())
+    @rule(seq=st.sampled_from(SEQS), token=st.integers(0, 151935))
+    def stream_step(self, seq, token):
+        """A whole step compressed into one rule (open if needed, submit, run the device
+        until it resolves, bounded; wait), so histories reach pre-armed steps often."""
+        stream = self.streams.get(seq)
+        if stream is None or stream.closed:
+            self.stream_open(seq)
+        self.stream_submit(seq, token)
+        stream = self.streams[seq]
+        for _ in range(6):  # bounded: a few queued jobs may go first
+            if stream._current is None or stream._current.done:
+                break
+            self.submit_and_complete()
+        self.stream_wait(seq)
+        self.submit()  # the submitter, idle now, arms the next job
+
+    @rule(seq=st.sampled_from(SEQS), cancel=st.booleans())
+    def stream_close(self, seq, cancel):
+        stream = self.streams.get(seq)
+        if stream is not None:
+            armed = stream._armed
+            if cancel:  # another thread's cancel: the submitter releases the armed job
+                stream.cancel()
+            else:
+                stream.close()
+                assert armed is None or (armed.done and armed.run.state == "Failed")
+
+    @invariant()
+    def prearmed_jobs_hold_exactly_a_slot_and_a_reserved_txn(self):
+        armed = list(self.ex._armed)
+        assert len({id(j) for j in armed}) == len(armed)
+        for job in armed:
+            assert job.run.state in ("Preparing", "CancelRequested") and not job.done
+            assert job.lease.held and job.lease.slot.run.state == "Leased"
+            assert job.txn.run.state == "Reserved" and job.budget_taken
+            assert job.gen is self.ex.gen  # fencing: never a job of a retired generation
+            view = job.gen.kvc.seqs[job.request.seq_id]
+            assert job.txn in (view.open_txn, view.next_txn)
+        for stream in self.streams.values():
+            # released by the submitter (cancel, deadline, fence): resolved, the stream learns
+            # it at its next step; else still armed in the executor
+            assert stream._armed is None or stream._armed in armed or stream._armed.done
+            if stream.closed:
+                assert stream._armed is None
 
     @rule(data=st.data())
     def cancel(self, data):

@@ -296,3 +296,68 @@ def test_the_commit_guard_decides_from_the_jobs_evidence():
     good = reserve(kvc, 2)
     kvc.mark_submitted(good, evidence=FINISHED)
     assert kvc.settle(good, "unused") is True and kvc.seqs[2].committed_len == good.target_len
+
+
+# ---- issue 17: a decode stream's next txn, chained behind the open one -------------------------
+def test_reserve_next_chains_behind_the_open_txn_and_goes_next_on_commit():
+    kvc, kv = coordinator()
+    first = reserve(kvc, 1, tokens=4, reserve_len=32)  # the request's whole KV, as the server
+    calls = kv.calls
+    nxt = kvc.reserve_next(first, 1)
+    assert isinstance(nxt, KvTxn) and (nxt.old_len, nxt.target_len) == (4, 5)
+    view = kvc.seqs[1]
+    assert view.open_txn is first and view.next_txn is nxt and kv.calls == calls  # no Apply
+    # busy while chained: no other job, reset or truncation of the sequence
+    assert reserve(kvc, 1, past=4, tokens=1).code == "kv.sequence_busy"
+    assert kvc.reserve_next(first, 1).code == "kv.sequence_busy"  # one chained txn at most
+    kvc.mark_submitted(first, evidence=FINISHED)
+    kvc.commit(first)
+    assert view.open_txn is nxt and view.next_txn is None and view.committed_len == 4
+    assert kvc.reset_sequence(1).code == "kv.sequence_busy"
+    kvc.mark_submitted(nxt, evidence=FINISHED)
+    kvc.commit(nxt)
+    assert view.committed_len == 5 and view.open_txn is None
+    assert kv.calls == calls
+
+
+def test_reserve_next_after_the_commit_opens_at_once_and_never_grows_the_reservation():
+    kvc, kv = coordinator()
+    first = reserve(kvc, 1, tokens=15)
+    kvc.mark_submitted(first, evidence=FINISHED)
+    kvc.commit(first)
+    nxt = kvc.reserve_next(first, 1)  # the previous job committed before the pre-arm ran
+    assert isinstance(nxt, KvTxn) and kvc.seqs[1].open_txn is nxt
+    kvc.mark_submitted(nxt, evidence=FINISHED)
+    kvc.commit(nxt)
+    calls = kv.calls
+    beyond = kvc.reserve_next(nxt, 1)  # 17 tokens need a second block: never applied here
+    assert beyond.code == "kv.prearm_beyond_reservation" and kv.calls == calls
+    assert kvc.seqs[1].open_txn is None and kvc.seqs[1].reserved_len == 16
+
+
+def test_a_chained_txn_is_rolled_back_when_the_one_before_fails():
+    kvc, kv = coordinator()
+    first = reserve(kvc, 1, tokens=4, reserve_len=32)
+    nxt = kvc.reserve_next(first, 1)
+    kvc.mark_submitted(first)  # no evidence: the device run did not finish cleanly
+    assert kvc.settle(first, "wait failed") is False
+    view = kvc.seqs[1]
+    assert view.unknown_reason == "wait failed" and view.next_txn is nxt
+    assert kvc.reserve_next(nxt, 1).code == "kv.sequence_unknown"
+    calls, reserved = kv.calls, view.reserved_len
+    assert kvc.rollback(nxt).ok  # nothing to give back: it never grew the reservation
+    assert nxt.run.state == "RolledBack" and view.next_txn is None and view.open_txn is None
+    assert kv.calls == calls and view.reserved_len == reserved
+    assert kvc.reset_sequence(1).ok
+
+
+def test_rolling_back_the_open_txn_keeps_the_chained_one_until_its_owner_rolls_it_back():
+    kvc, kv = coordinator()
+    first = reserve(kvc, 1, tokens=4, reserve_len=32)
+    nxt = kvc.reserve_next(first, 1)
+    assert kvc.rollback(first).ok  # cancelled before submit
+    view = kvc.seqs[1]
+    assert view.open_txn is None and view.next_txn is nxt
+    assert reserve(kvc, 1, tokens=1).code == "kv.sequence_busy"  # still held by the stream
+    assert kvc.rollback(nxt).ok and view.next_txn is None
+    assert isinstance(reserve(kvc, 1, tokens=1), KvTxn)

@@ -1206,7 +1206,8 @@ class Explorer:
             counts = ex.pool.counts()
             if counts["Leased"] or (counts["InFlight"] and not ex._held_by_runtime):
                 problems.append(f"slots {counts}")
-            open_txns = [v for v in ex.kvc.seqs.values() if v.open_txn is not None]
+            open_txns = [v for v in ex.kvc.seqs.values()
+                         if v.open_txn is not None or v.next_txn is not None]
             if open_txns:
                 problems.append(f"open KV transactions {open_txns}")
             if problems:

@@ -3,10 +3,14 @@
 ``bench overhead [--json] [--tokens N] [--runs R] [--zero-tokens M] [--seed S]`` compares, in
 one process, the *direct synchronous path* (what llama-calrt did before: one thread, no queues;
 ``DirectRunner`` submit + ``Wait`` + BF16->FP32 of the decode row + argmax) with the same greedy
-decode through ``DeviceExecutor`` (threads on, in-flight capacity 1; ``enqueue`` +
-``wait_until`` per token, the argmax fed back). Each side has its own emulated device of the
-same kind, built from the same calbin. Runs are interleaved in A/B, B/A blocks so that drift
-(other processes, CPU frequency) falls on both sides alike:
+decode through ``DeviceExecutor`` (threads on, in-flight capacity 1) in three modes (``MODES``):
+``enqueue`` + ``wait_until`` per token, ``prearmed`` (``decode_stream``: the next job armed
+while the current one runs, ``step(token)`` per token) and ``decode_sync`` (the llama.cpp-style
+entry), the argmax fed back. The direct side has its own emulated device, the executor modes
+share one of the same kind, built from the same calbin. Each run decodes one block per side,
+the order rotated from run to run, so that drift (other processes, CPU frequency) falls on
+every side alike. Per mode and token it also counts the cross-thread hand-offs (a counting
+clock given to this executor only) and the Python/numpy allocations (``alloccount``):
 
 1. TPOT with the 10 ms decode profile: P50/P99 per token of each side and their ratios
    (executor / direct). Spec gate <= 1.03 / <= 1.05, project goal <= 1.01 / <= 1.02.
@@ -71,12 +75,14 @@ from calexec.drivers.serving.process import SERVING_SWITCH_INTERVAL_US, set_gil_
 from calexec.drivers.native import FusedLogits
 from calexec.drivers.calrt.runtime import CalRT
 from calexec.drivers.tools.bench.sim import PROFILE_DECODE_US
+from calexec.machines.clock import Clock
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
+from calexec.machines.job import now_us
 from calexec.machines.postprocess import bf16_all_finite, bf16_to_f32_into, bf16_to_f32_legacy
 
 #: §13.3 gate for PR1-PR5 and the project's tighter goal (reported alongside the figures).
 SPEC_GATE = {"p50_ratio": 1.03, "p99_ratio": 1.05}
-GOAL = {"p50_ratio": 1.01, "p99_ratio": 1.02, "overhead_us_p50": 150.0}
+GOAL = {"p50_ratio": 1.01, "p99_ratio": 1.02, "overhead_us_p50": 100.0}
 
 PROMPT_LEN = 17  # one token past a D0=16 tile: the prefill's valid row is not row 0
 BENCH_SEQ = 1  # the executor's golden warm-up uses seq 0
@@ -140,52 +146,198 @@ class DirectLoop:
         self.runner.close()
 
 
+class HandoffTally:
+    """Counts the executor's cross-thread hand-offs: every ``notify`` of a condition and every
+    ``set`` of an event made by the clock below, split by whether a thread was waiting (a real
+    hand-off: that thread wakes) or not (a signal nobody needed), and by the notifying thread.
+    Bench only: the executor gets a ``CountingClock`` here and the plain clock everywhere else,
+    so the hot path of a serving executor pays nothing for it."""
+
+    def __init__(self) -> None:
+        self.counts: dict[tuple[str, str, bool], int] = {}
+
+    def add(self, label: str, woke: bool) -> None:
+        name = threading.current_thread().name
+        role = name if name.startswith("calexec-") else "caller"
+        key = (role, label, woke)
+        self.counts[key] = self.counts.get(key, 0) + 1  # GIL-atomic enough for a tally
+
+    def reset(self) -> None:
+        self.counts = {}
+
+    def per_token(self, tokens: int) -> dict[str, Any]:
+        woke = {f"{role}->{label}": round(n / tokens, 3)
+                for (role, label, w), n in sorted(self.counts.items()) if w}
+        empty = sum(n for (_, _, w), n in self.counts.items() if not w)
+        return {"handoffs_per_token": round(sum(woke.values()), 3), "handoffs": woke,
+                "signals_without_waiter_per_token": round(empty / tokens, 3)}
+
+
+class _CountingCondition(threading.Condition):
+    def __init__(self, lock, tally: HandoffTally) -> None:
+        super().__init__(lock)
+        self.tally = tally
+        self.label = "cond"
+
+    def notify(self, n: int = 1) -> None:
+        self.tally.add(self.label, bool(self._waiters))
+        super().notify(n)
+
+    def notify_all(self) -> None:
+        self.notify(len(self._waiters))
+
+
+class _CountingEvent(threading.Event):
+    def __init__(self, tally: HandoffTally) -> None:
+        super().__init__()
+        self.tally = tally
+
+    def set(self) -> None:
+        self.tally.add("job_done", bool(self._cond._waiters))
+        super().set()
+
+
+class CountingClock(Clock):
+    """The system clock whose conditions and events count their hand-offs (``HandoffTally``)."""
+
+    __slots__ = ("tally",)
+
+    def __init__(self, tally: HandoffTally) -> None:
+        self.tally = tally
+
+    def condition(self, lock) -> threading.Condition:
+        return _CountingCondition(lock, self.tally)
+
+    def event(self) -> threading.Event:
+        return _CountingEvent(self.tally)
+
+
+def _label_conditions(ex: DeviceExecutor) -> None:
+    """Name the executor's conditions for the hand-off report (after start: the generation's
+    pool and KV coordinator exist)."""
+    for cond, label in ((ex._submit_cv, "submit_cv"), (ex._completion_cv, "completion_cv"),
+                        (ex._ready_cv, "ready_cv"), (ex.gen.pool._available, "pool"),
+                        (ex.gen.kvc._changed, "kv")):
+        if isinstance(cond, _CountingCondition):
+            cond.label = label
+
+
+#: the executor paths the benchmark measures against the direct loop
+MODES = ("enqueue", "prearmed", "decode_sync")
+
+
 class ExecutorLoop:
-    """The same greedy decode through ``DeviceExecutor`` (threads on, capacity 1): one
-    ``enqueue`` + ``wait_until`` per token into a preallocated logits row."""
+    """The same greedy decode through ``DeviceExecutor`` (threads on, capacity 1), one mode per
+    block: ``enqueue`` (``enqueue`` + ``wait_until`` per token), ``decode_sync`` (the
+    llama.cpp-style entry) or ``prearmed`` (``decode_stream``: the next job admitted and
+    prepared while the current one runs; ``step(token)`` per token), all into a preallocated
+    logits row. The prefill reserves the KV the whole block needs (``kv_reserve_len``), as the
+    server does."""
 
     def __init__(self, rt: CalRT, calbin_path: str, device: DeviceSpec = DeviceSpec()) -> None:
+        self.tally = HandoffTally()
         self.ex = DeviceExecutor(rt, device.manifest(),
                                  ExecutorConfig(calbin_path=calbin_path, inflight_capacity=1,
-                                                recovery=device.recovery()))
+                                                recovery=device.recovery()),
+                                 clock=CountingClock(self.tally))
         status = self.ex.start()
         if not status.ok:
             raise BenchError(f"executor start failed: {status}")
+        _label_conditions(self.ex)
         self.row = np.empty(calbin_fmt.VOCAB, dtype=np.float32)
+        self.mode = "enqueue"
 
     def set_decode_latency(self, decode_us: int) -> None:
         rc = self.ex.device.emu.set_latency(decode_us=decode_us)
         if rc != 0:
             raise BenchError(f"executor device: set_latency(decode_us={decode_us}) returned {rc}")
 
-    def _run(self, kind: TaskKind, tokens: np.ndarray, past: int):
-        request = InferenceRequest(seq_id=BENCH_SEQ, kind=kind, tokens=tokens,
-                                   positions=np.arange(past, past + len(tokens), dtype=np.int32),
-                                   past_len=past, deadline=time.monotonic() + _WAIT_S)
-        result = self.ex.enqueue(request, logits_out=self.row).wait_until(request.deadline)
+    def _request(self, kind: TaskKind, tokens: np.ndarray, past: int,
+                 reserve: int | None = None) -> InferenceRequest:
+        return InferenceRequest(seq_id=BENCH_SEQ, kind=kind, tokens=tokens,
+                                positions=np.arange(past, past + len(tokens), dtype=np.int32),
+                                past_len=past, deadline=time.monotonic() + _WAIT_S,
+                                kv_reserve_len=reserve)
+
+    def _check(self, result, kind: TaskKind, past: int):
         if isinstance(result, Status):
-            raise BenchError(f"executor {kind.name} job at past_len={past} failed: {result}")
+            raise BenchError(f"executor {self.mode} {kind.name} job at past_len={past} failed: "
+                             f"{result}")
         return result
+
+    def _prefill(self, prompt: np.ndarray, n: int):
+        status = self.ex.kvc.reset_sequence(BENCH_SEQ)
+        if not status.ok:
+            raise BenchError(f"executor: reset of seq {BENCH_SEQ} failed: {status}")
+        request = self._request(TaskKind.PREFILL_IDS, prompt, 0, reserve=len(prompt) + n)
+        return self._check(self.ex.enqueue(request, logits_out=self.row).wait_until(
+            request.deadline), TaskKind.PREFILL_IDS, 0)
+
+    def _stepper(self, past: int) -> tuple[Callable[[int, int], Any], Callable[[], None]]:
+        """(step(token, past) -> result, close()) for the current mode."""
+        ex, row = self.ex, self.row
+        if self.mode == "prearmed":
+            stream = ex.decode_stream(BENCH_SEQ, past, time.monotonic() + _WAIT_S * 20,
+                                      logits_out=row)
+            return (lambda token, past: stream.step(token)), stream.close
+        if self.mode == "decode_sync":
+            def step(token: int, past: int):
+                request = self._request(TaskKind.DECODE, np.asarray([token], np.int32), past)
+                return ex.decode_sync(request, logits_out=row)[1]
+            return step, lambda: None
+
+        def step(token: int, past: int):
+            request = self._request(TaskKind.DECODE, np.asarray([token], np.int32), past)
+            return ex.enqueue(request, logits_out=row).wait_until(request.deadline)
+        return step, lambda: None
 
     def decode_block(self, prompt: np.ndarray, n: int, timings: list | None = None
                      ) -> tuple[list[int], list[float]]:
         """As :meth:`DirectLoop.decode_block`; appends each decode job's ``(wall_us,
-        JobTimings)`` to ``timings`` when given."""
-        status = self.ex.kvc.reset_sequence(BENCH_SEQ)
-        if not status.ok:
-            raise BenchError(f"executor: reset of seq {BENCH_SEQ} failed: {status}")
-        result = self._run(TaskKind.PREFILL_IDS, prompt, 0)
+        start_us, JobTimings)`` to ``timings`` when given."""
+        result = self._prefill(prompt, n)
         tokens, times = [result.argmax], []
         clock = time.perf_counter_ns
-        for past in range(len(prompt), len(prompt) + n):
-            t0 = clock()
-            result = self._run(TaskKind.DECODE, np.asarray([tokens[-1]], dtype=np.int32), past)
-            wall = (clock() - t0) / 1e3
-            times.append(wall)
-            tokens.append(result.argmax)
-            if timings is not None:
-                timings.append((wall, result.timings))
+        step, close = self._stepper(len(prompt))
+        try:
+            for past in range(len(prompt), len(prompt) + n):
+                start_us = now_us()
+                t0 = clock()
+                result = step(tokens[-1], past)
+                wall = (clock() - t0) / 1e3
+                self._check(result, TaskKind.DECODE, past)
+                times.append(wall)
+                tokens.append(result.argmax)
+                if timings is not None:
+                    timings.append((wall, start_us, result.timings))
+        finally:
+            close()
         return tokens, times
+
+    def accounting(self, prompt: np.ndarray, n: int) -> dict[str, Any]:
+        """Per decode token of the current mode, zero latency: cross-thread hand-offs
+        (``HandoffTally``) over ``n`` tokens, then Python allocations and numpy data buffers
+        (``alloccount``, every thread for Python's) over ``n`` more of the same block."""
+        result = self._prefill(prompt, 2 * n + 1)
+        token, past = [result.argmax], [len(prompt)]
+        step, close = self._stepper(len(prompt))
+
+        def one() -> None:
+            r = self._check(step(token[0], past[0]), TaskKind.DECODE, past[0])
+            token[0], past[0] = r.argmax, past[0] + 1
+
+        try:
+            one()  # warm-up: the first step arms the next job
+            self.tally.reset()
+            for _ in range(n):
+                one()
+            out = self.tally.per_token(n)
+            allocs = alloccount.count(one, n, warmup=0)
+        finally:
+            close()
+        out["python_allocations_per_token"] = round(allocs.python, 2)
+        out["numpy_data_allocations_per_token"] = round(allocs.numpy_data, 2)
+        return out
 
     def dma_violations(self) -> int:
         counters = self.ex.device.emu.counters()
@@ -197,54 +349,68 @@ class ExecutorLoop:
             _progress(f"executor shutdown: {status}")
 
 
-def _paired_runs(direct: DirectLoop, executor: ExecutorLoop, prompts: list[np.ndarray], n: int,
-                 label: str, timings: list) -> dict[str, Any]:
-    """One block per side per run, alternating which side goes first (A/B, B/A, ...); the
-    executor's ``(wall_us, JobTimings)`` per decode job are appended to ``timings``."""
-    d_times: list[list[float]] = []
-    e_times: list[list[float]] = []
+def _paired_runs(direct: DirectLoop, executor: ExecutorLoop, modes: Sequence[str],
+                 prompts: list[np.ndarray], n: int, label: str,
+                 timings: dict[str, list]) -> dict[str, Any]:
+    """One block per side (direct and each executor mode) per run, the order rotated from run
+    to run so drift falls on every side alike; each mode's ``(wall_us, start_us, JobTimings)``
+    per decode job are appended to ``timings[mode]``."""
+    sides = ("direct", *modes)
+    times: dict[str, list[list[float]]] = {side: [] for side in sides}
     identical = True
     for r, prompt in enumerate(prompts):
-        order = ("direct", "executor") if r % 2 == 0 else ("executor", "direct")
-        out: dict[str, tuple[list[int], list[float]]] = {}
+        order = sides[r % len(sides):] + sides[:r % len(sides)]
+        out: dict[str, list[int]] = {}
         for side in order:
-            out[side] = (direct.decode_block(prompt, n) if side == "direct"
-                         else executor.decode_block(prompt, n, timings))
-        identical &= out["direct"][0] == out["executor"][0]
-        d_times.append(out["direct"][1])
-        e_times.append(out["executor"][1])
-        _progress(f"{label}: run {r + 1}/{len(prompts)} ({'/'.join(order)}) "
-                  f"direct P50 {np.median(d_times[-1]):.1f} us, "
-                  f"executor P50 {np.median(e_times[-1]):.1f} us")
-    return {"direct": np.concatenate(d_times), "executor": np.concatenate(e_times),
-            "identical": identical}
+            if side == "direct":
+                out[side], t = direct.decode_block(prompt, n)
+            else:
+                executor.mode = side
+                out[side], t = executor.decode_block(prompt, n, timings[side])
+            times[side].append(t)
+        identical &= all(out[side] == out["direct"] for side in modes)
+        _progress(f"{label}: run {r + 1}/{len(prompts)} ({'/'.join(order)}) P50 " + ", ".join(
+            f"{side} {np.median(times[side][-1]):.1f}" for side in sides) + " us")
+    result: dict[str, Any] = {side: np.concatenate(times[side]) for side in sides}
+    result["identical"] = identical
+    return result
 
 
 def _breakdown(timings: list) -> dict[str, float]:
     """P50 in us of each span of the executor's decode jobs (from their own JobTimings).
-    ``caller_us`` is the wall time not covered by the job's stamps: building the request
-    before ``accepted``, resolving it and waking the waiting caller after postprocess."""
+    ``caller_us`` is the wall time of the caller's step not covered by the job's stamps that
+    lie inside it: building the request (or writing the token into a pre-armed job),
+    resolving it and waking the waiting caller. For a pre-armed job, admission and prepare ran
+    before the step began (while the previous job was on the device): ``off_path_us`` is the
+    part of them outside the step."""
     spans: dict[str, list[float]] = {k: [] for k in (
         "admission_us", "prepare_us", "queue_wait_us", "execution_us", "postprocess_us",
-        "caller_us", "total_us")}
-    for wall, t in timings:
+        "caller_us", "off_path_us", "total_us")}
+    for wall, start_us, t in timings:
         post = t.postprocess_ms * 1000.0
+        begun = max(t.accepted_us, start_us)
         spans["admission_us"].append(t.admitted_us - t.accepted_us)
         spans["prepare_us"].append(t.queued_us - t.admitted_us)
         spans["queue_wait_us"].append(t.submitted_us - t.queued_us)
         spans["execution_us"].append(t.completed_us - t.submitted_us)
         spans["postprocess_us"].append(post)
-        spans["caller_us"].append(wall - (t.completed_us - t.accepted_us) - post)
+        spans["caller_us"].append(wall - (t.completed_us - begun) - post)
+        spans["off_path_us"].append(min(max(start_us - t.accepted_us, 0),
+                                        t.queued_us - t.accepted_us))
         spans["total_us"].append(wall)
     return {k: _p(v, 50) for k, v in spans.items()}
 
 
 def run_overhead(tokens: int, runs: int, zero_tokens: int, seed: int,
-                 device: DeviceSpec = DeviceSpec()) -> dict[str, Any]:
-    """Run both phases and return the figures (times in us); ``device`` names the runtime,
-    manifest and (synthetic) calbin (default: the bundled emulator's)."""
+                 device: DeviceSpec = DeviceSpec(), modes: Sequence[str] = MODES,
+                 account_tokens: int = 100) -> dict[str, Any]:
+    """Run both phases for the direct loop and each executor mode and return the figures
+    (times in us); ``device`` names the runtime, manifest and (synthetic) calbin (default:
+    the bundled emulator's). The top-level figures are the ``enqueue`` mode's (as before);
+    ``modes`` holds every mode's, with its hand-offs and allocations per token."""
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, calbin_fmt.VOCAB, PROMPT_LEN, dtype=np.int32) for _ in range(runs)]
+    account_tokens = min(account_tokens, zero_tokens)
     with tempfile.TemporaryDirectory(prefix="calexec-bench-") as tmp:
         path = device.calbin(tmp)
         rt = _emulator_runtime(device)
@@ -257,20 +423,39 @@ def run_overhead(tokens: int, runs: int, zero_tokens: int, seed: int,
         try:
             warm = min(WARMUP_TOKENS, zero_tokens)
             direct.decode_block(prompts[0], warm)
-            executor.decode_block(prompts[0], warm)
-            zero_timings: list = []
-            zero = _paired_runs(direct, executor, prompts, zero_tokens, "zero-latency",
+            accounting = {}
+            for mode in modes:
+                executor.mode = mode
+                executor.decode_block(prompts[0], warm)
+                accounting[mode] = executor.accounting(prompts[0], account_tokens)
+            zero_timings: dict[str, list] = {mode: [] for mode in modes}
+            zero = _paired_runs(direct, executor, modes, prompts, zero_tokens, "zero-latency",
                                 zero_timings)
             for side in (direct, executor):
                 side.set_decode_latency(PROFILE_DECODE_US)
-            tpot_timings: list = []
-            tpot = _paired_runs(direct, executor, prompts, tokens, "10 ms decode", tpot_timings)
+            tpot_timings: dict[str, list] = {mode: [] for mode in modes}
+            tpot = _paired_runs(direct, executor, modes, prompts, tokens, "10 ms decode",
+                                tpot_timings)
             dma = direct.dma_violations() + executor.dma_violations()
         finally:
             executor.close()
             direct.close()
-    d, e = tpot["direct"], tpot["executor"]
-    zd, ze = zero["direct"], zero["executor"]
+    d, zd = tpot["direct"], zero["direct"]
+    per_mode = {}
+    for mode in modes:
+        e, ze = tpot[mode], zero[mode]
+        per_mode[mode] = {
+            "p50_ratio": round(_p(e, 50) / _p(d, 50), 4),
+            "p99_ratio": round(_p(e, 99) / _p(d, 99), 4),
+            "tpot_us_p50": _p(e, 50), "tpot_us_p99": _p(e, 99),
+            "us_p50": _p(ze, 50), "us_p99": _p(ze, 99),
+            "overhead_us_p50": _p(ze - zd, 50),
+            **accounting[mode],
+            "breakdown_us_p50": _breakdown(zero_timings[mode]),
+            "tpot_breakdown_us_p50": _breakdown(tpot_timings[mode]),
+        }
+    main = modes[0]
+    e, ze = tpot[main], zero[main]
     return {
         "tokens": tokens, "runs": runs, "zero_tokens": zero_tokens, "seed": seed,
         "prompt_len": PROMPT_LEN, "decode_us": PROFILE_DECODE_US,
@@ -282,10 +467,15 @@ def run_overhead(tokens: int, runs: int, zero_tokens: int, seed: int,
         "direct_us_p50": _p(zd, 50), "executor_us_p50": _p(ze, 50),
         "direct_us_p99": _p(zd, 99), "executor_us_p99": _p(ze, 99),
         "overhead_us_p50": _p(ze - zd, 50),
-        "executor_breakdown_us_p50": _breakdown(zero_timings),
-        "executor_tpot_breakdown_us_p50": _breakdown(tpot_timings),
+        "executor_breakdown_us_p50": _breakdown(zero_timings[main]),
+        "executor_tpot_breakdown_us_p50": _breakdown(tpot_timings[main]),
+        "modes": per_mode,
+        "gate_met": {mode: bool(r["p50_ratio"] <= SPEC_GATE["p50_ratio"]
+                                and r["p99_ratio"] <= SPEC_GATE["p99_ratio"])
+                     for mode, r in per_mode.items()},
         "dma_violations": dma,
         "spec_gate": SPEC_GATE, "goal": GOAL,
+        "cpu_model": _cpu_model(),
         "cpus": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__,
     }
 
@@ -739,15 +929,15 @@ def main(argv: list[str]) -> int:
     if command in ("overhead", "recovery", "pingpong"):
         cliargs.add_device_args(parser)
     if command == "overhead":
-        parser.add_argument("--tokens", type=_positive, default=150,
-                            help="decode tokens per block at the 10 ms profile (default 150)")
-        parser.add_argument("--runs", type=_positive, default=8,
-                            help="paired A/B blocks per phase (default 8)")
+        parser.add_argument("--tokens", type=_positive, default=100,
+                            help="decode tokens per block at the 10 ms profile (default 100)")
+        parser.add_argument("--runs", type=_positive, default=6,
+                            help="blocks per side and phase, order rotated (default 6)")
         parser.add_argument("--gil-switch-us", type=int, default=SERVING_SWITCH_INTERVAL_US,
                             help="GIL switch interval for the run (us; 0 keeps Python's 5000; "
                                  "default: what calexec serve uses)")
-        parser.add_argument("--zero-tokens", type=_positive, default=500,
-                            help="decode tokens per block at zero latency (default 500)")
+        parser.add_argument("--zero-tokens", type=_positive, default=300,
+                            help="decode tokens per block at zero latency (default 300)")
     elif command == "logits":
         parser.add_argument("--iters", type=_positive, default=2000,
                             help="timed calls per case (default 2000)")

@@ -1,0 +1,275 @@
+"""A pre-armed decode stream: one sequence's greedy/sampled decode loop with the next job
+admitted and prepared while the current one runs on the device (issue 17).
+
+``DeviceExecutor.decode_stream(seq_id, past_len, deadline, logits_out, ...)`` returns a
+``DecodeStream``. Each ``step(token)`` (or ``submit(token)`` then ``wait()``) hands the one
+thing that depends on the previous job's result, the token id, to a job that was armed
+beforehand: token budget taken, KV txn opened (``KvCoordinator.reserve_next``: chained
+behind the job on the device, within the sequence's reservation), buffer slot leased, chart
+Created -> Admitted -> Preparing, inputs copied, slices and both CSRs set for the known
+sequence length. ``_fire`` writes the token into the slot and the request, sends the chart to
+Queued and wakes the submitter, which infers (invariant 2: only the submitter infers, only the
+completion thread Waits; the stream adds no thread). Job N+1 is armed by the submitter, after
+it submitted job N and while it has nothing else to submit (``_arm_next``): N is on the device
+then, the caller is waiting and the completion thread is in ``Wait`` with the GIL released, so
+the arming contends with nothing on the critical path. Should the step come before the arming
+(a fast device), the caller admits the job itself; should the arming find no free slot (the
+slot of job N-1 not given back yet), it is tried again when a lease comes back.
+
+Arming never waits: when no slot is free, the budget is spent or the next token would need KV
+beyond the reservation, nothing is armed (the attempt is not counted as a failure) and the
+next ``submit`` admits its job the ordinary way (blocking, bounded by the deadline), so a
+stream never holds more than one extra slot and never starves another request of one.
+
+Release exactly once: a pre-armed job sits in the executor's ``_armed`` list; whoever removes
+it under ``submit_mu`` owns it: ``_fire`` (the token came), ``_disarm`` (the stream closed:
+lease back, KV txn rolled back, budget back, chart Failed), or the submitter (the job was
+cancelled, its deadline passed, its generation is closing or the executor refuses work: the
+same release, and its handle resolves with why). A generation's fence wakes the submitter,
+and the drain waits for ``_armed`` to empty, so a pre-armed job of generation N never reaches
+generation N+1 and never outlives its generation's teardown.
+
+The stream closes itself on any failed step (the pre-armed job behind it is released: its KV
+txn was chained to a job that did not commit). ``close()`` (also the context manager's exit)
+releases the armed job; ``cancel()`` also cancels the job in flight (thread-safe: a client
+disconnect handler may call it).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import numpy as np
+
+from calexec.contracts.prepare import InferenceRequest
+from calexec.contracts.status import Phase, Status
+from calexec.contracts.types import TaskKind
+from calexec.machines.job import InferenceResult, Job, JobHandle
+
+if TYPE_CHECKING:
+    from calexec.machines.executor import DeviceExecutor
+
+log = logging.getLogger("calexec.stream")
+
+#: how long ``close()`` waits for the submitter to finish arming the stream's next job (it is
+#: a few hundred microseconds of work that never waits; the bound only guards a bug)
+_CLOSE_WAIT_S = 2.0
+
+
+@attrs.frozen
+class _Arm:
+    """How ``DeviceExecutor._enqueue`` admits a pre-armed job: chained behind ``prev_txn``
+    (None: an ordinary reserve), waiting for resources (``blocking``) or not."""
+
+    prev_txn: Any
+    blocking: bool
+    #: wake the submitter once armed, so its idle wait counts the armed job's deadline (not
+    #: needed when the submitter arms it itself)
+    notify: bool = False
+
+
+class DecodeStream:
+    """Decode steps of one sequence with the next step pre-armed. Not thread-safe except
+    ``cancel``: one caller steps it."""
+
+    def __init__(self, ex: "DeviceExecutor", seq_id: int, past_len: int, deadline: float,
+                 logits_out: np.ndarray | None = None,
+                 want_logits: tuple[int, int] | None = None,
+                 max_len: int | None = None, request_id: int = 0) -> None:
+        self.ex = ex
+        self.seq_id = seq_id
+        self.past_len = past_len  # committed length the next job starts from
+        self.deadline = deadline
+        self.logits_out = logits_out
+        self.want_logits = want_logits
+        self.max_len = max_len
+        self.request_id = request_id
+        self.status: Status | None = None  # why the stream closed (None: open)
+        self._armed: Job | None = None
+        self._current: JobHandle | None = None
+        self.prearmed_steps = 0  # steps whose job was armed before the token came
+        self.steps = 0
+        # guarded by the executor's submit_mu: the submitter arms the next job (``_arm_next``)
+        self._arming = False
+        self._arm_waiter = False
+        self._next: tuple[Any, int] = (None, past_len)
+        job = self._arm_job(None, past_len, blocking=False, notify=True)
+        if isinstance(job, Job):
+            self._armed = job
+
+    # ---- the caller's API ------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self.status is not None
+
+    def step(self, token: int) -> "InferenceResult | Status":
+        """Submit ``token`` as the next decode job and wait for its result (bounded by the
+        stream's deadline). A Status closes the stream."""
+        handle = self.submit(token)
+        if isinstance(handle, Status):
+            return handle
+        return self.wait()
+
+    def submit(self, token: int) -> "JobHandle | Status":
+        """Hand ``token`` to the pre-armed job (or admit one now) and queue it; the submitter
+        arms the job after it once it has nothing to submit. Returns the job's handle
+        (``wait`` resolves it) or, when the stream is closed or the token is invalid, a
+        Status (the stream is then closed)."""
+        if self.status is not None:
+            return self.status
+        if self._current is not None:
+            return Status.invalid(4, "decode stream: submit() before the previous step's "
+                                     "wait(); one job of a sequence at a time")
+        ex = self.ex
+        vocab = ex.gen.contracts.vocab_size if ex.gen is not None else 0
+        if not (isinstance(token, (int, np.integer)) and 0 <= token < vocab):
+            return self._close(Status.invalid(6, f"token={token!r}: outside [0, vocab_size="
+                                                 f"{vocab})"))
+        with ex._submit_cv:
+            job, self._armed = self._armed, None
+            if job is None:  # not picked up yet (or waiting for a slot): arm it here
+                self._unqueue()
+            while job is None and self._arming:  # the submitter is arming it right now
+                remaining = self.deadline - ex.clock.monotonic()
+                if remaining <= 0:
+                    break
+                self._arm_waiter = True
+                ex.clock.wait(ex._submit_cv, remaining)
+                job, self._armed = self._armed, None
+        if job is None:  # nothing armed (no free resource then): admit it now, blocking
+            job = self._arm_job(None, self.past_len, blocking=True)
+            if isinstance(job, Status):
+                return self._close(job)
+        else:
+            self.prearmed_steps += 1
+        past = job.request.past_len
+        more = self.max_len is None or past + 2 <= self.max_len
+        handle = ex._fire(job, int(token), self, past + 1 if more else -1)
+        self._current = handle
+        self.steps += 1
+        return handle
+
+    def wait(self) -> "InferenceResult | Status":
+        """The result of the step submitted last (bounded by the stream's deadline)."""
+        handle = self._current
+        if handle is None:
+            return self.status or Status.invalid(4, "decode stream: wait() without submit()")
+        ex = self.ex
+        if not ex.config.threads:  # stepped mode: drive the executor like decode_sync
+            while not handle.done and (ex.submit_one() or ex.complete_one()):
+                pass
+        result = handle.wait_until(self.deadline)
+        if not handle.done:  # the stream's deadline passed with the job still running
+            return self._close(result)
+        self._current = None
+        if isinstance(result, Status):
+            return self._close(result)
+        self.past_len = result.kv_len
+        return result
+
+    def cancel(self) -> bool:
+        """Cancel the job in flight and the armed one (from any thread); the stream closes at
+        its owner's next call. True when something was still running."""
+        cancelled = False
+        for handle in (self._current, None if self._armed is None else JobHandle(self._armed)):
+            if handle is not None:
+                cancelled |= handle.cancel()
+        return cancelled
+
+    def close(self) -> Status:
+        """Release the armed job (not counted as a failure: the stream ended); the job in
+        flight, if any, still completes (wait for it first to keep its result)."""
+        return self._close(Status.cancelled(Phase.CANCEL, "decode stream closed"), counted=False)
+
+    def __enter__(self) -> "DecodeStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- arming ----------------------------------------------------------------------------
+    def _close(self, status: Status, counted: bool = True) -> Status:
+        ex = self.ex
+        with ex._submit_cv:  # the submitter reads status when it finishes arming
+            if self.status is None:
+                self.status = status
+            self._unqueue()
+            # the submitter may be arming the next job right now: it releases that job itself
+            # on seeing the stream closed; wait for it (bounded), so that once close() returns
+            # the sequence is free (a reset or the next request may follow at once)
+            end = ex.clock.monotonic() + _CLOSE_WAIT_S
+            while self._arming:
+                remaining = end - ex.clock.monotonic()
+                if remaining <= 0:
+                    log.warning("decode stream of seq %d: the submitter still arms its next "
+                                "job after %.1fs; it releases it when done", self.seq_id,
+                                _CLOSE_WAIT_S)
+                    break
+                self._arm_waiter = True
+                ex.clock.wait(ex._submit_cv, remaining)
+            job, self._armed = self._armed, None
+        if job is not None:
+            ex._disarm(job, Status.cancelled(
+                Phase.CANCEL, f"decode stream of seq {self.seq_id} closed: {status.code}"),
+                counted=counted)
+        return status
+
+    def _unqueue(self) -> None:
+        """Not armed by the submitter after all (submit_mu held)."""
+        ex = self.ex
+        while self in ex._prearm_q:
+            ex._prearm_q.remove(self)
+        while self in ex._prearm_wait:
+            ex._prearm_wait.remove(self)
+
+    def _arm_next(self) -> None:
+        """On the submitter thread, with nothing to submit (``DeviceExecutor.submit_one``):
+        arm the job after the one just fired (``_next``: its KV txn and the next position),
+        while that one is on the device. Never raises and never waits. ``_arming`` ends only
+        after a job armed for a stream that closed meanwhile is released, so ``close()``
+        (which waits for it) returns with the sequence free."""
+        ex, job, drop = self.ex, None, None
+        try:
+            prev_txn, past = self._next
+            if self.status is None:
+                job = self._arm_job(prev_txn, past, blocking=False)
+        except Exception:  # noqa: BLE001 - a failed pre-arm only means nothing is armed
+            log.exception("pre-arming the next job of seq %d raised", self.seq_id)
+        try:
+            with ex._submit_cv:
+                if isinstance(job, Job):
+                    if self.status is None:
+                        self._armed = job
+                    else:
+                        drop = job  # the stream closed meanwhile
+                elif (isinstance(job, Status) and job.code == "buffer.full"
+                      and self.status is None):
+                    ex._prearm_wait.append(self)  # again when a lease comes back
+            if drop is not None:
+                ex._disarm(drop, Status.cancelled(Phase.CANCEL, "decode stream closed"),
+                           counted=False)
+        finally:
+            with ex._submit_cv:
+                self._arming = False
+                if self._arm_waiter:
+                    self._arm_waiter = False
+                    ex._submit_cv.notify_all()
+
+    def _arm_job(self, prev_txn: Any, past: int, blocking: bool,
+                 notify: bool = False) -> "Job | Status":
+        if self.max_len is not None and past + 1 > self.max_len:
+            return Status.invalid(2, f"decode stream: past_len={past} + 1 > max_len="
+                                     f"{self.max_len}")
+        request = InferenceRequest(
+            seq_id=self.seq_id, kind=TaskKind.DECODE, tokens=np.zeros(1, np.int32),
+            positions=np.full(1, past, np.int32), past_len=past, deadline=self.deadline,
+            want_logits=self.want_logits, request_id=self.request_id)
+        handle = self.ex._enqueue(request, internal=False, logits_out=self.logits_out,
+                                  arm=_Arm(prev_txn, blocking, notify))
+        job = handle._job
+        if job.done:
+            return job.result if isinstance(job.result, Status) else Status.internal(
+                "prearm", Phase.PREPARE, "pre-armed job resolved before its token")
+        return job

@@ -1,0 +1,349 @@
+"""The pre-armed decode stream (issue 17, machines/stream.py): the next decode job is admitted
+and prepared while the current one runs; the token is all a step hands over.
+
+Correctness against the enqueue path and the oracle, and release exactly once (lease, KV txn
+rolled back, chart Failed, budget) when the job between pre-arm and submit is cancelled, passes
+its deadline, its stream closes, the job before it fails on the device, its preparation fails,
+or its generation is replaced by a recovery (fencing: it never reaches generation N+1).
+No timing threshold: waits are bounded polls on conditions.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from calexec.contracts.errors import Category
+from calexec.contracts.status import Phase, Status
+from calexec.machines.job import InferenceResult
+from executor_harness import running_job_path
+from executor_harness import (arm, deadline, expected_greedy, fired, greedy, prefill, settle,
+                              until, write_calbin)
+
+PROMPT = [5, 17, 29, 41, 53, 65, 77, 89, 101]
+
+
+@pytest.fixture(scope="module")
+def calbin(tmp_path_factory):
+    return write_calbin(tmp_path_factory.mktemp("calbin"))
+
+
+def open_stream(ex, seq: int, steps: int, seconds: float = 10.0, **kw):
+    """Prefill ``PROMPT`` reserving the KV of ``steps`` decodes (as the server does), then a
+    stream from its end; returns (stream, first token)."""
+    ex.kvc.reset_sequence(seq)
+    result = ex.enqueue(prefill(seq, PROMPT, kv_reserve_len=len(PROMPT) + steps)).wait_until(
+        deadline())
+    assert isinstance(result, InferenceResult), result
+    return ex.decode_stream(seq, result.kv_len, deadline(seconds), **kw), result.argmax
+
+
+def assert_released(ex, seq: int) -> None:
+    """Nothing of the stream is held: no armed job, every slot Free, no KV txn open or
+    chained, no budget taken, no permit held."""
+    until(lambda: not ex._armed and not ex._prearm_q and not ex._prearm_wait
+          and not ex.kvc.seqs[seq].next_txn, what="armed jobs released")
+    snap = settle(ex)
+    assert snap["pending_tokens"] == 0 and snap["inflight"] == 0, snap
+    assert ex.pool.counts()["Leased"] == 0 and ex.pool.counts()["InFlight"] == 0
+    view = ex.kvc.seqs[seq]
+    assert view.open_txn is None and view.next_txn is None, view
+    assert ex.locks.violations == []
+
+
+def test_stream_tokens_identical_to_enqueue_and_oracle_every_step_prearmed(calbin):
+    steps = 24
+    with running_job_path(calbin) as ex:
+        direct = greedy(ex, 1, PROMPT, steps)
+        row = np.empty(ex.generation.vocab_size, np.float32)
+        stream, token = open_stream(ex, 2, steps, logits_out=row)
+        out = [token]
+        with stream:
+            for _ in range(steps):
+                result = stream.step(out[-1])
+                assert isinstance(result, InferenceResult), result
+                assert result.logits.base is row or result.logits is row  # the caller's row
+                out.append(result.argmax)
+        assert out == direct == expected_greedy(PROMPT, steps)
+        # the first job is armed when the stream opens; later ones by the submitter once it
+        # is idle, which may come after the step they were for on a busy host (then the step
+        # admits its job itself): the stepped test below pins the order
+        assert 1 <= stream.prearmed_steps <= steps
+        assert ex.kvc.seqs[2].committed_len == len(PROMPT) + steps
+        assert ex.infer_threads == {"calexec-submitter"}  # invariant 2 unchanged
+        assert ex.wait_threads == {"calexec-completion"}
+        assert_released(ex, 2)
+        assert ex.snapshot()["failed"] == 0 and ex.snapshot()["cancelled"] == 0
+
+
+def test_stepped_every_step_is_prearmed_by_the_submitter_and_tokens_match(calbin):
+    """Stepped mode fixes the order: the submitter submits job N, then (idle) arms N+1, then
+    the completion step finishes N; so with the KV reserved every step is pre-armed."""
+    steps = 12
+    with running_job_path(calbin, threads=False) as ex:
+        stream, token = open_stream_stepped(ex, 1, steps)
+        out = [token]
+        for _ in range(steps):
+            handle = stream.submit(out[-1])
+            assert handle._job.run.state == "Queued"  # only the token was missing
+            result = stream.wait()
+            assert isinstance(result, InferenceResult), result
+            out.append(result.argmax)
+            assert stream._armed is not None and stream._armed in ex._armed
+        assert stream.prearmed_steps == steps
+        assert out == expected_greedy(PROMPT, steps)
+        assert ex.infer_threads == ex.wait_threads  # stepped: the test thread drives both
+        stream.close()
+        assert not ex._armed and ex.pool.counts()["Leased"] == 0
+        assert ex.kvc.seqs[1].open_txn is None and ex.snapshot()["pending_tokens"] == 0
+
+
+def open_stream_stepped(ex, seq: int, steps: int):
+    handle = ex.enqueue(prefill(seq, PROMPT, kv_reserve_len=len(PROMPT) + steps))
+    while not handle.done and (ex.submit_one() or ex.complete_one()):
+        pass
+    result = handle.wait_until(deadline())
+    assert isinstance(result, InferenceResult), result
+    return ex.decode_stream(seq, result.kv_len, deadline()), result.argmax
+
+
+def test_close_releases_the_armed_job_without_counting_a_failure(calbin):
+    with running_job_path(calbin) as ex:
+        stream, token = open_stream(ex, 1, 4)
+        assert isinstance(stream.step(token), InferenceResult)
+        until(lambda: stream._armed is not None, what="next job armed")
+        armed = stream._armed
+        assert armed.run.state == "Preparing" and armed.lease.held
+        assert ex.kvc.seqs[1].open_txn is armed.txn  # promoted when the step committed
+        before = ex.snapshot()
+        status = stream.close()
+        assert status.category is Category.CANCELLED and stream.closed
+        assert armed.done and armed.run.state == "Failed"
+        assert armed.txn.run.state == "RolledBack"
+        assert_released(ex, 1)
+        after = ex.snapshot()
+        assert (after["failed"], after["cancelled"]) == (before["failed"], before["cancelled"])
+        assert stream.step(7) is status  # closed: every later step answers why
+        # the sequence goes on through the ordinary path from its committed length
+        assert isinstance(ex.enqueue(prefill(1, [3], past=ex.kvc.seqs[1].committed_len))
+                          .wait_until(deadline()), InferenceResult)
+
+
+def test_cancel_between_prearm_and_submit_releases_everything_once(calbin):
+    with running_job_path(calbin) as ex:
+        stream, token = open_stream(ex, 1, 4)
+        armed = stream._armed
+        assert armed is not None and armed in ex._armed
+        assert stream.cancel() is True
+        until(lambda: armed.done, what="the submitter releasing the cancelled armed job")
+        assert armed.result.category is Category.CANCELLED
+        assert armed.run.state == "Failed" and armed.txn.run.state == "RolledBack"
+        result = stream.step(token)
+        assert isinstance(result, Status) and result.category is Category.CANCELLED
+        assert stream.closed
+        assert_released(ex, 1)
+        assert ex.snapshot()["cancelled"] == 1
+
+
+def test_deadline_between_prearm_and_submit_releases_everything(calbin):
+    with running_job_path(calbin) as ex:
+        stream, token = open_stream(ex, 1, 4, seconds=0.3)
+        armed = stream._armed
+        assert armed is not None
+        until(lambda: armed.done, what="the submitter expiring the armed job")
+        assert armed.result.category is Category.DEADLINE
+        result = stream.step(token)
+        assert isinstance(result, Status) and result.category is Category.DEADLINE
+        assert_released(ex, 1)
+
+
+@pytest.mark.parametrize("point", ["CCU_EXCEPTION", "WAIT_RC", "OUTPUT_NAN"])
+def test_fault_after_submit_rolls_back_the_chained_job_and_closes(calbin, point):
+    """Job N fails on the device while N+1 is armed behind it: N+1's KV txn was chained to a
+    job that did not commit, so it is rolled back and its slot freed; the stream closes."""
+    with running_job_path(calbin) as ex:
+        stream, token = open_stream(ex, 1, 6)
+        first = stream.step(token)
+        assert isinstance(first, InferenceResult)
+        arm(ex, point)
+        result = stream.step(first.argmax)
+        assert isinstance(result, Status), result
+        assert fired(ex, point) == 1 and stream.closed
+        view = ex.kvc.seqs[1]
+        # the submitter may be arming the next job right now: it sees the stream closed
+        until(lambda: not ex._armed and not stream._arming and view.next_txn is None,
+              what="armed job released")
+        settle(ex)
+        assert view.unknown_reason is not None  # §7: a failure after submit is Unknown
+        assert view.open_txn is None and view.next_txn is None
+        counts = ex.pool.counts()
+        assert counts["Leased"] == 0 and counts["InFlight"] == 0
+        assert counts["Quarantined"] == 1  # job N's slot only; the armed one went back Free
+        assert ex.snapshot()["pending_tokens"] == 0
+        assert ex.kvc.reset_sequence(1).ok
+
+
+def test_prearm_that_fails_to_prepare_is_not_counted_and_the_step_still_runs(calbin):
+    """SetCsr fails while the submitter arms the next job: nothing stays armed or held, no
+    failure is counted, and the next step admits its job the ordinary way."""
+    steps = 4
+    with running_job_path(calbin) as ex:
+        stream, token = open_stream(ex, 1, steps)
+        out = [token]
+        result = stream.step(out[-1])
+        out.append(result.argmax)
+        until(lambda: stream._armed is not None, what="armed")
+        # fail the next arm: the one after the step below
+        arm(ex, "UNKNOWN_CSR")
+        result = stream.step(out[-1])
+        assert isinstance(result, InferenceResult), result
+        out.append(result.argmax)
+        until(lambda: fired(ex, "UNKNOWN_CSR") == 1 and not stream._arming,
+              what="the failed pre-arm")
+        assert stream._armed is None and not ex._armed  # the failed arm left nothing armed
+        before = stream.prearmed_steps
+        for i in range(steps - 2):
+            result = stream.step(out[-1])
+            assert isinstance(result, InferenceResult), result
+            out.append(result.argmax)
+            if i == 0:  # the step after the miss admitted its job itself
+                assert stream.prearmed_steps == before
+        stream.close()
+        assert out == expected_greedy(PROMPT, steps)
+        assert ex.snapshot()["failed"] == 0
+        assert_released(ex, 1)
+
+
+def test_armed_job_of_a_replaced_generation_never_reaches_the_next(calbin):
+    with running_job_path(calbin) as ex:
+        stream, token = open_stream(ex, 1, 4)
+        armed = stream._armed
+        old = ex.gen
+        assert armed is not None and armed.gen is old
+        status = ex.recover(Status.internal("test", Phase.RECOVERY, "replace the generation"), reset=False)
+        assert status.ok, status
+        assert ex.gen is not old and ex.gen.id == old.id + 1
+        assert armed.done and armed.result.category is Category.UNAVAILABLE
+        assert armed.txn.run.state == "RolledBack"
+        result = stream.step(token)
+        assert isinstance(result, Status) and result.category is Category.UNAVAILABLE
+        settle(ex)
+        assert ex.gen.pool.counts()["Free"] == len(ex.gen.pool.slots)  # nothing of it taken
+        assert all(job.gen is ex.gen for job in ex._submit_q)
+        assert not ex._armed and ex.locks.violations == []
+
+
+def test_a_second_stream_is_never_starved_of_a_slot(calbin):
+    """Two streams, two decode slots: pre-arming never waits for a slot, so each stream's
+    step admits its job even when the other stream's armed job holds one."""
+    steps = 6
+    with running_job_path(calbin) as ex:
+        a, ta = open_stream(ex, 1, steps)
+        b, tb = open_stream(ex, 2, steps)
+        out_a, out_b = [ta], [tb]
+        for _ in range(steps):
+            ra, rb = a.step(out_a[-1]), b.step(out_b[-1])
+            assert isinstance(ra, InferenceResult) and isinstance(rb, InferenceResult), (ra, rb)
+            out_a.append(ra.argmax)
+            out_b.append(rb.argmax)
+        a.close(), b.close()
+        assert out_a == out_b == expected_greedy(PROMPT, steps)
+        assert_released(ex, 1)
+        assert_released(ex, 2)
+
+
+def test_invalid_token_and_misuse_are_values(calbin):
+    with running_job_path(calbin) as ex:
+        stream, token = open_stream(ex, 1, 2)
+        handle = stream.submit(token)
+        again = stream.submit(token)  # before wait(): one job of a sequence at a time
+        assert isinstance(again, Status) and "wait()" in again.message
+        assert isinstance(stream.wait(), InferenceResult) and handle.done
+        bad = stream.step(-1)
+        assert isinstance(bad, Status) and "token=-1" in bad.message and stream.closed
+        assert_released(ex, 1)
+
+
+def test_max_len_stops_arming(calbin):
+    with running_job_path(calbin) as ex:
+        stream, token = open_stream(ex, 1, 2, max_len=len(PROMPT) + 1)
+        result = stream.step(token)
+        assert isinstance(result, InferenceResult)
+        assert stream._armed is None and not ex._prearm_q
+        over = stream.step(result.argmax)
+        assert isinstance(over, Status) and "max_len" in over.message
+        assert_released(ex, 1)
+
+
+def test_close_while_the_submitter_arms_returns_with_the_sequence_free(calbin, monkeypatch):
+    """close() racing the submitter's arming of the next job: it waits for the arming to end
+    (the submitter releases that job itself), so the sequence is free when close() returns.
+    Before the fix close() returned at once and a reset right after met kv.sequence_busy."""
+    import threading
+
+    from calexec.machines.stream import DecodeStream
+    entered, release = threading.Event(), threading.Event()
+    original = DecodeStream._arm_job
+
+    def gated(self, prev_txn, past, blocking, notify=False):
+        if prev_txn is not None:  # the submitter arming behind a fired job
+            entered.set()
+            assert release.wait(10)
+        return original(self, prev_txn, past, blocking, notify)
+
+    monkeypatch.setattr(DecodeStream, "_arm_job", gated)
+    with running_job_path(calbin) as ex:
+        stream, token = open_stream(ex, 1, 4)
+        assert isinstance(stream.step(token), InferenceResult)
+        assert entered.wait(10)  # the submitter is arming the next job now
+
+        def let_go():  # once close() waits for the arming, let the submitter finish it
+            until(lambda: stream._arm_waiter, what="close() waiting for the arming")
+            release.set()
+
+        helper = threading.Thread(target=let_go)
+        helper.start()
+        try:
+            stream.close()
+            assert not stream._arming and stream._armed is None
+            view = ex.kvc.seqs[1]
+            assert view.open_txn is None and view.next_txn is None, view
+            assert ex.kvc.reset_sequence(1).ok  # free at once
+        finally:
+            release.set()
+            helper.join(10)
+        assert not ex._armed and ex.snapshot()["pending_tokens"] == 0
+
+
+def test_a_completed_job_gives_its_permit_back_before_the_caller_wakes_and_wakes_no_idle_submitter(
+        calbin):
+    """Issue 17's wake-up cut: the permit (and budget) go back before the result is delivered,
+    so the caller's next job finds it free; and a permit nobody waits for (empty queue) does
+    not wake the idle submitter. Counted with the benchmark's counting clock. Before the fix
+    the idle submitter was woken by every completion and the permit was still held when the
+    caller woke."""
+    from calexec.drivers.calrt.runtime import CalRT
+    from calexec.drivers.tools.bench.core import CountingClock, HandoffTally, _label_conditions
+    from calexec.machines.executor import DeviceExecutor, ExecutorConfig
+    from calexec.machines.faults import RecordingFaultSink
+    from executor_harness import MANIFEST, decode
+
+    tally = HandoffTally()
+    ex = DeviceExecutor(CalRT.load(), MANIFEST, ExecutorConfig(calbin_path=calbin),
+                        fault_sink=RecordingFaultSink(), clock=CountingClock(tally))
+    assert ex.start().ok
+    try:
+        _label_conditions(ex)
+        result = ex.enqueue(prefill(1, PROMPT)).wait_until(deadline())
+        tally.reset()
+        held_at_wake = []
+        for _ in range(20):
+            result = ex.enqueue(decode(1, result.argmax, result.kv_len)).wait_until(deadline())
+            assert isinstance(result, InferenceResult), result
+            held_at_wake.append(ex.snapshot()["inflight"])
+        assert held_at_wake == [0] * 20  # the permit was back before the caller woke
+        woken = {label: n for (role, label, woke), n in tally.counts.items()
+                 if woke and role == "calexec-completion" and label == "submit_cv"}
+        assert woken == {}, woken  # the completion thread never woke the idle submitter
+    finally:
+        ex.shutdown(grace=5.0)
