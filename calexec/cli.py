@@ -57,6 +57,7 @@ COMMANDS: dict[str, Command] = {
     "bench recovery": Command("calexec.drivers.tools.bench.core", "time from an injected device fault to Ready again, requests failed per recovery"),
     "bench pingpong": Command("calexec.drivers.tools.bench.core", "Phase B: tokens/s at in-flight 2 vs 1 per overlap setting, TPOT P99, trace"),
     "bench server": Command("calexec.drivers.tools.bench.server", "the server's own overhead: HTTP vs in-process executor", "server"),
+    "bench faults": Command("calexec.drivers.tools.bench.faults", "device faults under load: client errors, tokens vs a fault-free run, resumes and added latency per fault", "server"),
     "diagrams live": Command("calexec.drivers.serving.live_charts", "screenshot the live /debug/statecharts page under load and one job's path (headless Chromium)", "server"),
     "golden record": Command("calexec.drivers.tools.golden", "run a calbin's warm-up on the emulator and pin its golden next to the manifest"),
     "charts names": Command("calexec.drivers.tools.chart_names", "write machines/chart_names.py, one constant per declared state and event (--check: fail if stale)"),

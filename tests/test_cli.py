@@ -190,7 +190,8 @@ sys.meta_path.insert(0, _Block())
 SERVER_ONLY = {"calexec.drivers.serving.server", "calexec.drivers.serving.serve", "calexec.drivers.serving.metrics",
                "calexec.drivers.tools.bench.server", "calexec.drivers.fleet.ray_serve",
                "calexec.drivers.fleet.edge", "calexec.drivers.tools.chaos",
-               "calexec.drivers.serving.openai_api"}
+               "calexec.drivers.serving.openai_api",
+               "calexec.drivers.serving.resume"}
 
 
 def test_the_core_and_the_tools_import_without_any_extra():

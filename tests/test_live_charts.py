@@ -108,7 +108,9 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 def test_debug_job_path_of_a_failed_request_names_the_refusing_guard(executor):
     from executor_harness import arm
 
-    with TestClient(create_app(executor, ServerConfig(admin_token=TOKEN))) as client:
+    # max_resumes=0: the request must fail (it would resume otherwise, issue 16)
+    config = ServerConfig(admin_token=TOKEN, max_resumes=0)
+    with TestClient(create_app(executor, config)) as client:
         arm(executor, "CCU_EXCEPTION")  # Wait succeeds, the device status is not DONE
         r = client.post("/v1/completions", json={"prompt": [4, 2], "max_tokens": 2})
         assert r.status_code >= 500, r.text

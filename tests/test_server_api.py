@@ -164,13 +164,31 @@ def test_a_request_that_can_never_fit_the_kv_is_400_at_once(fresh):
     assert app.state.service.sequences.in_use == 0
 
 
-def test_sequence_ids_exhausted_is_429(fresh):
-    executor, app = fresh(max_sequences=1)
+def test_sequence_ids_exhausted_is_429_when_nobody_may_wait(fresh):
+    """max_waiting=0: no waiting queue, exhaustion is refused at once (issue 16 keeps it)."""
+    executor, app = fresh(max_sequences=1, max_waiting=0)
     service = app.state.service
     held = service.sequences.acquire()
     with TestClient(app) as client:
         r = complete(client, prompt=[1], max_tokens=1)
         assert r.status_code == 429 and r.json()["error"]["code"] == "kv.full"
+        assert r.headers["retry-after"] == "1"
+        service.sequences.release(held)
+        assert complete(client, prompt=[1], max_tokens=1).status_code == 200
+
+
+def test_a_request_without_a_free_sequence_id_waits_until_its_deadline(fresh):
+    """Issue 16: no free id -> the request waits (it used to be an immediate 429) and ends
+    504 admission.deadline when none is freed before its deadline."""
+    executor, app = fresh(max_sequences=1)
+    service = app.state.service
+    held = service.sequences.acquire()
+    with TestClient(app) as client:
+        r = complete(client, prompt=[1], max_tokens=1, timeout=0.2)
+        assert r.status_code == 504, r.text
+        assert r.json()["error"]["code"] == "admission.deadline"
+        assert "waiting" in r.json()["error"]["message"]
+        assert service.admission.waiting == 0
         service.sequences.release(held)
         assert complete(client, prompt=[1], max_tokens=1).status_code == 200
 

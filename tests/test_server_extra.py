@@ -95,9 +95,12 @@ def step_one_job(emu) -> None:
 
 
 def test_ready_follows_an_injected_device_fault_through_recovery(tmp_path):
+    """With the waiting queue and resumes off (issue 16: tests/test_server_waiting.py and
+    test_server_resume.py cover them on): the faulted request and a request during the
+    recovery get 503 at once."""
     executor = started_executor(tmp_path)
     emu = executor.device.emu
-    app = create_app(executor, ServerConfig())
+    app = create_app(executor, ServerConfig(max_waiting=0, max_resumes=0))
     prompt = [5, 6, 7]
     try:
         with LiveServer(app) as server, httpx.Client(base_url=server.url, timeout=20) as client:

@@ -224,9 +224,12 @@ def test_a_hung_job_does_not_delay_the_504_and_its_sequence_waits_for_the_job(tm
             assert r.status_code == 504 and r.json()["error"]["type"] == "timeout_error"
             assert _busy(emu) is not None  # answered while the job is still on the device
             assert service.sequences.in_use == 1  # ... and its id is not free before it ended
+            # (issue 16: a request finding no free id waits for one until its deadline)
             refused = httpx.post(f"{server.url}/v1/completions", timeout=10,
-                                 json={"prompt": [1], "max_tokens": 1})
-            assert refused.status_code == 429 and refused.json()["error"]["code"] == "kv.full"
+                                 json={"prompt": [1], "max_tokens": 1, "timeout": 0.3})
+            assert refused.status_code == 504, refused.text
+            assert refused.json()["error"]["code"] == "admission.deadline"
+            assert service.sequences.in_use == 1
             _step_one_job(emu)  # the job ends (its result discarded): the id comes back
             wait_for(lambda: sequences_settled(service), what="the id back after the job")
             assert_sequences_whole(service)
@@ -252,7 +255,8 @@ def _step_one_job(emu) -> None:
 
 def test_ready_and_health_follow_executor_health(tmp_path):
     """``executor.health()`` (reasons the executor cannot serve) makes /ready 503 naming them,
-    /health report them, completions 503 and a reload refused with the lifecycle unchanged."""
+    /health report them, completions wait (504 naming them at their deadline) and a reload is
+    refused with the lifecycle unchanged."""
     executor = started_executor(tmp_path)
     app = create_app(executor, ServerConfig(admin_token=TOKEN))
     reasons: list[str] = []
@@ -273,8 +277,10 @@ def test_ready_and_health_follow_executor_health(tmp_path):
             health = client.get("/health")
             assert health.status_code == 200 and health.json()["status"] == "degraded"
             assert health.json()["reasons"] == reasons
-            r = client.post("/v1/completions", json={"prompt": [1], "max_tokens": 1})
-            assert r.status_code == 503 and "execution deadline" in r.json()["error"]["message"]
+            # issue 16: a completion waits (a hung job ends in a recovery), until its deadline
+            r = client.post("/v1/completions",
+                            json={"prompt": [1], "max_tokens": 1, "timeout": 0.2})
+            assert r.status_code == 504 and "execution deadline" in r.json()["error"]["message"]
             r = client.post("/admin/reload", json={"calbin": executor.gen.calbin_path},
                             headers=AUTH)
             assert r.status_code == 503 and r.json()["error"]["param"] == "calbin"

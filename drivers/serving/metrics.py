@@ -28,6 +28,11 @@ calexec_prompt_tokens_total                 counter    prompt tokens of successf
 calexec_generation_tokens_total             counter    generated tokens of successful requests
 calexec_executor_jobs_total                 counter    outcome; the executor's own job counters
 calexec_num_requests_running                gauge      completion requests being served
+calexec_num_requests_waiting                gauge      requests waiting for a sequence id or Ready
+calexec_resumes_total                       counter    cause; generations resumed on a fresh sequence
+calexec_resumed_tokens_reprefilled_total    counter    prompt + produced tokens re-prefilled by resumes
+calexec_resume_lost_seconds                 histogram  time lost to one resume (failure -> re-prefill)
+calexec_resume_budget_exhausted_total       counter    requests failed after spending their resume budget
 calexec_jobs_inflight                       gauge      jobs submitted to the device (<= capacity)
 calexec_queue_depth                         gauge      jobs prepared and waiting for infer()
 calexec_pending_tokens                      gauge      admission token budget in use
@@ -131,6 +136,7 @@ class _ExecutorCollector(Collector):
 
 _SERVER_GAUGE_HELP = {
     "calexec_num_requests_running": "Completion requests being served.",
+    "calexec_num_requests_waiting": "Requests waiting for a KV sequence id or for Ready.",
     "calexec_kv_sequences_in_use": "KV sequence ids leased by the server.",
     "calexec_kv_sequences_free": "KV sequence ids free to lease.",
     "calexec_kv_sequences_withheld": "KV sequence ids withheld after a failed release.",

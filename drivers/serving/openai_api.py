@@ -508,11 +508,19 @@ def add_routes(app: FastAPI, service: Any, fail: Callable[..., Response]) -> Non
 
     async def _stream(request: Request, gen: Any, out: TextOutput, shape: "_Shape",
                       usage_chunk: bool) -> Response:
-        try:
+        first: int | None = None
+
+        async def first_token() -> None:  # may wait for a sequence id: watch for disconnect
+            nonlocal first
             first = await service.advance(gen)
+        try:
+            await srv._until_disconnect(request, first_token)
         except BaseException:
             await service.finish(gen, abandoned=True)
             raise
+        if first is None and not gen.done:  # the client left before the first token
+            await service.finish(gen, abandoned=True)
+            return fail(gen.status, count=False)
         if gen.status is not None:
             await service.finish(gen)
             return fail(gen.status, count=False)

@@ -93,6 +93,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="drain grace in seconds")
     p.add_argument("--max-sequences", type=cliargs.positive_int, default=32,
                    help="KV sequence ids to lease")
+    p.add_argument("--max-waiting", type=int, default=64,
+                   help="requests that may wait within their deadline for a sequence id or for "
+                        "Ready during a recovery (0: refuse at once with 429/503)")
+    p.add_argument("--max-resumes", type=int, default=3,
+                   help="resumes of one request after device-side/retryable failures "
+                        "(docs/server.md; 0: the request fails as the fault did)")
     p.add_argument("--timeout", type=cliargs.positive_float, default=30.0,
                    help="default request deadline in seconds (at most the server's "
                         f"max_timeout_s, {MAX_TIMEOUT_S:g})")
@@ -141,6 +147,10 @@ def main(argv: list[str]) -> int:
         if args.timeout > MAX_TIMEOUT_S:  # refused here, not per request blaming the client
             raise ValueError(f"--timeout={args.timeout:g}: above the server's largest request "
                              f"deadline, max_timeout_s={MAX_TIMEOUT_S:g}")
+        for flag, value in (("--max-waiting", args.max_waiting),
+                            ("--max-resumes", args.max_resumes)):
+            if value < 0:
+                raise ValueError(f"{flag}={value}: must be >= 0")
         if args.api_key is not None and not args.api_key.strip():
             raise ValueError("--api-key is empty")
         tokenizer_path = None if args.tokenizer is None else os.path.abspath(args.tokenizer)
@@ -149,7 +159,8 @@ def main(argv: list[str]) -> int:
         config = ServerConfig(admin_token=token, max_sequences=args.max_sequences,
                               default_timeout_s=args.timeout, model_name=args.served_model_name,
                               api_key=args.api_key, tokenizer_path=tokenizer_path,
-                              end_token_id=end_token)
+                              end_token_id=end_token, max_waiting=args.max_waiting,
+                              max_resumes=args.max_resumes)
         if args.replicas is not None and not args.ray:
             raise ValueError(f"--replicas={args.replicas} needs --ray")
         if args.ray and dump is not None:

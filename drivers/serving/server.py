@@ -56,8 +56,10 @@ from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import TaskKind
 from calexec.drivers.synthetic import tokenizer
 from calexec.drivers.serving import hf_tokenizer, sampling
+from calexec.drivers.serving.admission import AdmissionQueue
 from calexec.drivers.serving.dumpsink import DumpSink
 from calexec.drivers.serving.metrics import ServerMetrics, kv_usage_fraction
+from calexec.drivers.serving.resume import Resumer
 from calexec.machines.compiled import CHARTS, JOB
 from calexec.drivers.serving.live_charts import TransitionRates, live_state, path_page
 from calexec.drivers.serving.live_charts import page as live_page
@@ -100,6 +102,16 @@ class ServerConfig:
     max_drain_grace_s: float = attrs.field(default=3600.0, validator=attrs.validators.gt(0))
     #: ``/admin/reload`` refuses a calbin larger than this (bytes).
     max_calbin_bytes: int = attrs.field(default=16 << 30, validator=attrs.validators.gt(0))
+    #: requests that may wait (within their deadline) for a KV sequence id or for the
+    #: lifecycle to be Ready again; one more is refused (429 ids / 503 recovery), 0 never waits
+    max_waiting: int = attrs.field(default=64, validator=attrs.validators.ge(0))
+    #: the waiting queue re-reads the executor's lifecycle in slices this long (the executor
+    #: has no state-change event; a freed sequence id wakes the queue at once)
+    lifecycle_poll_s: float = attrs.field(default=0.005, validator=attrs.validators.gt(0))
+    #: resumes of one generation after retryable/device failures (drivers/serving/resume.py); 0: none
+    max_resumes: int = attrs.field(default=3, validator=attrs.validators.ge(0))
+    #: total time (s) one request may lose to resumes before it gets the failure instead
+    resume_budget_s: float = attrs.field(default=10.0, validator=attrs.validators.gt(0))
 
 
 class CompletionBody(BaseModel):
@@ -200,6 +212,7 @@ class SequencePool:
         self._in_use: set[int] = set()
         self._withheld: set[int] = set()
         self._mu = threading.Lock()
+        self.on_free: Callable[[], None] | None = None  # called (any thread) after a release
 
     def acquire(self) -> int | None:
         with self._mu:
@@ -215,6 +228,8 @@ class SequencePool:
                 raise ValueError(f"sequence {seq_id} is not in use")
             self._in_use.discard(seq_id)
             self._free.append(seq_id)
+        if self.on_free is not None:
+            self.on_free()
 
     def withhold(self, seq_id: int) -> None:
         """A sequence could not be released on the device: keep it out of circulation."""
@@ -254,7 +269,7 @@ class Generation:
     """One completion request in progress."""
 
     request_id: int
-    seq_id: int
+    seq_id: int | None  # None while waiting for one (admission, resume)
     prompt: list[int]
     max_tokens: int
     deadline: float  # absolute time.monotonic()
@@ -278,14 +293,22 @@ class Generation:
     mu: threading.Lock = attrs.Factory(threading.Lock)
     closed: bool = False
     enqueue_idle: threading.Event = attrs.Factory(lambda: _set_event())
+    # drivers/serving/admission.py, drivers/serving/resume.py
+    waiter: Any = None  # Waiter / sequence id / refusal while seq_id is None
+    reprefill: bool = False  # the next job re-prefills prompt + tokens on a fresh sequence
+    resumes: int = 0
+    resume_s: float = 0.0  # time lost to finished resumes
+    resume_started: float | None = None  # the failure the running resume started at
+    resume_failure: Status | None = None  # what the request ends with if the resume gives up
+    resume_cause: str | None = None  # calexec_resumes_total's cause of the last resume
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None or self.status is not None
 
     def next_request(self) -> InferenceRequest:
-        if self.handle is None:
-            ids = np.asarray(self.prompt, dtype=np.int32)
+        if self.handle is None or self.reprefill:
+            ids = np.asarray(self.prompt + self.tokens, dtype=np.int32)
             return InferenceRequest(seq_id=self.seq_id, kind=TaskKind.PREFILL_IDS, tokens=ids,
                                     positions=np.arange(len(ids), dtype=np.int32), past_len=0,
                                     deadline=self.deadline, request_id=self.request_id,
@@ -328,10 +351,18 @@ class CompletionService:
         self.metrics = ServerMetrics(executor.snapshot, self._server_gauges, config.model_name)
         self.tokenizer = hf_tokenizer.load(config.tokenizer_path)
         self.started_at = time.time()
+        self.admission = AdmissionQueue(self.sequences, lambda: executor.state, self.health,
+                                        lambda: self.draining, config.max_waiting,
+                                        config.lifecycle_poll_s)
+        self.sequences.on_free = self.admission.wake_threadsafe
+        self.resumer = Resumer(self)
+        self._contracts = executor.generation  # validation while the generation is replaced
 
     def _server_gauges(self) -> dict[str, float]:
         counts = self.sequences.counts()
-        return {"calexec_num_requests_running": self.active,
+        waiting = self.admission.waiting
+        return {"calexec_num_requests_running": self.active - waiting,
+                "calexec_num_requests_waiting": waiting,
                 "calexec_kv_sequences_in_use": counts["in_use"],
                 "calexec_kv_sequences_free": counts["free"],
                 "calexec_kv_sequences_withheld": counts["withheld"],
@@ -363,11 +394,13 @@ class CompletionService:
 
     # ---- admission ------------------------------------------------------------------------------
     def admit(self, body: CompletionBody) -> "tuple[Generation | None, Status, str | None]":
-        """A Generation holding a sequence id, or (None, failure, offending field)."""
+        """A Generation holding a sequence id or waiting for one (``gen.waiter``: its first
+        ``advance`` waits, drivers/serving/admission.py), or (None, failure, offending field)."""
         if self.draining:
             return None, Status.unavailable(Phase.ADMISSION, "server is draining"), None
-        generation = self.executor.generation
-        if generation is None or self.executor.state != "Ready":
+        # while a recovery replaces the generation, requests are validated against the last one
+        generation = self._contracts = self.executor.generation or self._contracts
+        if generation is None:
             return None, Status.unavailable(
                 Phase.ADMISSION, f"device lifecycle is {self.executor.state}"), None
         vocab = generation.vocab_size
@@ -388,16 +421,14 @@ class CompletionService:
         if timeout > self.config.max_timeout_s:
             return None, _invalid(f"timeout={timeout} > max_timeout_s="
                                   f"{self.config.max_timeout_s}"), "timeout"
-        reasons = self.health()
-        if reasons:
-            return None, Status.unavailable(Phase.ADMISSION, "; ".join(reasons)), None
-        seq_id = self.sequences.acquire()
-        if seq_id is None:
-            return None, Status.exhausted("kv", Phase.ADMISSION, "all "
-                                          f"{self.sequences.size} KV sequence ids are in use"), None
+        got = self.admission.try_admit()  # an id, a place in the waiting queue, or a refusal
+        if isinstance(got, Status):
+            return None, got, None
         now = time.monotonic()
-        gen = Generation(next(self._ids), seq_id, list(prompt), body.max_tokens, now + timeout,
-                         now, body.stream, np.empty(vocab, dtype=np.float32))
+        gen = Generation(next(self._ids), got if isinstance(got, int) else None, list(prompt),
+                         body.max_tokens, now + timeout, now, body.stream,
+                         np.empty(vocab, dtype=np.float32),
+                         waiter=None if isinstance(got, int) else got)
         self.active += 1
         self._live[gen.request_id] = gen
         self.metrics.requests.labels("true" if body.stream else "false").inc()
@@ -409,8 +440,15 @@ class CompletionService:
         or ``status`` then says why)."""
         if gen.done:
             return None
+        if gen.seq_id is None:  # waiting for a sequence id and Ready (admission or resume)
+            refused = await self.resumer.take_sequence(gen)
+            if refused is not None:
+                gen.status = refused
+                return None
         moved = self._generation_moved(gen)
         if moved is not None:
+            if await self.resumer.resume(gen, moved, replaced=True):
+                return await self.advance(gen)  # recursion bounded by max_resumes
             gen.status = moved
             return None
         # The request deadline bounds everything below, thread limiters included: the
@@ -430,10 +468,14 @@ class CompletionService:
         if isinstance(result, Status):
             if handle is not None:
                 handle.cancel()  # wait deadline: the job continues unless told otherwise
-            gen.status = self._generation_moved(gen, result) or result
+            moved = self._generation_moved(gen, result)
+            if await self.resumer.resume(gen, moved or result, replaced=moved is not None):
+                return await self.advance(gen)  # recursion bounded by max_resumes
+            gen.status = moved or result
             return None
         if gen.generation_id is None:
             gen.generation_id = result.generation
+        self.resumer.resumed(gen)
         self.metrics.observe_job(result.kind, result.timings)
         if gen.first_token_at is None:
             gen.first_token_at = result.timings.completed_us / 1e6
@@ -519,7 +561,10 @@ class CompletionService:
                 handle = gen.handle
                 if handle is not None and not handle.done:
                     handle.cancel()
-                if idle and (handle is None or handle.done):
+                self.admission.leave(gen.waiter)  # still waiting for a sequence id: no more
+                if gen.seq_id is None:  # it holds none (a resume released the failed one)
+                    pass
+                elif idle and (handle is None or handle.done):
                     released = await to_thread.run_sync(self._release_now, gen.seq_id)
                     if not released:
                         self._release_later(gen)
@@ -623,6 +668,7 @@ class CompletionService:
         """Refuse new work (503), let admitted requests finish within ``grace`` seconds, then
         shut the executor down with the rest of the grace. Runs ``on_drained`` callbacks."""
         self.draining = True
+        self.admission.pump()  # requests waiting for a sequence id or Ready: 503 now
         deadline = time.monotonic() + grace
         while self.active and time.monotonic() < deadline:
             await anyio.sleep(0.01)

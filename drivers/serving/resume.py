@@ -1,0 +1,142 @@
+"""Resumable generations (issue 16): a device fault costs the client latency, not an error.
+
+Greedy decoding (and any sampling that is a pure function of the seed and the token index) is
+deterministic given the prompt and the tokens produced so far, so a request whose job fails
+for a device-side or retryable reason can continue on a fresh KV sequence: wait for Ready
+(drivers/serving/admission.py, ahead of new requests), release the failed sequence through the
+server's release path (§7: reset, never reused), take a fresh sequence id, re-prefill prompt +
+produced tokens in one PREFILL_IDS job at past_len 0 (reserving the KV of the whole request,
+as the first prefill did) and go on decoding. A stream simply pauses. Nothing here chooses a
+token: the re-prefill's result goes through the same path as any other job's.
+
+Resumed: a job failure of category LIFECYCLE, UNAVAILABLE, TRANSIENT, DEVICE, UNKNOWN or
+INTERNAL (§8: retryable or device-side; UNKNOWN/INTERNAL go on once the device is Ready again,
+after the recovery they may trigger), and a generation replaced between two jobs of the request
+(a recovery or model switch: its KV died with it). Never: INVALID_REQUEST, REQUEST_ARTIFACT,
+ARTIFACT, COMPATIBILITY, PROGRAMMING, RESOURCE_EXHAUSTED, and never the client's own
+cancellation or deadline. Budget per request (``ServerConfig``): ``max_resumes`` resumes and
+``resume_budget_s`` seconds lost to them in total; past it the request ends with the failure
+it would have got without resuming.
+"""
+
+from __future__ import annotations
+
+import time
+import types
+from typing import Any, Callable
+
+import anyio
+from anyio import to_thread
+from prometheus_client import Counter, Histogram
+
+from calexec.contracts.errors import Category
+from calexec.contracts.status import Status
+
+#: failure categories a generation resumes from (module docstring; §8 table)
+RESUMABLE = frozenset({Category.LIFECYCLE, Category.UNAVAILABLE, Category.TRANSIENT,
+                       Category.DEVICE, Category.UNKNOWN, Category.INTERNAL})
+#: ``calexec_resumes_total{cause}`` of a generation replaced between two jobs
+REPLACED = "generation_replaced"
+RESUME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class Resumer:
+    """The resume path of one ``CompletionService`` and its metrics."""
+
+    def __init__(self, service: Any) -> None:
+        self.service = service
+        reg = service.metrics.registry
+        self.resumes = Counter("calexec_resumes", "Generations resumed on a fresh sequence, "
+                               "by cause (failure category or generation_replaced).", ["cause"],
+                               registry=reg)
+        self.reprefilled = Counter("calexec_resumed_tokens_reprefilled",
+                                   "Prompt + produced tokens re-prefilled by resumes.",
+                                   registry=reg)
+        self.lost = Histogram("calexec_resume_lost_seconds", "Time lost to one resume: the "
+                              "failure to the re-prefill's result.", buckets=RESUME_BUCKETS,
+                              registry=reg)
+        self.exhausted = Counter("calexec_resume_budget_exhausted",
+                                 "Requests that failed because their resume budget was spent.",
+                                 registry=reg)
+        #: called with (the failure's time.monotonic(), seconds lost, cause) after each resume
+        #: that reached its re-prefill's result (``calexec bench faults`` attributes them)
+        self.on_resumed: Callable[[float, float, str], None] | None = None
+
+    def resumable(self, failure: Status) -> bool:
+        return failure.category in RESUMABLE
+
+    async def resume(self, gen: Any, failure: Status, replaced: bool = False) -> bool:
+        """Start resuming ``gen`` after ``failure`` (its last job is resolved): True when the
+        request goes on (its next ``advance`` waits for a fresh sequence and re-prefills),
+        False when it ends with ``failure`` (not resumable, or the budget is spent)."""
+        config = self.service.config
+        if gen.abandoned or not (replaced or self.resumable(failure)) or config.max_resumes == 0:
+            return False
+        now = time.monotonic()
+        spent = gen.resume_s + (now - gen.resume_started if gen.resume_started else 0.0)
+        if gen.resumes >= config.max_resumes or spent >= config.resume_budget_s:
+            self.exhausted.inc()
+            return False
+        if now >= gen.deadline:
+            return False
+        if gen.resume_started is None:
+            gen.resume_started = now
+        gen.resumes += 1
+        gen.resume_cause = REPLACED if replaced else failure.category.value
+        self.resumes.labels(gen.resume_cause).inc()
+        gen.resume_failure = failure
+        # Register first: the id the failed sequence frees below goes to this request ahead of
+        # requests not yet admitted (pump serves resumes first).
+        gen.waiter = self.service.admission.try_admit(resume=True)
+        old = types.SimpleNamespace(seq_id=gen.seq_id, handle=gen.handle,
+                                    enqueue_idle=gen.enqueue_idle,
+                                    request_id=gen.request_id)
+        gen.seq_id, gen.handle, gen.generation_id, gen.past = None, None, None, 0
+        gen.reprefill = True
+        with anyio.CancelScope(shield=True):
+            await self._release(old)
+        return True
+
+    async def _release(self, old: Any) -> None:
+        """The failed sequence through the server's own release path (§7)."""
+        service = self.service
+        handle = old.handle
+        try:
+            if handle is None or handle.done:
+                released = await to_thread.run_sync(service._release_now, old.seq_id)
+                if released:
+                    return
+            service._release_later(old)
+        except Exception:  # noqa: BLE001 - never leave the id in limbo
+            service._release_later(old)
+
+    async def take_sequence(self, gen: Any) -> Status | None:
+        """``gen`` has no sequence (admission or resume): wait for one (a resume no longer
+        than its time budget allows); None once it holds one, else the Status it ends with."""
+        until = gen.deadline
+        if gen.resume_started is not None:
+            until = min(until, gen.resume_started + self.service.config.resume_budget_s
+                        - gen.resume_s)
+        refused = await self.service.admission.take(gen, until)
+        if refused is None or gen.resume_started is None:
+            return refused
+        if refused.category == Category.DEADLINE and time.monotonic() < gen.deadline:
+            self.exhausted.inc()  # the resume time budget ran out before the deadline
+        # the resume gave up (deadline, budget, lifecycle Failed, executor stopped): the
+        # client gets the failure it would have got without resuming
+        return gen.resume_failure
+
+    def resumed(self, gen: Any) -> None:
+        """The re-prefill of ``gen`` succeeded: account for the time lost."""
+        if not gen.reprefill:
+            return
+        gen.reprefill = False
+        self.reprefilled.inc(len(gen.prompt) + len(gen.tokens))
+        if gen.resume_started is not None:
+            started, lost = gen.resume_started, time.monotonic() - gen.resume_started
+            gen.resume_s += lost
+            gen.resume_started = None
+            self.lost.observe(lost)
+            if self.on_resumed is not None:
+                self.on_resumed(started, lost, gen.resume_cause)
+

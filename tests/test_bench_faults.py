@@ -1,0 +1,59 @@
+"""``calexec bench faults`` run tiny, in-process: the report's shape and its correctness facts
+(issue 16: 0 client-visible errors for retryable faults within the resume budget, every
+completed request's tokens equal to the fault-free run's, every retryable kind injected).
+Never a timing figure: benchmarks report numbers, tests don't.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("httpx", reason="the fault bench drives the server over HTTP ([server])")
+from calexec.drivers.tools.bench import faults as bench_faults  # noqa: E402
+
+KEYS = {"faults_requested", "faults_fired", "faults_by_kind", "faults_not_fired", "clients",
+        "streaming_clients", "seed", "requests", "completed", "client_errors", "errors",
+        "tokens_identical_pct", "tokens_mismatched", "completed_sampled",
+        "tokens_identical_pct_sampled", "resumes", "resumes_by_cause",
+        "resumes_per_fault", "faults_with_a_resume", "added_latency_per_fault_ms",
+        "resume_budget_exhausted", "recoveries", "sequences_at_end", "seconds_with_faults",
+        "cpu_model"}
+
+
+def test_fault_bench_json_report_every_kind_no_client_error_identical_tokens(capsys):
+    kinds = len(bench_faults.KINDS)
+    assert bench_faults.main(["bench", "faults", "--json", "--faults", str(kinds),
+                              "--clients", "4", "--seed", "3"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1, f"--json must print exactly one line, got {out!r}"
+    report = json.loads(out)
+    assert set(report) == KEYS
+    assert report["faults_fired"] + sum(report["faults_not_fired"].values()) == kinds
+    assert set(report["faults_by_kind"]) | set(report["faults_not_fired"]) \
+        == set(bench_faults.KINDS)
+    assert report["faults_fired"] >= 1 and report["completed"] >= 1
+    assert report["streaming_clients"] == 2
+    # the correctness facts: nothing a client sees, tokens as without faults
+    assert report["client_errors"] == 0, report["errors"]
+    assert report["tokens_identical_pct"] == 100.0 and report["tokens_mismatched"] == 0
+    assert report["completed_sampled"] >= 1 and report["tokens_identical_pct_sampled"] == 100.0
+    assert report["resume_budget_exhausted"] == 0
+    assert report["resumes"] >= 1 and report["recoveries"] >= 1
+    assert set(report["resumes_by_cause"]) <= {"device", "internal", "transient", "unknown",
+                                               "lifecycle", "unavailable",
+                                               "generation_replaced"}
+    latency = report["added_latency_per_fault_ms"]
+    assert set(latency) == {"p50", "p99", "max"}
+    seqs = report["sequences_at_end"]
+    assert seqs["free"] == seqs["capacity"] and seqs["withheld"] == 0
+    assert isinstance(report["cpu_model"], str) and report["cpu_model"]
+
+
+def test_fault_bench_refuses_a_bad_count_naming_the_flag(capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench_faults.main(["bench", "faults", "--faults", "0"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--faults" in err and "must be >= 1" in err

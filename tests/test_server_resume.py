@@ -1,0 +1,376 @@
+"""Issue 16: resumable generations (drivers/serving/resume.py): a retryable or device-side failure of a
+request's job costs the client latency, not an error.
+
+Real executor on the bundled emulator, loopback servers only, faults injected through the
+emulator's fault points (as in tests/test_chaos.py). Every wait is a bounded poll of a
+condition; nothing asserts a duration.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+pytest.importorskip("httpx", reason="the server tests need the [server] extra")
+import httpx  # noqa: E402
+from fastapi.testclient import TestClient  # noqa: E402
+
+from calexec.contracts.types import TaskKind  # noqa: E402
+from calexec.drivers.tools.chaos import FAULTS  # noqa: E402
+from calexec.drivers.calrt.runtime import Fault, FaultMode, Stage  # noqa: E402
+from calexec.drivers.serving.server import ServerConfig, create_app  # noqa: E402
+from calexec.machines.faults import RecoveryPolicy  # noqa: E402
+from test_server_support import (LiveServer, metric_value, oracle_tokens,  # noqa: E402
+                                 started_executor, wait_for)
+
+PROMPT = [5, 6, 7]
+#: the emulator's job-level faults whose §8 category is retryable or device-side
+RESUMABLE_FAULTS = ["ccu_exception", "output_nan", "output_inf", "output_short", "wait_rc",
+                    "submit_busy", "submit_unavailable", "hang", "hang_stale"]
+
+
+def fault_executor(tmp_path, device_config: str = ""):
+    """Short execution deadline (a hung job recovers in about a second), no escalation."""
+    return started_executor(tmp_path, device_config, execution_timeout_s=1.0,
+                            timeout_grace_s=0.2,
+                            recovery=RecoveryPolicy(max_recoveries=1000, drain_grace_s=1.0))
+
+
+def arm(emu, action: str, nth: int, mode=FaultMode.NTH) -> None:
+    _, point, rc = next(f for f in FAULTS if f[0] == action)
+    for name in point.split("+"):
+        assert emu.set_fault(Fault[name], mode, nth, 0, rc) == 0
+
+
+def stream_tokens(response) -> tuple[list[int], str | None, list[dict]]:
+    tokens, ended, events = [], None, []
+    for line in response.iter_lines():
+        if not line:
+            continue
+        data = line[len("data: "):]
+        if data == "[DONE]":
+            ended = "done"
+            continue
+        event = json.loads(data)
+        events.append(event)
+        if "error" in event:
+            ended = "error"
+        else:
+            tokens += event["choices"][0]["token_ids"]
+    return tokens, ended, events
+
+
+# ---- resumable generations ----------------------------------------------------------------------
+@pytest.mark.parametrize("action", RESUMABLE_FAULTS)
+@pytest.mark.parametrize("nth", [1, 4])  # the prefill, a decode after tokens were produced
+def test_a_retryable_fault_is_resumed_with_identical_tokens(tmp_path, action, nth):
+    executor = fault_executor(tmp_path)
+    app = create_app(executor, ServerConfig())
+    try:
+        with TestClient(app) as client:
+            arm(executor.device.emu, action, nth)
+            r = client.post("/v1/completions",
+                            json={"prompt": PROMPT, "max_tokens": 8, "timeout": 20})
+            executor.device.emu.clear_all_faults()
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == oracle_tokens(PROMPT, 8)
+            metrics = client.get("/metrics").text
+        resumes = sum(metric_value(metrics, "calexec_resumes_total", {"cause": cause}) or 0
+                      for cause in ("device", "internal", "transient", "unknown", "lifecycle",
+                                    "unavailable", "generation_replaced"))
+        if action == "submit_busy":  # §8 RETRY_QUEUED: the executor's own re-queue absorbs it
+            assert executor.snapshot()["submit_retries"] >= 1
+            return
+        assert resumes >= 1
+        # prompt (+ the tokens produced before a decode failed) re-prefilled
+        assert metric_value(metrics, "calexec_resumed_tokens_reprefilled_total") >= len(PROMPT)
+        assert metric_value(metrics, "calexec_resume_lost_seconds_count") == resumes
+        assert metric_value(metrics, "calexec_request_failures_total") is None
+        service = app.state.service
+        wait_for(lambda: service.sequences.in_use == 0, what="every id back")
+        assert service.sequences.consistent() and service.sequences.withheld == 0
+    finally:
+        executor.shutdown(5.0)
+
+
+def test_a_stream_pauses_across_a_device_fault_and_continues_identically(tmp_path):
+    """The CCU exception hits a decode after tokens were streamed: the same SSE connection
+    carries the rest, token for token what a fault-free run sends, then [DONE]."""
+    executor = fault_executor(tmp_path, "decode_us=20000")
+    emu = executor.device.emu
+    app = create_app(executor, ServerConfig())
+    try:
+        with LiveServer(app) as server, httpx.Client(base_url=server.url, timeout=30) as http:
+            with http.stream("POST", "/v1/completions",
+                             json={"prompt": PROMPT, "max_tokens": 24, "stream": True}) as r:
+                assert r.status_code == 200
+                lines = r.iter_lines()
+                head = []
+                for line in lines:  # the first 3 tokens, then the next job faults
+                    if line:
+                        head.append(json.loads(line[len("data: "):]))
+                    if len(head) == 3:
+                        break
+                arm(emu, "ccu_exception", 1)
+                rest_tokens, ended, _ = stream_tokens(_Lines(lines))
+            emu.clear_all_faults()
+            tokens = [t for event in head for t in event["choices"][0]["token_ids"]] + rest_tokens
+            assert ended == "done"
+            assert tokens == oracle_tokens(PROMPT, 24)
+            assert executor.recoveries and executor.recoveries[-1]["ok"]
+            metrics = http.get("/metrics").text
+        assert metric_value(metrics, "calexec_resumes_total", {"cause": "device"}) == 1
+        # re-prefilled: the prompt and the (at least 3) tokens produced before the fault
+        assert metric_value(metrics, "calexec_resumed_tokens_reprefilled_total") >= len(PROMPT) + 3
+    finally:
+        emu.clear_all_faults()
+        executor.shutdown(5.0)
+
+
+class _Lines:
+    """Wraps a started ``iter_lines`` iterator for :func:`stream_tokens`."""
+
+    def __init__(self, lines) -> None:
+        self.lines = lines
+
+    def iter_lines(self):
+        return self.lines
+
+
+def test_past_the_resume_budget_the_client_gets_todays_error(tmp_path):
+    """The prefill faults, and so does its re-prefill once the device is Ready again (the
+    fault is re-armed then, so the recovery's golden is spared): one resume (max_resumes=1),
+    then the error of old (500 internal)."""
+    executor = fault_executor(tmp_path)
+    app = create_app(executor, ServerConfig(max_resumes=1))
+    resumer = app.state.service.resumer
+    take_sequence = resumer.take_sequence
+
+    async def rearmed(gen):
+        status = await take_sequence(gen)
+        if gen.resumes:
+            arm(executor.device.emu, "output_nan", 1)
+        return status
+    resumer.take_sequence = rearmed
+    try:
+        with TestClient(app) as client:
+            arm(executor.device.emu, "output_nan", 1)
+            r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4})
+            executor.device.emu.clear_all_faults()
+            assert r.status_code == 500, r.text  # INTERNAL, as without resumes
+            assert r.json()["status"]["category"] == "internal"
+            metrics = client.get("/metrics").text
+        assert metric_value(metrics, "calexec_resumes_total", {"cause": "internal"}) == 1
+        assert metric_value(metrics, "calexec_resume_budget_exhausted_total") == 1
+        service = app.state.service
+        wait_for(lambda: service.sequences.in_use == 0 and service.releases_pending == 0,
+                 what="every id back")
+        assert service.sequences.consistent() and service.sequences.withheld == 0
+    finally:
+        executor.shutdown(5.0)
+
+
+@pytest.mark.parametrize("action", ["unknown_csr", "slice_fail"])
+def test_artifact_failures_are_not_resumed(tmp_path, action):
+    executor = fault_executor(tmp_path)
+    app = create_app(executor, ServerConfig())
+    try:
+        with TestClient(app) as client:
+            arm(executor.device.emu, action, 1)
+            r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4})
+            executor.device.emu.clear_all_faults()
+            assert r.status_code == 500, r.text
+            assert r.json()["status"]["category"] in ("artifact", "request_artifact")
+            metrics = client.get("/metrics").text
+        assert metric_value(metrics, "calexec_resumes_total") is None
+    finally:
+        executor.shutdown(5.0)
+
+
+def test_the_clients_own_deadline_is_not_resumed(tmp_path):
+    executor = fault_executor(tmp_path, "decode_us=300000")
+    app = create_app(executor, ServerConfig())
+    try:
+        with TestClient(app) as client:
+            r = client.post("/v1/completions",
+                            json={"prompt": PROMPT, "max_tokens": 4, "timeout": 0.1})
+            assert r.status_code == 504, r.text
+            assert metric_value(client.get("/metrics").text, "calexec_resumes_total") is None
+    finally:
+        executor.shutdown(5.0)
+
+
+# ---- waiting through a recovery ------------------------------------------------------------------
+def busy_engine(emu) -> int | None:
+    return next((e for e in (0, 1) if emu.pending(e)[1] > 0), None)
+
+
+def test_requests_wait_through_a_recovery_and_complete(tmp_path):
+    """The stepped emulator holds the recovery's golden in Warming: the faulted request (its
+    resume) and a request arriving then both wait (num_requests_waiting 2), /ready stays 503;
+    once Ready both complete with the fault-free tokens."""
+    executor = started_executor(tmp_path)
+    emu = executor.device.emu
+    app = create_app(executor, ServerConfig())
+    service = app.state.service
+    out: dict[str, httpx.Response] = {}
+
+    def post(name: str) -> None:
+        out[name] = httpx.post(f"{server.url}/v1/completions", timeout=30,
+                               json={"prompt": PROMPT, "max_tokens": 4})
+    try:
+        with LiveServer(app) as server, httpx.Client(base_url=server.url, timeout=20) as client:
+            assert emu.set_fault(Fault.CCU_EXCEPTION, FaultMode.NTH, 1, 0, 0) == 0
+            assert emu.set_stepped(True) == 0
+            faulted = threading.Thread(target=post, args=("faulted",))
+            faulted.start()
+            wait_for(lambda: busy_engine(emu) is not None, what="the prefill on the device")
+            assert emu.step(busy_engine(emu), Stage.JOB)[0] == 0  # CCU exception -> recovery
+            wait_for(lambda: executor.state == "Warming" and busy_engine(emu) is not None,
+                     what="the recovery's golden held on the stepped device")
+            late = threading.Thread(target=post, args=("late",))
+            late.start()
+            wait_for(lambda: service.admission.waiting == 2, what="both requests waiting")
+            assert metric_value(client.get("/metrics").text,
+                                "calexec_num_requests_waiting") == 2
+            not_ready = client.get("/ready")
+            assert not_ready.status_code == 503 and not_ready.headers["retry-after"]
+            assert emu.set_stepped(False) == 0
+            faulted.join(30)
+            late.join(30)
+            for name in ("faulted", "late"):
+                assert out[name].status_code == 200, out[name].text
+                assert out[name].json()["choices"][0]["token_ids"] == oracle_tokens(PROMPT, 4)
+            assert client.get("/ready").status_code == 200
+            metrics = client.get("/metrics").text
+        assert metric_value(metrics, "calexec_resumes_total", {"cause": "device"}) == 1
+        assert metric_value(metrics, "calexec_num_requests_waiting") == 0
+        assert metric_value(metrics, "calexec_request_failures_total") is None
+    finally:
+        emu.set_stepped(False)
+        executor.shutdown(5.0)
+
+
+def test_a_resume_waits_no_longer_than_its_time_budget(tmp_path):
+    """The recovery's golden is held in Warming longer than resume_budget_s: the resume gives
+    up at its budget with the failure of old (503 device), the deadline still far."""
+    executor = started_executor(tmp_path)
+    emu = executor.device.emu
+    app = create_app(executor, ServerConfig(resume_budget_s=0.2))
+    out: list[httpx.Response] = []
+    try:
+        with LiveServer(app) as server, httpx.Client(base_url=server.url, timeout=20) as client:
+            assert emu.set_fault(Fault.CCU_EXCEPTION, FaultMode.NTH, 1, 0, 0) == 0
+            assert emu.set_stepped(True) == 0
+            faulted = threading.Thread(target=lambda: out.append(httpx.post(
+                f"{server.url}/v1/completions", timeout=30,
+                json={"prompt": PROMPT, "max_tokens": 2, "timeout": 30})))
+            faulted.start()
+            wait_for(lambda: busy_engine(emu) is not None, what="the prefill on the device")
+            assert emu.step(busy_engine(emu), Stage.JOB)[0] == 0
+            faulted.join(20)  # the golden stays held: only the budget can end the wait
+            assert out and out[0].status_code == 503, out
+            assert out[0].json()["status"]["category"] == "device"
+            assert executor.state == "Warming"
+            metrics = client.get("/metrics").text
+            assert metric_value(metrics, "calexec_resumes_total", {"cause": "device"}) == 1
+            assert metric_value(metrics, "calexec_resume_budget_exhausted_total") == 1
+            assert emu.set_stepped(False) == 0
+            wait_for(lambda: client.get("/ready").status_code == 200, timeout=20,
+                     what="Ready after the recovery")
+    finally:
+        emu.set_stepped(False)
+        executor.shutdown(5.0)
+
+
+def test_a_model_switch_between_two_tokens_is_resumed(tmp_path):
+    """A reload (the same model at another path) replaces the generation while a request
+    decodes: its KV died with the old generation; it resumes on the new one, same tokens."""
+    executor = started_executor(tmp_path, "decode_us=20000")
+    copy = tmp_path / "copy.calbin"
+    copy.write_bytes((tmp_path / "synthetic.calbin").read_bytes())
+    app = create_app(executor, ServerConfig(admin_token="t"))
+    out: list[httpx.Response] = []
+    try:
+        with LiveServer(app) as server, httpx.Client(base_url=server.url, timeout=20) as client:
+            worker = threading.Thread(target=lambda: out.append(httpx.post(
+                f"{server.url}/v1/completions", timeout=30,
+                json={"prompt": PROMPT, "max_tokens": 30})))
+            worker.start()
+            wait_for(lambda: executor.snapshot()["succeeded"] >= 4, what="a few tokens")
+            r = client.post("/admin/reload", json={"calbin": str(copy)},
+                            headers={"Authorization": "Bearer t"})
+            assert r.status_code == 200, r.text
+            worker.join(30)
+            assert out[0].status_code == 200, out[0].text
+            assert out[0].json()["choices"][0]["token_ids"] == oracle_tokens(PROMPT, 30)
+            metrics = client.get("/metrics").text
+        resumes = sum(metric_value(metrics, "calexec_resumes_total", {"cause": c}) or 0
+                      for c in ("generation_replaced", "unavailable", "lifecycle"))
+        assert resumes >= 1
+    finally:
+        executor.shutdown(5.0)
+
+
+def test_a_resume_re_prefills_up_to_max_seq_tokens(tmp_path):
+    """The longest request the server accepts (prompt + max_tokens = max_seq): a decode near
+    the end faults and the re-prefill carries prompt + produced tokens, close to max_seq, in
+    one PREFILL_IDS job (the prefill submodel takes max_seq tokens; inputs are sliced, not
+    tiled into jobs). The tokens equal a fault-free run's."""
+    executor = fault_executor(tmp_path)
+    max_seq = executor.generation.submodels[TaskKind.DECODE].max_seq
+    assert executor.generation.submodels[TaskKind.PREFILL_IDS].max_seq == max_seq
+    prompt = [(i * 7919) % 150000 + 1 for i in range(max_seq - 6)]
+    app = create_app(executor, ServerConfig())
+    body = {"prompt": prompt, "max_tokens": 6, "timeout": 60}
+    try:
+        with TestClient(app) as client:
+            reference = client.post("/v1/completions", json=body)
+            assert reference.status_code == 200, reference.text
+            arm(executor.device.emu, "ccu_exception", 5)  # the 4th decode
+            r = client.post("/v1/completions", json=body)
+            executor.device.emu.clear_all_faults()
+            assert r.status_code == 200, r.text
+            tokens = r.json()["choices"][0]["token_ids"]
+            assert tokens == reference.json()["choices"][0]["token_ids"] and len(tokens) == 6
+            metrics = client.get("/metrics").text
+        assert metric_value(metrics, "calexec_resumes_total", {"cause": "device"}) == 1
+        assert metric_value(metrics, "calexec_resumed_tokens_reprefilled_total") \
+            == len(prompt) + 4
+    finally:
+        executor.shutdown(5.0)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_seeded_sampling_resumes_with_identical_tokens(tmp_path, stream):
+    """Sampling is a pure function of (logits, params, seed, token index): a request sampled
+    with a seed, faulted on a decode and resumed, sends exactly the fault-free run's tokens."""
+    executor = fault_executor(tmp_path)
+    app = create_app(executor, ServerConfig())
+    body = {"prompt": PROMPT, "max_tokens": 10, "temperature": 2.0, "seed": 1234,
+            "timeout": 20}
+
+    def tokens_of(client) -> list[int]:
+        if not stream:
+            r = client.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["token_ids"]
+        with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            assert r.status_code == 200
+            tokens, ended, _ = stream_tokens(r)
+        assert ended == "done"
+        return tokens
+    try:
+        with TestClient(app) as client:
+            reference = tokens_of(client)
+            assert reference != oracle_tokens(PROMPT, 10)  # sampled, not greedy
+            arm(executor.device.emu, "ccu_exception", 5)
+            resumed = tokens_of(client)
+            executor.device.emu.clear_all_faults()
+            metrics = client.get("/metrics").text
+        assert resumed == reference
+        assert metric_value(metrics, "calexec_resumes_total", {"cause": "device"}) == 1
+    finally:
+        executor.shutdown(5.0)
