@@ -14,7 +14,8 @@ import pytest
 
 from calexec.drivers.synthetic import tokenizer
 from calexec.drivers.serving.server import ServerConfig, create_app
-from test_server_support import LiveServer, metric_value, oracle_tokens, started_executor
+from test_server_support import (LiveServer, metric_value, oracle_tokens, started_executor,
+                                 wait_for)
 
 MODEL = "calexec-qwen3-synthetic"
 
@@ -88,7 +89,9 @@ def test_chat_completion_plain_template_and_stream(live):
     assert text == done.choices[0].message.content
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
-    assert service.sequences.in_use == 0
+    # the client stops reading at [DONE]; the server frees the sequence as the response ends
+    # (after the decode stream's pre-armed job is released): bounded wait, not a sleep
+    wait_for(lambda: service.sequences.in_use == 0, what="sequence released after the stream")
 
 
 def test_completion_stream_usage_chunk(live):

@@ -26,6 +26,7 @@ calexec_request_prompt_tokens               histogram  model_name; prompt tokens
 calexec_request_generation_tokens           histogram  model_name; generated tokens of each successful request
 calexec_prompt_tokens_total                 counter    prompt tokens of successful requests
 calexec_generation_tokens_total             counter    generated tokens of successful requests
+calexec_decode_steps_total{prearmed}       counter    decode jobs fired through a pre-armed decode stream, pre-armed or not
 calexec_executor_jobs_total                 counter    outcome; the executor's own job counters
 calexec_num_requests_running                gauge      completion requests being served
 calexec_num_requests_waiting                gauge      requests waiting for a sequence id or Ready
@@ -231,6 +232,9 @@ class ServerMetrics:
                                      registry=reg)
         self.generation_tokens = Counter("calexec_generation_tokens",
                                          "Generated tokens of finished requests.", registry=reg)
+        self.decode_steps = Counter("calexec_decode_steps", "Decode jobs fired through a decode "
+                                    "stream, by whether the job was pre-armed before its token "
+                                    "came (issue 17).", ["prearmed"], registry=reg)
         reg.register(_ExecutorCollector(snapshot, server_gauges))
 
     def observe_job(self, kind: TaskKind, timings: JobTimings) -> None:

@@ -90,8 +90,9 @@ class Resumer:
         gen.waiter = self.service.admission.try_admit(resume=True)
         old = types.SimpleNamespace(seq_id=gen.seq_id, handle=gen.handle,
                                     enqueue_idle=gen.enqueue_idle,
-                                    request_id=gen.request_id)
+                                    request_id=gen.request_id, decode=gen.decode)
         gen.seq_id, gen.handle, gen.generation_id, gen.past = None, None, None, 0
+        gen.decode = None  # the next sequence gets its own stream
         gen.reprefill = True
         with anyio.CancelScope(shield=True):
             await self._release(old)
@@ -102,6 +103,8 @@ class Resumer:
         service = self.service
         handle = old.handle
         try:
+            if old.decode is not None:  # its pre-armed job holds KV of the failed sequence
+                await to_thread.run_sync(old.decode.close)
             if handle is None or handle.done:
                 released = await to_thread.run_sync(service._release_now, old.seq_id)
                 if released:

@@ -112,6 +112,9 @@ class ServerConfig:
     max_resumes: int = attrs.field(default=3, validator=attrs.validators.ge(0))
     #: total time (s) one request may lose to resumes before it gets the failure instead
     resume_budget_s: float = attrs.field(default=10.0, validator=attrs.validators.gt(0))
+    #: decode through the executor's pre-armed decode stream (issue 17: job N+1 is admitted
+    #: and prepared while N runs; a token only fires it); False: one ``enqueue`` per token
+    prearm: bool = True
 
 
 class CompletionBody(BaseModel):
@@ -301,6 +304,9 @@ class Generation:
     resume_started: float | None = None  # the failure the running resume started at
     resume_failure: Status | None = None  # what the request ends with if the resume gives up
     resume_cause: str | None = None  # calexec_resumes_total's cause of the last resume
+    #: the executor's DecodeStream of the current sequence (``ServerConfig.prearm``); closed
+    #: (its pre-armed job released) before the sequence is released
+    decode: Any = None
 
     @property
     def done(self) -> bool:
@@ -318,6 +324,15 @@ class Generation:
                                 positions=np.asarray([self.past], dtype=np.int32),
                                 past_len=self.past, deadline=self.deadline,
                                 request_id=self.request_id)
+
+
+def close_decode(gen: Any) -> None:
+    """Close the decode stream of ``gen`` (or of a resume's failed sequence), if any: its
+    pre-armed job is released (not counted as a failure). Blocking but bounded (the stream
+    waits at most 2 s for an arming in progress); call from a worker thread."""
+    stream = getattr(gen, "decode", None)
+    if stream is not None:
+        stream.close()
 
 
 def _set_event() -> threading.Event:
@@ -507,11 +522,14 @@ class CompletionService:
                     return None
                 gen.enqueue_idle.clear()
             try:
+                if streamed:
+                    return self._stream_submit(gen, request)
                 return self.executor.enqueue(request, gen.logits, on_created=on_created)
             finally:
                 gen.enqueue_idle.set()
 
         request = gen.next_request()
+        streamed = self.config.prearm and request.kind == TaskKind.DECODE
         limiter = self._admit_limiter if request.kind == TaskKind.PREFILL_IDS else self._limiter
         try:
             handle = await to_thread.run_sync(enqueue, request, abandon_on_cancel=True,
@@ -525,13 +543,36 @@ class CompletionService:
             raise
         if handle is None:
             return Status.cancelled(Phase.CANCEL, "request already finished"), None
+        if isinstance(handle, Status):  # the decode stream refused the step (and closed)
+            return handle, None
         try:
-            result = await to_thread.run_sync(handle.wait_until, gen.deadline,
-                                              abandon_on_cancel=True, limiter=self._limiter)
+            if streamed:  # the stream's wait advances it (its deadline is the request's)
+                result = await to_thread.run_sync(gen.decode.wait, abandon_on_cancel=True,
+                                                  limiter=self._limiter)
+            else:
+                result = await to_thread.run_sync(handle.wait_until, gen.deadline,
+                                                  abandon_on_cancel=True, limiter=self._limiter)
         except anyio.get_cancelled_exc_class():
             handle.cancel()
             raise
         return result, handle
+
+    def _stream_submit(self, gen: Generation, request: InferenceRequest) -> Any:
+        """Fire the request's next decode job through its pre-armed decode stream (opened on
+        the first decode of a sequence): the handle, or the Status the stream refused with.
+        Runs in a worker thread inside the enqueue fence."""
+        stream = gen.decode
+        if stream is None or stream.closed:
+            stream = gen.decode = self.executor.decode_stream(
+                gen.seq_id, request.past_len, gen.deadline, logits_out=gen.logits,
+                max_len=len(gen.prompt) + gen.max_tokens, request_id=gen.request_id)
+        handle = stream.submit(int(request.tokens[0]))
+        if isinstance(handle, Status):
+            return handle
+        gen.handle = handle  # reachable for a disconnect, as on_created makes it
+        if gen.abandoned:
+            handle.cancel()
+        return handle
 
     def _generation_moved(self, gen: Generation, result: Status | None = None) -> Status | None:
         """UNAVAILABLE (retry) when the request's KV generation is no longer the executor's:
@@ -565,6 +606,7 @@ class CompletionService:
                 if gen.seq_id is None:  # it holds none (a resume released the failed one)
                     pass
                 elif idle and (handle is None or handle.done):
+                    await to_thread.run_sync(close_decode, gen)
                     released = await to_thread.run_sync(self._release_now, gen.seq_id)
                     if not released:
                         self._release_later(gen)
@@ -607,6 +649,7 @@ class CompletionService:
         try:
             while not gen.enqueue_idle.wait(min(step, 1.0)):
                 pass
+            close_decode(gen)  # its pre-armed job holds KV of the sequence: released first
             handle = gen.handle  # the last job: finish() closed the request to new ones
             if handle is not None:
                 handle.cancel()
@@ -634,6 +677,10 @@ class CompletionService:
 
     def _record(self, gen: Generation) -> None:
         m = self.metrics
+        if gen.decode is not None:
+            prearmed = gen.decode.prearmed_steps
+            m.decode_steps.labels("true").inc(prearmed)
+            m.decode_steps.labels("false").inc(gen.decode.steps - prearmed)
         if gen.status is not None:
             m.observe_failure(gen.status)
         else:

@@ -1,0 +1,91 @@
+"""The server decodes through the executor's pre-armed decode stream (issue 17): the tokens
+are the ones one enqueue per token gives, steps really are pre-armed, and every way a request
+ends (length, client gone mid-stream) releases the armed job and the sequence."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from calexec.drivers.serving.server import ServerConfig, create_app
+from test_server_support import metric_value, oracle_tokens, started_executor, wait_for
+
+#: a 2 ms decode: the submitter has the time to arm the next job while one runs
+DEVICE = "decode_us=2000"
+
+
+@pytest.fixture
+def make(tmp_path):
+    made = []
+
+    def build(**config):
+        executor = started_executor(tmp_path, DEVICE)
+        made.append(executor)
+        return executor, create_app(executor, ServerConfig(**config))
+    yield build
+    for executor in made:
+        executor.shutdown(5.0)
+
+
+def settled(executor, service) -> bool:
+    snap = executor.snapshot()
+    return (service.sequences.in_use == 0 and not executor._armed and snap["inflight"] == 0
+            and service.sequences.consistent())
+
+
+@pytest.mark.parametrize("prompt", [[5, 6, 7, 8], list(range(100, 140))])
+def test_prearmed_decode_gives_the_tokens_of_one_enqueue_per_token(make, prompt):
+    tokens = {}
+    for prearm in (True, False):
+        executor, app = make(prearm=prearm)
+        with TestClient(app) as client:
+            r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 12})
+            assert r.status_code == 200, r.text
+            tokens[prearm] = r.json()["choices"][0]["token_ids"]
+            text = client.get("/metrics").text
+            fired = metric_value(text, "calexec_decode_steps_total", {"prearmed": "true"}) or 0
+            admitted = metric_value(text, "calexec_decode_steps_total",
+                                    {"prearmed": "false"}) or 0
+            service = app.state.service
+            wait_for(lambda: settled(executor, service), what="sequence and armed job released")
+        if prearm:
+            assert fired + admitted == 11  # 12 tokens: one from the prefill, 11 decode steps
+            assert fired >= 1, "no step was pre-armed"
+        else:
+            assert fired == admitted == 0
+    assert tokens[True] == tokens[False] == oracle_tokens(prompt, 12)
+
+
+def test_streaming_through_the_decode_stream_then_everything_is_free(make):
+    executor, app = make()
+    with TestClient(app) as client:
+        with client.stream("POST", "/v1/completions",
+                           json={"prompt": [9, 8, 7], "max_tokens": 8, "stream": True}) as r:
+            assert r.status_code == 200
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        ids = [t for e in events[:-1] for c in json.loads(e[6:]).get("choices", [])
+               for t in c.get("token_ids", [])]
+        assert events[-1] == "data: [DONE]" and ids == oracle_tokens([9, 8, 7], 8)
+        service = app.state.service
+        wait_for(lambda: settled(executor, service), what="sequence and armed job released")
+
+
+def test_a_client_gone_mid_stream_releases_the_armed_job_and_the_sequence(make):
+    executor, app = make()
+    with TestClient(app) as client:
+        with client.stream("POST", "/v1/completions",
+                           json={"prompt": [1, 2, 3], "max_tokens": 2000, "stream": True}) as r:
+            seen = 0
+            for line in r.iter_lines():
+                seen += line.startswith("data: ")
+                if seen >= 5:
+                    break  # leave mid-generation: the server cancels and closes the stream
+        service = app.state.service
+        wait_for(lambda: settled(executor, service), timeout=20.0,
+                 what="armed job and sequence released after the disconnect")
+        # the server still serves, from the same sequence ids
+        r = client.post("/v1/completions", json={"prompt": [4, 5], "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == \
+            oracle_tokens([4, 5], 3)
