@@ -191,7 +191,9 @@ SERVER_ONLY = {"calexec.drivers.serving.server", "calexec.drivers.serving.serve"
                "calexec.drivers.tools.bench.server", "calexec.drivers.fleet.ray_serve",
                "calexec.drivers.fleet.edge", "calexec.drivers.tools.chaos",
                "calexec.drivers.serving.openai_api",
-               "calexec.drivers.serving.resume"}
+               "calexec.drivers.serving.resume", "calexec.drivers.serving.service",
+               "calexec.drivers.serving.admin", "calexec.drivers.serving.debug",
+               "calexec.drivers.serving.errors", "calexec.drivers.serving.wire"}
 
 
 def test_the_core_and_the_tools_import_without_any_extra():

@@ -23,7 +23,7 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Str
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import TaskKind
-from calexec.drivers.serving import sampling
+from calexec.drivers.serving import errors, sampling, wire
 from calexec.drivers.serving.sampling import SamplingError, SamplingParams, TokenLogprobs
 
 Number = StrictInt | StrictFloat
@@ -366,7 +366,6 @@ class _Admission:
 def add_routes(app: FastAPI, service: Any, fail: Callable[..., Response]) -> None:
     """Register the OpenAI endpoints on ``app`` (``fail(status, param, http_status)`` renders
     and counts an error)."""
-    from calexec.drivers.serving import server as srv  # server.py imports this lazily
 
     config = service.config
 
@@ -384,7 +383,7 @@ def add_routes(app: FastAPI, service: Any, fail: Callable[..., Response]) -> Non
         auth = auth_refusal(request, config.api_key)
         if auth is not None:
             raise auth
-        raw = await srv._read_body(request, config.max_body_bytes)
+        raw = await wire.read_body(request, config.max_body_bytes)
         if raw is None:
             raise Refusal(invalid(f"request body exceeds max_body_bytes={config.max_body_bytes}"),
                           None, 413)
@@ -498,7 +497,7 @@ def add_routes(app: FastAPI, service: Any, fail: Callable[..., Response]) -> Non
                     out.add(token)
                     if out.stopped:
                         gen.finish_reason = "stop"
-            await srv._until_disconnect(request, run)
+            await wire.until_disconnect(request, run)
         finally:
             await service.finish(gen, abandoned=True)
         if gen.status is not None:
@@ -514,7 +513,7 @@ def add_routes(app: FastAPI, service: Any, fail: Callable[..., Response]) -> Non
             nonlocal first
             first = await service.advance(gen)
         try:
-            await srv._until_disconnect(request, first_token)
+            await wire.until_disconnect(request, first_token)
         except BaseException:
             await service.finish(gen, abandoned=True)
             raise
@@ -529,20 +528,20 @@ def add_routes(app: FastAPI, service: Any, fail: Callable[..., Response]) -> Non
             token = first
             try:
                 for chunk in shape.opening():
-                    yield srv._sse(chunk)
+                    yield wire.sse(chunk)
                 while token is not None:
                     piece = out.add(token)
                     if out.stopped:
                         gen.finish_reason = "stop"
-                    yield srv._sse(shape.piece(piece, token, gen))
+                    yield wire.sse(shape.piece(piece, token, gen))
                     token = await service.advance(gen)
                 if gen.status is not None:
-                    yield srv._sse({"error": srv.error_body(
-                        gen.status, srv._PARAM_OF_CODE.get(gen.status.code))})
+                    yield wire.sse({"error": errors.error_body(
+                        gen.status, errors.PARAM_OF_CODE.get(gen.status.code))})
                 else:
-                    yield srv._sse(shape.last(out.flush(), gen))
+                    yield wire.sse(shape.last(out.flush(), gen))
                     if usage_chunk:
-                        yield srv._sse(shape.usage_chunk(gen))
+                        yield wire.sse(shape.usage_chunk(gen))
                     yield b"data: [DONE]\n\n"
             finally:
                 await service.finish(gen, abandoned=True)

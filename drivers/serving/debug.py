@@ -1,0 +1,93 @@
+"""Debug endpoints of the reference server: live job counts, one job's path on its chart
+(admin), the statecharts as SVG with the current state, and the live statecharts page
+(drivers/serving/live_charts.py)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from anyio import to_thread
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+
+from calexec.drivers.serving.admin import admin_refusal
+from calexec.drivers.serving.errors import error_response, invalid
+from calexec.drivers.serving.live_charts import TransitionRates, live_state, path_page
+from calexec.drivers.serving.live_charts import page as live_page
+from calexec.drivers.serving.service import CompletionService
+from calexec.machines.compiled import CHARTS
+from calexec.machines.diagrams import render_chart_svg
+
+
+@functools.lru_cache(maxsize=64)
+def chart_svg_cached(chart: str, active: str | None) -> str:
+    return render_chart_svg(chart, active)
+
+
+def strip_xml_decl(svg: str) -> str:
+    return svg.split("?>", 1)[1] if svg.startswith("<?xml") else svg
+
+
+def add_debug_routes(app: FastAPI, service: CompletionService) -> None:
+    """The ``/debug/...`` routes on ``app``."""
+    executor, config = service.executor, service.config
+
+    @app.get("/debug/jobs")
+    async def debug_jobs() -> dict[str, Any]:
+        return {"lifecycle": executor.state, "jobs": service.live_job_counts()}
+
+    @app.get("/debug/jobs/{job_id}")
+    async def debug_job(job_id: str, request: Request) -> Response:
+        """The path of one job (admin): taken transitions and refusing guards, on the chart.
+        ``?format=json`` for the data. A failed request's error body names its ``job_id``."""
+        refused = admin_refusal(request, config)
+        if refused is not None:
+            return refused
+        if not job_id.isdigit():
+            return error_response(invalid(f"job_id={job_id!r}: must be a job id (integer)"),
+                                  "job_id")
+        wanted = int(job_id)
+        record = executor.job_trail(wanted)
+        if record is None:
+            return error_response(invalid(
+                f"job_id={wanted}: unknown, still running, or older than the last "
+                f"{executor.config.job_trails_kept} jobs"), "job_id", http_status=404)
+        if request.query_params.get("format") == "json":
+            return JSONResponse(record)
+        svg_page = await to_thread.run_sync(path_page, record)
+        return HTMLResponse(svg_page)
+
+    @app.get("/debug/statecharts/{chart}.svg")
+    async def chart_svg(chart: str) -> Response:
+        if chart not in CHARTS:
+            return error_response(invalid(f"chart={chart!r} is not one of {sorted(CHARTS)}"),
+                                  "chart", http_status=404)
+        svg = await to_thread.run_sync(chart_svg_cached, chart, _active_state(chart))
+        return Response(svg, media_type="image/svg+xml")
+
+    def _active_state(chart: str) -> str | None:
+        if chart == "lifecycle":
+            return executor.state
+        if chart == "job":
+            counts = service.live_job_counts()
+            busiest = max(counts, key=counts.get)
+            return busiest if counts[busiest] else None
+        return None
+
+    rates = TransitionRates()
+
+    @app.get("/debug/statecharts/live.json")
+    async def statecharts_live() -> dict[str, Any]:
+        """Counts per state of every chart and transition rates (drivers/serving/live_charts.py)."""
+        return live_state(executor, service.live_job_counts, rates)
+
+    @app.get("/debug/statecharts")
+    async def statecharts() -> HTMLResponse:
+        """The lifecycle chart first (the operator's question: is it Ready?), then the rest;
+        every chart scaled to the window's width; a script keeps counts and rates live."""
+        order = sorted(CHARTS, key=lambda name: name != "lifecycle")
+        svgs = {name: strip_xml_decl(await to_thread.run_sync(chart_svg_cached, name,
+                                                               _active_state(name)))
+                for name in order}
+        return HTMLResponse(live_page(svgs, live_state(executor, service.live_job_counts, rates)))

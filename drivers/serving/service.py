@@ -1,0 +1,651 @@
+"""The completion service of the reference server: ``ServerConfig``, the KV sequence ids it
+owns (``SequencePool``), one request in progress (``Generation``) and ``CompletionService``,
+which admits, runs, resumes, finishes and drains requests around one executor. The routes
+are in ``server.py`` (health, ready, metrics), ``openai_api.py`` (completions, chat,
+tokenize), ``admin.py`` and ``debug.py``.
+
+One completion: validate -> lease a KV sequence id from the free list -> PREFILL_IDS job at
+past_len 0 reserving the KV of the whole request (prompt + max_tokens, all or nothing: no hold
+and wait, §7) -> DECODE jobs (through the executor's pre-armed decode stream, ``ServerConfig.prearm``) feeding
+the chosen token back (drivers/serving/sampling.py), until ``max_tokens``, the end
+token, the deadline or an error -> answer -> once the last job is resolved,
+``executor.release_sequence`` -> id back to the free list (in the background when the job is
+still running: a response is never later than the request deadline plus
+``ServerConfig.deadline_slack_s``, and an id is never reused before its job ended). Blocking
+executor calls (``enqueue``, ``JobHandle.wait_until``) run in worker threads under per-app
+``CapacityLimiter``s (a prefill that may wait for KV never takes the threads the running
+requests need); the event loop never blocks on the device. A request whose client disconnects
+is cancelled (FI12: ``JobHandle.cancel()``; a submitted job is still waited for and its result
+discarded) and its sequence released once the job ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from typing import Any, Callable, Literal
+
+import anyio
+import attrs
+import numpy as np
+from anyio import to_thread
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+from calexec.contracts.errors import Category
+from calexec.contracts.prepare import InferenceRequest
+from calexec.contracts.status import Phase, Status
+from calexec.contracts.types import TaskKind
+from calexec.drivers.synthetic import tokenizer
+from calexec.drivers.serving import hf_tokenizer, sampling
+from calexec.drivers.serving.admission import AdmissionQueue
+from calexec.drivers.serving.dumpsink import DumpSink
+from calexec.drivers.serving.errors import invalid
+from calexec.drivers.serving.metrics import ServerMetrics, kv_usage_fraction
+from calexec.drivers.serving.resume import Resumer
+from calexec.machines.compiled import JOB
+
+log = logging.getLogger("calexec.server")
+
+
+@attrs.frozen
+class ServerConfig:
+    """Operational settings of the server (the model's limits come from the executor)."""
+
+    #: admin bearer token; None disables the admin endpoints (always 403).
+    admin_token: str | None = None
+    model_name: str = "calexec-qwen3-synthetic"
+    #: OpenAI endpoints need ``Authorization: Bearer <api_key>`` when set (docs/server.md)
+    api_key: str | None = None
+    #: a Hugging Face tokenizer.json (or its directory); None: the byte-level tokenizer
+    tokenizer_path: str | None = None
+    #: completion request body limit (413 above it).
+    max_body_bytes: int = attrs.field(default=1 << 20, validator=attrs.validators.gt(0))
+    #: per-request deadline when the body gives no ``timeout``; and the largest one accepted.
+    default_timeout_s: float = attrs.field(default=30.0, validator=attrs.validators.gt(0))
+    max_timeout_s: float = attrs.field(default=600.0, validator=attrs.validators.gt(0))
+    #: KV sequence ids the server leases to requests: 1..max_sequences (0 is the golden run's).
+    max_sequences: int = attrs.field(default=32, validator=attrs.validators.ge(1))
+    #: worker threads for blocking executor calls: this many for prefills (which may wait for
+    #: KV or a slot) and as many again for the decodes and waits of running requests.
+    worker_threads: int = attrs.field(default=16, validator=attrs.validators.ge(1))
+    #: Retry-After seconds on 429 and 503.
+    retry_after_s: int = attrs.field(default=1, validator=attrs.validators.ge(0))
+    end_token_id: int = tokenizer.END_TOKEN_ID
+    #: one bounded wait (s) of the background release of a sequence id for its last job to
+    #: end / the device to let go; repeated until the executor is Stopped or Failed.
+    release_wait_s: float = attrs.field(default=60.0, validator=attrs.validators.gt(0))
+    #: a response (or a stream's last event) is sent at most this long after the request's
+    #: deadline, hung device or not (docs/server.md).
+    deadline_slack_s: float = attrs.field(default=0.5, validator=attrs.validators.gt(0))
+    #: ``/admin/drain?grace=`` is refused above this (seconds).
+    max_drain_grace_s: float = attrs.field(default=3600.0, validator=attrs.validators.gt(0))
+    #: ``/admin/reload`` refuses a calbin larger than this (bytes).
+    max_calbin_bytes: int = attrs.field(default=16 << 30, validator=attrs.validators.gt(0))
+    #: requests that may wait (within their deadline) for a KV sequence id or for the
+    #: lifecycle to be Ready again; one more is refused (429 ids / 503 recovery), 0 never waits
+    max_waiting: int = attrs.field(default=64, validator=attrs.validators.ge(0))
+    #: the waiting queue re-reads the executor's lifecycle in slices this long (the executor
+    #: has no state-change event; a freed sequence id wakes the queue at once)
+    lifecycle_poll_s: float = attrs.field(default=0.005, validator=attrs.validators.gt(0))
+    #: resumes of one generation after retryable/device failures (drivers/serving/resume.py); 0: none
+    max_resumes: int = attrs.field(default=3, validator=attrs.validators.ge(0))
+    #: total time (s) one request may lose to resumes before it gets the failure instead
+    resume_budget_s: float = attrs.field(default=10.0, validator=attrs.validators.gt(0))
+    #: decode through the executor's pre-armed decode stream (issue 17: job N+1 is admitted
+    #: and prepared while N runs; a token only fires it); False: one ``enqueue`` per token
+    prearm: bool = True
+
+
+class CompletionBody(BaseModel):
+    """What ``CompletionService.admit`` reads of a request (``prompt``, ``max_tokens``,
+    ``stream``, ``timeout``: calexec's per-request deadline in seconds). The OpenAI bodies,
+    with every parameter implemented or refused, are in drivers/serving/openai_api.py."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    prompt: StrictStr | list[StrictInt]
+    max_tokens: StrictInt = Field(default=16, ge=1)
+    stream: StrictBool = False
+    timeout: float | None = Field(default=None, gt=0)
+    n: Literal[1] = 1
+    model: StrictStr | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+
+
+class SequencePool:
+    """The server's KV sequence ids (it owns them, above every generation's KvManager): each
+    id is free, in use (leased to a request, until its release on the executor succeeded) or
+    withheld (its release failed for good: never reused). Invariant, checked by
+    :meth:`consistent` and exported as metrics: free + in use + withheld = capacity.
+    Thread-safe."""
+
+    def __init__(self, ids: range) -> None:
+        self._free = list(reversed(ids))
+        self.size = len(ids)
+        self._in_use: set[int] = set()
+        self._withheld: set[int] = set()
+        self._mu = threading.Lock()
+        self.on_free: Callable[[], None] | None = None  # called (any thread) after a release
+
+    def acquire(self) -> int | None:
+        with self._mu:
+            if not self._free:
+                return None
+            seq_id = self._free.pop()
+            self._in_use.add(seq_id)
+            return seq_id
+
+    def release(self, seq_id: int) -> None:
+        with self._mu:
+            if seq_id not in self._in_use:
+                raise ValueError(f"sequence {seq_id} is not in use")
+            self._in_use.discard(seq_id)
+            self._free.append(seq_id)
+        if self.on_free is not None:
+            self.on_free()
+
+    def withhold(self, seq_id: int) -> None:
+        """A sequence could not be released on the device: keep it out of circulation."""
+        with self._mu:
+            self._in_use.discard(seq_id)
+            self._withheld.add(seq_id)
+
+    def counts(self) -> dict[str, int]:
+        with self._mu:
+            return {"free": len(self._free), "in_use": len(self._in_use),
+                    "withheld": len(self._withheld), "capacity": self.size}
+
+    def consistent(self) -> bool:
+        """free + in use + withheld = capacity, and no id is in two of them."""
+        with self._mu:
+            free = set(self._free)
+            return (len(free) == len(self._free)
+                    and len(free) + len(self._in_use) + len(self._withheld) == self.size
+                    and not free & self._in_use and not free & self._withheld
+                    and not self._in_use & self._withheld)
+
+    @property
+    def in_use(self) -> int:
+        with self._mu:
+            return len(self._in_use)
+
+    @property
+    def withheld(self) -> int:
+        with self._mu:
+            return len(self._withheld)
+
+    leaked = withheld  # the older name
+
+
+@attrs.define(eq=False)
+class Generation:
+    """One completion request in progress."""
+
+    request_id: int
+    seq_id: int | None  # None while waiting for one (admission, resume)
+    prompt: list[int]
+    max_tokens: int
+    deadline: float  # absolute time.monotonic()
+    started: float
+    stream: bool
+    logits: np.ndarray
+    tokens: list[int] = attrs.Factory(list)
+    past: int = 0
+    handle: Any = None  # JobHandle of the current/last job
+    abandoned: bool = False  # the client went away: cancel whatever job is or becomes current
+    finish_reason: str | None = None
+    status: Status | None = None
+    first_token_at: float | None = None
+    #: model generation of the request's jobs (its KV lives in that generation's KvManager)
+    generation_id: int | None = None
+    #: how tokens are chosen (drivers/serving/sampling.py); logprobs of each token when asked for
+    sampling: "sampling.SamplingParams" = sampling.GREEDY
+    token_logprobs: list = attrs.Factory(list)
+    # Enqueue fence: ``closed`` once the request finished (no enqueue may start after it);
+    # ``enqueue_idle`` is clear while an enqueue call runs in a worker thread.
+    mu: threading.Lock = attrs.Factory(threading.Lock)
+    closed: bool = False
+    enqueue_idle: threading.Event = attrs.Factory(lambda: _set_event())
+    # drivers/serving/admission.py, drivers/serving/resume.py
+    waiter: Any = None  # Waiter / sequence id / refusal while seq_id is None
+    reprefill: bool = False  # the next job re-prefills prompt + tokens on a fresh sequence
+    resumes: int = 0
+    resume_s: float = 0.0  # time lost to finished resumes
+    resume_started: float | None = None  # the failure the running resume started at
+    resume_failure: Status | None = None  # what the request ends with if the resume gives up
+    resume_cause: str | None = None  # calexec_resumes_total's cause of the last resume
+    #: the executor's DecodeStream of the current sequence (``ServerConfig.prearm``); closed
+    #: (its pre-armed job released) before the sequence is released
+    decode: Any = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None or self.status is not None
+
+    def next_request(self) -> InferenceRequest:
+        if self.handle is None or self.reprefill:
+            ids = np.asarray(self.prompt + self.tokens, dtype=np.int32)
+            return InferenceRequest(seq_id=self.seq_id, kind=TaskKind.PREFILL_IDS, tokens=ids,
+                                    positions=np.arange(len(ids), dtype=np.int32), past_len=0,
+                                    deadline=self.deadline, request_id=self.request_id,
+                                    kv_reserve_len=len(self.prompt) + self.max_tokens)
+        return InferenceRequest(seq_id=self.seq_id, kind=TaskKind.DECODE,
+                                tokens=np.asarray(self.tokens[-1:], dtype=np.int32),
+                                positions=np.asarray([self.past], dtype=np.int32),
+                                past_len=self.past, deadline=self.deadline,
+                                request_id=self.request_id)
+
+
+def close_decode(gen: Any) -> None:
+    """Close the decode stream of ``gen`` (or of a resume's failed sequence), if any: its
+    pre-armed job is released (not counted as a failure). Blocking but bounded (the stream
+    waits at most 2 s for an arming in progress); call from a worker thread."""
+    stream = getattr(gen, "decode", None)
+    if stream is not None:
+        stream.close()
+
+
+def _set_event() -> threading.Event:
+    event = threading.Event()
+    event.set()
+    return event
+
+
+class CompletionService:
+    """Completions, drain and live-job bookkeeping around one executor."""
+
+    def __init__(self, executor: Any, config: ServerConfig, dump: DumpSink | None) -> None:
+        self.executor = executor
+        self.config = config
+        self.dump = dump
+        self.sequences = SequencePool(range(1, config.max_sequences + 1))
+        self.draining = False
+        self.drain_status: Status | None = None
+        self.on_drained: list[Any] = []  # callables run once a drain has finished
+        self.active = 0  # admitted completion requests not yet finished
+        self._live: dict[int, Generation] = {}
+        self._ids = itertools.count(1)
+        # Prefills (may wait for KV capacity or a slot) and the jobs of requests that already
+        # hold their KV take threads from separate limiters: waiting prefills never starve
+        # the running requests of threads (that would be hold and wait again).
+        self._limiter = anyio.CapacityLimiter(config.worker_threads)
+        self._admit_limiter = anyio.CapacityLimiter(config.worker_threads)
+        # Decode-stream steps: a pre-armed job holds a buffer slot until its request's next
+        # step fires it, and a step that finds nothing armed waits for a slot. Were both on
+        # one bounded pool, every thread could wait for a slot held by armed jobs whose
+        # requests wait for a thread to fire them. One thread per sequence id (each request
+        # has at most one step outstanding) means a step never waits for a thread.
+        self._stream_limiter = anyio.CapacityLimiter(config.max_sequences)
+        self._drain_task: asyncio.Task | None = None
+        self._releasing: set[threading.Thread] = set()  # background sequence releases
+        self._releasing_mu = threading.Lock()
+        self.metrics = ServerMetrics(executor.snapshot, self._server_gauges, config.model_name)
+        self.tokenizer = hf_tokenizer.load(config.tokenizer_path)
+        self.started_at = time.time()
+        self.admission = AdmissionQueue(self.sequences, lambda: executor.state, self.health,
+                                        lambda: self.draining, config.max_waiting,
+                                        config.lifecycle_poll_s)
+        self.sequences.on_free = self.admission.wake_threadsafe
+        self.resumer = Resumer(self)
+        self._contracts = executor.generation  # validation while the generation is replaced
+
+    def _server_gauges(self) -> dict[str, float]:
+        counts = self.sequences.counts()
+        waiting = self.admission.waiting
+        return {"calexec_num_requests_running": self.active - waiting,
+                "calexec_num_requests_waiting": waiting,
+                "calexec_kv_sequences_in_use": counts["in_use"],
+                "calexec_kv_sequences_free": counts["free"],
+                "calexec_kv_sequences_withheld": counts["withheld"],
+                "calexec_kv_sequences_capacity": counts["capacity"],
+                "calexec_server_draining": 1.0 if self.draining else 0.0,
+                "calexec_kv_cache_usage_perc": kv_usage_fraction(self.executor)}
+
+    def health(self) -> list[str]:
+        """Why the executor cannot serve now (empty: it can): ``executor.health()``."""
+        return list(getattr(self.executor, "health", lambda: [])())
+
+    @property
+    def ready(self) -> bool:
+        return self.executor.state == "Ready" and not self.draining and not self.health()
+
+    @property
+    def releases_pending(self) -> int:
+        """Sequence releases waiting in the background for a job to end."""
+        with self._releasing_mu:
+            return len(self._releasing)
+
+    def live_job_counts(self) -> dict[str, int]:
+        """JobChart state -> number of live jobs held by the server's requests."""
+        counts = dict.fromkeys(JOB.states, 0)
+        for gen in list(self._live.values()):
+            if gen.handle is not None:
+                counts[gen.handle.state] += 1
+        return counts
+
+    # ---- admission ------------------------------------------------------------------------------
+    def admit(self, body: CompletionBody) -> "tuple[Generation | None, Status, str | None]":
+        """A Generation holding a sequence id or waiting for one (``gen.waiter``: its first
+        ``advance`` waits, drivers/serving/admission.py), or (None, failure, offending field)."""
+        if self.draining:
+            return None, Status.unavailable(Phase.ADMISSION, "server is draining"), None
+        # while a recovery replaces the generation, requests are validated against the last one
+        generation = self._contracts = self.executor.generation or self._contracts
+        if generation is None:
+            return None, Status.unavailable(
+                Phase.ADMISSION, f"device lifecycle is {self.executor.state}"), None
+        vocab = generation.vocab_size
+        max_seq = generation.submodels[TaskKind.DECODE].max_seq
+        prompt = self.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else body.prompt
+        if not prompt:
+            return None, invalid("prompt is empty"), "prompt"
+        bad = next((i for i, t in enumerate(prompt) if not 0 <= t < vocab), None)
+        if bad is not None:
+            return None, invalid(f"prompt[{bad}]={prompt[bad]} outside the vocabulary "
+                                  f"[0, {vocab})"), "prompt"
+        if len(prompt) > max_seq:
+            return None, invalid(f"prompt has {len(prompt)} tokens > max_seq={max_seq}"), "prompt"
+        if len(prompt) + body.max_tokens > max_seq:
+            return None, invalid(f"max_tokens={body.max_tokens} + {len(prompt)} prompt tokens "
+                                  f"> max_seq={max_seq}"), "max_tokens"
+        timeout = self.config.default_timeout_s if body.timeout is None else body.timeout
+        if timeout > self.config.max_timeout_s:
+            return None, invalid(f"timeout={timeout} > max_timeout_s="
+                                  f"{self.config.max_timeout_s}"), "timeout"
+        got = self.admission.try_admit()  # an id, a place in the waiting queue, or a refusal
+        if isinstance(got, Status):
+            return None, got, None
+        now = time.monotonic()
+        gen = Generation(next(self._ids), got if isinstance(got, int) else None, list(prompt),
+                         body.max_tokens, now + timeout, now, body.stream,
+                         np.empty(vocab, dtype=np.float32),
+                         waiter=None if isinstance(got, int) else got)
+        self.active += 1
+        self._live[gen.request_id] = gen
+        self.metrics.requests.labels("true" if body.stream else "false").inc()
+        return gen, Status.OK, None
+
+    # ---- generation -----------------------------------------------------------------------------
+    async def advance(self, gen: Generation) -> int | None:
+        """Run one job; the new token, or None when the generation has ended (``finish_reason``
+        or ``status`` then says why)."""
+        if gen.done:
+            return None
+        if gen.seq_id is None:  # waiting for a sequence id and Ready (admission or resume)
+            refused = await self.resumer.take_sequence(gen)
+            if refused is not None:
+                gen.status = refused
+                return None
+        moved = self._generation_moved(gen)
+        if moved is not None:
+            if await self.resumer.resume(gen, moved, replaced=True):
+                return await self.advance(gen)  # recursion bounded by max_resumes
+            gen.status = moved
+            return None
+        # The request deadline bounds everything below, thread limiters included: the
+        # executor answers at the deadline itself (its own, more precise Status); a tenth of
+        # the slack later the handler stops waiting anyway (504) and cancels the job, if any;
+        # the rest of the slack is for the event loop to send the answer. The sequence is
+        # released once the job ended (finish()).
+        stop_at = gen.deadline + self.config.deadline_slack_s / 10
+        with anyio.move_on_after(max(0.0, stop_at - time.monotonic())) as scope:
+            result, handle = await self._run_job(gen)
+        if scope.cancelled_caught:
+            if gen.handle is not None:
+                gen.handle.cancel()
+            gen.status = Status.deadline(Phase.WAIT, "request deadline passed; the server "
+                                         "stopped waiting", seq_id=gen.seq_id)
+            return None
+        if isinstance(result, Status):
+            if handle is not None:
+                handle.cancel()  # wait deadline: the job continues unless told otherwise
+            moved = self._generation_moved(gen, result)
+            if await self.resumer.resume(gen, moved or result, replaced=moved is not None):
+                return await self.advance(gen)  # recursion bounded by max_resumes
+            gen.status = moved or result
+            return None
+        if gen.generation_id is None:
+            gen.generation_id = result.generation
+        self.resumer.resumed(gen)
+        self.metrics.observe_job(result.kind, result.timings)
+        if gen.first_token_at is None:
+            gen.first_token_at = result.timings.completed_us / 1e6
+            self.metrics.ttft.observe(max(0.0, gen.first_token_at - gen.started))
+        gen.past = result.kv_len
+        args = (result.logits, gen.sampling, len(gen.tokens), result.argmax)
+        token, logprobs = (sampling.pick(*args) if gen.sampling.plain_greedy else
+                           await to_thread.run_sync(sampling.pick, *args, limiter=self._limiter))
+        if token == self.config.end_token_id or token in gen.sampling.stop_token_ids:
+            gen.finish_reason = "stop"
+            return None
+        gen.tokens.append(token)
+        if logprobs is not None:
+            gen.token_logprobs.append(logprobs)
+        if len(gen.tokens) >= gen.max_tokens:
+            gen.finish_reason = "length"
+        return token
+
+    async def _run_job(self, gen: Generation) -> "tuple[Any, Any]":
+        """Enqueue the request's next job and wait for it: (result, handle)."""
+        def on_created(created) -> None:
+            gen.handle = created  # reachable for a disconnect while admission still waits
+            if gen.abandoned:  # the client left before this job existed
+                created.cancel()
+
+        def enqueue(request: InferenceRequest):
+            with gen.mu:  # the fence with finish(): no enqueue starts once the request ended
+                if gen.closed:
+                    return None
+                gen.enqueue_idle.clear()
+            try:
+                if streamed:
+                    return self._stream_submit(gen, request)
+                return self.executor.enqueue(request, gen.logits, on_created=on_created)
+            finally:
+                gen.enqueue_idle.set()
+
+        request = gen.next_request()
+        streamed = self.config.prearm and request.kind == TaskKind.DECODE
+        limiter = (self._admit_limiter if request.kind == TaskKind.PREFILL_IDS
+                   else self._stream_limiter if streamed else self._limiter)
+        try:
+            handle = await to_thread.run_sync(enqueue, request, abandon_on_cancel=True,
+                                              limiter=limiter)
+        except anyio.get_cancelled_exc_class():
+            # Flag first, then cancel the current handle: whichever of this and on_created
+            # runs second sees the other's write, so the new job is always cancelled.
+            gen.abandoned = True
+            if gen.handle is not None:
+                gen.handle.cancel()  # the enqueue thread sees the cancel and releases
+            raise
+        if handle is None:
+            return Status.cancelled(Phase.CANCEL, "request already finished"), None
+        if isinstance(handle, Status):  # the decode stream refused the step (and closed)
+            return handle, None
+        try:
+            if streamed:  # the stream's wait advances it (its deadline is the request's)
+                result = await to_thread.run_sync(gen.decode.wait, abandon_on_cancel=True,
+                                                  limiter=self._stream_limiter)
+            else:
+                result = await to_thread.run_sync(handle.wait_until, gen.deadline,
+                                                  abandon_on_cancel=True, limiter=self._limiter)
+        except anyio.get_cancelled_exc_class():
+            handle.cancel()
+            raise
+        return result, handle
+
+    def _stream_submit(self, gen: Generation, request: InferenceRequest) -> Any:
+        """Fire the request's next decode job through its pre-armed decode stream (opened on
+        the first decode of a sequence): the handle, or the Status the stream refused with.
+        Runs in a worker thread inside the enqueue fence."""
+        stream = gen.decode
+        if stream is None or stream.closed:
+            stream = gen.decode = self.executor.decode_stream(
+                gen.seq_id, request.past_len, gen.deadline, logits_out=gen.logits,
+                max_len=len(gen.prompt) + gen.max_tokens, request_id=gen.request_id)
+        handle = stream.submit(int(request.tokens[0]))
+        if isinstance(handle, Status):
+            return handle
+        gen.handle = handle  # reachable for a disconnect, as on_created makes it
+        if gen.abandoned:
+            handle.cancel()
+        return handle
+
+    def _generation_moved(self, gen: Generation, result: Status | None = None) -> Status | None:
+        """UNAVAILABLE (retry) when the request's KV generation is no longer the executor's:
+        a recovery or model switch ended it between two of its jobs (its KV died with it)."""
+        if gen.generation_id is None:
+            return None
+        current = self.executor.snapshot()["generation"]
+        if current == gen.generation_id:
+            return None
+        return Status.unavailable(Phase.ADMISSION, f"the request's generation {gen.generation_id}"
+                                  f" was replaced by {current} (recovery or model switch); "
+                                  "retry", seq_id=gen.seq_id)
+
+    async def finish(self, gen: Generation, abandoned: bool = False) -> None:
+        """Finish a request at once: cancel its job if one is still running, record metrics
+        and the dump record, and give its sequence id back once its last job ended (now when
+        it has, else from a background thread). ``abandoned``: an unfinished generation was
+        given up by its client (cancelled). Shielded and never raises: runs to the end even
+        when the request task is being cancelled, so a request never stays "running"."""
+        with anyio.CancelScope(shield=True):
+            try:
+                if abandoned and not gen.done:  # the request task ended early: client left
+                    gen.status = Status.cancelled(Phase.CANCEL, "client disconnected")
+                with gen.mu:
+                    gen.closed = True  # no enqueue starts after this
+                idle = gen.enqueue_idle.is_set()  # then none runs: gen.handle is the last job
+                handle = gen.handle
+                if handle is not None and not handle.done:
+                    handle.cancel()
+                self.admission.leave(gen.waiter)  # still waiting for a sequence id: no more
+                if gen.seq_id is None:  # it holds none (a resume released the failed one)
+                    pass
+                elif idle and (handle is None or handle.done):
+                    await to_thread.run_sync(close_decode, gen)
+                    released = await to_thread.run_sync(self._release_now, gen.seq_id)
+                    if not released:
+                        self._release_later(gen)
+                else:
+                    self._release_later(gen)
+            except Exception:  # never leave a request running or its id in limbo
+                log.exception("finishing request %d", gen.request_id)
+                self._release_later(gen)
+            finally:
+                try:
+                    self._record(gen)
+                except Exception:
+                    log.exception("recording request %d", gen.request_id)
+                self._live.pop(gen.request_id, None)
+                self.active -= 1
+
+    def _release_now(self, seq_id: int) -> bool:
+        """Release without waiting for the device; True when the id is free again."""
+        status = self.executor.release_sequence(seq_id, 0.0)
+        if status.ok:
+            self.sequences.release(seq_id)
+        return status.ok
+
+    def _release_later(self, gen: Generation) -> None:
+        thread = threading.Thread(target=self._release_when_done, args=(gen,),
+                                  name=f"calexec-seq-release-{gen.seq_id}", daemon=True)
+        with self._releasing_mu:
+            self._releasing.add(thread)
+        thread.start()
+
+    def _executor_final(self) -> bool:
+        return self.executor.state in ("Stopped", "Failed")
+
+    def _release_when_done(self, gen: Generation) -> None:
+        """Background: wait (in bounded slices) until no enqueue of the request runs and its
+        last job ended, then release the sequence on the executor, retrying while the device
+        still runs a job of it. The id is reused only after that; it is withheld when the
+        executor ends (Stopped/Failed) first."""
+        seq_id, step = gen.seq_id, self.config.release_wait_s
+        try:
+            while not gen.enqueue_idle.wait(min(step, 1.0)):
+                pass
+            close_decode(gen)  # its pre-armed job holds KV of the sequence: released first
+            handle = gen.handle  # the last job: finish() closed the request to new ones
+            if handle is not None:
+                handle.cancel()
+            while handle is not None and not handle.done and not self._executor_final():
+                handle.wait_until(time.monotonic() + min(step, 1.0))
+            status = Status.unavailable(Phase.RELEASE, f"job of sequence {seq_id} unresolved "
+                                        "and the executor stopped", seq_id=seq_id)
+            if handle is None or handle.done:
+                while True:  # slices of at most 1 s: the executor may end meanwhile
+                    status = self.executor.release_sequence(seq_id, min(step, 1.0))
+                    if status.ok or status.category != Category.UNAVAILABLE \
+                            or self._executor_final():
+                        break
+            if status.ok:
+                self.sequences.release(seq_id)
+            else:
+                log.warning("sequence %d withheld: %s", seq_id, status)
+                self.sequences.withhold(seq_id)
+        except Exception:
+            log.exception("releasing sequence %d", seq_id)
+            self.sequences.withhold(seq_id)
+        finally:
+            with self._releasing_mu:
+                self._releasing.discard(threading.current_thread())
+
+    def _record(self, gen: Generation) -> None:
+        m = self.metrics
+        if gen.decode is not None:
+            prearmed = gen.decode.prearmed_steps
+            m.decode_steps.labels("true").inc(prearmed)
+            m.decode_steps.labels("false").inc(gen.decode.steps - prearmed)
+        if gen.status is not None:
+            m.observe_failure(gen.status)
+        else:
+            m.success.labels(gen.finish_reason).inc()
+            m.prompt_tokens.inc(len(gen.prompt))
+            m.generation_tokens.inc(len(gen.tokens))
+            m.request_prompt_tokens.observe(len(gen.prompt))
+            m.request_generation_tokens.observe(len(gen.tokens))
+            m.e2e.observe(time.monotonic() - gen.started)
+        if self.dump is not None:
+            self.dump.write({
+                "request_id": gen.request_id, "seq_id": gen.seq_id, "stream": gen.stream,
+                "prompt_tokens": len(gen.prompt), "completion_tokens": len(gen.tokens),
+                "finish_reason": gen.finish_reason,
+                "status": None if gen.status is None else gen.status.to_dict(),
+                "latency_s": round(time.monotonic() - gen.started, 6),
+                "last_job_timings": None if gen.handle is None else gen.handle.timings.to_dict(),
+                # with the prompt ids, enough to replay the request's tokens (sampling.pick)
+                "sampling": {"temperature": gen.sampling.temperature, "top_p": gen.sampling.top_p,
+                             "top_k": gen.sampling.top_k, "seed": gen.sampling.seed},
+                "prompt_token_ids": gen.prompt, "token_ids": gen.tokens,
+                "text": self.tokenizer.decode(gen.tokens)})
+
+    # ---- drain ----------------------------------------------------------------------------------
+    def start_drain(self, grace: float) -> asyncio.Task:
+        """Begin a drain (idempotent): the running task."""
+        if self._drain_task is None:
+            self._drain_task = asyncio.get_running_loop().create_task(self.drain(grace))
+        return self._drain_task
+
+    async def drain(self, grace: float) -> Status:
+        """Refuse new work (503), let admitted requests finish within ``grace`` seconds, then
+        shut the executor down with the rest of the grace. Runs ``on_drained`` callbacks."""
+        self.draining = True
+        self.admission.pump()  # requests waiting for a sequence id or Ready: 503 now
+        deadline = time.monotonic() + grace
+        while self.active and time.monotonic() < deadline:
+            await anyio.sleep(0.01)
+        remaining = max(0.0, deadline - time.monotonic())
+        status = await to_thread.run_sync(self.executor.shutdown, remaining)
+        if status.ok and self.active:
+            status = Status.failure("shutdown.requests_pending", Category.DEVICE, Phase.SHUTDOWN,
+                                    f"{self.active} requests still running after grace={grace}s")
+        self.drain_status = status
+        for callback in self.on_drained:
+            callback(status)
+        return status

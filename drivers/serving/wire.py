@@ -1,0 +1,40 @@
+"""HTTP plumbing of the reference server: bounded request bodies, cancelling work when the
+client disconnects, SSE framing."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import anyio
+from fastapi import Request
+
+
+def sse(data: Any) -> bytes:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n".encode("utf-8")
+
+
+async def read_body(request: Request, limit: int) -> bytes | None:
+    """The body, or None when it exceeds ``limit`` bytes (declared or actual)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        return None
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def until_disconnect(request: Request, work) -> None:
+    """Run ``await work()``; cancel it if the client disconnects first."""
+    async with anyio.create_task_group() as tg:
+        async def watch() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            tg.cancel_scope.cancel()
+        tg.start_soon(watch)
+        await work()
+        tg.cancel_scope.cancel()
