@@ -5,10 +5,14 @@ ends (length, client gone mid-stream) releases the armed job and the sequence.""
 from __future__ import annotations
 
 import json
+import threading
+import types
 
 import pytest
 from fastapi.testclient import TestClient
 
+from calexec.contracts.errors import Category
+from calexec.contracts.status import Phase, Status
 from calexec.drivers.serving.server import ServerConfig, create_app
 from test_server_support import metric_value, oracle_tokens, started_executor, wait_for
 
@@ -89,3 +93,28 @@ def test_a_client_gone_mid_stream_releases_the_armed_job_and_the_sequence(make):
         r = client.post("/v1/completions", json={"prompt": [4, 5], "max_tokens": 3})
         assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == \
             oracle_tokens([4, 5], 3)
+
+
+def test_a_sequence_busy_for_a_moment_is_released_not_withheld(make):
+    """The background release retries ``kv.sequence_busy`` (bounded): a pre-armed job the
+    submitter took back can still be mid-release when the stream's close() returns. Found by
+    the chaos soak (an id withheld at idle); here the executor answers busy twice."""
+    executor, app = make()
+    service = app.state.service
+    seq_id = service.sequences.acquire()
+    answers = iter(["busy", "busy"])
+    real = executor.release_sequence
+
+    def flaky(seq, wait_s=0.0):
+        if next(answers, None) == "busy":
+            return Status.failure("kv.sequence_busy", Category.INVALID_REQUEST, Phase.ADMISSION,
+                                  f"sequence {seq} is busy", seq_id=seq)
+        return real(seq, wait_s)
+    executor.release_sequence = flaky
+    gen = types.SimpleNamespace(seq_id=seq_id, handle=None, decode=None,
+                                enqueue_idle=threading.Event())
+    gen.enqueue_idle.set()
+    service._release_when_done(gen)
+    counts = service.sequences.counts()
+    assert counts["withheld"] == counts["in_use"] == 0
+    assert counts["free"] == counts["capacity"]

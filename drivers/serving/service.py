@@ -579,10 +579,19 @@ class CompletionService:
             status = Status.unavailable(Phase.RELEASE, f"job of sequence {seq_id} unresolved "
                                         "and the executor stopped", seq_id=seq_id)
             if handle is None or handle.done:
+                # kv.sequence_busy: a job of the sequence is still being released by another
+                # thread (a pre-armed job the submitter took back at its deadline or a fence:
+                # the stream's close() returned before that release ended); give it up to
+                # one ``release_wait_s`` before withholding the id
+                busy_until = time.monotonic() + step
                 while True:  # slices of at most 1 s: the executor may end meanwhile
                     status = self.executor.release_sequence(seq_id, min(step, 1.0))
-                    if status.ok or status.category != Category.UNAVAILABLE \
-                            or self._executor_final():
+                    if status.ok or self._executor_final():
+                        break
+                    if status.code == "kv.sequence_busy" and time.monotonic() < busy_until:
+                        time.sleep(0.005)
+                        continue
+                    if status.category != Category.UNAVAILABLE:
                         break
             if status.ok:
                 self.sequences.release(seq_id)
