@@ -953,6 +953,9 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             self._quarantine_after_submit(job, status, release_permit=slot.runtime_let_go())
             return
         t1 = now_us()
+        copy_ms = outbuf.copy_ms() if hasattr(outbuf, "copy_ms") else None
+        if copy_ms is not None:  # measured by the device (the emulator); the host cannot
+            job.timings.h2d_ms, job.timings.d2h_ms = copy_ms
         result = self._postprocess(job)
         job.timings.postprocess_ms = (now_us() - t1) / 1000.0
         if isinstance(result, Status):

@@ -118,3 +118,32 @@ def test_a_sequence_busy_for_a_moment_is_released_not_withheld(make):
     counts = service.sequences.counts()
     assert counts["withheld"] == counts["in_use"] == 0
     assert counts["free"] == counts["capacity"]
+
+
+def test_h2d_and_d2h_histograms_hold_the_copies_the_device_measured(tmp_path):
+    """#15 §4: the H2D/D2H histograms are filled from the device's own measurement (the
+    emulator times its DMA stages; CalRT 0.7.6 gives the host no copy timing, so a vendor
+    runtime leaves them empty rather than observing fake zeros). With a 300 us H2D and a
+    500 us D2H profile every job's copies take at least that long."""
+    executor = started_executor(tmp_path, "h2d_us=300;d2h_us=500")
+    try:
+        app = create_app(executor, ServerConfig())
+        with TestClient(app) as client:
+            r = client.post("/v1/completions", json={"prompt": [3, 4, 5], "max_tokens": 4})
+            assert r.status_code == 200, r.text
+            text = client.get("/metrics").text
+        for stage, floor in (("h2d", 300e-6), ("d2h", 500e-6)):
+            for kind, jobs in (("prefill_ids", 1), ("decode", 3)):
+                labels = {"kind": kind}
+                count = metric_value(text, f"calexec_job_{stage}_seconds_count", labels)
+                total = metric_value(text, f"calexec_job_{stage}_seconds_sum", labels)
+                assert count == jobs, (stage, kind, count)
+                assert total >= jobs * floor, (stage, kind, total)
+        outbuf = executor.pool.slots[0].outbuf  # a runtime without the control answers None
+        saved, outbuf._copy_fn = outbuf._copy_fn, None
+        try:
+            assert outbuf.copy_ms() is None
+        finally:
+            outbuf._copy_fn = saved
+    finally:
+        executor.shutdown(5.0)

@@ -150,4 +150,8 @@ int32_t calrt_emu_get_counters(calrt_device *dev, calrt_emu_counters *out);
 /* UndoSlice-forgotten detection: number of tensors of buf with an active slice. */
 int32_t calrt_emu_inputbuf_active_slices(calrt_inputbuf *buf, int32_t *count);
 
+/* The measured H2D and D2H copy durations (ns) of the last job finished on buf (0: that
+ * stage did not run, e.g. an aborted job); the host cannot time them on CalRT 0.7.6. */
+int32_t calrt_emu_outputbuf_copy_ns(calrt_outputbuf *buf, int64_t *h2d_ns, int64_t *d2h_ns);
+
 #endif

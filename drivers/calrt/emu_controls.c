@@ -161,3 +161,15 @@ int32_t calrt_emu_inputbuf_active_slices(calrt_inputbuf *h, int32_t *count)
     *count = n;
     return emu_unlock_rc(b->h.dev, CALRT_SUCCESS);
 }
+
+int32_t calrt_emu_outputbuf_copy_ns(calrt_outputbuf *h, int64_t *h2d_ns, int64_t *d2h_ns)
+{
+    if (!h2d_ns || !d2h_ns)
+        return CALRT_ERR_INVALID_VALUE;
+    emu_outbuf *b = (emu_outbuf *)emu_acquire(h, OBJ_OUTBUF);
+    if (!b)
+        return CALRT_ERR_INVALID_VALUE;
+    *h2d_ns = b->last_h2d_ns;
+    *d2h_ns = b->last_d2h_ns;
+    return emu_unlock_rc(b->h.dev, CALRT_SUCCESS);
+}

@@ -178,6 +178,8 @@ void emu_job_finish(emu_device *dev, emu_job *job, int32_t status)
     ob->last_seq = job->seq;
     ob->last_past = job->past;
     ob->last_cur = job->cur;
+    ob->last_h2d_ns = job->h2d_ns;
+    ob->last_d2h_ns = job->d2h_ns;
     job->ib->inflight--;
     job->kv->inflight--;
     if (status == CALRT_JOB_DONE)
@@ -232,7 +234,8 @@ int emu_deliver_ghost_locked(emu_device *dev)
 
 static void stage_h2d(emu_device *dev, int e, emu_job *job)
 {
-    int64_t deadline = emu_now_ns() + dev->k.h2d_us * 1000;
+    int64_t started = emu_now_ns();
+    int64_t deadline = started + dev->k.h2d_us * 1000;
     int guard = job->guard; /* as at infer(), not the knob now */
     int violated = 0;
     job->ob->status = CALRT_JOB_RUNNING;
@@ -245,6 +248,7 @@ static void stage_h2d(emu_device *dev, int e, emu_job *job)
         off += job->in_bytes[i];
     }
     sleep_until_ns(deadline);
+    job->h2d_ns = emu_now_ns() - started;
     stage_leave(dev, e);
     if (violated)
         dev->c.dma_input_violations++;
@@ -326,7 +330,8 @@ static void stage_compute(emu_device *dev, int e, emu_job *job)
 
 static void stage_d2h(emu_device *dev, int e, emu_job *job)
 {
-    int64_t deadline = emu_now_ns() + dev->k.d2h_us * 1000;
+    int64_t started = emu_now_ns();
+    int64_t deadline = started + dev->k.d2h_us * 1000;
     int guard = job->guard; /* as at infer(), not the knob now */
     uint64_t size = job->m->out[0].byte_size;
     uint64_t valid = job->f_short ? (size / 2) & ~1ull : size;
@@ -337,6 +342,7 @@ static void stage_d2h(emu_device *dev, int e, emu_job *job)
         violated = 1;
     memcpy(ob->map.host, ob->devmem, valid);
     sleep_until_ns(deadline);
+    job->d2h_ns = emu_now_ns() - started;
     stage_leave(dev, e);
     if (violated)
         dev->c.dma_output_violations++;

@@ -106,6 +106,7 @@ typedef struct emu_outbuf {
     uint64_t last_kv_serial;
     int32_t last_seq;
     uint32_t last_past, last_cur;
+    int64_t last_h2d_ns, last_d2h_ns; /* the last job's measured DMA copies, 0: not run */
     struct emu_outbuf *next;
 } emu_outbuf;
 
@@ -148,6 +149,7 @@ typedef struct emu_job {
     int hang_counted;
     int kv_failed; /* a Wait failure was reported before the job executed */
     uint64_t valid_bytes;
+    int64_t h2d_ns, d2h_ns; /* measured H2D / D2H stage durations, 0: not run */
     int computed;
     struct emu_job *next;
 } emu_job;

@@ -365,7 +365,7 @@ class InputBuf:
 class OutputBuf:
     """OutputBuf of one model; the device writes the mapped array at D2H."""
 
-    __slots__ = ("model", "_lib", "_ffi", "_h", "_array", "_status", "_bytes")
+    __slots__ = ("model", "_lib", "_ffi", "_h", "_array", "_status", "_bytes", "_copy", "_copy_fn")
 
     def __init__(self, model: Model, handle) -> None:
         self.model = model
@@ -375,6 +375,11 @@ class OutputBuf:
         self._array: np.ndarray | None = None
         self._status = self._ffi.new("int32_t *")
         self._bytes = self._ffi.new("uint64_t *")
+        self._copy = self._ffi.new("int64_t[2]")
+        try:  # the emulator's control; a vendor runtime (dlopen'ed) has none
+            self._copy_fn = self._lib.calrt_emu_outputbuf_copy_ns
+        except AttributeError:
+            self._copy_fn = None
 
     def map(self, tensor: str, arr: np.ndarray) -> int:
         ptr, dtype, size = _host(self._ffi, arr, f"output tensor {tensor!r}")
@@ -394,6 +399,15 @@ class OutputBuf:
     def valid_bytes(self) -> tuple[int, int]:
         rc = self._lib.calrt_outputbuf_valid_bytes(self._h, self._bytes)
         return rc, int(self._bytes[0])
+
+    def copy_ms(self) -> tuple[float, float] | None:
+        """(H2D, D2H) copy times in ms of the last job finished on this buffer, as the device
+        measured them; 0.0 for a stage that did not run. None when the runtime cannot say:
+        CalRT 0.7.6 runs both copies inside the job, between ``infer()`` and ``Wait()``, and
+        exposes no timing of them (only the bundled emulator measures its own)."""
+        if self._copy_fn is None or self._copy_fn(self._h, self._copy, self._copy + 1) != 0:
+            return None
+        return self._copy[0] / 1e6, self._copy[1] / 1e6
 
     def destroy(self) -> int:
         rc = self._lib.calrt_outputbuf_destroy(self._h)

@@ -239,10 +239,9 @@ class ServerMetrics:
 
     def observe_job(self, kind: TaskKind, timings: JobTimings) -> None:
         """One completed job's own timings (S11). ``h2d_ms``/``d2h_ms`` are observed only when
-        the job measured them (> 0): JobTimings' 0 means "not measured", and on CalRT 0.7.6 no
-        layer measures them (the copies run inside the device's job, between ``infer()`` and
-        ``Wait()``, so they are part of ``device_wait``): observing those zeros made the
-        histograms claim instant copies."""
+        the device measured them (> 0; the emulator does, ``OutputBuf.copy_ms``): CalRT 0.7.6
+        gives the host no copy timing (the copies run inside the job, part of
+        ``device_wait``), and JobTimings' 0 means "not measured", never an instant copy."""
         label = kind.name.lower()
         spans = {"admission_wait": timings.admission_wait_ms(),
                  "queue_wait": timings.queue_wait_ms(), "device_wait": timings.device_wait_ms,
