@@ -99,6 +99,22 @@ def test_growth_rule_flat_passes_growing_fails():
     assert growth(t[:2], flat[:2], 0.3, 2.0)["passed"] is False  # too few samples
 
 
+def test_rss_growth_by_median_ignores_spikes_but_not_a_leak():
+    """RSS in the soak swings by tens of MiB when a recovery allocates the next generation
+    before the retired one is freed: one spike in the last third must not fail the gate (it
+    did, with max vs max), a level shift (a leak) must."""
+    t = np.arange(80.0)
+    spiky = 120.0 + np.where(t % 9 == 0, 30.0, 0.0) + np.sin(t)
+    spiky[-5] = 165.0  # a recovery's peak late in the run
+    assert growth(t, spiky, 0.3, 8.0, stat="max")["passed"] is False
+    assert growth(t, spiky, 0.3, 8.0, stat="median")["passed"] is True
+    leak = spiky + np.where(t > 60, 12.0, 0.0)  # a retired generation kept: +12 MiB for good
+    verdict = growth(t, leak, 0.3, 8.0, stat="median")
+    assert verdict["passed"] is False and verdict["last_third_median"] > 130
+    with pytest.raises(ValueError, match="stat"):
+        growth(t, spiky, 0.3, 8.0, stat="mean")
+
+
 def test_latency_reservoir_keeps_a_bounded_uniform_sample():
     """The soak records every job's latency; only a bounded sample may be kept, or the gate
     measures its own bookkeeping (a 30-minute soak grew 72 MiB that way)."""
