@@ -401,6 +401,16 @@ def test_injected_faults_are_marked_injected_in_the_log(calbins, caplog):
         faults = [r.getMessage() for r in caplog.records if r.name == "calexec.faults"
                   and "-> " in r.getMessage()]
         assert faults and faults[-1].startswith("INJECTED fault "), faults
+        # the same point armed again (the emulator resets its fired counter): marked again
+        caplog.clear()
+        greedy(ex, 1, PROMPT, 0)
+        arm(ex, "SUBMIT_RC", rc=18)
+        res = ex.enqueue(decode(1, 3, len(PROMPT))).wait_until(deadline())
+        assert isinstance(res, Status) and res.raw == 18
+        assert wait_state(ex, ("Ready",)) == "Ready"
+        faults = [r.getMessage() for r in caplog.records if r.name == "calexec.faults"
+                  and "-> " in r.getMessage()]
+        assert faults and faults[-1].startswith("INJECTED fault "), faults
         # a fault the plan did not fire: reported directly, no fired counter moved
         caplog.clear()
         ex.faults.report(Status.failure("device.test_real", Category.DEVICE, Phase.WAIT, "real"))

@@ -472,7 +472,7 @@ def _name(enum_type, value: int) -> str:
 class Emulator:
     """calrt_emu_ controls of a device (latency, knobs, faults, stepped mode, counters)."""
 
-    __slots__ = ("_lib", "_ffi", "_h", "_did", "_counters")
+    __slots__ = ("_lib", "_ffi", "_h", "_did", "_counters", "_fired_before")
 
     def __init__(self, device: Device) -> None:
         self._lib = device._lib
@@ -480,6 +480,7 @@ class Emulator:
         self._h = device._h
         self._did = self._ffi.new("int32_t *")
         self._counters = self._ffi.new("calrt_emu_counters *")
+        self._fired_before = 0  # faults fired by arms that a later set_fault reset
 
     def set_latency(self, h2d_us: int = 0, prefill_per_token_us: int = 0, decode_us: int = 0, d2h_us: int = 0) -> int:
         return self._lib.calrt_emu_set_latency(self._h, h2d_us, prefill_per_token_us, decode_us, d2h_us)
@@ -495,16 +496,19 @@ class Emulator:
     def set_fault(self, point: int, mode: int, param: int = 1, seed: int = 0, rc: int = 0) -> int:
         """Arm a fault point (see calrt_emu.h: NTH param=n, EVERY_K param=k, PROB param=ppm).
         Logged (``calexec.injected``, marked INJECTED) when it is armed."""
+        before = self.fault_stats(point)[2]  # set resets the point's fired counter: keep it
         result = self._lib.calrt_emu_fault_set(self._h, point, mode, param, seed, rc)
+        if result == 0:
+            self._fired_before += before
         if result == 0 and mode != FaultMode.OFF:
             inject_log.warning("INJECTED fault armed: point=%s mode=%s param=%d seed=%d rc=%d",
                                _name(Fault, point), _name(FaultMode, mode), param, seed, rc)
         return result
 
     def injected_fired(self) -> int:
-        """Faults the fault plan has fired, summed over every point (each point counts from
-        the moment it was last armed)."""
-        return sum(self.fault_stats(p)[2] for p in Fault if p != Fault.COUNT)
+        """Faults the fault plan has fired through this object since it was made, every point
+        summed (monotonic: a re-arm resets the point's counter, its earlier count is kept)."""
+        return self._fired_before + sum(self.fault_stats(p)[2] for p in Fault if p != Fault.COUNT)
 
     def clear_fault(self, point: int) -> int:
         return self._lib.calrt_emu_fault_clear(self._h, point)
