@@ -248,10 +248,13 @@ class DecodeStream:
                 ex.clock.wait(ex._submit_cv, remaining)
             job, self._armed = self._armed, None
             ahead = self._take_ahead() if self._ahead is not None else None
-        if job is not None:
-            ex._disarm(job, Status.cancelled(
+        if job is not None and not ex._disarm(job, Status.cancelled(
                 Phase.CANCEL, f"decode stream of seq {self.seq_id} closed: {status.code}"),
-                counted=counted)
+                counted=counted) and ex.config.threads:
+            # the submitter took it first (cancelled, expired, fenced) and releases it now:
+            # wait (bounded) for the end of that release, which resolves the job last, so
+            # that once close() returns the sequence is free
+            JobHandle(job).wait_until(ex.clock.monotonic() + _CLOSE_WAIT_S)
         if ahead is not None:  # fired ahead, never taken: cancel it and let it end (bounded;
             handle = ahead[1]  # stepped mode: whoever drives the executor completes it)
             handle.cancel()

@@ -588,9 +588,9 @@ class CompletionService:
                                         "and the executor stopped", seq_id=seq_id)
             if handle is None or handle.done:
                 # kv.sequence_busy: a job of the sequence is still being released by another
-                # thread (a pre-armed job the submitter took back at its deadline or a fence:
-                # the stream's close() returned before that release ended); give it up to
-                # one ``release_wait_s`` before withholding the id
+                # thread (close() waits for the submitter's release of a pre-armed job, but
+                # only up to its bound); give it up to one ``release_wait_s`` before
+                # withholding the id
                 busy_until = time.monotonic() + step
                 while True:  # slices of at most 1 s: the executor may end meanwhile
                     status = self.executor.release_sequence(seq_id, min(step, 1.0))
