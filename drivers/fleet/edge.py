@@ -39,13 +39,15 @@ import asyncio
 import logging
 from typing import Any, AsyncIterator, Awaitable, Callable
 
+from calexec.drivers.serving import handoff
+
 log = logging.getLogger("calexec.fleet_edge")
 
 #: header naming the replica that relayed a request (and marking it as relayed: one hop).
 RELAYED_FROM = b"x-calexec-relayed-from"
 #: (method, path) the edge may relay: the data plane. /ready, /health, /metrics, /admin and
 #: /debug describe or steer this replica and are always answered here.
-RELAY_ROUTES = frozenset({("POST", "/v1/completions")})
+RELAY_ROUTES = frozenset({("POST", "/v1/completions"), ("POST", "/v1/chat/completions")})
 
 Message = dict[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -192,23 +194,43 @@ def relay_request(scope: Message, body: bytes, replica: str) -> Message:
     headers = [(bytes(k), bytes(v)) for k, v in scope.get("headers", [])
                if k.lower() not in (RELAYED_FROM, b"content-length", b"transfer-encoding")]
     headers += [(RELAYED_FROM, replica.encode()), (b"content-length", str(len(body)).encode())]
-    return {"method": scope["method"], "path": route_path(scope),
-            "query_string": bytes(scope.get("query_string", b"")), "headers": headers,
-            "body": body, "http_version": scope.get("http_version", "1.1")}
+    request = {"method": scope["method"], "path": route_path(scope),
+               "query_string": bytes(scope.get("query_string", b"")), "headers": headers,
+               "body": body, "http_version": scope.get("http_version", "1.1")}
+    # a fleet request's out-of-band state goes along (drivers/serving/handoff.py)
+    if scope.get(handoff.PROGRESS) is not None:
+        request["progress"] = True
+    if scope.get(handoff.RESUME) is not None:
+        request["resume"] = scope[handoff.RESUME]
+    return request
 
 
-async def serve_relayed(app: Any, request: Message, stop_grace_s: float = 5.0
-                        ) -> AsyncIterator[Message]:
+async def serve_relayed(app: Any, request: Message, stop_grace_s: float = 5.0,
+                        handoff_ok: Callable[[], bool] | None = None) -> AsyncIterator[Message]:
     """The sibling's side of a relay: run ``app`` (the sibling's :class:`ReplicaEdge`) on
     ``request`` and yield its ASGI send messages as they come (a stream stays a stream).
     Closing the iterator early (the relaying replica's client left) tells the app the client
-    disconnected and cancels it after ``stop_grace_s``."""
+    disconnected and cancels it after ``stop_grace_s``.
+
+    ``request["progress"]`` (the fleet ingress asks for it): the app's progress reports are
+    yielded too, as ``{"type": "calexec.progress", ...}`` messages in order with the ASGI
+    ones; ``request["resume"]``: the state the app continues a handed-over generation from;
+    ``handoff_ok``: whether a draining app may hand the request to a sibling now. All three
+    reach the app as ASGI scope keys (drivers/serving/handoff.py), which no HTTP client can
+    set."""
     scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
              "http_version": request["http_version"], "method": request["method"],
              "scheme": "http", "path": request["path"], "raw_path": request["path"].encode(),
              "root_path": "", "query_string": request["query_string"],
              "headers": request["headers"], "client": None, "server": None}
     messages: asyncio.Queue[Message | None] = asyncio.Queue()
+    if request.get("progress"):
+        scope[handoff.PROGRESS] = lambda info: messages.put_nowait(
+            {"type": handoff.PROGRESS_TYPE, **info})
+        if handoff_ok is not None:
+            scope[handoff.HANDOFF] = handoff_ok
+    if request.get("resume") is not None:
+        scope[handoff.RESUME] = request["resume"]
     disconnected = asyncio.Event()
     body_given = False
 

@@ -58,6 +58,7 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, R
 from calexec.drivers.fleet import registry as replica_registry
 from calexec.drivers.device_spec import DeviceSpec
 from calexec.drivers.fleet.edge import ReplicaEdge, serve_relayed
+from calexec.drivers.fleet.ingress import CAUSES, FailoverSettings, FleetIngress
 from calexec.drivers.serving.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
 from calexec.drivers.calrt.runtime import Fault, FaultMode
 from calexec.drivers.serving.server import ServerConfig, create_app
@@ -159,23 +160,43 @@ class LifecycleRouter(FIFOMixin, RequestRouter):
         relay = (pending_request is not None
                  and pending_request.metadata.call_method == RELAY_METHOD)
         me = replica_registry.self_replica() if relay else None
-        return rank_by_lifecycle(candidate_replicas, exclude=me)
+        request = pending_request.args[0] if relay and pending_request.args else None
+        avoid, pin = (), None
+        if isinstance(request, dict):  # built by the fleet ingress or a tool, never by HTTP
+            avoid, pin = request.get("avoid") or (), request.get("replica")
+        return rank_by_lifecycle(candidate_replicas, exclude=me, avoid=avoid, pin=pin)
 
 
-def rank_by_lifecycle(candidates: list[Any], exclude: Any = None) -> list[list[Any]]:
+def rank_by_lifecycle(candidates: list[Any], exclude: Any = None, avoid: Any = (),
+                      pin: str | None = None) -> list[list[Any]]:
     """:class:`LifecycleRouter`'s ranking of replicas (anything with ``routing_stats`` and
     ``replica_id``): up to two random serving replicas, then up to two random others; empty
     ranks are left out. ``exclude`` (a relaying replica's own id) is never chosen while
     another replica exists; alone, it gets the request back and answers it itself (a relayed
-    request is never relayed again), so a relay is never parked in the router."""
+    request is never relayed again), so a relay is never parked in the router. ``avoid``
+    (replica unique ids that already failed this request: the fleet ingress's failover) come
+    last, after every other replica. ``pin`` (a replica unique id: an operator or test
+    addressing one replica) is the only choice while it exists."""
+    if pin is not None:
+        pinned = [r for r in candidates if unique_id(r) == pin]
+        if pinned:
+            return [pinned]
     if exclude is not None:
         others = [r for r in candidates if r.replica_id != exclude]
         candidates = others or candidates
+    avoided = [r for r in candidates if unique_id(r) in avoid]
+    candidates = [r for r in candidates if unique_id(r) not in avoid]
     serving = [r for r in candidates if is_serving(r.routing_stats)]
     others = [r for r in candidates if not is_serving(r.routing_stats)]
     ranks = [random.sample(serving, min(2, len(serving))),
-             random.sample(others, min(2, len(others)))]
+             random.sample(others, min(2, len(others))),
+             random.sample(avoided, min(2, len(avoided)))]
     return [rank for rank in ranks if rank]
+
+
+def unique_id(replica: Any) -> str:
+    """A replica's unique id (the ``x-calexec-replica`` header's value)."""
+    return str(getattr(replica.replica_id, "unique_id", replica.replica_id))
 
 
 def sibling_serves(app_name: str, self_id: Any) -> bool:
@@ -239,9 +260,12 @@ class CalexecReplica:
         return self.edge
 
     async def relay_http(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """A sibling's relayed completion (drivers/fleet/edge.py), served by this replica's
-        edge and streamed back as ASGI messages; never relayed again."""
-        async for message in serve_relayed(self.edge, request):
+        """A request from the fleet ingress (drivers/fleet/ingress.py) or a sibling's relay
+        (drivers/fleet/edge.py), served by this replica's edge and streamed back as ASGI
+        messages, with the progress messages the ingress asked for; never relayed again. A
+        draining replica hands a stream off at a token boundary while a sibling serves."""
+        async for message in serve_relayed(self.edge, request,
+                                           handoff_ok=self.edge.relay_target):
             yield message
 
     async def _warm_relay(self) -> None:
@@ -308,6 +332,44 @@ class CalexecReplica:
         self._tmp.cleanup()
 
 
+@serve.ingress()
+class CalexecIngress:
+    """The fleet's HTTP entry (drivers/fleet/ingress.py): no device; every request goes to a
+    device replica through a streaming handle call to its ``relay_http``, and a completion or
+    chat a replica cannot finish (its process died, it drained, its device failed) continues
+    on a sibling from where the client is. Exports Ray Serve counters
+    ``calexec_fleet_failovers{cause}``, ``calexec_fleet_failover_tokens_reprefilled`` and
+    ``calexec_fleet_failover_budget_exhausted``."""
+
+    def __init__(self, replicas: Any, failover: FailoverSettings) -> None:
+        self._relay = replicas.options(method_name=RELAY_METHOD, stream=True)
+        self.ingress = FleetIngress(lambda request: self._relay.remote(request), failover)
+        failovers = serve_metrics.Counter(
+            "calexec_fleet_failovers", "Requests continued on a sibling replica, by cause "
+            f"({', '.join(CAUSES)}).", tag_keys=("cause",))
+        reprefilled = serve_metrics.Counter(
+            "calexec_fleet_failover_tokens_reprefilled",
+            "Prompt + produced tokens re-prefilled by siblings on failovers.")
+        exhausted = serve_metrics.Counter(
+            "calexec_fleet_failover_budget_exhausted",
+            "Requests that failed because their failover budget was spent.")
+
+        def counted(cause: str, tokens: int) -> None:
+            failovers.inc(1, tags={"cause": cause})
+            if tokens:
+                reprefilled.inc(tokens)
+        self.ingress.on_failover = counted
+        self.ingress.on_exhausted = lambda: exhausted.inc(1)
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return self.ingress
+
+    def stats(self) -> dict[str, Any]:
+        """The ingress's failover counters (tests, ops)."""
+        return {"failovers": dict(self.ingress.failovers),
+                "reprefilled": self.ingress.reprefilled, "exhausted": self.ingress.exhausted}
+
+
 class ReplicaHeaders:
     """ASGI middleware: every HTTP response names the replica and device that served it
     (``x-calexec-replica``, ``x-calexec-device``), streaming responses included."""
@@ -340,9 +402,15 @@ def device_label(executor: DeviceExecutor, settings: ReplicaSettings) -> str:
 
 
 def build_app(settings: ReplicaSettings, replicas: int, health_check_period_s: float = 0.5,
-              health_check_timeout_s: float = 10.0, routing_stats_period_s: float = 0.1) -> Any:
-    """The bound Serve application: ``replicas`` replicas of :class:`CalexecReplica`, routed
-    by :class:`LifecycleRouter`.
+              health_check_timeout_s: float = 10.0, routing_stats_period_s: float = 0.1,
+              failover: FailoverSettings | None = None, ingress: bool = True) -> Any:
+    """The bound Serve application: :class:`CalexecIngress` (deployment ``ingress``, the HTTP
+    entry, one replica, no device) in front of ``replicas`` replicas of
+    :class:`CalexecReplica` (deployment ``calexec``), routed by :class:`LifecycleRouter`.
+    ``failover``: the ingress's budget; by default ``max_failovers`` is the server's
+    ``max_resumes`` and the deadline, body limit and Retry-After are the server's.
+    ``ingress=False``: the replicas are the HTTP entry themselves (no mid-stream failover;
+    the replica's edge still relays a completion answered 503 before its first byte).
 
     ``graceful_shutdown_timeout_s`` is the drain grace plus 10 s of headroom for the
     executor's shutdown; one replica per device, so replicas take no Ray CPU (``num_cpus=0``)
@@ -365,4 +433,14 @@ def build_app(settings: ReplicaSettings, replicas: int, health_check_period_s: f
         request_router_config=RequestRouterConfig(
             request_router_class=LifecycleRouter,
             request_routing_stats_period_s=routing_stats_period_s))
-    return deployment.bind(settings)
+    if not ingress:
+        return deployment.bind(settings)
+    server = settings.server
+    failover = failover or FailoverSettings(
+        max_failovers=server.max_resumes, default_timeout_s=server.default_timeout_s,
+        max_body_bytes=server.max_body_bytes, retry_after_s=server.retry_after_s)
+    entry = serve.deployment(
+        CalexecIngress, name="ingress", num_replicas=1, ray_actor_options={"num_cpus": 0},
+        # every request of the fleet passes here: as many as the replicas admit or queue
+        max_ongoing_requests=replicas * (server.max_sequences + server.max_waiting) + 16)
+    return entry.bind(deployment.bind(settings), failover)
