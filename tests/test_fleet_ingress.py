@@ -85,7 +85,11 @@ class Replica:
                     break
                 yield {"type": PROGRESS_TYPE, "tokens": [TOKENS[i]]}
                 yield {"type": "http.response.body", "body": chunk(i), "more_body": True}
-            yield {"type": "http.response.body", "body": TAIL, "more_body": False}
+            yield {"type": PROGRESS_TYPE, "final": True}
+            yield {"type": "http.response.body", "body": TAIL, "more_body": True}
+            if self.how == "after_tail":  # died before its end-of-body message
+                raise RuntimeError("ActorDiedError: the replica's process died")
+            yield {"type": "http.response.body", "body": b"", "more_body": False}
             self.finished = True
         finally:
             if not self.finished:
@@ -288,3 +292,10 @@ def test_a_client_cannot_inject_resume_state_through_the_ingress():
     request = r1.requests[0]
     assert "resume" not in request  # only the ingress's own state ever goes there
     assert json.loads(request["body"])["resume"] == {"tokens": [99]}  # the server refuses it
+
+
+def test_a_replica_dying_after_its_last_chunk_ends_the_stream_without_failover():
+    r1, r2 = Replica("r1", how="after_tail"), Replica("r2")
+    app = ingress(Router(r1, r2))
+    client = run(app)
+    assert client.content == UNCUT and client.ended and not r2.requests and app.failovers == {}

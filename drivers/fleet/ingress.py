@@ -98,6 +98,8 @@ class _Client:
     tokens: list[int] = attrs.Factory(list)  # tokens whose chunks went out
     pending: list[int] = attrs.Factory(list)  # announced, their chunk not forwarded yet
     admitted: dict[str, Any] | None = None  # seed, id, created, prompt_tokens
+    final: bool = False  # the next forwarded chunk is the response's last one
+    complete: bool = False  # the last chunk went out (only the end-of-body may be missing)
     failed_from: str | None = None  # the first replica that failed this request
 
     def resume(self, deadline: float) -> dict[str, Any]:
@@ -236,6 +238,8 @@ class FleetIngress:
                     client.pending.extend(message.get("tokens", ()))
                     if "error" in message:
                         error = message
+                    client.final = bool(message.get("final")) or (
+                        error is not None and not error.get("retryable"))
                     handed = message.get("handoff", handed)
                     continue
                 if kind == "http.response.start":
@@ -276,22 +280,31 @@ class FleetIngress:
                 await send(message)
                 if chunk:
                     client.opened = True
+                    client.complete = client.final
                 client.tokens.extend(client.pending)
                 client.pending.clear()
                 if not more:
                     ended = True
                     return _Outcome(None, replica)
             ended = True  # the stream ended before the response did
-            client.pending.clear()
-            return _Outcome(handed or "replica_died", replica)
+            return await self._cut(client, send, _Outcome(handed or "replica_died", replica))
         except Exception as err:  # noqa: BLE001 - the replica's process died or is unreachable
             ended = True
-            client.pending.clear()
             log.warning("replica %s failed mid-response: %r", replica, err)
-            return _Outcome("replica_died", replica)
+            return await self._cut(client, send, _Outcome("replica_died", replica))
         finally:
             if not ended:  # cancelled: the client left
                 await stop_stream(stream)
+
+    @staticmethod
+    async def _cut(client: _Client, send: Send, outcome: _Outcome) -> _Outcome:
+        """A replica's stream broke off: a failover, unless the client already had the
+        response's last chunk (then only its end is sent)."""
+        client.pending.clear()
+        if client.complete:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return _Outcome(None, outcome.replica)
+        return outcome
 
     async def _give_up(self, client: _Client, outcome: _Outcome, send: Send) -> None:
         """The budget is spent: the client gets what it would have got without the fleet."""

@@ -10,9 +10,11 @@ direct client of the server has no way to inject any of this):
   messages, consumed by the ingress and never forwarded to the client:
   ``{"seed", "id", "created", "prompt_tokens"}`` once the request is admitted (before its
   response starts); ``{"tokens": [id]}`` right before the SSE chunk that carries that token
-  (the ingress counts the tokens as the client's once it forwarded that chunk); ``{"error":
-  code, "retryable", "cause"}`` right before a stream's SSE error event; ``{"handoff":
-  "drained"}`` when a draining replica ends the stream at a token boundary for a sibling.
+  (the ingress counts the tokens as the client's once it forwarded that chunk); ``{"final":
+  True}`` right before the chunk that ends the stream (last chunk, usage and ``[DONE]`` in
+  one message); ``{"error": code, "retryable", "cause"}`` right before a stream's SSE error
+  event; ``{"handoff": "drained"}`` when a draining replica ends the stream at a token
+  boundary for a sibling.
 - :data:`RESUME`: what a sibling continues from (:class:`Resume`): the tokens the client
   already has text for, the sampling seed, the completion id and ``created``, whether a chat
   stream's opening chunk went out, and the time left until the request's deadline. The

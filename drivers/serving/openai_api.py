@@ -640,6 +640,7 @@ def add_routes(app: FastAPI, service: Any, fail: Callable[..., Response]) -> Non
                     tail.append(b"data: [DONE]\n\n")
                     if progress is not None:  # one message: a cut never splits the tail
                         tail = [b"".join(tail)]
+                        progress({"final": True})
                     for part in tail:
                         yield part
             finally:
