@@ -69,8 +69,9 @@ class Replica:
                 if i == self.fail_at:
                     if self.how == "raise":
                         raise RuntimeError("ActorDiedError: the replica's process died")
-                    if self.how == "handoff":
+                    if self.how == "handoff":  # then its response ends (no [DONE])
                         yield {"type": PROGRESS_TYPE, "handoff": "drained"}
+                        yield {"type": "http.response.body", "body": b"", "more_body": False}
                         return
                     if self.how == "error":
                         yield {"type": PROGRESS_TYPE, "error": "device.fault", "retryable": True,

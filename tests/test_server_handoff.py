@@ -63,15 +63,38 @@ async def cut_after(stream, k: int):
         await stream.aclose()
 
 
-def through_ingress(app, path: str, body: dict, cut: int | None = None):
+async def drain_after(stream, service, k: int):
+    """``stream``, its replica starting a drain once k tokens were announced (at admission
+    for a whole answer); the drain ends with the hand-off (the same app is the sibling)."""
+    n = 0
+    try:
+        async for message in stream:
+            if message["type"] == PROGRESS_TYPE:
+                n += "tokens" in message
+                if n == k or (k == 0 and "seed" in message):
+                    service.draining = True
+                if "handoff" in message:
+                    service.draining = False
+            yield message
+    finally:
+        service.draining = False
+        await stream.aclose()
+
+
+def through_ingress(app, path: str, body: dict, cut: int | None = None, drain: bool = False):
     """(client bytes, response start, the requests the ingress sent) of ``body`` through the
-    ingress to ``app``; the first call is cut after ``cut`` tokens."""
+    ingress to ``app``; the first call is cut after ``cut`` tokens (or, with ``drain``, its
+    replica drains then)."""
     calls: list[dict] = []
 
     def call(request):
         calls.append(request)
+        first = cut is not None and len(calls) == 1
+        if drain and first:
+            return drain_after(serve_relayed(app, request, handoff_ok=lambda: True),
+                               app.state.service, cut)
         stream = serve_relayed(app, request)
-        return cut_after(stream, cut) if cut is not None and len(calls) == 1 else stream
+        return cut_after(stream, cut) if first else stream
 
     ingress = FleetIngress(call, FailoverSettings(backoff_s=0.001))
     messages: list[dict] = []
@@ -97,7 +120,8 @@ def through_ingress(app, path: str, body: dict, cut: int | None = None):
     assert len(starts) == 1
     content = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.response.body")
     if cut is not None:
-        assert len(calls) == 2 and ingress.failovers == {"replica_died": 1}
+        assert len(calls) == 2
+        assert ingress.failovers == {"drained" if drain else "replica_died": 1}
     return content, starts[0], calls
 
 
@@ -272,3 +296,26 @@ def test_text_state_rebuilt_from_the_tokens_loses_and_repeats_nothing(text, stop
         rest, out = run(rebuilt, tokens[k:])
         assert "".join(first) + "".join(rest) + out.flush() == expected, f"cut at {k}"
         assert out.stopped == whole.stopped
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_a_draining_replica_hands_the_request_to_a_sibling_at_a_token_boundary(app, path,
+                                                                              stream):
+    head = {"messages": [{"role": "user", "content": "hi"}]} if path == CHAT \
+        else {"prompt": PROMPT}
+    body = {**head, "max_tokens": N, "stream": stream, **SAMPLING["seeded"]}
+    reference = through_ingress(app, path, body)[0]
+    content, start, calls = through_ingress(app, path, body, cut=0 if not stream else 3,
+                                            drain=True)
+    assert start["status"] == 200
+    if stream:
+        assert 3 <= len(calls[1]["resume"]["tokens"]) < N
+        got, want = events(content), events(reference)
+    else:
+        assert calls[1]["resume"]["tokens"] == []  # a whole answer is re-run
+        got, want = json.loads(content), json.loads(reference)
+        got, want = [got], [want]
+    for e in got + want:
+        e["id"] = e["created"] = None
+    assert got == want

@@ -252,6 +252,9 @@ class FleetIngress:
                     continue
                 if kind != "http.response.body":
                     continue
+                if handed is not None:  # what follows a hand-off is only the end of the body
+                    ended = True
+                    return await self._cut(client, send, _Outcome(handed, replica))
                 chunk, more = message.get("body", b""), message.get("more_body", False)
                 if held is not None:
                     held_body.append(chunk)

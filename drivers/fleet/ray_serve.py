@@ -213,9 +213,10 @@ def sibling_serves(app_name: str, self_id: Any) -> bool:
     return False
 
 
-@serve.ingress()
 class CalexecReplica:
-    """One replica: one device, one executor, the reference server's app as ingress."""
+    """One replica: one device, one executor, the reference server's app behind its fleet
+    edge, reached through ``relay_http`` (from :class:`CalexecIngress`; a Serve application
+    has one HTTP ingress deployment)."""
 
     def __init__(self, settings: ReplicaSettings) -> None:
         """Open the device and start the executor (golden included); raise on failure so Ray
@@ -333,6 +334,12 @@ class CalexecReplica:
 
 
 @serve.ingress()
+class CalexecHttpReplica(CalexecReplica):
+    """A replica that is the application's HTTP entry itself (``build_app(ingress=False)``:
+    no ingress hop, no mid-stream failover)."""
+
+
+@serve.ingress()
 class CalexecIngress:
     """The fleet's HTTP entry (drivers/fleet/ingress.py): no device; every request goes to a
     device replica through a streaming handle call to its ``relay_http``, and a completion or
@@ -423,7 +430,7 @@ def build_app(settings: ReplicaSettings, replicas: int, health_check_period_s: f
     if routing_stats_period_s <= 0:
         raise ValueError(f"routing_stats_period_s={routing_stats_period_s}: must be > 0")
     deployment = serve.deployment(
-        CalexecReplica, name="calexec", num_replicas=replicas,
+        CalexecReplica if ingress else CalexecHttpReplica, name="calexec", num_replicas=replicas,
         ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=settings.server.max_sequences,
         graceful_shutdown_wait_loop_s=0.2,
