@@ -4,7 +4,7 @@ One replica owns one device (§5 invariant 1). When that device stops serving (l
 Failed, Recovering, Warming..., or the server draining), the fleet still can: another replica
 owns another device. :class:`ReplicaEdge` is the ASGI wrapper in front of a replica's reference
 server app that makes this true for ``POST /v1/completions`` without the client seeing the
-failed replica:
+failed replica (``POST /v1/chat/completions`` too):
 
 1. A completion that arrives while this replica does not serve is **relayed** at once to a
    sibling that serves (the router learns a replica's lifecycle a routing-stats period late, so
@@ -19,13 +19,21 @@ failed replica:
 3. One hop only: a relayed request carries ``x-calexec-relayed-from`` and is never relayed
    again, so a request refused by two devices answers 503 + ``Retry-After`` instead of
    bouncing; a client sending that header opts out of relaying.
-4. Nothing is replayed once a byte has reached the client: a streaming completion that already
-   sent tokens and then fails ends with its SSE error event, as on a single server. A request
-   body over ``max_body_bytes`` is passed through untouched (the server answers 413).
+4. Nothing is replayed here once a byte has reached the client: a streaming completion that
+   already sent tokens and then fails ends with its SSE error event, as on a single server.
+   Continuing such a stream on a sibling needs something that outlives this replica's
+   process: the fleet ingress (drivers/fleet/ingress.py), the HTTP entry of the Ray fleet,
+   whose requests are marked relayed (``x-calexec-relayed-from: ingress``) so that this edge
+   passes them through and the ingress alone retries. A request body over ``max_body_bytes``
+   is passed through untouched (the server answers 413).
 
 With no sibling that serves (one replica, or all of them down) the replica answers itself, as
 the single server does: the clear 503 + ``Retry-After``. Every relayed response carries
 ``x-calexec-relayed-from: <this replica>`` beside the sibling's own ``x-calexec-replica``.
+
+:func:`serve_relayed` is also how the ingress reaches a replica: it hands the request's
+out-of-band state (progress reports, resume state, whether a hand-off is possible) to the app
+as ASGI scope keys (drivers/serving/handoff.py), which no HTTP client can set.
 
 The edge knows nothing of Ray: ``relay(request) -> async iterator of ASGI messages`` and
 ``relay_target() -> bool`` are given by the host (drivers/fleet/ray_serve.py: a streaming

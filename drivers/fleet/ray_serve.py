@@ -1,12 +1,16 @@
 """Ray Serve as router and supervisor: one replica per device (issue 9).
 
-Each replica of :func:`build_app`'s deployment is one Ray actor process that owns exactly one
-device (§5 invariant 1): it opens its own device (with the bundled emulator, its own emulator
-instance), writes the synthetic calbin into a replica-local temporary directory unless a calbin
-path is given, starts a ``DeviceExecutor`` (Configuring -> Warming -> golden -> Ready) and
-serves the reference server's app (``create_app``) as its FastAPI ingress: the same OpenAI-style
-completions, streaming, errors, /ready, /health and /metrics. Ray Serve routes HTTP requests
-across the replicas and supervises them:
+Each replica of :func:`build_app`'s ``calexec`` deployment is one Ray actor process that owns
+exactly one device (§5 invariant 1): it opens its own device (with the bundled emulator, its own
+emulator instance), writes the synthetic calbin into a replica-local temporary directory unless
+a calbin path is given, starts a ``DeviceExecutor`` (Configuring -> Warming -> golden -> Ready)
+and serves the reference server's app (``create_app``): the same OpenAI-style completions,
+streaming, errors, /ready, /health and /metrics. The application's HTTP entry is
+:class:`CalexecIngress` (deployment ``ingress``, no device; drivers/fleet/ingress.py), which
+forwards every request to a replica through a streaming handle call to ``relay_http`` and
+continues a completion or chat on a sibling when its replica dies, drains or fails mid-stream
+(issue 16; ``build_app(ingress=False)``: the replicas are the HTTP entry, without that). Ray
+Serve routes the requests across the replicas and supervises them:
 
 - ``check_health`` reads the lifecycle chart. Ready, Draining, Recovering, Configuring and
   Warming are healthy (the executor recovers itself); Failed raises :class:`ReplicaFailed`, so
@@ -19,16 +23,23 @@ across the replicas and supervises them:
   replicas that do not serve (Failed, Recovering, Warming, draining...) after those that do.
   A Failed replica therefore stops taking new requests within about one stats period plus the
   controller's 0.1 s loop, instead of answering 503 until its third failed health check.
-- What a replica's device cannot serve is served by a sibling: the replica's app is wrapped
-  in the fleet edge (:class:`~calexec.drivers.fleet.edge.ReplicaEdge`), which relays a
-  completion once, before any byte reached the client, when it arrives while the replica does
-  not serve or is answered 503 here (or 500 after the failure took the device down). The relay
-  is a streaming handle call to this deployment's ``relay_http``, which
-  :class:`LifecycleRouter` never routes back to the relaying replica while another exists.
+- What a replica's device cannot serve is served by a sibling. Through the ingress: a
+  completion or chat answered 503 before its first byte, or whose replica dies, drains or
+  fails after tokens went out, is continued on a sibling from where the client is (prompt +
+  tokens re-prefilled, same seed, id and stream); ``LifecycleRouter`` ranks the replicas that
+  failed the request (``request["avoid"]``) last. A drained replica hands its ingress streams
+  off at a token boundary while a sibling serves. Without the ingress, the replica's fleet
+  edge (:class:`~calexec.drivers.fleet.edge.ReplicaEdge`) relays a completion once, before
+  any byte reached the client, when it arrives while the replica does not serve or is
+  answered 503 here (or 500 after the failure took the device down), through a streaming
+  handle call to this deployment's ``relay_http``, which :class:`LifecycleRouter` never
+  routes back to the relaying replica while another exists. ``request["replica"]`` pins a
+  ``relay_http`` call to one replica (an operator's or a test's admin call).
 - Scale-down, redeploy and ``serve.shutdown`` stop a replica gracefully: Serve stops routing to
   it and waits for its ongoing requests, then the destructor drains the service (admission
   refused, admitted requests finished) and shuts the executor down within
-  ``ReplicaSettings.grace_s``. The deployment's ``graceful_shutdown_timeout_s`` is set above
+  ``ReplicaSettings.grace_s`` (an ingress stream still running then is handed to a sibling
+  at its next token boundary). The deployment's ``graceful_shutdown_timeout_s`` is set above
   that grace so Ray does not kill the process mid-drain.
 - Per-replica metrics: each replica exports Ray Serve gauges (:data:`RAY_GAUGES`) tagged with
   ``device``; Ray adds ``replica``, ``deployment`` and ``application``, and its metrics agent
