@@ -439,3 +439,14 @@ def test_draining_the_serving_replica_mid_stream_hands_the_stream_to_a_sibling(p
     assert without_ids(events) == without_ids(ref_events)
     assert ingress_stats()["failovers"]["drained"] == before + 1
     assert headers[REPLICA] == drained[0]  # the client's response started there
+
+    def exported() -> bool:  # the ingress's Ray counters, on Ray's metrics endpoint
+        text = httpx.get(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10).text
+        values = {(s.name, s.labels.get("cause")): s.value
+                  for family in text_string_to_metric_families(text) for s in family.samples
+                  if s.name.startswith("ray_calexec_fleet_failover")}
+        return (values.get(("ray_calexec_fleet_failovers_total", "drained"), 0) >= 1
+                and values.get(("ray_calexec_fleet_failovers_total", "replica_died"), 0) >= 1
+                and values.get(("ray_calexec_fleet_failover_tokens_reprefilled_total", None),
+                               0) > 0)
+    wait_for(exported, timeout=30, what="the ingress's failover counters on Ray's endpoint")

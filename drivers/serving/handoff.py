@@ -68,7 +68,8 @@ class Resume:
             raise ResumeError("", raw, "must be a dict")
         unknown = set(raw) - {f.name for f in attrs.fields(cls)}
         if unknown:
-            raise ResumeError(sorted(unknown)[0], raw[sorted(unknown)[0]], "unknown field")
+            first = min(unknown)
+            raise ResumeError(first, raw[first], "unknown field")
         tokens = raw.get("tokens", ())
         if not isinstance(tokens, (list, tuple)) or len(tokens) > MAX_RESUME_TOKENS or not all(
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
