@@ -364,7 +364,7 @@ HANDED_OFF = Status.unavailable(Phase.ADMISSION, "replica draining: the request 
                                 "a sibling replica")
 
 
-def resume_refusal(resume: "handoff.Resume", gen: Any, stream: bool) -> Refusal | None:
+def resume_refusal(resume: "handoff.Resume", gen: Any) -> Refusal | None:
     """Why ``resume`` cannot continue ``gen`` (None: it can)."""
     tokens = resume.tokens
     bad = next((i for i, t in enumerate(tokens) if t >= gen.logits.shape[0]), None)
@@ -550,7 +550,7 @@ def add_routes(app: FastAPI, service: Any, fail: Callable[..., Response]) -> Non
         out = TextOutput(service.tokenizer, params.stop)
         shape.start(service, gen)
         if resume is not None:
-            bad = resume_refusal(resume, gen, admission.stream)
+            bad = resume_refusal(resume, gen)
             if bad is not None:
                 await service.finish(gen)
                 return refused(bad)
