@@ -53,6 +53,9 @@ class Replica:
         resume = request.get("resume") or {}
         first = len(resume.get("tokens", []))
         try:
+            yield {"type": PROGRESS_TYPE, "replica": self.name}  # as ray_serve's relay_http
+            if self.how == "early":  # died before it answered anything
+                raise RuntimeError("ActorDiedError: the replica's process died")
             if self.how == "503" and self.fail_at is not None:
                 yield self.start(503)
                 yield {"type": "http.response.body", "body": b'{"error":{"message":"busy"}}',
@@ -300,3 +303,11 @@ def test_a_replica_dying_after_its_last_chunk_ends_the_stream_without_failover()
     app = ingress(Router(r1, r2))
     client = run(app)
     assert client.content == UNCUT and client.ended and not r2.requests and app.failovers == {}
+
+
+def test_a_replica_dying_before_it_answered_is_avoided_on_the_retry():
+    r1, r2 = Replica("r1", how="early"), Replica("r2")
+    app = ingress(Router(r1, r2))
+    client = run(app, Client({**BODY, "stream": False}))
+    assert client.content == UNCUT and r2.requests[0]["avoid"] == ["r1"]
+    assert app.failovers == {"replica_died": 1}

@@ -232,6 +232,7 @@ class FleetIngress:
             async for message in stream:
                 kind = message.get("type")
                 if kind == PROGRESS_TYPE:
+                    replica = message.get("replica", replica)  # the host names its replica
                     if "seed" in message and client.admitted is None:
                         client.admitted = {k: message.get(k) for k in
                                            ("seed", "id", "created", "prompt_tokens")}

@@ -70,6 +70,7 @@ from calexec.drivers.fleet import registry as replica_registry
 from calexec.drivers.device_spec import DeviceSpec
 from calexec.drivers.fleet.edge import ReplicaEdge, serve_relayed
 from calexec.drivers.fleet.ingress import CAUSES, FailoverSettings, FleetIngress
+from calexec.drivers.serving.handoff import PROGRESS_TYPE
 from calexec.drivers.serving.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
 from calexec.drivers.calrt.runtime import Fault, FaultMode
 from calexec.drivers.serving.server import ServerConfig, create_app
@@ -276,6 +277,8 @@ class CalexecReplica:
         (drivers/fleet/edge.py), served by this replica's edge and streamed back as ASGI
         messages, with the progress messages the ingress asked for; never relayed again. A
         draining replica hands a stream off at a token boundary while a sibling serves."""
+        if request.get("progress"):  # which replica this is, before anything can fail
+            yield {"type": PROGRESS_TYPE, "replica": self.replica}
         async for message in serve_relayed(self.edge, request,
                                            handoff_ok=self.edge.relay_target):
             yield message
