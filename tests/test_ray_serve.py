@@ -423,6 +423,9 @@ def test_draining_the_serving_replica_mid_stream_hands_the_stream_to_a_sibling(p
     tokens) hands the stream to the sibling at a token boundary; the client's events equal a
     run that was never drained."""
     handle = deploy(2, decode_us=20_000)
+    # the replica killed by the test before is replaced: both replicas up and answering
+    wait_for(lambda: replica_count() == 2, timeout=60, what="two running replicas")
+    replica_pids(handle, 2)
     body = {"prompt": [4, 5, 6], "max_tokens": 40, "stream": True, "temperature": 0.9,
             "seed": 77, "stream_options": {"include_usage": True}}
     ref_tokens, ref_events, _ = stream_through(proxy_url, body)
