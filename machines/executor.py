@@ -180,6 +180,13 @@ def _check_caller_arguments(request: InferenceRequest, logits_out: Any,
     return Status.OK
 
 
+#: how long the completion thread, having fired a stream's next job ahead, leaves the GIL to
+#: the submitter before it delivers the previous job (``_until_submitted``); the submitter
+#: normally takes well under a millisecond, the bound covers a job failed before its submit
+AHEAD_YIELD_S = 0.002
+#: ... only after a job that ran at least this long (us): on a fast device the next job ends
+#: before the previous one is delivered, and the yield costs a round trip (A/B measured)
+AHEAD_YIELD_MIN_US = 1000
 _TRAIL_STEPS = 32  # a job takes at most ~8 transitions; refused events are few
 
 
@@ -979,6 +986,12 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         # the caller's next job finds its permit free; the lease still goes back after)
         self._release_budget(job)
         self._release_permit(job)
+        stream, job.stream = job.stream, None
+        if stream is not None and target == JOB_COMPLETING and not job.cancel_flag:
+            fired = stream._fire_ahead(job, result)  # greedy ahead (machines/stream.py)
+            if (fired is not None and self.config.threads and job.timings.completed_us
+                    - job.timings.submitted_us >= AHEAD_YIELD_MIN_US):
+                self._until_submitted(fired._job)
         if target == JOB_COMPLETING and not self._advance(job, JOB_EV_DELIVER):
             target = JOB_CANCEL_REQUESTED
         if target != JOB_COMPLETING:  # cancelled after submit (FI12): result discarded
@@ -1002,6 +1015,20 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             if not problem.ok:  # FI15: slot quarantined by the pool; the job's result stands
                 self.faults.report(problem.with_context(**job.ctx()), job)
                 self._check_pool(job)
+
+    def _until_submitted(self, job: Job) -> None:
+        """Greedy ahead: the completion thread just queued ``job`` (the next step of a
+        stream) and gets out of the submitter's way, its own GIL-holding work (delivering the
+        job before, which also wakes that job's caller) waiting until ``job`` is on the device
+        or failed, bounded by ``AHEAD_YIELD_S`` (A/B measured, docs/benchmarks.md: without
+        it the submitter's wake-up waited for the GIL behind that work)."""
+        end = self.clock.monotonic() + AHEAD_YIELD_S
+        with self._completion_cv:
+            while not (job.done or job.submitted_at or self._stopping_threads):
+                remaining = end - self.clock.monotonic()
+                if remaining <= 0:
+                    return
+                self.clock.wait(self._completion_cv, remaining)
 
     def _runtime_still_holds(self, job: Job, slot, rc: int) -> None:
         """Wait() failed (timeout, FI07) while the runtime still runs the job (§9.1).
@@ -1356,15 +1383,19 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
     def decode_stream(self, seq_id: int, past_len: int, deadline: float,
                       logits_out: np.ndarray | None = None,
                       want_logits: tuple[int, int] | None = None, max_len: int | None = None,
-                      request_id: int = 0) -> "DecodeStream":
+                      request_id: int = 0, greedy_ahead: bool = False,
+                      stop_tokens: Any = (), max_steps: int | None = None) -> "DecodeStream":
         """Decode steps of ``seq_id`` from ``past_len`` (its committed length) with the next
         job pre-armed while the current one runs: ``stream.step(token)`` per token. Every job
         has ``deadline`` (absolute ``time.monotonic()``); ``max_len``: the stream never arms
         a job beyond this sequence length (prompt + max_tokens). The first job is armed now
-        if its resources are free. See machines/stream.py."""
+        if its resources are free. ``greedy_ahead``: the completion thread fires each next job
+        with the argmax of the one before (not after one of ``stop_tokens``, nor beyond
+        ``max_steps`` jobs); the caller still calls ``step(result.argmax)``. See
+        machines/stream.py."""
         from calexec.machines.stream import DecodeStream
         return DecodeStream(self, seq_id, past_len, deadline, logits_out, want_logits,
-                            max_len, request_id)
+                            max_len, request_id, greedy_ahead, stop_tokens, max_steps)
 
     # ---- observability ---------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:

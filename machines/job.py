@@ -54,6 +54,7 @@ class Job:
                  "cancel_flag", "lease", "txn", "timings", "run", "wait_rc", "device_status",
                  "output_status", "result", "_done", "_on_cancel", "internal", "logits_out",
                  "_gen", "budget_taken", "permit_held", "clock", "on_resolved", "submitted_at", "uncounted",
+                 "stream",
                  "__weakref__")
 
     def __init__(self, job_id: int, generation_id: int, request: Any,
@@ -87,6 +88,9 @@ class Job:
         #: a failure of this job is not counted (a pre-arm attempt that found no free
         #: resource, or a pre-armed job released because its decode stream ended)
         self.uncounted = False
+        #: the greedy-ahead decode stream this job belongs to (machines/stream.py): the
+        #: completion thread fires the stream's next job with this job's argmax
+        self.stream: Any = None
 
     @property
     def gen(self):

@@ -29,6 +29,21 @@ same release, and its handle resolves with why). A generation's fence wakes the 
 and the drain waits for ``_armed`` to empty, so a pre-armed job of generation N never reaches
 generation N+1 and never outlives its generation's teardown.
 
+Greedy ahead (``greedy_ahead=True``): when a job of the stream completes while its caller
+waits for it, the completion thread itself fires the armed next job with the job's argmax
+(unless it is one of ``stop_tokens``, ``max_steps`` jobs were fired, or ``max_len`` is
+reached), after the job's KV commit and permit release and before its result is delivered.
+The caller then waits only for the device: its own wake-up and token choice leave the critical
+path (two wake-ups per token remain on it, the completion thread's and the submitter's, where
+an ``enqueue`` caller has three). The caller's loop is unchanged: ``step(result.argmax)``
+adopts the job already fired with that token; another token is refused (the stream already
+decoded the argmax). A job is fired ahead only while its caller has asked for the one before
+it, so the fired-ahead job is at most one step ahead, and with ``logits_out`` given the stream
+alternates two rows (``logits_out`` and one of its own): a result's logits stay valid until
+the step after the next ``step()`` call, as without greedy ahead. A step fired ahead that the
+caller never takes (it stopped on a stop string, or closed) is cancelled and waited for by
+``close()``: at most one wasted device step per stream.
+
 The stream closes itself on any failed step (the pre-armed job behind it is released: its KV
 txn was chained to a job that did not commit). ``close()`` (also the context manager's exit)
 releases the armed job; ``cancel()`` also cancels the job in flight (thread-safe: a client
@@ -56,6 +71,9 @@ log = logging.getLogger("calexec.stream")
 #: how long ``close()`` waits for the submitter to finish arming the stream's next job (it is
 #: a few hundred microseconds of work that never waits; the bound only guards a bug)
 _CLOSE_WAIT_S = 2.0
+#: how long ``close()`` waits (at most; never past the stream's deadline) for a job fired ahead
+#: and never taken to end after its cancel, so the sequence is quiescent when it returns
+_AHEAD_WAIT_S = 10.0
 
 
 @attrs.frozen
@@ -77,7 +95,9 @@ class DecodeStream:
     def __init__(self, ex: "DeviceExecutor", seq_id: int, past_len: int, deadline: float,
                  logits_out: np.ndarray | None = None,
                  want_logits: tuple[int, int] | None = None,
-                 max_len: int | None = None, request_id: int = 0) -> None:
+                 max_len: int | None = None, request_id: int = 0,
+                 greedy_ahead: bool = False, stop_tokens: Any = (),
+                 max_steps: int | None = None) -> None:
         self.ex = ex
         self.seq_id = seq_id
         self.past_len = past_len  # committed length the next job starts from
@@ -91,6 +111,17 @@ class DecodeStream:
         self._current: JobHandle | None = None
         self.prearmed_steps = 0  # steps whose job was armed before the token came
         self.steps = 0
+        # greedy ahead (see the module docstring)
+        self.greedy_ahead = bool(greedy_ahead)
+        self.stop_tokens = frozenset(int(t) for t in stop_tokens)
+        self.max_steps = max_steps
+        self.ahead_steps = 0  # steps fired by the completion thread with the argmax
+        #: (token, handle) of the job the completion thread fired ahead, not yet taken by the
+        #: caller; handle None while the firing runs (submit_mu guards it)
+        self._ahead: tuple[int, JobHandle | None] | None = None
+        self._rows: tuple[np.ndarray, np.ndarray] | None = (
+            (logits_out, np.empty_like(logits_out))
+            if self.greedy_ahead and logits_out is not None else None)
         # guarded by the executor's submit_mu: the submitter arms the next job (``_arm_next``)
         self._arming = False
         self._arm_waiter = False
@@ -128,16 +159,20 @@ class DecodeStream:
             return self._close(Status.invalid(6, f"token={token!r}: outside [0, vocab_size="
                                                  f"{vocab})"))
         with ex._submit_cv:
-            job, self._armed = self._armed, None
-            if job is None:  # not picked up yet (or waiting for a slot): arm it here
+            # fired ahead by the completion thread (greedy_ahead), else the armed job
+            ahead = self._take_ahead() if self._ahead is not None else None
+            job, self._armed = (None, self._armed) if ahead is not None else (self._armed, None)
+            if job is None and ahead is None:  # not picked up yet (or no slot): arm it here
                 self._unqueue()
-            while job is None and self._arming:  # the submitter is arming it right now
+            while job is None and ahead is None and self._arming:  # the submitter arms it now
                 remaining = self.deadline - ex.clock.monotonic()
                 if remaining <= 0:
                     break
                 self._arm_waiter = True
                 ex.clock.wait(ex._submit_cv, remaining)
                 job, self._armed = self._armed, None
+        if ahead is not None:
+            return self._adopt(ahead, int(token))
         if job is None:  # nothing armed (no free resource then): admit it now, blocking
             job = self._arm_job(None, self.past_len, blocking=True)
             if isinstance(job, Status):
@@ -173,7 +208,9 @@ class DecodeStream:
         """Cancel the job in flight and the armed one (from any thread); the stream closes at
         its owner's next call. True when something was still running."""
         cancelled = False
-        for handle in (self._current, None if self._armed is None else JobHandle(self._armed)):
+        ahead = self._ahead
+        for handle in (self._current, None if self._armed is None else JobHandle(self._armed),
+                       None if ahead is None else ahead[1]):
             if handle is not None:
                 cancelled |= handle.cancel()
         return cancelled
@@ -210,11 +247,85 @@ class DecodeStream:
                 self._arm_waiter = True
                 ex.clock.wait(ex._submit_cv, remaining)
             job, self._armed = self._armed, None
-        if job is not None:
-            ex._disarm(job, Status.cancelled(
+            ahead = self._take_ahead() if self._ahead is not None else None
+        if job is not None and not ex._disarm(job, Status.cancelled(
                 Phase.CANCEL, f"decode stream of seq {self.seq_id} closed: {status.code}"),
-                counted=counted)
+                counted=counted) and ex.config.threads:
+            # the submitter took it first (cancelled, expired, fenced) and releases it now:
+            # wait (bounded) for the end of that release, which resolves the job last, so
+            # that once close() returns the sequence is free
+            JobHandle(job).wait_until(ex.clock.monotonic() + _CLOSE_WAIT_S)
+        if ahead is not None:  # fired ahead, never taken: cancel it and let it end (bounded;
+            handle = ahead[1]  # stepped mode: whoever drives the executor completes it)
+            handle.cancel()
+            if ex.config.threads:
+                handle.wait_until(min(self.deadline, ex.clock.monotonic() + _AHEAD_WAIT_S))
         return status
+
+    # ---- greedy ahead ----------------------------------------------------------------------
+    def _take_ahead(self) -> "tuple[int, JobHandle] | None":
+        """The job fired ahead (submit_mu held), once its firing finished (bounded by the
+        deadline); None when there is none."""
+        ex = self.ex
+        while self._ahead is not None and self._ahead[1] is None:
+            remaining = self.deadline - ex.clock.monotonic()
+            if remaining <= 0:
+                break
+            self._arm_waiter = True
+            ex.clock.wait(ex._submit_cv, remaining)
+        ahead, self._ahead = self._ahead, None
+        return ahead if ahead is not None and ahead[1] is not None else None
+
+    def _adopt(self, ahead: "tuple[int, JobHandle]", token: int) -> "JobHandle | Status":
+        """The caller's step takes the job the completion thread fired with ``ahead[0]``."""
+        fired, handle = ahead
+        if fired != token:
+            handle.cancel()
+            with self.ex._submit_cv:  # close() cancels and waits for it
+                self._ahead = ahead
+            return self._close(Status.invalid(
+                6, f"token={token}: this greedy_ahead decode stream already decoded the "
+                   f"argmax {fired} at this position; step() takes result.argmax"))
+        self._current = handle
+        self.steps += 1
+        self.prearmed_steps += 1
+        self.ahead_steps += 1
+        return handle
+
+    def _fire_ahead(self, job: Job, result: Any) -> "JobHandle | None":
+        """On the completion thread, after ``job``'s KV commit and permit release and before
+        its result is delivered: fire the armed next job with ``job``'s argmax when the
+        caller waits for ``job`` and the stream may go on. Never raises; returns the fired
+        job's handle (None: nothing fired)."""
+        ex = self.ex
+        token = int(result.argmax)
+        with ex._submit_cv:
+            current = self._current
+            if (self.status is not None or self._ahead is not None or self._armed is None
+                    or current is None or current._job is not job
+                    or token in self.stop_tokens
+                    or (self.max_steps is not None and self.steps >= self.max_steps)):
+                return None
+            armed, self._armed = self._armed, None
+            self._ahead = (token, None)  # a concurrent submit()/close() waits for the firing
+        handle = None
+        try:
+            past = armed.request.past_len
+            more = self.max_len is None or past + 2 <= self.max_len
+            handle = ex._fire(armed, token, self, past + 1 if more else -1)
+        except Exception:  # noqa: BLE001 - the caller fires the next step itself instead
+            log.exception("firing the next job of seq %d ahead raised", self.seq_id)
+        finally:
+            with ex._submit_cv:
+                self._ahead = None if handle is None else (token, handle)
+                if self._arm_waiter:
+                    self._arm_waiter = False
+                    ex._submit_cv.notify_all()
+        if handle is None:
+            ex._disarm(armed, Status.internal("fire_ahead", Phase.PREPARE,
+                                              "firing the next job ahead raised",
+                                              seq_id=self.seq_id), counted=True)
+        return handle
 
     def _unqueue(self) -> None:
         """Not armed by the submitter after all (submit_mu held)."""
@@ -266,10 +377,13 @@ class DecodeStream:
             seq_id=self.seq_id, kind=TaskKind.DECODE, tokens=np.zeros(1, np.int32),
             positions=np.full(1, past, np.int32), past_len=past, deadline=self.deadline,
             want_logits=self.want_logits, request_id=self.request_id)
-        handle = self.ex._enqueue(request, internal=False, logits_out=self.logits_out,
+        row = self.logits_out if self._rows is None else self._rows[past % 2]
+        handle = self.ex._enqueue(request, internal=False, logits_out=row,
                                   arm=_Arm(prev_txn, blocking, notify))
         job = handle._job
         if job.done:
             return job.result if isinstance(job.result, Status) else Status.internal(
                 "prearm", Phase.PREPARE, "pre-armed job resolved before its token")
+        if self.greedy_ahead:
+            job.stream = self
         return job

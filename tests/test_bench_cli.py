@@ -140,6 +140,7 @@ def test_server_bench_json_report(capsys):
                               "2", "--decode-us", "0"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     for level in ("c1", "c8"):
-        for side in ("direct", "server"):
+        for side in ("direct", "server", "server_no_ahead"):
             assert all(math.isfinite(v) and v > 0 for v in report[level][side].values())
         assert math.isfinite(report[level]["throughput_ratio"])
+        assert math.isfinite(report[level]["ahead_p50_ratio"])

@@ -128,10 +128,22 @@ class ExecutorMachine(RuleBasedStateMachine):
 
     def live_jobs(self):
         """Jobs not resolved yet, the pre-armed ones (holding a slot, no token yet) too."""
+        self.track_ahead()
         return [h._job for h, *_ in self.jobs if not h.done] + list(self.ex._armed)
+
+    def track_ahead(self):
+        """Jobs a greedy-ahead stream's completion fired (not submitted by a rule) join the
+        checked jobs as soon as they exist: one the caller never takes may still commit."""
+        tracked = {id(h._job) for h, *_ in self.jobs}
+        for seq, stream in self.streams.items():
+            ahead = stream._ahead
+            if ahead is not None and ahead[1] is not None and id(ahead[1]._job) not in tracked:
+                job = ahead[1]._job
+                self.jobs.append((ahead[1], seq, [ahead[0]], job.request.past_len, None))
 
     def settle_results(self):
         """Check resolved jobs against the oracle and advance the oracle on commits."""
+        self.track_ahead()
         for handle, seq, tokens, past, want in self.jobs:
             job = handle._job
             if not handle.done or job.job_id in self.checked:
@@ -184,25 +196,34 @@ class ExecutorMachine(RuleBasedStateMachine):
 
     # ---- rules: the pre-armed decode stream (machines/stream.py) ----------------------------
     @precondition(lambda self: self.serving())
-    @rule(seq=st.sampled_from(SEQS))
-    def stream_open(self, seq):
+    @rule(seq=st.sampled_from(SEQS), ahead=st.booleans())
+    def stream_open(self, seq, ahead=False):
         old = self.streams.get(seq)
         if old is not None and not old.closed:
             return
-        self.streams[seq] = self.ex.decode_stream(seq, self.committed(seq), deadline(DEADLINE_S))
+        self.streams[seq] = self.ex.decode_stream(seq, self.committed(seq), deadline(DEADLINE_S),
+                                                  greedy_ahead=ahead)
 
-    @rule(seq=st.sampled_from(SEQS), token=st.integers(0, 151935))
-    def stream_submit(self, seq, token):
+    @rule(seq=st.sampled_from(SEQS), token=st.integers(0, 151935), follow=st.booleans())
+    def stream_submit(self, seq, token, follow=False):
         stream = self.streams.get(seq)
         if stream is None or stream._current is not None:
             return
+        self.track_ahead()
+        ahead = stream._ahead
+        if follow and ahead is not None and ahead[1] is not None:
+            token = ahead[0]  # the caller steps with the argmax: takes the job fired ahead
         past = stream.past_len
         handle = stream.submit(token)
         if isinstance(handle, Status):
             assert stream.closed
+            assert ahead is None or ahead[0] != token or stream._ahead is None
             return
         job = handle._job
-        assert job.request.past_len == past
+        if ahead is not None and ahead[1] is not None:
+            assert handle._job is ahead[1]._job and ahead[0] == token  # greedy ahead: adopted
+            assert job.request.past_len == past
+            return  # tracked since it was fired
         # the token went in, unless the armed job was released before it came (fence, cancel:
         # then its handle carries why)
         assert job.request.tokens[0] == token or (job.done and job.timings.queued_us == 0)
@@ -219,14 +240,16 @@ class ExecutorMachine(RuleBasedStateMachine):
         self.settle_results()
 
     @precondition(lambda self: self.serving())
-    @rule(seq=st.sampled_from(SEQS), token=st.integers(0, 151935))
-    def stream_step(self, seq, token):
+    @rule(seq=st.sampled_from(SEQS), token=st.integers(0, 151935), ahead=st.booleans(),
+          follow=st.booleans())
+    def stream_step(self, seq, token, ahead, follow):
         """A whole step compressed into one rule (open if needed, submit, run the device
-        until it resolves, bounded; wait), so histories reach pre-armed steps often."""
+        until it resolves, bounded; wait), so histories reach pre-armed steps often; with
+        ``follow`` a greedy-ahead stream is stepped with the token it fired ahead."""
         stream = self.streams.get(seq)
         if stream is None or stream.closed:
-            self.stream_open(seq)
-        self.stream_submit(seq, token)
+            self.stream_open(seq, ahead)
+        self.stream_submit(seq, token, follow)
         stream = self.streams[seq]
         for _ in range(6):  # bounded: a few queued jobs may go first
             if stream._current is None or stream._current.done:
@@ -262,7 +285,11 @@ class ExecutorMachine(RuleBasedStateMachine):
             # it at its next step; else still armed in the executor
             assert stream._armed is None or stream._armed in armed or stream._armed.done
             if stream.closed:
-                assert stream._armed is None
+                assert stream._armed is None and stream._ahead is None
+            elif stream._ahead is not None:  # fired ahead: queued, on the device or ended
+                job = stream._ahead[1]._job
+                assert job.done or job.run.state in ("Queued", "Submitted", "Completing",
+                                                     "CancelRequested")
 
     @rule(data=st.data())
     def cancel(self, data):

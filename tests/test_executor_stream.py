@@ -315,6 +315,42 @@ def test_close_while_the_submitter_arms_returns_with_the_sequence_free(calbin, m
         assert not ex._armed and ex.snapshot()["pending_tokens"] == 0
 
 
+def test_close_while_the_submitter_releases_the_cancelled_armed_job_waits_for_it(calbin,
+                                                                                monkeypatch):
+    """The submitter took the armed job (cancelled) and is releasing it when close() runs:
+    close() waits for that release to end, so the sequence is free once it returns. Before
+    the fix close() returned at once and a reset right after met kv.sequence_busy (the
+    server retried it in a loop)."""
+    import threading
+
+    entered, release = threading.Event(), threading.Event()
+    with running_job_path(calbin) as ex:
+        original = ex._fail_before_submit
+
+        def slow(job, status):  # the submitter's release of a cancelled armed job, gated
+            if threading.current_thread().name == "calexec-submitter" and job.lease is not None \
+                    and job.cancel_flag:
+                entered.set()
+                assert release.wait(10)
+            return original(job, status)
+
+        monkeypatch.setattr(ex, "_fail_before_submit", slow)
+        stream, token = open_stream(ex, 1, 4)
+        assert isinstance(stream.step(token), InferenceResult)
+        until(lambda: stream._armed is not None, what="next job armed")
+        armed = stream._armed
+        stream.cancel()  # another thread's cancel: the submitter releases the armed job
+        assert entered.wait(10)
+        threading.Timer(0.2, release.set).start()
+        stream.close()
+        assert armed.done  # close waited for the submitter's release
+        view = ex.kvc.seqs[1]
+        assert view.open_txn is None and view.next_txn is None, view
+        assert ex.kvc.reset_sequence(1).ok  # free at once
+        release.set()
+        assert not ex._armed and ex.pool.counts()["Leased"] == 0
+
+
 def test_a_completed_job_gives_its_permit_back_before_the_caller_wakes_and_wakes_no_idle_submitter(
         calbin):
     """Issue 17's wake-up cut: the permit (and budget) go back before the result is delivered,

@@ -147,3 +147,40 @@ def test_h2d_and_d2h_histograms_hold_the_copies_the_device_measured(tmp_path):
             outbuf._copy_fn = saved
     finally:
         executor.shutdown(5.0)
+
+
+def test_greedy_ahead_same_tokens_fires_steps_and_a_stop_string_frees_everything(make):
+    """Greedy requests decode with the completion thread firing each next step (greedy
+    ahead): the tokens are those without it; a request a stop string ends early leaves its
+    fired-ahead step cancelled and everything free; sampled requests never fire ahead."""
+    prompt, n = [11, 12, 13, 14], 12
+    tokens, ahead = {}, {}
+    for on in (True, False):
+        executor, app = make(greedy_ahead=on)
+        with TestClient(app) as client:
+            r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": n})
+            assert r.status_code == 200, r.text
+            tokens[on] = r.json()["choices"][0]["token_ids"]
+            ahead[on] = metric_value(client.get("/metrics").text,
+                                     "calexec_decode_steps_ahead_total") or 0
+            service = app.state.service
+            wait_for(lambda: settled(executor, service), what="sequence and armed job released")
+            if on:
+                text = r.json()["choices"][0]["text"]
+                stop = text[len(text) // 2:len(text) // 2 + 2]  # ends it mid-way
+                r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": n,
+                                                         "stop": [stop]})
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["finish_reason"] == "stop"
+                wait_for(lambda: settled(executor, service),
+                         what="fired-ahead step cancelled, sequence released")
+                before = metric_value(client.get("/metrics").text,
+                                      "calexec_decode_steps_ahead_total")
+                r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": n,
+                                                         "temperature": 0.8, "seed": 3})
+                assert r.status_code == 200, r.text
+                assert metric_value(client.get("/metrics").text,
+                                    "calexec_decode_steps_ahead_total") == before
+                wait_for(lambda: settled(executor, service), what="sequence released")
+    assert tokens[True] == tokens[False] == oracle_tokens(prompt, n)
+    assert ahead[True] >= 1 and ahead[False] == 0

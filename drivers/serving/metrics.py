@@ -27,6 +27,7 @@ calexec_request_generation_tokens           histogram  model_name; generated tok
 calexec_prompt_tokens_total                 counter    prompt tokens of successful requests
 calexec_generation_tokens_total             counter    generated tokens of successful requests
 calexec_decode_steps_total{prearmed}       counter    decode jobs fired through a pre-armed decode stream, pre-armed or not
+calexec_decode_steps_ahead_total            counter    of those, fired by the completion thread with the argmax (greedy ahead)
 calexec_executor_jobs_total                 counter    outcome; the executor's own job counters
 calexec_num_requests_running                gauge      completion requests being served
 calexec_num_requests_waiting                gauge      requests waiting for a sequence id or Ready
@@ -235,6 +236,10 @@ class ServerMetrics:
         self.decode_steps = Counter("calexec_decode_steps", "Decode jobs fired through a decode "
                                     "stream, by whether the job was pre-armed before its token "
                                     "came (issue 17).", ["prearmed"], registry=reg)
+        self.decode_steps_ahead = Counter(
+            "calexec_decode_steps_ahead", "Decode jobs of greedy requests fired by the "
+            "executor's completion thread with the previous step's argmax, before the "
+            "server asked for them (greedy ahead, issue 17).", registry=reg)
         reg.register(_ExecutorCollector(snapshot, server_gauges))
 
     def observe_job(self, kind: TaskKind, timings: JobTimings) -> None:

@@ -97,6 +97,10 @@ class ServerConfig:
     #: decode through the executor's pre-armed decode stream (issue 17: job N+1 is admitted
     #: and prepared while N runs; a token only fires it); False: one ``enqueue`` per token
     prearm: bool = True
+    #: greedy requests: the executor's completion thread fires each next decode step with the
+    #: argmax itself (``decode_stream(greedy_ahead=True)``), so the device does not wait for
+    #: the event loop; a request ended by a stop string costs at most one discarded step
+    greedy_ahead: bool = True
 
 
 class CompletionBody(BaseModel):
@@ -484,9 +488,13 @@ class CompletionService:
         Runs in a worker thread inside the enqueue fence."""
         stream = gen.decode
         if stream is None or stream.closed:
+            ahead = self.config.greedy_ahead and gen.sampling.greedy
             stream = gen.decode = self.executor.decode_stream(
                 gen.seq_id, request.past_len, gen.deadline, logits_out=gen.logits,
-                max_len=len(gen.prompt) + gen.max_tokens, request_id=gen.request_id)
+                max_len=len(gen.prompt) + gen.max_tokens, request_id=gen.request_id,
+                greedy_ahead=ahead,
+                stop_tokens=(self.config.end_token_id, *gen.sampling.stop_token_ids),
+                max_steps=gen.max_tokens - len(gen.tokens))
         handle = stream.submit(int(request.tokens[0]))
         if isinstance(handle, Status):
             return handle
@@ -580,9 +588,9 @@ class CompletionService:
                                         "and the executor stopped", seq_id=seq_id)
             if handle is None or handle.done:
                 # kv.sequence_busy: a job of the sequence is still being released by another
-                # thread (a pre-armed job the submitter took back at its deadline or a fence:
-                # the stream's close() returned before that release ended); give it up to
-                # one ``release_wait_s`` before withholding the id
+                # thread (close() waits for the submitter's release of a pre-armed job, but
+                # only up to its bound); give it up to one ``release_wait_s`` before
+                # withholding the id
                 busy_until = time.monotonic() + step
                 while True:  # slices of at most 1 s: the executor may end meanwhile
                     status = self.executor.release_sequence(seq_id, min(step, 1.0))
@@ -611,6 +619,7 @@ class CompletionService:
             prearmed = gen.decode.prearmed_steps
             m.decode_steps.labels("true").inc(prearmed)
             m.decode_steps.labels("false").inc(gen.decode.steps - prearmed)
+            m.decode_steps_ahead.inc(gen.decode.ahead_steps)
         if gen.status is not None:
             m.observe_failure(gen.status)
         else:

@@ -3,10 +3,11 @@
 ``bench overhead [--json] [--tokens N] [--runs R] [--zero-tokens M] [--seed S]`` compares, in
 one process, the *direct synchronous path* (what llama-calrt did before: one thread, no queues;
 ``DirectRunner`` submit + ``Wait`` + BF16->FP32 of the decode row + argmax) with the same greedy
-decode through ``DeviceExecutor`` (threads on, in-flight capacity 1) in three modes (``MODES``):
+decode through ``DeviceExecutor`` (threads on, in-flight capacity 1) in four modes (``MODES``):
 ``enqueue`` + ``wait_until`` per token, ``prearmed`` (``decode_stream``: the next job armed
-while the current one runs, ``step(token)`` per token) and ``decode_sync`` (the llama.cpp-style
-entry), the argmax fed back. The direct side has its own emulated device, the executor modes
+while the current one runs, ``step(token)`` per token), ``ahead`` (the same stream with
+``greedy_ahead``: the completion thread fires the armed job with the argmax, the caller's
+``step`` takes it) and ``decode_sync`` (the llama.cpp-style entry), the argmax fed back. The direct side has its own emulated device, the executor modes
 share one of the same kind, built from the same calbin. Each run decodes one block per side,
 the order rotated from run to run, so that drift (other processes, CPU frequency) falls on
 every side alike. Per mode and token it also counts the cross-thread hand-offs (a counting
@@ -223,7 +224,7 @@ def _label_conditions(ex: DeviceExecutor) -> None:
 
 
 #: the executor paths the benchmark measures against the direct loop
-MODES = ("enqueue", "prearmed", "decode_sync")
+MODES = ("enqueue", "prearmed", "ahead", "decode_sync")
 
 
 class ExecutorLoop:
@@ -273,12 +274,15 @@ class ExecutorLoop:
         return self._check(self.ex.enqueue(request, logits_out=self.row).wait_until(
             request.deadline), TaskKind.PREFILL_IDS, 0)
 
-    def _stepper(self, past: int) -> tuple[Callable[[int, int], Any], Callable[[], None]]:
-        """(step(token, past) -> result, close()) for the current mode."""
+    def _stepper(self, past: int, steps: int
+                 ) -> tuple[Callable[[int, int], Any], Callable[[], None]]:
+        """(step(token, past) -> result, close()) for the current mode, ``steps`` decode
+        steps."""
         ex, row = self.ex, self.row
-        if self.mode == "prearmed":
+        if self.mode in ("prearmed", "ahead"):
             stream = ex.decode_stream(BENCH_SEQ, past, time.monotonic() + _WAIT_S * 20,
-                                      logits_out=row)
+                                      logits_out=row, greedy_ahead=self.mode == "ahead",
+                                      max_steps=steps)
             return (lambda token, past: stream.step(token)), stream.close
         if self.mode == "decode_sync":
             def step(token: int, past: int):
@@ -298,7 +302,7 @@ class ExecutorLoop:
         result = self._prefill(prompt, n)
         tokens, times = [result.argmax], []
         clock = time.perf_counter_ns
-        step, close = self._stepper(len(prompt))
+        step, close = self._stepper(len(prompt), n)
         try:
             for past in range(len(prompt), len(prompt) + n):
                 start_us = now_us()
@@ -320,7 +324,7 @@ class ExecutorLoop:
         (``alloccount``, every thread for Python's) over ``n`` more of the same block."""
         result = self._prefill(prompt, 2 * n + 1)
         token, past = [result.argmax], [len(prompt)]
-        step, close = self._stepper(len(prompt))
+        step, close = self._stepper(len(prompt), 2 * n + 1)
 
         def one() -> None:
             r = self._check(step(token[0], past[0]), TaskKind.DECODE, past[0])

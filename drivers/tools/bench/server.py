@@ -4,8 +4,11 @@ The reference server's own overhead (issue 6's figures): the same bounded reques
 prompt then ``max_tokens`` greedy tokens per request, sent (a) over loopback HTTP to the server
 (uvicorn on 127.0.0.1, an ephemeral port, httpx clients) and (b) straight into the in-process
 executor the server embeds, at concurrency 1 and 8, on the same emulated device profile, in one
-run. Reports requests/s and request latency P50/P99 for both and their ratios. Numbers are
-reported, never asserted.
+run. Reports requests/s and request latency P50/P99 for both and their ratios. A third side,
+``server_no_ahead``, is the same server with ``ServerConfig.greedy_ahead`` off (each decode step
+fired by the request's own loop instead of by the executor's completion thread), so the run
+shows what greedy ahead buys over HTTP (``ahead_p50_ratio``: server / server_no_ahead). Numbers
+are reported, never asserted.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import threading
 import time
 from typing import Any, Callable
 
+import attrs
 import numpy as np
 
 from calexec import cliargs
@@ -102,7 +106,8 @@ def run_server_bench(requests: int, max_tokens: int, decode_us: int,
         status = ex.start()
         if not status.ok:
             raise BenchError(f"executor start failed: {status}")
-        server = uvicorn.Server(uvicorn.Config(create_app(ex, ServerConfig()), host="127.0.0.1",
+        app = create_app(ex, ServerConfig())
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1",
                                                port=0, log_level="warning", access_log=False))
         thread = threading.Thread(target=server.run, name="bench-uvicorn", daemon=True)
         thread.start()
@@ -130,8 +135,16 @@ def run_server_bench(requests: int, max_tokens: int, decode_us: int,
                 _load(min(requests, 8), concurrency, via_http)  # warm-up
                 d = _load(requests, concurrency, direct)
                 h = _load(requests, concurrency, via_http)
+                service = app.state.service
+                config, service.config = service.config, attrs.evolve(service.config,
+                                                                      greedy_ahead=False)
+                try:
+                    n = _load(requests, concurrency, via_http)
+                finally:
+                    service.config = config
                 result[f"c{concurrency}"] = {
-                    "direct": d, "server": h,
+                    "direct": d, "server": h, "server_no_ahead": n,
+                    "ahead_p50_ratio": round(h["p50_ms"] / n["p50_ms"], 3),
                     "throughput_ratio": round(h["req_per_s"] / d["req_per_s"], 3),
                     "p50_ratio": round(h["p50_ms"] / d["p50_ms"], 3),
                     "p99_ratio": round(h["p99_ms"] / d["p99_ms"], 3)}

@@ -1,0 +1,173 @@
+"""Greedy ahead on the pre-armed decode stream (issue 17, machines/stream.py): the completion
+thread fires the armed next job with the argmax of the job it just finished, so the caller's
+wake-up and token choice leave the critical path; the caller's ``step(result.argmax)`` takes
+the job already fired.
+
+Tokens identical to the oracle and the enqueue path; stop tokens and ``max_steps`` end the
+firing; a different token is refused; a step fired ahead that the caller never takes is
+cancelled and waited for by ``close()``; a device fault on it closes the stream; nothing is
+leaked (lease, KV txn, budget, permit). Stepped mode pins the order exactly; the threaded
+tests run the real completion and submitter threads. No timing threshold.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from calexec.contracts.errors import Category
+from calexec.contracts.status import Status
+from calexec.machines.job import InferenceResult
+from executor_harness import (arm, deadline, expected_greedy, fired, greedy, prefill,
+                              running_job_path, settle, until, write_calbin)
+from test_executor_stream import PROMPT, assert_released, open_stream
+
+
+@pytest.fixture(scope="module")
+def calbin(tmp_path_factory):
+    return write_calbin(tmp_path_factory.mktemp("calbin"))
+
+
+def open_stepped(ex, seq: int, steps: int, **kw):
+    handle = ex.enqueue(prefill(seq, PROMPT, kv_reserve_len=len(PROMPT) + steps + 1))
+    while not handle.done and (ex.submit_one() or ex.complete_one()):
+        pass
+    result = handle.wait_until(deadline())
+    assert isinstance(result, InferenceResult), result
+    return ex.decode_stream(seq, result.kv_len, deadline(), greedy_ahead=True, **kw), \
+        result.argmax
+
+
+def drain_stepped(ex) -> None:
+    while ex.submit_one() or ex.complete_one():
+        pass
+
+
+def test_stepped_completion_fires_every_next_step_and_tokens_match(calbin):
+    """Stepped mode: the completion of step k (the caller waiting for it) fires step k+1
+    with its argmax; every step after the first is fired ahead, and the logits rows
+    alternate, each result's row intact until the step after next."""
+    steps = 10
+    with running_job_path(calbin, threads=False) as ex:
+        row = np.empty(ex.generation.vocab_size, np.float32)
+        stream, token = open_stepped(ex, 1, steps, logits_out=row, max_steps=steps)
+        out, kept = [token], []
+        for k in range(steps):
+            result = stream.step(out[-1])
+            assert isinstance(result, InferenceResult), result
+            assert stream._rows[0] is row
+            expected_row = stream._rows[(result.kv_len - 1) % 2]  # by the job's position
+            assert np.shares_memory(result.logits, expected_row)
+            kept.append((result, result.logits.copy()))
+            if k >= 1:  # the previous result's row is not written by this step
+                previous, copy = kept[-2]
+                assert np.array_equal(previous.logits, copy)
+            out.append(result.argmax)
+        assert out == expected_greedy(PROMPT, steps)
+        assert stream.steps == steps and stream.ahead_steps == steps - 1
+        assert stream._ahead is None  # max_steps: nothing fired beyond the last step
+        stream.close()
+        drain_stepped(ex)
+        assert_released(ex, 1)
+        assert ex.snapshot()["failed"] == 0 and ex.snapshot()["cancelled"] == 0
+
+
+def test_threads_tokens_identical_and_steps_fired_by_the_completion_thread(calbin):
+    steps = 16
+    with running_job_path(calbin) as ex:
+        direct = greedy(ex, 1, PROMPT, steps)
+        assert ex.device.emu.set_latency(decode_us=3000) == 0  # the caller waits: fired ahead
+        row = np.empty(ex.generation.vocab_size, np.float32)
+        stream, token = open_stream(ex, 2, steps, logits_out=row, greedy_ahead=True,
+                                    max_steps=steps)
+        out = [token]
+        with stream:
+            for _ in range(steps):
+                result = stream.step(out[-1])
+                assert isinstance(result, InferenceResult), result
+                out.append(result.argmax)
+        assert out == direct == expected_greedy(PROMPT, steps)
+        assert stream.ahead_steps >= 1
+        assert ex.infer_threads == {"calexec-submitter"}  # invariant 2 unchanged
+        assert ex.wait_threads == {"calexec-completion"}
+        assert_released(ex, 2)
+        snap = ex.snapshot()
+        assert snap["failed"] == 0 and snap["cancelled"] == 0
+        assert ex.kvc.seqs[2].committed_len == len(PROMPT) + steps
+
+
+def test_no_step_fired_after_a_stop_token(calbin):
+    steps = 8
+    expected = expected_greedy(PROMPT, steps)
+    stop = expected[4]  # the argmax of the 4th decode step
+    with running_job_path(calbin, threads=False) as ex:
+        stream, token = open_stepped(ex, 1, steps, stop_tokens=[stop])
+        out = [token]
+        for _ in range(4):
+            result = stream.step(out[-1])
+            assert isinstance(result, InferenceResult), result
+            out.append(result.argmax)
+        assert out[-1] == stop and stream._ahead is None  # not fired past the stop token
+        assert stream.ahead_steps == 3
+        stream.close()
+        drain_stepped(ex)
+        assert_released(ex, 1)
+
+
+def test_a_different_token_is_refused_by_name_and_everything_is_released(calbin):
+    steps = 6
+    with running_job_path(calbin, threads=False) as ex:
+        stream, token = open_stepped(ex, 1, steps)
+        first = stream.step(token)
+        assert isinstance(first, InferenceResult)
+        assert stream._ahead is not None  # step 2 already fired with first.argmax
+        other = (first.argmax + 1) % ex.generation.vocab_size
+        status = stream.step(other)
+        assert isinstance(status, Status) and status.category is Category.INVALID_REQUEST
+        assert f"token={other}" in status.message and str(first.argmax) in status.message
+        assert stream.closed and stream._ahead is None
+        drain_stepped(ex)
+        assert_released(ex, 1)
+        assert ex.kvc.reset_sequence(1).ok
+
+
+def test_close_cancels_and_waits_for_a_step_fired_ahead(calbin):
+    """The caller stops (a stop string, a disconnect) while the step fired ahead runs: close()
+    returns only once it ended, so the sequence can be reset at once."""
+    with running_job_path(calbin) as ex:
+        assert ex.device.emu.set_latency(decode_us=20000) == 0
+        stream, token = open_stream(ex, 1, 8, greedy_ahead=True)
+        result = stream.step(token)
+        assert isinstance(result, InferenceResult), result
+        until(lambda: stream._ahead is not None, what="a step fired ahead")
+        ahead = stream._ahead[1]
+        status = stream.close()
+        assert status.category is Category.CANCELLED
+        assert ahead.done  # close waited for it
+        assert isinstance(ahead.wait_until(deadline()), Status)  # cancelled: result discarded
+        assert_released(ex, 1)
+        assert ex.kvc.reset_sequence(1).ok
+
+
+@pytest.mark.parametrize("point", ["OUTPUT_NAN", "WAIT_RC"])
+def test_fault_on_a_step_fired_ahead_closes_the_stream(calbin, point):
+    with running_job_path(calbin) as ex:
+        assert ex.device.emu.set_latency(decode_us=3000) == 0
+        stream, token = open_stream(ex, 1, 8, greedy_ahead=True)
+        first = stream.step(token)
+        assert isinstance(first, InferenceResult), first
+        arm(ex, point)  # hits the next job to run: step 2 (may be on the device already) or 3
+        result = stream.step(first.argmax)
+        if isinstance(result, InferenceResult):
+            result = stream.step(result.argmax)
+        assert isinstance(result, Status), result
+        assert fired(ex, point) == 1 and stream.closed
+        view = ex.kvc.seqs[1]
+        until(lambda: not ex._armed and not stream._arming and view.next_txn is None
+              and stream._ahead is None, what="armed job released")
+        settle(ex)
+        assert view.unknown_reason is not None and view.open_txn is None
+        counts = ex.pool.counts()
+        assert counts["Leased"] == 0 and counts["InFlight"] == 0
+        assert ex.snapshot()["pending_tokens"] == 0
+        assert ex.kvc.reset_sequence(1).ok
