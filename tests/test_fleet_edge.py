@@ -295,3 +295,11 @@ def test_other_answers_are_never_relayed(status):
     relay, sent = sibling(FakeApp(200))
     r = post(edge(FakeApp(status), relay=relay))
     assert r.status_code == status and not sent
+
+
+def test_chat_completions_are_relayed_like_completions():
+    relay, sent = sibling(FakeApp(200))
+    r = post(edge(FakeApp(503), serving=False, relay=relay), path="/v1/chat/completions",
+             body={"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200 and len(sent) == 1
+    assert sent[0]["path"] == "/v1/chat/completions"

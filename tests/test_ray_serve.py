@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import collections
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -29,6 +31,7 @@ from calexec.contracts.codes import CalrtCode  # noqa: E402 - after the optional
 from calexec.drivers.fleet.edge import relay_request
 from calexec.drivers.fleet.ray_serve import (HEALTHY_STATES, ReplicaFailed, ReplicaSettings, build_app,
                                        check_lifecycle, rank_by_lifecycle, routing_stats)
+from calexec.drivers.serving.server import ServerConfig
 from calexec.machines.compiled import LIFECYCLE
 from test_server_support import free_port, oracle_tokens, wait_for
 
@@ -67,9 +70,59 @@ def scrape_ray_gauge(name: str) -> dict[tuple[str, str], float]:
     return values
 
 
+ADMIN_TOKEN = "fleet-test-admin"
+
+
 def deploy(replicas: int, decode_us: int) -> "serve.handle.DeploymentHandle":
-    settings = ReplicaSettings(device_config=f"decode_us={decode_us}", grace_s=10.0)
-    return serve.run(build_app(settings, replicas), name=APP, route_prefix="/")
+    """Deploy the fleet (ingress + ``replicas`` device replicas); the device replicas' handle."""
+    settings = ReplicaSettings(device_config=f"decode_us={decode_us}", grace_s=10.0,
+                               server=ServerConfig(admin_token=ADMIN_TOKEN))
+    serve.run(build_app(settings, replicas), name=APP, route_prefix="/")
+    return serve.get_deployment_handle("calexec", APP)
+
+
+def ingress_stats() -> dict:
+    return serve.get_deployment_handle("ingress", APP).stats.remote().result()
+
+
+def replica_pids(handle, n: int) -> dict[str, int]:
+    """replica id -> pid of the ``n`` running replicas (bounded: the router picks at random)."""
+    pids: dict[str, int] = {}
+    for _ in range(60):
+        identity = handle.identity.remote().result()
+        pids[identity["replica"]] = identity["pid"]
+        if len(pids) == n:
+            return pids
+    raise AssertionError(f"found {len(pids)} of {n} replicas")
+
+
+def pinned(handle, replica: str, path: str, query: bytes = b"") -> list[dict]:
+    """``path`` served by the replica ``replica`` (the router's pin), as ASGI messages."""
+    request = relay_request({"method": "POST", "path": path, "query_string": query,
+                             "headers": [(b"authorization", f"Bearer {ADMIN_TOKEN}".encode())]},
+                            b"", "test-driver")
+    request["replica"] = replica
+    return list(handle.options(method_name="relay_http", stream=True).remote(request))
+
+
+def stream_through(url: str, body: dict, on_token=None) -> tuple[list[int], list[dict], dict]:
+    """(tokens, events, response headers) of a streaming completion; ``on_token(n, headers)``
+    runs after each token event (n tokens so far)."""
+    tokens, events = [], []
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line or line == "data: [DONE]":
+                events.append("[DONE]") if line else None
+                continue
+            event = json.loads(line[6:])
+            events.append(event)
+            if event.get("choices"):
+                tokens += event["choices"][0].get("token_ids", [])
+                if on_token is not None and event["choices"][0].get("token_ids"):
+                    on_token(len(tokens), r.headers)
+        headers = dict(r.headers)
+    return tokens, events, headers
 
 
 def replica_count() -> int:
@@ -330,3 +383,73 @@ def test_scale_down_2_to_1_under_load_loses_no_request(proxy_url):
           f"{rate1:.1f} req/s with 1 ({rate2 / rate1:.2f}x)")
     assert collections.Counter(r["code"] for r in results) == {200: len(results)}
     assert len({r["replica"] for r in results[-10:]}) == 1
+
+
+def without_ids(events: list) -> list:
+    """The events with the per-request id and created blanked (two requests compared)."""
+    return [e if not isinstance(e, dict) else {**e, "id": None, "created": None}
+            for e in events]
+
+
+def test_killing_the_serving_replica_mid_stream_completes_through_a_sibling(proxy_url):
+    """Issue 16: the replica's process dies (SIGKILL) after the client got 5 tokens; the
+    fleet ingress continues the stream on the sibling (prompt + tokens re-prefilled), and the
+    client's stream is the uninterrupted one: same tokens, one id, one [DONE]."""
+    handle = deploy(2, decode_us=20_000)
+    pids = replica_pids(handle, 2)
+    before = ingress_stats()["failovers"].get("replica_died", 0)
+    prompt, n = [9, 8, 7], 40
+    killed: list[str] = []
+
+    def kill(count: int, headers) -> None:
+        if count == 5 and not killed:
+            killed.append(headers[REPLICA])
+            os.kill(pids[headers[REPLICA]], signal.SIGKILL)
+    t0 = time.monotonic()
+    tokens, events, headers = stream_through(
+        proxy_url, {"prompt": prompt, "max_tokens": n, "stream": True}, kill)
+    print(f"\n[figure] stream of {n} tokens (20 ms/token) with its replica killed after 5: "
+          f"{time.monotonic() - t0:.2f} s")
+    assert killed and tokens == oracle_tokens(prompt, n)
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    assert events[-2]["usage"]["completion_tokens"] == n
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+    assert len({e["id"] for e in events[:-1]}) == 1
+    assert ingress_stats()["failovers"]["replica_died"] == before + 1
+
+
+def test_draining_the_serving_replica_mid_stream_hands_the_stream_to_a_sibling(proxy_url):
+    """Issue 16: the admin drain of the replica serving a seeded-sampling stream (after 5
+    tokens) hands the stream to the sibling at a token boundary; the client's events equal a
+    run that was never drained."""
+    handle = deploy(2, decode_us=20_000)
+    # the replica killed by the test before is replaced: both replicas up and answering
+    wait_for(lambda: replica_count() == 2, timeout=60, what="two running replicas")
+    replica_pids(handle, 2)
+    body = {"prompt": [4, 5, 6], "max_tokens": 40, "stream": True, "temperature": 0.9,
+            "seed": 77, "stream_options": {"include_usage": True}}
+    ref_tokens, ref_events, _ = stream_through(proxy_url, body)
+    before = ingress_stats()["failovers"].get("drained", 0)
+    drained: list[str] = []
+
+    def drain(count: int, headers) -> None:
+        if count == 5 and not drained:
+            drained.append(headers[REPLICA])
+            answer = pinned(handle, headers[REPLICA], "/admin/drain", b"grace=20")
+            assert answer[0]["status"] == 202, answer
+    tokens, events, headers = stream_through(proxy_url, body, drain)
+    assert drained and tokens == ref_tokens and len(tokens) == 40, (events[-2:], ingress_stats())
+    assert without_ids(events) == without_ids(ref_events)
+    assert ingress_stats()["failovers"]["drained"] == before + 1
+    assert headers[REPLICA] == drained[0]  # the client's response started there
+
+    def exported() -> bool:  # the ingress's Ray counters, on Ray's metrics endpoint
+        text = httpx.get(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10).text
+        values = {(s.name, s.labels.get("cause")): s.value
+                  for family in text_string_to_metric_families(text) for s in family.samples
+                  if s.name.startswith("ray_calexec_fleet_failover")}
+        return (values.get(("ray_calexec_fleet_failovers_total", "drained"), 0) >= 1
+                and values.get(("ray_calexec_fleet_failovers_total", "replica_died"), 0) >= 1
+                and values.get(("ray_calexec_fleet_failover_tokens_reprefilled_total", None),
+                               0) > 0)
+    wait_for(exported, timeout=30, what="the ingress's failover counters on Ray's endpoint")

@@ -4,7 +4,7 @@ One replica owns one device (§5 invariant 1). When that device stops serving (l
 Failed, Recovering, Warming..., or the server draining), the fleet still can: another replica
 owns another device. :class:`ReplicaEdge` is the ASGI wrapper in front of a replica's reference
 server app that makes this true for ``POST /v1/completions`` without the client seeing the
-failed replica:
+failed replica (``POST /v1/chat/completions`` too):
 
 1. A completion that arrives while this replica does not serve is **relayed** at once to a
    sibling that serves (the router learns a replica's lifecycle a routing-stats period late, so
@@ -19,13 +19,21 @@ failed replica:
 3. One hop only: a relayed request carries ``x-calexec-relayed-from`` and is never relayed
    again, so a request refused by two devices answers 503 + ``Retry-After`` instead of
    bouncing; a client sending that header opts out of relaying.
-4. Nothing is replayed once a byte has reached the client: a streaming completion that already
-   sent tokens and then fails ends with its SSE error event, as on a single server. A request
-   body over ``max_body_bytes`` is passed through untouched (the server answers 413).
+4. Nothing is replayed here once a byte has reached the client: a streaming completion that
+   already sent tokens and then fails ends with its SSE error event, as on a single server.
+   Continuing such a stream on a sibling needs something that outlives this replica's
+   process: the fleet ingress (drivers/fleet/ingress.py), the HTTP entry of the Ray fleet,
+   whose requests are marked relayed (``x-calexec-relayed-from: ingress``) so that this edge
+   passes them through and the ingress alone retries. A request body over ``max_body_bytes``
+   is passed through untouched (the server answers 413).
 
 With no sibling that serves (one replica, or all of them down) the replica answers itself, as
 the single server does: the clear 503 + ``Retry-After``. Every relayed response carries
 ``x-calexec-relayed-from: <this replica>`` beside the sibling's own ``x-calexec-replica``.
+
+:func:`serve_relayed` is also how the ingress reaches a replica: it hands the request's
+out-of-band state (progress reports, resume state, whether a hand-off is possible) to the app
+as ASGI scope keys (drivers/serving/handoff.py), which no HTTP client can set.
 
 The edge knows nothing of Ray: ``relay(request) -> async iterator of ASGI messages`` and
 ``relay_target() -> bool`` are given by the host (drivers/fleet/ray_serve.py: a streaming
@@ -39,13 +47,15 @@ import asyncio
 import logging
 from typing import Any, AsyncIterator, Awaitable, Callable
 
+from calexec.drivers.serving import handoff
+
 log = logging.getLogger("calexec.fleet_edge")
 
 #: header naming the replica that relayed a request (and marking it as relayed: one hop).
 RELAYED_FROM = b"x-calexec-relayed-from"
 #: (method, path) the edge may relay: the data plane. /ready, /health, /metrics, /admin and
 #: /debug describe or steer this replica and are always answered here.
-RELAY_ROUTES = frozenset({("POST", "/v1/completions")})
+RELAY_ROUTES = frozenset({("POST", "/v1/completions"), ("POST", "/v1/chat/completions")})
 
 Message = dict[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -192,23 +202,43 @@ def relay_request(scope: Message, body: bytes, replica: str) -> Message:
     headers = [(bytes(k), bytes(v)) for k, v in scope.get("headers", [])
                if k.lower() not in (RELAYED_FROM, b"content-length", b"transfer-encoding")]
     headers += [(RELAYED_FROM, replica.encode()), (b"content-length", str(len(body)).encode())]
-    return {"method": scope["method"], "path": route_path(scope),
-            "query_string": bytes(scope.get("query_string", b"")), "headers": headers,
-            "body": body, "http_version": scope.get("http_version", "1.1")}
+    request = {"method": scope["method"], "path": route_path(scope),
+               "query_string": bytes(scope.get("query_string", b"")), "headers": headers,
+               "body": body, "http_version": scope.get("http_version", "1.1")}
+    # a fleet request's out-of-band state goes along (drivers/serving/handoff.py)
+    if scope.get(handoff.PROGRESS) is not None:
+        request["progress"] = True
+    if scope.get(handoff.RESUME) is not None:
+        request["resume"] = scope[handoff.RESUME]
+    return request
 
 
-async def serve_relayed(app: Any, request: Message, stop_grace_s: float = 5.0
-                        ) -> AsyncIterator[Message]:
+async def serve_relayed(app: Any, request: Message, stop_grace_s: float = 5.0,
+                        handoff_ok: Callable[[], bool] | None = None) -> AsyncIterator[Message]:
     """The sibling's side of a relay: run ``app`` (the sibling's :class:`ReplicaEdge`) on
     ``request`` and yield its ASGI send messages as they come (a stream stays a stream).
     Closing the iterator early (the relaying replica's client left) tells the app the client
-    disconnected and cancels it after ``stop_grace_s``."""
+    disconnected and cancels it after ``stop_grace_s``.
+
+    ``request["progress"]`` (the fleet ingress asks for it): the app's progress reports are
+    yielded too, as ``{"type": "calexec.progress", ...}`` messages in order with the ASGI
+    ones; ``request["resume"]``: the state the app continues a handed-over generation from;
+    ``handoff_ok``: whether a draining app may hand the request to a sibling now. All three
+    reach the app as ASGI scope keys (drivers/serving/handoff.py), which no HTTP client can
+    set."""
     scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
              "http_version": request["http_version"], "method": request["method"],
              "scheme": "http", "path": request["path"], "raw_path": request["path"].encode(),
              "root_path": "", "query_string": request["query_string"],
              "headers": request["headers"], "client": None, "server": None}
     messages: asyncio.Queue[Message | None] = asyncio.Queue()
+    if request.get("progress"):
+        scope[handoff.PROGRESS] = lambda info: messages.put_nowait(
+            {"type": handoff.PROGRESS_TYPE, **info})
+        if handoff_ok is not None:
+            scope[handoff.HANDOFF] = handoff_ok
+    if request.get("resume") is not None:
+        scope[handoff.RESUME] = request["resume"]
     disconnected = asyncio.Event()
     body_given = False
 

@@ -1,12 +1,16 @@
 """Ray Serve as router and supervisor: one replica per device (issue 9).
 
-Each replica of :func:`build_app`'s deployment is one Ray actor process that owns exactly one
-device (§5 invariant 1): it opens its own device (with the bundled emulator, its own emulator
-instance), writes the synthetic calbin into a replica-local temporary directory unless a calbin
-path is given, starts a ``DeviceExecutor`` (Configuring -> Warming -> golden -> Ready) and
-serves the reference server's app (``create_app``) as its FastAPI ingress: the same OpenAI-style
-completions, streaming, errors, /ready, /health and /metrics. Ray Serve routes HTTP requests
-across the replicas and supervises them:
+Each replica of :func:`build_app`'s ``calexec`` deployment is one Ray actor process that owns
+exactly one device (§5 invariant 1): it opens its own device (with the bundled emulator, its own
+emulator instance), writes the synthetic calbin into a replica-local temporary directory unless
+a calbin path is given, starts a ``DeviceExecutor`` (Configuring -> Warming -> golden -> Ready)
+and serves the reference server's app (``create_app``): the same OpenAI-style completions,
+streaming, errors, /ready, /health and /metrics. The application's HTTP entry is
+:class:`CalexecIngress` (deployment ``ingress``, no device; drivers/fleet/ingress.py), which
+forwards every request to a replica through a streaming handle call to ``relay_http`` and
+continues a completion or chat on a sibling when its replica dies, drains or fails mid-stream
+(issue 16; ``build_app(ingress=False)``: the replicas are the HTTP entry, without that). Ray
+Serve routes the requests across the replicas and supervises them:
 
 - ``check_health`` reads the lifecycle chart. Ready, Draining, Recovering, Configuring and
   Warming are healthy (the executor recovers itself); Failed raises :class:`ReplicaFailed`, so
@@ -19,16 +23,23 @@ across the replicas and supervises them:
   replicas that do not serve (Failed, Recovering, Warming, draining...) after those that do.
   A Failed replica therefore stops taking new requests within about one stats period plus the
   controller's 0.1 s loop, instead of answering 503 until its third failed health check.
-- What a replica's device cannot serve is served by a sibling: the replica's app is wrapped
-  in the fleet edge (:class:`~calexec.drivers.fleet.edge.ReplicaEdge`), which relays a
-  completion once, before any byte reached the client, when it arrives while the replica does
-  not serve or is answered 503 here (or 500 after the failure took the device down). The relay
-  is a streaming handle call to this deployment's ``relay_http``, which
-  :class:`LifecycleRouter` never routes back to the relaying replica while another exists.
+- What a replica's device cannot serve is served by a sibling. Through the ingress: a
+  completion or chat answered 503 before its first byte, or whose replica dies, drains or
+  fails after tokens went out, is continued on a sibling from where the client is (prompt +
+  tokens re-prefilled, same seed, id and stream); ``LifecycleRouter`` ranks the replicas that
+  failed the request (``request["avoid"]``) last. A drained replica hands its ingress streams
+  off at a token boundary while a sibling serves. Without the ingress, the replica's fleet
+  edge (:class:`~calexec.drivers.fleet.edge.ReplicaEdge`) relays a completion once, before
+  any byte reached the client, when it arrives while the replica does not serve or is
+  answered 503 here (or 500 after the failure took the device down), through a streaming
+  handle call to this deployment's ``relay_http``, which :class:`LifecycleRouter` never
+  routes back to the relaying replica while another exists. ``request["replica"]`` pins a
+  ``relay_http`` call to one replica (an operator's or a test's admin call).
 - Scale-down, redeploy and ``serve.shutdown`` stop a replica gracefully: Serve stops routing to
   it and waits for its ongoing requests, then the destructor drains the service (admission
   refused, admitted requests finished) and shuts the executor down within
-  ``ReplicaSettings.grace_s``. The deployment's ``graceful_shutdown_timeout_s`` is set above
+  ``ReplicaSettings.grace_s`` (an ingress stream still running then is handed to a sibling
+  at its next token boundary). The deployment's ``graceful_shutdown_timeout_s`` is set above
   that grace so Ray does not kill the process mid-drain.
 - Per-replica metrics: each replica exports Ray Serve gauges (:data:`RAY_GAUGES`) tagged with
   ``device``; Ray adds ``replica``, ``deployment`` and ``application``, and its metrics agent
@@ -58,6 +69,8 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, R
 from calexec.drivers.fleet import registry as replica_registry
 from calexec.drivers.device_spec import DeviceSpec
 from calexec.drivers.fleet.edge import ReplicaEdge, serve_relayed
+from calexec.drivers.fleet.ingress import CAUSES, FailoverSettings, FleetIngress
+from calexec.drivers.serving.handoff import PROGRESS_TYPE
 from calexec.drivers.serving.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
 from calexec.drivers.calrt.runtime import Fault, FaultMode
 from calexec.drivers.serving.server import ServerConfig, create_app
@@ -159,23 +172,43 @@ class LifecycleRouter(FIFOMixin, RequestRouter):
         relay = (pending_request is not None
                  and pending_request.metadata.call_method == RELAY_METHOD)
         me = replica_registry.self_replica() if relay else None
-        return rank_by_lifecycle(candidate_replicas, exclude=me)
+        request = pending_request.args[0] if relay and pending_request.args else None
+        avoid, pin = (), None
+        if isinstance(request, dict):  # built by the fleet ingress or a tool, never by HTTP
+            avoid, pin = request.get("avoid") or (), request.get("replica")
+        return rank_by_lifecycle(candidate_replicas, exclude=me, avoid=avoid, pin=pin)
 
 
-def rank_by_lifecycle(candidates: list[Any], exclude: Any = None) -> list[list[Any]]:
+def rank_by_lifecycle(candidates: list[Any], exclude: Any = None, avoid: Any = (),
+                      pin: str | None = None) -> list[list[Any]]:
     """:class:`LifecycleRouter`'s ranking of replicas (anything with ``routing_stats`` and
     ``replica_id``): up to two random serving replicas, then up to two random others; empty
     ranks are left out. ``exclude`` (a relaying replica's own id) is never chosen while
     another replica exists; alone, it gets the request back and answers it itself (a relayed
-    request is never relayed again), so a relay is never parked in the router."""
+    request is never relayed again), so a relay is never parked in the router. ``avoid``
+    (replica unique ids that already failed this request: the fleet ingress's failover) come
+    last, after every other replica. ``pin`` (a replica unique id: an operator or test
+    addressing one replica) is the only choice while it exists."""
+    if pin is not None:
+        pinned = [r for r in candidates if unique_id(r) == pin]
+        if pinned:
+            return [pinned]
     if exclude is not None:
         others = [r for r in candidates if r.replica_id != exclude]
         candidates = others or candidates
+    avoided = [r for r in candidates if unique_id(r) in avoid]
+    candidates = [r for r in candidates if unique_id(r) not in avoid]
     serving = [r for r in candidates if is_serving(r.routing_stats)]
     others = [r for r in candidates if not is_serving(r.routing_stats)]
     ranks = [random.sample(serving, min(2, len(serving))),
-             random.sample(others, min(2, len(others)))]
+             random.sample(others, min(2, len(others))),
+             random.sample(avoided, min(2, len(avoided)))]
     return [rank for rank in ranks if rank]
+
+
+def unique_id(replica: Any) -> str:
+    """A replica's unique id (the ``x-calexec-replica`` header's value)."""
+    return str(getattr(replica.replica_id, "unique_id", replica.replica_id))
 
 
 def sibling_serves(app_name: str, self_id: Any) -> bool:
@@ -192,9 +225,10 @@ def sibling_serves(app_name: str, self_id: Any) -> bool:
     return False
 
 
-@serve.ingress()
 class CalexecReplica:
-    """One replica: one device, one executor, the reference server's app as ingress."""
+    """One replica: one device, one executor, the reference server's app behind its fleet
+    edge, reached through ``relay_http`` (from :class:`CalexecIngress`; a Serve application
+    has one HTTP ingress deployment)."""
 
     def __init__(self, settings: ReplicaSettings) -> None:
         """Open the device and start the executor (golden included); raise on failure so Ray
@@ -239,9 +273,14 @@ class CalexecReplica:
         return self.edge
 
     async def relay_http(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """A sibling's relayed completion (drivers/fleet/edge.py), served by this replica's
-        edge and streamed back as ASGI messages; never relayed again."""
-        async for message in serve_relayed(self.edge, request):
+        """A request from the fleet ingress (drivers/fleet/ingress.py) or a sibling's relay
+        (drivers/fleet/edge.py), served by this replica's edge and streamed back as ASGI
+        messages, with the progress messages the ingress asked for; never relayed again. A
+        draining replica hands a stream off at a token boundary while a sibling serves."""
+        if request.get("progress"):  # which replica this is, before anything can fail
+            yield {"type": PROGRESS_TYPE, "replica": self.replica}
+        async for message in serve_relayed(self.edge, request,
+                                           handoff_ok=self.edge.relay_target):
             yield message
 
     async def _warm_relay(self) -> None:
@@ -308,6 +347,50 @@ class CalexecReplica:
         self._tmp.cleanup()
 
 
+@serve.ingress()
+class CalexecHttpReplica(CalexecReplica):
+    """A replica that is the application's HTTP entry itself (``build_app(ingress=False)``:
+    no ingress hop, no mid-stream failover)."""
+
+
+@serve.ingress()
+class CalexecIngress:
+    """The fleet's HTTP entry (drivers/fleet/ingress.py): no device; every request goes to a
+    device replica through a streaming handle call to its ``relay_http``, and a completion or
+    chat a replica cannot finish (its process died, it drained, its device failed) continues
+    on a sibling from where the client is. Exports Ray Serve counters
+    ``calexec_fleet_failovers{cause}``, ``calexec_fleet_failover_tokens_reprefilled`` and
+    ``calexec_fleet_failover_budget_exhausted``."""
+
+    def __init__(self, replicas: Any, failover: FailoverSettings) -> None:
+        self._relay = replicas.options(method_name=RELAY_METHOD, stream=True)
+        self.ingress = FleetIngress(lambda request: self._relay.remote(request), failover)
+        failovers = serve_metrics.Counter(
+            "calexec_fleet_failovers", "Requests continued on a sibling replica, by cause "
+            f"({', '.join(CAUSES)}).", tag_keys=("cause",))
+        reprefilled = serve_metrics.Counter(
+            "calexec_fleet_failover_tokens_reprefilled",
+            "Prompt + produced tokens re-prefilled by siblings on failovers.")
+        exhausted = serve_metrics.Counter(
+            "calexec_fleet_failover_budget_exhausted",
+            "Requests that failed because their failover budget was spent.")
+
+        def counted(cause: str, tokens: int) -> None:
+            failovers.inc(1, tags={"cause": cause})
+            if tokens:
+                reprefilled.inc(tokens)
+        self.ingress.on_failover = counted
+        self.ingress.on_exhausted = lambda: exhausted.inc(1)
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return self.ingress
+
+    def stats(self) -> dict[str, Any]:
+        """The ingress's failover counters (tests, ops)."""
+        return {"failovers": dict(self.ingress.failovers),
+                "reprefilled": self.ingress.reprefilled, "exhausted": self.ingress.exhausted}
+
+
 class ReplicaHeaders:
     """ASGI middleware: every HTTP response names the replica and device that served it
     (``x-calexec-replica``, ``x-calexec-device``), streaming responses included."""
@@ -340,9 +423,15 @@ def device_label(executor: DeviceExecutor, settings: ReplicaSettings) -> str:
 
 
 def build_app(settings: ReplicaSettings, replicas: int, health_check_period_s: float = 0.5,
-              health_check_timeout_s: float = 10.0, routing_stats_period_s: float = 0.1) -> Any:
-    """The bound Serve application: ``replicas`` replicas of :class:`CalexecReplica`, routed
-    by :class:`LifecycleRouter`.
+              health_check_timeout_s: float = 10.0, routing_stats_period_s: float = 0.1,
+              failover: FailoverSettings | None = None, ingress: bool = True) -> Any:
+    """The bound Serve application: :class:`CalexecIngress` (deployment ``ingress``, the HTTP
+    entry, one replica, no device) in front of ``replicas`` replicas of
+    :class:`CalexecReplica` (deployment ``calexec``), routed by :class:`LifecycleRouter`.
+    ``failover``: the ingress's budget; by default ``max_failovers`` is the server's
+    ``max_resumes`` and the deadline, body limit and Retry-After are the server's.
+    ``ingress=False``: the replicas are the HTTP entry themselves (no mid-stream failover;
+    the replica's edge still relays a completion answered 503 before its first byte).
 
     ``graceful_shutdown_timeout_s`` is the drain grace plus 10 s of headroom for the
     executor's shutdown; one replica per device, so replicas take no Ray CPU (``num_cpus=0``)
@@ -355,7 +444,7 @@ def build_app(settings: ReplicaSettings, replicas: int, health_check_period_s: f
     if routing_stats_period_s <= 0:
         raise ValueError(f"routing_stats_period_s={routing_stats_period_s}: must be > 0")
     deployment = serve.deployment(
-        CalexecReplica, name="calexec", num_replicas=replicas,
+        CalexecReplica if ingress else CalexecHttpReplica, name="calexec", num_replicas=replicas,
         ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=settings.server.max_sequences,
         graceful_shutdown_wait_loop_s=0.2,
@@ -365,4 +454,14 @@ def build_app(settings: ReplicaSettings, replicas: int, health_check_period_s: f
         request_router_config=RequestRouterConfig(
             request_router_class=LifecycleRouter,
             request_routing_stats_period_s=routing_stats_period_s))
-    return deployment.bind(settings)
+    if not ingress:
+        return deployment.bind(settings)
+    server = settings.server
+    failover = failover or FailoverSettings(
+        max_failovers=server.max_resumes, default_timeout_s=server.default_timeout_s,
+        max_body_bytes=server.max_body_bytes, retry_after_s=server.retry_after_s)
+    entry = serve.deployment(
+        CalexecIngress, name="ingress", num_replicas=1, ray_actor_options={"num_cpus": 0},
+        # every request of the fleet passes here: as many as the replicas admit or queue
+        max_ongoing_requests=replicas * (server.max_sequences + server.max_waiting) + 16)
+    return entry.bind(deployment.bind(settings), failover)

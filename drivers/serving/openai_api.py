@@ -23,7 +23,8 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Str
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import TaskKind
-from calexec.drivers.serving import errors, sampling, wire
+from calexec.drivers.serving import errors, handoff, sampling, wire
+from calexec.drivers.serving.resume import RESUMABLE
 from calexec.drivers.serving.sampling import SamplingError, SamplingParams, TokenLogprobs
 
 Number = StrictInt | StrictFloat
@@ -307,6 +308,11 @@ class TextOutput:
             return ""
         return self._emit(self.text + self._detok.flush(), final=True)
 
+    @property
+    def sent(self) -> int:
+        """Characters of ``text`` already returned by :meth:`add` (the client has them)."""
+        return self._sent
+
     def _emit(self, text: str, final: bool) -> str:
         if self._stop:
             start = max(0, self._sent - max(len(s) for s in self._stop))
@@ -350,6 +356,46 @@ def chat_logprobs(tok: Any, infos: list[TokenLogprobs]) -> dict[str, Any]:
                 "bytes": tok.token_bytes(token)}
     return {"content": [{**entry(i.token, i.logprob),
                          "top_logprobs": [entry(t, lp) for t, lp in i.top]} for i in infos]}
+
+
+# ---- continuing a generation handed over by another replica (drivers/serving/handoff.py) -----
+#: how a stream handed to a sibling by a draining replica ends here (the client never sees it)
+HANDED_OFF = Status.unavailable(Phase.ADMISSION, "replica draining: the request was handed to "
+                                "a sibling replica")
+
+
+def resume_refusal(resume: "handoff.Resume", gen: Any) -> Refusal | None:
+    """Why ``resume`` cannot continue ``gen`` (None: it can)."""
+    tokens = resume.tokens
+    bad = next((i for i, t in enumerate(tokens) if t >= gen.logits.shape[0]), None)
+    if bad is not None:
+        return Refusal(invalid(f"resume.tokens[{bad}]={tokens[bad]} outside the vocabulary "
+                               f"[0, {gen.logits.shape[0]})"), "resume")
+    if len(tokens) > gen.max_tokens:
+        return Refusal(invalid(f"resume.tokens: {len(tokens)} tokens > max_tokens="
+                               f"{gen.max_tokens}"), "resume")
+    return None
+
+
+def continue_from(resume: "handoff.Resume", gen: Any, out: "TextOutput", shape: "_Shape",
+                  stream: bool) -> None:
+    """Set ``gen`` up to continue after ``resume.tokens`` (its first job re-prefills prompt
+    + tokens, ``Generation.next_request``; token ``len(tokens)`` is sampled with the same
+    seed and index as it would have been) and rebuild what the client was already sent: the
+    detokenizer and stop-string hold-back state (``out``), the id, ``created``, echo, text
+    offsets and the chat opening (``shape``). A whole (non-streaming) answer with logprobs
+    needs every token's logprobs: it restarts from the prompt with the same seed instead."""
+    tokens = list(resume.tokens)
+    if not stream and gen.sampling.logprobs is not None:
+        tokens = []
+    gen.tokens = tokens
+    for token in tokens:
+        out.add(token)
+    shape.resumed(resume, len(tokens) if stream else 0, out.sent)  # a whole answer: none sent
+    if out.stopped:
+        gen.finish_reason = "stop"
+    elif len(tokens) >= gen.max_tokens:
+        gen.finish_reason = "length"
 
 
 # ---- routes ---------------------------------------------------------------------------------
@@ -483,30 +529,69 @@ def add_routes(app: FastAPI, service: Any, fail: Callable[..., Response]) -> Non
 
     async def _generate(request: Request, admission: _Admission, params: SamplingParams,
                         shape: "_Shape", usage_chunk: bool) -> Response:
+        # the fleet's out-of-band channel (drivers/serving/handoff.py): ASGI scope keys only
+        # drivers/fleet/edge.serve_relayed sets; an HTTP request cannot carry them
+        progress = request.scope.get(handoff.PROGRESS)
+        resume = None
+        if request.scope.get(handoff.RESUME) is not None:
+            try:
+                resume = handoff.Resume.parse(request.scope[handoff.RESUME])
+                if resume.seed is not None:
+                    params = attrs.evolve(params, seed=resume.seed)
+            except (handoff.ResumeError, SamplingError) as err:
+                return refused(Refusal(invalid(str(err)), "resume"))
+            if resume.timeout is not None:
+                admission.timeout = min(resume.timeout,
+                                        admission.timeout or config.default_timeout_s)
         gen, status, param = service.admit(admission)
         if gen is None:
             return fail(status, param)
         gen.sampling = params
         out = TextOutput(service.tokenizer, params.stop)
         shape.start(service, gen)
+        if resume is not None:
+            bad = resume_refusal(resume, gen)
+            if bad is not None:
+                await service.finish(gen)
+                return refused(bad)
+            continue_from(resume, gen, out, shape, admission.stream)
+        if progress is not None:
+            progress({"seed": params.seed, "id": shape.id, "created": shape.created,
+                      "prompt_tokens": len(gen.prompt)})
         if admission.stream:
-            return await _stream(request, gen, out, shape, usage_chunk)
+            return await _stream(request, gen, out, shape, usage_chunk, progress)
+        handed = False
         try:
             async def run() -> None:
+                nonlocal handed
                 while (token := await service.advance(gen)) is not None:
                     out.add(token)
                     if out.stopped:
                         gen.finish_reason = "stop"
+                    elif hand_off(request, gen):
+                        handed = True
+                        gen.status = HANDED_OFF
+                        return
             await wire.until_disconnect(request, run)
         finally:
             await service.finish(gen, abandoned=True)
         if gen.status is not None:
+            if handed:
+                progress({"handoff": "drained"})
             return fail(gen.status, count=False)  # counted by finish()
         out.flush()
         return JSONResponse(shape.whole(out.text, gen))
 
+    def hand_off(request: Request, gen: Any) -> bool:
+        """A draining replica hands a fleet request (one with a progress channel) to a
+        sibling at a token boundary, when one serves (drivers/serving/handoff.py)."""
+        handing = request.scope.get(handoff.HANDOFF)
+        return (handing is not None and service.draining and not gen.done
+                and request.scope.get(handoff.PROGRESS) is not None and bool(handing()))
+
     async def _stream(request: Request, gen: Any, out: TextOutput, shape: "_Shape",
-                      usage_chunk: bool) -> Response:
+                      usage_chunk: bool, progress: Callable[[dict], None] | None = None
+                      ) -> Response:
         first: int | None = None
 
         async def first_token() -> None:  # may wait for a sequence id: watch for disconnect
@@ -533,16 +618,31 @@ def add_routes(app: FastAPI, service: Any, fail: Callable[..., Response]) -> Non
                     piece = out.add(token)
                     if out.stopped:
                         gen.finish_reason = "stop"
+                    if progress is not None:  # before its chunk: the chunk commits it
+                        progress({"tokens": [token]})
                     yield wire.sse(shape.piece(piece, token, gen))
+                    if hand_off(request, gen):
+                        gen.status = HANDED_OFF
+                        progress({"handoff": "drained"})
+                        return  # no [DONE]: the fleet ingress continues on a sibling
                     token = await service.advance(gen)
                 if gen.status is not None:
+                    if progress is not None:
+                        progress({"error": gen.status.code, "retryable":
+                                  gen.status.category in RESUMABLE or not service.ready,
+                                  "cause": "drained" if service.draining else "unavailable"})
                     yield wire.sse({"error": errors.error_body(
                         gen.status, errors.PARAM_OF_CODE.get(gen.status.code))})
                 else:
-                    yield wire.sse(shape.last(out.flush(), gen))
+                    tail = [wire.sse(shape.last(out.flush(), gen))]
                     if usage_chunk:
-                        yield wire.sse(shape.usage_chunk(gen))
-                    yield b"data: [DONE]\n\n"
+                        tail.append(wire.sse(shape.usage_chunk(gen)))
+                    tail.append(b"data: [DONE]\n\n")
+                    if progress is not None:  # one message: a cut never splits the tail
+                        tail = [b"".join(tail)]
+                        progress({"final": True})
+                    for part in tail:
+                        yield part
             finally:
                 await service.finish(gen, abandoned=True)
 
@@ -579,10 +679,21 @@ def _usage(gen: Any) -> dict[str, int]:
 class _Shape:
     """The JSON of one kind of response (completion or chat)."""
 
+    PREFIX = "cmpl"
+
     def start(self, service: Any, gen: Any) -> None:
         self.service, self.gen, self.created = service, gen, int(time.time())
+        self.id = f"{self.PREFIX}-{gen.request_id}"
         self.tok = service.tokenizer
         self.sent_logprobs = 0
+        self.opened = False
+
+    def resumed(self, resume: Any, tokens: int, sent_chars: int) -> None:
+        """Continue a response another replica started: its id and ``created``; ``tokens``
+        tokens (``sent_chars`` characters of text) and the opening were sent already."""
+        self.id = resume.id or self.id
+        self.created = self.created if resume.created is None else resume.created
+        self.opened = resume.opened
 
     def _new_logprobs(self, gen: Any) -> list[TokenLogprobs]:
         infos = gen.token_logprobs[self.sent_logprobs:]
@@ -601,8 +712,14 @@ class _CompletionShape(_Shape):
         self.echo = echo
         self.text_at = 0
 
+    def resumed(self, resume: Any, tokens: int, sent_chars: int) -> None:
+        super().resumed(resume, tokens, sent_chars)
+        if tokens:  # the echo went out with the first token's chunk
+            self.text_at = len(self.echo) + sent_chars
+            self.echo = ""
+
     def _head(self, chunk: bool = False) -> dict[str, Any]:
-        return {"id": f"cmpl-{self.gen.request_id}", "object": "text_completion",
+        return {"id": self.id, "object": "text_completion",
                 "created": self.created, "model": self.service.config.model_name}
 
     def _choice(self, text: str, tokens: list[int], gen: Any, finish: str | None,
@@ -631,8 +748,10 @@ class _CompletionShape(_Shape):
 
 
 class _ChatShape(_Shape):
+    PREFIX = "chatcmpl"
+
     def _head(self, chunk: bool = False) -> dict[str, Any]:
-        return {"id": f"chatcmpl-{self.gen.request_id}",
+        return {"id": self.id,
                 "object": "chat.completion.chunk" if chunk else "chat.completion",
                 "created": self.created, "model": self.service.config.model_name}
 
@@ -647,6 +766,8 @@ class _ChatShape(_Shape):
             "usage": _usage(gen)}
 
     def opening(self) -> list[dict[str, Any]]:
+        if self.opened:  # a replica before this one sent it
+            return []
         return [{**self._head(chunk=True), "choices": [{
             "index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
             "finish_reason": None}]}]

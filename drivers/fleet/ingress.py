@@ -1,0 +1,380 @@
+"""The fleet ingress: a generation outlives the replica that started it (issue 16).
+
+A replica process that dies cannot hand anything over, so the client's connection must end
+somewhere that survives it. :class:`FleetIngress` is that place: the HTTP entry of the Ray
+fleet (drivers/fleet/ray_serve.py runs it as its own deployment, with no device), in front of
+the device replicas, each reached through a streaming call (``call(request)``: the replica's
+``relay_http`` → :func:`~calexec.drivers.fleet.edge.serve_relayed`). For ``POST
+/v1/completions`` and ``POST /v1/chat/completions``:
+
+1. The ingress asks the replica for **progress** (drivers/serving/handoff.py): the seed, id,
+   ``created`` and prompt length once admitted, and each token right before the SSE chunk that
+   carries it. Progress messages travel on the call's stream, out of band: they are never
+   forwarded to the client, and resume state never crosses HTTP (a client cannot forge it).
+   A token counts as the client's once its chunk was forwarded.
+2. **Failover.** The attempt fails when the call raises or its stream ends before the response
+   did (the replica process died: ``replica_died``), when a draining replica hands the stream
+   off at a token boundary (``drained``), when a stream ends in an SSE error event the replica
+   marks retryable (a retryable or device-side category, or the replica no longer serves:
+   ``drained`` while draining, else ``unavailable``), or when the replica answers 503 (429 too
+   once the client's response started: ``unavailable``). The ingress then calls a sibling with
+   ``resume`` = the tokens the client has, the seed, id, ``created``, whether a chat opening
+   went out, and the time left. The sibling re-prefills prompt + tokens and sends only what the
+   client has not seen; the ingress drops its second ``http.response.start``, so the client
+   sees one well-formed stream: one ``[DONE]``, the final ``usage`` counting every completion
+   token, the same id. A whole (non-streaming) answer is re-run on the sibling with the same
+   seed: identical for greedy and seeded sampling. Routing avoids the replicas that failed
+   this request (``request["avoid"]``, read by ``LifecycleRouter``) while others exist.
+3. **Bounded.** At most ``max_failovers`` failovers and the request's deadline (its
+   ``timeout`` or ``default_timeout_s``); later retries back off (``backoff_s`` doubling up to
+   ``max_backoff_s``; the first retry after a replica that answered goes at once). Past the
+   budget the client gets what it got before: the replica's 503 (or the ingress's own 503 +
+   ``Retry-After``) when nothing was sent yet, else the SSE error event and the end of the
+   stream. A client that leaves stops the replica's work (``cancel()`` of the call).
+4. Other routes (/ready, /health, /metrics, /admin, /debug, /v1/models, /tokenize) are
+   forwarded once, to whichever replica the router picks: they describe or steer one replica,
+   and an admin POST is never repeated on another. A request marked relayed by the ingress
+   (``x-calexec-relayed-from: ingress``) is never relayed again by the replica's own edge: the
+   ingress is the one place that retries. A response from a sibling after a failover carries
+   ``x-calexec-relayed-from: <the replica that failed>``.
+
+Nothing here knows Ray: ``call`` is given by the host, so tests drive the ingress with plain
+async generators as replicas. Counters: ``failovers`` by cause, ``reprefilled`` (prompt +
+tokens re-prefilled by siblings), ``exhausted`` (requests whose budget ran out); ``on_failover``
+lets the host export them (ray_serve: Ray Serve counters).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import math
+import time
+from typing import Any, Callable
+
+import attrs
+
+from calexec.contracts.errors import Category
+from calexec.contracts.status import Phase, Status
+from calexec.drivers.fleet.edge import (RELAY_ROUTES, RELAYED_FROM, Message, Receive, Send,
+                                        read_body, relay_request, route_path, send_held,
+                                        stop_stream, wait_disconnect)
+from calexec.drivers.serving import errors, wire
+from calexec.drivers.serving.handoff import PROGRESS_TYPE
+
+log = logging.getLogger("calexec.fleet_ingress")
+
+#: the ``x-calexec-relayed-from`` of requests the ingress sends (the replica never relays them)
+INGRESS = "ingress"
+REPLICA_HEADER = b"x-calexec-replica"
+#: ``failovers`` causes
+CAUSES = ("replica_died", "drained", "unavailable")
+
+
+@attrs.frozen
+class FailoverSettings:
+    """The ingress's budget and limits (module docstring)."""
+
+    #: failovers of one request to a sibling; 0: none (a failure reaches the client)
+    max_failovers: int = attrs.field(default=3, validator=attrs.validators.ge(0))
+    #: first backoff between attempts that found no replica answering, doubled up to the max
+    backoff_s: float = attrs.field(default=0.05, validator=attrs.validators.gt(0))
+    max_backoff_s: float = attrs.field(default=1.0, validator=attrs.validators.gt(0))
+    #: a request's deadline when its body gives no ``timeout`` (the server's default)
+    default_timeout_s: float = attrs.field(default=30.0, validator=attrs.validators.gt(0))
+    #: request body limit (413 above it, as the server answers)
+    max_body_bytes: int = attrs.field(default=1 << 20, validator=attrs.validators.gt(0))
+    retry_after_s: int = attrs.field(default=1, validator=attrs.validators.ge(0))
+
+
+@attrs.define
+class _Client:
+    """What the client of one request has been sent, and what a sibling resumes from."""
+
+    started: bool = False  # the response start (and a first body chunk) went out
+    opened: bool = False  # a non-empty body chunk went out (a chat stream's opening)
+    tokens: list[int] = attrs.Factory(list)  # tokens whose chunks went out
+    pending: list[int] = attrs.Factory(list)  # announced, their chunk not forwarded yet
+    admitted: dict[str, Any] | None = None  # seed, id, created, prompt_tokens
+    final: bool = False  # the next forwarded chunk is the response's last one
+    complete: bool = False  # the last chunk went out (only the end-of-body may be missing)
+    failed_from: str | None = None  # the first replica that failed this request
+
+    def resume(self, deadline: float) -> dict[str, Any]:
+        admitted = self.admitted or {}
+        return {"tokens": list(self.tokens), "seed": admitted.get("seed"),
+                "id": admitted.get("id"), "created": admitted.get("created"),
+                "opened": self.opened, "timeout": max(1e-3, deadline - time.monotonic())}
+
+
+@attrs.define
+class _Outcome:
+    """How one attempt ended: ``cause`` None when the response reached its end."""
+
+    cause: str | None
+    replica: str | None = None
+    retryable: bool = True
+    held: tuple[Message, bytes] | None = None  # a refused response, not forwarded
+    error_chunk: bytes | None = None  # the SSE error event of a failed stream, not forwarded
+
+
+class FleetIngress:
+    """ASGI app in front of the device replicas (see the module docstring)."""
+
+    def __init__(self, call: Callable[[Message], Any], settings: FailoverSettings) -> None:
+        self.call = call
+        self.settings = settings
+        self.failovers: collections.Counter[str] = collections.Counter()
+        self.reprefilled = 0
+        self.exhausted = 0
+        #: called with (cause, tokens re-prefilled) at each failover, and when a request's
+        #: budget ran out (the host exports them)
+        self.on_failover: Callable[[str, int], None] | None = None
+        self.on_exhausted: Callable[[], None] | None = None
+
+    async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        chunks, complete = await read_body(receive, self.settings.max_body_bytes)
+        if complete is None:  # the client left while sending its body
+            return
+        if not complete:
+            await send_held(send, *refusal(Status.failure(
+                "request.invalid", Category.INVALID_REQUEST, Phase.VALIDATE,
+                f"request body exceeds max_body_bytes={self.settings.max_body_bytes}"),
+                413, self.settings.retry_after_s))
+            return
+        body = b"".join(chunks)
+        failover = (scope["method"], route_path(scope)) in RELAY_ROUTES
+        await self._serve(scope, body, receive, send, failover)
+
+    async def _serve(self, scope: Message, body: bytes, receive: Receive, send: Send,
+                     failover: bool) -> None:
+        client = _Client()
+        deadline = time.monotonic() + request_timeout(body, self.settings.default_timeout_s)
+        avoid: list[str] = []
+        watching = asyncio.ensure_future(wait_disconnect(receive))
+        attempts = 0
+        try:
+            while True:
+                request = relay_request(scope, body, INGRESS)
+                if failover:
+                    request["progress"] = True
+                    request["avoid"] = list(avoid)
+                    if client.admitted is not None:
+                        request["resume"] = client.resume(deadline)
+                forwarding = asyncio.ensure_future(self._attempt(request, client, send))
+                done, _ = await asyncio.wait({forwarding, watching},
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if forwarding not in done:  # the client left: _attempt stops the replica
+                    forwarding.cancel()
+                    await asyncio.gather(forwarding, return_exceptions=True)
+                    return
+                outcome = forwarding.result()
+                if outcome.cause is None:
+                    return
+                attempts += 1
+                if outcome.replica is not None:
+                    avoid.append(outcome.replica)
+                    client.failed_from = client.failed_from or outcome.replica
+                left = deadline - time.monotonic()
+                if not (failover and outcome.retryable and attempts <= self.settings.max_failovers
+                        and left > 0):
+                    if failover and outcome.retryable:
+                        self.exhausted += 1
+                        if self.on_exhausted is not None:
+                            self.on_exhausted()
+                    log.warning("request failed after %d attempt(s): %s at %s", attempts,
+                                outcome.cause, outcome.replica)
+                    await self._give_up(client, outcome, send)
+                    return
+                self._count(outcome.cause, client)
+                # the first retry after a replica that answered goes at once (the router
+                # avoids it); a call that reached nobody, or a later retry, backs off
+                if attempts > 1 or outcome.replica is None:
+                    delay = min(self.settings.backoff_s * 2 ** (attempts - 1),
+                                self.settings.max_backoff_s, left)
+                    done, _ = await asyncio.wait({watching}, timeout=delay)
+                    if done:
+                        return
+        finally:
+            watching.cancel()
+            await asyncio.gather(watching, return_exceptions=True)
+
+    def _count(self, cause: str, client: _Client) -> None:
+        reprefill = 0
+        if client.admitted is not None:
+            reprefill = int(client.admitted.get("prompt_tokens") or 0) + len(client.tokens)
+        self.failovers[cause] += 1
+        self.reprefilled += reprefill
+        log.info("failover (%s) from %s after %d tokens", cause, client.failed_from,
+                 len(client.tokens))
+        if self.on_failover is not None:
+            self.on_failover(cause, reprefill)
+
+    async def _attempt(self, request: Message, client: _Client, send: Send) -> _Outcome:
+        """Forward one replica's answer to the client, as far as it goes."""
+        stream: Any = None
+        replica: str | None = None
+        start: Message | None = None  # a 200 start, sent with the first body chunk
+        held: Message | None = None  # a refused start (its body is held too)
+        held_body: list[bytes] = []
+        error: Message | None = None  # the replica's report of a failed stream
+        handed: str | None = None
+        ended = False
+        try:
+            stream = self.call(request)
+            async for message in stream:
+                kind = message.get("type")
+                if kind == PROGRESS_TYPE:
+                    replica = message.get("replica", replica)  # the host names its replica
+                    if "seed" in message and client.admitted is None:
+                        client.admitted = {k: message.get(k) for k in
+                                           ("seed", "id", "created", "prompt_tokens")}
+                    client.pending.extend(message.get("tokens", ()))
+                    if "error" in message:
+                        error = message
+                    client.final = bool(message.get("final")) or (
+                        error is not None and not error.get("retryable"))
+                    handed = message.get("handoff", handed)
+                    continue
+                if kind == "http.response.start":
+                    replica = header_of(message, REPLICA_HEADER) or replica
+                    status = message["status"]
+                    if status == 503 or (client.started and status != 200):
+                        held = message
+                    elif not client.started:
+                        start = message  # the sibling's second start is dropped
+                    continue
+                if kind != "http.response.body":
+                    continue
+                if handed is not None:  # what follows a hand-off is only the end of the body
+                    ended = True
+                    return await self._cut(client, send, _Outcome(handed, replica))
+                chunk, more = message.get("body", b""), message.get("more_body", False)
+                if held is not None:
+                    held_body.append(chunk)
+                    if more:
+                        continue
+                    ended = True
+                    client.pending.clear()
+                    status = held["status"]
+                    return _Outcome(handed or "unavailable", replica,
+                                    retryable=status == 503 or (client.started and status == 429),
+                                    held=(held, b"".join(held_body)))
+                if error is not None and error.get("retryable"):
+                    held_body.append(chunk)  # the SSE error event: withheld while we fail over
+                    if more:
+                        continue
+                    ended = True
+                    client.pending.clear()
+                    return _Outcome(str(error.get("cause") or "unavailable"), replica,
+                                    error_chunk=b"".join(held_body))
+                if start is not None:
+                    headers = list(start.get("headers", []))
+                    if client.failed_from is not None:
+                        headers.append((RELAYED_FROM, client.failed_from.encode()))
+                    await send({**start, "headers": headers})
+                    start, client.started = None, True
+                await send(message)
+                if chunk:
+                    client.opened = True
+                    client.complete = client.final
+                client.tokens.extend(client.pending)
+                client.pending.clear()
+                if not more:
+                    ended = True
+                    return _Outcome(None, replica)
+            ended = True  # the stream ended before the response did
+            return await self._cut(client, send, _Outcome(handed or "replica_died", replica))
+        except Exception as err:  # noqa: BLE001 - the replica's process died or is unreachable
+            ended = True
+            log.warning("replica %s failed mid-response: %r", replica, err)
+            return await self._cut(client, send, _Outcome("replica_died", replica))
+        finally:
+            if not ended:  # cancelled: the client left
+                await stop_stream(stream)
+
+    @staticmethod
+    async def _cut(client: _Client, send: Send, outcome: _Outcome) -> _Outcome:
+        """A replica's stream broke off: a failover, unless the client already had the
+        response's last chunk (then only its end is sent)."""
+        client.pending.clear()
+        if client.complete:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return _Outcome(None, outcome.replica)
+        return outcome
+
+    async def _give_up(self, client: _Client, outcome: _Outcome, send: Send) -> None:
+        """The budget is spent: the client gets what it would have got without the fleet."""
+        if not client.started:
+            if outcome.held is not None:
+                await send_held(send, *outcome.held)
+            else:
+                await send_held(send, *refusal(unavailable(outcome), 503,
+                                               self.settings.retry_after_s))
+            return
+        chunk = outcome.error_chunk or sse_error(outcome.held) or wire.sse(
+            {"error": errors.error_body(unavailable(outcome))})
+        await send({"type": "http.response.body", "body": chunk, "more_body": False})
+
+
+def unavailable(outcome: _Outcome) -> Status:
+    return Status.unavailable(Phase.ADMISSION, f"no replica could finish the request (last: "
+                              f"{outcome.cause} at {outcome.replica or 'an unknown replica'})")
+
+
+def refusal(status: Status, code: int, retry_after_s: int) -> tuple[Message, bytes]:
+    """A held response (start, body) with the server's error body."""
+    payload = json.dumps({"error": errors.error_body(status, None, code),
+                          "status": status.to_dict()}).encode()
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(payload)).encode())]
+    if code in (429, 503):
+        headers.append((b"retry-after", str(retry_after_s).encode()))
+    return {"type": "http.response.start", "status": code, "headers": headers}, payload
+
+
+def sse_error(held: tuple[Message, bytes] | None) -> bytes | None:
+    """The SSE error event of a refused response's JSON error body (None if it has none)."""
+    if held is None:
+        return None
+    try:
+        error = json.loads(held[1])["error"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return wire.sse({"error": error})
+
+
+def request_timeout(body: bytes, default: float) -> float:
+    """The request's deadline in seconds: its body's ``timeout`` when valid, else ``default``
+    (the server validates the body; an invalid one is refused there, not here)."""
+    try:
+        timeout = json.loads(body).get("timeout")
+    except (ValueError, AttributeError, UnicodeDecodeError):
+        return default
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) \
+            and math.isfinite(timeout) and timeout > 0:
+        return float(timeout)
+    return default
+
+
+def header_of(message: Message, name: bytes) -> str | None:
+    value = next((v for k, v in message.get("headers", []) if k.lower() == name), None)
+    return None if value is None else bytes(value).decode("latin-1")
+
+
+async def lifespan(receive: Receive, send: Send) -> None:
+    """The ASGI lifespan protocol: nothing to start or stop."""
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return

@@ -1,0 +1,313 @@
+"""The fleet ingress (drivers/fleet/ingress.py): a stream outlives the replica that started it.
+
+No Ray and no device here: a "replica" is a plain async generator yielding what a replica's
+``relay_http`` yields (progress messages and ASGI messages) for a fixed token sequence, and
+each test chooses how it fails (its process dies: the generator raises; it drains: it hands
+off; its device fails: a retryable SSE error event; or it answers 503). The server's side of
+a resume (re-prefill, text state, chat, seeded sampling) is tested in
+tests/test_server_handoff.py; the Ray deployment in tests/test_ray_serve.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from calexec.drivers.fleet.edge import RELAYED_FROM
+from calexec.drivers.fleet.ingress import FailoverSettings, FleetIngress, request_timeout
+from calexec.drivers.serving.handoff import PROGRESS_TYPE
+
+TOKENS = [11, 12, 13, 14, 15, 16]
+BODY = {"prompt": [1, 2], "max_tokens": len(TOKENS), "stream": True}
+
+
+def chunk(i: int) -> bytes:
+    return b'data: {"i":%d,"token_ids":[%d]}\n\n' % (i, TOKENS[i])
+
+
+TAIL = b'data: {"finish_reason":"length","usage":6}\n\ndata: [DONE]\n\n'
+UNCUT = b"".join(chunk(i) for i in range(len(TOKENS))) + TAIL
+
+
+class Replica:
+    """A fake device replica. ``fail_at``: the index of the first token it does not send,
+    and ``how`` it fails there (raise | handoff | error | end | 503); None: it never fails.
+    ``gate``: an event each token waits for (a slow replica)."""
+
+    def __init__(self, name: str, fail_at: int | None = None, how: str = "raise",
+                 gate: asyncio.Event | None = None) -> None:
+        self.name, self.fail_at, self.how, self.gate = name, fail_at, how, gate
+        self.requests: list[dict] = []
+        self.closed = False  # its generator was closed or cancelled before its end
+        self.finished = False
+
+    def start(self, status: int = 200) -> dict:
+        return {"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"text/event-stream"),
+                            (b"x-calexec-replica", self.name.encode())]}
+
+    async def __call__(self, request: dict):
+        self.requests.append(request)
+        resume = request.get("resume") or {}
+        first = len(resume.get("tokens", []))
+        try:
+            yield {"type": PROGRESS_TYPE, "replica": self.name}  # as ray_serve's relay_http
+            if self.how == "early":  # died before it answered anything
+                raise RuntimeError("ActorDiedError: the replica's process died")
+            if self.how == "503" and self.fail_at is not None:
+                yield self.start(503)
+                yield {"type": "http.response.body", "body": b'{"error":{"message":"busy"}}',
+                       "more_body": False}
+                self.finished = True
+                return
+            yield {"type": PROGRESS_TYPE, "seed": 7, "id": resume.get("id") or f"cmpl-{self.name}",
+                   "created": resume.get("created") or 1000 + len(self.requests),
+                   "prompt_tokens": 2}
+            yield self.start()
+            for i in range(first, len(TOKENS) + 1):  # the last index: before the tail
+                if self.gate is not None and i > first:  # a slow replica after its first
+                    await self.gate.wait()
+                if i == self.fail_at:
+                    if self.how == "raise":
+                        raise RuntimeError("ActorDiedError: the replica's process died")
+                    if self.how == "handoff":  # then its response ends (no [DONE])
+                        yield {"type": PROGRESS_TYPE, "handoff": "drained"}
+                        yield {"type": "http.response.body", "body": b"", "more_body": False}
+                        return
+                    if self.how == "error":
+                        yield {"type": PROGRESS_TYPE, "error": "device.fault", "retryable": True,
+                               "cause": "unavailable"}
+                        yield {"type": "http.response.body",
+                               "body": b'data: {"error":{"message":"device fault"}}\n\n',
+                               "more_body": False}
+                        return
+                    if self.how == "end":
+                        return
+                if i == len(TOKENS):
+                    break
+                yield {"type": PROGRESS_TYPE, "tokens": [TOKENS[i]]}
+                yield {"type": "http.response.body", "body": chunk(i), "more_body": True}
+            yield {"type": PROGRESS_TYPE, "final": True}
+            yield {"type": "http.response.body", "body": TAIL, "more_body": True}
+            if self.how == "after_tail":  # died before its end-of-body message
+                raise RuntimeError("ActorDiedError: the replica's process died")
+            yield {"type": "http.response.body", "body": b"", "more_body": False}
+            self.finished = True
+        finally:
+            if not self.finished:
+                self.closed = True
+
+
+class Router:
+    """Calls the first replica not in the request's ``avoid`` (the LifecycleRouter's rule)."""
+
+    def __init__(self, *replicas: Replica) -> None:
+        self.replicas = replicas
+        self.calls: list[str] = []
+
+    def __call__(self, request: dict):
+        avoid = request.get("avoid") or []
+        replica = next((r for r in self.replicas if r.name not in avoid), self.replicas[-1])
+        self.calls.append(replica.name)
+        return replica(request)
+
+
+class Client:
+    """Drives the ingress as an ASGI server would: one request, every message recorded;
+    ``leave_after``: disconnect once that many body bytes arrived."""
+
+    def __init__(self, body: dict = BODY, path: str = "/v1/completions",
+                 leave_after: int | None = None) -> None:
+        self.body, self.path, self.leave_after = body, path, leave_after
+        self.messages: list[dict] = []
+        self.left = asyncio.Event()
+
+    async def run(self, app) -> "Client":
+        scope = {"type": "http", "method": "POST", "path": self.path, "query_string": b"",
+                 "headers": [(b"content-type", b"application/json")], "http_version": "1.1"}
+        given = False
+
+        async def receive():
+            nonlocal given
+            if not given:
+                given = True
+                return {"type": "http.request", "body": json.dumps(self.body).encode(),
+                        "more_body": False}
+            await self.left.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            assert message["type"].startswith("http."), message  # nothing internal leaks
+            self.messages.append(message)
+            if self.leave_after is not None and len(self.content) >= self.leave_after:
+                self.left.set()
+        await asyncio.wait_for(app(scope, receive, send), timeout=10)
+        return self
+
+    @property
+    def starts(self) -> list[dict]:
+        return [m for m in self.messages if m["type"] == "http.response.start"]
+
+    @property
+    def content(self) -> bytes:
+        return b"".join(m.get("body", b"") for m in self.messages
+                        if m["type"] == "http.response.body")
+
+    @property
+    def ended(self) -> bool:
+        return any(m["type"] == "http.response.body" and not m.get("more_body", False)
+                   for m in self.messages)
+
+    def header(self, name: bytes) -> bytes | None:
+        return dict(self.starts[0]["headers"]).get(name)
+
+
+def ingress(router, **settings) -> FleetIngress:
+    return FleetIngress(router, FailoverSettings(**{"backoff_s": 0.001, **settings}))
+
+
+def run(app, client: Client | None = None) -> Client:
+    return asyncio.run((client or Client()).run(app))
+
+
+def test_an_uncut_stream_passes_through_without_progress_messages():
+    r1 = Replica("r1")
+    app = ingress(Router(r1))
+    client = run(app)
+    assert client.content == UNCUT and len(client.starts) == 1 and client.ended
+    assert r1.requests[0]["progress"] is True and "resume" not in r1.requests[0]
+    assert dict(r1.requests[0]["headers"])[RELAYED_FROM] == b"ingress"  # never re-relayed
+    assert app.failovers == {}
+
+
+@pytest.mark.parametrize("cut", [0, 1, 3, len(TOKENS)])
+@pytest.mark.parametrize("how,cause", [("raise", "replica_died"), ("handoff", "drained"),
+                                       ("error", "unavailable"), ("end", "replica_died")])
+def test_a_stream_cut_after_k_tokens_continues_on_a_sibling(cut, how, cause):
+    r1, r2 = Replica("r1", fail_at=cut, how=how), Replica("r2")
+    app = ingress(Router(r1, r2))
+    client = run(app)
+    # the client's bytes are those of an uncut run: nothing lost, nothing twice, one start
+    assert client.content == UNCUT and client.content.count(b"[DONE]") == 1
+    assert len(client.starts) == 1 and client.ended
+    if cut:  # the client has r1's start; r2's was dropped
+        assert client.header(b"x-calexec-replica") == b"r1"
+    else:  # nothing had gone out: the start is r2's, naming the replica that failed
+        assert client.header(b"x-calexec-replica") == b"r2" and client.header(RELAYED_FROM) == b"r1"
+    resume = r2.requests[0]["resume"]
+    assert resume["tokens"] == TOKENS[:cut] and resume["seed"] == 7
+    assert resume["id"] == "cmpl-r1" and resume["created"] == 1001
+    assert resume["opened"] == (cut > 0) and 0 < resume["timeout"] <= 30
+    assert r2.requests[0]["avoid"] == ["r1"]
+    assert app.failovers == {cause: 1} and app.reprefilled == 2 + cut
+
+
+def test_a_failover_before_the_first_byte_carries_the_relayed_from_header():
+    r1, r2 = Replica("r1", fail_at=0, how="503"), Replica("r2")
+    client = run(ingress(Router(r1, r2)))
+    assert client.starts[0]["status"] == 200 and client.content == UNCUT
+    assert client.header(RELAYED_FROM) == b"r1" and client.header(b"x-calexec-replica") == b"r2"
+    assert "resume" not in r2.requests[0]  # r1 never admitted it: nothing to resume
+
+
+def test_a_chain_of_failures_within_the_budget_still_completes():
+    replicas = [Replica(f"r{i}", fail_at=i + 1) for i in range(3)] + [Replica("r3")]
+    app = ingress(Router(*replicas), max_failovers=3)
+    client = run(app)
+    assert client.content == UNCUT and app.failovers == {"replica_died": 3}
+    assert [len(r.requests[0].get("resume", {}).get("tokens", [])) for r in replicas] \
+        == [0, 1, 2, 3]
+    assert replicas[3].requests[0]["avoid"] == ["r0", "r1", "r2"]
+
+
+def test_budget_exhausted_mid_stream_ends_with_the_sse_error_event():
+    replicas = [Replica(f"r{i}", fail_at=i + 2) for i in range(3)]
+    app = ingress(Router(*replicas), max_failovers=2)
+    client = run(app)
+    body = client.content
+    assert body.startswith(b"".join(chunk(i) for i in range(4)))  # what was sent stays
+    events = [line for line in body.split(b"\n\n") if line]
+    assert json.loads(events[-1][6:])["error"]["type"] == "unavailable_error"
+    assert b"[DONE]" not in body and client.ended and app.exhausted == 1
+    # a replica's own retryable SSE error event is what the client gets when the budget ends
+    app = ingress(Router(Replica("r1", fail_at=2, how="error")), max_failovers=0)
+    client = run(app)
+    assert client.content.endswith(b'data: {"error":{"message":"device fault"}}\n\n')
+
+
+def test_budget_exhausted_before_the_first_byte_is_the_replicas_503():
+    replicas = [Replica(f"r{i}", fail_at=0, how="503") for i in range(2)]
+    app = ingress(Router(*replicas), max_failovers=1)
+    client = run(app)
+    assert client.starts[0]["status"] == 503 and client.content == b'{"error":{"message":"busy"}}'
+    assert len(client.starts) == 1 and app.exhausted == 1
+    # a replica that died before answering: the ingress's own 503 + Retry-After
+    client = run(ingress(Router(Replica("r0", fail_at=0)), max_failovers=0))
+    start = client.starts[0]
+    assert start["status"] == 503 and dict(start["headers"])[b"retry-after"] == b"1"
+    assert json.loads(client.content)["error"]["type"] == "unavailable_error"
+
+
+def test_the_request_deadline_bounds_the_failovers():
+    r1 = Replica("r1", fail_at=1)
+    app = ingress(Router(r1), max_failovers=100, backoff_s=0.05, max_backoff_s=0.05)
+    client = run(app, Client({**BODY, "timeout": 0.3}))
+    assert b"[DONE]" not in client.content and client.ended and app.exhausted == 1
+    assert 1 < len(r1.requests) < 100  # retried (backing off), then the deadline ended it
+    assert request_timeout(b'{"timeout": 2.5}', 30) == 2.5
+    assert request_timeout(b'{"timeout": "x"}', 30) == request_timeout(b"[", 30) == 30
+
+
+def test_client_disconnect_stops_the_sibling():
+    gate = asyncio.Event()
+    r1, r2 = Replica("r1", fail_at=2), Replica("r2", gate=gate)
+
+    async def go():
+        client = Client(leave_after=len(chunk(0) + chunk(1) + chunk(2)))
+        app = ingress(Router(r1, r2))
+        await client.run(app)  # r2 sends token 2, then waits for a gate nobody opens
+        return client, app
+    client, app = asyncio.run(go())
+    assert client.content == b"".join(chunk(i) for i in range(3))
+    assert r2.closed and not r2.finished  # the sibling's stream was closed, not run out
+    assert b"[DONE]" not in client.content and app.failovers == {"replica_died": 1}
+
+
+def test_other_routes_are_forwarded_once_without_progress_or_retry():
+    r1, r2 = Replica("r1", fail_at=0, how="503"), Replica("r2")
+    router = Router(r1, r2)
+    client = run(ingress(router), Client(path="/admin/drain"))
+    assert client.starts[0]["status"] == 503 and router.calls == ["r1"]
+    assert "progress" not in r1.requests[0] and "resume" not in r1.requests[0]
+
+
+def test_chat_completions_fail_over_too():
+    r1, r2 = Replica("r1", fail_at=2), Replica("r2")
+    client = run(ingress(Router(r1, r2)), Client(path="/v1/chat/completions"))
+    assert client.content == UNCUT and r2.requests[0]["path"] == "/v1/chat/completions"
+
+
+def test_a_client_cannot_inject_resume_state_through_the_ingress():
+    r1 = Replica("r1")
+    forged = {**BODY, "resume": {"tokens": [99]}}
+    run(ingress(Router(r1)), Client(forged))
+    request = r1.requests[0]
+    assert "resume" not in request  # only the ingress's own state ever goes there
+    assert json.loads(request["body"])["resume"] == {"tokens": [99]}  # the server refuses it
+
+
+def test_a_replica_dying_after_its_last_chunk_ends_the_stream_without_failover():
+    r1, r2 = Replica("r1", how="after_tail"), Replica("r2")
+    app = ingress(Router(r1, r2))
+    client = run(app)
+    assert client.content == UNCUT and client.ended and not r2.requests and app.failovers == {}
+
+
+def test_a_replica_dying_before_it_answered_is_avoided_on_the_retry():
+    r1, r2 = Replica("r1", how="early"), Replica("r2")
+    app = ingress(Router(r1, r2))
+    client = run(app, Client({**BODY, "stream": False}))
+    assert client.content == UNCUT and r2.requests[0]["avoid"] == ["r1"]
+    assert app.failovers == {"replica_died": 1}
