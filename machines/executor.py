@@ -187,6 +187,10 @@ AHEAD_YIELD_S = 0.002
 #: ... only after a job that ran at least this long (us): on a fast device the next job ends
 #: before the previous one is delivered, and the yield costs a round trip (A/B measured)
 AHEAD_YIELD_MIN_US = 1000
+#: ... and the submitter arms the step after it this much later (at most a quarter of the
+#: previous step's device time), so the arming does not take the GIL from the delivery of the
+#: previous step and its caller (A/B measured, docs/benchmarks.md)
+ARM_DELAY_S = 0.001
 _TRAIL_STEPS = 32  # a job takes at most ~8 transitions; refused events are few
 
 
@@ -724,15 +728,20 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
                     job.permit_held = True
                     self._handing_off += 1
                     break
+                arm_in = None
                 if self._prearm_q:  # nothing to submit now: arm a decode stream's next job
-                    stream = self._prearm_q.popleft()
-                    stream._arming = True
-                    job = None
-                    break
+                    arm_in = self._prearm_q[0]._arm_at - now
+                    if arm_in <= 0 or not block or self._stopping_threads:
+                        stream = self._prearm_q.popleft()
+                        stream._arming = True
+                        job = None
+                        break
                 if not block or (self._stopping_threads and not self._submit_q):
                     return False
                 timeout = (min(j.deadline for j in (*self._submit_q, *self._armed)) - now
                            if self._submit_q or self._armed else None)
+                if arm_in is not None:  # greedy ahead: the arming waits for the delivery
+                    timeout = arm_in if timeout is None else min(timeout, arm_in)
                 if self._held_by_runtime:
                     # A failed Wait left buffers with the runtime: nobody signals when it lets
                     # go, so re-check on a short timer (only in this degraded state).
@@ -779,7 +788,8 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
                                       "before submit; retry", **job.ctx())
         return None
 
-    def _fire(self, job: Job, token: int, stream: Any = None, next_past: int = -1) -> JobHandle:
+    def _fire(self, job: Job, token: int, stream: Any = None, next_past: int = -1,
+              arm_delay_s: float = 0.0) -> JobHandle:
         """A pre-armed decode job gets its token and joins the submit queue (machines/
         stream.py): the token id is written into the leased slot's input and the request, the
         chart goes Preparing -> Queued, the submitter is woken. Everything else was done when
@@ -806,6 +816,8 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
                         self._submit_q.append(job)
                         if next_past >= 0:  # the submitter arms the next job after this one
                             stream._next = (job.txn, next_past)
+                            stream._arm_at = (self.clock.monotonic() + arm_delay_s
+                                              if arm_delay_s > 0 else 0.0)
                             self._prearm_q.append(stream)
                         self._submit_cv.notify_all()
         if owned and status is not None:
@@ -988,9 +1000,11 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         self._release_permit(job)
         stream, job.stream = job.stream, None
         if stream is not None and target == JOB_COMPLETING and not job.cancel_flag:
-            fired = stream._fire_ahead(job, result)  # greedy ahead (machines/stream.py)
-            if (fired is not None and self.config.threads and job.timings.completed_us
-                    - job.timings.submitted_us >= AHEAD_YIELD_MIN_US):
+            ran_us = job.timings.completed_us - job.timings.submitted_us
+            slow = self.config.threads and ran_us >= AHEAD_YIELD_MIN_US
+            fired = stream._fire_ahead(  # greedy ahead (machines/stream.py)
+                job, result, min(ARM_DELAY_S, ran_us / 4e6) if slow else 0.0)
+            if fired is not None and slow:
                 self._until_submitted(fired._job)
         if target == JOB_COMPLETING and not self._advance(job, JOB_EV_DELIVER):
             target = JOB_CANCEL_REQUESTED

@@ -126,6 +126,7 @@ class DecodeStream:
         self._arming = False
         self._arm_waiter = False
         self._next: tuple[Any, int] = (None, past_len)
+        self._arm_at = 0.0  # the submitter arms the next job from then (Clock.monotonic())
         job = self._arm_job(None, past_len, blocking=False, notify=True)
         if isinstance(job, Job):
             self._armed = job
@@ -292,7 +293,8 @@ class DecodeStream:
         self.ahead_steps += 1
         return handle
 
-    def _fire_ahead(self, job: Job, result: Any) -> "JobHandle | None":
+    def _fire_ahead(self, job: Job, result: Any, arm_delay_s: float = 0.0
+                    ) -> "JobHandle | None":
         """On the completion thread, after ``job``'s KV commit and permit release and before
         its result is delivered: fire the armed next job with ``job``'s argmax when the
         caller waits for ``job`` and the stream may go on. Never raises; returns the fired
@@ -312,7 +314,7 @@ class DecodeStream:
         try:
             past = armed.request.past_len
             more = self.max_len is None or past + 2 <= self.max_len
-            handle = ex._fire(armed, token, self, past + 1 if more else -1)
+            handle = ex._fire(armed, token, self, past + 1 if more else -1, arm_delay_s)
         except Exception:  # noqa: BLE001 - the caller fires the next step itself instead
             log.exception("firing the next job of seq %d ahead raised", self.seq_id)
         finally:
