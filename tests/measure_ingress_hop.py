@@ -1,9 +1,10 @@
 """What the fleet ingress's extra hop costs (issue 16): TTFT and per-token latency of streaming
 completions through the ingress (HTTP -> Serve proxy -> ingress -> replica) against a replica
 that is the HTTP entry itself (``build_app(ingress=False)``), in the same Ray run, on one
-replica each, requests alternating between the two. Not a test (no gate on a time); run:
+replica each, requests alternating between the two. Not a test (no gate on a time; pytest
+does not collect it); needs the ``[ray]`` extra; run:
 
-    /work/rayvenv/bin/python tests/measure_ingress_hop.py [--requests 40] [--tokens 16]
+    python tests/measure_ingress_hop.py [--requests 40] [--tokens 16]
 """
 
 from __future__ import annotations
@@ -14,11 +15,15 @@ import statistics
 import time
 
 import httpx
-import ray
-from ray import serve
 
-from calexec.drivers.fleet.ray_serve import ReplicaSettings, build_app
-from test_server_support import free_port
+try:
+    import ray
+    from ray import serve
+except ImportError as exc:  # an optional extra: say so instead of a traceback
+    raise SystemExit(f"measure_ingress_hop.py needs Ray: pip install -e '.[ray]' ({exc})")
+
+from calexec.drivers.fleet.ray_serve import ReplicaSettings, build_app  # noqa: E402
+from test_server_support import free_port  # noqa: E402
 
 
 def one(client: httpx.Client, url: str, tokens: int, prompt: list[int]) -> tuple[float, list]:
