@@ -36,7 +36,7 @@ reached), after the job's KV commit and permit release and before its result is 
 The caller then waits only for the device: its own wake-up and token choice leave the critical
 path (two wake-ups per token remain on it, the completion thread's and the submitter's, where
 an ``enqueue`` caller has three). The caller's loop is unchanged: ``step(result.argmax)``
-adopts the job already fired with that token; another token is refused (the stream already
+(plus the slice's start with ``want_logits``) adopts the job already fired with that token; another token is refused (the stream already
 decoded the argmax). A job is fired ahead only while its caller has asked for the one before
 it, so the fired-ahead job is at most one step ahead, and with ``logits_out`` given the stream
 alternates two rows (``logits_out`` and one of its own): a result's logits stay valid until
@@ -300,7 +300,8 @@ class DecodeStream:
         caller waits for ``job`` and the stream may go on. Never raises; returns the fired
         job's handle (None: nothing fired)."""
         ex = self.ex
-        token = int(result.argmax)
+        # the argmax is within the requested logits slice: the token id is offset by its start
+        token = int(result.argmax) + (self.want_logits[0] if self.want_logits else 0)
         with ex._submit_cv:
             current = self._current
             if (self.status is not None or self._ahead is not None or self._armed is None

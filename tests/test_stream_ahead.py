@@ -171,3 +171,22 @@ def test_fault_on_a_step_fired_ahead_closes_the_stream(calbin, point):
         assert counts["Leased"] == 0 and counts["InFlight"] == 0
         assert ex.snapshot()["pending_tokens"] == 0
         assert ex.kvc.reset_sequence(1).ok
+
+
+def test_a_logits_slice_fires_the_token_id_not_the_index_in_the_slice(calbin):
+    """With ``want_logits=(first, n)`` the argmax is an index in the slice: the step fired
+    ahead carries ``first + argmax``, the token id the caller steps with."""
+    steps, first = 4, 1000
+    with running_job_path(calbin, threads=False) as ex:
+        vocab = ex.generation.vocab_size
+        stream, token = open_stepped(ex, 1, steps, want_logits=(first, vocab - first))
+        out = [token]
+        for _ in range(steps):
+            result = stream.step(out[-1])
+            assert isinstance(result, InferenceResult), result
+            out.append(first + result.argmax)
+            assert stream._ahead is None or stream._ahead[0] == out[-1]
+        assert stream.ahead_steps == steps - 1  # each fired step was taken: same token id
+        stream.close()
+        drain_stepped(ex)
+        assert_released(ex, 1)
