@@ -191,6 +191,11 @@ AHEAD_YIELD_MIN_US = 1000
 #: previous step's device time), so the arming does not take the GIL from the delivery of the
 #: previous step and its caller (A/B measured, docs/benchmarks.md)
 ARM_DELAY_S = 0.001
+#: early wake-ups (``_prewake_in``, ``Job.early_wake_s``): this long before a decode job's
+#: expected end, for jobs expected to run at least PREWAKE_MIN_US (A/B measured,
+#: docs/benchmarks.md); 0 turns them off
+PREWAKE_S = 0.0003
+PREWAKE_MIN_US = 1500.0
 _TRAIL_STEPS = 32  # a job takes at most ~8 transitions; refused events are few
 
 
@@ -247,6 +252,14 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         # (slot, its generation's KV coordinator, seq id) of jobs whose Wait failed while the
         # runtime still runs them (submit_mu)
         self._held_by_runtime: list = []
+        # Early wake-ups (issue 17): a thread that slept through a decode job's device time
+        # wakes PREWAKE_S before the job is expected to end, so the hand-off that follows
+        # finds it (and its CPU) warm: the submitter's idle wait (``_prewake_in``, once per
+        # job on the device) and a caller's ``JobHandle.wait_until`` (``Job.early_wake_s``).
+        # The expectation is the moving average of decode jobs' device time (completion
+        # thread writes, others read a float).
+        self._decode_exec_us = 0.0
+        self._prewoken = 0  # job id the submitter last woke early for (submit_mu)
         self._completion_mu = self.locks.lock(COMPLETION)  # never held across Wait()
         self._completion_cv = clock.condition(self._completion_mu)
         self._completion_q: deque[Job] = deque()
@@ -340,6 +353,9 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
                   self._wake_waiters, internal=internal, clock=self.clock)
         job.gen = gen
         job.logits_out = logits_out
+        if (PREWAKE_S > 0 and request.kind == TaskKind.DECODE
+                and self._decode_exec_us >= PREWAKE_MIN_US):
+            job.early_wake_s = self._decode_exec_us / 1e6 - PREWAKE_S
         job.uncounted = arm is not None and not arm.blocking  # a pre-arm attempt may miss
         if self.config.job_trails_kept:
             job.run.trail = deque(maxlen=_TRAIL_STEPS)
@@ -742,6 +758,10 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
                            if self._submit_q or self._armed else None)
                 if arm_in is not None:  # greedy ahead: the arming waits for the delivery
                     timeout = arm_in if timeout is None else min(timeout, arm_in)
+                if PREWAKE_S > 0:
+                    early = self._prewake_in(now)
+                    if early is not None:
+                        timeout = early if timeout is None else min(timeout, early)
                 if self._held_by_runtime:
                     # A failed Wait left buffers with the runtime: nobody signals when it lets
                     # go, so re-check on a short timer (only in this degraded state).
@@ -772,6 +792,21 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             self._handed_off(1)
         self._holding["calexec-submitter"] = None
         return True
+
+    def _prewake_in(self, now: float) -> float | None:
+        """Seconds until the submitter's idle wait should end early (submit_mu held): the
+        decode job on the device is expected to end ``PREWAKE_S`` after that; once per job.
+        None: nothing on the device, its end unknown or too near."""
+        queue = self._completion_q
+        head = queue[0] if queue else None  # a deque read: no completion_mu under submit_mu
+        if (head is None or head.job_id == self._prewoken or not head.submitted_at
+                or head.kind != TaskKind.DECODE or self._decode_exec_us <= 0):
+            return None
+        early = head.submitted_at + self._decode_exec_us / 1e6 - PREWAKE_S - now
+        if early < PREWAKE_S:
+            return None
+        self._prewoken = head.job_id
+        return early
 
     def _unsubmittable(self, job: Job, now: float) -> Status | None:
         """Why a queued job can no longer be submitted (submit_mu held), or None."""
@@ -958,6 +993,10 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         device_status = answer[1]
         job.timings.completed_us = now_us()
         job.timings.device_wait_ms = (job.timings.completed_us - t0) / 1000.0
+        if job.kind == TaskKind.DECODE and rc == CalrtCode.SUCCESS:
+            spent = job.timings.completed_us - job.timings.submitted_us
+            self._decode_exec_us += (spent - self._decode_exec_us) * (
+                0.25 if self._decode_exec_us else 1.0)
         job.wait_rc, job.device_status = rc, device_status
         if job.cancel_flag and job.run.state == JOB_SUBMITTED:
             job.run.send(JOB_EV_CANCEL)

@@ -54,7 +54,7 @@ class Job:
                  "cancel_flag", "lease", "txn", "timings", "run", "wait_rc", "device_status",
                  "output_status", "result", "_done", "_on_cancel", "internal", "logits_out",
                  "_gen", "budget_taken", "permit_held", "clock", "on_resolved", "submitted_at", "uncounted",
-                 "stream",
+                 "stream", "early_wake_s",
                  "__weakref__")
 
     def __init__(self, job_id: int, generation_id: int, request: Any,
@@ -91,6 +91,9 @@ class Job:
         #: the greedy-ahead decode stream this job belongs to (machines/stream.py): the
         #: completion thread fires the stream's next job with this job's argmax
         self.stream: Any = None
+        #: a caller's wait wakes once this long after it began, before the job is expected
+        #: to end, then waits on (0: no early wake; machines/executor.py PREWAKE_S)
+        self.early_wake_s = 0.0
 
     @property
     def gen(self):
@@ -180,6 +183,14 @@ class JobHandle:
         None waits without limit). Never cancels: on timeout the job keeps running and a
         ``wait.deadline`` Status is returned."""
         clock = self._job.clock
+        early = self._job.early_wake_s
+        if early > 0 and not self._job._done.is_set():
+            # wake shortly before the job is expected to end, so the hand-off of its result
+            # finds this thread warm (issue 17); bounded by the deadline like the wait itself
+            if deadline is not None:
+                early = min(early, clock.remaining(deadline))
+            if clock.wait_event(self._job._done, early):
+                return self._job.result
         timeout = None if deadline is None else clock.remaining(deadline)
         if clock.wait_event(self._job._done, timeout):
             return self._job.result

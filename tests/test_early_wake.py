@@ -1,0 +1,75 @@
+"""Early wake-ups (issue 17): a thread that slept through a decode job's device time wakes
+``PREWAKE_S`` before the job's expected end so the hand-off after it finds a warm thread. The
+early wake must never change what a wait returns: the caller then waits on for the result
+(bounded by its deadline), and the submitter's early wake submits nothing by itself.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from calexec.contracts.status import Status
+from calexec.machines import executor as executor_mod
+from calexec.machines.job import InferenceResult
+from executor_harness import (decode, deadline, expected_greedy, prefill, running_job_path,
+                              write_calbin)
+
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
+
+
+@pytest.fixture(scope="module")
+def calbin(tmp_path_factory):
+    return write_calbin(tmp_path_factory.mktemp("calbin"))
+
+
+def test_a_caller_woken_early_waits_on_for_its_result_and_tokens_match(calbin):
+    steps = 8
+    with running_job_path(calbin) as ex:
+        assert ex.device.emu.set_latency(decode_us=20000) == 0
+        result = ex.enqueue(prefill(1, PROMPT)).wait_until(deadline())
+        assert isinstance(result, InferenceResult), result
+        out, past, early = [result.argmax], result.kv_len, []
+        for _ in range(steps):
+            handle = ex.enqueue(decode(1, out[-1], past))
+            early.append(handle._job.early_wake_s)
+            # a wake planned far before the end: the wait must go on past it
+            handle._job.early_wake_s = min(handle._job.early_wake_s, 0.001) or 0.001
+            result = handle.wait_until(deadline())
+            assert isinstance(result, InferenceResult), result
+            out.append(result.argmax)
+            past = result.kv_len
+        assert out == expected_greedy(PROMPT, steps)
+        # planned from the moving average of decode jobs' device time: it climbs from the
+        # golden run's zero-latency jobs towards the 20 ms profile
+        assert early[-1] > early[1] > 0.0 and 0.015 < early[-1] < 0.02, early
+        assert 15000 < ex._decode_exec_us < 25000
+
+
+def test_an_early_wake_never_outlasts_the_deadline(calbin):
+    """The early wake is bounded by the caller's deadline like the wait itself: a deadline
+    before the job's end answers a wait.deadline Status at the deadline, not later."""
+    with running_job_path(calbin) as ex:
+        assert ex.device.emu.set_latency(decode_us=50000) == 0
+        result = ex.enqueue(prefill(1, PROMPT)).wait_until(deadline())
+        assert isinstance(result, InferenceResult), result
+        handle = ex.enqueue(decode(1, result.argmax, result.kv_len))
+        handle._job.early_wake_s = 30.0  # absurd plan: the deadline must still bound it
+        status = handle.wait_until(deadline(0.01))
+        assert isinstance(status, Status) and status.code == "wait.deadline", status
+        assert isinstance(handle.wait_until(deadline()), InferenceResult)
+
+
+def test_off_when_prewake_is_zero(calbin, monkeypatch):
+    monkeypatch.setattr(executor_mod, "PREWAKE_S", 0.0)
+    with running_job_path(calbin) as ex:
+        assert ex.device.emu.set_latency(decode_us=5000) == 0
+        result = ex.enqueue(prefill(1, PROMPT)).wait_until(deadline())
+        row = np.empty(ex.generation.vocab_size, np.float32)
+        for _ in range(3):
+            handle = ex.enqueue(decode(1, result.argmax, result.kv_len), logits_out=row)
+            assert handle._job.early_wake_s == 0.0
+            result = handle.wait_until(deadline())
+            assert isinstance(result, InferenceResult), result
+        with ex._submit_cv:
+            assert ex._prewake_in(ex.clock.monotonic()) is None or executor_mod.PREWAKE_S
