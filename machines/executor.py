@@ -797,8 +797,10 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         """Seconds until the submitter's idle wait should end early (submit_mu held): the
         decode job on the device is expected to end ``PREWAKE_S`` after that; once per job.
         None: nothing on the device, its end unknown or too near."""
-        queue = self._completion_q
-        head = queue[0] if queue else None  # a deque read: no completion_mu under submit_mu
+        try:  # a deque read: no completion_mu under submit_mu (the completion thread may
+            head = self._completion_q[0]  # pop it between a length check and the index)
+        except IndexError:
+            head = None
         if (head is None or head.job_id == self._prewoken or not head.submitted_at
                 or head.kind != TaskKind.DECODE or self._decode_exec_us <= 0):
             return None

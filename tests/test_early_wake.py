@@ -73,3 +73,27 @@ def test_off_when_prewake_is_zero(calbin, monkeypatch):
             assert isinstance(result, InferenceResult), result
         with ex._submit_cv:
             assert ex._prewake_in(ex.clock.monotonic()) is None or executor_mod.PREWAKE_S
+
+
+def test_the_submitter_reading_a_queue_the_completion_thread_just_emptied_does_not_raise(
+        calbin):
+    """``_prewake_in`` reads the completion queue's head without completion_mu: the
+    completion thread may pop it between a length check and the index. Modelled by a queue
+    that is truthy but empty when indexed: None, never an IndexError (which would be a
+    submitter thread fault)."""
+    from collections import deque
+
+    class Emptied(deque):
+        def __bool__(self) -> bool:  # non-empty when checked, popped before the index
+            return True
+
+        def __len__(self) -> int:
+            return 1
+
+    with running_job_path(calbin) as ex:
+        with ex._submit_cv:
+            saved, ex._completion_q = ex._completion_q, Emptied()
+            try:
+                assert ex._prewake_in(ex.clock.monotonic()) is None
+            finally:
+                ex._completion_q = saved
