@@ -161,17 +161,13 @@ class DecodeStream:
                                                  f"{vocab})"))
         with ex._submit_cv:
             # fired ahead by the completion thread (greedy_ahead), else the armed job
-            ahead = self._take_ahead() if self._ahead is not None else None
-            job, self._armed = (None, self._armed) if ahead is not None else (self._armed, None)
-            if job is None and ahead is None:  # not picked up yet (or no slot): arm it here
-                self._unqueue()
-            while job is None and ahead is None and self._arming:  # the submitter arms it now
-                remaining = self.deadline - ex.clock.monotonic()
-                if remaining <= 0:
-                    break
-                self._arm_waiter = True
-                ex.clock.wait(ex._submit_cv, remaining)
+            ahead, job = self._take_ahead(), None
+            if ahead is None:
                 job, self._armed = self._armed, None
+                if job is None:  # not picked up yet (or no slot): arm it here, or take the
+                    self._unqueue()  # one the submitter is arming right now
+                    self._wait_submitter(lambda: not self._arming, self.deadline)
+                    job, self._armed = self._armed, None
         if ahead is not None:
             return self._adopt(ahead, int(token))
         if job is None:  # nothing armed (no free resource then): admit it now, blocking
@@ -237,18 +233,12 @@ class DecodeStream:
             # the submitter may be arming the next job right now: it releases that job itself
             # on seeing the stream closed; wait for it (bounded), so that once close() returns
             # the sequence is free (a reset or the next request may follow at once)
-            end = ex.clock.monotonic() + _CLOSE_WAIT_S
-            while self._arming:
-                remaining = end - ex.clock.monotonic()
-                if remaining <= 0:
-                    log.warning("decode stream of seq %d: the submitter still arms its next "
-                                "job after %.1fs; it releases it when done", self.seq_id,
-                                _CLOSE_WAIT_S)
-                    break
-                self._arm_waiter = True
-                ex.clock.wait(ex._submit_cv, remaining)
+            if not self._wait_submitter(lambda: not self._arming,
+                                        ex.clock.monotonic() + _CLOSE_WAIT_S):
+                log.warning("decode stream of seq %d: the submitter still arms its next job "
+                            "after %.1fs; it releases it when done", self.seq_id, _CLOSE_WAIT_S)
             job, self._armed = self._armed, None
-            ahead = self._take_ahead() if self._ahead is not None else None
+            ahead = self._take_ahead()
         if job is not None and not ex._disarm(job, Status.cancelled(
                 Phase.CANCEL, f"decode stream of seq {self.seq_id} closed: {status.code}"),
                 counted=counted) and ex.config.threads:
@@ -264,16 +254,24 @@ class DecodeStream:
         return status
 
     # ---- greedy ahead ----------------------------------------------------------------------
+    def _wait_submitter(self, done: Any, end: float) -> bool:
+        """submit_mu held: wait until ``done()`` (the submitter or the completion thread
+        notifies ``_arm_waiter``s when it finishes arming or firing), bounded by ``end``
+        (``Clock.monotonic()``). False when ``end`` came first."""
+        ex = self.ex
+        while not done():
+            remaining = end - ex.clock.monotonic()
+            if remaining <= 0:
+                return False
+            self._arm_waiter = True
+            ex.clock.wait(ex._submit_cv, remaining)
+        return True
+
     def _take_ahead(self) -> "tuple[int, JobHandle] | None":
         """The job fired ahead (submit_mu held), once its firing finished (bounded by the
         deadline); None when there is none."""
-        ex = self.ex
-        while self._ahead is not None and self._ahead[1] is None:
-            remaining = self.deadline - ex.clock.monotonic()
-            if remaining <= 0:
-                break
-            self._arm_waiter = True
-            ex.clock.wait(ex._submit_cv, remaining)
+        self._wait_submitter(lambda: self._ahead is None or self._ahead[1] is not None,
+                             self.deadline)
         ahead, self._ahead = self._ahead, None
         return ahead if ahead is not None and ahead[1] is not None else None
 
