@@ -44,6 +44,8 @@ from calexec.contracts.prepare import (InferenceRequest, check_request, plan_sli
                                        valid_logits_row)
 from calexec.contracts.status import Phase, Status, llama_decode_code
 from calexec.contracts.types import EngineSlot, ModelGeneration, TaskKind
+from calexec.machines.autoarm import _ARMING_WAIT_S as _AUTO_ARMING_WAIT_S
+from calexec.machines.autoarm import AutoArm
 from calexec.machines.clock import SYSTEM, Clock
 from calexec.machines.compiled import LIFECYCLE, GuardRejected
 from calexec.machines.device_lifecycle import DeviceLifecycle
@@ -148,6 +150,11 @@ class ExecutorConfig:
     #: how long a recovery waits for request threads still preparing a job of the old
     #: generation to leave it (they end at once: admission is stopped and their waits woken)
     fence_grace_s: float = attrs.field(default=2.0, validator=attrs.validators.gt(0))
+    #: implicit pre-arming for enqueue/decode_sync callers (machines/autoarm.py): while a
+    #: sequence's decode job runs, the submitter arms the job the sequence's next token would
+    #: need (only within its KV reservation, only with a free slot); any other request of it
+    #: releases the guess first, and so does an admission short of a slot or token budget
+    auto_prearm: bool = True
 
 
 def _check_caller_arguments(request: InferenceRequest, logits_out: Any,
@@ -243,6 +250,10 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         self._prearm_q: deque = deque()
         # streams whose pre-arm found no free slot: queued again when a lease comes back
         self._prearm_wait: list = []
+        # implicit pre-arms (machines/autoarm.py): seq id -> its AutoArm entry (submit_mu;
+        # read without the lock only as a cheap "any?" test)
+        self._auto: dict[int, AutoArm] = {}
+        self._last_submit_seq: int | None = None  # the submitter's own (no lock)
         self._inflight = 0  # guarded by submit_mu
         self._capacity = config.inflight_capacity  # effective; a downgrade lowers it
         self._features_off: dict[str, int] = {}  # FEATURES name -> generation it went off in
@@ -299,7 +310,10 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         # Observability (§10.3): counters read by metrics; thread identity of runtime calls
         # (invariant 2).
         self.counters = {"submitted": 0, "succeeded": 0, "failed": 0, "quarantined": 0,
-                         "cancelled": 0, "stale_completions": 0, "submit_retries": 0}
+                         "cancelled": 0, "stale_completions": 0, "submit_retries": 0,
+                         # implicit pre-arms (machines/autoarm.py): guesses taken by the
+                         # request that came, and guesses released unused
+                         "auto_prearmed": 0, "auto_prearm_released": 0}
         self._counters_mu = self.locks.lock(COUNTERS)
         self._trails: OrderedDict[int, dict[str, Any]] = OrderedDict()  # counters_mu
         self.infer_threads: set[str] = set()
@@ -337,6 +351,10 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         thread (e.g. a client-disconnect handler) can cancel a job that is still waiting.
         ``logits_out``: a contiguous float32 array receiving the requested logits slice
         (zero allocations per token); None allocates one per job."""
+        if self._auto and isinstance(request, InferenceRequest):
+            handle = self._auto_take(request, logits_out, on_created)
+            if handle is not None:
+                return handle
         return self._enqueue(request, internal=False, logits_out=logits_out,
                              on_created=on_created)
 
@@ -353,10 +371,12 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
                   self._wake_waiters, internal=internal, clock=self.clock)
         job.gen = gen
         job.logits_out = logits_out
-        if (PREWAKE_S > 0 and request.kind == TaskKind.DECODE
-                and self._decode_exec_us >= PREWAKE_MIN_US):
-            job.early_wake_s = self._decode_exec_us / 1e6 - PREWAKE_S
+        if request.kind == TaskKind.DECODE:
+            job.early_wake_s = self._early_wake_s()
         job.uncounted = arm is not None and not arm.blocking  # a pre-arm attempt may miss
+        job.auto_next = (arm is None and not internal and self.config.auto_prearm
+                         and request.kind == TaskKind.DECODE and len(request.seq_ids) == 1
+                         and isinstance(request.positions, np.ndarray))
         if self.config.job_trails_kept:
             job.run.trail = deque(maxlen=_TRAIL_STEPS)
             job.on_resolved = self._keep_trail
@@ -403,6 +423,9 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         # Admission: token budget, then KV (both released on every failure below).
         tokens = request.token_count
         budget = self._token_budget()
+        if (self._auto and arm is None and not job.internal
+                and self._pending_tokens + tokens > budget):
+            self._auto_reclaim()  # a guess never keeps budget from a request that came
         with self.submit_mu:
             if self._pending_tokens + tokens > budget and not job.internal:
                 return self._fail_early(job, Status.exhausted(
@@ -414,6 +437,12 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             job.budget_taken = True
         # a pre-arm never waits: KV within the sequence's reservation, a slot free now
         wait_until = job.deadline if arm is None or arm.blocking else 0.0
+        if (arm is not None and arm.prev_txn is not None
+                and arm.prev_txn.generation_id != gen.id):  # never chained across generations
+            self._release_budget(job)
+            return self._fail_early(job, Status.unavailable(
+                Phase.ADMISSION, f"generation {arm.prev_txn.generation_id} of the job before "
+                f"was retired; retry", **job.ctx()))
         txn = (gen.kvc.reserve_next(arm.prev_txn, tokens)
                if arm is not None and arm.prev_txn is not None else
                gen.kvc.reserve(request.seq_id, request.past_len, tokens, wait_until, stop,
@@ -425,7 +454,14 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         if not self._advance(job, JOB_EV_ADMIT):
             return self._fail_before_submit(job, Status.cancelled(Phase.ADMISSION, **job.ctx()))
         job.timings.admitted_us = now_us()
-        lease = gen.pool.acquire(request.kind, wait_until, owner=job.job_id, stop=stop)
+        lease = None
+        if self._auto and arm is None:  # a guess never keeps a slot from a request that came
+            lease = gen.pool.acquire(request.kind, 0.0, owner=job.job_id, stop=stop)
+            if isinstance(lease, Status) and lease.category == Category.RESOURCE_EXHAUSTED:
+                self._auto_reclaim()
+                lease = None
+        if lease is None:
+            lease = gen.pool.acquire(request.kind, wait_until, owner=job.job_id, stop=stop)
         if isinstance(lease, Status):
             return self._fail_before_submit(job, lease.with_context(**job.ctx()))
         job.lease = lease
@@ -460,6 +496,12 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
                 Phase.SUBMIT, f"generation {gen.id} retired before the job was queued; retry",
                 **job.ctx()))
         return handle
+
+    def _early_wake_s(self) -> float:
+        """How long after it begins a caller's wait for a decode job wakes early (0: not)."""
+        if PREWAKE_S > 0 and self._decode_exec_us >= PREWAKE_MIN_US:
+            return self._decode_exec_us / 1e6 - PREWAKE_S
+        return 0.0
 
     def _enter(self, gen: Generation) -> bool:
         with self.submit_mu:
@@ -733,6 +775,9 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
                              if (status := self._unsubmittable(job, now)) is not None]
                     for job, _ in armed:
                         self._armed.remove(job)
+                        if job.auto is not None:  # an implicit pre-arm: its entry goes too
+                            self._auto_forget(job.auto)
+                            self._bump("auto_prearm_released")
                     ended += armed
                 if ended:
                     self._handing_off += len(ended)
@@ -791,7 +836,113 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         finally:
             self._handed_off(1)
         self._holding["calexec-submitter"] = None
+        seq, self._last_submit_seq = self._last_submit_seq, job.request.seq_id
+        if job.auto_next and job.submitted_at and seq == job.request.seq_id:
+            self._auto_after_submit(job)
         return True
+
+    # ---- implicit pre-arms (machines/autoarm.py) ------------------------------------------------
+    def _auto_after_submit(self, job: Job) -> None:
+        """Job ``job`` (a decode of a sequence whose job before was submitted just before
+        it) is on the device: queue the guess of its successor for the submitter."""
+        seq = job.request.seq_id
+        with self._submit_cv:
+            if (seq not in self._auto and self._admitting and not self._stopping_threads
+                    and job.gen is self.gen):
+                entry = AutoArm(self, job)
+                self._auto[seq] = entry
+                self._prearm_q.append(entry)
+
+    def _auto_forget(self, entry: AutoArm) -> None:
+        """submit_mu held: ``entry`` leaves the table (its job, if any, is released by
+        whoever holds it now)."""
+        entry.dropped = True
+        entry.job = None
+        if self._auto.get(entry.seq_id) is entry:
+            del self._auto[entry.seq_id]
+
+    def _auto_detach(self, entry: AutoArm, end: float) -> Job | None:
+        """submit_mu held: take ``entry`` out of the table and own its armed job (None: not
+        armed, or already released by the submitter). Waits (bounded by ``end``) for an
+        arming in progress."""
+        while entry in self._prearm_q:
+            self._prearm_q.remove(entry)
+        while entry._arming:
+            remaining = end - self.clock.monotonic()
+            if remaining <= 0:
+                break
+            entry._arm_waiter = True
+            self.clock.wait(self._submit_cv, remaining)
+        job = entry.job
+        self._auto_forget(entry)  # an arming still running drops its job itself
+        if job is None or job not in self._armed:
+            return None
+        self._armed.remove(job)
+        job.auto = None
+        return job
+
+    def _auto_release(self, jobs: list[Job], why: str) -> None:
+        for job in jobs:  # uncounted: nobody asked for it
+            self._bump("auto_prearm_released")
+            self._fail_before_submit(job, Status.cancelled(Phase.CANCEL, f"auto pre-arm {why}",
+                                                           **job.ctx()))
+
+    def _auto_drop_seq(self, seq_id: int) -> None:
+        """``KvCoordinator.on_busy``: an operation on ``seq_id`` is coming; release its
+        guess (if any) first."""
+        if not self._auto:
+            return
+        with self._submit_cv:
+            entry = self._auto.get(seq_id)
+            job = (None if entry is None else
+                   self._auto_detach(entry, self.clock.monotonic() + _AUTO_ARMING_WAIT_S))
+        if job is not None:
+            self._auto_release([job], f"released: seq {seq_id} used otherwise")
+
+    def _auto_reclaim(self) -> None:
+        """An admission is short of a slot or of token budget: release every guess."""
+        with self._submit_cv:
+            end = self.clock.monotonic() + _AUTO_ARMING_WAIT_S
+            jobs = [job for entry in list(self._auto.values())
+                    if (job := self._auto_detach(entry, end)) is not None]
+        self._auto_release(jobs, "released: its resources were needed")
+
+    def _auto_take(self, request: InferenceRequest, logits_out: Any,
+                   on_created: Callable[[JobHandle], None] | None) -> JobHandle | None:
+        """``enqueue``: the job armed for ``request``'s sequence, fired with its token when
+        ``request`` is what was guessed; else the guess is released and None returned (the
+        request is admitted the ordinary way)."""
+        seq_ids = request.seq_ids
+        with self._submit_cv:
+            entry = self._auto.get(seq_ids[0]) if len(seq_ids) == 1 else None
+            if entry is None:
+                return None
+            job = self._auto_detach(entry, self.clock.monotonic() + _AUTO_ARMING_WAIT_S)
+        if job is None:
+            return None
+        gen = job.gen
+        ok = (self._admitting and not self._stopping and gen is self.gen and gen is not None
+              and entry.matches(job, request, logits_out))
+        if ok:
+            ok = (check_request(request, gen.contracts).ok and _check_caller_arguments(
+                request, logits_out, gen.contracts.vocab_size).ok)
+        if not ok:
+            self._auto_release([job], "released: another request came")
+            return None
+        job.request = request
+        job.deadline = request.deadline
+        job.uncounted = False
+        job.auto_next = True
+        job.early_wake_s = self._early_wake_s()  # as of now, not of the arming
+        self._bump("auto_prearmed")
+        handle = JobHandle(job)
+        if on_created is not None:
+            on_created(handle)
+        with self._submit_cv:
+            status = self._queue_fired(job, int(request.tokens[0]))
+        if status is not None:
+            return self._fail_before_submit(job, status)
+        return handle
 
     def _prewake_in(self, now: float) -> float | None:
         """Seconds until the submitter's idle wait should end early (submit_mu held): the
@@ -832,34 +983,40 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         chart goes Preparing -> Queued, the submitter is woken. Everything else was done when
         it was armed. Owned only if still in ``_armed`` (the submitter may have released it:
         cancelled, expired, fenced; then its handle carries that Status)."""
-        gen, status = job.gen, None
+        status = None
         with self._submit_cv:
             owned = job in self._armed
             if owned:
                 self._armed.remove(job)
-                if gen.closing or gen is not self.gen:  # fencing: never into another generation
-                    status = Status.unavailable(Phase.SUBMIT, f"generation {gen.id} retired "
-                                                "before the job was queued; retry", **job.ctx())
-                else:
-                    job.request.tokens[0] = token
-                    job.lease.slot.host_input[0] = token
-                    try:
-                        job.run.send(JOB_EV_ENQUEUE)
-                    except GuardRejected:
-                        job.run.send(JOB_EV_CANCEL)
-                        status = Status.cancelled(Phase.PREPARE, **job.ctx())
-                    else:
-                        job.timings.queued_us = now_us()
-                        self._submit_q.append(job)
-                        if next_past >= 0:  # the submitter arms the next job after this one
-                            stream._next = (job.txn, next_past)
-                            stream._arm_at = (self.clock.monotonic() + arm_delay_s
-                                              if arm_delay_s > 0 else 0.0)
-                            self._prearm_q.append(stream)
-                        self._submit_cv.notify_all()
+                job.request.tokens[0] = token
+                status = self._queue_fired(job, token)
+                if status is None and next_past >= 0:  # the submitter arms the job after it
+                    stream._next = (job.txn, next_past)
+                    stream._arm_at = (self.clock.monotonic() + arm_delay_s
+                                      if arm_delay_s > 0 else 0.0)
+                    self._prearm_q.append(stream)
         if owned and status is not None:
             return self._fail_before_submit(job, status)
         return JobHandle(job)
+
+    def _queue_fired(self, job: Job, token: int) -> Status | None:
+        """submit_mu held, ``job`` owned (out of ``_armed``): write ``token`` into its slot,
+        Preparing -> Queued, wake the submitter. A Status: it was not queued (fenced or
+        cancelled); the caller releases it."""
+        gen = job.gen
+        if gen.closing or gen is not self.gen:  # fencing: never into another generation
+            return Status.unavailable(Phase.SUBMIT, f"generation {gen.id} retired before the "
+                                      "job was queued; retry", **job.ctx())
+        job.lease.slot.host_input[0] = token
+        try:
+            job.run.send(JOB_EV_ENQUEUE)
+        except GuardRejected:
+            job.run.send(JOB_EV_CANCEL)
+            return Status.cancelled(Phase.PREPARE, **job.ctx())
+        job.timings.queued_us = now_us()
+        self._submit_q.append(job)
+        self._submit_cv.notify_all()
+        return None
 
     def _disarm(self, job: Job, status: Status, counted: bool = True) -> bool:
         """Release a pre-armed job that will not get a token (its stream closed): lease,
@@ -1449,6 +1606,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         ``max_steps`` jobs); the caller still calls ``step(result.argmax)``. See
         machines/stream.py."""
         from calexec.machines.stream import DecodeStream
+        self._auto_drop_seq(seq_id)  # the stream arms its own
         return DecodeStream(self, seq_id, past_len, deadline, logits_out, want_logits,
                             max_len, request_id, greedy_ahead, stop_tokens, max_steps)
 
@@ -1456,6 +1614,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
     def snapshot(self) -> dict[str, Any]:
         with self.submit_mu:
             queued, inflight, pending = len(self._submit_q), self._inflight, self._pending_tokens
+            guessed = sum(1 for entry in self._auto.values() if entry.job is not None)
         pool = self.pool
         return {
             "lifecycle": self.lifecycle.state,
@@ -1466,6 +1625,8 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             "disabled_features": sorted(f for f in self._features_off if self.feature_disabled(f)),
             "downgrades": len(self.downgrades),
             "pending_tokens": pending,
+            # implicit pre-arms holding a slot and a token of budget (machines/autoarm.py)
+            "auto_armed": guessed,
             "slots": None if pool is None else pool.counts(),
             "recoveries": len(self.recoveries),
             "golden": self.golden_source,

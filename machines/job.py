@@ -54,7 +54,7 @@ class Job:
                  "cancel_flag", "lease", "txn", "timings", "run", "wait_rc", "device_status",
                  "output_status", "result", "_done", "_on_cancel", "internal", "logits_out",
                  "_gen", "budget_taken", "permit_held", "clock", "on_resolved", "submitted_at", "uncounted",
-                 "stream", "early_wake_s",
+                 "stream", "early_wake_s", "auto", "auto_next",
                  "__weakref__")
 
     def __init__(self, job_id: int, generation_id: int, request: Any,
@@ -94,6 +94,10 @@ class Job:
         #: a caller's wait wakes once this long after it began, before the job is expected
         #: to end, then waits on (0: no early wake; machines/executor.py PREWAKE_S)
         self.early_wake_s = 0.0
+        #: the AutoArm entry that armed this job for a caller not yet seen (machines/
+        #: autoarm.py; submit_mu), and whether this job's successor may be armed so
+        self.auto: Any = None
+        self.auto_next = False
 
     @property
     def gen(self):

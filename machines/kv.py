@@ -137,6 +137,10 @@ class KvCoordinator:
         # Observability: how often waiters woke and retried Apply (FI04 proves no spinning).
         self.wakeups = 0
         self.apply_calls = 0
+        #: the executor's hook (``DeviceExecutor._auto_drop_seq``): before an operation on a
+        #: sequence, release a job it pre-armed for that sequence on its own (machines/
+        #: autoarm.py), so a guess never makes the sequence busy for its owner
+        self.on_busy: Callable[[int], None] | None = None
 
     # ---- helpers -----------------------------------------------------------------------------
     def blocks_for(self, tokens: int) -> int:
@@ -201,6 +205,8 @@ class KvCoordinator:
         so a rollback never has to undo a truncation."""
         target = past_len + token_count
         ctx = {"seq_id": seq_id, "generation": self.generation_id}
+        if self.on_busy is not None:
+            self.on_busy(seq_id)
         max_seqs = getattr(self.kv, "max_seqs", None)
         if max_seqs is not None and not 0 <= seq_id < max_seqs:
             # Apply would only say "false" (0.7.6 gives no reason): refuse now, not at the deadline
@@ -416,6 +422,8 @@ class KvCoordinator:
         device lets go) and is refused with ``kv.sequence_on_device`` (UNAVAILABLE: retry
         later) if the device still holds the job."""
         deadline = self.clock.monotonic() + wait_s
+        if self.on_busy is not None:
+            self.on_busy(seq_id)
         with self.admission_mu:
             view = self._view(seq_id)
             while view.on_device and not self._closed:
@@ -461,6 +469,8 @@ class KvCoordinator:
     def truncate(self, seq_id: int, length: int) -> Status:
         """Keep the first ``length`` tokens (llama's seq_rm to the end); refused while the
         sequence is busy or Unknown. The reservation shrinks with it."""
+        if self.on_busy is not None:
+            self.on_busy(seq_id)
         with self.admission_mu:
             view = self._view(seq_id)
             if (view.open_txn is not None or view.next_txn is not None

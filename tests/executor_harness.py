@@ -136,7 +136,7 @@ def until(predicate, seconds: float = 10.0, what: str = "condition") -> None:
 
 
 def settle(executor: DeviceExecutor, seconds: float = 5.0) -> dict:
-    """Wait until nothing is queued, in flight or completing; return the snapshot. (Stepped executors
+    """Wait until nothing is queued, in flight, completing or guessed; return the snapshot. (Stepped executors
     only move when the test drives them: nothing to wait for.)"""
     if not executor.config.threads:
         return executor.snapshot()
@@ -145,7 +145,10 @@ def settle(executor: DeviceExecutor, seconds: float = 5.0) -> dict:
         snap = executor.snapshot()
         # the completion queue empties only once the completion thread gave the lease back
         # (the permit goes back before the caller is woken, the lease after it)
-        if snap["queued"] == 0 and snap["inflight"] == 0 and not executor._completion_q:
+        # and the guesses of implicit pre-arms (machines/autoarm.py) expired: they hold a slot
+        # and a token of budget until then
+        if (snap["queued"] == 0 and snap["inflight"] == 0 and not executor._completion_q
+                and not executor._auto):
             return snap
         time.sleep(0.002)
     return executor.snapshot()

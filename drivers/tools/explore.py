@@ -1196,18 +1196,35 @@ class Explorer:
                 raise AssertionError(f"executor threads not running: {dead}")
         if state == "Ready":
             problems = []
-            if ex._pending_tokens:
-                problems.append(f"pending_tokens={ex._pending_tokens}")
+            # guesses of implicit pre-arms (machines/autoarm.py) hold one slot, one token of
+            # budget and one KV txn each until their deadline, which the submitter's wait
+            # must end at (so it releases them): nothing else may stay taken
+            guesses = [e.job for e in ex._auto.values() if e.job is not None]
+            submitter = next((t for t in self.sched.threads
+                              if t.name == "calexec-submitter" and not t.finished), None)
+            for job in guesses:
+                if job not in ex._armed:
+                    problems.append(f"guess {job!r} not in the armed list")
+                elif submitter is not None and (submitter.deadline is None
+                                                or submitter.deadline > job.deadline + 1e-6):
+                    problems.append(f"guess {job!r} (deadline {job.deadline:.3f}) outlives the "
+                                    "submitter's wait")
+            guess_txns = {id(job.txn) for job in guesses}
+            if ex._pending_tokens != len(guesses):
+                problems.append(f"pending_tokens={ex._pending_tokens} with {len(guesses)} "
+                                "guesses")
             if ex._inflight != len(ex._held_by_runtime):
                 problems.append(f"inflight={ex._inflight} with "
                                 f"{len(ex._held_by_runtime)} held by the runtime")
             if ex._submit_q or ex._completion_q:
                 problems.append(f"queues {len(ex._submit_q)}/{len(ex._completion_q)}")
             counts = ex.pool.counts()
-            if counts["Leased"] or (counts["InFlight"] and not ex._held_by_runtime):
-                problems.append(f"slots {counts}")
+            if counts["Leased"] != len(guesses) or (counts["InFlight"]
+                                                    and not ex._held_by_runtime):
+                problems.append(f"slots {counts} with {len(guesses)} guesses")
             open_txns = [v for v in ex.kvc.seqs.values()
-                         if v.open_txn is not None or v.next_txn is not None]
+                         if (v.open_txn is not None and id(v.open_txn) not in guess_txns)
+                         or (v.next_txn is not None and id(v.next_txn) not in guess_txns)]
             if open_txns:
                 problems.append(f"open KV transactions {open_txns}")
             if problems:

@@ -1,0 +1,146 @@
+"""Implicit pre-arming for ``enqueue``/``decode_sync`` callers (issue 17).
+
+A llama.cpp-style caller decodes one sequence with ``decode_sync`` (or ``enqueue`` +
+``wait_until``) per token: it builds a request, the executor admits it (token budget, KV txn,
+buffer lease, chart Created -> Admitted -> Preparing, inputs copied, CSRs set) and queues it,
+all between one token's result and the next token's ``infer()``. ``DecodeStream`` moves that
+work off the critical path for callers that say they are decoding; this module does the same
+for callers that do not, by guessing the one thing they will most likely ask next.
+
+The rule. When the submitter has submitted a decode job N of sequence S (an ordinary,
+single-sequence, caller's job) and the job it submitted before N was of S too (one sequence is
+decoding: with several sequences interleaved a guess would mostly be wasted), it arms, while N
+is on the device and it has nothing else to submit, the job N+1 that a next token would need:
+DECODE of S at ``past_len + 1``, N's ``want_logits`` and ``logits_out``, its KV txn chained
+behind N's (``KvCoordinator.reserve_next``: only within the reservation S already holds, never
+a wait, never the KvManager), a free slot (never a wait) and the token budget. The job then
+sits in the executor's ``_armed`` list (the same ownership rule as a stream's: whoever removes
+it under ``submit_mu`` owns it) with ``uncounted`` set: its release is not a failure, nobody
+asked for it.
+
+When the caller's next ``enqueue`` is a DECODE of S at exactly that position, with the same
+``want_logits``, one token and no new ``kv_reserve_len``, and passes the same checks an
+ordinary request does, the armed job adopts the request (its token, deadline, request id,
+``logits_out``) and is fired: the token id is written into its slot, the chart goes Queued,
+the submitter infers. Any other request of S releases the armed job first (lease back, KV txn
+rolled back, budget back) and is admitted the ordinary way: a guess never changes what a
+request does, only when its admission work ran.
+
+An armed job never keeps a resource from anyone:
+- it expires ``AUTO_IDLE_S`` after N's expected end (the submitter releases it);
+- an admission short of a buffer slot or of token budget releases every auto-armed job first;
+- ``KvCoordinator.reset_sequence``/``truncate``/``reserve`` on S release it (``on_busy``
+  hook) instead of answering ``kv.sequence_busy``;
+- a generation's fence, a drain and shutdown release it like any armed job;
+- ``decode_stream(S, ...)`` releases it (the stream arms its own).
+
+``ExecutorConfig.auto_prearm`` (default on) switches the guess off.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from calexec.contracts.prepare import InferenceRequest
+from calexec.contracts.status import Phase, Status
+from calexec.contracts.types import TaskKind
+
+if TYPE_CHECKING:
+    from calexec.machines.executor import DeviceExecutor
+    from calexec.machines.job import Job
+
+log = logging.getLogger("calexec.autoarm")
+
+#: an auto-armed job is released this long after its predecessor's expected end when the
+#: caller has not asked for it (seconds)
+AUTO_IDLE_S = 0.05
+#: how long a caller waits for the submitter to finish arming the job it wants (a few
+#: hundred microseconds of work that never waits; the bound only guards a bug)
+_ARMING_WAIT_S = 1.0
+
+
+class AutoArm:
+    """One sequence's guessed next job: queued for the submitter (``_prearm_q``), being armed
+    (``_arming``), armed (``job``) or dropped. Every field is guarded by ``submit_mu``.
+    Quacks like a ``DecodeStream`` for the submitter (``_arm_at``, ``_arming``,
+    ``_arm_next``)."""
+
+    __slots__ = ("ex", "seq_id", "prev", "past", "job", "dropped", "_arming", "_arm_at",
+                 "_arm_waiter")
+
+    def __init__(self, ex: "DeviceExecutor", prev: "Job") -> None:
+        self.ex = ex
+        self.seq_id = prev.request.seq_id
+        self.prev = prev  # job N, on the device: its txn is the one the guess chains behind
+        self.past = prev.request.past_len + prev.request.token_count
+        self.job: "Job | None" = None
+        self.dropped = False
+        self._arming = False
+        self._arm_at = 0.0
+        self._arm_waiter = False
+
+    def matches(self, job: "Job", request: InferenceRequest, logits_out: Any) -> bool:
+        """Whether ``request`` is what this entry armed ``job`` for (``job`` is owned by the
+        caller here: no lock needed)."""
+        armed = job.request
+        positions = request.positions
+        return (request.kind == TaskKind.DECODE and len(request.seq_ids) == 1
+                and request.past_len == self.past and request.token_count == 1
+                and request.tokens is not None and request.embeddings is None
+                and request.kv_reserve_len is None
+                and request.want_logits == armed.want_logits
+                and isinstance(positions, np.ndarray) and positions.shape == (1,)
+                and positions.dtype == armed.positions.dtype
+                and int(positions[0]) == self.past
+                and logits_out is job.logits_out)
+
+    def _arm_next(self) -> None:
+        """On the submitter thread, with nothing to submit: arm the guess. Never raises and
+        never waits."""
+        ex, job, drop = self.ex, None, None
+        try:
+            prev = self.prev
+            if not self.dropped and prev.gen is ex.gen and not prev.done:
+                job = self._arm(prev)
+        except Exception:  # noqa: BLE001 - a failed guess only means nothing is armed
+            log.exception("auto pre-arming the next job of seq %d raised", self.seq_id)
+        try:
+            with ex._submit_cv:
+                if job is not None and not self.dropped and ex._auto.get(self.seq_id) is self:
+                    self.job = job
+                    job.uncounted = True  # nobody asked for it: its release is no failure
+                    job.auto = self
+                elif job is not None:
+                    drop = job
+                else:
+                    self.dropped = True
+                    if ex._auto.get(self.seq_id) is self:
+                        del ex._auto[self.seq_id]
+            if drop is not None:
+                ex._disarm(drop, Status.cancelled(Phase.CANCEL, "auto pre-arm dropped"),
+                           counted=False)
+        finally:
+            with ex._submit_cv:
+                self.prev = None  # N's job is not kept alive by a guess
+                self._arming = False
+                if self._arm_waiter:
+                    self._arm_waiter = False
+                    ex._submit_cv.notify_all()
+
+    def _arm(self, prev: "Job") -> "Job | None":
+        ex = self.ex
+        from calexec.machines.stream import _Arm
+        expected = ex._decode_exec_us / 1e6
+        deadline = min(prev.deadline, ex.clock.monotonic() + expected + AUTO_IDLE_S)
+        request = InferenceRequest(
+            seq_id=self.seq_id, kind=TaskKind.DECODE, tokens=np.zeros(1, np.int32),
+            positions=np.full(1, self.past, prev.request.positions.dtype), past_len=self.past,
+            deadline=deadline, want_logits=prev.request.want_logits,
+            request_id=prev.request.request_id)
+        handle = ex._enqueue(request, internal=False, logits_out=prev.logits_out,
+                             arm=_Arm(prev.txn, blocking=False))
+        job = handle._job
+        return None if job.done else job

@@ -1,0 +1,229 @@
+"""Implicit pre-arming for enqueue/decode_sync callers (machines/autoarm.py, issue 17): while a
+sequence's decode job runs, the submitter arms the job its next token would need. A guess
+must never change what a request returns, never make a sequence busy for its owner and never
+keep a slot or token budget from a request that came. Stepped executors make the arming
+deterministic (the submitter arms right after it submitted); threaded ones prove the same
+with real threads, including interleaved sequences, resets and faults.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from calexec.contracts.errors import Category
+from calexec.contracts.status import Status
+from calexec.machines.job import InferenceResult
+from executor_harness import (arm, decode, deadline, expected_greedy, prefill,
+                              running_job_path, settle, write_calbin)
+
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
+
+
+@pytest.fixture(scope="module")
+def calbin(tmp_path_factory):
+    return write_calbin(tmp_path_factory.mktemp("calbin"))
+
+
+def _ok(result):
+    code, result = result if isinstance(result, tuple) else (0, result)
+    assert code == 0 and isinstance(result, InferenceResult), result
+    return result
+
+
+def decode_run(ex, seq: int, steps: int, reserve: bool = True, prompt=PROMPT) -> list[int]:
+    """Prefill + ``steps`` greedy decode_sync steps (the llama.cpp-style loop)."""
+    extra = {"kv_reserve_len": len(prompt) + steps} if reserve else {}
+    result = _ok(ex.decode_sync(prefill(seq, prompt, **extra)))
+    out, past = [result.argmax], result.kv_len
+    for _ in range(steps):
+        result = _ok(ex.decode_sync(decode(seq, out[-1], past)))
+        out.append(result.argmax)
+        past = result.kv_len
+    return out
+
+
+def free_slots(ex) -> bool:
+    """No slot leased or in flight (a slot quarantined by an injected fault stays so)."""
+    counts = ex.pool.counts()
+    return counts["Leased"] == 0 and counts["InFlight"] == 0
+
+
+def test_stepped_every_decode_after_the_first_takes_its_guess_and_tokens_match(calbin):
+    steps = 12
+    with running_job_path(calbin, threads=False) as ex:
+        assert decode_run(ex, 1, steps) == expected_greedy(PROMPT, steps)
+        # decode 1 follows its own prefill: from then on each decode's successor is guessed
+        assert ex.counters["auto_prearmed"] == steps - 1
+        assert ex.counters["failed"] == 0 and ex.counters["cancelled"] == 0
+        assert ex.counters["succeeded"] >= steps + 1
+        # the last guess still holds a slot and one token of budget, nothing else
+        assert len(ex._auto) == 1 and ex.snapshot()["pending_tokens"] == 1
+
+
+def test_no_guess_when_switched_off(calbin):
+    with running_job_path(calbin, threads=False, auto_prearm=False) as ex:
+        assert decode_run(ex, 1, 6) == expected_greedy(PROMPT, 6)
+        assert ex.counters["auto_prearmed"] == 0 and not ex._auto and free_slots(ex)
+
+
+def test_a_guess_is_only_armed_within_the_reservation(calbin):
+    """Without kv_reserve_len the sequence holds only the blocks its jobs applied: a guess
+    beyond them is not armed (no KvManager call, no wait) and the request admits itself."""
+    with running_job_path(calbin, threads=False) as ex:
+        steps = 2 * ex.kv.block_size  # crosses block boundaries
+        assert decode_run(ex, 1, steps, reserve=False) == expected_greedy(PROMPT, steps)
+        # one guess per boundary crossed is not armed: the request then reserves itself
+        assert 0 < ex.counters["auto_prearmed"] <= steps - 1 - 2
+        assert ex.counters["failed"] == 0
+
+
+def test_a_rewind_releases_the_guess_and_decodes_as_asked(calbin):
+    with running_job_path(calbin, threads=False) as ex:
+        out = decode_run(ex, 1, 3)
+        past = len(PROMPT) + 3
+        released = ex.counters["auto_prearm_released"]
+        # llama.cpp rewinds (speculative decoding rejected a token): decode at past - 1 again
+        again = _ok(ex.decode_sync(decode(1, out[-2], past - 1)))
+        assert again.argmax == out[-1] and again.kv_len == past
+        assert ex.counters["auto_prearm_released"] == released + 1
+        # a different want_logits is not the guess either
+        result = _ok(ex.decode_sync(decode(1, out[-1], past, want_logits=(0, 64))))
+        assert ex.counters["auto_prearm_released"] == released + 2
+        assert result.logits.shape == (64,)
+
+
+@pytest.mark.parametrize("operation", ["reset", "truncate", "release"])
+def test_sequence_operations_release_the_guess_instead_of_answering_busy(calbin, operation):
+    with running_job_path(calbin, threads=False) as ex:
+        decode_run(ex, 1, 3)
+        assert 1 in ex._auto and not free_slots(ex)
+        status = {"reset": lambda: ex.kvc.reset_sequence(1),
+                  "truncate": lambda: ex.kvc.truncate(1, len(PROMPT)),
+                  "release": lambda: ex.release_sequence(1)}[operation]()
+        assert status.ok, status
+        assert not ex._auto and free_slots(ex) and ex.snapshot()["pending_tokens"] == 0
+        if operation == "truncate":  # decodes on from the truncated length as the oracle says
+            result = _ok(ex.decode_sync(decode(1, expected_greedy(PROMPT, 0)[0], len(PROMPT))))
+            assert result.argmax == expected_greedy(PROMPT, 1)[1]
+        else:
+            assert decode_run(ex, 1, 2) == expected_greedy(PROMPT, 2)
+
+
+def test_a_request_short_of_a_slot_takes_the_guess_slot(calbin):
+    """Two decode slots: seq 2's queued decode holds one, seq 1's guess the other. Seq 3's
+    decode must not wait for a guess (a stepped executor would wait until its deadline)."""
+    with running_job_path(calbin, threads=False) as ex:
+        first = expected_greedy(PROMPT, 1)
+        decode_run(ex, 2, 0)
+        decode_run(ex, 3, 0)
+        decode_run(ex, 1, 2)
+        assert 1 in ex._auto
+        h2 = ex.enqueue(decode(2, first[0], len(PROMPT)))
+        h3 = ex.enqueue(decode(3, first[0], len(PROMPT), seconds=0.5))
+        assert not h3.done, h3.wait_until(deadline(0))  # admitted, not refused
+        assert not ex._auto and ex.counters["auto_prearm_released"] == 1
+        while (not h2.done or not h3.done) and (ex.submit_one() or ex.complete_one()):
+            pass
+        assert _ok(h2.wait_until(deadline())).argmax == first[1]
+        assert _ok(h3.wait_until(deadline())).argmax == first[1]
+
+
+def test_a_request_short_of_token_budget_takes_the_guess_budget(calbin):
+    with running_job_path(calbin, threads=False, max_pending_tokens=len(PROMPT)) as ex:
+        decode_run(ex, 1, 2)
+        assert ex.snapshot()["pending_tokens"] == 1  # the guess
+        assert decode_run(ex, 2, 1) == expected_greedy(PROMPT, 1)  # needs the whole budget
+        assert ex.counters["failed"] == 0
+
+
+def test_a_cancelled_request_takes_and_releases_its_guess(calbin):
+    with running_job_path(calbin, threads=False) as ex:
+        out = decode_run(ex, 1, 2)
+        past = len(PROMPT) + 2
+        handle = ex.enqueue(decode(1, out[-1], past), on_created=lambda h: h.cancel())
+        status = handle.wait_until(deadline())
+        assert isinstance(status, Status) and status.category == Category.CANCELLED, status
+        assert ex.counters["auto_prearmed"] == 2 and not ex._auto and free_slots(ex)
+        result = _ok(ex.decode_sync(decode(1, out[-1], past)))  # the sequence decodes on
+        assert result.argmax == expected_greedy(PROMPT, 3)[-1]
+
+
+def test_a_bad_request_matching_the_guess_fails_by_name(calbin):
+    with running_job_path(calbin, threads=False) as ex:
+        out = decode_run(ex, 1, 2)
+        past = len(PROMPT) + 2
+        bad = decode(1, out[-1], past)
+        bad.tokens[0] = 10 ** 7  # outside the vocabulary
+        code, status = ex.decode_sync(bad)
+        assert code != 0 and isinstance(status, Status) and "token" in str(status).lower()
+        assert not ex._auto and free_slots(ex)
+        row = np.empty(3, np.float32)  # a logits_out too small: refused by name as well
+        status = ex.enqueue(decode(1, out[-1], past), logits_out=row).wait_until(deadline())
+        assert isinstance(status, Status) and "logits_out" in str(status)
+        assert _ok(ex.decode_sync(decode(1, out[-1], past))).argmax == expected_greedy(
+            PROMPT, 3)[-1]
+
+
+def test_threaded_guesses_are_taken_and_expire_when_the_caller_stops(calbin):
+    steps = 16
+    with running_job_path(calbin) as ex:
+        assert ex.device.emu.set_latency(decode_us=3000) == 0
+        assert decode_run(ex, 1, steps) == expected_greedy(PROMPT, steps)
+        assert ex.counters["auto_prearmed"] >= 1
+        snap = settle(ex)  # the last guess expires on its own (bounded)
+        assert not ex._auto and free_slots(ex) and snap["pending_tokens"] == 0
+        assert ex.counters["auto_prearm_released"] >= 1
+        assert ex.counters["failed"] == 0 and ex.counters["cancelled"] == 0
+
+
+def test_a_fault_of_the_job_before_the_guess_leaves_the_sequence_resettable(calbin):
+    """FI07 on a decode whose successor is guessed: the decode fails (the sequence Unknown),
+    the guess chained behind it goes, the reset and a new decode run as the oracle says."""
+    with running_job_path(calbin) as ex:
+        assert ex.device.emu.set_latency(decode_us=3000) == 0
+        out = decode_run(ex, 1, 2)
+        arm(ex, "OUTPUT_NAN")
+        code, status = ex.decode_sync(decode(1, out[-1], len(PROMPT) + 2))
+        assert code != 0 and isinstance(status, Status), status
+        assert ex.kvc.reset_sequence(1, wait_s=5.0).ok
+        assert decode_run(ex, 1, 4) == expected_greedy(PROMPT, 4)
+        snap = settle(ex)
+        assert not ex._auto and free_slots(ex) and snap["pending_tokens"] == 0
+
+
+def test_threaded_interleaved_sequences_resets_and_decodes_stay_exact(calbin):
+    """Real threads: seq 1 decodes with decode_sync while seq 2 and seq 3 prefill, decode and
+    reset around it (guesses armed, taken, released for slots and by resets). Every token is
+    the oracle's and nothing is held at the end."""
+    errors: list[str] = []
+
+    def worker(seq: int, rounds: int, steps: int) -> None:
+        try:
+            for _ in range(rounds):
+                got = decode_run(ex, seq, steps)
+                if got != expected_greedy(PROMPT, steps):
+                    errors.append(f"seq {seq}: {got}")
+                status = ex.kvc.reset_sequence(seq, wait_s=5.0)
+                if not status.ok:
+                    errors.append(f"seq {seq} reset: {status}")
+        except AssertionError as exc:
+            errors.append(f"seq {seq}: {exc}")
+
+    with running_job_path(calbin) as ex:
+        assert ex.device.emu.set_latency(decode_us=1000) == 0
+        threads = [threading.Thread(target=worker, args=(1, 2, 24)),
+                   threading.Thread(target=worker, args=(2, 6, 3)),
+                   threading.Thread(target=worker, args=(3, 6, 2))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in threads)
+        assert errors == []
+        snap = settle(ex)
+        assert not ex._auto and free_slots(ex) and snap["pending_tokens"] == 0
+        assert ex.counters["failed"] == 0
+        assert ex.counters["auto_prearmed"] >= 1
