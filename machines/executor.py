@@ -197,10 +197,19 @@ AHEAD_YIELD_MIN_US = 1000
 #: ... and the submitter arms the step after it this much later (at most a quarter of the
 #: previous step's device time), so the arming does not take the GIL from the delivery of the
 #: previous step and its caller (A/B measured, docs/benchmarks.md)
-ARM_DELAY_S = 0.001
+AHEAD_ARM_DELAY_S = 0.001
+#: the submitter arms any other pre-armed job (a decode stream's next step, an implicit
+#: pre-arm) this long after it submitted the job before, at most a quarter of a decode job's
+#: device time: arming at once, right after infer(), slowed that job and the hand-offs around
+#: it (A/B in one process, 10 ms profile: P50 -60..-130 us, P99 -120..-260 us)
+ARM_DELAY_S = 0.002
 #: early wake-ups (``_prewake_in``, ``Job.early_wake_s``): this long before a decode job's
 #: expected end, for jobs expected to run at least PREWAKE_MIN_US (A/B measured,
 #: docs/benchmarks.md); 0 turns them off
+#: implicit pre-arms (machines/autoarm.py) only while decode jobs are expected to run at
+#: least this long (us): on a faster device the caller is back before the guess is armed, and
+#: its admission would wait for the arming (A/B measured at zero latency)
+AUTO_PREARM_MIN_US = 1000.0
 PREWAKE_S = 0.0003
 PREWAKE_MIN_US = 1500.0
 _TRAIL_STEPS = 32  # a job takes at most ~8 transitions; refused events are few
@@ -496,6 +505,10 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
                 Phase.SUBMIT, f"generation {gen.id} retired before the job was queued; retry",
                 **job.ctx()))
         return handle
+
+    def _arm_delay_s(self) -> float:
+        """ARM_DELAY_S, at most a quarter of a decode job's expected device time."""
+        return min(ARM_DELAY_S, self._decode_exec_us / 4e6) if self.config.threads else 0.0
 
     def _early_wake_s(self) -> float:
         """How long after it begins a caller's wait for a decode job wakes early (0: not)."""
@@ -848,8 +861,11 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         seq = job.request.seq_id
         with self._submit_cv:
             if (seq not in self._auto and self._admitting and not self._stopping_threads
-                    and job.gen is self.gen):
+                    and job.gen is self.gen and (self._decode_exec_us >= AUTO_PREARM_MIN_US
+                                                 or not self.config.threads)):
                 entry = AutoArm(self, job)
+                delay = self._arm_delay_s()
+                entry._arm_at = self.clock.monotonic() + delay if delay > 0 else 0.0
                 self._auto[seq] = entry
                 self._prearm_q.append(entry)
 
@@ -1201,7 +1217,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             ran_us = job.timings.completed_us - job.timings.submitted_us
             slow = self.config.threads and ran_us >= AHEAD_YIELD_MIN_US
             fired = stream._fire_ahead(  # greedy ahead (machines/stream.py)
-                job, result, min(ARM_DELAY_S, ran_us / 4e6) if slow else 0.0)
+                job, result, min(AHEAD_ARM_DELAY_S, ran_us / 4e6) if slow else 0.0)
             if fired is not None and slow:
                 self._until_submitted(fired._job)
         if target == JOB_COMPLETING and not self._advance(job, JOB_EV_DELIVER):

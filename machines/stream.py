@@ -178,7 +178,7 @@ class DecodeStream:
             self.prearmed_steps += 1
         past = job.request.past_len
         more = self.max_len is None or past + 2 <= self.max_len
-        handle = ex._fire(job, int(token), self, past + 1 if more else -1)
+        handle = ex._fire(job, int(token), self, past + 1 if more else -1, ex._arm_delay_s())
         self._current = handle
         self.steps += 1
         return handle
