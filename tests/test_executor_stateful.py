@@ -195,6 +195,33 @@ class ExecutorMachine(RuleBasedStateMachine):
         handle = self.ex.enqueue(decode(seq, token, past, seconds=DEADLINE_S))
         self.jobs.append((handle, seq, [token], past, None))
 
+    @precondition(lambda self: self.serving() and bool(self.jobs))
+    @rule(token=st.integers(0, 151935), steps=st.integers(1, 4))
+    def decode_sync_run(self, token, steps):
+        """A llama.cpp-style loop on the sequence of the last job: ``steps`` decodes, each
+        enqueued once the one before resolved, driven like ``decode_sync``; the second and
+        later ones take the submitter's implicit pre-arm (machines/autoarm.py) when it was
+        armed, and every result is checked against the oracle like any other."""
+        seq = self.jobs[-1][1]
+        for _ in range(steps):
+            past = self.committed(seq)
+            handle = self.ex.enqueue(decode(seq, token, past, seconds=DEADLINE_S))
+            self.jobs.append((handle, seq, [token], past, None))
+            for _ in range(64):  # bounded: each turn submits, arms, fails or completes a job
+                if handle.done:
+                    break
+                if self.ex.submit_one():
+                    continue
+                if not self.ex._completion_q:
+                    break
+                self.finish_head_on_device()
+                self.ex.complete_one()
+            self.settle_results()
+            result = handle._job.result
+            if not isinstance(result, InferenceResult):
+                break
+            token = result.argmax
+
     # ---- rules: the pre-armed decode stream (machines/stream.py) ----------------------------
     @precondition(lambda self: self.serving())
     @rule(seq=st.sampled_from(SEQS), ahead=st.booleans())
@@ -387,6 +414,20 @@ class ExecutorMachine(RuleBasedStateMachine):
             self.seed = self.seeds[self.ex.gen.calbin_path]
             self.oracles = {seq: oracle.OracleSequence(self.seed) for seq in SEQS}
         return status
+
+    @invariant()
+    def implicit_prearms_are_armed_jobs_or_queued_guesses(self):
+        """machines/autoarm.py: each guess is queued for the submitter or holds one armed,
+        uncounted job of its sequence at the guessed position (stepped: never mid-arming)."""
+        for seq, entry in self.ex._auto.items():
+            assert entry.seq_id == seq and not entry.dropped and not entry._arming
+            job = entry.job
+            if job is None:
+                assert entry in self.ex._prearm_q
+            else:
+                assert job in self.ex._armed and job.auto is entry and job.uncounted
+                assert job.request.seq_id == seq and job.request.past_len == entry.past
+        self.auto_seen = max(getattr(self, "auto_seen", 0), self.ex.counters["auto_prearmed"])
 
     @invariant()
     def lifecycle_is_ready_or_failed_between_rules(self):
