@@ -39,7 +39,8 @@ an ``enqueue`` caller has three). The caller's loop is unchanged: ``step(result.
 (plus the slice's start with ``want_logits``) adopts the job already fired with that token; another token is refused (the stream already
 decoded the argmax). A job is fired ahead only while its caller has asked for the one before
 it, so the fired-ahead job is at most one step ahead, and with ``logits_out`` given the stream
-alternates two rows (``logits_out`` and one of its own): a result's logits stay valid until
+alternates two rows (``logits_out`` for the first step, then one of its own, faulted in when
+the second step is armed): a result's logits stay valid until
 the step after the next ``step()`` call, as without greedy ahead. A step fired ahead that the
 caller never takes (it stopped on a stop string, or closed) is cancelled and waited for by
 ``close()``: at most one wasted device step per stream.
@@ -122,6 +123,11 @@ class DecodeStream:
         self._rows: tuple[np.ndarray, np.ndarray] | None = (
             (logits_out, np.empty_like(logits_out))
             if self.greedy_ahead and logits_out is not None else None)
+        # the first step writes ``logits_out``, the second the stream's own row, which is
+        # touched when that step is armed (by the submitter, while the first one runs): a
+        # fresh row's page faults never land in a step's postprocess
+        self._row0 = past_len
+        self._spare_fresh = self._rows is not None
         # guarded by the executor's submit_mu: the submitter arms the next job (``_arm_next``)
         self._arming = False
         self._arm_waiter = False
@@ -378,7 +384,10 @@ class DecodeStream:
             seq_id=self.seq_id, kind=TaskKind.DECODE, tokens=np.zeros(1, np.int32),
             positions=np.full(1, past, np.int32), past_len=past, deadline=self.deadline,
             want_logits=self.want_logits, request_id=self.request_id)
-        row = self.logits_out if self._rows is None else self._rows[past % 2]
+        row = self.logits_out if self._rows is None else self._rows[(past - self._row0) % 2]
+        if self._spare_fresh and row is not self.logits_out:
+            row.fill(0.0)  # arming runs off the critical path (or before the first step)
+            self._spare_fresh = False
         handle = self.ex._enqueue(request, internal=False, logits_out=row,
                                   arm=_Arm(prev_txn, blocking, notify))
         job = handle._job

@@ -56,7 +56,7 @@ def test_stepped_completion_fires_every_next_step_and_tokens_match(calbin):
             result = stream.step(out[-1])
             assert isinstance(result, InferenceResult), result
             assert stream._rows[0] is row
-            expected_row = stream._rows[(result.kv_len - 1) % 2]  # by the job's position
+            expected_row = stream._rows[k % 2]  # the caller's row first, then alternating
             assert np.shares_memory(result.logits, expected_row)
             kept.append((result, result.logits.copy()))
             if k >= 1:  # the previous result's row is not written by this step
