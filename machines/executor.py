@@ -938,7 +938,8 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             return None
         gen = job.gen
         ok = (self._admitting and not self._stopping and gen is self.gen and gen is not None
-              and entry.matches(job, request, logits_out))
+              and entry.matches(job, request, logits_out)
+              and self.clock.monotonic() < request.deadline)  # else: as admission answers it
         if ok:
             ok = (check_request(request, gen.contracts).ok and _check_caller_arguments(
                 request, logits_out, gen.contracts.vocab_size).ok)

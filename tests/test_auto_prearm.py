@@ -227,3 +227,48 @@ def test_threaded_interleaved_sequences_resets_and_decodes_stay_exact(calbin):
         assert not ex._auto and free_slots(ex) and snap["pending_tokens"] == 0
         assert ex.counters["failed"] == 0
         assert ex.counters["auto_prearmed"] >= 1
+
+
+def _variants(token: int, past: int) -> dict:
+    """Requests for the guessed position, good and bad in the ways a caller gets them wrong."""
+    import math
+
+    def req(**kw):
+        base = dict(tokens=np.asarray([token], np.int32), positions=np.asarray([past], np.int32))
+        base.update(kw)
+        return decode(1, token, past).__class__(
+            seq_id=1, kind=decode(1, token, past).kind, past_len=kw.pop("past_len", past),
+            deadline=kw.pop("deadline", deadline()), **{k: v for k, v in base.items()
+                                                        if k not in ("past_len", "deadline")})
+    return {
+        "good": req(),
+        "float_tokens": req(tokens=np.asarray([float(token)], np.float32)),
+        "two_d_tokens": req(tokens=np.asarray([[token]], np.int32)),
+        "negative_token": req(tokens=np.asarray([-1], np.int32)),
+        "token_past_vocab": req(tokens=np.asarray([10 ** 7], np.int32)),
+        "int64_positions": req(positions=np.asarray([past], np.int64)),
+        "wrong_position": req(positions=np.asarray([past + 5], np.int32)),
+        "nan_deadline": req(deadline=math.nan),
+        "past_deadline": req(deadline=deadline(-1.0)),
+        "two_tokens": req(tokens=np.asarray([token, token], np.int32),
+                          positions=np.asarray([past, past + 1], np.int32)),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_variants(1, 1)))
+def test_a_request_at_the_guessed_position_answers_as_without_guesses(calbin, name):
+    """Differential: whatever the request (good or wrong in any of these ways), the executor
+    with a guess armed answers what one without guesses answers: same code or same tokens."""
+    answers = []
+    for auto in (True, False):
+        with running_job_path(calbin, threads=False, auto_prearm=auto) as ex:
+            out = decode_run(ex, 1, 2)
+            assert (1 in ex._auto) is auto
+            request = _variants(out[-1], len(PROMPT) + 2)[name]
+            code, result = ex.decode_sync(request)
+            answers.append((code, result.argmax if isinstance(result, InferenceResult)
+                            else (result.code, result.category)))
+            assert not ex._auto or name == "good"
+            if name != "good":
+                assert free_slots(ex)
+    assert answers[0] == answers[1], answers
