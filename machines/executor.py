@@ -203,13 +203,13 @@ AHEAD_ARM_DELAY_S = 0.001
 #: device time: arming at once, right after infer(), slowed that job and the hand-offs around
 #: it (A/B in one process, 10 ms profile: P50 -60..-130 us, P99 -120..-260 us)
 ARM_DELAY_S = 0.002
-#: early wake-ups (``_prewake_in``, ``Job.early_wake_s``): this long before a decode job's
-#: expected end, for jobs expected to run at least PREWAKE_MIN_US (A/B measured,
-#: docs/benchmarks.md); 0 turns them off
 #: implicit pre-arms (machines/autoarm.py) only while decode jobs are expected to run at
 #: least this long (us): on a faster device the caller is back before the guess is armed, and
 #: its admission would wait for the arming (A/B measured at zero latency)
 AUTO_PREARM_MIN_US = 1000.0
+#: early wake-ups (``_prewake_in``, ``Job.early_wake_s``): this long before a decode job's
+#: expected end, for jobs expected to run at least PREWAKE_MIN_US (A/B measured,
+#: docs/benchmarks.md); 0 turns them off
 PREWAKE_S = 0.0003
 PREWAKE_MIN_US = 1500.0
 _TRAIL_STEPS = 32  # a job takes at most ~8 transitions; refused events are few
@@ -934,32 +934,49 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             if entry is None:
                 return None
             job = self._auto_detach(entry, self.clock.monotonic() + _AUTO_ARMING_WAIT_S)
-        if job is None:
+            if job is None:
+                return None
+            gen = job.gen
+            # fencing as on the ordinary path (``_enter``): until the job is queued or
+            # released, a recovery waits for this thread to leave the generation
+            entered = gen is not None and not gen.closing and gen is self.gen
+            if entered:
+                gen.users += 1
+        if not entered:
+            self._auto_release([job], "released: its generation is closing")
             return None
-        gen = job.gen
-        ok = (self._admitting and not self._stopping and gen is self.gen and gen is not None
-              and entry.matches(job, request, logits_out)
-              and self.clock.monotonic() < request.deadline)  # else: as admission answers it
-        if ok:
-            ok = (check_request(request, gen.contracts).ok and _check_caller_arguments(
-                request, logits_out, gen.contracts.vocab_size).ok)
-        if not ok:
-            self._auto_release([job], "released: another request came")
-            return None
-        job.request = request
-        job.deadline = request.deadline
-        job.uncounted = False
-        job.auto_next = True
-        job.early_wake_s = self._early_wake_s()  # as of now, not of the arming
-        self._bump("auto_prearmed")
-        handle = JobHandle(job)
-        if on_created is not None:
-            on_created(handle)
-        with self._submit_cv:
-            status = self._queue_fired(job, int(request.tokens[0]))
-        if status is not None:
-            return self._fail_before_submit(job, status)
-        return handle
+        try:
+            ok = (self._admitting and not self._stopping
+                  and entry.matches(job, request, logits_out)
+                  and self.clock.monotonic() < request.deadline)  # else: admission answers
+            if ok:
+                ok = (check_request(request, gen.contracts).ok and _check_caller_arguments(
+                    request, logits_out, gen.contracts.vocab_size).ok)
+            if not ok:
+                self._auto_release([job], "released: another request came")
+                return None
+            job.request = request
+            job.deadline = request.deadline
+            job.uncounted = False
+            job.auto_next = True
+            job.early_wake_s = self._early_wake_s()  # as of now, not of the arming
+            self._bump("auto_prearmed")
+            handle = JobHandle(job)
+            if on_created is not None:
+                try:
+                    on_created(handle)
+                except BaseException as exc:  # the caller's callback: it raises to the caller,
+                    self._fail_before_submit(job, Status.internal(  # as on the ordinary path
+                        "on_created_raised", Phase.ADMISSION, f"on_created raised "
+                        f"{type(exc).__name__}: {exc}", **job.ctx()))
+                    raise
+            with self._submit_cv:
+                status = self._queue_fired(job, int(request.tokens[0]))
+            if status is not None:
+                return self._fail_before_submit(job, status)
+            return handle
+        finally:
+            self._exit(gen)
 
     def _prewake_in(self, now: float) -> float | None:
         """Seconds until the submitter's idle wait should end early (submit_mu held): the

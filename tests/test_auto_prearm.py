@@ -272,3 +272,19 @@ def test_a_request_at_the_guessed_position_answers_as_without_guesses(calbin, na
             if name != "good":
                 assert free_slots(ex)
     assert answers[0] == answers[1], answers
+
+
+def test_an_on_created_that_raises_releases_the_guess(calbin):
+    """The caller's callback raises to the caller (as without a guess) and the guess it was
+    about to take holds nothing afterwards."""
+    def boom(handle):
+        raise RuntimeError("callback failed")
+
+    with running_job_path(calbin, threads=False) as ex:
+        out = decode_run(ex, 1, 2)
+        past = len(PROMPT) + 2
+        with pytest.raises(RuntimeError, match="callback failed"):
+            ex.enqueue(decode(1, out[-1], past), on_created=boom)
+        assert not ex._auto and free_slots(ex) and ex.snapshot()["pending_tokens"] == 0
+        assert _ok(ex.decode_sync(decode(1, out[-1], past))).argmax == expected_greedy(
+            PROMPT, 3)[-1]
