@@ -929,8 +929,10 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         ``request`` is what was guessed; else the guess is released and None returned (the
         request is admitted the ordinary way)."""
         seq_ids = request.seq_ids
+        if len(seq_ids) != 1 or seq_ids[0] not in self._auto:
+            return None  # (unlocked test: a guess missed here is released by reserve's hook)
         with self._submit_cv:
-            entry = self._auto.get(seq_ids[0]) if len(seq_ids) == 1 else None
+            entry = self._auto.get(seq_ids[0])
             if entry is None:
                 return None
             job = self._auto_detach(entry, self.clock.monotonic() + _AUTO_ARMING_WAIT_S)
