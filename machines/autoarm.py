@@ -9,10 +9,11 @@ for callers that do not, by guessing the one thing they will most likely ask nex
 
 The rule. When the submitter has submitted a decode job N of sequence S (an ordinary,
 single-sequence, caller's job) and the job it submitted before N was of S too (one sequence is
-decoding: with several sequences interleaved a guess would mostly be wasted), it arms, while N
-is on the device and it has nothing else to submit (``ARM_DELAY_S`` after N's ``infer()``, at
-most a quarter of a decode job's device time, as for a stream's next step), the job N+1 that a next token would need:
-DECODE of S at ``past_len + 1``, N's ``want_logits`` and ``logits_out``, its KV txn chained
+decoding: with several sequences interleaved a guess would mostly be wasted) and decode jobs
+run >= ``AUTO_PREARM_MIN_US`` (1 ms; on a faster device the caller is back first), it arms,
+while N is on the device and it has nothing else to submit (``ARM_DELAY_S`` after N's
+``infer()``, at most a quarter of a decode job's device time, as for a stream's next step),
+the job N+1 that a next token would need: DECODE of S at N's end position, N's ``want_logits`` and ``logits_out``, its KV txn chained
 behind N's (``KvCoordinator.reserve_next``: only within the reservation S already holds, never
 a wait, never the KvManager), a free slot (never a wait) and the token budget. The job then
 sits in the executor's ``_armed`` list (the same ownership rule as a stream's: whoever removes

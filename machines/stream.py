@@ -36,8 +36,8 @@ reached), after the job's KV commit and permit release and before its result is 
 The caller then waits only for the device: its own wake-up and token choice leave the critical
 path (two wake-ups per token remain on it, the completion thread's and the submitter's, where
 an ``enqueue`` caller has three). The caller's loop is unchanged: ``step(result.argmax)``
-(plus the slice's start with ``want_logits``) adopts the job already fired with that token; another token is refused (the stream already
-decoded the argmax). A job is fired ahead only while its caller has asked for the one before
+(plus the slice's start with ``want_logits``) adopts the job already fired with that token;
+another token is refused (the stream already decoded the argmax). A job is fired ahead only while its caller has asked for the one before
 it, so the fired-ahead job is at most one step ahead, and with ``logits_out`` given the stream
 alternates two rows (``logits_out`` for the first step, then one of its own, faulted in when
 the second step is armed): a result's logits stay valid until
