@@ -111,16 +111,13 @@ class AutoArm:
             log.exception("auto pre-arming the next job of seq %d raised", self.seq_id)
         try:
             with ex._submit_cv:
-                if job is not None and not self.dropped and ex._auto.get(self.seq_id) is self:
+                if job is not None and ex._auto.get(self.seq_id) is self:  # still wanted
                     self.job = job
                     job.uncounted = True  # nobody asked for it: its release is no failure
                     job.auto = self
-                elif job is not None:
+                else:  # nothing armed, or the guess was dropped meanwhile
                     drop = job
-                else:
-                    self.dropped = True
-                    if ex._auto.get(self.seq_id) is self:
-                        del ex._auto[self.seq_id]
+                    ex._auto_forget(self)
             if drop is not None:
                 ex._disarm(drop, Status.cancelled(Phase.CANCEL, "auto pre-arm dropped"),
                            counted=False)
