@@ -120,6 +120,8 @@ class DecodeStream:
         #: (token, handle) of the job the completion thread fired ahead, not yet taken by the
         #: caller; handle None while the firing runs (submit_mu guards it)
         self._ahead: tuple[int, JobHandle | None] | None = None
+        #: the step fired ahead that ``close()`` cancelled (never taken), until it ends
+        self._discarded: JobHandle | None = None
         self._rows: tuple[np.ndarray, np.ndarray] | None = (
             (logits_out, np.empty_like(logits_out))
             if self.greedy_ahead and logits_out is not None else None)
@@ -218,10 +220,25 @@ class DecodeStream:
                 cancelled |= handle.cancel()
         return cancelled
 
-    def close(self) -> Status:
+    def close(self, wait: bool = True) -> Status:
         """Release the armed job (not counted as a failure: the stream ended); the job in
-        flight, if any, still completes (wait for it first to keep its result)."""
-        return self._close(Status.cancelled(Phase.CANCEL, "decode stream closed"), counted=False)
+        flight, if any, still completes (wait for it first to keep its result). A step fired
+        ahead that the caller never took is cancelled; with ``wait`` (the default) close()
+        also waits for it to end (bounded), so the sequence is free once it returns. With
+        ``wait=False`` it returns at once: ``quiet`` tells when the discarded step has ended
+        (a server answers its client first and releases the sequence in the background)."""
+        return self._close(Status.cancelled(Phase.CANCEL, "decode stream closed"),
+                           counted=False, wait=wait)
+
+    @property
+    def quiet(self) -> bool:
+        """No job of this stream is left on its way to the device or on it: nothing armed,
+        no arming in progress and the step fired ahead (if any) resolved. (The step the
+        caller submitted last is the caller's to wait for.)"""
+        with self.ex._submit_cv:
+            ahead = self._discarded
+            return (self._armed is None and not self._arming
+                    and (ahead is None or ahead.done))
 
     def __enter__(self) -> "DecodeStream":
         return self
@@ -230,7 +247,7 @@ class DecodeStream:
         self.close()
 
     # ---- arming ----------------------------------------------------------------------------
-    def _close(self, status: Status, counted: bool = True) -> Status:
+    def _close(self, status: Status, counted: bool = True, wait: bool = True) -> Status:
         ex = self.ex
         with ex._submit_cv:  # the submitter reads status when it finishes arming
             if self.status is None:
@@ -255,8 +272,13 @@ class DecodeStream:
         if ahead is not None:  # fired ahead, never taken: cancel it and let it end (bounded;
             handle = ahead[1]  # stepped mode: whoever drives the executor completes it)
             handle.cancel()
-            if ex.config.threads:
+            self._discarded = handle
+            if ex.config.threads and wait:
                 handle.wait_until(min(self.deadline, ex.clock.monotonic() + _AHEAD_WAIT_S))
+        elif wait and self._discarded is not None and ex.config.threads:
+            # an earlier close(wait=False) left it: a later close() waits as promised
+            self._discarded.wait_until(min(self.deadline,
+                                           ex.clock.monotonic() + _AHEAD_WAIT_S))
         return status
 
     # ---- greedy ahead ----------------------------------------------------------------------

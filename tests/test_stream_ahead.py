@@ -149,6 +149,32 @@ def test_close_cancels_and_waits_for_a_step_fired_ahead(calbin):
         assert ex.kvc.reset_sequence(1).ok
 
 
+def test_close_without_wait_returns_at_once_while_a_discarded_step_hangs(calbin):
+    """Issue 24 defect 6: a response must not wait for the step fired ahead that nobody
+    takes. ``close(wait=False)`` cancels it and returns at once; ``quiet`` turns True only once
+    it ended (here: never before the reset the hang needs), and a later ``close()`` waits for
+    it as promised."""
+    with running_job_path(calbin, execution_timeout_s=0.3, timeout_grace_s=0.05) as ex:
+        assert ex.device.emu.set_latency(decode_us=20000) == 0
+        stream, token = open_stream(ex, 1, 8, greedy_ahead=True)
+        result = stream.step(token)
+        assert isinstance(result, InferenceResult), result
+        until(lambda: stream._ahead is not None, what="a step fired ahead")
+        arm(ex, "HANG")  # too late for the step on the device: hits the next accepted one
+        result = stream.step(result.argmax)  # takes the step fired ahead; fires the next
+        assert isinstance(result, InferenceResult), result
+        until(lambda: stream._ahead is not None, what="a second step fired ahead")
+        hanging = stream._ahead[1]
+        until(lambda: hanging.state in ("Submitted", "CancelRequested"), what="on the device")
+        status = stream.close(wait=False)
+        assert status.category is Category.CANCELLED
+        assert not hanging.done and not stream.quiet  # returned without waiting for it
+        stream.close()  # waits (bounded by the execution deadline) for the discarded step
+        assert hanging.done and stream.quiet
+        assert isinstance(hanging.wait_until(deadline()), Status)
+        ex.shutdown(grace=0.2)  # the hung job needs a reset: ends Failed, not drained
+
+
 @pytest.mark.parametrize("point", ["OUTPUT_NAN", "WAIT_RC"])
 def test_fault_on_a_step_fired_ahead_closes_the_stream(calbin, point):
     with running_job_path(calbin) as ex:
