@@ -1343,9 +1343,15 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             return Status.internal("output_short", Phase.OUTPUT_CHECK,
                                    f"output {sm.logits.name!r} holds {valid_bytes} bytes, "
                                    f"contract ByteSize is {sm.logits.byte_size}", **job.ctx())
+        # the caller's array is written only by a job whose result it will take: a job
+        # cancelled after submit (FI12: result discarded) is checked into a row of its own
+        # (its KV commit still needs the output check). A cancel that comes after this line
+        # finds the caller's row written, but its result is discarded all the same.
+        dst = job.logits_out
+        if dst is None or job.cancel_flag:
+            dst = np.empty(count, np.float32)
         fused = self._fused_logits
         if fused is not None:
-            dst = job.logits_out if job.logits_out is not None else np.empty(count, np.float32)
             rc = fused(slot.host_output, base, count, dst)
             if rc == fused.NONFINITE:  # dst is partly written: not a result
                 return Status.internal("output_not_finite", Phase.OUTPUT_CHECK,
@@ -1364,7 +1370,6 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
                 return Status.internal("output_not_finite", Phase.OUTPUT_CHECK,
                                        f"NaN/Inf in logits row {row} [{first}, {first + count})",
                                        **job.ctx())
-            dst = job.logits_out if job.logits_out is not None else np.empty(count, np.float32)
             bf16_to_f32_into(slot.host_output, base, count, dst)
             argmax = int(np.argmax(dst[:count]))
         return InferenceResult(job_id=job.job_id, seq_id=request.seq_id,

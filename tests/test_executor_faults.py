@@ -214,19 +214,28 @@ def test_fi11_cancel_before_submit_never_reaches_device(calbin):
 
 
 def test_fi12_cancel_after_submit_still_waits_and_releases_after_completion(calbin):
+    """FI12: Wait still happens (the emulator's own count of Wait calls, not a set the
+    executor fills), the slot is released only after it, and the result is discarded: the
+    caller's ``logits_out`` is not written (§5.1-7: cancel stops delivery)."""
     with running_executor(calbin, threads=False) as ex:
         stepped(ex)
-        handle = ex.enqueue(prefill(1, PROMPT))
+        row = np.full(ex.generation.vocab_size, -7.0, np.float32)
+        arm(ex, "WAIT_RC", param=10**9)  # armed far ahead: the emulator counts Wait calls
+        waits_before = ex.device.emu.fault_stats(Fault.WAIT_RC)[1]
+        handle = ex.enqueue(prefill(1, PROMPT), logits_out=row)
         assert ex.submit_one() and handle.state == "Submitted"
         assert handle.cancel()
         assert slot_states(ex)["InFlight"] == 1  # cancel frees nothing the device holds
         rc, did = ex.device.emu.step(0, Stage.JOB)
         assert rc == 0
+        assert ex.device.emu.fault_stats(Fault.WAIT_RC)[1] == waits_before  # not yet waited
+        assert slot_states(ex)["InFlight"] == 1
         assert ex.complete_one()
         res = handle.wait_until(deadline())
         assert isinstance(res, Status) and res.category == Category.CANCELLED
         assert handle.state == "Failed"
-        assert ex.wait_threads  # Wait() did happen
+        assert ex.device.emu.fault_stats(Fault.WAIT_RC)[1] == waits_before + 1  # Wait happened
+        assert np.all(row == -7.0), "a cancelled job wrote the caller's logits_out"
         assert slot_states(ex)["Free"] == len(ex.pool.slots)
         # the device executed the job: the KV truth is committed, not rolled back
         assert ex.kvc.seqs[1].committed_len == len(PROMPT) == device_len(ex, 1)
