@@ -948,12 +948,22 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             self._auto_release([job], "released: its generation is closing")
             return None
         try:
+            # The guess is adopted only by the request the plain path would admit: anything
+            # else is released and admitted the ordinary way, which answers exactly as
+            # without guesses (the checks in the plain path's order: lifecycle, §6.3 and
+            # caller checks, deadline, token budget, then KV: the job before committed and
+            # the sequence is not Unknown, else kv.sequence_busy / kv.sequence_unknown).
             ok = (self._admitting and not self._stopping
                   and entry.matches(job, request, logits_out)
                   and self.clock.monotonic() < request.deadline)  # else: admission answers
             if ok:
                 ok = (check_request(request, gen.contracts).ok and _check_caller_arguments(
                     request, logits_out, gen.contracts.vocab_size).ok)
+            if ok:  # the guess already holds the request's one token of budget
+                budget = self._token_budget()
+                with self.submit_mu:
+                    ok = self._pending_tokens <= budget
+            ok = ok and gen.kvc.is_open(job.txn)
             if not ok:
                 self._auto_release([job], "released: another request came")
                 return None

@@ -338,6 +338,16 @@ class KvCoordinator:
             view.reserved_len = max(view.reserved_len, target)
         return txn
 
+    def is_open(self, txn: KvTxn) -> bool:
+        """Whether ``txn`` is its sequence's open transaction on a sequence that is not
+        Unknown: every job of the sequence before it committed. A txn chained behind another
+        (``reserve_next``) becomes open only when that one commits; a job whose txn is not
+        open must not reach the device (its predecessor still runs, or failed)."""
+        with self.admission_mu:
+            view = self.seqs.get(txn.seq_id)
+            return (view is not None and view.open_txn is txn
+                    and view.unknown_reason is None and not self._closed)
+
     def mark_submitted(self, txn: KvTxn, evidence=None) -> None:
         """infer() accepted the job ``evidence`` (which answers the commit guard later)."""
         txn.evidence = evidence

@@ -17,7 +17,8 @@ from calexec.contracts.errors import Category
 from calexec.contracts.status import Status
 from calexec.machines.job import InferenceResult
 from executor_harness import (arm, decode, deadline, expected_greedy, prefill,
-                              running_job_path, settle, write_calbin)
+                              running_executor, running_job_path, settle, until,
+                              write_calbin)
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 
@@ -288,3 +289,109 @@ def test_an_on_created_that_raises_releases_the_guess(calbin):
         assert not ex._auto and free_slots(ex) and ex.snapshot()["pending_tokens"] == 0
         assert _ok(ex.decode_sync(decode(1, out[-1], past))).argmax == expected_greedy(
             PROMPT, 3)[-1]
+
+
+# ---- issue 24: a guess is adopted only by the request the plain path would admit ------------
+def _answer(code_result) -> tuple:
+    code, result = code_result
+    return (code, result.argmax if isinstance(result, InferenceResult) else result.code)
+
+
+@pytest.mark.parametrize("point", ["OUTPUT_NAN", "CCU_EXCEPTION", "WAIT_RC"])
+def test_a_request_after_its_predecessor_failed_answers_unknown_not_the_guess(calbin, point):
+    """Defect 1: decode N fails (the sequence Unknown) while the guess for N+1 is armed. The
+    request at N+1 must answer ``kv.sequence_unknown`` as without guesses (it used to adopt
+    the guess, run on the Unknown sequence and leave it busy for ever), and the sequence is
+    released cleanly afterwards."""
+    answers = []
+    for auto in (True, False):
+        with running_job_path(calbin, threads=False, auto_prearm=auto) as ex:
+            out = decode_run(ex, 1, 2)
+            past = len(PROMPT) + 2
+            arm(ex, point)
+            failed = ex.decode_sync(decode(1, out[-1], past))
+            assert failed[0] != 0 and (1 in ex._auto) is auto  # the guess is still armed
+            after = ex.decode_sync(decode(1, expected_greedy(PROMPT, 3)[-1], past + 1))
+            answers.append((_answer(failed), _answer(after)))
+            assert after[1].code == "kv.sequence_unknown", after
+            assert ex.release_sequence(1).ok
+            assert not ex._auto and free_slots(ex) and ex.snapshot()["pending_tokens"] == 0
+            assert decode_run(ex, 1, 2) == expected_greedy(PROMPT, 2)
+    assert answers[0] == answers[1], answers
+
+
+def test_a_transient_wait_failure_before_a_guess_never_reaches_the_device(calbin):
+    """Defect 1 with the real fault controller and KV that a failed Wait leaves corrupted
+    (``kv_after_failed_wait=unknown``): the request after the failure is refused
+    (``kv.sequence_unknown``); no job runs on the Unknown sequence, so the device never meets
+    a CCU exception and no reset or rebuild follows (it did: the adopted guess ran)."""
+    answers = []
+    for auto in (True, False):
+        with running_executor(calbin, "kv_after_failed_wait=unknown", threads=False,
+                              auto_prearm=auto) as ex:
+            out = decode_run(ex, 1, 3)
+            past = len(PROMPT) + 3
+            arm(ex, "WAIT_RC")
+            failed = ex.decode_sync(decode(1, out[-1], past))  # stepped: the guess for N+1
+            assert failed[0] != 0 and (1 in ex._auto) is auto  # was armed before N's Wait
+            after = ex.decode_sync(decode(1, out[-1], past + 1))
+            answers.append((_answer(failed), _answer(after)))
+            assert ex.release_sequence(1, wait_s=5.0).ok
+            assert ex.device.emu.counters()["ccu_exceptions"] == 0
+            assert ex.state == "Ready" and ex.snapshot()["recoveries"] == 0
+            assert decode_run(ex, 1, 2) == expected_greedy(PROMPT, 2)
+    assert answers[0] == answers[1], answers
+    assert answers[0][1][1] == "kv.sequence_unknown", answers
+
+
+def test_a_request_sent_before_its_predecessor_finished_is_busy_not_adopted(calbin):
+    """Defect 2 (stepped): decode N is on the device and the guess for N+1 armed; a request
+    at N+1 sent now is ``kv.sequence_busy`` ("a sequence runs one job at a time"), exactly
+    as without guesses; N then completes and N+1 sent again is served by the oracle."""
+    answers = []
+    for auto in (True, False):
+        with running_job_path(calbin, threads=False, auto_prearm=auto) as ex:
+            out = decode_run(ex, 1, 2)
+            past = len(PROMPT) + 2
+            handle = ex.enqueue(decode(1, out[-1], past))
+            while ex.submit_one():  # N on the device, the guess for N+1 armed
+                pass
+            assert handle.state == "Submitted" and (1 in ex._auto) is auto
+            early = ex.enqueue(decode(1, expected_greedy(PROMPT, 3)[-1], past + 1))
+            early_result = early.wait_until(deadline())
+            while not handle.done and (ex.submit_one() or ex.complete_one()):
+                pass
+            first = _ok(handle.wait_until(deadline()))
+            again = _ok(ex.decode_sync(decode(1, first.argmax, past + 1)))
+            answers.append((early_result.code, first.argmax, again.argmax))
+    assert answers[0] == answers[1], answers
+    assert answers[0][0] == "kv.sequence_busy"
+    assert list(answers[0][1:]) == expected_greedy(PROMPT, 4)[-2:]
+
+
+@pytest.mark.parametrize("overlap", ["full", "dma"])
+def test_phase_b_an_early_request_never_shares_the_device_with_its_predecessor(calbin,
+                                                                               overlap):
+    """Defect 2 in Phase B (two in flight): the early request used to adopt the guess and run
+    on the device beside its predecessor of the same sequence (a CCU exception with
+    ``overlap=full``). It is refused busy, and nothing faults."""
+    with running_job_path(calbin, f"overlap={overlap};decode_us=3000",
+                          inflight_capacity=2) as ex:
+        out = decode_run(ex, 1, 3)
+        past = len(PROMPT) + 3
+        early_with_guess = 0
+        for step in range(6):
+            handle = ex.enqueue(decode(1, out[-1], past))
+            until(lambda: (1 in ex._auto and ex._auto[1].job is not None) or handle.done,
+                  what="N on the device and the guess for N+1 armed")
+            if not handle.done:  # (a slow host may finish N before the guess is armed)
+                early_with_guess += 1
+                early = ex.enqueue(decode(1, 0, past + 1)).wait_until(deadline())
+                assert isinstance(early, Status) and early.code == "kv.sequence_busy", early
+            result = _ok(handle.wait_until(deadline()))
+            out.append(result.argmax)
+            past = result.kv_len
+        assert out == expected_greedy(PROMPT, 3 + 6)
+        assert early_with_guess >= 1
+        assert ex.device.emu.counters()["ccu_exceptions"] == 0
+        assert ex.counters["quarantined"] == 0
