@@ -392,7 +392,10 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         handle = JobHandle(job)
         if on_created is not None:
             on_created(handle)
-        if not internal and not self._admitting and self.config.ready_queue_max:
+        # queue through recovery: a caller's request waits for Ready; a pre-arm never waits
+        # (the submitter arms: the recovery's golden run needs the submitter)
+        if (not internal and not self._admitting and self.config.ready_queue_max
+                and (arm is None or arm.blocking)):
             waited = self._wait_for_ready(job)
             if waited is not None:
                 return self._fail_early(job, waited)

@@ -16,7 +16,7 @@ import pytest
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
 from calexec.machines.job import InferenceResult
-from executor_harness import running_job_path
+from executor_harness import running_executor, running_job_path
 from executor_harness import (arm, deadline, expected_greedy, fired, greedy, prefill, settle,
                               until, write_calbin)
 
@@ -383,3 +383,21 @@ def test_a_completed_job_gives_its_permit_back_before_the_caller_wakes_and_wakes
         assert woken == {}, woken  # the completion thread never woke the idle submitter
     finally:
         ex.shutdown(grace=5.0)
+
+
+def test_arming_never_waits_for_ready_on_the_submitter(calbin):
+    """Issue 24 defect 3: with ``ready_queue_max > 0`` a request that arrives during a
+    recovery waits for Ready, but the submitter must never: the recovery's golden run needs
+    it. A recovery that starts between a step's fire and the arming of the next step ends
+    Ready quickly (it used to sit in Warming until the golden's deadline, then Failed)."""
+    with running_executor(calbin, "decode_us=20000", ready_queue_max=4) as ex:
+        stream, token = open_stream(ex, 1, 8, seconds=30.0)
+        handle = stream.submit(token)  # fired; the submitter arms the next step ~2 ms later
+        assert not isinstance(handle, Status), handle
+        ex.faults.report(Status.failure("test.device_fault", Category.DEVICE, Phase.WAIT,
+                                        "injected between a step's fire and its arming"))
+        until(lambda: ex.snapshot()["recoveries"] >= 1 or ex.state == "Failed", seconds=8.0,
+              what="the recovery to end")
+        assert ex.state == "Ready", (ex.state, ex.failure)
+        stream.close()
+        assert ex.recoveries[-1]["ok"], ex.recoveries[-1]
