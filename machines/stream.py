@@ -38,12 +38,15 @@ path (two wake-ups per token remain on it, the completion thread's and the submi
 an ``enqueue`` caller has three). The caller's loop is unchanged: ``step(result.argmax)``
 (plus the slice's start with ``want_logits``) adopts the job already fired with that token;
 another token is refused (the stream already decoded the argmax). A job is fired ahead only while its caller has asked for the one before
-it, so the fired-ahead job is at most one step ahead, and with ``logits_out`` given the stream
-alternates two rows (``logits_out`` for the first step, then one of its own, faulted in when
-the second step is armed): a result's logits stay valid until
-the step after the next ``step()`` call, as without greedy ahead. A step fired ahead that the
-caller never takes (it stopped on a stop string, or closed) is cancelled and waited for by
-``close()``: at most one wasted device step per stream.
+it, so the fired-ahead job is at most one step ahead. With ``logits_out`` given, a step fired
+ahead writes one of two rows of the stream's own (each faulted in when the first step that
+writes it is armed, off the critical path), and ``wait()`` copies the row of the step the
+caller takes into ``logits_out``: the caller's array is written only by steps the caller took,
+after their Wait succeeded, and holds what a plain decode would have written (a result's logits
+stay valid until the next step's ``wait()``, as without greedy ahead). A step fired ahead that
+the caller never takes (it stopped on a stop string, or closed) is cancelled and waited for by
+``close()`` (``close(wait=False)``: not waited for; ``quiet`` says when it ended): at most one
+wasted device step per stream, whose KV the next job at that position rewrites.
 
 The stream closes itself on any failed step (the pre-armed job behind it is released: its KV
 txn was chained to a job that did not commit). ``close()`` (also the context manager's exit)
@@ -122,14 +125,18 @@ class DecodeStream:
         self._ahead: tuple[int, JobHandle | None] | None = None
         #: the step fired ahead that ``close()`` cancelled (never taken), until it ends
         self._discarded: JobHandle | None = None
+        # Steps fired ahead write rows of the stream's own, never the caller's array: a step
+        # the caller never takes must not overwrite it (issue 24). ``wait()`` copies a taken
+        # step's row into ``logits_out``, so the caller's array holds what a plain decode
+        # would have written. Two rows: step k+2 (fired when k+1 completes, after the
+        # caller took k) reuses step k's. Each is touched when the first step that writes it
+        # is armed (by the submitter, while the step before runs): a fresh row's page faults
+        # never land in a step's postprocess.
         self._rows: tuple[np.ndarray, np.ndarray] | None = (
-            (logits_out, np.empty_like(logits_out))
+            (np.empty_like(logits_out), np.empty_like(logits_out))
             if self.greedy_ahead and logits_out is not None else None)
-        # the first step writes ``logits_out``, the second the stream's own row, which is
-        # touched when that step is armed (by the submitter, while the first one runs): a
-        # fresh row's page faults never land in a step's postprocess
         self._row0 = past_len
-        self._spare_fresh = self._rows is not None
+        self._fresh = [self._rows is not None] * 2
         # guarded by the executor's submit_mu: the submitter arms the next job (``_arm_next``)
         self._arming = False
         self._arm_waiter = False
@@ -207,6 +214,13 @@ class DecodeStream:
         if isinstance(result, Status):
             return self._close(result)
         self.past_len = result.kv_len
+        out = self.logits_out
+        if (out is not None and self._rows is not None
+                and not np.may_share_memory(result.logits, out)):
+            # a step fired ahead, now taken: its logits reach the caller's array only now
+            count = result.logits.shape[0]
+            np.copyto(out[:count], result.logits)
+            result = attrs.evolve(result, logits=out[:count])
         return result
 
     def cancel(self) -> bool:
@@ -341,6 +355,8 @@ class DecodeStream:
         try:
             past = armed.request.past_len
             more = self.max_len is None or past + 2 <= self.max_len
+            if self._rows is not None:  # not taken yet: never the caller's array
+                armed.logits_out = self._rows[(past - self._row0) % 2]
             handle = ex._fire(armed, token, self, past + 1 if more else -1, arm_delay_s)
         except Exception:  # noqa: BLE001 - the caller fires the next step itself instead
             log.exception("firing the next job of seq %d ahead raised", self.seq_id)
@@ -406,11 +422,11 @@ class DecodeStream:
             seq_id=self.seq_id, kind=TaskKind.DECODE, tokens=np.zeros(1, np.int32),
             positions=np.full(1, past, np.int32), past_len=past, deadline=self.deadline,
             want_logits=self.want_logits, request_id=self.request_id)
-        row = self.logits_out if self._rows is None else self._rows[(past - self._row0) % 2]
-        if self._spare_fresh and row is not self.logits_out:
-            row.fill(0.0)  # arming runs off the critical path (or before the first step)
-            self._spare_fresh = False
-        handle = self.ex._enqueue(request, internal=False, logits_out=row,
+        parity = (past - self._row0) % 2
+        if past != self._row0 and self._fresh[parity]:  # a step that may be fired ahead
+            self._rows[parity].fill(0.0)  # arming runs off the critical path
+            self._fresh[parity] = False
+        handle = self.ex._enqueue(request, internal=False, logits_out=self.logits_out,
                                   arm=_Arm(prev_txn, blocking, notify))
         job = handle._job
         if job.done:

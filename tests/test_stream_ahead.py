@@ -18,7 +18,8 @@ import pytest
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Status
 from calexec.machines.job import InferenceResult
-from executor_harness import (arm, deadline, expected_greedy, fired, greedy, prefill,
+from calexec.drivers.synthetic import oracle
+from executor_harness import (SEED, arm, deadline, expected_greedy, fired, greedy, prefill,
                               running_job_path, settle, until, write_calbin)
 from test_executor_stream import PROMPT, assert_released, open_stream
 
@@ -43,25 +44,28 @@ def drain_stepped(ex) -> None:
         pass
 
 
+def oracle_logits(prompt, tokens) -> np.ndarray:
+    """FP32 logits after ``prompt`` and then ``tokens`` decoded (the numpy oracle)."""
+    ref = oracle.OracleSequence(SEED)
+    ref.run(list(prompt) + list(tokens))
+    return oracle.bf16_to_f32(oracle.logits_bf16(ref.states[-1]))
+
+
 def test_stepped_completion_fires_every_next_step_and_tokens_match(calbin):
     """Stepped mode: the completion of step k (the caller waiting for it) fires step k+1
-    with its argmax; every step after the first is fired ahead, and the logits rows
-    alternate, each result's row intact until the step after next."""
+    with its argmax; every step after the first is fired ahead. Each result is delivered in
+    the caller's row (a step fired ahead is copied there when the caller takes it), with the
+    oracle's logits, as a plain decode would write them."""
     steps = 10
     with running_job_path(calbin, threads=False) as ex:
         row = np.empty(ex.generation.vocab_size, np.float32)
         stream, token = open_stepped(ex, 1, steps, logits_out=row, max_steps=steps)
-        out, kept = [token], []
+        out = [token]
         for k in range(steps):
             result = stream.step(out[-1])
             assert isinstance(result, InferenceResult), result
-            assert stream._rows[0] is row
-            expected_row = stream._rows[k % 2]  # the caller's row first, then alternating
-            assert np.shares_memory(result.logits, expected_row)
-            kept.append((result, result.logits.copy()))
-            if k >= 1:  # the previous result's row is not written by this step
-                previous, copy = kept[-2]
-                assert np.array_equal(previous.logits, copy)
+            assert np.shares_memory(result.logits, row)
+            assert np.array_equal(row, oracle_logits(PROMPT, out))
             out.append(result.argmax)
         assert out == expected_greedy(PROMPT, steps)
         assert stream.steps == steps and stream.ahead_steps == steps - 1
@@ -70,6 +74,30 @@ def test_stepped_completion_fires_every_next_step_and_tokens_match(calbin):
         drain_stepped(ex)
         assert_released(ex, 1)
         assert ex.snapshot()["failed"] == 0 and ex.snapshot()["cancelled"] == 0
+
+
+@pytest.mark.parametrize("taken", [1, 2, 3])
+def test_a_step_fired_ahead_and_never_taken_never_writes_the_caller_row(calbin, taken):
+    """Issue 24 defect 4: the caller takes ``taken`` steps and closes; the step fired ahead
+    after them completes (cancelled, result discarded) but the caller's ``logits_out`` still
+    holds the last step it took (it used to be overwritten by the discarded step)."""
+    with running_job_path(calbin, threads=False) as ex:
+        row = np.empty(ex.generation.vocab_size, np.float32)
+        stream, token = open_stepped(ex, 1, 8, logits_out=row)
+        out = [token]
+        for _ in range(taken):
+            result = stream.step(out[-1])
+            assert isinstance(result, InferenceResult), result
+            out.append(result.argmax)
+        assert stream._ahead is not None  # the next step was fired ahead
+        ahead = stream._ahead[1]
+        kept = row.copy()
+        assert np.array_equal(kept, oracle_logits(PROMPT, out[:-1]))
+        stream.close()
+        drain_stepped(ex)  # the discarded step runs to its end
+        assert ahead.done and isinstance(ahead.wait_until(deadline()), Status)
+        assert np.array_equal(row, kept), "a step the caller never took wrote its logits_out"
+        assert_released(ex, 1)
 
 
 def test_threads_tokens_identical_and_steps_fired_by_the_completion_thread(calbin):
