@@ -28,6 +28,10 @@ class Clock:
     def monotonic(self) -> float:
         return time.monotonic()
 
+    def now_us(self) -> int:
+        """``monotonic()`` in whole microseconds (job timings, §4.2 ``JobTimings``)."""
+        return time.monotonic_ns() // 1000
+
     def sleep(self, seconds: float) -> None:
         if seconds > 0:
             time.sleep(seconds)

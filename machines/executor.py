@@ -51,7 +51,7 @@ from calexec.machines.compiled import LIFECYCLE, GuardRejected
 from calexec.machines.device_lifecycle import DeviceLifecycle
 from calexec.machines.faults import Decision, FaultController, RecoveryPolicy
 from calexec.machines.generation import Generation
-from calexec.machines.job import InferenceResult, Job, JobHandle, now_us
+from calexec.machines.job import InferenceResult, Job, JobHandle
 from calexec.machines.kv import KvCoordinator
 from calexec.machines.locks import COMPLETION, COUNTERS, RECOVERY, SUBMIT, LockOrder
 from calexec.machines.locks import LIFECYCLE as LIFECYCLE_RANK
@@ -465,7 +465,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         job.txn = txn
         if not self._advance(job, JOB_EV_ADMIT):
             return self._fail_before_submit(job, Status.cancelled(Phase.ADMISSION, **job.ctx()))
-        job.timings.admitted_us = now_us()
+        job.timings.admitted_us = self.clock.now_us()
         lease = None
         if self._auto and arm is None:  # a guess never keeps a slot from a request that came
             lease = gen.pool.acquire(request.kind, 0.0, owner=job.job_id, stop=stop)
@@ -497,7 +497,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             return handle
         if not self._advance(job, JOB_EV_ENQUEUE):
             return self._fail_before_submit(job, Status.cancelled(Phase.PREPARE, **job.ctx()))
-        job.timings.queued_us = now_us()
+        job.timings.queued_us = self.clock.now_us()
         with self._submit_cv:
             fenced = gen.closing or gen is not self.gen
             if not fenced:
@@ -1062,7 +1062,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         except GuardRejected:
             job.run.send(JOB_EV_CANCEL)
             return Status.cancelled(Phase.PREPARE, **job.ctx())
-        job.timings.queued_us = now_us()
+        job.timings.queued_us = self.clock.now_us()
         self._submit_q.append(job)
         self._submit_cv.notify_all()
         return None
@@ -1104,7 +1104,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             status = Status.from_calrt(rc, Phase.SUBMIT, "infer", **job.ctx())
             self._fail_before_submit(job, status)
             return
-        job.timings.submitted_us = now_us()
+        job.timings.submitted_us = self.clock.now_us()
         job.submitted_at = self.clock.monotonic()  # the §9.1 execution deadline's start
         job.run.send(JOB_EV_INFER_ACCEPTED)
         gen.kvc.mark_submitted(job.txn, evidence=job)
@@ -1192,14 +1192,14 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         if self.locks.checking and held:
             self.locks.violations.append(f"Wait() called holding {tuple(held)}")
         self.wait_threads.add(threading.current_thread().name)
-        t0 = now_us()
+        t0 = self.clock.now_us()
         self._waiting_on = job
         # One Wait() bounded by the §9.1 execution deadline; no lock is held here.
         remaining_us = int((self._execution_deadline(job) - self.clock.monotonic()) * 1e6)
         rc = outbuf.wait(max(0, remaining_us))
         slot.runtime_answer = answer = outbuf.get_status()  # the runtime's answer, for guards
         device_status = answer[1]
-        job.timings.completed_us = now_us()
+        job.timings.completed_us = self.clock.now_us()
         job.timings.device_wait_ms = (job.timings.completed_us - t0) / 1000.0
         if job.kind == TaskKind.DECODE and rc == CalrtCode.SUCCESS:
             spent = job.timings.completed_us - job.timings.submitted_us
@@ -1218,12 +1218,12 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
                       Status.from_device_status(device_status, **job.ctx()))
             self._quarantine_after_submit(job, status, release_permit=slot.runtime_let_go())
             return
-        t1 = now_us()
+        t1 = self.clock.now_us()
         copy_ms = outbuf.copy_ms() if hasattr(outbuf, "copy_ms") else None
         if copy_ms is not None:  # measured by the device (the emulator); the host cannot
             job.timings.h2d_ms, job.timings.d2h_ms = copy_ms
         result = self._postprocess(job)
-        job.timings.postprocess_ms = (now_us() - t1) / 1000.0
+        job.timings.postprocess_ms = (self.clock.now_us() - t1) / 1000.0
         if isinstance(result, Status):
             job.output_status = result
             if target == JOB_COMPLETING:

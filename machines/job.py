@@ -30,6 +30,7 @@ from calexec.machines.compiled import JOB
 
 
 def now_us() -> int:
+    """The system clock's ``Clock.now_us()`` (jobs and the executor read their own clock)."""
     return time.monotonic_ns() // 1000
 
 
@@ -70,7 +71,7 @@ class Job:
         self.cancel_flag = False
         self.lease = None
         self.txn = None
-        self.timings = JobTimings(accepted_us=now_us())
+        self.timings = JobTimings(accepted_us=clock.now_us())
         self.run = JOB.run(self)
         self.wait_rc: int | None = None
         self.device_status: int | None = None

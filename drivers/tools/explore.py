@@ -381,6 +381,9 @@ class VirtualClock(Clock):
             self.sched.point("clock")
         return self.sched.now
 
+    def now_us(self) -> int:
+        return int(self.sched.now * 1e6)
+
     def sleep(self, seconds: float) -> None:
         sched = self.sched
         if sched.me() is None:
@@ -816,44 +819,6 @@ def _oracle_golden(seed: int) -> tuple[int, ...]:
 
 
 _CLOSED = 0  # explorers closed in this process
-_ACTIVE: list[Scheduler] = []  # schedulers whose virtual time the patched readers use
-_SAVED: list = []
-
-
-def _virtual_now_us() -> int:
-    return int(_ACTIVE[-1].now * 1e6)
-
-
-class _VirtualTime:  # the fault controller's sliding windows read time.monotonic()
-    @staticmethod
-    def monotonic() -> float:
-        return _ACTIVE[-1].now
-
-
-def _enter_virtual_time(sched: Scheduler) -> None:
-    """Job timings (``now_us``) and the fault controller's windows on the virtual clock while
-    an explorer is open: the executor derives the §9.1 execution deadline from
-    ``timings.submitted_us`` and the controller reads ``time.monotonic()``, both real time
-    otherwise (not yet routed through the executor's Clock)."""
-    from calexec.machines import executor as ex_mod
-    from calexec.machines import faults as faults_mod
-    from calexec.machines import job as job_mod
-    if not _ACTIVE:
-        _SAVED[:] = [job_mod.now_us, ex_mod.now_us, faults_mod.time]
-        job_mod.now_us = ex_mod.now_us = _virtual_now_us
-        faults_mod.time = _VirtualTime
-    _ACTIVE.append(sched)
-
-
-def _exit_virtual_time(sched: Scheduler) -> None:
-    from calexec.machines import executor as ex_mod
-    from calexec.machines import faults as faults_mod
-    from calexec.machines import job as job_mod
-    if sched in _ACTIVE:
-        _ACTIVE.remove(sched)
-    if not _ACTIVE and _SAVED:
-        job_mod.now_us, ex_mod.now_us, faults_mod.time = _SAVED
-        _SAVED.clear()
 
 
 class Explorer:
@@ -885,7 +850,6 @@ class Explorer:
         self.gens: list = []
         self.discarded: set[int] = set()
         self.ex = None
-        _enter_virtual_time(self.sched)
         self._closed = False
 
     # ---- scenario ---------------------------------------------------------------------------
@@ -1108,7 +1072,6 @@ class Explorer:
             return
         self._closed = True
         self.sched.abort_threads()
-        _exit_virtual_time(self.sched)
         ex = self.ex
         if ex is not None and ex.device is not None and not self.device.closed:
             self.device.closed = True
