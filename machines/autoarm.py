@@ -10,8 +10,8 @@ for callers that do not, by guessing the one thing they will most likely ask nex
 The rule. When the submitter has submitted a decode job N of sequence S (an ordinary,
 single-sequence, caller's job) and the job it submitted before N was of S too (one sequence is
 decoding: with several sequences interleaved a guess would mostly be wasted) and decode jobs
-run >= ``AUTO_PREARM_MIN_US`` (1 ms; on a faster device the caller is back first), it arms,
-while N is on the device and it has nothing else to submit (``ARM_DELAY_S`` after N's
+run >= ``tuning.auto_prearm_min_us`` (1 ms; on a faster device the caller is back first), it
+arms, while N is on the device and it has nothing else to submit (``tuning.arm_delay_s`` after N's
 ``infer()``, at most a quarter of a decode job's device time, as for a stream's next step),
 the job N+1 that a next token would need: DECODE of S at N's end position, N's ``want_logits`` and ``logits_out``, its KV txn chained
 behind N's (``KvCoordinator.reserve_next``: only within the reservation S already holds, never
@@ -29,7 +29,7 @@ rolled back, budget back) and is admitted the ordinary way: a guess never change
 request does, only when its admission work ran.
 
 An armed job never keeps a resource from anyone:
-- it expires ``AUTO_IDLE_S`` after N's expected end (the submitter releases it);
+- it expires ``tuning.auto_idle_s`` after N's expected end (the submitter releases it);
 - an admission short of a buffer slot or of token budget releases every auto-armed job first;
 - ``KvCoordinator.reset_sequence``/``truncate``/``reserve`` on S release it (``on_busy``
   hook) instead of answering ``kv.sequence_busy``;
@@ -56,9 +56,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("calexec.autoarm")
 
-#: an auto-armed job is released this long after its predecessor's expected end when the
-#: caller has not asked for it (seconds)
-AUTO_IDLE_S = 0.05
 #: how long a caller waits for the submitter to finish arming the job it wants (a few
 #: hundred microseconds of work that never waits; the bound only guards a bug)
 _ARMING_WAIT_S = 1.0
@@ -133,7 +130,8 @@ class AutoArm:
         ex = self.ex
         from calexec.machines.stream import _Arm
         expected = ex._decode_exec_us / 1e6
-        deadline = min(prev.deadline, ex.clock.monotonic() + expected + AUTO_IDLE_S)
+        deadline = min(prev.deadline, ex.clock.monotonic() + expected
+                       + ex.config.tuning.auto_idle_s)
         request = InferenceRequest(
             seq_id=self.seq_id, kind=TaskKind.DECODE, tokens=np.zeros(1, np.int32),
             positions=np.full(1, self.past, prev.request.positions.dtype), past_len=self.past,

@@ -58,6 +58,7 @@ from calexec.machines.locks import LIFECYCLE as LIFECYCLE_RANK
 from calexec.machines.pool import BufferPool
 from calexec.machines.postprocess import bf16_all_finite, bf16_to_f32_into
 from calexec.machines.sequences import SequenceOwnership
+from calexec.machines.tuning import HotPathTuning
 from calexec.machines.chart_names import (JOB_CANCEL_REQUESTED, JOB_COMPLETING, JOB_CREATED,
                                           JOB_EV_ADMIT, JOB_EV_BEGIN_PREPARATION, JOB_EV_CANCEL,
                                           JOB_EV_DELIVER, JOB_EV_ENQUEUE, JOB_EV_EXECUTION_TIMEOUT,
@@ -155,6 +156,9 @@ class ExecutorConfig:
     #: need (only within its KV reservation, only with a free slot); any other request of it
     #: releases the guess first, and so does an admission short of a slot or token budget
     auto_prearm: bool = True
+    #: the hot path's timing (arming delays, greedy ahead's yield, early wake-ups, a guess's
+    #: expiry): machines/tuning.py; none of it changes an answer, only when work runs
+    tuning: HotPathTuning = attrs.field(factory=HotPathTuning)
 
 
 def _check_caller_arguments(request: InferenceRequest, logits_out: Any,
@@ -187,31 +191,6 @@ def _check_caller_arguments(request: InferenceRequest, logits_out: Any,
     return Status.OK
 
 
-#: how long the completion thread, having fired a stream's next job ahead, leaves the GIL to
-#: the submitter before it delivers the previous job (``_until_submitted``); the submitter
-#: normally takes well under a millisecond, the bound covers a job failed before its submit
-AHEAD_YIELD_S = 0.002
-#: ... only after a job that ran at least this long (us): on a fast device the next job ends
-#: before the previous one is delivered, and the yield costs a round trip (A/B measured)
-AHEAD_YIELD_MIN_US = 1000
-#: ... and the submitter arms the step after it this much later (at most a quarter of the
-#: previous step's device time), so the arming does not take the GIL from the delivery of the
-#: previous step and its caller (A/B measured, docs/benchmarks.md)
-AHEAD_ARM_DELAY_S = 0.001
-#: the submitter arms any other pre-armed job (a decode stream's next step, an implicit
-#: pre-arm) this long after it submitted the job before, at most a quarter of a decode job's
-#: device time: arming at once, right after infer(), slowed that job and the hand-offs around
-#: it (A/B in one process, 10 ms profile: P50 -60..-130 us, P99 -120..-260 us)
-ARM_DELAY_S = 0.002
-#: implicit pre-arms (machines/autoarm.py) only while decode jobs are expected to run at
-#: least this long (us): on a faster device the caller is back before the guess is armed, and
-#: its admission would wait for the arming (A/B measured at zero latency)
-AUTO_PREARM_MIN_US = 1000.0
-#: early wake-ups (``_prewake_in``, ``Job.early_wake_s``): this long before a decode job's
-#: expected end, for jobs expected to run at least PREWAKE_MIN_US (A/B measured,
-#: docs/benchmarks.md); 0 turns them off
-PREWAKE_S = 0.0003
-PREWAKE_MIN_US = 1500.0
 _TRAIL_STEPS = 32  # a job takes at most ~8 transitions; refused events are few
 
 
@@ -238,6 +217,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         self.runtime = runtime
         self.manifest = manifest
         self.config = config
+        self._tuning = config.tuning
         self.clock = clock
         self.faults = fault_sink or FaultController(config.recovery)
         self._fused_logits = getattr(runtime, "logits_postprocessor", lambda: None)()
@@ -273,7 +253,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         # runtime still runs them (submit_mu)
         self._held_by_runtime: list = []
         # Early wake-ups (issue 17): a thread that slept through a decode job's device time
-        # wakes PREWAKE_S before the job is expected to end, so the hand-off that follows
+        # wakes tuning.prewake_s before the job is expected to end, so the hand-off that follows
         # finds it (and its CPU) warm: the submitter's idle wait (``_prewake_in``, once per
         # job on the device) and a caller's ``JobHandle.wait_until`` (``Job.early_wake_s``).
         # The expectation is the moving average of decode jobs' device time (completion
@@ -510,13 +490,15 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         return handle
 
     def _arm_delay_s(self) -> float:
-        """ARM_DELAY_S, at most a quarter of a decode job's expected device time."""
-        return min(ARM_DELAY_S, self._decode_exec_us / 4e6) if self.config.threads else 0.0
+        """``tuning.arm_delay_s``, at most a quarter of a decode job's expected device time."""
+        return (min(self._tuning.arm_delay_s, self._decode_exec_us / 4e6)
+                if self.config.threads else 0.0)
 
     def _early_wake_s(self) -> float:
         """How long after it begins a caller's wait for a decode job wakes early (0: not)."""
-        if PREWAKE_S > 0 and self._decode_exec_us >= PREWAKE_MIN_US:
-            return self._decode_exec_us / 1e6 - PREWAKE_S
+        tuning = self._tuning
+        if tuning.prewake_s > 0 and self._decode_exec_us >= tuning.prewake_min_us:
+            return self._decode_exec_us / 1e6 - tuning.prewake_s
         return 0.0
 
     def _enter(self, gen: Generation) -> bool:
@@ -819,7 +801,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
                            if self._submit_q or self._armed else None)
                 if arm_in is not None:  # greedy ahead: the arming waits for the delivery
                     timeout = arm_in if timeout is None else min(timeout, arm_in)
-                if PREWAKE_S > 0:
+                if self._tuning.prewake_s > 0:
                     early = self._prewake_in(now)
                     if early is not None:
                         timeout = early if timeout is None else min(timeout, early)
@@ -864,7 +846,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         seq = job.request.seq_id
         with self._submit_cv:
             if (seq not in self._auto and self._admitting and not self._stopping_threads
-                    and job.gen is self.gen and (self._decode_exec_us >= AUTO_PREARM_MIN_US
+                    and job.gen is self.gen and (self._decode_exec_us >= self._tuning.auto_prearm_min_us
                                                  or not self.config.threads)):
                 entry = AutoArm(self, job)
                 delay = self._arm_delay_s()
@@ -995,7 +977,8 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
 
     def _prewake_in(self, now: float) -> float | None:
         """Seconds until the submitter's idle wait should end early (submit_mu held): the
-        decode job on the device is expected to end ``PREWAKE_S`` after that; once per job.
+        decode job on the device is expected to end ``tuning.prewake_s`` after that; once per
+        job.
         None: nothing on the device, its end unknown or too near."""
         try:  # a deque read: no completion_mu under submit_mu (the completion thread may
             head = self._completion_q[0]  # pop it between a length check and the index)
@@ -1004,8 +987,9 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         if (head is None or head.job_id == self._prewoken or not head.submitted_at
                 or head.kind != TaskKind.DECODE or self._decode_exec_us <= 0):
             return None
-        early = head.submitted_at + self._decode_exec_us / 1e6 - PREWAKE_S - now
-        if early < PREWAKE_S:
+        prewake = self._tuning.prewake_s
+        early = head.submitted_at + self._decode_exec_us / 1e6 - prewake - now
+        if early < prewake:
             return None
         self._prewoken = head.job_id
         return early
@@ -1248,9 +1232,10 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         stream, job.stream = job.stream, None
         if stream is not None and target == JOB_COMPLETING and not job.cancel_flag:
             ran_us = job.timings.completed_us - job.timings.submitted_us
-            slow = self.config.threads and ran_us >= AHEAD_YIELD_MIN_US
+            tuning = self._tuning
+            slow = self.config.threads and ran_us >= tuning.ahead_yield_min_us
             fired = stream._fire_ahead(  # greedy ahead (machines/stream.py)
-                job, result, min(AHEAD_ARM_DELAY_S, ran_us / 4e6) if slow else 0.0)
+                job, result, min(tuning.ahead_arm_delay_s, ran_us / 4e6) if slow else 0.0)
             if fired is not None and slow:
                 self._until_submitted(fired._job)
         if target == JOB_COMPLETING and not self._advance(job, JOB_EV_DELIVER):
@@ -1281,9 +1266,9 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         """Greedy ahead: the completion thread just queued ``job`` (the next step of a
         stream) and gets out of the submitter's way, its own GIL-holding work (delivering the
         job before, which also wakes that job's caller) waiting until ``job`` is on the device
-        or failed, bounded by ``AHEAD_YIELD_S`` (A/B measured, docs/benchmarks.md: without
+        or failed, bounded by ``tuning.ahead_yield_s`` (A/B measured, docs/benchmarks.md: without
         it the submitter's wake-up waited for the GIL behind that work)."""
-        end = self.clock.monotonic() + AHEAD_YIELD_S
+        end = self.clock.monotonic() + self._tuning.ahead_yield_s
         with self._completion_cv:
             while not (job.done or job.submitted_at or self._stopping_threads):
                 remaining = end - self.clock.monotonic()

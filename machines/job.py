@@ -93,7 +93,7 @@ class Job:
         #: completion thread fires the stream's next job with this job's argmax
         self.stream: Any = None
         #: a caller's wait wakes once this long after it began, before the job is expected
-        #: to end, then waits on (0: no early wake; machines/executor.py PREWAKE_S)
+        #: to end, then waits on (0: no early wake; ``HotPathTuning.prewake_s``)
         self.early_wake_s = 0.0
         #: the AutoArm entry that armed this job for a caller not yet seen (machines/
         #: autoarm.py; submit_mu), and whether this job's successor may be armed so

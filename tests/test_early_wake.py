@@ -1,5 +1,5 @@
 """Early wake-ups (issue 17): a thread that slept through a decode job's device time wakes
-``PREWAKE_S`` before the job's expected end so the hand-off after it finds a warm thread. The
+``HotPathTuning.prewake_s`` before the job's expected end so the hand-off after it finds a warm thread. The
 early wake must never change what a wait returns: the caller then waits on for the result
 (bounded by its deadline), and the submitter's early wake submits nothing by itself.
 """
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from calexec.contracts.status import Status
-from calexec.machines import executor as executor_mod
+from calexec.machines.tuning import HotPathTuning
 from calexec.machines.job import InferenceResult
 from executor_harness import (decode, deadline, expected_greedy, prefill, running_job_path,
                               write_calbin)
@@ -60,9 +60,8 @@ def test_an_early_wake_never_outlasts_the_deadline(calbin):
         assert isinstance(handle.wait_until(deadline()), InferenceResult)
 
 
-def test_off_when_prewake_is_zero(calbin, monkeypatch):
-    monkeypatch.setattr(executor_mod, "PREWAKE_S", 0.0)
-    with running_job_path(calbin) as ex:
+def test_off_when_prewake_is_zero(calbin):
+    with running_job_path(calbin, tuning=HotPathTuning(prewake_s=0.0)) as ex:
         assert ex.device.emu.set_latency(decode_us=5000) == 0
         result = ex.enqueue(prefill(1, PROMPT)).wait_until(deadline())
         row = np.empty(ex.generation.vocab_size, np.float32)
@@ -72,7 +71,7 @@ def test_off_when_prewake_is_zero(calbin, monkeypatch):
             result = handle.wait_until(deadline())
             assert isinstance(result, InferenceResult), result
         with ex._submit_cv:
-            assert ex._prewake_in(ex.clock.monotonic()) is None or executor_mod.PREWAKE_S
+            assert ex._prewake_in(ex.clock.monotonic()) is None
 
 
 def test_the_submitter_reading_a_queue_the_completion_thread_just_emptied_does_not_raise(
