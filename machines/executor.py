@@ -415,9 +415,10 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         # Admission: token budget, then KV (both released on every failure below).
         tokens = request.token_count
         budget = self._token_budget()
-        if (self._auto and arm is None and not job.internal
+        speculative = arm is not None and not arm.blocking  # a pre-arm: may find nothing free
+        if (self._armed and not speculative and not job.internal
                 and self._pending_tokens + tokens > budget):
-            self._auto_reclaim()  # a guess never keeps budget from a request that came
+            self._reclaim_armed()  # a pre-armed job never keeps budget from a request
         with self.submit_mu:
             if self._pending_tokens + tokens > budget and not job.internal:
                 return self._fail_early(job, Status.exhausted(
@@ -447,13 +448,14 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             return self._fail_before_submit(job, Status.cancelled(Phase.ADMISSION, **job.ctx()))
         job.timings.admitted_us = self.clock.now_us()
         lease = None
-        if self._auto and arm is None:  # a guess never keeps a slot from a request that came
+        if self._armed and not speculative:  # a pre-armed job never keeps a slot from a request
             lease = gen.pool.acquire(request.kind, 0.0, owner=job.job_id, stop=stop)
             if isinstance(lease, Status) and lease.category == Category.RESOURCE_EXHAUSTED:
-                self._auto_reclaim()
+                self._reclaim_armed()
                 lease = None
-        if lease is None:
-            lease = gen.pool.acquire(request.kind, wait_until, owner=job.job_id, stop=stop)
+        if lease is None:  # a pre-arm never takes a slot a request is waiting for
+            lease = gen.pool.acquire(request.kind, wait_until, owner=job.job_id, stop=stop,
+                                     speculative=speculative)
         if isinstance(lease, Status):
             return self._fail_before_submit(job, lease.with_context(**job.ctx()))
         job.lease = lease
@@ -900,13 +902,24 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         if job is not None:
             self._auto_release([job], f"released: seq {seq_id} used otherwise")
 
-    def _auto_reclaim(self) -> None:
-        """An admission is short of a slot or of token budget: release every guess."""
+    def _reclaim_armed(self) -> None:
+        """An admission is short of a slot or of token budget: release every pre-armed job
+        not fired yet (the implicit pre-arms and the decode streams' next steps). They are
+        guesses: the step that would have taken one is admitted the ordinary way instead, so
+        a pre-arm changes when admission work runs, never who gets a slot first."""
         with self._submit_cv:
             end = self.clock.monotonic() + _AUTO_ARMING_WAIT_S
             jobs = [job for entry in list(self._auto.values())
                     if (job := self._auto_detach(entry, end)) is not None]
+            streams = [job for job in self._armed if job.auto is None]
+            for job in streams:  # whoever removes an armed job under submit_mu owns it
+                self._armed.remove(job)
         self._auto_release(jobs, "released: its resources were needed")
+        for job in streams:
+            job.uncounted = True
+            self._fail_before_submit(job, Status.cancelled(
+                Phase.CANCEL, "pre-armed job released: its resources were needed",
+                **job.ctx()))
 
     def _auto_take(self, request: InferenceRequest, logits_out: Any,
                    on_created: Callable[[JobHandle], None] | None) -> JobHandle | None:
@@ -1010,12 +1023,13 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         return None
 
     def _fire(self, job: Job, token: int, stream: Any = None, next_past: int = -1,
-              arm_delay_s: float = 0.0) -> JobHandle:
+              arm_delay_s: float = 0.0) -> JobHandle | None:
         """A pre-armed decode job gets its token and joins the submit queue (machines/
         stream.py): the token id is written into the leased slot's input and the request, the
         chart goes Preparing -> Queued, the submitter is woken. Everything else was done when
-        it was armed. Owned only if still in ``_armed`` (the submitter may have released it:
-        cancelled, expired, fenced; then its handle carries that Status)."""
+        it was armed. None when the job was not in ``_armed`` any more: someone released it
+        (cancelled, expired, fenced, reclaimed for a request short of a slot or budget); it
+        was a guess, and the caller admits its step the ordinary way."""
         status = None
         with self._submit_cv:
             owned = job in self._armed
@@ -1028,7 +1042,9 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
                     stream._arm_at = (self.clock.monotonic() + arm_delay_s
                                       if arm_delay_s > 0 else 0.0)
                     self._prearm_q.append(stream)
-        if owned and status is not None:
+        if not owned:
+            return None
+        if status is not None:
             return self._fail_before_submit(job, status)
         return JobHandle(job)
 

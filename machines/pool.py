@@ -238,6 +238,8 @@ class BufferPool:
         self.opened = False  # every slot's buffers created and mapped
         # free slots per task kind; in Phase B each slot is fixed to PING or PONG (§6.4)
         self._free: dict[TaskKind, deque[BufferSlot]] = {}
+        #: requests waiting in ``acquire`` per kind (a speculative acquire leaves them the slot)
+        self._waiting: dict[TaskKind, int] = {}
         ids = itertools.count()
         for kind, count in slots_per_kind.items():
             submodel = generation.submodels[kind]
@@ -285,14 +287,17 @@ class BufferPool:
 
     # ---- leasing ---------------------------------------------------------------------------
     def acquire(self, kind: TaskKind, deadline: float, owner: int | None = None,
-                stop: Callable[[], Status | None] = lambda: None) -> "BufferLease | Status":
+                stop: Callable[[], Status | None] = lambda: None,
+                speculative: bool = False) -> "BufferLease | Status":
         """Lease a free slot of ``kind`` (of whichever engine it is fixed to), waiting on a
         condition (never polling) until ``deadline`` (absolute ``time.monotonic()``);
-        ``stop()`` returning a Status (cancel, shutdown) ends the wait with it."""
+        ``stop()`` returning a Status (cancel, shutdown) ends the wait with it.
+        ``speculative`` (a pre-armed job: no caller asked for it yet): never a slot that a
+        request is waiting for."""
         with self._available:
             while True:
                 free = self._free.get(kind)
-                if free:
+                if free and not (speculative and self._waiting.get(kind)):
                     slot = free.popleft()
                     slot.run.send(SLOT_EV_LEASE)
                     return BufferLease(slot, owner)
@@ -307,7 +312,11 @@ class BufferPool:
                     return Status.exhausted(
                         "buffer", Phase.LEASE, f"no free {kind.name} buffer slot before the deadline",
                         generation=self.generation_id)
-                self.clock.wait(self._available, remaining)
+                self._waiting[kind] = self._waiting.get(kind, 0) + 1
+                try:
+                    self.clock.wait(self._available, remaining)
+                finally:
+                    self._waiting[kind] -= 1
 
     def wake(self) -> None:
         """Wake waiters (a cancel or shutdown happened)."""

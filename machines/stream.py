@@ -111,6 +111,7 @@ class DecodeStream:
         self.max_len = max_len
         self.request_id = request_id
         self.status: Status | None = None  # why the stream closed (None: open)
+        self._cancelled = False  # cancel() was called (any thread): later steps are cancelled
         self._armed: Job | None = None
         self._current: JobHandle | None = None
         self.prearmed_steps = 0  # steps whose job was armed before the token came
@@ -166,6 +167,8 @@ class DecodeStream:
         Status (the stream is then closed)."""
         if self.status is not None:
             return self.status
+        if self._cancelled:  # as a caller that gave up: every later step is cancelled
+            return self._close(Status.cancelled(Phase.CANCEL, "decode stream cancelled"))
         if self._current is not None:
             return Status.invalid(4, "decode stream: submit() before the previous step's "
                                      "wait(); one job of a sequence at a time")
@@ -185,18 +188,27 @@ class DecodeStream:
                     job, self._armed = self._armed, None
         if ahead is not None:
             return self._adopt(ahead, int(token))
-        if job is None:  # nothing armed (no free resource then): admit it now, blocking
+        # the armed job is a guess: released meanwhile (reclaimed for a request short of a
+        # slot or budget, cancelled, expired, fenced), the step is admitted the ordinary way
+        handle = None if job is None else self._fire_step(job, int(token))
+        if handle is not None:
+            self.prearmed_steps += 1
+        else:  # nothing armed (no free resource then): admit it now, blocking
             job = self._arm_job(None, self.past_len, blocking=True)
             if isinstance(job, Status):
                 return self._close(job)
-        else:
-            self.prearmed_steps += 1
-        past = job.request.past_len
-        more = self.max_len is None or past + 2 <= self.max_len
-        handle = ex._fire(job, int(token), self, past + 1 if more else -1, ex._arm_delay_s())
+            handle = self._fire_step(job, int(token))
+            if handle is None:  # released before it was queued: that is the step's answer
+                return self._close(job.result)
         self._current = handle
         self.steps += 1
         return handle
+
+    def _fire_step(self, job: Job, token: int) -> "JobHandle | None":
+        past = job.request.past_len
+        more = self.max_len is None or past + 2 <= self.max_len
+        return self.ex._fire(job, token, self, past + 1 if more else -1,
+                             self.ex._arm_delay_s())
 
     def wait(self) -> "InferenceResult | Status":
         """The result of the step submitted last (bounded by the stream's deadline)."""
@@ -225,7 +237,9 @@ class DecodeStream:
 
     def cancel(self) -> bool:
         """Cancel the job in flight and the armed one (from any thread); the stream closes at
-        its owner's next call. True when something was still running."""
+        its owner's next call (a later ``submit`` answers CANCELLED, as a server answers
+        every job of a request its client gave up). True when something was still running."""
+        self._cancelled = True
         cancelled = False
         ahead = self._ahead
         for handle in (self._current, None if self._armed is None else JobHandle(self._armed),

@@ -17,8 +17,8 @@ from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
 from calexec.machines.job import InferenceResult
 from executor_harness import running_executor, running_job_path
-from executor_harness import (arm, deadline, expected_greedy, fired, greedy, prefill, settle,
-                              until, write_calbin)
+from executor_harness import (arm, deadline, decode, expected_greedy, fired, greedy, prefill,
+                              settle, until, write_calbin)
 
 PROMPT = [5, 17, 29, 41, 53, 65, 77, 89, 101]
 
@@ -225,8 +225,13 @@ def test_armed_job_of_a_replaced_generation_never_reaches_the_next(calbin):
         assert ex.gen is not old and ex.gen.id == old.id + 1
         assert armed.done and armed.result.category is Category.UNAVAILABLE
         assert armed.txn.run.state == "RolledBack"
+        past = stream.past_len
         result = stream.step(token)
-        assert isinstance(result, Status) and result.category is Category.UNAVAILABLE
+        # the armed job was a guess: the step is admitted the ordinary way and answers what a
+        # plain decode at that position answers in the new generation (its KV is gone)
+        plain = ex.enqueue(decode(1, token, past)).wait_until(deadline())
+        assert isinstance(result, Status) and isinstance(plain, Status)
+        assert result.code == plain.code == "kv.past_len_beyond_committed", (result, plain)
         settle(ex)
         assert ex.gen.pool.counts()["Free"] == len(ex.gen.pool.slots)  # nothing of it taken
         assert all(job.gen is ex.gen for job in ex._submit_q)
@@ -401,3 +406,37 @@ def test_arming_never_waits_for_ready_on_the_submitter(calbin):
         assert ex.state == "Ready", (ex.state, ex.failure)
         stream.close()
         assert ex.recoveries[-1]["ok"], ex.recoveries[-1]
+
+
+def test_a_request_short_of_a_slot_takes_the_slot_of_a_streams_armed_job(calbin):
+    """Issue 24 (found by the differential test): a stream's armed next step is a guess, like
+    an implicit pre-arm. Two decode slots: stream 1's step in flight holds one, its armed next
+    step the other. A decode of sequence 2 must get a slot at once, as without the stream
+    (stepped: a wait for a slot would last until its deadline, and the device order of the
+    two sequences changed); stream 1's next step is then admitted the ordinary way."""
+    with running_job_path(calbin, threads=False) as ex:
+        prefilled = ex.enqueue(prefill(2, PROMPT))
+        while not prefilled.done and (ex.submit_one() or ex.complete_one()):
+            pass
+        tb = prefilled.wait_until(deadline()).argmax
+        a, ta = open_stream_stepped(ex, 1, 4)
+        handle = a.submit(ta)
+        while ex.submit_one():  # stream 1's step on the device, its next step armed
+            pass
+        counts = ex.pool.counts()
+        assert a._armed is not None and counts["Leased"] + counts["InFlight"] == 2
+        other = ex.enqueue(decode(2, tb, len(PROMPT), seconds=0.5))
+        assert other.state == "Queued", other.wait_until(deadline(0))  # admitted at once
+        assert a._armed.done  # the guess gave its slot back
+        while not handle.done and (ex.submit_one() or ex.complete_one()):
+            pass
+        first = a.wait()
+        assert isinstance(first, InferenceResult), first
+        while not other.done and (ex.submit_one() or ex.complete_one()):
+            pass
+        assert other.wait_until(deadline()).argmax == expected_greedy(PROMPT, 1)[1]
+        second = a.step(first.argmax)  # admitted the ordinary way: same token
+        assert isinstance(second, InferenceResult), second
+        assert [ta, first.argmax, second.argmax] == expected_greedy(PROMPT, 2)
+        a.close()
+        assert ex.snapshot()["pending_tokens"] == 0 and ex.pool.counts()["Leased"] == 0
