@@ -145,7 +145,6 @@ def test_queue_deadline_is_reached_behind_a_running_job_and_the_slot_comes_back(
         until(lambda: submitted(ex) == base_jobs + 1, what="A on the device")
         with_a = free_blocks(ex)
         b = ex.enqueue(prefill(2, PROMPT, seconds=0.05))
-        assert not b.done or b.state == "Failed"
         res = b.wait_until(deadline())
         assert isinstance(res, Status), res
         assert (res.code, res.category, res.phase) == (
