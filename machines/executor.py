@@ -1062,7 +1062,10 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         except GuardRejected:
             job.run.send(JOB_EV_CANCEL)
             return Status.cancelled(Phase.PREPARE, **job.ctx())
-        job.timings.queued_us = self.clock.now_us()
+        # the request exists from now: its admission ran ahead (S11, §9.1: the job's
+        # timings are the request's, not the guess's)
+        timings = job.timings
+        timings.accepted_us = timings.admitted_us = timings.queued_us = self.clock.now_us()
         self._submit_q.append(job)
         self._submit_cv.notify_all()
         return None

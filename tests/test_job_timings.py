@@ -215,15 +215,6 @@ def test_a_sequence_id_used_again_after_release_starts_with_fresh_timings(calbin
         ex.shutdown(grace=5.0)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "S11 defect: a job armed before its request came keeps its arming time as accepted_us: "
-    "the Job, and with it JobTimings(accepted_us=now) (machines/job.py), is created when the "
-    "submitter arms it (DecodeStream._arm_job, the implicit pre-arm of machines/autoarm.py) "
-    "while the previous step still runs on the device, and _fire / _auto_take adopt it "
-    "without restamping. Its admission span and total_ms (and so the server's "
-    "calexec_time_per_output_token_seconds, decode accepted -> completed) include the "
-    "previous step's device time: ~20 ms per token measured at a 10 ms decode profile, for "
-    "steps whose caller waited ~11.7 ms each"))
 @pytest.mark.parametrize("path", ["decode_stream", "greedy_ahead", "implicit_prearm"])
 def test_a_prearmed_job_is_accepted_before_its_request_exists(calbin, path):
     """§9.1: the admission span starts when the request enters the service; S11: a job's
