@@ -116,8 +116,7 @@ class AutoArm:
                     drop = job
                     ex._auto_forget(self)
             if drop is not None:
-                ex._disarm(drop, Status.cancelled(Phase.CANCEL, "auto pre-arm dropped"),
-                           counted=False)
+                ex._disarm(drop, Status.cancelled(Phase.CANCEL, "auto pre-arm dropped"))
         finally:
             with ex._submit_cv:
                 self.prev = None  # N's job is not kept alive by a guess

@@ -123,7 +123,7 @@ class DeviceLifecycle:
                               self.config.slots_per_kind, self.locks, engines)
         if isinstance(gen, Status):
             return gen
-        gen.kvc.on_busy = self._auto_drop_seq  # machines/autoarm.py
+        gen.kvc.on_busy = self._drop_armed  # armed jobs are guesses
         self.gen = gen
         self._golden_ok = False
         with self._submit_cv:

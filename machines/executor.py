@@ -239,6 +239,8 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         self._prearm_q: deque = deque()
         # streams whose pre-arm found no free slot: queued again when a lease comes back
         self._prearm_wait: list = []
+        # the stream or guess the submitter arms right now (submit_mu; ``_drop_armed`` waits)
+        self._arming_now: Any = None
         # implicit pre-arms (machines/autoarm.py): seq id -> its AutoArm entry (submit_mu;
         # read without the lock only as a cheap "any?" test)
         self._auto: dict[int, AutoArm] = {}
@@ -467,9 +469,8 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         if arm is not None:  # pre-armed: Preparing until its token comes (``_fire``)
             with self._submit_cv:
                 fenced = gen.closing or gen is not self.gen
-                if not fenced:
+                if not fenced:  # a guess until it is fired: its release counts nothing
                     self._armed.append(job)
-                    job.uncounted = False
                     if arm.notify:  # the submitter's wait now ends at this job's deadline
                         self._submit_cv.notify_all()
             if fenced:
@@ -705,10 +706,11 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         job.run.send(JOB_EV_FAIL)
         if not job.uncounted:
             self._count(status)
-        if not job.internal and status.category not in (Category.CANCELLED, Category.DEADLINE,
-                                                        Category.INVALID_REQUEST,
-                                                        Category.RESOURCE_EXHAUSTED,
-                                                        Category.UNAVAILABLE):
+        # a guess nobody asked for is not reported either: the request, if it comes, is
+        # admitted the ordinary way and meets the same fault (plain path: reported once)
+        if not job.internal and not job.uncounted and status.category not in (
+                Category.CANCELLED, Category.DEADLINE, Category.INVALID_REQUEST,
+                Category.RESOURCE_EXHAUSTED, Category.UNAVAILABLE):
             self.faults.report(status, job)  # first: admission stops before the caller sees it
         job.resolve(status)
         return JobHandle(job)
@@ -795,6 +797,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
                     if arm_in <= 0 or not block or self._stopping_threads:
                         stream = self._prearm_q.popleft()
                         stream._arming = True
+                        self._arming_now = stream
                         job = None
                         break
                 if not block or (self._stopping_threads and not self._submit_q):
@@ -819,7 +822,12 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
                     finally:
                         self._submit_cv.acquire()
         if job is None and not ended:
-            stream._arm_next()  # it never raises: a failed arm leaves nothing armed
+            try:
+                stream._arm_next()  # it never raises: a failed arm leaves nothing armed
+            finally:
+                with self._submit_cv:
+                    self._arming_now = None
+                    self._submit_cv.notify_all()
             return True
         if job is None:
             try:
@@ -890,17 +898,36 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             self._fail_before_submit(job, Status.cancelled(Phase.CANCEL, f"auto pre-arm {why}",
                                                            **job.ctx()))
 
-    def _auto_drop_seq(self, seq_id: int) -> None:
-        """``KvCoordinator.on_busy``: an operation on ``seq_id`` is coming; release its
-        guess (if any) first."""
-        if not self._auto:
+    def _drop_armed(self, seq_id: int) -> None:
+        """``KvCoordinator.on_busy``: an operation on ``seq_id`` is coming (a reserve, reset
+        or truncation); release what was armed for it first (its guess, a decode stream's
+        next step, an arming in progress): an armed job is a guess and never makes a
+        sequence busy for a request, as the plain path has none. A stream whose next step was
+        released admits that step the ordinary way."""
+        if not (self._armed or self._auto or self._prearm_q or self._arming_now is not None):
             return
         with self._submit_cv:
+            end = self.clock.monotonic() + _AUTO_ARMING_WAIT_S
             entry = self._auto.get(seq_id)
-            job = (None if entry is None else
-                   self._auto_detach(entry, self.clock.monotonic() + _AUTO_ARMING_WAIT_S))
-        if job is not None:
-            self._auto_release([job], f"released: seq {seq_id} used otherwise")
+            guess = None if entry is None else self._auto_detach(entry, end)
+            while self._arming_now is not None and self._arming_now.seq_id == seq_id:
+                remaining = end - self.clock.monotonic()
+                if remaining <= 0:
+                    break
+                self.clock.wait(self._submit_cv, remaining)
+            for queue in (self._prearm_q, self._prearm_wait):  # not to be armed any more
+                for waiting in [w for w in queue if w.seq_id == seq_id]:
+                    queue.remove(waiting)
+            streams = [job for job in self._armed
+                       if job.auto is None and job.request.seq_id == seq_id]
+            for job in streams:  # whoever removes an armed job under submit_mu owns it
+                self._armed.remove(job)
+        if guess is not None:
+            self._auto_release([guess], f"released: seq {seq_id} used otherwise")
+        for job in streams:
+            self._fail_before_submit(job, Status.cancelled(
+                Phase.CANCEL, f"pre-armed job released: seq {seq_id} used otherwise",
+                **job.ctx()))
 
     def _reclaim_armed(self) -> None:
         """An admission is short of a slot or of token budget: release every pre-armed job
@@ -1053,6 +1080,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         Preparing -> Queued, wake the submitter. A Status: it was not queued (fenced or
         cancelled); the caller releases it."""
         gen = job.gen
+        job.uncounted = False  # a request now: its answer counts
         if gen.closing or gen is not self.gen:  # fencing: never into another generation
             return Status.unavailable(Phase.SUBMIT, f"generation {gen.id} retired before the "
                                       "job was queued; retry", **job.ctx())
@@ -1070,16 +1098,15 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         self._submit_cv.notify_all()
         return None
 
-    def _disarm(self, job: Job, status: Status, counted: bool = True) -> bool:
+    def _disarm(self, job: Job, status: Status) -> bool:
         """Release a pre-armed job that will not get a token (its stream closed): lease,
         KV txn rolled back, budget, chart Failed, exactly once (False when the submitter or
-        ``_fire`` owned it already)."""
+        ``_fire`` owned it already). Not counted: nobody asked for it."""
         with self._submit_cv:
             owned = job in self._armed
             if owned:
                 self._armed.remove(job)
         if owned:
-            job.uncounted = not counted
             self._fail_before_submit(job, status.with_context(**job.ctx()))
         return owned
 
@@ -1664,7 +1691,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         ``max_steps`` jobs); the caller still calls ``step(result.argmax)``. See
         machines/stream.py."""
         from calexec.machines.stream import DecodeStream
-        self._auto_drop_seq(seq_id)  # the stream arms its own
+        self._drop_armed(seq_id)  # the stream arms its own
         return DecodeStream(self, seq_id, past_len, deadline, logits_out, want_logits,
                             max_len, request_id, greedy_ahead, stop_tokens, max_steps)
 

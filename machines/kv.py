@@ -137,9 +137,10 @@ class KvCoordinator:
         # Observability: how often waiters woke and retried Apply (FI04 proves no spinning).
         self.wakeups = 0
         self.apply_calls = 0
-        #: the executor's hook (``DeviceExecutor._auto_drop_seq``): before an operation on a
-        #: sequence, release a job it pre-armed for that sequence on its own (machines/
-        #: autoarm.py), so a guess never makes the sequence busy for its owner
+        #: the executor's hook (``DeviceExecutor._drop_armed``): before an operation on a
+        #: sequence, release the jobs it armed for that sequence ahead of any request (an
+        #: implicit pre-arm, a decode stream's next step), so a guess never makes the
+        #: sequence busy for a request
         self.on_busy: Callable[[int], None] | None = None
 
     # ---- helpers -----------------------------------------------------------------------------

@@ -167,8 +167,6 @@ class DecodeStream:
         Status (the stream is then closed)."""
         if self.status is not None:
             return self.status
-        if self._cancelled:  # as a caller that gave up: every later step is cancelled
-            return self._close(Status.cancelled(Phase.CANCEL, "decode stream cancelled"))
         if self._current is not None:
             return Status.invalid(4, "decode stream: submit() before the previous step's "
                                      "wait(); one job of a sequence at a time")
@@ -177,6 +175,8 @@ class DecodeStream:
         if not (isinstance(token, (int, np.integer)) and 0 <= token < vocab):
             return self._close(Status.invalid(6, f"token={token!r}: outside [0, vocab_size="
                                                  f"{vocab})"))
+        if self._cancelled:  # a caller that gave up: the step is what the plain path
+            return self._cancelled_step(int(token))  # answers a cancelled request
         with ex._submit_cv:
             # fired ahead by the completion thread (greedy_ahead), else the armed job
             ahead, job = self._take_ahead(), None
@@ -202,6 +202,19 @@ class DecodeStream:
                 return self._close(job.result)
         self._current = handle
         self.steps += 1
+        return handle
+
+    def _cancelled_step(self, token: int) -> JobHandle:
+        """The step of a cancelled stream: the request goes the ordinary way, cancelled as it
+        is created (its answer: CANCELLED, or whatever the plain path answers first, e.g.
+        UNAVAILABLE while a recovery runs); the stream closes when it is waited for."""
+        request = InferenceRequest(
+            seq_id=self.seq_id, kind=TaskKind.DECODE, tokens=np.asarray([token], np.int32),
+            positions=np.full(1, self.past_len, np.int32), past_len=self.past_len,
+            deadline=self.deadline, want_logits=self.want_logits, request_id=self.request_id)
+        handle = self.ex.enqueue(request, logits_out=self.logits_out,
+                                 on_created=lambda created: created.cancel())
+        self._current = handle
         return handle
 
     def _fire_step(self, job: Job, token: int) -> "JobHandle | None":
@@ -255,8 +268,7 @@ class DecodeStream:
         also waits for it to end (bounded), so the sequence is free once it returns. With
         ``wait=False`` it returns at once: ``quiet`` tells when the discarded step has ended
         (a server answers its client first and releases the sequence in the background)."""
-        return self._close(Status.cancelled(Phase.CANCEL, "decode stream closed"),
-                           counted=False, wait=wait)
+        return self._close(Status.cancelled(Phase.CANCEL, "decode stream closed"), wait=wait)
 
     @property
     def quiet(self) -> bool:
@@ -275,7 +287,7 @@ class DecodeStream:
         self.close()
 
     # ---- arming ----------------------------------------------------------------------------
-    def _close(self, status: Status, counted: bool = True, wait: bool = True) -> Status:
+    def _close(self, status: Status, wait: bool = True) -> Status:
         ex = self.ex
         with ex._submit_cv:  # the submitter reads status when it finishes arming
             if self.status is None:
@@ -291,8 +303,8 @@ class DecodeStream:
             job, self._armed = self._armed, None
             ahead = self._take_ahead()
         if job is not None and not ex._disarm(job, Status.cancelled(
-                Phase.CANCEL, f"decode stream of seq {self.seq_id} closed: {status.code}"),
-                counted=counted) and ex.config.threads:
+                Phase.CANCEL, f"decode stream of seq {self.seq_id} closed: {status.code}")
+        ) and ex.config.threads:
             # the submitter took it first (cancelled, expired, fenced) and releases it now:
             # wait (bounded) for the end of that release, which resolves the job last, so
             # that once close() returns the sequence is free
@@ -383,7 +395,7 @@ class DecodeStream:
         if handle is None:
             ex._disarm(armed, Status.internal("fire_ahead", Phase.PREPARE,
                                               "firing the next job ahead raised",
-                                              seq_id=self.seq_id), counted=True)
+                                              seq_id=self.seq_id))
         return handle
 
     def _unqueue(self) -> None:
@@ -418,8 +430,7 @@ class DecodeStream:
                       and self.status is None):
                     ex._prearm_wait.append(self)  # again when a lease comes back
             if drop is not None:
-                ex._disarm(drop, Status.cancelled(Phase.CANCEL, "decode stream closed"),
-                           counted=False)
+                ex._disarm(drop, Status.cancelled(Phase.CANCEL, "decode stream closed"))
         finally:
             with ex._submit_cv:
                 self._arming = False
@@ -429,7 +440,9 @@ class DecodeStream:
 
     def _arm_job(self, prev_txn: Any, past: int, blocking: bool,
                  notify: bool = False) -> "Job | Status":
-        if self.max_len is not None and past + 1 > self.max_len:
+        if not blocking and self.max_len is not None and past + 1 > self.max_len:
+            # max_len bounds what the stream arms ahead; the caller's own step (blocking) is
+            # a request like any other, answered by the plain path's checks
             return Status.invalid(2, f"decode stream: past_len={past} + 1 > max_len="
                                      f"{self.max_len}")
         request = InferenceRequest(

@@ -270,13 +270,20 @@ def test_invalid_token_and_misuse_are_values(calbin):
 
 
 def test_max_len_stops_arming(calbin):
+    """``max_len`` bounds what the stream arms ahead, not what its caller may ask: a step
+    beyond it is admitted the ordinary way and answers as a plain request does (here within
+    the reservation: served)."""
     with running_job_path(calbin) as ex:
         stream, token = open_stream(ex, 1, 2, max_len=len(PROMPT) + 1)
         result = stream.step(token)
         assert isinstance(result, InferenceResult)
         assert stream._armed is None and not ex._prearm_q
+        prearmed = stream.prearmed_steps
         over = stream.step(result.argmax)
-        assert isinstance(over, Status) and "max_len" in over.message
+        assert isinstance(over, InferenceResult), over
+        assert stream.prearmed_steps == prearmed  # not armed ahead
+        assert [token, result.argmax, over.argmax] == expected_greedy(PROMPT, 2)
+        stream.close()
         assert_released(ex, 1)
 
 
@@ -439,4 +446,34 @@ def test_a_request_short_of_a_slot_takes_the_slot_of_a_streams_armed_job(calbin)
         assert isinstance(second, InferenceResult), second
         assert [ta, first.argmax, second.argmax] == expected_greedy(PROMPT, 2)
         a.close()
+        assert ex.snapshot()["pending_tokens"] == 0 and ex.pool.counts()["Leased"] == 0
+
+
+def test_another_request_on_a_streams_sequence_releases_its_armed_job(calbin):
+    """Issue 24 (found by the differential test): between two steps a stream holds no job
+    of its sequence the plain path would: its armed next step is a guess. A request for the
+    same sequence (here a new prefill, as a second owner of the id would send) is admitted as
+    without the stream, not refused ``kv.sequence_busy``; the stream's next step is then
+    admitted the ordinary way and answers as a plain request at that position does."""
+    with running_job_path(calbin, threads=False) as ex:
+        stream, token = open_stream_stepped(ex, 1, 4)
+        first = stream.step(token)
+        assert isinstance(first, InferenceResult), first
+        while ex.submit_one():  # the submitter arms the next step
+            pass
+        assert stream._armed is not None
+        other = ex.enqueue(prefill(1, PROMPT[:3]))
+        while not other.done and (ex.submit_one() or ex.complete_one()):
+            pass
+        result = other.wait_until(deadline())
+        assert isinstance(result, InferenceResult), result  # not kv.sequence_busy
+        assert result.argmax == expected_greedy(PROMPT[:3], 0)[0]
+        assert stream._armed.done  # released, not counted
+        step = stream.step(first.argmax)  # at len(PROMPT) + 1: beyond the new committed 3
+        plain = ex.enqueue(decode(1, first.argmax, len(PROMPT) + 1))
+        while not plain.done and (ex.submit_one() or ex.complete_one()):
+            pass
+        assert isinstance(step, Status), step
+        assert step.code == plain.wait_until(deadline()).code == "kv.past_len_beyond_committed"
+        stream.close()
         assert ex.snapshot()["pending_tokens"] == 0 and ex.pool.counts()["Leased"] == 0
