@@ -53,7 +53,7 @@ class DeviceLifecycle:
         return self._golden_ok
 
     def all_submitted_drained(self) -> bool:
-        self._reap_held()
+        self._reap_held(report=False)
         with self.submit_mu:
             return (self._inflight == 0 and self._handing_off == 0 and not self._submit_q
                     and not self._completion_q and not self._armed)

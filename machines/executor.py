@@ -194,6 +194,19 @@ def _check_caller_arguments(request: InferenceRequest, logits_out: Any,
 _TRAIL_STEPS = 32  # a job takes at most ~8 transitions; refused events are few
 
 
+@attrs.define(eq=False)
+class _Held:
+    """A quarantined slot the runtime still holds after a failed Wait (§9.1), with the
+    in-flight permit of its job (``DeviceExecutor._reap_held``)."""
+
+    slot: Any
+    kvc: KvCoordinator
+    seq_id: int
+    job: Job
+    grace_end: float  # ``device.hung`` is reported once after this (Clock.monotonic())
+    reported: bool = False
+
+
 class _NoRequest:
     """Stand-in request of a job refused because the caller passed no InferenceRequest."""
 
@@ -250,10 +263,9 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         self._features_off: dict[str, int] = {}  # FEATURES name -> generation it went off in
         self.downgrades: list[dict[str, Any]] = []
         self._phase_b_faults: deque[float] = deque()
-        # quarantined slots whose job failed Wait while still on the device (submit_mu)
-        # (slot, its generation's KV coordinator, seq id) of jobs whose Wait failed while the
-        # runtime still runs them (submit_mu)
-        self._held_by_runtime: list = []
+        # quarantined slots (and permits) of jobs whose Wait failed while the runtime still
+        # runs them (submit_mu)
+        self._held_by_runtime: list[_Held] = []
         # Early wake-ups (issue 17): a thread that slept through a decode job's device time
         # wakes tuning.prewake_s before the job is expected to end, so the hand-off that follows
         # finds it (and its CPU) warm: the submitter's idle wait (``_prewake_in``, once per
@@ -765,6 +777,8 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
 
         The blocking wait is bounded by the earliest queued deadline; with an empty queue it
         is the submitter's idle wait, ended by a new job or by shutdown (shutdown-only)."""
+        if self._held_by_runtime and not block:  # stepped: nobody else reaps them
+            self._reap_held()
         with self._submit_cv:
             while True:
                 now = self.clock.monotonic()
@@ -1326,10 +1340,13 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         """Wait() failed (timeout, FI07) while the runtime still runs the job (§9.1).
 
         The job fails now (Quarantined: no logits, KV Unknown) but its buffers stay with the
-        runtime: the slot is quarantined and its host storage stays mapped. The completion
-        thread then waits a grace period for the device to let go; only then is the in-flight
-        permit returned. A device that never lets go halts admission (Phase A has no safe
-        reset of its own; the recovery controller resets and opens generation+1)."""
+        runtime: the slot is quarantined and its host storage stays mapped, and the in-flight
+        permit stays held until the device lets go (``_reap_held``). If it has not after
+        ``timeout_grace_s``, ``device.hung`` is reported: the recovery resets the device (or,
+        with no safe reset, the lifecycle ends Failed). In Phase A the completion thread waits
+        that grace itself (no other job can be in flight meanwhile); in Phase B it goes on at
+        once and the submitter reaps (every 50 ms), so the other job's completion is never
+        held up by one the device keeps (found by the explorer in Phase B)."""
         if self.clock.monotonic() >= self._execution_deadline(job):
             status = Status.failure("execution.deadline", Category.DEVICE, Phase.WAIT,
                                     "execution deadline passed; buffers kept until the device "
@@ -1339,26 +1356,38 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
                                        "the device; buffers kept", **job.ctx())
         job.run.send(JOB_EV_EXECUTION_TIMEOUT)
         self._quarantine_after_submit(job, status, release_permit=False, on_device=True)
-        with self._submit_cv:
-            self._held_by_runtime.append((slot, job.gen.kvc, job.request.seq_id))
-        slot.outbuf.wait(int(self.config.timeout_grace_s * 1e6))
-        if not self._reap_held():
-            # §9.1: still held after the grace: the recovery resets the device (or, with no
-            # safe reset configured, the lifecycle ends Failed for the supervisor).
-            self.faults.report(Status.failure(
-                "device.hung", Category.DEVICE, Phase.WAIT,
-                f"job {job.job_id} still on the device after the "
-                f"{self.config.timeout_grace_s}s grace", **job.ctx()), job)
+        self._hold(job, slot)
+        if self._effective_capacity() == 1:
+            # nothing else can be on the device while this job keeps its permit: the
+            # completion thread may as well wait the grace for the device to let go (a
+            # prompt release of the sequence); with two in flight it must not (the other
+            # job's completion would wait behind it), and the submitter reaps it
+            slot.outbuf.wait(int(self.config.timeout_grace_s * 1e6))
+        self._reap_held()  # let go: permit back; still held after the grace: device.hung
 
-    def _reap_held(self) -> bool:
+    def _hold(self, job: Job, slot) -> None:
+        """The runtime keeps ``job``'s buffers and permit after a failed Wait: reaped when it
+        lets go, reported hung after the grace (``_reap_held``)."""
+        entry = _Held(slot, job.gen.kvc, job.request.seq_id, job,
+                      self.clock.monotonic() + self.config.timeout_grace_s)
+        with self._submit_cv:
+            self._held_by_runtime.append(entry)
+            self._submit_cv.notify_all()  # the submitter's wait now re-checks every 50 ms
+
+    def _reap_held(self, report: bool = True) -> bool:
         """Return the permits of quarantined slots the runtime has let go of since a failed
-        Wait; True when the runtime holds none any more."""
+        Wait (and tell their KV coordinators: a sequence reset may go on); report
+        ``device.hung`` once for a slot still held after its grace (§9.1: the recovery resets
+        the device, or with no safe reset the lifecycle ends Failed for the supervisor).
+        True when the runtime holds none any more. ``report=False``: a lifecycle guard asks
+        (no fault is reported from inside a lifecycle transition)."""
         with self._submit_cv:
             held = list(self._held_by_runtime)
         if not held:
             return True
         # GetStatus outside submit_mu (§5.2: no runtime call under the queue locks)
-        let_go = [entry for entry in held if entry[0].runtime_let_go()]
+        let_go = [entry for entry in held if entry.slot.runtime_let_go()]
+        now = self.clock.monotonic()
         with self._submit_cv:
             freed = [entry for entry in let_go if entry in self._held_by_runtime]  # not reaped
             for entry in freed:
@@ -1366,9 +1395,19 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             self._inflight -= len(freed)
             if freed:
                 self._submit_cv.notify_all()
+            hung = [] if not report else [entry for entry in self._held_by_runtime
+                                          if not entry.reported and now >= entry.grace_end]
+            for entry in hung:
+                entry.reported = True
             none_left = not self._held_by_runtime
-        for _, kvc, seq_id in freed:  # admission_mu ranks above submit_mu: after releasing it
-            kvc.device_let_go(seq_id)
+        for entry in freed:  # admission_mu ranks above submit_mu: after releasing it
+            entry.kvc.device_let_go(entry.seq_id)
+        for entry in hung:
+            job = entry.job
+            self.faults.report(Status.failure(
+                "device.hung", Category.DEVICE, Phase.WAIT,
+                f"job {job.job_id} still on the device after the "
+                f"{self.config.timeout_grace_s}s grace", **job.ctx()), job)
         return none_left
 
     def _postprocess(self, job: Job) -> "InferenceResult | Status":
@@ -1521,8 +1560,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             if submitted and job.wait_rc is None and lease is not None:
                 # the runtime may still run it: the permit goes back when it lets go
                 job.permit_held = False
-                with self._submit_cv:
-                    self._held_by_runtime.append((lease.slot, job.gen.kvc, job.request.seq_id))
+                self._hold(job, lease.slot)
             else:
                 self._release_permit(job)
 

@@ -20,6 +20,7 @@ from calexec.drivers.synthetic import calbin as cb
 from calexec.drivers.synthetic import oracle
 from calexec.machines.compiled import LIFECYCLE
 from calexec.machines.faults import Action, RecoveryPolicy
+from calexec.machines.job import InferenceResult
 from calexec.machines.pool import BufferPool
 from executor_harness import (SEED, arm, decode, deadline, fired, greedy, oracle_golden, prefill,
                               running_executor, settle, write_calbin)
@@ -117,6 +118,27 @@ def test_sequence_of_a_job_still_on_the_device_cannot_be_reset_until_it_lets_go(
         ex.device.emu.set_latency(0, 0, 0, 0)
         assert serves_oracle(ex)  # a fresh prefill + decodes on seq 1, as the oracle says
         assert ex.device.emu.counters()["ccu_exceptions"] == 0
+
+
+def test_phase_b_a_job_behind_one_the_device_keeps_is_completed_without_its_grace(calbins):
+    """Phase B (found by the explorer's Phase B scenarios): job A hangs on one engine and its
+    Wait ends at its execution deadline with the device still holding it; job B, finished on
+    the other engine, is the completion thread's next job. It must be delivered then, not
+    after A's ``timeout_grace_s`` (the completion thread used to wait that grace in Wait);
+    A's permit still comes back only once the device lets go (here: the reset)."""
+    with running_executor(calbins["main"], inflight_capacity=2, execution_timeout_s=0.3,
+                          timeout_grace_s=30.0,
+                          recovery=RecoveryPolicy(drain_grace_s=0.2)) as ex:
+        greedy(ex, 1, PROMPT, 0)
+        greedy(ex, 2, PROMPT, 0)
+        arm(ex, "HANG")  # the next accepted job: A
+        a = ex.enqueue(decode(1, 3, len(PROMPT)))
+        b = ex.enqueue(decode(2, 3, len(PROMPT)))
+        result = b.wait_until(deadline(10.0))
+        assert isinstance(result, InferenceResult), result  # not after a 30 s grace
+        status = a.wait_until(deadline(1.0))
+        assert isinstance(status, Status) and status.code == "execution.deadline", status
+        assert ex.snapshot()["inflight"] >= 1 or ex.state != "Ready"  # A's permit kept
 
 
 def test_execution_timeout_of_a_hung_job_resets_and_rebuilds(calbins):

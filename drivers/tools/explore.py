@@ -440,6 +440,9 @@ class Scheduler:
         self.on_step: Callable[[], None] | None = None  # before each device step
         #: time may pass while the device could still progress (execution timeouts)
         self.slow_device = True
+        #: a time jump never passes the run's horizon (several schedulers kept at the same
+        #: virtual time, drivers/tools/differential.py); default: jump to the next deadline
+        self.clamp_to_horizon = False
 
     # -- from controlled threads --
     def me(self) -> CThread | None:
@@ -531,6 +534,9 @@ class Scheduler:
                 runnable.insert(0, me)
             device = self.device.options() if self.device is not None else []
             deadlines = [t.deadline for t in live if t.pred is not None and t.deadline is not None]
+            ready = self.device.next_ready() if self.device is not None else None
+            if ready is not None:  # a timed device: its next job ends then
+                deadlines.append(ready)
             if not runnable:
                 try:
                     if self.on_blocked is not None:
@@ -563,7 +569,10 @@ class Scheduler:
                 return chosen
             self.trace.append(label)
             if chosen == "jump":
-                self.now = max(now, min(deadlines))
+                target = min(deadlines)
+                if self.clamp_to_horizon:
+                    target = min(target, self.horizon)
+                self.now = max(now, target)
                 try:
                     if self.on_jump is not None:
                         self.on_jump()
@@ -632,6 +641,18 @@ class DeviceModel:
         self.armed: dict[int, int] = {}  # fault point -> NTH param (for the Wait fault)
         self.stale_armed = False
         self.closed = False
+
+    #: the device proxy ``RuntimeProxy.open_device`` wraps the device in
+    proxy_class: type = None  # type: ignore[assignment]  (DeviceProxy, set below)
+
+    def next_ready(self) -> float | None:
+        """When a job of a timed device (differential.TimedDevice) ends; None: untimed."""
+        return None
+
+    def take_wait_fault(self, outbuf) -> bool:
+        """A Wait fault scheduled for ``outbuf``'s job fires now (armed by the model): True.
+        The untimed device has none (its faults are armed by call count)."""
+        return False
 
     def options(self) -> list[str]:
         emu = self.emu
@@ -707,7 +728,7 @@ class RuntimeProxy(_Proxy):
         model.emu = device.emu
         if device.emu.set_stepped(True) != 0:
             raise RuntimeError("the emulator refused stepped mode")
-        return rc, DeviceProxy(device, model)
+        return rc, (model.proxy_class or DeviceProxy)(device, model)
 
 
 class DeviceProxy(_Proxy):
@@ -763,6 +784,8 @@ class OutputBufProxy(_Proxy):
         model = self._model
         sched = model.sched
         sched.point("runtime.Wait")
+        if model.take_wait_fault(self):
+            return self._inner.wait(0)
         if not self._settled() and not model.wait_fault_fires_next():
             sched.block(self._settled, sched.now + max(0, timeout_us) / 1e6, "runtime.Wait")
         return self._inner.wait(0)
@@ -782,6 +805,7 @@ class OutputBufProxy(_Proxy):
 
 
 # ---- the explorer: an executor, its scenario actions and its checks -------------------------------
+VOCAB = 151936
 FAULTS = ("SUBMIT_RC", "WAIT_RC", "CCU_EXCEPTION", "OUTPUT_NAN", "OUTPUT_SHORT", "UNKNOWN_CSR",
           "SLICE_FAIL", "HANG", "STALE_COMPLETION", "CAN_ALLOCATE_FALSE", "APPLY_FALSE")
 SEQS = (1, 2, 3)
@@ -846,6 +870,7 @@ class Explorer:
         self.script: list[tuple] = []
         self.handles: list = []
         self.results: list = []
+        self.rows: dict[int, np.ndarray] = {}  # job id -> the caller's logits row
         self.pools: list = []
         self.gens: list = []
         self.discarded: set[int] = set()
@@ -861,15 +886,17 @@ class Explorer:
         o = self.options
         policy = RecoveryPolicy(reset_kind=o["reset_kind"], drain_grace_s=0.2,
                                 max_recoveries=50)
-        config = ExecutorConfig(
+        settings = dict(
             calbin_path=self.calbins["main"],
             device_config=f"kv_blocks={o['kv_blocks']};kv_block_size=16;dma_guard=0",
             inflight_capacity=o["capacity"], slots_per_kind=2, check_lock_order=True,
             execution_timeout_s=2.0, timeout_grace_s=0.2, golden_timeout_s=2.0,
             golden_decode_steps=GOLDEN_DECODE_STEPS, goldens=dict(_GOLDENS),
             fence_grace_s=0.5, recovery=policy)
+        settings.update(self.config_overrides())
+        config = ExecutorConfig(**settings)
         clock = VirtualClock(self.sched)
-        self.ex = DeviceExecutor(RuntimeProxy(CalRT.load(), self.device),
+        self.ex = DeviceExecutor(self.runtime(CalRT.load()),
                                  load_manifest(default_manifest_path()), config,
                                  fault_sink=FaultController(policy, seed=0), clock=clock)
         out = {}
@@ -886,17 +913,33 @@ class Explorer:
             self.sched.fail(f"executor start under the explorer did not succeed: {status}")
         self._raise_if_failed()
 
+    def config_overrides(self) -> dict:
+        """ExecutorConfig fields a subclass sets on top of the explorer's (differential.py)."""
+        return {}
+
+    def runtime(self, calrt):
+        """The runtime the executor gets: the stepped, controlled proxy of ``calrt``."""
+        return RuntimeProxy(calrt, self.device)
+
     def _spawn(self, name: str, fn: Callable[[], Any]) -> None:
         self.sched.spawn(fn, name)
 
-    def _request(self, make: Callable[[], InferenceRequest], logits_out=None) -> None:
+    def _request(self, make: Callable[[], InferenceRequest], logits_out=None,
+                 row: bool = False) -> None:
+        """A request thread: ``make()``'s request, enqueued and waited for. ``row``: the
+        caller passes a logits row of its own (NaN-filled), checked by ``check_logits``."""
         ex = self.ex
 
         def body():
             request = make()
-            handle = ex.enqueue(request, logits_out=logits_out, on_created=self.handles.append)
+            out = logits_out
+            if row:
+                out = np.full(request.logits_range(VOCAB)[1], np.nan, np.float32)
+            handle = ex.enqueue(request, logits_out=out, on_created=self.handles.append)
             result = handle.wait_until(None)
             self.results.append((handle, request, result))
+            if row:
+                self.rows[handle.job_id] = out
             if isinstance(result, Status) and result.code == "internal.unexpected_exception":
                 self.sched.fail(f"enqueue's barrier caught an exception: {result}")
         self._spawn("request", body)
@@ -913,7 +956,7 @@ class Explorer:
             return InferenceRequest(seq_id=seq, kind=TaskKind.PREFILL_IDS, tokens=tokens,
                                     positions=np.arange(past, past + n, dtype=np.int32),
                                     past_len=past, deadline=self._deadline(deadline_s))
-        self._request(make)
+        self._request(make, row=True)
 
     def decode(self, seq: int, deadline_s: float = 5.0) -> None:
         self.script.append(("decode", seq, deadline_s))
@@ -924,7 +967,7 @@ class Explorer:
                                     tokens=np.asarray([11], dtype=np.int32),
                                     positions=np.asarray([past], dtype=np.int32),
                                     past_len=past, deadline=self._deadline(deadline_s))
-        self._request(make)
+        self._request(make, row=True)
 
     def bad_argument(self, which: int) -> None:
         """A caller error: logits_out too small / of the wrong dtype, a NaN deadline."""
@@ -1065,6 +1108,56 @@ class Explorer:
         if problems:
             self.sched.fail("; ".join(problems))
         self._raise_if_failed()
+        problems = self.logits_problems()
+        if problems:
+            self.sched.fail("logits: " + "; ".join(problems[:5]))
+        self._raise_if_failed()
+
+    def logits_problems(self) -> list[str]:
+        """After the run: every delivered result's logits are in the caller's row and are the
+        numpy oracle's for its sequence's committed history (every job that committed, in
+        completion order, cancelled-after-submit ones included); a row of a job that failed
+        is untouched, except after non-finite output (documented: partly written)."""
+        from calexec.drivers.synthetic import calbin as cb
+        from calexec.drivers.synthetic import oracle
+        seed = cb.default_spec().seed
+        seeds = {self.calbins["main"]: seed, self.calbins["other"]: seed ^ OTHER_SEED_XOR}
+        paths = {gen.id: gen.calbin_path for gen in self.gens}
+        problems, committed = [], []
+        for handle, request, result in self.results:
+            row = self.rows.get(handle.job_id)
+            if row is None:
+                continue
+            if isinstance(result, Status):
+                if result.code != "internal.output_not_finite" and not np.isnan(row).all():
+                    problems.append(f"job {handle.job_id} ({result.code}) wrote the caller's row")
+            elif not (np.shares_memory(result.logits, row) and result.argmax == int(
+                    np.argmax(row[:result.logits.shape[0]]))):
+                problems.append(f"job {handle.job_id}: result not in the caller's row")
+        for handle in self.handles:
+            job = handle._job
+            if job.txn is not None and job.txn.run.state == "Committed":
+                committed.append(job)
+        committed.sort(key=lambda j: (j.timings.completed_us, j.job_id))
+        sequences: dict[tuple[int, int], Any] = {}
+        for job in committed:
+            request, key = job.request, (job.generation_id, job.request.seq_id)
+            if job.generation_id not in paths:
+                continue
+            ref = sequences.get(key)
+            if ref is None or request.past_len > ref.length:
+                if request.past_len != 0:  # a commit the run did not see: cannot say
+                    sequences.pop(key, None)
+                    continue
+                ref = sequences[key] = oracle.OracleSequence(seeds[paths[job.generation_id]])
+            ref.run([int(t) for t in request.tokens], request.past_len)
+            if job.job_id not in self.rows or not hasattr(job.result, "logits"):
+                continue  # (a row this explorer's requests did not own: not theirs to check)
+            expected = oracle.bf16_to_f32(oracle.logits_bf16(ref.states[-1]))
+            if not np.array_equal(job.result.logits, expected[:job.result.logits.shape[0]]):
+                problems.append(f"job {job.job_id} (seq {request.seq_id} at "
+                                f"{request.past_len}): logits differ from the oracle")
+        return problems
 
     def close(self) -> None:
         """Abort whatever still runs and close the device (always call; idempotent)."""
@@ -1315,7 +1408,10 @@ def explore_seed(calbins: dict[str, str], seed: int, length: int = 12,
     replays it."""
     rng = random.Random(seed)
     options = {"reset_kind": "none" if rng.random() < 0.3 else "reset",
-               "kv_blocks": rng.choice((8, 64))}
+               "kv_blocks": rng.choice((8, 64)),
+               # Phase B (two jobs in flight) in a third of the scenarios; a generator of its
+               # own, so a seed's scenario and schedule stay what they were in Phase A
+               "capacity": 2 if random.Random(seed ^ 0xB0B).random() < 0.3 else 1}
     script = [a for a in random_script(rng, length) if a[0] not in exclude]
     # change points over the scenario's expected length (~12 choices per action after the
     # start), as Shuttle sizes them from the executions it has seen
