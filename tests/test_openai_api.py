@@ -139,6 +139,22 @@ def test_echo_prepends_the_prompt(live):
     assert "".join(c.choices[0].text for c in chunks) == done.choices[0].text
 
 
+def test_echo_with_no_generated_token_keeps_the_prompt_when_streaming(live):
+    """Issue 24 item 7: the first greedy token is a stop token, so nothing is generated; the
+    whole answer is the echoed prompt, and the stream used to lose it (its only chunk is the
+    last one, which did not carry the echo)."""
+    _, client, _ = live
+    first = oracle_tokens(tokenizer.encode("abc"), 1)[0]
+    body = dict(model=MODEL, prompt="abc", max_tokens=4, echo=True,
+                extra_body={"stop_token_ids": [first]})
+    done = client.completions.create(**body)
+    assert done.choices[0].text == "abc" and done.usage.completion_tokens == 0
+    assert done.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(stream=True, **body))
+    assert "".join(c.choices[0].text for c in chunks) == "abc"
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
 def test_logprobs_shapes(live):
     _, client, _ = live
     done = client.completions.create(model=MODEL, prompt=[61, 62], max_tokens=4, logprobs=3)

@@ -736,14 +736,20 @@ class _CompletionShape(_Shape):
             self.echo + text, gen.tokens, gen, gen.finish_reason, gen.token_logprobs)],
             "usage": _usage(gen)}
 
-    def piece(self, text: str, token: int, gen: Any) -> dict[str, Any]:
+    def _with_echo(self, text: str) -> str:
+        """``text`` after the echoed prompt, if the prompt was not sent yet (the first chunk
+        carries it; with no token generated, the last one)."""
         if self.echo:
             text, self.echo = self.echo + text, ""
-        return {**self._head(), "choices": [self._choice(text, [token], gen, None,
-                                                         self._new_logprobs(gen))]}
+        return text
+
+    def piece(self, text: str, token: int, gen: Any) -> dict[str, Any]:
+        return {**self._head(), "choices": [self._choice(self._with_echo(text), [token], gen,
+                                                         None, self._new_logprobs(gen))]}
 
     def last(self, text: str, gen: Any) -> dict[str, Any]:
-        return {**self._head(), "choices": [self._choice(text, [], gen, gen.finish_reason, [])],
+        return {**self._head(), "choices": [self._choice(self._with_echo(text), [], gen,
+                                                         gen.finish_reason, [])],
                 "usage": _usage(gen)}
 
 
