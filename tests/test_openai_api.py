@@ -180,6 +180,24 @@ def test_logprobs_shapes(live):
     assert [e.token for e in streamed] == [c.token for c in content]
 
 
+def test_streamed_text_offsets_equal_the_whole_answers_when_a_stop_string_holds_text(live):
+    """Issue 24 item 7: "<g1>" could begin the stop string "<g1>zz", so it is held back and
+    sent with the next token's chunk; the streamed ``text_offset`` counted the text sent so
+    far and fell behind the non-streamed one from there on."""
+    _, client, _ = live
+    prompt = [41, 42, 43]
+    greedy = oracle_tokens(prompt, 4)
+    assert greedy[2] != greedy[1]
+    body = dict(model=MODEL, prompt=prompt, max_tokens=4, logprobs=1, stop=f"<{greedy[1]}>zz")
+    whole = client.completions.create(**body).choices[0].logprobs
+    chunks = list(client.completions.create(stream=True, **body))
+    assert [c.choices[0].text for c in chunks][1] == ""  # held back: the case under test
+    streamed = [at for c in chunks if c.choices[0].logprobs
+                for at in c.choices[0].logprobs.text_offset]
+    assert streamed == whole.text_offset
+    assert whole.text_offset == [sum(len(t) for t in whole.tokens[:i]) for i in range(4)]
+
+
 # ---- refusals -----------------------------------------------------------------------------
 COMPLETION_REFUSED = [
     ("logit_bias", {"5": 10}), ("presence_penalty", 0.5), ("frequency_penalty", -1.0),

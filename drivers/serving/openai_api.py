@@ -710,12 +710,15 @@ class _Shape:
 class _CompletionShape(_Shape):
     def __init__(self, echo: str) -> None:
         self.echo = echo
+        #: ``logprobs.text_offset`` of the next token: the length of the earlier tokens'
+        #: texts, as the non-streamed answer counts it (never the text sent so far, which a
+        #: stop string may hold back)
         self.text_at = 0
 
     def resumed(self, resume: Any, tokens: int, sent_chars: int) -> None:
         super().resumed(resume, tokens, sent_chars)
         if tokens:  # the echo went out with the first token's chunk
-            self.text_at = len(self.echo) + sent_chars
+            self.text_at = sum(len(self.tok.token_text(t)) for t in self.gen.tokens[:tokens])
             self.echo = ""
 
     def _head(self, chunk: bool = False) -> dict[str, Any]:
@@ -727,7 +730,7 @@ class _CompletionShape(_Shape):
         logprobs = None
         if gen.sampling.logprobs is not None and infos is not None:
             logprobs = completion_logprobs(self.tok, infos, self.text_at)
-        self.text_at += len(text)
+            self.text_at += sum(len(t) for t in logprobs["tokens"])
         return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish,
                 "token_ids": tokens}
 
