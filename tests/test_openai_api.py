@@ -238,6 +238,33 @@ def test_chat_refuses_with_a_400_naming_the_parameter(live, field, value):
     assert r.json()["error"]["param"].split(".")[0] == field
 
 
+@pytest.mark.parametrize(("path", "field", "value", "param"), [
+    ("/v1/completions", "prompt", 5, "prompt"),
+    ("/v1/completions", "prompt", [1, "a"], "prompt"),
+    ("/v1/completions", "temperature", "hot", "temperature"),
+    ("/v1/completions", "stop", 7, "stop"),
+    ("/v1/chat/completions", "messages", [{"role": "user", "content": 5}], "messages.0.content"),
+    ("/v1/chat/completions", "messages", [{"role": "user", "x": 1}], "messages.0.x")])
+def test_a_wrong_type_names_the_field_and_value_not_the_union_branch(live, path, field, value,
+                                                                     param):
+    """Issue 24 item 7: ``error.param`` used to carry pydantic's union branch
+    (``prompt.str``, ``temperature.int``); it is the field's path in the body, and the
+    message names the value and, for a union, every accepted form."""
+    server, _, _ = live
+    body = {"prompt": [1, 2]} if path == "/v1/completions" else {
+        "messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(f"{server.url}{path}", json={**body, "max_tokens": 1, field: value},
+                   timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param, error
+    assert error["message"].startswith(f"{param}"), error
+    if field in ("prompt", "temperature", "stop"):
+        assert error["message"].startswith(f"{param}={value!r}: must be one of "), error
+        assert {"prompt": "list[int]", "temperature": "float",
+                "stop": "list[str]"}[field] in error["message"]
+
+
 def test_neutral_values_of_refused_parameters_are_accepted(live):
     _, client, _ = live
     done = client.completions.create(model=MODEL, prompt=[1, 2], max_tokens=1, logit_bias={},

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hmac
 import time
+import typing
 from typing import Annotated, Any, Callable, Literal
 
 import attrs
@@ -150,17 +151,59 @@ class Refusal(Exception):
 
 
 def parse(model: type[BaseModel], raw: bytes) -> Any:
-    """The validated body, or :class:`Refusal` naming the first bad field."""
+    """The validated body, or :class:`Refusal` naming the first bad field (its path in the
+    body, e.g. ``messages.0.content``: never pydantic's union branch) and value."""
     try:
         return model.model_validate_json(raw)
     except ValidationError as err:
-        first = err.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
+        errors = err.errors()
+        first = errors[0]
+        path, branches = _field_path(model, first["loc"], first["type"] == "extra_forbidden")
+        param = ".".join(str(p) for p in path) or None
         if first["type"] == "extra_forbidden":
             raise Refusal(invalid(f"{param}: unknown parameter, refused (calexec does not "
                                   "ignore parameters it does not implement; docs/server.md)"),
                           param) from None
-        raise Refusal(invalid(f"{param or 'body'}: {first['msg']}"), param) from None
+        if param is None or first["type"] == "missing":
+            raise Refusal(invalid(f"{param or 'body'}: {first['msg']}"), param) from None
+        value = f"{param}={first['input']!r:.80}"
+        if branches:  # a union: none of its forms matched; name them all
+            forms: dict[str, None] = {}
+            for error in errors:
+                where, tags = _field_path(model, error["loc"])
+                if tags and where[:len(path)] == path:
+                    forms[tags[0]] = None
+            raise Refusal(invalid(f"{value}: must be one of {', '.join(forms)}"),
+                          param) from None
+        raise Refusal(invalid(f"{value}: {first['msg']}"), param) from None
+
+
+def _field_path(model: type[BaseModel], loc: tuple, extra: bool = False
+                ) -> "tuple[list[Any], list[str]]":
+    """A pydantic error location split into the field path in the body (field names and
+    list indices) and the union branch tags pydantic inserts (``str``, ``list[int]``): a
+    name that is no field of the models reachable at that point is a tag, except the last
+    one of an ``extra`` (extra_forbidden) error, which is the unknown key itself."""
+    path: list[Any] = []
+    tags: list[str] = []
+    models = {model}
+    for i, item in enumerate(loc):
+        owner = next((m for m in models if isinstance(item, str) and item in m.model_fields),
+                     None)
+        if isinstance(item, int) or owner is not None or (extra and i == len(loc) - 1):
+            path.append(item)
+            if owner is not None:
+                models = set(_models_in(owner.model_fields[item].annotation))
+        else:
+            tags.append(str(item))
+    return path, tags
+
+
+def _models_in(annotation: Any) -> "list[type[BaseModel]]":
+    """The pydantic models an annotation holds (``list[ChatMessage] | None`` -> ChatMessage)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
 
 
 def refusal(body: _Body) -> None:
