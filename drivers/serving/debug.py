@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any
 
 from anyio import to_thread
@@ -18,6 +19,10 @@ from calexec.drivers.serving.live_charts import page as live_page
 from calexec.drivers.serving.service import CompletionService
 from calexec.machines.compiled import CHARTS
 from calexec.machines.diagrams import render_chart_svg
+
+
+#: a job id in a path: ASCII digits only, at most 18 (a job counter never gets longer)
+JOB_ID = re.compile(r"[0-9]{1,18}")
 
 
 @functools.lru_cache(maxsize=64)
@@ -44,9 +49,9 @@ def add_debug_routes(app: FastAPI, service: CompletionService) -> None:
         refused = admin_refusal(request, config)
         if refused is not None:
             return refused
-        if not job_id.isdigit():
-            return error_response(invalid(f"job_id={job_id!r}: must be a job id (integer)"),
-                                  "job_id")
+        if not JOB_ID.fullmatch(job_id):  # str.isdigit() takes "²", which int() refuses
+            return error_response(invalid(f"job_id={job_id!r:.40}: must be a job id (a "
+                                          "decimal integer)"), "job_id")
         wanted = int(job_id)
         record = executor.job_trail(wanted)
         if record is None:
