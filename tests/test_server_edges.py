@@ -36,3 +36,27 @@ def test_a_job_id_that_is_not_ascii_digits_is_a_400_naming_it(client, job_id):
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == "job_id" and error["message"].startswith("job_id=")
+
+
+def test_the_statecharts_without_graphviz_are_a_503_naming_why(client, executor, tmp_path,
+                                                              monkeypatch):
+    """Graphviz's ``dot`` absent (PATH emptied, the SVG cache cleared): every route that draws
+    a chart answers 503 naming graphviz (it was a 500 with a traceback on every hit); the data
+    routes still answer."""
+    from calexec.drivers.serving import debug
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    debug.chart_svg_cached.cache_clear()
+    assert client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}
+                       ).status_code == 200
+    job_id = next(i for i in range(1, 1000) if executor.job_trail(i) is not None)
+    for route in ("/debug/statecharts", "/debug/statecharts/lifecycle.svg",
+                  f"/debug/jobs/{job_id}"):
+        r = client.get(route, headers=AUTH)
+        assert r.status_code == 503, (route, r.status_code, r.text[:200])
+        error = r.json()["error"]
+        assert error["code"] == "debug.graphviz_unavailable" and "graphviz" in error["message"]
+        assert "not on PATH" in error["message"], error
+    assert client.get("/debug/statecharts/live.json").status_code == 200
+    assert client.get(f"/debug/jobs/{job_id}?format=json", headers=AUTH).status_code == 200
+    debug.chart_svg_cached.cache_clear()  # nothing rendered without dot stays cached
