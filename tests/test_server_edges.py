@@ -60,3 +60,71 @@ def test_the_statecharts_without_graphviz_are_a_503_naming_why(client, executor,
     assert client.get("/debug/statecharts/live.json").status_code == 200
     assert client.get(f"/debug/jobs/{job_id}?format=json", headers=AUTH).status_code == 200
     debug.chart_svg_cached.cache_clear()  # nothing rendered without dot stays cached
+
+
+def _asgi(app, method: str, path: str, headers: list, chunks: list[dict],
+          gone: bool) -> list[dict]:
+    """Call ``app`` directly as an ASGI server would: the ``receive`` messages are
+    ``chunks``, then a disconnect (``gone``) or nothing more (a watcher of it is cancelled by
+    the app once it answered); the messages it sent come back. An exception the app lets
+    escape (what the server logs as an ASGI traceback) propagates."""
+    import anyio
+
+    sent: list[dict] = []
+    queue = list(chunks)
+
+    async def receive() -> dict:
+        if queue:
+            return queue.pop(0)
+        if not gone:
+            await anyio.sleep(60)  # the client stays; the app cancels this wait when done
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
+             "http_version": "1.1", "method": method, "scheme": "http", "path": path,
+             "raw_path": path.encode(), "root_path": "", "query_string": b"",
+             "headers": headers, "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
+    anyio.run(app, scope, receive, send)
+    return sent
+
+
+def test_a_client_dropping_mid_upload_is_a_cancelled_request_not_an_asgi_traceback(executor):
+    """Content-Length 1000, 10 bytes, then the client is gone: ``ClientDisconnect`` used to
+    escape ``wire.read_body`` (the server logged "Exception in ASGI application"); now the
+    request ends as cancelled (499, counted), nothing escapes."""
+    from test_server_support import metric_value
+
+    app = create_app(executor, ServerConfig())
+    sent = _asgi(app, "POST", "/v1/completions",
+                 [(b"content-type", b"application/json"), (b"content-length", b"1000")],
+                 [{"type": "http.request", "body": b'{"prompt":', "more_body": True}],
+                 gone=True)
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    assert start["status"] == 499
+    admin = _asgi(create_app(executor, ServerConfig(admin_token=TOKEN)), "POST",
+                  "/admin/reload", [(b"authorization", AUTH["Authorization"].encode()),
+                                    (b"content-length", b"1000")],
+                  [{"type": "http.request", "body": b'{"calbin":', "more_body": True}],
+                  gone=True)
+    assert next(m for m in admin if m["type"] == "http.response.start")["status"] == 499
+    metrics = app.state.service.metrics.exposition().decode()
+    assert metric_value(metrics, "calexec_request_failures_total",
+                        {"code": "request.cancelled"}) == 1
+
+
+def test_a_content_length_of_non_ascii_digits_is_not_a_500(executor):
+    """``"²".isdigit()`` is True and ``int("²")`` raises: the declared length is checked only
+    when it is ASCII digits (h11 refuses such a header before the app; other servers may
+    not)."""
+    app = create_app(executor, ServerConfig())
+    body = b'{"prompt": [1, 2], "max_tokens": 1}'
+    sent = _asgi(app, "POST", "/v1/completions",
+                 [(b"content-type", b"application/json"),
+                  (b"content-length", "²".encode("latin-1"))],
+                 [{"type": "http.request", "body": body, "more_body": False}],
+                 gone=False)
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    assert start["status"] == 200, sent

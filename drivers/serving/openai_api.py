@@ -472,7 +472,10 @@ def add_routes(app: FastAPI, service: Any, fail: Callable[..., Response]) -> Non
         auth = auth_refusal(request, config.api_key)
         if auth is not None:
             raise auth
-        raw = await wire.read_body(request, config.max_body_bytes)
+        try:
+            raw = await wire.read_body(request, config.max_body_bytes)
+        except wire.ClientGone as gone:  # 499: nobody reads it, the failure is counted
+            raise Refusal(Status.cancelled(Phase.VALIDATE, str(gone)), None, 499) from None
         if raw is None:
             raise Refusal(invalid(f"request body exceeds max_body_bytes={config.max_body_bytes}"),
                           None, 413)

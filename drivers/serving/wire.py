@@ -8,6 +8,11 @@ from typing import Any
 
 import anyio
 from fastapi import Request
+from starlette.requests import ClientDisconnect
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request body arrived whole."""
 
 
 def sse(data: Any) -> bytes:
@@ -15,16 +20,22 @@ def sse(data: Any) -> bytes:
 
 
 async def read_body(request: Request, limit: int) -> bytes | None:
-    """The body, or None when it exceeds ``limit`` bytes (declared or actual)."""
+    """The body, or None when it exceeds ``limit`` bytes (declared or actual); raises
+    :class:`ClientGone` when the client disconnects mid-upload (the route answers it as a
+    cancelled request, never with an ASGI traceback)."""
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    if (declared is not None and declared.isascii() and declared.isdigit()
+            and int(declared) > limit):
         return None
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            return None
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                return None
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientGone(f"the client disconnected after {size} bytes of its body") from None
     return b"".join(chunks)
 
 
