@@ -149,6 +149,10 @@ def _bad_manifest(tmp_path: Path) -> str:
     (["bench", "overhead", "--runtime-lib", "/nonexistent"], "--runtime-lib='/nonexistent'"),
     (["conform", "--runtime-lib", "/nonexistent"], "'/nonexistent' does not exist"),
     (["accept", "--soak-seconds", "inf"], "--soak-seconds"),
+    # issue 24 item 7: keys no request could ever match (headers are latin-1, clients ASCII)
+    (["serve", "--once", "--api-key", "caf\u00e9-key"], "--api-key has U+00E9 at character 4"),
+    (["serve", "--once", "--api-key", "k\x07ey"], "--api-key has U+0007 at character 2"),
+    (["serve", "--once", "--api-key", " key"], "--api-key starts or ends with whitespace"),
 ])
 def test_user_errors_are_one_line_naming_the_offender_exit_2(argv, named, tmp_path):
     argv = [a.format(not_a_dir=_not_a_dir(tmp_path), bad_manifest=_bad_manifest(tmp_path))

@@ -128,3 +128,13 @@ def test_a_content_length_of_non_ascii_digits_is_not_a_500(executor):
                  gone=False)
     start = next(m for m in sent if m["type"] == "http.response.start")
     assert start["status"] == 200, sent
+
+
+@pytest.mark.parametrize("key", ["caf\u00e9", "tab\tkey", "key ", ""])
+def test_a_server_config_refuses_an_api_key_no_request_could_match(key):
+    """Issue 24 item 7, for embedders (``calexec serve`` refuses ``--api-key`` the same way,
+    tests/test_cli.py): the key is compared with the stripped latin-1 header a client sends
+    in ASCII, so these keys would refuse every request."""
+    with pytest.raises(ValueError, match="^api_key (has U\\+|starts or ends|is empty)"):
+        ServerConfig(api_key=key)
+    assert ServerConfig(api_key="sk-ok key~").api_key == "sk-ok key~"

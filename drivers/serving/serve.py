@@ -49,6 +49,7 @@ from calexec.drivers.synthetic import tokenizer
 from calexec.drivers.serving import hf_tokenizer
 from calexec.drivers.serving.dumpsink import DumpConfigError, DumpSink
 from calexec.drivers.serving.server import DrainingServer, ServerConfig, create_app
+from calexec.drivers.serving.service import api_key_problem
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 
 EXIT_OK, EXIT_USAGE, EXIT_FAILED, EXIT_SAMPLE_FAILED = 0, 2, 3, 4
@@ -151,8 +152,9 @@ def main(argv: list[str]) -> int:
                             ("--max-resumes", args.max_resumes)):
             if value < 0:
                 raise ValueError(f"{flag}={value}: must be >= 0")
-        if args.api_key is not None and not args.api_key.strip():
-            raise ValueError("--api-key is empty")
+        problem = None if args.api_key is None else api_key_problem(args.api_key)
+        if problem is not None:  # checked here: it would refuse every request
+            raise ValueError(f"--api-key {problem}")
         tokenizer_path = None if args.tokenizer is None else os.path.abspath(args.tokenizer)
         loaded = hf_tokenizer.load(tokenizer_path)  # TokenizerLoadError names the path
         end_token = DEFAULT_END_TOKEN if loaded.eos_token_id is None else loaded.eos_token_id

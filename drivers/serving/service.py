@@ -50,6 +50,31 @@ from calexec.machines.compiled import JOB
 log = logging.getLogger("calexec.server")
 
 
+def api_key_problem(key: str) -> str | None:
+    """Why no request could ever present ``key`` (None: one can). A request's key is its
+    ``Authorization: Bearer`` header value, stripped: HTTP header values are latin-1 and
+    clients send ASCII, so a key with a character outside printable ASCII (or one that is
+    empty, or starts or ends with whitespace) would refuse every request. Phrased to follow
+    the key's name; the key itself is never echoed (only the offending position)."""
+    if not key.strip():
+        return "is empty"
+    if key != key.strip():
+        return ("starts or ends with whitespace, which the Authorization header never "
+                "carries (its value is stripped)")
+    bad = next((i for i, c in enumerate(key) if not " " <= c <= "~"), None)
+    if bad is not None:
+        return (f"has U+{ord(key[bad]):04X} at character {bad + 1}, not printable ASCII: "
+                "HTTP headers are latin-1 and clients send ASCII, so no request could ever "
+                "match it")
+    return None
+
+
+def _check_api_key(instance: Any, attribute: Any, key: str | None) -> None:
+    problem = None if key is None else api_key_problem(key)
+    if problem is not None:
+        raise ValueError(f"api_key {problem}")
+
+
 @attrs.frozen
 class ServerConfig:
     """Operational settings of the server (the model's limits come from the executor)."""
@@ -58,7 +83,7 @@ class ServerConfig:
     admin_token: str | None = None
     model_name: str = "calexec-qwen3-synthetic"
     #: OpenAI endpoints need ``Authorization: Bearer <api_key>`` when set (docs/server.md)
-    api_key: str | None = None
+    api_key: str | None = attrs.field(default=None, validator=_check_api_key)
     #: a Hugging Face tokenizer.json (or its directory); None: the byte-level tokenizer
     tokenizer_path: str | None = None
     #: completion request body limit (413 above it).
