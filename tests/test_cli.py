@@ -153,6 +153,9 @@ def _bad_manifest(tmp_path: Path) -> str:
     (["serve", "--once", "--api-key", "caf\u00e9-key"], "--api-key has U+00E9 at character 4"),
     (["serve", "--once", "--api-key", "k\x07ey"], "--api-key has U+0007 at character 2"),
     (["serve", "--once", "--api-key", " key"], "--api-key starts or ends with whitespace"),
+    # issue 24 item 7: refused before the executor starts (it used to start, then exit 3)
+    (["serve", "--host", "256.1.1.1"], "--host='256.1.1.1': not an IPv4 address"),
+    (["serve", "--host", "192.0.2.7"], "--host='192.0.2.7' --port=8000: cannot listen there"),
 ])
 def test_user_errors_are_one_line_naming_the_offender_exit_2(argv, named, tmp_path):
     argv = [a.format(not_a_dir=_not_a_dir(tmp_path), bad_manifest=_bad_manifest(tmp_path))
@@ -161,6 +164,19 @@ def test_user_errors_are_one_line_naming_the_offender_exit_2(argv, named, tmp_pa
     line = one_line(done.stderr)
     assert done.returncode == 2, (done.returncode, done.stderr)
     assert line.startswith(f"calexec {cli._lookup(argv)}:") and named in line, line
+
+
+def test_a_port_in_use_is_named_before_the_executor_starts_exit_2():
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = calexec("serve", "--port", str(port), "--log-level", "info")
+    line = one_line(done.stderr)  # nothing logged: the executor never started
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert line.startswith(f"calexec serve: --host='127.0.0.1' --port={port}: cannot listen"), line
 
 
 def test_a_library_that_is_not_one_is_named_exit_2(tmp_path):

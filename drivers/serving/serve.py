@@ -23,6 +23,7 @@ to the console script.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import logging
 import os
@@ -123,6 +124,33 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _listen_socket(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound before the executor starts, so a ``--host`` that
+    is no address of this machine or a ``--port`` in use is refused in one line naming them
+    (exit 2), never after the executor started (it used to exit 3 without naming the host).
+    ValueError naming the flag."""
+    if re.fullmatch(r"\d+\.\d+\.\d+\.\d+", host):  # a dotted quad: no name lookup for it
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError as err:
+            raise ValueError(f"--host={host!r}: not an IPv4 address ({err})") from None
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except (OSError, UnicodeError) as err:
+        raise ValueError(f"--host={host!r}: not an address or a host name this machine "
+                         f"resolves ({err})") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        sock.bind(address)
+    except OSError as err:
+        sock.close()
+        raise ValueError(f"--host={host!r} --port={port}: cannot listen there: "
+                         f"{err.strerror or err}") from None
+    return sock
+
+
 def _admin_token(path: Path | None) -> str | None:
     if path is None:
         return None
@@ -175,7 +203,12 @@ def main(argv: list[str]) -> int:
         return EXIT_USAGE
     if args.ray:
         return _serve_ray(args, config, port, spec)
-    with tempfile.TemporaryDirectory(prefix="calexec-serve-") as tmp:
+    try:
+        listener = _listen_socket(args.host, port)
+    except ValueError as err:
+        print(f"calexec serve: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    with listener, tempfile.TemporaryDirectory(prefix="calexec-serve-") as tmp:
         try:
             runtime = spec.runtime()
             spec.check_device_config(runtime, args.device_config)
@@ -200,7 +233,7 @@ def main(argv: list[str]) -> int:
                                                log_level=log_level, access_log=False),
                                 app.state.service, args.grace,
                                 on_started=None if sample is None else sample.start)
-        server.run()
+        server.run(sockets=[listener])
         service = app.state.service
         if service.drain_status is None:  # left the loop without a drain (failed executor)
             status = executor.shutdown(args.grace)
