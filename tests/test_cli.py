@@ -156,6 +156,9 @@ def _bad_manifest(tmp_path: Path) -> str:
     # issue 24 item 7: refused before the executor starts (it used to start, then exit 3)
     (["serve", "--host", "256.1.1.1"], "--host='256.1.1.1': not an IPv4 address"),
     (["serve", "--host", "192.0.2.7"], "--host='192.0.2.7' --port=8000: cannot listen there"),
+    # issue 24 item 7: ids 3..6 would each get a 400 blaming the client for a server setting
+    (["serve", "--once", "--device-config", "max_seqs=3", "--max-sequences", "6"],
+     "--max-sequences=6: the device's KvManager takes sequence ids 0..2 (max_seqs=3"),
 ])
 def test_user_errors_are_one_line_naming_the_offender_exit_2(argv, named, tmp_path):
     argv = [a.format(not_a_dir=_not_a_dir(tmp_path), bad_manifest=_bad_manifest(tmp_path))

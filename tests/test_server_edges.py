@@ -138,3 +138,17 @@ def test_a_server_config_refuses_an_api_key_no_request_could_match(key):
     with pytest.raises(ValueError, match="^api_key (has U\\+|starts or ends|is empty)"):
         ServerConfig(api_key=key)
     assert ServerConfig(api_key="sk-ok key~").api_key == "sk-ok key~"
+
+
+def test_an_app_whose_sequence_ids_exceed_the_kv_managers_is_refused(tmp_path):
+    """Issue 24 item 7, for embedders: max_seqs=3 takes ids 0..2, so a server leasing 1..6
+    would answer 4 of 6 concurrent requests 400 kv.seq_id_out_of_range; refused when the
+    app is built (``calexec serve`` names --max-sequences, tests/test_cli.py)."""
+    executor = started_executor(tmp_path, "max_seqs=3")
+    try:
+        with pytest.raises(ValueError, match=r"^max_sequences=6: .* ids 0\.\.2 \(max_seqs=3"):
+            create_app(executor, ServerConfig(max_sequences=6))
+        service = create_app(executor, ServerConfig(max_sequences=2)).state.service
+        assert service.sequences.counts()["capacity"] == 2
+    finally:
+        executor.shutdown(5.0)

@@ -50,7 +50,7 @@ from calexec.drivers.synthetic import tokenizer
 from calexec.drivers.serving import hf_tokenizer
 from calexec.drivers.serving.dumpsink import DumpConfigError, DumpSink
 from calexec.drivers.serving.server import DrainingServer, ServerConfig, create_app
-from calexec.drivers.serving.service import api_key_problem
+from calexec.drivers.serving.service import api_key_problem, sequence_ids_problem
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 
 EXIT_OK, EXIT_USAGE, EXIT_FAILED, EXIT_SAMPLE_FAILED = 0, 2, 3, 4
@@ -225,6 +225,12 @@ def main(argv: list[str]) -> int:
         if not status.ok:
             print(f"calexec serve: executor failed to start: {status}", file=sys.stderr)
             return EXIT_FAILED
+        problem = sequence_ids_problem(executor, args.max_sequences)  # known once it started
+        if problem is not None:
+            executor.shutdown(args.grace)
+            print(f"calexec serve: --max-sequences{problem}; lower --max-sequences or raise "
+                  "max_seqs in --device-config", file=sys.stderr)
+            return EXIT_USAGE
         app = create_app(executor, config, dump)
         sample = SampleRun(args.timeout + 10.0, sys.stdout, args.api_key) if args.once else None
         if sample is not None:

@@ -69,6 +69,18 @@ def api_key_problem(key: str) -> str | None:
     return None
 
 
+def sequence_ids_problem(executor: Any, max_sequences: int) -> str | None:
+    """Why the server cannot lease sequence ids 1..``max_sequences`` on ``executor``'s
+    KvManager (None: it can, or the runtime does not say how many it takes): ids must be
+    below its ``max_seqs`` (0 is the warm-up's). Phrased to follow the setting's name."""
+    max_seqs = getattr(getattr(executor, "kv", None), "max_seqs", None)
+    if max_seqs is None or max_sequences < max_seqs:
+        return None
+    return (f"={max_sequences}: the device's KvManager takes sequence ids 0..{max_seqs - 1} "
+            f"(max_seqs={max_seqs}; 0 is the warm-up's), so at most {max_seqs - 1}; requests "
+            f"on ids {max_seqs}..{max_sequences} would be refused (kv.seq_id_out_of_range)")
+
+
 def _check_api_key(instance: Any, attribute: Any, key: str | None) -> None:
     problem = None if key is None else api_key_problem(key)
     if problem is not None:
@@ -288,6 +300,9 @@ class CompletionService:
     """Completions, drain and live-job bookkeeping around one executor."""
 
     def __init__(self, executor: Any, config: ServerConfig, dump: DumpSink | None) -> None:
+        problem = sequence_ids_problem(executor, config.max_sequences)
+        if problem is not None:  # a server setting, never a client's 400 later
+            raise ValueError(f"max_sequences{problem}")
         self.executor = executor
         self.config = config
         self.dump = dump
