@@ -182,6 +182,26 @@ def test_a_port_in_use_is_named_before_the_executor_starts_exit_2():
     assert line.startswith(f"calexec serve: --host='127.0.0.1' --port={port}: cannot listen"), line
 
 
+@pytest.mark.parametrize("line, bad, named", [
+    ("input input_ids S32 1 1,40960", "input input_ids X32 1 1,40960",
+     "line 9: tensor 'input_ids': dtype 'X32' is not one of U8, S32, F32, BF16, F16, S64"),
+    ("input positions S32 0 1,1", "input positions F32 0 1,1",
+     "model 'qwen3_decode_s40960_b1' tensor 'positions': dtype F32, the emulator executes S32"),
+])
+def test_a_calbin_with_a_bad_dtype_is_refused_naming_it(tmp_path, line, bad, named):
+    """Issue 24 item 7: the emulator refuses such a calbin with 19 (INVALID_CALBIN) alone; the
+    refusal now names the tensor and its dtype (exit 3: the executor did not start)."""
+    from calexec.drivers.synthetic import calbin
+
+    path = tmp_path / "bad.calbin"
+    text = calbin.dumps(calbin.default_spec()).decode()
+    assert line in text
+    path.write_text(text.replace(line, bad, 1))
+    done = calexec("serve", "--once", "--calbin", str(path), "--allow-unpinned-golden")
+    assert done.returncode == 3, (done.returncode, done.stderr)
+    assert named in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
 def test_a_library_that_is_not_one_is_named_exit_2(tmp_path):
     fake = tmp_path / "libfake.so"
     fake.write_bytes(b"not an ELF")
