@@ -281,13 +281,18 @@ class Generation:
                                 request_id=self.request_id)
 
 
-def close_decode(gen: Any) -> None:
+def close_decode(gen: Any, wait: bool = True) -> bool:
     """Close the decode stream of ``gen`` (or of a resume's failed sequence), if any: its
-    pre-armed job is released (not counted as a failure). Blocking but bounded (the stream
+    pre-armed job is released (not counted as a failure) and a step fired ahead that nobody
+    takes is cancelled. ``wait``: also wait (bounded) for that step to end; without, return
+    at once (a response never waits for it). True when no job of the stream is left (its
+    sequence can be released now: ``DecodeStream.quiet``). Blocking but bounded (the stream
     waits at most 2 s for an arming in progress); call from a worker thread."""
     stream = getattr(gen, "decode", None)
-    if stream is not None:
-        stream.close()
+    if stream is None:
+        return True
+    stream.close(wait=wait)
+    return stream.quiet
 
 
 def _set_event() -> threading.Event:
@@ -575,8 +580,12 @@ class CompletionService:
                 if gen.seq_id is None:  # it holds none (a resume released the failed one)
                     pass
                 elif idle and (handle is None or handle.done):
-                    await to_thread.run_sync(close_decode, gen)
-                    released = await to_thread.run_sync(self._release_now, gen.seq_id)
+                    # a step fired ahead and never taken (greedy ahead, a stop string) is
+                    # cancelled, never waited for here: while it runs, the background release
+                    # (whose close waits for it) gives the sequence back once it ended
+                    quiet = await to_thread.run_sync(close_decode, gen, False)
+                    released = quiet and await to_thread.run_sync(self._release_now,
+                                                                  gen.seq_id)
                     if not released:
                         self._release_later(gen)
                 else:
