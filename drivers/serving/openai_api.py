@@ -17,7 +17,7 @@ from typing import Annotated, Any, Callable, Literal
 
 import attrs
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
                       ValidationError)
 
@@ -692,8 +692,12 @@ def add_routes(app: FastAPI, service: Any, fail: Callable[..., Response]) -> Non
             finally:
                 await service.finish(gen, abandoned=True)
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        # every send bounded by the request's deadline + slack: a client that stops reading
+        # is cut there, and its sequence, KV and pre-armed slot come back (service.cut)
+        return wire.BoundedStreamingResponse(
+            events(), service.sends, lambda: gen.deadline + config.deadline_slack_s,
+            lambda: service.cut(gen), media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"})
 
 
 class TokenizeRequest(BaseModel):

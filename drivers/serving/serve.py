@@ -41,7 +41,6 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import attrs
-import uvicorn
 
 from calexec.drivers.memory import pin_mmap_threshold
 from calexec.drivers.serving.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
@@ -49,7 +48,8 @@ from calexec import cliargs
 from calexec.drivers.synthetic import tokenizer
 from calexec.drivers.serving import hf_tokenizer
 from calexec.drivers.serving.dumpsink import DumpConfigError, DumpSink
-from calexec.drivers.serving.server import DrainingServer, ServerConfig, create_app
+from calexec.drivers.serving.server import (DrainingServer, ServerConfig, create_app,
+                                            uvicorn_config)
 from calexec.drivers.serving.service import api_key_problem, sequence_ids_problem
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 
@@ -235,7 +235,7 @@ def main(argv: list[str]) -> int:
         sample = SampleRun(args.timeout + 10.0, sys.stdout, args.api_key) if args.once else None
         if sample is not None:
             sample.byte_level = args.tokenizer is None
-        server = DrainingServer(uvicorn.Config(app, host=args.host, port=port,
+        server = DrainingServer(uvicorn_config(app, host=args.host, port=port,
                                                log_level=log_level, access_log=False),
                                 app.state.service, args.grace,
                                 on_started=None if sample is None else sample.start)

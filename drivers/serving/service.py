@@ -39,7 +39,7 @@ from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import TaskKind
 from calexec.drivers.synthetic import tokenizer
-from calexec.drivers.serving import hf_tokenizer, sampling
+from calexec.drivers.serving import hf_tokenizer, sampling, wire
 from calexec.drivers.serving.admission import AdmissionQueue
 from calexec.drivers.serving.dumpsink import DumpSink
 from calexec.drivers.serving.errors import invalid
@@ -262,6 +262,9 @@ class Generation:
     #: the executor's DecodeStream of the current sequence (``ServerConfig.prearm``); closed
     #: (its pre-armed job released) before the sequence is released
     decode: Any = None
+    #: ``CompletionService.finish`` ran (it runs once: a cut response and the end of its body
+    #: iterator may both ask for it)
+    finished: bool = False
 
     @property
     def done(self) -> bool:
@@ -330,6 +333,9 @@ class CompletionService:
         # has at most one step outstanding) means a step never waits for a thread.
         self._stream_limiter = anyio.CapacityLimiter(config.max_sequences)
         self._drain_task: asyncio.Task | None = None
+        #: bounds every send of a streamed response (wire.BoundedStreamingResponse); a drain
+        #: cuts the ones still waiting when its grace is over
+        self.sends = wire.SendBounds()
         self._releasing: set[threading.Thread] = set()  # background sequence releases
         self._releasing_mu = threading.Lock()
         self.metrics = ServerMetrics(executor.snapshot, self._server_gauges, config.model_name)
@@ -566,6 +572,9 @@ class CompletionService:
         it has, else from a background thread). ``abandoned``: an unfinished generation was
         given up by its client (cancelled). Shielded and never raises: runs to the end even
         when the request task is being cancelled, so a request never stays "running"."""
+        if gen.finished:
+            return
+        gen.finished = True
         with anyio.CancelScope(shield=True):
             try:
                 if abandoned and not gen.done:  # the request task ended early: client left
@@ -600,6 +609,21 @@ class CompletionService:
                     log.exception("recording request %d", gen.request_id)
                 self._live.pop(gen.request_id, None)
                 self.active -= 1
+
+    async def cut(self, gen: Generation) -> None:
+        """The request's response was cut: one of its sends did not complete by the request's
+        deadline + ``deadline_slack_s`` (a client that stopped reading), or by the end of a
+        drain. It ends as ``request.client_stalled`` (499: nobody reads it) and gives back
+        now what it holds (``finish``): its job is cancelled, its decode stream closed, its
+        sequence released."""
+        if not gen.finished:
+            gen.abandoned = True
+            gen.status = Status.failure(
+                "request.client_stalled", Category.CANCELLED, Phase.CANCEL,
+                "the client stopped reading: a send of the response did not complete by the "
+                f"request's deadline + deadline_slack_s ({self.config.deadline_slack_s}s) or "
+                "the end of the drain; response cut", seq_id=gen.seq_id)
+        await self.finish(gen, abandoned=True)
 
     def _release_now(self, seq_id: int) -> bool:
         """Release without waiting for the device; True when the id is free again."""
@@ -693,6 +717,11 @@ class CompletionService:
                 "text": self.tokenizer.decode(gen.tokens)})
 
     # ---- drain ----------------------------------------------------------------------------------
+    async def _until_idle(self, until: float) -> None:
+        """Wait (polling, bounded by ``until``, ``time.monotonic()``) for no admitted request."""
+        while self.active and time.monotonic() < until:
+            await anyio.sleep(0.01)
+
     def start_drain(self, grace: float) -> asyncio.Task:
         """Begin a drain (idempotent): the running task."""
         if self._drain_task is None:
@@ -705,10 +734,19 @@ class CompletionService:
         self.draining = True
         self.admission.pump()  # requests waiting for a sequence id or Ready: 503 now
         deadline = time.monotonic() + grace
-        while self.active and time.monotonic() < deadline:
-            await anyio.sleep(0.01)
-        remaining = max(0.0, deadline - time.monotonic())
-        status = await to_thread.run_sync(self.executor.shutdown, remaining)
+        await self._until_idle(deadline)
+        slack = self.config.deadline_slack_s
+        if self.active:
+            # the grace is over: a response still sending to a client that stopped reading
+            # is cut now (it holds its sequence, KV and pre-armed slot until then), and what
+            # it holds comes back (BoundedStreamingResponse, ``cut``)
+            self.sends.cut(time.monotonic())
+            await self._until_idle(time.monotonic() + slack)
+        # the executor gets what is left of the grace, and at least the slack: a step fired
+        # ahead for a request cut just now is still on the device for a moment
+        status = await to_thread.run_sync(self.executor.shutdown,
+                                          max(deadline - time.monotonic(), slack))
+        await self._until_idle(time.monotonic() + slack)  # requests the shutdown ended
         if status.ok and self.active:
             status = Status.failure("shutdown.requests_pending", Category.DEVICE, Phase.SHUTDOWN,
                                     f"{self.active} requests still running after grace={grace}s")
