@@ -4,12 +4,14 @@ that stops reading cannot hold what its request holds)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import time
 from typing import Any, Awaitable, Callable
 
 import anyio
+import anyio.lowlevel
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.requests import ClientDisconnect
@@ -62,36 +64,83 @@ async def until_disconnect(request: Request, work) -> None:
 
 
 class SendBounds:
-    """The bounds of every send of the responses it guards (:class:`BoundedStreamingResponse`):
-    a send waits at most until its response's bound; :meth:`cut` lowers every bound, sends
+    """The bounds of the sends of the responses it guards (:class:`BoundedStreamingResponse`):
+    a send may wait at most until its response's bound; :meth:`cut` lowers every bound, sends
     already waiting included, to a time (a drain's end). Event-loop only."""
 
     def __init__(self) -> None:
-        self._waiting: set[anyio.CancelScope] = set()
+        self._guards: set[SendGuard] = set()
         self.cut_at = math.inf  # time.monotonic(); inf until a drain cuts
 
     def cut(self, at: float) -> None:
         """From now on no send waits past ``at`` (``time.monotonic()``)."""
         self.cut_at = min(self.cut_at, at)
-        for scope in list(self._waiting):
-            scope.deadline = min(scope.deadline, _loop_time(at))
+        for guard in list(self._guards):
+            guard.bound(at)
 
-    async def send(self, send: Send, message: Message, until: float) -> bool:
-        """``await send(message)``, given up at ``until`` (``time.monotonic()``) or the cut:
-        False when it did not complete by then (then nothing more can be sent: the
-        connection's write side is stalled)."""
-        with anyio.CancelScope(deadline=_loop_time(min(until, self.cut_at))) as scope:
-            self._waiting.add(scope)
-            try:
+    def guard(self, scope: anyio.CancelScope, until: float) -> "SendGuard":
+        """The guard of one response's sends (``until``: its bound, ``time.monotonic()``);
+        ``scope`` is cancelled when a send is still waiting at the bound. Close it when the
+        response ends."""
+        guard = SendGuard(self, scope, min(until, self.cut_at))
+        self._guards.add(guard)
+        return guard
+
+    def discard(self, guard: "SendGuard") -> None:
+        """``guard``'s response ended: a cut no longer concerns it."""
+        self._guards.discard(guard)
+
+
+class SendGuard:
+    """One response's send bound (:meth:`SendBounds.guard`). A single timer per response, not
+    one per send: when it fires while a send waits, the response's scope is cancelled (the
+    cancellation lands in that send); a send starting after it may not wait at all."""
+
+    def __init__(self, bounds: SendBounds, scope: anyio.CancelScope, until: float) -> None:
+        self._bounds, self._scope = bounds, scope
+        self.sending = False  # a send is in progress (the timer cancels only then)
+        self.expired = False  # the bound passed
+        self._at = math.inf
+        self._timer: asyncio.TimerHandle | None = None
+        self.bound(until)
+
+    def bound(self, at: float) -> None:
+        """Lower the bound to ``at`` (``time.monotonic()``); a later one changes nothing."""
+        if self.expired or at >= self._at:
+            return
+        self._at = at
+        if self._timer is not None:
+            self._timer.cancel()
+        loop = asyncio.get_running_loop()
+        self._timer = loop.call_at(loop.time() + max(0.0, at - time.monotonic()), self._expire)
+
+    def _expire(self) -> None:
+        self._timer = None
+        self.expired = True
+        if self.sending:
+            self._scope.cancel()
+
+    async def send(self, send: Send, message: Message) -> None:
+        """``await send(message)``; the response's scope is cancelled (and the cancellation
+        raised here) when it is still waiting at the bound, or would wait after it."""
+        if self.expired:
+            with anyio.move_on_after(0) as late:  # completes only if it need not wait
                 await send(message)
-            finally:
-                self._waiting.discard(scope)
-        return not scope.cancelled_caught
+            if late.cancelled_caught:
+                self._scope.cancel()
+                await anyio.lowlevel.checkpoint()
+            return
+        self.sending = True
+        try:
+            await send(message)
+        finally:
+            self.sending = False
 
-
-def _loop_time(monotonic: float) -> float:
-    """``time.monotonic()`` -> the event loop's clock, which anyio's deadlines use."""
-    return anyio.current_time() + (monotonic - time.monotonic())
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._bounds.discard(self)
 
 
 class BoundedStreamingResponse(StreamingResponse):
@@ -114,22 +163,22 @@ class BoundedStreamingResponse(StreamingResponse):
         await super().__call__(scope, receive, send)
 
     async def stream_response(self, send: Send) -> None:
-        sent = await self.bounds.send(send, {"type": "http.response.start",
-                                             "status": self.status_code,
-                                             "headers": self.raw_headers}, self.until())
-        if sent:
-            async for chunk in self.body_iterator:
-                if not isinstance(chunk, bytes | memoryview):
-                    chunk = chunk.encode(self.charset)
-                sent = await self.bounds.send(send, {"type": "http.response.body",
-                                                     "body": chunk, "more_body": True},
-                                              self.until())
-                if not sent:
-                    break
-            else:
-                sent = await self.bounds.send(send, {"type": "http.response.body", "body": b"",
-                                                     "more_body": False}, self.until())
-        if not sent:
+        with anyio.CancelScope() as stalled:  # cancelled only by the guard, only in a send
+            guard = self.bounds.guard(stalled, self.until())
+            try:
+                await guard.send(send, {"type": "http.response.start",
+                                        "status": self.status_code,
+                                        "headers": self.raw_headers})
+                async for chunk in self.body_iterator:
+                    if not isinstance(chunk, bytes | memoryview):
+                        chunk = chunk.encode(self.charset)
+                    await guard.send(send, {"type": "http.response.body", "body": chunk,
+                                            "more_body": True})
+                await guard.send(send, {"type": "http.response.body", "body": b"",
+                                        "more_body": False})
+            finally:
+                guard.close()
+        if stalled.cancelled_caught:
             await self._cut()
 
     async def _cut(self) -> None:
