@@ -6,8 +6,11 @@ reservation, its pre-armed slot, its token budget. A drain ends within its grace
 clients do.
 
 Real raw-socket clients on 127.0.0.1 with a 4 KiB receive buffer that never read; the real
-executor on the bundled emulator. The only time bounds are the spec'd ones (deadline + slack,
-the drain's grace), each with a generous margin for a loaded machine."""
+executor on the bundled emulator. The in-process servers buffer about 12 KB per connection
+(``ServeLikeServer(small_buffers=True)``), so their sends stall after some 100 tokens, well
+before any deadline; the ``calexec serve`` process keeps the defaults. The only time bounds
+are the spec'd ones (deadline + slack, the drain's grace), each with a generous margin for a
+loaded machine."""
 
 from __future__ import annotations
 
@@ -29,9 +32,15 @@ TOKEN = "stalled-admin-token"
 MARGIN_S = 10.0
 #: far more tokens than the socket buffers hold (each SSE chunk is ~200 bytes)
 BODY = {"prompt": [1, 2, 3], "max_tokens": 30000, "stream": True}
-#: the in-process servers' send buffer: the sends stall within a second (after ~100 KB, the
-#: transport's 64 KiB included), well before the deadlines below
-SNDBUF = 16384
+
+
+def stalled(executor, service) -> bool:
+    """The server's send to the client waits, and the generation behind it stands still."""
+    before = executor.snapshot()["succeeded"]
+    if service.sends.waiting != 1:
+        return False
+    time.sleep(0.2)
+    return service.sends.waiting == 1 and executor.snapshot()["succeeded"] == before
 
 
 def idle(service) -> bool:
@@ -56,6 +65,7 @@ def assert_everything_back(executor, service) -> None:
     assert metric_value(text, "calexec_kv_cache_usage_perc") == 0  # the KV reservation
     assert metric_value(text, "calexec_pending_tokens") == 0
     assert metric_value(text, "calexec_buffer_slots", {"state": "Leased"}) in (0, None)
+    assert metric_value(text, "calexec_responses_send_waiting") == 0
     assert metric_value(text, "calexec_request_failures_total",
                         {"code": "request.client_stalled"}) == 1
 
@@ -65,14 +75,18 @@ def test_a_client_that_stops_reading_is_cut_at_its_deadline_and_everything_comes
     executor = started_executor(tmp_path)
     app = create_app(executor, ServerConfig())
     service = app.state.service
-    timeout, slack = 2.0, service.config.deadline_slack_s
+    timeout, slack = 3.0, service.config.deadline_slack_s
     try:
-        with ServeLikeServer(app, SNDBUF) as server:
+        with ServeLikeServer(app, small_buffers=True) as server:
             sent = time.monotonic()
             sock = stalled_client(server.port, {**BODY, "timeout": timeout})
             try:
-                wait_for(lambda: service.active == 1 or service.sequences.in_use == 1,
-                         what="the request admitted")
+                # the server's send waits for the client (after ~100 tokens), long before the
+                # deadline: the cut below is the send's bound, not the generation's deadline
+                wait_for(lambda: stalled(executor, service), what="the server's send stalled",
+                         timeout=sent + timeout - time.monotonic())
+                text = service.metrics.exposition().decode()
+                assert metric_value(text, "calexec_responses_send_waiting") == 1
                 # cut by deadline + slack: before the fix it held everything until the
                 # client closed (for ever here)
                 wait_for(lambda: idle(service), what="the stalled stream cut and freed",
@@ -102,10 +116,10 @@ def test_a_drain_ends_within_its_grace_with_a_client_that_stops_reading(tmp_path
     service = app.state.service
     grace, slack = 1.5, service.config.deadline_slack_s
     try:
-        with ServeLikeServer(app, SNDBUF) as server:
+        with ServeLikeServer(app, small_buffers=True) as server:
             sock = stalled_client(server.port, {**BODY, "timeout": 60})
             try:
-                wait_for(lambda: service.active == 1, what="the request admitted")
+                wait_for(lambda: stalled(executor, service), what="the server's send stalled")
                 started = time.monotonic()
                 r = httpx.post(f"{server.url}/admin/drain", params={"grace": grace},
                                headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10)

@@ -76,21 +76,31 @@ SVG_ACTIVE = re.compile(r"<title>(\w+)</title>\s*<\w+ fill=\"turquoise\"")
 
 class ServeLikeServer(LiveServer):
     """``LiveServer`` with the uvicorn configuration ``calexec serve`` runs the app with
-    (``server.uvicorn_config``: connections a cut response aborts). ``sndbuf``: the send
-    buffer of its connections (set on the listening socket, which they inherit; it also
-    turns the kernel's autotuning off), so a client that stops reading stalls the server's
-    sends after a few hundred kilobytes, as it does after megabytes with the defaults."""
+    (``server.uvicorn_config``: connections a cut response aborts). ``small_buffers``: its
+    connections buffer about 12 KB of unsent response (a 4 KiB kernel send buffer, set on the
+    listening socket, which they inherit, autotuning off; a 4 KiB transport high-water mark),
+    so a client that stops reading stalls the server's sends after some 100 tokens, as it does
+    after megabytes with the defaults."""
 
-    def __init__(self, app, sndbuf: int | None = None) -> None:
-        from calexec.drivers.serving.server import uvicorn_config
+    def __init__(self, app, small_buffers: bool = False) -> None:
+        from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+        from calexec.drivers.serving.server import abortable, uvicorn_config
 
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if sndbuf is not None:
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
+        extra = {}
+        if small_buffers:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+
+            class SmallBuffers(abortable(AutoHTTPProtocol)):
+                def connection_made(self, transport) -> None:
+                    transport.set_write_buffer_limits(high=4096)
+                    super().connection_made(transport)
+            extra["http"] = SmallBuffers
         listener.bind(("127.0.0.1", 0))
         self.server = uvicorn.Server(uvicorn_config(app, port=0, log_level="warning",
-                                                    access_log=False))
+                                                    access_log=False, **extra))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [listener]},
                                        name="uvicorn-serve", daemon=True)
 

@@ -358,7 +358,8 @@ class CompletionService:
                 "calexec_kv_sequences_withheld": counts["withheld"],
                 "calexec_kv_sequences_capacity": counts["capacity"],
                 "calexec_server_draining": 1.0 if self.draining else 0.0,
-                "calexec_kv_cache_usage_perc": kv_usage_fraction(self.executor)}
+                "calexec_kv_cache_usage_perc": kv_usage_fraction(self.executor),
+                "calexec_responses_send_waiting": self.sends.waiting}
 
     def health(self) -> list[str]:
         """Why the executor cannot serve now (empty: it can): ``executor.health()``."""

@@ -86,6 +86,12 @@ class SendBounds:
         self._guards.add(guard)
         return guard
 
+    @property
+    def waiting(self) -> int:
+        """Responses whose send waits for its client now (a client reading nothing keeps its
+        response here until the bound cuts it)."""
+        return sum(1 for guard in list(self._guards) if guard.sending)
+
     def discard(self, guard: "SendGuard") -> None:
         """``guard``'s response ended: a cut no longer concerns it."""
         self._guards.discard(guard)
