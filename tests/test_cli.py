@@ -149,6 +149,16 @@ def _bad_manifest(tmp_path: Path) -> str:
     (["bench", "overhead", "--runtime-lib", "/nonexistent"], "--runtime-lib='/nonexistent'"),
     (["conform", "--runtime-lib", "/nonexistent"], "'/nonexistent' does not exist"),
     (["accept", "--soak-seconds", "inf"], "--soak-seconds"),
+    # issue 24 item 7: keys no request could ever match (headers are latin-1, clients ASCII)
+    (["serve", "--once", "--api-key", "caf\u00e9-key"], "--api-key has U+00E9 at character 4"),
+    (["serve", "--once", "--api-key", "k\x07ey"], "--api-key has U+0007 at character 2"),
+    (["serve", "--once", "--api-key", " key"], "--api-key starts or ends with whitespace"),
+    # issue 24 item 7: refused before the executor starts (it used to start, then exit 3)
+    (["serve", "--host", "256.1.1.1"], "--host='256.1.1.1': not an IPv4 address"),
+    (["serve", "--host", "192.0.2.7"], "--host='192.0.2.7' --port=8000: cannot listen there"),
+    # issue 24 item 7: ids 3..6 would each get a 400 blaming the client for a server setting
+    (["serve", "--once", "--device-config", "max_seqs=3", "--max-sequences", "6"],
+     "--max-sequences=6: the device's KvManager takes sequence ids 0..2 (max_seqs=3"),
 ])
 def test_user_errors_are_one_line_naming_the_offender_exit_2(argv, named, tmp_path):
     argv = [a.format(not_a_dir=_not_a_dir(tmp_path), bad_manifest=_bad_manifest(tmp_path))
@@ -157,6 +167,39 @@ def test_user_errors_are_one_line_naming_the_offender_exit_2(argv, named, tmp_pa
     line = one_line(done.stderr)
     assert done.returncode == 2, (done.returncode, done.stderr)
     assert line.startswith(f"calexec {cli._lookup(argv)}:") and named in line, line
+
+
+def test_a_port_in_use_is_named_before_the_executor_starts_exit_2():
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = calexec("serve", "--port", str(port), "--log-level", "info")
+    line = one_line(done.stderr)  # nothing logged: the executor never started
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert line.startswith(f"calexec serve: --host='127.0.0.1' --port={port}: cannot listen"), line
+
+
+@pytest.mark.parametrize("line, bad, named", [
+    ("input input_ids S32 1 1,40960", "input input_ids X32 1 1,40960",
+     "line 9: tensor 'input_ids': dtype 'X32' is not one of U8, S32, F32, BF16, F16, S64"),
+    ("input positions S32 0 1,1", "input positions F32 0 1,1",
+     "model 'qwen3_decode_s40960_b1' tensor 'positions': dtype F32, the emulator executes S32"),
+])
+def test_a_calbin_with_a_bad_dtype_is_refused_naming_it(tmp_path, line, bad, named):
+    """Issue 24 item 7: the emulator refuses such a calbin with 19 (INVALID_CALBIN) alone; the
+    refusal now names the tensor and its dtype (exit 3: the executor did not start)."""
+    from calexec.drivers.synthetic import calbin
+
+    path = tmp_path / "bad.calbin"
+    text = calbin.dumps(calbin.default_spec()).decode()
+    assert line in text
+    path.write_text(text.replace(line, bad, 1))
+    done = calexec("serve", "--once", "--calbin", str(path), "--allow-unpinned-golden")
+    assert done.returncode == 3, (done.returncode, done.stderr)
+    assert named in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
 def test_a_library_that_is_not_one_is_named_exit_2(tmp_path):

@@ -139,6 +139,22 @@ def test_echo_prepends_the_prompt(live):
     assert "".join(c.choices[0].text for c in chunks) == done.choices[0].text
 
 
+def test_echo_with_no_generated_token_keeps_the_prompt_when_streaming(live):
+    """Issue 24 item 7: the first greedy token is a stop token, so nothing is generated; the
+    whole answer is the echoed prompt, and the stream used to lose it (its only chunk is the
+    last one, which did not carry the echo)."""
+    _, client, _ = live
+    first = oracle_tokens(tokenizer.encode("abc"), 1)[0]
+    body = dict(model=MODEL, prompt="abc", max_tokens=4, echo=True,
+                extra_body={"stop_token_ids": [first]})
+    done = client.completions.create(**body)
+    assert done.choices[0].text == "abc" and done.usage.completion_tokens == 0
+    assert done.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(stream=True, **body))
+    assert "".join(c.choices[0].text for c in chunks) == "abc"
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
 def test_logprobs_shapes(live):
     _, client, _ = live
     done = client.completions.create(model=MODEL, prompt=[61, 62], max_tokens=4, logprobs=3)
@@ -162,6 +178,24 @@ def test_logprobs_shapes(live):
     streamed = [e for c in stream if c.choices and c.choices[0].logprobs
                 for e in c.choices[0].logprobs.content]
     assert [e.token for e in streamed] == [c.token for c in content]
+
+
+def test_streamed_text_offsets_equal_the_whole_answers_when_a_stop_string_holds_text(live):
+    """Issue 24 item 7: "<g1>" could begin the stop string "<g1>zz", so it is held back and
+    sent with the next token's chunk; the streamed ``text_offset`` counted the text sent so
+    far and fell behind the non-streamed one from there on."""
+    _, client, _ = live
+    prompt = [41, 42, 43]
+    greedy = oracle_tokens(prompt, 4)
+    assert greedy[2] != greedy[1]
+    body = dict(model=MODEL, prompt=prompt, max_tokens=4, logprobs=1, stop=f"<{greedy[1]}>zz")
+    whole = client.completions.create(**body).choices[0].logprobs
+    chunks = list(client.completions.create(stream=True, **body))
+    assert [c.choices[0].text for c in chunks][1] == ""  # held back: the case under test
+    streamed = [at for c in chunks if c.choices[0].logprobs
+                for at in c.choices[0].logprobs.text_offset]
+    assert streamed == whole.text_offset
+    assert whole.text_offset == [sum(len(t) for t in whole.tokens[:i]) for i in range(4)]
 
 
 # ---- refusals -----------------------------------------------------------------------------
@@ -202,6 +236,33 @@ def test_chat_refuses_with_a_400_naming_the_parameter(live, field, value):
     r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"].split(".")[0] == field
+
+
+@pytest.mark.parametrize(("path", "field", "value", "param"), [
+    ("/v1/completions", "prompt", 5, "prompt"),
+    ("/v1/completions", "prompt", [1, "a"], "prompt"),
+    ("/v1/completions", "temperature", "hot", "temperature"),
+    ("/v1/completions", "stop", 7, "stop"),
+    ("/v1/chat/completions", "messages", [{"role": "user", "content": 5}], "messages.0.content"),
+    ("/v1/chat/completions", "messages", [{"role": "user", "x": 1}], "messages.0.x")])
+def test_a_wrong_type_names_the_field_and_value_not_the_union_branch(live, path, field, value,
+                                                                     param):
+    """Issue 24 item 7: ``error.param`` used to carry pydantic's union branch
+    (``prompt.str``, ``temperature.int``); it is the field's path in the body, and the
+    message names the value and, for a union, every accepted form."""
+    server, _, _ = live
+    body = {"prompt": [1, 2]} if path == "/v1/completions" else {
+        "messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(f"{server.url}{path}", json={**body, "max_tokens": 1, field: value},
+                   timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param, error
+    assert error["message"].startswith(f"{param}"), error
+    if field in ("prompt", "temperature", "stop"):
+        assert error["message"].startswith(f"{param}={value!r}: must be one of "), error
+        assert {"prompt": "list[int]", "temperature": "float",
+                "stop": "list[str]"}[field] in error["message"]
 
 
 def test_neutral_values_of_refused_parameters_are_accepted(live):

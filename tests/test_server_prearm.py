@@ -184,3 +184,65 @@ def test_greedy_ahead_same_tokens_fires_steps_and_a_stop_string_frees_everything
                 wait_for(lambda: settled(executor, service), what="sequence released")
     assert tokens[True] == tokens[False] == oracle_tokens(prompt, n)
     assert ahead[True] >= 1 and ahead[False] == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_discarded_step_that_hangs_never_delays_the_answer(tmp_path, stream):
+    """Issue 24 item 6. A greedy request ended by a stop string has all its tokens, but the
+    step the completion thread fired ahead (token 3) hangs on the device until the execution
+    deadline (5 s) ends it and a recovery resets the device. The answer (the whole body, for
+    a stream) comes while that step still hangs: before the fix ``finish()`` closed the
+    stream waiting for it (up to min(deadline, 10 s)), so the answer came after the step had
+    ended (its slot quarantined). The sequence id comes back once the step ended and the
+    server serves again."""
+    from calexec.drivers.calrt.runtime import Fault, FaultMode
+    from calexec.machines.faults import RecoveryPolicy
+    from test_server_support import LiveServer
+    import httpx
+
+    executor = started_executor(tmp_path, "decode_us=50000", execution_timeout_s=5.0,
+                                timeout_grace_s=0.2,
+                                recovery=RecoveryPolicy(max_recoveries=100, drain_grace_s=1.0))
+    emu = executor.device.emu
+    app = create_app(executor, ServerConfig())
+    service = app.state.service
+    prompt = [5, 6, 7]
+    greedy = oracle_tokens(prompt, 4)
+    assert greedy[2] not in greedy[:2]
+    body = {"prompt": prompt, "max_tokens": 8, "stop": f"<{greedy[2]}>", "timeout": 30,
+            "stream": stream}
+    try:
+        with LiveServer(app) as server:
+            # accepted jobs from now: 1 prefill (token 0), 2 and 3 decodes (tokens 1, 2), 4
+            # the step fired ahead with token 2's argmax, which the stop string discards
+            assert emu.set_fault(Fault.HANG, FaultMode.NTH, 4, 0, 0) == 0
+            with httpx.stream("POST", f"{server.url}/v1/completions", json=body,
+                              timeout=30) as r:
+                lines = [line for line in r.iter_lines() if line]
+            at_answer = executor.snapshot()
+            assert r.status_code == 200, lines
+            if stream:
+                assert lines[-1] == "data: [DONE]", lines[-3:]
+                events = [json.loads(line[6:]) for line in lines[:-1]]
+                ids = [t for e in events for t in e["choices"][0]["token_ids"]]
+                finish = events[-1]["choices"][0]["finish_reason"]
+            else:
+                choice = json.loads(lines[0])["choices"][0]
+                ids, finish = choice["token_ids"], choice["finish_reason"]
+            assert ids == greedy[:3] and finish == "stop"
+            assert emu.fault_stats(Fault.HANG)[2] == 1  # the discarded step hangs
+            # answered while it still hangs: not resolved yet, no recovery, id still held
+            assert at_answer["quarantined"] == 0 and at_answer["recoveries"] == 0, at_answer
+            assert service.sequences.in_use == 1
+            wait_for(lambda: service.sequences.in_use == 0 and service.releases_pending == 0,
+                     timeout=30, what="the id back once the hung step ended")
+            counts = service.sequences.counts()
+            assert counts["withheld"] == 0 and counts["free"] == counts["capacity"]
+            assert executor.snapshot()["quarantined"] == 1  # it did end, on its own deadline
+            wait_for(lambda: service.ready, timeout=30, what="Ready after the recovery")
+            again = httpx.post(f"{server.url}/v1/completions", timeout=30,
+                               json={"prompt": prompt, "max_tokens": 4})
+            assert again.status_code == 200
+            assert again.json()["choices"][0]["token_ids"] == greedy
+    finally:
+        executor.shutdown(5.0)

@@ -3,10 +3,14 @@ a uvicorn server on an ephemeral loopback port, the oracle's greedy tokens, metr
 
 from __future__ import annotations
 
+import json
 import re
 import socket
+import threading
 import time
 from pathlib import Path
+
+import uvicorn
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -68,3 +72,65 @@ def wait_for(predicate, timeout: float = 10.0, what: str = "condition") -> None:
 
 
 SVG_ACTIVE = re.compile(r"<title>(\w+)</title>\s*<\w+ fill=\"turquoise\"")
+
+
+class ServeLikeServer(LiveServer):
+    """``LiveServer`` with the uvicorn configuration ``calexec serve`` runs the app with
+    (``server.uvicorn_config``: connections a cut response aborts). ``small_buffers``: its
+    connections buffer about 12 KB of unsent response (a 4 KiB kernel send buffer, set on the
+    listening socket, which they inherit, autotuning off; a 4 KiB transport high-water mark),
+    so a client that stops reading stalls the server's sends after some 100 tokens, as it does
+    after megabytes with the defaults."""
+
+    def __init__(self, app, small_buffers: bool = False) -> None:
+        from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+        from calexec.drivers.serving.server import abortable, uvicorn_config
+
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        extra = {}
+        if small_buffers:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+
+            class SmallBuffers(abortable(AutoHTTPProtocol)):
+                def connection_made(self, transport) -> None:
+                    transport.set_write_buffer_limits(high=4096)
+                    super().connection_made(transport)
+            extra["http"] = SmallBuffers
+        listener.bind(("127.0.0.1", 0))
+        self.server = uvicorn.Server(uvicorn_config(app, port=0, log_level="warning",
+                                                    access_log=False, **extra))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [listener]},
+                                       name="uvicorn-serve", daemon=True)
+
+
+def stalled_client(port: int, body: dict, path: str = "/v1/completions") -> socket.socket:
+    """A raw loopback client with a 4 KiB receive buffer that sends ``body`` and never reads
+    (the caller closes it)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: the window
+    sock.settimeout(10.0)
+    sock.connect(("127.0.0.1", port))
+    payload = json.dumps(body).encode()
+    sock.sendall(f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json"
+                 f"\r\ncontent-length: {len(payload)}\r\n\r\n".encode() + payload)
+    return sock
+
+
+def read_until_closed(sock: socket.socket, limit: int = 64 << 20) -> tuple[bytes, str]:
+    """Everything the server still sends on ``sock`` and how the connection ended: "eof",
+    "reset", or "open" when it still sent (or stayed silent but open) after ``limit`` bytes or
+    a 10 s silence (the socket's timeout)."""
+    data = bytearray()
+    try:
+        while len(data) < limit:
+            chunk = sock.recv(1 << 16)
+            if not chunk:
+                return bytes(data), "eof"
+            data += chunk
+    except ConnectionResetError:
+        return bytes(data), "reset"
+    except TimeoutError:
+        pass
+    return bytes(data), "open"

@@ -147,6 +147,11 @@ int32_t calrt_emu_pending(calrt_device *dev, int32_t engine, int32_t *jobs, int3
 
 int32_t calrt_emu_get_counters(calrt_device *dev, calrt_emu_counters *out);
 
+/* Why the calling thread's last calrt_calbin_load refused its calbin (19) for a tensor dtype:
+ * an unknown name, or not the dtype the emulator executes there (NUL-terminated, truncated
+ * to cap; "" for any other outcome). 4 when out is NULL or cap is 0. */
+int32_t calrt_emu_calbin_error(char *out, uint64_t cap);
+
 /* UndoSlice-forgotten detection: number of tensors of buf with an active slice. */
 int32_t calrt_emu_inputbuf_active_slices(calrt_inputbuf *buf, int32_t *count);
 

@@ -343,13 +343,38 @@ int32_t calrt_device_close(calrt_device *h)
 
 /* ---- calbin ------------------------------------------------------------------------------- */
 
+static const char *const DTYPE_NAMES[] = {"", "U8", "S32", "F32", "BF16", "F16", "S64"};
+
+/* Why the calling thread's last calrt_calbin_load refused a calbin for a dtype ("" when it
+ * did not): calrt_emu_calbin_error hands it to the driver, which names it. */
+static _Thread_local char g_calbin_why[200];
+static _Thread_local int g_calbin_line; /* its line, when known (0: the model as a whole) */
+
 static int32_t dtype_parse(const char *s)
 {
-    static const char *const names[] = {"", "U8", "S32", "F32", "BF16", "F16", "S64"};
     for (int32_t i = 1; i < 7; i++)
-        if (strcmp(s, names[i]) == 0)
+        if (strcmp(s, DTYPE_NAMES[i]) == 0)
             return i;
     return CALRT_DTYPE_INVALID;
+}
+
+/* A tensor whose dtype is not the one the emulator executes: say so (0, like the checks). */
+static int dtype_refused(const char *model, const emu_tensor *t, int32_t wanted)
+{
+    snprintf(g_calbin_why, sizeof g_calbin_why, "model '%s' tensor '%s': dtype %s, the emulator "
+             "executes %s there", model, t->name, DTYPE_NAMES[t->dtype], DTYPE_NAMES[wanted]);
+    return 0;
+}
+
+int32_t calrt_emu_calbin_error(char *out, uint64_t cap)
+{
+    if (!out || cap == 0)
+        return CALRT_ERR_INVALID_VALUE;
+    if (g_calbin_why[0] && g_calbin_line > 0)
+        snprintf(out, cap, "line %d: %s", g_calbin_line, g_calbin_why);
+    else
+        snprintf(out, cap, "%s", g_calbin_why);
+    return CALRT_SUCCESS;
 }
 
 static uint64_t dtype_size(int32_t d)
@@ -377,8 +402,11 @@ static int parse_tensor(const char *rest, emu_tensor *t)
     t->dtype = dtype_parse(dt);
     t->elem_size = dtype_size(t->dtype);
     t->sliceable = sl;
-    if (!t->elem_size)
+    if (!t->elem_size) {
+        snprintf(g_calbin_why, sizeof g_calbin_why, "tensor '%s': dtype '%s' is not one of U8, "
+                 "S32, F32, BF16, F16, S64", name, dt);
         return 0;
+    }
     t->elems = 1;
     char *p = dims;
     while (*p) {
@@ -432,14 +460,19 @@ static int model_finish(emu_model *m)
         return 0;
     const emu_tensor *tk = &m->in[m->idx_tokens], *tp = &m->in[m->idx_pos], *lo = &m->out[0];
     int embeds = m->kind == KIND_PREFILL_EMBEDS;
-    if (embeds && (!model_meta(m, "hidden", &hidden) || tk->rank != 3 || tk->shape[2] != (uint64_t)hidden ||
-                   tk->dtype != CALRT_DTYPE_BF16))
+    if (tk->dtype != (embeds ? CALRT_DTYPE_BF16 : CALRT_DTYPE_S32))
+        return dtype_refused(m->name, tk, embeds ? CALRT_DTYPE_BF16 : CALRT_DTYPE_S32);
+    if (tp->dtype != CALRT_DTYPE_S32)
+        return dtype_refused(m->name, tp, CALRT_DTYPE_S32);
+    if (lo->dtype != CALRT_DTYPE_BF16)
+        return dtype_refused(m->name, lo, CALRT_DTYPE_BF16);
+    if (embeds && (!model_meta(m, "hidden", &hidden) || tk->rank != 3 || tk->shape[2] != (uint64_t)hidden))
         return 0;
-    if (!embeds && (tk->rank != 2 || tk->dtype != CALRT_DTYPE_S32))
+    if (!embeds && tk->rank != 2)
         return 0;
-    if (tp->dtype != CALRT_DTYPE_S32 || tp->rank != 2 || tp->shape[1] != tk->shape[1] || tk->shape[0] != 1)
+    if (tp->rank != 2 || tp->shape[1] != tk->shape[1] || tk->shape[0] != 1)
         return 0;
-    if (lo->dtype != CALRT_DTYPE_BF16 || lo->rank != 3 || lo->shape[0] != 1 || lo->shape[1] != (uint64_t)d0 ||
+    if (lo->rank != 3 || lo->shape[0] != 1 || lo->shape[1] != (uint64_t)d0 ||
         lo->shape[2] != (uint64_t)vocab || strcmp(lo->name, "logits") != 0)
         return 0;
     if (m->kind == KIND_DECODE && tk->shape[1] != 1)
@@ -466,9 +499,10 @@ static int32_t calbin_parse(FILE *f, emu_calbin *cb)
     if (!fgets(line, sizeof line, f) || strcmp(line, "CALBIN 1\n") != 0)
         return ferror(f) ? CALRT_ERR_FILE_READ : CALRT_ERR_FILE_FORMAT;
     emu_model *m = NULL;
-    int have_seed = 0;
+    int have_seed = 0, lineno = 1;
     while (fgets(line, sizeof line, f)) {
         char word[16], a[CALRT_NAME_MAX], b[32];
+        lineno++;
         size_t len = strlen(line);
         if (len == 0 || line[len - 1] != '\n' || sscanf(line, "%15s", word) != 1)
             return CALRT_ERR_INVALID_CALBIN;
@@ -506,6 +540,7 @@ static int32_t calbin_parse(FILE *f, emu_calbin *cb)
             cb->n_models++;
             m = NULL;
         } else {
+            g_calbin_line = lineno; /* names the line of a refused dtype */
             return CALRT_ERR_INVALID_CALBIN;
         }
     }
@@ -524,6 +559,8 @@ int32_t calrt_calbin_load(calrt_device *h, const char *path, calrt_calbin **out)
 {
     if (!path || !out)
         return CALRT_ERR_INVALID_VALUE;
+    g_calbin_why[0] = '\0';
+    g_calbin_line = 0;
     emu_calbin *cb = (emu_calbin *)calloc(1, sizeof *cb);
     if (!cb)
         return CALRT_ERR_MEM_ALLOC;

@@ -34,6 +34,7 @@ from calexec.drivers.native import FusedLogits
 #: fault injection (the emulator's fault plan): every armed point is logged here, marked
 #: INJECTED, so an injected fault is never mistaken for a real one in a log
 inject_log = logging.getLogger("calexec.injected")
+log = logging.getLogger("calexec.calrt")
 
 ENV_LIB = "CALEXEC_CALRT_LIB"
 
@@ -181,6 +182,9 @@ class Device:
         out = self._ffi.new("calrt_calbin **")
         rc = self._lib.calrt_calbin_load(self._h, os.fsencode(path), out)
         if rc != 0:
+            why = self.emu.calbin_error() if self.emu is not None else ""
+            if why:  # 0.7.6 answers 19 alone: the emulator says which dtype it refused
+                log.error("calbin %r refused (%d INVALID_CALBIN): %s", path, rc, why)
             return rc, None
         if sha is None:  # readable by the runtime but not by us: do not report a generation
             self._lib.calrt_calbin_unload(out[0])
@@ -481,6 +485,13 @@ class Emulator:
         self._did = self._ffi.new("int32_t *")
         self._counters = self._ffi.new("calrt_emu_counters *")
         self._fired_before = 0  # faults fired by arms that a later set_fault reset
+
+    def calbin_error(self) -> str:
+        """Why this thread's last calbin load was refused for a tensor dtype ("" otherwise)."""
+        buf = self._ffi.new("char[]", 256)
+        if self._lib.calrt_emu_calbin_error(buf, 256) != 0:
+            return ""
+        return self._ffi.string(buf).decode("utf-8", "replace")
 
     def set_latency(self, h2d_us: int = 0, prefill_per_token_us: int = 0, decode_us: int = 0, d2h_us: int = 0) -> int:
         return self._lib.calrt_emu_set_latency(self._h, h2d_us, prefill_per_token_us, decode_us, d2h_us)

@@ -5,6 +5,7 @@ checks a calbin path passes before the lifecycle moves."""
 from __future__ import annotations
 
 import hmac
+import json
 import math
 import os
 import stat
@@ -16,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
+from calexec.drivers.serving import wire
 from calexec.drivers.serving.errors import error_response, invalid
 from calexec.drivers.serving.service import CompletionService, ServerConfig
 
@@ -104,7 +106,15 @@ def add_admin_routes(app: FastAPI, service: CompletionService) -> None:
         if refused is not None:
             return refused
         try:
-            body = await request.json()
+            raw = await wire.read_body(request, config.max_body_bytes)
+        except wire.ClientGone as gone:
+            return error_response(Status.cancelled(Phase.VALIDATE, str(gone)), None,
+                                  http_status=499)
+        if raw is None:
+            return error_response(invalid(f"request body exceeds max_body_bytes="
+                                          f"{config.max_body_bytes}"), None, http_status=413)
+        try:
+            body = json.loads(raw)
         except ValueError:
             body = None
         path = body.get("calbin") if isinstance(body, dict) else None

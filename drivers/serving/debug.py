@@ -5,24 +5,40 @@
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any
 
 from anyio import to_thread
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
+from calexec.contracts.errors import Category
+from calexec.contracts.status import Phase, Status
 from calexec.drivers.serving.admin import admin_refusal
 from calexec.drivers.serving.errors import error_response, invalid
 from calexec.drivers.serving.live_charts import TransitionRates, live_state, path_page
 from calexec.drivers.serving.live_charts import page as live_page
 from calexec.drivers.serving.service import CompletionService
 from calexec.machines.compiled import CHARTS
-from calexec.machines.diagrams import render_chart_svg
+from calexec.machines.diagrams import GraphvizError, render_chart_svg
+
+
+#: a job id in a path: ASCII digits only, at most 18 (a job counter never gets longer)
+JOB_ID = re.compile(r"[0-9]{1,18}")
 
 
 @functools.lru_cache(maxsize=64)
 def chart_svg_cached(chart: str, active: str | None) -> str:
     return render_chart_svg(chart, active)
+
+
+def no_graphviz(err: GraphvizError, route: str) -> Response:
+    """503 naming why a chart cannot be drawn (graphviz's ``dot`` absent or failing) and what
+    serves the same data without it; never a 500 with a traceback."""
+    return error_response(Status.failure(
+        "debug.graphviz_unavailable", Category.UNAVAILABLE, Phase.VALIDATE,
+        f"{route} draws the charts with graphviz, which is not available here: {err}; "
+        "/debug/statecharts/live.json and /debug/jobs/{id}?format=json need no graphviz"))
 
 
 def strip_xml_decl(svg: str) -> str:
@@ -44,9 +60,9 @@ def add_debug_routes(app: FastAPI, service: CompletionService) -> None:
         refused = admin_refusal(request, config)
         if refused is not None:
             return refused
-        if not job_id.isdigit():
-            return error_response(invalid(f"job_id={job_id!r}: must be a job id (integer)"),
-                                  "job_id")
+        if not JOB_ID.fullmatch(job_id):  # str.isdigit() takes "²", which int() refuses
+            return error_response(invalid(f"job_id={job_id!r:.40}: must be a job id (a "
+                                          "decimal integer)"), "job_id")
         wanted = int(job_id)
         record = executor.job_trail(wanted)
         if record is None:
@@ -55,7 +71,10 @@ def add_debug_routes(app: FastAPI, service: CompletionService) -> None:
                 f"{executor.config.job_trails_kept} jobs"), "job_id", http_status=404)
         if request.query_params.get("format") == "json":
             return JSONResponse(record)
-        svg_page = await to_thread.run_sync(path_page, record)
+        try:
+            svg_page = await to_thread.run_sync(path_page, record)
+        except GraphvizError as err:
+            return no_graphviz(err, "/debug/jobs/{id}")
         return HTMLResponse(svg_page)
 
     @app.get("/debug/statecharts/{chart}.svg")
@@ -63,7 +82,10 @@ def add_debug_routes(app: FastAPI, service: CompletionService) -> None:
         if chart not in CHARTS:
             return error_response(invalid(f"chart={chart!r} is not one of {sorted(CHARTS)}"),
                                   "chart", http_status=404)
-        svg = await to_thread.run_sync(chart_svg_cached, chart, _active_state(chart))
+        try:
+            svg = await to_thread.run_sync(chart_svg_cached, chart, _active_state(chart))
+        except GraphvizError as err:
+            return no_graphviz(err, f"/debug/statecharts/{chart}.svg")
         return Response(svg, media_type="image/svg+xml")
 
     def _active_state(chart: str) -> str | None:
@@ -83,11 +105,14 @@ def add_debug_routes(app: FastAPI, service: CompletionService) -> None:
         return live_state(executor, service.live_job_counts, rates)
 
     @app.get("/debug/statecharts")
-    async def statecharts() -> HTMLResponse:
+    async def statecharts() -> Response:
         """The lifecycle chart first (the operator's question: is it Ready?), then the rest;
         every chart scaled to the window's width; a script keeps counts and rates live."""
         order = sorted(CHARTS, key=lambda name: name != "lifecycle")
-        svgs = {name: strip_xml_decl(await to_thread.run_sync(chart_svg_cached, name,
-                                                               _active_state(name)))
-                for name in order}
+        try:
+            svgs = {name: strip_xml_decl(await to_thread.run_sync(chart_svg_cached, name,
+                                                                   _active_state(name)))
+                    for name in order}
+        except GraphvizError as err:
+            return no_graphviz(err, "/debug/statecharts")
         return HTMLResponse(live_page(svgs, live_state(executor, service.live_job_counts, rates)))

@@ -46,6 +46,7 @@ calexec_kv_sequences_free                   gauge      KV sequence ids free to l
 calexec_kv_sequences_withheld               gauge      sequence ids withheld after a failed release
 calexec_kv_sequences_capacity               gauge      sequence ids owned (= free + in use + withheld)
 calexec_kv_cache_usage_perc                 gauge      KV blocks reserved / KvManager capacity (0..1)
+calexec_responses_send_waiting              gauge      streamed responses waiting for their client
 calexec_server_draining                     gauge      1 while the server drains
 calexec_feature_disabled                    gauge      feature; 1 while a §8 PROGRAMMING fault keeps it off
 calexec_golden_unpinned                     gauge      1 while serving on a golden no file pins (§9.2)
@@ -147,6 +148,8 @@ _SERVER_GAUGE_HELP = {
     "calexec_server_draining": "1 while the server drains.",
     "calexec_kv_cache_usage_perc": "KV blocks reserved by the sequences of the current "
                                    "generation / the KvManager's capacity (0..1).",
+    "calexec_responses_send_waiting": "Streamed responses whose send waits for the client to "
+                                      "read (cut at the request's deadline + slack).",
 }
 
 
@@ -187,7 +190,8 @@ class ServerMetrics:
                  model_name: str = "calexec") -> None:
         """``server_gauges`` returns the values of the ``calexec_num_requests_running``,
         ``calexec_kv_sequences_{in_use,free,withheld,capacity}``,
-        ``calexec_kv_cache_usage_perc`` and ``calexec_server_draining`` gauges.
+        ``calexec_kv_cache_usage_perc``, ``calexec_responses_send_waiting`` and
+        ``calexec_server_draining`` gauges.
         ``model_name`` labels the request counters and token histograms (vLLM's label)."""
         self.registry = CollectorRegistry()
         reg = self.registry

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import hmac
 import time
+import typing
 from typing import Annotated, Any, Callable, Literal
 
 import attrs
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
                       ValidationError)
 
@@ -150,17 +151,59 @@ class Refusal(Exception):
 
 
 def parse(model: type[BaseModel], raw: bytes) -> Any:
-    """The validated body, or :class:`Refusal` naming the first bad field."""
+    """The validated body, or :class:`Refusal` naming the first bad field (its path in the
+    body, e.g. ``messages.0.content``: never pydantic's union branch) and value."""
     try:
         return model.model_validate_json(raw)
     except ValidationError as err:
-        first = err.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
+        errors = err.errors()
+        first = errors[0]
+        path, branches = _field_path(model, first["loc"], first["type"] == "extra_forbidden")
+        param = ".".join(str(p) for p in path) or None
         if first["type"] == "extra_forbidden":
             raise Refusal(invalid(f"{param}: unknown parameter, refused (calexec does not "
                                   "ignore parameters it does not implement; docs/server.md)"),
                           param) from None
-        raise Refusal(invalid(f"{param or 'body'}: {first['msg']}"), param) from None
+        if param is None or first["type"] == "missing":
+            raise Refusal(invalid(f"{param or 'body'}: {first['msg']}"), param) from None
+        value = f"{param}={first['input']!r:.80}"
+        if branches:  # a union: none of its forms matched; name them all
+            forms: dict[str, None] = {}
+            for error in errors:
+                where, tags = _field_path(model, error["loc"])
+                if tags and where[:len(path)] == path:
+                    forms[tags[0]] = None
+            raise Refusal(invalid(f"{value}: must be one of {', '.join(forms)}"),
+                          param) from None
+        raise Refusal(invalid(f"{value}: {first['msg']}"), param) from None
+
+
+def _field_path(model: type[BaseModel], loc: tuple, extra: bool = False
+                ) -> "tuple[list[Any], list[str]]":
+    """A pydantic error location split into the field path in the body (field names and
+    list indices) and the union branch tags pydantic inserts (``str``, ``list[int]``): a
+    name that is no field of the models reachable at that point is a tag, except the last
+    one of an ``extra`` (extra_forbidden) error, which is the unknown key itself."""
+    path: list[Any] = []
+    tags: list[str] = []
+    models = {model}
+    for i, item in enumerate(loc):
+        owner = next((m for m in models if isinstance(item, str) and item in m.model_fields),
+                     None)
+        if isinstance(item, int) or owner is not None or (extra and i == len(loc) - 1):
+            path.append(item)
+            if owner is not None:
+                models = set(_models_in(owner.model_fields[item].annotation))
+        else:
+            tags.append(str(item))
+    return path, tags
+
+
+def _models_in(annotation: Any) -> "list[type[BaseModel]]":
+    """The pydantic models an annotation holds (``list[ChatMessage] | None`` -> ChatMessage)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
 
 
 def refusal(body: _Body) -> None:
@@ -429,7 +472,10 @@ def add_routes(app: FastAPI, service: Any, fail: Callable[..., Response]) -> Non
         auth = auth_refusal(request, config.api_key)
         if auth is not None:
             raise auth
-        raw = await wire.read_body(request, config.max_body_bytes)
+        try:
+            raw = await wire.read_body(request, config.max_body_bytes)
+        except wire.ClientGone as gone:  # 499: nobody reads it, the failure is counted
+            raise Refusal(Status.cancelled(Phase.VALIDATE, str(gone)), None, 499) from None
         if raw is None:
             raise Refusal(invalid(f"request body exceeds max_body_bytes={config.max_body_bytes}"),
                           None, 413)
@@ -646,8 +692,12 @@ def add_routes(app: FastAPI, service: Any, fail: Callable[..., Response]) -> Non
             finally:
                 await service.finish(gen, abandoned=True)
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        # every send bounded by the request's deadline + slack: a client that stops reading
+        # is cut there, and its sequence, KV and pre-armed slot come back (service.cut)
+        return wire.BoundedStreamingResponse(
+            events(), service.sends, lambda: gen.deadline + config.deadline_slack_s,
+            lambda: service.cut(gen), media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"})
 
 
 class TokenizeRequest(BaseModel):
@@ -710,12 +760,15 @@ class _Shape:
 class _CompletionShape(_Shape):
     def __init__(self, echo: str) -> None:
         self.echo = echo
+        #: ``logprobs.text_offset`` of the next token: the length of the earlier tokens'
+        #: texts, as the non-streamed answer counts it (never the text sent so far, which a
+        #: stop string may hold back)
         self.text_at = 0
 
     def resumed(self, resume: Any, tokens: int, sent_chars: int) -> None:
         super().resumed(resume, tokens, sent_chars)
         if tokens:  # the echo went out with the first token's chunk
-            self.text_at = len(self.echo) + sent_chars
+            self.text_at = sum(len(self.tok.token_text(t)) for t in self.gen.tokens[:tokens])
             self.echo = ""
 
     def _head(self, chunk: bool = False) -> dict[str, Any]:
@@ -727,7 +780,7 @@ class _CompletionShape(_Shape):
         logprobs = None
         if gen.sampling.logprobs is not None and infos is not None:
             logprobs = completion_logprobs(self.tok, infos, self.text_at)
-        self.text_at += len(text)
+            self.text_at += sum(len(t) for t in logprobs["tokens"])
         return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish,
                 "token_ids": tokens}
 
@@ -736,14 +789,20 @@ class _CompletionShape(_Shape):
             self.echo + text, gen.tokens, gen, gen.finish_reason, gen.token_logprobs)],
             "usage": _usage(gen)}
 
-    def piece(self, text: str, token: int, gen: Any) -> dict[str, Any]:
+    def _with_echo(self, text: str) -> str:
+        """``text`` after the echoed prompt, if the prompt was not sent yet (the first chunk
+        carries it; with no token generated, the last one)."""
         if self.echo:
             text, self.echo = self.echo + text, ""
-        return {**self._head(), "choices": [self._choice(text, [token], gen, None,
-                                                         self._new_logprobs(gen))]}
+        return text
+
+    def piece(self, text: str, token: int, gen: Any) -> dict[str, Any]:
+        return {**self._head(), "choices": [self._choice(self._with_echo(text), [token], gen,
+                                                         None, self._new_logprobs(gen))]}
 
     def last(self, text: str, gen: Any) -> dict[str, Any]:
-        return {**self._head(), "choices": [self._choice(text, [], gen, gen.finish_reason, [])],
+        return {**self._head(), "choices": [self._choice(self._with_echo(text), [], gen,
+                                                         gen.finish_reason, [])],
                 "usage": _usage(gen)}
 
 

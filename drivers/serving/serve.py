@@ -23,6 +23,7 @@ to the console script.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import logging
 import os
@@ -40,7 +41,6 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import attrs
-import uvicorn
 
 from calexec.drivers.memory import pin_mmap_threshold
 from calexec.drivers.serving.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
@@ -48,7 +48,9 @@ from calexec import cliargs
 from calexec.drivers.synthetic import tokenizer
 from calexec.drivers.serving import hf_tokenizer
 from calexec.drivers.serving.dumpsink import DumpConfigError, DumpSink
-from calexec.drivers.serving.server import DrainingServer, ServerConfig, create_app
+from calexec.drivers.serving.server import (DrainingServer, ServerConfig, create_app,
+                                            uvicorn_config)
+from calexec.drivers.serving.service import api_key_problem, sequence_ids_problem
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 
 EXIT_OK, EXIT_USAGE, EXIT_FAILED, EXIT_SAMPLE_FAILED = 0, 2, 3, 4
@@ -122,6 +124,33 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _listen_socket(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound before the executor starts, so a ``--host`` that
+    is no address of this machine or a ``--port`` in use is refused in one line naming them
+    (exit 2), never after the executor started (it used to exit 3 without naming the host).
+    ValueError naming the flag."""
+    if re.fullmatch(r"\d+\.\d+\.\d+\.\d+", host):  # a dotted quad: no name lookup for it
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError as err:
+            raise ValueError(f"--host={host!r}: not an IPv4 address ({err})") from None
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except (OSError, UnicodeError) as err:
+        raise ValueError(f"--host={host!r}: not an address or a host name this machine "
+                         f"resolves ({err})") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        sock.bind(address)
+    except OSError as err:
+        sock.close()
+        raise ValueError(f"--host={host!r} --port={port}: cannot listen there: "
+                         f"{err.strerror or err}") from None
+    return sock
+
+
 def _admin_token(path: Path | None) -> str | None:
     if path is None:
         return None
@@ -151,8 +180,9 @@ def main(argv: list[str]) -> int:
                             ("--max-resumes", args.max_resumes)):
             if value < 0:
                 raise ValueError(f"{flag}={value}: must be >= 0")
-        if args.api_key is not None and not args.api_key.strip():
-            raise ValueError("--api-key is empty")
+        problem = None if args.api_key is None else api_key_problem(args.api_key)
+        if problem is not None:  # checked here: it would refuse every request
+            raise ValueError(f"--api-key {problem}")
         tokenizer_path = None if args.tokenizer is None else os.path.abspath(args.tokenizer)
         loaded = hf_tokenizer.load(tokenizer_path)  # TokenizerLoadError names the path
         end_token = DEFAULT_END_TOKEN if loaded.eos_token_id is None else loaded.eos_token_id
@@ -173,7 +203,12 @@ def main(argv: list[str]) -> int:
         return EXIT_USAGE
     if args.ray:
         return _serve_ray(args, config, port, spec)
-    with tempfile.TemporaryDirectory(prefix="calexec-serve-") as tmp:
+    try:
+        listener = _listen_socket(args.host, port)
+    except ValueError as err:
+        print(f"calexec serve: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    with listener, tempfile.TemporaryDirectory(prefix="calexec-serve-") as tmp:
         try:
             runtime = spec.runtime()
             spec.check_device_config(runtime, args.device_config)
@@ -190,15 +225,21 @@ def main(argv: list[str]) -> int:
         if not status.ok:
             print(f"calexec serve: executor failed to start: {status}", file=sys.stderr)
             return EXIT_FAILED
+        problem = sequence_ids_problem(executor, args.max_sequences)  # known once it started
+        if problem is not None:
+            executor.shutdown(args.grace)
+            print(f"calexec serve: --max-sequences{problem}; lower --max-sequences or raise "
+                  "max_seqs in --device-config", file=sys.stderr)
+            return EXIT_USAGE
         app = create_app(executor, config, dump)
         sample = SampleRun(args.timeout + 10.0, sys.stdout, args.api_key) if args.once else None
         if sample is not None:
             sample.byte_level = args.tokenizer is None
-        server = DrainingServer(uvicorn.Config(app, host=args.host, port=port,
+        server = DrainingServer(uvicorn_config(app, host=args.host, port=port,
                                                log_level=log_level, access_log=False),
                                 app.state.service, args.grace,
                                 on_started=None if sample is None else sample.start)
-        server.run()
+        server.run(sockets=[listener])
         service = app.state.service
         if service.drain_status is None:  # left the loop without a drain (failed executor)
             status = executor.shutdown(args.grace)

@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from calexec.contracts.status import Phase, Status
-from calexec.drivers.serving import openai_api
+from calexec.drivers.serving import openai_api, wire
 from calexec.drivers.serving.admin import MAX_PATH_CHARS, add_admin_routes, calbin_path_refusal
 from calexec.drivers.serving.debug import add_debug_routes
 from calexec.drivers.serving.dumpsink import DumpSink
@@ -39,7 +39,8 @@ from calexec.drivers.serving.service import (CompletionBody, CompletionService, 
 #: what embedders and the tests import from here (the app's parts live in the modules above)
 __all__ = ["CompletionBody", "CompletionService", "DrainingServer", "Generation",
            "MAX_PATH_CHARS", "PARAM_OF_CODE", "SequencePool", "ServerConfig",
-           "calbin_path_refusal", "create_app", "error_body", "error_response", "invalid"]
+           "calbin_path_refusal", "create_app", "error_body", "error_response", "invalid",
+           "uvicorn_config"]
 
 log = logging.getLogger("calexec.server")
 
@@ -97,6 +98,47 @@ def create_app(executor: Any, config: ServerConfig | None = None,
     openai_api.add_routes(app, service, fail)
 
     return app
+
+
+#: how long uvicorn waits, after a drain, for connections still open before it ends their
+#: tasks (seconds): a connection whose response was cut is aborted at once (``abortable``);
+#: this bounds the exit when a server without that extension closes it gracefully
+SHUTDOWN_WAIT_S = 2
+
+
+def abortable(protocol: type) -> type:
+    """``protocol`` (a uvicorn HTTP protocol class) whose requests get, in their ASGI scope's
+    ``extensions``, a callable aborting their connection at once (``wire.ABORT_EXTENSION``:
+    the transport's ``abort()``): a response cut because its client stopped reading ends the
+    connection without waiting for that client to read what is buffered."""
+
+    class Abortable(protocol):  # type: ignore[misc,valid-type]
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            app = getattr(self, "app", None)  # uvicorn's protocols keep the ASGI app there
+            if app is None:
+                return
+
+            async def with_abort(scope: Any, receive: Any, send: Any) -> None:
+                extensions = scope.setdefault("extensions", {})
+                extensions[wire.ABORT_EXTENSION] = transport.abort
+                await app(scope, receive, send)
+            self.app = with_abort
+
+    Abortable.__name__ = Abortable.__qualname__ = f"Abortable{protocol.__name__}"
+    return Abortable
+
+
+def uvicorn_config(app: Any, host: str = "127.0.0.1", port: int = 8000,
+                   **kwargs: Any) -> uvicorn.Config:
+    """The uvicorn configuration ``calexec serve`` runs ``app`` with: HTTP connections a cut
+    response can abort (:func:`abortable`) and a bounded wait for open connections at
+    shutdown (``SHUTDOWN_WAIT_S``); ``kwargs`` go to ``uvicorn.Config``."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    kwargs.setdefault("http", abortable(AutoHTTPProtocol))
+    kwargs.setdefault("timeout_graceful_shutdown", SHUTDOWN_WAIT_S)
+    return uvicorn.Config(app, host=host, port=port, **kwargs)
 
 
 def _listening_url(sockname: tuple) -> str:

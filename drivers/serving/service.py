@@ -39,7 +39,7 @@ from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import TaskKind
 from calexec.drivers.synthetic import tokenizer
-from calexec.drivers.serving import hf_tokenizer, sampling
+from calexec.drivers.serving import hf_tokenizer, sampling, wire
 from calexec.drivers.serving.admission import AdmissionQueue
 from calexec.drivers.serving.dumpsink import DumpSink
 from calexec.drivers.serving.errors import invalid
@@ -50,6 +50,43 @@ from calexec.machines.compiled import JOB
 log = logging.getLogger("calexec.server")
 
 
+def api_key_problem(key: str) -> str | None:
+    """Why no request could ever present ``key`` (None: one can). A request's key is its
+    ``Authorization: Bearer`` header value, stripped: HTTP header values are latin-1 and
+    clients send ASCII, so a key with a character outside printable ASCII (or one that is
+    empty, or starts or ends with whitespace) would refuse every request. Phrased to follow
+    the key's name; the key itself is never echoed (only the offending position)."""
+    if not key.strip():
+        return "is empty"
+    if key != key.strip():
+        return ("starts or ends with whitespace, which the Authorization header never "
+                "carries (its value is stripped)")
+    bad = next((i for i, c in enumerate(key) if not " " <= c <= "~"), None)
+    if bad is not None:
+        return (f"has U+{ord(key[bad]):04X} at character {bad + 1}, not printable ASCII: "
+                "HTTP headers are latin-1 and clients send ASCII, so no request could ever "
+                "match it")
+    return None
+
+
+def sequence_ids_problem(executor: Any, max_sequences: int) -> str | None:
+    """Why the server cannot lease sequence ids 1..``max_sequences`` on ``executor``'s
+    KvManager (None: it can, or the runtime does not say how many it takes): ids must be
+    below its ``max_seqs`` (0 is the warm-up's). Phrased to follow the setting's name."""
+    max_seqs = getattr(getattr(executor, "kv", None), "max_seqs", None)
+    if max_seqs is None or max_sequences < max_seqs:
+        return None
+    return (f"={max_sequences}: the device's KvManager takes sequence ids 0..{max_seqs - 1} "
+            f"(max_seqs={max_seqs}; 0 is the warm-up's), so at most {max_seqs - 1}; requests "
+            f"on ids {max_seqs}..{max_sequences} would be refused (kv.seq_id_out_of_range)")
+
+
+def _check_api_key(instance: Any, attribute: Any, key: str | None) -> None:
+    problem = None if key is None else api_key_problem(key)
+    if problem is not None:
+        raise ValueError(f"api_key {problem}")
+
+
 @attrs.frozen
 class ServerConfig:
     """Operational settings of the server (the model's limits come from the executor)."""
@@ -58,7 +95,7 @@ class ServerConfig:
     admin_token: str | None = None
     model_name: str = "calexec-qwen3-synthetic"
     #: OpenAI endpoints need ``Authorization: Bearer <api_key>`` when set (docs/server.md)
-    api_key: str | None = None
+    api_key: str | None = attrs.field(default=None, validator=_check_api_key)
     #: a Hugging Face tokenizer.json (or its directory); None: the byte-level tokenizer
     tokenizer_path: str | None = None
     #: completion request body limit (413 above it).
@@ -225,6 +262,9 @@ class Generation:
     #: the executor's DecodeStream of the current sequence (``ServerConfig.prearm``); closed
     #: (its pre-armed job released) before the sequence is released
     decode: Any = None
+    #: ``CompletionService.finish`` ran (it runs once: a cut response and the end of its body
+    #: iterator may both ask for it)
+    finished: bool = False
 
     @property
     def done(self) -> bool:
@@ -244,13 +284,18 @@ class Generation:
                                 request_id=self.request_id)
 
 
-def close_decode(gen: Any) -> None:
+def close_decode(gen: Any, wait: bool = True) -> bool:
     """Close the decode stream of ``gen`` (or of a resume's failed sequence), if any: its
-    pre-armed job is released (not counted as a failure). Blocking but bounded (the stream
+    pre-armed job is released (not counted as a failure) and a step fired ahead that nobody
+    takes is cancelled. ``wait``: also wait (bounded) for that step to end; without, return
+    at once (a response never waits for it). True when no job of the stream is left (its
+    sequence can be released now: ``DecodeStream.quiet``). Blocking but bounded (the stream
     waits at most 2 s for an arming in progress); call from a worker thread."""
     stream = getattr(gen, "decode", None)
-    if stream is not None:
-        stream.close()
+    if stream is None:
+        return True
+    stream.close(wait=wait)
+    return stream.quiet
 
 
 def _set_event() -> threading.Event:
@@ -263,6 +308,9 @@ class CompletionService:
     """Completions, drain and live-job bookkeeping around one executor."""
 
     def __init__(self, executor: Any, config: ServerConfig, dump: DumpSink | None) -> None:
+        problem = sequence_ids_problem(executor, config.max_sequences)
+        if problem is not None:  # a server setting, never a client's 400 later
+            raise ValueError(f"max_sequences{problem}")
         self.executor = executor
         self.config = config
         self.dump = dump
@@ -285,6 +333,9 @@ class CompletionService:
         # has at most one step outstanding) means a step never waits for a thread.
         self._stream_limiter = anyio.CapacityLimiter(config.max_sequences)
         self._drain_task: asyncio.Task | None = None
+        #: bounds every send of a streamed response (wire.BoundedStreamingResponse); a drain
+        #: cuts the ones still waiting when its grace is over
+        self.sends = wire.SendBounds()
         self._releasing: set[threading.Thread] = set()  # background sequence releases
         self._releasing_mu = threading.Lock()
         self.metrics = ServerMetrics(executor.snapshot, self._server_gauges, config.model_name)
@@ -307,7 +358,8 @@ class CompletionService:
                 "calexec_kv_sequences_withheld": counts["withheld"],
                 "calexec_kv_sequences_capacity": counts["capacity"],
                 "calexec_server_draining": 1.0 if self.draining else 0.0,
-                "calexec_kv_cache_usage_perc": kv_usage_fraction(self.executor)}
+                "calexec_kv_cache_usage_perc": kv_usage_fraction(self.executor),
+                "calexec_responses_send_waiting": self.sends.waiting}
 
     def health(self) -> list[str]:
         """Why the executor cannot serve now (empty: it can): ``executor.health()``."""
@@ -521,6 +573,9 @@ class CompletionService:
         it has, else from a background thread). ``abandoned``: an unfinished generation was
         given up by its client (cancelled). Shielded and never raises: runs to the end even
         when the request task is being cancelled, so a request never stays "running"."""
+        if gen.finished:
+            return
+        gen.finished = True
         with anyio.CancelScope(shield=True):
             try:
                 if abandoned and not gen.done:  # the request task ended early: client left
@@ -535,8 +590,12 @@ class CompletionService:
                 if gen.seq_id is None:  # it holds none (a resume released the failed one)
                     pass
                 elif idle and (handle is None or handle.done):
-                    await to_thread.run_sync(close_decode, gen)
-                    released = await to_thread.run_sync(self._release_now, gen.seq_id)
+                    # a step fired ahead and never taken (greedy ahead, a stop string) is
+                    # cancelled, never waited for here: while it runs, the background release
+                    # (whose close waits for it) gives the sequence back once it ended
+                    quiet = await to_thread.run_sync(close_decode, gen, False)
+                    released = quiet and await to_thread.run_sync(self._release_now,
+                                                                  gen.seq_id)
                     if not released:
                         self._release_later(gen)
                 else:
@@ -551,6 +610,21 @@ class CompletionService:
                     log.exception("recording request %d", gen.request_id)
                 self._live.pop(gen.request_id, None)
                 self.active -= 1
+
+    async def cut(self, gen: Generation) -> None:
+        """The request's response was cut: one of its sends did not complete by the request's
+        deadline + ``deadline_slack_s`` (a client that stopped reading), or by the end of a
+        drain. It ends as ``request.client_stalled`` (499: nobody reads it) and gives back
+        now what it holds (``finish``): its job is cancelled, its decode stream closed, its
+        sequence released."""
+        if not gen.finished:
+            gen.abandoned = True
+            gen.status = Status.failure(
+                "request.client_stalled", Category.CANCELLED, Phase.CANCEL,
+                "the client stopped reading: a send of the response did not complete by the "
+                f"request's deadline + deadline_slack_s ({self.config.deadline_slack_s}s) or "
+                "the end of the drain; response cut", seq_id=gen.seq_id)
+        await self.finish(gen, abandoned=True)
 
     def _release_now(self, seq_id: int) -> bool:
         """Release without waiting for the device; True when the id is free again."""
@@ -644,6 +718,11 @@ class CompletionService:
                 "text": self.tokenizer.decode(gen.tokens)})
 
     # ---- drain ----------------------------------------------------------------------------------
+    async def _until_idle(self, until: float) -> None:
+        """Wait (polling, bounded by ``until``, ``time.monotonic()``) for no admitted request."""
+        while self.active and time.monotonic() < until:
+            await anyio.sleep(0.01)
+
     def start_drain(self, grace: float) -> asyncio.Task:
         """Begin a drain (idempotent): the running task."""
         if self._drain_task is None:
@@ -656,10 +735,19 @@ class CompletionService:
         self.draining = True
         self.admission.pump()  # requests waiting for a sequence id or Ready: 503 now
         deadline = time.monotonic() + grace
-        while self.active and time.monotonic() < deadline:
-            await anyio.sleep(0.01)
-        remaining = max(0.0, deadline - time.monotonic())
-        status = await to_thread.run_sync(self.executor.shutdown, remaining)
+        await self._until_idle(deadline)
+        slack = self.config.deadline_slack_s
+        if self.active:
+            # the grace is over: a response still sending to a client that stopped reading
+            # is cut now (it holds its sequence, KV and pre-armed slot until then), and what
+            # it holds comes back (BoundedStreamingResponse, ``cut``)
+            self.sends.cut(time.monotonic())
+            await self._until_idle(time.monotonic() + slack)
+        # the executor gets what is left of the grace, and at least the slack: a step fired
+        # ahead for a request cut just now is still on the device for a moment
+        status = await to_thread.run_sync(self.executor.shutdown,
+                                          max(deadline - time.monotonic(), slack))
+        await self._until_idle(time.monotonic() + slack)  # requests the shutdown ended
         if status.ok and self.active:
             status = Status.failure("shutdown.requests_pending", Category.DEVICE, Phase.SHUTDOWN,
                                     f"{self.active} requests still running after grace={grace}s")

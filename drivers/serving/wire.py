@@ -1,13 +1,30 @@
 """HTTP plumbing of the reference server: bounded request bodies, cancelling work when the
-client disconnects, SSE framing."""
+client disconnects, SSE framing, and streamed responses whose every send is bounded (a client
+that stops reading cannot hold what its request holds)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
-from typing import Any
+import math
+import time
+from typing import Any, Awaitable, Callable
 
 import anyio
+import anyio.lowlevel
 from fastapi import Request
+from fastapi.responses import StreamingResponse
+from starlette.requests import ClientDisconnect
+from starlette.types import Message, Receive, Scope, Send
+
+#: ASGI scope extension: a callable that aborts the request's connection at once (set by the
+#: HTTP protocol ``server.uvicorn_config`` runs; a response cut by its bound calls it, so the
+#: connection ends without waiting for a client that reads nothing)
+ABORT_EXTENSION = "calexec.abort"
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request body arrived whole."""
 
 
 def sse(data: Any) -> bytes:
@@ -15,16 +32,22 @@ def sse(data: Any) -> bytes:
 
 
 async def read_body(request: Request, limit: int) -> bytes | None:
-    """The body, or None when it exceeds ``limit`` bytes (declared or actual)."""
+    """The body, or None when it exceeds ``limit`` bytes (declared or actual); raises
+    :class:`ClientGone` when the client disconnects mid-upload (the route answers it as a
+    cancelled request, never with an ASGI traceback)."""
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    if (declared is not None and declared.isascii() and declared.isdigit()
+            and int(declared) > limit):
         return None
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            return None
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                return None
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientGone(f"the client disconnected after {size} bytes of its body") from None
     return b"".join(chunks)
 
 
@@ -38,3 +61,137 @@ async def until_disconnect(request: Request, work) -> None:
         tg.start_soon(watch)
         await work()
         tg.cancel_scope.cancel()
+
+
+class SendBounds:
+    """The bounds of the sends of the responses it guards (:class:`BoundedStreamingResponse`):
+    a send may wait at most until its response's bound; :meth:`cut` lowers every bound, sends
+    already waiting included, to a time (a drain's end). Event-loop only."""
+
+    def __init__(self) -> None:
+        self._guards: set[SendGuard] = set()
+        self.cut_at = math.inf  # time.monotonic(); inf until a drain cuts
+
+    def cut(self, at: float) -> None:
+        """From now on no send waits past ``at`` (``time.monotonic()``)."""
+        self.cut_at = min(self.cut_at, at)
+        for guard in list(self._guards):
+            guard.bound(at)
+
+    def guard(self, scope: anyio.CancelScope, until: float) -> "SendGuard":
+        """The guard of one response's sends (``until``: its bound, ``time.monotonic()``);
+        ``scope`` is cancelled when a send is still waiting at the bound. Close it when the
+        response ends."""
+        guard = SendGuard(self, scope, min(until, self.cut_at))
+        self._guards.add(guard)
+        return guard
+
+    @property
+    def waiting(self) -> int:
+        """Responses whose send waits for its client now (a client reading nothing keeps its
+        response here until the bound cuts it)."""
+        return sum(1 for guard in list(self._guards) if guard.sending)
+
+    def discard(self, guard: "SendGuard") -> None:
+        """``guard``'s response ended: a cut no longer concerns it."""
+        self._guards.discard(guard)
+
+
+class SendGuard:
+    """One response's send bound (:meth:`SendBounds.guard`). A single timer per response, not
+    one per send: when it fires while a send waits, the response's scope is cancelled (the
+    cancellation lands in that send); a send starting after it may not wait at all."""
+
+    def __init__(self, bounds: SendBounds, scope: anyio.CancelScope, until: float) -> None:
+        self._bounds, self._scope = bounds, scope
+        self.sending = False  # a send is in progress (the timer cancels only then)
+        self.expired = False  # the bound passed
+        self._at = math.inf
+        self._timer: asyncio.TimerHandle | None = None
+        self.bound(until)
+
+    def bound(self, at: float) -> None:
+        """Lower the bound to ``at`` (``time.monotonic()``); a later one changes nothing."""
+        if self.expired or at >= self._at:
+            return
+        self._at = at
+        if self._timer is not None:
+            self._timer.cancel()
+        loop = asyncio.get_running_loop()
+        self._timer = loop.call_at(loop.time() + max(0.0, at - time.monotonic()), self._expire)
+
+    def _expire(self) -> None:
+        self._timer = None
+        self.expired = True
+        if self.sending:
+            self._scope.cancel()
+
+    async def send(self, send: Send, message: Message) -> None:
+        """``await send(message)``; the response's scope is cancelled (and the cancellation
+        raised here) when it is still waiting at the bound, or would wait after it."""
+        if self.expired:
+            with anyio.move_on_after(0) as late:  # completes only if it need not wait
+                await send(message)
+            if late.cancelled_caught:
+                self._scope.cancel()
+                await anyio.lowlevel.checkpoint()
+            return
+        self.sending = True
+        try:
+            await send(message)
+        finally:
+            self.sending = False
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._bounds.discard(self)
+
+
+class BoundedStreamingResponse(StreamingResponse):
+    """A streamed response whose every send must complete by ``until()`` (absolute
+    ``time.monotonic()``; a request's deadline + ``deadline_slack_s``) or the ``bounds``' cut.
+    A server blocks in a send once a client stops reading and the socket buffers are full;
+    past the bound the response is cut instead: ``on_cut()`` runs (it gives back what the
+    request holds), the body iterator is closed, and the connection is aborted when the
+    server offers it (:data:`ABORT_EXTENSION`; else the server closes it as a response the
+    application did not complete)."""
+
+    def __init__(self, content: Any, bounds: SendBounds, until: Callable[[], float],
+                 on_cut: Callable[[], Awaitable[None]], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.bounds, self.until, self.on_cut = bounds, until, on_cut
+        self.abort: Callable[[], None] | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.abort = (scope.get("extensions") or {}).get(ABORT_EXTENSION)
+        await super().__call__(scope, receive, send)
+
+    async def stream_response(self, send: Send) -> None:
+        with anyio.CancelScope() as stalled:  # cancelled only by the guard, only in a send
+            guard = self.bounds.guard(stalled, self.until())
+            try:
+                await guard.send(send, {"type": "http.response.start",
+                                        "status": self.status_code,
+                                        "headers": self.raw_headers})
+                async for chunk in self.body_iterator:
+                    if not isinstance(chunk, bytes | memoryview):
+                        chunk = chunk.encode(self.charset)
+                    await guard.send(send, {"type": "http.response.body", "body": chunk,
+                                            "more_body": True})
+                await guard.send(send, {"type": "http.response.body", "body": b"",
+                                        "more_body": False})
+            finally:
+                guard.close()
+        if stalled.cancelled_caught:
+            await self._cut()
+
+    async def _cut(self) -> None:
+        with anyio.CancelScope(shield=True):
+            await self.on_cut()
+            close = getattr(self.body_iterator, "aclose", None)
+            if close is not None:
+                await close()
+        if self.abort is not None:
+            self.abort()

@@ -1,0 +1,154 @@
+"""Issue 24 item 7, the server's small edges found by probing: each a request that used to get
+a 500 (or a traceback in the log) and now gets the documented answer naming why. Real executor
+on the bundled emulator; TestClient or a loopback uvicorn; every wait bounded."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from calexec.drivers.serving.server import ServerConfig, create_app
+from test_server_support import started_executor
+
+TOKEN = "edges-admin-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture(scope="module")
+def executor(tmp_path_factory):
+    executor = started_executor(tmp_path_factory.mktemp("calbin"))
+    yield executor
+    executor.shutdown(5.0)
+
+
+@pytest.fixture
+def client(executor):
+    with TestClient(create_app(executor, ServerConfig(admin_token=TOKEN))) as client:
+        yield client
+
+
+@pytest.mark.parametrize("job_id", ["%C2%B2", "%D9%A3", pytest.param("1" * 5000, id="5000-digits"),
+                                    "-1", "0x1"])
+def test_a_job_id_that_is_not_ascii_digits_is_a_400_naming_it(client, job_id):
+    """``"²".isdigit()`` is True and ``int("²")`` raises: a 500 before the fix; so did 5000
+    digits (past Python's int() digit limit)."""
+    r = client.get(f"/debug/jobs/{job_id}", headers=AUTH)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "job_id" and error["message"].startswith("job_id=")
+
+
+def test_the_statecharts_without_graphviz_are_a_503_naming_why(client, executor, tmp_path,
+                                                              monkeypatch):
+    """Graphviz's ``dot`` absent (PATH emptied, the SVG cache cleared): every route that draws
+    a chart answers 503 naming graphviz (it was a 500 with a traceback on every hit); the data
+    routes still answer."""
+    from calexec.drivers.serving import debug
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    debug.chart_svg_cached.cache_clear()
+    assert client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}
+                       ).status_code == 200
+    job_id = next(i for i in range(1, 1000) if executor.job_trail(i) is not None)
+    for route in ("/debug/statecharts", "/debug/statecharts/lifecycle.svg",
+                  f"/debug/jobs/{job_id}"):
+        r = client.get(route, headers=AUTH)
+        assert r.status_code == 503, (route, r.status_code, r.text[:200])
+        error = r.json()["error"]
+        assert error["code"] == "debug.graphviz_unavailable" and "graphviz" in error["message"]
+        assert "not on PATH" in error["message"], error
+    assert client.get("/debug/statecharts/live.json").status_code == 200
+    assert client.get(f"/debug/jobs/{job_id}?format=json", headers=AUTH).status_code == 200
+    debug.chart_svg_cached.cache_clear()  # nothing rendered without dot stays cached
+
+
+def _asgi(app, method: str, path: str, headers: list, chunks: list[dict],
+          gone: bool) -> list[dict]:
+    """Call ``app`` directly as an ASGI server would: the ``receive`` messages are
+    ``chunks``, then a disconnect (``gone``) or nothing more (a watcher of it is cancelled by
+    the app once it answered); the messages it sent come back. An exception the app lets
+    escape (what the server logs as an ASGI traceback) propagates."""
+    import anyio
+
+    sent: list[dict] = []
+    queue = list(chunks)
+
+    async def receive() -> dict:
+        if queue:
+            return queue.pop(0)
+        if not gone:
+            await anyio.sleep(60)  # the client stays; the app cancels this wait when done
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
+             "http_version": "1.1", "method": method, "scheme": "http", "path": path,
+             "raw_path": path.encode(), "root_path": "", "query_string": b"",
+             "headers": headers, "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
+    anyio.run(app, scope, receive, send)
+    return sent
+
+
+def test_a_client_dropping_mid_upload_is_a_cancelled_request_not_an_asgi_traceback(executor):
+    """Content-Length 1000, 10 bytes, then the client is gone: ``ClientDisconnect`` used to
+    escape ``wire.read_body`` (the server logged "Exception in ASGI application"); now the
+    request ends as cancelled (499, counted), nothing escapes."""
+    from test_server_support import metric_value
+
+    app = create_app(executor, ServerConfig())
+    sent = _asgi(app, "POST", "/v1/completions",
+                 [(b"content-type", b"application/json"), (b"content-length", b"1000")],
+                 [{"type": "http.request", "body": b'{"prompt":', "more_body": True}],
+                 gone=True)
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    assert start["status"] == 499
+    admin = _asgi(create_app(executor, ServerConfig(admin_token=TOKEN)), "POST",
+                  "/admin/reload", [(b"authorization", AUTH["Authorization"].encode()),
+                                    (b"content-length", b"1000")],
+                  [{"type": "http.request", "body": b'{"calbin":', "more_body": True}],
+                  gone=True)
+    assert next(m for m in admin if m["type"] == "http.response.start")["status"] == 499
+    metrics = app.state.service.metrics.exposition().decode()
+    assert metric_value(metrics, "calexec_request_failures_total",
+                        {"code": "request.cancelled"}) == 1
+
+
+def test_a_content_length_of_non_ascii_digits_is_not_a_500(executor):
+    """``"²".isdigit()`` is True and ``int("²")`` raises: the declared length is checked only
+    when it is ASCII digits (h11 refuses such a header before the app; other servers may
+    not)."""
+    app = create_app(executor, ServerConfig())
+    body = b'{"prompt": [1, 2], "max_tokens": 1}'
+    sent = _asgi(app, "POST", "/v1/completions",
+                 [(b"content-type", b"application/json"),
+                  (b"content-length", "²".encode("latin-1"))],
+                 [{"type": "http.request", "body": body, "more_body": False}],
+                 gone=False)
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    assert start["status"] == 200, sent
+
+
+@pytest.mark.parametrize("key", ["caf\u00e9", "tab\tkey", "key ", ""])
+def test_a_server_config_refuses_an_api_key_no_request_could_match(key):
+    """Issue 24 item 7, for embedders (``calexec serve`` refuses ``--api-key`` the same way,
+    tests/test_cli.py): the key is compared with the stripped latin-1 header a client sends
+    in ASCII, so these keys would refuse every request."""
+    with pytest.raises(ValueError, match="^api_key (has U\\+|starts or ends|is empty)"):
+        ServerConfig(api_key=key)
+    assert ServerConfig(api_key="sk-ok key~").api_key == "sk-ok key~"
+
+
+def test_an_app_whose_sequence_ids_exceed_the_kv_managers_is_refused(tmp_path):
+    """Issue 24 item 7, for embedders: max_seqs=3 takes ids 0..2, so a server leasing 1..6
+    would answer 4 of 6 concurrent requests 400 kv.seq_id_out_of_range; refused when the
+    app is built (``calexec serve`` names --max-sequences, tests/test_cli.py)."""
+    executor = started_executor(tmp_path, "max_seqs=3")
+    try:
+        with pytest.raises(ValueError, match=r"^max_sequences=6: .* ids 0\.\.2 \(max_seqs=3"):
+            create_app(executor, ServerConfig(max_sequences=6))
+        service = create_app(executor, ServerConfig(max_sequences=2)).state.service
+        assert service.sequences.counts()["capacity"] == 2
+    finally:
+        executor.shutdown(5.0)
