@@ -254,6 +254,8 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         self._prearm_wait: list = []
         # the stream or guess the submitter arms right now (submit_mu; ``_drop_armed`` waits)
         self._arming_now: Any = None
+        # the open decode stream of each sequence (submit_mu)
+        self._streams: dict[int, DecodeStream] = {}
         # implicit pre-arms (machines/autoarm.py): seq id -> its AutoArm entry (submit_mu;
         # read without the lock only as a cheap "any?" test)
         self._auto: dict[int, AutoArm] = {}
@@ -535,8 +537,20 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         deadline = self.clock.monotonic() + grace
         with self._submit_cv:
             gen.closing = True
-            if self._armed:  # the submitter releases pre-armed jobs of a closing generation
-                self._submit_cv.notify_all()
+            # the jobs armed in it are guesses that will never be fired: released now (whoever
+            # removes an armed job under submit_mu owns it), so the drain that follows finds
+            # nothing armed (waiting for the submitter to release them delayed every
+            # recovery by a drain poll when a guess was armed: the differential test)
+            armed = [job for job in self._armed if job.gen is gen]
+            for job in armed:
+                self._armed.remove(job)
+                if job.auto is not None:
+                    self._auto_forget(job.auto)
+            self._submit_cv.notify_all()
+        for job in armed:
+            self._fail_before_submit(job, Status.unavailable(
+                Phase.SUBMIT, f"generation {gen.id} retired before the job was fired; retry",
+                **job.ctx()))
         gen.kvc.wake()
         gen.pool.wake()
         with self._submit_cv:
@@ -936,6 +950,12 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
                        if job.auto is None and job.request.seq_id == seq_id]
             for job in streams:  # whoever removes an armed job under submit_mu owns it
                 self._armed.remove(job)
+            # a step fired ahead and not taken was computed on the sequence as it was: another
+            # request changes it, so the caller's step will run again, after that request
+            stream = self._streams.get(seq_id)
+            ahead = None if stream is None else stream._discard_ahead()
+        if ahead is not None:
+            ahead.cancel()
         if guess is not None:
             self._auto_release([guess], f"released: seq {seq_id} used otherwise")
         for job in streams:
@@ -1705,6 +1725,8 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             while not handle.done and (self.submit_one() or self.complete_one()):
                 pass
         result = handle.wait_until(request.deadline)
+        if not handle.done:  # the caller gets an error now: nobody takes this result, so
+            handle.cancel()  # the job must not write its logits_out later (FI12)
         if isinstance(result, Status):
             code = llama_decode_code(result)
             log.warning("decode_sync failed: code=%d job_id=%s seq_id=%s generation=%s raw=%s "
@@ -1730,8 +1752,12 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         machines/stream.py."""
         from calexec.machines.stream import DecodeStream
         self._drop_armed(seq_id)  # the stream arms its own
-        return DecodeStream(self, seq_id, past_len, deadline, logits_out, want_logits,
-                            max_len, request_id, greedy_ahead, stop_tokens, max_steps)
+        stream = DecodeStream(self, seq_id, past_len, deadline, logits_out, want_logits,
+                              max_len, request_id, greedy_ahead, stop_tokens, max_steps)
+        with self._submit_cv:
+            if not stream.closed:
+                self._streams[seq_id] = stream  # (``_drop_armed`` finds its step fired ahead)
+        return stream
 
     # ---- observability ---------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:

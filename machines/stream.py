@@ -233,7 +233,8 @@ class DecodeStream:
             while not handle.done and (ex.submit_one() or ex.complete_one()):
                 pass
         result = handle.wait_until(self.deadline)
-        if not handle.done:  # the stream's deadline passed with the job still running
+        if not handle.done:  # the stream's deadline passed with the job still running: its
+            handle.cancel()  # result is nobody's (it must not write logits_out later)
             return self._close(result)
         self._current = None
         if isinstance(result, Status):
@@ -292,6 +293,8 @@ class DecodeStream:
         with ex._submit_cv:  # the submitter reads status when it finishes arming
             if self.status is None:
                 self.status = status
+            if ex._streams.get(self.seq_id) is self:
+                del ex._streams[self.seq_id]
             self._unqueue()
             # the submitter may be arming the next job right now: it releases that job itself
             # on seeing the stream closed; wait for it (bounded), so that once close() returns
@@ -334,6 +337,17 @@ class DecodeStream:
             self._arm_waiter = True
             ex.clock.wait(ex._submit_cv, remaining)
         return True
+
+    def _discard_ahead(self) -> "JobHandle | None":
+        """submit_mu held: another request of the sequence is coming (``DeviceExecutor.
+        _drop_armed``): the step fired ahead, not taken yet, is discarded (the caller's step
+        is admitted again, after that request, as the plain path runs it). Its handle, for
+        the caller to cancel (outside the lock); None when there is none."""
+        ahead = self._take_ahead()
+        if ahead is None:
+            return None
+        self._discarded = ahead[1]
+        return ahead[1]
 
     def _take_ahead(self) -> "tuple[int, JobHandle] | None":
         """The job fired ahead (submit_mu held), once its firing finished (bounded by the

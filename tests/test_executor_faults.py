@@ -301,3 +301,19 @@ def test_sequence_id_beyond_kv_manager_is_refused_at_once(calbin):
         assert isinstance(res, Status) and res.code == "kv.seq_id_out_of_range"
         assert res.http_status == 400 and str(ex.kv.max_seqs) in res.message
         assert time.monotonic() - t0 < 30  # not a wait to the deadline
+
+
+def test_decode_sync_past_its_deadline_cancels_the_job_so_it_never_writes_logits_out(calbin):
+    """A llama.cpp-style caller whose decode_sync returned ``wait.deadline`` may reuse its
+    logits row at once: the job, still on the device then, is cancelled (its result is
+    nobody's) and never writes the row when it completes (found by the differential test:
+    the row changed under the caller's next request)."""
+    with running_executor(calbin, "decode_us=200000") as ex:
+        first = ex.enqueue(prefill(1, PROMPT)).wait_until(deadline())
+        row = np.full(ex.generation.vocab_size, -7.0, np.float32)
+        code, status = ex.decode_sync(decode(1, first.argmax, len(PROMPT), seconds=0.05),
+                                      logits_out=row)
+        assert code != 0 and status.code == "wait.deadline", status
+        settle(ex)  # the job ends on the device (0.2 s)
+        assert np.all(row == -7.0), "a job whose caller gave up wrote its logits_out"
+        assert ex.snapshot()["cancelled"] >= 1

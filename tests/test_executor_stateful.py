@@ -30,6 +30,7 @@ from calexec.drivers.synthetic import calbin as cb
 from calexec.drivers.synthetic import oracle
 from calexec.drivers.calrt.runtime import Did, Fault, FaultMode, Stage
 from calexec.machines.job import InferenceResult
+from calexec.machines.tuning import HotPathTuning
 from executor_harness import (SEED, deadline, decode, make_executor, oracle_golden, prefill,
                               write_calbin)
 
@@ -78,7 +79,11 @@ class ExecutorMachine(RuleBasedStateMachine):
                                 inflight_capacity=self.CAPACITY, threads=False,
                                 slots_per_kind=len(SEQS), check_lock_order=True,
                                 timeout_grace_s=0.0, golden_timeout_s=2.0,
-                                goldens={CALBIN_SHA[CALBIN["other"]]: oracle_golden(OTHER_SEED)})
+                                goldens={CALBIN_SHA[CALBIN["other"]]: oracle_golden(OTHER_SEED)},
+                                # a guess expires by real time (50 ms by default): in this
+                                # stepped machine only the rules may decide, or hypothesis's
+                                # replay of an example would depend on how loaded the host is
+                                tuning=HotPathTuning(auto_idle_s=DEADLINE_S))
         ex = self.ex
         self.infer_callers: list[str] = []
         self.wait_callers: list[str] = []
