@@ -395,3 +395,30 @@ def test_phase_b_an_early_request_never_shares_the_device_with_its_predecessor(c
         assert early_with_guess >= 1
         assert ex.device.emu.counters()["ccu_exceptions"] == 0
         assert ex.counters["quarantined"] == 0
+
+
+def test_a_guess_that_fails_to_prepare_reports_nothing_to_the_fault_controller(calbin):
+    """A guess nobody asked for whose preparation fails (here an unknown CSR) is released
+    uncounted and unreported: the request, when it comes, is admitted the ordinary way and
+    meets the same fault itself, so the fault controller hears of it once, as on the plain
+    path (it heard of it twice, and counted it towards its escalation)."""
+    from calexec.machines.faults import RecordingFaultSink
+    sink = RecordingFaultSink()
+    with running_job_path(calbin, threads=False, fault_sink=sink) as ex:
+        out = decode_run(ex, 1, 2)
+        past = len(PROMPT) + 2
+        handle = ex.enqueue(decode(1, out[-1], past))
+        assert ex.submit_one() and handle.state == "Submitted"  # the guess is queued
+        arm(ex, "UNKNOWN_CSR", mode="EVERY_K", param=1)  # every CSR write fails from now
+        reports = len(sink.reports)
+        while ex.submit_one():  # the submitter arms the guess: its preparation fails
+            pass
+        assert 1 not in ex._auto or ex._auto[1].job is None  # nothing armed
+        assert len(sink.reports) == reports, list(sink.reports)[reports:]
+        assert ex.snapshot()["failed"] == 0  # not counted either
+        while not handle.done and ex.complete_one():
+            pass
+        code, status = ex.decode_sync(decode(1, handle.wait_until(deadline()).argmax,
+                                             past + 1))
+        assert code != 0 and isinstance(status, Status), status  # the request meets it
+        assert len(sink.reports) == reports + 1  # reported once
