@@ -40,7 +40,9 @@ Serve routes the requests across the replicas and supervises them:
   refused, admitted requests finished) and shuts the executor down within
   ``ReplicaSettings.grace_s`` (an ingress stream still running then is handed to a sibling
   at its next token boundary). The deployment's ``graceful_shutdown_timeout_s`` is set above
-  that grace so Ray does not kill the process mid-drain.
+  that grace so Ray does not kill the process mid-drain. ``calexec serve --ray`` stops the
+  fleet at its ingress first (:func:`drain_fleet`: new requests 503 + Retry-After, admitted
+  ones finish), since Serve's shutdown stops the HTTP proxies at once.
 - Per-replica metrics: each replica exports Ray Serve gauges (:data:`RAY_GAUGES`) tagged with
   ``device``; Ray adds ``replica``, ``deployment`` and ``application``, and its metrics agent
   serves them to Prometheus per node. The replica's own /metrics (the reference server's) is
@@ -98,6 +100,10 @@ RAY_GAUGES: dict[str, tuple[str, str]] = {
 
 #: the handle method a replica relays completions through (see drivers/fleet/edge.py).
 RELAY_METHOD = "relay_http"
+
+#: the deployment names of :func:`build_app`: the HTTP entry and the device replicas
+INGRESS_DEPLOYMENT = "ingress"
+REPLICA_DEPLOYMENT = "calexec"
 
 
 class ReplicaFailed(RuntimeError):
@@ -385,6 +391,11 @@ class CalexecIngress:
     def __serve_build_asgi_app__(self) -> Any:
         return self.ingress
 
+    async def drain(self, grace_s: float) -> dict[str, Any]:
+        """Refuse new requests (503 + Retry-After) and wait up to ``grace_s`` for those in
+        progress (:meth:`FleetIngress.drain`); :func:`drain_fleet` calls it."""
+        return await self.ingress.drain(grace_s)
+
     def stats(self) -> dict[str, Any]:
         """The ingress's failover counters (tests, ops)."""
         return {"failovers": dict(self.ingress.failovers),
@@ -422,6 +433,16 @@ def device_label(executor: DeviceExecutor, settings: ReplicaSettings) -> str:
     return f"{host}/{settings.device_config or 'default'}"
 
 
+def drain_fleet(app: str, grace_s: float) -> dict[str, Any]:
+    """Drain the application ``app`` at its ingress before Serve shuts down: new requests are
+    answered 503 + Retry-After and those in progress finish (failovers included) within
+    ``grace_s``. Serve's own shutdown stops its HTTP proxies at once, which would cut every
+    stream in flight; the replicas' own drain (``__del__``) then finds nothing left.
+    Returns :meth:`FleetIngress.drain`'s answer."""
+    handle = serve.get_deployment_handle(INGRESS_DEPLOYMENT, app)
+    return handle.drain.remote(grace_s).result(timeout_s=grace_s + 30.0)
+
+
 def build_app(settings: ReplicaSettings, replicas: int, health_check_period_s: float = 0.5,
               health_check_timeout_s: float = 10.0, routing_stats_period_s: float = 0.1,
               failover: FailoverSettings | None = None, ingress: bool = True) -> Any:
@@ -444,7 +465,8 @@ def build_app(settings: ReplicaSettings, replicas: int, health_check_period_s: f
     if routing_stats_period_s <= 0:
         raise ValueError(f"routing_stats_period_s={routing_stats_period_s}: must be > 0")
     deployment = serve.deployment(
-        CalexecReplica if ingress else CalexecHttpReplica, name="calexec", num_replicas=replicas,
+        CalexecReplica if ingress else CalexecHttpReplica, name=REPLICA_DEPLOYMENT,
+        num_replicas=replicas,
         ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=settings.server.max_sequences,
         graceful_shutdown_wait_loop_s=0.2,
@@ -461,7 +483,8 @@ def build_app(settings: ReplicaSettings, replicas: int, health_check_period_s: f
         max_failovers=server.max_resumes, default_timeout_s=server.default_timeout_s,
         max_body_bytes=server.max_body_bytes, retry_after_s=server.retry_after_s)
     entry = serve.deployment(
-        CalexecIngress, name="ingress", num_replicas=1, ray_actor_options={"num_cpus": 0},
+        CalexecIngress, name=INGRESS_DEPLOYMENT, num_replicas=1,
+        ray_actor_options={"num_cpus": 0},
         # every request of the fleet passes here: as many as the replicas admit or queue
         max_ongoing_requests=replicas * (server.max_sequences + server.max_waiting) + 16)
     return entry.bind(deployment.bind(settings), failover)

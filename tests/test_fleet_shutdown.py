@@ -1,0 +1,72 @@
+"""How the fleet stops, without starting Ray (issue 24 item 8).
+
+- the fleet ingress's drain (drivers/fleet/ingress.py): new requests 503 + Retry-After, the
+  admitted ones finish, bounded by the grace; driven as in tests/test_fleet_ingress.py, with
+  plain async generators as replicas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from calexec.drivers.fleet.ingress import FailoverSettings, FleetIngress
+from test_fleet_ingress import UNCUT, Client, Replica, Router
+
+
+def ingress(router) -> FleetIngress:
+    return FleetIngress(router, FailoverSettings(backoff_s=0.001, retry_after_s=2))
+
+
+def test_a_draining_ingress_refuses_new_requests_and_waits_for_the_admitted_ones():
+    gate = asyncio.Event()
+    r1 = Replica("r1", gate=gate)  # each token after the first waits for the gate
+    app = ingress(Router(r1))
+
+    async def scenario():
+        first = asyncio.ensure_future(Client().run(app))
+        while not r1.requests:  # admitted and streaming
+            await asyncio.sleep(0.01)
+        assert app.active == 1
+        drain = asyncio.ensure_future(app.drain(grace_s=5.0, poll_s=0.01))
+        await asyncio.sleep(0.05)
+        assert not drain.done() and app.draining  # the admitted stream is still running
+        late = await Client().run(app)  # refused at once, never reaches a replica
+        gate.set()
+        return await first, late, await drain
+
+    first, late, drained = asyncio.run(scenario())
+    assert first.content == UNCUT and first.ended  # the admitted stream was not cut
+    assert drained == {"drained": True, "active": 0}
+    assert len(r1.requests) == 1  # the late request never reached the replica
+    assert late.starts[0]["status"] == 503 and late.header(b"retry-after") == b"2"
+    error = json.loads(late.content)["error"]
+    assert error["message"] == "fleet is draining" and error["code"] == "lifecycle.unavailable"
+
+
+def test_a_drain_gives_up_after_its_grace_and_says_how_many_requests_are_left():
+    gate = asyncio.Event()
+    r1 = Replica("r1", gate=gate)
+    app = ingress(Router(r1))
+
+    async def scenario():
+        first = asyncio.ensure_future(Client().run(app))
+        while not r1.requests:
+            await asyncio.sleep(0.01)
+        drained = await app.drain(grace_s=0.1, poll_s=0.01)
+        gate.set()  # then let it finish, so nothing is left running
+        await first
+        return drained
+
+    assert asyncio.run(scenario()) == {"drained": False, "active": 1}
+    assert app.active == 0
+
+
+@pytest.mark.parametrize("grace", [-1.0, float("nan"), float("inf")])
+def test_a_drain_refuses_a_grace_that_is_not_a_finite_number_of_seconds(grace):
+    app = ingress(Router(Replica("r1")))
+    with pytest.raises(ValueError, match=f"grace_s={grace}"):
+        asyncio.run(app.drain(grace))
+    assert not app.draining
