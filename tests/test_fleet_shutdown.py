@@ -2,16 +2,26 @@
 
 - the fleet ingress's drain (drivers/fleet/ingress.py): new requests 503 + Retry-After, the
   admitted ones finish, bounded by the grace; driven as in tests/test_fleet_ingress.py, with
-  plain async generators as replicas.
+  plain async generators as replicas;
+- drivers/fleet/local_ray.py: the signal handlers the CLI installs after ``ray.init``, and
+  the reaping of what Ray leaves running.
+
+The Ray processes themselves (sockets, exit code, leftovers): tests/test_fleet_process.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import subprocess
+import sys
 
 import pytest
 
+import needs
+from calexec.drivers.fleet import local_ray
 from calexec.drivers.fleet.ingress import FailoverSettings, FleetIngress
 from test_fleet_ingress import UNCUT, Client, Replica, Router
 
@@ -70,3 +80,43 @@ def test_a_drain_refuses_a_grace_that_is_not_a_finite_number_of_seconds(grace):
     with pytest.raises(ValueError, match=f"grace_s={grace}"):
         asyncio.run(app.drain(grace))
     assert not app.draining
+
+
+def test_stop_signals_set_the_event_and_restore_the_previous_handlers():
+    def previous(*_):
+        raise AssertionError("the previous handler must not run inside the context")
+    saved = {sig: signal.signal(sig, previous) for sig in local_ray.StopSignals.SIGNALS}
+    try:
+        with local_ray.StopSignals() as signals:
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert signals.stop.wait(5) and signals.received == "SIGTERM"
+            os.kill(os.getpid(), signal.SIGINT)  # a second signal: no KeyboardInterrupt
+            assert signals.received == "SIGTERM"
+        for sig in local_ray.StopSignals.SIGNALS:
+            assert signal.getsignal(sig) is previous
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+def test_reap_waits_for_processes_that_end_and_ends_those_that_do_not():
+    needs.module("ray", "ray")  # psutil comes with Ray
+    psutil = needs.module("psutil", "ray")
+    quick = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.2)"])
+    stuck = subprocess.Popen([sys.executable, "-c",  # ignores SIGTERM: needs the SIGKILL
+                              "import signal, time; signal.signal(signal.SIGTERM, "
+                              "signal.SIG_IGN); print('up', flush=True); time.sleep(60)"],
+                             stdout=subprocess.PIPE)
+    try:
+        assert stuck.stdout.readline() == b"up\n"
+        forced = local_ray.reap([psutil.Process(quick.pid), psutil.Process(stuck.pid)],
+                                wait_s=2.0, term_s=0.5)
+        assert [f.split()[0] for f in forced] == [str(stuck.pid)]
+        # reaped by reap() itself (both are this process's children): no zombie is left
+        assert not psutil.pid_exists(quick.pid) and not psutil.pid_exists(stuck.pid)
+    finally:
+        for proc in (quick, stuck):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(5)
+        stuck.stdout.close()
