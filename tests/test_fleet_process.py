@@ -5,6 +5,8 @@ Each fleet here is ``calexec serve --ray`` in a subprocess on ``--host 127.0.0.1
 port picked on loopback; the tests list the process tree (psutil, which Ray ships) while it
 serves, signal it, and check what is left once it exited:
 
+- every listening socket of the tree (GCS, raylet, dashboard and runtime-env agents, Serve
+  controller, proxy, replicas, the driver) is on loopback;
 - SIGTERM drains: a stream in flight finishes with every token, a request arriving during the
   drain gets 503 + Retry-After, the command exits 0 and, when it has exited, no process of
   its tree is running and none of their ports is still listening (no agent lingering);
@@ -16,6 +18,7 @@ module needs the ``[ray]`` extra (skipped without it); one fleet at a time, abou
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import queue
@@ -39,6 +42,12 @@ STARTUP_S = 180.0  # Ray + Serve + two golden runs on 2 shared cores
 #: the kinds of process a local fleet runs (the listing below must have found them all)
 KINDS = ("gcs_server", "raylet", "DashboardAgent", "RuntimeEnvAgent", "ServeController",
          "ProxyActor", "ServeReplica:calexec:calexec", "ServeReplica:calexec:ingress")
+
+
+def is_loopback(ip: str) -> bool:
+    address = ipaddress.ip_address(ip)
+    mapped = getattr(address, "ipv4_mapped", None)
+    return address.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 class Fleet:
@@ -158,6 +167,19 @@ def fleet():
         yield fleet
     finally:
         fleet.cleanup()
+
+
+def test_every_listening_socket_of_a_loopback_fleet_is_on_loopback(fleet):
+    sockets = fleet.listening()
+    assert_listed_every_kind(fleet)
+    exposed = {f"{ip}:{port}": name for (ip, port), name in sockets.items()
+               if not is_loopback(ip)}
+    assert not exposed, f"Ray sockets beyond loopback: {exposed}"
+    assert ("127.0.0.1", fleet.port) in sockets  # the Serve proxy, where --port said
+    r = httpx.post(f"{fleet.url}/v1/completions", json={"prompt": [3, 4], "max_tokens": 3},
+                   timeout=30)
+    assert r.status_code == 200
+    assert r.json()["choices"][0]["token_ids"] == oracle_tokens([3, 4], 3)
 
 
 def test_sigterm_drains_the_fleet_exits_0_and_leaves_no_ray_process_or_port(fleet):

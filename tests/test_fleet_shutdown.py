@@ -1,10 +1,11 @@
-"""How the fleet stops, without starting Ray (issue 24 item 8).
+"""How the fleet stops and where its local Ray listens, without starting Ray (issue 24 item 8).
 
 - the fleet ingress's drain (drivers/fleet/ingress.py): new requests 503 + Retry-After, the
   admitted ones finish, bounded by the grace; driven as in tests/test_fleet_ingress.py, with
   plain async generators as replicas;
-- drivers/fleet/local_ray.py: the signal handlers the CLI installs after ``ray.init``, and
-  the reaping of what Ray leaves running.
+- drivers/fleet/local_ray.py's rules: which environment makes a local Ray listen on loopback,
+  the refusal of a node IP that is not, the rewrite of Serve's wildcard gRPC bind, the signal
+  handlers the CLI installs after ``ray.init``, and the reaping of what Ray leaves running.
 
 The Ray processes themselves (sockets, exit code, leftovers): tests/test_fleet_process.py.
 """
@@ -80,6 +81,43 @@ def test_a_drain_refuses_a_grace_that_is_not_a_finite_number_of_seconds(grace):
     with pytest.raises(ValueError, match=f"grace_s={grace}"):
         asyncio.run(app.drain(grace))
     assert not app.draining
+
+
+@pytest.mark.parametrize("host,loopback", [
+    ("127.0.0.1", True), ("127.0.0.2", True), ("localhost", True), ("::1", True),
+    ("[::1]", True), ("0.0.0.0", False), ("::", False), ("10.1.2.3", False),
+    ("npu-host-1", False)])
+def test_loopback_hosts(host, loopback):
+    assert local_ray.is_loopback(host) is loopback
+
+
+def test_a_local_ray_for_a_loopback_host_runs_in_ray_single_machine_mode():
+    env = local_ray.SINGLE_MACHINE_ENV
+    assert local_ray.local_environment("127.0.0.1", {}) == {env: "0"}
+    assert local_ray.local_environment("::1", {}) == {env: "0"}
+    # a routable or wildcard host: Ray's own binding (every interface, as a cluster needs)
+    assert local_ray.local_environment("0.0.0.0", {}) == {}
+    assert local_ray.local_environment("10.1.2.3", {}) == {}
+    # joining a cluster: its services listen as the cluster was started
+    assert local_ray.local_environment("127.0.0.1", {"RAY_ADDRESS": "head:6379"}) == {}
+    # the user's own setting wins
+    assert local_ray.local_environment("127.0.0.1", {env: "1"}) == {}
+
+
+def test_a_node_ip_that_is_not_loopback_is_refused_for_a_loopback_host():
+    local_ray.check_node_ip("127.0.0.1", "127.0.0.1")
+    local_ray.check_node_ip("0.0.0.0", "192.0.2.2")  # not asked for loopback
+    with pytest.raises(local_ray.RayBindError,
+                       match=r"--host=127\.0\.0\.1 .* node IP 192\.0\.2\.2"):
+        local_ray.check_node_ip("127.0.0.1", "192.0.2.2")
+
+
+def test_serve_grpc_wildcard_binds_move_to_a_loopback_node_ip_only():
+    assert local_ray.grpc_bind_address("[::]:0", "127.0.0.1") == "127.0.0.1:0"
+    assert local_ray.grpc_bind_address("0.0.0.0:9000", "127.0.0.1") == "127.0.0.1:9000"
+    assert local_ray.grpc_bind_address("[::]:0", "::1") == "[::1]:0"
+    assert local_ray.grpc_bind_address("[::]:0", "192.0.2.2") == "[::]:0"  # a cluster node
+    assert local_ray.grpc_bind_address("10.0.0.1:0", "127.0.0.1") == "10.0.0.1:0"
 
 
 def test_stop_signals_set_the_event_and_restore_the_previous_handlers():

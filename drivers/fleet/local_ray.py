@@ -1,9 +1,24 @@
-"""The Ray that ``calexec serve --ray`` starts: how it ends.
+"""The Ray that ``calexec serve --ray`` starts: where its services listen and how it ends.
 
 ``calexec serve --ray`` joins the cluster named by ``$RAY_ADDRESS`` or starts a local one in its
 own process tree (GCS, raylet, the dashboard and runtime-env agents, the Serve controller,
 proxy and replicas). This module holds what the CLI (drivers/serving/serve.py) needs around
-``ray.init``; it never imports Ray at module level.
+``ray.init``; it never imports Ray at module level (callers import Ray after
+:func:`local_environment` has set what Ray reads at import).
+
+**Where a local Ray listens.** Ray binds its gRPC servers (GCS, raylet, every worker's core
+worker), its agents and its metrics ports to loopback only when the node's IP is loopback, and
+to every interface otherwise. On Linux ``ray.init(_node_ip_address="127.0.0.1")`` is rewritten
+to the host's routable address (``resolve_ip_for_localhost``); the node IP is loopback only in
+Ray's single-machine mode, the one it uses on macOS and Windows, selected by
+``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (read when ``ray`` is imported). So for a loopback
+``--host`` and a local cluster, :func:`local_environment` sets that variable (unless the user
+set it), and :func:`check_node_ip` refuses a node IP that is not loopback after ``ray.init``
+(Ray imported earlier in the process, or a Ray that changed the rule), naming the address.
+A Serve replica's inter-deployment gRPC server (``[::]:0`` in Ray Serve 2.60, whatever the
+node IP) is moved by :func:`bind_serve_grpc_to_node_ip`, called in the replica's constructor.
+A wildcard or routable ``--host`` leaves Ray's defaults: every interface, as a multi-node
+cluster needs.
 
 **How it ends.** ``ray.init`` replaces the SIGTERM handler of its caller (its own Python handler
 calls ``sys.exit``; its core worker's C++ failure handler logs ``*** SIGTERM received`` and
@@ -18,6 +33,7 @@ the command exits with nothing of its Ray left behind.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import signal
@@ -26,9 +42,26 @@ from typing import Any, Iterable
 
 log = logging.getLogger("calexec.fleet.local_ray")
 
+#: Ray's switch between its single-machine mode (0: node IP is loopback) and cluster mode.
+SINGLE_MACHINE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
 #: how long :func:`reap` waits for the processes to end by themselves, then after SIGTERM
 REAP_WAIT_S = 15.0
 REAP_TERM_S = 5.0
+
+
+class RayBindError(RuntimeError):
+    """A local Ray would listen beyond the loopback ``--host`` it was asked for."""
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) is a loopback address."""
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def joins_cluster(environ: dict[str, str] | None = None) -> bool:
@@ -36,6 +69,63 @@ def joins_cluster(environ: dict[str, str] | None = None) -> bool:
     starting a local one."""
     env = os.environ if environ is None else environ
     return bool(env.get("RAY_ADDRESS", "").strip())
+
+
+def local_environment(host: str, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """What to set in the environment before ``import ray`` so that a local Ray serving on
+    ``host`` listens where ``host`` does: Ray's single-machine mode for a loopback host.
+    Empty when joining a cluster, for a non-loopback host, or when the user set the variable."""
+    env = os.environ if environ is None else environ
+    if joins_cluster(env) or not is_loopback(host) or SINGLE_MACHINE_ENV in env:
+        return {}
+    return {SINGLE_MACHINE_ENV: "0"}
+
+
+def check_node_ip(host: str, node_ip: str) -> None:
+    """Raise :class:`RayBindError` when ``host`` is loopback but the local Ray's node IP is not
+    (its services would listen on every interface)."""
+    if is_loopback(host) and not is_loopback(node_ip):
+        raise RayBindError(
+            f"--host={host} is loopback but the local Ray started with node IP {node_ip}, so "
+            f"its services would listen on every interface (Ray was imported before "
+            f"{SINGLE_MACHINE_ENV}=0 could be set, or that variable is set to another value)")
+
+
+def grpc_bind_address(address: str, node_ip: str) -> str:
+    """``address`` with a wildcard host (``[::]``, ``0.0.0.0``) replaced by ``node_ip`` when the
+    node IP is loopback; any other address as given."""
+    host, sep, port = address.rpartition(":")
+    if not sep or host not in ("[::]", "0.0.0.0") or not is_loopback(node_ip):
+        return address
+    bare = node_ip.strip("[]")
+    return f"[{bare}]:{port}" if ":" in bare else f"{bare}:{port}"
+
+
+def bind_serve_grpc_to_node_ip() -> bool:
+    """In a Serve replica process: make the replica's inter-deployment gRPC server, which Ray
+    Serve 2.60 binds to ``[::]:0`` after the user constructor, bind to the node IP when that is
+    loopback (as every other Ray server of the node does). True when the bind was redirected
+    (idempotent); False on a routable node IP or when this Serve has no such hook."""
+    import ray
+    from ray.serve._private import replica as serve_replica
+
+    node_ip = ray.util.get_node_ip_address()
+    if not is_loopback(node_ip):
+        return False
+    original = getattr(serve_replica, "add_port_to_grpc_server", None)
+    if original is None:
+        log.warning("Ray Serve has no add_port_to_grpc_server: the replica's gRPC server "
+                    "keeps Serve's own address")
+        return False
+    if getattr(original, "calexec_node_ip", None) == node_ip:
+        return True
+
+    def add_port_to_grpc_server(server: Any, address: str) -> int:
+        return original(server, grpc_bind_address(address, node_ip))
+
+    add_port_to_grpc_server.calexec_node_ip = node_ip  # type: ignore[attr-defined]
+    serve_replica.add_port_to_grpc_server = add_port_to_grpc_server
+    return True
 
 
 class StopSignals:

@@ -49,6 +49,10 @@ Serve routes the requests across the replicas and supervises them:
   reachable through the router too, one replica per request; every response carries
   ``x-calexec-replica`` and ``x-calexec-device`` headers naming who served it.
 
+On a local Ray whose node IP is loopback (``calexec serve --ray --host 127.0.0.1``,
+drivers/fleet/local_ray.py) each replica also binds Serve's inter-deployment gRPC server to
+loopback (:func:`~calexec.drivers.fleet.local_ray.bind_serve_grpc_to_node_ip`).
+
 Ray is an optional extra (``pip install calexec[ray]``); this module imports it at import time.
 """
 
@@ -68,6 +72,7 @@ from ray.serve import metrics as serve_metrics
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
+from calexec.drivers.fleet import local_ray
 from calexec.drivers.fleet import registry as replica_registry
 from calexec.drivers.device_spec import DeviceSpec
 from calexec.drivers.fleet.edge import ReplicaEdge, serve_relayed
@@ -240,6 +245,7 @@ class CalexecReplica:
         """Open the device and start the executor (golden included); raise on failure so Ray
         retries the constructor instead of routing to a replica that cannot serve."""
         self.settings = settings
+        local_ray.bind_serve_grpc_to_node_ip()  # a loopback node: Serve's gRPC server too
         set_gil_switch_interval_us(settings.gil_switch_us)  # the process is this replica's
         self._tmp = tempfile.TemporaryDirectory(prefix="calexec-replica-")
         spec = DeviceSpec(manifest_path=settings.manifest_path, calbin_path=settings.calbin_path,
@@ -369,6 +375,7 @@ class CalexecIngress:
     ``calexec_fleet_failover_budget_exhausted``."""
 
     def __init__(self, replicas: Any, failover: FailoverSettings) -> None:
+        local_ray.bind_serve_grpc_to_node_ip()  # a loopback node: Serve's gRPC server too
         self._relay = replicas.options(method_name=RELAY_METHOD, stream=True)
         self.ingress = FleetIngress(lambda request: self._relay.remote(request), failover)
         failovers = serve_metrics.Counter(

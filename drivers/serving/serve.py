@@ -13,12 +13,13 @@ not allow: with an external ``--runtime-lib`` and neither, the reset kind is ``n
 return a completion.
 
 ``--ray --replicas N`` serves the same app from N Ray Serve replicas, one device each
-(drivers/fleet/ray_serve.py, docs/deployment.md): it joins the cluster in ``$RAY_ADDRESS`` or starts
-a local one, serves until SIGTERM/SIGINT (or,
-with ``--once``, one sample completion), then drains the fleet at its ingress within
-``--grace``, shuts Serve and Ray down, waits for the local cluster's processes and exits 0;
-3 when the deployment did not start or requests were still running after ``--grace``. The library never exits the process; this module's ``main`` returns the code
-to the console script.
+(drivers/fleet/ray_serve.py, docs/deployment.md): it joins the cluster in ``$RAY_ADDRESS`` or
+starts a local one (on loopback only for a loopback ``--host``), serves until SIGTERM/SIGINT
+(or, with ``--once``, one sample completion), then drains the fleet at its ingress within
+``--grace``, shuts Serve and Ray down, waits for the local cluster's processes and exits 0; 3
+when the deployment did not start or requests were still running after ``--grace``. The
+library never exits the process; this module's ``main`` returns the code to the console
+script.
 """
 
 from __future__ import annotations
@@ -220,14 +221,16 @@ def main(argv: list[str]) -> int:
 def _serve_ray(args: argparse.Namespace, config: ServerConfig, port: int, spec) -> int:
     """``--ray``: deploy ``--replicas`` replicas behind Serve's proxy on ``--host:--port``.
 
-    The SIGTERM/SIGINT handlers go in after ``ray.init`` (which replaces its caller's,
-    drivers/fleet/local_ray.py). On a signal the fleet drains at its ingress
+    A local Ray started for a loopback ``--host`` listens on loopback only (Ray's
+    single-machine mode, drivers/fleet/local_ray.py). The SIGTERM/SIGINT handlers go in after
+    ``ray.init`` (which replaces its caller's). On a signal the fleet drains at its ingress
     (new requests 503 + Retry-After, those in progress finish within ``--grace``), then Serve
     shuts down (each replica drains what is left), then Ray, and the command waits for every
     process of the local cluster to end: 0, or 3 when requests were still running after
     ``--grace`` (they are cut)."""
     from calexec.drivers.fleet import local_ray
 
+    os.environ.update(local_ray.local_environment(args.host))  # read at `import ray`
     try:
         import ray
         from ray import serve
@@ -238,7 +241,7 @@ def _serve_ray(args: argparse.Namespace, config: ServerConfig, port: int, spec) 
               file=sys.stderr)
         return EXIT_USAGE
     if port == 0:  # --once: an ephemeral port the proxy can bind
-        with socket.socket() as s:
+        with socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET) as s:
             s.bind((args.host, 0))
             port = s.getsockname()[1]
     settings = ReplicaSettings(device_config=args.device_config, calbin_path=args.calbin,
@@ -249,6 +252,8 @@ def _serve_ray(args: argparse.Namespace, config: ServerConfig, port: int, spec) 
     ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False)
     with local_ray.StopSignals() as signals:
         try:
+            if local:
+                local_ray.check_node_ip(args.host, ray.util.get_node_ip_address())
             serve.start(http_options={"host": args.host, "port": port})
             try:
                 serve.run(build_app(settings, args.replicas or 1), name="calexec",
@@ -271,6 +276,9 @@ def _serve_ray(args: argparse.Namespace, config: ServerConfig, port: int, spec) 
                       f"after --grace={args.grace:g} s are cut", file=sys.stderr)
                 return EXIT_FAILED
             return EXIT_OK
+        except local_ray.RayBindError as err:
+            print(f"calexec serve --ray: {err}", file=sys.stderr)
+            return EXIT_USAGE
         finally:  # still under our handlers: a second signal cannot cut the drain short
             forced = local_ray.shutdown(local)
             if forced:
