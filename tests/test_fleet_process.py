@@ -10,10 +10,13 @@ serves, signal it, and check what is left once it exited:
 - SIGTERM drains: a stream in flight finishes with every token, a request arriving during the
   drain gets 503 + Retry-After, the command exits 0 and, when it has exited, no process of
   its tree is running and none of their ports is still listening (no agent lingering);
-- SIGINT: the same exit.
+- without ``$RAY_ADDRESS`` it starts its own Ray, even when the machine's last ``ray start``
+  cluster (Ray's ``ray_current_cluster`` file) is gone; SIGINT stops it like SIGTERM.
 
-Every wait is bounded; a fleet that outlives its test is killed by pid (never by name). The
-module needs the ``[ray]`` extra (skipped without it); one fleet at a time, about 25 s each.
+Each fleet's Ray lives in a temporary directory of its own (``RAY_TMPDIR``), apart from any
+other Ray on the machine. Every wait is bounded; a fleet that outlives its test is killed by
+pid (never by name). The module needs the ``[ray]`` extra (skipped without it); one fleet at a
+time, 25-35 s each.
 """
 
 from __future__ import annotations
@@ -22,9 +25,11 @@ import ipaddress
 import json
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -54,15 +59,23 @@ class Fleet:
     """``calexec serve --ray`` in a subprocess of its own session; :meth:`tree` lists its
     processes, :meth:`cleanup` kills whatever of it is still running (by pid)."""
 
-    def __init__(self, replicas: int, grace_s: float = 20.0, decode_us: int = 20_000) -> None:
+    def __init__(self, replicas: int, grace_s: float = 20.0, decode_us: int = 20_000,
+                 stale_address: bool = False) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        # short: Ray's unix sockets live below it (a socket path has at most 107 bytes)
+        self.tmp = tempfile.mkdtemp(prefix="cxr-", dir="/tmp")
+        if stale_address:  # what a `ray start` cluster that is gone leaves behind
+            os.makedirs(os.path.join(self.tmp, "ray"))
+            with open(os.path.join(self.tmp, "ray", "ray_current_cluster"), "w") as f:
+                f.write(f"127.0.0.1:{free_port()}")
+        env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "calexec", "serve", "--ray", "--replicas", str(replicas),
              "--host", "127.0.0.1", "--port", str(self.port), "--grace", str(grace_s),
              "--device-config", f"decode_us={decode_us}"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-            env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"})
+            env={**env, "RAY_TMPDIR": self.tmp})
         self.lines: queue.Queue[str | None] = queue.Queue()
         self.stdout: list[str] = []
         self.stderr: list[str] = []
@@ -141,6 +154,7 @@ class Fleet:
                 pass
         for reader in self._readers:
             reader.join(10)
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def still_listening(sockets) -> list[str]:
@@ -241,14 +255,21 @@ def test_sigterm_drains_the_fleet_exits_0_and_leaves_no_ray_process_or_port(flee
     assert not still_listening(sockets), still_listening(sockets)
 
 
-def test_sigint_stops_the_fleet_with_exit_0_and_leaves_no_ray_process_or_port():
-    fleet = Fleet(replicas=1)
+def test_a_fleet_without_ray_address_starts_its_own_ray_and_sigint_stops_it():
+    """A stale ``ray_current_cluster`` (a ``ray start`` cluster that is gone) is not joined:
+    ``ray.init()`` without an address would wait for that cluster for ever; the fleet starts
+    its own Ray and serves. SIGINT then stops it as SIGTERM does."""
+    fleet = Fleet(replicas=1, stale_address=True)
     try:
         fleet.wait_serving()
         sockets = fleet.listening()
-        assert any("ServeReplica:calexec:calexec" in name for _, name in fleet.seen.values())
+        assert any("gcs_server" in name for _, name in fleet.seen.values())  # its own Ray
+        r = httpx.post(f"{fleet.url}/v1/completions", timeout=30,
+                       json={"prompt": [6, 7], "max_tokens": 2})
+        assert r.status_code == 200
         os.kill(fleet.proc.pid, signal.SIGINT)
         assert fleet.proc.wait(120) == 0, "".join(fleet.stderr)[-3000:]
+        assert any("SIGINT: draining" in line for line in fleet.stdout)
         assert not any("interrupted" in line for line in fleet.stderr)
         assert not fleet.leftovers(), fleet.leftovers()
         assert not still_listening(sockets), still_listening(sockets)

@@ -104,6 +104,20 @@ def test_a_local_ray_for_a_loopback_host_runs_in_ray_single_machine_mode():
     assert local_ray.local_environment("127.0.0.1", {env: "1"}) == {}
 
 
+def test_without_ray_address_ray_init_starts_a_local_cluster_never_the_last_one_started():
+    assert local_ray.init_address({}) == "local"
+    assert local_ray.init_address({"RAY_ADDRESS": " "}) == "local"
+    assert local_ray.init_address({"RAY_ADDRESS": "head:6379"}) == "head:6379"
+    assert not local_ray.joins_cluster({}) and local_ray.joins_cluster({"RAY_ADDRESS": "h:1"})
+
+
+def test_a_failed_join_names_the_address_and_the_token_settings():
+    line = local_ray.join_error("10.0.0.5:6379", ConnectionError("Failed to connect"))
+    assert "RAY_ADDRESS='10.0.0.5:6379'" in line and "Failed to connect" in line
+    assert "RAY_AUTH_MODE=token" in line and "RAY_AUTH_TOKEN" in line
+    assert "\n" not in line
+
+
 def test_a_node_ip_that_is_not_loopback_is_refused_for_a_loopback_host():
     local_ray.check_node_ip("127.0.0.1", "127.0.0.1")
     local_ray.check_node_ip("0.0.0.0", "192.0.2.2")  # not asked for loopback

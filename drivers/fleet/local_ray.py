@@ -1,10 +1,11 @@
 """The Ray that ``calexec serve --ray`` starts: where its services listen and how it ends.
 
 ``calexec serve --ray`` joins the cluster named by ``$RAY_ADDRESS`` or starts a local one in its
-own process tree (GCS, raylet, the dashboard and runtime-env agents, the Serve controller,
-proxy and replicas). This module holds what the CLI (drivers/serving/serve.py) needs around
-``ray.init``; it never imports Ray at module level (callers import Ray after
-:func:`local_environment` has set what Ray reads at import).
+own process tree: GCS, raylet, the dashboard and runtime-env agents, the Serve controller, proxy
+and replicas (:func:`init_address`: never the last ``ray start`` cluster of the machine). This
+module holds what the CLI (drivers/serving/serve.py) needs around ``ray.init``; it never
+imports Ray at module level (callers import Ray after :func:`local_environment` has set what
+Ray reads at import).
 
 **Where a local Ray listens.** Ray binds its gRPC servers (GCS, raylet, every worker's core
 worker), its agents and its metrics ports to loopback only when the node's IP is loopback, and
@@ -69,6 +70,23 @@ def joins_cluster(environ: dict[str, str] | None = None) -> bool:
     starting a local one."""
     env = os.environ if environ is None else environ
     return bool(env.get("RAY_ADDRESS", "").strip())
+
+
+def init_address(environ: dict[str, str] | None = None) -> str:
+    """The ``address`` for ``ray.init``: ``$RAY_ADDRESS`` when set, else ``"local"`` (always a
+    new local cluster; with ``None`` Ray would join the last ``ray start`` cluster of the
+    machine named in its ``ray_current_cluster`` file, and wait for ever on a stale one)."""
+    env = os.environ if environ is None else environ
+    return env.get("RAY_ADDRESS", "").strip() or "local"
+
+
+def join_error(address: str, err: BaseException) -> str:
+    """One line for a ``ray.init`` that could not join the cluster at ``address``: Ray uses a
+    cluster's token only when told to (an explicit address never enables it by itself)."""
+    return (f"cannot join the Ray cluster at RAY_ADDRESS={address!r}: {err}; a cluster with "
+            f"token authentication needs RAY_AUTH_MODE=token and its token (RAY_AUTH_TOKEN, "
+            f"RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token; `ray get-auth-token` on the head prints "
+            f"it), and a head started with {SINGLE_MACHINE_ENV}=0 needs it here too")
 
 
 def local_environment(host: str, environ: dict[str, str] | None = None) -> dict[str, str]:

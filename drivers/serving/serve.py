@@ -249,7 +249,14 @@ def _serve_ray(args: argparse.Namespace, config: ServerConfig, port: int, spec) 
                                gil_switch_us=args.gil_switch_us, manifest_path=args.manifest,
                                reset_kind=spec.reset()[0])
     local = not local_ray.joins_cluster()
-    ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False)
+    try:
+        ray.init(address=local_ray.init_address(), include_dashboard=False)
+    except (ConnectionError, RuntimeError, ray.exceptions.RayError) as err:
+        if local:
+            raise
+        print(f"calexec serve --ray: {local_ray.join_error(os.environ['RAY_ADDRESS'], err)}",
+              file=sys.stderr)
+        return EXIT_USAGE
     with local_ray.StopSignals() as signals:
         try:
             if local:
