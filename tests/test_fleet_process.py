@@ -10,6 +10,7 @@ serves, signal it, and check what is left once it exited:
 - SIGTERM drains: a stream in flight finishes with every token, a request arriving during the
   drain gets 503 + Retry-After, the command exits 0 and, when it has exited, no process of
   its tree is running and none of their ports is still listening (no agent lingering);
+- a stream still running after ``--grace`` is cut and the exit is 3, with nothing left either;
 - without ``$RAY_ADDRESS`` it starts its own Ray, even when the machine's last ``ray start``
   cluster (Ray's ``ray_current_cluster`` file) is gone; SIGINT stops it like SIGTERM.
 
@@ -253,6 +254,32 @@ def test_sigterm_drains_the_fleet_exits_0_and_leaves_no_ray_process_or_port(flee
     # once the command has exited, nothing of its Ray is left: no process, no port
     assert not fleet.leftovers(), fleet.leftovers()
     assert not still_listening(sockets), still_listening(sockets)
+
+
+def test_a_stream_longer_than_the_grace_is_cut_and_the_exit_is_3():
+    fleet = Fleet(replicas=1, grace_s=1.0)
+    try:
+        fleet.wait_serving()
+        sockets = fleet.listening()
+        tokens: list[int] = []
+        signalled = False
+        with pytest.raises(httpx.HTTPError):  # 300 tokens at 20 ms: 6 s, cut after 1 s
+            with httpx.stream("POST", f"{fleet.url}/v1/completions", timeout=60,
+                              json={"prompt": [2], "max_tokens": 300, "stream": True}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        tokens += json.loads(line[6:])["choices"][0].get("token_ids", [])
+                    if len(tokens) >= 5 and not signalled:
+                        os.kill(fleet.proc.pid, signal.SIGTERM)
+                        signalled = True
+        assert 5 <= len(tokens) < 300
+        assert fleet.proc.wait(120) == 3
+        assert any("1 request(s) still running after --grace=1 s are cut" in line
+                   for line in fleet.stderr)
+        assert not fleet.leftovers(), fleet.leftovers()
+        assert not still_listening(sockets), still_listening(sockets)
+    finally:
+        fleet.cleanup()
 
 
 def test_a_fleet_without_ray_address_starts_its_own_ray_and_sigint_stops_it():
