@@ -24,12 +24,12 @@ cluster needs.
 **How it ends.** ``ray.init`` replaces the SIGTERM handler of its caller (its own Python handler
 calls ``sys.exit``; its core worker's C++ failure handler logs ``*** SIGTERM received`` and
 aborts: exit 134), so :class:`StopSignals` installs the CLI's handlers after ``ray.init`` and
-restores the previous ones on exit. ``ray.shutdown`` stops the processes it started itself but
-not the agents the raylet started: they notice their parent is gone by polling, and when the
-raylet did not stop gracefully they first try to report it to the (dead) GCS, about a minute
-with their ports held. :func:`reap` waits, bounded, for every process of the local cluster
-(the caller's descendants, listed before the shutdown) and ends the ones still running, so
-the command exits with nothing of its Ray left behind.
+restores the previous ones on exit. ``ray.shutdown`` returns before the agents the raylet
+started have ended: they notice their parent is gone by polling (seconds), and when the raylet
+did not stop gracefully they first try to report it to the (dead) GCS, about a minute with
+their ports held. :func:`reap` waits, bounded, for every process of the local cluster (the
+caller's descendants, listed before each shutdown step) and ends the ones still running, so the
+command exits with nothing of its Ray left behind.
 """
 
 from __future__ import annotations

@@ -277,7 +277,12 @@ def _serve_ray(args: argparse.Namespace, config: ServerConfig, port: int, spec) 
             signals.stop.wait()
             print(f"calexec serve --ray: {signals.received}: draining (grace {args.grace:g} s)",
                   flush=True)
-            drained = drain_fleet("calexec", args.grace)
+            try:
+                drained = drain_fleet("calexec", args.grace)
+            except Exception as err:  # the ingress is unreachable: the shutdown still runs
+                print(f"calexec serve --ray: the drain at the ingress failed: {err!r}",
+                      file=sys.stderr)
+                return EXIT_FAILED
             if not drained["drained"]:
                 print(f"calexec serve --ray: {drained['active']} request(s) still running "
                       f"after --grace={args.grace:g} s are cut", file=sys.stderr)
