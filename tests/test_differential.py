@@ -61,11 +61,11 @@ def clients(cid: int):
                                                        st.integers(1, 1000))),
         logits_out=st.booleans(), greedy=st.booleans(),
         tokens=st.lists(st.integers(0, 151935), min_size=1, max_size=3).map(tuple),
-        deadline_s=st.sampled_from((60.0, 60.0, 60.0, -1.0, 0.015)),
+        deadline_s=st.sampled_from((60.0, 60.0, 60.0, -1.0, 0.0147)),
         early_at=st.one_of(st.none(), st.none(), st.integers(0, 5)),
-        early_delay_s=st.sampled_from((0.0, 0.003, 0.008)),
+        early_delay_s=st.sampled_from((0.0, 0.0029, 0.0083)),
         after_failure=st.sampled_from(("same", "next", None)),
-        think_s=st.sampled_from((0.0, 0.0, 0.0, 0.004, 0.07)),
+        think_s=st.sampled_from((0.0, 0.0, 0.0, 0.0041, 0.0703)),
         release=st.booleans() | st.just(True),
         faults=st.lists(fault, max_size=2).map(tuple))
 
@@ -75,7 +75,7 @@ class DifferentialMachine(RuleBasedStateMachine):
 
     @initialize(variants=st.lists(st.sampled_from(NON_PLAIN), min_size=1, max_size=4,
                                   unique=True),
-                decode_ms=st.sampled_from((0.5, 3.0, 10.0)),
+                decode_ms=st.sampled_from((0.53, 3.1, 9.7)),
                 slots=st.sampled_from((2, 2, 4)))
     def start(self, variants, decode_ms, slots):
         self.diff = D.Differential(CALBINS, variants, decode_s=decode_ms / 1000,
@@ -93,7 +93,7 @@ class DifferentialMachine(RuleBasedStateMachine):
     def another_client(self, data):  # (a client twice as likely as any other action)
         self.client(data)
 
-    @rule(seconds=st.sampled_from((0.0005, 0.002, 0.006, 0.02, 0.1, 0.5)))
+    @rule(seconds=st.sampled_from((0.00047, 0.0021, 0.0059, 0.0203, 0.1007, 0.5003)))
     def tick(self, seconds):
         self.diff.act(("tick", seconds))
 
