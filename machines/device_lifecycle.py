@@ -54,9 +54,7 @@ class DeviceLifecycle:
 
     def all_submitted_drained(self) -> bool:
         self._reap_held(report=False)
-        with self.submit_mu:
-            return (self._inflight == 0 and self._handing_off == 0 and not self._submit_q
-                    and not self._completion_q and not self._armed)
+        return self.dispatch.drained() and not self._completion_q
 
     def reset_confirmed(self) -> bool:
         """The runtime no longer touches any old-generation buffer: every generation that
@@ -64,9 +62,8 @@ class DeviceLifecycle:
         no failed job is still held by the runtime."""
         if self.gen is not None and self.gen.id == self._served_gen_id:
             return False  # the generation that served is still the current one
-        with self.submit_mu:
-            if self._held_by_runtime:
-                return False
+        if self.dispatch.held():
+            return False
         return all(old.released for old in self._retired if old.id <= self._served_gen_id)
 
     def last_good_known(self) -> bool:
@@ -126,16 +123,14 @@ class DeviceLifecycle:
         gen.kvc.on_busy = self._drop_armed  # armed jobs are guesses
         self.gen = gen
         self._golden_ok = False
-        with self._submit_cv:
-            self._refusal = None  # the new generation's own golden jobs may queue
+        self.dispatch.refuse(None)  # the new generation's own golden jobs may queue
         return Status.OK
 
     def _go_ready(self) -> None:
         with self.lifecycle_mu:
             self.lifecycle.send(LIFECYCLE_EV_WARMED)
             self._served_gen_id = self.gen.id
-            with self._submit_cv:
-                self._refusal = None
+            self.dispatch.refuse(None)
             self._admitting = not self._stopping
             self._ready_cv.notify_all()  # requests queued through the recovery go on
         path = self.gen.calbin_path
@@ -486,11 +481,9 @@ class DeviceLifecycle:
             self.gen.pool.wake()
 
     def _refuse_queued(self, status: Status) -> None:
-        with self._submit_cv:
-            self._refusal = status
-            self._submit_cv.notify_all()
+        self.dispatch.refuse(status)
         if not self.config.threads:
-            while (self._submit_q or self._armed) and self.submit_one():
+            while self.dispatch.has_work() and self.submit_one():
                 pass
 
     def _drain(self, grace: float) -> bool:

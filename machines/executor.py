@@ -48,12 +48,13 @@ from calexec.machines.autoarm import _ARMING_WAIT_S as _AUTO_ARMING_WAIT_S
 from calexec.machines.autoarm import AutoArm
 from calexec.machines.clock import SYSTEM, Clock
 from calexec.machines.compiled import LIFECYCLE, GuardRejected
+from calexec.machines.dispatch import Arm, Dispatch, Held
 from calexec.machines.device_lifecycle import DeviceLifecycle
 from calexec.machines.faults import Decision, FaultController, RecoveryPolicy
 from calexec.machines.generation import Generation
-from calexec.machines.job import InferenceResult, Job, JobHandle
+from calexec.machines.job import InferenceResult, Job, JobHandle, job_of
 from calexec.machines.kv import KvCoordinator
-from calexec.machines.locks import COMPLETION, COUNTERS, RECOVERY, SUBMIT, LockOrder
+from calexec.machines.locks import COMPLETION, COUNTERS, RECOVERY, LockOrder
 from calexec.machines.locks import LIFECYCLE as LIFECYCLE_RANK
 from calexec.machines.pool import BufferPool
 from calexec.machines.postprocess import bf16_all_finite, bf16_to_f32_into
@@ -194,19 +195,6 @@ def _check_caller_arguments(request: InferenceRequest, logits_out: Any,
 _TRAIL_STEPS = 32  # a job takes at most ~8 transitions; refused events are few
 
 
-@attrs.define(eq=False)
-class _Held:
-    """A quarantined slot the runtime still holds after a failed Wait (§9.1), with the
-    in-flight permit of its job (``DeviceExecutor._reap_held``)."""
-
-    slot: Any
-    kvc: KvCoordinator
-    seq_id: int
-    job: Job
-    grace_end: float  # ``device.hung`` is reported once after this (Clock.monotonic())
-    reported: bool = False
-
-
 class _NoRequest:
     """Stand-in request of a job refused because the caller passed no InferenceRequest."""
 
@@ -239,35 +227,17 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         self.locks = LockOrder(checking=config.check_lock_order, strict=config.strict_lock_order,
                                clock=clock)
         self.lifecycle_mu = self.locks.lock(LIFECYCLE_RANK)
-        self.submit_mu = self.locks.lock(SUBMIT)
-        self._submit_cv = clock.condition(self.submit_mu)
+        # the dispatch state (submit queue, armed jobs and what to arm, permits, budget,
+        # generation fence, refusal, slots held by the runtime): one owner, machines/dispatch.py
+        self.dispatch = Dispatch(self.locks, clock, config.inflight_capacity)
+        self.submit_mu = self.dispatch.mu
         # requests waiting for Ready during a recovery (lifecycle_mu; ready_queue_max)
         self._ready_cv = clock.condition(self.lifecycle_mu)
         self._ready_waiters = 0
-        self._submit_q: deque[Job] = deque()
-        # pre-armed decode-stream jobs (machines/stream.py): admitted and prepared, waiting
-        # for their token; whoever removes one from here under submit_mu owns it (submit_mu)
-        self._armed: list[Job] = []
-        # decode streams whose next job the submitter arms while it has nothing to submit
-        self._prearm_q: deque = deque()
-        # streams whose pre-arm found no free slot: queued again when a lease comes back
-        self._prearm_wait: list = []
-        # the stream or guess the submitter arms right now (submit_mu; ``_drop_armed`` waits)
-        self._arming_now: Any = None
-        # the open decode stream of each sequence (submit_mu)
-        self._streams: dict[int, DecodeStream] = {}
-        # implicit pre-arms (machines/autoarm.py): seq id -> its AutoArm entry (submit_mu;
-        # read without the lock only as a cheap "any?" test)
-        self._auto: dict[int, AutoArm] = {}
         self._last_submit_seq: int | None = None  # the submitter's own (no lock)
-        self._inflight = 0  # guarded by submit_mu
-        self._capacity = config.inflight_capacity  # effective; a downgrade lowers it
         self._features_off: dict[str, int] = {}  # FEATURES name -> generation it went off in
         self.downgrades: list[dict[str, Any]] = []
         self._phase_b_faults: deque[float] = deque()
-        # quarantined slots (and permits) of jobs whose Wait failed while the runtime still
-        # runs them (submit_mu)
-        self._held_by_runtime: list[_Held] = []
         # Early wake-ups (issue 17): a thread that slept through a decode job's device time
         # wakes tuning.prewake_s before the job is expected to end, so the hand-off that follows
         # finds it (and its CPU) warm: the submitter's idle wait (``_prewake_in``, once per
@@ -275,11 +245,10 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         # The expectation is the moving average of decode jobs' device time (completion
         # thread writes, others read a float).
         self._decode_exec_us = 0.0
-        self._prewoken = 0  # job id the submitter last woke early for (submit_mu)
+        self._prewoken = 0  # job id the submitter last woke early for (its own)
         self._completion_mu = self.locks.lock(COMPLETION)  # never held across Wait()
         self._completion_cv = clock.condition(self._completion_mu)
         self._completion_q: deque[Job] = deque()
-        self._pending_tokens = 0  # guarded by submit_mu
         self._job_ids = itertools.count(1)
         self._gen_ids = itertools.count(1)
         self.lifecycle = LIFECYCLE.run(self)
@@ -294,10 +263,8 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         self._holding: dict[str, Job | None] = {}
         self.thread_faults: deque[dict[str, Any]] = deque(maxlen=100)
         self._waiting_on: Job | None = None  # the job the completion thread waits for
-        self._handing_off = 0  # jobs popped by the submitter, not yet failed/submitted (submit_mu)
         self._stopping = False
         self._admitting = False  # Ready and not draining (read without a lock: a bool)
-        self._refusal: Status | None = None  # why queued jobs are failed (submit_mu)
         self._golden_ok = False
         self._rollback_path: str | None = None
         self.good_calbins: list[str] = []  # calbin paths that reached Ready, newest last
@@ -356,7 +323,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         thread (e.g. a client-disconnect handler) can cancel a job that is still waiting.
         ``logits_out``: a contiguous float32 array receiving the requested logits slice
         (zero allocations per token); None allocates one per job."""
-        if self._auto and isinstance(request, InferenceRequest):
+        if self.dispatch.any_guess and isinstance(request, InferenceRequest):
             handle = self._auto_take(request, logits_out, on_created)
             if handle is not None:
                 return handle
@@ -366,7 +333,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
     def _enqueue(self, request: InferenceRequest, internal: bool,
                  logits_out: np.ndarray | None = None,
                  on_created: Callable[[JobHandle], None] | None = None,
-                 arm: "Any | None" = None) -> JobHandle:
+                 arm: Arm | None = None) -> JobHandle:
         if not isinstance(request, InferenceRequest):
             job = Job(next(self._job_ids), 0, _NO_REQUEST, self._wake_waiters)
             return self._fail_early(job, Status.invalid(
@@ -411,7 +378,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         job.submodel = generation.submodels[request.kind]
         # Fencing: from here until the job is queued (or failed) this thread works on ``gen``;
         # a recovery closes the generation and waits for it to leave before tearing it down.
-        if not self._enter(gen):
+        if not self.dispatch.enter(gen, self.gen):
             return self._fail_early(job, Status.unavailable(
                 Phase.ADMISSION, f"generation {gen.id} is closing; retry later", **job.ctx()))
         try:
@@ -420,10 +387,10 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             log.exception("enqueue of job %d raised", job.job_id)
             return self._abandon_before_submit(job, exc, "enqueue")
         finally:
-            self._exit(gen)
+            self.dispatch.exit(gen)
 
     def _admit_and_queue(self, job: Job, handle: JobHandle, gen: Generation,
-                         arm: "Any | None" = None) -> JobHandle:
+                         arm: Arm | None = None) -> JobHandle:
         request = job.request
         stop = self._stop_reason(job)
         if stop() is not None:
@@ -432,18 +399,16 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         tokens = request.token_count
         budget = self._token_budget()
         speculative = arm is not None and not arm.blocking  # a pre-arm: may find nothing free
-        if (self._armed and not speculative and not job.internal
-                and self._pending_tokens + tokens > budget):
+        dispatch = self.dispatch
+        if (dispatch.anything_armed and not speculative and not job.internal
+                and dispatch.over_budget(tokens, budget)):
             self._reclaim_armed()  # a pre-armed job never keeps budget from a request
-        with self.submit_mu:
-            if self._pending_tokens + tokens > budget and not job.internal:
-                return self._fail_early(job, Status.exhausted(
-                    "queue", Phase.ADMISSION, f"token budget: {self._pending_tokens} pending + "
-                    f"{tokens} > {budget} (max_pending_tokens="
-                    f"{self.config.max_pending_tokens}, reduced after transient faults)",
-                    **job.ctx()))
-            self._pending_tokens += tokens
-            job.budget_taken = True
+        if not dispatch.take_budget(job, budget):
+            return self._fail_early(job, Status.exhausted(
+                "queue", Phase.ADMISSION, f"token budget: {dispatch.pending_tokens} pending + "
+                f"{tokens} > {budget} (max_pending_tokens="
+                f"{self.config.max_pending_tokens}, reduced after transient faults)",
+                **job.ctx()))
         # a pre-arm never waits: KV within the sequence's reservation, a slot free now
         wait_until = job.deadline if arm is None or arm.blocking else 0.0
         if (arm is not None and arm.prev_txn is not None
@@ -464,7 +429,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             return self._fail_before_submit(job, Status.cancelled(Phase.ADMISSION, **job.ctx()))
         job.timings.admitted_us = self.clock.now_us()
         lease = None
-        if self._armed and not speculative:  # a pre-armed job never keeps a slot from a request
+        if dispatch.anything_armed and not speculative:  # never a slot kept from a request
             lease = gen.pool.acquire(request.kind, 0.0, owner=job.job_id, stop=stop)
             if isinstance(lease, Status) and lease.category == Category.RESOURCE_EXHAUSTED:
                 self._reclaim_armed()
@@ -480,14 +445,9 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         status = self._prepare(job)
         if not status.ok:
             return self._fail_before_submit(job, status.with_context(**job.ctx()))
-        if arm is not None:  # pre-armed: Preparing until its token comes (``_fire``)
-            with self._submit_cv:
-                fenced = gen.closing or gen is not self.gen
-                if not fenced:  # a guess until it is fired: its release counts nothing
-                    self._armed.append(job)
-                    if arm.notify:  # the submitter's wait now ends at this job's deadline
-                        self._submit_cv.notify_all()
-            if fenced:
+        if arm is not None:  # pre-armed: Preparing until its token comes (``fire``); a
+            # guess until it is fired: its release counts nothing
+            if not dispatch.arm(job, self.gen, notify=arm.notify):
                 return self._fail_before_submit(job, Status.unavailable(
                     Phase.PREPARE, f"generation {gen.id} retired while the job was armed; "
                     "retry", **job.ctx()))
@@ -495,12 +455,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         if not self._advance(job, JOB_EV_ENQUEUE):
             return self._fail_before_submit(job, Status.cancelled(Phase.PREPARE, **job.ctx()))
         job.timings.queued_us = self.clock.now_us()
-        with self._submit_cv:
-            fenced = gen.closing or gen is not self.gen
-            if not fenced:
-                self._submit_q.append(job)
-                self._submit_cv.notify_all()
-        if fenced:  # generation fencing: never into another generation's queue
+        if not dispatch.queue(job, self.gen):  # fencing: never into another generation's queue
             return self._fail_before_submit(job, Status.unavailable(
                 Phase.SUBMIT, f"generation {gen.id} retired before the job was queued; retry",
                 **job.ctx()))
@@ -518,48 +473,20 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             return self._decode_exec_us / 1e6 - tuning.prewake_s
         return 0.0
 
-    def _enter(self, gen: Generation) -> bool:
-        with self.submit_mu:
-            if gen.closing or gen is not self.gen:
-                return False
-            gen.users += 1
-            return True
-
-    def _exit(self, gen: Generation) -> None:
-        with self._submit_cv:
-            gen.users -= 1
-            if gen.closing and gen.users == 0:
-                self._submit_cv.notify_all()
-
     def _fence(self, gen: Generation, grace: float) -> bool:
         """Close ``gen`` to request threads and wait (at most ``grace`` s) for those inside
         to leave. Their waits end at once: admission is stopped and they are woken."""
         deadline = self.clock.monotonic() + grace
-        with self._submit_cv:
-            gen.closing = True
-            # the jobs armed in it are guesses that will never be fired: released now (whoever
-            # removes an armed job under submit_mu owns it), so the drain that follows finds
-            # nothing armed (waiting for the submitter to release them delayed every
-            # recovery by a drain poll when a guess was armed: the differential test)
-            armed = [job for job in self._armed if job.gen is gen]
-            for job in armed:
-                self._armed.remove(job)
-                if job.auto is not None:
-                    self._auto_forget(job.auto)
-            self._submit_cv.notify_all()
-        for job in armed:
+        # the jobs armed in it are guesses that will never be fired: released now, so the
+        # drain that follows finds nothing armed (left to the submitter they delayed every
+        # recovery by a drain poll when a guess was armed: the differential test)
+        for job in self.dispatch.close(gen):
             self._fail_before_submit(job, Status.unavailable(
                 Phase.SUBMIT, f"generation {gen.id} retired before the job was fired; retry",
                 **job.ctx()))
         gen.kvc.wake()
         gen.pool.wake()
-        with self._submit_cv:
-            while gen.users:
-                remaining = deadline - self.clock.monotonic()
-                if remaining <= 0:
-                    return False
-                self.clock.wait(self._submit_cv, remaining)
-        return True
+        return self.dispatch.wait_left(gen, deadline)
 
     def _token_budget(self) -> int:
         factor = getattr(self.faults, "admission_factor", lambda: 1.0)()
@@ -674,8 +601,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             self.kvc.wake()
         if self.pool is not None:
             self.pool.wake()
-        with self._submit_cv:
-            self._submit_cv.notify_all()
+        self.dispatch.wake()
 
     def _advance(self, job: Job, event: str) -> bool:
         """Send a forward event guarded by ``not_cancelled``; False when the job was cancelled
@@ -695,9 +621,8 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         window.append(now)
         while window and now - window[0] > self.config.downgrade_window_s:
             window.popleft()
-        if self._capacity == 2 and len(window) >= self.config.downgrade_after_faults:
-            with self._submit_cv:
-                self._capacity = 1
+        if self.dispatch.capacity == 2 and len(window) >= self.config.downgrade_after_faults:
+            self.dispatch.set_capacity(1)
             self.downgrades.append({"at": now, "reason": status.code,
                                     "faults_in_window": len(window)})
             log.warning("Phase B downgraded to in-flight capacity 1 after %d failures after "
@@ -769,10 +694,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         return JobHandle(job)
 
     def _release_budget(self, job: Job) -> None:
-        with self.submit_mu:
-            if job.budget_taken:
-                job.budget_taken = False
-                self._pending_tokens -= job.request.token_count
+        self.dispatch.release_budget(job)
 
     def _bump(self, key: str) -> None:
         with self._counters_mu:  # leaf lock: counters are bumped from several threads
@@ -786,91 +708,50 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
     def submit_one(self, block: bool = False) -> bool:
         """Submit the next queued job, or fail every queued job that can no longer be
         submitted (cancelled, past its queue deadline, refused, of a retired generation) as
-        soon as that is so, wherever it stands in the queue (§9.1 queue deadline). Returns
-        False when there was nothing to do (and ``block`` is False, or the threads stop).
+        soon as that is so, wherever it stands in the queue (§9.1 queue deadline), or arm a
+        stream's next step or a guess. Returns False when there was nothing to do (and
+        ``block`` is False, or the threads stop). The dispatch decides
+        (``Dispatch.next_for_submitter``); this thread acts on its answer.
 
         The blocking wait is bounded by the earliest queued deadline; with an empty queue it
         is the submitter's idle wait, ended by a new job or by shutdown (shutdown-only)."""
-        if self._held_by_runtime and not block:  # stepped: nobody else reaps them
+        dispatch = self.dispatch
+        if dispatch.any_held and not block:  # stepped: nobody else reaps them
             self._reap_held()
-        with self._submit_cv:
-            while True:
-                now = self.clock.monotonic()
-                ended = [(job, status) for job in self._submit_q
-                         if (status := self._unsubmittable(job, now)) is not None]
-                for job, _ in ended:
-                    self._submit_q.remove(job)
-                if self._armed:  # pre-armed jobs cancelled, expired or fenced: released here
-                    armed = [(job, status) for job in self._armed
-                             if (status := self._unsubmittable(job, now)) is not None]
-                    for job, _ in armed:
-                        self._armed.remove(job)
-                        if job.auto is not None:  # an implicit pre-arm: its entry goes too
-                            self._auto_forget(job.auto)
-                            self._bump("auto_prearm_released")
-                    ended += armed
-                if ended:
-                    self._handing_off += len(ended)
-                    job = None
-                    break
-                if self._submit_q and self._inflight < self._effective_capacity():
-                    job = self._submit_q.popleft()
-                    self._inflight += 1
-                    job.permit_held = True
-                    self._handing_off += 1
-                    break
-                arm_in = None
-                if self._prearm_q:  # nothing to submit now: arm a decode stream's next job
-                    arm_in = self._prearm_q[0]._arm_at - now
-                    if arm_in <= 0 or not block or self._stopping_threads:
-                        stream = self._prearm_q.popleft()
-                        stream._arming = True
-                        self._arming_now = stream
-                        job = None
-                        break
-                if not block or (self._stopping_threads and not self._submit_q):
-                    return False
-                timeout = (min(j.deadline for j in (*self._submit_q, *self._armed)) - now
-                           if self._submit_q or self._armed else None)
-                if arm_in is not None:  # greedy ahead: the arming waits for the delivery
-                    timeout = arm_in if timeout is None else min(timeout, arm_in)
-                if self._tuning.prewake_s > 0:
-                    early = self._prewake_in(now)
-                    if early is not None:
-                        timeout = early if timeout is None else min(timeout, early)
-                if self._held_by_runtime:
-                    # A failed Wait left buffers with the runtime: nobody signals when it lets
-                    # go, so re-check on a short timer (only in this degraded state).
-                    timeout = 0.05 if timeout is None else min(timeout, 0.05)
-                self.clock.wait(self._submit_cv, None if timeout is None else max(timeout, 0))
-                if self._held_by_runtime:
-                    self._submit_cv.release()
-                    try:
-                        self._reap_held()
-                    finally:
-                        self._submit_cv.acquire()
-        if job is None and not ended:
+        while True:
+            prewake = (self._prewake_at(self.clock.monotonic())
+                       if block and self._tuning.prewake_s > 0 else None)
+            step = dispatch.next_for_submitter(self._unsubmittable, self._effective_capacity(),
+                                               block, prewake)
+            if not step.woke:
+                break
+            if dispatch.any_held:  # nobody signals when the runtime lets go: re-check
+                self._reap_held()
+        if step.arm is not None:
             try:
-                stream._arm_next()  # it never raises: a failed arm leaves nothing armed
+                step.arm.arm_next()  # it never raises: a failed arm leaves nothing armed
             finally:
-                with self._submit_cv:
-                    self._arming_now = None
-                    self._submit_cv.notify_all()
+                dispatch.done_arming()
             return True
-        if job is None:
+        if step.fail:
+            for _ in range(step.guesses):
+                self._bump("auto_prearm_released")
             try:
-                for job, status in ended:
+                for job, status in step.fail:
                     self._holding["calexec-submitter"] = job
                     self._fail_before_submit(job, status)
             finally:
-                self._handed_off(len(ended))
+                dispatch.handed_off(len(step.fail))
             self._holding["calexec-submitter"] = None
             return True
+        job = step.submit
+        if job is None:
+            return False
         self._holding["calexec-submitter"] = job  # the barrier resolves it if _submit raises
         try:
             self._submit(job)
         finally:
-            self._handed_off(1)
+            dispatch.handed_off(1)
         self._holding["calexec-submitter"] = None
         seq, self._last_submit_seq = self._last_submit_seq, job.request.seq_id
         if job.auto_next and job.submitted_at and seq == job.request.seq_id:
@@ -881,44 +762,13 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
     def _auto_after_submit(self, job: Job) -> None:
         """Job ``job`` (a decode of a sequence whose job before was submitted just before
         it) is on the device: queue the guess of its successor for the submitter."""
-        seq = job.request.seq_id
-        with self._submit_cv:
-            if (seq not in self._auto and self._admitting and not self._stopping_threads
-                    and job.gen is self.gen and (self._decode_exec_us >= self._tuning.auto_prearm_min_us
-                                                 or not self.config.threads)):
-                entry = AutoArm(self, job)
-                delay = self._arm_delay_s()
-                entry._arm_at = self.clock.monotonic() + delay if delay > 0 else 0.0
-                self._auto[seq] = entry
-                self._prearm_q.append(entry)
-
-    def _auto_forget(self, entry: AutoArm) -> None:
-        """submit_mu held: ``entry`` leaves the table (its job, if any, is released by
-        whoever holds it now)."""
-        entry.dropped = True
-        entry.job = None
-        if self._auto.get(entry.seq_id) is entry:
-            del self._auto[entry.seq_id]
-
-    def _auto_detach(self, entry: AutoArm, end: float) -> Job | None:
-        """submit_mu held: take ``entry`` out of the table and own its armed job (None: not
-        armed, or already released by the submitter). Waits (bounded by ``end``) for an
-        arming in progress."""
-        while entry in self._prearm_q:
-            self._prearm_q.remove(entry)
-        while entry._arming:
-            remaining = end - self.clock.monotonic()
-            if remaining <= 0:
-                break
-            entry._arm_waiter = True
-            self.clock.wait(self._submit_cv, remaining)
-        job = entry.job
-        self._auto_forget(entry)  # an arming still running drops its job itself
-        if job is None or job not in self._armed:
-            return None
-        self._armed.remove(job)
-        job.auto = None
-        return job
+        if (self.dispatch.guess(job.request.seq_id) is None and self._admitting
+                and not self._stopping_threads and job.gen is self.gen
+                and (self._decode_exec_us >= self._tuning.auto_prearm_min_us
+                     or not self.config.threads)):
+            delay = self._arm_delay_s()
+            self.dispatch.add_guess(AutoArm(self, job),
+                                    self.clock.monotonic() + delay if delay > 0 else 0.0)
 
     def _auto_release(self, jobs: list[Job], why: str) -> None:
         for job in jobs:  # uncounted: nobody asked for it
@@ -931,29 +781,15 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         or truncation); release what was armed for it first (its guess, a decode stream's
         next step, an arming in progress): an armed job is a guess and never makes a
         sequence busy for a request, as the plain path has none. A stream whose next step was
-        released admits that step the ordinary way."""
-        if not (self._armed or self._auto or self._prearm_q or self._arming_now is not None):
+        released admits that step the ordinary way; its step fired ahead and not taken was
+        computed on the sequence as it was, so it is discarded (the caller's step runs again,
+        after that request)."""
+        dispatch = self.dispatch
+        if not dispatch.anything_for(seq_id):  # (unlocked hint: the common case, nothing)
             return
-        with self._submit_cv:
-            end = self.clock.monotonic() + _AUTO_ARMING_WAIT_S
-            entry = self._auto.get(seq_id)
-            guess = None if entry is None else self._auto_detach(entry, end)
-            while self._arming_now is not None and self._arming_now.seq_id == seq_id:
-                remaining = end - self.clock.monotonic()
-                if remaining <= 0:
-                    break
-                self.clock.wait(self._submit_cv, remaining)
-            for queue in (self._prearm_q, self._prearm_wait):  # not to be armed any more
-                for waiting in [w for w in queue if w.seq_id == seq_id]:
-                    queue.remove(waiting)
-            streams = [job for job in self._armed
-                       if job.auto is None and job.request.seq_id == seq_id]
-            for job in streams:  # whoever removes an armed job under submit_mu owns it
-                self._armed.remove(job)
-            # a step fired ahead and not taken was computed on the sequence as it was: another
-            # request changes it, so the caller's step will run again, after that request
-            stream = self._streams.get(seq_id)
-            ahead = None if stream is None else stream._discard_ahead()
+        guess, streams, stream = dispatch.take_armed_of(
+            seq_id, self.clock.monotonic() + _AUTO_ARMING_WAIT_S)
+        ahead = None if stream is None else stream.discard_ahead()
         if ahead is not None:
             ahead.cancel()
         if guess is not None:
@@ -968,14 +804,8 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         not fired yet (the implicit pre-arms and the decode streams' next steps). They are
         guesses: the step that would have taken one is admitted the ordinary way instead, so
         a pre-arm changes when admission work runs, never who gets a slot first."""
-        with self._submit_cv:
-            end = self.clock.monotonic() + _AUTO_ARMING_WAIT_S
-            jobs = [job for entry in list(self._auto.values())
-                    if (job := self._auto_detach(entry, end)) is not None]
-            streams = [job for job in self._armed if job.auto is None]
-            for job in streams:  # whoever removes an armed job under submit_mu owns it
-                self._armed.remove(job)
-        self._auto_release(jobs, "released: its resources were needed")
+        guesses, streams = self.dispatch.reclaim(self.clock.monotonic() + _AUTO_ARMING_WAIT_S)
+        self._auto_release(guesses, "released: its resources were needed")
         for job in streams:
             job.uncounted = True
             self._fail_before_submit(job, Status.cancelled(
@@ -988,22 +818,17 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         ``request`` is what was guessed; else the guess is released and None returned (the
         request is admitted the ordinary way)."""
         seq_ids = request.seq_ids
-        if len(seq_ids) != 1 or seq_ids[0] not in self._auto:
+        dispatch = self.dispatch
+        if len(seq_ids) != 1 or dispatch.guess(seq_ids[0]) is None:
             return None  # (unlocked test: a guess missed here is released by reserve's hook)
-        with self._submit_cv:
-            entry = self._auto.get(seq_ids[0])
-            if entry is None:
-                return None
-            job = self._auto_detach(entry, self.clock.monotonic() + _AUTO_ARMING_WAIT_S)
-            if job is None:
-                return None
-            gen = job.gen
-            # fencing as on the ordinary path (``_enter``): until the job is queued or
-            # released, a recovery waits for this thread to leave the generation
-            entered = gen is not None and not gen.closing and gen is self.gen
-            if entered:
-                gen.users += 1
-        if not entered:
+        entry, job = dispatch.detach_guess(seq_ids[0],
+                                           self.clock.monotonic() + _AUTO_ARMING_WAIT_S)
+        if job is None:
+            return None
+        gen = job.gen
+        # fencing as on the ordinary path: until the job is queued or released, a recovery
+        # waits for this thread to leave the generation
+        if gen is None or not dispatch.enter(gen, self.gen):
             self._auto_release([job], "released: its generation is closing")
             return None
         try:
@@ -1018,10 +843,8 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             if ok:
                 ok = (check_request(request, gen.contracts).ok and _check_caller_arguments(
                     request, logits_out, gen.contracts.vocab_size).ok)
-            if ok:  # the guess already holds the request's one token of budget
-                budget = self._token_budget()
-                with self.submit_mu:
-                    ok = self._pending_tokens <= budget
+            # the guess already holds the request's one token of budget
+            ok = ok and not dispatch.over_budget(0, self._token_budget())
             ok = ok and gen.kvc.is_open(job.txn)
             if not ok:
                 self._auto_release([job], "released: another request came")
@@ -1041,21 +864,19 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
                         "on_created_raised", Phase.ADMISSION, f"on_created raised "
                         f"{type(exc).__name__}: {exc}", **job.ctx()))
                     raise
-            with self._submit_cv:
-                status = self._queue_fired(job, int(request.tokens[0]))
+            status = dispatch.queue_fired(job, int(request.tokens[0]), self.gen)
             if status is not None:
                 return self._fail_before_submit(job, status)
             return handle
         finally:
-            self._exit(gen)
+            dispatch.exit(gen)
 
-    def _prewake_in(self, now: float) -> float | None:
-        """Seconds until the submitter's idle wait should end early (submit_mu held): the
-        decode job on the device is expected to end ``tuning.prewake_s`` after that; once per
-        job.
-        None: nothing on the device, its end unknown or too near."""
-        try:  # a deque read: no completion_mu under submit_mu (the completion thread may
-            head = self._completion_q[0]  # pop it between a length check and the index)
+    def _prewake_at(self, now: float) -> float | None:
+        """When the submitter's idle wait should end early (the submitter's own; no lock):
+        the decode job on the device is expected to end ``tuning.prewake_s`` after that;
+        once per job. None: nothing on the device, its end unknown or too near."""
+        try:  # a deque read: no completion_mu here (the completion thread may pop it
+            head = self._completion_q[0]  # between a length check and the index)
         except IndexError:
             head = None
         if (head is None or head.job_id == self._prewoken or not head.submitted_at
@@ -1066,12 +887,14 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         if early < prewake:
             return None
         self._prewoken = head.job_id
-        return early
+        return now + early
 
     def _unsubmittable(self, job: Job, now: float) -> Status | None:
-        """Why a queued job can no longer be submitted (submit_mu held), or None."""
-        if self._refusal is not None:
-            return self._refusal.with_context(**job.ctx())
+        """Why a queued or armed job can no longer be submitted, or None (a pure check,
+        called by the dispatch under its lock)."""
+        refusal = self.dispatch.refusal
+        if refusal is not None:
+            return refusal.with_context(**job.ctx())
         if job.cancel_flag:
             return Status.cancelled(Phase.SUBMIT, **job.ctx())
         if now >= job.deadline:
@@ -1083,71 +906,49 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
                                       "before submit; retry", **job.ctx())
         return None
 
-    def _fire(self, job: Job, token: int, stream: Any = None, next_past: int = -1,
-              arm_delay_s: float = 0.0) -> JobHandle | None:
-        """A pre-armed decode job gets its token and joins the submit queue (machines/
-        stream.py): the token id is written into the leased slot's input and the request, the
-        chart goes Preparing -> Queued, the submitter is woken. Everything else was done when
-        it was armed. None when the job was not in ``_armed`` any more: someone released it
-        (cancelled, expired, fenced, reclaimed for a request short of a slot or budget); it
-        was a guess, and the caller admits its step the ordinary way."""
-        status = None
-        with self._submit_cv:
-            owned = job in self._armed
-            if owned:
-                self._armed.remove(job)
-                job.request.tokens[0] = token
-                status = self._queue_fired(job, token)
-                if status is None and next_past >= 0:  # the submitter arms the job after it
-                    stream._next = (job.txn, next_past)
-                    stream._arm_at = (self.clock.monotonic() + arm_delay_s
-                                      if arm_delay_s > 0 else 0.0)
-                    self._prearm_q.append(stream)
+    # ---- armed jobs: what DecodeStream and AutoArm use (not an embedder's API) --------------
+    def admit_armed(self, request: InferenceRequest, logits_out: np.ndarray | None,
+                    arm: Arm) -> Job:
+        """Admit and prepare ``request``'s job up to Preparing and keep it armed (``arm``:
+        chained behind its predecessor's KV txn, waiting or not): the ordinary admission
+        path stopping before Queued. The job (resolved with why when nothing was armed)."""
+        return job_of(self._enqueue(request, internal=False, logits_out=logits_out, arm=arm))
+
+    @property
+    def expected_decode_s(self) -> float:
+        """A decode job's device time as the completion thread measures it (moving
+        average; 0 before the first)."""
+        return self._decode_exec_us / 1e6
+
+    def fire_armed(self, job: Job, token: int, rearm: Any = None,
+                   arm_delay_s: float = 0.0) -> JobHandle | None:
+        """A pre-armed decode job gets its token and joins the submit queue: the token id is
+        written into the leased slot's input and the request, the chart goes Preparing ->
+        Queued, the submitter is woken (``Dispatch.fire``). ``rearm``: the armer whose next
+        job the submitter arms ``arm_delay_s`` from now. None when the job was not armed any
+        more: someone released it (cancelled, expired, fenced, reclaimed for a request short
+        of a slot or budget); it was a guess, and the caller admits its step the ordinary
+        way."""
+        at = self.clock.monotonic() + arm_delay_s if arm_delay_s > 0 else 0.0
+        owned, status = self.dispatch.fire(job, token, self.gen, rearm, at)
         if not owned:
             return None
         if status is not None:
             return self._fail_before_submit(job, status)
         return JobHandle(job)
 
-    def _queue_fired(self, job: Job, token: int) -> Status | None:
-        """submit_mu held, ``job`` owned (out of ``_armed``): write ``token`` into its slot,
-        Preparing -> Queued, wake the submitter. A Status: it was not queued (fenced or
-        cancelled); the caller releases it."""
-        gen = job.gen
-        job.uncounted = False  # a request now: its answer counts
-        if gen.closing or gen is not self.gen:  # fencing: never into another generation
-            return Status.unavailable(Phase.SUBMIT, f"generation {gen.id} retired before the "
-                                      "job was queued; retry", **job.ctx())
-        job.lease.slot.host_input[0] = token
-        try:
-            job.run.send(JOB_EV_ENQUEUE)
-        except GuardRejected:
-            job.run.send(JOB_EV_CANCEL)
-            return Status.cancelled(Phase.PREPARE, **job.ctx())
-        # the request exists from now: its admission ran ahead (S11, §9.1: the job's
-        # timings are the request's, not the guess's)
-        timings = job.timings
-        timings.accepted_us = timings.admitted_us = timings.queued_us = self.clock.now_us()
-        self._submit_q.append(job)
-        self._submit_cv.notify_all()
-        return None
-
-    def _disarm(self, job: Job, status: Status) -> bool:
+    def release_armed(self, job: Job, status: Status) -> bool:
         """Release a pre-armed job that will not get a token (its stream closed): lease,
-        KV txn rolled back, budget, chart Failed, exactly once (False when the submitter or
-        ``_fire`` owned it already). Not counted: nobody asked for it."""
-        with self._submit_cv:
-            owned = job in self._armed
-            if owned:
-                self._armed.remove(job)
-        if owned:
-            self._fail_before_submit(job, status.with_context(**job.ctx()))
-        return owned
+        KV txn rolled back, budget, chart Failed, exactly once (False when someone else
+        owned it already). Not counted: nobody asked for it."""
+        if not self.dispatch.take_armed(job):
+            return False
+        self._fail_before_submit(job, status.with_context(**job.ctx()))
+        return True
 
-    def _handed_off(self, count: int) -> None:
-        with self._submit_cv:
-            self._handing_off -= count
-            self._submit_cv.notify_all()
+    def arm_delay_s(self) -> float:
+        """How long after a step's infer the submitter arms the next one (``_arm_delay_s``)."""
+        return self._arm_delay_s()
 
     def _submit(self, job: Job) -> None:
         gen, slot = job.gen, job.lease.slot
@@ -1192,7 +993,9 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         return gen is not None and self._features_off.get(name) == gen.id
 
     def _effective_capacity(self) -> int:
-        return 1 if self._features_off and self.feature_disabled("fixed_engine") else self._capacity
+        if self._features_off and self.feature_disabled("fixed_engine"):
+            return 1
+        return self.dispatch.capacity
 
     def disable_feature(self, status: Status, job: Job | None = None) -> str | None:
         """Called by the fault controller for a PROGRAMMING fault: switch off the feature the
@@ -1214,12 +1017,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         return feature
 
     def _release_permit(self, job: Job) -> None:
-        with self._submit_cv:
-            if job.permit_held:
-                job.permit_held = False
-                self._inflight -= 1
-                if self._submit_q:  # only a queued job waits for a permit (issue 17: the
-                    self._submit_cv.notify_all()  # idle submitter is not woken for nothing)
+        self.dispatch.release_permit(job)
 
     # ---- completion (§6.5) -----------------------------------------------------------------------
     def complete_one(self, block: bool = False) -> bool:
@@ -1240,6 +1038,20 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             self._waiting_on = None
         self._holding["calexec-completion"] = None
         return True
+
+    @property
+    def stopping(self) -> bool:
+        """``shutdown`` began (admission stopped for good)."""
+        return self._stopping
+
+    @property
+    def completing(self) -> int:
+        """Jobs submitted and not completed yet (no lock: a length)."""
+        return len(self._completion_q)
+
+    def execution_deadline(self, job: Job) -> float:
+        """The §9.1 execution deadline of a submitted ``job`` (Clock.monotonic())."""
+        return self._execution_deadline(job)
 
     def _execution_deadline(self, job: Job) -> float:
         cfg = self.config
@@ -1314,10 +1126,10 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             ran_us = job.timings.completed_us - job.timings.submitted_us
             tuning = self._tuning
             slow = self.config.threads and ran_us >= tuning.ahead_yield_min_us
-            fired = stream._fire_ahead(  # greedy ahead (machines/stream.py)
+            fired = stream.fire_ahead(  # greedy ahead (machines/stream.py)
                 job, result, min(tuning.ahead_arm_delay_s, ran_us / 4e6) if slow else 0.0)
             if fired is not None and slow:
-                self._until_submitted(fired._job)
+                self._until_submitted(job_of(fired))
         if target == JOB_COMPLETING and not self._advance(job, JOB_EV_DELIVER):
             target = JOB_CANCEL_REQUESTED
         if target != JOB_COMPLETING:  # cancelled after submit (FI12): result discarded
@@ -1332,11 +1144,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             job.resolve(result)
         job.gen.pool.device_done(job.lease)
         released = job.lease.release()
-        if self._prearm_wait:  # a pre-arm missed this slot: the submitter tries again
-            with self._submit_cv:
-                self._prearm_q.extend(self._prearm_wait)
-                self._prearm_wait.clear()
-                self._submit_cv.notify_all()
+        self.dispatch.lease_returned()  # a pre-arm that missed a slot: tried again
         for problem in (undo, released):
             if not problem.ok:  # FI15: slot quarantined by the pool; the job's result stands
                 self.faults.report(problem.with_context(**job.ctx()), job)
@@ -1388,11 +1196,8 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
     def _hold(self, job: Job, slot) -> None:
         """The runtime keeps ``job``'s buffers and permit after a failed Wait: reaped when it
         lets go, reported hung after the grace (``_reap_held``)."""
-        entry = _Held(slot, job.gen.kvc, job.request.seq_id, job,
-                      self.clock.monotonic() + self.config.timeout_grace_s)
-        with self._submit_cv:
-            self._held_by_runtime.append(entry)
-            self._submit_cv.notify_all()  # the submitter's wait now re-checks every 50 ms
+        self.dispatch.hold(Held(slot, job.gen.kvc, job.request.seq_id, job,
+                                self.clock.monotonic() + self.config.timeout_grace_s))
 
     def _reap_held(self, report: bool = True) -> bool:
         """Return the permits of quarantined slots the runtime has let go of since a failed
@@ -1401,25 +1206,12 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         the device, or with no safe reset the lifecycle ends Failed for the supervisor).
         True when the runtime holds none any more. ``report=False``: a lifecycle guard asks
         (no fault is reported from inside a lifecycle transition)."""
-        with self._submit_cv:
-            held = list(self._held_by_runtime)
+        held = self.dispatch.held()
         if not held:
             return True
         # GetStatus outside submit_mu (§5.2: no runtime call under the queue locks)
         let_go = [entry for entry in held if entry.slot.runtime_let_go()]
-        now = self.clock.monotonic()
-        with self._submit_cv:
-            freed = [entry for entry in let_go if entry in self._held_by_runtime]  # not reaped
-            for entry in freed:
-                self._held_by_runtime.remove(entry)
-            self._inflight -= len(freed)
-            if freed:
-                self._submit_cv.notify_all()
-            hung = [] if not report else [entry for entry in self._held_by_runtime
-                                          if not entry.reported and now >= entry.grace_end]
-            for entry in hung:
-                entry.reported = True
-            none_left = not self._held_by_runtime
+        freed, hung, none_left = self.dispatch.reaped(let_go, self.clock.monotonic(), report)
         for entry in freed:  # admission_mu ranks above submit_mu: after releasing it
             entry.kvc.device_let_go(entry.seq_id)
         for entry in hung:
@@ -1500,7 +1292,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         if release_permit:
             self._release_permit(job)
         elif on_device:
-            job.permit_held = False  # the _held_by_runtime entry owns the permit now
+            job.permit_held = False  # the dispatch's held entry owns the permit now
         job.resolve(status)
 
     def _check_pool(self, job: Job) -> None:
@@ -1519,6 +1311,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
 
     def _start_threads(self) -> None:
         self._stopping_threads = False
+        self.dispatch.stop(False)
         for name, step in (("calexec-submitter", self.submit_one),
                            ("calexec-completion", self.complete_one)):
             self._holding[name] = None
@@ -1610,16 +1403,14 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             if late >= 0:
                 reasons.append(f"job {job.job_id} (seq {job.request.seq_id}) is on the device "
                                f"{now - job.deadline:.3f}s past its deadline")
-        with self.submit_mu:
-            held = len(self._held_by_runtime)
+        held = len(self.dispatch.held())
         if held:
             reasons.append(f"the device has not let go of {held} failed job(s)")
         return reasons
 
     def _stop_threads(self) -> None:
         self._stopping_threads = True
-        with self._submit_cv:
-            self._submit_cv.notify_all()
+        self.dispatch.stop()
         with self._completion_cv:
             self._completion_cv.notify_all()
         for thread in self._threads:
@@ -1666,10 +1457,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         with self.lifecycle_mu:
             self._stopping = True
             self._admitting = False
-        with self._submit_cv:
-            for job in (*self._submit_q, *self._armed):
-                job.cancel_flag = True
-            self._submit_cv.notify_all()
+        self.dispatch.cancel_pending()
         self._wake_waiters()
 
     def _shutdown(self, grace: float) -> Status:
@@ -1682,10 +1470,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             self._ready_cv.notify_all()
         if self.gen is not None:
             self.gen.kvc.close()
-        with self._submit_cv:
-            for job in (*self._submit_q, *self._armed):
-                job.cancel_flag = True
-            self._submit_cv.notify_all()
+        self.dispatch.cancel_pending()
         self._wake_waiters()
         if self.gen is not None:  # no request thread works on it past this point
             self._fence(self.gen, min(grace, self.config.fence_grace_s))
@@ -1754,28 +1539,28 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         self._drop_armed(seq_id)  # the stream arms its own
         stream = DecodeStream(self, seq_id, past_len, deadline, logits_out, want_logits,
                               max_len, request_id, greedy_ahead, stop_tokens, max_steps)
-        with self._submit_cv:
-            if not stream.closed:
-                self._streams[seq_id] = stream  # (``_drop_armed`` finds its step fired ahead)
+        if not stream.closed:
+            self.dispatch.open_stream(seq_id, stream)  # (``_drop_armed``: its step ahead)
         return stream
 
     # ---- observability ---------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
-        with self.submit_mu:
-            queued, inflight, pending = len(self._submit_q), self._inflight, self._pending_tokens
-            guessed = sum(1 for entry in self._auto.values() if entry.job is not None)
+        dispatch = self.dispatch.snapshot()
         pool = self.pool
         return {
             "lifecycle": self.lifecycle.state,
             "generation": None if self.gen is None else self.gen.id,
-            "queued": queued,
-            "inflight": inflight,
+            "queued": dispatch["queued"],
+            "completing": len(self._completion_q),  # submitted, not completed yet
+            "inflight": dispatch["inflight"],
             "inflight_capacity": self._effective_capacity(),
             "disabled_features": sorted(f for f in self._features_off if self.feature_disabled(f)),
             "downgrades": len(self.downgrades),
-            "pending_tokens": pending,
+            "pending_tokens": dispatch["pending_tokens"],
             # implicit pre-arms holding a slot and a token of budget (machines/autoarm.py)
-            "auto_armed": guessed,
+            "auto_armed": dispatch["auto_armed"],
+            # the dispatch state (machines/dispatch.py), for tests and the explorer
+            "dispatch": dispatch,
             "slots": None if pool is None else pool.counts(),
             "recoveries": len(self.recoveries),
             "golden": self.golden_source,

@@ -220,3 +220,9 @@ class JobHandle:
 
     def __repr__(self) -> str:
         return f"JobHandle({self._job!r})"
+
+
+def job_of(handle: JobHandle) -> Job:
+    """The job behind ``handle``, for the executor's own modules (the executor, its decode
+    streams and guesses) and its test tools; an embedder holds the handle only."""
+    return handle._job

@@ -118,8 +118,7 @@ def test_health_names_a_dead_thread(calbins):
         ex._stopping_threads = True  # stop the threads as a crash would, without shutdown
         with ex._completion_cv:
             ex._completion_cv.notify_all()
-        with ex._submit_cv:
-            ex._submit_cv.notify_all()
+        ex.dispatch.wake()
         until(lambda: not any(ex.threads_alive().values()), 5, "threads to stop")
         assert any("calexec-completion is not running" in r for r in ex.health())
 

@@ -70,13 +70,12 @@ def test_off_when_prewake_is_zero(calbin):
             assert handle._job.early_wake_s == 0.0
             result = handle.wait_until(deadline())
             assert isinstance(result, InferenceResult), result
-        with ex._submit_cv:
-            assert ex._prewake_in(ex.clock.monotonic()) is None
+        assert ex._prewake_at(ex.clock.monotonic()) is None
 
 
 def test_the_submitter_reading_a_queue_the_completion_thread_just_emptied_does_not_raise(
         calbin):
-    """``_prewake_in`` reads the completion queue's head without completion_mu: the
+    """``_prewake_at`` reads the completion queue's head without completion_mu: the
     completion thread may pop it between a length check and the index. Modelled by a queue
     that is truthy but empty when indexed: None, never an IndexError (which would be a
     submitter thread fault)."""
@@ -90,9 +89,8 @@ def test_the_submitter_reading_a_queue_the_completion_thread_just_emptied_does_n
             return 1
 
     with running_job_path(calbin) as ex:
-        with ex._submit_cv:
-            saved, ex._completion_q = ex._completion_q, Emptied()
-            try:
-                assert ex._prewake_in(ex.clock.monotonic()) is None
-            finally:
-                ex._completion_q = saved
+        saved, ex._completion_q = ex._completion_q, Emptied()
+        try:
+            assert ex._prewake_at(ex.clock.monotonic()) is None
+        finally:
+            ex._completion_q = saved

@@ -135,14 +135,14 @@ class ExecutorMachine(RuleBasedStateMachine):
     def live_jobs(self):
         """Jobs not resolved yet, the pre-armed ones (holding a slot, no token yet) too."""
         self.track_ahead()
-        return [h._job for h, *_ in self.jobs if not h.done] + list(self.ex._armed)
+        return [h._job for h, *_ in self.jobs if not h.done] + list(self.ex.dispatch.armed_jobs())
 
     def track_ahead(self):
         """Jobs a greedy-ahead stream's completion fired (not submitted by a rule) join the
         checked jobs as soon as they exist: one the caller never takes may still commit."""
         tracked = {id(h._job) for h, *_ in self.jobs}
         for seq, stream in self.streams.items():
-            ahead = stream._ahead
+            ahead = stream.ahead
             if ahead is not None and ahead[1] is not None and id(ahead[1]._job) not in tracked:
                 job = ahead[1]._job
                 self.jobs.append((ahead[1], seq, [ahead[0]], job.request.past_len, None))
@@ -217,7 +217,7 @@ class ExecutorMachine(RuleBasedStateMachine):
                     break
                 if self.ex.submit_one():
                     continue
-                if not self.ex._completion_q:
+                if not self.ex.completing:
                     break
                 self.finish_head_on_device()
                 self.ex.complete_one()
@@ -240,17 +240,17 @@ class ExecutorMachine(RuleBasedStateMachine):
     @rule(seq=st.sampled_from(SEQS), token=st.integers(0, 151935), follow=st.booleans())
     def stream_submit(self, seq, token, follow=False):
         stream = self.streams.get(seq)
-        if stream is None or stream._current is not None:
+        if stream is None or stream.current is not None:
             return
         self.track_ahead()
-        ahead = stream._ahead
+        ahead = stream.ahead
         if follow and ahead is not None and ahead[1] is not None:
             token = ahead[0]  # the caller steps with the argmax: takes the job fired ahead
         past = stream.past_len
         handle = stream.submit(token)
         if isinstance(handle, Status):
             assert stream.closed
-            assert ahead is None or ahead[0] != token or stream._ahead is None
+            assert ahead is None or ahead[0] != token or stream.ahead is None
             return
         job = handle._job
         if ahead is not None and ahead[1] is not None:
@@ -265,7 +265,7 @@ class ExecutorMachine(RuleBasedStateMachine):
     @rule(seq=st.sampled_from(SEQS))
     def stream_wait(self, seq):
         stream = self.streams.get(seq)
-        if stream is None or stream._current is None or not stream._current.done:
+        if stream is None or stream.current is None or not stream.current.done:
             return  # stepped: only a resolved step is waited for (the rules move the device)
         result = stream.wait()
         # a failed step closes the stream; a step in flight when it closed still delivers
@@ -285,7 +285,7 @@ class ExecutorMachine(RuleBasedStateMachine):
         self.stream_submit(seq, token, follow)
         stream = self.streams[seq]
         for _ in range(6):  # bounded: a few queued jobs may go first
-            if stream._current is None or stream._current.done:
+            if stream.current is None or stream.current.done:
                 break
             self.submit_and_complete()
         self.stream_wait(seq)
@@ -295,7 +295,7 @@ class ExecutorMachine(RuleBasedStateMachine):
     def stream_close(self, seq, cancel):
         stream = self.streams.get(seq)
         if stream is not None:
-            armed = stream._armed
+            armed = stream.armed
             if cancel:  # another thread's cancel: the submitter releases the armed job
                 stream.cancel()
             else:
@@ -304,7 +304,7 @@ class ExecutorMachine(RuleBasedStateMachine):
 
     @invariant()
     def prearmed_jobs_hold_exactly_a_slot_and_a_reserved_txn(self):
-        armed = list(self.ex._armed)
+        armed = list(self.ex.dispatch.armed_jobs())
         assert len({id(j) for j in armed}) == len(armed)
         for job in armed:
             assert job.run.state in ("Preparing", "CancelRequested") and not job.done
@@ -316,11 +316,11 @@ class ExecutorMachine(RuleBasedStateMachine):
         for stream in self.streams.values():
             # released by the submitter (cancel, deadline, fence): resolved, the stream learns
             # it at its next step; else still armed in the executor
-            assert stream._armed is None or stream._armed in armed or stream._armed.done
+            assert stream.armed is None or stream.armed in armed or stream.armed.done
             if stream.closed:
-                assert stream._armed is None and stream._ahead is None
-            elif stream._ahead is not None:  # fired ahead: queued, on the device or ended
-                job = stream._ahead[1]._job
+                assert stream.armed is None and stream.ahead is None
+            elif stream.ahead is not None:  # fired ahead: queued, on the device or ended
+                job = stream.ahead[1]._job
                 assert job.done or job.run.state in ("Queued", "Submitted", "Completing",
                                                      "CancelRequested")
 
@@ -341,7 +341,7 @@ class ExecutorMachine(RuleBasedStateMachine):
         rc, _did = self.emu.step(0, Stage.NONE)
         assert rc == 0
 
-    @precondition(lambda self: bool(self.ex._completion_q))
+    @precondition(lambda self: bool(self.ex.completing))
     @rule()
     def complete(self):
         self.finish_head_on_device()
@@ -351,7 +351,7 @@ class ExecutorMachine(RuleBasedStateMachine):
     @rule()
     def submit_and_complete(self):
         """The common case compressed into one rule, so long histories stay cheap."""
-        if self.ex.submit_one() and self.ex._completion_q:
+        if self.ex.submit_one() and self.ex.completing:
             self.finish_head_on_device()
             assert self.ex.complete_one()
         self.settle_results()
@@ -424,13 +424,14 @@ class ExecutorMachine(RuleBasedStateMachine):
     def implicit_prearms_are_armed_jobs_or_queued_guesses(self):
         """machines/autoarm.py: each guess is queued for the submitter or holds one armed,
         uncounted job of its sequence at the guessed position (stepped: never mid-arming)."""
-        for seq, entry in self.ex._auto.items():
-            assert entry.seq_id == seq and not entry.dropped and not entry._arming
+        for entry in self.ex.dispatch.guesses():
+            seq = entry.seq_id
+            assert not entry.dropped and not self.ex.snapshot()["dispatch"]["arming"]
             job = entry.job
             if job is None:
-                assert entry in self.ex._prearm_q
+                assert self.ex.dispatch.scheduled(entry)
             else:
-                assert job in self.ex._armed and job.auto is entry and job.uncounted
+                assert job in self.ex.dispatch.armed_jobs() and job.auto is entry and job.uncounted
                 assert job.request.seq_id == seq and job.request.past_len == entry.past
         self.auto_seen = max(getattr(self, "auto_seen", 0), self.ex.counters["auto_prearmed"])
 
@@ -521,7 +522,7 @@ class ExecutorMachine(RuleBasedStateMachine):
 
     @invariant()
     def inflight_within_capacity(self):
-        assert 0 <= self.ex._inflight <= self.ex.config.inflight_capacity
+        assert 0 <= self.ex.snapshot()["inflight"] <= self.ex.config.inflight_capacity
 
     @invariant()
     def resolved_jobs_rest_in_the_final_state_of_their_result(self):

@@ -35,7 +35,7 @@ def make(tmp_path):
 
 def settled(executor, service) -> bool:
     snap = executor.snapshot()
-    return (service.sequences.in_use == 0 and not executor._armed and snap["inflight"] == 0
+    return (service.sequences.in_use == 0 and not executor.dispatch.armed_jobs() and snap["inflight"] == 0
             and service.sequences.consistent())
 
 
