@@ -56,7 +56,8 @@ class Armer(Protocol):
 @attrs.frozen
 class Arm:
     """How ``DeviceExecutor.admit_armed`` admits a pre-armed job: chained behind ``prev_txn``
-    (None: an ordinary reserve), waiting for resources (``blocking``) or not."""
+    (None: an ordinary reserve), waiting for resources (``blocking``: the caller's own step,
+    whose token is on its way: a request, never a guess) or not."""
 
     prev_txn: Any
     blocking: bool
@@ -112,6 +113,10 @@ class Dispatch:
         self.cv = clock.condition(self.mu)
         self._queue: deque[Job] = deque()
         self._armed: list[Job] = []
+        #: armed jobs that are their caller's step, not a guess (admitted with their token on
+        #: the way: ``arm(..., for_caller=True)``): never reclaimed nor taken for another
+        #: request of the sequence, exactly as the plain path never takes a queued job back
+        self._for_caller: set[Job] = set()
         self._to_arm: deque[tuple[float, Armer]] = deque()  # (arm at, armer), in order
         self._arm_later: list[Armer] = []  # found no free slot: again when a lease is back
         self._arming: Armer | None = None
@@ -250,7 +255,7 @@ class Dispatch:
             gen.closing = True
             armed = [job for job in self._armed if job.gen is gen]
             for job in armed:
-                self._armed.remove(job)
+                self._unarm_locked(job)
                 if job.auto is not None:
                     self._forget_guess_locked(job.auto)
             self.cv.notify_all()
@@ -293,15 +298,20 @@ class Dispatch:
             return True
 
     # ---- armed jobs -----------------------------------------------------------------------------
-    def arm(self, job: "Job", current: "Generation | None", notify: bool = False) -> bool:
+    def arm(self, job: "Job", current: "Generation | None", notify: bool = False,
+            for_caller: bool = False) -> bool:
         """Keep ``job`` (prepared up to Preparing) until its token comes; False when its
         generation closed or was replaced. ``notify``: wake the submitter, whose wait then
-        ends at this job's deadline."""
+        ends at this job's deadline. ``for_caller``: the job is a caller's own step about to
+        be fired, not a guess (``reclaim`` and ``take_armed_of`` leave it; a fence, a cancel,
+        its deadline and a refusal release it as they release a queued job)."""
         with self.cv:
             gen = job.gen
             if gen.closing or gen is not current:
                 return False
             self._armed.append(job)
+            if for_caller:
+                self._for_caller.add(job)
             if notify:
                 self.cv.notify_all()
             return True
@@ -357,9 +367,13 @@ class Dispatch:
         with self.mu:
             return self._take_armed_locked(job)
 
+    def _unarm_locked(self, job: "Job") -> None:
+        self._armed.remove(job)
+        self._for_caller.discard(job)
+
     def _take_armed_locked(self, job: "Job") -> bool:
         if job in self._armed:
-            self._armed.remove(job)
+            self._unarm_locked(job)
             return True
         return False
 
@@ -369,9 +383,10 @@ class Dispatch:
         with self.cv:
             guesses = [job for entry in list(self._guesses.values())
                        if (job := self._detach_guess_locked(entry, end)) is not None]
-            streams = [job for job in self._armed if job.auto is None]
+            streams = [job for job in self._armed
+                       if job.auto is None and job not in self._for_caller]
             for job in streams:
-                self._armed.remove(job)
+                self._unarm_locked(job)
         return guesses, streams
 
     def take_armed_of(self, seq_id: int, end: float) -> "tuple[Job | None, list[Job], Any]":
@@ -389,10 +404,10 @@ class Dispatch:
                 self.clock.wait(self.cv, remaining)
             self._to_arm = deque(item for item in self._to_arm if item[1].seq_id != seq_id)
             self._arm_later = [armer for armer in self._arm_later if armer.seq_id != seq_id]
-            streams = [job for job in self._armed
-                       if job.auto is None and job.request.seq_id == seq_id]
+            streams = [job for job in self._armed if job.auto is None
+                       and job.request.seq_id == seq_id and job not in self._for_caller]
             for job in streams:
-                self._armed.remove(job)
+                self._unarm_locked(job)
             return guess, streams, self._streams.get(seq_id)
 
     # ---- what the submitter arms -------------------------------------------------------------------
@@ -499,7 +514,7 @@ class Dispatch:
         self._forget_guess_locked(entry)  # an arming still running drops its job itself
         if job is None or job not in self._armed:
             return None
-        self._armed.remove(job)
+        self._unarm_locked(job)
         job.auto = None
         return job
 
@@ -533,7 +548,7 @@ class Dispatch:
                 armed = [(job, status) for job in self._armed
                          if (status := unsubmittable(job, now)) is not None]
                 for job, _ in armed:
-                    self._armed.remove(job)
+                    self._unarm_locked(job)
                     if job.auto is not None:  # an implicit pre-arm: its entry goes too
                         self._forget_guess_locked(job.auto)
                         guesses += 1

@@ -447,7 +447,8 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             return self._fail_before_submit(job, status.with_context(**job.ctx()))
         if arm is not None:  # pre-armed: Preparing until its token comes (``fire``); a
             # guess until it is fired: its release counts nothing
-            if not dispatch.arm(job, self.gen, notify=arm.notify):
+            # (blocking: the caller's own step, fired next: never reclaimed as a guess)
+            if not dispatch.arm(job, self.gen, notify=arm.notify, for_caller=arm.blocking):
                 return self._fail_before_submit(job, Status.unavailable(
                     Phase.PREPARE, f"generation {gen.id} retired while the job was armed; "
                     "retry", **job.ctx()))

@@ -214,6 +214,21 @@ def test_what_was_armed_for_a_sequence_is_taken_for_another_request_of_it(d):
     assert d.armed_jobs() == [other] and not d.scheduled(armer)
 
 
+def test_a_callers_own_step_is_never_taken_as_a_guess(d):
+    """Issue 24 (``calexec bench faults``: a 499 nobody asked for): a step admitted for its
+    caller and about to be fired is a request, not a guess: neither a request short of a
+    slot nor another request of its sequence takes it; the fence and the caller's fire do."""
+    gen = Gen()
+    own, guess = make_job(1, gen, seq=1), make_job(2, gen, seq=1)
+    d.arm(own, gen, for_caller=True), d.arm(guess, gen)
+    assert d.reclaim(time.monotonic() + 1) == ([], [guess])
+    assert d.take_armed_of(1, time.monotonic() + 1)[1] == [] and d.armed_jobs() == [own]
+    assert d.fire(own, 7, gen) == (True, None) and d.armed_jobs() == []
+    fenced = make_job(3, gen, seq=2)
+    d.arm(fenced, gen, for_caller=True)
+    assert d.close(gen) == [fenced] and d.armed_jobs() == []
+
+
 def test_a_slot_the_runtime_keeps_holds_its_permit_until_it_lets_go(d):
     gen = Gen()
     d.queue(make_job(1, gen), gen)

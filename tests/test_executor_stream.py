@@ -450,6 +450,56 @@ def test_a_request_short_of_a_slot_takes_the_slot_of_a_streams_armed_job(calbin)
         assert ex.snapshot()["pending_tokens"] == 0 and ex.pool.counts()["Leased"] == 0
 
 
+def test_a_steps_own_admission_is_never_reclaimed_as_a_guess(calbin, monkeypatch):
+    """Issue 24 (found by ``calexec bench faults``: a client saw 499 ``request.cancelled``
+    that it never asked for). A step with nothing armed is admitted for its caller and then
+    fired; in between, another request short of a slot reclaimed it as if it were an armed
+    guess, and the caller's step answered CANCELLED where the plain path admits and runs
+    it. Two decode slots: sequence 2's step on the device holds one, stream 1's own step
+    takes the other; sequence 3's decode, arriving between that admission and the fire,
+    waits for a slot as it would without streams (here until its short deadline)."""
+    with running_job_path(calbin, threads=False) as ex:
+        tokens = {}
+        for seq in (2, 3):
+            done = ex.enqueue(prefill(seq, PROMPT))
+            while not done.done and (ex.submit_one() or ex.complete_one()):
+                pass
+            tokens[seq] = done.wait_until(deadline()).argmax
+        first_of_1 = ex.enqueue(prefill(1, PROMPT, kv_reserve_len=len(PROMPT) + 4))
+        while not first_of_1.done and (ex.submit_one() or ex.complete_one()):
+            pass
+        ta = first_of_1.wait_until(deadline()).argmax
+        # max_len bounds what the stream arms ahead: nothing; the caller's step is admitted
+        a = ex.decode_stream(1, len(PROMPT), deadline(), max_len=len(PROMPT))
+        on_device = ex.enqueue(decode(2, tokens[2], len(PROMPT)))
+        assert ex.submit_one() and on_device.state == "Submitted"
+        assert a.armed is None
+        real_fire = ex.fire_armed
+        others = []
+
+        def fire_armed(job, token, *args, **kwargs):
+            if not others:  # between the step's admission and its fire
+                others.append(ex.enqueue(decode(3, tokens[3], len(PROMPT), seconds=0.2)))
+            return real_fire(job, token, *args, **kwargs)
+
+        monkeypatch.setattr(ex, "fire_armed", fire_armed)
+        handle = a.submit(ta)
+        monkeypatch.undo()
+        assert not isinstance(handle, Status), handle
+        assert others and others[0].done  # it waited for a slot until its deadline
+        assert others[0].wait_until(deadline(0)).category == Category.DEADLINE, \
+            others[0].wait_until(deadline(0))
+        while not handle.done and (ex.submit_one() or ex.complete_one()):
+            pass
+        first = a.wait()
+        assert isinstance(first, InferenceResult), first
+        assert [ta, first.argmax] == expected_greedy(PROMPT, 1)
+        while not on_device.done and ex.complete_one():
+            pass
+        a.close()
+        assert ex.snapshot()["pending_tokens"] == 0 and ex.pool.counts()["Leased"] == 0
+
+
 def test_another_request_on_a_streams_sequence_releases_its_armed_job(calbin):
     """Issue 24 (found by the differential test): between two steps a stream holds no job
     of its sequence the plain path would: its armed next step is a guess. A request for the
