@@ -57,10 +57,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("calexec.autoarm")
 
-#: how long a caller waits for the submitter to finish arming the job it wants (a few
-#: hundred microseconds of work that never waits; the bound only guards a bug)
-_ARMING_WAIT_S = 1.0
-
 
 class AutoArm:
     """One sequence's guessed next job: waiting for the submitter to arm it, being armed, or

@@ -53,8 +53,8 @@ class DeviceLifecycle:
         return self._golden_ok
 
     def all_submitted_drained(self) -> bool:
-        self._reap_held(report=False)
-        return self.dispatch.drained() and not self._completion_q
+        self.outcomes.reap_held(report=False)
+        return self.dispatch.drained() and not len(self.completion)
 
     def reset_confirmed(self) -> bool:
         """The runtime no longer touches any old-generation buffer: every generation that
@@ -120,7 +120,7 @@ class DeviceLifecycle:
                               self.config.slots_per_kind, self.locks, engines)
         if isinstance(gen, Status):
             return gen
-        gen.kvc.on_busy = self._drop_armed  # armed jobs are guesses
+        gen.kvc.on_busy = self.outcomes.release_armed_of  # armed jobs are guesses
         self.gen = gen
         self._golden_ok = False
         self.dispatch.refuse(None)  # the new generation's own golden jobs may queue

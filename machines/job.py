@@ -26,7 +26,8 @@ from calexec.contracts.codes import DeviceJobStatus
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import JobTimings, TaskKind
 from calexec.machines.clock import SYSTEM, Clock
-from calexec.machines.compiled import JOB
+from calexec.machines.chart_names import JOB_EV_CANCEL
+from calexec.machines.compiled import JOB, GuardRejected
 
 
 def now_us() -> int:
@@ -226,3 +227,14 @@ def job_of(handle: JobHandle) -> Job:
     """The job behind ``handle``, for the executor's own modules (the executor, its decode
     streams and guesses) and its test tools; an embedder holds the handle only."""
     return handle._job
+
+
+def advance(job: Job, event: str) -> bool:
+    """Send a forward event guarded by ``not_cancelled``; False when the job was cancelled
+    (it is then in CancelRequested)."""
+    try:
+        job.run.send(event)
+        return True
+    except GuardRejected:
+        job.run.send(JOB_EV_CANCEL)
+        return False

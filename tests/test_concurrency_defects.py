@@ -85,12 +85,13 @@ def test_a_non_finite_deadline_is_refused(calbins):
         assert "deadline" in res.message
 
 
-@pytest.mark.parametrize("where", ["_postprocess", "_infer"])
+@pytest.mark.parametrize("where", ["postprocess", "_infer"])
 def test_an_exception_in_an_executor_thread_is_a_fault_not_a_dead_thread(calbins, where):
     """The completion thread (postprocess) or the submitter (infer) raises once: the job it
     held resolves INTERNAL, the thread lives, the generation is rebuilt, serving goes on."""
     with running_executor(calbins["main"]) as ex:
-        original = getattr(ex, where)
+        owner = ex.completion if where == "postprocess" else ex
+        original = getattr(owner, where)
         calls = {"n": 0}
 
         def boom(*args, **kwargs):
@@ -99,7 +100,7 @@ def test_an_exception_in_an_executor_thread_is_a_fault_not_a_dead_thread(calbins
                 raise ValueError("injected bug")
             return original(*args, **kwargs)
 
-        setattr(ex, where, boom)
+        setattr(owner, where, boom)
         res = ex.enqueue(prefill(1, PROMPT)).wait_until(deadline(5))
         assert isinstance(res, Status), res
         assert res.code == "internal.thread_exception" and "injected bug" in res.message
@@ -116,9 +117,8 @@ def test_health_names_a_dead_thread(calbins):
     with running_executor(calbins["main"]) as ex:
         assert ex.health() == []
         ex._stopping_threads = True  # stop the threads as a crash would, without shutdown
-        with ex._completion_cv:
-            ex._completion_cv.notify_all()
-        ex.dispatch.wake()
+        ex.completion.stop()
+        ex.dispatch.stop()
         until(lambda: not any(ex.threads_alive().values()), 5, "threads to stop")
         assert any("calexec-completion is not running" in r for r in ex.health())
 

@@ -43,7 +43,7 @@ def test_a_caller_woken_early_waits_on_for_its_result_and_tokens_match(calbin):
         # planned from the moving average of decode jobs' device time: it climbs from the
         # golden run's zero-latency jobs towards the 20 ms profile
         assert early[-1] > early[1] > 0.0 and 0.015 < early[-1] < 0.02, early
-        assert 15000 < ex._decode_exec_us < 25000
+        assert 15000 < ex.completion.decode_exec_us < 25000
 
 
 def test_an_early_wake_never_outlasts_the_deadline(calbin):
@@ -76,21 +76,9 @@ def test_off_when_prewake_is_zero(calbin):
 def test_the_submitter_reading_a_queue_the_completion_thread_just_emptied_does_not_raise(
         calbin):
     """``_prewake_at`` reads the completion queue's head without completion_mu: the
-    completion thread may pop it between a length check and the index. Modelled by a queue
-    that is truthy but empty when indexed: None, never an IndexError (which would be a
-    submitter thread fault)."""
-    from collections import deque
-
-    class Emptied(deque):
-        def __bool__(self) -> bool:  # non-empty when checked, popped before the index
-            return True
-
-        def __len__(self) -> int:
-            return 1
-
+    completion thread may pop it at any moment. ``Completion.head()`` answers None for an
+    empty queue (never an IndexError, which would be a submitter thread fault), and with
+    nothing on the device there is no early wake."""
     with running_job_path(calbin) as ex:
-        saved, ex._completion_q = ex._completion_q, Emptied()
-        try:
-            assert ex._prewake_at(ex.clock.monotonic()) is None
-        finally:
-            ex._completion_q = saved
+        assert ex.completion.head() is None and len(ex.completion) == 0
+        assert ex._prewake_at(ex.clock.monotonic()) is None

@@ -18,7 +18,7 @@ import pytest
 from calexec.contracts.status import Status
 from calexec.contracts.types import TaskKind
 from calexec.drivers.calrt.runtime import Stage
-from calexec.machines import executor as executor_module
+from calexec.machines.completion import Completion
 from calexec.machines.compiled import JOB, KV_TXN
 from calexec.machines.coverage import RECORDER
 from chartpaths import transition_paths
@@ -210,14 +210,14 @@ def failures_after_submit(calbin):
 
 
 def cancel_while_completing(calbin, monkeypatch):
-    original = executor_module.DeviceExecutor._postprocess
+    original = Completion.postprocess
 
     def postprocess_then_cancel(self, job):
         if not job.internal:  # leave the start-up golden run alone
             job.cancel_flag = True  # a cancel arriving between Wait() and delivery
         return original(self, job)
 
-    monkeypatch.setattr(executor_module.DeviceExecutor, "_postprocess", postprocess_then_cancel)
+    monkeypatch.setattr(Completion, "postprocess", postprocess_then_cancel)
     with running_executor(calbin) as ex:
         handle = ex.enqueue(prefill(1, PROMPT))
         res = handle.wait_until(deadline())

@@ -359,7 +359,7 @@ class ExecutorMachine(RuleBasedStateMachine):
     def finish_head_on_device(self):
         """Run the oldest submitted job to its end on its own engine (PING/PONG in Phase B);
         in Phase B the other engine's job may have to finish first (overlap knob)."""
-        engine = max(0, int(self.ex._completion_q[0].lease.slot.engine))
+        engine = max(0, int(self.ex.completion.head().lease.slot.engine))
         for _ in range(16):  # bounded: a job has four stages, at most two jobs in flight
             rc, did = self.emu.step(engine, Stage.JOB)
             assert rc == 0

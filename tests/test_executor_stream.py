@@ -338,7 +338,7 @@ def test_close_while_the_submitter_releases_the_cancelled_armed_job_waits_for_it
 
     entered, release = threading.Event(), threading.Event()
     with running_job_path(calbin) as ex:
-        original = ex._fail_before_submit
+        original = ex.outcomes.fail_before_submit
 
         def slow(job, status):  # the submitter's release of a cancelled armed job, gated
             if threading.current_thread().name == "calexec-submitter" and job.lease is not None \
@@ -347,7 +347,7 @@ def test_close_while_the_submitter_releases_the_cancelled_armed_job_waits_for_it
                 assert release.wait(10)
             return original(job, status)
 
-        monkeypatch.setattr(ex, "_fail_before_submit", slow)
+        monkeypatch.setattr(ex.outcomes, "fail_before_submit", slow)
         stream, token = open_stream(ex, 1, 4)
         assert isinstance(stream.step(token), InferenceResult)
         until(lambda: stream.armed is not None, what="next job armed")

@@ -219,9 +219,9 @@ def test_executor_uses_the_fused_path_and_matches_the_numpy_fallback(calbin):
         return tokens, rows
 
     with running_executor(calbin) as ex:
-        assert isinstance(ex._fused_logits, FusedLogits)
+        assert isinstance(ex.completion.fused_logits, FusedLogits)
         fused_tokens, fused_rows = run(ex, 1)
-        ex._fused_logits = None  # a runtime without the native postprocess: the numpy path
+        ex.completion.fused_logits = None  # a runtime without the native postprocess: the numpy path
         numpy_tokens, numpy_rows = run(ex, 2)
     assert fused_tokens == numpy_tokens
     for a, b in zip(fused_rows, numpy_rows):
@@ -238,7 +238,7 @@ def test_executor_turns_a_refused_slice_into_a_status(calbin):
             return EBOUNDS
 
     with running_executor(calbin) as ex:
-        ex._fused_logits = Refusing()
+        ex.completion.fused_logits = Refusing()
         res = ex.enqueue(prefill(1, [1, 2, 3])).wait_until(deadline())
     assert isinstance(res, Status) and res.code == "internal.logits_slice", res
     assert "refused (1: slice out of bounds)" in res.message and "base=" in res.message
