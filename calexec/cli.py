@@ -60,7 +60,7 @@ COMMANDS: dict[str, Command] = {
     "bench faults": Command("calexec.drivers.tools.bench.faults", "device faults under load: client errors, tokens vs a fault-free run, resumes and added latency per fault", "server"),
     "diagrams live": Command("calexec.drivers.serving.live_charts", "screenshot the live /debug/statecharts page under load and one job's path (headless Chromium)", "server"),
     "golden record": Command("calexec.drivers.tools.golden", "run a calbin's warm-up on the emulator and pin its golden next to the manifest"),
-    "charts names": Command("calexec.drivers.tools.chart_names", "write machines/chart_names.py, one constant per declared state and event (--check: fail if stale)"),
+    "charts names": Command("calexec.drivers.tools.write_chart_names", "write machines/chart_names.py, one constant per declared state and event (--check: fail if stale)"),
     "charts mutate": Command("calexec.drivers.tools.charts_mutate", "mutation testing of declared charts (calexec's or --chart module:Class with --test-cmd): guards forced, transitions dropped, targets changed"),
 }
 
