@@ -51,7 +51,7 @@ COMMANDS: dict[str, Command] = {
     "diagrams": Command("calexec.drivers.tools.diagrams", "render the declared statecharts to diagrams/ (--check: fail if stale)"),
     "sim bench": Command("calexec.drivers.tools.bench.sim", "measure the emulator's host-side cost and profile accuracy"),
     "sim write-calbin": Command("calexec.drivers.tools.bench.sim", "write the default synthetic calbin"),
-    "bench charts": Command("calexec.drivers.tools.bench.charts", "per-job chart work on the hot path"),
+    "bench charts": Command("calexec.drivers.tools.bench.chart_cost", "per-job chart work on the hot path"),
     "bench overhead": Command("calexec.drivers.tools.bench.core", "executor vs direct synchronous loop (TPOT ratios, control overhead)"),
     "bench logits": Command("calexec.drivers.tools.bench.core", "direct BF16->FP32 slice conversion vs the legacy path"),
     "bench recovery": Command("calexec.drivers.tools.bench.core", "time from an injected device fault to Ready again, requests failed per recovery"),
