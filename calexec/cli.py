@@ -48,7 +48,7 @@ COMMANDS: dict[str, Command] = {
     "serve": Command("calexec.drivers.serving.serve", "run the reference HTTP server (OpenAI-style completions, metrics, drain)", "server"),
     "accept": Command("calexec.drivers.tools.accept.run", "the §13 acceptance gates (--quick|--full, --phase a|b|both, --report DIR)"),
     "conform": Command("calexec.drivers.tools.conform.runner", "answer the spec's §14 vendor questions for a calrt.h library (--report DIR)"),
-    "diagrams": Command("calexec.drivers.tools.diagrams", "render the declared statecharts to diagrams/ (--check: fail if stale)"),
+    "diagrams": Command("calexec.drivers.tools.render_diagrams", "render the declared statecharts to diagrams/ (--check: fail if stale)"),
     "sim bench": Command("calexec.drivers.tools.bench.sim", "measure the emulator's host-side cost and profile accuracy"),
     "sim write-calbin": Command("calexec.drivers.tools.bench.sim", "write the default synthetic calbin"),
     "bench charts": Command("calexec.drivers.tools.bench.chart_cost", "per-job chart work on the hot path"),
