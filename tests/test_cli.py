@@ -237,7 +237,7 @@ SERVER_ONLY = {"calexec.drivers.serving.server", "calexec.drivers.serving.serve"
                "calexec.drivers.serving.openai_api",
                "calexec.drivers.serving.resume", "calexec.drivers.serving.service",
                "calexec.drivers.serving.admin", "calexec.drivers.serving.debug",
-               "calexec.drivers.serving.errors", "calexec.drivers.serving.wire"}
+               "calexec.drivers.serving.error_bodies", "calexec.drivers.serving.wire"}
 
 
 def test_the_core_and_the_tools_import_without_any_extra():

@@ -24,7 +24,7 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Str
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import TaskKind
-from calexec.drivers.serving import errors, handoff, sampling, wire
+from calexec.drivers.serving import error_bodies, handoff, sampling, wire
 from calexec.drivers.serving.resume import RESUMABLE
 from calexec.drivers.serving.sampling import SamplingError, SamplingParams, TokenLogprobs
 
@@ -677,8 +677,8 @@ def add_routes(app: FastAPI, service: Any, fail: Callable[..., Response]) -> Non
                         progress({"error": gen.status.code, "retryable":
                                   gen.status.category in RESUMABLE or not service.ready,
                                   "cause": "drained" if service.draining else "unavailable"})
-                    yield wire.sse({"error": errors.error_body(
-                        gen.status, errors.PARAM_OF_CODE.get(gen.status.code))})
+                    yield wire.sse({"error": error_bodies.error_body(
+                        gen.status, error_bodies.PARAM_OF_CODE.get(gen.status.code))})
                 else:
                     tail = [wire.sse(shape.last(out.flush(), gen))]
                     if usage_chunk:

@@ -42,7 +42,7 @@ from calexec.drivers.synthetic import tokenizer
 from calexec.drivers.serving import hf_tokenizer, sampling, wire
 from calexec.drivers.serving.admission import AdmissionQueue
 from calexec.drivers.serving.dumpsink import DumpSink
-from calexec.drivers.serving.errors import invalid
+from calexec.drivers.serving.error_bodies import invalid
 from calexec.drivers.serving.metrics import ServerMetrics, kv_usage_fraction
 from calexec.drivers.serving.resume import Resumer
 from calexec.machines.compiled import JOB
