@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from calexec import __version__, cli
-from calexec.drivers.tools.accept.rig import Progress
+from calexec.drivers.tools.accept.gate_rig import Progress
 
 TIMEOUT_S = 120
 
