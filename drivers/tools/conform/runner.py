@@ -21,7 +21,7 @@ from calexec.drivers.calrt import conformance as report
 from calexec.drivers.tools.conform import trace
 from calexec.drivers.tools.conform.experiments import EXPERIMENTS, QUESTIONS
 from calexec.drivers.tools.conform.isolate import OK, run_isolated
-from calexec.drivers.tools.conform.rig import build_emulator_lib
+from calexec.drivers.tools.conform.experiment_rig import build_emulator_lib
 from calexec.drivers.calrt.verdict import inconclusive
 
 MODULE = "calexec.drivers.tools.conform.experiments"
