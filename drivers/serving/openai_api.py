@@ -27,6 +27,7 @@ from calexec.contracts.types import TaskKind
 from calexec.drivers.serving import error_bodies, handoff, sampling, wire
 from calexec.drivers.serving.resume import RESUMABLE
 from calexec.drivers.serving.sampling import SamplingError, SamplingParams, TokenLogprobs
+from calexec.drivers.serving.service import Admission
 
 Number = StrictInt | StrictFloat
 
@@ -442,16 +443,6 @@ def continue_from(resume: "handoff.Resume", run: Any, out: "TextOutput", shape: 
 
 
 # ---- routes ---------------------------------------------------------------------------------
-@attrs.define
-class _Admission:
-    """What ``CompletionService.admit`` reads of a request."""
-
-    prompt: list[int]
-    max_tokens: int
-    stream: bool
-    timeout: float | None
-
-
 def add_routes(app: FastAPI, service: Any, fail: Callable[..., Response]) -> None:
     """Register the OpenAI endpoints on ``app`` (``fail(status, param, http_status)`` renders
     and counts an error)."""
@@ -518,7 +509,7 @@ def add_routes(app: FastAPI, service: Any, fail: Callable[..., Response]) -> Non
             return refused(err)
         echo = (prompt if isinstance(prompt, str) else service.tokenizer.decode(ids)) \
             if body.echo else ""
-        admission = _Admission(ids, 16 if body.max_tokens is None else body.max_tokens,
+        admission = Admission(ids, 16 if body.max_tokens is None else body.max_tokens,
                                body.stream, body.timeout)
         return await _generate(request, admission, params, _CompletionShape(echo),
                                include_usage(body))
@@ -546,7 +537,7 @@ def add_routes(app: FastAPI, service: Any, fail: Callable[..., Response]) -> Non
         except Refusal as err:
             return refused(err)
         wanted = body.max_completion_tokens or body.max_tokens or CHAT_DEFAULT_MAX_TOKENS
-        admission = _Admission(ids, wanted, body.stream, body.timeout)
+        admission = Admission(ids, wanted, body.stream, body.timeout)
         return await _generate(request, admission, params, _ChatShape(), include_usage(body))
 
     @app.post("/tokenize")
@@ -573,7 +564,7 @@ def add_routes(app: FastAPI, service: Any, fail: Callable[..., Response]) -> Non
             return refused(err)
         return JSONResponse({"prompt": service.tokenizer.decode(body.tokens)})
 
-    async def _generate(request: Request, admission: _Admission, params: SamplingParams,
+    async def _generate(request: Request, admission: Admission, params: SamplingParams,
                         shape: "_Shape", usage_chunk: bool) -> Response:
         # the fleet's out-of-band channel (drivers/serving/handoff.py): ASGI scope keys only
         # drivers/fleet/edge.serve_relayed sets; an HTTP request cannot carry them

@@ -33,12 +33,12 @@ from calexec.drivers.serving.admin import MAX_PATH_CHARS, add_admin_routes, calb
 from calexec.drivers.serving.debug import add_debug_routes
 from calexec.drivers.serving.dumpsink import DumpSink
 from calexec.drivers.serving.error_bodies import PARAM_OF_CODE, error_body, error_response, invalid
-from calexec.drivers.serving.service import (CompletionBody, CompletionService, RequestRun,
+from calexec.drivers.serving.service import (Admission, CompletionService, RequestRun,
                                              SequencePool, ServerConfig)
 
 #: what embedders and the tests import from here (the app's parts live in the modules above)
-__all__ = ["CompletionBody", "CompletionService", "DrainingServer", "RequestRun",
-           "MAX_PATH_CHARS", "PARAM_OF_CODE", "SequencePool", "ServerConfig",
+__all__ = ["Admission", "CompletionService", "DrainingServer", "MAX_PATH_CHARS",
+           "PARAM_OF_CODE", "RequestRun", "SequencePool", "ServerConfig",
            "calbin_path_refusal", "create_app", "error_body", "error_response", "invalid",
            "uvicorn_config"]
 

@@ -26,13 +26,12 @@ import itertools
 import logging
 import threading
 import time
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 import anyio
 import attrs
 import numpy as np
 from anyio import to_thread
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from calexec.contracts.errors import Category
 from calexec.contracts.prepare import InferenceRequest
@@ -140,21 +139,18 @@ class ServerConfig:
     greedy_ahead: bool = True
 
 
-class CompletionBody(BaseModel):
-    """What ``CompletionService.admit`` reads of a request (``prompt``, ``max_tokens``,
-    ``stream``, ``timeout``: calexec's per-request deadline in seconds). The OpenAI bodies,
-    with every parameter implemented or refused, are in drivers/serving/openai_api.py."""
+@attrs.define
+class Admission:
+    """What ``CompletionService.admit`` reads of a request: its prompt (token ids, or text the
+    server's tokenizer encodes), ``max_tokens``, ``stream`` (the answer goes out as server-sent
+    events) and ``timeout`` (calexec's per-request deadline in seconds; None: the server's
+    default). drivers/serving/openai_api.py builds it from the OpenAI bodies, where every
+    parameter is implemented or refused."""
 
-    model_config = ConfigDict(extra="ignore")
-
-    prompt: StrictStr | list[StrictInt]
-    max_tokens: StrictInt = Field(default=16, ge=1)
-    stream: StrictBool = False
-    timeout: float | None = Field(default=None, gt=0)
-    n: Literal[1] = 1
-    model: StrictStr | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    prompt: str | list[int]
+    max_tokens: int
+    stream: bool
+    timeout: float | None
 
 
 class SequencePool:
@@ -384,7 +380,7 @@ class CompletionService:
         return counts
 
     # ---- admission ------------------------------------------------------------------------------
-    def admit(self, body: CompletionBody) -> "tuple[RequestRun | None, Status, str | None]":
+    def admit(self, body: Admission) -> "tuple[RequestRun | None, Status, str | None]":
         """A RequestRun holding a sequence id or waiting for one (``run.waiter``: its first
         ``advance`` waits, drivers/serving/admission.py), or (None, failure, offending field)."""
         if self.draining:
