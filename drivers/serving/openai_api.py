@@ -422,7 +422,7 @@ def resume_refusal(resume: "handoff.Resume", run: Any) -> Refusal | None:
 
 
 def continue_from(resume: "handoff.Resume", run: Any, out: "TextOutput", shape: "_Shape",
-                  stream: bool) -> None:
+                  sse: bool) -> None:
     """Set ``run`` up to continue after ``resume.tokens`` (its first job re-prefills prompt
     + tokens, ``RequestRun.next_request``; token ``len(tokens)`` is sampled with the same
     seed and index as it would have been) and rebuild what the client was already sent: the
@@ -430,12 +430,12 @@ def continue_from(resume: "handoff.Resume", run: Any, out: "TextOutput", shape: 
     offsets and the chat opening (``shape``). A whole (non-streaming) answer with logprobs
     needs every token's logprobs: it restarts from the prompt with the same seed instead."""
     tokens = list(resume.tokens)
-    if not stream and run.sampling.logprobs is not None:
+    if not sse and run.sampling.logprobs is not None:
         tokens = []
     run.tokens = tokens
     for token in tokens:
         out.add(token)
-    shape.resumed(resume, len(tokens) if stream else 0, out.sent)  # a whole answer: none sent
+    shape.resumed(resume, len(tokens) if sse else 0, out.sent)  # a whole answer: none sent
     if out.stopped:
         run.finish_reason = "stop"
     elif len(tokens) >= run.max_tokens:
@@ -591,12 +591,12 @@ def add_routes(app: FastAPI, service: Any, fail: Callable[..., Response]) -> Non
             if bad is not None:
                 await service.finish(run)
                 return refused(bad)
-            continue_from(resume, run, out, shape, admission.stream)
+            continue_from(resume, run, out, shape, admission.sse)
         if progress is not None:
             progress({"seed": params.seed, "id": shape.id, "created": shape.created,
                       "prompt_tokens": len(run.prompt)})
-        if admission.stream:
-            return await _stream(request, run, out, shape, usage_chunk, progress)
+        if admission.sse:
+            return await _sse_response(request, run, out, shape, usage_chunk, progress)
         handed = False
         try:
             async def drive() -> None:
@@ -626,9 +626,9 @@ def add_routes(app: FastAPI, service: Any, fail: Callable[..., Response]) -> Non
         return (handing is not None and service.draining and not run.done
                 and request.scope.get(handoff.PROGRESS) is not None and bool(handing()))
 
-    async def _stream(request: Request, run: Any, out: TextOutput, shape: "_Shape",
-                      usage_chunk: bool, progress: Callable[[dict], None] | None = None
-                      ) -> Response:
+    async def _sse_response(request: Request, run: Any, out: TextOutput, shape: "_Shape",
+                            usage_chunk: bool, progress: Callable[[dict], None] | None = None
+                            ) -> Response:
         first: int | None = None
 
         async def first_token() -> None:  # may wait for a sequence id: watch for disconnect

@@ -142,14 +142,14 @@ class ServerConfig:
 @attrs.define
 class Admission:
     """What ``CompletionService.admit`` reads of a request: its prompt (token ids, or text the
-    server's tokenizer encodes), ``max_tokens``, ``stream`` (the answer goes out as server-sent
-    events) and ``timeout`` (calexec's per-request deadline in seconds; None: the server's
+    server's tokenizer encodes), ``max_tokens``, ``sse`` (the answer goes out as server-sent
+    events: the OpenAI body's ``stream``) and ``timeout`` (calexec's per-request deadline in seconds; None: the server's
     default). drivers/serving/openai_api.py builds it from the OpenAI bodies, where every
     parameter is implemented or refused."""
 
     prompt: str | list[int]
     max_tokens: int
-    stream: bool
+    sse: bool
     timeout: float | None
 
 
@@ -228,7 +228,7 @@ class RequestRun:
     max_tokens: int
     deadline: float  # absolute time.monotonic()
     started: float
-    stream: bool
+    sse: bool  # the answer goes out as server-sent events
     logits: np.ndarray
     tokens: list[int] = attrs.Factory(list)
     past: int = 0
@@ -413,12 +413,12 @@ class CompletionService:
             return None, got, None
         now = time.monotonic()
         run = RequestRun(next(self._ids), got if isinstance(got, int) else None, list(prompt),
-                         body.max_tokens, now + timeout, now, body.stream,
+                         body.max_tokens, now + timeout, now, body.sse,
                          np.empty(vocab, dtype=np.float32),
                          waiter=None if isinstance(got, int) else got)
         self.active += 1
         self._live[run.request_id] = run
-        self.metrics.requests.labels("true" if body.stream else "false").inc()
+        self.metrics.requests.labels("true" if body.sse else "false").inc()
         return run, Status.OK, None
 
     # ---- generation -----------------------------------------------------------------------------
@@ -701,7 +701,7 @@ class CompletionService:
             m.e2e.observe(time.monotonic() - run.started)
         if self.dump is not None:
             self.dump.write({
-                "request_id": run.request_id, "seq_id": run.seq_id, "stream": run.stream,
+                "request_id": run.request_id, "seq_id": run.seq_id, "stream": run.sse,
                 "prompt_tokens": len(run.prompt), "completion_tokens": len(run.tokens),
                 "finish_reason": run.finish_reason,
                 "status": None if run.status is None else run.status.to_dict(),
