@@ -45,7 +45,7 @@ class Command(NamedTuple):
 # Two-word commands ("sim bench") are looked up before one-word ones.
 COMMANDS: dict[str, Command] = {
     "demo": Command("calexec.drivers.tools.demo", "prefill and decode a few sequences through the executor, checked against the oracle"),
-    "serve": Command("calexec.drivers.serving.serve", "run the reference HTTP server (OpenAI-style completions, metrics, drain)", "server"),
+    "serve": Command("calexec.serve", "run the reference HTTP server (OpenAI-style completions, metrics, drain)", "server"),
     "accept": Command("calexec.drivers.tools.accept.run", "the §13 acceptance gates (--quick|--full, --phase a|b|both, --report DIR)"),
     "conform": Command("calexec.drivers.tools.conform.runner", "answer the spec's §14 vendor questions for a calrt.h library (--report DIR)"),
     "diagrams": Command("calexec.drivers.tools.render_diagrams", "render the declared statecharts to diagrams/ (--check: fail if stale)"),

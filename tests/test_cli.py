@@ -230,7 +230,7 @@ sys.meta_path.insert(0, _Block())
 """
 
 #: modules that exist to serve HTTP or run Ray: the only ones allowed to need an extra
-SERVER_ONLY = {"calexec.drivers.serving.server", "calexec.drivers.serving.serve", "calexec.drivers.serving.metrics",
+SERVER_ONLY = {"calexec.drivers.serving.server", "calexec.serve", "calexec.drivers.serving.metrics",
                "calexec.drivers.tools.bench.server_overhead", "calexec.drivers.fleet.ray_serve",
                "calexec.drivers.fleet.edge", "calexec.drivers.fleet.ingress",
                "calexec.drivers.tools.chaos",

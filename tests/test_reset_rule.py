@@ -152,7 +152,7 @@ def test_bundled_emulator_recovers_with_its_reset(tmp_path, monkeypatch):
 
 # ---- calexec serve: exits for its supervisor when the lifecycle is Failed ---------------------
 FAULT_AFTER_START = """
-import calexec.drivers.serving.serve as serve
+import calexec.serve as serve
 from calexec.drivers.calrt.runtime import Fault, FaultMode
 
 class FaultAfterStart(serve.DeviceExecutor):

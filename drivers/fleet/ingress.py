@@ -146,7 +146,7 @@ class FleetIngress:
         wait up to ``grace_s`` for the requests already admitted to finish, failovers
         included. ``{"drained": True}`` when none is left, else ``{"drained": False,
         "active": n}`` (they are cut when the fleet stops). The fleet's SIGTERM path
-        (drivers/serving/serve.py) calls it before Serve shuts down, so no admitted request
+        (calexec/serve.py) calls it before Serve shuts down, so no admitted request
         loses its connection to the proxy's shutdown."""
         if not math.isfinite(grace_s) or grace_s < 0:
             raise ValueError(f"grace_s={grace_s}: must be a finite number >= 0")
