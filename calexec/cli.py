@@ -58,7 +58,7 @@ COMMANDS: dict[str, Command] = {
     "bench pingpong": Command("calexec.drivers.tools.bench.core", "Phase B: tokens/s at in-flight 2 vs 1 per overlap setting, TPOT P99, trace"),
     "bench server": Command("calexec.drivers.tools.bench.server_overhead", "the server's own overhead: HTTP vs in-process executor", "server"),
     "bench faults": Command("calexec.drivers.tools.bench.fault_cost", "device faults under load: client errors, tokens vs a fault-free run, resumes and added latency per fault", "server"),
-    "diagrams live": Command("calexec.drivers.serving.live_charts", "screenshot the live /debug/statecharts page under load and one job's path (headless Chromium)", "server"),
+    "diagrams live": Command("calexec.drivers.tools.live_screenshots", "screenshot the live /debug/statecharts page under load and one job's path (headless Chromium)", "server"),
     "golden record": Command("calexec.drivers.tools.golden", "run a calbin's warm-up on the emulator and pin its golden next to the manifest"),
     "charts names": Command("calexec.drivers.tools.write_chart_names", "write machines/chart_names.py, one constant per declared state and event (--check: fail if stale)"),
     "charts mutate": Command("calexec.drivers.tools.charts_mutate", "mutation testing of declared charts (calexec's or --chart module:Class with --test-cmd): guards forced, transitions dropped, targets changed"),
