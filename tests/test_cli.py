@@ -166,7 +166,7 @@ def test_user_errors_are_one_line_naming_the_offender_exit_2(argv, named, tmp_pa
     done = calexec(*argv)
     line = one_line(done.stderr)
     assert done.returncode == 2, (done.returncode, done.stderr)
-    assert line.startswith(f"calexec {cli._lookup(argv)}:") and named in line, line
+    assert line.startswith(f"calexec {cli.lookup(argv)}:") and named in line, line
 
 
 def test_a_port_in_use_is_named_before_the_executor_starts_exit_2():
