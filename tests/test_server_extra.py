@@ -25,7 +25,7 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 import needs
-from calexec.drivers.synthetic import tokenizer
+from calexec.drivers.serving import byte_tokenizer as tokenizer
 from calexec.drivers.calrt.runtime import Fault, FaultMode, Stage
 from calexec.serve import SAMPLE_REQUEST
 from calexec.drivers.serving.server import ServerConfig, create_app

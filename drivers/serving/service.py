@@ -37,8 +37,7 @@ from calexec.contracts.errors import Category
 from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import TaskKind
-from calexec.drivers.synthetic import tokenizer
-from calexec.drivers.serving import hf_tokenizer, sampling, wire
+from calexec.drivers.serving import byte_tokenizer, hf_tokenizer, sampling, wire
 from calexec.drivers.serving.admission import AdmissionQueue
 from calexec.drivers.serving.dumpsink import DumpSink
 from calexec.drivers.serving.error_bodies import invalid
@@ -109,7 +108,7 @@ class ServerConfig:
     worker_threads: int = attrs.field(default=16, validator=attrs.validators.ge(1))
     #: Retry-After seconds on 429 and 503.
     retry_after_s: int = attrs.field(default=1, validator=attrs.validators.ge(0))
-    end_token_id: int = tokenizer.END_TOKEN_ID
+    end_token_id: int = byte_tokenizer.END_TOKEN_ID
     #: one bounded wait (s) of the background release of a sequence id for its last job to
     #: end / the device to let go; repeated until the executor is Stopped or Failed.
     release_wait_s: float = attrs.field(default=60.0, validator=attrs.validators.gt(0))
