@@ -14,7 +14,7 @@ from hypothesis.extra import numpy as hnp
 
 from calexec.contracts.status import Status
 from calexec.drivers import alloccount
-from calexec.drivers._calexec_native import lib as native_lib
+from calexec.drivers.native._calexec_native import lib as native_lib
 from calexec.drivers.native.fused_logits import EBOUNDS, EDST, NONFINITE, OK, FusedLogits
 from calexec.drivers.calrt.runtime import CalRT
 from calexec.machines.postprocess import bf16_all_finite, bf16_to_f32_into
