@@ -148,8 +148,8 @@ class Admission:
 
     prompt: str | list[int]
     max_tokens: int
-    sse: bool
-    timeout: float | None
+    sse: bool = False
+    timeout: float | None = None
 
 
 class SequencePool:
