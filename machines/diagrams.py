@@ -1,5 +1,5 @@
 """Render the declared charts: DOT text, SVG and PNG bytes (no files, no CLI: ``calexec
-diagrams``, which writes and checks diagrams/, is drivers/tools/diagrams.py).
+diagrams``, which writes and checks diagrams/, is drivers/tools/render_diagrams.py).
 
 The DOT is generated here from the compiled charts (``calexec.machines.compiled``, derived from
 the declarations at import time), so a diagram can only show declared transitions. It is

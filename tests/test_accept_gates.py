@@ -12,7 +12,7 @@ import pytest
 
 from calexec.drivers.tools.accept import run as accept
 from calexec.drivers.tools.accept.report import write_report
-from calexec.drivers.tools.accept.rig import growth
+from calexec.drivers.tools.accept.gate_rig import growth
 from calexec.machines.completion import Completion
 
 TINY = attrs.evolve(accept.QUICK, mode="tiny", prompts=3, decode_steps=3,

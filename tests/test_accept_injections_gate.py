@@ -25,7 +25,7 @@ import pytest
 
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Status
-from calexec.drivers.tools.accept import gates, rig
+from calexec.drivers.tools.accept import gate_rig, gates
 from calexec.drivers.tools.accept import run as accept
 from calexec.machines.outcomes import JobOutcomes
 from calexec.machines.job import Job
@@ -40,7 +40,7 @@ def injections_gate(monkeypatch, kinds: tuple[str, ...], n: int) -> dict:
     """Run ``injections_a`` alone with ``n`` injections of ``kinds``; its gate dict."""
     monkeypatch.setattr(gates, "INJECTION_KINDS", kinds)
     monkeypatch.setattr(gates, "HANG_GRACE_S", 0.3)
-    monkeypatch.setattr(rig, "HANG_GRACE_S", 0.3)
+    monkeypatch.setattr(gate_rig, "HANG_GRACE_S", 0.3)
     sizes = attrs.evolve(accept.QUICK, mode="tiny", injections=n)
     report = accept.run_accept(sizes, ("a",), ["injections"])
     assert report["passed"] is report["gates"]["injections_a"]["passed"]

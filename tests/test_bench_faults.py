@@ -11,7 +11,7 @@ import json
 import pytest
 
 pytest.importorskip("httpx", reason="the fault bench drives the server over HTTP ([server])")
-from calexec.drivers.tools.bench import faults as bench_faults  # noqa: E402
+from calexec.drivers.tools.bench import fault_cost as bench_faults  # noqa: E402
 
 KEYS = {"faults_requested", "faults_fired", "faults_by_kind", "faults_not_fired", "clients",
         "streaming_clients", "seed", "requests", "completed", "client_errors", "errors",

@@ -19,8 +19,8 @@ from calexec.contracts.status import Status
 from calexec.contracts.types import TaskKind
 from calexec.drivers.calrt.runtime import Stage
 from calexec.machines.completion import Completion
-from calexec.machines.compiled import JOB, KV_TXN
-from calexec.machines.coverage import RECORDER
+from calexec.machines.compiled import CHARTS, JOB, KV_TXN
+from calexec.machines.coverage import recording as recording_transitions
 from chartpaths import transition_paths
 from calexec.machines.pool import BufferPool, BufferSlot
 from executor_harness import running_job_path as running_executor
@@ -37,14 +37,9 @@ def calbin(tmp_path_factory):
 
 @contextmanager
 def recording():
-    """Scope the global transition recorder to one scenario; merge afterwards."""
-    saved, enabled = RECORDER.hits, RECORDER.enabled
-    RECORDER.hits, RECORDER.enabled = set(), True
-    scoped = RECORDER.hits
-    try:
-        yield scoped
-    finally:
-        RECORDER.hits, RECORDER.enabled = saved | scoped, enabled
+    """A transition recorder of one scenario's own (the suite's keeps recording beside it)."""
+    with recording_transitions(CHARTS.values()) as recorder:
+        yield recorder.hits
 
 
 # ---- scenarios: each drives the executor along one family of paths ----------------------------

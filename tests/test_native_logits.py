@@ -1,7 +1,8 @@
-"""The fused native logits postprocess (drivers/native.py over drivers/native/calexec_native.c):
-bit-identical to the numpy path (``bf16_to_f32_into`` + ``bf16_all_finite`` + ``np.argmax``),
-§10.1 bounds refused as values, GIL released, no allocation per call; and the executor using
-it, with the numpy path as the fallback for runtimes without it."""
+"""The fused native logits postprocess (drivers/native/fused_logits.py over
+drivers/native/calexec_native.c): bit-identical to the numpy path (``bf16_to_f32_into`` +
+``bf16_all_finite`` + ``np.argmax``), §10.1 bounds refused as values, GIL released, no
+allocation per call; and the executor using it, with the numpy path as the fallback for
+runtimes without it."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from hypothesis.extra import numpy as hnp
 
 from calexec.contracts.status import Status
 from calexec.drivers import alloccount
-from calexec.drivers._calexec_native import lib as native_lib
-from calexec.drivers.native import EBOUNDS, EDST, NONFINITE, OK, FusedLogits
+from calexec.drivers.native._calexec_native import lib as native_lib
+from calexec.drivers.native.fused_logits import EBOUNDS, EDST, NONFINITE, OK, FusedLogits
 from calexec.drivers.calrt.runtime import CalRT
 from calexec.machines.postprocess import bf16_all_finite, bf16_to_f32_into
 from executor_harness import decode, deadline, prefill, running_executor, write_calbin

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from calexec.drivers.synthetic import tokenizer
+from calexec.drivers.serving import byte_tokenizer as tokenizer
 from calexec.drivers.serving.server import ServerConfig, create_app
 from test_server_support import (LiveServer, metric_value, oracle_tokens, started_executor,
                                  wait_for)

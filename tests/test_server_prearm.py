@@ -111,10 +111,10 @@ def test_a_sequence_busy_for_a_moment_is_released_not_withheld(make):
                                   f"sequence {seq} is busy", seq_id=seq)
         return real(seq, wait_s)
     executor.release_sequence = flaky
-    gen = types.SimpleNamespace(seq_id=seq_id, handle=None, decode=None,
+    run = types.SimpleNamespace(seq_id=seq_id, handle=None, decode=None,
                                 enqueue_idle=threading.Event())
-    gen.enqueue_idle.set()
-    service._release_when_done(gen)
+    run.enqueue_idle.set()
+    service._release_when_done(run)
     counts = service.sequences.counts()
     assert counts["withheld"] == counts["in_use"] == 0
     assert counts["free"] == counts["capacity"]

@@ -277,7 +277,7 @@ def test_an_id_answered_at_once_but_never_taken_goes_back_on_leave():
 
 @pytest.mark.parametrize("flag", ["--max-waiting", "--max-resumes"])
 def test_serve_refuses_a_negative_waiting_or_resume_bound_naming_the_flag(flag, capsys):
-    from calexec.drivers.serving import serve
+    from calexec import serve
     assert serve.main(["serve", flag, "-1"]) == 2
     err = capsys.readouterr().err
     assert f"{flag}=-1: must be >= 0" in err and err.count("\n") == 1

@@ -29,7 +29,7 @@ import numpy as np
 from calexec.contracts.runtime_view import RuntimeModelInfo, RuntimeTensorInfo
 from calexec.drivers.calrt._calrt_emu import ffi as _ffi
 from calexec.drivers.calrt._calrt_emu import lib as _emu_lib
-from calexec.drivers.native import FusedLogits
+from calexec.drivers.native.fused_logits import FusedLogits
 
 #: fault injection (the emulator's fault plan): every armed point is logged here, marked
 #: INJECTED, so an injected fault is never mistaken for a real one in a log
@@ -131,8 +131,8 @@ class CalRT:
         return cls(ffi.dlopen(lib_path), lib_path, ffi)
 
     def logits_postprocessor(self) -> FusedLogits:
-        """A new fused native logits postprocess (drivers/native.py) for the executor's
-        completion path. Host code, not CalRT: the same whichever library is loaded."""
+        """A new fused native logits postprocess (drivers/native/fused_logits.py) for the
+        executor's completion path. Host code, not CalRT: the same whichever library is loaded."""
         return FusedLogits()
 
     def open_device(self, config: str = "") -> tuple[int, "Device | None"]:

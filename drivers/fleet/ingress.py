@@ -64,7 +64,7 @@ from calexec.contracts.status import Phase, Status
 from calexec.drivers.fleet.edge import (RELAY_ROUTES, RELAYED_FROM, Message, Receive, Send,
                                         read_body, relay_request, route_path, send_held,
                                         stop_stream, wait_disconnect)
-from calexec.drivers.serving import errors, wire
+from calexec.drivers.serving import error_bodies, wire
 from calexec.drivers.serving.handoff import PROGRESS_TYPE
 
 log = logging.getLogger("calexec.fleet_ingress")
@@ -146,7 +146,7 @@ class FleetIngress:
         wait up to ``grace_s`` for the requests already admitted to finish, failovers
         included. ``{"drained": True}`` when none is left, else ``{"drained": False,
         "active": n}`` (they are cut when the fleet stops). The fleet's SIGTERM path
-        (drivers/serving/serve.py) calls it before Serve shuts down, so no admitted request
+        (calexec/serve.py) calls it before Serve shuts down, so no admitted request
         loses its connection to the proxy's shutdown."""
         if not math.isfinite(grace_s) or grace_s < 0:
             raise ValueError(f"grace_s={grace_s}: must be a finite number >= 0")
@@ -354,7 +354,7 @@ class FleetIngress:
                                                self.settings.retry_after_s))
             return
         chunk = outcome.error_chunk or sse_error(outcome.held) or wire.sse(
-            {"error": errors.error_body(unavailable(outcome))})
+            {"error": error_bodies.error_body(unavailable(outcome))})
         await send({"type": "http.response.body", "body": chunk, "more_body": False})
 
 
@@ -365,7 +365,7 @@ def unavailable(outcome: _Outcome) -> Status:
 
 def refusal(status: Status, code: int, retry_after_s: int) -> tuple[Message, bytes]:
     """A held response (start, body) with the server's error body."""
-    payload = json.dumps({"error": errors.error_body(status, None, code),
+    payload = json.dumps({"error": error_bodies.error_body(status, None, code),
                           "status": status.to_dict()}).encode()
     headers = [(b"content-type", b"application/json"),
                (b"content-length", str(len(payload)).encode())]

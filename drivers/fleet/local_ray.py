@@ -3,7 +3,7 @@
 ``calexec serve --ray`` joins the cluster named by ``$RAY_ADDRESS`` or starts a local one in its
 own process tree: GCS, raylet, the dashboard and runtime-env agents, the Serve controller, proxy
 and replicas (:func:`init_address`: never the last ``ray start`` cluster of the machine). This
-module holds what the CLI (drivers/serving/serve.py) needs around ``ray.init``; it never
+module holds what the CLI (calexec/serve.py) needs around ``ray.init``; it never
 imports Ray at module level (callers import Ray after :func:`local_environment` has set what
 Ray reads at import).
 

@@ -34,7 +34,7 @@ from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import TaskKind
 from calexec.drivers.synthetic import calbin as calbin_fmt
 from calexec.drivers.synthetic import oracle
-from calexec.drivers.tools.accept.rig import (HANG_GRACE_S, JOB_S, Gate, Progress, growth, hung_status, leased,
+from calexec.drivers.tools.accept.gate_rig import (HANG_GRACE_S, JOB_S, Gate, Progress, growth, hung_status, leased,
                                         open_executor, request, rss_mib, run_job)
 from calexec.drivers.tools.bench.core import DirectLoop
 from calexec.drivers.device_spec import DeviceSpec

@@ -30,8 +30,8 @@ legacy ``bf16_to_f32_legacy`` (whole tensor to a temporary FP32 vector, then the
 the decode tensor [1,1,V] and the prefill tile [1,D0,V], with ``np.copyto`` of the same FP32
 destination as the floor; beside them the executor's whole postprocess both ways:
 ``numpy_path`` (finiteness check + conversion + ``np.argmax``) and ``fused`` /
-``fused_prefill`` / ``fused_sumexp`` (the native one-pass ``FusedLogits``, drivers/native.py,
-without and with the sum of exponentials); CPU time per call, allocation counts per call
+``fused_prefill`` / ``fused_sumexp`` (the native one-pass ``FusedLogits``,
+drivers/native/fused_logits.py, without and with the sum of exponentials); CPU time per call, allocation counts per call
 (``allocation_count_per_call``: Python allocator calls and numpy data buffers, counted by
 ``calexec.drivers.alloccount``), tracemalloc's transient/retained bytes (§13.3), and the fused
 results' bit-identity with the numpy path (``fused_bit_identical``).
@@ -73,7 +73,7 @@ from calexec.drivers.synthetic import calbin as calbin_fmt
 from calexec.drivers.direct import DirectRunner, DriverError
 from calexec.drivers.device_spec import DeviceSpec, DeviceSpecError
 from calexec.drivers.serving.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
-from calexec.drivers.native import FusedLogits
+from calexec.drivers.native.fused_logits import FusedLogits
 from calexec.drivers.calrt.runtime import CalRT
 from calexec.drivers.tools.bench.sim import PROFILE_DECODE_US
 from calexec.machines.clock import Clock

@@ -46,8 +46,7 @@ import attrs
 from calexec.drivers.memory import pin_mmap_threshold
 from calexec.drivers.serving.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
 from calexec import cliargs
-from calexec.drivers.synthetic import tokenizer
-from calexec.drivers.serving import hf_tokenizer
+from calexec.drivers.serving import byte_tokenizer, hf_tokenizer
 from calexec.drivers.serving.dumpsink import DumpConfigError, DumpSink
 from calexec.drivers.serving.server import (DrainingServer, ServerConfig, create_app,
                                             uvicorn_config)
@@ -405,9 +404,9 @@ class SampleRun:
             f"{reply['usage']['prompt_tokens']} prompt tokens, finish_reason="
             f"{choice['finish_reason']}, text {choice['text']!r}")
         if self.byte_level:
-            say(f"  (byte-level tokenizer: ids {tokenizer.BYTE_OFFSET}.."
-                f"{tokenizer.BYTE_OFFSET + 255} are UTF-8 bytes, other ids print as <id>; the "
-                "synthetic model's weights are random)")
+            say(f"  (byte-level tokenizer: ids {byte_tokenizer.BYTE_OFFSET}.."
+                f"{byte_tokenizer.BYTE_OFFSET + 255} are UTF-8 bytes, other ids print as <id>; "
+                "the synthetic model's weights are random)")
         return True
 
     def _say(self, line: str) -> None:
