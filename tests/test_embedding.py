@@ -1,0 +1,301 @@
+"""The embedding API (issue 25, docs/embedding.md): completion without a waiting thread
+(``JobHandle.add_done_callback`` / ``as_future`` / ``wait_async``), the typed protocol of the
+executor's public surface (machines/api.py) and the example server that embeds the executor
+(examples/asyncio_server.py), run against the bundled emulator on loopback.
+
+No timing threshold: every wait is bounded, and a bound that is reached fails the test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+import pytest
+
+from calexec.contracts.status import Phase, Status
+from calexec.machines.job import InferenceResult, Job, JobHandle
+from executor_harness import (decode, deadline, expected_greedy, make_executor, prefill,
+                              running_job_path, until, write_calbin)
+
+PROMPT = [3, 14, 15, 92, 65, 35, 89, 79]
+BOUND_S = 30.0  # a hang guard: reaching it fails the test
+
+
+@pytest.fixture(scope="module")
+def calbin(tmp_path_factory):
+    return write_calbin(tmp_path_factory.mktemp("calbin"))
+
+
+def bare_job(job_id: int = 1) -> Job:
+    """A job outside any executor (its handle's callbacks and awaits need none)."""
+    return Job(job_id, 1, decode(1, 5, 0), on_cancel=lambda: None)
+
+
+def resolve_in_thread(job: Job, result) -> threading.Thread:
+    thread = threading.Thread(target=job.resolve, args=(result,), name="resolver")
+    thread.start()
+    thread.join(BOUND_S)
+    assert not thread.is_alive()
+    return thread
+
+
+DONE = Status.cancelled(Phase.CANCEL, "resolved by the test")
+
+
+# ---- add_done_callback ------------------------------------------------------------------------
+def test_callback_runs_once_with_its_handle_on_the_resolving_thread():
+    job = bare_job()
+    handle = JobHandle(job)
+    calls = []
+    handle.add_done_callback(lambda h: calls.append((h, threading.current_thread().name)))
+    assert calls == []  # not resolved yet: nothing runs on the registering thread
+    resolve_in_thread(job, DONE)
+    assert calls == [(handle, "resolver")]
+    assert handle.remove_done_callback(calls.append) == 0  # nothing left registered
+    assert job._callbacks == ()  # run: the list (and what it referenced) is gone
+
+
+def test_callback_registered_after_resolution_runs_at_once_on_the_registering_thread():
+    job = bare_job()
+    job.resolve(DONE)
+    handle = JobHandle(job)
+    calls = []
+    handle.add_done_callback(lambda h: calls.append((h, threading.current_thread())))
+    assert calls == [(handle, threading.current_thread())]
+    handle.add_done_callback(lambda h: calls.append("again"))
+    assert calls[-1] == "again" and len(calls) == 2
+
+
+def test_callbacks_run_in_registration_order_and_a_raising_one_is_logged_only(caplog):
+    job = bare_job(7)
+    handle = JobHandle(job)
+    calls = []
+
+    def boom(h):
+        calls.append("boom")
+        raise RuntimeError("embedder bug")
+
+    handle.add_done_callback(lambda h: calls.append("first"))
+    handle.add_done_callback(boom)
+    handle.add_done_callback(lambda h: calls.append("last"))
+    with caplog.at_level(logging.ERROR, logger="calexec.job"):
+        resolve_in_thread(job, DONE)  # the thread's target would raise: it must not
+    assert calls == ["first", "boom", "last"]
+    assert job.done and job.result == DONE.with_context(job_id=7, seq_id=1, generation=1)
+    logged = [r for r in caplog.records if r.name == "calexec.job"]
+    assert len(logged) == 1 and "job 7 raised" in logged[0].getMessage()
+    assert logged[0].exc_info[0] is RuntimeError
+
+
+def test_remove_done_callback_unregisters_before_resolution():
+    job = bare_job()
+    handle = JobHandle(job)
+    calls = []
+    keep, drop = (lambda h: calls.append("keep")), (lambda h: calls.append("drop"))
+    handle.add_done_callback(drop)
+    handle.add_done_callback(keep)
+    handle.add_done_callback(drop)
+    assert handle.remove_done_callback(drop) == 2
+    assert handle.remove_done_callback(drop) == 0
+    job.resolve(DONE)
+    assert calls == ["keep"]
+
+
+def test_registration_racing_resolution_runs_every_callback_exactly_once():
+    """One thread resolves jobs while another registers on them: whichever comes second
+    runs the callback, never both, never neither."""
+    jobs = [bare_job(i) for i in range(3000)]
+    counts = [0] * len(jobs)
+    start = threading.Barrier(2)
+
+    def register():
+        start.wait()
+        for i, job in enumerate(jobs):
+            JobHandle(job).add_done_callback(lambda h, i=i: counts.__setitem__(i, counts[i] + 1))
+
+    def resolve():
+        start.wait()
+        for job in jobs:
+            job.resolve(DONE)
+
+    threads = [threading.Thread(target=register), threading.Thread(target=resolve)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(BOUND_S)
+    assert not any(thread.is_alive() for thread in threads)
+    assert counts == [1] * len(jobs)
+
+
+# ---- as_future / wait_async -------------------------------------------------------------------
+def test_wait_async_of_a_job_resolved_before_registration_returns_its_result():
+    job = bare_job()
+    job.resolve(DONE)
+    handle = JobHandle(job)
+
+    async def main():
+        future = handle.as_future()
+        assert future.done() and future.result() is job.result
+        return await handle.wait_async(deadline(BOUND_S))
+
+    assert asyncio.run(main()) is job.result
+    assert job._callbacks is None  # nothing was registered for it
+
+
+def callback_errors(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "calexec.job" and r.levelno >= logging.ERROR]
+
+
+def test_as_future_is_resolved_from_another_thread_through_the_loop(caplog):
+    """The loop runs in debug mode: a future set from the resolving thread directly (not
+    through ``call_soon_threadsafe``) raises asyncio's thread check there, which the callback
+    guard logs."""
+    caplog.set_level(logging.ERROR, logger="calexec.job")
+    job = bare_job()
+    handle = JobHandle(job)
+
+    async def main():
+        future = handle.as_future()
+        resolver = threading.Thread(target=job.resolve, args=(DONE,), name="resolver")
+        resolver.start()
+        result = await asyncio.wait_for(future, BOUND_S)
+        resolver.join(BOUND_S)
+        return result
+
+    assert asyncio.run(main(), debug=True) is job.result
+    assert callback_errors(caplog) == []
+
+
+def test_wait_async_past_its_deadline_returns_wait_deadline_and_never_cancels():
+    job = bare_job()
+    handle = JobHandle(job)
+
+    async def main():
+        return await handle.wait_async(deadline(0.0))
+
+    result = asyncio.run(main())
+    assert isinstance(result, Status) and result.code == "wait.deadline"
+    assert not handle.cancel_requested and not handle.done
+    assert not job._callbacks  # the registration was removed with the wait
+    job.resolve(DONE)  # resolving later touches no loop (it is closed)
+    assert handle.done
+
+
+def test_cancelling_the_awaiting_task_leaves_the_job_and_no_registration(caplog):
+    job = bare_job()
+    handle = JobHandle(job)
+
+    async def main():
+        task = asyncio.create_task(handle.wait_async(None))
+        await asyncio.sleep(0)  # the task registers and awaits
+        assert job._callbacks  # registered while it awaits
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    with caplog.at_level(logging.DEBUG, logger="calexec"):
+        asyncio.run(main())
+        assert not handle.cancel_requested  # observing stopped; the job was not cancelled
+        assert not job._callbacks
+        job.resolve(DONE)  # after the loop closed: nothing scheduled, nothing logged
+    assert handle.done and not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_many_concurrent_awaits_on_executor_jobs_park_no_thread(calbin, caplog):
+    """Jobs of a stepped executor stay queued until the test drives it: while the awaits are
+    pending the process has exactly the threads it had before them; a driver thread then
+    resolves every job (callbacks on a foreign thread, loop in debug mode) and each await gets
+    its own sequence's oracle token."""
+    caplog.set_level(logging.ERROR, logger="calexec.job")
+    n = 24
+    ex = make_executor(calbin, threads=False, slots_per_kind=n)
+    try:
+        prompts = {seq: [seq, *PROMPT] for seq in range(1, n + 1)}
+        handles = {seq: ex.enqueue(prefill(seq, prompt, seconds=BOUND_S))
+                   for seq, prompt in prompts.items()}
+        assert not any(handle.done for handle in handles.values())
+
+        def drive():
+            while not all(h.done for h in handles.values()):
+                if not (ex.submit_one() or ex.complete_one()):
+                    break
+
+        async def main():
+            before = threading.active_count()
+            tasks = {seq: asyncio.create_task(handle.wait_async(deadline(BOUND_S)))
+                     for seq, handle in handles.items()}
+            futures = [handle.as_future() for handle in handles.values()]
+            await asyncio.sleep(0)
+            assert all(handle._job._callbacks for handle in handles.values())
+            during = threading.active_count()
+            driver = threading.Thread(target=drive, name="driver")
+            driver.start()
+            results = {seq: await task for seq, task in tasks.items()}
+            also = await asyncio.wait_for(asyncio.gather(*futures), BOUND_S)
+            driver.join(BOUND_S)
+            return before, during, results, also
+
+        before, during, results, also = asyncio.run(main(), debug=True)
+        assert during == before  # n pending awaits, no thread for any of them
+        assert callback_errors(caplog) == []  # every result went through the loop
+        for seq, result in results.items():
+            assert isinstance(result, InferenceResult), result
+            assert result.argmax == expected_greedy(prompts[seq], 0)[0]
+        assert [r.argmax for r in also] == [results[seq].argmax for seq in handles]
+    finally:
+        ex.shutdown(grace=5.0)
+
+
+def test_a_raising_callback_never_reaches_the_executor_threads(calbin, caplog):
+    """A callback that raises runs on the completion thread: it is logged, the job's result
+    stands, no thread fault is counted and the executor serves the next job."""
+    with running_job_path(calbin) as ex, caplog.at_level(logging.ERROR, logger="calexec.job"):
+        seen = []
+
+        def boom(h):
+            seen.append(threading.current_thread().name)
+            raise ValueError("embedder bug")
+
+        # registered before admission: the job cannot be resolved yet
+        handle = ex.enqueue(prefill(1, PROMPT), on_created=lambda h: h.add_done_callback(boom))
+        result = handle.wait_until(deadline(BOUND_S))
+        assert isinstance(result, InferenceResult), result
+        until(lambda: seen, what="the callback ran")  # it runs right after the waiter wakes
+        assert seen == ["calexec-completion"]
+        again = ex.enqueue(decode(1, result.argmax, result.kv_len)).wait_until(
+            deadline(BOUND_S))
+        assert isinstance(again, InferenceResult), again
+        assert [result.argmax, again.argmax] == expected_greedy(PROMPT, 1)
+        snap = ex.snapshot()
+        assert snap["thread_faults"] == 0 and ex.health() == []
+        assert any("embedder bug" in str(r.exc_info[1]) for r in caplog.records)
+
+
+def test_greedy_decode_over_wait_async_matches_the_oracle(calbin):
+    """The asyncio embedder's loop on the threaded executor: enqueue (off the loop: it may
+    wait for admission), then ``await wait_async`` per token, several sequences at once."""
+    steps = 6
+    with running_job_path(calbin) as ex:
+        async def one(seq: int) -> list[int]:
+            loop = asyncio.get_running_loop()
+            prompt = [seq, *PROMPT]
+            handle = await loop.run_in_executor(None, ex.enqueue, prefill(seq, prompt))
+            result = await handle.wait_async(deadline(BOUND_S))
+            assert isinstance(result, InferenceResult), result
+            out = [result.argmax]
+            for _ in range(steps):
+                request = decode(seq, out[-1], result.kv_len)
+                handle = await loop.run_in_executor(None, ex.enqueue, request)
+                result = await handle.wait_async(deadline(BOUND_S))
+                assert isinstance(result, InferenceResult), result
+                out.append(result.argmax)
+            return out
+
+        async def main():
+            return await asyncio.gather(*(one(seq) for seq in (1, 2, 3)))
+
+        for seq, tokens in zip((1, 2, 3), asyncio.run(main())):
+            assert tokens == expected_greedy([seq, *PROMPT], steps)
