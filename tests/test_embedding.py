@@ -9,8 +9,11 @@ No timing threshold: every wait is bounded, and a bound that is reached fails th
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import threading
+import types
+import typing
 
 import pytest
 
@@ -299,3 +302,211 @@ def test_greedy_decode_over_wait_async_matches_the_oracle(calbin):
 
         for seq, tokens in zip((1, 2, 3), asyncio.run(main())):
             assert tokens == expected_greedy([seq, *PROMPT], steps)
+
+
+# ---- the typed protocol (machines/api.py) -----------------------------------------------------
+#: Where the implementation's annotation is wider than the protocol's. Each entry is a change
+#: to a file this issue may not touch (docs/embedding.md "What the protocol still needs"); any
+#: other difference fails.
+WIDER = {
+    ("DeviceExecutor", "decode_stream", "stop_tokens"):
+        "annotated Any in machines/executor.py; the protocol says Collection[int]",
+    ("DeviceExecutor", "snapshot", "return"):
+        "dict[str, Any] in machines/executor.py; its keys and value types are checked against "
+        "ExecutorSnapshot by test_snapshot_keys_and_lifecycle_states_are_the_documented_ones",
+}
+
+
+def _hints(obj) -> dict:
+    from calexec.machines.stream import DecodeStream
+    return typing.get_type_hints(obj, localns={"DecodeStream": DecodeStream})
+
+
+def _is_protocol(tp) -> bool:
+    return isinstance(tp, type) and getattr(tp, "_is_protocol", False)
+
+
+def _compatible(want, got, seen) -> bool:
+    """``got`` (the class's annotation) is what ``want`` (the protocol's) says: equal, a class
+    conforming to a protocol, or the same generic/union with compatible arguments."""
+    if want == got:
+        return True
+    if _is_protocol(want) and isinstance(got, type):
+        return not conformance(want, got, seen=seen)
+    unions = (typing.Union, types.UnionType)
+    w_origin, g_origin = typing.get_origin(want), typing.get_origin(got)
+    if w_origin is None or not (w_origin == g_origin or {w_origin, g_origin} <= set(unions)):
+        return False
+    w_args, g_args = typing.get_args(want), typing.get_args(got)
+    if w_origin in unions:
+        return (len(w_args) == len(g_args)
+                and all(any(_compatible(w, g, seen) for w in w_args) for g in g_args)
+                and all(any(_compatible(w, g, seen) for g in g_args) for w in w_args))
+    if len(w_args) != len(g_args):
+        return False
+    for w, g in zip(w_args, g_args):
+        if isinstance(w, list) and isinstance(g, list):  # Callable's parameter list
+            if len(w) != len(g) or not all(_compatible(a, b, seen) for a, b in zip(w, g)):
+                return False
+        elif not _compatible(w, g, seen):
+            return False
+    return True
+
+
+def _members(proto) -> dict[str, object]:
+    """The protocol's own members: methods, properties and annotated attributes."""
+    out = {name: value for name, value in vars(proto).items()
+           if not name.startswith("_") and (callable(value) or isinstance(value, property))}
+    out.update({name: None for name in vars(proto).get("__annotations__", {})
+                if not name.startswith("_")})
+    return out
+
+
+def _value_matches(value, tp) -> bool:
+    options = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) \
+        else (tp,)
+    return any(value is None if opt is type(None)
+               else isinstance(value, typing.get_origin(opt) or opt) for opt in options)
+
+
+def conformance(proto, cls, instance=None, seen=None) -> list[str]:
+    """Every way ``cls`` (and ``instance``, for the attributes it sets in ``__init__``)
+    differs from ``proto``: a missing member, a method that became a property or async, a
+    parameter renamed, moved, added or with another default, an annotation that differs
+    (unless listed in ``WIDER``)."""
+    seen = set() if seen is None else seen
+    if (proto, cls) in seen:
+        return []  # assumed while being checked (the protocols refer to each other)
+    seen.add((proto, cls))
+    problems = []
+    for name, want in sorted(_members(proto).items()):
+        where = f"{cls.__name__}.{name}"
+        got = inspect.getattr_static(cls, name, None)
+        if want is None:  # an attribute: a class-level member or set on the instance
+            if got is None and instance is None:
+                continue  # set in __init__: checked when an instance is given
+            wanted = typing.get_type_hints(proto)[name]
+            if instance is not None and not _value_matches(getattr(instance, name, _MISSING),
+                                                           wanted):
+                problems.append(f"{where}: {getattr(instance, name, _MISSING)!r} is not a "
+                                f"{wanted}")
+            continue
+        if got is None:
+            problems.append(f"{where}: missing")
+            continue
+        if isinstance(want, property):
+            if not isinstance(got, property):
+                problems.append(f"{where}: not a property")
+            elif not _compatible(_hints(want.fget)["return"], _hints(got.fget)["return"], seen):
+                problems.append(f"{where}: property type {_hints(got.fget)['return']}")
+            continue
+        if not inspect.isfunction(got):
+            problems.append(f"{where}: not a method ({type(got).__name__})")
+            continue
+        if inspect.iscoroutinefunction(want) != inspect.iscoroutinefunction(got):
+            problems.append(f"{where}: async differs")
+        w_sig, g_sig = inspect.signature(want), inspect.signature(got)
+        w_params = [(p.name, p.kind, p.default) for p in w_sig.parameters.values()]
+        g_params = [(p.name, p.kind, p.default) for p in g_sig.parameters.values()]
+        if w_params != g_params:
+            problems.append(f"{where}: parameters {g_params} != {w_params}")
+            continue
+        w_hints, g_hints = _hints(want), _hints(got)
+        for param in [*list(w_sig.parameters)[1:], "return"]:
+            w, g = w_hints.get(param), g_hints.get(param)
+            if (not _compatible(w, g, seen)
+                    and (cls.__name__, name, param) not in WIDER):
+                problems.append(f"{where}: {param} annotated {g}, the protocol says {w}")
+    return problems
+
+
+_MISSING = object()
+
+
+def test_the_protocol_matches_the_classes_member_by_member():
+    from calexec.machines.api import CompletionHandle, DecodeSteps, InferenceExecutor
+    from calexec.machines.executor import DeviceExecutor
+    from calexec.machines.stream import DecodeStream
+    assert conformance(InferenceExecutor, DeviceExecutor) == []
+    assert conformance(CompletionHandle, JobHandle) == []
+    assert conformance(DecodeSteps, DecodeStream) == []
+    # every allowance is still needed: a fixed annotation must leave the list
+    from calexec.machines.api import InferenceExecutor as P
+    for (cls, name, param), why in WIDER.items():
+        want = _hints(getattr(P, name))[param]
+        got = _hints(getattr(DeviceExecutor, name))[param]
+        assert not _compatible(want, got, set()), f"{cls}.{name} {param}: {why} no longer"
+
+
+def test_the_conformance_check_sees_a_drift():
+    """A renamed parameter, a changed default, another annotation, a missing method, a
+    method turned async: each is reported (the check is not vacuous)."""
+    from calexec.machines.api import CompletionHandle, InferenceExecutor
+    from calexec.machines.executor import DeviceExecutor
+
+    class Renamed(DeviceExecutor):
+        def release_sequence(self, seq_id: int, wait: float = 0.0) -> Status:
+            return Status.OK
+
+    class Default(DeviceExecutor):
+        def shutdown(self, grace: float = 5.0) -> Status:
+            return Status.OK
+
+    class Annotated(DeviceExecutor):
+        def health(self) -> list[int]:
+            return []
+
+    class Missing:
+        pass
+
+    class Async(JobHandle):
+        async def cancel(self) -> bool:
+            return False
+
+    class WrongReturn(JobHandle):
+        def wait_until(self, deadline: float | None) -> InferenceResult:
+            raise NotImplementedError
+
+    assert "parameters" in " ".join(conformance(InferenceExecutor, Renamed))
+    assert "parameters" in " ".join(conformance(InferenceExecutor, Default))
+    assert "health: return" in " ".join(conformance(InferenceExecutor, Annotated))
+    assert len(conformance(InferenceExecutor, Missing)) == len(_members(InferenceExecutor)) - 1
+    assert "async differs" in " ".join(conformance(CompletionHandle, Async))
+    assert "wait_until: return" in " ".join(conformance(CompletionHandle, WrongReturn))
+
+
+def test_live_objects_satisfy_the_runtime_checkable_protocols(calbin):
+    from calexec.machines.api import CompletionHandle, DecodeSteps, InferenceExecutor
+    from calexec.machines.executor import DeviceExecutor
+    from calexec.machines.stream import DecodeStream
+    with running_job_path(calbin) as ex:
+        assert isinstance(ex, InferenceExecutor)
+        assert conformance(InferenceExecutor, DeviceExecutor, instance=ex) == []
+        handle = ex.enqueue(prefill(1, PROMPT, kv_reserve_len=len(PROMPT) + 2))
+        assert isinstance(handle, CompletionHandle)
+        result = handle.wait_until(deadline(BOUND_S))
+        assert isinstance(result, InferenceResult), result
+        with ex.decode_stream(1, result.kv_len, deadline(BOUND_S), max_len=len(PROMPT) + 2
+                              ) as stream:
+            assert isinstance(stream, DecodeSteps)
+            assert conformance(DecodeSteps, DecodeStream, instance=stream) == []
+            step = stream.step(result.argmax)
+            assert isinstance(step, InferenceResult), step
+            assert conformance(DecodeSteps, DecodeStream, instance=stream) == []
+        assert not isinstance(object(), InferenceExecutor)
+        assert ex.release_sequence(1).ok
+
+
+def test_snapshot_keys_and_lifecycle_states_are_the_documented_ones(calbin):
+    from calexec.machines.api import LIFECYCLE_STATES, ExecutorSnapshot
+    from calexec.machines.compiled import LIFECYCLE
+    assert LIFECYCLE_STATES == LIFECYCLE.states
+    types_ = typing.get_type_hints(ExecutorSnapshot)
+    with running_job_path(calbin) as ex:
+        assert ex.state in LIFECYCLE_STATES
+        snap = ex.snapshot()
+        assert sorted(snap) == sorted(types_)
+        wrong = {key: value for key, value in snap.items()
+                 if not _value_matches(value, types_[key])}
+        assert wrong == {}
+        assert all(isinstance(v, int) for v in snap["slots"].values())
