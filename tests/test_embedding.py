@@ -9,11 +9,17 @@ No timing threshold: every wait is bounded, and a bound that is reached fails th
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import importlib.util
 import inspect
+import json
 import logging
+import signal
+import sys
 import threading
 import types
 import typing
+from pathlib import Path
 
 import pytest
 
@@ -510,3 +516,173 @@ def test_snapshot_keys_and_lifecycle_states_are_the_documented_ones(calbin):
                  if not _value_matches(value, types_[key])}
         assert wrong == {}
         assert all(isinstance(v, int) for v in snap["slots"].values())
+
+
+# ---- the example: a server of the embedder's own (examples/asyncio_server.py) ----------------
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "asyncio_server.py"
+
+
+def load_example():
+    spec = importlib.util.spec_from_file_location("asyncio_server_example", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+async def ask(port: int, body: dict) -> tuple[list[int], dict]:
+    """One request on a fresh loopback connection: (tokens streamed, the last line)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(json.dumps(body).encode() + b"\n")
+        await writer.drain()
+        tokens = []
+        while True:
+            message = json.loads(await asyncio.wait_for(reader.readline(), BOUND_S))
+            if "token" not in message:
+                return tokens, message
+            tokens.append(message["token"])
+    finally:
+        writer.close()
+
+
+def started_embedding(example, calbin: str, sequences: int):
+    from calexec.drivers.calrt.runtime import CalRT
+    from calexec.machines.executor import DeviceExecutor, ExecutorConfig
+    from executor_harness import MANIFEST
+    executor = DeviceExecutor(CalRT.load(), MANIFEST, ExecutorConfig(calbin_path=calbin))
+    return example.Embedding(executor, sequences)
+
+
+def test_example_server_serves_concurrent_clients_oracle_tokens_without_waiting_threads(
+        calbin, monkeypatch):
+    """Six clients at once on four sequence ids: every client gets its prompt's oracle tokens,
+    ids are reused after their release, no thread ever waits for an unresolved job (every
+    completion is awaited on the loop), the process's threads stay within the fixed control
+    pool, and the drain ends the executor Stopped with every id free."""
+    example = load_example()
+    sequences, max_tokens = 4, 8
+    blocking = []
+    wait_until = JobHandle.wait_until
+
+    def counting(self, deadline):
+        if not self.done:
+            blocking.append((threading.current_thread().name, self.job_id))
+        return wait_until(self, deadline)
+
+    async def main():
+        embedding = started_embedding(example, calbin, sequences)
+        assert (await embedding.call(embedding.ex.start)).ok
+        server = example.JsonLineServer(embedding)
+        await server.start()
+        baseline = threading.active_count()
+        monkeypatch.setattr(JobHandle, "wait_until", counting)
+        prompts = [[i, *PROMPT] for i in range(1, 7)]
+        peak = baseline
+        answers = []
+        for answer in asyncio.as_completed([ask(server.port, {"prompt": p,
+                                                              "max_tokens": max_tokens})
+                                            for p in prompts]):
+            answers.append(await answer)
+            peak = max(peak, threading.active_count())
+        monkeypatch.undo()
+        health = await ask(server.port, {"op": "health"})
+        status = await server.drain(BOUND_S)
+        return prompts, answers, baseline, peak, health, status, embedding
+
+    prompts, answers, baseline, peak, health, status, embedding = asyncio.run(main())
+    expected = {tuple(expected_greedy(p, max_tokens - 1)) for p in prompts}
+    assert {tuple(tokens) for tokens, _ in answers} == expected  # each prompt's own tokens
+    assert all(last == {"done": True, "finish_reason": "length", "tokens": tokens}
+               for tokens, last in answers)
+    assert blocking == []  # no thread waited for the device
+    assert peak - baseline <= sequences  # the control pool, never a thread per token or job
+    assert health == ([], {"ready": True, "reasons": [], "lifecycle": "Ready"})
+    assert status.ok and embedding.ex.state == "Stopped"
+    assert embedding.free.qsize() == sequences and not embedding.withheld
+
+
+def test_example_generation_given_up_early_or_cancelled_gives_everything_back(calbin):
+    """A consumer that stops after two tokens (a stop string, a disconnect) and a generation
+    task cancelled while it awaits: both end with their sequence id free, nothing armed or
+    leased, no token budget held; the ids then serve a full generation with oracle tokens."""
+    example = load_example()
+
+    async def main():
+        embedding = started_embedding(example, calbin, 1)
+        ex = embedding.ex
+        assert (await embedding.call(ex.start)).ok
+        try:
+            far = deadline(BOUND_S)
+            early = []
+            async with contextlib.aclosing(embedding.generate(PROMPT, 30, frozenset(), far)) as gen:
+                async for token in gen:
+                    early.append(token)
+                    if len(early) == 2:
+                        break  # a stop string, a client gone: the rest is not wanted
+            await asyncio.wait_for(asyncio.gather(*embedding.finishing), BOUND_S)
+            assert embedding.free.qsize() == 1
+
+            first = asyncio.Event()
+
+            async def consume():
+                async with contextlib.aclosing(embedding.generate(PROMPT, 30, frozenset(),
+                                                                  far)) as gen:
+                    async for _ in gen:
+                        first.set()
+
+            task = asyncio.create_task(consume())
+            await asyncio.wait_for(first.wait(), BOUND_S)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await asyncio.wait_for(asyncio.gather(*embedding.finishing), BOUND_S)
+            assert embedding.free.qsize() == 1 and not embedding.withheld
+            snap = ex.snapshot()
+            assert snap["pending_tokens"] == 0 and snap["slots"]["Leased"] == 0, snap
+            assert snap["slots"]["InFlight"] == 0 and not ex._armed
+            full = [token async for token in embedding.generate(PROMPT, 5, frozenset(), far)]
+            await asyncio.wait_for(asyncio.gather(*embedding.finishing), BOUND_S)
+            return early, full
+        finally:
+            assert (await embedding.close(BOUND_S)).ok
+
+    early, full = asyncio.run(main())
+    assert early == expected_greedy(PROMPT, 1)
+    assert full == expected_greedy(PROMPT, 4)
+
+
+def test_example_server_as_a_process_serves_then_drains_on_sigterm():
+    """``python examples/asyncio_server.py`` as CI runs it: a request whose generation is
+    still running when SIGTERM comes completes (drain within --grace), a request after it is
+    refused or finds the port closed, and the process exits 0 printing ``executor Stopped``."""
+    async def main():
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, str(EXAMPLE), "--port", "0", "--sequences", "2",
+            "--device-config", "decode_us=2000", stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE)
+        try:
+            line = (await asyncio.wait_for(proc.stdout.readline(), 120)).decode()
+            assert line.startswith("listening on 127.0.0.1:"), line
+            port = int(line.rsplit(":", 1)[1])
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(json.dumps({"prompt": PROMPT, "max_tokens": 40}).encode() + b"\n")
+            await writer.drain()
+            tokens = [json.loads(await asyncio.wait_for(reader.readline(), BOUND_S))["token"]]
+            proc.send_signal(signal.SIGTERM)  # mid-generation: the drain lets it finish
+            while True:
+                message = json.loads(await asyncio.wait_for(reader.readline(), BOUND_S))
+                if "token" not in message:
+                    break
+                tokens.append(message["token"])
+            writer.close()
+            out, err = await asyncio.wait_for(proc.communicate(), 120)
+            return tokens, message, proc.returncode, out.decode(), err.decode()
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+
+    tokens, last, rc, out, err = asyncio.run(main())
+    assert tokens == expected_greedy(PROMPT, 39) and last["done"] is True
+    assert rc == 0, (out, err)
+    assert out.strip().endswith("executor Stopped"), out
