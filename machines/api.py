@@ -256,9 +256,12 @@ class InferenceExecutor(Protocol):
     def release_sequence(self, seq_id: int, wait_s: float = 0.0) -> Status:
         """Give back the KV of ``seq_id`` (the embedder owns the ids, and must not use
         ``ExecutorConfig.golden_seq_id``) once its last job is resolved and its stream closed.
-        OK, or ``kv.sequence_on_device`` (UNAVAILABLE: the device still runs a failed job of
-        it after ``wait_s``: retry), or ``kv.sequence_busy`` (a job of it is still open: a bug
-        of the caller). Blocks up to ``wait_s``."""
+        OK (also when its generation was retired: the KV died with it), or
+        ``kv.sequence_on_device`` (UNAVAILABLE: the device still runs a failed job of it after
+        ``wait_s``: retry), ``kv.sequence_busy`` (INVALID_REQUEST: a job of it is still open or
+        armed: a bug of the caller's order), or the KvManager release's own CalRT failure.
+        An id that cannot be released is withheld by the caller, never reused. Blocks up to
+        ``wait_s``."""
         ...
 
     def health(self) -> list[str]:

@@ -686,3 +686,20 @@ def test_example_server_as_a_process_serves_then_drains_on_sigterm():
     assert tokens == expected_greedy(PROMPT, 39) and last["done"] is True
     assert rc == 0, (out, err)
     assert out.strip().endswith("executor Stopped"), out
+
+
+# ---- docs/embedding.md's complete example, as it stands on the page ---------------------------
+DOC = Path(__file__).resolve().parent.parent / "docs" / "embedding.md"
+
+
+def test_the_documented_example_runs_and_yields_the_oracle_tokens(calbin, capsys):
+    text = DOC.read_text(encoding="utf-8")
+    block = text.split("<!-- embedding-example:start -->", 1)[1].split(
+        "<!-- embedding-example:end -->", 1)[0]
+    code = block.split("```python\n", 1)[1].rsplit("```", 1)[0]
+    namespace = {"__name__": "embedding_example"}
+    exec(compile(code, str(DOC), "exec"), namespace)  # noqa: S102 - our own documentation
+    results = asyncio.run(namespace["main"](calbin))
+    assert results == [expected_greedy([3, 14, 15, 92], 7), expected_greedy([65, 35, 89, 79], 7)]
+    out = capsys.readouterr().out
+    assert "executor Stopped: ok" in out and "withheld" not in out
