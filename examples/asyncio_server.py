@@ -109,8 +109,9 @@ class Embedding:
                        deadline: float) -> AsyncIterator[int]:
         """The greedy tokens of ``prompt``; raises ``Refused`` with the Status that ended it.
         Use it under ``contextlib.aclosing`` so that an early exit gives everything back."""
-        try:
-            seq_id = await asyncio.wait_for(self.free.get(), max(0.0, deadline - time.monotonic()))
+        try:  # (asyncio.timeout, not wait_for: a cancel never loses an id already taken)
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                seq_id = await self.free.get()
         except TimeoutError:
             raise Refused(Status.exhausted("sequences", Phase.ADMISSION, f"all {self.sequences} "
                                            "sequence ids in use until the deadline")) from None
