@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Collection
-from typing import Callable, Literal, Protocol, TypedDict, runtime_checkable
+from typing import Any, Callable, Literal, Protocol, TypedDict, runtime_checkable
 
 import numpy as np
 
@@ -64,12 +64,16 @@ class ExecutorSnapshot(TypedDict):
     lifecycle: str  #: one of ``LIFECYCLE_STATES``
     generation: int | None  #: the current model generation (None between generations)
     queued: int  #: jobs waiting for the submitter
+    completing: int  #: jobs submitted and not completed yet
     inflight: int  #: jobs on the device
     inflight_capacity: int  #: 1 (Phase A) or 2 (Phase B, unless downgraded)
     disabled_features: list[str]  #: executor.FEATURES switched off until the next generation
     downgrades: int  #: Phase B -> capacity 1 downgrades so far
     pending_tokens: int  #: admission token budget in use
     auto_armed: int  #: implicit pre-arms holding a slot (machines/autoarm.py)
+    #: the dispatch object's own snapshot (machines/dispatch.py: queued, armed, inflight,
+    #: capacity, pending tokens, held, streams, guesses, arming), for tests and tools
+    dispatch: dict[str, Any]
     slots: dict[str, int] | None  #: buffer slots per chart state (None before start)
     recoveries: int  #: recoveries and model switches so far
     golden: str | None  #: where the generation's golden came from: pinned|config|unpinned

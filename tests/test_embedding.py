@@ -640,7 +640,7 @@ def test_example_generation_given_up_early_or_cancelled_gives_everything_back(ca
             assert embedding.free.qsize() == 1 and not embedding.withheld
             snap = ex.snapshot()
             assert snap["pending_tokens"] == 0 and snap["slots"]["Leased"] == 0, snap
-            assert snap["slots"]["InFlight"] == 0 and not ex._armed
+            assert snap["slots"]["InFlight"] == 0 and not snap["dispatch"]["armed"]
             full = [token async for token in embedding.generate(PROMPT, 5, frozenset(), far)]
             await asyncio.wait_for(asyncio.gather(*embedding.finishing), BOUND_S)
             return early, full
