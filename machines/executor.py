@@ -41,7 +41,7 @@ import numpy as np
 
 from calexec.contracts.codes import CalrtCode
 from calexec.contracts.errors import Category
-from calexec.contracts.prepare import (InferenceRequest, check_request, plan_slices)
+from calexec.contracts.prepare import (InferenceRequest, check_request)
 from calexec.contracts.status import Phase, Status, llama_decode_code
 from calexec.contracts.types import EngineSlot, ModelGeneration, TaskKind
 from calexec.machines.autoarm import AutoArm
@@ -60,7 +60,8 @@ from calexec.machines.locks import LIFECYCLE as LIFECYCLE_RANK
 from calexec.machines.pool import BufferPool
 from calexec.machines.sequences import SequenceOwnership
 from calexec.machines.tuning import HotPathTuning
-from calexec.machines.chart_names import (JOB_EV_ADMIT, JOB_EV_BEGIN_PREPARATION, JOB_EV_ENQUEUE, JOB_EV_INFER_ACCEPTED,
+from calexec.machines.chart_names import (JOB_EV_ADMIT, JOB_EV_BEGIN_PREPARATION,
+                                          JOB_EV_ENQUEUE, JOB_EV_INFER_ACCEPTED,
                                           LIFECYCLE_CONFIGURING, LIFECYCLE_DRAINING,
                                           LIFECYCLE_EV_DRAIN, LIFECYCLE_EV_FAIL, LIFECYCLE_EV_STOP,
                                           LIFECYCLE_FAILED, LIFECYCLE_READY, LIFECYCLE_RECOVERING,
@@ -224,18 +225,18 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         # the completion queue and thread's work (§6.5): machines/completion.py. It keeps the
         # moving average of decode jobs' device time that the early wake-ups (issue 17) read:
         # a thread that slept through a decode job's device time wakes tuning.prewake_s
-        # before the job is expected to end (the submitter's idle wait, ``_prewake_at``, once
-        # per job on the device, and a caller's ``JobHandle.wait_until``, ``Job.early_wake_s``)
+        # before the job is expected to end (the submitter's idle wait,
+        # ``Completion.prewake_at``, once per job on the device, and a caller's
+        # ``JobHandle.wait_until``, ``Job.early_wake_s``)
         self.completion = Completion(
             config, clock, self.locks, self.dispatch, self.outcomes,
             getattr(runtime, "logits_postprocessor", lambda: None)(), lambda: self.gen,
             self._effective_capacity)
         # requests waiting for Ready during a recovery (lifecycle_mu; ready_queue_max)
-        self._ready_cv = clock.condition(self.lifecycle_mu)
+        self._ready_cv = clock.condition(self.lifecycle_mu, "ready_cv")
         self._ready_waiters = 0
         self._last_submit_seq: int | None = None  # the submitter's own (no lock)
         self._features_off: dict[str, int] = {}  # FEATURES name -> generation it went off in
-        self._prewoken = 0  # job id the submitter last woke early for (its own)
         self._job_ids = itertools.count(1)
         self._gen_ids = itertools.count(1)
         self.lifecycle = LIFECYCLE.run(self)
@@ -416,7 +417,8 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             return self.outcomes.fail_early(job, txn.with_context(job_id=job.job_id))
         job.txn = txn
         if not advance(job, JOB_EV_ADMIT):
-            return self.outcomes.fail_before_submit(job, Status.cancelled(Phase.ADMISSION, **job.ctx()))
+            return self.outcomes.fail_before_submit(
+                job, Status.cancelled(Phase.ADMISSION, **job.ctx()))
         job.timings.admitted_us = self.clock.now_us()
         lease = None
         if dispatch.anything_armed and not speculative:  # never a slot kept from a request
@@ -431,8 +433,9 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             return self.outcomes.fail_before_submit(job, lease.with_context(**job.ctx()))
         job.lease = lease
         if not advance(job, JOB_EV_BEGIN_PREPARATION):
-            return self.outcomes.fail_before_submit(job, Status.cancelled(Phase.PREPARE, **job.ctx()))
-        status = self._prepare(job)
+            return self.outcomes.fail_before_submit(
+                job, Status.cancelled(Phase.PREPARE, **job.ctx()))
+        status = lease.slot.prepare(request)
         if not status.ok:
             return self.outcomes.fail_before_submit(job, status.with_context(**job.ctx()))
         if arm is not None:  # pre-armed: Preparing until its token comes (``fire``); a
@@ -444,7 +447,8 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
                     "retry", **job.ctx()))
             return handle
         if not advance(job, JOB_EV_ENQUEUE):
-            return self.outcomes.fail_before_submit(job, Status.cancelled(Phase.PREPARE, **job.ctx()))
+            return self.outcomes.fail_before_submit(
+                job, Status.cancelled(Phase.PREPARE, **job.ctx()))
         job.timings.queued_us = self.clock.now_us()
         if not dispatch.queue(job, self.gen):  # fencing: never into another generation's queue
             return self.outcomes.fail_before_submit(job, Status.unavailable(
@@ -477,26 +481,6 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
     def _token_budget(self) -> int:
         factor = self.faults.admission_factor()
         return int(self.config.max_pending_tokens * factor)
-
-    def _prepare(self, job: Job) -> Status:
-        """Copy inputs into the leased host storage, slice, set CSRs (§6.3 steps 7-8)."""
-        request, slot, sm = job.request, job.lease.slot, job.submodel
-        n = request.token_count
-        if request.kind == TaskKind.PREFILL_EMBEDS:
-            flat = request.embeddings.reshape(-1)
-            slot.host_input[: flat.shape[0]] = flat
-        else:
-            slot.host_input[:n] = request.tokens
-        slot.host_position[:n] = request.positions
-        for planned in plan_slices(request, sm):
-            status = slot.slice_input(planned)
-            if not status.ok:
-                return status
-        for name, value in ((sm.csr_cur_seq, n), (sm.csr_total_seq, request.past_len + n)):
-            status = Status.from_csr(slot.inbuf.set_csr(name, value), name, value)
-            if not status.ok:
-                return status
-        return Status.OK
 
     def _stop_reason(self, job: Job) -> Callable[[], Status | None]:
         gen = job.gen
@@ -583,8 +567,9 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         if dispatch.any_held and not block:  # stepped: nobody else reaps them
             self.outcomes.reap_held()
         while True:
-            prewake = (self._prewake_at(self.clock.monotonic())
-                       if block and self._tuning.prewake_s > 0 else None)
+            prewake_s = self._tuning.prewake_s
+            prewake = (self.completion.prewake_at(self.clock.monotonic(), prewake_s)
+                       if block and prewake_s > 0 else None)
             step = dispatch.next_for_submitter(self._unsubmittable, self._effective_capacity(),
                                                block, prewake)
             if not step.woke:
@@ -682,7 +667,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
                 try:
                     on_created(handle)
                 except BaseException as exc:  # the caller's callback: it raises to the caller,
-                    self.outcomes.fail_before_submit(job, Status.internal(  # as on the ordinary path
+                    self.outcomes.fail_before_submit(job, Status.internal(  # as the plain path
                         "on_created_raised", Phase.ADMISSION, f"on_created raised "
                         f"{type(exc).__name__}: {exc}", **job.ctx()))
                     raise
@@ -692,21 +677,6 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             return handle
         finally:
             dispatch.exit(gen)
-
-    def _prewake_at(self, now: float) -> float | None:
-        """When the submitter's idle wait should end early (the submitter's own; no lock):
-        the decode job on the device is expected to end ``tuning.prewake_s`` after that;
-        once per job. None: nothing on the device, its end unknown or too near."""
-        head = self.completion.head()  # no completion_mu: a racy read of the oldest job
-        if (head is None or head.job_id == self._prewoken or not head.submitted_at
-                or head.kind != TaskKind.DECODE or self.completion.decode_exec_us <= 0):
-            return None
-        prewake = self._tuning.prewake_s
-        early = head.submitted_at + self.completion.decode_exec_us / 1e6 - prewake - now
-        if early < prewake:
-            return None
-        self._prewoken = head.job_id
-        return now + early
 
     def _unsubmittable(self, job: Job, now: float) -> Status | None:
         """Why a queued or armed job can no longer be submitted, or None (a pure check,

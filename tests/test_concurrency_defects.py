@@ -22,6 +22,7 @@ from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
 from calexec.drivers.synthetic import calbin as cb
 from calexec.machines.faults import RecoveryPolicy
+from calexec.machines.pool import BufferSlot
 from executor_harness import (SEED, arm, decode, deadline, expected_greedy, greedy,
                               oracle_golden, prefill, running_executor, settle, until,
                               write_calbin)
@@ -125,34 +126,35 @@ def test_health_names_a_dead_thread(calbins):
 
 # ---- defect 2: generation fencing ------------------------------------------------------------------
 @pytest.mark.parametrize("pause", ["before_prepare", "before_push"])
-def test_enqueue_racing_a_recovery_never_reaches_the_new_generation(calbins, pause):
+def test_enqueue_racing_a_recovery_never_reaches_the_new_generation(calbins, pause,
+                                                                     monkeypatch):
     """A request thread holds a leased slot of generation 1 and is paused (inside
     preparation, or after it, before the queue push) while a recovery opens generation 2.
     The recovery waits for it to leave; its job ends UNAVAILABLE (retryable), nothing
     leaks, and both generations' threads keep serving."""
     with running_executor(calbins["main"]) as ex:
         greedy(ex, 1, PROMPT, 0)
-        original = ex._prepare
+        original = BufferSlot.prepare
         paused, go = threading.Event(), threading.Event()
 
-        def prepare(job):
+        def prepare(slot, request):
             if pause == "before_prepare":
                 paused.set()
                 go.wait(10)
-            status = original(job)
+            status = original(slot, request)
             if pause == "before_push":
                 paused.set()
                 go.wait(10)
             return status
 
-        ex._prepare = prepare
+        monkeypatch.setattr(BufferSlot, "prepare", prepare)
         out = {}
         requester = threading.Thread(
             target=lambda: out.setdefault("res", ex.enqueue(decode(1, 3, len(PROMPT)))
                                           .wait_until(deadline(10))))
         requester.start()
         assert paused.wait(5)
-        ex._prepare = original
+        monkeypatch.setattr(BufferSlot, "prepare", original)
         recovery = threading.Thread(target=lambda: out.setdefault(
             "rec", ex.recover(Status.failure("test.recover", Category.DEVICE,
                                              Phase.RECOVERY,
