@@ -48,7 +48,7 @@ from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import TaskKind
 from calexec.drivers.tools.explore import (DeviceModel, DeviceProxy, Explorer, OutputBufProxy,
-                                           RuntimeProxy, TapeChooser, _Proxy)
+                                           RuntimeProxy, TapeChooser)
 
 VOCAB = 151936
 #: job faults a history can schedule (emulator fault points, fired by job content)

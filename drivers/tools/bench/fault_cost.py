@@ -169,7 +169,7 @@ def run_fault_bench(faults: int, clients: int, seed: int, progress=None) -> dict
     """One run; the report (module docstring)."""
     import httpx
 
-    from calexec.drivers.tools.bench.core import _cpu_model
+    from calexec.drivers.tools.bench.core import cpu_model
     from calexec.drivers.tools.chaos import FAULTS, LiveServer
     from calexec.drivers.calrt.runtime import Fault, FaultMode
     from calexec.drivers.serving.server import ServerConfig, create_app
@@ -311,7 +311,7 @@ def run_fault_bench(faults: int, clients: int, seed: int, progress=None) -> dict
         "recoveries": len(executor.recoveries),
         "sequences_at_end": service_sequences,
         "seconds_with_faults": round(faulted_s, 3),
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
     }
 
 
