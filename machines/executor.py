@@ -341,7 +341,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
                          and request.kind == TaskKind.DECODE and len(request.seq_ids) == 1
                          and isinstance(request.positions, np.ndarray))
         if self.config.job_trails_kept:
-            job.run.trail = deque(maxlen=_TRAIL_STEPS)
+            job.run.keep_trail(deque(maxlen=_TRAIL_STEPS), self.clock.monotonic)
             job.on_resolved = self.outcomes.keep_trail
         handle = JobHandle(job)
         if on_created is not None:
