@@ -90,13 +90,13 @@ class DeviceLifecycle:
         if status.ok:
             self.lifecycle.send(LIFECYCLE_EV_CONFIGURED)
             if self.config.threads:
-                self._start_threads()
+                self.start_threads()
             status = self._warm_up()
         if not status.ok:
             self.start_status = status
             self._fail(status)
             released = self._release_failed_generation()
-            self._stop_threads()
+            self.stop_threads()
             if self.device is not None and released.ok:
                 self.device.close()  # else a job may still run: keep the device open
             return status
@@ -207,7 +207,7 @@ class DeviceLifecycle:
         return tuple(out)
 
     def _run_internal(self, request: InferenceRequest) -> "InferenceResult | Status":
-        handle = self._enqueue(request, internal=True)
+        handle = self.enqueue_internal(request)
         if not self.config.threads:
             while not handle.done:
                 if not (self.submit_one() or self.complete_one()):

@@ -325,12 +325,12 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
                  on_created: Callable[[JobHandle], None] | None = None,
                  arm: Arm | None = None) -> JobHandle:
         if not isinstance(request, InferenceRequest):
-            job = Job(next(self._job_ids), 0, _NO_REQUEST, self._wake_waiters)
+            job = Job(next(self._job_ids), 0, _NO_REQUEST, self.wake_waiters)
             return self.outcomes.fail_early(job, Status.invalid(
                 4, f"request: expected an InferenceRequest, got {type(request).__name__}"))
         gen = self.gen
         job = Job(next(self._job_ids), gen.id if gen is not None else 0, request,
-                  self._wake_waiters, internal=internal, clock=self.clock)
+                  self.wake_waiters, internal=internal, clock=self.clock)
         job.gen = gen
         job.logits_out = logits_out
         if request.kind == TaskKind.DECODE:
@@ -378,6 +378,11 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             return self.outcomes.abandon_before_submit(job, exc, "enqueue")
         finally:
             self.dispatch.exit(gen)
+
+    def enqueue_internal(self, request: InferenceRequest) -> JobHandle:
+        """A job of the executor's own (the lifecycle's golden run): admitted while Warming,
+        never queued for Ready, never pre-armed; resolved like any other."""
+        return self._enqueue(request, internal=True)
 
     def _admit_and_queue(self, job: Job, handle: JobHandle, gen: Generation,
                          arm: Arm | None = None) -> JobHandle:
@@ -558,7 +563,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         with self._ready_cv:
             self._ready_cv.notify_all()
 
-    def _wake_waiters(self) -> None:
+    def wake_waiters(self) -> None:
         """A cancel was recorded: end admission/lease waits so the owner sees it."""
         self._ready_changed()
         if self.kvc is not None:
@@ -860,7 +865,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
     # ---- threads ---------------------------------------------------------------------------------
     _stopping_threads = False
 
-    def _start_threads(self) -> None:
+    def start_threads(self) -> None:
         self._stopping_threads = False
         self.dispatch.stop(False)
         self.completion.stop(False)
@@ -936,7 +941,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             reasons.append(f"the device has not let go of {held} failed job(s)")
         return reasons
 
-    def _stop_threads(self) -> None:
+    def stop_threads(self) -> None:
         self._stopping_threads = True
         self.dispatch.stop()
         self.completion.stop()
@@ -985,7 +990,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             self._stopping = True
             self._admitting = False
         self.dispatch.cancel_pending()
-        self._wake_waiters()
+        self.wake_waiters()
 
     def _shutdown(self, grace: float) -> Status:
         with self.lifecycle_mu:
@@ -998,14 +1003,14 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         if self.gen is not None:
             self.gen.kvc.close()
         self.dispatch.cancel_pending()
-        self._wake_waiters()
+        self.wake_waiters()
         if self.gen is not None:  # no request thread works on it past this point
             self._fence(self.gen, min(grace, self.config.fence_grace_s))
         if not self.config.threads:
             while self.submit_one():
                 pass
         drained = self._drain(grace)
-        self._stop_threads()
+        self.stop_threads()
         with self.lifecycle_mu:
             if drained and self.lifecycle.can(LIFECYCLE_EV_STOP):
                 self.lifecycle.send(LIFECYCLE_EV_STOP)
