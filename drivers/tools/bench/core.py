@@ -217,7 +217,7 @@ def _label_conditions(ex: DeviceExecutor) -> None:
     """Name the executor's conditions for the hand-off report (after start: the generation's
     pool and KV coordinator exist)."""
     for cond, label in ((ex.dispatch.cv, "submit_cv"), (ex.completion.cv, "completion_cv"),
-                        (ex._ready_cv, "ready_cv"), (ex.gen.pool._available, "pool"),
+                        (ex.life.ready_cv, "ready_cv"), (ex.gen.pool._available, "pool"),
                         (ex.gen.kvc._changed, "kv")):
         if isinstance(cond, _CountingCondition):
             cond.label = label
