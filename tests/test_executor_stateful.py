@@ -382,7 +382,7 @@ class ExecutorMachine(RuleBasedStateMachine):
         else:
             assert status.code in ("kv.sequence_busy", "kv.sequence_on_device")
 
-    @precondition(lambda self: self.ex._pending_recovery is not None)
+    @precondition(lambda self: self.ex.life.recovery_pending)
     @rule()
     def run_recovery(self):
         """The controller asked for a recovery (reset/rebuild/rollback): run it."""
