@@ -6,16 +6,24 @@ Path of one job (docs/architecture.md tells the same story):
    submodel -> deadline/cancel -> admission: KV reserve (condition-variable wait) and token
    budget -> buffer lease -> copy inputs, SliceTensor, SetCsrByName (steps 7-8) -> submit
    queue. Any failure releases what was taken, in reverse order, and resolves the handle.
-2. ``submit_one`` (submitter thread, §6.4): waits for an in-flight permit (capacity 1 in Phase
-   A), re-checks cancel and the queue deadline, calls ``infer``. Failure: KV rollback, lease
-   back, job Failed, no Wait (FI05). Success: KV txn Submitted, slot InFlight, completion queue.
-3. ``complete_one`` (completion thread, §6.5): ``Wait`` with no lock held, ``GetStatus``, the
-   rc/status double check, output size and finiteness, direct BF16->FP32 of the requested
-   slice into the destination, KV commit, UndoSlice, resolve, lease back, permit back.
-   Failure after submit: no commit, sequence Unknown, slot quarantined, fault reported.
+2. ``submit_one`` (submitter thread, §6.4): takes the next outcome from ``Dispatch``
+   (machines/dispatch.py, the passive owner of everything ``submit_mu`` guards: the submit
+   queue, armed and guessed jobs, permits, token budget, generation fence, slots the runtime
+   still holds), re-checks cancel and the queue deadline, calls ``infer``. Failure: KV
+   rollback, lease back, job Failed, no Wait (FI05). Success: KV txn Submitted, slot InFlight,
+   handed to the completion queue.
+3. ``complete_one`` (completion thread, §6.5): ``Completion`` (machines/completion.py) runs
+   ``Wait`` with no lock held, ``GetStatus``, the rc/status double check, output size and
+   finiteness, direct BF16->FP32 of the requested slice into the destination; ``JobOutcomes``
+   (machines/outcomes.py) applies the end of the job: KV commit, UndoSlice, resolve, lease back,
+   permit back. Failure after submit: no commit, sequence Unknown, slot quarantined, fault
+   reported.
 4. ``decode_stream`` (machines/stream.py): a sequence's decode loop with the next job armed
    (admitted and prepared up to Preparing, KV txn chained behind the running job) while the
-   current one runs; a step writes the token (``_fire``) and the submitter infers.
+   current one runs; a step writes the token into the armed job and the dispatch releases it to
+   the submitter. Implicit pre-arms and greedy ahead steps (machines/autoarm.py) are the same
+   jobs, armed without a stream; tests/test_differential.py proves they answer like the plain
+   path.
 
 Only the submitter calls ``infer`` and only the completion thread calls ``Wait`` (invariant 2);
 with ``ExecutorConfig(threads=False)`` both are called by whoever drives ``submit_one`` and
