@@ -34,8 +34,10 @@ The device's own life (start, golden run, Failed, recovery, model switch, shutdo
 lifecycle chart) is a component, ``DeviceLifecycle`` in machines/device_lifecycle.py, that this
 executor owns (``self.life``) and hosts: it reaches the executor only through the members its
 ``LifecycleHost`` protocol lists, and the executor reads it only through its public names. The
-executor's lifecycle API (``start``, ``state``, ``lifecycle``, ``recover``, ``switch_model``,
-``request_recovery``, ``run_pending_recovery``, ``shutdown``, ``failure``, ...) delegates to it.
+executor's lifecycle API for embedders and the fault controller (``start``, ``state``,
+``lifecycle``, ``failure``, ``recoveries``, ``goldens``, ``recover``, ``switch_model``,
+``request_recovery``, ``shutdown``) delegates to it; everything else of the lifecycle is read
+as ``executor.life.<name>``.
 """
 
 from __future__ import annotations
@@ -275,11 +277,6 @@ class DeviceExecutor(SequenceOwnership):
         return self.life.failure
 
     @property
-    def start_status(self) -> Status | None:
-        """What ``start`` returned (None before it ran)."""
-        return self.life.start_status
-
-    @property
     def recoveries(self) -> list[dict[str, Any]]:
         """One record per recovery or model switch: reason, reset, generations, outcome."""
         return self.life.recoveries
@@ -290,37 +287,14 @@ class DeviceExecutor(SequenceOwnership):
         unpinned runs accepted in this process; the lifecycle's own dict."""
         return self.life.goldens
 
-    @property
-    def golden_source(self) -> str | None:
-        """Where the current generation's golden came from: pinned|config|unpinned."""
-        return self.life.golden_source
-
-    @property
-    def good_calbins(self) -> list[str]:
-        """Calbin paths that reached Ready, newest last."""
-        return self.life.good_calbins
-
-    @property
-    def stopping(self) -> bool:
-        """``shutdown`` began (admission stopped for good)."""
-        return self.life.stopping
-
     def start(self) -> Status:
         """Open the device and generation 1, warm up with the golden run, go Ready
         (``DeviceLifecycle.start``)."""
         return self.life.start()
 
-    def expected_golden(self, sha: str) -> tuple[tuple[int, ...] | None, str]:
-        """(expected golden tokens or None, where they come from) for calbin ``sha``."""
-        return self.life.expected_golden(sha)
-
     def request_recovery(self, decision: Decision) -> None:
         """Called by the fault controller; never blocks (``DeviceLifecycle.request_recovery``)."""
         self.life.request_recovery(decision)
-
-    def run_pending_recovery(self) -> Status | None:
-        """Run the recovery the controller asked for, if any (stepped mode)."""
-        return self.life.run_pending_recovery()
 
     def recover(self, reason: Status, reset: bool = True,
                 calbin_path: str | None = None) -> Status:

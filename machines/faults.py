@@ -27,7 +27,7 @@ UNAVAILABLE
 =====================  ==========================================================================
 
 The controller never blocks the reporting thread: a recovery runs on its own thread (or, in
-stepped mode, waits for the test to call ``DeviceExecutor.run_pending_recovery``). Every
+stepped mode, waits for the test to call ``DeviceLifecycle.run_pending_recovery``). Every
 decision is kept in ``decisions`` (bounded) for logs, metrics and tests. Thresholds are
 ``RecoveryPolicy`` fields with the defaults documented there.
 """

@@ -386,7 +386,7 @@ class ExecutorMachine(RuleBasedStateMachine):
     @rule()
     def run_recovery(self):
         """The controller asked for a recovery (reset/rebuild/rollback): run it."""
-        self.recover_with(lambda: self.ex.run_pending_recovery())
+        self.recover_with(lambda: self.ex.life.run_pending_recovery())
 
     @precondition(lambda self: self.ex.state == "Ready")
     @rule(to_other=st.booleans(), golden_ok=st.booleans())

@@ -289,7 +289,7 @@ def test_model_switch_goes_live_after_its_golden(calbins):
         assert ex.switch_model(calbins["other"]).ok
         assert ex.state == "Ready" and ex.gen.id == 2 and ex.gen.calbin_path == calbins["other"]
         assert serves_oracle(ex, seed=OTHER_SEED)
-        assert ex.good_calbins == [calbins["main"], calbins["other"]]
+        assert ex.life.good_calbins == [calbins["main"], calbins["other"]]
 
 
 def test_failed_switch_keeps_the_previous_model_serving(calbins):

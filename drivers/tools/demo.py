@@ -63,7 +63,7 @@ def main(argv: list[str]) -> int:
         if not status.ok:
             raise cliargs.UserError(f"executor start failed: {status}", cliargs.EXIT_REFUSED)
         print(f"runtime {ex.runtime.version}, calbin sha256 {sha[:16]}..., generation "
-              f"{ex.gen.id}, lifecycle {ex.state}, golden {list(ex.expected_golden(sha)[0])}")
+              f"{ex.gen.id}, lifecycle {ex.state}, golden {list(ex.life.expected_golden(sha)[0])}")
         seqs = range(1, args.seqs + 1)
         refs = {seq: oracle.OracleSequence(seed) for seq in seqs}
         state: dict[int, dict] = {}

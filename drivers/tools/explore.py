@@ -1248,7 +1248,7 @@ class Explorer:
         # idle: nobody works, so nothing may stay taken
         if state not in ("Ready", "Failed", "Stopped"):
             raise AssertionError(f"lifecycle wedged in {state} with no thread working")
-        if ex.config.threads and not ex.stopping:
+        if ex.config.threads and not ex.life.stopping:
             dead = [name for name, alive in ex.threads_alive().items() if not alive]
             if dead:
                 raise AssertionError(f"executor threads not running: {dead}")
