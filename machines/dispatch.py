@@ -18,6 +18,16 @@ its own condition). Whoever removes a job from ``armed`` owns it (``take_armed``
 ``take_armed_of``, ``close``, ``reclaim``, ``next_for_submitter``): it is released exactly
 once. ``snapshot()`` is its one read for tests and the explorer.
 
+Releasing: from the moment a job leaves ``armed`` until it is queued or resolved, its owner
+is releasing it (lease, KV txn rollback, budget) outside this lock, and its KV txn still
+holds its sequence. Such jobs are kept in ``_releasing`` (with the owner's thread) until
+``released`` (the end of ``JobOutcomes.fail_before_submit``, after the job is resolved) or
+queued, and ``wait_releases`` waits for those of a sequence that other threads have under
+way: ``JobOutcomes.release_armed_of`` (the KV coordinator's ``on_busy``) waits for them before
+a reserve, reset or truncation looks at the sequence. Otherwise a stream's step whose armed job another thread
+took would meet that job's half-released txn and answer ``kv.sequence_busy``, where the plain
+path (no armed job) admits it (CI's bench faults: HTTP 400 on the client's own sequence).
+
 Lock rank: ``submit_mu`` (machines/locks.py). The caller never holds it when calling a method
 here, except through ``cv`` (``with dispatch.cv:``), which streams use for their own fields
 (they live under the same lock, so an armed job and its stream change together); methods
@@ -26,6 +36,7 @@ ending in ``_locked`` expect it held.
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
@@ -120,6 +131,9 @@ class Dispatch:
         self._to_arm: deque[tuple[float, Armer]] = deque()  # (arm at, armer), in order
         self._arm_later: list[Armer] = []  # found no free slot: again when a lease is back
         self._arming: Armer | None = None
+        #: armed jobs taken out of ``_armed`` and being released by their owner (job, the
+        #: owner's thread ident), until queued or resolved (module docstring: Releasing)
+        self._releasing: list[tuple[Job, int]] = []
         self._streams: dict[int, Any] = {}  # seq id -> its open decode stream
         self._guesses: dict[int, Any] = {}  # seq id -> its AutoArm
         self._inflight = 0
@@ -158,7 +172,7 @@ class Dispatch:
         """Cheap, unlocked hint: might anything be armed, be arming or be fired ahead for
         ``seq_id`` (then ``take_armed_of``, locked, says what)."""
         return bool(self._armed or self._to_arm or self._arming is not None
-                    or seq_id in self._guesses or seq_id in self._streams)
+                    or self._releasing or seq_id in self._guesses or seq_id in self._streams)
 
     def has_work(self) -> bool:
         """Something queued or armed (stepped mode drives the submitter until not)."""
@@ -357,6 +371,7 @@ class Dispatch:
         # timings are the request's, not the guess's)
         timings = job.timings
         timings.accepted_us = timings.admitted_us = timings.queued_us = self.clock.now_us()
+        self._released_locked(job)  # queued: a request's job now, no release under way
         self._queue.append(job)
         self.cv.notify_all()
         return None
@@ -370,6 +385,17 @@ class Dispatch:
     def _unarm_locked(self, job: "Job") -> None:
         self._armed.remove(job)
         self._for_caller.discard(job)
+        # its owner (this thread) releases it or queues it next: until then the sequence's
+        # operations wait for it (``take_armed_of``); entries resolved meanwhile are dropped
+        releasing = self._releasing
+        if releasing:
+            releasing[:] = [entry for entry in releasing if not entry[0].done]
+        releasing.append((job, threading.get_ident()))
+
+    def _released_locked(self, job: "Job") -> None:
+        if self._releasing:
+            self._releasing[:] = [entry for entry in self._releasing
+                                  if entry[0] is not job and not entry[0].done]
 
     def _take_armed_locked(self, job: "Job") -> bool:
         if job in self._armed:
@@ -393,7 +419,8 @@ class Dispatch:
         """Another request, reset or truncation of ``seq_id`` is coming: take what was armed
         for it (its guess, a stream's next step; after an arming in progress ends, bounded by
         ``end``) and stop arming it; returns (guess job, stream jobs, the open stream) for the
-        caller to release (and to discard the stream's step fired ahead)."""
+        caller to release (and to discard the stream's step fired ahead), and then to wait
+        for the releases other threads have under way (``wait_releases``)."""
         with self.cv:
             entry = self._guesses.get(seq_id)
             guess = None if entry is None else self._detach_guess_locked(entry, end)
@@ -409,6 +436,31 @@ class Dispatch:
             for job in streams:
                 self._unarm_locked(job)
             return guess, streams, self._streams.get(seq_id)
+
+    def released(self, job: "Job") -> None:
+        """``job``'s owner finished releasing it (it is resolved): the sequence's operations
+        waiting for it (``wait_releases``) go on."""
+        if not self._releasing:  # (unlocked hint: the common case, nothing under way)
+            return
+        with self.cv:
+            self._released_locked(job)
+            self.cv.notify_all()
+
+    def wait_releases(self, seq_id: int, end: float) -> bool:
+        """Wait (bounded by ``end``) until no other thread is releasing an armed job of
+        ``seq_id`` (module docstring: Releasing); False when ``end`` came first."""
+        me = threading.get_ident()
+        with self.cv:
+            while True:
+                releasing = self._releasing
+                releasing[:] = [entry for entry in releasing if not entry[0].done]
+                if not any(owner != me and job.request.seq_id == seq_id
+                           for job, owner in releasing):
+                    return True
+                remaining = end - self.clock.monotonic()
+                if remaining <= 0:
+                    return False
+                self.clock.wait(self.cv, remaining)
 
     # ---- what the submitter arms -------------------------------------------------------------------
     def schedule_arm(self, armer: Armer, at: float) -> None:

@@ -148,6 +148,7 @@ class JobOutcomes:
                 Category.RESOURCE_EXHAUSTED, Category.UNAVAILABLE):
             self.faults.report(status, job)  # first: admission stops before the caller sees it
         job.resolve(status)
+        self.dispatch.released(job)  # an armed job taken by this thread: its sequence is free
         return JobHandle(job)
 
     def abandon_before_submit(self, job: Job, exc: BaseException, where: str) -> JobHandle:
@@ -175,6 +176,7 @@ class JobOutcomes:
         self.count(status)
         self.faults.report(status, job)
         job.resolve(status)
+        self.dispatch.released(job)
         return JobHandle(job)
 
     # ---- armed jobs: guesses, released for a request -----------------------------------------
@@ -192,12 +194,19 @@ class JobOutcomes:
         released admits that step the ordinary way; its step fired ahead and not taken was
         computed on the sequence as it was, so it is discarded (the caller's step runs again,
         after that request). A caller's own step about to be fired is not a guess and stays
-        (``Dispatch.arm(for_caller=True)``)."""
+        (``Dispatch.arm(for_caller=True)``).
+
+        Then it waits (bounded) for the armed jobs of ``seq_id`` that other threads took and
+        are releasing right now (a reclaim, the submitter failing an expired or refused one,
+        a closing stream): until each is resolved its KV txn still holds the sequence. A
+        caller whose armed job was taken (a stream's step, a request whose guess expired)
+        learns it at once, before that release ends; without this wait its reserve would
+        answer ``kv.sequence_busy`` on its own sequence, where the plain path admits it."""
         dispatch = self.dispatch
         if not dispatch.anything_for(seq_id):  # (unlocked hint: the common case, nothing)
             return
-        guess, streams, stream = dispatch.take_armed_of(
-            seq_id, self.clock.monotonic() + ARMING_WAIT_S)
+        end = self.clock.monotonic() + ARMING_WAIT_S
+        guess, streams, stream = dispatch.take_armed_of(seq_id, end)
         ahead = None if stream is None else stream.discard_ahead()
         if ahead is not None:
             ahead.cancel()
@@ -207,6 +216,9 @@ class JobOutcomes:
             self.fail_before_submit(job, Status.cancelled(
                 Phase.CANCEL, f"pre-armed job released: seq {seq_id} used otherwise",
                 **job.ctx()))
+        if not dispatch.wait_releases(seq_id, end):
+            log.warning("seq %d: an armed job of it still being released after %.1fs",
+                        seq_id, ARMING_WAIT_S)
 
     def reclaim_armed(self) -> None:
         """An admission is short of a slot or of token budget: release every pre-armed job

@@ -367,3 +367,131 @@ def test_without_a_ready_queue_requests_during_recovery_are_refused_at_once(calb
         assert isinstance(res, Status) and res.category == Category.UNAVAILABLE
         release.set()
         recovery.join(10)
+
+
+# ---- a released pre-armed job makes its sequence busy for its own next step (CI, bench faults) -------
+class _Delegate:
+    """Forwards every attribute to the wrapped runtime object (``open_device``/``create_kv``
+    are wrapped on the way, so the test can stop one KvManager call)."""
+
+    def __init__(self, inner, gate) -> None:
+        self._inner, self._gate = inner, gate
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+class _GatedRuntime(_Delegate):
+    def open_device(self, config: str = ""):
+        rc, device = self._inner.open_device(config)
+        return rc, (_GatedDevice(device, self._gate) if rc == 0 else device)
+
+
+class _GatedDevice(_Delegate):
+    def create_kv(self, calbin):
+        rc, kv = self._inner.create_kv(calbin)
+        return rc, (_GatedKv(kv, self._gate) if rc == 0 else kv)
+
+
+class _GatedKv(_Delegate):
+    def apply(self, seq_id, target):
+        self._gate.pass_through()
+        return self._inner.apply(seq_id, target)
+
+
+class _Gate:
+    """Stops the first KvManager ``Apply`` the ``holder`` thread makes once armed, until
+    another thread blocks in a wait of the executor's clock (``_GateClock``), bounded."""
+
+    def __init__(self) -> None:
+        self.holder: threading.Thread | None = None
+        self.holding = threading.Event()
+        self.opened = threading.Event()
+
+    def pass_through(self) -> None:
+        if threading.current_thread() is self.holder and not self.opened.is_set():
+            self.holding.set()
+            self.opened.wait(10.0)
+
+    def another_thread_waits(self) -> None:
+        if self.holding.is_set() and threading.current_thread() is not self.holder:
+            self.opened.set()
+
+
+def _gate_clock(gate):
+    from calexec.machines.clock import Clock
+
+    class _GateClock(Clock):
+        __slots__ = ()
+
+        def wait(self, cond, timeout):
+            gate.another_thread_waits()
+            return super().wait(cond, timeout)
+
+        def wait_event(self, event, timeout):
+            gate.another_thread_waits()
+            return super().wait_event(event, timeout)
+
+    return _GateClock()
+
+
+def test_a_stream_step_waits_for_the_release_of_its_reclaimed_armed_job(calbins):
+    """CI's bench faults: a client got ``kv.sequence_busy`` on its own sequence, whose open
+    txn was already RolledBack. A decode stream's armed job was reclaimed by another
+    request's admission (short of token budget); while that thread was still rolling the
+    job's KV txn back (here: the KvManager Apply giving back the block the armed job had
+    grown, stopped by the gate), the stream's step found its armed job gone and admitted the
+    step the ordinary way: its reserve met the half-released txn and refused. The plain path
+    (no armed job) admits that step, so the step must wait for the release, not fail."""
+    from calexec.contracts.manifest import default_manifest_path, load_manifest
+    from calexec.drivers.calrt.runtime import CalRT
+    from calexec.machines.executor import DeviceExecutor, ExecutorConfig
+    from calexec.machines.faults import RecordingFaultSink
+
+    gate = _Gate()
+    block = 16  # the emulator's KV block (device knob); the prompt fills exactly one
+    prompt = [(5 + i) % 97 for i in range(block)]
+    ex = DeviceExecutor(_GatedRuntime(CalRT.load(), gate),
+                        load_manifest(default_manifest_path()),
+                        ExecutorConfig(calbin_path=calbins["main"], threads=False,
+                                       device_config=f"kv_block_size={block}",
+                                       check_lock_order=True, strict_lock_order=False,
+                                       auto_prearm=False, max_pending_tokens=len(prompt)),
+                        fault_sink=RecordingFaultSink(), clock=_gate_clock(gate))
+    assert ex.start().ok
+    other = None
+    try:
+        assert ex.kvc.kv.block_size == block
+        code, first = ex.decode_sync(prefill(1, prompt))
+        assert code == 0 and not isinstance(first, Status), first
+        stream = ex.decode_stream(1, first.kv_len, deadline(10))
+        # its step's job, armed: its token of budget taken, a second KV block applied
+        assert stream.armed is not None and ex.snapshot()["pending_tokens"] == 1
+        # another request needing the whole budget: its admission reclaims the armed job and
+        # stops in the Apply that gives back the block, the job's txn RolledBack, not cleared
+        answers = {}
+        other = threading.Thread(target=lambda: answers.setdefault(
+            "other", ex.enqueue(prefill(2, prompt))), name="reclaimer", daemon=True)
+        gate.holder = other
+        other.start()
+        assert gate.holding.wait(10.0), "the reclaim never reached the KvManager"
+        handle = stream.submit(first.argmax)  # the stream's own next step
+        assert not isinstance(handle, Status), handle
+        result = stream.wait()
+        assert not isinstance(result, Status), result
+        assert [first.argmax, result.argmax] == expected_greedy(prompt, 1)
+        gate.opened.set()
+        other.join(10.0)
+        assert not other.is_alive()
+        stream.close()
+        # the reclaimer went on after its release; the step's token of budget was taken by
+        # then, so it is refused for budget (as on the plain path with that step admitted)
+        reclaimer = answers["other"].wait_until(deadline())
+        assert isinstance(reclaimer, Status) and reclaimer.code == "queue.full", reclaimer
+        snap = ex.snapshot()
+        assert snap["pending_tokens"] == 0 and snap["dispatch"]["armed"] == 0, snap
+    finally:
+        gate.opened.set()
+        if other is not None:
+            other.join(10.0)
+        ex.shutdown(grace=5.0)
