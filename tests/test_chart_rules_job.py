@@ -14,8 +14,10 @@ from __future__ import annotations
 import pytest
 
 from calexec.contracts.status import Status
+from calexec.drivers.calrt.runtime import Stage
+from calexec.machines.job import JobHandle
 from calexec.machines.kv import KvCoordinator
-from calexec.machines.pool import BufferPool
+from calexec.machines.pool import BufferPool, BufferSlot
 from executor_harness import deadline, prefill, running_job_path, write_calbin
 
 PROMPT = [4, 6, 1, 7, 3]
@@ -66,4 +68,73 @@ def test_a_job_cancelled_during_its_kv_reservation_is_never_admitted(calbin, mon
         assert steps(ex, handle)[0] == ("admit", "Created", None, ["not_cancelled"])
         view = ex.kvc.seqs[1]
         assert view.open_txn is None and view.reserved_len == 0  # the reservation went back
+        assert ex.snapshot()["slots"]["Free"] == len(ex.pool.slots)
+
+
+def cancel_on(monkeypatch, owner, method, created, before: bool = False):
+    """Patch ``owner.method`` so that every handle in ``created`` is cancelled when it is
+    called (``before``: ahead of the original call, else right after it)."""
+    original = getattr(owner, method)
+
+    def cancelling(self, *args, **kwargs):
+        if before:
+            for handle in created:
+                handle.cancel()
+        result = original(self, *args, **kwargs)
+        if not before:
+            for handle in created:
+                handle.cancel()
+        return result
+
+    monkeypatch.setattr(owner, method, cancelling)
+
+
+#: the job's state when the cancel reaches it
+WHERE = ("Created", "Admitted", "Preparing", "Queued", "Submitted")
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_a_cancel_is_recorded_as_cancel_requested_wherever_it_lands(calbin, monkeypatch, where):
+    """§4.2/§6.2/FI11/FI12: a cancel never ends a job by itself (§5.1-7: it stops delivery,
+    it releases nothing): the job goes to CancelRequested wherever the cancel lands, and ends
+    Failed from there, by ``fail`` once what it holds is released (before submit) or by
+    ``wait_returned`` once the runtime finished cleanly (after submit: FI12, the result is
+    discarded). The executor's record of the job's path (``job_trail``) shows it; the caller
+    gets ``request.cancelled``.
+
+    Kills ``target:<S>-cancel->CancelRequested:<S>`` for S in Created, Admitted, Preparing,
+    Queued (the cancel leaves no trace and ``fail`` ends the job from S) and
+    ``target:CancelRequested-wait_returned->Failed:CancelRequested`` (after a clean Wait the job
+    stays CancelRequested and only the executor's fallback ``fail`` ends it). For these the
+    executor's answer and the resources it releases are the same as the chart's; only the
+    path it records differs."""
+    created = []
+    with running_job_path(calbin, threads=False) as ex:
+        if where == "Admitted":  # just before the slot is leased
+            cancel_on(monkeypatch, BufferPool, "acquire", created, before=True)
+        elif where == "Preparing":  # while the inputs are sliced
+            cancel_on(monkeypatch, BufferSlot, "slice_input", created)
+        if where == "Submitted":
+            assert ex.device.emu.set_stepped(True) == 0
+        on_created = created.append
+        if where == "Created":  # before admission starts (its first checkpoint)
+            on_created = JobHandle.cancel
+        handle = ex.enqueue(prefill(1, PROMPT), on_created=on_created)
+        if where == "Queued":
+            assert handle.state == "Queued" and handle.cancel()
+            assert ex.submit_one()
+        if where == "Submitted":
+            assert ex.submit_one() and handle.state == "Submitted"
+            assert handle.cancel()
+            assert ex.device.emu.step(0, Stage.JOB)[0] == 0
+            assert ex.complete_one()
+        result = handle.wait_until(deadline())
+        assert isinstance(result, Status) and result.code == "request.cancelled", result
+        assert handle.state == "Failed"
+        path = [step for step in steps(ex, handle) if step[2] is not None]  # taken ones
+        recorded = ("cancel", where, "CancelRequested", None)
+        assert recorded in path, path
+        cancel = path.index(recorded)
+        end = "wait_returned" if where == "Submitted" else "fail"
+        assert path[cancel + 1:] == [(end, "CancelRequested", "Failed", None)], path
         assert ex.snapshot()["slots"]["Free"] == len(ex.pool.slots)
