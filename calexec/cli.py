@@ -6,7 +6,7 @@ with the command words (``["sim", "bench", "--json"]``), so one module can serve
 commands. The module parses the rest with its own parser from ``calexec.cliargs.parser`` (help
 with defaults, one-line errors). This file only dispatches.
 
-Registering a subcommand is one line in :data:`COMMANDS`::
+Registering a subcommand is one line in ``COMMANDS`` (calexec/commands.py)::
 
     "golden record": Command("calexec.drivers.tools.golden", "record the golden of a calbin"),
 
@@ -28,41 +28,13 @@ import difflib
 import importlib
 import os
 import sys
-from typing import NamedTuple
 
 from calexec import __version__
 from calexec.cliargs import EXIT_CONFIG, Parser, UserError, missing_extra
+from calexec.commands import COMMANDS, lookup
 
 EXIT_INTERNAL, EXIT_INTERRUPTED = 70, 130
 
-
-class Command(NamedTuple):
-    module: str  #: module with ``main(argv) -> int``
-    help: str  #: one line for ``calexec --help``
-    extra: str | None = None  #: optional extra the module imports (server, plots, ray)
-
-
-# Two-word commands ("sim bench") are looked up before one-word ones.
-COMMANDS: dict[str, Command] = {
-    "demo": Command("calexec.drivers.tools.demo", "prefill and decode a few sequences through the executor, checked against the oracle"),
-    "serve": Command("calexec.drivers.serving.serve", "run the reference HTTP server (OpenAI-style completions, metrics, drain)", "server"),
-    "accept": Command("calexec.drivers.tools.accept.run", "the §13 acceptance gates (--quick|--full, --phase a|b|both, --report DIR)"),
-    "conform": Command("calexec.drivers.tools.conform.runner", "answer the spec's §14 vendor questions for a calrt.h library (--report DIR)"),
-    "diagrams": Command("calexec.drivers.tools.diagrams", "render the declared statecharts to diagrams/ (--check: fail if stale)"),
-    "sim bench": Command("calexec.drivers.tools.bench.sim", "measure the emulator's host-side cost and profile accuracy"),
-    "sim write-calbin": Command("calexec.drivers.tools.bench.sim", "write the default synthetic calbin"),
-    "bench charts": Command("calexec.drivers.tools.bench.charts", "per-job chart work on the hot path"),
-    "bench overhead": Command("calexec.drivers.tools.bench.core", "executor vs direct synchronous loop (TPOT ratios, control overhead)"),
-    "bench logits": Command("calexec.drivers.tools.bench.core", "direct BF16->FP32 slice conversion vs the legacy path"),
-    "bench recovery": Command("calexec.drivers.tools.bench.core", "time from an injected device fault to Ready again, requests failed per recovery"),
-    "bench pingpong": Command("calexec.drivers.tools.bench.core", "Phase B: tokens/s at in-flight 2 vs 1 per overlap setting, TPOT P99, trace"),
-    "bench server": Command("calexec.drivers.tools.bench.server", "the server's own overhead: HTTP vs in-process executor", "server"),
-    "bench faults": Command("calexec.drivers.tools.bench.faults", "device faults under load: client errors, tokens vs a fault-free run, resumes and added latency per fault", "server"),
-    "diagrams live": Command("calexec.drivers.serving.live_charts", "screenshot the live /debug/statecharts page under load and one job's path (headless Chromium)", "server"),
-    "golden record": Command("calexec.drivers.tools.golden", "run a calbin's warm-up on the emulator and pin its golden next to the manifest"),
-    "charts names": Command("calexec.drivers.tools.chart_names", "write machines/chart_names.py, one constant per declared state and event (--check: fail if stale)"),
-    "charts mutate": Command("calexec.drivers.tools.charts_mutate", "mutation testing of declared charts (calexec's or --chart module:Class with --test-cmd): guards forced, transitions dropped, targets changed"),
-}
 
 _EPILOG = """\
 'calexec COMMAND --help' lists a command's flags with their defaults.
@@ -97,14 +69,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _lookup(argv: list[str]) -> str | None:
-    for width in (2, 1):
-        name = " ".join(argv[:width])
-        if len(argv) >= width and name in COMMANDS:
-            return name
-    return None
-
-
 def _unknown(argv: list[str]) -> int:
     groups = _groups()
     if argv[0] in groups:
@@ -137,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         except SystemExit as exc:
             return int(exc.code or 0)
         return EXIT_CONFIG  # pragma: no cover - parse_args always exits for a lone flag
-    name = _lookup(argv)
+    name = lookup(argv)
     if name is None:
         return _unknown(argv)
     command = COMMANDS[name]

@@ -27,6 +27,8 @@ import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+from calexec.commands import lookup
+
 EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_REFUSED = 0, 1, 2, 3
 
 #: optional extras and the modules whose absence means the extra is not installed
@@ -177,9 +179,7 @@ def command_main(fn: Callable[[list[str]], int]) -> Callable[[list[str]], int]:
         try:
             return fn(argv)
         except UserError as exc:
-            from calexec.cli import _lookup
-
-            say(f"calexec {_lookup(argv) or argv[0]}", str(exc))
+            say(f"calexec {lookup(argv) or argv[0]}", str(exc))
             return exc.code
 
     return main

@@ -1,4 +1,5 @@
-"""cffi build of ``calexec.drivers._calexec_native``: host-side native helpers (API mode).
+"""cffi build of ``calexec.drivers.native._calexec_native``: host-side native helpers (API
+mode).
 
 Today one function, the fused logits postprocess ``calexec_bf16_logits`` (spec §10.1, S10,
 FI10; ``native/calexec_native.h`` documents it). It is host code run by the completion thread,
@@ -47,7 +48,7 @@ def _source_path(name: str) -> str:
 ffibuilder = FFI()
 ffibuilder.cdef(cdef_text() + "int calexec_native_gil_held(void);\n")
 ffibuilder.set_source(
-    "calexec.drivers._calexec_native",
+    "calexec.drivers.native._calexec_native",
     # a test hook: 1 iff the calling thread holds the GIL while inside a call of this module
     '#include "calexec_native.h"\n'
     "static int calexec_native_gil_held(void) { return PyGILState_Check(); }\n",

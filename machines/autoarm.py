@@ -49,6 +49,7 @@ import numpy as np
 from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import TaskKind
+from calexec.machines.dispatch import Arm
 
 if TYPE_CHECKING:
     from calexec.machines.executor import DeviceExecutor
@@ -56,30 +57,22 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("calexec.autoarm")
 
-#: how long a caller waits for the submitter to finish arming the job it wants (a few
-#: hundred microseconds of work that never waits; the bound only guards a bug)
-_ARMING_WAIT_S = 1.0
-
 
 class AutoArm:
-    """One sequence's guessed next job: queued for the submitter (``_prearm_q``), being armed
-    (``_arming``), armed (``job``) or dropped. Every field is guarded by ``submit_mu``.
-    Quacks like a ``DecodeStream`` for the submitter (``_arm_at``, ``_arming``,
-    ``_arm_next``)."""
+    """One sequence's guessed next job: waiting for the submitter to arm it, being armed, or
+    armed (``job``), until it is taken or dropped. Its fields are guarded by the dispatch
+    lock (``ex.dispatch.cv``); the dispatch keeps it in its table of guesses and in what the
+    submitter arms (an ``Armer``, as a decode stream is)."""
 
-    __slots__ = ("ex", "seq_id", "prev", "past", "job", "dropped", "_arming", "_arm_at",
-                 "_arm_waiter")
+    __slots__ = ("ex", "seq_id", "prev", "past", "job", "dropped")
 
     def __init__(self, ex: "DeviceExecutor", prev: "Job") -> None:
         self.ex = ex
         self.seq_id = prev.request.seq_id
-        self.prev = prev  # job N, on the device: its txn is the one the guess chains behind
+        self.prev: "Job | None" = prev  # job N, on the device: the guess chains behind its txn
         self.past = prev.request.past_len + prev.request.token_count
         self.job: "Job | None" = None
         self.dropped = False
-        self._arming = False
-        self._arm_at = 0.0
-        self._arm_waiter = False
 
     def matches(self, job: "Job", request: InferenceRequest, logits_out: Any) -> bool:
         """Whether ``request`` is what this entry armed ``job`` for (``job`` is owned by the
@@ -96,47 +89,33 @@ class AutoArm:
                 and int(positions[0]) == self.past
                 and logits_out is job.logits_out)
 
-    def _arm_next(self) -> None:
-        """On the submitter thread, with nothing to submit: arm the guess. Never raises and
+    def arm_next(self) -> None:
+        """(For the submitter, with nothing to submit.) Arm the guess. Never raises and
         never waits."""
         ex, job, drop = self.ex, None, None
+        dispatch = ex.dispatch
+        prev = self.prev
         try:
-            prev = self.prev
-            if not self.dropped and prev.gen is ex.gen and not prev.done:
+            if prev is not None and not self.dropped and prev.gen is ex.gen and not prev.done:
                 job = self._arm(prev)
         except Exception:  # noqa: BLE001 - a failed guess only means nothing is armed
             log.exception("auto pre-arming the next job of seq %d raised", self.seq_id)
-        try:
-            with ex._submit_cv:
-                if job is not None and ex._auto.get(self.seq_id) is self:  # still wanted
-                    self.job = job
-                    job.uncounted = True  # nobody asked for it: its release is no failure
-                    job.auto = self
-                else:  # nothing armed, or the guess was dropped meanwhile
-                    drop = job
-                    ex._auto_forget(self)
-            if drop is not None:
-                ex._disarm(drop, Status.cancelled(Phase.CANCEL, "auto pre-arm dropped"))
-        finally:
-            with ex._submit_cv:
-                self.prev = None  # N's job is not kept alive by a guess
-                self._arming = False
-                if self._arm_waiter:
-                    self._arm_waiter = False
-                    ex._submit_cv.notify_all()
+        with dispatch.cv:
+            self.prev = None  # N's job is not kept alive by a guess
+            if job is None or not dispatch.guess_armed_locked(self, job):
+                drop = job  # nothing armed, or the guess was dropped meanwhile
+                dispatch.forget_guess_locked(self)
+        if drop is not None:
+            ex.release_armed(drop, Status.cancelled(Phase.CANCEL, "auto pre-arm dropped"))
 
     def _arm(self, prev: "Job") -> "Job | None":
         ex = self.ex
-        from calexec.machines.stream import _Arm
-        expected = ex._decode_exec_us / 1e6
-        deadline = min(prev.deadline, ex.clock.monotonic() + expected
+        deadline = min(prev.deadline, ex.clock.monotonic() + ex.expected_decode_s
                        + ex.config.tuning.auto_idle_s)
         request = InferenceRequest(
             seq_id=self.seq_id, kind=TaskKind.DECODE, tokens=np.zeros(1, np.int32),
             positions=np.full(1, self.past, prev.request.positions.dtype), past_len=self.past,
             deadline=deadline, want_logits=prev.request.want_logits,
             request_id=prev.request.request_id)
-        handle = ex._enqueue(request, internal=False, logits_out=prev.logits_out,
-                             arm=_Arm(prev.txn, blocking=False))
-        job = handle._job
+        job = ex.admit_armed(request, prev.logits_out, Arm(prev.txn, blocking=False))
         return None if job.done else job

@@ -54,7 +54,9 @@ class Clock:
     def lock(self) -> threading.Lock:
         return threading.Lock()
 
-    def condition(self, lock) -> threading.Condition:
+    def condition(self, lock, name: str = "") -> threading.Condition:
+        """A condition on ``lock``; ``name`` says its role (``submit_cv``, ``pool``, ...) to a
+        clock that observes hand-offs (``calexec bench``'s counting clock)."""
         return threading.Condition(lock)
 
     def event(self) -> threading.Event:

@@ -15,14 +15,17 @@ called by name. Final states have no transitions, so any event there is illegal.
 
 Thread model: a ``ChartRun`` has exactly one owner at a time (the executor serialises the
 events of a job, a txn, a slot); it takes no lock. Concurrent ``send`` on one run is a bug.
-``CompiledChart`` objects are immutable and shared freely.
+``CompiledChart`` objects are immutable and shared freely, except two monitoring fields: the
+``taken`` counters and the ``listeners`` whoever wants each taken transition attaches
+(``attach``/``detach``; the test suite's transition-coverage recorder,
+``machines/coverage.py``, is one). With none attached, ``send`` pays one empty-tuple test.
 """
 
 from __future__ import annotations
 
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -31,7 +34,6 @@ from statemachine import StateMachine
 from statemachine.callbacks import CallbackGroup
 
 from calexec.machines.charts import DECLARED
-from calexec.machines.coverage import RECORDER
 
 
 class ChartTransitionError(Exception):
@@ -63,7 +65,7 @@ class GuardRejected(ChartTransitionError):
 @attrs.frozen
 class Transition:
     """One declared transition for one event. ``id`` is its index in ``chart.transitions``;
-    ``key`` is ``(chart name, id)``, the coverage recorder's key."""
+    ``key`` is ``(chart name, id)``, unique across the charts (the coverage recorder's key)."""
 
     source: str
     event: str
@@ -98,6 +100,31 @@ class CompiledChart:
     #: (/debug/statecharts). Plain ``+=`` from several threads: monitoring only, it may
     #: undercount under contention; never used for a decision.
     taken: list[int] = attrs.field(repr=False, eq=False, factory=list)
+    #: called with each ``Transition`` a run of this chart takes, after the state changed, on
+    #: the thread that sent the event (so a listener must be quick and must not raise).
+    #: Replaced whole by ``attach``/``detach``, never mutated, so a ``send`` on any thread sees
+    #: the old tuple or the new one; ``attach``/``detach`` themselves are set-up calls, made by
+    #: one thread at a time (the pytest plugin at configure, a test around its scenario).
+    listeners: tuple[Callable[[Transition], None], ...] = attrs.field(
+        default=(), repr=False, eq=False)
+
+    def attach(self, listener: Callable[[Transition], None]) -> None:
+        """Call ``listener(transition)`` for every transition a run of this chart takes."""
+        # attrs.frozen: the one field replaced after construction
+        object.__setattr__(self, "listeners", self.listeners + (listener,))
+
+    def detach(self, listener: Callable[[Transition], None]) -> None:
+        """Stop calling ``listener`` (attached once per ``attach``); ValueError if it is not
+        attached."""
+        rest = list(self.listeners)
+        rest.remove(listener)
+        object.__setattr__(self, "listeners", tuple(rest))
+
+    def notify(self, transition: Transition) -> None:
+        """Tell the listeners ``transition`` was taken elsewhere than by a ``ChartRun`` (a
+        python-statemachine instance of the declaration: ``coverage.TransitionListener``)."""
+        for listener in self.listeners:
+            listener(transition)
 
     def run(self, model: Any, state: str | None = None) -> ChartRun:
         """A new run on ``model`` (the guard provider), in ``state`` or the initial state."""
@@ -119,11 +146,11 @@ class ChartRun:
 
     ``trail``: None, or a bounded ``deque`` the run appends each taken transition to as
     ``(event, source, target, None, t)`` and each refused event to as ``(event, source, None,
-    refusing guards, t)`` (``t`` from ``time.monotonic()``): the path of one job, for design
-    review (``DeviceExecutor.job_trail``).
+    refusing guards, t)`` (``t`` from the clock given to ``keep_trail``, by default
+    ``time.monotonic()``): the path of one job, for design review (``DeviceExecutor.job_trail``).
     """
 
-    __slots__ = ("chart", "state", "model", "_table", "trail")
+    __slots__ = ("chart", "state", "model", "_table", "trail", "_now")
 
     def __init__(self, chart: CompiledChart, state: str, model: Any) -> None:
         self.chart = chart
@@ -131,6 +158,13 @@ class ChartRun:
         self.model = model
         self._table = chart.table
         self.trail = None
+        self._now: Callable[[], float] = time.monotonic
+
+    def keep_trail(self, trail: Any, now: Callable[[], float]) -> None:
+        """Append every taken and refused event to ``trail`` (a bounded deque), stamped with
+        ``now()`` (the owner's clock: virtual time under the interleaving explorer)."""
+        self.trail = trail
+        self._now = now
 
     @property
     def final(self) -> bool:
@@ -156,7 +190,7 @@ class ChartRun:
                     return transition
         guards = tuple(dict.fromkeys(g for t in candidates for g in t.guards))
         if self.trail is not None:
-            self.trail.append((event, self.state, None, guards, time.monotonic()))
+            self.trail.append((event, self.state, None, guards, self._now()))
         raise GuardRejected(self.chart.name, self.state, event, guards)
 
     def send(self, event: str) -> str:
@@ -164,10 +198,14 @@ class ChartRun:
         ``GuardRejected`` (the state is then unchanged)."""
         transition = self.select(event)
         if self.trail is not None:
-            self.trail.append((event, self.state, transition.target, None, time.monotonic()))
+            self.trail.append((event, self.state, transition.target, None, self._now()))
         self.state = transition.target
-        self.chart.taken[transition.id] += 1
-        RECORDER.record(transition.key)
+        chart = self.chart
+        chart.taken[transition.id] += 1
+        listeners = chart.listeners
+        if listeners:
+            for listener in listeners:
+                listener(transition)
         return transition.target
 
     def can(self, event: str) -> bool:

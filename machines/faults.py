@@ -40,7 +40,7 @@ import random
 import threading
 import time
 from collections import deque
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 
@@ -218,6 +218,24 @@ class FaultController:
         return self.decisions[-1] if self.decisions else None
 
 
+class FaultSink(Protocol):
+    """Where an executor reports every failure after submit and every runtime failure, and
+    what it asks of it: ``FaultController`` (the default) applies the §8 actions,
+    ``RecordingFaultSink`` only records. An embedder's own sink implements all four."""
+
+    def attach(self, executor: Any) -> None:
+        """Called once by the executor that reports to this sink, before any report."""
+
+    def report(self, status: Status, job: Any = None) -> None:
+        """One failure (never blocks on a recovery)."""
+
+    def admission_factor(self) -> float:
+        """The share of ``max_pending_tokens`` admission may use now (1.0: all)."""
+
+    def backoff(self, attempt: int) -> float:
+        """Seconds before submit retry ``attempt`` (1-based) after a busy runtime."""
+
+
 class RecordingFaultSink:
     """A passive sink: keeps the reports (bounded) and counts them by category, acts on
     nothing. For tests of the job path alone and for embedders with their own controller."""
@@ -226,6 +244,15 @@ class RecordingFaultSink:
         self.reports: deque[Status] = deque(maxlen=keep)
         self.by_category: dict[Category, int] = {}
         self._mu = threading.Lock()
+
+    def attach(self, executor: Any) -> None:
+        """Nothing to wire: it acts on nothing."""
+
+    def admission_factor(self) -> float:
+        return 1.0  # no admission reduction: nothing decides one
+
+    def backoff(self, attempt: int) -> float:
+        return 0.001  # a busy runtime is retried after a millisecond
 
     def report(self, status: Status, job: Any = None) -> None:
         with self._mu:

@@ -11,10 +11,28 @@ queues, so chart events need no per-job lock.
 records the request and returns whether it was recorded while the job could still be
 affected; the owner thread acts on it at its next checkpoint (before admission, before
 submit, after Wait). A cancel never frees device-held resources (§5.1-7).
+
+Completion without a waiting thread (issue 25, docs/embedding.md): ``add_done_callback(fn)``
+has concurrent.futures semantics: ``fn(handle)`` is called exactly once, by the thread that
+resolves the job (the completion thread for a job that reached the device; the submitter, a
+request thread, a recovery or shutdown for one that did not), or at once by the registering
+thread when the job is already resolved. It may run while that thread holds executor locks,
+so it must only hand the result on (``loop.call_soon_threadsafe``, ``queue.put_nowait``, an
+event), never block nor call the executor. An exception it raises is logged (logger
+``calexec.job``) and never reaches the executor's thread. ``as_future(loop)`` and
+``await wait_async(deadline)`` are built on it with ``loop.call_soon_threadsafe``: no thread
+waits for the job. Like ``wait_until`` they only observe: a deadline that passes or an
+awaiting task that is cancelled never cancels the job (call ``cancel()`` to give it up); the
+registration is removed then, so nothing of the loop stays referenced by the job.
+
+``Job.resolve`` pays one attribute test for this when no callback is registered.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import threading
 import time
 import weakref
 from typing import Any, Callable
@@ -26,7 +44,17 @@ from calexec.contracts.codes import DeviceJobStatus
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import JobTimings, TaskKind
 from calexec.machines.clock import SYSTEM, Clock
-from calexec.machines.compiled import JOB
+from calexec.machines.chart_names import JOB_EV_CANCEL
+from calexec.machines.compiled import JOB, GuardRejected
+
+log = logging.getLogger("calexec.job")
+
+#: Guards every job's done-callback list (``Job._callbacks``). A leaf: held only to swap or
+#: append to a list, never while a callback runs or another lock is taken, so it cannot take
+#: part in a deadlock; taken by ``Job.resolve`` only when a callback was registered.
+_CALLBACKS_MU = threading.Lock()
+#: ``Job._callbacks`` once the job's callbacks were run: later registrations run at once
+_FIRED: tuple = ()
 
 
 def now_us() -> int:
@@ -55,7 +83,7 @@ class Job:
                  "cancel_flag", "lease", "txn", "timings", "run", "wait_rc", "device_status",
                  "output_status", "result", "_done", "_on_cancel", "internal", "logits_out",
                  "_gen", "budget_taken", "permit_held", "clock", "on_resolved", "submitted_at", "uncounted",
-                 "stream", "early_wake_s", "auto", "auto_next",
+                 "stream", "early_wake_s", "auto", "auto_next", "_callbacks",
                  "__weakref__")
 
     def __init__(self, job_id: int, generation_id: int, request: Any,
@@ -99,6 +127,9 @@ class Job:
         #: autoarm.py; submit_mu), and whether this job's successor may be armed so
         self.auto: Any = None
         self.auto_next = False
+        #: done callbacks (``JobHandle.add_done_callback``): None (none registered), a list
+        #: of (handle, fn), or ``_FIRED`` once run; changed only under ``_CALLBACKS_MU``
+        self._callbacks: list[tuple[JobHandle, Callable[[JobHandle], object]]] | None = None
 
     @property
     def gen(self):
@@ -144,6 +175,17 @@ class Job:
         if self.on_resolved is not None:
             self.on_resolved(self)
         self._done.set()
+        if self._callbacks is not None:  # the only cost when nobody registered a callback
+            self._run_callbacks()
+
+    def _run_callbacks(self) -> None:
+        """After ``_done`` is set: run the registered callbacks once (whoever swaps the list
+        for ``_FIRED`` under the lock runs them; ``JobHandle.add_done_callback`` does the same
+        when it finds the job resolved after appending)."""
+        with _CALLBACKS_MU:
+            callbacks, self._callbacks = self._callbacks, _FIRED
+        if callbacks:
+            _run(callbacks)
 
     def ctx(self) -> dict[str, int]:
         return {"job_id": self.job_id, "seq_id": self.request.seq_id,
@@ -152,6 +194,22 @@ class Job:
     def __repr__(self) -> str:
         return (f"Job(id={self.job_id}, seq={self.request.seq_id}, kind={self.kind.name}, "
                 f"gen={self.generation_id}, state={self.run.state})")
+
+
+def _run(callbacks) -> None:
+    """Call each ``fn(handle)``; an exception is logged, never raised into the caller (an
+    executor thread, most of the time)."""
+    for handle, fn in callbacks:
+        try:
+            fn(handle)
+        except Exception:  # noqa: BLE001 - a callback's bug never reaches the executor
+            log.exception("done callback %r of job %d raised", fn, handle.job_id)
+
+
+def _settle(future: "asyncio.Future", job: Job) -> None:
+    """On the loop's thread: hand the job's result to ``future`` unless it was cancelled."""
+    if not future.done():
+        future.set_result(job.result)
 
 
 class JobHandle:
@@ -218,5 +276,111 @@ class JobHandle:
             job._on_cancel()
         return True
 
+    # ---- completion without a waiting thread (issue 25) ------------------------------------
+    def add_done_callback(self, fn: Callable[["JobHandle"], object]) -> None:
+        """Call ``fn(self)`` once when the job is resolved: by the thread that resolves it,
+        or now by this thread when it already is. ``fn`` must not block nor call the executor
+        (it may run while the resolving thread holds executor locks); an exception it raises
+        is logged and ignored. Callbacks run in registration order."""
+        job = self._job
+        with _CALLBACKS_MU:
+            callbacks = job._callbacks
+            if callbacks is not _FIRED:
+                if callbacks is None:
+                    callbacks = job._callbacks = []
+                callbacks.append((self, fn))
+                if not job._done.is_set():
+                    return  # ``Job.resolve`` sets _done first, then finds the list
+                job._callbacks = _FIRED  # resolved meanwhile: whoever swaps runs them
+        # resolved: run what this call swapped out (this ``fn`` last), or ``fn`` alone
+        _run(callbacks if callbacks is not _FIRED else ((self, fn),))
+
+    @property
+    def pending_callbacks(self) -> int:
+        """Done callbacks registered on this job and not run yet: 0 once they ran (the job
+        keeps nothing of them then) or were removed (an ``as_future`` whose awaiter gave up).
+        What the job still references of its awaiters, e.g. their event loops."""
+        callbacks = self._job._callbacks
+        return len(callbacks) if callbacks else 0
+
+    def remove_done_callback(self, fn: Callable[["JobHandle"], object]) -> int:
+        """Unregister every not yet run registration of ``fn`` (compared with ``==``) on this
+        job; returns how many were removed (0 once the callbacks ran)."""
+        job = self._job
+        with _CALLBACKS_MU:
+            callbacks = job._callbacks
+            if not callbacks:
+                return 0
+            kept = [entry for entry in callbacks if entry[1] != fn]
+            removed = len(callbacks) - len(kept)
+            job._callbacks = kept or None
+        return removed
+
+    def as_future(self, loop: asyncio.AbstractEventLoop | None = None
+                  ) -> "asyncio.Future[InferenceResult | Status]":
+        """An ``asyncio.Future`` on ``loop`` (default: the running loop) that gets the job's
+        result (an ``InferenceResult`` or a ``Status``; never an exception) when it is
+        resolved. No thread waits: the resolving thread schedules the result on the loop with
+        ``loop.call_soon_threadsafe``. Cancelling the future stops observing, never the job
+        (``cancel()`` does that); the registration is removed then."""
+        loop = asyncio.get_running_loop() if loop is None else loop
+        future = loop.create_future()
+        job = self._job
+        if job._done.is_set():
+            future.set_result(job.result)
+            return future
+
+        def resolved(_handle: "JobHandle") -> None:  # the resolving thread
+            try:
+                loop.call_soon_threadsafe(_settle, future, job)
+            except RuntimeError:
+                if not loop.is_closed():
+                    raise
+                # the loop is closed: nobody awaits the result any more
+
+        def unregister(done: "asyncio.Future") -> None:  # the loop's thread
+            if done.cancelled():
+                self.remove_done_callback(resolved)
+
+        future.add_done_callback(unregister)
+        self.add_done_callback(resolved)
+        return future
+
+    async def wait_async(self, deadline: float | None) -> "InferenceResult | Status":
+        """``wait_until`` for asyncio: the job's result, or once ``deadline`` (absolute, on the
+        job's clock: ``time.monotonic()``; None waits without limit) has passed a
+        ``wait.deadline`` Status. Parks no thread (``as_future``). Never cancels: on the
+        deadline, or when the awaiting task is cancelled, the job keeps running and the
+        registration is removed; a caller that gives the job up calls ``cancel()``."""
+        job = self._job
+        if job._done.is_set():
+            return job.result
+        future = self.as_future()
+        timeout = None if deadline is None else job.clock.remaining(deadline)
+        try:
+            return await asyncio.wait_for(future, timeout)
+        except TimeoutError:
+            if job._done.is_set():  # resolved as the deadline fell
+                return job.result
+            return Status.deadline(Phase.WAIT, "wait_async deadline passed; the job continues "
+                                               f"(state {job.run.state})", **job.ctx())
+
     def __repr__(self) -> str:
         return f"JobHandle({self._job!r})"
+
+
+def job_of(handle: JobHandle) -> Job:
+    """The job behind ``handle``, for the executor's own modules (the executor, its decode
+    streams and guesses) and its test tools; an embedder holds the handle only."""
+    return handle._job
+
+
+def advance(job: Job, event: str) -> bool:
+    """Send a forward event guarded by ``not_cancelled``; False when the job was cancelled
+    (it is then in CancelRequested)."""
+    try:
+        job.run.send(event)
+        return True
+    except GuardRejected:
+        job.run.send(JOB_EV_CANCEL)
+        return False

@@ -10,7 +10,7 @@ Created -> Admitted -> Preparing, inputs copied, slices and both CSRs set for th
 sequence length. ``_fire`` writes the token into the slot and the request, sends the chart to
 Queued and wakes the submitter, which infers (invariant 2: only the submitter infers, only the
 completion thread Waits; the stream adds no thread). Job N+1 is armed by the submitter, after
-it submitted job N and while it has nothing else to submit (``_arm_next``): N is on the device
+it submitted job N and while it has nothing else to submit (``arm_next``): N is on the device
 then, the caller is waiting and the completion thread is in ``Wait`` with the GIL released, so
 the arming contends with nothing on the critical path. Should the step come before the arming
 (a fast device), the caller admits the job itself; should the arming find no free slot (the
@@ -65,7 +65,8 @@ import numpy as np
 from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import TaskKind
-from calexec.machines.job import InferenceResult, Job, JobHandle
+from calexec.machines.dispatch import Arm
+from calexec.machines.job import InferenceResult, Job, JobHandle, job_of
 
 if TYPE_CHECKING:
     from calexec.machines.executor import DeviceExecutor
@@ -78,18 +79,6 @@ _CLOSE_WAIT_S = 2.0
 #: how long ``close()`` waits (at most; never past the stream's deadline) for a job fired ahead
 #: and never taken to end after its cancel, so the sequence is quiescent when it returns
 _AHEAD_WAIT_S = 10.0
-
-
-@attrs.frozen
-class _Arm:
-    """How ``DeviceExecutor._enqueue`` admits a pre-armed job: chained behind ``prev_txn``
-    (None: an ordinary reserve), waiting for resources (``blocking``) or not."""
-
-    prev_txn: Any
-    blocking: bool
-    #: wake the submitter once armed, so its idle wait counts the armed job's deadline (not
-    #: needed when the submitter arms it itself)
-    notify: bool = False
 
 
 class DecodeStream:
@@ -138,11 +127,9 @@ class DecodeStream:
             if self.greedy_ahead and logits_out is not None else None)
         self._row0 = past_len
         self._fresh = [self._rows is not None] * 2
-        # guarded by the executor's submit_mu: the submitter arms the next job (``_arm_next``)
-        self._arming = False
-        self._arm_waiter = False
+        # guarded by the dispatch lock (``ex.dispatch.cv``): the submitter arms the next job
+        # after the one just fired (``arm_next``: its KV txn and the next position)
         self._next: tuple[Any, int] = (None, past_len)
-        self._arm_at = 0.0  # the submitter arms the next job from then (Clock.monotonic())
         job = self._arm_job(None, past_len, blocking=False, notify=True)
         if isinstance(job, Job):
             self._armed = job
@@ -151,6 +138,31 @@ class DecodeStream:
     @property
     def closed(self) -> bool:
         return self.status is not None
+
+    # state reads (tests, the explorer, a debugger): each a snapshot under the dispatch lock
+    @property
+    def armed(self) -> "Job | None":
+        """The job armed for the next step (None: none now)."""
+        with self.ex.dispatch.cv:
+            return self._armed
+
+    @property
+    def ahead(self) -> "tuple[int, JobHandle | None] | None":
+        """(token, handle) of the step the completion thread fired ahead and the caller has
+        not taken (handle None while the firing runs); None: none."""
+        with self.ex.dispatch.cv:
+            return self._ahead
+
+    @property
+    def current(self) -> "JobHandle | None":
+        """The step submitted last and not waited for yet."""
+        return self._current
+
+    @property
+    def arming(self) -> bool:
+        """The submitter is arming this stream's next job right now."""
+        with self.ex.dispatch.cv:
+            return self.ex.dispatch.arming(self)
 
     def step(self, token: int) -> "InferenceResult | Status":
         """Submit ``token`` as the next decode job and wait for its result (bounded by the
@@ -177,14 +189,15 @@ class DecodeStream:
                                                  f"{vocab})"))
         if self._cancelled:  # a caller that gave up: the step is what the plain path
             return self._cancelled_step(int(token))  # answers a cancelled request
-        with ex._submit_cv:
+        dispatch = ex.dispatch
+        with dispatch.cv:
             # fired ahead by the completion thread (greedy_ahead), else the armed job
             ahead, job = self._take_ahead(), None
             if ahead is None:
                 job, self._armed = self._armed, None
                 if job is None:  # not picked up yet (or no slot): arm it here, or take the
-                    self._unqueue()  # one the submitter is arming right now
-                    self._wait_submitter(lambda: not self._arming, self.deadline)
+                    dispatch.unschedule(self)  # one the submitter is arming right now
+                    self._wait_submitter(lambda: not dispatch.arming(self), self.deadline)
                     job, self._armed = self._armed, None
         if ahead is not None:
             return self._adopt(ahead, int(token))
@@ -218,10 +231,16 @@ class DecodeStream:
         return handle
 
     def _fire_step(self, job: Job, token: int) -> "JobHandle | None":
+        return self._fire(job, token, self.ex.arm_delay_s())
+
+    def _fire(self, job: Job, token: int, arm_delay_s: float) -> "JobHandle | None":
+        """Fire ``job`` with ``token`` (``DeviceExecutor.fire_armed``); the submitter arms
+        the step after it ``arm_delay_s`` later unless that is beyond ``max_len``."""
         past = job.request.past_len
         more = self.max_len is None or past + 2 <= self.max_len
-        return self.ex._fire(job, token, self, past + 1 if more else -1,
-                             self.ex._arm_delay_s())
+        with self.ex.dispatch.cv:  # read by the submitter when it arms the step after it
+            self._next = (job.txn, past + 1)
+        return self.ex.fire_armed(job, token, self if more else None, arm_delay_s)
 
     def wait(self) -> "InferenceResult | Status":
         """The result of the step submitted last (bounded by the stream's deadline)."""
@@ -276,9 +295,9 @@ class DecodeStream:
         """No job of this stream is left on its way to the device or on it: nothing armed,
         no arming in progress and the step fired ahead (if any) resolved. (The step the
         caller submitted last is the caller's to wait for.)"""
-        with self.ex._submit_cv:
+        with self.ex.dispatch.cv:
             ahead = self._discarded
-            return (self._armed is None and not self._arming
+            return (self._armed is None and not self.ex.dispatch.arming(self)
                     and (ahead is None or ahead.done))
 
     def __enter__(self) -> "DecodeStream":
@@ -290,22 +309,22 @@ class DecodeStream:
     # ---- arming ----------------------------------------------------------------------------
     def _close(self, status: Status, wait: bool = True) -> Status:
         ex = self.ex
-        with ex._submit_cv:  # the submitter reads status when it finishes arming
+        dispatch = ex.dispatch
+        with dispatch.cv:  # the submitter reads status when it finishes arming
             if self.status is None:
                 self.status = status
-            if ex._streams.get(self.seq_id) is self:
-                del ex._streams[self.seq_id]
-            self._unqueue()
+            dispatch.close_stream_locked(self.seq_id, self)
+            dispatch.unschedule(self)
             # the submitter may be arming the next job right now: it releases that job itself
             # on seeing the stream closed; wait for it (bounded), so that once close() returns
             # the sequence is free (a reset or the next request may follow at once)
-            if not self._wait_submitter(lambda: not self._arming,
+            if not self._wait_submitter(lambda: not dispatch.arming(self),
                                         ex.clock.monotonic() + _CLOSE_WAIT_S):
                 log.warning("decode stream of seq %d: the submitter still arms its next job "
                             "after %.1fs; it releases it when done", self.seq_id, _CLOSE_WAIT_S)
             job, self._armed = self._armed, None
             ahead = self._take_ahead()
-        if job is not None and not ex._disarm(job, Status.cancelled(
+        if job is not None and not ex.release_armed(job, Status.cancelled(
                 Phase.CANCEL, f"decode stream of seq {self.seq_id} closed: {status.code}")
         ) and ex.config.threads:
             # the submitter took it first (cancelled, expired, fenced) and releases it now:
@@ -326,28 +345,28 @@ class DecodeStream:
 
     # ---- greedy ahead ----------------------------------------------------------------------
     def _wait_submitter(self, done: Any, end: float) -> bool:
-        """submit_mu held: wait until ``done()`` (the submitter or the completion thread
-        notifies ``_arm_waiter``s when it finishes arming or firing), bounded by ``end``
-        (``Clock.monotonic()``). False when ``end`` came first."""
+        """The dispatch lock held: wait until ``done()`` (the submitter notifies when it
+        finishes an arming, the completion thread when it finishes firing ahead), bounded by
+        ``end`` (``Clock.monotonic()``). False when ``end`` came first."""
         ex = self.ex
         while not done():
             remaining = end - ex.clock.monotonic()
             if remaining <= 0:
                 return False
-            self._arm_waiter = True
-            ex.clock.wait(ex._submit_cv, remaining)
+            ex.clock.wait(ex.dispatch.cv, remaining)
         return True
 
-    def _discard_ahead(self) -> "JobHandle | None":
-        """submit_mu held: another request of the sequence is coming (``DeviceExecutor.
-        _drop_armed``): the step fired ahead, not taken yet, is discarded (the caller's step
-        is admitted again, after that request, as the plain path runs it). Its handle, for
-        the caller to cancel (outside the lock); None when there is none."""
-        ahead = self._take_ahead()
-        if ahead is None:
-            return None
-        self._discarded = ahead[1]
-        return ahead[1]
+    def discard_ahead(self) -> "JobHandle | None":
+        """(For the executor.) Another request, reset or truncation of the sequence is
+        coming (``DeviceExecutor._drop_armed``): the step fired ahead, not taken yet, is
+        discarded (the caller's step is admitted again, after that request, as the plain
+        path runs it). Its handle, for the caller to cancel; None when there is none."""
+        with self.ex.dispatch.cv:
+            ahead = self._take_ahead()
+            if ahead is None:
+                return None
+            self._discarded = ahead[1]
+            return ahead[1]
 
     def _take_ahead(self) -> "tuple[int, JobHandle] | None":
         """The job fired ahead (submit_mu held), once its firing finished (bounded by the
@@ -362,7 +381,7 @@ class DecodeStream:
         fired, handle = ahead
         if fired != token:
             handle.cancel()
-            with self.ex._submit_cv:  # close() cancels and waits for it
+            with self.ex.dispatch.cv:  # close() cancels and waits for it
                 self._ahead = ahead
             return self._close(Status.invalid(
                 6, f"token={token}: this greedy_ahead decode stream already decoded the "
@@ -373,8 +392,8 @@ class DecodeStream:
         self.ahead_steps += 1
         return handle
 
-    def _fire_ahead(self, job: Job, result: Any, arm_delay_s: float = 0.0
-                    ) -> "JobHandle | None":
+    def fire_ahead(self, job: Job, result: Any, arm_delay_s: float = 0.0
+                   ) -> "JobHandle | None":
         """On the completion thread, after ``job``'s KV commit and permit release and before
         its result is delivered: fire the armed next job with ``job``'s argmax when the
         caller waits for ``job`` and the stream may go on. Never raises; returns the fired
@@ -382,10 +401,11 @@ class DecodeStream:
         ex = self.ex
         # the argmax is within the requested logits slice: the token id is offset by its start
         token = int(result.argmax) + (self.want_logits[0] if self.want_logits else 0)
-        with ex._submit_cv:
+        dispatch = ex.dispatch
+        with dispatch.cv:
             current = self._current
             if (self.status is not None or self._ahead is not None or self._armed is None
-                    or current is None or current._job is not job
+                    or current is None or job_of(current) is not job
                     or token in self.stop_tokens
                     or (self.max_steps is not None and self.steps >= self.max_steps)):
                 return None
@@ -393,64 +413,50 @@ class DecodeStream:
             self._ahead = (token, None)  # a concurrent submit()/close() waits for the firing
         handle = None
         try:
-            past = armed.request.past_len
-            more = self.max_len is None or past + 2 <= self.max_len
             if self._rows is not None:  # not taken yet: never the caller's array
-                armed.logits_out = self._rows[(past - self._row0) % 2]
-            handle = ex._fire(armed, token, self, past + 1 if more else -1, arm_delay_s)
+                armed.logits_out = self._rows[(armed.request.past_len - self._row0) % 2]
+            handle = self._fire(armed, token, arm_delay_s)
         except Exception:  # noqa: BLE001 - the caller fires the next step itself instead
             log.exception("firing the next job of seq %d ahead raised", self.seq_id)
         finally:
-            with ex._submit_cv:
+            with dispatch.cv:
                 self._ahead = None if handle is None else (token, handle)
-                if self._arm_waiter:
-                    self._arm_waiter = False
-                    ex._submit_cv.notify_all()
-        if handle is None:
-            ex._disarm(armed, Status.internal("fire_ahead", Phase.PREPARE,
-                                              "firing the next job ahead raised",
-                                              seq_id=self.seq_id))
+                dispatch.cv.notify_all()  # a submit()/close() waiting for the firing
+        if handle is None:  # (released by someone else meanwhile: nothing to do)
+            ex.release_armed(armed, Status.internal("fire_ahead", Phase.PREPARE,
+                                                    "firing the next job ahead raised",
+                                                    seq_id=self.seq_id))
         return handle
 
-    def _unqueue(self) -> None:
-        """Not armed by the submitter after all (submit_mu held)."""
-        ex = self.ex
-        while self in ex._prearm_q:
-            ex._prearm_q.remove(self)
-        while self in ex._prearm_wait:
-            ex._prearm_wait.remove(self)
-
-    def _arm_next(self) -> None:
-        """On the submitter thread, with nothing to submit (``DeviceExecutor.submit_one``):
-        arm the job after the one just fired (``_next``: its KV txn and the next position),
-        while that one is on the device. Never raises and never waits. ``_arming`` ends only
-        after a job armed for a stream that closed meanwhile is released, so ``close()``
-        (which waits for it) returns with the sequence free."""
-        ex, job, drop = self.ex, None, None
+    def arm_next(self) -> None:
+        """(For the submitter, with nothing to submit: ``DeviceExecutor.submit_one``.) Arm
+        the job after the one just fired (``_next``: its KV txn and the next position), while
+        that one is on the device. Never raises and never waits. The dispatch says this
+        stream is arming until this returns, after a job armed for a stream that closed
+        meanwhile was released, so ``close()`` (which waits for it) returns with the
+        sequence free."""
+        ex, job, drop, later = self.ex, None, None, False
+        dispatch = ex.dispatch
         try:
-            prev_txn, past = self._next
-            if self.status is None:
+            with dispatch.cv:
+                prev_txn, past = self._next
+                still_open = self.status is None
+            if still_open:
                 job = self._arm_job(prev_txn, past, blocking=False)
         except Exception:  # noqa: BLE001 - a failed pre-arm only means nothing is armed
             log.exception("pre-arming the next job of seq %d raised", self.seq_id)
-        try:
-            with ex._submit_cv:
-                if isinstance(job, Job):
-                    if self.status is None:
-                        self._armed = job
-                    else:
-                        drop = job  # the stream closed meanwhile
-                elif (isinstance(job, Status) and job.code == "buffer.full"
-                      and self.status is None):
-                    ex._prearm_wait.append(self)  # again when a lease comes back
-            if drop is not None:
-                ex._disarm(drop, Status.cancelled(Phase.CANCEL, "decode stream closed"))
-        finally:
-            with ex._submit_cv:
-                self._arming = False
-                if self._arm_waiter:
-                    self._arm_waiter = False
-                    ex._submit_cv.notify_all()
+        with dispatch.cv:
+            if isinstance(job, Job):
+                if self.status is None:
+                    self._armed = job
+                else:
+                    drop = job  # the stream closed meanwhile
+            elif isinstance(job, Status) and job.code == "buffer.full" and self.status is None:
+                later = True
+        if later:
+            dispatch.arm_later(self)  # again when a lease comes back
+        if drop is not None:
+            ex.release_armed(drop, Status.cancelled(Phase.CANCEL, "decode stream closed"))
 
     def _arm_job(self, prev_txn: Any, past: int, blocking: bool,
                  notify: bool = False) -> "Job | Status":
@@ -467,9 +473,7 @@ class DecodeStream:
         if past != self._row0 and self._fresh[parity]:  # a step that may be fired ahead
             self._rows[parity].fill(0.0)  # arming runs off the critical path
             self._fresh[parity] = False
-        handle = self.ex._enqueue(request, internal=False, logits_out=self.logits_out,
-                                  arm=_Arm(prev_txn, blocking, notify))
-        job = handle._job
+        job = self.ex.admit_armed(request, self.logits_out, Arm(prev_txn, blocking, notify))
         if job.done:
             return job.result if isinstance(job.result, Status) else Status.internal(
                 "prearm", Phase.PREPARE, "pre-armed job resolved before its token")

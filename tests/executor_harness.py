@@ -147,8 +147,8 @@ def settle(executor: DeviceExecutor, seconds: float = 5.0) -> dict:
         # (the permit goes back before the caller is woken, the lease after it)
         # and the guesses of implicit pre-arms (machines/autoarm.py) expired: they hold a slot
         # and a token of budget until then
-        if (snap["queued"] == 0 and snap["inflight"] == 0 and not executor._completion_q
-                and not executor._auto):
+        if (snap["queued"] == 0 and snap["inflight"] == 0 and snap["completing"] == 0
+                and not executor.dispatch.guesses()):
             return snap
         time.sleep(0.002)
     return executor.snapshot()

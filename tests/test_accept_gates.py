@@ -12,8 +12,8 @@ import pytest
 
 from calexec.drivers.tools.accept import run as accept
 from calexec.drivers.tools.accept.report import write_report
-from calexec.drivers.tools.accept.rig import growth
-from calexec.machines.executor import DeviceExecutor
+from calexec.drivers.tools.accept.gate_rig import growth
+from calexec.machines.completion import Completion
 
 TINY = attrs.evolve(accept.QUICK, mode="tiny", prompts=3, decode_steps=3,
                     lengths=(1, 16, 17, 40959), crosstalk_tokens=20, injections=14,
@@ -60,7 +60,7 @@ def test_report_files_hold_every_gate(tiny_report, tmp_path):
 
 
 def test_a_wrong_token_fails_the_gate_and_the_exit_status(monkeypatch, capsys):
-    real = DeviceExecutor._postprocess
+    real = Completion.postprocess
 
     def off_by_one(self, job):
         result = real(self, job)
@@ -68,7 +68,7 @@ def test_a_wrong_token_fails_the_gate_and_the_exit_status(monkeypatch, capsys):
             return result  # the golden warm-up stays intact, so the executor starts
         return attrs.evolve(result, argmax=(result.argmax + 1) % len(result.logits))
 
-    monkeypatch.setattr(DeviceExecutor, "_postprocess", off_by_one)
+    monkeypatch.setattr(Completion, "postprocess", off_by_one)
     rc = accept.main(["accept", "--quick", "--phase", "a", "--gates", "correctness", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert rc == 1

@@ -25,9 +25,9 @@ import pytest
 
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Status
-from calexec.drivers.tools.accept import gates, rig
+from calexec.drivers.tools.accept import gate_rig, gates
 from calexec.drivers.tools.accept import run as accept
-from calexec.machines.executor import DeviceExecutor
+from calexec.machines.outcomes import JobOutcomes
 from calexec.machines.job import Job
 
 #: faults after submit only (each one a quarantined job and a recovery)
@@ -40,7 +40,7 @@ def injections_gate(monkeypatch, kinds: tuple[str, ...], n: int) -> dict:
     """Run ``injections_a`` alone with ``n`` injections of ``kinds``; its gate dict."""
     monkeypatch.setattr(gates, "INJECTION_KINDS", kinds)
     monkeypatch.setattr(gates, "HANG_GRACE_S", 0.3)
-    monkeypatch.setattr(rig, "HANG_GRACE_S", 0.3)
+    monkeypatch.setattr(gate_rig, "HANG_GRACE_S", 0.3)
     sizes = attrs.evolve(accept.QUICK, mode="tiny", injections=n)
     report = accept.run_accept(sizes, ("a",), ["injections"])
     assert report["passed"] is report["gates"]["injections_a"]["passed"]
@@ -64,14 +64,14 @@ def never_wakes_a_failed_caller(monkeypatch) -> None:
 def leaks_the_kv_txn_of_a_refused_job(monkeypatch) -> None:
     """Broken executor: a job cancelled or expired before submit keeps its KV transaction
     open (its sequence claimed for ever); everything else is released."""
-    real = DeviceExecutor._fail_before_submit
+    real = JobOutcomes.fail_before_submit
 
-    def fail_before_submit(ex, job, status):
+    def fail_before_submit(outcomes, job, status):
         if not job.internal and status.category in (Category.CANCELLED, Category.DEADLINE):
             job.txn = None  # never rolled back
-        return real(ex, job, status)
+        return real(outcomes, job, status)
 
-    monkeypatch.setattr(DeviceExecutor, "_fail_before_submit", fail_before_submit)
+    monkeypatch.setattr(JobOutcomes, "fail_before_submit", fail_before_submit)
 
 
 @pytest.mark.parametrize("broken", [False, True], ids=["real", "never_wakes"])

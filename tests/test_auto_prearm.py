@@ -61,13 +61,13 @@ def test_stepped_every_decode_after_the_first_takes_its_guess_and_tokens_match(c
         assert ex.counters["failed"] == 0 and ex.counters["cancelled"] == 0
         assert ex.counters["succeeded"] >= steps + 1
         # the last guess still holds a slot and one token of budget, nothing else
-        assert len(ex._auto) == 1 and ex.snapshot()["pending_tokens"] == 1
+        assert len(ex.dispatch.guesses()) == 1 and ex.snapshot()["pending_tokens"] == 1
 
 
 def test_no_guess_when_switched_off(calbin):
     with running_job_path(calbin, threads=False, auto_prearm=False) as ex:
         assert decode_run(ex, 1, 6) == expected_greedy(PROMPT, 6)
-        assert ex.counters["auto_prearmed"] == 0 and not ex._auto and free_slots(ex)
+        assert ex.counters["auto_prearmed"] == 0 and not ex.dispatch.guesses() and free_slots(ex)
 
 
 def test_a_guess_is_only_armed_within_the_reservation(calbin):
@@ -100,12 +100,12 @@ def test_a_rewind_releases_the_guess_and_decodes_as_asked(calbin):
 def test_sequence_operations_release_the_guess_instead_of_answering_busy(calbin, operation):
     with running_job_path(calbin, threads=False) as ex:
         decode_run(ex, 1, 3)
-        assert 1 in ex._auto and not free_slots(ex)
+        assert ex.dispatch.guess(1) is not None and not free_slots(ex)
         status = {"reset": lambda: ex.kvc.reset_sequence(1),
                   "truncate": lambda: ex.kvc.truncate(1, len(PROMPT)),
                   "release": lambda: ex.release_sequence(1)}[operation]()
         assert status.ok, status
-        assert not ex._auto and free_slots(ex) and ex.snapshot()["pending_tokens"] == 0
+        assert not ex.dispatch.guesses() and free_slots(ex) and ex.snapshot()["pending_tokens"] == 0
         if operation == "truncate":  # decodes on from the truncated length as the oracle says
             result = _ok(ex.decode_sync(decode(1, expected_greedy(PROMPT, 0)[0], len(PROMPT))))
             assert result.argmax == expected_greedy(PROMPT, 1)[1]
@@ -121,11 +121,11 @@ def test_a_request_short_of_a_slot_takes_the_guess_slot(calbin):
         decode_run(ex, 2, 0)
         decode_run(ex, 3, 0)
         decode_run(ex, 1, 2)
-        assert 1 in ex._auto
+        assert ex.dispatch.guess(1) is not None
         h2 = ex.enqueue(decode(2, first[0], len(PROMPT)))
         h3 = ex.enqueue(decode(3, first[0], len(PROMPT), seconds=0.5))
         assert not h3.done, h3.wait_until(deadline(0))  # admitted, not refused
-        assert not ex._auto and ex.counters["auto_prearm_released"] == 1
+        assert not ex.dispatch.guesses() and ex.counters["auto_prearm_released"] == 1
         while (not h2.done or not h3.done) and (ex.submit_one() or ex.complete_one()):
             pass
         assert _ok(h2.wait_until(deadline())).argmax == first[1]
@@ -147,7 +147,7 @@ def test_a_cancelled_request_takes_and_releases_its_guess(calbin):
         handle = ex.enqueue(decode(1, out[-1], past), on_created=lambda h: h.cancel())
         status = handle.wait_until(deadline())
         assert isinstance(status, Status) and status.category == Category.CANCELLED, status
-        assert ex.counters["auto_prearmed"] == 2 and not ex._auto and free_slots(ex)
+        assert ex.counters["auto_prearmed"] == 2 and not ex.dispatch.guesses() and free_slots(ex)
         result = _ok(ex.decode_sync(decode(1, out[-1], past)))  # the sequence decodes on
         assert result.argmax == expected_greedy(PROMPT, 3)[-1]
 
@@ -160,7 +160,7 @@ def test_a_bad_request_matching_the_guess_fails_by_name(calbin):
         bad.tokens[0] = 10 ** 7  # outside the vocabulary
         code, status = ex.decode_sync(bad)
         assert code != 0 and isinstance(status, Status) and "token" in str(status).lower()
-        assert not ex._auto and free_slots(ex)
+        assert not ex.dispatch.guesses() and free_slots(ex)
         row = np.empty(3, np.float32)  # a logits_out too small: refused by name as well
         status = ex.enqueue(decode(1, out[-1], past), logits_out=row).wait_until(deadline())
         assert isinstance(status, Status) and "logits_out" in str(status)
@@ -175,7 +175,7 @@ def test_threaded_guesses_are_taken_and_expire_when_the_caller_stops(calbin):
         assert decode_run(ex, 1, steps) == expected_greedy(PROMPT, steps)
         assert ex.counters["auto_prearmed"] >= 1
         snap = settle(ex)  # the last guess expires on its own (bounded)
-        assert not ex._auto and free_slots(ex) and snap["pending_tokens"] == 0
+        assert not ex.dispatch.guesses() and free_slots(ex) and snap["pending_tokens"] == 0
         assert ex.counters["auto_prearm_released"] >= 1
         assert ex.counters["failed"] == 0 and ex.counters["cancelled"] == 0
 
@@ -192,7 +192,7 @@ def test_a_fault_of_the_job_before_the_guess_leaves_the_sequence_resettable(calb
         assert ex.kvc.reset_sequence(1, wait_s=5.0).ok
         assert decode_run(ex, 1, 4) == expected_greedy(PROMPT, 4)
         snap = settle(ex)
-        assert not ex._auto and free_slots(ex) and snap["pending_tokens"] == 0
+        assert not ex.dispatch.guesses() and free_slots(ex) and snap["pending_tokens"] == 0
 
 
 def test_threaded_interleaved_sequences_resets_and_decodes_stay_exact(calbin):
@@ -225,7 +225,7 @@ def test_threaded_interleaved_sequences_resets_and_decodes_stay_exact(calbin):
         assert not any(t.is_alive() for t in threads)
         assert errors == []
         snap = settle(ex)
-        assert not ex._auto and free_slots(ex) and snap["pending_tokens"] == 0
+        assert not ex.dispatch.guesses() and free_slots(ex) and snap["pending_tokens"] == 0
         assert ex.counters["failed"] == 0
         assert ex.counters["auto_prearmed"] >= 1
 
@@ -264,12 +264,12 @@ def test_a_request_at_the_guessed_position_answers_as_without_guesses(calbin, na
     for auto in (True, False):
         with running_job_path(calbin, threads=False, auto_prearm=auto) as ex:
             out = decode_run(ex, 1, 2)
-            assert (1 in ex._auto) is auto
+            assert (ex.dispatch.guess(1) is not None) is auto
             request = _variants(out[-1], len(PROMPT) + 2)[name]
             code, result = ex.decode_sync(request)
             answers.append((code, result.argmax if isinstance(result, InferenceResult)
                             else (result.code, result.category)))
-            assert not ex._auto or name == "good"
+            assert not ex.dispatch.guesses() or name == "good"
             if name != "good":
                 assert free_slots(ex)
     assert answers[0] == answers[1], answers
@@ -286,7 +286,7 @@ def test_an_on_created_that_raises_releases_the_guess(calbin):
         past = len(PROMPT) + 2
         with pytest.raises(RuntimeError, match="callback failed"):
             ex.enqueue(decode(1, out[-1], past), on_created=boom)
-        assert not ex._auto and free_slots(ex) and ex.snapshot()["pending_tokens"] == 0
+        assert not ex.dispatch.guesses() and free_slots(ex) and ex.snapshot()["pending_tokens"] == 0
         assert _ok(ex.decode_sync(decode(1, out[-1], past))).argmax == expected_greedy(
             PROMPT, 3)[-1]
 
@@ -310,12 +310,12 @@ def test_a_request_after_its_predecessor_failed_answers_unknown_not_the_guess(ca
             past = len(PROMPT) + 2
             arm(ex, point)
             failed = ex.decode_sync(decode(1, out[-1], past))
-            assert failed[0] != 0 and (1 in ex._auto) is auto  # the guess is still armed
+            assert failed[0] != 0 and (ex.dispatch.guess(1) is not None) is auto  # the guess is still armed
             after = ex.decode_sync(decode(1, expected_greedy(PROMPT, 3)[-1], past + 1))
             answers.append((_answer(failed), _answer(after)))
             assert after[1].code == "kv.sequence_unknown", after
             assert ex.release_sequence(1).ok
-            assert not ex._auto and free_slots(ex) and ex.snapshot()["pending_tokens"] == 0
+            assert not ex.dispatch.guesses() and free_slots(ex) and ex.snapshot()["pending_tokens"] == 0
             assert decode_run(ex, 1, 2) == expected_greedy(PROMPT, 2)
     assert answers[0] == answers[1], answers
 
@@ -333,7 +333,7 @@ def test_a_transient_wait_failure_before_a_guess_never_reaches_the_device(calbin
             past = len(PROMPT) + 3
             arm(ex, "WAIT_RC")
             failed = ex.decode_sync(decode(1, out[-1], past))  # stepped: the guess for N+1
-            assert failed[0] != 0 and (1 in ex._auto) is auto  # was armed before N's Wait
+            assert failed[0] != 0 and (ex.dispatch.guess(1) is not None) is auto  # was armed before N's Wait
             after = ex.decode_sync(decode(1, out[-1], past + 1))
             answers.append((_answer(failed), _answer(after)))
             assert ex.release_sequence(1, wait_s=5.0).ok
@@ -356,7 +356,7 @@ def test_a_request_sent_before_its_predecessor_finished_is_busy_not_adopted(calb
             handle = ex.enqueue(decode(1, out[-1], past))
             while ex.submit_one():  # N on the device, the guess for N+1 armed
                 pass
-            assert handle.state == "Submitted" and (1 in ex._auto) is auto
+            assert handle.state == "Submitted" and (ex.dispatch.guess(1) is not None) is auto
             early = ex.enqueue(decode(1, expected_greedy(PROMPT, 3)[-1], past + 1))
             early_result = early.wait_until(deadline())
             while not handle.done and (ex.submit_one() or ex.complete_one()):
@@ -382,7 +382,7 @@ def test_phase_b_an_early_request_never_shares_the_device_with_its_predecessor(c
         early_with_guess = 0
         for step in range(6):
             handle = ex.enqueue(decode(1, out[-1], past))
-            until(lambda: (1 in ex._auto and ex._auto[1].job is not None) or handle.done,
+            until(lambda: (ex.dispatch.guess(1) is not None and ex.dispatch.guess(1).job is not None) or handle.done,
                   what="N on the device and the guess for N+1 armed")
             if not handle.done:  # (a slow host may finish N before the guess is armed)
                 early_with_guess += 1
@@ -395,3 +395,30 @@ def test_phase_b_an_early_request_never_shares_the_device_with_its_predecessor(c
         assert early_with_guess >= 1
         assert ex.device.emu.counters()["ccu_exceptions"] == 0
         assert ex.counters["quarantined"] == 0
+
+
+def test_a_guess_that_fails_to_prepare_reports_nothing_to_the_fault_controller(calbin):
+    """A guess nobody asked for whose preparation fails (here an unknown CSR) is released
+    uncounted and unreported: the request, when it comes, is admitted the ordinary way and
+    meets the same fault itself, so the fault controller hears of it once, as on the plain
+    path (it heard of it twice, and counted it towards its escalation)."""
+    from calexec.machines.faults import RecordingFaultSink
+    sink = RecordingFaultSink()
+    with running_job_path(calbin, threads=False, fault_sink=sink) as ex:
+        out = decode_run(ex, 1, 2)
+        past = len(PROMPT) + 2
+        handle = ex.enqueue(decode(1, out[-1], past))
+        assert ex.submit_one() and handle.state == "Submitted"  # the guess is queued
+        arm(ex, "UNKNOWN_CSR", mode="EVERY_K", param=1)  # every CSR write fails from now
+        reports = len(sink.reports)
+        while ex.submit_one():  # the submitter arms the guess: its preparation fails
+            pass
+        assert ex.dispatch.guess(1) is None or ex.dispatch.guess(1).job is None  # nothing armed
+        assert len(sink.reports) == reports, list(sink.reports)[reports:]
+        assert ex.snapshot()["failed"] == 0  # not counted either
+        while not handle.done and ex.complete_one():
+            pass
+        code, status = ex.decode_sync(decode(1, handle.wait_until(deadline()).argmax,
+                                             past + 1))
+        assert code != 0 and isinstance(status, Status), status  # the request meets it
+        assert len(sink.reports) == reports + 1  # reported once

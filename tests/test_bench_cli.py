@@ -135,7 +135,7 @@ def test_non_positive_sizes_are_rejected(argv, capsys):
 
 
 def test_server_bench_json_report(capsys):
-    from calexec.drivers.tools.bench import server as bench_server
+    from calexec.drivers.tools.bench import server_overhead as bench_server
     assert bench_server.main(["bench", "server", "--json", "--requests", "3", "--max-tokens",
                               "2", "--decode-us", "0"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

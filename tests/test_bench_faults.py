@@ -11,11 +11,12 @@ import json
 import pytest
 
 pytest.importorskip("httpx", reason="the fault bench drives the server over HTTP ([server])")
-from calexec.drivers.tools.bench import faults as bench_faults  # noqa: E402
+from calexec.drivers.tools.bench import fault_cost as bench_faults  # noqa: E402
 
 KEYS = {"faults_requested", "faults_fired", "faults_by_kind", "faults_not_fired", "clients",
         "streaming_clients", "seed", "requests", "completed", "client_errors", "errors",
-        "tokens_identical_pct", "tokens_mismatched", "completed_sampled",
+        "tokens_identical_pct", "tokens_mismatched", "mismatch_examples",
+        "reference_errors", "error_examples", "reference_error_examples", "completed_sampled",
         "tokens_identical_pct_sampled", "resumes", "resumes_by_cause",
         "resumes_per_fault", "faults_with_a_resume", "added_latency_per_fault_ms",
         "resume_budget_exhausted", "recoveries", "sequences_at_end", "seconds_with_faults",
@@ -36,8 +37,10 @@ def test_fault_bench_json_report_every_kind_no_client_error_identical_tokens(cap
     assert report["faults_fired"] >= 1 and report["completed"] >= 1
     assert report["streaming_clients"] == 2
     # the correctness facts: nothing a client sees, tokens as without faults
-    assert report["client_errors"] == 0, report["errors"]
-    assert report["tokens_identical_pct"] == 100.0 and report["tokens_mismatched"] == 0
+    assert report["client_errors"] == 0, report["error_examples"]
+    assert report["reference_errors"] == {}, report["reference_error_examples"]
+    assert report["tokens_mismatched"] == 0, report["mismatch_examples"]
+    assert report["tokens_identical_pct"] == 100.0
     assert report["completed_sampled"] >= 1 and report["tokens_identical_pct_sampled"] == 100.0
     assert report["resume_budget_exhausted"] == 0
     assert report["resumes"] >= 1 and report["recoveries"] >= 1

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from calexec.drivers.tools import chart_names as tool
+from calexec.drivers.tools import write_chart_names as tool
 from calexec.machines import chart_names
 from calexec.machines.compiled import CHARTS, name_constants, names_source
 

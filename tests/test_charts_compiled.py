@@ -147,7 +147,7 @@ def test_lifecycle_properties(steps):
 def test_bench_reports_both_forms(capsys):
     import json
 
-    from calexec.drivers.tools.bench import charts as bench
+    from calexec.drivers.tools.bench import chart_cost as bench
 
     assert bench.main(["bench", "charts", "--json", "--iters", "3"]) == 0
     result = json.loads(capsys.readouterr().out)

@@ -10,27 +10,43 @@ from pathlib import Path
 
 import pytest
 
-from calexec.machines.compiled import CHARTS, KV_TXN
-from calexec.machines.coverage import TransitionListener, TransitionRecorder, describe, report
+from calexec.machines.compiled import CHARTS, KV_TXN, compile_chart
+from calexec.machines.coverage import (TransitionListener, TransitionRecorder, describe, recording,
+                                       report)
 from chartpaths import GuardTable
 
 PLUGIN_DIR = Path(__file__).resolve().parent
 
 
-def test_recorder_records_only_when_enabled():
+def test_a_recorder_records_only_while_attached():
+    """Coverage is a listener someone attaches: a chart nobody listens to records nothing (and
+    its send tests an empty tuple), an attached recorder sees each taken transition, a
+    detached one stops; ``recording`` scopes one to a block beside the suite's."""
+    kv = compile_chart("kv_txn", KV_TXN.declaration)  # a table of its own: no listener at all
+    rollback = kv.table[("Reserved", "rollback")][0].key
+    assert kv.listeners == ()
     recorder = TransitionRecorder()
-    recorder.record(("kv_txn", 0))
+    kv.run(GuardTable.for_chart(kv)).send("rollback")
     assert recorder.hits == set()
-    recorder.enabled = True
-    recorder.record(("kv_txn", 0))
-    assert recorder.hits == {("kv_txn", 0)}
+    kv.attach(recorder)
+    kv.run(GuardTable.for_chart(kv)).send("rollback")
+    assert recorder.hits == {rollback} and kv.listeners == (recorder,)
+    kv.detach(recorder)
+    kv.run(GuardTable.for_chart(kv)).send("mark_submitted")
+    assert recorder.hits == {rollback} and kv.listeners == ()
+    with pytest.raises(ValueError):
+        kv.detach(recorder)
     recorder.clear()
     assert recorder.hits == set()
+    before = KV_TXN.listeners  # the suite's recorder (tests/transition_coverage_plugin.py)
+    with recording([KV_TXN]) as scoped:
+        assert KV_TXN.listeners == before + (scoped,)
+        KV_TXN.run(GuardTable.for_chart(KV_TXN)).send("rollback")
+    assert KV_TXN.listeners == before and scoped.hits == {rollback}
 
 
 def test_listener_maps_real_transitions_to_compiled_ids():
     recorder = TransitionRecorder()
-    recorder.enabled = True
     machine = KV_TXN.declaration(
         GuardTable.for_chart(KV_TXN), listeners=[TransitionListener(KV_TXN, recorder)]
     )

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from calexec.drivers.tools import diagrams as diagrams_cli
+from calexec.drivers.tools import render_diagrams as diagrams_cli
 from calexec.machines import diagrams
 from calexec.machines.compiled import CHARTS
 

@@ -11,7 +11,7 @@ from collections import deque
 import pytest
 
 from calexec.machines.compiled import CHARTS, JOB
-from calexec.machines.coverage import RECORDER, TransitionListener
+from calexec.machines.coverage import TransitionListener, recording
 from chartpaths import GuardTable, drive, transition_paths, winning_guards
 
 ALL_PATHS = [(chart, path) for chart in CHARTS.values() for path in transition_paths(chart)]
@@ -70,12 +70,6 @@ def test_winning_guards_refuse_earlier_candidates():
 
 def test_drive_records_every_transition_of_a_path():
     path = max(transition_paths(JOB), key=lambda p: len(p.steps))
-    was_enabled, before = RECORDER.enabled, set(RECORDER.hits)
-    RECORDER.enabled = True
-    RECORDER.clear()
-    try:
+    with recording([JOB]) as recorder:
         assert drive(JOB.run(GuardTable.for_chart(JOB)), path) == path.target
-        assert RECORDER.hits == {step.key for step in path.steps}
-    finally:
-        RECORDER.enabled = was_enabled
-        RECORDER.hits |= before
+    assert recorder.hits == {step.key for step in path.steps}

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from calexec import __version__, cli
-from calexec.drivers.tools.accept.rig import Progress
+from calexec.drivers.tools.accept.gate_rig import Progress
 
 TIMEOUT_S = 120
 
@@ -166,7 +166,7 @@ def test_user_errors_are_one_line_naming_the_offender_exit_2(argv, named, tmp_pa
     done = calexec(*argv)
     line = one_line(done.stderr)
     assert done.returncode == 2, (done.returncode, done.stderr)
-    assert line.startswith(f"calexec {cli._lookup(argv)}:") and named in line, line
+    assert line.startswith(f"calexec {cli.lookup(argv)}:") and named in line, line
 
 
 def test_a_port_in_use_is_named_before_the_executor_starts_exit_2():
@@ -230,14 +230,14 @@ sys.meta_path.insert(0, _Block())
 """
 
 #: modules that exist to serve HTTP or run Ray: the only ones allowed to need an extra
-SERVER_ONLY = {"calexec.drivers.serving.server", "calexec.drivers.serving.serve", "calexec.drivers.serving.metrics",
-               "calexec.drivers.tools.bench.server", "calexec.drivers.fleet.ray_serve",
+SERVER_ONLY = {"calexec.drivers.serving.server", "calexec.serve", "calexec.drivers.serving.metrics",
+               "calexec.drivers.tools.bench.server_overhead", "calexec.drivers.fleet.ray_serve",
                "calexec.drivers.fleet.edge", "calexec.drivers.fleet.ingress",
                "calexec.drivers.tools.chaos",
                "calexec.drivers.serving.openai_api",
                "calexec.drivers.serving.resume", "calexec.drivers.serving.service",
                "calexec.drivers.serving.admin", "calexec.drivers.serving.debug",
-               "calexec.drivers.serving.errors", "calexec.drivers.serving.wire"}
+               "calexec.drivers.serving.error_bodies", "calexec.drivers.serving.wire"}
 
 
 def test_the_core_and_the_tools_import_without_any_extra():

@@ -16,7 +16,7 @@ import pytest
 
 from calexec.drivers.tools.conform import runner
 from calexec.drivers.tools.conform.experiments import QUESTIONS, RESET_KINDS, classify_overlap, overlap_bounds
-from calexec.drivers.tools.conform.rig import build_emulator_lib
+from calexec.drivers.tools.conform.experiment_rig import build_emulator_lib
 
 JOBS, KV, CONFIG = 1, 2, 4
 

@@ -12,6 +12,7 @@ import pytest
 from calexec.contracts.status import Status
 from calexec.machines.tuning import HotPathTuning
 from calexec.machines.job import InferenceResult
+from calexec.machines.job import job_of
 from executor_harness import (decode, deadline, expected_greedy, prefill, running_job_path,
                               write_calbin)
 
@@ -32,9 +33,9 @@ def test_a_caller_woken_early_waits_on_for_its_result_and_tokens_match(calbin):
         out, past, early = [result.argmax], result.kv_len, []
         for _ in range(steps):
             handle = ex.enqueue(decode(1, out[-1], past))
-            early.append(handle._job.early_wake_s)
+            early.append(job_of(handle).early_wake_s)
             # a wake planned far before the end: the wait must go on past it
-            handle._job.early_wake_s = min(handle._job.early_wake_s, 0.001) or 0.001
+            job_of(handle).early_wake_s = min(job_of(handle).early_wake_s, 0.001) or 0.001
             result = handle.wait_until(deadline())
             assert isinstance(result, InferenceResult), result
             out.append(result.argmax)
@@ -43,7 +44,7 @@ def test_a_caller_woken_early_waits_on_for_its_result_and_tokens_match(calbin):
         # planned from the moving average of decode jobs' device time: it climbs from the
         # golden run's zero-latency jobs towards the 20 ms profile
         assert early[-1] > early[1] > 0.0 and 0.015 < early[-1] < 0.02, early
-        assert 15000 < ex._decode_exec_us < 25000
+        assert 15000 < ex.completion.decode_exec_us < 25000
 
 
 def test_an_early_wake_never_outlasts_the_deadline(calbin):
@@ -54,7 +55,7 @@ def test_an_early_wake_never_outlasts_the_deadline(calbin):
         result = ex.enqueue(prefill(1, PROMPT)).wait_until(deadline())
         assert isinstance(result, InferenceResult), result
         handle = ex.enqueue(decode(1, result.argmax, result.kv_len))
-        handle._job.early_wake_s = 30.0  # absurd plan: the deadline must still bound it
+        job_of(handle).early_wake_s = 30.0  # absurd plan: the deadline must still bound it
         status = handle.wait_until(deadline(0.01))
         assert isinstance(status, Status) and status.code == "wait.deadline", status
         assert isinstance(handle.wait_until(deadline()), InferenceResult)
@@ -67,32 +68,18 @@ def test_off_when_prewake_is_zero(calbin):
         row = np.empty(ex.generation.vocab_size, np.float32)
         for _ in range(3):
             handle = ex.enqueue(decode(1, result.argmax, result.kv_len), logits_out=row)
-            assert handle._job.early_wake_s == 0.0
+            assert job_of(handle).early_wake_s == 0.0
             result = handle.wait_until(deadline())
             assert isinstance(result, InferenceResult), result
-        with ex._submit_cv:
-            assert ex._prewake_in(ex.clock.monotonic()) is None
+        assert ex.completion.prewake_at(ex.clock.monotonic(), ex.config.tuning.prewake_s) is None
 
 
 def test_the_submitter_reading_a_queue_the_completion_thread_just_emptied_does_not_raise(
         calbin):
-    """``_prewake_in`` reads the completion queue's head without completion_mu: the
-    completion thread may pop it between a length check and the index. Modelled by a queue
-    that is truthy but empty when indexed: None, never an IndexError (which would be a
-    submitter thread fault)."""
-    from collections import deque
-
-    class Emptied(deque):
-        def __bool__(self) -> bool:  # non-empty when checked, popped before the index
-            return True
-
-        def __len__(self) -> int:
-            return 1
-
+    """``Completion.prewake_at`` reads the completion queue's head without completion_mu: the
+    completion thread may pop it at any moment. ``Completion.head()`` answers None for an
+    empty queue (never an IndexError, which would be a submitter thread fault), and with
+    nothing on the device there is no early wake."""
     with running_job_path(calbin) as ex:
-        with ex._submit_cv:
-            saved, ex._completion_q = ex._completion_q, Emptied()
-            try:
-                assert ex._prewake_in(ex.clock.monotonic()) is None
-            finally:
-                ex._completion_q = saved
+        assert ex.completion.head() is None and len(ex.completion) == 0
+        assert ex.completion.prewake_at(ex.clock.monotonic(), ex.config.tuning.prewake_s) is None

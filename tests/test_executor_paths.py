@@ -18,11 +18,12 @@ import pytest
 from calexec.contracts.status import Status
 from calexec.contracts.types import TaskKind
 from calexec.drivers.calrt.runtime import Stage
-from calexec.machines import executor as executor_module
-from calexec.machines.compiled import JOB, KV_TXN
-from calexec.machines.coverage import RECORDER
+from calexec.machines.completion import Completion
+from calexec.machines.compiled import CHARTS, JOB, KV_TXN
+from calexec.machines.coverage import recording as recording_transitions
 from chartpaths import transition_paths
 from calexec.machines.pool import BufferPool, BufferSlot
+from calexec.machines.job import job_of
 from executor_harness import running_job_path as running_executor
 from executor_harness import (arm, decode, deadline, greedy, prefill, until,
                               write_calbin)
@@ -37,14 +38,9 @@ def calbin(tmp_path_factory):
 
 @contextmanager
 def recording():
-    """Scope the global transition recorder to one scenario; merge afterwards."""
-    saved, enabled = RECORDER.hits, RECORDER.enabled
-    RECORDER.hits, RECORDER.enabled = set(), True
-    scoped = RECORDER.hits
-    try:
-        yield scoped
-    finally:
-        RECORDER.hits, RECORDER.enabled = saved | scoped, enabled
+    """A transition recorder of one scenario's own (the suite's keeps recording beside it)."""
+    with recording_transitions(CHARTS.values()) as recorder:
+        yield recorder.hits
 
 
 # ---- scenarios: each drives the executor along one family of paths ----------------------------
@@ -60,7 +56,7 @@ def ended(handle, state: str):
     device finished it cleanly (a job cancelled after submit too, FI12: the KV truth is the
     device's), Unknown after a failure after submit."""
     assert handle.done and handle.state == state, (handle.state, state)
-    txn = handle._job.txn  # §7: a job that ended leaves no open KV transaction
+    txn = job_of(handle).txn  # §7: a job that ended leaves no open KV transaction
     assert txn is None or txn.run.final, txn
     if txn is not None:
         submitted = handle.timings.submitted_us > 0
@@ -218,14 +214,14 @@ def failures_after_submit(calbin):
 
 
 def cancel_while_completing(calbin, monkeypatch):
-    original = executor_module.DeviceExecutor._postprocess
+    original = Completion.postprocess
 
     def postprocess_then_cancel(self, job):
         if not job.internal:  # leave the start-up golden run alone
             job.cancel_flag = True  # a cancel arriving between Wait() and delivery
         return original(self, job)
 
-    monkeypatch.setattr(executor_module.DeviceExecutor, "_postprocess", postprocess_then_cancel)
+    monkeypatch.setattr(Completion, "postprocess", postprocess_then_cancel)
     with running_executor(calbin) as ex:
         handle = ex.enqueue(prefill(1, PROMPT))
         res = handle.wait_until(deadline())

@@ -31,6 +31,7 @@ from calexec.drivers.synthetic import oracle
 from calexec.drivers.calrt.runtime import Did, Fault, FaultMode, Stage
 from calexec.machines.job import InferenceResult
 from calexec.machines.tuning import HotPathTuning
+from calexec.machines.job import job_of
 from executor_harness import (SEED, deadline, decode, make_executor, oracle_golden, prefill,
                               write_calbin)
 
@@ -135,23 +136,23 @@ class ExecutorMachine(RuleBasedStateMachine):
     def live_jobs(self):
         """Jobs not resolved yet, the pre-armed ones (holding a slot, no token yet) too."""
         self.track_ahead()
-        return [h._job for h, *_ in self.jobs if not h.done] + list(self.ex._armed)
+        return [job_of(h) for h, *_ in self.jobs if not h.done] + list(self.ex.dispatch.armed_jobs())
 
     def track_ahead(self):
         """Jobs a greedy-ahead stream's completion fired (not submitted by a rule) join the
         checked jobs as soon as they exist: one the caller never takes may still commit."""
-        tracked = {id(h._job) for h, *_ in self.jobs}
+        tracked = {id(job_of(h)) for h, *_ in self.jobs}
         for seq, stream in self.streams.items():
-            ahead = stream._ahead
-            if ahead is not None and ahead[1] is not None and id(ahead[1]._job) not in tracked:
-                job = ahead[1]._job
+            ahead = stream.ahead
+            if ahead is not None and ahead[1] is not None and id(job_of(ahead[1])) not in tracked:
+                job = job_of(ahead[1])
                 self.jobs.append((ahead[1], seq, [ahead[0]], job.request.past_len, None))
 
     def settle_results(self):
         """Check resolved jobs against the oracle and advance the oracle on commits."""
         self.track_ahead()
         for handle, seq, tokens, past, want in self.jobs:
-            job = handle._job
+            job = job_of(handle)
             if not handle.done or job.job_id in self.checked:
                 continue
             self.checked.add(job.job_id)
@@ -217,12 +218,12 @@ class ExecutorMachine(RuleBasedStateMachine):
                     break
                 if self.ex.submit_one():
                     continue
-                if not self.ex._completion_q:
+                if not self.ex.completing:
                     break
                 self.finish_head_on_device()
                 self.ex.complete_one()
             self.settle_results()
-            result = handle._job.result
+            result = job_of(handle).result
             if not isinstance(result, InferenceResult):
                 break
             token = result.argmax
@@ -240,21 +241,21 @@ class ExecutorMachine(RuleBasedStateMachine):
     @rule(seq=st.sampled_from(SEQS), token=st.integers(0, 151935), follow=st.booleans())
     def stream_submit(self, seq, token, follow=False):
         stream = self.streams.get(seq)
-        if stream is None or stream._current is not None:
+        if stream is None or stream.current is not None:
             return
         self.track_ahead()
-        ahead = stream._ahead
+        ahead = stream.ahead
         if follow and ahead is not None and ahead[1] is not None:
             token = ahead[0]  # the caller steps with the argmax: takes the job fired ahead
         past = stream.past_len
         handle = stream.submit(token)
         if isinstance(handle, Status):
             assert stream.closed
-            assert ahead is None or ahead[0] != token or stream._ahead is None
+            assert ahead is None or ahead[0] != token or stream.ahead is None
             return
-        job = handle._job
+        job = job_of(handle)
         if ahead is not None and ahead[1] is not None:
-            assert handle._job is ahead[1]._job and ahead[0] == token  # greedy ahead: adopted
+            assert job_of(handle) is job_of(ahead[1]) and ahead[0] == token  # greedy ahead: adopted
             assert job.request.past_len == past
             return  # tracked since it was fired
         # the token went in, unless the armed job was released before it came (fence, cancel:
@@ -265,7 +266,7 @@ class ExecutorMachine(RuleBasedStateMachine):
     @rule(seq=st.sampled_from(SEQS))
     def stream_wait(self, seq):
         stream = self.streams.get(seq)
-        if stream is None or stream._current is None or not stream._current.done:
+        if stream is None or stream.current is None or not stream.current.done:
             return  # stepped: only a resolved step is waited for (the rules move the device)
         result = stream.wait()
         # a failed step closes the stream; a step in flight when it closed still delivers
@@ -285,7 +286,7 @@ class ExecutorMachine(RuleBasedStateMachine):
         self.stream_submit(seq, token, follow)
         stream = self.streams[seq]
         for _ in range(6):  # bounded: a few queued jobs may go first
-            if stream._current is None or stream._current.done:
+            if stream.current is None or stream.current.done:
                 break
             self.submit_and_complete()
         self.stream_wait(seq)
@@ -295,7 +296,7 @@ class ExecutorMachine(RuleBasedStateMachine):
     def stream_close(self, seq, cancel):
         stream = self.streams.get(seq)
         if stream is not None:
-            armed = stream._armed
+            armed = stream.armed
             if cancel:  # another thread's cancel: the submitter releases the armed job
                 stream.cancel()
             else:
@@ -304,7 +305,7 @@ class ExecutorMachine(RuleBasedStateMachine):
 
     @invariant()
     def prearmed_jobs_hold_exactly_a_slot_and_a_reserved_txn(self):
-        armed = list(self.ex._armed)
+        armed = list(self.ex.dispatch.armed_jobs())
         assert len({id(j) for j in armed}) == len(armed)
         for job in armed:
             assert job.run.state in ("Preparing", "CancelRequested") and not job.done
@@ -316,11 +317,11 @@ class ExecutorMachine(RuleBasedStateMachine):
         for stream in self.streams.values():
             # released by the submitter (cancel, deadline, fence): resolved, the stream learns
             # it at its next step; else still armed in the executor
-            assert stream._armed is None or stream._armed in armed or stream._armed.done
+            assert stream.armed is None or stream.armed in armed or stream.armed.done
             if stream.closed:
-                assert stream._armed is None and stream._ahead is None
-            elif stream._ahead is not None:  # fired ahead: queued, on the device or ended
-                job = stream._ahead[1]._job
+                assert stream.armed is None and stream.ahead is None
+            elif stream.ahead is not None:  # fired ahead: queued, on the device or ended
+                job = job_of(stream.ahead[1])
                 assert job.done or job.run.state in ("Queued", "Submitted", "Completing",
                                                      "CancelRequested")
 
@@ -341,7 +342,7 @@ class ExecutorMachine(RuleBasedStateMachine):
         rc, _did = self.emu.step(0, Stage.NONE)
         assert rc == 0
 
-    @precondition(lambda self: bool(self.ex._completion_q))
+    @precondition(lambda self: bool(self.ex.completing))
     @rule()
     def complete(self):
         self.finish_head_on_device()
@@ -351,7 +352,7 @@ class ExecutorMachine(RuleBasedStateMachine):
     @rule()
     def submit_and_complete(self):
         """The common case compressed into one rule, so long histories stay cheap."""
-        if self.ex.submit_one() and self.ex._completion_q:
+        if self.ex.submit_one() and self.ex.completing:
             self.finish_head_on_device()
             assert self.ex.complete_one()
         self.settle_results()
@@ -359,7 +360,7 @@ class ExecutorMachine(RuleBasedStateMachine):
     def finish_head_on_device(self):
         """Run the oldest submitted job to its end on its own engine (PING/PONG in Phase B);
         in Phase B the other engine's job may have to finish first (overlap knob)."""
-        engine = max(0, int(self.ex._completion_q[0].lease.slot.engine))
+        engine = max(0, int(self.ex.completion.head().lease.slot.engine))
         for _ in range(16):  # bounded: a job has four stages, at most two jobs in flight
             rc, did = self.emu.step(engine, Stage.JOB)
             assert rc == 0
@@ -381,7 +382,7 @@ class ExecutorMachine(RuleBasedStateMachine):
         else:
             assert status.code in ("kv.sequence_busy", "kv.sequence_on_device")
 
-    @precondition(lambda self: self.ex._pending_recovery is not None)
+    @precondition(lambda self: self.ex.life.recovery_pending)
     @rule()
     def run_recovery(self):
         """The controller asked for a recovery (reset/rebuild/rollback): run it."""
@@ -424,13 +425,14 @@ class ExecutorMachine(RuleBasedStateMachine):
     def implicit_prearms_are_armed_jobs_or_queued_guesses(self):
         """machines/autoarm.py: each guess is queued for the submitter or holds one armed,
         uncounted job of its sequence at the guessed position (stepped: never mid-arming)."""
-        for seq, entry in self.ex._auto.items():
-            assert entry.seq_id == seq and not entry.dropped and not entry._arming
+        for entry in self.ex.dispatch.guesses():
+            seq = entry.seq_id
+            assert not entry.dropped and not self.ex.snapshot()["dispatch"]["arming"]
             job = entry.job
             if job is None:
-                assert entry in self.ex._prearm_q
+                assert self.ex.dispatch.scheduled(entry)
             else:
-                assert job in self.ex._armed and job.auto is entry and job.uncounted
+                assert job in self.ex.dispatch.armed_jobs() and job.auto is entry and job.uncounted
                 assert job.request.seq_id == seq and job.request.past_len == entry.past
         self.auto_seen = max(getattr(self, "auto_seen", 0), self.ex.counters["auto_prearmed"])
 
@@ -497,7 +499,7 @@ class ExecutorMachine(RuleBasedStateMachine):
                 rc, device_len = gen.kv.seq_len(seq)
                 assert rc == 0 and device_len == view.committed_len, (seq, device_len, view)
         for handle, *_ in self.jobs:
-            job = handle._job
+            job = job_of(handle)
             if job.txn is not None and job.txn.run.state == "Committed":
                 assert job.device_status == DeviceJobStatus.DONE and job.wait_rc == 0
                 assert job.output_status is not None and job.output_status.ok
@@ -521,7 +523,7 @@ class ExecutorMachine(RuleBasedStateMachine):
 
     @invariant()
     def inflight_within_capacity(self):
-        assert 0 <= self.ex._inflight <= self.ex.config.inflight_capacity
+        assert 0 <= self.ex.snapshot()["inflight"] <= self.ex.config.inflight_capacity
 
     @invariant()
     def resolved_jobs_rest_in_the_final_state_of_their_result(self):
@@ -529,16 +531,16 @@ class ExecutorMachine(RuleBasedStateMachine):
         # runtime) or Quarantined (failed after submit); never a resolved job in a live state.
         for handle, *_ in self.jobs:
             if handle.done:
-                expected = (("Succeeded",) if isinstance(handle._job.result, InferenceResult)
+                expected = (("Succeeded",) if isinstance(job_of(handle).result, InferenceResult)
                             else ("Failed", "Quarantined"))
-                assert handle.state in expected, (handle.state, handle._job.result)
-                txn = handle._job.txn  # §7: and it leaves no open KV transaction
+                assert handle.state in expected, (handle.state, job_of(handle).result)
+                txn = job_of(handle).txn  # §7: and it leaves no open KV transaction
                 assert txn is None or txn.run.final, txn
 
     @invariant()
     def failures_are_values_with_context(self):
         for handle, *_ in self.jobs:
-            result = handle._job.result
+            result = job_of(handle).result
             if isinstance(result, Status):
                 assert result.job_id == handle.job_id and result.category is not None
 

@@ -15,7 +15,7 @@ import pytest
 
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
-from calexec.machines.job import InferenceResult
+from calexec.machines.job import InferenceResult, job_of
 from executor_harness import running_executor, running_job_path
 from executor_harness import (arm, deadline, decode, expected_greedy, fired, greedy, prefill,
                               settle, until, write_calbin)
@@ -41,7 +41,8 @@ def open_stream(ex, seq: int, steps: int, seconds: float = 10.0, **kw):
 def assert_released(ex, seq: int) -> None:
     """Nothing of the stream is held: no armed job, every slot Free, no KV txn open or
     chained, no budget taken, no permit held."""
-    until(lambda: not ex._armed and not ex._prearm_q and not ex._prearm_wait
+    until(lambda: not ex.dispatch.armed_jobs() and not ex.snapshot()["dispatch"]["to_arm"]
+          and not ex.snapshot()["dispatch"]["arm_later"]
           and not ex.kvc.seqs[seq].next_txn, what="armed jobs released")
     snap = settle(ex)
     assert snap["pending_tokens"] == 0 and snap["inflight"] == 0, snap
@@ -85,16 +86,16 @@ def test_stepped_every_step_is_prearmed_by_the_submitter_and_tokens_match(calbin
         out = [token]
         for _ in range(steps):
             handle = stream.submit(out[-1])
-            assert handle._job.run.state == "Queued"  # only the token was missing
+            assert job_of(handle).run.state == "Queued"  # only the token was missing
             result = stream.wait()
             assert isinstance(result, InferenceResult), result
             out.append(result.argmax)
-            assert stream._armed is not None and stream._armed in ex._armed
+            assert stream.armed is not None and stream.armed in ex.dispatch.armed_jobs()
         assert stream.prearmed_steps == steps
         assert out == expected_greedy(PROMPT, steps)
         assert ex.infer_threads == ex.wait_threads  # stepped: the test thread drives both
         stream.close()
-        assert not ex._armed and ex.pool.counts()["Leased"] == 0
+        assert not ex.dispatch.armed_jobs() and ex.pool.counts()["Leased"] == 0
         assert ex.kvc.seqs[1].open_txn is None and ex.snapshot()["pending_tokens"] == 0
 
 
@@ -111,8 +112,8 @@ def test_close_releases_the_armed_job_without_counting_a_failure(calbin):
     with running_job_path(calbin) as ex:
         stream, token = open_stream(ex, 1, 4)
         assert isinstance(stream.step(token), InferenceResult)
-        until(lambda: stream._armed is not None, what="next job armed")
-        armed = stream._armed
+        until(lambda: stream.armed is not None, what="next job armed")
+        armed = stream.armed
         assert armed.run.state == "Preparing" and armed.lease.held
         assert ex.kvc.seqs[1].open_txn is armed.txn  # promoted when the step committed
         before = ex.snapshot()
@@ -132,8 +133,8 @@ def test_close_releases_the_armed_job_without_counting_a_failure(calbin):
 def test_cancel_between_prearm_and_submit_releases_everything_once(calbin):
     with running_job_path(calbin) as ex:
         stream, token = open_stream(ex, 1, 4)
-        armed = stream._armed
-        assert armed is not None and armed in ex._armed
+        armed = stream.armed
+        assert armed is not None and armed in ex.dispatch.armed_jobs()
         assert stream.cancel() is True
         until(lambda: armed.done, what="the submitter releasing the cancelled armed job")
         assert armed.result.category is Category.CANCELLED
@@ -148,7 +149,7 @@ def test_cancel_between_prearm_and_submit_releases_everything_once(calbin):
 def test_deadline_between_prearm_and_submit_releases_everything(calbin):
     with running_job_path(calbin) as ex:
         stream, token = open_stream(ex, 1, 4, seconds=0.3)
-        armed = stream._armed
+        armed = stream.armed
         assert armed is not None
         until(lambda: armed.done, what="the submitter expiring the armed job")
         assert armed.result.category is Category.DEADLINE
@@ -171,7 +172,7 @@ def test_fault_after_submit_rolls_back_the_chained_job_and_closes(calbin, point)
         assert fired(ex, point) == 1 and stream.closed
         view = ex.kvc.seqs[1]
         # the submitter may be arming the next job right now: it sees the stream closed
-        until(lambda: not ex._armed and not stream._arming and view.next_txn is None,
+        until(lambda: not ex.dispatch.armed_jobs() and not stream.arming and view.next_txn is None,
               what="armed job released")
         settle(ex)
         assert view.unknown_reason is not None  # §7: a failure after submit is Unknown
@@ -192,15 +193,15 @@ def test_prearm_that_fails_to_prepare_is_not_counted_and_the_step_still_runs(cal
         out = [token]
         result = stream.step(out[-1])
         out.append(result.argmax)
-        until(lambda: stream._armed is not None, what="armed")
+        until(lambda: stream.armed is not None, what="armed")
         # fail the next arm: the one after the step below
         arm(ex, "UNKNOWN_CSR")
         result = stream.step(out[-1])
         assert isinstance(result, InferenceResult), result
         out.append(result.argmax)
-        until(lambda: fired(ex, "UNKNOWN_CSR") == 1 and not stream._arming,
+        until(lambda: fired(ex, "UNKNOWN_CSR") == 1 and not stream.arming,
               what="the failed pre-arm")
-        assert stream._armed is None and not ex._armed  # the failed arm left nothing armed
+        assert stream.armed is None and not ex.dispatch.armed_jobs()  # the failed arm left nothing armed
         before = stream.prearmed_steps
         for i in range(steps - 2):
             result = stream.step(out[-1])
@@ -217,7 +218,7 @@ def test_prearm_that_fails_to_prepare_is_not_counted_and_the_step_still_runs(cal
 def test_armed_job_of_a_replaced_generation_never_reaches_the_next(calbin):
     with running_job_path(calbin) as ex:
         stream, token = open_stream(ex, 1, 4)
-        armed = stream._armed
+        armed = stream.armed
         old = ex.gen
         assert armed is not None and armed.gen is old
         status = ex.recover(Status.internal("test", Phase.RECOVERY, "replace the generation"), reset=False)
@@ -234,8 +235,8 @@ def test_armed_job_of_a_replaced_generation_never_reaches_the_next(calbin):
         assert result.code == plain.code == "kv.past_len_beyond_committed", (result, plain)
         settle(ex)
         assert ex.gen.pool.counts()["Free"] == len(ex.gen.pool.slots)  # nothing of it taken
-        assert all(job.gen is ex.gen for job in ex._submit_q)
-        assert not ex._armed and ex.locks.violations == []
+        assert ex.snapshot()["queued"] == 0  # (nothing of the old generation queued)
+        assert not ex.dispatch.armed_jobs() and ex.locks.violations == []
 
 
 def test_a_second_stream_is_never_starved_of_a_slot(calbin):
@@ -277,7 +278,7 @@ def test_max_len_stops_arming(calbin):
         stream, token = open_stream(ex, 1, 2, max_len=len(PROMPT) + 1)
         result = stream.step(token)
         assert isinstance(result, InferenceResult)
-        assert stream._armed is None and not ex._prearm_q
+        assert stream.armed is None and not ex.snapshot()["dispatch"]["to_arm"]
         prearmed = stream.prearmed_steps
         over = stream.step(result.argmax)
         assert isinstance(over, InferenceResult), over
@@ -293,38 +294,37 @@ def test_close_while_the_submitter_arms_returns_with_the_sequence_free(calbin, m
     Before the fix close() returned at once and a reset right after met kv.sequence_busy."""
     import threading
 
-    from calexec.machines.stream import DecodeStream
     entered, release = threading.Event(), threading.Event()
-    original = DecodeStream._arm_job
-
-    def gated(self, prev_txn, past, blocking, notify=False):
-        if prev_txn is not None:  # the submitter arming behind a fired job
-            entered.set()
-            assert release.wait(10)
-        return original(self, prev_txn, past, blocking, notify)
-
-    monkeypatch.setattr(DecodeStream, "_arm_job", gated)
     with running_job_path(calbin) as ex:
+        original = ex.admit_armed
+
+        def gated(request, logits_out, arm):
+            if arm.prev_txn is not None:  # the submitter arming behind a fired job
+                entered.set()
+                assert release.wait(10)
+            return original(request, logits_out, arm)
+
+        monkeypatch.setattr(ex, "admit_armed", gated)
         stream, token = open_stream(ex, 1, 4)
         assert isinstance(stream.step(token), InferenceResult)
         assert entered.wait(10)  # the submitter is arming the next job now
 
         def let_go():  # once close() waits for the arming, let the submitter finish it
-            until(lambda: stream._arm_waiter, what="close() waiting for the arming")
+            until(lambda: stream.closed, what="close() waiting for the arming")
             release.set()
 
         helper = threading.Thread(target=let_go)
         helper.start()
         try:
             stream.close()
-            assert not stream._arming and stream._armed is None
+            assert not stream.arming and stream.armed is None
             view = ex.kvc.seqs[1]
             assert view.open_txn is None and view.next_txn is None, view
             assert ex.kvc.reset_sequence(1).ok  # free at once
         finally:
             release.set()
             helper.join(10)
-        assert not ex._armed and ex.snapshot()["pending_tokens"] == 0
+        assert not ex.dispatch.armed_jobs() and ex.snapshot()["pending_tokens"] == 0
 
 
 def test_close_while_the_submitter_releases_the_cancelled_armed_job_waits_for_it(calbin,
@@ -337,7 +337,7 @@ def test_close_while_the_submitter_releases_the_cancelled_armed_job_waits_for_it
 
     entered, release = threading.Event(), threading.Event()
     with running_job_path(calbin) as ex:
-        original = ex._fail_before_submit
+        original = ex.outcomes.fail_before_submit
 
         def slow(job, status):  # the submitter's release of a cancelled armed job, gated
             if threading.current_thread().name == "calexec-submitter" and job.lease is not None \
@@ -346,11 +346,11 @@ def test_close_while_the_submitter_releases_the_cancelled_armed_job_waits_for_it
                 assert release.wait(10)
             return original(job, status)
 
-        monkeypatch.setattr(ex, "_fail_before_submit", slow)
+        monkeypatch.setattr(ex.outcomes, "fail_before_submit", slow)
         stream, token = open_stream(ex, 1, 4)
         assert isinstance(stream.step(token), InferenceResult)
-        until(lambda: stream._armed is not None, what="next job armed")
-        armed = stream._armed
+        until(lambda: stream.armed is not None, what="next job armed")
+        armed = stream.armed
         stream.cancel()  # another thread's cancel: the submitter releases the armed job
         assert entered.wait(10)
         threading.Timer(0.2, release.set).start()
@@ -360,7 +360,7 @@ def test_close_while_the_submitter_releases_the_cancelled_armed_job_waits_for_it
         assert view.open_txn is None and view.next_txn is None, view
         assert ex.kvc.reset_sequence(1).ok  # free at once
         release.set()
-        assert not ex._armed and ex.pool.counts()["Leased"] == 0
+        assert not ex.dispatch.armed_jobs() and ex.pool.counts()["Leased"] == 0
 
 
 def test_a_completed_job_gives_its_permit_back_before_the_caller_wakes_and_wakes_no_idle_submitter(
@@ -371,7 +371,7 @@ def test_a_completed_job_gives_its_permit_back_before_the_caller_wakes_and_wakes
     the idle submitter was woken by every completion and the permit was still held when the
     caller woke."""
     from calexec.drivers.calrt.runtime import CalRT
-    from calexec.drivers.tools.bench.core import CountingClock, HandoffTally, _label_conditions
+    from calexec.drivers.tools.bench.core import CountingClock, HandoffTally
     from calexec.machines.executor import DeviceExecutor, ExecutorConfig
     from calexec.machines.faults import RecordingFaultSink
     from executor_harness import MANIFEST, decode
@@ -381,7 +381,6 @@ def test_a_completed_job_gives_its_permit_back_before_the_caller_wakes_and_wakes
                         fault_sink=RecordingFaultSink(), clock=CountingClock(tally))
     assert ex.start().ok
     try:
-        _label_conditions(ex)
         result = ex.enqueue(prefill(1, PROMPT)).wait_until(deadline())
         tally.reset()
         held_at_wake = []
@@ -431,10 +430,10 @@ def test_a_request_short_of_a_slot_takes_the_slot_of_a_streams_armed_job(calbin)
         while ex.submit_one():  # stream 1's step on the device, its next step armed
             pass
         counts = ex.pool.counts()
-        assert a._armed is not None and counts["Leased"] + counts["InFlight"] == 2
+        assert a.armed is not None and counts["Leased"] + counts["InFlight"] == 2
         other = ex.enqueue(decode(2, tb, len(PROMPT), seconds=0.5))
         assert other.state == "Queued", other.wait_until(deadline(0))  # admitted at once
-        assert a._armed.done  # the guess gave its slot back
+        assert a.armed.done  # the guess gave its slot back
         while not handle.done and (ex.submit_one() or ex.complete_one()):
             pass
         first = a.wait()
@@ -445,6 +444,56 @@ def test_a_request_short_of_a_slot_takes_the_slot_of_a_streams_armed_job(calbin)
         second = a.step(first.argmax)  # admitted the ordinary way: same token
         assert isinstance(second, InferenceResult), second
         assert [ta, first.argmax, second.argmax] == expected_greedy(PROMPT, 2)
+        a.close()
+        assert ex.snapshot()["pending_tokens"] == 0 and ex.pool.counts()["Leased"] == 0
+
+
+def test_a_steps_own_admission_is_never_reclaimed_as_a_guess(calbin, monkeypatch):
+    """Issue 24 (found by ``calexec bench faults``: a client saw 499 ``request.cancelled``
+    that it never asked for). A step with nothing armed is admitted for its caller and then
+    fired; in between, another request short of a slot reclaimed it as if it were an armed
+    guess, and the caller's step answered CANCELLED where the plain path admits and runs
+    it. Two decode slots: sequence 2's step on the device holds one, stream 1's own step
+    takes the other; sequence 3's decode, arriving between that admission and the fire,
+    waits for a slot as it would without streams (here until its short deadline)."""
+    with running_job_path(calbin, threads=False) as ex:
+        tokens = {}
+        for seq in (2, 3):
+            done = ex.enqueue(prefill(seq, PROMPT))
+            while not done.done and (ex.submit_one() or ex.complete_one()):
+                pass
+            tokens[seq] = done.wait_until(deadline()).argmax
+        first_of_1 = ex.enqueue(prefill(1, PROMPT, kv_reserve_len=len(PROMPT) + 4))
+        while not first_of_1.done and (ex.submit_one() or ex.complete_one()):
+            pass
+        ta = first_of_1.wait_until(deadline()).argmax
+        # max_len bounds what the stream arms ahead: nothing; the caller's step is admitted
+        a = ex.decode_stream(1, len(PROMPT), deadline(), max_len=len(PROMPT))
+        on_device = ex.enqueue(decode(2, tokens[2], len(PROMPT)))
+        assert ex.submit_one() and on_device.state == "Submitted"
+        assert a.armed is None
+        real_fire = ex.fire_armed
+        others = []
+
+        def fire_armed(job, token, *args, **kwargs):
+            if not others:  # between the step's admission and its fire
+                others.append(ex.enqueue(decode(3, tokens[3], len(PROMPT), seconds=0.2)))
+            return real_fire(job, token, *args, **kwargs)
+
+        monkeypatch.setattr(ex, "fire_armed", fire_armed)
+        handle = a.submit(ta)
+        monkeypatch.undo()
+        assert not isinstance(handle, Status), handle
+        assert others and others[0].done  # it waited for a slot until its deadline
+        assert others[0].wait_until(deadline(0)).category == Category.DEADLINE, \
+            others[0].wait_until(deadline(0))
+        while not handle.done and (ex.submit_one() or ex.complete_one()):
+            pass
+        first = a.wait()
+        assert isinstance(first, InferenceResult), first
+        assert [ta, first.argmax] == expected_greedy(PROMPT, 1)
+        while not on_device.done and ex.complete_one():
+            pass
         a.close()
         assert ex.snapshot()["pending_tokens"] == 0 and ex.pool.counts()["Leased"] == 0
 
@@ -461,14 +510,14 @@ def test_another_request_on_a_streams_sequence_releases_its_armed_job(calbin):
         assert isinstance(first, InferenceResult), first
         while ex.submit_one():  # the submitter arms the next step
             pass
-        assert stream._armed is not None
+        assert stream.armed is not None
         other = ex.enqueue(prefill(1, PROMPT[:3]))
         while not other.done and (ex.submit_one() or ex.complete_one()):
             pass
         result = other.wait_until(deadline())
         assert isinstance(result, InferenceResult), result  # not kv.sequence_busy
         assert result.argmax == expected_greedy(PROMPT[:3], 0)[0]
-        assert stream._armed.done  # released, not counted
+        assert stream.armed.done  # released, not counted
         step = stream.step(first.argmax)  # at len(PROMPT) + 1: beyond the new committed 3
         plain = ex.enqueue(decode(1, first.argmax, len(PROMPT) + 1))
         while not plain.done and (ex.submit_one() or ex.complete_one()):

@@ -43,6 +43,7 @@ from calexec.drivers.calrt.runtime import Fault
 from calexec.machines.faults import RecordingFaultSink
 from calexec.machines.job import InferenceResult, JobHandle
 from calexec.drivers.memory import pin_mmap_threshold
+from calexec.machines.job import job_of
 from executor_harness import (SEED, arm, decode, expected_greedy, fired, make_executor, prefill,
                               settle, write_calbin)
 
@@ -129,7 +130,7 @@ class Book:
 
 def txn_state(handle: JobHandle) -> str | None:
     """The job's KV transaction state (None: it failed before a reservation)."""
-    txn = handle._job.txn
+    txn = job_of(handle).txn
     return None if txn is None else txn.run.state
 
 
@@ -525,9 +526,9 @@ def test_kv_pressure_waiters_block_idle_and_all_finish(calbin):
         waiters = [book.run(kv_waiter, ex, seq, results, name=f"kv-seq{seq}")
                    for seq in WAITERS]
         end = time.monotonic() + RESOLVE_S
-        while len(ex.kvc._changed._waiters) < len(WAITERS) and time.monotonic() < end:
+        while ex.kvc.waiting < len(WAITERS) and time.monotonic() < end:
             time.sleep(0.005)
-        assert len(ex.kvc._changed._waiters) == len(WAITERS)  # all blocked in reserve
+        assert ex.kvc.waiting == len(WAITERS)  # all blocked in reserve
         # Everybody is blocked and nothing is released: an idle phase.
         wakeups, applies = ex.kvc.wakeups, ex.kvc.apply_calls
         cpu0, wall0 = time.process_time(), time.monotonic()

@@ -129,14 +129,14 @@ def test_a_schedule_serves_requests_and_shuts_down_clean():
 def test_a_leak_is_found_and_the_report_replays_it(monkeypatch):
     """A planted bug (the token budget is never given back) is reported with a replay file
     that reproduces the same failure."""
-    from calexec.machines.executor import DeviceExecutor
-    original = DeviceExecutor._release_budget
+    from calexec.machines.dispatch import Dispatch
+    original = Dispatch.release_budget
 
     def leaky(self, job):
         if not job.internal:
             return
         original(self, job)
-    monkeypatch.setattr(DeviceExecutor, "_release_budget", leaky)
+    monkeypatch.setattr(Dispatch, "release_budget", leaky)
     x = X.Explorer(CALBINS)
     with pytest.raises(X.ExplorationFailure) as first:
         try:

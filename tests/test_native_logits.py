@@ -1,7 +1,8 @@
-"""The fused native logits postprocess (drivers/native.py over drivers/native/calexec_native.c):
-bit-identical to the numpy path (``bf16_to_f32_into`` + ``bf16_all_finite`` + ``np.argmax``),
-§10.1 bounds refused as values, GIL released, no allocation per call; and the executor using
-it, with the numpy path as the fallback for runtimes without it."""
+"""The fused native logits postprocess (drivers/native/fused_logits.py over
+drivers/native/calexec_native.c): bit-identical to the numpy path (``bf16_to_f32_into`` +
+``bf16_all_finite`` + ``np.argmax``), §10.1 bounds refused as values, GIL released, no
+allocation per call; and the executor using it, with the numpy path as the fallback for
+runtimes without it."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from hypothesis.extra import numpy as hnp
 
 from calexec.contracts.status import Status
 from calexec.drivers import alloccount
-from calexec.drivers._calexec_native import lib as native_lib
-from calexec.drivers.native import EBOUNDS, EDST, NONFINITE, OK, FusedLogits
+from calexec.drivers.native._calexec_native import lib as native_lib
+from calexec.drivers.native.fused_logits import EBOUNDS, EDST, NONFINITE, OK, FusedLogits
 from calexec.drivers.calrt.runtime import CalRT
 from calexec.machines.postprocess import bf16_all_finite, bf16_to_f32_into
 from executor_harness import decode, deadline, prefill, running_executor, write_calbin
@@ -219,9 +220,9 @@ def test_executor_uses_the_fused_path_and_matches_the_numpy_fallback(calbin):
         return tokens, rows
 
     with running_executor(calbin) as ex:
-        assert isinstance(ex._fused_logits, FusedLogits)
+        assert isinstance(ex.completion.fused_logits, FusedLogits)
         fused_tokens, fused_rows = run(ex, 1)
-        ex._fused_logits = None  # a runtime without the native postprocess: the numpy path
+        ex.completion.fused_logits = None  # a runtime without the native postprocess: the numpy path
         numpy_tokens, numpy_rows = run(ex, 2)
     assert fused_tokens == numpy_tokens
     for a, b in zip(fused_rows, numpy_rows):
@@ -238,7 +239,7 @@ def test_executor_turns_a_refused_slice_into_a_status(calbin):
             return EBOUNDS
 
     with running_executor(calbin) as ex:
-        ex._fused_logits = Refusing()
+        ex.completion.fused_logits = Refusing()
         res = ex.enqueue(prefill(1, [1, 2, 3])).wait_until(deadline())
     assert isinstance(res, Status) and res.code == "internal.logits_slice", res
     assert "refused (1: slice out of bounds)" in res.message and "base=" in res.message

@@ -82,7 +82,7 @@ def test_the_wheel_holds_every_subpackage_and_data_file(wheel):
     assert not missing, f"not in the wheel: {missing}"
     # the compiled emulator and allocation counter, and nothing from the tests
     assert any(n.startswith("calexec/drivers/calrt/_calrt_emu") and n.endswith(".so") for n in names)
-    for module in ("calexec/drivers/_alloccount", "calexec/drivers/_calexec_native"):
+    for module in ("calexec/drivers/_alloccount", "calexec/drivers/native/_calexec_native"):
         assert any(n.startswith(module) and n.endswith(".so") for n in names), module
     assert not [n for n in names if n.startswith("tests/") or "/tests/" in n]
 

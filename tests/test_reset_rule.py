@@ -22,7 +22,7 @@ from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.types import TaskKind
 from calexec.drivers.synthetic import calbin
 from calexec.drivers.tools.conform import runner
-from calexec.drivers.tools.conform.rig import build_emulator_lib
+from calexec.drivers.tools.conform.experiment_rig import build_emulator_lib
 from calexec.drivers.device_spec import DeviceSpec, DeviceSpecError
 from calexec.drivers.calrt.runtime import ENV_LIB, Fault, FaultMode
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
@@ -152,7 +152,7 @@ def test_bundled_emulator_recovers_with_its_reset(tmp_path, monkeypatch):
 
 # ---- calexec serve: exits for its supervisor when the lifecycle is Failed ---------------------
 FAULT_AFTER_START = """
-import calexec.drivers.serving.serve as serve
+import calexec.serve as serve
 from calexec.drivers.calrt.runtime import Fault, FaultMode
 
 class FaultAfterStart(serve.DeviceExecutor):

@@ -8,7 +8,7 @@ import threading
 import pytest
 from fastapi.testclient import TestClient
 
-from calexec.drivers.synthetic import tokenizer
+from calexec.drivers.serving import byte_tokenizer as tokenizer
 from calexec.drivers.serving.dumpsink import DumpConfigError, DumpSink
 from calexec.drivers.calrt.runtime import Emulator, Fault, FaultMode
 from calexec.drivers.serving.server import ServerConfig, create_app

@@ -25,9 +25,9 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 import needs
-from calexec.drivers.synthetic import tokenizer
+from calexec.drivers.serving import byte_tokenizer as tokenizer
 from calexec.drivers.calrt.runtime import Fault, FaultMode, Stage
-from calexec.drivers.serving.serve import SAMPLE_REQUEST
+from calexec.serve import SAMPLE_REQUEST
 from calexec.drivers.serving.server import ServerConfig, create_app
 from test_server_support import (LiveServer, metric_value, oracle_tokens, started_executor,
                                  wait_for)

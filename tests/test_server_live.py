@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from calexec.drivers.synthetic import tokenizer
+from calexec.drivers.serving import byte_tokenizer as tokenizer
 from calexec.drivers.calrt.runtime import Emulator
 from calexec.drivers.serving.server import ServerConfig, create_app
 from test_server_support import (LiveServer, free_port, metric_value, oracle_tokens,

@@ -35,7 +35,7 @@ def make(tmp_path):
 
 def settled(executor, service) -> bool:
     snap = executor.snapshot()
-    return (service.sequences.in_use == 0 and not executor._armed and snap["inflight"] == 0
+    return (service.sequences.in_use == 0 and not executor.dispatch.armed_jobs() and snap["inflight"] == 0
             and service.sequences.consistent())
 
 
@@ -111,10 +111,10 @@ def test_a_sequence_busy_for_a_moment_is_released_not_withheld(make):
                                   f"sequence {seq} is busy", seq_id=seq)
         return real(seq, wait_s)
     executor.release_sequence = flaky
-    gen = types.SimpleNamespace(seq_id=seq_id, handle=None, decode=None,
+    run = types.SimpleNamespace(seq_id=seq_id, handle=None, decode=None,
                                 enqueue_idle=threading.Event())
-    gen.enqueue_idle.set()
-    service._release_when_done(gen)
+    run.enqueue_idle.set()
+    service.release_when_done(run)
     counts = service.sequences.counts()
     assert counts["withheld"] == counts["in_use"] == 0
     assert counts["free"] == counts["capacity"]
@@ -140,11 +140,11 @@ def test_h2d_and_d2h_histograms_hold_the_copies_the_device_measured(tmp_path):
                 assert count == jobs, (stage, kind, count)
                 assert total >= jobs * floor, (stage, kind, total)
         outbuf = executor.pool.slots[0].outbuf  # a runtime without the control answers None
-        saved, outbuf._copy_fn = outbuf._copy_fn, None
+        saved, outbuf.copy_control = outbuf.copy_control, None
         try:
             assert outbuf.copy_ms() is None
         finally:
-            outbuf._copy_fn = saved
+            outbuf.copy_control = saved
     finally:
         executor.shutdown(5.0)
 

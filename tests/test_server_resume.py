@@ -148,9 +148,9 @@ def test_past_the_resume_budget_the_client_gets_todays_error(tmp_path):
     resumer = app.state.service.resumer
     take_sequence = resumer.take_sequence
 
-    async def rearmed(gen):
-        status = await take_sequence(gen)
-        if gen.resumes:
+    async def rearmed(run):
+        status = await take_sequence(run)
+        if run.resumes:
             arm(executor.device.emu, "output_nan", 1)
         return status
     resumer.take_sequence = rearmed

@@ -84,11 +84,11 @@ def test_a_request_finishing_during_a_refused_switch_gives_its_sequence_back(tmp
         executor.device = gated
 
         async def first_token():
-            gen, status, _ = service.admit(_body(prompt=[3, 4, 5], max_tokens=8))
-            assert gen is not None, status
-            token = await service.advance(gen)
-            return gen, token
-        gen, token = anyio.run(first_token)
+            run, status, _ = service.admit(_admission(prompt=[3, 4, 5], max_tokens=8))
+            assert run is not None, status
+            token = await service.advance(run)
+            return run, token
+        run, token = anyio.run(first_token)
         assert token == oracle_tokens([3, 4, 5], 1)[0]
         old = executor.gen
         switch: list = []
@@ -96,15 +96,15 @@ def test_a_request_finishing_during_a_refused_switch_gives_its_sequence_back(tmp
         switching.start()
         assert gated.entered.wait(10)
         assert executor.state == "Configuring"
-        assert old.kvc._closed  # generation 1 is torn down: its KvManager destroyed
+        assert old.kvc.closed  # generation 1 is torn down: its KvManager destroyed
         if window == "no_generation":
             assert executor.kvc is None
 
         async def finish():
-            assert await service.advance(gen) is None  # the next job is refused: 503
-            await service.finish(gen)
+            assert await service.advance(run) is None  # the next job is refused: 503
+            await service.finish(run)
         anyio.run(finish)
-        assert gen.status is not None and gen.status.http_status == 503, gen.status
+        assert run.status is not None and run.status.http_status == 503, run.status
         wait_for(lambda: sequences_settled(service), what="the request to end and its id back")
         assert_sequences_whole(service)
         gated.gate.set()
@@ -125,9 +125,9 @@ def test_a_request_finishing_during_a_refused_switch_gives_its_sequence_back(tmp
         executor.shutdown(5.0)
 
 
-def _body(**fields):
-    from calexec.drivers.serving.server import CompletionBody
-    return CompletionBody(**fields)
+def _admission(**fields):
+    from calexec.drivers.serving.server import Admission
+    return Admission(**fields)
 
 
 @pytest.mark.parametrize("stream", [False, True])

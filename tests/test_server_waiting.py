@@ -97,8 +97,8 @@ def test_a_full_waiting_queue_is_503_in_recovery_and_a_failed_lifecycle_refuses(
             assert "max_waiting=1" in full.json()["error"]["message"]
             assert "Warming" in full.json()["error"]["message"]
             # the lifecycle ends Failed while one waits: it is refused, not left waiting
-            executor._fail(Status.failure("test.failed", Category.COMPATIBILITY,
-                                          Phase.RECOVERY, "test"))
+            executor.life.fail(Status.failure("test.failed", Category.COMPATIBILITY,
+                                              Phase.RECOVERY, "test"))
             waiting.join(20)
             assert out[0].status_code == 503 and "Failed" in out[0].json()["error"]["message"]
             assert service.admission.waiting == 0
@@ -277,7 +277,7 @@ def test_an_id_answered_at_once_but_never_taken_goes_back_on_leave():
 
 @pytest.mark.parametrize("flag", ["--max-waiting", "--max-resumes"])
 def test_serve_refuses_a_negative_waiting_or_resume_bound_naming_the_flag(flag, capsys):
-    from calexec.drivers.serving import serve
+    from calexec import serve
     assert serve.main(["serve", flag, "-1"]) == 2
     err = capsys.readouterr().err
     assert f"{flag}=-1: must be >= 0" in err and err.count("\n") == 1

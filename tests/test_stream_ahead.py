@@ -69,7 +69,7 @@ def test_stepped_completion_fires_every_next_step_and_tokens_match(calbin):
             out.append(result.argmax)
         assert out == expected_greedy(PROMPT, steps)
         assert stream.steps == steps and stream.ahead_steps == steps - 1
-        assert stream._ahead is None  # max_steps: nothing fired beyond the last step
+        assert stream.ahead is None  # max_steps: nothing fired beyond the last step
         stream.close()
         drain_stepped(ex)
         assert_released(ex, 1)
@@ -89,8 +89,8 @@ def test_a_step_fired_ahead_and_never_taken_never_writes_the_caller_row(calbin, 
             result = stream.step(out[-1])
             assert isinstance(result, InferenceResult), result
             out.append(result.argmax)
-        assert stream._ahead is not None  # the next step was fired ahead
-        ahead = stream._ahead[1]
+        assert stream.ahead is not None  # the next step was fired ahead
+        ahead = stream.ahead[1]
         kept = row.copy()
         assert np.array_equal(kept, oracle_logits(PROMPT, out[:-1]))
         stream.close()
@@ -135,7 +135,7 @@ def test_no_step_fired_after_a_stop_token(calbin):
             result = stream.step(out[-1])
             assert isinstance(result, InferenceResult), result
             out.append(result.argmax)
-        assert out[-1] == stop and stream._ahead is None  # not fired past the stop token
+        assert out[-1] == stop and stream.ahead is None  # not fired past the stop token
         assert stream.ahead_steps == 3
         stream.close()
         drain_stepped(ex)
@@ -148,12 +148,12 @@ def test_a_different_token_is_refused_by_name_and_everything_is_released(calbin)
         stream, token = open_stepped(ex, 1, steps)
         first = stream.step(token)
         assert isinstance(first, InferenceResult)
-        assert stream._ahead is not None  # step 2 already fired with first.argmax
+        assert stream.ahead is not None  # step 2 already fired with first.argmax
         other = (first.argmax + 1) % ex.generation.vocab_size
         status = stream.step(other)
         assert isinstance(status, Status) and status.category is Category.INVALID_REQUEST
         assert f"token={other}" in status.message and str(first.argmax) in status.message
-        assert stream.closed and stream._ahead is None
+        assert stream.closed and stream.ahead is None
         drain_stepped(ex)
         assert_released(ex, 1)
         assert ex.kvc.reset_sequence(1).ok
@@ -167,8 +167,8 @@ def test_close_cancels_and_waits_for_a_step_fired_ahead(calbin):
         stream, token = open_stream(ex, 1, 8, greedy_ahead=True)
         result = stream.step(token)
         assert isinstance(result, InferenceResult), result
-        until(lambda: stream._ahead is not None, what="a step fired ahead")
-        ahead = stream._ahead[1]
+        until(lambda: stream.ahead is not None, what="a step fired ahead")
+        ahead = stream.ahead[1]
         status = stream.close()
         assert status.category is Category.CANCELLED
         assert ahead.done  # close waited for it
@@ -187,12 +187,12 @@ def test_close_without_wait_returns_at_once_while_a_discarded_step_hangs(calbin)
         stream, token = open_stream(ex, 1, 8, greedy_ahead=True)
         result = stream.step(token)
         assert isinstance(result, InferenceResult), result
-        until(lambda: stream._ahead is not None, what="a step fired ahead")
+        until(lambda: stream.ahead is not None, what="a step fired ahead")
         arm(ex, "HANG")  # too late for the step on the device: hits the next accepted one
         result = stream.step(result.argmax)  # takes the step fired ahead; fires the next
         assert isinstance(result, InferenceResult), result
-        until(lambda: stream._ahead is not None, what="a second step fired ahead")
-        hanging = stream._ahead[1]
+        until(lambda: stream.ahead is not None, what="a second step fired ahead")
+        hanging = stream.ahead[1]
         until(lambda: hanging.state in ("Submitted", "CancelRequested"), what="on the device")
         status = stream.close(wait=False)
         assert status.category is Category.CANCELLED
@@ -217,8 +217,8 @@ def test_fault_on_a_step_fired_ahead_closes_the_stream(calbin, point):
         assert isinstance(result, Status), result
         assert fired(ex, point) == 1 and stream.closed
         view = ex.kvc.seqs[1]
-        until(lambda: not ex._armed and not stream._arming and view.next_txn is None
-              and stream._ahead is None, what="armed job released")
+        until(lambda: not ex.dispatch.armed_jobs() and not stream.arming and view.next_txn is None
+              and stream.ahead is None, what="armed job released")
         settle(ex)
         assert view.unknown_reason is not None and view.open_txn is None
         counts = ex.pool.counts()
@@ -239,7 +239,7 @@ def test_a_logits_slice_fires_the_token_id_not_the_index_in_the_slice(calbin):
             result = stream.step(out[-1])
             assert isinstance(result, InferenceResult), result
             out.append(first + result.argmax)
-            assert stream._ahead is None or stream._ahead[0] == out[-1]
+            assert stream.ahead is None or stream.ahead[0] == out[-1]
         assert stream.ahead_steps == steps - 1  # each fired step was taken: same token id
         stream.close()
         drain_stepped(ex)

@@ -1,6 +1,8 @@
 """pytest plugin: transition coverage of the declared charts, and a 100 % gate.
 
-Switches ``calexec.machines.coverage.RECORDER`` on for the session, prints one line per chart
+Attaches a ``TransitionRecorder`` (calexec.machines.coverage) as a listener to every compiled
+chart for the session (``CompiledChart.attach``; outside pytest no chart has a listener and
+nothing is recorded), detaches it at the end, prints one line per chart
 (``transition coverage <chart>: <covered>/<declared>``) at the end and, when the session ran
 the whole suite (the rootdir or its configured testpaths collected: no -k, no -m, no node ids or file args,
 nothing deselected) and passed, fails it (exit status 1) if any chart is below 100 %, listing
@@ -15,16 +17,26 @@ from pathlib import Path
 import pytest
 
 from calexec.machines.compiled import CHARTS
-from calexec.machines.coverage import RECORDER, describe, report
+from calexec.machines.coverage import TransitionRecorder, describe, report
 
+_RECORDER = pytest.StashKey[TransitionRecorder]()
 _DESELECTED = pytest.StashKey[bool]()
 _GATE_FAILURE = pytest.StashKey[list]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    RECORDER.enabled = True
+    recorder = config.stash[_RECORDER] = TransitionRecorder()
+    for chart in CHARTS.values():
+        chart.attach(recorder)
     config.stash[_DESELECTED] = False
     config.stash[_GATE_FAILURE] = []
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    recorder = config.stash.get(_RECORDER, None)
+    if recorder is not None:
+        for chart in CHARTS.values():
+            chart.detach(recorder)
 
 
 def pytest_deselected(items: list[pytest.Item]) -> None:
@@ -49,14 +61,14 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     gate_on = os.environ.get("CALEXEC_TRANSITION_GATE", "1") != "0"
     if not gate_on or exitstatus != 0 or not _whole_suite(config):
         return
-    missing = [c for c in report(CHARTS.values()) if not c.complete]
+    missing = [c for c in report(CHARTS.values(), config.stash[_RECORDER]) if not c.complete]
     if missing:
         config.stash[_GATE_FAILURE] = missing
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
-    for coverage in report(CHARTS.values()):
+    for coverage in report(CHARTS.values(), config.stash[_RECORDER]):
         terminalreporter.write_line(coverage.line())
     for coverage in config.stash[_GATE_FAILURE]:
         terminalreporter.write_line(

@@ -37,6 +37,9 @@ the device replicas, each reached through a streaming call (``call(request)``: t
    (``x-calexec-relayed-from: ingress``) is never relayed again by the replica's own edge: the
    ingress is the one place that retries. A response from a sibling after a failover carries
    ``x-calexec-relayed-from: <the replica that failed>``.
+5. **Drain.** :meth:`FleetIngress.drain` (the fleet's SIGTERM/SIGINT, before Serve shuts
+   down) answers every new request 503 + ``Retry-After`` ("fleet is draining") and waits,
+   bounded, for the admitted ones to finish.
 
 Nothing here knows Ray: ``call`` is given by the host, so tests drive the ingress with plain
 async generators as replicas. Counters: ``failovers`` by cause, ``reprefilled`` (prompt +
@@ -61,7 +64,7 @@ from calexec.contracts.status import Phase, Status
 from calexec.drivers.fleet.edge import (RELAY_ROUTES, RELAYED_FROM, Message, Receive, Send,
                                         read_body, relay_request, route_path, send_held,
                                         stop_stream, wait_disconnect)
-from calexec.drivers.serving import errors, wire
+from calexec.drivers.serving import error_bodies, wire
 from calexec.drivers.serving.handoff import PROGRESS_TYPE
 
 log = logging.getLogger("calexec.fleet_ingress")
@@ -133,6 +136,26 @@ class FleetIngress:
         #: budget ran out (the host exports them)
         self.on_failover: Callable[[str, int], None] | None = None
         self.on_exhausted: Callable[[], None] | None = None
+        #: set by :meth:`drain`: every new request is answered 503 + Retry-After here
+        self.draining = False
+        #: HTTP requests admitted here and not finished (what :meth:`drain` waits for)
+        self.active = 0
+
+    async def drain(self, grace_s: float, poll_s: float = 0.05) -> dict[str, Any]:
+        """Stop admitting (every new request: 503 + ``Retry-After``, "fleet is draining") and
+        wait up to ``grace_s`` for the requests already admitted to finish, failovers
+        included. ``{"drained": True}`` when none is left, else ``{"drained": False,
+        "active": n}`` (they are cut when the fleet stops). The fleet's SIGTERM path
+        (calexec/serve.py) calls it before Serve shuts down, so no admitted request
+        loses its connection to the proxy's shutdown."""
+        if not math.isfinite(grace_s) or grace_s < 0:
+            raise ValueError(f"grace_s={grace_s}: must be a finite number >= 0")
+        self.draining = True
+        deadline = time.monotonic() + grace_s
+        while self.active and time.monotonic() < deadline:
+            await asyncio.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
+        log.info("ingress drain: %d request(s) left", self.active)
+        return {"drained": self.active == 0, "active": self.active}
 
     async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -140,6 +163,17 @@ class FleetIngress:
             return
         if scope["type"] != "http":
             return
+        if self.draining:
+            await send_held(send, *refusal(Status.unavailable(
+                Phase.ADMISSION, "fleet is draining"), 503, self.settings.retry_after_s))
+            return
+        self.active += 1
+        try:
+            await self._admitted(scope, receive, send)
+        finally:
+            self.active -= 1
+
+    async def _admitted(self, scope: Message, receive: Receive, send: Send) -> None:
         chunks, complete = await read_body(receive, self.settings.max_body_bytes)
         if complete is None:  # the client left while sending its body
             return
@@ -320,7 +354,7 @@ class FleetIngress:
                                                self.settings.retry_after_s))
             return
         chunk = outcome.error_chunk or sse_error(outcome.held) or wire.sse(
-            {"error": errors.error_body(unavailable(outcome))})
+            {"error": error_bodies.error_body(unavailable(outcome))})
         await send({"type": "http.response.body", "body": chunk, "more_body": False})
 
 
@@ -331,7 +365,7 @@ def unavailable(outcome: _Outcome) -> Status:
 
 def refusal(status: Status, code: int, retry_after_s: int) -> tuple[Message, bytes]:
     """A held response (start, body) with the server's error body."""
-    payload = json.dumps({"error": errors.error_body(status, None, code),
+    payload = json.dumps({"error": error_bodies.error_body(status, None, code),
                           "status": status.to_dict()}).encode()
     headers = [(b"content-type", b"application/json"),
                (b"content-length", str(len(payload)).encode())]

@@ -40,12 +40,18 @@ Serve routes the requests across the replicas and supervises them:
   refused, admitted requests finished) and shuts the executor down within
   ``ReplicaSettings.grace_s`` (an ingress stream still running then is handed to a sibling
   at its next token boundary). The deployment's ``graceful_shutdown_timeout_s`` is set above
-  that grace so Ray does not kill the process mid-drain.
+  that grace so Ray does not kill the process mid-drain. ``calexec serve --ray`` stops the
+  fleet at its ingress first (:func:`drain_fleet`: new requests 503 + Retry-After, admitted
+  ones finish), since Serve's shutdown stops the HTTP proxies at once.
 - Per-replica metrics: each replica exports Ray Serve gauges (:data:`RAY_GAUGES`) tagged with
   ``device``; Ray adds ``replica``, ``deployment`` and ``application``, and its metrics agent
   serves them to Prometheus per node. The replica's own /metrics (the reference server's) is
   reachable through the router too, one replica per request; every response carries
   ``x-calexec-replica`` and ``x-calexec-device`` headers naming who served it.
+
+On a local Ray whose node IP is loopback (``calexec serve --ray --host 127.0.0.1``,
+drivers/fleet/local_ray.py) each replica also binds Serve's inter-deployment gRPC server to
+loopback (:func:`~calexec.drivers.fleet.local_ray.bind_serve_grpc_to_node_ip`).
 
 Ray is an optional extra (``pip install calexec[ray]``); this module imports it at import time.
 """
@@ -66,6 +72,7 @@ from ray.serve import metrics as serve_metrics
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
+from calexec.drivers.fleet import local_ray
 from calexec.drivers.fleet import registry as replica_registry
 from calexec.drivers.device_spec import DeviceSpec
 from calexec.drivers.fleet.edge import ReplicaEdge, serve_relayed
@@ -98,6 +105,10 @@ RAY_GAUGES: dict[str, tuple[str, str]] = {
 
 #: the handle method a replica relays completions through (see drivers/fleet/edge.py).
 RELAY_METHOD = "relay_http"
+
+#: the deployment names of :func:`build_app`: the HTTP entry and the device replicas
+INGRESS_DEPLOYMENT = "ingress"
+REPLICA_DEPLOYMENT = "calexec"
 
 
 class ReplicaFailed(RuntimeError):
@@ -234,6 +245,7 @@ class CalexecReplica:
         """Open the device and start the executor (golden included); raise on failure so Ray
         retries the constructor instead of routing to a replica that cannot serve."""
         self.settings = settings
+        local_ray.bind_serve_grpc_to_node_ip()  # a loopback node: Serve's gRPC server too
         set_gil_switch_interval_us(settings.gil_switch_us)  # the process is this replica's
         self._tmp = tempfile.TemporaryDirectory(prefix="calexec-replica-")
         spec = DeviceSpec(manifest_path=settings.manifest_path, calbin_path=settings.calbin_path,
@@ -363,6 +375,7 @@ class CalexecIngress:
     ``calexec_fleet_failover_budget_exhausted``."""
 
     def __init__(self, replicas: Any, failover: FailoverSettings) -> None:
+        local_ray.bind_serve_grpc_to_node_ip()  # a loopback node: Serve's gRPC server too
         self._relay = replicas.options(method_name=RELAY_METHOD, stream=True)
         self.ingress = FleetIngress(lambda request: self._relay.remote(request), failover)
         failovers = serve_metrics.Counter(
@@ -384,6 +397,11 @@ class CalexecIngress:
 
     def __serve_build_asgi_app__(self) -> Any:
         return self.ingress
+
+    async def drain(self, grace_s: float) -> dict[str, Any]:
+        """Refuse new requests (503 + Retry-After) and wait up to ``grace_s`` for those in
+        progress (:meth:`FleetIngress.drain`); :func:`drain_fleet` calls it."""
+        return await self.ingress.drain(grace_s)
 
     def stats(self) -> dict[str, Any]:
         """The ingress's failover counters (tests, ops)."""
@@ -422,6 +440,16 @@ def device_label(executor: DeviceExecutor, settings: ReplicaSettings) -> str:
     return f"{host}/{settings.device_config or 'default'}"
 
 
+def drain_fleet(app: str, grace_s: float) -> dict[str, Any]:
+    """Drain the application ``app`` at its ingress before Serve shuts down: new requests are
+    answered 503 + Retry-After and those in progress finish (failovers included) within
+    ``grace_s``. Serve's own shutdown stops its HTTP proxies at once, which would cut every
+    stream in flight; the replicas' own drain (``__del__``) then finds nothing left.
+    Returns :meth:`FleetIngress.drain`'s answer."""
+    handle = serve.get_deployment_handle(INGRESS_DEPLOYMENT, app)
+    return handle.drain.remote(grace_s).result(timeout_s=grace_s + 30.0)
+
+
 def build_app(settings: ReplicaSettings, replicas: int, health_check_period_s: float = 0.5,
               health_check_timeout_s: float = 10.0, routing_stats_period_s: float = 0.1,
               failover: FailoverSettings | None = None, ingress: bool = True) -> Any:
@@ -444,7 +472,8 @@ def build_app(settings: ReplicaSettings, replicas: int, health_check_period_s: f
     if routing_stats_period_s <= 0:
         raise ValueError(f"routing_stats_period_s={routing_stats_period_s}: must be > 0")
     deployment = serve.deployment(
-        CalexecReplica if ingress else CalexecHttpReplica, name="calexec", num_replicas=replicas,
+        CalexecReplica if ingress else CalexecHttpReplica, name=REPLICA_DEPLOYMENT,
+        num_replicas=replicas,
         ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=settings.server.max_sequences,
         graceful_shutdown_wait_loop_s=0.2,
@@ -461,7 +490,8 @@ def build_app(settings: ReplicaSettings, replicas: int, health_check_period_s: f
         max_failovers=server.max_resumes, default_timeout_s=server.default_timeout_s,
         max_body_bytes=server.max_body_bytes, retry_after_s=server.retry_after_s)
     entry = serve.deployment(
-        CalexecIngress, name="ingress", num_replicas=1, ray_actor_options={"num_cpus": 0},
+        CalexecIngress, name=INGRESS_DEPLOYMENT, num_replicas=1,
+        ray_actor_options={"num_cpus": 0},
         # every request of the fleet passes here: as many as the replicas admit or queue
         max_ongoing_requests=replicas * (server.max_sequences + server.max_waiting) + 16)
     return entry.bind(deployment.bind(settings), failover)

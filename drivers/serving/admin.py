@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
 from calexec.drivers.serving import wire
-from calexec.drivers.serving.errors import error_response, invalid
+from calexec.drivers.serving.error_bodies import error_response, invalid
 from calexec.drivers.serving.service import CompletionService, ServerConfig
 
 #: longest ``/admin/reload`` path accepted (Linux PATH_MAX)

@@ -129,15 +129,15 @@ class AdmissionQueue:
                                f"and Ready (device lifecycle {state}"
                                + "".join(f"; {r}" for r in reasons) + ")")
 
-    async def take(self, gen: Any, until: float) -> Status | None:
-        """``gen`` holds no sequence: give it the id its waiter (``gen.waiter``, from
-        ``try_admit``) is handed, waiting until ``until`` at most. None once ``gen.seq_id``
+    async def take(self, run: Any, until: float) -> Status | None:
+        """``run`` holds no sequence: give it the id its waiter (``run.waiter``, from
+        ``try_admit``) is handed, waiting until ``until`` at most. None once ``run.seq_id``
         is set; else the Status the request ends with."""
-        waiter, gen.waiter = gen.waiter, None
+        waiter, run.waiter = run.waiter, None
         got = await self.wait(waiter, until) if isinstance(waiter, Waiter) else waiter
         if isinstance(got, Status):
             return got
-        gen.seq_id = got
+        run.seq_id = got
         return None
 
     def leave(self, waiter: Any) -> None:

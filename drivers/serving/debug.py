@@ -15,7 +15,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
 from calexec.drivers.serving.admin import admin_refusal
-from calexec.drivers.serving.errors import error_response, invalid
+from calexec.drivers.serving.error_bodies import error_response, invalid
 from calexec.drivers.serving.live_charts import TransitionRates, live_state, path_page
 from calexec.drivers.serving.live_charts import page as live_page
 from calexec.drivers.serving.service import CompletionService

@@ -1,5 +1,5 @@
-"""The server's tokenizers: the synthetic model's byte-level one (drivers/synthetic/tokenizer.py,
-the default) or a Hugging Face ``tokenizer.json`` given by ``calexec serve --tokenizer PATH``,
+"""The server's tokenizers: the synthetic model's byte-level one (byte_tokenizer.py, the
+default) or a Hugging Face ``tokenizer.json`` given by ``calexec serve --tokenizer PATH``,
 loaded with the ``tokenizers`` library (the ``[tokenizer]`` extra, imported only then). Both
 offer ``encode``, ``decode``, ``detokenizer()`` (incremental ``feed``/``flush``),
 ``token_text``, ``token_bytes``, ``chat_template``, ``bos_token``, ``eos_token``,
@@ -7,7 +7,7 @@ offer ``encode``, ``decode``, ``detokenizer()`` (incremental ``feed``/``flush``)
 
 from __future__ import annotations
 
-from calexec.drivers.synthetic.tokenizer import ByteTokenizer
+from calexec.drivers.serving.byte_tokenizer import ByteTokenizer
 
 
 class TokenizerLoadError(ValueError):

@@ -24,9 +24,10 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Str
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import TaskKind
-from calexec.drivers.serving import errors, handoff, sampling, wire
+from calexec.drivers.serving import error_bodies, handoff, sampling, wire
 from calexec.drivers.serving.resume import RESUMABLE
 from calexec.drivers.serving.sampling import SamplingError, SamplingParams, TokenLogprobs
+from calexec.drivers.serving.service import Admission
 
 Number = StrictInt | StrictFloat
 
@@ -407,51 +408,41 @@ HANDED_OFF = Status.unavailable(Phase.ADMISSION, "replica draining: the request 
                                 "a sibling replica")
 
 
-def resume_refusal(resume: "handoff.Resume", gen: Any) -> Refusal | None:
-    """Why ``resume`` cannot continue ``gen`` (None: it can)."""
+def resume_refusal(resume: "handoff.Resume", run: Any) -> Refusal | None:
+    """Why ``resume`` cannot continue ``run`` (None: it can)."""
     tokens = resume.tokens
-    bad = next((i for i, t in enumerate(tokens) if t >= gen.logits.shape[0]), None)
+    bad = next((i for i, t in enumerate(tokens) if t >= run.logits.shape[0]), None)
     if bad is not None:
         return Refusal(invalid(f"resume.tokens[{bad}]={tokens[bad]} outside the vocabulary "
-                               f"[0, {gen.logits.shape[0]})"), "resume")
-    if len(tokens) > gen.max_tokens:
+                               f"[0, {run.logits.shape[0]})"), "resume")
+    if len(tokens) > run.max_tokens:
         return Refusal(invalid(f"resume.tokens: {len(tokens)} tokens > max_tokens="
-                               f"{gen.max_tokens}"), "resume")
+                               f"{run.max_tokens}"), "resume")
     return None
 
 
-def continue_from(resume: "handoff.Resume", gen: Any, out: "TextOutput", shape: "_Shape",
-                  stream: bool) -> None:
-    """Set ``gen`` up to continue after ``resume.tokens`` (its first job re-prefills prompt
-    + tokens, ``Generation.next_request``; token ``len(tokens)`` is sampled with the same
+def continue_from(resume: "handoff.Resume", run: Any, out: "TextOutput", shape: "_Shape",
+                  sse: bool) -> None:
+    """Set ``run`` up to continue after ``resume.tokens`` (its first job re-prefills prompt
+    + tokens, ``RequestRun.next_request``; token ``len(tokens)`` is sampled with the same
     seed and index as it would have been) and rebuild what the client was already sent: the
     detokenizer and stop-string hold-back state (``out``), the id, ``created``, echo, text
     offsets and the chat opening (``shape``). A whole (non-streaming) answer with logprobs
     needs every token's logprobs: it restarts from the prompt with the same seed instead."""
     tokens = list(resume.tokens)
-    if not stream and gen.sampling.logprobs is not None:
+    if not sse and run.sampling.logprobs is not None:
         tokens = []
-    gen.tokens = tokens
+    run.tokens = tokens
     for token in tokens:
         out.add(token)
-    shape.resumed(resume, len(tokens) if stream else 0, out.sent)  # a whole answer: none sent
+    shape.resumed(resume, len(tokens) if sse else 0, out.sent)  # a whole answer: none sent
     if out.stopped:
-        gen.finish_reason = "stop"
-    elif len(tokens) >= gen.max_tokens:
-        gen.finish_reason = "length"
+        run.finish_reason = "stop"
+    elif len(tokens) >= run.max_tokens:
+        run.finish_reason = "length"
 
 
 # ---- routes ---------------------------------------------------------------------------------
-@attrs.define
-class _Admission:
-    """What ``CompletionService.admit`` reads of a request."""
-
-    prompt: list[int]
-    max_tokens: int
-    stream: bool
-    timeout: float | None
-
-
 def add_routes(app: FastAPI, service: Any, fail: Callable[..., Response]) -> None:
     """Register the OpenAI endpoints on ``app`` (``fail(status, param, http_status)`` renders
     and counts an error)."""
@@ -518,7 +509,7 @@ def add_routes(app: FastAPI, service: Any, fail: Callable[..., Response]) -> Non
             return refused(err)
         echo = (prompt if isinstance(prompt, str) else service.tokenizer.decode(ids)) \
             if body.echo else ""
-        admission = _Admission(ids, 16 if body.max_tokens is None else body.max_tokens,
+        admission = Admission(ids, 16 if body.max_tokens is None else body.max_tokens,
                                body.stream, body.timeout)
         return await _generate(request, admission, params, _CompletionShape(echo),
                                include_usage(body))
@@ -546,7 +537,7 @@ def add_routes(app: FastAPI, service: Any, fail: Callable[..., Response]) -> Non
         except Refusal as err:
             return refused(err)
         wanted = body.max_completion_tokens or body.max_tokens or CHAT_DEFAULT_MAX_TOKENS
-        admission = _Admission(ids, wanted, body.stream, body.timeout)
+        admission = Admission(ids, wanted, body.stream, body.timeout)
         return await _generate(request, admission, params, _ChatShape(), include_usage(body))
 
     @app.post("/tokenize")
@@ -573,7 +564,7 @@ def add_routes(app: FastAPI, service: Any, fail: Callable[..., Response]) -> Non
             return refused(err)
         return JSONResponse({"prompt": service.tokenizer.decode(body.tokens)})
 
-    async def _generate(request: Request, admission: _Admission, params: SamplingParams,
+    async def _generate(request: Request, admission: Admission, params: SamplingParams,
                         shape: "_Shape", usage_chunk: bool) -> Response:
         # the fleet's out-of-band channel (drivers/serving/handoff.py): ASGI scope keys only
         # drivers/fleet/edge.serve_relayed sets; an HTTP request cannot carry them
@@ -589,71 +580,71 @@ def add_routes(app: FastAPI, service: Any, fail: Callable[..., Response]) -> Non
             if resume.timeout is not None:
                 admission.timeout = min(resume.timeout,
                                         admission.timeout or config.default_timeout_s)
-        gen, status, param = service.admit(admission)
-        if gen is None:
+        run, status, param = service.admit(admission)
+        if run is None:
             return fail(status, param)
-        gen.sampling = params
+        run.sampling = params
         out = TextOutput(service.tokenizer, params.stop)
-        shape.start(service, gen)
+        shape.start(service, run)
         if resume is not None:
-            bad = resume_refusal(resume, gen)
+            bad = resume_refusal(resume, run)
             if bad is not None:
-                await service.finish(gen)
+                await service.finish(run)
                 return refused(bad)
-            continue_from(resume, gen, out, shape, admission.stream)
+            continue_from(resume, run, out, shape, admission.sse)
         if progress is not None:
             progress({"seed": params.seed, "id": shape.id, "created": shape.created,
-                      "prompt_tokens": len(gen.prompt)})
-        if admission.stream:
-            return await _stream(request, gen, out, shape, usage_chunk, progress)
+                      "prompt_tokens": len(run.prompt)})
+        if admission.sse:
+            return await _sse_response(request, run, out, shape, usage_chunk, progress)
         handed = False
         try:
-            async def run() -> None:
+            async def drive() -> None:
                 nonlocal handed
-                while (token := await service.advance(gen)) is not None:
+                while (token := await service.advance(run)) is not None:
                     out.add(token)
                     if out.stopped:
-                        gen.finish_reason = "stop"
-                    elif hand_off(request, gen):
+                        run.finish_reason = "stop"
+                    elif hand_off(request, run):
                         handed = True
-                        gen.status = HANDED_OFF
+                        run.status = HANDED_OFF
                         return
-            await wire.until_disconnect(request, run)
+            await wire.until_disconnect(request, drive)
         finally:
-            await service.finish(gen, abandoned=True)
-        if gen.status is not None:
+            await service.finish(run, abandoned=True)
+        if run.status is not None:
             if handed:
                 progress({"handoff": "drained"})
-            return fail(gen.status, count=False)  # counted by finish()
+            return fail(run.status, count=False)  # counted by finish()
         out.flush()
-        return JSONResponse(shape.whole(out.text, gen))
+        return JSONResponse(shape.whole(out.text, run))
 
-    def hand_off(request: Request, gen: Any) -> bool:
+    def hand_off(request: Request, run: Any) -> bool:
         """A draining replica hands a fleet request (one with a progress channel) to a
         sibling at a token boundary, when one serves (drivers/serving/handoff.py)."""
         handing = request.scope.get(handoff.HANDOFF)
-        return (handing is not None and service.draining and not gen.done
+        return (handing is not None and service.draining and not run.done
                 and request.scope.get(handoff.PROGRESS) is not None and bool(handing()))
 
-    async def _stream(request: Request, gen: Any, out: TextOutput, shape: "_Shape",
-                      usage_chunk: bool, progress: Callable[[dict], None] | None = None
-                      ) -> Response:
+    async def _sse_response(request: Request, run: Any, out: TextOutput, shape: "_Shape",
+                            usage_chunk: bool, progress: Callable[[dict], None] | None = None
+                            ) -> Response:
         first: int | None = None
 
         async def first_token() -> None:  # may wait for a sequence id: watch for disconnect
             nonlocal first
-            first = await service.advance(gen)
+            first = await service.advance(run)
         try:
             await wire.until_disconnect(request, first_token)
         except BaseException:
-            await service.finish(gen, abandoned=True)
+            await service.finish(run, abandoned=True)
             raise
-        if first is None and not gen.done:  # the client left before the first token
-            await service.finish(gen, abandoned=True)
-            return fail(gen.status, count=False)
-        if gen.status is not None:
-            await service.finish(gen)
-            return fail(gen.status, count=False)
+        if first is None and not run.done:  # the client left before the first token
+            await service.finish(run, abandoned=True)
+            return fail(run.status, count=False)
+        if run.status is not None:
+            await service.finish(run)
+            return fail(run.status, count=False)
 
         async def events():
             token = first
@@ -663,26 +654,26 @@ def add_routes(app: FastAPI, service: Any, fail: Callable[..., Response]) -> Non
                 while token is not None:
                     piece = out.add(token)
                     if out.stopped:
-                        gen.finish_reason = "stop"
+                        run.finish_reason = "stop"
                     if progress is not None:  # before its chunk: the chunk commits it
                         progress({"tokens": [token]})
-                    yield wire.sse(shape.piece(piece, token, gen))
-                    if hand_off(request, gen):
-                        gen.status = HANDED_OFF
+                    yield wire.sse(shape.piece(piece, token, run))
+                    if hand_off(request, run):
+                        run.status = HANDED_OFF
                         progress({"handoff": "drained"})
                         return  # no [DONE]: the fleet ingress continues on a sibling
-                    token = await service.advance(gen)
-                if gen.status is not None:
+                    token = await service.advance(run)
+                if run.status is not None:
                     if progress is not None:
-                        progress({"error": gen.status.code, "retryable":
-                                  gen.status.category in RESUMABLE or not service.ready,
+                        progress({"error": run.status.code, "retryable":
+                                  run.status.category in RESUMABLE or not service.ready,
                                   "cause": "drained" if service.draining else "unavailable"})
-                    yield wire.sse({"error": errors.error_body(
-                        gen.status, errors.PARAM_OF_CODE.get(gen.status.code))})
+                    yield wire.sse({"error": error_bodies.error_body(
+                        run.status, error_bodies.PARAM_OF_CODE.get(run.status.code))})
                 else:
-                    tail = [wire.sse(shape.last(out.flush(), gen))]
+                    tail = [wire.sse(shape.last(out.flush(), run))]
                     if usage_chunk:
-                        tail.append(wire.sse(shape.usage_chunk(gen)))
+                        tail.append(wire.sse(shape.usage_chunk(run)))
                     tail.append(b"data: [DONE]\n\n")
                     if progress is not None:  # one message: a cut never splits the tail
                         tail = [b"".join(tail)]
@@ -690,13 +681,13 @@ def add_routes(app: FastAPI, service: Any, fail: Callable[..., Response]) -> Non
                     for part in tail:
                         yield part
             finally:
-                await service.finish(gen, abandoned=True)
+                await service.finish(run, abandoned=True)
 
         # every send bounded by the request's deadline + slack: a client that stops reading
         # is cut there, and its sequence, KV and pre-armed slot come back (service.cut)
         return wire.BoundedStreamingResponse(
-            events(), service.sends, lambda: gen.deadline + config.deadline_slack_s,
-            lambda: service.cut(gen), media_type="text/event-stream",
+            events(), service.sends, lambda: run.deadline + config.deadline_slack_s,
+            lambda: service.cut(run), media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"})
 
 
@@ -721,9 +712,9 @@ class DetokenizeRequest(BaseModel):
     tokens: list[Annotated[StrictInt, Field(ge=0, lt=1 << 31)]]
 
 
-def _usage(gen: Any) -> dict[str, int]:
-    return {"prompt_tokens": len(gen.prompt), "completion_tokens": len(gen.tokens),
-            "total_tokens": len(gen.prompt) + len(gen.tokens)}
+def _usage(run: Any) -> dict[str, int]:
+    return {"prompt_tokens": len(run.prompt), "completion_tokens": len(run.tokens),
+            "total_tokens": len(run.prompt) + len(run.tokens)}
 
 
 class _Shape:
@@ -731,9 +722,9 @@ class _Shape:
 
     PREFIX = "cmpl"
 
-    def start(self, service: Any, gen: Any) -> None:
-        self.service, self.gen, self.created = service, gen, int(time.time())
-        self.id = f"{self.PREFIX}-{gen.request_id}"
+    def start(self, service: Any, run: Any) -> None:
+        self.service, self.run, self.created = service, run, int(time.time())
+        self.id = f"{self.PREFIX}-{run.request_id}"
         self.tok = service.tokenizer
         self.sent_logprobs = 0
         self.opened = False
@@ -745,16 +736,16 @@ class _Shape:
         self.created = self.created if resume.created is None else resume.created
         self.opened = resume.opened
 
-    def _new_logprobs(self, gen: Any) -> list[TokenLogprobs]:
-        infos = gen.token_logprobs[self.sent_logprobs:]
-        self.sent_logprobs = len(gen.token_logprobs)
+    def _new_logprobs(self, run: Any) -> list[TokenLogprobs]:
+        infos = run.token_logprobs[self.sent_logprobs:]
+        self.sent_logprobs = len(run.token_logprobs)
         return infos
 
     def opening(self) -> list[dict[str, Any]]:
         return []
 
-    def usage_chunk(self, gen: Any) -> dict[str, Any]:
-        return {**self._head(chunk=True), "choices": [], "usage": _usage(gen)}
+    def usage_chunk(self, run: Any) -> dict[str, Any]:
+        return {**self._head(chunk=True), "choices": [], "usage": _usage(run)}
 
 
 class _CompletionShape(_Shape):
@@ -768,26 +759,26 @@ class _CompletionShape(_Shape):
     def resumed(self, resume: Any, tokens: int, sent_chars: int) -> None:
         super().resumed(resume, tokens, sent_chars)
         if tokens:  # the echo went out with the first token's chunk
-            self.text_at = sum(len(self.tok.token_text(t)) for t in self.gen.tokens[:tokens])
+            self.text_at = sum(len(self.tok.token_text(t)) for t in self.run.tokens[:tokens])
             self.echo = ""
 
     def _head(self, chunk: bool = False) -> dict[str, Any]:
         return {"id": self.id, "object": "text_completion",
                 "created": self.created, "model": self.service.config.model_name}
 
-    def _choice(self, text: str, tokens: list[int], gen: Any, finish: str | None,
+    def _choice(self, text: str, tokens: list[int], run: Any, finish: str | None,
                 infos: list[TokenLogprobs] | None) -> dict[str, Any]:
         logprobs = None
-        if gen.sampling.logprobs is not None and infos is not None:
+        if run.sampling.logprobs is not None and infos is not None:
             logprobs = completion_logprobs(self.tok, infos, self.text_at)
             self.text_at += sum(len(t) for t in logprobs["tokens"])
         return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish,
                 "token_ids": tokens}
 
-    def whole(self, text: str, gen: Any) -> dict[str, Any]:
+    def whole(self, text: str, run: Any) -> dict[str, Any]:
         return {**self._head(), "choices": [self._choice(
-            self.echo + text, gen.tokens, gen, gen.finish_reason, gen.token_logprobs)],
-            "usage": _usage(gen)}
+            self.echo + text, run.tokens, run, run.finish_reason, run.token_logprobs)],
+            "usage": _usage(run)}
 
     def _with_echo(self, text: str) -> str:
         """``text`` after the echoed prompt, if the prompt was not sent yet (the first chunk
@@ -796,14 +787,14 @@ class _CompletionShape(_Shape):
             text, self.echo = self.echo + text, ""
         return text
 
-    def piece(self, text: str, token: int, gen: Any) -> dict[str, Any]:
-        return {**self._head(), "choices": [self._choice(self._with_echo(text), [token], gen,
-                                                         None, self._new_logprobs(gen))]}
+    def piece(self, text: str, token: int, run: Any) -> dict[str, Any]:
+        return {**self._head(), "choices": [self._choice(self._with_echo(text), [token], run,
+                                                         None, self._new_logprobs(run))]}
 
-    def last(self, text: str, gen: Any) -> dict[str, Any]:
-        return {**self._head(), "choices": [self._choice(self._with_echo(text), [], gen,
-                                                         gen.finish_reason, [])],
-                "usage": _usage(gen)}
+    def last(self, text: str, run: Any) -> dict[str, Any]:
+        return {**self._head(), "choices": [self._choice(self._with_echo(text), [], run,
+                                                         run.finish_reason, [])],
+                "usage": _usage(run)}
 
 
 class _ChatShape(_Shape):
@@ -814,15 +805,15 @@ class _ChatShape(_Shape):
                 "object": "chat.completion.chunk" if chunk else "chat.completion",
                 "created": self.created, "model": self.service.config.model_name}
 
-    def _logprobs(self, gen: Any, infos: list[TokenLogprobs]) -> dict[str, Any] | None:
-        return None if gen.sampling.logprobs is None else chat_logprobs(self.tok, infos)
+    def _logprobs(self, run: Any, infos: list[TokenLogprobs]) -> dict[str, Any] | None:
+        return None if run.sampling.logprobs is None else chat_logprobs(self.tok, infos)
 
-    def whole(self, text: str, gen: Any) -> dict[str, Any]:
+    def whole(self, text: str, run: Any) -> dict[str, Any]:
         return {**self._head(), "choices": [{
             "index": 0, "message": {"role": "assistant", "content": text},
-            "logprobs": self._logprobs(gen, gen.token_logprobs),
-            "finish_reason": gen.finish_reason, "token_ids": gen.tokens}],
-            "usage": _usage(gen)}
+            "logprobs": self._logprobs(run, run.token_logprobs),
+            "finish_reason": run.finish_reason, "token_ids": run.tokens}],
+            "usage": _usage(run)}
 
     def opening(self) -> list[dict[str, Any]]:
         if self.opened:  # a replica before this one sent it
@@ -831,13 +822,13 @@ class _ChatShape(_Shape):
             "index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
             "finish_reason": None}]}]
 
-    def piece(self, text: str, token: int, gen: Any) -> dict[str, Any]:
+    def piece(self, text: str, token: int, run: Any) -> dict[str, Any]:
         return {**self._head(chunk=True), "choices": [{
             "index": 0, "delta": {"content": text},
-            "logprobs": self._logprobs(gen, self._new_logprobs(gen)), "finish_reason": None,
+            "logprobs": self._logprobs(run, self._new_logprobs(run)), "finish_reason": None,
             "token_ids": [token]}]}
 
-    def last(self, text: str, gen: Any) -> dict[str, Any]:
+    def last(self, text: str, run: Any) -> dict[str, Any]:
         return {**self._head(chunk=True), "choices": [{
             "index": 0, "delta": {"content": text} if text else {}, "logprobs": None,
-            "finish_reason": gen.finish_reason}]}
+            "finish_reason": run.finish_reason}]}

@@ -65,35 +65,35 @@ class Resumer:
     def resumable(self, failure: Status) -> bool:
         return failure.category in RESUMABLE
 
-    async def resume(self, gen: Any, failure: Status, replaced: bool = False) -> bool:
-        """Start resuming ``gen`` after ``failure`` (its last job is resolved): True when the
+    async def resume(self, run: Any, failure: Status, replaced: bool = False) -> bool:
+        """Start resuming ``run`` after ``failure`` (its last job is resolved): True when the
         request goes on (its next ``advance`` waits for a fresh sequence and re-prefills),
         False when it ends with ``failure`` (not resumable, or the budget is spent)."""
         config = self.service.config
-        if gen.abandoned or not (replaced or self.resumable(failure)) or config.max_resumes == 0:
+        if run.abandoned or not (replaced or self.resumable(failure)) or config.max_resumes == 0:
             return False
         now = time.monotonic()
-        spent = gen.resume_s + (now - gen.resume_started if gen.resume_started else 0.0)
-        if gen.resumes >= config.max_resumes or spent >= config.resume_budget_s:
+        spent = run.resume_s + (now - run.resume_started if run.resume_started else 0.0)
+        if run.resumes >= config.max_resumes or spent >= config.resume_budget_s:
             self.exhausted.inc()
             return False
-        if now >= gen.deadline:
+        if now >= run.deadline:
             return False
-        if gen.resume_started is None:
-            gen.resume_started = now
-        gen.resumes += 1
-        gen.resume_cause = REPLACED if replaced else failure.category.value
-        self.resumes.labels(gen.resume_cause).inc()
-        gen.resume_failure = failure
+        if run.resume_started is None:
+            run.resume_started = now
+        run.resumes += 1
+        run.resume_cause = REPLACED if replaced else failure.category.value
+        self.resumes.labels(run.resume_cause).inc()
+        run.resume_failure = failure
         # Register first: the id the failed sequence frees below goes to this request ahead of
         # requests not yet admitted (pump serves resumes first).
-        gen.waiter = self.service.admission.try_admit(resume=True)
-        old = types.SimpleNamespace(seq_id=gen.seq_id, handle=gen.handle,
-                                    enqueue_idle=gen.enqueue_idle,
-                                    request_id=gen.request_id, decode=gen.decode)
-        gen.seq_id, gen.handle, gen.generation_id, gen.past = None, None, None, 0
-        gen.decode = None  # the next sequence gets its own stream
-        gen.reprefill = True
+        run.waiter = self.service.admission.try_admit(resume=True)
+        old = types.SimpleNamespace(seq_id=run.seq_id, handle=run.handle,
+                                    enqueue_idle=run.enqueue_idle,
+                                    request_id=run.request_id, decode=run.decode)
+        run.seq_id, run.handle, run.generation_id, run.past = None, None, None, 0
+        run.decode = None  # the next sequence gets its own stream
+        run.reprefill = True
         with anyio.CancelScope(shield=True):
             await self._release(old)
         return True
@@ -106,40 +106,40 @@ class Resumer:
             if old.decode is not None:  # its pre-armed job holds KV of the failed sequence
                 await to_thread.run_sync(old.decode.close)
             if handle is None or handle.done:
-                released = await to_thread.run_sync(service._release_now, old.seq_id)
+                released = await to_thread.run_sync(service.release_now, old.seq_id)
                 if released:
                     return
-            service._release_later(old)
+            service.release_later(old)
         except Exception:  # noqa: BLE001 - never leave the id in limbo
-            service._release_later(old)
+            service.release_later(old)
 
-    async def take_sequence(self, gen: Any) -> Status | None:
-        """``gen`` has no sequence (admission or resume): wait for one (a resume no longer
+    async def take_sequence(self, run: Any) -> Status | None:
+        """``run`` has no sequence (admission or resume): wait for one (a resume no longer
         than its time budget allows); None once it holds one, else the Status it ends with."""
-        until = gen.deadline
-        if gen.resume_started is not None:
-            until = min(until, gen.resume_started + self.service.config.resume_budget_s
-                        - gen.resume_s)
-        refused = await self.service.admission.take(gen, until)
-        if refused is None or gen.resume_started is None:
+        until = run.deadline
+        if run.resume_started is not None:
+            until = min(until, run.resume_started + self.service.config.resume_budget_s
+                        - run.resume_s)
+        refused = await self.service.admission.take(run, until)
+        if refused is None or run.resume_started is None:
             return refused
-        if refused.category == Category.DEADLINE and time.monotonic() < gen.deadline:
+        if refused.category == Category.DEADLINE and time.monotonic() < run.deadline:
             self.exhausted.inc()  # the resume time budget ran out before the deadline
         # the resume gave up (deadline, budget, lifecycle Failed, executor stopped): the
         # client gets the failure it would have got without resuming
-        return gen.resume_failure
+        return run.resume_failure
 
-    def resumed(self, gen: Any) -> None:
-        """The re-prefill of ``gen`` succeeded: account for the time lost."""
-        if not gen.reprefill:
+    def resumed(self, run: Any) -> None:
+        """The re-prefill of ``run`` succeeded: account for the time lost."""
+        if not run.reprefill:
             return
-        gen.reprefill = False
-        self.reprefilled.inc(len(gen.prompt) + len(gen.tokens))
-        if gen.resume_started is not None:
-            started, lost = gen.resume_started, time.monotonic() - gen.resume_started
-            gen.resume_s += lost
-            gen.resume_started = None
+        run.reprefill = False
+        self.reprefilled.inc(len(run.prompt) + len(run.tokens))
+        if run.resume_started is not None:
+            started, lost = run.resume_started, time.monotonic() - run.resume_started
+            run.resume_s += lost
+            run.resume_started = None
             self.lost.observe(lost)
             if self.on_resumed is not None:
-                self.on_resumed(started, lost, gen.resume_cause)
+                self.on_resumed(started, lost, run.resume_cause)
 

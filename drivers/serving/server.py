@@ -3,7 +3,7 @@
 ``create_app(executor, config, dump)`` builds the app around an executor that is already
 started; ``CompletionService`` (``app.state.service``, drivers/serving/service.py) does the
 work; the routes live in ``openai_api.py`` (completions, chat, models, tokenize), ``admin.py``
-and ``debug.py``, errors in ``errors.py``; ``DrainingServer`` is the
+and ``debug.py``, error bodies in ``error_bodies.py``; ``DrainingServer`` is the
 uvicorn server whose SIGTERM/SIGINT starts a drain instead of an immediate stop. docs/server.md
 is the reference for endpoints, errors, metrics and the tokenizer.
 
@@ -32,13 +32,13 @@ from calexec.drivers.serving import openai_api, wire
 from calexec.drivers.serving.admin import MAX_PATH_CHARS, add_admin_routes, calbin_path_refusal
 from calexec.drivers.serving.debug import add_debug_routes
 from calexec.drivers.serving.dumpsink import DumpSink
-from calexec.drivers.serving.errors import PARAM_OF_CODE, error_body, error_response, invalid
-from calexec.drivers.serving.service import (CompletionBody, CompletionService, Generation,
+from calexec.drivers.serving.error_bodies import PARAM_OF_CODE, error_body, error_response, invalid
+from calexec.drivers.serving.service import (Admission, CompletionService, RequestRun,
                                              SequencePool, ServerConfig)
 
 #: what embedders and the tests import from here (the app's parts live in the modules above)
-__all__ = ["CompletionBody", "CompletionService", "DrainingServer", "Generation",
-           "MAX_PATH_CHARS", "PARAM_OF_CODE", "SequencePool", "ServerConfig",
+__all__ = ["Admission", "CompletionService", "DrainingServer", "MAX_PATH_CHARS",
+           "PARAM_OF_CODE", "RequestRun", "SequencePool", "ServerConfig",
            "calbin_path_refusal", "create_app", "error_body", "error_response", "invalid",
            "uvicorn_config"]
 

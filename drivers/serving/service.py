@@ -1,5 +1,5 @@
 """The completion service of the reference server: ``ServerConfig``, the KV sequence ids it
-owns (``SequencePool``), one request in progress (``Generation``) and ``CompletionService``,
+owns (``SequencePool``), one request in progress (``RequestRun``) and ``CompletionService``,
 which admits, runs, resumes, finishes and drains requests around one executor. The routes
 are in ``server.py`` (health, ready, metrics), ``openai_api.py`` (completions, chat,
 tokenize), ``admin.py`` and ``debug.py``.
@@ -26,23 +26,21 @@ import itertools
 import logging
 import threading
 import time
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 import anyio
 import attrs
 import numpy as np
 from anyio import to_thread
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from calexec.contracts.errors import Category
 from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import TaskKind
-from calexec.drivers.synthetic import tokenizer
-from calexec.drivers.serving import hf_tokenizer, sampling, wire
+from calexec.drivers.serving import byte_tokenizer, hf_tokenizer, sampling, wire
 from calexec.drivers.serving.admission import AdmissionQueue
 from calexec.drivers.serving.dumpsink import DumpSink
-from calexec.drivers.serving.errors import invalid
+from calexec.drivers.serving.error_bodies import invalid
 from calexec.drivers.serving.metrics import ServerMetrics, kv_usage_fraction
 from calexec.drivers.serving.resume import Resumer
 from calexec.machines.compiled import JOB
@@ -110,7 +108,7 @@ class ServerConfig:
     worker_threads: int = attrs.field(default=16, validator=attrs.validators.ge(1))
     #: Retry-After seconds on 429 and 503.
     retry_after_s: int = attrs.field(default=1, validator=attrs.validators.ge(0))
-    end_token_id: int = tokenizer.END_TOKEN_ID
+    end_token_id: int = byte_tokenizer.END_TOKEN_ID
     #: one bounded wait (s) of the background release of a sequence id for its last job to
     #: end / the device to let go; repeated until the executor is Stopped or Failed.
     release_wait_s: float = attrs.field(default=60.0, validator=attrs.validators.gt(0))
@@ -140,21 +138,18 @@ class ServerConfig:
     greedy_ahead: bool = True
 
 
-class CompletionBody(BaseModel):
-    """What ``CompletionService.admit`` reads of a request (``prompt``, ``max_tokens``,
-    ``stream``, ``timeout``: calexec's per-request deadline in seconds). The OpenAI bodies,
-    with every parameter implemented or refused, are in drivers/serving/openai_api.py."""
+@attrs.define
+class Admission:
+    """What ``CompletionService.admit`` reads of a request: its prompt (token ids, or text the
+    server's tokenizer encodes), ``max_tokens``, ``sse`` (the answer goes out as server-sent
+    events: the OpenAI body's ``stream``) and ``timeout`` (calexec's per-request deadline in seconds; None: the server's
+    default). drivers/serving/openai_api.py builds it from the OpenAI bodies, where every
+    parameter is implemented or refused."""
 
-    model_config = ConfigDict(extra="ignore")
-
-    prompt: StrictStr | list[StrictInt]
-    max_tokens: StrictInt = Field(default=16, ge=1)
-    stream: StrictBool = False
-    timeout: float | None = Field(default=None, gt=0)
-    n: Literal[1] = 1
-    model: StrictStr | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    prompt: str | list[int]
+    max_tokens: int
+    sse: bool = False
+    timeout: float | None = None
 
 
 class SequencePool:
@@ -223,7 +218,7 @@ class SequencePool:
 
 
 @attrs.define(eq=False)
-class Generation:
+class RequestRun:
     """One completion request in progress."""
 
     request_id: int
@@ -232,7 +227,7 @@ class Generation:
     max_tokens: int
     deadline: float  # absolute time.monotonic()
     started: float
-    stream: bool
+    sse: bool  # the answer goes out as server-sent events
     logits: np.ndarray
     tokens: list[int] = attrs.Factory(list)
     past: int = 0
@@ -284,14 +279,14 @@ class Generation:
                                 request_id=self.request_id)
 
 
-def close_decode(gen: Any, wait: bool = True) -> bool:
-    """Close the decode stream of ``gen`` (or of a resume's failed sequence), if any: its
+def close_decode(run: Any, wait: bool = True) -> bool:
+    """Close the decode stream of ``run`` (or of a resume's failed sequence), if any: its
     pre-armed job is released (not counted as a failure) and a step fired ahead that nobody
     takes is cancelled. ``wait``: also wait (bounded) for that step to end; without, return
     at once (a response never waits for it). True when no job of the stream is left (its
     sequence can be released now: ``DecodeStream.quiet``). Blocking but bounded (the stream
     waits at most 2 s for an arming in progress); call from a worker thread."""
-    stream = getattr(gen, "decode", None)
+    stream = getattr(run, "decode", None)
     if stream is None:
         return True
     stream.close(wait=wait)
@@ -319,7 +314,7 @@ class CompletionService:
         self.drain_status: Status | None = None
         self.on_drained: list[Any] = []  # callables run once a drain has finished
         self.active = 0  # admitted completion requests not yet finished
-        self._live: dict[int, Generation] = {}
+        self._live: dict[int, RequestRun] = {}
         self._ids = itertools.count(1)
         # Prefills (may wait for KV capacity or a slot) and the jobs of requests that already
         # hold their KV take threads from separate limiters: waiting prefills never starve
@@ -378,14 +373,14 @@ class CompletionService:
     def live_job_counts(self) -> dict[str, int]:
         """JobChart state -> number of live jobs held by the server's requests."""
         counts = dict.fromkeys(JOB.states, 0)
-        for gen in list(self._live.values()):
-            if gen.handle is not None:
-                counts[gen.handle.state] += 1
+        for run in list(self._live.values()):
+            if run.handle is not None:
+                counts[run.handle.state] += 1
         return counts
 
     # ---- admission ------------------------------------------------------------------------------
-    def admit(self, body: CompletionBody) -> "tuple[Generation | None, Status, str | None]":
-        """A Generation holding a sequence id or waiting for one (``gen.waiter``: its first
+    def admit(self, body: Admission) -> "tuple[RequestRun | None, Status, str | None]":
+        """A RequestRun holding a sequence id or waiting for one (``run.waiter``: its first
         ``advance`` waits, drivers/serving/admission.py), or (None, failure, offending field)."""
         if self.draining:
             return None, Status.unavailable(Phase.ADMISSION, "server is draining"), None
@@ -416,95 +411,95 @@ class CompletionService:
         if isinstance(got, Status):
             return None, got, None
         now = time.monotonic()
-        gen = Generation(next(self._ids), got if isinstance(got, int) else None, list(prompt),
-                         body.max_tokens, now + timeout, now, body.stream,
+        run = RequestRun(next(self._ids), got if isinstance(got, int) else None, list(prompt),
+                         body.max_tokens, now + timeout, now, body.sse,
                          np.empty(vocab, dtype=np.float32),
                          waiter=None if isinstance(got, int) else got)
         self.active += 1
-        self._live[gen.request_id] = gen
-        self.metrics.requests.labels("true" if body.stream else "false").inc()
-        return gen, Status.OK, None
+        self._live[run.request_id] = run
+        self.metrics.requests.labels("true" if body.sse else "false").inc()
+        return run, Status.OK, None
 
     # ---- generation -----------------------------------------------------------------------------
-    async def advance(self, gen: Generation) -> int | None:
+    async def advance(self, run: RequestRun) -> int | None:
         """Run one job; the new token, or None when the generation has ended (``finish_reason``
         or ``status`` then says why)."""
-        if gen.done:
+        if run.done:
             return None
-        if gen.seq_id is None:  # waiting for a sequence id and Ready (admission or resume)
-            refused = await self.resumer.take_sequence(gen)
+        if run.seq_id is None:  # waiting for a sequence id and Ready (admission or resume)
+            refused = await self.resumer.take_sequence(run)
             if refused is not None:
-                gen.status = refused
+                run.status = refused
                 return None
-        moved = self._generation_moved(gen)
+        moved = self._generation_moved(run)
         if moved is not None:
-            if await self.resumer.resume(gen, moved, replaced=True):
-                return await self.advance(gen)  # recursion bounded by max_resumes
-            gen.status = moved
+            if await self.resumer.resume(run, moved, replaced=True):
+                return await self.advance(run)  # recursion bounded by max_resumes
+            run.status = moved
             return None
         # The request deadline bounds everything below, thread limiters included: the
         # executor answers at the deadline itself (its own, more precise Status); a tenth of
         # the slack later the handler stops waiting anyway (504) and cancels the job, if any;
         # the rest of the slack is for the event loop to send the answer. The sequence is
         # released once the job ended (finish()).
-        stop_at = gen.deadline + self.config.deadline_slack_s / 10
+        stop_at = run.deadline + self.config.deadline_slack_s / 10
         with anyio.move_on_after(max(0.0, stop_at - time.monotonic())) as scope:
-            result, handle = await self._run_job(gen)
+            result, handle = await self._run_job(run)
         if scope.cancelled_caught:
-            if gen.handle is not None:
-                gen.handle.cancel()
-            gen.status = Status.deadline(Phase.WAIT, "request deadline passed; the server "
-                                         "stopped waiting", seq_id=gen.seq_id)
+            if run.handle is not None:
+                run.handle.cancel()
+            run.status = Status.deadline(Phase.WAIT, "request deadline passed; the server "
+                                         "stopped waiting", seq_id=run.seq_id)
             return None
         if isinstance(result, Status):
             if handle is not None:
                 handle.cancel()  # wait deadline: the job continues unless told otherwise
-            moved = self._generation_moved(gen, result)
-            if await self.resumer.resume(gen, moved or result, replaced=moved is not None):
-                return await self.advance(gen)  # recursion bounded by max_resumes
-            gen.status = moved or result
+            moved = self._generation_moved(run, result)
+            if await self.resumer.resume(run, moved or result, replaced=moved is not None):
+                return await self.advance(run)  # recursion bounded by max_resumes
+            run.status = moved or result
             return None
-        if gen.generation_id is None:
-            gen.generation_id = result.generation
-        self.resumer.resumed(gen)
+        if run.generation_id is None:
+            run.generation_id = result.generation
+        self.resumer.resumed(run)
         self.metrics.observe_job(result.kind, result.timings)
-        if gen.first_token_at is None:
-            gen.first_token_at = result.timings.completed_us / 1e6
-            self.metrics.ttft.observe(max(0.0, gen.first_token_at - gen.started))
-        gen.past = result.kv_len
-        args = (result.logits, gen.sampling, len(gen.tokens), result.argmax)
-        token, logprobs = (sampling.pick(*args) if gen.sampling.plain_greedy else
+        if run.first_token_at is None:
+            run.first_token_at = result.timings.completed_us / 1e6
+            self.metrics.ttft.observe(max(0.0, run.first_token_at - run.started))
+        run.past = result.kv_len
+        args = (result.logits, run.sampling, len(run.tokens), result.argmax)
+        token, logprobs = (sampling.pick(*args) if run.sampling.plain_greedy else
                            await to_thread.run_sync(sampling.pick, *args, limiter=self._limiter))
-        if token == self.config.end_token_id or token in gen.sampling.stop_token_ids:
-            gen.finish_reason = "stop"
+        if token == self.config.end_token_id or token in run.sampling.stop_token_ids:
+            run.finish_reason = "stop"
             return None
-        gen.tokens.append(token)
+        run.tokens.append(token)
         if logprobs is not None:
-            gen.token_logprobs.append(logprobs)
-        if len(gen.tokens) >= gen.max_tokens:
-            gen.finish_reason = "length"
+            run.token_logprobs.append(logprobs)
+        if len(run.tokens) >= run.max_tokens:
+            run.finish_reason = "length"
         return token
 
-    async def _run_job(self, gen: Generation) -> "tuple[Any, Any]":
+    async def _run_job(self, run: RequestRun) -> "tuple[Any, Any]":
         """Enqueue the request's next job and wait for it: (result, handle)."""
         def on_created(created) -> None:
-            gen.handle = created  # reachable for a disconnect while admission still waits
-            if gen.abandoned:  # the client left before this job existed
+            run.handle = created  # reachable for a disconnect while admission still waits
+            if run.abandoned:  # the client left before this job existed
                 created.cancel()
 
         def enqueue(request: InferenceRequest):
-            with gen.mu:  # the fence with finish(): no enqueue starts once the request ended
-                if gen.closed:
+            with run.mu:  # the fence with finish(): no enqueue starts once the request ended
+                if run.closed:
                     return None
-                gen.enqueue_idle.clear()
+                run.enqueue_idle.clear()
             try:
                 if streamed:
-                    return self._stream_submit(gen, request)
-                return self.executor.enqueue(request, gen.logits, on_created=on_created)
+                    return self._stream_submit(run, request)
+                return self.executor.enqueue(request, run.logits, on_created=on_created)
             finally:
-                gen.enqueue_idle.set()
+                run.enqueue_idle.set()
 
-        request = gen.next_request()
+        request = run.next_request()
         streamed = self.config.prearm and request.kind == TaskKind.DECODE
         limiter = (self._admit_limiter if request.kind == TaskKind.PREFILL_IDS
                    else self._stream_limiter if streamed else self._limiter)
@@ -514,9 +509,9 @@ class CompletionService:
         except anyio.get_cancelled_exc_class():
             # Flag first, then cancel the current handle: whichever of this and on_created
             # runs second sees the other's write, so the new job is always cancelled.
-            gen.abandoned = True
-            if gen.handle is not None:
-                gen.handle.cancel()  # the enqueue thread sees the cancel and releases
+            run.abandoned = True
+            if run.handle is not None:
+                run.handle.cancel()  # the enqueue thread sees the cancel and releases
             raise
         if handle is None:
             return Status.cancelled(Phase.CANCEL, "request already finished"), None
@@ -524,118 +519,125 @@ class CompletionService:
             return handle, None
         try:
             if streamed:  # the stream's wait advances it (its deadline is the request's)
-                result = await to_thread.run_sync(gen.decode.wait, abandon_on_cancel=True,
+                result = await to_thread.run_sync(run.decode.wait, abandon_on_cancel=True,
                                                   limiter=self._stream_limiter)
             else:
-                result = await to_thread.run_sync(handle.wait_until, gen.deadline,
+                result = await to_thread.run_sync(handle.wait_until, run.deadline,
                                                   abandon_on_cancel=True, limiter=self._limiter)
         except anyio.get_cancelled_exc_class():
             handle.cancel()
             raise
         return result, handle
 
-    def _stream_submit(self, gen: Generation, request: InferenceRequest) -> Any:
+    def _stream_submit(self, run: RequestRun, request: InferenceRequest) -> Any:
         """Fire the request's next decode job through its pre-armed decode stream (opened on
         the first decode of a sequence): the handle, or the Status the stream refused with.
         Runs in a worker thread inside the enqueue fence."""
-        stream = gen.decode
+        stream = run.decode
         if stream is None or stream.closed:
-            ahead = self.config.greedy_ahead and gen.sampling.greedy
-            stream = gen.decode = self.executor.decode_stream(
-                gen.seq_id, request.past_len, gen.deadline, logits_out=gen.logits,
-                max_len=len(gen.prompt) + gen.max_tokens, request_id=gen.request_id,
+            ahead = self.config.greedy_ahead and run.sampling.greedy
+            stream = run.decode = self.executor.decode_stream(
+                run.seq_id, request.past_len, run.deadline, logits_out=run.logits,
+                max_len=len(run.prompt) + run.max_tokens, request_id=run.request_id,
                 greedy_ahead=ahead,
-                stop_tokens=(self.config.end_token_id, *gen.sampling.stop_token_ids),
-                max_steps=gen.max_tokens - len(gen.tokens))
+                stop_tokens=(self.config.end_token_id, *run.sampling.stop_token_ids),
+                max_steps=run.max_tokens - len(run.tokens))
         handle = stream.submit(int(request.tokens[0]))
         if isinstance(handle, Status):
             return handle
-        gen.handle = handle  # reachable for a disconnect, as on_created makes it
-        if gen.abandoned:
+        run.handle = handle  # reachable for a disconnect, as on_created makes it
+        if run.abandoned:
             handle.cancel()
         return handle
 
-    def _generation_moved(self, gen: Generation, result: Status | None = None) -> Status | None:
+    def _generation_moved(self, run: RequestRun, result: Status | None = None) -> Status | None:
         """UNAVAILABLE (retry) when the request's KV generation is no longer the executor's:
         a recovery or model switch ended it between two of its jobs (its KV died with it)."""
-        if gen.generation_id is None:
+        if run.generation_id is None:
             return None
         current = self.executor.snapshot()["generation"]
-        if current == gen.generation_id:
+        if current == run.generation_id:
             return None
-        return Status.unavailable(Phase.ADMISSION, f"the request's generation {gen.generation_id}"
+        return Status.unavailable(Phase.ADMISSION, f"the request's generation {run.generation_id}"
                                   f" was replaced by {current} (recovery or model switch); "
-                                  "retry", seq_id=gen.seq_id)
+                                  "retry", seq_id=run.seq_id)
 
-    async def finish(self, gen: Generation, abandoned: bool = False) -> None:
+    async def finish(self, run: RequestRun, abandoned: bool = False) -> None:
         """Finish a request at once: cancel its job if one is still running, record metrics
         and the dump record, and give its sequence id back once its last job ended (now when
         it has, else from a background thread). ``abandoned``: an unfinished generation was
         given up by its client (cancelled). Shielded and never raises: runs to the end even
         when the request task is being cancelled, so a request never stays "running"."""
-        if gen.finished:
+        if run.finished:
             return
-        gen.finished = True
+        run.finished = True
         with anyio.CancelScope(shield=True):
             try:
-                if abandoned and not gen.done:  # the request task ended early: client left
-                    gen.status = Status.cancelled(Phase.CANCEL, "client disconnected")
-                with gen.mu:
-                    gen.closed = True  # no enqueue starts after this
-                idle = gen.enqueue_idle.is_set()  # then none runs: gen.handle is the last job
-                handle = gen.handle
+                if abandoned and not run.done:  # the request task ended early: client left
+                    run.status = Status.cancelled(Phase.CANCEL, "client disconnected")
+                with run.mu:
+                    run.closed = True  # no enqueue starts after this
+                idle = run.enqueue_idle.is_set()  # then none runs: run.handle is the last job
+                handle = run.handle
                 if handle is not None and not handle.done:
                     handle.cancel()
-                self.admission.leave(gen.waiter)  # still waiting for a sequence id: no more
-                if gen.seq_id is None:  # it holds none (a resume released the failed one)
+                self.admission.leave(run.waiter)  # still waiting for a sequence id: no more
+                if run.seq_id is None:  # it holds none (a resume released the failed one)
                     pass
                 elif idle and (handle is None or handle.done):
                     # a step fired ahead and never taken (greedy ahead, a stop string) is
                     # cancelled, never waited for here: while it runs, the background release
                     # (whose close waits for it) gives the sequence back once it ended
-                    quiet = await to_thread.run_sync(close_decode, gen, False)
-                    released = quiet and await to_thread.run_sync(self._release_now,
-                                                                  gen.seq_id)
+                    quiet = await to_thread.run_sync(close_decode, run, False)
+                    released = quiet and await to_thread.run_sync(self.release_now,
+                                                                  run.seq_id)
                     if not released:
-                        self._release_later(gen)
+                        self.release_later(run)
                 else:
-                    self._release_later(gen)
+                    self.release_later(run)
             except Exception:  # never leave a request running or its id in limbo
-                log.exception("finishing request %d", gen.request_id)
-                self._release_later(gen)
+                log.exception("finishing request %d", run.request_id)
+                self.release_later(run)
             finally:
                 try:
-                    self._record(gen)
+                    self._record(run)
                 except Exception:
-                    log.exception("recording request %d", gen.request_id)
-                self._live.pop(gen.request_id, None)
+                    log.exception("recording request %d", run.request_id)
+                self._live.pop(run.request_id, None)
                 self.active -= 1
 
-    async def cut(self, gen: Generation) -> None:
+    async def cut(self, run: RequestRun) -> None:
         """The request's response was cut: one of its sends did not complete by the request's
         deadline + ``deadline_slack_s`` (a client that stopped reading), or by the end of a
         drain. It ends as ``request.client_stalled`` (499: nobody reads it) and gives back
         now what it holds (``finish``): its job is cancelled, its decode stream closed, its
         sequence released."""
-        if not gen.finished:
-            gen.abandoned = True
-            gen.status = Status.failure(
+        if not run.finished:
+            run.abandoned = True
+            run.status = Status.failure(
                 "request.client_stalled", Category.CANCELLED, Phase.CANCEL,
                 "the client stopped reading: a send of the response did not complete by the "
                 f"request's deadline + deadline_slack_s ({self.config.deadline_slack_s}s) or "
-                "the end of the drain; response cut", seq_id=gen.seq_id)
-        await self.finish(gen, abandoned=True)
+                "the end of the drain; response cut", seq_id=run.seq_id)
+        await self.finish(run, abandoned=True)
 
-    def _release_now(self, seq_id: int) -> bool:
-        """Release without waiting for the device; True when the id is free again."""
+    def live_requests(self) -> list[RequestRun]:
+        """The requests in progress now (a copy: for diagnostics)."""
+        return list(self._live.values())
+
+    def release_now(self, seq_id: int) -> bool:
+        """Release ``seq_id`` on the executor without waiting for the device and give it back
+        to the pool; True when the id is free again (else ``release_later``)."""
         status = self.executor.release_sequence(seq_id, 0.0)
         if status.ok:
             self.sequences.release(seq_id)
         return status.ok
 
-    def _release_later(self, gen: Generation) -> None:
-        thread = threading.Thread(target=self._release_when_done, args=(gen,),
-                                  name=f"calexec-seq-release-{gen.seq_id}", daemon=True)
+    def release_later(self, run: RequestRun) -> None:
+        """Give ``run``'s sequence back from a background thread once its last job ended
+        (``release_when_done``)."""
+        thread = threading.Thread(target=self.release_when_done, args=(run,),
+                                  name=f"calexec-seq-release-{run.seq_id}", daemon=True)
         with self._releasing_mu:
             self._releasing.add(thread)
         thread.start()
@@ -643,17 +645,17 @@ class CompletionService:
     def _executor_final(self) -> bool:
         return self.executor.state in ("Stopped", "Failed")
 
-    def _release_when_done(self, gen: Generation) -> None:
+    def release_when_done(self, run: RequestRun) -> None:
         """Background: wait (in bounded slices) until no enqueue of the request runs and its
         last job ended, then release the sequence on the executor, retrying while the device
         still runs a job of it. The id is reused only after that; it is withheld when the
         executor ends (Stopped/Failed) first."""
-        seq_id, step = gen.seq_id, self.config.release_wait_s
+        seq_id, step = run.seq_id, self.config.release_wait_s
         try:
-            while not gen.enqueue_idle.wait(min(step, 1.0)):
+            while not run.enqueue_idle.wait(min(step, 1.0)):
                 pass
-            close_decode(gen)  # its pre-armed job holds KV of the sequence: released first
-            handle = gen.handle  # the last job: finish() closed the request to new ones
+            close_decode(run)  # its pre-armed job holds KV of the sequence: released first
+            handle = run.handle  # the last job: finish() closed the request to new ones
             if handle is not None:
                 handle.cancel()
             while handle is not None and not handle.done and not self._executor_final():
@@ -687,35 +689,35 @@ class CompletionService:
             with self._releasing_mu:
                 self._releasing.discard(threading.current_thread())
 
-    def _record(self, gen: Generation) -> None:
+    def _record(self, run: RequestRun) -> None:
         m = self.metrics
-        if gen.decode is not None:
-            prearmed = gen.decode.prearmed_steps
+        if run.decode is not None:
+            prearmed = run.decode.prearmed_steps
             m.decode_steps.labels("true").inc(prearmed)
-            m.decode_steps.labels("false").inc(gen.decode.steps - prearmed)
-            m.decode_steps_ahead.inc(gen.decode.ahead_steps)
-        if gen.status is not None:
-            m.observe_failure(gen.status)
+            m.decode_steps.labels("false").inc(run.decode.steps - prearmed)
+            m.decode_steps_ahead.inc(run.decode.ahead_steps)
+        if run.status is not None:
+            m.observe_failure(run.status)
         else:
-            m.success.labels(gen.finish_reason).inc()
-            m.prompt_tokens.inc(len(gen.prompt))
-            m.generation_tokens.inc(len(gen.tokens))
-            m.request_prompt_tokens.observe(len(gen.prompt))
-            m.request_generation_tokens.observe(len(gen.tokens))
-            m.e2e.observe(time.monotonic() - gen.started)
+            m.success.labels(run.finish_reason).inc()
+            m.prompt_tokens.inc(len(run.prompt))
+            m.generation_tokens.inc(len(run.tokens))
+            m.request_prompt_tokens.observe(len(run.prompt))
+            m.request_generation_tokens.observe(len(run.tokens))
+            m.e2e.observe(time.monotonic() - run.started)
         if self.dump is not None:
             self.dump.write({
-                "request_id": gen.request_id, "seq_id": gen.seq_id, "stream": gen.stream,
-                "prompt_tokens": len(gen.prompt), "completion_tokens": len(gen.tokens),
-                "finish_reason": gen.finish_reason,
-                "status": None if gen.status is None else gen.status.to_dict(),
-                "latency_s": round(time.monotonic() - gen.started, 6),
-                "last_job_timings": None if gen.handle is None else gen.handle.timings.to_dict(),
+                "request_id": run.request_id, "seq_id": run.seq_id, "stream": run.sse,
+                "prompt_tokens": len(run.prompt), "completion_tokens": len(run.tokens),
+                "finish_reason": run.finish_reason,
+                "status": None if run.status is None else run.status.to_dict(),
+                "latency_s": round(time.monotonic() - run.started, 6),
+                "last_job_timings": None if run.handle is None else run.handle.timings.to_dict(),
                 # with the prompt ids, enough to replay the request's tokens (sampling.pick)
-                "sampling": {"temperature": gen.sampling.temperature, "top_p": gen.sampling.top_p,
-                             "top_k": gen.sampling.top_k, "seed": gen.sampling.seed},
-                "prompt_token_ids": gen.prompt, "token_ids": gen.tokens,
-                "text": self.tokenizer.decode(gen.tokens)})
+                "sampling": {"temperature": run.sampling.temperature, "top_p": run.sampling.top_p,
+                             "top_k": run.sampling.top_k, "seed": run.sampling.seed},
+                "prompt_token_ids": run.prompt, "token_ids": run.tokens,
+                "text": self.tokenizer.decode(run.tokens)})
 
     # ---- drain ----------------------------------------------------------------------------------
     async def _until_idle(self, until: float) -> None:

@@ -235,10 +235,10 @@ def _check(rec: Record, slack: float, server_s: float | None, problems: list[str
 
 def _diagnose(executor, service) -> dict:
     """What a server that does not go idle still holds."""
-    live = [{"request": gen.request_id, "seq": gen.seq_id, "done": gen.done,
-             "closed": gen.closed, "enqueue_idle": gen.enqueue_idle.is_set(),
-             "handle": None if gen.handle is None else repr(gen.handle)}
-            for gen in list(service._live.values())]
+    live = [{"request": run.request_id, "seq": run.seq_id, "done": run.done,
+             "closed": run.closed, "enqueue_idle": run.enqueue_idle.is_set(),
+             "handle": None if run.handle is None else repr(run.handle)}
+            for run in service.live_requests()]
     return {"active": service.active, "releases_pending": service.releases_pending,
             "sequences": service.sequences.counts(), "lifecycle": executor.state,
             "health": executor.health(), "snapshot": executor.snapshot(), "live": live[:8],

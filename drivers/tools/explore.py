@@ -62,6 +62,7 @@ from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import TaskKind
 from calexec.machines.clock import Clock
+from calexec.machines.job import job_of
 
 WATCHDOG_S = float(os.environ.get("CALEXEC_EXPLORE_WATCHDOG_S", "60"))
 _PENDING = (int(DeviceJobStatus.PENDING), int(DeviceJobStatus.RUNNING))
@@ -401,7 +402,7 @@ class VirtualClock(Clock):
     def lock(self):
         return CLock(self.sched)
 
-    def condition(self, lock):
+    def condition(self, lock, name: str = ""):
         return CCondition(self.sched, lock)
 
     def event(self):
@@ -1135,7 +1136,7 @@ class Explorer:
                     np.argmax(row[:result.logits.shape[0]]))):
                 problems.append(f"job {handle.job_id}: result not in the caller's row")
         for handle in self.handles:
-            job = handle._job
+            job = job_of(handle)
             if job.txn is not None and job.txn.run.state == "Committed":
                 committed.append(job)
         committed.sort(key=lambda j: (j.timings.completed_us, j.job_id))
@@ -1192,8 +1193,9 @@ class Explorer:
         if ex.thread_faults:
             raise AssertionError(f"an executor thread caught an exception: "
                                  f"{ex.thread_faults[0]}")
-        if not 0 <= ex._inflight <= ex.config.inflight_capacity:
-            raise AssertionError(f"in-flight count {ex._inflight} outside "
+        inflight = ex.dispatch.inflight
+        if not 0 <= inflight <= ex.config.inflight_capacity:
+            raise AssertionError(f"in-flight count {inflight} outside "
                                  f"[0, {ex.config.inflight_capacity}]")
 
     def _see_generation(self) -> None:
@@ -1222,7 +1224,7 @@ class Explorer:
         if ex is None:
             return
         self._check_memory()
-        live = [h._job for h in self.handles if not h.done]
+        live = [job_of(h) for h in self.handles if not h.done]
         for job in live:  # §5.1 invariants 5 and 7
             lease = job.lease
             if lease is not None and lease.held and lease.slot.generation_id != job.generation_id:
@@ -1246,7 +1248,7 @@ class Explorer:
         # idle: nobody works, so nothing may stay taken
         if state not in ("Ready", "Failed", "Stopped"):
             raise AssertionError(f"lifecycle wedged in {state} with no thread working")
-        if ex.config.threads and not ex._stopping:
+        if ex.config.threads and not ex.stopping:
             dead = [name for name, alive in ex.threads_alive().items() if not alive]
             if dead:
                 raise AssertionError(f"executor threads not running: {dead}")
@@ -1255,28 +1257,29 @@ class Explorer:
             # guesses of implicit pre-arms (machines/autoarm.py) hold one slot, one token of
             # budget and one KV txn each until their deadline, which the submitter's wait
             # must end at (so it releases them): nothing else may stay taken
-            guesses = [e.job for e in ex._auto.values() if e.job is not None]
+            state = ex.dispatch.peek()  # (every thread waits: nothing changes it now)
+            guesses = [e.job for e in state["guesses"] if e.job is not None]
             submitter = next((t for t in self.sched.threads
                               if t.name == "calexec-submitter" and not t.finished), None)
             for job in guesses:
-                if job not in ex._armed:
+                if job not in state["armed"]:
                     problems.append(f"guess {job!r} not in the armed list")
                 elif submitter is not None and (submitter.deadline is None
                                                 or submitter.deadline > job.deadline + 1e-6):
                     problems.append(f"guess {job!r} (deadline {job.deadline:.3f}) outlives the "
                                     "submitter's wait")
             guess_txns = {id(job.txn) for job in guesses}
-            if ex._pending_tokens != len(guesses):
-                problems.append(f"pending_tokens={ex._pending_tokens} with {len(guesses)} "
+            if state["pending_tokens"] != len(guesses):
+                problems.append(f"pending_tokens={state['pending_tokens']} with {len(guesses)} "
                                 "guesses")
-            if ex._inflight != len(ex._held_by_runtime):
-                problems.append(f"inflight={ex._inflight} with "
-                                f"{len(ex._held_by_runtime)} held by the runtime")
-            if ex._submit_q or ex._completion_q:
-                problems.append(f"queues {len(ex._submit_q)}/{len(ex._completion_q)}")
+            if state["inflight"] != len(state["held"]):
+                problems.append(f"inflight={state['inflight']} with "
+                                f"{len(state['held'])} held by the runtime")
+            if state["queued"] or ex.completing:
+                problems.append(f"queues {state['queued']}/{ex.completing}")
             counts = ex.pool.counts()
             if counts["Leased"] != len(guesses) or (counts["InFlight"]
-                                                    and not ex._held_by_runtime):
+                                                    and not state["held"]):
                 problems.append(f"slots {counts} with {len(guesses)} guesses")
             open_txns = [v for v in ex.kvc.seqs.values()
                          if (v.open_txn is not None and id(v.open_txn) not in guess_txns)
@@ -1305,11 +1308,11 @@ class Explorer:
         """After a time jump: no handle is unresolved past its bound (+ slack)."""
         ex, now = self.ex, self.sched.now
         for handle in self.handles:
-            job = handle._job
+            job = job_of(handle)
             if job.done:
                 continue
             if job.timings.submitted_us > 0:
-                bound, what = ex._execution_deadline(job), "execution deadline"
+                bound, what = ex.execution_deadline(job), "execution deadline"
             else:
                 bound, what = job.deadline, "deadline (never submitted)"
             if now > bound + self.slack:
@@ -1351,8 +1354,9 @@ class Explorer:
         for t in sched.threads:
             if t.finished:
                 continue
-            idle = (t.name == "calexec-submitter" and not ex._submit_q and t.what == "cond") or (
-                t.name == "calexec-completion" and not ex._completion_q and t.what == "cond")
+            idle = (t.name == "calexec-submitter" and not ex.dispatch.peek()["queued"]
+                    and t.what == "cond") or (
+                t.name == "calexec-completion" and not ex.completing and t.what == "cond")
             if not idle:
                 stuck.append(t.label)
         if stuck:

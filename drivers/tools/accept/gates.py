@@ -34,7 +34,7 @@ from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import TaskKind
 from calexec.drivers.synthetic import calbin as calbin_fmt
 from calexec.drivers.synthetic import oracle
-from calexec.drivers.tools.accept.rig import (HANG_GRACE_S, JOB_S, Gate, Progress, growth, hung_status, leased,
+from calexec.drivers.tools.accept.gate_rig import (HANG_GRACE_S, JOB_S, Gate, Progress, growth, hung_status, leased,
                                         open_executor, request, rss_mib, run_job)
 from calexec.drivers.tools.bench.core import DirectLoop
 from calexec.drivers.device_spec import DeviceSpec
@@ -433,9 +433,7 @@ def _wait_settled(ex, seconds: float) -> str:
     """Wait (bounded) until the lifecycle is Ready with no recovery pending, or final."""
     end = time.monotonic() + seconds
     while time.monotonic() < end:
-        thread = ex._recovery_thread
-        if ex.lifecycle.final or (ex.state == "Ready" and ex._pending_recovery is None
-                                  and (thread is None or not thread.is_alive())):
+        if ex.lifecycle.final or (ex.state == "Ready" and not ex.life.recovery_active):
             break
         time.sleep(0.002)
     return ex.state

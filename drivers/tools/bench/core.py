@@ -30,8 +30,8 @@ legacy ``bf16_to_f32_legacy`` (whole tensor to a temporary FP32 vector, then the
 the decode tensor [1,1,V] and the prefill tile [1,D0,V], with ``np.copyto`` of the same FP32
 destination as the floor; beside them the executor's whole postprocess both ways:
 ``numpy_path`` (finiteness check + conversion + ``np.argmax``) and ``fused`` /
-``fused_prefill`` / ``fused_sumexp`` (the native one-pass ``FusedLogits``, drivers/native.py,
-without and with the sum of exponentials); CPU time per call, allocation counts per call
+``fused_prefill`` / ``fused_sumexp`` (the native one-pass ``FusedLogits``,
+drivers/native/fused_logits.py, without and with the sum of exponentials); CPU time per call, allocation counts per call
 (``allocation_count_per_call``: Python allocator calls and numpy data buffers, counted by
 ``calexec.drivers.alloccount``), tracemalloc's transient/retained bytes (§13.3), and the fused
 results' bit-identity with the numpy path (``fused_bit_identical``).
@@ -73,7 +73,7 @@ from calexec.drivers.synthetic import calbin as calbin_fmt
 from calexec.drivers.direct import DirectRunner, DriverError
 from calexec.drivers.device_spec import DeviceSpec, DeviceSpecError
 from calexec.drivers.serving.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
-from calexec.drivers.native import FusedLogits
+from calexec.drivers.native.fused_logits import FusedLogits
 from calexec.drivers.calrt.runtime import CalRT
 from calexec.drivers.tools.bench.sim import PROFILE_DECODE_US
 from calexec.machines.clock import Clock
@@ -175,10 +175,10 @@ class HandoffTally:
 
 
 class _CountingCondition(threading.Condition):
-    def __init__(self, lock, tally: HandoffTally) -> None:
+    def __init__(self, lock, tally: HandoffTally, label: str) -> None:
         super().__init__(lock)
         self.tally = tally
-        self.label = "cond"
+        self.label = label  # the role the executor named (``Clock.condition``)
 
     def notify(self, n: int = 1) -> None:
         self.tally.add(self.label, bool(self._waiters))
@@ -189,12 +189,26 @@ class _CountingCondition(threading.Condition):
 
 
 class _CountingEvent(threading.Event):
+    """An event that knows whether a thread waits on it when it is set (counted by itself:
+    threading.Event keeps its waiters private)."""
+
     def __init__(self, tally: HandoffTally) -> None:
         super().__init__()
         self.tally = tally
+        self._count_mu = threading.Lock()
+        self._waiting = 0
+
+    def wait(self, timeout: float | None = None) -> bool:
+        with self._count_mu:
+            self._waiting += 1
+        try:
+            return super().wait(timeout)
+        finally:
+            with self._count_mu:
+                self._waiting -= 1
 
     def set(self) -> None:
-        self.tally.add("job_done", bool(self._cond._waiters))
+        self.tally.add("job_done", self._waiting > 0)
         super().set()
 
 
@@ -206,21 +220,11 @@ class CountingClock(Clock):
     def __init__(self, tally: HandoffTally) -> None:
         self.tally = tally
 
-    def condition(self, lock) -> threading.Condition:
-        return _CountingCondition(lock, self.tally)
+    def condition(self, lock, name: str = "") -> threading.Condition:
+        return _CountingCondition(lock, self.tally, name or "cond")
 
     def event(self) -> threading.Event:
         return _CountingEvent(self.tally)
-
-
-def _label_conditions(ex: DeviceExecutor) -> None:
-    """Name the executor's conditions for the hand-off report (after start: the generation's
-    pool and KV coordinator exist)."""
-    for cond, label in ((ex._submit_cv, "submit_cv"), (ex._completion_cv, "completion_cv"),
-                        (ex._ready_cv, "ready_cv"), (ex.gen.pool._available, "pool"),
-                        (ex.gen.kvc._changed, "kv")):
-        if isinstance(cond, _CountingCondition):
-            cond.label = label
 
 
 #: the executor paths the benchmark measures against the direct loop
@@ -244,7 +248,6 @@ class ExecutorLoop:
         status = self.ex.start()
         if not status.ok:
             raise BenchError(f"executor start failed: {status}")
-        _label_conditions(self.ex)
         self.row = np.empty(calbin_fmt.VOCAB, dtype=np.float32)
         self.mode = "enqueue"
 
@@ -479,7 +482,7 @@ def run_overhead(tokens: int, runs: int, zero_tokens: int, seed: int,
                      for mode, r in per_mode.items()},
         "dma_violations": dma,
         "spec_gate": SPEC_GATE, "goal": GOAL,
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
         "cpus": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__,
     }
 
@@ -614,7 +617,7 @@ def run_logits(iters: int, seed: int) -> dict[str, Any]:
             **{f"{name}_peak_bytes": alloc[name][0] for name in names},
             **{f"{name}_retained_bytes": alloc[name][1] for name in names},
         },
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
         "cpus": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__,
     }
 
@@ -629,7 +632,7 @@ def _emulator_runtime(device: DeviceSpec) -> CalRT:
     return rt
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     """The CPU's model name (``/proc/cpuinfo``, as ``lscpu`` shows it), else the platform's."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:

@@ -19,7 +19,7 @@ import numpy as np
 
 from calexec.drivers.synthetic import oracle
 from calexec.drivers.synthetic.calbin import DECODE, PREFILL_IDS
-from calexec.drivers.tools.conform.rig import FINAL_STATUSES, WAIT_CAP_US, Rig, Slot, tokens_for, wait_final
+from calexec.drivers.tools.conform.experiment_rig import FINAL_STATUSES, WAIT_CAP_US, Rig, Slot, tokens_for, wait_final
 from calexec.drivers.calrt.verdict import DISPROVEN, INCONCLUSIVE, PROVEN, Answer, inconclusive
 from calexec.drivers.calrt.conformance import RESET_KINDS
 from calexec.drivers.direct import DriverError, check

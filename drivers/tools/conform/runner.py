@@ -18,10 +18,10 @@ from typing import Any, Callable
 from calexec import cliargs
 from calexec.drivers.synthetic import calbin as calbin_fmt
 from calexec.drivers.calrt import conformance as report
-from calexec.drivers.tools.conform import trace
+from calexec.drivers.tools.conform import overlap_trace
 from calexec.drivers.tools.conform.experiments import EXPERIMENTS, QUESTIONS
 from calexec.drivers.tools.conform.isolate import OK, run_isolated
-from calexec.drivers.tools.conform.rig import build_emulator_lib
+from calexec.drivers.tools.conform.experiment_rig import build_emulator_lib
 from calexec.drivers.calrt.verdict import inconclusive
 
 MODULE = "calexec.drivers.tools.conform.experiments"
@@ -94,10 +94,10 @@ def write_report(run_dict: dict[str, Any], out_dir: str) -> list[str]:
     os.makedirs(out_dir, exist_ok=True)
     written = []
     if run_dict["timeline"]:
-        trace.write_trace(os.path.join(out_dir, "trace.json"), run_dict["timeline"])
+        overlap_trace.write_trace(os.path.join(out_dir, "trace.json"), run_dict["timeline"])
         overlap = next((q for q in run_dict["questions"] if q["id"] == "overlap.ping_pong"), None)
         title = f"{run_dict['runtime']}: overlap {overlap['finding']} ({overlap['verdict']})" if overlap else ""
-        trace.write_png(os.path.join(out_dir, "timing.png"), run_dict["timeline"], title)
+        overlap_trace.write_png(os.path.join(out_dir, "timing.png"), run_dict["timeline"], title)
         written += ["trace.json", "timing.png"]
     run_dict["artifacts"] = written
     with open(os.path.join(out_dir, "conformance.json"), "w", encoding="utf-8") as f:

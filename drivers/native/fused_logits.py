@@ -27,8 +27,8 @@ import threading
 
 import numpy as np
 
-from calexec.drivers._calexec_native import ffi as _ffi
-from calexec.drivers._calexec_native import lib as _lib
+from calexec.drivers.native._calexec_native import ffi as _ffi
+from calexec.drivers.native._calexec_native import lib as _lib
 
 OK = _lib.CALEXEC_LOGITS_OK
 EBOUNDS = _lib.CALEXEC_LOGITS_EBOUNDS

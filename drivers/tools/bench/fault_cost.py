@@ -11,7 +11,9 @@ job, a hung job with a stale completion): arm the fault on the 1st-3rd next job,
 fired, wait for Ready and until every request in flight during the fault ended (one fault at
 a time, as the per-request resume budget assumes), next. Then every completed request is sent again, fault-free, for the
 reference tokens. Reports client-visible errors (HTTP errors, SSE error events, transport
-errors), the share of completed requests whose tokens equal the reference's, resumes per fault,
+errors), the share of completed requests whose tokens equal the reference's (a replay that failed is
+counted under ``reference_errors``, a real difference under ``tokens_mismatched`` with up to three
+``mismatch_examples``), resumes per fault,
 the added latency per fault (the longest pause a request resumed because of that fault saw:
 its failure to its re-prefill's result) P50/P99, and the CPU model. Numbers are reported, never
 asserted (tests/test_bench_faults.py checks the report's shape and correctness facts).
@@ -51,19 +53,43 @@ def _pct(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
 
-def _request(http, body: dict[str, Any]) -> tuple[list[int] | None, str | None]:
-    """(tokens, None) of a completed request, or (None, what the client saw instead)."""
+#: error kind (``HTTP 499 request.cancelled``, ``SSE error ...``) -> the first message seen
+_EXAMPLES_MU = threading.Lock()
+
+
+def _http_error(r) -> tuple[str, str]:
+    """(``HTTP <status> <error code>``, the error's message) from an OpenAI error body."""
+    try:
+        error = r.json().get("error") or {}
+        code, message = error.get("code") or error.get("type"), str(error.get("message", ""))
+    except (ValueError, AttributeError):
+        code, message = None, r.text[:200]
+    return f"HTTP {r.status_code}" + (f" {code}" if code else ""), message
+
+
+def _request(http, body: dict[str, Any], examples: dict[str, str]
+             ) -> tuple[list[int] | None, str | None]:
+    """(tokens, None) of a completed request, or (None, what the client saw instead); the
+    first message of each kind of error goes into ``examples``."""
+    tokens, error, message = _attempt(http, body)
+    if error is not None:
+        with _EXAMPLES_MU:
+            examples.setdefault(error, message)
+    return tokens, error
+
+
+def _attempt(http, body: dict[str, Any]) -> tuple[list[int] | None, str | None, str]:
     try:
         if not body["stream"]:
             r = http.post("/v1/completions", json=body)
             if r.status_code != 200:
-                return None, f"HTTP {r.status_code}"
-            return r.json()["choices"][0]["token_ids"], None
+                return (None, *_http_error(r))
+            return r.json()["choices"][0]["token_ids"], None, ""
         tokens: list[int] = []
         with http.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
                 r.read()
-                return None, f"HTTP {r.status_code}"
+                return (None, *_http_error(r))
             done = False
             for line in r.iter_lines():
                 if not line:
@@ -74,15 +100,18 @@ def _request(http, body: dict[str, Any]) -> tuple[list[int] | None, str | None]:
                     continue
                 event = json.loads(data)
                 if "error" in event:
-                    return None, f"SSE error {event['error'].get('code')}"
+                    return (None, f"SSE error {event['error'].get('code')}",
+                            str(event["error"].get("message", "")))
                 tokens += event["choices"][0]["token_ids"]
-        return (tokens, None) if done else (None, "stream ended without [DONE]")
+        if done:
+            return tokens, None, ""
+        return None, "stream ended without [DONE]", f"{len(tokens)} tokens before the end"
     except Exception as err:  # noqa: BLE001 - a transport error is what the client saw
-        return None, f"transport {type(err).__name__}"
+        return None, f"transport {type(err).__name__}", str(err)[:200]
 
 
 def _client(url: str, index: int, seed: int, stop: threading.Event, out: list,
-            current: list[float | None]) -> None:
+            current: list[float | None], examples: dict[str, str]) -> None:
     """Sends completions back to back until ``stop``; ``current[index]``: when the request in
     flight started (None between two requests)."""
     import httpx
@@ -97,7 +126,7 @@ def _client(url: str, index: int, seed: int, stop: threading.Event, out: list,
             if rng.random() < 0.5:  # half greedy, half sampled with a seed
                 body.update(temperature=rng.choice([0.7, 1.0, 1.5]), seed=rng.randrange(1 << 31))
             current[index] = time.monotonic()
-            tokens, error = _request(http, body)
+            tokens, error = _request(http, body, examples)
             current[index] = None
             out.append((body, tokens, error))
 
@@ -140,7 +169,7 @@ def run_fault_bench(faults: int, clients: int, seed: int, progress=None) -> dict
     """One run; the report (module docstring)."""
     import httpx
 
-    from calexec.drivers.tools.bench.core import _cpu_model
+    from calexec.drivers.tools.bench.core import cpu_model
     from calexec.drivers.tools.chaos import FAULTS, LiveServer
     from calexec.drivers.calrt.runtime import Fault, FaultMode
     from calexec.drivers.serving.server import ServerConfig, create_app
@@ -156,6 +185,8 @@ def run_fault_bench(faults: int, clients: int, seed: int, progress=None) -> dict
             (started, lost, cause))
         emu = executor.device.emu
         records: list = []
+        examples: dict[str, str] = {}  # client errors: kind -> first message
+        ref_examples: dict[str, str] = {}  # the replay's errors
         windows: list[tuple[float, str]] = []  # (armed at, kind) of each fired fault
         skipped: Counter = Counter()
         stop = threading.Event()
@@ -164,7 +195,8 @@ def run_fault_bench(faults: int, clients: int, seed: int, progress=None) -> dict
         try:
             with LiveServer(app) as server:
                 threads = [threading.Thread(target=_client, args=(server.url, i, seed, stop,
-                                                                  records, current),
+                                                                  records, current,
+                                                                  examples),
                                             name=f"bench-faults-client-{i}")
                            for i in range(clients)]
                 for thread in threads:
@@ -204,7 +236,7 @@ def run_fault_bench(faults: int, clients: int, seed: int, progress=None) -> dict
                 faulted_s = time.monotonic() - t_start
                 # the reference: every completed request again, fault-free, not streamed
                 done = [(body, tokens) for body, tokens, error in records if error is None]
-                reference: dict[int, list[int] | None] = {}
+                reference: dict[int, tuple[list[int] | None, str | None]] = {}
                 todo = iter(range(len(done)))
                 lock = threading.Lock()
 
@@ -215,8 +247,8 @@ def run_fault_bench(faults: int, clients: int, seed: int, progress=None) -> dict
                                 k = next(todo, None)
                             if k is None:
                                 return
-                            tokens, _ = _request(http, {**done[k][0], "stream": False})
-                            reference[k] = tokens
+                            reference[k] = _request(http, {**done[k][0], "stream": False},
+                                                    ref_examples)
                 replayers = [threading.Thread(target=replay) for _ in range(clients)]
                 for thread in replayers:
                     thread.start()
@@ -231,9 +263,16 @@ def run_fault_bench(faults: int, clients: int, seed: int, progress=None) -> dict
             emu.clear_all_faults()
             if not executor.lifecycle.final:
                 executor.shutdown(10.0)
-    identical = sum(1 for k, (_, tokens) in enumerate(done) if reference.get(k) == tokens)
+    # a replay that failed (or never ran) is no reference: counted apart, never as identical
+    missing = (None, "replay did not run")
+    ref_errors = Counter(reference.get(k, missing)[1] for k in range(len(done))
+                         if reference.get(k, missing)[1] is not None)
+    same = [reference.get(k, missing)[0] == tokens for k, (_, tokens) in enumerate(done)]
+    mismatched = [k for k in range(len(done))
+                  if reference.get(k, missing)[1] is None and not same[k]]
+    identical = sum(same)
     sampled = [k for k, (body, _) in enumerate(done) if "seed" in body]
-    identical_sampled = sum(1 for k in sampled if reference.get(k) == done[k][1])
+    identical_sampled = sum(1 for k in sampled if same[k])
     errors = Counter(error for _, _, error in records if error is not None)
     # attribute each resume to the fault armed last before its failure
     per_fault: dict[int, float] = {}
@@ -251,8 +290,13 @@ def run_fault_bench(faults: int, clients: int, seed: int, progress=None) -> dict
         "clients": clients, "streaming_clients": clients // 2, "seed": seed,
         "requests": len(records), "completed": len(done),
         "client_errors": sum(errors.values()), "errors": dict(errors),
+        "error_examples": examples,
         "tokens_identical_pct": round(100.0 * identical / len(done), 3) if done else None,
-        "tokens_mismatched": len(done) - identical,
+        "tokens_mismatched": len(mismatched),
+        "mismatch_examples": [{"request": done[k][0], "tokens": done[k][1],
+                               "reference": reference[k][0]} for k in mismatched[:3]],
+        "reference_errors": dict(ref_errors),
+        "reference_error_examples": ref_examples,
         "completed_sampled": len(sampled),
         "tokens_identical_pct_sampled": round(100.0 * identical_sampled / len(sampled), 3)
         if sampled else None,
@@ -267,7 +311,7 @@ def run_fault_bench(faults: int, clients: int, seed: int, progress=None) -> dict
         "recoveries": len(executor.recoveries),
         "sequences_at_end": service_sequences,
         "seconds_with_faults": round(faulted_s, 3),
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
     }
 
 

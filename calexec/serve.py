@@ -13,11 +13,13 @@ not allow: with an external ``--runtime-lib`` and neither, the reset kind is ``n
 return a completion.
 
 ``--ray --replicas N`` serves the same app from N Ray Serve replicas, one device each
-(drivers/fleet/ray_serve.py, docs/deployment.md): it joins the cluster in ``$RAY_ADDRESS`` or starts
-a local one, serves until SIGTERM/SIGINT (or, with ``--once``, one sample completion), then
-shuts Serve down (each replica drains within ``--grace``) and exits 0; 3 when the deployment
-did not start. The library never exits the process; this module's ``main`` returns the code
-to the console script.
+(drivers/fleet/ray_serve.py, docs/deployment.md): it joins the cluster in ``$RAY_ADDRESS`` or
+starts a local one (on loopback only for a loopback ``--host``), serves until SIGTERM/SIGINT
+(or, with ``--once``, one sample completion), then drains the fleet at its ingress within
+``--grace``, shuts Serve and Ray down, waits for the local cluster's processes and exits 0; 3
+when the deployment did not start or requests were still running after ``--grace``. The
+library never exits the process; this module's ``main`` returns the code to the console
+script.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ import logging
 import os
 import re
 import shlex
-import signal
 import socket
 import sys
 import tempfile
@@ -45,8 +46,7 @@ import attrs
 from calexec.drivers.memory import pin_mmap_threshold
 from calexec.drivers.serving.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
 from calexec import cliargs
-from calexec.drivers.synthetic import tokenizer
-from calexec.drivers.serving import hf_tokenizer
+from calexec.drivers.serving import byte_tokenizer, hf_tokenizer
 from calexec.drivers.serving.dumpsink import DumpConfigError, DumpSink
 from calexec.drivers.serving.server import (DrainingServer, ServerConfig, create_app,
                                             uvicorn_config)
@@ -259,45 +259,84 @@ def main(argv: list[str]) -> int:
 
 
 def _serve_ray(args: argparse.Namespace, config: ServerConfig, port: int, spec) -> int:
-    """``--ray``: deploy ``--replicas`` replicas behind Serve's proxy on ``--host:--port``."""
+    """``--ray``: deploy ``--replicas`` replicas behind Serve's proxy on ``--host:--port``.
+
+    A local Ray started for a loopback ``--host`` listens on loopback only (Ray's
+    single-machine mode, drivers/fleet/local_ray.py). The SIGTERM/SIGINT handlers go in after
+    ``ray.init`` (which replaces its caller's). On a signal the fleet drains at its ingress
+    (new requests 503 + Retry-After, those in progress finish within ``--grace``), then Serve
+    shuts down (each replica drains what is left), then Ray, and the command waits for every
+    process of the local cluster to end: 0, or 3 when requests were still running after
+    ``--grace`` (they are cut)."""
+    from calexec.drivers.fleet import local_ray
+
+    os.environ.update(local_ray.local_environment(args.host))  # read at `import ray`
     try:
         import ray
         from ray import serve
 
-        from calexec.drivers.fleet.ray_serve import ReplicaSettings, build_app
+        from calexec.drivers.fleet.ray_serve import ReplicaSettings, build_app, drain_fleet
     except ImportError as err:
         print(f"calexec serve --ray: {err}; install the extra: pip install 'calexec[ray]'",
               file=sys.stderr)
         return EXIT_USAGE
     if port == 0:  # --once: an ephemeral port the proxy can bind
-        with socket.socket() as s:
+        with socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET) as s:
             s.bind((args.host, 0))
             port = s.getsockname()[1]
     settings = ReplicaSettings(device_config=args.device_config, calbin_path=args.calbin,
                                runtime_lib=args.runtime_lib, grace_s=args.grace, server=config,
                                gil_switch_us=args.gil_switch_us, manifest_path=args.manifest,
                                reset_kind=spec.reset()[0])
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False)
+    local = not local_ray.joins_cluster()
     try:
-        serve.start(http_options={"host": args.host, "port": port})
+        ray.init(address=local_ray.init_address(), include_dashboard=False)
+    except (ConnectionError, RuntimeError, ray.exceptions.RayError) as err:
+        if local:
+            raise
+        print(f"calexec serve --ray: {local_ray.join_error(os.environ['RAY_ADDRESS'], err)}",
+              file=sys.stderr)
+        return EXIT_USAGE
+    with local_ray.StopSignals() as signals:
         try:
-            serve.run(build_app(settings, args.replicas or 1), name="calexec", route_prefix="/")
-        except RuntimeError as err:  # a replica could not start (see the replica logs)
-            print(f"calexec serve --ray: deployment failed: {err}", file=sys.stderr)
-            return EXIT_FAILED
-        url = f"http://{args.host}:{port}"
-        if args.once:
-            ok = SampleRun(args.timeout + 10.0, sys.stdout, args.api_key).request(url)
-            return EXIT_OK if ok else EXIT_SAMPLE_FAILED
-        print(f"calexec serve --ray: {args.replicas or 1} replica(s) serving {url}", flush=True)
-        stop.wait()
-        return EXIT_OK
-    finally:
-        serve.shutdown()  # replicas drain within --grace (graceful_shutdown_timeout_s)
-        ray.shutdown()
+            if local:
+                local_ray.check_node_ip(args.host, ray.util.get_node_ip_address())
+            serve.start(http_options={"host": args.host, "port": port})
+            try:
+                serve.run(build_app(settings, args.replicas or 1), name="calexec",
+                          route_prefix="/")
+            except RuntimeError as err:  # a replica could not start (see its logs)
+                print(f"calexec serve --ray: deployment failed: {err}", file=sys.stderr)
+                return EXIT_FAILED
+            url = f"http://{args.host}:{port}"
+            if args.once:
+                ok = SampleRun(args.timeout + 10.0, sys.stdout, args.api_key).request(url)
+                return EXIT_OK if ok else EXIT_SAMPLE_FAILED
+            print(f"calexec serve --ray: {args.replicas or 1} replica(s) serving {url}",
+                  flush=True)
+            signals.stop.wait()
+            print(f"calexec serve --ray: {signals.received}: draining (grace {args.grace:g} s)",
+                  flush=True)
+            try:
+                drained = drain_fleet("calexec", args.grace)
+            except Exception as err:  # the ingress is unreachable: the shutdown still runs
+                print(f"calexec serve --ray: the drain at the ingress failed: {err!r}",
+                      file=sys.stderr)
+                return EXIT_FAILED
+            if not drained["drained"]:
+                print(f"calexec serve --ray: {drained['active']} request(s) still running "
+                      f"after --grace={args.grace:g} s are cut", file=sys.stderr)
+                return EXIT_FAILED
+            return EXIT_OK
+        except local_ray.RayBindError as err:
+            print(f"calexec serve --ray: {err}", file=sys.stderr)
+            return EXIT_USAGE
+        finally:  # still under our handlers: a second signal cannot cut the drain short
+            forced = local_ray.shutdown(local)
+            if forced:
+                logging.getLogger("calexec.serve").warning(
+                    "Ray processes still running after ray.shutdown, ended: %s",
+                    "; ".join(forced))
 
 
 class SampleRun:
@@ -365,9 +404,9 @@ class SampleRun:
             f"{reply['usage']['prompt_tokens']} prompt tokens, finish_reason="
             f"{choice['finish_reason']}, text {choice['text']!r}")
         if self.byte_level:
-            say(f"  (byte-level tokenizer: ids {tokenizer.BYTE_OFFSET}.."
-                f"{tokenizer.BYTE_OFFSET + 255} are UTF-8 bytes, other ids print as <id>; the "
-                "synthetic model's weights are random)")
+            say(f"  (byte-level tokenizer: ids {byte_tokenizer.BYTE_OFFSET}.."
+                f"{byte_tokenizer.BYTE_OFFSET + 255} are UTF-8 bytes, other ids print as <id>; "
+                "the synthetic model's weights are random)")
         return True
 
     def _say(self, line: str) -> None:

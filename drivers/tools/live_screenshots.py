@@ -1,0 +1,144 @@
+"""``calexec diagrams live``: screenshots of the live statecharts page under load, and of one
+job's path (for docs/diagrams.md).
+
+Starts the bundled emulator and the reference server on 127.0.0.1, sends completions from a few
+client threads, and takes a headless-Chromium screenshot of ``/debug/statecharts`` under that
+load; then fails one request with an injected CCU exception and screenshots its job's path page.
+The pages themselves are drivers/serving/live_charts.py.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+from calexec import cliargs
+from calexec.drivers.serving.live_charts import path_page
+
+
+def _run_bounded(argv: list[str], timeout: float, env: dict[str, str]) -> subprocess.CompletedProcess:
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env=env)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        return subprocess.CompletedProcess(argv, -9, out, err + f"\ntimed out after {timeout}s")
+    try:  # helpers a browser leaves behind
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def chromium_capture(url: str, workdir: str, screenshot: str | None = None,
+                     size: tuple[int, int] = (1400, 2400), budget_ms: int = 4000,
+                     timeout: float = 90.0) -> subprocess.CompletedProcess:
+    """Headless Chromium on ``url`` after ``budget_ms`` of page time: a PNG screenshot when
+    ``screenshot`` is given, else the DOM (stdout) after the page's scripts ran."""
+    exe = shutil.which("chromium") or shutil.which("chromium-browser")
+    if exe is None:
+        raise FileNotFoundError("chromium is not on PATH (Debian package 'chromium'; "
+                                "bash .ci/install-server-tools)")
+    argv = [exe, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+            "--no-first-run", "--disable-background-networking", "--disable-component-update",
+            "--disable-sync", f"--user-data-dir={os.path.join(workdir, 'profile')}",
+            f"--virtual-time-budget={budget_ms}", f"--window-size={size[0]},{size[1]}"]
+    argv += [f"--screenshot={screenshot}"] if screenshot else ["--dump-dom"]
+    return _run_bounded(argv + [url], timeout, {**os.environ, "HOME": workdir})
+
+
+def main(argv: list[str]) -> int:
+    """``calexec diagrams live --out PNG [--job-out PNG] [--seconds S] [--clients N]``."""
+    parser = cliargs.parser("calexec diagrams live",
+                            "Screenshot /debug/statecharts under load, and one job's path.")
+    parser.add_argument("--out", default="docs/img/live.png", help="PNG to write")
+    parser.add_argument("--job-out", default="docs/img/job_path.png",
+                        help="PNG of /debug/jobs/{id} for a request failed by an injected CCU "
+                             "exception ('' to skip)")
+    parser.add_argument("--seconds", type=float, default=5.0, help="load before the shot")
+    parser.add_argument("--clients", type=int, default=4, help="concurrent client threads")
+    args = parser.parse_args(argv[2:])
+    import httpx
+    import uvicorn
+
+    from calexec.contracts.manifest import default_manifest_path, load_manifest
+    from calexec.drivers.synthetic import calbin
+    from calexec.drivers.calrt.runtime import CalRT
+    from calexec.drivers.serving.server import ServerConfig, create_app
+    from calexec.machines.executor import DeviceExecutor, ExecutorConfig
+
+    with tempfile.TemporaryDirectory(prefix="calexec-live-") as tmp:
+        path = os.path.join(tmp, "synthetic.calbin")
+        calbin.write(path, calbin.default_spec())
+        ex = DeviceExecutor(CalRT.load(), load_manifest(default_manifest_path()),
+                            ExecutorConfig(calbin_path=path, device_config="decode_us=20000"))
+        status = ex.start()
+        if not status.ok:
+            print(f"calexec diagrams live: executor did not start: {status}", file=sys.stderr)
+            return 1
+        server = uvicorn.Server(uvicorn.Config(create_app(ex, ServerConfig()), host="127.0.0.1",
+                                               port=0, log_level="warning", access_log=False))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        stop = threading.Event()
+        try:
+            end = time.monotonic() + 30
+            while not server.started and time.monotonic() < end:
+                time.sleep(0.05)
+            url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+
+            def client(i: int) -> None:
+                with httpx.Client(base_url=url, timeout=30) as http:
+                    while not stop.is_set():
+                        http.post("/v1/completions", json={"prompt": [i + 1, 2, 3],
+                                                           "max_tokens": 16})
+
+            clients = [threading.Thread(target=client, args=(i,), daemon=True)
+                       for i in range(args.clients)]
+            for c in clients:
+                c.start()
+            time.sleep(args.seconds)
+            done = chromium_capture(f"{url}/debug/statecharts", tmp, screenshot=os.path.abspath(args.out))
+            stop.set()
+            for c in clients:
+                c.join(30)
+            if args.job_out and done.returncode == 0:
+                done = _job_path_shot(ex, server, url, tmp, os.path.abspath(args.job_out))
+        finally:
+            stop.set()
+            server.should_exit = True
+            thread.join(10)
+            ex.shutdown(10.0)
+    if done.returncode != 0 or not os.path.exists(args.out):
+        print(f"calexec diagrams live: chromium failed: {done.stderr[-2000:]}", file=sys.stderr)
+        return 1
+    print(args.out)
+    if args.job_out:
+        print(args.job_out)
+    return 0
+
+
+def _job_path_shot(ex: Any, server: Any, url: str, tmp: str, out: str) -> subprocess.CompletedProcess:
+    """A request failed by a DONE_CCU_EXCEPTION: screenshot of its job's path page."""
+    import httpx
+
+    from calexec.drivers.calrt.runtime import Fault, FaultMode
+
+    ex.device.emu.set_fault(Fault.CCU_EXCEPTION, FaultMode.NTH, 1, 0, 0)
+    with httpx.Client(base_url=url, timeout=30) as http:
+        body = http.post("/v1/completions", json={"prompt": [7, 7, 8], "max_tokens": 4}).json()
+    job_id = body["status"]["job_id"]
+    page_file = os.path.join(tmp, f"job_{job_id}.html")
+    with open(page_file, "w", encoding="utf-8") as fh:
+        fh.write(path_page(ex.job_trail(job_id)))
+    return chromium_capture(f"file://{page_file}", tmp, screenshot=out, size=(1200, 1500),
+                            budget_ms=500)

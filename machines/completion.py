@@ -1,0 +1,335 @@
+"""The completion side of the executor (§6.5, issue 25): what the ``calexec-completion``
+thread does with each submitted job, in submission order.
+
+``push`` (the submitter, after ``infer`` accepted a job) appends to the completion queue
+(``completion_mu``, never held across Wait); ``complete_one`` takes the oldest and
+``Wait``s for it with no lock held, bounded by the §9.1 execution deadline, asks
+``GetStatus``, double-checks rc and status, checks the output (size FI09, finiteness FI10)
+and converts the requested logits slice into the caller's array (``postprocess``), commits
+the KV txn, undoes the slices, gives the permit and budget back before waking the caller,
+fires a greedy-ahead stream's next step, resolves the job and returns its lease. Every failure
+on the way goes to ``JobOutcomes`` (machines/outcomes.py): quarantine, KV Unknown, the fault
+reported first; a job the runtime still runs after a failed Wait keeps its buffers and permit
+(``hold``) until the runtime lets go.
+
+It also keeps the moving average of decode jobs' device time (``decode_exec_us``), which the
+submitter's early wake-up and the arming delays read.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+
+from calexec.contracts.codes import CalrtCode, DeviceJobStatus
+from calexec.contracts.errors import Category
+from calexec.contracts.prepare import valid_logits_row
+from calexec.contracts.status import Phase, Status
+from calexec.contracts.types import TaskKind
+from calexec.machines.chart_names import (JOB_CANCEL_REQUESTED, JOB_COMPLETING, JOB_EV_CANCEL,
+                                          JOB_EV_DELIVER, JOB_EV_EXECUTION_TIMEOUT, JOB_EV_FAIL,
+                                          JOB_EV_FAULT, JOB_EV_WAIT_RETURNED, JOB_QUARANTINED,
+                                          JOB_SUBMITTED)
+from calexec.machines.clock import Clock
+from calexec.machines.dispatch import Dispatch
+from calexec.machines.job import InferenceResult, Job, advance, job_of
+from calexec.machines.locks import COMPLETION, LockOrder
+from calexec.machines.outcomes import JobOutcomes
+from calexec.machines.postprocess import bf16_all_finite, bf16_to_f32_into
+
+if TYPE_CHECKING:
+    from calexec.machines.executor import ExecutorConfig
+    from calexec.machines.generation import Generation
+
+
+class Completion:
+    """The completion queue and the completion of one job (see the module docstring)."""
+
+    def __init__(self, config: "ExecutorConfig", clock: Clock, locks: LockOrder,
+                 dispatch: Dispatch, outcomes: JobOutcomes, fused_logits: Any,
+                 current: Callable[[], "Generation | None"],
+                 capacity: Callable[[], int]) -> None:
+        self.config = config
+        self.clock = clock
+        self.locks = locks
+        self.dispatch = dispatch
+        self.outcomes = outcomes
+        #: the runtime's fused output check and conversion (drivers/native), or None (numpy)
+        self.fused_logits = fused_logits
+        self._current = current  # the executor's current generation
+        self._capacity = capacity  # the effective in-flight capacity
+        self.mu = locks.lock(COMPLETION)  # never held across Wait()
+        self.cv = clock.condition(self.mu, "completion_cv")
+        self._queue: deque[Job] = deque()
+        self._stopping = False
+        #: the job the completion thread waits for (``health`` reads it)
+        self.waiting_on: Job | None = None
+        #: threads that called Wait (invariant 2: one)
+        self.wait_threads: set[str] = set()
+        #: moving average of a decode job's device time (this thread writes, others read a
+        #: float): the early wake-ups and the arming delays (issue 17)
+        self.decode_exec_us = 0.0
+        self._prewoken = 0  # the job the submitter last woke early for (``prewake_at``)
+
+    # ---- the queue ---------------------------------------------------------------------------
+    def push(self, job: Job) -> None:
+        """``infer`` accepted ``job``: it is the completion thread's now."""
+        with self.cv:
+            self._queue.append(job)
+            self.cv.notify()
+
+    def __len__(self) -> int:
+        """Jobs submitted and not completed yet (no lock: a length)."""
+        return len(self._queue)
+
+    def head(self) -> Job | None:
+        """The oldest submitted job (no lock: a deque read that may race a pop)."""
+        try:
+            return self._queue[0]
+        except IndexError:
+            return None
+
+    def jobs(self) -> list[Job]:
+        """Every submitted job not completed yet, oldest first."""
+        with self.mu:
+            return list(self._queue)
+
+    def prewake_at(self, now: float, prewake_s: float) -> float | None:
+        """When the submitter's idle wait should end early (the submitter calls this; no
+        lock): the decode job on the device is expected to end ``prewake_s`` after that;
+        once per job. None: nothing on the device, its end unknown or too near."""
+        head = self.head()  # no completion_mu: a racy read of the oldest job
+        if (head is None or head.job_id == self._prewoken or not head.submitted_at
+                or head.kind != TaskKind.DECODE or self.decode_exec_us <= 0):
+            return None
+        early = head.submitted_at + self.decode_exec_us / 1e6 - prewake_s - now
+        if early < prewake_s:
+            return None
+        self._prewoken = head.job_id
+        return now + early
+
+    def stop(self, stopping: bool = True) -> None:
+        """The threads are to stop (or start again): the idle wait ends."""
+        with self.cv:
+            self._stopping = stopping
+            self.cv.notify_all()
+
+    # ---- one job -----------------------------------------------------------------------------
+    def complete_one(self, block: bool = False,
+                     holding: Callable[[Job | None], None] = lambda job: None) -> bool:
+        """Wait for the oldest submitted job and finish it. False when none is submitted.
+        ``holding``: told the job before it is worked on and None after (the thread's
+        barrier resolves that job if this raises)."""
+        with self.cv:
+            while not self._queue:
+                if not block or self._stopping:
+                    return False
+                self.clock.wait(self.cv, None)  # idle: a submit or shutdown ends it
+            job = self._queue[0]
+        holding(job)
+        try:
+            self._complete(job)
+        finally:
+            with self.cv:
+                if self._queue and self._queue[0] is job:
+                    self._queue.popleft()
+            self.waiting_on = None
+        holding(None)
+        return True
+
+    def execution_deadline(self, job: Job) -> float:
+        """The §9.1 execution deadline of a submitted ``job`` (Clock.monotonic())."""
+        cfg = self.config
+        return (job.submitted_at + cfg.execution_timeout_s
+                + cfg.execution_timeout_per_token_s * job.request.token_count)
+
+    def _complete(self, job: Job) -> None:
+        slot = job.lease.slot
+        outbuf = slot.outbuf
+        outcomes = self.outcomes
+        # §5.2: no executor lock across Wait(). recovery_mu is exempt: only a recovery holds
+        # it, and in stepped mode that recovery drives this very call (the job path never
+        # takes recovery_mu, so holding it cannot block a job).
+        held = [n for n in self.locks.held_by_current_thread() if n != "recovery_mu"]
+        if self.locks.checking and held:
+            self.locks.violations.append(f"Wait() called holding {tuple(held)}")
+        self.wait_threads.add(threading.current_thread().name)
+        t0 = self.clock.now_us()
+        self.waiting_on = job
+        # One Wait() bounded by the §9.1 execution deadline; no lock is held here.
+        remaining_us = int((self.execution_deadline(job) - self.clock.monotonic()) * 1e6)
+        rc = outbuf.wait(max(0, remaining_us))
+        slot.runtime_answer = answer = outbuf.get_status()  # the runtime's answer, for guards
+        device_status = answer[1]
+        job.timings.completed_us = self.clock.now_us()
+        job.timings.device_wait_ms = (job.timings.completed_us - t0) / 1000.0
+        if job.kind == TaskKind.DECODE and rc == CalrtCode.SUCCESS:
+            spent = job.timings.completed_us - job.timings.submitted_us
+            self.decode_exec_us += (spent - self.decode_exec_us) * (
+                0.25 if self.decode_exec_us else 1.0)
+        job.wait_rc, job.device_status = rc, device_status
+        if job.cancel_flag and job.run.state == JOB_SUBMITTED:
+            job.run.send(JOB_EV_CANCEL)
+        if rc != CalrtCode.SUCCESS and device_status in (DeviceJobStatus.PENDING,
+                                                         DeviceJobStatus.RUNNING):
+            self._runtime_still_holds(job, slot, rc)
+            return
+        target = job.run.send(JOB_EV_WAIT_RETURNED)
+        if target == JOB_QUARANTINED:
+            status = (Status.from_calrt(rc, Phase.WAIT, "Wait", **job.ctx()) if rc != 0 else
+                      Status.from_device_status(device_status, **job.ctx()))
+            outcomes.quarantine_after_submit(job, status,
+                                             release_permit=slot.runtime_let_go())
+            return
+        t1 = self.clock.now_us()
+        copy_ms = outbuf.copy_ms() if hasattr(outbuf, "copy_ms") else None
+        if copy_ms is not None:  # measured by the device (the emulator); the host cannot
+            job.timings.h2d_ms, job.timings.d2h_ms = copy_ms
+        result = self.postprocess(job)
+        job.timings.postprocess_ms = (self.clock.now_us() - t1) / 1000.0
+        if isinstance(result, Status):
+            job.output_status = result
+            if target == JOB_COMPLETING:
+                job.run.send(JOB_EV_FAULT)
+            outcomes.quarantine_after_submit(job, result, release_permit=True)
+            return
+        # §6.5 order: KV commit -> reset slices -> deliver -> release the lease.
+        job.output_status = Status.OK
+        if not job.gen.kvc.settle(job.txn, "commit refused"):  # the chart's guard decides
+            status = Status.internal("kv_commit_refused", Phase.OUTPUT_CHECK, "the KV "
+                                     "transaction's guard refused the commit", **job.ctx())
+            if target == JOB_COMPLETING:
+                job.run.send(JOB_EV_FAULT)
+            outcomes.quarantine_after_submit(job, status, release_permit=True, settled=True)
+            return
+        undo = slot.undo_slices()
+        # Wait returned and GetStatus said done: the device is free, so the in-flight permit
+        # and the token budget go back before the caller is woken (issue 17, A/B measured:
+        # the caller's next job finds its permit free; the lease still goes back after)
+        self.dispatch.release_budget(job)
+        self.dispatch.release_permit(job)
+        stream, job.stream = job.stream, None
+        if stream is not None and target == JOB_COMPLETING and not job.cancel_flag:
+            ran_us = job.timings.completed_us - job.timings.submitted_us
+            tuning = self.config.tuning
+            slow = self.config.threads and ran_us >= tuning.ahead_yield_min_us
+            fired = stream.fire_ahead(  # greedy ahead (machines/stream.py)
+                job, result, min(tuning.ahead_arm_delay_s, ran_us / 4e6) if slow else 0.0)
+            if fired is not None and slow:
+                self._until_submitted(job_of(fired))
+        if target == JOB_COMPLETING and not advance(job, JOB_EV_DELIVER):
+            target = JOB_CANCEL_REQUESTED
+        if target != JOB_COMPLETING:  # cancelled after submit (FI12): result discarded
+            if job.run.state == JOB_CANCEL_REQUESTED:
+                job.run.send(JOB_EV_FAIL)
+            outcomes.bump("cancelled")
+            job.resolve(Status.cancelled(
+                Phase.CANCEL, "cancelled after submit: Wait completed, result discarded",
+                **job.ctx()))
+        else:
+            outcomes.bump("succeeded" if job.gen is self._current() else "stale_completions")
+            job.resolve(result)
+        job.gen.pool.device_done(job.lease)
+        released = job.lease.release()
+        self.dispatch.lease_returned()  # a pre-arm that missed a slot: tried again
+        for problem in (undo, released):
+            if not problem.ok:  # FI15: slot quarantined by the pool; the job's result stands
+                outcomes.faults.report(problem.with_context(**job.ctx()), job)
+                outcomes.check_pool(job)
+
+    def _until_submitted(self, job: Job) -> None:
+        """Greedy ahead: the completion thread just queued ``job`` (the next step of a
+        stream) and gets out of the submitter's way, its own GIL-holding work (delivering the
+        job before, which also wakes that job's caller) waiting until ``job`` is on the device
+        or failed, bounded by ``tuning.ahead_yield_s`` (A/B measured, docs/benchmarks.md:
+        without it the submitter's wake-up waited for the GIL behind that work)."""
+        end = self.clock.monotonic() + self.config.tuning.ahead_yield_s
+        with self.cv:
+            while not (job.done or job.submitted_at or self._stopping):
+                remaining = end - self.clock.monotonic()
+                if remaining <= 0:
+                    return
+                self.clock.wait(self.cv, remaining)
+
+    def _runtime_still_holds(self, job: Job, slot: Any, rc: int) -> None:
+        """Wait() failed (timeout, FI07) while the runtime still runs the job (§9.1).
+
+        The job fails now (Quarantined: no logits, KV Unknown) but its buffers stay with the
+        runtime: the slot is quarantined and its host storage stays mapped, and the in-flight
+        permit stays held until the device lets go (``JobOutcomes.reap_held``). If it has not
+        after ``timeout_grace_s``, ``device.hung`` is reported: the recovery resets the device
+        (or, with no safe reset, the lifecycle ends Failed). In Phase A the completion thread
+        waits that grace itself (no other job can be in flight meanwhile); in Phase B it goes
+        on at once and the submitter reaps (every 50 ms), so the other job's completion is
+        never held up by one the device keeps (found by the explorer in Phase B)."""
+        if self.clock.monotonic() >= self.execution_deadline(job):
+            status = Status.failure("execution.deadline", Category.DEVICE, Phase.WAIT,
+                                    "execution deadline passed; buffers kept until the device "
+                                    "lets go or a reset", raw=rc, **job.ctx())
+        else:
+            status = Status.from_calrt(rc, Phase.WAIT, "Wait failed while the job is still on "
+                                       "the device; buffers kept", **job.ctx())
+        job.run.send(JOB_EV_EXECUTION_TIMEOUT)
+        outcomes = self.outcomes
+        outcomes.quarantine_after_submit(job, status, release_permit=False, on_device=True)
+        outcomes.hold(job, slot)
+        if self._capacity() == 1:
+            # nothing else can be on the device while this job keeps its permit: the
+            # completion thread may as well wait the grace for the device to let go (a
+            # prompt release of the sequence); with two in flight it must not (the other
+            # job's completion would wait behind it), and the submitter reaps it
+            slot.outbuf.wait(int(self.config.timeout_grace_s * 1e6))
+        outcomes.reap_held()  # let go: permit back; still held after the grace: device.hung
+
+    def postprocess(self, job: Job) -> "InferenceResult | Status":
+        """Output size (FI09), finiteness (FI10), then the direct conversion (§10.1) and the
+        argmax: fused in one native pass when the runtime offers it (``fused_logits``,
+        drivers/native; GIL released), else the numpy path. Same bits, same argmax."""
+        request, slot, sm = job.request, job.lease.slot, job.submodel
+        vocab = job.gen.contracts.vocab_size
+        row = valid_logits_row(request.token_count, sm.logits_tile_d0)
+        first, count = request.logits_range(vocab)
+        base = row * vocab + first
+        rc, valid_bytes = slot.outbuf.valid_bytes()
+        if rc != 0:
+            return Status.from_calrt(rc, Phase.OUTPUT_CHECK, "output valid bytes", **job.ctx())
+        if valid_bytes < sm.logits.byte_size:
+            return Status.internal("output_short", Phase.OUTPUT_CHECK,
+                                   f"output {sm.logits.name!r} holds {valid_bytes} bytes, "
+                                   f"contract ByteSize is {sm.logits.byte_size}", **job.ctx())
+        # the caller's array is written only by a job whose result it will take: a job
+        # cancelled after submit (FI12: result discarded) is checked into a row of its own
+        # (its KV commit still needs the output check). A cancel that comes after this line
+        # finds the caller's row written, but its result is discarded all the same.
+        dst = job.logits_out
+        if dst is None or job.cancel_flag:
+            dst = np.empty(count, np.float32)
+        fused = self.fused_logits
+        if fused is not None:
+            rc = fused(slot.host_output, base, count, dst)
+            if rc == fused.NONFINITE:  # dst is partly written: not a result
+                return Status.internal("output_not_finite", Phase.OUTPUT_CHECK,
+                                       f"NaN/Inf in logits row {row} [{first}, {first + count}) "
+                                       f"at index {first + fused.first_nonfinite}", **job.ctx())
+            if rc != 0:  # §10.1 bounds or a short destination, refused before any access
+                return Status.internal("logits_slice", Phase.OUTPUT_CHECK,
+                                       f"logits slice base={base} n={count} refused ({rc}: "
+                                       f"{fused.RC_NAMES.get(rc)}) for an output of "
+                                       f"{slot.host_output.shape[0]} elements and a "
+                                       f"destination of {dst.shape[0]}", **job.ctx())
+            argmax = fused.argmax
+        else:
+            src = slot.host_output[base:base + count]
+            if not bf16_all_finite(src, slot.scratch):
+                return Status.internal("output_not_finite", Phase.OUTPUT_CHECK,
+                                       f"NaN/Inf in logits row {row} [{first}, {first + count})",
+                                       **job.ctx())
+            bf16_to_f32_into(slot.host_output, base, count, dst)
+            argmax = int(np.argmax(dst[:count]))
+        return InferenceResult(job_id=job.job_id, seq_id=request.seq_id,
+                               generation=job.generation_id, kind=job.kind, logits=dst[:count],
+                               argmax=argmax, kv_len=job.txn.target_len,
+                               timings=job.timings)

@@ -1,0 +1,207 @@
+"""Every fast path answers exactly like the plain path (issue 24): the differential
+model-based test (drivers/tools/differential.py, docs/testing.md "Differential testing").
+
+Each example is a history of client programs (prefill + decodes through enqueue, implicit
+pre-arms, pre-armed streams, greedy ahead; logits slices, caller rows, reservations, early
+requests, requests after a failure, past deadlines, think times), per-job faults, cancels,
+admin releases, recoveries and model switches, at virtual times. It runs on the plain path and
+on each drawn variant (the real executor threads under the controlled scheduler, a timed
+device); every answer is compared with the plain path's, which is checked against the numpy
+oracle. Phase B and the ready queue may differ only within the set docs/testing.md states.
+
+Three tests: the stateful machine (hypothesis draws and shrinks histories; a few variants
+per example), random histories from seeds on every variant (``random_case``: more clients per
+history than the machine draws), and the minimal histories that found each defect, kept as
+regression tests (each failed before its fix).
+
+Sizes: ``CALEXEC_DIFF_EXAMPLES`` hypothesis examples (CI 80, locally 30) and
+``CALEXEC_DIFF_SEEDS`` random histories from ``CALEXEC_DIFF_SEED`` (CI 30, locally 10); a
+longer run: ``CALEXEC_DIFF_EXAMPLES=3000 CALEXEC_DIFF_SEEDS=2000 CALEXEC_DIFF_SEED=$RANDOM
+python -m pytest -q tests/test_differential.py`` (about 1.5 s a history on the 2-core VM).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
+
+from calexec.drivers.tools import differential as D
+from calexec.drivers.tools import explore as X
+
+EXAMPLES = int(os.environ.get("CALEXEC_DIFF_EXAMPLES", "80" if os.environ.get("CI") else "30"))
+SEEDS = int(os.environ.get("CALEXEC_DIFF_SEEDS", "30" if os.environ.get("CI") else "10"))
+FIRST_SEED = int(os.environ.get("CALEXEC_DIFF_SEED", "0"))
+CALBINS: dict[str, str] = {}
+SEQS = (1, 2, 3)
+NON_PLAIN = sorted(n for n in D.VARIANTS if n != "plain")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _calbins(tmp_path_factory):
+    CALBINS.update(X.write_calbins(str(tmp_path_factory.mktemp("differential"))))
+    logging.disable(logging.ERROR)  # faults and recoveries log by design
+    yield
+    logging.disable(logging.NOTSET)
+
+
+def clients(cid: int):
+    """A client program: the ways callers use (and misuse) a sequence."""
+    prompt = st.lists(st.integers(0, 151935), min_size=1, max_size=12).map(tuple)
+    steps = st.integers(0, 6)
+    fault = st.tuples(st.integers(-1, 5), st.sampled_from(D.JOB_FAULTS))
+    return st.builds(
+        D.Client, cid=st.just(cid), seq=st.sampled_from(SEQS), prompt=prompt, steps=steps,
+        reserve=st.booleans(),
+        want=st.one_of(st.none(), st.none(), st.tuples(st.integers(0, 150000),
+                                                       st.integers(1, 1000))),
+        logits_out=st.booleans(), greedy=st.booleans(),
+        tokens=st.lists(st.integers(0, 151935), min_size=1, max_size=3).map(tuple),
+        deadline_s=st.sampled_from((60.0, 60.0, 60.0, -1.0, 0.0147)),
+        early_at=st.one_of(st.none(), st.none(), st.integers(0, 5)),
+        early_delay_s=st.sampled_from((0.0, 0.0029, 0.0083)),
+        after_failure=st.sampled_from(("same", "next", None)),
+        think_s=st.sampled_from((0.0, 0.0, 0.0, 0.0041, 0.0703)),
+        release=st.booleans() | st.just(True),
+        faults=st.lists(fault, max_size=2).map(tuple))
+
+
+class DifferentialMachine(RuleBasedStateMachine):
+    """Rules are the history's actions, applied to every lane in lock step."""
+
+    @initialize(variants=st.lists(st.sampled_from(NON_PLAIN), min_size=1, max_size=4,
+                                  unique=True),
+                decode_ms=st.sampled_from((0.53, 3.1, 9.7)),
+                slots=st.sampled_from((2, 2, 4)))
+    def start(self, variants, decode_ms, slots):
+        self.diff = D.Differential(CALBINS, variants, decode_s=decode_ms / 1000,
+                                   prefill_s=2 * decode_ms / 1000, slots_per_kind=slots)
+        self.diff.start()
+        self.next_cid = 1
+
+    @rule(data=st.data())
+    def client(self, data):
+        client = data.draw(clients(self.next_cid))
+        self.next_cid += 1
+        self.diff.act(("client", client))
+
+    @rule(data=st.data())
+    def another_client(self, data):  # (a client twice as likely as any other action)
+        self.client(data)
+
+    @rule(seconds=st.sampled_from((0.00047, 0.0021, 0.0059, 0.0203, 0.1007, 0.5003)))
+    def tick(self, seconds):
+        self.diff.act(("tick", seconds))
+
+    @precondition(lambda self: self.next_cid > 1)
+    @rule(data=st.data())
+    def cancel(self, data):
+        self.diff.act(("cancel", data.draw(st.integers(1, self.next_cid - 1))))
+
+    @rule(seq=st.sampled_from(SEQS))
+    def release(self, seq):
+        self.diff.act(("release", seq))
+
+    @rule()
+    def recover(self):
+        self.diff.act(("recover",))
+
+    @rule(to_other=st.booleans(), golden_ok=st.booleans())
+    def switch(self, to_other, golden_ok):
+        self.diff.act(("switch", to_other, golden_ok))
+
+    def teardown(self):
+        diff = getattr(self, "diff", None)
+        if diff is None or diff.closed:
+            return
+        problems = diff.finish()
+        assert problems == [], "\n".join([f"history: {diff.log}", *problems])
+
+
+DifferentialMachine.TestCase.settings = settings(
+    max_examples=EXAMPLES, stateful_step_count=12, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
+                           HealthCheck.data_too_large])
+TestDifferential = DifferentialMachine.TestCase
+
+
+@pytest.mark.parametrize("seed", range(FIRST_SEED, FIRST_SEED + SEEDS))
+def test_a_random_history_is_answered_as_the_plain_path_answers_it(seed):
+    """``random_case(seed)`` on the plain path and every variant; a failure prints the
+    history shrunk (``shrink_case``), ready to become a regression case below."""
+    case = D.random_case(seed)
+    problems = D.run_case(CALBINS, case)
+    if problems:
+        small = D.shrink_case(CALBINS, case, attempts=60)
+        pytest.fail("\n".join([f"seed {seed}; shrunk: {small!r}", *problems[:3]]))
+
+
+C = D.Client
+#: The smallest histories that found each defect (shrunk with ``shrink_case`` from a failing
+#: random history, or written for it), each failing with its fix reverted (docs/testing.md
+#: "What it finds"): kept so the defect stays found whatever the random draws do.
+REGRESSIONS: dict[str, D.Case] = {
+    # issue 24 defect 1/2: a guess adopted by a request the plain path refuses busy (its
+    # predecessor still on the device)
+    "guess_adopted_before_its_predecessor_committed": D.Case(("ready_queue",), (
+        ("client", C(2, 3, (142528, 34499, 37299, 104073, 136430, 138963), 5,
+                     logits_out=False, after_failure=None)),
+        ("client", C(5, 3, (84824, 54607, 95817, 66166), 1, reserve=False, logits_out=False,
+                     deadline_s=0.015, early_at=0, after_failure=None,
+                     early_delay_s=0.003))), 0.003, 2),
+    # defect 3: a stream's arming waited for Ready on the submitter; the golden it waited
+    # for needed the submitter (the lifecycle ended Failed)
+    "arming_waits_for_ready": D.Case(("ready_queue_stream",), (
+        ("client", C(1, 1, (5, 6, 7), 6)), ("tick", 0.021), ("recover",), ("tick", 0.05)),
+        0.01, 2),
+    # defect 4: a step fired ahead and never taken wrote the caller's row
+    "step_fired_ahead_writes_the_callers_row": D.Case(("phase_b_dma",), (
+        ("client", C(3, 2, (113791,), 6, logits_out=True, early_at=2, after_failure=None,
+                     early_delay_s=0.003)),), 0.0005, 4),
+    # defect 4 (FI12): a job cancelled after submit wrote the caller's row
+    "cancelled_job_writes_the_callers_row": D.Case(("stream",), (
+        ("client", C(1, 1, (5, 6, 7), 4, logits_out=True, greedy=False, tokens=(9, 8, 7))),
+        ("tick", 0.025), ("cancel", 1), ("tick", 0.05)), 0.01, 2),
+    # a stream's armed next step kept its slot from another sequence's decode
+    "stream_arm_keeps_its_slot": D.Case(("stream",), (
+        ("client", C(1, 1, (43864, 50880, 44400, 24061), 5, reserve=False, greedy=False,
+                     tokens=(3332, 115704, 122620), after_failure=None,
+                     faults=((4, "CCU_EXCEPTION"), (2, "SUBMIT_RC")))),
+        ("client", C(4, 3, (115019, 117630, 23497, 9823, 21362, 85978), 5,
+                     after_failure=None)),
+        ("tick", 0.1), ("tick", 0.02)), 0.01, 2),
+    # a stream's armed next step made its sequence busy for an admin release
+    "stream_arm_makes_its_sequence_busy": D.Case(("stream",), (
+        ("client", C(1, 1, (5, 6, 7), 4, think_s=0.07)), ("tick", 0.15), ("release", 1),
+        ("tick", 0.2)), 0.01, 2),
+    # a stream's max_len refused its caller's own step (request.invalid)
+    "max_len_refuses_the_callers_step": D.Case(("phase_b_dma",), (
+        ("client", C(3, 2, (22844, 81581, 87185, 3971, 107492, 30930), 1, greedy=False,
+                     tokens=(46577, 146615, 49384), deadline_s=-1.0,
+                     after_failure="next")),), 0.003, 4),
+    # a cancelled stream answered CANCELLED where the plain path answers UNAVAILABLE first
+    "cancelled_stream_answers_before_admission": D.Case(("stream",), (
+        ("client", C(1, 1, (57813, 103704, 147503, 1396), 5, reserve=False, greedy=False,
+                     tokens=(7106, 77071, 19323), after_failure=None, think_s=0.07)),
+        ("switch", False, False), ("tick", 0.002), ("cancel", 1)), 0.0005, 2),
+    # a fence left armed jobs to the submitter: every recovery one drain poll later
+    "fence_leaves_armed_jobs_to_the_submitter": D.Case(("auto_immediate",), (
+        ("client", C(1, 2, (12510, 40249, 135964, 139102), 5, greedy=False,
+                     tokens=(97622, 88543, 27867), early_at=1, after_failure=None,
+                     early_delay_s=0.003, faults=((1, "OUTPUT_SHORT"),))),), 0.0005, 4),
+    # a step fired ahead survived another request of its sequence (computed on the KV as it
+    # was)
+    "step_fired_ahead_survives_another_request": D.Case(("phase_b_dma",), (
+        ("client", C(3, 3, (74882, 146098, 93505, 111704, 35383, 41497, 25589, 139410), 5,
+                     early_at=2, after_failure=None, early_delay_s=0.003)),
+        ("tick", 0.006)), 0.0005, 2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REGRESSIONS))
+def test_a_history_that_found_a_defect_is_answered_as_the_plain_path_answers_it(name):
+    assert D.run_case(CALBINS, REGRESSIONS[name]) == []

@@ -1,0 +1,709 @@
+"""The embedding API (issue 25, docs/embedding.md): completion without a waiting thread
+(``JobHandle.add_done_callback`` / ``as_future`` / ``wait_async``), the typed protocol of the
+executor's public surface (machines/api.py) and the example server that embeds the executor
+(examples/asyncio_server.py), run against the bundled emulator on loopback.
+
+No timing threshold: every wait is bounded, and a bound that is reached fails the test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import inspect
+import json
+import logging
+import signal
+import sys
+import threading
+import types
+import typing
+from pathlib import Path
+
+import pytest
+
+from calexec.contracts.status import Phase, Status
+from calexec.machines.job import InferenceResult, Job, JobHandle
+from executor_harness import (decode, deadline, expected_greedy, make_executor, prefill,
+                              running_job_path, until, write_calbin)
+
+PROMPT = [3, 14, 15, 92, 65, 35, 89, 79]
+BOUND_S = 30.0  # a hang guard: reaching it fails the test
+
+
+@pytest.fixture(scope="module")
+def calbin(tmp_path_factory):
+    return write_calbin(tmp_path_factory.mktemp("calbin"))
+
+
+def bare_job(job_id: int = 1) -> Job:
+    """A job outside any executor (its handle's callbacks and awaits need none)."""
+    return Job(job_id, 1, decode(1, 5, 0), on_cancel=lambda: None)
+
+
+def resolve_in_thread(job: Job, result) -> threading.Thread:
+    thread = threading.Thread(target=job.resolve, args=(result,), name="resolver")
+    thread.start()
+    thread.join(BOUND_S)
+    assert not thread.is_alive()
+    return thread
+
+
+DONE = Status.cancelled(Phase.CANCEL, "resolved by the test")
+
+
+# ---- add_done_callback ------------------------------------------------------------------------
+def test_callback_runs_once_with_its_handle_on_the_resolving_thread():
+    job = bare_job()
+    handle = JobHandle(job)
+    calls = []
+    handle.add_done_callback(lambda h: calls.append((h, threading.current_thread().name)))
+    assert calls == []  # not resolved yet: nothing runs on the registering thread
+    resolve_in_thread(job, DONE)
+    assert calls == [(handle, "resolver")]
+    assert handle.remove_done_callback(calls.append) == 0  # nothing left registered
+    assert handle.pending_callbacks == 0  # run: the list (and what it referenced) is gone
+
+
+def test_callback_registered_after_resolution_runs_at_once_on_the_registering_thread():
+    job = bare_job()
+    job.resolve(DONE)
+    handle = JobHandle(job)
+    calls = []
+    handle.add_done_callback(lambda h: calls.append((h, threading.current_thread())))
+    assert calls == [(handle, threading.current_thread())]
+    handle.add_done_callback(lambda h: calls.append("again"))
+    assert calls[-1] == "again" and len(calls) == 2
+
+
+def test_callbacks_run_in_registration_order_and_a_raising_one_is_logged_only(caplog):
+    job = bare_job(7)
+    handle = JobHandle(job)
+    calls = []
+
+    def boom(h):
+        calls.append("boom")
+        raise RuntimeError("embedder bug")
+
+    handle.add_done_callback(lambda h: calls.append("first"))
+    handle.add_done_callback(boom)
+    handle.add_done_callback(lambda h: calls.append("last"))
+    with caplog.at_level(logging.ERROR, logger="calexec.job"):
+        resolve_in_thread(job, DONE)  # the thread's target would raise: it must not
+    assert calls == ["first", "boom", "last"]
+    assert job.done and job.result == DONE.with_context(job_id=7, seq_id=1, generation=1)
+    logged = [r for r in caplog.records if r.name == "calexec.job"]
+    assert len(logged) == 1 and "job 7 raised" in logged[0].getMessage()
+    assert logged[0].exc_info[0] is RuntimeError
+
+
+def test_remove_done_callback_unregisters_before_resolution():
+    job = bare_job()
+    handle = JobHandle(job)
+    calls = []
+    keep, drop = (lambda h: calls.append("keep")), (lambda h: calls.append("drop"))
+    handle.add_done_callback(drop)
+    handle.add_done_callback(keep)
+    handle.add_done_callback(drop)
+    assert handle.remove_done_callback(drop) == 2
+    assert handle.remove_done_callback(drop) == 0
+    job.resolve(DONE)
+    assert calls == ["keep"]
+
+
+def test_registration_racing_resolution_runs_every_callback_exactly_once():
+    """One thread resolves jobs while another registers on them: whichever comes second
+    runs the callback, never both, never neither."""
+    jobs = [bare_job(i) for i in range(3000)]
+    counts = [0] * len(jobs)
+    start = threading.Barrier(2)
+
+    def register():
+        start.wait()
+        for i, job in enumerate(jobs):
+            JobHandle(job).add_done_callback(lambda h, i=i: counts.__setitem__(i, counts[i] + 1))
+
+    def resolve():
+        start.wait()
+        for job in jobs:
+            job.resolve(DONE)
+
+    threads = [threading.Thread(target=register), threading.Thread(target=resolve)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(BOUND_S)
+    assert not any(thread.is_alive() for thread in threads)
+    assert counts == [1] * len(jobs)
+
+
+# ---- as_future / wait_async -------------------------------------------------------------------
+def test_wait_async_of_a_job_resolved_before_registration_returns_its_result():
+    job = bare_job()
+    job.resolve(DONE)
+    handle = JobHandle(job)
+
+    async def main():
+        future = handle.as_future()
+        assert future.done() and future.result() is job.result
+        return await handle.wait_async(deadline(BOUND_S))
+
+    assert asyncio.run(main()) is job.result
+    assert handle.pending_callbacks == 0  # nothing was registered for it
+
+
+def callback_errors(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "calexec.job" and r.levelno >= logging.ERROR]
+
+
+def test_as_future_is_resolved_from_another_thread_through_the_loop(caplog):
+    """The loop runs in debug mode: a future set from the resolving thread directly (not
+    through ``call_soon_threadsafe``) raises asyncio's thread check there, which the callback
+    guard logs."""
+    caplog.set_level(logging.ERROR, logger="calexec.job")
+    job = bare_job()
+    handle = JobHandle(job)
+
+    async def main():
+        future = handle.as_future()
+        resolver = threading.Thread(target=job.resolve, args=(DONE,), name="resolver")
+        resolver.start()
+        result = await asyncio.wait_for(future, BOUND_S)
+        resolver.join(BOUND_S)
+        return result
+
+    assert asyncio.run(main(), debug=True) is job.result
+    assert callback_errors(caplog) == []
+
+
+def test_wait_async_past_its_deadline_returns_wait_deadline_and_never_cancels():
+    job = bare_job()
+    handle = JobHandle(job)
+
+    async def main():
+        return await handle.wait_async(deadline(0.0))
+
+    result = asyncio.run(main())
+    assert isinstance(result, Status) and result.code == "wait.deadline"
+    assert not handle.cancel_requested and not handle.done
+    assert handle.pending_callbacks == 0  # the registration was removed with the wait
+    job.resolve(DONE)  # resolving later touches no loop (it is closed)
+    assert handle.done
+
+
+def test_cancelling_the_awaiting_task_leaves_the_job_and_no_registration(caplog):
+    job = bare_job()
+    handle = JobHandle(job)
+
+    async def main():
+        task = asyncio.create_task(handle.wait_async(None))
+        await asyncio.sleep(0)  # the task registers and awaits
+        assert handle.pending_callbacks == 1  # registered while it awaits
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    with caplog.at_level(logging.DEBUG, logger="calexec"):
+        asyncio.run(main())
+        assert not handle.cancel_requested  # observing stopped; the job was not cancelled
+        assert handle.pending_callbacks == 0
+        job.resolve(DONE)  # after the loop closed: nothing scheduled, nothing logged
+    assert handle.done and not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_many_concurrent_awaits_on_executor_jobs_park_no_thread(calbin, caplog):
+    """Jobs of a stepped executor stay queued until the test drives it: while the awaits are
+    pending the process has exactly the threads it had before them; a driver thread then
+    resolves every job (callbacks on a foreign thread, loop in debug mode) and each await gets
+    its own sequence's oracle token."""
+    caplog.set_level(logging.ERROR, logger="calexec.job")
+    n = 24
+    ex = make_executor(calbin, threads=False, slots_per_kind=n)
+    try:
+        prompts = {seq: [seq, *PROMPT] for seq in range(1, n + 1)}
+        handles = {seq: ex.enqueue(prefill(seq, prompt, seconds=BOUND_S))
+                   for seq, prompt in prompts.items()}
+        assert not any(handle.done for handle in handles.values())
+
+        def drive():
+            while not all(h.done for h in handles.values()):
+                if not (ex.submit_one() or ex.complete_one()):
+                    break
+
+        async def main():
+            before = set(threading.enumerate())
+            tasks = {seq: asyncio.create_task(handle.wait_async(deadline(BOUND_S)))
+                     for seq, handle in handles.items()}
+            futures = [handle.as_future() for handle in handles.values()]
+            await asyncio.sleep(0)
+            assert all(handle.pending_callbacks == 2 for handle in handles.values())
+            during = set(threading.enumerate())
+            driver = threading.Thread(target=drive, name="driver")
+            driver.start()
+            results = {seq: await task for seq, task in tasks.items()}
+            also = await asyncio.wait_for(asyncio.gather(*futures), BOUND_S)
+            driver.join(BOUND_S)
+            return before, during, results, also
+
+        before, during, results, also = asyncio.run(main(), debug=True)
+        assert during - before == set()  # n pending awaits, no thread for any of them
+        assert callback_errors(caplog) == []  # every result went through the loop
+        for seq, result in results.items():
+            assert isinstance(result, InferenceResult), result
+            assert result.argmax == expected_greedy(prompts[seq], 0)[0]
+        assert [r.argmax for r in also] == [results[seq].argmax for seq in handles]
+    finally:
+        ex.shutdown(grace=5.0)
+
+
+def test_a_raising_callback_never_reaches_the_executor_threads(calbin, caplog):
+    """A callback that raises runs on the completion thread: it is logged, the job's result
+    stands, no thread fault is counted and the executor serves the next job."""
+    with running_job_path(calbin) as ex, caplog.at_level(logging.ERROR, logger="calexec.job"):
+        seen = []
+
+        def boom(h):
+            seen.append(threading.current_thread().name)
+            raise ValueError("embedder bug")
+
+        # registered before admission: the job cannot be resolved yet
+        handle = ex.enqueue(prefill(1, PROMPT), on_created=lambda h: h.add_done_callback(boom))
+        result = handle.wait_until(deadline(BOUND_S))
+        assert isinstance(result, InferenceResult), result
+        until(lambda: seen, what="the callback ran")  # it runs right after the waiter wakes
+        assert seen == ["calexec-completion"]
+        again = ex.enqueue(decode(1, result.argmax, result.kv_len)).wait_until(
+            deadline(BOUND_S))
+        assert isinstance(again, InferenceResult), again
+        assert [result.argmax, again.argmax] == expected_greedy(PROMPT, 1)
+        snap = ex.snapshot()
+        assert snap["thread_faults"] == 0 and ex.health() == []
+        assert any("embedder bug" in str(r.exc_info[1]) for r in caplog.records)
+
+
+def test_greedy_decode_over_wait_async_matches_the_oracle(calbin):
+    """The asyncio embedder's loop on the threaded executor: enqueue (off the loop: it may
+    wait for admission), then ``await wait_async`` per token, several sequences at once."""
+    steps = 6
+    with running_job_path(calbin) as ex:
+        async def one(seq: int) -> list[int]:
+            loop = asyncio.get_running_loop()
+            prompt = [seq, *PROMPT]
+            handle = await loop.run_in_executor(None, ex.enqueue, prefill(seq, prompt))
+            result = await handle.wait_async(deadline(BOUND_S))
+            assert isinstance(result, InferenceResult), result
+            out = [result.argmax]
+            for _ in range(steps):
+                request = decode(seq, out[-1], result.kv_len)
+                handle = await loop.run_in_executor(None, ex.enqueue, request)
+                result = await handle.wait_async(deadline(BOUND_S))
+                assert isinstance(result, InferenceResult), result
+                out.append(result.argmax)
+            return out
+
+        async def main():
+            return await asyncio.gather(*(one(seq) for seq in (1, 2, 3)))
+
+        for seq, tokens in zip((1, 2, 3), asyncio.run(main())):
+            assert tokens == expected_greedy([seq, *PROMPT], steps)
+
+
+# ---- the typed protocol (machines/api.py) -----------------------------------------------------
+#: Where the implementation's annotation is wider than the protocol's. Each entry is a change
+#: to a file this issue may not touch (docs/embedding.md "What the protocol still needs"); any
+#: other difference fails.
+WIDER = {
+    ("DeviceExecutor", "decode_stream", "stop_tokens"):
+        "annotated Any in machines/executor.py; the protocol says Collection[int]",
+    ("DeviceExecutor", "snapshot", "return"):
+        "dict[str, Any] in machines/executor.py; its keys and value types are checked against "
+        "ExecutorSnapshot by test_snapshot_keys_and_lifecycle_states_are_the_documented_ones",
+}
+
+
+def _hints(obj) -> dict:
+    from calexec.machines.stream import DecodeStream
+    return typing.get_type_hints(obj, localns={"DecodeStream": DecodeStream})
+
+
+def _is_protocol(tp) -> bool:
+    return isinstance(tp, type) and getattr(tp, "_is_protocol", False)
+
+
+def _compatible(want, got, seen) -> bool:
+    """``got`` (the class's annotation) is what ``want`` (the protocol's) says: equal, a class
+    conforming to a protocol, or the same generic/union with compatible arguments."""
+    if want == got:
+        return True
+    if _is_protocol(want) and isinstance(got, type):
+        return not conformance(want, got, seen=seen)
+    unions = (typing.Union, types.UnionType)
+    w_origin, g_origin = typing.get_origin(want), typing.get_origin(got)
+    if w_origin is None or not (w_origin == g_origin or {w_origin, g_origin} <= set(unions)):
+        return False
+    w_args, g_args = typing.get_args(want), typing.get_args(got)
+    if w_origin in unions:
+        return (len(w_args) == len(g_args)
+                and all(any(_compatible(w, g, seen) for w in w_args) for g in g_args)
+                and all(any(_compatible(w, g, seen) for g in g_args) for w in w_args))
+    if len(w_args) != len(g_args):
+        return False
+    for w, g in zip(w_args, g_args):
+        if isinstance(w, list) and isinstance(g, list):  # Callable's parameter list
+            if len(w) != len(g) or not all(_compatible(a, b, seen) for a, b in zip(w, g)):
+                return False
+        elif not _compatible(w, g, seen):
+            return False
+    return True
+
+
+def _members(proto) -> dict[str, object]:
+    """The protocol's own members: methods, properties and annotated attributes."""
+    out = {name: value for name, value in vars(proto).items()
+           if not name.startswith("_") and (callable(value) or isinstance(value, property))}
+    out.update({name: None for name in vars(proto).get("__annotations__", {})
+                if not name.startswith("_")})
+    return out
+
+
+def _value_matches(value, tp) -> bool:
+    options = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) \
+        else (tp,)
+    return any(value is None if opt is type(None)
+               else isinstance(value, typing.get_origin(opt) or opt) for opt in options)
+
+
+def conformance(proto, cls, instance=None, seen=None) -> list[str]:
+    """Every way ``cls`` (and ``instance``, for the attributes it sets in ``__init__``)
+    differs from ``proto``: a missing member, a method that became a property or async, a
+    parameter renamed, moved, added or with another default, an annotation that differs
+    (unless listed in ``WIDER``)."""
+    seen = set() if seen is None else seen
+    if (proto, cls) in seen:
+        return []  # assumed while being checked (the protocols refer to each other)
+    seen.add((proto, cls))
+    problems = []
+    for name, want in sorted(_members(proto).items()):
+        where = f"{cls.__name__}.{name}"
+        got = inspect.getattr_static(cls, name, None)
+        if want is None:  # an attribute: a class-level member or set on the instance
+            if got is None and instance is None:
+                continue  # set in __init__: checked when an instance is given
+            wanted = typing.get_type_hints(proto)[name]
+            if instance is not None and not _value_matches(getattr(instance, name, _MISSING),
+                                                           wanted):
+                problems.append(f"{where}: {getattr(instance, name, _MISSING)!r} is not a "
+                                f"{wanted}")
+            continue
+        if got is None:
+            problems.append(f"{where}: missing")
+            continue
+        if isinstance(want, property):
+            if not isinstance(got, property):
+                problems.append(f"{where}: not a property")
+            elif not _compatible(_hints(want.fget)["return"], _hints(got.fget)["return"], seen):
+                problems.append(f"{where}: property type {_hints(got.fget)['return']}")
+            continue
+        if not inspect.isfunction(got):
+            problems.append(f"{where}: not a method ({type(got).__name__})")
+            continue
+        if inspect.iscoroutinefunction(want) != inspect.iscoroutinefunction(got):
+            problems.append(f"{where}: async differs")
+        w_sig, g_sig = inspect.signature(want), inspect.signature(got)
+        w_params = [(p.name, p.kind, p.default) for p in w_sig.parameters.values()]
+        g_params = [(p.name, p.kind, p.default) for p in g_sig.parameters.values()]
+        if w_params != g_params:
+            problems.append(f"{where}: parameters {g_params} != {w_params}")
+            continue
+        w_hints, g_hints = _hints(want), _hints(got)
+        for param in [*list(w_sig.parameters)[1:], "return"]:
+            w, g = w_hints.get(param), g_hints.get(param)
+            if (not _compatible(w, g, seen)
+                    and (cls.__name__, name, param) not in WIDER):
+                problems.append(f"{where}: {param} annotated {g}, the protocol says {w}")
+    return problems
+
+
+_MISSING = object()
+
+
+def test_the_protocol_matches_the_classes_member_by_member():
+    from calexec.machines.api import CompletionHandle, DecodeSteps, InferenceExecutor
+    from calexec.machines.executor import DeviceExecutor
+    from calexec.machines.stream import DecodeStream
+    assert conformance(InferenceExecutor, DeviceExecutor) == []
+    assert conformance(CompletionHandle, JobHandle) == []
+    assert conformance(DecodeSteps, DecodeStream) == []
+    # every allowance is still needed: a fixed annotation must leave the list
+    from calexec.machines.api import InferenceExecutor as P
+    for (cls, name, param), why in WIDER.items():
+        want = _hints(getattr(P, name))[param]
+        got = _hints(getattr(DeviceExecutor, name))[param]
+        assert not _compatible(want, got, set()), f"{cls}.{name} {param}: {why} no longer"
+
+
+def test_the_conformance_check_sees_a_drift():
+    """A renamed parameter, a changed default, another annotation, a missing method, a
+    method turned async: each is reported (the check is not vacuous)."""
+    from calexec.machines.api import CompletionHandle, InferenceExecutor
+    from calexec.machines.executor import DeviceExecutor
+
+    class Renamed(DeviceExecutor):
+        def release_sequence(self, seq_id: int, wait: float = 0.0) -> Status:
+            return Status.OK
+
+    class Default(DeviceExecutor):
+        def shutdown(self, grace: float = 5.0) -> Status:
+            return Status.OK
+
+    class Annotated(DeviceExecutor):
+        def health(self) -> list[int]:
+            return []
+
+    class Missing:
+        pass
+
+    class Async(JobHandle):
+        async def cancel(self) -> bool:
+            return False
+
+    class WrongReturn(JobHandle):
+        def wait_until(self, deadline: float | None) -> InferenceResult:
+            raise NotImplementedError
+
+    assert "parameters" in " ".join(conformance(InferenceExecutor, Renamed))
+    assert "parameters" in " ".join(conformance(InferenceExecutor, Default))
+    assert "health: return" in " ".join(conformance(InferenceExecutor, Annotated))
+    # every member is missing, except annotated attributes (checked on an instance only)
+    attributes = sum(1 for want in _members(InferenceExecutor).values() if want is None)
+    assert len(conformance(InferenceExecutor, Missing)) == (len(_members(InferenceExecutor))
+                                                            - attributes)
+    assert "async differs" in " ".join(conformance(CompletionHandle, Async))
+    assert "wait_until: return" in " ".join(conformance(CompletionHandle, WrongReturn))
+
+
+def test_live_objects_satisfy_the_runtime_checkable_protocols(calbin):
+    from calexec.machines.api import CompletionHandle, DecodeSteps, InferenceExecutor
+    from calexec.machines.executor import DeviceExecutor
+    from calexec.machines.stream import DecodeStream
+    with running_job_path(calbin) as ex:
+        assert isinstance(ex, InferenceExecutor)
+        assert conformance(InferenceExecutor, DeviceExecutor, instance=ex) == []
+        handle = ex.enqueue(prefill(1, PROMPT, kv_reserve_len=len(PROMPT) + 2))
+        assert isinstance(handle, CompletionHandle)
+        result = handle.wait_until(deadline(BOUND_S))
+        assert isinstance(result, InferenceResult), result
+        with ex.decode_stream(1, result.kv_len, deadline(BOUND_S), max_len=len(PROMPT) + 2
+                              ) as stream:
+            assert isinstance(stream, DecodeSteps)
+            assert conformance(DecodeSteps, DecodeStream, instance=stream) == []
+            step = stream.step(result.argmax)
+            assert isinstance(step, InferenceResult), step
+            assert conformance(DecodeSteps, DecodeStream, instance=stream) == []
+        assert not isinstance(object(), InferenceExecutor)
+        assert ex.release_sequence(1).ok
+
+
+def test_snapshot_keys_and_lifecycle_states_are_the_documented_ones(calbin):
+    from calexec.machines.api import LIFECYCLE_STATES, ExecutorSnapshot
+    from calexec.machines.compiled import LIFECYCLE
+    assert LIFECYCLE_STATES == LIFECYCLE.states
+    types_ = typing.get_type_hints(ExecutorSnapshot)
+    with running_job_path(calbin) as ex:
+        assert ex.state in LIFECYCLE_STATES
+        snap = ex.snapshot()
+        assert sorted(snap) == sorted(types_)
+        wrong = {key: value for key, value in snap.items()
+                 if not _value_matches(value, types_[key])}
+        assert wrong == {}
+        assert all(isinstance(v, int) for v in snap["slots"].values())
+
+
+# ---- the example: a server of the embedder's own (examples/asyncio_server.py) ----------------
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "asyncio_server.py"
+
+
+def load_example():
+    spec = importlib.util.spec_from_file_location("asyncio_server_example", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+async def ask(port: int, body: dict) -> tuple[list[int], dict]:
+    """One request on a fresh loopback connection: (tokens streamed, the last line)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(json.dumps(body).encode() + b"\n")
+        await writer.drain()
+        tokens = []
+        while True:
+            message = json.loads(await asyncio.wait_for(reader.readline(), BOUND_S))
+            if "token" not in message:
+                return tokens, message
+            tokens.append(message["token"])
+    finally:
+        writer.close()
+
+
+def started_embedding(example, calbin: str, sequences: int):
+    from calexec.drivers.calrt.runtime import CalRT
+    from calexec.machines.executor import DeviceExecutor, ExecutorConfig
+    from executor_harness import MANIFEST
+    executor = DeviceExecutor(CalRT.load(), MANIFEST, ExecutorConfig(calbin_path=calbin))
+    return example.Embedding(executor, sequences)
+
+
+def test_example_server_serves_concurrent_clients_oracle_tokens_without_waiting_threads(
+        calbin, monkeypatch):
+    """Six clients at once on four sequence ids: every client gets its prompt's oracle tokens,
+    ids are reused after their release, no thread ever waits for an unresolved job (every
+    completion is awaited on the loop), the process's threads stay within the fixed control
+    pool, and the drain ends the executor Stopped with every id free."""
+    example = load_example()
+    sequences, max_tokens = 4, 8
+    blocking = []
+    wait_until = JobHandle.wait_until
+
+    def counting(self, deadline):
+        if not self.done:
+            blocking.append((threading.current_thread().name, self.job_id))
+        return wait_until(self, deadline)
+
+    async def main():
+        embedding = started_embedding(example, calbin, sequences)
+        assert (await embedding.call(embedding.ex.start)).ok
+        server = example.JsonLineServer(embedding)
+        await server.start()
+        baseline = set(threading.enumerate())
+        monkeypatch.setattr(JobHandle, "wait_until", counting)
+        prompts = [[i, *PROMPT] for i in range(1, 7)]
+        added: set[str] = set()  # threads that appeared while serving (idle ones stay alive)
+        answers = []
+        for answer in asyncio.as_completed([ask(server.port, {"prompt": p,
+                                                              "max_tokens": max_tokens})
+                                            for p in prompts]):
+            answers.append(await answer)
+            added |= {t.name for t in set(threading.enumerate()) - baseline}
+        monkeypatch.undo()
+        health = await ask(server.port, {"op": "health"})
+        status = await server.drain(BOUND_S)
+        return prompts, answers, added, health, status, embedding
+
+    prompts, answers, added, health, status, embedding = asyncio.run(main())
+    expected = {tuple(expected_greedy(p, max_tokens - 1)) for p in prompts}
+    assert {tuple(tokens) for tokens, _ in answers} == expected  # each prompt's own tokens
+    assert all(last == {"done": True, "finish_reason": "length", "tokens": tokens}
+               for tokens, last in answers)
+    assert blocking == []  # no thread waited for the device
+    # only the fixed control pool's threads, never a thread per token or job
+    assert len(added) < sequences and all(n.startswith("app-control") for n in added), added
+    assert health == ([], {"ready": True, "reasons": [], "lifecycle": "Ready"})
+    assert status.ok and embedding.ex.state == "Stopped"
+    assert embedding.free.qsize() == sequences and not embedding.withheld
+
+
+def test_example_generation_given_up_early_or_cancelled_gives_everything_back(calbin):
+    """A consumer that stops after two tokens (a stop string, a disconnect) and a generation
+    task cancelled while it awaits: both end with their sequence id free, nothing armed or
+    leased, no token budget held; the ids then serve a full generation with oracle tokens."""
+    example = load_example()
+
+    async def main():
+        embedding = started_embedding(example, calbin, 1)
+        ex = embedding.ex
+        assert (await embedding.call(ex.start)).ok
+        try:
+            far = deadline(BOUND_S)
+            early = []
+            async with contextlib.aclosing(embedding.generate(PROMPT, 30, frozenset(), far)) as gen:
+                async for token in gen:
+                    early.append(token)
+                    if len(early) == 2:
+                        break  # a stop string, a client gone: the rest is not wanted
+            await asyncio.wait_for(asyncio.gather(*embedding.finishing), BOUND_S)
+            assert embedding.free.qsize() == 1
+
+            first = asyncio.Event()
+
+            async def consume():
+                async with contextlib.aclosing(embedding.generate(PROMPT, 30, frozenset(),
+                                                                  far)) as gen:
+                    async for _ in gen:
+                        first.set()
+
+            task = asyncio.create_task(consume())
+            await asyncio.wait_for(first.wait(), BOUND_S)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await asyncio.wait_for(asyncio.gather(*embedding.finishing), BOUND_S)
+            assert embedding.free.qsize() == 1 and not embedding.withheld
+            snap = ex.snapshot()
+            assert snap["pending_tokens"] == 0 and snap["slots"]["Leased"] == 0, snap
+            assert snap["slots"]["InFlight"] == 0 and not snap["dispatch"]["armed"]
+            full = [token async for token in embedding.generate(PROMPT, 5, frozenset(), far)]
+            await asyncio.wait_for(asyncio.gather(*embedding.finishing), BOUND_S)
+            return early, full
+        finally:
+            assert (await embedding.close(BOUND_S)).ok
+
+    early, full = asyncio.run(main())
+    assert early == expected_greedy(PROMPT, 1)
+    assert full == expected_greedy(PROMPT, 4)
+
+
+def test_example_server_as_a_process_serves_then_drains_on_sigterm():
+    """``python examples/asyncio_server.py`` as CI runs it: a request whose generation is
+    still running when SIGTERM comes completes (drain within --grace), a request after it is
+    refused or finds the port closed, and the process exits 0 printing ``executor Stopped``."""
+    async def main():
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, str(EXAMPLE), "--port", "0", "--sequences", "2",
+            "--device-config", "decode_us=2000", stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE)
+        try:
+            line = (await asyncio.wait_for(proc.stdout.readline(), 120)).decode()
+            assert line.startswith("listening on 127.0.0.1:"), line
+            port = int(line.rsplit(":", 1)[1])
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(json.dumps({"prompt": PROMPT, "max_tokens": 40}).encode() + b"\n")
+            await writer.drain()
+            tokens = [json.loads(await asyncio.wait_for(reader.readline(), BOUND_S))["token"]]
+            proc.send_signal(signal.SIGTERM)  # mid-generation: the drain lets it finish
+            while True:
+                message = json.loads(await asyncio.wait_for(reader.readline(), BOUND_S))
+                if "token" not in message:
+                    break
+                tokens.append(message["token"])
+            writer.close()
+            out, err = await asyncio.wait_for(proc.communicate(), 120)
+            return tokens, message, proc.returncode, out.decode(), err.decode()
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+
+    tokens, last, rc, out, err = asyncio.run(main())
+    assert tokens == expected_greedy(PROMPT, 39) and last["done"] is True
+    assert rc == 0, (out, err)
+    assert out.strip().endswith("executor Stopped"), out
+
+
+# ---- docs/embedding.md's complete example, as it stands on the page ---------------------------
+DOC = Path(__file__).resolve().parent.parent / "docs" / "embedding.md"
+
+
+def test_the_documented_example_runs_and_yields_the_oracle_tokens(calbin, capsys):
+    text = DOC.read_text(encoding="utf-8")
+    block = text.split("<!-- embedding-example:start -->", 1)[1].split(
+        "<!-- embedding-example:end -->", 1)[0]
+    code = block.split("```python\n", 1)[1].rsplit("```", 1)[0]
+    namespace = {"__name__": "embedding_example"}
+    exec(compile(code, str(DOC), "exec"), namespace)  # noqa: S102 - our own documentation
+    results = asyncio.run(namespace["main"](calbin))
+    assert results == [expected_greedy([3, 14, 15, 92], 7), expected_greedy([65, 35, 89, 79], 7)]
+    out = capsys.readouterr().out
+    assert "executor Stopped: ok" in out and "withheld" not in out
