@@ -33,10 +33,10 @@ class WaitSaysDone:
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "product defect (machines/executor.py _complete): Wait() == 0 with GetStatus RUNNING takes "
+    "product defect (machines/completion.py Completion._complete): Wait() == 0 with GetStatus RUNNING takes "
     "the Quarantined path with release_permit=slot.runtime_let_go() == False and "
     "on_device=False, so the job's in-flight permit is neither returned nor handed to "
-    "_held_by_runtime: nothing reaps it after the runtime lets go, the device takes no other "
+    "the dispatch's held entries: nothing reaps it after the runtime lets go, the device takes no other "
     "job (Phase A) and every drain fails (with the fault controller: recovery.not_drained after "
     "the reset, lifecycle Failed)"))
 def test_a_job_running_after_a_successful_wait_gives_its_permit_back_once_the_runtime_lets_go(
@@ -61,7 +61,7 @@ def test_a_job_running_after_a_successful_wait_gives_its_permit_back_once_the_ru
         assert ex.snapshot()["inflight"] == 1  # kept while the runtime runs the job
         assert ex.device.reset() == 0  # the runtime lets go: the job is aborted
         assert slot.runtime_let_go()
-        assert ex.all_submitted_drained()
+        assert ex.life.all_submitted_drained()  # the lifecycle guard (its own reap)
         assert ex.snapshot()["inflight"] == 0
     finally:  # bounded: with the defect the permit never comes back and no drain ends
         ex.shutdown(grace=0.2)
