@@ -181,8 +181,13 @@ class Completion:
         if target == JOB_QUARANTINED:
             status = (Status.from_calrt(rc, Phase.WAIT, "Wait", **job.ctx()) if rc != 0 else
                       Status.from_device_status(device_status, **job.ctx()))
-            outcomes.quarantine_after_submit(job, status,
-                                             release_permit=slot.runtime_let_go())
+            if slot.runtime_let_go():
+                outcomes.quarantine_after_submit(job, status, release_permit=True)
+            else:
+                # Wait() returned but GetStatus says the runtime still runs the job (its
+                # answers disagree): as after a failed Wait (§9.1), its buffers and permit
+                # stay with the runtime until it lets go or a reset aborts the job
+                self._keep_until_let_go(job, slot, status)
             return
         t1 = self.clock.now_us()
         copy_ms = outbuf.copy_ms() if hasattr(outbuf, "copy_ms") else None
@@ -273,6 +278,14 @@ class Completion:
             status = Status.from_calrt(rc, Phase.WAIT, "Wait failed while the job is still on "
                                        "the device; buffers kept", **job.ctx())
         job.run.send(JOB_EV_EXECUTION_TIMEOUT)
+        self._keep_until_let_go(job, slot, status)
+
+    def _keep_until_let_go(self, job: Job, slot: Any, status: Status) -> None:
+        """``job`` failed after submit (already Quarantined in its chart) while the runtime
+        still runs it: KV Unknown with the sequence on the device, slot quarantined with its
+        host storage mapped, and the in-flight permit moved to the dispatch's held entries,
+        returned by ``JobOutcomes.reap_held`` once the runtime lets go (or a reset aborts the
+        job); ``device.hung`` after ``timeout_grace_s``."""
         outcomes = self.outcomes
         outcomes.quarantine_after_submit(job, status, release_permit=False, on_device=True)
         outcomes.hold(job, slot)

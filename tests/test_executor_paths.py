@@ -51,10 +51,18 @@ def happy_path(calbin):
 
 def ended(handle, state: str):
     """The job's end state: §6.2, a failure before submit ends Failed (nothing held by the
-    runtime); §6.5/§9.1, a failure after submit ends Quarantined; its KV txn is closed."""
+    runtime); §6.5/§9.1, a failure after submit ends Quarantined; its KV txn is closed in the
+    state §7 gives it: RolledBack when the job never reached the device, Committed when the
+    device finished it cleanly (a job cancelled after submit too, FI12: the KV truth is the
+    device's), Unknown after a failure after submit."""
     assert handle.done and handle.state == state, (handle.state, state)
     txn = job_of(handle).txn  # §7: a job that ended leaves no open KV transaction
     assert txn is None or txn.run.final, txn
+    if txn is not None:
+        submitted = handle.timings.submitted_us > 0
+        want = {"Succeeded": "Committed", "Quarantined": "Unknown"}.get(
+            state, "Committed" if submitted else "RolledBack")
+        assert txn.state == want, (txn, want)
 
 
 def invalid_request(calbin):

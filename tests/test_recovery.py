@@ -23,7 +23,7 @@ from calexec.machines.faults import Action, RecoveryPolicy
 from calexec.machines.job import InferenceResult
 from calexec.machines.pool import BufferPool
 from executor_harness import (SEED, arm, decode, deadline, fired, greedy, oracle_golden, prefill,
-                              running_executor, settle, write_calbin)
+                              running_executor, settle, until, write_calbin)
 from test_executor_paths import recording
 
 PROMPT = [7, 7, 8, 9, 10]
@@ -393,6 +393,11 @@ def test_transient_failures_that_quarantine_every_slot_trigger_a_rebuild(calbins
         greedy(ex, 1, PROMPT, 0)
         greedy(ex, 2, PROMPT, 0)
         for seq in (1, 2):
+            # the first job is held until the device lets go, its grace waited in Wait() by
+            # the completion thread (Phase A): arm only after that, or that Wait() takes the
+            # fault meant for the next job (which then succeeds)
+            until(lambda: ex.dispatch.snapshot()["held_by_runtime"] == 0,
+                  what="the runtime let go of the failed job")
             arm(ex, "WAIT_RC")
             res = ex.enqueue(decode(seq, 3, len(PROMPT))).wait_until(deadline())
             assert isinstance(res, Status)

@@ -53,7 +53,8 @@ CALEXEC_CHARTS = {
 }
 #: The model-based tests of calexec's charts at a fast size: the charts on both forms, the
 #: generated paths on bare charts and through the executor (job, KV txn, lifecycle), the
-#: single-thread stateful test.
+#: chart rules proved through the executor (tests/test_chart_rules_*.py: one test per rule
+#: only the tests of the charts alone checked before), the single-thread stateful test.
 #: A mutant that breaks path generation is a collection error; the other files still run, so
 #: the report still says whether the executor's tests notice it too.
 DEFAULT_TEST_CMD = (
@@ -61,6 +62,7 @@ DEFAULT_TEST_CMD = (
     "--continue-on-collection-errors "
     "tests/test_charts_declared.py tests/test_charts_compiled.py tests/test_charts_paths.py "
     "tests/test_executor_paths.py tests/test_recovery.py::test_lifecycle_transition_reached_through_executor "
+    "tests/test_chart_rules_job.py tests/test_chart_rules_buffer_slot.py "
     "tests/test_executor_stateful.py::TestExecutorStateful"
 )
 #: Killers under this prefix test a chart alone; the report also counts mutants killed by any
