@@ -43,13 +43,12 @@ from typing import Any, TextIO
 
 import attrs
 
-from calexec.drivers.memory import pin_mmap_threshold
-from calexec.drivers.serving.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
 from calexec import cliargs
+from calexec.drivers.memory import pin_mmap_threshold
 from calexec.drivers.serving import byte_tokenizer, hf_tokenizer
 from calexec.drivers.serving.dumpsink import DumpConfigError, DumpSink
-from calexec.drivers.serving.server import (DrainingServer, ServerConfig, create_app,
-                                            uvicorn_config)
+from calexec.drivers.serving.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
+from calexec.drivers.serving.server import DrainingServer, ServerConfig, create_app, uvicorn_config
 from calexec.drivers.serving.service import api_key_problem, sequence_ids_problem
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 
@@ -319,7 +318,7 @@ def _serve_ray(args: argparse.Namespace, config: ServerConfig, port: int, spec) 
                   flush=True)
             try:
                 drained = drain_fleet("calexec", args.grace)
-            except Exception as err:  # the ingress is unreachable: the shutdown still runs
+            except Exception as err:  # noqa: BLE001 - the ingress is unreachable: the shutdown still runs
                 print(f"calexec serve --ray: the drain at the ingress failed: {err!r}",
                       file=sys.stderr)
                 return EXIT_FAILED

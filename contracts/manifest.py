@@ -22,7 +22,13 @@ from typing import Any
 
 import attrs
 
-from calexec.contracts.goldens import NO_GOLDENS, GoldenFileError, Goldens, goldens_path, load_goldens
+from calexec.contracts.goldens import (
+    NO_GOLDENS,
+    GoldenFileError,
+    Goldens,
+    goldens_path,
+    load_goldens,
+)
 from calexec.contracts.runtime_view import RuntimeModelInfo, RuntimeTensorInfo
 from calexec.contracts.status import Status
 from calexec.contracts.types import (
@@ -143,7 +149,9 @@ def _check_model(sub: SubmodelContract, rt: RuntimeModelInfo) -> Status | None:
             return status
     for csr in (sub.csr_cur_seq, sub.csr_total_seq):
         if csr not in rt.csr_names:
-            return Status.artifact("csr_missing", f"model {rt.name!r}: CSR {csr!r} not in runtime CSRs {list(rt.csr_names)}")
+            return Status.artifact(
+                "csr_missing",
+                f"model {rt.name!r}: CSR {csr!r} not in runtime CSRs {list(rt.csr_names)}")
     for key in META_KEYS:
         expected, actual = getattr(sub, key), rt.meta.get(key)
         if actual != expected:

@@ -25,7 +25,14 @@ import attrs
 import numpy as np
 
 from calexec.contracts.status import Status
-from calexec.contracts.types import S32_MAX, U32_MAX, ModelGeneration, SubmodelContract, TaskKind, TensorContract
+from calexec.contracts.types import (
+    S32_MAX,
+    U32_MAX,
+    ModelGeneration,
+    SubmodelContract,
+    TaskKind,
+    TensorContract,
+)
 
 
 def slice_bounds_ok(offset: int, size: int, limit: int) -> bool:
@@ -62,7 +69,8 @@ def _seq_ids(value) -> tuple[int, ...]:
 
 def _optional_array(instance, attribute, value) -> None:
     if value is not None and not isinstance(value, np.ndarray):
-        raise TypeError(f"InferenceRequest.{attribute.name}: expected numpy.ndarray or None, got {type(value).__name__}")
+        raise TypeError(f"InferenceRequest.{attribute.name}: expected numpy.ndarray or None, "
+                        f"got {type(value).__name__}")
 
 
 def _optional_range(value) -> tuple[int, int] | None:

@@ -89,7 +89,8 @@ def _to_dtype(value) -> DType:
     try:
         return DType(value)
     except ValueError:
-        raise FieldError("TensorContract", "dtype", value, f"unknown dtype (allowed: {[d.value for d in DType]})") from None
+        raise FieldError("TensorContract", "dtype", value,
+                         f"unknown dtype (allowed: {[d.value for d in DType]})") from None
 
 
 def _to_shape(value) -> tuple[int, ...]:

@@ -38,8 +38,8 @@ Threads (docs/architecture.md "Threads, locks and generations"):
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Collection
-from typing import Any, Callable, Literal, Protocol, TypedDict, runtime_checkable
+from collections.abc import Callable, Collection
+from typing import Any, Literal, Protocol, TypedDict, runtime_checkable
 
 import numpy as np
 

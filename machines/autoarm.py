@@ -13,12 +13,12 @@ decoding: with several sequences interleaved a guess would mostly be wasted) and
 run >= ``tuning.auto_prearm_min_us`` (1 ms; on a faster device the caller is back first), it
 arms, while N is on the device and it has nothing else to submit (``tuning.arm_delay_s`` after N's
 ``infer()``, at most a quarter of a decode job's device time, as for a stream's next step),
-the job N+1 that a next token would need: DECODE of S at N's end position, N's ``want_logits`` and ``logits_out``, its KV txn chained
-behind N's (``KvCoordinator.reserve_next``: only within the reservation S already holds, never
-a wait, never the KvManager), a free slot (never a wait) and the token budget. The job then
-sits in the executor's ``_armed`` list (the same ownership rule as a stream's: whoever removes
-it under ``submit_mu`` owns it) with ``uncounted`` set: its release is not a failure, nobody
-asked for it.
+the job N+1 that a next token would need: DECODE of S at N's end position, N's ``want_logits``
+and ``logits_out``, its KV txn chained behind N's (``KvCoordinator.reserve_next``: only within
+the reservation S already holds, never a wait, never the KvManager), a free slot (never a wait)
+and the token budget. The job then sits in the executor's ``_armed`` list (the same ownership
+rule as a stream's: whoever removes it under ``submit_mu`` owns it) with ``uncounted`` set: its
+release is not a failure, nobody asked for it.
 
 When the caller's next ``enqueue`` is a DECODE of S at exactly that position, with the same
 ``want_logits``, one token and no new ``kv_reserve_len``, and passes the same checks an
@@ -66,15 +66,15 @@ class AutoArm:
 
     __slots__ = ("ex", "seq_id", "prev", "past", "job", "dropped")
 
-    def __init__(self, ex: "DeviceExecutor", prev: "Job") -> None:
+    def __init__(self, ex: DeviceExecutor, prev: Job) -> None:
         self.ex = ex
         self.seq_id = prev.request.seq_id
-        self.prev: "Job | None" = prev  # job N, on the device: the guess chains behind its txn
+        self.prev: Job | None = prev  # job N, on the device: the guess chains behind its txn
         self.past = prev.request.past_len + prev.request.token_count
-        self.job: "Job | None" = None
+        self.job: Job | None = None
         self.dropped = False
 
-    def matches(self, job: "Job", request: InferenceRequest, logits_out: Any) -> bool:
+    def matches(self, job: Job, request: InferenceRequest, logits_out: Any) -> bool:
         """Whether ``request`` is what this entry armed ``job`` for (``job`` is owned by the
         caller here: no lock needed)."""
         armed = job.request
@@ -108,7 +108,7 @@ class AutoArm:
         if drop is not None:
             ex.release_armed(drop, Status.cancelled(Phase.CANCEL, "auto pre-arm dropped"))
 
-    def _arm(self, prev: "Job") -> "Job | None":
+    def _arm(self, prev: Job) -> Job | None:
         ex = self.ex
         deadline = min(prev.deadline, ex.clock.monotonic() + ex.expected_decode_s
                        + ex.config.tuning.auto_idle_s)

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -29,10 +30,18 @@ from calexec.contracts.errors import Category
 from calexec.contracts.prepare import valid_logits_row
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import TaskKind
-from calexec.machines.chart_names import (JOB_CANCEL_REQUESTED, JOB_COMPLETING, JOB_EV_CANCEL,
-                                          JOB_EV_DELIVER, JOB_EV_EXECUTION_TIMEOUT, JOB_EV_FAIL,
-                                          JOB_EV_FAULT, JOB_EV_WAIT_RETURNED, JOB_QUARANTINED,
-                                          JOB_SUBMITTED)
+from calexec.machines.chart_names import (
+    JOB_CANCEL_REQUESTED,
+    JOB_COMPLETING,
+    JOB_EV_CANCEL,
+    JOB_EV_DELIVER,
+    JOB_EV_EXECUTION_TIMEOUT,
+    JOB_EV_FAIL,
+    JOB_EV_FAULT,
+    JOB_EV_WAIT_RETURNED,
+    JOB_QUARANTINED,
+    JOB_SUBMITTED,
+)
 from calexec.machines.clock import Clock
 from calexec.machines.dispatch import Dispatch
 from calexec.machines.job import InferenceResult, Job, advance, job_of
@@ -48,9 +57,9 @@ if TYPE_CHECKING:
 class Completion:
     """The completion queue and the completion of one job (see the module docstring)."""
 
-    def __init__(self, config: "ExecutorConfig", clock: Clock, locks: LockOrder,
+    def __init__(self, config: ExecutorConfig, clock: Clock, locks: LockOrder,
                  dispatch: Dispatch, outcomes: JobOutcomes, fused_logits: Any,
-                 current: Callable[[], "Generation | None"],
+                 current: Callable[[], Generation | None],
                  capacity: Callable[[], int]) -> None:
         self.config = config
         self.clock = clock
@@ -269,7 +278,7 @@ class Completion:
             slot.outbuf.wait(int(self.config.timeout_grace_s * 1e6))
         outcomes.reap_held()  # let go: permit back; still held after the grace: device.hung
 
-    def postprocess(self, job: Job) -> "InferenceResult | Status":
+    def postprocess(self, job: Job) -> InferenceResult | Status:
         """Output size (FI09), finiteness (FI10), then the direct conversion (§10.1) and the
         argmax: fused in one native pass when the runtime offers it (``fused_logits``,
         drivers/native; GIL released), else the numpy path. Same bits, same argmax."""

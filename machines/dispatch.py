@@ -27,7 +27,8 @@ ending in ``_locked`` expect it held.
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 
@@ -72,9 +73,9 @@ class Held:
     in-flight permit of its job (``DeviceExecutor._reap_held``)."""
 
     slot: Any
-    kvc: "KvCoordinator"
+    kvc: KvCoordinator
     seq_id: int
-    job: "Job"
+    job: Job
     grace_end: float  # ``device.hung`` is reported once after this (Clock.monotonic())
     reported: bool = False
 
@@ -85,12 +86,12 @@ class SubmitterStep:
 
     #: jobs that can no longer be submitted (queued or armed), with why; the submitter fails
     #: them (``guesses``: how many were implicit pre-arms, for the counter)
-    fail: tuple[tuple["Job", Status], ...] = ()
+    fail: tuple[tuple[Job, Status], ...] = ()
     guesses: int = 0
     #: the job to submit (its permit taken)
-    submit: "Job | None" = None
+    submit: Job | None = None
     #: the stream or guess to arm now
-    arm: "Armer | None" = None
+    arm: Armer | None = None
     #: nothing to do: the call returned after waiting (True) or at once (False, idle)
     woke: bool = False
 
@@ -188,7 +189,7 @@ class Dispatch:
                 "guesses": list(self._guesses.values()), "held": list(self._held),
                 "to_arm": len(self._to_arm), "handing_off": self._handing_off}
 
-    def armed_jobs(self) -> list["Job"]:
+    def armed_jobs(self) -> list[Job]:
         """The jobs armed now (a copy; tests and the explorer's checks)."""
         with self.mu:
             return list(self._armed)
@@ -212,7 +213,7 @@ class Dispatch:
             self.cv.notify_all()
 
     # ---- the token budget ----------------------------------------------------------------------
-    def take_budget(self, job: "Job", budget: int) -> bool:
+    def take_budget(self, job: Job, budget: int) -> bool:
         """Take ``job``'s tokens of the admission budget; False when it would exceed
         ``budget`` (an internal job, the golden, always gets them)."""
         tokens = job.request.token_count
@@ -226,14 +227,14 @@ class Dispatch:
     def over_budget(self, tokens: int, budget: int) -> bool:
         return self._pending_tokens + tokens > budget
 
-    def release_budget(self, job: "Job") -> None:
+    def release_budget(self, job: Job) -> None:
         with self.mu:
             if job.budget_taken:
                 job.budget_taken = False
                 self._pending_tokens -= job.request.token_count
 
     # ---- generation fence ----------------------------------------------------------------------
-    def enter(self, gen: "Generation", current: "Generation | None") -> bool:
+    def enter(self, gen: Generation, current: Generation | None) -> bool:
         """A request thread starts working on ``gen`` (False: it is closing or retired)."""
         with self.mu:
             if gen.closing or gen is not current:
@@ -241,13 +242,13 @@ class Dispatch:
             gen.users += 1
             return True
 
-    def exit(self, gen: "Generation") -> None:
+    def exit(self, gen: Generation) -> None:
         with self.cv:
             gen.users -= 1
             if gen.closing and gen.users == 0:
                 self.cv.notify_all()
 
-    def close(self, gen: "Generation") -> list["Job"]:
+    def close(self, gen: Generation) -> list[Job]:
         """Close ``gen`` to request threads and take the jobs armed in it (guesses that will
         never be fired: the caller releases them at once, so a drain finds nothing armed).
         Their guesses leave the table."""
@@ -261,7 +262,7 @@ class Dispatch:
             self.cv.notify_all()
         return armed
 
-    def wait_left(self, gen: "Generation", deadline: float) -> bool:
+    def wait_left(self, gen: Generation, deadline: float) -> bool:
         """Wait (bounded) until no request thread works on ``gen`` any more."""
         with self.cv:
             while gen.users:
@@ -286,7 +287,7 @@ class Dispatch:
             self.cv.notify_all()
 
     # ---- the queue ------------------------------------------------------------------------------
-    def queue(self, job: "Job", current: "Generation | None") -> bool:
+    def queue(self, job: Job, current: Generation | None) -> bool:
         """Push ``job`` for the submitter; False when its generation closed or was replaced
         (fencing: never into another generation's queue; the caller releases it)."""
         with self.cv:
@@ -298,7 +299,7 @@ class Dispatch:
             return True
 
     # ---- armed jobs -----------------------------------------------------------------------------
-    def arm(self, job: "Job", current: "Generation | None", notify: bool = False,
+    def arm(self, job: Job, current: Generation | None, notify: bool = False,
             for_caller: bool = False) -> bool:
         """Keep ``job`` (prepared up to Preparing) until its token comes; False when its
         generation closed or was replaced. ``notify``: wake the submitter, whose wait then
@@ -316,8 +317,8 @@ class Dispatch:
                 self.cv.notify_all()
             return True
 
-    def fire(self, job: "Job", token: int, current: "Generation | None",
-             rearm: "Armer | None" = None, at: float = 0.0) -> "tuple[bool, Status | None]":
+    def fire(self, job: Job, token: int, current: Generation | None,
+             rearm: Armer | None = None, at: float = 0.0) -> tuple[bool, Status | None]:
         """A pre-armed job gets its token and is queued, atomically (``queue_fired``):
         (False, None) when it was not armed any more (someone else owns it); (True, a
         Status) when it is owned but could not be queued (the caller releases it); (True,
@@ -330,15 +331,15 @@ class Dispatch:
                 self._to_arm.append((at, rearm))
             return True, status
 
-    def queue_fired(self, job: "Job", token: int, current: "Generation | None"
-                    ) -> "Status | None":
+    def queue_fired(self, job: Job, token: int, current: Generation | None
+                    ) -> Status | None:
         """``job`` (owned by the caller: an adopted guess) gets its token and is queued; a
         Status when it could not be (the caller releases it)."""
         with self.cv:
             return self._queue_fired_locked(job, token, current)
 
-    def _queue_fired_locked(self, job: "Job", token: int, current: "Generation | None"
-                            ) -> "Status | None":
+    def _queue_fired_locked(self, job: Job, token: int, current: Generation | None
+                            ) -> Status | None:
         """Write ``token`` into the job's slot and request, Preparing -> Queued, stamp its
         timings, queue it, wake the submitter. A Status: not queued (fenced or cancelled)."""
         gen = job.gen
@@ -361,23 +362,23 @@ class Dispatch:
         self.cv.notify_all()
         return None
 
-    def take_armed(self, job: "Job") -> bool:
+    def take_armed(self, job: Job) -> bool:
         """Take ``job`` out of the armed jobs: True, the caller owns it now; False, someone
         else did (fired, released, reclaimed)."""
         with self.mu:
             return self._take_armed_locked(job)
 
-    def _unarm_locked(self, job: "Job") -> None:
+    def _unarm_locked(self, job: Job) -> None:
         self._armed.remove(job)
         self._for_caller.discard(job)
 
-    def _take_armed_locked(self, job: "Job") -> bool:
+    def _take_armed_locked(self, job: Job) -> bool:
         if job in self._armed:
             self._unarm_locked(job)
             return True
         return False
 
-    def reclaim(self, end: float) -> tuple[list["Job"], list["Job"]]:
+    def reclaim(self, end: float) -> tuple[list[Job], list[Job]]:
         """A request is short of a slot or of token budget: take every armed job not fired
         yet, (guesses, streams' next steps), for the caller to release."""
         with self.cv:
@@ -389,7 +390,7 @@ class Dispatch:
                 self._unarm_locked(job)
         return guesses, streams
 
-    def take_armed_of(self, seq_id: int, end: float) -> "tuple[Job | None, list[Job], Any]":
+    def take_armed_of(self, seq_id: int, end: float) -> tuple[Job | None, list[Job], Any]:
         """Another request, reset or truncation of ``seq_id`` is coming: take what was armed
         for it (its guess, a stream's next step; after an arming in progress ends, bounded by
         ``end``) and stop arming it; returns (guess job, stream jobs, the open stream) for the
@@ -472,7 +473,7 @@ class Dispatch:
             self._to_arm.append((at, entry))
             return True
 
-    def guess_armed_locked(self, entry: Any, job: "Job") -> bool:
+    def guess_armed_locked(self, entry: Any, job: Job) -> bool:
         """cv held: the submitter armed ``job`` for ``entry``; False when the guess was
         dropped meanwhile (the caller releases the job)."""
         if self._guesses.get(entry.seq_id) is not entry:
@@ -493,7 +494,7 @@ class Dispatch:
         if self._guesses.get(entry.seq_id) is entry:
             del self._guesses[entry.seq_id]
 
-    def detach_guess(self, seq_id: int, end: float) -> "tuple[Any, Job | None]":
+    def detach_guess(self, seq_id: int, end: float) -> tuple[Any, Job | None]:
         """A request of ``seq_id`` came: take its guess out of the table and own its armed
         job (None: none armed, or already released); waits (bounded by ``end``) for an
         arming of it in progress. Returns (entry, job)."""
@@ -503,7 +504,7 @@ class Dispatch:
                 return None, None
             return entry, self._detach_guess_locked(entry, end)
 
-    def _detach_guess_locked(self, entry: Any, end: float) -> "Job | None":
+    def _detach_guess_locked(self, entry: Any, end: float) -> Job | None:
         self._to_arm = deque(item for item in self._to_arm if item[1] is not entry)
         while self._arming is entry:
             remaining = end - self.clock.monotonic()
@@ -527,7 +528,7 @@ class Dispatch:
             self._stopping = stopping
             self.cv.notify_all()
 
-    def next_for_submitter(self, unsubmittable: Callable[["Job", float], "Status | None"],
+    def next_for_submitter(self, unsubmittable: Callable[[Job, float], Status | None],
                            capacity: int, block: bool,
                            wake_at: float | None) -> SubmitterStep:
         """The submitter's next step. ``unsubmittable(job, now)`` says why a queued or armed
@@ -587,7 +588,7 @@ class Dispatch:
             self._handing_off -= count
             self.cv.notify_all()
 
-    def release_permit(self, job: "Job") -> None:
+    def release_permit(self, job: Job) -> None:
         with self.cv:
             if job.permit_held:
                 job.permit_held = False

@@ -96,7 +96,7 @@ class Generation:
 
 def open_generation(device: Any, manifest: Any, calbin_path: str, generation_id: int,
                     slots_per_kind: int, locks: LockOrder,
-                    engines: tuple[EngineSlot, ...] = (EngineSlot.AUTO,)) -> "Generation | Status":
+                    engines: tuple[EngineSlot, ...] = (EngineSlot.AUTO,)) -> Generation | Status:
     """Load, resolve (exact names, before configure), configure, create KV and pool."""
     ctx = {"generation": generation_id}
     rc, calbin = device.load_calbin(calbin_path)

@@ -35,7 +35,8 @@ import logging
 import threading
 import time
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import attrs
 import numpy as np
@@ -43,8 +44,8 @@ import numpy as np
 from calexec.contracts.codes import DeviceJobStatus
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import JobTimings, TaskKind
-from calexec.machines.clock import SYSTEM, Clock
 from calexec.machines.chart_names import JOB_EV_CANCEL
+from calexec.machines.clock import SYSTEM, Clock
 from calexec.machines.compiled import JOB, GuardRejected
 
 log = logging.getLogger("calexec.job")
@@ -163,7 +164,7 @@ class Job:
     def done(self) -> bool:
         return self._done.is_set()
 
-    def resolve(self, result: "InferenceResult | Status") -> None:
+    def resolve(self, result: InferenceResult | Status) -> None:
         if isinstance(result, Status):
             result = result.with_context(job_id=self.job_id, seq_id=self.request.seq_id,
                                          generation=self.generation_id)
@@ -206,7 +207,7 @@ def _run(callbacks) -> None:
             log.exception("done callback %r of job %d raised", fn, handle.job_id)
 
 
-def _settle(future: "asyncio.Future", job: Job) -> None:
+def _settle(future: asyncio.Future, job: Job) -> None:
     """On the loop's thread: hand the job's result to ``future`` unless it was cancelled."""
     if not future.done():
         future.set_result(job.result)
@@ -241,7 +242,7 @@ class JobHandle:
     def cancel_requested(self) -> bool:
         return self._job.cancel_flag
 
-    def wait_until(self, deadline: float | None) -> "InferenceResult | Status":
+    def wait_until(self, deadline: float | None) -> InferenceResult | Status:
         """Block until the job is resolved or ``deadline`` (absolute ``time.monotonic()``;
         None waits without limit). Never cancels: on timeout the job keeps running and a
         ``wait.deadline`` Status is returned."""
@@ -260,7 +261,7 @@ class JobHandle:
         return Status.deadline(Phase.WAIT, "wait_until deadline passed; the job continues "
                                            f"(state {self._job.run.state})", **self._job.ctx())
 
-    def result(self, timeout: float | None = None) -> "InferenceResult | Status":
+    def result(self, timeout: float | None = None) -> InferenceResult | Status:
         """``wait_until`` with a relative timeout in seconds."""
         return self.wait_until(None if timeout is None else
                                self._job.clock.monotonic() + timeout)
@@ -277,7 +278,7 @@ class JobHandle:
         return True
 
     # ---- completion without a waiting thread (issue 25) ------------------------------------
-    def add_done_callback(self, fn: Callable[["JobHandle"], object]) -> None:
+    def add_done_callback(self, fn: Callable[[JobHandle], object]) -> None:
         """Call ``fn(self)`` once when the job is resolved: by the thread that resolves it,
         or now by this thread when it already is. ``fn`` must not block nor call the executor
         (it may run while the resolving thread holds executor locks); an exception it raises
@@ -295,7 +296,7 @@ class JobHandle:
         # resolved: run what this call swapped out (this ``fn`` last), or ``fn`` alone
         _run(callbacks if callbacks is not _FIRED else ((self, fn),))
 
-    def remove_done_callback(self, fn: Callable[["JobHandle"], object]) -> int:
+    def remove_done_callback(self, fn: Callable[[JobHandle], object]) -> int:
         """Unregister every not yet run registration of ``fn`` (compared with ``==``) on this
         job; returns how many were removed (0 once the callbacks ran)."""
         job = self._job
@@ -309,7 +310,7 @@ class JobHandle:
         return removed
 
     def as_future(self, loop: asyncio.AbstractEventLoop | None = None
-                  ) -> "asyncio.Future[InferenceResult | Status]":
+                  ) -> asyncio.Future[InferenceResult | Status]:
         """An ``asyncio.Future`` on ``loop`` (default: the running loop) that gets the job's
         result (an ``InferenceResult`` or a ``Status``; never an exception) when it is
         resolved. No thread waits: the resolving thread schedules the result on the loop with
@@ -322,7 +323,7 @@ class JobHandle:
             future.set_result(job.result)
             return future
 
-        def resolved(_handle: "JobHandle") -> None:  # the resolving thread
+        def resolved(_handle: JobHandle) -> None:  # the resolving thread
             try:
                 loop.call_soon_threadsafe(_settle, future, job)
             except RuntimeError:
@@ -330,7 +331,7 @@ class JobHandle:
                     raise
                 # the loop is closed: nobody awaits the result any more
 
-        def unregister(done: "asyncio.Future") -> None:  # the loop's thread
+        def unregister(done: asyncio.Future) -> None:  # the loop's thread
             if done.cancelled():
                 self.remove_done_callback(resolved)
 
@@ -338,7 +339,7 @@ class JobHandle:
         self.add_done_callback(resolved)
         return future
 
-    async def wait_async(self, deadline: float | None) -> "InferenceResult | Status":
+    async def wait_async(self, deadline: float | None) -> InferenceResult | Status:
         """``wait_until`` for asyncio: the job's result, or once ``deadline`` (absolute, on the
         job's clock: ``time.monotonic()``; None waits without limit) has passed a
         ``wait.deadline`` Status. Parks no thread (``as_future``). Never cancels: on the

@@ -34,16 +34,23 @@ both complete when sent together: the second waits, holding nothing, for the fir
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import attrs
 
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
+from calexec.machines.chart_names import (
+    KV_COMMITTED,
+    KV_EV_COMMIT,
+    KV_EV_MARK_SUBMITTED,
+    KV_EV_MARK_UNKNOWN,
+    KV_EV_ROLLBACK,
+    KV_SUBMITTED,
+)
 from calexec.machines.compiled import KV_TXN, GuardRejected
 from calexec.machines.locks import ADMISSION, KV_CALL, LockOrder
-from calexec.machines.chart_names import (KV_COMMITTED, KV_EV_COMMIT, KV_EV_MARK_SUBMITTED,
-                                          KV_EV_MARK_UNKNOWN, KV_EV_ROLLBACK, KV_SUBMITTED)
 
 
 @attrs.define(slots=True, eq=False)
@@ -53,14 +60,14 @@ class SeqView:
     seq_id: int
     committed_len: int = 0
     reserved_len: int = 0
-    open_txn: "KvTxn | None" = None
+    open_txn: KvTxn | None = None
     unknown_reason: str | None = None
     #: jobs of this sequence the runtime still runs after their Wait failed (§9.1): the device
     #: may still write this sequence's KV, so it cannot be reset or truncated yet
     on_device: int = 0
     #: a pre-armed decode stream's next txn (``reserve_next``), Reserved behind ``open_txn``;
     #: it becomes the open txn when that one commits, and is rolled back otherwise
-    next_txn: "KvTxn | None" = None
+    next_txn: KvTxn | None = None
 
 
 class _Claim:
@@ -154,7 +161,7 @@ class KvCoordinator:
             view = self.seqs[seq_id] = SeqView(seq_id)
         return view
 
-    def _apply(self, seq_id: int, target: int) -> "bool | None":
+    def _apply(self, seq_id: int, target: int) -> bool | None:
         """Apply on the KvManager; None once the coordinator is closed (no device call)."""
         with self._kv_call_mu:
             if self._kv_closed:
@@ -193,7 +200,7 @@ class KvCoordinator:
     # ---- the transaction -----------------------------------------------------------------------
     def reserve(self, seq_id: int, past_len: int, token_count: int, deadline: float,
                 stop: Callable[[], Status | None] = lambda: None,
-                reserve_len: int | None = None) -> "KvTxn | Status":
+                reserve_len: int | None = None) -> KvTxn | Status:
         """Reserve capacity so ``seq_id`` can hold ``past_len + token_count`` tokens, and at
         least ``reserve_len`` tokens (the request's ``kv_reserve_len``: everything it needs to
         finish, applied all or nothing so it never holds part of the KV while waiting for the
@@ -262,7 +269,7 @@ class KvCoordinator:
             view.open_txn = txn
         return txn
 
-    def _unclaim(self, seq_id: int, claim: "_Claim") -> None:
+    def _unclaim(self, seq_id: int, claim: _Claim) -> None:
         with self.admission_mu:
             view = self.seqs[seq_id]
             if view.open_txn is claim:
@@ -298,7 +305,7 @@ class KvCoordinator:
                     self.clock.wait(self._changed, remaining)
                     self.wakeups += 1
 
-    def reserve_next(self, prev: KvTxn, token_count: int) -> "KvTxn | Status":
+    def reserve_next(self, prev: KvTxn, token_count: int) -> KvTxn | Status:
         """Pre-arm (a decode stream): a txn for the job after ``prev`` of the same sequence,
         from ``prev.target_len`` to ``+ token_count``, opened while ``prev`` is still open
         (Reserved or Submitted: its job queued or on the device). Never waits and never

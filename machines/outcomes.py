@@ -27,12 +27,18 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict, deque
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
-from calexec.machines.chart_names import (JOB_CANCEL_REQUESTED, JOB_CREATED, JOB_EV_CANCEL,
-                                          JOB_EV_FAIL, KV_RESERVED)
+from calexec.machines.chart_names import (
+    JOB_CANCEL_REQUESTED,
+    JOB_CREATED,
+    JOB_EV_CANCEL,
+    JOB_EV_FAIL,
+    KV_RESERVED,
+)
 from calexec.machines.clock import Clock
 from calexec.machines.dispatch import Dispatch, Held
 from calexec.machines.faults import FaultSink
@@ -60,9 +66,9 @@ COUNTER_NAMES = ("submitted", "succeeded", "failed", "quarantined", "cancelled",
 class JobOutcomes:
     """The failure paths of jobs and the executor's counters (see the module docstring)."""
 
-    def __init__(self, config: "ExecutorConfig", clock: Clock, locks: LockOrder,
+    def __init__(self, config: ExecutorConfig, clock: Clock, locks: LockOrder,
                  dispatch: Dispatch, faults: FaultSink,
-                 current: Callable[[], "Generation | None"]) -> None:
+                 current: Callable[[], Generation | None]) -> None:
         self.config = config
         self.clock = clock
         self.dispatch = dispatch

@@ -33,22 +33,37 @@ from __future__ import annotations
 import itertools
 import math
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from calexec.contracts.codes import DeviceJobStatus
 from calexec.contracts.prepare import TensorSlice, check_slice
 from calexec.contracts.status import Phase, Status
-from calexec.contracts.types import (EngineSlot, ModelGeneration, SubmodelContract, TaskKind,
-                                     TensorContract)
+from calexec.contracts.types import (
+    EngineSlot,
+    ModelGeneration,
+    SubmodelContract,
+    TaskKind,
+    TensorContract,
+)
+from calexec.machines.chart_names import (
+    SLOT_EV_DEVICE_DONE,
+    SLOT_EV_DROP_IN_FLIGHT,
+    SLOT_EV_GIVE_BACK,
+    SLOT_EV_LEASE,
+    SLOT_EV_QUARANTINE,
+    SLOT_EV_RETIRE,
+    SLOT_EV_SUBMIT,
+    SLOT_FREE,
+    SLOT_IN_FLIGHT,
+    SLOT_LEASED,
+    SLOT_QUARANTINED,
+    SLOT_RETIRED,
+)
 from calexec.machines.compiled import BUFFER_SLOT, GuardRejected
 from calexec.machines.locks import POOL, LockOrder
-from calexec.machines.chart_names import (SLOT_EV_DEVICE_DONE, SLOT_EV_DROP_IN_FLIGHT,
-                                          SLOT_EV_GIVE_BACK, SLOT_EV_LEASE, SLOT_EV_QUARANTINE,
-                                          SLOT_EV_RETIRE, SLOT_EV_SUBMIT, SLOT_FREE,
-                                          SLOT_IN_FLIGHT, SLOT_LEASED, SLOT_QUARANTINED,
-                                          SLOT_RETIRED)
 
 
 class LeaseError(RuntimeError):
@@ -73,7 +88,7 @@ class BufferSlot:
                  "outbuf", "host_input", "host_position", "host_output", "scratch", "sliced", "run",
                  "runtime_answer", "_pool", "__weakref__")
 
-    def __init__(self, pool: "BufferPool", slot_id: int, submodel: SubmodelContract,
+    def __init__(self, pool: BufferPool, slot_id: int, submodel: SubmodelContract,
                  model: Any, engine: EngineSlot) -> None:
         self._pool = pool
         self.slot_id = slot_id
@@ -186,7 +201,7 @@ class BufferLease:
     def held(self) -> bool:
         return self._slot is not None
 
-    def moved(self, owner: int | None = None) -> "BufferLease":
+    def moved(self, owner: int | None = None) -> BufferLease:
         """Hand the slot to a new lease; this one becomes unusable (C++ move semantics)."""
         slot = self.slot
         self._slot, self._state = None, "moved"
@@ -288,7 +303,7 @@ class BufferPool:
     # ---- leasing ---------------------------------------------------------------------------
     def acquire(self, kind: TaskKind, deadline: float, owner: int | None = None,
                 stop: Callable[[], Status | None] = lambda: None,
-                speculative: bool = False) -> "BufferLease | Status":
+                speculative: bool = False) -> BufferLease | Status:
         """Lease a free slot of ``kind`` (of whichever engine it is fixed to), waiting on a
         condition (never polling) until ``deadline`` (absolute ``time.monotonic()``);
         ``stop()`` returning a Status (cancel, shutdown) ends the wait with it.

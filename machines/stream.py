@@ -37,8 +37,9 @@ The caller then waits only for the device: its own wake-up and token choice leav
 path (two wake-ups per token remain on it, the completion thread's and the submitter's, where
 an ``enqueue`` caller has three). The caller's loop is unchanged: ``step(result.argmax)``
 (plus the slice's start with ``want_logits``) adopts the job already fired with that token;
-another token is refused (the stream already decoded the argmax). A job is fired ahead only while its caller has asked for the one before
-it, so the fired-ahead job is at most one step ahead. With ``logits_out`` given, a step fired
+another token is refused (the stream already decoded the argmax). A job is fired ahead only
+while its caller has asked for the one before it, so the fired-ahead job is at most one step
+ahead. With ``logits_out`` given, a step fired
 ahead writes one of two rows of the stream's own (each faulted in when the first step that
 writes it is armed, off the critical path), and ``wait()`` copies the row of the step the
 caller takes into ``logits_out``: the caller's array is written only by steps the caller took,
@@ -85,7 +86,7 @@ class DecodeStream:
     """Decode steps of one sequence with the next step pre-armed. Not thread-safe except
     ``cancel``: one caller steps it."""
 
-    def __init__(self, ex: "DeviceExecutor", seq_id: int, past_len: int, deadline: float,
+    def __init__(self, ex: DeviceExecutor, seq_id: int, past_len: int, deadline: float,
                  logits_out: np.ndarray | None = None,
                  want_logits: tuple[int, int] | None = None,
                  max_len: int | None = None, request_id: int = 0,
@@ -141,20 +142,20 @@ class DecodeStream:
 
     # state reads (tests, the explorer, a debugger): each a snapshot under the dispatch lock
     @property
-    def armed(self) -> "Job | None":
+    def armed(self) -> Job | None:
         """The job armed for the next step (None: none now)."""
         with self.ex.dispatch.cv:
             return self._armed
 
     @property
-    def ahead(self) -> "tuple[int, JobHandle | None] | None":
+    def ahead(self) -> tuple[int, JobHandle | None] | None:
         """(token, handle) of the step the completion thread fired ahead and the caller has
         not taken (handle None while the firing runs); None: none."""
         with self.ex.dispatch.cv:
             return self._ahead
 
     @property
-    def current(self) -> "JobHandle | None":
+    def current(self) -> JobHandle | None:
         """The step submitted last and not waited for yet."""
         return self._current
 
@@ -164,7 +165,7 @@ class DecodeStream:
         with self.ex.dispatch.cv:
             return self.ex.dispatch.arming(self)
 
-    def step(self, token: int) -> "InferenceResult | Status":
+    def step(self, token: int) -> InferenceResult | Status:
         """Submit ``token`` as the next decode job and wait for its result (bounded by the
         stream's deadline). A Status closes the stream."""
         handle = self.submit(token)
@@ -172,7 +173,7 @@ class DecodeStream:
             return handle
         return self.wait()
 
-    def submit(self, token: int) -> "JobHandle | Status":
+    def submit(self, token: int) -> JobHandle | Status:
         """Hand ``token`` to the pre-armed job (or admit one now) and queue it; the submitter
         arms the job after it once it has nothing to submit. Returns the job's handle
         (``wait`` resolves it) or, when the stream is closed or the token is invalid, a
@@ -230,10 +231,10 @@ class DecodeStream:
         self._current = handle
         return handle
 
-    def _fire_step(self, job: Job, token: int) -> "JobHandle | None":
+    def _fire_step(self, job: Job, token: int) -> JobHandle | None:
         return self._fire(job, token, self.ex.arm_delay_s())
 
-    def _fire(self, job: Job, token: int, arm_delay_s: float) -> "JobHandle | None":
+    def _fire(self, job: Job, token: int, arm_delay_s: float) -> JobHandle | None:
         """Fire ``job`` with ``token`` (``DeviceExecutor.fire_armed``); the submitter arms
         the step after it ``arm_delay_s`` later unless that is beyond ``max_len``."""
         past = job.request.past_len
@@ -242,7 +243,7 @@ class DecodeStream:
             self._next = (job.txn, past + 1)
         return self.ex.fire_armed(job, token, self if more else None, arm_delay_s)
 
-    def wait(self) -> "InferenceResult | Status":
+    def wait(self) -> InferenceResult | Status:
         """The result of the step submitted last (bounded by the stream's deadline)."""
         handle = self._current
         if handle is None:
@@ -300,7 +301,7 @@ class DecodeStream:
             return (self._armed is None and not self.ex.dispatch.arming(self)
                     and (ahead is None or ahead.done))
 
-    def __enter__(self) -> "DecodeStream":
+    def __enter__(self) -> DecodeStream:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -356,7 +357,7 @@ class DecodeStream:
             ex.clock.wait(ex.dispatch.cv, remaining)
         return True
 
-    def discard_ahead(self) -> "JobHandle | None":
+    def discard_ahead(self) -> JobHandle | None:
         """(For the executor.) Another request, reset or truncation of the sequence is
         coming (``DeviceExecutor._drop_armed``): the step fired ahead, not taken yet, is
         discarded (the caller's step is admitted again, after that request, as the plain
@@ -368,7 +369,7 @@ class DecodeStream:
             self._discarded = ahead[1]
             return ahead[1]
 
-    def _take_ahead(self) -> "tuple[int, JobHandle] | None":
+    def _take_ahead(self) -> tuple[int, JobHandle] | None:
         """The job fired ahead (submit_mu held), once its firing finished (bounded by the
         deadline); None when there is none."""
         self._wait_submitter(lambda: self._ahead is None or self._ahead[1] is not None,
@@ -376,7 +377,7 @@ class DecodeStream:
         ahead, self._ahead = self._ahead, None
         return ahead if ahead is not None and ahead[1] is not None else None
 
-    def _adopt(self, ahead: "tuple[int, JobHandle]", token: int) -> "JobHandle | Status":
+    def _adopt(self, ahead: tuple[int, JobHandle], token: int) -> JobHandle | Status:
         """The caller's step takes the job the completion thread fired with ``ahead[0]``."""
         fired, handle = ahead
         if fired != token:
@@ -393,7 +394,7 @@ class DecodeStream:
         return handle
 
     def fire_ahead(self, job: Job, result: Any, arm_delay_s: float = 0.0
-                   ) -> "JobHandle | None":
+                   ) -> JobHandle | None:
         """On the completion thread, after ``job``'s KV commit and permit release and before
         its result is delivered: fire the armed next job with ``job``'s argmax when the
         caller waits for ``job`` and the stream may go on. Never raises; returns the fired
@@ -459,7 +460,7 @@ class DecodeStream:
             ex.release_armed(drop, Status.cancelled(Phase.CANCEL, "decode stream closed"))
 
     def _arm_job(self, prev_txn: Any, past: int, blocking: bool,
-                 notify: bool = False) -> "Job | Status":
+                 notify: bool = False) -> Job | Status:
         if not blocking and self.max_len is not None and past + 1 > self.max_len:
             # max_len bounds what the stream arms ahead; the caller's own step (blocking) is
             # a request like any other, answered by the plain path's checks
