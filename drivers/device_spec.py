@@ -22,8 +22,8 @@ from typing import Any
 import attrs
 
 from calexec.contracts.manifest import Manifest, default_manifest_path, load_manifest
-from calexec.drivers.synthetic import calbin as calbin_fmt
 from calexec.drivers.calrt.runtime import ENV_LIB, CalRT
+from calexec.drivers.synthetic import calbin as calbin_fmt
 from calexec.machines.faults import RecoveryPolicy
 
 RESET_KINDS = ("reset", "reset_ccu", "reset_configuration", "none")

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from calexec.drivers.synthetic import calbin as calbin_fmt
-
 from calexec.drivers.calrt.runtime import CalRT, JobStatus
+from calexec.drivers.synthetic import calbin as calbin_fmt
 
 
 class DriverError(RuntimeError):

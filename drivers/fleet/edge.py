@@ -45,7 +45,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from calexec.drivers.serving import handoff
 
@@ -317,7 +318,7 @@ async def stop_stream(stream: Any) -> None:
             stream.cancel()
         elif hasattr(stream, "aclose"):
             await stream.aclose()
-    except Exception as err:  # stopping is best effort; the sibling's deadline bounds the rest
+    except Exception as err:  # noqa: BLE001 - stopping is best effort; the sibling's deadline bounds the rest
         log.warning("could not stop a relay stream: %r", err)
 
 

@@ -39,7 +39,8 @@ import logging
 import os
 import signal
 import threading
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 log = logging.getLogger("calexec.fleet.local_ray")
 
@@ -164,7 +165,7 @@ class StopSignals:
             self.received = signal.Signals(signum).name
         self.stop.set()
 
-    def __enter__(self) -> "StopSignals":
+    def __enter__(self) -> StopSignals:
         for sig in self.SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
@@ -189,7 +190,7 @@ def shutdown(local: bool) -> list[str]:
             cluster += descendants()
         try:
             step()
-        except Exception as err:  # the next step and the reaping still run
+        except Exception as err:  # noqa: BLE001 - the next step and the reaping still run
             log.warning("%s failed: %r", step.__qualname__, err)
             errors.append(err)
     forced = reap(cluster) if local else []
@@ -237,5 +238,5 @@ def reap(processes: Iterable[Any], wait_s: float = REAP_WAIT_S,
 def _describe(proc: Any) -> str:
     try:
         return f"{proc.pid} {' '.join(proc.cmdline())[:80] or proc.name()}"
-    except Exception:  # gone or unreadable meanwhile
+    except Exception:  # noqa: BLE001 - gone or unreadable meanwhile
         return str(proc.pid)

@@ -64,7 +64,8 @@ import os
 import random
 import socket
 import tempfile
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import attrs
 from ray import serve
@@ -72,14 +73,14 @@ from ray.serve import metrics as serve_metrics
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
+from calexec.drivers.calrt.runtime import Fault, FaultMode
+from calexec.drivers.device_spec import DeviceSpec
 from calexec.drivers.fleet import local_ray
 from calexec.drivers.fleet import registry as replica_registry
-from calexec.drivers.device_spec import DeviceSpec
 from calexec.drivers.fleet.edge import ReplicaEdge, serve_relayed
 from calexec.drivers.fleet.ingress import CAUSES, FailoverSettings, FleetIngress
 from calexec.drivers.serving.handoff import PROGRESS_TYPE
 from calexec.drivers.serving.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
-from calexec.drivers.calrt.runtime import Fault, FaultMode
 from calexec.drivers.serving.server import ServerConfig, create_app
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 
@@ -300,7 +301,7 @@ class CalexecReplica:
         deployment's replicas and their routing stats before a relay needs them."""
         try:
             await self._siblings.identity.remote()
-        except Exception as err:  # the relay then answers here (503) until a router exists
+        except Exception as err:  # noqa: BLE001 - the relay then answers here (503) until a router exists
             log.warning("relay handle warm-up failed: %r", err)
 
     def check_health(self) -> None:

@@ -22,7 +22,6 @@ from calexec.drivers.serving.service import CompletionService
 from calexec.machines.compiled import CHARTS
 from calexec.machines.diagrams import GraphvizError, render_chart_svg
 
-
 #: a job id in a path: ASCII digits only, at most 18 (a job counter never gets longer)
 JOB_ID = re.compile(r"[0-9]{1,18}")
 

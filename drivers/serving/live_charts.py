@@ -23,7 +23,8 @@ import json
 import threading
 import time
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from calexec.machines.compiled import CHARTS
 from calexec.machines.diagrams import EDGE_ID, NODE_ID, render_path_svg

@@ -26,8 +26,8 @@ calexec_request_prompt_tokens               histogram  model_name; prompt tokens
 calexec_request_generation_tokens           histogram  model_name; generated tokens of each successful request
 calexec_prompt_tokens_total                 counter    prompt tokens of successful requests
 calexec_generation_tokens_total             counter    generated tokens of successful requests
-calexec_decode_steps_total{prearmed}       counter    decode jobs fired through a pre-armed decode stream, pre-armed or not
-calexec_decode_steps_ahead_total            counter    of those, fired by the completion thread with the argmax (greedy ahead)
+calexec_decode_steps_total{prearmed}       counter    decode jobs of decode streams (label: pre-armed or not)
+calexec_decode_steps_ahead_total            counter    of those, fired with the argmax (greedy ahead)
 calexec_executor_jobs_total                 counter    outcome; the executor's own job counters
 calexec_num_requests_running                gauge      completion requests being served
 calexec_num_requests_waiting                gauge      requests waiting for a sequence id or Ready
@@ -55,7 +55,8 @@ calexec_golden_unpinned                     gauge      1 while serving on a gold
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric

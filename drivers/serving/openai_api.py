@@ -13,13 +13,22 @@ from __future__ import annotations
 import hmac
 import time
 import typing
-from typing import Annotated, Any, Callable, Literal
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
 
 import attrs
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
-                      ValidationError)
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+)
 
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
@@ -180,7 +189,7 @@ def parse(model: type[BaseModel], raw: bytes) -> Any:
 
 
 def _field_path(model: type[BaseModel], loc: tuple, extra: bool = False
-                ) -> "tuple[list[Any], list[str]]":
+                ) -> tuple[list[Any], list[str]]:
     """A pydantic error location split into the field path in the body (field names and
     list indices) and the union branch tags pydantic inserts (``str``, ``list[int]``): a
     name that is no field of the models reachable at that point is a tag, except the last
@@ -200,7 +209,7 @@ def _field_path(model: type[BaseModel], loc: tuple, extra: bool = False
     return path, tags
 
 
-def _models_in(annotation: Any) -> "list[type[BaseModel]]":
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
     """The pydantic models an annotation holds (``list[ChatMessage] | None`` -> ChatMessage)."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return [annotation]
@@ -306,7 +315,7 @@ def render_chat(messages: list[ChatMessage], tok: Any) -> str:
             eos_token=tok.eos_token)
     except Refusal:
         raise
-    except Exception as err:  # a template's raise_exception() or a rendering error
+    except Exception as err:  # noqa: BLE001 - a template's raise_exception() or a rendering error
         raise Refusal(invalid(f"messages: the chat template refused them: {err}"),
                       "messages") from None
 
@@ -408,7 +417,7 @@ HANDED_OFF = Status.unavailable(Phase.ADMISSION, "replica draining: the request 
                                 "a sibling replica")
 
 
-def resume_refusal(resume: "handoff.Resume", run: Any) -> Refusal | None:
+def resume_refusal(resume: handoff.Resume, run: Any) -> Refusal | None:
     """Why ``resume`` cannot continue ``run`` (None: it can)."""
     tokens = resume.tokens
     bad = next((i for i, t in enumerate(tokens) if t >= run.logits.shape[0]), None)
@@ -421,7 +430,7 @@ def resume_refusal(resume: "handoff.Resume", run: Any) -> Refusal | None:
     return None
 
 
-def continue_from(resume: "handoff.Resume", run: Any, out: "TextOutput", shape: "_Shape",
+def continue_from(resume: handoff.Resume, run: Any, out: TextOutput, shape: _Shape,
                   sse: bool) -> None:
     """Set ``run`` up to continue after ``resume.tokens`` (its first job re-prefills prompt
     + tokens, ``RequestRun.next_request``; token ``len(tokens)`` is sampled with the same
@@ -565,7 +574,7 @@ def add_routes(app: FastAPI, service: Any, fail: Callable[..., Response]) -> Non
         return JSONResponse({"prompt": service.tokenizer.decode(body.tokens)})
 
     async def _generate(request: Request, admission: Admission, params: SamplingParams,
-                        shape: "_Shape", usage_chunk: bool) -> Response:
+                        shape: _Shape, usage_chunk: bool) -> Response:
         # the fleet's out-of-band channel (drivers/serving/handoff.py): ASGI scope keys only
         # drivers/fleet/edge.serve_relayed sets; an HTTP request cannot carry them
         progress = request.scope.get(handoff.PROGRESS)
@@ -626,7 +635,7 @@ def add_routes(app: FastAPI, service: Any, fail: Callable[..., Response]) -> Non
         return (handing is not None and service.draining and not run.done
                 and request.scope.get(handoff.PROGRESS) is not None and bool(handing()))
 
-    async def _sse_response(request: Request, run: Any, out: TextOutput, shape: "_Shape",
+    async def _sse_response(request: Request, run: Any, out: TextOutput, shape: _Shape,
                             usage_chunk: bool, progress: Callable[[dict], None] | None = None
                             ) -> Response:
         first: int | None = None

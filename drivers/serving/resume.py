@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import time
 import types
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import anyio
 from anyio import to_thread

@@ -119,7 +119,7 @@ class SamplingParams:
         """Greedy without log-probabilities: the executor's argmax is the whole answer."""
         return self.greedy and self.logprobs is None
 
-    def resolved(self) -> "SamplingParams":
+    def resolved(self) -> SamplingParams:
         """These params with a seed: a random one drawn now when none was given."""
         if self.seed is not None:
             return self

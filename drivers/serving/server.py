@@ -19,8 +19,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from collections.abc import Callable
 from types import FrameType
-from typing import Any, Callable
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
@@ -33,8 +34,13 @@ from calexec.drivers.serving.admin import MAX_PATH_CHARS, add_admin_routes, calb
 from calexec.drivers.serving.debug import add_debug_routes
 from calexec.drivers.serving.dumpsink import DumpSink
 from calexec.drivers.serving.error_bodies import PARAM_OF_CODE, error_body, error_response, invalid
-from calexec.drivers.serving.service import (Admission, CompletionService, RequestRun,
-                                             SequencePool, ServerConfig)
+from calexec.drivers.serving.service import (
+    Admission,
+    CompletionService,
+    RequestRun,
+    SequencePool,
+    ServerConfig,
+)
 
 #: what embedders and the tests import from here (the app's parts live in the modules above)
 __all__ = ["Admission", "CompletionService", "DrainingServer", "MAX_PATH_CHARS",
@@ -154,7 +160,7 @@ class DrainingServer(uvicorn.Server):
     It also exits when the executor's lifecycle ends Failed (a supervisor restarts it)."""
 
     def __init__(self, config: uvicorn.Config, service: CompletionService, grace: float,
-                 on_started: "Callable[[DrainingServer, str], None] | None" = None) -> None:
+                 on_started: Callable[[DrainingServer, str], None] | None = None) -> None:
         """``on_started(server, url)`` runs on the event loop once the socket listens (``url``
         is ``http://HOST:PORT`` of the bound socket, a wildcard bind given as loopback); it
         must not block."""

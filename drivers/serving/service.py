@@ -26,7 +26,8 @@ import itertools
 import logging
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import anyio
 import attrs
@@ -239,7 +240,7 @@ class RequestRun:
     #: model generation of the request's jobs (its KV lives in that generation's KvManager)
     generation_id: int | None = None
     #: how tokens are chosen (drivers/serving/sampling.py); logprobs of each token when asked for
-    sampling: "sampling.SamplingParams" = sampling.GREEDY
+    sampling: sampling.SamplingParams = sampling.GREEDY
     token_logprobs: list = attrs.Factory(list)
     # Enqueue fence: ``closed`` once the request finished (no enqueue may start after it);
     # ``enqueue_idle`` is clear while an enqueue call runs in a worker thread.
@@ -379,7 +380,7 @@ class CompletionService:
         return counts
 
     # ---- admission ------------------------------------------------------------------------------
-    def admit(self, body: Admission) -> "tuple[RequestRun | None, Status, str | None]":
+    def admit(self, body: Admission) -> tuple[RequestRun | None, Status, str | None]:
         """A RequestRun holding a sequence id or waiting for one (``run.waiter``: its first
         ``advance`` waits, drivers/serving/admission.py), or (None, failure, offending field)."""
         if self.draining:
@@ -480,7 +481,7 @@ class CompletionService:
             run.finish_reason = "length"
         return token
 
-    async def _run_job(self, run: RequestRun) -> "tuple[Any, Any]":
+    async def _run_job(self, run: RequestRun) -> tuple[Any, Any]:
         """Enqueue the request's next job and wait for it: (result, handle)."""
         def on_created(created) -> None:
             run.handle = created  # reachable for a disconnect while admission still waits

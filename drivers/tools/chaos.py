@@ -38,11 +38,10 @@ import httpx
 import uvicorn
 
 from calexec.contracts.manifest import default_manifest_path, load_manifest
-from calexec.drivers.synthetic import oracle
-from calexec.drivers.synthetic import calbin
-from calexec.drivers.serving.dumpsink import DumpSink
 from calexec.drivers.calrt.runtime import CalRT, Fault, FaultMode
+from calexec.drivers.serving.dumpsink import DumpSink
 from calexec.drivers.serving.server import ServerConfig, create_app
+from calexec.drivers.synthetic import calbin, oracle
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 from calexec.machines.faults import RecoveryPolicy
 
@@ -96,7 +95,7 @@ class LiveServer:
         self.thread = threading.Thread(target=self.server.run, name="uvicorn-chaos",
                                        daemon=True)
 
-    def __enter__(self) -> "LiveServer":
+    def __enter__(self) -> LiveServer:
         self.thread.start()
         _wait_for(lambda: self.server.started, 30, "uvicorn startup")
         self.port = self.server.servers[0].sockets[0].getsockname()[1]

@@ -38,17 +38,23 @@ from __future__ import annotations
 
 import hashlib
 from collections import deque
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 import numpy as np
 
 from calexec.contracts.errors import Category
 from calexec.contracts.prepare import InferenceRequest
-from calexec.contracts.status import Phase, Status
+from calexec.contracts.status import Status
 from calexec.contracts.types import TaskKind
-from calexec.drivers.tools.explore import (DeviceModel, DeviceProxy, Explorer, OutputBufProxy,
-                                           RuntimeProxy, TapeChooser, _Proxy)
+from calexec.drivers.tools.explore import (
+    DeviceModel,
+    DeviceProxy,
+    Explorer,
+    RuntimeProxy,
+    TapeChooser,
+)
 
 VOCAB = 151936
 #: job faults a history can schedule (emulator fault points, fired by job content)
@@ -616,7 +622,7 @@ class Differential:
         for lane in self.lanes:
             lane.close()
 
-    def oracle_problems(self, lane: "Lane", only: Any = None) -> list[str]:
+    def oracle_problems(self, lane: Lane, only: Any = None) -> list[str]:
         """Every result ``lane`` delivered (to the clients in ``only``, default all) is the
         numpy oracle's."""
         from calexec.drivers.synthetic import calbin as cb

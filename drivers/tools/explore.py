@@ -52,7 +52,8 @@ import sys
 import tempfile
 import threading
 import traceback
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -93,7 +94,7 @@ class TapeChooser:
     def extend(self, tape: Sequence[int]) -> None:
         self.tape = self.tape[:self.i] + list(tape)
 
-    def choose(self, options: list, sched: "Scheduler") -> int:
+    def choose(self, options: list, sched: Scheduler) -> int:
         value = self.tape[self.i] if self.i < len(self.tape) else 0
         self.i += 1
         return value % len(options)
@@ -121,7 +122,7 @@ class PriorityTapeChooser(TapeChooser):
             return (0, -self.prio[option.label])
         return (1 if option != "jump" else 2, option)
 
-    def choose(self, options: list, sched: "Scheduler") -> int:
+    def choose(self, options: list, sched: Scheduler) -> int:
         order = sorted(range(len(options)), key=lambda i: self._key(options[i]))
         value = self.tape[self.i] if self.i < len(self.tape) else 0
         self.i += 1
@@ -136,7 +137,7 @@ class PriorityTapeChooser(TapeChooser):
 class ReplayChooser(TapeChooser):
     """Replays recorded choice indices exactly (0 after the end)."""
 
-    def choose(self, options: list, sched: "Scheduler") -> int:
+    def choose(self, options: list, sched: Scheduler) -> int:
         value = self.tape[self.i] if self.i < len(self.tape) else 0
         self.i += 1
         if value >= len(options):
@@ -168,7 +169,7 @@ class PCTChooser:
         """The scenario starts: change points are placed over the choices from here."""
         self.offset = self.i
 
-    def choose(self, options: list, sched: "Scheduler") -> int:
+    def choose(self, options: list, sched: Scheduler) -> int:
         self.i += 1
         if self.i - self.offset in self.change and sched.running is not None:
             # the j-th change point gives priority j/1000: below every undemoted thread, above
@@ -193,7 +194,7 @@ class PCTChooser:
 class CThread(threading.Thread):
     """A real thread that runs only when the scheduler hands it the baton."""
 
-    def __init__(self, sched: "Scheduler", target: Callable, name: str, args: tuple = ()) -> None:
+    def __init__(self, sched: Scheduler, target: Callable, name: str, args: tuple = ()) -> None:
         super().__init__(name=name, daemon=True)
         self.sched = sched
         self._fn, self._fn_args = target, args
@@ -247,7 +248,7 @@ class CLock:
 
     __slots__ = ("sched", "owner")
 
-    def __init__(self, sched: "Scheduler") -> None:
+    def __init__(self, sched: Scheduler) -> None:
         self.sched = sched
         self.owner: CThread | None = None
 
@@ -295,7 +296,7 @@ class CLock:
 class CCondition:
     """A condition over a (ranked) controlled lock; notify marks waiters, wait is virtual."""
 
-    def __init__(self, sched: "Scheduler", lock) -> None:
+    def __init__(self, sched: Scheduler, lock) -> None:
         self.sched = sched
         self._lock = lock
         self._waiters: list[list[bool]] = []
@@ -339,7 +340,7 @@ class CCondition:
 class CEvent:
     __slots__ = ("sched", "flag")
 
-    def __init__(self, sched: "Scheduler") -> None:
+    def __init__(self, sched: Scheduler) -> None:
         self.sched = sched
         self.flag = False
 
@@ -368,7 +369,7 @@ class CEvent:
 class VirtualClock(Clock):
     """The executor's clock under the explorer: controlled primitives, virtual time."""
 
-    def __init__(self, sched: "Scheduler") -> None:
+    def __init__(self, sched: Scheduler) -> None:
         self.sched = sched
 
     #: a clock read is a scheduling point only if asked: time moves only when every thread
@@ -433,7 +434,7 @@ class Scheduler:
         self.budget = 0
         self.horizon = now
         self.stop_reason = ""
-        self.device: "DeviceModel | None" = None
+        self.device: DeviceModel | None = None
         self.on_point: Callable[[], None] | None = None  # cheap checks, every point
         self.on_blocked: Callable[[], None] | None = None  # checks when no thread can run
         self.on_jump: Callable[[], None] | None = None
@@ -1124,7 +1125,7 @@ class Explorer:
         seeds = {self.calbins["main"]: seed, self.calbins["other"]: seed ^ OTHER_SEED_XOR}
         paths = {gen.id: gen.calbin_path for gen in self.gens}
         problems, committed = [], []
-        for handle, request, result in self.results:
+        for handle, _request, result in self.results:
             row = self.rows.get(handle.job_id)
             if row is None:
                 continue
@@ -1446,13 +1447,13 @@ def replay(calbins: dict[str, str], script: Sequence[tuple], choices: Sequence[i
 class _LenientReplay(ReplayChooser):
     """A replay that tolerates a changed schedule (index modulo the options): for shrinking."""
 
-    def choose(self, options: list, sched: "Scheduler") -> int:
+    def choose(self, options: list, sched: Scheduler) -> int:
         value = self.tape[self.i] if self.i < len(self.tape) else 0
         self.i += 1
         return value % len(options)
 
 
-def _run_script(calbins, script, chooser, options) -> "str | None":
+def _run_script(calbins, script, chooser, options) -> str | None:
     explorer = Explorer(calbins, chooser, **options)
     try:
         explorer.start()
@@ -1489,7 +1490,7 @@ def shrink(calbins: dict[str, str], info: dict, attempts: int = 300) -> dict:
         tries += 1
         return _run_script(calbins, s, _LenientReplay(c), options) == target
 
-    def pct_fails(s) -> "list[int] | None":
+    def pct_fails(s) -> list[int] | None:
         """The script under the failure's own PCT priorities (robust to dropped actions:
         priorities, not choice indices); the recorded choices when it still fails."""
         nonlocal tries

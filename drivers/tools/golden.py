@@ -13,13 +13,12 @@ Exit status: 0 recorded, 1 the executor did not start (Status printed), 2 usage 
 
 from __future__ import annotations
 
-from calexec import cliargs
-
 import sys
 from pathlib import Path
 
 import attrs
 
+from calexec import cliargs
 from calexec.contracts.goldens import NO_GOLDENS, PinnedGolden, goldens_path, pin
 from calexec.contracts.manifest import ManifestError, default_manifest_path, load_manifest
 from calexec.contracts.status import Status

@@ -71,9 +71,9 @@ def main(argv: list[str]) -> int:
     import uvicorn
 
     from calexec.contracts.manifest import default_manifest_path, load_manifest
-    from calexec.drivers.synthetic import calbin
     from calexec.drivers.calrt.runtime import CalRT
     from calexec.drivers.serving.server import ServerConfig, create_app
+    from calexec.drivers.synthetic import calbin
     from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 
     with tempfile.TemporaryDirectory(prefix="calexec-live-") as tmp:

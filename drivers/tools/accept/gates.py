@@ -32,13 +32,24 @@ import numpy as np
 
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import TaskKind
+from calexec.drivers.calrt.runtime import Fault, FaultMode, Overlap
+from calexec.drivers.device_spec import DeviceSpec
 from calexec.drivers.synthetic import calbin as calbin_fmt
 from calexec.drivers.synthetic import oracle
-from calexec.drivers.tools.accept.gate_rig import (HANG_GRACE_S, JOB_S, Gate, Progress, growth, hung_status, leased,
-                                        open_executor, request, rss_mib, run_job)
+from calexec.drivers.tools.accept.gate_rig import (
+    HANG_GRACE_S,
+    JOB_S,
+    Gate,
+    Progress,
+    growth,
+    hung_status,
+    leased,
+    open_executor,
+    request,
+    rss_mib,
+    run_job,
+)
 from calexec.drivers.tools.bench.core import DirectLoop
-from calexec.drivers.device_spec import DeviceSpec
-from calexec.drivers.calrt.runtime import Fault, FaultMode, Overlap
 
 VOCAB = calbin_fmt.VOCAB
 MAX_SEQ = calbin_fmt.MAX_SEQ
@@ -141,7 +152,7 @@ class _LogitStats:
 
 
 def _greedy(ex, seq: int, prompt: np.ndarray, steps: int, ctx: AcceptContext, series: str,
-            stats: _LogitStats | None = None) -> "tuple[list[int], Status | None]":
+            stats: _LogitStats | None = None) -> tuple[list[int], Status | None]:
     """Greedy prefill + ``steps`` decodes of a fresh ``seq``, every row checked against the
     oracle when ``stats`` is given. Returns (tokens, the first failure or None)."""
     # a job of ``seq`` the device still runs after a failed Wait: wait for it to let go
@@ -418,7 +429,7 @@ class _Traffic:
             if ref.length > 2000:
                 ref = None
 
-    def __enter__(self) -> "_Traffic":
+    def __enter__(self) -> _Traffic:
         self.thread.start()
         return self
 
@@ -511,7 +522,7 @@ def injections(ctx: AcceptContext, phase: str, progress: Progress) -> Gate:
         "shutdown": str(shutdown)})
 
 
-def _inject(ex, kind: str, rng: np.random.Generator, seed: int) -> "Any":
+def _inject(ex, kind: str, rng: np.random.Generator, seed: int) -> Any:
     """One injection on seq 1 (fresh prefill, then the injected decode). Returns the
     decode's Status, True for a correct delivered token, False for a wrong one."""
     reset = (ex.kvc.reset_sequence(1, wait_s=RESET_WAIT_S) if ex.kvc is not None else

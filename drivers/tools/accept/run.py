@@ -39,9 +39,9 @@ from calexec import cliargs
 from calexec.drivers.device_spec import DeviceSpec
 from calexec.drivers.memory import pin_mmap_threshold
 from calexec.drivers.synthetic import calbin as calbin_fmt
+from calexec.drivers.tools.accept.gate_rig import Progress, Silent
 from calexec.drivers.tools.accept.gates import GATES, AcceptContext
 from calexec.drivers.tools.accept.report import write_report
-from calexec.drivers.tools.accept.gate_rig import Progress, Silent
 
 SPEC_LENGTHS = (1, 2, 15, 16, 17, 127, 128, 1024, 4095, 4096, 40959)
 

@@ -7,11 +7,12 @@ decode through ``DeviceExecutor`` (threads on, in-flight capacity 1) in four mod
 ``enqueue`` + ``wait_until`` per token, ``prearmed`` (``decode_stream``: the next job armed
 while the current one runs, ``step(token)`` per token), ``ahead`` (the same stream with
 ``greedy_ahead``: the completion thread fires the armed job with the argmax, the caller's
-``step`` takes it) and ``decode_sync`` (the llama.cpp-style entry), the argmax fed back. The direct side has its own emulated device, the executor modes
-share one of the same kind, built from the same calbin. Each run decodes one block per side,
-the order rotated from run to run, so that drift (other processes, CPU frequency) falls on
-every side alike. Per mode and token it also counts the cross-thread hand-offs (a counting
-clock given to this executor only) and the Python/numpy allocations (``alloccount``):
+``step`` takes it) and ``decode_sync`` (the llama.cpp-style entry), the argmax fed back. The
+direct side has its own emulated device, the executor modes share one of the same kind, built
+from the same calbin. Each run decodes one block per side, the order rotated from run to run,
+so that drift (other processes, CPU frequency) falls on every side alike. Per mode and token it
+also counts the cross-thread hand-offs (a counting clock given to this executor only) and the
+Python/numpy allocations (``alloccount``):
 
 1. TPOT with the 10 ms decode profile: P50/P99 per token of each side and their ratios
    (executor / direct). Spec gate <= 1.03 / <= 1.05, project goal <= 1.01 / <= 1.02.
@@ -69,12 +70,12 @@ from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.status import Status
 from calexec.contracts.types import TaskKind
 from calexec.drivers import alloccount
-from calexec.drivers.synthetic import calbin as calbin_fmt
-from calexec.drivers.direct import DirectRunner, DriverError
-from calexec.drivers.device_spec import DeviceSpec, DeviceSpecError
-from calexec.drivers.serving.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
-from calexec.drivers.native.fused_logits import FusedLogits
 from calexec.drivers.calrt.runtime import CalRT
+from calexec.drivers.device_spec import DeviceSpec, DeviceSpecError
+from calexec.drivers.direct import DirectRunner, DriverError
+from calexec.drivers.native.fused_logits import FusedLogits
+from calexec.drivers.serving.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
+from calexec.drivers.synthetic import calbin as calbin_fmt
 from calexec.drivers.tools.bench.sim import PROFILE_DECODE_US
 from calexec.machines.clock import Clock
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig

@@ -144,8 +144,8 @@ def _executor(workdir: Path):
     """drivers/tools/chaos.py's executor (fast latency profile, no escalation to Failed) with a
     shorter execution deadline and drain grace: a hung job costs well under a second."""
     from calexec.contracts.manifest import default_manifest_path, load_manifest
-    from calexec.drivers.synthetic import calbin
     from calexec.drivers.calrt.runtime import CalRT
+    from calexec.drivers.synthetic import calbin
     from calexec.machines.executor import DeviceExecutor, ExecutorConfig
     from calexec.machines.faults import RecoveryPolicy
 
@@ -169,10 +169,10 @@ def run_fault_bench(faults: int, clients: int, seed: int, progress=None) -> dict
     """One run; the report (module docstring)."""
     import httpx
 
-    from calexec.drivers.tools.bench.core import _cpu_model
-    from calexec.drivers.tools.chaos import FAULTS, LiveServer
     from calexec.drivers.calrt.runtime import Fault, FaultMode
     from calexec.drivers.serving.server import ServerConfig, create_app
+    from calexec.drivers.tools.bench.core import _cpu_model
+    from calexec.drivers.tools.chaos import FAULTS, LiveServer
 
     points = {name: (point, rc) for name, point, rc in FAULTS}
     rng = random.Random(seed)
@@ -212,7 +212,8 @@ def run_fault_bench(faults: int, clients: int, seed: int, progress=None) -> dict
                                          f"(lifecycle {executor.state}: {executor.health()})")
                     # one fault at a time: every request in flight during the last one ended
                     ready_at = time.monotonic()
-                    _wait(lambda: all(c is None or c >= ready_at for c in current),
+                    _wait(lambda ready_at=ready_at: all(c is None or c >= ready_at
+                                                        for c in current),
                           REQUEST_TIMEOUT_S)
                     point, rc = points[kind]
                     first = Fault[point.split("+")[0]]
@@ -220,7 +221,7 @@ def run_fault_bench(faults: int, clients: int, seed: int, progress=None) -> dict
                     for name in point.split("+"):
                         emu.set_fault(Fault[name], FaultMode.NTH, rng.randint(1, 3),
                                       rng.randrange(1 << 30), rc)
-                    fired = _wait(lambda: emu.fault_stats(first)[2] >= 1, FIRE_WAIT_S)
+                    fired = _wait(lambda first=first: emu.fault_stats(first)[2] >= 1, FIRE_WAIT_S)
                     emu.clear_all_faults()
                     if fired:
                         windows.append((armed, kind))

@@ -18,7 +18,8 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import attrs
 import numpy as np
@@ -71,7 +72,7 @@ def _load(requests: int, concurrency: int, one: Callable[[int, int], None]) -> d
             t0 = time.perf_counter()
             try:
                 one(w, i)
-            except BaseException as exc:  # reported after the run
+            except BaseException as exc:  # noqa: BLE001 - reported after the run
                 errors.append(exc)
                 return
             with lock:

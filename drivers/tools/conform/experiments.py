@@ -17,13 +17,20 @@ import time
 
 import numpy as np
 
+from calexec.drivers.calrt.conformance import RESET_KINDS
+from calexec.drivers.calrt.runtime import Fault, FaultMode, JobStatus, Stage
+from calexec.drivers.calrt.verdict import DISPROVEN, INCONCLUSIVE, PROVEN, Answer, inconclusive
+from calexec.drivers.direct import DriverError, check
 from calexec.drivers.synthetic import oracle
 from calexec.drivers.synthetic.calbin import DECODE, PREFILL_IDS
-from calexec.drivers.tools.conform.experiment_rig import FINAL_STATUSES, WAIT_CAP_US, Rig, Slot, tokens_for, wait_final
-from calexec.drivers.calrt.verdict import DISPROVEN, INCONCLUSIVE, PROVEN, Answer, inconclusive
-from calexec.drivers.calrt.conformance import RESET_KINDS
-from calexec.drivers.direct import DriverError, check
-from calexec.drivers.calrt.runtime import Fault, FaultMode, JobStatus, Stage
+from calexec.drivers.tools.conform.experiment_rig import (
+    FINAL_STATUSES,
+    WAIT_CAP_US,
+    Rig,
+    Slot,
+    tokens_for,
+    wait_final,
+)
 
 RESET_ASPECTS = {
     "aborts_jobs": "{kind} aborts the in-flight jobs of both engines (PING and PONG)",
@@ -369,7 +376,7 @@ def exp_overlap(lib: str, calbin: str, config: str, quick: bool) -> dict:
     par_status: dict[int, int] = {}
     errors: list[str] = []
     serial_ok = n
-    for trial in range(trials):
+    for _trial in range(trials):
         t0 = time.perf_counter()
         serial_status = [_timed_job(rig, slots[i], seq, toks, 0, t0, poll_us, spans, "serial", i)
                          for i, (seq, toks) in enumerate(jobs)]

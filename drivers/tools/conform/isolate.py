@@ -14,7 +14,8 @@ import os
 import signal
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import attrs
 
