@@ -10,10 +10,16 @@ import numpy as np
 import pytest
 
 from calexec.contracts.status import Status
-from calexec.machines.tuning import HotPathTuning
 from calexec.machines.job import InferenceResult
-from executor_harness import (decode, deadline, expected_greedy, prefill, running_job_path,
-                              write_calbin)
+from calexec.machines.tuning import HotPathTuning
+from executor_harness import (
+    deadline,
+    decode,
+    expected_greedy,
+    prefill,
+    running_job_path,
+    write_calbin,
+)
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 
