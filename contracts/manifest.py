@@ -109,7 +109,8 @@ def _submodel(file: str, index: int, raw: Any, vocab_size: int, hidden_size: int
         raise ManifestError(file, f"{where}.kind", kind_name,
                             f"unknown kind (allowed: {', '.join(k.name.lower() for k in TaskKind)})") from None
     fields = {k: v for k, v in table.items() if k not in _TENSOR_ROLES and k != "kind"}
-    tensors = {role: _tensor(file, f"{where}.{role}", table[role]) for role in _TENSOR_ROLES}
+    tensors: dict[str, Any] = {role: _tensor(file, f"{where}.{role}", table[role])
+                               for role in _TENSOR_ROLES}
     try:
         sub = SubmodelContract(kind=kind, **fields, **tensors)
         validate_submodels({kind: sub}, vocab_size, hidden_size)
