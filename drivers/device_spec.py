@@ -17,7 +17,7 @@ needs a reset ends the lifecycle ``Failed`` and ``calexec serve`` exits for its 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -25,6 +25,9 @@ from calexec.contracts.manifest import Manifest, default_manifest_path, load_man
 from calexec.drivers.calrt.runtime import ENV_LIB, CalRT
 from calexec.drivers.synthetic import calbin as calbin_fmt
 from calexec.machines.faults import RecoveryPolicy
+
+if TYPE_CHECKING:
+    from calexec.machines.device_api import RuntimeApi
 
 RESET_KINDS = ("reset", "reset_ccu", "reset_configuration", "none")
 
@@ -166,3 +169,10 @@ class DeviceSpec:
         raise DeviceSpecError(f"--device-config={config!r}: refused by the runtime "
                               f"(calrt_device_open returned {rc}), though each item alone opens")
 
+
+
+if TYPE_CHECKING:
+    def _runtime_seam(runtime: CalRT) -> RuntimeApi:
+        """For mypy only: the cffi driver satisfies what machines/ calls on a runtime
+        (machines/device_api.py), down to its buffers."""
+        return runtime

@@ -42,7 +42,7 @@ An armed job never keeps a resource from anyone:
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -74,18 +74,19 @@ class AutoArm:
         self.job: Job | None = None
         self.dropped = False
 
-    def matches(self, job: Job, request: InferenceRequest, logits_out: Any) -> bool:
+    def matches(self, job: Job, request: InferenceRequest, logits_out: np.ndarray | None
+                ) -> bool:
         """Whether ``request`` is what this entry armed ``job`` for (``job`` is owned by the
         caller here: no lock needed)."""
         armed = job.request
-        positions = request.positions
+        positions, armed_positions = request.positions, armed.positions
         return (request.kind == TaskKind.DECODE and len(request.seq_ids) == 1
                 and request.past_len == self.past and request.token_count == 1
                 and request.tokens is not None and request.embeddings is None
                 and request.kv_reserve_len is None
                 and request.want_logits == armed.want_logits
                 and isinstance(positions, np.ndarray) and positions.shape == (1,)
-                and positions.dtype == armed.positions.dtype
+                and armed_positions is not None and positions.dtype == armed_positions.dtype
                 and int(positions[0]) == self.past
                 and logits_out is job.logits_out)
 
@@ -110,11 +111,14 @@ class AutoArm:
 
     def _arm(self, prev: Job) -> Job | None:
         ex = self.ex
+        prev_positions = prev.request.positions
+        if prev_positions is None:  # a submitted job's request has its positions (step 4)
+            return None
         deadline = min(prev.deadline, ex.clock.monotonic() + ex.expected_decode_s
                        + ex.config.tuning.auto_idle_s)
         request = InferenceRequest(
             seq_id=self.seq_id, kind=TaskKind.DECODE, tokens=np.zeros(1, np.int32),
-            positions=np.full(1, self.past, prev.request.positions.dtype), past_len=self.past,
+            positions=np.full(1, self.past, prev_positions.dtype), past_len=self.past,
             deadline=deadline, want_logits=prev.request.want_logits,
             request_id=prev.request.request_id)
         job = ex.admit_armed(request, prev.logits_out, Arm(prev.txn, blocking=False))

@@ -18,6 +18,17 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
+from typing import Any, Protocol, cast
+
+
+class LockLike(Protocol):
+    """A lock a ``Clock`` condition waits on: ``threading.Lock``, or a ``RankedLock``
+    (machines/locks.py) around one."""
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool: ...
+
+    def release(self) -> None: ...
 
 
 class Clock:
@@ -54,13 +65,16 @@ class Clock:
     def lock(self) -> threading.Lock:
         return threading.Lock()
 
-    def condition(self, lock) -> threading.Condition:
-        return threading.Condition(lock)
+    def condition(self, lock: LockLike) -> threading.Condition:
+        # Condition duck-types its lock (acquire/release, _is_owned when present); typeshed
+        # names only threading's own locks
+        return threading.Condition(cast(threading.Lock, lock))
 
     def event(self) -> threading.Event:
         return threading.Event()
 
-    def start_thread(self, target, name: str, args: tuple = ()) -> threading.Thread:
+    def start_thread(self, target: Callable[..., object], name: str, args: tuple[Any, ...] = ()
+                     ) -> threading.Thread:
         thread = threading.Thread(target=target, args=args, name=name, daemon=True)
         thread.start()
         return thread

@@ -39,9 +39,12 @@ from calexec.machines.compiled import GuardRejected
 from calexec.machines.locks import SUBMIT, LockOrder
 
 if TYPE_CHECKING:
+    from calexec.machines.autoarm import AutoArm
     from calexec.machines.generation import Generation
     from calexec.machines.job import Job
-    from calexec.machines.kv import KvCoordinator
+    from calexec.machines.kv import KvCoordinator, KvTxn
+    from calexec.machines.pool import BufferSlot
+    from calexec.machines.stream import DecodeStream
 
 
 class Armer(Protocol):
@@ -60,7 +63,7 @@ class Arm:
     (None: an ordinary reserve), waiting for resources (``blocking``: the caller's own step,
     whose token is on its way: a request, never a guess) or not."""
 
-    prev_txn: Any
+    prev_txn: KvTxn | None
     blocking: bool
     #: wake the submitter once armed, so its idle wait counts the armed job's deadline (not
     #: needed when the submitter arms it itself)
@@ -72,7 +75,7 @@ class Held:
     """A quarantined slot the runtime still holds after a failed Wait (§9.1), with the
     in-flight permit of its job (``DeviceExecutor._reap_held``)."""
 
-    slot: Any
+    slot: BufferSlot
     kvc: KvCoordinator
     seq_id: int
     job: Job
@@ -121,8 +124,8 @@ class Dispatch:
         self._to_arm: deque[tuple[float, Armer]] = deque()  # (arm at, armer), in order
         self._arm_later: list[Armer] = []  # found no free slot: again when a lease is back
         self._arming: Armer | None = None
-        self._streams: dict[int, Any] = {}  # seq id -> its open decode stream
-        self._guesses: dict[int, Any] = {}  # seq id -> its AutoArm
+        self._streams: dict[int, DecodeStream] = {}  # seq id -> its open decode stream
+        self._guesses: dict[int, AutoArm] = {}  # seq id -> its AutoArm
         self._inflight = 0
         self.capacity = capacity  # effective; a Phase B downgrade lowers it
         self._pending_tokens = 0
@@ -194,11 +197,11 @@ class Dispatch:
         with self.mu:
             return list(self._armed)
 
-    def guess(self, seq_id: int) -> Any:
+    def guess(self, seq_id: int) -> AutoArm | None:
         """The implicit pre-arm of ``seq_id`` (None: none)."""
         return self._guesses.get(seq_id)
 
-    def guesses(self) -> list[Any]:
+    def guesses(self) -> list[AutoArm]:
         with self.mu:
             return list(self._guesses.values())
 
@@ -292,7 +295,7 @@ class Dispatch:
         (fencing: never into another generation's queue; the caller releases it)."""
         with self.cv:
             gen = job.gen
-            if gen.closing or gen is not current:
+            if gen is None or gen.closing or gen is not current:
                 return False
             self._queue.append(job)
             self.cv.notify_all()
@@ -308,7 +311,7 @@ class Dispatch:
         its deadline and a refusal release it as they release a queued job)."""
         with self.cv:
             gen = job.gen
-            if gen.closing or gen is not current:
+            if gen is None or gen.closing or gen is not current:
                 return False
             self._armed.append(job)
             if for_caller:
@@ -344,16 +347,21 @@ class Dispatch:
         timings, queue it, wake the submitter. A Status: not queued (fenced or cancelled)."""
         gen = job.gen
         job.uncounted = False  # a request now: its answer counts
-        if gen.closing or gen is not current:  # fencing: never into another generation
-            return Status.unavailable(Phase.SUBMIT, f"generation {gen.id} retired before the "
-                                      "job was queued; retry", **job.ctx())
-        job.request.tokens[0] = token
-        job.lease.slot.host_input[0] = token
+        if gen is None or gen.closing or gen is not current:  # fencing: never into another
+            return Status.unavailable(Phase.SUBMIT, f"generation {job.generation_id} retired "
+                                      "before the job was queued; retry", **job.ctx())
+        tokens, lease = job.request.tokens, job.lease
+        host_input = None if lease is None else lease.slot.host_input
+        if tokens is None or host_input is None:  # an armed decode job holds both
+            return Status.internal("armed_job_incomplete", Phase.PREPARE, "an armed job "
+                                   "without its tokens or buffer slot", **job.ctx())
+        tokens[0] = token
+        host_input[0] = token
         try:
             job.run.send(JOB_EV_ENQUEUE)
         except GuardRejected:
             job.run.send(JOB_EV_CANCEL)
-            return Status.cancelled(Phase.PREPARE, **job.ctx())
+            return Status.cancelled(Phase.PREPARE, "cancel requested", **job.ctx())
         # the request exists from now: its admission ran ahead (S11, §9.1: the job's
         # timings are the request's, not the guess's)
         timings = job.timings
@@ -390,7 +398,8 @@ class Dispatch:
                 self._unarm_locked(job)
         return guesses, streams
 
-    def take_armed_of(self, seq_id: int, end: float) -> tuple[Job | None, list[Job], Any]:
+    def take_armed_of(self, seq_id: int, end: float
+                      ) -> tuple[Job | None, list[Job], DecodeStream | None]:
         """Another request, reset or truncation of ``seq_id`` is coming: take what was armed
         for it (its guess, a stream's next step; after an arming in progress ends, bounded by
         ``end``) and stop arming it; returns (guess job, stream jobs, the open stream) for the
@@ -454,16 +463,16 @@ class Dispatch:
             self.cv.notify_all()
 
     # ---- decode streams and guesses by sequence --------------------------------------------------
-    def open_stream(self, seq_id: int, stream: Any) -> None:
+    def open_stream(self, seq_id: int, stream: DecodeStream) -> None:
         with self.mu:
             self._streams[seq_id] = stream
 
-    def close_stream_locked(self, seq_id: int, stream: Any) -> None:
+    def close_stream_locked(self, seq_id: int, stream: DecodeStream) -> None:
         """cv held: ``stream`` of ``seq_id`` closed."""
         if self._streams.get(seq_id) is stream:
             del self._streams[seq_id]
 
-    def add_guess(self, entry: Any, at: float) -> bool:
+    def add_guess(self, entry: AutoArm, at: float) -> bool:
         """Keep ``entry`` (an AutoArm) as ``entry.seq_id``'s guess, armed from ``at``; False
         when the sequence has one already."""
         with self.cv:
@@ -473,7 +482,7 @@ class Dispatch:
             self._to_arm.append((at, entry))
             return True
 
-    def guess_armed_locked(self, entry: Any, job: Job) -> bool:
+    def guess_armed_locked(self, entry: AutoArm, job: Job) -> bool:
         """cv held: the submitter armed ``job`` for ``entry``; False when the guess was
         dropped meanwhile (the caller releases the job)."""
         if self._guesses.get(entry.seq_id) is not entry:
@@ -483,18 +492,18 @@ class Dispatch:
         job.auto = entry
         return True
 
-    def forget_guess_locked(self, entry: Any) -> None:
+    def forget_guess_locked(self, entry: AutoArm) -> None:
         """cv held: ``entry`` leaves the table (its job, if any, is released by whoever
         holds it)."""
         self._forget_guess_locked(entry)
 
-    def _forget_guess_locked(self, entry: Any) -> None:
+    def _forget_guess_locked(self, entry: AutoArm) -> None:
         entry.dropped = True
         entry.job = None
         if self._guesses.get(entry.seq_id) is entry:
             del self._guesses[entry.seq_id]
 
-    def detach_guess(self, seq_id: int, end: float) -> tuple[Any, Job | None]:
+    def detach_guess(self, seq_id: int, end: float) -> tuple[AutoArm | None, Job | None]:
         """A request of ``seq_id`` came: take its guess out of the table and own its armed
         job (None: none armed, or already released); waits (bounded by ``end``) for an
         arming of it in progress. Returns (entry, job)."""
@@ -504,7 +513,7 @@ class Dispatch:
                 return None, None
             return entry, self._detach_guess_locked(entry, end)
 
-    def _detach_guess_locked(self, entry: Any, end: float) -> Job | None:
+    def _detach_guess_locked(self, entry: AutoArm, end: float) -> Job | None:
         self._to_arm = deque(item for item in self._to_arm if item[1] is not entry)
         while self._arming is entry:
             remaining = end - self.clock.monotonic()

@@ -35,7 +35,7 @@ both complete when sent together: the second waits, holding nothing, for the fir
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -50,7 +50,11 @@ from calexec.machines.chart_names import (
     KV_SUBMITTED,
 )
 from calexec.machines.compiled import KV_TXN, GuardRejected
+from calexec.machines.device_api import KvManagerApi
 from calexec.machines.locks import ADMISSION, KV_CALL, LockOrder
+
+if TYPE_CHECKING:
+    from calexec.machines.job import Job
 
 
 @attrs.define(slots=True, eq=False)
@@ -60,7 +64,8 @@ class SeqView:
     seq_id: int
     committed_len: int = 0
     reserved_len: int = 0
-    open_txn: KvTxn | None = None
+    #: the open transaction, or a claim holding the sequence during a KvManager call
+    open_txn: KvTxn | _Claim | None = None
     unknown_reason: str | None = None
     #: jobs of this sequence the runtime still runs after their Wait failed (§9.1): the device
     #: may still write this sequence's KV, so it cannot be reset or truncated yet
@@ -100,7 +105,7 @@ class KvTxn:
         self.generation_id = generation_id
         #: the job whose device run this txn stands for (set at mark_submitted): the commit
         #: guard asks it what the runtime answered and whether the output was validated
-        self.evidence = None
+        self.evidence: Job | None = None
         self.run = KV_TXN.run(self)
 
     @property
@@ -130,7 +135,7 @@ class KvTxn:
 class KvCoordinator:
     """Admission of KV capacity for one KvManager of one generation."""
 
-    def __init__(self, kv: Any, generation_id: int, locks: LockOrder) -> None:
+    def __init__(self, kv: KvManagerApi, generation_id: int, locks: LockOrder) -> None:
         self.kv = kv
         self.generation_id = generation_id
         self.admission_mu = locks.lock(ADMISSION)
@@ -176,7 +181,8 @@ class KvCoordinator:
 
     def capacity_blocks(self) -> int | None:
         """The KvManager's total blocks (None when the runtime object does not say)."""
-        return getattr(self.kv, "capacity_blocks", None)
+        blocks: int | None = getattr(self.kv, "capacity_blocks", None)  # optional member
+        return blocks
 
     def _bump(self) -> None:
         """Capacity or state changed: wake waiters (caller holds admission_mu)."""
@@ -277,7 +283,8 @@ class KvCoordinator:
             self._bump()
 
     def _wait_for_capacity(self, seq_id: int, target: int, reserved: int, deadline: float,
-                           stop: Callable[[], Status | None], ctx: dict) -> Status | None:
+                           stop: Callable[[], Status | None], ctx: dict[str, Any]
+                           ) -> Status | None:
         """None when Apply succeeded; else the Status that ended the wait."""
         needed = self.blocks_for(target) - self.blocks_for(reserved)
         while True:
@@ -356,7 +363,7 @@ class KvCoordinator:
             return (view is not None and view.open_txn is txn
                     and view.unknown_reason is None and not self._closed)
 
-    def mark_submitted(self, txn: KvTxn, evidence=None) -> None:
+    def mark_submitted(self, txn: KvTxn, evidence: Job | None = None) -> None:
         """infer() accepted the job ``evidence`` (which answers the commit guard later)."""
         txn.evidence = evidence
         txn.run.send(KV_EV_MARK_SUBMITTED)

@@ -90,7 +90,7 @@ class LockOrder:
         ``threading.Lock`` (the hot path pays nothing for the checks it does not run)."""
         return RankedLock(self, rank) if self.checking else self._plain_lock()
 
-    def _plain_lock(self):
+    def _plain_lock(self) -> threading.Lock:
         """The lock under a ranked lock or of non-checking mode: made by the clock (the
         interleaving explorer's clock hands out controlled locks)."""
         return self.clock.lock()
@@ -145,5 +145,5 @@ class RankedLock:
 
     __enter__ = acquire
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.release()

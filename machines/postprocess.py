@@ -22,7 +22,7 @@ import numpy as np
 def _const(value: int, dtype: type) -> np.ndarray:
     """A read-only 0-d array: a ufunc given a Python or numpy scalar converts it to a fresh 0-d
     array (a numpy data allocation) on every call; given this, it allocates nothing."""
-    array = np.array(value, dtype=dtype)
+    array: np.ndarray = np.array(value, dtype=dtype)
     array.flags.writeable = False
     return array
 

@@ -58,7 +58,8 @@ disconnect handler may call it).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Collection
+from typing import TYPE_CHECKING, SupportsInt
 
 import attrs
 import numpy as np
@@ -71,6 +72,7 @@ from calexec.machines.job import InferenceResult, Job, JobHandle, job_of
 
 if TYPE_CHECKING:
     from calexec.machines.executor import DeviceExecutor
+    from calexec.machines.kv import KvTxn
 
 log = logging.getLogger("calexec.stream")
 
@@ -90,7 +92,7 @@ class DecodeStream:
                  logits_out: np.ndarray | None = None,
                  want_logits: tuple[int, int] | None = None,
                  max_len: int | None = None, request_id: int = 0,
-                 greedy_ahead: bool = False, stop_tokens: Any = (),
+                 greedy_ahead: bool = False, stop_tokens: Collection[SupportsInt] = (),
                  max_steps: int | None = None) -> None:
         self.ex = ex
         self.seq_id = seq_id
@@ -130,7 +132,7 @@ class DecodeStream:
         self._fresh = [self._rows is not None] * 2
         # guarded by the dispatch lock (``ex.dispatch.cv``): the submitter arms the next job
         # after the one just fired (``arm_next``: its KV txn and the next position)
-        self._next: tuple[Any, int] = (None, past_len)
+        self._next: tuple[KvTxn | None, int] = (None, past_len)
         job = self._arm_job(None, past_len, blocking=False, notify=True)
         if isinstance(job, Job):
             self._armed = job
@@ -208,12 +210,14 @@ class DecodeStream:
         if handle is not None:
             self.prearmed_steps += 1
         else:  # nothing armed (no free resource then): admit it now, blocking
-            job = self._arm_job(None, self.past_len, blocking=True)
-            if isinstance(job, Status):
-                return self._close(job)
-            handle = self._fire_step(job, int(token))
+            fresh = self._arm_job(None, self.past_len, blocking=True)
+            if isinstance(fresh, Status):
+                return self._close(fresh)
+            handle = self._fire_step(fresh, int(token))
             if handle is None:  # released before it was queued: that is the step's answer
-                return self._close(job.result)
+                answer = fresh.resolved_result()
+                return self._close(answer if isinstance(answer, Status) else Status.internal(
+                    "prearm", Phase.PREPARE, "pre-armed job resolved before its token"))
         self._current = handle
         self.steps += 1
         return handle
@@ -226,8 +230,11 @@ class DecodeStream:
             seq_id=self.seq_id, kind=TaskKind.DECODE, tokens=np.asarray([token], np.int32),
             positions=np.full(1, self.past_len, np.int32), past_len=self.past_len,
             deadline=self.deadline, want_logits=self.want_logits, request_id=self.request_id)
-        handle = self.ex.enqueue(request, logits_out=self.logits_out,
-                                 on_created=lambda created: created.cancel())
+
+        def cancel(created: JobHandle) -> None:
+            created.cancel()
+
+        handle = self.ex.enqueue(request, logits_out=self.logits_out, on_created=cancel)
         self._current = handle
         return handle
 
@@ -253,9 +260,10 @@ class DecodeStream:
             while not handle.done and (ex.submit_one() or ex.complete_one()):
                 pass
         result = handle.wait_until(self.deadline)
-        if not handle.done:  # the stream's deadline passed with the job still running: its
-            handle.cancel()  # result is nobody's (it must not write logits_out later)
-            return self._close(result)
+        # (a Status until the handle is done: wait_until returns a result only once it is)
+        if isinstance(result, Status) and not handle.done:  # the stream's deadline passed
+            handle.cancel()  # with the job still running: its result is nobody's (it must
+            return self._close(result)  # not write logits_out later)
         self._current = None
         if isinstance(result, Status):
             return self._close(result)
@@ -304,7 +312,7 @@ class DecodeStream:
     def __enter__(self) -> DecodeStream:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # ---- arming ----------------------------------------------------------------------------
@@ -345,7 +353,7 @@ class DecodeStream:
         return status
 
     # ---- greedy ahead ----------------------------------------------------------------------
-    def _wait_submitter(self, done: Any, end: float) -> bool:
+    def _wait_submitter(self, done: Callable[[], bool], end: float) -> bool:
         """The dispatch lock held: wait until ``done()`` (the submitter notifies when it
         finishes an arming, the completion thread when it finishes firing ahead), bounded by
         ``end`` (``Clock.monotonic()``). False when ``end`` came first."""
@@ -375,7 +383,10 @@ class DecodeStream:
         self._wait_submitter(lambda: self._ahead is None or self._ahead[1] is not None,
                              self.deadline)
         ahead, self._ahead = self._ahead, None
-        return ahead if ahead is not None and ahead[1] is not None else None
+        if ahead is None:
+            return None
+        fired, handle = ahead
+        return None if handle is None else (fired, handle)
 
     def _adopt(self, ahead: tuple[int, JobHandle], token: int) -> JobHandle | Status:
         """The caller's step takes the job the completion thread fired with ``ahead[0]``."""
@@ -393,7 +404,7 @@ class DecodeStream:
         self.ahead_steps += 1
         return handle
 
-    def fire_ahead(self, job: Job, result: Any, arm_delay_s: float = 0.0
+    def fire_ahead(self, job: Job, result: InferenceResult, arm_delay_s: float = 0.0
                    ) -> JobHandle | None:
         """On the completion thread, after ``job``'s KV commit and permit release and before
         its result is delivered: fire the armed next job with ``job``'s argmax when the
@@ -459,7 +470,7 @@ class DecodeStream:
         if drop is not None:
             ex.release_armed(drop, Status.cancelled(Phase.CANCEL, "decode stream closed"))
 
-    def _arm_job(self, prev_txn: Any, past: int, blocking: bool,
+    def _arm_job(self, prev_txn: KvTxn | None, past: int, blocking: bool,
                  notify: bool = False) -> Job | Status:
         if not blocking and self.max_len is not None and past + 1 > self.max_len:
             # max_len bounds what the stream arms ahead; the caller's own step (blocking) is
@@ -471,8 +482,9 @@ class DecodeStream:
             positions=np.full(1, past, np.int32), past_len=past, deadline=self.deadline,
             want_logits=self.want_logits, request_id=self.request_id)
         parity = (past - self._row0) % 2
-        if past != self._row0 and self._fresh[parity]:  # a step that may be fired ahead
-            self._rows[parity].fill(0.0)  # arming runs off the critical path
+        rows = self._rows  # (_fresh is only ever True with rows)
+        if past != self._row0 and rows is not None and self._fresh[parity]:  # a step that
+            rows[parity].fill(0.0)  # may be fired ahead; arming runs off the critical path
             self._fresh[parity] = False
         job = self.ex.admit_armed(request, self.logits_out, Arm(prev_txn, blocking, notify))
         if job.done:
