@@ -154,12 +154,12 @@ class DeviceSpec:
             if "=" not in item:
                 raise DeviceSpecError(f"--device-config: item {item!r} is not key=value")
         rc, device = rt.open_device(config)
-        if rc == 0:
+        if rc == 0 and device is not None:
             device.close()
             return
         for item in items:
             rc_one, one = rt.open_device(item)
-            if rc_one == 0:
+            if rc_one == 0 and one is not None:
                 one.close()
                 continue
             key, _, value = item.partition("=")

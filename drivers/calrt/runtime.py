@@ -23,6 +23,7 @@ import enum
 import hashlib
 import logging
 import os
+from typing import Any
 
 import numpy as np
 
@@ -39,8 +40,10 @@ log = logging.getLogger("calexec.calrt")
 ENV_LIB = "CALEXEC_CALRT_LIB"
 
 
-def _enum(name: str, ctype: str, prefix: str) -> type[enum.IntEnum]:
-    """An IntEnum built from a C enum of the cdef (the header stays the single source)."""
+def _enum(name: str, ctype: str, prefix: str) -> Any:
+    """An IntEnum built from a C enum of the cdef (the header stays the single source). Typed
+    ``Any``: its members exist only once the cdef is read, so a type checker cannot list them
+    (a wrong member name is an AttributeError at import or first use, as before)."""
     members = {k[len(prefix):]: v for k, v in _ffi.typeof(ctype).relements.items() if k.startswith(prefix)}
     return enum.IntEnum(name, sorted(members.items(), key=lambda kv: kv[1]))
 

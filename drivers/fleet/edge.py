@@ -149,6 +149,8 @@ class ReplicaEdge:
 
         async def forward() -> None:
             nonlocal started, stream
+            if self.relay is None:  # _relay runs only when the replica may relay
+                raise RuntimeError("relay without a relay target")
             stream = self.relay(relay_request(scope, body, self.replica))
             async for message in stream:
                 if message["type"] == "http.response.start":

@@ -39,7 +39,7 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 log = logging.getLogger("calexec.fleet.local_ray")
@@ -66,7 +66,7 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def joins_cluster(environ: dict[str, str] | None = None) -> bool:
+def joins_cluster(environ: Mapping[str, str] | None = None) -> bool:
     """Whether ``ray.init`` will join an existing cluster (``$RAY_ADDRESS``) instead of
     starting a local one."""
     env = os.environ if environ is None else environ
@@ -90,7 +90,7 @@ def join_error(address: str, err: BaseException) -> str:
             f"it), and a head started with {SINGLE_MACHINE_ENV}=0 needs it here too")
 
 
-def local_environment(host: str, environ: dict[str, str] | None = None) -> dict[str, str]:
+def local_environment(host: str, environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """What to set in the environment before ``import ray`` so that a local Ray serving on
     ``host`` listens where ``host`` does: Ray's single-machine mode for a loopback host.
     Empty when joining a cluster, for a non-loopback host, or when the user set the variable."""

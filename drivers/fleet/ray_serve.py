@@ -79,6 +79,7 @@ from calexec.drivers.fleet import local_ray
 from calexec.drivers.fleet import registry as replica_registry
 from calexec.drivers.fleet.edge import ReplicaEdge, serve_relayed
 from calexec.drivers.fleet.ingress import CAUSES, FailoverSettings, FleetIngress
+from calexec.drivers.serving.executor_view import served
 from calexec.drivers.serving.handoff import PROGRESS_TYPE
 from calexec.drivers.serving.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
 from calexec.drivers.serving.server import ServerConfig, create_app
@@ -184,7 +185,8 @@ class LifecycleRouter(FIFOMixin, RequestRouter):
         relay = (pending_request is not None
                  and pending_request.metadata.call_method == RELAY_METHOD)
         me = replica_registry.self_replica() if relay else None
-        request = pending_request.args[0] if relay and pending_request.args else None
+        request = (pending_request.args[0] if relay and pending_request is not None
+                   and pending_request.args else None)
         avoid, pin = (), None
         if isinstance(request, dict):  # built by the fleet ingress or a tool, never by HTTP
             avoid, pin = request.get("avoid") or (), request.get("replica")
@@ -258,7 +260,7 @@ class CalexecReplica:
         if not status.ok:
             self._tmp.cleanup()
             raise RuntimeError(f"calexec replica: executor failed to start: {status}")
-        self._app = create_app(self.executor, settings.server)
+        self._app = create_app(served(self.executor), settings.server)
         self.service = self._app.state.service
         self.device = device_label(self.executor, settings)
         replica_id = serve.get_replica_context().replica_id

@@ -92,7 +92,7 @@ def add_debug_routes(app: FastAPI, service: CompletionService) -> None:
             return executor.state
         if chart == "job":
             counts = service.live_job_counts()
-            busiest = max(counts, key=counts.get)
+            busiest = max(counts, key=lambda state: counts[state])
             return busiest if counts[busiest] else None
         return None
 

@@ -98,7 +98,11 @@ class _StreamDetokenizer:
         return ""
 
 
-def load(path: str | None) -> ByteTokenizer | HFTokenizer:
+#: what the server encodes and decodes with
+Tokenizer = ByteTokenizer | HFTokenizer
+
+
+def load(path: str | None) -> Tokenizer:
     """The tokenizer of ``--tokenizer PATH`` (a tokenizer.json or a directory holding one);
     None: the byte-level tokenizer. Raises :class:`TokenizerLoadError` naming the path."""
     return ByteTokenizer() if path is None else HFTokenizer(path)

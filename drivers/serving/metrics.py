@@ -55,7 +55,7 @@ calexec_golden_unpinned                     gauge      1 while serving on a gold
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -64,6 +64,7 @@ from prometheus_client.registry import Collector
 
 from calexec.contracts.status import Status
 from calexec.contracts.types import JobTimings, TaskKind
+from calexec.drivers.serving.executor_view import ServedExecutor
 from calexec.machines.compiled import BUFFER_SLOT, LIFECYCLE
 from calexec.machines.executor import FEATURES
 
@@ -78,7 +79,7 @@ TOKEN_BUCKETS = tuple(m * 10 ** e for e in range(6) for m in (1, 2, 5) if m * 10
 STAGE_BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005,
                  0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
-Snapshot = Callable[[], dict[str, Any]]
+Snapshot = Callable[[], Mapping[str, Any]]
 
 
 class _ExecutorCollector(Collector):
@@ -154,7 +155,7 @@ _SERVER_GAUGE_HELP = {
 }
 
 
-def kv_usage_fraction(executor: Any) -> float:
+def kv_usage_fraction(executor: ServedExecutor) -> float:
     """Blocks the current generation's KV coordinator holds reserved for its sequences over
     the KvManager's capacity, from the coordinator's host-side view (no device call): 0 when
     there is no generation or the runtime does not report its capacity."""
@@ -266,7 +267,8 @@ class ServerMetrics:
                 self.tpot.observe(total / 1000.0)
 
     def observe_failure(self, status: Status) -> None:
-        self.failures.labels(status.category.value, status.code,
+        self.failures.labels("none" if status.category is None else status.category.value,
+                             status.code,
                              "none" if status.raw is None else str(status.raw)).inc()
 
     def exposition(self) -> bytes:

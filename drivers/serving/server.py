@@ -34,6 +34,7 @@ from calexec.drivers.serving.admin import MAX_PATH_CHARS, add_admin_routes, calb
 from calexec.drivers.serving.debug import add_debug_routes
 from calexec.drivers.serving.dumpsink import DumpSink
 from calexec.drivers.serving.error_bodies import PARAM_OF_CODE, error_body, error_response, invalid
+from calexec.drivers.serving.executor_view import ServedExecutor
 from calexec.drivers.serving.service import (
     Admission,
     CompletionService,
@@ -51,7 +52,7 @@ __all__ = ["Admission", "CompletionService", "DrainingServer", "MAX_PATH_CHARS",
 log = logging.getLogger("calexec.server")
 
 
-def create_app(executor: Any, config: ServerConfig | None = None,
+def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
                dump: DumpSink | None = None) -> FastAPI:
     """The FastAPI app serving ``executor`` (already started; not shut down by the app: use
     ``app.state.service.drain(grace)``)."""
@@ -118,7 +119,7 @@ def abortable(protocol: type) -> type:
     the transport's ``abort()``): a response cut because its client stopped reading ends the
     connection without waiting for that client to read what is buffered."""
 
-    class Abortable(protocol):  # type: ignore[misc,valid-type]
+    class Abortable(protocol):
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
             app = getattr(self, "app", None)  # uvicorn's protocols keep the ASGI app there

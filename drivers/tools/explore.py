@@ -53,7 +53,7 @@ import tempfile
 import threading
 import traceback
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -63,6 +63,11 @@ from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import TaskKind
 from calexec.machines.clock import Clock
+
+if TYPE_CHECKING:
+    from calexec.drivers.calrt.runtime import CalRT, Emulator, KvManager
+    from calexec.machines.device_api import RuntimeApi
+    from calexec.machines.executor import DeviceExecutor
 
 WATCHDOG_S = float(os.environ.get("CALEXEC_EXPLORE_WATCHDOG_S", "60"))
 _PENDING = (int(DeviceJobStatus.PENDING), int(DeviceJobStatus.RUNNING))
@@ -250,7 +255,8 @@ class CLock:
 
     def __init__(self, sched: Scheduler) -> None:
         self.sched = sched
-        self.owner: CThread | None = None
+        #: the holding thread, ``Scheduler.OUTSIDE`` (held outside the controlled world), or None
+        self.owner: object = None
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
         sched = self.sched
@@ -476,6 +482,8 @@ class Scheduler:
     def block(self, pred: Callable[[], bool], deadline: float | None, what: str) -> bool:
         """Block the running thread until ``pred()`` or the virtual ``deadline``."""
         me = self.me()
+        if me is None:
+            raise RuntimeError(f"block({what!r}) outside a controlled thread")
         if self.aborting:
             raise _Abort()
         if pred():
@@ -579,7 +587,7 @@ class Scheduler:
                         self.on_jump()
                 except AssertionError as exc:
                     self.fail(str(exc))
-            else:
+            elif self.device is not None:  # (a device step is an option only with one)
                 self.device.step(chosen)
 
     # -- from the driver --
@@ -635,7 +643,7 @@ class DeviceModel:
 
     def __init__(self, sched: Scheduler, engines: int = 1) -> None:
         self.sched = sched
-        self.emu = None
+        self.emu: Emulator | None = None  # set when the explored executor opens its device
         self.engines = engines
         self.epoch = 0  # bumped by anything that may let a stuck engine progress
         self.stuck: dict[int, int] = {}
@@ -644,7 +652,13 @@ class DeviceModel:
         self.closed = False
 
     #: the device proxy ``RuntimeProxy.open_device`` wraps the device in
-    proxy_class: type = None  # type: ignore[assignment]  (DeviceProxy, set below)
+    proxy_class: type[DeviceProxy] | None = None
+
+    def controls(self) -> Emulator:
+        """The emulator controls of the explored device, once the executor opened it."""
+        if self.emu is None:
+            raise RuntimeError("the explored device is not open yet")
+        return self.emu
 
     def next_ready(self) -> float | None:
         """When a job of a timed device (differential.TimedDevice) ends; None: untimed."""
@@ -676,6 +690,8 @@ class DeviceModel:
         engine = int(label[len("device"):])
         if self.sched.on_step is not None:
             self.sched.on_step()
+        if self.emu is None:  # (device steps are options only once the device is open)
+            return
         rc, did = self.emu.step(engine, int(Stage.NONE))
         if rc != 0 or did in (Did.NOTHING, Did.HUNG, Did.BLOCKED):
             self.stuck[engine] = self.epoch
@@ -685,7 +701,7 @@ class DeviceModel:
     def wait_fault_fires_next(self) -> bool:
         from calexec.drivers.calrt.runtime import Fault
         nth = self.armed.get(int(Fault.WAIT_RC))
-        if nth is None:
+        if nth is None or self.emu is None:
             return False
         rc, calls, fired = self.emu.fault_stats(Fault.WAIT_RC)
         return rc == 0 and fired == 0 and calls + 1 == nth
@@ -864,8 +880,8 @@ class Explorer:
         self.sched.on_blocked = self._check_blocked
         self.sched.on_jump = self._check_late
         self.sched.on_step = self._check_memory
-        self.options = {"reset_kind": reset_kind, "capacity": capacity, "kv_blocks": kv_blocks,
-                        "slack_s": slack_s}
+        self.options: dict[str, Any] = {"reset_kind": reset_kind, "capacity": capacity,
+                                        "kv_blocks": kv_blocks, "slack_s": slack_s}
         self.seed = seed
         self.slack = slack_s
         self.script: list[tuple] = []
@@ -875,8 +891,20 @@ class Explorer:
         self.pools: list = []
         self.gens: list = []
         self.discarded: set[int] = set()
-        self.ex = None
+        self._ex: DeviceExecutor | None = None  # made by start()
         self._closed = False
+
+    @property
+    def ex(self) -> DeviceExecutor:
+        """The executor under exploration (made by ``start``)."""
+        if self._ex is None:
+            raise RuntimeError("Explorer.start() first")
+        return self._ex
+
+    @property
+    def started_ex(self) -> DeviceExecutor | None:
+        """The executor under exploration, None before ``start`` made it."""
+        return self._ex
 
     # ---- scenario ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -887,7 +915,7 @@ class Explorer:
         o = self.options
         policy = RecoveryPolicy(reset_kind=o["reset_kind"], drain_grace_s=0.2,
                                 max_recoveries=50)
-        settings = dict(
+        settings: dict[str, Any] = dict(
             calbin_path=self.calbins["main"],
             device_config=f"kv_blocks={o['kv_blocks']};kv_block_size=16;dma_guard=0",
             inflight_capacity=o["capacity"], slots_per_kind=2, check_lock_order=True,
@@ -897,10 +925,10 @@ class Explorer:
         settings.update(self.config_overrides())
         config = ExecutorConfig(**settings)
         clock = VirtualClock(self.sched)
-        self.ex = DeviceExecutor(self.runtime(CalRT.load()),
-                                 load_manifest(default_manifest_path()), config,
-                                 fault_sink=FaultController(policy, seed=0), clock=clock)
-        out = {}
+        self._ex = DeviceExecutor(self.runtime(CalRT.load()),
+                                  load_manifest(default_manifest_path()), config,
+                                  fault_sink=FaultController(policy, seed=0), clock=clock)
+        out: dict[str, Any] = {}
         self._spawn("main", lambda: out.setdefault("status", self.ex.start()))
         self.sched.slow_device = False  # a start that times out proves nothing
         try:
@@ -918,7 +946,7 @@ class Explorer:
         """ExecutorConfig fields a subclass sets on top of the explorer's (differential.py)."""
         return {}
 
-    def runtime(self, calrt):
+    def runtime(self, calrt: CalRT) -> RuntimeApi:
         """The runtime the executor gets: the stepped, controlled proxy of ``calrt``."""
         return RuntimeProxy(calrt, self.device)
 
@@ -1072,7 +1100,7 @@ class Explorer:
         """Shut down (drain) under the scheduler and check nothing is left behind."""
         self.script.append(("finish",))
         ex = self.ex
-        out = {}
+        out: dict[str, Any] = {}
         # admin calls end first: a switch racing shutdown is a known, separate finding
         for _ in range(50):
             if not any(t.name.startswith("admin") and not t.finished for t in self.sched.threads):
@@ -1209,9 +1237,10 @@ class Explorer:
         self._see_generation()
         dropped = [g for g in self.gens if g.id not in self.discarded
                    and any(s.host_output is None for s in g.pool.slots)]
-        if not dropped or self.device.closed:
+        emu = self.device.emu
+        if not dropped or self.device.closed or emu is None:
             return
-        pending = self.device.emu.counters().get("stale_pending", 0)
+        pending = emu.counters().get("stale_pending", 0)
         for gen in dropped:
             self.discarded.add(gen.id)
         if pending:
@@ -1257,31 +1286,34 @@ class Explorer:
             # guesses of implicit pre-arms (machines/autoarm.py) hold one slot, one token of
             # budget and one KV txn each until their deadline, which the submitter's wait
             # must end at (so it releases them): nothing else may stay taken
-            state = ex.dispatch.peek()  # (every thread waits: nothing changes it now)
-            guesses = [e.job for e in state["guesses"] if e.job is not None]
+            peek = ex.dispatch.peek()  # (every thread waits: nothing changes it now)
+            guesses = [e.job for e in peek["guesses"] if e.job is not None]
             submitter = next((t for t in self.sched.threads
                               if t.name == "calexec-submitter" and not t.finished), None)
             for job in guesses:
-                if job not in state["armed"]:
+                if job not in peek["armed"]:
                     problems.append(f"guess {job!r} not in the armed list")
                 elif submitter is not None and (submitter.deadline is None
                                                 or submitter.deadline > job.deadline + 1e-6):
                     problems.append(f"guess {job!r} (deadline {job.deadline:.3f}) outlives the "
                                     "submitter's wait")
             guess_txns = {id(job.txn) for job in guesses}
-            if state["pending_tokens"] != len(guesses):
-                problems.append(f"pending_tokens={state['pending_tokens']} with {len(guesses)} "
+            if peek["pending_tokens"] != len(guesses):
+                problems.append(f"pending_tokens={peek['pending_tokens']} with {len(guesses)} "
                                 "guesses")
-            if state["inflight"] != len(state["held"]):
-                problems.append(f"inflight={state['inflight']} with "
-                                f"{len(state['held'])} held by the runtime")
-            if state["queued"] or ex.completing:
-                problems.append(f"queues {state['queued']}/{ex.completing}")
-            counts = ex.pool.counts()
+            if peek["inflight"] != len(peek["held"]):
+                problems.append(f"inflight={peek['inflight']} with "
+                                f"{len(peek['held'])} held by the runtime")
+            if peek["queued"] or ex.completing:
+                problems.append(f"queues {peek['queued']}/{ex.completing}")
+            pool, kvc = ex.pool, ex.kvc
+            if pool is None or kvc is None:
+                raise AssertionError("Ready without a generation")
+            counts = pool.counts()
             if counts["Leased"] != len(guesses) or (counts["InFlight"]
-                                                    and not state["held"]):
+                                                    and not peek["held"]):
                 problems.append(f"slots {counts} with {len(guesses)} guesses")
-            open_txns = [v for v in ex.kvc.seqs.values()
+            open_txns = [v for v in kvc.seqs.values()
                          if (v.open_txn is not None and id(v.open_txn) not in guess_txns)
                          or (v.next_txn is not None and id(v.next_txn) not in guess_txns)]
             if open_txns:
@@ -1299,7 +1331,9 @@ class Explorer:
         for seq, view in list(gen.kvc.seqs.items()):
             if view.unknown_reason is not None or view.open_txn is not None or view.on_device:
                 continue
-            rc, device_len = gen.kv.seq_len(seq)
+            # the explorer runs on the bundled emulator's KvManager (drivers/calrt/runtime.py),
+            # which also answers the device's length of a sequence (machines/ never asks)
+            rc, device_len = cast("KvManager", gen.kv).seq_len(seq)
             if rc == 0 and device_len != view.committed_len:
                 raise AssertionError(f"seq {seq}: device KV length {device_len} != committed "
                                      f"{view.committed_len} with no job open")
@@ -1411,11 +1445,12 @@ def explore_seed(calbins: dict[str, str], seed: int, length: int = 12,
     ``ExplorationFailure`` (with the seed) on a violation. ``explore_seed(calbins, seed)``
     replays it."""
     rng = random.Random(seed)
-    options = {"reset_kind": "none" if rng.random() < 0.3 else "reset",
-               "kv_blocks": rng.choice((8, 64)),
-               # Phase B (two jobs in flight) in a third of the scenarios; a generator of its
-               # own, so a seed's scenario and schedule stay what they were in Phase A
-               "capacity": 2 if random.Random(seed ^ 0xB0B).random() < 0.3 else 1}
+    options: dict[str, Any] = {
+        "reset_kind": "none" if rng.random() < 0.3 else "reset",
+        "kv_blocks": rng.choice((8, 64)),
+        # Phase B (two jobs in flight) in a third of the scenarios; a generator of its
+        # own, so a seed's scenario and schedule stay what they were in Phase A
+        "capacity": 2 if random.Random(seed ^ 0xB0B).random() < 0.3 else 1}
     script = [a for a in random_script(rng, length) if a[0] not in exclude]
     # change points over the scenario's expected length (~12 choices per action after the
     # start), as Shuttle sizes them from the executions it has seen
@@ -1495,7 +1530,7 @@ def shrink(calbins: dict[str, str], info: dict, attempts: int = 300) -> dict:
         priorities, not choice indices); the recorded choices when it still fails."""
         nonlocal tries
         tries += 1
-        explorer = Explorer(calbins, PCTChooser(*pct), **options)
+        explorer = Explorer(calbins, PCTChooser(*(pct or ())), **options)  # (called with one)
         try:
             explorer.start()
             for action in s:

@@ -39,6 +39,8 @@ def record(calbin: str, manifest_path: str | Path, runtime_lib: str | None = Non
     try:
         if not status.ok:
             return status
+        if ex.gen is None:  # (started: it has one)
+            raise RuntimeError("the executor started without a generation")
         sha = ex.gen.sha256
         return PinnedGolden(sha, config.golden_tokens, config.golden_decode_steps,
                             ex.goldens[sha], note)

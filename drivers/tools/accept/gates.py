@@ -199,7 +199,9 @@ def correctness(ctx: AcceptContext, phase: str, progress: Progress) -> Gate:
     direct = DirectLoop(ctx.device.runtime(), ctx.calbin_path)
     rng = ctx.rng(1)
     stats = _LogitStats()
-    identical, mismatches, errors = 0, [], []
+    identical = 0
+    mismatches: list[dict[str, Any]] = []
+    errors: list[str] = []
     try:
         for i in range(sizes.prompts):
             progress.update(name, i, sizes.prompts)
@@ -319,8 +321,11 @@ def _crosstalk_run(ctx: AcceptContext, phase: str, setting: str, progress: Progr
         past: dict[int, int] = {}
         errors: list[str] = []
         mismatches = 0
+        kvc = ex.kvc
+        if kvc is None:
+            raise RuntimeError(f"the executor has no generation (lifecycle {ex.state})")
         for s in seqs:
-            ex.kvc.reset_sequence(s)
+            kvc.reset_sequence(s)
             prompt = rng.integers(0, VOCAB, 17 + s, dtype=np.int32)
             result = run_job(ex, request(s, TaskKind.PREFILL_IDS, prompt, 0))
             if isinstance(result, Status):

@@ -59,7 +59,7 @@ class Sizes:
     prompts: int = attrs.field(validator=_positive)
     max_prompt_len: int = attrs.field(validator=_positive)
     decode_steps: int = attrs.field(validator=_positive)
-    lengths: tuple[int, ...] = attrs.field(converter=tuple)
+    lengths: tuple[int, ...] = attrs.field(converter=tuple[int, ...])
     crosstalk_tokens: int = attrs.field(validator=_positive)
     injections: int = attrs.field(validator=_positive)
     soak_seconds: float = attrs.field(validator=_positive)

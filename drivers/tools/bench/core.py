@@ -66,6 +66,7 @@ from typing import Any
 import numpy as np
 
 from calexec import cliargs
+from calexec.contracts.errors import Category
 from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.status import Status
 from calexec.contracts.types import TaskKind
@@ -79,7 +80,9 @@ from calexec.drivers.synthetic import calbin as calbin_fmt
 from calexec.drivers.tools.bench.sim import PROFILE_DECODE_US
 from calexec.machines.clock import Clock
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
-from calexec.machines.job import now_us
+from calexec.machines.generation import Generation
+from calexec.machines.job import InferenceResult, now_us
+from calexec.machines.kv import KvCoordinator
 from calexec.machines.postprocess import bf16_all_finite, bf16_to_f32_into, bf16_to_f32_legacy
 
 #: §13.3 gate for PR1-PR5 and the project's tighter goal (reported alongside the figures).
@@ -94,6 +97,18 @@ _WAIT_S = 30.0  # per-job deadline: generous, a benchmark job never comes near i
 
 class BenchError(RuntimeError):
     """A benchmark could not run (device, executor or job failure); the message says which."""
+
+
+def _gen(ex: DeviceExecutor) -> Generation:
+    """The started executor's live generation."""
+    if ex.gen is None:
+        raise BenchError(f"the executor has no generation (lifecycle {ex.state})")
+    return ex.gen
+
+
+def _kvc(ex: DeviceExecutor) -> KvCoordinator:
+    """The started executor's live KV coordinator."""
+    return _gen(ex).kvc
 
 
 def _progress(message: str) -> None:
@@ -182,11 +197,12 @@ class _CountingCondition(threading.Condition):
         self.label = "cond"
 
     def notify(self, n: int = 1) -> None:
-        self.tally.add(self.label, bool(self._waiters))
+        # CPython's Condition keeps its waiters in _waiters (typeshed leaves it out)
+        self.tally.add(self.label, bool(self._waiters))  # type: ignore[attr-defined]
         super().notify(n)
 
     def notify_all(self) -> None:
-        self.notify(len(self._waiters))
+        self.notify(len(self._waiters))  # type: ignore[attr-defined]
 
 
 class _CountingEvent(threading.Event):
@@ -195,7 +211,8 @@ class _CountingEvent(threading.Event):
         self.tally = tally
 
     def set(self) -> None:
-        self.tally.add("job_done", bool(self._cond._waiters))
+        # CPython's Event waits on a Condition, _cond (typeshed leaves both out)
+        self.tally.add("job_done", bool(self._cond._waiters))  # type: ignore[attr-defined]
         super().set()
 
 
@@ -218,8 +235,8 @@ def _label_conditions(ex: DeviceExecutor) -> None:
     """Name the executor's conditions for the hand-off report (after start: the generation's
     pool and KV coordinator exist)."""
     for cond, label in ((ex.dispatch.cv, "submit_cv"), (ex.completion.cv, "completion_cv"),
-                        (ex._ready_cv, "ready_cv"), (ex.gen.pool._available, "pool"),
-                        (ex.gen.kvc._changed, "kv")):
+                        (ex._ready_cv, "ready_cv"), (_gen(ex).pool._available, "pool"),
+                        (_kvc(ex)._changed, "kv")):
         if isinstance(cond, _CountingCondition):
             cond.label = label
 
@@ -268,7 +285,7 @@ class ExecutorLoop:
         return result
 
     def _prefill(self, prompt: np.ndarray, n: int):
-        status = self.ex.kvc.reset_sequence(BENCH_SEQ)
+        status = _kvc(self.ex).reset_sequence(BENCH_SEQ)
         if not status.ok:
             raise BenchError(f"executor: reset of seq {BENCH_SEQ} failed: {status}")
         request = self._request(TaskKind.PREFILL_IDS, prompt, 0, reserve=len(prompt) + n)
@@ -276,7 +293,7 @@ class ExecutorLoop:
             request.deadline), TaskKind.PREFILL_IDS, 0)
 
     def _stepper(self, past: int, steps: int
-                 ) -> tuple[Callable[[int, int], Any], Callable[[], None]]:
+                 ) -> tuple[Callable[[int, int], Any], Callable[[], object]]:
         """(step(token, past) -> result, close()) for the current mode, ``steps`` decode
         steps."""
         ex, row = self.ex, self.row
@@ -286,10 +303,10 @@ class ExecutorLoop:
                                       max_steps=steps)
             return (lambda token, past: stream.step(token)), stream.close
         if self.mode == "decode_sync":
-            def step(token: int, past: int):
+            def sync_step(token: int, past: int) -> InferenceResult | Status:
                 request = self._request(TaskKind.DECODE, np.asarray([token], np.int32), past)
                 return ex.decode_sync(request, logits_out=row)[1]
-            return step, lambda: None
+            return sync_step, lambda: None
 
         def step(token: int, past: int):
             request = self._request(TaskKind.DECODE, np.asarray([token], np.int32), past)
@@ -491,7 +508,7 @@ def _bf16_bits(rng: np.random.Generator, size: int) -> np.ndarray:
     return (rng.standard_normal(size, dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
 
 
-def _alloc_bytes(fn: Callable[[], None], calls: int) -> tuple[float, float]:
+def _alloc_bytes(fn: Callable[[], object], calls: int) -> tuple[float, float]:
     """(median peak transient bytes per call, bytes still held per call after ``calls``)
     measured with tracemalloc, which traces both Python's allocator and numpy's data buffers."""
     was_tracing = tracemalloc.is_tracing()
@@ -513,7 +530,7 @@ def _alloc_bytes(fn: Callable[[], None], calls: int) -> tuple[float, float]:
     return float(np.median(peaks)), float(retained)
 
 
-def _cpu_us(fn: Callable[[], None], calls: int) -> float:
+def _cpu_us(fn: Callable[[], object], calls: int) -> float:
     """Thread CPU time per call in us over ``calls`` back-to-back calls."""
     t0 = time.thread_time_ns()
     for _ in range(calls):
@@ -685,7 +702,7 @@ def run_recovery(recoveries: int, seed: int, device: DeviceSpec = DeviceSpec()) 
                 key = "ok" if not isinstance(result, Status) else result.code
                 outcomes[key] = outcomes.get(key, 0) + 1
                 past = None if isinstance(result, Status) or result.kv_len > 4000 else result.kv_len
-                if isinstance(result, Status) and result.category.value == "unavailable":
+                if isinstance(result, Status) and result.category == Category.UNAVAILABLE:
                     time.sleep(0.001)  # Retry-After, scaled down
 
         thread = threading.Thread(target=client, name="bench-client", daemon=True)
@@ -695,12 +712,12 @@ def run_recovery(recoveries: int, seed: int, device: DeviceSpec = DeviceSpec()) 
             for i in range(recoveries):
                 if i % 10 == 0:
                     _progress(f"bench recovery: {i}/{recoveries}")
-                ex.kvc.reset_sequence(1)
+                _kvc(ex).reset_sequence(1)
                 first = InferenceRequest(seq_id=1, kind=TaskKind.PREFILL_IDS, tokens=prompt,
                                          positions=np.arange(PROMPT_LEN, dtype=np.int32),
                                          past_len=0, deadline=time.monotonic() + _WAIT_S)
                 ex.enqueue(first).wait_until(first.deadline)
-                generation = ex.gen.id
+                generation = _gen(ex).id
                 ex.device.emu.set_fault(Fault.CCU_EXCEPTION, FaultMode.NTH, 1, 0, 0)
                 t0 = time.perf_counter()
                 req = InferenceRequest(seq_id=1, kind=TaskKind.DECODE,
@@ -793,7 +810,7 @@ class _PingPongRun:
         try:
             ref = oracle.OracleSequence(self.seed)
             prompt = np.arange(seq, seq + PROMPT_LEN, dtype=np.int32)
-            status = self.ex.kvc.reset_sequence(seq)
+            status = _kvc(self.ex).reset_sequence(seq)
             if not status.ok:
                 raise BenchError(f"reset of seq {seq} failed: {status}")
             result = self._run(InferenceRequest(

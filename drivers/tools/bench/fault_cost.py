@@ -46,6 +46,10 @@ class BenchError(RuntimeError):
     pass
 
 
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
 def _pct(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -283,9 +287,9 @@ def run_fault_bench(faults: int, clients: int, seed: int, progress=None) -> dict
         if k is not None:
             per_fault[k] = max(per_fault.get(k, 0.0), lost)
     added_ms = [v * 1000 for v in per_fault.values()]
-    fired = len(windows)
+    n_fired = len(windows)
     return {
-        "faults_requested": faults, "faults_fired": fired,
+        "faults_requested": faults, "faults_fired": n_fired,
         "faults_by_kind": dict(Counter(kind for _, kind in windows)),
         "faults_not_fired": dict(skipped),
         "clients": clients, "streaming_clients": clients // 2, "seed": seed,
@@ -302,11 +306,11 @@ def run_fault_bench(faults: int, clients: int, seed: int, progress=None) -> dict
         "tokens_identical_pct_sampled": round(100.0 * identical_sampled / len(sampled), 3)
         if sampled else None,
         "resumes": len(resumed), "resumes_by_cause": dict(Counter(c for _, _, c in resumed)),
-        "resumes_per_fault": round(len(resumed) / fired, 3) if fired else None,
+        "resumes_per_fault": round(len(resumed) / n_fired, 3) if n_fired else None,
         "faults_with_a_resume": len(per_fault),
         "added_latency_per_fault_ms": {
-            "p50": None if not added_ms else round(_pct(added_ms, 50), 3),
-            "p99": None if not added_ms else round(_pct(added_ms, 99), 3),
+            "p50": _round(_pct(added_ms, 50)),
+            "p99": _round(_pct(added_ms, 99)),
             "max": None if not added_ms else round(max(added_ms), 3)},
         "resume_budget_exhausted": int(budget_exhausted),
         "recoveries": len(executor.recoveries),

@@ -53,7 +53,8 @@ def _direct_request(ex: DeviceExecutor, seq: int, prompt: list[int], max_tokens:
                                    tokens=np.asarray([result.argmax], dtype=np.int32),
                                    positions=np.asarray([result.kv_len], dtype=np.int32),
                                    past_len=result.kv_len, deadline=deadline)
-    ex.kvc.reset_sequence(seq)
+    if ex.kvc is not None:  # (the executor is started: it has one)
+        ex.kvc.reset_sequence(seq)
 
 
 def _load(requests: int, concurrency: int, one: Callable[[int, int], None]) -> dict[str, float]:
@@ -97,6 +98,7 @@ def run_server_bench(requests: int, max_tokens: int, decode_us: int,
     import httpx
     import uvicorn
 
+    from calexec.drivers.serving.executor_view import served
     from calexec.drivers.serving.server import ServerConfig, create_app
 
     with tempfile.TemporaryDirectory(prefix="calexec-bench-") as tmp:
@@ -107,7 +109,7 @@ def run_server_bench(requests: int, max_tokens: int, decode_us: int,
         status = ex.start()
         if not status.ok:
             raise BenchError(f"executor start failed: {status}")
-        app = create_app(ex, ServerConfig())
+        app = create_app(served(ex), ServerConfig())
         server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1",
                                                port=0, log_level="warning", access_log=False))
         thread = threading.Thread(target=server.run, name="bench-uvicorn", daemon=True)

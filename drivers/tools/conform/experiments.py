@@ -338,7 +338,7 @@ def overlap_bounds(n: int, h2d: float | None, compute: float | None, d2h: float 
         raise ValueError(f"n must be >= 2 jobs, got {n}")
     half = (n + 1) // 2
     bounds = {"none": 1.0, "full": n / half}
-    if None not in (h2d, compute, d2h) and h2d + compute + d2h > 0:
+    if h2d is not None and compute is not None and d2h is not None and h2d + compute + d2h > 0:
         per = h2d + compute + d2h
         bounds["dma"] = n * per / max(h2d + n * compute + d2h, half * per)
     return bounds
@@ -774,7 +774,7 @@ def _reset_one(lib: str, calbin: str, config: str, kind: str, arm_stale: bool) -
                        f"{numbers['final_status']}"))
     else:
         out.append(ans("aborts_jobs", DISPROVEN, "aborts_one_engine", f"only one engine's job aborted ({finding})"))
-    classes = sorted({v["class"] for v in kv.values()})
+    classes = sorted({str(v["class"]) for v in kv.values()})
     kv_text = "; ".join(f"seq {s}: {v['before']} -> {v['after']} ({v['class']})" for s, v in kv.items())
     kv_verdict = PROVEN if classes == ["kept"] else INCONCLUSIVE if classes == ["unprobed"] else DISPROVEN
     out.append(ans("keeps_kv", kv_verdict, "+".join(classes), kv_text))

@@ -63,7 +63,7 @@ def run(lib: str | None, config: str = "", quick: bool = False, only: tuple[str,
     with tempfile.TemporaryDirectory(prefix="calexec-conform-") as tmp:
         work = work_dir or tmp
         bundled = lib is None
-        if bundled:
+        if lib is None:  # (bundled)
             _progress("building libcalrt_emu.so (bundled emulator, dlopen path)")
             lib = build_emulator_lib(work)
         calbin = calbin_path or os.path.join(work, "conform.calbin")
