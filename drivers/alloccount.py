@@ -60,3 +60,8 @@ def count(fn: Callable[[], object], calls: int, warmup: int = 1) -> AllocCount:
     finally:
         _lib.alloccount_uninstall()
     return AllocCount(python=(py1 - py0) / calls, numpy_data=(np1 - np0) / calls, calls=calls)
+
+
+def installed() -> bool:
+    """Whether the counting hooks are installed now (only inside ``count``)."""
+    return bool(_lib.alloccount_installed())

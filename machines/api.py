@@ -218,8 +218,10 @@ class InferenceExecutor(Protocol):
         """The lifecycle state now, one of ``LIFECYCLE_STATES``."""
         ...
 
-    #: why the lifecycle is Failed (None otherwise)
-    failure: Status | None
+    @property
+    def failure(self) -> Status | None:
+        """Why the lifecycle is Failed (None otherwise)."""
+        ...
 
     def start(self) -> Status:
         """Open the device, configure generation 1, run the golden warm-up, go Ready (blocks

@@ -65,7 +65,9 @@ class Clock:
     def lock(self) -> threading.Lock:
         return threading.Lock()
 
-    def condition(self, lock: LockLike) -> threading.Condition:
+    def condition(self, lock: LockLike, name: str = "") -> threading.Condition:
+        """A condition on ``lock``; ``name`` says its role (``submit_cv``, ``pool``, ...) to a
+        clock that observes hand-offs (``calexec bench``'s counting clock)."""
         # Condition duck-types its lock (acquire/release, _is_owned when present); typeshed
         # names only threading's own locks
         return threading.Condition(cast(threading.Lock, lock))

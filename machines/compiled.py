@@ -146,11 +146,11 @@ class ChartRun:
 
     ``trail``: None, or a bounded ``deque`` the run appends each taken transition to as
     ``(event, source, target, None, t)`` and each refused event to as ``(event, source, None,
-    refusing guards, t)`` (``t`` from ``time.monotonic()``): the path of one job, for design
-    review (``DeviceExecutor.job_trail``).
+    refusing guards, t)`` (``t`` from the clock given to ``keep_trail``, by default
+    ``time.monotonic()``): the path of one job, for design review (``DeviceExecutor.job_trail``).
     """
 
-    __slots__ = ("chart", "state", "model", "_table", "trail")
+    __slots__ = ("chart", "state", "model", "_table", "trail", "_now")
 
     def __init__(self, chart: CompiledChart, state: str, model: Any) -> None:
         self.chart = chart
@@ -158,6 +158,13 @@ class ChartRun:
         self.model = model
         self._table = chart.table
         self.trail = None
+        self._now: Callable[[], float] = time.monotonic
+
+    def keep_trail(self, trail: Any, now: Callable[[], float]) -> None:
+        """Append every taken and refused event to ``trail`` (a bounded deque), stamped with
+        ``now()`` (the owner's clock: virtual time under the interleaving explorer)."""
+        self.trail = trail
+        self._now = now
 
     @property
     def final(self) -> bool:
@@ -183,7 +190,7 @@ class ChartRun:
                     return transition
         guards = tuple(dict.fromkeys(g for t in candidates for g in t.guards))
         if self.trail is not None:
-            self.trail.append((event, self.state, None, guards, time.monotonic()))
+            self.trail.append((event, self.state, None, guards, self._now()))
         raise GuardRejected(self.chart.name, self.state, event, guards)
 
     def send(self, event: str) -> str:
@@ -191,7 +198,7 @@ class ChartRun:
         ``GuardRejected`` (the state is then unchanged)."""
         transition = self.select(event)
         if self.trail is not None:
-            self.trail.append((event, self.state, transition.target, None, time.monotonic()))
+            self.trail.append((event, self.state, transition.target, None, self._now()))
         self.state = transition.target
         chart = self.chart
         chart.taken[transition.id] += 1

@@ -74,7 +74,7 @@ class Completion:
         self._current = current  # the executor's current generation
         self._capacity = capacity  # the effective in-flight capacity
         self.mu = locks.lock(COMPLETION)  # never held across Wait()
-        self.cv = clock.condition(self.mu)
+        self.cv = clock.condition(self.mu, "completion_cv")
         self._queue: deque[Job] = deque()
         self._stopping = False
         #: the job the completion thread waits for (``health`` reads it)
@@ -84,6 +84,7 @@ class Completion:
         #: moving average of a decode job's device time (this thread writes, others read a
         #: float): the early wake-ups and the arming delays (issue 17)
         self.decode_exec_us = 0.0
+        self._prewoken = 0  # the job the submitter last woke early for (``prewake_at``)
 
     # ---- the queue ---------------------------------------------------------------------------
     def push(self, job: Job) -> None:
@@ -107,6 +108,20 @@ class Completion:
         """Every submitted job not completed yet, oldest first."""
         with self.mu:
             return list(self._queue)
+
+    def prewake_at(self, now: float, prewake_s: float) -> float | None:
+        """When the submitter's idle wait should end early (the submitter calls this; no
+        lock): the decode job on the device is expected to end ``prewake_s`` after that;
+        once per job. None: nothing on the device, its end unknown or too near."""
+        head = self.head()  # no completion_mu: a racy read of the oldest job
+        if (head is None or head.job_id == self._prewoken or not head.submitted_at
+                or head.kind != TaskKind.DECODE or self.decode_exec_us <= 0):
+            return None
+        early = head.submitted_at + self.decode_exec_us / 1e6 - prewake_s - now
+        if early < prewake_s:
+            return None
+        self._prewoken = head.job_id
+        return now + early
 
     def stop(self, stopping: bool = True) -> None:
         """The threads are to stop (or start again): the idle wait ends."""

@@ -1,20 +1,65 @@
-"""The device lifecycle half of ``DeviceExecutor`` (spec §9.1, §9.2; LifecycleChart).
+"""The device lifecycle: a component of ``DeviceExecutor`` (spec §9.1, §9.2; LifecycleChart).
 
-``DeviceExecutor`` (machines/executor.py) is the job path: enqueue, submitter, completion,
-shutdown. This mixin is the device's life along the declared lifecycle chart: the chart's
-guards, ``start`` (Configuring -> Warming -> golden -> Ready), the golden run, ``_fail``
-(-> Failed with a reason), and recovery and model switch (Ready -> Draining -> Recovering ->
-Configuring -> Warming -> Ready, or ``roll_back`` / Failed). It is not used on its own: its
-methods read and write the executor's state (locks, queues, generations) set up in
-``DeviceExecutor.__init__``, and call back into the job path (``_enqueue``, ``submit_one``,
-``complete_one``, thread start/stop).
+``DeviceExecutor`` (machines/executor.py) is the job path: enqueue, the submitter, the
+completion side. It owns one ``DeviceLifecycle`` (``executor.life``), built with the executor
+as its host. The component is the device's life along the declared lifecycle chart: the
+chart's guards, ``start`` (Configuring -> Warming -> golden -> Ready), the golden run,
+``fail`` (-> Failed with a reason), recovery and model switch (Ready -> Draining ->
+Recovering -> Configuring -> Warming -> Ready, or ``roll_back`` / Failed), the generation
+fence, and ``shutdown`` (FI13: Draining -> Stopped, or Failed).
+
+**What the lifecycle owns** (only this module writes it; the executor's public API delegates
+here: ``state``, ``lifecycle``, ``start``, ``recover``, ``switch_model``,
+``request_recovery``, ``run_pending_recovery``, ``shutdown``, ``failure``, ``recoveries``,
+``goldens``, ``golden_source``, ``good_calbins``, ``start_status``, ``expected_golden``):
+
+* ``run``, the lifecycle chart's run, whose model is this object (its guards
+  ``generation_advanced``, ``golden_passed``, ``all_submitted_drained``,
+  ``reset_confirmed``, ``last_good_known`` are methods below), and ``mu`` (``lifecycle_mu``):
+  every lifecycle event is sent under it together with the flags it changes;
+* the admission gate: ``admitting`` (Ready and not draining) and ``stopping`` (shutdown
+  began: for good). Written under ``mu``, read by the job path without a lock (bools);
+* the queue through recovery (``ready_queue_max``): ``ready_cv`` (on ``mu``), the number of
+  waiters, ``wait_for_ready`` (called by ``enqueue``) and ``ready_changed``;
+* recovery: ``recovery_mu`` (one recovery, model switch or shutdown at a time), the thread
+  that holds it in ``recover``, the decision the fault controller left
+  (``request_recovery``), the ``calexec-recovery`` thread, ``recoveries`` (one record each);
+* the generations' history: the ids handed out, the id of the newest one that reached Ready,
+  the generations retired but kept until the device proves no stale DMA lands in them
+  (``retired``), the calbin a refused switch rolls back to;
+* the golden (§9.2): ``goldens`` (operator's, plus unpinned runs accepted in this process:
+  ``unpinned_goldens``), ``golden_source``, whether the current generation's golden passed,
+  ``good_calbins`` (calbins that reached Ready, newest last);
+* the outcome: ``start_status`` and ``failure`` (why the lifecycle is Failed).
+
+**What stays with the host** (the job path; the lifecycle reaches it only through
+``LifecycleHost``, below, which lists every member it uses):
+
+* ``device`` and ``gen`` (the current ``Generation``): every job uses them (``infer`` on the
+  device; admission, the queue and completion against the generation), so the executor holds
+  them as plain attributes for the hot path and embedders' wrappers. The lifecycle is their
+  only writer: it opens the device and each generation, replaces and tears generations down,
+  and closes the device;
+* the job path's components: ``dispatch`` (refusal, fence, drain), ``outcomes`` (how jobs
+  end), ``completion`` (jobs submitted, not completed); the ``calexec-submitter`` and
+  ``calexec-completion`` threads (``start_threads``/``stop_threads``), their steps
+  (``submit_one``/``complete_one``, which the lifecycle drives itself in stepped mode), the
+  golden jobs (``enqueue_internal``), ``wake_waiters`` and ``thread_faults``;
+* what both share: ``config``, ``runtime``, ``manifest``, ``clock``, ``locks``.
+
+The executor reads the lifecycle only through public names (``run``, ``admitting``,
+``stopping``, ``failure``, ...) and calls ``wait_for_ready``, ``ready_changed`` and ``fail``
+(its thread barrier, when the fault sink itself raised). Lock ranks are unchanged
+(machines/locks.py): ``recovery_mu`` -> ``lifecycle_mu`` -> the job path's locks.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
-from typing import Any
+from collections import deque
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -24,27 +69,134 @@ from calexec.contracts.goldens import lookup as lookup_golden
 from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import EngineSlot, TaskKind
-from calexec.machines.faults import Action, Decision
-from calexec.machines.generation import Generation, open_generation
-from calexec.machines.job import InferenceResult
-from calexec.machines.chart_names import (LIFECYCLE_EV_CONFIGURED, LIFECYCLE_EV_DRAIN,
+from calexec.machines.chart_names import (LIFECYCLE_CONFIGURING, LIFECYCLE_DRAINING,
+                                          LIFECYCLE_EV_CONFIGURED, LIFECYCLE_EV_DRAIN,
                                           LIFECYCLE_EV_FAIL, LIFECYCLE_EV_RECONFIGURE,
                                           LIFECYCLE_EV_RECOVER, LIFECYCLE_EV_ROLL_BACK,
-                                          LIFECYCLE_EV_WARMED, LIFECYCLE_READY)
+                                          LIFECYCLE_EV_STOP, LIFECYCLE_EV_WARMED,
+                                          LIFECYCLE_READY, LIFECYCLE_RECOVERING,
+                                          LIFECYCLE_STOPPED, LIFECYCLE_WARMING)
+from calexec.machines.compiled import LIFECYCLE
+from calexec.machines.faults import Action, Decision
+from calexec.machines.generation import Generation, open_generation
+from calexec.machines.job import InferenceResult, Job, JobHandle
+from calexec.machines.locks import LIFECYCLE as LIFECYCLE_RANK
+from calexec.machines.locks import RECOVERY
+
+if TYPE_CHECKING:
+    from calexec.machines.clock import Clock
+    from calexec.machines.completion import Completion
+    from calexec.machines.dispatch import Dispatch
+    from calexec.machines.executor import ExecutorConfig
+    from calexec.machines.locks import LockOrder
+    from calexec.machines.outcomes import JobOutcomes
 
 log = logging.getLogger("calexec.executor")
 
+#: the lifecycle states a recovery or model switch passes through: a request arriving in one
+#: of them may wait for Ready (``wait_for_ready``)
+_RECOVERING = (LIFECYCLE_DRAINING, LIFECYCLE_RECOVERING, LIFECYCLE_CONFIGURING,
+               LIFECYCLE_WARMING)
+
+
+@runtime_checkable
+class LifecycleHost(Protocol):
+    """Everything ``DeviceLifecycle`` uses of the executor that owns it (``DeviceExecutor``
+    satisfies it; tests/test_lifecycle_component.py checks that the lifecycle uses no other
+    member and that the executor has every one)."""
+
+    #: the executor's settings (device config, calbin, capacity, golden, recovery policy)
+    config: ExecutorConfig
+    #: the CalRT runtime (``open_device``)
+    runtime: Any
+    #: the manifest every generation is resolved against (and its pinned goldens)
+    manifest: Any
+    clock: Clock
+    #: the executor's ranked locks (``lifecycle_mu`` and ``recovery_mu`` are made from it)
+    locks: LockOrder
+    #: the dispatch state: refusal of queued work, the generation fence, the drain check
+    dispatch: Dispatch
+    #: how jobs end: a fenced armed job's release, held jobs reaped before the drain check
+    outcomes: JobOutcomes
+    #: the completion side: its length is the number of jobs submitted, not completed
+    completion: Completion
+    #: what the executor threads' barriers caught (the recovery thread's barrier appends)
+    thread_faults: deque[dict[str, Any]]
+    #: the open device (None before ``start``); the lifecycle opens, resets and closes it
+    device: Any
+    #: the current generation (None before the first and between two); the lifecycle sets it
+    gen: Generation | None
+
+    def enqueue_internal(self, request: InferenceRequest) -> JobHandle:
+        """Queue a job of the golden run (admitted while Warming)."""
+        ...
+
+    def submit_one(self, block: bool = False) -> bool:
+        """One submitter step (stepped mode: the lifecycle drives it)."""
+        ...
+
+    def complete_one(self, block: bool = False) -> bool:
+        """One completion step (stepped mode: the lifecycle drives it)."""
+        ...
+
+    def start_threads(self) -> None:
+        """Start ``calexec-submitter`` and ``calexec-completion`` (threads mode)."""
+        ...
+
+    def stop_threads(self) -> None:
+        """Stop and join them (bounded)."""
+        ...
+
+    def wake_waiters(self) -> None:
+        """End every admission, lease and Ready wait so its owner looks again."""
+        ...
+
 
 class DeviceLifecycle:
-    """Lifecycle chart owner: start, golden, failure, recovery, model switch (mixin of
-    ``DeviceExecutor``; see the module docstring)."""
+    """Lifecycle chart owner: start, golden, failure, recovery, model switch, shutdown (a
+    component of ``DeviceExecutor``, ``executor.life``; see the module docstring)."""
+
+    def __init__(self, host: LifecycleHost) -> None:
+        self._host = host
+        config = host.config
+        self.mu = host.locks.lock(LIFECYCLE_RANK)
+        #: the lifecycle chart's run; this object answers its guards
+        self.run = LIFECYCLE.run(self)
+        #: Ready and not draining (written under ``mu``; read without a lock: a bool)
+        self.admitting = False
+        #: ``shutdown`` began: admission stops for good (written under ``mu``)
+        self.stopping = False
+        # requests waiting for Ready during a recovery (``mu``; ready_queue_max)
+        self.ready_cv = host.clock.condition(self.mu, "ready_cv")
+        self._ready_waiters = 0
+        # recovery: one at a time, on its own thread (threads mode) or run by the caller
+        self._recovery_mu = host.locks.lock(RECOVERY)
+        self._recovery_owner: int | None = None  # thread ident holding recovery_mu in recover()
+        self._pending_recovery: Decision | None = None
+        self._recovery_thread: threading.Thread | None = None
+        self.recoveries: list[dict[str, Any]] = []
+        self._gen_ids = itertools.count(1)
+        #: id of the newest generation that reached Ready
+        self._served_gen_id = 0
+        # released generations whose host memory the device may still write (kept until
+        # Device.dma_quiescent() proves otherwise), and generations refused while their job
+        # was still on the device (never torn down: §9.1)
+        self._retired: deque[Generation] = deque()
+        self._golden_ok = False
+        self._rollback_path: str | None = None
+        self.good_calbins: list[str] = []  # calbin paths that reached Ready, newest last
+        self.goldens: dict[str, tuple[int, ...]] = dict(config.goldens)
+        self.golden_source: str | None = None  # the current generation's: pinned|config|unpinned
+        self.unpinned_goldens: set[str] = set()  # calbin sha256s accepted by allow_unpinned_golden
+        self.start_status: Status | None = None
+        self.failure: Status | None = None  # why the lifecycle is Failed
 
     # ---- lifecycle guards (LifecycleChart) ------------------------------------------------
     def generation_advanced(self) -> bool:
         """A fresh generation is open: its id is above every generation that served or was
         retired, its pool is mapped and its KV coordinator open (read from the objects, not
         from a flag set for this guard)."""
-        gen = self.gen
+        gen = self._host.gen
         if gen is None or gen.closing or gen.released or not gen.pool.opened:
             return False
         return all(gen.id > old.id for old in self._retired) and gen.id > self._served_gen_id
@@ -53,28 +205,47 @@ class DeviceLifecycle:
         return self._golden_ok
 
     def all_submitted_drained(self) -> bool:
-        self.outcomes.reap_held(report=False)
-        return self.dispatch.drained() and not len(self.completion)
+        host = self._host
+        host.outcomes.reap_held(report=False)
+        return host.dispatch.drained() and not len(host.completion)
 
     def reset_confirmed(self) -> bool:
         """The runtime no longer touches any old-generation buffer: every generation that
         served before is torn down (released after a drain, or after a confirmed reset) and
         no failed job is still held by the runtime."""
-        if self.gen is not None and self.gen.id == self._served_gen_id:
+        host = self._host
+        if host.gen is not None and host.gen.id == self._served_gen_id:
             return False  # the generation that served is still the current one
-        if self.dispatch.held():
+        if host.dispatch.held():
             return False
         return all(old.released for old in self._retired if old.id <= self._served_gen_id)
 
     def last_good_known(self) -> bool:
         return self._rollback_path is not None
 
+    # ---- what the executor and its tests observe (read-only) -------------------------------
     @property
-    def state(self) -> str:
-        return self.lifecycle.state
+    def ready_waiters(self) -> int:
+        """Requests waiting for Ready now (``ready_queue_max``)."""
+        return self._ready_waiters
 
-    #: id of the newest generation that reached Ready
-    _served_gen_id = 0
+    @property
+    def retired(self) -> tuple[Generation, ...]:
+        """Generations retired and still kept: released ones until the device proves no stale
+        DMA lands in them, and refused ones a job of which is still on the device."""
+        return tuple(self._retired)
+
+    @property
+    def recovery_pending(self) -> bool:
+        """The fault controller asked for a recovery that has not begun yet
+        (``run_pending_recovery`` takes it; in threads mode the recovery thread does)."""
+        return self._pending_recovery is not None
+
+    @property
+    def recovery_active(self) -> bool:
+        """A recovery the controller asked for is pending or its thread still runs."""
+        thread = self._recovery_thread
+        return self._pending_recovery is not None or (thread is not None and thread.is_alive())
 
     # ---- start: Configuring -> Warming -> Ready ----------------------------------------------
     def start(self) -> Status:
@@ -82,23 +253,24 @@ class DeviceLifecycle:
 
         FI01: the manifest is resolved against ``GetAllModels`` before ``configure``; a
         mismatch refuses the generation and nothing is configured."""
-        rc, self.device = self.runtime.open_device(self.config.device_config)
+        host = self._host
+        rc, host.device = host.runtime.open_device(host.config.device_config)
         status = (Status.from_calrt(rc, Phase.CONFIGURE, "device open") if rc != 0 else
                   self._enable_phase_b())
         if status.ok:
-            status = self._open(self.config.calbin_path)
+            status = self._open(host.config.calbin_path)
         if status.ok:
-            self.lifecycle.send(LIFECYCLE_EV_CONFIGURED)
-            if self.config.threads:
-                self._start_threads()
-            status = self._warm_up()
+            self.run.send(LIFECYCLE_EV_CONFIGURED)
+            if host.config.threads:
+                host.start_threads()
+            status = self.warm_up()
         if not status.ok:
             self.start_status = status
-            self._fail(status)
+            self.fail(status)
             released = self._release_failed_generation()
-            self._stop_threads()
-            if self.device is not None and released.ok:
-                self.device.close()  # else a job may still run: keep the device open
+            host.stop_threads()
+            if host.device is not None and released.ok:
+                host.device.close()  # else a job may still run: keep the device open
             return status
         self._go_ready()
         self.start_status = Status.OK
@@ -106,34 +278,37 @@ class DeviceLifecycle:
 
     def _enable_phase_b(self) -> Status:
         """Phase B needs the runtime's parallel mode (§6.4); Phase A leaves it off."""
-        if self.config.inflight_capacity != 2:
+        if self._host.config.inflight_capacity != 2:
             return Status.OK
-        rc = self.device.enable_parallel_mode(True)
+        rc = self._host.device.enable_parallel_mode(True)
         return Status.from_calrt(rc, Phase.CONFIGURE, "EnableParallelMode(true) for Phase B")
 
     def _open(self, calbin_path: str) -> Status:
         """Open generation+1 of ``calbin_path`` (Configuring)."""
+        host = self._host
+        config = host.config
         gen_id = next(self._gen_ids)
-        engines = ((EngineSlot.PING, EngineSlot.PONG) if self.config.inflight_capacity == 2
+        engines = ((EngineSlot.PING, EngineSlot.PONG) if config.inflight_capacity == 2
                    else (EngineSlot.AUTO,))
-        gen = open_generation(self.device, self.manifest, calbin_path, gen_id,
-                              self.config.slots_per_kind, self.locks, engines)
+        gen = open_generation(host.device, host.manifest, calbin_path, gen_id,
+                              config.slots_per_kind, host.locks, engines)
         if isinstance(gen, Status):
             return gen
-        gen.kvc.on_busy = self.outcomes.release_armed_of  # armed jobs are guesses
-        self.gen = gen
+        gen.kvc.on_busy = host.outcomes.release_armed_of  # armed jobs are guesses
+        host.gen = gen
         self._golden_ok = False
-        self.dispatch.refuse(None)  # the new generation's own golden jobs may queue
+        host.dispatch.refuse(None)  # the new generation's own golden jobs may queue
         return Status.OK
 
     def _go_ready(self) -> None:
-        with self.lifecycle_mu:
-            self.lifecycle.send(LIFECYCLE_EV_WARMED)
-            self._served_gen_id = self.gen.id
-            self.dispatch.refuse(None)
-            self._admitting = not self._stopping
-            self._ready_cv.notify_all()  # requests queued through the recovery go on
-        path = self.gen.calbin_path
+        host = self._host
+        with self.mu:
+            self.run.send(LIFECYCLE_EV_WARMED)
+            self._served_gen_id = host.gen.id
+            host.dispatch.refuse(None)
+            self.admitting = not self.stopping
+            self.ready_cv.notify_all()  # requests queued through the recovery go on
+        path = host.gen.calbin_path
         if path in self.good_calbins:
             self.good_calbins.remove(path)
         self.good_calbins.append(path)
@@ -145,54 +320,58 @@ class DeviceLifecycle:
         if sha in self.goldens:
             return tuple(self.goldens[sha]), ("unpinned" if sha in self.unpinned_goldens
                                               else "config")
-        pinned = lookup_golden(getattr(self.manifest, "goldens", {}), sha,
-                               self.config.golden_tokens, self.config.golden_decode_steps)
+        config, manifest = self._host.config, self._host.manifest
+        pinned = lookup_golden(getattr(manifest, "goldens", {}), sha,
+                               config.golden_tokens, config.golden_decode_steps)
         return (None, "unpinned") if pinned is None else (pinned.tokens, "pinned")
 
-    def _warm_up(self) -> Status:
-        """§9.2 Warming: a fixed prefill + decode through the real path, compared with the
-        golden pinned for this calbin. No pinned golden: refused (ARTIFACT, before anything
-        runs) unless ``allow_unpinned_golden``, which accepts the first run's tokens."""
-        cfg = self.config
-        sha = self.gen.sha256
+    def warm_up(self) -> Status:
+        """§9.2 Warming: a fixed prefill + decode of the current generation through the real
+        path, compared with the golden pinned for its calbin. No pinned golden: refused
+        (ARTIFACT, before anything runs) unless ``allow_unpinned_golden``, which accepts the
+        first run's tokens. OK: ``golden_passed`` holds for this generation."""
+        host = self._host
+        cfg = host.config
+        sha = host.gen.sha256
         expected, source = self.expected_golden(sha)
         if expected is None and not cfg.allow_unpinned_golden:
             return Status.failure(
                 "golden.unpinned", Category.ARTIFACT, Phase.GOLDEN,
-                f"calbin {self.gen.calbin_path!r} (sha256 {sha}) has no pinned golden for "
+                f"calbin {host.gen.calbin_path!r} (sha256 {sha}) has no pinned golden for "
                 f"golden_tokens/golden_decode_steps={cfg.golden_decode_steps} in "
-                f"{goldens_path(getattr(self.manifest, 'source', 'manifest'))}; run `calexec "
-                f"golden record --calbin {self.gen.calbin_path}` or set allow_unpinned_golden",
-                generation=self.gen.id)
+                f"{goldens_path(getattr(host.manifest, 'source', 'manifest'))}; run `calexec "
+                f"golden record --calbin {host.gen.calbin_path}` or set allow_unpinned_golden",
+                generation=host.gen.id)
         tokens = self._run_golden()
         if isinstance(tokens, Status):
             return tokens
         if expected is None:
             log.warning("allow_unpinned_golden: calbin %r (sha256 %s) goes Ready on an unpinned "
                         "golden %s (first run trusted; §9.2 asks for a fixed golden)",
-                        self.gen.calbin_path, sha, list(tokens))
+                        host.gen.calbin_path, sha, list(tokens))
             self.goldens[sha] = expected = tokens
             self.unpinned_goldens.add(sha)
         self.golden_source = source
         if tokens != tuple(expected):
             return Status.failure("golden.mismatch", Category.INTERNAL, Phase.GOLDEN,
                                   f"golden tokens {list(tokens)} != recorded {list(expected)}",
-                                  generation=self.gen.id)
-        status = self.kvc.reset_sequence(cfg.golden_seq_id)
+                                  generation=host.gen.id)
+        status = host.gen.kvc.reset_sequence(cfg.golden_seq_id)
         self._golden_ok = status.ok
         return status
 
     def _run_golden(self) -> "tuple[int, ...] | Status":
-        cfg = self.config
+        cfg = self._host.config
+        clock = self._host.clock
         seq = cfg.golden_seq_id
-        status = self.kvc.reset_sequence(seq)
+        status = self._host.gen.kvc.reset_sequence(seq)
         if not status.ok:
             return status
         prompt = np.asarray(cfg.golden_tokens, dtype=np.int32)
         out: list[int] = []
         request = InferenceRequest(seq_id=seq, kind=TaskKind.PREFILL_IDS, tokens=prompt,
                                    positions=np.arange(len(prompt), dtype=np.int32), past_len=0,
-                                   deadline=self.clock.monotonic() + cfg.golden_timeout_s)
+                                   deadline=clock.monotonic() + cfg.golden_timeout_s)
         for _ in range(cfg.golden_decode_steps + 1):
             result = self._run_internal(request)
             if isinstance(result, Status):
@@ -203,27 +382,68 @@ class DeviceLifecycle:
                                        tokens=np.asarray([result.argmax], dtype=np.int32),
                                        positions=np.asarray([past], dtype=np.int32),
                                        past_len=past,
-                                       deadline=self.clock.monotonic() + cfg.golden_timeout_s)
+                                       deadline=clock.monotonic() + cfg.golden_timeout_s)
         return tuple(out)
 
     def _run_internal(self, request: InferenceRequest) -> "InferenceResult | Status":
-        handle = self._enqueue(request, internal=True)
-        if not self.config.threads:
+        host = self._host
+        handle = host.enqueue_internal(request)
+        if not host.config.threads:
             while not handle.done:
-                if not (self.submit_one() or self.complete_one()):
+                if not (host.submit_one() or host.complete_one()):
                     break
         return handle.wait_until(request.deadline)
 
-    def _fail(self, status: Status) -> None:
+    def fail(self, status: Status) -> None:
         """Lifecycle -> Failed with ``status`` as the reason; queued work is refused."""
-        with self.lifecycle_mu:
-            self._admitting = False
-            if not self.lifecycle.final:
-                self.lifecycle.send(LIFECYCLE_EV_FAIL)
+        with self.mu:
+            self.admitting = False
+            if not self.run.final:
+                self.run.send(LIFECYCLE_EV_FAIL)
                 self.failure = status
-            self._ready_cv.notify_all()
+            self.ready_cv.notify_all()
         self._refuse_queued(status)
         log.error("device lifecycle Failed: %s", status)
+
+    # ---- the queue through recovery (ready_queue_max) ------------------------------------------
+    def wait_for_ready(self, job: Job) -> Status | None:
+        """Queue through recovery (Triton's DELAY policy): a request that arrives while the
+        device drains, recovers, configures or warms up waits for Ready, bounded by its
+        deadline and by ``ready_queue_max`` waiters. None when it may go on; else why not
+        (UNAVAILABLE when the queue is full, the lifecycle Failed or the executor stops;
+        DEADLINE when its deadline passed first; CANCELLED)."""
+        clock = self._host.clock
+        with self.ready_cv:
+            state = self.run.state
+            if state not in _RECOVERING and not (
+                    state == LIFECYCLE_READY and self._pending_recovery is not None):
+                return None  # Ready (admits), or Created/Failed/Stopped: answered by the caller
+            if self._ready_waiters >= self._host.config.ready_queue_max:
+                return Status.unavailable(Phase.ADMISSION, f"device lifecycle is "
+                                          f"{self.run.state} and {self._ready_waiters} "
+                                          "requests already wait for Ready; retry later",
+                                          **job.ctx())
+            self._ready_waiters += 1
+            try:
+                while not self.admitting:
+                    if self.stopping or self.run.final:
+                        return None
+                    if job.cancel_flag:
+                        return Status.cancelled(Phase.ADMISSION, **job.ctx())
+                    remaining = job.deadline - clock.monotonic()
+                    if remaining <= 0:
+                        return Status.deadline(Phase.ADMISSION, "deadline passed while the "
+                                               f"device was {self.run.state}",
+                                               **job.ctx())
+                    clock.wait(self.ready_cv, remaining)
+                return None
+            finally:
+                self._ready_waiters -= 1
+
+    def ready_changed(self) -> None:
+        """Ready, Failed, stopping or a cancel: wake the requests waiting for Ready."""
+        with self.ready_cv:
+            self.ready_cv.notify_all()
 
     # ---- recovery (§9.1, §9.2): Ready -> Draining -> Recovering -> Configuring -> Warming ------
     def request_recovery(self, decision: Decision) -> None:
@@ -231,16 +451,16 @@ class DeviceLifecycle:
         (threads mode) or leaves it for ``run_pending_recovery`` (stepped mode)."""
         if decision.action is Action.STOP:
             self._stop_admission(Status.unavailable(Phase.RECOVERY, decision.reason))
-            self._fail(decision.status)
+            self.fail(decision.status)
             return
-        with self.lifecycle_mu:
-            if self.lifecycle.state != LIFECYCLE_READY or self._pending_recovery is not None:
+        with self.mu:
+            if self.run.state != LIFECYCLE_READY or self._pending_recovery is not None:
                 return  # already draining/recovering: one recovery covers it
             self._pending_recovery = decision
-            self._admitting = False  # stop admission at once (§8 Device row)
-        if self.config.threads:
-            self._recovery_thread = self.clock.start_thread(self._supervised_recovery,
-                                                            "calexec-recovery")
+            self.admitting = False  # stop admission at once (§8 Device row)
+        if self._host.config.threads:
+            self._recovery_thread = self._host.clock.start_thread(self._supervised_recovery,
+                                                                  "calexec-recovery")
 
     def _supervised_recovery(self) -> None:
         """The recovery thread's barrier: an exception mid-recovery leaves the device in an
@@ -253,15 +473,16 @@ class DeviceLifecycle:
                                      f"recovery raised {type(exc).__name__}: {exc}",
                                      **self._gctx())
             log.error("recovery thread caught %s", status, exc_info=exc)
-            self.thread_faults.append({"thread": "calexec-recovery",
-                                       "error": f"{type(exc).__name__}: {exc}", "job": None,
-                                       "at": self.clock.monotonic()})
+            self._host.thread_faults.append({"thread": "calexec-recovery",
+                                             "error": f"{type(exc).__name__}: {exc}",
+                                             "job": None,
+                                             "at": self._host.clock.monotonic()})
             self._stop_admission(status)
-            self._fail(status)
+            self.fail(status)
 
     def run_pending_recovery(self) -> Status | None:
         """Run the recovery the controller asked for, if any (stepped mode calls this)."""
-        with self.lifecycle_mu:
+        with self.mu:
             decision, self._pending_recovery = self._pending_recovery, None
         if decision is None:
             return None
@@ -280,41 +501,45 @@ class DeviceLifecycle:
                 calbin_path: str | None = None) -> Status:
         """Drain, optionally reset, tear down the generation, open generation+1 of
         ``calbin_path`` (default: the current calbin), run the golden, reopen admission."""
+        host = self._host
         with self._recovery_mu:
             self._recovery_owner = threading.get_ident()
             try:
-                if self._stopping:  # shutdown ran first: nothing left to recover
+                if self.stopping:  # shutdown ran first: nothing left to recover
                     return Status.unavailable(Phase.RECOVERY, "the executor is shutting down")
-                t0 = self.clock.monotonic()
+                t0 = host.clock.monotonic()
                 record: dict[str, Any] = {"reason": reason.code, "reset": reset,
-                                          "from_generation": self.gen.id if self.gen else None}
+                                          "from_generation": host.gen.id if host.gen else None}
                 status = self._recover(reason, reset, calbin_path, record)
             finally:
                 self._recovery_owner = None
-            record.update(ok=status.ok, status=status.code, seconds=self.clock.monotonic() - t0,
-                          to_generation=self.gen.id if self.gen else None,
-                          lifecycle=self.lifecycle.state)
+            record.update(ok=status.ok, status=status.code,
+                          seconds=host.clock.monotonic() - t0,
+                          to_generation=host.gen.id if host.gen else None,
+                          lifecycle=self.run.state)
             self.recoveries.append(record)
             return status
 
     def _recover(self, reason: Status, reset: bool, calbin_path: str | None,
                  record: dict[str, Any]) -> Status:
-        policy = self.config.recovery
-        with self.lifecycle_mu:
-            if self.lifecycle.state != LIFECYCLE_READY:
+        host = self._host
+        config = host.config
+        policy = config.recovery
+        with self.mu:
+            if self.run.state != LIFECYCLE_READY:
                 return Status.unavailable(Phase.RECOVERY,
-                                          f"cannot recover from lifecycle {self.lifecycle.state}")
-            self.lifecycle.send(LIFECYCLE_EV_DRAIN)
+                                          f"cannot recover from lifecycle {self.run.state}")
+            self.run.send(LIFECYCLE_EV_DRAIN)
         unavailable = Status.unavailable(Phase.RECOVERY,
                                          f"device recovering after {reason.code}; retry later")
         self._stop_admission(unavailable)
         # fencing: no request thread works on the old generation past this point
-        if not self._fence(self.gen, self.config.fence_grace_s):
+        if not self._fence(host.gen, config.fence_grace_s):
             status = Status.internal("recovery.fence", Phase.RECOVERY,
                                      "request threads did not leave generation "
-                                     f"{self.gen.id} within {self.config.fence_grace_s}s",
+                                     f"{host.gen.id} within {config.fence_grace_s}s",
                                      **self._gctx())
-            self._fail(status)
+            self.fail(status)
             return status
         drained = self._drain(policy.drain_grace_s)
         reset_done = False
@@ -324,7 +549,7 @@ class DeviceLifecycle:
         if not drained and policy.reset_kind != "none":
             status = self._reset(policy.reset_kind)  # aborts what the device still holds
             if not status.ok:
-                self._fail(status)
+                self.fail(status)
                 return status
             reset_done = True
             drained = self._drain(policy.drain_grace_s)
@@ -335,11 +560,11 @@ class DeviceLifecycle:
                                     f"submitted jobs did not finish within "
                                     f"{policy.drain_grace_s}s {how}; the process should exit "
                                     "for its supervisor", **self._gctx())
-            self._fail(status)
+            self.fail(status)
             return status
-        with self.lifecycle_mu:
-            self.lifecycle.send(LIFECYCLE_EV_RECOVER)
-        old = self.gen
+        with self.mu:
+            self.run.send(LIFECYCLE_EV_RECOVER)
+        old = host.gen
         old.pool.quarantine_all()  # invariant 8: every old-generation slot
         if reset and not reset_done:
             if policy.reset_kind == "none":
@@ -351,17 +576,17 @@ class DeviceLifecycle:
             else:
                 status = self._reset(policy.reset_kind)
             if not status.ok:
-                self._fail(status)
+                self.fail(status)
                 return status
         record["reset_kind"] = policy.reset_kind if reset or reset_done else None
-        status = old.release(self.device)
+        status = old.release(host.device)
         self._retire(old)
-        self.gen = None
+        host.gen = None
         if not status.ok:
-            self._fail(status)
+            self.fail(status)
             return status
-        with self.lifecycle_mu:
-            self.lifecycle.send(LIFECYCLE_EV_RECONFIGURE)
+        with self.mu:
+            self.run.send(LIFECYCLE_EV_RECONFIGURE)
         target = calbin_path or old.calbin_path
         # One more attempt if this one fails: a switch rolls back to the last good calbin
         # (Triton keeps the old model on a failed reload); a recovery retries its calbin once.
@@ -372,15 +597,15 @@ class DeviceLifecycle:
                                target if target in self.good_calbins else None)
         status = self._configure_and_warm(target)
         refused: list[str] = []
-        while not status.ok and not self._stopping and self.lifecycle.can(LIFECYCLE_EV_ROLL_BACK):
+        while not status.ok and not self.stopping and self.run.can(LIFECYCLE_EV_ROLL_BACK):
             refused.append(status.code)
             released = self._release_failed_generation()
             if not released.ok:  # its job still runs on the device: §9.1, never torn down
                 record["refused"] = refused
-                self._fail(released)
+                self.fail(released)
                 return released
             fallback = self._rollback_path
-            self.lifecycle.send(LIFECYCLE_EV_ROLL_BACK)
+            self.run.send(LIFECYCLE_EV_ROLL_BACK)
             self._rollback_path = None
             status = self._configure_and_warm(fallback)
             if status.ok and fallback != target:
@@ -391,7 +616,7 @@ class DeviceLifecycle:
                                       "serves again", **self._gctx())
         record["refused"] = refused
         if not status.ok:
-            self._fail(status)
+            self.fail(status)
             return status
         self._go_ready()
         return Status.OK
@@ -400,11 +625,11 @@ class DeviceLifecycle:
         """Configuring -> Warming -> (golden) with a fresh generation of ``calbin_path``."""
         status = self._open(calbin_path)
         if not status.ok:
-            self.gen = None
+            self._host.gen = None
             return status
-        with self.lifecycle_mu:
-            self.lifecycle.send(LIFECYCLE_EV_CONFIGURED)
-        return self._warm_up()
+        with self.mu:
+            self.run.send(LIFECYCLE_EV_CONFIGURED)
+        return self.warm_up()
 
     def _release_failed_generation(self) -> Status:
         """Tear down a generation refused while Configuring/Warming, or at a failed start,
@@ -412,18 +637,19 @@ class DeviceLifecycle:
         device, so fence, drain, and reset if they do not finish. A job still on the device
         after that keeps the generation alive (buffers mapped, KvManager kept): the Status
         says so and the caller ends Failed for the supervisor instead of rolling back."""
-        gen = self.gen
+        host = self._host
+        gen = host.gen
         if gen is None:
             return Status.OK
-        policy = self.config.recovery
+        policy = host.config.recovery
         self._stop_admission(Status.unavailable(Phase.RECOVERY,
                                                 f"generation {gen.id} refused; retry later"))
-        fenced = self._fence(gen, self.config.fence_grace_s)
+        fenced = self._fence(gen, host.config.fence_grace_s)
         drained = fenced and self._drain(policy.drain_grace_s)
         if fenced and not drained and policy.reset_kind != "none":
             reset = self._reset(policy.reset_kind)
             drained = reset.ok and self._drain(policy.drain_grace_s)
-        self.gen = None
+        host.gen = None
         if not drained:
             self._retire(gen)  # kept, never released: the device may still use it
             return Status.failure(
@@ -431,7 +657,7 @@ class DeviceLifecycle:
                 f"generation {gen.id} was refused while a job of it is still on the device "
                 f"and no reset freed it (reset_kind={policy.reset_kind}); its buffers stay "
                 "mapped; the process should exit for its supervisor (§9.1)", generation=gen.id)
-        status = gen.release(self.device)
+        status = gen.release(host.device)
         self._retire(gen)
         return status
 
@@ -447,9 +673,9 @@ class DeviceLifecycle:
 
     def _discard_proven(self) -> None:
         released = [gen for gen in self._retired if gen.released]
-        if not released or self.device is None:
+        if not released or self._host.device is None:
             return
-        probe = getattr(self.device, "dma_quiescent", None)
+        probe = getattr(self._host.device, "dma_quiescent", None)
         proven = probe() if probe is not None else None
         if proven is None and len(released) > 4:
             log.warning("%d retired generations kept: the runtime offers no proof that no "
@@ -460,42 +686,149 @@ class DeviceLifecycle:
                 gen.discard()
 
     def _last_good_other(self, exclude: str | None = None) -> str | None:
-        exclude = exclude if exclude is not None else (self.gen.calbin_path if self.gen else None)
+        host = self._host
+        exclude = exclude if exclude is not None else (host.gen.calbin_path if host.gen
+                                                       else None)
         others = [p for p in self.good_calbins if p != exclude]
         return others[-1] if others else None
 
     def _reset(self, kind: str) -> Status:
-        rc = getattr(self.device, kind)()
+        rc = getattr(self._host.device, kind)()
         return Status.from_calrt(rc, Phase.RECOVERY, f"device {kind}", **self._gctx())
 
     def _gctx(self) -> dict[str, int]:
-        return {} if self.gen is None else {"generation": self.gen.id}
+        host = self._host
+        return {} if host.gen is None else {"generation": host.gen.id}
 
     def _stop_admission(self, status: Status) -> None:
         """No new admissions; waiters end; queued (not submitted) jobs fail with ``status``
         (UNAVAILABLE: the client retries after Retry-After; nothing is dropped silently)."""
-        self._admitting = False
+        self.admitting = False
         self._refuse_queued(status)
-        if self.gen is not None:
-            self.gen.kvc.wake()
-            self.gen.pool.wake()
+        host = self._host
+        if host.gen is not None:
+            host.gen.kvc.wake()
+            host.gen.pool.wake()
 
     def _refuse_queued(self, status: Status) -> None:
-        self.dispatch.refuse(status)
-        if not self.config.threads:
-            while self.dispatch.has_work() and self.submit_one():
+        host = self._host
+        host.dispatch.refuse(status)
+        if not host.config.threads:
+            while host.dispatch.has_work() and host.submit_one():
                 pass
 
     def _drain(self, grace: float) -> bool:
         """Wait until every queued job was failed or submitted and every submitted job
         returned from Wait (or the grace ends: bounded)."""
-        deadline = self.clock.monotonic() + grace
+        host = self._host
+        clock = host.clock
+        deadline = clock.monotonic() + grace
         while True:
-            if not self.config.threads:
-                while self.submit_one() or self.complete_one():
+            if not host.config.threads:
+                while host.submit_one() or host.complete_one():
                     pass
             if self.all_submitted_drained():
                 return True
-            if self.clock.monotonic() >= deadline:
+            if clock.monotonic() >= deadline:
                 return False
-            self.clock.sleep(0.002)
+            clock.sleep(0.002)
+
+    def _fence(self, gen: Generation, grace: float) -> bool:
+        """Close ``gen`` to request threads and wait (at most ``grace`` s) for those inside
+        to leave. Their waits end at once: admission is stopped and they are woken."""
+        host = self._host
+        deadline = host.clock.monotonic() + grace
+        # the jobs armed in it are guesses that will never be fired: released now, so the
+        # drain that follows finds nothing armed (left to the submitter they delayed every
+        # recovery by a drain poll when a guess was armed: the differential test)
+        for job in host.dispatch.close(gen):
+            host.outcomes.fail_before_submit(job, Status.unavailable(
+                Phase.SUBMIT, f"generation {gen.id} retired before the job was fired; retry",
+                **job.ctx()))
+        gen.kvc.wake()
+        gen.pool.wake()
+        return host.dispatch.wait_left(gen, deadline)
+
+    # ---- shutdown (FI13) ---------------------------------------------------------------------------
+    def shutdown(self, grace: float = 10.0) -> Status:
+        """Stop admission, cancel queued jobs, drain submitted ones within ``grace`` seconds,
+        stop the threads, release the generation and the device. Ends Stopped when drained
+        (FI13), Failed otherwise. Idempotent.
+
+        A recovery or model switch in progress (the controller's thread, or a caller's
+        ``recover``/``switch_model``) ends first: it gets half of ``grace`` to finish on its own
+        (a switch then goes live and shutdown ends Stopped); then admission (golden runs
+        included) stops and queued jobs are cancelled, so it ends quickly (Failed, if it had
+        already torn the old generation down). Shutdown holds ``recovery_mu`` from then on,
+        so no recovery runs under its teardown (a later one finds the executor stopping and
+        does nothing). If it still runs after ``grace`` nothing is torn down and
+        ``shutdown.recovery_busy`` is returned."""
+        if self._recovery_owner == threading.get_ident():
+            return self._shutdown(grace)  # called from within a recovery: it holds the lock
+        clock = self._host.clock
+        start = clock.monotonic()
+        end, left = start + max(grace, 0.0), lambda until: max(0.0, until - clock.monotonic())
+        halfway = start + max(grace, 0.0) / 2
+        recovery = self._recovery_thread
+        if recovery is not None and recovery is not threading.current_thread():
+            recovery.join(left(halfway))
+        if not self._recovery_mu.acquire(timeout=left(halfway)):
+            self._interrupt()  # the recovery still runs: make it end
+            if not self._recovery_mu.acquire(timeout=left(end)):
+                return Status.failure(
+                    "shutdown.recovery_busy", Category.LIFECYCLE, Phase.SHUTDOWN,
+                    f"a recovery or model switch still runs after grace={grace}s; nothing "
+                    "was torn down")
+        try:
+            return self._shutdown(grace)
+        finally:
+            self._recovery_mu.release()
+
+    def _interrupt(self) -> None:
+        """Stop admission (golden runs included) and cancel queued jobs: what a recovery in
+        progress waits for ends at once."""
+        with self.mu:
+            self.stopping = True
+            self.admitting = False
+        self._host.dispatch.cancel_pending()
+        self._host.wake_waiters()
+
+    def _shutdown(self, grace: float) -> Status:
+        host = self._host
+        with self.mu:
+            already_final = self.run.final
+            self.stopping = True
+            self.admitting = False
+            if self.run.state == LIFECYCLE_READY:
+                self.run.send(LIFECYCLE_EV_DRAIN)
+            self.ready_cv.notify_all()
+        if host.gen is not None:
+            host.gen.kvc.close()
+        host.dispatch.cancel_pending()
+        host.wake_waiters()
+        if host.gen is not None:  # no request thread works on it past this point
+            self._fence(host.gen, min(grace, host.config.fence_grace_s))
+        if not host.config.threads:
+            while host.submit_one():
+                pass
+        drained = self._drain(grace)
+        host.stop_threads()
+        with self.mu:
+            if drained and self.run.can(LIFECYCLE_EV_STOP):
+                self.run.send(LIFECYCLE_EV_STOP)
+            elif not self.run.final:
+                self.run.send(LIFECYCLE_EV_FAIL)
+                self.failure = Status.failure(
+                    "shutdown.not_drained", Category.DEVICE, Phase.SHUTDOWN,
+                    f"submitted work did not drain within grace={grace}s")
+        if host.device is None or (already_final and host.gen is None):
+            return self.failure or self.start_status or Status.OK
+        if not drained:
+            # the runtime may still DMA into our buffers: keep everything mapped and alive
+            return self.failure
+        if host.gen is not None:
+            host.gen.release(host.device)
+            self._retire(host.gen)
+            host.gen = None
+        host.device.close()
+        return Status.OK if self.run.state == LIFECYCLE_STOPPED else self.failure

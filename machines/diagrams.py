@@ -40,7 +40,7 @@ from typing import Any
 from calexec.machines.compiled import CHARTS, CompiledChart, Transition
 
 _SHA_COMMENT = "<!-- calexec-dot-sha256: {} -->"
-_SHA_PATTERN = re.compile(r"<!-- calexec-dot-sha256: ([0-9a-f]{64}) -->")
+SHA_PATTERN = re.compile(r"<!-- calexec-dot-sha256: ([0-9a-f]{64}) -->")
 _PNG_KEY = b"calexec-dot-sha256"
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 FIX_COMMAND = "calexec diagrams"
@@ -267,14 +267,14 @@ def run_graphviz(dot: str, fmt: str) -> bytes:
     return done.stdout
 
 
-def _svg_from_dot(dot: str) -> str:
+def svg_from_dot(dot: str) -> str:
     svg = run_graphviz(dot, "svg").decode("utf-8")
     comment = _SHA_COMMENT.format(hashlib.sha256(dot.encode("utf-8")).hexdigest())
     head, sep, body = svg.partition("?>")  # keep the XML declaration first, if any
     return f"{head}{sep}\n{comment}{body}" if sep else f"{comment}\n{svg}"
 
 
-def _png_from_dot(dot: str) -> bytes:
+def png_from_dot(dot: str) -> bytes:
     """PNG at 96 dpi with the DOT's sha256 in a ``tEXt`` chunk right after ``IHDR``."""
     png = run_graphviz(dot.replace("{\n", "{\ndpi=96;\n", 1), "png")
     if not png.startswith(_PNG_SIGNATURE) or png[12:16] != b"IHDR":
@@ -286,8 +286,8 @@ def _png_from_dot(dot: str) -> bytes:
     return png[:end_ihdr] + chunk + png[end_ihdr:]
 
 
-def _png_sha(png: bytes) -> str | None:
-    """The DOT sha256 stored by ``_png_from_dot``, or None."""
+def png_sha(png: bytes) -> str | None:
+    """The DOT sha256 stored by ``png_from_dot``, or None."""
     found = re.search(re.escape(_PNG_KEY) + rb"\0([0-9a-f]{64})", png[:4096])
     return found.group(1).decode("ascii") if found else None
 
@@ -322,7 +322,7 @@ def render_path_svg(chart_name: str, steps: Iterable[Mapping[str, Any]]) -> str:
             line = f"refused: {_event_label(event)} {why}"
         if line is not None:
             notes[source] = f"{notes[source]}\n{line}" if source in notes else line
-    return _svg_from_dot(render_chart_dot(chart_name, last, taken, notes))
+    return svg_from_dot(render_chart_dot(chart_name, last, taken, notes))
 
 
 def render_chart_svg(chart_name: str, active_state: str | None = None) -> str:
@@ -331,4 +331,4 @@ def render_chart_svg(chart_name: str, active_state: str | None = None) -> str:
     Raises ``ValueError`` for an unknown chart or state and ``GraphvizError`` when ``dot`` is
     missing or fails.
     """
-    return _svg_from_dot(render_chart_dot(chart_name, active_state))
+    return svg_from_dot(render_chart_dot(chart_name, active_state))

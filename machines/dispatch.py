@@ -114,7 +114,7 @@ class Dispatch:
         self.clock = clock
         self.mu = locks.lock(SUBMIT)
         #: the dispatch condition (``mu``): streams guard their own fields with it
-        self.cv = clock.condition(self.mu)
+        self.cv = clock.condition(self.mu, "submit_cv")
         self._queue: deque[Job] = deque()
         self._armed: list[Job] = []
         #: armed jobs that are their caller's step, not a guess (admitted with their token on

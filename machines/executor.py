@@ -6,24 +6,36 @@ Path of one job (docs/architecture.md tells the same story):
    submodel -> deadline/cancel -> admission: KV reserve (condition-variable wait) and token
    budget -> buffer lease -> copy inputs, SliceTensor, SetCsrByName (steps 7-8) -> submit
    queue. Any failure releases what was taken, in reverse order, and resolves the handle.
-2. ``submit_one`` (submitter thread, §6.4): waits for an in-flight permit (capacity 1 in Phase
-   A), re-checks cancel and the queue deadline, calls ``infer``. Failure: KV rollback, lease
-   back, job Failed, no Wait (FI05). Success: KV txn Submitted, slot InFlight, completion queue.
-3. ``complete_one`` (completion thread, §6.5): ``Wait`` with no lock held, ``GetStatus``, the
-   rc/status double check, output size and finiteness, direct BF16->FP32 of the requested
-   slice into the destination, KV commit, UndoSlice, resolve, lease back, permit back.
-   Failure after submit: no commit, sequence Unknown, slot quarantined, fault reported.
+2. ``submit_one`` (submitter thread, §6.4): takes the next outcome from ``Dispatch``
+   (machines/dispatch.py, the passive owner of everything ``submit_mu`` guards: the submit
+   queue, armed and guessed jobs, permits, token budget, generation fence, slots the runtime
+   still holds), re-checks cancel and the queue deadline, calls ``infer``. Failure: KV
+   rollback, lease back, job Failed, no Wait (FI05). Success: KV txn Submitted, slot InFlight,
+   handed to the completion queue.
+3. ``complete_one`` (completion thread, §6.5): ``Completion`` (machines/completion.py) runs
+   ``Wait`` with no lock held, ``GetStatus``, the rc/status double check, output size and
+   finiteness, direct BF16->FP32 of the requested slice into the destination; ``JobOutcomes``
+   (machines/outcomes.py) applies the end of the job: KV commit, UndoSlice, resolve, lease back,
+   permit back. Failure after submit: no commit, sequence Unknown, slot quarantined, fault
+   reported.
 4. ``decode_stream`` (machines/stream.py): a sequence's decode loop with the next job armed
    (admitted and prepared up to Preparing, KV txn chained behind the running job) while the
-   current one runs; a step writes the token (``_fire``) and the submitter infers.
+   current one runs; a step writes the token into the armed job and the dispatch releases it to
+   the submitter. Implicit pre-arms and greedy ahead steps (machines/autoarm.py) are the same
+   jobs, armed without a stream; tests/test_differential.py proves they answer like the plain
+   path.
 
 Only the submitter calls ``infer`` and only the completion thread calls ``Wait`` (invariant 2);
 with ``ExecutorConfig(threads=False)`` both are called by whoever drives ``submit_one`` and
 ``complete_one`` (stepped mode for deterministic tests). The runtime objects are duck-typed:
 ``calexec.drivers.calrt.runtime`` provides them; this module imports no cffi.
 
-The device's own life (start, golden run, Failed, recovery, model switch along the lifecycle
-chart) is the ``DeviceLifecycle`` mixin in machines/device_lifecycle.py.
+The device's own life (start, golden run, Failed, recovery, model switch, shutdown along the
+lifecycle chart) is a component, ``DeviceLifecycle`` in machines/device_lifecycle.py, that this
+executor owns (``self.life``) and hosts: it reaches the executor only through the members its
+``LifecycleHost`` protocol lists, and the executor reads it only through its public names. The
+executor's lifecycle API (``start``, ``state``, ``lifecycle``, ``recover``, ``switch_model``,
+``request_recovery``, ``run_pending_recovery``, ``shutdown``, ``failure``, ...) delegates to it.
 """
 
 from __future__ import annotations
@@ -41,12 +53,12 @@ import numpy as np
 
 from calexec.contracts.codes import CalrtCode
 from calexec.contracts.errors import Category
-from calexec.contracts.prepare import (InferenceRequest, check_request, plan_slices)
+from calexec.contracts.prepare import (InferenceRequest, check_request)
 from calexec.contracts.status import Phase, Status, llama_decode_code
 from calexec.contracts.types import EngineSlot, ModelGeneration, TaskKind
 from calexec.machines.autoarm import AutoArm
 from calexec.machines.clock import SYSTEM, Clock
-from calexec.machines.compiled import LIFECYCLE
+from calexec.machines.compiled import ChartRun
 from calexec.machines.completion import Completion
 from calexec.machines.dispatch import Arm, Dispatch
 from calexec.machines.outcomes import ARMING_WAIT_S, JobOutcomes
@@ -55,16 +67,13 @@ from calexec.machines.faults import Decision, FaultController, FaultSink, Recove
 from calexec.machines.generation import Generation
 from calexec.machines.job import InferenceResult, Job, JobHandle, advance, job_of
 from calexec.machines.kv import KvCoordinator
-from calexec.machines.locks import RECOVERY, LockOrder
-from calexec.machines.locks import LIFECYCLE as LIFECYCLE_RANK
+from calexec.machines.locks import LockOrder
 from calexec.machines.pool import BufferPool
 from calexec.machines.sequences import SequenceOwnership
 from calexec.machines.tuning import HotPathTuning
-from calexec.machines.chart_names import (JOB_EV_ADMIT, JOB_EV_BEGIN_PREPARATION, JOB_EV_ENQUEUE, JOB_EV_INFER_ACCEPTED,
-                                          LIFECYCLE_CONFIGURING, LIFECYCLE_DRAINING,
-                                          LIFECYCLE_EV_DRAIN, LIFECYCLE_EV_FAIL, LIFECYCLE_EV_STOP,
-                                          LIFECYCLE_FAILED, LIFECYCLE_READY, LIFECYCLE_RECOVERING,
-                                          LIFECYCLE_STOPPED, LIFECYCLE_WARMING)
+from calexec.machines.chart_names import (JOB_EV_ADMIT, JOB_EV_BEGIN_PREPARATION, JOB_EV_ENQUEUE,
+                                          JOB_EV_INFER_ACCEPTED, LIFECYCLE_FAILED,
+                                          LIFECYCLE_READY, LIFECYCLE_WARMING)
 
 if TYPE_CHECKING:
     from calexec.machines.stream import DecodeStream
@@ -196,11 +205,12 @@ class _NoRequest:
 _NO_REQUEST = _NoRequest()
 
 
-class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
+class DeviceExecutor(SequenceOwnership):
     """The control core: owns the device, calbin, KvManager and buffer pool (invariant 1).
 
-    This class is the job path; the device lifecycle (start, golden, recovery, model switch)
-    is the ``DeviceLifecycle`` mixin in machines/device_lifecycle.py."""
+    This class is the job path; the device lifecycle (start, golden, recovery, model switch,
+    shutdown) is its ``DeviceLifecycle`` component, ``self.life`` (machines/device_lifecycle.py),
+    for which it is the ``LifecycleHost``."""
 
     def __init__(self, runtime: Any, manifest: Any, config: ExecutorConfig,
                  fault_sink: FaultSink | None = None, clock: Clock = SYSTEM) -> None:
@@ -213,7 +223,15 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         self.faults.attach(self)
         self.locks = LockOrder(checking=config.check_lock_order, strict=config.strict_lock_order,
                                clock=clock)
-        self.lifecycle_mu = self.locks.lock(LIFECYCLE_RANK)
+        # the runtime objects every job uses; the lifecycle opens, replaces and closes them
+        self.device: Any = None
+        self.gen: Generation | None = None
+        # supervision: what each executor thread's barrier caught (the recovery thread's too)
+        self.thread_faults: deque[dict[str, Any]] = deque(maxlen=100)
+        # the device's life along the lifecycle chart (its run, lifecycle_mu, the admission
+        # gate, the ready queue, recovery, goldens, retired generations, shutdown): one owner,
+        # machines/device_lifecycle.py; it reaches this executor as its ``LifecycleHost``
+        self.life = DeviceLifecycle(self)
         # the dispatch state (submit queue, armed jobs and what to arm, permits, budget,
         # generation fence, refusal, slots held by the runtime): one owner, machines/dispatch.py
         self.dispatch = Dispatch(self.locks, clock, config.inflight_capacity)
@@ -224,49 +242,102 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         # the completion queue and thread's work (§6.5): machines/completion.py. It keeps the
         # moving average of decode jobs' device time that the early wake-ups (issue 17) read:
         # a thread that slept through a decode job's device time wakes tuning.prewake_s
-        # before the job is expected to end (the submitter's idle wait, ``_prewake_at``, once
-        # per job on the device, and a caller's ``JobHandle.wait_until``, ``Job.early_wake_s``)
+        # before the job is expected to end (the submitter's idle wait,
+        # ``Completion.prewake_at``, once per job on the device, and a caller's
+        # ``JobHandle.wait_until``, ``Job.early_wake_s``)
         self.completion = Completion(
             config, clock, self.locks, self.dispatch, self.outcomes,
             getattr(runtime, "logits_postprocessor", lambda: None)(), lambda: self.gen,
             self._effective_capacity)
-        # requests waiting for Ready during a recovery (lifecycle_mu; ready_queue_max)
-        self._ready_cv = clock.condition(self.lifecycle_mu)
-        self._ready_waiters = 0
         self._last_submit_seq: int | None = None  # the submitter's own (no lock)
         self._features_off: dict[str, int] = {}  # FEATURES name -> generation it went off in
-        self._prewoken = 0  # job id the submitter last woke early for (its own)
         self._job_ids = itertools.count(1)
-        self._gen_ids = itertools.count(1)
-        self.lifecycle = LIFECYCLE.run(self)
-        self.device: Any = None
-        self.gen: Generation | None = None
-        # released generations whose host memory the device may still write (kept until
-        # Device.dma_quiescent() proves otherwise), and generations refused while their job
-        # was still on the device (never torn down: §9.1)
-        self._retired: deque[Generation] = deque()
         self._threads: list[threading.Thread] = []
-        # supervision: what each executor thread holds now, and what its barrier caught
+        # supervision: what each executor thread holds now
         self._holding: dict[str, Job | None] = {}
-        self.thread_faults: deque[dict[str, Any]] = deque(maxlen=100)
-        self._stopping = False
-        self._admitting = False  # Ready and not draining (read without a lock: a bool)
-        self._golden_ok = False
-        self._rollback_path: str | None = None
-        self.good_calbins: list[str] = []  # calbin paths that reached Ready, newest last
-        self.goldens: dict[str, tuple[int, ...]] = dict(config.goldens)
-        self.golden_source: str | None = None  # the current generation's: pinned|config|unpinned
-        self.unpinned_goldens: set[str] = set()  # calbin sha256s accepted by allow_unpinned_golden
-        self.start_status: Status | None = None
-        self.failure: Status | None = None  # why the lifecycle is Failed
-        # recovery: one at a time, on its own thread (threads mode) or run by the caller
-        self._recovery_mu = self.locks.lock(RECOVERY)
-        self._recovery_owner: int | None = None  # thread ident holding recovery_mu in recover()
-        self._pending_recovery: Decision | None = None
-        self._recovery_thread: threading.Thread | None = None
-        self.recoveries: list[dict[str, Any]] = []
         # thread identity of runtime calls (invariant 2); Wait's: ``completion.wait_threads``
         self.infer_threads: set[str] = set()
+
+    # ---- the lifecycle (machines/device_lifecycle.py): what embedders and tools call here --------
+    @property
+    def lifecycle(self) -> ChartRun:
+        """The lifecycle chart's run (``lifecycle.state``, ``lifecycle.final``)."""
+        return self.life.run
+
+    @property
+    def state(self) -> str:
+        """The lifecycle state now (machines/api.py ``LIFECYCLE_STATES``)."""
+        return self.life.run.state
+
+    @property
+    def failure(self) -> Status | None:
+        """Why the lifecycle is Failed (None otherwise)."""
+        return self.life.failure
+
+    @property
+    def start_status(self) -> Status | None:
+        """What ``start`` returned (None before it ran)."""
+        return self.life.start_status
+
+    @property
+    def recoveries(self) -> list[dict[str, Any]]:
+        """One record per recovery or model switch: reason, reset, generations, outcome."""
+        return self.life.recoveries
+
+    @property
+    def goldens(self) -> dict[str, tuple[int, ...]]:
+        """Expected golden tokens per calbin sha256: the operator's (``config.goldens``) and
+        unpinned runs accepted in this process; the lifecycle's own dict."""
+        return self.life.goldens
+
+    @property
+    def golden_source(self) -> str | None:
+        """Where the current generation's golden came from: pinned|config|unpinned."""
+        return self.life.golden_source
+
+    @property
+    def good_calbins(self) -> list[str]:
+        """Calbin paths that reached Ready, newest last."""
+        return self.life.good_calbins
+
+    @property
+    def stopping(self) -> bool:
+        """``shutdown`` began (admission stopped for good)."""
+        return self.life.stopping
+
+    def start(self) -> Status:
+        """Open the device and generation 1, warm up with the golden run, go Ready
+        (``DeviceLifecycle.start``)."""
+        return self.life.start()
+
+    def expected_golden(self, sha: str) -> tuple[tuple[int, ...] | None, str]:
+        """(expected golden tokens or None, where they come from) for calbin ``sha``."""
+        return self.life.expected_golden(sha)
+
+    def request_recovery(self, decision: Decision) -> None:
+        """Called by the fault controller; never blocks (``DeviceLifecycle.request_recovery``)."""
+        self.life.request_recovery(decision)
+
+    def run_pending_recovery(self) -> Status | None:
+        """Run the recovery the controller asked for, if any (stepped mode)."""
+        return self.life.run_pending_recovery()
+
+    def recover(self, reason: Status, reset: bool = True,
+                calbin_path: str | None = None) -> Status:
+        """Drain, optionally reset, replace the generation, golden, reopen admission
+        (``DeviceLifecycle.recover``)."""
+        return self.life.recover(reason, reset, calbin_path)
+
+    def switch_model(self, calbin_path: str) -> Status:
+        """Model switch through the lifecycle; a refused calbin rolls back
+        (``DeviceLifecycle.switch_model``)."""
+        return self.life.switch_model(calbin_path)
+
+    def shutdown(self, grace: float = 10.0) -> Status:
+        """Stop admission, cancel queued jobs, drain submitted ones within ``grace`` seconds,
+        stop the threads, release the generation and the device: Stopped when drained (FI13),
+        Failed otherwise; idempotent (``DeviceLifecycle.shutdown``)."""
+        return self.life.shutdown(grace)
 
     # ---- observability: what the components count ----------------------------------------------
     @property
@@ -325,12 +396,12 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
                  on_created: Callable[[JobHandle], None] | None = None,
                  arm: Arm | None = None) -> JobHandle:
         if not isinstance(request, InferenceRequest):
-            job = Job(next(self._job_ids), 0, _NO_REQUEST, self._wake_waiters)
+            job = Job(next(self._job_ids), 0, _NO_REQUEST, self.wake_waiters)
             return self.outcomes.fail_early(job, Status.invalid(
                 4, f"request: expected an InferenceRequest, got {type(request).__name__}"))
         gen = self.gen
         job = Job(next(self._job_ids), gen.id if gen is not None else 0, request,
-                  self._wake_waiters, internal=internal, clock=self.clock)
+                  self.wake_waiters, internal=internal, clock=self.clock)
         job.gen = gen
         job.logits_out = logits_out
         if request.kind == TaskKind.DECODE:
@@ -340,24 +411,25 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
                          and request.kind == TaskKind.DECODE and len(request.seq_ids) == 1
                          and isinstance(request.positions, np.ndarray))
         if self.config.job_trails_kept:
-            job.run.trail = deque(maxlen=_TRAIL_STEPS)
+            job.run.keep_trail(deque(maxlen=_TRAIL_STEPS), self.clock.monotonic)
             job.on_resolved = self.outcomes.keep_trail
         handle = JobHandle(job)
         if on_created is not None:
             on_created(handle)
         # queue through recovery: a caller's request waits for Ready; a pre-arm never waits
         # (the submitter arms: the recovery's golden run needs the submitter)
-        if (not internal and not self._admitting and self.config.ready_queue_max
+        life = self.life
+        if (not internal and not life.admitting and self.config.ready_queue_max
                 and (arm is None or arm.blocking)):
-            waited = self._wait_for_ready(job)
+            waited = life.wait_for_ready(job)
             if waited is not None:
                 return self.outcomes.fail_early(job, waited)
             gen = self.gen
             job.gen, job.generation_id = gen, gen.id if gen is not None else 0
-        if not (self._admitting or (internal and self.lifecycle.state == LIFECYCLE_WARMING)) \
-                or self._stopping or gen is None:
+        if not (life.admitting or (internal and life.run.state == LIFECYCLE_WARMING)) \
+                or life.stopping or gen is None:
             return self.outcomes.fail_early(job, Status.unavailable(
-                Phase.ADMISSION, f"device lifecycle is {self.lifecycle.state}; not admitting",
+                Phase.ADMISSION, f"device lifecycle is {life.run.state}; not admitting",
                 **job.ctx()))
         generation = gen.contracts
         status = check_request(request, generation)
@@ -378,6 +450,11 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             return self.outcomes.abandon_before_submit(job, exc, "enqueue")
         finally:
             self.dispatch.exit(gen)
+
+    def enqueue_internal(self, request: InferenceRequest) -> JobHandle:
+        """A job of the executor's own (the lifecycle's golden run): admitted while Warming,
+        never queued for Ready, never pre-armed; resolved like any other."""
+        return self._enqueue(request, internal=True)
 
     def _admit_and_queue(self, job: Job, handle: JobHandle, gen: Generation,
                          arm: Arm | None = None) -> JobHandle:
@@ -416,7 +493,8 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             return self.outcomes.fail_early(job, txn.with_context(job_id=job.job_id))
         job.txn = txn
         if not advance(job, JOB_EV_ADMIT):
-            return self.outcomes.fail_before_submit(job, Status.cancelled(Phase.ADMISSION, **job.ctx()))
+            return self.outcomes.fail_before_submit(
+                job, Status.cancelled(Phase.ADMISSION, **job.ctx()))
         job.timings.admitted_us = self.clock.now_us()
         lease = None
         if dispatch.anything_armed and not speculative:  # never a slot kept from a request
@@ -431,8 +509,9 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             return self.outcomes.fail_before_submit(job, lease.with_context(**job.ctx()))
         job.lease = lease
         if not advance(job, JOB_EV_BEGIN_PREPARATION):
-            return self.outcomes.fail_before_submit(job, Status.cancelled(Phase.PREPARE, **job.ctx()))
-        status = self._prepare(job)
+            return self.outcomes.fail_before_submit(
+                job, Status.cancelled(Phase.PREPARE, **job.ctx()))
+        status = lease.slot.prepare(request)
         if not status.ok:
             return self.outcomes.fail_before_submit(job, status.with_context(**job.ctx()))
         if arm is not None:  # pre-armed: Preparing until its token comes (``fire``); a
@@ -444,7 +523,8 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
                     "retry", **job.ctx()))
             return handle
         if not advance(job, JOB_EV_ENQUEUE):
-            return self.outcomes.fail_before_submit(job, Status.cancelled(Phase.PREPARE, **job.ctx()))
+            return self.outcomes.fail_before_submit(
+                job, Status.cancelled(Phase.PREPARE, **job.ctx()))
         job.timings.queued_us = self.clock.now_us()
         if not dispatch.queue(job, self.gen):  # fencing: never into another generation's queue
             return self.outcomes.fail_before_submit(job, Status.unavailable(
@@ -459,52 +539,18 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             return self.completion.decode_exec_us / 1e6 - tuning.prewake_s
         return 0.0
 
-    def _fence(self, gen: Generation, grace: float) -> bool:
-        """Close ``gen`` to request threads and wait (at most ``grace`` s) for those inside
-        to leave. Their waits end at once: admission is stopped and they are woken."""
-        deadline = self.clock.monotonic() + grace
-        # the jobs armed in it are guesses that will never be fired: released now, so the
-        # drain that follows finds nothing armed (left to the submitter they delayed every
-        # recovery by a drain poll when a guess was armed: the differential test)
-        for job in self.dispatch.close(gen):
-            self.outcomes.fail_before_submit(job, Status.unavailable(
-                Phase.SUBMIT, f"generation {gen.id} retired before the job was fired; retry",
-                **job.ctx()))
-        gen.kvc.wake()
-        gen.pool.wake()
-        return self.dispatch.wait_left(gen, deadline)
-
     def _token_budget(self) -> int:
         factor = self.faults.admission_factor()
         return int(self.config.max_pending_tokens * factor)
 
-    def _prepare(self, job: Job) -> Status:
-        """Copy inputs into the leased host storage, slice, set CSRs (§6.3 steps 7-8)."""
-        request, slot, sm = job.request, job.lease.slot, job.submodel
-        n = request.token_count
-        if request.kind == TaskKind.PREFILL_EMBEDS:
-            flat = request.embeddings.reshape(-1)
-            slot.host_input[: flat.shape[0]] = flat
-        else:
-            slot.host_input[:n] = request.tokens
-        slot.host_position[:n] = request.positions
-        for planned in plan_slices(request, sm):
-            status = slot.slice_input(planned)
-            if not status.ok:
-                return status
-        for name, value in ((sm.csr_cur_seq, n), (sm.csr_total_seq, request.past_len + n)):
-            status = Status.from_csr(slot.inbuf.set_csr(name, value), name, value)
-            if not status.ok:
-                return status
-        return Status.OK
-
     def _stop_reason(self, job: Job) -> Callable[[], Status | None]:
         gen = job.gen
+        life = self.life
 
         def stop() -> Status | None:
             if job.cancel_flag:
                 return Status.cancelled(Phase.ADMISSION, **job.ctx())
-            if (not job.internal and (self._stopping or not self._admitting)) or (
+            if (not job.internal and (life.stopping or not life.admitting)) or (
                     gen is not None and gen.closing):
                 return Status.unavailable(Phase.ADMISSION, "executor is shutting down or "
                                           "recovering; retry later", **job.ctx())
@@ -519,48 +565,9 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         ``job_trails_kept`` jobs)."""
         return self.outcomes.job_trail(job_id)
 
-    def _wait_for_ready(self, job: Job) -> Status | None:
-        """Queue through recovery (Triton's DELAY policy): a request that arrives while the
-        device drains, recovers, configures or warms up waits for Ready, bounded by its
-        deadline and by ``ready_queue_max`` waiters. None when it may go on; else why not
-        (UNAVAILABLE when the queue is full, the lifecycle Failed or the executor stops;
-        DEADLINE when its deadline passed first; CANCELLED)."""
-        with self._ready_cv:
-            state = self.lifecycle.state
-            if state not in (LIFECYCLE_DRAINING, LIFECYCLE_RECOVERING, LIFECYCLE_CONFIGURING,
-                             LIFECYCLE_WARMING) and not (
-                    state == LIFECYCLE_READY and self._pending_recovery is not None):
-                return None  # Ready (admits), or Created/Failed/Stopped: answered by the caller
-            if self._ready_waiters >= self.config.ready_queue_max:
-                return Status.unavailable(Phase.ADMISSION, f"device lifecycle is "
-                                          f"{self.lifecycle.state} and {self._ready_waiters} "
-                                          "requests already wait for Ready; retry later",
-                                          **job.ctx())
-            self._ready_waiters += 1
-            try:
-                while not self._admitting:
-                    if self._stopping or self.lifecycle.final:
-                        return None
-                    if job.cancel_flag:
-                        return Status.cancelled(Phase.ADMISSION, **job.ctx())
-                    remaining = job.deadline - self.clock.monotonic()
-                    if remaining <= 0:
-                        return Status.deadline(Phase.ADMISSION, "deadline passed while the "
-                                               f"device was {self.lifecycle.state}",
-                                               **job.ctx())
-                    self.clock.wait(self._ready_cv, remaining)
-                return None
-            finally:
-                self._ready_waiters -= 1
-
-    def _ready_changed(self) -> None:
-        """Ready, Failed or stopping: wake the requests waiting for Ready."""
-        with self._ready_cv:
-            self._ready_cv.notify_all()
-
-    def _wake_waiters(self) -> None:
-        """A cancel was recorded: end admission/lease waits so the owner sees it."""
-        self._ready_changed()
+    def wake_waiters(self) -> None:
+        """A cancel was recorded: end admission/lease/Ready waits so the owner sees it."""
+        self.life.ready_changed()
         if self.kvc is not None:
             self.kvc.wake()
         if self.pool is not None:
@@ -583,8 +590,9 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         if dispatch.any_held and not block:  # stepped: nobody else reaps them
             self.outcomes.reap_held()
         while True:
-            prewake = (self._prewake_at(self.clock.monotonic())
-                       if block and self._tuning.prewake_s > 0 else None)
+            prewake_s = self._tuning.prewake_s
+            prewake = (self.completion.prewake_at(self.clock.monotonic(), prewake_s)
+                       if block and prewake_s > 0 else None)
             step = dispatch.next_for_submitter(self._unsubmittable, self._effective_capacity(),
                                                block, prewake)
             if not step.woke:
@@ -626,7 +634,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
     def _auto_after_submit(self, job: Job) -> None:
         """Job ``job`` (a decode of a sequence whose job before was submitted just before
         it) is on the device: queue the guess of its successor for the submitter."""
-        if (self.dispatch.guess(job.request.seq_id) is None and self._admitting
+        if (self.dispatch.guess(job.request.seq_id) is None and self.life.admitting
                 and not self._stopping_threads and job.gen is self.gen
                 and (self.completion.decode_exec_us >= self._tuning.auto_prearm_min_us
                      or not self.config.threads)):
@@ -659,7 +667,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             # without guesses (the checks in the plain path's order: lifecycle, §6.3 and
             # caller checks, deadline, token budget, then KV: the job before committed and
             # the sequence is not Unknown, else kv.sequence_busy / kv.sequence_unknown).
-            ok = (self._admitting and not self._stopping
+            ok = (self.life.admitting and not self.life.stopping
                   and entry.matches(job, request, logits_out)
                   and self.clock.monotonic() < request.deadline)  # else: admission answers
             if ok:
@@ -682,7 +690,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
                 try:
                     on_created(handle)
                 except BaseException as exc:  # the caller's callback: it raises to the caller,
-                    self.outcomes.fail_before_submit(job, Status.internal(  # as on the ordinary path
+                    self.outcomes.fail_before_submit(job, Status.internal(  # as the plain path
                         "on_created_raised", Phase.ADMISSION, f"on_created raised "
                         f"{type(exc).__name__}: {exc}", **job.ctx()))
                     raise
@@ -692,21 +700,6 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             return handle
         finally:
             dispatch.exit(gen)
-
-    def _prewake_at(self, now: float) -> float | None:
-        """When the submitter's idle wait should end early (the submitter's own; no lock):
-        the decode job on the device is expected to end ``tuning.prewake_s`` after that;
-        once per job. None: nothing on the device, its end unknown or too near."""
-        head = self.completion.head()  # no completion_mu: a racy read of the oldest job
-        if (head is None or head.job_id == self._prewoken or not head.submitted_at
-                or head.kind != TaskKind.DECODE or self.completion.decode_exec_us <= 0):
-            return None
-        prewake = self._tuning.prewake_s
-        early = head.submitted_at + self.completion.decode_exec_us / 1e6 - prewake - now
-        if early < prewake:
-            return None
-        self._prewoken = head.job_id
-        return now + early
 
     def _unsubmittable(self, job: Job, now: float) -> Status | None:
         """Why a queued or armed job can no longer be submitted, or None (a pure check,
@@ -844,11 +837,6 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             block, functools.partial(self._holding.__setitem__, "calexec-completion"))
 
     @property
-    def stopping(self) -> bool:
-        """``shutdown`` began (admission stopped for good)."""
-        return self._stopping
-
-    @property
     def completing(self) -> int:
         """Jobs submitted and not completed yet (no lock: a length)."""
         return len(self.completion)
@@ -860,7 +848,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
     # ---- threads ---------------------------------------------------------------------------------
     _stopping_threads = False
 
-    def _start_threads(self) -> None:
+    def start_threads(self) -> None:
         self._stopping_threads = False
         self.dispatch.stop(False)
         self.completion.stop(False)
@@ -900,7 +888,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             self.faults.report(status, job)
         except Exception:  # noqa: BLE001 - a failing fault sink must not kill the barrier
             log.exception("fault sink raised while reporting %s", status)
-            self._fail(status)
+            self.life.fail(status)
         if abandon:
             self.outcomes.count(status)
             job.resolve(status)
@@ -913,13 +901,14 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         executor thread, a job on the device past its deadline, buffers the device has not
         let go of, a lifecycle that is not Ready."""
         reasons = []
-        state = self.lifecycle.state
-        if state != LIFECYCLE_READY or not self._admitting:
-            reasons.append(f"lifecycle is {state}" + ("" if self._admitting else
+        life = self.life
+        state = life.run.state
+        if state != LIFECYCLE_READY or not life.admitting:
+            reasons.append(f"lifecycle is {state}" + ("" if life.admitting else
                                                      ", not admitting"))
-            if self.failure is not None and state == LIFECYCLE_FAILED:
-                reasons.append(f"failed: {self.failure}")
-        if self.config.threads and not self._stopping:
+            if life.failure is not None and state == LIFECYCLE_FAILED:
+                reasons.append(f"failed: {life.failure}")
+        if self.config.threads and not life.stopping:
             for name, alive in self.threads_alive().items():
                 if not alive:
                     reasons.append(f"executor thread {name} is not running")
@@ -936,95 +925,13 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             reasons.append(f"the device has not let go of {held} failed job(s)")
         return reasons
 
-    def _stop_threads(self) -> None:
+    def stop_threads(self) -> None:
         self._stopping_threads = True
         self.dispatch.stop()
         self.completion.stop()
         for thread in self._threads:
             thread.join(timeout=5.0)
         self._threads = [t for t in self._threads if t.is_alive()]
-
-    # ---- shutdown (FI13) ---------------------------------------------------------------------------
-    def shutdown(self, grace: float = 10.0) -> Status:
-        """Stop admission, cancel queued jobs, drain submitted ones within ``grace`` seconds,
-        stop the threads, release the generation and the device. Ends Stopped when drained
-        (FI13), Failed otherwise. Idempotent.
-
-        A recovery or model switch in progress (the controller's thread, or a caller's
-        ``recover``/``switch_model``) ends first: it gets half of ``grace`` to finish on its own
-        (a switch then goes live and shutdown ends Stopped); then admission (golden runs
-        included) stops and queued jobs are cancelled, so it ends quickly (Failed, if it had
-        already torn the old generation down). Shutdown holds ``recovery_mu`` from then on,
-        so no recovery runs under its teardown (a later one finds the executor stopping and
-        does nothing). If it still runs after ``grace`` nothing is torn down and
-        ``shutdown.recovery_busy`` is returned."""
-        if self._recovery_owner == threading.get_ident():
-            return self._shutdown(grace)  # called from within a recovery: it holds the lock
-        start = self.clock.monotonic()
-        end, left = start + max(grace, 0.0), lambda until: max(0.0, until - self.clock.monotonic())
-        halfway = start + max(grace, 0.0) / 2
-        recovery = self._recovery_thread
-        if recovery is not None and recovery is not threading.current_thread():
-            recovery.join(left(halfway))
-        if not self._recovery_mu.acquire(timeout=left(halfway)):
-            self._interrupt()  # the recovery still runs: make it end
-            if not self._recovery_mu.acquire(timeout=left(end)):
-                return Status.failure(
-                    "shutdown.recovery_busy", Category.LIFECYCLE, Phase.SHUTDOWN,
-                    f"a recovery or model switch still runs after grace={grace}s; nothing "
-                    "was torn down")
-        try:
-            return self._shutdown(grace)
-        finally:
-            self._recovery_mu.release()
-
-    def _interrupt(self) -> None:
-        """Stop admission (golden runs included) and cancel queued jobs: what a recovery in
-        progress waits for ends at once."""
-        with self.lifecycle_mu:
-            self._stopping = True
-            self._admitting = False
-        self.dispatch.cancel_pending()
-        self._wake_waiters()
-
-    def _shutdown(self, grace: float) -> Status:
-        with self.lifecycle_mu:
-            already_final = self.lifecycle.final
-            self._stopping = True
-            self._admitting = False
-            if self.lifecycle.state == LIFECYCLE_READY:
-                self.lifecycle.send(LIFECYCLE_EV_DRAIN)
-            self._ready_cv.notify_all()
-        if self.gen is not None:
-            self.gen.kvc.close()
-        self.dispatch.cancel_pending()
-        self._wake_waiters()
-        if self.gen is not None:  # no request thread works on it past this point
-            self._fence(self.gen, min(grace, self.config.fence_grace_s))
-        if not self.config.threads:
-            while self.submit_one():
-                pass
-        drained = self._drain(grace)
-        self._stop_threads()
-        with self.lifecycle_mu:
-            if drained and self.lifecycle.can(LIFECYCLE_EV_STOP):
-                self.lifecycle.send(LIFECYCLE_EV_STOP)
-            elif not self.lifecycle.final:
-                self.lifecycle.send(LIFECYCLE_EV_FAIL)
-                self.failure = Status.failure(
-                    "shutdown.not_drained", Category.DEVICE, Phase.SHUTDOWN,
-                    f"submitted work did not drain within grace={grace}s")
-        if self.device is None or (already_final and self.gen is None):
-            return self.failure or self.start_status or Status.OK
-        if not drained:
-            # the runtime may still DMA into our buffers: keep everything mapped and alive
-            return self.failure
-        if self.gen is not None:
-            self.gen.release(self.device)
-            self._retire(self.gen)
-            self.gen = None
-        self.device.close()
-        return Status.OK if self.lifecycle.state == LIFECYCLE_STOPPED else self.failure
 
     # ---- synchronous compatibility entry (§6.1) -------------------------------------------------
     def decode_sync(self, request: InferenceRequest, logits_out: np.ndarray | None = None
@@ -1075,7 +982,7 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
         dispatch = self.dispatch.snapshot()
         pool = self.pool
         return {
-            "lifecycle": self.lifecycle.state,
+            "lifecycle": self.life.run.state,
             "generation": None if self.gen is None else self.gen.id,
             "queued": dispatch["queued"],
             "completing": len(self.completion),  # submitted, not completed yet
@@ -1089,11 +996,11 @@ class DeviceExecutor(DeviceLifecycle, SequenceOwnership):
             # the dispatch state (machines/dispatch.py), for tests and the explorer
             "dispatch": dispatch,
             "slots": None if pool is None else pool.counts(),
-            "recoveries": len(self.recoveries),
-            "golden": self.golden_source,
+            "recoveries": len(self.life.recoveries),
+            "golden": self.life.golden_source,
             "allow_unpinned_golden": self.config.allow_unpinned_golden,
             "thread_faults": len(self.thread_faults),
-            "waiting_for_ready": self._ready_waiters,
-            "retired_generations_kept": len(self._retired),
+            "waiting_for_ready": self.life.ready_waiters,
+            "retired_generations_kept": len(self.life.retired),
             **self.counters,
         }

@@ -324,6 +324,14 @@ class JobHandle:
         # resolved: run what this call swapped out (this ``fn`` last), or ``fn`` alone
         _run(callbacks if not isinstance(callbacks, tuple) else ((self, fn),))
 
+    @property
+    def pending_callbacks(self) -> int:
+        """Done callbacks registered on this job and not run yet: 0 once they ran (the job
+        keeps nothing of them then) or were removed (an ``as_future`` whose awaiter gave up).
+        What the job still references of its awaiters, e.g. their event loops."""
+        callbacks = self._job._callbacks
+        return len(callbacks) if callbacks else 0
+
     def remove_done_callback(self, fn: Callable[[JobHandle], object]) -> int:
         """Unregister every not yet run registration of ``fn`` (compared with ``==``) on this
         job; returns how many were removed (0 once the callbacks ran)."""

@@ -140,10 +140,11 @@ class KvCoordinator:
         self.generation_id = generation_id
         self.admission_mu = locks.lock(ADMISSION)
         self.clock = locks.clock
-        self._changed = self.clock.condition(self.admission_mu)
+        self._changed = self.clock.condition(self.admission_mu, "kv")
         self._kv_call_mu = locks.lock(KV_CALL)  # a leaf: KvManager calls only
         self._epoch = 0
         self._closed = False
+        self._waiting = 0  # threads in reserve's capacity wait (admission_mu)
         self._kv_closed = False  # under _kv_call_mu: no KvManager call after close()
         self.seqs: dict[int, SeqView] = {}
         # Observability: how often waiters woke and retried Apply (FI04 proves no spinning).
@@ -173,6 +174,12 @@ class KvCoordinator:
                 return None
             self.apply_calls += 1
             return bool(self.kv.apply(seq_id, target))
+
+    @property
+    def waiting(self) -> int:
+        """Threads blocked in ``reserve`` for KV capacity right now (admission_mu)."""
+        with self.admission_mu:
+            return self._waiting
 
     @property
     def closed(self) -> bool:
@@ -309,7 +316,11 @@ class KvCoordinator:
                             "blocks) not available before the deadline", **ctx)
                     if stop() is not None:
                         break
-                    self.clock.wait(self._changed, remaining)
+                    self._waiting += 1
+                    try:
+                        self.clock.wait(self._changed, remaining)
+                    finally:
+                        self._waiting -= 1
                     self.wakeups += 1
 
     def reserve_next(self, prev: KvTxn, token_count: int) -> KvTxn | Status:

@@ -152,7 +152,7 @@ def apply(declaration: type[StateMachine], mutant_id: str) -> Mutant:
     raise ValueError(f"{declaration.__name__}: no mutant {mutant_id!r} (see derive())")
 
 
-class _ApplyAfterImport(importlib.abc.MetaPathFinder):
+class ApplyAfterImport(importlib.abc.MetaPathFinder):
     """Runs ``callback(module)`` right after ``name`` is executed by its own loader."""
 
     def __init__(self, name: str, callback: Callable[[Any], None]) -> None:
@@ -206,4 +206,4 @@ def install_from_env(environ: Any = os.environ) -> None:
     if module_name in sys.modules:
         mutate(sys.modules[module_name])
     else:
-        sys.meta_path.insert(0, _ApplyAfterImport(module_name, mutate))
+        sys.meta_path.insert(0, ApplyAfterImport(module_name, mutate))

@@ -39,7 +39,7 @@ from typing import NoReturn
 import numpy as np
 
 from calexec.contracts.codes import DeviceJobStatus
-from calexec.contracts.prepare import TensorSlice, check_slice
+from calexec.contracts.prepare import InferenceRequest, TensorSlice, check_slice, plan_slices
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import (
     EngineSlot,
@@ -154,6 +154,27 @@ class BufferSlot:
         ):
             if rc != 0:
                 return Status.from_map(rc, what, generation=self.generation_id)
+        return Status.OK
+
+    def prepare(self, request: InferenceRequest) -> Status:
+        """Copy ``request``'s inputs into this slot's host storage, slice, set the CSRs
+        (§6.3 steps 7-8): the job's preparation, on its request thread."""
+        sm = self.submodel
+        n = request.token_count
+        if request.kind == TaskKind.PREFILL_EMBEDS:
+            flat = request.embeddings.reshape(-1)
+            self.host_input[: flat.shape[0]] = flat
+        else:
+            self.host_input[:n] = request.tokens
+        self.host_position[:n] = request.positions
+        for planned in plan_slices(request, sm):
+            status = self.slice_input(planned)
+            if not status.ok:
+                return status
+        for name, value in ((sm.csr_cur_seq, n), (sm.csr_total_seq, request.past_len + n)):
+            status = Status.from_csr(self.inbuf.set_csr(name, value), name, value)
+            if not status.ok:
+                return status
         return Status.OK
 
     def slice_input(self, planned: TensorSlice) -> Status:
@@ -274,7 +295,7 @@ class BufferPool:
         self.generation_id = generation.generation_id
         self.pool_mu = locks.lock(POOL)
         self.clock = locks.clock
-        self._available = self.clock.condition(self.pool_mu)
+        self._available = self.clock.condition(self.pool_mu, "pool")
         self.misuse = 0
         self.dropped = 0
         self.slots: list[BufferSlot] = []

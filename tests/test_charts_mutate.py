@@ -257,12 +257,12 @@ def test_install_from_env_applies_on_import_and_acknowledges(tmp_path, monkeypat
     assert [t.event for t in lamp_chart.Door.opened.transitions] == ["remove"]
     assert ack.read_text() == value + "\n"
     mutants.install_from_env({})  # unset: nothing installed
-    assert not any(isinstance(f, mutants._ApplyAfterImport) for f in sys.meta_path)
+    assert not any(isinstance(f, mutants.ApplyAfterImport) for f in sys.meta_path)
 
 
 def test_sample_is_deterministic_and_spread():
     chart = charts_mutate.Chart("job", charts_mutate.CALEXEC_CHARTS["job"], JobChart)
     args = argparse.Namespace(targets_per_transition=2, kind=None, mutant=[], sample=8, seed=0)
-    first = charts_mutate._select([chart], args)
-    assert first == charts_mutate._select([chart], args) and len(first) == 8
+    first = charts_mutate.select_mutants([chart], args)
+    assert first == charts_mutate.select_mutants([chart], args) and len(first) == 8
     assert {m.kind for _, m in first} == set(mutants.KINDS)

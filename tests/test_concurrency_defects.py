@@ -22,6 +22,7 @@ from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
 from calexec.drivers.synthetic import calbin as cb
 from calexec.machines.faults import RecoveryPolicy
+from calexec.machines.pool import BufferSlot
 from executor_harness import (
     SEED,
     arm,
@@ -52,8 +53,7 @@ def calbins(tmp_path_factory):
 
 
 def ready_again(ex, seconds=10.0):
-    until(lambda: ex.state == "Ready" and ex._pending_recovery is None
-          and (ex._recovery_thread is None or not ex._recovery_thread.is_alive()),
+    until(lambda: ex.state == "Ready" and not ex.life.recovery_active,
           seconds, f"lifecycle Ready (is {ex.state})")
 
 
@@ -127,8 +127,7 @@ def test_an_exception_in_an_executor_thread_is_a_fault_not_a_dead_thread(calbins
 def test_health_names_a_dead_thread(calbins):
     with running_executor(calbins["main"]) as ex:
         assert ex.health() == []
-        ex._stopping_threads = True  # stop the threads as a crash would, without shutdown
-        ex.completion.stop()
+        ex.completion.stop()  # stop the threads as a crash would, without shutdown
         ex.dispatch.stop()
         until(lambda: not any(ex.threads_alive().values()), 5, "threads to stop")
         assert any("calexec-completion is not running" in r for r in ex.health())
@@ -136,34 +135,35 @@ def test_health_names_a_dead_thread(calbins):
 
 # ---- defect 2: generation fencing ------------------------------------------------------------------
 @pytest.mark.parametrize("pause", ["before_prepare", "before_push"])
-def test_enqueue_racing_a_recovery_never_reaches_the_new_generation(calbins, pause):
+def test_enqueue_racing_a_recovery_never_reaches_the_new_generation(calbins, pause,
+                                                                     monkeypatch):
     """A request thread holds a leased slot of generation 1 and is paused (inside
     preparation, or after it, before the queue push) while a recovery opens generation 2.
     The recovery waits for it to leave; its job ends UNAVAILABLE (retryable), nothing
     leaks, and both generations' threads keep serving."""
     with running_executor(calbins["main"]) as ex:
         greedy(ex, 1, PROMPT, 0)
-        original = ex._prepare
+        original = BufferSlot.prepare
         paused, go = threading.Event(), threading.Event()
 
-        def prepare(job):
+        def prepare(slot, request):
             if pause == "before_prepare":
                 paused.set()
                 go.wait(10)
-            status = original(job)
+            status = original(slot, request)
             if pause == "before_push":
                 paused.set()
                 go.wait(10)
             return status
 
-        ex._prepare = prepare
+        monkeypatch.setattr(BufferSlot, "prepare", prepare)
         out = {}
         requester = threading.Thread(
             target=lambda: out.setdefault("res", ex.enqueue(decode(1, 3, len(PROMPT)))
                                           .wait_until(deadline(10))))
         requester.start()
         assert paused.wait(5)
-        ex._prepare = original
+        monkeypatch.setattr(BufferSlot, "prepare", original)
         recovery = threading.Thread(target=lambda: out.setdefault(
             "rec", ex.recover(Status.failure("test.recover", Category.DEVICE,
                                              Phase.RECOVERY,
@@ -199,7 +199,7 @@ def test_a_switch_whose_golden_hangs_rolls_back_after_a_reset(calbins):
         assert status.code == "recovery.rolled_back", status
         assert ex.state == "Ready" and ex.gen.calbin_path == calbins["main"]
         assert not ex.thread_faults and all(ex.threads_alive().values())
-        refused = [g for g in ex._retired if g.calbin_path == calbins["other"]]
+        refused = [g for g in ex.life.retired if g.calbin_path == calbins["other"]]
         assert all(g.released for g in refused)  # torn down only after the reset freed it
         still_serves(ex)
 
@@ -215,7 +215,7 @@ def test_a_switch_whose_golden_hangs_without_safe_reset_ends_failed_keeping_the_
         status = switch_with_hung_golden(ex, calbins["other"])
         assert status.code == "recovery.generation_on_device", status
         assert ex.state == "Failed" and ex.failure.code == "recovery.generation_on_device"
-        kept = [g for g in ex._retired if g.calbin_path == calbins["other"]]
+        kept = [g for g in ex.life.retired if g.calbin_path == calbins["other"]]
         assert kept and not kept[-1].released
         assert all(s.inbuf is not None and s.host_output is not None
                    for s in kept[-1].pool.slots)
@@ -298,7 +298,7 @@ def test_retired_memory_is_kept_while_a_stale_dma_is_pending(calbins):
         for path in ("other", "main", "other", "main"):
             assert ex.switch_model(calbins[path]).ok
         assert ex.device.emu.counters()["stale_pending"] == 1
-        assert victim in ex._retired and victim.released
+        assert victim in ex.life.retired and victim.released
         assert all(s.host_output is not None for s in victim.pool.slots)
         still_serves(ex)  # (closing the device at shutdown drops the pending write)
 
@@ -310,9 +310,9 @@ def test_retired_memory_is_dropped_once_the_device_proves_no_dma_is_pending(calb
         victim = hang_with_stale_dma(ex, 1000)
         until(lambda: ex.device.emu.counters()["stale_pending"] == 0, 10, "the stale DMA")
         assert ex.switch_model(calbins["other"]).ok
-        assert victim not in ex._retired
+        assert victim not in ex.life.retired
         assert all(s.host_output is None for s in victim.pool.slots)
-        assert len(ex._retired) == 0  # everything retired so far is proven free
+        assert len(ex.life.retired) == 0  # everything retired so far is proven free
 
 
 # ---- queue through recovery (issue 16's executor half) ------------------------------------------
@@ -320,14 +320,14 @@ def recovery_held_in_warming(ex):
     """Start a recovery whose golden run waits for the returned event: the lifecycle stays
     in Warming until the test sets it."""
     held, release = threading.Event(), threading.Event()
-    warm_up = ex._warm_up
+    warm_up = ex.life.warm_up
 
     def slow_warm_up():
         held.set()
         release.wait(10)
         return warm_up()
 
-    ex._warm_up = slow_warm_up
+    ex.life.warm_up = slow_warm_up
     reason = Status.failure("test.recover", Category.DEVICE,
                             Phase.RECOVERY, "test")
     thread = threading.Thread(target=ex.recover, args=(reason,))
@@ -363,7 +363,7 @@ def test_a_full_ready_queue_and_a_failed_lifecycle_answer_unavailable(calbins):
         full = ex.enqueue(prefill(5, PROMPT)).wait_until(deadline(5))
         assert isinstance(full, Status) and full.category == Category.UNAVAILABLE
         assert "already wait for Ready" in full.message
-        ex._fail(Status.failure("test.failed", Category.COMPATIBILITY,
+        ex.life.fail(Status.failure("test.failed", Category.COMPATIBILITY,
                                 Phase.RECOVERY, "test"))
         waiter.join(10)
         assert isinstance(results[0], Status) and results[0].category == Category.UNAVAILABLE

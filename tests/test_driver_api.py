@@ -104,7 +104,7 @@ def test_stale_null_and_forged_handles_return_invalid_value(runner):
     assert lib.calrt_infer(ffi.NULL, ffi.NULL, ffi.NULL, 0, ffi.NULL, ffi.NULL) == Rc.ERR_INVALID_VALUE
     assert lib.calrt_kv_can_allocate(ffi.NULL, 1) == 0
     # Handles of the wrong type are refused by their type tag.
-    assert lib.calrt_wait(ffi.cast("calrt_outputbuf *", s.inbuf._h), 0) == Rc.ERR_INVALID_VALUE
+    assert lib.calrt_wait(ffi.cast("calrt_outputbuf *", s.inbuf.handle), 0) == Rc.ERR_INVALID_VALUE
     rc, inb = s.model.create_input_buf()
     assert rc == 0 and inb.destroy() == 0
     assert inb.set_csr("cur_seq_len", 1) == Rc.ERR_INVALID_VALUE

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from calexec.contracts.status import Status
-from calexec.machines.job import InferenceResult
+from calexec.machines.job import InferenceResult, job_of
 from calexec.machines.tuning import HotPathTuning
 from executor_harness import (
     deadline,
@@ -38,9 +38,9 @@ def test_a_caller_woken_early_waits_on_for_its_result_and_tokens_match(calbin):
         out, past, early = [result.argmax], result.kv_len, []
         for _ in range(steps):
             handle = ex.enqueue(decode(1, out[-1], past))
-            early.append(handle._job.early_wake_s)
+            early.append(job_of(handle).early_wake_s)
             # a wake planned far before the end: the wait must go on past it
-            handle._job.early_wake_s = min(handle._job.early_wake_s, 0.001) or 0.001
+            job_of(handle).early_wake_s = min(job_of(handle).early_wake_s, 0.001) or 0.001
             result = handle.wait_until(deadline())
             assert isinstance(result, InferenceResult), result
             out.append(result.argmax)
@@ -60,7 +60,7 @@ def test_an_early_wake_never_outlasts_the_deadline(calbin):
         result = ex.enqueue(prefill(1, PROMPT)).wait_until(deadline())
         assert isinstance(result, InferenceResult), result
         handle = ex.enqueue(decode(1, result.argmax, result.kv_len))
-        handle._job.early_wake_s = 30.0  # absurd plan: the deadline must still bound it
+        job_of(handle).early_wake_s = 30.0  # absurd plan: the deadline must still bound it
         status = handle.wait_until(deadline(0.01))
         assert isinstance(status, Status) and status.code == "wait.deadline", status
         assert isinstance(handle.wait_until(deadline()), InferenceResult)
@@ -73,18 +73,18 @@ def test_off_when_prewake_is_zero(calbin):
         row = np.empty(ex.generation.vocab_size, np.float32)
         for _ in range(3):
             handle = ex.enqueue(decode(1, result.argmax, result.kv_len), logits_out=row)
-            assert handle._job.early_wake_s == 0.0
+            assert job_of(handle).early_wake_s == 0.0
             result = handle.wait_until(deadline())
             assert isinstance(result, InferenceResult), result
-        assert ex._prewake_at(ex.clock.monotonic()) is None
+        assert ex.completion.prewake_at(ex.clock.monotonic(), ex.config.tuning.prewake_s) is None
 
 
 def test_the_submitter_reading_a_queue_the_completion_thread_just_emptied_does_not_raise(
         calbin):
-    """``_prewake_at`` reads the completion queue's head without completion_mu: the
+    """``Completion.prewake_at`` reads the completion queue's head without completion_mu: the
     completion thread may pop it at any moment. ``Completion.head()`` answers None for an
     empty queue (never an IndexError, which would be a submitter thread fault), and with
     nothing on the device there is no early wake."""
     with running_job_path(calbin) as ex:
         assert ex.completion.head() is None and len(ex.completion) == 0
-        assert ex._prewake_at(ex.clock.monotonic()) is None
+        assert ex.completion.prewake_at(ex.clock.monotonic(), ex.config.tuning.prewake_s) is None

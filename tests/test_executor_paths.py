@@ -21,6 +21,7 @@ from calexec.drivers.calrt.runtime import Stage
 from calexec.machines.compiled import CHARTS, JOB, KV_TXN
 from calexec.machines.completion import Completion
 from calexec.machines.coverage import recording as recording_transitions
+from calexec.machines.job import job_of
 from calexec.machines.pool import BufferPool, BufferSlot
 from chartpaths import transition_paths
 from executor_harness import arm, deadline, decode, greedy, prefill, until, write_calbin
@@ -51,7 +52,7 @@ def ended(handle, state: str):
     """The job's end state: §6.2, a failure before submit ends Failed (nothing held by the
     runtime); §6.5/§9.1, a failure after submit ends Quarantined; its KV txn is closed."""
     assert handle.done and handle.state == state, (handle.state, state)
-    txn = handle._job.txn  # §7: a job that ended leaves no open KV transaction
+    txn = job_of(handle).txn  # §7: a job that ended leaves no open KV transaction
     assert txn is None or txn.run.final, txn
 
 

@@ -28,7 +28,7 @@ from calexec.contracts.status import Status
 from calexec.drivers.calrt.runtime import Did, Fault, FaultMode, Stage
 from calexec.drivers.synthetic import calbin as cb
 from calexec.drivers.synthetic import oracle
-from calexec.machines.job import InferenceResult
+from calexec.machines.job import InferenceResult, job_of
 from calexec.machines.tuning import HotPathTuning
 from executor_harness import (
     SEED,
@@ -141,23 +141,23 @@ class ExecutorMachine(RuleBasedStateMachine):
     def live_jobs(self):
         """Jobs not resolved yet, the pre-armed ones (holding a slot, no token yet) too."""
         self.track_ahead()
-        return [h._job for h, *_ in self.jobs if not h.done] + list(self.ex.dispatch.armed_jobs())
+        return [job_of(h) for h, *_ in self.jobs if not h.done] + list(self.ex.dispatch.armed_jobs())
 
     def track_ahead(self):
         """Jobs a greedy-ahead stream's completion fired (not submitted by a rule) join the
         checked jobs as soon as they exist: one the caller never takes may still commit."""
-        tracked = {id(h._job) for h, *_ in self.jobs}
+        tracked = {id(job_of(h)) for h, *_ in self.jobs}
         for seq, stream in self.streams.items():
             ahead = stream.ahead
-            if ahead is not None and ahead[1] is not None and id(ahead[1]._job) not in tracked:
-                job = ahead[1]._job
+            if ahead is not None and ahead[1] is not None and id(job_of(ahead[1])) not in tracked:
+                job = job_of(ahead[1])
                 self.jobs.append((ahead[1], seq, [ahead[0]], job.request.past_len, None))
 
     def settle_results(self):
         """Check resolved jobs against the oracle and advance the oracle on commits."""
         self.track_ahead()
         for handle, seq, tokens, past, want in self.jobs:
-            job = handle._job
+            job = job_of(handle)
             if not handle.done or job.job_id in self.checked:
                 continue
             self.checked.add(job.job_id)
@@ -228,7 +228,7 @@ class ExecutorMachine(RuleBasedStateMachine):
                 self.finish_head_on_device()
                 self.ex.complete_one()
             self.settle_results()
-            result = handle._job.result
+            result = job_of(handle).result
             if not isinstance(result, InferenceResult):
                 break
             token = result.argmax
@@ -258,9 +258,9 @@ class ExecutorMachine(RuleBasedStateMachine):
             assert stream.closed
             assert ahead is None or ahead[0] != token or stream.ahead is None
             return
-        job = handle._job
+        job = job_of(handle)
         if ahead is not None and ahead[1] is not None:
-            assert handle._job is ahead[1]._job and ahead[0] == token  # greedy ahead: adopted
+            assert job_of(handle) is job_of(ahead[1]) and ahead[0] == token  # greedy ahead: adopted
             assert job.request.past_len == past
             return  # tracked since it was fired
         # the token went in, unless the armed job was released before it came (fence, cancel:
@@ -326,7 +326,7 @@ class ExecutorMachine(RuleBasedStateMachine):
             if stream.closed:
                 assert stream.armed is None and stream.ahead is None
             elif stream.ahead is not None:  # fired ahead: queued, on the device or ended
-                job = stream.ahead[1]._job
+                job = job_of(stream.ahead[1])
                 assert job.done or job.run.state in ("Queued", "Submitted", "Completing",
                                                      "CancelRequested")
 
@@ -387,7 +387,7 @@ class ExecutorMachine(RuleBasedStateMachine):
         else:
             assert status.code in ("kv.sequence_busy", "kv.sequence_on_device")
 
-    @precondition(lambda self: self.ex._pending_recovery is not None)
+    @precondition(lambda self: self.ex.life.recovery_pending)
     @rule()
     def run_recovery(self):
         """The controller asked for a recovery (reset/rebuild/rollback): run it."""
@@ -504,7 +504,7 @@ class ExecutorMachine(RuleBasedStateMachine):
                 rc, device_len = gen.kv.seq_len(seq)
                 assert rc == 0 and device_len == view.committed_len, (seq, device_len, view)
         for handle, *_ in self.jobs:
-            job = handle._job
+            job = job_of(handle)
             if job.txn is not None and job.txn.run.state == "Committed":
                 assert job.device_status == DeviceJobStatus.DONE and job.wait_rc == 0
                 assert job.output_status is not None and job.output_status.ok
@@ -536,16 +536,16 @@ class ExecutorMachine(RuleBasedStateMachine):
         # runtime) or Quarantined (failed after submit); never a resolved job in a live state.
         for handle, *_ in self.jobs:
             if handle.done:
-                expected = (("Succeeded",) if isinstance(handle._job.result, InferenceResult)
+                expected = (("Succeeded",) if isinstance(job_of(handle).result, InferenceResult)
                             else ("Failed", "Quarantined"))
-                assert handle.state in expected, (handle.state, handle._job.result)
-                txn = handle._job.txn  # §7: and it leaves no open KV transaction
+                assert handle.state in expected, (handle.state, job_of(handle).result)
+                txn = job_of(handle).txn  # §7: and it leaves no open KV transaction
                 assert txn is None or txn.run.final, txn
 
     @invariant()
     def failures_are_values_with_context(self):
         for handle, *_ in self.jobs:
-            result = handle._job.result
+            result = job_of(handle).result
             if isinstance(result, Status):
                 assert result.job_id == handle.job_id and result.category is not None
 

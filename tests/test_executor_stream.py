@@ -15,7 +15,7 @@ import pytest
 
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
-from calexec.machines.job import InferenceResult
+from calexec.machines.job import InferenceResult, job_of
 from executor_harness import (
     arm,
     deadline,
@@ -97,7 +97,7 @@ def test_stepped_every_step_is_prearmed_by_the_submitter_and_tokens_match(calbin
         out = [token]
         for _ in range(steps):
             handle = stream.submit(out[-1])
-            assert handle._job.run.state == "Queued"  # only the token was missing
+            assert job_of(handle).run.state == "Queued"  # only the token was missing
             result = stream.wait()
             assert isinstance(result, InferenceResult), result
             out.append(result.argmax)
@@ -305,18 +305,17 @@ def test_close_while_the_submitter_arms_returns_with_the_sequence_free(calbin, m
     Before the fix close() returned at once and a reset right after met kv.sequence_busy."""
     import threading
 
-    from calexec.machines.stream import DecodeStream
     entered, release = threading.Event(), threading.Event()
-    original = DecodeStream._arm_job
-
-    def gated(self, prev_txn, past, blocking, notify=False):
-        if prev_txn is not None:  # the submitter arming behind a fired job
-            entered.set()
-            assert release.wait(10)
-        return original(self, prev_txn, past, blocking, notify)
-
-    monkeypatch.setattr(DecodeStream, "_arm_job", gated)
     with running_job_path(calbin) as ex:
+        original = ex.admit_armed
+
+        def gated(request, logits_out, arm):
+            if arm.prev_txn is not None:  # the submitter arming behind a fired job
+                entered.set()
+                assert release.wait(10)
+            return original(request, logits_out, arm)
+
+        monkeypatch.setattr(ex, "admit_armed", gated)
         stream, token = open_stream(ex, 1, 4)
         assert isinstance(stream.step(token), InferenceResult)
         assert entered.wait(10)  # the submitter is arming the next job now
@@ -383,7 +382,7 @@ def test_a_completed_job_gives_its_permit_back_before_the_caller_wakes_and_wakes
     the idle submitter was woken by every completion and the permit was still held when the
     caller woke."""
     from calexec.drivers.calrt.runtime import CalRT
-    from calexec.drivers.tools.bench.core import CountingClock, HandoffTally, _label_conditions
+    from calexec.drivers.tools.bench.core import CountingClock, HandoffTally
     from calexec.machines.executor import DeviceExecutor, ExecutorConfig
     from calexec.machines.faults import RecordingFaultSink
     from executor_harness import MANIFEST, decode
@@ -393,7 +392,6 @@ def test_a_completed_job_gives_its_permit_back_before_the_caller_wakes_and_wakes
                         fault_sink=RecordingFaultSink(), clock=CountingClock(tally))
     assert ex.start().ok
     try:
-        _label_conditions(ex)
         result = ex.enqueue(prefill(1, PROMPT)).wait_until(deadline())
         tally.reset()
         held_at_wake = []

@@ -42,7 +42,7 @@ from calexec.drivers.calrt.runtime import Fault
 from calexec.drivers.memory import pin_mmap_threshold
 from calexec.drivers.synthetic import oracle
 from calexec.machines.faults import RecordingFaultSink
-from calexec.machines.job import InferenceResult, JobHandle
+from calexec.machines.job import InferenceResult, JobHandle, job_of
 from executor_harness import (
     SEED,
     arm,
@@ -138,7 +138,7 @@ class Book:
 
 def txn_state(handle: JobHandle) -> str | None:
     """The job's KV transaction state (None: it failed before a reservation)."""
-    txn = handle._job.txn
+    txn = job_of(handle).txn
     return None if txn is None else txn.run.state
 
 
@@ -534,9 +534,9 @@ def test_kv_pressure_waiters_block_idle_and_all_finish(calbin):
         waiters = [book.run(kv_waiter, ex, seq, results, name=f"kv-seq{seq}")
                    for seq in WAITERS]
         end = time.monotonic() + RESOLVE_S
-        while len(ex.kvc._changed._waiters) < len(WAITERS) and time.monotonic() < end:
+        while ex.kvc.waiting < len(WAITERS) and time.monotonic() < end:
             time.sleep(0.005)
-        assert len(ex.kvc._changed._waiters) == len(WAITERS)  # all blocked in reserve
+        assert ex.kvc.waiting == len(WAITERS)  # all blocked in reserve
         # Everybody is blocked and nothing is released: an idle phase.
         wakeups, applies = ex.kvc.wakeups, ex.kvc.apply_calls
         cpu0, wall0 = time.process_time(), time.monotonic()

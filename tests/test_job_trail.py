@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 
 from calexec.contracts.status import Status
+from calexec.machines.pool import BufferSlot
 from executor_harness import deadline, prefill, running_job_path, write_calbin
 
 
@@ -27,16 +28,16 @@ def test_a_delivered_job_shows_its_whole_path(tmp_path):
         assert times == sorted(times)
 
 
-def test_a_cancelled_job_names_the_guard_that_refused_it(tmp_path):
+def test_a_cancelled_job_names_the_guard_that_refused_it(tmp_path, monkeypatch):
     with running_job_path(write_calbin(tmp_path)) as ex:
-        original, paused, go = ex._prepare, threading.Event(), threading.Event()
+        original, paused, go = BufferSlot.prepare, threading.Event(), threading.Event()
 
-        def prepare(job):
+        def prepare(slot, request):
             paused.set()
             go.wait(10)
-            return original(job)
+            return original(slot, request)
 
-        ex._prepare = prepare
+        monkeypatch.setattr(BufferSlot, "prepare", prepare)
         handles = []
         thread = threading.Thread(target=lambda: handles.append(
             ex.enqueue(prefill(1, [1, 2, 3]), on_created=handles.append)))

@@ -54,8 +54,7 @@ def wait_state(ex, states, seconds=10.0):
     """Wait for the recovery thread to bring the lifecycle to one of ``states``."""
     end = time.monotonic() + seconds
     while time.monotonic() < end:
-        if ex.state in states and ex._pending_recovery is None and (
-                ex._recovery_thread is None or not ex._recovery_thread.is_alive()):
+        if ex.state in states and not ex.life.recovery_active:
             return ex.state
         time.sleep(0.005)
     raise AssertionError(f"lifecycle stuck in {ex.state} (wanted {states})")
@@ -177,7 +176,7 @@ def test_fi08_fi10_device_and_output_faults_rebuild_the_generation(calbins, poin
         res = ex.enqueue(decode(1, 3, len(PROMPT))).wait_until(deadline())
         assert isinstance(res, Status) and fired(ex, point) == 1
         assert wait_state(ex, ("Ready",)) == "Ready"
-        assert ex.gen.id == 2 and ex.golden_passed()
+        assert ex.gen.id == 2 and ex.life.golden_passed()
         # invariant 8: every old-generation slot was quarantined and retired
         assert all(s.run.state == "Retired" for s in old_pool.slots)
         assert serves_oracle(ex)
@@ -231,7 +230,7 @@ def test_each_category_ends_ready_with_golden_or_failed_with_reason(calbins, rc,
         assert last_action(ex) is action
         assert wait_state(ex, (end,)) == end
         if end == "Ready":
-            assert ex.golden_passed()
+            assert ex.life.golden_passed()
             rebuilt = action not in (Action.RECORD, Action.DISABLE_FEATURE)
             assert ex.gen.id == (2 if rebuilt else 1)
             assert serves_oracle(ex, seq=2)
@@ -409,7 +408,7 @@ def test_transient_failures_that_quarantine_every_slot_trigger_a_rebuild(calbins
             arm(ex, "WAIT_RC")
             res = ex.enqueue(decode(seq, 3, len(PROMPT))).wait_until(deadline())
             assert isinstance(res, Status)
-            if ex.state != "Ready" or ex._pending_recovery is not None:
+            if ex.state != "Ready" or ex.life.recovery_pending:
                 break
         assert wait_state(ex, ("Ready",)) == "Ready" and ex.gen.id == 2
         # the pool's exhaustion, or (when the device was still busy after the grace) the

@@ -113,7 +113,7 @@ def test_a_request_without_seed_gets_one_at_admission():
 
 @pytest.mark.parametrize("n", [1, 7, 1023, 1024, 1025, 5000])
 def test_the_two_level_inverse_cdf_equals_a_plain_cumsum_search(n):
-    from calexec.drivers.serving.sampling import _inverse_cdf
+    from calexec.drivers.serving.sampling import inverse_cdf
     rng = np.random.default_rng(n)
     probs = rng.random(n) ** 4  # uneven
     probs[rng.integers(0, n, size=max(1, n // 10))] = 0.0  # zero-mass tokens are never chosen
@@ -122,7 +122,7 @@ def test_the_two_level_inverse_cdf_equals_a_plain_cumsum_search(n):
     for u in [0.0, 1e-12, *rng.random(200).tolist(), 1 - 1e-12]:
         plain = np.cumsum(probs)
         expected = min(int(np.searchsorted(plain, u * plain[-1], side="right")), n - 1)
-        got = _inverse_cdf(probs, u)
+        got = inverse_cdf(probs, u)
         assert probs[got] > 0
         # the block sums may round differently from one long cumsum only at a boundary
         assert got == expected or abs(plain[min(got, expected)] - u * plain[-1]) < 1e-9

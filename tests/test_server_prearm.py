@@ -114,7 +114,7 @@ def test_a_sequence_busy_for_a_moment_is_released_not_withheld(make):
     run = types.SimpleNamespace(seq_id=seq_id, handle=None, decode=None,
                                 enqueue_idle=threading.Event())
     run.enqueue_idle.set()
-    service._release_when_done(run)
+    service.release_when_done(run)
     counts = service.sequences.counts()
     assert counts["withheld"] == counts["in_use"] == 0
     assert counts["free"] == counts["capacity"]
@@ -140,11 +140,11 @@ def test_h2d_and_d2h_histograms_hold_the_copies_the_device_measured(tmp_path):
                 assert count == jobs, (stage, kind, count)
                 assert total >= jobs * floor, (stage, kind, total)
         outbuf = executor.pool.slots[0].outbuf  # a runtime without the control answers None
-        saved, outbuf._copy_fn = outbuf._copy_fn, None
+        saved, outbuf.copy_control = outbuf.copy_control, None
         try:
             assert outbuf.copy_ms() is None
         finally:
-            outbuf._copy_fn = saved
+            outbuf.copy_control = saved
     finally:
         executor.shutdown(5.0)
 

@@ -95,7 +95,7 @@ def test_a_request_finishing_during_a_refused_switch_gives_its_sequence_back(tmp
         switching.start()
         assert gated.entered.wait(10)
         assert executor.state == "Configuring"
-        assert old.kvc._closed  # generation 1 is torn down: its KvManager destroyed
+        assert old.kvc.closed  # generation 1 is torn down: its KvManager destroyed
         if window == "no_generation":
             assert executor.kvc is None
 

@@ -102,8 +102,8 @@ def test_a_full_waiting_queue_is_503_in_recovery_and_a_failed_lifecycle_refuses(
             assert "max_waiting=1" in full.json()["error"]["message"]
             assert "Warming" in full.json()["error"]["message"]
             # the lifecycle ends Failed while one waits: it is refused, not left waiting
-            executor._fail(Status.failure("test.failed", Category.COMPATIBILITY,
-                                          Phase.RECOVERY, "test"))
+            executor.life.fail(Status.failure("test.failed", Category.COMPATIBILITY,
+                                              Phase.RECOVERY, "test"))
             waiting.join(20)
             assert out[0].status_code == 503 and "Failed" in out[0].json()["error"]["message"]
             assert service.admission.waiting == 0

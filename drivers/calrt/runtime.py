@@ -340,6 +340,11 @@ class InputBuf:
         self._arrays: dict[str, np.ndarray] = {}
         self._n = self._ffi.new("int32_t *")
 
+    @property
+    def handle(self):
+        """The runtime's handle (a cffi ``calrt_inputbuf *``), for tests of the C API."""
+        return self._h
+
     def map(self, tensor: str, arr: np.ndarray) -> int:
         """MapBuf: the device reads arr at H2D; do not write it until the job completes."""
         ptr, dtype, size = _host(self._ffi, arr, f"input tensor {tensor!r}")
@@ -372,7 +377,8 @@ class InputBuf:
 class OutputBuf:
     """OutputBuf of one model; the device writes the mapped array at D2H."""
 
-    __slots__ = ("model", "_lib", "_ffi", "_h", "_array", "_status", "_bytes", "_copy", "_copy_fn")
+    __slots__ = ("model", "_lib", "_ffi", "_h", "_array", "_status", "_bytes", "_copy",
+                 "copy_control")
 
     def __init__(self, model: Model, handle) -> None:
         self.model = model
@@ -383,10 +389,9 @@ class OutputBuf:
         self._status = self._ffi.new("int32_t *")
         self._bytes = self._ffi.new("uint64_t *")
         self._copy = self._ffi.new("int64_t[2]")
-        try:  # the emulator's control; a vendor runtime (dlopen'ed) has none
-            self._copy_fn = self._lib.calrt_emu_outputbuf_copy_ns
-        except AttributeError:
-            self._copy_fn = None
+        #: the emulator's control that measures the job's copies (``copy_ms``); None on a
+        #: vendor runtime (dlopen'ed), which has none
+        self.copy_control = getattr(self._lib, "calrt_emu_outputbuf_copy_ns", None)
 
     def map(self, tensor: str, arr: np.ndarray) -> int:
         ptr, dtype, size = _host(self._ffi, arr, f"output tensor {tensor!r}")
@@ -412,7 +417,8 @@ class OutputBuf:
         measured them; 0.0 for a stage that did not run. None when the runtime cannot say:
         CalRT 0.7.6 runs both copies inside the job, between ``infer()`` and ``Wait()``, and
         exposes no timing of them (only the bundled emulator measures its own)."""
-        if self._copy_fn is None or self._copy_fn(self._h, self._copy, self._copy + 1) != 0:
+        control = self.copy_control
+        if control is None or control(self._h, self._copy, self._copy + 1) != 0:
             return None
         return self._copy[0] / 1e6, self._copy[1] / 1e6
 

@@ -108,12 +108,12 @@ class Resumer:
             if old.decode is not None:  # its pre-armed job holds KV of the failed sequence
                 await to_thread.run_sync(old.decode.close)
             if handle is None or handle.done:
-                released = await to_thread.run_sync(service._release_now, old.seq_id)
+                released = await to_thread.run_sync(service.release_now, old.seq_id)
                 if released:
                     return
-            service._release_later(old)
+            service.release_later(old)
         except Exception:  # noqa: BLE001 - never leave the id in limbo
-            service._release_later(old)
+            service.release_later(old)
 
     async def take_sequence(self, run: Any) -> Status | None:
         """``run`` has no sequence (admission or resume): wait for one (a resume no longer

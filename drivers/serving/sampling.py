@@ -196,7 +196,7 @@ def _sample(logits: np.ndarray, params: SamplingParams, index: int) -> int:
     if params.seed is None:  # sampling runs on SamplingParams.resolved()
         raise TypeError("_sample: unresolved SamplingParams (seed None)")
     rng = np.random.default_rng([params.seed % (1 << 64), index])
-    position = _inverse_cdf(probs, rng.random())
+    position = inverse_cdf(probs, rng.random())
     return position if ids is None else int(ids[position])
 
 
@@ -219,11 +219,11 @@ def _nucleus_candidates(probs: np.ndarray, top_p: float) -> np.ndarray:
     return _most_likely(probs, np.arange(n))
 
 
-#: block size of :func:`_inverse_cdf`'s two-level search
+#: block size of :func:`inverse_cdf`'s two-level search
 _BLOCK = 1024
 
 
-def _inverse_cdf(probs: np.ndarray, u: float) -> int:
+def inverse_cdf(probs: np.ndarray, u: float) -> int:
     """The position where the cumulative mass of ``probs`` (unnormalised) first exceeds
     ``u`` times their total: one cumulative sum over block sums, then one inside the block
     (a full-vocabulary ``cumsum`` costs ~0.5 ms; block sums are vectorised)."""

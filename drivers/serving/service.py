@@ -596,15 +596,15 @@ class CompletionService:
                     # cancelled, never waited for here: while it runs, the background release
                     # (whose close waits for it) gives the sequence back once it ended
                     quiet = await to_thread.run_sync(close_decode, run, False)
-                    released = quiet and await to_thread.run_sync(self._release_now,
+                    released = quiet and await to_thread.run_sync(self.release_now,
                                                                   run.seq_id)
                     if not released:
-                        self._release_later(run)
+                        self.release_later(run)
                 else:
-                    self._release_later(run)
+                    self.release_later(run)
             except Exception:  # never leave a request running or its id in limbo
                 log.exception("finishing request %d", run.request_id)
-                self._release_later(run)
+                self.release_later(run)
             finally:
                 try:
                     self._record(run)
@@ -628,15 +628,22 @@ class CompletionService:
                 "the end of the drain; response cut", seq_id=run.seq_id)
         await self.finish(run, abandoned=True)
 
-    def _release_now(self, seq_id: int) -> bool:
-        """Release without waiting for the device; True when the id is free again."""
+    def live_requests(self) -> list[RequestRun]:
+        """The requests in progress now (a copy: for diagnostics)."""
+        return list(self._live.values())
+
+    def release_now(self, seq_id: int) -> bool:
+        """Release ``seq_id`` on the executor without waiting for the device and give it back
+        to the pool; True when the id is free again (else ``release_later``)."""
         status = self.executor.release_sequence(seq_id, 0.0)
         if status.ok:
             self.sequences.release(seq_id)
         return status.ok
 
-    def _release_later(self, run: RequestRun) -> None:
-        thread = threading.Thread(target=self._release_when_done, args=(run,),
+    def release_later(self, run: RequestRun) -> None:
+        """Give ``run``'s sequence back from a background thread once its last job ended
+        (``release_when_done``)."""
+        thread = threading.Thread(target=self.release_when_done, args=(run,),
                                   name=f"calexec-seq-release-{run.seq_id}", daemon=True)
         with self._releasing_mu:
             self._releasing.add(thread)
@@ -645,7 +652,7 @@ class CompletionService:
     def _executor_final(self) -> bool:
         return self.executor.state in ("Stopped", "Failed")
 
-    def _release_when_done(self, run: RequestRun) -> None:
+    def release_when_done(self, run: RequestRun) -> None:
         """Background: wait (in bounded slices) until no enqueue of the request runs and its
         last job ended, then release the sequence on the executor, retrying while the device
         still runs a job of it. The id is reused only after that; it is withheld when the

@@ -238,7 +238,7 @@ def _diagnose(executor, service) -> dict:
     live = [{"request": run.request_id, "seq": run.seq_id, "done": run.done,
              "closed": run.closed, "enqueue_idle": run.enqueue_idle.is_set(),
              "handle": None if run.handle is None else repr(run.handle)}
-            for run in list(service._live.values())]
+            for run in service.live_requests()]
     return {"active": service.active, "releases_pending": service.releases_pending,
             "sequences": service.sequences.counts(), "lifecycle": executor.state,
             "health": executor.health(), "snapshot": executor.snapshot(), "live": live[:8],

@@ -188,7 +188,7 @@ def _resolve_chart(spec: str, cwd: Path) -> Chart:
     return Chart(name, target, declaration)
 
 
-def _select(charts: list[Chart], args: argparse.Namespace) -> list[tuple[Chart, mutants_mod.Mutant]]:
+def select_mutants(charts: list[Chart], args: argparse.Namespace) -> list[tuple[Chart, mutants_mod.Mutant]]:
     chosen = []
     for chart in charts:
         for mutant in mutants_mod.derive(chart.declaration, args.targets_per_transition):
@@ -388,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         command = shlex.split(command_text)
         if not command:
             raise ValueError("--test-cmd '': empty command")
-        chosen = _select(charts, args)
+        chosen = select_mutants(charts, args)
         equivalent_path = Path(args.equivalent) if args.equivalent else (
             cwd / DEFAULT_EQUIVALENT if args.test_cmd is None and own else None)
         equivalents = {}

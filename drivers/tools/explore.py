@@ -63,6 +63,7 @@ from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import TaskKind
 from calexec.machines.clock import Clock
+from calexec.machines.job import job_of
 
 if TYPE_CHECKING:
     from calexec.drivers.calrt.runtime import CalRT, Emulator, KvManager
@@ -408,7 +409,7 @@ class VirtualClock(Clock):
     def lock(self):
         return CLock(self.sched)
 
-    def condition(self, lock):
+    def condition(self, lock, name: str = ""):
         return CCondition(self.sched, lock)
 
     def event(self):
@@ -1164,7 +1165,7 @@ class Explorer:
                     np.argmax(row[:result.logits.shape[0]]))):
                 problems.append(f"job {handle.job_id}: result not in the caller's row")
         for handle in self.handles:
-            job = handle._job
+            job = job_of(handle)
             if job.txn is not None and job.txn.run.state == "Committed":
                 committed.append(job)
         committed.sort(key=lambda j: (j.timings.completed_us, j.job_id))
@@ -1253,7 +1254,7 @@ class Explorer:
         if ex is None:
             return
         self._check_memory()
-        live = [h._job for h in self.handles if not h.done]
+        live = [job_of(h) for h in self.handles if not h.done]
         for job in live:  # §5.1 invariants 5 and 7
             lease = job.lease
             if lease is not None and lease.held and lease.slot.generation_id != job.generation_id:
@@ -1342,7 +1343,7 @@ class Explorer:
         """After a time jump: no handle is unresolved past its bound (+ slack)."""
         ex, now = self.ex, self.sched.now
         for handle in self.handles:
-            job = handle._job
+            job = job_of(handle)
             if job.done:
                 continue
             if job.timings.submitted_us > 0:

@@ -12,13 +12,13 @@ from pathlib import Path
 
 from calexec.machines.compiled import CHARTS
 from calexec.machines.diagrams import (
-    _SHA_PATTERN,
     FIX_COMMAND,
+    SHA_PATTERN,
     GraphvizError,
-    _png_from_dot,
-    _png_sha,
-    _svg_from_dot,
+    png_from_dot,
+    png_sha,
     render_chart_dot,
+    svg_from_dot,
 )
 
 
@@ -32,11 +32,11 @@ def write_all(out: Path, png: Path | None = None) -> list[Path]:
     for name in CHARTS:
         dot = render_chart_dot(name)
         (out / f"{name}.dot").write_text(dot, encoding="utf-8")
-        (out / f"{name}.svg").write_text(_svg_from_dot(dot), encoding="utf-8")
+        (out / f"{name}.svg").write_text(svg_from_dot(dot), encoding="utf-8")
         written += [out / f"{name}.dot", out / f"{name}.svg"]
         if png is not None:
             # 96 dpi: the diagrams' 12-14 pt text is ~16-19 px high, legible without zoom
-            (png / f"{name}.png").write_bytes(_png_from_dot(dot))
+            (png / f"{name}.png").write_bytes(png_from_dot(dot))
             written.append(png / f"{name}.png")
     return written
 
@@ -51,7 +51,7 @@ def stale_files(out: Path, png: Path | None = None) -> list[str]:
             expected = hashlib.sha256(render_chart_dot(name).encode("utf-8")).hexdigest()
             if not png_path.is_file():
                 problems.append(f"{png_path}: missing")
-            elif _png_sha(png_path.read_bytes()) != expected:
+            elif png_sha(png_path.read_bytes()) != expected:
                 problems.append(f"{png_path}: not rendered from the current DOT")
         dot_path, svg_path = out / f"{name}.dot", out / f"{name}.svg"
         fresh = render_chart_dot(name)
@@ -62,7 +62,7 @@ def stale_files(out: Path, png: Path | None = None) -> list[str]:
         if not svg_path.is_file():
             problems.append(f"{svg_path}: missing")
             continue
-        found = _SHA_PATTERN.search(svg_path.read_text(encoding="utf-8"))
+        found = SHA_PATTERN.search(svg_path.read_text(encoding="utf-8"))
         expected = hashlib.sha256(fresh.encode("utf-8")).hexdigest()
         if found is None or found.group(1) != expected:
             problems.append(f"{svg_path}: not rendered from the current DOT")

@@ -449,9 +449,7 @@ def _wait_settled(ex, seconds: float) -> str:
     """Wait (bounded) until the lifecycle is Ready with no recovery pending, or final."""
     end = time.monotonic() + seconds
     while time.monotonic() < end:
-        thread = ex._recovery_thread
-        if ex.lifecycle.final or (ex.state == "Ready" and ex._pending_recovery is None
-                                  and (thread is None or not thread.is_alive())):
+        if ex.lifecycle.final or (ex.state == "Ready" and not ex.life.recovery_active):
             break
         time.sleep(0.002)
     return ex.state

@@ -191,10 +191,10 @@ class HandoffTally:
 
 
 class _CountingCondition(threading.Condition):
-    def __init__(self, lock, tally: HandoffTally) -> None:
+    def __init__(self, lock, tally: HandoffTally, label: str) -> None:
         super().__init__(lock)
         self.tally = tally
-        self.label = "cond"
+        self.label = label  # the role the executor named (``Clock.condition``)
 
     def notify(self, n: int = 1) -> None:
         # CPython's Condition keeps its waiters in _waiters (typeshed leaves it out)
@@ -206,13 +206,26 @@ class _CountingCondition(threading.Condition):
 
 
 class _CountingEvent(threading.Event):
+    """An event that knows whether a thread waits on it when it is set (counted by itself:
+    threading.Event keeps its waiters private)."""
+
     def __init__(self, tally: HandoffTally) -> None:
         super().__init__()
         self.tally = tally
+        self._count_mu = threading.Lock()
+        self._waiting = 0
+
+    def wait(self, timeout: float | None = None) -> bool:
+        with self._count_mu:
+            self._waiting += 1
+        try:
+            return super().wait(timeout)
+        finally:
+            with self._count_mu:
+                self._waiting -= 1
 
     def set(self) -> None:
-        # CPython's Event waits on a Condition, _cond (typeshed leaves both out)
-        self.tally.add("job_done", bool(self._cond._waiters))  # type: ignore[attr-defined]
+        self.tally.add("job_done", self._waiting > 0)
         super().set()
 
 
@@ -224,21 +237,11 @@ class CountingClock(Clock):
     def __init__(self, tally: HandoffTally) -> None:
         self.tally = tally
 
-    def condition(self, lock) -> threading.Condition:
-        return _CountingCondition(lock, self.tally)
+    def condition(self, lock, name: str = "") -> threading.Condition:
+        return _CountingCondition(lock, self.tally, name or "cond")
 
     def event(self) -> threading.Event:
         return _CountingEvent(self.tally)
-
-
-def _label_conditions(ex: DeviceExecutor) -> None:
-    """Name the executor's conditions for the hand-off report (after start: the generation's
-    pool and KV coordinator exist)."""
-    for cond, label in ((ex.dispatch.cv, "submit_cv"), (ex.completion.cv, "completion_cv"),
-                        (ex._ready_cv, "ready_cv"), (_gen(ex).pool._available, "pool"),
-                        (_kvc(ex)._changed, "kv")):
-        if isinstance(cond, _CountingCondition):
-            cond.label = label
 
 
 #: the executor paths the benchmark measures against the direct loop
@@ -262,7 +265,6 @@ class ExecutorLoop:
         status = self.ex.start()
         if not status.ok:
             raise BenchError(f"executor start failed: {status}")
-        _label_conditions(self.ex)
         self.row = np.empty(calbin_fmt.VOCAB, dtype=np.float32)
         self.mode = "enqueue"
 
@@ -497,7 +499,7 @@ def run_overhead(tokens: int, runs: int, zero_tokens: int, seed: int,
                      for mode, r in per_mode.items()},
         "dma_violations": dma,
         "spec_gate": SPEC_GATE, "goal": GOAL,
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
         "cpus": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__,
     }
 
@@ -632,7 +634,7 @@ def run_logits(iters: int, seed: int) -> dict[str, Any]:
             **{f"{name}_peak_bytes": alloc[name][0] for name in names},
             **{f"{name}_retained_bytes": alloc[name][1] for name in names},
         },
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
         "cpus": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__,
     }
 
@@ -647,7 +649,7 @@ def _emulator_runtime(device: DeviceSpec) -> CalRT:
     return rt
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     """The CPU's model name (``/proc/cpuinfo``, as ``lscpu`` shows it), else the platform's."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:

@@ -175,7 +175,7 @@ def run_fault_bench(faults: int, clients: int, seed: int, progress=None) -> dict
 
     from calexec.drivers.calrt.runtime import Fault, FaultMode
     from calexec.drivers.serving.server import ServerConfig, create_app
-    from calexec.drivers.tools.bench.core import _cpu_model
+    from calexec.drivers.tools.bench.core import cpu_model
     from calexec.drivers.tools.chaos import FAULTS, LiveServer
 
     points = {name: (point, rc) for name, point, rc in FAULTS}
@@ -316,7 +316,7 @@ def run_fault_bench(faults: int, clients: int, seed: int, progress=None) -> dict
         "recoveries": len(executor.recoveries),
         "sequences_at_end": service_sequences,
         "seconds_with_faults": round(faulted_s, 3),
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
     }
 
 

@@ -1,0 +1,165 @@
+"""No module reads another module's private attributes, tests included (issue 25).
+
+A leading underscore means "this module only". Shared state has one owner with a public API;
+a test that needs to observe or pause something uses a public name of the component that owns
+it (``ex.dispatch.snapshot()``, ``ex.completion.head()``, ``job_of(handle)``, a public method
+patched with ``monkeypatch``), never ``ex._armed`` or ``handle._job``.
+
+The check is static (``ast``), over every ``.py`` file of the package and its tests and
+examples. A module may use the private names it defines itself (``def _x``, ``class _X``,
+``self._x = ...``, ``_X = ...``, ``__slots__`` entries): an object of its own class reached
+through another variable is its own business. Everything else is a violation:
+
+- ``obj._name`` where ``obj`` is not ``self``/``cls``/``super()`` and ``_name`` is not one of
+  the module's own private names;
+- ``from calexec.x import _name`` (a private name of another module), except a module's own
+  compiled extension (``alloccount.py`` importing ``_alloccount``);
+- ``getattr``/``setattr``/``hasattr``/``delattr``/``monkeypatch.setattr`` with a private name
+  on another object.
+
+Being name-based it cannot tell two classes' ``_mu`` apart (a module that defines ``_mu``
+could read another module's ``_mu`` unnoticed); it never flags a legitimate use.
+
+Third-party internals with no public equivalent are listed in ``THIRD_PARTY`` with the reason
+(the versions are pinned in constraints.txt, and the tests named there break if they move).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SKIP_DIRS = {".git", "__pycache__", "build", "dist", ".venv", "venv", "node_modules",
+             ".pytest_cache", ".hypothesis", ".mypy_cache", ".ruff_cache"}
+
+#: namedtuple's public API is spelled with one underscore
+NAMEDTUPLE = {"_replace", "_asdict", "_fields", "_make", "_field_defaults"}
+
+#: CPython's documented ``sys`` functions spelled with one underscore (the explorer's and the
+#: stateful test's stack dumps)
+SYS = {"_getframe", "_current_frames"}
+
+#: private attributes of third-party objects we read, and why no public API does it
+THIRD_PARTY = {
+    "_specs": "python-statemachine Transition: its guard callback specs have no public "
+              "accessor; machines/compiled.py builds the chart table from them and "
+              "machines/mutants.py replaces one (tests/test_charts_compiled.py, "
+              "tests/test_charts_mutate.py)",
+    "_targets": "python-statemachine Transition: machines/mutants.py retargets a transition "
+                "(tests/test_charts_mutate.py)",
+    "_events": "python-statemachine StateMachine class: its declared events in declaration "
+               "order (machines/compiled.py; tests/test_charts_compiled.py)",
+    "_actions": "argparse.ArgumentParser: no public list of a parser's arguments "
+                "(tests/test_cli.py checks that every flag has help)",
+}
+
+ACCESSORS = {"getattr", "setattr", "hasattr", "delattr"}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def own_private_names(tree: ast.AST) -> set[str]:
+    """The private names a module defines itself."""
+    own: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            own.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) \
+                and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+            own.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            own.add(node.id)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            own.add(node.target.id)
+        elif isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "__slots__" for t in node.targets):
+            own.update(elt.value for elt in ast.walk(node.value)
+                       if isinstance(elt, ast.Constant) and isinstance(elt.value, str))
+    return {name for name in own if _private(name)}
+
+
+def violations(source: str, path: str = "<string>") -> list[str]:
+    """Every read or write of another module's private name in ``source``."""
+    tree = ast.parse(source, path)
+    own = own_private_names(tree)
+    stem = Path(path).stem
+    found: list[tuple[int, str]] = []
+
+    def add(node: ast.AST, what: str) -> None:
+        found.append((getattr(node, "lineno", 0), what))
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and _private(node.attr):
+            base = node.value
+            if isinstance(base, ast.Name) and base.id in ("self", "cls"):
+                continue
+            if isinstance(base, ast.Call) and isinstance(base.func, ast.Name) \
+                    and base.func.id == "super":
+                continue
+            if node.attr in own or node.attr in NAMEDTUPLE or node.attr in THIRD_PARTY or (
+                    node.attr in SYS and isinstance(base, ast.Name) and base.id == "sys"):
+                continue
+            add(node, ast.unparse(node))
+        elif isinstance(node, ast.ImportFrom) and (node.level or (
+                node.module or "").split(".")[0] == "calexec"):
+            for alias in node.names:
+                if _private(alias.name) and alias.name != f"_{stem}":
+                    add(node, f"from {'.' * node.level}{node.module or ''} import {alias.name}")
+        elif isinstance(node, ast.Call) and len(node.args) >= 2:
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            target, attr = node.args[0], node.args[1]
+            if name in ACCESSORS and isinstance(attr, ast.Constant) \
+                    and isinstance(attr.value, str) and _private(attr.value) \
+                    and not (isinstance(target, ast.Name) and target.id in ("self", "cls")) \
+                    and attr.value not in own and attr.value not in THIRD_PARTY:
+                add(node, ast.unparse(node)[:120])
+    return [f"{path}:{line}: {what}" for line, what in sorted(found)]
+
+
+def project_files() -> list[Path]:
+    return sorted(path for path in ROOT.rglob("*.py")
+                  if not set(path.relative_to(ROOT).parts[:-1]) & SKIP_DIRS)
+
+
+def test_no_module_reads_another_modules_private_attributes():
+    files = project_files()
+    assert len(files) > 100, f"only {len(files)} files found under {ROOT}"
+    found = [v for path in files
+             for v in violations(path.read_text(encoding="utf-8"),
+                                 str(path.relative_to(ROOT)))]
+    assert not found, ("private names of another module (use a public name of the owning "
+                       "component):\n" + "\n".join(found))
+
+
+def test_the_check_finds_each_kind_of_violation():
+    source = '''
+from calexec.machines.job import _hidden
+from calexec.drivers import _alloccount
+import threading
+
+class Mine:
+    def __init__(self):
+        self._mine = 1
+
+    def ok(self, other):
+        return self._mine + other._mine
+
+def bad(ex, handle, monkeypatch):
+    ex._armed.append(handle._job)
+    monkeypatch.setattr(ex, "_prepare", None)
+    return getattr(handle, "_job")
+'''
+    found = violations(source, "drivers/alloccount.py")
+    assert [line.split(": ", 1)[1] for line in found] == [
+        "from calexec.machines.job import _hidden",
+        "ex._armed",
+        "handle._job",
+        "monkeypatch.setattr(ex, '_prepare', None)",
+        "getattr(handle, '_job')",
+    ], found
+    # importing one's own compiled extension is allowed only to that module
+    assert any("import _alloccount" in v for v in violations(source, "drivers/other.py"))
