@@ -161,18 +161,27 @@ class BufferSlot:
         (§6.3 steps 7-8): the job's preparation, on its request thread."""
         sm = self.submodel
         n = request.token_count
+        host_input, host_position = self.host_input, self.host_position
+        if host_input is None or host_position is None:
+            return self._dropped("prepare")
         if request.kind == TaskKind.PREFILL_EMBEDS:
-            flat = request.embeddings.reshape(-1)
-            self.host_input[: flat.shape[0]] = flat
+            embeddings = request.embeddings
+            if embeddings is None:  # check_request (§6.3 step 4) refuses it before a lease
+                return Status.invalid(4, "embeddings is None for kind=PREFILL_EMBEDS")
+            flat = embeddings.reshape(-1)
+            host_input[: flat.shape[0]] = flat
         else:
-            self.host_input[:n] = request.tokens
-        self.host_position[:n] = request.positions
+            host_input[:n] = request.tokens
+        host_position[:n] = request.positions
         for planned in plan_slices(request, sm):
             status = self.slice_input(planned)
             if not status.ok:
                 return status
+        inbuf = self.inbuf
+        if inbuf is None:
+            return self._destroyed("SetCSR")
         for name, value in ((sm.csr_cur_seq, n), (sm.csr_total_seq, request.past_len + n)):
-            status = Status.from_csr(self.inbuf.set_csr(name, value), name, value)
+            status = Status.from_csr(inbuf.set_csr(name, value), name, value)
             if not status.ok:
                 return status
         return Status.OK
