@@ -1180,11 +1180,14 @@ class Explorer:
                     sequences.pop(key, None)
                     continue
                 ref = sequences[key] = oracle.OracleSequence(seeds[paths[job.generation_id]])
-            ref.run([int(t) for t in request.tokens], request.past_len)
-            if job.job_id not in self.rows or not hasattr(job.result, "logits"):
+            tokens, result = request.tokens, job.result
+            if tokens is None:  # (the explorer's requests are all token requests)
+                raise AssertionError(f"job {job.job_id}: committed without tokens")
+            ref.run([int(t) for t in tokens], request.past_len)
+            if job.job_id not in self.rows or result is None or isinstance(result, Status):
                 continue  # (a row this explorer's requests did not own: not theirs to check)
             expected = oracle.bf16_to_f32(oracle.logits_bf16(ref.states[-1]))
-            if not np.array_equal(job.result.logits, expected[:job.result.logits.shape[0]]):
+            if not np.array_equal(result.logits, expected[:result.logits.shape[0]]):
                 problems.append(f"job {job.job_id} (seq {request.seq_id} at "
                                 f"{request.past_len}): logits differ from the oracle")
         return problems
