@@ -776,7 +776,11 @@ class DeviceLifecycle:
             return self._shutdown(grace)  # called from within a recovery: it holds the lock
         clock = self._host.clock
         start = clock.monotonic()
-        end, left = start + max(grace, 0.0), lambda until: max(0.0, until - clock.monotonic())
+        end = start + max(grace, 0.0)
+
+        def left(until: float) -> float:
+            return max(0.0, until - clock.monotonic())
+
         halfway = start + max(grace, 0.0) / 2
         recovery = self._recovery_thread
         if recovery is not None and recovery is not threading.current_thread():

@@ -78,11 +78,12 @@ from calexec.machines.job import InferenceResult, Job, JobHandle, advance, job_o
 from calexec.machines.kv import KvCoordinator
 from calexec.machines.locks import LockOrder
 from calexec.machines.outcomes import ARMING_WAIT_S, JobOutcomes
-from calexec.machines.pool import BufferPool
+from calexec.machines.pool import BufferPool, BufferSlot
 from calexec.machines.sequences import SequenceOwnership
 from calexec.machines.tuning import HotPathTuning
 
 if TYPE_CHECKING:
+    from calexec.machines.device_api import DeviceApi
     from calexec.machines.stream import DecodeStream
 
 log = logging.getLogger("calexec.executor")
@@ -797,13 +798,14 @@ class DeviceExecutor(SequenceOwnership):
         self.outcomes.bump("submitted")
         self.completion.push(job)
 
-    def _infer(self, gen: Generation, slot, seq_id: int) -> int:
+    def _infer(self, gen: Generation, slot: BufferSlot, seq_id: int) -> int:
         """Phase A: infer(); Phase B: infer_with_fixed_task_type on the slot's PING/PONG
         (plain infer() while ``fixed_engine`` is switched off)."""
+        device: DeviceApi = self.device
         if slot.engine == EngineSlot.AUTO or self.feature_disabled("fixed_engine"):
-            return self.device.infer(slot.model, gen.kv, seq_id, slot.inbuf, slot.outbuf)
-        return self.device.infer_with_fixed_task_type(slot.model, gen.kv, seq_id, slot.inbuf,
-                                                      slot.outbuf, int(slot.engine))
+            return device.infer(slot.model, gen.kv, seq_id, slot.inbuf, slot.outbuf)
+        return device.infer_with_fixed_task_type(slot.model, gen.kv, seq_id, slot.inbuf,
+                                                 slot.outbuf, int(slot.engine))
 
     # ---- §8 PROGRAMMING: switch the feature off until the next generation ------------------------
     def feature_disabled(self, name: str) -> bool:
@@ -882,7 +884,7 @@ class DeviceExecutor(SequenceOwnership):
         self._holding[name] = None
         status = Status.internal("thread_exception", Phase.SUBMIT if "submit" in name
                                  else Phase.WAIT, f"{name} raised {type(exc).__name__}: {exc}",
-                                 **(job.ctx() if job is not None else {}))
+                                 **({} if job is None else dict(job.ctx())))
         log.error("executor thread %s caught %s (job %s); reported as a fault", name,
                   status, None if job is None else job.job_id, exc_info=exc)
         self.thread_faults.append({"thread": name, "error": f"{type(exc).__name__}: {exc}",

@@ -36,7 +36,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict
 
 import attrs
 import numpy as np
@@ -85,6 +85,14 @@ class InferenceResult:
     argmax: int  # index within the requested slice (== token id when the slice starts at 0)
     kv_len: int  # committed sequence length after this job
     timings: JobTimings = attrs.field(eq=False)
+
+
+class JobContext(TypedDict):
+    """A job's ids, the context a Status about it carries (``Status.failure(..., **ctx)``)."""
+
+    job_id: int
+    seq_id: int
+    generation: int
 
 
 class Job:
@@ -216,7 +224,7 @@ class Job:
                                    **self.ctx())
         return result
 
-    def ctx(self) -> dict[str, int]:
+    def ctx(self) -> JobContext:
         return {"job_id": self.job_id, "seq_id": self.request.seq_id,
                 "generation": self.generation_id}
 
