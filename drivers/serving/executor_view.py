@@ -59,8 +59,9 @@ class ServedExecutor(InferenceExecutor, Protocol):
 
 
 def served(executor: DeviceExecutor) -> ServedExecutor:
-    """``executor`` as the server holds it. issue 25: ``DeviceExecutor.snapshot()`` is
-    annotated ``dict[str, Any]``, not ``ExecutorSnapshot``, until the lifecycle component
-    refactor of machines/executor.py lands; then this body becomes ``return executor`` and mypy
-    checks the whole protocol here. Until then the cast stands for that check."""
+    """``executor`` as the server holds it. ``DeviceExecutor.snapshot()`` is annotated
+    ``dict[str, Any]``, not ``ExecutorSnapshot``: it spreads its counters in from a plain dict,
+    which a TypedDict cannot take. Once the counters are a TypedDict of their own, this body
+    becomes ``return executor`` and mypy checks the whole protocol here; until then the cast
+    stands for that check (tests/test_embedding.py checks the snapshot's keys at run time)."""
     return cast(ServedExecutor, executor)
