@@ -57,6 +57,7 @@ def constant_guard(value: bool) -> Callable[..., bool]:
         return value
 
     guard.__name__ = f"forced_{str(value).lower()}"
+    # a marker on the function object (a function takes any attribute; mypy knows none)
     guard.calexec_constant = value  # type: ignore[attr-defined]
     return guard
 

@@ -142,6 +142,7 @@ def bind_serve_grpc_to_node_ip() -> bool:
     def add_port_to_grpc_server(server: Any, address: str) -> int:
         return original(server, grpc_bind_address(address, node_ip))
 
+    # a marker on the function object (a function takes any attribute; mypy knows none)
     add_port_to_grpc_server.calexec_node_ip = node_ip  # type: ignore[attr-defined]
     serve_replica.add_port_to_grpc_server = add_port_to_grpc_server
     return True

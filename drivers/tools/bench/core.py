@@ -202,7 +202,7 @@ class _CountingCondition(threading.Condition):
         super().notify(n)
 
     def notify_all(self) -> None:
-        self.notify(len(self._waiters))  # type: ignore[attr-defined]
+        self.notify(len(self._waiters))  # type: ignore[attr-defined]  # (_waiters: as above)
 
 
 class _CountingEvent(threading.Event):
