@@ -1,4 +1,5 @@
-from calexec.cli import main
 import sys
+
+from calexec.cli import main
 
 sys.exit(main())

@@ -18,24 +18,68 @@ class Command(NamedTuple):
 
 # Two-word commands ("sim bench") are looked up before one-word ones.
 COMMANDS: dict[str, Command] = {
-    "demo": Command("calexec.drivers.tools.demo", "prefill and decode a few sequences through the executor, checked against the oracle"),
-    "serve": Command("calexec.serve", "run the reference HTTP server (OpenAI-style completions, metrics, drain)", "server"),
-    "accept": Command("calexec.drivers.tools.accept.run", "the §13 acceptance gates (--quick|--full, --phase a|b|both, --report DIR)"),
-    "conform": Command("calexec.drivers.tools.conform.runner", "answer the spec's §14 vendor questions for a calrt.h library (--report DIR)"),
-    "diagrams": Command("calexec.drivers.tools.render_diagrams", "render the declared statecharts to diagrams/ (--check: fail if stale)"),
-    "sim bench": Command("calexec.drivers.tools.bench.sim", "measure the emulator's host-side cost and profile accuracy"),
-    "sim write-calbin": Command("calexec.drivers.tools.bench.sim", "write the default synthetic calbin"),
-    "bench charts": Command("calexec.drivers.tools.bench.chart_cost", "per-job chart work on the hot path"),
-    "bench overhead": Command("calexec.drivers.tools.bench.core", "executor vs direct synchronous loop (TPOT ratios, control overhead)"),
-    "bench logits": Command("calexec.drivers.tools.bench.core", "direct BF16->FP32 slice conversion vs the legacy path"),
-    "bench recovery": Command("calexec.drivers.tools.bench.core", "time from an injected device fault to Ready again, requests failed per recovery"),
-    "bench pingpong": Command("calexec.drivers.tools.bench.core", "Phase B: tokens/s at in-flight 2 vs 1 per overlap setting, TPOT P99, trace"),
-    "bench server": Command("calexec.drivers.tools.bench.server_overhead", "the server's own overhead: HTTP vs in-process executor", "server"),
-    "bench faults": Command("calexec.drivers.tools.bench.fault_cost", "device faults under load: client errors, tokens vs a fault-free run, resumes and added latency per fault", "server"),
-    "diagrams live": Command("calexec.drivers.tools.live_screenshots", "screenshot the live /debug/statecharts page under load and one job's path (headless Chromium)", "server"),
-    "golden record": Command("calexec.drivers.tools.golden", "run a calbin's warm-up on the emulator and pin its golden next to the manifest"),
-    "charts names": Command("calexec.drivers.tools.write_chart_names", "write machines/chart_names.py, one constant per declared state and event (--check: fail if stale)"),
-    "charts mutate": Command("calexec.drivers.tools.charts_mutate", "mutation testing of declared charts (calexec's or --chart module:Class with --test-cmd): guards forced, transitions dropped, targets changed"),
+    "demo": Command(
+        "calexec.drivers.tools.demo",
+        "prefill and decode a few sequences through the executor, checked against the oracle"),
+    "serve": Command(
+        "calexec.serve",
+        "run the reference HTTP server (OpenAI-style completions, metrics, drain)",
+        "server"),
+    "accept": Command(
+        "calexec.drivers.tools.accept.run",
+        "the §13 acceptance gates (--quick|--full, --phase a|b|both, --report DIR)"),
+    "conform": Command(
+        "calexec.drivers.tools.conform.runner",
+        "answer the spec's §14 vendor questions for a calrt.h library (--report DIR)"),
+    "diagrams": Command(
+        "calexec.drivers.tools.render_diagrams",
+        "render the declared statecharts to diagrams/ (--check: fail if stale)"),
+    "sim bench": Command(
+        "calexec.drivers.tools.bench.sim",
+        "measure the emulator's host-side cost and profile accuracy"),
+    "sim write-calbin": Command(
+        "calexec.drivers.tools.bench.sim",
+        "write the default synthetic calbin"),
+    "bench charts": Command(
+        "calexec.drivers.tools.bench.chart_cost",
+        "per-job chart work on the hot path"),
+    "bench overhead": Command(
+        "calexec.drivers.tools.bench.core",
+        "executor vs direct synchronous loop (TPOT ratios, control overhead)"),
+    "bench logits": Command(
+        "calexec.drivers.tools.bench.core",
+        "direct BF16->FP32 slice conversion vs the legacy path"),
+    "bench recovery": Command(
+        "calexec.drivers.tools.bench.core",
+        "time from an injected device fault to Ready again, requests failed per recovery"),
+    "bench pingpong": Command(
+        "calexec.drivers.tools.bench.core",
+        "Phase B: tokens/s at in-flight 2 vs 1 per overlap setting, TPOT P99, trace"),
+    "bench server": Command(
+        "calexec.drivers.tools.bench.server_overhead",
+        "the server's own overhead: HTTP vs in-process executor",
+        "server"),
+    "bench faults": Command(
+        "calexec.drivers.tools.bench.fault_cost",
+        "device faults under load: client errors, tokens vs a fault-free run, resumes and added "
+        "latency per fault",
+        "server"),
+    "diagrams live": Command(
+        "calexec.drivers.tools.live_screenshots",
+        "screenshot the live /debug/statecharts page under load and one job's path (headless "
+        "Chromium)",
+        "server"),
+    "golden record": Command(
+        "calexec.drivers.tools.golden",
+        "run a calbin's warm-up on the emulator and pin its golden next to the manifest"),
+    "charts names": Command(
+        "calexec.drivers.tools.write_chart_names",
+        "write machines/chart_names.py, one constant per declared state and event (--check: fail "
+        "if stale)"),
+    "charts mutate": Command(
+        "calexec.drivers.tools.charts_mutate",
+        "mutation testing of declared charts (calexec's or --chart module:Class with --test-cmd):"
+        " guards forced, transitions dropped, targets changed"),
 }
 
 

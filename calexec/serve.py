@@ -39,17 +39,17 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
 import attrs
 
-from calexec.drivers.memory import pin_mmap_threshold
-from calexec.drivers.serving.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
 from calexec import cliargs
+from calexec.drivers.memory import pin_mmap_threshold
 from calexec.drivers.serving import byte_tokenizer, hf_tokenizer
 from calexec.drivers.serving.dumpsink import DumpConfigError, DumpSink
-from calexec.drivers.serving.server import (DrainingServer, ServerConfig, create_app,
-                                            uvicorn_config)
+from calexec.drivers.serving.executor_view import served
+from calexec.drivers.serving.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
+from calexec.drivers.serving.server import DrainingServer, ServerConfig, create_app, uvicorn_config
 from calexec.drivers.serving.service import api_key_problem, sequence_ids_problem
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 
@@ -57,9 +57,10 @@ EXIT_OK, EXIT_USAGE, EXIT_FAILED, EXIT_SAMPLE_FAILED = 0, 2, 3, 4
 
 #: ServerConfig's defaults the flags show (and ``--timeout`` is checked against at startup)
 _SERVER_DEFAULTS = attrs.fields(ServerConfig)
-MAX_TIMEOUT_S: float = _SERVER_DEFAULTS.max_timeout_s.default
-DEFAULT_MODEL_NAME: str = _SERVER_DEFAULTS.model_name.default
-DEFAULT_END_TOKEN: int = _SERVER_DEFAULTS.end_token_id.default
+# (attrs types a field's default as optional; these three have one)
+MAX_TIMEOUT_S = cast(float, _SERVER_DEFAULTS.max_timeout_s.default)
+DEFAULT_MODEL_NAME = cast(str, _SERVER_DEFAULTS.model_name.default)
+DEFAULT_END_TOKEN = cast(int, _SERVER_DEFAULTS.end_token_id.default)
 
 #: the ``--once`` sample request body
 SAMPLE_REQUEST: dict[str, Any] = {"prompt": "Hello, Calculet!", "max_tokens": 8}
@@ -225,13 +226,13 @@ def main(argv: list[str]) -> int:
         if not status.ok:
             print(f"calexec serve: executor failed to start: {status}", file=sys.stderr)
             return EXIT_FAILED
-        problem = sequence_ids_problem(executor, args.max_sequences)  # known once it started
+        problem = sequence_ids_problem(served(executor), args.max_sequences)  # known once started
         if problem is not None:
             executor.shutdown(args.grace)
             print(f"calexec serve: --max-sequences{problem}; lower --max-sequences or raise "
                   "max_seqs in --device-config", file=sys.stderr)
             return EXIT_USAGE
-        app = create_app(executor, config, dump)
+        app = create_app(served(executor), config, dump)
         sample = SampleRun(args.timeout + 10.0, sys.stdout, args.api_key) if args.once else None
         if sample is not None:
             sample.byte_level = args.tokenizer is None
@@ -319,7 +320,7 @@ def _serve_ray(args: argparse.Namespace, config: ServerConfig, port: int, spec) 
                   flush=True)
             try:
                 drained = drain_fleet("calexec", args.grace)
-            except Exception as err:  # the ingress is unreachable: the shutdown still runs
+            except Exception as err:  # noqa: BLE001 - the ingress is unreachable: the shutdown still runs
                 print(f"calexec serve --ray: the drain at the ingress failed: {err!r}",
                       file=sys.stderr)
                 return EXIT_FAILED

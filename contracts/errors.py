@@ -45,6 +45,7 @@ UNKNOWN             UNKNOWN             500   gRPC's own code for an unclassifie
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 
 import attrs
 
@@ -106,18 +107,23 @@ class AutoAction(enum.Enum):
     TREAT_GENERATION_TAINTED = "treat_generation_tainted"  # conservatively: device generation tainted
 
 
+def _int_set(codes: Iterable[int]) -> frozenset[int]:
+    return frozenset(codes)
+
+
 @attrs.frozen
 class ErrorRule:
     """One row of the §8 table."""
 
-    codes: frozenset[int] = attrs.field(converter=frozenset)
+    codes: frozenset[int] = attrs.field(converter=_int_set)
     category: Category
     job_action: JobAction
     admission_action: AdmissionAction
     auto_action: AutoAction
 
 
-def _row(codes, category, job, admission, auto) -> ErrorRule:
+def _row(codes: tuple[int, ...], category: Category, job: JobAction, admission: AdmissionAction,
+         auto: AutoAction) -> ErrorRule:
     return ErrorRule(frozenset(int(c) for c in codes), category, job, admission, auto)
 
 

@@ -53,9 +53,9 @@ class PinnedGolden:
     """The expected tokens of one calbin's warm-up run with one prompt."""
 
     calbin_sha256: str
-    prompt: tuple[int, ...] = attrs.field(converter=tuple)
+    prompt: tuple[int, ...] = attrs.field(converter=tuple[int, ...])
     decode_steps: int
-    tokens: tuple[int, ...] = attrs.field(converter=tuple)
+    tokens: tuple[int, ...] = attrs.field(converter=tuple[int, ...])
     note: str = ""
 
     def matches(self, prompt: Iterable[int], decode_steps: int) -> bool:

@@ -22,7 +22,13 @@ from typing import Any
 
 import attrs
 
-from calexec.contracts.goldens import NO_GOLDENS, GoldenFileError, Goldens, goldens_path, load_goldens
+from calexec.contracts.goldens import (
+    NO_GOLDENS,
+    GoldenFileError,
+    Goldens,
+    goldens_path,
+    load_goldens,
+)
 from calexec.contracts.runtime_view import RuntimeModelInfo, RuntimeTensorInfo
 from calexec.contracts.status import Status
 from calexec.contracts.types import (
@@ -103,7 +109,8 @@ def _submodel(file: str, index: int, raw: Any, vocab_size: int, hidden_size: int
         raise ManifestError(file, f"{where}.kind", kind_name,
                             f"unknown kind (allowed: {', '.join(k.name.lower() for k in TaskKind)})") from None
     fields = {k: v for k, v in table.items() if k not in _TENSOR_ROLES and k != "kind"}
-    tensors = {role: _tensor(file, f"{where}.{role}", table[role]) for role in _TENSOR_ROLES}
+    tensors: dict[str, Any] = {role: _tensor(file, f"{where}.{role}", table[role])
+                               for role in _TENSOR_ROLES}
     try:
         sub = SubmodelContract(kind=kind, **fields, **tensors)
         validate_submodels({kind: sub}, vocab_size, hidden_size)
@@ -143,7 +150,9 @@ def _check_model(sub: SubmodelContract, rt: RuntimeModelInfo) -> Status | None:
             return status
     for csr in (sub.csr_cur_seq, sub.csr_total_seq):
         if csr not in rt.csr_names:
-            return Status.artifact("csr_missing", f"model {rt.name!r}: CSR {csr!r} not in runtime CSRs {list(rt.csr_names)}")
+            return Status.artifact(
+                "csr_missing",
+                f"model {rt.name!r}: CSR {csr!r} not in runtime CSRs {list(rt.csr_names)}")
     for key in META_KEYS:
         expected, actual = getattr(sub, key), rt.meta.get(key)
         if actual != expected:

@@ -20,12 +20,21 @@ the tensor's ``seq`` (equals it when the tensor is not sliceable) and the rest m
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable, Iterator, Sequence
+from typing import SupportsIndex
 
 import attrs
 import numpy as np
 
 from calexec.contracts.status import Status
-from calexec.contracts.types import S32_MAX, U32_MAX, ModelGeneration, SubmodelContract, TaskKind, TensorContract
+from calexec.contracts.types import (
+    S32_MAX,
+    U32_MAX,
+    ModelGeneration,
+    SubmodelContract,
+    TaskKind,
+    TensorContract,
+)
 
 
 def slice_bounds_ok(offset: int, size: int, limit: int) -> bool:
@@ -54,18 +63,21 @@ def valid_logits_row(token_count: int, tile_d0: int) -> int:
     return (token_count - 1) % tile_d0
 
 
-def _seq_ids(value) -> tuple[int, ...]:
+def _seq_ids(value: SupportsIndex | tuple[SupportsIndex, ...] | list[SupportsIndex]
+             ) -> tuple[int, ...]:
     if isinstance(value, (tuple, list)):
         return tuple(operator.index(v) for v in value)
     return (operator.index(value),)
 
 
-def _optional_array(instance, attribute, value) -> None:
+def _optional_array(instance: object, attribute: attrs.Attribute[np.ndarray | None],
+                    value: object) -> None:
     if value is not None and not isinstance(value, np.ndarray):
-        raise TypeError(f"InferenceRequest.{attribute.name}: expected numpy.ndarray or None, got {type(value).__name__}")
+        raise TypeError(f"InferenceRequest.{attribute.name}: expected numpy.ndarray or None, "
+                        f"got {type(value).__name__}")
 
 
-def _optional_range(value) -> tuple[int, int] | None:
+def _optional_range(value: Sequence[SupportsIndex] | None) -> tuple[int, int] | None:
     return None if value is None else (operator.index(value[0]), operator.index(value[1]))
 
 
@@ -215,9 +227,11 @@ def _step5_contract(arr: np.ndarray, field: str, contract: TensorContract) -> St
     return Status.OK
 
 
-def _step6_ranges(req: InferenceRequest, sub: SubmodelContract, vocab_size: int) -> Status:
-    for arr, field, contract in ((req.primary, req.primary_name, sub.token_or_embed),
-                                 (req.positions, "positions", sub.position)):
+def _step6_ranges(req: InferenceRequest, primary: np.ndarray, positions: np.ndarray,
+                  sub: SubmodelContract, vocab_size: int) -> Status:
+    """``primary`` and ``positions``: the request's arrays, present (step 4 passed)."""
+    for arr, field, contract in ((primary, req.primary_name, sub.token_or_embed),
+                                 (positions, "positions", sub.position)):
         if arr.nbytes > contract.byte_size:
             return Status.invalid(6, f"{field} is {arr.nbytes} bytes > tensor {contract.name!r} "
                                      f"byte_size={contract.byte_size}")
@@ -226,20 +240,20 @@ def _step6_ranges(req: InferenceRequest, sub: SubmodelContract, vocab_size: int)
         status = check_slice(contracts[piece.tensor], piece.offset, piece.size)
         if not status.ok:
             return status
-    if not req.kind.takes_embeddings:
-        i = _first_index(req.tokens, lambda a: (a < 0) | (a >= vocab_size),
+    if not req.kind.takes_embeddings:  # primary is the tokens
+        i = _first_index(primary, lambda a: (a < 0) | (a >= vocab_size),
                          lambda v: not 0 <= v < vocab_size)
         if i is not None:
-            return Status.invalid(6, f"tokens[{i}]={int(req.tokens[i])} outside [0, vocab_size={vocab_size})")
+            return Status.invalid(6, f"tokens[{i}]={int(primary[i])} outside [0, vocab_size={vocab_size})")
     past = req.past_len
-    if req.positions.shape[0] <= _SMALL:  # decode: plain ints beat numpy's per-call overhead
-        i = next((k for k, v in enumerate(req.positions.tolist()) if v != past + k), None)
+    if positions.shape[0] <= _SMALL:  # decode: plain ints beat numpy's per-call overhead
+        i = next((k for k, v in enumerate(positions.tolist()) if v != past + k), None)
     else:
-        expected = np.arange(past, past + req.positions.shape[0], dtype=np.int64)
-        wrong = np.flatnonzero(req.positions.astype(np.int64) != expected)
+        expected = np.arange(past, past + positions.shape[0], dtype=np.int64)
+        wrong = np.flatnonzero(positions.astype(np.int64) != expected)
         i = int(wrong[0]) if wrong.size else None
     if i is not None:
-        return Status.invalid(6, f"positions[{i}]={int(req.positions[i])}, expected past_len + {i} = {past + i}")
+        return Status.invalid(6, f"positions[{i}]={int(positions[i])}, expected past_len + {i} = {past + i}")
     base, count = req.logits_range(vocab_size)
     if count < 1 or not logits_slice_ok(base, count, vocab_size):
         return Status.invalid(6, f"want_logits=(base={base}, count={count}) outside vocab_size={vocab_size}")
@@ -250,7 +264,8 @@ def _step6_ranges(req: InferenceRequest, sub: SubmodelContract, vocab_size: int)
 _SMALL = 16
 
 
-def _first_index(arr: np.ndarray, bad_mask, bad_value) -> int | None:
+def _first_index(arr: np.ndarray, bad_mask: Callable[[np.ndarray], np.ndarray],
+                 bad_value: Callable[[int], bool]) -> int | None:
     """Index of the first element failing a check, or None."""
     if arr.shape[0] <= _SMALL:
         return next((k for k, v in enumerate(arr.tolist()) if bad_value(v)), None)
@@ -274,13 +289,17 @@ def check_request(req: InferenceRequest, gen: ModelGeneration) -> Status:
     return Status.OK
 
 
-def _checks(req: InferenceRequest, sub: SubmodelContract, gen: ModelGeneration):
+def _checks(req: InferenceRequest, sub: SubmodelContract, gen: ModelGeneration
+            ) -> Iterator[Status]:
     """Steps 2-6 lazily, so nothing after the first failure is evaluated."""
     yield _step2_widths(req, sub)
     if len(req.seq_ids) != 1:
         yield Status.invalid(3, f"seq_count={len(req.seq_ids)} (seq_ids={list(req.seq_ids)}): a request carries "
                                 f"one sequence and max_batch={sub.max_batch}")
     yield _step4_presence(req, gen.hidden_size)
-    yield _step5_contract(req.primary, req.primary_name, sub.token_or_embed)
-    yield _step5_contract(req.positions, "positions", sub.position)
-    yield _step6_ranges(req, sub, gen.vocab_size)
+    primary, positions = req.primary, req.positions
+    if primary is None or positions is None:  # step 4 refused it: never resumed past there
+        return
+    yield _step5_contract(primary, req.primary_name, sub.token_or_embed)
+    yield _step5_contract(positions, "positions", sub.position)
+    yield _step6_ranges(req, primary, positions, sub, gen.vocab_size)

@@ -7,10 +7,13 @@ touching cffi. Shared by the driver and the contracts, so neither imports the ot
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import SupportsInt
+
 import attrs
 
 
-def _tuple_of_ints(value) -> tuple[int, ...]:
+def _tuple_of_ints(value: Iterable[SupportsInt]) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
@@ -30,8 +33,8 @@ class RuntimeModelInfo:
     """One model (compiled graph) of a calbin, as ``GetAllModels`` reports it."""
 
     name: str
-    inputs: tuple[RuntimeTensorInfo, ...] = attrs.field(converter=tuple)
-    outputs: tuple[RuntimeTensorInfo, ...] = attrs.field(converter=tuple)
-    csr_names: tuple[str, ...] = attrs.field(converter=tuple)
+    inputs: tuple[RuntimeTensorInfo, ...] = attrs.field(converter=tuple[RuntimeTensorInfo, ...])
+    outputs: tuple[RuntimeTensorInfo, ...] = attrs.field(converter=tuple[RuntimeTensorInfo, ...])
+    csr_names: tuple[str, ...] = attrs.field(converter=tuple[str, ...])
     # Graph metadata, e.g. {"logits_tile_d0": 16, "max_seq": 40960, "max_batch": 1}.
     meta: dict[str, int] = attrs.field(factory=dict, hash=False)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import enum
 import re
-from typing import Any, ClassVar
+from typing import Any, ClassVar, SupportsInt
 
 import attrs
 
@@ -60,12 +60,12 @@ class Phase(enum.Enum):
 _CODE_RE = re.compile(r"^[a-z0-9_]+(\.[a-z0-9_]+)+$")
 
 
-def _check_code(instance, attribute, value: str) -> None:
+def _check_code(instance: object, attribute: attrs.Attribute[str], value: str) -> None:
     if value != "ok" and not _CODE_RE.match(value):
         raise ValueError(f"Status.code={value!r}: must be 'ok' or '<domain>.<reason>' in [a-z0-9_]")
 
 
-def _optional_int(value):
+def _optional_int(value: SupportsInt | None) -> int | None:
     return None if value is None else int(value)
 
 
@@ -101,11 +101,16 @@ class Status:
 
     @property
     def http_status(self) -> int:
-        return SERVICE_OK.http_status if self.ok else service_mapping(self.category).http_status
+        # a failure always has a category, OK never (__attrs_post_init__)
+        if self.category is None:
+            return SERVICE_OK.http_status
+        return service_mapping(self.category).http_status
 
     @property
     def grpc_code(self) -> str:
-        return SERVICE_OK.grpc_code if self.ok else service_mapping(self.category).grpc_code
+        if self.category is None:
+            return SERVICE_OK.grpc_code
+        return service_mapping(self.category).grpc_code
 
     # ---- constructors -------------------------------------------------------------------
     @classmethod
@@ -203,8 +208,8 @@ class Status:
     def with_context(self, *, job_id: int | None = None, seq_id: int | None = None,
                      generation: int | None = None) -> Status:
         """A copy with the given context fields set (fields passed as None are kept)."""
-        changes = {k: v for k, v in (("job_id", job_id), ("seq_id", seq_id), ("generation", generation))
-                   if v is not None}
+        changes: dict[str, Any] = {k: v for k, v in (("job_id", job_id), ("seq_id", seq_id),
+                                                     ("generation", generation)) if v is not None}
         return attrs.evolve(self, **changes) if changes else self
 
     def to_dict(self) -> dict[str, Any]:
@@ -226,11 +231,13 @@ class Status:
         }
 
     def __str__(self) -> str:
-        if self.ok:
+        if self.category is None:  # ok
             return "ok"
         ctx = " ".join(f"{k}={getattr(self, k)}" for k in ("job_id", "seq_id", "generation")
                        if getattr(self, k) is not None)
-        return f"{self.code} [{self.category.value}/{self.phase.value}] {self.message}" + (f" ({ctx})" if ctx else "")
+        phase = None if self.phase is None else self.phase.value
+        return (f"{self.code} [{self.category.value}/{phase}] {self.message}"
+                + (f" ({ctx})" if ctx else ""))
 
 
 Status.OK = Status(code="ok")
@@ -248,6 +255,6 @@ def llama_decode_code(status: Status) -> int:
 
     The caller must still log ``status`` in full: the int loses the job context and raw code.
     """
-    if status.ok:
+    if status.category is None:  # ok
         return 0
     return _LLAMA_CODES.get(status.category, -2)

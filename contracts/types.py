@@ -10,7 +10,8 @@ import enum
 import math
 import re
 import types
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, SupportsInt
 
 import attrs
 import numpy as np
@@ -62,13 +63,13 @@ class DType(enum.Enum):
         return _ITEMSIZE[self]
 
     @property
-    def host_dtype(self) -> np.dtype:
+    def host_dtype(self) -> np.dtype[Any]:
         """numpy dtype of a host array holding this type (BF16 as its uint16 bit pattern)."""
         return _HOST_DTYPE[self]
 
 
 _ITEMSIZE = {DType.S32: 4, DType.BF16: 2, DType.F32: 4, DType.F16: 2, DType.U8: 1, DType.S8: 1}
-_HOST_DTYPE = {
+_HOST_DTYPE: dict[DType, np.dtype[Any]] = {
     DType.S32: np.dtype(np.int32), DType.BF16: np.dtype(np.uint16), DType.F32: np.dtype(np.float32),
     DType.F16: np.dtype(np.float16), DType.U8: np.dtype(np.uint8), DType.S8: np.dtype(np.int8),
 }
@@ -78,37 +79,39 @@ class FieldError(ValueError):
     """A contract value is invalid. ``field`` is the attribute path (``byte_size``,
     ``logits.shape``), so a loader can name the key it came from."""
 
-    def __init__(self, owner: str, field: str, value, problem: str) -> None:
+    def __init__(self, owner: str, field: str, value: object, problem: str) -> None:
         self.owner, self.field, self.value, self.problem = owner, field, value, problem
         super().__init__(f"{owner}.{field}={value!r}: {problem}")
 
 
-def _to_dtype(value) -> DType:
+def _to_dtype(value: DType | str) -> DType:
     if isinstance(value, DType):
         return value
     try:
         return DType(value)
     except ValueError:
-        raise FieldError("TensorContract", "dtype", value, f"unknown dtype (allowed: {[d.value for d in DType]})") from None
+        raise FieldError("TensorContract", "dtype", value,
+                         f"unknown dtype (allowed: {[d.value for d in DType]})") from None
 
 
-def _to_shape(value) -> tuple[int, ...]:
+def _to_shape(value: Iterable[SupportsInt]) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-def _positive_dims(instance, attribute, shape: tuple[int, ...]) -> None:
+def _positive_dims(instance: object, attribute: attrs.Attribute[tuple[int, ...]],
+                   shape: tuple[int, ...]) -> None:
     if not shape or any(d <= 0 for d in shape):
         raise FieldError(type(instance).__name__, attribute.name, list(shape), "need at least one dimension, all > 0")
 
 
-def _in_range(lo: int, hi: int):
-    def check(instance, attribute, value) -> None:
+def _in_range(lo: int, hi: int) -> Callable[[object, attrs.Attribute[int], object], None]:
+    def check(instance: object, attribute: attrs.Attribute[int], value: object) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
             raise FieldError(type(instance).__name__, attribute.name, value, f"must be an int in [{lo}, {hi}]")
     return check
 
 
-def _non_empty(instance, attribute, value) -> None:
+def _non_empty(instance: object, attribute: attrs.Attribute[str], value: object) -> None:
     if not isinstance(value, str) or not value:
         raise FieldError(type(instance).__name__, attribute.name, value, "must be a non-empty string")
 
@@ -197,7 +200,8 @@ def validate_submodels(submodels: Mapping[TaskKind, SubmodelContract], vocab_siz
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
-def _freeze_submodels(value: Mapping) -> Mapping[TaskKind, SubmodelContract]:
+def _freeze_submodels(value: Mapping[TaskKind, SubmodelContract] | Mapping[int, SubmodelContract]
+                      ) -> Mapping[TaskKind, SubmodelContract]:
     return types.MappingProxyType({TaskKind(k): v for k, v in dict(value).items()})
 
 
@@ -213,7 +217,7 @@ class ModelGeneration:
     hidden_size: int = attrs.field(validator=_in_range(1, S32_MAX))
 
     @calbin_sha256.validator
-    def _check_sha(self, attribute, value) -> None:
+    def _check_sha(self, attribute: attrs.Attribute[str], value: object) -> None:
         if not isinstance(value, str) or not SHA256_RE.match(value):
             raise FieldError("ModelGeneration", "calbin_sha256", value, "must be 64 lower-case hex digits")
 

@@ -19,9 +19,8 @@ from collections.abc import Callable
 
 import attrs
 
-from calexec.drivers import _alloccount  # compiled at install time (setup.py cffi_modules)
-
-_lib = _alloccount.lib
+# compiled at install time (setup.py cffi_modules)
+from calexec.drivers._alloccount import lib as _lib
 
 
 @attrs.frozen

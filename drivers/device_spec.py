@@ -17,14 +17,17 @@ needs a reset ends the lifecycle ``Failed`` and ``calexec serve`` exits for its 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from calexec.contracts.manifest import Manifest, default_manifest_path, load_manifest
-from calexec.drivers.synthetic import calbin as calbin_fmt
 from calexec.drivers.calrt.runtime import ENV_LIB, CalRT
+from calexec.drivers.synthetic import calbin as calbin_fmt
 from calexec.machines.faults import RecoveryPolicy
+
+if TYPE_CHECKING:
+    from calexec.machines.device_api import RuntimeApi
 
 RESET_KINDS = ("reset", "reset_ccu", "reset_configuration", "none")
 
@@ -151,12 +154,12 @@ class DeviceSpec:
             if "=" not in item:
                 raise DeviceSpecError(f"--device-config: item {item!r} is not key=value")
         rc, device = rt.open_device(config)
-        if rc == 0:
+        if rc == 0 and device is not None:
             device.close()
             return
         for item in items:
             rc_one, one = rt.open_device(item)
-            if rc_one == 0:
+            if rc_one == 0 and one is not None:
                 one.close()
                 continue
             key, _, value = item.partition("=")
@@ -166,3 +169,10 @@ class DeviceSpec:
         raise DeviceSpecError(f"--device-config={config!r}: refused by the runtime "
                               f"(calrt_device_open returned {rc}), though each item alone opens")
 
+
+
+if TYPE_CHECKING:
+    def _runtime_seam(runtime: CalRT) -> RuntimeApi:
+        """For mypy only: the cffi driver satisfies what machines/ calls on a runtime
+        (machines/device_api.py), down to its buffers."""
+        return runtime

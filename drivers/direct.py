@@ -8,11 +8,14 @@ executor's control path (machines/) must never do: this is a measuring and testi
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import numpy as np
 
+from calexec.drivers.calrt.runtime import CalRT, JobStatus
 from calexec.drivers.synthetic import calbin as calbin_fmt
 
-from calexec.drivers.calrt.runtime import CalRT, JobStatus
+T = TypeVar("T")
 
 
 class DriverError(RuntimeError):
@@ -26,6 +29,15 @@ class DriverError(RuntimeError):
 def check(rc: int, what: str) -> None:
     if rc != 0:
         raise DriverError(what, rc)
+
+
+def made(rc: int, obj: T | None, what: str) -> T:
+    """The object a call that answered ``rc`` made: DriverError unless ``rc`` is 0 (the
+    driver returns an object exactly then; one missing is reported as code -1)."""
+    check(rc, what)
+    if obj is None:
+        raise DriverError(f"{what} (no object)", -1)
+    return obj
 
 
 class _Slot:
@@ -54,13 +66,10 @@ class _Slot:
 def open_configured(rt: CalRT, calbin_path: str, config: str = ""):
     """Device opened, calbin loaded and configured, KV manager created, models by exact name
     (the harness setup shared by DirectRunner and the conformance rig; raises DriverError)."""
-    rc, device = rt.open_device(config)
-    check(rc, f"device_open({config!r})")
-    rc, calbin = device.load_calbin(calbin_path)
-    check(rc, "calbin_load")
+    device = made(*rt.open_device(config), f"device_open({config!r})")
+    calbin = made(*device.load_calbin(calbin_path), "calbin_load")
     check(device.configure(calbin), "configure")
-    rc, kv = device.create_kv(calbin)
-    check(rc, "kv_create")
+    kv = made(*device.create_kv(calbin), "kv_create")
     rc, models = calbin.models()
     check(rc, "get_all_models")
     return device, calbin, kv, {m.info.name: m for m in models}  # exact names only

@@ -38,8 +38,8 @@ Threads (docs/architecture.md "Threads, locks and generations"):
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Collection
-from typing import Any, Callable, Literal, Protocol, TypedDict, runtime_checkable
+from collections.abc import Callable, Collection
+from typing import Any, Literal, Protocol, TypedDict, get_args, runtime_checkable
 
 import numpy as np
 
@@ -55,7 +55,7 @@ from calexec.machines.job import InferenceResult
 #: its supervisor restarts it).
 LifecycleState = Literal["Configuring", "Warming", "Ready", "Draining", "Recovering", "Failed",
                          "Stopped"]
-LIFECYCLE_STATES: tuple[str, ...] = LifecycleState.__args__
+LIFECYCLE_STATES: tuple[str, ...] = get_args(LifecycleState)
 
 
 class ExecutorSnapshot(TypedDict):

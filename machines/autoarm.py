@@ -13,12 +13,12 @@ decoding: with several sequences interleaved a guess would mostly be wasted) and
 run >= ``tuning.auto_prearm_min_us`` (1 ms; on a faster device the caller is back first), it
 arms, while N is on the device and it has nothing else to submit (``tuning.arm_delay_s`` after N's
 ``infer()``, at most a quarter of a decode job's device time, as for a stream's next step),
-the job N+1 that a next token would need: DECODE of S at N's end position, N's ``want_logits`` and ``logits_out``, its KV txn chained
-behind N's (``KvCoordinator.reserve_next``: only within the reservation S already holds, never
-a wait, never the KvManager), a free slot (never a wait) and the token budget. The job then
-sits in the executor's ``_armed`` list (the same ownership rule as a stream's: whoever removes
-it under ``submit_mu`` owns it) with ``uncounted`` set: its release is not a failure, nobody
-asked for it.
+the job N+1 that a next token would need: DECODE of S at N's end position, N's ``want_logits``
+and ``logits_out``, its KV txn chained behind N's (``KvCoordinator.reserve_next``: only within
+the reservation S already holds, never a wait, never the KvManager), a free slot (never a wait)
+and the token budget. The job then sits in the executor's ``_armed`` list (the same ownership
+rule as a stream's: whoever removes it under ``submit_mu`` owns it) with ``uncounted`` set: its
+release is not a failure, nobody asked for it.
 
 When the caller's next ``enqueue`` is a DECODE of S at exactly that position, with the same
 ``want_logits``, one token and no new ``kv_reserve_len``, and passes the same checks an
@@ -42,7 +42,7 @@ An armed job never keeps a resource from anyone:
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -66,26 +66,27 @@ class AutoArm:
 
     __slots__ = ("ex", "seq_id", "prev", "past", "job", "dropped")
 
-    def __init__(self, ex: "DeviceExecutor", prev: "Job") -> None:
+    def __init__(self, ex: DeviceExecutor, prev: Job) -> None:
         self.ex = ex
         self.seq_id = prev.request.seq_id
-        self.prev: "Job | None" = prev  # job N, on the device: the guess chains behind its txn
+        self.prev: Job | None = prev  # job N, on the device: the guess chains behind its txn
         self.past = prev.request.past_len + prev.request.token_count
-        self.job: "Job | None" = None
+        self.job: Job | None = None
         self.dropped = False
 
-    def matches(self, job: "Job", request: InferenceRequest, logits_out: Any) -> bool:
+    def matches(self, job: Job, request: InferenceRequest, logits_out: np.ndarray | None
+                ) -> bool:
         """Whether ``request`` is what this entry armed ``job`` for (``job`` is owned by the
         caller here: no lock needed)."""
         armed = job.request
-        positions = request.positions
+        positions, armed_positions = request.positions, armed.positions
         return (request.kind == TaskKind.DECODE and len(request.seq_ids) == 1
                 and request.past_len == self.past and request.token_count == 1
                 and request.tokens is not None and request.embeddings is None
                 and request.kv_reserve_len is None
                 and request.want_logits == armed.want_logits
                 and isinstance(positions, np.ndarray) and positions.shape == (1,)
-                and positions.dtype == armed.positions.dtype
+                and armed_positions is not None and positions.dtype == armed_positions.dtype
                 and int(positions[0]) == self.past
                 and logits_out is job.logits_out)
 
@@ -108,13 +109,16 @@ class AutoArm:
         if drop is not None:
             ex.release_armed(drop, Status.cancelled(Phase.CANCEL, "auto pre-arm dropped"))
 
-    def _arm(self, prev: "Job") -> "Job | None":
+    def _arm(self, prev: Job) -> Job | None:
         ex = self.ex
+        prev_positions = prev.request.positions
+        if prev_positions is None:  # a submitted job's request has its positions (step 4)
+            return None
         deadline = min(prev.deadline, ex.clock.monotonic() + ex.expected_decode_s
                        + ex.config.tuning.auto_idle_s)
         request = InferenceRequest(
             seq_id=self.seq_id, kind=TaskKind.DECODE, tokens=np.zeros(1, np.int32),
-            positions=np.full(1, self.past, prev.request.positions.dtype), past_len=self.past,
+            positions=np.full(1, self.past, prev_positions.dtype), past_len=self.past,
             deadline=deadline, want_logits=prev.request.want_logits,
             request_id=prev.request.request_id)
         job = ex.admit_armed(request, prev.logits_out, Arm(prev.txn, blocking=False))

@@ -8,7 +8,6 @@ ImportError), and a chart whose declaration lost a name fails here at import.
 
 from calexec.machines.compiled import name_constants as _declared
 
-
 # ---- job: states
 JOB_CREATED = "Created"
 JOB_ADMITTED = "Admitted"

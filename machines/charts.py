@@ -190,7 +190,8 @@ class LifecycleChart(StateMachine):
     # refused and the last known good calbin is configured again (as Triton keeps the old
     # model on a failed reload); the previous model keeps serving after its own golden.
     roll_back = (Warming.to(Configuring, cond="last_good_known")
-                 | Configuring.to.itself(cond="last_good_known"))
+                 # python-statemachine leaves TransitionList.itself unannotated
+                 | Configuring.to.itself(cond="last_good_known"))  # type: ignore[no-untyped-call]
     fail = (
         Ready.to(Failed)
         | Draining.to(Failed)

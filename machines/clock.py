@@ -18,6 +18,17 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
+from typing import Any, Protocol, cast
+
+
+class LockLike(Protocol):
+    """A lock a ``Clock`` condition waits on: ``threading.Lock``, or a ``RankedLock``
+    (machines/locks.py) around one."""
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool: ...
+
+    def release(self) -> None: ...
 
 
 class Clock:
@@ -54,15 +65,18 @@ class Clock:
     def lock(self) -> threading.Lock:
         return threading.Lock()
 
-    def condition(self, lock, name: str = "") -> threading.Condition:
+    def condition(self, lock: LockLike, name: str = "") -> threading.Condition:
         """A condition on ``lock``; ``name`` says its role (``submit_cv``, ``pool``, ...) to a
         clock that observes hand-offs (``calexec bench``'s counting clock)."""
-        return threading.Condition(lock)
+        # Condition duck-types its lock (acquire/release, _is_owned when present); typeshed
+        # names only threading's own locks
+        return threading.Condition(cast(threading.Lock, lock))
 
     def event(self) -> threading.Event:
         return threading.Event()
 
-    def start_thread(self, target, name: str, args: tuple = ()) -> threading.Thread:
+    def start_thread(self, target: Callable[..., object], name: str, args: tuple[Any, ...] = ()
+                     ) -> threading.Thread:
         thread = threading.Thread(target=target, args=args, name=name, daemon=True)
         thread.start()
         return thread

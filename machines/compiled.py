@@ -349,7 +349,7 @@ def names_source() -> str:
              "Code names a state or event by importing its constant, so a misspelt name fails at",
              "import (``from calexec.machines.chart_names import JOB_SUBMITED`` raises",
              "ImportError), and a chart whose declaration lost a name fails here at import.",
-             '"""', "", "from calexec.machines.compiled import name_constants as _declared", ""]
+             '"""', "", "from calexec.machines.compiled import name_constants as _declared"]
     name_constants()  # raises when two names of a chart would share a constant
     for chart_name, chart in CHARTS.items():
         prefix = NAME_PREFIX[chart_name]

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -29,11 +30,20 @@ from calexec.contracts.errors import Category
 from calexec.contracts.prepare import valid_logits_row
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import TaskKind
-from calexec.machines.chart_names import (JOB_CANCEL_REQUESTED, JOB_COMPLETING, JOB_EV_CANCEL,
-                                          JOB_EV_DELIVER, JOB_EV_EXECUTION_TIMEOUT, JOB_EV_FAIL,
-                                          JOB_EV_FAULT, JOB_EV_WAIT_RETURNED, JOB_QUARANTINED,
-                                          JOB_SUBMITTED)
+from calexec.machines.chart_names import (
+    JOB_CANCEL_REQUESTED,
+    JOB_COMPLETING,
+    JOB_EV_CANCEL,
+    JOB_EV_DELIVER,
+    JOB_EV_EXECUTION_TIMEOUT,
+    JOB_EV_FAIL,
+    JOB_EV_FAULT,
+    JOB_EV_WAIT_RETURNED,
+    JOB_QUARANTINED,
+    JOB_SUBMITTED,
+)
 from calexec.machines.clock import Clock
+from calexec.machines.device_api import LogitsPostprocessor
 from calexec.machines.dispatch import Dispatch
 from calexec.machines.job import InferenceResult, Job, advance, job_of
 from calexec.machines.locks import COMPLETION, LockOrder
@@ -43,14 +53,16 @@ from calexec.machines.postprocess import bf16_all_finite, bf16_to_f32_into
 if TYPE_CHECKING:
     from calexec.machines.executor import ExecutorConfig
     from calexec.machines.generation import Generation
+    from calexec.machines.pool import BufferSlot
 
 
 class Completion:
     """The completion queue and the completion of one job (see the module docstring)."""
 
-    def __init__(self, config: "ExecutorConfig", clock: Clock, locks: LockOrder,
-                 dispatch: Dispatch, outcomes: JobOutcomes, fused_logits: Any,
-                 current: Callable[[], "Generation | None"],
+    def __init__(self, config: ExecutorConfig, clock: Clock, locks: LockOrder,
+                 dispatch: Dispatch, outcomes: JobOutcomes,
+                 fused_logits: LogitsPostprocessor | None,
+                 current: Callable[[], Generation | None],
                  capacity: Callable[[], int]) -> None:
         self.config = config
         self.clock = clock
@@ -147,8 +159,11 @@ class Completion:
                 + cfg.execution_timeout_per_token_s * job.request.token_count)
 
     def _complete(self, job: Job) -> None:
-        slot = job.lease.slot
+        lease, txn, gen = job.queued_parts()
+        slot = lease.slot
         outbuf = slot.outbuf
+        if outbuf is None:  # a leased slot keeps its buffers (BufferPool.close)
+            raise RuntimeError(f"{job!r}: its leased {slot!r} has no output buffer")
         outcomes = self.outcomes
         # §5.2: no executor lock across Wait(). recovery_mu is exempt: only a recovery holds
         # it, and in stepped mode that recovery drives this very call (the job path never
@@ -203,7 +218,7 @@ class Completion:
             return
         # §6.5 order: KV commit -> reset slices -> deliver -> release the lease.
         job.output_status = Status.OK
-        if not job.gen.kvc.settle(job.txn, "commit refused"):  # the chart's guard decides
+        if not gen.kvc.settle(txn, "commit refused"):  # the chart's guard decides
             status = Status.internal("kv_commit_refused", Phase.OUTPUT_CHECK, "the KV "
                                      "transaction's guard refused the commit", **job.ctx())
             if target == JOB_COMPLETING:
@@ -237,8 +252,8 @@ class Completion:
         else:
             outcomes.bump("succeeded" if job.gen is self._current() else "stale_completions")
             job.resolve(result)
-        job.gen.pool.device_done(job.lease)
-        released = job.lease.release()
+        gen.pool.device_done(lease)
+        released = lease.release()
         self.dispatch.lease_returned()  # a pre-arm that missed a slot: tried again
         for problem in (undo, released):
             if not problem.ok:  # FI15: slot quarantined by the pool; the job's result stands
@@ -259,7 +274,7 @@ class Completion:
                     return
                 self.clock.wait(self.cv, remaining)
 
-    def _runtime_still_holds(self, job: Job, slot: Any, rc: int) -> None:
+    def _runtime_still_holds(self, job: Job, slot: BufferSlot, rc: int) -> None:
         """Wait() failed (timeout, FI07) while the runtime still runs the job (§9.1).
 
         The job fails now (Quarantined: no logits, KV Unknown) but its buffers stay with the
@@ -294,19 +309,27 @@ class Completion:
             # completion thread may as well wait the grace for the device to let go (a
             # prompt release of the sequence); with two in flight it must not (the other
             # job's completion would wait behind it), and the submitter reaps it
-            slot.outbuf.wait(int(self.config.timeout_grace_s * 1e6))
+            outbuf = slot.outbuf  # the slot is quarantined, so its buffers are kept
+            if outbuf is not None:
+                outbuf.wait(int(self.config.timeout_grace_s * 1e6))
         outcomes.reap_held()  # let go: permit back; still held after the grace: device.hung
 
-    def postprocess(self, job: Job) -> "InferenceResult | Status":
+    def postprocess(self, job: Job) -> InferenceResult | Status:
         """Output size (FI09), finiteness (FI10), then the direct conversion (§10.1) and the
         argmax: fused in one native pass when the runtime offers it (``fused_logits``,
         drivers/native; GIL released), else the numpy path. Same bits, same argmax."""
-        request, slot, sm = job.request, job.lease.slot, job.submodel
-        vocab = job.gen.contracts.vocab_size
+        lease, txn, gen = job.queued_parts()
+        request, slot, sm = job.request, lease.slot, job.submodel
+        outbuf, host_output, scratch = slot.outbuf, slot.host_output, slot.scratch
+        if sm is None or outbuf is None or host_output is None or scratch is None:
+            return Status.internal("slot_incomplete", Phase.OUTPUT_CHECK, f"{job!r}: no "
+                                   "submodel, or its slot lost its buffers or storage",
+                                   **job.ctx())
+        vocab = gen.contracts.vocab_size
         row = valid_logits_row(request.token_count, sm.logits_tile_d0)
         first, count = request.logits_range(vocab)
         base = row * vocab + first
-        rc, valid_bytes = slot.outbuf.valid_bytes()
+        rc, valid_bytes = outbuf.valid_bytes()
         if rc != 0:
             return Status.from_calrt(rc, Phase.OUTPUT_CHECK, "output valid bytes", **job.ctx())
         if valid_bytes < sm.logits.byte_size:
@@ -322,7 +345,7 @@ class Completion:
             dst = np.empty(count, np.float32)
         fused = self.fused_logits
         if fused is not None:
-            rc = fused(slot.host_output, base, count, dst)
+            rc = fused(host_output, base, count, dst)
             if rc == fused.NONFINITE:  # dst is partly written: not a result
                 return Status.internal("output_not_finite", Phase.OUTPUT_CHECK,
                                        f"NaN/Inf in logits row {row} [{first}, {first + count}) "
@@ -331,18 +354,18 @@ class Completion:
                 return Status.internal("logits_slice", Phase.OUTPUT_CHECK,
                                        f"logits slice base={base} n={count} refused ({rc}: "
                                        f"{fused.RC_NAMES.get(rc)}) for an output of "
-                                       f"{slot.host_output.shape[0]} elements and a "
+                                       f"{host_output.shape[0]} elements and a "
                                        f"destination of {dst.shape[0]}", **job.ctx())
             argmax = fused.argmax
         else:
-            src = slot.host_output[base:base + count]
-            if not bf16_all_finite(src, slot.scratch):
+            src = host_output[base:base + count]
+            if not bf16_all_finite(src, scratch):
                 return Status.internal("output_not_finite", Phase.OUTPUT_CHECK,
                                        f"NaN/Inf in logits row {row} [{first}, {first + count})",
                                        **job.ctx())
-            bf16_to_f32_into(slot.host_output, base, count, dst)
+            bf16_to_f32_into(host_output, base, count, dst)
             argmax = int(np.argmax(dst[:count]))
         return InferenceResult(job_id=job.job_id, seq_id=request.seq_id,
                                generation=job.generation_id, kind=job.kind, logits=dst[:count],
-                               argmax=argmax, kv_len=job.txn.target_len,
+                               argmax=argmax, kv_len=txn.target_len,
                                timings=job.timings)

@@ -69,13 +69,22 @@ from calexec.contracts.goldens import lookup as lookup_golden
 from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import EngineSlot, TaskKind
-from calexec.machines.chart_names import (LIFECYCLE_CONFIGURING, LIFECYCLE_DRAINING,
-                                          LIFECYCLE_EV_CONFIGURED, LIFECYCLE_EV_DRAIN,
-                                          LIFECYCLE_EV_FAIL, LIFECYCLE_EV_RECONFIGURE,
-                                          LIFECYCLE_EV_RECOVER, LIFECYCLE_EV_ROLL_BACK,
-                                          LIFECYCLE_EV_STOP, LIFECYCLE_EV_WARMED,
-                                          LIFECYCLE_READY, LIFECYCLE_RECOVERING,
-                                          LIFECYCLE_STOPPED, LIFECYCLE_WARMING)
+from calexec.machines.chart_names import (
+    LIFECYCLE_CONFIGURING,
+    LIFECYCLE_DRAINING,
+    LIFECYCLE_EV_CONFIGURED,
+    LIFECYCLE_EV_DRAIN,
+    LIFECYCLE_EV_FAIL,
+    LIFECYCLE_EV_RECONFIGURE,
+    LIFECYCLE_EV_RECOVER,
+    LIFECYCLE_EV_ROLL_BACK,
+    LIFECYCLE_EV_STOP,
+    LIFECYCLE_EV_WARMED,
+    LIFECYCLE_READY,
+    LIFECYCLE_RECOVERING,
+    LIFECYCLE_STOPPED,
+    LIFECYCLE_WARMING,
+)
 from calexec.machines.compiled import LIFECYCLE
 from calexec.machines.faults import Action, Decision
 from calexec.machines.generation import Generation, open_generation
@@ -313,7 +322,7 @@ class DeviceLifecycle:
             self.good_calbins.remove(path)
         self.good_calbins.append(path)
 
-    def expected_golden(self, sha: str) -> "tuple[tuple[int, ...] | None, str]":
+    def expected_golden(self, sha: str) -> tuple[tuple[int, ...] | None, str]:
         """(expected tokens or None, where they come from) for calbin ``sha``: the operator's
         ``goldens`` (``config.goldens``, or an unpinned run accepted in this process), else the
         golden pinned next to the manifest for this prompt and decode steps."""
@@ -360,7 +369,7 @@ class DeviceLifecycle:
         self._golden_ok = status.ok
         return status
 
-    def _run_golden(self) -> "tuple[int, ...] | Status":
+    def _run_golden(self) -> tuple[int, ...] | Status:
         cfg = self._host.config
         clock = self._host.clock
         seq = cfg.golden_seq_id
@@ -385,7 +394,7 @@ class DeviceLifecycle:
                                        deadline=clock.monotonic() + cfg.golden_timeout_s)
         return tuple(out)
 
-    def _run_internal(self, request: InferenceRequest) -> "InferenceResult | Status":
+    def _run_internal(self, request: InferenceRequest) -> InferenceResult | Status:
         host = self._host
         handle = host.enqueue_internal(request)
         if not host.config.threads:
@@ -767,7 +776,11 @@ class DeviceLifecycle:
             return self._shutdown(grace)  # called from within a recovery: it holds the lock
         clock = self._host.clock
         start = clock.monotonic()
-        end, left = start + max(grace, 0.0), lambda until: max(0.0, until - clock.monotonic())
+        end = start + max(grace, 0.0)
+
+        def left(until: float) -> float:
+            return max(0.0, until - clock.monotonic())
+
         halfway = start + max(grace, 0.0) / 2
         recovery = self._recovery_thread
         if recovery is not None and recovery is not threading.current_thread():

@@ -35,6 +35,7 @@ import struct
 import subprocess
 import zlib
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 from calexec.machines.compiled import CHARTS, CompiledChart, Transition
 
@@ -291,14 +292,16 @@ def png_sha(png: bytes) -> str | None:
     return found.group(1).decode("ascii") if found else None
 
 
-def render_path_svg(chart_name: str, steps: Iterable[Mapping]) -> str:
+def render_path_svg(chart_name: str, steps: Iterable[Mapping[str, Any]]) -> str:
     """SVG of ``chart_name`` with one run's path drawn on it. ``steps`` are
     ``DeviceExecutor.job_trail`` steps (``event``, ``from``, ``to``, ``refused_by``): the taken
     transitions in ``PATH_COLOR``, the last state filled, and inside each state the events
     refused there with their guards (and, for an ``[else]`` fallback, the guards of the
     alternatives passed over, which therefore did not hold)."""
     chart = _chart(chart_name)
-    taken, notes, last = set(), {}, None
+    taken: set[int] = set()
+    notes: dict[str, str] = {}
+    last: str | None = None
     for step in steps:
         event, source, target = step["event"], step["from"], step["to"]
         line = None

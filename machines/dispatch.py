@@ -38,7 +38,8 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 
@@ -49,9 +50,12 @@ from calexec.machines.compiled import GuardRejected
 from calexec.machines.locks import SUBMIT, LockOrder
 
 if TYPE_CHECKING:
+    from calexec.machines.autoarm import AutoArm
     from calexec.machines.generation import Generation
     from calexec.machines.job import Job
-    from calexec.machines.kv import KvCoordinator
+    from calexec.machines.kv import KvCoordinator, KvTxn
+    from calexec.machines.pool import BufferSlot
+    from calexec.machines.stream import DecodeStream
 
 
 class Armer(Protocol):
@@ -70,7 +74,7 @@ class Arm:
     (None: an ordinary reserve), waiting for resources (``blocking``: the caller's own step,
     whose token is on its way: a request, never a guess) or not."""
 
-    prev_txn: Any
+    prev_txn: KvTxn | None
     blocking: bool
     #: wake the submitter once armed, so its idle wait counts the armed job's deadline (not
     #: needed when the submitter arms it itself)
@@ -82,10 +86,10 @@ class Held:
     """A quarantined slot the runtime still holds after a failed Wait (§9.1), with the
     in-flight permit of its job (``DeviceExecutor._reap_held``)."""
 
-    slot: Any
-    kvc: "KvCoordinator"
+    slot: BufferSlot
+    kvc: KvCoordinator
     seq_id: int
-    job: "Job"
+    job: Job
     grace_end: float  # ``device.hung`` is reported once after this (Clock.monotonic())
     reported: bool = False
 
@@ -96,12 +100,12 @@ class SubmitterStep:
 
     #: jobs that can no longer be submitted (queued or armed), with why; the submitter fails
     #: them (``guesses``: how many were implicit pre-arms, for the counter)
-    fail: tuple[tuple["Job", Status], ...] = ()
+    fail: tuple[tuple[Job, Status], ...] = ()
     guesses: int = 0
     #: the job to submit (its permit taken)
-    submit: "Job | None" = None
+    submit: Job | None = None
     #: the stream or guess to arm now
-    arm: "Armer | None" = None
+    arm: Armer | None = None
     #: nothing to do: the call returned after waiting (True) or at once (False, idle)
     woke: bool = False
 
@@ -134,8 +138,8 @@ class Dispatch:
         #: armed jobs taken out of ``_armed`` and being released by their owner (job, the
         #: owner's thread ident), until queued or resolved (module docstring: Releasing)
         self._releasing: list[tuple[Job, int]] = []
-        self._streams: dict[int, Any] = {}  # seq id -> its open decode stream
-        self._guesses: dict[int, Any] = {}  # seq id -> its AutoArm
+        self._streams: dict[int, DecodeStream] = {}  # seq id -> its open decode stream
+        self._guesses: dict[int, AutoArm] = {}  # seq id -> its AutoArm
         self._inflight = 0
         self.capacity = capacity  # effective; a Phase B downgrade lowers it
         self._pending_tokens = 0
@@ -202,16 +206,16 @@ class Dispatch:
                 "guesses": list(self._guesses.values()), "held": list(self._held),
                 "to_arm": len(self._to_arm), "handing_off": self._handing_off}
 
-    def armed_jobs(self) -> list["Job"]:
+    def armed_jobs(self) -> list[Job]:
         """The jobs armed now (a copy; tests and the explorer's checks)."""
         with self.mu:
             return list(self._armed)
 
-    def guess(self, seq_id: int) -> Any:
+    def guess(self, seq_id: int) -> AutoArm | None:
         """The implicit pre-arm of ``seq_id`` (None: none)."""
         return self._guesses.get(seq_id)
 
-    def guesses(self) -> list[Any]:
+    def guesses(self) -> list[AutoArm]:
         with self.mu:
             return list(self._guesses.values())
 
@@ -226,7 +230,7 @@ class Dispatch:
             self.cv.notify_all()
 
     # ---- the token budget ----------------------------------------------------------------------
-    def take_budget(self, job: "Job", budget: int) -> bool:
+    def take_budget(self, job: Job, budget: int) -> bool:
         """Take ``job``'s tokens of the admission budget; False when it would exceed
         ``budget`` (an internal job, the golden, always gets them)."""
         tokens = job.request.token_count
@@ -240,14 +244,14 @@ class Dispatch:
     def over_budget(self, tokens: int, budget: int) -> bool:
         return self._pending_tokens + tokens > budget
 
-    def release_budget(self, job: "Job") -> None:
+    def release_budget(self, job: Job) -> None:
         with self.mu:
             if job.budget_taken:
                 job.budget_taken = False
                 self._pending_tokens -= job.request.token_count
 
     # ---- generation fence ----------------------------------------------------------------------
-    def enter(self, gen: "Generation", current: "Generation | None") -> bool:
+    def enter(self, gen: Generation, current: Generation | None) -> bool:
         """A request thread starts working on ``gen`` (False: it is closing or retired)."""
         with self.mu:
             if gen.closing or gen is not current:
@@ -255,13 +259,13 @@ class Dispatch:
             gen.users += 1
             return True
 
-    def exit(self, gen: "Generation") -> None:
+    def exit(self, gen: Generation) -> None:
         with self.cv:
             gen.users -= 1
             if gen.closing and gen.users == 0:
                 self.cv.notify_all()
 
-    def close(self, gen: "Generation") -> list["Job"]:
+    def close(self, gen: Generation) -> list[Job]:
         """Close ``gen`` to request threads and take the jobs armed in it (guesses that will
         never be fired: the caller releases them at once, so a drain finds nothing armed).
         Their guesses leave the table."""
@@ -275,7 +279,7 @@ class Dispatch:
             self.cv.notify_all()
         return armed
 
-    def wait_left(self, gen: "Generation", deadline: float) -> bool:
+    def wait_left(self, gen: Generation, deadline: float) -> bool:
         """Wait (bounded) until no request thread works on ``gen`` any more."""
         with self.cv:
             while gen.users:
@@ -300,19 +304,19 @@ class Dispatch:
             self.cv.notify_all()
 
     # ---- the queue ------------------------------------------------------------------------------
-    def queue(self, job: "Job", current: "Generation | None") -> bool:
+    def queue(self, job: Job, current: Generation | None) -> bool:
         """Push ``job`` for the submitter; False when its generation closed or was replaced
         (fencing: never into another generation's queue; the caller releases it)."""
         with self.cv:
             gen = job.gen
-            if gen.closing or gen is not current:
+            if gen is None or gen.closing or gen is not current:
                 return False
             self._queue.append(job)
             self.cv.notify_all()
             return True
 
     # ---- armed jobs -----------------------------------------------------------------------------
-    def arm(self, job: "Job", current: "Generation | None", notify: bool = False,
+    def arm(self, job: Job, current: Generation | None, notify: bool = False,
             for_caller: bool = False) -> bool:
         """Keep ``job`` (prepared up to Preparing) until its token comes; False when its
         generation closed or was replaced. ``notify``: wake the submitter, whose wait then
@@ -321,7 +325,7 @@ class Dispatch:
         its deadline and a refusal release it as they release a queued job)."""
         with self.cv:
             gen = job.gen
-            if gen.closing or gen is not current:
+            if gen is None or gen.closing or gen is not current:
                 return False
             self._armed.append(job)
             if for_caller:
@@ -330,8 +334,8 @@ class Dispatch:
                 self.cv.notify_all()
             return True
 
-    def fire(self, job: "Job", token: int, current: "Generation | None",
-             rearm: "Armer | None" = None, at: float = 0.0) -> "tuple[bool, Status | None]":
+    def fire(self, job: Job, token: int, current: Generation | None,
+             rearm: Armer | None = None, at: float = 0.0) -> tuple[bool, Status | None]:
         """A pre-armed job gets its token and is queued, atomically (``queue_fired``):
         (False, None) when it was not armed any more (someone else owns it); (True, a
         Status) when it is owned but could not be queued (the caller releases it); (True,
@@ -344,29 +348,34 @@ class Dispatch:
                 self._to_arm.append((at, rearm))
             return True, status
 
-    def queue_fired(self, job: "Job", token: int, current: "Generation | None"
-                    ) -> "Status | None":
+    def queue_fired(self, job: Job, token: int, current: Generation | None
+                    ) -> Status | None:
         """``job`` (owned by the caller: an adopted guess) gets its token and is queued; a
         Status when it could not be (the caller releases it)."""
         with self.cv:
             return self._queue_fired_locked(job, token, current)
 
-    def _queue_fired_locked(self, job: "Job", token: int, current: "Generation | None"
-                            ) -> "Status | None":
+    def _queue_fired_locked(self, job: Job, token: int, current: Generation | None
+                            ) -> Status | None:
         """Write ``token`` into the job's slot and request, Preparing -> Queued, stamp its
         timings, queue it, wake the submitter. A Status: not queued (fenced or cancelled)."""
         gen = job.gen
         job.uncounted = False  # a request now: its answer counts
-        if gen.closing or gen is not current:  # fencing: never into another generation
-            return Status.unavailable(Phase.SUBMIT, f"generation {gen.id} retired before the "
-                                      "job was queued; retry", **job.ctx())
-        job.request.tokens[0] = token
-        job.lease.slot.host_input[0] = token
+        if gen is None or gen.closing or gen is not current:  # fencing: never into another
+            return Status.unavailable(Phase.SUBMIT, f"generation {job.generation_id} retired "
+                                      "before the job was queued; retry", **job.ctx())
+        tokens, lease = job.request.tokens, job.lease
+        host_input = None if lease is None else lease.slot.host_input
+        if tokens is None or host_input is None:  # an armed decode job holds both
+            return Status.internal("armed_job_incomplete", Phase.PREPARE, "an armed job "
+                                   "without its tokens or buffer slot", **job.ctx())
+        tokens[0] = token
+        host_input[0] = token
         try:
             job.run.send(JOB_EV_ENQUEUE)
         except GuardRejected:
             job.run.send(JOB_EV_CANCEL)
-            return Status.cancelled(Phase.PREPARE, **job.ctx())
+            return Status.cancelled(Phase.PREPARE, "cancel requested", **job.ctx())
         # the request exists from now: its admission ran ahead (S11, §9.1: the job's
         # timings are the request's, not the guess's)
         timings = job.timings
@@ -376,13 +385,13 @@ class Dispatch:
         self.cv.notify_all()
         return None
 
-    def take_armed(self, job: "Job") -> bool:
+    def take_armed(self, job: Job) -> bool:
         """Take ``job`` out of the armed jobs: True, the caller owns it now; False, someone
         else did (fired, released, reclaimed)."""
         with self.mu:
             return self._take_armed_locked(job)
 
-    def _unarm_locked(self, job: "Job") -> None:
+    def _unarm_locked(self, job: Job) -> None:
         self._armed.remove(job)
         self._for_caller.discard(job)
         # its owner (this thread) releases it or queues it next: until then the sequence's
@@ -392,18 +401,18 @@ class Dispatch:
             releasing[:] = [entry for entry in releasing if not entry[0].done]
         releasing.append((job, threading.get_ident()))
 
-    def _released_locked(self, job: "Job") -> None:
+    def _released_locked(self, job: Job) -> None:
         if self._releasing:
             self._releasing[:] = [entry for entry in self._releasing
                                   if entry[0] is not job and not entry[0].done]
 
-    def _take_armed_locked(self, job: "Job") -> bool:
+    def _take_armed_locked(self, job: Job) -> bool:
         if job in self._armed:
             self._unarm_locked(job)
             return True
         return False
 
-    def reclaim(self, end: float) -> tuple[list["Job"], list["Job"]]:
+    def reclaim(self, end: float) -> tuple[list[Job], list[Job]]:
         """A request is short of a slot or of token budget: take every armed job not fired
         yet, (guesses, streams' next steps), for the caller to release."""
         with self.cv:
@@ -415,7 +424,8 @@ class Dispatch:
                 self._unarm_locked(job)
         return guesses, streams
 
-    def take_armed_of(self, seq_id: int, end: float) -> "tuple[Job | None, list[Job], Any]":
+    def take_armed_of(self, seq_id: int, end: float
+                      ) -> tuple[Job | None, list[Job], DecodeStream | None]:
         """Another request, reset or truncation of ``seq_id`` is coming: take what was armed
         for it (its guess, a stream's next step; after an arming in progress ends, bounded by
         ``end``) and stop arming it; returns (guess job, stream jobs, the open stream) for the
@@ -437,7 +447,7 @@ class Dispatch:
                 self._unarm_locked(job)
             return guess, streams, self._streams.get(seq_id)
 
-    def released(self, job: "Job") -> None:
+    def released(self, job: Job) -> None:
         """``job``'s owner finished releasing it (it is resolved): the sequence's operations
         waiting for it (``wait_releases``) go on."""
         if not self._releasing:  # (unlocked hint: the common case, nothing under way)
@@ -505,16 +515,16 @@ class Dispatch:
             self.cv.notify_all()
 
     # ---- decode streams and guesses by sequence --------------------------------------------------
-    def open_stream(self, seq_id: int, stream: Any) -> None:
+    def open_stream(self, seq_id: int, stream: DecodeStream) -> None:
         with self.mu:
             self._streams[seq_id] = stream
 
-    def close_stream_locked(self, seq_id: int, stream: Any) -> None:
+    def close_stream_locked(self, seq_id: int, stream: DecodeStream) -> None:
         """cv held: ``stream`` of ``seq_id`` closed."""
         if self._streams.get(seq_id) is stream:
             del self._streams[seq_id]
 
-    def add_guess(self, entry: Any, at: float) -> bool:
+    def add_guess(self, entry: AutoArm, at: float) -> bool:
         """Keep ``entry`` (an AutoArm) as ``entry.seq_id``'s guess, armed from ``at``; False
         when the sequence has one already."""
         with self.cv:
@@ -524,7 +534,7 @@ class Dispatch:
             self._to_arm.append((at, entry))
             return True
 
-    def guess_armed_locked(self, entry: Any, job: "Job") -> bool:
+    def guess_armed_locked(self, entry: AutoArm, job: Job) -> bool:
         """cv held: the submitter armed ``job`` for ``entry``; False when the guess was
         dropped meanwhile (the caller releases the job)."""
         if self._guesses.get(entry.seq_id) is not entry:
@@ -534,18 +544,18 @@ class Dispatch:
         job.auto = entry
         return True
 
-    def forget_guess_locked(self, entry: Any) -> None:
+    def forget_guess_locked(self, entry: AutoArm) -> None:
         """cv held: ``entry`` leaves the table (its job, if any, is released by whoever
         holds it)."""
         self._forget_guess_locked(entry)
 
-    def _forget_guess_locked(self, entry: Any) -> None:
+    def _forget_guess_locked(self, entry: AutoArm) -> None:
         entry.dropped = True
         entry.job = None
         if self._guesses.get(entry.seq_id) is entry:
             del self._guesses[entry.seq_id]
 
-    def detach_guess(self, seq_id: int, end: float) -> "tuple[Any, Job | None]":
+    def detach_guess(self, seq_id: int, end: float) -> tuple[AutoArm | None, Job | None]:
         """A request of ``seq_id`` came: take its guess out of the table and own its armed
         job (None: none armed, or already released); waits (bounded by ``end``) for an
         arming of it in progress. Returns (entry, job)."""
@@ -555,7 +565,7 @@ class Dispatch:
                 return None, None
             return entry, self._detach_guess_locked(entry, end)
 
-    def _detach_guess_locked(self, entry: Any, end: float) -> "Job | None":
+    def _detach_guess_locked(self, entry: AutoArm, end: float) -> Job | None:
         self._to_arm = deque(item for item in self._to_arm if item[1] is not entry)
         while self._arming is entry:
             remaining = end - self.clock.monotonic()
@@ -579,7 +589,7 @@ class Dispatch:
             self._stopping = stopping
             self.cv.notify_all()
 
-    def next_for_submitter(self, unsubmittable: Callable[["Job", float], "Status | None"],
+    def next_for_submitter(self, unsubmittable: Callable[[Job, float], Status | None],
                            capacity: int, block: bool,
                            wake_at: float | None) -> SubmitterStep:
         """The submitter's next step. ``unsubmittable(job, now)`` says why a queued or armed
@@ -639,7 +649,7 @@ class Dispatch:
             self._handing_off -= count
             self.cv.notify_all()
 
-    def release_permit(self, job: "Job") -> None:
+    def release_permit(self, job: Job) -> None:
         with self.cv:
             if job.permit_held:
                 job.permit_held = False

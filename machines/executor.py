@@ -48,36 +48,44 @@ import logging
 import math
 import threading
 from collections import deque
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
 
 from calexec.contracts.codes import CalrtCode
 from calexec.contracts.errors import Category
-from calexec.contracts.prepare import (InferenceRequest, check_request)
+from calexec.contracts.prepare import InferenceRequest, check_request
 from calexec.contracts.status import Phase, Status, llama_decode_code
 from calexec.contracts.types import EngineSlot, ModelGeneration, TaskKind
 from calexec.machines.autoarm import AutoArm
+from calexec.machines.chart_names import (
+    JOB_EV_ADMIT,
+    JOB_EV_BEGIN_PREPARATION,
+    JOB_EV_ENQUEUE,
+    JOB_EV_INFER_ACCEPTED,
+    LIFECYCLE_FAILED,
+    LIFECYCLE_READY,
+    LIFECYCLE_WARMING,
+)
 from calexec.machines.clock import SYSTEM, Clock
 from calexec.machines.compiled import ChartRun
 from calexec.machines.completion import Completion
-from calexec.machines.dispatch import Arm, Dispatch
-from calexec.machines.outcomes import ARMING_WAIT_S, JobOutcomes
 from calexec.machines.device_lifecycle import DeviceLifecycle
+from calexec.machines.dispatch import Arm, Dispatch
 from calexec.machines.faults import Decision, FaultController, FaultSink, RecoveryPolicy
 from calexec.machines.generation import Generation
 from calexec.machines.job import InferenceResult, Job, JobHandle, advance, job_of
 from calexec.machines.kv import KvCoordinator
 from calexec.machines.locks import LockOrder
-from calexec.machines.pool import BufferPool
+from calexec.machines.outcomes import ARMING_WAIT_S, JobOutcomes
+from calexec.machines.pool import BufferPool, BufferSlot
 from calexec.machines.sequences import SequenceOwnership
 from calexec.machines.tuning import HotPathTuning
-from calexec.machines.chart_names import (JOB_EV_ADMIT, JOB_EV_BEGIN_PREPARATION, JOB_EV_ENQUEUE,
-                                          JOB_EV_INFER_ACCEPTED, LIFECYCLE_FAILED,
-                                          LIFECYCLE_READY, LIFECYCLE_WARMING)
 
 if TYPE_CHECKING:
+    from calexec.machines.device_api import DeviceApi
     from calexec.machines.stream import DecodeStream
 
 log = logging.getLogger("calexec.executor")
@@ -764,13 +772,14 @@ class DeviceExecutor(SequenceOwnership):
         self.outcomes.bump("submitted")
         self.completion.push(job)
 
-    def _infer(self, gen: Generation, slot, seq_id: int) -> int:
+    def _infer(self, gen: Generation, slot: BufferSlot, seq_id: int) -> int:
         """Phase A: infer(); Phase B: infer_with_fixed_task_type on the slot's PING/PONG
         (plain infer() while ``fixed_engine`` is switched off)."""
+        device: DeviceApi = self.device
         if slot.engine == EngineSlot.AUTO or self.feature_disabled("fixed_engine"):
-            return self.device.infer(slot.model, gen.kv, seq_id, slot.inbuf, slot.outbuf)
-        return self.device.infer_with_fixed_task_type(slot.model, gen.kv, seq_id, slot.inbuf,
-                                                      slot.outbuf, int(slot.engine))
+            return device.infer(slot.model, gen.kv, seq_id, slot.inbuf, slot.outbuf)
+        return device.infer_with_fixed_task_type(slot.model, gen.kv, seq_id, slot.inbuf,
+                                                 slot.outbuf, int(slot.engine))
 
     # ---- §8 PROGRAMMING: switch the feature off until the next generation ------------------------
     def feature_disabled(self, name: str) -> bool:
@@ -849,7 +858,7 @@ class DeviceExecutor(SequenceOwnership):
         self._holding[name] = None
         status = Status.internal("thread_exception", Phase.SUBMIT if "submit" in name
                                  else Phase.WAIT, f"{name} raised {type(exc).__name__}: {exc}",
-                                 **(job.ctx() if job is not None else {}))
+                                 **({} if job is None else dict(job.ctx())))
         log.error("executor thread %s caught %s (job %s); reported as a fault", name,
                   status, None if job is None else job.job_id, exc_info=exc)
         self.thread_faults.append({"thread": name, "error": f"{type(exc).__name__}: {exc}",
@@ -909,7 +918,7 @@ class DeviceExecutor(SequenceOwnership):
 
     # ---- synchronous compatibility entry (§6.1) -------------------------------------------------
     def decode_sync(self, request: InferenceRequest, logits_out: np.ndarray | None = None
-                    ) -> tuple[int, "InferenceResult | Status"]:
+                    ) -> tuple[int, InferenceResult | Status]:
         """``llama_decode``-style: (int code, result or Status). Logs every failure with
         job_id, seq_id, generation, raw CalRT code and phase. ``logits_out`` as for
         ``enqueue`` (a llama context's own logits row: no allocation per token)."""
@@ -934,7 +943,7 @@ class DeviceExecutor(SequenceOwnership):
                       logits_out: np.ndarray | None = None,
                       want_logits: tuple[int, int] | None = None, max_len: int | None = None,
                       request_id: int = 0, greedy_ahead: bool = False,
-                      stop_tokens: Any = (), max_steps: int | None = None) -> "DecodeStream":
+                      stop_tokens: Any = (), max_steps: int | None = None) -> DecodeStream:
         """Decode steps of ``seq_id`` from ``past_len`` (its committed length) with the next
         job pre-armed while the current one runs: ``stream.step(token)`` per token. Every job
         has ``deadline`` (absolute ``time.monotonic()``); ``max_len``: the stream never arms

@@ -40,7 +40,7 @@ import random
 import threading
 import time
 from collections import deque
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import attrs
 
@@ -48,6 +48,9 @@ from calexec.contracts.errors import Category
 from calexec.contracts.status import Status
 from calexec.machines.clock import SYSTEM
 from calexec.machines.locks import FAULTS
+
+if TYPE_CHECKING:
+    from calexec.machines.job import Job
 
 log = logging.getLogger("calexec.faults")
 
@@ -116,7 +119,7 @@ class FaultController:
 
     def __init__(self, policy: RecoveryPolicy | None = None, seed: int | None = None) -> None:
         self.policy = policy or RecoveryPolicy()
-        self.executor: Any = None
+        self.executor: FaultTarget | None = None
         self.decisions: deque[Decision] = deque(maxlen=1000)
         self.manifest_differences: deque[Status] = deque(maxlen=100)
         self.disabled_features: set[str] = set()
@@ -128,7 +131,7 @@ class FaultController:
         self._rng = random.Random(seed)
         self._fired_seen = 0  # the runtime's injected-fault count at the last report
 
-    def attach(self, executor: Any) -> None:
+    def attach(self, executor: FaultTarget) -> None:
         """Wire the controller to ``executor``: its clock, and a ranked leaf lock
         (``faults_mu``) from its lock order."""
         self.executor = executor
@@ -140,9 +143,12 @@ class FaultController:
     # ---- the table ------------------------------------------------------------------------
     def decide(self, status: Status) -> Decision:
         """The decision for one failure (pure but for the sliding windows)."""
-        action = _ACTIONS.get(status.category, Action.NONE)
         now = self._clock.monotonic()
-        reason = f"{status.category.value}: {status.code}"
+        category = status.category
+        if category is None:  # OK: nothing happened
+            return Decision(Action.NONE, status, "ok", now)
+        action = _ACTIONS.get(category, Action.NONE)
+        reason = f"{category.value}: {status.code}"
         if action is Action.REDUCE_ADMISSION:
             window = self._transients
             window.append(now)
@@ -165,7 +171,7 @@ class FaultController:
                 recent.append(now)
         return Decision(action, status, reason, now)
 
-    def report(self, status: Status, job: Any = None) -> None:
+    def report(self, status: Status, job: Job | None = None) -> None:
         """FaultSink: decide and act. Never blocks on a recovery."""
         if status.ok or status.category is None:
             return
@@ -193,7 +199,7 @@ class FaultController:
         it calls into the runtime."""
         device = getattr(self.executor, "device", None)
         probe = getattr(device, "injected_faults_fired", None)
-        fired = probe() if probe is not None else None
+        fired: int | None = probe() if probe is not None else None
         if fired is None:
             return False
         moved, self._fired_seen = fired != self._fired_seen, fired
@@ -211,22 +217,38 @@ class FaultController:
     def backoff(self, attempt: int) -> float:
         """Seconds before submit retry ``attempt`` (1-based): exponential, capped, jittered."""
         p = self.policy
-        base = min(p.backoff_max_s, p.backoff_base_s * (2 ** (attempt - 1)))
+        base = min(p.backoff_max_s, p.backoff_base_s * (2.0 ** (attempt - 1)))
         return max(0.0, base * (1.0 + p.jitter * (2.0 * self._rng.random() - 1.0)))
 
     def last(self) -> Decision | None:
         return self.decisions[-1] if self.decisions else None
 
 
+class FaultTarget(Protocol):
+    """What a fault sink may call on the executor it is attached to (``DeviceExecutor``).
+    ``FaultController`` also reads, when present, its ``locks`` (a ``LockOrder``: the clock
+    and a ranked ``faults_mu``) and its ``device`` (``injected_faults_fired``)."""
+
+    def disable_feature(self, status: Status, job: Job | None = None) -> object:
+        """§8 PROGRAMMING row: switch the feature ``status`` names off until the next
+        generation."""
+        ...
+
+    def request_recovery(self, decision: Decision) -> None:
+        """Drain and rebuild (or stop) as ``decision`` says; never blocks the caller."""
+        ...
+
+
 class FaultSink(Protocol):
     """Where an executor reports every failure after submit and every runtime failure, and
     what it asks of it: ``FaultController`` (the default) applies the §8 actions,
-    ``RecordingFaultSink`` only records. An embedder's own sink implements all four."""
+    ``RecordingFaultSink`` only records. An embedder's own sink implements all four; they are
+    every method the executor calls on it."""
 
-    def attach(self, executor: Any) -> None:
+    def attach(self, executor: FaultTarget) -> None:
         """Called once by the executor that reports to this sink, before any report."""
 
-    def report(self, status: Status, job: Any = None) -> None:
+    def report(self, status: Status, job: Job | None = None) -> None:
         """One failure (never blocks on a recovery)."""
 
     def admission_factor(self) -> float:
@@ -242,10 +264,10 @@ class RecordingFaultSink:
 
     def __init__(self, keep: int = 1000) -> None:
         self.reports: deque[Status] = deque(maxlen=keep)
-        self.by_category: dict[Category, int] = {}
+        self.by_category: dict[Category | None, int] = {}
         self._mu = threading.Lock()
 
-    def attach(self, executor: Any) -> None:
+    def attach(self, executor: FaultTarget) -> None:
         """Nothing to wire: it acts on nothing."""
 
     def admission_factor(self) -> float:
@@ -254,7 +276,14 @@ class RecordingFaultSink:
     def backoff(self, attempt: int) -> float:
         return 0.001  # a busy runtime is retried after a millisecond
 
-    def report(self, status: Status, job: Any = None) -> None:
+    def report(self, status: Status, job: Job | None = None) -> None:
         with self._mu:
             self.reports.append(status)
             self.by_category[status.category] = self.by_category.get(status.category, 0) + 1
+
+
+if TYPE_CHECKING:
+    def _sinks(controller: FaultController, recording: RecordingFaultSink
+               ) -> tuple[FaultSink, FaultSink]:
+        """For mypy only: both sinks satisfy ``FaultSink``."""
+        return controller, recording

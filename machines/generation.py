@@ -21,11 +21,13 @@ cannot pull buffers from under one.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
 
 from calexec.contracts.errors import Category
+from calexec.contracts.manifest import Manifest
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import EngineSlot, ModelGeneration, TaskKind
+from calexec.machines.device_api import CalbinApi, DeviceApi, KvManagerApi, ModelApi, no_object
 from calexec.machines.kv import KvCoordinator
 from calexec.machines.locks import LockOrder
 from calexec.machines.pool import BufferPool
@@ -37,8 +39,8 @@ class Generation:
     __slots__ = ("contracts", "calbin_path", "calbin", "models", "kv", "pool", "kvc",
                  "users", "closing", "released", "__weakref__")
 
-    def __init__(self, contracts: ModelGeneration, calbin_path: str, calbin: Any,
-                 models: dict[TaskKind, Any], kv: Any, pool: BufferPool,
+    def __init__(self, contracts: ModelGeneration, calbin_path: str, calbin: CalbinApi,
+                 models: dict[TaskKind, ModelApi], kv: KvManagerApi, pool: BufferPool,
                  kvc: KvCoordinator) -> None:
         self.contracts = contracts
         self.calbin_path = calbin_path
@@ -62,7 +64,7 @@ class Generation:
     def sha256(self) -> str:
         return self.contracts.calbin_sha256
 
-    def release(self, device: Any) -> Status:
+    def release(self, device: DeviceApi) -> Status:
         """Tear down once the runtime no longer uses any buffer of this generation (drained,
         or after a confirmed reset): slots retired, KvManager destroyed, configuration dropped,
         calbin unloaded. Host storage stays alive with this object."""
@@ -94,19 +96,21 @@ class Generation:
         return f"Generation(id={self.id}, calbin={self.calbin_path!r})"
 
 
-def open_generation(device: Any, manifest: Any, calbin_path: str, generation_id: int,
+def open_generation(device: DeviceApi, manifest: Manifest, calbin_path: str, generation_id: int,
                     slots_per_kind: int, locks: LockOrder,
-                    engines: tuple[EngineSlot, ...] = (EngineSlot.AUTO,)) -> "Generation | Status":
+                    engines: tuple[EngineSlot, ...] = (EngineSlot.AUTO,)) -> Generation | Status:
     """Load, resolve (exact names, before configure), configure, create KV and pool."""
     ctx = {"generation": generation_id}
     rc, calbin = device.load_calbin(calbin_path)
     if rc != 0:
         return Status.from_calrt(rc, Phase.CONFIGURE, f"calbin load {calbin_path!r}", **ctx)
-    done: list[tuple[Any, str]] = [(calbin, "unload")]
+    if calbin is None:
+        return no_object(f"calbin load {calbin_path!r}", Phase.CONFIGURE, **ctx)
+    done: list[Callable[[], int]] = [calbin.unload]
 
     def undo(status: Status) -> Status:
-        for obj, method in reversed(done):
-            getattr(obj, method)()
+        for teardown in reversed(done):
+            teardown()
         return status
 
     rc, models = calbin.models()
@@ -121,11 +125,13 @@ def open_generation(device: Any, manifest: Any, calbin_path: str, generation_id:
     rc = device.configure(calbin)
     if rc != 0:
         return undo(Status.from_calrt(rc, Phase.CONFIGURE, "configure", **ctx))
-    done.append((device, "reset_configuration"))
+    done.append(device.reset_configuration)
     rc, kv = device.create_kv(calbin)
     if rc != 0:
         return undo(Status.from_calrt(rc, Phase.CONFIGURE, "KvManager create", **ctx))
-    done.append((kv, "destroy"))
+    if kv is None:
+        return undo(no_object("KvManager create", Phase.CONFIGURE, **ctx))
+    done.append(kv.destroy)
     pool = BufferPool(contracts, by_kind, {kind: slots_per_kind for kind in contracts.submodels},
                       locks, engines)
     status = pool.open()

@@ -35,17 +35,26 @@ import logging
 import threading
 import time
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, TypedDict
 
 import attrs
 import numpy as np
 
 from calexec.contracts.codes import DeviceJobStatus
+from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.status import Phase, Status
-from calexec.contracts.types import JobTimings, TaskKind
-from calexec.machines.clock import SYSTEM, Clock
+from calexec.contracts.types import JobTimings, SubmodelContract, TaskKind
 from calexec.machines.chart_names import JOB_EV_CANCEL
+from calexec.machines.clock import SYSTEM, Clock
 from calexec.machines.compiled import JOB, GuardRejected
+
+if TYPE_CHECKING:
+    from calexec.machines.autoarm import AutoArm
+    from calexec.machines.generation import Generation
+    from calexec.machines.kv import KvTxn
+    from calexec.machines.pool import BufferLease
+    from calexec.machines.stream import DecodeStream
 
 log = logging.getLogger("calexec.job")
 
@@ -54,7 +63,9 @@ log = logging.getLogger("calexec.job")
 #: part in a deadlock; taken by ``Job.resolve`` only when a callback was registered.
 _CALLBACKS_MU = threading.Lock()
 #: ``Job._callbacks`` once the job's callbacks were run: later registrations run at once
-_FIRED: tuple = ()
+_FIRED: tuple[()] = ()
+#: a registered done callback: the handle it was registered on and the function
+_Callback = tuple["JobHandle", Callable[["JobHandle"], object]]
 
 
 def now_us() -> int:
@@ -76,6 +87,14 @@ class InferenceResult:
     timings: JobTimings = attrs.field(eq=False)
 
 
+class JobContext(TypedDict):
+    """A job's ids, the context a Status about it carries (``Status.failure(..., **ctx)``)."""
+
+    job_id: int
+    seq_id: int
+    generation: int
+
+
 class Job:
     """The executor's per-job context and JobChart guard provider."""
 
@@ -86,7 +105,7 @@ class Job:
                  "stream", "early_wake_s", "auto", "auto_next", "_callbacks",
                  "__weakref__")
 
-    def __init__(self, job_id: int, generation_id: int, request: Any,
+    def __init__(self, job_id: int, generation_id: int, request: InferenceRequest,
                  on_cancel: Callable[[], None], internal: bool = False,
                  clock: Clock = SYSTEM) -> None:
         self.clock = clock
@@ -94,11 +113,12 @@ class Job:
         self.generation_id = generation_id
         self.request = request
         self.kind: TaskKind = request.kind
-        self.submodel = None
+        self.submodel: SubmodelContract | None = None
         self.deadline: float = request.deadline
         self.cancel_flag = False
-        self.lease = None
-        self.txn = None
+        #: the buffer slot and KV transaction, from admission until released
+        self.lease: BufferLease | None = None
+        self.txn: KvTxn | None = None
         self.timings = JobTimings(accepted_us=clock.now_us())
         self.run = JOB.run(self)
         self.wait_rc: int | None = None
@@ -109,7 +129,7 @@ class Job:
         self._on_cancel = on_cancel
         self.internal = internal
         self.logits_out: np.ndarray | None = None
-        self._gen = None
+        self._gen: weakref.ref[Generation] | None = None
         self.on_resolved: Callable[[Job], None] | None = None  # the executor's job trail
         self.budget_taken = False  # holds request.token_count of the admission budget
         self.submitted_at = 0.0  # Clock.monotonic() when infer() accepted it
@@ -119,20 +139,20 @@ class Job:
         self.uncounted = False
         #: the greedy-ahead decode stream this job belongs to (machines/stream.py): the
         #: completion thread fires the stream's next job with this job's argmax
-        self.stream: Any = None
+        self.stream: DecodeStream | None = None
         #: a caller's wait wakes once this long after it began, before the job is expected
         #: to end, then waits on (0: no early wake; ``HotPathTuning.prewake_s``)
         self.early_wake_s = 0.0
         #: the AutoArm entry that armed this job for a caller not yet seen (machines/
         #: autoarm.py; submit_mu), and whether this job's successor may be armed so
-        self.auto: Any = None
+        self.auto: AutoArm | None = None
         self.auto_next = False
         #: done callbacks (``JobHandle.add_done_callback``): None (none registered), a list
         #: of (handle, fn), or ``_FIRED`` once run; changed only under ``_CALLBACKS_MU``
-        self._callbacks: list[tuple[JobHandle, Callable[[JobHandle], object]]] | None = None
+        self._callbacks: list[_Callback] | tuple[()] | None = None
 
     @property
-    def gen(self):
+    def gen(self) -> Generation | None:
         """The Generation the job was admitted into: its completion touches only that
         generation's pool and KV, even after a recovery opened a newer one (FI14). Held
         weakly: a live job's generation is always held by the executor (a recovery resolves
@@ -141,7 +161,7 @@ class Job:
         return None if self._gen is None else self._gen()
 
     @gen.setter
-    def gen(self, generation) -> None:
+    def gen(self, generation: Generation | None) -> None:
         self._gen = None if generation is None else weakref.ref(generation)
 
     # ---- JobChart guards -------------------------------------------------------------------
@@ -163,7 +183,7 @@ class Job:
     def done(self) -> bool:
         return self._done.is_set()
 
-    def resolve(self, result: "InferenceResult | Status") -> None:
+    def resolve(self, result: InferenceResult | Status) -> None:
         if isinstance(result, Status):
             result = result.with_context(job_id=self.job_id, seq_id=self.request.seq_id,
                                          generation=self.generation_id)
@@ -187,7 +207,24 @@ class Job:
         if callbacks:
             _run(callbacks)
 
-    def ctx(self) -> dict[str, int]:
+    def queued_parts(self) -> tuple[BufferLease, KvTxn, Generation]:
+        """The slot lease, KV transaction and generation of a job that was queued: every
+        queued, submitted or completing job holds all three. RuntimeError otherwise: a bug of
+        the executor's, which its thread barrier turns into a fault like any other."""
+        lease, txn, gen = self.lease, self.txn, self.gen
+        if lease is None or txn is None or gen is None:
+            raise RuntimeError(f"{self!r} has no buffer lease, KV transaction or generation")
+        return lease, txn, gen
+
+    def resolved_result(self) -> InferenceResult | Status:
+        """``result`` once the job is resolved (``done``: never None then)."""
+        result = self.result
+        if result is None:
+            return Status.internal("job_unresolved", Phase.WAIT, "the job has no result yet",
+                                   **self.ctx())
+        return result
+
+    def ctx(self) -> JobContext:
         return {"job_id": self.job_id, "seq_id": self.request.seq_id,
                 "generation": self.generation_id}
 
@@ -196,7 +233,7 @@ class Job:
                 f"gen={self.generation_id}, state={self.run.state})")
 
 
-def _run(callbacks) -> None:
+def _run(callbacks: Iterable[_Callback]) -> None:
     """Call each ``fn(handle)``; an exception is logged, never raised into the caller (an
     executor thread, most of the time)."""
     for handle, fn in callbacks:
@@ -206,10 +243,10 @@ def _run(callbacks) -> None:
             log.exception("done callback %r of job %d raised", fn, handle.job_id)
 
 
-def _settle(future: "asyncio.Future", job: Job) -> None:
+def _settle(future: asyncio.Future[InferenceResult | Status], job: Job) -> None:
     """On the loop's thread: hand the job's result to ``future`` unless it was cancelled."""
     if not future.done():
-        future.set_result(job.result)
+        future.set_result(job.resolved_result())
 
 
 class JobHandle:
@@ -241,7 +278,7 @@ class JobHandle:
     def cancel_requested(self) -> bool:
         return self._job.cancel_flag
 
-    def wait_until(self, deadline: float | None) -> "InferenceResult | Status":
+    def wait_until(self, deadline: float | None) -> InferenceResult | Status:
         """Block until the job is resolved or ``deadline`` (absolute ``time.monotonic()``;
         None waits without limit). Never cancels: on timeout the job keeps running and a
         ``wait.deadline`` Status is returned."""
@@ -253,14 +290,14 @@ class JobHandle:
             if deadline is not None:
                 early = min(early, clock.remaining(deadline))
             if clock.wait_event(self._job._done, early):
-                return self._job.result
+                return self._job.resolved_result()
         timeout = None if deadline is None else clock.remaining(deadline)
         if clock.wait_event(self._job._done, timeout):
-            return self._job.result
+            return self._job.resolved_result()
         return Status.deadline(Phase.WAIT, "wait_until deadline passed; the job continues "
                                            f"(state {self._job.run.state})", **self._job.ctx())
 
-    def result(self, timeout: float | None = None) -> "InferenceResult | Status":
+    def result(self, timeout: float | None = None) -> InferenceResult | Status:
         """``wait_until`` with a relative timeout in seconds."""
         return self.wait_until(None if timeout is None else
                                self._job.clock.monotonic() + timeout)
@@ -277,7 +314,7 @@ class JobHandle:
         return True
 
     # ---- completion without a waiting thread (issue 25) ------------------------------------
-    def add_done_callback(self, fn: Callable[["JobHandle"], object]) -> None:
+    def add_done_callback(self, fn: Callable[[JobHandle], object]) -> None:
         """Call ``fn(self)`` once when the job is resolved: by the thread that resolves it,
         or now by this thread when it already is. ``fn`` must not block nor call the executor
         (it may run while the resolving thread holds executor locks); an exception it raises
@@ -285,7 +322,7 @@ class JobHandle:
         job = self._job
         with _CALLBACKS_MU:
             callbacks = job._callbacks
-            if callbacks is not _FIRED:
+            if not isinstance(callbacks, tuple):  # not run yet (``_FIRED`` is the one tuple)
                 if callbacks is None:
                     callbacks = job._callbacks = []
                 callbacks.append((self, fn))
@@ -293,7 +330,7 @@ class JobHandle:
                     return  # ``Job.resolve`` sets _done first, then finds the list
                 job._callbacks = _FIRED  # resolved meanwhile: whoever swaps runs them
         # resolved: run what this call swapped out (this ``fn`` last), or ``fn`` alone
-        _run(callbacks if callbacks is not _FIRED else ((self, fn),))
+        _run(callbacks if not isinstance(callbacks, tuple) else ((self, fn),))
 
     @property
     def pending_callbacks(self) -> int:
@@ -303,7 +340,7 @@ class JobHandle:
         callbacks = self._job._callbacks
         return len(callbacks) if callbacks else 0
 
-    def remove_done_callback(self, fn: Callable[["JobHandle"], object]) -> int:
+    def remove_done_callback(self, fn: Callable[[JobHandle], object]) -> int:
         """Unregister every not yet run registration of ``fn`` (compared with ``==``) on this
         job; returns how many were removed (0 once the callbacks ran)."""
         job = self._job
@@ -317,7 +354,7 @@ class JobHandle:
         return removed
 
     def as_future(self, loop: asyncio.AbstractEventLoop | None = None
-                  ) -> "asyncio.Future[InferenceResult | Status]":
+                  ) -> asyncio.Future[InferenceResult | Status]:
         """An ``asyncio.Future`` on ``loop`` (default: the running loop) that gets the job's
         result (an ``InferenceResult`` or a ``Status``; never an exception) when it is
         resolved. No thread waits: the resolving thread schedules the result on the loop with
@@ -327,10 +364,10 @@ class JobHandle:
         future = loop.create_future()
         job = self._job
         if job._done.is_set():
-            future.set_result(job.result)
+            future.set_result(job.resolved_result())
             return future
 
-        def resolved(_handle: "JobHandle") -> None:  # the resolving thread
+        def resolved(_handle: JobHandle) -> None:  # the resolving thread
             try:
                 loop.call_soon_threadsafe(_settle, future, job)
             except RuntimeError:
@@ -338,7 +375,7 @@ class JobHandle:
                     raise
                 # the loop is closed: nobody awaits the result any more
 
-        def unregister(done: "asyncio.Future") -> None:  # the loop's thread
+        def unregister(done: asyncio.Future[InferenceResult | Status]) -> None:  # the loop's thread
             if done.cancelled():
                 self.remove_done_callback(resolved)
 
@@ -346,7 +383,7 @@ class JobHandle:
         self.add_done_callback(resolved)
         return future
 
-    async def wait_async(self, deadline: float | None) -> "InferenceResult | Status":
+    async def wait_async(self, deadline: float | None) -> InferenceResult | Status:
         """``wait_until`` for asyncio: the job's result, or once ``deadline`` (absolute, on the
         job's clock: ``time.monotonic()``; None waits without limit) has passed a
         ``wait.deadline`` Status. Parks no thread (``as_future``). Never cancels: on the
@@ -354,14 +391,14 @@ class JobHandle:
         registration is removed; a caller that gives the job up calls ``cancel()``."""
         job = self._job
         if job._done.is_set():
-            return job.result
+            return job.resolved_result()
         future = self.as_future()
         timeout = None if deadline is None else job.clock.remaining(deadline)
         try:
             return await asyncio.wait_for(future, timeout)
         except TimeoutError:
             if job._done.is_set():  # resolved as the deadline fell
-                return job.result
+                return job.resolved_result()
             return Status.deadline(Phase.WAIT, "wait_async deadline passed; the job continues "
                                                f"(state {job.run.state})", **job.ctx())
 

@@ -34,16 +34,27 @@ both complete when sent together: the second waits, holding nothing, for the fir
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
+from calexec.machines.chart_names import (
+    KV_COMMITTED,
+    KV_EV_COMMIT,
+    KV_EV_MARK_SUBMITTED,
+    KV_EV_MARK_UNKNOWN,
+    KV_EV_ROLLBACK,
+    KV_SUBMITTED,
+)
 from calexec.machines.compiled import KV_TXN, GuardRejected
+from calexec.machines.device_api import KvManagerApi
 from calexec.machines.locks import ADMISSION, KV_CALL, LockOrder
-from calexec.machines.chart_names import (KV_COMMITTED, KV_EV_COMMIT, KV_EV_MARK_SUBMITTED,
-                                          KV_EV_MARK_UNKNOWN, KV_EV_ROLLBACK, KV_SUBMITTED)
+
+if TYPE_CHECKING:
+    from calexec.machines.job import Job
 
 
 @attrs.define(slots=True, eq=False)
@@ -53,14 +64,15 @@ class SeqView:
     seq_id: int
     committed_len: int = 0
     reserved_len: int = 0
-    open_txn: "KvTxn | None" = None
+    #: the open transaction, or a claim holding the sequence during a KvManager call
+    open_txn: KvTxn | _Claim | None = None
     unknown_reason: str | None = None
     #: jobs of this sequence the runtime still runs after their Wait failed (§9.1): the device
     #: may still write this sequence's KV, so it cannot be reset or truncated yet
     on_device: int = 0
     #: a pre-armed decode stream's next txn (``reserve_next``), Reserved behind ``open_txn``;
     #: it becomes the open txn when that one commits, and is rolled back otherwise
-    next_txn: "KvTxn | None" = None
+    next_txn: KvTxn | None = None
 
 
 class _Claim:
@@ -93,7 +105,7 @@ class KvTxn:
         self.generation_id = generation_id
         #: the job whose device run this txn stands for (set at mark_submitted): the commit
         #: guard asks it what the runtime answered and whether the output was validated
-        self.evidence = None
+        self.evidence: Job | None = None
         self.run = KV_TXN.run(self)
 
     @property
@@ -123,7 +135,7 @@ class KvTxn:
 class KvCoordinator:
     """Admission of KV capacity for one KvManager of one generation."""
 
-    def __init__(self, kv: Any, generation_id: int, locks: LockOrder) -> None:
+    def __init__(self, kv: KvManagerApi, generation_id: int, locks: LockOrder) -> None:
         self.kv = kv
         self.generation_id = generation_id
         self.admission_mu = locks.lock(ADMISSION)
@@ -155,7 +167,7 @@ class KvCoordinator:
             view = self.seqs[seq_id] = SeqView(seq_id)
         return view
 
-    def _apply(self, seq_id: int, target: int) -> "bool | None":
+    def _apply(self, seq_id: int, target: int) -> bool | None:
         """Apply on the KvManager; None once the coordinator is closed (no device call)."""
         with self._kv_call_mu:
             if self._kv_closed:
@@ -176,7 +188,8 @@ class KvCoordinator:
 
     def capacity_blocks(self) -> int | None:
         """The KvManager's total blocks (None when the runtime object does not say)."""
-        return getattr(self.kv, "capacity_blocks", None)
+        blocks: int | None = getattr(self.kv, "capacity_blocks", None)  # optional member
+        return blocks
 
     def _bump(self) -> None:
         """Capacity or state changed: wake waiters (caller holds admission_mu)."""
@@ -200,7 +213,7 @@ class KvCoordinator:
     # ---- the transaction -----------------------------------------------------------------------
     def reserve(self, seq_id: int, past_len: int, token_count: int, deadline: float,
                 stop: Callable[[], Status | None] = lambda: None,
-                reserve_len: int | None = None) -> "KvTxn | Status":
+                reserve_len: int | None = None) -> KvTxn | Status:
         """Reserve capacity so ``seq_id`` can hold ``past_len + token_count`` tokens, and at
         least ``reserve_len`` tokens (the request's ``kv_reserve_len``: everything it needs to
         finish, applied all or nothing so it never holds part of the KV while waiting for the
@@ -269,7 +282,7 @@ class KvCoordinator:
             view.open_txn = txn
         return txn
 
-    def _unclaim(self, seq_id: int, claim: "_Claim") -> None:
+    def _unclaim(self, seq_id: int, claim: _Claim) -> None:
         with self.admission_mu:
             view = self.seqs[seq_id]
             if view.open_txn is claim:
@@ -277,7 +290,8 @@ class KvCoordinator:
             self._bump()
 
     def _wait_for_capacity(self, seq_id: int, target: int, reserved: int, deadline: float,
-                           stop: Callable[[], Status | None], ctx: dict) -> Status | None:
+                           stop: Callable[[], Status | None], ctx: dict[str, Any]
+                           ) -> Status | None:
         """None when Apply succeeded; else the Status that ended the wait."""
         needed = self.blocks_for(target) - self.blocks_for(reserved)
         while True:
@@ -309,7 +323,7 @@ class KvCoordinator:
                         self._waiting -= 1
                     self.wakeups += 1
 
-    def reserve_next(self, prev: KvTxn, token_count: int) -> "KvTxn | Status":
+    def reserve_next(self, prev: KvTxn, token_count: int) -> KvTxn | Status:
         """Pre-arm (a decode stream): a txn for the job after ``prev`` of the same sequence,
         from ``prev.target_len`` to ``+ token_count``, opened while ``prev`` is still open
         (Reserved or Submitted: its job queued or on the device). Never waits and never
@@ -360,7 +374,7 @@ class KvCoordinator:
             return (view is not None and view.open_txn is txn
                     and view.unknown_reason is None and not self._closed)
 
-    def mark_submitted(self, txn: KvTxn, evidence=None) -> None:
+    def mark_submitted(self, txn: KvTxn, evidence: Job | None = None) -> None:
         """infer() accepted the job ``evidence`` (which answers the commit guard later)."""
         txn.evidence = evidence
         txn.run.send(KV_EV_MARK_SUBMITTED)

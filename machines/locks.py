@@ -52,7 +52,7 @@ RANK_NAMES = {
 ORDER_TEXT = " -> ".join(RANK_NAMES[r] for r in sorted(RANK_NAMES))
 
 #: every LockOrder created in this process (weakly): tests assert none saw a violation
-ALL_ORDERS: "weakref.WeakSet[LockOrder]" = weakref.WeakSet()
+ALL_ORDERS: weakref.WeakSet[LockOrder] = weakref.WeakSet()
 
 
 def checking_from_env() -> bool:
@@ -67,7 +67,7 @@ class LockOrder:
     """Per-executor registry of ranked locks and of the order violations seen."""
 
     def __init__(self, checking: bool = False, strict: bool = False,
-                 clock: "Clock | None" = None) -> None:
+                 clock: Clock | None = None) -> None:
         from calexec.machines.clock import SYSTEM
         self.clock = clock or SYSTEM  # carried to every controller that gets this order
         self.checking = checking or checking_from_env()
@@ -85,12 +85,12 @@ class LockOrder:
     def held_by_current_thread(self) -> tuple[str, ...]:
         return tuple(RANK_NAMES[r] for r in self._held())
 
-    def lock(self, rank: int) -> "RankedLock | threading.Lock":
+    def lock(self, rank: int) -> RankedLock | threading.Lock:
         """A lock of ``rank``: a checking ``RankedLock`` in checking mode, else a plain
         ``threading.Lock`` (the hot path pays nothing for the checks it does not run)."""
         return RankedLock(self, rank) if self.checking else self._plain_lock()
 
-    def _plain_lock(self):
+    def _plain_lock(self) -> threading.Lock:
         """The lock under a ranked lock or of non-checking mode: made by the clock (the
         interleaving explorer's clock hands out controlled locks)."""
         return self.clock.lock()
@@ -145,5 +145,5 @@ class RankedLock:
 
     __enter__ = acquire
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.release()

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import attrs
+from statemachine import StateMachine
 from statemachine.callbacks import CallbackGroup, CallbackSpec
 
 ENV = "CALEXEC_CHART_MUTANT"
@@ -56,6 +57,7 @@ def constant_guard(value: bool) -> Callable[..., bool]:
         return value
 
     guard.__name__ = f"forced_{str(value).lower()}"
+    # a marker on the function object (a function takes any attribute; mypy knows none)
     guard.calexec_constant = value  # type: ignore[attr-defined]
     return guard
 
@@ -64,7 +66,7 @@ def _guard_specs(transition: Any) -> list[CallbackSpec]:
     return [s for s in transition._specs if s.group == CallbackGroup.COND and not s.is_convention]
 
 
-def _states(declaration: type) -> list[Any]:
+def _states(declaration: type[StateMachine]) -> list[Any]:
     states = list(declaration.states)
     for state in states:
         if state.states:
@@ -75,7 +77,7 @@ def _states(declaration: type) -> list[Any]:
     return states
 
 
-def _sites(declaration: type, targets_per_transition: int) -> Iterator[tuple[Mutant, Callable[[], None]]]:
+def _sites(declaration: type[StateMachine], targets_per_transition: int) -> Iterator[tuple[Mutant, Callable[[], None]]]:
     """Every mutant of ``declaration`` with the action that applies it, in declaration order:
     for each state (declaration order), each transition (declaration order): guard mutants,
     then the drop, then the target mutants."""
@@ -136,12 +138,12 @@ def _retarget(transition: Any, new: Any) -> Callable[[], None]:
     return apply
 
 
-def derive(declaration: type, targets_per_transition: int = 2) -> list[Mutant]:
+def derive(declaration: type[StateMachine], targets_per_transition: int = 2) -> list[Mutant]:
     """Every mutant of the flat ``StateMachine`` class ``declaration`` (see ``_sites``)."""
     return [mutant for mutant, _ in _sites(declaration, targets_per_transition)]
 
 
-def apply(declaration: type, mutant_id: str) -> Mutant:
+def apply(declaration: type[StateMachine], mutant_id: str) -> Mutant:
     """Mutate ``declaration`` in place by ``mutant_id`` (as ``derive`` names it, with any
     number of target mutants). Raises ``ValueError`` for an unknown id."""
     for mutant, action in _sites(declaration, 0):

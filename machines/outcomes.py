@@ -27,12 +27,18 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict, deque
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
-from calexec.machines.chart_names import (JOB_CANCEL_REQUESTED, JOB_CREATED, JOB_EV_CANCEL,
-                                          JOB_EV_FAIL, KV_RESERVED)
+from calexec.machines.chart_names import (
+    JOB_CANCEL_REQUESTED,
+    JOB_CREATED,
+    JOB_EV_CANCEL,
+    JOB_EV_FAIL,
+    KV_RESERVED,
+)
 from calexec.machines.clock import Clock
 from calexec.machines.dispatch import Dispatch, Held
 from calexec.machines.faults import FaultSink
@@ -42,6 +48,7 @@ from calexec.machines.locks import COUNTERS, LockOrder
 if TYPE_CHECKING:
     from calexec.machines.executor import ExecutorConfig
     from calexec.machines.generation import Generation
+    from calexec.machines.pool import BufferSlot
 
 log = logging.getLogger("calexec.executor")
 
@@ -60,9 +67,9 @@ COUNTER_NAMES = ("submitted", "succeeded", "failed", "quarantined", "cancelled",
 class JobOutcomes:
     """The failure paths of jobs and the executor's counters (see the module docstring)."""
 
-    def __init__(self, config: "ExecutorConfig", clock: Clock, locks: LockOrder,
+    def __init__(self, config: ExecutorConfig, clock: Clock, locks: LockOrder,
                  dispatch: Dispatch, faults: FaultSink,
-                 current: Callable[[], "Generation | None"]) -> None:
+                 current: Callable[[], Generation | None]) -> None:
         self.config = config
         self.clock = clock
         self.dispatch = dispatch
@@ -133,7 +140,7 @@ class JobOutcomes:
             if live:
                 job.lease.slot.undo_slices()
             job.lease.release()
-        if live and job.txn is not None and job.txn.run.state == KV_RESERVED:
+        if live and gen is not None and job.txn is not None and job.txn.run.state == KV_RESERVED:
             gen.kvc.rollback(job.txn)
         self.dispatch.release_budget(job)
         if job.cancel_flag and job.run.state not in (JOB_CANCEL_REQUESTED,):
@@ -157,10 +164,21 @@ class JobOutcomes:
         status = Status.internal("unexpected_exception", Phase.ADMISSION,
                                  f"{where} raised {type(exc).__name__}: {exc}", **job.ctx())
         lease, job.lease = job.lease, None
-        for step in (lambda: lease is not None and lease.slot.undo_slices(),
-                     lambda: lease is not None and job.gen.pool.quarantine(lease, status.code),
-                     lambda: job.txn is not None and job.txn.run.state == KV_RESERVED
-                     and job.gen.kvc.rollback(job.txn)):
+        gen, txn = job.gen, job.txn
+
+        def undo_slices() -> None:
+            if lease is not None:
+                lease.slot.undo_slices()
+
+        def quarantine() -> None:
+            if lease is not None and gen is not None:
+                gen.pool.quarantine(lease, status.code)
+
+        def rollback() -> None:
+            if txn is not None and txn.run.state == KV_RESERVED and gen is not None:
+                gen.kvc.rollback(txn)
+
+        for step in (undo_slices, quarantine, rollback):
             try:
                 step()
             except Exception:  # noqa: BLE001 - best effort; the fault below rebuilds
@@ -240,9 +258,10 @@ class JobOutcomes:
         reads the runtime's answers and the output check: here it refuses, so the sequence
         is Unknown), slot quarantined, report. ``on_device``: the runtime still runs the job;
         its sequence cannot be reset until the runtime lets go (``reap_held``)."""
+        lease, txn, gen = job.queued_parts()
         if not settled:
-            job.gen.kvc.settle(job.txn, status.code, on_device=on_device)
-        job.gen.pool.quarantine(job.lease, status.code)
+            gen.kvc.settle(txn, status.code, on_device=on_device)
+        gen.pool.quarantine(lease, status.code)
         self.dispatch.release_budget(job)
         self.bump("quarantined")
         if self.config.inflight_capacity == 2:
@@ -261,13 +280,19 @@ class JobOutcomes:
         """A thread raised holding ``job`` at an unknown point: assume the runtime may still
         use its buffers (slot quarantined, KV Unknown, permit held until the runtime lets go,
         like a failed Wait). The caller resolves the job once the fault is reported."""
-        lease = job.lease
+        lease, txn, gen = job.lease, job.txn, job.gen
         submitted = job.timings.submitted_us > 0
         on_device = submitted and job.wait_rc is None
-        for step in (lambda: job.txn is not None and not job.txn.run.final
-                     and job.gen.kvc.mark_unknown(job.txn, status.code, on_device=on_device),
-                     lambda: lease is not None and lease.held
-                     and job.gen.pool.quarantine(lease, status.code)):
+
+        def mark_unknown() -> None:
+            if txn is not None and not txn.run.final and gen is not None:
+                gen.kvc.mark_unknown(txn, status.code, on_device=on_device)
+
+        def quarantine() -> None:
+            if lease is not None and lease.held and gen is not None:
+                gen.pool.quarantine(lease, status.code)
+
+        for step in (mark_unknown, quarantine):
             try:
                 step()
             except Exception:  # noqa: BLE001 - best effort; the recovery rebuilds
@@ -281,10 +306,11 @@ class JobOutcomes:
             else:
                 self.dispatch.release_permit(job)
 
-    def hold(self, job: Job, slot: Any) -> None:
+    def hold(self, job: Job, slot: BufferSlot) -> None:
         """The runtime keeps ``job``'s buffers and permit after a failed Wait: reaped when it
         lets go, reported hung after the grace (``reap_held``)."""
-        self.dispatch.hold(Held(slot, job.gen.kvc, job.request.seq_id, job,
+        gen = job.queued_parts()[2]
+        self.dispatch.hold(Held(slot, gen.kvc, job.request.seq_id, job,
                                 self.clock.monotonic() + self.config.timeout_grace_s))
 
     def reap_held(self, report: bool = True) -> bool:

@@ -33,22 +33,38 @@ from __future__ import annotations
 import itertools
 import math
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import NoReturn
 
 import numpy as np
 
 from calexec.contracts.codes import DeviceJobStatus
 from calexec.contracts.prepare import InferenceRequest, TensorSlice, check_slice, plan_slices
 from calexec.contracts.status import Phase, Status
-from calexec.contracts.types import (EngineSlot, ModelGeneration, SubmodelContract, TaskKind,
-                                     TensorContract)
+from calexec.contracts.types import (
+    EngineSlot,
+    ModelGeneration,
+    SubmodelContract,
+    TaskKind,
+    TensorContract,
+)
+from calexec.machines.chart_names import (
+    SLOT_EV_DEVICE_DONE,
+    SLOT_EV_DROP_IN_FLIGHT,
+    SLOT_EV_GIVE_BACK,
+    SLOT_EV_LEASE,
+    SLOT_EV_QUARANTINE,
+    SLOT_EV_RETIRE,
+    SLOT_EV_SUBMIT,
+    SLOT_FREE,
+    SLOT_IN_FLIGHT,
+    SLOT_LEASED,
+    SLOT_QUARANTINED,
+    SLOT_RETIRED,
+)
 from calexec.machines.compiled import BUFFER_SLOT, GuardRejected
+from calexec.machines.device_api import InputBufApi, ModelApi, OutputBufApi, no_object
 from calexec.machines.locks import POOL, LockOrder
-from calexec.machines.chart_names import (SLOT_EV_DEVICE_DONE, SLOT_EV_DROP_IN_FLIGHT,
-                                          SLOT_EV_GIVE_BACK, SLOT_EV_LEASE, SLOT_EV_QUARANTINE,
-                                          SLOT_EV_RETIRE, SLOT_EV_SUBMIT, SLOT_FREE,
-                                          SLOT_IN_FLIGHT, SLOT_LEASED, SLOT_QUARANTINED,
-                                          SLOT_RETIRED)
 
 
 class LeaseError(RuntimeError):
@@ -73,8 +89,8 @@ class BufferSlot:
                  "outbuf", "host_input", "host_position", "host_output", "scratch", "sliced", "run",
                  "runtime_answer", "_pool", "__weakref__")
 
-    def __init__(self, pool: "BufferPool", slot_id: int, submodel: SubmodelContract,
-                 model: Any, engine: EngineSlot) -> None:
+    def __init__(self, pool: BufferPool, slot_id: int, submodel: SubmodelContract,
+                 model: ModelApi, engine: EngineSlot) -> None:
         self._pool = pool
         self.slot_id = slot_id
         self.generation_id = pool.generation_id
@@ -82,13 +98,15 @@ class BufferSlot:
         self.engine = engine
         self.submodel = submodel
         self.model = model
-        self.inbuf = None
-        self.outbuf = None
-        self.host_input = host_array(submodel.token_or_embed)
-        self.host_position = host_array(submodel.position)
-        self.host_output = host_array(submodel.logits)
+        #: the runtime buffers: created and mapped by ``BufferPool.open``, None once destroyed
+        self.inbuf: InputBufApi | None = None
+        self.outbuf: OutputBufApi | None = None
+        #: host storage, mapped into the buffers; None only once dropped (``drop_storage``)
+        self.host_input: np.ndarray | None = host_array(submodel.token_or_embed)
+        self.host_position: np.ndarray | None = host_array(submodel.position)
+        self.host_output: np.ndarray | None = host_array(submodel.logits)
         # Scratch for the finiteness check of one logits row (no per-token allocation).
-        self.scratch = np.empty(pool.generation.vocab_size, dtype=np.uint16)
+        self.scratch: np.ndarray | None = np.empty(pool.generation.vocab_size, dtype=np.uint16)
         self.sliced: set[str] = set()
         #: the runtime's last GetStatus answer (rc, status) for this slot's output buffer
         self.runtime_answer: tuple[int, int] | None = None
@@ -122,12 +140,17 @@ class BufferSlot:
         return self.runtime_done()
 
     # ---- runtime calls on the slot's buffers (return Status, never raise) -----------------
-    def _map(self) -> Status:
+    def _map(self, inbuf: InputBufApi, outbuf: OutputBufApi) -> Status:
+        """Map the host storage into this slot's new buffers (``BufferPool.open``)."""
         sm = self.submodel
+        host_input, host_position, host_output = (self.host_input, self.host_position,
+                                                  self.host_output)
+        if host_input is None or host_position is None or host_output is None:
+            return self._dropped("map")
         for rc, what in (
-            (self.inbuf.map(sm.token_or_embed.name, self.host_input), sm.token_or_embed.name),
-            (self.inbuf.map(sm.position.name, self.host_position), sm.position.name),
-            (self.outbuf.map(sm.logits.name, self.host_output), sm.logits.name),
+            (inbuf.map(sm.token_or_embed.name, host_input), sm.token_or_embed.name),
+            (inbuf.map(sm.position.name, host_position), sm.position.name),
+            (outbuf.map(sm.logits.name, host_output), sm.logits.name),
         ):
             if rc != 0:
                 return Status.from_map(rc, what, generation=self.generation_id)
@@ -138,18 +161,27 @@ class BufferSlot:
         (§6.3 steps 7-8): the job's preparation, on its request thread."""
         sm = self.submodel
         n = request.token_count
+        host_input, host_position = self.host_input, self.host_position
+        if host_input is None or host_position is None:
+            return self._dropped("prepare")
         if request.kind == TaskKind.PREFILL_EMBEDS:
-            flat = request.embeddings.reshape(-1)
-            self.host_input[: flat.shape[0]] = flat
+            embeddings = request.embeddings
+            if embeddings is None:  # check_request (§6.3 step 4) refuses it before a lease
+                return Status.invalid(4, "embeddings is None for kind=PREFILL_EMBEDS")
+            flat = embeddings.reshape(-1)
+            host_input[: flat.shape[0]] = flat
         else:
-            self.host_input[:n] = request.tokens
-        self.host_position[:n] = request.positions
+            host_input[:n] = request.tokens
+        host_position[:n] = request.positions
         for planned in plan_slices(request, sm):
             status = self.slice_input(planned)
             if not status.ok:
                 return status
+        inbuf = self.inbuf
+        if inbuf is None:
+            return self._destroyed("SetCSR")
         for name, value in ((sm.csr_cur_seq, n), (sm.csr_total_seq, request.past_len + n)):
-            status = Status.from_csr(self.inbuf.set_csr(name, value), name, value)
+            status = Status.from_csr(inbuf.set_csr(name, value), name, value)
             if not status.ok:
                 return status
         return Status.OK
@@ -165,7 +197,10 @@ class BufferSlot:
         if not status.ok:
             return status
         item = contract.dtype.itemsize
-        rc = self.inbuf.slice(planned.tensor, planned.offset // item, planned.size // item)
+        inbuf = self.inbuf
+        if inbuf is None:
+            return self._destroyed("SliceTensor")
+        rc = inbuf.slice(planned.tensor, planned.offset // item, planned.size // item)
         if rc != 0:
             return Status.from_slice(rc, planned.tensor, planned.offset, planned.size)
         self.sliced.add(planned.tensor)
@@ -174,13 +209,28 @@ class BufferSlot:
     def undo_slices(self) -> Status:
         """UndoSlice every sliced tensor (§6.5 "reset slice/tensors")."""
         result = Status.OK
+        inbuf = self.inbuf
+        if inbuf is None:
+            return self._destroyed("UndoSlice") if self.sliced else result
         for name in sorted(self.sliced):
-            rc = self.inbuf.undo_slice(name)
+            rc = inbuf.undo_slice(name)
             if rc == 0:
                 self.sliced.discard(name)
             elif result.ok:
                 result = Status.from_calrt(rc, Phase.RELEASE, message=f"UndoSlice({name!r}) failed")
         return result
+
+    def _destroyed(self, what: str) -> Status:
+        """A runtime call on a slot whose buffers were destroyed (its pool closed while it was
+        leased): a bug of the caller's, as a value."""
+        return Status.internal("slot_destroyed", Phase.PREPARE,
+                               f"{what} on buffer slot {self.slot_id}: its buffers are destroyed",
+                               generation=self.generation_id)
+
+    def _dropped(self, what: str) -> Status:
+        return Status.internal("slot_dropped", Phase.MAP,
+                               f"{what} on buffer slot {self.slot_id}: its host storage was dropped",
+                               generation=self.generation_id)
 
     def __repr__(self) -> str:
         return (f"BufferSlot(id={self.slot_id}, gen={self.generation_id}, "
@@ -199,15 +249,16 @@ class BufferLease:
 
     @property
     def slot(self) -> BufferSlot:
-        if self._slot is None:
+        slot = self._slot
+        if slot is None:
             self._misuse(f"use of a {self._state} lease")
-        return self._slot
+        return slot
 
     @property
     def held(self) -> bool:
         return self._slot is not None
 
-    def moved(self, owner: int | None = None) -> "BufferLease":
+    def moved(self, owner: int | None = None) -> BufferLease:
         """Hand the slot to a new lease; this one becomes unusable (C++ move semantics)."""
         slot = self.slot
         self._slot, self._state = None, "moved"
@@ -217,23 +268,24 @@ class BufferLease:
         """Return the slot: Free if the runtime is done and slices were undone, else quarantine.
 
         Releasing while the slot is InFlight quarantines it (never a silent reuse)."""
-        if self._slot is None:
+        slot = self._slot
+        if slot is None:
             self._misuse(f"release of a {self._state} lease")
-        slot, self._slot, self._state = self._slot, None, "released"
+        self._slot, self._state = None, "released"
         return slot._pool._give_back(slot)
 
-    def _misuse(self, what: str):
+    def _misuse(self, what: str) -> NoReturn:
         pool = None if self._slot is None else self._slot._pool
         if pool is not None:
             pool.misuse += 1
         raise LeaseError(f"{what} (owner job {self.owner})")
 
-    def __copy__(self):
+    def __copy__(self) -> NoReturn:
         raise LeaseError("BufferLease is move-only: use moved(), never copy")
 
     __deepcopy__ = __copy__
 
-    def __reduce__(self):
+    def __reduce__(self) -> NoReturn:
         raise LeaseError("BufferLease is move-only and cannot be pickled")
 
     def __del__(self) -> None:
@@ -245,7 +297,7 @@ class BufferLease:
 class BufferPool:
     """All slots of one model generation (S07: created once, mapped once, reused)."""
 
-    def __init__(self, generation: ModelGeneration, models: dict[TaskKind, Any],
+    def __init__(self, generation: ModelGeneration, models: dict[TaskKind, ModelApi],
                  slots_per_kind: dict[TaskKind, int], locks: LockOrder,
                  engines: tuple[EngineSlot, ...] = (EngineSlot.AUTO,)) -> None:
         self.generation = generation
@@ -274,17 +326,23 @@ class BufferPool:
     def open(self) -> Status:
         """Create and map every slot's runtime buffers once. On failure nothing stays mapped."""
         for slot in self.slots:
-            rc, slot.inbuf = slot.model.create_input_buf()
+            rc, inbuf = slot.model.create_input_buf()
+            slot.inbuf = inbuf
             if rc != 0:
                 self.close()
                 return Status.from_calrt(rc, Phase.MAP, message="InputBuf create failed",
                                          generation=self.generation_id)
-            rc, slot.outbuf = slot.model.create_output_buf()
+            rc, outbuf = slot.model.create_output_buf()
+            slot.outbuf = outbuf
             if rc != 0:
                 self.close()
                 return Status.from_calrt(rc, Phase.MAP, message="OutputBuf create failed",
                                          generation=self.generation_id)
-            status = slot._map()
+            if inbuf is None or outbuf is None:
+                self.close()
+                return no_object("InputBuf/OutputBuf create", Phase.MAP,
+                                 generation=self.generation_id)
+            status = slot._map(inbuf, outbuf)
             if not status.ok:
                 self.close()
                 return status
@@ -309,7 +367,7 @@ class BufferPool:
     # ---- leasing ---------------------------------------------------------------------------
     def acquire(self, kind: TaskKind, deadline: float, owner: int | None = None,
                 stop: Callable[[], Status | None] = lambda: None,
-                speculative: bool = False) -> "BufferLease | Status":
+                speculative: bool = False) -> BufferLease | Status:
         """Lease a free slot of ``kind`` (of whichever engine it is fixed to), waiting on a
         condition (never polling) until ``deadline`` (absolute ``time.monotonic()``);
         ``stop()`` returning a Status (cancel, shutdown) ends the wait with it.

@@ -6,7 +6,8 @@ into the caller's FP32 destination: a BF16 value is the top half of an FP32, so 
 conversion widens the ``uint16`` bits into a ``uint32`` view of the destination and shifts
 them left by 16 in place. No numpy data buffer is allocated (counted by
 ``calexec bench logits``: ``allocation_count_per_call``); the constants are 0-d arrays
-because a scalar operand costs a fresh 0-d array per call. Bounds use the overflow-safe form ``base <= size and n <= size - base``.
+because a scalar operand costs a fresh 0-d array per call. Bounds use the overflow-safe form
+``base <= size and n <= size - base``.
 
 The finiteness check (FI10) reads the same slice: a BF16 value is NaN or Inf iff its eight
 exponent bits are all ones (``x & 0x7F80 == 0x7F80``); it is computed into a scratch buffer
@@ -21,7 +22,7 @@ import numpy as np
 def _const(value: int, dtype: type) -> np.ndarray:
     """A read-only 0-d array: a ufunc given a Python or numpy scalar converts it to a fresh 0-d
     array (a numpy data allocation) on every call; given this, it allocates nothing."""
-    array = np.array(value, dtype=dtype)
+    array: np.ndarray = np.array(value, dtype=dtype)
     array.flags.writeable = False
     return array
 

@@ -23,7 +23,12 @@ touches nothing else of the executor; it takes no executor lock.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from calexec.contracts.status import Status
+
+if TYPE_CHECKING:
+    from calexec.machines.generation import Generation
 
 
 class SequenceOwnership:
@@ -37,7 +42,7 @@ class SequenceOwnership:
         generations). ``kv.sequence_on_device`` (UNAVAILABLE: retry) while the device still
         runs a job of it after ``wait_s`` seconds; ``kv.sequence_busy`` while a job of it is
         open (the caller released too early: a bug on its side)."""
-        gen = getattr(self, "gen", None)
+        gen: Generation | None = getattr(self, "gen", None)
         kvc = None if gen is None else gen.kvc
         if kvc is None or seq_id not in kvc.seqs:
             return Status.OK  # no KV of it in a live KvManager: nothing to release on the device

@@ -37,8 +37,9 @@ The caller then waits only for the device: its own wake-up and token choice leav
 path (two wake-ups per token remain on it, the completion thread's and the submitter's, where
 an ``enqueue`` caller has three). The caller's loop is unchanged: ``step(result.argmax)``
 (plus the slice's start with ``want_logits``) adopts the job already fired with that token;
-another token is refused (the stream already decoded the argmax). A job is fired ahead only while its caller has asked for the one before
-it, so the fired-ahead job is at most one step ahead. With ``logits_out`` given, a step fired
+another token is refused (the stream already decoded the argmax). A job is fired ahead only
+while its caller has asked for the one before it, so the fired-ahead job is at most one step
+ahead. With ``logits_out`` given, a step fired
 ahead writes one of two rows of the stream's own (each faulted in when the first step that
 writes it is armed, off the critical path), and ``wait()`` copies the row of the step the
 caller takes into ``logits_out``: the caller's array is written only by steps the caller took,
@@ -57,7 +58,8 @@ disconnect handler may call it).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Collection
+from typing import TYPE_CHECKING, SupportsInt
 
 import attrs
 import numpy as np
@@ -70,6 +72,7 @@ from calexec.machines.job import InferenceResult, Job, JobHandle, job_of
 
 if TYPE_CHECKING:
     from calexec.machines.executor import DeviceExecutor
+    from calexec.machines.kv import KvTxn
 
 log = logging.getLogger("calexec.stream")
 
@@ -85,11 +88,11 @@ class DecodeStream:
     """Decode steps of one sequence with the next step pre-armed. Not thread-safe except
     ``cancel``: one caller steps it."""
 
-    def __init__(self, ex: "DeviceExecutor", seq_id: int, past_len: int, deadline: float,
+    def __init__(self, ex: DeviceExecutor, seq_id: int, past_len: int, deadline: float,
                  logits_out: np.ndarray | None = None,
                  want_logits: tuple[int, int] | None = None,
                  max_len: int | None = None, request_id: int = 0,
-                 greedy_ahead: bool = False, stop_tokens: Any = (),
+                 greedy_ahead: bool = False, stop_tokens: Collection[SupportsInt] = (),
                  max_steps: int | None = None) -> None:
         self.ex = ex
         self.seq_id = seq_id
@@ -129,7 +132,7 @@ class DecodeStream:
         self._fresh = [self._rows is not None] * 2
         # guarded by the dispatch lock (``ex.dispatch.cv``): the submitter arms the next job
         # after the one just fired (``arm_next``: its KV txn and the next position)
-        self._next: tuple[Any, int] = (None, past_len)
+        self._next: tuple[KvTxn | None, int] = (None, past_len)
         job = self._arm_job(None, past_len, blocking=False, notify=True)
         if isinstance(job, Job):
             self._armed = job
@@ -141,20 +144,20 @@ class DecodeStream:
 
     # state reads (tests, the explorer, a debugger): each a snapshot under the dispatch lock
     @property
-    def armed(self) -> "Job | None":
+    def armed(self) -> Job | None:
         """The job armed for the next step (None: none now)."""
         with self.ex.dispatch.cv:
             return self._armed
 
     @property
-    def ahead(self) -> "tuple[int, JobHandle | None] | None":
+    def ahead(self) -> tuple[int, JobHandle | None] | None:
         """(token, handle) of the step the completion thread fired ahead and the caller has
         not taken (handle None while the firing runs); None: none."""
         with self.ex.dispatch.cv:
             return self._ahead
 
     @property
-    def current(self) -> "JobHandle | None":
+    def current(self) -> JobHandle | None:
         """The step submitted last and not waited for yet."""
         return self._current
 
@@ -164,7 +167,7 @@ class DecodeStream:
         with self.ex.dispatch.cv:
             return self.ex.dispatch.arming(self)
 
-    def step(self, token: int) -> "InferenceResult | Status":
+    def step(self, token: int) -> InferenceResult | Status:
         """Submit ``token`` as the next decode job and wait for its result (bounded by the
         stream's deadline). A Status closes the stream."""
         handle = self.submit(token)
@@ -172,7 +175,7 @@ class DecodeStream:
             return handle
         return self.wait()
 
-    def submit(self, token: int) -> "JobHandle | Status":
+    def submit(self, token: int) -> JobHandle | Status:
         """Hand ``token`` to the pre-armed job (or admit one now) and queue it; the submitter
         arms the job after it once it has nothing to submit. Returns the job's handle
         (``wait`` resolves it) or, when the stream is closed or the token is invalid, a
@@ -207,12 +210,14 @@ class DecodeStream:
         if handle is not None:
             self.prearmed_steps += 1
         else:  # nothing armed (no free resource then): admit it now, blocking
-            job = self._arm_job(None, self.past_len, blocking=True)
-            if isinstance(job, Status):
-                return self._close(job)
-            handle = self._fire_step(job, int(token))
+            fresh = self._arm_job(None, self.past_len, blocking=True)
+            if isinstance(fresh, Status):
+                return self._close(fresh)
+            handle = self._fire_step(fresh, int(token))
             if handle is None:  # released before it was queued: that is the step's answer
-                return self._close(job.result)
+                answer = fresh.resolved_result()
+                return self._close(answer if isinstance(answer, Status) else Status.internal(
+                    "prearm", Phase.PREPARE, "pre-armed job resolved before its token"))
         self._current = handle
         self.steps += 1
         return handle
@@ -225,15 +230,18 @@ class DecodeStream:
             seq_id=self.seq_id, kind=TaskKind.DECODE, tokens=np.asarray([token], np.int32),
             positions=np.full(1, self.past_len, np.int32), past_len=self.past_len,
             deadline=self.deadline, want_logits=self.want_logits, request_id=self.request_id)
-        handle = self.ex.enqueue(request, logits_out=self.logits_out,
-                                 on_created=lambda created: created.cancel())
+
+        def cancel(created: JobHandle) -> None:
+            created.cancel()
+
+        handle = self.ex.enqueue(request, logits_out=self.logits_out, on_created=cancel)
         self._current = handle
         return handle
 
-    def _fire_step(self, job: Job, token: int) -> "JobHandle | None":
+    def _fire_step(self, job: Job, token: int) -> JobHandle | None:
         return self._fire(job, token, self.ex.arm_delay_s())
 
-    def _fire(self, job: Job, token: int, arm_delay_s: float) -> "JobHandle | None":
+    def _fire(self, job: Job, token: int, arm_delay_s: float) -> JobHandle | None:
         """Fire ``job`` with ``token`` (``DeviceExecutor.fire_armed``); the submitter arms
         the step after it ``arm_delay_s`` later unless that is beyond ``max_len``."""
         past = job.request.past_len
@@ -242,7 +250,7 @@ class DecodeStream:
             self._next = (job.txn, past + 1)
         return self.ex.fire_armed(job, token, self if more else None, arm_delay_s)
 
-    def wait(self) -> "InferenceResult | Status":
+    def wait(self) -> InferenceResult | Status:
         """The result of the step submitted last (bounded by the stream's deadline)."""
         handle = self._current
         if handle is None:
@@ -252,9 +260,10 @@ class DecodeStream:
             while not handle.done and (ex.submit_one() or ex.complete_one()):
                 pass
         result = handle.wait_until(self.deadline)
-        if not handle.done:  # the stream's deadline passed with the job still running: its
-            handle.cancel()  # result is nobody's (it must not write logits_out later)
-            return self._close(result)
+        # (a Status until the handle is done: wait_until returns a result only once it is)
+        if isinstance(result, Status) and not handle.done:  # the stream's deadline passed
+            handle.cancel()  # with the job still running: its result is nobody's (it must
+            return self._close(result)  # not write logits_out later)
         self._current = None
         if isinstance(result, Status):
             return self._close(result)
@@ -300,10 +309,10 @@ class DecodeStream:
             return (self._armed is None and not self.ex.dispatch.arming(self)
                     and (ahead is None or ahead.done))
 
-    def __enter__(self) -> "DecodeStream":
+    def __enter__(self) -> DecodeStream:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # ---- arming ----------------------------------------------------------------------------
@@ -344,7 +353,7 @@ class DecodeStream:
         return status
 
     # ---- greedy ahead ----------------------------------------------------------------------
-    def _wait_submitter(self, done: Any, end: float) -> bool:
+    def _wait_submitter(self, done: Callable[[], bool], end: float) -> bool:
         """The dispatch lock held: wait until ``done()`` (the submitter notifies when it
         finishes an arming, the completion thread when it finishes firing ahead), bounded by
         ``end`` (``Clock.monotonic()``). False when ``end`` came first."""
@@ -356,7 +365,7 @@ class DecodeStream:
             ex.clock.wait(ex.dispatch.cv, remaining)
         return True
 
-    def discard_ahead(self) -> "JobHandle | None":
+    def discard_ahead(self) -> JobHandle | None:
         """(For the executor.) Another request, reset or truncation of the sequence is
         coming (``DeviceExecutor._drop_armed``): the step fired ahead, not taken yet, is
         discarded (the caller's step is admitted again, after that request, as the plain
@@ -368,15 +377,18 @@ class DecodeStream:
             self._discarded = ahead[1]
             return ahead[1]
 
-    def _take_ahead(self) -> "tuple[int, JobHandle] | None":
+    def _take_ahead(self) -> tuple[int, JobHandle] | None:
         """The job fired ahead (submit_mu held), once its firing finished (bounded by the
         deadline); None when there is none."""
         self._wait_submitter(lambda: self._ahead is None or self._ahead[1] is not None,
                              self.deadline)
         ahead, self._ahead = self._ahead, None
-        return ahead if ahead is not None and ahead[1] is not None else None
+        if ahead is None:
+            return None
+        fired, handle = ahead
+        return None if handle is None else (fired, handle)
 
-    def _adopt(self, ahead: "tuple[int, JobHandle]", token: int) -> "JobHandle | Status":
+    def _adopt(self, ahead: tuple[int, JobHandle], token: int) -> JobHandle | Status:
         """The caller's step takes the job the completion thread fired with ``ahead[0]``."""
         fired, handle = ahead
         if fired != token:
@@ -392,8 +404,8 @@ class DecodeStream:
         self.ahead_steps += 1
         return handle
 
-    def fire_ahead(self, job: Job, result: Any, arm_delay_s: float = 0.0
-                   ) -> "JobHandle | None":
+    def fire_ahead(self, job: Job, result: InferenceResult, arm_delay_s: float = 0.0
+                   ) -> JobHandle | None:
         """On the completion thread, after ``job``'s KV commit and permit release and before
         its result is delivered: fire the armed next job with ``job``'s argmax when the
         caller waits for ``job`` and the stream may go on. Never raises; returns the fired
@@ -458,8 +470,8 @@ class DecodeStream:
         if drop is not None:
             ex.release_armed(drop, Status.cancelled(Phase.CANCEL, "decode stream closed"))
 
-    def _arm_job(self, prev_txn: Any, past: int, blocking: bool,
-                 notify: bool = False) -> "Job | Status":
+    def _arm_job(self, prev_txn: KvTxn | None, past: int, blocking: bool,
+                 notify: bool = False) -> Job | Status:
         if not blocking and self.max_len is not None and past + 1 > self.max_len:
             # max_len bounds what the stream arms ahead; the caller's own step (blocking) is
             # a request like any other, answered by the plain path's checks
@@ -470,8 +482,9 @@ class DecodeStream:
             positions=np.full(1, past, np.int32), past_len=past, deadline=self.deadline,
             want_logits=self.want_logits, request_id=self.request_id)
         parity = (past - self._row0) % 2
-        if past != self._row0 and self._fresh[parity]:  # a step that may be fired ahead
-            self._rows[parity].fill(0.0)  # arming runs off the critical path
+        rows = self._rows  # (_fresh is only ever True with rows)
+        if past != self._row0 and rows is not None and self._fresh[parity]:  # a step that
+            rows[parity].fill(0.0)  # may be fired ahead; arming runs off the critical path
             self._fresh[parity] = False
         job = self.ex.admit_armed(request, self.logits_out, Arm(prev_txn, blocking, notify))
         if job.done:

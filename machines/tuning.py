@@ -42,7 +42,7 @@ class HotPathTuning:
     prewake_min_us: float = attrs.field(default=1500.0, validator=attrs.validators.ge(0))
 
     @classmethod
-    def immediate(cls) -> "HotPathTuning":
+    def immediate(cls) -> HotPathTuning:
         """No delay anywhere: arm at once, never yield, no early wake-ups (the timing a
         shortcut would have without its tuning; the differential test runs it too)."""
         return cls(arm_delay_s=0.0, ahead_arm_delay_s=0.0, ahead_yield_s=0.0,

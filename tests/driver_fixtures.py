@@ -6,9 +6,9 @@
 
 import pytest
 
-from calexec.drivers.synthetic import calbin
-from calexec.drivers.direct import DirectRunner
 from calexec.drivers.calrt.runtime import CalRT
+from calexec.drivers.direct import DirectRunner
+from calexec.drivers.synthetic import calbin
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,9 @@ from calexec.contracts.manifest import default_manifest_path, load_manifest
 from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.status import Status
 from calexec.contracts.types import TaskKind
+from calexec.drivers.calrt.runtime import CalRT, Fault, FaultMode
 from calexec.drivers.synthetic import calbin as cb
 from calexec.drivers.synthetic import oracle
-from calexec.drivers.calrt.runtime import CalRT, Fault, FaultMode
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 
 SEED = cb.default_spec().seed

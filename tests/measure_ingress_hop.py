@@ -20,7 +20,7 @@ try:
     import ray
     from ray import serve
 except ImportError as exc:  # an optional extra: say so instead of a traceback
-    raise SystemExit(f"measure_ingress_hop.py needs Ray: pip install -e '.[ray]' ({exc})")
+    raise SystemExit(f"measure_ingress_hop.py needs Ray: pip install -e '.[ray]' ({exc})") from None
 
 from calexec.drivers.fleet.ray_serve import ReplicaSettings, build_app  # noqa: E402
 from test_server_support import free_port  # noqa: E402

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from calexec.drivers.tools.accept import run as accept
-from calexec.drivers.tools.accept.report import write_report
 from calexec.drivers.tools.accept.gate_rig import growth
+from calexec.drivers.tools.accept.report import write_report
 from calexec.machines.completion import Completion
 
 TINY = attrs.evolve(accept.QUICK, mode="tiny", prompts=3, decode_steps=3,

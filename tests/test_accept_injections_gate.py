@@ -27,8 +27,8 @@ from calexec.contracts.errors import Category
 from calexec.contracts.status import Status
 from calexec.drivers.tools.accept import gate_rig, gates
 from calexec.drivers.tools.accept import run as accept
-from calexec.machines.outcomes import JobOutcomes
 from calexec.machines.job import Job
+from calexec.machines.outcomes import JobOutcomes
 
 #: faults after submit only (each one a quarantined job and a recovery)
 AFTER_SUBMIT = ("output_nan", "output_short", "ccu_exception")

@@ -10,8 +10,7 @@ import pytest
 
 from calexec.drivers import alloccount
 from calexec.drivers.alloccount import AllocCounterError, count
-from calexec.machines.postprocess import (bf16_all_finite, bf16_to_f32_into,
-                                          bf16_to_f32_legacy)
+from calexec.machines.postprocess import bf16_all_finite, bf16_to_f32_into, bf16_to_f32_legacy
 
 V = 151936
 

@@ -16,9 +16,18 @@ import pytest
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Status
 from calexec.machines.job import InferenceResult
-from executor_harness import (arm, decode, deadline, expected_greedy, prefill,
-                              running_executor, running_job_path, settle, until,
-                              write_calbin)
+from executor_harness import (
+    arm,
+    deadline,
+    decode,
+    expected_greedy,
+    prefill,
+    running_executor,
+    running_job_path,
+    settle,
+    until,
+    write_calbin,
+)
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 
@@ -380,7 +389,7 @@ def test_phase_b_an_early_request_never_shares_the_device_with_its_predecessor(c
         out = decode_run(ex, 1, 3)
         past = len(PROMPT) + 3
         early_with_guess = 0
-        for step in range(6):
+        for _step in range(6):
             handle = ex.enqueue(decode(1, out[-1], past))
             until(lambda: (ex.dispatch.guess(1) is not None and ex.dispatch.guess(1).job is not None) or handle.done,
                   what="N on the device and the guess for N+1 armed")

@@ -30,7 +30,8 @@ LOGITS_CASES = ("direct", "legacy", "direct_prefill", "legacy_prefill", "copy", 
                 "fused", "fused_prefill", "fused_sumexp")
 LOGITS_KEYS = {"speedup_vs_legacy", "speedup_vs_legacy_prefill", "ratio_to_copy",
                "fused_ratio_to_copy", "fused_prefill_ratio_to_copy", "numpy_path_ratio_to_copy",
-               "fused_speedup_vs_numpy_path", "fused_cpu_ratio_to_copy", "fused_bit_identical", "fused_sumexp_rel_error",
+               "fused_speedup_vs_numpy_path", "fused_cpu_ratio_to_copy", "fused_bit_identical",
+               "fused_sumexp_rel_error",
                "cpu_model", "bit_identical", "allocations_per_token", "allocation_count_per_call", "iters",
                *(f"{case}_us_p50" for case in LOGITS_CASES),
                *(f"{case}_cpu_us" for case in LOGITS_CASES)}

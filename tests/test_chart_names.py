@@ -27,7 +27,7 @@ def test_the_committed_module_is_what_the_declarations_generate():
 
 def test_every_state_and_event_has_exactly_one_constant():
     values = name_constants()
-    for name, chart in CHARTS.items():
+    for _name, chart in CHARTS.items():
         assert set(chart.states) | set(chart.events) <= set(values.values())
     assert chart_names.JOB_CANCEL_REQUESTED == "CancelRequested"
     assert chart_names.SLOT_EV_GIVE_BACK == "give_back"

@@ -87,7 +87,7 @@ def trace(chart, steps):
 def test_job_properties(steps):
     taken = trace(JOB, steps)
     visited = [JOB.initial] + [target for _, _, target, _ in taken]
-    for source, event, target, outcomes in taken:
+    for source, _event, target, outcomes in taken:
         if target == "Succeeded":
             # A job reaches Succeeded only through Submitted then Completing, with a validated
             # output and no cancel (§5.1-6, §5.1-7, §6.5).

@@ -11,8 +11,13 @@ from pathlib import Path
 import pytest
 
 from calexec.machines.compiled import CHARTS, KV_TXN, compile_chart
-from calexec.machines.coverage import (TransitionListener, TransitionRecorder, describe, recording,
-                                       report)
+from calexec.machines.coverage import (
+    TransitionListener,
+    TransitionRecorder,
+    describe,
+    recording,
+    report,
+)
 from chartpaths import GuardTable
 
 PLUGIN_DIR = Path(__file__).resolve().parent

@@ -23,9 +23,20 @@ from calexec.contracts.status import Phase, Status
 from calexec.drivers.synthetic import calbin as cb
 from calexec.machines.faults import RecoveryPolicy
 from calexec.machines.pool import BufferSlot
-from executor_harness import (SEED, arm, decode, deadline, expected_greedy, greedy,
-                              oracle_golden, prefill, running_executor, settle, until,
-                              write_calbin)
+from executor_harness import (
+    SEED,
+    arm,
+    deadline,
+    decode,
+    expected_greedy,
+    greedy,
+    oracle_golden,
+    prefill,
+    running_executor,
+    settle,
+    until,
+    write_calbin,
+)
 
 PROMPT = [5, 6, 7, 8]
 

@@ -15,8 +15,13 @@ import signal
 import pytest
 
 from calexec.drivers.tools.conform import runner
-from calexec.drivers.tools.conform.experiments import QUESTIONS, RESET_KINDS, classify_overlap, overlap_bounds
 from calexec.drivers.tools.conform.experiment_rig import build_emulator_lib
+from calexec.drivers.tools.conform.experiments import (
+    QUESTIONS,
+    RESET_KINDS,
+    classify_overlap,
+    overlap_bounds,
+)
 
 JOBS, KV, CONFIG = 1, 2, 4
 

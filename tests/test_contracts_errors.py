@@ -5,12 +5,18 @@ import pytest
 from calexec.contracts.codes import CalrtCode, DeviceJobStatus, describe
 from calexec.contracts.errors import (
     RULES,
-    AdmissionAction as A,
-    AutoAction as X,
     Category,
-    JobAction as J,
     classify,
     service_mapping,
+)
+from calexec.contracts.errors import (
+    AdmissionAction as A,
+)
+from calexec.contracts.errors import (
+    AutoAction as X,
+)
+from calexec.contracts.errors import (
+    JobAction as J,
 )
 
 # Written out from the spec's §8 table (not derived from the module under test).

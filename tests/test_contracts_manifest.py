@@ -255,7 +255,8 @@ def test_graph_metadata_absent_refuses(manifest):
 
 
 def test_sha256_pin(tmp_path):
-    pinned = load_manifest(write(tmp_path, replace_once(DEFAULT_TEXT, "# calbin_sha256 = ", f'calbin_sha256 = "{SHA}" # ')))
+    pinned = load_manifest(write(tmp_path, replace_once(DEFAULT_TEXT, "# calbin_sha256 = ",
+                                                        f'calbin_sha256 = "{SHA}" # ')))
     assert pinned.calbin_sha256 == SHA
     assert isinstance(pinned.resolve(emulator_models(), 1, SHA.upper()), ModelGeneration)
     other = "f" * 64

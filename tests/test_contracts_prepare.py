@@ -182,7 +182,8 @@ def test_plan_and_check_slices(gen):
     t = ids.token_or_embed
     assert check_slice(t, 0, t.byte_size).ok
     assert check_slice(t, t.byte_size, 0).ok
-    assert_step(check_slice(t, 0, t.byte_size + 1), 6, f"size={t.byte_size + 1} exceeds byte_size={t.byte_size}")  # FI03
+    assert_step(check_slice(t, 0, t.byte_size + 1), 6,
+                f"size={t.byte_size + 1} exceeds byte_size={t.byte_size}")  # FI03
     assert_step(check_slice(t, 4, t.byte_size), 6, "offset=4")
     assert_step(check_slice(gen.submodels[TaskKind.DECODE].position, 0, 4), 6, "not sliceable")
 

@@ -26,8 +26,15 @@ import pytest
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
 from calexec.machines.job import InferenceResult
-from executor_harness import (deadline, expected_greedy, prefill, running_executor,
-                              running_job_path, until, write_calbin)
+from executor_harness import (
+    deadline,
+    expected_greedy,
+    prefill,
+    running_executor,
+    running_job_path,
+    until,
+    write_calbin,
+)
 
 PROMPT = [5, 3, 9, 1, 4]
 

@@ -13,8 +13,11 @@ import pytest
 from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import TaskKind
-from calexec.machines.chart_names import (JOB_EV_ADMIT, JOB_EV_BEGIN_PREPARATION, JOB_EV_CANCEL,
-                                          JOB_QUEUED)
+from calexec.machines.chart_names import (
+    JOB_EV_ADMIT,
+    JOB_EV_BEGIN_PREPARATION,
+    JOB_QUEUED,
+)
 from calexec.machines.clock import SYSTEM
 from calexec.machines.dispatch import Dispatch, Held
 from calexec.machines.job import Job

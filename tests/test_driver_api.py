@@ -11,12 +11,11 @@ import numpy as np
 import pytest
 
 from calexec.contracts.runtime_view import RuntimeModelInfo
-from calexec.drivers.tools.bench import sim as simbench
-from calexec.drivers.synthetic import oracle
-from calexec.drivers.synthetic import calbin
 from calexec.drivers import calrt as calrt_pkg
-from calexec.drivers.direct import DirectRunner, check
 from calexec.drivers.calrt.runtime import CalRT, Did, JobStatus, Rc, Stage
+from calexec.drivers.direct import DirectRunner, check
+from calexec.drivers.synthetic import calbin, oracle
+from calexec.drivers.tools.bench import sim as simbench
 
 SEED = 5
 CALRT_DIR = os.path.dirname(calrt_pkg.__file__)  # drivers/calrt: Makefile and the C sources

@@ -10,11 +10,16 @@ import numpy as np
 import pytest
 
 from calexec.contracts.status import Status
+from calexec.machines.job import InferenceResult, job_of
 from calexec.machines.tuning import HotPathTuning
-from calexec.machines.job import InferenceResult
-from calexec.machines.job import job_of
-from executor_harness import (decode, deadline, expected_greedy, prefill, running_job_path,
-                              write_calbin)
+from executor_harness import (
+    deadline,
+    decode,
+    expected_greedy,
+    prefill,
+    running_job_path,
+    write_calbin,
+)
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 

@@ -25,8 +25,16 @@ import pytest
 
 from calexec.contracts.status import Phase, Status
 from calexec.machines.job import InferenceResult, Job, JobHandle
-from executor_harness import (decode, deadline, expected_greedy, make_executor, prefill,
-                              running_job_path, until, write_calbin)
+from executor_harness import (
+    deadline,
+    decode,
+    expected_greedy,
+    make_executor,
+    prefill,
+    running_job_path,
+    until,
+    write_calbin,
+)
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79]
 BOUND_S = 30.0  # a hang guard: reaching it fails the test
@@ -335,6 +343,8 @@ def _is_protocol(tp) -> bool:
 def _compatible(want, got, seen) -> bool:
     """``got`` (the class's annotation) is what ``want`` (the protocol's) says: equal, a class
     conforming to a protocol, or the same generic/union with compatible arguments."""
+    # collections.abc.Callable keeps a ``None`` return as None, typing.Callable as NoneType
+    want, got = (type(None) if t is None else t for t in (want, got))
     if want == got:
         return True
     if _is_protocol(want) and isinstance(got, type):

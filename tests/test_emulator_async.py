@@ -9,10 +9,20 @@ import time
 import numpy as np
 import pytest
 
-from calexec.drivers.synthetic import oracle
-from calexec.drivers.synthetic import calbin
+from calexec.drivers.calrt.runtime import (
+    CalRT,
+    Did,
+    Fault,
+    FaultMode,
+    JobStatus,
+    Overlap,
+    Rc,
+    Scope,
+    Stage,
+    TaskType,
+)
 from calexec.drivers.direct import DirectRunner, check
-from calexec.drivers.calrt.runtime import CalRT, Did, Fault, FaultMode, JobStatus, Overlap, Rc, Scope, Stage, TaskType
+from calexec.drivers.synthetic import calbin, oracle
 
 SEED = 0x1234
 D = calbin.DECODE

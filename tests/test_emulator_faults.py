@@ -6,10 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from calexec.drivers.synthetic import oracle
-from calexec.drivers.synthetic import calbin
-from calexec.drivers.direct import DirectRunner, check
 from calexec.drivers.calrt.runtime import CalRT, Fault, FaultMode, JobStatus, KvPolicy, Rc
+from calexec.drivers.direct import DirectRunner, check
+from calexec.drivers.synthetic import calbin, oracle
 
 SEED = 77
 D = calbin.DECODE
@@ -171,9 +170,9 @@ def test_latency_profile_is_bounded_like_the_knobs():
 def test_wait_failure_after_compute_still_applies_the_kv_policy(tmp_path):
     """An injected Wait failure that hits a job between compute and D2H follows
     kv_after_failed_wait like one that hits it earlier (stepped mode pins the moment)."""
-    from calexec.drivers.synthetic import calbin as cb
-    from calexec.drivers.direct import DirectRunner
     from calexec.drivers.calrt.runtime import Stage
+    from calexec.drivers.direct import DirectRunner
+    from calexec.drivers.synthetic import calbin as cb
     path = str(tmp_path / "c.calbin")
     cb.write(path, cb.default_spec())
     r = DirectRunner(CalRT.load(), path, "kv_after_failed_wait=unchanged")

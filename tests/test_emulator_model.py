@@ -5,10 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from calexec.drivers.synthetic import oracle
-from calexec.drivers.synthetic import calbin
-from calexec.drivers.direct import DirectRunner, check
 from calexec.drivers.calrt.runtime import CalRT, JobStatus
+from calexec.drivers.direct import DirectRunner, check
+from calexec.drivers.synthetic import calbin, oracle
 
 SEED = 0xBADC0DE
 

@@ -14,12 +14,23 @@ from calexec.contracts.errors import Category
 from calexec.contracts.prepare import TensorSlice
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import TaskKind
-from calexec.drivers.synthetic import oracle
 from calexec.drivers.calrt.runtime import Fault, Stage
+from calexec.drivers.synthetic import oracle
 from calexec.machines.pool import BufferSlot
+from executor_harness import (
+    SEED,
+    arm,
+    deadline,
+    decode,
+    expected_greedy,
+    fired,
+    greedy,
+    prefill,
+    settle,
+    until,
+    write_calbin,
+)
 from executor_harness import running_job_path as running_executor
-from executor_harness import (SEED, arm, decode, deadline, expected_greedy, fired, greedy,
-                              prefill, settle, until, write_calbin)
 
 PROMPT = [11, 22, 33, 44, 55, 66, 77]
 

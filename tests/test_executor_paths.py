@@ -18,15 +18,14 @@ import pytest
 from calexec.contracts.status import Status
 from calexec.contracts.types import TaskKind
 from calexec.drivers.calrt.runtime import Stage
-from calexec.machines.completion import Completion
 from calexec.machines.compiled import CHARTS, JOB, KV_TXN
+from calexec.machines.completion import Completion
 from calexec.machines.coverage import recording as recording_transitions
-from chartpaths import transition_paths
-from calexec.machines.pool import BufferPool, BufferSlot
 from calexec.machines.job import job_of
+from calexec.machines.pool import BufferPool, BufferSlot
+from chartpaths import transition_paths
+from executor_harness import arm, deadline, decode, greedy, prefill, until, write_calbin
 from executor_harness import running_job_path as running_executor
-from executor_harness import (arm, decode, deadline, greedy, prefill, until,
-                              write_calbin)
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 

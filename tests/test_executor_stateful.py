@@ -21,19 +21,24 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
-                                 rule)
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from calexec.contracts.codes import DeviceJobStatus
 from calexec.contracts.status import Status
+from calexec.drivers.calrt.runtime import Did, Fault, FaultMode, Stage
 from calexec.drivers.synthetic import calbin as cb
 from calexec.drivers.synthetic import oracle
-from calexec.drivers.calrt.runtime import Did, Fault, FaultMode, Stage
-from calexec.machines.job import InferenceResult
+from calexec.machines.job import InferenceResult, job_of
 from calexec.machines.tuning import HotPathTuning
-from calexec.machines.job import job_of
-from executor_harness import (SEED, deadline, decode, make_executor, oracle_golden, prefill,
-                              write_calbin)
+from executor_harness import (
+    SEED,
+    deadline,
+    decode,
+    make_executor,
+    oracle_golden,
+    prefill,
+    write_calbin,
+)
 
 # CI size 1200 (docs/testing.md: a longer run sets CALEXEC_STATEFUL_EXAMPLES)
 EXAMPLES = int(os.environ.get("CALEXEC_STATEFUL_EXAMPLES", "1200" if os.environ.get("CI") else "300"))

@@ -16,9 +16,20 @@ import pytest
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
 from calexec.machines.job import InferenceResult, job_of
-from executor_harness import running_executor, running_job_path
-from executor_harness import (arm, deadline, decode, expected_greedy, fired, greedy, prefill,
-                              settle, until, write_calbin)
+from executor_harness import (
+    arm,
+    deadline,
+    decode,
+    expected_greedy,
+    fired,
+    greedy,
+    prefill,
+    running_executor,
+    running_job_path,
+    settle,
+    until,
+    write_calbin,
+)
 
 PROMPT = [5, 17, 29, 41, 53, 65, 77, 89, 101]
 

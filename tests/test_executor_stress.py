@@ -31,21 +31,29 @@ import threading
 import time
 import traceback
 from collections import Counter, deque
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
-from calexec.drivers.synthetic import oracle
 from calexec.drivers.calrt.runtime import Fault
-from calexec.machines.faults import RecordingFaultSink
-from calexec.machines.job import InferenceResult, JobHandle
 from calexec.drivers.memory import pin_mmap_threshold
-from calexec.machines.job import job_of
-from executor_harness import (SEED, arm, decode, expected_greedy, fired, make_executor, prefill,
-                              settle, write_calbin)
+from calexec.drivers.synthetic import oracle
+from calexec.machines.faults import RecordingFaultSink
+from calexec.machines.job import InferenceResult, JobHandle, job_of
+from executor_harness import (
+    SEED,
+    arm,
+    decode,
+    expected_greedy,
+    fired,
+    make_executor,
+    prefill,
+    settle,
+    write_calbin,
+)
 
 # Outcomes of one resolved job (each maps to exactly one executor counter).
 DELIVERED = "succeeded"
@@ -92,7 +100,7 @@ class Book:
                 self.handles.append(handle)
                 self.recent.append(handle)
 
-    def record(self, outcome: str, result: "InferenceResult | Status",
+    def record(self, outcome: str, result: InferenceResult | Status,
                committed: bool) -> int:
         """Count one outcome; returns how many jobs failed after submit so far."""
         with self._mu:
@@ -138,7 +146,7 @@ def oracle_logits(state: int) -> np.ndarray:
     return oracle.bf16_to_f32(oracle.logits_bf16(state))
 
 
-def classify(handle: JobHandle, result: "InferenceResult | Status", seq: int,
+def classify(handle: JobHandle, result: InferenceResult | Status, seq: int,
              generation: int) -> str:
     """Check one resolved job's result is well formed and say which outcome it is."""
     if isinstance(result, InferenceResult):
@@ -164,7 +172,7 @@ def classify(handle: JobHandle, result: "InferenceResult | Status", seq: int,
     return BEFORE_SUBMIT
 
 
-def wait_for(handle: JobHandle) -> "InferenceResult | Status":
+def wait_for(handle: JobHandle) -> InferenceResult | Status:
     return handle.wait_until(time.monotonic() + RESOLVE_S)
 
 

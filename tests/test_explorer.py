@@ -219,7 +219,7 @@ class ExplorerMachine(RuleBasedStateMachine):
         if x is None:
             return
         try:
-            if x.ex is not None and x.sched.failure is None:
+            if x.started_ex is not None and x.sched.failure is None:
                 x.finish()
         finally:
             x.close()

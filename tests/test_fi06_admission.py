@@ -26,8 +26,16 @@ from calexec.contracts.status import Phase, Status
 from calexec.drivers.calrt.runtime import Device
 from calexec.machines.faults import Action
 from calexec.machines.job import InferenceResult
-from executor_harness import (arm, decode, deadline, expected_greedy, prefill, running_executor,
-                              until, write_calbin)
+from executor_harness import (
+    arm,
+    deadline,
+    decode,
+    expected_greedy,
+    prefill,
+    running_executor,
+    until,
+    write_calbin,
+)
 
 PROMPT = [7, 7, 8, 9, 10]
 RECOVERING = ("Draining", "Recovering", "Configuring", "Warming")

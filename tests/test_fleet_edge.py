@@ -14,8 +14,13 @@ import json
 import httpx
 import pytest
 
-from calexec.drivers.fleet.edge import (RELAYED_FROM, ReplicaEdge, read_body, relay_request,
-                                        serve_relayed)
+from calexec.drivers.fleet.edge import (
+    RELAYED_FROM,
+    ReplicaEdge,
+    read_body,
+    relay_request,
+    serve_relayed,
+)
 
 BODY = {"prompt": [1, 2], "max_tokens": 2}
 

@@ -124,7 +124,7 @@ class Client:
         self.messages: list[dict] = []
         self.left = asyncio.Event()
 
-    async def run(self, app) -> "Client":
+    async def run(self, app) -> Client:
         scope = {"type": "http", "method": "POST", "path": self.path, "query_string": b"",
                  "headers": [(b"content-type", b"application/json")], "http_version": "1.1"}
         given = False

@@ -13,8 +13,8 @@ import pytest
 
 from calexec.machines.job import InferenceResult, Job
 from calexec.machines.kv import KvTxn
-from executor_harness import decode, deadline, running_job_path, write_calbin
-from test_executor_stream import PROMPT, open_stream
+from executor_harness import deadline, decode, running_job_path, write_calbin
+from test_executor_stream import open_stream
 
 
 @pytest.fixture(scope="module")

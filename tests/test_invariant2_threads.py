@@ -26,8 +26,15 @@ import pytest
 from calexec.contracts.types import TaskKind
 from calexec.drivers.calrt.runtime import Device, OutputBuf
 from calexec.machines.job import InferenceResult
-from executor_harness import (decode, deadline, expected_greedy, greedy, make_executor, prefill,
-                              write_calbin)
+from executor_harness import (
+    deadline,
+    decode,
+    expected_greedy,
+    greedy,
+    make_executor,
+    prefill,
+    write_calbin,
+)
 
 PROMPT = [11, 12, 13, 14, 15]
 STEPS = 16

@@ -34,8 +34,7 @@ from fastapi.testclient import TestClient
 from calexec.drivers.calrt.runtime import Device, OutputBuf
 from calexec.drivers.serving.server import ServerConfig, create_app
 from calexec.machines.job import InferenceResult
-from executor_harness import (decode, deadline, expected_greedy, make_executor, prefill,
-                              write_calbin)
+from executor_harness import deadline, decode, expected_greedy, make_executor, prefill, write_calbin
 from test_server_support import metric_value, oracle_tokens, started_executor
 
 PREFILL_US_PER_TOKEN = 2_000
@@ -264,7 +263,6 @@ def test_server_histograms_observe_each_job_once(tmp_path):
     that ran (one prefill per request, max_tokens - 1 decodes), TPOT one per decode job, TTFT
     one per request, and the executor delivered exactly those jobs (nothing observed twice,
     nothing missed)."""
-    from test_server_support import started_executor
 
     ex = started_executor(tmp_path)
     try:

@@ -239,17 +239,16 @@ def test_kv_reserve_len_is_checked_against_max_seq_and_sign():
     """A reservation the KvManager can never grant (beyond max_seq: Apply says no for ever)
     is a §6.3 step-2 refusal, not a wait to the deadline; a negative one a construction
     error."""
+    import tempfile
+
     import numpy as np
     import pytest
 
     from calexec.contracts.manifest import default_manifest_path, load_manifest
     from calexec.contracts.prepare import InferenceRequest, check_request
     from calexec.contracts.types import TaskKind
-    from calexec.drivers.synthetic import calbin as cb
-
-    import tempfile
-
     from calexec.drivers.calrt.runtime import CalRT
+    from calexec.drivers.synthetic import calbin as cb
     manifest = load_manifest(default_manifest_path())
     with tempfile.TemporaryDirectory() as tmp:  # the generation's contracts, as at start
         path = f"{tmp}/c.calbin"

@@ -12,8 +12,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from calexec.drivers.serving.live_charts import TransitionRates
-from calexec.drivers.tools.live_screenshots import chromium_capture
 from calexec.drivers.serving.server import ServerConfig, create_app
+from calexec.drivers.tools.live_screenshots import chromium_capture
 from calexec.machines.compiled import CHARTS, JOB
 from test_server_support import LiveServer, started_executor
 

@@ -14,11 +14,11 @@ from hypothesis.extra import numpy as hnp
 
 from calexec.contracts.status import Status
 from calexec.drivers import alloccount
+from calexec.drivers.calrt.runtime import CalRT
 from calexec.drivers.native._calexec_native import lib as native_lib
 from calexec.drivers.native.fused_logits import EBOUNDS, EDST, NONFINITE, OK, FusedLogits
-from calexec.drivers.calrt.runtime import CalRT
 from calexec.machines.postprocess import bf16_all_finite, bf16_to_f32_into
-from executor_harness import decode, deadline, prefill, running_executor, write_calbin
+from executor_harness import deadline, decode, prefill, running_executor, write_calbin
 
 V = 151936
 BLOCK = 1024  # the C loop's block: slices around its multiples are the edges

@@ -14,8 +14,7 @@ import pytest
 
 from calexec.drivers.serving import byte_tokenizer as tokenizer
 from calexec.drivers.serving.server import ServerConfig, create_app
-from test_server_support import (LiveServer, metric_value, oracle_tokens, started_executor,
-                                 wait_for)
+from test_server_support import LiveServer, metric_value, oracle_tokens, started_executor, wait_for
 
 MODEL = "calexec-qwen3-synthetic"
 

@@ -14,8 +14,17 @@ import pytest
 from calexec.contracts.status import Status
 from calexec.contracts.types import EngineSlot
 from calexec.drivers.synthetic import oracle
-from executor_harness import (SEED, arm, decode, deadline, prefill, running_executor,
-                              running_job_path, settle, write_calbin)
+from executor_harness import (
+    SEED,
+    arm,
+    deadline,
+    decode,
+    prefill,
+    running_executor,
+    running_job_path,
+    settle,
+    write_calbin,
+)
 
 
 @pytest.fixture(scope="module")

@@ -28,12 +28,19 @@ ray = needs.module("ray", "ray")
 serve = needs.module("ray.serve", "ray")
 
 from calexec.contracts.codes import CalrtCode  # noqa: E402 - after the optional import
-from calexec.drivers.fleet.edge import relay_request
-from calexec.drivers.fleet.ray_serve import (HEALTHY_STATES, ReplicaFailed, ReplicaSettings, build_app,
-                                       check_lifecycle, rank_by_lifecycle, routing_stats)
-from calexec.drivers.serving.server import ServerConfig
-from calexec.machines.compiled import LIFECYCLE
-from test_server_support import free_port, oracle_tokens, wait_for
+from calexec.drivers.fleet.edge import relay_request  # noqa: E402
+from calexec.drivers.fleet.ray_serve import (  # noqa: E402
+    HEALTHY_STATES,
+    ReplicaFailed,
+    ReplicaSettings,
+    build_app,
+    check_lifecycle,
+    rank_by_lifecycle,
+    routing_stats,
+)
+from calexec.drivers.serving.server import ServerConfig  # noqa: E402
+from calexec.machines.compiled import LIFECYCLE  # noqa: E402
+from test_server_support import free_port, oracle_tokens, wait_for  # noqa: E402
 
 APP = "calexec"
 REPLICA = "x-calexec-replica"
@@ -73,7 +80,7 @@ def scrape_ray_gauge(name: str) -> dict[tuple[str, str], float]:
 ADMIN_TOKEN = "fleet-test-admin"
 
 
-def deploy(replicas: int, decode_us: int) -> "serve.handle.DeploymentHandle":
+def deploy(replicas: int, decode_us: int) -> serve.handle.DeploymentHandle:
     """Deploy the fleet (ingress + ``replicas`` device replicas); the device replicas' handle."""
     settings = ReplicaSettings(device_config=f"decode_us={decode_us}", grace_s=10.0,
                                server=ServerConfig(admin_token=ADMIN_TOKEN))
@@ -147,7 +154,7 @@ class Load:
         self._mu = threading.Lock()
         self._threads = [threading.Thread(target=self._client, args=(i,)) for i in range(clients)]
 
-    def __enter__(self) -> "Load":
+    def __enter__(self) -> Load:
         for thread in self._threads:
             thread.start()
         return self

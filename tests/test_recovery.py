@@ -22,8 +22,20 @@ from calexec.machines.compiled import LIFECYCLE
 from calexec.machines.faults import Action, RecoveryPolicy
 from calexec.machines.job import InferenceResult
 from calexec.machines.pool import BufferPool
-from executor_harness import (SEED, arm, decode, deadline, fired, greedy, oracle_golden, prefill,
-                              running_executor, settle, until, write_calbin)
+from executor_harness import (
+    SEED,
+    arm,
+    deadline,
+    decode,
+    fired,
+    greedy,
+    oracle_golden,
+    prefill,
+    running_executor,
+    settle,
+    until,
+    write_calbin,
+)
 from test_executor_paths import recording
 
 PROMPT = [7, 7, 8, 9, 10]
@@ -252,7 +264,7 @@ def test_transient_faults_past_the_threshold_drain_and_rebuild(calbins):
 def test_escalation_past_max_recoveries_ends_failed(calbins):
     policy = RecoveryPolicy(max_recoveries=2)
     with running_executor(calbins["main"], recovery=policy) as ex:
-        for attempt in range(3):
+        for _attempt in range(3):
             greedy(ex, 1, PROMPT, 0)
             arm(ex, "CCU_EXCEPTION")
             ex.enqueue(decode(1, 3, len(PROMPT))).wait_until(deadline())
@@ -353,8 +365,9 @@ def lifecycle_scenarios(calbins):
     # Recovering -> Failed (device fault, no safe reset)
     test_device_fault_without_a_safe_reset_fails_from_recovering(calbins)
     # Configuring -> Failed (FI01 at start: one character changed in the manifest)
-    from calexec.contracts.manifest import load_manifest, default_manifest_path
     import attrs
+
+    from calexec.contracts.manifest import default_manifest_path, load_manifest
     from calexec.drivers.calrt.runtime import CalRT
     from calexec.machines.executor import DeviceExecutor, ExecutorConfig
     manifest = load_manifest(default_manifest_path())

@@ -20,11 +20,11 @@ import pytest
 
 from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.types import TaskKind
+from calexec.drivers.calrt.runtime import ENV_LIB, Fault, FaultMode
+from calexec.drivers.device_spec import DeviceSpec, DeviceSpecError
 from calexec.drivers.synthetic import calbin
 from calexec.drivers.tools.conform import runner
 from calexec.drivers.tools.conform.experiment_rig import build_emulator_lib
-from calexec.drivers.device_spec import DeviceSpec, DeviceSpecError
-from calexec.drivers.calrt.runtime import ENV_LIB, Fault, FaultMode
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 from test_server_support import wait_for
 

@@ -9,8 +9,14 @@ import math
 import numpy as np
 import pytest
 
-from calexec.drivers.serving.sampling import (GREEDY, MAX_LOGPROBS, SamplingError, SamplingParams,
-                                      log_softmax, pick)
+from calexec.drivers.serving.sampling import (
+    GREEDY,
+    MAX_LOGPROBS,
+    SamplingError,
+    SamplingParams,
+    log_softmax,
+    pick,
+)
 
 
 def _logits(seed: int = 0, n: int = 1000) -> np.ndarray:

@@ -25,12 +25,11 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 import needs
-from calexec.drivers.serving import byte_tokenizer as tokenizer
 from calexec.drivers.calrt.runtime import Fault, FaultMode, Stage
-from calexec.serve import SAMPLE_REQUEST
+from calexec.drivers.serving import byte_tokenizer as tokenizer
 from calexec.drivers.serving.server import ServerConfig, create_app
-from test_server_support import (LiveServer, metric_value, oracle_tokens, started_executor,
-                                 wait_for)
+from calexec.serve import SAMPLE_REQUEST
+from test_server_support import LiveServer, metric_value, oracle_tokens, started_executor, wait_for
 
 TURQUOISE = (64, 224, 208)  # the highlighted state's fill (machines/diagrams.py)
 

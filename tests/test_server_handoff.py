@@ -20,10 +20,10 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from calexec.drivers.fleet.edge import serve_relayed  # noqa: E402
 from calexec.drivers.fleet.ingress import FailoverSettings, FleetIngress  # noqa: E402
+from calexec.drivers.serving.byte_tokenizer import BYTE_OFFSET, ByteTokenizer  # noqa: E402
 from calexec.drivers.serving.handoff import PROGRESS_TYPE  # noqa: E402
 from calexec.drivers.serving.openai_api import TextOutput  # noqa: E402
 from calexec.drivers.serving.server import ServerConfig, create_app  # noqa: E402
-from calexec.drivers.serving.byte_tokenizer import BYTE_OFFSET, ByteTokenizer  # noqa: E402
 from test_server_support import started_executor  # noqa: E402
 
 PROMPT = [5, 6, 7]

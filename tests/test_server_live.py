@@ -14,11 +14,17 @@ import httpx
 import openai
 import pytest
 
-from calexec.drivers.serving import byte_tokenizer as tokenizer
 from calexec.drivers.calrt.runtime import Emulator
+from calexec.drivers.serving import byte_tokenizer as tokenizer
 from calexec.drivers.serving.server import ServerConfig, create_app
-from test_server_support import (LiveServer, free_port, metric_value, oracle_tokens,
-                                 started_executor, wait_for)
+from test_server_support import (
+    LiveServer,
+    free_port,
+    metric_value,
+    oracle_tokens,
+    started_executor,
+    wait_for,
+)
 
 
 @pytest.fixture

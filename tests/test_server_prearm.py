@@ -195,10 +195,11 @@ def test_a_discarded_step_that_hangs_never_delays_the_answer(tmp_path, stream):
     stream waiting for it (up to min(deadline, 10 s)), so the answer came after the step had
     ended (its slot quarantined). The sequence id comes back once the step ended and the
     server serves again."""
+    import httpx
+
     from calexec.drivers.calrt.runtime import Fault, FaultMode
     from calexec.machines.faults import RecoveryPolicy
     from test_server_support import LiveServer
-    import httpx
 
     executor = started_executor(tmp_path, "decode_us=50000", execution_timeout_s=5.0,
                                 timeout_grace_s=0.2,

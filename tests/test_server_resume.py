@@ -18,12 +18,17 @@ import httpx  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 
 from calexec.contracts.types import TaskKind  # noqa: E402
-from calexec.drivers.tools.chaos import FAULTS  # noqa: E402
 from calexec.drivers.calrt.runtime import Fault, FaultMode, Stage  # noqa: E402
 from calexec.drivers.serving.server import ServerConfig, create_app  # noqa: E402
+from calexec.drivers.tools.chaos import FAULTS  # noqa: E402
 from calexec.machines.faults import RecoveryPolicy  # noqa: E402
-from test_server_support import (LiveServer, metric_value, oracle_tokens,  # noqa: E402
-                                 started_executor, wait_for)
+from test_server_support import (  # noqa: E402
+    LiveServer,
+    metric_value,
+    oracle_tokens,
+    started_executor,
+    wait_for,
+)
 
 PROMPT = [5, 6, 7]
 #: the emulator's job-level faults whose §8 category is retryable or device-side

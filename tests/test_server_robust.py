@@ -15,11 +15,10 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from calexec.drivers.synthetic import calbin as cb
 from calexec.drivers.calrt.runtime import Stage
 from calexec.drivers.serving.server import ServerConfig, create_app
-from test_server_support import (LiveServer, metric_value, oracle_tokens, started_executor,
-                                 wait_for)
+from calexec.drivers.synthetic import calbin as cb
+from test_server_support import LiveServer, metric_value, oracle_tokens, started_executor, wait_for
 
 TOKEN = "robust-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -23,8 +23,15 @@ import httpx
 import pytest
 
 from calexec.drivers.serving.server import ServerConfig, create_app
-from test_server_support import (ServeLikeServer, free_port, metric_value, read_until_closed,
-                                 stalled_client, started_executor, wait_for)
+from test_server_support import (
+    ServeLikeServer,
+    free_port,
+    metric_value,
+    read_until_closed,
+    stalled_client,
+    started_executor,
+    wait_for,
+)
 
 TOKEN = "stalled-admin-token"
 #: margin on top of a spec'd bound for this shared, loaded machine (the bound is what fails

@@ -11,14 +11,12 @@ import time
 from pathlib import Path
 
 import uvicorn
-
 from prometheus_client.parser import text_string_to_metric_families
 
 from calexec.contracts.manifest import default_manifest_path, load_manifest
-from calexec.drivers.synthetic import oracle
-from calexec.drivers.synthetic import calbin
-from calexec.drivers.tools.chaos import LiveServer  # noqa: F401 - re-exported for the server tests
 from calexec.drivers.calrt.runtime import CalRT
+from calexec.drivers.synthetic import calbin, oracle
+from calexec.drivers.tools.chaos import LiveServer  # noqa: F401 - re-exported for the server tests
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 
 

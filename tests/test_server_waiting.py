@@ -21,8 +21,13 @@ from calexec.contracts.errors import Category  # noqa: E402
 from calexec.contracts.status import Phase, Status  # noqa: E402
 from calexec.drivers.serving.admission import AdmissionQueue, Waiter  # noqa: E402
 from calexec.drivers.serving.server import SequencePool, ServerConfig, create_app  # noqa: E402
-from test_server_support import (LiveServer, metric_value, oracle_tokens,  # noqa: E402
-                                 started_executor, wait_for)
+from test_server_support import (  # noqa: E402
+    LiveServer,
+    metric_value,
+    oracle_tokens,
+    started_executor,
+    wait_for,
+)
 
 PROMPT = [5, 6, 7]
 

@@ -13,9 +13,9 @@ import pytest
 
 from calexec.contracts import goldens as gl
 from calexec.contracts.manifest import ManifestError, default_manifest_path, load_manifest
+from calexec.drivers.calrt.runtime import CalRT
 from calexec.drivers.synthetic import calbin as cb
 from calexec.drivers.tools import golden as golden_cli
-from calexec.drivers.calrt.runtime import CalRT
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 from executor_harness import SEED, oracle_golden, write_calbin
 from test_phase_b import TaskTypes

@@ -17,10 +17,21 @@ import pytest
 
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Status
-from calexec.machines.job import InferenceResult
 from calexec.drivers.synthetic import oracle
-from executor_harness import (SEED, arm, deadline, expected_greedy, fired, greedy, prefill,
-                              running_job_path, settle, until, write_calbin)
+from calexec.machines.job import InferenceResult
+from executor_harness import (
+    SEED,
+    arm,
+    deadline,
+    expected_greedy,
+    fired,
+    greedy,
+    prefill,
+    running_job_path,
+    settle,
+    until,
+    write_calbin,
+)
 from test_executor_stream import PROMPT, assert_released, open_stream
 
 
@@ -61,7 +72,7 @@ def test_stepped_completion_fires_every_next_step_and_tokens_match(calbin):
         row = np.empty(ex.generation.vocab_size, np.float32)
         stream, token = open_stepped(ex, 1, steps, logits_out=row, max_steps=steps)
         out = [token]
-        for k in range(steps):
+        for _k in range(steps):
             result = stream.step(out[-1])
             assert isinstance(result, InferenceResult), result
             assert np.shares_memory(result.logits, row)

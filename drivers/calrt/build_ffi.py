@@ -21,7 +21,7 @@ SOURCES = ("emulator.c", "emu_controls.c", "emu_engine.c")
 
 def cdef_text() -> str:
     """The cdef: both headers without preprocessor lines (comments are stripped by cffi)."""
-    parts = []
+    parts: list[str] = []
     for name in HEADERS:
         with open(os.path.join(HERE, name), encoding="utf-8") as f:
             parts.extend(line for line in f if not line.lstrip().startswith("#"))

@@ -23,6 +23,7 @@ import enum
 import hashlib
 import logging
 import os
+from typing import Any
 
 import numpy as np
 
@@ -39,8 +40,10 @@ log = logging.getLogger("calexec.calrt")
 ENV_LIB = "CALEXEC_CALRT_LIB"
 
 
-def _enum(name: str, ctype: str, prefix: str) -> type[enum.IntEnum]:
-    """An IntEnum built from a C enum of the cdef (the header stays the single source)."""
+def _enum(name: str, ctype: str, prefix: str) -> Any:
+    """An IntEnum built from a C enum of the cdef (the header stays the single source). Typed
+    ``Any``: its members exist only once the cdef is read, so a type checker cannot list them
+    (a wrong member name is an AttributeError at import or first use, as before)."""
     members = {k[len(prefix):]: v for k, v in _ffi.typeof(ctype).relements.items() if k.startswith(prefix)}
     return enum.IntEnum(name, sorted(members.items(), key=lambda kv: kv[1]))
 
@@ -119,7 +122,7 @@ class CalRT:
             self.has_emu = False
 
     @classmethod
-    def load(cls, lib_path: str | None = None) -> "CalRT":
+    def load(cls, lib_path: str | None = None) -> CalRT:
         """lib_path None: ``$CALEXEC_CALRT_LIB`` if set, else the bundled emulator."""
         if lib_path is None:
             lib_path = os.environ.get(ENV_LIB) or None
@@ -135,7 +138,7 @@ class CalRT:
         executor's completion path. Host code, not CalRT: the same whichever library is loaded."""
         return FusedLogits()
 
-    def open_device(self, config: str = "") -> tuple[int, "Device | None"]:
+    def open_device(self, config: str = "") -> tuple[int, Device | None]:
         out = self.ffi.new("calrt_device **")
         rc = self.lib.calrt_device_open(config.encode(), out)
         return rc, (Device(self, out[0]) if rc == 0 else None)
@@ -171,7 +174,7 @@ class Device:
         counters = self.emu.counters()
         return bool(counters) and counters.get("stale_pending", 1) == 0
 
-    def load_calbin(self, path: str) -> tuple[int, "Calbin | None"]:
+    def load_calbin(self, path: str) -> tuple[int, Calbin | None]:
         """(rc, Calbin). The sha256 is of the bytes read here; if Python cannot read the
         file the runtime's own code (10/11) is returned."""
         try:
@@ -191,7 +194,7 @@ class Device:
             return Rc.ERR_FILE_READ, None
         return rc, Calbin(self, out[0], sha)
 
-    def configure(self, calbin: "Calbin") -> int:
+    def configure(self, calbin: Calbin) -> int:
         return self._lib.calrt_configure(self._h, calbin._h)
 
     def enable_parallel_mode(self, on: bool) -> int:
@@ -206,16 +209,16 @@ class Device:
     def reset(self) -> int:
         return self._lib.calrt_reset(self._h)
 
-    def create_kv(self, calbin: "Calbin") -> tuple[int, "KvManager | None"]:
+    def create_kv(self, calbin: Calbin) -> tuple[int, KvManager | None]:
         out = self._ffi.new("calrt_kv **")
         rc = self._lib.calrt_kv_create(self._h, calbin._h, out)
         return rc, (KvManager(self, out[0]) if rc == 0 else None)
 
-    def infer(self, model: "Model", kv: "KvManager", seq: int, inbuf: "InputBuf", outbuf: "OutputBuf") -> int:
+    def infer(self, model: Model, kv: KvManager, seq: int, inbuf: InputBuf, outbuf: OutputBuf) -> int:
         return self._lib.calrt_infer(self._h, model._h, kv._h, seq, inbuf._h, outbuf._h)
 
-    def infer_with_fixed_task_type(self, model: "Model", kv: "KvManager", seq: int, inbuf: "InputBuf",
-                                   outbuf: "OutputBuf", task: int) -> int:
+    def infer_with_fixed_task_type(self, model: Model, kv: KvManager, seq: int, inbuf: InputBuf,
+                                   outbuf: OutputBuf, task: int) -> int:
         return self._lib.calrt_infer_with_fixed_task_type(self._h, model._h, kv._h, seq, inbuf._h, outbuf._h, task)
 
 
@@ -231,7 +234,7 @@ class Calbin:
         self._h = handle
         self.sha256 = sha256
 
-    def models(self) -> tuple[int, list["Model"]]:
+    def models(self) -> tuple[int, list[Model]]:
         count = self._ffi.new("int32_t *")
         rc = self._lib.calrt_get_all_models(self._h, self._ffi.NULL, 0, count)
         if rc != 0:
@@ -313,12 +316,12 @@ class Model:
         rc = self._lib.calrt_model_meta(self._h, key.encode(), val)
         return rc, int(val[0]) if rc == 0 else 0
 
-    def create_input_buf(self) -> tuple[int, "InputBuf | None"]:
+    def create_input_buf(self) -> tuple[int, InputBuf | None]:
         out = self._ffi.new("calrt_inputbuf **")
         rc = self._lib.calrt_inputbuf_create(self._h, out)
         return rc, (InputBuf(self, out[0]) if rc == 0 else None)
 
-    def create_output_buf(self) -> tuple[int, "OutputBuf | None"]:
+    def create_output_buf(self) -> tuple[int, OutputBuf | None]:
         out = self._ffi.new("calrt_outputbuf **")
         rc = self._lib.calrt_outputbuf_create(self._h, out)
         return rc, (OutputBuf(self, out[0]) if rc == 0 else None)

@@ -34,7 +34,7 @@ class Answer:
         return attrs.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Answer":
+    def from_dict(cls, d: dict[str, Any]) -> Answer:
         return cls(**d)
 
 

@@ -45,7 +45,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from calexec.drivers.serving import handoff
 
@@ -148,6 +149,8 @@ class ReplicaEdge:
 
         async def forward() -> None:
             nonlocal started, stream
+            if self.relay is None:  # _relay runs only when the replica may relay
+                raise RuntimeError("relay without a relay target")
             stream = self.relay(relay_request(scope, body, self.replica))
             async for message in stream:
                 if message["type"] == "http.response.start":
@@ -317,7 +320,7 @@ async def stop_stream(stream: Any) -> None:
             stream.cancel()
         elif hasattr(stream, "aclose"):
             await stream.aclose()
-    except Exception as err:  # stopping is best effort; the sibling's deadline bounds the rest
+    except Exception as err:  # noqa: BLE001 - stopping is best effort; the sibling's deadline bounds the rest
         log.warning("could not stop a relay stream: %r", err)
 
 

@@ -55,15 +55,26 @@ import json
 import logging
 import math
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import attrs
 
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
-from calexec.drivers.fleet.edge import (RELAY_ROUTES, RELAYED_FROM, Message, Receive, Send,
-                                        read_body, relay_request, route_path, send_held,
-                                        stop_stream, wait_disconnect)
+from calexec.drivers.fleet.edge import (
+    RELAY_ROUTES,
+    RELAYED_FROM,
+    Message,
+    Receive,
+    Send,
+    read_body,
+    relay_request,
+    route_path,
+    send_held,
+    stop_stream,
+    wait_disconnect,
+)
 from calexec.drivers.serving import error_bodies, wire
 from calexec.drivers.serving.handoff import PROGRESS_TYPE
 

@@ -39,7 +39,8 @@ import logging
 import os
 import signal
 import threading
-from typing import Any, Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 log = logging.getLogger("calexec.fleet.local_ray")
 
@@ -65,7 +66,7 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def joins_cluster(environ: dict[str, str] | None = None) -> bool:
+def joins_cluster(environ: Mapping[str, str] | None = None) -> bool:
     """Whether ``ray.init`` will join an existing cluster (``$RAY_ADDRESS``) instead of
     starting a local one."""
     env = os.environ if environ is None else environ
@@ -89,7 +90,7 @@ def join_error(address: str, err: BaseException) -> str:
             f"it), and a head started with {SINGLE_MACHINE_ENV}=0 needs it here too")
 
 
-def local_environment(host: str, environ: dict[str, str] | None = None) -> dict[str, str]:
+def local_environment(host: str, environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """What to set in the environment before ``import ray`` so that a local Ray serving on
     ``host`` listens where ``host`` does: Ray's single-machine mode for a loopback host.
     Empty when joining a cluster, for a non-loopback host, or when the user set the variable."""
@@ -141,6 +142,7 @@ def bind_serve_grpc_to_node_ip() -> bool:
     def add_port_to_grpc_server(server: Any, address: str) -> int:
         return original(server, grpc_bind_address(address, node_ip))
 
+    # a marker on the function object (a function takes any attribute; mypy knows none)
     add_port_to_grpc_server.calexec_node_ip = node_ip  # type: ignore[attr-defined]
     serve_replica.add_port_to_grpc_server = add_port_to_grpc_server
     return True
@@ -164,7 +166,7 @@ class StopSignals:
             self.received = signal.Signals(signum).name
         self.stop.set()
 
-    def __enter__(self) -> "StopSignals":
+    def __enter__(self) -> StopSignals:
         for sig in self.SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
@@ -189,7 +191,7 @@ def shutdown(local: bool) -> list[str]:
             cluster += descendants()
         try:
             step()
-        except Exception as err:  # the next step and the reaping still run
+        except Exception as err:  # noqa: BLE001 - the next step and the reaping still run
             log.warning("%s failed: %r", step.__qualname__, err)
             errors.append(err)
     forced = reap(cluster) if local else []
@@ -237,5 +239,5 @@ def reap(processes: Iterable[Any], wait_s: float = REAP_WAIT_S,
 def _describe(proc: Any) -> str:
     try:
         return f"{proc.pid} {' '.join(proc.cmdline())[:80] or proc.name()}"
-    except Exception:  # gone or unreadable meanwhile
+    except Exception:  # noqa: BLE001 - gone or unreadable meanwhile
         return str(proc.pid)

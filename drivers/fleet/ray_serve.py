@@ -64,7 +64,8 @@ import os
 import random
 import socket
 import tempfile
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import attrs
 from ray import serve
@@ -72,14 +73,15 @@ from ray.serve import metrics as serve_metrics
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
+from calexec.drivers.calrt.runtime import Fault, FaultMode
+from calexec.drivers.device_spec import DeviceSpec
 from calexec.drivers.fleet import local_ray
 from calexec.drivers.fleet import registry as replica_registry
-from calexec.drivers.device_spec import DeviceSpec
 from calexec.drivers.fleet.edge import ReplicaEdge, serve_relayed
 from calexec.drivers.fleet.ingress import CAUSES, FailoverSettings, FleetIngress
+from calexec.drivers.serving.executor_view import served
 from calexec.drivers.serving.handoff import PROGRESS_TYPE
 from calexec.drivers.serving.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
-from calexec.drivers.calrt.runtime import Fault, FaultMode
 from calexec.drivers.serving.server import ServerConfig, create_app
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 
@@ -183,7 +185,8 @@ class LifecycleRouter(FIFOMixin, RequestRouter):
         relay = (pending_request is not None
                  and pending_request.metadata.call_method == RELAY_METHOD)
         me = replica_registry.self_replica() if relay else None
-        request = pending_request.args[0] if relay and pending_request.args else None
+        request = (pending_request.args[0] if relay and pending_request is not None
+                   and pending_request.args else None)
         avoid, pin = (), None
         if isinstance(request, dict):  # built by the fleet ingress or a tool, never by HTTP
             avoid, pin = request.get("avoid") or (), request.get("replica")
@@ -257,7 +260,7 @@ class CalexecReplica:
         if not status.ok:
             self._tmp.cleanup()
             raise RuntimeError(f"calexec replica: executor failed to start: {status}")
-        self._app = create_app(self.executor, settings.server)
+        self._app = create_app(served(self.executor), settings.server)
         self.service = self._app.state.service
         self.device = device_label(self.executor, settings)
         replica_id = serve.get_replica_context().replica_id
@@ -300,7 +303,7 @@ class CalexecReplica:
         deployment's replicas and their routing stats before a relay needs them."""
         try:
             await self._siblings.identity.remote()
-        except Exception as err:  # the relay then answers here (503) until a router exists
+        except Exception as err:  # noqa: BLE001 - the relay then answers here (503) until a router exists
             log.warning("relay handle warm-up failed: %r", err)
 
     def check_health(self) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 _mu = threading.Lock()
 _self_replica: Any = None
-_routers: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_routers: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def set_self_replica(replica_id: Any) -> None:

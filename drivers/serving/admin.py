@@ -119,8 +119,8 @@ def add_admin_routes(app: FastAPI, service: CompletionService) -> None:
             body = None
         path = body.get("calbin") if isinstance(body, dict) else None
         refusal = calbin_path_refusal(path, config.max_calbin_bytes)
-        if refusal is not None:
-            return error_response(invalid(refusal), "calbin")
+        if refusal is not None or not isinstance(path, str):  # (no refusal: a str)
+            return error_response(invalid(refusal or f"calbin={path!r}"), "calbin")
         # the lifecycle moves only when it can: not while draining, recovering or unhealthy
         reasons = ["server is draining"] if service.draining else service.health()
         if reasons:
@@ -130,5 +130,7 @@ def add_admin_routes(app: FastAPI, service: CompletionService) -> None:
         status = await to_thread.run_sync(executor.switch_model, path)
         if not status.ok:
             return error_response(status, "calbin")
+        gen = executor.gen  # the switch succeeded: the new generation
         return JSONResponse({"reloaded": True, "calbin": path,
-                             "generation": executor.gen.id, "lifecycle": executor.state})
+                             "generation": None if gen is None else gen.id,
+                             "lifecycle": executor.state})

@@ -32,7 +32,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import anyio
 import attrs
@@ -75,7 +76,7 @@ class AdmissionQueue:
         return len(self._resumes) + len(self._fresh)
 
     # ---- admission --------------------------------------------------------------------------
-    def try_admit(self, resume: bool = False) -> "int | Waiter | Status":
+    def try_admit(self, resume: bool = False) -> int | Waiter | Status:
         """A sequence id now, a registered :class:`Waiter`, or the refusal (module docstring).
         ``resume``: an admitted request resuming on a fresh sequence (never refused for a full
         queue; served before fresh requests; not refused while the server drains)."""
@@ -106,7 +107,7 @@ class AdmissionQueue:
         self._ensure_watcher()
         return waiter
 
-    async def wait(self, waiter: Waiter, until: float) -> "int | Status":
+    async def wait(self, waiter: Waiter, until: float) -> int | Status:
         """The sequence id handed to ``waiter``, or why not: its refusal, or a deadline Status
         once ``until`` (absolute ``time.monotonic()``) passed. Cancellation (client gone)
         leaves the queue and gives back an id handed but not taken."""

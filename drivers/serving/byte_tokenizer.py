@@ -78,7 +78,7 @@ class ByteTokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return decode(token_ids)
 
-    def detokenizer(self) -> "Detokenizer":
+    def detokenizer(self) -> Detokenizer:
         return Detokenizer()
 
     def token_text(self, token_id: int) -> str:

@@ -22,7 +22,6 @@ from calexec.drivers.serving.service import CompletionService
 from calexec.machines.compiled import CHARTS
 from calexec.machines.diagrams import GraphvizError, render_chart_svg
 
-
 #: a job id in a path: ASCII digits only, at most 18 (a job counter never gets longer)
 JOB_ID = re.compile(r"[0-9]{1,18}")
 
@@ -93,7 +92,7 @@ def add_debug_routes(app: FastAPI, service: CompletionService) -> None:
             return executor.state
         if chart == "job":
             counts = service.live_job_counts()
-            busiest = max(counts, key=counts.get)
+            busiest = max(counts, key=lambda state: counts[state])
             return busiest if counts[busiest] else None
         return None
 

@@ -62,7 +62,7 @@ class Resume:
     timeout: float | None = None
 
     @classmethod
-    def parse(cls, raw: Any) -> "Resume":
+    def parse(cls, raw: Any) -> Resume:
         """The resume state in ``raw`` (a dict), or :class:`ResumeError` naming the field."""
         if not isinstance(raw, dict):
             raise ResumeError("", raw, "must be a dict")

@@ -31,7 +31,7 @@ class HFTokenizer:
         file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
         try:
             self._tok = Tokenizer.from_file(file)
-        except Exception as err:  # the library raises its own Exception type
+        except Exception as err:  # noqa: BLE001 - the library raises its own Exception type
             raise TokenizerLoadError(f"--tokenizer={path!r}: cannot load {file!r} as a "
                                      f"tokenizer.json: {err}") from None
         self.name = file
@@ -66,7 +66,7 @@ class HFTokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=True)
 
-    def detokenizer(self) -> "_StreamDetokenizer":
+    def detokenizer(self) -> _StreamDetokenizer:
         return _StreamDetokenizer(self._tok)
 
     def token_text(self, token_id: int) -> str:
@@ -98,7 +98,11 @@ class _StreamDetokenizer:
         return ""
 
 
-def load(path: str | None) -> ByteTokenizer | HFTokenizer:
+#: what the server encodes and decodes with
+Tokenizer = ByteTokenizer | HFTokenizer
+
+
+def load(path: str | None) -> Tokenizer:
     """The tokenizer of ``--tokenizer PATH`` (a tokenizer.json or a directory holding one);
     None: the byte-level tokenizer. Raises :class:`TokenizerLoadError` naming the path."""
     return ByteTokenizer() if path is None else HFTokenizer(path)

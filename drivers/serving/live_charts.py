@@ -23,8 +23,10 @@ import json
 import threading
 import time
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
+from calexec.drivers.serving.executor_view import ServedExecutor
 from calexec.machines.compiled import CHARTS
 from calexec.machines.diagrams import EDGE_ID, NODE_ID, render_path_svg
 
@@ -69,7 +71,7 @@ class TransitionRates:
                 for name, counts in snap.items()}
 
 
-def _kv_counts(executor: Any) -> dict[str, int]:
+def _kv_counts(executor: ServedExecutor) -> dict[str, int]:
     counts = dict.fromkeys(CHARTS["kv_txn"].states, 0)
     kvc = executor.kvc
     if kvc is not None:
@@ -81,7 +83,7 @@ def _kv_counts(executor: Any) -> dict[str, int]:
     return counts
 
 
-def live_state(executor: Any, job_counts: Callable[[], dict[str, int]],
+def live_state(executor: ServedExecutor, job_counts: Callable[[], dict[str, int]],
                rates: TransitionRates) -> dict[str, Any]:
     """What the page shows, as JSON-able data."""
     snap = executor.snapshot()

@@ -26,8 +26,8 @@ calexec_request_prompt_tokens               histogram  model_name; prompt tokens
 calexec_request_generation_tokens           histogram  model_name; generated tokens of each successful request
 calexec_prompt_tokens_total                 counter    prompt tokens of successful requests
 calexec_generation_tokens_total             counter    generated tokens of successful requests
-calexec_decode_steps_total{prearmed}       counter    decode jobs fired through a pre-armed decode stream, pre-armed or not
-calexec_decode_steps_ahead_total            counter    of those, fired by the completion thread with the argmax (greedy ahead)
+calexec_decode_steps_total{prearmed}       counter    decode jobs of decode streams (label: pre-armed or not)
+calexec_decode_steps_ahead_total            counter    of those, fired with the argmax (greedy ahead)
 calexec_executor_jobs_total                 counter    outcome; the executor's own job counters
 calexec_num_requests_running                gauge      completion requests being served
 calexec_num_requests_waiting                gauge      requests waiting for a sequence id or Ready
@@ -55,7 +55,8 @@ calexec_golden_unpinned                     gauge      1 while serving on a gold
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -63,6 +64,7 @@ from prometheus_client.registry import Collector
 
 from calexec.contracts.status import Status
 from calexec.contracts.types import JobTimings, TaskKind
+from calexec.drivers.serving.executor_view import ServedExecutor
 from calexec.machines.compiled import BUFFER_SLOT, LIFECYCLE
 from calexec.machines.executor import FEATURES
 
@@ -77,7 +79,7 @@ TOKEN_BUCKETS = tuple(m * 10 ** e for e in range(6) for m in (1, 2, 5) if m * 10
 STAGE_BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005,
                  0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
-Snapshot = Callable[[], dict[str, Any]]
+Snapshot = Callable[[], Mapping[str, Any]]
 
 
 class _ExecutorCollector(Collector):
@@ -153,7 +155,7 @@ _SERVER_GAUGE_HELP = {
 }
 
 
-def kv_usage_fraction(executor: Any) -> float:
+def kv_usage_fraction(executor: ServedExecutor) -> float:
     """Blocks the current generation's KV coordinator holds reserved for its sequences over
     the KvManager's capacity, from the coordinator's host-side view (no device call): 0 when
     there is no generation or the runtime does not report its capacity."""
@@ -265,7 +267,8 @@ class ServerMetrics:
                 self.tpot.observe(total / 1000.0)
 
     def observe_failure(self, status: Status) -> None:
-        self.failures.labels(status.category.value, status.code,
+        self.failures.labels("none" if status.category is None else status.category.value,
+                             status.code,
                              "none" if status.raw is None else str(status.raw)).inc()
 
     def exposition(self) -> bytes:

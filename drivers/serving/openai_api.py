@@ -13,21 +13,31 @@ from __future__ import annotations
 import hmac
 import time
 import typing
-from typing import Annotated, Any, Callable, Literal
+from collections.abc import Callable
+from typing import Annotated, Any, Literal, TypeVar, cast
 
 import attrs
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr,
-                      ValidationError)
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+)
 
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import TaskKind
 from calexec.drivers.serving import error_bodies, handoff, sampling, wire
+from calexec.drivers.serving.hf_tokenizer import Tokenizer
 from calexec.drivers.serving.resume import RESUMABLE
 from calexec.drivers.serving.sampling import SamplingError, SamplingParams, TokenLogprobs
-from calexec.drivers.serving.service import Admission
+from calexec.drivers.serving.service import Admission, CompletionService, RequestRun
 
 Number = StrictInt | StrictFloat
 
@@ -39,6 +49,9 @@ CHAT_DEFAULT_MAX_TOKENS = 256
 #: then "assistant:" for the reply
 PLAIN_TEMPLATE_DOC = "{role}: {content}\\n per message, then 'assistant:'"
 CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+#: a request body model
+Body = TypeVar("Body", bound=BaseModel)
 
 
 class _Body(BaseModel):
@@ -151,7 +164,7 @@ class Refusal(Exception):
         self.status, self.param, self.http_status = status, param, http_status
 
 
-def parse(model: type[BaseModel], raw: bytes) -> Any:
+def parse(model: type[Body], raw: bytes) -> Body:
     """The validated body, or :class:`Refusal` naming the first bad field (its path in the
     body, e.g. ``messages.0.content``: never pydantic's union branch) and value."""
     try:
@@ -180,7 +193,7 @@ def parse(model: type[BaseModel], raw: bytes) -> Any:
 
 
 def _field_path(model: type[BaseModel], loc: tuple, extra: bool = False
-                ) -> "tuple[list[Any], list[str]]":
+                ) -> tuple[list[Any], list[str]]:
     """A pydantic error location split into the field path in the body (field names and
     list indices) and the union branch tags pydantic inserts (``str``, ``list[int]``): a
     name that is no field of the models reachable at that point is a tag, except the last
@@ -200,7 +213,7 @@ def _field_path(model: type[BaseModel], loc: tuple, extra: bool = False
     return path, tags
 
 
-def _models_in(annotation: Any) -> "list[type[BaseModel]]":
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
     """The pydantic models an annotation holds (``list[ChatMessage] | None`` -> ChatMessage)."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return [annotation]
@@ -293,7 +306,7 @@ def message_text(message: ChatMessage, index: int) -> str:
     return "".join(texts)
 
 
-def render_chat(messages: list[ChatMessage], tok: Any) -> str:
+def render_chat(messages: list[ChatMessage], tok: Tokenizer) -> str:
     """The prompt text of ``messages``: the tokenizer's chat template (Jinja, sandboxed, as
     transformers renders it) when it has one, else the plain template."""
     plain = [{"role": m.role, "content": message_text(m, i)} for i, m in enumerate(messages)]
@@ -306,7 +319,7 @@ def render_chat(messages: list[ChatMessage], tok: Any) -> str:
             eos_token=tok.eos_token)
     except Refusal:
         raise
-    except Exception as err:  # a template's raise_exception() or a rendering error
+    except Exception as err:  # noqa: BLE001 - a template's raise_exception() or a rendering error
         raise Refusal(invalid(f"messages: the chat template refused them: {err}"),
                       "messages") from None
 
@@ -335,7 +348,7 @@ class TextOutput:
     returns the text that became final; text that could still start a stop string is held
     back until it cannot. ``stopped`` once a stop string matched."""
 
-    def __init__(self, tok: Any, stop: tuple[str, ...]) -> None:
+    def __init__(self, tok: Tokenizer, stop: tuple[str, ...]) -> None:
         self._detok = tok.detokenizer()
         self._stop = stop
         self.text = ""
@@ -381,7 +394,7 @@ class TextOutput:
         return held
 
 
-def completion_logprobs(tok: Any, infos: list[TokenLogprobs], offset: int) -> dict[str, Any]:
+def completion_logprobs(tok: Tokenizer, infos: list[TokenLogprobs], offset: int) -> dict[str, Any]:
     """The legacy completions ``logprobs`` object."""
     tokens = [tok.token_text(i.token) for i in infos]
     offsets, at = [], offset
@@ -393,7 +406,7 @@ def completion_logprobs(tok: Any, infos: list[TokenLogprobs], offset: int) -> di
             "text_offset": offsets}
 
 
-def chat_logprobs(tok: Any, infos: list[TokenLogprobs]) -> dict[str, Any]:
+def chat_logprobs(tok: Tokenizer, infos: list[TokenLogprobs]) -> dict[str, Any]:
     """The chat ``logprobs`` object: ``{"content": [...]}``."""
     def entry(token: int, logprob: float) -> dict[str, Any]:
         return {"token": tok.token_text(token), "logprob": logprob,
@@ -408,7 +421,7 @@ HANDED_OFF = Status.unavailable(Phase.ADMISSION, "replica draining: the request 
                                 "a sibling replica")
 
 
-def resume_refusal(resume: "handoff.Resume", run: Any) -> Refusal | None:
+def resume_refusal(resume: handoff.Resume, run: RequestRun) -> Refusal | None:
     """Why ``resume`` cannot continue ``run`` (None: it can)."""
     tokens = resume.tokens
     bad = next((i for i, t in enumerate(tokens) if t >= run.logits.shape[0]), None)
@@ -421,7 +434,7 @@ def resume_refusal(resume: "handoff.Resume", run: Any) -> Refusal | None:
     return None
 
 
-def continue_from(resume: "handoff.Resume", run: Any, out: "TextOutput", shape: "_Shape",
+def continue_from(resume: handoff.Resume, run: RequestRun, out: TextOutput, shape: _Shape,
                   sse: bool) -> None:
     """Set ``run`` up to continue after ``resume.tokens`` (its first job re-prefills prompt
     + tokens, ``RequestRun.next_request``; token ``len(tokens)`` is sampled with the same
@@ -443,7 +456,7 @@ def continue_from(resume: "handoff.Resume", run: Any, out: "TextOutput", shape: 
 
 
 # ---- routes ---------------------------------------------------------------------------------
-def add_routes(app: FastAPI, service: Any, fail: Callable[..., Response]) -> None:
+def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Response]) -> None:
     """Register the OpenAI endpoints on ``app`` (``fail(status, param, http_status)`` renders
     and counts an error)."""
 
@@ -459,7 +472,7 @@ def add_routes(app: FastAPI, service: Any, fail: Callable[..., Response]) -> Non
     def refused(err: Refusal) -> Response:
         return fail(err.status, err.param, err.http_status)
 
-    async def read(request: Request, model: type[BaseModel]) -> Any:
+    async def read(request: Request, model: type[Body]) -> Body:
         auth = auth_refusal(request, config.api_key)
         if auth is not None:
             raise auth
@@ -504,7 +517,8 @@ def add_routes(app: FastAPI, service: Any, fail: Callable[..., Response]) -> Non
                 raise Refusal(invalid("echo=true with logprobs needs the prompt's logprobs, "
                                       "which are not computed"), "echo")
             params = sampling_params(body, body.logprobs)
-            ids = service.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            ids = (service.tokenizer.encode(prompt) if isinstance(prompt, str)
+                   else list(cast(list[int], prompt)))  # a list past the check: token ids
         except Refusal as err:
             return refused(err)
         echo = (prompt if isinstance(prompt, str) else service.tokenizer.decode(ids)) \
@@ -548,7 +562,7 @@ def add_routes(app: FastAPI, service: Any, fail: Callable[..., Response]) -> Non
                 raise Refusal(invalid("give exactly one of prompt and messages"), "prompt")
             if body.prompt is not None:
                 ids = service.tokenizer.encode(body.prompt, body.add_special_tokens)
-            else:
+            elif body.messages is not None:  # (exactly one of the two)
                 ids = service.tokenizer.encode(render_chat(body.messages, service.tokenizer),
                                                add_special_tokens=False)
         except Refusal as err:
@@ -565,7 +579,7 @@ def add_routes(app: FastAPI, service: Any, fail: Callable[..., Response]) -> Non
         return JSONResponse({"prompt": service.tokenizer.decode(body.tokens)})
 
     async def _generate(request: Request, admission: Admission, params: SamplingParams,
-                        shape: "_Shape", usage_chunk: bool) -> Response:
+                        shape: _Shape, usage_chunk: bool) -> Response:
         # the fleet's out-of-band channel (drivers/serving/handoff.py): ASGI scope keys only
         # drivers/fleet/edge.serve_relayed sets; an HTTP request cannot carry them
         progress = request.scope.get(handoff.PROGRESS)
@@ -613,20 +627,20 @@ def add_routes(app: FastAPI, service: Any, fail: Callable[..., Response]) -> Non
         finally:
             await service.finish(run, abandoned=True)
         if run.status is not None:
-            if handed:
+            if handed and progress is not None:  # (a hand-off needs the progress channel)
                 progress({"handoff": "drained"})
             return fail(run.status, count=False)  # counted by finish()
         out.flush()
         return JSONResponse(shape.whole(out.text, run))
 
-    def hand_off(request: Request, run: Any) -> bool:
+    def hand_off(request: Request, run: RequestRun) -> bool:
         """A draining replica hands a fleet request (one with a progress channel) to a
         sibling at a token boundary, when one serves (drivers/serving/handoff.py)."""
         handing = request.scope.get(handoff.HANDOFF)
         return (handing is not None and service.draining and not run.done
                 and request.scope.get(handoff.PROGRESS) is not None and bool(handing()))
 
-    async def _sse_response(request: Request, run: Any, out: TextOutput, shape: "_Shape",
+    async def _sse_response(request: Request, run: RequestRun, out: TextOutput, shape: _Shape,
                             usage_chunk: bool, progress: Callable[[dict], None] | None = None
                             ) -> Response:
         first: int | None = None
@@ -712,7 +726,7 @@ class DetokenizeRequest(BaseModel):
     tokens: list[Annotated[StrictInt, Field(ge=0, lt=1 << 31)]]
 
 
-def _usage(run: Any) -> dict[str, int]:
+def _usage(run: RequestRun) -> dict[str, int]:
     return {"prompt_tokens": len(run.prompt), "completion_tokens": len(run.tokens),
             "total_tokens": len(run.prompt) + len(run.tokens)}
 
@@ -722,21 +736,21 @@ class _Shape:
 
     PREFIX = "cmpl"
 
-    def start(self, service: Any, run: Any) -> None:
+    def start(self, service: CompletionService, run: RequestRun) -> None:
         self.service, self.run, self.created = service, run, int(time.time())
         self.id = f"{self.PREFIX}-{run.request_id}"
         self.tok = service.tokenizer
         self.sent_logprobs = 0
         self.opened = False
 
-    def resumed(self, resume: Any, tokens: int, sent_chars: int) -> None:
+    def resumed(self, resume: handoff.Resume, tokens: int, sent_chars: int) -> None:
         """Continue a response another replica started: its id and ``created``; ``tokens``
         tokens (``sent_chars`` characters of text) and the opening were sent already."""
         self.id = resume.id or self.id
         self.created = self.created if resume.created is None else resume.created
         self.opened = resume.opened
 
-    def _new_logprobs(self, run: Any) -> list[TokenLogprobs]:
+    def _new_logprobs(self, run: RequestRun) -> list[TokenLogprobs]:
         infos = run.token_logprobs[self.sent_logprobs:]
         self.sent_logprobs = len(run.token_logprobs)
         return infos
@@ -744,7 +758,13 @@ class _Shape:
     def opening(self) -> list[dict[str, Any]]:
         return []
 
-    def usage_chunk(self, run: Any) -> dict[str, Any]:
+    def _head(self, chunk: bool = False) -> dict[str, Any]:
+        raise NotImplementedError  # each kind of response has its own
+
+    def whole(self, text: str, run: RequestRun) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def usage_chunk(self, run: RequestRun) -> dict[str, Any]:
         return {**self._head(chunk=True), "choices": [], "usage": _usage(run)}
 
 
@@ -756,7 +776,7 @@ class _CompletionShape(_Shape):
         #: stop string may hold back)
         self.text_at = 0
 
-    def resumed(self, resume: Any, tokens: int, sent_chars: int) -> None:
+    def resumed(self, resume: handoff.Resume, tokens: int, sent_chars: int) -> None:
         super().resumed(resume, tokens, sent_chars)
         if tokens:  # the echo went out with the first token's chunk
             self.text_at = sum(len(self.tok.token_text(t)) for t in self.run.tokens[:tokens])
@@ -766,7 +786,7 @@ class _CompletionShape(_Shape):
         return {"id": self.id, "object": "text_completion",
                 "created": self.created, "model": self.service.config.model_name}
 
-    def _choice(self, text: str, tokens: list[int], run: Any, finish: str | None,
+    def _choice(self, text: str, tokens: list[int], run: RequestRun, finish: str | None,
                 infos: list[TokenLogprobs] | None) -> dict[str, Any]:
         logprobs = None
         if run.sampling.logprobs is not None and infos is not None:
@@ -775,7 +795,7 @@ class _CompletionShape(_Shape):
         return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish,
                 "token_ids": tokens}
 
-    def whole(self, text: str, run: Any) -> dict[str, Any]:
+    def whole(self, text: str, run: RequestRun) -> dict[str, Any]:
         return {**self._head(), "choices": [self._choice(
             self.echo + text, run.tokens, run, run.finish_reason, run.token_logprobs)],
             "usage": _usage(run)}
@@ -787,11 +807,11 @@ class _CompletionShape(_Shape):
             text, self.echo = self.echo + text, ""
         return text
 
-    def piece(self, text: str, token: int, run: Any) -> dict[str, Any]:
+    def piece(self, text: str, token: int, run: RequestRun) -> dict[str, Any]:
         return {**self._head(), "choices": [self._choice(self._with_echo(text), [token], run,
                                                          None, self._new_logprobs(run))]}
 
-    def last(self, text: str, run: Any) -> dict[str, Any]:
+    def last(self, text: str, run: RequestRun) -> dict[str, Any]:
         return {**self._head(), "choices": [self._choice(self._with_echo(text), [], run,
                                                          run.finish_reason, [])],
                 "usage": _usage(run)}
@@ -805,10 +825,10 @@ class _ChatShape(_Shape):
                 "object": "chat.completion.chunk" if chunk else "chat.completion",
                 "created": self.created, "model": self.service.config.model_name}
 
-    def _logprobs(self, run: Any, infos: list[TokenLogprobs]) -> dict[str, Any] | None:
+    def _logprobs(self, run: RequestRun, infos: list[TokenLogprobs]) -> dict[str, Any] | None:
         return None if run.sampling.logprobs is None else chat_logprobs(self.tok, infos)
 
-    def whole(self, text: str, run: Any) -> dict[str, Any]:
+    def whole(self, text: str, run: RequestRun) -> dict[str, Any]:
         return {**self._head(), "choices": [{
             "index": 0, "message": {"role": "assistant", "content": text},
             "logprobs": self._logprobs(run, run.token_logprobs),
@@ -822,13 +842,13 @@ class _ChatShape(_Shape):
             "index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
             "finish_reason": None}]}]
 
-    def piece(self, text: str, token: int, run: Any) -> dict[str, Any]:
+    def piece(self, text: str, token: int, run: RequestRun) -> dict[str, Any]:
         return {**self._head(chunk=True), "choices": [{
             "index": 0, "delta": {"content": text},
             "logprobs": self._logprobs(run, self._new_logprobs(run)), "finish_reason": None,
             "token_ids": [token]}]}
 
-    def last(self, text: str, run: Any) -> dict[str, Any]:
+    def last(self, text: str, run: RequestRun) -> dict[str, Any]:
         return {**self._head(chunk=True), "choices": [{
             "index": 0, "delta": {"content": text} if text else {}, "logprobs": None,
             "finish_reason": run.finish_reason}]}

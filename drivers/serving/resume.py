@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import time
 import types
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import anyio
 from anyio import to_thread
@@ -82,7 +83,8 @@ class Resumer:
         if run.resume_started is None:
             run.resume_started = now
         run.resumes += 1
-        run.resume_cause = REPLACED if replaced else failure.category.value
+        run.resume_cause = (REPLACED if replaced or failure.category is None
+                            else failure.category.value)
         self.resumes.labels(run.resume_cause).inc()
         run.resume_failure = failure
         # Register first: the id the failed sequence frees below goes to this request ahead of

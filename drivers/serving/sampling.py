@@ -104,8 +104,9 @@ class SamplingParams:
     top_p: float = attrs.field(default=1.0, validator=_validate_top_p)
     top_k: int = attrs.field(default=-1, validator=_validate_top_k)
     seed: int | None = attrs.field(default=None, validator=_validate_seed)
-    stop: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=_validate_stop)
-    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple,
+    stop: tuple[str, ...] = attrs.field(default=(), converter=tuple[str, ...],
+                                        validator=_validate_stop)
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple[int, ...],
                                                   validator=_validate_stop_ids)
     logprobs: int | None = attrs.field(default=None, validator=_validate_logprobs)
 
@@ -119,7 +120,7 @@ class SamplingParams:
         """Greedy without log-probabilities: the executor's argmax is the whole answer."""
         return self.greedy and self.logprobs is None
 
-    def resolved(self) -> "SamplingParams":
+    def resolved(self) -> SamplingParams:
         """These params with a seed: a random one drawn now when none was given."""
         if self.seed is not None:
             return self
@@ -192,6 +193,8 @@ def _sample(logits: np.ndarray, params: SamplingParams, index: int) -> int:
             probs = probs[ids]
         cut = int(np.searchsorted(np.cumsum(probs), params.top_p * probs.sum())) + 1
         ids, probs = ids[:cut], probs[:cut]  # the smallest most-likely set with mass >= top_p
+    if params.seed is None:  # sampling runs on SamplingParams.resolved()
+        raise TypeError("_sample: unresolved SamplingParams (seed None)")
     rng = np.random.default_rng([params.seed % (1 << 64), index])
     position = inverse_cdf(probs, rng.random())
     return position if ids is None else int(ids[position])

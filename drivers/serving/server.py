@@ -19,8 +19,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from collections.abc import Callable
 from types import FrameType
-from typing import Any, Callable
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
@@ -33,8 +34,14 @@ from calexec.drivers.serving.admin import MAX_PATH_CHARS, add_admin_routes, calb
 from calexec.drivers.serving.debug import add_debug_routes
 from calexec.drivers.serving.dumpsink import DumpSink
 from calexec.drivers.serving.error_bodies import PARAM_OF_CODE, error_body, error_response, invalid
-from calexec.drivers.serving.service import (Admission, CompletionService, RequestRun,
-                                             SequencePool, ServerConfig)
+from calexec.drivers.serving.executor_view import ServedExecutor
+from calexec.drivers.serving.service import (
+    Admission,
+    CompletionService,
+    RequestRun,
+    SequencePool,
+    ServerConfig,
+)
 
 #: what embedders and the tests import from here (the app's parts live in the modules above)
 __all__ = ["Admission", "CompletionService", "DrainingServer", "MAX_PATH_CHARS",
@@ -45,7 +52,7 @@ __all__ = ["Admission", "CompletionService", "DrainingServer", "MAX_PATH_CHARS",
 log = logging.getLogger("calexec.server")
 
 
-def create_app(executor: Any, config: ServerConfig | None = None,
+def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
                dump: DumpSink | None = None) -> FastAPI:
     """The FastAPI app serving ``executor`` (already started; not shut down by the app: use
     ``app.state.service.drain(grace)``)."""
@@ -112,7 +119,7 @@ def abortable(protocol: type) -> type:
     the transport's ``abort()``): a response cut because its client stopped reading ends the
     connection without waiting for that client to read what is buffered."""
 
-    class Abortable(protocol):  # type: ignore[misc,valid-type]
+    class Abortable(protocol):
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
             app = getattr(self, "app", None)  # uvicorn's protocols keep the ASGI app there
@@ -154,7 +161,7 @@ class DrainingServer(uvicorn.Server):
     It also exits when the executor's lifecycle ends Failed (a supervisor restarts it)."""
 
     def __init__(self, config: uvicorn.Config, service: CompletionService, grace: float,
-                 on_started: "Callable[[DrainingServer, str], None] | None" = None) -> None:
+                 on_started: Callable[[DrainingServer, str], None] | None = None) -> None:
         """``on_started(server, url)`` runs on the event loop once the socket listens (``url``
         is ``http://HOST:PORT`` of the bound socket, a wildcard bind given as loopback); it
         must not block."""

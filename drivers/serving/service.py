@@ -26,7 +26,8 @@ import itertools
 import logging
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import anyio
 import attrs
@@ -41,6 +42,7 @@ from calexec.drivers.serving import byte_tokenizer, hf_tokenizer, sampling, wire
 from calexec.drivers.serving.admission import AdmissionQueue
 from calexec.drivers.serving.dumpsink import DumpSink
 from calexec.drivers.serving.error_bodies import invalid
+from calexec.drivers.serving.executor_view import ServedExecutor
 from calexec.drivers.serving.metrics import ServerMetrics, kv_usage_fraction
 from calexec.drivers.serving.resume import Resumer
 from calexec.machines.compiled import JOB
@@ -67,7 +69,7 @@ def api_key_problem(key: str) -> str | None:
     return None
 
 
-def sequence_ids_problem(executor: Any, max_sequences: int) -> str | None:
+def sequence_ids_problem(executor: ServedExecutor, max_sequences: int) -> str | None:
     """Why the server cannot lease sequence ids 1..``max_sequences`` on ``executor``'s
     KvManager (None: it can, or the runtime does not say how many it takes): ids must be
     below its ``max_seqs`` (0 is the warm-up's). Phrased to follow the setting's name."""
@@ -239,7 +241,7 @@ class RequestRun:
     #: model generation of the request's jobs (its KV lives in that generation's KvManager)
     generation_id: int | None = None
     #: how tokens are chosen (drivers/serving/sampling.py); logprobs of each token when asked for
-    sampling: "sampling.SamplingParams" = sampling.GREEDY
+    sampling: sampling.SamplingParams = sampling.GREEDY
     token_logprobs: list = attrs.Factory(list)
     # Enqueue fence: ``closed`` once the request finished (no enqueue may start after it);
     # ``enqueue_idle`` is clear while an enqueue call runs in a worker thread.
@@ -266,6 +268,8 @@ class RequestRun:
         return self.finish_reason is not None or self.status is not None
 
     def next_request(self) -> InferenceRequest:
+        if self.seq_id is None:  # callers lease the sequence first
+            raise TypeError(f"request {self.request_id}: next_request before a sequence id")
         if self.handle is None or self.reprefill:
             ids = np.asarray(self.prompt + self.tokens, dtype=np.int32)
             return InferenceRequest(seq_id=self.seq_id, kind=TaskKind.PREFILL_IDS, tokens=ids,
@@ -302,7 +306,8 @@ def _set_event() -> threading.Event:
 class CompletionService:
     """Completions, drain and live-job bookkeeping around one executor."""
 
-    def __init__(self, executor: Any, config: ServerConfig, dump: DumpSink | None) -> None:
+    def __init__(self, executor: ServedExecutor, config: ServerConfig, dump: DumpSink | None
+                 ) -> None:
         problem = sequence_ids_problem(executor, config.max_sequences)
         if problem is not None:  # a server setting, never a client's 400 later
             raise ValueError(f"max_sequences{problem}")
@@ -379,7 +384,7 @@ class CompletionService:
         return counts
 
     # ---- admission ------------------------------------------------------------------------------
-    def admit(self, body: Admission) -> "tuple[RequestRun | None, Status, str | None]":
+    def admit(self, body: Admission) -> tuple[RequestRun | None, Status, str | None]:
         """A RequestRun holding a sequence id or waiting for one (``run.waiter``: its first
         ``advance`` waits, drivers/serving/admission.py), or (None, failure, offending field)."""
         if self.draining:
@@ -480,7 +485,7 @@ class CompletionService:
             run.finish_reason = "length"
         return token
 
-    async def _run_job(self, run: RequestRun) -> "tuple[Any, Any]":
+    async def _run_job(self, run: RequestRun) -> tuple[Any, Any]:
         """Enqueue the request's next job and wait for it: (result, handle)."""
         def on_created(created) -> None:
             run.handle = created  # reachable for a disconnect while admission still waits
@@ -533,16 +538,18 @@ class CompletionService:
         """Fire the request's next decode job through its pre-armed decode stream (opened on
         the first decode of a sequence): the handle, or the Status the stream refused with.
         Runs in a worker thread inside the enqueue fence."""
-        stream = run.decode
+        stream, seq_id, tokens = run.decode, run.seq_id, request.tokens
+        if seq_id is None or tokens is None:  # (a leased run's decode request: neither is)
+            return Status.invalid(4, f"seq_id={seq_id}, tokens={tokens} for kind=DECODE")
         if stream is None or stream.closed:
             ahead = self.config.greedy_ahead and run.sampling.greedy
             stream = run.decode = self.executor.decode_stream(
-                run.seq_id, request.past_len, run.deadline, logits_out=run.logits,
+                seq_id, request.past_len, run.deadline, logits_out=run.logits,
                 max_len=len(run.prompt) + run.max_tokens, request_id=run.request_id,
                 greedy_ahead=ahead,
                 stop_tokens=(self.config.end_token_id, *run.sampling.stop_token_ids),
                 max_steps=run.max_tokens - len(run.tokens))
-        handle = stream.submit(int(request.tokens[0]))
+        handle = stream.submit(int(tokens[0]))
         if isinstance(handle, Status):
             return handle
         run.handle = handle  # reachable for a disconnect, as on_created makes it
@@ -651,6 +658,8 @@ class CompletionService:
         still runs a job of it. The id is reused only after that; it is withheld when the
         executor ends (Stopped/Failed) first."""
         seq_id, step = run.seq_id, self.config.release_wait_s
+        if seq_id is None:  # started only for a run that leased one
+            return
         try:
             while not run.enqueue_idle.wait(min(step, 1.0)):
                 pass
@@ -699,7 +708,7 @@ class CompletionService:
         if run.status is not None:
             m.observe_failure(run.status)
         else:
-            m.success.labels(run.finish_reason).inc()
+            m.success.labels(str(run.finish_reason)).inc()
             m.prompt_tokens.inc(len(run.prompt))
             m.generation_tokens.inc(len(run.tokens))
             m.request_prompt_tokens.observe(len(run.prompt))

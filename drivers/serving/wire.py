@@ -8,7 +8,8 @@ import asyncio
 import json
 import math
 import time
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import anyio
 import anyio.lowlevel
@@ -28,7 +29,7 @@ class ClientGone(Exception):
 
 
 def sse(data: Any) -> bytes:
-    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n".encode("utf-8")
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
 
 async def read_body(request: Request, limit: int) -> bytes | None:
@@ -78,7 +79,7 @@ class SendBounds:
         for guard in list(self._guards):
             guard.bound(at)
 
-    def guard(self, scope: anyio.CancelScope, until: float) -> "SendGuard":
+    def guard(self, scope: anyio.CancelScope, until: float) -> SendGuard:
         """The guard of one response's sends (``until``: its bound, ``time.monotonic()``);
         ``scope`` is cancelled when a send is still waiting at the bound. Close it when the
         response ends."""
@@ -92,7 +93,7 @@ class SendBounds:
         response here until the bound cuts it)."""
         return sum(1 for guard in list(self._guards) if guard.sending)
 
-    def discard(self, guard: "SendGuard") -> None:
+    def discard(self, guard: SendGuard) -> None:
         """``guard``'s response ended: a cut no longer concerns it."""
         self._guards.discard(guard)
 

@@ -43,7 +43,7 @@ DECOY = "qwen3_decode_s40960_b1_draft"
 class TensorSpec:
     name: str
     dtype: str
-    shape: tuple[int, ...] = attrs.field(converter=tuple)
+    shape: tuple[int, ...] = attrs.field(converter=tuple[int, ...])
     sliceable: bool = False
 
 
@@ -51,17 +51,17 @@ class TensorSpec:
 class ModelSpec:
     name: str
     kind: str = attrs.field(validator=attrs.validators.in_(KINDS))
-    inputs: tuple[TensorSpec, ...] = attrs.field(converter=tuple)
-    outputs: tuple[TensorSpec, ...] = attrs.field(converter=tuple)
-    csrs: tuple[str, ...] = attrs.field(converter=tuple)
-    meta: tuple[tuple[str, int], ...] = attrs.field(converter=tuple)
+    inputs: tuple[TensorSpec, ...] = attrs.field(converter=tuple[TensorSpec, ...])
+    outputs: tuple[TensorSpec, ...] = attrs.field(converter=tuple[TensorSpec, ...])
+    csrs: tuple[str, ...] = attrs.field(converter=tuple[str, ...])
+    meta: tuple[tuple[str, int], ...] = attrs.field(converter=tuple[tuple[str, int], ...])
     salt: int = 0
 
 
 @attrs.frozen
 class CalbinSpec:
     seed: int
-    models: tuple[ModelSpec, ...] = attrs.field(converter=tuple)
+    models: tuple[ModelSpec, ...] = attrs.field(converter=tuple[ModelSpec, ...])
 
     def model(self, name: str) -> ModelSpec:
         """The model with exactly this name (KeyError naming it otherwise)."""

@@ -38,11 +38,11 @@ import httpx
 import uvicorn
 
 from calexec.contracts.manifest import default_manifest_path, load_manifest
-from calexec.drivers.synthetic import oracle
-from calexec.drivers.synthetic import calbin
-from calexec.drivers.serving.dumpsink import DumpSink
 from calexec.drivers.calrt.runtime import CalRT, Fault, FaultMode
+from calexec.drivers.serving.dumpsink import DumpSink
+from calexec.drivers.serving.executor_view import served
 from calexec.drivers.serving.server import ServerConfig, create_app
+from calexec.drivers.synthetic import calbin, oracle
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 from calexec.machines.faults import RecoveryPolicy
 
@@ -96,7 +96,7 @@ class LiveServer:
         self.thread = threading.Thread(target=self.server.run, name="uvicorn-chaos",
                                        daemon=True)
 
-    def __enter__(self) -> "LiveServer":
+    def __enter__(self) -> LiveServer:
         self.thread.start()
         _wait_for(lambda: self.server.started, 30, "uvicorn startup")
         self.port = self.server.servers[0].sockets[0].getsockname()[1]
@@ -137,10 +137,10 @@ class Record:
     def __init__(self, kind, prompt, max_tokens, timeout) -> None:
         self.kind, self.prompt, self.max_tokens, self.timeout = kind, prompt, max_tokens, timeout
         self.start = self.end = 0.0
-        self.code = None
-        self.body = None
+        self.code: int | None = None
+        self.body: Any = None  # the JSON body (None: none, or streamed)
         self.events: list[str] = []
-        self.error = None
+        self.error: str | None = None
 
 
 def _client(url: str, index: int, seed: int, stop: threading.Event, out: list) -> None:
@@ -265,6 +265,8 @@ def run_chaos(workdir: Path, seconds: float = 6.0, clients: int = 16, seed: int 
     executor = chaos_executor(workdir, inflight_capacity)
     idle: dict[str, Any] = {}
     final_ready = None
+    if executor.gen is None:  # (chaos_executor started it)
+        raise RuntimeError("the chaos executor has no generation")
     main = executor.gen.calbin_path
     good = str(workdir / "copy.calbin")
     shutil.copyfile(main, good)  # the same model at another path: a switch keeps the oracle
@@ -274,7 +276,7 @@ def run_chaos(workdir: Path, seconds: float = 6.0, clients: int = 16, seed: int 
     # one dump record per request: its server-side latency tells a late answer's handler time
     # from the time it waited for the event loop or the socket
     dump = DumpSink(workdir / "dump", max_bytes=256 << 20, include_content=True)
-    app = create_app(executor, config, dump)
+    app = create_app(served(executor), config, dump)
     service = app.state.service
     emu = executor.device.emu
     rng = random.Random(seed)

@@ -62,8 +62,10 @@ def main(argv: list[str]) -> int:
         status = ex.start()
         if not status.ok:
             raise cliargs.UserError(f"executor start failed: {status}", cliargs.EXIT_REFUSED)
+        golden = ex.life.expected_golden(sha)[0]
         print(f"runtime {ex.runtime.version}, calbin sha256 {sha[:16]}..., generation "
-              f"{ex.gen.id}, lifecycle {ex.state}, golden {list(ex.life.expected_golden(sha)[0])}")
+              f"{None if ex.gen is None else ex.gen.id}, lifecycle {ex.state}, golden "
+              f"{None if golden is None else list(golden)}")
         seqs = range(1, args.seqs + 1)
         refs = {seq: oracle.OracleSequence(seed) for seq in seqs}
         state: dict[int, dict] = {}

@@ -38,17 +38,27 @@ from __future__ import annotations
 
 import hashlib
 from collections import deque
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
 
 from calexec.contracts.errors import Category
 from calexec.contracts.prepare import InferenceRequest
-from calexec.contracts.status import Phase, Status
+from calexec.contracts.status import Status
 from calexec.contracts.types import TaskKind
-from calexec.drivers.tools.explore import (DeviceModel, DeviceProxy, Explorer, OutputBufProxy,
-                                           RuntimeProxy, TapeChooser)
+from calexec.drivers.tools.explore import (
+    DeviceModel,
+    DeviceProxy,
+    Explorer,
+    RuntimeProxy,
+    TapeChooser,
+)
+
+if TYPE_CHECKING:
+    from calexec.drivers.calrt.runtime import CalRT
+    from calexec.machines.device_api import RuntimeApi
 
 VOCAB = 151936
 #: job faults a history can schedule (emulator fault points, fired by job content)
@@ -166,7 +176,7 @@ class TimedDevice(DeviceModel):
     def _sync(self) -> None:
         """Jobs the emulator no longer holds (a reset aborted them) leave the model."""
         for engine, fifo in self.fifo.items():
-            rc, jobs, _stage = self.emu.pending(engine)
+            rc, jobs, _stage = self.controls().pending(engine)
             if rc != 0:
                 continue
             dropped = False
@@ -208,15 +218,14 @@ class TimedDevice(DeviceModel):
         now = self.sched.now
         return [label for label in super().options()
                 if label.startswith("device") and (
-                    self.ready_at.get(int(label[6:])) is None
-                    or self.ready_at[int(label[6:])] <= now)]
+                    (ready := self.ready_at.get(int(label[6:]))) is None or ready <= now)]
 
     def step(self, label: str) -> None:
         from calexec.drivers.calrt.runtime import Did, Stage
         engine = int(label[len("device"):])
         if self.sched.on_step is not None:
             self.sched.on_step()
-        rc, did = self.emu.step(engine, int(Stage.NONE))
+        rc, did = self.controls().step(engine, int(Stage.NONE))
         if rc != 0 or did in (Did.NOTHING, Did.HUNG, Did.BLOCKED):
             self.stuck[engine] = self.epoch
             return
@@ -233,7 +242,7 @@ class TimedDevice(DeviceModel):
         if id(outbuf) not in self.wait_faults:
             return False
         self.wait_faults.discard(id(outbuf))
-        if self.emu.set_fault(Fault.WAIT_RC, FaultMode.NTH, 1, 0, 0) != 0:
+        if self.controls().set_fault(Fault.WAIT_RC, FaultMode.NTH, 1, 0, 0) != 0:
             raise RuntimeError("arming WAIT_RC refused")
         return True
 
@@ -248,7 +257,7 @@ class TimedDevice(DeviceModel):
         self.fired.append((*key, point, self.sched.now))
         if point == "WAIT_RC":
             self.wait_faults.add(id(outbuf))
-        elif self.emu.set_fault(Fault[point], FaultMode.NTH, 1, 0, 0) != 0:
+        elif self.controls().set_fault(Fault[point], FaultMode.NTH, 1, 0, 0) != 0:
             raise RuntimeError(f"arming {point} refused")
 
 
@@ -260,11 +269,12 @@ class TimedDeviceProxy(DeviceProxy):
         kind = "decode" if "decode" in model.name else "prefill"
         dev.sched.point(f"runtime.{name}")
         dev.job_fault(seq, inbuf, outbuf, kind)
-        before = [dev.emu.pending(e)[1] for e in range(dev.engines)]
+        before = [dev.controls().pending(e)[1] for e in range(dev.engines)]
         rc = getattr(self._inner, name)(model, kv, seq, inbuf, outbuf, *more)
         dev.epoch += 1
         if rc == 0:
-            grown = [e for e in range(dev.engines) if dev.emu.pending(e)[1] > before[e]]
+            grown = [e for e in range(dev.engines)
+                     if dev.controls().pending(e)[1] > before[e]]
             if grown:
                 dev.accepted(grown[0], kind)
         return rc
@@ -292,6 +302,8 @@ def _digest(array: np.ndarray | None) -> str | None:
 
 class Lane(Explorer):
     """One variant's executor, its timed device, and the clients' answers on it."""
+
+    device: TimedDevice
 
     def __init__(self, calbins: dict[str, str], variant: Variant, decode_s: float,
                  prefill_s: float, kv_blocks: int = 64, slots_per_kind: int = 2) -> None:
@@ -331,21 +343,23 @@ class Lane(Explorer):
                 "tuning": (HotPathTuning.immediate() if v.tuning == "immediate"
                            else HotPathTuning())}
 
-    def runtime(self, calrt):
+    def runtime(self, calrt: CalRT) -> RuntimeApi:
         proxy = RuntimeProxy if self.variant.fused else _NumpyPostprocess
         return proxy(calrt, self.device)
 
     def _locate(self, inbuf) -> int:
         """The first position of the job prepared in ``inbuf``'s slot (-1: not found)."""
-        pool = self.ex.pool if self.ex is not None else None
+        ex = self.started_ex
+        pool = ex.pool if ex is not None else None
         for slot in (pool.slots if pool is not None else ()):
             if slot.inbuf is inbuf:
-                return int(slot.host_position[0])
+                return -1 if slot.host_position is None else int(slot.host_position[0])
         return -1
 
     def _check_point(self) -> None:
         super()._check_point()
-        gen = self.ex.gen if self.ex is not None else None
+        ex = self.started_ex
+        gen = ex.gen if ex is not None else None
         if gen is not None and gen.id not in self.gen_calbins:
             self.gen_calbins[gen.id] = gen.calbin_path
 
@@ -409,7 +423,8 @@ class Lane(Explorer):
             # except that non-finite output may leave it partly written: documented, and the
             # fused path writes before it finds the NaN, the numpy path after: not compared)
             unspecified = out is None or result.code == "internal.output_not_finite"
-            return ("err", result.code, None if unspecified else _digest(out[:count]))
+            return ("err", result.code,
+                    None if unspecified or out is None else _digest(out[:count]))
         return ("ok", int(result.argmax), int(result.kv_len), result.generation,
                 _digest(result.logits), None if out is None else _digest(out[:count]))
 
@@ -447,9 +462,10 @@ class Lane(Explorer):
             handle.cancel()
         record(("prefill", c.prompt, 0, *self._answer(result, out, count)))
         stream, past, failed = None, len(tokens), isinstance(result, Status)
-        token = first + result.argmax if not failed else 0
+        token = first + result.argmax if not isinstance(result, Status) else 0
         for step in range(c.steps):
-            if failed and (c.after_failure is None or result.category == Category.CANCELLED):
+            if isinstance(result, Status) and failed and (
+                    c.after_failure is None or result.category == Category.CANCELLED):
                 break
             if failed and c.after_failure == "next":
                 past += 1
@@ -471,12 +487,12 @@ class Lane(Explorer):
                     self.current[c.cid] = stream
                 if c.cid in self.abandoned:
                     stream.cancel()
-                handle = stream.submit(token)
-                if not isinstance(handle, Status):
-                    self.handles.append(handle)
+                submitted = stream.submit(token)
+                if not isinstance(submitted, Status):
+                    self.handles.append(submitted)
                 if early:  # (sent whether the step was refused at once or not, as above)
                     record(("early", (0,), past + 1, *self._early(c, past, deadline)))
-                result = handle if isinstance(handle, Status) else stream.wait()
+                result = submitted if isinstance(submitted, Status) else stream.wait()
             else:
                 handle = ex.enqueue(decode, logits_out=out, on_created=gone)
                 self.current[c.cid] = handle
@@ -490,7 +506,7 @@ class Lane(Explorer):
             if failed:  # the one request after a failure: done
                 break
             failed = isinstance(result, Status)
-            if not failed:
+            if not isinstance(result, Status):
                 past = result.kv_len
                 token = first + result.argmax
         if stream is not None:
@@ -616,7 +632,7 @@ class Differential:
         for lane in self.lanes:
             lane.close()
 
-    def oracle_problems(self, lane: "Lane", only: Any = None) -> list[str]:
+    def oracle_problems(self, lane: Lane, only: Any = None) -> list[str]:
         """Every result ``lane`` delivered (to the clients in ``only``, default all) is the
         numpy oracle's."""
         from calexec.drivers.synthetic import calbin as cb
@@ -646,7 +662,7 @@ class Differential:
                 if entry[0] not in ("prefill", "decode") or entry[3] != "ok":
                     continue
                 tokens, past, gen_id = entry[1], entry[2], entry[6]
-                if gen_id != generation:
+                if gen_id != generation or sequence is None:  # (None only before the first)
                     sequence = oracle.OracleSequence(seeds[ref.gen_calbins[gen_id]])
                     generation = gen_id
                 if past > sequence.length:  # KV this client did not write (a sequence's

@@ -52,7 +52,8 @@ import sys
 import tempfile
 import threading
 import traceback
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -63,6 +64,11 @@ from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import TaskKind
 from calexec.machines.clock import Clock
 from calexec.machines.job import job_of
+
+if TYPE_CHECKING:
+    from calexec.drivers.calrt.runtime import CalRT, Emulator, KvManager
+    from calexec.machines.device_api import RuntimeApi
+    from calexec.machines.executor import DeviceExecutor
 
 WATCHDOG_S = float(os.environ.get("CALEXEC_EXPLORE_WATCHDOG_S", "60"))
 _PENDING = (int(DeviceJobStatus.PENDING), int(DeviceJobStatus.RUNNING))
@@ -94,7 +100,7 @@ class TapeChooser:
     def extend(self, tape: Sequence[int]) -> None:
         self.tape = self.tape[:self.i] + list(tape)
 
-    def choose(self, options: list, sched: "Scheduler") -> int:
+    def choose(self, options: list, sched: Scheduler) -> int:
         value = self.tape[self.i] if self.i < len(self.tape) else 0
         self.i += 1
         return value % len(options)
@@ -122,7 +128,7 @@ class PriorityTapeChooser(TapeChooser):
             return (0, -self.prio[option.label])
         return (1 if option != "jump" else 2, option)
 
-    def choose(self, options: list, sched: "Scheduler") -> int:
+    def choose(self, options: list, sched: Scheduler) -> int:
         order = sorted(range(len(options)), key=lambda i: self._key(options[i]))
         value = self.tape[self.i] if self.i < len(self.tape) else 0
         self.i += 1
@@ -137,7 +143,7 @@ class PriorityTapeChooser(TapeChooser):
 class ReplayChooser(TapeChooser):
     """Replays recorded choice indices exactly (0 after the end)."""
 
-    def choose(self, options: list, sched: "Scheduler") -> int:
+    def choose(self, options: list, sched: Scheduler) -> int:
         value = self.tape[self.i] if self.i < len(self.tape) else 0
         self.i += 1
         if value >= len(options):
@@ -169,7 +175,7 @@ class PCTChooser:
         """The scenario starts: change points are placed over the choices from here."""
         self.offset = self.i
 
-    def choose(self, options: list, sched: "Scheduler") -> int:
+    def choose(self, options: list, sched: Scheduler) -> int:
         self.i += 1
         if self.i - self.offset in self.change and sched.running is not None:
             # the j-th change point gives priority j/1000: below every undemoted thread, above
@@ -194,7 +200,7 @@ class PCTChooser:
 class CThread(threading.Thread):
     """A real thread that runs only when the scheduler hands it the baton."""
 
-    def __init__(self, sched: "Scheduler", target: Callable, name: str, args: tuple = ()) -> None:
+    def __init__(self, sched: Scheduler, target: Callable, name: str, args: tuple = ()) -> None:
         super().__init__(name=name, daemon=True)
         self.sched = sched
         self._fn, self._fn_args = target, args
@@ -248,9 +254,10 @@ class CLock:
 
     __slots__ = ("sched", "owner")
 
-    def __init__(self, sched: "Scheduler") -> None:
+    def __init__(self, sched: Scheduler) -> None:
         self.sched = sched
-        self.owner: CThread | None = None
+        #: the holding thread, ``Scheduler.OUTSIDE`` (held outside the controlled world), or None
+        self.owner: object = None
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
         sched = self.sched
@@ -296,7 +303,7 @@ class CLock:
 class CCondition:
     """A condition over a (ranked) controlled lock; notify marks waiters, wait is virtual."""
 
-    def __init__(self, sched: "Scheduler", lock) -> None:
+    def __init__(self, sched: Scheduler, lock) -> None:
         self.sched = sched
         self._lock = lock
         self._waiters: list[list[bool]] = []
@@ -340,7 +347,7 @@ class CCondition:
 class CEvent:
     __slots__ = ("sched", "flag")
 
-    def __init__(self, sched: "Scheduler") -> None:
+    def __init__(self, sched: Scheduler) -> None:
         self.sched = sched
         self.flag = False
 
@@ -369,7 +376,7 @@ class CEvent:
 class VirtualClock(Clock):
     """The executor's clock under the explorer: controlled primitives, virtual time."""
 
-    def __init__(self, sched: "Scheduler") -> None:
+    def __init__(self, sched: Scheduler) -> None:
         self.sched = sched
 
     #: a clock read is a scheduling point only if asked: time moves only when every thread
@@ -434,7 +441,7 @@ class Scheduler:
         self.budget = 0
         self.horizon = now
         self.stop_reason = ""
-        self.device: "DeviceModel | None" = None
+        self.device: DeviceModel | None = None
         self.on_point: Callable[[], None] | None = None  # cheap checks, every point
         self.on_blocked: Callable[[], None] | None = None  # checks when no thread can run
         self.on_jump: Callable[[], None] | None = None
@@ -476,6 +483,8 @@ class Scheduler:
     def block(self, pred: Callable[[], bool], deadline: float | None, what: str) -> bool:
         """Block the running thread until ``pred()`` or the virtual ``deadline``."""
         me = self.me()
+        if me is None:
+            raise RuntimeError(f"block({what!r}) outside a controlled thread")
         if self.aborting:
             raise _Abort()
         if pred():
@@ -579,7 +588,7 @@ class Scheduler:
                         self.on_jump()
                 except AssertionError as exc:
                     self.fail(str(exc))
-            else:
+            elif self.device is not None:  # (a device step is an option only with one)
                 self.device.step(chosen)
 
     # -- from the driver --
@@ -635,7 +644,7 @@ class DeviceModel:
 
     def __init__(self, sched: Scheduler, engines: int = 1) -> None:
         self.sched = sched
-        self.emu = None
+        self.emu: Emulator | None = None  # set when the explored executor opens its device
         self.engines = engines
         self.epoch = 0  # bumped by anything that may let a stuck engine progress
         self.stuck: dict[int, int] = {}
@@ -644,7 +653,13 @@ class DeviceModel:
         self.closed = False
 
     #: the device proxy ``RuntimeProxy.open_device`` wraps the device in
-    proxy_class: type = None  # type: ignore[assignment]  (DeviceProxy, set below)
+    proxy_class: type[DeviceProxy] | None = None
+
+    def controls(self) -> Emulator:
+        """The emulator controls of the explored device, once the executor opened it."""
+        if self.emu is None:
+            raise RuntimeError("the explored device is not open yet")
+        return self.emu
 
     def next_ready(self) -> float | None:
         """When a job of a timed device (differential.TimedDevice) ends; None: untimed."""
@@ -676,6 +691,8 @@ class DeviceModel:
         engine = int(label[len("device"):])
         if self.sched.on_step is not None:
             self.sched.on_step()
+        if self.emu is None:  # (device steps are options only once the device is open)
+            return
         rc, did = self.emu.step(engine, int(Stage.NONE))
         if rc != 0 or did in (Did.NOTHING, Did.HUNG, Did.BLOCKED):
             self.stuck[engine] = self.epoch
@@ -685,7 +702,7 @@ class DeviceModel:
     def wait_fault_fires_next(self) -> bool:
         from calexec.drivers.calrt.runtime import Fault
         nth = self.armed.get(int(Fault.WAIT_RC))
-        if nth is None:
+        if nth is None or self.emu is None:
             return False
         rc, calls, fired = self.emu.fault_stats(Fault.WAIT_RC)
         return rc == 0 and fired == 0 and calls + 1 == nth
@@ -864,8 +881,8 @@ class Explorer:
         self.sched.on_blocked = self._check_blocked
         self.sched.on_jump = self._check_late
         self.sched.on_step = self._check_memory
-        self.options = {"reset_kind": reset_kind, "capacity": capacity, "kv_blocks": kv_blocks,
-                        "slack_s": slack_s}
+        self.options: dict[str, Any] = {"reset_kind": reset_kind, "capacity": capacity,
+                                        "kv_blocks": kv_blocks, "slack_s": slack_s}
         self.seed = seed
         self.slack = slack_s
         self.script: list[tuple] = []
@@ -875,8 +892,20 @@ class Explorer:
         self.pools: list = []
         self.gens: list = []
         self.discarded: set[int] = set()
-        self.ex = None
+        self._ex: DeviceExecutor | None = None  # made by start()
         self._closed = False
+
+    @property
+    def ex(self) -> DeviceExecutor:
+        """The executor under exploration (made by ``start``)."""
+        if self._ex is None:
+            raise RuntimeError("Explorer.start() first")
+        return self._ex
+
+    @property
+    def started_ex(self) -> DeviceExecutor | None:
+        """The executor under exploration, None before ``start`` made it."""
+        return self._ex
 
     # ---- scenario ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -887,7 +916,7 @@ class Explorer:
         o = self.options
         policy = RecoveryPolicy(reset_kind=o["reset_kind"], drain_grace_s=0.2,
                                 max_recoveries=50)
-        settings = dict(
+        settings: dict[str, Any] = dict(
             calbin_path=self.calbins["main"],
             device_config=f"kv_blocks={o['kv_blocks']};kv_block_size=16;dma_guard=0",
             inflight_capacity=o["capacity"], slots_per_kind=2, check_lock_order=True,
@@ -897,10 +926,10 @@ class Explorer:
         settings.update(self.config_overrides())
         config = ExecutorConfig(**settings)
         clock = VirtualClock(self.sched)
-        self.ex = DeviceExecutor(self.runtime(CalRT.load()),
-                                 load_manifest(default_manifest_path()), config,
-                                 fault_sink=FaultController(policy, seed=0), clock=clock)
-        out = {}
+        self._ex = DeviceExecutor(self.runtime(CalRT.load()),
+                                  load_manifest(default_manifest_path()), config,
+                                  fault_sink=FaultController(policy, seed=0), clock=clock)
+        out: dict[str, Any] = {}
         self._spawn("main", lambda: out.setdefault("status", self.ex.start()))
         self.sched.slow_device = False  # a start that times out proves nothing
         try:
@@ -918,7 +947,7 @@ class Explorer:
         """ExecutorConfig fields a subclass sets on top of the explorer's (differential.py)."""
         return {}
 
-    def runtime(self, calrt):
+    def runtime(self, calrt: CalRT) -> RuntimeApi:
         """The runtime the executor gets: the stepped, controlled proxy of ``calrt``."""
         return RuntimeProxy(calrt, self.device)
 
@@ -1072,7 +1101,7 @@ class Explorer:
         """Shut down (drain) under the scheduler and check nothing is left behind."""
         self.script.append(("finish",))
         ex = self.ex
-        out = {}
+        out: dict[str, Any] = {}
         # admin calls end first: a switch racing shutdown is a known, separate finding
         for _ in range(50):
             if not any(t.name.startswith("admin") and not t.finished for t in self.sched.threads):
@@ -1125,7 +1154,7 @@ class Explorer:
         seeds = {self.calbins["main"]: seed, self.calbins["other"]: seed ^ OTHER_SEED_XOR}
         paths = {gen.id: gen.calbin_path for gen in self.gens}
         problems, committed = [], []
-        for handle, request, result in self.results:
+        for handle, _request, result in self.results:
             row = self.rows.get(handle.job_id)
             if row is None:
                 continue
@@ -1151,11 +1180,14 @@ class Explorer:
                     sequences.pop(key, None)
                     continue
                 ref = sequences[key] = oracle.OracleSequence(seeds[paths[job.generation_id]])
-            ref.run([int(t) for t in request.tokens], request.past_len)
-            if job.job_id not in self.rows or not hasattr(job.result, "logits"):
+            tokens, result = request.tokens, job.result
+            if tokens is None:  # (the explorer's requests are all token requests)
+                raise AssertionError(f"job {job.job_id}: committed without tokens")
+            ref.run([int(t) for t in tokens], request.past_len)
+            if job.job_id not in self.rows or result is None or isinstance(result, Status):
                 continue  # (a row this explorer's requests did not own: not theirs to check)
             expected = oracle.bf16_to_f32(oracle.logits_bf16(ref.states[-1]))
-            if not np.array_equal(job.result.logits, expected[:job.result.logits.shape[0]]):
+            if not np.array_equal(result.logits, expected[:result.logits.shape[0]]):
                 problems.append(f"job {job.job_id} (seq {request.seq_id} at "
                                 f"{request.past_len}): logits differ from the oracle")
         return problems
@@ -1209,9 +1241,10 @@ class Explorer:
         self._see_generation()
         dropped = [g for g in self.gens if g.id not in self.discarded
                    and any(s.host_output is None for s in g.pool.slots)]
-        if not dropped or self.device.closed:
+        emu = self.device.emu
+        if not dropped or self.device.closed or emu is None:
             return
-        pending = self.device.emu.counters().get("stale_pending", 0)
+        pending = emu.counters().get("stale_pending", 0)
         for gen in dropped:
             self.discarded.add(gen.id)
         if pending:
@@ -1257,31 +1290,34 @@ class Explorer:
             # guesses of implicit pre-arms (machines/autoarm.py) hold one slot, one token of
             # budget and one KV txn each until their deadline, which the submitter's wait
             # must end at (so it releases them): nothing else may stay taken
-            state = ex.dispatch.peek()  # (every thread waits: nothing changes it now)
-            guesses = [e.job for e in state["guesses"] if e.job is not None]
+            peek = ex.dispatch.peek()  # (every thread waits: nothing changes it now)
+            guesses = [e.job for e in peek["guesses"] if e.job is not None]
             submitter = next((t for t in self.sched.threads
                               if t.name == "calexec-submitter" and not t.finished), None)
             for job in guesses:
-                if job not in state["armed"]:
+                if job not in peek["armed"]:
                     problems.append(f"guess {job!r} not in the armed list")
                 elif submitter is not None and (submitter.deadline is None
                                                 or submitter.deadline > job.deadline + 1e-6):
                     problems.append(f"guess {job!r} (deadline {job.deadline:.3f}) outlives the "
                                     "submitter's wait")
             guess_txns = {id(job.txn) for job in guesses}
-            if state["pending_tokens"] != len(guesses):
-                problems.append(f"pending_tokens={state['pending_tokens']} with {len(guesses)} "
+            if peek["pending_tokens"] != len(guesses):
+                problems.append(f"pending_tokens={peek['pending_tokens']} with {len(guesses)} "
                                 "guesses")
-            if state["inflight"] != len(state["held"]):
-                problems.append(f"inflight={state['inflight']} with "
-                                f"{len(state['held'])} held by the runtime")
-            if state["queued"] or ex.completing:
-                problems.append(f"queues {state['queued']}/{ex.completing}")
-            counts = ex.pool.counts()
+            if peek["inflight"] != len(peek["held"]):
+                problems.append(f"inflight={peek['inflight']} with "
+                                f"{len(peek['held'])} held by the runtime")
+            if peek["queued"] or ex.completing:
+                problems.append(f"queues {peek['queued']}/{ex.completing}")
+            pool, kvc = ex.pool, ex.kvc
+            if pool is None or kvc is None:
+                raise AssertionError("Ready without a generation")
+            counts = pool.counts()
             if counts["Leased"] != len(guesses) or (counts["InFlight"]
-                                                    and not state["held"]):
+                                                    and not peek["held"]):
                 problems.append(f"slots {counts} with {len(guesses)} guesses")
-            open_txns = [v for v in ex.kvc.seqs.values()
+            open_txns = [v for v in kvc.seqs.values()
                          if (v.open_txn is not None and id(v.open_txn) not in guess_txns)
                          or (v.next_txn is not None and id(v.next_txn) not in guess_txns)]
             if open_txns:
@@ -1299,7 +1335,9 @@ class Explorer:
         for seq, view in list(gen.kvc.seqs.items()):
             if view.unknown_reason is not None or view.open_txn is not None or view.on_device:
                 continue
-            rc, device_len = gen.kv.seq_len(seq)
+            # the explorer runs on the bundled emulator's KvManager (drivers/calrt/runtime.py),
+            # which also answers the device's length of a sequence (machines/ never asks)
+            rc, device_len = cast("KvManager", gen.kv).seq_len(seq)
             if rc == 0 and device_len != view.committed_len:
                 raise AssertionError(f"seq {seq}: device KV length {device_len} != committed "
                                      f"{view.committed_len} with no job open")
@@ -1411,11 +1449,12 @@ def explore_seed(calbins: dict[str, str], seed: int, length: int = 12,
     ``ExplorationFailure`` (with the seed) on a violation. ``explore_seed(calbins, seed)``
     replays it."""
     rng = random.Random(seed)
-    options = {"reset_kind": "none" if rng.random() < 0.3 else "reset",
-               "kv_blocks": rng.choice((8, 64)),
-               # Phase B (two jobs in flight) in a third of the scenarios; a generator of its
-               # own, so a seed's scenario and schedule stay what they were in Phase A
-               "capacity": 2 if random.Random(seed ^ 0xB0B).random() < 0.3 else 1}
+    options: dict[str, Any] = {
+        "reset_kind": "none" if rng.random() < 0.3 else "reset",
+        "kv_blocks": rng.choice((8, 64)),
+        # Phase B (two jobs in flight) in a third of the scenarios; a generator of its
+        # own, so a seed's scenario and schedule stay what they were in Phase A
+        "capacity": 2 if random.Random(seed ^ 0xB0B).random() < 0.3 else 1}
     script = [a for a in random_script(rng, length) if a[0] not in exclude]
     # change points over the scenario's expected length (~12 choices per action after the
     # start), as Shuttle sizes them from the executions it has seen
@@ -1447,13 +1486,13 @@ def replay(calbins: dict[str, str], script: Sequence[tuple], choices: Sequence[i
 class _LenientReplay(ReplayChooser):
     """A replay that tolerates a changed schedule (index modulo the options): for shrinking."""
 
-    def choose(self, options: list, sched: "Scheduler") -> int:
+    def choose(self, options: list, sched: Scheduler) -> int:
         value = self.tape[self.i] if self.i < len(self.tape) else 0
         self.i += 1
         return value % len(options)
 
 
-def _run_script(calbins, script, chooser, options) -> "str | None":
+def _run_script(calbins, script, chooser, options) -> str | None:
     explorer = Explorer(calbins, chooser, **options)
     try:
         explorer.start()
@@ -1490,12 +1529,12 @@ def shrink(calbins: dict[str, str], info: dict, attempts: int = 300) -> dict:
         tries += 1
         return _run_script(calbins, s, _LenientReplay(c), options) == target
 
-    def pct_fails(s) -> "list[int] | None":
+    def pct_fails(s) -> list[int] | None:
         """The script under the failure's own PCT priorities (robust to dropped actions:
         priorities, not choice indices); the recorded choices when it still fails."""
         nonlocal tries
         tries += 1
-        explorer = Explorer(calbins, PCTChooser(*pct), **options)
+        explorer = Explorer(calbins, PCTChooser(*(pct or ())), **options)  # (called with one)
         try:
             explorer.start()
             for action in s:

@@ -13,13 +13,12 @@ Exit status: 0 recorded, 1 the executor did not start (Status printed), 2 usage 
 
 from __future__ import annotations
 
-from calexec import cliargs
-
 import sys
 from pathlib import Path
 
 import attrs
 
+from calexec import cliargs
 from calexec.contracts.goldens import NO_GOLDENS, PinnedGolden, goldens_path, pin
 from calexec.contracts.manifest import ManifestError, default_manifest_path, load_manifest
 from calexec.contracts.status import Status
@@ -40,6 +39,8 @@ def record(calbin: str, manifest_path: str | Path, runtime_lib: str | None = Non
     try:
         if not status.ok:
             return status
+        if ex.gen is None:  # (started: it has one)
+            raise RuntimeError("the executor started without a generation")
         sha = ex.gen.sha256
         return PinnedGolden(sha, config.golden_tokens, config.golden_decode_steps,
                             ex.goldens[sha], note)

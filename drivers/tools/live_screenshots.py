@@ -71,9 +71,10 @@ def main(argv: list[str]) -> int:
     import uvicorn
 
     from calexec.contracts.manifest import default_manifest_path, load_manifest
-    from calexec.drivers.synthetic import calbin
     from calexec.drivers.calrt.runtime import CalRT
+    from calexec.drivers.serving.executor_view import served
     from calexec.drivers.serving.server import ServerConfig, create_app
+    from calexec.drivers.synthetic import calbin
     from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 
     with tempfile.TemporaryDirectory(prefix="calexec-live-") as tmp:
@@ -85,7 +86,8 @@ def main(argv: list[str]) -> int:
         if not status.ok:
             print(f"calexec diagrams live: executor did not start: {status}", file=sys.stderr)
             return 1
-        server = uvicorn.Server(uvicorn.Config(create_app(ex, ServerConfig()), host="127.0.0.1",
+        app = create_app(served(ex), ServerConfig())
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1",
                                                port=0, log_level="warning", access_log=False))
         thread = threading.Thread(target=server.run, daemon=True)
         thread.start()

@@ -11,8 +11,15 @@ import sys
 from pathlib import Path
 
 from calexec.machines.compiled import CHARTS
-from calexec.machines.diagrams import (SHA_PATTERN, FIX_COMMAND, GraphvizError, png_from_dot,
-                                       png_sha, svg_from_dot, render_chart_dot)
+from calexec.machines.diagrams import (
+    FIX_COMMAND,
+    SHA_PATTERN,
+    GraphvizError,
+    png_from_dot,
+    png_sha,
+    render_chart_dot,
+    svg_from_dot,
+)
 
 
 def write_all(out: Path, png: Path | None = None) -> list[Path]:
@@ -66,7 +73,8 @@ def main(argv: list[str]) -> int:
     """Entry point; ``argv`` starts with the command word ``diagrams``. Exit 0, 1 when
     ``--check`` finds a stale file, 2 when ``--out`` cannot be written or graphviz's ``dot``
     is missing (one line, no traceback)."""
-    from calexec.cliargs import EXIT_CONFIG, parser as cli_parser
+    from calexec.cliargs import EXIT_CONFIG
+    from calexec.cliargs import parser as cli_parser
 
     parser = cli_parser("calexec diagrams", __doc__)
     parser.add_argument("--out", type=Path, default=Path("diagrams"), help="output directory")

@@ -7,7 +7,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from calexec.cliargs import EXIT_CONFIG, command_main, parser as cli_parser
+from calexec.cliargs import EXIT_CONFIG, command_main
+from calexec.cliargs import parser as cli_parser
 from calexec.machines.compiled import names_source
 
 DEFAULT_OUT = Path(__file__).resolve().parents[2] / "machines" / "chart_names.py"

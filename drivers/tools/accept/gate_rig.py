@@ -17,12 +17,12 @@ from typing import Any, TextIO
 import attrs
 import numpy as np
 
-from calexec.drivers.memory import rss_bytes
-from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.errors import Category
+from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import TaskKind
 from calexec.drivers.device_spec import DeviceSpec
+from calexec.drivers.memory import rss_bytes
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 from calexec.machines.faults import RecoveryPolicy
 
@@ -139,7 +139,7 @@ def request(seq: int, kind: TaskKind, tokens: Sequence[int] | np.ndarray, past: 
 
 def open_executor(calbin_path: str, phase: str, recovery: RecoveryPolicy | None = None,
                   device_config: str = "", device: DeviceSpec = DeviceSpec()
-                  ) -> "DeviceExecutor | Status":
+                  ) -> DeviceExecutor | Status:
     """A started executor of ``phase`` on its own device of ``device``'s runtime (default:
     the bundled emulator) with ``device``'s manifest, or the start Status."""
     if phase not in PHASE_CAPACITY:
@@ -152,7 +152,7 @@ def open_executor(calbin_path: str, phase: str, recovery: RecoveryPolicy | None 
     return ex if status.ok else status
 
 
-def run_job(ex: DeviceExecutor, req: InferenceRequest) -> "Any":
+def run_job(ex: DeviceExecutor, req: InferenceRequest) -> Any:
     """Enqueue and wait (bounded). Returns the InferenceResult or a Status; a job still
     unresolved after its deadline plus ``HANG_GRACE_S`` returns a ``Status`` whose code is
     ``accept.hung``."""

@@ -32,13 +32,24 @@ import numpy as np
 
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import TaskKind
+from calexec.drivers.calrt.runtime import Fault, FaultMode, Overlap
+from calexec.drivers.device_spec import DeviceSpec
 from calexec.drivers.synthetic import calbin as calbin_fmt
 from calexec.drivers.synthetic import oracle
-from calexec.drivers.tools.accept.gate_rig import (HANG_GRACE_S, JOB_S, Gate, Progress, growth, hung_status, leased,
-                                        open_executor, request, rss_mib, run_job)
+from calexec.drivers.tools.accept.gate_rig import (
+    HANG_GRACE_S,
+    JOB_S,
+    Gate,
+    Progress,
+    growth,
+    hung_status,
+    leased,
+    open_executor,
+    request,
+    rss_mib,
+    run_job,
+)
 from calexec.drivers.tools.bench.core import DirectLoop
-from calexec.drivers.device_spec import DeviceSpec
-from calexec.drivers.calrt.runtime import Fault, FaultMode, Overlap
 
 VOCAB = calbin_fmt.VOCAB
 MAX_SEQ = calbin_fmt.MAX_SEQ
@@ -141,7 +152,7 @@ class _LogitStats:
 
 
 def _greedy(ex, seq: int, prompt: np.ndarray, steps: int, ctx: AcceptContext, series: str,
-            stats: _LogitStats | None = None) -> "tuple[list[int], Status | None]":
+            stats: _LogitStats | None = None) -> tuple[list[int], Status | None]:
     """Greedy prefill + ``steps`` decodes of a fresh ``seq``, every row checked against the
     oracle when ``stats`` is given. Returns (tokens, the first failure or None)."""
     # a job of ``seq`` the device still runs after a failed Wait: wait for it to let go
@@ -188,7 +199,9 @@ def correctness(ctx: AcceptContext, phase: str, progress: Progress) -> Gate:
     direct = DirectLoop(ctx.device.runtime(), ctx.calbin_path)
     rng = ctx.rng(1)
     stats = _LogitStats()
-    identical, mismatches, errors = 0, [], []
+    identical = 0
+    mismatches: list[dict[str, Any]] = []
+    errors: list[str] = []
     try:
         for i in range(sizes.prompts):
             progress.update(name, i, sizes.prompts)
@@ -308,8 +321,11 @@ def _crosstalk_run(ctx: AcceptContext, phase: str, setting: str, progress: Progr
         past: dict[int, int] = {}
         errors: list[str] = []
         mismatches = 0
+        kvc = ex.kvc
+        if kvc is None:
+            raise RuntimeError(f"the executor has no generation (lifecycle {ex.state})")
         for s in seqs:
-            ex.kvc.reset_sequence(s)
+            kvc.reset_sequence(s)
             prompt = rng.integers(0, VOCAB, 17 + s, dtype=np.int32)
             result = run_job(ex, request(s, TaskKind.PREFILL_IDS, prompt, 0))
             if isinstance(result, Status):
@@ -418,7 +434,7 @@ class _Traffic:
             if ref.length > 2000:
                 ref = None
 
-    def __enter__(self) -> "_Traffic":
+    def __enter__(self) -> _Traffic:
         self.thread.start()
         return self
 
@@ -509,7 +525,7 @@ def injections(ctx: AcceptContext, phase: str, progress: Progress) -> Gate:
         "shutdown": str(shutdown)})
 
 
-def _inject(ex, kind: str, rng: np.random.Generator, seed: int) -> "Any":
+def _inject(ex, kind: str, rng: np.random.Generator, seed: int) -> Any:
     """One injection on seq 1 (fresh prefill, then the injected decode). Returns the
     decode's Status, True for a correct delivered token, False for a wrong one."""
     reset = (ex.kvc.reset_sequence(1, wait_s=RESET_WAIT_S) if ex.kvc is not None else

@@ -39,9 +39,9 @@ from calexec import cliargs
 from calexec.drivers.device_spec import DeviceSpec
 from calexec.drivers.memory import pin_mmap_threshold
 from calexec.drivers.synthetic import calbin as calbin_fmt
+from calexec.drivers.tools.accept.gate_rig import Progress, Silent
 from calexec.drivers.tools.accept.gates import GATES, AcceptContext
 from calexec.drivers.tools.accept.report import write_report
-from calexec.drivers.tools.accept.gate_rig import Progress, Silent
 
 SPEC_LENGTHS = (1, 2, 15, 16, 17, 127, 128, 1024, 4095, 4096, 40959)
 
@@ -59,7 +59,7 @@ class Sizes:
     prompts: int = attrs.field(validator=_positive)
     max_prompt_len: int = attrs.field(validator=_positive)
     decode_steps: int = attrs.field(validator=_positive)
-    lengths: tuple[int, ...] = attrs.field(converter=tuple)
+    lengths: tuple[int, ...] = attrs.field(converter=tuple[int, ...])
     crosstalk_tokens: int = attrs.field(validator=_positive)
     injections: int = attrs.field(validator=_positive)
     soak_seconds: float = attrs.field(validator=_positive)

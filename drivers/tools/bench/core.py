@@ -7,11 +7,12 @@ decode through ``DeviceExecutor`` (threads on, in-flight capacity 1) in four mod
 ``enqueue`` + ``wait_until`` per token, ``prearmed`` (``decode_stream``: the next job armed
 while the current one runs, ``step(token)`` per token), ``ahead`` (the same stream with
 ``greedy_ahead``: the completion thread fires the armed job with the argmax, the caller's
-``step`` takes it) and ``decode_sync`` (the llama.cpp-style entry), the argmax fed back. The direct side has its own emulated device, the executor modes
-share one of the same kind, built from the same calbin. Each run decodes one block per side,
-the order rotated from run to run, so that drift (other processes, CPU frequency) falls on
-every side alike. Per mode and token it also counts the cross-thread hand-offs (a counting
-clock given to this executor only) and the Python/numpy allocations (``alloccount``):
+``step`` takes it) and ``decode_sync`` (the llama.cpp-style entry), the argmax fed back. The
+direct side has its own emulated device, the executor modes share one of the same kind, built
+from the same calbin. Each run decodes one block per side, the order rotated from run to run,
+so that drift (other processes, CPU frequency) falls on every side alike. Per mode and token it
+also counts the cross-thread hand-offs (a counting clock given to this executor only) and the
+Python/numpy allocations (``alloccount``):
 
 1. TPOT with the 10 ms decode profile: P50/P99 per token of each side and their ratios
    (executor / direct). Spec gate <= 1.03 / <= 1.05, project goal <= 1.01 / <= 1.02.
@@ -65,20 +66,23 @@ from typing import Any
 import numpy as np
 
 from calexec import cliargs
+from calexec.contracts.errors import Category
 from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.status import Status
 from calexec.contracts.types import TaskKind
 from calexec.drivers import alloccount
-from calexec.drivers.synthetic import calbin as calbin_fmt
-from calexec.drivers.direct import DirectRunner, DriverError
-from calexec.drivers.device_spec import DeviceSpec, DeviceSpecError
-from calexec.drivers.serving.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
-from calexec.drivers.native.fused_logits import FusedLogits
 from calexec.drivers.calrt.runtime import CalRT
+from calexec.drivers.device_spec import DeviceSpec, DeviceSpecError
+from calexec.drivers.direct import DirectRunner, DriverError
+from calexec.drivers.native.fused_logits import FusedLogits
+from calexec.drivers.serving.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
+from calexec.drivers.synthetic import calbin as calbin_fmt
 from calexec.drivers.tools.bench.sim import PROFILE_DECODE_US
 from calexec.machines.clock import Clock
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
-from calexec.machines.job import now_us
+from calexec.machines.generation import Generation
+from calexec.machines.job import InferenceResult, now_us
+from calexec.machines.kv import KvCoordinator
 from calexec.machines.postprocess import bf16_all_finite, bf16_to_f32_into, bf16_to_f32_legacy
 
 #: §13.3 gate for PR1-PR5 and the project's tighter goal (reported alongside the figures).
@@ -93,6 +97,18 @@ _WAIT_S = 30.0  # per-job deadline: generous, a benchmark job never comes near i
 
 class BenchError(RuntimeError):
     """A benchmark could not run (device, executor or job failure); the message says which."""
+
+
+def _gen(ex: DeviceExecutor) -> Generation:
+    """The started executor's live generation."""
+    if ex.gen is None:
+        raise BenchError(f"the executor has no generation (lifecycle {ex.state})")
+    return ex.gen
+
+
+def _kvc(ex: DeviceExecutor) -> KvCoordinator:
+    """The started executor's live KV coordinator."""
+    return _gen(ex).kvc
 
 
 def _progress(message: str) -> None:
@@ -181,11 +197,12 @@ class _CountingCondition(threading.Condition):
         self.label = label  # the role the executor named (``Clock.condition``)
 
     def notify(self, n: int = 1) -> None:
-        self.tally.add(self.label, bool(self._waiters))
+        # CPython's Condition keeps its waiters in _waiters (typeshed leaves it out)
+        self.tally.add(self.label, bool(self._waiters))  # type: ignore[attr-defined]
         super().notify(n)
 
     def notify_all(self) -> None:
-        self.notify(len(self._waiters))
+        self.notify(len(self._waiters))  # type: ignore[attr-defined]  # (_waiters: as above)
 
 
 class _CountingEvent(threading.Event):
@@ -270,7 +287,7 @@ class ExecutorLoop:
         return result
 
     def _prefill(self, prompt: np.ndarray, n: int):
-        status = self.ex.kvc.reset_sequence(BENCH_SEQ)
+        status = _kvc(self.ex).reset_sequence(BENCH_SEQ)
         if not status.ok:
             raise BenchError(f"executor: reset of seq {BENCH_SEQ} failed: {status}")
         request = self._request(TaskKind.PREFILL_IDS, prompt, 0, reserve=len(prompt) + n)
@@ -278,7 +295,7 @@ class ExecutorLoop:
             request.deadline), TaskKind.PREFILL_IDS, 0)
 
     def _stepper(self, past: int, steps: int
-                 ) -> tuple[Callable[[int, int], Any], Callable[[], None]]:
+                 ) -> tuple[Callable[[int, int], Any], Callable[[], object]]:
         """(step(token, past) -> result, close()) for the current mode, ``steps`` decode
         steps."""
         ex, row = self.ex, self.row
@@ -288,10 +305,10 @@ class ExecutorLoop:
                                       max_steps=steps)
             return (lambda token, past: stream.step(token)), stream.close
         if self.mode == "decode_sync":
-            def step(token: int, past: int):
+            def sync_step(token: int, past: int) -> InferenceResult | Status:
                 request = self._request(TaskKind.DECODE, np.asarray([token], np.int32), past)
                 return ex.decode_sync(request, logits_out=row)[1]
-            return step, lambda: None
+            return sync_step, lambda: None
 
         def step(token: int, past: int):
             request = self._request(TaskKind.DECODE, np.asarray([token], np.int32), past)
@@ -493,7 +510,7 @@ def _bf16_bits(rng: np.random.Generator, size: int) -> np.ndarray:
     return (rng.standard_normal(size, dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
 
 
-def _alloc_bytes(fn: Callable[[], None], calls: int) -> tuple[float, float]:
+def _alloc_bytes(fn: Callable[[], object], calls: int) -> tuple[float, float]:
     """(median peak transient bytes per call, bytes still held per call after ``calls``)
     measured with tracemalloc, which traces both Python's allocator and numpy's data buffers."""
     was_tracing = tracemalloc.is_tracing()
@@ -515,7 +532,7 @@ def _alloc_bytes(fn: Callable[[], None], calls: int) -> tuple[float, float]:
     return float(np.median(peaks)), float(retained)
 
 
-def _cpu_us(fn: Callable[[], None], calls: int) -> float:
+def _cpu_us(fn: Callable[[], object], calls: int) -> float:
     """Thread CPU time per call in us over ``calls`` back-to-back calls."""
     t0 = time.thread_time_ns()
     for _ in range(calls):
@@ -687,7 +704,7 @@ def run_recovery(recoveries: int, seed: int, device: DeviceSpec = DeviceSpec()) 
                 key = "ok" if not isinstance(result, Status) else result.code
                 outcomes[key] = outcomes.get(key, 0) + 1
                 past = None if isinstance(result, Status) or result.kv_len > 4000 else result.kv_len
-                if isinstance(result, Status) and result.category.value == "unavailable":
+                if isinstance(result, Status) and result.category == Category.UNAVAILABLE:
                     time.sleep(0.001)  # Retry-After, scaled down
 
         thread = threading.Thread(target=client, name="bench-client", daemon=True)
@@ -697,12 +714,12 @@ def run_recovery(recoveries: int, seed: int, device: DeviceSpec = DeviceSpec()) 
             for i in range(recoveries):
                 if i % 10 == 0:
                     _progress(f"bench recovery: {i}/{recoveries}")
-                ex.kvc.reset_sequence(1)
+                _kvc(ex).reset_sequence(1)
                 first = InferenceRequest(seq_id=1, kind=TaskKind.PREFILL_IDS, tokens=prompt,
                                          positions=np.arange(PROMPT_LEN, dtype=np.int32),
                                          past_len=0, deadline=time.monotonic() + _WAIT_S)
                 ex.enqueue(first).wait_until(first.deadline)
-                generation = ex.gen.id
+                generation = _gen(ex).id
                 ex.device.emu.set_fault(Fault.CCU_EXCEPTION, FaultMode.NTH, 1, 0, 0)
                 t0 = time.perf_counter()
                 req = InferenceRequest(seq_id=1, kind=TaskKind.DECODE,
@@ -795,7 +812,7 @@ class _PingPongRun:
         try:
             ref = oracle.OracleSequence(self.seed)
             prompt = np.arange(seq, seq + PROMPT_LEN, dtype=np.int32)
-            status = self.ex.kvc.reset_sequence(seq)
+            status = _kvc(self.ex).reset_sequence(seq)
             if not status.ok:
                 raise BenchError(f"reset of seq {seq} failed: {status}")
             result = self._run(InferenceRequest(

@@ -46,6 +46,10 @@ class BenchError(RuntimeError):
     pass
 
 
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
 def _pct(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -144,8 +148,8 @@ def _executor(workdir: Path):
     """drivers/tools/chaos.py's executor (fast latency profile, no escalation to Failed) with a
     shorter execution deadline and drain grace: a hung job costs well under a second."""
     from calexec.contracts.manifest import default_manifest_path, load_manifest
-    from calexec.drivers.synthetic import calbin
     from calexec.drivers.calrt.runtime import CalRT
+    from calexec.drivers.synthetic import calbin
     from calexec.machines.executor import DeviceExecutor, ExecutorConfig
     from calexec.machines.faults import RecoveryPolicy
 
@@ -169,10 +173,10 @@ def run_fault_bench(faults: int, clients: int, seed: int, progress=None) -> dict
     """One run; the report (module docstring)."""
     import httpx
 
-    from calexec.drivers.tools.bench.core import cpu_model
-    from calexec.drivers.tools.chaos import FAULTS, LiveServer
     from calexec.drivers.calrt.runtime import Fault, FaultMode
     from calexec.drivers.serving.server import ServerConfig, create_app
+    from calexec.drivers.tools.bench.core import cpu_model
+    from calexec.drivers.tools.chaos import FAULTS, LiveServer
 
     points = {name: (point, rc) for name, point, rc in FAULTS}
     rng = random.Random(seed)
@@ -212,7 +216,8 @@ def run_fault_bench(faults: int, clients: int, seed: int, progress=None) -> dict
                                          f"(lifecycle {executor.state}: {executor.health()})")
                     # one fault at a time: every request in flight during the last one ended
                     ready_at = time.monotonic()
-                    _wait(lambda: all(c is None or c >= ready_at for c in current),
+                    _wait(lambda ready_at=ready_at: all(c is None or c >= ready_at
+                                                        for c in current),
                           REQUEST_TIMEOUT_S)
                     point, rc = points[kind]
                     first = Fault[point.split("+")[0]]
@@ -220,7 +225,7 @@ def run_fault_bench(faults: int, clients: int, seed: int, progress=None) -> dict
                     for name in point.split("+"):
                         emu.set_fault(Fault[name], FaultMode.NTH, rng.randint(1, 3),
                                       rng.randrange(1 << 30), rc)
-                    fired = _wait(lambda: emu.fault_stats(first)[2] >= 1, FIRE_WAIT_S)
+                    fired = _wait(lambda first=first: emu.fault_stats(first)[2] >= 1, FIRE_WAIT_S)
                     emu.clear_all_faults()
                     if fired:
                         windows.append((armed, kind))
@@ -282,9 +287,9 @@ def run_fault_bench(faults: int, clients: int, seed: int, progress=None) -> dict
         if k is not None:
             per_fault[k] = max(per_fault.get(k, 0.0), lost)
     added_ms = [v * 1000 for v in per_fault.values()]
-    fired = len(windows)
+    n_fired = len(windows)
     return {
-        "faults_requested": faults, "faults_fired": fired,
+        "faults_requested": faults, "faults_fired": n_fired,
         "faults_by_kind": dict(Counter(kind for _, kind in windows)),
         "faults_not_fired": dict(skipped),
         "clients": clients, "streaming_clients": clients // 2, "seed": seed,
@@ -301,11 +306,11 @@ def run_fault_bench(faults: int, clients: int, seed: int, progress=None) -> dict
         "tokens_identical_pct_sampled": round(100.0 * identical_sampled / len(sampled), 3)
         if sampled else None,
         "resumes": len(resumed), "resumes_by_cause": dict(Counter(c for _, _, c in resumed)),
-        "resumes_per_fault": round(len(resumed) / fired, 3) if fired else None,
+        "resumes_per_fault": round(len(resumed) / n_fired, 3) if n_fired else None,
         "faults_with_a_resume": len(per_fault),
         "added_latency_per_fault_ms": {
-            "p50": None if not added_ms else round(_pct(added_ms, 50), 3),
-            "p99": None if not added_ms else round(_pct(added_ms, 99), 3),
+            "p50": _round(_pct(added_ms, 50)),
+            "p99": _round(_pct(added_ms, 99)),
             "max": None if not added_ms else round(max(added_ms), 3)},
         "resume_budget_exhausted": int(budget_exhausted),
         "recoveries": len(executor.recoveries),

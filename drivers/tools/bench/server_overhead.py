@@ -18,7 +18,8 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import attrs
 import numpy as np
@@ -52,7 +53,8 @@ def _direct_request(ex: DeviceExecutor, seq: int, prompt: list[int], max_tokens:
                                    tokens=np.asarray([result.argmax], dtype=np.int32),
                                    positions=np.asarray([result.kv_len], dtype=np.int32),
                                    past_len=result.kv_len, deadline=deadline)
-    ex.kvc.reset_sequence(seq)
+    if ex.kvc is not None:  # (the executor is started: it has one)
+        ex.kvc.reset_sequence(seq)
 
 
 def _load(requests: int, concurrency: int, one: Callable[[int, int], None]) -> dict[str, float]:
@@ -71,7 +73,7 @@ def _load(requests: int, concurrency: int, one: Callable[[int, int], None]) -> d
             t0 = time.perf_counter()
             try:
                 one(w, i)
-            except BaseException as exc:  # reported after the run
+            except BaseException as exc:  # noqa: BLE001 - reported after the run
                 errors.append(exc)
                 return
             with lock:
@@ -96,6 +98,7 @@ def run_server_bench(requests: int, max_tokens: int, decode_us: int,
     import httpx
     import uvicorn
 
+    from calexec.drivers.serving.executor_view import served
     from calexec.drivers.serving.server import ServerConfig, create_app
 
     with tempfile.TemporaryDirectory(prefix="calexec-bench-") as tmp:
@@ -106,7 +109,7 @@ def run_server_bench(requests: int, max_tokens: int, decode_us: int,
         status = ex.start()
         if not status.ok:
             raise BenchError(f"executor start failed: {status}")
-        app = create_app(ex, ServerConfig())
+        app = create_app(served(ex), ServerConfig())
         server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1",
                                                port=0, log_level="warning", access_log=False))
         thread = threading.Thread(target=server.run, name="bench-uvicorn", daemon=True)

@@ -20,9 +20,9 @@ import time
 import numpy as np
 
 from calexec import cliargs
-from calexec.drivers.synthetic import calbin as calbin_fmt
-from calexec.drivers.direct import DirectRunner, check
 from calexec.drivers.calrt.runtime import JobStatus
+from calexec.drivers.direct import DirectRunner, check
+from calexec.drivers.synthetic import calbin as calbin_fmt
 
 PROFILE_DECODE_US = 10_000
 

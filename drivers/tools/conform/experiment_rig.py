@@ -17,11 +17,11 @@ import time
 
 import numpy as np
 
+from calexec.drivers import calrt as calrt_pkg
+from calexec.drivers.calrt.runtime import CalRT, JobStatus
+from calexec.drivers.direct import DriverError, check, open_configured
 from calexec.drivers.synthetic import calbin as calbin_fmt
 from calexec.drivers.synthetic import oracle
-from calexec.drivers import calrt as calrt_pkg
-from calexec.drivers.direct import DriverError, check, open_configured
-from calexec.drivers.calrt.runtime import CalRT, JobStatus
 
 CANARY = 0xFFFF  # BF16 NaN bits: the synthetic model never produces them
 FINAL_STATUSES = (JobStatus.DONE, JobStatus.DONE_CCU_EXCEPTION, JobStatus.ABORTED)

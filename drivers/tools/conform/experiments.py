@@ -17,13 +17,20 @@ import time
 
 import numpy as np
 
+from calexec.drivers.calrt.conformance import RESET_KINDS
+from calexec.drivers.calrt.runtime import Fault, FaultMode, JobStatus, Stage
+from calexec.drivers.calrt.verdict import DISPROVEN, INCONCLUSIVE, PROVEN, Answer, inconclusive
+from calexec.drivers.direct import DriverError, check
 from calexec.drivers.synthetic import oracle
 from calexec.drivers.synthetic.calbin import DECODE, PREFILL_IDS
-from calexec.drivers.tools.conform.experiment_rig import FINAL_STATUSES, WAIT_CAP_US, Rig, Slot, tokens_for, wait_final
-from calexec.drivers.calrt.verdict import DISPROVEN, INCONCLUSIVE, PROVEN, Answer, inconclusive
-from calexec.drivers.calrt.conformance import RESET_KINDS
-from calexec.drivers.direct import DriverError, check
-from calexec.drivers.calrt.runtime import Fault, FaultMode, JobStatus, Stage
+from calexec.drivers.tools.conform.experiment_rig import (
+    FINAL_STATUSES,
+    WAIT_CAP_US,
+    Rig,
+    Slot,
+    tokens_for,
+    wait_final,
+)
 
 RESET_ASPECTS = {
     "aborts_jobs": "{kind} aborts the in-flight jobs of both engines (PING and PONG)",
@@ -331,7 +338,7 @@ def overlap_bounds(n: int, h2d: float | None, compute: float | None, d2h: float 
         raise ValueError(f"n must be >= 2 jobs, got {n}")
     half = (n + 1) // 2
     bounds = {"none": 1.0, "full": n / half}
-    if None not in (h2d, compute, d2h) and h2d + compute + d2h > 0:
+    if h2d is not None and compute is not None and d2h is not None and h2d + compute + d2h > 0:
         per = h2d + compute + d2h
         bounds["dma"] = n * per / max(h2d + n * compute + d2h, half * per)
     return bounds
@@ -369,7 +376,7 @@ def exp_overlap(lib: str, calbin: str, config: str, quick: bool) -> dict:
     par_status: dict[int, int] = {}
     errors: list[str] = []
     serial_ok = n
-    for trial in range(trials):
+    for _trial in range(trials):
         t0 = time.perf_counter()
         serial_status = [_timed_job(rig, slots[i], seq, toks, 0, t0, poll_us, spans, "serial", i)
                          for i, (seq, toks) in enumerate(jobs)]
@@ -767,7 +774,7 @@ def _reset_one(lib: str, calbin: str, config: str, kind: str, arm_stale: bool) -
                        f"{numbers['final_status']}"))
     else:
         out.append(ans("aborts_jobs", DISPROVEN, "aborts_one_engine", f"only one engine's job aborted ({finding})"))
-    classes = sorted({v["class"] for v in kv.values()})
+    classes = sorted({str(v["class"]) for v in kv.values()})
     kv_text = "; ".join(f"seq {s}: {v['before']} -> {v['after']} ({v['class']})" for s, v in kv.items())
     kv_verdict = PROVEN if classes == ["kept"] else INCONCLUSIVE if classes == ["unprobed"] else DISPROVEN
     out.append(ans("keeps_kv", kv_verdict, "+".join(classes), kv_text))

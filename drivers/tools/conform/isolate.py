@@ -14,7 +14,8 @@ import os
 import signal
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import attrs
 
@@ -65,7 +66,7 @@ def run_isolated(target: str, kwargs: dict, timeout_s: float,
     t0 = time.monotonic()
     proc.start()
     child.close()
-    if on_start is not None:
+    if on_start is not None and proc.pid is not None:  # (started: it has one)
         on_start(proc.pid)
     message, got = None, False
     try:

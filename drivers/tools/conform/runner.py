@@ -13,16 +13,17 @@ import os
 import sys
 import tempfile
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from calexec import cliargs
-from calexec.drivers.synthetic import calbin as calbin_fmt
 from calexec.drivers.calrt import conformance as report
+from calexec.drivers.calrt.verdict import inconclusive
+from calexec.drivers.synthetic import calbin as calbin_fmt
 from calexec.drivers.tools.conform import overlap_trace
+from calexec.drivers.tools.conform.experiment_rig import build_emulator_lib
 from calexec.drivers.tools.conform.experiments import EXPERIMENTS, QUESTIONS
 from calexec.drivers.tools.conform.isolate import OK, run_isolated
-from calexec.drivers.tools.conform.experiment_rig import build_emulator_lib
-from calexec.drivers.calrt.verdict import inconclusive
 
 MODULE = "calexec.drivers.tools.conform.experiments"
 
@@ -53,8 +54,8 @@ def run(lib: str | None, config: str = "", quick: bool = False, only: tuple[str,
 
     lib None builds the bundled emulator as ``libcalrt_emu.so`` into work_dir (a temp dir
     by default) and dlopens it. ``calbin_path``: a synthetic calbin to use (the experiments
-    check outputs against its oracle); None writes the default one. ``experiment_kwargs`` passes extra keyword arguments to
-    one experiment (tests); ``on_child(name, pid)`` is called when its child starts."""
+    check outputs against its oracle); None writes the default one. ``experiment_kwargs`` passes
+    extra keyword arguments to one experiment (tests); ``on_child(name, pid)`` is called when its child starts."""
     unknown = [name for name in only if name not in EXPERIMENTS]
     if unknown:
         raise ValueError(f"unknown experiment(s) {unknown}; known: {list(EXPERIMENTS)}")
@@ -62,7 +63,7 @@ def run(lib: str | None, config: str = "", quick: bool = False, only: tuple[str,
     with tempfile.TemporaryDirectory(prefix="calexec-conform-") as tmp:
         work = work_dir or tmp
         bundled = lib is None
-        if bundled:
+        if lib is None:  # (bundled)
             _progress("building libcalrt_emu.so (bundled emulator, dlopen path)")
             lib = build_emulator_lib(work)
         calbin = calbin_path or os.path.join(work, "conform.calbin")

@@ -1,0 +1,67 @@
+"""The executor as the reference server sees it (issue 25, "typed seams").
+
+``ServedExecutor`` is ``machines.api.InferenceExecutor`` (the embedder's surface: docs/
+embedding.md) plus what drivers/serving/ reads beyond it. Those extra members are the
+executor's own, not public API (machines/api.py says they may change): the server uses them
+for features an embedder's server would not need or would do otherwise:
+
+* ``generation``: the live generation's contracts (vocabulary size, submodels), to validate a
+  request before it reaches the executor (service.py, openai_api.py);
+* ``kv``: the KvManager's ``max_seqs``, to check ``--max-sequences`` at start (service.py);
+* ``kvc``: the KV coordinator's host-side view, for the KV usage gauge (metrics.py) and the
+  live chart page's KV transaction counts (live_charts.py);
+* ``gen`` and ``switch_model``: the admin model switch and its answer (admin.py);
+* ``config`` and ``job_trail``: the debug endpoint of one job's chart path (debug.py).
+
+``DeviceExecutor`` satisfies it: ``calexec/serve.py`` and drivers/fleet/ray_serve.py hand one
+to ``create_app`` through ``served`` (see there for the one member mypy cannot check yet).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol, cast
+
+from calexec.contracts.status import Status
+from calexec.contracts.types import ModelGeneration
+from calexec.machines.api import InferenceExecutor
+from calexec.machines.device_api import KvManagerApi
+
+if TYPE_CHECKING:
+    from calexec.machines.executor import DeviceExecutor, ExecutorConfig
+    from calexec.machines.generation import Generation
+    from calexec.machines.kv import KvCoordinator
+
+
+class ServedExecutor(InferenceExecutor, Protocol):
+    """``InferenceExecutor`` and the executor's own members the reference server reads (the
+    module docstring says which module reads which, and why)."""
+
+    @property
+    def generation(self) -> ModelGeneration | None:
+        """The current generation's contracts (None between generations)."""
+        ...
+
+    @property
+    def kv(self) -> KvManagerApi | None: ...
+
+    @property
+    def kvc(self) -> KvCoordinator | None: ...
+
+    @property
+    def gen(self) -> Generation | None: ...
+
+    @property
+    def config(self) -> ExecutorConfig: ...
+
+    def switch_model(self, calbin_path: str) -> Status: ...
+
+    def job_trail(self, job_id: int) -> dict[str, Any] | None: ...
+
+
+def served(executor: DeviceExecutor) -> ServedExecutor:
+    """``executor`` as the server holds it. ``DeviceExecutor.snapshot()`` is annotated
+    ``dict[str, Any]``, not ``ExecutorSnapshot``: it spreads its counters in from a plain dict,
+    which a TypedDict cannot take. Once the counters are a TypedDict of their own, this body
+    becomes ``return executor`` and mypy checks the whole protocol here; until then the cast
+    stands for that check (tests/test_embedding.py checks the snapshot's keys at run time)."""
+    return cast(ServedExecutor, executor)
