@@ -295,7 +295,7 @@ class Completion:
         job.run.send(JOB_EV_EXECUTION_TIMEOUT)
         self._keep_until_let_go(job, slot, status)
 
-    def _keep_until_let_go(self, job: Job, slot: Any, status: Status) -> None:
+    def _keep_until_let_go(self, job: Job, slot: BufferSlot, status: Status) -> None:
         """``job`` failed after submit (already Quarantined in its chart) while the runtime
         still runs it: KV Unknown with the sequence on the device, slot quarantined with its
         host storage mapped, and the in-flight permit moved to the dispatch's held entries,

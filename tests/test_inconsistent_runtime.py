@@ -13,8 +13,7 @@ from calexec.contracts.codes import DeviceJobStatus
 from calexec.contracts.status import Status
 from calexec.machines.faults import RecordingFaultSink, RecoveryPolicy
 from calexec.machines.job import InferenceResult
-from executor_harness import (arm, deadline, make_executor, prefill, running_executor,
-                              write_calbin)
+from executor_harness import arm, deadline, make_executor, prefill, running_executor, write_calbin
 
 
 @pytest.fixture(scope="module")
