@@ -9,9 +9,9 @@ Recovering -> Configuring -> Warming -> Ready, or ``roll_back`` / Failed), the g
 fence, and ``shutdown`` (FI13: Draining -> Stopped, or Failed).
 
 **What the lifecycle owns** (only this module writes it; the executor's public API delegates
-here: ``state``, ``lifecycle``, ``start``, ``recover``, ``switch_model``,
-``request_recovery``, ``run_pending_recovery``, ``shutdown``, ``failure``, ``recoveries``,
-``goldens``, ``golden_source``, ``good_calbins``, ``start_status``, ``expected_golden``):
+here for embedders and the fault controller: ``state``, ``lifecycle``, ``start``,
+``recover``, ``switch_model``, ``request_recovery``, ``shutdown``, ``failure``,
+``recoveries``, ``goldens``; the rest is read as ``executor.life.<name>``):
 
 * ``run``, the lifecycle chart's run, whose model is this object (its guards
   ``generation_advanced``, ``golden_passed``, ``all_submitted_drained``,
