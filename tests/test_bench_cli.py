@@ -145,3 +145,55 @@ def test_server_bench_json_report(capsys):
             assert all(math.isfinite(v) and v > 0 for v in report[level][side].values())
         assert math.isfinite(report[level]["throughput_ratio"])
         assert math.isfinite(report[level]["ahead_p50_ratio"])
+
+
+PROFILE_KEYS = {"decode_us", "tokens_identical", "direct_tpot_us_p50", "direct_tpot_us_p99",
+                "direct", "modes", "gate_met"}
+PROFILE_MODE_KEYS = {"p50_ratio", "p99_ratio", "tpot_us_p50", "tpot_us_p99",
+                     "over_decode_us_p50", "over_decode_us_p99", "tpot_breakdown_us_p50"}
+
+
+def test_overhead_reports_each_decode_profile(capsys):
+    # repeatable and comma lists, in the given order, a duplicate dropped
+    report = _run_json(["bench", "overhead", "--json", "--tokens", "6", "--runs", "1",
+                        "--zero-tokens", "6", "--decode-us", "700,300", "--decode-us", "300"],
+                       capsys)
+    assert report["decode_us_profiles"] == [700, 300]
+    assert [p["decode_us"] for p in report["profiles"]] == [700, 300]
+    first = report["profiles"][0]
+    # backward compatible: the top-level TPOT figures are the first profile's
+    assert report["decode_us"] == 700
+    assert report["direct_tpot_us_p50"] == first["direct_tpot_us_p50"]
+    assert report["p50_ratio"] == first["modes"]["enqueue"]["p50_ratio"]
+    assert report["modes"]["prearmed"]["p99_ratio"] == first["modes"]["prearmed"]["p99_ratio"]
+    assert report["gate_met"] == first["gate_met"]
+    for profile in report["profiles"]:
+        assert PROFILE_KEYS <= profile.keys(), PROFILE_KEYS - profile.keys()
+        assert set(profile["modes"]) == set(bench.MODES)
+        assert profile["tokens_identical"] is True
+        for mode, figures in profile["modes"].items():
+            assert PROFILE_MODE_KEYS <= figures.keys(), (mode, PROFILE_MODE_KEYS - figures.keys())
+            # time over the decode latency is the TPOT minus that latency (P50 of a shift)
+            assert figures["over_decode_us_p50"] == pytest.approx(
+                figures["tpot_us_p50"] - profile["decode_us"], abs=0.02)
+            assert set(profile["gate_met"]) == set(bench.MODES)
+            assert profile["gate_met"][mode] == (figures["p50_ratio"] <= 1.03
+                                                 and figures["p99_ratio"] <= 1.05)
+        assert all(math.isfinite(n) for n in _numbers(profile))
+
+
+def test_decode_profiles_default_is_10_and_2_ms():
+    assert bench.decode_profiles(None) == [10000, 2000]
+    assert bench.decode_profiles(["2000", "10000, 500"]) == [2000, 10000, 500]
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-5", "1.5", "", "10000,x", "99999999"])
+def test_bad_decode_us_names_the_flag_and_value(value, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["bench", "overhead", "--decode-us", value])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "--decode-us=" in err
+    bad = value.split(",")[-1].strip()
+    assert bad in err, err
