@@ -80,6 +80,7 @@ from calexec.drivers.direct import DirectRunner, DriverError
 from calexec.drivers.native.fused_logits import FusedLogits
 from calexec.drivers.serving.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
 from calexec.drivers.synthetic import calbin as calbin_fmt
+from calexec.drivers.tools.bench.floor import FloorError, FloorLoop, build_floor
 from calexec.drivers.tools.bench.sim import PROFILE_DECODE_US
 from calexec.machines.clock import Clock
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
@@ -384,28 +385,32 @@ class ExecutorLoop:
 
 def _paired_runs(direct: DirectLoop, executor: ExecutorLoop, modes: Sequence[str],
                  prompts: list[np.ndarray], n: int, label: str,
-                 timings: dict[str, list]) -> dict[str, Any]:
-    """One block per side (direct and each executor mode) per run, the order rotated from run
-    to run so drift falls on every side alike; each mode's ``(wall_us, start_us, JobTimings)``
-    per decode job are appended to ``timings[mode]``."""
-    sides = ("direct", *modes)
+                 timings: dict[str, list], floor: FloorLoop | None = None) -> dict[str, Any]:
+    """One block per side (direct, each executor mode, and the C floor when given) per run,
+    the order rotated from run to run so drift falls on every side alike; each mode's
+    ``(wall_us, start_us, JobTimings)`` per decode job are appended to ``timings[mode]``."""
+    sides = ("direct", *modes, *(("floor",) if floor is not None else ()))
     times: dict[str, list[list[float]]] = {side: [] for side in sides}
-    identical = True
+    identical = floor_identical = True
     for r, prompt in enumerate(prompts):
         order = sides[r % len(sides):] + sides[:r % len(sides)]
         out: dict[str, list[int]] = {}
         for side in order:
             if side == "direct":
                 out[side], t = direct.decode_block(prompt, n)
+            elif side == "floor" and floor is not None:
+                out[side], t = floor.decode_block(prompt.tolist(), n)
             else:
                 executor.mode = side
                 out[side], t = executor.decode_block(prompt, n, timings[side])
             times[side].append(t)
         identical &= all(out[side] == out["direct"] for side in modes)
+        floor_identical &= "floor" not in out or out["floor"] == out["direct"]
         _progress(f"{label}: run {r + 1}/{len(prompts)} ({'/'.join(order)}) P50 " + ", ".join(
             f"{side} {np.median(times[side][-1]):.1f}" for side in sides) + " us")
     result: dict[str, Any] = {side: np.concatenate(times[side]) for side in sides}
     result["identical"] = identical
+    result["floor_identical"] = floor_identical
     return result
 
 
@@ -446,14 +451,23 @@ def _profile_report(decode_us: int, tpot: dict[str, Any], timings: dict[str, lis
     """The figures of one decode-latency profile: the direct loop's TPOT, each mode's TPOT,
     ratios to the direct loop, time over the decode latency, breakdown, and the §13.3 gate."""
     d = tpot["direct"]
+    floor: dict[str, Any] = {"floor_us_p50": None, "floor_us_p99": None}
+    if "floor" in tpot:
+        f = _over_decode(tpot["floor"], decode_us)
+        floor = {"floor_us_p50": f["over_decode_us_p50"], "floor_us_p99": f["over_decode_us_p99"]}
     per_mode: dict[str, dict[str, Any]] = {}
     for mode in modes:
         e = tpot[mode]
+        over = _over_decode(e, decode_us)
         per_mode[mode] = {
             "p50_ratio": round(_p(e, 50) / _p(d, 50), 4),
             "p99_ratio": round(_p(e, 99) / _p(d, 99), 4),
             "tpot_us_p50": _p(e, 50), "tpot_us_p99": _p(e, 99),
-            **_over_decode(e, decode_us),
+            **over, **floor,
+            # issue 28's target: the best mode's overhead within 2x of the floor
+            "over_decode_to_floor_p50": (
+                round(over["over_decode_us_p50"] / floor["floor_us_p50"], 3)
+                if floor["floor_us_p50"] and floor["floor_us_p50"] > 0 else None),
             "tpot_breakdown_us_p50": _breakdown(timings[mode]),
         }
     return {
@@ -461,6 +475,10 @@ def _profile_report(decode_us: int, tpot: dict[str, Any], timings: dict[str, lis
         "tokens_identical": bool(tpot["identical"]),
         "direct_tpot_us_p50": _p(d, 50), "direct_tpot_us_p99": _p(d, 99),
         "direct": _over_decode(d, decode_us),
+        **floor,
+        "floor": ({"tpot_us_p50": _p(tpot["floor"], 50), "tpot_us_p99": _p(tpot["floor"], 99),
+                   "tokens_identical": bool(tpot["floor_identical"])}
+                  if "floor" in tpot else None),
         "modes": per_mode,
         "gate_met": {mode: bool(r["p50_ratio"] <= SPEC_GATE["p50_ratio"]
                                 and r["p99_ratio"] <= SPEC_GATE["p99_ratio"])
@@ -471,14 +489,17 @@ def _profile_report(decode_us: int, tpot: dict[str, Any], timings: dict[str, lis
 def run_overhead(tokens: int, runs: int, zero_tokens: int, seed: int,
                  device: DeviceSpec = DeviceSpec(), modes: Sequence[str] = MODES,
                  account_tokens: int = 100,
-                 decode_us: Sequence[int] = DEFAULT_PROFILES_US) -> dict[str, Any]:
+                 decode_us: Sequence[int] = DEFAULT_PROFILES_US,
+                 floor: bool = True) -> dict[str, Any]:
     """Run the zero-latency phase once and the TPOT phase at each decode latency of
     ``decode_us`` (us, in order) for the direct loop and each executor mode; return the
     figures (times in us). ``device`` names the runtime, manifest and (synthetic) calbin
     (default: the bundled emulator's). ``profiles`` holds one entry per decode latency; the
     top-level figures are the first profile's and the ``enqueue`` mode's (as before), and
     ``modes`` holds every mode's at the first profile, with its hand-offs and allocations
-    per token."""
+    per token. ``floor``: build the C floor program (drivers/calrt/floor.c) and run it as one
+    more side of each profile (``floor_us_p50`` / ``floor_us_p99`` beside each mode's time
+    over the decode latency); when it cannot be built, ``floor.reason`` says why."""
     profiles_us = list(decode_us)
     if not profiles_us or any(us < 1 for us in profiles_us):
         raise BenchError(f"decode latencies must be >= 1 us, got {profiles_us}")
@@ -488,6 +509,15 @@ def run_overhead(tokens: int, runs: int, zero_tokens: int, seed: int,
     with tempfile.TemporaryDirectory(prefix="calexec-bench-") as tmp:
         path = device.calbin(tmp)
         rt = _emulator_runtime(device)
+        floor_loop: FloorLoop | None = None
+        floor_reason: str | None = "not requested (--no-floor)"
+        if floor:
+            _progress("floor: make floor (drivers/calrt/floor.c)")
+            program, floor_reason = build_floor(os.path.join(tmp, "floor-build"))
+            if program is not None:
+                floor_loop = FloorLoop(program, path, WARMUP_TOKENS)
+            else:
+                _progress(f"floor: not measured: {floor_reason}")
         direct = DirectLoop(rt, path)
         try:
             executor = ExecutorLoop(rt, path, device)
@@ -508,15 +538,18 @@ def run_overhead(tokens: int, runs: int, zero_tokens: int, seed: int,
             profiles = []
             first: tuple[dict[str, Any], dict[str, list]] | None = None
             for us in profiles_us:
-                for side in (direct, executor):
-                    side.set_decode_latency(us)
+                for side in (direct, executor, floor_loop):
+                    if side is not None:
+                        side.set_decode_latency(us)
                 tpot_timings: dict[str, list] = {mode: [] for mode in modes}
                 tpot = _paired_runs(direct, executor, modes, prompts, tokens,
-                                    f"{us} us decode", tpot_timings)
+                                    f"{us} us decode", tpot_timings, floor_loop)
                 profiles.append(_profile_report(us, tpot, tpot_timings, modes))
                 if first is None:
                     first = (tpot, tpot_timings)
             dma = direct.dma_violations() + executor.dma_violations()
+            if floor_loop is not None:
+                dma += floor_loop.dma_violations
         finally:
             executor.close()
             direct.close()
@@ -558,6 +591,10 @@ def run_overhead(tokens: int, runs: int, zero_tokens: int, seed: int,
         "gate_met": {mode: bool(r["p50_ratio"] <= SPEC_GATE["p50_ratio"]
                                 and r["p99_ratio"] <= SPEC_GATE["p99_ratio"])
                      for mode, r in per_mode.items()},
+        "floor_us_p50": profiles[0]["floor_us_p50"], "floor_us_p99": profiles[0]["floor_us_p99"],
+        "floor": {"available": floor_loop is not None, "reason": floor_reason,
+                  "program": "drivers/calrt/floor.c", "threads": 2, "handoffs_per_token": 2,
+                  "warmup_tokens": WARMUP_TOKENS},
         "profiles": profiles,
         "dma_violations": dma,
         "spec_gate": SPEC_GATE, "goal": GOAL,
@@ -1049,6 +1086,8 @@ def main(argv: list[str]) -> int:
                                  "default: what calexec serve uses)")
         parser.add_argument("--zero-tokens", type=_positive, default=300,
                             help="decode tokens per block at zero latency (default 300)")
+        parser.add_argument("--no-floor", action="store_true",
+                            help="do not build and run the C floor (drivers/calrt/floor.c)")
     elif command == "logits":
         parser.add_argument("--iters", type=_positive, default=2000,
                             help="timed calls per case (default 2000)")
@@ -1084,7 +1123,8 @@ def main(argv: list[str]) -> int:
             previous = set_gil_switch_interval_us(args.gil_switch_us)
             try:
                 result = run_overhead(args.tokens, args.runs, args.zero_tokens, args.seed,
-                                      device, decode_us=profiles_us)
+                                      device, decode_us=profiles_us,
+                                      floor=not args.no_floor)
             finally:
                 set_gil_switch_interval_us(previous)
             result["gil_switch_interval_us"] = args.gil_switch_us or previous
@@ -1098,7 +1138,7 @@ def main(argv: list[str]) -> int:
                                   device=device)
         else:
             result = run_logits(args.iters, args.seed)
-    except (BenchError, DriverError, DeviceSpecError) as exc:
+    except (BenchError, DriverError, DeviceSpecError, FloorError) as exc:
         print(f"calexec bench {command}: {exc}", file=sys.stderr)
         return 1
     _emit(result, args.json)
