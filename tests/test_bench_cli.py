@@ -138,11 +138,14 @@ def test_non_positive_sizes_are_rejected(argv, capsys):
 def test_server_bench_json_report(capsys):
     from calexec.drivers.tools.bench import server_overhead as bench_server
     assert bench_server.main(["bench", "server", "--json", "--requests", "3", "--max-tokens",
-                              "2", "--decode-us", "0"]) == 0
+                              "2", "--decode-us", "0", "--concurrency", "1,8"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["loadgen"] == "process" and report["levels"] == [1, 8]
     for level in ("c1", "c8"):
-        for side in ("direct", "server", "server_no_ahead"):
+        for side in ("direct", "server", "server_stream", "server_no_ahead"):
             assert all(math.isfinite(v) and v > 0 for v in report[level][side].values())
+        assert {"ttft_p50_ms", "ttft_p99_ms"} <= report[level]["server_stream"].keys()
+        assert math.isfinite(report[level]["stream_throughput_ratio"])
         assert math.isfinite(report[level]["throughput_ratio"])
         assert math.isfinite(report[level]["ahead_p50_ratio"])
 

@@ -1,24 +1,31 @@
-"""``calexec bench server [--json] [--requests N] [--max-tokens M] [--decode-us US]``.
+"""``calexec bench server [--json] [--requests N] [--max-tokens M] [--decode-us US]
+[--concurrency C[,C...]] [--loadgen process|thread] [--no-stream]``.
 
-The reference server's own overhead (issue 6's figures): the same bounded request load, a short
+The reference server's own overhead (issues 6 and 28): the same bounded request load, a short
 prompt then ``max_tokens`` greedy tokens per request, sent (a) over loopback HTTP to the server
-(uvicorn on 127.0.0.1, an ephemeral port, httpx clients) and (b) straight into the in-process
-executor the server embeds, at concurrency 1 and 8, on the same emulated device profile, in one
-run. Reports requests/s and request latency P50/P99 for both and their ratios. A third side,
-``server_no_ahead``, is the same server with ``ServerConfig.greedy_ahead`` off (each decode step
-fired by the request's own loop instead of by the executor's completion thread), so the run
-shows what greedy ahead buys over HTTP (``ahead_p50_ratio``: server / server_no_ahead). Numbers
-are reported, never asserted.
+(uvicorn on 127.0.0.1, an ephemeral port) by a load generator in a process of its own
+(``loadgen.py``; ``--loadgen thread`` runs it in this process's threads, as before issue 28,
+where it shared the server's GIL), not streaming and streaming (server-sent events), and
+(b) straight into the in-process executor the server embeds, at each concurrency level
+(default 1, 8 and 64), on the same emulated device profile, in one run. Reports requests/s and
+request latency P50/P99 for each and their ratios. A further side, ``server_no_ahead``, is the
+same server with ``ServerConfig.greedy_ahead`` off (each decode step fired by the request's own
+loop instead of by the executor's completion thread), so the run shows what greedy ahead buys
+over HTTP (``ahead_p50_ratio``: server / server_no_ahead). Numbers are reported, never
+asserted.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import queue
+import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -93,14 +100,65 @@ def _load(requests: int, concurrency: int, one: Callable[[int, int], None]) -> d
             "p99_ms": round(float(np.percentile(ms, 99)), 3)}
 
 
+#: the concurrency levels by default (issue 28: c=1, 8 and 64)
+DEFAULT_LEVELS = (1, 8, 64)
+#: timed requests per level and side by default: enough for a P99 that is not one sample
+DEFAULT_REQUESTS = 400
+#: untimed requests before each side's timed ones
+WARMUP_REQUESTS = 8
+#: the sequence ids the in-process side leases (the server's ``max_sequences`` default: more
+#: concurrent requests wait for one, as they do at the server)
+DIRECT_SEQS = 32
+#: where the HTTP load generator runs: a process of its own (default), or threads of the
+#: server's process (what the benchmark did before issue 28: it shares the server's GIL)
+LOADGEN_PLACES = ("process", "thread")
+
+
+def _http_load(url: str, requests: int, concurrency: int, max_tokens: int, stream: bool,
+               loadgen: str) -> dict[str, Any]:
+    """One side's figures from the load generator (``loadgen.py``): in a process of its own,
+    or in this process's threads."""
+    from calexec.drivers.tools.bench import loadgen as lg
+
+    if loadgen == "thread":
+        try:
+            return lg.run(url, requests, concurrency, max_tokens, stream, WARMUP_REQUESTS)
+        except lg.LoadError as exc:
+            raise BenchError(str(exc)) from None
+    argv = [sys.executable, "-m", "calexec.drivers.tools.bench.loadgen", "--url", url,
+            "--requests", str(requests), "--concurrency", str(concurrency), "--max-tokens",
+            str(max_tokens), "--warmup", str(WARMUP_REQUESTS), *(["--stream"] if stream else [])]
+    bound = _WAIT_S * (requests + WARMUP_REQUESTS + 2)
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=bound, check=False)
+    except subprocess.TimeoutExpired:
+        raise BenchError(f"the load generator did not finish in {bound:.0f} s") from None
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines()
+        raise BenchError(f"the load generator exited {done.returncode}: "
+                         + (lines[-1] if lines else "no output"))
+    try:
+        result: dict[str, Any] = json.loads(done.stdout)
+    except ValueError as exc:
+        raise BenchError(f"the load generator printed no JSON: {exc}") from None
+    return result
+
+
 def run_server_bench(requests: int, max_tokens: int, decode_us: int,
-                     device: DeviceSpec = DeviceSpec()) -> dict[str, Any]:
-    import httpx
+                     device: DeviceSpec = DeviceSpec(),
+                     levels: Sequence[int] = DEFAULT_LEVELS, loadgen: str = "process",
+                     stream: bool = True) -> dict[str, Any]:
+    """Per concurrency level: ``direct`` (the in-process executor, this process's threads),
+    ``server`` (HTTP, not streaming), ``server_stream`` (HTTP, server-sent events; when
+    ``stream``) and ``server_no_ahead`` (HTTP with greedy ahead off), each ``requests`` timed
+    requests after a short warm-up; the HTTP load generator runs where ``loadgen`` says."""
     import uvicorn
 
     from calexec.drivers.serving.executor_view import served
     from calexec.drivers.serving.server import ServerConfig, create_app
 
+    if loadgen not in LOADGEN_PLACES:
+        raise BenchError(f"loadgen must be one of {LOADGEN_PLACES}, got {loadgen!r}")
     with tempfile.TemporaryDirectory(prefix="calexec-bench-") as tmp:
         path = device.calbin(tmp)
         ex = DeviceExecutor(device.runtime(), device.manifest(),
@@ -114,58 +172,94 @@ def run_server_bench(requests: int, max_tokens: int, decode_us: int,
                                                port=0, log_level="warning", access_log=False))
         thread = threading.Thread(target=server.run, name="bench-uvicorn", daemon=True)
         thread.start()
-        end = time.monotonic() + 30
-        while not server.started:
-            if time.monotonic() > end or not thread.is_alive():
-                raise BenchError("uvicorn did not start")
-            time.sleep(0.01)
-        url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-        clients = [httpx.Client(base_url=url, timeout=_WAIT_S) for _ in range(8)]
         try:
-            def via_http(w: int, i: int) -> None:
-                r = clients[w].post("/v1/completions", json={"prompt": [i % 1000 + 1, 7, 9],
-                                                             "max_tokens": max_tokens})
-                if r.status_code != 200:
-                    raise BenchError(f"HTTP {r.status_code}: {r.text[:200]}")
-
-            def direct(w: int, i: int) -> None:
-                _direct_request(ex, 40 + w, [i % 1000 + 1, 7, 9], max_tokens)
-
+            end = time.monotonic() + 30
+            while not server.started:
+                if time.monotonic() > end or not thread.is_alive():
+                    raise BenchError("uvicorn did not start")
+                time.sleep(0.01)
+            url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
             result: dict[str, Any] = {"requests": requests, "max_tokens": max_tokens,
-                                      "decode_us": decode_us}
-            for concurrency in (1, 8):
+                                      "decode_us": decode_us, "levels": list(levels),
+                                      "loadgen": loadgen, "stream": stream,
+                                      "warmup_requests": WARMUP_REQUESTS}
+            for concurrency in levels:
+                seqs: queue.Queue[int] = queue.Queue()
+                for seq in range(1, min(concurrency, DIRECT_SEQS) + 1):
+                    seqs.put(seq)
+
+                def direct(w: int, i: int, seqs: queue.Queue[int] = seqs) -> None:
+                    seq = seqs.get(timeout=_WAIT_S)
+                    try:
+                        _direct_request(ex, seq, [i % 1000 + 1, 7, 9], max_tokens)
+                    finally:
+                        seqs.put(seq)
+
+                def http(streaming: bool, concurrency: int = concurrency) -> dict[str, Any]:
+                    return _http_load(url, requests, concurrency, max_tokens, streaming, loadgen)
+
                 print(f"bench server: concurrency {concurrency}", file=sys.stderr)
-                _load(min(requests, 8), concurrency, via_http)  # warm-up
+                _load(min(requests, WARMUP_REQUESTS), concurrency, direct)  # warm-up
                 d = _load(requests, concurrency, direct)
-                h = _load(requests, concurrency, via_http)
+                h = http(False)
+                level: dict[str, Any] = {"direct": d, "server": h}
+                if stream:
+                    level["server_stream"] = http(True)
                 service = app.state.service
                 config, service.config = service.config, attrs.evolve(service.config,
                                                                       greedy_ahead=False)
                 try:
-                    n = _load(requests, concurrency, via_http)
+                    n = http(False)
                 finally:
                     service.config = config
-                result[f"c{concurrency}"] = {
-                    "direct": d, "server": h, "server_no_ahead": n,
+                level.update({
+                    "server_no_ahead": n,
                     "ahead_p50_ratio": round(h["p50_ms"] / n["p50_ms"], 3),
                     "throughput_ratio": round(h["req_per_s"] / d["req_per_s"], 3),
                     "p50_ratio": round(h["p50_ms"] / d["p50_ms"], 3),
-                    "p99_ratio": round(h["p99_ms"] / d["p99_ms"], 3)}
+                    "p99_ratio": round(h["p99_ms"] / d["p99_ms"], 3)})
+                if stream:
+                    level["stream_throughput_ratio"] = round(
+                        level["server_stream"]["req_per_s"] / d["req_per_s"], 3)
+                result[f"c{concurrency}"] = level
         finally:
-            for c in clients:
-                c.close()
             server.should_exit = True
             thread.join(10)
             ex.shutdown()
     return result
 
 
+def concurrency_levels(text: str) -> list[int]:
+    """``--concurrency`` as a comma list of levels (argparse type: one line naming the value)."""
+    out: list[int] = []
+    for item in text.split(","):
+        try:
+            level = int(item.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item.strip()!r} is not an integer") from None
+        if not 1 <= level <= 256:
+            raise argparse.ArgumentTypeError(f"{level} is not in 1..256")
+        if level not in out:
+            out.append(level)
+    return out
+
+
 @cliargs.command_main
 def main(argv: list[str]) -> int:
     parser = cliargs.parser("calexec bench server", __doc__)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--requests", type=cliargs.positive_int, default=40,
-                        help="requests per phase")
+    parser.add_argument("--requests", type=cliargs.positive_int, default=DEFAULT_REQUESTS,
+                        help="timed requests per level and side (default "
+                             f"{DEFAULT_REQUESTS}: a P99 of more than a few samples)")
+    parser.add_argument("--concurrency", type=concurrency_levels,
+                        default=list(DEFAULT_LEVELS), metavar="C[,C...]",
+                        help="concurrency levels (default "
+                             f"{','.join(map(str, DEFAULT_LEVELS))})")
+    parser.add_argument("--loadgen", choices=LOADGEN_PLACES, default="process",
+                        help="where the HTTP load generator runs: a process of its own "
+                             "(default) or threads of the server's process")
+    parser.add_argument("--no-stream", action="store_true",
+                        help="skip the streaming (server-sent events) side")
     parser.add_argument("--max-tokens", type=cliargs.positive_int, default=8,
                         help="tokens per request")
     parser.add_argument("--decode-us", type=int, default=10000,
@@ -176,7 +270,8 @@ def main(argv: list[str]) -> int:
         parser.error(f"--decode-us={args.decode_us}: must be >= 0")
     device = cliargs.device_spec(args)
     try:
-        result = run_server_bench(args.requests, args.max_tokens, args.decode_us, device)
+        result = run_server_bench(args.requests, args.max_tokens, args.decode_us, device,
+                                  args.concurrency, args.loadgen, not args.no_stream)
     except (BenchError, DeviceSpecError) as exc:
         print(f"calexec bench server: {exc}", file=sys.stderr)
         return 1
