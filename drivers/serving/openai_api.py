@@ -28,6 +28,7 @@ from pydantic import (
     StrictInt,
     StrictStr,
     ValidationError,
+    model_validator,
 )
 
 from calexec.contracts.errors import Category
@@ -57,7 +58,8 @@ Body = TypeVar("Body", bound=BaseModel)
 class _Body(BaseModel):
     """Fields shared by completions and chat. Unknown fields are refused (400 naming them):
     calexec never ignores a parameter it does not implement. Refused OpenAI parameters are
-    declared ``Any`` and checked by :func:`refusal` against their neutral values."""
+    declared ``Any`` and checked by :func:`refusal` against their neutral values. ``null`` for
+    an optional field means its default, as in the OpenAI API (:meth:`_null_is_default`)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -79,11 +81,28 @@ class _Body(BaseModel):
     presence_penalty: Any = None
     frequency_penalty: Any = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        return _drop_nulls(cls, data)
+
+
+def _drop_nulls(model: type[BaseModel], data: Any) -> Any:
+    """``data`` without the ``null`` values of ``model``'s optional fields (they take their
+    default: ``n: null`` is 1, ``echo: null`` false). Required fields and unknown keys keep
+    theirs, so a null ``messages`` is still a type error and an unknown key still refused."""
+    if not isinstance(data, dict):
+        return data
+    fields = model.model_fields
+    return {k: v for k, v in data.items()
+            if not (v is None and k in fields and not fields[k].is_required())}
+
 
 class CompletionRequest(_Body):
-    """``POST /v1/completions``."""
+    """``POST /v1/completions``. ``prompt: null`` is the start of a document (OpenAI: the
+    model generates as if from a document separator; here the end token)."""
 
-    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
+    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]] | None
     logprobs: StrictInt | None = None
     echo: StrictBool = False
     best_of: Any = None
@@ -91,11 +110,22 @@ class CompletionRequest(_Body):
 
 
 class ChatMessage(BaseModel):
+    """One message. An assistant message as the SDK dumps it (``message.model_dump()``) carries
+    ``refusal``, ``annotations``, ``audio``, ``function_call`` and ``tool_calls``, null when
+    unused: null is accepted; a refusal is the message's text when it has no content;
+    non-null tool calls, function calls and audio are refused (:func:`message_text`)."""
+
     model_config = ConfigDict(extra="forbid")
 
     role: StrictStr
     content: StrictStr | list[dict[str, Any]] | None = None
     name: StrictStr | None = None
+    refusal: StrictStr | None = None
+    annotations: list[dict[str, Any]] | None = None  # url citations: nothing to render
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: StrictStr | None = None  # tool messages (refused: no tools)
 
 
 class ChatRequest(_Body):
@@ -105,11 +135,13 @@ class ChatRequest(_Body):
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
-    # metadata: accepted, ignored
+    # metadata and caching hints: accepted, ignored (nothing is stored, one tier, no cache)
     metadata: dict[str, Any] | None = None
     store: StrictBool | None = None
     service_tier: StrictStr | None = None
     prompt_cache_key: StrictStr | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    prompt_cache_retention: StrictStr | None = None
     safety_identifier: StrictStr | None = None
     parallel_tool_calls: StrictBool | None = None  # only means something with tools
     # refused unless neutral
@@ -124,6 +156,7 @@ class ChatRequest(_Body):
     reasoning_effort: Any = None
     verbosity: Any = None
     web_search_options: Any = None
+    moderation: Any = None
 
 
 def _none_or(*values: Any) -> Callable[[Any], bool]:
@@ -149,6 +182,7 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "reasoning_effort": (_none_or(), "reasoning_effort is not supported"),
     "verbosity": (_none_or(), "verbosity is not supported"),
     "web_search_options": (_none_or(), "web search is not supported"),
+    "moderation": (_none_or(), "moderation is not performed by this server"),
 }
 
 
@@ -231,16 +265,18 @@ def refusal(body: _Body) -> None:
         if not body.stream:
             raise Refusal(invalid("stream_options: only allowed with stream=true"),
                           "stream_options")
-        unknown = set(body.stream_options) - {"include_usage", "continuous_usage_stats"}
+        unknown = set(body.stream_options) - {"include_usage", "continuous_usage_stats",
+                                              "include_obfuscation"}
         if unknown:
             raise Refusal(invalid(f"stream_options.{sorted(unknown)[0]}: unknown option"),
                           "stream_options")
         if body.stream_options.get("continuous_usage_stats"):
             raise Refusal(invalid("stream_options.continuous_usage_stats: not supported"),
                           "stream_options")
-        if not isinstance(body.stream_options.get("include_usage", False), bool):
-            raise Refusal(invalid("stream_options.include_usage: must be a boolean"),
-                          "stream_options")
+        for key in ("include_usage", "include_obfuscation"):  # no obfuscation is added
+            if not isinstance(body.stream_options.get(key, False), bool):
+                raise Refusal(invalid(f"stream_options.{key}: must be a boolean"),
+                              "stream_options")
 
 
 def include_usage(body: _Body) -> bool:
@@ -286,14 +322,27 @@ def model_refusal(name: str | None, served: tuple[str, ...]) -> Refusal | None:
 
 
 # ---- chat template --------------------------------------------------------------------------
+#: fields of a history message this model cannot render (no tools, no audio): refused unless
+#: null (or an empty list)
+UNRENDERABLE = {"tool_calls": "tool calls need tools (not supported)",
+                "function_call": "function calls need functions (not supported)",
+                "audio": "audio in the history is not supported"}
+
+
 def message_text(message: ChatMessage, index: int) -> str:
-    """The text of a message: a string, or its ``text`` parts joined (other parts refused)."""
+    """The text of a message: a string, or its ``text`` parts joined (other parts refused); an
+    assistant message without content: its ``refusal``, if any."""
     if message.role not in CHAT_ROLES:
         raise Refusal(invalid(f"messages[{index}].role={message.role!r}: must be one of "
                               f"{list(CHAT_ROLES)} (tool messages need tools: not supported)"),
                       f"messages.{index}.role")
+    for key, why in UNRENDERABLE.items():
+        value = getattr(message, key)
+        if value is not None and value != []:
+            raise Refusal(invalid(f"messages[{index}].{key}={value!r:.80}: {why}"),
+                          f"messages.{index}.{key}")
     if message.content is None:
-        return ""
+        return message.refusal or ""
     if isinstance(message.content, str):
         return message.content
     texts = []
@@ -509,7 +558,8 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         try:
             body = await read(request, CompletionRequest)
             refusal(body)
-            prompt = body.prompt
+            # null: the start of a document (OpenAI's document separator; the end token here)
+            prompt = [config.end_token_id] if body.prompt is None else body.prompt
             if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
                 raise Refusal(invalid("prompt: a list of prompts (batch) is not supported; "
                                       "send one string or one list of token ids"), "prompt")
