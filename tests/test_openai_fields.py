@@ -9,14 +9,18 @@ from __future__ import annotations
 import typing
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from openai.types import completion_create_params as completion_params
 from openai.types.chat import completion_create_params as chat_params
 
 from calexec.drivers.serving import byte_tokenizer as tokenizer
+from calexec.drivers.serving import sampling
 from calexec.drivers.serving.openai_api import ChatRequest, CompletionRequest
+from calexec.drivers.serving.sampling import SamplingParams
 from calexec.drivers.serving.server import ServerConfig, create_app
+from calexec.drivers.synthetic.calbin import VOCAB
 from test_server_support import LiveServer, oracle_tokens, started_executor
 
 MODEL = "calexec-qwen3-synthetic"
@@ -190,3 +194,167 @@ def test_fields_neither_openai_nor_vllm_defines_are_still_refused_naming_them(li
     param = r.json()["error"]["param"]
     assert param.split(".")[-1] in ("best_of_n", "guided_x", "extra"), param
     assert "unknown parameter" in r.json()["error"]["message"]
+
+
+# ---- 2. vLLM's sampling and template extensions ------------------------------------------------
+def _reference_row(raw: np.ndarray, prompt: list[int], output: list[int], bias: dict[int, float],
+                   repetition: float, presence: float, frequency: float) -> np.ndarray:
+    """vLLM's processors, written out one token at a time (float64): bias, repetition over
+    prompt + output, then frequency x count and presence over the output."""
+    row = [float(x) for x in raw]
+    for token, b in bias.items():
+        row[token] += b
+    for token in set(prompt) | set(output):
+        row[token] = row[token] / repetition if row[token] > 0 else row[token] * repetition
+    for token in set(output):
+        row[token] -= frequency * output.count(token) + presence
+    return np.array(row)
+
+
+@pytest.mark.parametrize(("bias", "repetition", "presence", "frequency"), [
+    ({3: 5.0, 9: -100.0}, 1.0, 0.0, 0.0), ({}, 1.7, 0.0, 0.0), ({}, 0.6, 0.0, 0.0),
+    ({}, 1.0, 1.5, 0.0), ({}, 1.0, 0.0, -0.7), ({11: 2.5}, 1.3, 0.4, 0.9)])
+def test_process_equals_the_reference_computation(bias, repetition, presence, frequency):
+    raw = np.random.default_rng(5).normal(0, 3, 64).astype(np.float32)
+    prompt, output = [1, 2, 3, 2], [9, 11, 11, 40, 3, 11]
+    params = SamplingParams(logit_bias=tuple(bias.items()), repetition_penalty=repetition,
+                            presence_penalty=presence, frequency_penalty=frequency)
+    got = sampling.process(raw, params, prompt, output)
+    want = _reference_row(raw, prompt, output, bias, repetition, presence, frequency)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
+    assert not np.array_equal(got, raw)  # each case changes the row
+    assert raw.dtype == np.float32 and got is not raw
+
+
+def test_min_p_draws_equal_the_reference_computation():
+    """With the same per-token generator (``[seed, index]``): softmax of row / temperature,
+    tokens below min_p x the top probability dropped, then the inverse CDF of the rest."""
+    raw = np.random.default_rng(8).normal(0, 2, 50).astype(np.float32)
+    params = SamplingParams(temperature=0.8, min_p=0.2, seed=77)
+    kept = set()
+    for index in range(300):
+        p = np.exp((raw.astype(np.float64) - raw.max()) / 0.8)
+        p /= p.sum()
+        p = np.where(p >= 0.2 * p.max(), p, 0.0)
+        u = np.random.default_rng([77, index]).random()
+        want = int(np.searchsorted(np.cumsum(p), u * p.sum(), side="right"))
+        assert sampling.pick(raw, params, index)[0] == want, index
+        kept.add(want)
+    allowed = {int(i) for i in np.flatnonzero(np.exp((raw - raw.max()) / 0.8) >= 0.2)}
+    assert kept <= allowed and len(allowed) < 50  # min_p cut some tokens off
+
+
+def test_penalised_greedy_generation_equals_the_oracle_with_the_reference_processors(live):
+    """End to end: greedy with logit_bias and the three penalties is the argmax of the
+    oracle's FP32 row after the reference processors, step by step (greedy ahead must not fire
+    the raw argmax)."""
+    from calexec.drivers.synthetic import calbin, oracle
+    _, client, _ = live
+    prompt, n = [21, 22, 23], 10
+    # the bias makes 100 the first choice; the penalties then keep it from being chosen again
+    bias, repetition, presence, frequency = {100: 12.0}, 2.5, 1.0, 1.5
+    seq = oracle.OracleSequence(calbin.DEFAULT_SEED)
+    seq.run(prompt)
+    want: list[int] = []
+    for _ in range(n):
+        raw = oracle.bf16_to_f32(oracle.logits_bf16(seq.states[-1]))
+        token = int(np.argmax(_reference_row(raw, prompt, want, bias, repetition, presence,
+                                             frequency)))
+        want.append(token)
+        seq.run([token])
+    done = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=n, logit_bias={"100": 12},
+        presence_penalty=presence, frequency_penalty=frequency,
+        extra_body={"repetition_penalty": repetition})
+    assert done.choices[0].model_extra["token_ids"] == want
+    assert want[0] == 100 and want.count(100) == 1  # the bias and the penalties both acted
+    assert want != oracle_tokens(prompt, n)
+
+
+def test_logit_bias_forces_a_token_streamed_and_whole(live):
+    _, client, _ = live
+    body = dict(model=MODEL, prompt=[5, 6], max_tokens=4, logit_bias={"321": 100})
+    assert _ids(client.completions.create(**body)) == [321] * 4
+    chunks = client.completions.create(stream=True, **body)
+    assert [t for c in chunks for t in c.choices[0].model_extra["token_ids"]] == [321] * 4
+
+
+def _ids(done) -> list[int]:
+    return done.choices[0].model_extra["token_ids"]
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("stop_token_ids", [5, VOCAB]), ("logit_bias", {str(VOCAB): 1}), ("logit_bias", {"x": 1}),
+    ("logit_bias", {"5": 101}), ("min_p", 1.5), ("repetition_penalty", 0),
+    ("presence_penalty", 2.5), ("frequency_penalty", -3)])
+def test_out_of_range_extension_values_are_a_400_naming_the_field(live, field, value):
+    server, _, _ = live
+    for path, body in (("/v1/completions", {"prompt": [1]}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+        r = httpx.post(f"{server.url}{path}", json={**body, "max_tokens": 1, field: value},
+                       timeout=30)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == field, r.json()
+        assert field in r.json()["error"]["message"]
+
+
+def test_return_token_ids_adds_the_prompts_ids(live):
+    _, client, _ = live
+    done = client.completions.create(model=MODEL, prompt=[7, 8, 9], max_tokens=2,
+                                     extra_body={"return_token_ids": True})
+    assert done.choices[0].model_extra["prompt_token_ids"] == [7, 8, 9]
+    plain = client.completions.create(model=MODEL, prompt=[7, 8, 9], max_tokens=2)
+    assert "prompt_token_ids" not in plain.choices[0].model_extra
+    chunks = list(client.completions.create(model=MODEL, prompt=[7, 8, 9], max_tokens=2,
+                                            stream=True, extra_body={"return_token_ids": True}))
+    assert [c.choices[0].model_extra.get("prompt_token_ids") for c in chunks][:2] == \
+        [[7, 8, 9], None]
+    chat = client.chat.completions.create(model=MODEL, max_tokens=1,
+                                          messages=[{"role": "user", "content": "hi"}],
+                                          extra_body={"return_token_ids": True})
+    assert chat.model_extra["prompt_token_ids"] == tokenizer.encode("user: hi\nassistant:")
+
+
+def test_add_generation_prompt_false_leaves_the_assistant_turn_closed(live):
+    _, client, _ = live
+    chat = client.chat.completions.create(model=MODEL, max_tokens=1,
+                                          messages=[{"role": "user", "content": "hi"}],
+                                          extra_body={"add_generation_prompt": False})
+    assert chat.usage.prompt_tokens == len(tokenizer.encode("user: hi\n"))
+
+
+QWEN3_LIKE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+              "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+              "{% if enable_thinking is defined and enable_thinking is false %}"
+              "<think>\n\n</think>\n\n{% endif %}{% endif %}")
+
+
+def test_chat_template_kwargs_switch_qwen3_thinking_off(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    pytest.importorskip("jinja2")
+    import json
+
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["hello <think> </think> <|im_start|>"] * 10, trainers.BpeTrainer(
+        vocab_size=280, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": QWEN3_LIKE}))
+    executor = started_executor(tmp_path)
+    app = create_app(executor, ServerConfig(tokenizer_path=str(tmp_path / "tokenizer.json")))
+    messages = [{"role": "user", "content": "hello"}]
+    on = "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
+    try:
+        with LiveServer(app) as server:
+            client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+            for kwargs, text in (({}, on), ({"enable_thinking": True}, on),
+                                 ({"enable_thinking": False}, on + "<think>\n\n</think>\n\n")):
+                chat = client.chat.completions.create(
+                    model=MODEL, messages=messages, max_tokens=1,
+                    extra_body={"chat_template_kwargs": kwargs, "return_token_ids": True})
+                assert chat.model_extra["prompt_token_ids"] == \
+                    tok.encode(text, add_special_tokens=False).ids, kwargs
+    finally:
+        executor.shutdown(5.0)

@@ -76,10 +76,13 @@ class _Body(BaseModel):
     max_tokens: StrictInt | None = Field(default=None, ge=1)
     timeout: Number | None = Field(default=None, gt=0)  # calexec: per-request deadline (s)
     user: StrictStr | None = None  # metadata: accepted, ignored
-    # refused unless neutral (see REFUSED)
-    logit_bias: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
+    # OpenAI's penalties and bias, vLLM's extensions: on the FP32 row (sampling.process)
+    logit_bias: dict[StrictStr, Number] | None = None
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    min_p: Number | None = None
+    repetition_penalty: Number | None = None
+    return_token_ids: StrictBool = False  # vLLM: prompt_token_ids too
 
     @model_validator(mode="before")
     @classmethod
@@ -135,6 +138,9 @@ class ChatRequest(_Body):
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
+    # vLLM: template switches (Qwen3's enable_thinking), the assistant turn's opening
+    chat_template_kwargs: dict[StrictStr, Any] | None = None
+    add_generation_prompt: StrictBool = True
     # metadata and caching hints: accepted, ignored (nothing is stored, one tier, no cache)
     metadata: dict[str, Any] | None = None
     store: StrictBool | None = None
@@ -165,9 +171,6 @@ def _none_or(*values: Any) -> Callable[[Any], bool]:
 
 #: refused OpenAI parameter -> (value that is accepted because it changes nothing, why refused)
 REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "logit_bias": (lambda v: v is None or v == {}, "logit_bias is not supported"),
-    "presence_penalty": (_none_or(0, 0.0), "presence_penalty is not supported (only 0)"),
-    "frequency_penalty": (_none_or(0, 0.0), "frequency_penalty is not supported (only 0)"),
     "best_of": (_none_or(1), "best_of > 1 is not supported"),
     "suffix": (_none_or(""), "suffix (insertion) is not supported"),
     "tools": (lambda v: v is None or v == [], "tools (function calling) are not supported"),
@@ -283,15 +286,45 @@ def include_usage(body: _Body) -> bool:
     return bool(body.stream_options and body.stream_options.get("include_usage"))
 
 
-def sampling_params(body: _Body, logprobs: int | None) -> SamplingParams:
-    """The request's sampling parameters with a seed (drawn now when the body has none)."""
+def _logit_bias(bias: dict[str, int | float] | None, vocab: int | None
+                ) -> tuple[tuple[int, float], ...]:
+    """``logit_bias``'s (token id, bias) pairs: keys are token ids written as strings (OpenAI),
+    each in ``[0, vocab)``."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        token = int(key) if key.isascii() and key.isdigit() else None
+        if token is None or (vocab is not None and token >= vocab):
+            raise Refusal(invalid(f"logit_bias[{key[:40]!r}]: the key must be a token id in "
+                                  f"[0, {vocab if vocab is not None else 'vocab'})"),
+                          "logit_bias")
+        pairs.append((token, float(value)))
+    return tuple(pairs)
+
+
+def sampling_params(body: _Body, logprobs: int | None, vocab: int | None = None
+                    ) -> SamplingParams:
+    """The request's sampling parameters with a seed (drawn now when the body has none);
+    ``vocab``: the served vocabulary size, when known (token ids in ``stop_token_ids`` and
+    ``logit_bias`` must be in it)."""
     stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
+    stop_ids = body.stop_token_ids or []
+    if vocab is not None:
+        bad = next((i for i, t in enumerate(stop_ids) if t >= vocab), None)
+        if bad is not None:
+            raise Refusal(invalid(f"stop_token_ids[{bad}]={stop_ids[bad]} outside the "
+                                  f"vocabulary [0, {vocab})"), "stop_token_ids")
+
+    def number(value: int | float | None, default: float) -> float:
+        return default if value is None else float(value)
     try:
         params = SamplingParams(
-            temperature=0.0 if body.temperature is None else float(body.temperature),
-            top_p=1.0 if body.top_p is None else float(body.top_p),
+            temperature=number(body.temperature, 0.0), top_p=number(body.top_p, 1.0),
             top_k=-1 if body.top_k is None else body.top_k, seed=body.seed, stop=stop,
-            stop_token_ids=body.stop_token_ids or (), logprobs=logprobs)
+            stop_token_ids=stop_ids, logprobs=logprobs, min_p=number(body.min_p, 0.0),
+            repetition_penalty=number(body.repetition_penalty, 1.0),
+            presence_penalty=number(body.presence_penalty, 0.0),
+            frequency_penalty=number(body.frequency_penalty, 0.0),
+            logit_bias=_logit_bias(body.logit_bias, vocab))
     except SamplingError as err:
         raise Refusal(invalid(str(err)), err.field.split("[")[0]) from None
     return params.resolved()
@@ -355,17 +388,23 @@ def message_text(message: ChatMessage, index: int) -> str:
     return "".join(texts)
 
 
-def render_chat(messages: list[ChatMessage], tok: Tokenizer) -> str:
+def render_chat(messages: list[ChatMessage], tok: Tokenizer, add_generation_prompt: bool = True,
+                template_kwargs: dict[str, Any] | None = None) -> str:
     """The prompt text of ``messages``: the tokenizer's chat template (Jinja, sandboxed, as
-    transformers renders it) when it has one, else the plain template."""
+    transformers renders it, with ``template_kwargs`` as extra variables: vLLM's
+    ``chat_template_kwargs``, e.g. Qwen3's ``enable_thinking``) when it has one, else the plain
+    template (which has no such switches). ``add_generation_prompt``: open the assistant's
+    turn (the plain template's ``assistant:``)."""
     plain = [{"role": m.role, "content": message_text(m, i)} for i, m in enumerate(messages)]
     template = getattr(tok, "chat_template", None)
     if not template:
-        return "".join(f"{m['role']}: {m['content']}\n" for m in plain) + "assistant:"
+        return "".join(f"{m['role']}: {m['content']}\n" for m in plain) + \
+            ("assistant:" if add_generation_prompt else "")
     try:
-        return _jinja_template(template).render(
-            messages=plain, add_generation_prompt=True, bos_token=tok.bos_token,
-            eos_token=tok.eos_token)
+        return _jinja_template(template).render(**{
+            **(template_kwargs or {}), "messages": plain,
+            "add_generation_prompt": add_generation_prompt, "bos_token": tok.bos_token,
+            "eos_token": tok.eos_token})
     except Refusal:
         raise
     except Exception as err:  # noqa: BLE001 - a template's raise_exception() or a rendering error
@@ -538,6 +577,10 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
             raise not_found
         return body
 
+    def vocab() -> int | None:
+        generation = service.executor.generation
+        return None if generation is None else generation.vocab_size
+
     def max_seq() -> int | None:
         generation = service.executor.generation
         return None if generation is None else generation.submodels[TaskKind.DECODE].max_seq
@@ -566,7 +609,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
             if body.echo and body.logprobs is not None:
                 raise Refusal(invalid("echo=true with logprobs needs the prompt's logprobs, "
                                       "which are not computed"), "echo")
-            params = sampling_params(body, body.logprobs)
+            params = sampling_params(body, body.logprobs, vocab())
             ids = (service.tokenizer.encode(prompt) if isinstance(prompt, str)
                    else list(cast(list[int], prompt)))  # a list past the check: token ids
         except Refusal as err:
@@ -575,7 +618,9 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
             if body.echo else ""
         admission = Admission(ids, 16 if body.max_tokens is None else body.max_tokens,
                                body.stream, body.timeout)
-        return await _generate(request, admission, params, _CompletionShape(echo),
+        shape = _CompletionShape(echo)
+        shape.prompt_ids = body.return_token_ids
+        return await _generate(request, admission, params, shape,
                                include_usage(body))
 
     @app.post("/v1/chat/completions")
@@ -595,14 +640,17 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
                 raise Refusal(invalid(f"max_completion_tokens={body.max_completion_tokens} "
                                       f"and max_tokens={body.max_tokens} differ: give one"),
                               "max_completion_tokens")
-            params = sampling_params(body, (top or 0) if body.logprobs else None)
-            text = render_chat(body.messages, service.tokenizer)
+            params = sampling_params(body, (top or 0) if body.logprobs else None, vocab())
+            text = render_chat(body.messages, service.tokenizer, body.add_generation_prompt,
+                               body.chat_template_kwargs)
             ids = service.tokenizer.encode(text, add_special_tokens=False)
         except Refusal as err:
             return refused(err)
         wanted = body.max_completion_tokens or body.max_tokens or CHAT_DEFAULT_MAX_TOKENS
         admission = Admission(ids, wanted, body.stream, body.timeout)
-        return await _generate(request, admission, params, _ChatShape(), include_usage(body))
+        shape = _ChatShape()
+        shape.prompt_ids = body.return_token_ids
+        return await _generate(request, admission, params, shape, include_usage(body))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
@@ -785,6 +833,9 @@ class _Shape:
     """The JSON of one kind of response (completion or chat)."""
 
     PREFIX = "cmpl"
+    #: vLLM's ``return_token_ids``: the prompt's ids too (``prompt_token_ids``: the completion's
+    #: choice, the chat response; when streamed, in the first chunk); ``token_ids`` always
+    prompt_ids = False
 
     def start(self, service: CompletionService, run: RequestRun) -> None:
         self.service, self.run, self.created = service, run, int(time.time())
@@ -821,6 +872,7 @@ class _Shape:
 class _CompletionShape(_Shape):
     def __init__(self, echo: str) -> None:
         self.echo = echo
+        self.ids_sent = False  # the prompt's ids went out (return_token_ids, a stream)
         #: ``logprobs.text_offset`` of the next token: the length of the earlier tokens'
         #: texts, as the non-streamed answer counts it (never the text sent so far, which a
         #: stop string may hold back)
@@ -829,6 +881,7 @@ class _CompletionShape(_Shape):
     def resumed(self, resume: handoff.Resume, tokens: int, sent_chars: int) -> None:
         super().resumed(resume, tokens, sent_chars)
         if tokens:  # the echo went out with the first token's chunk
+            self.ids_sent = True
             self.text_at = sum(len(self.tok.token_text(t)) for t in self.run.tokens[:tokens])
             self.echo = ""
 
@@ -846,9 +899,18 @@ class _CompletionShape(_Shape):
                 "token_ids": tokens}
 
     def whole(self, text: str, run: RequestRun) -> dict[str, Any]:
-        return {**self._head(), "choices": [self._choice(
-            self.echo + text, run.tokens, run, run.finish_reason, run.token_logprobs)],
-            "usage": _usage(run)}
+        choice = self._choice(self.echo + text, run.tokens, run, run.finish_reason,
+                              run.token_logprobs)
+        if self.prompt_ids:
+            choice["prompt_token_ids"] = run.prompt
+        return {**self._head(), "choices": [choice], "usage": _usage(run)}
+
+    def _first(self, chunk: dict[str, Any], run: RequestRun) -> dict[str, Any]:
+        """``chunk`` with the prompt's ids when it is the stream's first (``prompt_ids``)."""
+        if self.prompt_ids and not self.ids_sent:
+            chunk["choices"][0]["prompt_token_ids"] = run.prompt
+        self.ids_sent = True
+        return chunk
 
     def _with_echo(self, text: str) -> str:
         """``text`` after the echoed prompt, if the prompt was not sent yet (the first chunk
@@ -858,13 +920,13 @@ class _CompletionShape(_Shape):
         return text
 
     def piece(self, text: str, token: int, run: RequestRun) -> dict[str, Any]:
-        return {**self._head(), "choices": [self._choice(self._with_echo(text), [token], run,
-                                                         None, self._new_logprobs(run))]}
+        return self._first({**self._head(), "choices": [self._choice(
+            self._with_echo(text), [token], run, None, self._new_logprobs(run))]}, run)
 
     def last(self, text: str, run: RequestRun) -> dict[str, Any]:
-        return {**self._head(), "choices": [self._choice(self._with_echo(text), [], run,
-                                                         run.finish_reason, [])],
-                "usage": _usage(run)}
+        return self._first({**self._head(), "choices": [self._choice(
+            self._with_echo(text), [], run, run.finish_reason, [])],
+            "usage": _usage(run)}, run)
 
 
 class _ChatShape(_Shape):
@@ -883,14 +945,15 @@ class _ChatShape(_Shape):
             "index": 0, "message": {"role": "assistant", "content": text},
             "logprobs": self._logprobs(run, run.token_logprobs),
             "finish_reason": run.finish_reason, "token_ids": run.tokens}],
-            "usage": _usage(run)}
+            "usage": _usage(run), **({"prompt_token_ids": run.prompt} if self.prompt_ids else {})}
 
     def opening(self) -> list[dict[str, Any]]:
         if self.opened:  # a replica before this one sent it
             return []
         return [{**self._head(chunk=True), "choices": [{
             "index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-            "finish_reason": None}]}]
+            "finish_reason": None}],
+            **({"prompt_token_ids": self.run.prompt} if self.prompt_ids else {})}]
 
     def piece(self, text: str, token: int, run: RequestRun) -> dict[str, Any]:
         return {**self._head(chunk=True), "choices": [{

@@ -472,7 +472,8 @@ class CompletionService:
             run.first_token_at = result.timings.completed_us / 1e6
             self.metrics.ttft.observe(max(0.0, run.first_token_at - run.started))
         run.past = result.kv_len
-        args = (result.logits, run.sampling, len(run.tokens), result.argmax)
+        args = (result.logits, run.sampling, len(run.tokens), result.argmax, run.prompt,
+                run.tokens)
         token, logprobs = (sampling.pick(*args) if run.sampling.plain_greedy else
                            await to_thread.run_sync(sampling.pick, *args, limiter=self._limiter))
         if token == self.config.end_token_id or token in run.sampling.stop_token_ids:
@@ -542,7 +543,7 @@ class CompletionService:
         if seq_id is None or tokens is None:  # (a leased run's decode request: neither is)
             return Status.invalid(4, f"seq_id={seq_id}, tokens={tokens} for kind=DECODE")
         if stream is None or stream.closed:
-            ahead = self.config.greedy_ahead and run.sampling.greedy
+            ahead = self.config.greedy_ahead and run.sampling.raw_argmax
             stream = run.decode = self.executor.decode_stream(
                 seq_id, request.past_len, run.deadline, logits_out=run.logits,
                 max_len=len(run.prompt) + run.max_tokens, request_id=run.request_id,
@@ -724,7 +725,12 @@ class CompletionService:
                 "last_job_timings": None if run.handle is None else run.handle.timings.to_dict(),
                 # with the prompt ids, enough to replay the request's tokens (sampling.pick)
                 "sampling": {"temperature": run.sampling.temperature, "top_p": run.sampling.top_p,
-                             "top_k": run.sampling.top_k, "seed": run.sampling.seed},
+                             "top_k": run.sampling.top_k, "seed": run.sampling.seed,
+                             "min_p": run.sampling.min_p,
+                             "repetition_penalty": run.sampling.repetition_penalty,
+                             "presence_penalty": run.sampling.presence_penalty,
+                             "frequency_penalty": run.sampling.frequency_penalty,
+                             "logit_bias": [list(pair) for pair in run.sampling.logit_bias]},
                 "prompt_token_ids": run.prompt, "token_ids": run.tokens,
                 "text": self.tokenizer.decode(run.tokens)})
 
