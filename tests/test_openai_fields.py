@@ -358,3 +358,55 @@ def test_chat_template_kwargs_switch_qwen3_thinking_off(tmp_path):
                     tok.encode(text, add_special_tokens=False).ids, kwargs
     finally:
         executor.shutdown(5.0)
+
+
+# ---- 3. errors and routes -----------------------------------------------------------------------
+def _openai_error(r: httpx.Response, status: int) -> dict:
+    """The OpenAI-shaped error of ``r``, checked to be consistent with its HTTP status."""
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert "detail" not in body, body
+    assert set(body["error"]) >= {"message", "type", "code", "param"}, body
+    assert body["status"]["http_status"] == status, body
+    return body["error"]
+
+
+@pytest.mark.parametrize(("method", "path", "status"), [
+    ("GET", "/v1/nothing", 404), ("POST", "/v2/completions", 404), ("GET", "/", 404),
+    ("GET", "/v1/completions", 405), ("DELETE", "/v1/chat/completions", 405),
+    ("POST", "/v1/models", 405), ("PUT", "/health", 405)])
+def test_unknown_routes_and_wrong_methods_answer_openai_shaped_errors(live, method, path,
+                                                                      status):
+    server, _, _ = live
+    r = httpx.request(method, f"{server.url}{path}", timeout=30)
+    error = _openai_error(r, status)
+    assert error["type"] == "invalid_request_error" and path in error["message"]
+    if status == 405:
+        assert r.headers["allow"]
+
+
+def test_models_retrieve_by_id_and_404_for_an_unknown_one(live):
+    server, client, _ = live
+    model = client.models.retrieve(MODEL)
+    assert model.id == MODEL and model.object == "model" and model.owned_by == "calexec"
+    assert client.models.retrieve("qwen3_synthetic").id == "qwen3_synthetic"
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("gpt-4o")
+    assert err.value.body["code"] == "model_not_found" and err.value.body["param"] == "model"
+    _openai_error(httpx.get(f"{server.url}/v1/models/org/gpt-4o", timeout=30), 404)
+
+
+def test_the_401_body_says_401_throughout(tmp_path):
+    executor = started_executor(tmp_path)
+    app = create_app(executor, ServerConfig(api_key="s3cret"))
+    try:
+        with LiveServer(app) as server:
+            for path in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
+                r = httpx.post(f"{server.url}{path}", json={"prompt": "x"}, timeout=30)
+                error = _openai_error(r, 401)
+                assert error["type"] == "authentication_error"
+                assert error["code"] == "invalid_api_key"
+            r = httpx.get(f"{server.url}/v1/models/{MODEL}", timeout=30)
+            assert _openai_error(r, 401)["code"] == "invalid_api_key"
+    finally:
+        executor.shutdown(5.0)

@@ -590,11 +590,24 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         auth = auth_refusal(request, config.api_key)
         if auth is not None:
             return refused(auth)
-        created = int(service.started_at)
-        return JSONResponse({"object": "list", "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "calexec",
-             "root": config.model_name, "parent": None, "max_model_len": max_seq()}
-            for name in served_names()]})
+        return JSONResponse({"object": "list",
+                             "data": [model_card(name) for name in served_names()]})
+
+    def model_card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": int(service.started_at),
+                "owned_by": "calexec", "root": config.model_name, "parent": None,
+                "max_model_len": max_seq()}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> Response:
+        """One served model (the SDK's ``models.retrieve``); 404 ``model_not_found`` else."""
+        auth = auth_refusal(request, config.api_key)
+        if auth is not None:
+            return refused(auth)
+        not_found = model_refusal(model_id, served_names())
+        if not_found is not None:
+            return refused(not_found)
+        return JSONResponse(model_card(model_id))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
