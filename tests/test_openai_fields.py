@@ -410,3 +410,22 @@ def test_the_401_body_says_401_throughout(tmp_path):
             assert _openai_error(r, 401)["code"] == "invalid_api_key"
     finally:
         executor.shutdown(5.0)
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"prompt": [1] * 40961, "max_tokens": 1}, "prompt"),
+    ({"prompt": [1, 2], "max_tokens": 40959}, "max_tokens")])
+def test_a_context_overflow_is_context_length_exceeded(tmp_path, body, param):
+    executor = started_executor(tmp_path)
+    app = create_app(executor, ServerConfig(max_body_bytes=1 << 20))
+    try:
+        with LiveServer(app) as server:
+            client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+            with pytest.raises(openai.BadRequestError) as err:
+                client.completions.create(model=MODEL, **body)
+            error = err.value.body
+            assert error["code"] == "context_length_exceeded" and error["param"] == param
+            assert "maximum context length is 40960 tokens" in error["message"]
+            assert str(len(body["prompt"])) in error["message"]
+    finally:
+        executor.shutdown(5.0)

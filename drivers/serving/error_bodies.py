@@ -25,6 +25,7 @@ ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error",
 OPENAI_CODE = {"request.model_not_found": "model_not_found",
                 "request.invalid_api_key": "invalid_api_key",
                 "request.not_found": "not_found",
+                "request.context_length_exceeded": "context_length_exceeded",
                 "request.method_not_allowed": "method_not_allowed"}
 
 

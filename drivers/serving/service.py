@@ -50,6 +50,13 @@ from calexec.machines.compiled import JOB
 log = logging.getLogger("calexec.server")
 
 
+def context_exceeded(message: str) -> Status:
+    """A prompt, or prompt + max_tokens, longer than the model's context (400; OpenAI's code
+    ``context_length_exceeded``, error_bodies.OPENAI_CODE)."""
+    return Status.failure("request.context_length_exceeded", Category.INVALID_REQUEST,
+                          Phase.VALIDATE, message)
+
+
 def api_key_problem(key: str) -> str | None:
     """Why no request could ever present ``key`` (None: one can). A request's key is its
     ``Authorization: Bearer`` header value, stripped: HTTP header values are latin-1 and
@@ -403,11 +410,17 @@ class CompletionService:
         if bad is not None:
             return None, invalid(f"prompt[{bad}]={prompt[bad]} outside the vocabulary "
                                   f"[0, {vocab})"), "prompt"
-        if len(prompt) > max_seq:
-            return None, invalid(f"prompt has {len(prompt)} tokens > max_seq={max_seq}"), "prompt"
+        if len(prompt) > max_seq:  # phrased as OpenAI and vLLM do: clients look for it
+            return None, context_exceeded(
+                f"This model's maximum context length is {max_seq} tokens. However, your "
+                f"request has {len(prompt)} input tokens. Please reduce the length of the "
+                "prompt or messages."), "prompt"
         if len(prompt) + body.max_tokens > max_seq:
-            return None, invalid(f"max_tokens={body.max_tokens} + {len(prompt)} prompt tokens "
-                                  f"> max_seq={max_seq}"), "max_tokens"
+            return None, context_exceeded(
+                f"This model's maximum context length is {max_seq} tokens. However, you "
+                f"requested {len(prompt) + body.max_tokens} tokens ({len(prompt)} in the "
+                f"prompt, max_tokens={body.max_tokens} for the completion). Please reduce "
+                "the prompt or max_tokens."), "max_tokens"
         timeout = self.config.default_timeout_s if body.timeout is None else body.timeout
         if timeout > self.config.max_timeout_s:
             return None, invalid(f"timeout={timeout} > max_timeout_s="
