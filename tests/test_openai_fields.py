@@ -429,3 +429,24 @@ def test_a_context_overflow_is_context_length_exceeded(tmp_path, body, param):
             assert str(len(body["prompt"])) in error["message"]
     finally:
         executor.shutdown(5.0)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize",
+                                  "/detokenize"])
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded",
+                                          "multipart/form-data; boundary=x"])
+def test_a_non_json_content_type_is_415(live, path, content_type):
+    server, _, _ = live
+    r = httpx.post(f"{server.url}{path}", content=b'{"prompt": [1], "tokens": [1]}',
+                   headers={"content-type": content_type}, timeout=30)
+    error = _openai_error(r, 415)
+    assert content_type.split(";")[0] in error["message"] and "application/json" in error["message"]
+
+
+def test_json_content_types_are_accepted(live):
+    server, _, _ = live
+    for headers in ({"content-type": "application/json; charset=utf-8"},
+                    {"content-type": "Application/JSON"}, {}):
+        r = httpx.post(f"{server.url}/v1/completions", content=b'{"prompt": [1], "max_tokens": 1}',
+                       headers=headers, timeout=30)
+        assert r.status_code == 200, (headers, r.text)

@@ -564,6 +564,10 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         auth = auth_refusal(request, config.api_key)
         if auth is not None:
             raise auth
+        media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if media not in ("", "application/json"):  # absent: a raw client, read as JSON
+            raise Refusal(invalid(f"content-type {media[:80]!r}: the body must be JSON "
+                                  "(application/json)"), None, 415)
         try:
             raw = await wire.read_body(request, config.max_body_bytes)
         except wire.ClientGone as gone:  # 499: nobody reads it, the failure is counted
