@@ -450,3 +450,31 @@ def test_json_content_types_are_accepted(live):
         r = httpx.post(f"{server.url}/v1/completions", content=b'{"prompt": [1], "max_tokens": 1}',
                        headers=headers, timeout=30)
         assert r.status_code == 200, (headers, r.text)
+
+
+def _events(server, path: str, body: dict) -> list[dict]:
+    import json
+    with httpx.stream("POST", f"{server.url}{path}", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        data = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    return [json.loads(d) for d in data[:-1]]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize(("options", "usage_chunks"), [
+    (None, 0), ({}, 0), ({"include_usage": False}, 0), ({"include_usage": True}, 1)])
+def test_a_stream_carries_usage_once_on_a_final_chunk_only_when_asked(live, path, options,
+                                                                      usage_chunks):
+    server, _, _ = live
+    body = {"model": MODEL, "max_tokens": 3, "stream": True,
+            **({"prompt": [4, 5]} if path == "/v1/completions" else
+               {"messages": [{"role": "user", "content": "hi"}]})}
+    if options is not None:
+        body["stream_options"] = options
+    events = _events(server, path, body)
+    with_usage = [i for i, e in enumerate(events) if e.get("usage")]
+    assert len(with_usage) == usage_chunks, events
+    if usage_chunks:
+        assert with_usage == [len(events) - 1] and events[-1]["choices"] == []
+        assert events[-1]["usage"]["completion_tokens"] == 3

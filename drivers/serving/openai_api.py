@@ -941,9 +941,9 @@ class _CompletionShape(_Shape):
             self._with_echo(text), [token], run, None, self._new_logprobs(run))]}, run)
 
     def last(self, text: str, run: RequestRun) -> dict[str, Any]:
+        # no usage here: only the usage chunk carries it, when include_usage asks (as chat)
         return self._first({**self._head(), "choices": [self._choice(
-            self._with_echo(text), [], run, run.finish_reason, [])],
-            "usage": _usage(run)}, run)
+            self._with_echo(text), [], run, run.finish_reason, [])]}, run)
 
 
 class _ChatShape(_Shape):
