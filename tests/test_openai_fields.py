@@ -478,3 +478,30 @@ def test_a_stream_carries_usage_once_on_a_final_chunk_only_when_asked(live, path
     if usage_chunks:
         assert with_usage == [len(events) - 1] and events[-1]["choices"] == []
         assert events[-1]["usage"]["completion_tokens"] == 3
+
+
+def test_tokenize_takes_vllms_and_llama_servers_forms(live):
+    server, _, service = live
+    tok = service.tokenizer
+
+    def tokenize(body: dict) -> dict:
+        r = httpx.post(f"{server.url}/tokenize", json=body, timeout=30)
+        assert r.status_code == 200, (body, r.text)
+        return r.json()
+    messages = [{"role": "user", "content": "hi"}]
+    assert tokenize({"messages": messages, "add_generation_prompt": False})["tokens"] == \
+        tokenizer.encode("user: hi\n")
+    assert tokenize({"messages": messages, "add_generation_prompt": True})["tokens"] == \
+        tokenizer.encode("user: hi\nassistant:")
+    strs = tokenize({"prompt": "héllo", "return_token_strs": True})
+    assert strs["token_strs"] == [tok.token_text(t) for t in tokenizer.encode("héllo")]
+    assert strs["token_strs"] != strs["tokens"]
+    assert tokenize({"prompt": "hi", "return_token_strs": None})["token_strs"] is None
+    # llama-server: {"content"}, optional "add_special" and "with_pieces"
+    assert tokenize({"content": "héllo"})["tokens"] == tokenizer.encode("héllo")
+    assert tokenize({"content": "ab", "add_special": True})["tokens"] == tokenizer.encode("ab")
+    pieces = tokenize({"content": "ab", "with_pieces": True})["tokens"]
+    assert pieces == [{"id": t, "piece": tok.token_text(t)} for t in tokenizer.encode("ab")]
+    for bad in ({"content": "a", "prompt": "b"}, {}, {"content": 5}):
+        r = httpx.post(f"{server.url}/tokenize", json=bad, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] in ("prompt", "content"), r.text

@@ -14,7 +14,7 @@ import hmac
 import time
 import typing
 from collections.abc import Callable
-from typing import Annotated, Any, Literal, TypeVar, cast
+from typing import Annotated, Any, TypeVar, cast
 
 import attrs
 from fastapi import FastAPI, Request
@@ -673,17 +673,29 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
     async def tokenize(request: Request) -> Response:
         try:
             body = await read(request, TokenizeRequest)
-            if (body.prompt is None) == (body.messages is None):
-                raise Refusal(invalid("give exactly one of prompt and messages"), "prompt")
-            if body.prompt is not None:
-                ids = service.tokenizer.encode(body.prompt, body.add_special_tokens)
-            elif body.messages is not None:  # (exactly one of the two)
-                ids = service.tokenizer.encode(render_chat(body.messages, service.tokenizer),
-                                               add_special_tokens=False)
+            given = [name for name in ("prompt", "content", "messages")
+                     if getattr(body, name) is not None]
+            if len(given) != 1:
+                raise Refusal(invalid("give exactly one of prompt, content (llama-server) and "
+                                      f"messages; got {given or 'none'}"),
+                              given[1] if len(given) > 1 else "prompt")
+            text = body.prompt if body.prompt is not None else body.content
+            if text is not None:
+                special = body.add_special_tokens if body.add_special is None \
+                    else body.add_special
+                ids = service.tokenizer.encode(text, special)
+            elif body.messages is not None:  # (exactly one of the three)
+                ids = service.tokenizer.encode(
+                    render_chat(body.messages, service.tokenizer, body.add_generation_prompt,
+                                body.chat_template_kwargs), add_special_tokens=False)
         except Refusal as err:
             return refused(err)
-        return JSONResponse({"count": len(ids), "max_model_len": max_seq(), "tokens": ids,
-                             "token_strs": None})
+        texts = [service.tokenizer.token_text(t) for t in ids] \
+            if body.return_token_strs or body.with_pieces else None
+        tokens: list[Any] = list(ids) if not body.with_pieces or texts is None else \
+            [{"id": t, "piece": piece} for t, piece in zip(ids, texts)]
+        return JSONResponse({"count": len(ids), "max_model_len": max_seq(), "tokens": tokens,
+                             "token_strs": texts if body.return_token_strs else None})
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
@@ -821,15 +833,28 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
 
 
 class TokenizeRequest(BaseModel):
-    """vLLM's ``POST /tokenize``: ``prompt`` (+ ``add_special_tokens``) or chat ``messages``."""
+    """``POST /tokenize``: vLLM's bodies, ``prompt`` (+ ``add_special_tokens``) or chat
+    ``messages`` (+ ``add_generation_prompt``, ``chat_template_kwargs``), with
+    ``return_token_strs``; or llama-server's ``content`` (+ ``add_special``, ``with_pieces``:
+    ``tokens`` as ``{"id", "piece"}`` objects)."""
 
     model_config = ConfigDict(extra="forbid")
 
     model: StrictStr | None = None
     prompt: StrictStr | None = None
+    content: StrictStr | None = None  # llama-server
     messages: list[ChatMessage] | None = None
     add_special_tokens: StrictBool = True
-    add_generation_prompt: Literal[True] = True
+    add_special: StrictBool | None = None  # llama-server's add_special_tokens
+    add_generation_prompt: StrictBool = True
+    chat_template_kwargs: dict[StrictStr, Any] | None = None
+    return_token_strs: StrictBool = False
+    with_pieces: StrictBool = False  # llama-server
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        return _drop_nulls(cls, data)
 
 
 class DetokenizeRequest(BaseModel):
