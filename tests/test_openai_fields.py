@@ -505,3 +505,51 @@ def test_tokenize_takes_vllms_and_llama_servers_forms(live):
     for bad in ({"content": "a", "prompt": "b"}, {}, {"content": 5}):
         r = httpx.post(f"{server.url}/tokenize", json=bad, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] in ("prompt", "content"), r.text
+
+
+# ---- CORS (off by default) ------------------------------------------------------------------------
+PREFLIGHT = {"origin": "http://app.example:3000", "access-control-request-method": "POST",
+             "access-control-request-headers": "authorization, content-type"}
+
+
+def test_cors_is_off_by_default(live):
+    server, _, _ = live
+    r = httpx.options(f"{server.url}/v1/chat/completions", headers=PREFLIGHT, timeout=30)
+    _openai_error(r, 405)
+    r = httpx.get(f"{server.url}/v1/models", headers={"origin": PREFLIGHT["origin"]}, timeout=30)
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+
+
+def test_cors_origins_answer_preflights_and_mark_responses(tmp_path):
+    executor = started_executor(tmp_path)
+    app = create_app(executor, ServerConfig(cors_origins=("http://app.example:3000",)))
+    try:
+        with LiveServer(app) as server:
+            r = httpx.options(f"{server.url}/v1/chat/completions", headers=PREFLIGHT,
+                              timeout=30)
+            assert r.status_code == 200, r.text
+            assert r.headers["access-control-allow-origin"] == PREFLIGHT["origin"]
+            assert "POST" in r.headers["access-control-allow-methods"]
+            assert "authorization" in r.headers["access-control-allow-headers"].lower()
+            r = httpx.post(f"{server.url}/v1/completions", json={"prompt": [1], "max_tokens": 1},
+                           headers={"origin": PREFLIGHT["origin"]}, timeout=30)
+            assert r.status_code == 200
+            assert r.headers["access-control-allow-origin"] == PREFLIGHT["origin"]
+            other = {**PREFLIGHT, "origin": "http://evil.example"}
+            r = httpx.options(f"{server.url}/v1/chat/completions", headers=other, timeout=30)
+            assert "access-control-allow-origin" not in r.headers
+    finally:
+        executor.shutdown(5.0)
+
+
+@pytest.mark.parametrize("origin", ["app.example", "ftp://x", "http://a.example/path", ""])
+def test_a_cors_origin_that_can_never_match_is_refused_naming_it(origin):
+    with pytest.raises(ValueError, match="cors_origins"):
+        ServerConfig(cors_origins=(origin,))
+
+
+def test_serve_refuses_a_bad_cors_origin_in_one_line():
+    from test_cli import calexec, one_line
+    done = calexec("serve", "--once", "--cors-origin", "app.example")
+    assert done.returncode == 2
+    assert "--cors-origin='app.example'" in one_line(done.stderr)

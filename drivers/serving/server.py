@@ -25,6 +25,7 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -69,6 +70,12 @@ def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
                   openapi_url=None)
     app.state.service = service
     retry = config.retry_after_s
+
+    if config.cors_origins:  # off by default: a browser page may call only when asked for
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins),
+                           allow_methods=["GET", "POST", "OPTIONS"],
+                           allow_headers=["authorization", "content-type"],
+                           expose_headers=["retry-after"], max_age=600)
 
     @app.exception_handler(StarletteHTTPException)
     async def no_route(request: Request, exc: StarletteHTTPException) -> Response:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -55,6 +56,25 @@ def context_exceeded(message: str) -> Status:
     ``context_length_exceeded``, error_bodies.OPENAI_CODE)."""
     return Status.failure("request.context_length_exceeded", Category.INVALID_REQUEST,
                           Phase.VALIDATE, message)
+
+
+#: an origin as browsers send it: scheme, host, optional port, no path ("*": any)
+_ORIGIN = re.compile(r"https?://[^/\s:]+(:\d{1,5})?")
+
+
+def cors_origin_problem(origin: str) -> str | None:
+    """Why ``origin`` can never match a browser's ``Origin`` header (None: it can)."""
+    if origin == "*" or _ORIGIN.fullmatch(origin):
+        return None
+    return (f"={origin[:100]!r}: must be '*' or scheme://host[:port] (http or https, no path), "
+            "as a browser sends Origin")
+
+
+def _check_cors(instance: Any, attribute: Any, origins: tuple[str, ...]) -> None:
+    for origin in origins:
+        problem = cors_origin_problem(origin)
+        if problem is not None:
+            raise ValueError(f"cors_origins: {origin[:100]!r}{problem}")
 
 
 def api_key_problem(key: str) -> str | None:
@@ -103,6 +123,10 @@ class ServerConfig:
     model_name: str = "calexec-qwen3-synthetic"
     #: OpenAI endpoints need ``Authorization: Bearer <api_key>`` when set (docs/server.md)
     api_key: str | None = attrs.field(default=None, validator=_check_api_key)
+    #: browser origins allowed to call the server (CORS: preflights answered, responses
+    #: marked); empty: CORS off (docs/server.md)
+    cors_origins: tuple[str, ...] = attrs.field(default=(), converter=tuple[str, ...],
+                                                validator=_check_cors)
     #: a Hugging Face tokenizer.json (or its directory); None: the byte-level tokenizer
     tokenizer_path: str | None = None
     #: completion request body limit (413 above it).
