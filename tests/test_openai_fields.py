@@ -443,6 +443,21 @@ def test_a_non_json_content_type_is_415(live, path, content_type):
     assert content_type.split(";")[0] in error["message"] and "application/json" in error["message"]
 
 
+def test_admin_reload_with_a_non_json_content_type_is_415(tmp_path):
+    executor = started_executor(tmp_path)
+    app = create_app(executor, ServerConfig(admin_token="t0ken"))
+    try:
+        with LiveServer(app) as server:
+            r = httpx.post(f"{server.url}/admin/reload", content=b"calbin=/x",
+                           headers={"authorization": "Bearer t0ken",
+                                    "content-type": "application/x-www-form-urlencoded"},
+                           timeout=30)
+            assert "application/json" in _openai_error(r, 415)["message"]
+            assert executor.state == "Ready"
+    finally:
+        executor.shutdown(5.0)
+
+
 def test_json_content_types_are_accepted(live):
     server, _, _ = live
     for headers in ({"content-type": "application/json; charset=utf-8"},
@@ -538,6 +553,8 @@ def test_cors_origins_answer_preflights_and_mark_responses(tmp_path):
             other = {**PREFLIGHT, "origin": "http://evil.example"}
             r = httpx.options(f"{server.url}/v1/chat/completions", headers=other, timeout=30)
             assert "access-control-allow-origin" not in r.headers
+            error = _openai_error(r, 400)  # OpenAI-shaped, not Starlette's plain text
+            assert error["param"] == "origin" and "origin" in error["message"]
     finally:
         executor.shutdown(5.0)
 

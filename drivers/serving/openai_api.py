@@ -564,9 +564,9 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         auth = auth_refusal(request, config.api_key)
         if auth is not None:
             raise auth
-        media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-        if media not in ("", "application/json"):  # absent: a raw client, read as JSON
-            raise Refusal(invalid(f"content-type {media[:80]!r}: the body must be JSON "
+        media = wire.non_json_media(request)
+        if media is not None:
+            raise Refusal(invalid(f"content-type {media!r}: the body must be JSON "
                                   "(application/json)"), None, 415)
         try:
             raw = await wire.read_body(request, config.max_body_bytes)

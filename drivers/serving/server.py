@@ -28,6 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from calexec.contracts.status import Phase, Status
@@ -72,7 +73,7 @@ def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
     retry = config.retry_after_s
 
     if config.cors_origins:  # off by default: a browser page may call only when asked for
-        app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins),
+        app.add_middleware(OpenAICORS, allow_origins=list(config.cors_origins),
                            allow_methods=["GET", "POST", "OPTIONS"],
                            allow_headers=["authorization", "content-type"],
                            expose_headers=["retry-after"], max_age=600)
@@ -126,6 +127,21 @@ def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
     openai_api.add_routes(app, service, fail)
 
     return app
+
+
+class OpenAICORS(CORSMiddleware):
+    """Starlette's CORS middleware whose refused preflight (an origin, method or header not
+    allowed) is an OpenAI-shaped 400 like every other error, not its plain text."""
+
+    def preflight_response(self, request_headers: Headers) -> Response:
+        answer = super().preflight_response(request_headers)
+        if answer.status_code == 200:
+            return answer
+        refused = bytes(answer.body).decode("utf-8", "replace")  # "Disallowed CORS origin, ..."
+        allowed = {k: v for k, v in answer.headers.items()
+                   if k.lower().startswith("access-control-") or k.lower() == "vary"}
+        return error_response(invalid(f"CORS preflight refused: {refused} (allowed origins: "
+                                      "--cors-origin)"), "origin", headers=allowed)
 
 
 #: how long uvicorn waits, after a drain, for connections still open before it ends their
