@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import typing
 
+import attrs
 import httpx
 import numpy as np
 import openai
@@ -570,3 +571,76 @@ def test_serve_refuses_a_bad_cors_origin_in_one_line():
     done = calexec("serve", "--once", "--cors-origin", "app.example")
     assert done.returncode == 2
     assert "--cors-origin='app.example'" in one_line(done.stderr)
+
+
+# ---- vLLM's min_tokens, ignore_eos, allowed_token_ids ---------------------------------------------
+def test_min_tokens_and_allowed_token_ids_equal_the_reference_computation():
+    raw = np.random.default_rng(3).normal(0, 3, 64).astype(np.float32)
+    params = SamplingParams(min_tokens=2, end_token_ids=(7,), stop_token_ids=(9,),
+                            allowed_token_ids=(7, 9, 20, 33))
+    for output, held in (([], {7, 9}), ([1], {7, 9}), ([1, 2], set())):
+        want = np.full(64, -np.inf)
+        for t in {7, 9, 20, 33} - held:
+            want[t] = raw[t]
+        np.testing.assert_array_equal(sampling.process(raw, params, [], output), want)
+    # and the draw stays among the allowed, unheld tokens
+    sampled = {sampling.pick(raw, attrs.evolve(params, temperature=1.0, seed=4), i, None, [],
+                             [])[0] for i in range(50)}
+    assert sampled <= {20, 33}
+
+
+def _oracle_rows_choice(prompt: list[int], n: int, choose) -> list[int]:
+    """Greedy over the oracle's FP32 rows with ``choose(row, output) -> token``."""
+    from calexec.drivers.synthetic import calbin, oracle
+    seq = oracle.OracleSequence(calbin.DEFAULT_SEED)
+    seq.run(prompt)
+    out: list[int] = []
+    for _ in range(n):
+        token = choose(oracle.bf16_to_f32(oracle.logits_bf16(seq.states[-1])), out)
+        out.append(token)
+        seq.run([token])
+    return out
+
+
+def test_ignore_eos_min_tokens_and_allowed_token_ids_end_to_end(tmp_path):
+    prompt = [40, 41, 42]
+    greedy = oracle_tokens(prompt, 4)
+    executor = started_executor(tmp_path)
+    app = create_app(executor, ServerConfig(end_token_id=greedy[0]))
+    try:
+        with LiveServer(app) as server:
+            client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+            body = dict(model=MODEL, prompt=prompt, max_tokens=4)
+            stopped = client.completions.create(**body)
+            assert _ids(stopped) == [] and stopped.choices[0].finish_reason == "stop"
+            # ignore_eos: the end token is generated and the generation goes on (greedy ahead)
+            done = client.completions.create(**body, extra_body={"ignore_eos": True})
+            assert _ids(done) == greedy and done.choices[0].finish_reason == "length"
+            # min_tokens: the end token cannot be chosen for the first 2 tokens
+            def held(row, out):
+                row = row.copy()
+                if len(out) < 2:
+                    row[greedy[0]] = -np.inf
+                return int(np.argmax(row))
+            want = _oracle_rows_choice(prompt, 4, held)
+            done = client.completions.create(**body, extra_body={"min_tokens": 2})
+            if greedy[0] in want[2:]:  # from the third token on, the end token ends it
+                want = want[:want.index(greedy[0], 2)]
+            assert _ids(done) == want and want[0] != greedy[0]
+            allowed = [5, 6, 7, 300]
+            want = _oracle_rows_choice(prompt, 4, lambda row, out: allowed[int(np.argmax(
+                row[allowed]))])
+            done = client.completions.create(**body, extra_body={"allowed_token_ids": allowed})
+            assert _ids(done) == want and set(want) <= set(allowed)
+    finally:
+        executor.shutdown(5.0)
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("min_tokens", -1), ("allowed_token_ids", []), ("allowed_token_ids", [1, VOCAB]),
+    ("ignore_eos", "yes")])
+def test_bad_vllm_token_fields_are_a_400_naming_them(live, field, value):
+    server, _, _ = live
+    r = httpx.post(f"{server.url}/v1/completions",
+                   json={"prompt": [1], "max_tokens": 1, field: value}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text

@@ -83,6 +83,9 @@ class _Body(BaseModel):
     min_p: Number | None = None
     repetition_penalty: Number | None = None
     return_token_ids: StrictBool = False  # vLLM: prompt_token_ids too
+    min_tokens: StrictInt | None = None  # vLLM: no end/stop token before this many
+    ignore_eos: StrictBool = False  # vLLM: the end token does not end the generation
+    allowed_token_ids: list[StrictInt] | None = None  # vLLM: only these can be chosen
 
     @model_validator(mode="before")
     @classmethod
@@ -301,18 +304,19 @@ def _logit_bias(bias: dict[str, int | float] | None, vocab: int | None
     return tuple(pairs)
 
 
-def sampling_params(body: _Body, logprobs: int | None, vocab: int | None = None
-                    ) -> SamplingParams:
+def sampling_params(body: _Body, logprobs: int | None, vocab: int | None = None,
+                    end_token: int | None = None) -> SamplingParams:
     """The request's sampling parameters with a seed (drawn now when the body has none);
     ``vocab``: the served vocabulary size, when known (token ids in ``stop_token_ids`` and
-    ``logit_bias`` must be in it)."""
+    ``logit_bias`` must be in it); ``end_token``: the server's, held back by ``min_tokens``."""
     stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
     stop_ids = body.stop_token_ids or []
-    if vocab is not None:
-        bad = next((i for i, t in enumerate(stop_ids) if t >= vocab), None)
+    for field, ids in (("stop_token_ids", stop_ids),
+                       ("allowed_token_ids", body.allowed_token_ids or [])):
+        bad = next((i for i, t in enumerate(ids) if vocab is not None and t >= vocab), None)
         if bad is not None:
-            raise Refusal(invalid(f"stop_token_ids[{bad}]={stop_ids[bad]} outside the "
-                                  f"vocabulary [0, {vocab})"), "stop_token_ids")
+            raise Refusal(invalid(f"{field}[{bad}]={ids[bad]} outside the vocabulary "
+                                  f"[0, {vocab})"), field)
 
     def number(value: int | float | None, default: float) -> float:
         return default if value is None else float(value)
@@ -324,7 +328,10 @@ def sampling_params(body: _Body, logprobs: int | None, vocab: int | None = None
             repetition_penalty=number(body.repetition_penalty, 1.0),
             presence_penalty=number(body.presence_penalty, 0.0),
             frequency_penalty=number(body.frequency_penalty, 0.0),
-            logit_bias=_logit_bias(body.logit_bias, vocab))
+            logit_bias=_logit_bias(body.logit_bias, vocab),
+            min_tokens=0 if body.min_tokens is None else body.min_tokens,
+            end_token_ids=() if end_token is None else (end_token,),
+            ignore_eos=body.ignore_eos, allowed_token_ids=body.allowed_token_ids)
     except SamplingError as err:
         raise Refusal(invalid(str(err)), err.field.split("[")[0]) from None
     return params.resolved()
@@ -626,7 +633,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
             if body.echo and body.logprobs is not None:
                 raise Refusal(invalid("echo=true with logprobs needs the prompt's logprobs, "
                                       "which are not computed"), "echo")
-            params = sampling_params(body, body.logprobs, vocab())
+            params = sampling_params(body, body.logprobs, vocab(), config.end_token_id)
             ids = (service.tokenizer.encode(prompt) if isinstance(prompt, str)
                    else list(cast(list[int], prompt)))  # a list past the check: token ids
         except Refusal as err:
@@ -657,7 +664,8 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
                 raise Refusal(invalid(f"max_completion_tokens={body.max_completion_tokens} "
                                       f"and max_tokens={body.max_tokens} differ: give one"),
                               "max_completion_tokens")
-            params = sampling_params(body, (top or 0) if body.logprobs else None, vocab())
+            params = sampling_params(body, (top or 0) if body.logprobs else None, vocab(),
+                                     config.end_token_id)
             text = render_chat(body.messages, service.tokenizer, body.add_generation_prompt,
                                body.chat_template_kwargs)
             ids = service.tokenizer.encode(text, add_special_tokens=False)

@@ -128,6 +128,22 @@ def _validate_logit_bias(_inst: Any, _attr: Any, value: tuple[tuple[int, float],
                f"must be a number in [{-LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]")
 
 
+def _validate_min_tokens(_inst: Any, _attr: Any, value: int) -> None:
+    _check("min_tokens", _is_int(value) and value >= 0, value, "must be an integer >= 0")
+
+
+def _validate_allowed(_inst: Any, _attr: Any, value: tuple[int, ...] | None) -> None:
+    if value is None:
+        return
+    _check("allowed_token_ids", len(value) > 0, list(value), "must not be empty (null: all)")
+    for i, t in enumerate(value):
+        _check(f"allowed_token_ids[{i}]", _is_int(t) and t >= 0, t, "must be an integer >= 0")
+
+
+def _to_ids(value: Any) -> tuple[int, ...] | None:
+    return None if value is None else tuple(value)
+
+
 def _validate_logprobs(_inst: Any, _attr: Any, value: int | None) -> None:
     _check("logprobs", value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS), value,
            f"must be null or an integer in [0, {MAX_LOGPROBS}]")
@@ -157,6 +173,16 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = attrs.field(
         default=(), converter=tuple[tuple[int, float], ...], validator=_validate_logit_bias)
 
+    #: vLLM: the end token and ``stop_token_ids`` cannot be chosen before this many tokens
+    min_tokens: int = attrs.field(default=0, validator=_validate_min_tokens)
+    #: the server's end token(s) (not a request field): what ``min_tokens`` holds back
+    end_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple[int, ...])
+    #: vLLM: the end token does not end the generation
+    ignore_eos: bool = False
+    #: vLLM: only these tokens can be chosen (None: all)
+    allowed_token_ids: tuple[int, ...] | None = attrs.field(default=None, converter=_to_ids,
+                                                            validator=_validate_allowed)
+
     @property
     def greedy(self) -> bool:
         """Temperature 0 (or top_k 1): the argmax (of the processed row), no draw."""
@@ -166,7 +192,8 @@ class SamplingParams:
     def processed(self) -> bool:
         """A row processor is on (:func:`process`): the argmax may not be the raw row's."""
         return bool(self.logit_bias) or self.repetition_penalty != 1.0 \
-            or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 \
+            or self.min_tokens > 0 or self.allowed_token_ids is not None
 
     @property
     def raw_argmax(self) -> bool:
@@ -211,14 +238,24 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 def process(logits: np.ndarray, params: SamplingParams, prompt: Sequence[int] = (),
             output: Sequence[int] = ()) -> np.ndarray:
     """The row the choice is made on (a float32 copy; ``logits`` is left as it is), as vLLM's
-    sampler computes it: ``logit_bias`` added; then the repetition penalty on every token of
-    ``prompt`` and ``output`` (a positive logit divided by it, a negative one multiplied);
+    sampler computes it: every token outside ``allowed_token_ids`` and, while ``output`` is
+    shorter than ``min_tokens``, the end and stop tokens set to -inf; ``logit_bias`` added;
+    then the repetition penalty on every token of ``prompt`` and ``output`` (a positive logit
+    divided by it, a negative one multiplied);
     then ``frequency_penalty`` times each token's count in ``output`` and ``presence_penalty``
     for each token in ``output`` subtracted. ``logits`` itself when no processor is on."""
     if not params.processed:
         return logits
     row = logits.astype(np.float32, copy=True)
     vocab = row.shape[0]
+    if params.allowed_token_ids is not None:
+        allowed = np.asarray([t for t in params.allowed_token_ids if t < vocab], dtype=np.int64)
+        kept = row[allowed]
+        row[:] = -np.inf
+        row[allowed] = kept
+    if len(output) < params.min_tokens:
+        held = [t for t in (*params.end_token_ids, *params.stop_token_ids) if t < vocab]
+        row[held] = -np.inf
     for token, bias in params.logit_bias:
         if token < vocab:
             row[token] += np.float32(bias)

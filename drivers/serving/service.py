@@ -513,7 +513,8 @@ class CompletionService:
                 run.tokens)
         token, logprobs = (sampling.pick(*args) if run.sampling.plain_greedy else
                            await to_thread.run_sync(sampling.pick, *args, limiter=self._limiter))
-        if token == self.config.end_token_id or token in run.sampling.stop_token_ids:
+        if (token == self.config.end_token_id and not run.sampling.ignore_eos) \
+                or token in run.sampling.stop_token_ids:
             run.finish_reason = "stop"
             return None
         run.tokens.append(token)
@@ -585,7 +586,8 @@ class CompletionService:
                 seq_id, request.past_len, run.deadline, logits_out=run.logits,
                 max_len=len(run.prompt) + run.max_tokens, request_id=run.request_id,
                 greedy_ahead=ahead,
-                stop_tokens=(self.config.end_token_id, *run.sampling.stop_token_ids),
+                stop_tokens=(*(() if run.sampling.ignore_eos else (self.config.end_token_id,)),
+                             *run.sampling.stop_token_ids),
                 max_steps=run.max_tokens - len(run.tokens))
         handle = stream.submit(int(tokens[0]))
         if isinstance(handle, Status):
