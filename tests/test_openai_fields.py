@@ -644,3 +644,74 @@ def test_bad_vllm_token_fields_are_a_400_naming_them(live, field, value):
     r = httpx.post(f"{server.url}/v1/completions",
                    json={"prompt": [1], "max_tokens": 1, field: value}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+# ---- vLLM's include_stop_str_in_output, truncate_prompt_tokens, add_special_tokens ----------------
+def test_include_stop_str_in_output_keeps_the_stop_string(live):
+    _, client, _ = live
+    prompt = [41, 42, 43]
+    greedy = oracle_tokens(prompt, 6)
+    body = dict(model=MODEL, prompt=prompt, max_tokens=6, stop=["zz", f"<{greedy[2]}>"],
+                extra_body={"include_stop_str_in_output": True})
+    done = client.completions.create(**body)
+    assert done.choices[0].text == tokenizer.decode(greedy[:3])
+    assert done.choices[0].finish_reason == "stop"
+    pieces = [c.choices[0].text for c in client.completions.create(stream=True, **body)]
+    assert "".join(pieces) == done.choices[0].text
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6,
+                                      stop=f"<{greedy[2]}>")
+    assert plain.choices[0].text == tokenizer.decode(greedy[:2])
+
+
+def test_truncate_prompt_tokens_keeps_the_last_k(live):
+    server, client, _ = live
+    prompt = list(range(100, 110))
+    done = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, echo=True,
+                                     extra_body={"truncate_prompt_tokens": 3})
+    assert done.usage.prompt_tokens == 3
+    assert _ids(done) == oracle_tokens(prompt[-3:], 3)
+    assert done.choices[0].text.startswith(tokenizer.decode(prompt[-3:]))
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1,
+                                      extra_body={"truncate_prompt_tokens": -1})
+    assert whole.usage.prompt_tokens == 10
+    chat = client.chat.completions.create(model=MODEL, max_tokens=1,
+                                          messages=[{"role": "user", "content": "hello"}],
+                                          extra_body={"truncate_prompt_tokens": 4})
+    assert chat.usage.prompt_tokens == 4
+    r = httpx.post(f"{server.url}/v1/completions",
+                   json={"prompt": [1], "max_tokens": 1, "truncate_prompt_tokens": 0}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+def test_add_special_tokens_defaults_true_for_completions_false_for_chat(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers, processors
+    tok = tokenizers.Tokenizer(models.WordLevel({"[UNK]": 0, "[BOS]": 1, "hello": 5,
+                                                 "user": 6, ":": 7, "assistant": 8},
+                                                unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="[BOS] $A",
+                                                       special_tokens=[("[BOS]", 1)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    executor = started_executor(tmp_path)
+    app = create_app(executor, ServerConfig(tokenizer_path=str(tmp_path / "tokenizer.json")))
+    try:
+        with LiveServer(app) as server:
+            client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+
+            def completion_ids(**extra) -> list[int]:
+                done = client.completions.create(model=MODEL, prompt="hello", max_tokens=1,
+                                                 extra_body={"return_token_ids": True, **extra})
+                return done.choices[0].model_extra["prompt_token_ids"]
+
+            def chat_ids(**extra) -> list[int]:
+                done = client.chat.completions.create(
+                    model=MODEL, messages=[{"role": "user", "content": "hello"}],
+                    max_tokens=1, extra_body={"return_token_ids": True, **extra})
+                return done.model_extra["prompt_token_ids"]
+            assert completion_ids() == [1, 5]
+            assert completion_ids(add_special_tokens=False) == [5]
+            assert chat_ids()[0] != 1
+            assert chat_ids(add_special_tokens=True) == [1, *chat_ids()]
+    finally:
+        executor.shutdown(5.0)

@@ -86,6 +86,12 @@ class _Body(BaseModel):
     min_tokens: StrictInt | None = None  # vLLM: no end/stop token before this many
     ignore_eos: StrictBool = False  # vLLM: the end token does not end the generation
     allowed_token_ids: list[StrictInt] | None = None  # vLLM: only these can be chosen
+    include_stop_str_in_output: StrictBool = False  # vLLM
+    # vLLM: special tokens of the tokenizer (BOS...) added to the prompt; null: completions
+    # true, chat false (the chat template writes its own)
+    add_special_tokens: StrictBool | None = None
+    # vLLM: keep only the last k prompt tokens (-1: the model's context)
+    truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=-1)
 
     @model_validator(mode="before")
     @classmethod
@@ -331,7 +337,8 @@ def sampling_params(body: _Body, logprobs: int | None, vocab: int | None = None,
             logit_bias=_logit_bias(body.logit_bias, vocab),
             min_tokens=0 if body.min_tokens is None else body.min_tokens,
             end_token_ids=() if end_token is None else (end_token,),
-            ignore_eos=body.ignore_eos, allowed_token_ids=body.allowed_token_ids)
+            ignore_eos=body.ignore_eos, allowed_token_ids=body.allowed_token_ids,
+            include_stop_str_in_output=body.include_stop_str_in_output)
     except SamplingError as err:
         raise Refusal(invalid(str(err)), err.field.split("[")[0]) from None
     return params.resolved()
@@ -439,13 +446,15 @@ def _jinja_template(source: str) -> Any:
 
 # ---- text, stop strings, logprobs -----------------------------------------------------------
 class TextOutput:
-    """Tokens -> text, cut at the first stop string (not included, like OpenAI). ``add``
+    """Tokens -> text, cut at the first stop string (not included, like OpenAI; included with
+    ``keep_stop``, vLLM's ``include_stop_str_in_output``). ``add``
     returns the text that became final; text that could still start a stop string is held
     back until it cannot. ``stopped`` once a stop string matched."""
 
-    def __init__(self, tok: Tokenizer, stop: tuple[str, ...]) -> None:
+    def __init__(self, tok: Tokenizer, stop: tuple[str, ...], keep_stop: bool = False) -> None:
         self._detok = tok.detokenizer()
         self._stop = stop
+        self._keep_stop = keep_stop  # vLLM's include_stop_str_in_output
         self.text = ""
         self._sent = 0
         self.stopped = False
@@ -468,9 +477,11 @@ class TextOutput:
     def _emit(self, text: str, final: bool) -> str:
         if self._stop:
             start = max(0, self._sent - max(len(s) for s in self._stop))
-            hits = [p for p in (text.find(s, start) for s in self._stop) if p >= 0]
+            hits = [(p, len(s)) for p, s in ((text.find(s, start), s) for s in self._stop)
+                    if p >= 0]
             if hits:
-                text = text[:min(hits)]
+                at, length = min(hits)  # the first match (the shorter string at a tie)
+                text = text[:at + length] if self._keep_stop else text[:at]
                 self.stopped = final = True
         self.text = text
         end = len(text) if final else len(text) - self._held(text)
@@ -588,6 +599,15 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
             raise not_found
         return body
 
+    def truncated(ids: list[int], keep: int | None) -> list[int]:
+        """vLLM's ``truncate_prompt_tokens``: the last ``keep`` ids (-1: the context's
+        length); ``ids`` itself when nothing is cut."""
+        if keep == 0:
+            raise Refusal(invalid("truncate_prompt_tokens=0: must be >= 1, or -1 for the "
+                                  "model's context"), "truncate_prompt_tokens")
+        limit = max_seq() if keep == -1 else keep
+        return ids if limit is None or len(ids) <= limit else ids[len(ids) - limit:]
+
     def vocab() -> int | None:
         generation = service.executor.generation
         return None if generation is None else generation.vocab_size
@@ -634,12 +654,15 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
                 raise Refusal(invalid("echo=true with logprobs needs the prompt's logprobs, "
                                       "which are not computed"), "echo")
             params = sampling_params(body, body.logprobs, vocab(), config.end_token_id)
-            ids = (service.tokenizer.encode(prompt) if isinstance(prompt, str)
+            special = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = (service.tokenizer.encode(prompt, special) if isinstance(prompt, str)
                    else list(cast(list[int], prompt)))  # a list past the check: token ids
+            kept = truncated(ids, body.truncate_prompt_tokens)
         except Refusal as err:
             return refused(err)
-        echo = (prompt if isinstance(prompt, str) else service.tokenizer.decode(ids)) \
-            if body.echo else ""
+        echo = (prompt if isinstance(prompt, str) and kept is ids
+                else service.tokenizer.decode(kept)) if body.echo else ""
+        ids = kept
         admission = Admission(ids, 16 if body.max_tokens is None else body.max_tokens,
                                body.stream, body.timeout)
         shape = _CompletionShape(echo)
@@ -668,7 +691,8 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
                                      config.end_token_id)
             text = render_chat(body.messages, service.tokenizer, body.add_generation_prompt,
                                body.chat_template_kwargs)
-            ids = service.tokenizer.encode(text, add_special_tokens=False)
+            ids = truncated(service.tokenizer.encode(text, bool(body.add_special_tokens)),
+                            body.truncate_prompt_tokens)
         except Refusal as err:
             return refused(err)
         wanted = body.max_completion_tokens or body.max_tokens or CHAT_DEFAULT_MAX_TOKENS
@@ -733,7 +757,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         if run is None:
             return fail(status, param)
         run.sampling = params
-        out = TextOutput(service.tokenizer, params.stop)
+        out = TextOutput(service.tokenizer, params.stop, params.include_stop_str_in_output)
         shape.start(service, run)
         if resume is not None:
             bad = resume_refusal(resume, run)

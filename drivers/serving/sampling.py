@@ -179,6 +179,8 @@ class SamplingParams:
     end_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple[int, ...])
     #: vLLM: the end token does not end the generation
     ignore_eos: bool = False
+    #: vLLM: the text keeps the stop string that ended it (drivers/serving/openai_api.TextOutput)
+    include_stop_str_in_output: bool = False
     #: vLLM: only these tokens can be chosen (None: all)
     allowed_token_ids: tuple[int, ...] | None = attrs.field(default=None, converter=_to_ids,
                                                             validator=_validate_allowed)
