@@ -715,3 +715,47 @@ def test_add_special_tokens_defaults_true_for_completions_false_for_chat(tmp_pat
             assert chat_ids(add_special_tokens=True) == [1, *chat_ids()]
     finally:
         executor.shutdown(5.0)
+
+
+# ---- vLLM fields that cannot be honoured here: refused by name, with the reason -------------------
+VLLM_REFUSED = [
+    ("guided_json", {"type": "object"}), ("guided_regex", "a+"), ("guided_choice", ["a"]),
+    ("guided_grammar", "root ::= 'a'"), ("structured_outputs", {"json": {}}),
+    ("prompt_logprobs", 1), ("use_beam_search", True), ("length_penalty", 0.5),
+    ("bad_words", ["x"]), ("priority", 1), ("skip_special_tokens", False),
+    ("spaces_between_special_tokens", False), ("return_tokens_as_token_ids", True),
+    ("logits_processors", ["x"]), ("kv_transfer_params", {}), ("vllm_xargs", {}),
+    ("response_format", {"type": "json_object"})]
+VLLM_NEUTRAL = {"guided_json": None, "prompt_logprobs": None, "use_beam_search": False,
+                "length_penalty": 1.0, "bad_words": [], "priority": 0,
+                "skip_special_tokens": True, "spaces_between_special_tokens": True,
+                "return_tokens_as_token_ids": False, "request_id": "r-1", "cache_salt": "s"}
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    *VLLM_REFUSED, ("prompt_embeds", "AAAA"),
+    ("chat:continue_final_message", True), ("chat:echo", True), ("chat:documents", []),
+    ("chat:chat_template", "{{ messages }}"), ("chat:mm_processor_kwargs", {})])
+def test_vllm_fields_that_cannot_be_honoured_are_refused_by_name_not_as_unknown(live, field,
+                                                                                value):
+    server, _, _ = live
+    chat = field.startswith("chat:")
+    field = field.removeprefix("chat:")
+    path, body = (("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
+                  if chat else ("/v1/completions", {"prompt": [1]}))
+    r = httpx.post(f"{server.url}{path}", json={**body, "max_tokens": 1, field: value},
+                   timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == field and "unknown parameter" not in error["message"], error
+
+
+def test_neutral_values_of_vllm_fields_are_accepted(live):
+    server, _, _ = live
+    for path, body in (("/v1/completions", {"prompt": [1], "echo": True}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                 "echo": False,
+                                                 "continue_final_message": False})):
+        r = httpx.post(f"{server.url}{path}", json={**body, "max_tokens": 1, **VLLM_NEUTRAL},
+                       timeout=30)
+        assert r.status_code == 200, r.text

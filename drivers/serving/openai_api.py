@@ -92,6 +92,28 @@ class _Body(BaseModel):
     add_special_tokens: StrictBool | None = None
     # vLLM: keep only the last k prompt tokens (-1: the model's context)
     truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=-1)
+    # vLLM metadata: accepted, ignored (internal ids are the server's; no prefix cache to salt)
+    request_id: StrictStr | None = None
+    cache_salt: StrictStr | None = None
+    # vLLM fields refused unless neutral (see REFUSED): named, never "unknown"
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+    structured_outputs: Any = None
+    prompt_logprobs: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    bad_words: Any = None
+    priority: Any = None
+    skip_special_tokens: Any = None
+    spaces_between_special_tokens: Any = None
+    return_tokens_as_token_ids: Any = None
+    logits_processors: Any = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
 
     @model_validator(mode="before")
     @classmethod
@@ -119,6 +141,8 @@ class CompletionRequest(_Body):
     echo: StrictBool = False
     best_of: Any = None
     suffix: Any = None
+    response_format: Any = None  # vLLM takes it on completions too
+    prompt_embeds: Any = None  # vLLM
 
 
 class ChatMessage(BaseModel):
@@ -172,6 +196,12 @@ class ChatRequest(_Body):
     verbosity: Any = None
     web_search_options: Any = None
     moderation: Any = None
+    # vLLM's chat fields refused unless neutral
+    continue_final_message: Any = None
+    echo: Any = None
+    documents: Any = None
+    chat_template: Any = None
+    mm_processor_kwargs: Any = None
 
 
 def _none_or(*values: Any) -> Callable[[Any], bool]:
@@ -195,6 +225,30 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "verbosity": (_none_or(), "verbosity is not supported"),
     "web_search_options": (_none_or(), "web search is not supported"),
     "moderation": (_none_or(), "moderation is not performed by this server"),
+    # vLLM's own fields: named with the reason, not refused as unknown
+    **{name: (_none_or(), "structured outputs (guided decoding) are not supported")
+       for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                    "guided_decoding_backend", "guided_whitespace_pattern",
+                    "structured_outputs")},
+    "prompt_logprobs": (_none_or(), "prompt logprobs are not computed"),
+    "use_beam_search": (_none_or(False), "beam search is not supported"),
+    "length_penalty": (_none_or(1, 1.0), "length_penalty needs beam search (not supported)"),
+    "bad_words": (lambda v: v is None or v == [], "bad_words is not supported"),
+    "priority": (_none_or(0), "one priority: admission is first come, first served"),
+    "skip_special_tokens": (_none_or(True), "special tokens are never rendered in the text"),
+    "spaces_between_special_tokens": (_none_or(True), "special tokens are never rendered"),
+    "return_tokens_as_token_ids": (_none_or(False), "return_tokens_as_token_ids is not "
+                                   "supported"),
+    "logits_processors": (_none_or(), "custom logits processors are not supported"),
+    "kv_transfer_params": (_none_or(), "KV transfer (disaggregated serving) is not supported"),
+    "vllm_xargs": (_none_or(), "vllm_xargs is not supported"),
+    "prompt_embeds": (_none_or(), "prompt embeddings are not supported: send text or ids"),
+    "continue_final_message": (_none_or(False), "continue_final_message is not supported"),
+    "echo": (_none_or(False), "chat echo is not supported (completions' echo is)"),
+    "documents": (_none_or(), "documents (RAG templates) are not supported"),
+    "chat_template": (_none_or(), "a per-request chat template is not supported: the "
+                      "server's tokenizer's template (or the plain one) renders"),
+    "mm_processor_kwargs": (_none_or(), "multimodal inputs are not supported"),
 }
 
 
@@ -268,8 +322,10 @@ def _models_in(annotation: Any) -> list[type[BaseModel]]:
 
 def refusal(body: _Body) -> None:
     """Raise :class:`Refusal` for the first refused parameter with a non-neutral value."""
-    for name, (neutral, why) in REFUSED.items():
-        if name in type(body).model_fields and not neutral(getattr(body, name)):
+    fields = type(body).model_fields
+    for name, (neutral, why) in REFUSED.items():  # where declared Any (chat's echo, not ours)
+        if name in fields and fields[name].annotation is Any \
+                and not neutral(getattr(body, name)):
             raise Refusal(invalid(f"{name}={getattr(body, name)!r:.80}: {why}"), name)
     if body.n != 1:
         raise Refusal(invalid(f"n={body.n}: only n=1 is supported"), "n")
