@@ -357,6 +357,14 @@ def test_chat_template_kwargs_switch_qwen3_thinking_off(tmp_path):
                     extra_body={"chat_template_kwargs": kwargs, "return_token_ids": True})
                 assert chat.model_extra["prompt_token_ids"] == \
                     tok.encode(text, add_special_tokens=False).ids, kwargs
+            # continue_final_message: the template's text cut right after the final content
+            chat = client.chat.completions.create(
+                model=MODEL, max_tokens=1,
+                messages=[*messages, {"role": "assistant", "content": "hel"}],
+                extra_body={"continue_final_message": True, "add_generation_prompt": False,
+                            "return_token_ids": True})
+            assert chat.model_extra["prompt_token_ids"] == \
+                tok.encode(on + "hel", add_special_tokens=False).ids
     finally:
         executor.shutdown(5.0)
 
@@ -759,3 +767,20 @@ def test_neutral_values_of_vllm_fields_are_accepted(live):
         r = httpx.post(f"{server.url}{path}", json={**body, "max_tokens": 1, **VLLM_NEUTRAL},
                        timeout=30)
         assert r.status_code == 200, r.text
+
+
+def test_continue_final_message_continues_the_assistants_message(live):
+    server, client, _ = live
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure: {"}]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=3,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    prompt = tokenizer.encode("user: hi\nassistant: Sure: {")
+    assert chat.usage.prompt_tokens == len(prompt)
+    assert chat.choices[0].message.content == tokenizer.decode(oracle_tokens(prompt, 3))
+    for extra, body_messages in (({"continue_final_message": True}, messages),
+                                 ({"continue_final_message": True,
+                                   "add_generation_prompt": False}, messages[:1])):
+        r = httpx.post(f"{server.url}/v1/chat/completions", timeout=30,
+                       json={"messages": body_messages, "max_tokens": 1, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"

@@ -196,8 +196,8 @@ class ChatRequest(_Body):
     verbosity: Any = None
     web_search_options: Any = None
     moderation: Any = None
+    continue_final_message: StrictBool = False  # vLLM: continue the last (assistant) message
     # vLLM's chat fields refused unless neutral
-    continue_final_message: Any = None
     echo: Any = None
     documents: Any = None
     chat_template: Any = None
@@ -243,7 +243,6 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "kv_transfer_params": (_none_or(), "KV transfer (disaggregated serving) is not supported"),
     "vllm_xargs": (_none_or(), "vllm_xargs is not supported"),
     "prompt_embeds": (_none_or(), "prompt embeddings are not supported: send text or ids"),
-    "continue_final_message": (_none_or(False), "continue_final_message is not supported"),
     "echo": (_none_or(False), "chat echo is not supported (completions' echo is)"),
     "documents": (_none_or(), "documents (RAG templates) are not supported"),
     "chat_template": (_none_or(), "a per-request chat template is not supported: the "
@@ -459,24 +458,50 @@ def message_text(message: ChatMessage, index: int) -> str:
 
 
 def render_chat(messages: list[ChatMessage], tok: Tokenizer, add_generation_prompt: bool = True,
-                template_kwargs: dict[str, Any] | None = None) -> str:
+                template_kwargs: dict[str, Any] | None = None,
+                continue_final: bool = False) -> str:
     """The prompt text of ``messages``: the tokenizer's chat template (Jinja, sandboxed, as
     transformers renders it, with ``template_kwargs`` as extra variables: vLLM's
     ``chat_template_kwargs``, e.g. Qwen3's ``enable_thinking``) when it has one, else the plain
     template (which has no such switches). ``add_generation_prompt``: open the assistant's
-    turn (the plain template's ``assistant:``)."""
+    turn (the plain template's ``assistant:``). ``continue_final``: vLLM's
+    ``continue_final_message``, the last message (an assistant's) left open so the reply
+    continues it: the text is cut right after its content."""
     plain = [{"role": m.role, "content": message_text(m, i)} for i, m in enumerate(messages)]
+    if continue_final:
+        if add_generation_prompt:
+            raise Refusal(invalid("continue_final_message=true needs add_generation_prompt="
+                                  "false (the final message is continued, no new turn)"),
+                          "continue_final_message")
+        if plain[-1]["role"] != "assistant":
+            raise Refusal(invalid(f"continue_final_message=true: the last message is a "
+                                  f"{plain[-1]['role']!r} one, not an assistant's"),
+                          "continue_final_message")
     template = getattr(tok, "chat_template", None)
     if not template:
-        return "".join(f"{m['role']}: {m['content']}\n" for m in plain) + \
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in plain) + \
             ("assistant:" if add_generation_prompt else "")
+        return text[:-1] if continue_final else text  # no line end: the message goes on
+    text = _render_template(template, tok, plain, add_generation_prompt, template_kwargs)
+    if continue_final:
+        final = plain[-1]["content"]
+        at = text.rfind(final) if final else -1
+        if at < 0:
+            raise Refusal(invalid("continue_final_message=true: the chat template does not "
+                                  "write the final message's content as it is"),
+                          "continue_final_message")
+        text = text[:at + len(final)]
+    return text
+
+
+def _render_template(template: str, tok: Tokenizer, plain: list[dict[str, str]],
+                     add_generation_prompt: bool, template_kwargs: dict[str, Any] | None
+                     ) -> str:
     try:
         return _jinja_template(template).render(**{
             **(template_kwargs or {}), "messages": plain,
             "add_generation_prompt": add_generation_prompt, "bos_token": tok.bos_token,
             "eos_token": tok.eos_token})
-    except Refusal:
-        raise
     except Exception as err:  # noqa: BLE001 - a template's raise_exception() or a rendering error
         raise Refusal(invalid(f"messages: the chat template refused them: {err}"),
                       "messages") from None
@@ -746,7 +771,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
             params = sampling_params(body, (top or 0) if body.logprobs else None, vocab(),
                                      config.end_token_id)
             text = render_chat(body.messages, service.tokenizer, body.add_generation_prompt,
-                               body.chat_template_kwargs)
+                               body.chat_template_kwargs, body.continue_final_message)
             ids = truncated(service.tokenizer.encode(text, bool(body.add_special_tokens)),
                             body.truncate_prompt_tokens)
         except Refusal as err:
