@@ -50,7 +50,11 @@ from calexec.drivers.serving.dumpsink import DumpConfigError, DumpSink
 from calexec.drivers.serving.executor_view import served
 from calexec.drivers.serving.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
 from calexec.drivers.serving.server import DrainingServer, ServerConfig, create_app, uvicorn_config
-from calexec.drivers.serving.service import api_key_problem, sequence_ids_problem
+from calexec.drivers.serving.service import (
+    api_key_problem,
+    cors_origin_problem,
+    sequence_ids_problem,
+)
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 
 EXIT_OK, EXIT_USAGE, EXIT_FAILED, EXIT_SAMPLE_FAILED = 0, 2, 3, 4
@@ -90,6 +94,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="OpenAI endpoints (/v1/*, /tokenize, /detokenize) need "
                         "'Authorization: Bearer KEY' (default: $CALEXEC_API_KEY; unset: open); "
                         "/health, /ready, /metrics stay open")
+    p.add_argument("--cors-origin", metavar="ORIGIN", action="append", default=[],
+                   help="allow browser pages of this origin (scheme://host[:port], or '*') to "
+                        "call the server: CORS preflights answered, responses marked; "
+                        "repeatable; default: CORS off")
     p.add_argument("--admin-token-file", type=Path, help="file holding the admin bearer "
                    "token; without it the admin endpoints are disabled")
     p.add_argument("--grace", type=cliargs.positive_float, default=30.0,
@@ -184,6 +192,10 @@ def main(argv: list[str]) -> int:
         problem = None if args.api_key is None else api_key_problem(args.api_key)
         if problem is not None:  # checked here: it would refuse every request
             raise ValueError(f"--api-key {problem}")
+        for origin in args.cors_origin:
+            problem = cors_origin_problem(origin)
+            if problem is not None:
+                raise ValueError(f"--cors-origin{problem}")
         tokenizer_path = None if args.tokenizer is None else os.path.abspath(args.tokenizer)
         loaded = hf_tokenizer.load(tokenizer_path)  # TokenizerLoadError names the path
         end_token = DEFAULT_END_TOKEN if loaded.eos_token_id is None else loaded.eos_token_id
@@ -191,7 +203,8 @@ def main(argv: list[str]) -> int:
                               default_timeout_s=args.timeout, model_name=args.served_model_name,
                               api_key=args.api_key, tokenizer_path=tokenizer_path,
                               end_token_id=end_token, max_waiting=args.max_waiting,
-                              max_resumes=args.max_resumes)
+                              max_resumes=args.max_resumes,
+                              cors_origins=tuple(args.cors_origin))
         if args.replicas is not None and not args.ray:
             raise ValueError(f"--replicas={args.replicas} needs --ray")
         if args.ray and dump is not None:

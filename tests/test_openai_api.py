@@ -199,10 +199,10 @@ def test_streamed_text_offsets_equal_the_whole_answers_when_a_stop_string_holds_
 
 # ---- refusals -----------------------------------------------------------------------------
 COMPLETION_REFUSED = [
-    ("logit_bias", {"5": 10}), ("presence_penalty", 0.5), ("frequency_penalty", -1.0),
+    ("logit_bias", {"5": 101}), ("presence_penalty", 2.5), ("frequency_penalty", -2.1),
     ("best_of", 2), ("suffix", "tail"), ("n", 2), ("logprobs", 21), ("temperature", -1),
     ("temperature", 3), ("top_p", 0), ("top_k", -3), ("seed", "x"), ("max_tokens", 0),
-    ("stop", [""]), ("stop_token_ids", [-1]), ("repetition_penalty", 1.1),
+    ("stop", [""]), ("stop_token_ids", [-1]), ("repetition_penalty", 0),
     ("stream_options", {"include_usage": True}), ("echo", True)]
 CHAT_REFUSED = [
     ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
@@ -210,7 +210,7 @@ CHAT_REFUSED = [
     ("response_format", {"type": "json_object"}), ("modalities", ["text", "audio"]),
     ("audio", {"voice": "alloy"}), ("prediction", {"type": "content", "content": "x"}),
     ("reasoning_effort", "low"), ("verbosity", "low"), ("web_search_options", {}),
-    ("logit_bias", {"1": 1}), ("presence_penalty", 1), ("n", 3), ("top_logprobs", 2),
+    ("logit_bias", {"a": 1}), ("presence_penalty", 3), ("n", 3), ("top_logprobs", 2),
     ("max_completion_tokens", 0), ("messages", [{"role": "tool", "content": "x"}]),
     ("guided_json", {})]
 

@@ -285,7 +285,7 @@ def test_two_replicas_serve_concurrent_requests_and_both_take_traffic(proxy_url)
     headers = dict(messages[0]["headers"])
     assert headers[b"x-calexec-replica"].decode() in served
     chunks = [m["body"] for m in messages[1:] if m["body"]]
-    assert len(chunks) >= 4 and chunks[-1] == b"data: [DONE]\n\n"  # 3 tokens, usage, DONE
+    assert len(chunks) >= 4 and chunks[-1] == b"data: [DONE]\n\n"  # 3 tokens, finish, DONE
     events = [json.loads(c[6:]) for c in chunks[:-1]]
     assert [t for e in events for t in e["choices"][0]["token_ids"]] == oracle_tokens([7, 8], 3)
     # per-replica metrics, labelled by replica and device, scraped from Ray's metrics export:
@@ -414,13 +414,14 @@ def test_killing_the_serving_replica_mid_stream_completes_through_a_sibling(prox
             os.kill(pids[headers[REPLICA]], signal.SIGKILL)
     t0 = time.monotonic()
     tokens, events, headers = stream_through(
-        proxy_url, {"prompt": prompt, "max_tokens": n, "stream": True}, kill)
+        proxy_url, {"prompt": prompt, "max_tokens": n, "stream": True,
+                    "stream_options": {"include_usage": True}}, kill)
     print(f"\n[figure] stream of {n} tokens (20 ms/token) with its replica killed after 5: "
           f"{time.monotonic() - t0:.2f} s")
     assert killed and tokens == oracle_tokens(prompt, n)
     assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
-    assert events[-2]["usage"]["completion_tokens"] == n
-    assert events[-2]["choices"][0]["finish_reason"] == "length"
+    assert events[-2]["usage"]["completion_tokens"] == n and events[-2]["choices"] == []
+    assert events[-3]["choices"][0]["finish_reason"] == "length"
     assert len({e["id"] for e in events[:-1]}) == 1
     assert ingress_stats()["failovers"]["replica_died"] == before + 1
 

@@ -105,6 +105,10 @@ def add_admin_routes(app: FastAPI, service: CompletionService) -> None:
         refused = admin_refusal(request, config)
         if refused is not None:
             return refused
+        media = wire.non_json_media(request)
+        if media is not None:
+            return error_response(invalid(f"content-type {media!r}: the body must be JSON "
+                                          "(application/json)"), None, http_status=415)
         try:
             raw = await wire.read_body(request, config.max_body_bytes)
         except wire.ClientGone as gone:

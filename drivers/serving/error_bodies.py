@@ -16,22 +16,42 @@ PARAM_OF_CODE = {"kv.exceeds_capacity": "max_tokens"}
 
 ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error",
                403: "permission_error", 404: "invalid_request_error",
-               413: "invalid_request_error", 429: "rate_limit_error",
+               405: "invalid_request_error", 413: "invalid_request_error",
+               415: "invalid_request_error", 429: "rate_limit_error",
                499: "cancelled_error", 503: "unavailable_error", 504: "timeout_error"}
 
 
 #: Status codes whose OpenAI error ``code`` is OpenAI's own name (``status.code`` keeps calexec's)
 OPENAI_CODE = {"request.model_not_found": "model_not_found",
-                "request.invalid_api_key": "invalid_api_key"}
+                "request.invalid_api_key": "invalid_api_key",
+                "request.not_found": "not_found",
+                "request.context_length_exceeded": "context_length_exceeded",
+                "request.method_not_allowed": "method_not_allowed"}
+
+
+#: gRPC code of an HTTP status a route answers in place of its Status's own (the status dict
+#: of the body says the same as the response: a 401 is UNAUTHENTICATED, not a 400)
+GRPC_OF_HTTP = {401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND",
+                405: "UNIMPLEMENTED", 413: "INVALID_ARGUMENT", 415: "INVALID_ARGUMENT",
+                499: "CANCELLED"}
 
 
 def error_response(status: Status, param: str | None = None, retry_after: int = 1,
-                   http_status: int | None = None) -> JSONResponse:
-    """The JSON error body of a failure Status (OpenAI shape + calexec's status dict)."""
+                   http_status: int | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    """The JSON error body of a failure Status (OpenAI shape + calexec's status dict, whose
+    ``http_status``/``grpc_code`` are the response's when ``http_status`` overrides the
+    Status's own)."""
     code = status.http_status if http_status is None else http_status
-    body = {"error": error_body(status, param, code), "status": status.to_dict()}
-    headers = {"Retry-After": str(retry_after)} if code in (429, 503) else None
-    return JSONResponse(body, status_code=code, headers=headers)
+    described = status.to_dict()
+    if code != described["http_status"]:
+        described["http_status"] = code
+        described["grpc_code"] = GRPC_OF_HTTP.get(code, described["grpc_code"])
+    body = {"error": error_body(status, param, code), "status": described}
+    headers = dict(headers or {})
+    if code in (429, 503):
+        headers["Retry-After"] = str(retry_after)
+    return JSONResponse(body, status_code=code, headers=headers or None)
 
 
 def error_body(status: Status, param: str | None = None,
@@ -41,6 +61,22 @@ def error_body(status: Status, param: str | None = None,
     return {"message": status.message or status.code,
             "type": ERROR_TYPE.get(code, "server_error"),
             "code": OPENAI_CODE.get(status.code, status.code), "param": param}
+
+
+def route_error(method: str, path: str, http_status: int,
+                headers: dict[str, str] | None = None) -> JSONResponse:
+    """The OpenAI-shaped answer to a request no route takes: 404 (no such path) or 405 (the
+    path, not this method; ``headers`` carry ``Allow``), never the framework's ``{"detail"}``."""
+    path = path[:200]
+    if http_status == 405:
+        allowed = (headers or {}).get("allow") or (headers or {}).get("Allow") or "?"
+        status = Status.failure("request.method_not_allowed", Category.INVALID_REQUEST,
+                                Phase.VALIDATE, f"{method} {path}: method not allowed "
+                                f"(allowed: {allowed})")
+    else:
+        status = Status.failure("request.not_found", Category.INVALID_REQUEST, Phase.VALIDATE,
+                                f"{method} {path}: no such route (docs/server.md lists them)")
+    return error_response(status, None, http_status=http_status, headers=headers)
 
 
 def invalid(message: str) -> Status:

@@ -14,7 +14,7 @@ import hmac
 import time
 import typing
 from collections.abc import Callable
-from typing import Annotated, Any, Literal, TypeVar, cast
+from typing import Annotated, Any, TypeVar, cast
 
 import attrs
 from fastapi import FastAPI, Request
@@ -28,6 +28,7 @@ from pydantic import (
     StrictInt,
     StrictStr,
     ValidationError,
+    model_validator,
 )
 
 from calexec.contracts.errors import Category
@@ -57,7 +58,8 @@ Body = TypeVar("Body", bound=BaseModel)
 class _Body(BaseModel):
     """Fields shared by completions and chat. Unknown fields are refused (400 naming them):
     calexec never ignores a parameter it does not implement. Refused OpenAI parameters are
-    declared ``Any`` and checked by :func:`refusal` against their neutral values."""
+    declared ``Any`` and checked by :func:`refusal` against their neutral values. ``null`` for
+    an optional field means its default, as in the OpenAI API (:meth:`_null_is_default`)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -74,28 +76,92 @@ class _Body(BaseModel):
     max_tokens: StrictInt | None = Field(default=None, ge=1)
     timeout: Number | None = Field(default=None, gt=0)  # calexec: per-request deadline (s)
     user: StrictStr | None = None  # metadata: accepted, ignored
-    # refused unless neutral (see REFUSED)
-    logit_bias: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
+    # OpenAI's penalties and bias, vLLM's extensions: on the FP32 row (sampling.process)
+    logit_bias: dict[StrictStr, Number] | None = None
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    min_p: Number | None = None
+    repetition_penalty: Number | None = None
+    return_token_ids: StrictBool = False  # vLLM: prompt_token_ids too
+    min_tokens: StrictInt | None = None  # vLLM: no end/stop token before this many
+    ignore_eos: StrictBool = False  # vLLM: the end token does not end the generation
+    allowed_token_ids: list[StrictInt] | None = None  # vLLM: only these can be chosen
+    include_stop_str_in_output: StrictBool = False  # vLLM
+    # vLLM: special tokens of the tokenizer (BOS...) added to the prompt; null: completions
+    # true, chat false (the chat template writes its own)
+    add_special_tokens: StrictBool | None = None
+    # vLLM: keep only the last k prompt tokens (-1: the model's context)
+    truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=-1)
+    # vLLM metadata: accepted, ignored (internal ids are the server's; no prefix cache to salt)
+    request_id: StrictStr | None = None
+    cache_salt: StrictStr | None = None
+    # vLLM fields refused unless neutral (see REFUSED): named, never "unknown"
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+    structured_outputs: Any = None
+    prompt_logprobs: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    bad_words: Any = None
+    priority: Any = None
+    skip_special_tokens: Any = None
+    spaces_between_special_tokens: Any = None
+    return_tokens_as_token_ids: Any = None
+    logits_processors: Any = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        return _drop_nulls(cls, data)
+
+
+def _drop_nulls(model: type[BaseModel], data: Any) -> Any:
+    """``data`` without the ``null`` values of ``model``'s optional fields (they take their
+    default: ``n: null`` is 1, ``echo: null`` false). Required fields and unknown keys keep
+    theirs, so a null ``messages`` is still a type error and an unknown key still refused."""
+    if not isinstance(data, dict):
+        return data
+    fields = model.model_fields
+    return {k: v for k, v in data.items()
+            if not (v is None and k in fields and not fields[k].is_required())}
 
 
 class CompletionRequest(_Body):
-    """``POST /v1/completions``."""
+    """``POST /v1/completions``. ``prompt: null`` is the start of a document (OpenAI: the
+    model generates as if from a document separator; here the end token)."""
 
-    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
+    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]] | None
     logprobs: StrictInt | None = None
     echo: StrictBool = False
     best_of: Any = None
     suffix: Any = None
+    response_format: Any = None  # vLLM takes it on completions too
+    prompt_embeds: Any = None  # vLLM
 
 
 class ChatMessage(BaseModel):
+    """One message. An assistant message as the SDK dumps it (``message.model_dump()``) carries
+    ``refusal``, ``annotations``, ``audio``, ``function_call`` and ``tool_calls``, null when
+    unused: null is accepted; a refusal is the message's text when it has no content;
+    non-null tool calls, function calls and audio are refused (:func:`message_text`)."""
+
     model_config = ConfigDict(extra="forbid")
 
     role: StrictStr
     content: StrictStr | list[dict[str, Any]] | None = None
     name: StrictStr | None = None
+    refusal: StrictStr | None = None
+    annotations: list[dict[str, Any]] | None = None  # url citations: nothing to render
+    audio: dict[str, Any] | None = None
+    function_call: dict[str, Any] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: StrictStr | None = None  # tool messages (refused: no tools)
 
 
 class ChatRequest(_Body):
@@ -105,11 +171,16 @@ class ChatRequest(_Body):
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
-    # metadata: accepted, ignored
+    # vLLM: template switches (Qwen3's enable_thinking), the assistant turn's opening
+    chat_template_kwargs: dict[StrictStr, Any] | None = None
+    add_generation_prompt: StrictBool = True
+    # metadata and caching hints: accepted, ignored (nothing is stored, one tier, no cache)
     metadata: dict[str, Any] | None = None
     store: StrictBool | None = None
     service_tier: StrictStr | None = None
     prompt_cache_key: StrictStr | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    prompt_cache_retention: StrictStr | None = None
     safety_identifier: StrictStr | None = None
     parallel_tool_calls: StrictBool | None = None  # only means something with tools
     # refused unless neutral
@@ -124,6 +195,13 @@ class ChatRequest(_Body):
     reasoning_effort: Any = None
     verbosity: Any = None
     web_search_options: Any = None
+    moderation: Any = None
+    continue_final_message: StrictBool = False  # vLLM: continue the last (assistant) message
+    # vLLM's chat fields refused unless neutral
+    echo: Any = None
+    documents: Any = None
+    chat_template: Any = None
+    mm_processor_kwargs: Any = None
 
 
 def _none_or(*values: Any) -> Callable[[Any], bool]:
@@ -132,9 +210,6 @@ def _none_or(*values: Any) -> Callable[[Any], bool]:
 
 #: refused OpenAI parameter -> (value that is accepted because it changes nothing, why refused)
 REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "logit_bias": (lambda v: v is None or v == {}, "logit_bias is not supported"),
-    "presence_penalty": (_none_or(0, 0.0), "presence_penalty is not supported (only 0)"),
-    "frequency_penalty": (_none_or(0, 0.0), "frequency_penalty is not supported (only 0)"),
     "best_of": (_none_or(1), "best_of > 1 is not supported"),
     "suffix": (_none_or(""), "suffix (insertion) is not supported"),
     "tools": (lambda v: v is None or v == [], "tools (function calling) are not supported"),
@@ -149,6 +224,30 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "reasoning_effort": (_none_or(), "reasoning_effort is not supported"),
     "verbosity": (_none_or(), "verbosity is not supported"),
     "web_search_options": (_none_or(), "web search is not supported"),
+    "moderation": (_none_or(), "moderation is not performed by this server"),
+    # vLLM's own fields: named with the reason, not refused as unknown
+    **{name: (_none_or(), "structured outputs (guided decoding) are not supported")
+       for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                    "guided_decoding_backend", "guided_whitespace_pattern",
+                    "structured_outputs")},
+    "prompt_logprobs": (_none_or(), "prompt logprobs are not computed"),
+    "use_beam_search": (_none_or(False), "beam search is not supported"),
+    "length_penalty": (_none_or(1, 1.0), "length_penalty needs beam search (not supported)"),
+    "bad_words": (lambda v: v is None or v == [], "bad_words is not supported"),
+    "priority": (_none_or(0), "one priority: admission is first come, first served"),
+    "skip_special_tokens": (_none_or(True), "special tokens are never rendered in the text"),
+    "spaces_between_special_tokens": (_none_or(True), "special tokens are never rendered"),
+    "return_tokens_as_token_ids": (_none_or(False), "return_tokens_as_token_ids is not "
+                                   "supported"),
+    "logits_processors": (_none_or(), "custom logits processors are not supported"),
+    "kv_transfer_params": (_none_or(), "KV transfer (disaggregated serving) is not supported"),
+    "vllm_xargs": (_none_or(), "vllm_xargs is not supported"),
+    "prompt_embeds": (_none_or(), "prompt embeddings are not supported: send text or ids"),
+    "echo": (_none_or(False), "chat echo is not supported (completions' echo is)"),
+    "documents": (_none_or(), "documents (RAG templates) are not supported"),
+    "chat_template": (_none_or(), "a per-request chat template is not supported: the "
+                      "server's tokenizer's template (or the plain one) renders"),
+    "mm_processor_kwargs": (_none_or(), "multimodal inputs are not supported"),
 }
 
 
@@ -222,8 +321,10 @@ def _models_in(annotation: Any) -> list[type[BaseModel]]:
 
 def refusal(body: _Body) -> None:
     """Raise :class:`Refusal` for the first refused parameter with a non-neutral value."""
-    for name, (neutral, why) in REFUSED.items():
-        if name in type(body).model_fields and not neutral(getattr(body, name)):
+    fields = type(body).model_fields
+    for name, (neutral, why) in REFUSED.items():  # where declared Any (chat's echo, not ours)
+        if name in fields and fields[name].annotation is Any \
+                and not neutral(getattr(body, name)):
             raise Refusal(invalid(f"{name}={getattr(body, name)!r:.80}: {why}"), name)
     if body.n != 1:
         raise Refusal(invalid(f"n={body.n}: only n=1 is supported"), "n")
@@ -231,31 +332,68 @@ def refusal(body: _Body) -> None:
         if not body.stream:
             raise Refusal(invalid("stream_options: only allowed with stream=true"),
                           "stream_options")
-        unknown = set(body.stream_options) - {"include_usage", "continuous_usage_stats"}
+        unknown = set(body.stream_options) - {"include_usage", "continuous_usage_stats",
+                                              "include_obfuscation"}
         if unknown:
             raise Refusal(invalid(f"stream_options.{sorted(unknown)[0]}: unknown option"),
                           "stream_options")
         if body.stream_options.get("continuous_usage_stats"):
             raise Refusal(invalid("stream_options.continuous_usage_stats: not supported"),
                           "stream_options")
-        if not isinstance(body.stream_options.get("include_usage", False), bool):
-            raise Refusal(invalid("stream_options.include_usage: must be a boolean"),
-                          "stream_options")
+        for key in ("include_usage", "include_obfuscation"):  # no obfuscation is added
+            if not isinstance(body.stream_options.get(key, False), bool):
+                raise Refusal(invalid(f"stream_options.{key}: must be a boolean"),
+                              "stream_options")
 
 
 def include_usage(body: _Body) -> bool:
     return bool(body.stream_options and body.stream_options.get("include_usage"))
 
 
-def sampling_params(body: _Body, logprobs: int | None) -> SamplingParams:
-    """The request's sampling parameters with a seed (drawn now when the body has none)."""
+def _logit_bias(bias: dict[str, int | float] | None, vocab: int | None
+                ) -> tuple[tuple[int, float], ...]:
+    """``logit_bias``'s (token id, bias) pairs: keys are token ids written as strings (OpenAI),
+    each in ``[0, vocab)``."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        token = int(key) if key.isascii() and key.isdigit() else None
+        if token is None or (vocab is not None and token >= vocab):
+            raise Refusal(invalid(f"logit_bias[{key[:40]!r}]: the key must be a token id in "
+                                  f"[0, {vocab if vocab is not None else 'vocab'})"),
+                          "logit_bias")
+        pairs.append((token, float(value)))
+    return tuple(pairs)
+
+
+def sampling_params(body: _Body, logprobs: int | None, vocab: int | None = None,
+                    end_token: int | None = None) -> SamplingParams:
+    """The request's sampling parameters with a seed (drawn now when the body has none);
+    ``vocab``: the served vocabulary size, when known (token ids in ``stop_token_ids`` and
+    ``logit_bias`` must be in it); ``end_token``: the server's, held back by ``min_tokens``."""
     stop = [body.stop] if isinstance(body.stop, str) else (body.stop or [])
+    stop_ids = body.stop_token_ids or []
+    for field, ids in (("stop_token_ids", stop_ids),
+                       ("allowed_token_ids", body.allowed_token_ids or [])):
+        bad = next((i for i, t in enumerate(ids) if vocab is not None and t >= vocab), None)
+        if bad is not None:
+            raise Refusal(invalid(f"{field}[{bad}]={ids[bad]} outside the vocabulary "
+                                  f"[0, {vocab})"), field)
+
+    def number(value: int | float | None, default: float) -> float:
+        return default if value is None else float(value)
     try:
         params = SamplingParams(
-            temperature=0.0 if body.temperature is None else float(body.temperature),
-            top_p=1.0 if body.top_p is None else float(body.top_p),
+            temperature=number(body.temperature, 0.0), top_p=number(body.top_p, 1.0),
             top_k=-1 if body.top_k is None else body.top_k, seed=body.seed, stop=stop,
-            stop_token_ids=body.stop_token_ids or (), logprobs=logprobs)
+            stop_token_ids=stop_ids, logprobs=logprobs, min_p=number(body.min_p, 0.0),
+            repetition_penalty=number(body.repetition_penalty, 1.0),
+            presence_penalty=number(body.presence_penalty, 0.0),
+            frequency_penalty=number(body.frequency_penalty, 0.0),
+            logit_bias=_logit_bias(body.logit_bias, vocab),
+            min_tokens=0 if body.min_tokens is None else body.min_tokens,
+            end_token_ids=() if end_token is None else (end_token,),
+            ignore_eos=body.ignore_eos, allowed_token_ids=body.allowed_token_ids,
+            include_stop_str_in_output=body.include_stop_str_in_output)
     except SamplingError as err:
         raise Refusal(invalid(str(err)), err.field.split("[")[0]) from None
     return params.resolved()
@@ -286,14 +424,27 @@ def model_refusal(name: str | None, served: tuple[str, ...]) -> Refusal | None:
 
 
 # ---- chat template --------------------------------------------------------------------------
+#: fields of a history message this model cannot render (no tools, no audio): refused unless
+#: null (or an empty list)
+UNRENDERABLE = {"tool_calls": "tool calls need tools (not supported)",
+                "function_call": "function calls need functions (not supported)",
+                "audio": "audio in the history is not supported"}
+
+
 def message_text(message: ChatMessage, index: int) -> str:
-    """The text of a message: a string, or its ``text`` parts joined (other parts refused)."""
+    """The text of a message: a string, or its ``text`` parts joined (other parts refused); an
+    assistant message without content: its ``refusal``, if any."""
     if message.role not in CHAT_ROLES:
         raise Refusal(invalid(f"messages[{index}].role={message.role!r}: must be one of "
                               f"{list(CHAT_ROLES)} (tool messages need tools: not supported)"),
                       f"messages.{index}.role")
+    for key, why in UNRENDERABLE.items():
+        value = getattr(message, key)
+        if value is not None and value != []:
+            raise Refusal(invalid(f"messages[{index}].{key}={value!r:.80}: {why}"),
+                          f"messages.{index}.{key}")
     if message.content is None:
-        return ""
+        return message.refusal or ""
     if isinstance(message.content, str):
         return message.content
     texts = []
@@ -306,19 +457,51 @@ def message_text(message: ChatMessage, index: int) -> str:
     return "".join(texts)
 
 
-def render_chat(messages: list[ChatMessage], tok: Tokenizer) -> str:
+def render_chat(messages: list[ChatMessage], tok: Tokenizer, add_generation_prompt: bool = True,
+                template_kwargs: dict[str, Any] | None = None,
+                continue_final: bool = False) -> str:
     """The prompt text of ``messages``: the tokenizer's chat template (Jinja, sandboxed, as
-    transformers renders it) when it has one, else the plain template."""
+    transformers renders it, with ``template_kwargs`` as extra variables: vLLM's
+    ``chat_template_kwargs``, e.g. Qwen3's ``enable_thinking``) when it has one, else the plain
+    template (which has no such switches). ``add_generation_prompt``: open the assistant's
+    turn (the plain template's ``assistant:``). ``continue_final``: vLLM's
+    ``continue_final_message``, the last message (an assistant's) left open so the reply
+    continues it: the text is cut right after its content."""
     plain = [{"role": m.role, "content": message_text(m, i)} for i, m in enumerate(messages)]
+    if continue_final:
+        if add_generation_prompt:
+            raise Refusal(invalid("continue_final_message=true needs add_generation_prompt="
+                                  "false (the final message is continued, no new turn)"),
+                          "continue_final_message")
+        if plain[-1]["role"] != "assistant":
+            raise Refusal(invalid(f"continue_final_message=true: the last message is a "
+                                  f"{plain[-1]['role']!r} one, not an assistant's"),
+                          "continue_final_message")
     template = getattr(tok, "chat_template", None)
     if not template:
-        return "".join(f"{m['role']}: {m['content']}\n" for m in plain) + "assistant:"
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in plain) + \
+            ("assistant:" if add_generation_prompt else "")
+        return text[:-1] if continue_final else text  # no line end: the message goes on
+    text = _render_template(template, tok, plain, add_generation_prompt, template_kwargs)
+    if continue_final:
+        final = plain[-1]["content"]
+        at = text.rfind(final) if final else -1
+        if at < 0:
+            raise Refusal(invalid("continue_final_message=true: the chat template does not "
+                                  "write the final message's content as it is"),
+                          "continue_final_message")
+        text = text[:at + len(final)]
+    return text
+
+
+def _render_template(template: str, tok: Tokenizer, plain: list[dict[str, str]],
+                     add_generation_prompt: bool, template_kwargs: dict[str, Any] | None
+                     ) -> str:
     try:
-        return _jinja_template(template).render(
-            messages=plain, add_generation_prompt=True, bos_token=tok.bos_token,
-            eos_token=tok.eos_token)
-    except Refusal:
-        raise
+        return _jinja_template(template).render(**{
+            **(template_kwargs or {}), "messages": plain,
+            "add_generation_prompt": add_generation_prompt, "bos_token": tok.bos_token,
+            "eos_token": tok.eos_token})
     except Exception as err:  # noqa: BLE001 - a template's raise_exception() or a rendering error
         raise Refusal(invalid(f"messages: the chat template refused them: {err}"),
                       "messages") from None
@@ -344,13 +527,15 @@ def _jinja_template(source: str) -> Any:
 
 # ---- text, stop strings, logprobs -----------------------------------------------------------
 class TextOutput:
-    """Tokens -> text, cut at the first stop string (not included, like OpenAI). ``add``
+    """Tokens -> text, cut at the first stop string (not included, like OpenAI; included with
+    ``keep_stop``, vLLM's ``include_stop_str_in_output``). ``add``
     returns the text that became final; text that could still start a stop string is held
     back until it cannot. ``stopped`` once a stop string matched."""
 
-    def __init__(self, tok: Tokenizer, stop: tuple[str, ...]) -> None:
+    def __init__(self, tok: Tokenizer, stop: tuple[str, ...], keep_stop: bool = False) -> None:
         self._detok = tok.detokenizer()
         self._stop = stop
+        self._keep_stop = keep_stop  # vLLM's include_stop_str_in_output
         self.text = ""
         self._sent = 0
         self.stopped = False
@@ -373,9 +558,11 @@ class TextOutput:
     def _emit(self, text: str, final: bool) -> str:
         if self._stop:
             start = max(0, self._sent - max(len(s) for s in self._stop))
-            hits = [p for p in (text.find(s, start) for s in self._stop) if p >= 0]
+            hits = [(p, len(s)) for p, s in ((text.find(s, start), s) for s in self._stop)
+                    if p >= 0]
             if hits:
-                text = text[:min(hits)]
+                at, length = min(hits)  # the first match (the shorter string at a tie)
+                text = text[:at + length] if self._keep_stop else text[:at]
                 self.stopped = final = True
         self.text = text
         end = len(text) if final else len(text) - self._held(text)
@@ -476,6 +663,10 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         auth = auth_refusal(request, config.api_key)
         if auth is not None:
             raise auth
+        media = wire.non_json_media(request)
+        if media is not None:
+            raise Refusal(invalid(f"content-type {media!r}: the body must be JSON "
+                                  "(application/json)"), None, 415)
         try:
             raw = await wire.read_body(request, config.max_body_bytes)
         except wire.ClientGone as gone:  # 499: nobody reads it, the failure is counted
@@ -489,6 +680,19 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
             raise not_found
         return body
 
+    def truncated(ids: list[int], keep: int | None) -> list[int]:
+        """vLLM's ``truncate_prompt_tokens``: the last ``keep`` ids (-1: the context's
+        length); ``ids`` itself when nothing is cut."""
+        if keep == 0:
+            raise Refusal(invalid("truncate_prompt_tokens=0: must be >= 1, or -1 for the "
+                                  "model's context"), "truncate_prompt_tokens")
+        limit = max_seq() if keep == -1 else keep
+        return ids if limit is None or len(ids) <= limit else ids[len(ids) - limit:]
+
+    def vocab() -> int | None:
+        generation = service.executor.generation
+        return None if generation is None else generation.vocab_size
+
     def max_seq() -> int | None:
         generation = service.executor.generation
         return None if generation is None else generation.submodels[TaskKind.DECODE].max_seq
@@ -498,34 +702,53 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         auth = auth_refusal(request, config.api_key)
         if auth is not None:
             return refused(auth)
-        created = int(service.started_at)
-        return JSONResponse({"object": "list", "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "calexec",
-             "root": config.model_name, "parent": None, "max_model_len": max_seq()}
-            for name in served_names()]})
+        return JSONResponse({"object": "list",
+                             "data": [model_card(name) for name in served_names()]})
+
+    def model_card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": int(service.started_at),
+                "owned_by": "calexec", "root": config.model_name, "parent": None,
+                "max_model_len": max_seq()}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request) -> Response:
+        """One served model (the SDK's ``models.retrieve``); 404 ``model_not_found`` else."""
+        auth = auth_refusal(request, config.api_key)
+        if auth is not None:
+            return refused(auth)
+        not_found = model_refusal(model_id, served_names())
+        if not_found is not None:
+            return refused(not_found)
+        return JSONResponse(model_card(model_id))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         try:
             body = await read(request, CompletionRequest)
             refusal(body)
-            prompt = body.prompt
+            # null: the start of a document (OpenAI's document separator; the end token here)
+            prompt = [config.end_token_id] if body.prompt is None else body.prompt
             if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
                 raise Refusal(invalid("prompt: a list of prompts (batch) is not supported; "
                                       "send one string or one list of token ids"), "prompt")
             if body.echo and body.logprobs is not None:
                 raise Refusal(invalid("echo=true with logprobs needs the prompt's logprobs, "
                                       "which are not computed"), "echo")
-            params = sampling_params(body, body.logprobs)
-            ids = (service.tokenizer.encode(prompt) if isinstance(prompt, str)
+            params = sampling_params(body, body.logprobs, vocab(), config.end_token_id)
+            special = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = (service.tokenizer.encode(prompt, special) if isinstance(prompt, str)
                    else list(cast(list[int], prompt)))  # a list past the check: token ids
+            kept = truncated(ids, body.truncate_prompt_tokens)
         except Refusal as err:
             return refused(err)
-        echo = (prompt if isinstance(prompt, str) else service.tokenizer.decode(ids)) \
-            if body.echo else ""
+        echo = (prompt if isinstance(prompt, str) and kept is ids
+                else service.tokenizer.decode(kept)) if body.echo else ""
+        ids = kept
         admission = Admission(ids, 16 if body.max_tokens is None else body.max_tokens,
                                body.stream, body.timeout)
-        return await _generate(request, admission, params, _CompletionShape(echo),
+        shape = _CompletionShape(echo)
+        shape.prompt_ids = body.return_token_ids
+        return await _generate(request, admission, params, shape,
                                include_usage(body))
 
     @app.post("/v1/chat/completions")
@@ -545,30 +768,47 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
                 raise Refusal(invalid(f"max_completion_tokens={body.max_completion_tokens} "
                                       f"and max_tokens={body.max_tokens} differ: give one"),
                               "max_completion_tokens")
-            params = sampling_params(body, (top or 0) if body.logprobs else None)
-            text = render_chat(body.messages, service.tokenizer)
-            ids = service.tokenizer.encode(text, add_special_tokens=False)
+            params = sampling_params(body, (top or 0) if body.logprobs else None, vocab(),
+                                     config.end_token_id)
+            text = render_chat(body.messages, service.tokenizer, body.add_generation_prompt,
+                               body.chat_template_kwargs, body.continue_final_message)
+            ids = truncated(service.tokenizer.encode(text, bool(body.add_special_tokens)),
+                            body.truncate_prompt_tokens)
         except Refusal as err:
             return refused(err)
         wanted = body.max_completion_tokens or body.max_tokens or CHAT_DEFAULT_MAX_TOKENS
         admission = Admission(ids, wanted, body.stream, body.timeout)
-        return await _generate(request, admission, params, _ChatShape(), include_usage(body))
+        shape = _ChatShape()
+        shape.prompt_ids = body.return_token_ids
+        return await _generate(request, admission, params, shape, include_usage(body))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
         try:
             body = await read(request, TokenizeRequest)
-            if (body.prompt is None) == (body.messages is None):
-                raise Refusal(invalid("give exactly one of prompt and messages"), "prompt")
-            if body.prompt is not None:
-                ids = service.tokenizer.encode(body.prompt, body.add_special_tokens)
-            elif body.messages is not None:  # (exactly one of the two)
-                ids = service.tokenizer.encode(render_chat(body.messages, service.tokenizer),
-                                               add_special_tokens=False)
+            given = [name for name in ("prompt", "content", "messages")
+                     if getattr(body, name) is not None]
+            if len(given) != 1:
+                raise Refusal(invalid("give exactly one of prompt, content (llama-server) and "
+                                      f"messages; got {given or 'none'}"),
+                              given[1] if len(given) > 1 else "prompt")
+            text = body.prompt if body.prompt is not None else body.content
+            if text is not None:
+                special = body.add_special_tokens if body.add_special is None \
+                    else body.add_special
+                ids = service.tokenizer.encode(text, special)
+            elif body.messages is not None:  # (exactly one of the three)
+                ids = service.tokenizer.encode(
+                    render_chat(body.messages, service.tokenizer, body.add_generation_prompt,
+                                body.chat_template_kwargs), add_special_tokens=False)
         except Refusal as err:
             return refused(err)
-        return JSONResponse({"count": len(ids), "max_model_len": max_seq(), "tokens": ids,
-                             "token_strs": None})
+        texts = [service.tokenizer.token_text(t) for t in ids] \
+            if body.return_token_strs or body.with_pieces else None
+        tokens: list[Any] = list(ids) if not body.with_pieces or texts is None else \
+            [{"id": t, "piece": piece} for t, piece in zip(ids, texts)]
+        return JSONResponse({"count": len(ids), "max_model_len": max_seq(), "tokens": tokens,
+                             "token_strs": texts if body.return_token_strs else None})
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
@@ -598,7 +838,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         if run is None:
             return fail(status, param)
         run.sampling = params
-        out = TextOutput(service.tokenizer, params.stop)
+        out = TextOutput(service.tokenizer, params.stop, params.include_stop_str_in_output)
         shape.start(service, run)
         if resume is not None:
             bad = resume_refusal(resume, run)
@@ -706,15 +946,28 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
 
 
 class TokenizeRequest(BaseModel):
-    """vLLM's ``POST /tokenize``: ``prompt`` (+ ``add_special_tokens``) or chat ``messages``."""
+    """``POST /tokenize``: vLLM's bodies, ``prompt`` (+ ``add_special_tokens``) or chat
+    ``messages`` (+ ``add_generation_prompt``, ``chat_template_kwargs``), with
+    ``return_token_strs``; or llama-server's ``content`` (+ ``add_special``, ``with_pieces``:
+    ``tokens`` as ``{"id", "piece"}`` objects)."""
 
     model_config = ConfigDict(extra="forbid")
 
     model: StrictStr | None = None
     prompt: StrictStr | None = None
+    content: StrictStr | None = None  # llama-server
     messages: list[ChatMessage] | None = None
     add_special_tokens: StrictBool = True
-    add_generation_prompt: Literal[True] = True
+    add_special: StrictBool | None = None  # llama-server's add_special_tokens
+    add_generation_prompt: StrictBool = True
+    chat_template_kwargs: dict[StrictStr, Any] | None = None
+    return_token_strs: StrictBool = False
+    with_pieces: StrictBool = False  # llama-server
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        return _drop_nulls(cls, data)
 
 
 class DetokenizeRequest(BaseModel):
@@ -735,6 +988,9 @@ class _Shape:
     """The JSON of one kind of response (completion or chat)."""
 
     PREFIX = "cmpl"
+    #: vLLM's ``return_token_ids``: the prompt's ids too (``prompt_token_ids``: the completion's
+    #: choice, the chat response; when streamed, in the first chunk); ``token_ids`` always
+    prompt_ids = False
 
     def start(self, service: CompletionService, run: RequestRun) -> None:
         self.service, self.run, self.created = service, run, int(time.time())
@@ -771,6 +1027,7 @@ class _Shape:
 class _CompletionShape(_Shape):
     def __init__(self, echo: str) -> None:
         self.echo = echo
+        self.ids_sent = False  # the prompt's ids went out (return_token_ids, a stream)
         #: ``logprobs.text_offset`` of the next token: the length of the earlier tokens'
         #: texts, as the non-streamed answer counts it (never the text sent so far, which a
         #: stop string may hold back)
@@ -779,6 +1036,7 @@ class _CompletionShape(_Shape):
     def resumed(self, resume: handoff.Resume, tokens: int, sent_chars: int) -> None:
         super().resumed(resume, tokens, sent_chars)
         if tokens:  # the echo went out with the first token's chunk
+            self.ids_sent = True
             self.text_at = sum(len(self.tok.token_text(t)) for t in self.run.tokens[:tokens])
             self.echo = ""
 
@@ -796,9 +1054,18 @@ class _CompletionShape(_Shape):
                 "token_ids": tokens}
 
     def whole(self, text: str, run: RequestRun) -> dict[str, Any]:
-        return {**self._head(), "choices": [self._choice(
-            self.echo + text, run.tokens, run, run.finish_reason, run.token_logprobs)],
-            "usage": _usage(run)}
+        choice = self._choice(self.echo + text, run.tokens, run, run.finish_reason,
+                              run.token_logprobs)
+        if self.prompt_ids:
+            choice["prompt_token_ids"] = run.prompt
+        return {**self._head(), "choices": [choice], "usage": _usage(run)}
+
+    def _first(self, chunk: dict[str, Any], run: RequestRun) -> dict[str, Any]:
+        """``chunk`` with the prompt's ids when it is the stream's first (``prompt_ids``)."""
+        if self.prompt_ids and not self.ids_sent:
+            chunk["choices"][0]["prompt_token_ids"] = run.prompt
+        self.ids_sent = True
+        return chunk
 
     def _with_echo(self, text: str) -> str:
         """``text`` after the echoed prompt, if the prompt was not sent yet (the first chunk
@@ -808,13 +1075,13 @@ class _CompletionShape(_Shape):
         return text
 
     def piece(self, text: str, token: int, run: RequestRun) -> dict[str, Any]:
-        return {**self._head(), "choices": [self._choice(self._with_echo(text), [token], run,
-                                                         None, self._new_logprobs(run))]}
+        return self._first({**self._head(), "choices": [self._choice(
+            self._with_echo(text), [token], run, None, self._new_logprobs(run))]}, run)
 
     def last(self, text: str, run: RequestRun) -> dict[str, Any]:
-        return {**self._head(), "choices": [self._choice(self._with_echo(text), [], run,
-                                                         run.finish_reason, [])],
-                "usage": _usage(run)}
+        # no usage here: only the usage chunk carries it, when include_usage asks (as chat)
+        return self._first({**self._head(), "choices": [self._choice(
+            self._with_echo(text), [], run, run.finish_reason, [])]}, run)
 
 
 class _ChatShape(_Shape):
@@ -833,14 +1100,15 @@ class _ChatShape(_Shape):
             "index": 0, "message": {"role": "assistant", "content": text},
             "logprobs": self._logprobs(run, run.token_logprobs),
             "finish_reason": run.finish_reason, "token_ids": run.tokens}],
-            "usage": _usage(run)}
+            "usage": _usage(run), **({"prompt_token_ids": run.prompt} if self.prompt_ids else {})}
 
     def opening(self) -> list[dict[str, Any]]:
         if self.opened:  # a replica before this one sent it
             return []
         return [{**self._head(chunk=True), "choices": [{
             "index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-            "finish_reason": None}]}]
+            "finish_reason": None}],
+            **({"prompt_token_ids": self.run.prompt} if self.prompt_ids else {})}]
 
     def piece(self, text: str, token: int, run: RequestRun) -> dict[str, Any]:
         return {**self._head(chunk=True), "choices": [{

@@ -7,16 +7,23 @@ token on, by this process or another one, makes the same choices (resumable gene
 it). A request without a seed gets one drawn at admission (:meth:`SamplingParams.resolved`)
 and keeps it, so it is reproducible internally too.
 
-Order, as in vLLM: temperature, then top-k, then top-p (nucleus) over the remaining tokens,
-then one draw. Temperature 0 is greedy (the argmax; ties: the lowest id, as ``np.argmax``).
+Order, as in vLLM's sampler: the row processors first, on the FP32 row (:func:`process`:
+``logit_bias`` added, then the repetition penalty over the prompt and generated tokens, then the
+frequency and presence penalties over the generated ones); then temperature 0 is greedy (the
+argmax of the processed row; ties: the lowest id, as ``np.argmax``); otherwise temperature,
+min-p, top-k, top-p (nucleus) over the remaining tokens, then one draw. With processors the
+choice also depends on the prompt and the tokens generated so far (``pick``'s ``prompt`` and
+``output``), which a replay has (the dump record keeps both).
 Log-probabilities are those of the model's own distribution (``log_softmax`` of the raw logits,
-before temperature/top-k/top-p), like vLLM's default ``raw_logprobs``.
+before every processor, temperature, min-p, top-k and top-p), like vLLM's default
+``raw_logprobs``.
 """
 
 from __future__ import annotations
 
 import math
 import secrets
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -28,6 +35,11 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
+#: at most this many ``logit_bias`` entries (OpenAI's limit), each bias in [-100, 100]
+MAX_LOGIT_BIAS = 300
+LOGIT_BIAS_RANGE = 100.0
+#: presence/frequency penalties are in [-2, 2] (OpenAI, vLLM)
+PENALTY_RANGE = 2.0
 #: seeds are taken modulo 2**64 (any int in [-2**63, 2**64) is accepted)
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 
@@ -89,6 +101,49 @@ def _validate_stop_ids(_inst: Any, _attr: Any, value: tuple[int, ...]) -> None:
         _check(f"stop_token_ids[{i}]", _is_int(t) and t >= 0, t, "must be an integer >= 0")
 
 
+def _validate_min_p(_inst: Any, _attr: Any, value: float) -> None:
+    _check("min_p", _is_number(value) and math.isfinite(value) and 0.0 <= value <= 1.0, value,
+           "must be a number in [0, 1]")
+
+
+def _validate_repetition(_inst: Any, _attr: Any, value: float) -> None:
+    _check("repetition_penalty", _is_number(value) and math.isfinite(value) and value > 0.0,
+           value, "must be a number > 0 (1 = off)")
+
+
+def _validate_penalty(_inst: Any, attr: Any, value: float) -> None:
+    _check(attr.name, _is_number(value) and math.isfinite(value)
+           and -PENALTY_RANGE <= value <= PENALTY_RANGE, value,
+           f"must be a number in [{-PENALTY_RANGE:g}, {PENALTY_RANGE:g}]")
+
+
+def _validate_logit_bias(_inst: Any, _attr: Any, value: tuple[tuple[int, float], ...]) -> None:
+    _check("logit_bias", len(value) <= MAX_LOGIT_BIAS, len(value),
+           f"at most {MAX_LOGIT_BIAS} entries")
+    for token, bias in value:
+        _check(f"logit_bias[{token!r}]", _is_int(token) and token >= 0, token,
+               "the key must be a token id >= 0")
+        _check(f"logit_bias[{token!r}]", _is_number(bias) and math.isfinite(bias)
+               and -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE, bias,
+               f"must be a number in [{-LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]")
+
+
+def _validate_min_tokens(_inst: Any, _attr: Any, value: int) -> None:
+    _check("min_tokens", _is_int(value) and value >= 0, value, "must be an integer >= 0")
+
+
+def _validate_allowed(_inst: Any, _attr: Any, value: tuple[int, ...] | None) -> None:
+    if value is None:
+        return
+    _check("allowed_token_ids", len(value) > 0, list(value), "must not be empty (null: all)")
+    for i, t in enumerate(value):
+        _check(f"allowed_token_ids[{i}]", _is_int(t) and t >= 0, t, "must be an integer >= 0")
+
+
+def _to_ids(value: Any) -> tuple[int, ...] | None:
+    return None if value is None else tuple(value)
+
+
 def _validate_logprobs(_inst: Any, _attr: Any, value: int | None) -> None:
     _check("logprobs", value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS), value,
            f"must be null or an integer in [0, {MAX_LOGPROBS}]")
@@ -109,16 +164,49 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple[int, ...],
                                                   validator=_validate_stop_ids)
     logprobs: int | None = attrs.field(default=None, validator=_validate_logprobs)
+    #: vLLM extensions and OpenAI's penalties (:func:`process`; 0/1/empty = off)
+    min_p: float = attrs.field(default=0.0, validator=_validate_min_p)
+    repetition_penalty: float = attrs.field(default=1.0, validator=_validate_repetition)
+    presence_penalty: float = attrs.field(default=0.0, validator=_validate_penalty)
+    frequency_penalty: float = attrs.field(default=0.0, validator=_validate_penalty)
+    #: (token id, bias) pairs, added to the row
+    logit_bias: tuple[tuple[int, float], ...] = attrs.field(
+        default=(), converter=tuple[tuple[int, float], ...], validator=_validate_logit_bias)
+
+    #: vLLM: the end token and ``stop_token_ids`` cannot be chosen before this many tokens
+    min_tokens: int = attrs.field(default=0, validator=_validate_min_tokens)
+    #: the server's end token(s) (not a request field): what ``min_tokens`` holds back
+    end_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple[int, ...])
+    #: vLLM: the end token does not end the generation
+    ignore_eos: bool = False
+    #: vLLM: the text keeps the stop string that ended it (drivers/serving/openai_api.TextOutput)
+    include_stop_str_in_output: bool = False
+    #: vLLM: only these tokens can be chosen (None: all)
+    allowed_token_ids: tuple[int, ...] | None = attrs.field(default=None, converter=_to_ids,
+                                                            validator=_validate_allowed)
 
     @property
     def greedy(self) -> bool:
-        """Temperature 0 (or top_k 1): the argmax, no draw."""
+        """Temperature 0 (or top_k 1): the argmax (of the processed row), no draw."""
         return self.temperature == 0.0 or self.top_k == 1
 
     @property
+    def processed(self) -> bool:
+        """A row processor is on (:func:`process`): the argmax may not be the raw row's."""
+        return bool(self.logit_bias) or self.repetition_penalty != 1.0 \
+            or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 \
+            or self.min_tokens > 0 or self.allowed_token_ids is not None
+
+    @property
+    def raw_argmax(self) -> bool:
+        """Greedy on the unprocessed row: the executor's argmax is the choice (it may fire the
+        next step with it itself, greedy ahead)."""
+        return self.greedy and not self.processed
+
+    @property
     def plain_greedy(self) -> bool:
-        """Greedy without log-probabilities: the executor's argmax is the whole answer."""
-        return self.greedy and self.logprobs is None
+        """The executor's argmax without log-probabilities: it is the whole answer."""
+        return self.raw_argmax and self.logprobs is None
 
     def resolved(self) -> SamplingParams:
         """These params with a seed: a random one drawn now when none was given."""
@@ -149,20 +237,62 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return x
 
 
+def process(logits: np.ndarray, params: SamplingParams, prompt: Sequence[int] = (),
+            output: Sequence[int] = ()) -> np.ndarray:
+    """The row the choice is made on (a float32 copy; ``logits`` is left as it is), as vLLM's
+    sampler computes it: every token outside ``allowed_token_ids`` and, while ``output`` is
+    shorter than ``min_tokens``, the end and stop tokens set to -inf; ``logit_bias`` added;
+    then the repetition penalty on every token of ``prompt`` and ``output`` (a positive logit
+    divided by it, a negative one multiplied);
+    then ``frequency_penalty`` times each token's count in ``output`` and ``presence_penalty``
+    for each token in ``output`` subtracted. ``logits`` itself when no processor is on."""
+    if not params.processed:
+        return logits
+    row = logits.astype(np.float32, copy=True)
+    vocab = row.shape[0]
+    if params.allowed_token_ids is not None:
+        allowed = np.asarray([t for t in params.allowed_token_ids if t < vocab], dtype=np.int64)
+        kept = row[allowed]
+        row[:] = -np.inf
+        row[allowed] = kept
+    if len(output) < params.min_tokens:
+        held = [t for t in (*params.end_token_ids, *params.stop_token_ids) if t < vocab]
+        row[held] = -np.inf
+    for token, bias in params.logit_bias:
+        if token < vocab:
+            row[token] += np.float32(bias)
+    if params.repetition_penalty != 1.0 and (len(prompt) or len(output)):
+        seen = np.unique(np.concatenate([np.asarray(prompt, dtype=np.int64),
+                                         np.asarray(output, dtype=np.int64)]))
+        seen = seen[(seen >= 0) & (seen < vocab)]
+        penalty = np.float32(params.repetition_penalty)
+        row[seen] = np.where(row[seen] > 0, row[seen] / penalty, row[seen] * penalty)
+    if len(output) and (params.frequency_penalty != 0.0 or params.presence_penalty != 0.0):
+        ids = np.asarray(output, dtype=np.int64)
+        counts = np.bincount(ids[(ids >= 0) & (ids < vocab)], minlength=vocab)[:vocab]
+        row -= np.float32(params.frequency_penalty) * counts.astype(np.float32)
+        row -= np.float32(params.presence_penalty) * (counts > 0).astype(np.float32)
+    return row
+
+
 def pick(logits: np.ndarray, params: SamplingParams, index: int,
-         argmax: int | None = None) -> tuple[int, TokenLogprobs | None]:
+         argmax: int | None = None, prompt: Sequence[int] = (),
+         output: Sequence[int] = ()) -> tuple[int, TokenLogprobs | None]:
     """Token number ``index`` (0-based) of a generation and its log-probabilities (None unless
-    ``params.logprobs`` is set). ``argmax``: the row's argmax when the caller has it already
-    (the executor computes it): greedy without logprobs then does no work at all. A sampling
-    request needs ``params.seed`` (see :meth:`SamplingParams.resolved`)."""
+    ``params.logprobs`` is set). ``argmax``: the raw row's argmax when the caller has it
+    already (the executor computes it): greedy without processors or logprobs then does no work
+    at all. ``prompt``/``output``: the request's prompt and the tokens generated before this
+    one (the penalties, :func:`process`). A sampling request needs ``params.seed`` (see
+    :meth:`SamplingParams.resolved`)."""
     if params.plain_greedy:
         return (int(np.argmax(logits)) if argmax is None else int(argmax)), None
+    row = process(logits, params, prompt, output)
     if params.greedy:
-        token = int(np.argmax(logits)) if argmax is None else int(argmax)
+        token = int(np.argmax(row)) if argmax is None or params.processed else int(argmax)
     else:
         if params.seed is None:
             raise SamplingError("seed", None, "sampling needs a seed (SamplingParams.resolved())")
-        token = _sample(logits, params, index)
+        token = _sample(row, params, index)
     if params.logprobs is None:
         return token, None
     return token, token_logprobs(logits, token, params.logprobs)
@@ -187,6 +317,8 @@ def _sample(logits: np.ndarray, params: SamplingParams, index: int) -> int:
         ids = _most_likely(x, np.argpartition(-x, params.top_k - 1)[:params.top_k])
         x = x[ids]
     probs = np.exp((x - x.max()) / params.temperature)
+    if params.min_p > 0.0:  # after temperature, as vLLM: below min_p x the top probability
+        probs = np.where(probs >= params.min_p, probs, 0.0)  # (the top one's is exp(0) = 1)
     if params.top_p < 1.0:
         if ids is None:
             ids = _nucleus_candidates(probs, params.top_p)

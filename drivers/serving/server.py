@@ -24,16 +24,25 @@ from types import FrameType
 from typing import Any
 
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from calexec.contracts.status import Phase, Status
 from calexec.drivers.serving import openai_api, wire
 from calexec.drivers.serving.admin import MAX_PATH_CHARS, add_admin_routes, calbin_path_refusal
 from calexec.drivers.serving.debug import add_debug_routes
 from calexec.drivers.serving.dumpsink import DumpSink
-from calexec.drivers.serving.error_bodies import PARAM_OF_CODE, error_body, error_response, invalid
+from calexec.drivers.serving.error_bodies import (
+    PARAM_OF_CODE,
+    error_body,
+    error_response,
+    invalid,
+    route_error,
+)
 from calexec.drivers.serving.executor_view import ServedExecutor
 from calexec.drivers.serving.service import (
     Admission,
@@ -58,9 +67,22 @@ def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
     ``app.state.service.drain(grace)``)."""
     config = config or ServerConfig()
     service = CompletionService(executor, config, dump)
-    app = FastAPI(title="calexec reference server", docs_url=None, redoc_url=None)
+    app = FastAPI(title="calexec reference server", docs_url=None, redoc_url=None,
+                  openapi_url=None)
     app.state.service = service
     retry = config.retry_after_s
+
+    if config.cors_origins:  # off by default: a browser page may call only when asked for
+        app.add_middleware(OpenAICORS, allow_origins=list(config.cors_origins),
+                           allow_methods=["GET", "POST", "OPTIONS"],
+                           allow_headers=["authorization", "content-type"],
+                           expose_headers=["retry-after"], max_age=600)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def no_route(request: Request, exc: StarletteHTTPException) -> Response:
+        """An unknown path (404) or method (405): OpenAI-shaped, like every other error."""
+        return route_error(request.method, request.url.path, exc.status_code,
+                           dict(exc.headers or {}))
 
     def fail(status: Status, param: str | None = None, http_status: int | None = None,
              count: bool = True) -> JSONResponse:
@@ -105,6 +127,21 @@ def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
     openai_api.add_routes(app, service, fail)
 
     return app
+
+
+class OpenAICORS(CORSMiddleware):
+    """Starlette's CORS middleware whose refused preflight (an origin, method or header not
+    allowed) is an OpenAI-shaped 400 like every other error, not its plain text."""
+
+    def preflight_response(self, request_headers: Headers) -> Response:
+        answer = super().preflight_response(request_headers)
+        if answer.status_code == 200:
+            return answer
+        refused = bytes(answer.body).decode("utf-8", "replace")  # "Disallowed CORS origin, ..."
+        allowed = {k: v for k, v in answer.headers.items()
+                   if k.lower().startswith("access-control-") or k.lower() == "vary"}
+        return error_response(invalid(f"CORS preflight refused: {refused} (allowed origins: "
+                                      "--cors-origin)"), "origin", headers=allowed)
 
 
 #: how long uvicorn waits, after a drain, for connections still open before it ends their

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -48,6 +49,32 @@ from calexec.drivers.serving.resume import Resumer
 from calexec.machines.compiled import JOB
 
 log = logging.getLogger("calexec.server")
+
+
+def context_exceeded(message: str) -> Status:
+    """A prompt, or prompt + max_tokens, longer than the model's context (400; OpenAI's code
+    ``context_length_exceeded``, error_bodies.OPENAI_CODE)."""
+    return Status.failure("request.context_length_exceeded", Category.INVALID_REQUEST,
+                          Phase.VALIDATE, message)
+
+
+#: an origin as browsers send it: scheme, host, optional port, no path ("*": any)
+_ORIGIN = re.compile(r"https?://[^/\s:]+(:\d{1,5})?")
+
+
+def cors_origin_problem(origin: str) -> str | None:
+    """Why ``origin`` can never match a browser's ``Origin`` header (None: it can)."""
+    if origin == "*" or _ORIGIN.fullmatch(origin):
+        return None
+    return (f"={origin[:100]!r}: must be '*' or scheme://host[:port] (http or https, no path), "
+            "as a browser sends Origin")
+
+
+def _check_cors(instance: Any, attribute: Any, origins: tuple[str, ...]) -> None:
+    for origin in origins:
+        problem = cors_origin_problem(origin)
+        if problem is not None:
+            raise ValueError(f"cors_origins: {origin[:100]!r}{problem}")
 
 
 def api_key_problem(key: str) -> str | None:
@@ -96,6 +123,10 @@ class ServerConfig:
     model_name: str = "calexec-qwen3-synthetic"
     #: OpenAI endpoints need ``Authorization: Bearer <api_key>`` when set (docs/server.md)
     api_key: str | None = attrs.field(default=None, validator=_check_api_key)
+    #: browser origins allowed to call the server (CORS: preflights answered, responses
+    #: marked); empty: CORS off (docs/server.md)
+    cors_origins: tuple[str, ...] = attrs.field(default=(), converter=tuple[str, ...],
+                                                validator=_check_cors)
     #: a Hugging Face tokenizer.json (or its directory); None: the byte-level tokenizer
     tokenizer_path: str | None = None
     #: completion request body limit (413 above it).
@@ -403,11 +434,17 @@ class CompletionService:
         if bad is not None:
             return None, invalid(f"prompt[{bad}]={prompt[bad]} outside the vocabulary "
                                   f"[0, {vocab})"), "prompt"
-        if len(prompt) > max_seq:
-            return None, invalid(f"prompt has {len(prompt)} tokens > max_seq={max_seq}"), "prompt"
+        if len(prompt) > max_seq:  # phrased as OpenAI and vLLM do: clients look for it
+            return None, context_exceeded(
+                f"This model's maximum context length is {max_seq} tokens. However, your "
+                f"request has {len(prompt)} input tokens. Please reduce the length of the "
+                "prompt or messages."), "prompt"
         if len(prompt) + body.max_tokens > max_seq:
-            return None, invalid(f"max_tokens={body.max_tokens} + {len(prompt)} prompt tokens "
-                                  f"> max_seq={max_seq}"), "max_tokens"
+            return None, context_exceeded(
+                f"This model's maximum context length is {max_seq} tokens. However, you "
+                f"requested {len(prompt) + body.max_tokens} tokens ({len(prompt)} in the "
+                f"prompt, max_tokens={body.max_tokens} for the completion). Please reduce "
+                "the prompt or max_tokens."), "max_tokens"
         timeout = self.config.default_timeout_s if body.timeout is None else body.timeout
         if timeout > self.config.max_timeout_s:
             return None, invalid(f"timeout={timeout} > max_timeout_s="
@@ -472,10 +509,12 @@ class CompletionService:
             run.first_token_at = result.timings.completed_us / 1e6
             self.metrics.ttft.observe(max(0.0, run.first_token_at - run.started))
         run.past = result.kv_len
-        args = (result.logits, run.sampling, len(run.tokens), result.argmax)
+        args = (result.logits, run.sampling, len(run.tokens), result.argmax, run.prompt,
+                run.tokens)
         token, logprobs = (sampling.pick(*args) if run.sampling.plain_greedy else
                            await to_thread.run_sync(sampling.pick, *args, limiter=self._limiter))
-        if token == self.config.end_token_id or token in run.sampling.stop_token_ids:
+        if (token == self.config.end_token_id and not run.sampling.ignore_eos) \
+                or token in run.sampling.stop_token_ids:
             run.finish_reason = "stop"
             return None
         run.tokens.append(token)
@@ -542,12 +581,13 @@ class CompletionService:
         if seq_id is None or tokens is None:  # (a leased run's decode request: neither is)
             return Status.invalid(4, f"seq_id={seq_id}, tokens={tokens} for kind=DECODE")
         if stream is None or stream.closed:
-            ahead = self.config.greedy_ahead and run.sampling.greedy
+            ahead = self.config.greedy_ahead and run.sampling.raw_argmax
             stream = run.decode = self.executor.decode_stream(
                 seq_id, request.past_len, run.deadline, logits_out=run.logits,
                 max_len=len(run.prompt) + run.max_tokens, request_id=run.request_id,
                 greedy_ahead=ahead,
-                stop_tokens=(self.config.end_token_id, *run.sampling.stop_token_ids),
+                stop_tokens=(*(() if run.sampling.ignore_eos else (self.config.end_token_id,)),
+                             *run.sampling.stop_token_ids),
                 max_steps=run.max_tokens - len(run.tokens))
         handle = stream.submit(int(tokens[0]))
         if isinstance(handle, Status):
@@ -724,7 +764,12 @@ class CompletionService:
                 "last_job_timings": None if run.handle is None else run.handle.timings.to_dict(),
                 # with the prompt ids, enough to replay the request's tokens (sampling.pick)
                 "sampling": {"temperature": run.sampling.temperature, "top_p": run.sampling.top_p,
-                             "top_k": run.sampling.top_k, "seed": run.sampling.seed},
+                             "top_k": run.sampling.top_k, "seed": run.sampling.seed,
+                             "min_p": run.sampling.min_p,
+                             "repetition_penalty": run.sampling.repetition_penalty,
+                             "presence_penalty": run.sampling.presence_penalty,
+                             "frequency_penalty": run.sampling.frequency_penalty,
+                             "logit_bias": [list(pair) for pair in run.sampling.logit_bias]},
                 "prompt_token_ids": run.prompt, "token_ids": run.tokens,
                 "text": self.tokenizer.decode(run.tokens)})
 

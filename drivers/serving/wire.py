@@ -32,6 +32,14 @@ def sse(data: Any) -> bytes:
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
 
+def non_json_media(request: Request) -> str | None:
+    """The media type of a body that is declared and not JSON (a JSON route answers it 415),
+    else None: ``application/json`` in any case and with parameters (``; charset=utf-8``), or
+    no content type at all (raw clients and relays that send none; the body is read as JSON)."""
+    media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    return None if media in ("", "application/json") else media[:80]
+
+
 async def read_body(request: Request, limit: int) -> bytes | None:
     """The body, or None when it exceeds ``limit`` bytes (declared or actual); raises
     :class:`ClientGone` when the client disconnects mid-upload (the route answers it as a
