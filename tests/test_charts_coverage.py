@@ -18,7 +18,7 @@ from calexec.machines.coverage import (
     recording,
     report,
 )
-from chartpaths import GuardTable
+from calexec.machines.paths import GuardTable
 
 PLUGIN_DIR = Path(__file__).resolve().parent
 
@@ -84,7 +84,7 @@ def _run_pytest(tmp_path: Path, test_body: str, *args: str, gate: str | None = N
 
 PARTIAL = """
     from calexec.machines.compiled import KV_TXN
-    from chartpaths import GuardTable
+    from calexec.machines.paths import GuardTable
 
     def test_one():
         KV_TXN.run(GuardTable.for_chart(KV_TXN)).send("rollback")
@@ -92,7 +92,7 @@ PARTIAL = """
 
 FULL = """
     from calexec.machines.compiled import CHARTS
-    from chartpaths import GuardTable, drive, transition_paths
+    from calexec.machines.paths import GuardTable, drive, transition_paths
 
     def test_all():
         for chart in CHARTS.values():

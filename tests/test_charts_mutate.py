@@ -16,7 +16,7 @@ from calexec.drivers.tools import charts_mutate
 from calexec.machines import mutants
 from calexec.machines.charts import JobChart
 from calexec.machines.compiled import GuardRejected, IllegalTransition, compile_chart
-from chartpaths import GuardTable
+from calexec.machines.paths import GuardTable
 
 DOOR = '''
 from statemachine import State, StateMachine

@@ -11,7 +11,7 @@ model (for the executor: the fault plan) before sending the step's event.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
 import attrs
@@ -87,7 +87,8 @@ def transition_paths(chart: CompiledChart) -> list[Path]:
         if transition.source not in reach:
             raise ValueError(f"{chart.name}: source of {transition} is unreachable")
         steps = reach[transition.source] + (transition,)
-        paths.append(Path(transition, steps, tuple(guards[s.id] for s in steps)))
+        # every step's guards are known: a shadowed transition is never on a path (the BFS skips it)
+        paths.append(Path(transition, steps, tuple(guards[s.id] or {} for s in steps)))
     return paths
 
 
@@ -106,10 +107,11 @@ class GuardTable:
     def for_chart(cls, chart: CompiledChart, **kwargs: object) -> GuardTable:
         """An instance whose class has one method per guard name of ``chart``."""
         methods = {name: _guard_method(name) for name in sorted(chart.guard_names)}
-        return type(f"{cls.__name__}_{chart.name}", (cls,), methods)(**kwargs)
+        table: GuardTable = type(f"{cls.__name__}_{chart.name}", (cls,), methods)(**kwargs)
+        return table
 
 
-def _guard_method(name: str):
+def _guard_method(name: str) -> Callable[[GuardTable], bool]:
     def guard(self: GuardTable) -> bool:
         return self.outcomes.get(name, self.default)
 
