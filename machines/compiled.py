@@ -30,7 +30,7 @@ from types import MappingProxyType
 from typing import Any
 
 import attrs
-from statemachine import StateMachine
+from statemachine import StateChart
 from statemachine.callbacks import CallbackGroup
 
 from calexec.machines.charts import DECLARED
@@ -86,7 +86,7 @@ class CompiledChart:
     """Immutable transition table of one declared chart."""
 
     name: str
-    declaration: type[StateMachine]
+    declaration: type[StateChart[Any]]
     states: tuple[str, ...]
     initial: str
     finals: frozenset[str]
@@ -252,14 +252,47 @@ def _blocked(transition: Any) -> bool:
     )
 
 
-def compile_chart(name: str, declaration: type[StateMachine]) -> CompiledChart:
-    """Derive the ``CompiledChart`` of a flat ``StateMachine`` declaration.
+#: what every toolkit function takes as a chart: the declared class, or its compiled form
+ChartLike = type[StateChart[Any]] | CompiledChart
+
+_COMPILED: dict[type[StateChart[Any]], CompiledChart] = {}
+
+
+def compiled(declaration: ChartLike, name: str | None = None) -> CompiledChart:
+    """The one ``CompiledChart`` of the chart class ``declaration`` in this process, compiled on
+    first use (a ``CompiledChart`` is returned as is). Every tool (diagrams, coverage, paths)
+    and every ``ChartRun`` of a class share it, so a listener attached to it hears every run.
+    ``name`` (default: the class name) names it in reports and coverage keys; it is fixed by
+    the first call, and a later call naming it otherwise raises ``ValueError``.
+    """
+    if isinstance(declaration, CompiledChart):
+        return declaration
+    if not (isinstance(declaration, type) and issubclass(declaration, StateChart)):
+        raise TypeError(f"{declaration!r} is not a python-statemachine chart class "
+                        f"(a StateMachine or StateChart subclass) nor a CompiledChart")
+    chart = _COMPILED.get(declaration)
+    if chart is None:
+        chart = _COMPILED.setdefault(declaration, compile_chart(declaration, name))
+    if name is not None and chart.name != name:
+        raise ValueError(f"{declaration.__name__} is already compiled as {chart.name!r}, "
+                         f"not {name!r}")
+    return chart
+
+
+def compile_chart(declaration: type[StateChart[Any]], name: str | None = None) -> CompiledChart:
+    """Derive a new ``CompiledChart`` of the chart class ``declaration`` (``compiled`` returns
+    the shared one; this one has listeners of its own). ``name`` defaults to the class name.
 
     A constant guard (only chart mutation testing declares one) is folded: one that always
     passes is left out of the transition's guards; one that always refuses leaves the
     transition out of the table while its ``(state, event)`` slot stays, so the event is
     ``GuardRejected`` as ``StateMachine`` refuses it.
     """
+    if not (isinstance(declaration, type) and issubclass(declaration, StateChart)):
+        raise TypeError(f"{declaration!r} is not a python-statemachine chart class "
+                        f"(a StateMachine or StateChart subclass)")
+    if name is None:
+        name = declaration.__name__
     if declaration.initial_state is None:
         raise ValueError(f"{name}: declaration {declaration.__name__} has no initial state")
     states = tuple(state.id for state in declaration.states)
@@ -308,7 +341,7 @@ def compile_chart(name: str, declaration: type[StateMachine]) -> CompiledChart:
 
 #: chart name -> CompiledChart, same order as ``charts.DECLARED``.
 CHARTS: Mapping[str, CompiledChart] = MappingProxyType(
-    {name: compile_chart(name, declaration) for name, declaration in DECLARED.items()}
+    {name: compiled(declaration, name) for name, declaration in DECLARED.items()}
 )
 JOB = CHARTS["job"]
 KV_TXN = CHARTS["kv_txn"]

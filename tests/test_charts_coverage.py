@@ -27,7 +27,7 @@ def test_a_recorder_records_only_while_attached():
     """Coverage is a listener someone attaches: a chart nobody listens to records nothing (and
     its send tests an empty tuple), an attached recorder sees each taken transition, a
     detached one stops; ``recording`` scopes one to a block beside the suite's."""
-    kv = compile_chart("kv_txn", KV_TXN.declaration)  # a table of its own: no listener at all
+    kv = compile_chart(KV_TXN.declaration, "kv_txn")  # a table of its own: no listener at all
     rollback = kv.table[("Reserved", "rollback")][0].key
     assert kv.listeners == ()
     recorder = TransitionRecorder()
