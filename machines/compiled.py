@@ -33,6 +33,15 @@ import attrs
 from statemachine import StateChart
 from statemachine.callbacks import CallbackGroup
 
+from calexec.machines.chart_support import (
+    UnsupportedChart as UnsupportedChart,  # re-exported: compile_chart and run raise it
+)
+from calexec.machines.chart_support import (
+    actions,
+    describe_transition,
+    refuse_unsupported,
+    semantics,
+)
 from calexec.machines.charts import DECLARED
 
 
@@ -107,6 +116,9 @@ class CompiledChart:
     #: one thread at a time (the pytest plugin at configure, a test around its scenario).
     listeners: tuple[Callable[[Transition], None], ...] = attrs.field(
         default=(), repr=False, eq=False)
+    #: why ``run`` refuses (actions a compiled run would not call, StateChart semantics it does
+    #: not follow: ``chart_support``); empty for a chart compiled runs follow exactly
+    unrunnable: tuple[str, ...] = attrs.field(default=(), repr=False)
 
     def attach(self, listener: Callable[[Transition], None]) -> None:
         """Call ``listener(transition)`` for every transition a run of this chart takes."""
@@ -127,7 +139,13 @@ class CompiledChart:
             listener(transition)
 
     def run(self, model: Any, state: str | None = None) -> ChartRun:
-        """A new run on ``model`` (the guard provider), in ``state`` or the initial state."""
+        """A new run on ``model`` (the guard provider), in ``state`` or the initial state.
+        Raises ``UnsupportedChart`` for a chart a compiled run would not follow (``unrunnable``:
+        actions, StateChart semantics)."""
+        if self.unrunnable:
+            raise UnsupportedChart(f"{self.name}: a compiled run calls no action and follows "
+                                   f"StateMachine semantics only; refused for: "
+                                   f"{'; '.join(self.unrunnable)}")
         if state is None:
             state = self.initial
         elif state not in self.states:
@@ -229,11 +247,16 @@ def _guard_names(transition: Any, expected: bool) -> tuple[str, ...]:
             continue
         if not isinstance(spec.func, str) or not spec.func.isidentifier():
             raise ValueError(
-                f"guard {spec.func!r} on {transition}: the compiled form supports named guards "
-                f"only (one method name per guard, no expressions or callables)"
+                f"guard {_describe_guard(spec.func)} on transition {describe_transition(transition)}: "
+                f"the compiled form supports named guards only (one method name per guard, no "
+                f"expressions or callables)"
             )
         names.append(spec.func)
     return tuple(names)
+
+
+def _describe_guard(func: Any) -> str:
+    return repr(func) if isinstance(func, str) else f"{getattr(func, '__name__', func)!r} (a callable)"
 
 
 def _constant(spec: Any) -> bool | None:
@@ -293,6 +316,7 @@ def compile_chart(declaration: type[StateChart[Any]], name: str | None = None) -
                         f"(a StateMachine or StateChart subclass)")
     if name is None:
         name = declaration.__name__
+    refuse_unsupported(declaration, "the compiled form")
     if declaration.initial_state is None:
         raise ValueError(f"{name}: declaration {declaration.__name__} has no initial state")
     states = tuple(state.id for state in declaration.states)
@@ -300,8 +324,6 @@ def compile_chart(declaration: type[StateChart[Any]], name: str | None = None) -
     by_declared: dict[tuple[int, str], Transition] = {}
     table: dict[tuple[str, str], tuple[Transition, ...]] = {}
     for state in declaration.states:
-        if state.states:
-            raise ValueError(f"{name}: compound state {state.id!r} is not supported")
         for declared in state.transitions:
             if _blocked(declared):  # never taken, but the event is refused, not illegal
                 for event in declared.events:
@@ -336,6 +358,7 @@ def compile_chart(declaration: type[StateChart[Any]], name: str | None = None) -
         guard_names=frozenset(g for t in transitions for g in t.conds + t.unless),
         by_declared=MappingProxyType(by_declared),
         taken=[0] * len(transitions),
+        unrunnable=tuple(actions(declaration) + list(filter(None, [semantics(declaration)]))),
     )
 
 
