@@ -76,6 +76,13 @@ COMMANDS: dict[str, Command] = {
         "calexec.drivers.tools.write_chart_names",
         "write machines/chart_names.py, one constant per declared state and event (--check: fail "
         "if stale)"),
+    "charts draw": Command(
+        "calexec.drivers.tools.charts_cli",
+        "draw any chart class: charts draw MODULE:CLASS [--out DIR] [--check] [--png]"),
+    "charts paths": Command(
+        "calexec.drivers.tools.charts_cli",
+        "shortest path to every state and transition, and a transition tour, of MODULE:CLASS "
+        "(--json: as data)"),
     "charts mutate": Command(
         "calexec.drivers.tools.charts_mutate",
         "mutation testing of declared charts (calexec's or --chart module:Class with --test-cmd):"

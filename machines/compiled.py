@@ -30,9 +30,18 @@ from types import MappingProxyType
 from typing import Any
 
 import attrs
-from statemachine import StateMachine
+from statemachine import StateChart
 from statemachine.callbacks import CallbackGroup
 
+from calexec.machines.chart_support import (
+    UnsupportedChart as UnsupportedChart,  # re-exported: compile_chart and run raise it
+)
+from calexec.machines.chart_support import (
+    actions,
+    describe_transition,
+    refuse_unsupported,
+    semantics,
+)
 from calexec.machines.charts import DECLARED
 
 
@@ -86,7 +95,7 @@ class CompiledChart:
     """Immutable transition table of one declared chart."""
 
     name: str
-    declaration: type[StateMachine]
+    declaration: type[StateChart[Any]]
     states: tuple[str, ...]
     initial: str
     finals: frozenset[str]
@@ -107,6 +116,9 @@ class CompiledChart:
     #: one thread at a time (the pytest plugin at configure, a test around its scenario).
     listeners: tuple[Callable[[Transition], None], ...] = attrs.field(
         default=(), repr=False, eq=False)
+    #: why ``run`` refuses (actions a compiled run would not call, StateChart semantics it does
+    #: not follow: ``chart_support``); empty for a chart compiled runs follow exactly
+    unrunnable: tuple[str, ...] = attrs.field(default=(), repr=False)
 
     def attach(self, listener: Callable[[Transition], None]) -> None:
         """Call ``listener(transition)`` for every transition a run of this chart takes."""
@@ -127,7 +139,13 @@ class CompiledChart:
             listener(transition)
 
     def run(self, model: Any, state: str | None = None) -> ChartRun:
-        """A new run on ``model`` (the guard provider), in ``state`` or the initial state."""
+        """A new run on ``model`` (the guard provider), in ``state`` or the initial state.
+        Raises ``UnsupportedChart`` for a chart a compiled run would not follow (``unrunnable``:
+        actions, StateChart semantics)."""
+        if self.unrunnable:
+            raise UnsupportedChart(f"{self.name}: a compiled run calls no action and follows "
+                                   f"StateMachine semantics only; refused for: "
+                                   f"{'; '.join(self.unrunnable)}")
         if state is None:
             state = self.initial
         elif state not in self.states:
@@ -229,11 +247,16 @@ def _guard_names(transition: Any, expected: bool) -> tuple[str, ...]:
             continue
         if not isinstance(spec.func, str) or not spec.func.isidentifier():
             raise ValueError(
-                f"guard {spec.func!r} on {transition}: the compiled form supports named guards "
-                f"only (one method name per guard, no expressions or callables)"
+                f"guard {_describe_guard(spec.func)} on transition {describe_transition(transition)}: "
+                f"the compiled form supports named guards only (one method name per guard, no "
+                f"expressions or callables)"
             )
         names.append(spec.func)
     return tuple(names)
+
+
+def _describe_guard(func: Any) -> str:
+    return repr(func) if isinstance(func, str) else f"{getattr(func, '__name__', func)!r} (a callable)"
 
 
 def _constant(spec: Any) -> bool | None:
@@ -252,14 +275,48 @@ def _blocked(transition: Any) -> bool:
     )
 
 
-def compile_chart(name: str, declaration: type[StateMachine]) -> CompiledChart:
-    """Derive the ``CompiledChart`` of a flat ``StateMachine`` declaration.
+#: what every toolkit function takes as a chart: the declared class, or its compiled form
+ChartLike = type[StateChart[Any]] | CompiledChart
+
+_COMPILED: dict[type[StateChart[Any]], CompiledChart] = {}
+
+
+def compiled(declaration: ChartLike, name: str | None = None) -> CompiledChart:
+    """The one ``CompiledChart`` of the chart class ``declaration`` in this process, compiled on
+    first use (a ``CompiledChart`` is returned as is). Every tool (diagrams, coverage, paths)
+    and every ``ChartRun`` of a class share it, so a listener attached to it hears every run.
+    ``name`` (default: the class name) names it in reports and coverage keys; it is fixed by
+    the first call, and a later call naming it otherwise raises ``ValueError``.
+    """
+    if isinstance(declaration, CompiledChart):
+        return declaration
+    if not (isinstance(declaration, type) and issubclass(declaration, StateChart)):
+        raise TypeError(f"{declaration!r} is not a python-statemachine chart class "
+                        f"(a StateMachine or StateChart subclass) nor a CompiledChart")
+    chart = _COMPILED.get(declaration)
+    if chart is None:
+        chart = _COMPILED.setdefault(declaration, compile_chart(declaration, name))
+    if name is not None and chart.name != name:
+        raise ValueError(f"{declaration.__name__} is already compiled as {chart.name!r}, "
+                         f"not {name!r}")
+    return chart
+
+
+def compile_chart(declaration: type[StateChart[Any]], name: str | None = None) -> CompiledChart:
+    """Derive a new ``CompiledChart`` of the chart class ``declaration`` (``compiled`` returns
+    the shared one; this one has listeners of its own). ``name`` defaults to the class name.
 
     A constant guard (only chart mutation testing declares one) is folded: one that always
     passes is left out of the transition's guards; one that always refuses leaves the
     transition out of the table while its ``(state, event)`` slot stays, so the event is
     ``GuardRejected`` as ``StateMachine`` refuses it.
     """
+    if not (isinstance(declaration, type) and issubclass(declaration, StateChart)):
+        raise TypeError(f"{declaration!r} is not a python-statemachine chart class "
+                        f"(a StateMachine or StateChart subclass)")
+    if name is None:
+        name = declaration.__name__
+    refuse_unsupported(declaration, "the compiled form")
     if declaration.initial_state is None:
         raise ValueError(f"{name}: declaration {declaration.__name__} has no initial state")
     states = tuple(state.id for state in declaration.states)
@@ -267,8 +324,6 @@ def compile_chart(name: str, declaration: type[StateMachine]) -> CompiledChart:
     by_declared: dict[tuple[int, str], Transition] = {}
     table: dict[tuple[str, str], tuple[Transition, ...]] = {}
     for state in declaration.states:
-        if state.states:
-            raise ValueError(f"{name}: compound state {state.id!r} is not supported")
         for declared in state.transitions:
             if _blocked(declared):  # never taken, but the event is refused, not illegal
                 for event in declared.events:
@@ -303,12 +358,13 @@ def compile_chart(name: str, declaration: type[StateMachine]) -> CompiledChart:
         guard_names=frozenset(g for t in transitions for g in t.conds + t.unless),
         by_declared=MappingProxyType(by_declared),
         taken=[0] * len(transitions),
+        unrunnable=tuple(actions(declaration) + list(filter(None, [semantics(declaration)]))),
     )
 
 
 #: chart name -> CompiledChart, same order as ``charts.DECLARED``.
 CHARTS: Mapping[str, CompiledChart] = MappingProxyType(
-    {name: compile_chart(name, declaration) for name, declaration in DECLARED.items()}
+    {name: compiled(declaration, name) for name, declaration in DECLARED.items()}
 )
 JOB = CHARTS["job"]
 KV_TXN = CHARTS["kv_txn"]

@@ -1,29 +1,27 @@
-"""Transition coverage: which declared transitions were actually taken.
+"""Transition coverage of any chart: which declared transitions were actually taken.
 
+Every function takes a chart as its class or its ``CompiledChart`` (``compiled.compiled``).
 A ``TransitionRecorder`` collects ``(chart name, transition id)`` keys. It is a chart listener:
-whoever wants coverage attaches one to the compiled charts it cares about
-(``chart.attach(recorder)``, or ``with recording(charts) as recorder:``), and every
-``ChartRun.send`` on those charts then adds the taken transition's key. Nothing is recorded,
-and nothing global is consulted on the hot path, when no recorder is attached (production).
-The test suite's plugin (tests/transition_coverage_plugin.py) attaches one to every chart for
-the session; a test may attach its own beside it for one scenario. Real python-statemachine
-instances report through ``TransitionListener``, passed as
-``listeners=[TransitionListener(chart)]``: to the chart's listeners, or to one recorder.
+whoever wants coverage attaches one to the charts it cares about (``track(Chart, recorder)``,
+or ``with recording([Chart]) as recorder:``), and every transition a run of those charts takes
+then adds its key: a ``ChartRun`` of the compiled chart, or a python-statemachine instance of
+the class (``track`` adds a class-level ``TransitionListener``; one instance can also be given
+``listeners=[TransitionListener(Chart)]``). Nothing is recorded, and nothing global is
+consulted on the hot path, when no recorder is attached (production). The pytest plugin
+(``calexec.machines.coverage_plugin``, ``--chart-coverage=MODULE:CLASS``) tracks the charts it
+is given for the session; a test may attach its own recorder beside it for one scenario.
 ``set.add`` is atomic under the GIL, so several threads may record at once.
-
-This module imports ``compiled`` only for type names: the charts never depend on coverage.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 
-if TYPE_CHECKING:
-    from calexec.machines.compiled import CompiledChart, Transition
+from calexec.machines.compiled import ChartLike, Transition, compiled
 
 
 class TransitionRecorder:
@@ -44,18 +42,41 @@ class TransitionRecorder:
 
 
 @contextmanager
-def recording(charts: Iterable[CompiledChart]) -> Iterator[TransitionRecorder]:
-    """A fresh recorder attached to ``charts`` for the ``with`` block (detached after it;
-    other listeners, such as the suite's recorder, keep recording beside it)."""
-    charts = tuple(charts)
+def recording(charts: Iterable[ChartLike]) -> Iterator[TransitionRecorder]:
+    """A fresh recorder attached to ``charts`` (compiled runs only) for the ``with`` block
+    (detached after it; other listeners, such as the plugin's recorder, keep recording beside
+    it)."""
+    shared = tuple(compiled(chart) for chart in charts)
     recorder = TransitionRecorder()
-    for chart in charts:
+    for chart in shared:
         chart.attach(recorder)
     try:
         yield recorder
     finally:
-        for chart in charts:
+        for chart in shared:
             chart.detach(recorder)
+
+
+def track(chart: ChartLike, recorder: TransitionRecorder) -> Callable[[], None]:
+    """Record into ``recorder`` every transition any run of ``chart`` takes from now on: its
+    compiled runs (``recorder`` attached to ``compiled(chart)``) and every python-statemachine
+    instance of its class created from now on (a ``TransitionListener`` added to the class's
+    listeners). Returns the call that undoes both."""
+    shared = compiled(chart)
+    listener = TransitionListener(shared, recorder)
+    declaration = shared.declaration
+    shared.attach(recorder)
+    # python-statemachine 3 collects a class's ``listeners`` attribute at class creation into
+    # this list and instantiates nothing for an entry that is not callable: the same listener
+    # object joins every instance created while it is there (no public API adds one later)
+    class_listeners: list[Any] = declaration._class_listeners
+    class_listeners.append(listener)
+
+    def undo() -> None:
+        shared.detach(recorder)
+        class_listeners.remove(listener)
+
+    return undo
 
 
 class TransitionListener:
@@ -63,8 +84,8 @@ class TransitionListener:
     ``chart``'s declaration takes: to ``recorder`` when given, else to the chart's listeners
     (as if a ``ChartRun`` of it had taken them)."""
 
-    def __init__(self, chart: CompiledChart, recorder: TransitionRecorder | None = None) -> None:
-        self.chart = chart
+    def __init__(self, chart: ChartLike, recorder: TransitionRecorder | None = None) -> None:
+        self.chart = compiled(chart)
         self.recorder = recorder
 
     def after_transition(self, event: Any, transition: Any) -> None:
@@ -91,15 +112,20 @@ class ChartCoverage:
     def complete(self) -> bool:
         return self.covered == self.declared
 
+    @property
+    def percent(self) -> float:
+        """Covered share of the declared transitions (100.0 for a chart with none)."""
+        return 100.0 if self.declared == 0 else 100.0 * self.covered / self.declared
+
     def line(self) -> str:
         """``transition coverage <chart>: <covered>/<declared>``."""
         return f"transition coverage {self.chart}: {self.covered}/{self.declared}"
 
 
-def report(charts: Iterable[CompiledChart], recorder: TransitionRecorder) -> list[ChartCoverage]:
+def report(charts: Iterable[ChartLike], recorder: TransitionRecorder) -> list[ChartCoverage]:
     """Per-chart coverage of ``charts`` from what ``recorder`` saw."""
     result = []
-    for chart in charts:
+    for chart in map(compiled, charts):
         untaken = tuple(t for t in chart.transitions if t.key not in recorder.hits)
         result.append(
             ChartCoverage(

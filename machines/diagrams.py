@@ -1,8 +1,10 @@
-"""Render the declared charts: DOT text, SVG and PNG bytes (no files, no CLI: ``calexec
-diagrams``, which writes and checks diagrams/, is drivers/tools/render_diagrams.py).
+"""Render any chart, given as its python-statemachine class or its ``CompiledChart``: DOT
+text, SVG and PNG bytes (no files, no CLI: ``calexec diagrams`` writes and checks calexec's own
+in diagrams/, drivers/tools/render_diagrams.py; ``calexec charts draw MODULE:CLASS`` any chart,
+drivers/tools/charts_cli.py).
 
-The DOT is generated here from the compiled charts (``calexec.machines.compiled``, derived from
-the declarations at import time), so a diagram can only show declared transitions. It is
+The DOT is generated here from the compiled chart (``calexec.machines.compiled.compiled``,
+derived from the declaration), so a diagram can only show declared transitions. It is
 deterministic text; the SVG is rendered by graphviz ``dot`` and carries the sha256 of the DOT it
 was rendered from in a comment, so a staleness check compares DOT text only and never depends on
 graphviz's SVG bytes. A PNG of a chart (for docs/diagrams.md) carries the same sha256 in a PNG ``tEXt`` chunk.
@@ -37,7 +39,7 @@ import zlib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from calexec.machines.compiled import CHARTS, CompiledChart, Transition
+from calexec.machines.compiled import ChartLike, CompiledChart, Transition, compiled
 
 _SHA_COMMENT = "<!-- calexec-dot-sha256: {} -->"
 SHA_PATTERN = re.compile(r"<!-- calexec-dot-sha256: ([0-9a-f]{64}) -->")
@@ -61,10 +63,10 @@ class GraphvizError(RuntimeError):
     """graphviz ``dot`` is missing or failed."""
 
 
-def _chart(chart_name: str) -> CompiledChart:
-    if chart_name not in CHARTS:
-        raise ValueError(f"chart_name={chart_name!r} is not one of {sorted(CHARTS)}")
-    return CHARTS[chart_name]
+def declared_in(chart: CompiledChart) -> str:
+    """Where the chart is declared, as the diagram's title says it: the file of its class's
+    module relative to the import root (``calexec/machines/charts.py``, ``order_workflow.py``)."""
+    return chart.declaration.__module__.replace(".", "/") + ".py"
 
 
 def _q(text: str) -> str:
@@ -149,23 +151,24 @@ def _legend(boxed: bool, finals: list[str]) -> list[str]:
     ]
 
 
-def render_chart_dot(chart_name: str, active_state: str | None = None,
+def render_chart_dot(chart: ChartLike, active_state: str | None = None,
                      taken: Iterable[int] = (), notes: Mapping[str, str] | None = None) -> str:
-    """Deterministic DOT of one chart; ``active_state`` (a state id) is highlighted, the edges
-    of the ``taken`` transition ids drawn in ``PATH_COLOR``, ``notes`` (state -> text) written
-    next to their state (the path of one job, its refusing guards)."""
-    chart = _chart(chart_name)
+    """Deterministic DOT of one chart (a chart class or its ``CompiledChart``);
+    ``active_state`` (a state id) is highlighted, the edges of the ``taken`` transition ids
+    drawn in ``PATH_COLOR``, ``notes`` (state -> text) written next to their state (the path
+    of one job, its refusing guards)."""
+    chart = compiled(chart)
     taken = frozenset(taken)
     notes = dict(notes or {})
     visited = {s for t in chart.transitions if t.id in taken for s in (t.source, t.target)}
     if active_state is not None and active_state not in chart.states:
-        raise ValueError(f"{chart_name}: active_state={active_state!r} is not one of {chart.states}")
+        raise ValueError(f"{chart.name}: active_state={active_state!r} is not one of {chart.states}")
     boxes = groups(chart)
     boxed_ids = {t.id for _, members in boxes for t in members}
     title = chart.declaration.__name__
     out = [
         f"digraph {title} {{",
-        f'label={_q(f"{title} (declared in calexec/machines/charts.py)")}; labelloc=t; '
+        f'label={_q(f"{title} (declared in {declared_in(chart)})")}; labelloc=t; '
         f"fontsize=16; fontname={FONT};",
         "rankdir=TB; compound=true; newrank=true; nodesep=0.35; ranksep=0.55; "
         "splines=true; forcelabels=true;",
@@ -292,13 +295,13 @@ def png_sha(png: bytes) -> str | None:
     return found.group(1).decode("ascii") if found else None
 
 
-def render_path_svg(chart_name: str, steps: Iterable[Mapping[str, Any]]) -> str:
-    """SVG of ``chart_name`` with one run's path drawn on it. ``steps`` are
+def render_path_svg(chart: ChartLike, steps: Iterable[Mapping[str, Any]]) -> str:
+    """SVG of ``chart`` (a chart class or its ``CompiledChart``) with one run's path drawn on it. ``steps`` are
     ``DeviceExecutor.job_trail`` steps (``event``, ``from``, ``to``, ``refused_by``): the taken
     transitions in ``PATH_COLOR``, the last state filled, and inside each state the events
     refused there with their guards (and, for an ``[else]`` fallback, the guards of the
     alternatives passed over, which therefore did not hold)."""
-    chart = _chart(chart_name)
+    chart = compiled(chart)
     taken: set[int] = set()
     notes: dict[str, str] = {}
     last: str | None = None
@@ -309,7 +312,7 @@ def render_path_svg(chart_name: str, steps: Iterable[Mapping[str, Any]]) -> str:
             candidates = chart.table.get((source, event), ())
             chosen = next((t for t in candidates if t.target == target), None)
             if chosen is None:
-                raise ValueError(f"{chart_name}: step {source} --{event}--> {target} is not "
+                raise ValueError(f"{chart.name}: step {source} --{event}--> {target} is not "
                                  "a declared transition")
             taken.add(chosen.id)
             last = target
@@ -322,13 +325,14 @@ def render_path_svg(chart_name: str, steps: Iterable[Mapping[str, Any]]) -> str:
             line = f"refused: {_event_label(event)} {why}"
         if line is not None:
             notes[source] = f"{notes[source]}\n{line}" if source in notes else line
-    return svg_from_dot(render_chart_dot(chart_name, last, taken, notes))
+    return svg_from_dot(render_chart_dot(chart, last, taken, notes))
 
 
-def render_chart_svg(chart_name: str, active_state: str | None = None) -> str:
-    """SVG text of one chart (for a live view), ``active_state`` highlighted.
+def render_chart_svg(chart: ChartLike, active_state: str | None = None) -> str:
+    """SVG text of one chart (a chart class or its ``CompiledChart``; for a live view),
+    ``active_state`` highlighted.
 
-    Raises ``ValueError`` for an unknown chart or state and ``GraphvizError`` when ``dot`` is
-    missing or fails.
+    Raises ``TypeError`` for what is not a chart, ``ValueError`` for an unknown state and
+    ``GraphvizError`` when ``dot`` is missing or fails.
     """
-    return svg_from_dot(render_chart_dot(chart_name, active_state))
+    return svg_from_dot(render_chart_dot(chart, active_state))

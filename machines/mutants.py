@@ -33,6 +33,8 @@ import attrs
 from statemachine import StateMachine
 from statemachine.callbacks import CallbackGroup, CallbackSpec
 
+from calexec.machines.chart_support import refuse_unsupported
+
 ENV = "CALEXEC_CHART_MUTANT"
 ACK_ENV = "CALEXEC_CHART_MUTANT_ACK"
 KINDS = ("guard-true", "guard-false", "drop", "target")
@@ -67,14 +69,8 @@ def _guard_specs(transition: Any) -> list[CallbackSpec]:
 
 
 def _states(declaration: type[StateMachine]) -> list[Any]:
-    states = list(declaration.states)
-    for state in states:
-        if state.states:
-            raise ValueError(
-                f"{declaration.__name__}: compound state {state.id!r}: chart mutation supports "
-                f"flat charts only"
-            )
-    return states
+    refuse_unsupported(declaration, "chart mutation")
+    return list(declaration.states)
 
 
 def _sites(declaration: type[StateMachine], targets_per_transition: int) -> Iterator[tuple[Mutant, Callable[[], None]]]:

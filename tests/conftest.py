@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, Phase, settings
 
 import needs
 
-pytest_plugins = ["transition_coverage_plugin", "driver_fixtures"]
+pytest_plugins = ["driver_fixtures"]
 
 settings.register_profile(
     "ci",

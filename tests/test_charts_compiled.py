@@ -23,7 +23,7 @@ from calexec.machines.compiled import (
     IllegalTransition,
 )
 from calexec.machines.coverage import TransitionListener
-from chartpaths import GuardTable
+from calexec.machines.paths import GuardTable
 
 
 def steps_for(chart, max_size=25):

@@ -18,16 +18,14 @@ from calexec.machines.coverage import (
     recording,
     report,
 )
-from chartpaths import GuardTable
-
-PLUGIN_DIR = Path(__file__).resolve().parent
+from calexec.machines.paths import GuardTable
 
 
 def test_a_recorder_records_only_while_attached():
     """Coverage is a listener someone attaches: a chart nobody listens to records nothing (and
     its send tests an empty tuple), an attached recorder sees each taken transition, a
     detached one stops; ``recording`` scopes one to a block beside the suite's."""
-    kv = compile_chart("kv_txn", KV_TXN.declaration)  # a table of its own: no listener at all
+    kv = compile_chart(KV_TXN.declaration, "kv_txn")  # a table of its own: no listener at all
     rollback = kv.table[("Reserved", "rollback")][0].key
     assert kv.listeners == ()
     recorder = TransitionRecorder()
@@ -43,7 +41,7 @@ def test_a_recorder_records_only_while_attached():
         kv.detach(recorder)
     recorder.clear()
     assert recorder.hits == set()
-    before = KV_TXN.listeners  # the suite's recorder (tests/transition_coverage_plugin.py)
+    before = KV_TXN.listeners  # the suite's recorder (machines/coverage_plugin.py)
     with recording([KV_TXN]) as scoped:
         assert KV_TXN.listeners == before + (scoped,)
         KV_TXN.run(GuardTable.for_chart(KV_TXN)).send("rollback")
@@ -67,24 +65,37 @@ def test_listener_maps_real_transitions_to_compiled_ids():
     ]
 
 
-def _run_pytest(tmp_path: Path, test_body: str, *args: str, gate: str | None = None):
-    (tmp_path / "pytest.ini").write_text("[pytest]\ntestpaths = tests\n")
+CALEXEC_INI = """\
+[pytest]
+testpaths = tests
+chart_coverage =
+    calexec.machines.charts:JobChart
+    calexec.machines.charts:KvTxnChart
+    calexec.machines.charts:LifecycleChart
+    calexec.machines.charts:BufferSlotChart
+chart_coverage_min = 100
+"""
+
+
+def _run_pytest(tmp_path: Path, test_body: str, *args: str, gate: str | None = None,
+                ini: str = CALEXEC_INI):
+    """pytest in a project of its own (``tmp_path``): the plugin comes from calexec's entry
+    point, as in any project where calexec is installed."""
+    (tmp_path / "pytest.ini").write_text(ini)
     tests = tmp_path / "tests"
     tests.mkdir(exist_ok=True)
     (tests / "test_sample.py").write_text(textwrap.dedent(test_body))
     env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "CALEXEC_TRANSITION_GATE")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PLUGIN_DIR), env.get("PYTHONPATH")]))
     if gate is not None:
         env["CALEXEC_TRANSITION_GATE"] = gate
-    command = [sys.executable, "-m", "pytest", "-p", "transition_coverage_plugin",
-               "-p", "no:cacheprovider", "-q", *args]
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", *args]
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     return done.returncode, done.stdout + done.stderr
 
 
 PARTIAL = """
     from calexec.machines.compiled import KV_TXN
-    from chartpaths import GuardTable
+    from calexec.machines.paths import GuardTable
 
     def test_one():
         KV_TXN.run(GuardTable.for_chart(KV_TXN)).send("rollback")
@@ -92,7 +103,7 @@ PARTIAL = """
 
 FULL = """
     from calexec.machines.compiled import CHARTS
-    from chartpaths import GuardTable, drive, transition_paths
+    from calexec.machines.paths import GuardTable, drive, transition_paths
 
     def test_all():
         for chart in CHARTS.values():
@@ -101,11 +112,11 @@ FULL = """
 """
 
 
-def test_gate_fails_a_whole_passing_suite_below_full_coverage(tmp_path):
+def test_configured_gate_fails_a_whole_passing_suite_below_full_coverage(tmp_path):
     status, output = _run_pytest(tmp_path, PARTIAL)
     assert status == 1, output
     assert "transition coverage kv_txn: 1/4" in output
-    assert "transition coverage gate FAILED for kv_txn" in output
+    assert "transition coverage gate FAILED for kv_txn: 25.0 % < 100 %" in output
     assert "Submitted --commit [device_finished_and_output_valid]--> Committed" in output
 
 
@@ -114,16 +125,86 @@ def test_gate_fails_a_whole_passing_suite_below_full_coverage(tmp_path):
     [((), "0"), (("-k", "one"), None), (("tests/test_sample.py",), None)],
     ids=["env-off", "keyword", "file-arg"],
 )
-def test_gate_off_for_partial_runs_or_env(tmp_path, args, gate):
+def test_configured_gate_off_for_partial_runs_or_env(tmp_path, args, gate):
     status, output = _run_pytest(tmp_path, PARTIAL, *args, gate=gate)
     assert status == 0, output
     assert "transition coverage kv_txn: 1/4" in output
     assert "gate FAILED" not in output
 
 
-def test_gate_passes_at_full_coverage(tmp_path):
+def test_configured_gate_passes_at_full_coverage(tmp_path):
     status, output = _run_pytest(tmp_path, FULL)
     assert status == 0, output
     for chart in CHARTS.values():
         n = len(chart.transitions)
         assert f"transition coverage {chart.name}: {n}/{n}" in output
+
+
+USER_CHART = """
+    from statemachine import State, StateMachine
+
+
+    class Kettle(StateMachine):
+        cold = State(initial=True)
+        hot = State()
+        empty = State(final=True)
+
+        heat = cold.to(hot, cond="has_water") | cold.to(empty)
+        cool = hot.to(cold)
+"""
+
+USER_TESTS = """
+    from kettle import Kettle
+
+
+    class Water:
+        def __init__(self, full):
+            self.full = full
+
+        def has_water(self):
+            return self.full
+
+
+    def test_heat_and_cool():
+        kettle = Kettle(Water(True))
+        kettle.send("heat")
+        kettle.send("cool")
+"""
+
+
+def test_command_line_gate_counts_real_instances_of_a_user_chart(tmp_path):
+    """A user's project, a chart of its own, python-statemachine instances only: the command
+    line gate judges this run (a file argument included) and names the untaken transition."""
+    (tmp_path / "kettle.py").write_text(textwrap.dedent(USER_CHART))
+    ini = "[pytest]\ntestpaths = tests\npythonpath = .\n"
+    status, output = _run_pytest(tmp_path, USER_TESTS, "--chart-coverage=kettle:Kettle",
+                                 "--chart-coverage-min=100", "tests/test_sample.py", ini=ini)
+    assert status == 1, output
+    assert "transition coverage Kettle: 2/3" in output
+    assert "transition coverage gate FAILED for Kettle: 66.7 % < 100 %" in output
+    assert "    cold --heat--> empty" in output
+    status, output = _run_pytest(tmp_path, USER_TESTS, "--chart-coverage=kettle:Kettle",
+                                 "--chart-coverage-min=60", ini=ini)
+    assert status == 0 and "transition coverage Kettle: 2/3" in output, output
+    status, output = _run_pytest(tmp_path, USER_TESTS, "--chart-coverage=kettle:Kettle", ini=ini)
+    assert status == 0 and "transition coverage Kettle: 2/3" in output, output
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--chart-coverage=kettle",), "--chart-coverage 'kettle': expected MODULE:CLASS"),
+        (("--chart-coverage=nowhere:Kettle",), "--chart-coverage 'nowhere:Kettle': cannot import"),
+        (("--chart-coverage=kettle:Pot",), "module 'kettle' has no attribute 'Pot'"),
+        (("--chart-coverage=kettle:Kettle", "--chart-coverage-min=120"),
+         "--chart-coverage-min='120.0': expected a percentage"),
+        (("--chart-coverage-min=50",), "--chart-coverage-min needs --chart-coverage"),
+    ],
+    ids=["no-colon", "no-module", "no-class", "min-out-of-range", "min-without-chart"],
+)
+def test_bad_plugin_options_are_one_usage_error(tmp_path, args, message):
+    (tmp_path / "kettle.py").write_text(textwrap.dedent(USER_CHART))
+    ini = "[pytest]\ntestpaths = tests\npythonpath = .\n"
+    status, output = _run_pytest(tmp_path, USER_TESTS, *args, ini=ini)
+    assert status == 4, output  # pytest's usage error
+    assert message in output and "Traceback" not in output, output

@@ -18,7 +18,7 @@ from calexec.machines.compiled import (
     IllegalTransition,
 )
 from calexec.machines.coverage import TransitionListener
-from chartpaths import GuardTable, winning_guards
+from calexec.machines.paths import GuardTable, winning_guards
 
 
 def both(chart, state, outcomes=None):

@@ -32,8 +32,8 @@ def test_render_then_check_passes(rendered):
 
 def test_dot_is_deterministic_and_complete():
     for name, chart in CHARTS.items():
-        dot = diagrams.render_chart_dot(name)
-        assert dot == diagrams.render_chart_dot(name)
+        dot = diagrams.render_chart_dot(CHARTS[name])
+        assert dot == diagrams.render_chart_dot(CHARTS[name])
         assert not re.search(r"_\d{6,}", dot), "object ids leaked into the DOT"
         for state in chart.states:
             assert re.search(rf"^\s*{state} \[", dot, re.M), state
@@ -64,14 +64,14 @@ def test_svg_missing_or_from_another_dot_fails_check(rendered, tmp_path, capsys)
 
 @pytest.mark.requires_tool("dot")
 def test_live_view_highlights_the_active_state():
-    svg = diagrams.render_chart_svg("job", active_state="Submitted")
+    svg = diagrams.render_chart_svg(CHARTS["job"], active_state="Submitted")
     assert svg.startswith("<?xml") and "calexec-dot-sha256" in svg
-    active = diagrams.render_chart_dot("job", active_state="Submitted")
+    active = diagrams.render_chart_dot(CHARTS["job"], active_state="Submitted")
     assert re.search(r"^\s*Submitted \[.*fillcolor=turquoise", active, re.M)
     assert not re.search(r"^\s*Created \[.*fillcolor=turquoise", active, re.M)
     with pytest.raises(ValueError, match="active_state='Nowhere'"):
-        diagrams.render_chart_dot("job", active_state="Nowhere")
-    with pytest.raises(ValueError, match="chart_name='nope'"):
+        diagrams.render_chart_dot(CHARTS["job"], active_state="Nowhere")
+    with pytest.raises(TypeError, match="'nope' is not a python-statemachine chart class"):
         diagrams.render_chart_svg("nope")
 
 
@@ -109,7 +109,7 @@ def parse(dot: str):
 def test_diagram_shows_exactly_the_declared_transitions():
     """Expanding every box edge to the states in its box gives back the compiled table."""
     for name, chart in CHARTS.items():
-        members, edges = parse(diagrams.render_chart_dot(name))
+        members, edges = parse(diagrams.render_chart_dot(CHARTS[name]))
         drawn = set()
         for tail, head, lines, ltail in edges:
             sources = members[ltail] if ltail else {tail}
@@ -120,7 +120,7 @@ def test_diagram_shows_exactly_the_declared_transitions():
 
 
 def test_job_chart_draws_one_cancel_and_one_fail_edge_from_boxes():
-    members, edges = parse(diagrams.render_chart_dot("job"))
+    members, edges = parse(diagrams.render_chart_dot(CHARTS["job"]))
     cancel = [e for e in edges if "Cancel" in e[2]]
     assert len(cancel) == 1
     assert members[cancel[0][3]] == {"Created", "Admitted", "Preparing", "Queued", "Submitted",
@@ -134,18 +134,18 @@ def test_job_chart_draws_one_cancel_and_one_fail_edge_from_boxes():
 
 
 def test_lifecycle_and_slot_group_their_any_state_transitions():
-    members, edges = parse(diagrams.render_chart_dot("lifecycle"))
+    members, edges = parse(diagrams.render_chart_dot(CHARTS["lifecycle"]))
     fail = [e for e in edges if any(line.startswith("Fail") for line in e[2])]
     assert len(fail) == 1 and members[fail[0][3]] == {"Configuring", "Warming", "Ready",
                                                       "Draining", "Recovering"}
-    members, edges = parse(diagrams.render_chart_dot("buffer_slot"))
+    members, edges = parse(diagrams.render_chart_dot(CHARTS["buffer_slot"]))
     quarantine = [e for e in edges if "Quarantine" in e[2]]
     assert len(quarantine) == 1 and members[quarantine[0][3]] == {"Free", "Leased", "InFlight"}
 
 
 def test_every_diagram_has_a_legend_and_attached_labels():
     for name in CHARTS:
-        dot = diagrams.render_chart_dot(name)
+        dot = diagrams.render_chart_dot(CHARTS[name])
         assert "subgraph cluster_legend {" in dot, name
         assert re.search(r"final state \(double border\)", dot)
         assert re.search(r"taken only when guards", dot)
@@ -154,7 +154,7 @@ def test_every_diagram_has_a_legend_and_attached_labels():
         _, edges = parse(dot)
         pairs = [(e[3] or e[0], e[1]) for e in edges]
         assert len(pairs) == len(set(pairs)), name
-    assert "[else]" in diagrams.render_chart_dot("buffer_slot")  # give_back's fallback
+    assert "[else]" in diagrams.render_chart_dot(CHARTS["buffer_slot"])  # give_back's fallback
 
 
 @pytest.mark.requires_tool("dot")
@@ -164,7 +164,7 @@ def test_svg_text_stays_legible(rendered):
         sizes = [float(s) for s in re.findall(r'font-size="([\d.]+)"', svg)]
         assert sizes and min(sizes) >= 11.0, (name, min(sizes))
         # natural size (no graphviz "size" shrink): points map 1:1 to CSS pixels at 100 %
-        assert "viewBox" in svg and not re.search(r"^size=", diagrams.render_chart_dot(name),
+        assert "viewBox" in svg and not re.search(r"^size=", diagrams.render_chart_dot(CHARTS[name]),
                                                   re.M)
 
 

@@ -16,7 +16,7 @@ from calexec.drivers.tools import charts_mutate
 from calexec.machines import mutants
 from calexec.machines.charts import JobChart
 from calexec.machines.compiled import GuardRejected, IllegalTransition, compile_chart
-from chartpaths import GuardTable
+from calexec.machines.paths import GuardTable
 
 DOOR = '''
 from statemachine import State, StateMachine
@@ -165,7 +165,7 @@ def test_mutant_that_never_reaches_the_chart_is_an_error(tmp_path, capsys):
         (["--chart", "door:Door", "--mutant", "drop:nowhere"], "--test-cmd is required"),
         (["--chart", "door:Door", "--test-cmd", "true", "--mutant", "drop:nowhere"],
          "--mutant 'drop:nowhere': no such mutant"),
-        (["--chart", "door:Nope", "--test-cmd", "true"], "'Nope' in door is not"),
+        (["--chart", "door:Nope", "--test-cmd", "true"], "module 'door' has no attribute 'Nope'"),
         (["--chart", "nosuchmodule:Door", "--test-cmd", "true"], "cannot import module"),
         (["--chart", "door", "--test-cmd", "true"], "expected one of job, kv_txn"),
         (["--chart", "door:Door", "--test-cmd", "false"], "fails without any mutant"),
@@ -220,7 +220,7 @@ def test_mutants_are_derived_from_the_declaration():
 def test_compiled_table_follows_the_mutated_declaration(mutant, outcomes, expected):
     light = _light()
     mutants.apply(light, mutant)
-    chart = compile_chart("light", light)
+    chart = compile_chart(light, "light")
     model = GuardTable.for_chart(chart, outcomes=outcomes, default=False)
     run = chart.run(model)
     machine = light(GuardTable.for_chart(chart, outcomes=outcomes, default=False))
@@ -239,7 +239,7 @@ def test_compiled_table_follows_the_mutated_declaration(mutant, outcomes, expect
 def test_unless_guard_keeps_its_sense():
     light = _light()
     mutants.apply(light, "guard-true:on-fail->burnt:!fused")  # fused() forced true: refused
-    chart = compile_chart("light", light)
+    chart = compile_chart(light, "light")
     with pytest.raises(GuardRejected):
         chart.run(GuardTable.for_chart(chart, default=False), "on").send("fail")
 

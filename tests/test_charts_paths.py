@@ -12,7 +12,7 @@ import pytest
 
 from calexec.machines.compiled import CHARTS, JOB
 from calexec.machines.coverage import TransitionListener, recording
-from chartpaths import GuardTable, drive, transition_paths, winning_guards
+from calexec.machines.paths import GuardTable, drive, transition_paths, winning_guards
 
 ALL_PATHS = [(chart, path) for chart in CHARTS.values() for path in transition_paths(chart)]
 

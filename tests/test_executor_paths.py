@@ -22,8 +22,8 @@ from calexec.machines.compiled import CHARTS, JOB, KV_TXN
 from calexec.machines.completion import Completion
 from calexec.machines.coverage import recording as recording_transitions
 from calexec.machines.job import job_of
+from calexec.machines.paths import transition_paths
 from calexec.machines.pool import BufferPool, BufferSlot
-from chartpaths import transition_paths
 from executor_harness import arm, deadline, decode, greedy, prefill, until, write_calbin
 from executor_harness import running_job_path as running_executor
 

@@ -50,6 +50,10 @@ THIRD_PARTY = {
                 "(tests/test_charts_mutate.py)",
     "_events": "python-statemachine StateMachine class: its declared events in declaration "
                "order (machines/compiled.py; tests/test_charts_compiled.py)",
+    "_class_listeners": "python-statemachine chart class: the listeners every new instance "
+                        "gets (the class's ``listeners`` attribute, collected at class "
+                        "creation); machines/coverage.py ``track`` adds one for a test session "
+                        "and removes it (tests/test_charts_toolkit.py)",
     "_actions": "argparse.ArgumentParser: no public list of a parser's arguments "
                 "(tests/test_cli.py checks that every flag has help)",
 }

@@ -28,7 +28,7 @@ JOB_ID = re.compile(r"[0-9]{1,18}")
 
 @functools.lru_cache(maxsize=64)
 def chart_svg_cached(chart: str, active: str | None) -> str:
-    return render_chart_svg(chart, active)
+    return render_chart_svg(CHARTS[chart], active)
 
 
 def no_graphviz(err: GraphvizError, route: str) -> Response:

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from calexec.drivers.serving.executor_view import ServedExecutor
-from calexec.machines.compiled import CHARTS
+from calexec.machines.compiled import CHARTS, JOB
 from calexec.machines.diagrams import EDGE_ID, NODE_ID, render_path_svg
 
 WINDOW_S = 60.0
@@ -224,7 +224,7 @@ def path_page(record: dict[str, Any]) -> str:
     """HTML of one job's path (a ``DeviceExecutor.job_trail`` record): the job chart with the
     path drawn, and the steps in order."""
     steps = record["trail"]
-    svg = render_path_svg("job", steps)
+    svg = render_path_svg(JOB, steps)
     svg = svg[svg.index("?>") + 2:] if svg.startswith("<?xml") else svg
     t0 = steps[0]["t"] if steps else 0.0
     rows = "".join(

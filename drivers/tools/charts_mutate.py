@@ -23,7 +23,6 @@ Report: Markdown on stdout (``--json``: JSON instead), both into ``--report DIR`
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import random
@@ -43,6 +42,7 @@ import attrs
 
 from calexec import cliargs
 from calexec.machines import mutants as mutants_mod
+from calexec.machines.chartref import ChartRefError, load_chart
 
 #: calexec's own charts, by the names ``machines.charts.DECLARED`` gives them.
 CALEXEC_CHARTS = {
@@ -169,22 +169,14 @@ def _resolve_chart(spec: str, cwd: Path) -> Chart:
     name, target = spec, CALEXEC_CHARTS.get(spec, spec)
     if "=" in spec:
         name, _, target = spec.partition("=")
-    module_name, sep, class_name = target.partition(":")
-    if not sep or not module_name or not class_name:
+    if ":" not in target:
         raise ValueError(f"--chart {spec!r}: expected one of {', '.join(CALEXEC_CHARTS)} or "
-                         f"module:Class")
-    if str(cwd) not in sys.path:
-        sys.path.insert(0, str(cwd))
+                         f"MODULE:CLASS")
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(f"--chart {spec!r}: cannot import module {module_name!r}: {err}") from err
-    declaration = getattr(module, class_name, None)
-    from statemachine import StateChart
-
-    if not (isinstance(declaration, type) and issubclass(declaration, StateChart)):
-        raise ValueError(f"--chart {spec!r}: {class_name!r} in {module_name} is not a "
-                         f"python-statemachine StateMachine class")
+        declaration = load_chart(target, str(cwd))
+    except ChartRefError as err:
+        raise ValueError(f"--chart {err}") from None
+    class_name = target.partition(":")[2]
     if spec == target and ":" in spec:  # a bare module:Class: calexec's own keep their names
         name = next((n for n, t in CALEXEC_CHARTS.items() if t == target), class_name)
     return Chart(name, target, declaration)

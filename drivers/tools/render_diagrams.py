@@ -30,7 +30,7 @@ def write_all(out: Path, png: Path | None = None) -> list[Path]:
         png.mkdir(parents=True, exist_ok=True)
     written = []
     for name in CHARTS:
-        dot = render_chart_dot(name)
+        dot = render_chart_dot(CHARTS[name])
         (out / f"{name}.dot").write_text(dot, encoding="utf-8")
         (out / f"{name}.svg").write_text(svg_from_dot(dot), encoding="utf-8")
         written += [out / f"{name}.dot", out / f"{name}.svg"]
@@ -48,13 +48,13 @@ def stale_files(out: Path, png: Path | None = None) -> list[str]:
     for name in CHARTS:
         if png is not None:
             png_path = png / f"{name}.png"
-            expected = hashlib.sha256(render_chart_dot(name).encode("utf-8")).hexdigest()
+            expected = hashlib.sha256(render_chart_dot(CHARTS[name]).encode("utf-8")).hexdigest()
             if not png_path.is_file():
                 problems.append(f"{png_path}: missing")
             elif png_sha(png_path.read_bytes()) != expected:
                 problems.append(f"{png_path}: not rendered from the current DOT")
         dot_path, svg_path = out / f"{name}.dot", out / f"{name}.svg"
-        fresh = render_chart_dot(name)
+        fresh = render_chart_dot(CHARTS[name])
         if not dot_path.is_file():
             problems.append(f"{dot_path}: missing")
         elif dot_path.read_text(encoding="utf-8") != fresh:

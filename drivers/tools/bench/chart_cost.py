@@ -24,7 +24,7 @@ JOB_EVENTS = ("admit", "begin_preparation", "enqueue", "infer_accepted", "wait_r
 KV_EVENTS = ("mark_submitted", "commit")
 SLOT_EVENTS = ("lease", "submit", "device_done", "give_back")
 #: the measured tables: compiled from the declarations, never given a listener
-TABLES = {name: compile_chart(name, declaration) for name, declaration in DECLARED.items()}
+TABLES = {name: compile_chart(declaration, name) for name, declaration in DECLARED.items()}
 WORKLOAD = ((TABLES["job"], JOB_EVENTS), (TABLES["kv_txn"], KV_EVENTS),
             (TABLES["buffer_slot"], SLOT_EVENTS))
 

@@ -1,0 +1,157 @@
+"""``calexec charts draw MODULE:CLASS`` and ``calexec charts paths MODULE:CLASS``: the
+statechart toolkit on any python-statemachine chart class, run from the project directory
+that declares it (``MODULE`` is imported from the current directory, see
+``calexec.machines.chartref``).
+
+``draw`` writes ``<out>/<Class>.dot`` and ``.svg`` (``--png``: and ``.png``), or with
+``--check`` exits 1 when those files are not what the chart renders now (compares DOT text
+and the DOT sha256 the SVG/PNG carry; needs no graphviz). ``paths`` prints the shortest path
+to every state, to every transition, and a transition tour (walks from the initial state that
+together take every transition), as text or, with ``--json``, as data a test can iterate
+(``calexec.machines.paths.as_data``).
+
+Exit codes: 0 done; 1 ``--check`` found a stale file; 2 bad input (one line naming it: not
+``MODULE:CLASS``, module not importable, no such class, not a chart class, a construct the
+toolkit does not support yet, graphviz missing).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+from calexec.cliargs import EXIT_CONFIG, EXIT_FAILED, UserError
+from calexec.cliargs import parser as cli_parser
+from calexec.machines.chartref import ChartRefError, load_chart
+from calexec.machines.compiled import CompiledChart, compiled
+from calexec.machines.diagrams import (
+    SHA_PATTERN,
+    GraphvizError,
+    png_from_dot,
+    png_sha,
+    render_chart_dot,
+    svg_from_dot,
+)
+from calexec.machines.paths import as_data
+
+
+def chart_from(ref: str) -> CompiledChart:
+    """The compiled chart ``ref`` (``MODULE:CLASS``) names, or ``UserError`` (exit 2)."""
+    try:
+        return compiled(load_chart(ref))
+    except (ChartRefError, ValueError, TypeError) as err:  # bad reference, unsupported chart
+        raise UserError(str(err).splitlines()[0] if str(err) else repr(err)) from None
+
+
+def stale(chart: CompiledChart, out: Path, png: bool) -> list[str]:
+    """One message per file of ``chart`` in ``out`` that is missing or not current."""
+    dot = render_chart_dot(chart)
+    sha = hashlib.sha256(dot.encode("utf-8")).hexdigest()
+    stem = out / chart.declaration.__name__
+    problems = []
+    dot_path, svg_path = stem.with_suffix(".dot"), stem.with_suffix(".svg")
+    if not dot_path.is_file():
+        problems.append(f"{dot_path}: missing")
+    elif dot_path.read_text(encoding="utf-8") != dot:
+        problems.append(f"{dot_path}: differs from the declared chart")
+    if not svg_path.is_file():
+        problems.append(f"{svg_path}: missing")
+    else:
+        found = SHA_PATTERN.search(svg_path.read_text(encoding="utf-8"))
+        if found is None or found.group(1) != sha:
+            problems.append(f"{svg_path}: not rendered from the current DOT")
+    if png:
+        png_path = stem.with_suffix(".png")
+        if not png_path.is_file():
+            problems.append(f"{png_path}: missing")
+        elif png_sha(png_path.read_bytes()) != sha:
+            problems.append(f"{png_path}: not rendered from the current DOT")
+    return problems
+
+
+def draw(argv: list[str]) -> int:
+    parser = cli_parser("calexec charts draw", __doc__)
+    parser.add_argument("chart", metavar="MODULE:CLASS", help="the chart class to draw")
+    parser.add_argument("--out", type=Path, default=Path("diagrams"),
+                        help="directory of <Class>.dot/.svg(/.png)")
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 if the files in --out are not what the chart renders now")
+    parser.add_argument("--png", action="store_true", help="also write (or check) <Class>.png")
+    args = parser.parse_args(argv)
+    chart = chart_from(args.chart)
+    if args.check:
+        problems = stale(chart, args.out, args.png)
+        for problem in problems:
+            print(f"stale: {problem}", file=sys.stderr)
+        if problems:
+            print(f"fix: calexec charts draw {args.chart} --out {args.out}"
+                  + (" --png" if args.png else ""), file=sys.stderr)
+            return EXIT_FAILED
+        print(f"{chart.name}: diagrams in {args.out} are up to date")
+        return 0
+    dot = render_chart_dot(chart)
+    stem = args.out / chart.declaration.__name__
+    try:
+        svg = svg_from_dot(dot)
+        png = png_from_dot(dot) if args.png else None
+        args.out.mkdir(parents=True, exist_ok=True)
+        stem.with_suffix(".dot").write_text(dot, encoding="utf-8")
+        stem.with_suffix(".svg").write_text(svg, encoding="utf-8")
+        written = [stem.with_suffix(".dot"), stem.with_suffix(".svg")]
+        if png is not None:
+            stem.with_suffix(".png").write_bytes(png)
+            written.append(stem.with_suffix(".png"))
+    except GraphvizError as err:
+        raise UserError(f"graphviz's dot failed (install graphviz): "
+                        f"{str(err).splitlines()[0]}") from None
+    except OSError as err:
+        raise UserError(f"--out={str(args.out)!r}: {err.strerror or err}") from None
+    for path in written:
+        print(path)
+    return 0
+
+
+def _text(data: dict) -> str:
+    def steps(walk: list[dict]) -> str:
+        if not walk:
+            return "(initial state)"
+        return " ".join(
+            f"{s['event']}" + (f"[{','.join(k if v else '!' + k for k, v in s['guards'].items())}]"
+                               if s["guards"] else "")
+            for s in walk)
+
+    lines = [f"{data['chart']} ({data['class']}): initial {data['initial']}, finals "
+             f"{', '.join(data['finals']) or 'none'}", "", "shortest path to every state:"]
+    lines += [f"  {state}: {steps(walk)}" for state, walk in data["states"].items()]
+    lines += ["", "shortest path taking every transition:"]
+    lines += [f"  {t['from']} --{t['event']}--> {t['to']}: {steps(t['path'])}"
+              for t in data["transitions"]]
+    lines += ["", f"transition tour ({len(data['tour'])} walk(s) from {data['initial']}):"]
+    lines += [f"  {i + 1}. {steps(walk)}" for i, walk in enumerate(data["tour"])]
+    return "\n".join(lines)
+
+
+def paths(argv: list[str]) -> int:
+    parser = cli_parser("calexec charts paths", __doc__)
+    parser.add_argument("chart", metavar="MODULE:CLASS", help="the chart class")
+    parser.add_argument("--json", action="store_true", help="print JSON (machines.paths.as_data)")
+    args = parser.parse_args(argv)
+    chart = chart_from(args.chart)
+    try:
+        data = as_data(chart)
+    except ValueError as err:  # an unreachable state, a shadowed transition
+        raise UserError(str(err)) from None
+    print(json.dumps(data, indent=2) if args.json else _text(data))
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    """``argv`` starts with the command words (``["charts", "draw", ...]``)."""
+    words, rest = argv[:2], argv[2:]
+    if words == ["charts", "draw"]:
+        return draw(rest)
+    if words == ["charts", "paths"]:
+        return paths(rest)
+    raise UserError(f"unknown command {' '.join(words)!r}", EXIT_CONFIG)

@@ -1,0 +1,116 @@
+"""What the statechart toolkit supports in a python-statemachine chart class, and a refusal
+that names everything else (issue 26: nothing is silently dropped).
+
+Supported (compile, diagrams, coverage, paths, mutation): flat charts of atomic and final
+states; transitions on named events, several per event and state (first passing wins), with
+named ``cond``/``unless`` guards (one method name each) and self-transitions.
+
+Refused by ``unsupported`` (so by ``compiled.compile_chart`` and ``mutants.derive``), each
+named with its state or transition: compound, parallel and history states; eventless
+transitions; multi-target transitions; validators; invoke callbacks; guards that are
+expressions or callables (``compiled``). Refused only where a chart is *run* by the toolkit
+(``CompiledChart.run``, listed by ``actions``): actions (enter/exit of a state, before/on/after
+of a transition, declared or by naming convention on the class), which a compiled run would not
+call, and ``StateChart`` semantics (a refused event ignored, callback errors as events), which
+a compiled run does not follow: such a chart can still be drawn, covered, given paths and
+mutated, and run as python-statemachine runs it.
+
+Imports nothing of calexec (``mutants`` uses it before the charts are imported).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from statemachine import StateChart, StateMachine
+from statemachine.callbacks import CallbackGroup
+
+
+class UnsupportedChart(ValueError):
+    """The chart declares a construct the toolkit does not support yet; the message is one
+    line naming each such construct and where it is declared."""
+
+
+def describe_transition(transition: Any) -> str:
+    """``source --event--> target`` of a python-statemachine transition."""
+    events = "|".join(str(e) for e in transition.events) or "(eventless)"
+    targets = ",".join(t.id for t in transition.targets) or "(none)"
+    return f"{transition.source.id} --{events}--> {targets}"
+
+
+def _all_states(declaration: type[StateChart[Any]]) -> list[Any]:
+    return list(declaration.states_map.values())
+
+
+def unsupported(declaration: type[StateChart[Any]]) -> list[str]:
+    """Each construct of ``declaration`` the toolkit cannot model, with where it is."""
+    found = []
+    for state in _all_states(declaration):
+        if state.parallel:
+            found.append(f"parallel state {state.id!r}")
+        elif state.is_compound:
+            found.append(f"compound state {state.id!r}")
+        for history in getattr(state, "history", ()) or ():
+            found.append(f"history state {history.id!r} in {state.id!r}")
+        for spec in state._specs:
+            if spec.group == CallbackGroup.INVOKE and not spec.is_convention:
+                found.append(f"invoke {spec.func!r} on state {state.id!r}")
+        for transition in state.transitions:
+            if transition.initial:
+                continue
+            where = describe_transition(transition)
+            if transition.is_eventless:
+                found.append(f"eventless transition {where}")
+            if len(transition.targets) != 1:
+                found.append(f"transition {where} with {len(transition.targets)} targets")
+            for spec in transition._specs:
+                if spec.group == CallbackGroup.VALIDATOR and not spec.is_convention:
+                    found.append(f"validator {_name(spec.func)!r} on transition {where}")
+    return found
+
+
+def actions(declaration: type[StateChart[Any]]) -> list[str]:
+    """Each action ``declaration`` declares (or defines by naming convention on the class),
+    with where: what a compiled run would not call."""
+    found = []
+    groups = {CallbackGroup.ENTER: "enter", CallbackGroup.EXIT: "exit",
+              CallbackGroup.BEFORE: "before", CallbackGroup.ON: "on", CallbackGroup.AFTER: "after"}
+    for state in _all_states(declaration):
+        for spec in state._specs:
+            if spec.group in groups and _declared(declaration, spec):
+                found.append(f"{groups[spec.group]} action {_name(spec.func)!r} of state "
+                             f"{state.id!r}")
+        for transition in state.transitions:
+            if transition.initial:
+                continue
+            for spec in transition._specs:
+                if spec.group in groups and _declared(declaration, spec):
+                    found.append(f"{groups[spec.group]} action {_name(spec.func)!r} on "
+                                 f"transition {describe_transition(transition)}")
+    return list(dict.fromkeys(found))
+
+
+def semantics(declaration: type[StateChart[Any]]) -> str | None:
+    """Why a compiled run cannot follow ``declaration``'s semantics, or None."""
+    if not issubclass(declaration, StateMachine):
+        return (f"{declaration.__name__} is a StateChart (a refused event is ignored, callback "
+                f"errors become events); compiled runs follow StateMachine semantics only")
+    return None
+
+
+def _declared(declaration: type[StateChart[Any]], spec: Any) -> bool:
+    if not spec.is_convention:
+        return True
+    return isinstance(spec.func, str) and callable(getattr(declaration, spec.func, None))
+
+
+def _name(func: Any) -> str:
+    return func if isinstance(func, str) else getattr(func, "__name__", repr(func))
+
+
+def refuse_unsupported(declaration: type[StateChart[Any]], tool: str) -> None:
+    """Raise ``UnsupportedChart`` naming every unsupported construct of ``declaration``."""
+    found = unsupported(declaration)
+    if found:
+        raise UnsupportedChart(f"{declaration.__name__}: {tool} does not support yet: "
+                               f"{'; '.join(found)}")

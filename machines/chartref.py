@@ -1,0 +1,48 @@
+"""``MODULE:CLASS`` -> the chart class it names: how the commands (``calexec charts draw``,
+``charts paths``, ``charts mutate``) and the pytest plugin (``--chart-coverage``) are told
+which chart to work on. The module is imported as ``import MODULE`` would from the current
+directory (it is put first on ``sys.path``), so a user's own chart needs no installing.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from typing import Any
+
+from statemachine import StateChart
+
+
+class ChartRefError(ValueError):
+    """``MODULE:CLASS`` does not name a chart class; the message is one line naming what was
+    given and what was expected."""
+
+
+def load_chart(ref: str, cwd: str | None = None) -> type[StateChart[Any]]:
+    """The python-statemachine chart class (a ``StateMachine`` or ``StateChart`` subclass)
+    that ``ref`` (``MODULE:CLASS``, ``CLASS`` may be dotted) names; ``cwd`` (default: the
+    current directory) goes first on ``sys.path``. Raises ``ChartRefError``."""
+    module_name, sep, class_name = ref.partition(":")
+    if not sep or not module_name or not class_name:
+        raise ChartRefError(f"{ref!r}: expected MODULE:CLASS, a chart class and the module "
+                            f"that declares it (e.g. order_workflow:OrderWorkflow)")
+    root = os.path.abspath(cwd or os.getcwd())
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as err:  # noqa: BLE001 - the user's module may raise anything at import
+        raise ChartRefError(f"{ref!r}: cannot import module {module_name!r} from {root} "
+                            f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from err
+    found: object = module
+    for part in class_name.split("."):
+        found = getattr(found, part, None)
+        if found is None:
+            raise ChartRefError(f"{ref!r}: module {module_name!r} has no attribute "
+                                f"{class_name!r} (expected a chart class there)")
+    if not (isinstance(found, type) and issubclass(found, StateChart)):
+        raise ChartRefError(f"{ref!r}: {class_name} is {type(found).__name__} {found!r:.60}, "
+                            f"not a python-statemachine chart class (a StateMachine or "
+                            f"StateChart subclass)")
+    return found

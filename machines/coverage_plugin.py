@@ -1,0 +1,164 @@
+"""pytest plugin (installed with calexec, entry point ``pytest11``): transition coverage of any
+chart class over a test run, and a gate.
+
+    pytest --chart-coverage=order_workflow:OrderWorkflow --chart-coverage-min=100
+
+``--chart-coverage=MODULE:CLASS`` (repeatable; ``MODULE`` imported from the directory pytest is
+run from) records, through a listener (``coverage.track``), every transition any run of that
+class takes during the session: a python-statemachine instance or a compiled run. At the end
+one line per chart, ``transition coverage <chart>: <covered>/<declared>``; with
+``--chart-coverage-min=PCT`` a passing run whose coverage of a chart is below ``PCT`` percent
+fails (exit 1), listing the untaken transitions.
+
+A project makes it its default in its pytest configuration instead (calexec's own
+pyproject.toml does)::
+
+    [tool.pytest.ini_options]
+    chart_coverage = ["order_workflow:OrderWorkflow"]
+    chart_coverage_min = "100"
+
+The configured gate judges only a run of the whole suite (no ``-k``/``-m``, nothing
+deselected, no node ids, no paths but the configured ``testpaths``): one test file alone does
+not take every transition. ``CALEXEC_TRANSITION_GATE=0`` turns the configured gate off. A gate
+given on the command line judges whatever ran. Without either, the plugin does nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+if TYPE_CHECKING:
+    from calexec.machines.coverage import ChartCoverage, TransitionRecorder
+
+_STATE = pytest.StashKey["_Session"]()
+GATE_ENV = "CALEXEC_TRANSITION_GATE"
+
+
+class _Session:
+    def __init__(self, charts: list[Any], recorder: TransitionRecorder, minimum: float | None,
+                 whole_suite_only: bool, undo: list[Callable[[], None]]) -> None:
+        self.charts, self.recorder, self.minimum = charts, recorder, minimum
+        self.whole_suite_only, self.undo = whole_suite_only, undo
+        self.deselected = False
+        self.failed: list[ChartCoverage] = []
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("chart-coverage", "transition coverage of statecharts (calexec)")
+    group.addoption("--chart-coverage", action="append", default=[], metavar="MODULE:CLASS",
+                    help="record the transitions every run of this chart class takes "
+                         "(repeatable)")
+    group.addoption("--chart-coverage-min", type=float, default=None, metavar="PCT",
+                    help="fail a passing run whose coverage of a chart is below PCT percent")
+    parser.addini("chart_coverage", type="linelist", default=[],
+                  help="chart classes (MODULE:CLASS) whose transition coverage is recorded")
+    parser.addini("chart_coverage_min", default="",
+                  help="gate (percent) for a whole-suite run of the configured charts")
+
+
+def _minimum(text: str, origin: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise pytest.UsageError(f"{origin}={text!r}: expected a percentage (0-100)") from None
+    if not 0 <= value <= 100:
+        raise pytest.UsageError(f"{origin}={text!r}: expected a percentage (0-100)")
+    return value
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    refs: list[str] = list(config.getoption("chart_coverage") or [])
+    configured: list[str] = list(config.getini("chart_coverage"))
+    cli_min = config.getoption("chart_coverage_min")
+    if not refs and not configured:
+        if cli_min is not None:
+            raise pytest.UsageError("--chart-coverage-min needs --chart-coverage=MODULE:CLASS "
+                                    "(or chart_coverage in the pytest configuration)")
+        return
+    from calexec.machines.chart_support import UnsupportedChart
+    from calexec.machines.chartref import ChartRefError, load_chart
+    from calexec.machines.coverage import TransitionRecorder, track
+
+    minimum: float | None
+    if cli_min is not None:
+        minimum, whole_suite_only = _minimum(str(cli_min), "--chart-coverage-min"), False
+    elif config.getini("chart_coverage_min") and os.environ.get(GATE_ENV, "1") != "0":
+        minimum = _minimum(str(config.getini("chart_coverage_min")), "chart_coverage_min")
+        whole_suite_only = True
+    else:
+        minimum, whole_suite_only = None, False
+    recorder = TransitionRecorder()
+    charts, undo = [], []
+    for ref in dict.fromkeys(configured + refs):
+        try:
+            declaration = load_chart(ref, str(config.invocation_params.dir))
+            undo.append(track(declaration, recorder))
+        except (ChartRefError, UnsupportedChart, ValueError) as err:
+            for done in undo:
+                done()
+            raise pytest.UsageError(f"--chart-coverage {err}") from None
+        charts.append(declaration)
+    config.stash[_STATE] = _Session(charts, recorder, minimum, whole_suite_only, undo)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    state = config.stash.get(_STATE, None)
+    if state is not None:
+        for undo in state.undo:
+            undo()
+        state.undo = []
+
+
+def pytest_deselected(items: list[pytest.Item]) -> None:
+    if items:
+        state = items[0].config.stash.get(_STATE, None)
+        if state is not None:
+            state.deselected = True
+
+
+def _whole_suite(config: pytest.Config, state: _Session) -> bool:
+    if config.option.keyword or config.option.markexpr or state.deselected:
+        return False
+    root = config.rootpath
+    allowed = {root} | {(root / path).resolve() for path in config.getini("testpaths")}
+    return all(
+        "::" not in arg and Path(config.invocation_params.dir, arg).resolve() in allowed
+        for arg in config.args
+    )
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    config = session.config
+    state = config.stash.get(_STATE, None)
+    if state is None or state.minimum is None or exitstatus != 0:
+        return
+    if state.whole_suite_only and not _whole_suite(config, state):
+        return
+    from calexec.machines.coverage import report
+
+    minimum = state.minimum
+    state.failed = [c for c in report(state.charts, state.recorder) if c.percent < minimum]
+    if state.failed:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    state = config.stash.get(_STATE, None)
+    if state is None:
+        return
+    from calexec.machines.coverage import describe, report
+
+    for coverage in report(state.charts, state.recorder):
+        terminalreporter.write_line(coverage.line())
+    for coverage in state.failed:
+        terminalreporter.write_line(
+            f"transition coverage gate FAILED for {coverage.chart}: {coverage.percent:.1f} % < "
+            f"{state.minimum:g} %; untaken transitions:", red=True)
+        for transition in coverage.untaken:
+            terminalreporter.write_line(f"    {describe(transition)}")

@@ -1,0 +1,227 @@
+"""Model-based test paths from any chart, given as its class or its ``CompiledChart`` (as
+XState's graph utilities): ``transition_paths`` (one shortest path per transition),
+``state_paths`` (one shortest path per state), ``transition_tour`` (a few runs from the initial
+state that together take every transition); ``GuardTable`` and ``drive`` run one on a compiled
+run. ``calexec charts paths MODULE:CLASS --json`` prints the same as data (``as_data``).
+
+For every declared transition: the shortest event path from the initial state that ends by
+taking it (breadth-first over states, guards considered satisfiable). Because the first
+transition whose guards pass wins, each step also carries the guard outcomes that make that
+step's transition the winner (its ``cond`` true, its ``unless`` false, and one guard of every
+earlier candidate for the same state and event failing). A driver sets those outcomes on its
+model (for the executor: the fault plan) before sending the step's event.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any
+
+import attrs
+
+from calexec.machines.compiled import ChartLike, ChartRun, CompiledChart, Transition, compiled
+
+
+@attrs.frozen
+class Path:
+    """The shortest way to take ``transition``: ``steps[-1] is transition``.
+
+    ``events[i]`` is ``steps[i].event``; ``guards[i]`` maps guard name -> required outcome for
+    step ``i`` (guards not named are irrelevant to that step).
+    """
+
+    transition: Transition
+    steps: tuple[Transition, ...]
+    guards: tuple[Mapping[str, bool], ...]
+
+    @property
+    def events(self) -> tuple[str, ...]:
+        return tuple(step.event for step in self.steps)
+
+    @property
+    def target(self) -> str:
+        return self.transition.target
+
+
+@attrs.frozen
+class Walk:
+    """A run from the chart's initial state: ``steps`` taken in order (empty: stay in the
+    initial state), ``guards[i]`` the outcomes that make ``steps[i]`` the one taken, ``end``
+    the state it ends in."""
+
+    steps: tuple[Transition, ...]
+    guards: tuple[Mapping[str, bool], ...]
+    end: str
+
+    @property
+    def events(self) -> tuple[str, ...]:
+        return tuple(step.event for step in self.steps)
+
+
+def winning_guards(chart: ChartLike, transition: Transition) -> Mapping[str, bool] | None:
+    """Guard outcomes under which ``transition`` is the one taken, or ``None`` if it is
+    shadowed (an earlier candidate for the same state and event can never be refused).
+
+    Greedy: each earlier candidate is refused by its first guard not already fixed the other
+    way; enough for the declared charts, where guards of competing transitions do not clash.
+    """
+    chart = compiled(chart)
+    outcome: dict[str, bool] = {name: True for name in transition.conds}
+    for name in transition.unless:
+        if outcome.get(name) is True:
+            return None
+        outcome[name] = False
+    for earlier in chart.table[(transition.source, transition.event)]:
+        if earlier is transition:
+            return MappingProxyType(outcome)
+        refusals = [(n, False) for n in earlier.conds] + [(n, True) for n in earlier.unless]
+        for name, value in refusals:
+            if outcome.get(name, value) == value:
+                outcome[name] = value
+                break
+        else:
+            return None
+    raise ValueError(f"{chart.name}: transition {transition} is not in its own table slot")
+
+
+def _shortest(chart: CompiledChart, start: str,
+              guards: Mapping[int, Mapping[str, bool] | None]) -> dict[str, tuple[Transition, ...]]:
+    """State -> the shortest steps from ``start`` to it (breadth-first, declaration order breaks
+    ties; shadowed transitions are never steps)."""
+    reach: dict[str, tuple[Transition, ...]] = {start: ()}
+    frontier = deque([start])
+    while frontier:
+        state = frontier.popleft()
+        for transition in chart.outgoing(state):
+            if guards[transition.id] is not None and transition.target not in reach:
+                reach[transition.target] = reach[state] + (transition,)
+                frontier.append(transition.target)
+    return reach
+
+
+def _guards(chart: CompiledChart) -> dict[int, Mapping[str, bool] | None]:
+    return {t.id: winning_guards(chart, t) for t in chart.transitions}
+
+
+def transition_paths(chart: ChartLike) -> list[Path]:
+    """One shortest path per declared transition, in ``chart.transitions`` order.
+
+    Raises ``ValueError`` naming any transition that is shadowed or whose source state is
+    unreachable: both are declaration bugs.
+    """
+    chart = compiled(chart)
+    guards = _guards(chart)
+    reach = _shortest(chart, chart.initial, guards)
+    paths = []
+    for transition in chart.transitions:
+        if guards[transition.id] is None:
+            raise ValueError(f"{chart.name}: transition {transition} can never be taken (shadowed)")
+        if transition.source not in reach:
+            raise ValueError(f"{chart.name}: source of {transition} is unreachable")
+        steps = reach[transition.source] + (transition,)
+        # every step's guards are known: a shadowed transition is never on a path (the BFS skips it)
+        paths.append(Path(transition, steps, tuple(guards[s.id] or {} for s in steps)))
+    return paths
+
+
+def state_paths(chart: ChartLike) -> dict[str, Walk]:
+    """State -> the shortest walk from the initial state to it, in ``chart.states`` order (the
+    initial state's walk has no step). Raises ``ValueError`` naming an unreachable state."""
+    chart = compiled(chart)
+    guards = _guards(chart)
+    reach = _shortest(chart, chart.initial, guards)
+    missing = [state for state in chart.states if state not in reach]
+    if missing:
+        raise ValueError(f"{chart.name}: state(s) {', '.join(missing)} unreachable from "
+                         f"{chart.initial}")
+    return {state: Walk(reach[state], tuple(guards[t.id] or {} for t in reach[state]), state)
+            for state in chart.states}
+
+
+def transition_tour(chart: ChartLike) -> list[Walk]:
+    """Walks from the initial state that together take every declared transition: each walk
+    goes on to the nearest transition not taken yet until none is reachable from where it is
+    (a final state), then the next walk starts over. Raises as ``transition_paths`` does."""
+    chart = compiled(chart)
+    transition_paths(chart)  # every transition is takable and its source reachable, or raise
+    guards = _guards(chart)
+    untaken = {t.id for t in chart.transitions}
+    walks = []
+    while untaken:
+        state, steps = chart.initial, []
+        while True:
+            reach = _shortest(chart, state, guards)
+            nearest = min(((len(reach[t.source]), t.id) for t in chart.transitions
+                           if t.id in untaken and t.source in reach), default=None)
+            if nearest is None:
+                break
+            taken = chart.transitions[nearest[1]]
+            for step in reach[taken.source] + (taken,):
+                steps.append(step)
+                untaken.discard(step.id)
+            state = taken.target
+        walks.append(Walk(tuple(steps), tuple(guards[t.id] or {} for t in steps), state))
+    return walks
+
+
+def _steps_data(walk: Path | Walk) -> list[dict[str, Any]]:
+    return [{"event": step.event, "from": step.source, "to": step.target,
+             "guards": dict(outcomes)} for step, outcomes in zip(walk.steps, walk.guards)]
+
+
+def as_data(chart: ChartLike) -> dict[str, Any]:
+    """The paths of ``chart`` as JSON-ready data: ``states`` (state -> steps of its shortest
+    walk), ``transitions`` (one entry per transition with the steps of its shortest path) and
+    ``tour`` (a list of walks, each a list of steps); a step is ``{"event", "from", "to",
+    "guards"}`` with ``guards`` the outcomes to set before sending ``event``."""
+    chart = compiled(chart)
+    return {
+        "chart": chart.name,
+        "class": f"{chart.declaration.__module__}:{chart.declaration.__qualname__}",
+        "initial": chart.initial,
+        "finals": sorted(chart.finals),
+        "states": {state: _steps_data(walk) for state, walk in state_paths(chart).items()},
+        "transitions": [{"event": p.transition.event, "from": p.transition.source,
+                         "to": p.transition.target, "guards": list(p.transition.guards),
+                         "path": _steps_data(p)} for p in transition_paths(chart)],
+        "tour": [_steps_data(walk) for walk in transition_tour(chart)],
+    }
+
+
+class GuardTable:
+    """A model for driving bare charts: guard ``name`` returns ``outcomes.get(name, default)``.
+
+    Build one with ``GuardTable.for_chart(chart)``: python-statemachine resolves guard names
+    on the model when an instance is created, so the guards must exist as methods.
+    """
+
+    def __init__(self, outcomes: Mapping[str, bool] | None = None, default: bool = True) -> None:
+        self.outcomes: dict[str, bool] = dict(outcomes or {})
+        self.default = default
+
+    @classmethod
+    def for_chart(cls, chart: ChartLike, **kwargs: object) -> GuardTable:
+        """An instance whose class has one method per guard name of ``chart``."""
+        chart = compiled(chart)
+        methods = {name: _guard_method(name) for name in sorted(chart.guard_names)}
+        table: GuardTable = type(f"{cls.__name__}_{chart.name}", (cls,), methods)(**kwargs)
+        return table
+
+
+def _guard_method(name: str) -> Callable[[GuardTable], bool]:
+    def guard(self: GuardTable) -> bool:
+        return self.outcomes.get(name, self.default)
+
+    guard.__name__ = name
+    return guard
+
+
+def drive(run: ChartRun, path: Path | Walk) -> str:
+    """Send ``path``'s events to ``run`` (whose model is a ``GuardTable``), setting each step's
+    guard outcomes first; return the final state. Raises as ``ChartRun.send`` does."""
+    for step, outcomes in zip(path.steps, path.guards):
+        run.model.outcomes = dict(outcomes)
+        run.send(step.event)
+    return run.state

@@ -1,0 +1,206 @@
+"""The statechart toolkit's public API on a chart that is not calexec's (issue 26): every tool
+takes the chart class; ``calexec charts draw|paths MODULE:CLASS`` on a user's project, with
+their bad input named in one line (exit 2); calexec's own charts through the same API render
+exactly the committed diagrams."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+from statemachine import State, StateMachine
+
+from calexec.cli import main as cli
+from calexec.machines import diagrams
+from calexec.machines.charts import DECLARED
+from calexec.machines.compiled import CHARTS, compile_chart, compiled
+from calexec.machines.coverage import TransitionRecorder, report, track
+from calexec.machines.paths import GuardTable, as_data, drive, state_paths, transition_tour
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+class Door(StateMachine):
+    """A chart of the test's own: a guarded event with a fallback, a self-loop, two finals."""
+
+    closed = State(initial=True)
+    opened = State()
+    locked = State()
+    removed = State(final=True)
+    broken = State(final=True)
+
+    open = closed.to(opened, cond="has_handle") | closed.to(broken)
+    close = opened.to(closed)
+    lock = closed.to(locked, unless="jammed")
+    unlock = locked.to.itself(cond="jammed") | locked.to(closed)  # type: ignore[no-untyped-call]
+    remove = opened.to(removed)
+
+
+def test_one_compiled_form_per_class_named_after_it():
+    chart = compiled(Door)
+    assert compiled(Door) is chart and compiled(chart) is chart
+    assert chart.name == "Door" and chart.declaration is Door
+    assert chart.initial == "closed" and chart.finals == {"removed", "broken"}
+    assert compile_chart(Door) is not chart  # a fresh table, listeners of its own
+    with pytest.raises(ValueError, match="already compiled as 'Door', not 'door'"):
+        compiled(Door, "door")
+    with pytest.raises(TypeError, match="is not a python-statemachine chart class"):
+        compiled(State)  # type: ignore[arg-type]
+
+
+def test_diagram_of_a_user_chart_names_its_own_module():
+    dot = diagrams.render_chart_dot(Door)
+    assert dot == diagrams.render_chart_dot(compiled(Door))
+    assert f"Door (declared in {Door.__module__.replace('.', '/')}.py)" in dot
+    assert "calexec/machines/charts.py" not in dot
+    assert "Open [has_handle]" in dot and "Open [else]" in dot and "Lock [!jammed]" in dot
+
+
+def test_calexec_charts_render_their_committed_diagrams_through_the_same_api():
+    for name, declaration in DECLARED.items():
+        committed = (REPO / "diagrams" / f"{name}.dot").read_text(encoding="utf-8")
+        assert diagrams.render_chart_dot(declaration) == committed, name
+        assert diagrams.render_chart_dot(CHARTS[name]) == committed, name
+        assert compiled(declaration) is CHARTS[name]
+
+
+def test_state_paths_and_tour_drive_real_instances_to_every_state_and_transition():
+    recorder = TransitionRecorder()
+    undo = track(Door, recorder)
+    try:
+        for state, walk in state_paths(Door).items():
+            model = GuardTable.for_chart(Door)
+            machine = Door(model)
+            for step, outcomes in zip(walk.steps, walk.guards):
+                model.outcomes = dict(outcomes)
+                machine.send(step.event)
+            assert list(machine.configuration_values) == [state] and walk.end == state
+        recorder.clear()
+        tour = transition_tour(Door)
+        for walk in tour:
+            model = GuardTable.for_chart(Door)
+            machine = Door(model)
+            for step, outcomes in zip(walk.steps, walk.guards):
+                model.outcomes = dict(outcomes)
+                machine.send(step.event)
+        (coverage,) = report([Door], recorder)
+        assert coverage.complete and coverage.percent == 100.0, coverage.untaken
+        assert len(tour) == 2  # two finals: a walk ends in each
+    finally:
+        undo()
+    recorder.clear()
+    Door(GuardTable.for_chart(Door, default=False)).send("lock")
+    assert recorder.hits == set()  # untracked: the class listener is gone
+
+
+def test_tracked_compiled_runs_are_recorded_too():
+    recorder = TransitionRecorder()
+    undo = track(Door, recorder)
+    try:
+        for walk in transition_tour(Door):
+            drive(compiled(Door).run(GuardTable.for_chart(Door)), walk)
+    finally:
+        undo()
+    assert report([Door], recorder)[0].complete
+
+
+def test_paths_as_data_is_json_a_test_can_iterate():
+    data = json.loads(json.dumps(as_data(Door)))
+    assert data["class"] == f"{Door.__module__}:Door" and data["initial"] == "closed"
+    assert data["states"]["broken"] == [
+        {"event": "open", "from": "closed", "to": "broken", "guards": {"has_handle": False}}]
+    assert len(data["transitions"]) == len(compiled(Door).transitions)
+    taken = {(s["from"], s["event"], s["to"]) for walk in data["tour"] for s in walk}
+    assert taken == {(t.source, t.event, t.target) for t in compiled(Door).transitions}
+
+
+# ---- the commands, run from a user's project directory --------------------------------------
+PROJECT = """
+    from statemachine import State, StateMachine
+
+
+    class Light(StateMachine):
+        off = State(initial=True)
+        on = State()
+        gone = State(final=True)
+
+        switch = off.to(on, cond="powered") | on.to(off)
+        unplug = on.to(gone)
+
+
+    NOT_A_CHART = 42
+"""
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch):
+    """A user's project directory holding ``<module>.py`` (a name of its own per test: the
+    import is cached) with the chart ``Light``; the commands run from it."""
+    module = f"light_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{module}.py").write_text(textwrap.dedent(PROJECT))
+    (tmp_path / "broken_mod.py").write_text("raise RuntimeError('boom at import')\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path, module
+
+
+def test_paths_command_prints_text_and_json(project, capsys):
+    _, module = project
+    assert cli(["charts", "paths", f"{module}:Light"]) == 0
+    out = capsys.readouterr().out
+    assert "shortest path to every state:" in out and "  gone: switch[powered] unplug" in out
+    assert cli(["charts", "paths", f"{module}:Light", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["chart"] == "Light" and set(data["states"]) == {"off", "on", "gone"}
+    assert sum(len(walk) for walk in data["tour"]) >= 3
+
+
+@pytest.mark.requires_tool("dot")
+def test_draw_writes_then_check_passes_and_a_stale_file_fails(project, capsys):
+    root, module = project
+    assert cli(["charts", "draw", f"{module}:Light", "--png"]) == 0
+    assert sorted(p.name for p in (root / "diagrams").iterdir()) == [
+        "Light.dot", "Light.png", "Light.svg"]
+    dot = (root / "diagrams" / "Light.dot").read_text()
+    assert f"Light (declared in {module}.py)" in dot
+    assert cli(["charts", "draw", f"{module}:Light", "--png", "--check"]) == 0
+    (root / "diagrams" / "Light.dot").write_text(dot + "// edited by hand\n")
+    capsys.readouterr()
+    assert cli(["charts", "draw", f"{module}:Light", "--check"]) == 1
+    err = capsys.readouterr().err
+    assert "Light.dot: differs from the declared chart" in err
+    assert f"fix: calexec charts draw {module}:Light" in err
+
+
+def test_check_without_files_fails_naming_them(project, capsys):
+    _, module = project
+    assert cli(["charts", "draw", f"{module}:Light", "--check", "--out", "nowhere"]) == 1
+    err = capsys.readouterr().err
+    assert "nowhere/Light.dot: missing" in err and "nowhere/Light.svg: missing" in err
+
+
+@pytest.mark.parametrize("command", ["draw", "paths"])
+@pytest.mark.parametrize(
+    ("ref", "message"),
+    [
+        ("{m}", "'{m}': expected MODULE:CLASS"),
+        ("no_such_module:Light", "'no_such_module:Light': cannot import module 'no_such_module'"),
+        ("broken_mod:Light", "'broken_mod:Light': cannot import module 'broken_mod' from "),
+        ("{m}:Nope", "'{m}:Nope': module '{m}' has no attribute 'Nope'"),
+        ("{m}:NOT_A_CHART", "'{m}:NOT_A_CHART': NOT_A_CHART is int 42, not a python-statemachine "
+                            "chart class"),
+        ("{m}:State", "'{m}:State': State is type"),
+    ],
+    ids=["no-colon", "no-module", "module-raises", "no-attribute", "not-a-class", "not-a-chart"],
+)
+def test_bad_chart_reference_is_one_line_exit_2(project, capsys, command, ref, message):
+    _, module = project
+    ref, message = ref.format(m=module), message.format(m=module)
+    assert cli(["charts", command, ref]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
+    assert lines[0].startswith(f"calexec charts {command}: {message}"), lines[0]
+    assert captured.out == ""
