@@ -200,7 +200,7 @@ def test_streamed_text_offsets_equal_the_whole_answers_when_a_stop_string_holds_
 # ---- refusals -----------------------------------------------------------------------------
 COMPLETION_REFUSED = [
     ("logit_bias", {"5": 101}), ("presence_penalty", 2.5), ("frequency_penalty", -2.1),
-    ("best_of", 2), ("suffix", "tail"), ("n", 2), ("logprobs", 21), ("temperature", -1),
+    ("best_of", 2), ("suffix", "tail"), ("n", 0), ("logprobs", 21), ("temperature", -1),
     ("temperature", 3), ("top_p", 0), ("top_k", -3), ("seed", "x"), ("max_tokens", 0),
     ("stop", [""]), ("stop_token_ids", [-1]), ("repetition_penalty", 0),
     ("stream_options", {"include_usage": True}), ("echo", True)]
@@ -210,7 +210,7 @@ CHAT_REFUSED = [
     ("response_format", {"type": "json_object"}), ("modalities", ["text", "audio"]),
     ("audio", {"voice": "alloy"}), ("prediction", {"type": "content", "content": "x"}),
     ("reasoning_effort", "low"), ("verbosity", "low"), ("web_search_options", {}),
-    ("logit_bias", {"a": 1}), ("presence_penalty", 3), ("n", 3), ("top_logprobs", 2),
+    ("logit_bias", {"a": 1}), ("presence_penalty", 3), ("n", 17), ("top_logprobs", 2),
     ("max_completion_tokens", 0), ("messages", [{"role": "tool", "content": "x"}]),
     ("guided_json", {})]
 
@@ -278,11 +278,15 @@ def test_neutral_values_of_refused_parameters_are_accepted(live):
     assert chat.choices[0].finish_reason == "length"
 
 
-def test_batch_prompts_are_refused_naming_the_prompt(live):
-    _, client, _ = live
+def test_a_bad_prompt_in_a_batch_is_refused_naming_the_prompt(live):
+    """Every prompt of a list is checked before any runs (tests/test_openai_batches.py has
+    the batches themselves)."""
+    _, client, service = live
     with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(model=MODEL, prompt=["a", "b"], max_tokens=1)
-    assert err.value.body["param"] == "prompt"
+        client.completions.create(model=MODEL, prompt=[[1, 2], [1 << 30]], max_tokens=1)
+    assert err.value.body["param"] == "prompt" and "outside the vocabulary" in \
+        err.value.body["message"]
+    assert service.sequences.in_use == 0
 
 
 def test_a_wrong_model_is_a_404_like_vllm(live):

@@ -10,12 +10,16 @@ into text (stop strings, echo, logprobs) and the OpenAI JSON. docs/server.md has
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import hmac
 import time
 import typing
-from collections.abc import Callable
+import uuid
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Annotated, Any, TypeVar, cast
 
+import anyio
 import attrs
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -326,8 +330,8 @@ def refusal(body: _Body) -> None:
         if name in fields and fields[name].annotation is Any \
                 and not neutral(getattr(body, name)):
             raise Refusal(invalid(f"{name}={getattr(body, name)!r:.80}: {why}"), name)
-    if body.n != 1:
-        raise Refusal(invalid(f"n={body.n}: only n=1 is supported"), "n")
+    if body.n < 1:
+        raise Refusal(invalid(f"n={body.n}: must be >= 1"), "n")
     if body.stream_options is not None:
         if not body.stream:
             raise Refusal(invalid("stream_options: only allowed with stream=true"),
@@ -642,6 +646,65 @@ def continue_from(resume: handoff.Resume, run: RequestRun, out: TextOutput, shap
         run.finish_reason = "length"
 
 
+# ---- several choices: prompt lists and n ----------------------------------------------------
+def choices_refusal(prompts: int, n: int, cap: int) -> None:
+    """Raise :class:`Refusal` when ``prompts`` x ``n`` choices exceed the server's
+    ``max_choices`` (naming ``n``, or ``prompt`` when n is 1)."""
+    if prompts * n <= cap:
+        return
+    if n == 1:
+        raise Refusal(invalid(f"prompt: {prompts} prompts > max_choices={cap}, the server's "
+                              "cap on choices (prompts x n) per request; send fewer"),
+                      "prompt")
+    raise Refusal(invalid(f"n={n}: {prompts} prompt(s) x n = {prompts * n} choices > "
+                          f"max_choices={cap}, the server's cap per request"), "n")
+
+
+def choice_seed(seed: int | None, k: int) -> int | None:
+    """The seed of choice ``k`` of a request with ``seed``: choice 0 keeps it (n=1 draws the
+    same), the others get one derived from (seed, k), so every choice draws differently and
+    the same request draws the same choices again."""
+    if seed is None or k == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{k}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1  # in [0, 2**63): a valid seed
+
+
+class _Choices:
+    """The shared state of a request of several choices (``_generate_many``)."""
+
+    def __init__(self, n: int, count: int, response_id: str) -> None:
+        self.n = n
+        self.id, self.created = response_id, int(time.time())
+        #: (status, param, counted already by the run's finish)
+        self.failure: tuple[Status, str | None, bool] | None = None
+        self.results: list[dict[str, Any] | None] = [None] * count
+        self.extra: dict[str, Any] = {}
+        self.runs: list[RequestRun] = []
+        #: a stream's chunks, in the order the choices make them; None: every choice ended
+        self.events: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        self.prompt_tokens = self.completion_tokens = 0
+
+    def fail(self, status: Status, param: str | None, counted: bool) -> None:
+        if self.failure is None:  # the first failure is the answer
+            self.failure = (status, param, counted)
+
+    def count(self, k: int, run: RequestRun) -> None:
+        """Usage as OpenAI counts it: a prompt's tokens once (its first choice), every
+        choice's completion tokens."""
+        if k % self.n == 0:
+            self.prompt_tokens += len(run.prompt)
+        self.completion_tokens += len(run.tokens)
+
+    def failed_to_finish(self) -> bool:
+        return any(result is None for result in self.results)
+
+    def usage(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+
 # ---- routes ---------------------------------------------------------------------------------
 def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Response]) -> None:
     """Register the OpenAI endpoints on ``app`` (``fail(status, param, http_status)`` renders
@@ -728,28 +791,39 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
             refusal(body)
             # null: the start of a document (OpenAI's document separator; the end token here)
             prompt = [config.end_token_id] if body.prompt is None else body.prompt
-            if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-                raise Refusal(invalid("prompt: a list of prompts (batch) is not supported; "
-                                      "send one string or one list of token ids"), "prompt")
+            # a list of strings or of token lists: a batch, one choice (n) per prompt
+            batch = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+            prompts = cast(list[str | list[int]], prompt if batch else [prompt])
+            choices_refusal(len(prompts), body.n, config.max_choices)
             if body.echo and body.logprobs is not None:
                 raise Refusal(invalid("echo=true with logprobs needs the prompt's logprobs, "
                                       "which are not computed"), "echo")
             params = sampling_params(body, body.logprobs, vocab(), config.end_token_id)
             special = True if body.add_special_tokens is None else body.add_special_tokens
-            ids = (service.tokenizer.encode(prompt, special) if isinstance(prompt, str)
-                   else list(cast(list[int], prompt)))  # a list past the check: token ids
-            kept = truncated(ids, body.truncate_prompt_tokens)
+            prepared: list[tuple[list[int], str]] = []  # (prompt ids, echo) per prompt
+            for one in prompts:
+                ids = (service.tokenizer.encode(one, special) if isinstance(one, str)
+                       else list(one))
+                kept = truncated(ids, body.truncate_prompt_tokens)
+                echo = (one if isinstance(one, str) and kept is ids
+                        else service.tokenizer.decode(kept)) if body.echo else ""
+                prepared.append((kept, echo))
         except Refusal as err:
             return refused(err)
-        echo = (prompt if isinstance(prompt, str) and kept is ids
-                else service.tokenizer.decode(kept)) if body.echo else ""
-        ids = kept
-        admission = Admission(ids, 16 if body.max_tokens is None else body.max_tokens,
-                               body.stream, body.timeout)
-        shape = _CompletionShape(echo)
-        shape.prompt_ids = body.return_token_ids
-        return await _generate(request, admission, params, shape,
-                               include_usage(body))
+        wanted = 16 if body.max_tokens is None else body.max_tokens
+
+        def shape_of(echo: str) -> _Shape:
+            shape = _CompletionShape(echo)
+            shape.prompt_ids = body.return_token_ids
+            return shape
+        if not batch and body.n == 1:
+            ids, echo = prepared[0]
+            return await _generate(request, Admission(ids, wanted, body.stream, body.timeout),
+                                   params, shape_of(echo), include_usage(body))
+        return await _generate_many(
+            request, [(Admission(ids, wanted, body.stream, body.timeout), shape_of(echo))
+                      for ids, echo in prepared for _ in range(body.n)],
+            body.n, params, include_usage(body))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -768,6 +842,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
                 raise Refusal(invalid(f"max_completion_tokens={body.max_completion_tokens} "
                                       f"and max_tokens={body.max_tokens} differ: give one"),
                               "max_completion_tokens")
+            choices_refusal(1, body.n, config.max_choices)
             params = sampling_params(body, (top or 0) if body.logprobs else None, vocab(),
                                      config.end_token_id)
             text = render_chat(body.messages, service.tokenizer, body.add_generation_prompt,
@@ -778,9 +853,16 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
             return refused(err)
         wanted = body.max_completion_tokens or body.max_tokens or CHAT_DEFAULT_MAX_TOKENS
         admission = Admission(ids, wanted, body.stream, body.timeout)
-        shape = _ChatShape()
-        shape.prompt_ids = body.return_token_ids
-        return await _generate(request, admission, params, shape, include_usage(body))
+
+        def chat_shape() -> _Shape:
+            shape = _ChatShape()
+            shape.prompt_ids = body.return_token_ids
+            return shape
+        if body.n == 1:
+            return await _generate(request, admission, params, chat_shape(),
+                                   include_usage(body))
+        return await _generate_many(request, [(admission, chat_shape()) for _ in range(body.n)],
+                                    body.n, params, include_usage(body))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
@@ -872,6 +954,164 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
             return fail(run.status, count=False)  # counted by finish()
         out.flush()
         return JSONResponse(shape.whole(out.text, run))
+
+    async def _generate_many(request: Request, specs: list[tuple[Admission, _Shape]], n: int,
+                             params: SamplingParams, usage_chunk: bool) -> Response:
+        """A request of several choices (a prompt list, ``n`` > 1): choice ``k`` (``index``
+        k = prompt_i * n + j) is a run of its own through the same admission as a separate
+        request, at most ``service.choice_concurrency`` at once (the rest wait for their
+        turn), sampled with :func:`choice_seed`. The first failure ends the request with
+        that error: the other choices are cancelled and every run releases what it holds.
+        No fleet resume or hand-off: a draining replica finishes such a request itself."""
+        if request.scope.get(handoff.RESUME) is not None:
+            return refused(Refusal(invalid("resume: a request of several choices (a prompt "
+                                           "list or n > 1) is not resumed"), "resume"))
+        for admission, _ in specs:  # every prompt checked before the first choice runs
+            ids, status, param = service.check(admission)
+            if ids is None:
+                return fail(status, param)
+        first = specs[0][0]
+        timeout = config.default_timeout_s if first.timeout is None else first.timeout
+        deadline = time.monotonic() + timeout  # the request's: every choice ends by it
+        state = _Choices(n, len(specs), f"{specs[0][1].PREFIX}-{uuid.uuid4().hex}")
+
+        async def one(k: int, admission: Admission, shape: _Shape,
+                      limit: anyio.Semaphore, scope: anyio.CancelScope) -> None:
+            async with limit:
+                if state.failure is None:
+                    await _run_choice(k, admission, shape, state, scope, deadline,
+                                      attrs.evolve(params, seed=choice_seed(params.seed, k)))
+
+        async def produce() -> None:
+            try:
+                limit = anyio.Semaphore(service.choice_concurrency)
+                async with anyio.create_task_group() as tg:
+                    for k, (admission, shape) in enumerate(specs):
+                        tg.start_soon(one, k, admission, shape, limit, tg.cancel_scope)
+            finally:
+                state.events.put_nowait(None)  # the end, after every run finished
+
+        if not first.sse:
+            await wire.until_disconnect(request, produce)
+            if state.failure is not None:
+                status, param, counted = state.failure
+                return fail(status, param, count=not counted)
+            if state.failed_to_finish():  # the client left: nobody reads the answer
+                return fail(Status.cancelled(Phase.CANCEL, "client disconnected"),
+                            count=False)
+            head = specs[0][1]
+            return JSONResponse({**head._head(), "choices": state.results,
+                                 "usage": state.usage(), **state.extra})
+        return await _sse_many(request, specs[0][1], state, produce, deadline, usage_chunk)
+
+    async def _run_choice(k: int, admission: Admission, shape: _Shape, state: _Choices,
+                          scope: anyio.CancelScope, deadline: float,
+                          params: SamplingParams) -> None:
+        """Choice ``k`` of a request of several (``_generate_many``): its chunks go to
+        ``state.events`` (streamed), its choice to ``state.results`` (not streamed); a
+        failure goes to ``state.failure`` and cancels the request's other choices."""
+        remaining = max(deadline - time.monotonic(), 1e-3)
+        run, status, param = service.admit(attrs.evolve(admission, timeout=remaining))
+        if run is None:
+            state.fail(status, param, counted=False)
+            scope.cancel()
+            return
+        state.runs.append(run)
+        run.sampling = params
+        out = TextOutput(service.tokenizer, params.stop, params.include_stop_str_in_output)
+        shape.start(service, run)
+        shape.id, shape.created, shape.index = state.id, state.created, k
+        sse = admission.sse
+        try:
+            token = await service.advance(run)
+            if sse and run.status is None:
+                for chunk in shape.opening():
+                    state.events.put_nowait(chunk)
+            while token is not None:
+                piece = out.add(token)
+                if out.stopped:
+                    run.finish_reason = "stop"
+                if sse:
+                    state.events.put_nowait(shape.piece(piece, token, run))
+                token = await service.advance(run)
+            if run.status is not None:
+                state.fail(run.status, None, counted=True)  # counted by finish()
+                scope.cancel()
+                return
+            if sse:
+                state.events.put_nowait(shape.last(out.flush(), run))
+            else:
+                out.flush()
+                whole = shape.whole(out.text, run)
+                state.results[k] = whole["choices"][0]
+                if "prompt_token_ids" in whole:  # chat: the request's, not the choice's
+                    state.extra["prompt_token_ids"] = whole["prompt_token_ids"]
+            state.count(k, run)
+        finally:
+            if state.failure is not None and not run.done:
+                run.status = Status.cancelled(Phase.CANCEL, "another choice of the request "
+                                              "failed")
+            await service.finish(run, abandoned=True)
+
+    async def _sse_many(request: Request, head: _Shape, state: _Choices,
+                        produce: Callable[[], Coroutine[Any, Any, None]], deadline: float,
+                        usage_chunk: bool) -> Response:
+        """The stream of a request of several choices: each chunk carries one choice (its
+        ``index``), the usage chunk (``include_usage``) sums them, ``[DONE]`` once at the
+        end; a failure before the first chunk is the response's status, after it an error
+        event (no ``[DONE]``), as for one choice."""
+        producer = asyncio.get_running_loop().create_task(produce())
+
+        async def stop() -> None:  # the choices end and release what they hold
+            producer.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.wait({producer})
+
+        opening: dict[str, Any] | None = None
+
+        async def first_event() -> None:  # may wait for sequence ids: watch for disconnect
+            nonlocal opening
+            opening = await state.events.get()
+        try:
+            await wire.until_disconnect(request, first_event)
+        except BaseException:
+            await stop()
+            raise
+        if opening is None:
+            await stop()
+            if state.failure is not None:
+                status, param, counted = state.failure
+                return fail(status, param, count=not counted)
+            return fail(Status.cancelled(Phase.CANCEL, "client disconnected"), count=False)
+
+        async def events() -> AsyncIterator[bytes]:
+            item: dict[str, Any] | None = opening
+            try:
+                while item is not None:
+                    yield wire.sse(item)
+                    item = await state.events.get()
+                if state.failure is not None:
+                    status, param, counted = state.failure
+                    if not counted:
+                        service.metrics.observe_failure(status)
+                    yield wire.sse({"error": error_bodies.error_body(
+                        status, param or error_bodies.PARAM_OF_CODE.get(status.code))})
+                    return
+                if usage_chunk:
+                    yield wire.sse({**head._head(chunk=True), "choices": [],
+                                    "usage": state.usage()})
+                yield b"data: [DONE]\n\n"
+            finally:
+                await stop()
+
+        async def cut() -> None:
+            for run in list(state.runs):
+                await service.cut(run)
+            await stop()
+
+        return wire.BoundedStreamingResponse(
+            events(), service.sends, lambda: deadline + config.deadline_slack_s, cut,
+            media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     def hand_off(request: Request, run: RequestRun) -> bool:
         """A draining replica hands a fleet request (one with a progress channel) to a
@@ -988,6 +1228,8 @@ class _Shape:
     """The JSON of one kind of response (completion or chat)."""
 
     PREFIX = "cmpl"
+    #: the choice's ``index`` (a request of several choices: prompt_i * n + j)
+    index = 0
     #: vLLM's ``return_token_ids``: the prompt's ids too (``prompt_token_ids``: the completion's
     #: choice, the chat response; when streamed, in the first chunk); ``token_ids`` always
     prompt_ids = False
@@ -1020,6 +1262,12 @@ class _Shape:
     def whole(self, text: str, run: RequestRun) -> dict[str, Any]:
         raise NotImplementedError
 
+    def piece(self, text: str, token: int, run: RequestRun) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def last(self, text: str, run: RequestRun) -> dict[str, Any]:
+        raise NotImplementedError
+
     def usage_chunk(self, run: RequestRun) -> dict[str, Any]:
         return {**self._head(chunk=True), "choices": [], "usage": _usage(run)}
 
@@ -1050,7 +1298,7 @@ class _CompletionShape(_Shape):
         if run.sampling.logprobs is not None and infos is not None:
             logprobs = completion_logprobs(self.tok, infos, self.text_at)
             self.text_at += sum(len(t) for t in logprobs["tokens"])
-        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish,
+        return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish,
                 "token_ids": tokens}
 
     def whole(self, text: str, run: RequestRun) -> dict[str, Any]:
@@ -1097,7 +1345,7 @@ class _ChatShape(_Shape):
 
     def whole(self, text: str, run: RequestRun) -> dict[str, Any]:
         return {**self._head(), "choices": [{
-            "index": 0, "message": {"role": "assistant", "content": text},
+            "index": self.index, "message": {"role": "assistant", "content": text},
             "logprobs": self._logprobs(run, run.token_logprobs),
             "finish_reason": run.finish_reason, "token_ids": run.tokens}],
             "usage": _usage(run), **({"prompt_token_ids": run.prompt} if self.prompt_ids else {})}
@@ -1106,17 +1354,19 @@ class _ChatShape(_Shape):
         if self.opened:  # a replica before this one sent it
             return []
         return [{**self._head(chunk=True), "choices": [{
-            "index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            "index": self.index, "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
             "finish_reason": None}],
             **({"prompt_token_ids": self.run.prompt} if self.prompt_ids else {})}]
 
     def piece(self, text: str, token: int, run: RequestRun) -> dict[str, Any]:
         return {**self._head(chunk=True), "choices": [{
-            "index": 0, "delta": {"content": text},
+            "index": self.index, "delta": {"content": text},
             "logprobs": self._logprobs(run, self._new_logprobs(run)), "finish_reason": None,
             "token_ids": [token]}]}
 
     def last(self, text: str, run: RequestRun) -> dict[str, Any]:
         return {**self._head(chunk=True), "choices": [{
-            "index": 0, "delta": {"content": text} if text else {}, "logprobs": None,
+            "index": self.index, "delta": {"content": text} if text else {},
+            "logprobs": None,
             "finish_reason": run.finish_reason}]}

@@ -165,6 +165,9 @@ class ServerConfig:
     #: decode through the executor's pre-armed decode stream (issue 17: job N+1 is admitted
     #: and prepared while N runs; a token only fires it); False: one ``enqueue`` per token
     prearm: bool = True
+    #: choices one request may ask for: prompts x ``n`` (completions; chat: ``n``); above it
+    #: the request is refused with a 400 naming ``n`` (or ``prompt``) and this cap
+    max_choices: int = attrs.field(default=16, validator=attrs.validators.ge(1))
     #: greedy requests: the executor's completion thread fires each next decode step with the
     #: argmax itself (``decode_stream(greedy_ahead=True)``), so the device does not wait for
     #: the event loop; a request ended by a stop string costs at most one discarded step
@@ -415,9 +418,17 @@ class CompletionService:
         return counts
 
     # ---- admission ------------------------------------------------------------------------------
-    def admit(self, body: Admission) -> tuple[RequestRun | None, Status, str | None]:
-        """A RequestRun holding a sequence id or waiting for one (``run.waiter``: its first
-        ``advance`` waits, drivers/serving/admission.py), or (None, failure, offending field)."""
+    @property
+    def choice_concurrency(self) -> int:
+        """Choices of one request (prompts x ``n``) that run at once: half the sequence ids
+        (at least one); the others wait for their turn inside the request, so one request
+        never takes every sequence id or all the KV."""
+        return max(1, self.config.max_sequences // 2)
+
+    def check(self, body: Admission) -> tuple[list[int] | None, Status, str | None]:
+        """``body``'s prompt ids when :meth:`admit` would take it (nothing is leased), or
+        (None, failure, offending field): a request of several choices checks them all
+        before the first one runs."""
         if self.draining:
             return None, Status.unavailable(Phase.ADMISSION, "server is draining"), None
         # while a recovery replaces the generation, requests are validated against the last one
@@ -449,6 +460,20 @@ class CompletionService:
         if timeout > self.config.max_timeout_s:
             return None, invalid(f"timeout={timeout} > max_timeout_s="
                                   f"{self.config.max_timeout_s}"), "timeout"
+        return list(prompt), Status.OK, None
+
+    def admit(self, body: Admission) -> tuple[RequestRun | None, Status, str | None]:
+        """A RequestRun holding a sequence id or waiting for one (``run.waiter``: its first
+        ``advance`` waits, drivers/serving/admission.py), or (None, failure, offending field)."""
+        prompt, status, param = self.check(body)
+        if prompt is None:
+            return None, status, param
+        timeout = self.config.default_timeout_s if body.timeout is None else body.timeout
+        generation = self._contracts
+        if generation is None:  # (check found one)
+            return None, Status.unavailable(
+                Phase.ADMISSION, f"device lifecycle is {self.executor.state}"), None
+        vocab = generation.vocab_size
         got = self.admission.try_admit()  # an id, a place in the waiting queue, or a refusal
         if isinstance(got, Status):
             return None, got, None
