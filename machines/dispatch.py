@@ -590,58 +590,79 @@ class Dispatch:
             self.cv.notify_all()
 
     def next_for_submitter(self, unsubmittable: Callable[[Job, float], Status | None],
-                           capacity: int, block: bool,
-                           wake_at: float | None) -> SubmitterStep:
+                           capacity: int | Callable[[], int], block: bool,
+                           wake_at: float | None | Callable[[float], float | None]
+                           ) -> SubmitterStep:
         """The submitter's next step. ``unsubmittable(job, now)`` says why a queued or armed
         job can no longer be submitted (a pure check of the job and the executor's facts: it
-        must not take a lock). With ``block``, and nothing to do, waits on the condition
-        until the earliest deadline (of a queued or armed job, of an arming, ``wake_at``,
-        the held-slot re-check) and returns ``woke``; the caller acts on what changed and
-        asks again."""
+        must not take a lock); ``capacity`` (the in-flight bound) and ``wake_at`` (when an
+        idle wait should end early, Clock.monotonic(); None: no early end) are values or
+        lock-free callables read each time they are needed (``wake_at(now)`` only right
+        before a wait). With ``block``, and nothing to do, waits on the condition until the
+        earliest deadline (of a queued or armed job, of an arming, ``wake_at``, the held-slot
+        re-check) and looks again under the same lock, so a wake-up goes straight to the job
+        that caused it; it returns ``woke`` only when slots the runtime holds need a re-check
+        outside the lock (``JobOutcomes.reap_held``) or, with non-callable ``capacity`` and
+        ``wake_at`` (fixed for one call), after one wait: the caller acts and asks again."""
+        fixed = not callable(capacity) and not callable(wake_at)
         with self.cv:
-            stopping = self._stopping
-            now = self.clock.monotonic()
-            ended = [(job, status) for job in self._queue
+            while True:
+                step = self._next_locked(unsubmittable, capacity, block, wake_at)
+                if step is not None:
+                    return step
+                if fixed or self._held:
+                    return SubmitterStep(woke=True)
+
+    def _next_locked(self, unsubmittable: Callable[[Job, float], Status | None],
+                     capacity: int | Callable[[], int], block: bool,
+                     wake_at: float | None | Callable[[float], float | None]
+                     ) -> SubmitterStep | None:
+        """One look of ``next_for_submitter`` (lock held): a step, or None after a wait."""
+        stopping = self._stopping
+        now = self.clock.monotonic()
+        ended = [(job, status) for job in self._queue
+                 if (status := unsubmittable(job, now)) is not None]
+        for job, _ in ended:
+            self._queue.remove(job)
+        guesses = 0
+        if self._armed:  # armed jobs cancelled, expired or fenced: released too
+            armed = [(job, status) for job in self._armed
                      if (status := unsubmittable(job, now)) is not None]
-            for job, _ in ended:
-                self._queue.remove(job)
-            guesses = 0
-            if self._armed:  # armed jobs cancelled, expired or fenced: released too
-                armed = [(job, status) for job in self._armed
-                         if (status := unsubmittable(job, now)) is not None]
-                for job, _ in armed:
-                    self._unarm_locked(job)
-                    if job.auto is not None:  # an implicit pre-arm: its entry goes too
-                        self._forget_guess_locked(job.auto)
-                        guesses += 1
-                ended += armed
-            if ended:
-                self._handing_off += len(ended)
-                return SubmitterStep(fail=tuple(ended), guesses=guesses)
-            if self._queue and self._inflight < capacity:
-                job = self._queue.popleft()
-                self._inflight += 1
-                job.permit_held = True
-                self._handing_off += 1
-                return SubmitterStep(submit=job)
-            arm_in = None
-            if self._to_arm:  # nothing to submit now: arm a stream's next job or a guess
-                at, armer = self._to_arm[0]
-                arm_in = at - now
-                if arm_in <= 0 or not block or stopping:
-                    self._to_arm.popleft()
-                    self._arming = armer
-                    return SubmitterStep(arm=armer)
-            if not block or (stopping and not self._queue):
-                return SubmitterStep()
-            timeout = (min(j.deadline for j in (*self._queue, *self._armed)) - now
-                       if self._queue or self._armed else None)
-            for bound in (arm_in, None if wake_at is None else wake_at - now,
-                          HELD_RECHECK_S if self._held else None):
-                if bound is not None:
-                    timeout = bound if timeout is None else min(timeout, bound)
-            self.clock.wait(self.cv, None if timeout is None else max(timeout, 0))
-            return SubmitterStep(woke=True)
+            for job, _ in armed:
+                self._unarm_locked(job)
+                if job.auto is not None:  # an implicit pre-arm: its entry goes too
+                    self._forget_guess_locked(job.auto)
+                    guesses += 1
+            ended += armed
+        if ended:
+            self._handing_off += len(ended)
+            return SubmitterStep(fail=tuple(ended), guesses=guesses)
+        if self._queue and self._inflight < (capacity() if callable(capacity)
+                                             else capacity):
+            job = self._queue.popleft()
+            self._inflight += 1
+            job.permit_held = True
+            self._handing_off += 1
+            return SubmitterStep(submit=job)
+        arm_in = None
+        if self._to_arm:  # nothing to submit now: arm a stream's next job or a guess
+            at, armer = self._to_arm[0]
+            arm_in = at - now
+            if arm_in <= 0 or not block or stopping:
+                self._to_arm.popleft()
+                self._arming = armer
+                return SubmitterStep(arm=armer)
+        if not block or (stopping and not self._queue):
+            return SubmitterStep()
+        timeout = (min(j.deadline for j in (*self._queue, *self._armed)) - now
+                   if self._queue or self._armed else None)
+        wake = wake_at(now) if callable(wake_at) else wake_at
+        for bound in (arm_in, None if wake is None else wake - now,
+                      HELD_RECHECK_S if self._held else None):
+            if bound is not None:
+                timeout = bound if timeout is None else min(timeout, bound)
+        self.clock.wait(self.cv, None if timeout is None else max(timeout, 0))
+        return None
 
     def handed_off(self, count: int) -> None:
         """The submitter failed or submitted ``count`` jobs it popped."""

@@ -571,12 +571,13 @@ class DeviceExecutor(SequenceOwnership):
         dispatch = self.dispatch
         if dispatch.any_held and not block:  # stepped: nobody else reaps them
             self.outcomes.reap_held()
+        # the dispatch looks again by itself after a wait, reading the capacity and the
+        # early wake-up (``Completion.prewake_at``, lock-free) each time; it returns ``woke``
+        # only when slots the runtime holds need reaping outside its lock
+        wake_at = self._prewake_at if block and self._tuning.prewake_s > 0 else None
         while True:
-            prewake_s = self._tuning.prewake_s
-            prewake = (self.completion.prewake_at(self.clock.monotonic(), prewake_s)
-                       if block and prewake_s > 0 else None)
-            step = dispatch.next_for_submitter(self._unsubmittable, self._effective_capacity(),
-                                               block, prewake)
+            step = dispatch.next_for_submitter(self._unsubmittable, self._effective_capacity,
+                                               block, wake_at)
             if not step.woke:
                 break
             if dispatch.any_held:  # nobody signals when the runtime lets go: re-check
@@ -682,6 +683,10 @@ class DeviceExecutor(SequenceOwnership):
             return handle
         finally:
             dispatch.exit(gen)
+
+    def _prewake_at(self, now: float) -> float | None:
+        """When the submitter's idle wait ends early (``Completion.prewake_at``; no lock)."""
+        return self.completion.prewake_at(now, self._tuning.prewake_s)
 
     def _unsubmittable(self, job: Job, now: float) -> Status | None:
         """Why a queued or armed job can no longer be submitted, or None (a pure check,

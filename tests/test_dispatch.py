@@ -255,3 +255,43 @@ def test_a_stop_is_never_missed_between_the_check_and_the_wait(d):
     assert d.next_for_submitter(never, 1, True, None).idle
     d.stop(False)
     assert d.next_for_submitter(never, 1, True, time.monotonic() + 0.01).woke
+
+
+def test_a_blocking_submitter_woken_by_a_queued_job_gets_that_job_in_the_same_call(d):
+    """With the capacity and the early wake-up as callables (the executor's threads), a wait
+    that a new job ends looks again under the same lock: the call returns the job, not
+    ``woke`` (issue 25's before/after bench: a round trip out of the dispatch and back after
+    every wake-up sat in the submitter's queue wait). The capacity and ``wake_at`` are read
+    after the wait, and ``wake_at`` only right before a wait."""
+    gen = Gen()
+    job = make_job(1, gen)
+    reads: list[str] = []
+
+    def capacity() -> int:
+        reads.append("capacity")
+        return 1
+
+    def wake_at(now: float) -> float | None:
+        reads.append("wake_at")
+        return None
+
+    result: list = []
+    thread = SYSTEM.start_thread(
+        lambda: result.append(d.next_for_submitter(never, capacity, True, wake_at)), "sub")
+    end = time.monotonic() + 10
+    while "wake_at" not in reads and time.monotonic() < end:  # bounded: it is waiting
+        time.sleep(0.001)
+    assert reads == ["wake_at"]  # nothing queued: no capacity read, one wait
+    assert d.queue(job, gen)
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+    (step,) = result
+    assert step.submit is job and not step.woke
+    assert reads == ["wake_at", "capacity"]
+
+
+def test_with_fixed_values_a_blocking_call_returns_woke_after_one_wait(d):
+    """Plain values (a caller that recomputes them, as the tables above) keep the one-wait
+    contract: the call returns ``woke`` and the caller asks again."""
+    step = d.next_for_submitter(never, 1, True, time.monotonic() + 0.01)
+    assert step.woke and step.submit is None
