@@ -265,6 +265,10 @@ class DeviceExecutor(SequenceOwnership):
         self._threads: list[threading.Thread] = []
         # supervision: what each executor thread holds now
         self._holding: dict[str, Job | None] = {}
+        # what the completion side tells the barrier it holds (made once: complete_one is
+        # called per job)
+        self._completion_holds = functools.partial(self._holding.__setitem__,
+                                                   "calexec-completion")
         # thread identity of runtime calls (invariant 2); Wait's: ``completion.wait_threads``
         self.infer_threads: set[str] = set()
 
@@ -822,7 +826,7 @@ class DeviceExecutor(SequenceOwnership):
         False when none is submitted."""
         # the thread's barrier resolves the job it holds if this raises
         return self.completion.complete_one(
-            block, functools.partial(self._holding.__setitem__, "calexec-completion"))
+            block, self._completion_holds)
 
     @property
     def completing(self) -> int:
