@@ -19,10 +19,18 @@ class right after its module is executed, before anything derived from it (for c
 ``machines.compiled``) is built. It then appends the same string to the file named by
 ``CALEXEC_CHART_MUTANT_ACK``, which is how the runner knows the mutant really ran. Nothing here
 runs, and nothing is imported, when the variable is unset.
+
+The module is imported right there, at interpreter start-up, and mutated at once: a hook on
+``sys.meta_path`` that waits for its import is not reliable, because another finder inserted
+ahead of it later claims the module first (pytest's assertion-rewriting hook does, for every
+module of a distribution that provides a pytest plugin: calexec itself, through its coverage
+plugin). Only a module not importable yet at start-up (its directory joins ``sys.path``
+later) falls back to that hook.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import os
 import sys
@@ -200,7 +208,11 @@ def install_from_env(environ: Any = os.environ) -> None:
             with open(ack, "a", encoding="utf-8") as out:
                 out.write(value + "\n")
 
-    if module_name in sys.modules:
-        mutate(sys.modules[module_name])
-    else:
-        sys.meta_path.insert(0, ApplyAfterImport(module_name, mutate))
+    module = sys.modules.get(module_name)
+    if module is None:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:  # not on sys.path yet: apply when it is imported
+            sys.meta_path.insert(0, ApplyAfterImport(module_name, mutate))
+            return
+    mutate(module)

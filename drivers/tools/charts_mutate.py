@@ -3,7 +3,8 @@
 For each chart (calexec's four by default, or any flat python-statemachine ``StateMachine``
 subclass given as ``--chart module:Class``) the mutants of ``calexec.machines.mutants`` are
 derived from the declaration; each is run against a test command in a fresh process that
-applies it at import (a ``sitecustomize`` on ``PYTHONPATH`` installs the hook), so the code
+applies it at start-up (a ``sitecustomize`` on ``PYTHONPATH`` imports the chart and mutates
+it, ``mutants.install_from_env``), so the code
 under test, and for calexec the compiled table the executor runs, is the mutant. A mutant is
 **killed** when the command fails, **survived** when it passes, and **error** when it could
 not be judged (the mutant was never applied because the command did not import the chart,
