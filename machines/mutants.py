@@ -20,17 +20,17 @@ class right after its module is executed, before anything derived from it (for c
 ``CALEXEC_CHART_MUTANT_ACK``, which is how the runner knows the mutant really ran. Nothing here
 runs, and nothing is imported, when the variable is unset.
 
-The module is imported right there, at interpreter start-up, and mutated at once: a hook on
-``sys.meta_path`` that waits for its import is not reliable, because another finder inserted
-ahead of it later claims the module first (pytest's assertion-rewriting hook does, for every
-module of a distribution that provides a pytest plugin: calexec itself, through its coverage
-plugin). Only a module not importable yet at start-up (its directory joins ``sys.path``
-later) falls back to that hook.
+The hook waits on ``sys.meta_path`` for the module's import and must stay ahead of finders
+inserted later: pytest's assertion-rewriting hook inserts itself first and claims every module
+of a distribution that provides a pytest plugin (calexec itself, through its coverage plugin),
+so ``sys.meta_path`` becomes a list that inserts at index 1 while the hook is pending at 0; the
+hook then finds the module through those finders and wraps their loader. A command that never
+imports the chart never triggers it: no acknowledgement, and the runner reports the mutant as
+an error, not as a survivor.
 """
 
 from __future__ import annotations
 
-import importlib
 import importlib.abc
 import os
 import sys
@@ -208,11 +208,19 @@ def install_from_env(environ: Any = os.environ) -> None:
             with open(ack, "a", encoding="utf-8") as out:
                 out.write(value + "\n")
 
-    module = sys.modules.get(module_name)
-    if module is None:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:  # not on sys.path yet: apply when it is imported
-            sys.meta_path.insert(0, ApplyAfterImport(module_name, mutate))
-            return
-    mutate(module)
+    if module_name in sys.modules:
+        mutate(sys.modules[module_name])
+        return
+    if not isinstance(sys.meta_path, _HookFirst):
+        sys.meta_path = _HookFirst(sys.meta_path)
+    list.insert(sys.meta_path, 0, ApplyAfterImport(module_name, mutate))
+
+
+class _HookFirst(list):  # type: ignore[type-arg]  # sys.meta_path's items are any finders
+    """``sys.meta_path`` while an ``ApplyAfterImport`` hook is pending at index 0: a finder
+    inserted at the front later (pytest's assertion rewriter) goes right behind it."""
+
+    def insert(self, index: Any, item: Any) -> None:
+        if index == 0 and self and isinstance(self[0], ApplyAfterImport):
+            index = 1
+        super().insert(index, item)
