@@ -15,12 +15,13 @@ C compiler, a failed build) it returns the reason instead, and the benchmark rep
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
 from collections.abc import Sequence
 from typing import Any
+
+from calexec.drivers.tools.bench.subproc import run_json_program
 
 #: drivers/calrt/ of this installation (the emulator's sources and Makefile)
 CALRT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
@@ -83,19 +84,7 @@ class FloorLoop:
                 "--prompt", ",".join(str(int(t)) for t in prompt)]
         jobs = 1 + self.warmup + n
         timeout = 60.0 + jobs * (self.decode_us / 1e6 + 0.05)
-        try:
-            done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
-                                  check=False)
-        except subprocess.TimeoutExpired:
-            raise FloorError(f"the floor program did not finish in {timeout:.0f} s") from None
-        if done.returncode != 0:
-            lines = done.stderr.strip().splitlines()
-            raise FloorError(f"the floor program exited {done.returncode}: "
-                             + (lines[-1] if lines else "no output"))
-        try:
-            report = json.loads(done.stdout)
-        except ValueError as exc:
-            raise FloorError(f"the floor program printed no JSON report: {exc}") from None
+        report = run_json_program(argv, timeout, "the floor program", FloorError)
         if len(report.get("token_us", ())) != n or len(report.get("token_ids", ())) != jobs:
             raise FloorError(f"the floor program reported {len(report.get('token_us', ()))} "
                              f"token times and {len(report.get('token_ids', ()))} tokens for "

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import queue
-import subprocess
 import sys
 import tempfile
 import threading
@@ -36,6 +35,7 @@ from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.status import Status
 from calexec.contracts.types import TaskKind
 from calexec.drivers.device_spec import DeviceSpec, DeviceSpecError
+from calexec.drivers.tools.bench.subproc import run_json_program
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 
 _WAIT_S = 60.0
@@ -129,18 +129,7 @@ def _http_load(url: str, requests: int, concurrency: int, max_tokens: int, strea
             "--requests", str(requests), "--concurrency", str(concurrency), "--max-tokens",
             str(max_tokens), "--warmup", str(WARMUP_REQUESTS), *(["--stream"] if stream else [])]
     bound = _WAIT_S * (requests + WARMUP_REQUESTS + 2)
-    try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=bound, check=False)
-    except subprocess.TimeoutExpired:
-        raise BenchError(f"the load generator did not finish in {bound:.0f} s") from None
-    if done.returncode != 0:
-        lines = done.stderr.strip().splitlines()
-        raise BenchError(f"the load generator exited {done.returncode}: "
-                         + (lines[-1] if lines else "no output"))
-    try:
-        result: dict[str, Any] = json.loads(done.stdout)
-    except ValueError as exc:
-        raise BenchError(f"the load generator printed no JSON: {exc}") from None
+    result = run_json_program(argv, bound, "the load generator", BenchError)
     return result
 
 
