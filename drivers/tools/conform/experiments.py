@@ -345,7 +345,11 @@ def overlap_bounds(n: int, h2d: float | None, compute: float | None, d2h: float 
 
 
 def classify_overlap(speedup: float, bounds: dict[str, float], tolerance: float = 0.4) -> str | None:
-    """The bound nearest to speedup, if within tolerance x the gap to its nearest neighbour."""
+    """The bound nearest to speedup, if within tolerance x the gap to its nearest neighbour.
+    A speedup beyond the outermost bounds counts as that bound: no overlap setting gives more
+    than its ideal, so only load put it there (a slowed serial phase inflates the speedup, a
+    slowed parallel phase deflates it)."""
+    speedup = min(max(speedup, min(bounds.values())), max(bounds.values()))
     best = min(bounds, key=lambda k: abs(bounds[k] - speedup))
     gaps = [abs(bounds[best] - v) for k, v in bounds.items() if k != best]
     margin = tolerance * min(gaps) if gaps else 0.0
