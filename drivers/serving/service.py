@@ -28,7 +28,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import attrs
@@ -186,6 +186,10 @@ class Admission:
     max_tokens: int
     sse: bool = False
     timeout: float | None = None
+    #: the log-probabilities of every prompt token after the first are computed (with this
+    #: many most likely tokens each): completions' ``echo`` with ``logprobs``, vLLM's
+    #: ``prompt_logprobs``. None: only the last prompt position's row is (one prefill)
+    prompt_logprobs: int | None = None
 
 
 class SequencePool:
@@ -277,6 +281,12 @@ class RequestRun:
     #: how tokens are chosen (drivers/serving/sampling.py); logprobs of each token when asked for
     sampling: sampling.SamplingParams = sampling.GREEDY
     token_logprobs: list = attrs.Factory(list)
+    #: ``Admission.prompt_logprobs``: None, or how many top tokens each prompt position keeps;
+    #: then the prompt is fed one token per job (``next_request``) and ``prompt_rows[j]`` is
+    #: the log-probability of ``prompt[j + 1]`` (its rank in ``prompt_ranks[j]``)
+    prompt_top: int | None = None
+    prompt_rows: list = attrs.Factory(list)
+    prompt_ranks: list = attrs.Factory(list)
     # Enqueue fence: ``closed`` once the request finished (no enqueue may start after it);
     # ``enqueue_idle`` is clear while an enqueue call runs in a worker thread.
     mu: threading.Lock = attrs.Factory(threading.Lock)
@@ -301,20 +311,50 @@ class RequestRun:
     def done(self) -> bool:
         return self.finish_reason is not None or self.status is not None
 
+    @property
+    def rows_pending(self) -> bool:
+        """Prompt positions whose row is still to be computed (``prompt_top``)."""
+        return self.prompt_top is not None and len(self.prompt_rows) < len(self.prompt) - 1
+
+    def _prompt_in_next_job(self) -> int:
+        """Prompt tokens the sequence's KV holds after the next job. Without prompt rows the
+        whole prompt (one prefill); with them, one more than the rows computed: the row of
+        a job whose KV ends at prompt[:k] is the distribution of prompt[k]. A re-prefill
+        after a failure (a resume) thus redoes exactly what the failed job would have."""
+        if self.prompt_top is None:
+            return len(self.prompt)
+        return min(len(self.prompt_rows) + 1, len(self.prompt))
+
     def next_request(self) -> InferenceRequest:
         if self.seq_id is None:  # callers lease the sequence first
             raise TypeError(f"request {self.request_id}: next_request before a sequence id")
         if self.handle is None or self.reprefill:
-            ids = np.asarray(self.prompt + self.tokens, dtype=np.int32)
+            ids = np.asarray(self.prompt[:self._prompt_in_next_job()] + self.tokens,
+                             dtype=np.int32)
             return InferenceRequest(seq_id=self.seq_id, kind=TaskKind.PREFILL_IDS, tokens=ids,
                                     positions=np.arange(len(ids), dtype=np.int32), past_len=0,
                                     deadline=self.deadline, request_id=self.request_id,
                                     kv_reserve_len=len(self.prompt) + self.max_tokens)
+        # a prompt fed one token per job (prompt rows): the next prompt token, as a decode
+        # step of the plain path (its KV is reserved: the first prefill reserved it all)
+        feed = self.tokens[-1:] if self.past >= len(self.prompt) else [self.prompt[self.past]]
         return InferenceRequest(seq_id=self.seq_id, kind=TaskKind.DECODE,
-                                tokens=np.asarray(self.tokens[-1:], dtype=np.int32),
+                                tokens=np.asarray(feed, dtype=np.int32),
                                 positions=np.asarray([self.past], dtype=np.int32),
                                 past_len=self.past, deadline=self.deadline,
                                 request_id=self.request_id)
+
+
+#: ``CompletionService._step``'s answer for a job whose row was a prompt position's
+_PROMPT_ROW = object()
+
+
+def _prompt_row(logits: np.ndarray, token: int, top: int) -> tuple[sampling.TokenLogprobs, int]:
+    """The log-probability of prompt ``token`` in ``logits`` (the raw FP32 row of the
+    position before it), the ``top`` most likely tokens', and the token's rank (1: the most
+    likely; vLLM's ``prompt_logprobs`` rank: 1 + the tokens strictly more likely)."""
+    info = sampling.token_logprobs(logits, token, top)
+    return info, 1 + int(np.count_nonzero(logits > logits[token]))
 
 
 def close_decode(run: Any, wait: bool = True) -> bool:
@@ -481,7 +521,8 @@ class CompletionService:
         run = RequestRun(next(self._ids), got if isinstance(got, int) else None, list(prompt),
                          body.max_tokens, now + timeout, now, body.sse,
                          np.empty(vocab, dtype=np.float32),
-                         waiter=None if isinstance(got, int) else got)
+                         waiter=None if isinstance(got, int) else got,
+                         prompt_top=body.prompt_logprobs)
         self.active += 1
         self._live[run.request_id] = run
         self.metrics.requests.labels("true" if body.sse else "false").inc()
@@ -489,9 +530,22 @@ class CompletionService:
 
     # ---- generation -----------------------------------------------------------------------------
     async def advance(self, run: RequestRun) -> int | None:
-        """Run one job; the new token, or None when the generation has ended (``finish_reason``
-        or ``status`` then says why)."""
+        """Run jobs up to the next token; the new token, or None when the generation has ended
+        (``finish_reason`` or ``status`` then says why). A request that asked for its prompt's
+        log-probabilities (``RequestRun.prompt_top``) first feeds its prompt one token per job
+        (``_step`` records each row) before the first token."""
+        while True:
+            token = await self._step(run)
+            if token is not _PROMPT_ROW:
+                return cast(int | None, token)
+
+    async def _step(self, run: RequestRun) -> int | None | object:
+        """Run one job: the new token, ``_PROMPT_ROW`` when the job's row was a prompt
+        position's (recorded in ``run.prompt_rows``), or None at the end (``advance``)."""
         if run.done:
+            return None
+        if run.max_tokens == 0 and not run.rows_pending:  # echo or prompt rows only
+            run.finish_reason = "length"
             return None
         if run.seq_id is None:  # waiting for a sequence id and Ready (admission or resume)
             refused = await self.resumer.take_sequence(run)
@@ -530,10 +584,16 @@ class CompletionService:
             run.generation_id = result.generation
         self.resumer.resumed(run)
         self.metrics.observe_job(result.kind, result.timings)
+        run.past = result.kv_len
+        if run.past < len(run.prompt):  # a prompt position's row: the next prompt token's
+            row = await to_thread.run_sync(_prompt_row, result.logits, run.prompt[run.past],
+                                           run.prompt_top or 0, limiter=self._limiter)
+            run.prompt_rows.append(row[0])
+            run.prompt_ranks.append(row[1])
+            return _PROMPT_ROW
         if run.first_token_at is None:
             run.first_token_at = result.timings.completed_us / 1e6
             self.metrics.ttft.observe(max(0.0, run.first_token_at - run.started))
-        run.past = result.kv_len
         args = (result.logits, run.sampling, len(run.tokens), result.argmax, run.prompt,
                 run.tokens)
         token, logprobs = (sampling.pick(*args) if run.sampling.plain_greedy else
@@ -569,7 +629,10 @@ class CompletionService:
                 run.enqueue_idle.set()
 
         request = run.next_request()
-        streamed = self.config.prearm and request.kind == TaskKind.DECODE
+        # a prompt token fed for its row goes through the plain path (``enqueue``): the
+        # decode stream (pre-armed, greedy ahead) opens for the generated tokens only
+        streamed = (self.config.prearm and request.kind == TaskKind.DECODE
+                    and run.past >= len(run.prompt))
         limiter = (self._admit_limiter if request.kind == TaskKind.PREFILL_IDS
                    else self._stream_limiter if streamed else self._limiter)
         try:
