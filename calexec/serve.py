@@ -104,7 +104,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="drain grace in seconds")
     p.add_argument("--max-sequences", type=cliargs.positive_int, default=32,
                    help="KV sequence ids to lease")
-    p.add_argument("--max-waiting", type=int, default=64,
+    p.add_argument("--max-waiting", type=int, default=1024,
                    help="requests that may wait within their deadline for a sequence id or for "
                         "Ready during a recovery (0: refuse at once with 429/503)")
     p.add_argument("--max-choices", type=cliargs.positive_int, default=16,

@@ -153,8 +153,11 @@ class ServerConfig:
     #: ``/admin/reload`` refuses a calbin larger than this (bytes).
     max_calbin_bytes: int = attrs.field(default=16 << 30, validator=attrs.validators.gt(0))
     #: requests that may wait (within their deadline) for a KV sequence id or for the
-    #: lifecycle to be Ready again; one more is refused (429 ids / 503 recovery), 0 never waits
-    max_waiting: int = attrs.field(default=64, validator=attrs.validators.ge(0))
+    #: lifecycle to be Ready again; one more is refused (429 ids / 503 recovery), 0 never waits.
+    #: Deep enough that a burst is queued, not refused (vLLM queues without a bound): a waiter
+    #: is a suspended task and a few hundred bytes, no thread; each still waits no longer
+    #: than its own deadline
+    max_waiting: int = attrs.field(default=1024, validator=attrs.validators.ge(0))
     #: the waiting queue re-reads the executor's lifecycle in slices this long (the executor
     #: has no state-change event; a freed sequence id wakes the queue at once)
     lifecycle_poll_s: float = attrs.field(default=0.005, validator=attrs.validators.gt(0))
