@@ -865,15 +865,16 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
             shape.prompt_ids = body.return_token_ids
             return shape
 
-        def admission(ids: list[int]) -> Admission:
-            return Admission(ids, wanted, body.stream, body.timeout, prompt_logprobs=rows)
+        def admission(ids: list[int], j: int = 0) -> Admission:  # j: the choice of its prompt
+            return Admission(ids, wanted, body.stream, body.timeout, prompt_logprobs=rows,
+                             n_param=body.n if j == 0 else None)
         if not batch and body.n == 1:
             ids, echo = prepared[0]
             return await _generate(request, admission(ids), params, shape_of(echo),
                                    include_usage(body))
         return await _generate_many(
-            request, [(admission(ids), shape_of(echo))
-                      for ids, echo in prepared for _ in range(body.n)],
+            request, [(admission(ids, j), shape_of(echo))
+                      for ids, echo in prepared for j in range(body.n)],
             body.n, params, include_usage(body))
 
     @app.post("/v1/chat/completions")
@@ -912,8 +913,9 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         if body.n == 1:
             return await _generate(request, admission, params, chat_shape(),
                                    include_usage(body))
-        return await _generate_many(request, [(admission, chat_shape()) for _ in range(body.n)],
-                                    body.n, params, include_usage(body))
+        return await _generate_many(
+            request, [(attrs.evolve(admission, n_param=body.n if j == 0 else None), chat_shape())
+                      for j in range(body.n)], body.n, params, include_usage(body))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

@@ -44,7 +44,7 @@ from calexec.drivers.serving.admission import AdmissionQueue
 from calexec.drivers.serving.dumpsink import DumpSink
 from calexec.drivers.serving.error_bodies import invalid
 from calexec.drivers.serving.executor_view import ServedExecutor
-from calexec.drivers.serving.metrics import ServerMetrics, kv_usage_fraction
+from calexec.drivers.serving.metrics import METRICS_NAMES, ServerMetrics, kv_usage_fraction
 from calexec.drivers.serving.resume import Resumer
 from calexec.machines.compiled import JOB
 
@@ -175,6 +175,10 @@ class ServerConfig:
     #: argmax itself (``decode_stream(greedy_ahead=True)``), so the device does not wait for
     #: the event loop; a request ended by a stop string costs at most one discarded step
     greedy_ahead: bool = True
+    #: "vllm": ``/metrics`` exports vLLM's ``vllm:`` families beside the ``calexec_`` ones
+    #: (dashboards and autoscalers built for vLLM read them); "calexec": those only
+    metrics_names: str = attrs.field(default="calexec",
+                                     validator=attrs.validators.in_(METRICS_NAMES))
 
 
 @attrs.define
@@ -193,6 +197,9 @@ class Admission:
     #: many most likely tokens each): completions' ``echo`` with ``logprobs``, vLLM's
     #: ``prompt_logprobs``. None: only the last prompt position's row is (one prefill)
     prompt_logprobs: int | None = None
+    #: the request's ``n`` on the first choice of each prompt (vLLM's ``request_params_n``
+    #: counts it once per prompt); None on the other choices
+    n_param: int | None = 1
 
 
 class SequencePool:
@@ -279,6 +286,12 @@ class RequestRun:
     finish_reason: str | None = None
     status: Status | None = None
     first_token_at: float | None = None
+    #: when it got its first sequence id (out of the waiting queue) and its latest token
+    #: (``time.monotonic()``; the ``vllm:`` phase histograms)
+    scheduled_at: float | None = None
+    first_token_host: float | None = None
+    last_token_at: float | None = None
+    n_param: int | None = 1
     #: model generation of the request's jobs (its KV lives in that generation's KvManager)
     generation_id: int | None = None
     #: how tokens are chosen (drivers/serving/sampling.py); logprobs of each token when asked for
@@ -415,7 +428,8 @@ class CompletionService:
         self.sends = wire.SendBounds()
         self._releasing: set[threading.Thread] = set()  # background sequence releases
         self._releasing_mu = threading.Lock()
-        self.metrics = ServerMetrics(executor.snapshot, self._server_gauges, config.model_name)
+        self.metrics = ServerMetrics(executor.snapshot, self._server_gauges, config.model_name,
+                                     config.metrics_names, self._cache_info)
         self.tokenizer = hf_tokenizer.load(config.tokenizer_path)
         self.started_at = time.time()
         self.admission = AdmissionQueue(self.sequences, lambda: executor.state, self.health,
@@ -437,6 +451,16 @@ class CompletionService:
                 "calexec_server_draining": 1.0 if self.draining else 0.0,
                 "calexec_kv_cache_usage_perc": kv_usage_fraction(self.executor),
                 "calexec_responses_send_waiting": self.sends.waiting}
+
+    def _cache_info(self) -> dict[str, str]:
+        """``vllm:cache_config_info``'s labels: the KV block size and capacity in blocks of the
+        current generation ("" when there is none)."""
+        kvc = getattr(self.executor, "kvc", None)
+        size = getattr(getattr(kvc, "kv", None), "block_size", None)
+        blocks = None if kvc is None else kvc.capacity_blocks()
+        return {"block_size": "" if size is None else str(size),
+                "num_gpu_blocks": "" if blocks is None else str(blocks),
+                "max_num_seqs": str(self.config.max_sequences)}
 
     def health(self) -> list[str]:
         """Why the executor cannot serve now (empty: it can): ``executor.health()``."""
@@ -525,7 +549,9 @@ class CompletionService:
                          body.max_tokens, now + timeout, now, body.sse,
                          np.empty(vocab, dtype=np.float32),
                          waiter=None if isinstance(got, int) else got,
-                         prompt_top=body.prompt_logprobs)
+                         prompt_top=body.prompt_logprobs, n_param=body.n_param)
+        if isinstance(got, int):
+            run.scheduled_at = now
         self.active += 1
         self._live[run.request_id] = run
         self.metrics.requests.labels("true" if body.sse else "false").inc()
@@ -555,6 +581,8 @@ class CompletionService:
             if refused is not None:
                 run.status = refused
                 return None
+            if run.scheduled_at is None:
+                run.scheduled_at = time.monotonic()
         moved = self._generation_moved(run)
         if moved is not None:
             if await self.resumer.resume(run, moved, replaced=True):
@@ -606,6 +634,14 @@ class CompletionService:
             run.finish_reason = "stop"
             return None
         run.tokens.append(token)
+        if self.metrics.vllm is not None:
+            now = time.monotonic()
+            last = run.last_token_at
+            self.metrics.vllm.token(last is None, len(run.prompt),
+                                    now - (run.started if last is None else last))
+            if last is None:
+                run.first_token_host = now
+            run.last_token_at = now
         if logprobs is not None:
             run.token_logprobs.append(logprobs)
         if len(run.tokens) >= run.max_tokens:
@@ -829,6 +865,19 @@ class CompletionService:
             with self._releasing_mu:
                 self._releasing.discard(threading.current_thread())
 
+    def _record_vllm(self, run: RequestRun) -> None:
+        """A successful request's ``vllm:`` families (``ServerConfig.metrics_names``)."""
+        if self.metrics.vllm is None:
+            return
+        end = time.monotonic()
+        scheduled = run.started if run.scheduled_at is None else run.scheduled_at
+        first = end if run.first_token_host is None else run.first_token_host
+        self.metrics.vllm.finished(
+            str(run.finish_reason), len(run.prompt), len(run.tokens), run.max_tokens,
+            run.n_param, {"e2e": end - run.started, "queue": scheduled - run.started,
+                          "inference": end - scheduled, "prefill": first - scheduled,
+                          "decode": (run.last_token_at or end) - first})
+
     def _record(self, run: RequestRun) -> None:
         m = self.metrics
         if run.decode is not None:
@@ -845,6 +894,8 @@ class CompletionService:
             m.request_prompt_tokens.observe(len(run.prompt))
             m.request_generation_tokens.observe(len(run.tokens))
             m.e2e.observe(time.monotonic() - run.started)
+            if m.vllm is not None:
+                self._record_vllm(run)
         if self.dump is not None:
             self.dump.write({
                 "request_id": run.request_id, "seq_id": run.seq_id, "stream": run.sse,
