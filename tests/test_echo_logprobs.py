@@ -248,3 +248,29 @@ def test_a_device_fault_in_the_middle_of_the_prompt_resumes_with_identical_rows(
             assert service.sequences.consistent() and service.sequences.withheld == 0
     finally:
         executor.shutdown(5.0)
+
+
+def test_the_prompt_goes_through_the_plain_path_only(live):
+    """The prompt jobs are the executor's plain ``enqueue`` (the differential harness's
+    reference path), never the pre-armed decode stream or greedy ahead: of P + M - 1 jobs
+    (a one-token prefill, P - 1 prompt decodes, M - 1 generated decodes) only the M - 1
+    generated steps go through the decode stream."""
+    server, client, service = live
+
+    def counts() -> tuple[float, float]:
+        text = httpx.get(f"{server.url}/metrics", timeout=10).text
+        steps = sum(metric_value(text, "calexec_decode_steps_total", {"prearmed": p}) or 0
+                    for p in ("true", "false"))
+        return steps, metric_value(text, "calexec_executor_jobs_total",
+                                   {"outcome": "submitted"}) or 0
+
+    wait_for(lambda: service.sequences.in_use == 0, what="a quiet server")
+    prompt, m = random_prompts(4, 1)[0] + [1, 2, 3], 5
+    steps, jobs = counts()
+    done = client.completions.create(model=MODEL, prompt=prompt, max_tokens=m, echo=True,
+                                     logprobs=0, extra_body={"ignore_eos": True})
+    assert done.choices[0].model_extra["token_ids"] == oracle_tokens(prompt, m)
+    wait_for(lambda: service.sequences.in_use == 0, what="the request released")
+    steps_after, jobs_after = counts()
+    assert steps_after - steps == m - 1
+    assert jobs_after - jobs == len(prompt) + m - 1

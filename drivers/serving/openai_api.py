@@ -681,11 +681,15 @@ def continue_from(resume: handoff.Resume, run: RequestRun, out: TextOutput, shap
     seed and index as it would have been) and rebuild what the client was already sent: the
     detokenizer and stop-string hold-back state (``out``), the id, ``created``, echo, text
     offsets and the chat opening (``shape``). A whole (non-streaming) answer with logprobs
-    needs every token's logprobs: it restarts from the prompt with the same seed instead."""
+    (or prompt logprobs) needs every token's logprobs (and the prompt's rows): it restarts
+    from the prompt with the same seed instead. A stream that sent tokens sent the prompt's
+    logprobs with the first: they are not computed again."""
     tokens = list(resume.tokens)
-    if not sse and run.sampling.logprobs is not None:
+    if not sse and (run.sampling.logprobs is not None or run.prompt_top is not None):
         tokens = []
     run.tokens = tokens
+    if tokens:
+        run.prompt_top = None
     for token in tokens:
         out.add(token)
     shape.resumed(resume, len(tokens) if sse else 0, out.sent)  # a whole answer: none sent
@@ -1344,8 +1348,10 @@ class _CompletionShape(_Shape):
         super().resumed(resume, tokens, sent_chars)
         if tokens:  # the echo went out with the first token's chunk
             self.ids_sent = True
-            self.echo_rows, self.vllm_rows = False, None
             self.text_at = sum(len(self.tok.token_text(t)) for t in self.run.tokens[:tokens])
+            if self.echo_rows:  # the prompt's logprobs went out first: offsets count it
+                self.text_at += sum(len(self.tok.token_text(t)) for t in self.run.prompt)
+            self.echo_rows, self.vllm_rows = False, None
             self.echo = ""
 
     def _head(self, chunk: bool = False) -> dict[str, Any]:

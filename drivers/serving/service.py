@@ -330,14 +330,15 @@ class RequestRun:
     @property
     def rows_pending(self) -> bool:
         """Prompt positions whose row is still to be computed (``prompt_top``)."""
-        return self.prompt_top is not None and len(self.prompt_rows) < len(self.prompt) - 1
+        return (self.prompt_top is not None and not self.tokens
+                and len(self.prompt_rows) < len(self.prompt) - 1)
 
     def _prompt_in_next_job(self) -> int:
         """Prompt tokens the sequence's KV holds after the next job. Without prompt rows the
         whole prompt (one prefill); with them, one more than the rows computed: the row of
         a job whose KV ends at prompt[:k] is the distribution of prompt[k]. A re-prefill
         after a failure (a resume) thus redoes exactly what the failed job would have."""
-        if self.prompt_top is None:
+        if self.prompt_top is None or self.tokens:  # (a continued generation: whole prompt)
             return len(self.prompt)
         return min(len(self.prompt_rows) + 1, len(self.prompt))
 
