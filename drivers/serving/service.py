@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import re
 import threading
 import time
@@ -370,7 +371,17 @@ def _prompt_row(logits: np.ndarray, token: int, top: int) -> tuple[sampling.Toke
     """The log-probability of prompt ``token`` in ``logits`` (the raw FP32 row of the
     position before it), the ``top`` most likely tokens', and the token's rank (1: the most
     likely; vLLM's ``prompt_logprobs`` rank: 1 + the tokens strictly more likely)."""
-    info = sampling.token_logprobs(logits, token, top)
+    # sampling.token_logprobs' values without its float64 copy of the row (one per prompt
+    # token here): exp in FP32, the sum and the log in float64
+    peak = float(logits.max())
+    lse = peak + math.log(float(np.exp(logits - np.float32(peak)).sum(dtype=np.float64)))
+    best: tuple[tuple[int, float], ...] = ()
+    if top > 0:
+        top = min(top, logits.shape[0])
+        ids = np.argpartition(-logits, top - 1)[:top]
+        ids = ids[np.lexsort((ids, -logits[ids]))]  # most likely first, ties by id
+        best = tuple((int(i), float(logits[i]) - lse) for i in ids)
+    info = sampling.TokenLogprobs(token, float(logits[token]) - lse, best)
     return info, 1 + int(np.count_nonzero(logits > logits[token]))
 
 
