@@ -10,6 +10,8 @@ The ``openai`` SDK against a loopback in-process server on the bundled emulator.
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import httpx
 import openai
 import pytest
@@ -164,3 +166,36 @@ def test_without_the_option_no_vllm_name_is_exported(tmp_path, config):
 def test_an_unknown_metrics_names_value_is_refused():
     with pytest.raises(ValueError, match="metrics_names"):
         ServerConfig(metrics_names="prometheus")
+
+
+def test_running_and_kv_gauges_while_requests_run_and_zero_after_they_end(tmp_path):
+    """vLLM's test_abort_metrics_reset: running requests and KV usage show while they run
+    and return to 0 once they ended (here by their deadline, mid-generation)."""
+    executor = started_executor(tmp_path, "decode_us=20000")
+    app = create_app(executor, ServerConfig(metrics_names="vllm"))
+    try:
+        with LiveServer(app) as server:
+            def scrape() -> dict:
+                return families(httpx.get(f"{server.url}/metrics", timeout=10).text)
+
+            def gauge(fams: dict, name: str) -> float:
+                return sample(fams, name, name, model_name=MODEL, engine="0")
+
+            with concurrent.futures.ThreadPoolExecutor(3) as pool:
+                futures = [pool.submit(httpx.post, f"{server.url}/v1/completions",
+                                       json={"prompt": [1, 2, 3], "max_tokens": 1000,
+                                             "timeout": 4}, timeout=30)
+                           for _ in range(3)]
+                wait_for(lambda: gauge(scrape(), "vllm:num_requests_running") == 3,
+                         what="three requests running")
+                fams = scrape()
+                assert gauge(fams, "vllm:kv_cache_usage_perc") > 0
+                assert gauge(fams, "vllm:num_requests_waiting") == 0
+                assert [f.result().status_code for f in futures] == [504] * 3
+            wait_for(lambda: app.state.service.sequences.in_use == 0, what="ids back")
+            fams = scrape()
+            for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                         "vllm:kv_cache_usage_perc"):
+                assert gauge(fams, name) == 0, name
+    finally:
+        executor.shutdown(5.0)
