@@ -199,3 +199,13 @@ def test_running_and_kv_gauges_while_requests_run_and_zero_after_they_end(tmp_pa
                 assert gauge(fams, name) == 0, name
     finally:
         executor.shutdown(5.0)
+
+
+def test_serve_takes_the_flag_and_refuses_an_unknown_value_naming_it(capsys):
+    from calexec import serve
+    with pytest.raises(SystemExit) as refused:  # argparse's own exit 2 for a bad choice
+        serve.main(["serve", "--metrics-names", "foo"])
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert "--metrics-names" in err and "'foo'" in err
+    assert serve.main(["serve", "--once", "--metrics-names", "vllm"]) == 0
