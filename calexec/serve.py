@@ -104,12 +104,15 @@ def _parser() -> argparse.ArgumentParser:
                    help="drain grace in seconds")
     p.add_argument("--max-sequences", type=cliargs.positive_int, default=32,
                    help="KV sequence ids to lease")
-    p.add_argument("--max-waiting", type=int, default=64,
+    p.add_argument("--max-waiting", type=int, default=1024,
                    help="requests that may wait within their deadline for a sequence id or for "
                         "Ready during a recovery (0: refuse at once with 429/503)")
     p.add_argument("--max-choices", type=cliargs.positive_int, default=16,
                    help="choices one request may ask for: prompts x n (above it: 400 naming "
                         "n or prompt); at most half the sequence ids run at once")
+    p.add_argument("--metrics-names", choices=("calexec", "vllm"), default="calexec",
+                   help="vllm: /metrics also exports vLLM's vllm: families (names, types and "
+                        "labels as vLLM's server; docs/server.md)")
     p.add_argument("--max-resumes", type=int, default=3,
                    help="resumes of one request after device-side/retryable failures "
                         "(docs/server.md; 0: the request fails as the fault did)")
@@ -207,7 +210,8 @@ def main(argv: list[str]) -> int:
                               api_key=args.api_key, tokenizer_path=tokenizer_path,
                               end_token_id=end_token, max_waiting=args.max_waiting,
                               max_resumes=args.max_resumes, max_choices=args.max_choices,
-                              cors_origins=tuple(args.cors_origin))
+                              cors_origins=tuple(args.cors_origin),
+                              metrics_names=args.metrics_names)
         if args.replicas is not None and not args.ray:
             raise ValueError(f"--replicas={args.replicas} needs --ray")
         if args.ray and dump is not None:

@@ -201,9 +201,9 @@ def test_streamed_text_offsets_equal_the_whole_answers_when_a_stop_string_holds_
 COMPLETION_REFUSED = [
     ("logit_bias", {"5": 101}), ("presence_penalty", 2.5), ("frequency_penalty", -2.1),
     ("best_of", 2), ("suffix", "tail"), ("n", 0), ("logprobs", 21), ("temperature", -1),
-    ("temperature", 3), ("top_p", 0), ("top_k", -3), ("seed", "x"), ("max_tokens", 0),
+    ("temperature", 3), ("top_p", 0), ("top_k", -3), ("seed", "x"), ("max_tokens", -1),
     ("stop", [""]), ("stop_token_ids", [-1]), ("repetition_penalty", 0),
-    ("stream_options", {"include_usage": True}), ("echo", True)]
+    ("stream_options", {"include_usage": True}), ("prompt_logprobs", 21)]
 CHAT_REFUSED = [
     ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
     ("functions", [{"name": "f"}]), ("function_call", "auto"),
@@ -219,8 +219,6 @@ CHAT_REFUSED = [
 def test_completions_refuse_with_a_400_naming_the_parameter(live, field, value):
     server, _, _ = live
     body = {"model": MODEL, "prompt": [1, 2], "max_tokens": 2, field: value}
-    if field == "echo":
-        body["logprobs"] = 1  # echo with logprobs would need the prompt's logprobs
     r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
     assert r.status_code == 400, r.text
     error = r.json()["error"]

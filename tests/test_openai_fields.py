@@ -729,7 +729,7 @@ def test_add_special_tokens_defaults_true_for_completions_false_for_chat(tmp_pat
 VLLM_REFUSED = [
     ("guided_json", {"type": "object"}), ("guided_regex", "a+"), ("guided_choice", ["a"]),
     ("guided_grammar", "root ::= 'a'"), ("structured_outputs", {"json": {}}),
-    ("prompt_logprobs", 1), ("use_beam_search", True), ("length_penalty", 0.5),
+    ("use_beam_search", True), ("length_penalty", 0.5),
     ("bad_words", ["x"]), ("priority", 1), ("skip_special_tokens", False),
     ("spaces_between_special_tokens", False), ("return_tokens_as_token_ids", True),
     ("logits_processors", ["x"]), ("kv_transfer_params", {}), ("vllm_xargs", {}),
@@ -742,7 +742,7 @@ VLLM_NEUTRAL = {"guided_json": None, "prompt_logprobs": None, "use_beam_search":
 
 @pytest.mark.parametrize(("field", "value"), [
     *VLLM_REFUSED, ("prompt_embeds", "AAAA"),
-    ("chat:continue_final_message", True), ("chat:echo", True), ("chat:documents", []),
+    ("chat:continue_final_message", True), ("chat:echo", True), ("chat:prompt_logprobs", 1), ("chat:documents", []),
     ("chat:chat_template", "{{ messages }}"), ("chat:mm_processor_kwargs", {})])
 def test_vllm_fields_that_cannot_be_honoured_are_refused_by_name_not_as_unknown(live, field,
                                                                                 value):

@@ -102,7 +102,7 @@ def test_end_token_stops_the_generation(fresh):
     ({"prompt": [1], "max_tokens": 40960}, "max_tokens"),  # 1 + 40960 > max_seq
     ({"prompt": [1] * 40961}, "prompt"),              # longer than max_seq (body limit raised)
     ({"prompt": [1], "max_tokens": "3"}, "max_tokens"),     # wrong type
-    ({"prompt": [1], "max_tokens": 0}, "max_tokens"),
+    ({"prompt": [1], "max_tokens": -1}, "max_tokens"),
     ({"prompt": [1], "stream": "yes"}, "stream"),
     ({"prompt": [1], "n": 17}, "n"),                 # above max_choices (16)
     ({"max_tokens": 3}, "prompt"),                    # missing

@@ -138,6 +138,7 @@ def text_of(evts: list, chat: bool) -> str:
 
 
 VARIANTS = [(COMPLETIONS, {}), (COMPLETIONS, {"echo": True}), (COMPLETIONS, {"logprobs": 2}),
+            (COMPLETIONS, {"echo": True, "logprobs": 2}), (COMPLETIONS, {"prompt_logprobs": 1}),
             (CHAT, {}), (CHAT, {"logprobs": True, "top_logprobs": 2})]
 
 

@@ -51,6 +51,10 @@ calexec_server_draining                     gauge      1 while the server drains
 calexec_feature_disabled                    gauge      feature; 1 while a §8 PROGRAMMING fault keeps it off
 calexec_golden_unpinned                     gauge      1 while serving on a golden no file pins (§9.2)
 ==========================================  =========  =================================================
+
+With ``ServerConfig.metrics_names == "vllm"`` (``calexec serve --metrics-names vllm``) the
+``vllm:`` families of vLLM's own server are exported beside these (:class:`VllmMetrics`;
+docs/server.md lists them).
 """
 
 from __future__ import annotations
@@ -170,6 +174,171 @@ def kv_usage_fraction(executor: ServedExecutor) -> float:
     return min(1.0, sum(kvc.blocks_for(v.reserved_len) for v in views) / capacity)
 
 
+#: ``ServerConfig.metrics_names``: ``calexec`` (the calexec_ families only) or ``vllm`` (the
+#: ``vllm:`` families too, as vLLM's own metrics test expects them)
+METRICS_NAMES = ("calexec", "vllm")
+#: vLLM's labels on every ``vllm:`` family (one engine here: "0")
+VLLM_LABELS = ("model_name", "engine")
+#: vLLM's request latency buckets (queue, inference, prefill, decode, e2e)
+VLLM_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                        50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+VLLM_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+VLLM_TOKEN_INTERVAL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                               1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+VLLM_ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+VLLM_PREFILL_TOKEN_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+VLLM_N_BUCKETS = (1, 2, 5, 10, 20)
+#: vLLM's finish reasons (request_success's label values, shown from 0)
+VLLM_FINISH_REASONS = ("stop", "length", "abort")
+#: the server gauge each scrape-time ``vllm:`` gauge reads
+_VLLM_GAUGES = {
+    "vllm:num_requests_running": ("calexec_num_requests_running",
+                                  "Number of requests in model execution batches."),
+    "vllm:num_requests_waiting": ("calexec_num_requests_waiting",
+                                  "Number of requests waiting to be processed."),
+    "vllm:kv_cache_usage_perc": ("calexec_kv_cache_usage_perc",
+                                 "KV-cache usage. 1 means 100 percent usage."),
+    "vllm:gpu_cache_usage_perc": ("calexec_kv_cache_usage_perc",
+                                  "GPU KV-cache usage. 1 means 100 percent usage. DEPRECATED: "
+                                  "Use vllm:kv_cache_usage_perc instead."),
+}
+
+
+class _VllmCollector(Collector):
+    """Scrape-time ``vllm:`` gauges from the server's gauges, and ``vllm:cache_config_info``."""
+
+    def __init__(self, model_name: str, server_gauges: Callable[[], dict[str, float]],
+                 cache_info: Callable[[], dict[str, str]]) -> None:
+        self._values = (model_name, "0")
+        self._server_gauges = server_gauges
+        self._cache_info = cache_info
+
+    def collect(self) -> Iterator[Metric]:
+        gauges = self._server_gauges()
+        for name, (source, doc) in _VLLM_GAUGES.items():
+            family = GaugeMetricFamily(name, doc, labels=list(VLLM_LABELS))
+            family.add_metric(list(self._values), gauges[source])
+            yield family
+        info = {**self._cache_info(), "engine": "0"}
+        family = GaugeMetricFamily("vllm:cache_config_info",
+                                   "Information of the LLMEngine CacheConfig",
+                                   labels=list(info))
+        family.add_metric(list(info.values()), 1.0)
+        yield family
+
+
+class VllmMetrics:
+    """The ``vllm:`` families vLLM's server exports (``--metrics-names vllm``), with vLLM's
+    names, types, buckets and labels (``model_name``, ``engine``), fed from the same points as
+    the ``calexec_`` ones: per generated token (``token``) and per finished request
+    (``finished``). Families this server has nothing to count in stay at 0: the prefix cache
+    (there is none) and preemptions (a request reserves its whole KV up front, §7: never
+    preempted)."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str,
+                 server_gauges: Callable[[], dict[str, float]],
+                 cache_info: Callable[[], dict[str, str]]) -> None:
+        values = (model_name, "0")
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(name, doc, VLLM_LABELS, buckets=buckets,
+                             registry=registry).labels(*values)
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(name, doc, VLLM_LABELS, registry=registry).labels(*values)
+
+        for name, doc in (
+                ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of "
+                 "queried tokens (no prefix cache here: 0)."),
+                ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached "
+                 "tokens (no prefix cache here: 0)."),
+                ("vllm:gpu_prefix_cache_queries", "GPU prefix cache queries (DEPRECATED: "
+                 "vllm:prefix_cache_queries; 0 here)."),
+                ("vllm:gpu_prefix_cache_hits", "GPU prefix cache hits (DEPRECATED: "
+                 "vllm:prefix_cache_hits; 0 here)."),
+                ("vllm:num_preemptions", "Cumulative number of preemption from the engine "
+                 "(a request reserves its whole KV up front: never preempted).")):
+            counter(name, doc)
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens",
+                                         "Number of generation tokens processed.")
+        success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                          [*VLLM_LABELS, "finished_reason"], registry=registry)
+        self.success = {reason: success.labels(*values, reason)
+                        for reason in VLLM_FINISH_REASONS}
+        self.request_prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", TOKEN_BUCKETS)
+        self.request_generation_tokens = histogram(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.",
+            TOKEN_BUCKETS)
+        self.iteration_tokens = histogram(
+            "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+            VLLM_ITERATION_BUCKETS)
+        self.max_num_generation_tokens = histogram(
+            "vllm:request_max_num_generation_tokens",
+            "Histogram of maximum number of requested generation tokens.", TOKEN_BUCKETS)
+        self.params_n = histogram("vllm:request_params_n",
+                                  "Histogram of the n request parameter.", VLLM_N_BUCKETS)
+        self.params_max_tokens = histogram(
+            "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.",
+            TOKEN_BUCKETS)
+        self.ttft = histogram("vllm:time_to_first_token_seconds",
+                              "Histogram of time to first token in seconds.", VLLM_TTFT_BUCKETS)
+        self.tpot = histogram("vllm:time_per_output_token_seconds",
+                              "Histogram of time per output token in seconds.",
+                              VLLM_TOKEN_INTERVAL_BUCKETS)
+        self.inter_token = histogram("vllm:inter_token_latency_seconds",
+                                     "Histogram of inter-token latency in seconds.",
+                                     VLLM_TOKEN_INTERVAL_BUCKETS)
+        self.prefill_per_token = histogram(
+            "vllm:time_per_prefill_token_request_seconds",
+            "Time spent per token during prefill phase in seconds", VLLM_PREFILL_TOKEN_BUCKETS)
+        self.phases = {
+            phase: histogram(f"vllm:{name}", doc, VLLM_REQUEST_BUCKETS)
+            for phase, name, doc in (
+                ("e2e", "e2e_request_latency_seconds",
+                 "Histogram of e2e request latency in seconds."),
+                ("queue", "request_queue_time_seconds",
+                 "Histogram of time spent in WAITING phase for request."),
+                ("inference", "request_inference_time_seconds",
+                 "Histogram of time spent in RUNNING phase for request."),
+                ("prefill", "request_prefill_time_seconds",
+                 "Histogram of time spent in PREFILL phase for request."),
+                ("decode", "request_decode_time_seconds",
+                 "Histogram of time spent in DECODE phase for request."))}
+        registry.register(_VllmCollector(model_name, server_gauges, cache_info))
+
+    def token(self, first: bool, prompt_tokens: int, since_last: float) -> None:
+        """One generated token: vLLM's engine step (the first one prefilled the prompt too);
+        ``since_last``: seconds since the request's previous token (or its arrival)."""
+        self.iteration_tokens.observe(prompt_tokens + 1 if first else 1)
+        if first:
+            self.ttft.observe(since_last)
+        else:
+            self.tpot.observe(since_last)
+            self.inter_token.observe(since_last)
+
+    def finished(self, reason: str, prompt_tokens: int, generated: int, max_tokens: int,
+                 n: int | None, spans: dict[str, float]) -> None:
+        """One request finished successfully. ``spans``: seconds of its phases, keys e2e,
+        queue (arrival -> a sequence id), inference (-> the end), prefill (-> first token),
+        decode (first -> last token)."""
+        self.success.get(reason, self.success["stop"]).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(generated)
+        self.request_prompt_tokens.observe(prompt_tokens)
+        self.request_generation_tokens.observe(generated)
+        self.params_max_tokens.observe(max_tokens)
+        self.max_num_generation_tokens.observe(max_tokens)
+        if n is not None:
+            self.params_n.observe(n)
+        for phase, seconds in spans.items():
+            self.phases[phase].observe(max(0.0, seconds))
+        if prompt_tokens:
+            self.prefill_per_token.observe(max(0.0, spans["prefill"]) / prompt_tokens)
+
+
 class _WithModel:
     """A labelled metric whose last label, ``model_name``, is bound: ``labels(*rest)``."""
 
@@ -189,12 +358,17 @@ class ServerMetrics:
     """The server's metrics in a registry of their own."""
 
     def __init__(self, snapshot: Snapshot, server_gauges: Callable[[], dict[str, float]],
-                 model_name: str = "calexec") -> None:
+                 model_name: str = "calexec", names: str = "calexec",
+                 cache_info: Callable[[], dict[str, str]] = dict) -> None:
         """``server_gauges`` returns the values of the ``calexec_num_requests_running``,
         ``calexec_kv_sequences_{in_use,free,withheld,capacity}``,
         ``calexec_kv_cache_usage_perc``, ``calexec_responses_send_waiting`` and
         ``calexec_server_draining`` gauges.
-        ``model_name`` labels the request counters and token histograms (vLLM's label)."""
+        ``model_name`` labels the request counters and token histograms (vLLM's label).
+        ``names``: "vllm" adds the ``vllm:`` families (:class:`VllmMetrics`, ``self.vllm``;
+        None otherwise), ``cache_info`` giving the labels of ``vllm:cache_config_info``."""
+        if names not in METRICS_NAMES:
+            raise ValueError(f"metrics names {names!r}: must be one of {METRICS_NAMES}")
         self.registry = CollectorRegistry()
         reg = self.registry
         self.ttft = Histogram("calexec_time_to_first_token_seconds",
@@ -247,6 +421,8 @@ class ServerMetrics:
             "executor's completion thread with the previous step's argmax, before the "
             "server asked for them (greedy ahead, issue 17).", registry=reg)
         reg.register(_ExecutorCollector(snapshot, server_gauges))
+        self.vllm = (VllmMetrics(reg, model_name, server_gauges, cache_info)
+                     if names == "vllm" else None)
 
     def observe_job(self, kind: TaskKind, timings: JobTimings) -> None:
         """One completed job's own timings (S11). ``h2d_ms``/``d2h_ms`` are observed only when

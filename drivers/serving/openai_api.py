@@ -143,6 +143,10 @@ class CompletionRequest(_Body):
     prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]] | None
     logprobs: StrictInt | None = None
     echo: StrictBool = False
+    # 0: nothing generated (echo and prompt logprobs only: evaluation harnesses' likelihoods)
+    max_tokens: StrictInt | None = Field(default=None, ge=0)
+    # vLLM: the log-probabilities of the prompt's tokens, each with this many top tokens
+    prompt_logprobs: StrictInt | None = None
     best_of: Any = None
     suffix: Any = None
     response_format: Any = None  # vLLM takes it on completions too
@@ -234,7 +238,7 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
                     "guided_decoding_backend", "guided_whitespace_pattern",
                     "structured_outputs")},
-    "prompt_logprobs": (_none_or(), "prompt logprobs are not computed"),
+    "prompt_logprobs": (_none_or(), "prompt logprobs are computed on /v1/completions only"),
     "use_beam_search": (_none_or(False), "beam search is not supported"),
     "length_penalty": (_none_or(1, 1.0), "length_penalty needs beam search (not supported)"),
     "bad_words": (lambda v: v is None or v == [], "bad_words is not supported"),
@@ -585,6 +589,51 @@ class TextOutput:
         return held
 
 
+def prompt_rows(body: CompletionRequest) -> int | None:
+    """How many top tokens each prompt position keeps (``Admission.prompt_logprobs``), or
+    None when the prompt's log-probabilities are not asked for: ``echo`` with ``logprobs``
+    (OpenAI) and ``prompt_logprobs`` (vLLM) both need them."""
+    if body.prompt_logprobs is not None and \
+            not 0 <= body.prompt_logprobs <= sampling.MAX_LOGPROBS:
+        raise Refusal(invalid(f"prompt_logprobs={body.prompt_logprobs}: must be in "
+                              f"[0, {sampling.MAX_LOGPROBS}]"), "prompt_logprobs")
+    wanted = [n for n in (body.logprobs if body.echo else None, body.prompt_logprobs)
+              if n is not None]
+    return max(wanted) if wanted else None
+
+
+def echo_logprobs(tok: Tokenizer, prompt: list[int], rows: list[TokenLogprobs], top: int,
+                  offset: int) -> dict[str, Any]:
+    """The prompt's part of an echoed completion's ``logprobs``: one entry per prompt token,
+    the first one's logprob and top null (nothing precedes it), as OpenAI and vLLM answer;
+    ``top`` most likely tokens per position (the request's ``logprobs``)."""
+    tokens = [tok.token_text(t) for t in prompt]
+    offsets, at = [], offset
+    for text in tokens:
+        offsets.append(at)
+        at += len(text)
+    return {"tokens": tokens,
+            "token_logprobs": [None] + [r.logprob for r in rows],
+            "top_logprobs": [None] + [{tok.token_text(t): lp for t, lp in r.top[:top]}
+                                      for r in rows],
+            "text_offset": offsets}
+
+
+def vllm_prompt_logprobs(tok: Tokenizer, prompt: list[int], rows: list[TokenLogprobs],
+                         ranks: list[int], top: int) -> list[dict[str, Any] | None]:
+    """vLLM's ``prompt_logprobs``: null for the first prompt token, then per token a map
+    token id -> ``{"logprob", "rank", "decoded_token"}`` holding the prompt token and the
+    ``top`` most likely ones (rank 1 the most likely)."""
+    out: list[dict[str, Any] | None] = [None]
+    for token, row, rank in zip(prompt[1:], rows, ranks):
+        entry = {str(t): {"logprob": lp, "rank": i + 1, "decoded_token": tok.token_text(t)}
+                 for i, (t, lp) in enumerate(row.top[:top])}
+        entry[str(token)] = {"logprob": row.logprob, "rank": rank,
+                             "decoded_token": tok.token_text(token)}
+        out.append(entry)
+    return out
+
+
 def completion_logprobs(tok: Tokenizer, infos: list[TokenLogprobs], offset: int) -> dict[str, Any]:
     """The legacy completions ``logprobs`` object."""
     tokens = [tok.token_text(i.token) for i in infos]
@@ -632,11 +681,15 @@ def continue_from(resume: handoff.Resume, run: RequestRun, out: TextOutput, shap
     seed and index as it would have been) and rebuild what the client was already sent: the
     detokenizer and stop-string hold-back state (``out``), the id, ``created``, echo, text
     offsets and the chat opening (``shape``). A whole (non-streaming) answer with logprobs
-    needs every token's logprobs: it restarts from the prompt with the same seed instead."""
+    (or prompt logprobs) needs every token's logprobs (and the prompt's rows): it restarts
+    from the prompt with the same seed instead. A stream that sent tokens sent the prompt's
+    logprobs with the first: they are not computed again."""
     tokens = list(resume.tokens)
-    if not sse and run.sampling.logprobs is not None:
+    if not sse and (run.sampling.logprobs is not None or run.prompt_top is not None):
         tokens = []
     run.tokens = tokens
+    if tokens:
+        run.prompt_top = None
     for token in tokens:
         out.add(token)
     shape.resumed(resume, len(tokens) if sse else 0, out.sent)  # a whole answer: none sent
@@ -795,9 +848,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
             batch = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
             prompts = cast(list[str | list[int]], prompt if batch else [prompt])
             choices_refusal(len(prompts), body.n, config.max_choices)
-            if body.echo and body.logprobs is not None:
-                raise Refusal(invalid("echo=true with logprobs needs the prompt's logprobs, "
-                                      "which are not computed"), "echo")
+            rows = prompt_rows(body)
             params = sampling_params(body, body.logprobs, vocab(), config.end_token_id)
             special = True if body.add_special_tokens is None else body.add_special_tokens
             prepared: list[tuple[list[int], str]] = []  # (prompt ids, echo) per prompt
@@ -813,16 +864,21 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         wanted = 16 if body.max_tokens is None else body.max_tokens
 
         def shape_of(echo: str) -> _Shape:
-            shape = _CompletionShape(echo)
+            shape = _CompletionShape(echo, body.echo and body.logprobs is not None,
+                                     body.prompt_logprobs)
             shape.prompt_ids = body.return_token_ids
             return shape
+
+        def admission(ids: list[int], j: int = 0) -> Admission:  # j: the choice of its prompt
+            return Admission(ids, wanted, body.stream, body.timeout, prompt_logprobs=rows,
+                             n_param=body.n if j == 0 else None)
         if not batch and body.n == 1:
             ids, echo = prepared[0]
-            return await _generate(request, Admission(ids, wanted, body.stream, body.timeout),
-                                   params, shape_of(echo), include_usage(body))
+            return await _generate(request, admission(ids), params, shape_of(echo),
+                                   include_usage(body))
         return await _generate_many(
-            request, [(Admission(ids, wanted, body.stream, body.timeout), shape_of(echo))
-                      for ids, echo in prepared for _ in range(body.n)],
+            request, [(admission(ids, j), shape_of(echo))
+                      for ids, echo in prepared for j in range(body.n)],
             body.n, params, include_usage(body))
 
     @app.post("/v1/chat/completions")
@@ -861,8 +917,9 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         if body.n == 1:
             return await _generate(request, admission, params, chat_shape(),
                                    include_usage(body))
-        return await _generate_many(request, [(admission, chat_shape()) for _ in range(body.n)],
-                                    body.n, params, include_usage(body))
+        return await _generate_many(
+            request, [(attrs.evolve(admission, n_param=body.n if j == 0 else None), chat_shape())
+                      for j in range(body.n)], body.n, params, include_usage(body))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
@@ -1273,8 +1330,14 @@ class _Shape:
 
 
 class _CompletionShape(_Shape):
-    def __init__(self, echo: str) -> None:
+    def __init__(self, echo: str, echo_rows: bool = False, vllm_rows: int | None = None
+                 ) -> None:
         self.echo = echo
+        #: the echoed prompt's logprobs go ahead of the first generated token's (once)
+        self.echo_rows = echo_rows
+        #: vLLM's ``prompt_logprobs`` (its top count): in the answer, or a stream's first
+        #: chunk (once)
+        self.vllm_rows = vllm_rows
         self.ids_sent = False  # the prompt's ids went out (return_token_ids, a stream)
         #: ``logprobs.text_offset`` of the next token: the length of the earlier tokens'
         #: texts, as the non-streamed answer counts it (never the text sent so far, which a
@@ -1286,6 +1349,9 @@ class _CompletionShape(_Shape):
         if tokens:  # the echo went out with the first token's chunk
             self.ids_sent = True
             self.text_at = sum(len(self.tok.token_text(t)) for t in self.run.tokens[:tokens])
+            if self.echo_rows:  # the prompt's logprobs went out first: offsets count it
+                self.text_at += sum(len(self.tok.token_text(t)) for t in self.run.prompt)
+            self.echo_rows, self.vllm_rows = False, None
             self.echo = ""
 
     def _head(self, chunk: bool = False) -> dict[str, Any]:
@@ -1296,10 +1362,23 @@ class _CompletionShape(_Shape):
                 infos: list[TokenLogprobs] | None) -> dict[str, Any]:
         logprobs = None
         if run.sampling.logprobs is not None and infos is not None:
+            head = None
+            if self.echo_rows:
+                self.echo_rows = False
+                head = echo_logprobs(self.tok, run.prompt, run.prompt_rows,
+                                     run.sampling.logprobs, self.text_at)
+                self.text_at += sum(len(t) for t in head["tokens"])
             logprobs = completion_logprobs(self.tok, infos, self.text_at)
             self.text_at += sum(len(t) for t in logprobs["tokens"])
-        return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish,
-                "token_ids": tokens}
+            if head is not None:
+                logprobs = {key: head[key] + logprobs[key] for key in logprobs}
+        choice = {"index": self.index, "text": text, "logprobs": logprobs,
+                  "finish_reason": finish, "token_ids": tokens}
+        if self.vllm_rows is not None:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(
+                self.tok, run.prompt, run.prompt_rows, run.prompt_ranks, self.vllm_rows)
+            self.vllm_rows = None
+        return choice
 
     def whole(self, text: str, run: RequestRun) -> dict[str, Any]:
         choice = self._choice(self.echo + text, run.tokens, run, run.finish_reason,

@@ -24,11 +24,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import re
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import attrs
@@ -44,7 +45,7 @@ from calexec.drivers.serving.admission import AdmissionQueue
 from calexec.drivers.serving.dumpsink import DumpSink
 from calexec.drivers.serving.error_bodies import invalid
 from calexec.drivers.serving.executor_view import ServedExecutor
-from calexec.drivers.serving.metrics import ServerMetrics, kv_usage_fraction
+from calexec.drivers.serving.metrics import METRICS_NAMES, ServerMetrics, kv_usage_fraction
 from calexec.drivers.serving.resume import Resumer
 from calexec.machines.compiled import JOB
 
@@ -153,8 +154,11 @@ class ServerConfig:
     #: ``/admin/reload`` refuses a calbin larger than this (bytes).
     max_calbin_bytes: int = attrs.field(default=16 << 30, validator=attrs.validators.gt(0))
     #: requests that may wait (within their deadline) for a KV sequence id or for the
-    #: lifecycle to be Ready again; one more is refused (429 ids / 503 recovery), 0 never waits
-    max_waiting: int = attrs.field(default=64, validator=attrs.validators.ge(0))
+    #: lifecycle to be Ready again; one more is refused (429 ids / 503 recovery), 0 never waits.
+    #: Deep enough that a burst is queued, not refused (vLLM queues without a bound): a waiter
+    #: is a suspended task and a few hundred bytes, no thread; each still waits no longer
+    #: than its own deadline
+    max_waiting: int = attrs.field(default=1024, validator=attrs.validators.ge(0))
     #: the waiting queue re-reads the executor's lifecycle in slices this long (the executor
     #: has no state-change event; a freed sequence id wakes the queue at once)
     lifecycle_poll_s: float = attrs.field(default=0.005, validator=attrs.validators.gt(0))
@@ -172,6 +176,10 @@ class ServerConfig:
     #: argmax itself (``decode_stream(greedy_ahead=True)``), so the device does not wait for
     #: the event loop; a request ended by a stop string costs at most one discarded step
     greedy_ahead: bool = True
+    #: "vllm": ``/metrics`` exports vLLM's ``vllm:`` families beside the ``calexec_`` ones
+    #: (dashboards and autoscalers built for vLLM read them); "calexec": those only
+    metrics_names: str = attrs.field(default="calexec",
+                                     validator=attrs.validators.in_(METRICS_NAMES))
 
 
 @attrs.define
@@ -186,6 +194,13 @@ class Admission:
     max_tokens: int
     sse: bool = False
     timeout: float | None = None
+    #: the log-probabilities of every prompt token after the first are computed (with this
+    #: many most likely tokens each): completions' ``echo`` with ``logprobs``, vLLM's
+    #: ``prompt_logprobs``. None: only the last prompt position's row is (one prefill)
+    prompt_logprobs: int | None = None
+    #: the request's ``n`` on the first choice of each prompt (vLLM's ``request_params_n``
+    #: counts it once per prompt); None on the other choices
+    n_param: int | None = 1
 
 
 class SequencePool:
@@ -272,11 +287,23 @@ class RequestRun:
     finish_reason: str | None = None
     status: Status | None = None
     first_token_at: float | None = None
+    #: when it got its first sequence id (out of the waiting queue) and its latest token
+    #: (``time.monotonic()``; the ``vllm:`` phase histograms)
+    scheduled_at: float | None = None
+    first_token_host: float | None = None
+    last_token_at: float | None = None
+    n_param: int | None = 1
     #: model generation of the request's jobs (its KV lives in that generation's KvManager)
     generation_id: int | None = None
     #: how tokens are chosen (drivers/serving/sampling.py); logprobs of each token when asked for
     sampling: sampling.SamplingParams = sampling.GREEDY
     token_logprobs: list = attrs.Factory(list)
+    #: ``Admission.prompt_logprobs``: None, or how many top tokens each prompt position keeps;
+    #: then the prompt is fed one token per job (``next_request``) and ``prompt_rows[j]`` is
+    #: the log-probability of ``prompt[j + 1]`` (its rank in ``prompt_ranks[j]``)
+    prompt_top: int | None = None
+    prompt_rows: list = attrs.Factory(list)
+    prompt_ranks: list = attrs.Factory(list)
     # Enqueue fence: ``closed`` once the request finished (no enqueue may start after it);
     # ``enqueue_idle`` is clear while an enqueue call runs in a worker thread.
     mu: threading.Lock = attrs.Factory(threading.Lock)
@@ -301,20 +328,61 @@ class RequestRun:
     def done(self) -> bool:
         return self.finish_reason is not None or self.status is not None
 
+    @property
+    def rows_pending(self) -> bool:
+        """Prompt positions whose row is still to be computed (``prompt_top``)."""
+        return (self.prompt_top is not None and not self.tokens
+                and len(self.prompt_rows) < len(self.prompt) - 1)
+
+    def _prompt_in_next_job(self) -> int:
+        """Prompt tokens the sequence's KV holds after the next job. Without prompt rows the
+        whole prompt (one prefill); with them, one more than the rows computed: the row of
+        a job whose KV ends at prompt[:k] is the distribution of prompt[k]. A re-prefill
+        after a failure (a resume) thus redoes exactly what the failed job would have."""
+        if self.prompt_top is None or self.tokens:  # (a continued generation: whole prompt)
+            return len(self.prompt)
+        return min(len(self.prompt_rows) + 1, len(self.prompt))
+
     def next_request(self) -> InferenceRequest:
         if self.seq_id is None:  # callers lease the sequence first
             raise TypeError(f"request {self.request_id}: next_request before a sequence id")
         if self.handle is None or self.reprefill:
-            ids = np.asarray(self.prompt + self.tokens, dtype=np.int32)
+            ids = np.asarray(self.prompt[:self._prompt_in_next_job()] + self.tokens,
+                             dtype=np.int32)
             return InferenceRequest(seq_id=self.seq_id, kind=TaskKind.PREFILL_IDS, tokens=ids,
                                     positions=np.arange(len(ids), dtype=np.int32), past_len=0,
                                     deadline=self.deadline, request_id=self.request_id,
                                     kv_reserve_len=len(self.prompt) + self.max_tokens)
+        # a prompt fed one token per job (prompt rows): the next prompt token, as a decode
+        # step of the plain path (its KV is reserved: the first prefill reserved it all)
+        feed = self.tokens[-1:] if self.past >= len(self.prompt) else [self.prompt[self.past]]
         return InferenceRequest(seq_id=self.seq_id, kind=TaskKind.DECODE,
-                                tokens=np.asarray(self.tokens[-1:], dtype=np.int32),
+                                tokens=np.asarray(feed, dtype=np.int32),
                                 positions=np.asarray([self.past], dtype=np.int32),
                                 past_len=self.past, deadline=self.deadline,
                                 request_id=self.request_id)
+
+
+#: ``CompletionService._step``'s answer for a job whose row was a prompt position's
+_PROMPT_ROW = object()
+
+
+def _prompt_row(logits: np.ndarray, token: int, top: int) -> tuple[sampling.TokenLogprobs, int]:
+    """The log-probability of prompt ``token`` in ``logits`` (the raw FP32 row of the
+    position before it), the ``top`` most likely tokens', and the token's rank (1: the most
+    likely; vLLM's ``prompt_logprobs`` rank: 1 + the tokens strictly more likely)."""
+    # sampling.token_logprobs' values without its float64 copy of the row (one per prompt
+    # token here): exp in FP32, the sum and the log in float64
+    peak = float(logits.max())
+    lse = peak + math.log(float(np.exp(logits - np.float32(peak)).sum(dtype=np.float64)))
+    best: tuple[tuple[int, float], ...] = ()
+    if top > 0:
+        top = min(top, logits.shape[0])
+        ids = np.argpartition(-logits, top - 1)[:top]
+        ids = ids[np.lexsort((ids, -logits[ids]))]  # most likely first, ties by id
+        best = tuple((int(i), float(logits[i]) - lse) for i in ids)
+    info = sampling.TokenLogprobs(token, float(logits[token]) - lse, best)
+    return info, 1 + int(np.count_nonzero(logits > logits[token]))
 
 
 def close_decode(run: Any, wait: bool = True) -> bool:
@@ -372,7 +440,8 @@ class CompletionService:
         self.sends = wire.SendBounds()
         self._releasing: set[threading.Thread] = set()  # background sequence releases
         self._releasing_mu = threading.Lock()
-        self.metrics = ServerMetrics(executor.snapshot, self._server_gauges, config.model_name)
+        self.metrics = ServerMetrics(executor.snapshot, self._server_gauges, config.model_name,
+                                     config.metrics_names, self._cache_info)
         self.tokenizer = hf_tokenizer.load(config.tokenizer_path)
         self.started_at = time.time()
         self.admission = AdmissionQueue(self.sequences, lambda: executor.state, self.health,
@@ -394,6 +463,16 @@ class CompletionService:
                 "calexec_server_draining": 1.0 if self.draining else 0.0,
                 "calexec_kv_cache_usage_perc": kv_usage_fraction(self.executor),
                 "calexec_responses_send_waiting": self.sends.waiting}
+
+    def _cache_info(self) -> dict[str, str]:
+        """``vllm:cache_config_info``'s labels: the KV block size and capacity in blocks of the
+        current generation ("" when there is none)."""
+        kvc = getattr(self.executor, "kvc", None)
+        size = getattr(getattr(kvc, "kv", None), "block_size", None)
+        blocks = None if kvc is None else kvc.capacity_blocks()
+        return {"block_size": "" if size is None else str(size),
+                "num_gpu_blocks": "" if blocks is None else str(blocks),
+                "max_num_seqs": str(self.config.max_sequences)}
 
     def health(self) -> list[str]:
         """Why the executor cannot serve now (empty: it can): ``executor.health()``."""
@@ -481,7 +560,10 @@ class CompletionService:
         run = RequestRun(next(self._ids), got if isinstance(got, int) else None, list(prompt),
                          body.max_tokens, now + timeout, now, body.sse,
                          np.empty(vocab, dtype=np.float32),
-                         waiter=None if isinstance(got, int) else got)
+                         waiter=None if isinstance(got, int) else got,
+                         prompt_top=body.prompt_logprobs, n_param=body.n_param)
+        if isinstance(got, int):
+            run.scheduled_at = now
         self.active += 1
         self._live[run.request_id] = run
         self.metrics.requests.labels("true" if body.sse else "false").inc()
@@ -489,15 +571,30 @@ class CompletionService:
 
     # ---- generation -----------------------------------------------------------------------------
     async def advance(self, run: RequestRun) -> int | None:
-        """Run one job; the new token, or None when the generation has ended (``finish_reason``
-        or ``status`` then says why)."""
+        """Run jobs up to the next token; the new token, or None when the generation has ended
+        (``finish_reason`` or ``status`` then says why). A request that asked for its prompt's
+        log-probabilities (``RequestRun.prompt_top``) first feeds its prompt one token per job
+        (``_step`` records each row) before the first token."""
+        while True:
+            token = await self._step(run)
+            if token is not _PROMPT_ROW:
+                return cast(int | None, token)
+
+    async def _step(self, run: RequestRun) -> int | None | object:
+        """Run one job: the new token, ``_PROMPT_ROW`` when the job's row was a prompt
+        position's (recorded in ``run.prompt_rows``), or None at the end (``advance``)."""
         if run.done:
+            return None
+        if run.max_tokens == 0 and not run.rows_pending:  # echo or prompt rows only
+            run.finish_reason = "length"
             return None
         if run.seq_id is None:  # waiting for a sequence id and Ready (admission or resume)
             refused = await self.resumer.take_sequence(run)
             if refused is not None:
                 run.status = refused
                 return None
+            if run.scheduled_at is None:
+                run.scheduled_at = time.monotonic()
         moved = self._generation_moved(run)
         if moved is not None:
             if await self.resumer.resume(run, moved, replaced=True):
@@ -530,10 +627,16 @@ class CompletionService:
             run.generation_id = result.generation
         self.resumer.resumed(run)
         self.metrics.observe_job(result.kind, result.timings)
+        run.past = result.kv_len
+        if run.past < len(run.prompt):  # a prompt position's row: the next prompt token's
+            row = await to_thread.run_sync(_prompt_row, result.logits, run.prompt[run.past],
+                                           run.prompt_top or 0, limiter=self._limiter)
+            run.prompt_rows.append(row[0])
+            run.prompt_ranks.append(row[1])
+            return _PROMPT_ROW
         if run.first_token_at is None:
             run.first_token_at = result.timings.completed_us / 1e6
             self.metrics.ttft.observe(max(0.0, run.first_token_at - run.started))
-        run.past = result.kv_len
         args = (result.logits, run.sampling, len(run.tokens), result.argmax, run.prompt,
                 run.tokens)
         token, logprobs = (sampling.pick(*args) if run.sampling.plain_greedy else
@@ -543,6 +646,14 @@ class CompletionService:
             run.finish_reason = "stop"
             return None
         run.tokens.append(token)
+        if self.metrics.vllm is not None:
+            now = time.monotonic()
+            last = run.last_token_at
+            self.metrics.vllm.token(last is None, len(run.prompt),
+                                    now - (run.started if last is None else last))
+            if last is None:
+                run.first_token_host = now
+            run.last_token_at = now
         if logprobs is not None:
             run.token_logprobs.append(logprobs)
         if len(run.tokens) >= run.max_tokens:
@@ -569,7 +680,10 @@ class CompletionService:
                 run.enqueue_idle.set()
 
         request = run.next_request()
-        streamed = self.config.prearm and request.kind == TaskKind.DECODE
+        # a prompt token fed for its row goes through the plain path (``enqueue``): the
+        # decode stream (pre-armed, greedy ahead) opens for the generated tokens only
+        streamed = (self.config.prearm and request.kind == TaskKind.DECODE
+                    and run.past >= len(run.prompt))
         limiter = (self._admit_limiter if request.kind == TaskKind.PREFILL_IDS
                    else self._stream_limiter if streamed else self._limiter)
         try:
@@ -763,6 +877,19 @@ class CompletionService:
             with self._releasing_mu:
                 self._releasing.discard(threading.current_thread())
 
+    def _record_vllm(self, run: RequestRun) -> None:
+        """A successful request's ``vllm:`` families (``ServerConfig.metrics_names``)."""
+        if self.metrics.vllm is None:
+            return
+        end = time.monotonic()
+        scheduled = run.started if run.scheduled_at is None else run.scheduled_at
+        first = end if run.first_token_host is None else run.first_token_host
+        self.metrics.vllm.finished(
+            str(run.finish_reason), len(run.prompt), len(run.tokens), run.max_tokens,
+            run.n_param, {"e2e": end - run.started, "queue": scheduled - run.started,
+                          "inference": end - scheduled, "prefill": first - scheduled,
+                          "decode": (run.last_token_at or end) - first})
+
     def _record(self, run: RequestRun) -> None:
         m = self.metrics
         if run.decode is not None:
@@ -779,6 +906,8 @@ class CompletionService:
             m.request_prompt_tokens.observe(len(run.prompt))
             m.request_generation_tokens.observe(len(run.tokens))
             m.e2e.observe(time.monotonic() - run.started)
+            if m.vllm is not None:
+                self._record_vllm(run)
         if self.dump is not None:
             self.dump.write({
                 "request_id": run.request_id, "seq_id": run.seq_id, "stream": run.sse,
