@@ -22,20 +22,14 @@ from calexec.drivers.serving.openai_api import ChatRequest, CompletionRequest
 from calexec.drivers.serving.sampling import SamplingParams
 from calexec.drivers.serving.server import ServerConfig, create_app
 from calexec.drivers.synthetic.calbin import VOCAB
-from test_server_support import LiveServer, oracle_tokens, started_executor
+from test_server_support import (
+    LiveServer,
+    live_fixture,  # noqa: F401 - the fixture `live`
+    oracle_tokens,
+    started_executor,
+)
 
 MODEL = "calexec-qwen3-synthetic"
-
-
-@pytest.fixture(scope="module")
-def live(tmp_path_factory):
-    executor = started_executor(tmp_path_factory.mktemp("calbin"))
-    app = create_app(executor, ServerConfig())
-    with LiveServer(app) as server:
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
-                               timeout=30)
-        yield server, client, app.state.service
-    executor.shutdown(5.0)
 
 
 def _sdk_fields(params: type) -> dict[str, object]:
