@@ -892,6 +892,22 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         return JSONResponse({"count": len(ids), "max_model_len": max_seq(), "tokens": tokens,
                              "token_strs": texts if body.return_token_strs else None})
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request) -> Response:
+        """vLLM's ``GET /tokenizer_info``: the special tokens and chat template a client needs
+        to tokenize as this server does through ``/tokenize`` and ``/detokenize`` (lm-eval's
+        ``tokenizer_backend=remote``). A special token the tokenizer has no text for (the
+        byte-level tokenizer's end token) is null."""
+        auth = auth_refusal(request, config.api_key)
+        if auth is not None:
+            return refused(auth)
+        tok = service.tokenizer
+        return JSONResponse({"tokenizer_class": type(tok).__name__,
+                             "eos_token": tok.eos_token or None,
+                             "bos_token": tok.bos_token or None, "pad_token": None,
+                             "chat_template": tok.chat_template,
+                             "model_max_length": max_seq()})
+
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
         try:
