@@ -586,15 +586,22 @@ class TextOutput:
 
 
 def completion_logprobs(tok: Tokenizer, infos: list[TokenLogprobs], offset: int) -> dict[str, Any]:
-    """The legacy completions ``logprobs`` object."""
+    """The legacy completions ``logprobs`` object. ``top_logprobs`` holds the k most likely
+    tokens and the chosen one, so up to k + 1 entries (OpenAI: "the API will always return
+    the logprob of the sampled token"; vLLM does the same, and ``logprobs: 0`` is the chosen
+    token alone)."""
     tokens = [tok.token_text(i.token) for i in infos]
     offsets, at = [], offset
     for text in tokens:
         offsets.append(at)
         at += len(text)
+
+    def top(info: TokenLogprobs) -> dict[str, float]:
+        entries = {tok.token_text(t): lp for t, lp in info.top}
+        entries.setdefault(tok.token_text(info.token), info.logprob)
+        return entries
     return {"tokens": tokens, "token_logprobs": [i.logprob for i in infos],
-            "top_logprobs": [{tok.token_text(t): lp for t, lp in i.top} for i in infos],
-            "text_offset": offsets}
+            "top_logprobs": [top(i) for i in infos], "text_offset": offsets}
 
 
 def chat_logprobs(tok: Tokenizer, infos: list[TokenLogprobs]) -> dict[str, Any]:
