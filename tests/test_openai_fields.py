@@ -722,7 +722,8 @@ def test_add_special_tokens_defaults_true_for_completions_false_for_chat(tmp_pat
 # ---- vLLM fields that cannot be honoured here: refused by name, with the reason -------------------
 VLLM_REFUSED = [
     ("guided_json", {"type": "object"}), ("guided_regex", "a+"), ("guided_choice", ["a"]),
-    ("guided_grammar", "root ::= 'a'"), ("structured_outputs", {"json": {}}),
+    ("guided_grammar", "root ::= 'a'"), ("guided_decoding_backend", "xgrammar"),
+    ("guided_whitespace_pattern", " "), ("structured_outputs", {"json": {}}),
     ("prompt_logprobs", 1), ("use_beam_search", True), ("length_penalty", 0.5),
     ("bad_words", ["x"]), ("priority", 1), ("skip_special_tokens", False),
     ("spaces_between_special_tokens", False), ("return_tokens_as_token_ids", True),
@@ -778,3 +779,16 @@ def test_continue_final_message_continues_the_assistants_message(live):
         r = httpx.post(f"{server.url}/v1/chat/completions", timeout=30,
                        json={"messages": body_messages, "max_tokens": 1, **extra})
         assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+
+
+@pytest.mark.parametrize(("field", "value"), [("request_id", "req-7"), ("cache_salt", "s1")])
+def test_vllm_metadata_fields_are_accepted_and_ignored(live, field, value):
+    """vLLM's ``request_id`` and ``cache_salt`` (docs/server.md: I): 200, the same tokens."""
+    server, _, _ = live
+    for path, body in (("/v1/completions", {"prompt": [1, 2]}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+        r = httpx.post(f"{server.url}{path}", json={**body, "max_tokens": 2, field: value},
+                       timeout=30)
+        plain = httpx.post(f"{server.url}{path}", json={**body, "max_tokens": 2}, timeout=30)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == plain.json()["choices"][0]["token_ids"]
