@@ -70,9 +70,13 @@ def test_client_options_only(ChatOpenAI):
 
 def test_check_says_stale_and_write_fixes_it(tmp_path):
     (tmp_path / "docs").mkdir()
-    (tmp_path / "tests").symlink_to(ROOT / "tests")
-    stale = DOC.replace(" `test_", " `test_stale_", 1)
-    (tmp_path / "docs" / "server.md").write_text(stale, encoding="utf-8")
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_one.py").write_text(
+        'def test_seeded(client):\n    client.completions.create(prompt="x", seed=1)\n')
+    doc = tmp_path / "docs" / "server.md"
+    doc.write_text(DOC, encoding="utf-8")  # the repository's tests, not this one's
     assert param_table.main(["--root", str(tmp_path), "--check"]) == 1
+    assert doc.read_text(encoding="utf-8") == DOC  # --check writes nothing
     assert param_table.main(["--root", str(tmp_path)]) == 0
-    assert (tmp_path / "docs" / "server.md").read_text(encoding="utf-8") == DOC
+    assert param_table.main(["--root", str(tmp_path), "--check"]) == 0
+    assert "| 1: `test_one.py::test_seeded` |" in doc.read_text(encoding="utf-8")
