@@ -44,11 +44,12 @@ def tool(name: str) -> str:
     return path
 
 
-def module(name: str, extra: str) -> ModuleType:
-    """Import an optional extra's module; skip the test module (or fail) when absent."""
+def module(name: str, extra: str, install: str | None = None) -> ModuleType:
+    """Import an optional extra's module; skip the test module (or fail) when absent.
+    ``install``: how to install it, when that is not ``pip install -e '.[extra]'``."""
     try:
         return importlib.import_module(name)
     except ImportError as exc:
-        _absent(f"{name!r} is not installed ({exc}): pip install -e '.[{extra}]'",
-                allow_module_level=True)
+        how = install or f"pip install -e '.[{extra}]'"
+        _absent(f"{name!r} is not installed ({exc}): {how}", allow_module_level=True)
         raise  # not reached: _absent raised

@@ -22,20 +22,14 @@ from calexec.drivers.serving.openai_api import ChatRequest, CompletionRequest
 from calexec.drivers.serving.sampling import SamplingParams
 from calexec.drivers.serving.server import ServerConfig, create_app
 from calexec.drivers.synthetic.calbin import VOCAB
-from test_server_support import LiveServer, oracle_tokens, started_executor
+from test_server_support import (
+    LiveServer,
+    live_fixture,  # noqa: F401 - the fixture `live`
+    oracle_tokens,
+    started_executor,
+)
 
 MODEL = "calexec-qwen3-synthetic"
-
-
-@pytest.fixture(scope="module")
-def live(tmp_path_factory):
-    executor = started_executor(tmp_path_factory.mktemp("calbin"))
-    app = create_app(executor, ServerConfig())
-    with LiveServer(app) as server:
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
-                               timeout=30)
-        yield server, client, app.state.service
-    executor.shutdown(5.0)
 
 
 def _sdk_fields(params: type) -> dict[str, object]:
@@ -728,7 +722,8 @@ def test_add_special_tokens_defaults_true_for_completions_false_for_chat(tmp_pat
 # ---- vLLM fields that cannot be honoured here: refused by name, with the reason -------------------
 VLLM_REFUSED = [
     ("guided_json", {"type": "object"}), ("guided_regex", "a+"), ("guided_choice", ["a"]),
-    ("guided_grammar", "root ::= 'a'"), ("structured_outputs", {"json": {}}),
+    ("guided_grammar", "root ::= 'a'"), ("guided_decoding_backend", "xgrammar"),
+    ("guided_whitespace_pattern", " "), ("structured_outputs", {"json": {}}),
     ("use_beam_search", True), ("length_penalty", 0.5),
     ("bad_words", ["x"]), ("priority", 1), ("skip_special_tokens", False),
     ("spaces_between_special_tokens", False), ("return_tokens_as_token_ids", True),
@@ -784,3 +779,16 @@ def test_continue_final_message_continues_the_assistants_message(live):
         r = httpx.post(f"{server.url}/v1/chat/completions", timeout=30,
                        json={"messages": body_messages, "max_tokens": 1, **extra})
         assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+
+
+@pytest.mark.parametrize(("field", "value"), [("request_id", "req-7"), ("cache_salt", "s1")])
+def test_vllm_metadata_fields_are_accepted_and_ignored(live, field, value):
+    """vLLM's ``request_id`` and ``cache_salt`` (docs/server.md: I): 200, the same tokens."""
+    server, _, _ = live
+    for path, body in (("/v1/completions", {"prompt": [1, 2]}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+        r = httpx.post(f"{server.url}{path}", json={**body, "max_tokens": 2, field: value},
+                       timeout=30)
+        plain = httpx.post(f"{server.url}{path}", json={**body, "max_tokens": 2}, timeout=30)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == plain.json()["choices"][0]["token_ids"]

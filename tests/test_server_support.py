@@ -3,13 +3,16 @@ a uvicorn server on an ephemeral loopback port, the oracle's greedy tokens, metr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -18,6 +21,9 @@ from calexec.drivers.calrt.runtime import CalRT
 from calexec.drivers.synthetic import calbin, oracle
 from calexec.drivers.tools.chaos import LiveServer  # noqa: F401 - re-exported for the server tests
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
+
+#: the model name ``calexec serve`` reports for the synthetic calbin (``--served-model-name``)
+MODEL = "calexec-qwen3-synthetic"
 
 
 def started_executor(tmp: Path, device_config: str = "", **config) -> DeviceExecutor:
@@ -31,6 +37,35 @@ def started_executor(tmp: Path, device_config: str = "", **config) -> DeviceExec
     if not status.ok:
         raise RuntimeError(f"executor did not start: {status}")
     return executor
+
+
+@contextlib.contextmanager
+def openai_server(tmp: Path, config=None, timeout: float = 60.0) -> Iterator[tuple]:
+    """A started executor on the synthetic calbin behind ``create_app`` on a loopback uvicorn
+    (ephemeral port), with an official ``openai`` client for it: yields ``(server, client,
+    service)``; the server is stopped and its thread joined, the executor shut down (bounded)."""
+    import openai
+
+    from calexec.drivers.serving.server import ServerConfig, create_app
+
+    executor = started_executor(tmp)
+    try:
+        app = create_app(executor, config if config is not None else ServerConfig())
+        with LiveServer(app) as server:
+            client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused",
+                                   max_retries=0, timeout=timeout)
+            yield server, client, app.state.service
+    finally:
+        executor.shutdown(5.0)
+
+
+@pytest.fixture(scope="module", name="live")
+def live_fixture(tmp_path_factory) -> Iterator[tuple]:
+    """The fixture ``live``: ``openai_server`` for a whole test module, ``(server, client,
+    service)``. A test module imports it (``from test_server_support import live_fixture``)
+    under this name, so its tests' ``live`` argument shadows no import."""
+    with openai_server(tmp_path_factory.mktemp("calbin")) as served:
+        yield served
 
 
 def oracle_tokens(prompt: list[int], n: int, seed: int = calbin.DEFAULT_SEED) -> list[int]:

@@ -635,15 +635,22 @@ def vllm_prompt_logprobs(tok: Tokenizer, prompt: list[int], rows: list[TokenLogp
 
 
 def completion_logprobs(tok: Tokenizer, infos: list[TokenLogprobs], offset: int) -> dict[str, Any]:
-    """The legacy completions ``logprobs`` object."""
+    """The legacy completions ``logprobs`` object. ``top_logprobs`` holds the k most likely
+    tokens and the chosen one, so up to k + 1 entries (OpenAI: "the API will always return
+    the logprob of the sampled token"; vLLM does the same, and ``logprobs: 0`` is the chosen
+    token alone)."""
     tokens = [tok.token_text(i.token) for i in infos]
     offsets, at = [], offset
     for text in tokens:
         offsets.append(at)
         at += len(text)
+
+    def top(info: TokenLogprobs) -> dict[str, float]:
+        entries = {tok.token_text(t): lp for t, lp in info.top}
+        entries.setdefault(tok.token_text(info.token), info.logprob)
+        return entries
     return {"tokens": tokens, "token_logprobs": [i.logprob for i in infos],
-            "top_logprobs": [{tok.token_text(t): lp for t, lp in i.top} for i in infos],
-            "text_offset": offsets}
+            "top_logprobs": [top(i) for i in infos], "text_offset": offsets}
 
 
 def chat_logprobs(tok: Tokenizer, infos: list[TokenLogprobs]) -> dict[str, Any]:
@@ -948,6 +955,22 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
             [{"id": t, "piece": piece} for t, piece in zip(ids, texts)]
         return JSONResponse({"count": len(ids), "max_model_len": max_seq(), "tokens": tokens,
                              "token_strs": texts if body.return_token_strs else None})
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request) -> Response:
+        """vLLM's ``GET /tokenizer_info``: the special tokens and chat template a client needs
+        to tokenize as this server does through ``/tokenize`` and ``/detokenize`` (lm-eval's
+        ``tokenizer_backend=remote``). A special token the tokenizer has no text for (the
+        byte-level tokenizer's end token) is null."""
+        auth = auth_refusal(request, config.api_key)
+        if auth is not None:
+            return refused(auth)
+        tok = service.tokenizer
+        return JSONResponse({"tokenizer_class": type(tok).__name__,
+                             "eos_token": tok.eos_token or None,
+                             "bos_token": tok.bos_token or None, "pad_token": None,
+                             "chat_template": tok.chat_template,
+                             "model_max_length": max_seq()})
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:

@@ -1,0 +1,110 @@
+"""Issue 27, real clients: LangChain's OpenAI integration (``langchain-openai``, the
+``[clients]`` extra), unmodified, against a loopback server on the synthetic model.
+
+``ChatOpenAI``: ``invoke``, ``stream``, ``batch`` (each checked against the numpy oracle's
+greedy tokens), ``with_structured_output`` with a pydantic model (LangChain's default method
+sends ``response_format`` ``json_schema``) and ``bind_tools`` with one tool (``tools``); the
+``OpenAI`` completion LLM: ``invoke`` and ``batch`` (it always sends ``prompt`` as a list).
+
+``with_structured_output`` and ``bind_tools`` are written to the OpenAI contract: they need the
+grammar engine of issue 27's structured-outputs branch and fail without it (on this server a
+``response_format`` json_schema and ``tools`` are refused with a 400). LangChain never calls
+tiktoken here (only ``get_num_tokens`` does; nothing is downloaded). Client timeout 10 s, no
+retries."""
+
+from __future__ import annotations
+
+import json
+
+import pydantic
+import pytest
+
+from calexec.drivers.serving import byte_tokenizer as tokenizer
+from needs import module
+from test_server_support import MODEL, openai_server, oracle_tokens
+
+langchain_openai = module("langchain_openai", "clients")
+
+TIMEOUT_S = 10.0
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory):
+    with openai_server(tmp_path_factory.mktemp("calbin"), timeout=TIMEOUT_S) as (server, _, _):
+        yield f"{server.url}/v1"
+
+
+def _chat(url: str, max_tokens: int = 4, **extra):
+    return langchain_openai.ChatOpenAI(model=MODEL, base_url=url, api_key="unused",
+                                       temperature=0, max_tokens=max_tokens, timeout=TIMEOUT_S,
+                                       max_retries=0, **extra)
+
+
+def _chat_answer(prompt: str, n: int) -> str:
+    """The greedy reply the plain chat template gives to one user message."""
+    return tokenizer.decode(oracle_tokens(tokenizer.encode(f"user: {prompt}\nassistant:"), n))
+
+
+def _completion_answer(prompt: str, n: int) -> str:
+    return tokenizer.decode(oracle_tokens(tokenizer.encode(prompt), n))
+
+
+# ---- ChatOpenAI ---------------------------------------------------------------------------------
+def test_chat_invoke(url):
+    reply = _chat(url).invoke("Hello there")
+    assert reply.content == _chat_answer("Hello there", 4)
+    assert reply.response_metadata["finish_reason"] == "length"
+    assert reply.usage_metadata["output_tokens"] == 4
+
+
+def test_chat_stream(url):
+    chunks = list(_chat(url, stream_usage=True).stream("Stream to me"))
+    assert len(chunks) >= 4
+    assert "".join(c.content for c in chunks) == _chat_answer("Stream to me", 4)
+    usage = [c.usage_metadata for c in chunks if c.usage_metadata]
+    assert usage and usage[-1]["output_tokens"] == 4
+
+
+def test_chat_batch(url):
+    prompts = ["one", "two", "three"]
+    replies = _chat(url).batch(prompts)
+    assert [r.content for r in replies] == [_chat_answer(p, 4) for p in prompts]
+
+
+def test_chat_with_structured_output_parses_into_the_pydantic_model(url):
+    class Person(pydantic.BaseModel):
+        name: str
+        age: int
+
+    structured = _chat(url, max_tokens=64).with_structured_output(Person)
+    person = structured.invoke("Invent a person.")
+    assert isinstance(person, Person)  # every response parses against the schema
+
+
+def test_chat_bind_tools_answers_an_openai_shaped_tool_call(url):
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        return "sunny"
+
+    bound = _chat(url, max_tokens=64).bind_tools([get_weather], tool_choice="get_weather")
+    reply = bound.invoke("Weather in Paris?")
+    assert reply.tool_calls, reply
+    call = reply.tool_calls[0]
+    assert call["name"] == "get_weather"
+    assert isinstance(call["args"], dict) and isinstance(call["args"].get("city"), str)
+    json.dumps(call["args"])
+
+
+# ---- the OpenAI completion LLM ---------------------------------------------------------------
+def _llm(url: str):
+    return langchain_openai.OpenAI(model=MODEL, base_url=url, api_key="unused", temperature=0,
+                                   max_tokens=3, timeout=TIMEOUT_S, max_retries=0)
+
+
+def test_llm_invoke_sends_a_one_element_prompt_list(url):
+    assert _llm(url).invoke("abc") == _completion_answer("abc", 3)
+
+
+def test_llm_batch(url):
+    prompts = ["abc", "xyz", "hello"]
+    assert _llm(url).batch(prompts) == [_completion_answer(p, 3) for p in prompts]

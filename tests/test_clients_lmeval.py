@@ -1,0 +1,115 @@
+"""Issue 27, real clients: EleutherAI's lm-evaluation-harness (``lm-eval``, the ``[eval]``
+extra; it needs torch: ``.ci/clients`` installs the CPU wheel first), unmodified, with its
+``local-completions`` model against a loopback server on the synthetic model, batch size 4
+(a prompt list of token-id lists in each request).
+
+Offline: the tasks are two tiny local ones (``tests/data/lmeval/``: lm-eval's ``json`` loader
+on a local jsonl, HF_HUB_OFFLINE / HF_DATASETS_OFFLINE set), and the tokenizer is the
+server's own through lm-eval's ``tokenizer_backend=remote`` (vLLM's ``/tokenizer_info``,
+``/tokenize``, ``/detokenize``), so nothing is downloaded.
+
+- a generation task (``generate_until``): every answer is the numpy oracle's greedy
+  continuation of the prompt;
+- a likelihood task (``multiple_choice``, lm-eval sends ``echo`` with ``logprobs=1`` and
+  ``max_tokens=1``): every choice's log-likelihood is the oracle's, within BF16->FP32
+  rounding. Written to the OpenAI contract: it needs prompt logprobs (issue 27's echo-logprobs
+  branch) and fails without them (``echo`` with ``logprobs`` is a 400 here).
+
+Client timeout 10 s, one try (no retries)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from calexec.drivers.serving import byte_tokenizer as tokenizer
+from calexec.drivers.serving.sampling import log_softmax
+from calexec.drivers.synthetic import calbin, oracle
+from needs import module
+from test_server_support import MODEL, openai_server, oracle_tokens
+
+REPO = Path(__file__).resolve().parent.parent
+DATA = REPO / "tests" / "data" / "lmeval"
+BATCH = 4
+GEN_TOKENS = 4  # calexec_gen.yaml's max_gen_toks
+
+
+lm_eval = module("lm_eval", "eval")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def offline(tmp_path_factory):
+    """No hub: set before lm-eval imports ``datasets`` (it does so lazily, per evaluation)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        patch.setenv("HF_DATASETS_OFFLINE", "1")
+        patch.setenv("HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("hf-datasets")))
+        yield
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory):
+    with openai_server(tmp_path_factory.mktemp("calbin"), timeout=10.0) as (server, _, _):
+        yield server.url
+
+
+def _evaluate(url: str, task: str, monkeypatch) -> dict:
+    from lm_eval import evaluator
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.chdir(REPO)  # the task YAMLs name their jsonl relative to the repository
+    return evaluator.simple_evaluate(
+        model="local-completions",
+        model_args={"model": MODEL, "base_url": f"{url}/v1/completions",
+                    "tokenizer_backend": "remote", "max_retries": 1, "timeout": 10,
+                    "max_length": 512},
+        tasks=[task], batch_size=BATCH, log_samples=True,
+        task_manager=TaskManager(include_path=str(DATA), include_defaults=False))
+
+
+def _docs(name: str) -> list[dict]:
+    return [json.loads(line) for line in (DATA / name).read_text().splitlines() if line]
+
+
+def _oracle_loglikelihood(context: list[int], continuation: list[int]) -> float:
+    seq = oracle.OracleSequence(calbin.DEFAULT_SEED)
+    seq.run(context)
+    total = 0.0
+    for token in continuation:
+        row = oracle.bf16_to_f32(oracle.logits_bf16(seq.states[-1]))
+        total += float(log_softmax(np.asarray(row, dtype=np.float32))[token])
+        seq.run([token])
+    return total
+
+
+def test_generation_task_with_batches_answers_the_oracles_continuations(url,
+                                                                         monkeypatch):
+    results = _evaluate(url, "calexec_gen", monkeypatch)
+    samples = results["samples"]["calexec_gen"]
+    docs = _docs("gen.jsonl")
+    assert len(samples) == len(docs)
+    for sample in samples:
+        prompt = docs[sample["doc_id"]]["prompt"]
+        expected = tokenizer.decode(oracle_tokens(tokenizer.encode(prompt), GEN_TOKENS))
+        assert sample["resps"][0][0] == expected, (prompt, sample["resps"])
+
+
+def test_likelihood_task_with_batches_scores_every_choice_as_the_oracle(url,
+                                                                        monkeypatch):
+    results = _evaluate(url, "calexec_mc", monkeypatch)
+    samples = results["samples"]["calexec_mc"]
+    docs = _docs("mc.jsonl")
+    assert len(samples) == len(docs)
+    for sample in samples:
+        doc = docs[sample["doc_id"]]
+        context = tokenizer.encode(doc["question"])
+        got = [resp[0][0] for resp in sample["resps"]]
+        want = [_oracle_loglikelihood(context, tokenizer.encode(choice))
+                for choice in doc["choices"]]
+        assert all(math.isfinite(g) for g in got), got
+        assert got == pytest.approx(want, abs=1e-3), (doc, got, want)
+    assert 0.0 <= results["results"]["calexec_mc"]["acc,none"] <= 1.0
