@@ -25,6 +25,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 from calexec.cliargs import EXIT_FAILED, UserError
@@ -56,7 +57,7 @@ if _next is not None and _next.loader is not None:  # keep the environment's own
 '''
 
 
-def install_from_env(environ: os._Environ[str] | dict[str, str] = os.environ) -> None:
+def install_from_env(environ: Mapping[str, str] = os.environ) -> None:
     """In a process started by ``charts cover``: track the charts named by ``CALEXEC_CHART_COVER``
     and write the transitions taken to ``CALEXEC_CHART_COVER_DIR`` at exit. A chart this process
     cannot import is written as an error (another process of the command may import it).
