@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from hypothesis import settings
+from hypothesis import Phase, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 from order_workflow import Order, OrderWorkflow
 from statemachine.exceptions import TransitionNotAllowed
 
@@ -182,6 +182,26 @@ class OrderStateful(RuleBasedStateMachine):
 
 TestOrderStateful = OrderStateful.TestCase
 TestOrderStateful.settings = settings(max_examples=60, stateful_step_count=15, deadline=None)
+
+
+class EmptiedAfterPlacing(OrderStateful):
+    """A shop with a bug: a placed order may lose its items and still be paid for."""
+
+    @rule()
+    def empty_and_pay(self):
+        if self.run.state == "placed":
+            self.order.items.clear()
+            self.order.authorized = True
+            self.send("pay")
+
+
+def test_the_stateful_test_reports_a_broken_contract():
+    """The stateful test's ``no_contract_violated`` fails once some run breaks the chart's
+    contract (an order emptied after placing, then paid)."""
+    with pytest.raises(AssertionError, match="orders_past_the_cart_have_items"):
+        run_state_machine_as_test(EmptiedAfterPlacing, settings=settings(
+            max_examples=300, stateful_step_count=15, deadline=None, database=None,
+            phases=[Phase.generate]))
 
 
 # ---- the toolkit's commands, as a user's CI runs them -------------------------------------
