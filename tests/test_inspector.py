@@ -75,9 +75,15 @@ def test_counts_rates_and_one_path_of_a_user_chart(shop):
 
 @pytest.mark.requires_tool("dot")
 def test_the_page_draws_the_chart_and_polls_under_its_mount(shop):
-    app, _, orders, _, Order, OrderWorkflow = shop
+    app, inspector, orders, _, Order, OrderWorkflow = shop
     orders.append(OrderWorkflow(Order()))
+    run = compiled(OrderWorkflow).run(Order(items=["book"]))
+    inspector.paths.follow("o9", run)
+    run.send("place")
     with TestClient(app) as client:
+        drawn = client.get("/charts/runs/o9")
+        assert drawn.status_code == 200 and "OrderWorkflow run o9: placed" in drawn.text
+        assert drawn.text.count('stroke="red"') >= 1  # the path's edge drawn
         page = client.get("/charts/")
         assert page.status_code == 200 and page.text.count("<svg") == 1
         assert "data-chart='OrderWorkflow'" in page.text
