@@ -6,6 +6,9 @@ invariants, now contracts of machines/charts.py, caught on both run kinds."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -192,3 +195,58 @@ def test_a_slot_freed_with_a_slice_left_is_a_contract_violation(kind):
     with pytest.raises(ContractViolation, match="buffer_slot: invariant "
                        "'free_slots_carry_no_slice' violated on Leased --give_back--> Free"):
         run.send("give_back")
+
+
+# ---- the pytest option: a user's project turns its chart's contracts on for a session -----
+PROJECT_CHART = '''
+from statemachine import State, StateMachine
+
+from calexec.machines.chart_contracts import invariant
+
+
+class Door(StateMachine):
+    shut = State(initial=True)
+    open = State()
+    swing = shut.to(open) | open.to(shut)
+
+    @invariant("open")
+    def opens_only_unlocked(door) -> bool:
+        return not door.locked
+
+
+class Lock:
+    locked = True
+'''
+
+PROJECT_TEST = '''
+from door_chart import Door, Lock
+
+
+def test_swing_a_locked_door():
+    door = Door(Lock())
+    try:
+        door.send("swing")
+    except Exception:
+        pass  # the code under test swallows errors: the session still fails
+'''
+
+
+def test_the_pytest_option_turns_a_projects_contracts_on(tmp_path):
+    """``--chart-contracts=MODULE:CLASS`` (the plugin installed with calexec): the same
+    project's tests pass without it and fail with it, naming the contract."""
+    (tmp_path / "door_chart.py").write_text(PROJECT_CHART)
+    (tmp_path / "test_door.py").write_text(PROJECT_TEST)
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+               "-p", "no:hypothesispytest", "test_door.py"]
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    off = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert off.returncode == 0, off.stdout[-2000:]
+    on = subprocess.run([*command, "--chart-contracts=door_chart:Door"], cwd=tmp_path, env=env,
+                        capture_output=True, text=True, timeout=120)
+    assert on.returncode == 1, on.stdout[-2000:]
+    assert "chart contracts: 1 violation(s); the first: Door: invariant 'opens_only_unlocked'" \
+        in on.stdout
+    bad = subprocess.run([*command, "--chart-contracts=door_chart:Nope"], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 4 and "has no attribute 'Nope'" in bad.stderr, bad.stderr[-500:]
