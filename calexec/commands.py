@@ -83,6 +83,10 @@ COMMANDS: dict[str, Command] = {
         "calexec.drivers.tools.charts_cli",
         "shortest path to every state and transition, and a transition tour, of MODULE:CLASS "
         "(--json: as data)"),
+    "charts cover": Command(
+        "calexec.drivers.tools.charts_cover",
+        "transition coverage of --chart MODULE:CLASS over a test command (-- COMMAND...), "
+        "gated by --min PCT"),
     "charts mutate": Command(
         "calexec.drivers.tools.charts_mutate",
         "mutation testing of declared charts (calexec's or --chart module:Class with --test-cmd):"

@@ -12,11 +12,48 @@ last transition is the fallback.
 
 The hot path never runs these classes directly: ``calexec.machines.compiled`` derives a
 transition table from them at import time (see there).
+
+The §5.1 invariants that are properties of one chart's run are declared here as contracts
+(``calexec.machines.chart_contracts``: ``@invariant(state)``), a function of the run's model
+each. Each asks the model only what the chart's own guards ask (its answers are the facts;
+the chart-alone tests answer the guards from a table, ``paths.GuardTable``, and the contracts
+hold there too): a state reached while the model's answer says otherwise (a guard skipped, a
+forced or mutated guard, a state set by hand) is a violation. They are checked by every
+compiled and python-statemachine run while contracts are enabled (calexec's tests enable them
+for the whole session, tests/conftest.py; production does not). The invariants that relate
+several components (a slot and the job leasing it, the pools of two generations) stay in
+tests/test_executor_stateful.py.
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from statemachine import State, StateMachine
+
+from calexec.machines.chart_contracts import invariant
+
+
+class _JobModel(Protocol):
+    def runtime_finished_cleanly(self) -> bool: ...
+
+    def output_validated(self) -> bool: ...
+
+
+class _KvTxnModel(Protocol):
+    def device_finished_and_output_valid(self) -> bool: ...
+
+
+class _LifecycleModel(Protocol):
+    def generation_advanced(self) -> bool: ...
+
+    def golden_passed(self) -> bool: ...
+
+
+class _SlotModel(Protocol):
+    def undo_slice_done(self) -> bool: ...
+
+    def reset_confirmed(self) -> bool: ...
 
 # Guard rules (the model object answers each by a zero-argument method of the same name).
 GUARD_RULES: dict[str, str] = {
@@ -140,6 +177,17 @@ class JobChart(StateMachine):
         | CancelRequested.to(Failed, cond="runtime_not_using_buffers")
     )
 
+    @invariant("Completing")
+    def completes_only_after_a_clean_wait(job: _JobModel) -> bool:  # noqa: N805 (the model)
+        """§6.5: a job completes only when Wait() returned CalrtSuccess and the status is
+        DONE, the runtime's own answers."""
+        return job.runtime_finished_cleanly()
+
+    @invariant("Succeeded")
+    def delivers_only_validated_output(job: _JobModel) -> bool:  # noqa: N805
+        """§5.1-6: a result is delivered only once its output passed validation."""
+        return job.output_validated()
+
 
 class KvTxnChart(StateMachine):
     """One KV reservation (§7 ``KvTxnState``).
@@ -160,6 +208,12 @@ class KvTxnChart(StateMachine):
     commit = Submitted.to(Committed, cond="device_finished_and_output_valid")
     rollback = Reserved.to(RolledBack)
     mark_unknown = Submitted.to(Unknown)
+
+    @invariant("Committed")
+    def commits_only_after_device_done_and_valid(txn: _KvTxnModel) -> bool:  # noqa: N805
+        """§5.1-6 (stateful invariant 6, its one-chart half): a KV reservation is committed
+        only once the device finished (Wait rc 0, DONE) and the output was validated."""
+        return txn.device_finished_and_output_valid()
 
 
 class LifecycleChart(StateMachine):
@@ -200,6 +254,16 @@ class LifecycleChart(StateMachine):
         | Warming.to(Failed)
     )
 
+    @invariant("Warming")
+    def warms_only_a_fresh_generation(lifecycle: _LifecycleModel) -> bool:  # noqa: N805
+        """§9.2: warming runs on a new generation (above every one that served), mapped."""
+        return lifecycle.generation_advanced()
+
+    @invariant("Ready")
+    def serves_only_after_the_golden(lifecycle: _LifecycleModel) -> bool:  # noqa: N805
+        """§9.2: traffic is taken only once the golden prefill+decode check passed."""
+        return lifecycle.golden_passed()
+
 
 class BufferSlotChart(StateMachine):
     """One host buffer slot of the pool (§4.2 ``BufferSlot``/``BufferLease``, §5.1-3/4/8).
@@ -224,6 +288,17 @@ class BufferSlotChart(StateMachine):
     drop_in_flight = InFlight.to(Quarantined)
     quarantine = Free.to(Quarantined) | Leased.to(Quarantined) | InFlight.to(Quarantined)
     retire = Quarantined.to(Retired, cond="reset_confirmed")
+
+    @invariant("Free")
+    def free_slots_carry_no_slice(slot: _SlotModel) -> bool:  # noqa: N805
+        """FI15/§6.5: a slot is on the free list only with every slice undone."""
+        return slot.undo_slice_done()
+
+    @invariant("Retired")
+    def retires_only_what_the_runtime_let_go(slot: _SlotModel) -> bool:  # noqa: N805
+        """§5.1-8: a slot's buffers are destroyed only once the runtime, asked after the
+        reset, says it no longer uses them."""
+        return slot.reset_confirmed()
 
 
 #: chart name -> declaration, in a fixed order (diagrams, coverage and compiled use it).

@@ -27,7 +27,7 @@ import re
 import time
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 from statemachine import StateChart
@@ -90,6 +90,15 @@ class Transition:
         return self.conds + tuple(f"!{name}" for name in self.unless)
 
 
+class TransitionChecker(Protocol):
+    """What a ``ChartRun`` calls around a state change when its chart has a ``checker``
+    (``chart_contracts``: pre/postconditions and invariants); either may raise."""
+
+    def before(self, model: object, transition: Transition) -> None: ...
+
+    def after(self, model: object, transition: Transition) -> None: ...
+
+
 @attrs.frozen
 class CompiledChart:
     """Immutable transition table of one declared chart."""
@@ -119,6 +128,14 @@ class CompiledChart:
     #: why ``run`` refuses (actions a compiled run would not call, StateChart semantics it does
     #: not follow: ``chart_support``); empty for a chart compiled runs follow exactly
     unrunnable: tuple[str, ...] = attrs.field(default=(), repr=False)
+    #: None (production), or what checks the chart's contracts around every transition a run
+    #: takes (``chart_contracts.enable_contracts`` sets it; ``send`` then pays one more test)
+    checker: TransitionChecker | None = attrs.field(default=None, repr=False, eq=False)
+
+    def set_checker(self, checker: TransitionChecker | None) -> None:
+        """Install (or with None remove) the contract checker every run of this chart calls
+        (``chart_contracts.enable_contracts``: a set-up call, like ``attach``)."""
+        object.__setattr__(self, "checker", checker)
 
     def attach(self, listener: Callable[[Transition], None]) -> None:
         """Call ``listener(transition)`` for every transition a run of this chart takes."""
@@ -215,15 +232,20 @@ class ChartRun:
         """Take ``event``; return the new state id. Raises ``IllegalTransition`` or
         ``GuardRejected`` (the state is then unchanged)."""
         transition = self.select(event)
+        chart = self.chart
+        checker = chart.checker
+        if checker is not None:  # contracts enabled (tests, the explorer): preconditions
+            checker.before(self.model, transition)
         if self.trail is not None:
             self.trail.append((event, self.state, transition.target, None, self._now()))
         self.state = transition.target
-        chart = self.chart
         chart.taken[transition.id] += 1
         listeners = chart.listeners
         if listeners:
             for listener in listeners:
                 listener(transition)
+        if checker is not None:  # postconditions, the target's invariants
+            checker.after(self.model, transition)
         return transition.target
 
     def can(self, event: str) -> bool:

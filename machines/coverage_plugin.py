@@ -21,6 +21,11 @@ The configured gate judges only a run of the whole suite (no ``-k``/``-m``, noth
 deselected, no node ids, no paths but the configured ``testpaths``): one test file alone does
 not take every transition. ``CALEXEC_TRANSITION_GATE=0`` turns the configured gate off. A gate
 given on the command line judges whatever ran. Without either, the plugin does nothing.
+
+``--chart-contracts=MODULE:CLASS`` (repeatable; or ``chart_contracts`` in the configuration)
+checks the contracts declared in the chart class (machines/chart_contracts.py) on every run
+during the session: a violation raises from the ``send`` that broke it, and a session in which
+any was recorded (one a caught exception hid included) fails, naming the first.
 """
 
 from __future__ import annotations
@@ -33,9 +38,11 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
+    from calexec.machines.chart_contracts import ContractMonitor
     from calexec.machines.coverage import ChartCoverage, TransitionRecorder
 
 _STATE = pytest.StashKey["_Session"]()
+_CONTRACTS: pytest.StashKey[ContractMonitor] = pytest.StashKey()
 GATE_ENV = "CALEXEC_TRANSITION_GATE"
 
 
@@ -55,6 +62,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "(repeatable)")
     group.addoption("--chart-coverage-min", type=float, default=None, metavar="PCT",
                     help="fail a passing run whose coverage of a chart is below PCT percent")
+    group.addoption("--chart-contracts", action="append", default=[], metavar="MODULE:CLASS",
+                    help="check the contracts declared in this chart class on every run during "
+                         "the session (repeatable; machines/chart_contracts.py)")
+    parser.addini("chart_contracts", type="linelist", default=[],
+                  help="chart classes (MODULE:CLASS) whose contracts are checked in every test")
     parser.addini("chart_coverage", type="linelist", default=[],
                   help="chart classes (MODULE:CLASS) whose transition coverage is recorded")
     parser.addini("chart_coverage_min", default="",
@@ -71,7 +83,29 @@ def _minimum(text: str, origin: str) -> float:
     return value
 
 
+def _configure_contracts(config: pytest.Config) -> None:
+    refs = list(dict.fromkeys(list(config.getini("chart_contracts"))
+                              + list(config.getoption("chart_contracts") or [])))
+    if not refs:
+        return
+    from calexec.machines.chart_contracts import enable_contracts
+    from calexec.machines.chart_support import UnsupportedChart
+    from calexec.machines.chartref import ChartRefError, load_chart
+
+    charts = []
+    for ref in refs:
+        try:
+            charts.append(load_chart(ref, str(config.invocation_params.dir)))
+        except (ChartRefError, UnsupportedChart, ValueError) as err:
+            raise pytest.UsageError(f"--chart-contracts {err}") from None
+    try:
+        config.stash[_CONTRACTS] = enable_contracts(*charts)
+    except (UnsupportedChart, ValueError, TypeError) as err:
+        raise pytest.UsageError(f"--chart-contracts: {err}") from None
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    _configure_contracts(config)
     refs: list[str] = list(config.getoption("chart_coverage") or [])
     configured: list[str] = list(config.getini("chart_coverage"))
     cli_min = config.getoption("chart_coverage_min")
@@ -107,6 +141,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    contracts = config.stash.get(_CONTRACTS, None)
+    if contracts is not None:
+        contracts.disable()
     state = config.stash.get(_STATE, None)
     if state is not None:
         for undo in state.undo:
@@ -135,6 +172,9 @@ def _whole_suite(config: pytest.Config, state: _Session) -> bool:
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     config = session.config
+    contracts = config.stash.get(_CONTRACTS, None)
+    if contracts is not None and contracts.violations:  # one a caught exception hid too
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
     state = config.stash.get(_STATE, None)
     if state is None or state.minimum is None or exitstatus != 0:
         return
@@ -149,6 +189,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    contracts = config.stash.get(_CONTRACTS, None)
+    if contracts is not None and contracts.violations:
+        terminalreporter.write_line(f"chart contracts: {len(contracts.violations)} violation(s); "
+                                    f"the first: {contracts.violations[0]}", red=True)
     state = config.stash.get(_STATE, None)
     if state is None:
         return

@@ -53,7 +53,32 @@ def _no_lock_order_violations():
     assert not new, f"lock order violations: {new[:3]}"
 
 
+# Chart contracts on in every test (issue 26): the invariants machines/charts.py declares per
+# state (machines/chart_contracts.py) are checked by every compiled and python-statemachine run
+# of calexec's charts; a violation raises from the send that broke it, and one swallowed on an
+# executor thread still fails the test that caused it.
+_CONTRACTS = None
+
+
+@pytest.fixture(autouse=True)
+def _no_contract_violations(request):
+    before = len(_CONTRACTS.violations) if _CONTRACTS is not None else 0
+    yield
+    if _CONTRACTS is not None and not request.node.get_closest_marker(
+            "contract_violations_expected"):
+        new = _CONTRACTS.violations[before:]
+        assert not new, f"chart contract violations: {[str(v) for v in new[:3]]}"
+
+
 def pytest_configure(config):
+    config.addinivalue_line("markers", "contract_violations_expected: the test breaks a "
+                            "chart contract on purpose (tests/test_chart_contracts.py)")
+    global _CONTRACTS
+    from calexec.machines.chart_contracts import enable_contracts
+    from calexec.machines.charts import DECLARED
+
+    if _CONTRACTS is None:
+        _CONTRACTS = enable_contracts(*DECLARED.values())
     config.addinivalue_line("markers", "requires_tool(*names): the test runs system tools "
                             "(skipped when absent; failed under CALEXEC_REQUIRE_TOOLS=1)")
 

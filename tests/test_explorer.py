@@ -152,6 +152,31 @@ def test_a_leak_is_found_and_the_report_replays_it(monkeypatch):
     assert str(again.value).split("\n")[0] == str(first.value).split("\n")[0]
 
 
+@pytest.mark.contract_violations_expected
+def test_a_violated_chart_contract_is_reported_by_the_explorer(monkeypatch):
+    """A planted bug: the KV commit guard says yes once and the txn's own evidence says no
+    right after (as a guard forced true would): the KV txn chart's contract
+    (``commits_only_after_device_done_and_valid``, machines/charts.py) fails the schedule."""
+    from calexec.machines.kv import KvTxn
+
+    asked: dict[int, int] = {}
+
+    def flip(self):
+        asked[id(self)] = asked.get(id(self), 0) + 1
+        return asked[id(self)] == 1
+    monkeypatch.setattr(KvTxn, "device_finished_and_output_valid", flip)
+    x = X.Explorer(CALBINS)
+    with pytest.raises(X.ExplorationFailure) as failure:
+        try:
+            x.start()
+            x.prefill(1, 4)
+            x.run()
+        finally:
+            x.close()
+    assert "commits_only_after_device_done_and_valid" in str(failure.value)
+    assert "chart contract violated: kv_txn: invariant" in str(failure.value)
+
+
 def test_pct_random_schedules():
     """PCT schedules of random scenarios (traffic, faults, hangs, recoveries, switches,
     refused goldens, cancels, bad arguments, sequence resets, shutdown)."""

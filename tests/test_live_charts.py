@@ -11,10 +11,10 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from calexec.drivers.serving.live_charts import TransitionRates
 from calexec.drivers.serving.server import ServerConfig, create_app
 from calexec.drivers.tools.live_screenshots import chromium_capture
 from calexec.machines.compiled import CHARTS, JOB
+from calexec.machines.inspector import Inspector
 from test_server_support import LiveServer, started_executor
 
 
@@ -32,7 +32,9 @@ class Guards:
 
 def test_rates_are_transitions_per_minute_over_the_window():
     now = [100.0]
-    rates = TransitionRates(window_s=60.0, clock=lambda: now[0])
+    inspector = Inspector(window_s=60.0, clock=lambda: now[0])
+    inspector.register(JOB, counts=dict, count_instances=False)
+    rates = inspector.rates
     admit = next(t for t in JOB.transitions if t.event == "admit")
     for _ in range(3):
         JOB.run(Guards()).send("admit")
@@ -45,7 +47,12 @@ def test_rates_are_transitions_per_minute_over_the_window():
 
 
 def test_live_json_counts_every_chart_and_rates_move_with_traffic(executor):
-    with TestClient(create_app(executor, ServerConfig())) as client:
+    from starlette.routing import Mount
+
+    app = create_app(executor, ServerConfig())
+    # the server mounts the generic inspector (machines/inspector.py) like any user would
+    assert [r.path for r in app.routes if isinstance(r, Mount)] == ["/debug/statecharts"]
+    with TestClient(app) as client:
         for i in range(3):
             r = client.post("/v1/completions", json={"prompt": [i + 1, 2], "max_tokens": 3})
             assert r.status_code == 200, r.text
@@ -54,11 +61,12 @@ def test_live_json_counts_every_chart_and_rates_move_with_traffic(executor):
     for name, chart in CHARTS.items():
         assert set(live["charts"][name]["counts"]) == set(chart.states), name
         assert len(live["charts"][name]["per_minute"]) == len(chart.transitions), name
-    assert live["charts"]["lifecycle"]["counts"]["Ready"] == 1 and live["lifecycle"] == "Ready"
+    assert live["charts"]["lifecycle"]["counts"]["Ready"] == 1
+    assert live["status"]["lifecycle"] == "Ready"
     assert sum(live["charts"]["buffer_slot"]["counts"].values()) == len(executor.pool.slots)
     admit = next(t for t in JOB.transitions if t.event == "admit")
     assert live["charts"]["job"]["per_minute"][admit.id] > 0
-    assert live["golden"] == "pinned" and live["disabled_features"] == []
+    assert live["status"]["golden"] == "pinned" and live["status"]["disabled_features"] == []
 
 
 @pytest.mark.requires_tool("chromium", "dot")

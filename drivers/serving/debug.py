@@ -1,6 +1,6 @@
 """Debug endpoints of the reference server: live job counts, one job's path on its chart
-(admin), the statecharts as SVG with the current state, and the live statecharts page
-(drivers/serving/live_charts.py)."""
+(admin), and the live statecharts page with each chart as SVG (the generic inspector,
+machines/inspector.py, mounted at ``/debug/statecharts``: drivers/serving/live_charts.py)."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
 from calexec.drivers.serving.admin import admin_refusal
 from calexec.drivers.serving.error_bodies import error_response, invalid
-from calexec.drivers.serving.live_charts import TransitionRates, live_state, path_page
-from calexec.drivers.serving.live_charts import page as live_page
+from calexec.drivers.serving.live_charts import COUNTED, LABELS, path_page, server_inspector
 from calexec.drivers.serving.service import CompletionService
 from calexec.machines.compiled import CHARTS
 from calexec.machines.diagrams import GraphvizError, render_chart_svg
+from calexec.machines.inspector import AppOptions, inspector_app
 
 #: a job id in a path: ASCII digits only, at most 18 (a job counter never gets longer)
 JOB_ID = re.compile(r"[0-9]{1,18}")
@@ -38,10 +38,6 @@ def no_graphviz(err: GraphvizError, route: str) -> Response:
         "debug.graphviz_unavailable", Category.UNAVAILABLE, Phase.VALIDATE,
         f"{route} draws the charts with graphviz, which is not available here: {err}; "
         "/debug/statecharts/live.json and /debug/jobs/{id}?format=json need no graphviz"))
-
-
-def strip_xml_decl(svg: str) -> str:
-    return svg.split("?>", 1)[1] if svg.startswith("<?xml") else svg
 
 
 def add_debug_routes(app: FastAPI, service: CompletionService) -> None:
@@ -76,42 +72,10 @@ def add_debug_routes(app: FastAPI, service: CompletionService) -> None:
             return no_graphviz(err, "/debug/jobs/{id}")
         return HTMLResponse(svg_page)
 
-    @app.get("/debug/statecharts/{chart}.svg")
-    async def chart_svg(chart: str) -> Response:
-        if chart not in CHARTS:
-            return error_response(invalid(f"chart={chart!r} is not one of {sorted(CHARTS)}"),
-                                  "chart", http_status=404)
-        try:
-            svg = await to_thread.run_sync(chart_svg_cached, chart, _active_state(chart))
-        except GraphvizError as err:
-            return no_graphviz(err, f"/debug/statecharts/{chart}.svg")
-        return Response(svg, media_type="image/svg+xml")
-
-    def _active_state(chart: str) -> str | None:
-        if chart == "lifecycle":
-            return executor.state
-        if chart == "job":
-            counts = service.live_job_counts()
-            busiest = max(counts, key=lambda state: counts[state])
-            return busiest if counts[busiest] else None
-        return None
-
-    rates = TransitionRates()
-
-    @app.get("/debug/statecharts/live.json")
-    async def statecharts_live() -> dict[str, Any]:
-        """Counts per state of every chart and transition rates (drivers/serving/live_charts.py)."""
-        return live_state(executor, service.live_job_counts, rates)
-
-    @app.get("/debug/statecharts")
-    async def statecharts() -> Response:
-        """The lifecycle chart first (the operator's question: is it Ready?), then the rest;
-        every chart scaled to the window's width; a script keeps counts and rates live."""
-        order = sorted(CHARTS, key=lambda name: name != "lifecycle")
-        try:
-            svgs = {name: strip_xml_decl(await to_thread.run_sync(chart_svg_cached, name,
-                                                                   _active_state(name)))
-                    for name in order}
-        except GraphvizError as err:
-            return no_graphviz(err, "/debug/statecharts")
-        return HTMLResponse(live_page(svgs, live_state(executor, service.live_job_counts, rates)))
+    # the live statecharts page: the generic inspector, mounted as any app would mount it
+    inspector = server_inspector(executor, service.live_job_counts)
+    app.mount("/debug/statecharts", inspector_app(inspector, AppOptions(
+        svg=lambda chart, active: chart_svg_cached(chart.name, active),
+        graphviz_error=no_graphviz, title="calexec statecharts", labels=LABELS, counted=COUNTED,
+        # the lifecycle chart first (the operator's question: is it Ready?), then the rest
+        order=lambda names: sorted(names, key=lambda name: name != "lifecycle"))))

@@ -894,6 +894,11 @@ class Explorer:
         self.discarded: set[int] = set()
         self._ex: DeviceExecutor | None = None  # made by start()
         self._closed = False
+        # the charts' contracts (machines/charts.py: the one-chart §5.1 invariants), checked
+        # by every run the executor makes and reported at the next scheduling point
+        from calexec.machines.chart_contracts import enable_contracts
+        from calexec.machines.charts import DECLARED
+        self.contracts = enable_contracts(*DECLARED.values(), raise_on_violation=False)
 
     @property
     def ex(self) -> DeviceExecutor:
@@ -1197,6 +1202,7 @@ class Explorer:
         if self._closed:
             return
         self._closed = True
+        self.contracts.disable()
         self.sched.abort_threads()
         ex = self.ex
         if ex is not None and ex.device is not None and not self.device.closed:
@@ -1217,7 +1223,9 @@ class Explorer:
         return 0 if view is None else view.committed_len
 
     def _check_point(self) -> None:
-        ex = self.ex
+        if self.contracts.violations:
+            raise AssertionError(f"chart contract violated: {self.contracts.violations[0]}")
+        ex = self._ex
         if ex is None:
             return
         if ex.locks.violations:

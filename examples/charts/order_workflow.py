@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 from statemachine import State, StateMachine
 
+from calexec.machines.chart_contracts import invariant
+
 
 class OrderWorkflow(StateMachine):
     """cart -place-> placed -pay-> paid -ship-> shipped -deliver-> delivered; an order is
@@ -32,6 +34,13 @@ class OrderWorkflow(StateMachine):
         | placed.to(cancelled)
         | paid.to(cancelled, cond="refund_issued")
     )
+
+    # A contract (calexec.machines.chart_contracts): checked, while enabled, after every
+    # transition into these states, by python-statemachine and compiled runs alike. An order
+    # emptied after it was placed is reported at its next step.
+    @invariant("placed", "paid", "shipped", "delivered")
+    def orders_past_the_cart_have_items(order: Order) -> bool:  # noqa: N805 (the model)
+        return bool(order.items)
 
 
 @dataclass

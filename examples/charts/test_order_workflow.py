@@ -12,12 +12,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from hypothesis import settings
+from hypothesis import Phase, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 from order_workflow import Order, OrderWorkflow
 from statemachine.exceptions import TransitionNotAllowed
 
+from calexec.machines.chart_contracts import ContractViolation, contracts_checked, enable_contracts
 from calexec.machines.compiled import ChartTransitionError, compiled
 from calexec.machines.paths import GuardTable, as_data
 
@@ -91,6 +92,18 @@ def test_final_states_take_no_event(final):
             workflow.send(event)
 
 
+@pytest.mark.parametrize("kind", ["statemachine", "compiled"])
+def test_an_order_emptied_after_it_was_placed_breaks_the_contract(kind):
+    order = Order(items=["book"], authorized=True)
+    with contracts_checked(OrderWorkflow):  # instances created from here on are checked
+        run = OrderWorkflow(order) if kind == "statemachine" else compiled(OrderWorkflow).run(order)
+        run.send("place")
+        order.items.clear()  # a bug elsewhere in the shop
+        with pytest.raises(ContractViolation, match="orders_past_the_cart_have_items") as caught:
+            run.send("pay")
+    assert caught.value.transition == "placed --pay--> paid" and "items=[]" in caught.value.data
+
+
 # ---- generated paths: every state, every transition ---------------------------------------
 PATHS = as_data(OrderWorkflow)
 
@@ -123,9 +136,14 @@ class OrderStateful(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
+        # the chart's contracts, checked on both runs (recorded, reported by an invariant)
+        self.contracts = enable_contracts(OrderWorkflow, raise_on_violation=False)
         self.order = Order()
         self.workflow = OrderWorkflow(self.order)
         self.run = compiled(OrderWorkflow).run(self.order)
+
+    def teardown(self) -> None:
+        self.contracts.disable()
 
     @rule(item=st.sampled_from(["book", "pen"]))
     def add_item(self, item):
@@ -153,6 +171,10 @@ class OrderStateful(RuleBasedStateMachine):
         assert list(self.workflow.configuration_values) == [self.run.state]
 
     @invariant()
+    def no_contract_violated(self):
+        assert self.contracts.violations == [], [str(v) for v in self.contracts.violations]
+
+    @invariant()
     def shipped_orders_are_paid_for(self):
         if self.run.state in ("shipped", "delivered"):
             assert self.order.has_items()
@@ -160,6 +182,26 @@ class OrderStateful(RuleBasedStateMachine):
 
 TestOrderStateful = OrderStateful.TestCase
 TestOrderStateful.settings = settings(max_examples=60, stateful_step_count=15, deadline=None)
+
+
+class EmptiedAfterPlacing(OrderStateful):
+    """A shop with a bug: a placed order may lose its items and still be paid for."""
+
+    @rule()
+    def empty_and_pay(self):
+        if self.run.state == "placed":
+            self.order.items.clear()
+            self.order.authorized = True
+            self.send("pay")
+
+
+def test_the_stateful_test_reports_a_broken_contract():
+    """The stateful test's ``no_contract_violated`` fails once some run breaks the chart's
+    contract (an order emptied after placing, then paid)."""
+    with pytest.raises(AssertionError, match="orders_past_the_cart_have_items"):
+        run_state_machine_as_test(EmptiedAfterPlacing, settings=settings(
+            max_examples=300, stateful_step_count=15, deadline=None, database=None,
+            phases=[Phase.generate]))
 
 
 # ---- the toolkit's commands, as a user's CI runs them -------------------------------------

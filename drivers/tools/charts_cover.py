@@ -1,0 +1,172 @@
+"""``calexec charts cover --chart MODULE:CLASS [--min PCT] -- COMMAND...``: transition coverage
+of chart classes over any test command (pytest or not), and a gate.
+
+The command runs in a fresh process tree with a ``sitecustomize`` on ``PYTHONPATH`` (as
+``charts mutate`` does): every Python process it starts imports each chart at start-up and
+records, through the coverage listener (``calexec.machines.coverage.track``), every transition
+any run of the class takes (python-statemachine instances and compiled runs), then writes what
+it saw to a scratch directory at exit. ``charts cover`` merges them and prints one line per
+chart, ``transition coverage <chart>: <covered>/<declared>``, and the untaken transitions.
+
+Exit codes: 0 the command passed and every chart is at or above ``--min`` (default 0); 1 the
+command failed (its exit code is printed) or a chart is below ``--min``; 2 bad input (one line
+naming it: not ``MODULE:CLASS``, not importable, not a chart; ``--min`` outside 0-100; no
+command; no process of the command could import the chart).
+
+This is the same count and gate as the pytest plugin (``--chart-coverage=MODULE:CLASS
+--chart-coverage-min=PCT``), for a command that is not one pytest session.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+from calexec.cliargs import EXIT_FAILED, UserError
+from calexec.cliargs import parser as cli_parser
+from calexec.machines.chartref import ChartRefError, load_chart
+from calexec.machines.compiled import CompiledChart, compiled
+from calexec.machines.coverage import TransitionRecorder, describe, report, track
+
+#: ``MODULE:CLASS`` references, comma-separated, that the started processes record
+CHARTS_ENV = "CALEXEC_CHART_COVER"
+#: directory each started process writes ``hits-<pid>.json`` into at exit
+OUT_ENV = "CALEXEC_CHART_COVER_DIR"
+
+SITECUSTOMIZE = '''\
+# Written by `calexec charts cover`: record the transitions of the charts in CALEXEC_CHART_COVER.
+import importlib.machinery as _machinery
+import importlib.util as _util
+import os as _os
+import sys as _sys
+
+from calexec.drivers.tools.charts_cover import install_from_env as _install
+
+_install()
+_here = _os.path.dirname(_os.path.abspath(__file__))
+_next = _machinery.PathFinder.find_spec(
+    "sitecustomize", [p for p in _sys.path if _os.path.abspath(p or ".") != _here])
+if _next is not None and _next.loader is not None:  # keep the environment's own one working
+    _next.loader.exec_module(_util.module_from_spec(_next))
+'''
+
+
+def install_from_env(environ: Mapping[str, str] = os.environ) -> None:
+    """In a process started by ``charts cover``: track the charts named by ``CALEXEC_CHART_COVER``
+    and write the transitions taken to ``CALEXEC_CHART_COVER_DIR`` at exit. A chart this process
+    cannot import is written as an error (another process of the command may import it).
+    Does nothing when the variables are unset."""
+    refs, out = environ.get(CHARTS_ENV), environ.get(OUT_ENV)
+    if not refs or not out:
+        return
+    recorder = TransitionRecorder()
+    loaded: dict[str, str] = {}  # ref -> chart name
+    errors: dict[str, str] = {}
+    for ref in refs.split(","):
+        try:
+            chart = compiled(load_chart(ref, os.getcwd()))
+            track(chart, recorder)
+            loaded[ref] = chart.name
+        except (ChartRefError, ValueError, TypeError) as err:
+            errors[ref] = str(err).splitlines()[0] if str(err) else repr(err)
+
+    def write() -> None:
+        path = Path(out, f"hits-{os.getpid()}.json")
+        path.write_text(json.dumps({"loaded": loaded, "errors": errors,
+                                    "hits": sorted(recorder.hits)}), encoding="utf-8")
+
+    atexit.register(write)
+
+
+def _minimum(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise UserError(f"--min={text!r}: expected a percentage (0-100)") from None
+    if not 0 <= value <= 100:
+        raise UserError(f"--min={text!r}: expected a percentage (0-100)")
+    return value
+
+
+def merge(scratch: Path) -> tuple[set[tuple[str, int]], set[str], dict[str, str]]:
+    """The hits, the references some process loaded and the last error of those none did, from
+    every ``hits-*.json`` in ``scratch``."""
+    hits: set[tuple[str, int]] = set()
+    loaded: set[str] = set()
+    errors: dict[str, str] = {}
+    for path in sorted(scratch.glob("hits-*.json")):
+        data = json.loads(path.read_text(encoding="utf-8"))
+        hits.update((name, int(index)) for name, index in data["hits"])
+        loaded.update(data["loaded"])
+        errors.update(data["errors"])
+    return hits, loaded, {ref: err for ref, err in errors.items() if ref not in loaded}
+
+
+def main(argv: list[str]) -> int:
+    """``argv`` starts with the command words (``["charts", "cover", ...]``)."""
+    parser = cli_parser("calexec charts cover", __doc__)
+    parser.add_argument("--chart", action="append", required=True, metavar="MODULE:CLASS",
+                        help="chart class whose transitions are counted (repeatable)")
+    parser.add_argument("--min", default="0", metavar="PCT",
+                        help="exit 1 when a chart's transition coverage is below PCT percent")
+    parser.add_argument("command", nargs="*", metavar="COMMAND",
+                        help="the test command, after `--` (e.g. -- python -m pytest -q)")
+    args = parser.parse_args(argv[2:])
+    minimum = _minimum(args.min)
+    if not args.command:
+        raise UserError("no test command: give it after `--` (e.g. -- python -m pytest -q)")
+    charts: list[CompiledChart] = []
+    for ref in dict.fromkeys(args.chart):
+        if "," in ref:
+            raise UserError(f"--chart={ref!r}: one MODULE:CLASS per --chart")
+        try:
+            charts.append(compiled(load_chart(ref)))
+        except (ChartRefError, ValueError, TypeError) as err:
+            raise UserError(f"--chart={ref!r}: {str(err).splitlines()[0]}") from None
+    refs = list(dict.fromkeys(args.chart))
+    with tempfile.TemporaryDirectory(prefix="calexec-cover-") as scratch_dir:
+        scratch = Path(scratch_dir)
+        site = scratch / "site"
+        site.mkdir()
+        (site / "sitecustomize.py").write_text(SITECUSTOMIZE, encoding="utf-8")
+        env = dict(os.environ)
+        env[CHARTS_ENV] = ",".join(refs)
+        env[OUT_ENV] = str(scratch)
+        env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(site), os.getcwd(), env.get("PYTHONPATH")]))
+        try:
+            code = subprocess.call(args.command, env=env)
+        except OSError as err:
+            raise UserError(f"test command {args.command[0]!r}: {err.strerror or err}") from None
+        hits, loaded, errors = merge(scratch)
+    if errors:
+        for ref, why in errors.items():
+            print(f"calexec charts cover: no process of the command imported {ref}: {why}",
+                  file=sys.stderr)
+        return 2
+    if not loaded:
+        print("calexec charts cover: the command started no Python process that recorded "
+              "(is it a Python command, run with this environment?)", file=sys.stderr)
+        return 2
+    recorder = TransitionRecorder()
+    recorder.hits.update(hits)
+    below = False
+    for coverage in report(charts, recorder):
+        print(coverage.line() + f" ({coverage.percent:.1f} %)")
+        for transition in coverage.untaken:
+            print(f"    untaken: {describe(transition)}")
+        if coverage.percent < minimum:
+            below = True
+            print(f"transition coverage gate FAILED for {coverage.chart}: "
+                  f"{coverage.percent:.1f} % < {minimum:g} %")
+    if code != 0:
+        print(f"calexec charts cover: the test command failed (exit code {code})",
+              file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_FAILED if below else 0

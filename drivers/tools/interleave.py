@@ -1,0 +1,153 @@
+"""The interleaving explorer as a library: the controlled scheduler, virtual clock and replay of
+``explore.py`` (built for the executor) on a user's own threaded code.
+
+The injection point is ``calexec.machines.clock.Clock``: code under test takes a clock (the
+real one, ``calexec.machines.clock.SYSTEM``, by default) and makes every lock
+(``clock.lock()``), condition (``clock.condition(lock)``), event (``clock.event()``) and thread
+(``clock.start_thread(target, name)``) through it, and sleeps and reads time through it
+(``clock.sleep(s)``, ``clock.monotonic()``). Under the explorer the clock is a
+``VirtualClock``: exactly one of those threads runs at a time, every acquire, wait, set,
+start, join and sleep is a scheduling point where a chooser picks who runs next, and time
+moves only when every thread is blocked (a 5 s timeout costs nothing).
+
+    def scenario(clock):                      # builds the code under test on ``clock``
+        bank = Bank(clock)
+        for name in ("t1", "t2"):
+            clock.start_thread(lambda: bank.transfer(...), name)
+        return lambda: bank.total() == 100 or f"money lost: {bank.total()}"   # final check
+
+    result = explore_threads(scenario, seeds=range(200))      # PCT schedules, one per seed
+    if result.failure is not None:
+        print(result.failure.message)                         # what broke, and where
+        again = replay_threads(scenario, result.failure.choices)   # the same schedule exactly
+
+``scenario(clock)`` returns a final check, or None: called once nothing can run any more, it
+returns True/None when all is well, else False or a message. ``invariant`` (optional) is
+checked at every scheduling point. Any exception a controlled thread raises fails the
+schedule; so does a deadlock (threads blocked for good), and a chart contract violated by a
+run of ``charts`` (their contracts are enabled for the exploration, recorded, never raised in
+the threads: machines/chart_contracts.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+import attrs
+
+from calexec.drivers.tools.explore import (
+    PCTChooser,
+    ReplayChooser,
+    Scheduler,
+    TapeChooser,
+    VirtualClock,
+)
+from calexec.machines.chart_contracts import enable_contracts
+from calexec.machines.clock import Clock
+from calexec.machines.compiled import ChartLike
+
+#: what a scenario's final check or invariant returns: True/None (holds), False or a message
+Verdict = bool | str | None
+Scenario = Callable[[Clock], Callable[[], Verdict] | None]
+
+
+@attrs.frozen
+class ScheduleFailure:
+    """One failing schedule: ``message`` (what broke), ``seed`` (the PCT seed that found it,
+    None for a replay), ``choices`` (every choice among several options, in order: what
+    ``replay_threads`` takes) and ``trace`` (the last ``thread:point`` steps)."""
+
+    message: str
+    seed: int | None
+    choices: tuple[int, ...]
+    trace: tuple[str, ...]
+
+
+@attrs.frozen
+class Exploration:
+    """What ``explore_threads`` did: the schedules run and the first failure (None: none)."""
+
+    schedules: int
+    failure: ScheduleFailure | None
+
+
+def _judge(verdict: Verdict, what: str) -> str | None:
+    if verdict is None or verdict is True:
+        return None
+    return f"{what}: {verdict}" if isinstance(verdict, str) else f"{what} does not hold"
+
+
+def run_schedule(scenario: Scenario, chooser: TapeChooser | PCTChooser, *,
+                 invariant: Callable[[], Verdict] | None = None,
+                 charts: Iterable[ChartLike] = (), steps: int = 100_000,
+                 horizon_s: float = 60.0, seed: int | None = None) -> ScheduleFailure | None:
+    """Run ``scenario`` once under ``chooser``'s schedule; the failure, or None."""
+    sched = Scheduler(chooser)
+    contracts = enable_contracts(*charts, raise_on_violation=False)
+
+    def at_point() -> None:
+        if contracts.violations:
+            raise AssertionError(f"chart contract violated: {contracts.violations[0]}")
+        if invariant is not None:
+            problem = _judge(invariant(), "invariant")
+            if problem is not None:
+                raise AssertionError(problem)
+
+    sched.on_point = at_point
+    try:
+        final = scenario(VirtualClock(sched))
+        stop = sched.run(steps, horizon_s)
+        if sched.failure is None:
+            at_point_failure = None
+            try:
+                at_point()
+            except AssertionError as err:
+                at_point_failure = str(err)
+            blocked = [t for t in sched.threads if not t.finished]
+            if at_point_failure is not None:
+                sched.fail(at_point_failure)
+            elif stop == "quiescent" and blocked:
+                sched.fail("deadlock: no thread can run and none has a deadline:\n"
+                           + sched.describe())
+            elif stop in ("budget", "horizon"):
+                sched.fail(f"the schedule did not finish ({stop}: {steps} steps, "
+                           f"{horizon_s} s of virtual time):\n{sched.describe()}")
+            elif final is not None:
+                problem = _judge(final(), "final check")
+                if problem is not None:
+                    sched.fail(problem)
+    finally:
+        sched.abort_threads()
+        contracts.disable()
+    if sched.failure is None:
+        return None
+    return ScheduleFailure(sched.failure, seed, tuple(sched.choices), tuple(sched.trace[-40:]))
+
+
+def explore_threads(scenario: Scenario, *, seeds: Iterable[int] = range(100), depth: int = 3,
+                    length: int = 60, invariant: Callable[[], Verdict] | None = None,
+                    charts: Iterable[ChartLike] = (), steps: int = 100_000,
+                    horizon_s: float = 60.0) -> Exploration:
+    """Run ``scenario`` under one PCT schedule per seed (random thread priorities and
+    ``depth - 1`` priority change points placed among the first ``length`` choices, as
+    Shuttle's and Coyote's PCT) until one fails; ``charts``: whose contracts are checked."""
+    charts = tuple(charts)
+    count = 0
+    for seed in seeds:
+        count += 1
+        failure = run_schedule(scenario, PCTChooser(seed, depth=depth, steps=length, p_jump=0.0),
+                               invariant=invariant, charts=charts, steps=steps,
+                               horizon_s=horizon_s, seed=seed)
+        if failure is not None:
+            return Exploration(count, failure)
+    return Exploration(count, None)
+
+
+def replay_threads(scenario: Scenario, choices: Sequence[int], *,
+                   invariant: Callable[[], Verdict] | None = None,
+                   charts: Iterable[ChartLike] = (), steps: int = 100_000,
+                   horizon_s: float = 60.0) -> ScheduleFailure | None:
+    """Run ``scenario`` under the recorded ``choices`` (``ScheduleFailure.choices``): the same
+    schedule, so the same failure (or None if the code no longer fails on it)."""
+    return run_schedule(scenario, ReplayChooser(list(choices)), invariant=invariant,
+                        charts=tuple(charts), steps=steps, horizon_s=horizon_s)

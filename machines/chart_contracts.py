@@ -1,0 +1,310 @@
+"""Design by contract on a chart: invariants per state, pre- and postconditions per event.
+
+Declared in the chart's class, one way only: a function of the model decorated with
+``@invariant(*states)``, ``@precondition(*events)`` or ``@postcondition(*events)``::
+
+    class OrderWorkflow(StateMachine):
+        ...
+        @invariant("paid", "shipped")
+        def paid_orders_were_authorized(order: Order) -> bool:
+            return order.authorized
+
+The function takes the run's model (the object that answers the guards) and returns whether
+the contract holds. An invariant is checked after every transition into (or within) one of
+its states; a precondition after the transition was selected (guards passed) and before the
+state changes; a postcondition after the state changed. The decorator returns a ``Contract``
+(python-statemachine ignores it; it is not a callback). Several decorators may stack.
+
+Contracts are checked only while enabled (``enable_contracts(Chart)`` returns a
+``ContractMonitor``; ``with contracts_checked(Chart) as monitor:``), by both run kinds:
+
+- compiled runs (``compiled(Chart).run(model)``): the monitor sets the chart's ``checker``,
+  so ``ChartRun.send`` calls it around the state change (off: one attribute test);
+- python-statemachine instances of the class created while enabled: a class-level listener
+  (``ContractListener``) calls the same checker from ``before_transition``/``after_transition``.
+
+A violated contract is a ``ContractViolation`` naming the chart, the contract, its kind, the
+state or transition and the model (``repr``, capped). The monitor records every violation in
+``violations`` and, unless built with ``raise_on_violation=False`` (the interleaving explorer,
+which must not break the threads it schedules), raises it from the ``send`` that broke it.
+``check_invariants(Chart, state, model)`` checks a state's invariants at any time (a
+hypothesis ``@invariant`` calls it between rules).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Literal
+
+import attrs
+from statemachine import StateChart
+
+if TYPE_CHECKING:  # compiled imports charts, which declares its contracts with this module
+    from calexec.machines.compiled import ChartLike, CompiledChart, Transition
+
+Kind = Literal["invariant", "precondition", "postcondition"]
+#: the model as a contract sees it: any object (the chart's guard provider)
+Model = object
+#: a contract's check: called with the model (its parameter may be typed as the chart's own
+#: model class or a Protocol of it, hence the open signature), true when the contract holds
+Check = Callable[..., object]
+#: how much of ``repr(model)`` a violation carries
+REPR_LIMIT = 300
+
+
+@attrs.frozen
+class Contract:
+    """One declared contract: ``kind`` on ``names`` (states for an invariant, events for a
+    pre/postcondition); ``check(model)`` says whether it holds."""
+
+    kind: Kind
+    names: tuple[str, ...]
+    check: Check
+    name: str
+
+
+def _decorator(kind: Kind, names: tuple[str, ...]) -> Callable[[Check], Contract]:
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise ValueError(f"@{kind}{names!r}: name at least one "
+                         f"{'state' if kind == 'invariant' else 'event'} (a non-empty str)")
+
+    def wrap(func: Check) -> Contract:
+        if isinstance(func, Contract):  # stacked decorators: one contract per decorator
+            raise ValueError(f"@{kind} on {func.name}: stack contracts by listing several "
+                             f"names in one decorator")
+        return Contract(kind, names, func, getattr(func, "__name__", repr(func)))
+
+    return wrap
+
+
+def invariant(*states: str) -> Callable[[Check], Contract]:
+    """Declare that ``func(model)`` holds whenever a run is in one of ``states``."""
+    return _decorator("invariant", states)
+
+
+def precondition(*events: str) -> Callable[[Check], Contract]:
+    """Declare that ``func(model)`` holds when one of ``events`` is taken, before the state
+    changes."""
+    return _decorator("precondition", events)
+
+
+def postcondition(*events: str) -> Callable[[Check], Contract]:
+    """Declare that ``func(model)`` holds right after one of ``events`` was taken."""
+    return _decorator("postcondition", events)
+
+
+class ContractViolation(Exception):
+    """A contract that did not hold: ``chart``, ``contract`` (its function's name), ``kind``,
+    ``state`` (the run's state when checked), ``transition`` (``source --event--> target``,
+    or None for an invariant checked outside a transition) and ``data`` (``repr`` of the
+    model, or the error the check raised)."""
+
+    def __init__(self, chart: str, contract: Contract, state: str,
+                 transition: Transition | None, data: str) -> None:
+        self.chart, self.contract, self.kind = chart, contract.name, contract.kind
+        self.state, self.data = state, data
+        self.transition = (None if transition is None else
+                           f"{transition.source} --{transition.event}--> {transition.target}")
+        where = (f"in state {state!r}" if self.transition is None
+                 else f"on {self.transition} (state {state!r})")
+        super().__init__(f"{chart}: {contract.kind} {contract.name!r} violated {where}; "
+                         f"model: {data}")
+
+
+def declared_contracts(chart: ChartLike) -> tuple[Contract, ...]:
+    """The contracts declared in ``chart``'s class (and its bases), checked against the
+    declaration: a contract naming an unknown state or event is a ``ValueError`` naming it."""
+    from calexec.machines.compiled import compiled
+
+    shared = compiled(chart)
+    found: dict[str, Contract] = {}
+    for klass in reversed(shared.declaration.__mro__):
+        for attr, value in vars(klass).items():
+            if isinstance(value, Contract):
+                found[attr] = value
+    for contract in found.values():
+        known = shared.states if contract.kind == "invariant" else shared.events
+        for name in contract.names:
+            if name not in known:
+                what = "state" if contract.kind == "invariant" else "event"
+                raise ValueError(f"{shared.name}: @{contract.kind}({name!r}) on "
+                                 f"{contract.name}: {name!r} is not a {what} of the chart "
+                                 f"(one of {', '.join(known)})")
+    return tuple(found.values())
+
+
+def _data(model: Model) -> str:
+    text = repr(model)
+    return text if len(text) <= REPR_LIMIT else text[:REPR_LIMIT] + "..."
+
+
+class ContractChecker:
+    """The checks of one chart's contracts, indexed by state and event; the ``checker`` a
+    ``ChartRun`` calls (``before``/``after``) and ``ContractListener`` calls for a
+    python-statemachine instance. Reports each violation to its monitors."""
+
+    def __init__(self, chart: CompiledChart, contracts: Iterable[Contract]) -> None:
+        self.chart = chart
+        self.monitors: tuple[ContractMonitor, ...] = ()
+        self.invariants: dict[str, tuple[Contract, ...]] = {}
+        self.pre: dict[str, tuple[Contract, ...]] = {}
+        self.post: dict[str, tuple[Contract, ...]] = {}
+        for contract in contracts:
+            index = {"invariant": self.invariants, "precondition": self.pre,
+                     "postcondition": self.post}[contract.kind]
+            for name in contract.names:
+                index[name] = index.get(name, ()) + (contract,)
+
+    def _check(self, contracts: tuple[Contract, ...], model: Model, state: str,
+               transition: Transition | None) -> None:
+        for contract in contracts:
+            try:
+                held = bool(contract.check(model))
+                data = _data(model)
+            except Exception as err:  # noqa: BLE001 (a check that raises is a violation, named)
+                held, data = False, f"{_data(model)} (the check raised {err!r})"
+            if not held:
+                violation = ContractViolation(self.chart.name, contract, state, transition, data)
+                # every monitor records it before any raises it
+                if [monitor for monitor in self.monitors if monitor.report(violation)]:
+                    raise violation
+
+    def before(self, model: Model, transition: Transition) -> None:
+        """Preconditions of ``transition``'s event, before the state changes."""
+        contracts = self.pre.get(transition.event)
+        if contracts:
+            self._check(contracts, model, transition.source, transition)
+
+    def after(self, model: Model, transition: Transition) -> None:
+        """Postconditions of the event and invariants of the target, after the change."""
+        post = self.post.get(transition.event)
+        if post:
+            self._check(post, model, transition.target, transition)
+        held = self.invariants.get(transition.target)
+        if held:
+            self._check(held, model, transition.target, transition)
+
+
+class ContractListener:
+    """python-statemachine listener checking a chart's contracts on a real instance of its
+    class (``enable_contracts`` adds one to the class for every instance created while it is
+    enabled; give one instance ``listeners=[ContractListener(checker)]`` to check only it)."""
+
+    def __init__(self, checker: ContractChecker) -> None:
+        self.checker = checker
+
+    def _declared(self, event: object, transition: object) -> Transition | None:
+        # the initial pseudo-transition is not a declared one
+        return self.checker.chart.by_declared.get((id(transition), str(event)))
+
+    def before_transition(self, event: object, transition: object, model: Model) -> None:
+        taken = self._declared(event, transition)
+        if taken is not None:
+            self.checker.before(model, taken)
+
+    def after_transition(self, event: object, transition: object, model: Model) -> None:
+        taken = self._declared(event, transition)
+        if taken is not None:
+            self.checker.after(model, taken)
+
+
+class ContractMonitor:
+    """Contracts of some charts, checked while enabled (``disable()`` stops it). Every
+    violation is appended to ``violations``; raised too when ``raise_on_violation``."""
+
+    def __init__(self, raise_on_violation: bool = True) -> None:
+        self.raise_on_violation = raise_on_violation
+        self.violations: list[ContractViolation] = []
+        self._lock = threading.Lock()
+        self._undo: list[Callable[[], None]] = []
+
+    def report(self, violation: ContractViolation) -> bool:
+        """Record ``violation``; whether this monitor wants it raised."""
+        with self._lock:
+            self.violations.append(violation)
+        return self.raise_on_violation
+
+    def disable(self) -> None:
+        """Stop checking (idempotent)."""
+        while self._undo:
+            self._undo.pop()()
+
+
+_CHECKERS: dict[int, ContractChecker] = {}  # id(CompiledChart): one per shared chart
+_SETUP = threading.Lock()
+
+
+def enable_contracts(*charts: ChartLike, raise_on_violation: bool = True) -> ContractMonitor:
+    """Check the declared contracts of ``charts`` on their compiled runs and on the
+    python-statemachine instances of their classes created from now on, until the returned
+    monitor's ``disable()``. Several monitors may be enabled at once (each hears every
+    violation). ``ValueError`` for a contract naming an unknown state or event."""
+    from calexec.machines.compiled import compiled
+
+    monitor = ContractMonitor(raise_on_violation)
+    for chart in charts:
+        shared = compiled(chart)
+        with _SETUP:
+            checker = _CHECKERS.get(id(shared))
+            if checker is None:
+                checker = _CHECKERS[id(shared)] = ContractChecker(shared, declared_contracts(shared))
+            checker.monitors += (monitor,)
+            if len(checker.monitors) == 1:
+                _install(shared, checker)
+        monitor._undo.append(functools.partial(_remove, shared, checker, monitor))
+    return monitor
+
+
+# python-statemachine 3 collects a class's ``listeners`` attribute at class creation into this
+# list and adds each (non-callable) entry to every instance created later (coverage.track)
+def _class_listeners(declaration: type[StateChart[object]]) -> list[object]:
+    found: list[object] = declaration._class_listeners
+    return found
+
+
+def _install(shared: CompiledChart, checker: ContractChecker) -> None:
+    shared.set_checker(checker)
+    listener = ContractListener(checker)
+    _class_listeners(shared.declaration).append(listener)
+    _LISTENERS[id(checker)] = listener
+
+
+_LISTENERS: dict[int, ContractListener] = {}  # id(ContractChecker) -> its class listener
+
+
+def _remove(shared: CompiledChart, checker: ContractChecker, monitor: ContractMonitor) -> None:
+    with _SETUP:
+        checker.monitors = tuple(m for m in checker.monitors if m is not monitor)
+        if not checker.monitors:
+            shared.set_checker(None)
+            listener = _LISTENERS.pop(id(checker))
+            _class_listeners(shared.declaration).remove(listener)
+
+
+@contextmanager
+def contracts_checked(*charts: ChartLike,
+                      raise_on_violation: bool = True) -> Iterator[ContractMonitor]:
+    """``enable_contracts`` for the ``with`` block."""
+    monitor = enable_contracts(*charts, raise_on_violation=raise_on_violation)
+    try:
+        yield monitor
+    finally:
+        monitor.disable()
+
+
+def check_invariants(chart: ChartLike, state: str, model: Model) -> list[ContractViolation]:
+    """The invariants of ``state`` that do not hold for ``model`` now (empty: all hold),
+    whether or not contracts are enabled; ``ValueError`` for an unknown state."""
+    from calexec.machines.compiled import compiled
+
+    shared = compiled(chart)
+    if state not in shared.states:
+        raise ValueError(f"{shared.name}: state={state!r} is not one of {shared.states}")
+    checker = ContractChecker(shared, declared_contracts(shared))
+    monitor = ContractMonitor(raise_on_violation=False)
+    checker.monitors = (monitor,)
+    checker._check(checker.invariants.get(state, ()), model, state, None)
+    return monitor.violations

@@ -1,0 +1,529 @@
+"""A live inspector for any app's charts: per-state counts, per-edge rates and the path of one
+run, as an ASGI app (Starlette) the app mounts where it likes.
+
+    from calexec.machines.inspector import Inspector, inspector_app
+
+    inspector = Inspector()
+    inspector.register(OrderWorkflow, runs=lambda: shop.open_orders())   # or counts=...
+    paths = inspector.paths                                            # a PathLog
+    paths.follow("order-7", workflow)                  # a ChartRun or a python-statemachine instance
+    app.mount("/charts", inspector_app(inspector))                     # FastAPI or Starlette
+
+``register(Chart, runs=..., counts=..., active=..., name=...)``: ``runs`` returns the live runs
+of the chart (``ChartRun`` objects, or python-statemachine instances, or anything with a
+``state`` attribute), counted per state at each poll; or ``counts`` returns ``{state: n}``
+itself. Rates are the transitions taken per minute over the last ``window_s`` by every run of
+the chart in the process: compiled runs through ``CompiledChart.taken`` (free on the hot path)
+and python-statemachine instances through a class listener the registration adds (instances
+created after it). ``status`` (a callable returning ``{key: value}``) adds lines above the charts.
+
+Routes, relative to the mount point: ``/`` the page (the charts drawn by graphviz, counts and
+rates painted and refreshed by its own script, no reload), ``/live.json`` the data,
+``/{chart}.svg`` one chart (its ``active`` state highlighted), ``/runs/{run_id}`` the path of
+one followed run (``?format=json``: its steps; else its chart with the path drawn). Drawing
+needs graphviz's ``dot``: without it those routes answer 503 naming it; ``/live.json`` and the
+JSON path do not draw.
+
+Starlette is imported only by ``inspector_app`` (the ``[server]`` extra): the rest of this
+module, and the core, import without it. The NPU server mounts one at ``/debug/statecharts``
+(drivers/serving/debug.py), as any user would.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING
+
+import attrs
+from statemachine import StateChart
+
+from calexec.machines.compiled import ChartLike, ChartRun, CompiledChart, compiled
+from calexec.machines.diagrams import (
+    EDGE_ID,
+    NODE_ID,
+    GraphvizError,
+    render_chart_svg,
+    render_path_svg,
+)
+
+if TYPE_CHECKING:
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import Response
+
+WINDOW_S = 60.0
+REFRESH_MS = 1000
+#: samples kept for the rate window: at most one per second is added
+_MIN_SAMPLE_GAP_S = 1.0
+#: JSON-able value of a status line or a path record
+Json = str | int | float | bool | None | list["Json"] | dict[str, "Json"]
+
+
+class _InstanceCounter:
+    """python-statemachine listener counting the declared transitions real instances of a
+    chart take (a compiled run counts into ``CompiledChart.taken`` itself)."""
+
+    def __init__(self, chart: CompiledChart) -> None:
+        self.chart = chart
+        self.taken = [0] * len(chart.transitions)
+
+    def after_transition(self, event: object, transition: object) -> None:
+        found = self.chart.by_declared.get((id(transition), str(event)))
+        if found is not None:  # not the initial pseudo-transition
+            self.taken[found.id] += 1
+
+
+@attrs.define
+class Registered:
+    """One chart the inspector shows: its name, compiled form, and where its counts come
+    from."""
+
+    name: str
+    chart: CompiledChart
+    counts: Callable[[], Mapping[str, int]]
+    active: Callable[[], str | None]
+    instances: _InstanceCounter
+
+    def taken(self) -> tuple[int, ...]:
+        return tuple(a + b for a, b in zip(self.chart.taken, self.instances.taken, strict=True))
+
+
+def state_of(run: object) -> str | None:
+    """The state id of a run: a ``ChartRun``, a python-statemachine instance (its one active
+    state; None for a compound configuration) or any object with a ``state`` attribute."""
+    if isinstance(run, ChartRun):
+        return run.state
+    if isinstance(run, StateChart):
+        values = list(run.configuration_values)
+        return str(values[0]) if len(values) == 1 else None
+    state = getattr(run, "state", None)
+    return state if isinstance(state, str) else None
+
+
+def _counting(chart: CompiledChart, runs: Callable[[], Iterable[object]]
+              ) -> Callable[[], Mapping[str, int]]:
+    def counts() -> Mapping[str, int]:
+        found = dict.fromkeys(chart.states, 0)
+        for run in list(runs()):
+            state = state_of(run)
+            if state in found:
+                found[state] += 1
+        return found
+    return counts
+
+
+class TransitionRates:
+    """Transitions taken per minute over the last ``window_s``, per chart and transition id,
+    from differences of the charts' taken counters sampled when asked (at most once a
+    second)."""
+
+    def __init__(self, taken: Callable[[], dict[str, tuple[int, ...]]],
+                 window_s: float = WINDOW_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self.window_s = window_s
+        self._taken = taken
+        self._clock = clock
+        self._mu = threading.Lock()
+        self._samples: deque[tuple[float, dict[str, tuple[int, ...]]]] = deque()
+        self._sample(self._clock())
+
+    def _sample(self, now: float) -> dict[str, tuple[int, ...]]:
+        snap = self._taken()
+        if not self._samples or now - self._samples[-1][0] >= _MIN_SAMPLE_GAP_S:
+            self._samples.append((now, snap))
+        # keep one sample at or before the window's start, so the window is always covered
+        while len(self._samples) > 2 and now - self._samples[1][0] >= self.window_s:
+            self._samples.popleft()
+        return snap
+
+    def per_minute(self) -> dict[str, list[float]]:
+        """chart -> rate per minute of each transition (index = transition id)."""
+        with self._mu:
+            now = self._clock()
+            snap = self._sample(now)
+            start, old = self._samples[0]
+        span = now - start
+        if span <= 0:
+            return {name: [0.0] * len(counts) for name, counts in snap.items()}
+        scale = 60.0 / span
+        return {name: [round((new - before) * scale, 1)
+                       for new, before in zip(counts, old.get(name, (0,) * len(counts)),
+                                              strict=True)]
+                for name, counts in snap.items()}
+
+
+class PathLog:
+    """The paths of the last ``keep`` runs the app follows (``follow(run_id, run)``), each step
+    ``{"event", "from", "to", "refused_by", "t"}`` (``to`` None and ``refused_by`` the guards
+    for a refused event: compiled runs record refusals; a python-statemachine instance records
+    taken transitions)."""
+
+    def __init__(self, keep: int = 100, steps: int = 256,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.keep, self.steps, self._clock = keep, steps, clock
+        self._mu = threading.Lock()
+        self._runs: dict[str, tuple[CompiledChart, object, deque[tuple[
+            str, str, str | None, tuple[str, ...] | None, float]]]] = {}
+
+    def follow(self, run_id: str, run: object, chart: ChartLike | None = None) -> None:
+        """Record the path of ``run`` (a ``ChartRun``, or a python-statemachine instance of
+        ``chart``'s class, ``chart`` defaulting to its class) under ``run_id`` from now on."""
+        trail: deque[tuple[str, str, str | None, tuple[str, ...] | None, float]] = deque(
+            maxlen=self.steps)
+        if isinstance(run, ChartRun):
+            shared = run.chart
+            run.keep_trail(trail, self._clock)
+        elif isinstance(run, StateChart):
+            shared = compiled(chart if chart is not None else type(run))
+            run.add_listener(_TrailListener(shared, trail, self._clock))  # type: ignore[no-untyped-call]
+        else:
+            raise TypeError(f"run={run!r:.60}: expected a ChartRun or a python-statemachine "
+                            f"instance")
+        with self._mu:
+            self._runs[str(run_id)] = (shared, run, trail)
+            while len(self._runs) > self.keep:
+                del self._runs[next(iter(self._runs))]
+
+    def record(self, run_id: str) -> dict[str, Json] | None:
+        """``{"run_id", "chart", "state", "trail"}`` of a followed run, or None."""
+        with self._mu:
+            found = self._runs.get(run_id)
+            if found is None:
+                return None
+            shared, run, trail = found
+            steps = list(trail)
+        return {"run_id": run_id, "chart": shared.name, "state": state_of(run),
+                "trail": [{"event": e, "from": s, "to": t,
+                           "refused_by": None if r is None else list(r), "t": at}
+                          for e, s, t, r, at in steps]}
+
+    def chart_of(self, run_id: str) -> CompiledChart | None:
+        with self._mu:
+            found = self._runs.get(run_id)
+        return None if found is None else found[0]
+
+
+class _TrailListener:
+    def __init__(self, chart: CompiledChart, trail: deque[tuple[
+            str, str, str | None, tuple[str, ...] | None, float]],
+            clock: Callable[[], float]) -> None:
+        self.chart, self.trail, self.clock = chart, trail, clock
+
+    def after_transition(self, event: object, transition: object) -> None:
+        found = self.chart.by_declared.get((id(transition), str(event)))
+        if found is not None:
+            self.trail.append((found.event, found.source, found.target, None, self.clock()))
+
+
+class Inspector:
+    """The charts an app shows live, and the runs whose path it keeps (``paths``)."""
+
+    def __init__(self, window_s: float = WINDOW_S,
+                 status: Callable[[], Mapping[str, Json]] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.charts: dict[str, Registered] = {}
+        self.status = status
+        self.paths = PathLog(clock=clock)
+        self.rates = TransitionRates(self._taken, window_s, clock)
+        self._mu = threading.Lock()
+
+    def register(self, chart: ChartLike, *, runs: Callable[[], Iterable[object]] | None = None,
+                 counts: Callable[[], Mapping[str, int]] | None = None,
+                 active: Callable[[], str | None] | None = None,
+                 name: str | None = None, count_instances: bool = True) -> Registered:
+        """Show ``chart``: its live runs (``runs``) or its counts per state (``counts``), the
+        state to highlight in its SVG (``active``; default: the state holding most runs, if
+        any). ``count_instances=False``: rates from compiled runs only (no class listener; an
+        app that never runs the class itself). ``ValueError`` for a name already registered
+        or both/neither of runs, counts."""
+        shared = compiled(chart)
+        name = name or shared.name
+        if runs is not None and counts is None:
+            counts = _counting(shared, runs)
+        elif runs is not None or counts is None:
+            raise ValueError(f"register({shared.name}): give exactly one of runs= (the live "
+                             f"runs) or counts= (state -> count)")
+        if active is None:
+            counted = counts
+
+            def busiest() -> str | None:
+                now = counted()
+                best = max(now, key=lambda s: now[s], default=None)
+                return best if best is not None and now[best] else None
+            active = busiest
+        instances = _InstanceCounter(shared)
+        with self._mu:
+            if name in self.charts:
+                raise ValueError(f"register: a chart named {name!r} is already registered")
+            if count_instances:  # python-statemachine 3's class listeners (coverage.track)
+                shared.declaration._class_listeners.append(instances)
+            entry = self.charts[name] = Registered(name, shared, counts, active, instances)
+        return entry
+
+    def close(self) -> None:
+        """Remove the class listeners the registrations added."""
+        with self._mu:
+            for entry in self.charts.values():
+                listeners: list[object] = entry.chart.declaration._class_listeners
+                if entry.instances in listeners:
+                    listeners.remove(entry.instances)
+
+    def _taken(self) -> dict[str, tuple[int, ...]]:
+        return {name: entry.taken() for name, entry in list(self.charts.items())}
+
+    def live(self) -> dict[str, Json]:
+        """What the page shows: ``status`` (the app's lines), ``window_s`` and per chart its
+        ``counts`` per state and ``per_minute`` per transition id."""
+        per_minute = self.rates.per_minute()
+        charts: dict[str, Json] = {}
+        for name, entry in list(self.charts.items()):
+            counts: dict[str, Json] = {state: int(n) for state, n in entry.counts().items()}
+            rates: list[Json] = list(per_minute.get(name, [0.0] * len(entry.chart.transitions)))
+            charts[name] = {"counts": counts, "per_minute": rates}
+        status: dict[str, Json] = dict(self.status()) if self.status is not None else {}
+        return {"status": status, "window_s": self.rates.window_s, "charts": charts}
+
+
+# ---- HTML ----------------------------------------------------------------------------------
+CSS = """
+body{font-family:sans-serif;margin:1em} section{margin-bottom:2em}
+section svg{max-width:100%;height:auto}
+.live-count{font:bold 13px sans-serif;fill:#b00000}
+.live-rate{font:bold 12px sans-serif;fill:#0050b0}
+#status span{margin-right:1.5em} .legend td{padding:0 .6em}
+.swatch{display:inline-block;width:1.2em;height:.9em;border:1px solid #333;vertical-align:middle}
+"""
+
+_SCRIPT = """
+const NODE_ID = %(node_id)s, EDGE_ID = %(edge_id)s, LIVE = %(live)s, FILL = "#40e0d0";
+function badge(group, cls, x, y, text, anchor) {
+  let t = group.querySelector("text." + cls);
+  if (!t) {
+    t = document.createElementNS("http://www.w3.org/2000/svg", "text");
+    t.setAttribute("class", cls);
+    t.setAttribute("text-anchor", anchor);
+    t.setAttribute("x", x); t.setAttribute("y", y);
+    group.appendChild(t);
+  }
+  t.textContent = text;
+}
+function paint(chart, info) {
+  const svg = document.querySelector('section[data-chart="' + chart + '"] svg');
+  if (!svg) return;
+  for (const [state, n] of Object.entries(info.counts)) {
+    const g = svg.querySelector('g[id="' + NODE_ID + state + '"]');
+    if (!g) continue;
+    const shapes = g.querySelectorAll("path, polygon, ellipse");
+    shapes.forEach((s, i) => {
+      if (!s.dataset.fill) {  // the server may have highlighted one state: its base is white
+        const f = s.getAttribute("fill") || "none";
+        s.dataset.fill = (f === "turquoise") ? "white" : f;
+      }
+      if (s.dataset.fill !== "none") s.setAttribute("fill", n > 0 ? FILL : s.dataset.fill);
+    });
+    const box = shapes.length ? shapes[0].getBBox() : g.getBBox();
+    badge(g, "live-count", box.x + box.width + 3, box.y + 11, String(n), "start");
+    g.dataset.count = String(n);
+  }
+  svg.querySelectorAll('g.edge[id^="' + EDGE_ID + '"]').forEach((g) => {
+    const ids = g.id.slice(EDGE_ID.length).split("_").map(Number);
+    const rate = ids.reduce((sum, i) => sum + (info.per_minute[i] || 0), 0);
+    const label = g.querySelector("text");
+    if (!label) return;
+    const x = Number(label.getAttribute("x")), y = Number(label.getAttribute("y"));
+    badge(g, "live-rate", x, y - 14, rate.toFixed(1) + "/min", label.getAttribute("text-anchor"));
+    g.querySelector("text.live-rate").style.fill = rate > 0 ? "" : "#999";
+    g.dataset.rate = String(rate);
+  });
+}
+async function tick() {
+  try {
+    const r = await fetch(LIVE, {cache: "no-store"});
+    const d = await r.json();
+    for (const [chart, info] of Object.entries(d.charts)) paint(chart, info);
+    for (const [key, value] of Object.entries(d.status)) {
+      const el = document.getElementById(key);
+      if (el) el.textContent = Array.isArray(value) ? (value.length ? value.join(", ") : "none")
+                                                    : String(value);
+    }
+    document.getElementById("updated").textContent = new Date().toLocaleTimeString();
+    document.body.dataset.updates = String(Number(document.body.dataset.updates || 0) + 1);
+  } catch (e) {
+    document.getElementById("updated").textContent = "update failed: " + e;
+  }
+}
+tick();
+setInterval(tick, %(refresh)d);
+"""
+
+
+def _text(value: Json) -> str:
+    if isinstance(value, list):
+        return ", ".join(map(str, value)) if value else "none"
+    return str(value)
+
+
+def page(svgs: Mapping[str, str], live: Mapping[str, Json], live_url: str,
+         title: str = "statecharts", labels: Mapping[str, str] | None = None,
+         counted: str = "live runs in the state") -> str:
+    """The HTML of the live page around the charts' SVG text (XML declarations stripped);
+    ``live`` (``Inspector.live()``) fills the status line before the script first runs, which
+    then polls ``live_url``. ``labels``: status key -> its label (default: the key)."""
+    status = live.get("status")
+    fields = status if isinstance(status, dict) else {}
+    names = labels or {key: key for key in fields}
+    spans = "".join(f"<span>{html.escape(label)}: <b id='{html.escape(key)}'>"
+                    f"{html.escape(_text(fields.get(key, '?')))}</b></span>"
+                    for key, label in names.items())
+    sections = "".join(
+        f"<section data-chart='{html.escape(name)}'><h2>{html.escape(name)}</h2>{svg}</section>"
+        for name, svg in svgs.items())
+    script = _SCRIPT % {"node_id": json.dumps(NODE_ID), "edge_id": json.dumps(EDGE_ID),
+                        "live": json.dumps(live_url), "refresh": REFRESH_MS}
+    window = live.get("window_s", WINDOW_S)
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+        f"<style>{CSS}</style></head><body><h1>{html.escape(title)} (live)</h1>"
+        f"<p id='status'>{spans}"
+        "<span>updated <b id='updated'>never</b></span></p>"
+        "<table class='legend'><tr><td><span class='swatch' style='background:#40e0d0'></span>"
+        "</td><td>state holding at least one live run</td></tr>"
+        "<tr><td class='live-count' style='color:#b00000;font-weight:bold'>n</td><td>"
+        f"{html.escape(counted)}</td></tr><tr><td style='color:#0050b0;font-weight:bold'>r/min"
+        f"</td><td>transitions drawn by the edge, per minute over the last {window:.0f} s (every "
+        "run in the process)</td></tr><tr><td></td><td>each chart's own legend (below it) "
+        "explains borders, guards and boxes</td></tr></table>"
+        f"{sections}<script>{script}</script></body></html>")
+
+
+def strip_xml_decl(svg: str) -> str:
+    return svg.split("?>", 1)[1] if svg.startswith("<?xml") else svg
+
+
+def path_page(chart: ChartLike, record: Mapping[str, Json], heading: str, about: str = "") -> str:
+    """HTML of one run's path (a ``PathLog.record`` or ``DeviceExecutor.job_trail``): the
+    chart with the path drawn, and the steps in order. Raises ``GraphvizError`` without dot."""
+    trail = record.get("trail")
+    steps = [s for s in trail if isinstance(s, dict)] if isinstance(trail, list) else []
+    svg = strip_xml_decl(render_path_svg(chart, steps))
+    first = steps[0].get("t") if steps else 0.0
+    t0 = float(first) if isinstance(first, (int, float)) else 0.0
+
+    def ms(step: Mapping[str, Json]) -> str:
+        at = step.get("t")
+        return f"{(float(at) - t0) * 1e3:.3f}" if isinstance(at, (int, float)) else ""
+
+    def refused(step: Mapping[str, Json]) -> str:
+        guards = step.get("refused_by")
+        return ", ".join(map(str, guards)) if isinstance(guards, list) else ""
+
+    rows = "".join(
+        f"<tr><td>{ms(s)}</td><td>{html.escape(str(s.get('event')))}</td>"
+        f"<td>{html.escape(str(s.get('from')))}</td>"
+        f"<td>{html.escape(str(s.get('to') or 'refused'))}</td>"
+        f"<td class='refused'>{html.escape(refused(s))}</td></tr>"
+        for s in steps)
+    return (
+        "<!doctype html><html><head><meta charset='utf-8'>"
+        f"<title>{html.escape(heading)}</title><style>{CSS}"
+        "table.steps td,table.steps th{padding:0 .7em;text-align:left}"
+        ".refused{color:#b00000;font-weight:bold}</style></head><body>"
+        f"<h1>{html.escape(heading)}</h1><p>{about}Red edges: the transitions it took; red text "
+        "inside a state: an event refused there and the guard(s) that refused it, or the "
+        "guards of the alternatives an [else] fallback passed over.</p>"
+        "<table class='steps'><tr><th>ms</th><th>event</th><th>from</th><th>to</th>"
+        f"<th>refused by</th></tr>{rows}</table>"
+        f"<section data-chart='{html.escape(compiled(chart).name)}'>{svg}</section></body></html>")
+
+
+# ---- the ASGI app --------------------------------------------------------------------------
+@attrs.frozen
+class AppOptions:
+    """How ``inspector_app`` draws and answers: ``svg(chart, active)`` renders a chart (default
+    ``render_chart_svg``, a cache is the caller's), ``graphviz_error(err, route)`` the response
+    when drawing fails (default: 503 JSON naming it), ``title``/``labels``/``counted`` the
+    page's words, ``order`` the charts' order on the page (default: registration)."""
+
+    svg: Callable[[CompiledChart, str | None], str] = render_chart_svg
+    graphviz_error: Callable[[GraphvizError, str], Response] | None = None
+    title: str = "statecharts"
+    labels: Mapping[str, str] | None = None
+    counted: str = "live runs in the state"
+    order: Callable[[list[str]], list[str]] | None = None
+
+
+def inspector_app(inspector: Inspector, options: AppOptions | None = None) -> Starlette:
+    """The inspector as a Starlette app, to mount in any ASGI app (``app.mount("/charts",
+    inspector_app(inspector))``). Needs Starlette (the ``[server]`` extra)."""
+    from starlette.applications import Starlette
+    from starlette.concurrency import run_in_threadpool
+    from starlette.responses import HTMLResponse, JSONResponse, Response
+    from starlette.routing import Route
+
+    opts = options or AppOptions()
+
+    def drawing_failed(err: GraphvizError, route: str) -> Response:
+        if opts.graphviz_error is not None:
+            return opts.graphviz_error(err, route)
+        return JSONResponse({"error": f"{route} draws with graphviz, which is not available "
+                                      f"here: {err}; live.json needs no graphviz"},
+                            status_code=503)
+
+    def base(request: Request) -> str:
+        return str(request.scope.get("root_path", "")).rstrip("/")
+
+    async def live(request: Request) -> Response:
+        return JSONResponse(inspector.live())
+
+    async def chart_svg(request: Request) -> Response:
+        name = request.path_params["chart"]
+        entry = inspector.charts.get(name)
+        if entry is None:
+            return JSONResponse({"error": f"chart={name!r} is not one of "
+                                          f"{sorted(inspector.charts)}"}, status_code=404)
+        try:
+            svg = await run_in_threadpool(opts.svg, entry.chart, entry.active())
+        except GraphvizError as err:
+            return drawing_failed(err, f"{base(request)}/{name}.svg")
+        return Response(svg, media_type="image/svg+xml")
+
+    async def index(request: Request) -> Response:
+        names = list(inspector.charts)
+        if opts.order is not None:
+            names = opts.order(names)
+        try:
+            svgs = {}
+            for name in names:
+                entry = inspector.charts[name]
+                svgs[name] = strip_xml_decl(
+                    await run_in_threadpool(opts.svg, entry.chart, entry.active()))
+        except GraphvizError as err:
+            return drawing_failed(err, base(request) or "/")
+        return HTMLResponse(page(svgs, inspector.live(), f"{base(request)}/live.json",
+                                 opts.title, opts.labels, opts.counted))
+
+    async def run_path(request: Request) -> Response:
+        run_id = request.path_params["run_id"]
+        record = inspector.paths.record(run_id)
+        chart = inspector.paths.chart_of(run_id)
+        if record is None or chart is None:
+            return JSONResponse({"error": f"run_id={run_id!r:.60}: not followed (or older "
+                                          f"than the last {inspector.paths.keep} runs)"},
+                                status_code=404)
+        if request.query_params.get("format") == "json":
+            return JSONResponse(record)
+        try:
+            text = await run_in_threadpool(path_page, chart, record,
+                                           f"{chart.name} run {run_id}: {record['state']}")
+        except GraphvizError as err:
+            return drawing_failed(err, f"{base(request)}/runs/{{run_id}}")
+        return HTMLResponse(text)
+
+    return Starlette(routes=[
+        Route("/", index), Route("/live.json", live), Route("/runs/{run_id}", run_path),
+        Route("/{chart}.svg", chart_svg),
+    ])

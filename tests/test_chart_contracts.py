@@ -1,0 +1,252 @@
+"""Contracts on charts (issue 26, machines/chart_contracts.py): invariants per state and
+pre/postconditions per event, declared in the chart's class, checked by compiled runs and by
+python-statemachine instances alike while enabled, reported as a ``ContractViolation`` naming
+the chart, the contract, the transition and the model; and calexec's own one-chart §5.1
+invariants, now contracts of machines/charts.py, caught on both run kinds."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+from statemachine import State, StateMachine
+
+from calexec.machines.chart_contracts import (
+    ContractViolation,
+    check_invariants,
+    contracts_checked,
+    declared_contracts,
+    invariant,
+    postcondition,
+    precondition,
+)
+from calexec.machines.charts import BufferSlotChart, KvTxnChart
+from calexec.machines.compiled import compiled
+
+
+@dataclass
+class Account:
+    balance: int = 0
+    frozen: bool = False
+    audited: bool = True
+
+    def can_spend(self) -> bool:
+        return True  # the seeded bug: never looks at the balance
+
+
+class Wallet(StateMachine):
+    open = State(initial=True)
+    spent = State()
+    closed = State(final=True)
+
+    spend = open.to(spent, cond="can_spend")
+    refill = spent.to(open)
+    close = open.to(closed) | spent.to(closed)
+
+    @invariant("spent")
+    def never_overdrawn(account: Account) -> bool:  # noqa: N805
+        return account.balance >= 0
+
+    @precondition("close")
+    def only_unfrozen_accounts_close(account: Account) -> bool:  # noqa: N805
+        return not account.frozen
+
+    @postcondition("refill")
+    def refills_are_audited(account: Account) -> bool:  # noqa: N805
+        return account.audited
+
+
+def spend_psm(account: Account) -> None:
+    account.balance -= 5
+    Wallet(account).send("spend")
+
+
+def spend_compiled(account: Account) -> None:
+    account.balance -= 5
+    compiled(Wallet).run(account).send("spend")
+
+
+@pytest.mark.parametrize("spend", [spend_psm, spend_compiled], ids=["psm", "compiled"])
+def test_a_violated_invariant_is_reported_by_both_run_kinds(spend):
+    with contracts_checked(Wallet) as monitor:
+        with pytest.raises(ContractViolation) as caught:
+            spend(Account(balance=3))
+    violation = caught.value
+    assert (violation.chart, violation.contract, violation.kind) == (
+        "Wallet", "never_overdrawn", "invariant")
+    assert violation.transition == "open --spend--> spent" and violation.state == "spent"
+    assert "balance=-2" in violation.data and "never_overdrawn" in str(violation)
+    assert monitor.violations == [violation]
+
+
+@pytest.mark.parametrize("kind", ["psm", "compiled"])
+def test_pre_and_postconditions_are_checked_on_their_events(kind):
+    account = Account(balance=10, frozen=True)
+    with contracts_checked(Wallet, raise_on_violation=False) as monitor:
+        if kind == "psm":
+            wallet = Wallet(account)
+            wallet.send("spend")
+            account.audited = False
+            wallet.send("refill")
+            wallet.send("close")
+        else:
+            run = compiled(Wallet).run(account)
+            for event in ("spend", "refill", "close"):
+                if event == "refill":
+                    account.audited = False
+                run.send(event)
+    found = [(v.kind, v.contract, v.transition) for v in monitor.violations]
+    assert found == [
+        ("postcondition", "refills_are_audited", "spent --refill--> open"),
+        ("precondition", "only_unfrozen_accounts_close", "open --close--> closed"),
+    ]
+
+
+def test_contracts_are_off_unless_enabled():
+    account = Account(balance=-1)
+    Wallet(account).send("spend")  # nothing checks: no raise
+    compiled(Wallet).run(account).send("spend")
+    assert compiled(Wallet).checker is None
+    with contracts_checked(Wallet):
+        assert compiled(Wallet).checker is not None
+    assert compiled(Wallet).checker is None
+    assert check_invariants(Wallet, "spent", account)[0].contract == "never_overdrawn"
+    assert check_invariants(Wallet, "open", account) == []
+
+
+def test_a_contract_naming_an_unknown_state_is_refused_by_name():
+    class Typo(StateMachine):
+        a = State(initial=True)
+        b = State(final=True)
+        go = a.to(b)
+
+        @invariant("c")
+        def c_holds(model: object) -> bool:  # noqa: N805
+            return True
+
+    with pytest.raises(ValueError, match=r"@invariant\('c'\) on c_holds: 'c' is not a state"):
+        declared_contracts(Typo)
+    with pytest.raises(ValueError, match="name at least one state"):
+        invariant()
+
+
+# ---- calexec's own charts: the one-chart §5.1 invariants as contracts ----------------------
+class Evidence:
+    """A KV txn model whose commit guard says yes (as a mutant forcing it would) while the
+    device's answers say the job did not finish cleanly."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def device_finished_and_output_valid(self) -> bool:
+        self.calls += 1
+        return self.calls == 1  # the guard passes; the invariant checked after it does not
+
+
+@pytest.mark.contract_violations_expected
+@pytest.mark.parametrize("kind", ["psm", "compiled"])
+def test_a_kv_commit_without_device_evidence_is_a_contract_violation(kind):
+    """Stateful invariant 6's one-chart half (moved from tests/test_executor_stateful.py):
+    a KV txn is Committed only when the device finished and the output was valid. The
+    session's contracts (tests/conftest.py) are on; this test's own monitor sees it too."""
+    model = Evidence()
+    with contracts_checked(KvTxnChart, raise_on_violation=False) as monitor:
+        if kind == "psm":
+            txn = KvTxnChart(model)
+            txn.send("mark_submitted")
+            with pytest.raises(ContractViolation, match="commits_only_after_device_done"):
+                txn.send("commit")
+        else:
+            run = compiled(KvTxnChart).run(model)
+            run.send("mark_submitted")
+            with pytest.raises(ContractViolation, match="commits_only_after_device_done"):
+                run.send("commit")
+    assert [(v.chart, v.state) for v in monitor.violations] == [("kv_txn", "Committed")]
+
+
+class Slot:
+    """A slot model whose UndoSlice check passes for the ``give_back`` guard and fails right
+    after (as with the ``undo_slice_done`` force-true mutant: a sliced slot is freed)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def undo_slice_done(self) -> bool:
+        self.calls += 1
+        return self.calls == 1
+
+    def runtime_done(self) -> bool:
+        return True
+
+    def reset_confirmed(self) -> bool:
+        return True
+
+
+@pytest.mark.contract_violations_expected
+@pytest.mark.parametrize("kind", ["psm", "compiled"])
+def test_a_slot_freed_with_a_slice_left_is_a_contract_violation(kind):
+    """FI15: a slot reaches the free list only with every slice undone."""
+    model = Slot()
+    run = BufferSlotChart(model) if kind == "psm" else compiled(BufferSlotChart).run(model)
+    run.send("lease")
+    with pytest.raises(ContractViolation, match="buffer_slot: invariant "
+                       "'free_slots_carry_no_slice' violated on Leased --give_back--> Free"):
+        run.send("give_back")
+
+
+# ---- the pytest option: a user's project turns its chart's contracts on for a session -----
+PROJECT_CHART = '''
+from statemachine import State, StateMachine
+
+from calexec.machines.chart_contracts import invariant
+
+
+class Door(StateMachine):
+    shut = State(initial=True)
+    open = State()
+    swing = shut.to(open) | open.to(shut)
+
+    @invariant("open")
+    def opens_only_unlocked(door) -> bool:
+        return not door.locked
+
+
+class Lock:
+    locked = True
+'''
+
+PROJECT_TEST = '''
+from door_chart import Door, Lock
+
+
+def test_swing_a_locked_door():
+    door = Door(Lock())
+    try:
+        door.send("swing")
+    except Exception:
+        pass  # the code under test swallows errors: the session still fails
+'''
+
+
+def test_the_pytest_option_turns_a_projects_contracts_on(tmp_path):
+    """``--chart-contracts=MODULE:CLASS`` (the plugin installed with calexec): the same
+    project's tests pass without it and fail with it, naming the contract."""
+    (tmp_path / "door_chart.py").write_text(PROJECT_CHART)
+    (tmp_path / "test_door.py").write_text(PROJECT_TEST)
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+               "-p", "no:hypothesispytest", "test_door.py"]
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    off = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert off.returncode == 0, off.stdout[-2000:]
+    on = subprocess.run([*command, "--chart-contracts=door_chart:Door"], cwd=tmp_path, env=env,
+                        capture_output=True, text=True, timeout=120)
+    assert on.returncode == 1, on.stdout[-2000:]
+    assert "chart contracts: 1 violation(s); the first: Door: invariant 'opens_only_unlocked'" \
+        in on.stdout
+    bad = subprocess.run([*command, "--chart-contracts=door_chart:Nope"], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 4 and "has no attribute 'Nope'" in bad.stderr, bad.stderr[-500:]

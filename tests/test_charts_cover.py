@@ -1,0 +1,119 @@
+"""``calexec charts cover`` (issue 26): transition coverage of a chart class over any test
+command, printed and gated like the pytest plugin (``--chart-coverage``,
+``--chart-coverage-min``), with bad input one line and exit 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from calexec.cli import main as cli
+
+CHART = """
+    from statemachine import State, StateMachine
+
+
+    class Light(StateMachine):
+        off = State(initial=True)
+        on = State()
+        gone = State(final=True)
+
+        switch = off.to(on, cond="powered") | on.to(off)
+        unplug = on.to(gone)
+
+
+    class Power:
+        def powered(self):
+            return True
+"""
+
+TEST_FILE = """
+    from {module} import Light, Power
+
+
+    def test_switch_on_and_off():
+        light = Light(Power())
+        light.send("switch")
+        light.send("switch")
+"""
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch):
+    """A user's project directory with the chart ``Light`` in a module of its own name and a
+    test file that takes two of its three transitions."""
+    module = f"light_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{module}.py").write_text(textwrap.dedent(CHART))
+    (tmp_path / "test_light.py").write_text(textwrap.dedent(TEST_FILE.format(module=module)))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path, module
+
+
+def pytest_cmd() -> list[str]:
+    # no cache, no hypothesis plugin: a pytest start-up of its own costs seconds on a busy host
+    return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+            "-p", "no:hypothesispytest", "test_light.py"]
+
+
+def test_cover_gates_a_pytest_command_as_the_plugin_does(project, capsys):
+    """The same pytest command: under ``charts cover`` and under the plugin, the same count and
+    the same verdict for a gate of 100 %."""
+    _, module = project
+    chart = f"{module}:Light"
+    assert cli(["charts", "cover", "--chart", chart, "--min", "100", "--", *pytest_cmd()]) == 1
+    out = capsys.readouterr().out
+    assert "transition coverage Light: 2/3 (66.7 %)" in out
+    assert "    untaken: on --unplug--> gone" in out
+    assert "transition coverage gate FAILED for Light: 66.7 % < 100 %" in out
+    plugin = subprocess.run([*pytest_cmd(), f"--chart-coverage={chart}",
+                             "--chart-coverage-min=100"],
+                            capture_output=True, text=True, timeout=120)
+    assert plugin.returncode == 1, plugin.stdout + plugin.stderr
+    assert "transition coverage Light: 2/3" in plugin.stdout
+
+
+def test_cover_counts_a_plain_python_command_and_compiled_runs(project, capsys):
+    _, module = project
+    script = (f"from {module} import Light, Power\n"
+              "from calexec.machines.compiled import compiled\n"
+              "run = compiled(Light).run(Power())\n"
+              "run.send('switch'); run.send('unplug')\n")
+    assert cli(["charts", "cover", "--chart", f"{module}:Light", "--min", "50", "--",
+                sys.executable, "-c", script]) == 0
+    assert "transition coverage Light: 2/3" in capsys.readouterr().out
+
+
+def test_a_failing_command_fails_the_cover_run(project, capsys):
+    _, module = project
+    assert cli(["charts", "cover", "--chart", f"{module}:Light", "--",
+                sys.executable, "-c", "raise SystemExit(3)"]) == 1
+    assert "the test command failed (exit code 3)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--chart", "{m}", "--", "true"], "--chart='{m}': '{m}': expected MODULE:CLASS"),
+        (["--chart", "{m}:Nope", "--", "true"], "--chart='{m}:Nope': '{m}:Nope': module"),
+        (["--chart", "{m}:Light", "--min", "120", "--", "true"],
+         "--min='120': expected a percentage (0-100)"),
+        (["--chart", "{m}:Light"], "no test command: give it after `--`"),
+        (["--chart", "{m}:Light", "--", "no-such-command-xyz"],
+         "test command 'no-such-command-xyz': No such file or directory"),
+        (["--chart", "{m}:Light", "--", "true"],
+         "the command started no Python process that recorded"),
+    ],
+    ids=["no-colon", "no-class", "bad-min", "no-command", "no-executable", "not-python"],
+)
+def test_bad_input_is_one_line_exit_2(project, capsys, args, message):
+    _, module = project
+    args = [a.format(m=module) for a in args]
+    assert cli(["charts", "cover", *args]) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert message.format(m=module) in lines[0], lines[0]

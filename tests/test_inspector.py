@@ -1,0 +1,123 @@
+"""The live inspector for any app (issue 26, machines/inspector.py): a user's chart (the order
+workflow of examples/charts/) registered with its runs, mounted in a Starlette app beside the
+app's own routes; live counts per state, per-edge rates from compiled runs and
+python-statemachine instances alike, the path of one followed run; and the NPU server
+mounting the same app at /debug/statecharts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("starlette", reason="the inspector's ASGI app needs the [server] extra")
+from starlette.applications import Starlette  # noqa: E402
+from starlette.responses import PlainTextResponse  # noqa: E402
+from starlette.routing import Mount, Route  # noqa: E402
+from starlette.testclient import TestClient  # noqa: E402
+
+from calexec.machines.compiled import compiled  # noqa: E402
+from calexec.machines.inspector import Inspector, inspector_app  # noqa: E402
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "charts"
+
+
+@pytest.fixture
+def shop(monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    from order_workflow import Order, OrderWorkflow
+
+    now = [1000.0]
+    inspector = Inspector(window_s=60.0, clock=lambda: now[0])
+    orders: list[object] = []
+    inspector.register(OrderWorkflow, runs=lambda: orders)
+    app = Starlette(routes=[Route("/", lambda request: PlainTextResponse("the shop")),
+                            Mount("/charts", inspector_app(inspector))])
+    yield app, inspector, orders, now, Order, OrderWorkflow
+    inspector.close()
+
+
+def test_counts_rates_and_one_path_of_a_user_chart(shop):
+    app, inspector, orders, now, Order, OrderWorkflow = shop
+    paid = Order(items=["book"], authorized=True, stock=1)
+    real = OrderWorkflow(paid)  # a python-statemachine instance
+    inspector.paths.follow("o1", real)
+    for event in ("place", "pay"):
+        real.send(event)
+    run = compiled(OrderWorkflow).run(Order(items=["pen"]))  # a compiled run
+    inspector.paths.follow("o2", run)
+    run.send("place")
+    with pytest.raises(Exception):  # noqa: B017 - refused: no authorization
+        run.send("pay")
+    orders += [real, run, OrderWorkflow(Order())]
+    now[0] += 30.0  # the transitions above happened within these 30 s
+    with TestClient(app) as client:
+        assert client.get("/").text == "the shop"
+        live = client.get("/charts/live.json").json()
+        chart = live["charts"]["OrderWorkflow"]
+        assert chart["counts"] == {"cart": 1, "placed": 1, "paid": 1, "shipped": 0,
+                                   "delivered": 0, "cancelled": 0}
+        ids = {(t.source, t.event): t.id for t in compiled(OrderWorkflow).transitions}
+        # 2 places (one per run kind) and 1 pay in 30 s: 4 and 2 per minute
+        assert chart["per_minute"][ids[("cart", "place")]] == pytest.approx(4.0)
+        assert chart["per_minute"][ids[("placed", "pay")]] == pytest.approx(2.0)
+        assert chart["per_minute"][ids[("paid", "ship")]] == 0.0
+        one = client.get("/charts/runs/o1?format=json").json()
+        assert one["state"] == "paid" and [(s["event"], s["from"], s["to"])
+                                           for s in one["trail"]] == [
+            ("place", "cart", "placed"), ("pay", "placed", "paid")]
+        two = client.get("/charts/runs/o2?format=json").json()
+        assert two["trail"][-1]["to"] is None
+        assert two["trail"][-1]["refused_by"] == ["payment_authorized"]
+        assert client.get("/charts/runs/nope").status_code == 404
+        assert client.get("/charts/Nope.svg").status_code == 404
+
+
+@pytest.mark.requires_tool("dot")
+def test_the_page_draws_the_chart_and_polls_under_its_mount(shop):
+    app, inspector, orders, _, Order, OrderWorkflow = shop
+    orders.append(OrderWorkflow(Order()))
+    run = compiled(OrderWorkflow).run(Order(items=["book"]))
+    inspector.paths.follow("o9", run)
+    run.send("place")
+    with TestClient(app) as client:
+        drawn = client.get("/charts/runs/o9")
+        assert drawn.status_code == 200 and "OrderWorkflow run o9: placed" in drawn.text
+        assert drawn.text.count('stroke="red"') >= 1  # the path's edge drawn
+        page = client.get("/charts/")
+        assert page.status_code == 200 and page.text.count("<svg") == 1
+        assert "data-chart='OrderWorkflow'" in page.text
+        assert '"/charts/live.json"' in page.text  # the script polls under the mount point
+        svg = client.get("/charts/OrderWorkflow.svg")
+        assert svg.headers["content-type"].startswith("image/svg+xml")
+        assert 'id="s_cart"' in svg.text
+        path = client.get("/charts/runs/none-such")
+        assert path.status_code == 404
+
+
+def test_without_graphviz_drawing_is_a_503_naming_it_and_the_data_still_answers(
+        shop, tmp_path, monkeypatch):
+    app, *_ = shop
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with TestClient(app) as client:
+        r = client.get("/charts/OrderWorkflow.svg")
+        assert r.status_code == 503 and "graphviz" in r.json()["error"]
+        assert client.get("/charts/live.json").status_code == 200
+
+
+def test_registration_is_checked():
+    from statemachine import State, StateMachine
+
+    class Lamp(StateMachine):
+        off = State(initial=True)
+        on = State()
+        flip = off.to(on) | on.to(off)
+
+    inspector = Inspector()
+    with pytest.raises(ValueError, match="exactly one of runs="):
+        inspector.register(Lamp)
+    inspector.register(Lamp, counts=lambda: {"off": 1, "on": 0}, count_instances=False)
+    with pytest.raises(ValueError, match="'Lamp' is already registered"):
+        inspector.register(Lamp, counts=dict)
+    with pytest.raises(TypeError, match="expected a ChartRun or a python-statemachine"):
+        inspector.paths.follow("x", object())
