@@ -119,7 +119,8 @@ class Constraint:
     may differ): it is allowed exactly when the grammar may end."""
 
     def __init__(self, matcher: Any, vocab: int, end_token: int, ll_eos: Sequence[int]) -> None:
-        from llguidance.numpy import allocate_token_bitmask
+        from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+        self._fill = fill_next_token_bitmask
         self._matcher = matcher
         self._vocab = vocab
         self._end = end_token
@@ -127,11 +128,10 @@ class Constraint:
         self._bits = allocate_token_bitmask(1, vocab)
 
     def allowed(self) -> np.ndarray:
-        from llguidance.numpy import fill_next_token_bitmask
         if self._matcher.is_error() or self._matcher.is_stopped():
             mask = np.zeros(self._vocab, dtype=bool)
         else:
-            fill_next_token_bitmask(self._matcher, self._bits)
+            self._fill(self._matcher, self._bits)
             mask = np.unpackbits(self._bits[0].view(np.uint8),
                                  bitorder="little")[:self._vocab].astype(bool)
         ends = mask[self._end] or any(mask[t] for t in self._ll_eos if t < self._vocab)
@@ -165,6 +165,9 @@ class Tool:
     name: str
     parameters: Mapping[str, Any]
     description: str | None = None
+    #: OpenAI's ``function.strict``: every keyword of the parameters honoured (else a 400);
+    #: otherwise keywords llguidance does not implement are ignored
+    strict: bool = False
 
 
 @attrs.frozen(eq=False)
@@ -329,7 +332,7 @@ def tool_setup(tools: Any, tool_choice: Any, functions: Any = None) -> ToolSetup
         if strict is not None and not isinstance(strict, bool):
             raise GrammarError(f"{where}.function.strict",
                                f"{where}.function.strict={strict!r:.40}: must be a boolean")
-        parsed.append(Tool(name, params, description))
+        parsed.append(Tool(name, params, description, bool(strict)))
     choice = _tool_choice(tool_choice, parsed)
     if choice == "none":
         return ToolSetup((), "none", tuple(tools))
@@ -359,7 +362,7 @@ def _call_schema(tool: Tool) -> dict[str, Any]:
     return {"type": "object",
             "properties": {"name": {"const": tool.name}, "arguments": dict(tool.parameters)},
             "required": ["name", "arguments"], "additionalProperties": False,
-            "x-guidance": {**JSON_OPTIONS, "lenient": True}}
+            "x-guidance": {**JSON_OPTIONS, "lenient": not tool.strict}}
 
 
 def chat_structure(response_format: Any, setup: ToolSetup, parallel_tool_calls: bool | None,
@@ -376,7 +379,7 @@ def chat_structure(response_format: Any, setup: ToolSetup, parallel_tool_calls: 
     ll = ll_tokenizer(tok, vocab, end_token)
     for i, tool in enumerate(setup.tools):  # each tool's schema on its own: the field named
         param = f"tools.{i}.function.parameters"
-        _checked(_schema_grammar(dict(tool.parameters), param, False), ll, param)
+        _checked(_schema_grammar(dict(tool.parameters), param, tool.strict), ll, param)
     named = setup.choice not in ("auto", "required")
     tools = [t for t in setup.tools if not named or t.name == setup.choice]
     lines = ['call: "' + CALL_OPEN + '\\n" fn "\\n' + CALL_CLOSE + '"',
@@ -388,12 +391,13 @@ def chat_structure(response_format: Any, setup: ToolSetup, parallel_tool_calls: 
             lines.append(f"TEXT: /(?s:.*)/ & ~/{re.escape(CALL_OPEN)}(?s:.*)/")
             lines.append("start: TEXT | calls")
         else:
-            schema, _strict = asked
+            schema, strict = asked
             if not isinstance(schema, dict):
                 raise GrammarError("response_format.json_schema.schema",
                                    "response_format.json_schema.schema: must be a JSON Schema "
                                    "object")
-            lines.append(f"answer: %json {json.dumps({**schema, 'x-guidance': JSON_OPTIONS})}")
+            lines.append("answer: %json " + json.dumps(
+                {**schema, "x-guidance": {**JSON_OPTIONS, "lenient": not strict}}))
             lines.append("start: answer | calls")
     else:
         lines.append("start: calls")

@@ -540,6 +540,8 @@ class CompletionService:
         run.past = result.kv_len
         if run.constraint is None and run.sampling.grammar is not None:
             run.constraint = run.sampling.grammar.start()
+            for earlier in run.tokens:  # a generation continued from another replica
+                run.constraint.accept(earlier)
         args = (result.logits, run.sampling, len(run.tokens), result.argmax, run.prompt,
                 run.tokens, run.constraint)
         token, logprobs = (sampling.pick(*args) if run.sampling.plain_greedy else
