@@ -442,6 +442,66 @@ def test_bad_structured_fields_are_400s_naming_the_field(live, llguidance, field
     assert error["param"] == param and says in error["message"], error
 
 
+@pytest.mark.parametrize("where", ["response_format", "tools"])
+def test_strict_refuses_keywords_llguidance_does_not_implement(live, llguidance, where):
+    """strict: true promises the whole schema, so a keyword llguidance does not implement is a
+    400 with its message; without strict (OpenAI's default) it is ignored, the rest enforced."""
+    server, _ = live
+    schema = {"type": "object", "properties": {"ids": {
+        "type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
+        "maxItems": 3, "uniqueItems": True}}, "required": ["ids"], "additionalProperties": False}
+
+    def ask(strict: bool) -> httpx.Response:
+        if where == "tools":
+            tool = {"type": "function", "function": {"name": "f", "parameters": schema,
+                                                     "strict": strict}}
+            return post(server, chat_body(tools=[tool], tool_choice="required",
+                                          parallel_tool_calls=False))
+        return post(server, chat_body(response_format=_json_schema(schema, strict=strict)))
+    r = ask(True)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert "uniqueItems" in error["message"] and error["param"] == (
+        "tools.0.function.parameters" if where == "tools"
+        else "response_format.json_schema.schema"), error
+    r = ask(False)
+    assert r.status_code == 200, r.text
+    message = r.json()["choices"][0]["message"]
+    answer = message["tool_calls"][0]["function"]["arguments"] if where == "tools" \
+        else message["content"]
+    assert conforms(json.loads(answer), schema)
+
+
+def test_a_tokenizer_json_is_given_to_llguidance(tmp_path, llguidance):
+    """A --tokenizer tokenizer.json (byte-level BPE, trained here: nothing is downloaded) is
+    loaded by llguidance itself; its answers are forced into the schema too."""
+    tokenizers = needs.module("tokenizers", "tokenizer")
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(['{"name": "abc", "size": 12, "ok": true}'] * 20, trainer)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    executor = started_executor(tmp_path)
+    app = create_app(executor, ServerConfig(tokenizer_path=str(tmp_path / "tokenizer.json")))
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 4},
+        "size": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["name", "size"], "additionalProperties": False}
+    try:
+        with LiveServer(app) as server:
+            for fields in ({}, {"temperature": 1.0, "seed": 5}):
+                r = post(server, chat_body(response_format=_json_schema(schema), **fields))
+                assert r.status_code == 200, r.text
+                choice = r.json()["choices"][0]
+                assert choice["finish_reason"] == "stop", choice
+                assert conforms(json.loads(choice["message"]["content"]), schema)
+    finally:
+        executor.shutdown(5.0)
+
+
 def test_without_llguidance_the_fields_say_which_package_to_install(live, monkeypatch):
     server, _ = live
     monkeypatch.setitem(sys.modules, "llguidance", None)  # import llguidance: ImportError
