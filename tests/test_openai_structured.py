@@ -20,6 +20,7 @@ import sys
 from typing import Any, Literal
 
 import httpx
+import numpy as np
 import openai
 import pydantic
 import pytest
@@ -27,7 +28,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import needs
-from calexec.drivers.serving import grammar
+from calexec.drivers.serving import grammar, sampling
+from calexec.drivers.serving.byte_tokenizer import ByteTokenizer
+from calexec.drivers.serving.openai_api import ChatMessage, render_chat
 from calexec.drivers.serving.server import ServerConfig, create_app
 from test_server_support import LiveServer, started_executor
 
@@ -37,14 +40,20 @@ MAX_TOKENS = 160  # the family below ends well within it
 
 
 @pytest.fixture(scope="module")
-def live(tmp_path_factory):
+def app(tmp_path_factory):
     executor = started_executor(tmp_path_factory.mktemp("calbin"))
-    app = create_app(executor, ServerConfig())
+    try:
+        yield create_app(executor, ServerConfig())
+    finally:
+        executor.shutdown(5.0)
+
+
+@pytest.fixture(scope="module")
+def live(app):
     with LiveServer(app) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
                                timeout=60)
         yield server, client
-    executor.shutdown(5.0)
 
 
 @pytest.fixture()
@@ -180,6 +189,53 @@ def test_the_reference_checker_refuses_what_the_family_excludes():
         assert not conforms(bad, schema), bad
 
 
+# ---- the mask on the row (sampling.py), against a reference computation ----------------------
+class _Allowed:
+    """A RowConstraint allowing a fixed set of tokens; records what it accepted."""
+
+    def __init__(self, vocab: int, allowed: list[int]) -> None:
+        self.mask = np.zeros(vocab, dtype=bool)
+        self.mask[allowed] = True
+        self.accepted: list[int] = []
+
+    def allowed(self) -> np.ndarray:
+        return self.mask
+
+    def accept(self, token: int) -> None:
+        self.accepted.append(token)
+
+    @property
+    def finished(self) -> bool:
+        return False
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 1 << 30), allowed=st.lists(st.integers(0, 63), min_size=1,
+                                                       max_size=8, unique=True),
+       temperature=st.sampled_from([0.0, 0.7, 1.3]), bias=st.integers(-5, 5))
+def test_the_mask_sets_every_other_token_to_minus_infinity_before_the_choice(seed, allowed,
+                                                                            temperature, bias):
+    row = np.random.default_rng(seed).standard_normal(64).astype(np.float32)
+    params = sampling.SamplingParams(temperature=temperature, seed=seed,
+                                     logit_bias=((allowed[0], float(bias)),),
+                                     grammar=_FixedGrammar())
+    constraint = _Allowed(64, allowed)
+    reference = np.full(64, -np.inf, dtype=np.float32)
+    reference[allowed] = row[allowed]
+    reference[allowed[0]] += np.float32(bias)
+    got = sampling.process(row, params, constraint=constraint)
+    assert np.array_equal(got, reference)
+    token, _ = sampling.pick(row, params, 0, argmax=int(np.argmax(row)), constraint=constraint)
+    assert token in allowed and constraint.accepted == [token]
+    if temperature == 0.0:  # greedy: the masked row's argmax, never the raw one
+        assert token == int(np.argmax(reference))
+
+
+class _FixedGrammar:
+    def start(self) -> _Allowed:
+        return _Allowed(64, [0])
+
+
 # ---- structured outputs: every answer parses against its schema ------------------------------
 def _json_schema(schema: dict[str, Any], strict: bool = True) -> dict[str, Any]:
     return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema,
@@ -226,6 +282,25 @@ def test_a_stream_concatenates_to_the_whole_answer(live, llguidance, sampled):
     assert text == whole["message"]["content"]
     assert conforms(json.loads(text), schema)
     assert chunks[-1]["choices"][0]["finish_reason"] == whole["finish_reason"] == "stop"
+
+
+def test_every_choice_of_n_and_of_a_prompt_list_follows_the_schema(live, llguidance):
+    server, _ = live
+    schema = {"type": "object", "properties": {"v": {"enum": ["a", "bb", "ccc"]},
+                                               "n": {"type": "integer", "minimum": -5,
+                                                     "maximum": 5}},
+              "required": ["v", "n"], "additionalProperties": False}
+    r = post(server, chat_body(response_format=_json_schema(schema), n=3, temperature=1.0,
+                               seed=7))
+    assert r.status_code == 200, r.text
+    r2 = post(server, {"model": MODEL, "prompt": ["a", "b"], "max_tokens": 40,
+                       "response_format": _json_schema(schema)}, "/v1/completions")
+    assert r2.status_code == 200, r2.text
+    texts = [c["message"]["content"] for c in r.json()["choices"]] + \
+        [c["text"] for c in r2.json()["choices"]]
+    assert len(texts) == 5
+    for text in texts:
+        assert conforms(json.loads(text), schema), text
 
 
 def test_json_object_is_an_object_and_completions_take_response_format(live, llguidance):
@@ -380,6 +455,51 @@ def test_tool_calls_and_tool_results_in_the_history_are_rendered(live):
     r = post(server, {"model": MODEL, "messages": messages, "max_tokens": 2, "tools": [CLOCK],
                       "tool_choice": "none"})
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("cut", [4, 12])
+def test_a_structured_stream_continued_on_a_sibling_equals_an_uncut_one(app, llguidance, cut):
+    """Mid-stream failover (issue 16): the sibling replays the tokens already sent into the
+    grammar before it continues, so the answer is the uncut one (valid JSON), not a second
+    object started mid-answer."""
+    from test_server_handoff import events, through_ingress
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                               "size": {"type": "integer", "minimum": 0,
+                                                        "maximum": 999}},
+              "required": ["name", "size"], "additionalProperties": False}
+    body = chat_body(response_format=_json_schema(schema), stream=True, temperature=0.9, seed=3)
+    reference = events(through_ingress(app, "/v1/chat/completions", body)[0])
+    got = events(through_ingress(app, "/v1/chat/completions", body, cut)[0])
+    for e in (*reference, *got):
+        e["id"] = e["created"] = None
+    assert got == reference
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in got if e["choices"])
+    assert conforms(json.loads(text), schema)
+
+
+def test_a_jinja_chat_template_gets_the_tools_and_the_calls():
+    """A tokenizer's template (Qwen3's reads them so) gets the request's ``tools`` and each
+    message's ``tool_calls`` and ``tool_call_id``; with tool_choice "none" the tools are still
+    offered to it."""
+    tok = ByteTokenizer()
+    tok.chat_template = (
+        "{% if tools %}<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}</tools>"
+        "{% endif %}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}<call>{{ c.function.name }}:{{ c.function.arguments }}"
+        "</call>{% endfor %}{% if m.tool_call_id %}[{{ m.tool_call_id }}]{% endif %}"
+        "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    messages = [ChatMessage(role="user", content="time?"),
+                ChatMessage(role="assistant", content="", tool_calls=[{
+                    "id": "call_1", "type": "function",
+                    "function": {"name": "get_time", "arguments": '{"zone":1}'}}]),
+                ChatMessage(role="tool", tool_call_id="call_1", content="12:00")]
+    expected = ('<|user|>time?<|assistant|><call>get_time:{"zone":1}</call>'
+                '<|tool|>12:00[call_1]<|assistant|>')
+    for choice in ("auto", "none"):
+        setup = grammar.tool_setup([CLOCK, WEATHER], choice)
+        text = render_chat(messages, tok, tools=setup)
+        assert text == "<tools>get_time;get_weather;</tools>" + expected
+    assert render_chat(messages, tok) == expected
 
 
 # ---- the official SDK -------------------------------------------------------------------------

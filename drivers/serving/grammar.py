@@ -193,8 +193,9 @@ class Structure:
 @attrs.frozen
 class ToolSetup:
     """What the chat template and the response need of ``tools``/``tool_choice``, whether or
-    not a grammar is compiled: the tools (empty when none were given or ``tool_choice`` is
-    ``"none"``) and the JSON the template lists them with."""
+    not a grammar is compiled: the tools that may be called (empty when none were given or
+    ``tool_choice`` is ``"none"``) and the declarations the template lists (with "none" too,
+    as vLLM does by default: the model knows them but does not call them)."""
 
     tools: tuple[Tool, ...] = ()
     choice: str = "none"

@@ -499,7 +499,7 @@ def render_chat(messages: list[ChatMessage], tok: Tokenizer, add_generation_prom
                                   f"{plain[-1]['role']!r} one, not an assistant's"),
                           "continue_final_message")
     template = getattr(tok, "chat_template", None)
-    declared = list(tools.declared) if tools is not None and tools.tools else None
+    declared = list(tools.declared) if tools is not None and tools.declared else None
     if not template:
         text = (grammar.tools_preamble(declared) if declared else "") + "".join(
             f"{m['role']}: {m['content']}"
