@@ -229,6 +229,11 @@ def test_the_mask_sets_every_other_token_to_minus_infinity_before_the_choice(see
     assert token in allowed and constraint.accepted == [token]
     if temperature == 0.0:  # greedy: the masked row's argmax, never the raw one
         assert token == int(np.argmax(reference))
+    else:  # one draw of [seed, index] over the masked row's softmax, by inverse CDF
+        x = reference.astype(np.float64)
+        probs = np.exp((x - x.max()) / temperature)
+        u = np.random.default_rng([seed, 0]).random()
+        assert token == int(np.searchsorted(np.cumsum(probs), u * probs.sum(), side="right"))
 
 
 class _FixedGrammar:

@@ -332,7 +332,8 @@ def pick(logits: np.ndarray, params: SamplingParams, index: int,
     else:
         if params.seed is None:
             raise SamplingError("seed", None, "sampling needs a seed (SamplingParams.resolved())")
-        token = _sample(row, params, index)
+        token = _sample(row, params, index) if constraint is None else _sample_masked(
+            row, params, index)
     if constraint is not None:
         constraint.accept(token)
     if params.logprobs is None:
@@ -372,6 +373,17 @@ def _sample(logits: np.ndarray, params: SamplingParams, index: int) -> int:
     rng = np.random.default_rng([params.seed % (1 << 64), index])
     position = inverse_cdf(probs, rng.random())
     return position if ids is None else int(ids[position])
+
+
+def _sample_masked(row: np.ndarray, params: SamplingParams, index: int) -> int:
+    """:func:`_sample` over the tokens a grammar left possible (the finite entries, in id
+    order): the same distribution, drawn the same way, as over the whole row, whose -inf
+    entries have no mass; but ``exp`` of the few candidates, not of ~150k entries that
+    underflow (libm's slow path: 6 ms a token instead of 1 on the synthetic vocabulary)."""
+    keep = np.flatnonzero(row > -np.inf)
+    if keep.size == 0:  # (the grammar allows the end token at least)
+        return int(np.argmax(row))
+    return int(keep[_sample(row[keep], params, index)])
 
 
 def _most_likely(x: np.ndarray, ids: np.ndarray) -> np.ndarray:
