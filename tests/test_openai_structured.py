@@ -400,6 +400,26 @@ def test_streamed_tool_calls_assemble_to_the_whole_answer(live, llguidance):
     _check_calls(list(calls.values()))
 
 
+def test_n_streamed_choices_each_carry_their_own_tool_call(live, llguidance):
+    server, _ = live
+    body = chat_body(tools=[CLOCK], tool_choice="required", parallel_tool_calls=False, n=2,
+                     temperature=1.0, seed=5)
+    calls: dict[int, dict[str, Any]] = {}
+    finish: dict[int, str] = {}
+    for chunk in streamed(server, body):
+        for choice in chunk["choices"]:
+            for piece in choice["delta"].get("tool_calls") or []:
+                entry = calls.setdefault(choice["index"], {"function": {"arguments": ""}})
+                if "id" in piece:
+                    entry.update(id=piece["id"], type="function")
+                    entry["function"]["name"] = piece["function"]["name"]
+                entry["function"]["arguments"] += piece["function"]["arguments"]
+            if choice["finish_reason"] is not None:
+                finish[choice["index"]] = choice["finish_reason"]
+    assert sorted(calls) == [0, 1] and finish == {0: "tool_calls", 1: "tool_calls"}
+    _check_calls(list(calls.values()))
+
+
 def test_auto_answers_with_text_or_calls_and_the_response_says_which(live, llguidance):
     server, _ = live
     r = post(server, chat_body(tools=[CLOCK], tool_choice="auto", max_tokens=12))
