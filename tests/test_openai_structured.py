@@ -441,6 +441,8 @@ def test_auto_answers_with_text_or_calls_and_the_response_says_which(live, llgui
      '<tool_call>\n{"name":"get_weather","arguments":{"city":"a}\\n","unit":"celsius"}}\n'
      '</tool_call>', "let me look\n", ["get_time", "get_weather"]),
     ('<tool_call>\n{"name":"get_time","arguments":{"zo', None, []),  # cut by max_tokens
+    ('a <tool_call> tag, then <tool_call>\n{"name":"get_time","arguments":{"zone":0}}\n'
+     '</tool_call>', "a <tool_call> tag, then ", ["get_time"]),  # what auto's grammar allows
 ])
 def test_auto_output_parsing_whole_and_streamed_agree(text, content, names):
     """parse_tool_calls (the whole answer) and ToolCallStream (fed one character at a time,
@@ -461,6 +463,29 @@ def test_auto_output_parsing_whole_and_streamed_agree(text, content, names):
     if names:
         assert "".join(d.get("content", "") for d in deltas) == (content or "")
         assert list(streamed_calls.values()) == [c["function"]["arguments"] for c in calls]
+
+
+@pytest.mark.parametrize("parallel", [None, False])
+def test_auto_lets_text_come_before_calls_but_every_call_follows_its_schema(llguidance,
+                                                                          parallel):
+    """The "auto" grammar itself (no model): text, text then calls, and nothing else; a call
+    after text is held to its tool's schema like a call at the start."""
+    plan = grammar.chat_structure(None, grammar.tool_setup([CLOCK], "auto"), parallel,
+                                  ByteTokenizer(), 151936, 151643)
+    call = '<tool_call>\n{"name":"get_time","arguments":{"zone":3}}\n</tool_call>'
+
+    def error_after(text: str) -> str:
+        state = plan.start()
+        for byte in text.encode():
+            if state.error:
+                break
+            state.accept(256 + byte)
+        return state.error
+    assert not error_after("no call at all")
+    assert not error_after("let me look " + call)
+    assert error_after('let me look <tool_call>\n{"name":"get_weather"')
+    assert error_after('let me look <tool_call>\n{"name":"get_time","arguments":{"zone":99}')
+    assert bool(error_after(call + "\n" + call)) == (parallel is False)
 
 
 def test_tool_calls_and_tool_results_in_the_history_are_rendered(live):

@@ -370,8 +370,9 @@ def chat_structure(response_format: Any, setup: ToolSetup, parallel_tool_calls: 
                    tok: Tokenizer, vocab: int, end_token: int) -> Structure | None:
     """The grammar of a chat request: its tools (``setup``) and ``response_format``. With
     ``tool_choice`` "required" or a named function the output is one or more calls (one
-    when ``parallel_tool_calls`` is false; only that function when named); with "auto" either
-    calls or an answer (free text, or ``response_format``'s JSON); no tools: the
+    when ``parallel_tool_calls`` is false; only that function when named); with "auto" free
+    text without a call, or text then calls (every call follows its schema: a call can only
+    be written as one), or with ``response_format`` its JSON answer or calls; no tools: the
     ``response_format`` alone (None: free text)."""
     if not setup.tools:
         return completion_structure(response_format, tok, vocab, end_token)
@@ -386,11 +387,14 @@ def chat_structure(response_format: Any, setup: ToolSetup, parallel_tool_calls: 
     lines = ['call: "' + CALL_OPEN + '\\n" fn "\\n' + CALL_CLOSE + '"',
              "fn: " + " | ".join(f"fn{i}" for i in range(len(tools)))]
     lines += [f"fn{i}: %json {json.dumps(_call_schema(t))}" for i, t in enumerate(tools)]
-    lines.append("calls: call" if parallel_tool_calls is False else 'calls: call ("\\n" call)*')
+    more = "" if parallel_tool_calls is False else ' ("\\n" call)*'
+    lines.append("calls: call" + more)
     if setup.choice == "auto":
-        if asked is None:
-            lines.append(f"TEXT: /(?s:.*)/ & ~/{re.escape(CALL_OPEN)}(?s:.*)/")
-            lines.append("start: TEXT | calls")
+        if asked is None:  # text without a call, or text (maybe none) then calls
+            open_tag = re.escape(CALL_OPEN)
+            lines.append(f"TEXT: /(?s:.*)/ & ~/(?s:.*){open_tag}(?s:.*)/")
+            lines.append(f"lead[lazy]: /(?s:.*){open_tag}\\n/")
+            lines.append('start: TEXT | lead fn "\\n' + CALL_CLOSE + '"' + more)
         else:
             schema, strict = asked
             if not isinstance(schema, dict):
@@ -483,6 +487,8 @@ class ToolCallStream:
                 self.complete += 1
                 continue
             start = rest.find(CALL_OPEN)
+            while start >= 0 and not _may_open(rest[start:]):  # a tag in the text, no call
+                start = rest.find(CALL_OPEN, start + 1)
             opened = self._OPENED.match(rest, start) if start >= 0 else None
             if opened is not None:
                 self._content(rest[:start], deltas)
@@ -509,6 +515,15 @@ class ToolCallStream:
             return  # whitespace between or after calls
         if text:
             deltas.append({"content": text})
+
+
+#: how the grammar opens a call
+_CALL_HEAD = CALL_OPEN + '\n{"name":'
+
+
+def _may_open(tail: str) -> bool:
+    """``tail`` (from a ``<tool_call>`` on) is a call's opening, or may still become one."""
+    return _CALL_HEAD.startswith(tail) or tail.startswith(_CALL_HEAD)
 
 
 def _open_prefix(text: str) -> int:
