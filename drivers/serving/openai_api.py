@@ -192,10 +192,10 @@ class ChatRequest(_Body):
     # structured outputs and tools: checked and compiled by drivers/serving/grammar.py
     tools: Any = None
     tool_choice: Any = None
+    response_format: Any = None
     # refused unless neutral
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
     modalities: Any = None
     audio: Any = None
     prediction: Any = None
