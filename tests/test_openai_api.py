@@ -201,13 +201,14 @@ COMPLETION_REFUSED = [
     ("stop", [""]), ("stop_token_ids", [-1]), ("repetition_penalty", 0),
     ("stream_options", {"include_usage": True}), ("prompt_logprobs", 21)]
 CHAT_REFUSED = [
-    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
+    # tools and response_format are honoured (tests/test_openai_structured.py): their bad forms
+    ("tools", [{"type": "custom", "custom": {"name": "f"}}]), ("tool_choice", "auto"),
     ("functions", [{"name": "f"}]), ("function_call", "auto"),
-    ("response_format", {"type": "json_object"}), ("modalities", ["text", "audio"]),
+    ("response_format", {"type": "regex"}), ("modalities", ["text", "audio"]),
     ("audio", {"voice": "alloy"}), ("prediction", {"type": "content", "content": "x"}),
     ("reasoning_effort", "low"), ("verbosity", "low"), ("web_search_options", {}),
     ("logit_bias", {"a": 1}), ("presence_penalty", 3), ("n", 17), ("top_logprobs", 2),
-    ("max_completion_tokens", 0), ("messages", [{"role": "tool", "content": "x"}]),
+    ("max_completion_tokens", 0), ("messages", [{"role": "function", "content": "x"}]),
     ("guided_json", {})]
 
 

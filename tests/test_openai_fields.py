@@ -163,8 +163,8 @@ def test_an_assistant_refusal_in_the_history_is_its_text(live):
 
 
 @pytest.mark.parametrize(("key", "value"), [
-    ("tool_calls", [{"id": "c1", "type": "function",
-                     "function": {"name": "f", "arguments": "{}"}}]),
+    # tool calls are rendered (tests/test_openai_structured.py): a malformed one is refused
+    ("tool_calls", [{"id": "c1", "type": "function", "function": {"name": "f"}}]),
     ("function_call", {"name": "f", "arguments": "{}"}),
     ("audio", {"id": "audio_1"})])
 def test_history_the_model_cannot_render_is_refused_naming_the_message_field(live, key, value):
@@ -175,7 +175,7 @@ def test_history_the_model_cannot_render_is_refused_naming_the_message_field(liv
     r = httpx.post(f"{server.url}/v1/chat/completions",
                    json={"model": MODEL, "messages": messages, "max_tokens": 1}, timeout=30)
     assert r.status_code == 400, r.text
-    assert r.json()["error"]["param"] == f"messages.1.{key}"
+    assert r.json()["error"]["param"].startswith(f"messages.1.{key}")
 
 
 @pytest.mark.parametrize(("path", "body"), [
@@ -728,7 +728,7 @@ VLLM_REFUSED = [
     ("bad_words", ["x"]), ("priority", 1), ("skip_special_tokens", False),
     ("spaces_between_special_tokens", False), ("return_tokens_as_token_ids", True),
     ("logits_processors", ["x"]), ("kv_transfer_params", {}), ("vllm_xargs", {}),
-    ("response_format", {"type": "json_object"})]
+    ("response_format", {"type": "grammar"})]
 VLLM_NEUTRAL = {"guided_json": None, "prompt_logprobs": None, "use_beam_search": False,
                 "length_penalty": 1.0, "bad_words": [], "priority": 0,
                 "skip_special_tokens": True, "spaces_between_special_tokens": True,

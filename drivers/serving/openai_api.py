@@ -38,7 +38,7 @@ from pydantic import (
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import TaskKind
-from calexec.drivers.serving import error_bodies, handoff, sampling, wire
+from calexec.drivers.serving import error_bodies, grammar, handoff, sampling, wire
 from calexec.drivers.serving.hf_tokenizer import Tokenizer
 from calexec.drivers.serving.resume import RESUMABLE
 from calexec.drivers.serving.sampling import SamplingError, SamplingParams, TokenLogprobs
@@ -53,7 +53,7 @@ CHAT_DEFAULT_MAX_TOKENS = 256
 #: the plain chat template (the tokenizer has none): one "role: content" line per message,
 #: then "assistant:" for the reply
 PLAIN_TEMPLATE_DOC = "{role}: {content}\\n per message, then 'assistant:'"
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 #: a request body model
 Body = TypeVar("Body", bound=BaseModel)
@@ -156,8 +156,10 @@ class CompletionRequest(_Body):
 class ChatMessage(BaseModel):
     """One message. An assistant message as the SDK dumps it (``message.model_dump()``) carries
     ``refusal``, ``annotations``, ``audio``, ``function_call`` and ``tool_calls``, null when
-    unused: null is accepted; a refusal is the message's text when it has no content;
-    non-null tool calls, function calls and audio are refused (:func:`message_text`)."""
+    unused: null is accepted; a refusal is the message's text when it has no content; tool
+    calls are rendered by the chat template (drivers/serving/grammar.py), as are ``tool``
+    messages (``tool_call_id``); non-null function calls and audio are refused
+    (:func:`message_text`)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -169,7 +171,7 @@ class ChatMessage(BaseModel):
     audio: dict[str, Any] | None = None
     function_call: dict[str, Any] | None = None
     tool_calls: list[dict[str, Any]] | None = None
-    tool_call_id: StrictStr | None = None  # tool messages (refused: no tools)
+    tool_call_id: StrictStr | None = None  # tool messages
 
 
 class ChatRequest(_Body):
@@ -190,13 +192,14 @@ class ChatRequest(_Body):
     prompt_cache_options: dict[str, Any] | None = None
     prompt_cache_retention: StrictStr | None = None
     safety_identifier: StrictStr | None = None
-    parallel_tool_calls: StrictBool | None = None  # only means something with tools
-    # refused unless neutral
+    parallel_tool_calls: StrictBool | None = None  # false: at most one call
+    # structured outputs and tools: checked and compiled by drivers/serving/grammar.py
     tools: Any = None
     tool_choice: Any = None
+    response_format: Any = None
+    # refused unless neutral
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
     modalities: Any = None
     audio: Any = None
     prediction: Any = None
@@ -220,12 +223,10 @@ def _none_or(*values: Any) -> Callable[[Any], bool]:
 REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "best_of": (_none_or(1), "best_of > 1 is not supported"),
     "suffix": (_none_or(""), "suffix (insertion) is not supported"),
-    "tools": (lambda v: v is None or v == [], "tools (function calling) are not supported"),
-    "tool_choice": (_none_or("none"), "tool_choice is not supported (only \"none\")"),
-    "functions": (lambda v: v is None or v == [], "functions are not supported"),
-    "function_call": (_none_or("none"), "function_call is not supported (only \"none\")"),
-    "response_format": (lambda v: v is None or v == {"type": "text"},
-                        "response_format is not supported (only {\"type\": \"text\"})"),
+    "functions": (lambda v: v is None or v == [], "the deprecated functions are not "
+                  "supported: send tools (same schemas) instead"),
+    "function_call": (_none_or("none"), "the deprecated function_call is not supported: send "
+                      "tool_choice instead (only \"none\" is accepted here)"),
     "modalities": (lambda v: v is None or v == ["text"], "only modalities [\"text\"]"),
     "audio": (_none_or(), "audio output is not supported"),
     "prediction": (_none_or(), "predicted outputs are not supported"),
@@ -432,10 +433,9 @@ def model_refusal(name: str | None, served: tuple[str, ...]) -> Refusal | None:
 
 
 # ---- chat template --------------------------------------------------------------------------
-#: fields of a history message this model cannot render (no tools, no audio): refused unless
-#: null (or an empty list)
-UNRENDERABLE = {"tool_calls": "tool calls need tools (not supported)",
-                "function_call": "function calls need functions (not supported)",
+#: fields of a history message this model cannot render (no audio; the deprecated function
+#: calls: tool_calls are rendered): refused unless null (or an empty list)
+UNRENDERABLE = {"function_call": "the deprecated function_call: send tool_calls instead",
                 "audio": "audio in the history is not supported"}
 
 
@@ -444,8 +444,7 @@ def message_text(message: ChatMessage, index: int) -> str:
     assistant message without content: its ``refusal``, if any."""
     if message.role not in CHAT_ROLES:
         raise Refusal(invalid(f"messages[{index}].role={message.role!r}: must be one of "
-                              f"{list(CHAT_ROLES)} (tool messages need tools: not supported)"),
-                      f"messages.{index}.role")
+                              f"{list(CHAT_ROLES)}"), f"messages.{index}.role")
     for key, why in UNRENDERABLE.items():
         value = getattr(message, key)
         if value is not None and value != []:
@@ -465,17 +464,35 @@ def message_text(message: ChatMessage, index: int) -> str:
     return "".join(texts)
 
 
+def _template_message(message: ChatMessage, index: int) -> dict[str, Any]:
+    """A message as the chat template reads it: role and content, an assistant's
+    ``tool_calls`` (checked: grammar.check_history_calls), a tool message's ``tool_call_id``."""
+    entry: dict[str, Any] = {"role": message.role, "content": message_text(message, index)}
+    if message.tool_calls:
+        try:
+            entry["tool_calls"] = grammar.check_history_calls(
+                message.tool_calls, f"messages.{index}.tool_calls")
+        except grammar.GrammarError as err:
+            raise Refusal(invalid(str(err)), err.param) from None
+    if message.tool_call_id is not None:
+        entry["tool_call_id"] = message.tool_call_id
+    return entry
+
+
 def render_chat(messages: list[ChatMessage], tok: Tokenizer, add_generation_prompt: bool = True,
                 template_kwargs: dict[str, Any] | None = None,
-                continue_final: bool = False) -> str:
+                continue_final: bool = False, tools: grammar.ToolSetup | None = None) -> str:
     """The prompt text of ``messages``: the tokenizer's chat template (Jinja, sandboxed, as
     transformers renders it, with ``template_kwargs`` as extra variables: vLLM's
     ``chat_template_kwargs``, e.g. Qwen3's ``enable_thinking``) when it has one, else the plain
     template (which has no such switches). ``add_generation_prompt``: open the assistant's
     turn (the plain template's ``assistant:``). ``continue_final``: vLLM's
     ``continue_final_message``, the last message (an assistant's) left open so the reply
-    continues it: the text is cut right after its content."""
-    plain = [{"role": m.role, "content": message_text(m, i)} for i, m in enumerate(messages)]
+    continues it: the text is cut right after its content. ``tools``: the request's tools,
+    the template's ``tools`` variable (the plain template: a ``tools:`` line first); an
+    assistant's ``tool_calls`` are the template's to render (the plain one writes them as
+    Qwen3 does, after the content)."""
+    plain = [_template_message(m, i) for i, m in enumerate(messages)]
     if continue_final:
         if add_generation_prompt:
             raise Refusal(invalid("continue_final_message=true needs add_generation_prompt="
@@ -486,11 +503,15 @@ def render_chat(messages: list[ChatMessage], tok: Tokenizer, add_generation_prom
                                   f"{plain[-1]['role']!r} one, not an assistant's"),
                           "continue_final_message")
     template = getattr(tok, "chat_template", None)
+    declared = list(tools.declared) if tools is not None and tools.declared else None
     if not template:
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in plain) + \
-            ("assistant:" if add_generation_prompt else "")
+        text = (grammar.tools_preamble(declared) if declared else "") + "".join(
+            f"{m['role']}: {m['content']}"
+            f"{grammar.call_text(m['tool_calls']) if m.get('tool_calls') else ''}\n"
+            for m in plain) + ("assistant:" if add_generation_prompt else "")
         return text[:-1] if continue_final else text  # no line end: the message goes on
-    text = _render_template(template, tok, plain, add_generation_prompt, template_kwargs)
+    text = _render_template(template, tok, plain, add_generation_prompt,
+                            {**(template_kwargs or {}), **({"tools": declared} if declared else {})})
     if continue_final:
         final = plain[-1]["content"]
         at = text.rfind(final) if final else -1
@@ -502,7 +523,7 @@ def render_chat(messages: list[ChatMessage], tok: Tokenizer, add_generation_prom
     return text
 
 
-def _render_template(template: str, tok: Tokenizer, plain: list[dict[str, str]],
+def _render_template(template: str, tok: Tokenizer, plain: list[dict[str, Any]],
                      add_generation_prompt: bool, template_kwargs: dict[str, Any] | None
                      ) -> str:
     try:
@@ -820,6 +841,23 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         generation = service.executor.generation
         return None if generation is None else generation.submodels[TaskKind.DECODE].max_seq
 
+    def structure(build: Callable[..., Any], *args: Any) -> Any:
+        """A grammar.* builder's result for this server's tokenizer and vocabulary
+        (``tool_setup``: no model needed); its GrammarError is the 400 naming the field."""
+        try:
+            if build is grammar.tool_setup:
+                return build(*args)
+            n = vocab()
+            if n is None:  # no generation now: a grammar needs the vocabulary
+                asked = grammar.response_format_schema(args[0])
+                if asked is None and not (len(args) > 1 and args[1].tools):
+                    return None
+                raise Refusal(Status.unavailable(Phase.ADMISSION, "device lifecycle is "
+                                                 f"{service.executor.state}"), None)
+            return build(*args, service.tokenizer, n, config.end_token_id)
+        except grammar.GrammarError as err:
+            raise Refusal(invalid(str(err)), err.param) from None
+
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         auth = auth_refusal(request, config.api_key)
@@ -857,6 +895,8 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
             choices_refusal(len(prompts), body.n, config.max_choices)
             rows = prompt_rows(body)
             params = sampling_params(body, body.logprobs, vocab(), config.end_token_id)
+            params = attrs.evolve(params, grammar=structure(
+                grammar.completion_structure, body.response_format))
             special = True if body.add_special_tokens is None else body.add_special_tokens
             prepared: list[tuple[list[int], str]] = []  # (prompt ids, echo) per prompt
             for one in prompts:
@@ -908,8 +948,12 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
             choices_refusal(1, body.n, config.max_choices)
             params = sampling_params(body, (top or 0) if body.logprobs else None, vocab(),
                                      config.end_token_id)
+            tools = structure(grammar.tool_setup, body.tools, body.tool_choice)
+            plan = structure(grammar.chat_structure, body.response_format, tools,
+                             body.parallel_tool_calls)
+            params = attrs.evolve(params, grammar=plan)
             text = render_chat(body.messages, service.tokenizer, body.add_generation_prompt,
-                               body.chat_template_kwargs, body.continue_final_message)
+                               body.chat_template_kwargs, body.continue_final_message, tools)
             ids = truncated(service.tokenizer.encode(text, bool(body.add_special_tokens)),
                             body.truncate_prompt_tokens)
         except Refusal as err:
@@ -918,7 +962,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         admission = Admission(ids, wanted, body.stream, body.timeout)
 
         def chat_shape() -> _Shape:
-            shape = _ChatShape()
+            shape = _ToolChatShape(plan.tools) if plan is not None and plan.tools else _ChatShape()
             shape.prompt_ids = body.return_token_ids
             return shape
         if body.n == 1:
@@ -1112,7 +1156,9 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
                 if out.stopped:
                     run.finish_reason = "stop"
                 if sse:
-                    state.events.put_nowait(shape.piece(piece, token, run))
+                    sent = shape.piece(piece, token, run)
+                    if sent is not None:
+                        state.events.put_nowait(sent)
                 token = await service.advance(run)
             if run.status is not None:
                 state.fail(run.status, None, counted=True)  # counted by finish()
@@ -1231,7 +1277,9 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
                         run.finish_reason = "stop"
                     if progress is not None:  # before its chunk: the chunk commits it
                         progress({"tokens": [token]})
-                    yield wire.sse(shape.piece(piece, token, run))
+                    chunk = shape.piece(piece, token, run)
+                    if chunk is not None:
+                        yield wire.sse(chunk)
                     if hand_off(request, run):
                         run.status = HANDED_OFF
                         progress({"handoff": "drained"})
@@ -1342,7 +1390,8 @@ class _Shape:
     def whole(self, text: str, run: RequestRun) -> dict[str, Any]:
         raise NotImplementedError
 
-    def piece(self, text: str, token: int, run: RequestRun) -> dict[str, Any]:
+    def piece(self, text: str, token: int, run: RequestRun) -> dict[str, Any] | None:
+        """The chunk of one token (None: nothing to send yet, its text is held back)."""
         raise NotImplementedError
 
     def last(self, text: str, run: RequestRun) -> dict[str, Any]:
@@ -1461,7 +1510,7 @@ class _ChatShape(_Shape):
             "finish_reason": None}],
             **({"prompt_token_ids": self.run.prompt} if self.prompt_ids else {})}]
 
-    def piece(self, text: str, token: int, run: RequestRun) -> dict[str, Any]:
+    def piece(self, text: str, token: int, run: RequestRun) -> dict[str, Any] | None:
         return {**self._head(chunk=True), "choices": [{
             "index": self.index, "delta": {"content": text},
             "logprobs": self._logprobs(run, self._new_logprobs(run)), "finish_reason": None,
@@ -1472,3 +1521,72 @@ class _ChatShape(_Shape):
             "index": self.index, "delta": {"content": text} if text else {},
             "logprobs": None,
             "finish_reason": run.finish_reason}]}
+
+
+class _ToolChatShape(_ChatShape):
+    """A chat response that may call tools (drivers/serving/grammar.py): the message's
+    ``tool_calls`` (``content`` the text outside them, null when none) and ``finish_reason``
+    ``"tool_calls"`` when the output made calls; streamed, ``delta.tool_calls`` pieces as
+    OpenAI sends them (grammar.ToolCallStream). A token whose text is held back (it may open
+    or close a call) sends no chunk: its id goes with the next one."""
+
+    def __init__(self, tools: tuple[grammar.Tool, ...]) -> None:
+        self.tools = tools
+        self.calls = grammar.ToolCallStream()
+        self.held_ids: list[int] = []
+
+    @staticmethod
+    def _finish(run: RequestRun, calls: int) -> str | None:
+        return "tool_calls" if calls and run.finish_reason == "stop" else run.finish_reason
+
+    def whole(self, text: str, run: RequestRun) -> dict[str, Any]:
+        answer = super().whole(text, run)
+        content, calls = grammar.parse_tool_calls(text)
+        choice = answer["choices"][0]
+        choice["message"] = {"role": "assistant", "content": content,
+                             **({"tool_calls": calls} if calls else {})}
+        choice["finish_reason"] = self._finish(run, len(calls))
+        return answer
+
+    def _chunk(self, delta: dict[str, Any], run: RequestRun, token_ids: list[int],
+               finish: str | None = None) -> dict[str, Any]:
+        return {**self._head(chunk=True), "choices": [{
+            "index": self.index, "delta": delta,
+            "logprobs": self._logprobs(run, self._new_logprobs(run)), "finish_reason": finish,
+            "token_ids": token_ids}]}
+
+    def piece(self, text: str, token: int, run: RequestRun) -> dict[str, Any] | None:
+        self.held_ids.append(token)
+        deltas = self.calls.feed(text)
+        if not deltas:
+            return None
+        ids, self.held_ids = self.held_ids, []
+        return self._chunk(_merged(deltas), run, ids)
+
+    def last(self, text: str, run: RequestRun) -> dict[str, Any]:
+        deltas = self.calls.feed(text, final=True)
+        finish = self._finish(run, 0 if self.calls.cut else self.calls.complete)
+        ids, self.held_ids = self.held_ids, []
+        chunk = self._chunk(_merged(deltas) if deltas else {}, run, ids, finish)
+        if not ids:
+            del chunk["choices"][0]["token_ids"]
+        return chunk
+
+
+def _merged(deltas: list[dict[str, Any]]) -> dict[str, Any]:
+    """Deltas of one token as one chunk's ``delta``: content joined, tool call pieces listed
+    (a call's first piece and its arguments' first piece are one entry)."""
+    content = "".join(d["content"] for d in deltas if "content" in d)
+    calls: list[dict[str, Any]] = []
+    for d in deltas:
+        for piece in d.get("tool_calls", ()):
+            if calls and calls[-1]["index"] == piece["index"] and "id" not in piece:
+                calls[-1]["function"]["arguments"] += piece["function"]["arguments"]
+            else:
+                calls.append({**piece, "function": dict(piece["function"])})
+    merged: dict[str, Any] = {}
+    if content:
+        merged["content"] = content
+    if calls:
+        merged["tool_calls"] = calls
+    return merged

@@ -47,6 +47,7 @@ from calexec.drivers.serving.error_bodies import invalid
 from calexec.drivers.serving.executor_view import ServedExecutor
 from calexec.drivers.serving.metrics import METRICS_NAMES, ServerMetrics, kv_usage_fraction
 from calexec.drivers.serving.resume import Resumer
+from calexec.drivers.serving.sampling import RowConstraint
 from calexec.machines.compiled import JOB
 
 log = logging.getLogger("calexec.server")
@@ -304,6 +305,9 @@ class RequestRun:
     prompt_top: int | None = None
     prompt_rows: list = attrs.Factory(list)
     prompt_ranks: list = attrs.Factory(list)
+    #: the grammar's state (``sampling.grammar``: structured outputs, tools), started with
+    #: the first token; it advances with each token and ends the generation when complete
+    constraint: RowConstraint | None = None
     # Enqueue fence: ``closed`` once the request finished (no enqueue may start after it);
     # ``enqueue_idle`` is clear while an enqueue call runs in a worker thread.
     mu: threading.Lock = attrs.Factory(threading.Lock)
@@ -637,8 +641,12 @@ class CompletionService:
         if run.first_token_at is None:
             run.first_token_at = result.timings.completed_us / 1e6
             self.metrics.ttft.observe(max(0.0, run.first_token_at - run.started))
+        if run.constraint is None and run.sampling.grammar is not None:
+            run.constraint = run.sampling.grammar.start()
+            for earlier in run.tokens:  # a generation continued from another replica
+                run.constraint.accept(earlier)
         args = (result.logits, run.sampling, len(run.tokens), result.argmax, run.prompt,
-                run.tokens)
+                run.tokens, run.constraint)
         token, logprobs = (sampling.pick(*args) if run.sampling.plain_greedy else
                            await to_thread.run_sync(sampling.pick, *args, limiter=self._limiter))
         if (token == self.config.end_token_id and not run.sampling.ignore_eos) \
@@ -656,7 +664,9 @@ class CompletionService:
             run.last_token_at = now
         if logprobs is not None:
             run.token_logprobs.append(logprobs)
-        if len(run.tokens) >= run.max_tokens:
+        if run.constraint is not None and run.constraint.finished:
+            run.finish_reason = "stop"  # the grammar is complete: nothing may follow
+        elif len(run.tokens) >= run.max_tokens:
             run.finish_reason = "length"
         return token
 

@@ -1,0 +1,584 @@
+"""Structured outputs and tools (issue 27): the OpenAI ``response_format`` (``json_object``,
+``json_schema``) and ``tools``/``tool_choice`` as a grammar, compiled by llguidance
+(https://github.com/guidance-ai/llguidance, the ``[server]`` extra), whose token mask is
+applied to the FP32 row before sampling (drivers/serving/sampling.py, greedy and sampled) and
+which advances with each accepted token; the choice ends (``finish_reason`` ``"stop"``, or
+``"tool_calls"``) when the grammar is complete.
+
+- :func:`chat_structure` / :func:`completion_structure`: the request's fields -> a
+  :class:`Structure` (a ``sampling.GrammarSpec``: each generation starts its own
+  :class:`Constraint`), or :class:`GrammarError` naming the bad field and why (a schema
+  llguidance cannot compile: its message). Without llguidance installed every field that
+  needs a grammar is refused naming the package to install.
+- Tools are called in Qwen3's format, one call per block,
+  ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``: :func:`parse_tool_calls`
+  reads a finished text, :class:`ToolCallStream` turns streamed text into OpenAI's
+  ``delta.tool_calls`` pieces.
+- :func:`history_message` renders an assistant turn's ``tool_calls`` and ``tool`` messages for
+  the chat template (the plain template writes the calls in the same format).
+
+llguidance is imported only when a grammar is compiled (the module itself needs only numpy).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import numpy as np
+
+from calexec.drivers.serving.byte_tokenizer import BYTE_OFFSET, ByteTokenizer, is_byte_token
+
+if TYPE_CHECKING:
+    from calexec.drivers.serving.hf_tokenizer import Tokenizer
+
+#: the package and how to get it (the message of every refusal without it)
+PACKAGE = "llguidance"
+INSTALL = "pip install 'calexec[server]' (llguidance>=1.9,<2)"
+
+#: Qwen3's tool call delimiters (its chat template and its output)
+CALL_OPEN = "<tool_call>"
+CALL_CLOSE = "</tool_call>"
+#: OpenAI's function names
+FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+#: how JSON is written under a grammar: compact, no free whitespace (a model could otherwise
+#: add whitespace for ever), as llguidance's defaults write separators
+JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
+
+
+class GrammarError(ValueError):
+    """A request's structured-output or tool fields cannot be honoured: ``param`` names the
+    field (its path in the body), the message says why."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def missing() -> str | None:
+    """Why no grammar can be compiled here (llguidance is not installed), or None."""
+    try:
+        import llguidance  # noqa: F401
+    except ImportError as err:
+        return f"needs the {PACKAGE!r} package, which is not installed ({err}): {INSTALL}"
+    return None
+
+
+# ---- the tokenizer as llguidance sees it ----------------------------------------------------
+class _ByteVocabulary:
+    """The synthetic model's byte-level vocabulary for ``llguidance.LLTokenizer`` (its
+    ``TokenizerWrapper`` interface): ids 256..511 are the bytes; every other id renders as
+    ``<id>`` and is a special token to llguidance (marker byte 0xFF), so a grammar never
+    produces it; ``end_token`` ends a generation."""
+
+    is_tokenizer_wrapper = True
+    bos_token_id = None
+
+    def __init__(self, vocab: int, end_token: int) -> None:
+        self.eos_token_id = end_token
+        self.tokens = [bytes((i - BYTE_OFFSET,)) if is_byte_token(i) else b"\xff<%d>" % i
+                       for i in range(vocab)]
+        self.special_token_ids = [i for i in range(vocab) if not is_byte_token(i)]
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        data = text.encode("utf-8") if isinstance(text, str) else text
+        return [BYTE_OFFSET + b for b in data]
+
+
+_TOKENIZERS: dict[tuple[str, int, int], Any] = {}
+_TOKENIZERS_MU = threading.Lock()
+
+
+def ll_tokenizer(tok: Tokenizer, vocab: int, end_token: int) -> Any:
+    """The ``llguidance.LLTokenizer`` of the server's tokenizer (built once, ~0.4 s for the
+    synthetic vocabulary): the byte-level one from its vocabulary, a Hugging Face one from its
+    ``tokenizer.json`` (``HFTokenizer.name``), padded to the model's ``vocab``."""
+    from llguidance import LLTokenizer
+    key = (tok.name, vocab, end_token)
+    with _TOKENIZERS_MU:
+        built = _TOKENIZERS.get(key)
+        if built is None:
+            if isinstance(tok, ByteTokenizer):
+                built = LLTokenizer(_ByteVocabulary(vocab, end_token),  # type: ignore[arg-type]
+                                    slices=LLTokenizer.json_slices())
+            else:
+                built = LLTokenizer(tok.name, n_vocab=vocab, slices=LLTokenizer.json_slices())
+            _TOKENIZERS[key] = built
+        return built
+
+
+# ---- the grammar's state over one generation -------------------------------------------------
+class Constraint:
+    """One generation's llguidance matcher (a ``sampling.RowConstraint``). The tokenizer's own
+    end token is replaced by the server's ``end_token`` in the mask (a Hugging Face tokenizer's
+    may differ): it is allowed exactly when the grammar may end."""
+
+    def __init__(self, matcher: Any, vocab: int, end_token: int, ll_eos: Sequence[int]) -> None:
+        from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+        self._fill = fill_next_token_bitmask
+        self._matcher = matcher
+        self._vocab = vocab
+        self._end = end_token
+        self._ll_eos = [t for t in ll_eos if t != end_token]
+        self._bits = allocate_token_bitmask(1, vocab)
+
+    def allowed(self) -> np.ndarray:
+        if self._matcher.is_error() or self._matcher.is_stopped():
+            mask = np.zeros(self._vocab, dtype=bool)
+        else:
+            self._fill(self._matcher, self._bits)
+            mask = np.unpackbits(self._bits[0].view(np.uint8),
+                                 bitorder="little")[:self._vocab].astype(bool)
+        ends = mask[self._end] or any(mask[t] for t in self._ll_eos if t < self._vocab)
+        for t in self._ll_eos:
+            if t < self._vocab:
+                mask[t] = False
+        if self._end < self._vocab:
+            # the end token: where the grammar may end, or when nothing else is possible
+            mask[self._end] = bool(ends) or not mask.any()
+        return mask
+
+    def accept(self, token: int) -> None:
+        if token == self._end:
+            return  # the generation ends (the server stops on it)
+        self._matcher.consume_token(token)  # a refused token leaves it in an error state
+
+    @property
+    def finished(self) -> bool:
+        return bool(self._matcher.is_stopped())
+
+    @property
+    def error(self) -> str:
+        return str(self._matcher.get_error())
+
+
+# ---- what a request asks for --------------------------------------------------------------------
+@attrs.frozen
+class Tool:
+    """One ``tools`` entry of type ``function``."""
+
+    name: str
+    parameters: Mapping[str, Any]
+    description: str | None = None
+    #: OpenAI's ``function.strict``: every keyword of the parameters honoured (else a 400);
+    #: otherwise keywords llguidance does not implement are ignored
+    strict: bool = False
+
+
+@attrs.frozen(eq=False)
+class Structure:
+    """A compiled grammar (llguidance's serialized form) and, for tools, what the output may
+    call: the ``sampling.GrammarSpec`` of a request."""
+
+    grammar: str
+    tokenizer: Any
+    vocab: int
+    end_token: int
+    #: the tools a response may call (empty: no tool calls are parsed)
+    tools: tuple[Tool, ...] = ()
+    #: tool_choice resolved: "auto", "required" or the named function ("none": no Structure)
+    tool_choice: str = "none"
+
+    def start(self) -> Constraint:
+        from llguidance import LLMatcher
+        matcher = LLMatcher(self.tokenizer, self.grammar, log_level=0)
+        return Constraint(matcher, self.vocab, self.end_token, list(self.tokenizer.eos_tokens))
+
+
+@attrs.frozen
+class ToolSetup:
+    """What the chat template and the response need of ``tools``/``tool_choice``, whether or
+    not a grammar is compiled: the tools that may be called (empty when none were given or
+    ``tool_choice`` is ``"none"``) and the declarations the template lists (with "none" too,
+    as vLLM does by default: the model knows them but does not call them)."""
+
+    tools: tuple[Tool, ...] = ()
+    choice: str = "none"
+    #: the request's ``tools`` as given (the chat template's ``tools`` variable)
+    declared: tuple[Mapping[str, Any], ...] = ()
+
+
+def _schema_grammar(schema: Any, param: str, strict: bool) -> str:
+    from llguidance import LLMatcher
+    if not isinstance(schema, dict):
+        raise GrammarError(param, f"{param}: must be a JSON Schema object, got "
+                                  f"{type(schema).__name__}")
+    try:
+        options: Any = {**JSON_OPTIONS, "lenient": not strict}  # llguidance's JsonCompileOptions
+        return LLMatcher.grammar_from_json_schema(schema, overrides=options)
+    except ValueError as err:
+        raise GrammarError(param, f"{param}: llguidance cannot compile it: {err}") from None
+
+
+def _checked(grammar: str, tokenizer: Any, param: str) -> str:
+    from llguidance import LLMatcher
+    error, messages = LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
+    if error:
+        raise GrammarError(param, f"{param}: llguidance cannot compile it: {messages[0]}")
+    return grammar
+
+
+def _need_llguidance(param: str, what: str) -> None:
+    why = missing()
+    if why is not None:
+        raise GrammarError(param, f"{param}: {what} {why}")
+
+
+def response_format_schema(response_format: Any) -> tuple[Any, bool] | None:
+    """``response_format`` -> (the JSON Schema the output follows, strict), or None for text
+    (absent, ``{"type": "text"}``). :class:`GrammarError` for anything else."""
+    if response_format is None:
+        return None
+    if not isinstance(response_format, dict) or not isinstance(response_format.get("type"), str):
+        raise GrammarError("response_format", "response_format: must be an object with a "
+                                              "string \"type\" (text, json_object, json_schema)")
+    kind = response_format["type"]
+    extra = set(response_format) - {"type", "json_schema"}
+    if extra:
+        raise GrammarError(f"response_format.{sorted(extra)[0]}",
+                           f"response_format.{sorted(extra)[0]}: unknown field")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}, True
+    if kind != "json_schema":
+        raise GrammarError("response_format", f"response_format.type={kind!r:.40}: must be "
+                                              "one of text, json_object, json_schema")
+    spec = response_format.get("json_schema")
+    if not isinstance(spec, dict):
+        raise GrammarError("response_format.json_schema", "response_format.json_schema: must "
+                                                          "be an object with name and schema")
+    name = spec.get("name")
+    if not isinstance(name, str) or not FUNCTION_NAME.match(name):
+        raise GrammarError("response_format.json_schema.name",
+                           f"response_format.json_schema.name={name!r:.80}: must be a string of "
+                           "1 to 64 letters, digits, _ or -")
+    unknown = set(spec) - {"name", "schema", "strict", "description"}
+    if unknown:
+        field = f"response_format.json_schema.{sorted(unknown)[0]}"
+        raise GrammarError(field, f"{field}: unknown field")
+    strict = spec.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise GrammarError("response_format.json_schema.strict",
+                           f"response_format.json_schema.strict={strict!r:.40}: must be a "
+                           "boolean")
+    schema = spec.get("schema", {})
+    return schema, bool(strict)
+
+
+def completion_structure(response_format: Any, tok: Tokenizer, vocab: int, end_token: int
+                         ) -> Structure | None:
+    """The grammar of a request's ``response_format`` (None: free text)."""
+    asked = response_format_schema(response_format)
+    if asked is None:
+        return None
+    _need_llguidance("response_format", f"{response_format.get('type')}")
+    schema, strict = asked
+    param = ("response_format.json_schema.schema" if response_format["type"] == "json_schema"
+             else "response_format")
+    ll = ll_tokenizer(tok, vocab, end_token)
+    grammar = _checked(_schema_grammar(schema, param, strict), ll, param)
+    return Structure(grammar, ll, vocab, end_token)
+
+
+def tool_setup(tools: Any, tool_choice: Any, functions: Any = None) -> ToolSetup:
+    """Check ``tools`` and ``tool_choice`` (OpenAI's shapes) -> :class:`ToolSetup`;
+    :class:`GrammarError` naming the bad field."""
+    if tools is None or tools == []:
+        if tool_choice not in (None, "none"):
+            raise GrammarError("tool_choice", f"tool_choice={tool_choice!r:.80}: needs tools")
+        return ToolSetup()
+    if not isinstance(tools, list):
+        raise GrammarError("tools", "tools: must be a list of {\"type\": \"function\", "
+                                    "\"function\": {...}}")
+    parsed: list[Tool] = []
+    for i, entry in enumerate(tools):
+        where = f"tools.{i}"
+        if not isinstance(entry, dict) or entry.get("type") != "function":
+            kind = entry.get("type") if isinstance(entry, dict) else entry
+            raise GrammarError(f"{where}.type", f"{where}.type={kind!r:.40}: only \"function\" "
+                                                "tools are supported")
+        if set(entry) - {"type", "function"}:
+            field = f"{where}.{sorted(set(entry) - {'type', 'function'})[0]}"
+            raise GrammarError(field, f"{field}: unknown field")
+        fn = entry.get("function")
+        if not isinstance(fn, dict):
+            raise GrammarError(f"{where}.function", f"{where}.function: must be an object")
+        unknown = set(fn) - {"name", "description", "parameters", "strict"}
+        if unknown:
+            field = f"{where}.function.{sorted(unknown)[0]}"
+            raise GrammarError(field, f"{field}: unknown field")
+        name = fn.get("name")
+        if not isinstance(name, str) or not FUNCTION_NAME.match(name):
+            raise GrammarError(f"{where}.function.name",
+                               f"{where}.function.name={name!r:.80}: must be a string of 1 to "
+                               "64 letters, digits, _ or -")
+        if any(t.name == name for t in parsed):
+            raise GrammarError(f"{where}.function.name",
+                               f"{where}.function.name={name!r}: declared twice")
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise GrammarError(f"{where}.function.parameters",
+                               f"{where}.function.parameters: must be a JSON Schema object")
+        description = fn.get("description")
+        if description is not None and not isinstance(description, str):
+            raise GrammarError(f"{where}.function.description",
+                               f"{where}.function.description: must be a string")
+        strict = fn.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise GrammarError(f"{where}.function.strict",
+                               f"{where}.function.strict={strict!r:.40}: must be a boolean")
+        parsed.append(Tool(name, params, description, bool(strict)))
+    choice = _tool_choice(tool_choice, parsed)
+    if choice == "none":
+        return ToolSetup((), "none", tuple(tools))
+    return ToolSetup(tuple(parsed), choice, tuple(tools))
+
+
+def _tool_choice(tool_choice: Any, tools: list[Tool]) -> str:
+    if tool_choice is None:
+        return "auto"  # OpenAI's default when tools are given
+    if tool_choice in ("none", "auto", "required"):
+        return str(tool_choice)
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function" \
+            and isinstance(tool_choice.get("function"), dict) \
+            and set(tool_choice) == {"type", "function"}:
+        name = tool_choice["function"].get("name")
+        if not any(t.name == name for t in tools):
+            raise GrammarError("tool_choice", f"tool_choice.function.name={name!r:.80}: not "
+                                              f"one of the tools {[t.name for t in tools]}")
+        return str(name)
+    raise GrammarError("tool_choice", f"tool_choice={tool_choice!r:.80}: must be \"none\", "
+                                      "\"auto\", \"required\" or {\"type\": \"function\", "
+                                      "\"function\": {\"name\": ...}}")
+
+
+def _call_schema(tool: Tool) -> dict[str, Any]:
+    """The JSON Schema of one call's object, as Qwen3 writes it: name first, then arguments."""
+    return {"type": "object",
+            "properties": {"name": {"const": tool.name}, "arguments": dict(tool.parameters)},
+            "required": ["name", "arguments"], "additionalProperties": False,
+            "x-guidance": {**JSON_OPTIONS, "lenient": not tool.strict}}
+
+
+def chat_structure(response_format: Any, setup: ToolSetup, parallel_tool_calls: bool | None,
+                   tok: Tokenizer, vocab: int, end_token: int) -> Structure | None:
+    """The grammar of a chat request: its tools (``setup``) and ``response_format``. With
+    ``tool_choice`` "required" or a named function the output is one or more calls (one
+    when ``parallel_tool_calls`` is false; only that function when named); with "auto" free
+    text without a call, or text then calls (every call follows its schema: a call can only
+    be written as one), or with ``response_format`` its JSON answer or calls; no tools: the
+    ``response_format`` alone (None: free text)."""
+    if not setup.tools:
+        return completion_structure(response_format, tok, vocab, end_token)
+    _need_llguidance("tools", f"tool_choice={setup.choice!r}")
+    asked = response_format_schema(response_format)
+    ll = ll_tokenizer(tok, vocab, end_token)
+    for i, tool in enumerate(setup.tools):  # each tool's schema on its own: the field named
+        param = f"tools.{i}.function.parameters"
+        _checked(_schema_grammar(dict(tool.parameters), param, tool.strict), ll, param)
+    named = setup.choice not in ("auto", "required")
+    tools = [t for t in setup.tools if not named or t.name == setup.choice]
+    lines = ['call: "' + CALL_OPEN + '\\n" fn "\\n' + CALL_CLOSE + '"',
+             "fn: " + " | ".join(f"fn{i}" for i in range(len(tools)))]
+    lines += [f"fn{i}: %json {json.dumps(_call_schema(t))}" for i, t in enumerate(tools)]
+    more = "" if parallel_tool_calls is False else ' ("\\n" call)*'
+    lines.append("calls: call" + more)
+    if setup.choice == "auto":
+        if asked is None:  # text without a call, or text (maybe none) then calls
+            open_tag = re.escape(CALL_OPEN)
+            lines.append(f"TEXT: /(?s:.*)/ & ~/(?s:.*){open_tag}(?s:.*)/")
+            lines.append(f"lead[lazy]: /(?s:.*){open_tag}\\n/")
+            lines.append('start: TEXT | lead fn "\\n' + CALL_CLOSE + '"' + more)
+        else:
+            schema, strict = asked
+            if not isinstance(schema, dict):
+                raise GrammarError("response_format.json_schema.schema",
+                                   "response_format.json_schema.schema: must be a JSON Schema "
+                                   "object")
+            lines.append("answer: %json " + json.dumps(
+                {**schema, "x-guidance": {**JSON_OPTIONS, "lenient": not strict}}))
+            lines.append("start: answer | calls")
+    else:
+        lines.append("start: calls")
+    from llguidance import LLMatcher
+    grammar = _checked(LLMatcher.grammar_from_lark("\n".join(lines)), ll, "tools")
+    return Structure(grammar, ll, vocab, end_token, tuple(tools), setup.choice)
+
+
+# ---- tool calls in the output ---------------------------------------------------------------
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _tool_call(name: str, arguments: str, index: int | None = None) -> dict[str, Any]:
+    call: dict[str, Any] = {"id": call_id(), "type": "function",
+                            "function": {"name": name, "arguments": arguments}}
+    return call if index is None else {"index": index, **call}
+
+
+def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """A finished output -> (content, OpenAI ``tool_calls``), exactly what
+    :class:`ToolCallStream` streams for it: each ``<tool_call>\\n{"name": ..., "arguments":
+    {...}}\\n</tool_call>`` is a call (``function.arguments`` the arguments' JSON text as
+    generated), the text outside the calls is the content (None when there is none). An
+    output cut short inside a call (max_tokens): no calls, the whole text is the content."""
+    stream = ToolCallStream()
+    deltas = stream.feed(text, final=True)
+    if not stream.calls or stream.cut:
+        return text, []
+    content = "".join(d.get("content", "") for d in deltas)
+    calls: list[dict[str, Any]] = []
+    for delta in deltas:
+        for piece in delta.get("tool_calls", ()):
+            if "id" in piece:
+                calls.append({k: v for k, v in piece.items() if k != "index"})
+                calls[-1]["function"] = dict(piece["function"])
+            else:
+                calls[piece["index"]]["function"]["arguments"] += piece["function"]["arguments"]
+    return content or None, calls
+
+
+class ToolCallStream:
+    """Streamed text -> chat ``delta`` pieces: plain text as ``content``; a tool call as
+    OpenAI streams it, a first ``tool_calls`` delta with its ``index``, ``id``, ``type`` and
+    ``function.name`` (``arguments`` empty), then ``function.arguments`` pieces as they are
+    generated. Text that may still open a call (a prefix of ``<tool_call>``) or end one is
+    held back until it is known. ``calls``: calls opened; ``complete``: calls closed."""
+
+    _OPENED = re.compile(re.escape(CALL_OPEN) + r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")'
+                         r'\s*,\s*"arguments"\s*:\s*')
+    #: the end of a call's arguments as the grammar writes it: the call object's "}", a line
+    #: end (never raw inside compact JSON), the close tag
+    _END = "}\n" + CALL_CLOSE
+
+    def __init__(self) -> None:
+        self._text = ""
+        self._at = 0  # characters of _text turned into deltas
+        self._in_call = False
+        self.calls = 0
+        self.complete = 0
+        #: the output ended inside a call, or with one opened but not named (max_tokens)
+        self.cut = False
+
+    def feed(self, piece: str, final: bool = False) -> list[dict[str, Any]]:
+        """The deltas ``piece`` completes (``final``: the end of the output: flush)."""
+        self._text += piece
+        deltas: list[dict[str, Any]] = []
+        while True:
+            rest = self._text[self._at:]
+            if self._in_call:
+                end = rest.find(self._END)
+                upto = end if end >= 0 else len(rest) if final else _args_ready(rest, self._END)
+                if upto:
+                    deltas.append({"tool_calls": [{"index": self.calls - 1, "function": {
+                        "arguments": rest[:upto]}}]})
+                if end < 0:
+                    self._at += upto
+                    self.cut = self.cut or final
+                    return deltas
+                self._at += end + len(self._END)
+                self._in_call = False
+                self.complete += 1
+                continue
+            start = rest.find(CALL_OPEN)
+            while start >= 0 and not _may_open(rest[start:]):  # a tag in the text, no call
+                start = rest.find(CALL_OPEN, start + 1)
+            opened = self._OPENED.match(rest, start) if start >= 0 else None
+            if opened is not None:
+                self._content(rest[:start], deltas)
+                deltas.append({"tool_calls": [_tool_call(json.loads(opened.group(1)), "",
+                                                         self.calls)]})
+                self.calls += 1
+                self._in_call = True
+                self._at += opened.end()
+                continue
+            if final:
+                self.cut = self.cut or start >= 0
+                self._content(rest, deltas, final=True)
+                self._at += len(rest)
+            else:
+                ready = start if start >= 0 else len(rest) - _open_prefix(rest)
+                if self.calls and not rest[:ready].strip():
+                    ready = 0  # the line end between two calls: wait for what follows
+                self._content(rest[:ready], deltas)
+                self._at += ready
+            return deltas
+
+    def _content(self, text: str, deltas: list[dict[str, Any]], final: bool = False) -> None:
+        if self.calls and not text.strip():
+            return  # whitespace between or after calls
+        if text:
+            deltas.append({"content": text})
+
+
+#: how the grammar opens a call
+_CALL_HEAD = CALL_OPEN + '\n{"name":'
+
+
+def _may_open(tail: str) -> bool:
+    """``tail`` (from a ``<tool_call>`` on) is a call's opening, or may still become one."""
+    return _CALL_HEAD.startswith(tail) or tail.startswith(_CALL_HEAD)
+
+
+def _open_prefix(text: str) -> int:
+    """Length of the longest end of ``text`` that starts ``<tool_call>``."""
+    for n in range(min(len(CALL_OPEN) - 1, len(text)), 0, -1):
+        if CALL_OPEN.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def _args_ready(rest: str, end: str) -> int:
+    """How much of a call's streamed arguments can go out: all but an end that may be the
+    start of ``end`` (the call's "}", line end, close tag)."""
+    at = rest.rfind("}")
+    if at >= 0 and end.startswith(rest[at:]):
+        return at
+    return len(rest)
+
+
+# ---- tool calls and tool results in the chat history -----------------------------------------
+def check_history_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls`` (OpenAI's shape) checked: the calls, or
+    :class:`GrammarError` naming ``where``'s bad field."""
+    if not isinstance(calls, list):
+        raise GrammarError(where, f"{where}: must be a list of tool calls")
+    for j, call in enumerate(calls):
+        at = f"{where}.{j}"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(call, dict) or call.get("type", "function") != "function" \
+                or not isinstance(fn, dict):
+            raise GrammarError(at, f"{at}: must be {{\"id\", \"type\": \"function\", "
+                                   "\"function\": {\"name\", \"arguments\"}}")
+        if not isinstance(fn.get("name"), str):
+            raise GrammarError(f"{at}.function.name", f"{at}.function.name: must be a string")
+        if not isinstance(fn.get("arguments"), str):
+            raise GrammarError(f"{at}.function.arguments",
+                               f"{at}.function.arguments: must be a string (JSON)")
+    return calls
+
+
+def call_text(calls: Sequence[Mapping[str, Any]]) -> str:
+    """Tool calls as Qwen3 writes them (what the plain template renders)."""
+    blocks = []
+    for call in calls:
+        fn = call["function"]
+        try:
+            arguments: Any = json.loads(fn["arguments"])
+        except ValueError:
+            arguments = fn["arguments"]  # as given: the model's own text
+        blocks.append(f"{CALL_OPEN}\n" + json.dumps({"name": fn["name"], "arguments": arguments},
+                                                    ensure_ascii=False) + f"\n{CALL_CLOSE}")
+    return "\n".join(blocks)
+
+
+def tools_preamble(declared: Sequence[Mapping[str, Any]]) -> str:
+    """The plain template's line listing the tools (Qwen3 lists them in its system turn)."""
+    return "tools: " + json.dumps([t.get("function", t) for t in declared],
+                                  ensure_ascii=False) + "\n"

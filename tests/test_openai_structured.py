@@ -1,0 +1,687 @@
+"""Issue 27 part A: structured outputs and tools through llguidance (drivers/serving/grammar.py).
+
+On the synthetic model (random weights) the output is forced valid by the grammar's token mask
+on the FP32 row: every response parses against its JSON schema (hypothesis over a family of
+schemas; each answer checked by :func:`conforms`, a reference checker of that family written
+here), streams concatenate to the same, tool calls parse against the tool's parameters, the
+official SDK's ``chat.completions.parse`` with a pydantic model works, bad schemas are 400s
+naming the field. Without llguidance (the ``[server]`` extra) the tests that need it skip with
+the reason (fail under CALEXEC_REQUIRE_TOOLS=1) and the fields answer 400 naming the package.
+
+CI-sized: ``CALEXEC_STRUCTURED_EXAMPLES`` (default 10) schemas per hypothesis test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from typing import Any, Literal
+
+import httpx
+import numpy as np
+import openai
+import pydantic
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import needs
+from calexec.drivers.serving import grammar, sampling
+from calexec.drivers.serving.byte_tokenizer import ByteTokenizer
+from calexec.drivers.serving.openai_api import ChatMessage, render_chat
+from calexec.drivers.serving.server import ServerConfig, create_app
+from test_server_support import LiveServer, started_executor
+
+MODEL = "calexec-qwen3-synthetic"
+EXAMPLES = int(os.environ.get("CALEXEC_STRUCTURED_EXAMPLES", "10"))
+MAX_TOKENS = 160  # the family below ends well within it
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory):
+    executor = started_executor(tmp_path_factory.mktemp("calbin"))
+    try:
+        yield create_app(executor, ServerConfig())
+    finally:
+        executor.shutdown(5.0)
+
+
+@pytest.fixture(scope="module")
+def live(app):
+    with LiveServer(app) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
+                               timeout=60)
+        yield server, client
+
+
+@pytest.fixture()
+def llguidance():
+    return needs.module("llguidance", "server")
+
+
+def post(server, body: dict[str, Any], path: str = "/v1/chat/completions") -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json=body, timeout=60)
+
+
+def chat_body(**fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "answer"}],
+            "max_tokens": MAX_TOKENS, **fields}
+
+
+def streamed(server, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The chunks of a streamed chat answer."""
+    chunks = []
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions",
+                      json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    return chunks
+
+
+# ---- a reference checker of the schema family -----------------------------------------------
+def conforms(value: Any, schema: dict[str, Any]) -> bool:
+    """``value`` satisfies ``schema`` (the keywords the family below uses: type, enum,
+    minimum/maximum, minLength/maxLength, pattern, items/minItems/maxItems, properties,
+    required, additionalProperties false)."""
+    if "enum" in schema and value not in schema["enum"]:
+        return False
+    kind = schema.get("type")
+    if kind == "integer":
+        if not isinstance(value, int) or isinstance(value, bool):
+            return False
+    elif kind == "number":
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            return False
+    elif kind == "boolean":
+        return isinstance(value, bool)
+    elif kind == "string":
+        if not isinstance(value, str):
+            return False
+        if not schema.get("minLength", 0) <= len(value) <= schema.get("maxLength", 1 << 30):
+            return False
+        return "pattern" not in schema or re.search(schema["pattern"], value) is not None
+    elif kind == "array":
+        if not isinstance(value, list):
+            return False
+        if not schema.get("minItems", 0) <= len(value) <= schema.get("maxItems", 1 << 30):
+            return False
+        return all(conforms(v, schema["items"]) for v in value)
+    elif kind == "object":
+        if not isinstance(value, dict):
+            return False
+        props = schema.get("properties", {})
+        if any(k not in value for k in schema.get("required", [])):
+            return False
+        if schema.get("additionalProperties") is False and set(value) - set(props):
+            return False
+        return all(conforms(v, props[k]) for k, v in value.items() if k in props)
+    if kind in ("integer", "number"):
+        return schema.get("minimum", -float("inf")) <= value <= schema.get("maximum", float("inf"))
+    return True
+
+
+def _bounds(draw, low: int, high: int) -> tuple[int, int]:
+    a = draw(st.integers(low, high))
+    return a, draw(st.integers(a, high))
+
+
+@st.composite
+def leaf_schemas(draw) -> dict[str, Any]:
+    kind = draw(st.sampled_from(["integer", "number", "string", "pattern", "enum", "boolean"]))
+    if kind == "integer":
+        lo, hi = _bounds(draw, -1000, 1000)
+        return {"type": "integer", "minimum": lo, "maximum": hi}
+    if kind == "number":
+        lo, hi = _bounds(draw, -50, 50)
+        return {"type": "number", "minimum": lo, "maximum": hi}
+    if kind == "string":
+        lo, hi = _bounds(draw, 0, 6)
+        return {"type": "string", "minLength": lo, "maxLength": hi}
+    if kind == "pattern":
+        return {"type": "string", "pattern": draw(st.sampled_from(
+            ["^[a-z]{1,4}$", "^[0-9]{3}-[0-9]{2}$", "^(yes|no)$", "^[A-F0-9]{2,6}$"]))}
+    if kind == "enum":
+        return {"type": "string", "enum": draw(st.lists(
+            st.text("abcxyz_", min_size=1, max_size=5), min_size=1, max_size=4, unique=True))}
+    return {"type": "boolean"}
+
+
+def _object(props: dict[str, Any], draw) -> dict[str, Any]:
+    names = sorted(props)
+    required = draw(st.lists(st.sampled_from(names), unique=True)) if names else []
+    return {"type": "object", "properties": props, "required": sorted(required, key=names.index),
+            "additionalProperties": False}
+
+
+@st.composite
+def schemas(draw) -> dict[str, Any]:
+    """Objects with required and optional properties: leaves, arrays of leaves (1-3 items),
+    one nested object."""
+    names = draw(st.lists(st.sampled_from(["id", "name", "tags", "size", "ok", "inner"]),
+                          min_size=1, max_size=4, unique=True))
+    props: dict[str, Any] = {}
+    for name in names:
+        shape = draw(st.sampled_from(["leaf", "leaf", "array", "nested"]))
+        if shape == "array":
+            lo, hi = _bounds(draw, 0, 3)
+            props[name] = {"type": "array", "items": draw(leaf_schemas()), "minItems": lo,
+                           "maxItems": hi}
+        elif shape == "nested":
+            inner = {f"k{i}": draw(leaf_schemas()) for i in range(draw(st.integers(1, 2)))}
+            props[name] = _object(inner, draw)
+        else:
+            props[name] = draw(leaf_schemas())
+    return _object(props, draw)
+
+
+def test_the_reference_checker_refuses_what_the_family_excludes():
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0,
+                                                     "maximum": 3},
+                                               "b": {"type": "string", "pattern": "^[a-z]{1,4}$"}},
+              "required": ["a"], "additionalProperties": False}
+    assert conforms({"a": 2, "b": "ab"}, schema)
+    for bad in ({"a": 4}, {"b": "ab"}, {"a": 1, "b": "ABC"}, {"a": 1, "c": 0}, {"a": True},
+                [1]):
+        assert not conforms(bad, schema), bad
+
+
+# ---- the mask on the row (sampling.py), against a reference computation ----------------------
+class _Allowed:
+    """A RowConstraint allowing a fixed set of tokens; records what it accepted."""
+
+    def __init__(self, vocab: int, allowed: list[int]) -> None:
+        self.mask = np.zeros(vocab, dtype=bool)
+        self.mask[allowed] = True
+        self.accepted: list[int] = []
+
+    def allowed(self) -> np.ndarray:
+        return self.mask
+
+    def accept(self, token: int) -> None:
+        self.accepted.append(token)
+
+    @property
+    def finished(self) -> bool:
+        return False
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 1 << 30), allowed=st.lists(st.integers(0, 63), min_size=1,
+                                                       max_size=8, unique=True),
+       temperature=st.sampled_from([0.0, 0.7, 1.3]), bias=st.integers(-5, 5))
+def test_the_mask_sets_every_other_token_to_minus_infinity_before_the_choice(seed, allowed,
+                                                                            temperature, bias):
+    row = np.random.default_rng(seed).standard_normal(64).astype(np.float32)
+    params = sampling.SamplingParams(temperature=temperature, seed=seed,
+                                     logit_bias=((allowed[0], float(bias)),),
+                                     grammar=_FixedGrammar())
+    constraint = _Allowed(64, allowed)
+    reference = np.full(64, -np.inf, dtype=np.float32)
+    reference[allowed] = row[allowed]
+    reference[allowed[0]] += np.float32(bias)
+    got = sampling.process(row, params, constraint=constraint)
+    assert np.array_equal(got, reference)
+    token, _ = sampling.pick(row, params, 0, argmax=int(np.argmax(row)), constraint=constraint)
+    assert token in allowed and constraint.accepted == [token]
+    if temperature == 0.0:  # greedy: the masked row's argmax, never the raw one
+        assert token == int(np.argmax(reference))
+    else:  # one draw of [seed, index] over the masked row's softmax, by inverse CDF
+        x = reference.astype(np.float64)
+        probs = np.exp((x - x.max()) / temperature)
+        u = np.random.default_rng([seed, 0]).random()
+        assert token == int(np.searchsorted(np.cumsum(probs), u * probs.sum(), side="right"))
+
+
+class _FixedGrammar:
+    def start(self) -> _Allowed:
+        return _Allowed(64, [0])
+
+
+# ---- structured outputs: every answer parses against its schema ------------------------------
+def _json_schema(schema: dict[str, Any], strict: bool = True) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema,
+                                                   "strict": strict}}
+
+
+@settings(max_examples=EXAMPLES, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(schema=schemas(), sampled=st.booleans(), seed=st.integers(0, 1 << 20))
+def test_every_answer_parses_against_its_schema(live, llguidance, schema, sampled, seed):
+    server, _ = live
+    fields = {"temperature": 1.0, "seed": seed} if sampled else {}
+    r = post(server, chat_body(response_format=_json_schema(schema), **fields))
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop", (schema, choice)
+    value = json.loads(choice["message"]["content"])
+    assert conforms(value, schema), (schema, value)
+
+
+def test_without_the_grammar_the_synthetic_model_writes_no_json(live):
+    """What the mask changes: the same request without response_format is not JSON (the
+    synthetic model's weights are random), so the test above fails without the mask."""
+    server, _ = live
+    r = post(server, chat_body(max_tokens=24))
+    assert r.status_code == 200, r.text
+    with pytest.raises(ValueError):
+        json.loads(r.json()["choices"][0]["message"]["content"])
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_a_stream_concatenates_to_the_whole_answer(live, llguidance, sampled):
+    server, _ = live
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 5},
+        "size": {"type": "integer", "minimum": 0, "maximum": 999},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
+        "required": ["name", "size", "tags"], "additionalProperties": False}
+    body = chat_body(response_format=_json_schema(schema),
+                     **({"temperature": 0.9, "seed": 11} if sampled else {}))
+    whole = post(server, body).json()["choices"][0]
+    chunks = streamed(server, body)
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == whole["message"]["content"]
+    assert conforms(json.loads(text), schema)
+    assert chunks[-1]["choices"][0]["finish_reason"] == whole["finish_reason"] == "stop"
+
+
+def test_every_choice_of_n_and_of_a_prompt_list_follows_the_schema(live, llguidance):
+    server, _ = live
+    schema = {"type": "object", "properties": {"v": {"enum": ["a", "bb", "ccc"]},
+                                               "n": {"type": "integer", "minimum": -5,
+                                                     "maximum": 5}},
+              "required": ["v", "n"], "additionalProperties": False}
+    r = post(server, chat_body(response_format=_json_schema(schema), n=3, temperature=1.0,
+                               seed=7))
+    assert r.status_code == 200, r.text
+    r2 = post(server, {"model": MODEL, "prompt": ["a", "b"], "max_tokens": 40,
+                       "response_format": _json_schema(schema)}, "/v1/completions")
+    assert r2.status_code == 200, r2.text
+    texts = [c["message"]["content"] for c in r.json()["choices"]] + \
+        [c["text"] for c in r2.json()["choices"]]
+    assert len(texts) == 5
+    for text in texts:
+        assert conforms(json.loads(text), schema), text
+
+
+def test_json_object_is_an_object_and_completions_take_response_format(live, llguidance):
+    server, _ = live
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                     "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    r = post(server, {"model": MODEL, "prompt": "x", "max_tokens": 40,
+                      "response_format": _json_schema(schema)}, "/v1/completions")
+    assert r.status_code == 200, r.text
+    assert conforms(json.loads(r.json()["choices"][0]["text"]), schema)
+    # json_object: any object (the synthetic model's keys may run past max_tokens: then
+    # only the start is an object's)
+    r = post(server, chat_body(response_format={"type": "json_object"}, max_tokens=60))
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    if choice["finish_reason"] == "stop":
+        assert isinstance(json.loads(choice["message"]["content"]), dict)
+    else:
+        assert choice["message"]["content"].startswith("{")
+
+
+# ---- tools ----------------------------------------------------------------------------------
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "the weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 8},
+        "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {
+        "zone": {"type": "integer", "minimum": -12, "maximum": 14}},
+        "required": ["zone"], "additionalProperties": False}}}
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, CLOCK)}
+
+
+def _check_calls(calls: list[dict[str, Any]]) -> None:
+    assert calls
+    for call in calls:
+        assert call["type"] == "function" and call["id"].startswith("call_")
+        name = call["function"]["name"]
+        assert conforms(json.loads(call["function"]["arguments"]), SCHEMAS[name]), call
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function",
+                                                 "function": {"name": "get_time"}}])
+def test_a_forced_tool_call_parses_against_the_tools_parameters(live, llguidance, choice):
+    server, _ = live
+    r = post(server, chat_body(tools=[WEATHER, CLOCK], tool_choice=choice,
+                               parallel_tool_calls=False))
+    assert r.status_code == 200, r.text
+    result = r.json()["choices"][0]
+    assert result["finish_reason"] == "tool_calls", result
+    calls = result["message"]["tool_calls"]
+    assert len(calls) == 1
+    _check_calls(calls)
+    if isinstance(choice, dict):
+        assert calls[0]["function"]["name"] == "get_time"
+
+
+def test_parallel_tool_calls_are_each_valid(live, llguidance):
+    server, _ = live
+    r = post(server, chat_body(tools=[CLOCK], tool_choice="required", max_tokens=120))
+    assert r.status_code == 200, r.text
+    result = r.json()["choices"][0]
+    if result["finish_reason"] == "tool_calls":
+        _check_calls(result["message"]["tool_calls"])
+    else:  # the synthetic model may call again and again until max_tokens
+        assert result["finish_reason"] == "length"
+        assert result["message"].get("tool_calls") is None
+
+
+def test_streamed_tool_calls_assemble_to_the_whole_answer(live, llguidance):
+    server, _ = live
+    body = chat_body(tools=[WEATHER, CLOCK], tool_choice="required", parallel_tool_calls=False)
+    whole = post(server, body).json()["choices"][0]
+    chunks = streamed(server, body)
+    calls: dict[int, dict[str, Any]] = {}
+    for chunk in chunks:
+        for piece in (chunk["choices"][0]["delta"].get("tool_calls") or []
+                      if chunk["choices"] else []):
+            if "id" in piece:  # a call's first piece: index, id, type, name
+                assert piece["function"]["arguments"] == "" and piece["type"] == "function"
+                calls[piece["index"]] = {"id": piece["id"], "type": "function", "function": {
+                    "name": piece["function"]["name"], "arguments": ""}}
+            else:
+                calls[piece["index"]]["function"]["arguments"] += \
+                    piece["function"]["arguments"]
+    assert [c["function"] for c in calls.values()] == \
+        [c["function"] for c in whole["message"]["tool_calls"]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    _check_calls(list(calls.values()))
+
+
+def test_n_streamed_choices_each_carry_their_own_tool_call(live, llguidance):
+    server, _ = live
+    body = chat_body(tools=[CLOCK], tool_choice="required", parallel_tool_calls=False, n=2,
+                     temperature=1.0, seed=5)
+    calls: dict[int, dict[str, Any]] = {}
+    finish: dict[int, str] = {}
+    for chunk in streamed(server, body):
+        for choice in chunk["choices"]:
+            for piece in choice["delta"].get("tool_calls") or []:
+                entry = calls.setdefault(choice["index"], {"function": {"arguments": ""}})
+                if "id" in piece:
+                    entry.update(id=piece["id"], type="function")
+                    entry["function"]["name"] = piece["function"]["name"]
+                entry["function"]["arguments"] += piece["function"]["arguments"]
+            if choice["finish_reason"] is not None:
+                finish[choice["index"]] = choice["finish_reason"]
+    assert sorted(calls) == [0, 1] and finish == {0: "tool_calls", 1: "tool_calls"}
+    _check_calls(list(calls.values()))
+
+
+def test_auto_answers_with_text_or_calls_and_the_response_says_which(live, llguidance):
+    server, _ = live
+    r = post(server, chat_body(tools=[CLOCK], tool_choice="auto", max_tokens=12))
+    assert r.status_code == 200, r.text
+    result = r.json()["choices"][0]
+    if result["message"].get("tool_calls"):
+        assert result["finish_reason"] == "tool_calls"
+        _check_calls(result["message"]["tool_calls"])
+    else:
+        assert not result["message"]["content"].startswith(grammar.CALL_OPEN)
+
+
+@pytest.mark.parametrize(("text", "content", "names"), [
+    ("the answer is 4", "the answer is 4", []),
+    ("<tool_c is not a call", "<tool_c is not a call", []),
+    ('<tool_call>\n{"name":"get_time","arguments":{"zone":3}}\n</tool_call>', None,
+     ["get_time"]),
+    ('let me look\n<tool_call>\n{"name":"get_time","arguments":{"zone":-1}}\n</tool_call>\n'
+     '<tool_call>\n{"name":"get_weather","arguments":{"city":"a}\\n","unit":"celsius"}}\n'
+     '</tool_call>', "let me look\n", ["get_time", "get_weather"]),
+    ('<tool_call>\n{"name":"get_time","arguments":{"zo', None, []),  # cut by max_tokens
+    ('a <tool_call> tag, then <tool_call>\n{"name":"get_time","arguments":{"zone":0}}\n'
+     '</tool_call>', "a <tool_call> tag, then ", ["get_time"]),  # what auto's grammar allows
+])
+def test_auto_output_parsing_whole_and_streamed_agree(text, content, names):
+    """parse_tool_calls (the whole answer) and ToolCallStream (fed one character at a time,
+    as a stream) read the same calls and content."""
+    parsed_content, calls = grammar.parse_tool_calls(text)
+    assert [c["function"]["name"] for c in calls] == names
+    assert parsed_content == (text if not names else content)
+    for call in calls:
+        assert conforms(json.loads(call["function"]["arguments"]),
+                        SCHEMAS[call["function"]["name"]])
+    stream = grammar.ToolCallStream()
+    deltas = [d for ch in text for d in stream.feed(ch)] + stream.feed("", final=True)
+    streamed_calls: dict[int, str] = {}
+    for d in deltas:
+        for piece in d.get("tool_calls", ()):
+            streamed_calls[piece["index"]] = streamed_calls.get(piece["index"], "") + \
+                piece["function"]["arguments"]
+    if names:
+        assert "".join(d.get("content", "") for d in deltas) == (content or "")
+        assert list(streamed_calls.values()) == [c["function"]["arguments"] for c in calls]
+
+
+@pytest.mark.parametrize("parallel", [None, False])
+def test_auto_lets_text_come_before_calls_but_every_call_follows_its_schema(llguidance,
+                                                                          parallel):
+    """The "auto" grammar itself (no model): text, text then calls, and nothing else; a call
+    after text is held to its tool's schema like a call at the start."""
+    plan = grammar.chat_structure(None, grammar.tool_setup([CLOCK], "auto"), parallel,
+                                  ByteTokenizer(), 151936, 151643)
+    call = '<tool_call>\n{"name":"get_time","arguments":{"zone":3}}\n</tool_call>'
+
+    def error_after(text: str) -> str:
+        state = plan.start()
+        for byte in text.encode():
+            if state.error:
+                break
+            state.accept(256 + byte)
+        return state.error
+    assert not error_after("no call at all")
+    assert not error_after("let me look " + call)
+    assert error_after('let me look <tool_call>\n{"name":"get_weather"')
+    assert error_after('let me look <tool_call>\n{"name":"get_time","arguments":{"zone":99}')
+    assert bool(error_after(call + "\n" + call)) == (parallel is False)
+
+
+def test_tool_calls_and_tool_results_in_the_history_are_rendered(live):
+    """The multi-turn loop: the assistant's tool_calls and the tool's answer go back in."""
+    server, _ = live
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_time", "arguments": '{"zone": 2}'}}
+    messages = [{"role": "user", "content": "time?"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
+    r = httpx.post(f"{server.url}/tokenize", json={"messages": messages,
+                                                   "return_token_strs": True}, timeout=30)
+    assert r.status_code == 200, r.text
+    text = "".join(r.json()["token_strs"])
+    assert text == ('user: time?\nassistant: <tool_call>\n{"name": "get_time", "arguments": '
+                    '{"zone": 2}}\n</tool_call>\ntool: 12:00\nassistant:')
+    r = post(server, {"model": MODEL, "messages": messages, "max_tokens": 2, "tools": [CLOCK],
+                      "tool_choice": "none"})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("cut", [4, 12])
+def test_a_structured_stream_continued_on_a_sibling_equals_an_uncut_one(app, llguidance, cut):
+    """Mid-stream failover (issue 16): the sibling replays the tokens already sent into the
+    grammar before it continues, so the answer is the uncut one (valid JSON), not a second
+    object started mid-answer."""
+    from test_server_handoff import events, through_ingress
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                               "size": {"type": "integer", "minimum": 0,
+                                                        "maximum": 999}},
+              "required": ["name", "size"], "additionalProperties": False}
+    body = chat_body(response_format=_json_schema(schema), stream=True, temperature=0.9, seed=3)
+    reference = events(through_ingress(app, "/v1/chat/completions", body)[0])
+    got = events(through_ingress(app, "/v1/chat/completions", body, cut)[0])
+    for e in (*reference, *got):
+        e["id"] = e["created"] = None
+    assert got == reference
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in got if e["choices"])
+    assert conforms(json.loads(text), schema)
+
+
+def test_a_jinja_chat_template_gets_the_tools_and_the_calls():
+    """A tokenizer's template (Qwen3's reads them so) gets the request's ``tools`` and each
+    message's ``tool_calls`` and ``tool_call_id``; with tool_choice "none" the tools are still
+    offered to it."""
+    tok = ByteTokenizer()
+    tok.chat_template = (
+        "{% if tools %}<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}</tools>"
+        "{% endif %}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}<call>{{ c.function.name }}:{{ c.function.arguments }}"
+        "</call>{% endfor %}{% if m.tool_call_id %}[{{ m.tool_call_id }}]{% endif %}"
+        "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    messages = [ChatMessage(role="user", content="time?"),
+                ChatMessage(role="assistant", content="", tool_calls=[{
+                    "id": "call_1", "type": "function",
+                    "function": {"name": "get_time", "arguments": '{"zone":1}'}}]),
+                ChatMessage(role="tool", tool_call_id="call_1", content="12:00")]
+    expected = ('<|user|>time?<|assistant|><call>get_time:{"zone":1}</call>'
+                '<|tool|>12:00[call_1]<|assistant|>')
+    for choice in ("auto", "none"):
+        setup = grammar.tool_setup([CLOCK, WEATHER], choice)
+        text = render_chat(messages, tok, tools=setup)
+        assert text == "<tools>get_time;get_weather;</tools>" + expected
+    assert render_chat(messages, tok) == expected
+
+
+# ---- the official SDK -------------------------------------------------------------------------
+class Answer(pydantic.BaseModel):
+    colour: Literal["red", "green", "blue"]
+    count: int = pydantic.Field(ge=0, le=99)
+    label: str = pydantic.Field(max_length=6)
+
+
+def test_the_sdks_parse_helper_returns_the_pydantic_model(live, llguidance):
+    _, client = live
+    completion = client.chat.completions.parse(
+        model=MODEL, messages=[{"role": "user", "content": "answer"}], response_format=Answer,
+        max_tokens=MAX_TOKENS)
+    parsed = completion.choices[0].message.parsed
+    assert isinstance(parsed, Answer)
+    assert 0 <= parsed.count <= 99 and len(parsed.label) <= 6
+
+
+def test_the_sdks_pydantic_function_tool_is_called_with_valid_arguments(live, llguidance):
+    _, client = live
+
+    class GetTime(pydantic.BaseModel):
+        zone: int = pydantic.Field(ge=-12, le=14)
+
+    completion = client.chat.completions.parse(
+        model=MODEL, messages=[{"role": "user", "content": "time?"}],
+        tools=[openai.pydantic_function_tool(GetTime)], tool_choice="required",
+        parallel_tool_calls=False, max_tokens=MAX_TOKENS)
+    call = completion.choices[0].message.tool_calls[0]
+    assert isinstance(call.function.parsed_arguments, GetTime)
+    assert completion.choices[0].finish_reason == "tool_calls"
+
+
+# ---- refusals ---------------------------------------------------------------------------------
+@pytest.mark.parametrize(("fields", "param", "says"), [
+    ({"response_format": _json_schema({"type": "strin"})},
+     "response_format.json_schema.schema", "llguidance"),
+    ({"response_format": _json_schema({"type": "object", "properties": {"a": {"$ref": "#/x"}}})},
+     "response_format.json_schema.schema", "llguidance"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "bad name!",
+                                                                 "schema": {}}}},
+     "response_format.json_schema.name", "name"),
+    ({"response_format": {"type": "regex"}}, "response_format", "json_schema"),
+    ({"tools": [{"type": "function", "function": {"name": "f",
+                                                  "parameters": {"type": "strin"}}}]},
+     "tools.0.function.parameters", "llguidance"),
+    ({"tools": [{"type": "custom", "custom": {"name": "f"}}]}, "tools.0.type", "function"),
+    ({"tools": [CLOCK], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice", "nope"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"functions": [CLOCK["function"]]}, "functions", "tools"),
+    ({"function_call": "auto"}, "function_call", "tool_choice"),
+])
+def test_bad_structured_fields_are_400s_naming_the_field(live, llguidance, fields, param, says):
+    server, _ = live
+    r = post(server, chat_body(**fields))
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and says in error["message"], error
+
+
+@pytest.mark.parametrize("where", ["response_format", "tools"])
+def test_strict_refuses_keywords_llguidance_does_not_implement(live, llguidance, where):
+    """strict: true promises the whole schema, so a keyword llguidance does not implement is a
+    400 with its message; without strict (OpenAI's default) it is ignored, the rest enforced."""
+    server, _ = live
+    schema = {"type": "object", "properties": {"ids": {
+        "type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
+        "maxItems": 3, "uniqueItems": True}}, "required": ["ids"], "additionalProperties": False}
+
+    def ask(strict: bool) -> httpx.Response:
+        if where == "tools":
+            tool = {"type": "function", "function": {"name": "f", "parameters": schema,
+                                                     "strict": strict}}
+            return post(server, chat_body(tools=[tool], tool_choice="required",
+                                          parallel_tool_calls=False))
+        return post(server, chat_body(response_format=_json_schema(schema, strict=strict)))
+    r = ask(True)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert "uniqueItems" in error["message"] and error["param"] == (
+        "tools.0.function.parameters" if where == "tools"
+        else "response_format.json_schema.schema"), error
+    r = ask(False)
+    assert r.status_code == 200, r.text
+    message = r.json()["choices"][0]["message"]
+    answer = message["tool_calls"][0]["function"]["arguments"] if where == "tools" \
+        else message["content"]
+    assert conforms(json.loads(answer), schema)
+
+
+def test_a_tokenizer_json_is_given_to_llguidance(tmp_path, llguidance):
+    """A --tokenizer tokenizer.json (byte-level BPE, trained here: nothing is downloaded) is
+    loaded by llguidance itself; its answers are forced into the schema too."""
+    tokenizers = needs.module("tokenizers", "tokenizer")
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(['{"name": "abc", "size": 12, "ok": true}'] * 20, trainer)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    executor = started_executor(tmp_path)
+    app = create_app(executor, ServerConfig(tokenizer_path=str(tmp_path / "tokenizer.json")))
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 4},
+        "size": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["name", "size"], "additionalProperties": False}
+    try:
+        with LiveServer(app) as server:
+            for fields in ({}, {"temperature": 1.0, "seed": 5}):
+                r = post(server, chat_body(response_format=_json_schema(schema), **fields))
+                assert r.status_code == 200, r.text
+                choice = r.json()["choices"][0]
+                assert choice["finish_reason"] == "stop", choice
+                assert conforms(json.loads(choice["message"]["content"]), schema)
+    finally:
+        executor.shutdown(5.0)
+
+
+def test_without_llguidance_the_fields_say_which_package_to_install(live, monkeypatch):
+    server, _ = live
+    monkeypatch.setitem(sys.modules, "llguidance", None)  # import llguidance: ImportError
+    for fields, param in (({"response_format": {"type": "json_object"}}, "response_format"),
+                          ({"tools": [CLOCK], "tool_choice": "required"}, "tools")):
+        r = post(server, chat_body(**fields))
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == param and "llguidance" in error["message"], error
+        assert "pip install" in error["message"]
+    # tools that are not called need no grammar
+    r = post(server, chat_body(tools=[CLOCK], tool_choice="none", max_tokens=2))
+    assert r.status_code == 200, r.text
