@@ -20,6 +20,7 @@ Imports nothing of calexec (``mutants`` uses it before the charts are imported).
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from statemachine import StateChart, StateMachine
@@ -43,7 +44,41 @@ def _all_states(declaration: type[StateChart[Any]]) -> list[Any]:
 
 
 def unsupported(declaration: type[StateChart[Any]]) -> list[str]:
-    """Each construct of ``declaration`` the toolkit cannot model, with where it is."""
+    """Each construct of ``declaration`` no tool supports (compiling refuses the chart), with
+    where it is: invoke callbacks, delayed events, multi-target transitions, async callbacks."""
+    found = []
+    for state in _all_states(declaration):
+        for spec in state._specs:
+            if spec.group == CallbackGroup.INVOKE and not spec.is_convention:
+                found.append(f"invoke {spec.func!r} on state {state.id!r}")
+        for transition in state.transitions:
+            if transition.initial:
+                continue
+            where = describe_transition(transition)
+            if len(transition.targets) > 1:
+                found.append(f"transition {where} with {len(transition.targets)} targets")
+            for event in transition.events:
+                if getattr(event, "delay", 0):
+                    found.append(f"delayed event {str(event)!r} on transition {where}")
+            for spec in transition._specs:
+                if _is_async(declaration, spec):
+                    found.append(f"async callback {_name(spec.func)!r} on transition {where}")
+        for spec in state._specs:
+            if _is_async(declaration, spec):
+                found.append(f"async callback {_name(spec.func)!r} of state {state.id!r}")
+    return list(dict.fromkeys(found))
+
+
+def _is_async(declaration: type[StateChart[Any]], spec: Any) -> bool:
+    func = getattr(declaration, spec.func, None) if isinstance(spec.func, str) else spec.func
+    return inspect.iscoroutinefunction(func)
+
+
+def hierarchical(declaration: type[StateChart[Any]]) -> list[str]:
+    """Each construct of ``declaration`` that needs the general compiled run
+    (``machines/statechart_run.py``) rather than the flat fast path, with where it is:
+    compound, parallel and history states, eventless transitions, validators and guards that
+    are not one method name (expressions, callables)."""
     found = []
     for state in _all_states(declaration):
         if state.parallel:
@@ -52,20 +87,21 @@ def unsupported(declaration: type[StateChart[Any]]) -> list[str]:
             found.append(f"compound state {state.id!r}")
         for history in getattr(state, "history", ()) or ():
             found.append(f"history state {history.id!r} in {state.id!r}")
-        for spec in state._specs:
-            if spec.group == CallbackGroup.INVOKE and not spec.is_convention:
-                found.append(f"invoke {spec.func!r} on state {state.id!r}")
         for transition in state.transitions:
             if transition.initial:
                 continue
             where = describe_transition(transition)
             if transition.is_eventless:
                 found.append(f"eventless transition {where}")
-            if len(transition.targets) != 1:
-                found.append(f"transition {where} with {len(transition.targets)} targets")
+            if not transition.targets:
+                found.append(f"targetless transition {where}")
             for spec in transition._specs:
                 if spec.group == CallbackGroup.VALIDATOR and not spec.is_convention:
                     found.append(f"validator {_name(spec.func)!r} on transition {where}")
+                if (spec.group == CallbackGroup.COND and not spec.is_convention
+                        and getattr(spec.func, "calexec_constant", None) is None
+                        and not (isinstance(spec.func, str) and spec.func.isidentifier())):
+                    found.append(f"guard {_name(spec.func)!r} on transition {where}")
     return found
 
 

@@ -39,6 +39,7 @@ from calexec.machines.chart_support import (
 from calexec.machines.chart_support import (
     actions,
     describe_transition,
+    hierarchical,
     refuse_unsupported,
     semantics,
 )
@@ -116,9 +117,11 @@ class CompiledChart:
     #: one thread at a time (the pytest plugin at configure, a test around its scenario).
     listeners: tuple[Callable[[Transition], None], ...] = attrs.field(
         default=(), repr=False, eq=False)
-    #: why ``run`` refuses (actions a compiled run would not call, StateChart semantics it does
-    #: not follow: ``chart_support``); empty for a chart compiled runs follow exactly
-    unrunnable: tuple[str, ...] = attrs.field(default=(), repr=False)
+    #: why the flat fast path (``ChartRun``) does not apply, one entry per construct (compound,
+    #: parallel or history states, validators, guard expressions, actions, StateChart
+    #: semantics: ``chart_support``); empty for a flat chart. ``run`` then returns the general
+    #: ``statechart_run.StatechartRun``.
+    general: tuple[str, ...] = attrs.field(default=(), repr=False)
 
     def attach(self, listener: Callable[[Transition], None]) -> None:
         """Call ``listener(transition)`` for every transition a run of this chart takes."""
@@ -140,12 +143,18 @@ class CompiledChart:
 
     def run(self, model: Any, state: str | None = None) -> ChartRun:
         """A new run on ``model`` (the guard provider), in ``state`` or the initial state.
-        Raises ``UnsupportedChart`` for a chart a compiled run would not follow (``unrunnable``:
-        actions, StateChart semantics)."""
-        if self.unrunnable:
-            raise UnsupportedChart(f"{self.name}: a compiled run calls no action and follows "
-                                   f"StateMachine semantics only; refused for: "
-                                   f"{'; '.join(self.unrunnable)}")
+
+        For a chart the flat fast path does not cover (``general`` names why) this is a
+        ``statechart_run.StatechartRun`` (``model`` is then python-statemachine's ``model=``;
+        ``state`` must be None: it starts in the declared initial configuration), which has
+        ``send``/``can``/``state``/``final`` as ``ChartRun`` has plus event data."""
+        if self.general:
+            if state is not None:
+                raise ValueError(f"{self.name}: state={state!r}: a hierarchical run starts in its "
+                                 f"declared initial configuration")
+            from calexec.machines.statechart_run import StatechartRun  # imports this module
+
+            return StatechartRun(self, model)  # type: ignore[return-value]
         if state is None:
             state = self.initial
         elif state not in self.states:
@@ -238,12 +247,18 @@ class ChartRun:
         return f"ChartRun({self.chart.name}, state={self.state!r})"
 
 
-def _guard_names(transition: Any, expected: bool) -> tuple[str, ...]:
+def _guard_names(transition: Any, expected: bool, named_only: bool = True) -> tuple[str, ...]:
+    """The guards of ``transition`` (``cond`` when ``expected``, else ``unless``) as text: a
+    method name, an expression, or a callable's name (only names when ``named_only``)."""
     names = []
     for spec in transition._specs:
         if spec.group != CallbackGroup.COND or spec.expected_value is not expected:
             continue
         if _constant(spec) is not None:
+            continue
+        if not named_only and not (isinstance(spec.func, str) and spec.func.isidentifier()):
+            names.append(spec.func if isinstance(spec.func, str)
+                         else str(getattr(spec.func, "__name__", spec.func)))
             continue
         if not isinstance(spec.func, str) or not spec.func.isidentifier():
             raise ValueError(
@@ -319,23 +334,29 @@ def compile_chart(declaration: type[StateChart[Any]], name: str | None = None) -
     refuse_unsupported(declaration, "the compiled form")
     if declaration.initial_state is None:
         raise ValueError(f"{name}: declaration {declaration.__name__} has no initial state")
-    states = tuple(state.id for state in declaration.states)
+    general = tuple(hierarchical(declaration) + actions(declaration)
+                    + list(filter(None, [semantics(declaration)])))
+    every_state = list(declaration.states_map.values())
+    states = tuple(state.id for state in every_state)
     transitions: list[Transition] = []
     by_declared: dict[tuple[int, str], Transition] = {}
     table: dict[tuple[str, str], tuple[Transition, ...]] = {}
-    for state in declaration.states:
+    for state in every_state:
         for declared in state.transitions:
+            if declared.initial:
+                continue
             if _blocked(declared):  # never taken, but the event is refused, not illegal
                 for event in declared.events:
                     table.setdefault((state.id, str(event)), ())
                 continue
-            conds, unless = _guard_names(declared, True), _guard_names(declared, False)
-            for event in declared.events:
+            conds = _guard_names(declared, True, named_only=not general)
+            unless = _guard_names(declared, False, named_only=not general)
+            for event in list(declared.events) or [""]:  # "": an eventless transition
                 index = len(transitions)
                 transition = Transition(
                     source=state.id,
                     event=str(event),
-                    target=declared.target.id,
+                    target=declared.target.id if declared.target is not None else state.id,
                     conds=conds,
                     unless=unless,
                     id=index,
@@ -355,10 +376,11 @@ def compile_chart(declaration: type[StateChart[Any]], name: str | None = None) -
         events=tuple(str(event) for event in declaration._events),
         transitions=tuple(transitions),
         table=MappingProxyType(table),
-        guard_names=frozenset(g for t in transitions for g in t.conds + t.unless),
+        guard_names=frozenset(g for t in transitions for g in t.conds + t.unless
+                              if g.isidentifier()),
         by_declared=MappingProxyType(by_declared),
         taken=[0] * len(transitions),
-        unrunnable=tuple(actions(declaration) + list(filter(None, [semantics(declaration)]))),
+        general=general,
     )
 
 
