@@ -122,6 +122,9 @@ class CompiledChart:
     #: semantics: ``chart_support``); empty for a flat chart. ``run`` then returns the general
     #: ``statechart_run.StatechartRun``.
     general: tuple[str, ...] = attrs.field(default=(), repr=False)
+    #: the python-statemachine transition each record of ``transitions`` was derived from
+    #: (same index): the general run's skeleton takes one by its record
+    declared: tuple[Any, ...] = attrs.field(default=(), repr=False, eq=False)
 
     def attach(self, listener: Callable[[Transition], None]) -> None:
         """Call ``listener(transition)`` for every transition a run of this chart takes."""
@@ -290,6 +293,17 @@ def _blocked(transition: Any) -> bool:
     )
 
 
+def _dotted(event: str) -> str:
+    """The SCXML name python-statemachine also registers for ``done_state_x``,
+    ``done_invoke_x`` and ``error_x`` (itself for any other name)."""
+    for prefix in ("done_state_", "done_invoke_"):
+        if event.startswith(prefix):
+            return f"{prefix[:-1].replace('_', '.')}.{event[len(prefix):]}"
+    if event.startswith("error_"):
+        return event.replace("_", ".")
+    return event
+
+
 #: what every toolkit function takes as a chart: the declared class, or its compiled form
 ChartLike = type[StateChart[Any]] | CompiledChart
 
@@ -341,6 +355,7 @@ def compile_chart(declaration: type[StateChart[Any]], name: str | None = None) -
     transitions: list[Transition] = []
     by_declared: dict[tuple[int, str], Transition] = {}
     table: dict[tuple[str, str], tuple[Transition, ...]] = {}
+    sources: list[Any] = []
     for state in every_state:
         for declared in state.transitions:
             if declared.initial:
@@ -351,7 +366,11 @@ def compile_chart(declaration: type[StateChart[Any]], name: str | None = None) -
                 continue
             conds = _guard_names(declared, True, named_only=not general)
             unless = _guard_names(declared, False, named_only=not general)
-            for event in list(declared.events) or [""]:  # "": an eventless transition
+            events = [str(e) for e in declared.events]
+            # ``done_state_x`` also declares ``done.state.x`` (psm registers both): one record,
+            # the dotted event psm raises, reached by either name
+            aliases = {e: _dotted(e) for e in events if _dotted(e) != e and _dotted(e) in events}
+            for event in [e for e in events if e not in aliases] or [""]:  # "": eventless
                 index = len(transitions)
                 transition = Transition(
                     source=state.id,
@@ -364,6 +383,9 @@ def compile_chart(declaration: type[StateChart[Any]], name: str | None = None) -
                 )
                 transitions.append(transition)
                 by_declared[(id(declared), str(event))] = transition
+                sources.append(declared)
+            for alias, dotted in aliases.items():
+                by_declared[(id(declared), alias)] = by_declared[(id(declared), dotted)]
     for transition in transitions:
         slot = (transition.source, transition.event)
         table[slot] = table.get(slot, ()) + (transition,)
@@ -372,7 +394,7 @@ def compile_chart(declaration: type[StateChart[Any]], name: str | None = None) -
         declaration=declaration,
         states=states,
         initial=declaration.initial_state.id,
-        finals=frozenset(state.id for state in declaration.final_states),
+        finals=frozenset(state.id for state in every_state if state.final),
         events=tuple(str(event) for event in declaration._events),
         transitions=tuple(transitions),
         table=MappingProxyType(table),
@@ -381,6 +403,7 @@ def compile_chart(declaration: type[StateChart[Any]], name: str | None = None) -
         by_declared=MappingProxyType(by_declared),
         taken=[0] * len(transitions),
         general=general,
+        declared=tuple(sources),
     )
 
 

@@ -69,6 +69,7 @@ from calexec.machines.compiled import (
     CompiledChart,
     GuardRejected,
     IllegalTransition,
+    Transition,
 )
 
 _ERROR_EXECUTION = "error.execution"
@@ -113,7 +114,8 @@ class StatechartRun:
     """
 
     def __init__(self, chart: CompiledChart, model: object | None = None,
-                 listeners: Iterable[object] = (), **start_kwargs: object) -> None:
+                 listeners: Iterable[object] = (), callbacks: bool = True,
+                 **start_kwargs: object) -> None:
         self.chart = chart
         declaration = chart.declaration
         self.declaration = declaration
@@ -137,6 +139,17 @@ class StatechartRun:
         self._cache: dict[tuple[int, int, int, int], tuple[tuple[Any, ...], dict[str, Any]]] = {}
         self._taken: list[tuple[Any, str]] = []
         self._registry = CallbacksRegistry()
+        #: bound on the microsteps of one macrostep of a skeleton (guards all pass there, so
+        #: two eventless transitions could chase each other forever)
+        self._max_microsteps = None if callbacks else 1000
+        self._microsteps = 0
+        self._prepare_key = declaration.prepare.key
+        self._root_parallel_pending: State | None = None
+        #: ids of the states a skeleton entered in its last ``force`` (or its start)
+        self.entered: list[str] = []
+        if not callbacks:  # a skeleton (``skeleton``): the chart's structure only
+            self._start(**start_kwargs)
+            return
         resolvers = Listeners.from_listeners((
             Listener.from_obj(machine, skip_attrs=_protected(declaration)),
             Listener.from_obj(model, skip_attrs={"state"}),
@@ -151,9 +164,74 @@ class StatechartRun:
             except Exception as err:
                 raise InvalidDefinition(
                     f"Error on {visited!s} when resolving callbacks: {err}") from err
-        self._prepare_key = declaration.prepare.key
-        self._root_parallel_pending: State | None = None
         self._start(**start_kwargs)
+
+    # ---- skeletons: the structure of the chart, for paths (machines/paths.py)
+
+    @classmethod
+    def skeleton(cls, chart: CompiledChart) -> StatechartRun:
+        """A run that calls no callback: every guard passes and every action does nothing.
+        ``machines/paths.py`` explores the configurations of a chart with it (``node``,
+        ``fork``, ``force``)."""
+        return cls(chart, callbacks=False)
+
+    def node(self) -> tuple[tuple[str, ...], tuple[tuple[str, tuple[str, ...]], ...], bool]:
+        """What decides this run's future: the configuration, the recorded history and
+        whether it still runs."""
+        history = tuple(sorted((k, tuple(s.id for s in v)) for k, v in self.history_values.items()))
+        return self.configuration, history, self.running
+
+    def fork(self) -> StatechartRun:
+        """A copy of this skeleton in the same configuration and history (only skeletons: a
+        run with callbacks owns a model that is not copied)."""
+        if self._max_microsteps is None:
+            raise ValueError(f"{self.chart.name}: only a skeleton run is forked")
+        twin = object.__new__(StatechartRun)
+        twin.__dict__.update(self.__dict__)
+        twin._config = OrderedSet(self._config)
+        twin.history_values = dict(self.history_values)
+        twin._internal = deque()
+        twin._cache = {}
+        twin._taken = []
+        twin.entered = []
+        return twin
+
+    def candidates(self) -> list[Transition]:
+        """The transitions a sent event could take now (their source is active), in
+        configuration and declaration order."""
+        found: list[Transition] = []
+        if not self.running:
+            return found
+        for state in self._config:
+            for declared in state.transitions:
+                if declared.initial or declared.is_eventless:
+                    continue
+                for event in declared.events:
+                    record = self.chart.by_declared.get((id(declared), str(event)))
+                    if record is not None and record not in found:
+                        found.append(record)
+        return found
+
+    def force(self, record: Transition) -> list[Transition]:
+        """Take ``record`` (one of ``candidates``) as its event would, then the macrostep it
+        starts; return every transition record taken, ``record`` first. ``entered`` is then
+        the ids of the states entered on the way (some may have been left again within the
+        macrostep: a final child whose ``done.state`` event leaves its parent)."""
+        declared = self.chart.declared[record.id]
+        bound = BoundEvent(id=record.event, _sm=self.machine)
+        trigger = bound.build_trigger(machine=self.machine)
+        self._cache.clear()
+        taken: list[Transition] = []
+        self.entered = []
+        self._microstep([declared], trigger)
+        self._run_macrostep()
+        self._check_root_final()
+        for step, event in self._taken:
+            found = self.chart.by_declared.get((id(step), event))
+            if found is not None:
+                taken.append(found)
+        self._taken = []
+        return taken
 
     # ---- public API
 
@@ -260,6 +338,8 @@ class StatechartRun:
             self.running = False
 
     def _notify(self) -> None:
+        if self._max_microsteps is not None:  # a skeleton's steps are no run's: not counted
+            return
         taken, self._taken = self._taken, []
         chart = self.chart
         for declared, event in taken:
@@ -272,7 +352,13 @@ class StatechartRun:
 
     def _run_macrostep(self) -> bool:
         took_events = False
+        self._microsteps = 0
         while True:
+            self._microsteps += 1
+            if self._max_microsteps is not None and self._microsteps > self._max_microsteps:
+                raise ValueError(f"{self.chart.name}: more than {self._max_microsteps} "
+                                 f"microsteps in one macrostep of {self.configuration} "
+                                 f"(eventless transitions chasing each other)")
             self._cache.clear()
             trigger = TriggerData(self.machine, event=None)
             enabled = self._select(trigger, eventless=True)
@@ -534,6 +620,8 @@ class StatechartRun:
             args, kwargs = self._args_kwargs(transition, trigger, target=target)
             if not self.atomic_configuration_update:
                 self._config.add(target)
+            if self._max_microsteps is not None:
+                self.entered.append(target.id)
             entry_result = self._registry.call(target.enter.key, *args, on_error=on_error,
                                                **kwargs)
             if target.id in default_ids:
