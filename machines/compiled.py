@@ -13,6 +13,12 @@ all false is taken. No candidate at all -> ``IllegalTransition``; candidates who
 fail -> ``GuardRejected``. Guards are zero-argument methods of the owner's model object,
 called by name. Final states have no transitions, so any event there is illegal.
 
+Those semantics are the *flat fast path*. Any other chart (compound, parallel or history states,
+validators, guard expressions, actions, ``StateChart`` semantics: ``CompiledChart.general``
+names which) is compiled all the same (its table lists every declared transition of every
+state, nested ones included) and ``CompiledChart.run`` returns the general run,
+``statechart_run.StatechartRun``, which follows python-statemachine's own semantics.
+
 Thread model: a ``ChartRun`` has exactly one owner at a time (the executor serialises the
 events of a job, a txn, a slot); it takes no lock. Concurrent ``send`` on one run is a bug.
 ``CompiledChart`` objects are immutable and shared freely, except two monitoring fields: the
