@@ -1,25 +1,25 @@
 """What the statechart toolkit supports in a python-statemachine chart class, and a refusal
 that names everything else (issue 26: nothing is silently dropped).
 
-Supported (compile, diagrams, coverage, paths, mutation): flat charts of atomic and final
-states; transitions on named events, several per event and state (first passing wins), with
-named ``cond``/``unless`` guards (one method name each) and self-transitions.
+Supported by every tool (compile, diagrams, coverage, paths, mutation): any chart of
+python-statemachine 3.2.2 but the constructs ``unsupported`` names. A compiled run takes one
+of two engines: the flat fast path (``compiled.ChartRun``: atomic and final states, named
+``cond``/``unless`` guards, no action, no validator, ``StateMachine`` semantics), or the
+general run (``statechart_run.StatechartRun``) for everything ``hierarchical`` and ``actions``
+list and for ``StateChart`` semantics (``semantics``): compound, parallel and history states,
+eventless and targetless transitions, validators, guards that are expressions or callables,
+actions (enter/exit, before/on/after, declared or by naming convention).
 
-Refused by ``unsupported`` (so by ``compiled.compile_chart`` and ``mutants.derive``), each
-named with its state or transition: compound, parallel and history states; eventless
-transitions; multi-target transitions; validators; invoke callbacks; guards that are
-expressions or callables (``compiled``). Refused only where a chart is *run* by the toolkit
-(``CompiledChart.run``, listed by ``actions``): actions (enter/exit of a state, before/on/after
-of a transition, declared or by naming convention on the class), which a compiled run would not
-call, and ``StateChart`` semantics (a refused event ignored, callback errors as events), which
-a compiled run does not follow: such a chart can still be drawn, covered, given paths and
-mutated, and run as python-statemachine runs it.
+Refused by ``unsupported`` (so by ``compiled.compile_chart`` and ``mutants.derive``, hence by
+every tool), each named with its state or transition: ``invoke`` callbacks, delayed events,
+multi-target transitions and async callbacks, which no compiled run follows.
 
 Imports nothing of calexec (``mutants`` uses it before the charts are imported).
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from statemachine import StateChart, StateMachine
@@ -43,7 +43,41 @@ def _all_states(declaration: type[StateChart[Any]]) -> list[Any]:
 
 
 def unsupported(declaration: type[StateChart[Any]]) -> list[str]:
-    """Each construct of ``declaration`` the toolkit cannot model, with where it is."""
+    """Each construct of ``declaration`` no tool supports (compiling refuses the chart), with
+    where it is: invoke callbacks, delayed events, multi-target transitions, async callbacks."""
+    found = []
+    for state in _all_states(declaration):
+        for spec in state._specs:
+            if spec.group == CallbackGroup.INVOKE and not spec.is_convention:
+                found.append(f"invoke {spec.func!r} on state {state.id!r}")
+        for transition in state.transitions:
+            if transition.initial:
+                continue
+            where = describe_transition(transition)
+            if len(transition.targets) > 1:
+                found.append(f"transition {where} with {len(transition.targets)} targets")
+            for event in transition.events:
+                if getattr(event, "delay", 0):
+                    found.append(f"delayed event {str(event)!r} on transition {where}")
+            for spec in transition._specs:
+                if _is_async(declaration, spec):
+                    found.append(f"async callback {_name(spec.func)!r} on transition {where}")
+        for spec in state._specs:
+            if _is_async(declaration, spec):
+                found.append(f"async callback {_name(spec.func)!r} of state {state.id!r}")
+    return list(dict.fromkeys(found))
+
+
+def _is_async(declaration: type[StateChart[Any]], spec: Any) -> bool:
+    func = getattr(declaration, spec.func, None) if isinstance(spec.func, str) else spec.func
+    return inspect.iscoroutinefunction(func)
+
+
+def hierarchical(declaration: type[StateChart[Any]]) -> list[str]:
+    """Each construct of ``declaration`` that needs the general compiled run
+    (``machines/statechart_run.py``) rather than the flat fast path, with where it is:
+    compound, parallel and history states, eventless transitions, validators and guards that
+    are not one method name (expressions, callables)."""
     found = []
     for state in _all_states(declaration):
         if state.parallel:
@@ -52,26 +86,27 @@ def unsupported(declaration: type[StateChart[Any]]) -> list[str]:
             found.append(f"compound state {state.id!r}")
         for history in getattr(state, "history", ()) or ():
             found.append(f"history state {history.id!r} in {state.id!r}")
-        for spec in state._specs:
-            if spec.group == CallbackGroup.INVOKE and not spec.is_convention:
-                found.append(f"invoke {spec.func!r} on state {state.id!r}")
         for transition in state.transitions:
             if transition.initial:
                 continue
             where = describe_transition(transition)
             if transition.is_eventless:
                 found.append(f"eventless transition {where}")
-            if len(transition.targets) != 1:
-                found.append(f"transition {where} with {len(transition.targets)} targets")
+            if not transition.targets:
+                found.append(f"targetless transition {where}")
             for spec in transition._specs:
                 if spec.group == CallbackGroup.VALIDATOR and not spec.is_convention:
                     found.append(f"validator {_name(spec.func)!r} on transition {where}")
+                if (spec.group == CallbackGroup.COND and not spec.is_convention
+                        and getattr(spec.func, "calexec_constant", None) is None
+                        and not (isinstance(spec.func, str) and spec.func.isidentifier())):
+                    found.append(f"guard {_name(spec.func)!r} on transition {where}")
     return found
 
 
 def actions(declaration: type[StateChart[Any]]) -> list[str]:
     """Each action ``declaration`` declares (or defines by naming convention on the class),
-    with where: what a compiled run would not call."""
+    with where: what the flat fast path would not call (the general run does)."""
     found = []
     groups = {CallbackGroup.ENTER: "enter", CallbackGroup.EXIT: "exit",
               CallbackGroup.BEFORE: "before", CallbackGroup.ON: "on", CallbackGroup.AFTER: "after"}
@@ -91,10 +126,11 @@ def actions(declaration: type[StateChart[Any]]) -> list[str]:
 
 
 def semantics(declaration: type[StateChart[Any]]) -> str | None:
-    """Why a compiled run cannot follow ``declaration``'s semantics, or None."""
+    """Why the flat fast path cannot follow ``declaration``'s semantics (the general run
+    does), or None."""
     if not issubclass(declaration, StateMachine):
         return (f"{declaration.__name__} is a StateChart (a refused event is ignored, callback "
-                f"errors become events); compiled runs follow StateMachine semantics only")
+                f"errors become events): the flat fast path follows StateMachine semantics only")
     return None
 
 

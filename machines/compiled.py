@@ -13,6 +13,12 @@ all false is taken. No candidate at all -> ``IllegalTransition``; candidates who
 fail -> ``GuardRejected``. Guards are zero-argument methods of the owner's model object,
 called by name. Final states have no transitions, so any event there is illegal.
 
+Those semantics are the *flat fast path*. Any other chart (compound, parallel or history states,
+validators, guard expressions, actions, ``StateChart`` semantics: ``CompiledChart.general``
+names which) is compiled all the same (its table lists every declared transition of every
+state, nested ones included) and ``CompiledChart.run`` returns the general run,
+``statechart_run.StatechartRun``, which follows python-statemachine's own semantics.
+
 Thread model: a ``ChartRun`` has exactly one owner at a time (the executor serialises the
 events of a job, a txn, a slot); it takes no lock. Concurrent ``send`` on one run is a bug.
 ``CompiledChart`` objects are immutable and shared freely, except two monitoring fields: the
@@ -39,6 +45,7 @@ from calexec.machines.chart_support import (
 from calexec.machines.chart_support import (
     actions,
     describe_transition,
+    hierarchical,
     refuse_unsupported,
     semantics,
 )
@@ -125,9 +132,14 @@ class CompiledChart:
     #: one thread at a time (the pytest plugin at configure, a test around its scenario).
     listeners: tuple[Callable[[Transition], None], ...] = attrs.field(
         default=(), repr=False, eq=False)
-    #: why ``run`` refuses (actions a compiled run would not call, StateChart semantics it does
-    #: not follow: ``chart_support``); empty for a chart compiled runs follow exactly
-    unrunnable: tuple[str, ...] = attrs.field(default=(), repr=False)
+    #: why the flat fast path (``ChartRun``) does not apply, one entry per construct (compound,
+    #: parallel or history states, validators, guard expressions, actions, StateChart
+    #: semantics: ``chart_support``); empty for a flat chart. ``run`` then returns the general
+    #: ``statechart_run.StatechartRun``.
+    general: tuple[str, ...] = attrs.field(default=(), repr=False)
+    #: the python-statemachine transition each record of ``transitions`` was derived from
+    #: (same index): the general run's skeleton takes one by its record
+    declared: tuple[Any, ...] = attrs.field(default=(), repr=False, eq=False)
     #: None (production), or what checks the chart's contracts around every transition a run
     #: takes (``chart_contracts.enable_contracts`` sets it; ``send`` then pays one more test)
     checker: TransitionChecker | None = attrs.field(default=None, repr=False, eq=False)
@@ -157,12 +169,18 @@ class CompiledChart:
 
     def run(self, model: Any, state: str | None = None) -> ChartRun:
         """A new run on ``model`` (the guard provider), in ``state`` or the initial state.
-        Raises ``UnsupportedChart`` for a chart a compiled run would not follow (``unrunnable``:
-        actions, StateChart semantics)."""
-        if self.unrunnable:
-            raise UnsupportedChart(f"{self.name}: a compiled run calls no action and follows "
-                                   f"StateMachine semantics only; refused for: "
-                                   f"{'; '.join(self.unrunnable)}")
+
+        For a chart the flat fast path does not cover (``general`` names why) this is a
+        ``statechart_run.StatechartRun`` (``model`` is then python-statemachine's ``model=``;
+        ``state`` must be None: it starts in the declared initial configuration), which has
+        ``send``/``can``/``state``/``final`` as ``ChartRun`` has plus event data."""
+        if self.general:
+            if state is not None:
+                raise ValueError(f"{self.name}: state={state!r}: a hierarchical run starts in its "
+                                 f"declared initial configuration")
+            from calexec.machines.statechart_run import StatechartRun  # imports this module
+
+            return StatechartRun(self, model)  # type: ignore[return-value]
         if state is None:
             state = self.initial
         elif state not in self.states:
@@ -260,12 +278,18 @@ class ChartRun:
         return f"ChartRun({self.chart.name}, state={self.state!r})"
 
 
-def _guard_names(transition: Any, expected: bool) -> tuple[str, ...]:
+def _guard_names(transition: Any, expected: bool, named_only: bool = True) -> tuple[str, ...]:
+    """The guards of ``transition`` (``cond`` when ``expected``, else ``unless``) as text: a
+    method name, an expression, or a callable's name (only names when ``named_only``)."""
     names = []
     for spec in transition._specs:
         if spec.group != CallbackGroup.COND or spec.expected_value is not expected:
             continue
         if _constant(spec) is not None:
+            continue
+        if not named_only and not (isinstance(spec.func, str) and spec.func.isidentifier()):
+            names.append(spec.func if isinstance(spec.func, str)
+                         else str(getattr(spec.func, "__name__", spec.func)))
             continue
         if not isinstance(spec.func, str) or not spec.func.isidentifier():
             raise ValueError(
@@ -295,6 +319,17 @@ def _blocked(transition: Any) -> bool:
         and _constant(spec) is not spec.expected_value
         for spec in transition._specs
     )
+
+
+def _dotted(event: str) -> str:
+    """The SCXML name python-statemachine also registers for ``done_state_x``,
+    ``done_invoke_x`` and ``error_x`` (itself for any other name)."""
+    for prefix in ("done_state_", "done_invoke_"):
+        if event.startswith(prefix):
+            return f"{prefix[:-1].replace('_', '.')}.{event[len(prefix):]}"
+    if event.startswith("error_"):
+        return event.replace("_", ".")
+    return event
 
 
 #: what every toolkit function takes as a chart: the declared class, or its compiled form
@@ -341,23 +376,34 @@ def compile_chart(declaration: type[StateChart[Any]], name: str | None = None) -
     refuse_unsupported(declaration, "the compiled form")
     if declaration.initial_state is None:
         raise ValueError(f"{name}: declaration {declaration.__name__} has no initial state")
-    states = tuple(state.id for state in declaration.states)
+    general = tuple(hierarchical(declaration) + actions(declaration)
+                    + list(filter(None, [semantics(declaration)])))
+    every_state = list(declaration.states_map.values())
+    states = tuple(state.id for state in every_state)
     transitions: list[Transition] = []
     by_declared: dict[tuple[int, str], Transition] = {}
     table: dict[tuple[str, str], tuple[Transition, ...]] = {}
-    for state in declaration.states:
+    sources: list[Any] = []
+    for state in every_state:
         for declared in state.transitions:
+            if declared.initial:
+                continue
             if _blocked(declared):  # never taken, but the event is refused, not illegal
                 for event in declared.events:
                     table.setdefault((state.id, str(event)), ())
                 continue
-            conds, unless = _guard_names(declared, True), _guard_names(declared, False)
-            for event in declared.events:
+            conds = _guard_names(declared, True, named_only=not general)
+            unless = _guard_names(declared, False, named_only=not general)
+            events = [str(e) for e in declared.events]
+            # ``done_state_x`` also declares ``done.state.x`` (psm registers both): one record,
+            # the dotted event psm raises, reached by either name
+            aliases = {e: _dotted(e) for e in events if _dotted(e) != e and _dotted(e) in events}
+            for event in [e for e in events if e not in aliases] or [""]:  # "": eventless
                 index = len(transitions)
                 transition = Transition(
                     source=state.id,
                     event=str(event),
-                    target=declared.target.id,
+                    target=declared.target.id if declared.target is not None else state.id,
                     conds=conds,
                     unless=unless,
                     id=index,
@@ -365,6 +411,9 @@ def compile_chart(declaration: type[StateChart[Any]], name: str | None = None) -
                 )
                 transitions.append(transition)
                 by_declared[(id(declared), str(event))] = transition
+                sources.append(declared)
+            for alias, dotted in aliases.items():
+                by_declared[(id(declared), alias)] = by_declared[(id(declared), dotted)]
     for transition in transitions:
         slot = (transition.source, transition.event)
         table[slot] = table.get(slot, ()) + (transition,)
@@ -373,14 +422,16 @@ def compile_chart(declaration: type[StateChart[Any]], name: str | None = None) -
         declaration=declaration,
         states=states,
         initial=declaration.initial_state.id,
-        finals=frozenset(state.id for state in declaration.final_states),
+        finals=frozenset(state.id for state in every_state if state.final),
         events=tuple(str(event) for event in declaration._events),
         transitions=tuple(transitions),
         table=MappingProxyType(table),
-        guard_names=frozenset(g for t in transitions for g in t.conds + t.unless),
+        guard_names=frozenset(g for t in transitions for g in t.conds + t.unless
+                              if g.isidentifier()),
         by_declared=MappingProxyType(by_declared),
         taken=[0] * len(transitions),
-        unrunnable=tuple(actions(declaration) + list(filter(None, [semantics(declaration)]))),
+        general=general,
+        declared=tuple(sources),
     )
 
 

@@ -163,6 +163,8 @@ def render_chart_dot(chart: ChartLike, active_state: str | None = None,
     visited = {s for t in chart.transitions if t.id in taken for s in (t.source, t.target)}
     if active_state is not None and active_state not in chart.states:
         raise ValueError(f"{chart.name}: active_state={active_state!r} is not one of {chart.states}")
+    if nested(chart):
+        return _render_nested_dot(chart, active_state, taken, notes, visited)
     boxes = groups(chart)
     boxed_ids = {t.id for _, members in boxes for t in members}
     title = chart.declaration.__name__
@@ -250,6 +252,115 @@ def render_chart_dot(chart: ChartLike, active_state: str | None = None,
         else:
             out.append(f"{source} -> {target} [label={text}, id={edge_id}{path}];")
     out += _legend(bool(boxes), [s for s in chart.states if s in chart.finals])
+    out.append("}")
+    return "\n".join(out) + "\n"
+
+
+def nested(chart: CompiledChart) -> bool:
+    """Whether ``chart`` has compound, parallel or history states (drawn as clusters)."""
+    return any(state.states or state.history
+               for state in chart.declaration.states_map.values())
+
+
+def _render_nested_dot(chart: CompiledChart, active_state: str | None, taken: frozenset[int],
+                       notes: Mapping[str, str], visited: set[str]) -> str:
+    """DOT of a hierarchical chart: a compound state is a solid rounded box holding its
+    children and a black dot at its initial child; a parallel state a dashed box holding one
+    box per region; a history pseudo-state a small circle ``H`` (shallow) or ``H*`` (deep) in
+    its parent's box. An edge from or to a state with children leaves or enters its box
+    (graphviz ``ltail``/``lhead`` on the box's anchor node)."""
+    declaration = chart.declaration
+    title = declaration.__name__
+    out = [
+        f"digraph {title} {{",
+        f'label={_q(f"{title} (declared in {declared_in(chart)})")}; labelloc=t; '
+        f"fontsize=16; fontname={FONT};",
+        "rankdir=TB; compound=true; newrank=true; nodesep=0.35; ranksep=0.55; "
+        "splines=true; forcelabels=true;",
+        f"node [fontname={FONT}, fontsize=14, shape=rectangle, style=\"rounded, filled\", "
+        "fillcolor=white, penwidth=1.5];",
+        f"edge [fontname={FONT}, fontsize=12, decorate=true, arrowsize=0.8];",
+        'initial [label="", shape=point, width=0.15, style=filled, fillcolor=black];',
+    ]
+    by_id = {state.id: state for state in declaration.states_map.values()}
+    history_ids: set[str] = set()
+
+    def anchor(state_id: str) -> str:
+        state = by_id.get(state_id)
+        return f"{state_id}__anchor" if state is not None and state.states else state_id
+
+    def node(state_id: str) -> str:
+        attrs_ = []
+        if state_id in chart.finals:
+            attrs_.append("peripheries=2")
+        if state_id == active_state:
+            attrs_.append(f"fillcolor={ACTIVE_FILL}")
+        if state_id in visited:
+            attrs_.append(f"color={PATH_COLOR}, penwidth=2.5")
+        label = _q(state_id)
+        if state_id in notes:
+            lines = "".join(f'<BR/><FONT POINT-SIZE="11" COLOR="{PATH_COLOR}">{html.escape(line)}'
+                            "</FONT>" for line in notes[state_id].split("\n"))
+            label = f"<{html.escape(state_id)}{lines}>"
+        return f"{state_id} [{', '.join([f'label={label}', f'id={_q(NODE_ID + state_id)}'] + attrs_)}];"
+
+    def emit(state: Any, indent: str) -> None:
+        if not state.states:
+            out.append(indent + node(state.id))
+            return
+        kind = " (parallel)" if state.parallel else ""
+        style = '"dashed, rounded"' if state.parallel else '"rounded"'
+        color = f"color={PATH_COLOR}, penwidth=2.5; " if state.id in visited else ""
+        fill = f'style="{style[1:-1]}, filled"; fillcolor="{ACTIVE_FILL}"; ' \
+            if state.id == active_state else f"style={style}; "
+        out.append(f"{indent}subgraph cluster_{state.id} {{")
+        out.append(f"{indent}  label={_q(state.id + kind)}; {fill}{color}fontsize=13;")
+        if state.parallel:
+            out.append(f'{indent}  {state.id}__anchor [label="", shape=point, width=0.01, '
+                       f'style=invis];')
+        else:
+            out.append(f'{indent}  {state.id}__anchor [label="", shape=point, width=0.12, '
+                       f'style=filled, fillcolor=black];')
+        for child in state.states:
+            emit(child, indent + "  ")
+        for history in state.history:
+            history_ids.add(history.id)
+            mark = "H*" if history.type.is_deep else "H"
+            out.append(f"{indent}  {history.id} [label={_q(mark)}, shape=circle, width=0.35, "
+                       f"fixedsize=true, fontsize=11, id={_q(NODE_ID + history.id)}];")
+        out.append(f"{indent}}}")
+        if not state.parallel:
+            initial = next((t for t in state.transitions if t.initial), None)
+            for target in (initial.targets if initial is not None else []):
+                head = f", lhead=cluster_{target.id}" if target.states else ""
+                out.append(f"{state.id}__anchor -> {anchor(target.id)} [arrowsize=0.6{head}];")
+
+    for state in declaration.states:
+        emit(state, "")
+    initial_id = chart.initial
+    head = f" [lhead=cluster_{initial_id}]" if by_id[initial_id].states else ""
+    out.append(f"initial -> {anchor(initial_id)}{head};")
+    edges: dict[tuple[str, str], list[str]] = {}
+    ids: dict[tuple[str, str], list[int]] = {}
+    for t in chart.transitions:
+        label = transition_label(chart, t) if t.event else \
+            ("(eventless)" + (f" [{', '.join(t.guards)}]" if t.guards else ""))
+        edges.setdefault((t.source, t.target), []).append(label)
+        ids.setdefault((t.source, t.target), []).append(t.id)
+    for (source, target), labels in edges.items():
+        text = _q("".join(f"{line}\\l" for line in labels))
+        edge_id = _q(EDGE_ID + "_".join(map(str, sorted(ids[(source, target)]))))
+        extra = ""
+        inside = by_id.get(target) is not None and by_id[source] is not by_id[target] and (
+            by_id[source] in by_id[target].ancestors() or by_id[target] in by_id[source].ancestors())
+        if by_id[source].states and not inside:
+            extra += f", ltail=cluster_{source}, penwidth=2.5"
+        if target in by_id and by_id[target].states and not inside:
+            extra += f", lhead=cluster_{target}"
+        if taken.intersection(ids[(source, target)]):
+            extra += f", color={PATH_COLOR}, fontcolor={PATH_COLOR}, penwidth=3.5"
+        out.append(f"{anchor(source)} -> {anchor(target)} [label={text}, id={edge_id}{extra}];")
+    out += _legend(False, [s for s in chart.states if s in chart.finals])
     out.append("}")
     return "\n".join(out) + "\n"
 

@@ -78,7 +78,7 @@ def _guard_specs(transition: Any) -> list[CallbackSpec]:
 
 def _states(declaration: type[StateMachine]) -> list[Any]:
     refuse_unsupported(declaration, "chart mutation")
-    return list(declaration.states)
+    return list(declaration.states_map.values())  # nested states too, in declaration order
 
 
 def _sites(declaration: type[StateMachine], targets_per_transition: int) -> Iterator[tuple[Mutant, Callable[[], None]]]:
@@ -92,7 +92,8 @@ def _sites(declaration: type[StateMachine], targets_per_transition: int) -> Iter
             if transition.initial:
                 continue
             events = "+".join(str(e) for e in transition.events)  # no "|": ids go in tables
-            base = f"{state.id}-{events}->{transition.target.id}"
+            target = transition.target.id if transition.target is not None else "(none)"
+            base = f"{state.id}-{events}->{target}"
             seen[base] = seen.get(base, 0) + 1
             label = base if seen[base] == 1 else f"{base}#{seen[base]}"
             for spec in _guard_specs(transition):
@@ -112,7 +113,9 @@ def _other_targets(states: list[Any], transition: Any, limit: int) -> list[Any]:
     the states declared after the original target, wrapping round (a deterministic spread
     over early, late and final states)."""
     original, source = transition.target, transition.source
-    start = states.index(original)
+    if original is None:  # a targetless transition: nothing to retarget
+        return []
+    start = states.index(original) if original in states else 0  # a history target
     after = [s for s in states[start + 1:] + states[:start] if s is not original]
     if limit == 0:
         return after

@@ -10,6 +10,20 @@ transition whose guards pass wins, each step also carries the guard outcomes tha
 step's transition the winner (its ``cond`` true, its ``unless`` false, and one guard of every
 earlier candidate for the same state and event failing). A driver sets those outcomes on its
 model (for the executor: the fault plan) before sending the step's event.
+
+Hierarchical charts (compound, parallel or history states, eventless transitions) are explored
+by *configuration*, not by state: breadth-first over the distinct (configuration, recorded
+history) a skeleton of the chart reaches (``statechart_run.StatechartRun.skeleton``: every
+guard passes, no action runs), taking one candidate transition per sent event and then the
+macrostep it starts (``done.state`` events, eventless transitions). A state's walk ends in the
+first configuration that contains it (``Walk.end`` is that configuration, ``"a,b"``), or for a state
+only ever entered and left within one macrostep (a final child whose ``done.state`` event
+leaves its parent), the first walk that enters it; a
+transition taken inside a macrostep (an eventless one, or one on ``done.state.<id>``) has the
+event that leads to it as its path's last step. Guard outcomes of a step are those of its
+named guards (an expression or a callable cannot be set from outside: drive such a chart with
+event data). At most ``MAX_CONFIGURATIONS`` configurations are explored (``ValueError``
+beyond).
 """
 
 from __future__ import annotations
@@ -22,6 +36,10 @@ from typing import Any
 import attrs
 
 from calexec.machines.compiled import ChartLike, ChartRun, CompiledChart, Transition, compiled
+from calexec.machines.statechart_run import StatechartRun
+
+#: bound on the configurations explored for a hierarchical chart
+MAX_CONFIGURATIONS = 5000
 
 
 @attrs.frozen
@@ -112,6 +130,8 @@ def transition_paths(chart: ChartLike) -> list[Path]:
     unreachable: both are declaration bugs.
     """
     chart = compiled(chart)
+    if _by_configuration(chart):
+        return _configuration_paths(chart)
     guards = _guards(chart)
     reach = _shortest(chart, chart.initial, guards)
     paths = []
@@ -130,6 +150,8 @@ def state_paths(chart: ChartLike) -> dict[str, Walk]:
     """State -> the shortest walk from the initial state to it, in ``chart.states`` order (the
     initial state's walk has no step). Raises ``ValueError`` naming an unreachable state."""
     chart = compiled(chart)
+    if _by_configuration(chart):
+        return _configuration_walks(chart)
     guards = _guards(chart)
     reach = _shortest(chart, chart.initial, guards)
     missing = [state for state in chart.states if state not in reach]
@@ -146,6 +168,8 @@ def transition_tour(chart: ChartLike) -> list[Walk]:
     (a final state), then the next walk starts over. Raises as ``transition_paths`` does."""
     chart = compiled(chart)
     transition_paths(chart)  # every transition is takable and its source reachable, or raise
+    if _by_configuration(chart):
+        return _configuration_tour(chart)
     guards = _guards(chart)
     untaken = {t.id for t in chart.transitions}
     walks = []
@@ -163,6 +187,141 @@ def transition_tour(chart: ChartLike) -> list[Walk]:
                 untaken.discard(step.id)
             state = taken.target
         walks.append(Walk(tuple(steps), tuple(guards[t.id] or {} for t in steps), state))
+    return walks
+
+
+def _by_configuration(chart: CompiledChart) -> bool:
+    """Whether ``chart`` is explored by configuration (module docstring)."""
+    return any(t.event == "" for t in chart.transitions) or any(
+        state.states or state.history for state in chart.declaration.states_map.values())
+
+
+def _named(chart: CompiledChart, step: Transition) -> Mapping[str, bool]:
+    outcomes = winning_guards(chart, step) or {}
+    return MappingProxyType({k: v for k, v in outcomes.items() if k.isidentifier()})
+
+
+#: a configuration node: what ``StatechartRun.node`` returns
+_Node = tuple[tuple[str, ...], tuple[tuple[str, tuple[str, ...]], ...], bool]
+
+
+@attrs.frozen
+class _Graph:
+    """The configurations a skeleton reaches: ``edges[node]`` lists ``(sent transition, ids
+    of every transition it took, next node)``; ``entered[state]`` the shortest steps that
+    enter ``state`` and the configuration they end in."""
+
+    start: _Node
+    edges: Mapping[_Node, list[tuple[Transition, frozenset[int], _Node]]]
+    entered: Mapping[str, tuple[tuple[Transition, ...], str]]
+
+
+_GRAPHS: dict[int, tuple[CompiledChart, _Graph]] = {}
+
+
+def _graph(chart: CompiledChart) -> _Graph:
+    """The configuration graph of ``chart``, explored once per compiled chart (breadth-first
+    from the initial configuration; ``MAX_CONFIGURATIONS`` at most)."""
+    known = _GRAPHS.get(id(chart))
+    if known is not None and known[0] is chart:
+        return known[1]
+    start = StatechartRun.skeleton(chart)
+    no_steps: tuple[Transition, ...] = ()
+    runs = {start.node(): (start, no_steps)}
+    edges: dict[_Node, list[tuple[Transition, frozenset[int], _Node]]] = {}
+    entered: dict[str, tuple[tuple[Transition, ...], str]] = {}
+    for state in [*start.entered, *start.configuration]:
+        entered.setdefault(state, ((), start.state))
+    frontier = deque([start.node()])
+    while frontier:
+        node = frontier.popleft()
+        run, steps = runs[node]
+        out = edges.setdefault(node, [])
+        for record in run.candidates():
+            twin = run.fork()
+            path: tuple[Transition, ...] = (*steps, record)
+            taken = frozenset(t.id for t in twin.force(record))
+            for state in twin.entered:
+                entered.setdefault(state, (path, twin.state))
+            after = twin.node()
+            out.append((record, taken, after))
+            if after not in runs:
+                if len(runs) >= MAX_CONFIGURATIONS:
+                    raise ValueError(f"{chart.name}: more than {MAX_CONFIGURATIONS} "
+                                     f"configurations reachable; paths are not enumerated")
+                runs[after] = (twin, path)
+                frontier.append(after)
+    graph = _Graph(start.node(), MappingProxyType(edges), MappingProxyType(entered))
+    _GRAPHS[id(chart)] = (chart, graph)
+    return graph
+
+
+def _from(graph: _Graph, node: _Node) -> tuple[dict[_Node, tuple[Transition, ...]],
+                                                dict[int, tuple[tuple[Transition, ...], _Node]]]:
+    """Breadth-first over ``graph`` from ``node``: the shortest steps to every node, and for
+    every transition the shortest steps that take it with the node they end in."""
+    reach: dict[_Node, tuple[Transition, ...]] = {node: ()}
+    first: dict[int, tuple[tuple[Transition, ...], _Node]] = {}
+    frontier = deque([node])
+    while frontier:
+        here = frontier.popleft()
+        for record, taken, after in graph.edges.get(here, ()):
+            path = (*reach[here], record)
+            for transition_id in taken:
+                first.setdefault(transition_id, (path, after))
+            if after not in reach:
+                reach[after] = path
+                frontier.append(after)
+    return reach, first
+
+
+def _walk(chart: CompiledChart, steps: tuple[Transition, ...], end: str) -> Walk:
+    return Walk(steps, tuple(_named(chart, s) for s in steps), end)
+
+
+def _configuration_walks(chart: CompiledChart) -> dict[str, Walk]:
+    entered = _graph(chart).entered
+    missing = [state for state in chart.states if state not in entered]
+    if missing:
+        raise ValueError(f"{chart.name}: state(s) {', '.join(missing)} never entered from "
+                         f"{chart.initial}")
+    return {state: _walk(chart, *entered[state]) for state in chart.states}
+
+
+def _configuration_paths(chart: CompiledChart) -> list[Path]:
+    graph = _graph(chart)
+    _, first = _from(graph, graph.start)
+    never = [t for t in chart.transitions if t.id not in first]
+    if never:
+        raise ValueError(f"{chart.name}: transition(s) {', '.join(map(str, never))} taken from "
+                         f"no reachable configuration")
+    return [Path(t, first[t.id][0], tuple(_named(chart, s) for s in first[t.id][0]))
+            for t in chart.transitions]
+
+
+def _configuration_tour(chart: CompiledChart) -> list[Walk]:
+    """Walks from the initial configuration that together take every transition: each goes
+    on by the shortest steps to the nearest transition not taken yet, until none is
+    reachable; then the next walk starts over."""
+    graph = _graph(chart)
+    untaken = {t.id for t in chart.transitions}
+    walks: list[Walk] = []
+    while untaken:
+        node, steps = graph.start, list[Transition]()
+        while True:
+            _, first = _from(graph, node)
+            nearest = min(((len(first[i][0]), i) for i in untaken if i in first), default=None)
+            if nearest is None:
+                break
+            path, _end = first[nearest[1]]
+            for record in path:  # follow the path edge by edge: what each step takes
+                record_edge = next(e for e in graph.edges[node] if e[0] is record)
+                untaken.difference_update(record_edge[1])
+                node = record_edge[2]
+            steps.extend(path)
+        if not steps:
+            raise ValueError(f"{chart.name}: transitions {sorted(untaken)} cannot be toured")
+        walks.append(_walk(chart, tuple(steps), ",".join(node[0])))
     return walks
 
 

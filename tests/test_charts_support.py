@@ -1,20 +1,23 @@
-"""Nothing is silently dropped (issue 26): a construct the toolkit does not support yet is
-refused by every tool with an error naming the construct and where it is declared; actions and
-StateChart semantics, which only a compiled *run* would get wrong, are refused by the run alone."""
+"""Nothing is silently dropped (issue 26): a construct the toolkit does not support (invoke,
+delayed events) is refused by every tool with an error naming the construct and where it is
+declared; hierarchical constructs, validators, guard expressions, actions and StateChart
+semantics compile to the general run (machines/statechart_run.py), which follows
+python-statemachine (tests/test_charts_hierarchical_equivalence.py proves it equal)."""
 
 from __future__ import annotations
 
 import textwrap
+from types import SimpleNamespace
 
 import pytest
-from statemachine import HistoryState, State, StateChart, StateMachine
+from statemachine import Event, HistoryState, State, StateChart, StateMachine
 
 from calexec.cli import main as cli
 from calexec.machines import diagrams, mutants
-from calexec.machines.chart_support import UnsupportedChart, actions, unsupported
+from calexec.machines.chart_support import UnsupportedChart, actions, hierarchical, unsupported
 from calexec.machines.compiled import compile_chart
 from calexec.machines.coverage import TransitionRecorder, track
-from calexec.machines.paths import GuardTable, transition_paths
+from calexec.machines.paths import transition_paths
 
 
 class Compound(StateChart):
@@ -86,6 +89,31 @@ class FlatStateChart(StateChart):
     go = a.to(b)
 
 
+class Invoking(StateChart):
+    a = State(initial=True, invoke="work")
+    b = State(final=True)
+    go = Event(a.to(b), delay=100)
+
+    def work(self) -> int:
+        return 1
+
+
+def test_unsupported_constructs_are_refused_by_every_tool_with_their_names():
+    named = ["invoke 'work' on state 'a'", "delayed event 'go' on transition a --go--> b"]
+    assert unsupported(Invoking) == named
+    for tool, call in [("the compiled form", lambda: compile_chart(Invoking)),
+                       ("the compiled form", lambda: diagrams.render_chart_dot(Invoking)),
+                       ("the compiled form", lambda: transition_paths(Invoking)),
+                       ("the compiled form", lambda: track(Invoking, TransitionRecorder())),
+                       ("chart mutation", lambda: mutants.derive(Invoking))]:
+        with pytest.raises(UnsupportedChart) as refused:
+            call()
+        message = str(refused.value)
+        assert message.startswith(f"Invoking: {tool} does not support yet: ")
+        assert all(n in message for n in named), message
+        assert "\n" not in message
+
+
 @pytest.mark.parametrize(
     ("chart", "named"),
     [
@@ -93,31 +121,24 @@ class FlatStateChart(StateChart):
         (Parallel, ["parallel state 'both'", "compound state 'left'", "compound state 'right'"]),
         (Validated, ["validator 'amount_is_positive' on transition cart --pay--> paid"]),
         (Eventless, ["eventless transition a --(eventless)--> b"]),
+        (ExpressionGuard, ["guard 'ready and willing' on transition a --go--> b"]),
     ],
-    ids=["compound-history", "parallel", "validator", "eventless"],
+    ids=["compound-history", "parallel", "validator", "eventless", "expression"],
 )
-def test_unsupported_constructs_are_refused_by_every_tool_with_their_names(chart, named):
-    assert [n for n in named if n not in unsupported(chart)] == []
-    for tool, call in [("the compiled form", lambda: compile_chart(chart)),
-                       ("the compiled form", lambda: diagrams.render_chart_dot(chart)),
-                       ("the compiled form", lambda: transition_paths(chart)),
-                       ("the compiled form", lambda: track(chart, TransitionRecorder())),
-                       ("chart mutation", lambda: mutants.derive(chart))]:
-        with pytest.raises(UnsupportedChart) as refused:
-            call()
-        message = str(refused.value)
-        assert message.startswith(f"{chart.__name__}: {tool} does not support yet: ")
-        assert all(n in message for n in named), message
-        assert "\n" not in message
+def test_constructs_beyond_the_flat_fast_path_compile_to_the_general_run(chart, named):
+    assert [n for n in named if n not in hierarchical(chart)] == []
+    compiled_chart = compile_chart(chart)
+    assert all(n in compiled_chart.general for n in named)
+    guards = SimpleNamespace(ready=lambda: True, willing=lambda: True)  # the charts' named guards
+    assert type(compiled_chart.run(guards)).__name__ == "StatechartRun"
 
 
-def test_a_guard_expression_is_refused_naming_it_and_its_transition():
-    with pytest.raises(ValueError, match=r"guard 'ready and willing' on transition a --go--> b: "
-                                         r"the compiled form supports named guards only"):
-        compile_chart(ExpressionGuard)
+def test_a_guard_expression_is_kept_as_text_in_the_table():
+    (transition,) = compile_chart(ExpressionGuard).transitions
+    assert transition.conds == ("ready and willing",)
 
 
-def test_actions_are_drawn_and_pathed_but_a_compiled_run_refuses_naming_them():
+def test_actions_are_drawn_and_pathed_and_run_by_the_general_run():
     assert actions(WithActions) == [
         "enter action 'greet' of state 'a'",
         "exit action 'on_exit_a' of state 'a'",
@@ -125,15 +146,17 @@ def test_actions_are_drawn_and_pathed_but_a_compiled_run_refuses_naming_them():
     ]
     chart = compile_chart(WithActions)
     assert "Go" in diagrams.render_chart_dot(chart) and len(transition_paths(chart)) == 1
-    with pytest.raises(UnsupportedChart, match="a compiled run calls no action .* 'greet'"):
-        chart.run(GuardTable.for_chart(chart))
+    assert "enter action 'greet' of state 'a'" in chart.general
+    run = chart.run(None)
+    run.send("go")
+    assert run.configuration == ("b",) and run.final
 
 
-def test_a_statechart_is_drawn_but_a_compiled_run_refuses_its_semantics():
+def test_a_flat_statechart_runs_with_its_semantics_a_refused_event_ignored():
     chart = compile_chart(FlatStateChart)
-    assert len(chart.transitions) == 1 and chart.unrunnable
-    with pytest.raises(UnsupportedChart, match="FlatStateChart is a StateChart"):
-        chart.run(GuardTable.for_chart(chart))
+    assert len(chart.transitions) == 1 and chart.general
+    run = chart.run(None)
+    assert run.send("nothing_declared") is None and run.configuration == ("a",)
 
 
 def test_calexec_charts_are_supported_and_runnable():
@@ -141,7 +164,7 @@ def test_calexec_charts_are_supported_and_runnable():
     from calexec.machines.compiled import CHARTS
 
     assert all(unsupported(chart) == [] and actions(chart) == [] for chart in DECLARED.values())
-    assert all(chart.unrunnable == () for chart in CHARTS.values())
+    assert all(chart.general == () for chart in CHARTS.values())  # the flat fast path
 
 
 @pytest.mark.parametrize("command", ["draw", "paths"])
@@ -151,15 +174,16 @@ def test_commands_refuse_an_unsupported_chart_in_one_line(tmp_path, monkeypatch,
 
 
         class Nested(StateChart):
-            class outer(State.Compound):
-                inner = State(initial=True)
-
-            start = State(initial=True)
+            start = State(initial=True, invoke="work")
+            outer = State(final=True)
             enter = start.to(outer)
+
+            def work(self):
+                return 1
     """))
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     assert cli(["charts", command, "nested_chart:Nested"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"calexec charts {command}: Nested: the compiled form does not support yet: "
-                   "compound state 'outer'"]
+                   "invoke 'work' on state 'start'"]

@@ -1,0 +1,742 @@
+"""The general compiled run: any python-statemachine chart, hierarchical or not (issue 26).
+
+``compiled.CompiledChart.run`` returns a ``StatechartRun`` for every chart its flat fast path
+(``compiled.ChartRun``: atomic states, named guards, no actions, ``StateMachine`` semantics)
+does not cover: compound, parallel and history (shallow and deep) states, final states and
+their ``done.state.<id>`` events, transitions declared on ancestors, eventless transitions,
+guards of any form (``cond``/``unless`` names, boolean expressions such as ``"a and not b"``,
+callables), ``validators``, actions (state enter/exit, transition before/on/after, declared or
+by naming convention such as ``on_enter_<state>``/``on_<event>``, generic ``on_enter_state``,
+``prepare_event``) and event data.
+
+Semantics are python-statemachine 3.2.2's own (``statemachine/engines/base.py`` and
+``sync.py``, SCXML's algorithm), ported step for step: the same selection (atomic states in
+configuration order, the first transition of the state or an ancestor whose validators pass
+and whose guards hold, conflicting transitions filtered by exit sets), the same exit set
+(reverse document order, history recorded on exit), the same entry set (initial children,
+every region of a parallel state, history restored or its default), the same callback order
+(``before``, exits, ``on``, enters, ``after``), the same macrostep (internal events and
+eventless transitions to quiescence) and the same flags read from the chart class:
+``allow_event_without_transition`` (``StateChart``: a refused event is ignored; a
+``StateMachine`` raises), ``catch_errors_as_events`` (callback errors become the internal
+``error.execution`` event), ``enable_self_transition_entries`` and
+``atomic_configuration_update``. Callbacks are resolved and called by python-statemachine's
+own dependency injection (``statemachine.dispatcher.Listeners`` into a ``CallbacksRegistry``),
+so a callback receives the event's positional arguments and the keyword arguments it names,
+``event``, ``source``, ``target``, ``state``, ``model``, ``machine``, ``transition``,
+``event_data`` included, exactly as python-statemachine passes them.
+
+What differs from a python-statemachine instance, on purpose:
+
+- A refused event under ``StateMachine`` semantics raises calexec's ``IllegalTransition`` (no
+  transition for the event in the active configuration) or ``GuardRejected`` (transitions
+  exist but none is enabled), not ``TransitionNotAllowed``; both are ``ChartTransitionError``.
+  The run's ``state`` in those errors is the active configuration, ``"a,b"``.
+- ``machine`` (and ``self`` of the chart's methods) is a bare instance of the chart class with
+  no engine: a callback may read and write its own attributes and ``self.model``; it may not
+  ``send``/``raise_`` events or read ``configuration`` through it (the run owns those:
+  ``StatechartRun.configuration``). The model's state field is not written.
+- Class-level ``listeners`` are not attached (coverage listens to the compiled chart:
+  ``CompiledChart.attach``); pass observer objects as ``listeners=``.
+
+Refused at compile time (``chart_support.unsupported``): ``invoke``, delayed events,
+multi-target transitions (other than a compound state's initial) and async callbacks.
+
+Chart listeners (``CompiledChart.attach``) have the flat run's shape: each is called with the
+``compiled.Transition`` record of every transition taken, after the microstep that took it.
+Thread model as ``ChartRun``: one owner at a time, no lock.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable
+from itertools import chain
+from typing import Any
+
+from statemachine import State, StateChart
+from statemachine.callbacks import CallbacksRegistry
+from statemachine.dispatcher import Listener, Listeners
+from statemachine.event import BoundEvent, Event
+from statemachine.event_data import EventData, TriggerData
+from statemachine.exceptions import InvalidDefinition
+from statemachine.graph import iterate_states_and_transitions
+from statemachine.orderedset import OrderedSet
+from statemachine.transition import Transition as DeclaredTransition
+
+from calexec.machines.compiled import (
+    ChartTransitionError,
+    CompiledChart,
+    GuardRejected,
+    IllegalTransition,
+    Transition,
+)
+
+_ERROR_EXECUTION = "error.execution"
+_INITIAL = "__initial__"
+
+
+class _Step:
+    """One state entered or exited for one transition (psm's ``StateTransition``: equal and
+    hashed by its state only)."""
+
+    __slots__ = ("transition", "state")
+
+    def __init__(self, transition: Any, state: Any) -> None:
+        self.transition = transition
+        self.state = state
+
+    def __hash__(self) -> int:
+        return hash(self.state)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Step) and self.state == other.state
+
+
+def _data(kwargs: dict[str, object]) -> dict[str, Any]:
+    """Event data as python-statemachine's untyped ``build_trigger`` takes it."""
+    return kwargs
+
+
+def _protected(declaration: type[StateChart[Any]]) -> set[str]:
+    """The chart's attributes python-statemachine never resolves as callbacks (its
+    ``_protected_attrs``, recomputed here from public names)."""
+    return {"_abstract", "model", "state_field", "start_value", "initial_state", "final_states",
+            "states", "_events", "states_map", "send"} | {s.id for s in declaration.states_map.values()}
+
+
+class StatechartRun:
+    """A run of any chart, following python-statemachine's semantics (module docstring).
+
+    ``model`` is the domain model (python-statemachine's ``model=``; a fresh ``object`` holder
+    when None); ``listeners`` are extra objects whose attributes serve as callbacks.
+    ``configuration`` is the active state ids in python-statemachine's order.
+    """
+
+    def __init__(self, chart: CompiledChart, model: object | None = None,
+                 listeners: Iterable[object] = (), callbacks: bool = True,
+                 **start_kwargs: object) -> None:
+        self.chart = chart
+        declaration = chart.declaration
+        self.declaration = declaration
+        machine = declaration.__new__(declaration)
+        if model is None:
+            from statemachine.model import Model
+            model = Model()  # type: ignore[no-untyped-call]
+        # the chart class forbids assigning state ids; these are not
+        object.__setattr__(machine, "model", model)
+        object.__setattr__(machine, "state_field", "state")
+        self.machine = machine
+        self.model = model
+        self.allow_event_without_transition = bool(declaration.allow_event_without_transition)
+        self.catch_errors_as_events = bool(declaration.catch_errors_as_events)
+        self.enable_self_transition_entries = bool(declaration.enable_self_transition_entries)
+        self.atomic_configuration_update = bool(declaration.atomic_configuration_update)
+        self.history_values: dict[str, list[State]] = {}
+        self.running = True
+        self._config: OrderedSet[State] = OrderedSet()
+        self._internal: deque[TriggerData] = deque()
+        self._cache: dict[tuple[int, int, int, int], tuple[tuple[Any, ...], dict[str, Any]]] = {}
+        self._taken: list[tuple[Any, str]] = []
+        self._registry = CallbacksRegistry()
+        #: bound on the microsteps of one macrostep of a skeleton (guards all pass there, so
+        #: two eventless transitions could chase each other forever)
+        self._max_microsteps = None if callbacks else 1000
+        self._microsteps = 0
+        self._prepare_key = declaration.prepare.key
+        self._root_parallel_pending: State | None = None
+        #: ids of the states a skeleton entered in its last ``force`` (or its start)
+        self.entered: list[str] = []
+        if not callbacks:  # a skeleton (``skeleton``): the chart's structure only
+            self._start(**start_kwargs)
+            return
+        resolvers = Listeners.from_listeners((
+            Listener.from_obj(machine, skip_attrs=_protected(declaration)),
+            Listener.from_obj(model, skip_attrs={"state"}),
+            *(Listener.from_obj(listener) for listener in listeners),
+        ))
+        resolvers.resolve(declaration._specs, registry=self._registry)
+        for visited in iterate_states_and_transitions(declaration.states):
+            resolvers.resolve(visited._specs, registry=self._registry)
+        for visited in iterate_states_and_transitions(declaration.states):
+            try:
+                self._registry.check(visited._specs)
+            except Exception as err:
+                raise InvalidDefinition(
+                    f"Error on {visited!s} when resolving callbacks: {err}") from err
+        self._start(**start_kwargs)
+
+    # ---- skeletons: the structure of the chart, for paths (machines/paths.py)
+
+    @classmethod
+    def skeleton(cls, chart: CompiledChart) -> StatechartRun:
+        """A run that calls no callback: every guard passes and every action does nothing.
+        ``machines/paths.py`` explores the configurations of a chart with it (``node``,
+        ``fork``, ``force``)."""
+        return cls(chart, callbacks=False)
+
+    def node(self) -> tuple[tuple[str, ...], tuple[tuple[str, tuple[str, ...]], ...], bool]:
+        """What decides this run's future: the configuration, the recorded history and
+        whether it still runs."""
+        history = tuple(sorted((k, tuple(s.id for s in v)) for k, v in self.history_values.items()))
+        return self.configuration, history, self.running
+
+    def fork(self) -> StatechartRun:
+        """A copy of this skeleton in the same configuration and history (only skeletons: a
+        run with callbacks owns a model that is not copied)."""
+        if self._max_microsteps is None:
+            raise ValueError(f"{self.chart.name}: only a skeleton run is forked")
+        twin = object.__new__(StatechartRun)
+        twin.__dict__.update(self.__dict__)
+        twin._config = OrderedSet(self._config)
+        twin.history_values = dict(self.history_values)
+        twin._internal = deque()
+        twin._cache = {}
+        twin._taken = []
+        twin.entered = []
+        return twin
+
+    def candidates(self) -> list[Transition]:
+        """The transitions a sent event could take now (their source is active), in
+        configuration and declaration order."""
+        found: list[Transition] = []
+        if not self.running:
+            return found
+        for state in self._config:
+            for declared in state.transitions:
+                if declared.initial or declared.is_eventless:
+                    continue
+                for event in declared.events:
+                    record = self.chart.by_declared.get((id(declared), str(event)))
+                    if record is not None and record not in found:
+                        found.append(record)
+        return found
+
+    def force(self, record: Transition) -> list[Transition]:
+        """Take ``record`` (one of ``candidates``) as its event would, then the macrostep it
+        starts; return every transition record taken, ``record`` first. ``entered`` is then
+        the ids of the states entered on the way (some may have been left again within the
+        macrostep: a final child whose ``done.state`` event leaves its parent)."""
+        declared = self.chart.declared[record.id]
+        bound = BoundEvent(id=record.event, _sm=self.machine)
+        trigger = bound.build_trigger(machine=self.machine)
+        self._cache.clear()
+        taken: list[Transition] = []
+        self.entered = []
+        self._microstep([declared], trigger)
+        self._run_macrostep()
+        self._check_root_final()
+        for step, event in self._taken:
+            found = self.chart.by_declared.get((id(step), event))
+            if found is not None:
+                taken.append(found)
+        self._taken = []
+        return taken
+
+    # ---- public API
+
+    @property
+    def configuration(self) -> tuple[str, ...]:
+        """The active state ids, in python-statemachine's configuration order."""
+        return tuple(state.id for state in self._config)
+
+    @property
+    def state(self) -> str:
+        """The active configuration as one string, ``"a,b"`` (the flat run's ``state``)."""
+        return ",".join(self.configuration)
+
+    @property
+    def final(self) -> bool:
+        """Whether the run has terminated (a top-level final state, or a top-level parallel
+        state whose regions all rest in final states)."""
+        return not self.running
+
+    def send(self, event: str, *args: object, **kwargs: object) -> object:
+        """Take ``event`` with its data (``send("pay", 5, amount=5)``) and run the macrostep it
+        starts; return what python-statemachine's ``send`` returns (the ``on`` callbacks'
+        result). A refused event: ``StateMachine`` semantics raise ``IllegalTransition`` or
+        ``GuardRejected``; ``StateChart`` semantics ignore it and return None."""
+        for unsupported in ("delay", "send_id", "internal"):
+            if kwargs.get(unsupported) is not None:
+                raise ValueError(f"{self.chart.name}: send({event!r}, {unsupported}=...) is not "
+                                 f"supported by a compiled run (no delayed or internal sends)")
+        if not self.running:
+            if not self.allow_event_without_transition:
+                raise IllegalTransition(self.chart.name, self.state, event)
+            return None
+        known = getattr(self.declaration, event, None)
+        name = known.name if isinstance(known, Event) else event
+        bound = BoundEvent(id=event, name=name, _sm=self.machine)
+        trigger = bound.build_trigger(*args, machine=self.machine, **_data(kwargs))
+        return self._processing_loop(trigger)
+
+    def can(self, event: str, *args: object, **kwargs: object) -> bool:
+        """Whether ``event`` would enable a transition now (validators and guards evaluated,
+        so they must be free of side effects for this to be a pure question)."""
+        bound = BoundEvent(id=event, _sm=self.machine)
+        trigger = bound.build_trigger(*args, machine=self.machine, **_data(kwargs))
+        self._cache.clear()
+        queued = len(self._internal)
+        try:
+            return bool(self._select(trigger, eventless=False))
+        except Exception:  # noqa: BLE001 - a raising validator or guard: the event is refused
+            return False
+        finally:
+            self._cache.clear()
+            while len(self._internal) > queued:  # error.execution a guard raised: not sent
+                self._internal.pop()
+
+    def __repr__(self) -> str:
+        return f"StatechartRun({self.chart.name}, configuration={list(self.configuration)})"
+
+    # ---- the processing loop (sync.py)
+
+    def _start(self, **kwargs: object) -> None:
+        trigger = BoundEvent(_INITIAL, _sm=self.machine).build_trigger(machine=self.machine,
+                                                                       **_data(kwargs))
+        values = list(getattr(self.declaration, "start_configuration_values", []) or [])
+        states_map = self.declaration.states_map
+        initial = self.declaration.initial_state
+        configuration = [states_map[v] for v in values] if values else [initial]
+        transitions = []
+        for state in configuration:
+            transition = DeclaredTransition(State(), state, event=_INITIAL)
+            transition._specs.clear()  # type: ignore[no-untyped-call]
+            transitions.append(transition)
+        self._enter_states(transitions, trigger, OrderedSet(), OrderedSet())
+        self._processing_loop(None)
+
+    def _processing_loop(self, external: TriggerData | None) -> object:
+        sentinel = object()
+        first_result: object = sentinel
+        took_events = True
+        while took_events and self.running:
+            self._cache.clear()
+            try:
+                took_events = self._run_macrostep()
+            except Exception:
+                self._internal.clear()
+                raise
+            self._notify()
+            self._check_root_final()
+            if not self.running:
+                break
+            if external is None:
+                continue
+            self._cache.clear()
+            result = self._take_external_event(external)
+            external = None
+            self._notify()
+            if first_result is sentinel:
+                first_result = result
+            took_events = True
+        return None if first_result is sentinel else first_result
+
+    def _check_root_final(self) -> None:
+        state, self._root_parallel_pending = self._root_parallel_pending, None
+        if state is not None and state in self._config and self._in_final(state):
+            self.running = False
+
+    def _notify(self) -> None:
+        if self._max_microsteps is not None:  # a skeleton's steps are no run's: not counted
+            return
+        taken, self._taken = self._taken, []
+        chart = self.chart
+        for declared, event in taken:
+            record = chart.by_declared.get((id(declared), event))
+            if record is None:
+                continue
+            chart.taken[record.id] += 1
+            for listener in chart.listeners:
+                listener(record)
+
+    def _run_macrostep(self) -> bool:
+        took_events = False
+        self._microsteps = 0
+        while True:
+            self._microsteps += 1
+            if self._max_microsteps is not None and self._microsteps > self._max_microsteps:
+                raise ValueError(f"{self.chart.name}: more than {self._max_microsteps} "
+                                 f"microsteps in one macrostep of {self.configuration} "
+                                 f"(eventless transitions chasing each other)")
+            self._cache.clear()
+            trigger = TriggerData(self.machine, event=None)
+            enabled = self._select(trigger, eventless=True)
+            if not enabled:
+                if not self._internal:
+                    return took_events
+                trigger = self._internal.popleft()
+                enabled = self._select(trigger, eventless=False)
+            if enabled:
+                took_events = True
+                self._microstep(list(enabled), trigger)
+
+    def _take_external_event(self, trigger: TriggerData) -> object:
+        try:
+            enabled = self._select(trigger, eventless=False)
+        except Exception:
+            self._internal.clear()
+            raise
+        if not enabled:
+            if not self.allow_event_without_transition:
+                self._internal.clear()
+                raise self._refusal(str(trigger.event))
+            return None
+        try:
+            return self._microstep(list(enabled), trigger)
+        except Exception:
+            self._internal.clear()
+            raise
+
+    def _refusal(self, event: str) -> ChartTransitionError:
+        """The error for an external event no transition takes: ``IllegalTransition`` when
+        no transition of the active states (or their ancestors) names it, else
+        ``GuardRejected`` naming the guards of those that do."""
+        candidates = [t for state in self._config for t in state.transitions
+                      if not t.initial and t.match(event)]
+        if not candidates:
+            return IllegalTransition(self.chart.name, self.state, event)
+        guards = tuple(dict.fromkeys(
+            g for t in candidates for g in self._guards_of(t, event)))
+        return GuardRejected(self.chart.name, self.state, event, guards or ("(validators)",))
+
+    def _guards_of(self, declared: Any, event: str) -> tuple[str, ...]:
+        for name in (event, *(str(e) for e in declared.events)):
+            record = self.chart.by_declared.get((id(declared), name))
+            if record is not None:
+                return record.guards
+        return ()
+
+    # ---- selection
+
+    def _select(self, trigger: TriggerData, eventless: bool) -> OrderedSet[Any]:
+        enabled: OrderedSet[Any] = OrderedSet()
+        event = trigger.event
+        for state in [s for s in self._config if s.is_atomic]:
+            found = None
+            for candidate_state in chain([state], state.ancestors()):
+                for transition in candidate_state.transitions:
+                    if transition.initial:
+                        continue
+                    matches = transition.is_eventless if eventless else transition.match(event)
+                    if matches and self._conditions_match(transition, trigger):
+                        found = transition
+                        break
+                if found is not None:
+                    break
+            if found is not None:
+                enabled.add(found)
+        return self._filter_conflicting(enabled)
+
+    def _conditions_match(self, transition: Any, trigger: TriggerData) -> bool:
+        args, kwargs = self._args_kwargs(transition, trigger)
+        self._registry.call(transition.validators.key, *args, on_error=None, **kwargs)
+        return bool(self._registry.all(transition.cond.key, *args, on_error=self._on_error(),
+                                       **kwargs))
+
+    def _filter_conflicting(self, transitions: OrderedSet[Any]) -> OrderedSet[Any]:
+        filtered: OrderedSet[Any] = OrderedSet()
+        for t1 in transitions:
+            preempted = False
+            to_remove: OrderedSet[Any] = OrderedSet()
+            for t2 in filtered:
+                if self._exit_set([t1]) & self._exit_set([t2]):
+                    if t1.source.is_descendant(t2.source):
+                        to_remove.add(t2)
+                    else:
+                        preempted = True
+                        break
+            if not preempted:
+                for t3 in to_remove:
+                    filtered.discard(t3)
+                filtered.add(t1)
+        return filtered
+
+    def _exit_set(self, transitions: list[Any]) -> OrderedSet[_Step]:
+        states: OrderedSet[_Step] = OrderedSet()
+        for transition in transitions:
+            if not transition.targets:
+                continue
+            domain = self._domain(transition)
+            for state in self._config:
+                if domain is None or state.is_descendant(domain):
+                    states.add(_Step(transition, state))
+        return states
+
+    def _domain(self, transition: Any) -> State | None:
+        states = self._effective_targets(transition)
+        if not states:
+            return None
+        if (transition.internal and transition.source.is_compound
+                and all(state.is_descendant(transition.source) for state in states)):
+            return transition.source  # type: ignore[no-any-return]
+        if (transition.internal and transition.is_self and transition.target
+                and transition.target.is_atomic):
+            return transition.source  # type: ignore[no-any-return]
+        head, *tail = [transition.source, *states]
+        for ancestor in (a for a in head.ancestors() if a.is_compound):
+            if all(state.is_descendant(ancestor) for state in tail):
+                return ancestor  # type: ignore[no-any-return]
+        return None
+
+    def _effective_targets(self, transition: Any) -> OrderedSet[Any]:
+        targets: OrderedSet[Any] = OrderedSet()
+        for state in transition.targets:
+            if state.is_history:
+                if state.id in self.history_values:
+                    targets.update(self.history_values[state.id])
+                else:
+                    targets.update(s for t in state.transitions
+                                   for s in self._effective_targets(t))
+            else:
+                targets.add(state)
+        return targets
+
+    # ---- callbacks
+
+    def _on_error(self) -> Callable[[Exception], None] | None:
+        if not self.catch_errors_as_events:
+            return None
+
+        def handler(error: Exception) -> None:
+            if isinstance(error, InvalidDefinition):
+                raise error
+            self._raise_internal(_ERROR_EXECUTION, error=error)
+
+        return handler
+
+    def _raise_internal(self, event: str, *args: object, **kwargs: object) -> None:
+        bound = BoundEvent(event, _sm=self.machine, internal=True)
+        self._internal.append(bound.build_trigger(*args, machine=self.machine, **_data(kwargs)))
+
+    def _handle_error(self, error: Exception, trigger: TriggerData) -> None:
+        if not self.catch_errors_as_events:
+            raise error
+        if trigger.event and str(trigger.event) == _ERROR_EXECUTION:
+            return  # an error while handling error.execution is dropped, as psm does
+        self._raise_internal(_ERROR_EXECUTION, error=error)
+
+    def _args_kwargs(self, transition: Any, trigger: TriggerData, target: Any = None,
+                     source: Any = None) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        key = (id(transition), id(trigger), id(target), id(source))
+        cached = self._cache.get(key)
+        if cached is not None:
+            return cached
+        event_data = EventData(trigger_data=trigger, transition=transition)
+        if target:
+            event_data.state = target
+            event_data.target = target
+        if source:
+            event_data.state = source
+            event_data.source = source
+        args, kwargs = event_data.args, event_data.extended_kwargs
+        for new_kwargs in self._registry.call(self._prepare_key, *args, **kwargs):
+            kwargs.update(new_kwargs)
+        self._cache[key] = (args, kwargs)
+        return args, kwargs
+
+    def _content(self, transitions: list[Any], trigger: TriggerData,
+                 get_key: Callable[[Any], str], set_target_as_state: bool = False,
+                 on_error: Callable[[Exception], None] | None = None,
+                 **extra: object) -> list[Any]:
+        result: list[Any] = []
+        for transition in transitions:
+            target = transition.target if set_target_as_state else None
+            args, kwargs = self._args_kwargs(transition, trigger, target=target)
+            kwargs.update(extra)
+            result += self._registry.call(get_key(transition), *args, on_error=on_error,
+                                          **kwargs)
+        return result
+
+    # ---- microstep
+
+    def _microstep(self, transitions: list[Any], trigger: TriggerData) -> object:
+        previous = OrderedSet(self._config)
+        try:
+            result = self._content(transitions, trigger, lambda t: t.before.key)
+            exited = self._exit_states(transitions, trigger)
+            result += self._enter_states(transitions, trigger, exited, previous)
+        except InvalidDefinition:
+            self._config = previous
+            raise
+        except Exception as error:  # noqa: BLE001 - any callback error, as psm's microstep
+            self._config = previous
+            self._handle_error(error, trigger)
+            return None
+        event = str(trigger.event) if trigger.event is not None else ""
+        self._taken.extend((t, event) for t in transitions)
+        try:
+            self._content(transitions, trigger, lambda t: t.after.key, set_target_as_state=True)
+        except InvalidDefinition:
+            raise
+        except Exception as error:  # noqa: BLE001 - any `after` callback error, as psm's
+            self._handle_error(error, trigger)
+        if not result:
+            return None
+        return result[0] if len(result) == 1 else result
+
+    def _exit_states(self, transitions: list[Any], trigger: TriggerData) -> OrderedSet[Any]:
+        ordered = sorted(self._exit_set(transitions),
+                         key=lambda x: x.state and x.state.document_order or 0, reverse=True)
+        exited = OrderedSet([info.state for info in ordered if info.state])
+        for info in ordered:
+            state = info.state
+            for history in state.history:
+                if history.type.is_deep:
+                    value = [s for s in self._config if s.is_descendant(state)]
+                else:
+                    value = [s for s in self._config if s.parent == state]
+                self.history_values[history.id] = value
+        on_error = self._on_error()
+        for info in ordered:
+            args, kwargs = self._args_kwargs(info.transition, trigger, source=info.state)
+            self._registry.call(info.state.exit.key, *args, on_error=on_error, **kwargs)
+            if not self.atomic_configuration_update:
+                self._config.discard(info.state)
+        return exited
+
+    def _enter_states(self, transitions: list[Any], trigger: TriggerData,
+                      exited: OrderedSet[Any], previous: OrderedSet[Any]) -> list[Any]:
+        on_error = self._on_error()
+        to_enter: OrderedSet[_Step] = OrderedSet()
+        default_entry: OrderedSet[_Step] = OrderedSet()
+        default_history: dict[str | None, list[_Step]] = {}
+        self._entry_set(transitions, to_enter, default_entry, default_history)
+        ordered = sorted(to_enter, key=lambda x: x.state and x.state.document_order or 0)
+        new_configuration = OrderedSet(s for s in previous if s not in exited)
+        new_configuration.update(info.state for info in ordered if info.state)
+
+        on_error_transition = on_error
+        if on_error is not None and trigger.event and str(trigger.event) == _ERROR_EXECUTION:
+            on_error_transition = None
+        result = self._content(transitions, trigger, lambda t: t.on.key,
+                               on_error=on_error_transition, previous_configuration=previous,
+                               new_configuration=new_configuration)
+        if self.atomic_configuration_update:
+            self._config = OrderedSet(new_configuration)
+        default_ids = {info.state.id for info in default_entry if info.state}
+        for info in ordered:
+            target, transition = info.state, info.transition
+            args, kwargs = self._args_kwargs(transition, trigger, target=target)
+            if not self.atomic_configuration_update:
+                self._config.add(target)
+            if self._max_microsteps is not None:
+                self.entered.append(target.id)
+            entry_result = self._registry.call(target.enter.key, *args, on_error=on_error,
+                                               **kwargs)
+            if target.id in default_ids:
+                initial = [t for t in target.transitions if t.initial]
+                if len(initial) == 1:
+                    result += self._registry.call(initial[0].on.key, *args, **kwargs)
+            history_transitions = [i.transition for i in default_history.get(target.id, [])]
+            if history_transitions:
+                self._content(history_transitions, trigger, lambda t: t.on.key,
+                              previous_configuration=previous,
+                              new_configuration=new_configuration)
+            if target.final:
+                self._final_entered(target, entry_result)
+        return result
+
+    def _final_entered(self, target: Any, entry_result: list[Any]) -> None:
+        if target.parent is None:
+            self.running = False
+            return
+        parent, grandparent = target.parent, target.parent.parent
+        done_args: tuple[Any, ...] = ()
+        done_kwargs: dict[str, Any] = {}
+        for item in entry_result:
+            if not item:
+                continue
+            if isinstance(item, dict):
+                done_kwargs.update(item)
+            else:
+                done_args = (item,)
+        self._raise_internal(f"done.state.{parent.id}", *done_args, **done_kwargs)
+        if grandparent and grandparent.parallel:
+            if all(self._in_final(child) for child in grandparent.states):
+                self._raise_internal(f"done.state.{grandparent.id}", *done_args, **done_kwargs)
+                if grandparent.parent is None:
+                    self._root_parallel_pending = grandparent
+
+    def _in_final(self, state: Any) -> bool:
+        if state.parallel:
+            return all(self._in_final(s) for s in state.states)
+        return any(s.final and s in self._config for s in state.states)
+
+    # ---- entry set (base.py compute_entry_set and friends)
+
+    def _enters_target(self, transition: Any) -> bool:
+        return (self.enable_self_transition_entries or not transition.internal
+                or not (transition.is_self or (transition.target and
+                                               transition.target.is_descendant(transition.source))))
+
+    def _entry_set(self, transitions: list[Any], to_enter: OrderedSet[_Step],
+                   default_entry: OrderedSet[_Step],
+                   default_history: dict[str | None, list[_Step]]) -> None:
+        for transition in transitions:
+            for target in transition.targets:
+                self._add_descendants(_Step(transition, target), to_enter, default_entry,
+                                      default_history)
+            ancestor = self._domain(transition)
+            for effective in self._effective_targets(transition):
+                self._add_ancestors(_Step(transition, effective), ancestor, to_enter,
+                                    default_entry, default_history)
+
+    def _add_descendants(self, info: _Step, to_enter: OrderedSet[_Step],
+                         default_entry: OrderedSet[_Step],
+                         default_history: dict[str | None, list[_Step]]) -> None:
+        state = info.state
+        if state and state.is_history:
+            self._add_history(info, state, to_enter, default_entry, default_history)
+            return
+        if self._enters_target(info.transition):
+            to_enter.add(info)
+        if state.parallel:
+            for child in state.states:
+                if not any(s.state.is_descendant(child) for s in to_enter):
+                    self._add_descendants(_Step(info.transition, child), to_enter,
+                                          default_entry, default_history)
+        elif state.is_compound:
+            default_entry.add(info)
+            initial = next(t for t in state.transitions if t.initial)
+            for target in initial.targets:
+                self._add_descendants(_Step(initial, target), to_enter, default_entry,
+                                      default_history)
+            for target in initial.targets:
+                self._add_ancestors(_Step(initial, target), state, to_enter, default_entry,
+                                    default_history)
+
+    def _add_history(self, info: _Step, history: Any, to_enter: OrderedSet[_Step],
+                     default_entry: OrderedSet[_Step],
+                     default_history: dict[str | None, list[_Step]]) -> None:
+        parent_id = history.parent and history.parent.id
+        default_history[parent_id] = [info]
+        if history.id in self.history_values:
+            for state in self.history_values[history.id]:
+                step = _Step(info.transition, state)
+                if history.type.is_deep:
+                    to_enter.add(step)
+                else:
+                    self._add_descendants(step, to_enter, default_entry, default_history)
+            for state in self.history_values[history.id]:
+                self._add_ancestors(_Step(info.transition, state), history.parent, to_enter,
+                                    default_entry, default_history)
+        else:
+            for transition in history.transitions:
+                step = _Step(transition, transition.target)
+                default_history[parent_id].append(step)
+                self._add_descendants(step, to_enter, default_entry, default_history)
+            for transition in history.transitions:
+                self._add_ancestors(_Step(transition, transition.target), history.parent,
+                                    to_enter, default_entry, default_history)
+
+    def _add_ancestors(self, info: _Step, ancestor: Any, to_enter: OrderedSet[_Step],
+                       default_entry: OrderedSet[_Step],
+                       default_history: dict[str | None, list[_Step]]) -> None:
+        for anc in info.state.ancestors(parent=ancestor):
+            to_enter.add(_Step(info.transition, anc))
+            if anc.parallel:
+                for child in anc.states:
+                    if not any(s.state.is_descendant(child) for s in to_enter):
+                        self._add_descendants(_Step(info.transition, child), to_enter,
+                                              default_entry, default_history)

@@ -1,0 +1,113 @@
+"""The toolkit on hierarchical charts (issue 26): paths by configuration, transition coverage
+of the general run and of python-statemachine instances, mutants derived and applied, and the
+diagram's clusters, on charts with compound, parallel and history states."""
+
+from __future__ import annotations
+
+from statemachine import HistoryState, State, StateChart
+
+from calexec.machines import diagrams, mutants
+from calexec.machines.compiled import compile_chart, compiled
+from calexec.machines.coverage import TransitionListener, TransitionRecorder, recording, report
+from calexec.machines.paths import (
+    GuardTable,
+    drive,
+    state_paths,
+    transition_paths,
+    transition_tour,
+)
+
+
+def lamp() -> type[StateChart]:
+    """A fresh chart class per call (mutation changes a class in place)."""
+
+    class Lamp(StateChart):
+        class lit(State.Parallel):
+            class colour(State.Compound):
+                warm = State(initial=True)
+                cold = State()
+                shift = warm.to(cold, cond="allowed") | cold.to(warm)
+
+            class power(State.Compound):
+                low = State(initial=True)
+                high = State()
+                spent = State(final=True)
+                boost = low.to(high)
+                burn = high.to(spent)
+
+            h = HistoryState(type="deep")
+
+        dark = State(initial=True)
+        switch = dark.to(lit) | lit.to(dark)
+        restore = dark.to(lit.h)
+        done_state_power = lit.to(dark)
+
+    return Lamp
+
+
+def test_state_paths_reach_every_state_by_configuration() -> None:
+    chart = compile_chart(lamp())
+    walks = state_paths(chart)
+    assert set(walks) == set(chart.states)
+    assert walks["cold"].events == ("switch", "shift")
+    assert walks["cold"].end == "lit,colour,power,low,cold"
+    assert walks["cold"].guards[-1] == {"allowed": True}
+    # spent is entered and left in one macrostep (done.state.power leaves lit)
+    assert walks["spent"].events == ("switch", "boost", "burn") and walks["spent"].end == "dark"
+
+
+def test_transition_paths_and_the_tour_take_every_transition_on_a_real_run() -> None:
+    chart = compile_chart(lamp())
+    assert [p.transition for p in transition_paths(chart)] == list(chart.transitions)
+    tour = transition_tour(chart)
+    with recording([chart]) as recorder:
+        for walk in tour:
+            run = chart.run(GuardTable.for_chart(chart))
+            end = drive(run, walk)  # type: ignore[arg-type]
+            assert end == walk.end
+    assert report([chart], recorder)[0].complete, [t for t in chart.transitions
+                                                  if t.key not in recorder.hits]
+
+
+def test_coverage_counts_the_general_run_and_python_statemachine_alike() -> None:
+    declaration = lamp()
+    chart = compiled(declaration)
+    with recording([chart]) as recorder:
+        run = chart.run(GuardTable.for_chart(chart))
+        run.send("switch")
+        run.send("shift")
+    compiled_hits = set(recorder.hits)
+    assert {chart.transitions[t].event for _, t in compiled_hits} == {"switch", "shift"}
+    real_recorder = TransitionRecorder()
+    machine = declaration(model=GuardTable.for_chart(chart),
+                          listeners=[TransitionListener(chart, real_recorder)])
+    machine.send("switch")
+    machine.send("shift")
+    assert real_recorder.hits == compiled_hits
+    # a done.state event counts its transition, whichever name it was declared with
+    with recording([chart]) as recorder:
+        run = chart.run(GuardTable.for_chart(chart))
+        for event in ("switch", "boost", "burn"):
+            run.send(event)
+    assert "done.state.power" in {chart.transitions[t].event for _, t in recorder.hits}
+
+
+def test_mutants_are_derived_and_applied_on_nested_states() -> None:
+    declaration = lamp()
+    ids = [m.id for m in mutants.derive(declaration)]
+    assert "guard-false:warm-shift->cold:allowed" in ids
+    assert "drop:high-burn->spent" in ids
+    assert any(i.startswith("target:dark-restore->h:") for i in ids)
+    mutants.apply(declaration, "drop:high-burn->spent")
+    run = compile_chart(declaration).run(GuardTable.for_chart(compiled(declaration)))
+    run.send("switch")
+    run.send("boost")
+    assert run.send("burn") is None and "high" in run.configuration  # burn ignored now
+
+
+def test_diagram_draws_clusters_and_history() -> None:
+    dot = diagrams.render_chart_dot(lamp())
+    assert "subgraph cluster_lit {" in dot and "subgraph cluster_colour {" in dot
+    assert 'label="lit (parallel)"' in dot
+    assert "h [" in dot and 'label="H*"' in dot
+    assert "lhead=cluster_lit" in dot  # an edge to a compound state ends at its box
