@@ -250,3 +250,30 @@ def test_the_pytest_option_turns_a_projects_contracts_on(tmp_path):
     bad = subprocess.run([*command, "--chart-contracts=door_chart:Nope"], cwd=tmp_path,
                          env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 4 and "has no attribute 'Nope'" in bad.stderr, bad.stderr[-500:]
+
+
+class Hatch(StateMachine):
+    """A hierarchical chart (compound ``closed``): its compiled run is the general one."""
+
+    class closed(State.Compound):  # noqa: N801 - python-statemachine's declaration style
+        latched = State(initial=True)
+        unlatched = State()
+        unlatch = latched.to(unlatched)
+
+    opened = State(final=True)
+    open = closed.to(opened)
+
+    @precondition("open")
+    def only_unfrozen_hatches_open(account: Account) -> bool:  # noqa: N805
+        return not account.frozen
+
+
+@pytest.mark.parametrize("kind", ["psm", "compiled"])
+def test_contracts_are_checked_by_the_general_run_of_a_hierarchical_chart(kind):
+    assert compiled(Hatch).general  # not the flat fast path
+    account = Account(frozen=True)
+    with contracts_checked(Hatch):
+        run = Hatch(account) if kind == "psm" else compiled(Hatch).run(account)
+        with pytest.raises(ContractViolation) as caught:
+            run.send("open")
+    assert caught.value.contract == "only_unfrozen_hatches_open"
