@@ -37,63 +37,37 @@ import functools
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
-import attrs
 from statemachine import StateChart
+
+from calexec.machines.contract_decl import (
+    Check as Check,
+)
+from calexec.machines.contract_decl import (
+    Contract as Contract,
+)
+from calexec.machines.contract_decl import (
+    Kind as Kind,
+)
+from calexec.machines.contract_decl import (
+    Model as Model,
+)
+from calexec.machines.contract_decl import (
+    invariant as invariant,
+)
+from calexec.machines.contract_decl import (
+    postcondition as postcondition,
+)
+from calexec.machines.contract_decl import (
+    precondition as precondition,
+)
 
 if TYPE_CHECKING:  # compiled imports charts, which declares its contracts with this module
     from calexec.machines.compiled import ChartLike, CompiledChart, Transition
 
-Kind = Literal["invariant", "precondition", "postcondition"]
-#: the model as a contract sees it: any object (the chart's guard provider)
-Model = object
-#: a contract's check: called with the model (its parameter may be typed as the chart's own
-#: model class or a Protocol of it, hence the open signature), true when the contract holds
-Check = Callable[..., object]
 #: how much of ``repr(model)`` a violation carries
 REPR_LIMIT = 300
-
-
-@attrs.frozen
-class Contract:
-    """One declared contract: ``kind`` on ``names`` (states for an invariant, events for a
-    pre/postcondition); ``check(model)`` says whether it holds."""
-
-    kind: Kind
-    names: tuple[str, ...]
-    check: Check
-    name: str
-
-
-def _decorator(kind: Kind, names: tuple[str, ...]) -> Callable[[Check], Contract]:
-    if not names or not all(isinstance(n, str) and n for n in names):
-        raise ValueError(f"@{kind}{names!r}: name at least one "
-                         f"{'state' if kind == 'invariant' else 'event'} (a non-empty str)")
-
-    def wrap(func: Check) -> Contract:
-        if isinstance(func, Contract):  # stacked decorators: one contract per decorator
-            raise ValueError(f"@{kind} on {func.name}: stack contracts by listing several "
-                             f"names in one decorator")
-        return Contract(kind, names, func, getattr(func, "__name__", repr(func)))
-
-    return wrap
-
-
-def invariant(*states: str) -> Callable[[Check], Contract]:
-    """Declare that ``func(model)`` holds whenever a run is in one of ``states``."""
-    return _decorator("invariant", states)
-
-
-def precondition(*events: str) -> Callable[[Check], Contract]:
-    """Declare that ``func(model)`` holds when one of ``events`` is taken, before the state
-    changes."""
-    return _decorator("precondition", events)
-
-
-def postcondition(*events: str) -> Callable[[Check], Contract]:
-    """Declare that ``func(model)`` holds right after one of ``events`` was taken."""
-    return _decorator("postcondition", events)
 
 
 class ContractViolation(Exception):

@@ -31,6 +31,32 @@ class UnsupportedChart(ValueError):
     line naming each such construct and where it is declared."""
 
 
+class ChartTransitionError(Exception):
+    """Base of the errors a ``ChartRun`` raises when an event cannot be taken."""
+
+
+class IllegalTransition(ChartTransitionError):
+    """The event has no declared transition from the current state (or is unknown)."""
+
+    def __init__(self, chart: str, state: str, event: str) -> None:
+        self.chart, self.state, self.event = chart, state, event
+        super().__init__(
+            f"{chart}: event {event!r} is not allowed in state {state!r} "
+            f"(no declared transition {state} --{event}-->)"
+        )
+
+
+class GuardRejected(ChartTransitionError):
+    """Every transition declared for ``(state, event)`` had a guard that failed."""
+
+    def __init__(self, chart: str, state: str, event: str, guards: tuple[str, ...]) -> None:
+        self.chart, self.state, self.event, self.guards = chart, state, event, guards
+        super().__init__(
+            f"{chart}: event {event!r} in state {state!r} rejected by guard(s) "
+            f"{', '.join(guards)}"
+        )
+
+
 def describe_transition(transition: Any) -> str:
     """``source --event--> target`` of a python-statemachine transition."""
     events = "|".join(str(e) for e in transition.events) or "(eventless)"

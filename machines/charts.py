@@ -31,7 +31,7 @@ from typing import Protocol
 
 from statemachine import State, StateMachine
 
-from calexec.machines.chart_contracts import invariant
+from calexec.machines.contract_decl import invariant
 
 
 class _JobModel(Protocol):

@@ -40,6 +40,15 @@ from statemachine import StateChart
 from statemachine.callbacks import CallbackGroup
 
 from calexec.machines.chart_support import (
+    ChartTransitionError as ChartTransitionError,  # re-exported: where runs raise them
+)
+from calexec.machines.chart_support import (
+    GuardRejected as GuardRejected,
+)
+from calexec.machines.chart_support import (
+    IllegalTransition as IllegalTransition,
+)
+from calexec.machines.chart_support import (
     UnsupportedChart as UnsupportedChart,  # re-exported: compile_chart and run raise it
 )
 from calexec.machines.chart_support import (
@@ -50,32 +59,6 @@ from calexec.machines.chart_support import (
     semantics,
 )
 from calexec.machines.charts import DECLARED
-
-
-class ChartTransitionError(Exception):
-    """Base of the errors a ``ChartRun`` raises when an event cannot be taken."""
-
-
-class IllegalTransition(ChartTransitionError):
-    """The event has no declared transition from the current state (or is unknown)."""
-
-    def __init__(self, chart: str, state: str, event: str) -> None:
-        self.chart, self.state, self.event = chart, state, event
-        super().__init__(
-            f"{chart}: event {event!r} is not allowed in state {state!r} "
-            f"(no declared transition {state} --{event}-->)"
-        )
-
-
-class GuardRejected(ChartTransitionError):
-    """Every transition declared for ``(state, event)`` had a guard that failed."""
-
-    def __init__(self, chart: str, state: str, event: str, guards: tuple[str, ...]) -> None:
-        self.chart, self.state, self.event, self.guards = chart, state, event, guards
-        super().__init__(
-            f"{chart}: event {event!r} in state {state!r} rejected by guard(s) "
-            f"{', '.join(guards)}"
-        )
 
 
 @attrs.frozen

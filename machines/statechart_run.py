@@ -52,7 +52,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable
 from itertools import chain
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from statemachine import State, StateChart
 from statemachine.callbacks import CallbacksRegistry
@@ -64,13 +64,14 @@ from statemachine.graph import iterate_states_and_transitions
 from statemachine.orderedset import OrderedSet
 from statemachine.transition import Transition as DeclaredTransition
 
-from calexec.machines.compiled import (
+from calexec.machines.chart_support import (
     ChartTransitionError,
-    CompiledChart,
     GuardRejected,
     IllegalTransition,
-    Transition,
 )
+
+if TYPE_CHECKING:  # compiled builds a StatechartRun (lazily), so no import back at run time
+    from calexec.machines.compiled import CompiledChart, Transition
 
 _ERROR_EXECUTION = "error.execution"
 _INITIAL = "__initial__"
