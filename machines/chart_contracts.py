@@ -152,6 +152,11 @@ class ContractChecker:
         if contracts:
             self._check(contracts, model, transition.source, transition)
 
+    def listener(self) -> ContractListener:
+        """The listener that checks this chart's contracts on a run resolving callbacks as a
+        python-statemachine instance does (the general run, ``StatechartRun``)."""
+        return ContractListener(self)
+
     def after(self, model: Model, transition: Transition) -> None:
         """Postconditions of the event and invariants of the target, after the change."""
         post = self.post.get(transition.event)

@@ -88,6 +88,12 @@ class TransitionChecker(Protocol):
 
     def after(self, model: object, transition: Transition) -> None: ...
 
+    def listener(self) -> object:
+        """A python-statemachine listener calling ``before``/``after`` around each declared
+        transition (``before_transition``/``after_transition``): how the general run of a
+        hierarchical chart, which resolves callbacks as an instance does, checks contracts."""
+        ...
+
 
 @attrs.frozen
 class CompiledChart:

@@ -152,10 +152,7 @@ class StatechartRun:
             self._start(**start_kwargs)
             return
         if chart.checker is not None:  # contracts enabled: checked as on an instance
-            from calexec.machines.chart_contracts import ContractChecker, ContractListener
-
-            if isinstance(chart.checker, ContractChecker):
-                listeners = (*listeners, ContractListener(chart.checker))
+            listeners = (*listeners, chart.checker.listener())
         resolvers = Listeners.from_listeners((
             Listener.from_obj(machine, skip_attrs=_protected(declaration)),
             Listener.from_obj(model, skip_attrs={"state"}),
