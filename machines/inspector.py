@@ -140,6 +140,17 @@ class TransitionRates:
             self._samples.popleft()
         return snap
 
+    def baseline(self) -> None:
+        """A chart registered after the first sample counts from now: its current counters
+        become its value in every earlier sample (what its runs took before it was shown,
+        since the process started, is not a rate)."""
+        with self._mu:
+            snap = self._taken()
+            for i, (at, old) in enumerate(self._samples):
+                missing = {name: counts for name, counts in snap.items() if name not in old}
+                if missing:
+                    self._samples[i] = (at, {**old, **missing})
+
     def per_minute(self) -> dict[str, list[float]]:
         """chart -> rate per minute of each transition (index = transition id)."""
         with self._mu:
@@ -262,6 +273,7 @@ class Inspector:
             if count_instances:  # python-statemachine 3's class listeners (coverage.track)
                 shared.declaration._class_listeners.append(instances)
             entry = self.charts[name] = Registered(name, shared, counts, active, instances)
+        self.rates.baseline()
         return entry
 
     def close(self) -> None:

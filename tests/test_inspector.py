@@ -121,3 +121,25 @@ def test_registration_is_checked():
         inspector.register(Lamp, counts=dict)
     with pytest.raises(TypeError, match="expected a ChartRun or a python-statemachine"):
         inspector.paths.follow("x", object())
+
+
+
+def test_a_chart_registered_late_has_no_rate_from_its_past(monkeypatch):
+    """Transitions a chart's runs took before it was registered (earlier in the process) are
+    not a rate: seen when the NPU server's tests ran after thousands of jobs of other tests."""
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    from order_workflow import Order, OrderWorkflow
+
+    now = [10.0]
+    inspector = Inspector(window_s=60.0, clock=lambda: now[0])
+    shared = compiled(OrderWorkflow)
+    place = next(t for t in shared.transitions if t.event == "place")
+    for _ in range(5):  # before registration
+        shared.run(Order(items=["pen"])).send("place")
+    now[0] = 20.0
+    inspector.register(OrderWorkflow, counts=dict, count_instances=False)
+    now[0] = 40.0
+    assert inspector.rates.per_minute()["OrderWorkflow"][place.id] == 0.0
+    shared.run(Order(items=["pen"])).send("place")  # one after it: counted
+    now[0] = 50.0  # 1 in the 40 s since the first sample
+    assert inspector.rates.per_minute()["OrderWorkflow"][place.id] == pytest.approx(1.5)
