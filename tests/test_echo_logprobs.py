@@ -62,13 +62,19 @@ def random_prompts(seed: int, count: int) -> list[list[int]]:
             for _ in range(count)]
 
 
-def check_top(got: dict[str, float], row: np.ndarray, top: int) -> None:
-    """``got`` (text -> logprob) is a ``top`` most likely set of ``row`` (ties: any of them)."""
-    assert len(got) == top
+def check_top(got: dict[str, float], row: np.ndarray, top: int, token: int) -> None:
+    """``got`` (text -> logprob) is a ``top`` most likely set of ``row`` (ties: any of them)
+    and the position's own ``token`` (up to top + 1 entries, as for generated tokens)."""
+    own = TOK.token_text(token)
+    assert own in got and got[own] == pytest.approx(row[token], abs=TOL)
     for text, value in got.items():  # the byte tokenizer's ids >= 512 print as <id>
         assert text.startswith("<") and value == pytest.approx(row[int(text[1:-1])], abs=TOL)
-    best = np.sort(row)[::-1][:top]
-    assert sorted(got.values(), reverse=True) == pytest.approx(list(best), abs=TOL)
+    best = list(np.sort(row)[::-1][:top])
+    rest = sorted(got.values(), reverse=True)
+    if len(got) == top + 1:  # the own token is not among the top: the others are the top
+        rest.remove(got[own])
+    assert len(rest) == top
+    assert rest == pytest.approx(best, abs=TOL)
 
 
 def check_prompt_part(lp, prompt: list[int], top: int) -> None:
@@ -82,7 +88,7 @@ def check_prompt_part(lp, prompt: list[int], top: int) -> None:
     for k in range(1, len(prompt)):
         row = rows[k - 1]  # the distribution of prompt[k]
         assert lp.token_logprobs[k] == pytest.approx(row[prompt[k]], abs=TOL)
-        check_top(lp.top_logprobs[k], row, top)
+        check_top(lp.top_logprobs[k], row, top, prompt[k])
 
 
 def test_echo_logprobs_max_tokens_0_equal_the_oracle_for_random_prompts(live):

@@ -635,9 +635,18 @@ def echo_logprobs(tok: Tokenizer, prompt: list[int], rows: list[TokenLogprobs], 
         at += len(text)
     return {"tokens": tokens,
             "token_logprobs": [None] + [r.logprob for r in rows],
-            "top_logprobs": [None] + [{tok.token_text(t): lp for t, lp in r.top[:top]}
-                                      for r in rows],
+            "top_logprobs": [None] + [top_entries(tok, r, top) for r in rows],
             "text_offset": offsets}
+
+
+def top_entries(tok: Tokenizer, info: TokenLogprobs, k: int | None = None) -> dict[str, float]:
+    """One position's ``top_logprobs``: its ``k`` (default: all kept) most likely tokens and
+    the token at the position (the sampled one, or the prompt's), so up to k + 1 entries
+    (OpenAI: "the API will always return the logprob of the sampled token"; vLLM does the same,
+    and ``logprobs: 0`` is that token alone)."""
+    entries = {tok.token_text(t): lp for t, lp in info.top[:k]}
+    entries.setdefault(tok.token_text(info.token), info.logprob)
+    return entries
 
 
 def vllm_prompt_logprobs(tok: Tokenizer, prompt: list[int], rows: list[TokenLogprobs],
@@ -656,22 +665,15 @@ def vllm_prompt_logprobs(tok: Tokenizer, prompt: list[int], rows: list[TokenLogp
 
 
 def completion_logprobs(tok: Tokenizer, infos: list[TokenLogprobs], offset: int) -> dict[str, Any]:
-    """The legacy completions ``logprobs`` object. ``top_logprobs`` holds the k most likely
-    tokens and the chosen one, so up to k + 1 entries (OpenAI: "the API will always return
-    the logprob of the sampled token"; vLLM does the same, and ``logprobs: 0`` is the chosen
-    token alone)."""
+    """The legacy completions ``logprobs`` object (``top_logprobs``: ``top_entries``)."""
     tokens = [tok.token_text(i.token) for i in infos]
     offsets, at = [], offset
     for text in tokens:
         offsets.append(at)
         at += len(text)
 
-    def top(info: TokenLogprobs) -> dict[str, float]:
-        entries = {tok.token_text(t): lp for t, lp in info.top}
-        entries.setdefault(tok.token_text(info.token), info.logprob)
-        return entries
     return {"tokens": tokens, "token_logprobs": [i.logprob for i in infos],
-            "top_logprobs": [top(i) for i in infos], "text_offset": offsets}
+            "top_logprobs": [top_entries(tok, i) for i in infos], "text_offset": offsets}
 
 
 def chat_logprobs(tok: Tokenizer, infos: list[TokenLogprobs]) -> dict[str, Any]:
