@@ -72,26 +72,32 @@ def test_chat_batch(url):
 
 
 def test_chat_with_structured_output_parses_into_the_pydantic_model(url):
+    # bounded fields: the synthetic model's random weights never close an unbounded string by
+    # themselves (a real model does); the grammar enforces the bound (docs/server.md). A
+    # character may take up to 4 byte tokens: max_tokens leaves room for the bound's worst case
     class Person(pydantic.BaseModel):
-        name: str
-        age: int
+        name: str = pydantic.Field(max_length=12)
+        age: int = pydantic.Field(ge=0, le=150)
 
-    structured = _chat(url, max_tokens=64).with_structured_output(Person)
+    structured = _chat(url, max_tokens=200).with_structured_output(Person)
     person = structured.invoke("Invent a person.")
     assert isinstance(person, Person)  # every response parses against the schema
 
 
 def test_chat_bind_tools_answers_an_openai_shaped_tool_call(url):
-    def get_weather(city: str) -> str:
+    class get_weather(pydantic.BaseModel):  # noqa: N801 - the tool's name, as a function's
         """The weather in a city."""
-        return "sunny"
 
-    bound = _chat(url, max_tokens=64).bind_tools([get_weather], tool_choice="get_weather")
+        # bounded, as in the structured-output test above
+        city: str = pydantic.Field(max_length=12)
+
+    bound = _chat(url, max_tokens=200).bind_tools([get_weather], tool_choice="get_weather")
     reply = bound.invoke("Weather in Paris?")
     assert reply.tool_calls, reply
     call = reply.tool_calls[0]
     assert call["name"] == "get_weather"
     assert isinstance(call["args"], dict) and isinstance(call["args"].get("city"), str)
+    assert len(call["args"]["city"]) <= 12
     json.dumps(call["args"])
 
 
