@@ -12,8 +12,11 @@ server's own through lm-eval's ``tokenizer_backend=remote`` (vLLM's ``/tokenizer
   continuation of the prompt;
 - a likelihood task (``multiple_choice``, lm-eval sends ``echo`` with ``logprobs=1`` and
   ``max_tokens=1``): every choice's log-likelihood is the oracle's, within BF16->FP32
-  rounding. Written to the OpenAI contract: it needs prompt logprobs (issue 27's echo-logprobs
-  branch) and fails without them (``echo`` with ``logprobs`` is a 400 here).
+  rounding. lm-eval scores the continuation ``target_delimiter + choice`` (the task's
+  delimiter, a space) after the question, each encoded on its own and concatenated; the
+  oracle scores exactly that, and the test checks those are the pairs lm-eval asked for.
+  Written to the OpenAI contract: it needs prompt logprobs (issue 27's echo-logprobs branch)
+  and fails without them (``echo`` with ``logprobs`` is a 400 here).
 
 Client timeout 10 s, one try (no retries)."""
 
@@ -75,6 +78,15 @@ def _docs(name: str) -> list[dict]:
     return [json.loads(line) for line in (DATA / name).read_text().splitlines() if line]
 
 
+def _target_delimiter() -> str:
+    """The multiple-choice task's ``target_delimiter``: lm-eval puts it between the question
+    and each choice."""
+    import yaml  # lm-eval's own dependency
+
+    config = yaml.safe_load((DATA / "calexec_mc.yaml").read_text())
+    return str(config["target_delimiter"])
+
+
 def _oracle_loglikelihood(context: list[int], continuation: list[int]) -> float:
     seq = oracle.OracleSequence(calbin.DEFAULT_SEED)
     seq.run(context)
@@ -103,13 +115,15 @@ def test_likelihood_task_with_batches_scores_every_choice_as_the_oracle(url,
     results = _evaluate(url, "calexec_mc", monkeypatch)
     samples = results["samples"]["calexec_mc"]
     docs = _docs("mc.jsonl")
+    delimiter = _target_delimiter()
     assert len(samples) == len(docs)
     for sample in samples:
         doc = docs[sample["doc_id"]]
-        context = tokenizer.encode(doc["question"])
+        pairs = [(doc["question"], delimiter + choice) for choice in doc["choices"]]
+        assert [tuple(args) for args in sample["arguments"]] == pairs, sample["arguments"]
         got = [resp[0][0] for resp in sample["resps"]]
-        want = [_oracle_loglikelihood(context, tokenizer.encode(choice))
-                for choice in doc["choices"]]
+        want = [_oracle_loglikelihood(tokenizer.encode(context), tokenizer.encode(continuation))
+                for context, continuation in pairs]
         assert all(math.isfinite(g) for g in got), got
         assert got == pytest.approx(want, abs=1e-3), (doc, got, want)
     assert 0.0 <= results["results"]["calexec_mc"]["acc,none"] <= 1.0
