@@ -64,17 +64,19 @@ def random_prompts(seed: int, count: int) -> list[list[int]]:
 
 def check_top(got: dict[str, float], row: np.ndarray, top: int, token: int) -> None:
     """``got`` (text -> logprob) is a ``top`` most likely set of ``row`` (ties: any of them)
-    and the position's own ``token`` (up to top + 1 entries, as for generated tokens)."""
-    own = TOK.token_text(token)
-    assert own in got and got[own] == pytest.approx(row[token], abs=TOL)
-    for text, value in got.items():  # the byte tokenizer's ids >= 512 print as <id>
-        assert text.startswith("<") and value == pytest.approx(row[int(text[1:-1])], abs=TOL)
-    best = list(np.sort(row)[::-1][:top])
-    rest = sorted(got.values(), reverse=True)
-    if len(got) == top + 1:  # the own token is not among the top: the others are the top
-        rest.remove(got[own])
-    assert len(rest) == top
-    assert rest == pytest.approx(best, abs=TOL)
+    and ``token``, the position's own token, as OpenAI ("the API will always return the
+    logprob of the sampled token", up to ``top`` + 1 entries) and vLLM answer: ``top`` 0 is
+    that token alone."""
+    text = TOK.token_text(token)
+    assert text in got and got[text] == pytest.approx(row[token], abs=TOL)
+    best = np.sort(row)[::-1][:top]
+    others = dict(got)
+    if len(got) == top + 1 or top == 0:
+        del others[text]  # the token is not among the top ones (top 0: nothing else)
+    assert len(others) == top, (got, top)
+    for name, value in others.items():  # the byte tokenizer's ids >= 512 print as <id>
+        assert name.startswith("<") and value == pytest.approx(row[int(name[1:-1])], abs=TOL)
+    assert sorted(others.values(), reverse=True) == pytest.approx(list(best), abs=TOL)
 
 
 def check_prompt_part(lp, prompt: list[int], top: int) -> None:
@@ -104,6 +106,19 @@ def test_echo_logprobs_max_tokens_0_equal_the_oracle_for_random_prompts(live):
         assert done.usage.prompt_tokens == len(prompt) and done.usage.completion_tokens == 0
     wait_for(lambda: service.sequences.in_use == 0, what="every id back")
     assert service.sequences.consistent() and service.sequences.withheld == 0
+
+
+def test_echo_logprobs_0_carry_each_prompt_token_alone(live):
+    """``logprobs: 0`` with ``echo``: every prompt position's ``top_logprobs`` is its own
+    token and nothing else (vLLM's ``test_echo_logprob_completion[0]`` wants 1 entry; the
+    generated tokens already carried theirs)."""
+    _, client, _ = live
+    prompt = random_prompts(3, 1)[0]
+    done = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, echo=True,
+                                     logprobs=0)
+    lp = done.choices[0].logprobs
+    check_prompt_part(lp, prompt, 0)
+    assert [len(top) for top in lp.top_logprobs[1:]] == [1] * (len(prompt) + 1)
 
 
 def test_echo_logprobs_then_generated_tokens_are_the_oracle_s(live):
