@@ -360,7 +360,7 @@ class _Monitor(threading.Thread):
     the device's knobs); every second: an RSS sample; every ``progress_s``: a progress line."""
 
     def __init__(self, emu, tally: Tally, phases: list[Phase], progress_s: float,
-                 status: Callable[[], str]) -> None:
+                 status: Callable[[], str], counters: Callable[[], dict[str, int]]) -> None:
         super().__init__(name="bench-soak-monitor", daemon=True)
         self.emu, self.tally, self.phases = emu, tally, phases
         self.progress_s, self.status = progress_s, status
@@ -369,7 +369,9 @@ class _Monitor(threading.Thread):
         self.rss: list[tuple[float, int]] = []  # (s since start, bytes), at most one a second
         self.rss_warm: int | None = None
         self.phase = 0
-        self.phase_requests: Counter = Counter()
+        self.counters = counters
+        #: the decode counters when each phase began (and, appended at the end, now)
+        self.marks: list[dict[str, int]] = []
         self.profile_errors = 0
         self.bounds = []
         acc = 0.0
@@ -386,6 +388,7 @@ class _Monitor(threading.Thread):
             issued = self.tally.issued
             while self.phase < len(self.phases) - 1 and issued >= self.bounds[self.phase]:
                 self.phase += 1
+                self.marks.append(self.counters())
             us = self.phases[self.phase].decode_us
             if self.emu.set_latency(decode_us=us) != 0:
                 self.profile_errors += 1
@@ -449,7 +452,15 @@ def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
         service = app.state.service
         metrics = service.metrics.registry
         emu = executor.device.emu
-        monitor = _Monitor(emu, tally, phases, progress_s, lambda: (
+        def decode_counters() -> dict[str, int]:
+            """The server's decode steps (pre-armed, greedy ahead) and the executor's implicit
+            pre-arms so far."""
+            get = metrics.get_sample_value
+            return {"decode_steps_prearmed": int(get("calexec_decode_steps_total",
+                                                     {"prearmed": "true"}) or 0),
+                    "decode_steps_ahead": int(get("calexec_decode_steps_ahead_total") or 0),
+                    "auto_prearmed": int(executor.snapshot().get("auto_prearmed", 0))}
+        monitor = _Monitor(emu, tally, phases, progress_s, counters=decode_counters, status=lambda: (
             f"requests {tally.finished}/{requests} faults {len(windows)}/{faults} "
             f"wrong {tally.wrong} errors {len(tally.errors)} rss "
             f"{(rss_bytes() or 0) >> 20} MiB"))
@@ -467,6 +478,7 @@ def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
                                             f"{got.message}")
                         traffic.references[k] = got.tokens
                 start_pools = _pools(executor, service)
+                monitor.marks.append(decode_counters())
                 monitor.start()
                 workers = [threading.Thread(
                     target=_client, args=(server.url, i, seed, stop, tally, traffic, current,
@@ -547,6 +559,7 @@ def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
                     lifecycle_end = executor.state
                 monitor.stop.set()
                 monitor.join(5.0)
+                monitor.marks.append(decode_counters())
                 counters = executor.snapshot()
                 exhausted = metrics.get_sample_value("calexec_resume_budget_exhausted_total")
                 resumes = metrics.get_sample_value  # read below, before the server goes
@@ -606,7 +619,11 @@ def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
         "completed": tally.completed, "by_mode": dict(tally.by_mode),
         "clients": clients, "seed": seed, "max_tokens": list(max_tokens),
         "phases": [{"decode_us": p.decode_us, "share": round(p.share, 4),
-                    "until_request": b} for p, b in zip(phases, monitor.bounds)],
+                    "until_request": b,
+                    # what ran in the phase (the counters at its end minus at its start)
+                    **({k: monitor.marks[j + 1][k] - monitor.marks[j][k]
+                        for k in monitor.marks[j]} if j + 1 < len(monitor.marks) else {})}
+                   for j, (p, b) in enumerate(zip(phases, monitor.bounds))],
         "profile_errors": monitor.profile_errors,
         "faults_requested": faults, "faults_fired": len(windows),
         "faults_by_kind": dict(by_kind), "faults_not_fired": dict(not_fired),
