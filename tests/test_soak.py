@@ -1,7 +1,7 @@
 """``calexec bench soak`` (issue 28) run CI-sized, in-process: every check passes on a small
 run with one fault of each kind, and each check can fail: a corrupted token, a leaked sequence
-id and a thread left running (test seams, ``soak.Hooks``) are reported and give exit 1; an
-error outside the documented budget is counted beyond it. Never a timing figure.
+id, a thread left running and a growing RSS (test seams, ``soak.Hooks``) are reported and give
+exit 1; an error outside the documented budget is counted beyond it. Never a timing figure.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def test_small_soak_passes_every_check_with_every_fault_kind(capsys):
     assert report["rss_mib"]["samples"] >= 1 and report["rss_mib"]["last"] > 0
 
 
-def test_a_wrong_token_a_leaked_id_and_a_leaked_thread_fail_the_run(capsys, monkeypatch):
+def test_a_wrong_token_a_leaked_id_a_leaked_thread_and_growing_rss_fail_the_run(capsys, monkeypatch):
     monkeypatch.setattr(soak, "THREAD_WAIT_S", 1.0)  # the leaked thread is waited for that long
     corrupted: list[dict] = []
     release = threading.Event()
@@ -78,12 +78,19 @@ def test_a_wrong_token_a_leaked_id_and_a_leaked_thread_fail_the_run(capsys, monk
         corrupted.append(body)
         return [tokens[0] + 1, *tokens[1:]]
 
+    rss_calls: list[int] = []
+
+    def growing_rss() -> int:  # 8 GiB more at every sample: past any bound after warm-up
+        rss_calls.append(1)
+        return len(rss_calls) << 33
+
     def leak(service, executor) -> None:
         assert service.sequences.acquire() is not None  # taken, never given back
         leaked.start()
 
     try:
-        code, report, err = _run(capsys, 60, 1, soak.Hooks(tokens=corrupt, after_traffic=leak))
+        code, report, err = _run(capsys, 60, 1, soak.Hooks(tokens=corrupt, after_traffic=leak,
+                                                        rss=growing_rss))
     finally:
         release.set()
         if leaked.is_alive() or leaked.ident is not None:
@@ -95,10 +102,11 @@ def test_a_wrong_token_a_leaked_id_and_a_leaked_thread_fail_the_run(capsys, monk
     assert report["wrong_examples"][0]["request"]["prompt"] == corrupted[0]["prompt"]
     assert not checks["pools"]["ok"] and report["pools_end"]["sequence_ids"]["in_use"] == 1
     assert not checks["threads"]["ok"] and report["threads_leaked"] == ["test-soak-leak"]
+    assert not checks["rss"]["ok"] and report["rss_mib"]["samples"] >= 3
     # the rest held: the seams are what failed
     assert all(checks[name]["ok"] for name in ("requests", "faults", "client_errors",
                                                "server"))
-    assert "checks failed: wrong_tokens, pools, threads" in err
+    assert "checks failed: wrong_tokens, rss, pools, threads" in err
 
 
 def test_errors_beyond_the_documented_budget_are_counted():

@@ -87,10 +87,12 @@ class Hooks:
 
     ``tokens(body, tokens)``: what the checker sees of a completed request's tokens;
     ``after_traffic(service, executor)``: called once the server is idle, before the pools are
-    read at the end."""
+    read at the end; ``rss()``: the monitor's RSS sample."""
 
     tokens: Callable[[dict[str, Any], list[int]], list[int]] | None = None
     after_traffic: Callable[[Any, Any], None] | None = None
+    #: the RSS sampler (bytes or None); default: this process's, from /proc
+    rss: Callable[[], int | None] | None = None
 
 
 def parse_phases(text: str) -> list[Phase]:
@@ -360,7 +362,8 @@ class _Monitor(threading.Thread):
     the device's knobs); every second: an RSS sample; every ``progress_s``: a progress line."""
 
     def __init__(self, emu, tally: Tally, phases: list[Phase], progress_s: float,
-                 status: Callable[[], str], counters: Callable[[], dict[str, int]]) -> None:
+                 status: Callable[[], str], counters: Callable[[], dict[str, int]],
+                 rss: Callable[[], int | None] = rss_bytes) -> None:
         super().__init__(name="bench-soak-monitor", daemon=True)
         self.emu, self.tally, self.phases = emu, tally, phases
         self.progress_s, self.status = progress_s, status
@@ -370,6 +373,7 @@ class _Monitor(threading.Thread):
         self.rss_warm: int | None = None
         self.phase = 0
         self.counters = counters
+        self.sample_rss = rss
         #: the decode counters when each phase began (and, appended at the end, now)
         self.marks: list[dict[str, int]] = []
         self.profile_errors = 0
@@ -395,7 +399,7 @@ class _Monitor(threading.Thread):
             now = time.monotonic()
             if now >= next_rss:
                 next_rss = now + 1.0
-                rss = rss_bytes()
+                rss = self.sample_rss()
                 if rss is not None:
                     if len(self.rss) >= 4096:  # keep it bounded: every other sample
                         self.rss = self.rss[::2]
@@ -460,7 +464,8 @@ def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
                                                      {"prearmed": "true"}) or 0),
                     "decode_steps_ahead": int(get("calexec_decode_steps_ahead_total") or 0),
                     "auto_prearmed": int(executor.snapshot().get("auto_prearmed", 0))}
-        monitor = _Monitor(emu, tally, phases, progress_s, counters=decode_counters, status=lambda: (
+        monitor = _Monitor(emu, tally, phases, progress_s, counters=decode_counters,
+                           rss=hooks.rss or rss_bytes, status=lambda: (
             f"requests {tally.finished}/{requests} faults {len(windows)}/{faults} "
             f"wrong {tally.wrong} errors {len(tally.errors)} rss "
             f"{(rss_bytes() or 0) >> 20} MiB"))
