@@ -109,6 +109,18 @@ def test_a_wrong_token_a_leaked_id_a_leaked_thread_and_growing_rss_fail_the_run(
     assert "checks failed: wrong_tokens, rss, pools, threads" in err
 
 
+def test_a_run_cut_by_max_seconds_fails_the_requests_and_faults_checks(capsys):
+    code = soak.run_cli(["bench", "soak", "--requests", "100000", "--faults", "2",
+                         *ARGS, "--max-seconds", "4"])
+    out, err = capsys.readouterr()
+    report = json.loads(out)
+    assert code == 1 and not report["ok"]
+    assert not report["checks"]["requests"]["ok"] and report["requests_finished"] < 100000
+    assert not report["checks"]["faults"]["ok"] and report["faults_fired"] < 2
+    assert report["seconds"] < 4 + soak.REQUEST_TIMEOUT_S  # bounded: stopped, then joined
+    assert "checks failed: requests, faults" in err
+
+
 def test_errors_beyond_the_documented_budget_are_counted():
     windows = [{"kind": "unknown_csr", "armed": 10.0, "ended": 11.0, "fired": 1},
                {"kind": "hang", "armed": 20.0, "ended": 21.0, "fired": 1}]
