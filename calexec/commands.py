@@ -64,6 +64,11 @@ COMMANDS: dict[str, Command] = {
         "device faults under load: client errors, tokens vs a fault-free run, resumes and added "
         "latency per fault",
         "server"),
+    "bench soak": Command(
+        "calexec.drivers.tools.bench.soak",
+        "long fault soak of the server: N requests (streaming, slow readers, disconnects), F "
+        "faults of every kind, 0 and 2 ms decode; wrong tokens, errors, RSS, pools, threads",
+        "server"),
     "diagrams live": Command(
         "calexec.drivers.tools.live_screenshots",
         "screenshot the live /debug/statecharts page under load and one job's path (headless "

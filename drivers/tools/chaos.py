@@ -69,7 +69,8 @@ ACTIONS = tuple(f[0] for f in FAULTS) + tuple(RELOADS)
 
 
 @functools.lru_cache(maxsize=4096)
-def _oracle(prompt: tuple[int, ...], n: int) -> tuple[int, ...]:
+def oracle_tokens(prompt: tuple[int, ...], n: int) -> tuple[int, ...]:
+    """The numpy oracle's greedy continuation of ``prompt``: ``n`` tokens (cached)."""
     ref = oracle.OracleSequence(calbin.DEFAULT_SEED)
     ref.run(list(prompt))
     out = [ref.next_token()]
@@ -196,7 +197,7 @@ def _check(rec: Record, slack: float, server_s: float | None, problems: list[str
     if rec.code not in DOCUMENTED:
         problems.append(f"{where}: undocumented HTTP {rec.code}: {rec.body}")
         return
-    expected = _oracle(tuple(rec.prompt), rec.max_tokens)
+    expected = oracle_tokens(tuple(rec.prompt), rec.max_tokens)
     if rec.code != 200:
         error = (rec.body or {}).get("error", {})
         if not error.get("code") or rec.body.get("status", {}).get("http_status") != rec.code:
@@ -245,7 +246,8 @@ def _diagnose(executor, service) -> dict:
             "threads": sorted(t.name for t in threading.enumerate())}
 
 
-def _arm(emu, point: str, rng: random.Random, rc: int) -> None:
+def arm_fault(emu, point: str, rng: random.Random, rc: int) -> None:
+    """Arm one schedule action's emulator fault point(s) on one of the next 1-3 calls."""
     for name in point.split("+"):
         rc_set = emu.set_fault(Fault[name], FaultMode.NTH, rng.randint(1, 3),
                                rng.randrange(1 << 30), rc)
@@ -306,7 +308,7 @@ def run_chaos(workdir: Path, seconds: float = 6.0, clients: int = 16, seed: int 
                             problems.append(f"{action}: HTTP {r.status_code} {r.text[:300]}")
                     else:
                         _, point, rc = next(f for f in FAULTS if f[0] == action)
-                        _arm(emu, point, rng, rc)
+                        arm_fault(emu, point, rng, rc)
                         stop.wait(rng.uniform(0.2, 0.5))  # let the traffic meet it
                     ready_at = None
                     deadline = time.monotonic() + RECOVERY_BOUND_S

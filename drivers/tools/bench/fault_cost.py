@@ -61,7 +61,7 @@ def _pct(values: list[float], q: float) -> float | None:
 _EXAMPLES_MU = threading.Lock()
 
 
-def _http_error(r) -> tuple[str, str]:
+def http_error(r) -> tuple[str, str]:
     """(``HTTP <status> <error code>``, the error's message) from an OpenAI error body."""
     try:
         error = r.json().get("error") or {}
@@ -87,13 +87,13 @@ def _attempt(http, body: dict[str, Any]) -> tuple[list[int] | None, str | None, 
         if not body["stream"]:
             r = http.post("/v1/completions", json=body)
             if r.status_code != 200:
-                return (None, *_http_error(r))
+                return (None, *http_error(r))
             return r.json()["choices"][0]["token_ids"], None, ""
         tokens: list[int] = []
         with http.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
                 r.read()
-                return (None, *_http_error(r))
+                return (None, *http_error(r))
             done = False
             for line in r.iter_lines():
                 if not line:
@@ -135,7 +135,8 @@ def _client(url: str, index: int, seed: int, stop: threading.Event, out: list,
             out.append((body, tokens, error))
 
 
-def _wait(predicate, timeout: float) -> bool:
+def wait_until(predicate, timeout: float) -> bool:
+    """Poll ``predicate`` every 2 ms until it holds (True) or ``timeout`` s passed (False)."""
     end = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > end:
@@ -144,7 +145,7 @@ def _wait(predicate, timeout: float) -> bool:
     return True
 
 
-def _executor(workdir: Path):
+def bench_executor(workdir: Path):
     """drivers/tools/chaos.py's executor (fast latency profile, no escalation to Failed) with a
     shorter execution deadline and drain grace: a hung job costs well under a second."""
     from calexec.contracts.manifest import default_manifest_path, load_manifest
@@ -181,7 +182,7 @@ def run_fault_bench(faults: int, clients: int, seed: int, progress=None) -> dict
     points = {name: (point, rc) for name, point, rc in FAULTS}
     rng = random.Random(seed)
     with tempfile.TemporaryDirectory(prefix="calexec-bench-faults-") as tmp:
-        executor = _executor(Path(tmp))
+        executor = bench_executor(Path(tmp))
         app = create_app(executor, ServerConfig())
         service = app.state.service
         resumed: list[tuple[float, float, str]] = []
@@ -210,13 +211,13 @@ def run_fault_bench(faults: int, clients: int, seed: int, progress=None) -> dict
                     if i % len(order) == 0:
                         rng.shuffle(order)
                     kind = order[i % len(order)]
-                    if not _wait(lambda: executor.state == "Ready" and not executor.health(),
+                    if not wait_until(lambda: executor.state == "Ready" and not executor.health(),
                                  READY_WAIT_S):
                         raise BenchError(f"not Ready {READY_WAIT_S}s after a fault "
                                          f"(lifecycle {executor.state}: {executor.health()})")
                     # one fault at a time: every request in flight during the last one ended
                     ready_at = time.monotonic()
-                    _wait(lambda ready_at=ready_at: all(c is None or c >= ready_at
+                    wait_until(lambda ready_at=ready_at: all(c is None or c >= ready_at
                                                         for c in current),
                           REQUEST_TIMEOUT_S)
                     point, rc = points[kind]
@@ -225,7 +226,8 @@ def run_fault_bench(faults: int, clients: int, seed: int, progress=None) -> dict
                     for name in point.split("+"):
                         emu.set_fault(Fault[name], FaultMode.NTH, rng.randint(1, 3),
                                       rng.randrange(1 << 30), rc)
-                    fired = _wait(lambda first=first: emu.fault_stats(first)[2] >= 1, FIRE_WAIT_S)
+                    fired = wait_until(lambda first=first: emu.fault_stats(first)[2] >= 1,
+                                       FIRE_WAIT_S)
                     emu.clear_all_faults()
                     if fired:
                         windows.append((armed, kind))
@@ -233,7 +235,7 @@ def run_fault_bench(faults: int, clients: int, seed: int, progress=None) -> dict
                         skipped[kind] += 1
                     if progress is not None:
                         progress(i + 1, faults)
-                _wait(lambda: executor.state == "Ready" and not executor.health(),
+                wait_until(lambda: executor.state == "Ready" and not executor.health(),
                       READY_WAIT_S)
                 stop.set()
                 for thread in threads:

@@ -1,0 +1,721 @@
+"""``calexec bench soak [--json] [--requests N] [--faults F] [--clients C] [--seed S]
+[--decode-us US[:SHARE][,US[:SHARE]...]] [--max-tokens LO-HI] [--max-seconds T]
+[--progress-s P] [--rss-bound-mib M]``: a long fault soak of the reference server (issue 28).
+
+An in-process server (uvicorn on 127.0.0.1, an ephemeral port; the synthetic calbin on the
+bundled emulator, ``calexec bench faults``' executor: execution deadline 0.4 s, no escalation
+to Failed) serves ``--clients`` concurrent loopback clients until ``N`` requests were sent.
+Each request is, at random, a plain (non-streaming) completion, a stream read at once, a stream
+read by a slow reader (2-10 ms between two events) or a stream the client closes after its
+first events (a disconnect: the server must cancel it and free everything). Three quarters are
+greedy over a pool of prompts, checked against the numpy oracle; a quarter are seeded sampled
+requests from a small pool, checked against their fault-free answer taken before the first
+fault. The run goes through decode-latency phases (``--decode-us``, default ``0,2000``: half
+the requests at the zero-latency profile, half at a 2 ms decode, where implicit pre-arms and
+greedy ahead run; ``US:SHARE`` weighs a phase). ``F`` faults are spread over the requests, one at
+a time as ``calexec bench faults`` does (arm on one of the next 1-3 jobs, wait until it fired,
+for Ready, and until every request in flight during it ended), cycling in seeded order through
+every fault the emulator injects: drivers/tools/chaos.py's job-level and artifact faults
+(§12 FI02-FI10, FI14) and a buffer map failure on a reload (``map_fail``).
+
+Checks (each ``ok`` in ``checks``; the exit code is 1 when one fails, and the process says which):
+
+* ``requests``: all ``N`` requests ran before ``--max-seconds``;
+* ``faults``: every fault fired (each kind at least once when ``F`` >= the number of kinds);
+* ``wrong_tokens``: every completed request's tokens (and a disconnected one's prefix) equal the
+  oracle's / the fault-free reference's: 0;
+* ``client_errors``: 0 client-visible errors (HTTP error, SSE error event, transport error, a
+  stream without ``[DONE]``) beyond the documented ones: a fault the server does not resume
+  from (drivers/serving/resume.py: ARTIFACT and REQUEST_ARTIFACT failures: unknown CSR,
+  slice failure) fails the request whose job met it, at most one per firing of that fault, in
+  its window; every other error counts;
+* ``rss``: the last RSS sample within ``--rss-bound-mib`` of the first sample after warm-up
+  (the first 10 % of the requests; sampled every second);
+* ``pools``: at the end (idle, every fault cleared) every pool is as at the start: buffer slots
+  per state, the device's free KV blocks, the KV coordinator's reserved tokens, sequence ids
+  (all free, none withheld), jobs (queued, in flight, completing, pre-armed), requests active and
+  releases pending;
+* ``threads``: no thread the run started is alive once the server and executor stopped.
+
+Progress goes to stderr every ``--progress-s`` seconds. Needs the ``[server]`` extra.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from calexec import cliargs
+
+MODES = ("plain", "stream", "slow", "disconnect")
+#: the faults a request is not resumed from (drivers/serving/resume.py): the request whose job
+#: met one fails with that job's failure; everything else is resumed within the budget
+NOT_RESUMED = frozenset({"unknown_csr", "slice_fail"})
+REQUEST_TIMEOUT_S = 60.0
+IDLE_WAIT_S = 30.0
+THREAD_WAIT_S = 10.0
+WARM_SHARE = 0.1  # the first 10 % of the requests: the RSS baseline is taken after them
+SAMPLED_SHARE = 0.25
+SAMPLED_POOL = 32
+PROMPT_POOL = 256
+EXAMPLES = 3
+
+
+class SoakError(RuntimeError):
+    """The soak could not run (the server or executor did not start, a bad argument)."""
+
+
+@dataclass(frozen=True)
+class Phase:
+    decode_us: int
+    share: float
+
+
+@dataclass
+class Hooks:
+    """Test seams (tests/test_soak.py shows that each check can fail through them).
+
+    ``tokens(body, tokens)``: what the checker sees of a completed request's tokens;
+    ``after_traffic(service, executor)``: called once the server is idle, before the pools are
+    read at the end; ``rss()``: the monitor's RSS sample."""
+
+    tokens: Callable[[dict[str, Any], list[int]], list[int]] | None = None
+    after_traffic: Callable[[Any, Any], None] | None = None
+    #: the RSS sampler (bytes or None); default: this process's, from /proc
+    rss: Callable[[], int | None] | None = None
+
+
+def parse_phases(text: str) -> list[Phase]:
+    """``US[:SHARE][,...]`` -> phases whose shares sum to 1 (a missing share weighs 1)."""
+    phases: list[tuple[int, float]] = []
+    for part in text.split(","):
+        us, _, share = part.strip().partition(":")
+        try:
+            decode_us, weight = int(us), float(share) if share else 1.0
+        except ValueError:
+            raise ValueError(f"--decode-us: {part!r} is not US or US:SHARE") from None
+        if decode_us < 0 or decode_us > 1_000_000:
+            raise ValueError(f"--decode-us: {decode_us} is outside 0..1000000 us")
+        if not weight > 0:
+            raise ValueError(f"--decode-us: share {share!r} of {us} must be > 0")
+        phases.append((decode_us, weight))
+    total = sum(w for _, w in phases)
+    return [Phase(us, w / total) for us, w in phases]
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    """``LO-HI`` or ``N`` -> (lo, hi), 1 <= lo <= hi."""
+    lo, _, hi = text.partition("-")
+    try:
+        pair = (int(lo), int(hi or lo))
+    except ValueError:
+        raise ValueError(f"--max-tokens: {text!r} is not N or LO-HI") from None
+    if not 1 <= pair[0] <= pair[1]:
+        raise ValueError(f"--max-tokens: {text!r} needs 1 <= LO <= HI")
+    return pair
+
+
+def rss_bytes() -> int | None:
+    """This process's resident set now (Linux /proc), or None where it cannot be read."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+@dataclass
+class Outcome:
+    tokens: list[int]
+    finish: str | None
+    error: str | None = None
+    message: str = ""
+
+
+@dataclass
+class Tally:
+    """What the clients saw, counted as they go (nothing per request is kept: the RSS of a
+    quarter-million-request run must stay flat)."""
+
+    total: int
+    mu: threading.Lock = field(default_factory=threading.Lock)
+    issued: int = 0
+    finished: int = 0
+    completed: int = 0
+    by_mode: Counter = field(default_factory=Counter)
+    wrong: int = 0
+    wrong_examples: list[dict[str, Any]] = field(default_factory=list)
+    errors: list[tuple[float, float, str]] = field(default_factory=list)  # start, end, kind
+    error_examples: dict[str, str] = field(default_factory=dict)
+
+    gate: int = -1  # the requests may not pass it (the fault schedule's pace); -1: total
+    cond: threading.Condition = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.cond = threading.Condition(self.mu)
+        if self.gate < 0:
+            self.gate = self.total
+
+    def set_gate(self, gate: int) -> None:
+        with self.cond:
+            self.gate = min(gate, self.total)
+            self.cond.notify_all()
+
+    def take(self, stop: threading.Event, deadline: float) -> bool:
+        """Whether the client sends one more request: waits (until ``deadline``) while the
+        fault schedule holds the traffic at its gate."""
+        with self.cond:
+            while (not stop.is_set() and self.issued >= self.gate
+                   and self.issued < self.total and time.monotonic() < deadline):
+                self.cond.wait(0.1)
+            if stop.is_set() or self.issued >= min(self.gate, self.total):
+                return False
+            self.issued += 1
+            return True
+
+
+def _read(http, body: dict[str, Any], mode: str, rng: random.Random) -> Outcome:
+    """One request as ``mode`` reads it; never raises (a transport error is an outcome)."""
+    from calexec.drivers.tools.bench.fault_cost import http_error
+
+    try:
+        if mode == "plain":
+            r = http.post("/v1/completions", json=body)
+            if r.status_code != 200:
+                return Outcome([], None, *http_error(r))
+            choice = r.json()["choices"][0]
+            return Outcome(list(choice["token_ids"]), choice.get("finish_reason"))
+        tokens: list[int] = []
+        finish = None
+        keep = rng.randint(1, max(1, body["max_tokens"] - 1)) if mode == "disconnect" else 0
+        with http.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                r.read()
+                return Outcome([], None, *http_error(r))
+            for line in r.iter_lines():
+                if not line:
+                    continue
+                data = line[len("data: "):]
+                if data == "[DONE]":
+                    return Outcome(tokens, finish)
+                event = json.loads(data)
+                if "error" in event:
+                    return Outcome(tokens, None, f"SSE error {event['error'].get('code')}",
+                                   str(event["error"].get("message", "")))
+                choice = event["choices"][0]
+                tokens += choice["token_ids"]
+                finish = choice.get("finish_reason") or finish
+                if mode == "disconnect" and len(tokens) >= keep:
+                    return Outcome(tokens, "disconnected")  # leaving the block closes it
+                if mode == "slow":
+                    time.sleep(rng.uniform(0.002, 0.01))
+        return Outcome(tokens, None, "stream ended without [DONE]", f"{len(tokens)} tokens")
+    except Exception as err:  # noqa: BLE001 - a transport error is what the client saw
+        return Outcome([], None, f"transport {type(err).__name__}", str(err)[:200])
+
+
+class _Traffic:
+    """The request mix: greedy prompts checked against the oracle, sampled bodies against
+    their fault-free reference."""
+
+    def __init__(self, seed: int, tokens: tuple[int, int]) -> None:
+        rng = random.Random(seed)
+        self.lo, self.hi = tokens
+        self.prompts = [tuple(rng.randrange(1, 150000) for _ in range(rng.randint(1, 16)))
+                        for _ in range(PROMPT_POOL)]
+        self.sampled = [{"prompt": list(self.prompts[rng.randrange(PROMPT_POOL)]),
+                         "max_tokens": rng.randint(self.lo, self.hi),
+                         "temperature": rng.choice([0.7, 1.0, 1.5]),
+                         "seed": rng.randrange(1 << 31)} for _ in range(SAMPLED_POOL)]
+        self.references: dict[int, list[int]] = {}
+
+    def pick(self, rng: random.Random) -> tuple[dict[str, Any], list[int]]:
+        """(a request body without ``stream``, the tokens it must produce)."""
+        from calexec.drivers.tools.chaos import oracle_tokens
+
+        if rng.random() < SAMPLED_SHARE and self.references:
+            k = rng.randrange(len(self.sampled))
+            return dict(self.sampled[k], timeout=REQUEST_TIMEOUT_S), self.references[k]
+        prompt = self.prompts[rng.randrange(PROMPT_POOL)]
+        n = rng.randint(self.lo, self.hi)
+        expected = list(oracle_tokens(prompt, self.hi)[:n])
+        return {"prompt": list(prompt), "max_tokens": n, "timeout": REQUEST_TIMEOUT_S}, expected
+
+
+def _wrong(outcome: Outcome, expected: list[int]) -> bool:
+    tokens = outcome.tokens
+    if tokens != expected[:len(tokens)]:
+        return True
+    if outcome.finish == "disconnected":
+        return False
+    return len(tokens) != len(expected) and outcome.finish != "stop"
+
+
+def _client(url: str, index: int, seed: int, stop: threading.Event, tally: Tally,
+            traffic: _Traffic, current: list[float | None], hooks: Hooks,
+            deadline: float) -> None:
+    import httpx
+
+    rng = random.Random(seed * 1000 + index)
+    with httpx.Client(base_url=url, timeout=REQUEST_TIMEOUT_S) as http:
+        while tally.take(stop, deadline):
+            mode = MODES[rng.randrange(len(MODES))]
+            body, expected = traffic.pick(rng)
+            body["stream"] = mode != "plain"
+            started = current[index] = time.monotonic()
+            outcome = _read(http, body, mode, rng)
+            current[index] = None
+            if outcome.error is None and hooks.tokens is not None:
+                outcome.tokens = hooks.tokens(body, outcome.tokens)
+            wrong = outcome.error is None and _wrong(outcome, expected)
+            with tally.mu:
+                tally.finished += 1
+                tally.by_mode[mode] += 1
+                if outcome.error is not None:
+                    tally.errors.append((started, time.monotonic(), outcome.error))
+                    tally.error_examples.setdefault(outcome.error, outcome.message)
+                    continue
+                if outcome.finish != "disconnected":
+                    tally.completed += 1
+                if wrong:
+                    tally.wrong += 1
+                    if len(tally.wrong_examples) < EXAMPLES:
+                        tally.wrong_examples.append({"request": body, "mode": mode,
+                                                     "tokens": outcome.tokens,
+                                                     "expected": expected})
+
+
+def _pools(executor, service) -> dict[str, Any]:
+    """Every pool's occupancy now (module docstring: ``pools``)."""
+    gen = executor.gen
+    snap = executor.snapshot()
+    kv_free = kv_capacity = reserved = None
+    if gen is not None:
+        free_blocks = getattr(gen.kv, "free_blocks", None)  # the emulator's KvManager has it
+        if free_blocks is not None:
+            rc, kv_free = free_blocks()
+            kv_free = kv_free if rc == 0 else None
+        kv_capacity = gen.kvc.capacity_blocks()
+        reserved = sum(view.reserved_len for view in list(gen.kvc.seqs.values()))
+    return {"buffer_slots": snap["slots"], "kv_free_blocks": kv_free,
+            "kv_capacity_blocks": kv_capacity, "kv_reserved_tokens": reserved,
+            "sequence_ids": service.sequences.counts(),
+            "jobs": {"queued": snap["queued"], "inflight": snap["inflight"],
+                     "completing": snap["completing"], "auto_armed": snap["auto_armed"]},
+            "requests_active": service.active, "releases_pending": service.releases_pending}
+
+
+def _pools_back(start: dict[str, Any] | None, end: dict[str, Any] | None) -> bool:
+    """Every pool as at the start. Buffer slots: none leased or in flight, each slot free or
+    quarantined (a Wait failure or a failed UndoSlice quarantines its slot, FI07/FI15, until the
+    generation's next reset returns it: it is not lost), the same number in all."""
+    if start is None or end is None:
+        return False
+    if {k: v for k, v in start.items() if k != "buffer_slots"} != \
+            {k: v for k, v in end.items() if k != "buffer_slots"}:
+        return False
+    first, last = start["buffer_slots"] or {}, end["buffer_slots"] or {}
+    return (not last.get("Leased") and not last.get("InFlight")
+            and sum(first.values()) == sum(last.values())
+            and last.get("Free", 0) + last.get("Quarantined", 0) == first.get("Free", 0))
+
+
+def _idle(executor, service) -> bool:
+    snap = executor.snapshot()
+    return (service.active == 0 and service.releases_pending == 0
+            and service.sequences.counts()["in_use"] == 0 and executor.state == "Ready"
+            and not executor.health() and snap["inflight"] == 0 and snap["queued"] == 0
+            and snap["completing"] == 0 and snap["auto_armed"] == 0)
+
+
+def classify_errors(errors: list[tuple[float, float, str]], windows: list[dict[str, Any]]
+              ) -> tuple[Counter, Counter]:
+    """(documented errors by fault kind, errors beyond the budget by error kind): an error
+    during the window of a fault the server does not resume from is documented, at most one
+    per firing of that fault."""
+    allowance = [w["fired"] if w["kind"] in NOT_RESUMED else 0 for w in windows]
+    documented: Counter = Counter()
+    beyond: Counter = Counter()
+    for start, end, kind in sorted(errors):
+        k = next((j for j, w in enumerate(windows) if allowance[j] > 0
+                  and start <= w["ended"] and end >= w["armed"]), None)
+        if k is None:
+            beyond[kind] += 1
+        else:
+            allowance[k] -= 1
+            documented[windows[k]["kind"]] += 1
+    return documented, beyond
+
+
+class _Monitor(threading.Thread):
+    """Every 0.1 s: the decode profile of the current phase (re-applied: a recovery may reset
+    the device's knobs); every second: an RSS sample; every ``progress_s``: a progress line."""
+
+    def __init__(self, emu, tally: Tally, phases: list[Phase], progress_s: float,
+                 status: Callable[[], str], counters: Callable[[], dict[str, int]],
+                 rss: Callable[[], int | None] = rss_bytes) -> None:
+        super().__init__(name="bench-soak-monitor", daemon=True)
+        self.emu, self.tally, self.phases = emu, tally, phases
+        self.progress_s, self.status = progress_s, status
+        self.stop = threading.Event()
+        self.t0 = time.monotonic()
+        self.rss: list[tuple[float, int]] = []  # (s since start, bytes), at most one a second
+        self.rss_warm: int | None = None
+        self.phase = 0
+        self.counters = counters
+        self.sample_rss = rss
+        #: the decode counters when each phase began (and, appended at the end, now)
+        self.marks: list[dict[str, int]] = []
+        self.profile_errors = 0
+        self.bounds = []
+        acc = 0.0
+        for phase in phases:
+            acc += phase.share
+            self.bounds.append(round(acc * tally.total))
+
+    def current(self) -> Phase:
+        return self.phases[self.phase]
+
+    def run(self) -> None:
+        next_rss = next_line = time.monotonic()
+        while not self.stop.wait(0.1):
+            issued = self.tally.issued
+            while self.phase < len(self.phases) - 1 and issued >= self.bounds[self.phase]:
+                self.phase += 1
+                self.marks.append(self.counters())
+            us = self.phases[self.phase].decode_us
+            if self.emu.set_latency(decode_us=us) != 0:
+                self.profile_errors += 1
+            now = time.monotonic()
+            if now >= next_rss:
+                next_rss = now + 1.0
+                rss = self.sample_rss()
+                if rss is not None:
+                    if len(self.rss) >= 4096:  # keep it bounded: every other sample
+                        self.rss = self.rss[::2]
+                    self.rss.append((round(now - self.t0, 1), rss))
+                    if self.rss_warm is None and issued >= WARM_SHARE * self.tally.total:
+                        self.rss_warm = rss
+            if now >= next_line:
+                next_line = now + self.progress_s
+                print(f"bench soak: {now - self.t0:.0f}s decode_us={us} {self.status()}",
+                      file=sys.stderr, flush=True)
+
+
+def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
+             phases: list[Phase] | None = None, max_tokens: tuple[int, int] = (4, 8),
+             max_seconds: float = 3600.0, progress_s: float = 30.0,
+             rss_bound_mib: float = 64.0, hooks: Hooks | None = None) -> dict[str, Any]:
+    """One soak; the report (module docstring), ``ok`` False when a check failed."""
+    import httpx
+
+    from calexec.drivers.calrt.runtime import Fault, FaultMode
+    from calexec.drivers.serving.server import ServerConfig, create_app
+    from calexec.drivers.tools.bench.core import cpu_model
+    from calexec.drivers.tools.bench.fault_cost import (
+        FIRE_WAIT_S,
+        READY_WAIT_S,
+        bench_executor,
+        wait_until,
+    )
+    from calexec.drivers.tools.chaos import AUTH, FAULTS, TOKEN, LiveServer, arm_fault
+
+    phases = phases or parse_phases("0,2000")
+    hooks = hooks or Hooks()
+    points = {name: (point, rc) for name, point, rc in FAULTS}
+    kinds = [name for name, _, _ in FAULTS] + ["map_fail"]
+    rng = random.Random(seed)
+    traffic = _Traffic(seed, max_tokens)
+    tally = Tally(requests)
+    problems: list[str] = []
+    windows: list[dict[str, Any]] = []
+    not_fired: Counter = Counter()
+    reloads: Counter = Counter()  # map_fail's reloads by HTTP status
+    threads_before = set(threading.enumerate())
+    t_start = time.monotonic()
+    deadline = t_start + max_seconds
+    stop = threading.Event()
+    current: list[float | None] = [None] * clients
+    with tempfile.TemporaryDirectory(prefix="calexec-bench-soak-") as tmp:
+        try:
+            executor = bench_executor(Path(tmp))
+        except Exception as exc:  # noqa: BLE001 - said in one line by main
+            raise SoakError(f"executor did not start: {exc}") from exc
+        calbin_path = executor.gen.calbin_path if executor.gen is not None else ""
+        app = create_app(executor, ServerConfig(admin_token=TOKEN))
+        service = app.state.service
+        metrics = service.metrics.registry
+        emu = executor.device.emu
+        def decode_counters() -> dict[str, int]:
+            """The server's decode steps (pre-armed, greedy ahead) and the executor's implicit
+            pre-arms so far."""
+            get = metrics.get_sample_value
+            return {"decode_steps_prearmed": int(get("calexec_decode_steps_total",
+                                                     {"prearmed": "true"}) or 0),
+                    "decode_steps_ahead": int(get("calexec_decode_steps_ahead_total") or 0),
+                    "auto_prearmed": int(executor.snapshot().get("auto_prearmed", 0))}
+        monitor = _Monitor(emu, tally, phases, progress_s, counters=decode_counters,
+                           rss=hooks.rss or rss_bytes, status=lambda: (
+            f"requests {tally.finished}/{requests} faults {len(windows)}/{faults} "
+            f"wrong {tally.wrong} errors {len(tally.errors)} rss "
+            f"{(rss_bytes() or 0) >> 20} MiB"))
+        start_pools = end_pools = None
+        lifecycle_end = None
+        try:
+            with LiveServer(app) as server:
+                # the sampled references, fault-free, before any fault (and warm-up)
+                with httpx.Client(base_url=server.url, timeout=REQUEST_TIMEOUT_S) as http:
+                    for k, body in enumerate(traffic.sampled):
+                        got = _read(http, {**body, "stream": False,
+                                           "timeout": REQUEST_TIMEOUT_S}, "plain", rng)
+                        if got.error is not None:
+                            raise SoakError(f"fault-free reference {k} failed: {got.error} "
+                                            f"{got.message}")
+                        traffic.references[k] = got.tokens
+                start_pools = _pools(executor, service)
+                monitor.marks.append(decode_counters())
+                monitor.start()
+                workers = [threading.Thread(
+                    target=_client, args=(server.url, i, seed, stop, tally, traffic, current,
+                                          hooks, deadline), name=f"bench-soak-client-{i}")
+                    for i in range(clients)]
+                for thread in workers:
+                    thread.start()
+                order = list(kinds)
+
+                def due(i: int) -> int:  # fault i is armed once this many requests were sent
+                    return (i + 1) * requests // (faults + 1)
+                # the traffic runs ahead of the schedule by one step at most: every fault meets
+                # traffic (the last one too), whatever a fault's recovery costs
+                tally.set_gate(due(1) if faults > 1 else requests)
+                with httpx.Client(base_url=server.url, timeout=REQUEST_TIMEOUT_S) as admin:
+                    for i in range(faults):
+                        wait_until(lambda i=i: tally.issued >= due(i) or stop.is_set()
+                                   or time.monotonic() > deadline, max(0.0, deadline
+                                                                       - time.monotonic()))
+                        if tally.issued >= requests or time.monotonic() > deadline:
+                            break  # the traffic ended first: the faults left did not run
+                        if i % len(order) == 0:
+                            rng.shuffle(order)
+                        kind = order[i % len(order)]
+                        if not wait_until(lambda: executor.state == "Ready"
+                                          and not executor.health(), READY_WAIT_S):
+                            problems.append(f"not Ready {READY_WAIT_S}s after a fault "
+                                            f"(lifecycle {executor.state}: "
+                                            f"{executor.health()})")
+                            break
+                        ready_at = time.monotonic()  # one fault at a time (bench faults)
+                        wait_until(lambda ready_at=ready_at: all(
+                            c is None or c >= ready_at for c in current), REQUEST_TIMEOUT_S)
+                        armed = time.monotonic()
+                        if kind == "map_fail":
+                            first = Fault.MAP_FAIL
+                            emu.set_fault(Fault.MAP_FAIL, FaultMode.NTH, 1)
+                            r = admin.post("/admin/reload", json={"calbin": calbin_path},
+                                           headers=AUTH)
+                            # the serving calbin again: its refused generation is rolled
+                            # back to a fresh one of the same calbin, so 200 (or an error)
+                            reloads[str(r.status_code)] += 1
+                        else:
+                            point, rc = points[kind]
+                            first = Fault[point.split("+")[0]]
+                            arm_fault(emu, point, rng, rc)
+                        fired = wait_until(lambda first=first: emu.fault_stats(first)[2] >= 1,
+                                           FIRE_WAIT_S)
+                        n_fired = emu.fault_stats(first)[2]
+                        emu.clear_all_faults()
+                        wait_until(lambda: executor.state == "Ready" and not executor.health(),
+                                   READY_WAIT_S)
+                        ended_at = time.monotonic()
+                        wait_until(lambda ended_at=ended_at: all(
+                            c is None or c >= ended_at for c in current), REQUEST_TIMEOUT_S)
+                        tally.set_gate(due(i + 2) if i + 2 < faults else requests)
+                        if fired:
+                            windows.append({"kind": kind, "armed": armed, "fired": n_fired,
+                                            "ended": time.monotonic()})
+                        else:
+                            not_fired[kind] += 1
+                    tally.set_gate(requests)
+                    wait_until(lambda: tally.issued >= requests, max(0.0, deadline
+                                                                     - time.monotonic()))
+                    stop.set()
+                    bound = time.monotonic() + REQUEST_TIMEOUT_S + 10
+                    for thread in workers:
+                        thread.join(max(0.0, bound - time.monotonic()))
+                    if any(thread.is_alive() for thread in workers):
+                        problems.append("a client did not return")
+                    emu.clear_all_faults()
+                    if not wait_until(lambda: _idle(executor, service), IDLE_WAIT_S):
+                        problems.append(f"the server did not go idle in {IDLE_WAIT_S}s: "
+                                        f"{_pools(executor, service)}")
+                    if hooks.after_traffic is not None:
+                        hooks.after_traffic(service, executor)
+                    end_pools = _pools(executor, service)
+                    lifecycle_end = executor.state
+                monitor.stop.set()
+                monitor.join(5.0)
+                monitor.marks.append(decode_counters())
+                counters = executor.snapshot()
+                exhausted = metrics.get_sample_value("calexec_resume_budget_exhausted_total")
+                resumes = metrics.get_sample_value  # read below, before the server goes
+                resumed = {cause: resumes("calexec_resumes_total", {"cause": cause})
+                           for cause in ("device", "internal", "transient", "unknown",
+                                         "lifecycle", "unavailable", "generation_replaced")}
+                ahead = resumes("calexec_decode_steps_ahead_total") or 0.0
+                prearmed = resumes("calexec_decode_steps_total", {"prearmed": "true"}) or 0.0
+        finally:
+            stop.set()
+            monitor.stop.set()
+            emu.clear_all_faults()
+            if not executor.lifecycle.final:
+                executor.shutdown(10.0)
+    seconds = time.monotonic() - t_start
+    wait_until(lambda: not set(threading.enumerate()) - threads_before, THREAD_WAIT_S)
+    leaked = sorted(t.name for t in set(threading.enumerate()) - threads_before)
+    documented, beyond = classify_errors(tally.errors, windows)
+    by_kind = Counter(w["kind"] for w in windows)
+    rss_first = monitor.rss[0][1] if monitor.rss else None
+    rss_last = monitor.rss[-1][1] if monitor.rss else None
+    warm = monitor.rss_warm
+    mib = 1 << 20
+    quarantined = ((end_pools or {}).get("buffer_slots") or {}).get("Quarantined", 0)
+    checks = {
+        "requests": {"ok": tally.issued == requests and tally.finished == requests,
+                     "detail": f"{tally.finished} of {requests} requests ran"},
+        "faults": {"ok": len(windows) == faults and (faults < len(kinds)
+                                                     or set(by_kind) == set(kinds)),
+                   "detail": f"{len(windows)} of {faults} fired; kinds not seen: "
+                             f"{sorted(set(kinds) - set(by_kind)) if faults >= len(kinds) else []}"},
+        "wrong_tokens": {"ok": tally.wrong == 0, "detail": f"{tally.wrong} wrong"},
+        "client_errors": {"ok": not beyond and not exhausted,
+                          "detail": f"{sum(beyond.values())} beyond the documented ones; "
+                                    f"resume budgets exhausted: {int(exhausted or 0)}"},
+        "rss": {"ok": warm is not None and rss_last is not None
+                and rss_last - warm <= rss_bound_mib * mib,
+                "detail": f"last {None if rss_last is None else round(rss_last / mib, 1)} MiB, "
+                          f"after warm-up {None if warm is None else round(warm / mib, 1)} "
+                          f"MiB, bound +{rss_bound_mib} MiB"},
+        "pools": {"ok": _pools_back(start_pools, end_pools),
+                  "detail": "every pool as at the start"
+                  + (f" (buffer slots quarantined, until the next reset: {quarantined})"
+                     if quarantined else "") if _pools_back(start_pools, end_pools)
+                  else "start -> end: " + "; ".join(
+                      f"{key} {(start_pools or {}).get(key)} -> {(end_pools or {}).get(key)}"
+                      for key in sorted(set(start_pools or {}) | set(end_pools or {}))
+                      if (start_pools or {}).get(key) != (end_pools or {}).get(key))},
+        "threads": {"ok": not leaked, "detail": f"leaked: {leaked}"},
+        "server": {"ok": not problems and lifecycle_end == "Ready",
+                   "detail": f"lifecycle {lifecycle_end}; {problems}"},
+    }
+    return {
+        "ok": all(c["ok"] for c in checks.values()),
+        "checks": checks,
+        "requests": requests, "requests_finished": tally.finished,
+        "completed": tally.completed, "by_mode": dict(tally.by_mode),
+        "clients": clients, "seed": seed, "max_tokens": list(max_tokens),
+        "phases": [{"decode_us": p.decode_us, "share": round(p.share, 4),
+                    "until_request": b,
+                    # what ran in the phase (the counters at its end minus at its start)
+                    **({k: monitor.marks[j + 1][k] - monitor.marks[j][k]
+                        for k in monitor.marks[j]} if j + 1 < len(monitor.marks) else {})}
+                   for j, (p, b) in enumerate(zip(phases, monitor.bounds))],
+        "profile_errors": monitor.profile_errors,
+        "faults_requested": faults, "faults_fired": len(windows),
+        "faults_by_kind": dict(by_kind), "faults_not_fired": dict(not_fired),
+        "map_fail_reloads": dict(reloads),
+        "wrong_tokens": tally.wrong, "wrong_examples": tally.wrong_examples,
+        "client_errors": len(tally.errors), "errors_documented": dict(documented),
+        "errors_beyond_budget": dict(beyond), "error_examples": tally.error_examples,
+        "resume_budget_exhausted": int(exhausted or 0),
+        "resumes_by_cause": {k: int(v) for k, v in resumed.items() if v},
+        "decode_steps_prearmed": int(prearmed), "decode_steps_ahead": int(ahead),
+        "auto_prearmed": counters.get("auto_prearmed"),
+        "recoveries": counters.get("recoveries"),
+        "rss_mib": {"first": None if rss_first is None else round(rss_first / mib, 1),
+                    "after_warm_up": None if warm is None else round(warm / mib, 1),
+                    "last": None if rss_last is None else round(rss_last / mib, 1),
+                    "max": round(max(v for _, v in monitor.rss) / mib, 1)
+                    if monitor.rss else None,
+                    "samples": len(monitor.rss),
+                    # (s, MiB) at most 32 points over the run: the trend behind first/last
+                    "trend": [[t, round(v / mib, 1)] for t, v in
+                              monitor.rss[::max(1, -(-len(monitor.rss) // 32))]]},
+        "pools_start": start_pools, "pools_end": end_pools,
+        "threads_leaked": leaked,
+        "seconds": round(seconds, 1),
+        "requests_per_s": round(tally.finished / seconds, 2) if seconds > 0 else None,
+        "cpu_model": cpu_model(),
+    }
+
+
+def _readable(report: dict[str, Any]) -> str:
+    lines = [f"calexec bench soak: {'PASS' if report['ok'] else 'FAIL'} "
+             f"({report['seconds']} s, {report['requests_per_s']} requests/s, "
+             f"{report['cpu_model']})"]
+    for name, check in report["checks"].items():
+        lines.append(f"  {'ok  ' if check['ok'] else 'FAIL'} {name}: {check['detail']}")
+    for key in ("requests_finished", "completed", "by_mode", "phases", "faults_by_kind",
+                "faults_not_fired", "wrong_tokens", "client_errors", "errors_documented",
+                "errors_beyond_budget", "error_examples", "resumes_by_cause",
+                "decode_steps_prearmed", "decode_steps_ahead", "auto_prearmed", "recoveries",
+                "rss_mib", "pools_end", "threads_leaked"):
+        lines.append(f"  {key}: {json.dumps(report[key])}")
+    return "\n".join(lines)
+
+
+@cliargs.command_main
+def main(argv: list[str]) -> int:
+    return run_cli(argv)
+
+
+def run_cli(argv: list[str], hooks: Hooks | None = None) -> int:
+    """``main`` with the test seams (tests/test_soak.py)."""
+    parser = cliargs.parser("calexec bench soak", __doc__)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--requests", type=cliargs.positive_int, default=2000,
+                        help="requests to send in all (250000: the issue's figure)")
+    parser.add_argument("--faults", type=cliargs.positive_int, default=50,
+                        help="device faults spread over the requests, one at a time "
+                             "(2500: the issue's figure)")
+    parser.add_argument("--clients", type=cliargs.positive_int, default=8,
+                        help="concurrent loopback clients")
+    parser.add_argument("--seed", type=int, default=28, help="seed of the schedule and prompts")
+    parser.add_argument("--decode-us", default="0,2000",
+                        help="decode-latency phases US[:SHARE],... in order")
+    parser.add_argument("--max-tokens", default="4-8", help="tokens per request, N or LO-HI")
+    parser.add_argument("--max-seconds", type=cliargs.positive_float, default=3600.0,
+                        help="bound of the whole run; the requests left are not sent")
+    parser.add_argument("--progress-s", type=cliargs.positive_float, default=30.0,
+                        help="seconds between two progress lines on stderr")
+    parser.add_argument("--rss-bound-mib", type=float, default=64.0,
+                        help="the last RSS sample may exceed the post-warm-up one by this")
+    args = parser.parse_args(argv[2:])
+    try:
+        phases = parse_phases(args.decode_us)
+        tokens = parse_range(args.max_tokens)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.rss_bound_mib < 0:
+        parser.error(f"--rss-bound-mib={args.rss_bound_mib}: must be >= 0")
+    try:
+        report = run_soak(args.requests, args.faults, args.clients, args.seed, phases, tokens,
+                          args.max_seconds, args.progress_s, args.rss_bound_mib, hooks)
+    except SoakError as exc:
+        print(f"calexec bench soak: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(report) if args.json else _readable(report))
+    if not report["ok"]:
+        failed = [name for name, check in report["checks"].items() if not check["ok"]]
+        print(f"calexec bench soak: checks failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0

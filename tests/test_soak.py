@@ -1,0 +1,148 @@
+"""``calexec bench soak`` (issue 28) run CI-sized, in-process: every check passes on a small
+run with one fault of each kind, and each check can fail: a corrupted token, a leaked sequence
+id, a thread left running and a growing RSS (test seams, ``soak.Hooks``) are reported and give
+exit 1; an error outside the documented budget is counted beyond it. Never a timing figure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+import pytest
+
+import needs
+
+needs.module("httpx", "server")  # the soak drives the server over HTTP ([server])
+from calexec.drivers.tools.bench import soak  # noqa: E402
+from calexec.drivers.tools.chaos import FAULTS  # noqa: E402
+
+#: CI-sized by default; CALEXEC_SOAK_REQUESTS / CALEXEC_SOAK_FAULTS for a longer run
+REQUESTS = int(os.environ.get("CALEXEC_SOAK_REQUESTS", "200"))
+FAULT_COUNT = int(os.environ.get("CALEXEC_SOAK_FAULTS", str(len(FAULTS) + 1)))
+#: a run of a few seconds is all warm-up (the RSS rises as the pools, caches and generations
+#: fill): the RSS check is exercised by the long run, not bounded here
+RSS_BOUND = "4096"
+ARGS = ["--json", "--clients", "6", "--seed", "5", "--decode-us", "0,2000",
+        "--max-tokens", "3-6", "--progress-s", "600", "--max-seconds", "300",
+        "--rss-bound-mib", RSS_BOUND]
+
+
+def _run(capsys, requests: int, faults: int, hooks: soak.Hooks | None = None
+         ) -> tuple[int, dict, str]:
+    code = soak.run_cli(["bench", "soak", "--requests", str(requests), "--faults", str(faults),
+                         *ARGS], hooks)
+    out, err = capsys.readouterr()
+    assert out.count("\n") == 1, f"--json must print exactly one line, got {out!r}"
+    return code, json.loads(out), err
+
+
+def test_small_soak_passes_every_check_with_every_fault_kind(capsys):
+    code, report, _ = _run(capsys, REQUESTS, FAULT_COUNT)
+    failed = {name: c["detail"] for name, c in report["checks"].items() if not c["ok"]}
+    assert code == 0 and report["ok"], failed
+    assert set(report["checks"]) == {"requests", "faults", "wrong_tokens", "client_errors",
+                                     "rss", "pools", "threads", "server"}
+    assert report["requests_finished"] == REQUESTS
+    assert set(report["by_mode"]) == set(soak.MODES)  # plain, stream, slow, disconnect
+    kinds = {name for name, _, _ in FAULTS} | {"map_fail"}
+    assert set(report["faults_by_kind"]) == kinds and report["faults_fired"] == FAULT_COUNT
+    assert report["wrong_tokens"] == 0 and report["errors_beyond_budget"] == {}
+    # only the faults the server does not resume from cost a client its request
+    assert set(report["errors_documented"]) <= soak.NOT_RESUMED
+    assert report["resumes_by_cause"] and report["recoveries"] >= 1
+    assert [p["decode_us"] for p in report["phases"]] == [0, 2000]
+    # the 2 ms phase runs the server's pre-armed decode streams
+    assert report["phases"][1]["decode_steps_prearmed"] >= 1
+    assert report["decode_steps_prearmed"] >= report["phases"][1]["decode_steps_prearmed"]
+    start, end = report["pools_start"], report["pools_end"]
+    assert {k: v for k, v in start.items() if k != "buffer_slots"} == \
+        {k: v for k, v in end.items() if k != "buffer_slots"}
+    assert end["buffer_slots"]["Leased"] == end["buffer_slots"]["InFlight"] == 0
+    assert end["sequence_ids"]["free"] == end["sequence_ids"]["capacity"]
+    assert end["kv_free_blocks"] == end["kv_capacity_blocks"] and end["kv_reserved_tokens"] == 0
+    assert report["threads_leaked"] == []
+    assert report["rss_mib"]["samples"] >= 1 and report["rss_mib"]["last"] > 0
+
+
+def test_a_wrong_token_a_leaked_id_a_leaked_thread_and_growing_rss_fail_the_run(capsys, monkeypatch):
+    monkeypatch.setattr(soak, "THREAD_WAIT_S", 1.0)  # the leaked thread is waited for that long
+    corrupted: list[dict] = []
+    release = threading.Event()
+    leaked = threading.Thread(target=release.wait, args=(30,), name="test-soak-leak")
+
+    def corrupt(body: dict, tokens: list[int]) -> list[int]:
+        if corrupted or not tokens or "seed" in body:
+            return tokens
+        corrupted.append(body)
+        return [tokens[0] + 1, *tokens[1:]]
+
+    rss_calls: list[int] = []
+
+    def growing_rss() -> int:  # 8 GiB more at every sample: past any bound after warm-up
+        rss_calls.append(1)
+        return len(rss_calls) << 33
+
+    def leak(service, executor) -> None:
+        assert service.sequences.acquire() is not None  # taken, never given back
+        leaked.start()
+
+    try:
+        code, report, err = _run(capsys, 60, 1, soak.Hooks(tokens=corrupt, after_traffic=leak,
+                                                        rss=growing_rss))
+    finally:
+        release.set()
+        if leaked.is_alive() or leaked.ident is not None:
+            leaked.join(10)
+    assert code == 1 and not report["ok"]
+    checks = report["checks"]
+    assert len(corrupted) == 1
+    assert not checks["wrong_tokens"]["ok"] and report["wrong_tokens"] == 1
+    assert report["wrong_examples"][0]["request"]["prompt"] == corrupted[0]["prompt"]
+    assert not checks["pools"]["ok"] and report["pools_end"]["sequence_ids"]["in_use"] == 1
+    assert not checks["threads"]["ok"] and report["threads_leaked"] == ["test-soak-leak"]
+    assert not checks["rss"]["ok"] and report["rss_mib"]["samples"] >= 3
+    # the rest held: the seams are what failed
+    assert all(checks[name]["ok"] for name in ("requests", "faults", "client_errors",
+                                               "server"))
+    assert "checks failed: wrong_tokens, rss, pools, threads" in err
+
+
+def test_a_run_cut_by_max_seconds_fails_the_requests_and_faults_checks(capsys):
+    code = soak.run_cli(["bench", "soak", "--requests", "100000", "--faults", "2",
+                         *ARGS, "--max-seconds", "4"])
+    out, err = capsys.readouterr()
+    report = json.loads(out)
+    assert code == 1 and not report["ok"]
+    assert not report["checks"]["requests"]["ok"] and report["requests_finished"] < 100000
+    assert not report["checks"]["faults"]["ok"] and report["faults_fired"] < 2
+    assert report["seconds"] < 4 + soak.REQUEST_TIMEOUT_S  # bounded: stopped, then joined
+    assert "checks failed: requests, faults" in err
+
+
+def test_errors_beyond_the_documented_budget_are_counted():
+    windows = [{"kind": "unknown_csr", "armed": 10.0, "ended": 11.0, "fired": 1},
+               {"kind": "hang", "armed": 20.0, "ended": 21.0, "fired": 1}]
+    errors = [(10.2, 10.3, "HTTP 500 calrt.csr_failed"),   # the request that met the fault
+              (10.4, 10.5, "HTTP 500 calrt.csr_failed"),   # a second one: beyond (1 firing)
+              (20.1, 20.5, "HTTP 503 lifecycle.recovering"),  # a resumable fault: beyond
+              (30.0, 30.1, "transport ReadError")]          # outside any window: beyond
+    documented, beyond = soak.classify_errors(errors, windows)
+    assert documented == {"unknown_csr": 1}
+    assert beyond == {"HTTP 500 calrt.csr_failed": 1, "HTTP 503 lifecycle.recovering": 1,
+                      "transport ReadError": 1}
+
+
+@pytest.mark.parametrize("flag,value,message", [
+    ("--decode-us", "0,x", "--decode-us: 'x' is not US or US:SHARE"),
+    ("--decode-us", "2000:0", "share '0' of 2000 must be > 0"),
+    ("--max-tokens", "8-4", "--max-tokens: '8-4' needs 1 <= LO <= HI"),
+    ("--requests", "0", "must be >= 1"),
+])
+def test_bad_arguments_are_refused_naming_the_flag(capsys, flag, value, message):
+    with pytest.raises(SystemExit) as exc:
+        soak.main(["bench", "soak", flag, value])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and flag in err
