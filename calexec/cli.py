@@ -18,7 +18,7 @@ one line naming the offender; an unexpected exception prints one line and exits 
 ``CALEXEC_DEBUG=1`` to see the traceback). Exit codes: 0 success; 1 the command's check failed
 (gate, stale diagram, oracle mismatch); 2 bad usage or configuration; 3 runtime refusal (the
 executor did not start or ended Failed); 4 ``serve --once``'s sample request failed; 70 an
-internal error (a bug); 130 interrupted.
+internal error (a bug); 130 interrupted; 141 the reader closed stdout (``| head``).
 """
 
 from __future__ import annotations
@@ -34,6 +34,18 @@ from calexec.cliargs import EXIT_CONFIG, Parser, UserError, missing_extra
 from calexec.commands import COMMANDS, lookup
 
 EXIT_INTERNAL, EXIT_INTERRUPTED = 70, 130
+#: the reader of stdout closed it (128 + SIGPIPE, what a shell reports for a process it killed)
+EXIT_BROKEN_PIPE = 141
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null, so flushing it at exit does not fail on the closed pipe again
+    (the way Python's documentation handles SIGPIPE)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # no real stdout: nothing to flush
+        pass
 
 
 _EPILOG = """\
@@ -121,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:  # the reader left (`calexec ... | head`): quietly, as SIGPIPE would
+        _quiet_stdout()
+        return EXIT_BROKEN_PIPE
     except Exception as exc:  # a bug: one line, the traceback on request
         if os.environ.get("CALEXEC_DEBUG"):
             raise

@@ -298,3 +298,19 @@ def test_served_model_name_is_what_the_api_reports():
     done = calexec("serve", "--once", "--served-model-name", "my-model")
     assert done.returncode == 0, done.stderr
     assert '"model": "my-model"' in done.stdout
+
+
+def test_output_cut_short_by_the_reader_is_not_an_internal_error():
+    """``calexec charts paths ... | head -1``: the reader closing the pipe ends the command
+    quietly with 141 (as a process killed by SIGPIPE), not "internal error: BrokenPipeError"."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "calexec", "charts", "paths", "calexec.machines.charts:JobChart"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader leaves before the command writes (it takes a second to start)
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141, err
+    assert "internal error" not in err and "Traceback" not in err, err
