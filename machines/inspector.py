@@ -50,6 +50,7 @@ from calexec.machines.diagrams import (
     render_chart_svg,
     render_path_svg,
 )
+from calexec.machines.statechart_run import StatechartRun
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette
@@ -96,7 +97,7 @@ class Registered:
 def state_of(run: object) -> str | None:
     """The state id of a run: a ``ChartRun``, a python-statemachine instance (its one active
     state; None for a compound configuration) or any object with a ``state`` attribute."""
-    if isinstance(run, ChartRun):
+    if isinstance(run, (ChartRun, StatechartRun)):
         return run.state
     if isinstance(run, StateChart):
         values = list(run.configuration_values)
@@ -105,14 +106,25 @@ def state_of(run: object) -> str | None:
     return state if isinstance(state, str) else None
 
 
+def states_of(run: object) -> tuple[str, ...]:
+    """Every active state of a run: its configuration (a hierarchical chart's run is in a
+    state and its ancestors, in each region of a parallel state), else its one state."""
+    if isinstance(run, StatechartRun):
+        return tuple(run.configuration)
+    if isinstance(run, StateChart):
+        return tuple(str(v) for v in run.configuration_values)
+    state = state_of(run)
+    return () if state is None else (state,)
+
+
 def _counting(chart: CompiledChart, runs: Callable[[], Iterable[object]]
               ) -> Callable[[], Mapping[str, int]]:
     def counts() -> Mapping[str, int]:
         found = dict.fromkeys(chart.states, 0)
         for run in list(runs()):
-            state = state_of(run)
-            if state in found:
-                found[state] += 1
+            for state in states_of(run):
+                if state in found:
+                    found[state] += 1
         return found
     return counts
 
@@ -185,15 +197,15 @@ class PathLog:
         ``chart``'s class, ``chart`` defaulting to its class) under ``run_id`` from now on."""
         trail: deque[tuple[str, str, str | None, tuple[str, ...] | None, float]] = deque(
             maxlen=self.steps)
-        if isinstance(run, ChartRun):
+        if isinstance(run, (ChartRun, StatechartRun)):
             shared = run.chart
             run.keep_trail(trail, self._clock)
         elif isinstance(run, StateChart):
             shared = compiled(chart if chart is not None else type(run))
             run.add_listener(_TrailListener(shared, trail, self._clock))  # type: ignore[no-untyped-call]
         else:
-            raise TypeError(f"run={run!r:.60}: expected a ChartRun or a python-statemachine "
-                            f"instance")
+            raise TypeError(f"run={run!r:.60}: expected a compiled run (ChartRun, "
+                            f"StatechartRun) or a python-statemachine instance")
         with self._mu:
             self._runs[str(run_id)] = (shared, run, trail)
             while len(self._runs) > self.keep:

@@ -49,6 +49,7 @@ Thread model as ``ChartRun``: one owner at a time, no lock.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from itertools import chain
@@ -148,6 +149,9 @@ class StatechartRun:
         self._root_parallel_pending: State | None = None
         #: ids of the states a skeleton entered in its last ``force`` (or its start)
         self.entered: list[str] = []
+        #: ``keep_trail``'s bounded deque of (event, source, target, None, time), or None
+        self.trail: Any = None
+        self._now: Callable[[], float] = time.monotonic
         if not callbacks:  # a skeleton (``skeleton``): the chart's structure only
             self._start(**start_kwargs)
             return
@@ -340,6 +344,13 @@ class StatechartRun:
         if state is not None and state in self._config and self._in_final(state):
             self.running = False
 
+    def keep_trail(self, trail: Any, now: Callable[[], float]) -> None:
+        """Append every taken transition to ``trail`` (a bounded deque) as ``(event, source,
+        target, None, now())``, as ``ChartRun.keep_trail`` does (the inspector's path of one
+        run)."""
+        self.trail = trail
+        self._now = now
+
     def _notify(self) -> None:
         if self._max_microsteps is not None:  # a skeleton's steps are no run's: not counted
             return
@@ -350,6 +361,9 @@ class StatechartRun:
             if record is None:
                 continue
             chart.taken[record.id] += 1
+            if self.trail is not None:
+                self.trail.append((record.event, record.source, record.target, None,
+                                   self._now()))
             for listener in chart.listeners:
                 listener(record)
 

@@ -119,7 +119,7 @@ def test_registration_is_checked():
     inspector.register(Lamp, counts=lambda: {"off": 1, "on": 0}, count_instances=False)
     with pytest.raises(ValueError, match="'Lamp' is already registered"):
         inspector.register(Lamp, counts=dict)
-    with pytest.raises(TypeError, match="expected a ChartRun or a python-statemachine"):
+    with pytest.raises(TypeError, match="expected a compiled run .ChartRun, StatechartRun. or a python-statemachine"):
         inspector.paths.follow("x", object())
 
 
@@ -143,3 +143,29 @@ def test_a_chart_registered_late_has_no_rate_from_its_past(monkeypatch):
     shared.run(Order(items=["pen"])).send("place")  # one after it: counted
     now[0] = 50.0  # 1 in the 40 s since the first sample
     assert inspector.rates.per_minute()["OrderWorkflow"][place.id] == pytest.approx(1.5)
+
+
+def test_a_hierarchical_chart_counts_every_active_state_and_follows_one_run(monkeypatch):
+    """A general run (compound and parallel states): a run counts in each state of its
+    configuration, and its path is followed like a flat run's (found following
+    docs/framework.md with a chart of my own: ``follow`` refused a ``StatechartRun``)."""
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    from traffic_light import Junction, TrafficLight
+
+    inspector = Inspector()
+    runs: list[object] = []
+    inspector.register(TrafficLight, runs=lambda: runs, count_instances=False)
+    run = compiled(TrafficLight).run(Junction())
+    runs.append(run)
+    inspector.paths.follow("t1", run)
+    before = set(run.configuration)
+    counts = inspector.live()["charts"]["TrafficLight"]["counts"]
+    assert {s for s, n in counts.items() if n == 1} == before
+    event = next(t.event for t in compiled(TrafficLight).transitions
+                 if t.source in before and t.event != "done_state")
+    run.send(event)
+    record = inspector.paths.record("t1")
+    assert record is not None and record["trail"], record
+    assert record["trail"][0]["event"] == event
+    assert record["state"] == ",".join(run.configuration)
+    inspector.close()
