@@ -310,7 +310,7 @@ def _render_nested_dot(chart: CompiledChart, active_state: str | None, taken: fr
             return
         kind = " (parallel)" if state.parallel else ""
         style = '"dashed, rounded"' if state.parallel else '"rounded"'
-        color = f"color={PATH_COLOR}, penwidth=2.5; " if state.id in visited else ""
+        color = f"color={PATH_COLOR}; penwidth=2.5; " if state.id in visited else ""
         fill = f'style="{style[1:-1]}, filled"; fillcolor="{ACTIVE_FILL}"; ' \
             if state.id == active_state else f"style={style}; "
         out.append(f"{indent}subgraph cluster_{state.id} {{")

@@ -111,3 +111,21 @@ def test_diagram_draws_clusters_and_history() -> None:
     assert 'label="lit (parallel)"' in dot
     assert "h [" in dot and 'label="H*"' in dot
     assert "lhead=cluster_lit" in dot  # an edge to a compound state ends at its box
+
+
+def test_a_path_leaving_a_compound_state_is_drawn() -> None:
+    """A run's path that leaves a compound state (``lit --switch--> dark``) outlines that
+    state's box; its cluster attributes were joined with a comma, which dot refuses (found
+    following docs/framework.md with a chart of my own: the inspector's run page failed)."""
+    import subprocess
+
+    import needs
+
+    chart = compiled(lamp())
+    switch_off = next(t for t in chart.transitions if (t.source, t.event) == ("lit", "switch"))
+    dot = diagrams.render_chart_dot(chart, "dark", {switch_off.id}, {})
+    done = subprocess.run([needs.tool("dot"), "-Tsvg"], input=dot, capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    svg = diagrams.render_path_svg(chart, [{"event": "switch", "from": "lit", "to": "dark"}])
+    assert "<svg" in svg
