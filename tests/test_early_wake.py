@@ -6,6 +6,8 @@ early wake must never change what a wait returns: the caller then waits on for t
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -86,5 +88,10 @@ def test_the_submitter_reading_a_queue_the_completion_thread_just_emptied_does_n
     empty queue (never an IndexError, which would be a submitter thread fault), and with
     nothing on the device there is no early wake."""
     with running_job_path(calbin) as ex:
+        # the golden run's last job may still be on its way out of the completion queue when
+        # start() returns (seen on a loaded CI machine): wait, bounded, until it is empty
+        until = time.monotonic() + 10.0
+        while len(ex.completion) and time.monotonic() < until:
+            time.sleep(0.001)
         assert ex.completion.head() is None and len(ex.completion) == 0
         assert ex.completion.prewake_at(ex.clock.monotonic(), ex.config.tuning.prewake_s) is None
