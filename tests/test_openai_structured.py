@@ -531,6 +531,7 @@ def test_a_jinja_chat_template_gets_the_tools_and_the_calls():
     """A tokenizer's template (Qwen3's reads them so) gets the request's ``tools`` and each
     message's ``tool_calls`` and ``tool_call_id``; with tool_choice "none" the tools are still
     offered to it."""
+    needs.module("jinja2", "tokenizer")  # a tokenizer's chat template is rendered by jinja2
     tok = ByteTokenizer()
     tok.chat_template = (
         "{% if tools %}<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}</tools>"
