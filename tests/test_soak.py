@@ -103,6 +103,7 @@ def test_a_wrong_token_a_leaked_id_a_leaked_thread_and_growing_rss_fail_the_run(
     assert not checks["pools"]["ok"] and report["pools_end"]["sequence_ids"]["in_use"] == 1
     assert not checks["threads"]["ok"] and report["threads_leaked"] == ["test-soak-leak"]
     assert not checks["rss"]["ok"] and report["rss_mib"]["samples"] >= 3
+    assert report["rss_mib"]["growth"] > 64.0, report["rss_mib"]
     # the rest held: the seams are what failed
     assert all(checks[name]["ok"] for name in ("requests", "faults", "client_errors",
                                                "server"))
