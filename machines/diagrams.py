@@ -151,6 +151,23 @@ def _legend(boxed: bool, finals: list[str]) -> list[str]:
     ]
 
 
+def _dot_header(chart: CompiledChart) -> list[str]:
+    """The first lines of every chart's DOT, flat or nested: title, layout, node and edge
+    defaults, the initial pseudo-state."""
+    title = chart.declaration.__name__
+    return [
+        f"digraph {title} {{",
+        f'label={_q(f"{title} (declared in {declared_in(chart)})")}; labelloc=t; '
+        f"fontsize=16; fontname={FONT};",
+        "rankdir=TB; compound=true; newrank=true; nodesep=0.35; ranksep=0.55; "
+        "splines=true; forcelabels=true;",
+        f"node [fontname={FONT}, fontsize=14, shape=rectangle, style=\"rounded, filled\", "
+        "fillcolor=white, penwidth=1.5];",
+        f"edge [fontname={FONT}, fontsize=12, decorate=true, arrowsize=0.8];",
+        'initial [label="", shape=point, width=0.15, style=filled, fillcolor=black];',
+    ]
+
+
 def render_chart_dot(chart: ChartLike, active_state: str | None = None,
                      taken: Iterable[int] = (), notes: Mapping[str, str] | None = None) -> str:
     """Deterministic DOT of one chart (a chart class or its ``CompiledChart``);
@@ -167,18 +184,7 @@ def render_chart_dot(chart: ChartLike, active_state: str | None = None,
         return _render_nested_dot(chart, active_state, taken, notes, visited)
     boxes = groups(chart)
     boxed_ids = {t.id for _, members in boxes for t in members}
-    title = chart.declaration.__name__
-    out = [
-        f"digraph {title} {{",
-        f'label={_q(f"{title} (declared in {declared_in(chart)})")}; labelloc=t; '
-        f"fontsize=16; fontname={FONT};",
-        "rankdir=TB; compound=true; newrank=true; nodesep=0.35; ranksep=0.55; "
-        "splines=true; forcelabels=true;",
-        f"node [fontname={FONT}, fontsize=14, shape=rectangle, style=\"rounded, filled\", "
-        "fillcolor=white, penwidth=1.5];",
-        f"edge [fontname={FONT}, fontsize=12, decorate=true, arrowsize=0.8];",
-        'initial [label="", shape=point, width=0.15, style=filled, fillcolor=black];',
-    ]
+    out = _dot_header(chart)
 
     def node(state: str) -> str:
         attrs_ = []
@@ -270,18 +276,7 @@ def _render_nested_dot(chart: CompiledChart, active_state: str | None, taken: fr
     its parent's box. An edge from or to a state with children leaves or enters its box
     (graphviz ``ltail``/``lhead`` on the box's anchor node)."""
     declaration = chart.declaration
-    title = declaration.__name__
-    out = [
-        f"digraph {title} {{",
-        f'label={_q(f"{title} (declared in {declared_in(chart)})")}; labelloc=t; '
-        f"fontsize=16; fontname={FONT};",
-        "rankdir=TB; compound=true; newrank=true; nodesep=0.35; ranksep=0.55; "
-        "splines=true; forcelabels=true;",
-        f"node [fontname={FONT}, fontsize=14, shape=rectangle, style=\"rounded, filled\", "
-        "fillcolor=white, penwidth=1.5];",
-        f"edge [fontname={FONT}, fontsize=12, decorate=true, arrowsize=0.8];",
-        'initial [label="", shape=point, width=0.15, style=filled, fillcolor=black];',
-    ]
+    out = _dot_header(chart)
     by_id = {state.id: state for state in declaration.states_map.values()}
     history_ids: set[str] = set()
 
