@@ -30,6 +30,7 @@ from pathlib import Path
 
 from calexec.cliargs import EXIT_FAILED, UserError
 from calexec.cliargs import parser as cli_parser
+from calexec.drivers.tools.sitecustomize_template import sitecustomize_source
 from calexec.machines.chartref import ChartRefError, load_chart
 from calexec.machines.compiled import CompiledChart, compiled
 from calexec.machines.coverage import TransitionRecorder, describe, report, track
@@ -39,22 +40,9 @@ CHARTS_ENV = "CALEXEC_CHART_COVER"
 #: directory each started process writes ``hits-<pid>.json`` into at exit
 OUT_ENV = "CALEXEC_CHART_COVER_DIR"
 
-SITECUSTOMIZE = '''\
-# Written by `calexec charts cover`: record the transitions of the charts in CALEXEC_CHART_COVER.
-import importlib.machinery as _machinery
-import importlib.util as _util
-import os as _os
-import sys as _sys
-
-from calexec.drivers.tools.charts_cover import install_from_env as _install
-
-_install()
-_here = _os.path.dirname(_os.path.abspath(__file__))
-_next = _machinery.PathFinder.find_spec(
-    "sitecustomize", [p for p in _sys.path if _os.path.abspath(p or ".") != _here])
-if _next is not None and _next.loader is not None:  # keep the environment's own one working
-    _next.loader.exec_module(_util.module_from_spec(_next))
-'''
+SITECUSTOMIZE = sitecustomize_source(
+    "`calexec charts cover`: record the transitions of the charts in CALEXEC_CHART_COVER.",
+    "calexec.drivers.tools.charts_cover")
 
 
 def install_from_env(environ: Mapping[str, str] = os.environ) -> None:

@@ -42,6 +42,7 @@ from typing import Any
 import attrs
 
 from calexec import cliargs
+from calexec.drivers.tools.sitecustomize_template import sitecustomize_source
 from calexec.machines import mutants as mutants_mod
 from calexec.machines.chartref import ChartRefError, load_chart
 
@@ -72,22 +73,9 @@ DEFAULT_CHART_ONLY_PREFIX = "tests/test_charts_"
 #: calexec's documented equivalent mutants, relative to --cwd (used when it exists).
 DEFAULT_EQUIVALENT = "docs/chart_mutants_equivalent.toml"
 STATUSES = ("killed", "survived", "equivalent", "error")
-SITECUSTOMIZE = '''\
-# Written by `calexec charts mutate`: apply the chart mutant named in CALEXEC_CHART_MUTANT.
-import importlib.machinery as _machinery
-import importlib.util as _util
-import os as _os
-import sys as _sys
-
-from calexec.machines.mutants import install_from_env as _install
-
-_install()
-_here = _os.path.dirname(_os.path.abspath(__file__))
-_next = _machinery.PathFinder.find_spec(
-    "sitecustomize", [p for p in _sys.path if _os.path.abspath(p or ".") != _here])
-if _next is not None and _next.loader is not None:  # keep the environment's own one working
-    _next.loader.exec_module(_util.module_from_spec(_next))
-'''
+SITECUSTOMIZE = sitecustomize_source(
+    "`calexec charts mutate`: apply the chart mutant named in CALEXEC_CHART_MUTANT.",
+    "calexec.machines.mutants")
 FAILED_LINE = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.MULTILINE)
 
 
