@@ -192,6 +192,13 @@ class DecodeSteps(Protocol):
         when nothing was armed. A Status when the stream is closed or the token is invalid."""
         ...
 
+    def submit_nowait(self, token: int) -> CompletionHandle | Status | None:
+        """``submit`` without blocking, for an event loop: the handle when the step fired
+        ahead or the pre-armed job took ``token``, the Status of a closed stream, or None when
+        ``submit`` would wait or admit (then nothing changed: call ``submit`` on a worker
+        thread)."""
+        ...
+
     def wait(self) -> InferenceResult | Status:
         """The result of the last ``submit`` (blocks until resolved or the deadline, then
         cancels the job and closes); advances ``past_len``. Returns at once once the handle is

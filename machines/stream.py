@@ -74,6 +74,9 @@ if TYPE_CHECKING:
     from calexec.machines.executor import DeviceExecutor
     from calexec.machines.kv import KvTxn
 
+_SUBMIT_BEFORE_WAIT = ("decode stream: submit() before the previous step's wait(); one job of "
+                       "a sequence at a time")
+
 log = logging.getLogger("calexec.stream")
 
 #: how long ``close()`` waits for the submitter to finish arming the stream's next job (it is
@@ -183,8 +186,7 @@ class DecodeStream:
         if self.status is not None:
             return self.status
         if self._current is not None:
-            return Status.invalid(4, "decode stream: submit() before the previous step's "
-                                     "wait(); one job of a sequence at a time")
+            return Status.invalid(4, _SUBMIT_BEFORE_WAIT)
         ex = self.ex
         vocab = ex.gen.contracts.vocab_size if ex.gen is not None else 0
         if not (isinstance(token, (int, np.integer)) and 0 <= token < vocab):
@@ -218,6 +220,48 @@ class DecodeStream:
                 answer = fresh.resolved_result()
                 return self._close(answer if isinstance(answer, Status) else Status.internal(
                     "prearm", Phase.PREPARE, "pre-armed job resolved before its token"))
+        self._current = handle
+        self.steps += 1
+        return handle
+
+    def submit_nowait(self, token: int) -> JobHandle | Status | None:
+        """``submit`` for a caller that must not block (an event loop), when it can answer at
+        once: the stream's Status when it is closed, the step fired ahead with ``token``
+        (greedy_ahead) taken, or the pre-armed job fired with ``token``. None when ``submit``
+        would have to wait or admit (nothing armed yet, the submitter or the completion thread
+        arming or firing right now, a fired-ahead argmax that is not ``token``, an invalid
+        token, a cancelled stream, a pre-armed guess released meanwhile): this call then
+        changed nothing ``submit`` reads, and ``submit(token)`` on a thread that may block
+        takes the step, exactly as it would have from the start."""
+        if self.status is not None:
+            return self.status
+        if self._current is not None:
+            return Status.invalid(4, _SUBMIT_BEFORE_WAIT)
+        ex = self.ex
+        vocab = ex.gen.contracts.vocab_size if ex.gen is not None else 0
+        if self._cancelled or not (isinstance(token, (int, np.integer)) and 0 <= token < vocab):
+            return None
+        token = int(token)
+        adopt: tuple[int, JobHandle] | None = None
+        with ex.dispatch.cv:
+            ahead, job = self._ahead, self._armed
+            if ahead is not None:
+                fired, taken = ahead
+                if taken is None or fired != token:  # firing now, or a mismatch (closes)
+                    return None
+                adopt, self._ahead = (fired, taken), None
+            elif job is None:
+                return None
+            else:
+                self._armed = None
+        if adopt is not None:
+            return self._adopt(adopt, token)
+        if job is None:  # (unreachable: the lock's branches returned)
+            return None
+        handle = self._fire_step(job, token)
+        if handle is None:  # a guess released meanwhile: ``submit`` admits the step
+            return None
+        self.prearmed_steps += 1
         self._current = handle
         self.steps += 1
         return handle

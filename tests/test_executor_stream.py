@@ -537,3 +537,90 @@ def test_another_request_on_a_streams_sequence_releases_its_armed_job(calbin):
         assert step.code == plain.wait_until(deadline()).code == "kv.past_len_beyond_committed"
         stream.close()
         assert ex.snapshot()["pending_tokens"] == 0 and ex.pool.counts()["Leased"] == 0
+
+
+# ---- submit_nowait: the step an event loop takes without blocking (issue 28) --------------------
+
+def test_submit_nowait_takes_the_prearmed_job_and_tokens_match(calbin):
+    """Stepped mode: the submitter arms N+1 while N is submitted, so every step's job is armed
+    when the caller comes: ``submit_nowait`` fires it (no admission) and the tokens are the
+    plain path's."""
+    steps = 10
+    with running_job_path(calbin, threads=False) as ex:
+        stream, token = open_stream_stepped(ex, 1, steps)
+        out = [token]
+        for _ in range(steps):
+            assert stream.armed is not None
+            handle = stream.submit_nowait(out[-1])
+            assert handle is not None and not isinstance(handle, Status), handle
+            assert job_of(handle).run.state == "Queued"
+            assert stream.armed is None  # taken: the next one is the submitter's to arm
+            result = stream.wait()
+            assert isinstance(result, InferenceResult), result
+            out.append(result.argmax)
+        assert stream.prearmed_steps == steps and stream.steps == steps
+        assert out == expected_greedy(PROMPT, steps)
+        stream.close()
+        assert not ex.dispatch.armed_jobs() and ex.pool.counts()["Leased"] == 0
+
+
+def test_submit_nowait_declines_without_changing_anything_then_submit_takes_the_step(calbin):
+    """An invalid token, a pre-armed guess released meanwhile (reclaimed for a request short of
+    a slot), a cancelled stream: None, and ``submit`` then answers as if called first."""
+    with running_job_path(calbin, threads=False) as ex:
+        stream, token = open_stream_stepped(ex, 1, 4)
+        armed = stream.armed
+        assert armed is not None
+        assert stream.submit_nowait(-1) is None and not stream.closed  # (submit closes it)
+        assert stream.armed is armed and stream.steps == 0
+        handle = stream.submit_nowait(token)
+        assert handle is not None and not isinstance(handle, Status)
+        assert isinstance(stream.submit_nowait(token), Status)  # before wait(), as submit
+        result = stream.wait()
+        assert isinstance(result, InferenceResult) and handle.done
+        out = [token, result.argmax]
+        # the next guess is released by someone else: the step is admitted the plain way
+        until(lambda: ex.submit_one() or stream.armed is not None, what="the next job armed")
+        guess = stream.armed
+        assert guess is not None and ex.release_armed(guess, Status.cancelled(Phase.CANCEL))
+        assert stream.submit_nowait(out[-1]) is None and stream.steps == 1
+        result = stream.step(out[-1])
+        assert isinstance(result, InferenceResult), result
+        out.append(result.argmax)
+        assert out[1:] == expected_greedy(PROMPT, 2)[1:] and stream.prearmed_steps == 1
+        stream.cancel()
+        assert stream.submit_nowait(out[-1]) is None  # a cancelled stream: submit's answer
+        answer = stream.step(out[-1])
+        assert isinstance(answer, Status) and answer.category == Category.CANCELLED, answer
+        assert stream.closed and isinstance(stream.submit_nowait(out[-1]), Status)
+
+
+def test_submit_nowait_takes_the_step_fired_ahead_and_refuses_another_token(calbin):
+    """greedy_ahead: once the completion thread fired the argmax's step, ``submit_nowait``
+    takes it; with another token it declines (``submit`` closes the stream for the misuse)."""
+    steps = 6
+    with running_job_path(calbin, device_config="decode_us=2000") as ex:
+        stream, token = open_stream(ex, 1, steps, greedy_ahead=True, max_steps=steps)
+        out = [token]
+        handle = stream.submit(token)
+        result = stream.wait()
+        assert isinstance(result, InferenceResult), result
+        out.append(result.argmax)
+        until(lambda: stream.ahead is not None and stream.ahead[1] is not None,
+              what="the next step fired ahead")
+        assert stream.submit_nowait(result.argmax + 1) is None  # not the argmax fired
+        assert stream.ahead is not None and not stream.closed  # nothing changed
+        taken = stream.submit_nowait(result.argmax)
+        assert taken is not None and not isinstance(taken, Status) and stream.ahead_steps == 1
+        while len(out) < steps + 1:
+            result = stream.wait()
+            assert isinstance(result, InferenceResult), result
+            out.append(result.argmax)
+            if len(out) == steps + 1:
+                break
+            step = stream.submit_nowait(out[-1])
+            handle = step if step is not None else stream.submit(out[-1])
+            assert not isinstance(handle, Status), handle
+        assert out == expected_greedy(PROMPT, steps)
+        stream.close()
+        assert_released(ex, 1)
