@@ -12,9 +12,11 @@ token, the deadline or an error -> answer -> once the last job is resolved,
 ``executor.release_sequence`` -> id back to the free list (in the background when the job is
 still running: a response is never later than the request deadline plus
 ``ServerConfig.deadline_slack_s``, and an id is never reused before its job ended). Blocking
-executor calls (``enqueue``, ``JobHandle.wait_until``) run in worker threads under per-app
-``CapacityLimiter``s (a prefill that may wait for KV never takes the threads the running
-requests need); the event loop never blocks on the device. A request whose client disconnects
+executor calls (``enqueue``, opening a decode stream, a step's ``submit`` that must admit) run
+in worker threads under per-app ``CapacityLimiter``s (a prefill that may wait for KV never
+takes the threads the running requests need); waits park no thread (``inline_waits``: the
+loop awaits ``wait_async`` and takes a ready step with ``submit_nowait``); the event loop
+never blocks on the device. A request whose client disconnects
 is cancelled (FI12: ``JobHandle.cancel()``; a submitted job is still waited for and its result
 discarded) and its sequence released once the job ends.
 """
@@ -177,6 +179,13 @@ class ServerConfig:
     #: argmax itself (``decode_stream(greedy_ahead=True)``), so the device does not wait for
     #: the event loop; a request ended by a stop string costs at most one discarded step
     greedy_ahead: bool = True
+    #: wait for a job on the event loop (``CompletionHandle.wait_async``: the thread that
+    #: resolves it wakes the loop) and take a decode step there when the stream has it ready
+    #: (``DecodeSteps.submit_nowait``: fired ahead or pre-armed), instead of a worker thread
+    #: per enqueue and per wait (issue 28: two fewer thread hand-offs per token). False: every
+    #: enqueue and wait in a worker thread, the path before; the answers are the same
+    #: (tests/test_server_inline_waits.py)
+    inline_waits: bool = True
     #: "vllm": ``/metrics`` exports vLLM's ``vllm:`` families beside the ``calexec_`` ones
     #: (dashboards and autoscalers built for vLLM read them); "calexec": those only
     metrics_names: str = attrs.field(default="calexec",
@@ -696,9 +705,13 @@ class CompletionService:
                     and run.past >= len(run.prompt))
         limiter = (self._admit_limiter if request.kind == TaskKind.PREFILL_IDS
                    else self._stream_limiter if streamed else self._limiter)
+        inline = self.config.inline_waits
+        handle = (self._stream_submit_nowait(run, request)
+                  if inline and streamed and run.decode is not None else None)
         try:
-            handle = await to_thread.run_sync(enqueue, request, abandon_on_cancel=True,
-                                              limiter=limiter)
+            if handle is None:  # may block (admission, arming): a worker thread's
+                handle = await to_thread.run_sync(enqueue, request, abandon_on_cancel=True,
+                                                  limiter=limiter)
         except anyio.get_cancelled_exc_class():
             # Flag first, then cancel the current handle: whichever of this and on_created
             # runs second sees the other's write, so the new job is always cancelled.
@@ -711,16 +724,45 @@ class CompletionService:
         if isinstance(handle, Status):  # the decode stream refused the step (and closed)
             return handle, None
         try:
+            if inline:  # parks no thread: the resolving thread wakes this loop
+                result = await handle.wait_async(run.deadline)
             if streamed:  # the stream's wait advances it (its deadline is the request's)
-                result = await to_thread.run_sync(run.decode.wait, abandon_on_cancel=True,
-                                                  limiter=self._stream_limiter)
-            else:
+                stream = run.decode
+                if inline and handle.done:
+                    result = stream.wait()  # the step is resolved: returns at once
+                else:  # blocks, or cancels and closes past the deadline (may wait)
+                    result = await to_thread.run_sync(stream.wait, abandon_on_cancel=True,
+                                                      limiter=self._stream_limiter)
+            elif not inline:
                 result = await to_thread.run_sync(handle.wait_until, run.deadline,
                                                   abandon_on_cancel=True, limiter=self._limiter)
         except anyio.get_cancelled_exc_class():
             handle.cancel()
             raise
         return result, handle
+
+    def _stream_submit_nowait(self, run: RequestRun, request: InferenceRequest) -> Any:
+        """The request's next decode step on the event loop, when its open decode stream takes
+        it without blocking (``DecodeStream.submit_nowait``: fired ahead or pre-armed): the
+        handle, the Status the stream answered, or None (``_run_job`` then submits on a
+        worker thread, as without ``inline_waits``). Inside the same fence with finish() as
+        ``enqueue``; an ended request answers like it."""
+        stream, tokens = run.decode, request.tokens
+        if stream is None or stream.closed or tokens is None:
+            return None
+        with run.mu:
+            if run.closed:
+                return Status.cancelled(Phase.CANCEL, "request already finished")
+            run.enqueue_idle.clear()
+        try:
+            handle = stream.submit_nowait(int(tokens[0]))
+            if handle is not None and not isinstance(handle, Status):
+                run.handle = handle  # reachable for a disconnect, as on_created makes it
+                if run.abandoned:
+                    handle.cancel()
+            return handle
+        finally:
+            run.enqueue_idle.set()
 
     def _stream_submit(self, run: RequestRun, request: InferenceRequest) -> Any:
         """Fire the request's next decode job through its pre-armed decode stream (opened on

@@ -11,8 +11,10 @@ where it shared the server's GIL), not streaming and streaming (server-sent even
 request latency P50/P99 for each and their ratios. A further side, ``server_no_ahead``, is the
 same server with ``ServerConfig.greedy_ahead`` off (each decode step fired by the request's own
 loop instead of by the executor's completion thread), so the run shows what greedy ahead buys
-over HTTP (``ahead_p50_ratio``: server / server_no_ahead). Numbers are reported, never
-asserted.
+over HTTP (``ahead_p50_ratio``: server / server_no_ahead), and ``server_thread_waits`` the same
+server with ``ServerConfig.inline_waits`` off (a worker thread per enqueue and per wait: what
+the inline waits buy, ``inline_throughput_ratio``: server / server_thread_waits). Numbers are
+reported, never asserted.
 """
 
 from __future__ import annotations
@@ -195,15 +197,19 @@ def run_server_bench(requests: int, max_tokens: int, decode_us: int,
                 if stream:
                     level["server_stream"] = http(True)
                 service = app.state.service
-                config, service.config = service.config, attrs.evolve(service.config,
-                                                                      greedy_ahead=False)
+                config = service.config
                 try:
+                    service.config = attrs.evolve(config, greedy_ahead=False)
                     n = http(False)
+                    service.config = attrs.evolve(config, inline_waits=False)
+                    t = http(False)
                 finally:
                     service.config = config
                 level.update({
                     "server_no_ahead": n,
                     "ahead_p50_ratio": round(h["p50_ms"] / n["p50_ms"], 3),
+                    "server_thread_waits": t,
+                    "inline_throughput_ratio": round(h["req_per_s"] / t["req_per_s"], 3),
                     "throughput_ratio": round(h["req_per_s"] / d["req_per_s"], 3),
                     "p50_ratio": round(h["p50_ms"] / d["p50_ms"], 3),
                     "p99_ratio": round(h["p99_ms"] / d["p99_ms"], 3)})

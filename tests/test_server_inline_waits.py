@@ -1,0 +1,197 @@
+"""``ServerConfig.inline_waits`` (issue 28) is a fast path: the event loop waits for a job
+through its done callback (``CompletionHandle.wait_async``) and takes a decode stream's ready
+step itself (``DecodeSteps.submit_nowait``: fired ahead or pre-armed), where the plain path
+(``inline_waits=False``) parks a worker thread per enqueue and per wait. A fast path is a
+claim of equality, so this test holds it to one.
+
+Hypothesis draws histories of requests (prompt, length, greedy or seeded sampling, stop token
+ids, plain / streamed / a client that disconnects mid-stream, a request deadline that passes
+mid-generation, a device fault armed on one of its jobs: CCU exception, NaN, Wait failure,
+submit busy or unavailable, a hung job; each recovered and the request resumed). The same
+history goes, one request at a time, to two servers that differ only in ``inline_waits``;
+every answer must be the same: HTTP status, token ids, finish reason, error code, the events
+of a stream, what a disconnecting client read. After every request both servers must get
+back to idle with every sequence id free and nothing armed. A 1 ms decode, so steps are
+pre-armed and fired ahead while the loop is away.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from calexec.drivers.calrt.runtime import Fault, FaultMode
+from calexec.drivers.serving.server import ServerConfig, create_app
+from calexec.drivers.tools.chaos import LiveServer
+from calexec.machines.executor import RecoveryPolicy
+from calexec.machines.stream import DecodeStream
+from test_server_support import oracle_tokens, started_executor, wait_for
+
+#: device faults a request is resumed from (drivers/serving/resume.py): the answer is the
+#: fault-free one on both paths
+FAULTS = [("CCU_EXCEPTION", 0), ("OUTPUT_NAN", 0), ("WAIT_RC", 0), ("SUBMIT_RC", 17),
+          ("SUBMIT_RC", 18), ("HANG", 0)]
+EXAMPLES = int(os.environ.get("CALEXEC_INLINE_EXAMPLES", "40"))
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """{inline_waits: (url, executor, service)} for True and False, same calbin and device."""
+    made = {}
+    with contextlib.ExitStack() as stack:
+        for inline in (True, False):
+            executor = started_executor(
+                tmp_path_factory.mktemp(f"inline{inline}"), "decode_us=1000",
+                execution_timeout_s=0.3, timeout_grace_s=0.1,
+                recovery=RecoveryPolicy(max_recoveries=100_000, drain_grace_s=1.0))
+            stack.callback(executor.shutdown, 5.0)
+            app = create_app(executor, ServerConfig(inline_waits=inline))
+            live = stack.enter_context(LiveServer(app))
+            made[inline] = (live.url, executor, app.state.service)
+        yield made
+
+
+requests_st = st.fixed_dictionaries({
+    "prompt": st.lists(st.integers(1, 1000), min_size=1, max_size=12),
+    "max_tokens": st.integers(1, 10),
+    "mode": st.sampled_from(["plain", "stream", "disconnect"]),
+    "read": st.integers(1, 3),  # a disconnecting client's events before it closes
+    "sampled": st.one_of(st.none(), st.integers(0, 2**16)),
+    "stop_at": st.one_of(st.none(), st.integers(0, 9)),  # the greedy token there stops it
+    "deadline": st.booleans(),
+    "fault": st.one_of(st.none(), st.tuples(st.sampled_from(range(len(FAULTS))),
+                                            st.integers(1, 3))),
+}).map(lambda spec: {**spec, "fault": None, "stop_at": None,
+                      "mode": "plain" if spec["mode"] == "plain" else "stream"}
+       if spec["deadline"] else spec)
+# (a fault in a 10 ms deadline races it on either path, and a stop at the first token may
+# beat it: which one the client gets is timing, so a deadline request has neither)
+
+
+def body_of(spec: dict) -> dict:
+    body = {"prompt": spec["prompt"], "max_tokens": spec["max_tokens"]}
+    if spec["sampled"] is not None:
+        body.update(temperature=0.8, seed=spec["sampled"])
+    if spec["stop_at"] is not None:
+        greedy = oracle_tokens(spec["prompt"], spec["max_tokens"])
+        body["stop_token_ids"] = [greedy[min(spec["stop_at"], len(greedy) - 1)]]
+    if spec["deadline"]:  # passes mid-generation: 40 decodes of 1 ms do not fit in 10 ms
+        body.update(max_tokens=40, timeout=0.01)
+    return body
+
+
+def send(url: str, spec: dict) -> tuple:
+    """What the client saw, normalised: (status, token ids, finish reason, error code)."""
+    body = body_of(spec)
+    with httpx.Client(base_url=url, timeout=30.0) as client:
+        if spec["mode"] == "plain":
+            r = client.post("/v1/completions", json=body)
+            if r.status_code != 200:
+                return ("error", r.status_code, r.json()["error"].get("code"))
+            choice = r.json()["choices"][0]
+            return ("ok", choice["token_ids"], choice["finish_reason"])
+        tokens, finish, error, done, events = [], None, None, False, 0
+        with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            if r.status_code != 200:
+                r.read()
+                return ("error", r.status_code, r.json()["error"].get("code"))
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    done = True
+                    break
+                event = json.loads(line[len("data: "):])
+                if "error" in event:
+                    error = event["error"].get("code")
+                    continue
+                choice = event["choices"][0]
+                tokens += choice.get("token_ids") or []
+                finish = choice.get("finish_reason") or finish
+                events += 1
+                if spec["mode"] == "disconnect" and events >= spec["read"]:
+                    return ("gone", tokens)  # closes the connection mid-stream
+        return ("stream", tokens, finish, error, done)
+
+
+def idle(executor, service) -> bool:
+    snap = executor.snapshot()
+    return (executor.state == "Ready" and service.active == 0 and snap["inflight"] == 0
+            and snap["queued"] == 0 and service.sequences.in_use == 0
+            and not executor.dispatch.armed_jobs())
+
+
+def run_one(server: tuple, spec: dict) -> tuple:
+    url, executor, service = server
+    emu = executor.device.emu
+    if spec["fault"] is not None:
+        index, nth = spec["fault"]
+        name, rc = FAULTS[index]
+        assert emu.set_fault(Fault[name], FaultMode.NTH, nth, 7, rc) == 0
+    try:
+        answer = send(url, spec)
+    finally:
+        emu.clear_all_faults()  # a fault the request's jobs did not reach never leaks on
+    wait_for(lambda: idle(executor, service), timeout=20.0, what="server idle after a request")
+    return answer
+
+
+def comparable(spec: dict, answer: tuple) -> tuple:
+    """A request whose deadline passes mid-generation: how far it got is a matter of timing on
+    both paths (a stream may have sent tokens before its error event, or not started: a 504),
+    and where it was noticed (admission of the next step or the wait: ``admission.deadline``,
+    ``wait.deadline``), so only that it ended on a deadline is compared, and that its tokens
+    are the greedy ones."""
+    if not spec["deadline"]:
+        return answer
+    if answer[0] == "error":
+        return ("deadline", answer[1], str(answer[2]).rpartition(".")[2])
+    assert answer[0] == "stream", answer  # (a 200 answer cannot fit in the deadline)
+    if spec["sampled"] is None:
+        assert answer[1] == list(oracle_tokens(spec["prompt"], 40))[:len(answer[1])]
+    return ("deadline", 504, str(answer[3]).rpartition(".")[2])
+
+
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                 HealthCheck.too_slow])
+@given(history=st.lists(requests_st, min_size=1, max_size=4))
+def test_inline_waits_answer_exactly_like_the_plain_path(servers, history):
+    for spec in history:
+        fast = run_one(servers[True], spec)
+        plain = run_one(servers[False], spec)
+        assert comparable(spec, fast) == comparable(spec, plain), (spec, fast, plain)
+        if fast[0] == "ok" and spec["sampled"] is None and spec["stop_at"] is None \
+                and not spec["deadline"]:
+            assert fast[1] == list(oracle_tokens(spec["prompt"], spec["max_tokens"]))
+
+
+def test_inline_waits_take_the_steps_on_the_loop(servers, monkeypatch):
+    """The point of the fast path, observed: a greedy request's decode steps are taken on the
+    event loop (``submit_nowait``), not by a worker thread's blocking ``submit``; the plain
+    path takes every step through ``submit``."""
+    counts = {"submit": 0, "submit_nowait": 0}
+    for name in counts:
+        original = getattr(DecodeStream, name)
+
+        def counted(self, token, original=original, name=name):
+            counts[name] += 1
+            return original(self, token)
+        monkeypatch.setattr(DecodeStream, name, counted)
+    spec = {"prompt": [5, 6, 7], "max_tokens": 12, "mode": "plain", "read": 1,
+            "sampled": None, "stop_at": None, "deadline": False, "fault": None}
+    expected = ("ok", list(oracle_tokens([5, 6, 7], 12)), "length")
+    assert run_one(servers[True], spec) == expected
+    fast = dict(counts)
+    # 11 decode steps: the first opens the stream (a worker thread's), the rest are ready
+    # (fired ahead) when the loop comes, but for a step still being fired at that moment
+    assert fast["submit_nowait"] >= 9 and fast["submit"] <= 2, fast
+    counts.update(submit=0, submit_nowait=0)
+    assert run_one(servers[False], spec) == expected
+    assert counts == {"submit": 11, "submit_nowait": 0}, counts
