@@ -390,9 +390,11 @@ class ServerMetrics:
                               ("d2h", "Device to host copy, when the job measured it."),
                               ("postprocess", "Output checks and BF16->FP32 conversion."))
         }
-        for kind in TaskKind:  # every family shows (count 0) before its first observation
-            for histogram in self.stages.values():
-                histogram.labels(kind.name.lower())
+        # every family shows (count 0) before its first observation; the labelled children are
+        # kept, so a job's observations look no label up (one per token, issue 28)
+        self._stage_of: dict[TaskKind, list[tuple[str, Histogram]]] = {
+            kind: [(name, histogram.labels(kind.name.lower()))
+                   for name, histogram in self.stages.items()] for kind in TaskKind}
         model = ["model_name"]
         self.requests = _WithModel(Counter("calexec_requests", "Completion requests received.",
                                            ["stream", *model], registry=reg), model_name)
@@ -429,14 +431,14 @@ class ServerMetrics:
         the device measured them (> 0; the emulator does, ``OutputBuf.copy_ms``): CalRT 0.7.6
         gives the host no copy timing (the copies run inside the job, part of
         ``device_wait``), and JobTimings' 0 means "not measured", never an instant copy."""
-        label = kind.name.lower()
         spans = {"admission_wait": timings.admission_wait_ms(),
                  "queue_wait": timings.queue_wait_ms(), "device_wait": timings.device_wait_ms,
                  "h2d": timings.h2d_ms or None, "d2h": timings.d2h_ms or None,
                  "postprocess": timings.postprocess_ms}
-        for name, ms in spans.items():
+        for name, child in self._stage_of[kind]:
+            ms = spans[name]
             if ms is not None:
-                self.stages[name].labels(label).observe(ms / 1000.0)
+                child.observe(ms / 1000.0)
         if kind == TaskKind.DECODE:
             total = timings.total_ms()
             if total is not None:

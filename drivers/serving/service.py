@@ -793,7 +793,8 @@ class CompletionService:
         a recovery or model switch ended it between two of its jobs (its KV died with it)."""
         if run.generation_id is None:
             return None
-        current = self.executor.snapshot()["generation"]
+        contracts = self.executor.generation  # (not snapshot(): this runs once per token)
+        current = None if contracts is None else contracts.generation_id
         if current == run.generation_id:
             return None
         return Status.unavailable(Phase.ADMISSION, f"the request's generation {run.generation_id}"
