@@ -135,16 +135,71 @@ def _http_load(url: str, requests: int, concurrency: int, max_tokens: int, strea
     return result
 
 
+def http_floor_app() -> Any:
+    """The HTTP stack alone (the ``http_floor`` side): a FastAPI app whose ``/v1/completions``
+    parses the same kind of pydantic body and answers a canned completion of ``max_tokens``
+    token ids at once, no executor behind it. What a request costs the load generator,
+    uvicorn and FastAPI on this host: the ceiling of any server on that stack."""
+    import pydantic
+    from fastapi import FastAPI
+
+    class Body(pydantic.BaseModel):
+        prompt: list[int]
+        max_tokens: int = 16
+        temperature: float | None = None
+        stream: bool = False
+
+    app = FastAPI()
+
+    async def completions(body: Body) -> dict[str, Any]:
+        tokens = list(range(body.max_tokens))
+        return {"id": "cmpl-floor", "object": "text_completion", "created": int(time.time()),
+                "model": "http-floor", "choices": [{
+                    "index": 0, "text": "x" * len(tokens), "logprobs": None,
+                    "finish_reason": "length", "token_ids": tokens}],
+                "usage": {"prompt_tokens": len(body.prompt), "completion_tokens": len(tokens),
+                          "total_tokens": len(body.prompt) + len(tokens)}}
+    # (annotations are strings here, and ``Body`` is local: FastAPI gets the class itself)
+    completions.__annotations__["body"] = Body
+    app.post("/v1/completions")(completions)
+    return app
+
+
+class _Uvicorn:
+    """uvicorn serving ``app`` on 127.0.0.1 (an ephemeral port) in a daemon thread."""
+
+    def __init__(self, app: Any) -> None:
+        import uvicorn
+
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0,
+                                                    log_level="warning", access_log=False))
+        self.thread = threading.Thread(target=self.server.run, name="bench-uvicorn",
+                                       daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        end = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > end or not self.thread.is_alive():
+                raise BenchError("uvicorn did not start")
+            time.sleep(0.01)
+        return f"http://127.0.0.1:{self.server.servers[0].sockets[0].getsockname()[1]}"
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
 def run_server_bench(requests: int, max_tokens: int, decode_us: int,
                      device: DeviceSpec = DeviceSpec(),
                      levels: Sequence[int] = DEFAULT_LEVELS, loadgen: str = "process",
                      stream: bool = True) -> dict[str, Any]:
     """Per concurrency level: ``direct`` (the in-process executor, this process's threads),
     ``server`` (HTTP, not streaming), ``server_stream`` (HTTP, server-sent events; when
-    ``stream``) and ``server_no_ahead`` (HTTP with greedy ahead off), each ``requests`` timed
-    requests after a short warm-up; the HTTP load generator runs where ``loadgen`` says."""
-    import uvicorn
-
+    ``stream``), ``server_no_ahead`` (HTTP with greedy ahead off), ``server_thread_waits``
+    (HTTP with the inline waits off) and ``http_floor`` (the HTTP stack alone:
+    ``http_floor_app``), each ``requests`` timed requests after a short warm-up; the HTTP load
+    generator runs where ``loadgen`` says."""
     from calexec.drivers.serving.executor_view import served
     from calexec.drivers.serving.server import ServerConfig, create_app
 
@@ -159,68 +214,73 @@ def run_server_bench(requests: int, max_tokens: int, decode_us: int,
         if not status.ok:
             raise BenchError(f"executor start failed: {status}")
         app = create_app(served(ex), ServerConfig())
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1",
-                                               port=0, log_level="warning", access_log=False))
-        thread = threading.Thread(target=server.run, name="bench-uvicorn", daemon=True)
-        thread.start()
         try:
-            end = time.monotonic() + 30
-            while not server.started:
-                if time.monotonic() > end or not thread.is_alive():
-                    raise BenchError("uvicorn did not start")
-                time.sleep(0.01)
-            url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-            result: dict[str, Any] = {"requests": requests, "max_tokens": max_tokens,
-                                      "decode_us": decode_us, "levels": list(levels),
-                                      "loadgen": loadgen, "stream": stream,
-                                      "warmup_requests": WARMUP_REQUESTS}
-            for concurrency in levels:
-                seqs: queue.Queue[int] = queue.Queue()
-                for seq in range(1, min(concurrency, DIRECT_SEQS) + 1):
-                    seqs.put(seq)
-
-                def direct(w: int, i: int, seqs: queue.Queue[int] = seqs) -> None:
-                    seq = seqs.get(timeout=_WAIT_S)
-                    try:
-                        _direct_request(ex, seq, [i % 1000 + 1, 7, 9], max_tokens)
-                    finally:
-                        seqs.put(seq)
-
-                def http(streaming: bool, concurrency: int = concurrency) -> dict[str, Any]:
-                    return _http_load(url, requests, concurrency, max_tokens, streaming, loadgen)
-
-                print(f"bench server: concurrency {concurrency}", file=sys.stderr)
-                _load(min(requests, WARMUP_REQUESTS), concurrency, direct)  # warm-up
-                d = _load(requests, concurrency, direct)
-                h = http(False)
-                level: dict[str, Any] = {"direct": d, "server": h}
-                if stream:
-                    level["server_stream"] = http(True)
-                service = app.state.service
-                config = service.config
-                try:
-                    service.config = attrs.evolve(config, greedy_ahead=False)
-                    n = http(False)
-                    service.config = attrs.evolve(config, inline_waits=False)
-                    t = http(False)
-                finally:
-                    service.config = config
-                level.update({
-                    "server_no_ahead": n,
-                    "ahead_p50_ratio": round(h["p50_ms"] / n["p50_ms"], 3),
-                    "server_thread_waits": t,
-                    "inline_throughput_ratio": round(h["req_per_s"] / t["req_per_s"], 3),
-                    "throughput_ratio": round(h["req_per_s"] / d["req_per_s"], 3),
-                    "p50_ratio": round(h["p50_ms"] / d["p50_ms"], 3),
-                    "p99_ratio": round(h["p99_ms"] / d["p99_ms"], 3)})
-                if stream:
-                    level["stream_throughput_ratio"] = round(
-                        level["server_stream"]["req_per_s"] / d["req_per_s"], 3)
-                result[f"c{concurrency}"] = level
+            with _Uvicorn(app) as url, _Uvicorn(http_floor_app()) as floor_url:
+                return _levels(ex, app, url, floor_url, requests, max_tokens, decode_us,
+                               levels, loadgen, stream)
         finally:
-            server.should_exit = True
-            thread.join(10)
             ex.shutdown()
+
+
+def _levels(ex: DeviceExecutor, app: Any, url: str, floor_url: str, requests: int,
+            max_tokens: int, decode_us: int, levels: Sequence[int], loadgen: str,
+            stream: bool) -> dict[str, Any]:
+    """Every level's sides (``run_server_bench``)."""
+    result: dict[str, Any] = {"requests": requests, "max_tokens": max_tokens,
+                              "decode_us": decode_us, "levels": list(levels),
+                              "loadgen": loadgen, "stream": stream,
+                              "warmup_requests": WARMUP_REQUESTS}
+    for concurrency in levels:
+        seqs: queue.Queue[int] = queue.Queue()
+        for seq in range(1, min(concurrency, DIRECT_SEQS) + 1):
+            seqs.put(seq)
+
+        def direct(w: int, i: int, seqs: queue.Queue[int] = seqs) -> None:
+            seq = seqs.get(timeout=_WAIT_S)
+            try:
+                _direct_request(ex, seq, [i % 1000 + 1, 7, 9], max_tokens)
+            finally:
+                seqs.put(seq)
+
+        def http(streaming: bool, concurrency: int = concurrency,
+                 target: str = url) -> dict[str, Any]:
+            return _http_load(target, requests, concurrency, max_tokens, streaming,
+                              loadgen)
+
+        print(f"bench server: concurrency {concurrency}", file=sys.stderr)
+        _load(min(requests, WARMUP_REQUESTS), concurrency, direct)  # warm-up
+        d = _load(requests, concurrency, direct)
+        h = http(False)
+        level: dict[str, Any] = {"direct": d, "server": h}
+        if stream:
+            level["server_stream"] = http(True)
+        service = app.state.service
+        config = service.config
+        try:
+            service.config = attrs.evolve(config, greedy_ahead=False)
+            n = http(False)
+            service.config = attrs.evolve(config, inline_waits=False)
+            t = http(False)
+        finally:
+            service.config = config
+        f = http(False, target=floor_url)
+        level.update({
+            "server_no_ahead": n,
+            "ahead_p50_ratio": round(h["p50_ms"] / n["p50_ms"], 3),
+            "server_thread_waits": t,
+            "inline_throughput_ratio": round(h["req_per_s"] / t["req_per_s"], 3),
+            "http_floor": f,
+            # what a server costing nothing but its HTTP stack would reach at c=1, where a
+            # request takes the executor's time plus the stack's: f / (f + d)
+            "http_floor_ratio_bound": round(f["req_per_s"] / (f["req_per_s"]
+                                                             + d["req_per_s"]), 3),
+            "throughput_ratio": round(h["req_per_s"] / d["req_per_s"], 3),
+            "p50_ratio": round(h["p50_ms"] / d["p50_ms"], 3),
+            "p99_ratio": round(h["p99_ms"] / d["p99_ms"], 3)})
+        if stream:
+            level["stream_throughput_ratio"] = round(
+                level["server_stream"]["req_per_s"] / d["req_per_s"], 3)
+        result[f"c{concurrency}"] = level
     return result
 
 
