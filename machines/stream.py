@@ -183,12 +183,10 @@ class DecodeStream:
         arms the job after it once it has nothing to submit. Returns the job's handle
         (``wait`` resolves it) or, when the stream is closed or the token is invalid, a
         Status (the stream is then closed)."""
-        if self.status is not None:
-            return self.status
-        if self._current is not None:
-            return Status.invalid(4, _SUBMIT_BEFORE_WAIT)
-        ex = self.ex
-        vocab = ex.gen.contracts.vocab_size if ex.gen is not None else 0
+        refused = self._refused()
+        if refused is not None:
+            return refused
+        ex, vocab = self.ex, self._vocab()
         if not (isinstance(token, (int, np.integer)) and 0 <= token < vocab):
             return self._close(Status.invalid(6, f"token={token!r}: outside [0, vocab_size="
                                                  f"{vocab})"))
@@ -233,12 +231,10 @@ class DecodeStream:
         token, a cancelled stream, a pre-armed guess released meanwhile): this call then
         changed nothing ``submit`` reads, and ``submit(token)`` on a thread that may block
         takes the step, exactly as it would have from the start."""
-        if self.status is not None:
-            return self.status
-        if self._current is not None:
-            return Status.invalid(4, _SUBMIT_BEFORE_WAIT)
-        ex = self.ex
-        vocab = ex.gen.contracts.vocab_size if ex.gen is not None else 0
+        refused = self._refused()
+        if refused is not None:
+            return refused
+        ex, vocab = self.ex, self._vocab()
         if self._cancelled or not (isinstance(token, (int, np.integer)) and 0 <= token < vocab):
             return None
         token = int(token)
@@ -265,6 +261,19 @@ class DecodeStream:
         self._current = handle
         self.steps += 1
         return handle
+
+    def _refused(self) -> Status | None:
+        """What ``submit`` answers before looking at the token: the closed stream's Status, or
+        a step submitted before the previous one was waited for."""
+        if self.status is not None:
+            return self.status
+        if self._current is not None:
+            return Status.invalid(4, _SUBMIT_BEFORE_WAIT)
+        return None
+
+    def _vocab(self) -> int:
+        gen = self.ex.gen
+        return gen.contracts.vocab_size if gen is not None else 0
 
     def _cancelled_step(self, token: int) -> JobHandle:
         """The step of a cancelled stream: the request goes the ordinary way, cancelled as it

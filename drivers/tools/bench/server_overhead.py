@@ -165,31 +165,6 @@ def http_floor_app() -> Any:
     return app
 
 
-class _Uvicorn:
-    """uvicorn serving ``app`` on 127.0.0.1 (an ephemeral port) in a daemon thread."""
-
-    def __init__(self, app: Any) -> None:
-        import uvicorn
-
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0,
-                                                    log_level="warning", access_log=False))
-        self.thread = threading.Thread(target=self.server.run, name="bench-uvicorn",
-                                       daemon=True)
-
-    def __enter__(self) -> str:
-        self.thread.start()
-        end = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > end or not self.thread.is_alive():
-                raise BenchError("uvicorn did not start")
-            time.sleep(0.01)
-        return f"http://127.0.0.1:{self.server.servers[0].sockets[0].getsockname()[1]}"
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-
-
 def run_server_bench(requests: int, max_tokens: int, decode_us: int,
                      device: DeviceSpec = DeviceSpec(),
                      levels: Sequence[int] = DEFAULT_LEVELS, loadgen: str = "process",
@@ -202,6 +177,7 @@ def run_server_bench(requests: int, max_tokens: int, decode_us: int,
     generator runs where ``loadgen`` says."""
     from calexec.drivers.serving.executor_view import served
     from calexec.drivers.serving.server import ServerConfig, create_app
+    from calexec.drivers.tools.chaos import LiveServer
 
     if loadgen not in LOADGEN_PLACES:
         raise BenchError(f"loadgen must be one of {LOADGEN_PLACES}, got {loadgen!r}")
@@ -215,9 +191,11 @@ def run_server_bench(requests: int, max_tokens: int, decode_us: int,
             raise BenchError(f"executor start failed: {status}")
         app = create_app(served(ex), ServerConfig())
         try:
-            with _Uvicorn(app) as url, _Uvicorn(http_floor_app()) as floor_url:
-                return _levels(ex, app, url, floor_url, requests, max_tokens, decode_us,
+            with LiveServer(app) as live, LiveServer(http_floor_app()) as floor:
+                return _levels(ex, app, live.url, floor.url, requests, max_tokens, decode_us,
                                levels, loadgen, stream)
+        except TimeoutError as exc:  # (a server that did not start)
+            raise BenchError(str(exc)) from None
         finally:
             ex.shutdown()
 
