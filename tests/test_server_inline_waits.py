@@ -11,8 +11,9 @@ submit busy or unavailable, a hung job; each recovered and the request resumed).
 history goes, one request at a time, to two servers that differ only in ``inline_waits``;
 every answer must be the same: HTTP status, token ids, finish reason, error code, the events
 of a stream, what a disconnecting client read. After every request both servers must get
-back to idle with every sequence id free and nothing armed. A 1 ms decode, so steps are
-pre-armed and fired ahead while the loop is away.
+back to idle with every sequence id free and nothing armed. Two device latencies: 1 ms, so
+steps are pre-armed and fired ahead while the loop is away, and zero, so the loop often comes
+before the arming and the step is admitted fresh.
 """
 
 from __future__ import annotations
@@ -40,20 +41,28 @@ FAULTS = [("CCU_EXCEPTION", 0), ("OUTPUT_NAN", 0), ("WAIT_RC", 0), ("SUBMIT_RC",
 EXAMPLES = int(os.environ.get("CALEXEC_INLINE_EXAMPLES", "40"))
 
 
+#: the device's decode latency (us) a request runs at: 1 ms, so the submitter arms the next
+#: step and the completion thread fires it ahead while the loop is away (submit_nowait takes
+#: it); 0, so the loop often comes before the arming and the step is admitted fresh (submit)
+DEVICES = (1000, 0)
+
+
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    """{inline_waits: (url, executor, service)} for True and False, same calbin and device."""
+    """{(decode_us, inline_waits): (url, executor, service)}: per device latency a pair of
+    servers that differ only in ``inline_waits``, same calbin."""
     made = {}
     with contextlib.ExitStack() as stack:
-        for inline in (True, False):
-            executor = started_executor(
-                tmp_path_factory.mktemp(f"inline{inline}"), "decode_us=1000",
-                execution_timeout_s=0.3, timeout_grace_s=0.1,
-                recovery=RecoveryPolicy(max_recoveries=100_000, drain_grace_s=1.0))
-            stack.callback(executor.shutdown, 5.0)
-            app = create_app(executor, ServerConfig(inline_waits=inline))
-            live = stack.enter_context(LiveServer(app))
-            made[inline] = (live.url, executor, app.state.service)
+        for decode_us in DEVICES:
+            for inline in (True, False):
+                executor = started_executor(
+                    tmp_path_factory.mktemp(f"inline{inline}"), f"decode_us={decode_us}",
+                    execution_timeout_s=0.3, timeout_grace_s=0.1,
+                    recovery=RecoveryPolicy(max_recoveries=100_000, drain_grace_s=1.0))
+                stack.callback(executor.shutdown, 5.0)
+                app = create_app(executor, ServerConfig(inline_waits=inline))
+                live = stack.enter_context(LiveServer(app))
+                made[decode_us, inline] = (live.url, executor, app.state.service)
         yield made
 
 
@@ -65,9 +74,10 @@ requests_st = st.fixed_dictionaries({
     "sampled": st.one_of(st.none(), st.integers(0, 2**16)),
     "stop_at": st.one_of(st.none(), st.integers(0, 9)),  # the greedy token there stops it
     "deadline": st.booleans(),
+    "device": st.sampled_from(DEVICES),
     "fault": st.one_of(st.none(), st.tuples(st.sampled_from(range(len(FAULTS))),
                                             st.integers(1, 3))),
-}).map(lambda spec: {**spec, "fault": None, "stop_at": None,
+}).map(lambda spec: {**spec, "fault": None, "stop_at": None, "device": 1000,
                       "mode": "plain" if spec["mode"] == "plain" else "stream"}
        if spec["deadline"] else spec)
 # (a fault in a 10 ms deadline races it on either path, and a stop at the first token may
@@ -82,6 +92,7 @@ def body_of(spec: dict) -> dict:
         greedy = oracle_tokens(spec["prompt"], spec["max_tokens"])
         body["stop_token_ids"] = [greedy[min(spec["stop_at"], len(greedy) - 1)]]
     if spec["deadline"]:  # passes mid-generation: 40 decodes of 1 ms do not fit in 10 ms
+        # (so a deadline request runs on the 1 ms device)
         body.update(max_tokens=40, timeout=0.01)
     return body
 
@@ -164,8 +175,8 @@ def comparable(spec: dict, answer: tuple) -> tuple:
 @given(history=st.lists(requests_st, min_size=1, max_size=4))
 def test_inline_waits_answer_exactly_like_the_plain_path(servers, history):
     for spec in history:
-        fast = run_one(servers[True], spec)
-        plain = run_one(servers[False], spec)
+        fast = run_one(servers[spec["device"], True], spec)
+        plain = run_one(servers[spec["device"], False], spec)
         assert comparable(spec, fast) == comparable(spec, plain), (spec, fast, plain)
         if fast[0] == "ok" and spec["sampled"] is None and spec["stop_at"] is None \
                 and not spec["deadline"]:
@@ -187,11 +198,11 @@ def test_inline_waits_take_the_steps_on_the_loop(servers, monkeypatch):
     spec = {"prompt": [5, 6, 7], "max_tokens": 12, "mode": "plain", "read": 1,
             "sampled": None, "stop_at": None, "deadline": False, "fault": None}
     expected = ("ok", list(oracle_tokens([5, 6, 7], 12)), "length")
-    assert run_one(servers[True], spec) == expected
+    assert run_one(servers[1000, True], spec) == expected
     fast = dict(counts)
     # 11 decode steps: the first opens the stream (a worker thread's), the rest are ready
     # (fired ahead) when the loop comes, but for a step still being fired at that moment
     assert fast["submit_nowait"] >= 9 and fast["submit"] <= 2, fast
     counts.update(submit=0, submit_nowait=0)
-    assert run_one(servers[False], spec) == expected
+    assert run_one(servers[1000, False], spec) == expected
     assert counts == {"submit": 11, "submit_nowait": 0}, counts
