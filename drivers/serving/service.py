@@ -50,6 +50,7 @@ from calexec.drivers.serving.executor_view import ServedExecutor
 from calexec.drivers.serving.metrics import METRICS_NAMES, ServerMetrics, kv_usage_fraction
 from calexec.drivers.serving.resume import Resumer
 from calexec.drivers.serving.sampling import RowConstraint
+from calexec.machines.api import CompletionHandle
 from calexec.machines.compiled import JOB
 
 log = logging.getLogger("calexec.server")
@@ -741,7 +742,8 @@ class CompletionService:
             raise
         return result, handle
 
-    def _stream_submit_nowait(self, run: RequestRun, request: InferenceRequest) -> Any:
+    def _stream_submit_nowait(self, run: RequestRun, request: InferenceRequest
+                              ) -> CompletionHandle | Status | None:
         """The request's next decode step on the event loop, when its open decode stream takes
         it without blocking (``DecodeStream.submit_nowait``: fired ahead or pre-armed): the
         handle, the Status the stream answered, or None (``_run_job`` then submits on a
@@ -755,7 +757,7 @@ class CompletionService:
                 return Status.cancelled(Phase.CANCEL, "request already finished")
             run.enqueue_idle.clear()
         try:
-            handle = stream.submit_nowait(int(tokens[0]))
+            handle: CompletionHandle | Status | None = stream.submit_nowait(int(tokens[0]))
             if handle is not None and not isinstance(handle, Status):
                 run.handle = handle  # reachable for a disconnect, as on_created makes it
                 if run.abandoned:
