@@ -171,9 +171,11 @@ def test_mutant_that_never_reaches_the_chart_is_an_error(tmp_path, capsys):
         (["--chart", "door:Door", "--test-cmd", "false"], "fails without any mutant"),
         (["--chart", "door:Door", "--test-cmd", "true", "--equivalent", "door.py"],
          "--equivalent"),
+        (["--chart", "door:Door", "--test-cmd", "true", "--first-failure"],
+         "--first-failure applies to calexec's default command"),
     ],
     ids=["no-test-cmd", "unknown-mutant", "not-a-chart", "no-module", "bad-spec", "red-baseline",
-         "bad-equivalent-list"],
+         "bad-equivalent-list", "first-failure-with-own-command"],
 )
 def test_bad_arguments_are_named(tmp_path, capsys, args, message):
     _door_project(tmp_path)

@@ -133,6 +133,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout", type=float, metavar="S",
                         help="seconds per mutant; longer counts as killed (default: 5x the "
                              "unmutated run + 30)")
+    parser.add_argument("--first-failure", action="store_true",
+                        help="calexec's default command stops a mutant's run at its first "
+                             "failing test (pytest -x): a killed mutant's verdict comes in "
+                             "seconds instead of after every test (or the timeout, for a "
+                             "mutant that makes the executor wait); the report then names one "
+                             "killer per mutant. For your own --test-cmd, add your runner's "
+                             "flag to it")
     parser.add_argument("--examples", type=int, default=30,
                         help="CALEXEC_STATEFUL_EXAMPLES for the default command (default 30)")
     parser.add_argument("--error-codes", default="3,4,5",
@@ -367,7 +374,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.test_cmd is None and not (cwd / "tests" / "test_executor_stateful.py").is_file():
             raise ValueError(f"--cwd {str(cwd)!r}: calexec's default test command needs its "
                              f"tests/ directory (run from the calexec checkout or give --test-cmd)")
-        command_text = args.test_cmd or DEFAULT_TEST_CMD
+        if args.first_failure and args.test_cmd is not None:
+            raise ValueError("--first-failure applies to calexec's default command; add your "
+                             "runner's own flag (pytest: -x) to --test-cmd")
+        command_text = args.test_cmd or (DEFAULT_TEST_CMD.replace(" -q ", " -q -x ", 1)
+                                         if args.first_failure else DEFAULT_TEST_CMD)
         command = shlex.split(command_text)
         if not command:
             raise ValueError("--test-cmd '': empty command")
