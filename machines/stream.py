@@ -234,33 +234,38 @@ class DecodeStream:
         refused = self._refused()
         if refused is not None:
             return refused
-        ex, vocab = self.ex, self._vocab()
+        vocab = self._vocab()
         if self._cancelled or not (isinstance(token, (int, np.integer)) and 0 <= token < vocab):
             return None
         token = int(token)
-        adopt: tuple[int, JobHandle] | None = None
-        with ex.dispatch.cv:
-            ahead, job = self._ahead, self._armed
-            if ahead is not None:
-                fired, taken = ahead
-                if taken is None or fired != token:  # firing now, or a mismatch (closes)
-                    return None
-                adopt, self._ahead = (fired, taken), None
-            elif job is None:
-                return None
-            else:
-                self._armed = None
-        if adopt is not None:
-            return self._adopt(adopt, token)
-        if job is None:  # (unreachable: the lock's branches returned)
+        ready = self._take_ready(token)
+        if ready is None:
             return None
-        handle = self._fire_step(job, token)
+        if isinstance(ready, tuple):
+            return self._adopt(ready, token)
+        handle = self._fire_step(ready, token)
         if handle is None:  # a guess released meanwhile: ``submit`` admits the step
             return None
         self.prearmed_steps += 1
         self._current = handle
         self.steps += 1
         return handle
+
+    def _take_ready(self, token: int) -> tuple[int, JobHandle] | Job | None:
+        """(``submit_nowait``) Under the dispatch lock, take what the step can go on without
+        waiting: the step fired ahead with ``token``, else the pre-armed job; None (nothing
+        taken) when neither is there, the firing is still in progress, or the step fired ahead
+        has another token."""
+        with self.ex.dispatch.cv:
+            ahead = self._ahead
+            if ahead is not None:
+                fired, handle = ahead
+                if handle is None or fired != token:  # firing now, or a mismatch (closes)
+                    return None
+                self._ahead = None
+                return fired, handle
+            job, self._armed = self._armed, None
+            return job
 
     def _refused(self) -> Status | None:
         """What ``submit`` answers before looking at the token: the closed stream's Status, or
