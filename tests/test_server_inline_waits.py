@@ -1,16 +1,20 @@
-"""``ServerConfig.inline_waits`` (issue 28) is a fast path: the event loop waits for a job
-through its done callback (``CompletionHandle.wait_async``) and takes a decode stream's ready
-step itself (``DecodeSteps.submit_nowait``: fired ahead or pre-armed), where the plain path
-(``inline_waits=False``) parks a worker thread per enqueue and per wait. A fast path is a
-claim of equality, so this test holds it to one.
+"""``ServerConfig.inline_waits`` and ``ServerConfig.decode_bursts`` (issue 28) are fast paths:
+the event loop waits for a job through its done callback (``CompletionHandle.wait_async``)
+and takes a decode stream's ready step itself (``DecodeSteps.submit_nowait``: fired ahead or
+pre-armed), where the plain path (``inline_waits=False``) parks a worker thread per enqueue
+and per wait; a non-streamed greedy request takes all its decode steps in one worker-thread
+burst (the loop wakes once, not per token) and hands a failed step back to the loop. A fast
+path is a claim of equality, so this test holds both to one.
 
 Hypothesis draws histories of requests (prompt, length, greedy or seeded sampling, stop token
 ids, plain / streamed / a client that disconnects mid-stream, a request deadline that passes
 mid-generation, a device fault armed on one of its jobs: CCU exception, NaN, Wait failure,
 submit busy or unavailable, a hung job; each recovered and the request resumed). The same
-history goes, one request at a time, to two servers that differ only in ``inline_waits``;
-every answer must be the same: HTTP status, token ids, finish reason, error code, the events
-of a stream, what a disconnecting client read. After every request both servers must get
+history goes, one request at a time, to three servers: the defaults (bursts and inline
+waits), inline waits without bursts, and the plain path (neither); every answer of the first
+two must be the plain path's: HTTP status, token ids, finish reason, error code, the events
+of a stream, what a disconnecting client read (a non-streamed client that gives up
+mid-generation only has to leave the server idle). After every request each server must get
 back to idle with every sequence id free and nothing armed. Two device latencies: 1 ms, so
 steps are pre-armed and fired ahead while the loop is away, and zero, so the loop often comes
 before the arming and the step is admitted fresh.
@@ -29,6 +33,7 @@ from hypothesis import strategies as st
 
 from calexec.drivers.calrt.runtime import Fault, FaultMode
 from calexec.drivers.serving.server import ServerConfig, create_app
+from calexec.drivers.serving.service import CompletionService
 from calexec.drivers.tools.chaos import LiveServer
 from calexec.machines.executor import RecoveryPolicy
 from calexec.machines.stream import DecodeStream
@@ -47,29 +52,34 @@ EXAMPLES = int(os.environ.get("CALEXEC_INLINE_EXAMPLES", "40"))
 DEVICES = (1000, 0)
 
 
+#: the servers per device latency: name -> ServerConfig settings; "plain" is the reference
+PATHS = {"bursts": {}, "inline": {"decode_bursts": False},
+         "plain": {"inline_waits": False, "decode_bursts": False}}
+
+
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    """{(decode_us, inline_waits): (url, executor, service)}: per device latency a pair of
-    servers that differ only in ``inline_waits``, same calbin."""
+    """{(decode_us, path): (url, executor, service)}: per device latency one server per
+    ``PATHS`` entry, same calbin."""
     made = {}
     with contextlib.ExitStack() as stack:
         for decode_us in DEVICES:
-            for inline in (True, False):
+            for path, settings_ in PATHS.items():
                 executor = started_executor(
-                    tmp_path_factory.mktemp(f"inline{inline}"), f"decode_us={decode_us}",
+                    tmp_path_factory.mktemp(path), f"decode_us={decode_us}",
                     execution_timeout_s=0.3, timeout_grace_s=0.1,
                     recovery=RecoveryPolicy(max_recoveries=100_000, drain_grace_s=1.0))
                 stack.callback(executor.shutdown, 5.0)
-                app = create_app(executor, ServerConfig(inline_waits=inline))
+                app = create_app(executor, ServerConfig(**settings_))
                 live = stack.enter_context(LiveServer(app))
-                made[decode_us, inline] = (live.url, executor, app.state.service)
+                made[decode_us, path] = (live.url, executor, app.state.service)
         yield made
 
 
 requests_st = st.fixed_dictionaries({
     "prompt": st.lists(st.integers(1, 1000), min_size=1, max_size=12),
     "max_tokens": st.integers(1, 10),
-    "mode": st.sampled_from(["plain", "stream", "disconnect"]),
+    "mode": st.sampled_from(["plain", "stream", "disconnect", "gone"]),
     "read": st.integers(1, 3),  # a disconnecting client's events before it closes
     "sampled": st.one_of(st.none(), st.integers(0, 2**16)),
     "stop_at": st.one_of(st.none(), st.integers(0, 9)),  # the greedy token there stops it
@@ -78,7 +88,7 @@ requests_st = st.fixed_dictionaries({
     "fault": st.one_of(st.none(), st.tuples(st.sampled_from(range(len(FAULTS))),
                                             st.integers(1, 3))),
 }).map(lambda spec: {**spec, "fault": None, "stop_at": None, "device": 1000,
-                      "mode": "plain" if spec["mode"] == "plain" else "stream"}
+                      "mode": "plain" if spec["mode"] in ("plain", "gone") else "stream"}
        if spec["deadline"] else spec)
 # (a fault in a 10 ms deadline races it on either path, and a stop at the first token may
 # beat it: which one the client gets is timing, so a deadline request has neither)
@@ -100,6 +110,11 @@ def body_of(spec: dict) -> dict:
 def send(url: str, spec: dict) -> tuple:
     """What the client saw, normalised: (status, token ids, finish reason, error code)."""
     body = body_of(spec)
+    if spec["mode"] == "gone":  # a non-streamed client that gives up after 1-3 ms
+        with contextlib.suppress(httpx.TimeoutException), \
+                httpx.Client(base_url=url, timeout=spec["read"] / 1000) as client:
+            client.post("/v1/completions", json=body)
+        return ("gone",)  # (whether it was answered in time is timing)
     with httpx.Client(base_url=url, timeout=30.0) as client:
         if spec["mode"] == "plain":
             r = client.post("/v1/completions", json=body)
@@ -173,14 +188,15 @@ def comparable(spec: dict, answer: tuple) -> tuple:
           suppress_health_check=[HealthCheck.function_scoped_fixture,
                                  HealthCheck.too_slow])
 @given(history=st.lists(requests_st, min_size=1, max_size=4))
-def test_inline_waits_answer_exactly_like_the_plain_path(servers, history):
+def test_inline_waits_and_bursts_answer_exactly_like_the_plain_path(servers, history):
     for spec in history:
-        fast = run_one(servers[spec["device"], True], spec)
-        plain = run_one(servers[spec["device"], False], spec)
-        assert comparable(spec, fast) == comparable(spec, plain), (spec, fast, plain)
-        if fast[0] == "ok" and spec["sampled"] is None and spec["stop_at"] is None \
+        plain = run_one(servers[spec["device"], "plain"], spec)
+        for path in ("bursts", "inline"):
+            fast = run_one(servers[spec["device"], path], spec)
+            assert comparable(spec, fast) == comparable(spec, plain), (path, spec, fast, plain)
+        if plain[0] == "ok" and spec["sampled"] is None and spec["stop_at"] is None \
                 and not spec["deadline"]:
-            assert fast[1] == list(oracle_tokens(spec["prompt"], spec["max_tokens"]))
+            assert plain[1] == list(oracle_tokens(spec["prompt"], spec["max_tokens"]))
 
 
 def test_inline_waits_take_the_steps_on_the_loop(servers, monkeypatch):
@@ -198,11 +214,39 @@ def test_inline_waits_take_the_steps_on_the_loop(servers, monkeypatch):
     spec = {"prompt": [5, 6, 7], "max_tokens": 12, "mode": "plain", "read": 1,
             "sampled": None, "stop_at": None, "deadline": False, "fault": None}
     expected = ("ok", list(oracle_tokens([5, 6, 7], 12)), "length")
-    assert run_one(servers[1000, True], spec) == expected
+    assert run_one(servers[1000, "inline"], spec) == expected
     fast = dict(counts)
     # 11 decode steps: the first opens the stream (a worker thread's), the rest are ready
     # (fired ahead) when the loop comes, but for a step still being fired at that moment
     assert fast["submit_nowait"] >= 9 and fast["submit"] <= 2, fast
     counts.update(submit=0, submit_nowait=0)
-    assert run_one(servers[1000, False], spec) == expected
+    assert run_one(servers[1000, "plain"], spec) == expected
     assert counts == {"submit": 11, "submit_nowait": 0}, counts
+
+
+def test_bursts_take_a_greedy_requests_decode_steps_in_one_thread(servers, monkeypatch):
+    """The point of the bursts, observed: a non-streamed greedy request's 12 jobs (its prefill
+    and 11 decode steps) are taken by one burst (one loop wake), none on the loop; with a
+    stop string (the handler reads each token) or streamed, no burst runs."""
+    bursts: list[int] = []
+    original = CompletionService._burst
+
+    def counted(self, run):
+        steps, failure = original(self, run)
+        bursts.append(steps)
+        return steps, failure
+    monkeypatch.setattr(CompletionService, "_burst", counted)
+    spec = {"prompt": [5, 6, 7], "max_tokens": 12, "mode": "plain", "read": 1,
+            "sampled": None, "stop_at": None, "deadline": False, "fault": None}
+    greedy = list(oracle_tokens([5, 6, 7], 12))
+    assert run_one(servers[1000, "bursts"], spec) == ("ok", greedy, "length")
+    assert bursts == [12], bursts
+    bursts.clear()
+    url = servers[1000, "bursts"][0]
+    with httpx.Client(base_url=url, timeout=30.0) as client:
+        r = client.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 12,
+                                                 "stop": ["never-in-bytes"]})
+    assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == greedy
+    assert run_one(servers[1000, "bursts"], {**spec, "mode": "stream"}) == (
+        "stream", greedy, "length", None, True)
+    assert bursts == [], bursts

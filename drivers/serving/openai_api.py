@@ -1059,6 +1059,9 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
                       "prompt_tokens": len(run.prompt)})
         if admission.sse:
             return await _sse_response(request, run, out, shape, usage_chunk, progress)
+        # nothing below reads a token before the whole answer unless a stop string may end
+        # it or a fleet drain may hand it off: its decode steps may go in a burst
+        run.bursts = not params.stop and progress is None
         handed = False
         try:
             async def drive() -> None:

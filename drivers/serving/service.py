@@ -24,6 +24,7 @@ discarded) and its sequence released once the job ends.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import math
@@ -187,6 +188,14 @@ class ServerConfig:
     #: enqueue and wait in a worker thread, the path before; the answers are the same
     #: (tests/test_server_inline_waits.py)
     inline_waits: bool = True
+    #: a non-streamed greedy request without stop strings, log-probabilities or a grammar
+    #: (nothing read per token) takes its decode steps in one worker-thread burst: the thread
+    #: steps the decode stream until the generation ends or a step fails, and the event loop
+    #: wakes once for all of them instead of once per token (issue 28). A failed step is
+    #: handed back to the loop and handled as the plain path handles it (resume, error).
+    #: False: one loop wake per token; the answers are the same
+    #: (tests/test_server_inline_waits.py)
+    decode_bursts: bool = True
     #: "vllm": ``/metrics`` exports vLLM's ``vllm:`` families beside the ``calexec_`` ones
     #: (dashboards and autoscalers built for vLLM read them); "calexec": those only
     metrics_names: str = attrs.field(default="calexec",
@@ -337,6 +346,15 @@ class RequestRun:
     #: ``CompletionService.finish`` ran (it runs once: a cut response and the end of its body
     #: iterator may both ask for it)
     finished: bool = False
+    #: ``ServerConfig.decode_bursts``: the handler reads nothing per token (no stop strings,
+    #: no fleet progress), so a greedy run may take its decode steps in a burst; the tokens a
+    #: burst took and ``advance`` has not handed out yet; the failed step that ended a burst
+    #: after it took tokens (handled once those are out); ``burst_cut``: the loop stopped
+    #: waiting for the burst (deadline, disconnect): the thread commits nothing more
+    bursts: bool = False
+    burst: collections.deque = attrs.Factory(collections.deque)
+    burst_failure: tuple[Any, Any] | None = None
+    burst_cut: bool = False
 
     @property
     def done(self) -> bool:
@@ -379,6 +397,8 @@ class RequestRun:
 
 #: ``CompletionService._step``'s answer for a job whose row was a prompt position's
 _PROMPT_ROW = object()
+#: ``CompletionService._step``'s answer when a decode burst took tokens (``run.burst``)
+_BURST = object()
 
 
 def _prompt_row(logits: np.ndarray, token: int, top: int) -> tuple[sampling.TokenLogprobs, int]:
@@ -588,15 +608,22 @@ class CompletionService:
         """Run jobs up to the next token; the new token, or None when the generation has ended
         (``finish_reason`` or ``status`` then says why). A request that asked for its prompt's
         log-probabilities (``RequestRun.prompt_top``) first feeds its prompt one token per job
-        (``_step`` records each row) before the first token."""
+        (``_step`` records each row) before the first token. Tokens a decode burst took
+        (``ServerConfig.decode_bursts``) are handed out one per call, in order."""
         while True:
+            if run.burst:
+                return cast(int, run.burst.popleft())
             token = await self._step(run)
-            if token is not _PROMPT_ROW:
+            if token is not _PROMPT_ROW and token is not _BURST:
                 return cast(int | None, token)
 
     async def _step(self, run: RequestRun) -> int | None | object:
         """Run one job: the new token, ``_PROMPT_ROW`` when the job's row was a prompt
-        position's (recorded in ``run.prompt_rows``), or None at the end (``advance``)."""
+        position's (recorded in ``run.prompt_rows``), ``_BURST`` when a decode burst took
+        tokens (in ``run.burst``), or None at the end (``advance``)."""
+        if run.burst_failure is not None:  # the step after a burst's tokens failed
+            (result, handle), run.burst_failure = run.burst_failure, None
+            return await self._failed(run, result, handle)
         if run.done:
             return None
         if run.max_tokens == 0 and not run.rows_pending:  # echo or prompt rows only
@@ -621,44 +648,77 @@ class CompletionService:
         # the rest of the slack is for the event loop to send the answer. The sequence is
         # released once the job ended (finish()).
         stop_at = run.deadline + self.config.deadline_slack_s / 10
+        burst = self._burstable(run)
         with anyio.move_on_after(max(0.0, stop_at - time.monotonic())) as scope:
-            result, handle = await self._run_job(run)
+            got = await self._run_burst(run) if burst else None
+            if got is None:  # no burst, or it took no step: the plain path takes this one
+                got = await self._run_job(run)
         if scope.cancelled_caught:
             if run.handle is not None:
                 run.handle.cancel()
             run.status = Status.deadline(Phase.WAIT, "request deadline passed; the server "
                                          "stopped waiting", seq_id=run.seq_id)
             return None
+        if got is _BURST:
+            return _BURST
+        result, handle = cast(tuple[Any, Any], got)
         if isinstance(result, Status):
-            if handle is not None:
-                handle.cancel()  # wait deadline: the job continues unless told otherwise
-            moved = self._generation_moved(run, result)
-            if await self.resumer.resume(run, moved or result, replaced=moved is not None):
-                return await self.advance(run)  # recursion bounded by max_resumes
-            run.status = moved or result
-            return None
-        if run.generation_id is None:
-            run.generation_id = result.generation
-        self.resumer.resumed(run)
-        self.metrics.observe_job(result.kind, result.timings)
-        run.past = result.kv_len
-        if run.past < len(run.prompt):  # a prompt position's row: the next prompt token's
+            return await self._failed(run, result, handle)
+        if result.kv_len < len(run.prompt):  # a prompt position's row: the next prompt token's
+            self._observe(run, result)
             row = await to_thread.run_sync(_prompt_row, result.logits, run.prompt[run.past],
                                            run.prompt_top or 0, limiter=self._limiter)
             run.prompt_rows.append(row[0])
             run.prompt_ranks.append(row[1])
             return _PROMPT_ROW
-        if run.first_token_at is None:
-            run.first_token_at = result.timings.completed_us / 1e6
-            self.metrics.ttft.observe(max(0.0, run.first_token_at - run.started))
+        if run.sampling.plain_greedy:
+            return self._accept(run, result)
+        self._observe(run, result)
         if run.constraint is None and run.sampling.grammar is not None:
             run.constraint = run.sampling.grammar.start()
             for earlier in run.tokens:  # a generation continued from another replica
                 run.constraint.accept(earlier)
         args = (result.logits, run.sampling, len(run.tokens), result.argmax, run.prompt,
                 run.tokens, run.constraint)
-        token, logprobs = (sampling.pick(*args) if run.sampling.plain_greedy else
-                           await to_thread.run_sync(sampling.pick, *args, limiter=self._limiter))
+        token, logprobs = await to_thread.run_sync(sampling.pick, *args, limiter=self._limiter)
+        return self._take(run, token, logprobs)
+
+    async def _failed(self, run: RequestRun, result: Status, handle: Any) -> int | None:
+        """A job of ``run`` failed: resume the request (re-prefill on a fresh sequence) when
+        the failure allows it, else end it with the failure."""
+        if handle is not None:
+            handle.cancel()  # wait deadline: the job continues unless told otherwise
+        moved = self._generation_moved(run, result)
+        if await self.resumer.resume(run, moved or result, replaced=moved is not None):
+            return await self.advance(run)  # recursion bounded by max_resumes
+        run.status = moved or result
+        return None
+
+    def _observe(self, run: RequestRun, result: Any) -> None:
+        """A job of ``run`` succeeded: the resume it ended (if any), its stage timings, the
+        sequence's new length and the time to the first token."""
+        if run.generation_id is None:
+            run.generation_id = result.generation
+        self.resumer.resumed(run)
+        self.metrics.observe_job(result.kind, result.timings)
+        run.past = result.kv_len
+        if run.first_token_at is None and run.past >= len(run.prompt):
+            run.first_token_at = result.timings.completed_us / 1e6
+            self.metrics.ttft.observe(max(0.0, run.first_token_at - run.started))
+
+    def _accept(self, run: RequestRun, result: Any) -> int | None:
+        """A plain greedy job's result taken: its argmax is the token (no thread, no row
+        read). Runs on the loop, or on a burst's thread under ``run.mu``."""
+        self._observe(run, result)
+        args = (result.logits, run.sampling, len(run.tokens), result.argmax, run.prompt,
+                run.tokens, run.constraint)
+        token, logprobs = sampling.pick(*args)
+        return self._take(run, token, logprobs)
+
+    def _take(self, run: RequestRun, token: int, logprobs: Any) -> int | None:
+        """The chosen ``token`` of a job: None when it ends the generation (the end token or a
+        stop token id: not part of the answer), else appended; ``finish_reason`` set when
+        the grammar is complete or ``max_tokens`` reached."""
         if (token == self.config.end_token_id and not run.sampling.ignore_eos) \
                 or token in run.sampling.stop_token_ids:
             run.finish_reason = "stop"
@@ -680,12 +740,86 @@ class CompletionService:
             run.finish_reason = "length"
         return token
 
+    # ---- decode bursts (ServerConfig.decode_bursts) ---------------------------------------------
+    def _burstable(self, run: RequestRun) -> bool:
+        """The run's next jobs may go in a burst: bursts on, the handler reads nothing per
+        token (``run.bursts``), plain greedy, no prompt rows, a sequence id held."""
+        return (self.config.decode_bursts and run.bursts
+                and not run.sse and run.sampling.plain_greedy and run.prompt_top is None
+                and run.seq_id is not None)
+
+    async def _run_burst(self, run: RequestRun) -> object:
+        """Take ``run``'s jobs (its prefill, then its decode steps) in one worker thread
+        (``_burst``): ``_BURST`` when it took any (tokens in ``run.burst``; a step that ended
+        the generation with the end or a stop token counts; a failed step after them in
+        ``run.burst_failure``), (failure, handle) when its first job failed, None when it took
+        none (the plain path takes it). Cancelled (deadline, disconnect), the thread is told
+        to stop and commits nothing more; it ends with its job, which the cancel ends."""
+        try:
+            steps, failure = await to_thread.run_sync(self._burst, run, abandon_on_cancel=True,
+                                                      limiter=self._stream_limiter)
+        except anyio.get_cancelled_exc_class():
+            with run.mu:
+                run.burst_cut = True
+            run.abandoned = True  # as _run_job: whatever job is or becomes current is
+            handle = run.handle  # cancelled
+            if handle is not None:
+                handle.cancel()
+            raise
+        if not steps:
+            return failure
+        if failure is not None:
+            run.burst_failure = failure
+        return _BURST
+
+    def _burst(self, run: RequestRun) -> tuple[int, tuple[Any, Any] | None]:
+        """Worker thread: run ``run``'s jobs one after the other as the plain path runs them
+        (a prefill through ``enqueue``, a decode step through the decode stream, each token
+        fed to the next) until the generation ends, a job fails, the generation moved or the
+        loop cut the burst: (steps committed, the failed step's
+        (Status, handle) or None). Inside the enqueue fence with ``finish``; each result is
+        committed to ``run`` under ``run.mu`` unless the burst was cut."""
+        steps = 0
+        with run.mu:
+            if run.closed or run.burst_cut:
+                return 0, None
+            run.enqueue_idle.clear()
+        try:
+            while not (run.done or run.burst_cut) and self._generation_moved(run) is None:
+                request = run.next_request()
+                if self.config.prearm and request.kind == TaskKind.DECODE:  # as _run_job:
+                    handle = self._stream_submit(run, request)  # through the decode stream
+                    if isinstance(handle, Status):
+                        return steps, (handle, None)
+                    result = run.decode.wait()
+                else:  # a prefill (the first, a resume's re-prefill), as _run_job's enqueue
+                    handle = self.executor.enqueue(request, run.logits,
+                                                   on_created=lambda h: self._created(run, h))
+                    result = handle.wait_until(run.deadline)
+                if isinstance(result, Status):
+                    return steps, (result, handle)
+                with run.mu:
+                    if run.closed or run.burst_cut:
+                        break
+                    token = self._accept(run, result)
+                    steps += 1
+                    if token is not None:
+                        run.burst.append(token)
+            return steps, None
+        finally:
+            run.enqueue_idle.set()
+
+    @staticmethod
+    def _created(run: RequestRun, created: Any) -> None:
+        """``enqueue``'s ``on_created`` for a job of ``run``."""
+        run.handle = created  # reachable for a disconnect while admission still waits
+        if run.abandoned:  # the client left before this job existed
+            created.cancel()
+
     async def _run_job(self, run: RequestRun) -> tuple[Any, Any]:
         """Enqueue the request's next job and wait for it: (result, handle)."""
         def on_created(created) -> None:
-            run.handle = created  # reachable for a disconnect while admission still waits
-            if run.abandoned:  # the client left before this job existed
-                created.cancel()
+            self._created(run, created)
 
         def enqueue(request: InferenceRequest):
             with run.mu:  # the fence with finish(): no enqueue starts once the request ended
@@ -829,9 +963,7 @@ class CompletionService:
                     # a step fired ahead and never taken (greedy ahead, a stop string) is
                     # cancelled, never waited for here: while it runs, the background release
                     # (whose close waits for it) gives the sequence back once it ended
-                    quiet = await to_thread.run_sync(close_decode, run, False)
-                    released = quiet and await to_thread.run_sync(self.release_now,
-                                                                  run.seq_id)
+                    released = await to_thread.run_sync(self._close_and_release, run)
                     if not released:
                         self.release_later(run)
                 else:
@@ -865,6 +997,12 @@ class CompletionService:
     def live_requests(self) -> list[RequestRun]:
         """The requests in progress now (a copy: for diagnostics)."""
         return list(self._live.values())
+
+    def _close_and_release(self, run: RequestRun) -> bool:
+        """(``finish``, a worker thread: one hand-off, not two) Close the run's decode stream
+        without waiting; when none of its jobs is left, release its sequence now. True when
+        the id is free again (else ``release_later``)."""
+        return close_decode(run, False) and self.release_now(cast(int, run.seq_id))
 
     def release_now(self, seq_id: int) -> bool:
         """Release ``seq_id`` on the executor without waiting for the device and give it back
