@@ -1,7 +1,8 @@
 """``calexec bench soak`` (issue 28) run CI-sized, in-process: every check passes on a small
 run with one fault of each kind, and each check can fail: a corrupted token, a leaked sequence
-id, a thread left running and a growing RSS (test seams, ``soak.Hooks``) are reported and give
-exit 1; an error outside the documented budget is counted beyond it. Never a timing figure.
+id, a thread left running, a growing RSS and a growing count of live objects (test seams,
+``soak.Hooks``) are reported and give exit 1; an error outside the documented budget is
+counted beyond it. Never a timing figure.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def test_small_soak_passes_every_check_with_every_fault_kind(capsys):
     failed = {name: c["detail"] for name, c in report["checks"].items() if not c["ok"]}
     assert code == 0 and report["ok"], failed
     assert set(report["checks"]) == {"requests", "faults", "wrong_tokens", "client_errors",
-                                     "rss", "pools", "threads", "server"}
+                                     "rss", "objects", "pools", "threads", "server"}
     assert report["requests_finished"] == REQUESTS
     assert set(report["by_mode"]) == set(soak.MODES)  # plain, stream, slow, disconnect
     kinds = {name for name, _, _ in FAULTS} | {"map_fail"}
@@ -64,9 +65,15 @@ def test_small_soak_passes_every_check_with_every_fault_kind(capsys):
     assert end["kv_free_blocks"] == end["kv_capacity_blocks"] and end["kv_reserved_tokens"] == 0
     assert report["threads_leaked"] == []
     assert report["rss_mib"]["samples"] >= 1 and report["rss_mib"]["last"] > 0
+    # the RSS is judged per phase; the live objects of the idle server, before and after
+    assert [p["decode_us"] for p in report["rss_mib"]["by_phase"]] == [0, 2000]
+    objects = report["live_objects"]
+    assert objects["start"] > 0 and objects["growth"] == objects["end"] - objects["start"]
+    assert objects["growth"] <= soak.LIVE_OBJECTS_SLACK
 
 
-def test_a_wrong_token_a_leaked_id_a_leaked_thread_and_growing_rss_fail_the_run(capsys, monkeypatch):
+def test_a_wrong_token_a_leaked_id_a_leaked_thread_growing_rss_and_objects_fail_the_run(
+        capsys, monkeypatch):
     monkeypatch.setattr(soak, "THREAD_WAIT_S", 1.0)  # the leaked thread is waited for that long
     corrupted: list[dict] = []
     release = threading.Event()
@@ -84,13 +91,16 @@ def test_a_wrong_token_a_leaked_id_a_leaked_thread_and_growing_rss_fail_the_run(
         rss_calls.append(1)
         return len(rss_calls) << 33
 
+    counts = iter((100_000, 100_000 + soak.LIVE_OBJECTS_SLACK + 1))
+
     def leak(service, executor) -> None:
         assert service.sequences.acquire() is not None  # taken, never given back
         leaked.start()
 
     try:
-        code, report, err = _run(capsys, 60, 1, soak.Hooks(tokens=corrupt, after_traffic=leak,
-                                                        rss=growing_rss))
+        code, report, err = _run(capsys, 60, 1, soak.Hooks(
+            tokens=corrupt, after_traffic=leak, rss=growing_rss,
+            objects=lambda: next(counts)))
     finally:
         release.set()
         if leaked.is_alive() or leaked.ident is not None:
@@ -104,10 +114,12 @@ def test_a_wrong_token_a_leaked_id_a_leaked_thread_and_growing_rss_fail_the_run(
     assert not checks["threads"]["ok"] and report["threads_leaked"] == ["test-soak-leak"]
     assert not checks["rss"]["ok"] and report["rss_mib"]["samples"] >= 3
     assert report["rss_mib"]["growth"] > 64.0, report["rss_mib"]
+    assert not checks["objects"]["ok"]
+    assert report["live_objects"]["growth"] == soak.LIVE_OBJECTS_SLACK + 1
     # the rest held: the seams are what failed
     assert all(checks[name]["ok"] for name in ("requests", "faults", "client_errors",
                                                "server"))
-    assert "checks failed: wrong_tokens, rss, pools, threads" in err
+    assert "checks failed: wrong_tokens, rss, objects, pools, threads" in err
 
 
 def test_a_run_cut_by_max_seconds_fails_the_requests_and_faults_checks(capsys):

@@ -29,9 +29,16 @@ Checks (each ``ok`` in ``checks``; the exit code is 1 when one fails, and the pr
   from (drivers/serving/resume.py: ARTIFACT and REQUEST_ARTIFACT failures: unknown CSR,
   slice failure) fails the request whose job met it, at most one per firing of that fault, in
   its window; every other error counts;
-* ``rss``: flat after warm-up (the first 10 % of the requests; sampled every second and once
-  more when the traffic ended): the median of the last third of the samples after warm-up
-  within ``--rss-bound-mib`` of the median of their first third;
+* ``rss``: flat after warm-up within each decode-latency phase (sampled every second and once
+  more when the traffic ended; each phase is its own workload, with its own number of
+  requests in flight, so a phase is compared with itself): per phase, the median of the last
+  third of its samples after its warm-up within ``--rss-bound-mib`` of the median of their
+  first third (warm-up: the first 10 % of the requests for the first phase, the first fifth
+  of a later phase's samples);
+* ``objects``: the objects Python's collector tracks (``gc.get_objects()``), counted with the
+  server idle before the traffic and again after it, grew by at most ``LIVE_OBJECTS_SLACK``:
+  anything a request leaves behind, one object per request, shows here whatever the
+  allocator does with RSS;
 * ``pools``: at the end (idle, every fault cleared) every pool is as at the start: buffer slots
   per state, the device's free KV blocks, the KV coordinator's reserved tokens, sequence ids
   (all free, none withheld), jobs (queued, in flight, completing, pre-armed), requests active and
@@ -43,6 +50,7 @@ Progress goes to stderr every ``--progress-s`` seconds. Needs the ``[server]`` e
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import random
@@ -67,6 +75,11 @@ REQUEST_TIMEOUT_S = 60.0
 IDLE_WAIT_S = 30.0
 THREAD_WAIT_S = 10.0
 WARM_SHARE = 0.1  # the first 10 % of the requests: the RSS baseline is taken after them
+PHASE_WARM_SHARE = 0.2  # a later phase's first fifth of RSS samples: its warm-up
+#: growth of the collector's live objects between the idle server before and after the traffic
+#: that the ``objects`` check allows: first-use caches (a recovery's, an error path's) fill
+#: once; a leak of one object per request exceeds it within a CI-sized run's thousands
+LIVE_OBJECTS_SLACK = 20_000
 SAMPLED_SHARE = 0.25
 SAMPLED_POOL = 32
 PROMPT_POOL = 256
@@ -89,12 +102,15 @@ class Hooks:
 
     ``tokens(body, tokens)``: what the checker sees of a completed request's tokens;
     ``after_traffic(service, executor)``: called once the server is idle, before the pools are
-    read at the end; ``rss()``: the monitor's RSS sample."""
+    read at the end; ``rss()``: the monitor's RSS sample; ``objects()``: the live-object
+    count."""
 
     tokens: Callable[[dict[str, Any], list[int]], list[int]] | None = None
     after_traffic: Callable[[Any, Any], None] | None = None
     #: the RSS sampler (bytes or None); default: this process's, from /proc
     rss: Callable[[], int | None] | None = None
+    #: the live-object counter; default: ``live_objects`` (a full collection, then a count)
+    objects: Callable[[], int] | None = None
 
 
 def parse_phases(text: str) -> list[Phase]:
@@ -125,6 +141,13 @@ def parse_range(text: str) -> tuple[int, int]:
     if not 1 <= pair[0] <= pair[1]:
         raise ValueError(f"--max-tokens: {text!r} needs 1 <= LO <= HI")
     return pair
+
+
+def live_objects() -> int:
+    """The objects the collector tracks after a full collection (containers: a leaked request
+    leaves at least one)."""
+    gc.collect()
+    return len(gc.get_objects())
 
 
 def rss_bytes() -> int | None:
@@ -371,7 +394,8 @@ class _Monitor(threading.Thread):
         self.progress_s, self.status = progress_s, status
         self.stop = threading.Event()
         self.t0 = time.monotonic()
-        self.rss: list[tuple[float, int]] = []  # (s since start, bytes), at most one a second
+        #: (s since start, bytes, phase index), at most one a second
+        self.rss: list[tuple[float, int, int]] = []
         self.rss_warm: int | None = None
         self.rss_warm_t: float | None = None  # when it was taken (s since start)
         self.phase = 0
@@ -394,20 +418,40 @@ class _Monitor(threading.Thread):
         at least two after its warm-up, so the growth check always has two ends to compare."""
         rss = self.sample_rss()
         if rss is not None:
-            self.rss.append((round(time.monotonic() - self.t0, 1), rss))
+            self.rss.append((round(time.monotonic() - self.t0, 1), rss, self.phase))
             if self.rss_warm is None:
                 self.rss_warm, self.rss_warm_t = rss, self.rss[-1][0]
 
-    def growth(self) -> tuple[float, float] | None:
-        """(median RSS of the first third of the samples after warm-up, median of the last
-        third), bytes; None without samples. Medians, not two single samples: RSS swings by
-        tens of MiB as recoveries allocate and free generations (the 150,000-request soak:
-        707-875 MiB around a flat level), and one sample at either end would judge the swing."""
-        post = [v for t, v in self.rss if self.rss_warm_t is not None and t >= self.rss_warm_t]
-        if not post:
+    @staticmethod
+    def _ends(values: list[int]) -> tuple[float, float] | None:
+        """(median of the first third of ``values``, median of the last third); None when
+        empty. Medians, not two single samples: RSS swings by tens of MiB as recoveries
+        allocate and free generations (the 150,000-request soak: 707-875 MiB around a flat
+        level), and one sample at either end would judge the swing."""
+        if not values:
             return None
-        k = max(1, len(post) // 3)
-        return statistics.median(post[:k]), statistics.median(post[-k:])
+        k = max(1, len(values) // 3)
+        return statistics.median(values[:k]), statistics.median(values[-k:])
+
+    def growth(self) -> tuple[float, float] | None:
+        """The whole run's (first third, last third) after the warm-up, bytes (reported; the
+        check is per phase: ``phase_growth``)."""
+        return self._ends([v for t, v, _ in self.rss
+                           if self.rss_warm_t is not None and t >= self.rss_warm_t])
+
+    def phase_growth(self) -> list[tuple[int, tuple[float, float] | None, int]]:
+        """Per phase: (index, (first third, last third) of its samples after its warm-up or
+        None, samples judged)."""
+        out = []
+        for j in range(len(self.phases)):
+            values = [v for t, v, phase in self.rss if phase == j]
+            if j == 0:
+                values = [v for t, v, phase in self.rss if phase == 0
+                          and self.rss_warm_t is not None and t >= self.rss_warm_t]
+            else:
+                values = values[int(len(values) * PHASE_WARM_SHARE):]
+            out.append((j, self._ends(values), len(values)))
+        return out
 
     def run(self) -> None:
         next_rss = next_line = time.monotonic()
@@ -426,7 +470,7 @@ class _Monitor(threading.Thread):
                 if rss is not None:
                     if len(self.rss) >= 4096:  # keep it bounded: every other sample
                         self.rss = self.rss[::2]
-                    self.rss.append((round(now - self.t0, 1), rss))
+                    self.rss.append((round(now - self.t0, 1), rss, self.phase))
                     if self.rss_warm is None and issued >= WARM_SHARE * self.tally.total:
                         self.rss_warm, self.rss_warm_t = rss, self.rss[-1][0]
             if now >= next_line:
@@ -493,6 +537,9 @@ def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
             f"wrong {tally.wrong} errors {len(tally.errors)} rss "
             f"{(rss_bytes() or 0) >> 20} MiB"))
         start_pools = end_pools = None
+        objects_start: int | None = None
+        objects_end: int | None = None
+        count_objects = hooks.objects or live_objects
         lifecycle_end = None
         try:
             with LiveServer(app) as server:
@@ -506,6 +553,7 @@ def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
                                             f"{got.message}")
                         traffic.references[k] = got.tokens
                 start_pools = _pools(executor, service)
+                objects_start = count_objects()
                 monitor.marks.append(decode_counters())
                 monitor.start()
                 workers = [threading.Thread(
@@ -584,6 +632,7 @@ def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
                     if hooks.after_traffic is not None:
                         hooks.after_traffic(service, executor)
                     end_pools = _pools(executor, service)
+                    objects_end = count_objects()
                     lifecycle_end = executor.state
                 monitor.stop.set()
                 monitor.join(5.0)
@@ -612,6 +661,11 @@ def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
     rss_last = monitor.rss[-1][1] if monitor.rss else None
     warm = monitor.rss_warm
     ends = monitor.growth()
+    by_phase = monitor.phase_growth()
+    judged = [(j, e) for j, e, _ in by_phase if e is not None]
+    worst = max((e[1] - e[0] for _, e in judged), default=None)
+    objects_growth = (None if objects_start is None or objects_end is None
+                      else objects_end - objects_start)
     mib = 1 << 20
     quarantined = ((end_pools or {}).get("buffer_slots") or {}).get("Quarantined", 0)
     checks = {
@@ -625,11 +679,19 @@ def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
         "client_errors": {"ok": not beyond and not exhausted,
                           "detail": f"{sum(beyond.values())} beyond the documented ones; "
                                     f"resume budgets exhausted: {int(exhausted or 0)}"},
-        "rss": {"ok": ends is not None and ends[1] - ends[0] <= rss_bound_mib * mib,
-                "detail": "no RSS sample" if ends is None else
-                          f"median of the last third after warm-up {ends[1] / mib:.1f} MiB, of "
-                          f"the first third {ends[0] / mib:.1f} MiB: "
-                          f"{(ends[1] - ends[0]) / mib:+.1f} MiB, bound +{rss_bound_mib} MiB"},
+        "rss": {"ok": worst is not None and worst <= rss_bound_mib * mib,
+                "detail": "no RSS sample" if worst is None else
+                          "per phase, median of the last third after warm-up vs the first "
+                          "third: " + "; ".join(
+                              f"decode_us={phases[j].decode_us} {e[1] / mib:.1f} vs "
+                              f"{e[0] / mib:.1f} MiB ({(e[1] - e[0]) / mib:+.1f})"
+                              for j, e in judged) + f"; bound +{rss_bound_mib} MiB"},
+        "objects": {"ok": objects_growth is not None
+                    and objects_growth <= LIVE_OBJECTS_SLACK,
+                    "detail": f"live objects, idle before the traffic {objects_start}, idle "
+                              f"after it {objects_end}: {objects_growth:+d}, bound "
+                              f"+{LIVE_OBJECTS_SLACK}" if objects_growth is not None
+                    else "not counted (the traffic did not end)"},
         "pools": {"ok": _pools_back(start_pools, end_pools),
                   "detail": "every pool as at the start"
                   + (f" (buffer slots quarantined, until the next reset: {quarantined})"
@@ -669,13 +731,24 @@ def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
         "rss_mib": {"first": None if rss_first is None else round(rss_first / mib, 1),
                     "after_warm_up": None if warm is None else round(warm / mib, 1),
                     "last": None if rss_last is None else round(rss_last / mib, 1),
-                    "growth": None if ends is None else round((ends[1] - ends[0]) / mib, 1),
-                    "max": round(max(v for _, v in monitor.rss) / mib, 1)
+                    # the largest growth of a phase (the check), and the whole run's
+                    "growth": None if worst is None else round(worst / mib, 1),
+                    "whole_run_growth": None if ends is None
+                    else round((ends[1] - ends[0]) / mib, 1),
+                    "by_phase": [{"decode_us": phases[j].decode_us, "samples": n,
+                                  "first_third": None if e is None else round(e[0] / mib, 1),
+                                  "last_third": None if e is None else round(e[1] / mib, 1),
+                                  "growth": None if e is None
+                                  else round((e[1] - e[0]) / mib, 1)}
+                                 for j, e, n in by_phase],
+                    "max": round(max(v for _, v, _ in monitor.rss) / mib, 1)
                     if monitor.rss else None,
                     "samples": len(monitor.rss),
-                    # (s, MiB) at most 32 points over the run: the trend behind first/last
-                    "trend": [[t, round(v / mib, 1)] for t, v in
+                    # (s, MiB, phase) at most 32 points over the run: the trend
+                    "trend": [[t, round(v / mib, 1), phase] for t, v, phase in
                               monitor.rss[::max(1, -(-len(monitor.rss) // 32))]]},
+        "live_objects": {"start": objects_start, "end": objects_end,
+                         "growth": objects_growth},
         "pools_start": start_pools, "pools_end": end_pools,
         "threads_leaked": leaked,
         "seconds": round(seconds, 1),
@@ -694,7 +767,7 @@ def _readable(report: dict[str, Any]) -> str:
                 "faults_not_fired", "wrong_tokens", "client_errors", "errors_documented",
                 "errors_beyond_budget", "error_examples", "resumes_by_cause",
                 "decode_steps_prearmed", "decode_steps_ahead", "auto_prearmed", "recoveries",
-                "rss_mib", "pools_end", "threads_leaked"):
+                "rss_mib", "live_objects", "pools_end", "threads_leaked"):
         lines.append(f"  {key}: {json.dumps(report[key])}")
     return "\n".join(lines)
 
