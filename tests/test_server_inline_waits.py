@@ -26,6 +26,7 @@ import contextlib
 import json
 import os
 
+import attrs
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -52,9 +53,13 @@ EXAMPLES = int(os.environ.get("CALEXEC_INLINE_EXAMPLES", "40"))
 DEVICES = (1000, 0)
 
 
-#: the servers per device latency: name -> ServerConfig settings; "plain" is the reference
-PATHS = {"bursts": {}, "inline": {"decode_bursts": False},
-         "plain": {"inline_waits": False, "decode_bursts": False}}
+#: the servers per device latency: name -> ServerConfig settings; "plain" is the reference.
+#: "bursts" is the defaults: at zero latency it decodes without pre-arming (its device is
+#: faster than ``prearm_min_device_ms``), at 1 ms through pre-armed streams; the other two
+#: always pre-arm, so the zero-latency device has the loop come before the arming
+PATHS = {"bursts": {}, "inline": {"decode_bursts": False, "prearm_min_device_ms": 0.0},
+         "plain": {"inline_waits": False, "decode_bursts": False,
+                   "prearm_min_device_ms": 0.0}}
 
 
 @pytest.fixture(scope="module")
@@ -250,3 +255,41 @@ def test_bursts_take_a_greedy_requests_decode_steps_in_one_thread(servers, monke
     assert run_one(servers[1000, "bursts"], {**spec, "mode": "stream"}) == (
         "stream", greedy, "length", None, True)
     assert bursts == [], bursts
+
+
+def test_a_device_faster_than_prearm_min_device_ms_decodes_without_pre_arming(servers,
+                                                                              monkeypatch):
+    """``ServerConfig.prearm_min_device_ms``: a server whose measured decode device wait is
+    below it opens no decode stream (each decode is one ``enqueue``); at or above it, one per
+    request; 0 always pre-arms. Thresholds far from the devices' waits (the zero-latency
+    device's is 0.05-0.3 ms, more on a loaded host; the 1 ms device's at least 1 ms), so the
+    test does not depend on the host's speed. The answers are the greedy ones either way (and
+    the plain path's: the property above)."""
+    opened: list[int] = []
+    original = CompletionService._stream_submit
+
+    def counted(self, run, request):
+        if run.decode is None or run.decode.closed:
+            opened.append(run.request_id)
+        return original(self, run, request)
+    monkeypatch.setattr(CompletionService, "_stream_submit", counted)
+    spec = {"prompt": [9, 8, 7], "max_tokens": 6, "mode": "plain", "read": 1,
+            "sampled": None, "stop_at": None, "deadline": False, "fault": None}
+    greedy = ("ok", list(oracle_tokens([9, 8, 7], 6)), "length")
+    measured = {}
+    for decode_us, threshold, streams in ((0, 50.0, 0), (1000, 0.5, 2), (0, 0.0, 2)):
+        server = servers[decode_us, "bursts"]
+        service = server[2]
+        config = service.config
+        service.config = attrs.evolve(config, prearm_min_device_ms=threshold)
+        try:
+            run_one(server, spec)  # the device's decode wait measured
+            opened.clear()
+            assert run_one(server, spec) == greedy
+            assert run_one(server, {**spec, "mode": "stream"}) == (
+                "stream", greedy[1], "length", None, True)
+        finally:
+            service.config = config
+        assert len(opened) == streams, (decode_us, threshold, opened, service.decode_device_ms)
+        measured[decode_us] = service.decode_device_ms
+    assert measured[1000] > 0.5 and measured[1000] > measured[0], measured

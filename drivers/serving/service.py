@@ -174,6 +174,13 @@ class ServerConfig:
     #: decode through the executor's pre-armed decode stream (issue 17: job N+1 is admitted
     #: and prepared while N runs; a token only fires it); False: one ``enqueue`` per token
     prearm: bool = True
+    #: ... but only while the device's decode steps wait at least this long on the device (ms,
+    #: a moving average of the last decode jobs; pre-armed until the first is measured): a
+    #: faster device ends a step before pre-arming could hide anything behind it, and arming
+    #: costs the submitter's CPU (bench server, zero latency, c=8: about 70 requests/s with
+    #: plain decodes, 54 pre-armed). Decided when a request opens its decode stream; the
+    #: answers are the same either way. 0: always pre-arm (while ``prearm``)
+    prearm_min_device_ms: float = attrs.field(default=0.5, validator=attrs.validators.ge(0))
     #: choices one request may ask for: prompts x ``n`` (completions; chat: ``n``); above it
     #: the request is refused with a 400 naming ``n`` (or ``prompt``) and this cap
     max_choices: int = attrs.field(default=16, validator=attrs.validators.ge(1))
@@ -483,6 +490,10 @@ class CompletionService:
                                         config.lifecycle_poll_s)
         self.sequences.on_free = self.admission.wake_threadsafe
         self.resumer = Resumer(self)
+        #: moving average of the decode jobs' device wait (ms; None: none measured yet), read
+        #: when a request opens its decode stream (``ServerConfig.prearm_min_device_ms``); a
+        #: heuristic written by whichever thread observes a job (a torn read is harmless)
+        self.decode_device_ms: float | None = None
         self._contracts = executor.generation  # validation while the generation is replaced
 
     def _server_gauges(self) -> dict[str, float]:
@@ -701,6 +712,9 @@ class CompletionService:
             run.generation_id = result.generation
         self.resumer.resumed(run)
         self.metrics.observe_job(result.kind, result.timings)
+        if result.kind == TaskKind.DECODE:
+            ms, last = result.timings.device_wait_ms, self.decode_device_ms
+            self.decode_device_ms = ms if last is None else last + (ms - last) / 16
         run.past = result.kv_len
         if run.first_token_at is None and run.past >= len(run.prompt):
             run.first_token_at = result.timings.completed_us / 1e6
@@ -787,7 +801,7 @@ class CompletionService:
         try:
             while not (run.done or run.burst_cut) and self._generation_moved(run) is None:
                 request = run.next_request()
-                if self.config.prearm and request.kind == TaskKind.DECODE:  # as _run_job:
+                if self._streamed(run, request):  # as _run_job:
                     handle = self._stream_submit(run, request)  # through the decode stream
                     if isinstance(handle, Status):
                         return steps, (handle, None)
@@ -816,6 +830,20 @@ class CompletionService:
         if run.abandoned:  # the client left before this job existed
             created.cancel()
 
+    def _streamed(self, run: RequestRun, request: InferenceRequest) -> bool:
+        """``request`` (the run's next job) goes through the run's decode stream: a decode of
+        a generated token (not a prompt token fed for its row) with the stream open, or one
+        that opens it (``ServerConfig.prearm`` on and the device slow enough to pre-arm
+        for: ``prearm_min_device_ms``)."""
+        if request.kind != TaskKind.DECODE or run.past < len(run.prompt):
+            return False
+        stream = run.decode
+        if stream is not None and not stream.closed:
+            return True
+        config, device_ms = self.config, self.decode_device_ms
+        return config.prearm and (device_ms is None
+                                  or device_ms >= config.prearm_min_device_ms)
+
     async def _run_job(self, run: RequestRun) -> tuple[Any, Any]:
         """Enqueue the request's next job and wait for it: (result, handle)."""
         def on_created(created) -> None:
@@ -836,8 +864,7 @@ class CompletionService:
         request = run.next_request()
         # a prompt token fed for its row goes through the plain path (``enqueue``): the
         # decode stream (pre-armed, greedy ahead) opens for the generated tokens only
-        streamed = (self.config.prearm and request.kind == TaskKind.DECODE
-                    and run.past >= len(run.prompt))
+        streamed = self._streamed(run, request)
         limiter = (self._admit_limiter if request.kind == TaskKind.PREFILL_IDS
                    else self._stream_limiter if streamed else self._limiter)
         inline = self.config.inline_waits
