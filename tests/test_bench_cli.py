@@ -143,7 +143,8 @@ def test_server_bench_json_report(capsys):
     assert report["loadgen"] == "process" and report["levels"] == [1, 8]
     for level in ("c1", "c8"):
         for side in ("direct", "server", "server_stream", "server_no_ahead",
-                     "server_no_bursts", "server_thread_waits", "http_floor"):
+                     "server_always_prearm", "server_no_bursts", "server_thread_waits",
+                     "http_floor"):
             assert all(math.isfinite(v) and v > 0 for v in report[level][side].values())
         assert {"ttft_p50_ms", "ttft_p99_ms"} <= report[level]["server_stream"].keys()
         assert math.isfinite(report[level]["stream_throughput_ratio"])

@@ -22,8 +22,8 @@ def test_thread_loadgen_without_streaming(capsys):
     assert report["requests"] == 2 and set(k for k in report if k.startswith("c")) == {"c3"}
     level = report["c3"]
     assert "server_stream" not in level and "stream_throughput_ratio" not in level
-    for side in ("direct", "server", "server_no_ahead", "server_no_bursts",
-                 "server_thread_waits", "http_floor"):
+    for side in ("direct", "server", "server_no_ahead", "server_always_prearm",
+                 "server_no_bursts", "server_thread_waits", "http_floor"):
         assert set(level[side]) == {"req_per_s", "p50_ms", "p99_ms"}
         assert all(math.isfinite(v) and v > 0 for v in level[side].values())
         assert level[side]["p50_ms"] <= level[side]["p99_ms"]
@@ -31,6 +31,8 @@ def test_thread_loadgen_without_streaming(capsys):
         level["server"]["req_per_s"] / level["direct"]["req_per_s"], abs=0.002)
     floor, direct = level["http_floor"]["req_per_s"], level["direct"]["req_per_s"]
     assert level["http_floor_ratio_bound"] == pytest.approx(floor / (floor + direct), abs=0.002)
+    assert level["prearm_policy_throughput_ratio"] == pytest.approx(
+        level["server"]["req_per_s"] / level["server_always_prearm"]["req_per_s"], abs=0.002)
     assert level["burst_throughput_ratio"] == pytest.approx(
         level["server"]["req_per_s"] / level["server_no_bursts"]["req_per_s"], abs=0.002)
     assert level["inline_throughput_ratio"] == pytest.approx(

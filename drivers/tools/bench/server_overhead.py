@@ -11,12 +11,15 @@ where it shared the server's GIL), not streaming and streaming (server-sent even
 request latency P50/P99 for each and their ratios. A further side, ``server_no_ahead``, is the
 same server with ``ServerConfig.greedy_ahead`` off (each decode step fired by the request's own
 loop instead of by the executor's completion thread), so the run shows what greedy ahead buys
-over HTTP (``ahead_p50_ratio``: server / server_no_ahead), ``server_no_bursts`` the same
-server with ``ServerConfig.decode_bursts`` off (the loop wakes once per token; what the
-bursts buy, ``burst_throughput_ratio``: server / server_no_bursts), and
-``server_thread_waits`` that one with ``ServerConfig.inline_waits`` off too (a worker thread
-per enqueue and per wait: what the inline waits buy, ``inline_throughput_ratio``:
-server_no_bursts / server_thread_waits). Numbers are reported, never asserted.
+over HTTP (``ahead_p50_ratio``: server / server_no_ahead); ``server_always_prearm`` the
+same server pre-arming whatever the device's speed (``ServerConfig.prearm_min_device_ms`` 0:
+what that policy buys at this profile, ``prearm_policy_throughput_ratio``: server /
+server_always_prearm); ``server_no_bursts`` the same server with
+``ServerConfig.decode_bursts`` off (the loop wakes once per token; what the bursts buy,
+``burst_throughput_ratio``: server / server_no_bursts); and ``server_thread_waits`` the
+no-bursts server with ``ServerConfig.inline_waits`` off too (a worker thread per enqueue and
+per wait: what the inline waits buy, ``inline_throughput_ratio``: server_no_bursts /
+server_thread_waits). Numbers are reported, never asserted.
 """
 
 from __future__ import annotations
@@ -173,7 +176,8 @@ def run_server_bench(requests: int, max_tokens: int, decode_us: int,
                      stream: bool = True) -> dict[str, Any]:
     """Per concurrency level: ``direct`` (the in-process executor, this process's threads),
     ``server`` (HTTP, not streaming), ``server_stream`` (HTTP, server-sent events; when
-    ``stream``), ``server_no_ahead`` (HTTP with greedy ahead off), ``server_no_bursts`` (HTTP
+    ``stream``), ``server_no_ahead`` (HTTP with greedy ahead off), ``server_always_prearm``
+    (HTTP pre-arming at any device speed), ``server_no_bursts`` (HTTP
     with the decode bursts off), ``server_thread_waits`` (HTTP with the bursts and the inline
     waits off) and ``http_floor`` (the HTTP stack alone:
     ``http_floor_app``), each ``requests`` timed requests after a short warm-up; the HTTP load
@@ -240,6 +244,8 @@ def _levels(ex: DeviceExecutor, app: Any, url: str, floor_url: str, requests: in
         try:
             service.config = attrs.evolve(config, greedy_ahead=False)
             n = http(False)
+            service.config = attrs.evolve(config, prearm_min_device_ms=0.0)
+            a = http(False)
             service.config = attrs.evolve(config, decode_bursts=False)
             b = http(False)
             service.config = attrs.evolve(config, decode_bursts=False, inline_waits=False)
@@ -250,6 +256,8 @@ def _levels(ex: DeviceExecutor, app: Any, url: str, floor_url: str, requests: in
         level.update({
             "server_no_ahead": n,
             "ahead_p50_ratio": round(h["p50_ms"] / n["p50_ms"], 3),
+            "server_always_prearm": a,
+            "prearm_policy_throughput_ratio": round(h["req_per_s"] / a["req_per_s"], 3),
             "server_no_bursts": b,
             "burst_throughput_ratio": round(h["req_per_s"] / b["req_per_s"], 3),
             "server_thread_waits": t,
