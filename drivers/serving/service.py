@@ -29,6 +29,7 @@ import itertools
 import logging
 import math
 import re
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -175,7 +176,7 @@ class ServerConfig:
     #: and prepared while N runs; a token only fires it); False: one ``enqueue`` per token
     prearm: bool = True
     #: ... but only while the device's decode steps wait at least this long on the device (ms,
-    #: a moving average of the last decode jobs; pre-armed until the first is measured): a
+    #: the median wait of the last 32 decode jobs; pre-armed until one is measured): a
     #: faster device ends a step before pre-arming could hide anything behind it, and arming
     #: costs the submitter's CPU (bench server, zero latency, c=8: about 70 requests/s with
     #: plain decodes, 54 pre-armed). Decided when a request opens its decode stream; the
@@ -404,6 +405,8 @@ class RequestRun:
 
 #: ``CompletionService._step``'s answer for a job whose row was a prompt position's
 _PROMPT_ROW = object()
+#: decode jobs whose device wait ``CompletionService.decode_device_ms`` takes the median of
+_DEVICE_WINDOW = 32
 #: ``CompletionService._step``'s answer when a decode burst took tokens (``run.burst``)
 _BURST = object()
 
@@ -490,10 +493,12 @@ class CompletionService:
                                         config.lifecycle_poll_s)
         self.sequences.on_free = self.admission.wake_threadsafe
         self.resumer = Resumer(self)
-        #: moving average of the decode jobs' device wait (ms; None: none measured yet), read
-        #: when a request opens its decode stream (``ServerConfig.prearm_min_device_ms``); a
-        #: heuristic written by whichever thread observes a job (a torn read is harmless)
-        self.decode_device_ms: float | None = None
+        #: the device wait (ms) of the last ``_DEVICE_WINDOW`` decode jobs (inf: none yet),
+        #: read when a request opens its decode stream (``ServerConfig.prearm_min_device_ms``);
+        #: a heuristic written by whichever thread observes a job (a lost write is harmless;
+        #: the list never changes size, so reading it while one is written is safe)
+        self._device_waits = [math.inf] * _DEVICE_WINDOW
+        self._device_wait_at = 0
         self._contracts = executor.generation  # validation while the generation is replaced
 
     def _server_gauges(self) -> dict[str, float]:
@@ -713,8 +718,9 @@ class CompletionService:
         self.resumer.resumed(run)
         self.metrics.observe_job(result.kind, result.timings)
         if result.kind == TaskKind.DECODE:
-            ms, last = result.timings.device_wait_ms, self.decode_device_ms
-            self.decode_device_ms = ms if last is None else last + (ms - last) / 16
+            at = self._device_wait_at
+            self._device_waits[at % _DEVICE_WINDOW] = result.timings.device_wait_ms
+            self._device_wait_at = at + 1
         run.past = result.kv_len
         if run.first_token_at is None and run.past >= len(run.prompt):
             run.first_token_at = result.timings.completed_us / 1e6
@@ -843,6 +849,18 @@ class CompletionService:
         config, device_ms = self.config, self.decode_device_ms
         return config.prearm and (device_ms is None
                                   or device_ms >= config.prearm_min_device_ms)
+
+    @property
+    def decode_device_ms(self) -> float | None:
+        """The device's decode step time as the server sees it: the median device wait of the
+        last ``_DEVICE_WINDOW`` decode jobs (ms; None: none yet). The median, not an average
+        or the least: a wait is measured around ``Wait``, so a completion thread that comes
+        late to it (busy with the job before) measures too little, and one that gets the GIL
+        back late on a loaded host too much; a minority of either does not move the median.
+        A host so loaded that most waits are late reads a fast device as slow and pre-arms,
+        the path before this policy."""
+        waits = [ms for ms in list(self._device_waits) if ms != math.inf]
+        return statistics.median(waits) if waits else None
 
     async def _run_job(self, run: RequestRun) -> tuple[Any, Any]:
         """Enqueue the request's next job and wait for it: (result, handle)."""
