@@ -34,7 +34,6 @@ from hypothesis import strategies as st
 
 from calexec.drivers.calrt.runtime import Fault, FaultMode
 from calexec.drivers.serving.server import ServerConfig, create_app
-from calexec.drivers.serving.service import CompletionService
 from calexec.drivers.tools.chaos import LiveServer
 from calexec.machines.executor import RecoveryPolicy
 from calexec.machines.stream import DecodeStream
@@ -229,67 +228,63 @@ def test_inline_waits_take_the_steps_on_the_loop(servers, monkeypatch):
     assert counts == {"submit": 11, "submit_nowait": 0}, counts
 
 
-def test_bursts_take_a_greedy_requests_decode_steps_in_one_thread(servers, monkeypatch):
-    """The point of the bursts, observed: a non-streamed greedy request's 12 jobs (its prefill
-    and 11 decode steps) are taken by one burst (one loop wake), none on the loop; with a
-    stop string (the handler reads each token) or streamed, no burst runs."""
-    bursts: list[int] = []
-    original = CompletionService._burst
+def test_bursts_take_a_greedy_requests_decode_steps_in_one_thread(servers):
+    """The point of the bursts, observed (``calexec_decode_burst_jobs_total``): a non-streamed
+    greedy request's 12 jobs (its prefill and 11 decode steps) are taken by bursts; with a
+    stop string (the handler reads each token) or streamed, none is."""
+    url, _, service = servers[1000, "bursts"]
 
-    def counted(self, run):
-        steps, failure = original(self, run)
-        bursts.append(steps)
-        return steps, failure
-    monkeypatch.setattr(CompletionService, "_burst", counted)
+    def burst_jobs() -> float:
+        return service.metrics.registry.get_sample_value("calexec_decode_burst_jobs_total")
     spec = {"prompt": [5, 6, 7], "max_tokens": 12, "mode": "plain", "read": 1,
             "sampled": None, "stop_at": None, "deadline": False, "fault": None}
     greedy = list(oracle_tokens([5, 6, 7], 12))
+    before = burst_jobs()
     assert run_one(servers[1000, "bursts"], spec) == ("ok", greedy, "length")
-    assert bursts == [12], bursts
-    bursts.clear()
-    url = servers[1000, "bursts"][0]
+    assert burst_jobs() - before == 12
+    before = burst_jobs()
     with httpx.Client(base_url=url, timeout=30.0) as client:
         r = client.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 12,
                                                  "stop": ["never-in-bytes"]})
     assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == greedy
     assert run_one(servers[1000, "bursts"], {**spec, "mode": "stream"}) == (
         "stream", greedy, "length", None, True)
-    assert bursts == [], bursts
+    assert burst_jobs() == before
 
 
-def test_a_device_faster_than_prearm_min_device_ms_decodes_without_pre_arming(servers,
-                                                                              monkeypatch):
+def test_a_device_faster_than_prearm_min_device_ms_decodes_without_pre_arming(servers):
     """``ServerConfig.prearm_min_device_ms``: a server whose measured decode device wait is
-    below it opens no decode stream (each decode is one ``enqueue``); at or above it, one per
-    request; 0 always pre-arms. Thresholds far from the devices' waits (the zero-latency
-    device's is 0.05-0.3 ms, more on a loaded host; the 1 ms device's at least 1 ms), so the
-    test does not depend on the host's speed. The answers are the greedy ones either way (and
-    the plain path's: the property above)."""
-    opened: list[int] = []
-    original = CompletionService._stream_submit
-
-    def counted(self, run, request):
-        if run.decode is None or run.decode.closed:
-            opened.append(run.request_id)
-        return original(self, run, request)
-    monkeypatch.setattr(CompletionService, "_stream_submit", counted)
+    below it opens no decode stream (each decode is one ``enqueue``: no decode step counted
+    in ``calexec_decode_steps_total``); at or above it, every decode goes through a stream; 0
+    always pre-arms. Thresholds far from the devices' waits (the zero-latency device's is
+    0.02-0.3 ms, more on a loaded host; the 1 ms device's about 1 ms), so the test does not
+    depend on the host's speed. The answers are the greedy ones either way (and the plain
+    path's: the property above)."""
     spec = {"prompt": [9, 8, 7], "max_tokens": 6, "mode": "plain", "read": 1,
             "sampled": None, "stop_at": None, "deadline": False, "fault": None}
     greedy = ("ok", list(oracle_tokens([9, 8, 7], 6)), "length")
     measured = {}
-    for decode_us, threshold, streams in ((0, 50.0, 0), (1000, 0.5, 2), (0, 0.0, 2)):
+    for decode_us, threshold, streamed in ((0, 50.0, 0), (1000, 0.5, 10), (0, 0.0, 10)):
         server = servers[decode_us, "bursts"]
         service = server[2]
+        registry = service.metrics.registry
+
+        def stream_steps(registry=registry) -> float:
+            return sum(registry.get_sample_value("calexec_decode_steps_total",
+                                                 {"prearmed": label}) or 0.0
+                       for label in ("true", "false"))
         config = service.config
         service.config = attrs.evolve(config, prearm_min_device_ms=threshold)
         try:
             run_one(server, spec)  # the device's decode wait measured
-            opened.clear()
+            before = stream_steps()
             assert run_one(server, spec) == greedy
             assert run_one(server, {**spec, "mode": "stream"}) == (
                 "stream", greedy[1], "length", None, True)
         finally:
             service.config = config
-        assert len(opened) == streams, (decode_us, threshold, opened, service.decode_device_ms)
+        # 5 decode steps per request (the first token comes from the prefill)
+        assert stream_steps() - before == streamed, (decode_us, threshold,
+                                                     service.decode_device_ms)
         measured[decode_us] = service.decode_device_ms
     assert measured[1000] > 0.5 and measured[1000] > measured[0], measured

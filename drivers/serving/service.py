@@ -788,6 +788,7 @@ class CompletionService:
             raise
         if not steps:
             return failure
+        self.metrics.burst_jobs.inc(steps)
         if failure is not None:
             run.burst_failure = failure
         return _BURST
