@@ -37,7 +37,9 @@ TOL = 1e-5  # FP32: the emulator's row is the oracle's BF16 row widened, log-sof
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
     executor = started_executor(tmp_path_factory.mktemp("calbin"))
-    app = create_app(executor, ServerConfig())
+    # always the pre-armed decode stream for generated tokens, even on this zero-latency
+    # device (ServerConfig.prearm_min_device_ms): which jobs take it is what one test checks
+    app = create_app(executor, ServerConfig(prearm_min_device_ms=0.0))
     with LiveServer(app) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
                                timeout=60)
