@@ -6,7 +6,8 @@ tokenize), ``admin.py`` and ``debug.py``.
 
 One completion: validate -> lease a KV sequence id from the free list -> PREFILL_IDS job at
 past_len 0 reserving the KV of the whole request (prompt + max_tokens, all or nothing: no hold
-and wait, §7) -> DECODE jobs (through the executor's pre-armed decode stream, ``ServerConfig.prearm``) feeding
+and wait, §7) -> DECODE jobs (through the executor's pre-armed decode stream, ``ServerConfig.prearm``,
+when the device is slow enough to pre-arm for) feeding
 the chosen token back (drivers/serving/sampling.py), until ``max_tokens``, the end
 token, the deadline or an error -> answer -> once the last job is resolved,
 ``executor.release_sequence`` -> id back to the free list (in the background when the job is
@@ -15,7 +16,8 @@ still running: a response is never later than the request deadline plus
 executor calls (``enqueue``, opening a decode stream, a step's ``submit`` that must admit) run
 in worker threads under per-app ``CapacityLimiter``s (a prefill that may wait for KV never
 takes the threads the running requests need); waits park no thread (``inline_waits``: the
-loop awaits ``wait_async`` and takes a ready step with ``submit_nowait``); the event loop
+loop awaits ``wait_async`` and takes a ready step with ``submit_nowait``), and a non-streamed
+greedy request runs all its jobs in one worker thread (``decode_bursts``); the event loop
 never blocks on the device. A request whose client disconnects
 is cancelled (FI12: ``JobHandle.cancel()``; a submitted job is still waited for and its result
 discarded) and its sequence released once the job ends.
@@ -178,8 +180,8 @@ class ServerConfig:
     #: ... but only while the device's decode steps wait at least this long on the device (ms,
     #: the median wait of the last 32 decode jobs; pre-armed until one is measured): a
     #: faster device ends a step before pre-arming could hide anything behind it, and arming
-    #: costs the submitter's CPU (bench server, zero latency, c=8: about 70 requests/s with
-    #: plain decodes, 54 pre-armed). Decided when a request opens its decode stream; the
+    #: costs the submitter's CPU (the server at zero latency and c=8: about 70 requests/s
+    #: with plain decodes, 54 pre-armed; docs/benchmarks.md). Decided when a request opens its decode stream; the
     #: answers are the same either way. 0: always pre-arm (while ``prearm``)
     prearm_min_device_ms: float = attrs.field(default=0.5, validator=attrs.validators.ge(0))
     #: choices one request may ask for: prompts x ``n`` (completions; chat: ``n``); above it
@@ -197,12 +199,12 @@ class ServerConfig:
     #: (tests/test_server_inline_waits.py)
     inline_waits: bool = True
     #: a non-streamed greedy request without stop strings, log-probabilities or a grammar
-    #: (nothing read per token) takes its decode steps in one worker-thread burst: the thread
-    #: steps the decode stream until the generation ends or a step fails, and the event loop
-    #: wakes once for all of them instead of once per token (issue 28). A failed step is
-    #: handed back to the loop and handled as the plain path handles it (resume, error).
-    #: False: one loop wake per token; the answers are the same
-    #: (tests/test_server_inline_waits.py)
+    #: (nothing read per token) takes its jobs in one worker-thread burst: the thread runs its
+    #: prefill and decode steps one after the other, as the plain path runs them, until the
+    #: generation ends or a job fails, and the event loop wakes once for all of them instead
+    #: of once per token (issue 28). A failed job is handed back to the loop and handled as
+    #: the plain path handles it (resume, error). False: one loop wake per token; the answers
+    #: are the same (tests/test_server_inline_waits.py)
     decode_bursts: bool = True
     #: "vllm": ``/metrics`` exports vLLM's ``vllm:`` families beside the ``calexec_`` ones
     #: (dashboards and autoscalers built for vLLM read them); "calexec": those only
@@ -476,7 +478,8 @@ class CompletionService:
         # step fires it, and a step that finds nothing armed waits for a slot. Were both on
         # one bounded pool, every thread could wait for a slot held by armed jobs whose
         # requests wait for a thread to fire them. One thread per sequence id (each request
-        # has at most one step outstanding) means a step never waits for a thread.
+        # has at most one step outstanding) means a step never waits for a thread. A decode
+        # burst (``decode_bursts``) is the one thread of a request holding a sequence id.
         self._stream_limiter = anyio.CapacityLimiter(config.max_sequences)
         self._drain_task: asyncio.Task | None = None
         #: bounds every send of a streamed response (wire.BoundedStreamingResponse); a drain
