@@ -19,6 +19,7 @@ def test_thread_loadgen_without_streaming(capsys):
                               "--loadgen", "thread", "--no-stream"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert (report["loadgen"], report["stream"], report["levels"]) == ("thread", False, [3])
+    assert report["loadgen_client"] == "stdlib"
     assert report["requests"] == 2 and set(k for k in report if k.startswith("c")) == {"c3"}
     level = report["c3"]
     assert "server_stream" not in level and "stream_throughput_ratio" not in level
@@ -50,6 +51,7 @@ def test_default_levels_are_1_8_64():
     (["--concurrency", "1,x"], "'x'"),
     (["--concurrency", "1000"], "1000"),
     (["--loadgen", "elsewhere"], "elsewhere"),
+    (["--client", "curl"], "curl"),
     (["--requests", "0"], "--requests"),
 ])
 def test_bad_flags_exit_2_naming_them(argv, named, capsys):
@@ -80,3 +82,117 @@ def test_loadgen_reports_a_failed_request(capsys):
     assert loadgen.main(["--url", "http://127.0.0.1:1", "--requests", "2", "--concurrency",
                          "2", "--max-tokens", "1"]) == 1
     assert "request(s) failed" in capsys.readouterr().err
+
+
+# ---- the load generator's clients (stdlib http.client by default, httpx to compare) --------
+
+class _OneShotServer:
+    """A loopback HTTP/1.1 server that answers each connection's first request with ``reply``
+    (raw bytes) and then closes it without saying so (no ``Connection: close``): what a
+    server closing an idle kept-alive connection looks like to the client's next request."""
+
+    def __init__(self, reply: bytes) -> None:
+        import socket
+        import threading
+
+        self.reply = reply
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock.settimeout(0.05)  # (accept polls: close() ends the thread at once)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.connections = 0
+        self.stop = False
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.stop:
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            self.connections += 1
+            with conn:
+                conn.settimeout(10)
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += conn.recv(65536)
+                head, _, rest = data.partition(b"\r\n\r\n")
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                while len(rest) < length:
+                    rest += conn.recv(65536)
+                conn.sendall(self.reply)
+
+    def close(self) -> None:
+        self.stop = True
+        self.sock.close()
+        self.thread.join(10)
+
+
+def _reply(status: str, body: bytes) -> bytes:
+    return (f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+def test_loadgen_reconnects_when_the_server_closed_a_kept_alive_connection():
+    # the stdlib client's own retry (httpx, kept to compare, does not retry: whether its
+    # second request fails depends on whether the server's FIN came before it)
+    server = _OneShotServer(_reply("200 OK", b'{"choices": []}'))
+    try:
+        report = loadgen.run(server.url, 3, 1, 1, client="stdlib")
+    finally:
+        server.close()
+    assert set(report) == {"req_per_s", "p50_ms", "p99_ms"}
+    assert server.connections == 3  # each request after the first on a new connection
+
+
+@pytest.mark.parametrize("client", loadgen.CLIENTS)
+@pytest.mark.parametrize(("reply", "named"), [
+    (_reply("200 OK", b"not json"), "without a JSON body with choices"),
+    (_reply("200 OK", b'{"error": 1}'), "without a JSON body with choices"),
+    (_reply("503 Service Unavailable", b'{"error": 1}'), "HTTP 503"),
+])
+def test_loadgen_refuses_a_wrong_answer(client, reply, named):
+    server = _OneShotServer(reply)
+    try:
+        with pytest.raises(loadgen.LoadError, match=named):
+            loadgen.run(server.url, 1, 1, 1, client=client)
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("client", loadgen.CLIENTS)
+@pytest.mark.parametrize(("events", "named"), [
+    (b'data: {"choices": []}\n\n', "without data: \\[DONE\\]"),
+    (b"data: {oops\n\ndata: [DONE]\n\n", "not JSON"),
+])
+def test_loadgen_refuses_a_wrong_stream(client, events, named):
+    head = ("HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            f"Content-Length: {len(events)}\r\n\r\n").encode()
+    server = _OneShotServer(head + events)
+    try:
+        with pytest.raises(loadgen.LoadError, match=named):
+            loadgen.run(server.url, 1, 1, 1, stream=True, client=client)
+    finally:
+        server.close()
+
+
+def test_loadgen_refuses_an_unknown_client_and_a_bad_url():
+    with pytest.raises(loadgen.LoadError, match="'curl'"):
+        loadgen.run("http://127.0.0.1:1", 1, 1, 1, client="curl")
+    with pytest.raises(loadgen.LoadError, match="loopback"):
+        loadgen.run("https://127.0.0.1:1", 1, 1, 1)
+    with pytest.raises(loadgen.LoadError, match="127.0.0.1:x"):
+        loadgen.run("http://127.0.0.1:x", 1, 1, 1)
+
+
+def test_httpx_client_side_has_the_same_shape(capsys):
+    assert bench_server.main(["bench", "server", "--json", "--requests", "2", "--max-tokens",
+                              "2", "--decode-us", "0", "--concurrency", "1",
+                              "--loadgen", "thread", "--client", "httpx"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["loadgen_client"] == "httpx"
+    assert set(report["c1"]["server_stream"]) == {"req_per_s", "p50_ms", "p99_ms",
+                                                  "ttft_p50_ms", "ttft_p99_ms"}

@@ -1,5 +1,5 @@
 """``calexec bench server [--json] [--requests N] [--max-tokens M] [--decode-us US]
-[--concurrency C[,C...]] [--loadgen process|thread] [--no-stream]``.
+[--concurrency C[,C...]] [--loadgen process|thread] [--client stdlib|httpx] [--no-stream]``.
 
 The reference server's own overhead (issues 6 and 28): the same bounded request load, a short
 prompt then ``max_tokens`` greedy tokens per request, sent (a) over loopback HTTP to the server
@@ -122,19 +122,21 @@ LOADGEN_PLACES = ("process", "thread")
 
 
 def _http_load(url: str, requests: int, concurrency: int, max_tokens: int, stream: bool,
-               loadgen: str) -> dict[str, Any]:
-    """One side's figures from the load generator (``loadgen.py``): in a process of its own,
-    or in this process's threads."""
+               loadgen: str, client: str = "stdlib") -> dict[str, Any]:
+    """One side's figures from the load generator (``loadgen.py``, its HTTP client
+    ``client``): in a process of its own, or in this process's threads."""
     from calexec.drivers.tools.bench import loadgen as lg
 
     if loadgen == "thread":
         try:
-            return lg.run(url, requests, concurrency, max_tokens, stream, WARMUP_REQUESTS)
+            return lg.run(url, requests, concurrency, max_tokens, stream, WARMUP_REQUESTS,
+                          client)
         except lg.LoadError as exc:
             raise BenchError(str(exc)) from None
     argv = [sys.executable, "-m", "calexec.drivers.tools.bench.loadgen", "--url", url,
             "--requests", str(requests), "--concurrency", str(concurrency), "--max-tokens",
-            str(max_tokens), "--warmup", str(WARMUP_REQUESTS), *(["--stream"] if stream else [])]
+            str(max_tokens), "--warmup", str(WARMUP_REQUESTS), "--client", client,
+            *(["--stream"] if stream else [])]
     bound = _WAIT_S * (requests + WARMUP_REQUESTS + 2)
     result = run_json_program(argv, bound, "the load generator", BenchError)
     return result
@@ -173,7 +175,7 @@ def http_floor_app() -> Any:
 def run_server_bench(requests: int, max_tokens: int, decode_us: int,
                      device: DeviceSpec = DeviceSpec(),
                      levels: Sequence[int] = DEFAULT_LEVELS, loadgen: str = "process",
-                     stream: bool = True) -> dict[str, Any]:
+                     stream: bool = True, client: str = "stdlib") -> dict[str, Any]:
     """Per concurrency level: ``direct`` (the in-process executor, this process's threads),
     ``server`` (HTTP, not streaming), ``server_stream`` (HTTP, server-sent events; when
     ``stream``), ``server_no_ahead`` (HTTP with greedy ahead off), ``server_always_prearm``
@@ -181,13 +183,17 @@ def run_server_bench(requests: int, max_tokens: int, decode_us: int,
     with the decode bursts off), ``server_thread_waits`` (HTTP with the bursts and the inline
     waits off) and ``http_floor`` (the HTTP stack alone:
     ``http_floor_app``), each ``requests`` timed requests after a short warm-up; the HTTP load
-    generator runs where ``loadgen`` says."""
+    generator runs where ``loadgen`` says, with the HTTP client ``client``
+    (``loadgen.CLIENTS``)."""
     from calexec.drivers.serving.executor_view import served
     from calexec.drivers.serving.server import ServerConfig, create_app
+    from calexec.drivers.tools.bench.loadgen import CLIENTS
     from calexec.drivers.tools.chaos import LiveServer
 
     if loadgen not in LOADGEN_PLACES:
         raise BenchError(f"loadgen must be one of {LOADGEN_PLACES}, got {loadgen!r}")
+    if client not in CLIENTS:
+        raise BenchError(f"client must be one of {CLIENTS}, got {client!r}")
     with tempfile.TemporaryDirectory(prefix="calexec-bench-") as tmp:
         path = device.calbin(tmp)
         ex = DeviceExecutor(device.runtime(), device.manifest(),
@@ -200,7 +206,7 @@ def run_server_bench(requests: int, max_tokens: int, decode_us: int,
         try:
             with LiveServer(app) as live, LiveServer(http_floor_app()) as floor:
                 return _levels(ex, app, live.url, floor.url, requests, max_tokens, decode_us,
-                               levels, loadgen, stream)
+                               levels, loadgen, stream, client)
         except TimeoutError as exc:  # (a server that did not start)
             raise BenchError(str(exc)) from None
         finally:
@@ -209,11 +215,11 @@ def run_server_bench(requests: int, max_tokens: int, decode_us: int,
 
 def _levels(ex: DeviceExecutor, app: Any, url: str, floor_url: str, requests: int,
             max_tokens: int, decode_us: int, levels: Sequence[int], loadgen: str,
-            stream: bool) -> dict[str, Any]:
+            stream: bool, client: str) -> dict[str, Any]:
     """Every level's sides (``run_server_bench``)."""
     result: dict[str, Any] = {"requests": requests, "max_tokens": max_tokens,
                               "decode_us": decode_us, "levels": list(levels),
-                              "loadgen": loadgen, "stream": stream,
+                              "loadgen": loadgen, "loadgen_client": client, "stream": stream,
                               "warmup_requests": WARMUP_REQUESTS}
     for concurrency in levels:
         seqs: queue.Queue[int] = queue.Queue()
@@ -230,7 +236,7 @@ def _levels(ex: DeviceExecutor, app: Any, url: str, floor_url: str, requests: in
         def http(streaming: bool, concurrency: int = concurrency,
                  target: str = url) -> dict[str, Any]:
             return _http_load(target, requests, concurrency, max_tokens, streaming,
-                              loadgen)
+                              loadgen, client)
 
         print(f"bench server: concurrency {concurrency}", file=sys.stderr)
         _load(min(requests, WARMUP_REQUESTS), concurrency, direct)  # warm-up
@@ -294,6 +300,8 @@ def concurrency_levels(text: str) -> list[int]:
 
 @cliargs.command_main
 def main(argv: list[str]) -> int:
+    from calexec.drivers.tools.bench.loadgen import CLIENTS
+
     parser = cliargs.parser("calexec bench server", __doc__)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--requests", type=cliargs.positive_int, default=DEFAULT_REQUESTS,
@@ -306,6 +314,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--loadgen", choices=LOADGEN_PLACES, default="process",
                         help="where the HTTP load generator runs: a process of its own "
                              "(default) or threads of the server's process")
+    parser.add_argument("--client", choices=CLIENTS, default=CLIENTS[0],
+                        help="the load generator's HTTP client: the standard library's "
+                             "http.client (default; light, so latency is the server's) or "
+                             "httpx (the client of the figures before 2026-12-02)")
     parser.add_argument("--no-stream", action="store_true",
                         help="skip the streaming (server-sent events) side")
     parser.add_argument("--max-tokens", type=cliargs.positive_int, default=8,
@@ -319,7 +331,8 @@ def main(argv: list[str]) -> int:
     device = cliargs.device_spec(args)
     try:
         result = run_server_bench(args.requests, args.max_tokens, args.decode_us, device,
-                                  args.concurrency, args.loadgen, not args.no_stream)
+                                  args.concurrency, args.loadgen, not args.no_stream,
+                                  args.client)
     except (BenchError, DeviceSpecError) as exc:
         print(f"calexec bench server: {exc}", file=sys.stderr)
         return 1
