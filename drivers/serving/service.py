@@ -1011,8 +1011,13 @@ class CompletionService:
                 elif idle and (handle is None or handle.done):
                     # a step fired ahead and never taken (greedy ahead, a stop string) is
                     # cancelled, never waited for here: while it runs, the background release
-                    # (whose close waits for it) gives the sequence back once it ended
-                    released = await to_thread.run_sync(self._close_and_release, run)
+                    # (whose close waits for it) gives the sequence back once it ended.
+                    # Without a decode stream nothing here can block (a KV release that does
+                    # not wait for the device: locks held for bookkeeping only), so it runs
+                    # on the loop, without a worker thread's round trip; a stream's close
+                    # may wait for an arming in progress: a worker thread's
+                    released = (self._close_and_release(run) if run.decode is None else
+                                await to_thread.run_sync(self._close_and_release, run))
                     if not released:
                         self.release_later(run)
                 else:
