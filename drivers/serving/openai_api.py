@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import secrets
 import time
 import typing
 import uuid
@@ -393,7 +394,10 @@ def sampling_params(body: _Body, logprobs: int | None, vocab: int | None = None,
     try:
         params = SamplingParams(
             temperature=number(body.temperature, 0.0), top_p=number(body.top_p, 1.0),
-            top_k=-1 if body.top_k is None else body.top_k, seed=body.seed, stop=stop,
+            top_k=-1 if body.top_k is None else body.top_k,
+            # the seed drawn here when the body has none (what resolved() would draw after):
+            # one construction of the frozen params per request, not two
+            seed=body.seed if body.seed is not None else secrets.randbits(63), stop=stop,
             stop_token_ids=stop_ids, logprobs=logprobs, min_p=number(body.min_p, 0.0),
             repetition_penalty=number(body.repetition_penalty, 1.0),
             presence_penalty=number(body.presence_penalty, 0.0),
@@ -897,8 +901,9 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
             choices_refusal(len(prompts), body.n, config.max_choices)
             rows = prompt_rows(body)
             params = sampling_params(body, body.logprobs, vocab(), config.end_token_id)
-            params = attrs.evolve(params, grammar=structure(
-                grammar.completion_structure, body.response_format))
+            shaped = structure(grammar.completion_structure, body.response_format)
+            if shaped is not None:  # (no copy of the params when there is no grammar)
+                params = attrs.evolve(params, grammar=shaped)
             special = True if body.add_special_tokens is None else body.add_special_tokens
             prepared: list[tuple[list[int], str]] = []  # (prompt ids, echo) per prompt
             for one in prompts:
@@ -953,7 +958,8 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
             tools = structure(grammar.tool_setup, body.tools, body.tool_choice)
             plan = structure(grammar.chat_structure, body.response_format, tools,
                              body.parallel_tool_calls)
-            params = attrs.evolve(params, grammar=plan)
+            if plan is not None:  # (no copy of the params when there is no grammar)
+                params = attrs.evolve(params, grammar=plan)
             text = render_chat(body.messages, service.tokenizer, body.add_generation_prompt,
                                body.chat_template_kwargs, body.continue_final_message, tools)
             ids = truncated(service.tokenizer.encode(text, bool(body.add_special_tokens)),
