@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import threading
 
 import pytest
@@ -70,6 +71,8 @@ def test_small_soak_passes_every_check_with_every_fault_kind(capsys):
     objects = report["live_objects"]
     assert objects["start"] > 0 and objects["growth"] == objects["end"] - objects["start"]
     assert objects["growth"] <= soak.LIVE_OBJECTS_SLACK
+    # the process runs with calexec serve's memory policy (drivers/memory.py) where it can
+    assert report["mmap_threshold_pinned"] is (platform.libc_ver()[0] == "glibc")
 
 
 def test_a_wrong_token_a_leaked_id_a_leaked_thread_growing_rss_and_objects_fail_the_run(
