@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
-import secrets
 import time
 import typing
 import uuid
@@ -42,7 +41,12 @@ from calexec.contracts.types import TaskKind
 from calexec.drivers.serving import error_bodies, grammar, handoff, sampling, wire
 from calexec.drivers.serving.hf_tokenizer import Tokenizer
 from calexec.drivers.serving.resume import RESUMABLE
-from calexec.drivers.serving.sampling import SamplingError, SamplingParams, TokenLogprobs
+from calexec.drivers.serving.sampling import (
+    SamplingError,
+    SamplingParams,
+    TokenLogprobs,
+    draw_seed,
+)
 from calexec.drivers.serving.service import Admission, CompletionService, RequestRun
 
 Number = StrictInt | StrictFloat
@@ -397,7 +401,7 @@ def sampling_params(body: _Body, logprobs: int | None, vocab: int | None = None,
             top_k=-1 if body.top_k is None else body.top_k,
             # the seed drawn here when the body has none (what resolved() would draw after):
             # one construction of the frozen params per request, not two
-            seed=body.seed if body.seed is not None else secrets.randbits(63), stop=stop,
+            seed=body.seed if body.seed is not None else draw_seed(), stop=stop,
             stop_token_ids=stop_ids, logprobs=logprobs, min_p=number(body.min_p, 0.0),
             repetition_penalty=number(body.repetition_penalty, 1.0),
             presence_penalty=number(body.presence_penalty, 0.0),
@@ -409,7 +413,7 @@ def sampling_params(body: _Body, logprobs: int | None, vocab: int | None = None,
             include_stop_str_in_output=body.include_stop_str_in_output)
     except SamplingError as err:
         raise Refusal(invalid(str(err)), err.field.split("[")[0]) from None
-    return params.resolved()
+    return params
 
 
 # ---- authentication and model names ---------------------------------------------------------

@@ -217,10 +217,17 @@ class SamplingParams:
         return self.raw_argmax and self.logprobs is None
 
     def resolved(self) -> SamplingParams:
-        """These params with a seed: a random one drawn now when none was given."""
+        """These params with a seed: a random one drawn now (``draw_seed``) when none was
+        given."""
         if self.seed is not None:
             return self
-        return attrs.evolve(self, seed=secrets.randbits(63))
+        return attrs.evolve(self, seed=draw_seed())
+
+
+def draw_seed() -> int:
+    """A fresh random seed for a request that gave none: what ``SamplingParams.resolved()``
+    draws, for callers that build the params with their seed in one construction."""
+    return secrets.randbits(63)
 
 
 @attrs.frozen
