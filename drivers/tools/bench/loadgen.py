@@ -29,6 +29,7 @@ import json
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from typing import Any, Protocol
 from urllib.parse import SplitResult, urlsplit
 
@@ -64,11 +65,23 @@ def _check_body(status: int, raw: bytes) -> None:
         raise LoadError(f"HTTP 200 without a JSON body with choices: {raw[:200]!r}")
 
 
-def _check_event(line: bytes) -> None:
-    try:
-        json.loads(line[6:])
-    except ValueError:
-        raise LoadError(f"a data line that is not JSON: {line[:200]!r}") from None
+def _read_events(lines: Iterable[bytes], t0: float) -> float | None:
+    """Reads an SSE stream's lines up to ``data: [DONE]``, each ``data:`` line checked as
+    JSON; returns the time from ``t0`` to the first event (None: no event before [DONE])."""
+    first: float | None = None
+    for raw in lines:
+        if not raw.startswith(b"data: "):
+            continue
+        line = raw.rstrip(b"\r\n")
+        if line == b"data: [DONE]":
+            return first
+        try:
+            json.loads(line[6:])
+        except ValueError:
+            raise LoadError(f"a data line that is not JSON: {line[:200]!r}") from None
+        if first is None:
+            first = time.perf_counter() - t0
+    raise LoadError("the stream ended without data: [DONE]")
 
 
 class _Stdlib:
@@ -106,20 +119,9 @@ class _Stdlib:
         response = self._send({**body, "stream": True})
         if response.status != 200:
             raise LoadError(f"HTTP {response.status}: {response.read()[:200]!r}")
-        first: float | None = None
-        while True:
-            line = response.readline()
-            if not line:
-                raise LoadError("the stream ended without data: [DONE]")
-            if not line.startswith(b"data: "):
-                continue
-            line = line.rstrip(b"\r\n")
-            if line == b"data: [DONE]":
-                response.read()  # (the chunked body's end: the connection is reusable)
-                return first
-            _check_event(line)
-            if first is None:
-                first = time.perf_counter() - t0
+        first = _read_events(iter(response.readline, b""), t0)
+        response.read()  # (the chunked body's end: the connection is reusable)
+        return first
 
     def close(self) -> None:
         self.conn.close()
@@ -139,19 +141,10 @@ class _Httpx:
 
     def stream(self, body: dict[str, Any]) -> float | None:
         t0 = time.perf_counter()
-        first: float | None = None
         with self.client.stream("POST", _PATH, json={**body, "stream": True}) as r:
             if r.status_code != 200:
                 raise LoadError(f"HTTP {r.status_code}: {r.read()[:200]!r}")
-            for text in r.iter_lines():
-                if not text.startswith("data: "):
-                    continue
-                if text == "data: [DONE]":
-                    return first
-                _check_event(text.encode())
-                if first is None:
-                    first = time.perf_counter() - t0
-        raise LoadError("the stream ended without data: [DONE]")
+            return _read_events((text.encode() for text in r.iter_lines()), t0)
 
     def close(self) -> None:
         self.client.close()
