@@ -41,6 +41,63 @@ def test_thread_loadgen_without_streaming(capsys):
         abs=0.002)
 
 
+def test_interleaved_rounds_and_the_serving_process_policy_in_the_report(capsys):
+    import sys
+
+    before = sys.getswitchinterval()
+    assert bench_server.main(["bench", "server", "--json", "--requests", "12", "--max-tokens",
+                              "2", "--decode-us", "0", "--concurrency", "1,2", "--rounds", "3",
+                              "--gil-switch-us", "700"]) == 0
+    assert sys.getswitchinterval() == before  # restored after the run
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["rounds"] == 3 and report["gil_switch_interval_us"] == 700
+    assert isinstance(report["mmap_threshold_pinned"], bool)
+    # c=1: 3 rounds of 4 requests; c=2: blocks of 4 would hold fewer than 4 requests per
+    # client, so the level runs 12 // (4 * 2) = 1 round
+    assert (report["c1"]["rounds"], report["c2"]["rounds"]) == (3, 1)
+    for name in ("c1", "c2"):
+        level = report[name]
+        ratios = level["round_throughput_ratios"]
+        assert len(ratios) == level["rounds"] and all(r > 0 for r in ratios)
+        assert {"ttft_p50_ms", "ttft_p99_ms"} <= level["server_stream"].keys()
+        assert level["throughput_ratio"] == pytest.approx(
+            level["server"]["req_per_s"] / level["direct"]["req_per_s"], abs=0.002)
+
+
+def test_pooled_figures_are_over_every_block_not_a_mean_of_blocks():
+    blocks = [{"elapsed_s": 1.0, "latencies_ms": [1.0, 2.0, 3.0]},
+              {"elapsed_s": 3.0, "latencies_ms": [10.0]}]
+    out = bench_server.pooled(blocks)
+    assert out["req_per_s"] == 1.0  # 4 requests in 4 s (a mean of the blocks' rates: 1.67)
+    assert out["p50_ms"] == 2.5 and "ttft_p50_ms" not in out
+    streamed = [dict(b, ttft_ms=b["latencies_ms"]) for b in blocks]
+    assert bench_server.pooled(streamed)["ttft_p50_ms"] == 2.5
+    # a side whose blocks did not all stream has no time to the first token
+    assert "ttft_p50_ms" not in bench_server.pooled([streamed[0], blocks[1]])
+
+
+@pytest.mark.parametrize(("requests", "concurrency", "rounds", "expected"), [
+    (400, 1, 4, 4), (400, 8, 4, 4), (400, 64, 4, 1), (100, 8, 4, 3), (3, 1, 4, 1),
+    (400, 1, 1, 1)])
+def test_rounds_shrink_when_a_block_would_be_short(requests, concurrency, rounds, expected):
+    got = bench_server.rounds_for(requests, concurrency, rounds)
+    assert got == expected
+    sizes = bench_server.split(requests, got)
+    assert sum(sizes) == requests and max(sizes) - min(sizes) <= 1
+
+
+def test_loadgen_raw_figures_can_be_pooled():
+    from calexec.drivers.tools.bench.server_overhead import http_floor_app
+    from calexec.drivers.tools.chaos import LiveServer
+
+    with LiveServer(http_floor_app()) as live:
+        plain = loadgen.run(live.url, 5, 2, 3)
+        raw = loadgen.run(live.url, 5, 2, 3, stream=False, raw=True)
+    assert "latencies_ms" not in plain and "elapsed_s" not in plain
+    assert len(raw["latencies_ms"]) == 5 and raw["elapsed_s"] > 0
+    assert bench_server.pooled([raw])["p50_ms"] == pytest.approx(raw["p50_ms"], abs=0.002)
+
+
 def test_default_levels_are_1_8_64():
     assert bench_server.DEFAULT_LEVELS == (1, 8, 64)
     assert bench_server.concurrency_levels("8, 1,8") == [8, 1]
@@ -53,6 +110,8 @@ def test_default_levels_are_1_8_64():
     (["--loadgen", "elsewhere"], "elsewhere"),
     (["--client", "curl"], "curl"),
     (["--requests", "0"], "--requests"),
+    (["--rounds", "0"], "--rounds"),
+    (["--gil-switch-us", "-1"], "--gil-switch-us=-1"),
 ])
 def test_bad_flags_exit_2_naming_them(argv, named, capsys):
     with pytest.raises(SystemExit) as exc:

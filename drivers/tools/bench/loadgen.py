@@ -3,13 +3,14 @@ own so that its client work does not share the server's GIL:
 
     python -m calexec.drivers.tools.bench.loadgen --url http://127.0.0.1:PORT \\
         --requests N --concurrency C --max-tokens M [--stream] [--warmup W] \\
-        [--client stdlib|httpx]
+        [--client stdlib|httpx] [--raw]
 
 Sends ``W`` untimed then ``N`` timed completions (prompt ``[i % 1000 + 1, 7, 9]``, greedy,
 ``max_tokens`` M; ``--stream``: server-sent events, read to ``data: [DONE]``) from ``C`` client
 threads, each with its own keep-alive connection, to a loopback URL only, and prints one JSON
 object: requests/s, request latency P50/P99 (ms) and, streaming, the time to the first token
-chunk. Every answer is checked: status 200 and a JSON body with ``choices`` (streamed: every
+chunk (``--raw``: also the timed phase's elapsed time and every latency, for pooling several
+runs). Every answer is checked: status 200 and a JSON body with ``choices`` (streamed: every
 ``data:`` line JSON, ended by ``data: [DONE]``).
 
 The client (``--client``): ``stdlib`` (default), Python's ``http.client``, one
@@ -160,10 +161,12 @@ def _one(client: _Client, i: int, max_tokens: int, stream: bool) -> float | None
 
 
 def run(url: str, requests: int, concurrency: int, max_tokens: int, stream: bool = False,
-        warmup: int = 0, client: str = CLIENTS[0]) -> dict[str, Any]:
+        warmup: int = 0, client: str = CLIENTS[0], raw: bool = False) -> dict[str, Any]:
     """``warmup`` untimed then ``requests`` timed completions against ``url`` (loopback only)
     from ``concurrency`` threads, each with a ``client`` (``CLIENTS``) of its own; the figures
-    (LoadError when a request failed)."""
+    (LoadError when a request failed). ``raw``: also the timed phase's ``elapsed_s`` and every
+    request's latency (``latencies_ms``; ``ttft_ms`` when streaming), so that several runs
+    can be pooled (``bench server``'s interleaved rounds)."""
     if client not in CLIENTS:
         raise LoadError(f"client must be one of {CLIENTS}, got {client!r}")
     parts = urlsplit(url)
@@ -234,6 +237,11 @@ def run(url: str, requests: int, concurrency: int, max_tokens: int, stream: bool
         first_ms = np.asarray(ttft) * 1000.0
         out["ttft_p50_ms"] = round(float(np.percentile(first_ms, 50)), 3)
         out["ttft_p99_ms"] = round(float(np.percentile(first_ms, 99)), 3)
+    if raw:
+        out["elapsed_s"] = elapsed
+        out["latencies_ms"] = [round(float(v), 4) for v in ms]
+        if stream:
+            out["ttft_ms"] = [round(float(v), 4) for v in first_ms]
     return out
 
 
@@ -256,12 +264,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--stream", action="store_true")
     parser.add_argument("--warmup", type=int, default=0)
     parser.add_argument("--client", choices=CLIENTS, default=CLIENTS[0])
+    parser.add_argument("--raw", action="store_true",
+                        help="also print the elapsed time and every request's latency")
     args = parser.parse_args(argv)
     if args.warmup < 0:
         parser.error(f"--warmup={args.warmup}: must be >= 0")
     try:
         result = run(args.url, args.requests, args.concurrency, args.max_tokens, args.stream,
-                     args.warmup, args.client)
+                     args.warmup, args.client, args.raw)
     except LoadError as exc:
         print(f"loadgen: {exc}", file=sys.stderr)
         return 1

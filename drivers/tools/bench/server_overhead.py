@@ -1,5 +1,6 @@
 """``calexec bench server [--json] [--requests N] [--max-tokens M] [--decode-us US]
-[--concurrency C[,C...]] [--loadgen process|thread] [--client stdlib|httpx] [--no-stream]``.
+[--concurrency C[,C...]] [--rounds R] [--gil-switch-us US] [--loadgen process|thread]
+[--client stdlib|httpx] [--no-stream]``.
 
 The reference server's own overhead (issues 6 and 28): the same bounded request load, a short
 prompt then ``max_tokens`` greedy tokens per request, sent (a) over loopback HTTP to the server
@@ -20,11 +21,23 @@ server_always_prearm); ``server_no_bursts`` the same server with
 no-bursts server with ``ServerConfig.inline_waits`` off too (a worker thread per enqueue and
 per wait: what the inline waits buy, ``inline_throughput_ratio``: server_no_bursts /
 server_thread_waits). Numbers are reported, never asserted.
+
+The compared sides, ``direct``, ``server`` and ``server_stream``, run interleaved: each level
+runs ``--rounds`` rounds (default 4; fewer when a block would hold fewer than 4 requests per
+client), a block of each side per round, their order rotated, and each side's figures pool its
+blocks (``round_throughput_ratios``: server / direct per round). A host whose speed drifts
+during the run (this 2-core VM's does) shifts every side alike instead of the side that
+happened to run last. The other sides run one block each, after them. The run applies the
+process policy ``calexec serve`` applies (glibc's mmap threshold pinned,
+``mmap_threshold_pinned``; the GIL switch interval ``--gil-switch-us``, default
+500 us, ``gil_switch_interval_us``), so the server is measured as deployed; the direct side
+runs under the same policy, each sequence with its own logits row (no allocation per token).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import queue
 import sys
@@ -42,6 +55,8 @@ from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.status import Status
 from calexec.contracts.types import TaskKind
 from calexec.drivers.device_spec import DeviceSpec, DeviceSpecError
+from calexec.drivers.memory import pin_mmap_threshold
+from calexec.drivers.serving.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
 from calexec.drivers.tools.bench.subproc import run_json_program
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 
@@ -52,15 +67,18 @@ class BenchError(RuntimeError):
     pass
 
 
-def _direct_request(ex: DeviceExecutor, seq: int, prompt: list[int], max_tokens: int) -> None:
-    """One request through the executor API: prefill, then greedy decodes, then release."""
+def _direct_request(ex: DeviceExecutor, seq: int, prompt: list[int], max_tokens: int,
+                    logits: np.ndarray | None = None) -> None:
+    """One request through the executor API: prefill, then greedy decodes, then release.
+    ``logits``: the caller's row for every job's logits (no allocation per token, as the
+    executor's API recommends; None: one allocated per job)."""
     deadline = time.monotonic() + _WAIT_S
     ids = np.asarray(prompt, dtype=np.int32)
     request = InferenceRequest(seq_id=seq, kind=TaskKind.PREFILL_IDS, tokens=ids,
                                positions=np.arange(len(ids), dtype=np.int32), past_len=0,
                                deadline=deadline)
     for _ in range(max_tokens):
-        result = ex.enqueue(request).wait_until(deadline)
+        result = ex.enqueue(request, logits).wait_until(deadline)
         if isinstance(result, Status):
             raise BenchError(f"executor job failed: {result}")
         request = InferenceRequest(seq_id=seq, kind=TaskKind.DECODE,
@@ -71,8 +89,10 @@ def _direct_request(ex: DeviceExecutor, seq: int, prompt: list[int], max_tokens:
         ex.kvc.reset_sequence(seq)
 
 
-def _load(requests: int, concurrency: int, one: Callable[[int, int], None]) -> dict[str, float]:
-    """``requests`` calls of ``one(worker, i)`` spread over ``concurrency`` threads (bounded)."""
+def _load(requests: int, concurrency: int, one: Callable[[int, int], None],
+          raw: bool = False) -> dict[str, Any]:
+    """``requests`` calls of ``one(worker, i)`` spread over ``concurrency`` threads (bounded);
+    ``raw``: also ``elapsed_s`` and every latency (``latencies_ms``), as ``loadgen.run``."""
     latencies: list[float] = []
     lock = threading.Lock()
     todo = iter(range(requests))
@@ -103,12 +123,53 @@ def _load(requests: int, concurrency: int, one: Callable[[int, int], None]) -> d
     if errors:
         raise BenchError(f"{len(errors)} request(s) failed, first: {errors[0]}")
     ms = np.asarray(latencies) * 1000.0
-    return {"req_per_s": round(requests / elapsed, 2), "p50_ms": round(float(np.percentile(ms, 50)), 3),
-            "p99_ms": round(float(np.percentile(ms, 99)), 3)}
+    out: dict[str, Any] = {"req_per_s": round(requests / elapsed, 2),
+                           "p50_ms": round(float(np.percentile(ms, 50)), 3),
+                           "p99_ms": round(float(np.percentile(ms, 99)), 3)}
+    if raw:
+        out["elapsed_s"] = elapsed
+        out["latencies_ms"] = [round(float(v), 4) for v in ms]
+    return out
+
+
+def pooled(blocks: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One side's figures from its blocks (raw ``_load`` / ``loadgen.run`` results): requests/s
+    over the blocks' summed time, P50/P99 over every latency, the time to the first token
+    likewise when the blocks streamed."""
+    latencies = np.concatenate([np.asarray(b["latencies_ms"], dtype=np.float64)
+                                for b in blocks])
+    elapsed = sum(float(b["elapsed_s"]) for b in blocks)
+    out: dict[str, Any] = {"req_per_s": round(len(latencies) / elapsed, 2),
+                           "p50_ms": round(float(np.percentile(latencies, 50)), 3),
+                           "p99_ms": round(float(np.percentile(latencies, 99)), 3)}
+    if all("ttft_ms" in b for b in blocks):
+        first = np.concatenate([np.asarray(b["ttft_ms"], dtype=np.float64) for b in blocks])
+        out["ttft_p50_ms"] = round(float(np.percentile(first, 50)), 3)
+        out["ttft_p99_ms"] = round(float(np.percentile(first, 99)), 3)
+    return out
+
+
+def rounds_for(requests: int, concurrency: int, rounds: int) -> int:
+    """How many interleaved rounds a level runs: ``rounds``, fewer when a round's block would
+    hold fewer than ``MIN_BLOCK_PER_CLIENT`` requests per client (a short block at high
+    concurrency is mostly ramp-up and tail), at least 1."""
+    return max(1, min(rounds, requests // (MIN_BLOCK_PER_CLIENT * concurrency)))
+
+
+def split(requests: int, parts: int) -> list[int]:
+    """``requests`` in ``parts`` block sizes that differ by at most one."""
+    base, extra = divmod(requests, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
 #: the concurrency levels by default (issue 28: c=1, 8 and 64)
 DEFAULT_LEVELS = (1, 8, 64)
+#: interleaved rounds per level by default: the compared sides (direct, server,
+#: server_stream) each run a block per round, their order rotated, so a drift of the host
+#: during the run falls on every side alike
+DEFAULT_ROUNDS = 4
+#: a round's block holds at least this many requests per client (``rounds_for``)
+MIN_BLOCK_PER_CLIENT = 4
 #: timed requests per level and side by default: enough for a P99 that is not one sample
 DEFAULT_REQUESTS = 400
 #: untimed requests before each side's timed ones
@@ -122,7 +183,7 @@ LOADGEN_PLACES = ("process", "thread")
 
 
 def _http_load(url: str, requests: int, concurrency: int, max_tokens: int, stream: bool,
-               loadgen: str, client: str = "stdlib") -> dict[str, Any]:
+               loadgen: str, client: str = "stdlib", raw: bool = False) -> dict[str, Any]:
     """One side's figures from the load generator (``loadgen.py``, its HTTP client
     ``client``): in a process of its own, or in this process's threads."""
     from calexec.drivers.tools.bench import loadgen as lg
@@ -130,13 +191,13 @@ def _http_load(url: str, requests: int, concurrency: int, max_tokens: int, strea
     if loadgen == "thread":
         try:
             return lg.run(url, requests, concurrency, max_tokens, stream, WARMUP_REQUESTS,
-                          client)
+                          client, raw)
         except lg.LoadError as exc:
             raise BenchError(str(exc)) from None
     argv = [sys.executable, "-m", "calexec.drivers.tools.bench.loadgen", "--url", url,
             "--requests", str(requests), "--concurrency", str(concurrency), "--max-tokens",
             str(max_tokens), "--warmup", str(WARMUP_REQUESTS), "--client", client,
-            *(["--stream"] if stream else [])]
+            *(["--stream"] if stream else []), *(["--raw"] if raw else [])]
     bound = _WAIT_S * (requests + WARMUP_REQUESTS + 2)
     result = run_json_program(argv, bound, "the load generator", BenchError)
     return result
@@ -175,7 +236,8 @@ def http_floor_app() -> Any:
 def run_server_bench(requests: int, max_tokens: int, decode_us: int,
                      device: DeviceSpec = DeviceSpec(),
                      levels: Sequence[int] = DEFAULT_LEVELS, loadgen: str = "process",
-                     stream: bool = True, client: str = "stdlib") -> dict[str, Any]:
+                     stream: bool = True, client: str = "stdlib",
+                     rounds: int = DEFAULT_ROUNDS) -> dict[str, Any]:
     """Per concurrency level: ``direct`` (the in-process executor, this process's threads),
     ``server`` (HTTP, not streaming), ``server_stream`` (HTTP, server-sent events; when
     ``stream``), ``server_no_ahead`` (HTTP with greedy ahead off), ``server_always_prearm``
@@ -184,7 +246,11 @@ def run_server_bench(requests: int, max_tokens: int, decode_us: int,
     waits off) and ``http_floor`` (the HTTP stack alone:
     ``http_floor_app``), each ``requests`` timed requests after a short warm-up; the HTTP load
     generator runs where ``loadgen`` says, with the HTTP client ``client``
-    (``loadgen.CLIENTS``)."""
+    (``loadgen.CLIENTS``). The compared sides (direct, server, server_stream) run
+    interleaved: ``rounds`` rounds (``rounds_for``) of one block each, the order rotated per
+    round; the ratios are over the pooled blocks, ``round_throughput_ratios`` per round."""
+    if rounds < 1:
+        raise BenchError(f"rounds={rounds}: must be >= 1")
     from calexec.drivers.serving.executor_view import served
     from calexec.drivers.serving.server import ServerConfig, create_app
     from calexec.drivers.tools.bench.loadgen import CLIENTS
@@ -206,7 +272,7 @@ def run_server_bench(requests: int, max_tokens: int, decode_us: int,
         try:
             with LiveServer(app) as live, LiveServer(http_floor_app()) as floor:
                 return _levels(ex, app, live.url, floor.url, requests, max_tokens, decode_us,
-                               levels, loadgen, stream, client)
+                               levels, loadgen, stream, client, rounds)
         except TimeoutError as exc:  # (a server that did not start)
             raise BenchError(str(exc)) from None
         finally:
@@ -215,36 +281,52 @@ def run_server_bench(requests: int, max_tokens: int, decode_us: int,
 
 def _levels(ex: DeviceExecutor, app: Any, url: str, floor_url: str, requests: int,
             max_tokens: int, decode_us: int, levels: Sequence[int], loadgen: str,
-            stream: bool, client: str) -> dict[str, Any]:
+            stream: bool, client: str, rounds: int) -> dict[str, Any]:
     """Every level's sides (``run_server_bench``)."""
     result: dict[str, Any] = {"requests": requests, "max_tokens": max_tokens,
                               "decode_us": decode_us, "levels": list(levels),
                               "loadgen": loadgen, "loadgen_client": client, "stream": stream,
-                              "warmup_requests": WARMUP_REQUESTS}
+                              "warmup_requests": WARMUP_REQUESTS, "rounds": rounds}
+    vocab = ex.generation.vocab_size if ex.generation is not None else 0
     for concurrency in levels:
         seqs: queue.Queue[int] = queue.Queue()
         for seq in range(1, min(concurrency, DIRECT_SEQS) + 1):
             seqs.put(seq)
+        rows = {seq: np.empty(vocab, dtype=np.float32) for seq in list(seqs.queue)}
 
-        def direct(w: int, i: int, seqs: queue.Queue[int] = seqs) -> None:
+        def direct(w: int, i: int, seqs: queue.Queue[int] = seqs,
+                   rows: dict[int, np.ndarray] = rows) -> None:
             seq = seqs.get(timeout=_WAIT_S)
             try:
-                _direct_request(ex, seq, [i % 1000 + 1, 7, 9], max_tokens)
+                _direct_request(ex, seq, [i % 1000 + 1, 7, 9], max_tokens, rows[seq])
             finally:
                 seqs.put(seq)
 
-        def http(streaming: bool, concurrency: int = concurrency,
-                 target: str = url) -> dict[str, Any]:
-            return _http_load(target, requests, concurrency, max_tokens, streaming,
-                              loadgen, client)
+        def http(streaming: bool, count: int = requests, concurrency: int = concurrency,
+                 target: str = url, raw: bool = False) -> dict[str, Any]:
+            return _http_load(target, count, concurrency, max_tokens, streaming,
+                              loadgen, client, raw)
 
         print(f"bench server: concurrency {concurrency}", file=sys.stderr)
         _load(min(requests, WARMUP_REQUESTS), concurrency, direct)  # warm-up
-        d = _load(requests, concurrency, direct)
-        h = http(False)
-        level: dict[str, Any] = {"direct": d, "server": h}
+        sides: dict[str, Callable[[int], dict[str, Any]]] = {
+            "direct": functools.partial(_load, concurrency=concurrency, one=direct, raw=True),
+            "server": functools.partial(http, False, raw=True)}
         if stream:
-            level["server_stream"] = http(True)
+            sides["server_stream"] = functools.partial(http, True, raw=True)
+        level_rounds = rounds_for(requests, concurrency, rounds)
+        blocks: dict[str, list[dict[str, Any]]] = {name: [] for name in sides}
+        names = list(sides)
+        for r, size in enumerate(split(requests, level_rounds)):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                blocks[name].append(sides[name](size))
+        level: dict[str, Any] = {name: pooled(got) for name, got in blocks.items()}
+        d, h = level["direct"], level["server"]
+        level["rounds"] = level_rounds
+        level["round_throughput_ratios"] = [
+            round((len(s["latencies_ms"]) / s["elapsed_s"])
+                  / (len(x["latencies_ms"]) / x["elapsed_s"]), 3)
+            for s, x in zip(blocks["server"], blocks["direct"], strict=True)]
         service = app.state.service
         config = service.config
         try:
@@ -324,17 +406,34 @@ def main(argv: list[str]) -> int:
                         help="tokens per request")
     parser.add_argument("--decode-us", type=int, default=10000,
                         help="emulated decode latency in us (0 = zero latency)")
+    parser.add_argument("--rounds", type=cliargs.positive_int, default=DEFAULT_ROUNDS,
+                        help="interleaved rounds of the direct, server and server_stream "
+                             "sides per level, fewer when a block would be short "
+                             f"(default {DEFAULT_ROUNDS})")
+    parser.add_argument("--gil-switch-us", type=int, default=SERVING_SWITCH_INTERVAL_US,
+                        help="GIL switch interval for the run (us; 0 keeps Python's 5000; "
+                             "default: what calexec serve uses)")
     cliargs.add_device_args(parser)
     args = parser.parse_args(argv[2:])
     if args.decode_us < 0:
         parser.error(f"--decode-us={args.decode_us}: must be >= 0")
+    if args.gil_switch_us < 0:
+        parser.error(f"--gil-switch-us={args.gil_switch_us}: must be >= 0")
     device = cliargs.device_spec(args)
+    # the process policy calexec serve applies at start (both sides run under it): the
+    # server is measured as it is deployed
+    pinned = pin_mmap_threshold()
+    previous = set_gil_switch_interval_us(args.gil_switch_us)
     try:
         result = run_server_bench(args.requests, args.max_tokens, args.decode_us, device,
                                   args.concurrency, args.loadgen, not args.no_stream,
-                                  args.client)
+                                  args.client, args.rounds)
     except (BenchError, DeviceSpecError) as exc:
         print(f"calexec bench server: {exc}", file=sys.stderr)
         return 1
+    finally:
+        set_gil_switch_interval_us(previous)
+    result["gil_switch_interval_us"] = args.gil_switch_us or previous
+    result["mmap_threshold_pinned"] = pinned
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
     return 0
