@@ -60,16 +60,30 @@ async def read_body(request: Request, limit: int) -> bytes | None:
     return b"".join(chunks)
 
 
-async def until_disconnect(request: Request, work) -> None:
-    """Run ``await work()``; cancel it if the client disconnects first."""
-    async with anyio.create_task_group() as tg:
+async def until_disconnect(request: Request, work: Callable[[], Awaitable[None]]) -> None:
+    """Run ``await work()``; cancel it if the client disconnects first.
+
+    A cancel scope around the work and one plain task watching ``receive()``, cancelled when
+    the work ends: what a task group of the two did, at a sixth of its cost per request
+    (issue 28: about 59 -> 11 us on the 2-core VM; anyio's task group names its task and
+    formats the cancelled task's repr). An exception of the watcher reaches the caller, as
+    it did through the task group."""
+    failure: list[BaseException] = []
+    with anyio.CancelScope() as scope:
         async def watch() -> None:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-            tg.cancel_scope.cancel()
-        tg.start_soon(watch)
-        await work()
-        tg.cancel_scope.cancel()
+            try:
+                while (await request.receive())["type"] != "http.disconnect":
+                    pass
+            except Exception as exc:  # noqa: BLE001 - re-raised in the caller below
+                failure.append(exc)
+            scope.cancel()
+        watcher = asyncio.get_running_loop().create_task(watch())
+        try:
+            await work()
+        finally:
+            watcher.cancel()
+    if failure:
+        raise failure[0]
 
 
 class SendBounds:
