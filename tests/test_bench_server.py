@@ -62,6 +62,10 @@ def test_interleaved_rounds_and_the_serving_process_policy_in_the_report(capsys)
         assert {"ttft_p50_ms", "ttft_p99_ms"} <= level["server_stream"].keys()
         assert level["throughput_ratio"] == pytest.approx(
             level["server"]["req_per_s"] / level["direct"]["req_per_s"], abs=0.002)
+        # the API process split's ceiling, interleaved with the others (api_floor.py)
+        assert level["api_process_floor_ratio"] == pytest.approx(
+            level["api_process_floor"]["req_per_s"] / level["direct"]["req_per_s"],
+            abs=0.002)
 
 
 def test_pooled_figures_are_over_every_block_not_a_mean_of_blocks():

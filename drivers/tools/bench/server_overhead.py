@@ -20,11 +20,17 @@ server_always_prearm); ``server_no_bursts`` the same server with
 ``burst_throughput_ratio``: server / server_no_bursts); and ``server_thread_waits`` the
 no-bursts server with ``ServerConfig.inline_waits`` off too (a worker thread per enqueue and
 per wait: what the inline waits buy, ``inline_throughput_ratio``: server_no_bursts /
-server_thread_waits). Numbers are reported, never asserted.
+server_thread_waits). ``api_process_floor`` is the ceiling of an API process split (vLLM's
+layout; ``api_floor.py``): HTTP and a minimal completions route in a process of their own,
+each request sent over a Unix socket to this process, which runs it as the direct side does
+(``api_process_floor_ratio``: its requests/s over the direct side's; an upper bound for that
+layout, not a server that exists: admission, resumes, bursts and metrics are left out; a
+first request checks that it answers the direct side's tokens). Numbers are reported, never
+asserted.
 
-The compared sides, ``direct``, ``server`` and ``server_stream``, run interleaved: each level
-runs ``--rounds`` rounds (default 4; fewer when a block would hold fewer than 4 requests per
-client), a block of each side per round, their order rotated, and each side's figures pool its
+The compared sides, ``direct``, ``server``, ``server_stream`` and ``api_process_floor``, run
+interleaved: each level runs ``--rounds`` rounds (default 4; fewer when a block would hold
+fewer than 4 requests per client), a block of each side per round, their order rotated, and each side's figures pool its
 blocks (``round_throughput_ratios``: server / direct per round). A host whose speed drifts
 during the run (this 2-core VM's does) shifts every side alike instead of the side that
 happened to run last. The other sides run one block each, after them. The run applies the
@@ -40,6 +46,7 @@ import argparse
 import functools
 import json
 import queue
+import subprocess
 import sys
 import tempfile
 import threading
@@ -68,10 +75,11 @@ class BenchError(RuntimeError):
 
 
 def _direct_request(ex: DeviceExecutor, seq: int, prompt: list[int], max_tokens: int,
-                    logits: np.ndarray | None = None) -> None:
-    """One request through the executor API: prefill, then greedy decodes, then release.
-    ``logits``: the caller's row for every job's logits (no allocation per token, as the
-    executor's API recommends; None: one allocated per job)."""
+                    logits: np.ndarray | None = None) -> list[int]:
+    """One request through the executor API: prefill, then greedy decodes, then release; the
+    tokens. ``logits``: the caller's row for every job's logits (no allocation per token, as
+    the executor's API recommends; None: one allocated per job)."""
+    tokens: list[int] = []
     deadline = time.monotonic() + _WAIT_S
     ids = np.asarray(prompt, dtype=np.int32)
     request = InferenceRequest(seq_id=seq, kind=TaskKind.PREFILL_IDS, tokens=ids,
@@ -81,12 +89,14 @@ def _direct_request(ex: DeviceExecutor, seq: int, prompt: list[int], max_tokens:
         result = ex.enqueue(request, logits).wait_until(deadline)
         if isinstance(result, Status):
             raise BenchError(f"executor job failed: {result}")
+        tokens.append(result.argmax)
         request = InferenceRequest(seq_id=seq, kind=TaskKind.DECODE,
                                    tokens=np.asarray([result.argmax], dtype=np.int32),
                                    positions=np.asarray([result.kv_len], dtype=np.int32),
                                    past_len=result.kv_len, deadline=deadline)
     if ex.kvc is not None:  # (the executor is started: it has one)
         ex.kvc.reset_sequence(seq)
+    return tokens
 
 
 def _load(requests: int, concurrency: int, one: Callable[[int, int], None],
@@ -203,6 +213,114 @@ def _http_load(url: str, requests: int, concurrency: int, max_tokens: int, strea
     return result
 
 
+class _ApiFloor:
+    """The ``api_process_floor`` side's two halves (``api_floor.py``): the engine socket in
+    this process, running each request straight through ``ex`` on sequence ids of its own
+    pool, and the API process in front of it. ``url`` is None, with ``reason``, where the
+    platform has no Unix sockets. Closes both (bounded) on exit."""
+
+    START_S = 60.0
+
+    def __init__(self, ex: DeviceExecutor, tmp: str, max_tokens: int) -> None:
+        self.ex, self.tmp, self.max_tokens = ex, tmp, max_tokens
+        self.url: str | None = None
+        self.reason: str | None = None
+        self._engine: Any = None
+        self._proc: subprocess.Popen[str] | None = None
+        vocab = ex.generation.vocab_size if ex.generation is not None else 0
+        self._seqs: queue.Queue[int] = queue.Queue()
+        self._rows: dict[int, np.ndarray] = {}
+        for seq in range(1, DIRECT_SEQS + 1):
+            self._seqs.put(seq)
+            self._rows[seq] = np.empty(vocab, dtype=np.float32)
+
+    def run(self, prompt: list[int], max_tokens: int) -> list[int]:
+        seq = self._seqs.get(timeout=_WAIT_S)
+        try:
+            return _direct_request(self.ex, seq, prompt, max_tokens, self._rows[seq])
+        finally:
+            self._seqs.put(seq)
+
+    def __enter__(self) -> _ApiFloor:
+        import socket
+
+        from calexec.drivers.tools.bench.api_floor import EngineSocket
+
+        if not hasattr(socket, "AF_UNIX"):
+            self.reason = "no Unix sockets on this platform"
+            return self
+        path = f"{self.tmp}/engine.sock"
+        self._engine = EngineSocket(path, self.run)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "calexec.drivers.tools.bench.api_floor", "--socket", path,
+             "--max-seconds", str(_WAIT_S * 120)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        line = _first_line(self._proc, self.START_S)
+        if not line.startswith("http://127.0.0.1:"):
+            self.__exit__()
+            raise BenchError(f"the API process did not start: {line!r}")
+        self.url = line
+        # the same prompt through both paths: the side is only a floor if it answers alike
+        prompt = [5, 7, 9]
+        got = _post_tokens(self.url, prompt, self.max_tokens)
+        want = self.run(prompt, self.max_tokens)
+        if got != want:
+            self.__exit__()
+            raise BenchError(f"the API process answered {got}, the executor {want}")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._proc is not None:
+            if self._proc.stdin is not None:
+                self._proc.stdin.close()  # the API process exits at EOF
+            try:
+                self._proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait(10)
+            if self._proc.stdout is not None:
+                self._proc.stdout.close()
+            self._proc = None
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
+
+
+def _first_line(proc: subprocess.Popen[str], timeout: float) -> str:
+    """The first line ``proc`` prints on stdout within ``timeout`` s ("" when none)."""
+    got: list[str] = []
+    stdout = proc.stdout
+    if stdout is None:
+        return ""
+
+    def read() -> None:
+        got.append(stdout.readline())
+    reader = threading.Thread(target=read, name="api-floor-start", daemon=True)
+    reader.start()
+    reader.join(timeout)
+    return got[0].strip() if got else ""
+
+
+def _post_tokens(url: str, prompt: list[int], max_tokens: int) -> list[int]:
+    """One completion's token ids from ``url`` (the API process's answer)."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=_WAIT_S)
+    try:
+        conn.request("POST", "/v1/completions",
+                     body=json.dumps({"prompt": prompt, "max_tokens": max_tokens}),
+                     headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        body = response.read()
+    finally:
+        conn.close()
+    if response.status != 200:
+        raise BenchError(f"the API process answered HTTP {response.status}: {body[:200]!r}")
+    return [int(t) for t in json.loads(body)["choices"][0]["token_ids"]]
+
+
 def http_floor_app() -> Any:
     """The HTTP stack alone (the ``http_floor`` side): a FastAPI app whose ``/v1/completions``
     parses the same kind of pydantic body and answers a canned completion of ``max_tokens``
@@ -270,9 +388,14 @@ def run_server_bench(requests: int, max_tokens: int, decode_us: int,
             raise BenchError(f"executor start failed: {status}")
         app = create_app(served(ex), ServerConfig())
         try:
-            with LiveServer(app) as live, LiveServer(http_floor_app()) as floor:
-                return _levels(ex, app, live.url, floor.url, requests, max_tokens, decode_us,
-                               levels, loadgen, stream, client, rounds)
+            with LiveServer(app) as live, LiveServer(http_floor_app()) as floor, \
+                    _ApiFloor(ex, tmp, max_tokens) as split:
+                result = _levels(ex, app, live.url, floor.url, requests, max_tokens,
+                                 decode_us, levels, loadgen, stream, client, rounds,
+                                 split.url)
+                if split.url is None:
+                    result["api_process_floor"] = f"not run: {split.reason}"
+                return result
         except TimeoutError as exc:  # (a server that did not start)
             raise BenchError(str(exc)) from None
         finally:
@@ -281,7 +404,8 @@ def run_server_bench(requests: int, max_tokens: int, decode_us: int,
 
 def _levels(ex: DeviceExecutor, app: Any, url: str, floor_url: str, requests: int,
             max_tokens: int, decode_us: int, levels: Sequence[int], loadgen: str,
-            stream: bool, client: str, rounds: int) -> dict[str, Any]:
+            stream: bool, client: str, rounds: int,
+            split_url: str | None = None) -> dict[str, Any]:
     """Every level's sides (``run_server_bench``)."""
     result: dict[str, Any] = {"requests": requests, "max_tokens": max_tokens,
                               "decode_us": decode_us, "levels": list(levels),
@@ -314,6 +438,9 @@ def _levels(ex: DeviceExecutor, app: Any, url: str, floor_url: str, requests: in
             "server": functools.partial(http, False, raw=True)}
         if stream:
             sides["server_stream"] = functools.partial(http, True, raw=True)
+        if split_url is not None:
+            sides["api_process_floor"] = functools.partial(http, False, target=split_url,
+                                                           raw=True)
         level_rounds = rounds_for(requests, concurrency, rounds)
         blocks: dict[str, list[dict[str, Any]]] = {name: [] for name in sides}
         names = list(sides)
@@ -361,6 +488,9 @@ def _levels(ex: DeviceExecutor, app: Any, url: str, floor_url: str, requests: in
         if stream:
             level["stream_throughput_ratio"] = round(
                 level["server_stream"]["req_per_s"] / d["req_per_s"], 3)
+        if split_url is not None:
+            level["api_process_floor_ratio"] = round(
+                level["api_process_floor"]["req_per_s"] / d["req_per_s"], 3)
         result[f"c{concurrency}"] = level
     return result
 
