@@ -122,9 +122,10 @@ class EngineSocket:
                     return
                 thread = threading.Thread(target=self._serve, args=(conn,),
                                           name="api-floor-conn", daemon=True)
-                self._conns.append(conn)
-                self._threads.append(thread)
-            thread.start()
+                live = [i for i, t in enumerate(self._threads) if t.is_alive()]
+                self._conns = [self._conns[i] for i in live] + [conn]  # (ended ones dropped)
+                self._threads = [self._threads[i] for i in live] + [thread]
+                thread.start()  # (under the lock: close() never joins an unstarted thread)
 
     def _serve(self, conn: socket.socket) -> None:
         try:

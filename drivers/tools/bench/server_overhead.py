@@ -255,18 +255,20 @@ class _ApiFloor:
             [sys.executable, "-m", "calexec.drivers.tools.bench.api_floor", "--socket", path,
              "--max-seconds", str(_WAIT_S * 120)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        line = _first_line(self._proc, self.START_S)
-        if not line.startswith("http://127.0.0.1:"):
-            self.__exit__()
-            raise BenchError(f"the API process did not start: {line!r}")
-        self.url = line
-        # the same prompt through both paths: the side is only a floor if it answers alike
-        prompt = [5, 7, 9]
-        got = _post_tokens(self.url, prompt, self.max_tokens)
-        want = self.run(prompt, self.max_tokens)
-        if got != want:
-            self.__exit__()
-            raise BenchError(f"the API process answered {got}, the executor {want}")
+        try:
+            line = _first_line(self._proc, self.START_S)
+            if not line.startswith("http://127.0.0.1:"):
+                raise BenchError(f"the API process did not start: {line!r}")
+            self.url = line
+            # the same prompt through both paths: the side is only a floor if it answers alike
+            prompt = [5, 7, 9]
+            got = _post_tokens(self.url, prompt, self.max_tokens)
+            want = self.run(prompt, self.max_tokens)
+            if got != want:
+                raise BenchError(f"the API process answered {got}, the executor {want}")
+        except BaseException:
+            self.__exit__()  # (a with statement does not call __exit__ when __enter__ raises)
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
