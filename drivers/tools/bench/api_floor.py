@@ -167,20 +167,39 @@ class EngineSocket:
             thread.join(timeout)
 
 
-def create_app(path: str) -> Any:
-    """The API process's app: ``/v1/completions`` over pooled connections to ``path``."""
-    import asyncio
-
+def floor_body() -> Any:
+    """The body model of the floor apps (``http_floor``, ``api_process_floor``): the same
+    kind of pydantic body as the server's, reduced to what the benchmark sends."""
     import pydantic
-    from fastapi import FastAPI
-    from fastapi.responses import JSONResponse
 
     class Body(pydantic.BaseModel):
         prompt: list[int]
         max_tokens: int = 16
         temperature: float | None = None
         stream: bool = False
+    return Body
 
+
+def floor_completion(model: str, prompt_tokens: int, tokens: list[int]) -> dict[str, Any]:
+    """A floor app's answer: a completion of ``tokens`` in OpenAI's shape."""
+    import time
+
+    return {"id": f"cmpl-{model}", "object": "text_completion", "created": int(time.time()),
+            "model": model, "choices": [{
+                "index": 0, "text": "x" * len(tokens), "logprobs": None,
+                "finish_reason": "length", "token_ids": tokens}],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(tokens),
+                      "total_tokens": prompt_tokens + len(tokens)}}
+
+
+def create_app(path: str) -> Any:
+    """The API process's app: ``/v1/completions`` over pooled connections to ``path``."""
+    import asyncio
+
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    Body = floor_body()
     app = FastAPI()
     idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
 
@@ -196,21 +215,13 @@ def create_app(path: str) -> Any:
         idle.append((reader, writer))
         return reply
 
-    async def completions(body: Body) -> JSONResponse:
-        import time
-
+    async def completions(body: Any) -> JSONResponse:
         reply = await ask({"prompt": body.prompt, "max_tokens": body.max_tokens})
         if "error" in reply:
             return JSONResponse({"error": {"message": str(reply["error"]),
                                            "type": "internal_error"}}, status_code=500)
         tokens = [int(t) for t in reply["tokens"]]
-        return JSONResponse({
-            "id": "cmpl-api-floor", "object": "text_completion", "created": int(time.time()),
-            "model": "api-floor", "choices": [{
-                "index": 0, "text": "x" * len(tokens), "logprobs": None,
-                "finish_reason": "length", "token_ids": tokens}],
-            "usage": {"prompt_tokens": len(body.prompt), "completion_tokens": len(tokens),
-                      "total_tokens": len(body.prompt) + len(tokens)}})
+        return JSONResponse(floor_completion("api-floor", len(body.prompt), tokens))
     completions.__annotations__["body"] = Body  # (a local class: FastAPI gets the class)
     app.post("/v1/completions")(completions)
     return app

@@ -328,25 +328,15 @@ def http_floor_app() -> Any:
     parses the same kind of pydantic body and answers a canned completion of ``max_tokens``
     token ids at once, no executor behind it. What a request costs the load generator,
     uvicorn and FastAPI on this host: the ceiling of any server on that stack."""
-    import pydantic
     from fastapi import FastAPI
 
-    class Body(pydantic.BaseModel):
-        prompt: list[int]
-        max_tokens: int = 16
-        temperature: float | None = None
-        stream: bool = False
+    from calexec.drivers.tools.bench.api_floor import floor_body, floor_completion
 
+    Body = floor_body()
     app = FastAPI()
 
-    async def completions(body: Body) -> dict[str, Any]:
-        tokens = list(range(body.max_tokens))
-        return {"id": "cmpl-floor", "object": "text_completion", "created": int(time.time()),
-                "model": "http-floor", "choices": [{
-                    "index": 0, "text": "x" * len(tokens), "logprobs": None,
-                    "finish_reason": "length", "token_ids": tokens}],
-                "usage": {"prompt_tokens": len(body.prompt), "completion_tokens": len(tokens),
-                          "total_tokens": len(body.prompt) + len(tokens)}}
+    async def completions(body: Any) -> dict[str, Any]:
+        return floor_completion("http-floor", len(body.prompt), list(range(body.max_tokens)))
     # (annotations are strings here, and ``Body`` is local: FastAPI gets the class itself)
     completions.__annotations__["body"] = Body
     app.post("/v1/completions")(completions)
