@@ -30,8 +30,8 @@ asserted.
 
 The compared sides, ``direct``, ``server``, ``server_stream`` and ``api_process_floor``, run
 interleaved: each level runs ``--rounds`` rounds (default 4; fewer when a block would hold
-fewer than 4 requests per client), a block of each side per round, their order rotated, and each side's figures pool its
-blocks (``round_throughput_ratios``: server / direct per round). A host whose speed drifts
+fewer than 4 requests per client), a block of each side per round, their order rotated, and
+each side's figures pool its blocks (``round_throughput_ratios``: server / direct per round). A host whose speed drifts
 during the run (this 2-core VM's does) shifts every side alike instead of the side that
 happened to run last. The other sides run one block each, after them. The run applies the
 process policy ``calexec serve`` applies (glibc's mmap threshold pinned,
@@ -64,6 +64,7 @@ from calexec.contracts.types import TaskKind
 from calexec.drivers.device_spec import DeviceSpec, DeviceSpecError
 from calexec.drivers.memory import pin_mmap_threshold
 from calexec.drivers.serving.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
+from calexec.drivers.tools.bench.api_floor import EngineSocket
 from calexec.drivers.tools.bench.subproc import run_json_program
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 
@@ -175,7 +176,7 @@ def split(requests: int, parts: int) -> list[int]:
 #: the concurrency levels by default (issue 28: c=1, 8 and 64)
 DEFAULT_LEVELS = (1, 8, 64)
 #: interleaved rounds per level by default: the compared sides (direct, server,
-#: server_stream) each run a block per round, their order rotated, so a drift of the host
+#: server_stream, api_process_floor) each run a block per round, their order rotated, so a drift of the host
 #: during the run falls on every side alike
 DEFAULT_ROUNDS = 4
 #: a round's block holds at least this many requests per client (``rounds_for``)
@@ -225,7 +226,7 @@ class _ApiFloor:
         self.ex, self.tmp, self.max_tokens = ex, tmp, max_tokens
         self.url: str | None = None
         self.reason: str | None = None
-        self._engine: Any = None
+        self._engine: EngineSocket | None = None
         self._proc: subprocess.Popen[str] | None = None
         vocab = ex.generation.vocab_size if ex.generation is not None else 0
         self._seqs: queue.Queue[int] = queue.Queue()
@@ -243,8 +244,6 @@ class _ApiFloor:
 
     def __enter__(self) -> _ApiFloor:
         import socket
-
-        from calexec.drivers.tools.bench.api_floor import EngineSocket
 
         if not hasattr(socket, "AF_UNIX"):
             self.reason = "no Unix sockets on this platform"
