@@ -115,6 +115,22 @@ def test_the_api_app_relays_over_pooled_connections(engine):
         conn.close()
 
 
+def test_an_engine_socket_that_is_not_there_is_a_502_naming_it(tmp_path):
+    import http.client
+
+    from calexec.drivers.tools.chaos import LiveServer
+
+    missing = str(tmp_path / "no-engine.sock")
+    with LiveServer(api_floor.create_app(missing)) as live:
+        conn = http.client.HTTPConnection("127.0.0.1", live.port, timeout=10)
+        conn.request("POST", "/v1/completions", body=json.dumps({"prompt": [1]}),
+                     headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        body = json.loads(response.read())
+        conn.close()
+    assert response.status == 502 and missing in body["error"]["message"]
+
+
 def test_the_api_process_prints_its_url_and_exits_when_stdin_closes(engine):
     proc = subprocess.Popen([sys.executable, "-m", "calexec.drivers.tools.bench.api_floor",
                              "--socket", engine], stdin=subprocess.PIPE,

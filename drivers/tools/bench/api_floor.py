@@ -216,7 +216,11 @@ def create_app(path: str) -> Any:
         return reply
 
     async def completions(body: Any) -> JSONResponse:
-        reply = await ask({"prompt": body.prompt, "max_tokens": body.max_tokens})
+        try:
+            reply = await ask({"prompt": body.prompt, "max_tokens": body.max_tokens})
+        except (OSError, asyncio.IncompleteReadError, FrameError) as exc:
+            return JSONResponse({"error": {"message": f"engine socket {path}: {exc}",
+                                           "type": "engine_unavailable"}}, status_code=502)
         if "error" in reply:
             return JSONResponse({"error": {"message": str(reply["error"]),
                                            "type": "internal_error"}}, status_code=500)
