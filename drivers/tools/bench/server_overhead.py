@@ -214,6 +214,28 @@ def _http_load(url: str, requests: int, concurrency: int, max_tokens: int, strea
     return result
 
 
+class _DirectSeqs:
+    """Sequence ids ``1..count`` of ``ex``, each with its own logits row: ``run`` leases one
+    for a request straight through the executor (``_direct_request``) and gives it back, so
+    more concurrent requests than ids wait for one (bounded)."""
+
+    def __init__(self, ex: DeviceExecutor, count: int) -> None:
+        self.ex = ex
+        vocab = ex.generation.vocab_size if ex.generation is not None else 0
+        self._seqs: queue.Queue[int] = queue.Queue()
+        self._rows: dict[int, np.ndarray] = {}
+        for seq in range(1, count + 1):
+            self._seqs.put(seq)
+            self._rows[seq] = np.empty(vocab, dtype=np.float32)
+
+    def run(self, prompt: list[int], max_tokens: int) -> list[int]:
+        seq = self._seqs.get(timeout=_WAIT_S)
+        try:
+            return _direct_request(self.ex, seq, prompt, max_tokens, self._rows[seq])
+        finally:
+            self._seqs.put(seq)
+
+
 class _ApiFloor:
     """The ``api_process_floor`` side's two halves (``api_floor.py``): the engine socket in
     this process, running each request straight through ``ex`` on sequence ids of its own
@@ -228,19 +250,7 @@ class _ApiFloor:
         self.reason: str | None = None
         self._engine: EngineSocket | None = None
         self._proc: subprocess.Popen[str] | None = None
-        vocab = ex.generation.vocab_size if ex.generation is not None else 0
-        self._seqs: queue.Queue[int] = queue.Queue()
-        self._rows: dict[int, np.ndarray] = {}
-        for seq in range(1, DIRECT_SEQS + 1):
-            self._seqs.put(seq)
-            self._rows[seq] = np.empty(vocab, dtype=np.float32)
-
-    def run(self, prompt: list[int], max_tokens: int) -> list[int]:
-        seq = self._seqs.get(timeout=_WAIT_S)
-        try:
-            return _direct_request(self.ex, seq, prompt, max_tokens, self._rows[seq])
-        finally:
-            self._seqs.put(seq)
+        self.run = _DirectSeqs(ex, DIRECT_SEQS).run
 
     def __enter__(self) -> _ApiFloor:
         import socket
@@ -402,20 +412,11 @@ def _levels(ex: DeviceExecutor, app: Any, url: str, floor_url: str, requests: in
                               "decode_us": decode_us, "levels": list(levels),
                               "loadgen": loadgen, "loadgen_client": client, "stream": stream,
                               "warmup_requests": WARMUP_REQUESTS, "rounds": rounds}
-    vocab = ex.generation.vocab_size if ex.generation is not None else 0
     for concurrency in levels:
-        seqs: queue.Queue[int] = queue.Queue()
-        for seq in range(1, min(concurrency, DIRECT_SEQS) + 1):
-            seqs.put(seq)
-        rows = {seq: np.empty(vocab, dtype=np.float32) for seq in list(seqs.queue)}
+        seqs = _DirectSeqs(ex, min(concurrency, DIRECT_SEQS))
 
-        def direct(w: int, i: int, seqs: queue.Queue[int] = seqs,
-                   rows: dict[int, np.ndarray] = rows) -> None:
-            seq = seqs.get(timeout=_WAIT_S)
-            try:
-                _direct_request(ex, seq, [i % 1000 + 1, 7, 9], max_tokens, rows[seq])
-            finally:
-                seqs.put(seq)
+        def direct(w: int, i: int, seqs: _DirectSeqs = seqs) -> None:
+            seqs.run([i % 1000 + 1, 7, 9], max_tokens)
 
         def http(streaming: bool, count: int = requests, concurrency: int = concurrency,
                  target: str = url, raw: bool = False) -> dict[str, Any]:
