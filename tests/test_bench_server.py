@@ -78,6 +78,8 @@ def test_pooled_figures_are_over_every_block_not_a_mean_of_blocks():
     assert bench_server.pooled(streamed)["ttft_p50_ms"] == 2.5
     # a side whose blocks did not all stream has no time to the first token
     assert "ttft_p50_ms" not in bench_server.pooled([streamed[0], blocks[1]])
+    # one block's rate is that block's (what round_throughput_ratios divides)
+    assert bench_server.rate(blocks[:1]) == 3.0 and bench_server.rate(blocks[1:]) == 1 / 3
 
 
 @pytest.mark.parametrize(("requests", "concurrency", "rounds", "expected"), [

@@ -143,14 +143,20 @@ def _load(requests: int, concurrency: int, one: Callable[[int, int], None],
     return out
 
 
+def rate(blocks: Sequence[dict[str, Any]]) -> float:
+    """Requests per second of raw blocks (``_load`` / ``loadgen.run`` with ``raw``): their
+    requests over their summed time (one block: that block's rate)."""
+    return (sum(len(b["latencies_ms"]) for b in blocks)
+            / sum(float(b["elapsed_s"]) for b in blocks))
+
+
 def pooled(blocks: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One side's figures from its blocks (raw ``_load`` / ``loadgen.run`` results): requests/s
     over the blocks' summed time, P50/P99 over every latency, the time to the first token
     likewise when the blocks streamed."""
     latencies = np.concatenate([np.asarray(b["latencies_ms"], dtype=np.float64)
                                 for b in blocks])
-    elapsed = sum(float(b["elapsed_s"]) for b in blocks)
-    out: dict[str, Any] = {"req_per_s": round(len(latencies) / elapsed, 2),
+    out: dict[str, Any] = {"req_per_s": round(rate(blocks), 2),
                            "p50_ms": round(float(np.percentile(latencies, 50)), 3),
                            "p99_ms": round(float(np.percentile(latencies, 99)), 3)}
     if all("ttft_ms" in b for b in blocks):
@@ -443,8 +449,7 @@ def _levels(ex: DeviceExecutor, app: Any, url: str, floor_url: str, requests: in
         d, h = level["direct"], level["server"]
         level["rounds"] = level_rounds
         level["round_throughput_ratios"] = [
-            round((len(s["latencies_ms"]) / s["elapsed_s"])
-                  / (len(x["latencies_ms"]) / x["elapsed_s"]), 3)
+            round(rate([s]) / rate([x]), 3)
             for s, x in zip(blocks["server"], blocks["direct"], strict=True)]
         service = app.state.service
         config = service.config
