@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import pytest
 
@@ -25,7 +26,9 @@ def test_thread_loadgen_without_streaming(capsys):
     assert "server_stream" not in level and "stream_throughput_ratio" not in level
     for side in ("direct", "server", "server_no_ahead", "server_always_prearm",
                  "server_no_bursts", "server_thread_waits", "http_floor"):
-        assert set(level[side]) == {"req_per_s", "p50_ms", "p99_ms"}
+        # the compared sides also carry their CPU per request (this process's)
+        cpu = {"cpu_ms_per_request"} if side in ("direct", "server") else set()
+        assert set(level[side]) == {"req_per_s", "p50_ms", "p99_ms", *cpu}
         assert all(math.isfinite(v) and v > 0 for v in level[side].values())
         assert level[side]["p50_ms"] <= level[side]["p99_ms"]
     assert level["throughput_ratio"] == pytest.approx(
@@ -39,6 +42,10 @@ def test_thread_loadgen_without_streaming(capsys):
     assert level["inline_throughput_ratio"] == pytest.approx(
         level["server_no_bursts"]["req_per_s"] / level["server_thread_waits"]["req_per_s"],
         abs=0.002)
+    assert level["cpu_per_request_ratio"] == pytest.approx(
+        level["server"]["cpu_ms_per_request"] / level["direct"]["cpu_ms_per_request"],
+        abs=0.002)
+    assert "load generator" in report["process_cpu_scope"]  # its threads run in this process
 
 
 def test_interleaved_rounds_and_the_serving_process_policy_in_the_report(capsys):
@@ -60,6 +67,11 @@ def test_interleaved_rounds_and_the_serving_process_policy_in_the_report(capsys)
         ratios = level["round_throughput_ratios"]
         assert len(ratios) == level["rounds"] and all(r > 0 for r in ratios)
         assert {"ttft_p50_ms", "ttft_p99_ms"} <= level["server_stream"].keys()
+        assert level["stream_cpu_per_request_ratio"] == pytest.approx(
+            level["server_stream"]["cpu_ms_per_request"]
+            / level["direct"]["cpu_ms_per_request"], abs=0.002)
+        # its other half runs in the API process: no CPU figure from this process
+        assert "cpu_ms_per_request" not in level["api_process_floor"]
         assert level["throughput_ratio"] == pytest.approx(
             level["server"]["req_per_s"] / level["direct"]["req_per_s"], abs=0.002)
         # the API process split's ceiling, interleaved with the others (api_floor.py)
@@ -80,6 +92,22 @@ def test_pooled_figures_are_over_every_block_not_a_mean_of_blocks():
     assert "ttft_p50_ms" not in bench_server.pooled([streamed[0], blocks[1]])
     # one block's rate is that block's (what round_throughput_ratios divides)
     assert bench_server.rate(blocks[:1]) == 3.0 and bench_server.rate(blocks[1:]) == 1 / 3
+    # CPU per request: over every request each block served (its warm-up included)
+    timed = [dict(blocks[0], cpu_s=0.5, served=5), dict(blocks[1], cpu_s=0.25, served=3)]
+    assert bench_server.pooled(timed)["cpu_ms_per_request"] == 93.75  # 750 ms / 8
+    assert "cpu_ms_per_request" not in bench_server.pooled([timed[0], blocks[1]])
+
+
+def test_a_block_records_the_cpu_it_took_and_the_requests_it_served():
+    def busy(size: int) -> dict:
+        end = time.process_time() + 0.05
+        while time.process_time() < end:
+            pass
+        return {"elapsed_s": 1.0, "latencies_ms": [1.0] * size}
+
+    got = bench_server.with_cpu(busy, 8)(4)
+    assert got["served"] == 12 and got["latencies_ms"] == [1.0] * 4
+    assert got["cpu_s"] >= 0.05  # the CPU the block burnt (a floor, not a timing bound)
 
 
 @pytest.mark.parametrize(("requests", "concurrency", "rounds", "expected"), [
@@ -260,4 +288,5 @@ def test_httpx_client_side_has_the_same_shape(capsys):
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["loadgen_client"] == "httpx"
     assert set(report["c1"]["server_stream"]) == {"req_per_s", "p50_ms", "p99_ms",
-                                                  "ttft_p50_ms", "ttft_p99_ms"}
+                                                  "ttft_p50_ms", "ttft_p99_ms",
+                                                  "cpu_ms_per_request"}

@@ -38,6 +38,14 @@ process policy ``calexec serve`` applies (glibc's mmap threshold pinned,
 ``mmap_threshold_pinned``; the GIL switch interval ``--gil-switch-us``, default
 500 us, ``gil_switch_interval_us``), so the server is measured as deployed; the direct side
 runs under the same policy, each sequence with its own logits row (no allocation per token).
+
+Each block of ``direct``, ``server`` and ``server_stream`` also records this process's CPU time
+(``time.process_time``: every thread, user and system) over the requests it served, warm-up
+included: ``cpu_ms_per_request``, and ``cpu_per_request_ratio`` / ``stream_cpu_per_request_ratio``
+(server / direct). With the load generator in a process of its own that is the server's and the
+executor's CPU per request against the executor's alone: the server's share as CPU, which a
+host's wake-up latency moves much less than it moves requests/s. ``--loadgen thread`` counts
+the load generator's CPU too (``process_cpu_scope`` says which).
 """
 
 from __future__ import annotations
@@ -159,11 +167,27 @@ def pooled(blocks: Sequence[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {"req_per_s": round(rate(blocks), 2),
                            "p50_ms": round(float(np.percentile(latencies, 50)), 3),
                            "p99_ms": round(float(np.percentile(latencies, 99)), 3)}
+    if blocks and all("cpu_s" in b for b in blocks):
+        served = sum(int(b["served"]) for b in blocks)
+        out["cpu_ms_per_request"] = round(1000.0 * sum(float(b["cpu_s"]) for b in blocks)
+                                          / served, 3)
     if all("ttft_ms" in b for b in blocks):
         first = np.concatenate([np.asarray(b["ttft_ms"], dtype=np.float64) for b in blocks])
         out["ttft_p50_ms"] = round(float(np.percentile(first, 50)), 3)
         out["ttft_p99_ms"] = round(float(np.percentile(first, 99)), 3)
     return out
+
+
+def with_cpu(side: Callable[[int], dict[str, Any]], untimed: int
+             ) -> Callable[[int], dict[str, Any]]:
+    """``side`` (a block of ``size`` timed requests, raw figures) that also records this
+    process's CPU time over the block (``cpu_s``) and the requests it served (``served``: the
+    timed ones and ``untimed`` warm-up requests the block sends first)."""
+    def block(size: int) -> dict[str, Any]:
+        cpu0 = time.process_time()
+        got = side(size)
+        return {**got, "cpu_s": time.process_time() - cpu0, "served": size + untimed}
+    return block
 
 
 def rounds_for(requests: int, concurrency: int, rounds: int) -> int:
@@ -417,7 +441,11 @@ def _levels(ex: DeviceExecutor, app: Any, url: str, floor_url: str, requests: in
     result: dict[str, Any] = {"requests": requests, "max_tokens": max_tokens,
                               "decode_us": decode_us, "levels": list(levels),
                               "loadgen": loadgen, "loadgen_client": client, "stream": stream,
-                              "warmup_requests": WARMUP_REQUESTS, "rounds": rounds}
+                              "warmup_requests": WARMUP_REQUESTS, "rounds": rounds,
+                              "process_cpu_scope": ("this process: the server and the executor"
+                                            if loadgen == "process" else
+                                            "this process: the server, the executor and "
+                                            "the load generator's threads")}
     for concurrency in levels:
         seqs = _DirectSeqs(ex, min(concurrency, DIRECT_SEQS))
 
@@ -432,10 +460,12 @@ def _levels(ex: DeviceExecutor, app: Any, url: str, floor_url: str, requests: in
         print(f"bench server: concurrency {concurrency}", file=sys.stderr)
         _load(min(requests, WARMUP_REQUESTS), concurrency, direct)  # warm-up
         sides: dict[str, Callable[[int], dict[str, Any]]] = {
-            "direct": functools.partial(_load, concurrency=concurrency, one=direct, raw=True),
-            "server": functools.partial(http, False, raw=True)}
+            "direct": with_cpu(functools.partial(_load, concurrency=concurrency,
+                                                 one=direct, raw=True), 0),
+            "server": with_cpu(functools.partial(http, False, raw=True), WARMUP_REQUESTS)}
         if stream:
-            sides["server_stream"] = functools.partial(http, True, raw=True)
+            sides["server_stream"] = with_cpu(functools.partial(http, True, raw=True),
+                                              WARMUP_REQUESTS)
         if split_url is not None:
             sides["api_process_floor"] = functools.partial(http, False, target=split_url,
                                                            raw=True)
@@ -481,10 +511,14 @@ def _levels(ex: DeviceExecutor, app: Any, url: str, floor_url: str, requests: in
                                                              + d["req_per_s"]), 3),
             "throughput_ratio": round(h["req_per_s"] / d["req_per_s"], 3),
             "p50_ratio": round(h["p50_ms"] / d["p50_ms"], 3),
-            "p99_ratio": round(h["p99_ms"] / d["p99_ms"], 3)})
+            "p99_ratio": round(h["p99_ms"] / d["p99_ms"], 3),
+            "cpu_per_request_ratio": round(h["cpu_ms_per_request"]
+                                           / d["cpu_ms_per_request"], 3)})
         if stream:
             level["stream_throughput_ratio"] = round(
                 level["server_stream"]["req_per_s"] / d["req_per_s"], 3)
+            level["stream_cpu_per_request_ratio"] = round(
+                level["server_stream"]["cpu_ms_per_request"] / d["cpu_ms_per_request"], 3)
         if split_url is not None:
             level["api_process_floor_ratio"] = round(
                 level["api_process_floor"]["req_per_s"] / d["req_per_s"], 3)
