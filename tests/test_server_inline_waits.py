@@ -29,7 +29,7 @@ import os
 import attrs
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from calexec.drivers.calrt.runtime import Fault, FaultMode
@@ -56,8 +56,9 @@ DEVICES = (1000, 0)
 #: "bursts" is the defaults: at zero latency it decodes without pre-arming (its device is
 #: faster than ``prearm_min_device_ms``), at 1 ms through pre-armed streams; the other two
 #: always pre-arm, so the zero-latency device has the loop come before the arming
-PATHS = {"bursts": {}, "inline": {"decode_bursts": False, "prearm_min_device_ms": 0.0},
-         "plain": {"inline_waits": False, "decode_bursts": False,
+PATHS = {"bursts": {}, "inline": {"decode_bursts": False, "stream_bursts": False,
+                                  "prearm_min_device_ms": 0.0},
+         "plain": {"inline_waits": False, "decode_bursts": False, "stream_bursts": False,
                    "prearm_min_device_ms": 0.0}}
 
 
@@ -98,6 +99,11 @@ requests_st = st.fixed_dictionaries({
 # beat it: which one the client gets is timing, so a deadline request has neither)
 
 
+#: a plain greedy streamed request (the explicit examples)
+STREAMED = {"prompt": [5, 6, 7], "max_tokens": 3, "mode": "stream", "read": 1, "sampled": None,
+            "stop_at": None, "deadline": False, "device": 0, "fault": None}
+
+
 def body_of(spec: dict) -> dict:
     body = {"prompt": spec["prompt"], "max_tokens": spec["max_tokens"]}
     if spec["sampled"] is not None:
@@ -126,7 +132,7 @@ def send(url: str, spec: dict) -> tuple:
                 return ("error", r.status_code, r.json()["error"].get("code"))
             choice = r.json()["choices"][0]
             return ("ok", choice["token_ids"], choice["finish_reason"])
-        tokens, finish, error, done, events = [], None, None, False, 0
+        tokens, finish, error, done, events, texts = [], None, None, False, 0, []
         with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
             if r.status_code != 200:
                 r.read()
@@ -142,12 +148,13 @@ def send(url: str, spec: dict) -> tuple:
                     error = event["error"].get("code")
                     continue
                 choice = event["choices"][0]
+                texts.append(choice.get("text"))  # event by event, not only the sum
                 tokens += choice.get("token_ids") or []
                 finish = choice.get("finish_reason") or finish
                 events += 1
                 if spec["mode"] == "disconnect" and events >= spec["read"]:
-                    return ("gone", tokens)  # closes the connection mid-stream
-        return ("stream", tokens, finish, error, done)
+                    return ("gone", tokens, texts)  # closes the connection mid-stream
+        return ("stream", tokens, finish, error, done, texts)
 
 
 def idle(executor, service) -> bool:
@@ -192,6 +199,12 @@ def comparable(spec: dict, answer: tuple) -> tuple:
           suppress_health_check=[HealthCheck.function_scoped_fixture,
                                  HealthCheck.too_slow])
 @given(history=st.lists(requests_st, min_size=1, max_size=4))
+# always: a streamed burst whose second job fails after it handed out a token (handed back to
+# the loop and resumed, as the plain path does), on either device; a stream left mid-burst;
+# and a stream longer than a streamed burst may run ahead of the loop (STREAM_AHEAD tokens)
+@example(history=[{**STREAMED, "device": device, "fault": (0, 2)} for device in DEVICES]
+         + [{**STREAMED, "mode": "disconnect", "max_tokens": 10, "read": 2},
+            {**STREAMED, "max_tokens": 40}])
 def test_inline_waits_and_bursts_answer_exactly_like_the_plain_path(servers, history):
     for spec in history:
         plain = run_one(servers[spec["device"], "plain"], spec)
@@ -229,9 +242,10 @@ def test_inline_waits_take_the_steps_on_the_loop(servers, monkeypatch):
 
 
 def test_bursts_take_a_greedy_requests_decode_steps_in_one_thread(servers):
-    """The point of the bursts, observed (``calexec_decode_burst_jobs_total``): a non-streamed
-    greedy request's 12 jobs (its prefill and 11 decode steps) are taken by bursts; with a
-    stop string (the handler reads each token) or streamed, none is."""
+    """The point of the bursts, observed (``calexec_decode_burst_jobs_total``): a greedy
+    request's 12 jobs (its prefill and 11 decode steps) are taken by bursts, streamed
+    (``stream_bursts``) or not (``decode_bursts``); with a stop string (the handler reads
+    each token and may end the generation), none is, streamed or not."""
     url, _, service = servers[1000, "bursts"]
 
     def burst_jobs() -> float:
@@ -243,12 +257,20 @@ def test_bursts_take_a_greedy_requests_decode_steps_in_one_thread(servers):
     assert run_one(servers[1000, "bursts"], spec) == ("ok", greedy, "length")
     assert burst_jobs() - before == 12
     before = burst_jobs()
+    assert run_one(servers[1000, "bursts"], {**spec, "mode": "stream"})[:5] == (
+        "stream", greedy, "length", None, True)
+    assert burst_jobs() - before == 12
+    before = burst_jobs()
     with httpx.Client(base_url=url, timeout=30.0) as client:
         r = client.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 12,
                                                  "stop": ["never-in-bytes"]})
-    assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == greedy
-    assert run_one(servers[1000, "bursts"], {**spec, "mode": "stream"}) == (
-        "stream", greedy, "length", None, True)
+        assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == greedy
+        with client.stream("POST", "/v1/completions",
+                           json={"prompt": [5, 6, 7], "max_tokens": 12, "stream": True,
+                                 "stop": ["never-in-bytes"]}) as streamed:
+            lines = [line for line in streamed.iter_lines() if line.startswith("data: {")]
+    assert [t for line in lines
+            for t in json.loads(line[len("data: "):])["choices"][0]["token_ids"]] == greedy
     assert burst_jobs() == before
 
 
@@ -279,7 +301,7 @@ def test_a_device_faster_than_prearm_min_device_ms_decodes_without_pre_arming(se
             run_one(server, spec)  # the device's decode wait measured
             before = stream_steps()
             assert run_one(server, spec) == greedy
-            assert run_one(server, {**spec, "mode": "stream"}) == (
+            assert run_one(server, {**spec, "mode": "stream"})[:5] == (
                 "stream", greedy[1], "length", None, True)
         finally:
             service.config = config

@@ -28,7 +28,7 @@ calexec_prompt_tokens_total                 counter    prompt tokens of successf
 calexec_generation_tokens_total             counter    generated tokens of successful requests
 calexec_decode_steps_total{prearmed}       counter    decode jobs of decode streams (label: pre-armed or not)
 calexec_decode_steps_ahead_total            counter    of those, fired with the argmax (greedy ahead)
-calexec_decode_burst_jobs_total             counter    jobs taken in decode bursts (non-streamed greedy)
+calexec_decode_burst_jobs_total             counter    jobs taken in decode bursts (greedy, streamed or not)
 calexec_executor_jobs_total                 counter    outcome; the executor's own job counters
 calexec_num_requests_running                gauge      completion requests being served
 calexec_num_requests_waiting                gauge      requests waiting for a sequence id or Ready
@@ -424,9 +424,10 @@ class ServerMetrics:
             "executor's completion thread with the previous step's argmax, before the "
             "server asked for them (greedy ahead, issue 17).", registry=reg)
         self.burst_jobs = Counter(
-            "calexec_decode_burst_jobs", "Jobs (prefills and decode steps) of non-streamed "
-            "greedy requests taken one after the other by a worker thread, the event loop "
-            "woken once for them (ServerConfig.decode_bursts, issue 28).", registry=reg)
+            "calexec_decode_burst_jobs", "Jobs (prefills and decode steps) of greedy "
+            "requests taken one after the other by a worker thread: non-streamed, the event "
+            "loop woken once for them (ServerConfig.decode_bursts); streamed, woken only when "
+            "it waits for a token (ServerConfig.stream_bursts; issue 28).", registry=reg)
         reg.register(_ExecutorCollector(snapshot, server_gauges))
         self.vllm = (VllmMetrics(reg, model_name, server_gauges, cache_info)
                      if names == "vllm" else None)

@@ -206,6 +206,14 @@ class ServerConfig:
     #: the plain path handles it (resume, error). False: one loop wake per token; the answers
     #: are the same (tests/test_server_inline_waits.py)
     decode_bursts: bool = True
+    #: the same for a streamed request (server-sent events): its burst runs in the background
+    #: and hands each token to the loop as it is taken; the loop is woken only when it waits
+    #: for one (tokens taken while it was sending are handed out without a wake-up), so it
+    #: no longer takes a worker thread's round trip and a wait per token. A failed job, a
+    #: deadline or a disconnect is handled as the non-streamed burst handles it. False: one
+    #: loop round trip per token; the answers and events are the same
+    #: (tests/test_server_inline_waits.py)
+    stream_bursts: bool = True
     #: "vllm": ``/metrics`` exports vLLM's ``vllm:`` families beside the ``calexec_`` ones
     #: (dashboards and autoscalers built for vLLM read them); "calexec": those only
     metrics_names: str = attrs.field(default="calexec",
@@ -365,6 +373,21 @@ class RequestRun:
     burst: collections.deque = attrs.Factory(collections.deque)
     burst_failure: tuple[Any, Any] | None = None
     burst_cut: bool = False
+    #: a streamed burst (``ServerConfig.stream_bursts``): the task that runs its thread
+    #: (None: none running), and the future the loop waits on for its next token (set under
+    #: ``mu`` by the loop, resolved by the thread when it takes one, or when the burst ends)
+    burst_task: asyncio.Task | None = None
+    burst_wake: asyncio.Future | None = None
+    burst_loop: asyncio.AbstractEventLoop | None = None
+    #: a streamed burst holds at most ``STREAM_AHEAD`` tokens the loop has not handed out:
+    #: past that its thread waits (``burst_paused``) on ``burst_room`` (over ``mu``) until
+    #: the loop has taken half of them, the request ended or its deadline came, so a client
+    #: that stops reading stops the generation, as on the plain path
+    burst_paused: bool = False
+    burst_room: threading.Condition = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.burst_room = threading.Condition(self.mu)
 
     @property
     def done(self) -> bool:
@@ -411,6 +434,9 @@ _PROMPT_ROW = object()
 _DEVICE_WINDOW = 32
 #: ``CompletionService._step``'s answer when a decode burst took tokens (``run.burst``)
 _BURST = object()
+#: the tokens a streamed burst may take ahead of the loop handing them out
+#: (``RequestRun.burst_room``)
+STREAM_AHEAD = 16
 
 
 def _prompt_row(logits: np.ndarray, token: int, top: int) -> tuple[sampling.TokenLogprobs, int]:
@@ -443,6 +469,12 @@ def close_decode(run: Any, wait: bool = True) -> bool:
         return True
     stream.close(wait=wait)
     return stream.quiet
+
+
+def _resolve(future: asyncio.Future) -> None:
+    """(On its loop.) ``future`` done, unless it already is (cancelled with its waiter)."""
+    if not future.done():
+        future.set_result(None)
 
 
 def _set_event() -> threading.Event:
@@ -631,10 +663,20 @@ class CompletionService:
         (``ServerConfig.decode_bursts``) are handed out one per call, in order."""
         while True:
             if run.burst:
-                return cast(int, run.burst.popleft())
+                with run.mu:  # (a streamed burst's thread may wait for room)
+                    token = run.burst.popleft()
+                    if run.burst_paused and len(run.burst) <= STREAM_AHEAD // 2:
+                        run.burst_room.notify()
+                return cast(int, token)
             token = await self._step(run)
             if token is not _PROMPT_ROW and token is not _BURST:
                 return cast(int | None, token)
+
+    @staticmethod
+    def token_ready(run: RequestRun) -> bool:
+        """The next ``advance`` of ``run`` returns a token a burst already took, without
+        waiting."""
+        return bool(run.burst)
 
     async def _step(self, run: RequestRun) -> int | None | object:
         """Run one job: the new token, ``_PROMPT_ROW`` when the job's row was a prompt
@@ -765,10 +807,11 @@ class CompletionService:
 
     # ---- decode bursts (ServerConfig.decode_bursts) ---------------------------------------------
     def _burstable(self, run: RequestRun) -> bool:
-        """The run's next jobs may go in a burst: bursts on, the handler reads nothing per
-        token (``run.bursts``), plain greedy, no prompt rows, a sequence id held."""
-        return (self.config.decode_bursts and run.bursts
-                and not run.sse and run.sampling.plain_greedy and run.prompt_top is None
+        """The run's next jobs may go in a burst: bursts on for its kind (``decode_bursts``,
+        ``stream_bursts`` for a streamed run), the handler reads nothing per token that could
+        end it early (``run.bursts``), plain greedy, no prompt rows, a sequence id held."""
+        on = self.config.stream_bursts if run.sse else self.config.decode_bursts
+        return (on and run.bursts and run.sampling.plain_greedy and run.prompt_top is None
                 and run.seq_id is not None)
 
     async def _run_burst(self, run: RequestRun) -> object:
@@ -777,17 +820,15 @@ class CompletionService:
         the generation with the end or a stop token counts; a failed step after them in
         ``run.burst_failure``), (failure, handle) when its first job failed, None when it took
         none (the plain path takes it). Cancelled (deadline, disconnect), the thread is told
-        to stop and commits nothing more; it ends with its job, which the cancel ends."""
+        to stop and commits nothing more; it ends with its job, which the cancel ends.
+        A streamed run's burst runs in the background (``_stream_burst``)."""
+        if run.sse:
+            return await self._stream_burst(run)
         try:
             steps, failure = await to_thread.run_sync(self._burst, run, abandon_on_cancel=True,
                                                       limiter=self._stream_limiter)
         except anyio.get_cancelled_exc_class():
-            with run.mu:
-                run.burst_cut = True
-            run.abandoned = True  # as _run_job: whatever job is or becomes current is
-            handle = run.handle  # cancelled
-            if handle is not None:
-                handle.cancel()
+            self._cut_burst(run)
             raise
         if not steps:
             return failure
@@ -795,6 +836,96 @@ class CompletionService:
         if failure is not None:
             run.burst_failure = failure
         return _BURST
+
+    @staticmethod
+    def _cut_burst(run: RequestRun) -> None:
+        """The loop stopped waiting for ``run``'s burst (deadline, disconnect): its thread
+        commits nothing more, and whatever job is or becomes current is cancelled (as
+        ``_run_job`` does)."""
+        with run.mu:
+            run.burst_cut = True
+            run.burst_wake = None
+            run.burst_room.notify_all()
+        run.abandoned = True
+        handle = run.handle
+        if handle is not None:
+            handle.cancel()
+
+    async def _stream_burst(self, run: RequestRun) -> object:
+        """A streamed run's burst: started in the background on the first call (its thread
+        runs ``_burst``); each call returns ``_BURST`` once a token is in ``run.burst`` (the
+        loop sleeps only while none is), and once the burst ended with every token handed
+        out, what ``_run_burst`` returns for a burst that took none: its failed job (handled
+        as the plain path handles it) or None (the plain path takes the next job; a run the
+        burst finished is done). Cancelled (deadline, disconnect), the burst is cut."""
+        task = run.burst_task
+        if task is None:
+            loop = asyncio.get_running_loop()
+            run.burst_loop = loop
+            task = run.burst_task = loop.create_task(self._stream_burst_thread(run))
+        try:
+            while True:
+                with run.mu:
+                    if run.burst:
+                        return _BURST
+                    if task.done():
+                        break
+                    wake = run.burst_wake = task.get_loop().create_future()
+                await wake
+        except anyio.get_cancelled_exc_class():
+            self._cut_burst(run)
+            raise
+        run.burst_task = None
+        steps, failure = task.result()
+        return failure if failure is not None or not steps else _BURST
+
+    async def _stream_burst_thread(self, run: RequestRun) -> tuple[int, tuple[Any, Any] | None]:
+        """The task of a streamed burst: its thread's (steps, failure), its jobs counted;
+        wakes the loop when it ends. Never raises (nothing awaits a cut burst's task): a
+        failure of the thread itself ends the burst with none (the plain path takes the next
+        job)."""
+        try:
+            steps, failure = await to_thread.run_sync(self._burst, run, abandon_on_cancel=True,
+                                                      limiter=self._stream_limiter)
+            self.metrics.burst_jobs.inc(steps)
+            return steps, failure
+        except Exception:  # noqa: BLE001 - logged; the plain path takes over
+            log.exception("streamed decode burst of request %d", run.request_id)
+            return 0, None
+        finally:
+            with run.mu:
+                wake, run.burst_wake = run.burst_wake, None
+            if wake is not None and not wake.done():
+                wake.set_result(None)
+
+    @staticmethod
+    def _hand_token(run: RequestRun) -> None:
+        """(Burst thread, ``run.mu`` held, a token just appended.) A streamed run's loop
+        waiting for a token is woken; one busy elsewhere finds it in ``run.burst``."""
+        wake, run.burst_wake = run.burst_wake, None
+        if wake is not None and run.burst_loop is not None:
+            run.burst_loop.call_soon_threadsafe(_resolve, wake)
+
+    @staticmethod
+    def _room(run: RequestRun) -> bool:
+        """(Burst thread, ``run.mu`` held.) Wait while a streamed burst holds
+        ``STREAM_AHEAD`` tokens the loop has not taken, until it took half of them: True;
+        False when the request ended, the loop cut the burst or the deadline came first
+        (the burst commits nothing more)."""
+        if len(run.burst) < STREAM_AHEAD:
+            return True
+        run.burst_paused = True
+        try:
+            while len(run.burst) > STREAM_AHEAD // 2:
+                if run.closed or run.burst_cut:
+                    return False
+                remaining = run.deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                run.burst_room.wait(remaining)
+        finally:
+            run.burst_paused = False
+        return not (run.closed or run.burst_cut)
 
     def _burst(self, run: RequestRun) -> tuple[int, tuple[Any, Any] | None]:
         """Worker thread: run ``run``'s jobs one after the other as the plain path runs them
@@ -829,6 +960,10 @@ class CompletionService:
                     steps += 1
                     if token is not None:
                         run.burst.append(token)
+                        if run.sse:
+                            self._hand_token(run)
+                            if not self._room(run):
+                                break
             return steps, None
         finally:
             run.enqueue_idle.set()
@@ -1001,6 +1136,7 @@ class CompletionService:
                     run.status = Status.cancelled(Phase.CANCEL, "client disconnected")
                 with run.mu:
                     run.closed = True  # no enqueue starts after this
+                    run.burst_room.notify_all()  # a streamed burst waiting for room ends
                 idle = run.enqueue_idle.is_set()  # then none runs: run.handle is the last job
                 handle = run.handle
                 if handle is not None and not handle.done:
