@@ -1282,11 +1282,11 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
             await service.finish(run)
             return fail(run.status, count=False)
 
-        async def events():
+        async def events() -> AsyncIterator[bytes]:
             token = first
             try:
-                for chunk in shape.opening():
-                    yield wire.sse(chunk)
+                for opening in shape.opening():
+                    yield wire.sse(opening)
                 # Events of tokens a streamed burst already took (service.token_ready: the
                 # next advance does not wait) go out in one send with the next ones: the
                 # same bytes, fewer writes when the loop is behind the device (at most
@@ -1304,7 +1304,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
                     if ready and not (progress is None and service.token_ready(run)):
                         yield b"".join(ready)
                         ready = []
-                    if hand_off(request, run):
+                    if progress is not None and hand_off(request, run):  # (it needs progress)
                         run.status = HANDED_OFF
                         progress({"handoff": "drained"})
                         return  # no [DONE]: the fleet ingress continues on a sibling
