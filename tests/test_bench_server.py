@@ -70,6 +70,13 @@ def test_interleaved_rounds_and_the_serving_process_policy_in_the_report(capsys)
         assert level["stream_cpu_per_request_ratio"] == pytest.approx(
             level["server_stream"]["cpu_ms_per_request"]
             / level["direct"]["cpu_ms_per_request"], abs=0.002)
+        # the streamed burst's own side, interleaved too: stream_bursts off
+        unburst = level["server_stream_no_bursts"]
+        assert level["stream_burst_throughput_ratio"] == pytest.approx(
+            level["server_stream"]["req_per_s"] / unburst["req_per_s"], abs=0.002)
+        assert level["stream_burst_cpu_ratio"] == pytest.approx(
+            level["server_stream"]["cpu_ms_per_request"] / unburst["cpu_ms_per_request"],
+            abs=0.002)
         # its other half runs in the API process: no CPU figure from this process
         assert "cpu_ms_per_request" not in level["api_process_floor"]
         assert level["throughput_ratio"] == pytest.approx(

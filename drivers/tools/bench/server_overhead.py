@@ -28,8 +28,10 @@ layout, not a server that exists: admission, resumes, bursts and metrics are lef
 first request checks that it answers the direct side's tokens). Numbers are reported, never
 asserted.
 
-The compared sides, ``direct``, ``server``, ``server_stream`` and ``api_process_floor``, run
-interleaved: each level runs ``--rounds`` rounds (default 4; fewer when a block would hold
+The compared sides, ``direct``, ``server``, ``server_stream``, ``server_stream_no_bursts``
+(``ServerConfig.stream_bursts`` off: what the streamed bursts buy,
+``stream_burst_throughput_ratio`` and ``stream_burst_cpu_ratio``: server_stream / it) and
+``api_process_floor``, run interleaved: each level runs ``--rounds`` rounds (default 4; fewer when a block would hold
 fewer than 4 requests per client), a block of each side per round, their order rotated, and
 each side's figures pool its blocks (``round_throughput_ratios``: server / direct per round). A host whose speed drifts
 during the run (this 2-core VM's does) shifts every side alike instead of the side that
@@ -39,7 +41,7 @@ process policy ``calexec serve`` applies (glibc's mmap threshold pinned,
 500 us, ``gil_switch_interval_us``), so the server is measured as deployed; the direct side
 runs under the same policy, each sequence with its own logits row (no allocation per token).
 
-Each block of ``direct``, ``server`` and ``server_stream`` also records this process's CPU time
+Each block of ``direct``, ``server``, ``server_stream`` and ``server_stream_no_bursts`` records this process's CPU time
 (``time.process_time``: every thread, user and system) over the requests it served, warm-up
 included: ``cpu_ms_per_request``, and ``cpu_per_request_ratio`` / ``stream_cpu_per_request_ratio``
 (server / direct). With the load generator in a process of its own that is the server's and the
@@ -188,6 +190,18 @@ def with_cpu(side: Callable[[int], dict[str, Any]], untimed: int
         got = side(size)
         return {**got, "cpu_s": time.process_time() - cpu0, "served": size + untimed}
     return block
+
+
+def _with_config(service: Any, changes: dict[str, Any], side: Callable[[int], dict[str, Any]],
+                 size: int) -> dict[str, Any]:
+    """A block of ``side`` with ``service``'s ServerConfig changed by ``changes`` (restored
+    after it)."""
+    config = service.config
+    service.config = attrs.evolve(config, **changes)
+    try:
+        return side(size)
+    finally:
+        service.config = config
 
 
 def rounds_for(requests: int, concurrency: int, rounds: int) -> int:
@@ -466,6 +480,10 @@ def _levels(ex: DeviceExecutor, app: Any, url: str, floor_url: str, requests: in
         if stream:
             sides["server_stream"] = with_cpu(functools.partial(http, True, raw=True),
                                               WARMUP_REQUESTS)
+            sides["server_stream_no_bursts"] = with_cpu(
+                functools.partial(_with_config, app.state.service,
+                                  {"stream_bursts": False},
+                                  functools.partial(http, True, raw=True)), WARMUP_REQUESTS)
         if split_url is not None:
             sides["api_process_floor"] = functools.partial(http, False, target=split_url,
                                                            raw=True)
@@ -519,6 +537,11 @@ def _levels(ex: DeviceExecutor, app: Any, url: str, floor_url: str, requests: in
                 level["server_stream"]["req_per_s"] / d["req_per_s"], 3)
             level["stream_cpu_per_request_ratio"] = round(
                 level["server_stream"]["cpu_ms_per_request"] / d["cpu_ms_per_request"], 3)
+            unburst = level["server_stream_no_bursts"]
+            level["stream_burst_throughput_ratio"] = round(
+                level["server_stream"]["req_per_s"] / unburst["req_per_s"], 3)
+            level["stream_burst_cpu_ratio"] = round(
+                level["server_stream"]["cpu_ms_per_request"] / unburst["cpu_ms_per_request"], 3)
         if split_url is not None:
             level["api_process_floor_ratio"] = round(
                 level["api_process_floor"]["req_per_s"] / d["req_per_s"], 3)
