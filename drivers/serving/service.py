@@ -206,7 +206,8 @@ class ServerConfig:
     #: the plain path handles it (resume, error). False: one loop wake per token; the answers
     #: are the same (tests/test_server_inline_waits.py)
     decode_bursts: bool = True
-    #: the same for a streamed request (server-sent events): its burst runs in the background
+    #: the same for a streamed request's decode steps (server-sent events; its prefill, the
+    #: first token, takes the plain path): its burst runs in the background
     #: and hands each token to the loop as it is taken; the loop is woken only when it waits
     #: for one (tokens taken while it was sending are handed out without a wake-up), so it
     #: no longer takes a worker thread's round trip and a wait per token. A failed job, a
@@ -809,8 +810,13 @@ class CompletionService:
     def _burstable(self, run: RequestRun) -> bool:
         """The run's next jobs may go in a burst: bursts on for its kind (``decode_bursts``,
         ``stream_bursts`` for a streamed run), the handler reads nothing per token that could
-        end it early (``run.bursts``), plain greedy, no prompt rows, a sequence id held."""
-        on = self.config.stream_bursts if run.sse else self.config.decode_bursts
+        end it early (``run.bursts``), plain greedy, no prompt rows, a sequence id held. A
+        streamed run's burst starts after its prefill: the first token (time to first token)
+        takes the plain path, with no burst to start before it."""
+        if run.sse:
+            on = self.config.stream_bursts and run.past >= len(run.prompt)
+        else:
+            on = self.config.decode_bursts
         return (on and run.bursts and run.sampling.plain_greedy and run.prompt_top is None
                 and run.seq_id is not None)
 
