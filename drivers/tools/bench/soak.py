@@ -29,8 +29,9 @@ Checks (each ``ok`` in ``checks``; the exit code is 1 when one fails, and the pr
   from (drivers/serving/resume.py: ARTIFACT and REQUEST_ARTIFACT failures: unknown CSR,
   slice failure) fails the request whose job met it, at most one per firing of that fault, in
   its window; every other error counts;
-* ``rss``: flat after warm-up within each decode-latency phase (sampled every second and once
-  more when the traffic ended; each phase is its own workload, with its own number of
+* ``rss``: flat after warm-up within each decode-latency phase (sampled every second, when
+  the warm-up ends, at each end of a phase and once more when the traffic ended, so a phase
+  always has two ends to compare; each phase is its own workload, with its own number of
   requests in flight, so a phase is compared with itself): per phase, the median of the last
   third of its samples after its warm-up within ``--rss-bound-mib`` of the median of their
   first third (warm-up: the first 10 % of the requests for the first phase, the first fifth
@@ -464,26 +465,39 @@ class _Monitor(threading.Thread):
             out.append((j, self._ends(values), len(values)))
         return out
 
+    def _sample(self, now: float, warm: bool) -> None:
+        """One RSS sample of the current phase; ``warm``: the first one past the warm-up
+        is the warm-up's mark."""
+        rss = self.sample_rss()
+        if rss is None:
+            return
+        if len(self.rss) >= 4096:  # keep it bounded: every other sample
+            self.rss = self.rss[::2]
+        self.rss.append((round(now - self.t0, 1), rss, self.phase))
+        if self.rss_warm is None and warm:
+            self.rss_warm, self.rss_warm_t = rss, self.rss[-1][0]
+
     def run(self) -> None:
         next_rss = next_line = time.monotonic()
         while not self.stop.wait(0.1):
             issued = self.tally.issued
+            warm = issued >= WARM_SHARE * self.tally.total
+            now = time.monotonic()
+            if warm and self.rss_warm is None:
+                next_rss = now  # the warm-up's end is sampled when it comes
             while self.phase < len(self.phases) - 1 and issued >= self.bounds[self.phase]:
+                # a phase's last sample at its end, the next one's first at its start: each
+                # phase has two ends to compare however fast its requests ran
+                self._sample(now, warm)
                 self.phase += 1
                 self.marks.append(self.counters())
+                next_rss = now
             us = self.phases[self.phase].decode_us
             if self.emu.set_latency(decode_us=us) != 0:
                 self.profile_errors += 1
-            now = time.monotonic()
             if now >= next_rss:
                 next_rss = now + 1.0
-                rss = self.sample_rss()
-                if rss is not None:
-                    if len(self.rss) >= 4096:  # keep it bounded: every other sample
-                        self.rss = self.rss[::2]
-                    self.rss.append((round(now - self.t0, 1), rss, self.phase))
-                    if self.rss_warm is None and issued >= WARM_SHARE * self.tally.total:
-                        self.rss_warm, self.rss_warm_t = rss, self.rss[-1][0]
+                self._sample(now, warm)
             if now >= next_line:
                 next_line = now + self.progress_s
                 print(f"bench soak: {now - self.t0:.0f}s decode_us={us} {self.status()}",
