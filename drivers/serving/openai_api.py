@@ -47,7 +47,12 @@ from calexec.drivers.serving.sampling import (
     TokenLogprobs,
     draw_seed,
 )
-from calexec.drivers.serving.service import Admission, CompletionService, RequestRun
+from calexec.drivers.serving.service import (
+    STREAM_AHEAD,
+    Admission,
+    CompletionService,
+    RequestRun,
+)
 
 Number = StrictInt | StrictFloat
 
@@ -1289,8 +1294,9 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
                     yield wire.sse(opening)
                 # Events of tokens a streamed burst already took (service.token_ready: the
                 # next advance does not wait) go out in one send with the next ones: the
-                # same bytes, fewer writes when the loop is behind the device (at most
-                # STREAM_AHEAD + 1 events; never with a progress channel: no burst then).
+                # same bytes, fewer writes when the loop is behind the device. At most
+                # STREAM_AHEAD events a send, so a burst that stays ahead of the loop never
+                # holds the client's tokens back; never with a progress channel (no burst).
                 ready: list[bytes] = []
                 while token is not None:
                     piece = out.add(token)
@@ -1301,7 +1307,8 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
                     chunk = shape.piece(piece, token, run)
                     if chunk is not None:
                         ready.append(wire.sse(chunk))
-                    if ready and not (progress is None and service.token_ready(run)):
+                    if ready and not (progress is None and service.token_ready(run)
+                                      and len(ready) < STREAM_AHEAD):
                         yield b"".join(ready)
                         ready = []
                     if progress is not None and hand_off(request, run):  # (it needs progress)
