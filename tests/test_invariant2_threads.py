@@ -67,11 +67,12 @@ def runtime_calls(monkeypatch):
     return calls
 
 
-def executor_threads(before: set[int]) -> dict[str, int]:
+def executor_threads(before: set[threading.Thread]) -> dict[str, int]:
     """The executor's threads, found by name among the threads that appeared since
-    ``before`` (other executors of the process may use the same names)."""
+    ``before`` (other executors of the process may use the same names). Thread objects, not
+    idents: a thread of ``before`` that ended meanwhile may leave its ident to a new one."""
     found = {t.name: t.ident for t in threading.enumerate()
-             if t.ident not in before and t.name in EXECUTOR_THREADS}
+             if t not in before and t.name in EXECUTOR_THREADS}
     assert set(found) == set(EXECUTOR_THREADS), found
     return found
 
@@ -135,7 +136,7 @@ def run_callers(targets) -> dict[str, int]:
 @pytest.mark.parametrize("capacity", [1, 2], ids=["phase_a", "phase_b"])
 def test_only_the_submitter_infers_and_only_the_completion_thread_waits(calbin, runtime_calls,
                                                                          capacity):
-    before = {t.ident for t in threading.enumerate()}
+    before = set(threading.enumerate())
     # the golden's calls at start recorded too; a slot per stream and one to arm with
     ex = make_executor(calbin, inflight_capacity=capacity, slots_per_kind=4)
     try:
