@@ -125,6 +125,23 @@ def test_a_wrong_token_a_leaked_id_a_leaked_thread_growing_rss_and_objects_fail_
     assert "checks failed: wrong_tokens, rss, objects, pools, threads" in err
 
 
+def test_a_slow_schedule_still_meets_traffic_with_every_fault(capsys):
+    """The schedule arms each fault late (as on a busy host, or after a long recovery): the
+    traffic waits at the fault's step, so every fault still has requests to land on. Before,
+    the traffic ran on to the next step meanwhile and a fault armed after it met none."""
+    armed: list[int] = []
+
+    def late(i: int) -> None:
+        armed.append(i)
+        threading.Event().wait(0.4)  # the traffic of a step takes a few ms at most here
+
+    code, report, _ = _run(capsys, 80, 4, soak.Hooks(before_arm=late))
+    assert armed == [0, 1, 2, 3]
+    assert report["faults_not_fired"] == {}, report["checks"]["faults"]["detail"]
+    assert code == 0 and report["ok"] and report["faults_fired"] == 4
+    assert report["requests_finished"] == 80
+
+
 def test_a_run_cut_by_max_seconds_fails_the_requests_and_faults_checks(capsys):
     code = soak.run_cli(["bench", "soak", "--requests", "100000", "--faults", "2",
                          *ARGS, "--max-seconds", "4"])

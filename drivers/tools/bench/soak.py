@@ -14,8 +14,9 @@ fault. The run goes through decode-latency phases (``--decode-us``, default ``0,
 the requests at the zero-latency profile, half at a 2 ms decode, where implicit pre-arms and
 greedy ahead run; ``US:SHARE`` weighs a phase). ``F`` faults are spread over the requests, one at
 a time as ``calexec bench faults`` does (arm on one of the next 1-3 jobs, wait until it fired,
-for Ready, and until every request in flight during it ended), cycling in seeded order through
-every fault the emulator injects: drivers/tools/chaos.py's job-level and artifact faults
+for Ready, and until every request in flight during it ended; the traffic waits at each
+fault's step until the fault is armed, so it always has requests to land on), cycling in seeded
+order through every fault the emulator injects: drivers/tools/chaos.py's job-level and artifact faults
 (§12 FI02-FI10, FI14) and a buffer map failure on a reload (``map_fail``).
 
 Checks (each ``ok`` in ``checks``; the exit code is 1 when one fails, and the process says which):
@@ -123,6 +124,8 @@ class Hooks:
     rss: Callable[[], int | None] | None = None
     #: the live-object counter; default: ``live_objects`` (a full collection, then a count)
     objects: Callable[[], int] | None = None
+    #: called with the fault's index right before it is armed (a slow schedule, in the tests)
+    before_arm: Callable[[int], None] | None = None
 
 
 def parse_phases(text: str) -> list[Phase]:
@@ -591,9 +594,10 @@ def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
 
                 def due(i: int) -> int:  # fault i is armed once this many requests were sent
                     return (i + 1) * requests // (faults + 1)
-                # the traffic runs ahead of the schedule by one step at most: every fault meets
-                # traffic (the last one too), whatever a fault's recovery costs
-                tally.set_gate(due(1) if faults > 1 else requests)
+                # the traffic is held at fault i's step until it is armed, then runs on to the
+                # next step: every fault meets traffic (the last one too), however long the
+                # schedule takes to arm it (a recovery, in-flight requests draining, a busy host)
+                tally.set_gate(due(0) if faults > 0 else requests)
                 with httpx.Client(base_url=server.url, timeout=REQUEST_TIMEOUT_S) as admin:
                     for i in range(faults):
                         wait_until(lambda i=i: tally.issued >= due(i) or stop.is_set()
@@ -613,6 +617,8 @@ def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
                         ready_at = time.monotonic()  # one fault at a time (bench faults)
                         wait_until(lambda ready_at=ready_at: all(
                             c is None or c >= ready_at for c in current), REQUEST_TIMEOUT_S)
+                        if hooks.before_arm is not None:
+                            hooks.before_arm(i)
                         armed = time.monotonic()
                         if kind == "map_fail":
                             first = Fault.MAP_FAIL
@@ -626,6 +632,7 @@ def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
                             point, rc = points[kind]
                             first = Fault[point.split("+")[0]]
                             arm_fault(emu, point, rng, rc)
+                        tally.set_gate(due(i + 1) if i + 1 < faults else requests)
                         fired = wait_until(lambda first=first: emu.fault_stats(first)[2] >= 1,
                                            FIRE_WAIT_S)
                         n_fired = emu.fault_stats(first)[2]
@@ -635,7 +642,6 @@ def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
                         ended_at = time.monotonic()
                         wait_until(lambda ended_at=ended_at: all(
                             c is None or c >= ended_at for c in current), REQUEST_TIMEOUT_S)
-                        tally.set_gate(due(i + 2) if i + 2 < faults else requests)
                         if fired:
                             windows.append({"kind": kind, "armed": armed, "fired": n_fired,
                                             "ended": time.monotonic()})
