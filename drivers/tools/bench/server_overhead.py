@@ -500,18 +500,12 @@ def _levels(ex: DeviceExecutor, app: Any, url: str, floor_url: str, requests: in
             round(rate([s]) / rate([x]), 3)
             for s, x in zip(blocks["server"], blocks["direct"], strict=True)]
         service = app.state.service
-        config = service.config
-        try:
-            service.config = attrs.evolve(config, greedy_ahead=False)
-            n = http(False)
-            service.config = attrs.evolve(config, prearm_min_device_ms=0.0)
-            a = http(False)
-            service.config = attrs.evolve(config, decode_bursts=False)
-            b = http(False)
-            service.config = attrs.evolve(config, decode_bursts=False, inline_waits=False)
-            t = http(False)
-        finally:
-            service.config = config
+        plain = functools.partial(http, False)
+        n = _with_config(service, {"greedy_ahead": False}, plain, requests)
+        a = _with_config(service, {"prearm_min_device_ms": 0.0}, plain, requests)
+        b = _with_config(service, {"decode_bursts": False}, plain, requests)
+        t = _with_config(service, {"decode_bursts": False, "inline_waits": False}, plain,
+                         requests)
         f = http(False, target=floor_url)
         level.update({
             "server_no_ahead": n,
