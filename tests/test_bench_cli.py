@@ -60,6 +60,9 @@ def test_overhead_json_report(capsys):
     assert OVERHEAD_KEYS <= report.keys(), OVERHEAD_KEYS - report.keys()
     assert report["gil_switch_interval_us"] == 700
     assert sys.getswitchinterval() == before  # restored after the run
+    # what the host did beside the run (hostload.py; not Linux: available false)
+    assert report["host"]["available"] is False or {
+        "steal_pct", "busy_pct", "others_busy_pct"} <= report["host"].keys()
     assert (report["tokens"], report["runs"], report["zero_tokens"], report["seed"]) == (8, 2, 12, 3)
     assert report["tokens_identical"] is True
     assert report["dma_violations"] == 0

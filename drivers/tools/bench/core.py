@@ -81,6 +81,7 @@ from calexec.drivers.native.fused_logits import FusedLogits
 from calexec.drivers.serving.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
 from calexec.drivers.synthetic import calbin as calbin_fmt
 from calexec.drivers.tools.bench.floor import FloorError, FloorLoop, build_floor
+from calexec.drivers.tools.bench.hostload import HostMeter
 from calexec.drivers.tools.bench.sim import PROFILE_DECODE_US
 from calexec.machines.clock import Clock
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
@@ -503,6 +504,7 @@ def run_overhead(tokens: int, runs: int, zero_tokens: int, seed: int,
     profiles_us = list(decode_us)
     if not profiles_us or any(us < 1 for us in profiles_us):
         raise BenchError(f"decode latencies must be >= 1 us, got {profiles_us}")
+    host = HostMeter().start()
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, calbin_fmt.VOCAB, PROMPT_LEN, dtype=np.int32) for _ in range(runs)]
     account_tokens = min(account_tokens, zero_tokens)
@@ -598,7 +600,7 @@ def run_overhead(tokens: int, runs: int, zero_tokens: int, seed: int,
         "profiles": profiles,
         "dma_violations": dma,
         "spec_gate": SPEC_GATE, "goal": GOAL,
-        "cpu_model": cpu_model(),
+        "cpu_model": cpu_model(), "host": host.report(),
         "cpus": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__,
     }
 
