@@ -199,6 +199,18 @@ REGRESSIONS: dict[str, D.Case] = {
         ("client", C(3, 3, (74882, 146098, 93505, 111704, 35383, 41497, 25589, 139410), 5,
                      early_at=2, after_failure=None, early_delay_s=0.003)),
         ("tick", 0.006)), 0.0005, 2),
+    # a comparator gap found by a long run (seed 7938): greedy ahead runs client 1's second
+    # step right after its first (the plain path after its think time); the step faults and
+    # the recovery comes before client 4's prefill, not after it: client 4 gets the same
+    # tokens in generation 2 where the plain path answered in generation 1 (allowed: timing)
+    "a_recovery_at_another_time_moves_another_client_to_the_next_generation": D.Case(
+        ("ahead", "phase_b_dma"), (
+            ("client", C(1, 3, (1499,), 2, logits_out=False, tokens=(8648, 98320, 63590),
+                         after_failure=None, think_s=0.0703,
+                         faults=((1, "CCU_EXCEPTION"), (2, "WAIT_RC")))),
+            ("tick", 0.1007),
+            ("client", C(4, 2, (121562, 3764, 133524, 20681, 145158), 1, logits_out=False,
+                         tokens=(120370, 38412, 110854), after_failure=None))), 0.0031, 2),
 }
 
 
