@@ -9,8 +9,10 @@ numpy oracle's greedy tokens. Client timeout: 10 s, no retries."""
 from __future__ import annotations
 
 import openai
+import pydantic
 import pytest
 
+import needs
 from calexec.drivers.serving import byte_tokenizer as tokenizer
 from test_server_support import MODEL, openai_server, oracle_tokens
 
@@ -74,3 +76,46 @@ def test_a_completion_prompt_list_answers_each_prompt(client: openai.OpenAI):
     assert [c.index for c in done.choices] == [0, 1]
     for choice, prompt in zip(done.choices, prompts):
         assert choice.text == tokenizer.decode(oracle_tokens(tokenizer.encode(prompt), 3))
+
+
+class Person(pydantic.BaseModel):
+    # bounded: the synthetic model's random weights never close an unbounded string
+    # (test_clients_langchain.py); extra="forbid" makes the schema strict-compatible
+    model_config = pydantic.ConfigDict(extra="forbid")
+    name: str = pydantic.Field(max_length=8)
+    age: int = pydantic.Field(ge=0, le=150)
+
+
+@pytest.mark.filterwarnings("ignore:Pydantic serializer warnings")  # the SDK's model_dump
+def test_the_parse_helpers_messages_go_back_into_the_next_turn(client: openai.OpenAI):
+    """The SDK's structured-output helpers (``chat.completions.parse``, ``.stream``) answer a
+    ``ParsedChatCompletionMessage``: the message plus ``parsed`` (the client's own parse of the
+    content; ``tool_calls[i].function.parsed_arguments``, a streamed call's ``index``).
+    Application code appends it to ``messages`` as it is (OpenAI's function-calling guide
+    does), so the next turn sends ``parsed`` back: it must be accepted (it was a 400
+    ``messages.1.parsed``, unknown parameter)."""
+    needs.module("llguidance", "server")
+    tool = openai.pydantic_function_tool(Person)
+    question = {"role": "user", "content": "Invent a person."}
+    answer = client.chat.completions.parse(model=MODEL, messages=[question], max_tokens=100,
+                                           temperature=0, response_format=Person)
+    assert isinstance(answer.choices[0].message.parsed, Person)
+    called = client.chat.completions.parse(model=MODEL, messages=[question], max_tokens=100,
+                                           temperature=0, tools=[tool], tool_choice="required",
+                                           parallel_tool_calls=False)
+    with client.chat.completions.stream(model=MODEL, messages=[question], max_tokens=100,
+                                        temperature=0, tools=[tool], tool_choice="required",
+                                        parallel_tool_calls=False) as stream:
+        streamed = stream.get_final_completion()
+    for reply in (answer, called, streamed):
+        message = reply.choices[0].message
+        history: list = [question, message]  # the object itself, as the guide appends it
+        for call in message.tool_calls or []:
+            assert isinstance(call.function.parsed_arguments, Person)
+            history.append({"role": "tool", "tool_call_id": call.id, "content": "noted"})
+        if not message.tool_calls:
+            history.append({"role": "user", "content": "Another."})
+        for turn in (history, [question, message.model_dump()] + history[2:]):
+            more = client.chat.completions.create(model=MODEL, messages=turn, max_tokens=2,
+                                                  temperature=0)
+            assert more.choices[0].finish_reason == "length"
