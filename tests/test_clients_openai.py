@@ -119,3 +119,35 @@ def test_the_parse_helpers_messages_go_back_into_the_next_turn(client: openai.Op
             more = client.chat.completions.create(model=MODEL, messages=turn, max_tokens=2,
                                                   temperature=0)
             assert more.choices[0].finish_reason == "length"
+
+
+def test_logprobs_bytes_rebuild_the_text_of_a_character_split_over_tokens(client: openai.OpenAI):
+    """OpenAI's ``logprobs.content[i].bytes`` are the token's own UTF-8 bytes, documented for
+    exactly this case: a character written by several tokens, whose bytes the client joins to
+    rebuild the text. The byte-level tokenizer writes "é" as two tokens (0xC3, 0xA9): each
+    entry's ``bytes`` must be its one byte (they were U+FFFD's three, [239, 191, 189], the
+    bytes of the token's text on its own), and the bytes of all entries decode to the
+    content, whole and streamed. ``allowed_token_ids`` (vLLM's, ``extra_body``) keeps the
+    choice among those two byte tokens."""
+    split = tokenizer.encode("é")
+    assert len(split) == 2
+    body = dict(model=MODEL, messages=[{"role": "user", "content": "Say é."}], max_tokens=6,
+                temperature=0, logprobs=True, top_logprobs=2,
+                extra_body={"allowed_token_ids": split})
+    whole = client.chat.completions.create(**body)
+    entries = whole.choices[0].logprobs.content
+    assert len(entries) == 6
+    one_byte = [[t - tokenizer.BYTE_OFFSET] for t in split]  # [[0xC3], [0xA9]]
+    for entry in entries:
+        assert entry.bytes in one_byte, entry
+        for top in entry.top_logprobs:  # the raw row's most likely: byte tokens or <id>s
+            assert top.bytes in one_byte or top.bytes == list(top.token.encode()), top
+    joined = bytes(b for entry in entries for b in entry.bytes)
+    assert joined.decode("utf-8", errors="replace") == whole.choices[0].message.content
+    text, streamed = "", []
+    for chunk in client.chat.completions.create(**body, stream=True):
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            streamed += choice.logprobs.content if choice.logprobs else []
+    assert [e.bytes for e in streamed] == [e.bytes for e in entries]
+    assert bytes(b for e in streamed for b in e.bytes).decode("utf-8", errors="replace") == text
