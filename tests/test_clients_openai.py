@@ -8,6 +8,8 @@ numpy oracle's greedy tokens. Client timeout: 10 s, no retries."""
 
 from __future__ import annotations
 
+import json
+
 import openai
 import pydantic
 import pytest
@@ -151,3 +153,34 @@ def test_logprobs_bytes_rebuild_the_text_of_a_character_split_over_tokens(client
             streamed += choice.logprobs.content if choice.logprobs else []
     assert [e.bytes for e in streamed] == [e.bytes for e in entries]
     assert bytes(b for e in streamed for b in e.bytes).decode("utf-8", errors="replace") == text
+
+
+@pytest.mark.parametrize("parameters", [None, {}, {"properties": {"n": {"type": "integer"}}}],
+                         ids=["omitted", "empty", "no-type"])
+def test_a_tool_calls_arguments_are_a_json_object(client: openai.OpenAI, parameters):
+    """A function tool's ``arguments`` are a JSON object, whatever its ``parameters`` leave
+    open: OpenAI's "omitting parameters defines a function with an empty parameter list" (a
+    tool like ``get_time``: the call's arguments are ``{}``), and a schema without ``"type"``
+    (``{}``, or ``properties`` alone) still describes the arguments object. Clients rely on it
+    (LangChain's tool-call parser, the SDK's ``parsed_arguments``). Before: the omitted
+    schema allowed any object (the synthetic model wandered into keys until max_tokens, no
+    call) and the untyped ones any JSON value (``"arguments": 6E+9``)."""
+    needs.module("llguidance", "server")
+    function = {"name": "get_time", "description": "The time now."}
+    if parameters is not None:
+        function["parameters"] = parameters
+    # greedy, then sampled: the first token of the arguments varies with the seed
+    for sampling in [{"temperature": 0}] + [{"temperature": 1, "seed": s} for s in range(3)]:
+        reply = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "now"}],
+            max_tokens=60, tools=[{"type": "function", "function": function}],
+            tool_choice="required", parallel_tool_calls=False, **sampling)
+        choice = reply.choices[0]
+        if parameters is None:  # nothing to write but {}: the call completes
+            assert choice.finish_reason == "tool_calls", choice
+            assert [c.function.arguments for c in choice.message.tool_calls] == ["{}"]
+        elif choice.message.tool_calls:
+            assert isinstance(json.loads(choice.message.tool_calls[0].function.arguments), dict)
+        else:  # cut by max_tokens inside the call: its text is the content (docs/server.md)
+            head = '<tool_call>\n{"name":"get_time","arguments":'
+            assert choice.message.content.startswith(head + "{"), choice.message.content

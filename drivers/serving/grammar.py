@@ -321,10 +321,14 @@ def tool_setup(tools: Any, tool_choice: Any, functions: Any = None) -> ToolSetup
         if any(t.name == name for t in parsed):
             raise GrammarError(f"{where}.function.name",
                                f"{where}.function.name={name!r}: declared twice")
-        params = fn.get("parameters", {"type": "object", "properties": {}})
+        params = fn.get("parameters")
+        if params is None:  # OpenAI: "omitting parameters defines ... an empty parameter list"
+            params = {"type": "object", "properties": {}, "additionalProperties": False}
         if not isinstance(params, dict):
             raise GrammarError(f"{where}.function.parameters",
                                f"{where}.function.parameters: must be a JSON Schema object")
+        if "type" not in params:  # the arguments are an object whatever the schema leaves open
+            params = {**params, "type": "object"}
         description = fn.get("description")
         if description is not None and not isinstance(description, str):
             raise GrammarError(f"{where}.function.description",
