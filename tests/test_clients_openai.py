@@ -185,33 +185,3 @@ def test_a_tool_calls_arguments_are_a_json_object(client: openai.OpenAI, paramet
             head = '<tool_call>\n{"name":"get_time","arguments":'
             assert choice.message.content.startswith(head + "{"), choice.message.content
 
-
-def test_logprobs_bytes_with_a_byte_level_bpe_tokenizer_json(tmp_path):
-    """The same with ``--tokenizer``: a byte-level BPE tokenizer.json (GPT-2's alphabet, as
-    Qwen3's and Llama 3's; trained here, nothing is downloaded) writes "é" as two byte tokens
-    too ("Ã" for 0xC3, "©" for 0xA9): each entry's ``bytes`` must be its byte (they were
-    U+FFFD's three: the token decoded on its own)."""
-    tokenizers = needs.module("tokenizers", "tokenizer")
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    from calexec.drivers.serving.server import ServerConfig
-    tok = tokenizers.Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["hello world, café au lait"] * 20, trainer)
-    tok.save(str(tmp_path / "tokenizer.json"))
-    split = [tok.token_to_id("Ã"), tok.token_to_id("©")]
-    assert tok.decode(split) == "é"
-    config = ServerConfig(tokenizer_path=str(tmp_path / "tokenizer.json"))
-    with openai_server(tmp_path, config=config, timeout=TIMEOUT_S) as (_, client, _):
-        reply = client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "Say é."}], max_tokens=6,
-            temperature=0, logprobs=True, top_logprobs=0,
-            extra_body={"allowed_token_ids": split})
-    entries = reply.choices[0].logprobs.content
-    assert len(entries) == 6
-    assert all(entry.bytes in ([0xC3], [0xA9]) for entry in entries), entries
-    joined = bytes(b for entry in entries for b in entry.bytes)
-    assert joined.decode("utf-8", errors="replace") == reply.choices[0].message.content
