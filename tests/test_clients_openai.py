@@ -185,3 +185,34 @@ def test_a_tool_calls_arguments_are_a_json_object(client: openai.OpenAI, paramet
             head = '<tool_call>\n{"name":"get_time","arguments":'
             assert choice.message.content.startswith(head + "{"), choice.message.content
 
+
+
+class Address(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+    city: str = pydantic.Field(max_length=8)
+
+
+class Resident(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+    name: str = pydantic.Field(max_length=8)
+    home: Address
+
+
+def test_a_tool_of_nested_pydantic_models_is_called(client: openai.OpenAI):
+    """``openai.pydantic_function_tool`` of a model holding another writes the inner one
+    under ``$defs`` and points at it with ``{"$ref": "#/$defs/Address"}``, a reference from
+    the root of the parameters schema. The grammar embeds that schema in the call object
+    (``arguments``), where ``#`` is the call's root: the request was a 400 (``tools``:
+    "Pointer '/$defs/Address' does not exist"); the definitions now go with the reference.
+    The parse helper's ``parsed_arguments`` are the nested models."""
+    needs.module("llguidance", "server")
+    tool = openai.pydantic_function_tool(Resident)
+    assert "$defs" in tool["function"]["parameters"]
+    reply = client.chat.completions.parse(
+        model=MODEL, messages=[{"role": "user", "content": "Who lives where?"}],
+        max_tokens=120, temperature=0, tools=[tool], tool_choice="required",
+        parallel_tool_calls=False)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    resident = choice.message.tool_calls[0].function.parsed_arguments
+    assert isinstance(resident, Resident) and isinstance(resident.home, Address)

@@ -363,10 +363,15 @@ def _tool_choice(tool_choice: Any, tools: list[Tool]) -> str:
 
 
 def _call_schema(tool: Tool) -> dict[str, Any]:
-    """The JSON Schema of one call's object, as Qwen3 writes it: name first, then arguments."""
+    """The JSON Schema of one call's object, as Qwen3 writes it: name first, then arguments.
+    The parameters' definitions (``$defs``, draft-07's ``definitions``: pydantic's nested
+    models) move up to the call object's root, which their references (``#/$defs/X``, from
+    the parameters' root) now name."""
+    arguments = dict(tool.parameters)
+    definitions = {key: arguments.pop(key) for key in ("$defs", "definitions") if key in arguments}
     return {"type": "object",
-            "properties": {"name": {"const": tool.name}, "arguments": dict(tool.parameters)},
-            "required": ["name", "arguments"], "additionalProperties": False,
+            "properties": {"name": {"const": tool.name}, "arguments": arguments},
+            "required": ["name", "arguments"], "additionalProperties": False, **definitions,
             "x-guidance": {**JSON_OPTIONS, "lenient": not tool.strict}}
 
 
