@@ -368,7 +368,8 @@ def _call_schema(tool: Tool) -> dict[str, Any]:
     models) move up to the call object's root, which their references (``#/$defs/X``, from
     the parameters' root) now name."""
     arguments = dict(tool.parameters)
-    definitions = {key: arguments.pop(key) for key in ("$defs", "definitions") if key in arguments}
+    definitions: dict[str, Any] = {key: arguments.pop(key) for key in ("$defs", "definitions")
+                                   if key in arguments}
     return {"type": "object",
             "properties": {"name": {"const": tool.name}, "arguments": arguments},
             "required": ["name", "arguments"], "additionalProperties": False, **definitions,
