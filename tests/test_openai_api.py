@@ -404,6 +404,42 @@ def test_hf_tokens_outside_the_calbin_vocabulary_are_a_400_naming_the_prompt(tmp
         executor.shutdown(5.0)
 
 
+def test_logprobs_bytes_with_a_byte_level_bpe_tokenizer_json(tmp_path):
+    """Chat logprobs' ``bytes`` with ``--tokenizer``: a byte-level BPE tokenizer.json (GPT-2's
+    alphabet, as Qwen3's and Llama 3's; trained here, nothing is downloaded) writes "é" as two
+    byte tokens when it has no merge for it ("Ã" for 0xC3, "©" for 0xA9): each entry's
+    ``bytes`` must be its byte, so that the client rebuilds the character by joining them, as
+    OpenAI documents the field (they were U+FFFD's three: the token decoded on its own). The
+    byte-level tokenizer's case: tests/test_clients_openai.py."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["hello world"] * 20, trainer)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    split = [tok.token_to_id("\u00c3"), tok.token_to_id("\u00a9")]
+    assert tok.decode(split) == "\u00e9"
+    executor = started_executor(tmp_path)
+    app = create_app(executor, ServerConfig(tokenizer_path=str(tmp_path / "tokenizer.json")))
+    try:
+        with LiveServer(app) as server:
+            client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0,
+                                   timeout=30)
+            reply = client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "Say \u00e9."}],
+                max_tokens=6, temperature=0, logprobs=True, top_logprobs=0,
+                extra_body={"allowed_token_ids": split})
+    finally:
+        executor.shutdown(5.0)
+    ids = reply.choices[0].model_extra["token_ids"]
+    assert len(ids) == 6 and set(ids) <= set(split)
+    assert [entry.bytes for entry in reply.choices[0].logprobs.content] == [
+        [0xC3] if token == split[0] else [0xA9] for token in ids]
+
+
 # ---- calexec serve flags ------------------------------------------------------------------
 def test_serve_once_with_api_key_and_tokenizer(tmp_path):
     from test_cli import calexec

@@ -86,4 +86,9 @@ class ByteTokenizer:
         return decode([token_id])
 
     def token_bytes(self, token_id: int) -> list[int]:
+        """The token's own bytes (logprobs' ``bytes``): a byte token's one byte, even when it
+        is part of a character (its text on its own is U+FFFD), so that the bytes of
+        consecutive tokens join into the text, as OpenAI documents the field."""
+        if is_byte_token(token_id):
+            return [token_id - BYTE_OFFSET]
         return list(self.token_text(token_id).encode("utf-8"))

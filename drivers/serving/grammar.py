@@ -321,10 +321,14 @@ def tool_setup(tools: Any, tool_choice: Any, functions: Any = None) -> ToolSetup
         if any(t.name == name for t in parsed):
             raise GrammarError(f"{where}.function.name",
                                f"{where}.function.name={name!r}: declared twice")
-        params = fn.get("parameters", {"type": "object", "properties": {}})
+        params = fn.get("parameters")
+        if params is None:  # OpenAI: "omitting parameters defines ... an empty parameter list"
+            params = {"type": "object", "properties": {}, "additionalProperties": False}
         if not isinstance(params, dict):
             raise GrammarError(f"{where}.function.parameters",
                                f"{where}.function.parameters: must be a JSON Schema object")
+        if "type" not in params:  # the arguments are an object whatever the schema leaves open
+            params = {**params, "type": "object"}
         description = fn.get("description")
         if description is not None and not isinstance(description, str):
             raise GrammarError(f"{where}.function.description",
@@ -359,10 +363,16 @@ def _tool_choice(tool_choice: Any, tools: list[Tool]) -> str:
 
 
 def _call_schema(tool: Tool) -> dict[str, Any]:
-    """The JSON Schema of one call's object, as Qwen3 writes it: name first, then arguments."""
+    """The JSON Schema of one call's object, as Qwen3 writes it: name first, then arguments.
+    The parameters' definitions (``$defs``, draft-07's ``definitions``: pydantic's nested
+    models) move up to the call object's root, which their references (``#/$defs/X``, from
+    the parameters' root) now name."""
+    arguments = dict(tool.parameters)
+    definitions: dict[str, Any] = {key: arguments.pop(key) for key in ("$defs", "definitions")
+                                   if key in arguments}
     return {"type": "object",
-            "properties": {"name": {"const": tool.name}, "arguments": dict(tool.parameters)},
-            "required": ["name", "arguments"], "additionalProperties": False,
+            "properties": {"name": {"const": tool.name}, "arguments": arguments},
+            "required": ["name", "arguments"], "additionalProperties": False, **definitions,
             "x-guidance": {**JSON_OPTIONS, "lenient": not tool.strict}}
 
 

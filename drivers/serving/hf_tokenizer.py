@@ -7,6 +7,8 @@ offer ``encode``, ``decode``, ``detokenizer()`` (incremental ``feed``/``flush``)
 
 from __future__ import annotations
 
+import re
+
 from calexec.drivers.serving.byte_tokenizer import ByteTokenizer
 
 
@@ -35,6 +37,8 @@ class HFTokenizer:
             raise TokenizerLoadError(f"--tokenizer={path!r}: cannot load {file!r} as a "
                                      f"tokenizer.json: {err}") from None
         self.name = file
+        #: added (special) tokens: written as their text, never as byte-level pieces
+        self._added = frozenset(self._tok.get_added_tokens_decoder())
         self.chat_template = None
         self.bos_token = self.eos_token = ""
         self.eos_token_id = None
@@ -73,7 +77,34 @@ class HFTokenizer:
         return self._tok.decode([token_id], skip_special_tokens=False)
 
     def token_bytes(self, token_id: int) -> list[int]:
+        """The token's own bytes (logprobs' ``bytes``), so that a character written by several
+        tokens is rebuilt by joining them: a byte-level BPE piece (GPT-2's alphabet) mapped
+        back to its bytes, a ``<0xHH>`` byte-fallback piece to its byte; otherwise (added
+        tokens, other decoders) the UTF-8 of the token's text."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is not None and token_id not in self._added:
+            from tokenizers import decoders
+            if isinstance(self._tok.decoder, decoders.ByteLevel) \
+                    and all(ch in _BYTE_OF_CHAR for ch in piece):
+                return [_BYTE_OF_CHAR[ch] for ch in piece]
+            if _BYTE_FALLBACK.fullmatch(piece) and getattr(self._tok.model, "byte_fallback",
+                                                           False):
+                return [int(piece[3:5], 16)]
         return list(self.token_text(token_id).encode("utf-8"))
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet (``bytes_to_unicode``), character -> byte: printable bytes
+    stand for themselves, the others for the characters from U+0100 on, in byte order."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+            *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    others = [b for b in range(256) if b not in kept]
+    return {**{chr(b): b for b in kept}, **{chr(256 + i): b for i, b in enumerate(others)}}
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
+#: a byte-fallback piece (sentencepiece-style BPE: ``<0xE8>``)
+_BYTE_FALLBACK = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 def _special(value: object) -> str:

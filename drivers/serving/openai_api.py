@@ -166,7 +166,8 @@ class CompletionRequest(_Body):
 class ChatMessage(BaseModel):
     """One message. An assistant message as the SDK dumps it (``message.model_dump()``) carries
     ``refusal``, ``annotations``, ``audio``, ``function_call`` and ``tool_calls``, null when
-    unused: null is accepted; a refusal is the message's text when it has no content; tool
+    unused: null is accepted; a refusal is the message's text when it has no content; the
+    ``parsed`` of the SDK's parse helpers (its own parse of the content) is ignored; tool
     calls are rendered by the chat template (drivers/serving/grammar.py), as are ``tool``
     messages (``tool_call_id``); non-null function calls and audio are refused
     (:func:`message_text`)."""
@@ -182,6 +183,9 @@ class ChatMessage(BaseModel):
     function_call: dict[str, Any] | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: StrictStr | None = None  # tool messages
+    # the SDK's ParsedChatCompletionMessage (chat.completions.parse / .stream helpers): the
+    # client's own parse of the content, sent back when the message is appended as it is
+    parsed: Any = None
 
 
 class ChatRequest(_Body):
