@@ -152,3 +152,40 @@ def test_an_app_whose_sequence_ids_exceed_the_kv_managers_is_refused(tmp_path):
         assert service.sequences.counts()["capacity"] == 2
     finally:
         executor.shutdown(5.0)
+
+
+@pytest.mark.parametrize("key", ["9" * 5000, "0" * 4999 + "1"], ids=["5000-nines", "5000-digit-one"])
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_a_logit_bias_key_of_thousands_of_digits_is_a_400_naming_it(client, route, key):
+    """``int()`` refuses a string of more than 4300 digits (Python's int_max_str_digits): such
+    a ``logit_bias`` key was parsed with ``int(key)`` after an ``isdigit()`` check and the
+    ValueError escaped as a 500 ("Internal Server Error", not JSON). A token id is at most
+    a few digits: the key is refused as not a token id, naming ``logit_bias``."""
+    body = {"max_tokens": 1, "logit_bias": {key: 1}}
+    body.update({"prompt": [1, 2]} if route == "/v1/completions"
+                else {"messages": [{"role": "user", "content": "hi"}]})
+    r = client.post(route, json=body)
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["param"] == "logit_bias" and error["message"].startswith("logit_bias["), error
+    assert len(error["message"]) < 300, error  # the key is shown cut, not whole
+    assert client.post(route, json={**body, "logit_bias": {"0001": 1}}).status_code == 200
+
+
+def test_a_content_length_of_thousands_of_digits_is_a_413_not_a_500(executor):
+    """The declared length was compared with ``int(declared)``, which raises for more than
+    4300 digits (h11 and httptools refuse such a header before the app; other ASGI servers
+    may not): a length that long exceeds any limit, so it is a 413 without parsing it."""
+    app = create_app(executor, ServerConfig())
+    sent = _asgi(app, "POST", "/v1/completions",
+                 [(b"content-type", b"application/json"), (b"content-length", b"9" * 5000)],
+                 [{"type": "http.request", "body": b'{"prompt": [1]}', "more_body": False}],
+                 gone=False)
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    assert start["status"] == 413, sent
+    zeros = _asgi(app, "POST", "/v1/completions",  # leading zeros: the length is what counts
+                  [(b"content-type", b"application/json"),
+                   (b"content-length", b"0" * 5000 + b"36")],
+                  [{"type": "http.request", "body": b'{"prompt": [1, 2], "max_tokens": 1}',
+                    "more_body": False}], gone=False)
+    assert next(m for m in zeros if m["type"] == "http.response.start")["status"] == 200, zeros

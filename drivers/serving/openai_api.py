@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import re
 import time
 import typing
 import uuid
@@ -369,13 +370,18 @@ def include_usage(body: _Body) -> bool:
     return bool(body.stream_options and body.stream_options.get("include_usage"))
 
 
+#: a ``logit_bias`` key: a token id in ASCII decimal digits (no vocabulary reaches 19 digits)
+TOKEN_ID_KEY = re.compile(r"[0-9]{1,18}")
+
+
 def _logit_bias(bias: dict[str, int | float] | None, vocab: int | None
                 ) -> tuple[tuple[int, float], ...]:
     """``logit_bias``'s (token id, bias) pairs: keys are token ids written as strings (OpenAI),
     each in ``[0, vocab)``."""
     pairs = []
     for key, value in (bias or {}).items():
-        token = int(key) if key.isascii() and key.isdigit() else None
+        # at most 18 ASCII digits: "²".isdigit() holds and int() raises on more than 4300
+        token = int(key) if TOKEN_ID_KEY.fullmatch(key) else None
         if token is None or (vocab is not None and token >= vocab):
             raise Refusal(invalid(f"logit_bias[{key[:40]!r}]: the key must be a token id in "
                                   f"[0, {vocab if vocab is not None else 'vocab'})"),
