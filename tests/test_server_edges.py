@@ -4,6 +4,11 @@ on the bundled emulator; TestClient or a loopback uvicorn; every wait bounded.""
 
 from __future__ import annotations
 
+import json
+import socket
+import threading
+
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
@@ -189,3 +194,82 @@ def test_a_content_length_of_thousands_of_digits_is_a_413_not_a_500(executor):
                   [{"type": "http.request", "body": b'{"prompt": [1, 2], "max_tokens": 1}',
                     "more_body": False}], gone=False)
     assert next(m for m in zeros if m["type"] == "http.response.start")["status"] == 200, zeros
+
+
+def _slow_body_client(port: int, path: str, headers: str, stop: threading.Event
+                      ) -> socket.socket:
+    """A raw loopback client that sends a request head declaring 10000 bytes of body, then
+    one byte of it every 0.1 s until ``stop`` is set or the connection breaks (at most 600
+    bytes: a minute), never the whole body (slowloris)."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10.0)
+    sock.sendall(f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json"
+                 f"\r\ncontent-length: 10000\r\n{headers}\r\n{{".encode())
+
+    def trickle() -> None:
+        for _ in range(600):
+            if stop.wait(0.1):
+                return
+            try:
+                sock.sendall(b" ")
+            except OSError:
+                return
+    threading.Thread(target=trickle, name="slowloris", daemon=True).start()
+    return sock
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/admin/reload"])
+def test_a_body_sent_slowly_is_a_408_within_body_timeout_and_the_connection_closes(
+        executor, path):
+    """Slowloris: a client sending its body a byte at a time, never the whole of it, held its
+    connection (and the route's task) for as long as it kept sending: nothing bounded the
+    body's read, so enough such clients exhaust the server's file descriptors. The body must
+    now arrive within ``ServerConfig.body_timeout_s`` of the first read: else 408 (OpenAI
+    shape, counted), the connection closed, and the server serves on."""
+    from test_server_support import ServeLikeServer, metric_value, read_until_closed
+
+    app = create_app(executor, ServerConfig(admin_token=TOKEN, body_timeout_s=0.5))
+    stop = threading.Event()
+    with ServeLikeServer(app) as server:
+        auth = f"authorization: {AUTH['Authorization']}\r\n" if path.startswith("/admin") else ""
+        sock = _slow_body_client(server.port, path, auth, stop)
+        sock.settimeout(30.0)  # bound of the wait: far past body_timeout_s, short of the trickle
+        try:
+            data, ended = read_until_closed(sock)
+        finally:
+            stop.set()
+            sock.close()
+        head, _, body = data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408 "), (head[:200], ended)
+        error = json.loads(body)["error"]
+        assert error["code"] == "request.body_timeout" and "body_timeout_s=0.5" in \
+            error["message"], error
+        assert ended in ("eof", "reset"), ended  # closed: the rest of the body is not awaited
+        ok = httpx.post(f"{server.url}/v1/completions",
+                        json={"prompt": [1, 2], "max_tokens": 1}, timeout=30)
+        assert ok.status_code == 200, ok.text
+        if path == "/v1/completions":
+            text = app.state.service.metrics.exposition().decode()
+            assert metric_value(text, "calexec_request_failures_total",
+                                {"code": "request.body_timeout"}) == 1
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/admin/reload"])
+def test_a_413_closes_the_connection_so_a_trickled_body_does_not_hold_it(executor, path):
+    """The same slowloris through the 413: a declared length over ``max_body_bytes`` is
+    answered at once, but the connection stayed open while uvicorn read the rest of the body
+    as that request's, for as long as the client trickled it. The 413 now closes it."""
+    from test_server_support import ServeLikeServer, read_until_closed
+
+    app = create_app(executor, ServerConfig(admin_token=TOKEN, max_body_bytes=1000))
+    stop = threading.Event()
+    with ServeLikeServer(app) as server:
+        auth = f"authorization: {AUTH['Authorization']}\r\n" if path.startswith("/admin") else ""
+        sock = _slow_body_client(server.port, path, auth, stop)  # declares 10000 bytes
+        sock.settimeout(30.0)  # bound of the wait: the trickle lasts a minute
+        try:
+            data, ended = read_until_closed(sock)
+        finally:
+            stop.set()
+            sock.close()
+        assert data.startswith(b"HTTP/1.1 413 "), data[:200]
+        assert ended in ("eof", "reset"), (ended, data[:200])

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
 from calexec.drivers.serving import wire
-from calexec.drivers.serving.error_bodies import error_response, invalid
+from calexec.drivers.serving.error_bodies import body_timeout, error_response, invalid
 from calexec.drivers.serving.service import CompletionService, ServerConfig
 
 #: longest ``/admin/reload`` path accepted (Linux PATH_MAX)
@@ -110,13 +110,17 @@ def add_admin_routes(app: FastAPI, service: CompletionService) -> None:
             return error_response(invalid(f"content-type {media!r}: the body must be JSON "
                                           "(application/json)"), None, http_status=415)
         try:
-            raw = await wire.read_body(request, config.max_body_bytes)
+            raw = await wire.read_body(request, config.max_body_bytes, config.body_timeout_s)
         except wire.ClientGone as gone:
             return error_response(Status.cancelled(Phase.VALIDATE, str(gone)), None,
                                   http_status=499)
+        except wire.BodyTimeout as late:
+            return error_response(body_timeout(str(late), config.body_timeout_s), None,
+                                  http_status=408, headers=wire.CLOSE)
         if raw is None:
             return error_response(invalid(f"request body exceeds max_body_bytes="
-                                          f"{config.max_body_bytes}"), None, http_status=413)
+                                          f"{config.max_body_bytes}"), None, http_status=413,
+                                  headers=wire.CLOSE)
         try:
             body = json.loads(raw)
         except ValueError:

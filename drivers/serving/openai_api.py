@@ -276,11 +276,14 @@ def invalid(message: str) -> Status:
 
 
 class Refusal(Exception):
-    """A request the server answers with an error: ``status``, ``param``, ``http_status``."""
+    """A request the server answers with an error: ``status``, ``param``, ``http_status``,
+    ``headers`` (of the response: ``wire.CLOSE`` when its body was not read whole)."""
 
-    def __init__(self, status: Status, param: str | None, http_status: int | None = None):
+    def __init__(self, status: Status, param: str | None, http_status: int | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(status.message)
         self.status, self.param, self.http_status = status, param, http_status
+        self.headers = headers
 
 
 def parse(model: type[Body], raw: bytes) -> Body:
@@ -822,7 +825,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         return tuple(names)
 
     def refused(err: Refusal) -> Response:
-        return fail(err.status, err.param, err.http_status)
+        return fail(err.status, err.param, err.http_status, headers=err.headers)
 
     async def read(request: Request, model: type[Body]) -> Body:
         auth = auth_refusal(request, config.api_key)
@@ -833,12 +836,15 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
             raise Refusal(invalid(f"content-type {media!r}: the body must be JSON "
                                   "(application/json)"), None, 415)
         try:
-            raw = await wire.read_body(request, config.max_body_bytes)
+            raw = await wire.read_body(request, config.max_body_bytes, config.body_timeout_s)
         except wire.ClientGone as gone:  # 499: nobody reads it, the failure is counted
             raise Refusal(Status.cancelled(Phase.VALIDATE, str(gone)), None, 499) from None
+        except wire.BodyTimeout as late:  # 408, the connection closed: the body is not awaited
+            raise Refusal(error_bodies.body_timeout(str(late), config.body_timeout_s), None,
+                          408, wire.CLOSE) from None
         if raw is None:
             raise Refusal(invalid(f"request body exceeds max_body_bytes={config.max_body_bytes}"),
-                          None, 413)
+                          None, 413, wire.CLOSE)
         body = parse(model, raw)
         not_found = model_refusal(getattr(body, "model", None), served_names())
         if not_found is not None:

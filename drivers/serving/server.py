@@ -85,12 +85,12 @@ def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
                            dict(exc.headers or {}))
 
     def fail(status: Status, param: str | None = None, http_status: int | None = None,
-             count: bool = True) -> JSONResponse:
+             count: bool = True, headers: dict[str, str] | None = None) -> JSONResponse:
         """Error response of a completion request; counted unless it was counted already."""
         param = param or PARAM_OF_CODE.get(status.code)
         if count:
             service.metrics.observe_failure(status)
-        return error_response(status, param, retry, http_status)
+        return error_response(status, param, retry, http_status, headers)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:

@@ -140,6 +140,10 @@ class ServerConfig:
     tokenizer_path: str | None = None
     #: completion request body limit (413 above it).
     max_body_bytes: int = attrs.field(default=1 << 20, validator=attrs.validators.gt(0))
+    #: the whole request body must arrive within this many seconds of the route's first read
+    #: of it (408 ``request.body_timeout`` and the connection closed otherwise): a client
+    #: sending its body slowly (slowloris) holds its connection no longer
+    body_timeout_s: float = attrs.field(default=30.0, validator=attrs.validators.gt(0))
     #: per-request deadline when the body gives no ``timeout``; and the largest one accepted.
     default_timeout_s: float = attrs.field(default=30.0, validator=attrs.validators.gt(0))
     max_timeout_s: float = attrs.field(default=600.0, validator=attrs.validators.gt(0))
