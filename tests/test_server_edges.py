@@ -273,3 +273,28 @@ def test_a_413_closes_the_connection_so_a_trickled_body_does_not_hold_it(executo
             sock.close()
         assert data.startswith(b"HTTP/1.1 413 "), data[:200]
         assert ended in ("eof", "reset"), (ended, data[:200])
+
+
+@pytest.mark.parametrize("method, route, code, status", [
+    ("GET", "/debug/statecharts/nochart.svg", "not_found", 404),
+    ("GET", "/debug/statecharts/runs/nobody", "not_found", 404),
+    ("GET", "/debug/statecharts/no/such/page", "not_found", 404),
+    ("POST", "/debug/statecharts/live.json", "method_not_allowed", 405),
+])
+def test_errors_of_the_mounted_statecharts_inspector_are_openai_shaped(client, method, route,
+                                                                       code, status):
+    """The inspector mounted at /debug/statecharts answered its own errors: an unknown chart
+    or run as ``{"error": "<text>"}``, an unknown path as plain-text "Not Found", a wrong
+    method as plain-text "Method Not Allowed" (its Starlette app's defaults: the server's
+    handlers do not reach a mounted app). Every error of the server is the OpenAI object
+    (docs/server.md: 404 unknown chart, 405 + Allow)."""
+    r = client.request(method, route)
+    assert r.status_code == status, r.text[:200]
+    assert r.headers["content-type"] == "application/json", (r.headers, r.text[:200])
+    error = r.json()["error"]
+    assert isinstance(error, dict) and error["code"] == code, r.text[:300]
+    assert error["type"] == "invalid_request_error" and error["message"], error
+    if status == 405:
+        assert r.headers["allow"] == "GET, HEAD" and "allowed: GET, HEAD" in error["message"]
+    if route.endswith("nochart.svg"):
+        assert "chart='nochart'" in error["message"] and "lifecycle" in error["message"]
