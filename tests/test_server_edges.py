@@ -298,3 +298,19 @@ def test_errors_of_the_mounted_statecharts_inspector_are_openai_shaped(client, m
         assert r.headers["allow"] == "GET, HEAD" and "allowed: GET, HEAD" in error["message"]
     if route.endswith("nochart.svg"):
         assert "chart='nochart'" in error["message"] and "lifecycle" in error["message"]
+
+
+@pytest.mark.parametrize("token", ["caf\u00e9", "\u2603-token", " token", ""])
+def test_a_server_config_refuses_an_admin_token_no_request_could_match(executor, token):
+    """The admin token was taken as given (the api key has been checked since issue 24): a
+    non-ASCII token can never match (a client's UTF-8 bytes arrive as latin-1 text and are
+    compared re-encoded), nor a token with outer whitespace (header values are stripped),
+    nor an empty one (``Bearer`` with nothing after it is a 401): every admin request was
+    refused with 401/403 blaming the client. Refused when the config is built, as the api
+    key is; a printable ASCII token still works."""
+    with pytest.raises(ValueError, match="^admin_token (has U\\+|starts or ends|is empty)"):
+        ServerConfig(admin_token=token)
+    good = "adm1n token~"
+    with TestClient(create_app(executor, ServerConfig(admin_token=good))) as client:
+        r = client.post("/admin/drain?grace=x", headers={"Authorization": f"Bearer {good}"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "grace", r.text

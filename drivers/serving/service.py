@@ -118,17 +118,19 @@ def sequence_ids_problem(executor: ServedExecutor, max_sequences: int) -> str | 
 
 
 def _check_api_key(instance: Any, attribute: Any, key: str | None) -> None:
+    """``api_key`` and ``admin_token``: a bearer token a request's header can carry."""
     problem = None if key is None else api_key_problem(key)
     if problem is not None:
-        raise ValueError(f"api_key {problem}")
+        raise ValueError(f"{attribute.name} {problem}")
 
 
 @attrs.frozen
 class ServerConfig:
     """Operational settings of the server (the model's limits come from the executor)."""
 
-    #: admin bearer token; None disables the admin endpoints (always 403).
-    admin_token: str | None = None
+    #: admin bearer token; None disables the admin endpoints (always 403). Printable ASCII
+    #: without outer whitespace, as ``api_key`` (else no request could match it)
+    admin_token: str | None = attrs.field(default=None, validator=_check_api_key)
     model_name: str = "calexec-qwen3-synthetic"
     #: OpenAI endpoints need ``Authorization: Bearer <api_key>`` when set (docs/server.md)
     api_key: str | None = attrs.field(default=None, validator=_check_api_key)
