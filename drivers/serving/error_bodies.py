@@ -85,8 +85,10 @@ def invalid(message: str) -> Status:
     return Status.failure("request.invalid", Category.INVALID_REQUEST, Phase.VALIDATE, message)
 
 
-def body_timeout(message: str, timeout_s: float) -> Status:
+def body_timeout(came: str, timeout_s: float) -> Status:
     """The failure of a request whose body did not arrive whole within ``timeout_s``
-    (``ServerConfig.body_timeout_s``; answered 408, the connection closed)."""
+    (``ServerConfig.body_timeout_s``; answered 408, the connection closed); ``came``: how
+    much of it did (``wire.BodyTimeout``)."""
     return Status.failure("request.body_timeout", Category.DEADLINE, Phase.VALIDATE,
-                          f"{message} (body_timeout_s={timeout_s:g})")
+                          f"the request body did not arrive whole within body_timeout_s="
+                          f"{timeout_s:g} s: {came}")

@@ -74,8 +74,7 @@ async def read_body(request: Request, limit: int, timeout: float) -> bytes | Non
             raise ClientGone(f"the client disconnected after {size} bytes of its body"
                              ) from None
     if late.cancelled_caught:
-        raise BodyTimeout(f"the request body did not arrive whole within {timeout:g} s "
-                          f"({size} bytes of {(declared or 'an undeclared length')[:20]} came)")
+        raise BodyTimeout(f"{size} bytes of {(declared or 'an undeclared length')[:20]} came")
     return b"".join(chunks)
 
 
