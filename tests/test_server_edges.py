@@ -314,3 +314,25 @@ def test_a_server_config_refuses_an_admin_token_no_request_could_match(executor,
     with TestClient(create_app(executor, ServerConfig(admin_token=good))) as client:
         r = client.post("/admin/drain?grace=x", headers={"Authorization": f"Bearer {good}"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "grace", r.text
+
+
+@pytest.mark.parametrize("penalty", [1e-46, 1e-45, 1e-40, 1e39, 1e300])
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_an_extreme_repetition_penalty_never_picks_a_token_outside_the_allowed_ones(
+        client, penalty, sampled):
+    """Any ``repetition_penalty`` > 0 is accepted, and it is applied in float32: 1e-46
+    rounds to 0 and 1e39 to inf, and a logit divided (multiplied) by a tiny (huge) one
+    overflows. A masked token's -inf times 0, and a 0 logit times inf, gave NaN, which
+    ``argmax`` takes as the largest; two +inf entries made the sampler's probabilities NaN
+    and its search fall off the end of the vocabulary: the answers held tokens outside
+    ``allowed_token_ids`` (1, or the last id 151935). A penalised logit now stays finite
+    (the largest float32 at most; 0 stays 0; a masked token stays masked)."""
+    body = {"prompt": [1, 2, 3], "max_tokens": 4, "repetition_penalty": penalty,
+            "allowed_token_ids": [5, 6], **({"temperature": 1.0, "seed": 7} if sampled else {})}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text[:300]
+    tokens = r.json()["choices"][0]["token_ids"]
+    assert tokens and set(tokens) <= {5, 6}, tokens
+    if penalty < 1:  # a tiny penalty lifts the seen tokens: one of the prompt's, not the end
+        free = client.post("/v1/completions", json={**body, "allowed_token_ids": None})
+        assert set(free.json()["choices"][0]["token_ids"]) <= {1, 2, 3}, free.text[:300]
