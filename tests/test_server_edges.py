@@ -336,3 +336,23 @@ def test_an_extreme_repetition_penalty_never_picks_a_token_outside_the_allowed_o
     if penalty < 1:  # a tiny penalty lifts the seen tokens: one of the prompt's, not the end
         free = client.post("/v1/completions", json={**body, "allowed_token_ids": None})
         assert set(free.json()["choices"][0]["token_ids"]) <= {1, 2, 3}, free.text[:300]
+
+
+@pytest.mark.parametrize("route", ["/health", "/ready", "/metrics", "/v1/models",
+                                   "/v1/models/calexec-qwen3-synthetic", "/tokenizer_info",
+                                   "/debug/jobs"])
+def test_head_on_a_get_route_answers_as_get_without_a_body(executor, route):
+    """RFC 9110 section 9.1: a general-purpose server MUST support HEAD wherever it supports
+    GET (load balancers and uptime checks probe with it); FastAPI's ``@app.get`` routes took
+    GET alone, so ``HEAD /health`` was a 405. Real uvicorn: same status and content type as
+    GET, no body; a POST route's HEAD is still a 405."""
+    from test_server_support import ServeLikeServer
+
+    app = create_app(executor, ServerConfig(admin_token=TOKEN))
+    with ServeLikeServer(app) as server, httpx.Client(base_url=server.url, timeout=30) as http:
+        got, head = http.get(route), http.head(route)
+        assert head.status_code == got.status_code == 200, (head.status_code, head.text)
+        assert head.headers["content-type"] == got.headers["content-type"]
+        assert head.content == b""
+        refused = http.head("/v1/completions")
+        assert refused.status_code == 405 and refused.headers["allow"] == "POST"

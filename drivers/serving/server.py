@@ -27,6 +27,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -125,8 +126,19 @@ def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
     add_admin_routes(app, service)
     add_debug_routes(app, service)
     openai_api.add_routes(app, service, fail)
+    head_with_get(app)
 
     return app
+
+
+def head_with_get(app: FastAPI) -> None:
+    """Every GET route of ``app`` answers HEAD too (RFC 9110 section 9.1: a general-purpose
+    server MUST support HEAD where it supports GET; load balancers and uptime checks probe
+    with it): FastAPI's ``@app.get`` takes GET alone (Starlette's own routes, the mounted
+    inspector's, add HEAD themselves). The handler runs as for GET; uvicorn sends no body."""
+    for route in app.routes:
+        if isinstance(route, APIRoute) and "GET" in route.methods:
+            route.methods.add("HEAD")
 
 
 class OpenAICORS(CORSMiddleware):
