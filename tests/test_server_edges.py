@@ -356,3 +356,21 @@ def test_head_on_a_get_route_answers_as_get_without_a_body(executor, route):
         assert head.content == b""
         refused = http.head("/v1/completions")
         assert refused.status_code == 405 and refused.headers["allow"] == "POST"
+
+
+def test_a_second_drain_answers_the_grace_of_the_drain_that_runs(tmp_path):
+    """``start_drain`` is idempotent: the first drain runs with its grace, a later call
+    changes nothing; but ``/admin/drain?grace=1`` after ``?grace=30`` answered 202
+    ``{"grace": 1}``, telling the operator the server would be down in a second. It now
+    answers the running drain's grace and that it did not start it."""
+    executor = started_executor(tmp_path)
+    try:
+        with TestClient(create_app(executor, ServerConfig(admin_token=TOKEN))) as client:
+            first = client.post("/admin/drain", params={"grace": 30}, headers=AUTH)
+            assert first.status_code == 202, first.text
+            assert first.json() == {"draining": True, "grace": 30.0, "started": True}
+            again = client.post("/admin/drain", params={"grace": 1}, headers=AUTH)
+            assert again.status_code == 202, again.text
+            assert again.json() == {"draining": True, "grace": 30.0, "started": False}
+    finally:
+        executor.shutdown(5.0)

@@ -95,8 +95,10 @@ def add_admin_routes(app: FastAPI, service: CompletionService) -> None:
             return error_response(invalid(f"grace={raw_grace[:64]!r}: must be a finite number "
                                            f"of seconds in [0, {config.max_drain_grace_s:g}]"),
                                   "grace")
-        service.start_drain(grace)
-        return JSONResponse({"draining": True, "grace": grace}, status_code=202)
+        started = service.drain_grace is None
+        service.start_drain(grace)  # idempotent: a drain under way keeps its own grace
+        return JSONResponse({"draining": True, "grace": service.drain_grace,
+                             "started": started}, status_code=202)
 
     @app.post("/admin/reload")
     async def admin_reload(request: Request) -> Response:

@@ -504,6 +504,8 @@ class CompletionService:
         self.sequences = SequencePool(range(1, config.max_sequences + 1))
         self.draining = False
         self.drain_status: Status | None = None
+        #: the grace (s) of the drain ``start_drain`` started; None before one
+        self.drain_grace: float | None = None
         self.on_drained: list[Any] = []  # callables run once a drain has finished
         self.active = 0  # admitted completion requests not yet finished
         self._live: dict[int, RequestRun] = {}
@@ -1329,8 +1331,10 @@ class CompletionService:
             await anyio.sleep(0.01)
 
     def start_drain(self, grace: float) -> asyncio.Task:
-        """Begin a drain (idempotent): the running task."""
+        """Begin a drain (idempotent: a later call changes nothing, ``drain_grace`` is the
+        first one's): the running task."""
         if self._drain_task is None:
+            self.drain_grace = grace
             self._drain_task = asyncio.get_running_loop().create_task(self.drain(grace))
         return self._drain_task
 
