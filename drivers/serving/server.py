@@ -137,7 +137,7 @@ def head_with_get(app: FastAPI) -> None:
     with it): FastAPI's ``@app.get`` takes GET alone (Starlette's own routes, the mounted
     inspector's, add HEAD themselves). The handler runs as for GET; uvicorn sends no body."""
     for route in app.routes:
-        if isinstance(route, APIRoute) and "GET" in route.methods:
+        if isinstance(route, APIRoute) and route.methods and "GET" in route.methods:
             route.methods.add("HEAD")
 
 
