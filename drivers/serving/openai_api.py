@@ -590,6 +590,11 @@ class TextOutput:
         self.text = ""
         self._sent = 0
         self.stopped = False
+        # the hold-back (``_held``): per stop string, its KMP prefix function and the length
+        # of its longest prefix the text ends with, carried over the characters fed so far
+        self._prefix = [_prefix_function(s) for s in stop]
+        self._matched = [0] * len(stop)
+        self._fed = 0
 
     def add(self, token: int) -> str:
         if self.stopped:
@@ -622,14 +627,40 @@ class TextOutput:
         return piece
 
     def _held(self, text: str) -> int:
-        """Length of the longest end of ``text`` that starts some stop string."""
-        held = 0
-        for s in self._stop:
-            for n in range(min(len(s) - 1, len(text)), held, -1):
-                if s.startswith(text[-n:]):
-                    held = n
-                    break
-        return held
+        """Length of the longest end of ``text`` that starts some stop string (shorter than
+        it: a whole one is a match). ``text`` extends the one of the previous call: only its
+        new characters are fed to each stop string's matcher (KMP), so a token costs its own
+        characters, not every suffix up to each stop string's length."""
+        new = text[self._fed:]
+        self._fed = len(text)
+        for j, s in enumerate(self._stop):
+            k = self._matched[j]
+            if k == 0 and s[0] not in new:
+                continue  # (the usual case: nothing of it started, nor starts here)
+            prefix = self._prefix[j]
+            for c in new:
+                while k and s[k] != c:
+                    k = prefix[k - 1]
+                if s[k] == c:
+                    k += 1
+                    if k == len(s):  # a whole match (``_emit`` ended the text there)
+                        k = prefix[k - 1]
+            self._matched[j] = k
+        return max(self._matched, default=0)
+
+
+def _prefix_function(s: str) -> list[int]:
+    """KMP's prefix function of ``s``: entry i is the length of the longest proper prefix of
+    ``s[:i + 1]`` that also ends it."""
+    table = [0] * len(s)
+    k = 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = table[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        table[i] = k
+    return table
 
 
 def prompt_rows(body: CompletionRequest) -> int | None:
