@@ -374,3 +374,52 @@ def test_a_second_drain_answers_the_grace_of_the_drain_that_runs(tmp_path):
             assert again.json() == {"draining": True, "grace": 30.0, "started": False}
     finally:
         executor.shutdown(5.0)
+
+
+def _trickle(sock: socket.socket, data: bytes, stop: threading.Event) -> None:
+    """Send ``data`` a byte every 0.1 s (in a thread) until ``stop`` or a broken connection."""
+    def run() -> None:
+        for byte in data:
+            if stop.wait(0.1):
+                return
+            try:
+                sock.sendall(bytes([byte]))
+            except OSError:
+                return
+    threading.Thread(target=run, name="slow-head", daemon=True).start()
+
+
+def test_a_request_head_sent_slowly_or_never_is_cut_at_head_timeout(executor, monkeypatch):
+    """Slowloris on the request head: uvicorn bounds neither a new connection that sends
+    nothing nor a head that trickles in (its keep-alive timer runs only after a response,
+    and the next request's first byte cancels it), so such connections stayed open for as
+    long as their clients liked. The server's HTTP protocol (``server.uvicorn_config``) now
+    closes a connection whose next request head has not arrived whole within
+    ``HEAD_TIMEOUT_S`` of the connection or of its last response; it serves on."""
+    from calexec.drivers.serving import server as server_module
+    from test_server_support import ServeLikeServer, read_until_closed
+
+    monkeypatch.setattr(server_module, "HEAD_TIMEOUT_S", 0.5, raising=False)
+    stop = threading.Event()
+    with ServeLikeServer(create_app(executor, ServerConfig())) as server:
+        silent = socket.create_connection(("127.0.0.1", server.port), timeout=30.0)
+        slow = socket.create_connection(("127.0.0.1", server.port), timeout=30.0)
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n")
+        _trickle(slow, b"x-slow: " + b"a" * 600, stop)  # a minute of header bytes
+        again = socket.create_connection(("127.0.0.1", server.port), timeout=30.0)
+        body = b'{"prompt": [1, 2], "max_tokens": 1}'
+        again.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: "
+                      b"application/json\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+        first = again.recv(1 << 16)  # the answer to the first request (kept alive)
+        assert first.startswith(b"HTTP/1.1 200 "), first[:200]
+        again.sendall(b"GET /health HTTP/1.1\r\n")  # then the next head, never finished
+        _trickle(again, b"x-slow: " + b"a" * 600, stop)
+        try:
+            for sock in (silent, slow, again):  # each bounded by its 30 s socket timeout
+                data, ended = read_until_closed(sock)
+                assert ended in ("eof", "reset") and b"HTTP/1.1 200" not in data, (ended, data)
+        finally:
+            stop.set()
+            for sock in (silent, slow, again):
+                sock.close()
+        assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200

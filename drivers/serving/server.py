@@ -162,24 +162,57 @@ class OpenAICORS(CORSMiddleware):
 SHUTDOWN_WAIT_S = 2
 
 
+#: a connection's next request head must arrive whole within this many seconds of the
+#: connection or of its last response, else the connection is closed (uvicorn bounds neither
+#: a connection that sends nothing nor a head that trickles in: slowloris); the body then
+#: has ``ServerConfig.body_timeout_s``
+HEAD_TIMEOUT_S = 30.0
+
+
 def abortable(protocol: type) -> type:
     """``protocol`` (a uvicorn HTTP protocol class) whose requests get, in their ASGI scope's
     ``extensions``, a callable aborting their connection at once (``wire.ABORT_EXTENSION``:
     the transport's ``abort()``): a response cut because its client stopped reading ends the
-    connection without waiting for that client to read what is buffered."""
+    connection without waiting for that client to read what is buffered. Its connections are
+    closed when a request head has not arrived whole ``HEAD_TIMEOUT_S`` after the connection
+    was made or the last response was sent (the ASGI app is called once a head is whole)."""
 
     class Abortable(protocol):
+        _head_timer: asyncio.TimerHandle | None = None
+
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
+            self._await_head()
             app = getattr(self, "app", None)  # uvicorn's protocols keep the ASGI app there
             if app is None:
                 return
 
             async def with_abort(scope: Any, receive: Any, send: Any) -> None:
+                self._head_arrived()
                 extensions = scope.setdefault("extensions", {})
                 extensions[wire.ABORT_EXTENSION] = transport.abort
                 await app(scope, receive, send)
             self.app = with_abort
+
+        def on_response_complete(self) -> None:
+            self._await_head()  # first: a pipelined request it starts cancels the wait
+            super().on_response_complete()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._head_arrived()
+            super().connection_lost(exc)
+
+        def _await_head(self) -> None:
+            self._head_arrived()
+            transport = getattr(self, "transport", None)
+            if transport is not None and not transport.is_closing():
+                self._head_timer = asyncio.get_running_loop().call_later(
+                    HEAD_TIMEOUT_S, transport.close)
+
+        def _head_arrived(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
 
     Abortable.__name__ = Abortable.__qualname__ = f"Abortable{protocol.__name__}"
     return Abortable
