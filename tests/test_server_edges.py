@@ -425,3 +425,30 @@ def test_a_request_head_sent_slowly_or_never_is_cut_at_head_timeout(executor, mo
             for sock in (silent, slow, again):
                 sock.close()
         assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
+
+
+@pytest.mark.parametrize("route, field, value", [
+    ("/v1/completions", "best_of", True), ("/v1/completions", "priority", False),
+    ("/v1/completions", "length_penalty", True), ("/v1/completions", "use_beam_search", 0),
+    ("/v1/completions", "skip_special_tokens", 1),
+    ("/v1/completions", "spaces_between_special_tokens", 1.0),
+    ("/v1/completions", "return_tokens_as_token_ids", 0),
+    ("/v1/chat/completions", "echo", 0), ("/v1/chat/completions", "priority", 0.0),
+])
+def test_a_refused_parameter_of_the_wrong_type_is_refused_even_when_equal_to_neutral(
+        client, route, field, value):
+    """Refused parameters are accepted at their neutral value (``best_of: 1``,
+    ``use_beam_search: false``): compared with ``==``, so ``true == 1`` and ``0 == false``
+    passed, and ``best_of: true`` was a 200, though a known field of the wrong type is a
+    400 naming it (docs/server.md). The neutral value must have its type too."""
+    body = {"max_tokens": 1, field: value}
+    body.update({"prompt": [1, 2]} if route == "/v1/completions"
+                else {"messages": [{"role": "user", "content": "hi"}]})
+    r = client.post(route, json=body)
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["param"] == field and error["message"].startswith(f"{field}="), error
+    neutral = {"best_of": 1, "priority": 0, "length_penalty": 1.0, "use_beam_search": False,
+               "skip_special_tokens": True, "spaces_between_special_tokens": True,
+               "return_tokens_as_token_ids": False, "echo": False}[field]
+    assert client.post(route, json={**body, field: neutral}).status_code == 200

@@ -227,7 +227,9 @@ class ChatRequest(_Body):
 
 
 def _none_or(*values: Any) -> Callable[[Any], bool]:
-    return lambda v: v is None or v in values
+    """Null or one of ``values``, of its type too: ``true == 1`` and ``0 == false`` in Python,
+    but ``best_of: true`` is a wrong type, not the neutral ``best_of: 1``."""
+    return lambda v: v is None or any(type(v) is type(x) and v == x for x in values)
 
 
 #: refused OpenAI parameter -> (value that is accepted because it changes nothing, why refused)
