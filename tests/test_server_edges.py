@@ -452,3 +452,46 @@ def test_a_refused_parameter_of_the_wrong_type_is_refused_even_when_equal_to_neu
                "skip_special_tokens": True, "spaces_between_special_tokens": True,
                "return_tokens_as_token_ids": False, "echo": False}[field]
     assert client.post(route, json={**body, field: neutral}).status_code == 200
+
+
+def test_a_whole_answer_its_client_never_reads_is_dropped_after_head_timeout(executor,
+                                                                            monkeypatch):
+    """A non-streamed answer is written whole into the connection's buffer at once (the
+    app's send never waits), so a client that never reads it held it there for good:
+    uvicorn's keep-alive close waits for the buffer to drain, and a stream's send bound
+    does not apply. 177 KB here (logprobs; an answer of 16 choices can be megabytes), per
+    such client, for ever. Now a connection whose answer has not been read at all
+    ``HEAD_TIMEOUT_S`` after it was sent is aborted, the buffer dropped."""
+    from calexec.drivers.serving import server as server_module
+    from test_server_support import ServeLikeServer, stalled_client, wait_for
+
+    monkeypatch.setattr(server_module, "HEAD_TIMEOUT_S", 0.5)
+    with ServeLikeServer(create_app(executor, ServerConfig()), small_buffers=True) as server:
+        connections = server.server.server_state.connections
+        sock = stalled_client(server.port, {"prompt": [1, 2, 3], "max_tokens": 300,
+                                            "logprobs": 20})
+        try:
+            wait_for(lambda: len(connections) == 1, 30, "the stalled connection")
+            wait_for(lambda: not connections, 30, "the unread answer's connection to end")
+        finally:
+            sock.close()
+        assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
+        # a client that reads, slowly (8 KiB every 0.1 s: more than HEAD_TIMEOUT_S in all),
+        # gets its whole answer
+        slow = stalled_client(server.port, {"prompt": [1, 2, 3], "max_tokens": 300,
+                                            "logprobs": 20})
+        try:
+            data, pause = b"", threading.Event()
+            for _ in range(2000):  # bounded: the answer is some 25 reads
+                head, _, body = data.partition(b"\r\n\r\n")
+                if body and len(body) >= int(head.split(b"content-length: ")[1]
+                                             .split(b"\r\n")[0]):
+                    break
+                pause.wait(0.1)
+                chunk = slow.recv(8192)  # (the socket's 10 s timeout bounds each read)
+                assert chunk, ("closed before the whole answer", len(data))
+                data += chunk
+        finally:
+            slow.close()
+        answer = json.loads(data.partition(b"\r\n\r\n")[2])
+        assert len(answer["choices"][0]["token_ids"]) == 300

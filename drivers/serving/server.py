@@ -165,7 +165,9 @@ SHUTDOWN_WAIT_S = 2
 #: a connection's next request head must arrive whole within this many seconds of the
 #: connection or of its last response, else the connection is closed (uvicorn bounds neither
 #: a connection that sends nothing nor a head that trickles in: slowloris); the body then
-#: has ``ServerConfig.body_timeout_s``
+#: has ``ServerConfig.body_timeout_s``. A last response its client has not read at all in
+#: that time (a non-streamed answer is buffered whole at once) is dropped: the connection
+#: is aborted
 HEAD_TIMEOUT_S = 30.0
 
 
@@ -175,7 +177,8 @@ def abortable(protocol: type) -> type:
     the transport's ``abort()``): a response cut because its client stopped reading ends the
     connection without waiting for that client to read what is buffered. Its connections are
     closed when a request head has not arrived whole ``HEAD_TIMEOUT_S`` after the connection
-    was made or the last response was sent (the ASGI app is called once a head is whole)."""
+    was made or the last response was sent (the ASGI app is called once a head is whole);
+    aborted when that response is still unsent and none of it was read in that time."""
 
     class Abortable(protocol):
         _head_timer: asyncio.TimerHandle | None = None
@@ -206,8 +209,25 @@ def abortable(protocol: type) -> type:
             self._head_arrived()
             transport = getattr(self, "transport", None)
             if transport is not None and not transport.is_closing():
-                self._head_timer = asyncio.get_running_loop().call_later(
-                    HEAD_TIMEOUT_S, transport.close)
+                self._arm(transport.get_write_buffer_size())
+
+        def _arm(self, unsent: int) -> None:
+            self._head_timer = asyncio.get_running_loop().call_later(
+                HEAD_TIMEOUT_S, self._head_late, unsent)
+
+        def _head_late(self, unsent_before: int) -> None:
+            """No head came in time: close, once what the last response left unsent (the
+            whole of a non-streamed answer whose client does not read) is read; abort when
+            none of it was read in that time (a close would wait for it for ever)."""
+            self._head_timer = None
+            transport = self.transport
+            unsent = transport.get_write_buffer_size()
+            if unsent == 0:
+                transport.close()
+            elif unsent < unsent_before:  # its client reads, slowly: wait on
+                self._arm(unsent)
+            else:
+                transport.abort()
 
         def _head_arrived(self) -> None:
             if self._head_timer is not None:
