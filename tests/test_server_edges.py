@@ -468,13 +468,22 @@ def test_a_whole_answer_its_client_never_reads_is_dropped_after_head_timeout(exe
     monkeypatch.setattr(server_module, "HEAD_TIMEOUT_S", 0.5)
     with ServeLikeServer(create_app(executor, ServerConfig()), small_buffers=True) as server:
         connections = server.server.server_state.connections
-        sock = stalled_client(server.port, {"prompt": [1, 2, 3], "max_tokens": 300,
-                                            "logprobs": 20})
-        try:
-            wait_for(lambda: len(connections) == 1, 30, "the stalled connection")
-            wait_for(lambda: not connections, 30, "the unread answer's connection to end")
-        finally:
-            sock.close()
+        for close in (False, True):  # kept alive, or closed after the answer (HTTP/1.0 too)
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window
+            sock.settimeout(10.0)
+            sock.connect(("127.0.0.1", server.port))
+            payload = json.dumps({"prompt": [1, 2, 3], "max_tokens": 300, "logprobs": 20})
+            sock.sendall(f"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+                         f"{'connection: close' if close else 'x-kept: alive'}\r\n"
+                         f"content-type: application/json\r\ncontent-length: {len(payload)}"
+                         f"\r\n\r\n{payload}".encode())  # then never reads
+            try:
+                wait_for(lambda: len(connections) == 1, 30, "the stalled connection")
+                wait_for(lambda: not connections, 30, f"the unread answer's connection to "
+                         f"end (connection: close {close})")
+            finally:
+                sock.close()
         assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
         # a client that reads, slowly (8 KiB every 0.1 s: more than HEAD_TIMEOUT_S in all),
         # gets its whole answer

@@ -208,8 +208,12 @@ def abortable(protocol: type) -> type:
         def _await_head(self) -> None:
             self._head_arrived()
             transport = getattr(self, "transport", None)
-            if transport is not None and not transport.is_closing():
-                self._arm(transport.get_write_buffer_size())
+            if transport is None:
+                return
+            unsent = transport.get_write_buffer_size()
+            # closing already (connection: close, HTTP/1.0, a 413): watched while unsent
+            if unsent or not transport.is_closing():
+                self._arm(unsent)
 
         def _arm(self, unsent: int) -> None:
             self._head_timer = asyncio.get_running_loop().call_later(
