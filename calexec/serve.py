@@ -172,6 +172,9 @@ def _admin_token(path: Path | None) -> str | None:
     token = path.read_text(encoding="utf-8").strip()
     if not token:
         raise ValueError(f"--admin-token-file={str(path)!r} is empty")
+    problem = api_key_problem(token)  # a token no request could match locks the admin out
+    if problem is not None:
+        raise ValueError(f"--admin-token-file={str(path)!r}: the token {problem}")
     return token
 
 

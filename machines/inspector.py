@@ -36,7 +36,7 @@ import json
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 import attrs
@@ -469,11 +469,16 @@ def path_page(chart: ChartLike, record: Mapping[str, Json], heading: str, about:
 class AppOptions:
     """How ``inspector_app`` draws and answers: ``svg(chart, active)`` renders a chart (default
     ``render_chart_svg``, a cache is the caller's), ``graphviz_error(err, route)`` the response
-    when drawing fails (default: 503 JSON naming it), ``title``/``labels``/``counted`` the
-    page's words, ``order`` the charts' order on the page (default: registration)."""
+    when drawing fails (default: 503 JSON naming it), ``error(request, status, message,
+    headers)`` every other error response, in the mounting app's shape: an unknown chart or
+    run (404, ``message`` names it) and a path or method no route takes (404 / 405 with
+    ``Allow`` in ``headers``; ``message`` None) (default: ``{"error": message}`` JSON, and
+    Starlette's plain-text answers), ``title``/``labels``/``counted`` the page's words,
+    ``order`` the charts' order on the page (default: registration)."""
 
     svg: Callable[[CompiledChart, str | None], str] = render_chart_svg
     graphviz_error: Callable[[GraphvizError, str], Response] | None = None
+    error: Callable[[Request, int, str | None, Mapping[str, str]], Response] | None = None
     title: str = "statecharts"
     labels: Mapping[str, str] | None = None
     counted: str = "live runs in the state"
@@ -485,6 +490,7 @@ def inspector_app(inspector: Inspector, options: AppOptions | None = None) -> St
     inspector_app(inspector))``). Needs Starlette (the ``[server]`` extra)."""
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
+    from starlette.exceptions import HTTPException
     from starlette.responses import HTMLResponse, JSONResponse, Response
     from starlette.routing import Route
 
@@ -497,6 +503,11 @@ def inspector_app(inspector: Inspector, options: AppOptions | None = None) -> St
                                       f"here: {err}; live.json needs no graphviz"},
                             status_code=503)
 
+    def refused(request: Request, status: int, message: str) -> Response:
+        if opts.error is not None:
+            return opts.error(request, status, message, {})
+        return JSONResponse({"error": message}, status_code=status)
+
     def base(request: Request) -> str:
         return str(request.scope.get("root_path", "")).rstrip("/")
 
@@ -507,8 +518,8 @@ def inspector_app(inspector: Inspector, options: AppOptions | None = None) -> St
         name = request.path_params["chart"]
         entry = inspector.charts.get(name)
         if entry is None:
-            return JSONResponse({"error": f"chart={name!r} is not one of "
-                                          f"{sorted(inspector.charts)}"}, status_code=404)
+            return refused(request, 404, f"chart={name!r:.60} is not one of "
+                                         f"{sorted(inspector.charts)}")
         try:
             svg = await run_in_threadpool(opts.svg, entry.chart, entry.active())
         except GraphvizError as err:
@@ -535,9 +546,8 @@ def inspector_app(inspector: Inspector, options: AppOptions | None = None) -> St
         record = inspector.paths.record(run_id)
         chart = inspector.paths.chart_of(run_id)
         if record is None or chart is None:
-            return JSONResponse({"error": f"run_id={run_id!r:.60}: not followed (or older "
-                                          f"than the last {inspector.paths.keep} runs)"},
-                                status_code=404)
+            return refused(request, 404, f"run_id={run_id!r:.60}: not followed (or older "
+                                         f"than the last {inspector.paths.keep} runs)")
         if request.query_params.get("format") == "json":
             return JSONResponse(record)
         try:
@@ -547,7 +557,17 @@ def inspector_app(inspector: Inspector, options: AppOptions | None = None) -> St
             return drawing_failed(err, f"{base(request)}/runs/{{run_id}}")
         return HTMLResponse(text)
 
+    handlers: dict[type[Exception], Callable[[Request, Exception], Awaitable[Response]]] = {}
+    if opts.error is not None:
+        error = opts.error
+
+        async def no_route(request: Request, exc: Exception) -> Response:
+            """A path (404) or method (405) no route takes, in the mounting app's shape."""
+            return error(request, getattr(exc, "status_code", 404), None,
+                         dict(getattr(exc, "headers", None) or {}))
+        handlers[HTTPException] = no_route
+
     return Starlette(routes=[
         Route("/", index), Route("/live.json", live), Route("/runs/{run_id}", run_path),
         Route("/{chart}.svg", chart_svg),
-    ])
+    ], exception_handlers=handlers)

@@ -169,6 +169,23 @@ def test_user_errors_are_one_line_naming_the_offender_exit_2(argv, named, tmp_pa
     assert line.startswith(f"calexec {cli.lookup(argv)}:") and named in line, line
 
 
+@pytest.mark.parametrize("text, named", [
+    ("caf\u00e9\n", "has U+00E9 at character 4"),
+    ("  \n", "is empty"),
+])
+def test_an_admin_token_file_no_request_could_match_is_refused_exit_2(tmp_path, text, named):
+    """A token that can never match a request's header (non-ASCII: headers arrive latin-1)
+    locked every admin request out with 401/403; refused before the executor starts, naming
+    the file (the file's outer whitespace, its line end, is not part of the token)."""
+    path = tmp_path / "token"
+    path.write_text(text, encoding="utf-8")
+    done = calexec("serve", "--once", "--admin-token-file", str(path))
+    line = one_line(done.stderr)
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert line.startswith(f"calexec serve: --admin-token-file={str(path)!r}") \
+        and named in line, line
+
+
 def test_a_port_in_use_is_named_before_the_executor_starts_exit_2():
     import socket
 

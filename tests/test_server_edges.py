@@ -4,6 +4,11 @@ on the bundled emulator; TestClient or a loopback uvicorn; every wait bounded.""
 
 from __future__ import annotations
 
+import json
+import socket
+import threading
+
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
@@ -152,3 +157,350 @@ def test_an_app_whose_sequence_ids_exceed_the_kv_managers_is_refused(tmp_path):
         assert service.sequences.counts()["capacity"] == 2
     finally:
         executor.shutdown(5.0)
+
+
+@pytest.mark.parametrize("key", ["9" * 5000, "0" * 4999 + "1"], ids=["5000-nines", "5000-digit-one"])
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_a_logit_bias_key_of_thousands_of_digits_is_a_400_naming_it(client, route, key):
+    """``int()`` refuses a string of more than 4300 digits (Python's int_max_str_digits): such
+    a ``logit_bias`` key was parsed with ``int(key)`` after an ``isdigit()`` check and the
+    ValueError escaped as a 500 ("Internal Server Error", not JSON). A token id is at most
+    a few digits: the key is refused as not a token id, naming ``logit_bias``."""
+    body = {"max_tokens": 1, "logit_bias": {key: 1}}
+    body.update({"prompt": [1, 2]} if route == "/v1/completions"
+                else {"messages": [{"role": "user", "content": "hi"}]})
+    r = client.post(route, json=body)
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["param"] == "logit_bias" and error["message"].startswith("logit_bias["), error
+    assert len(error["message"]) < 300, error  # the key is shown cut, not whole
+    assert client.post(route, json={**body, "logit_bias": {"0001": 1}}).status_code == 200
+
+
+def test_a_content_length_of_thousands_of_digits_is_a_413_not_a_500(executor):
+    """The declared length was compared with ``int(declared)``, which raises for more than
+    4300 digits (h11 and httptools refuse such a header before the app; other ASGI servers
+    may not): a length that long exceeds any limit, so it is a 413 without parsing it."""
+    app = create_app(executor, ServerConfig())
+    sent = _asgi(app, "POST", "/v1/completions",
+                 [(b"content-type", b"application/json"), (b"content-length", b"9" * 5000)],
+                 [{"type": "http.request", "body": b'{"prompt": [1]}', "more_body": False}],
+                 gone=False)
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    assert start["status"] == 413, sent
+    zeros = _asgi(app, "POST", "/v1/completions",  # leading zeros: the length is what counts
+                  [(b"content-type", b"application/json"),
+                   (b"content-length", b"0" * 5000 + b"36")],
+                  [{"type": "http.request", "body": b'{"prompt": [1, 2], "max_tokens": 1}',
+                    "more_body": False}], gone=False)
+    assert next(m for m in zeros if m["type"] == "http.response.start")["status"] == 200, zeros
+
+
+def _slow_body_client(port: int, path: str, headers: str, stop: threading.Event
+                      ) -> socket.socket:
+    """A raw loopback client that sends a request head declaring 10000 bytes of body, then
+    one byte of it every 0.1 s until ``stop`` is set or the connection breaks (at most 600
+    bytes: a minute), never the whole body (slowloris)."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10.0)
+    sock.sendall(f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json"
+                 f"\r\ncontent-length: 10000\r\n{headers}\r\n{{".encode())
+
+    def trickle() -> None:
+        for _ in range(600):
+            if stop.wait(0.1):
+                return
+            try:
+                sock.sendall(b" ")
+            except OSError:
+                return
+    threading.Thread(target=trickle, name="slowloris", daemon=True).start()
+    return sock
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/admin/reload"])
+def test_a_body_sent_slowly_is_a_408_within_body_timeout_and_the_connection_closes(
+        executor, path):
+    """Slowloris: a client sending its body a byte at a time, never the whole of it, held its
+    connection (and the route's task) for as long as it kept sending: nothing bounded the
+    body's read, so enough such clients exhaust the server's file descriptors. The body must
+    now arrive within ``ServerConfig.body_timeout_s`` of the first read: else 408 (OpenAI
+    shape, counted), the connection closed, and the server serves on."""
+    from test_server_support import ServeLikeServer, metric_value, read_until_closed
+
+    app = create_app(executor, ServerConfig(admin_token=TOKEN, body_timeout_s=0.5))
+    stop = threading.Event()
+    with ServeLikeServer(app) as server:
+        auth = f"authorization: {AUTH['Authorization']}\r\n" if path.startswith("/admin") else ""
+        sock = _slow_body_client(server.port, path, auth, stop)
+        sock.settimeout(30.0)  # bound of the wait: far past body_timeout_s, short of the trickle
+        try:
+            data, ended = read_until_closed(sock)
+        finally:
+            stop.set()
+            sock.close()
+        head, _, body = data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408 "), (head[:200], ended)
+        error = json.loads(body)["error"]
+        assert error["code"] == "request.body_timeout" and "body_timeout_s=0.5" in \
+            error["message"], error
+        assert ended in ("eof", "reset"), ended  # closed: the rest of the body is not awaited
+        ok = httpx.post(f"{server.url}/v1/completions",
+                        json={"prompt": [1, 2], "max_tokens": 1}, timeout=30)
+        assert ok.status_code == 200, ok.text
+        if path == "/v1/completions":
+            text = app.state.service.metrics.exposition().decode()
+            assert metric_value(text, "calexec_request_failures_total",
+                                {"code": "request.body_timeout"}) == 1
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/admin/reload"])
+def test_a_413_closes_the_connection_so_a_trickled_body_does_not_hold_it(executor, path):
+    """The same slowloris through the 413: a declared length over ``max_body_bytes`` is
+    answered at once, but the connection stayed open while uvicorn read the rest of the body
+    as that request's, for as long as the client trickled it. The 413 now closes it."""
+    from test_server_support import ServeLikeServer, read_until_closed
+
+    app = create_app(executor, ServerConfig(admin_token=TOKEN, max_body_bytes=1000))
+    stop = threading.Event()
+    with ServeLikeServer(app) as server:
+        auth = f"authorization: {AUTH['Authorization']}\r\n" if path.startswith("/admin") else ""
+        sock = _slow_body_client(server.port, path, auth, stop)  # declares 10000 bytes
+        sock.settimeout(30.0)  # bound of the wait: the trickle lasts a minute
+        try:
+            data, ended = read_until_closed(sock)
+        finally:
+            stop.set()
+            sock.close()
+        assert data.startswith(b"HTTP/1.1 413 "), data[:200]
+        assert ended in ("eof", "reset"), (ended, data[:200])
+
+
+@pytest.mark.parametrize("method, route, code, status", [
+    ("GET", "/debug/statecharts/nochart.svg", "not_found", 404),
+    ("GET", "/debug/statecharts/runs/nobody", "not_found", 404),
+    ("GET", "/debug/statecharts/no/such/page", "not_found", 404),
+    ("POST", "/debug/statecharts/live.json", "method_not_allowed", 405),
+])
+def test_errors_of_the_mounted_statecharts_inspector_are_openai_shaped(client, method, route,
+                                                                       code, status):
+    """The inspector mounted at /debug/statecharts answered its own errors: an unknown chart
+    or run as ``{"error": "<text>"}``, an unknown path as plain-text "Not Found", a wrong
+    method as plain-text "Method Not Allowed" (its Starlette app's defaults: the server's
+    handlers do not reach a mounted app). Every error of the server is the OpenAI object
+    (docs/server.md: 404 unknown chart, 405 + Allow)."""
+    r = client.request(method, route)
+    assert r.status_code == status, r.text[:200]
+    assert r.headers["content-type"] == "application/json", (r.headers, r.text[:200])
+    error = r.json()["error"]
+    assert isinstance(error, dict) and error["code"] == code, r.text[:300]
+    assert error["type"] == "invalid_request_error" and error["message"], error
+    if status == 405:
+        allowed = r.headers["allow"]  # (Starlette lists a set: either order)
+        assert set(allowed.split(", ")) == {"GET", "HEAD"}, allowed
+        assert f"allowed: {allowed}" in error["message"], error
+    if route.endswith("nochart.svg"):
+        assert "chart='nochart'" in error["message"] and "lifecycle" in error["message"]
+
+
+@pytest.mark.parametrize("token", ["caf\u00e9", "\u2603-token", " token", ""])
+def test_a_server_config_refuses_an_admin_token_no_request_could_match(executor, token):
+    """The admin token was taken as given (the api key has been checked since issue 24): a
+    non-ASCII token can never match (a client's UTF-8 bytes arrive as latin-1 text and are
+    compared re-encoded), nor a token with outer whitespace (header values are stripped),
+    nor an empty one (``Bearer`` with nothing after it is a 401): every admin request was
+    refused with 401/403 blaming the client. Refused when the config is built, as the api
+    key is; a printable ASCII token still works."""
+    with pytest.raises(ValueError, match="^admin_token (has U\\+|starts or ends|is empty)"):
+        ServerConfig(admin_token=token)
+    good = "adm1n token~"
+    with TestClient(create_app(executor, ServerConfig(admin_token=good))) as client:
+        r = client.post("/admin/drain?grace=x", headers={"Authorization": f"Bearer {good}"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "grace", r.text
+
+
+@pytest.mark.parametrize("penalty", [1e-46, 1e-45, 1e-40, 1e39, 1e300])
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_an_extreme_repetition_penalty_never_picks_a_token_outside_the_allowed_ones(
+        client, penalty, sampled):
+    """Any ``repetition_penalty`` > 0 is accepted, and it is applied in float32: 1e-46
+    rounds to 0 and 1e39 to inf, and a logit divided (multiplied) by a tiny (huge) one
+    overflows. A masked token's -inf times 0, and a 0 logit times inf, gave NaN, which
+    ``argmax`` takes as the largest; two +inf entries made the sampler's probabilities NaN
+    and its search fall off the end of the vocabulary: the answers held tokens outside
+    ``allowed_token_ids`` (1, or the last id 151935). A penalised logit now stays finite
+    (the largest float32 at most; 0 stays 0; a masked token stays masked)."""
+    body = {"prompt": [1, 2, 3], "max_tokens": 4, "repetition_penalty": penalty,
+            "allowed_token_ids": [5, 6], **({"temperature": 1.0, "seed": 7} if sampled else {})}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text[:300]
+    tokens = r.json()["choices"][0]["token_ids"]
+    assert tokens and set(tokens) <= {5, 6}, tokens
+    if penalty < 1:  # a tiny penalty lifts the seen tokens: one of the prompt's, not the end
+        free = client.post("/v1/completions", json={**body, "allowed_token_ids": None})
+        assert set(free.json()["choices"][0]["token_ids"]) <= {1, 2, 3}, free.text[:300]
+
+
+@pytest.mark.parametrize("route", ["/health", "/ready", "/metrics", "/v1/models",
+                                   "/v1/models/calexec-qwen3-synthetic", "/tokenizer_info",
+                                   "/debug/jobs"])
+def test_head_on_a_get_route_answers_as_get_without_a_body(executor, route):
+    """RFC 9110 section 9.1: a general-purpose server MUST support HEAD wherever it supports
+    GET (load balancers and uptime checks probe with it); FastAPI's ``@app.get`` routes took
+    GET alone, so ``HEAD /health`` was a 405. Real uvicorn: same status and content type as
+    GET, no body; a POST route's HEAD is still a 405."""
+    from test_server_support import ServeLikeServer
+
+    app = create_app(executor, ServerConfig(admin_token=TOKEN))
+    with ServeLikeServer(app) as server, httpx.Client(base_url=server.url, timeout=30) as http:
+        got, head = http.get(route), http.head(route)
+        assert head.status_code == got.status_code == 200, (head.status_code, head.text)
+        assert head.headers["content-type"] == got.headers["content-type"]
+        assert head.content == b""
+        refused = http.head("/v1/completions")
+        assert refused.status_code == 405 and refused.headers["allow"] == "POST"
+
+
+def test_a_second_drain_answers_the_grace_of_the_drain_that_runs(tmp_path):
+    """``start_drain`` is idempotent: the first drain runs with its grace, a later call
+    changes nothing; but ``/admin/drain?grace=1`` after ``?grace=30`` answered 202
+    ``{"grace": 1}``, telling the operator the server would be down in a second. It now
+    answers the running drain's grace and that it did not start it."""
+    executor = started_executor(tmp_path)
+    try:
+        with TestClient(create_app(executor, ServerConfig(admin_token=TOKEN))) as client:
+            first = client.post("/admin/drain", params={"grace": 30}, headers=AUTH)
+            assert first.status_code == 202, first.text
+            assert first.json() == {"draining": True, "grace": 30.0, "started": True}
+            again = client.post("/admin/drain", params={"grace": 1}, headers=AUTH)
+            assert again.status_code == 202, again.text
+            assert again.json() == {"draining": True, "grace": 30.0, "started": False}
+    finally:
+        executor.shutdown(5.0)
+
+
+def _trickle(sock: socket.socket, data: bytes, stop: threading.Event) -> None:
+    """Send ``data`` a byte every 0.1 s (in a thread) until ``stop`` or a broken connection."""
+    def run() -> None:
+        for byte in data:
+            if stop.wait(0.1):
+                return
+            try:
+                sock.sendall(bytes([byte]))
+            except OSError:
+                return
+    threading.Thread(target=run, name="slow-head", daemon=True).start()
+
+
+def test_a_request_head_sent_slowly_or_never_is_cut_at_head_timeout(executor, monkeypatch):
+    """Slowloris on the request head: uvicorn bounds neither a new connection that sends
+    nothing nor a head that trickles in (its keep-alive timer runs only after a response,
+    and the next request's first byte cancels it), so such connections stayed open for as
+    long as their clients liked. The server's HTTP protocol (``server.uvicorn_config``) now
+    closes a connection whose next request head has not arrived whole within
+    ``HEAD_TIMEOUT_S`` of the connection or of its last response; it serves on."""
+    from calexec.drivers.serving import server as server_module
+    from test_server_support import ServeLikeServer, read_until_closed
+
+    monkeypatch.setattr(server_module, "HEAD_TIMEOUT_S", 0.5, raising=False)
+    stop = threading.Event()
+    with ServeLikeServer(create_app(executor, ServerConfig())) as server:
+        silent = socket.create_connection(("127.0.0.1", server.port), timeout=30.0)
+        slow = socket.create_connection(("127.0.0.1", server.port), timeout=30.0)
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n")
+        _trickle(slow, b"x-slow: " + b"a" * 600, stop)  # a minute of header bytes
+        again = socket.create_connection(("127.0.0.1", server.port), timeout=30.0)
+        body = b'{"prompt": [1, 2], "max_tokens": 1}'
+        again.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: "
+                      b"application/json\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+        first = again.recv(1 << 16)  # the answer to the first request (kept alive)
+        assert first.startswith(b"HTTP/1.1 200 "), first[:200]
+        again.sendall(b"GET /health HTTP/1.1\r\n")  # then the next head, never finished
+        _trickle(again, b"x-slow: " + b"a" * 600, stop)
+        try:
+            for sock in (silent, slow, again):  # each bounded by its 30 s socket timeout
+                data, ended = read_until_closed(sock)
+                assert ended in ("eof", "reset") and b"HTTP/1.1 200" not in data, (ended, data)
+        finally:
+            stop.set()
+            for sock in (silent, slow, again):
+                sock.close()
+        assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
+
+
+@pytest.mark.parametrize("route, field, value", [
+    ("/v1/completions", "best_of", True), ("/v1/completions", "priority", False),
+    ("/v1/completions", "length_penalty", True), ("/v1/completions", "use_beam_search", 0),
+    ("/v1/completions", "skip_special_tokens", 1),
+    ("/v1/completions", "spaces_between_special_tokens", 1.0),
+    ("/v1/completions", "return_tokens_as_token_ids", 0),
+    ("/v1/chat/completions", "echo", 0), ("/v1/chat/completions", "priority", 0.0),
+])
+def test_a_refused_parameter_of_the_wrong_type_is_refused_even_when_equal_to_neutral(
+        client, route, field, value):
+    """Refused parameters are accepted at their neutral value (``best_of: 1``,
+    ``use_beam_search: false``): compared with ``==``, so ``true == 1`` and ``0 == false``
+    passed, and ``best_of: true`` was a 200, though a known field of the wrong type is a
+    400 naming it (docs/server.md). The neutral value must have its type too."""
+    body = {"max_tokens": 1, field: value}
+    body.update({"prompt": [1, 2]} if route == "/v1/completions"
+                else {"messages": [{"role": "user", "content": "hi"}]})
+    r = client.post(route, json=body)
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["param"] == field and error["message"].startswith(f"{field}="), error
+    neutral = {"best_of": 1, "priority": 0, "length_penalty": 1.0, "use_beam_search": False,
+               "skip_special_tokens": True, "spaces_between_special_tokens": True,
+               "return_tokens_as_token_ids": False, "echo": False}[field]
+    assert client.post(route, json={**body, field: neutral}).status_code == 200
+
+
+def test_a_whole_answer_its_client_never_reads_is_dropped_after_head_timeout(executor,
+                                                                            monkeypatch):
+    """A non-streamed answer is written whole into the connection's buffer at once (the
+    app's send never waits), so a client that never reads it held it there for good:
+    uvicorn's keep-alive close waits for the buffer to drain, and a stream's send bound
+    does not apply. 177 KB here (logprobs; an answer of 16 choices can be megabytes), per
+    such client, for ever. Now a connection whose answer has not been read at all
+    ``HEAD_TIMEOUT_S`` after it was sent is aborted, the buffer dropped."""
+    from calexec.drivers.serving import server as server_module
+    from test_server_support import ServeLikeServer, stalled_client, wait_for
+
+    monkeypatch.setattr(server_module, "HEAD_TIMEOUT_S", 0.5)
+    with ServeLikeServer(create_app(executor, ServerConfig()), small_buffers=True) as server:
+        connections = server.server.server_state.connections
+        for close in (False, True):  # kept alive, or closed after the answer (HTTP/1.0 too)
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window
+            sock.settimeout(10.0)
+            sock.connect(("127.0.0.1", server.port))
+            payload = json.dumps({"prompt": [1, 2, 3], "max_tokens": 300, "logprobs": 20})
+            sock.sendall(f"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+                         f"{'connection: close' if close else 'x-kept: alive'}\r\n"
+                         f"content-type: application/json\r\ncontent-length: {len(payload)}"
+                         f"\r\n\r\n{payload}".encode())  # then never reads
+            try:
+                wait_for(lambda: len(connections) == 1, 30, "the stalled connection")
+                wait_for(lambda: not connections, 30, f"the unread answer's connection to "
+                         f"end (connection: close {close})")
+            finally:
+                sock.close()
+        assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
+        # a client that reads, slowly (8 KiB every 0.1 s: more than HEAD_TIMEOUT_S in all),
+        # gets its whole answer
+        slow = stalled_client(server.port, {"prompt": [1, 2, 3], "max_tokens": 300,
+                                            "logprobs": 20})
+        try:
+            data, pause = b"", threading.Event()
+            for _ in range(2000):  # bounded: the answer is some 25 reads
+                head, _, body = data.partition(b"\r\n\r\n")
+                if body and len(body) >= int(head.split(b"content-length: ")[1]
+                                             .split(b"\r\n")[0]):
+                    break
+                pause.wait(0.1)
+                chunk = slow.recv(8192)  # (the socket's 10 s timeout bounds each read)
+                assert chunk, ("closed before the whole answer", len(data))
+                data += chunk
+        finally:
+            slow.close()
+        answer = json.loads(data.partition(b"\r\n\r\n")[2])
+        assert len(answer["choices"][0]["token_ids"]) == 300

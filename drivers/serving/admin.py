@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
 from calexec.drivers.serving import wire
-from calexec.drivers.serving.error_bodies import error_response, invalid
+from calexec.drivers.serving.error_bodies import body_timeout, error_response, invalid
 from calexec.drivers.serving.service import CompletionService, ServerConfig
 
 #: longest ``/admin/reload`` path accepted (Linux PATH_MAX)
@@ -95,8 +95,10 @@ def add_admin_routes(app: FastAPI, service: CompletionService) -> None:
             return error_response(invalid(f"grace={raw_grace[:64]!r}: must be a finite number "
                                            f"of seconds in [0, {config.max_drain_grace_s:g}]"),
                                   "grace")
-        service.start_drain(grace)
-        return JSONResponse({"draining": True, "grace": grace}, status_code=202)
+        started = service.drain_grace is None
+        service.start_drain(grace)  # idempotent: a drain under way keeps its own grace
+        return JSONResponse({"draining": True, "grace": service.drain_grace,
+                             "started": started}, status_code=202)
 
     @app.post("/admin/reload")
     async def admin_reload(request: Request) -> Response:
@@ -110,13 +112,17 @@ def add_admin_routes(app: FastAPI, service: CompletionService) -> None:
             return error_response(invalid(f"content-type {media!r}: the body must be JSON "
                                           "(application/json)"), None, http_status=415)
         try:
-            raw = await wire.read_body(request, config.max_body_bytes)
+            raw = await wire.read_body(request, config.max_body_bytes, config.body_timeout_s)
         except wire.ClientGone as gone:
             return error_response(Status.cancelled(Phase.VALIDATE, str(gone)), None,
                                   http_status=499)
+        except wire.BodyTimeout as late:
+            return error_response(body_timeout(str(late), config.body_timeout_s), None,
+                                  http_status=408, headers=wire.CLOSE)
         if raw is None:
             return error_response(invalid(f"request body exceeds max_body_bytes="
-                                          f"{config.max_body_bytes}"), None, http_status=413)
+                                          f"{config.max_body_bytes}"), None, http_status=413,
+                                  headers=wire.CLOSE)
         try:
             body = json.loads(raw)
         except ValueError:

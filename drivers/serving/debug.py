@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from anyio import to_thread
@@ -15,7 +16,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
 from calexec.drivers.serving.admin import admin_refusal
-from calexec.drivers.serving.error_bodies import error_response, invalid
+from calexec.drivers.serving.error_bodies import error_response, invalid, route_error
 from calexec.drivers.serving.live_charts import COUNTED, LABELS, path_page, server_inspector
 from calexec.drivers.serving.service import CompletionService
 from calexec.machines.compiled import CHARTS
@@ -38,6 +39,18 @@ def no_graphviz(err: GraphvizError, route: str) -> Response:
         "debug.graphviz_unavailable", Category.UNAVAILABLE, Phase.VALIDATE,
         f"{route} draws the charts with graphviz, which is not available here: {err}; "
         "/debug/statecharts/live.json and /debug/jobs/{id}?format=json need no graphviz"))
+
+
+def inspector_error(request: Request, status: int, message: str | None,
+                    headers: Mapping[str, str]) -> Response:
+    """An error of the mounted inspector as every other error of the server (OpenAI shape):
+    a path or method no route takes (``message`` None: 404 / 405 + ``Allow``, as
+    ``error_bodies.route_error``), an unknown chart or run (404 ``not_found`` naming it)."""
+    if message is None:
+        return route_error(request.method, request.url.path, status, dict(headers))
+    return error_response(Status.failure("request.not_found", Category.INVALID_REQUEST,
+                                         Phase.VALIDATE, message), None, http_status=status,
+                          headers=dict(headers) or None)
 
 
 def add_debug_routes(app: FastAPI, service: CompletionService) -> None:
@@ -76,6 +89,7 @@ def add_debug_routes(app: FastAPI, service: CompletionService) -> None:
     inspector = server_inspector(executor, service.live_job_counts)
     app.mount("/debug/statecharts", inspector_app(inspector, AppOptions(
         svg=lambda chart, active: chart_svg_cached(chart.name, active),
-        graphviz_error=no_graphviz, title="calexec statecharts", labels=LABELS, counted=COUNTED,
+        graphviz_error=no_graphviz, error=inspector_error, title="calexec statecharts",
+        labels=LABELS, counted=COUNTED,
         # the lifecycle chart first (the operator's question: is it Ready?), then the rest
         order=lambda names: sorted(names, key=lambda name: name != "lifecycle"))))

@@ -16,7 +16,8 @@ PARAM_OF_CODE = {"kv.exceeds_capacity": "max_tokens"}
 
 ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error",
                403: "permission_error", 404: "invalid_request_error",
-               405: "invalid_request_error", 413: "invalid_request_error",
+               405: "invalid_request_error", 408: "timeout_error",
+               413: "invalid_request_error",
                415: "invalid_request_error", 429: "rate_limit_error",
                499: "cancelled_error", 503: "unavailable_error", 504: "timeout_error"}
 
@@ -32,7 +33,7 @@ OPENAI_CODE = {"request.model_not_found": "model_not_found",
 #: gRPC code of an HTTP status a route answers in place of its Status's own (the status dict
 #: of the body says the same as the response: a 401 is UNAUTHENTICATED, not a 400)
 GRPC_OF_HTTP = {401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND",
-                405: "UNIMPLEMENTED", 413: "INVALID_ARGUMENT", 415: "INVALID_ARGUMENT",
+                405: "UNIMPLEMENTED", 408: "DEADLINE_EXCEEDED", 413: "INVALID_ARGUMENT", 415: "INVALID_ARGUMENT",
                 499: "CANCELLED"}
 
 
@@ -82,3 +83,12 @@ def route_error(method: str, path: str, http_status: int,
 def invalid(message: str) -> Status:
     """A 400 INVALID_REQUEST failure naming what was wrong."""
     return Status.failure("request.invalid", Category.INVALID_REQUEST, Phase.VALIDATE, message)
+
+
+def body_timeout(came: str, timeout_s: float) -> Status:
+    """The failure of a request whose body did not arrive whole within ``timeout_s``
+    (``ServerConfig.body_timeout_s``; answered 408, the connection closed); ``came``: how
+    much of it did (``wire.BodyTimeout``)."""
+    return Status.failure("request.body_timeout", Category.DEADLINE, Phase.VALIDATE,
+                          f"the request body did not arrive whole within body_timeout_s="
+                          f"{timeout_s:g} s: {came}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import re
 import time
 import typing
 import uuid
@@ -230,7 +231,9 @@ class ChatRequest(_Body):
 
 
 def _none_or(*values: Any) -> Callable[[Any], bool]:
-    return lambda v: v is None or v in values
+    """Null or one of ``values``, of its type too: ``true == 1`` and ``0 == false`` in Python,
+    but ``best_of: true`` is a wrong type, not the neutral ``best_of: 1``."""
+    return lambda v: v is None or any(type(v) is type(x) and v == x for x in values)
 
 
 #: refused OpenAI parameter -> (value that is accepted because it changes nothing, why refused)
@@ -279,11 +282,14 @@ def invalid(message: str) -> Status:
 
 
 class Refusal(Exception):
-    """A request the server answers with an error: ``status``, ``param``, ``http_status``."""
+    """A request the server answers with an error: ``status``, ``param``, ``http_status``,
+    ``headers`` (of the response: ``wire.CLOSE`` when its body was not read whole)."""
 
-    def __init__(self, status: Status, param: str | None, http_status: int | None = None):
+    def __init__(self, status: Status, param: str | None, http_status: int | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(status.message)
         self.status, self.param, self.http_status = status, param, http_status
+        self.headers = headers
 
 
 def parse(model: type[Body], raw: bytes) -> Body:
@@ -373,13 +379,18 @@ def include_usage(body: _Body) -> bool:
     return bool(body.stream_options and body.stream_options.get("include_usage"))
 
 
+#: a ``logit_bias`` key: a token id in ASCII decimal digits (no vocabulary reaches 19 digits)
+TOKEN_ID_KEY = re.compile(r"[0-9]{1,18}")
+
+
 def _logit_bias(bias: dict[str, int | float] | None, vocab: int | None
                 ) -> tuple[tuple[int, float], ...]:
     """``logit_bias``'s (token id, bias) pairs: keys are token ids written as strings (OpenAI),
     each in ``[0, vocab)``."""
     pairs = []
     for key, value in (bias or {}).items():
-        token = int(key) if key.isascii() and key.isdigit() else None
+        # at most 18 ASCII digits: "²".isdigit() holds and int() raises on more than 4300
+        token = int(key) if TOKEN_ID_KEY.fullmatch(key) else None
         if token is None or (vocab is not None and token >= vocab):
             raise Refusal(invalid(f"logit_bias[{key[:40]!r}]: the key must be a token id in "
                                   f"[0, {vocab if vocab is not None else 'vocab'})"),
@@ -585,6 +596,11 @@ class TextOutput:
         self.text = ""
         self._sent = 0
         self.stopped = False
+        # the hold-back (``_held``): per stop string, its KMP prefix function and the length
+        # of its longest prefix the text ends with, carried over the characters fed so far
+        self._prefix = [_prefix_function(s) for s in stop]
+        self._matched = [0] * len(stop)
+        self._fed = 0
 
     def add(self, token: int) -> str:
         if self.stopped:
@@ -617,14 +633,40 @@ class TextOutput:
         return piece
 
     def _held(self, text: str) -> int:
-        """Length of the longest end of ``text`` that starts some stop string."""
-        held = 0
-        for s in self._stop:
-            for n in range(min(len(s) - 1, len(text)), held, -1):
-                if s.startswith(text[-n:]):
-                    held = n
-                    break
-        return held
+        """Length of the longest end of ``text`` that starts some stop string (shorter than
+        it: a whole one is a match). ``text`` extends the one of the previous call: only its
+        new characters are fed to each stop string's matcher (KMP), so a token costs its own
+        characters, not every suffix up to each stop string's length."""
+        new = text[self._fed:]
+        self._fed = len(text)
+        for j, s in enumerate(self._stop):
+            k = self._matched[j]
+            if k == 0 and s[0] not in new:
+                continue  # (the usual case: nothing of it started, nor starts here)
+            prefix = self._prefix[j]
+            for c in new:
+                while k and s[k] != c:
+                    k = prefix[k - 1]
+                if s[k] == c:
+                    k += 1
+                    if k == len(s):  # a whole match (``_emit`` ended the text there)
+                        k = prefix[k - 1]
+            self._matched[j] = k
+        return max(self._matched, default=0)
+
+
+def _prefix_function(s: str) -> list[int]:
+    """KMP's prefix function of ``s``: entry i is the length of the longest proper prefix of
+    ``s[:i + 1]`` that also ends it."""
+    table = [0] * len(s)
+    k = 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = table[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        table[i] = k
+    return table
 
 
 def prompt_rows(body: CompletionRequest) -> int | None:
@@ -820,7 +862,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         return tuple(names)
 
     def refused(err: Refusal) -> Response:
-        return fail(err.status, err.param, err.http_status)
+        return fail(err.status, err.param, err.http_status, headers=err.headers)
 
     async def read(request: Request, model: type[Body]) -> Body:
         auth = auth_refusal(request, config.api_key)
@@ -831,12 +873,15 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
             raise Refusal(invalid(f"content-type {media!r}: the body must be JSON "
                                   "(application/json)"), None, 415)
         try:
-            raw = await wire.read_body(request, config.max_body_bytes)
+            raw = await wire.read_body(request, config.max_body_bytes, config.body_timeout_s)
         except wire.ClientGone as gone:  # 499: nobody reads it, the failure is counted
             raise Refusal(Status.cancelled(Phase.VALIDATE, str(gone)), None, 499) from None
+        except wire.BodyTimeout as late:  # 408, the connection closed: the body is not awaited
+            raise Refusal(error_bodies.body_timeout(str(late), config.body_timeout_s), None,
+                          408, wire.CLOSE) from None
         if raw is None:
             raise Refusal(invalid(f"request body exceeds max_body_bytes={config.max_body_bytes}"),
-                          None, 413)
+                          None, 413, wire.CLOSE)
         body = parse(model, raw)
         not_found = model_refusal(getattr(body, "model", None), served_names())
         if not_found is not None:

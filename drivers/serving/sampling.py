@@ -310,14 +310,34 @@ def process(logits: np.ndarray, params: SamplingParams, prompt: Sequence[int] = 
         seen = np.unique(np.concatenate([np.asarray(prompt, dtype=np.int64),
                                          np.asarray(output, dtype=np.int64)]))
         seen = seen[(seen >= 0) & (seen < vocab)]
-        penalty = np.float32(params.repetition_penalty)
-        row[seen] = np.where(row[seen] > 0, row[seen] / penalty, row[seen] * penalty)
+        row[seen] = _penalised(row[seen], params.repetition_penalty)
     if len(output) and (params.frequency_penalty != 0.0 or params.presence_penalty != 0.0):
         ids = np.asarray(output, dtype=np.int64)
         counts = np.bincount(ids[(ids >= 0) & (ids < vocab)], minlength=vocab)[:vocab]
         row -= np.float32(params.frequency_penalty) * counts.astype(np.float32)
         row -= np.float32(params.presence_penalty) * (counts > 0).astype(np.float32)
     return row
+
+
+#: the largest finite float32: where an extreme repetition penalty's logit ends
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _penalised(logits: np.ndarray, penalty: float) -> np.ndarray:
+    """``logits`` (float32) under the repetition penalty: a positive one divided by it, a
+    negative one multiplied, in float32 as vLLM computes it. Any penalty > 0 is accepted, so
+    float32 may overflow (1e-46 rounds to 0, 1e39 to inf): a finite logit ends finite (at
+    most the largest float32, 0 stays 0) and a masked one (-inf) stays masked; an inf or NaN
+    would make argmax and the sampler pick a token no processor allowed."""
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        factor = np.float32(penalty)
+        out = np.where(logits > 0, logits / factor, logits * factor)
+    finite = np.isfinite(logits)
+    if np.array_equal(np.isfinite(out), finite) and not np.isnan(out).any():
+        return out  # (the usual case: nothing overflowed)
+    out = np.where(finite, np.nan_to_num(out, nan=0.0, posinf=_F32_MAX, neginf=-_F32_MAX),
+                   logits)
+    return out.astype(np.float32, copy=False)
 
 
 def pick(logits: np.ndarray, params: SamplingParams, index: int,

@@ -27,6 +27,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -85,12 +86,12 @@ def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
                            dict(exc.headers or {}))
 
     def fail(status: Status, param: str | None = None, http_status: int | None = None,
-             count: bool = True) -> JSONResponse:
+             count: bool = True, headers: dict[str, str] | None = None) -> JSONResponse:
         """Error response of a completion request; counted unless it was counted already."""
         param = param or PARAM_OF_CODE.get(status.code)
         if count:
             service.metrics.observe_failure(status)
-        return error_response(status, param, retry, http_status)
+        return error_response(status, param, retry, http_status, headers)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -125,8 +126,19 @@ def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
     add_admin_routes(app, service)
     add_debug_routes(app, service)
     openai_api.add_routes(app, service, fail)
+    head_with_get(app)
 
     return app
+
+
+def head_with_get(app: FastAPI) -> None:
+    """Every GET route of ``app`` answers HEAD too (RFC 9110 section 9.1: a general-purpose
+    server MUST support HEAD where it supports GET; load balancers and uptime checks probe
+    with it): FastAPI's ``@app.get`` takes GET alone (Starlette's own routes, the mounted
+    inspector's, add HEAD themselves). The handler runs as for GET; uvicorn sends no body."""
+    for route in app.routes:
+        if isinstance(route, APIRoute) and route.methods and "GET" in route.methods:
+            route.methods.add("HEAD")
 
 
 class OpenAICORS(CORSMiddleware):
@@ -150,24 +162,81 @@ class OpenAICORS(CORSMiddleware):
 SHUTDOWN_WAIT_S = 2
 
 
+#: a connection's next request head must arrive whole within this many seconds of the
+#: connection or of its last response, else the connection is closed (uvicorn bounds neither
+#: a connection that sends nothing nor a head that trickles in: slowloris); the body then
+#: has ``ServerConfig.body_timeout_s``. A last response its client has not read at all in
+#: that time (a non-streamed answer is buffered whole at once) is dropped: the connection
+#: is aborted
+HEAD_TIMEOUT_S = 30.0
+
+
 def abortable(protocol: type) -> type:
     """``protocol`` (a uvicorn HTTP protocol class) whose requests get, in their ASGI scope's
     ``extensions``, a callable aborting their connection at once (``wire.ABORT_EXTENSION``:
     the transport's ``abort()``): a response cut because its client stopped reading ends the
-    connection without waiting for that client to read what is buffered."""
+    connection without waiting for that client to read what is buffered. Its connections are
+    closed when a request head has not arrived whole ``HEAD_TIMEOUT_S`` after the connection
+    was made or the last response was sent (the ASGI app is called once a head is whole);
+    aborted when that response is still unsent and none of it was read in that time."""
 
     class Abortable(protocol):
+        _head_timer: asyncio.TimerHandle | None = None
+
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
+            self._await_head()
             app = getattr(self, "app", None)  # uvicorn's protocols keep the ASGI app there
             if app is None:
                 return
 
             async def with_abort(scope: Any, receive: Any, send: Any) -> None:
+                self._head_arrived()
                 extensions = scope.setdefault("extensions", {})
                 extensions[wire.ABORT_EXTENSION] = transport.abort
                 await app(scope, receive, send)
             self.app = with_abort
+
+        def on_response_complete(self) -> None:
+            self._await_head()  # first: a pipelined request it starts cancels the wait
+            super().on_response_complete()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._head_arrived()
+            super().connection_lost(exc)
+
+        def _await_head(self) -> None:
+            self._head_arrived()
+            transport = getattr(self, "transport", None)
+            if transport is None:
+                return
+            unsent = transport.get_write_buffer_size()
+            # closing already (connection: close, HTTP/1.0, a 413): watched while unsent
+            if unsent or not transport.is_closing():
+                self._arm(unsent)
+
+        def _arm(self, unsent: int) -> None:
+            self._head_timer = asyncio.get_running_loop().call_later(
+                HEAD_TIMEOUT_S, self._head_late, unsent)
+
+        def _head_late(self, unsent_before: int) -> None:
+            """No head came in time: close, once what the last response left unsent (the
+            whole of a non-streamed answer whose client does not read) is read; abort when
+            none of it was read in that time (a close would wait for it for ever)."""
+            self._head_timer = None
+            transport = self.transport
+            unsent = transport.get_write_buffer_size()
+            if unsent == 0:
+                transport.close()
+            elif unsent < unsent_before:  # its client reads, slowly: wait on
+                self._arm(unsent)
+            else:
+                transport.abort()
+
+        def _head_arrived(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
 
     Abortable.__name__ = Abortable.__qualname__ = f"Abortable{protocol.__name__}"
     return Abortable

@@ -118,17 +118,19 @@ def sequence_ids_problem(executor: ServedExecutor, max_sequences: int) -> str | 
 
 
 def _check_api_key(instance: Any, attribute: Any, key: str | None) -> None:
+    """``api_key`` and ``admin_token``: a bearer token a request's header can carry."""
     problem = None if key is None else api_key_problem(key)
     if problem is not None:
-        raise ValueError(f"api_key {problem}")
+        raise ValueError(f"{attribute.name} {problem}")
 
 
 @attrs.frozen
 class ServerConfig:
     """Operational settings of the server (the model's limits come from the executor)."""
 
-    #: admin bearer token; None disables the admin endpoints (always 403).
-    admin_token: str | None = None
+    #: admin bearer token; None disables the admin endpoints (always 403). Printable ASCII
+    #: without outer whitespace, as ``api_key`` (else no request could match it)
+    admin_token: str | None = attrs.field(default=None, validator=_check_api_key)
     model_name: str = "calexec-qwen3-synthetic"
     #: OpenAI endpoints need ``Authorization: Bearer <api_key>`` when set (docs/server.md)
     api_key: str | None = attrs.field(default=None, validator=_check_api_key)
@@ -140,6 +142,10 @@ class ServerConfig:
     tokenizer_path: str | None = None
     #: completion request body limit (413 above it).
     max_body_bytes: int = attrs.field(default=1 << 20, validator=attrs.validators.gt(0))
+    #: the whole request body must arrive within this many seconds of the route's first read
+    #: of it (408 ``request.body_timeout`` and the connection closed otherwise): a client
+    #: sending its body slowly (slowloris) holds its connection no longer
+    body_timeout_s: float = attrs.field(default=30.0, validator=attrs.validators.gt(0))
     #: per-request deadline when the body gives no ``timeout``; and the largest one accepted.
     default_timeout_s: float = attrs.field(default=30.0, validator=attrs.validators.gt(0))
     max_timeout_s: float = attrs.field(default=600.0, validator=attrs.validators.gt(0))
@@ -498,6 +504,8 @@ class CompletionService:
         self.sequences = SequencePool(range(1, config.max_sequences + 1))
         self.draining = False
         self.drain_status: Status | None = None
+        #: the grace (s) of the drain ``start_drain`` started; None before one
+        self.drain_grace: float | None = None
         self.on_drained: list[Any] = []  # callables run once a drain has finished
         self.active = 0  # admitted completion requests not yet finished
         self._live: dict[int, RequestRun] = {}
@@ -1323,8 +1331,10 @@ class CompletionService:
             await anyio.sleep(0.01)
 
     def start_drain(self, grace: float) -> asyncio.Task:
-        """Begin a drain (idempotent): the running task."""
+        """Begin a drain (idempotent: a later call changes nothing, ``drain_grace`` is the
+        first one's): the running task."""
         if self._drain_task is None:
+            self.drain_grace = grace
             self._drain_task = asyncio.get_running_loop().create_task(self.drain(grace))
         return self._drain_task
 

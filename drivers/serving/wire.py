@@ -24,8 +24,18 @@ from starlette.types import Message, Receive, Scope, Send
 ABORT_EXTENSION = "calexec.abort"
 
 
+#: headers of an answer given before the request's body was read whole (408, 413): the
+#: connection closes after it, so the rest of the body is not awaited at the client's pace
+#: (uvicorn would otherwise read it as the same request's, for as long as it trickles in)
+CLOSE = {"Connection": "close"}
+
+
 class ClientGone(Exception):
     """The client disconnected before its request body arrived whole."""
+
+
+class BodyTimeout(Exception):
+    """The request body did not arrive whole within its time bound (a slowloris client)."""
 
 
 def sse(data: Any) -> bytes:
@@ -40,23 +50,31 @@ def non_json_media(request: Request) -> str | None:
     return None if media in ("", "application/json") else media[:80]
 
 
-async def read_body(request: Request, limit: int) -> bytes | None:
+async def read_body(request: Request, limit: int, timeout: float) -> bytes | None:
     """The body, or None when it exceeds ``limit`` bytes (declared or actual); raises
     :class:`ClientGone` when the client disconnects mid-upload (the route answers it as a
-    cancelled request, never with an ASGI traceback)."""
+    cancelled request, never with an ASGI traceback) and :class:`BodyTimeout` when the whole
+    body has not arrived ``timeout`` seconds after this call (a client sending it a byte at a
+    time would hold its connection and this task for as long as it keeps sending). A route
+    answering None or BodyTimeout closes the connection (:data:`CLOSE`)."""
     declared = request.headers.get("content-length")
-    if (declared is not None and declared.isascii() and declared.isdigit()
-            and int(declared) > limit):
-        return None
+    if declared is not None and declared.isascii() and declared.isdigit():
+        digits = declared.lstrip("0")  # int() raises past 4300 digits: more than ``limit``'s
+        if len(digits) > len(str(limit)) or int(digits or "0") > limit:
+            return None
     chunks, size = [], 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                return None
-            chunks.append(chunk)
-    except ClientDisconnect:
-        raise ClientGone(f"the client disconnected after {size} bytes of its body") from None
+    with anyio.move_on_after(timeout) as late:
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    return None
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise ClientGone(f"the client disconnected after {size} bytes of its body"
+                             ) from None
+    if late.cancelled_caught:
+        raise BodyTimeout(f"{size} bytes of {(declared or 'an undeclared length')[:20]} came")
     return b"".join(chunks)
 
 
