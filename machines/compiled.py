@@ -362,6 +362,8 @@ def compile_chart(declaration: type[StateChart[Any]], name: str | None = None) -
                         f"(a StateMachine or StateChart subclass)")
     if name is None:
         name = declaration.__name__
+    if not declaration.states:  # an abstract base: python-statemachine checks it no further
+        raise ValueError(f"{name}: declaration {declaration.__name__} declares no states")
     refuse_unsupported(declaration, "the compiled form")
     if declaration.initial_state is None:
         raise ValueError(f"{name}: declaration {declaration.__name__} has no initial state")
