@@ -20,7 +20,8 @@ first configuration that contains it (``Walk.end`` is that configuration, ``"a,b
 only ever entered and left within one macrostep (a final child whose ``done.state`` event
 leaves its parent), the first walk that enters it; a
 transition taken inside a macrostep (an eventless one, or one on ``done.state.<id>``) has the
-event that leads to it as its path's last step. Guard outcomes of a step are those of its
+event that leads to it as its path's last step (a ``done.state.<id>`` event is never sent
+as a step: only the chart raises it). Guard outcomes of a step are those of its
 named guards (an expression or a callable cannot be set from outside: drive such a chart with
 event data). At most ``MAX_CONFIGURATIONS`` configurations are explored (``ValueError``
 beyond).
@@ -226,6 +227,7 @@ def _graph(chart: CompiledChart) -> _Graph:
     if known is not None and known[0] is chart:
         return known[1]
     start = StatechartRun.skeleton(chart)
+    raised = {f"done.state.{state}" for state in chart.states}
     no_steps: tuple[Transition, ...] = ()
     runs = {start.node(): (start, no_steps)}
     edges: dict[_Node, list[tuple[Transition, frozenset[int], _Node]]] = {}
@@ -238,6 +240,8 @@ def _graph(chart: CompiledChart) -> _Graph:
         run, steps = runs[node]
         out = edges.setdefault(node, [])
         for record in run.candidates():
+            if record.event in raised:  # only the chart raises it, within a macrostep
+                continue
             twin = run.fork()
             path: tuple[Transition, ...] = (*steps, record)
             taken = frozenset(t.id for t in twin.force(record))

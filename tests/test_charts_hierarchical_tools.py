@@ -69,6 +69,18 @@ def test_transition_paths_and_the_tour_take_every_transition_on_a_real_run() -> 
                                                   if t.key not in recorder.hits]
 
 
+def test_a_done_state_transition_is_reached_by_the_events_that_raise_it() -> None:
+    """Only the chart raises ``done.state.power`` (when ``power`` reaches its final child):
+    its path and the tour reach it by ``boost``, ``burn``, as docs/framework.md says. They
+    sent ``done.state.power`` itself from outside (``switch``, ``done.state.power``), which a
+    test following them would do with the lamp's power never spent."""
+    chart = compile_chart(lamp())
+    (path,) = [p for p in transition_paths(chart) if p.transition.event == "done.state.power"]
+    assert path.events == ("switch", "boost", "burn")
+    sent = {event for walk in transition_tour(chart) for event in walk.events}
+    assert not any(event.startswith("done.state.") for event in sent), sent
+
+
 def test_coverage_counts_the_general_run_and_python_statemachine_alike() -> None:
     declaration = lamp()
     chart = compiled(declaration)
