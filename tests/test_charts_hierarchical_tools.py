@@ -4,6 +4,7 @@ diagram's clusters, on charts with compound, parallel and history states."""
 
 from __future__ import annotations
 
+import pytest
 from statemachine import HistoryState, State, StateChart
 
 from calexec.machines import diagrams, mutants
@@ -79,6 +80,57 @@ def test_a_done_state_transition_is_reached_by_the_events_that_raise_it() -> Non
     assert path.events == ("switch", "boost", "burn")
     sent = {event for walk in transition_tour(chart) for event in walk.events}
     assert not any(event.startswith("done.state.") for event in sent), sent
+
+
+def menu(guarded: bool) -> type[StateChart]:
+    """``back`` inside the menu goes up a level (from ``sub``, where the menu opens); from
+    ``main`` the menu's own ``back`` leaves it. ``guarded``: going up needs ``has_parent``."""
+
+    class Menu(StateChart):
+        class menu(State.Compound):
+            sub = State(initial=True)
+            main = State()
+            back = sub.to(main, cond="has_parent") if guarded else sub.to(main)
+            open_sub = main.to(sub)
+
+        home = State(initial=True)
+        enter = home.to(menu)
+        back = menu.to(home)
+
+    return Menu
+
+
+@pytest.mark.parametrize("guarded", [False, True], ids=["unguarded-child", "guarded-child"])
+def test_a_path_takes_its_transition_where_a_child_has_the_same_event(guarded: bool) -> None:
+    """A state's transitions are selected before its ancestors': in ``sub``, ``back`` is the
+    child's. The path of ``menu --back--> home`` was ``enter back`` with no guard outcome (a
+    real run went to ``main``); now it goes on to ``main`` first, or refuses the child's guard.
+    Likewise a transition shadowed by an unguarded one declared before it is named, as on a
+    flat chart (it was given a path)."""
+    chart = compile_chart(menu(guarded))
+    for path in transition_paths(chart):
+        with recording([chart]) as recorder:
+            drive(chart.run(GuardTable.for_chart(chart)), path)  # type: ignore[arg-type]
+        assert path.transition.key in recorder.hits, (path.transition, path.events, path.guards)
+    (leave,) = [p for p in transition_paths(chart) if p.transition.target == "home"]
+    if guarded:
+        assert leave.events == ("enter", "back") and leave.guards[-1] == {"has_parent": False}
+    else:
+        assert leave.events == ("enter", "back", "back")
+
+
+def test_a_shadowed_transition_of_a_hierarchical_chart_is_named() -> None:
+    class Shadowed(StateChart):
+        class box(State.Compound):
+            a = State(initial=True)
+            b = State()
+            c = State()
+            go = a.to(b) | a.to(c)
+            back = b.to(a) | c.to(a)
+
+    with pytest.raises(ValueError, match=r"transition a --go--> c can never be taken "
+                                         r"\(shadowed by a --go--> b"):
+        transition_paths(Shadowed)
 
 
 def test_coverage_counts_the_general_run_and_python_statemachine_alike() -> None:

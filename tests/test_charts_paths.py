@@ -73,3 +73,24 @@ def test_drive_records_every_transition_of_a_path():
     with recording([JOB]) as recorder:
         assert drive(JOB.run(GuardTable.for_chart(JOB)), path) == path.target
     assert recorder.hits == {step.key for step in path.steps}
+
+
+def test_a_shadowed_transition_is_named_as_source_event_target():
+    """The message named the transition by its attrs repr (``Transition(source='a',
+    event='go', ..., key=('Door', 1))``); it names it as the diagrams and coverage do, with
+    the alternative that shadows it."""
+    from statemachine import State, StateMachine
+
+    class Door(StateMachine):
+        shut = State(initial=True)
+        ajar = State()
+        gone = State(final=True)
+        push = shut.to(ajar) | shut.to(gone)
+        pull = ajar.to(gone)
+
+    with pytest.raises(ValueError) as raised:
+        transition_paths(Door)
+    assert str(raised.value) == (
+        "Door: transition shut --push--> gone can never be taken (shadowed by shut --push--> "
+        "ajar, declared before it for the same state and event, whose guards cannot all be "
+        "refused)")
