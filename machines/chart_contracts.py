@@ -177,7 +177,7 @@ class ContractListener:
 
     def _declared(self, event: object, transition: object) -> Transition | None:
         # the initial pseudo-transition is not a declared one
-        return self.checker.chart.by_declared.get((id(transition), str(event)))
+        return self.checker.chart.record_of(transition, event)
 
     def before_transition(self, event: object, transition: object, model: Model) -> None:
         taken = self._declared(event, transition)

@@ -156,6 +156,26 @@ def test_coverage_counts_the_general_run_and_python_statemachine_alike() -> None
     assert "done.state.power" in {chart.transitions[t].event for _, t in recorder.hits}
 
 
+def test_coverage_counts_an_eventless_transition_a_python_statemachine_instance_takes() -> None:
+    """python-statemachine calls its listeners with ``event=None`` for an eventless
+    transition; the listener looked it up as ``"None"`` and never counted it, so
+    ``--chart-coverage`` and ``charts cover`` listed it untaken after a run that took it."""
+
+    class Kettle(StateChart):
+        cold = State(initial=True)
+        boiling = State()
+        whistling = State(final=True)
+        heat = cold.to(boiling)
+        boiling.to(whistling)  # eventless: as soon as it boils
+
+    chart = compiled(Kettle)
+    recorder = TransitionRecorder()
+    kettle = Kettle(listeners=[TransitionListener(chart, recorder)])
+    kettle.send("heat")
+    assert list(kettle.configuration_values) == ["whistling"]
+    assert report([chart], recorder)[0].complete, recorder.hits
+
+
 def test_mutants_are_derived_and_applied_on_nested_states() -> None:
     declaration = lamp()
     ids = [m.id for m in mutants.derive(declaration)]

@@ -169,3 +169,30 @@ def test_a_hierarchical_chart_counts_every_active_state_and_follows_one_run(monk
     assert record["trail"][0]["event"] == event
     assert record["state"] == ",".join(run.configuration)
     inspector.close()
+
+
+def test_an_eventless_transition_of_an_instance_is_counted_and_followed():
+    """python-statemachine calls listeners with ``event=None`` for an eventless transition;
+    the inspector's listeners looked it up as ``"None"``: its rate stayed 0 and a followed
+    instance's path stopped before it."""
+    from statemachine import State, StateChart
+
+    class Kettle(StateChart):
+        cold = State(initial=True)
+        boiling = State()
+        whistling = State(final=True)
+        heat = cold.to(boiling)
+        boiling.to(whistling)  # eventless: as soon as it boils
+
+    inspector = Inspector()
+    inspector.register(Kettle, counts=lambda: {})
+    kettle = Kettle()
+    inspector.paths.follow("k1", kettle)
+    kettle.send("heat")
+    eventless = next(t.id for t in compiled(Kettle).transitions if t.event == "")
+    assert inspector.live()["charts"]["Kettle"]["per_minute"][eventless] > 0
+    record = inspector.paths.record("k1")
+    assert record is not None
+    assert [(s["from"], s["to"]) for s in record["trail"]] == [
+        ("cold", "boiling"), ("boiling", "whistling")]
+    inspector.close()
