@@ -75,7 +75,7 @@ def unsupported(declaration: type[StateChart[Any]]) -> list[str]:
     for state in _all_states(declaration):
         for spec in state._specs:
             if spec.group == CallbackGroup.INVOKE and not spec.is_convention:
-                found.append(f"invoke {spec.func!r} on state {state.id!r}")
+                found.append(f"invoke {_name(spec.func)!r} on state {state.id!r}")
         for transition in state.transitions:
             if transition.initial:
                 continue
