@@ -81,7 +81,8 @@ class ContractViolation(Exception):
         self.chart, self.contract, self.kind = chart, contract.name, contract.kind
         self.state, self.data = state, data
         self.transition = (None if transition is None else
-                           f"{transition.source} --{transition.event}--> {transition.target}")
+                           f"{transition.source} --{transition.event or '(eventless)'}--> "
+                           f"{transition.target}")
         where = (f"in state {state!r}" if self.transition is None
                  else f"on {self.transition} (state {state!r})")
         super().__init__(f"{chart}: {contract.kind} {contract.name!r} violated {where}; "

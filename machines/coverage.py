@@ -142,4 +142,5 @@ def report(charts: Iterable[ChartLike], recorder: TransitionRecorder) -> list[Ch
 def describe(transition: Transition) -> str:
     """``Source --event [guards]--> Target`` for listings of untaken transitions."""
     guards = f" [{', '.join(transition.guards)}]" if transition.guards else ""
-    return f"{transition.source} --{transition.event}{guards}--> {transition.target}"
+    event = transition.event or "(eventless)"
+    return f"{transition.source} --{event}{guards}--> {transition.target}"

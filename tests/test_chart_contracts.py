@@ -299,4 +299,4 @@ def test_an_invariant_is_checked_after_an_eventless_transition_of_an_instance():
     with contracts_checked(Kettle, raise_on_violation=False) as monitor:
         Kettle(Account(balance=0)).send("heat")
     assert [(v.contract, v.transition) for v in monitor.violations] == [
-        ("has_water", "boiling ----> whistling")], monitor.violations
+        ("has_water", "boiling --(eventless)--> whistling")], monitor.violations

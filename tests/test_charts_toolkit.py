@@ -230,3 +230,37 @@ def test_compiling_a_chart_base_class_without_states_is_a_value_error_naming_it(
 
     with pytest.raises(ValueError, match="NoStates declares no states"):
         compile_chart(NoStates)
+
+
+KETTLE = """
+    from statemachine import State, StateChart
+
+
+    class Kettle(StateChart):
+        cold = State(initial=True)
+        boiling = State()
+        whistling = State(final=True)
+        heat = cold.to(boiling)
+        boiling.to(whistling)  # eventless: as soon as it boils
+"""
+
+
+def test_an_eventless_transition_is_named_eventless_by_paths_and_cover(project, capsys):
+    """It was printed ``boiling ----> whistling`` (an empty event between the dashes) by
+    ``charts paths``, the coverage listings and contract violations."""
+    from calexec.machines.coverage import describe
+
+    root, module = project
+    (root / f"kettle_{module}.py").write_text(textwrap.dedent(KETTLE))
+    assert cli(["charts", "paths", f"kettle_{module}:Kettle"]) == 0
+    out = capsys.readouterr().out
+    assert "  boiling --(eventless)--> whistling: heat" in out, out
+    chart = compiled(load_kettle(module))
+    (eventless,) = [t for t in chart.transitions if t.event == ""]
+    assert describe(eventless) == "boiling --(eventless)--> whistling"
+
+
+def load_kettle(module: str) -> type:
+    from calexec.machines.chartref import load_chart
+
+    return load_chart(f"kettle_{module}:Kettle")

@@ -126,7 +126,7 @@ def _text(data: dict) -> str:
              f"{', '.join(data['finals']) or 'none'}", "", "shortest path to every state:"]
     lines += [f"  {state}: {steps(walk)}" for state, walk in data["states"].items()]
     lines += ["", "shortest path taking every transition:"]
-    lines += [f"  {t['from']} --{t['event']}--> {t['to']}: {steps(t['path'])}"
+    lines += [f"  {t['from']} --{t['event'] or '(eventless)'}--> {t['to']}: {steps(t['path'])}"
               for t in data["transitions"]]
     lines += ["", f"transition tour ({len(data['tour'])} walk(s) from {data['initial']}):"]
     lines += [f"  {i + 1}. {steps(walk)}" for i, walk in enumerate(data["tour"])]
