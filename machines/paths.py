@@ -14,11 +14,13 @@ model (for the executor: the fault plan) before sending the step's event.
 Hierarchical charts (compound, parallel or history states, eventless transitions) are explored
 by *configuration*, not by state: breadth-first over the distinct (configuration, recorded
 history) a skeleton of the chart reaches (``statechart_run.StatechartRun.skeleton``: every
-guard passes, no action runs), taking one candidate transition per sent event and then the
-macrostep it starts (``done.state`` events, eventless transitions). A candidate is taken only
-where some guard outcomes select it (``_selected``: the earlier alternatives of its state and
-the transitions of its active descendants on the same event refused, since a state's
-transitions come before its ancestors'); a step's guard outcomes say so. A state's walk ends in the
+guard passes, no action runs), sending one candidate transition's event at a time and then
+running the macrostep it starts (``done.state`` events, eventless transitions). A candidate is
+sent only where some guard outcomes select it (``_selected``: the earlier alternatives of its
+state and the transitions of its active descendants on the same event refused, since a
+state's transitions come before its ancestors'); under those outcomes (a guard not named
+answers True, as ``GuardTable``) the event takes every transition it selects, one per region
+of a parallel state, as a real run does; a step's guard outcomes are those. A state's walk ends in the
 first configuration that contains it (``Walk.end`` is that configuration, ``"a,b"``), or for a state
 only ever entered and left within one macrostep (a final child whose ``done.state`` event
 leaves its parent), the first walk that enters it; a
@@ -301,7 +303,10 @@ def _graph(chart: CompiledChart) -> _Graph:
                 continue
             twin = run.fork()
             path: tuple[Transition, ...] = (*steps, record)
-            taken = frozenset(t.id for t in twin.force(record))
+            forced = twin.force(record, outcomes)
+            if forced is None:  # another region's transition preempts it under these outcomes
+                continue
+            taken = frozenset(t.id for t in forced)
             for state in twin.entered:
                 entered.setdefault(state, (path, twin.state))
             after = twin.node()

@@ -133,6 +133,46 @@ def test_a_shadowed_transition_of_a_hierarchical_chart_is_named() -> None:
         transition_paths(Shadowed)
 
 
+def test_an_event_of_two_regions_moves_both_on_the_paths_as_on_a_real_run() -> None:
+    """``toggle`` is declared in both regions of a parallel state: a real run toggles both.
+    The configuration graph took one candidate per event, so the walks' ends (and the
+    configurations behind every later step) were ones no run reaches: the walk to ``l_on``
+    ended in ``l_on, r_off``, the tour's in ``l_off, r_broken`` where a real run is in
+    ``l_on, r_broken``."""
+
+    class Lights(StateChart):
+        class both(State.Parallel):
+            class left(State.Compound):
+                l_off = State(initial=True)
+                l_on = State()
+                toggle = l_off.to(l_on) | l_on.to(l_off)
+
+            class right(State.Compound):
+                r_off = State(initial=True)
+                r_on = State()
+                r_broken = State()
+                toggle = r_off.to(r_on) | r_on.to(r_off)
+                smash = r_on.to(r_broken)
+
+        idle = State(initial=True)
+        start = idle.to(both)
+
+    def real_end(events: tuple[str, ...]) -> str:
+        lights = Lights()
+        for event in events:
+            lights.send(event)
+        return ",".join(lights.configuration_values)
+
+    chart = compile_chart(Lights)
+    walks = state_paths(chart)
+    assert set(walks["l_on"].end.split(",")) >= {"l_on", "r_on"}
+    for state, walk in walks.items():
+        if state in walk.end.split(","):  # not a state entered and left in one macrostep
+            assert set(walk.end.split(",")) == set(real_end(walk.events).split(",")), state
+    for walk in transition_tour(chart):
+        assert set(walk.end.split(",")) == set(real_end(walk.events).split(",")), walk.events
+
+
 def test_coverage_counts_the_general_run_and_python_statemachine_alike() -> None:
     declaration = lamp()
     chart = compiled(declaration)
