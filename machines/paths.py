@@ -245,7 +245,8 @@ def _selected(chart: CompiledChart, record: Transition,
     states = chart.declaration.states_map
     inner: list[str] = []  # active states strictly below record.source
     for state_id in configuration:
-        chain, node = [], states[state_id]
+        chain: list[str] = []
+        node: Any = states[state_id]  # a State, then its ancestors, then None
         if node.states:  # only atomic states select
             continue
         while node is not None and node.id != record.source:
