@@ -548,6 +548,6 @@ def inspector_app(inspector: Inspector, options: AppOptions | None = None) -> St
         return HTMLResponse(text)
 
     return Starlette(routes=[
-        Route("/", index), Route("/live.json", live), Route("/runs/{run_id}", run_path),
+        Route("/", index), Route("/live.json", live), Route("/runs/{run_id:path}", run_path),
         Route("/{chart}.svg", chart_svg),
     ])

@@ -196,3 +196,17 @@ def test_an_eventless_transition_of_an_instance_is_counted_and_followed():
     assert [(s["from"], s["to"]) for s in record["trail"]] == [
         ("cold", "boiling"), ("boiling", "whistling")]
     inspector.close()
+
+
+def test_a_run_id_with_a_slash_is_served(shop):
+    """``follow("shop/order-7", run)`` was accepted, but ``/charts/runs/shop/order-7``
+    answered 404 (the route took one path segment), so the run's path could not be seen."""
+    app, inspector, orders, now, Order, OrderWorkflow = shop
+    run = compiled(OrderWorkflow).run(Order(items=["pen"]))
+    inspector.paths.follow("shop/order-7", run)
+    run.send("place")
+    with TestClient(app) as client:
+        answer = client.get("/charts/runs/shop/order-7?format=json")
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["run_id"] == "shop/order-7"
+        assert answer.json()["trail"][0]["to"] == "placed"
