@@ -104,9 +104,9 @@ def declared_contracts(chart: ChartLike) -> tuple[Contract, ...]:
         known = shared.states if contract.kind == "invariant" else shared.events
         for name in contract.names:
             if name not in known:
-                what = "state" if contract.kind == "invariant" else "event"
+                what = "a state" if contract.kind == "invariant" else "an event"
                 raise ValueError(f"{shared.name}: @{contract.kind}({name!r}) on "
-                                 f"{contract.name}: {name!r} is not a {what} of the chart "
+                                 f"{contract.name}: {name!r} is not {what} of the chart "
                                  f"(one of {', '.join(known)})")
     return tuple(found.values())
 

@@ -133,6 +133,22 @@ def test_a_contract_naming_an_unknown_state_is_refused_by_name():
         invariant()
 
 
+def test_a_contract_naming_an_unknown_event_is_refused_by_name():
+    class Typo(StateMachine):
+        a = State(initial=True)
+        b = State(final=True)
+        go = a.to(b)
+
+        @precondition("gone")
+        def ready(model: object) -> bool:  # noqa: N805
+            return True
+
+    # it said "'gone' is not a event of the chart"
+    with pytest.raises(ValueError, match=r"@precondition\('gone'\) on ready: 'gone' is not an "
+                                         r"event of the chart \(one of go\)"):
+        declared_contracts(Typo)
+
+
 # ---- calexec's own charts: the one-chart §5.1 invariants as contracts ----------------------
 class Evidence:
     """A KV txn model whose commit guard says yes (as a mutant forcing it would) while the
