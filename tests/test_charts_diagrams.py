@@ -251,3 +251,19 @@ def test_a_compound_state_named_legend_keeps_its_own_cluster():
     lines = _statements(diagrams.render_chart_dot(Map))
     assert lines.count("subgraph cluster_legend {") == 1
     assert 'subgraph "cluster_legend:calexec" {' in lines
+
+
+def test_check_of_a_file_that_is_not_utf8_is_stale_not_an_internal_error(tmp_path, capsys):
+    """``calexec diagrams --check`` read the committed files as UTF-8: an SVG saved
+    compressed (svgz) or otherwise binary under the .svg name ended the check with
+    ``internal error: UnicodeDecodeError`` (exit 70) instead of naming it stale."""
+    committed = Path(__file__).resolve().parent.parent / "diagrams"
+    for path in committed.iterdir():
+        (tmp_path / path.name).write_bytes(path.read_bytes())
+    assert diagrams_cli.main(["diagrams", "--out", str(tmp_path), "--check"]) == 0
+    (tmp_path / "job.svg").write_bytes(b"\x1f\x8b\x08\x00\xff\xfe binary")
+    (tmp_path / "kv_txn.dot").write_bytes(b"\xff\xfe\x00 not text")
+    capsys.readouterr()
+    assert diagrams_cli.main(["diagrams", "--out", str(tmp_path), "--check"]) == 1
+    err = capsys.readouterr().err
+    assert "job.svg" in err and "kv_txn.dot: differs" in err, err

@@ -264,3 +264,16 @@ def load_kettle(module: str) -> type:
     from calexec.machines.chartref import load_chart
 
     return load_chart(f"kettle_{module}:Kettle")
+
+
+def test_check_of_a_file_that_is_not_utf8_is_stale_not_an_internal_error(project, capsys):
+    """``charts draw --check`` read the files as UTF-8: a binary file under the .dot or .svg
+    name was ``internal error: UnicodeDecodeError``, exit 70."""
+    root, module = project
+    (root / "diagrams").mkdir()
+    (root / "diagrams" / "Light.dot").write_bytes(b"\xff\xfe\x00 not text")
+    (root / "diagrams" / "Light.svg").write_bytes(b"\x1f\x8b\x08\x00\xff binary")
+    assert cli(["charts", "draw", f"{module}:Light", "--check"]) == 1
+    err = capsys.readouterr().err
+    assert "Light.dot: differs from the declared chart" in err, err
+    assert "Light.svg: not rendered from the current DOT" in err, err

@@ -54,12 +54,12 @@ def stale(chart: CompiledChart, out: Path, png: bool) -> list[str]:
     dot_path, svg_path = stem.with_suffix(".dot"), stem.with_suffix(".svg")
     if not dot_path.is_file():
         problems.append(f"{dot_path}: missing")
-    elif dot_path.read_text(encoding="utf-8") != dot:
+    elif dot_path.read_text(encoding="utf-8", errors="replace") != dot:
         problems.append(f"{dot_path}: differs from the declared chart")
     if not svg_path.is_file():
         problems.append(f"{svg_path}: missing")
     else:
-        found = SHA_PATTERN.search(svg_path.read_text(encoding="utf-8"))
+        found = SHA_PATTERN.search(svg_path.read_text(encoding="utf-8", errors="replace"))
         if found is None or found.group(1) != sha:
             problems.append(f"{svg_path}: not rendered from the current DOT")
     if png:

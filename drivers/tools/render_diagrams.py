@@ -57,12 +57,12 @@ def stale_files(out: Path, png: Path | None = None) -> list[str]:
         fresh = render_chart_dot(CHARTS[name])
         if not dot_path.is_file():
             problems.append(f"{dot_path}: missing")
-        elif dot_path.read_text(encoding="utf-8") != fresh:
+        elif dot_path.read_text(encoding="utf-8", errors="replace") != fresh:
             problems.append(f"{dot_path}: differs from the declared chart")
         if not svg_path.is_file():
             problems.append(f"{svg_path}: missing")
             continue
-        found = SHA_PATTERN.search(svg_path.read_text(encoding="utf-8"))
+        found = SHA_PATTERN.search(svg_path.read_text(encoding="utf-8", errors="replace"))
         expected = hashlib.sha256(fresh.encode("utf-8")).hexdigest()
         if found is None or found.group(1) != expected:
             problems.append(f"{svg_path}: not rendered from the current DOT")
