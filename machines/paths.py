@@ -356,13 +356,26 @@ def _walk(graph: _Graph, steps: tuple[Transition, ...], end: str) -> Walk:
     return Walk(steps, _outcomes_along(graph, steps), end)
 
 
+def _never_raised(chart: CompiledChart, graph: _Graph) -> str:
+    """``" (done.state.x is raised only when ...)"`` for the ``done.state`` events of
+    transitions no reachable configuration takes (their state never completes), or ``""``."""
+    _, first = _from(graph, graph.start)
+    events = list(dict.fromkeys(t.event for t in chart.transitions
+                                if t.id not in first and t.event.startswith("done.state.")))
+    if not events:
+        return ""
+    states = ", ".join(e.removeprefix("done.state.") for e in events)
+    return (f" ({', '.join(events)}: raised only when {states} reaches a final child state, "
+            f"in every region of a parallel state; no path does)")
+
+
 def _configuration_walks(chart: CompiledChart) -> dict[str, Walk]:
     graph = _graph(chart)
     entered = graph.entered
     missing = [state for state in chart.states if state not in entered]
     if missing:
         raise ValueError(f"{chart.name}: state(s) {', '.join(missing)} never entered from "
-                         f"{chart.initial}")
+                         f"{chart.initial}{_never_raised(chart, graph)}")
     return {state: _walk(graph, *entered[state]) for state in chart.states}
 
 
@@ -372,7 +385,7 @@ def _configuration_paths(chart: CompiledChart) -> list[Path]:
     never = [t for t in chart.transitions if t.id not in first]
     if never:
         raise ValueError(f"{chart.name}: transition(s) {', '.join(map(_describe, never))} "
-                         f"taken from no reachable configuration")
+                         f"taken from no reachable configuration{_never_raised(chart, graph)}")
     return [Path(t, first[t.id][0], _outcomes_along(graph, first[t.id][0]))
             for t in chart.transitions]
 

@@ -253,3 +253,33 @@ def test_a_path_leaving_a_compound_state_is_drawn() -> None:
     assert done.returncode == 0, done.stderr
     svg = diagrams.render_path_svg(chart, [{"event": "switch", "from": "lit", "to": "dark"}])
     assert "<svg" in svg
+
+
+def test_a_done_state_transition_of_a_state_without_a_final_child_is_named_with_why() -> None:
+    """``done_state_running`` on a compound state with no final child: python-statemachine
+    accepts it, the event is never raised. Paths sent it from outside ('finished: start
+    done.state.running'); now that it is never sent, they say why ``finished`` is never
+    entered."""
+
+    class Job(StateChart):
+        class running(State.Compound):
+            step1 = State(initial=True)
+            step2 = State()
+            next_ = step1.to(step2)
+            again = step2.to(step1)
+
+        idle = State(initial=True)
+        finished = State(final=True)
+        start = idle.to(running)
+        done_state_running = running.to(finished)
+
+    with pytest.raises(ValueError) as raised:
+        state_paths(Job)
+    assert str(raised.value) == (
+        "Job: state(s) finished never entered from idle (done.state.running: raised only when "
+        "running reaches a final child state, in every region of a parallel state; no path "
+        "does)")
+    with pytest.raises(ValueError, match=r"transition\(s\) running --done.state.running--> "
+                                         r"finished taken from no reachable configuration "
+                                         r"\(done.state.running: raised only when"):
+        transition_paths(Job)
