@@ -267,3 +267,14 @@ def test_check_of_a_file_that_is_not_utf8_is_stale_not_an_internal_error(tmp_pat
     assert diagrams_cli.main(["diagrams", "--out", str(tmp_path), "--check"]) == 1
     err = capsys.readouterr().err
     assert "job.svg" in err and "kv_txn.dot: differs" in err, err
+
+
+def test_a_png_directory_that_cannot_be_made_is_named_as_png_not_out(tmp_path, capsys):
+    """``calexec diagrams --out d2 --png F`` with F a file: the one line blamed
+    ``--out='d2'`` for F."""
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("a file\n")
+    out = tmp_path / "out"
+    assert diagrams_cli.main(["diagrams", "--out", str(out), "--png", str(blocker)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"calexec diagrams: --png={str(blocker)!r}: "), err

@@ -103,7 +103,11 @@ def main(argv: list[str]) -> int:
               f"{str(err.args[0] if err.args else err).splitlines()[0]}", file=sys.stderr)
         return EXIT_CONFIG
     except OSError as err:
-        print(f"calexec diagrams: --out={str(args.out)!r}: {err.strerror or err}"
+        flag, value = "--out", args.out
+        if args.png is not None and err.filename is not None and (
+                Path(str(err.filename)) == args.png or args.png in Path(str(err.filename)).parents):
+            flag, value = "--png", args.png  # the PNG directory failed, not --out
+        print(f"calexec diagrams: {flag}={str(value)!r}: {err.strerror or err}"
               f"{f' ({err.filename})' if err.filename else ''}", file=sys.stderr)
         return EXIT_CONFIG
     for path in written:
