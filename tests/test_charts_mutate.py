@@ -187,14 +187,18 @@ def test_mutant_that_never_reaches_the_chart_is_an_error(tmp_path, capsys):
          "--error-codes 'three': expected exit codes"),
         (["--chart", "door:Door", "--test-cmd", "python -c 'pass"],
          "--test-cmd \"python -c 'pass\": No closing quotation"),
+        # 'mutant = 5' (not [[mutant]] tables) was internal error TypeError, exit 70
+        (["--chart", "door:Door", "--test-cmd", "true", "--equivalent", "not_tables.toml"],
+         "'mutant' must be [[mutant]] tables (chart, id, reason), not int 5"),
     ],
     ids=["no-test-cmd", "unknown-mutant", "not-a-chart", "no-module", "bad-spec", "red-baseline",
          "bad-equivalent-list", "first-failure-with-own-command", "empty-test-cmd",
          "test-cmd-not-found", "unwritable-report", "negative-timeout", "bad-error-codes",
-         "unbalanced-quote"],
+         "unbalanced-quote", "equivalent-not-tables"],
 )
 def test_bad_arguments_are_named(tmp_path, capsys, args, message):
     _door_project(tmp_path)
+    (tmp_path / "not_tables.toml").write_text("mutant = 5\n")
     status, out = _mutate(capsys, tmp_path, *args)
     assert status == 2
     assert message in out.err

@@ -278,15 +278,19 @@ def load_equivalents(path: Path) -> dict[tuple[str, str], str]:
     """(chart, mutant id) -> reason, from a TOML file of ``[[mutant]]`` tables."""
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (OSError, tomllib.TOMLDecodeError) as err:
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as err:
         raise ValueError(f"--equivalent {str(path)!r}: {err}") from err
+    entries = data.get("mutant", [])
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise ValueError(f"--equivalent {str(path)!r}: 'mutant' must be [[mutant]] tables "
+                         f"(chart, id, reason), not {type(entries).__name__} {entries!r:.40}")
     result = {}
-    for index, entry in enumerate(data.get("mutant", [])):
+    for index, entry in enumerate(entries):
         missing = [k for k in ("chart", "id", "reason") if not str(entry.get(k, "")).strip()]
         if missing:
             raise ValueError(f"--equivalent {str(path)!r}: [[mutant]] #{index + 1} has no "
                              f"{', '.join(missing)}")
-        result[(entry["chart"], entry["id"])] = entry["reason"].strip()
+        result[(str(entry["chart"]), str(entry["id"]))] = str(entry["reason"]).strip()
     return result
 
 
