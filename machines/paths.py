@@ -184,7 +184,7 @@ def transition_paths(chart: ChartLike) -> list[Path]:
             raise ValueError(f"{chart.name}: source of {_describe(transition)} is unreachable")
         steps = reach[transition.source] + (transition,)
         # every step's guards are known: a shadowed transition is never on a path (the BFS skips it)
-        paths.append(Path(transition, steps, tuple(guards[s.id] or {} for s in steps)))
+        paths.append(Path(transition, steps, tuple(_named(guards[s.id] or {}) for s in steps)))
     return paths
 
 
@@ -200,7 +200,7 @@ def state_paths(chart: ChartLike) -> dict[str, Walk]:
     if missing:
         raise ValueError(f"{chart.name}: state(s) {', '.join(missing)} unreachable from "
                          f"{chart.initial}")
-    return {state: Walk(reach[state], tuple(guards[t.id] or {} for t in reach[state]), state)
+    return {state: Walk(reach[state], tuple(_named(guards[t.id] or {}) for t in reach[state]), state)
             for state in chart.states}
 
 
@@ -229,7 +229,7 @@ def transition_tour(chart: ChartLike) -> list[Walk]:
                 steps.append(step)
                 untaken.discard(step.id)
             state = taken.target
-        walks.append(Walk(tuple(steps), tuple(guards[t.id] or {} for t in steps), state))
+        walks.append(Walk(tuple(steps), tuple(_named(guards[t.id] or {}) for t in steps), state))
     return walks
 
 

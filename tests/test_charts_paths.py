@@ -126,3 +126,36 @@ def test_paths_of_a_large_chart_index_the_transitions_once(monkeypatch):
     data = as_data(chart)
     assert sum(len(walk) for walk in data["tour"]) >= len(chart.transitions)
     assert calls[0] <= len(chart.states), calls[0]
+
+
+def test_a_flat_chart_s_steps_name_only_guards_a_model_can_answer():
+    """A flat chart whose guards include a callable and an expression (it takes the general
+    run) had steps requiring ``{"<lambda>": True}`` and ``{"ready and not busy": True}``:
+    outcomes no model can be given. Only named guards are step outcomes, as on a
+    hierarchical chart (module docstring)."""
+    from statemachine import State, StateMachine
+
+    from calexec.machines.paths import as_data
+
+    class Desk(StateMachine):
+        idle = State(initial=True)
+        busy = State()
+        done = State(final=True)
+        take = idle.to(busy, cond=lambda: True)
+        check = idle.to(busy, cond="ready and not busy_now")
+        finish = busy.to(done, cond="signed")
+
+        def ready(self) -> bool:
+            return True
+
+        def busy_now(self) -> bool:
+            return False
+
+        def signed(self) -> bool:
+            return True
+
+    data = as_data(Desk)
+    every = [step["guards"] for walk in data["tour"] for step in walk]
+    every += [step["guards"] for t in data["transitions"] for step in t["path"]]
+    assert all(name.isidentifier() for guards in every for name in guards), every
+    assert {"signed": True} in every
