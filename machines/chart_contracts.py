@@ -81,7 +81,8 @@ class ContractViolation(Exception):
         self.chart, self.contract, self.kind = chart, contract.name, contract.kind
         self.state, self.data = state, data
         self.transition = (None if transition is None else
-                           f"{transition.source} --{transition.event}--> {transition.target}")
+                           f"{transition.source} --{transition.event or '(eventless)'}--> "
+                           f"{transition.target}")
         where = (f"in state {state!r}" if self.transition is None
                  else f"on {self.transition} (state {state!r})")
         super().__init__(f"{chart}: {contract.kind} {contract.name!r} violated {where}; "
@@ -103,9 +104,9 @@ def declared_contracts(chart: ChartLike) -> tuple[Contract, ...]:
         known = shared.states if contract.kind == "invariant" else shared.events
         for name in contract.names:
             if name not in known:
-                what = "state" if contract.kind == "invariant" else "event"
+                what = "a state" if contract.kind == "invariant" else "an event"
                 raise ValueError(f"{shared.name}: @{contract.kind}({name!r}) on "
-                                 f"{contract.name}: {name!r} is not a {what} of the chart "
+                                 f"{contract.name}: {name!r} is not {what} of the chart "
                                  f"(one of {', '.join(known)})")
     return tuple(found.values())
 
@@ -177,7 +178,7 @@ class ContractListener:
 
     def _declared(self, event: object, transition: object) -> Transition | None:
         # the initial pseudo-transition is not a declared one
-        return self.checker.chart.by_declared.get((id(transition), str(event)))
+        return self.checker.chart.record_of(transition, event)
 
     def before_transition(self, event: object, transition: object, model: Model) -> None:
         taken = self._declared(event, transition)

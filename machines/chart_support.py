@@ -75,7 +75,7 @@ def unsupported(declaration: type[StateChart[Any]]) -> list[str]:
     for state in _all_states(declaration):
         for spec in state._specs:
             if spec.group == CallbackGroup.INVOKE and not spec.is_convention:
-                found.append(f"invoke {spec.func!r} on state {state.id!r}")
+                found.append(f"invoke {_name(spec.func)!r} on state {state.id!r}")
         for transition in state.transitions:
             if transition.initial:
                 continue
@@ -103,7 +103,8 @@ def hierarchical(declaration: type[StateChart[Any]]) -> list[str]:
     """Each construct of ``declaration`` that needs the general compiled run
     (``machines/statechart_run.py``) rather than the flat fast path, with where it is:
     compound, parallel and history states, eventless transitions, validators and guards that
-    are not one method name (expressions, callables)."""
+    are not one method name of the model (expressions, callables, methods of the chart
+    class)."""
     found = []
     for state in _all_states(declaration):
         if state.parallel:
@@ -124,9 +125,13 @@ def hierarchical(declaration: type[StateChart[Any]]) -> list[str]:
                 if spec.group == CallbackGroup.VALIDATOR and not spec.is_convention:
                     found.append(f"validator {_name(spec.func)!r} on transition {where}")
                 if (spec.group == CallbackGroup.COND and not spec.is_convention
-                        and getattr(spec.func, "calexec_constant", None) is None
-                        and not (isinstance(spec.func, str) and spec.func.isidentifier())):
-                    found.append(f"guard {_name(spec.func)!r} on transition {where}")
+                        and getattr(spec.func, "calexec_constant", None) is None):
+                    if not (isinstance(spec.func, str) and spec.func.isidentifier()):
+                        found.append(f"guard {_name(spec.func)!r} on transition {where}")
+                    elif callable(getattr(declaration, spec.func, None)):
+                        # the flat run asks only its model; python-statemachine the chart too
+                        found.append(f"guard {spec.func!r} on transition {where}, a method "
+                                     f"of the chart class")
     return found
 
 

@@ -28,13 +28,23 @@ def load_chart(ref: str, cwd: str | None = None) -> type[StateChart[Any]]:
         raise ChartRefError(f"{ref!r}: expected MODULE:CLASS, a chart class and the module "
                             f"that declares it (e.g. order_workflow:OrderWorkflow)")
     root = os.path.abspath(cwd or os.getcwd())
+    if "/" in module_name or os.sep in module_name or (
+            module_name.endswith(".py") and os.path.isfile(os.path.join(root, module_name))):
+        stem = os.path.splitext(os.path.basename(module_name))[0] or module_name
+        raise ChartRefError(f"{ref!r}: {module_name!r} is a file path, not a module name: run "
+                            f"from the directory that holds it and name the module "
+                            f"(e.g. {stem}:{class_name})")
     if root not in sys.path:
         sys.path.insert(0, root)
     try:
         module = importlib.import_module(module_name)
-    except Exception as err:  # noqa: BLE001 - the user's module may raise anything at import
+    except KeyboardInterrupt:
+        raise
+    except BaseException as err:  # noqa: BLE001 - the user's module may raise anything at
+        # import, sys.exit() and an argparse error (SystemExit) included
+        why = str(err).splitlines()[0] if str(err) else ""
         raise ChartRefError(f"{ref!r}: cannot import module {module_name!r} from {root} "
-                            f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from err
+                            f"({type(err).__name__}: {why})") from err
     found: object = module
     for part in class_name.split("."):
         found = getattr(found, part, None)
@@ -45,4 +55,7 @@ def load_chart(ref: str, cwd: str | None = None) -> type[StateChart[Any]]:
         raise ChartRefError(f"{ref!r}: {class_name} is {type(found).__name__} {found!r:.60}, "
                             f"not a python-statemachine chart class (a StateMachine or "
                             f"StateChart subclass)")
+    if not found.states:
+        raise ChartRefError(f"{ref!r}: {class_name} declares no states (a base class of "
+                            f"charts? name the subclass that declares them)")
     return found

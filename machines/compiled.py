@@ -133,6 +133,13 @@ class CompiledChart:
     #: takes (``chart_contracts.enable_contracts`` sets it; ``send`` then pays one more test)
     checker: TransitionChecker | None = attrs.field(default=None, repr=False, eq=False)
 
+    def record_of(self, transition: Any, event: object) -> Transition | None:
+        """The record of ``transition`` (a python-statemachine ``Transition`` of the
+        declaration) taken on ``event``, as a listener of an instance is called
+        (``after_transition(event, transition)``; ``event`` is None for an eventless one);
+        None for the initial pseudo-transition, which is not declared."""
+        return self.by_declared.get((id(transition), "" if event is None else str(event)))
+
     def set_checker(self, checker: TransitionChecker | None) -> None:
         """Install (or with None remove) the contract checker every run of this chart calls
         (``chart_contracts.enable_contracts``: a set-up call, like ``attach``)."""
@@ -362,6 +369,8 @@ def compile_chart(declaration: type[StateChart[Any]], name: str | None = None) -
                         f"(a StateMachine or StateChart subclass)")
     if name is None:
         name = declaration.__name__
+    if not declaration.states:  # an abstract base: python-statemachine checks it no further
+        raise ValueError(f"{name}: declaration {declaration.__name__} declares no states")
     refuse_unsupported(declaration, "the compiled form")
     if declaration.initial_state is None:
         raise ValueError(f"{name}: declaration {declaration.__name__} has no initial state")

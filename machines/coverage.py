@@ -89,8 +89,9 @@ class TransitionListener:
         self.recorder = recorder
 
     def after_transition(self, event: Any, transition: Any) -> None:
-        """Called by python-statemachine after each transition (``event`` is the trigger)."""
-        taken = self.chart.by_declared.get((id(transition), str(event)))
+        """Called by python-statemachine after each transition (``event`` is the trigger;
+        None for an eventless transition, which the compiled chart keys by ``""``)."""
+        taken = self.chart.record_of(transition, event)
         if taken is None:  # the initial pseudo-transition is not a declared one
             return
         if self.recorder is not None:
@@ -141,4 +142,5 @@ def report(charts: Iterable[ChartLike], recorder: TransitionRecorder) -> list[Ch
 def describe(transition: Transition) -> str:
     """``Source --event [guards]--> Target`` for listings of untaken transitions."""
     guards = f" [{', '.join(transition.guards)}]" if transition.guards else ""
-    return f"{transition.source} --{transition.event}{guards}--> {transition.target}"
+    event = transition.event or "(eventless)"
+    return f"{transition.source} --{event}{guards}--> {transition.target}"

@@ -128,9 +128,15 @@ def pytest_configure(config: pytest.Config) -> None:
         minimum, whole_suite_only = None, False
     recorder = TransitionRecorder()
     charts, undo = [], []
+    named: dict[str, tuple[str, type]] = {}
     for ref in dict.fromkeys(configured + refs):
         try:
             declaration = load_chart(ref, str(config.invocation_params.dir))
+            first = named.setdefault(declaration.__name__, (ref, declaration))
+            if first[1] is not declaration:
+                raise ValueError(f"{ref!r} and {first[0]!r}: two charts named "
+                                 f"{declaration.__name__} (coverage counts transitions by "
+                                 f"chart name); give one class another name")
             undo.append(track(declaration, recorder))
         except (ChartRefError, UnsupportedChart, ValueError) as err:
             for done in undo:

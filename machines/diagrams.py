@@ -74,6 +74,27 @@ def _q(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\\\\l", "\\l") + '"'
 
 
+#: DOT's keywords (case-insensitive): as a bare ID, ``node [...]`` would set every node's defaults
+_DOT_KEYWORDS = frozenset({"node", "edge", "graph", "digraph", "subgraph", "strict"})
+_PLAIN_ID = re.compile(r"[A-Za-z_\u0080-\U0010ffff][A-Za-z_0-9\u0080-\U0010ffff]*\Z")
+
+
+def _id(name: str) -> str:
+    """``name`` as a DOT ID: bare when DOT reads it as one (calexec's charts), else quoted (a
+    state or chart called ``node``, ``edge``, ``Graph``, ...)."""
+    if _PLAIN_ID.match(name) and name.lower() not in _DOT_KEYWORDS:
+        return name
+    return _q(name)
+
+
+def _pseudo(chart: CompiledChart, name: str) -> str:
+    """The DOT ID of the renderer's own node ``name`` (``initial``, ``legend``): ``name``
+    itself unless a state of the chart is called so (then a quoted ID no state can have)."""
+    states = set(chart.states) | {h.id for state in chart.declaration.states_map.values()
+                                  for h in state.history}
+    return name if name not in states else _q(f"{name}:calexec")
+
+
 def _event_label(event: str) -> str:
     return event.replace("_", " ").capitalize()
 
@@ -122,7 +143,7 @@ def groups(chart: CompiledChart) -> list[tuple[tuple[str, ...], tuple[Transition
             for box, members in boxes]
 
 
-def _legend(boxed: bool, finals: list[str]) -> list[str]:
+def _legend(chart: CompiledChart, boxed: bool, finals: list[str]) -> list[str]:
     """One HTML-like table node: each drawing convention next to a sample of it, kept below
     the chart (invisible edges from the final states) so the chart itself comes first."""
     cell = '<TD ALIGN="LEFT">{}</TD>'
@@ -141,13 +162,15 @@ def _legend(boxed: bool, finals: list[str]) -> list[str]:
         rows.append(('<TD>dashed box &#8594;</TD>',
                      "<B>bold</B> edge leaving a dashed box: declared from EVERY state in it"))
     body = "".join(f"<TR>{sample}{cell.format(text)}</TR>" for sample, text in rows)
+    legend = _pseudo(chart, "legend")  # a compound state "legend" is a cluster_legend too
+    cluster = LEGEND_CLUSTER if legend == "legend" else _q(f"{LEGEND_CLUSTER}:calexec")
     return [
-        f"subgraph {LEGEND_CLUSTER} {{",
+        f"subgraph {cluster} {{",
         'label="Legend"; style="rounded"; color="gray50"; fontsize=12;',
-        f'legend [shape=plaintext, style="", fontsize=11, label=<<TABLE BORDER="0" '
+        f'{legend} [shape=plaintext, style="", fontsize=11, label=<<TABLE BORDER="0" '
         f'CELLBORDER="0" CELLSPACING="3">{body}</TABLE>>];',
         "}",
-        *(f"{state} -> legend [style=invis];" for state in finals),
+        *(f"{_id(state)} -> {legend} [style=invis];" for state in finals),
     ]
 
 
@@ -156,7 +179,7 @@ def _dot_header(chart: CompiledChart) -> list[str]:
     defaults, the initial pseudo-state."""
     title = chart.declaration.__name__
     return [
-        f"digraph {title} {{",
+        f"digraph {_id(title)} {{",
         f'label={_q(f"{title} (declared in {declared_in(chart)})")}; labelloc=t; '
         f"fontsize=16; fontname={FONT};",
         "rankdir=TB; compound=true; newrank=true; nodesep=0.35; ranksep=0.55; "
@@ -164,7 +187,8 @@ def _dot_header(chart: CompiledChart) -> list[str]:
         f"node [fontname={FONT}, fontsize=14, shape=rectangle, style=\"rounded, filled\", "
         "fillcolor=white, penwidth=1.5];",
         f"edge [fontname={FONT}, fontsize=12, decorate=true, arrowsize=0.8];",
-        'initial [label="", shape=point, width=0.15, style=filled, fillcolor=black];',
+        f'{_pseudo(chart, "initial")} [label="", shape=point, width=0.15, style=filled, '
+        'fillcolor=black];',
     ]
 
 
@@ -199,7 +223,7 @@ def render_chart_dot(chart: ChartLike, active_state: str | None = None,
             lines = "".join(f'<BR/><FONT POINT-SIZE="11" COLOR="{PATH_COLOR}">{html.escape(line)}'
                             "</FONT>" for line in notes[state].split("\n"))
             label = f"<{html.escape(state)}{lines}>"
-        return f"{state} [{', '.join([f'label={label}', f'id={_q(NODE_ID + state)}'] + attrs_)}];"
+        return f"{_id(state)} [{', '.join([f'label={label}', f'id={_q(NODE_ID + state)}'] + attrs_)}];"
 
     placed: set[str] = set()
 
@@ -228,7 +252,7 @@ def render_chart_dot(chart: ChartLike, active_state: str | None = None,
     for state in chart.states:
         if state not in placed:
             out.append(node(state))
-    out.append(f"initial -> {chart.initial};")
+    out.append(f"{_pseudo(chart, 'initial')} -> {_id(chart.initial)};")
     # one edge per (source, target); boxed transitions leave their box once
     edges: dict[tuple[str, str], list[str]] = {}
     ids: dict[tuple[str, str], list[int]] = {}
@@ -253,11 +277,11 @@ def render_chart_dot(chart: ChartLike, active_state: str | None = None,
         path = (f", color={PATH_COLOR}, fontcolor={PATH_COLOR}, penwidth=3.5"
                 if taken.intersection(ids[(source, target)]) else "")
         if source.startswith("cluster_group_"):
-            out.append(f"{tails[(source, target)]} -> {target} [label={text}, id={edge_id}, "
+            out.append(f"{_id(tails[(source, target)])} -> {_id(target)} [label={text}, id={edge_id}, "
                        f"ltail={source}, penwidth=2.5{path}];")
         else:
-            out.append(f"{source} -> {target} [label={text}, id={edge_id}{path}];")
-    out += _legend(bool(boxes), [s for s in chart.states if s in chart.finals])
+            out.append(f"{_id(source)} -> {_id(target)} [label={text}, id={edge_id}{path}];")
+    out += _legend(chart, bool(boxes), [s for s in chart.states if s in chart.finals])
     out.append("}")
     return "\n".join(out) + "\n"
 
@@ -282,7 +306,7 @@ def _render_nested_dot(chart: CompiledChart, active_state: str | None, taken: fr
 
     def anchor(state_id: str) -> str:
         state = by_id.get(state_id)
-        return f"{state_id}__anchor" if state is not None and state.states else state_id
+        return _id(f"{state_id}__anchor" if state is not None and state.states else state_id)
 
     def node(state_id: str) -> str:
         attrs_ = []
@@ -297,7 +321,7 @@ def _render_nested_dot(chart: CompiledChart, active_state: str | None, taken: fr
             lines = "".join(f'<BR/><FONT POINT-SIZE="11" COLOR="{PATH_COLOR}">{html.escape(line)}'
                             "</FONT>" for line in notes[state_id].split("\n"))
             label = f"<{html.escape(state_id)}{lines}>"
-        return f"{state_id} [{', '.join([f'label={label}', f'id={_q(NODE_ID + state_id)}'] + attrs_)}];"
+        return f"{_id(state_id)} [{', '.join([f'label={label}', f'id={_q(NODE_ID + state_id)}'] + attrs_)}];"
 
     def emit(state: Any, indent: str) -> None:
         if not state.states:
@@ -311,30 +335,30 @@ def _render_nested_dot(chart: CompiledChart, active_state: str | None, taken: fr
         out.append(f"{indent}subgraph cluster_{state.id} {{")
         out.append(f"{indent}  label={_q(state.id + kind)}; {fill}{color}fontsize=13;")
         if state.parallel:
-            out.append(f'{indent}  {state.id}__anchor [label="", shape=point, width=0.01, '
+            out.append(f'{indent}  {anchor(state.id)} [label="", shape=point, width=0.01, '
                        f'style=invis];')
         else:
-            out.append(f'{indent}  {state.id}__anchor [label="", shape=point, width=0.12, '
+            out.append(f'{indent}  {anchor(state.id)} [label="", shape=point, width=0.12, '
                        f'style=filled, fillcolor=black];')
         for child in state.states:
             emit(child, indent + "  ")
         for history in state.history:
             history_ids.add(history.id)
             mark = "H*" if history.type.is_deep else "H"
-            out.append(f"{indent}  {history.id} [label={_q(mark)}, shape=circle, width=0.35, "
+            out.append(f"{indent}  {_id(history.id)} [label={_q(mark)}, shape=circle, width=0.35, "
                        f"fixedsize=true, fontsize=11, id={_q(NODE_ID + history.id)}];")
         out.append(f"{indent}}}")
         if not state.parallel:
             initial = next((t for t in state.transitions if t.initial), None)
             for target in (initial.targets if initial is not None else []):
                 head = f", lhead=cluster_{target.id}" if target.states else ""
-                out.append(f"{state.id}__anchor -> {anchor(target.id)} [arrowsize=0.6{head}];")
+                out.append(f"{anchor(state.id)} -> {anchor(target.id)} [arrowsize=0.6{head}];")
 
     for state in declaration.states:
         emit(state, "")
     initial_id = chart.initial
     head = f" [lhead=cluster_{initial_id}]" if by_id[initial_id].states else ""
-    out.append(f"initial -> {anchor(initial_id)}{head};")
+    out.append(f"{_pseudo(chart, 'initial')} -> {anchor(initial_id)}{head};")
     edges: dict[tuple[str, str], list[str]] = {}
     ids: dict[tuple[str, str], list[int]] = {}
     for t in chart.transitions:
@@ -355,7 +379,7 @@ def _render_nested_dot(chart: CompiledChart, active_state: str | None, taken: fr
         if taken.intersection(ids[(source, target)]):
             extra += f", color={PATH_COLOR}, fontcolor={PATH_COLOR}, penwidth=3.5"
         out.append(f"{anchor(source)} -> {anchor(target)} [label={text}, id={edge_id}{extra}];")
-    out += _legend(False, [s for s in chart.states if s in chart.finals])
+    out += _legend(chart, False, [s for s in chart.states if s in chart.finals])
     out.append("}")
     return "\n".join(out) + "\n"
 

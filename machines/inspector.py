@@ -74,7 +74,7 @@ class _InstanceCounter:
         self.taken = [0] * len(chart.transitions)
 
     def after_transition(self, event: object, transition: object) -> None:
-        found = self.chart.by_declared.get((id(transition), str(event)))
+        found = self.chart.record_of(transition, event)
         if found is not None:  # not the initial pseudo-transition
             self.taken[found.id] += 1
 
@@ -237,7 +237,7 @@ class _TrailListener:
         self.chart, self.trail, self.clock = chart, trail, clock
 
     def after_transition(self, event: object, transition: object) -> None:
-        found = self.chart.by_declared.get((id(transition), str(event)))
+        found = self.chart.record_of(transition, event)
         if found is not None:
             self.trail.append((found.event, found.source, found.target, None, self.clock()))
 
@@ -568,6 +568,6 @@ def inspector_app(inspector: Inspector, options: AppOptions | None = None) -> St
         handlers[HTTPException] = no_route
 
     return Starlette(routes=[
-        Route("/", index), Route("/live.json", live), Route("/runs/{run_id}", run_path),
+        Route("/", index), Route("/live.json", live), Route("/runs/{run_id:path}", run_path),
         Route("/{chart}.svg", chart_svg),
     ], exception_handlers=handlers)

@@ -14,13 +14,19 @@ model (for the executor: the fault plan) before sending the step's event.
 Hierarchical charts (compound, parallel or history states, eventless transitions) are explored
 by *configuration*, not by state: breadth-first over the distinct (configuration, recorded
 history) a skeleton of the chart reaches (``statechart_run.StatechartRun.skeleton``: every
-guard passes, no action runs), taking one candidate transition per sent event and then the
-macrostep it starts (``done.state`` events, eventless transitions). A state's walk ends in the
+guard passes, no action runs), sending one candidate transition's event at a time and then
+running the macrostep it starts (``done.state`` events, eventless transitions). A candidate is
+sent only where some guard outcomes select it (``_selected``: the earlier alternatives of its
+state and the transitions of its active descendants on the same event refused, since a
+state's transitions come before its ancestors'); under those outcomes (a guard not named
+answers True, as ``GuardTable``) the event takes every transition it selects, one per region
+of a parallel state, as a real run does; a step's guard outcomes are those. A state's walk ends in the
 first configuration that contains it (``Walk.end`` is that configuration, ``"a,b"``), or for a state
 only ever entered and left within one macrostep (a final child whose ``done.state`` event
 leaves its parent), the first walk that enters it; a
 transition taken inside a macrostep (an eventless one, or one on ``done.state.<id>``) has the
-event that leads to it as its path's last step. Guard outcomes of a step are those of its
+event that leads to it as its path's last step (a ``done.state.<id>`` event is never sent
+as a step: only the chart raises it). Guard outcomes of a step are those of its
 named guards (an expression or a callable cannot be set from outside: drive such a chart with
 event data). At most ``MAX_CONFIGURATIONS`` configurations are explored (``ValueError``
 beyond).
@@ -78,6 +84,25 @@ class Walk:
         return tuple(step.event for step in self.steps)
 
 
+def _describe(transition: Transition) -> str:
+    """``source --event--> target`` (``(eventless)`` for an eventless transition)."""
+    return f"{transition.source} --{transition.event or '(eventless)'}--> {transition.target}"
+
+
+def _refuse(outcome: dict[str, bool], rivals: tuple[Transition, ...]) -> bool:
+    """Fix in ``outcome`` one guard of each of ``rivals`` so that it refuses (its first guard
+    not already fixed the other way); False when one of them cannot be refused."""
+    for rival in rivals:
+        refusals = [(n, False) for n in rival.conds] + [(n, True) for n in rival.unless]
+        for name, value in refusals:
+            if outcome.get(name, value) == value:
+                outcome[name] = value
+                break
+        else:
+            return False
+    return True
+
+
 def winning_guards(chart: ChartLike, transition: Transition) -> Mapping[str, bool] | None:
     """Guard outcomes under which ``transition`` is the one taken, or ``None`` if it is
     shadowed (an earlier candidate for the same state and event can never be refused).
@@ -91,20 +116,25 @@ def winning_guards(chart: ChartLike, transition: Transition) -> Mapping[str, boo
         if outcome.get(name) is True:
             return None
         outcome[name] = False
-    for earlier in chart.table[(transition.source, transition.event)]:
-        if earlier is transition:
-            return MappingProxyType(outcome)
-        refusals = [(n, False) for n in earlier.conds] + [(n, True) for n in earlier.unless]
-        for name, value in refusals:
-            if outcome.get(name, value) == value:
-                outcome[name] = value
-                break
-        else:
-            return None
-    raise ValueError(f"{chart.name}: transition {transition} is not in its own table slot")
+    slot = chart.table[(transition.source, transition.event)]
+    if transition not in slot:
+        raise ValueError(f"{chart.name}: transition {_describe(transition)} is not in its own "
+                         f"table slot")
+    earlier = slot[:slot.index(transition)]
+    return MappingProxyType(outcome) if _refuse(outcome, earlier) else None
 
 
-def _shortest(chart: CompiledChart, start: str,
+def _outgoing(chart: CompiledChart) -> dict[str, list[Transition]]:
+    """State -> its transitions in declaration order, indexed once (``chart.outgoing`` scans
+    every transition per call: a breadth-first search with it was O(states x transitions),
+    the tour of a 400-state chart took half a minute)."""
+    index: dict[str, list[Transition]] = {state: [] for state in chart.states}
+    for transition in chart.transitions:
+        index.setdefault(transition.source, []).append(transition)
+    return index
+
+
+def _shortest(outgoing: Mapping[str, list[Transition]], start: str,
               guards: Mapping[int, Mapping[str, bool] | None]) -> dict[str, tuple[Transition, ...]]:
     """State -> the shortest steps from ``start`` to it (breadth-first, declaration order breaks
     ties; shadowed transitions are never steps)."""
@@ -112,15 +142,29 @@ def _shortest(chart: CompiledChart, start: str,
     frontier = deque([start])
     while frontier:
         state = frontier.popleft()
-        for transition in chart.outgoing(state):
+        for transition in outgoing.get(state, ()):
             if guards[transition.id] is not None and transition.target not in reach:
                 reach[transition.target] = reach[state] + (transition,)
                 frontier.append(transition.target)
     return reach
 
 
+def _shadowed(chart: CompiledChart, transition: Transition) -> str:
+    slot = chart.table[(transition.source, transition.event)]
+    earlier = ", ".join(_describe(t) for t in slot[:slot.index(transition)])
+    return (f"{chart.name}: transition {_describe(transition)} can never be taken (shadowed by "
+            f"{earlier}, declared before it for the same state and event, whose guards cannot "
+            f"all be refused)")
+
+
 def _guards(chart: CompiledChart) -> dict[int, Mapping[str, bool] | None]:
-    return {t.id: winning_guards(chart, t) for t in chart.transitions}
+    """Transition id -> its winning guard outcomes; ``ValueError`` for a shadowed one (a
+    declaration bug, named before the states or transitions only it would reach)."""
+    guards = {t.id: winning_guards(chart, t) for t in chart.transitions}
+    for transition in chart.transitions:
+        if guards[transition.id] is None:
+            raise ValueError(_shadowed(chart, transition))
+    return guards
 
 
 def transition_paths(chart: ChartLike) -> list[Path]:
@@ -130,19 +174,17 @@ def transition_paths(chart: ChartLike) -> list[Path]:
     unreachable: both are declaration bugs.
     """
     chart = compiled(chart)
+    guards = _guards(chart)
     if _by_configuration(chart):
         return _configuration_paths(chart)
-    guards = _guards(chart)
-    reach = _shortest(chart, chart.initial, guards)
+    reach = _shortest(_outgoing(chart), chart.initial, guards)
     paths = []
     for transition in chart.transitions:
-        if guards[transition.id] is None:
-            raise ValueError(f"{chart.name}: transition {transition} can never be taken (shadowed)")
         if transition.source not in reach:
-            raise ValueError(f"{chart.name}: source of {transition} is unreachable")
+            raise ValueError(f"{chart.name}: source of {_describe(transition)} is unreachable")
         steps = reach[transition.source] + (transition,)
         # every step's guards are known: a shadowed transition is never on a path (the BFS skips it)
-        paths.append(Path(transition, steps, tuple(guards[s.id] or {} for s in steps)))
+        paths.append(Path(transition, steps, tuple(_named(guards[s.id] or {}) for s in steps)))
     return paths
 
 
@@ -150,15 +192,15 @@ def state_paths(chart: ChartLike) -> dict[str, Walk]:
     """State -> the shortest walk from the initial state to it, in ``chart.states`` order (the
     initial state's walk has no step). Raises ``ValueError`` naming an unreachable state."""
     chart = compiled(chart)
+    guards = _guards(chart)
     if _by_configuration(chart):
         return _configuration_walks(chart)
-    guards = _guards(chart)
-    reach = _shortest(chart, chart.initial, guards)
+    reach = _shortest(_outgoing(chart), chart.initial, guards)
     missing = [state for state in chart.states if state not in reach]
     if missing:
         raise ValueError(f"{chart.name}: state(s) {', '.join(missing)} unreachable from "
                          f"{chart.initial}")
-    return {state: Walk(reach[state], tuple(guards[t.id] or {} for t in reach[state]), state)
+    return {state: Walk(reach[state], tuple(_named(guards[t.id] or {}) for t in reach[state]), state)
             for state in chart.states}
 
 
@@ -171,12 +213,13 @@ def transition_tour(chart: ChartLike) -> list[Walk]:
     if _by_configuration(chart):
         return _configuration_tour(chart)
     guards = _guards(chart)
+    outgoing = _outgoing(chart)
     untaken = {t.id for t in chart.transitions}
     walks = []
     while untaken:
         state, steps = chart.initial, []
         while True:
-            reach = _shortest(chart, state, guards)
+            reach = _shortest(outgoing, state, guards)
             nearest = min(((len(reach[t.source]), t.id) for t in chart.transitions
                            if t.id in untaken and t.source in reach), default=None)
             if nearest is None:
@@ -186,7 +229,7 @@ def transition_tour(chart: ChartLike) -> list[Walk]:
                 steps.append(step)
                 untaken.discard(step.id)
             state = taken.target
-        walks.append(Walk(tuple(steps), tuple(guards[t.id] or {} for t in steps), state))
+        walks.append(Walk(tuple(steps), tuple(_named(guards[t.id] or {}) for t in steps), state))
     return walks
 
 
@@ -196,9 +239,34 @@ def _by_configuration(chart: CompiledChart) -> bool:
         state.states or state.history for state in chart.declaration.states_map.values())
 
 
-def _named(chart: CompiledChart, step: Transition) -> Mapping[str, bool]:
-    outcomes = winning_guards(chart, step) or {}
+def _named(outcomes: Mapping[str, bool]) -> Mapping[str, bool]:
     return MappingProxyType({k: v for k, v in outcomes.items() if k.isidentifier()})
+
+
+def _selected(chart: CompiledChart, record: Transition,
+              configuration: tuple[str, ...]) -> Mapping[str, bool] | None:
+    """Guard outcomes under which sending ``record.event`` in ``configuration`` takes
+    ``record``, or None when no outcome does: an earlier alternative of its state cannot be
+    refused, or an active descendant of its state has a transition on the same event that
+    cannot be refused (a state's transitions are selected before its ancestors')."""
+    winning = winning_guards(chart, record)
+    if winning is None:
+        return None
+    outcome = dict(winning)
+    states = chart.declaration.states_map
+    inner: list[str] = []  # active states strictly below record.source
+    for state_id in configuration:
+        chain: list[str] = []
+        node: Any = states[state_id]  # a State, then its ancestors, then None
+        if node.states:  # only atomic states select
+            continue
+        while node is not None and node.id != record.source:
+            chain.append(node.id)
+            node = node.parent
+        if node is not None:
+            inner.extend(s for s in chain if s not in inner)
+    rivals = tuple(t for state_id in inner for t in chart.table.get((state_id, record.event), ()))
+    return MappingProxyType(outcome) if _refuse(outcome, rivals) else None
 
 
 #: a configuration node: what ``StatechartRun.node`` returns
@@ -208,11 +276,12 @@ _Node = tuple[tuple[str, ...], tuple[tuple[str, tuple[str, ...]], ...], bool]
 @attrs.frozen
 class _Graph:
     """The configurations a skeleton reaches: ``edges[node]`` lists ``(sent transition, ids
-    of every transition it took, next node)``; ``entered[state]`` the shortest steps that
-    enter ``state`` and the configuration they end in."""
+    of every transition it took, next node, the guard outcomes that select it there)``;
+    ``entered[state]`` the shortest steps that enter ``state`` and the configuration they
+    end in."""
 
     start: _Node
-    edges: Mapping[_Node, list[tuple[Transition, frozenset[int], _Node]]]
+    edges: Mapping[_Node, list[tuple[Transition, frozenset[int], _Node, Mapping[str, bool]]]]
     entered: Mapping[str, tuple[tuple[Transition, ...], str]]
 
 
@@ -226,9 +295,10 @@ def _graph(chart: CompiledChart) -> _Graph:
     if known is not None and known[0] is chart:
         return known[1]
     start = StatechartRun.skeleton(chart)
+    raised = {f"done.state.{state}" for state in chart.states}
     no_steps: tuple[Transition, ...] = ()
     runs = {start.node(): (start, no_steps)}
-    edges: dict[_Node, list[tuple[Transition, frozenset[int], _Node]]] = {}
+    edges: dict[_Node, list[tuple[Transition, frozenset[int], _Node, Mapping[str, bool]]]] = {}
     entered: dict[str, tuple[tuple[Transition, ...], str]] = {}
     for state in [*start.entered, *start.configuration]:
         entered.setdefault(state, ((), start.state))
@@ -238,13 +308,21 @@ def _graph(chart: CompiledChart) -> _Graph:
         run, steps = runs[node]
         out = edges.setdefault(node, [])
         for record in run.candidates():
+            if record.event in raised:  # only the chart raises it, within a macrostep
+                continue
+            outcomes = _selected(chart, record, run.configuration)
+            if outcomes is None:  # the event takes another transition here, whatever the guards
+                continue
             twin = run.fork()
             path: tuple[Transition, ...] = (*steps, record)
-            taken = frozenset(t.id for t in twin.force(record))
+            forced = twin.force(record, outcomes)
+            if forced is None:  # another region's transition preempts it under these outcomes
+                continue
+            taken = frozenset(t.id for t in forced)
             for state in twin.entered:
                 entered.setdefault(state, (path, twin.state))
             after = twin.node()
-            out.append((record, taken, after))
+            out.append((record, taken, after, outcomes))
             if after not in runs:
                 if len(runs) >= MAX_CONFIGURATIONS:
                     raise ValueError(f"{chart.name}: more than {MAX_CONFIGURATIONS} "
@@ -265,7 +343,7 @@ def _from(graph: _Graph, node: _Node) -> tuple[dict[_Node, tuple[Transition, ...
     frontier = deque([node])
     while frontier:
         here = frontier.popleft()
-        for record, taken, after in graph.edges.get(here, ()):
+        for record, taken, after, _ in graph.edges.get(here, ()):
             path = (*reach[here], record)
             for transition_id in taken:
                 first.setdefault(transition_id, (path, after))
@@ -275,17 +353,41 @@ def _from(graph: _Graph, node: _Node) -> tuple[dict[_Node, tuple[Transition, ...
     return reach, first
 
 
-def _walk(chart: CompiledChart, steps: tuple[Transition, ...], end: str) -> Walk:
-    return Walk(steps, tuple(_named(chart, s) for s in steps), end)
+def _outcomes_along(graph: _Graph, steps: tuple[Transition, ...]) -> tuple[Mapping[str, bool], ...]:
+    """The named guard outcomes of each of ``steps``, a path from the initial configuration:
+    those of the edge it follows."""
+    node, found = graph.start, []
+    for step in steps:
+        _, _, node, outcomes = next(e for e in graph.edges[node] if e[0] is step)
+        found.append(_named(outcomes))
+    return tuple(found)
+
+
+def _walk(graph: _Graph, steps: tuple[Transition, ...], end: str) -> Walk:
+    return Walk(steps, _outcomes_along(graph, steps), end)
+
+
+def _never_raised(chart: CompiledChart, graph: _Graph) -> str:
+    """``" (done.state.x is raised only when ...)"`` for the ``done.state`` events of
+    transitions no reachable configuration takes (their state never completes), or ``""``."""
+    _, first = _from(graph, graph.start)
+    events = list(dict.fromkeys(t.event for t in chart.transitions
+                                if t.id not in first and t.event.startswith("done.state.")))
+    if not events:
+        return ""
+    states = ", ".join(e.removeprefix("done.state.") for e in events)
+    return (f" ({', '.join(events)}: raised only when {states} reaches a final child state, "
+            f"in every region of a parallel state; no path does)")
 
 
 def _configuration_walks(chart: CompiledChart) -> dict[str, Walk]:
-    entered = _graph(chart).entered
+    graph = _graph(chart)
+    entered = graph.entered
     missing = [state for state in chart.states if state not in entered]
     if missing:
         raise ValueError(f"{chart.name}: state(s) {', '.join(missing)} never entered from "
-                         f"{chart.initial}")
-    return {state: _walk(chart, *entered[state]) for state in chart.states}
+                         f"{chart.initial}{_never_raised(chart, graph)}")
+    return {state: _walk(graph, *entered[state]) for state in chart.states}
 
 
 def _configuration_paths(chart: CompiledChart) -> list[Path]:
@@ -293,9 +395,9 @@ def _configuration_paths(chart: CompiledChart) -> list[Path]:
     _, first = _from(graph, graph.start)
     never = [t for t in chart.transitions if t.id not in first]
     if never:
-        raise ValueError(f"{chart.name}: transition(s) {', '.join(map(str, never))} taken from "
-                         f"no reachable configuration")
-    return [Path(t, first[t.id][0], tuple(_named(chart, s) for s in first[t.id][0]))
+        raise ValueError(f"{chart.name}: transition(s) {', '.join(map(_describe, never))} "
+                         f"taken from no reachable configuration{_never_raised(chart, graph)}")
+    return [Path(t, first[t.id][0], _outcomes_along(graph, first[t.id][0]))
             for t in chart.transitions]
 
 
@@ -320,8 +422,9 @@ def _configuration_tour(chart: CompiledChart) -> list[Walk]:
                 node = record_edge[2]
             steps.extend(path)
         if not steps:
-            raise ValueError(f"{chart.name}: transitions {sorted(untaken)} cannot be toured")
-        walks.append(_walk(chart, tuple(steps), ",".join(node[0])))
+            names = ", ".join(_describe(chart.transitions[i]) for i in sorted(untaken))
+            raise ValueError(f"{chart.name}: transition(s) {names} cannot be toured")
+        walks.append(_walk(graph, tuple(steps), ",".join(node[0])))
     return walks
 
 

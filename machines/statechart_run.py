@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from itertools import chain
 from typing import TYPE_CHECKING, Any
 
@@ -145,6 +145,9 @@ class StatechartRun:
         #: two eventless transitions could chase each other forever)
         self._max_microsteps = None if callbacks else 1000
         self._microsteps = 0
+        #: a skeleton's guard outcomes while ``force`` selects (name -> outcome, a name not
+        #: given holds, as ``paths.GuardTable`` answers); None: every guard passes
+        self._outcomes: Mapping[str, bool] | None = None
         self._prepare_key = declaration.prepare.key
         self._root_parallel_pending: State | None = None
         #: ids of the states a skeleton entered in its last ``force`` (or its start)
@@ -219,18 +222,32 @@ class StatechartRun:
                         found.append(record)
         return found
 
-    def force(self, record: Transition) -> list[Transition]:
+    def force(self, record: Transition,
+              outcomes: Mapping[str, bool] | None = None) -> list[Transition] | None:
         """Take ``record`` (one of ``candidates``) as its event would, then the macrostep it
-        starts; return every transition record taken, ``record`` first. ``entered`` is then
-        the ids of the states entered on the way (some may have been left again within the
-        macrostep: a final child whose ``done.state`` event leaves its parent)."""
+        starts; return every transition record taken. With ``outcomes`` (guard name ->
+        outcome; a guard not named answers True, as a ``paths.GuardTable`` model does) the
+        event takes every transition python-statemachine would select under them (one per
+        region of a parallel state), or nothing and None when ``record`` is not among them;
+        without, ``record`` alone. ``entered`` is then the ids of the states entered on the way
+        (some may have been left again within the macrostep: a final child whose
+        ``done.state`` event leaves its parent)."""
         declared = self.chart.declared[record.id]
         bound = BoundEvent(id=record.event, _sm=self.machine)
         trigger = bound.build_trigger(machine=self.machine)
         self._cache.clear()
+        selected: list[Any] = [declared]
+        if outcomes is not None:
+            self._outcomes = outcomes
+            try:
+                selected = list(self._select(trigger, eventless=False))
+            finally:
+                self._outcomes = None
+            if declared not in selected:
+                return None
         taken: list[Transition] = []
         self.entered = []
-        self._microstep([declared], trigger)
+        self._microstep(selected, trigger)
         self._run_macrostep()
         self._check_root_final()
         for step, event in self._taken:
@@ -446,6 +463,14 @@ class StatechartRun:
         return self._filter_conflicting(enabled)
 
     def _conditions_match(self, transition: Any, trigger: TriggerData) -> bool:
+        if self._outcomes is not None:  # a skeleton selecting under given outcomes
+            record = next((r for r in (self.chart.by_declared.get((id(transition), str(e)))
+                                       for e in (trigger.event, *transition.events))
+                           if r is not None), None)
+            if record is None:
+                return True
+            return (all(self._outcomes.get(name, True) for name in record.conds)
+                    and not any(self._outcomes.get(name, True) for name in record.unless))
         args, kwargs = self._args_kwargs(transition, trigger)
         self._registry.call(transition.validators.key, *args, on_error=None, **kwargs)
         return bool(self._registry.all(transition.cond.key, *args, on_error=self._on_error(),

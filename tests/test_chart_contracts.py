@@ -133,6 +133,22 @@ def test_a_contract_naming_an_unknown_state_is_refused_by_name():
         invariant()
 
 
+def test_a_contract_naming_an_unknown_event_is_refused_by_name():
+    class Typo(StateMachine):
+        a = State(initial=True)
+        b = State(final=True)
+        go = a.to(b)
+
+        @precondition("gone")
+        def ready(model: object) -> bool:  # noqa: N805
+            return True
+
+    # it said "'gone' is not a event of the chart"
+    with pytest.raises(ValueError, match=r"@precondition\('gone'\) on ready: 'gone' is not an "
+                                         r"event of the chart \(one of go\)"):
+        declared_contracts(Typo)
+
+
 # ---- calexec's own charts: the one-chart §5.1 invariants as contracts ----------------------
 class Evidence:
     """A KV txn model whose commit guard says yes (as a mutant forcing it would) while the
@@ -277,3 +293,26 @@ def test_contracts_are_checked_by_the_general_run_of_a_hierarchical_chart(kind):
         with pytest.raises(ContractViolation) as caught:
             run.send("open")
     assert caught.value.contract == "only_unfrozen_hatches_open"
+
+
+def test_an_invariant_is_checked_after_an_eventless_transition_of_an_instance():
+    """python-statemachine calls listeners with ``event=None`` for an eventless transition;
+    the contract listener looked it up as ``"None"``, so an instance entering a state by one
+    never had that state's invariant checked (the compiled run did check it)."""
+    from statemachine import StateChart
+
+    class Kettle(StateChart):
+        cold = State(initial=True)
+        boiling = State()
+        whistling = State(final=True)
+        heat = cold.to(boiling)
+        boiling.to(whistling)  # eventless: as soon as it boils
+
+        @invariant("whistling")
+        def has_water(account: Account) -> bool:
+            return account.balance > 0
+
+    with contracts_checked(Kettle, raise_on_violation=False) as monitor:
+        Kettle(Account(balance=0)).send("heat")
+    assert [(v.contract, v.transition) for v in monitor.violations] == [
+        ("has_water", "boiling --(eventless)--> whistling")], monitor.violations

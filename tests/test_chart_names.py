@@ -82,3 +82,13 @@ def test_the_core_names_states_and_events_by_constant(path):
                 and isinstance(node.args[0], ast.Constant) and node.args[0].value in names:
             found.append((node.lineno, node.args[0].value))
     assert found == [], f"{path}: use machines/chart_names.py constants: {found}"
+
+
+def test_check_of_a_file_that_is_not_utf8_is_stale_not_an_internal_error(tmp_path, capsys):
+    """``--check`` read the file as UTF-8: a binary one raised UnicodeDecodeError out of the
+    command (``internal error``, exit 70 through the CLI)."""
+    out = tmp_path / "chart_names.py"
+    out.write_bytes(b"\xff\xfe\x00 not python")
+    assert tool.main(["charts", "names", "--check", "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "differs from the declared charts" in err and "fix: calexec charts names" in err

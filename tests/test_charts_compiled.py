@@ -21,6 +21,7 @@ from calexec.machines.compiled import (
     ChartTransitionError,
     GuardRejected,
     IllegalTransition,
+    compile_chart,
 )
 from calexec.machines.coverage import TransitionListener
 from calexec.machines.paths import GuardTable
@@ -156,3 +157,35 @@ def test_bench_reports_both_forms(capsys):
         assert result[key] > 0
     ratio = result["statemachine_us_p50"] / result["per_job_chart_us_p50"]
     assert result["speedup_p50"] == pytest.approx(ratio, rel=0.02)
+
+
+def test_a_guard_defined_on_the_chart_class_is_found_by_the_compiled_run():
+    """python-statemachine resolves a guard name on the model, then on the chart itself (a
+    newcomer's ``def unlocked(self): return not self.model.locked``). The flat fast path
+    asked only the model: ``compiled(Door).run(Lock(False)).send("push")`` raised
+    ``AttributeError: 'Lock' object has no attribute 'unlocked'`` where an instance opens.
+    Such a chart now takes the general run, which resolves callbacks as python-statemachine
+    does."""
+    from statemachine import State, StateMachine
+
+    class Lock:
+        def __init__(self, locked: bool) -> None:
+            self.locked = locked
+
+    class Door(StateMachine):
+        shut = State(initial=True)
+        ajar = State()
+        push = shut.to(ajar, cond="unlocked")
+        close = ajar.to(shut)
+
+        def unlocked(self) -> bool:
+            return not self.model.locked
+
+    chart = compile_chart(Door)
+    assert chart.general == (
+        "guard 'unlocked' on transition shut --push--> ajar, a method of the chart class",)
+    run = chart.run(Lock(locked=False))
+    run.send("push")
+    assert run.state == "ajar"
+    with pytest.raises(GuardRejected):
+        chart.run(Lock(locked=True)).send("push")

@@ -117,3 +117,23 @@ def test_bad_input_is_one_line_exit_2(project, capsys, args, message):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in err, err
     assert message.format(m=module) in lines[0], lines[0]
+
+
+def test_two_charts_of_the_same_name_are_refused_by_cover_and_the_plugin(project, capsys):
+    """Coverage keys a transition by (chart name, index): ``--chart shop_a:Flow --chart
+    shop_b:Flow`` credited shop_b's Flow with what shop_a's took (a run of shop_a alone
+    printed 'Flow: 1/2' for shop_b), under two lines both named Flow."""
+    root, module = project
+    (root / f"other_{module}.py").write_text(textwrap.dedent(CHART))
+    args = ["--chart", f"{module}:Light", "--chart", f"other_{module}:Light"]
+    assert cli(["charts", "cover", *args, "--", sys.executable, "-c", "pass"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [
+        f"calexec charts cover: --chart='other_{module}:Light' and --chart='{module}:Light': "
+        "two charts named Light (coverage counts transitions by chart name); give one class "
+        "another name"]
+    plugin = subprocess.run([*pytest_cmd(), f"--chart-coverage={module}:Light",
+                             f"--chart-coverage=other_{module}:Light"],
+                            capture_output=True, text=True, timeout=120)
+    assert plugin.returncode == 4, plugin.stdout + plugin.stderr
+    assert "two charts named Light" in plugin.stderr, plugin.stderr

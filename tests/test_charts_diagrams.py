@@ -197,3 +197,84 @@ def test_svg_ids_name_every_state_and_every_transition_once(rendered):
         edge_ids = re.findall(rf'<g id="{diagrams.EDGE_ID}([\d_]+)" class="edge"', svg)
         drawn = [int(i) for group in edge_ids for i in group.split("_")]
         assert sorted(drawn) == [t.id for t in chart.transitions], name
+
+
+def _statements(dot: str) -> list[str]:
+    return [line.strip() for line in dot.splitlines()]
+
+
+def test_states_named_like_dot_keywords_or_the_renderers_own_nodes_stay_states():
+    """A newcomer's chart with states ``node``, ``edge``, ``initial`` and ``legend``: written
+    bare, ``node [label="node", ...]`` set every node's defaults instead of declaring a state,
+    ``initial`` was merged with the initial-state dot (``initial -> initial``) and ``legend``
+    with the legend table; a chart class called ``Graph`` made ``digraph Graph {`` (a
+    syntax error for dot)."""
+    from statemachine import State, StateMachine
+
+    class Graph(StateMachine):
+        initial = State(initial=True)
+        node = State()
+        edge = State()
+        legend = State(final=True)
+        start = initial.to(node)
+        link = node.to(edge)
+        show = edge.to(legend)
+
+    dot = diagrams.render_chart_dot(Graph)
+    lines = _statements(dot)
+    assert lines[0] == 'digraph "Graph" {'
+    for state in ("node", "edge"):
+        assert f'"{state}" [label="{state}", id="s_{state}"];' in lines, dot
+        assert not any(line.startswith(f"{state} [label=\"{state}\"") for line in lines), dot
+    assert '"node" -> "edge" [label="Link\\l", id="t_1"];' in lines, dot
+    # one node statement per name: the state, and the renderer's own under another ID
+    assert [line for line in lines if line.startswith("initial [")] == [
+        'initial [label="initial", id="s_initial"];']
+    assert [line for line in lines if line.startswith("legend [")] == [
+        'legend [label="legend", id="s_legend", peripheries=2];']
+    assert '"initial:calexec" -> initial;' in lines and "initial -> initial;" not in lines
+    assert 'legend -> "legend:calexec" [style=invis];' in lines
+
+
+def test_a_compound_state_named_legend_keeps_its_own_cluster():
+    from statemachine import State, StateChart
+
+    class Map(StateChart):
+        class legend(State.Compound):
+            folded = State(initial=True)
+            open_ = State()
+            unfold = folded.to(open_)
+
+        hidden = State(initial=True)
+        show = hidden.to(legend)
+
+    lines = _statements(diagrams.render_chart_dot(Map))
+    assert lines.count("subgraph cluster_legend {") == 1
+    assert 'subgraph "cluster_legend:calexec" {' in lines
+
+
+def test_check_of_a_file_that_is_not_utf8_is_stale_not_an_internal_error(tmp_path, capsys):
+    """``calexec diagrams --check`` read the committed files as UTF-8: an SVG saved
+    compressed (svgz) or otherwise binary under the .svg name ended the check with
+    ``internal error: UnicodeDecodeError`` (exit 70) instead of naming it stale."""
+    committed = Path(__file__).resolve().parent.parent / "diagrams"
+    for path in committed.iterdir():
+        (tmp_path / path.name).write_bytes(path.read_bytes())
+    assert diagrams_cli.main(["diagrams", "--out", str(tmp_path), "--check"]) == 0
+    (tmp_path / "job.svg").write_bytes(b"\x1f\x8b\x08\x00\xff\xfe binary")
+    (tmp_path / "kv_txn.dot").write_bytes(b"\xff\xfe\x00 not text")
+    capsys.readouterr()
+    assert diagrams_cli.main(["diagrams", "--out", str(tmp_path), "--check"]) == 1
+    err = capsys.readouterr().err
+    assert "job.svg" in err and "kv_txn.dot: differs" in err, err
+
+
+def test_a_png_directory_that_cannot_be_made_is_named_as_png_not_out(tmp_path, capsys):
+    """``calexec diagrams --out d2 --png F`` with F a file: the one line blamed
+    ``--out='d2'`` for F."""
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("a file\n")
+    out = tmp_path / "out"
+    assert diagrams_cli.main(["diagrams", "--out", str(out), "--png", str(blocker)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"calexec diagrams: --png={str(blocker)!r}: "), err

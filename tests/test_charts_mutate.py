@@ -173,15 +173,42 @@ def test_mutant_that_never_reaches_the_chart_is_an_error(tmp_path, capsys):
          "--equivalent"),
         (["--chart", "door:Door", "--test-cmd", "true", "--first-failure"],
          "--first-failure applies to calexec's default command"),
+        # found as a newcomer: an empty --test-cmd ran calexec's own default command, a
+        # command not found and an unwritable --report (after the whole run) were internal
+        # errors (exit 70), a negative --timeout judged every mutant an error
+        (["--chart", "door:Door", "--test-cmd", ""], "--test-cmd '': empty command"),
+        (["--chart", "door:Door", "--test-cmd", "no-such-test-runner -q"],
+         "--test-cmd 'no-such-test-runner -q': cannot run 'no-such-test-runner'"),
+        (["--chart", "door:Door", "--test-cmd", "true", "--report", "/proc/no/such/dir"],
+         "--report '/proc/no/such/dir': "),
+        (["--chart", "door:Door", "--test-cmd", "true", "--timeout", "-1"],
+         "--timeout -1.0: must be a number of seconds > 0"),
+        (["--chart", "door:Door", "--test-cmd", "true", "--error-codes", "three"],
+         "--error-codes 'three': expected exit codes"),
+        (["--chart", "door:Door", "--test-cmd", "python -c 'pass"],
+         "--test-cmd \"python -c 'pass\": No closing quotation"),
+        # 'mutant = 5' (not [[mutant]] tables) was internal error TypeError, exit 70
+        (["--chart", "door:Door", "--test-cmd", "true", "--equivalent", "not_tables.toml"],
+         "'mutant' must be [[mutant]] tables (chart, id, reason), not int 5"),
     ],
     ids=["no-test-cmd", "unknown-mutant", "not-a-chart", "no-module", "bad-spec", "red-baseline",
-         "bad-equivalent-list", "first-failure-with-own-command"],
+         "bad-equivalent-list", "first-failure-with-own-command", "empty-test-cmd",
+         "test-cmd-not-found", "unwritable-report", "negative-timeout", "bad-error-codes",
+         "unbalanced-quote", "equivalent-not-tables"],
 )
 def test_bad_arguments_are_named(tmp_path, capsys, args, message):
     _door_project(tmp_path)
+    (tmp_path / "not_tables.toml").write_text("mutant = 5\n")
     status, out = _mutate(capsys, tmp_path, *args)
     assert status == 2
     assert message in out.err
+    assert "Traceback" not in out.err and out.out == ""
+
+
+def test_cwd_that_is_not_a_directory_is_named(tmp_path, capsys):
+    status, out = _mutate(capsys, tmp_path / "nowhere", "--chart", "job", "--test-cmd", "true")
+    assert status == 2
+    assert f"--cwd {str(tmp_path / 'nowhere')!r}: not a directory" in out.err
 
 
 def _light():

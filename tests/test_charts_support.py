@@ -114,6 +114,22 @@ def test_unsupported_constructs_are_refused_by_every_tool_with_their_names():
         assert "\n" not in message
 
 
+def fetch_stock() -> int:
+    return 1
+
+
+def test_an_invoked_function_is_named_by_its_name():
+    """``invoke=`` given a function (as python-statemachine's docs show) was named by its
+    repr, memory address included (``invoke <function fetch_stock at 0x7f...>``)."""
+
+    class Stocking(StateChart):
+        checking = State(initial=True, invoke=fetch_stock)
+        done = State(final=True)
+        finish = checking.to(done)
+
+    assert unsupported(Stocking) == ["invoke 'fetch_stock' on state 'checking'"]
+
+
 @pytest.mark.parametrize(
     ("chart", "named"),
     [

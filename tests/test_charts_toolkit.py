@@ -131,6 +131,10 @@ PROJECT = """
 
 
     NOT_A_CHART = 42
+
+
+    class Base(StateMachine):  # a base the project's charts share: no states of its own
+        pass
 """
 
 
@@ -141,6 +145,7 @@ def project(tmp_path, monkeypatch):
     module = f"light_{tmp_path.name.replace('-', '_')}"
     (tmp_path / f"{module}.py").write_text(textwrap.dedent(PROJECT))
     (tmp_path / "broken_mod.py").write_text("raise RuntimeError('boom at import')\n")
+    (tmp_path / "exiting_mod.py").write_text("import sys\nsys.exit(3)\n")
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     return tmp_path, module
@@ -192,8 +197,17 @@ def test_check_without_files_fails_naming_them(project, capsys):
         ("{m}:NOT_A_CHART", "'{m}:NOT_A_CHART': NOT_A_CHART is int 42, not a python-statemachine "
                             "chart class"),
         ("{m}:State", "'{m}:State': State is type"),
+        # found following docs/framework.md as a newcomer: each of these exited 70 (internal
+        # error), exited 3 with no message, or blamed a relative import
+        ("{m}:Base", "'{m}:Base': Base declares no states"),
+        ("exiting_mod:Light", "'exiting_mod:Light': cannot import module 'exiting_mod' from "),
+        ("./{m}.py:Light", "'./{m}.py:Light': './{m}.py' is a file path, not a module name: "
+                           "run from the directory that holds it and name the module "
+                           "(e.g. {m}:Light)"),
+        ("{m}.py:Light", "'{m}.py:Light': '{m}.py' is a file path"),
     ],
-    ids=["no-colon", "no-module", "module-raises", "no-attribute", "not-a-class", "not-a-chart"],
+    ids=["no-colon", "no-module", "module-raises", "no-attribute", "not-a-class", "not-a-chart",
+         "no-states", "module-exits", "file-path", "file-name"],
 )
 def test_bad_chart_reference_is_one_line_exit_2(project, capsys, command, ref, message):
     _, module = project
@@ -204,3 +218,62 @@ def test_bad_chart_reference_is_one_line_exit_2(project, capsys, command, ref, m
     assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
     assert lines[0].startswith(f"calexec charts {command}: {message}"), lines[0]
     assert captured.out == ""
+
+
+def test_compiling_a_chart_base_class_without_states_is_a_value_error_naming_it():
+    """python-statemachine accepts a chart class that declares no state (an abstract base);
+    compiling one failed with ``AttributeError: ... 'initial_state'`` (exit 70 from the
+    commands and the pytest plugin's INTERNALERROR)."""
+
+    class NoStates(StateMachine):
+        pass
+
+    with pytest.raises(ValueError, match="NoStates declares no states"):
+        compile_chart(NoStates)
+
+
+KETTLE = """
+    from statemachine import State, StateChart
+
+
+    class Kettle(StateChart):
+        cold = State(initial=True)
+        boiling = State()
+        whistling = State(final=True)
+        heat = cold.to(boiling)
+        boiling.to(whistling)  # eventless: as soon as it boils
+"""
+
+
+def test_an_eventless_transition_is_named_eventless_by_paths_and_cover(project, capsys):
+    """It was printed ``boiling ----> whistling`` (an empty event between the dashes) by
+    ``charts paths``, the coverage listings and contract violations."""
+    from calexec.machines.coverage import describe
+
+    root, module = project
+    (root / f"kettle_{module}.py").write_text(textwrap.dedent(KETTLE))
+    assert cli(["charts", "paths", f"kettle_{module}:Kettle"]) == 0
+    out = capsys.readouterr().out
+    assert "  boiling --(eventless)--> whistling: heat" in out, out
+    chart = compiled(load_kettle(module))
+    (eventless,) = [t for t in chart.transitions if t.event == ""]
+    assert describe(eventless) == "boiling --(eventless)--> whistling"
+
+
+def load_kettle(module: str) -> type:
+    from calexec.machines.chartref import load_chart
+
+    return load_chart(f"kettle_{module}:Kettle")
+
+
+def test_check_of_a_file_that_is_not_utf8_is_stale_not_an_internal_error(project, capsys):
+    """``charts draw --check`` read the files as UTF-8: a binary file under the .dot or .svg
+    name was ``internal error: UnicodeDecodeError``, exit 70."""
+    root, module = project
+    (root / "diagrams").mkdir()
+    (root / "diagrams" / "Light.dot").write_bytes(b"\xff\xfe\x00 not text")
+    (root / "diagrams" / "Light.svg").write_bytes(b"\x1f\x8b\x08\x00\xff binary")
+    assert cli(["charts", "draw", f"{module}:Light", "--check"]) == 1
+    err = capsys.readouterr().err
+    assert "Light.dot: differs from the declared chart" in err, err
+    assert "Light.svg: not rendered from the current DOT" in err, err

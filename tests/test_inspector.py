@@ -169,3 +169,44 @@ def test_a_hierarchical_chart_counts_every_active_state_and_follows_one_run(monk
     assert record["trail"][0]["event"] == event
     assert record["state"] == ",".join(run.configuration)
     inspector.close()
+
+
+def test_an_eventless_transition_of_an_instance_is_counted_and_followed():
+    """python-statemachine calls listeners with ``event=None`` for an eventless transition;
+    the inspector's listeners looked it up as ``"None"``: its rate stayed 0 and a followed
+    instance's path stopped before it."""
+    from statemachine import State, StateChart
+
+    class Kettle(StateChart):
+        cold = State(initial=True)
+        boiling = State()
+        whistling = State(final=True)
+        heat = cold.to(boiling)
+        boiling.to(whistling)  # eventless: as soon as it boils
+
+    inspector = Inspector()
+    inspector.register(Kettle, counts=lambda: {})
+    kettle = Kettle()
+    inspector.paths.follow("k1", kettle)
+    kettle.send("heat")
+    eventless = next(t.id for t in compiled(Kettle).transitions if t.event == "")
+    assert inspector.live()["charts"]["Kettle"]["per_minute"][eventless] > 0
+    record = inspector.paths.record("k1")
+    assert record is not None
+    assert [(s["from"], s["to"]) for s in record["trail"]] == [
+        ("cold", "boiling"), ("boiling", "whistling")]
+    inspector.close()
+
+
+def test_a_run_id_with_a_slash_is_served(shop):
+    """``follow("shop/order-7", run)`` was accepted, but ``/charts/runs/shop/order-7``
+    answered 404 (the route took one path segment), so the run's path could not be seen."""
+    app, inspector, orders, now, Order, OrderWorkflow = shop
+    run = compiled(OrderWorkflow).run(Order(items=["pen"]))
+    inspector.paths.follow("shop/order-7", run)
+    run.send("place")
+    with TestClient(app) as client:
+        answer = client.get("/charts/runs/shop/order-7?format=json")
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["run_id"] == "shop/order-7"
+        assert answer.json()["trail"][0]["to"] == "placed"

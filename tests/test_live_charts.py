@@ -143,3 +143,29 @@ def test_debug_job_path_of_a_failed_request_names_the_refusing_guard(executor):
         assert client.get("/debug/jobs/abc", headers=AUTH).status_code == 400
         ok = client.post("/v1/completions", json={"prompt": [4, 2], "max_tokens": 1})
         assert ok.status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--seconds", "-1"], "argument --seconds: must be a finite number > 0, got -1"),
+        (["--seconds", "nan"], "argument --seconds: must be a finite number > 0, got nan"),
+        (["--clients", "0"], "argument --clients: must be >= 1, got 0"),
+        (["--out", "/nonexistent-dir/live.png"], "--out='/nonexistent-dir/live.png': no directory"),
+        (["--out", "{tmp}/live.png"], "needs headless Chromium: chromium is not on PATH"),
+    ],
+    ids=["negative-seconds", "nan-seconds", "no-clients", "no-out-directory", "no-chromium"],
+)
+def test_diagrams_live_bad_input_is_one_line_exit_2_before_any_load(args, message, tmp_path,
+                                                                      monkeypatch, capsys):
+    """``calexec diagrams live --seconds -1`` started the executor and the server, then
+    ended in ``internal error: ValueError: sleep length must be non-negative`` (exit 70), as
+    did ``nan``; without Chromium the load ran first and the end was ``internal error:
+    FileNotFoundError`` (exit 70)."""
+    from calexec.cli import main as cli
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no chromium here
+    args = [a.format(tmp=tmp_path) for a in args]
+    assert cli(["diagrams", "live", "--job-out", "", *args]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and message in err, err

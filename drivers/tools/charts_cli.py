@@ -54,12 +54,12 @@ def stale(chart: CompiledChart, out: Path, png: bool) -> list[str]:
     dot_path, svg_path = stem.with_suffix(".dot"), stem.with_suffix(".svg")
     if not dot_path.is_file():
         problems.append(f"{dot_path}: missing")
-    elif dot_path.read_text(encoding="utf-8") != dot:
+    elif dot_path.read_text(encoding="utf-8", errors="replace") != dot:
         problems.append(f"{dot_path}: differs from the declared chart")
     if not svg_path.is_file():
         problems.append(f"{svg_path}: missing")
     else:
-        found = SHA_PATTERN.search(svg_path.read_text(encoding="utf-8"))
+        found = SHA_PATTERN.search(svg_path.read_text(encoding="utf-8", errors="replace"))
         if found is None or found.group(1) != sha:
             problems.append(f"{svg_path}: not rendered from the current DOT")
     if png:
@@ -126,7 +126,7 @@ def _text(data: dict) -> str:
              f"{', '.join(data['finals']) or 'none'}", "", "shortest path to every state:"]
     lines += [f"  {state}: {steps(walk)}" for state, walk in data["states"].items()]
     lines += ["", "shortest path taking every transition:"]
-    lines += [f"  {t['from']} --{t['event']}--> {t['to']}: {steps(t['path'])}"
+    lines += [f"  {t['from']} --{t['event'] or '(eventless)'}--> {t['to']}: {steps(t['path'])}"
               for t in data["transitions"]]
     lines += ["", f"transition tour ({len(data['tour'])} walk(s) from {data['initial']}):"]
     lines += [f"  {i + 1}. {steps(walk)}" for i, walk in enumerate(data["tour"])]

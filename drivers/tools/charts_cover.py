@@ -118,6 +118,13 @@ def main(argv: list[str]) -> int:
         except (ChartRefError, ValueError, TypeError) as err:
             raise UserError(f"--chart={ref!r}: {str(err).splitlines()[0]}") from None
     refs = list(dict.fromkeys(args.chart))
+    named: dict[str, tuple[str, CompiledChart]] = {}
+    for ref, chart in zip(refs, charts):
+        first = named.setdefault(chart.name, (ref, chart))
+        if first[1].declaration is not chart.declaration:
+            raise UserError(f"--chart={ref!r} and --chart={first[0]!r}: two charts named "
+                            f"{chart.name} (coverage counts transitions by chart name); "
+                            f"give one class another name")
     with tempfile.TemporaryDirectory(prefix="calexec-cover-") as scratch_dir:
         scratch = Path(scratch_dir)
         site = scratch / "site"

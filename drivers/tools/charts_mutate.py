@@ -1,7 +1,7 @@
 """``calexec charts mutate``: mutation testing of declared statecharts.
 
-For each chart (calexec's four by default, or any flat python-statemachine ``StateMachine``
-subclass given as ``--chart module:Class``) the mutants of ``calexec.machines.mutants`` are
+For each chart (calexec's four by default, or any python-statemachine chart class, flat or
+hierarchical, given as ``--chart module:Class``) the mutants of ``calexec.machines.mutants`` are
 derived from the declaration; each is run against a test command in a fresh process that
 applies it at start-up (a ``sitecustomize`` on ``PYTHONPATH`` imports the chart and mutates
 it, ``mutants.install_from_env``), so the code
@@ -113,7 +113,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = cliargs.parser("calexec charts mutate", __doc__)
     parser.add_argument("--chart", action="append", metavar="NAME|module:Class",
                         help="a chart to mutate (repeatable): one of calexec's "
-                             f"({', '.join(CALEXEC_CHARTS)}) or any flat StateMachine subclass "
+                             f"({', '.join(CALEXEC_CHARTS)}) or any python-statemachine chart class "
                              "as module:Class (then --test-cmd is required); default: calexec's four")
     parser.add_argument("--test-cmd", help="the command that tests the chart, run once per "
                         "mutant (shell words, no shell); default: calexec's model-based tests")
@@ -278,15 +278,19 @@ def load_equivalents(path: Path) -> dict[tuple[str, str], str]:
     """(chart, mutant id) -> reason, from a TOML file of ``[[mutant]]`` tables."""
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (OSError, tomllib.TOMLDecodeError) as err:
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as err:
         raise ValueError(f"--equivalent {str(path)!r}: {err}") from err
+    entries = data.get("mutant", [])
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise ValueError(f"--equivalent {str(path)!r}: 'mutant' must be [[mutant]] tables "
+                         f"(chart, id, reason), not {type(entries).__name__} {entries!r:.40}")
     result = {}
-    for index, entry in enumerate(data.get("mutant", [])):
+    for index, entry in enumerate(entries):
         missing = [k for k in ("chart", "id", "reason") if not str(entry.get(k, "")).strip()]
         if missing:
             raise ValueError(f"--equivalent {str(path)!r}: [[mutant]] #{index + 1} has no "
                              f"{', '.join(missing)}")
-        result[(entry["chart"], entry["id"])] = entry["reason"].strip()
+        result[(str(entry["chart"]), str(entry["id"]))] = str(entry["reason"]).strip()
     return result
 
 
@@ -363,7 +367,15 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--targets-per-transition {args.targets_per_transition}: must be >= 0")
         if args.sample is not None and args.sample < 1:
             raise ValueError(f"--sample {args.sample}: must be at least 1")
-        error_codes = {int(c) for c in args.error_codes.split(",") if c.strip()}
+        if args.timeout is not None and not 0 < args.timeout < float("inf"):
+            raise ValueError(f"--timeout {args.timeout}: must be a number of seconds > 0")
+        if not cwd.is_dir():
+            raise ValueError(f"--cwd {args.cwd!r}: not a directory")
+        try:
+            error_codes = {int(c) for c in args.error_codes.split(",") if c.strip()}
+        except ValueError:
+            raise ValueError(f"--error-codes {args.error_codes!r}: expected exit codes separated "
+                             f"by commas (e.g. 3,4,5)") from None
         specs = args.chart or list(CALEXEC_CHARTS)
         charts = [_resolve_chart(spec, cwd) for spec in specs]
         if len({c.name for c in charts}) != len(charts):
@@ -377,11 +389,22 @@ def main(argv: list[str] | None = None) -> int:
         if args.first_failure and args.test_cmd is not None:
             raise ValueError("--first-failure applies to calexec's default command; add your "
                              "runner's own flag (pytest: -x) to --test-cmd")
-        command_text = args.test_cmd or (DEFAULT_TEST_CMD.replace(" -q ", " -q -x ", 1)
-                                         if args.first_failure else DEFAULT_TEST_CMD)
-        command = shlex.split(command_text)
+        command_text = args.test_cmd if args.test_cmd is not None else (
+            DEFAULT_TEST_CMD.replace(" -q ", " -q -x ", 1) if args.first_failure
+            else DEFAULT_TEST_CMD)
+        try:
+            command = shlex.split(command_text)
+        except ValueError as err:
+            raise ValueError(f"--test-cmd {command_text!r}: {err}") from None
         if not command:
-            raise ValueError("--test-cmd '': empty command")
+            raise ValueError(f"--test-cmd {command_text!r}: empty command")
+        if args.report:
+            try:  # before the run, not after it: a report that cannot be written is bad input
+                Path(args.report).mkdir(parents=True, exist_ok=True)
+            except OSError as err:
+                raise ValueError(f"--report {args.report!r}: {err.strerror or err}") from None
+            if not os.access(args.report, os.W_OK):
+                raise ValueError(f"--report {args.report!r}: not writable")
         chosen = select_mutants(charts, args)
         equivalent_path = Path(args.equivalent) if args.equivalent else (
             cwd / DEFAULT_EQUIVALENT if args.test_cmd is None and own else None)
@@ -413,7 +436,12 @@ def main(argv: list[str] | None = None) -> int:
             return env
 
         print(f"charts mutate: unmutated run of `{command_text}` ...", file=sys.stderr)
-        code, baseline_s, output = _run(command, cwd, env_for("baseline"), None)
+        try:
+            code, baseline_s, output = _run(command, cwd, env_for("baseline"), None)
+        except OSError as err:  # not found, not executable
+            print(f"calexec charts mutate: --test-cmd {command_text!r}: cannot run "
+                  f"{command[0]!r}: {err.strerror or err}", file=sys.stderr)
+            return 2
         if code != 0:
             print(f"calexec charts mutate: the test command fails without any mutant "
                   f"(exit code {code}); fix it first. Its output ends:\n{output[-3000:]}",

@@ -64,9 +64,19 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--job-out", default="docs/img/job_path.png",
                         help="PNG of /debug/jobs/{id} for a request failed by an injected CCU "
                              "exception ('' to skip)")
-    parser.add_argument("--seconds", type=float, default=5.0, help="load before the shot")
-    parser.add_argument("--clients", type=int, default=4, help="concurrent client threads")
+    parser.add_argument("--seconds", type=cliargs.positive_float, default=5.0,
+                        help="load before the shot")
+    parser.add_argument("--clients", type=cliargs.positive_int, default=4,
+                        help="concurrent client threads")
     args = parser.parse_args(argv[2:])
+    # before the executor and the load start: what would fail only at the shot
+    for flag, value in (("--out", args.out), ("--job-out", args.job_out)):
+        if value and not os.path.isdir(os.path.dirname(os.path.abspath(value))):
+            raise cliargs.UserError(f"{flag}={value!r}: no directory "
+                                    f"{os.path.dirname(os.path.abspath(value))!r} to write it in")
+    if shutil.which("chromium") is None and shutil.which("chromium-browser") is None:
+        raise cliargs.UserError("needs headless Chromium: chromium is not on PATH (Debian "
+                                "package 'chromium'; bash .ci/install-server-tools)")
     import httpx
     import uvicorn
 

@@ -57,12 +57,12 @@ def stale_files(out: Path, png: Path | None = None) -> list[str]:
         fresh = render_chart_dot(CHARTS[name])
         if not dot_path.is_file():
             problems.append(f"{dot_path}: missing")
-        elif dot_path.read_text(encoding="utf-8") != fresh:
+        elif dot_path.read_text(encoding="utf-8", errors="replace") != fresh:
             problems.append(f"{dot_path}: differs from the declared chart")
         if not svg_path.is_file():
             problems.append(f"{svg_path}: missing")
             continue
-        found = SHA_PATTERN.search(svg_path.read_text(encoding="utf-8"))
+        found = SHA_PATTERN.search(svg_path.read_text(encoding="utf-8", errors="replace"))
         expected = hashlib.sha256(fresh.encode("utf-8")).hexdigest()
         if found is None or found.group(1) != expected:
             problems.append(f"{svg_path}: not rendered from the current DOT")
@@ -103,7 +103,11 @@ def main(argv: list[str]) -> int:
               f"{str(err.args[0] if err.args else err).splitlines()[0]}", file=sys.stderr)
         return EXIT_CONFIG
     except OSError as err:
-        print(f"calexec diagrams: --out={str(args.out)!r}: {err.strerror or err}"
+        flag, value = "--out", args.out
+        if args.png is not None and err.filename is not None and (
+                Path(str(err.filename)) == args.png or args.png in Path(str(err.filename)).parents):
+            flag, value = "--png", args.png  # the PNG directory failed, not --out
+        print(f"calexec diagrams: {flag}={str(value)!r}: {err.strerror or err}"
               f"{f' ({err.filename})' if err.filename else ''}", file=sys.stderr)
         return EXIT_CONFIG
     for path in written:

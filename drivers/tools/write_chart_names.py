@@ -26,7 +26,7 @@ def main(argv: list[str]) -> int:
     fresh = names_source()
     if args.check:
         try:
-            current = args.out.read_text(encoding="utf-8")
+            current = args.out.read_text(encoding="utf-8", errors="replace")
         except OSError as err:
             current = None
             print(f"stale: {args.out}: {err.strerror or err}", file=sys.stderr)
