@@ -211,6 +211,15 @@ REGRESSIONS: dict[str, D.Case] = {
             ("tick", 0.1007),
             ("client", C(4, 2, (121562, 3764, 133524, 20681, 145158), 1, logits_out=False,
                          tokens=(120370, 38412, 110854), after_failure=None))), 0.0031, 2),
+    # a comparator gap found by a long run (seed 8332): greedy ahead delivers a completed step
+    # once the next one is on the device (bounded by ahead_yield_s); the next one's submit
+    # faulted and was retried, so the caller's deadline passed first: wait.deadline, with
+    # the row already written by its job, which a wait.deadline leaves running (allowed)
+    "a_step_whose_caller_stopped_waiting_may_have_written_its_row": D.Case(
+        ("ahead", "phase_b_dma"), (
+            ("client", C(1, 1, (18082, 151712), 3, tokens=(97683, 136550, 138422),
+                         deadline_s=0.0147, after_failure=None, think_s=0.0041,
+                         faults=((1, "SUBMIT_RC"),))),), 0.0031, 2),
 }
 
 

@@ -651,14 +651,21 @@ class Differential:
                 if entry[0] in ("prefill", "decode") and client.logits_out:
                     # the caller's row is written only by a job whose result the caller
                     # takes (after its Wait succeeded; a non-finite output may leave it
-                    # partly written, documented), never by a failed or cancelled one
+                    # partly written, documented), never by a failed or cancelled one. A
+                    # ``wait.deadline`` is neither: its caller stopped waiting and the job
+                    # goes on (``JobHandle.wait_until``), so it may have written the row
+                    # before the answer (greedy ahead delivers a step after the next one is
+                    # on the device, ``ahead_yield_s``) or write it after
                     digest = entry[-1]
-                    if entry[3] == "err" and entry[4] != "internal.output_not_finite":
+                    waited_out = entry[3] == "err" and entry[4] == "wait.deadline"
+                    if entry[3] == "err" and entry[4] != "internal.output_not_finite" \
+                            and not waited_out:
                         if row is not None and digest is not None and digest != row:
                             problems.append(f"{lane.variant.name}: client {cid} {entry[0]} "
                                             f"at {entry[2]} ({entry[4]}) wrote the caller's "
                                             "row")
-                    row = digest  # (after non-finite output: None, not known)
+                    # (after non-finite output or a job left running: None, not known)
+                    row = None if waited_out else digest
                 if entry[0] not in ("prefill", "decode") or entry[3] != "ok":
                     continue
                 tokens, past, gen_id = entry[1], entry[2], entry[6]
