@@ -504,3 +504,24 @@ def test_a_whole_answer_its_client_never_reads_is_dropped_after_head_timeout(exe
             slow.close()
         answer = json.loads(data.partition(b"\r\n\r\n")[2])
         assert len(answer["choices"][0]["token_ids"]) == 300
+
+
+def test_an_unexpected_error_in_a_route_is_an_openai_shaped_500_and_counted(executor,
+                                                                           monkeypatch):
+    """A bug no input was found to trigger (the sweep's fuzzing found none): the answer is
+    still the documented error shape, not Starlette's plain-text page, and it is counted."""
+    from calexec.drivers.serving import openai_api
+
+    def broken(model, raw):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(openai_api, "parse", broken)
+    app = create_app(executor, ServerConfig(admin_token=TOKEN))
+    with TestClient(app, raise_server_exceptions=False) as client:
+        r = client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1})
+        assert r.status_code == 500, r.text
+        error = r.json()["error"]
+        assert error["type"] == "server_error" and error["code"] == "server.unexpected_error"
+        assert "RuntimeError" in error["message"] and "a bug" not in error["message"]
+        metrics = client.get("/metrics").text
+    assert 'code="server.unexpected_error"' in metrics

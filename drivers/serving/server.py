@@ -32,6 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
 from calexec.drivers.serving import openai_api, wire
 from calexec.drivers.serving.admin import MAX_PATH_CHARS, add_admin_routes, calbin_path_refusal
@@ -84,6 +85,17 @@ def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
         """An unknown path (404) or method (405): OpenAI-shaped, like every other error."""
         return route_error(request.method, request.url.path, exc.status_code,
                            dict(exc.headers or {}))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> Response:
+        """A bug this server did not foresee: an OpenAI-shaped 500 naming no detail (the
+        exception and its traceback go to the log: Starlette re-raises it to uvicorn), never
+        a plain-text page; counted as a failure."""
+        status = Status.failure("server.unexpected_error", Category.PROGRAMMING, Phase.VALIDATE,
+                                f"{request.method} {request.url.path[:200]}: an unexpected "
+                                f"error ({type(exc).__name__}); the server logged it")
+        service.metrics.observe_failure(status)
+        return error_response(status, None, retry, 500)
 
     def fail(status: Status, param: str | None = None, http_status: int | None = None,
              count: bool = True, headers: dict[str, str] | None = None) -> JSONResponse:
