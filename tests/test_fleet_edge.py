@@ -15,6 +15,10 @@ import httpx
 import pytest
 
 from calexec.drivers.fleet.edge import (
+    BODY_GONE,
+    BODY_LATE,
+    BODY_TOO_LARGE,
+    BODY_WHOLE,
     RELAYED_FROM,
     ReplicaEdge,
     read_body,
@@ -270,18 +274,23 @@ def test_client_leaving_during_a_relay_stops_the_sibling():
     assert [m.get("body") for m in sent[1:]] == [b"data: 1\n\n"]
 
 
-def test_read_body_reports_complete_overflow_and_disconnect():
-    async def run(messages, limit):
+def test_read_body_reports_complete_overflow_disconnect_and_a_body_too_slow():
+    async def run(messages, limit, timeout_s=10.0):
         it = iter(messages)
 
         async def receive():
-            return next(it)
-        return await read_body(receive, limit)
+            message = next(it)
+            if message is None:  # the client sends nothing more (and stays)
+                await asyncio.Event().wait()
+            return message
+        return await read_body(receive, limit, timeout_s)
     parts = [{"type": "http.request", "body": b"ab", "more_body": True},
              {"type": "http.request", "body": b"cd", "more_body": False}]
-    assert asyncio.run(run(parts, 10)) == ([b"ab", b"cd"], True)
-    assert asyncio.run(run(parts, 1)) == ([b"ab"], False)
-    assert asyncio.run(run([{"type": "http.disconnect"}], 10)) == ([], None)
+    assert asyncio.run(run(parts, 10)) == ([b"ab", b"cd"], BODY_WHOLE)
+    assert asyncio.run(run(parts, 1)) == ([b"ab"], BODY_TOO_LARGE)
+    assert asyncio.run(run([{"type": "http.disconnect"}], 10)) == ([], BODY_GONE)
+    # a slowloris client: part of its body, then nothing; bounded by the timeout given
+    assert asyncio.run(run([parts[0], None], 10, 0.05)) == ([b"ab"], BODY_LATE)
 
 
 def test_relay_request_strips_a_forged_marker_and_sets_its_own():

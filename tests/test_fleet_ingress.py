@@ -311,3 +311,34 @@ def test_a_replica_dying_before_it_answered_is_avoided_on_the_retry():
     client = run(app, Client({**BODY, "stream": False}))
     assert client.content == UNCUT and r2.requests[0]["avoid"] == ["r1"]
     assert app.failovers == {"replica_died": 1}
+
+
+def test_a_body_that_trickles_in_is_a_408_and_reaches_no_replica():
+    """A slowloris client (part of its body, then nothing) holds the ingress no longer than
+    ``body_timeout_s``, as the server (408 ``request.body_timeout``); no replica is called."""
+    r1 = Replica("r1")
+    router = Router(r1)
+    app = ingress(router, body_timeout_s=0.05)
+    messages: list[dict] = []
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"",
+             "headers": [(b"content-type", b"application/json")], "http_version": "1.1"}
+    parts = [{"type": "http.request", "body": b'{"prompt": [1', "more_body": True}]
+
+    async def receive():
+        if parts:
+            return parts.pop()
+        await asyncio.Event().wait()  # the rest never comes (the client stays)
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        messages.append(message)
+    asyncio.run(asyncio.wait_for(app(scope, receive, send), timeout=10))
+    assert messages[0]["status"] == 408
+    error = json.loads(messages[1]["body"])["error"]
+    assert error["code"] == "request.body_timeout" and "13 bytes came" in error["message"]
+    assert router.calls == [] and r1.requests == []
+
+
+def test_failover_settings_refuse_a_body_timeout_that_is_not_positive():
+    with pytest.raises(ValueError, match="body_timeout_s"):
+        FailoverSettings(body_timeout_s=0)

@@ -24,8 +24,9 @@ failed replica (``POST /v1/chat/completions`` too):
    Continuing such a stream on a sibling needs something that outlives this replica's
    process: the fleet ingress (drivers/fleet/ingress.py), the HTTP entry of the Ray fleet,
    whose requests are marked relayed (``x-calexec-relayed-from: ingress``) so that this edge
-   passes them through and the ingress alone retries. A request body over ``max_body_bytes``
-   is passed through untouched (the server answers 413).
+   passes them through and the ingress alone retries. A request body over ``max_body_bytes``,
+   or one not whole ``body_timeout_s`` after its first read, is passed through untouched (the
+   server answers 413, or 408 once its own ``body_timeout_s`` passes).
 
 With no sibling that serves (one replica, or all of them down) the replica answers itself, as
 the single server does: the clear 503 + ``Retry-After``. Every relayed response carries
@@ -76,13 +77,15 @@ class ReplicaEdge:
 
     def __init__(self, app: Any, *, replica: str, serving: Callable[[], bool],
                  relay: Callable[[Message], Any] | None, relay_target: Callable[[], bool],
-                 max_body_bytes: int, retry_after_s: int = 1) -> None:
+                 max_body_bytes: int, retry_after_s: int = 1,
+                 body_timeout_s: float = 30.0) -> None:
         self.app = app
         self.replica = replica
         self.serving = serving
         self.relay = relay
         self.relay_target = relay_target
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
         self.retry_after_s = retry_after_s
         self.relayed = 0
         self.relay_failures = 0
@@ -91,10 +94,11 @@ class ReplicaEdge:
         if scope["type"] != "http" or (scope["method"], route_path(scope)) not in RELAY_ROUTES:
             await self.app(scope, receive, send)
             return
-        chunks, complete = await read_body(receive, self.max_body_bytes)
-        if complete is None:  # the client left while sending its body: nobody to answer
+        chunks, read = await read_body(receive, self.max_body_bytes, self.body_timeout_s)
+        if read == BODY_GONE:  # the client left while sending its body: nobody to answer
             return
-        if not complete:  # too large to hold: the server answers 413 from the same stream
+        if read != BODY_WHOLE:  # too large to hold, or too slow: the server answers 413, or
+            # 408 once its own body_timeout_s passes, from the same stream
             await self.app(scope, replay(chunks, receive, more=True), send)
             return
         body = b"".join(chunks)
@@ -273,22 +277,35 @@ async def serve_relayed(app: Any, request: Message, stop_grace_s: float = 5.0,
                 await asyncio.gather(running, return_exceptions=True)
 
 
-async def read_body(receive: Receive, limit: int) -> tuple[list[bytes], bool | None]:
-    """The request body's chunks and whether they are the whole body: True (complete), False
-    (more than ``limit`` bytes: the rest is still in ``receive``), None (client disconnected)."""
+#: what :func:`read_body` read: the whole body, more than the limit (the rest is still in
+#: ``receive``), nothing more because the client left, or not all of it in time (slowloris)
+BODY_WHOLE, BODY_TOO_LARGE, BODY_GONE, BODY_LATE = "whole", "too_large", "gone", "late"
+
+
+async def read_body(receive: Receive, limit: int, timeout_s: float
+                    ) -> tuple[list[bytes], str]:
+    """The request body's chunks read so far and why the reading stopped: ``BODY_WHOLE``,
+    ``BODY_TOO_LARGE`` (more than ``limit`` bytes), ``BODY_GONE`` (client disconnected) or
+    ``BODY_LATE`` (the whole body had not arrived ``timeout_s`` after this call: a client
+    sending it a byte at a time would hold the request for as long as it keeps sending; the
+    server's ``ServerConfig.body_timeout_s``)."""
     chunks: list[bytes] = []
     size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return chunks, None
-        chunk = message.get("body", b"")
-        chunks.append(chunk)
-        size += len(chunk)
-        if not message.get("more_body", False):
-            return chunks, True
-        if size > limit:
-            return chunks, False
+    try:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return chunks, BODY_GONE
+                chunk = message.get("body", b"")
+                chunks.append(chunk)
+                size += len(chunk)
+                if not message.get("more_body", False):
+                    return chunks, BODY_WHOLE
+                if size > limit:
+                    return chunks, BODY_TOO_LARGE
+    except TimeoutError:
+        return chunks, BODY_LATE
 
 
 def replay(chunks: list[bytes], receive: Receive, more: bool) -> Receive:

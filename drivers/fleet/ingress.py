@@ -63,6 +63,9 @@ import attrs
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
 from calexec.drivers.fleet.edge import (
+    BODY_GONE,
+    BODY_LATE,
+    BODY_TOO_LARGE,
     RELAY_ROUTES,
     RELAYED_FROM,
     Message,
@@ -100,6 +103,9 @@ class FailoverSettings:
     default_timeout_s: float = attrs.field(default=30.0, validator=attrs.validators.gt(0))
     #: request body limit (413 above it, as the server answers)
     max_body_bytes: int = attrs.field(default=1 << 20, validator=attrs.validators.gt(0))
+    #: the whole request body must arrive within this many seconds (408 otherwise), as the
+    #: server's ``body_timeout_s``
+    body_timeout_s: float = attrs.field(default=30.0, validator=attrs.validators.gt(0))
     retry_after_s: int = attrs.field(default=1, validator=attrs.validators.ge(0))
 
 
@@ -185,10 +191,17 @@ class FleetIngress:
             self.active -= 1
 
     async def _admitted(self, scope: Message, receive: Receive, send: Send) -> None:
-        chunks, complete = await read_body(receive, self.settings.max_body_bytes)
-        if complete is None:  # the client left while sending its body
+        chunks, read = await read_body(receive, self.settings.max_body_bytes,
+                                       self.settings.body_timeout_s)
+        if read == BODY_GONE:  # the client left while sending its body
             return
-        if not complete:
+        if read == BODY_LATE:  # as the server answers a body that trickles in
+            size = sum(len(chunk) for chunk in chunks)
+            await send_held(send, *refusal(error_bodies.body_timeout(
+                f"{size} bytes came", self.settings.body_timeout_s), 408,
+                self.settings.retry_after_s))
+            return
+        if read == BODY_TOO_LARGE:
             await send_held(send, *refusal(Status.failure(
                 "request.invalid", Category.INVALID_REQUEST, Phase.VALIDATE,
                 f"request body exceeds max_body_bytes={self.settings.max_body_bytes}"),

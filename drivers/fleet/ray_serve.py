@@ -275,7 +275,8 @@ class CalexecReplica:
             relay=lambda request: self._relay_handle.remote(request),
             relay_target=lambda: sibling_serves(deployment.app_name, replica_id),
             max_body_bytes=settings.server.max_body_bytes,
-            retry_after_s=settings.server.retry_after_s)
+            retry_after_s=settings.server.retry_after_s,
+            body_timeout_s=settings.server.body_timeout_s)
         self._gauges = {name: serve_metrics.Gauge(name, doc, tag_keys=("device",))
                         for name, (doc, _) in RAY_GAUGES.items()}
         for gauge in self._gauges.values():
@@ -491,7 +492,8 @@ def build_app(settings: ReplicaSettings, replicas: int, health_check_period_s: f
     server = settings.server
     failover = failover or FailoverSettings(
         max_failovers=server.max_resumes, default_timeout_s=server.default_timeout_s,
-        max_body_bytes=server.max_body_bytes, retry_after_s=server.retry_after_s)
+        max_body_bytes=server.max_body_bytes, retry_after_s=server.retry_after_s,
+        body_timeout_s=server.body_timeout_s)
     entry = serve.deployment(
         CalexecIngress, name=INGRESS_DEPLOYMENT, num_replicas=1,
         ray_actor_options={"num_cpus": 0},
