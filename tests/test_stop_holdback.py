@@ -30,6 +30,10 @@ class Reference:
         self._stop, self._keep_stop = stop, keep_stop
         self.text, self._sent, self.stopped = "", 0, False
 
+    @property
+    def sent(self) -> int:
+        return self._sent
+
     def add(self, token: int) -> str:
         if self.stopped:
             return ""
@@ -77,7 +81,7 @@ def test_the_pieces_are_the_reference_algorithms(stop, tokens, keep):
     ours, ref = TextOutput(TOK, tuple(stop), keep), Reference(tuple(stop), keep)
     for token in tokens:
         assert ours.add(token) == ref.add(token), (stop, tokens)
-        assert ours.stopped == ref.stopped and ours.sent == ref._sent
+        assert ours.stopped == ref.stopped and ours.sent == ref.sent
     assert ours.flush() == ref.flush()
     assert ours.text == ref.text and ours.stopped == ref.stopped
 
