@@ -341,7 +341,9 @@ TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{{ eos_token 
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
-def _hf_tokenizer(tmp_path):
+def _byte_level_bpe(text: str):
+    """A byte-level BPE tokenizer (GPT-2's alphabet, as Qwen3's) trained on ``text``: nothing
+    is downloaded."""
     tokenizers = pytest.importorskip("tokenizers")
     from tokenizers import decoders, models, pre_tokenizers, trainers
     tok = tokenizers.Tokenizer(models.BPE())
@@ -349,7 +351,12 @@ def _hf_tokenizer(tmp_path):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["hello world, hello calexec <|user|> <|assistant|>"] * 20, trainer)
+    tok.train_from_iterator([text] * 20, trainer)
+    return tok
+
+
+def _hf_tokenizer(tmp_path):
+    tok = _byte_level_bpe("hello world, hello calexec <|user|> <|assistant|>")
     path = tmp_path / "tokenizer.json"
     tok.save(str(path))
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(
@@ -411,14 +418,7 @@ def test_logprobs_bytes_with_a_byte_level_bpe_tokenizer_json(tmp_path):
     ``bytes`` must be its byte, so that the client rebuilds the character by joining them, as
     OpenAI documents the field (they were U+FFFD's three: the token decoded on its own). The
     byte-level tokenizer's case: tests/test_clients_openai.py."""
-    tokenizers = pytest.importorskip("tokenizers")
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-    tok = tokenizers.Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["hello world"] * 20, trainer)
+    tok = _byte_level_bpe("hello world")
     tok.save(str(tmp_path / "tokenizer.json"))
     split = [tok.token_to_id("\u00c3"), tok.token_to_id("\u00a9")]
     assert tok.decode(split) == "\u00e9"
