@@ -102,6 +102,20 @@ def _unknown(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command ``argv`` (default ``sys.argv[1:]``) and return its exit code. stdout is
+    flushed here, not at interpreter exit: a reader that left (``| head``) is exit 141 whether
+    it left during the command or before its buffered output was written."""
+    try:
+        code = _run(argv)
+        if sys.stdout is not None:
+            sys.stdout.flush()
+        return code
+    except BrokenPipeError:  # the reader left (`calexec ... | head`): quietly, as SIGPIPE would
+        _quiet_stdout()
+        return EXIT_BROKEN_PIPE
+
+
+def _run(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0].startswith("-"):
         parser = build_parser()

@@ -314,3 +314,31 @@ def test_output_cut_short_by_the_reader_is_not_an_internal_error():
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 141, err
     assert "internal error" not in err and "Traceback" not in err, err
+
+
+# ---- bad-input sweep: odd environments and flag values ---------------------------------------
+def _env_without(*names: str) -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items() if k not in names}
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["bench", "--help"], ["sim", "-h"],
+                                  ["demo", "--help"], ["--version"]])
+def test_a_reader_gone_before_any_output_is_exit_141_without_a_traceback(argv):
+    """``calexec ... | head -1`` with stdout block-buffered (no PYTHONUNBUFFERED, a user's
+    shell): the failed flush at exit used to print "Exception ignored ... BrokenPipeError" and
+    exit 120, and a group's help (``calexec bench --help``) a traceback. The read end is closed
+    before the child starts, so every write fails."""
+    import os
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run([sys.executable, "-m", "calexec", *argv], stdout=write_end,
+                              stderr=subprocess.PIPE, text=True, timeout=TIMEOUT_S,
+                              env=_env_without("PYTHONUNBUFFERED"))
+    finally:
+        os.close(write_end)
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr
+    assert done.returncode == 141, (done.returncode, done.stderr)
