@@ -30,7 +30,7 @@ import os
 import sys
 
 from calexec import __version__
-from calexec.cliargs import EXIT_CONFIG, Parser, UserError, missing_extra
+from calexec.cliargs import EXIT_CONFIG, Parser, UserError, as_user_error, missing_extra
 from calexec.commands import COMMANDS, lookup
 
 EXIT_INTERNAL, EXIT_INTERRUPTED = 70, 130
@@ -151,6 +151,10 @@ def _run(argv: list[str] | None) -> int:
         _quiet_stdout()
         return EXIT_BROKEN_PIPE
     except Exception as exc:  # a bug: one line, the traceback on request
+        user = as_user_error(exc)  # (a bad flag found late: a DeviceSpecError)
+        if user is not None:
+            print(f"{prog}: {user}", file=sys.stderr)
+            return user.code
         if os.environ.get("CALEXEC_DEBUG"):
             raise
         first = str(exc).splitlines()[0] if str(exc) else ""

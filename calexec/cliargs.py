@@ -4,7 +4,8 @@
   are one line (``calexec serve: error: argument --port: ...``) with a "did you mean" for a
   mistyped flag, exit 2.
 - :class:`UserError`: raised by a subcommand for a bad setting (exit 2, :data:`EXIT_CONFIG`) or
-  a runtime refusal (exit 3, :data:`EXIT_REFUSED`); ``calexec.cli`` prints its one line.
+  a runtime refusal (exit 3, :data:`EXIT_REFUSED`); ``calexec.cli`` prints its one line, as it
+  does for a ``DeviceSpecError`` (:func:`as_user_error`).
 - :func:`add_device_args` / :func:`device_spec`: ``--manifest``, ``--calbin``,
   ``--runtime-lib`` (and for ``serve`` ``--reset-kind`` / ``--conform-report``) on every entry
   point that opens a device, turned into a validated ``DeviceSpec``.
@@ -45,6 +46,20 @@ class UserError(Exception):
     def __init__(self, message: str, code: int = EXIT_CONFIG) -> None:
         super().__init__(message)
         self.code = code
+
+
+def as_user_error(exc: BaseException) -> UserError | None:
+    """``exc`` as the :class:`UserError` it means, or None for a bug: a ``UserError`` itself,
+    or a ``DeviceSpecError`` (a ``--runtime-lib``/``--manifest``/``--calbin``/``$CALEXEC_CALRT_LIB``
+    found bad only when a command opens it: one line naming the flag, exit 2)."""
+    if isinstance(exc, UserError):
+        return exc
+    # (looked up, not imported: an exception of that class means its module is loaded, and an
+    # internal error must not import the device layer to be reported)
+    device_spec = sys.modules.get("calexec.drivers.device_spec")
+    if device_spec is not None and isinstance(exc, device_spec.DeviceSpecError):
+        return UserError(str(exc))
+    return None
 
 
 def missing_extra(extra: str) -> str | None:
@@ -170,16 +185,20 @@ def say(prog: str, message: str) -> None:
 
 
 def command_main(fn: Callable[[list[str]], int]) -> Callable[[list[str]], int]:
-    """Decorate a subcommand's ``main(argv)``: a :class:`UserError` becomes its one line on
-    stderr (``calexec <command>: message``) and its exit code, whether the module is called
-    through ``calexec.cli`` or directly."""
+    """Decorate a subcommand's ``main(argv)``: a :class:`UserError` (or what
+    :func:`as_user_error` takes for one) becomes its one line on stderr (``calexec <command>:
+    message``) and its exit code, whether the module is called through ``calexec.cli`` or
+    directly."""
 
     @functools.wraps(fn)
     def main(argv: list[str]) -> int:
         try:
             return fn(argv)
-        except UserError as exc:
-            say(f"calexec {lookup(argv) or argv[0]}", str(exc))
-            return exc.code
+        except Exception as exc:
+            user = as_user_error(exc)
+            if user is None:
+                raise
+            say(f"calexec {lookup(argv) or argv[0]}", str(user))
+            return user.code
 
     return main

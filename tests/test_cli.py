@@ -342,3 +342,44 @@ def test_a_reader_gone_before_any_output_is_exit_141_without_a_traceback(argv):
         os.close(write_end)
     assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr
     assert done.returncode == 141, (done.returncode, done.stderr)
+
+
+def _not_calrt_libraries(tmp_path: Path) -> list[str]:
+    """A file that is no shared library, and a real one without calrt.h's symbols."""
+    import _ctypes
+
+    text = tmp_path / "libtext.so"
+    text.write_text("not an ELF\n")
+    return [str(text), _ctypes.__file__]
+
+
+#: the smallest runs of the commands that open a device (they fail at the library's load)
+DEVICE_COMMANDS = [
+    ["demo", "--seqs", "1", "--tokens", "1"],
+    ["sim", "bench", "--iters", "1", "--profile-iters", "1"],
+    ["bench", "overhead", "--tokens", "1", "--runs", "1", "--zero-tokens", "1", "--no-floor",
+     "--decode-us", "1"],
+    ["bench", "recovery", "--recoveries", "1"],
+    ["bench", "pingpong", "--seqs", "1", "--tokens", "1", "--solo-tokens", "1"],
+]
+
+
+@pytest.mark.parametrize("argv", DEVICE_COMMANDS, ids=lambda argv: " ".join(argv[:2]))
+def test_a_runtime_lib_that_cannot_load_is_named_exit_2_on_every_command(argv, tmp_path):
+    """The library is dlopen'ed after the flags are checked; its DeviceSpecError used to be an
+    internal error (exit 70: demo, sim bench) or a failed check (exit 1: bench *)."""
+    for lib in _not_calrt_libraries(tmp_path):
+        done = calexec(*argv, "--runtime-lib", lib)
+        line = one_line(done.stderr)
+        assert done.returncode == 2, (argv, lib, done.returncode, done.stderr)
+        assert f"--runtime-lib='{lib}': cannot load" in line, line
+
+
+def test_calexec_calrt_lib_that_cannot_load_is_named_exit_2(tmp_path):
+    lib = _not_calrt_libraries(tmp_path)[0]
+    code = (f"import os, sys\nos.environ['CALEXEC_CALRT_LIB'] = {lib!r}\n"
+            "from calexec.cli import main\nsys.exit(main(['demo', '--seqs', '1']))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    assert done.returncode == 2, done.stderr
+    assert f"$CALEXEC_CALRT_LIB='{lib}': cannot load" in one_line(done.stderr)
