@@ -383,3 +383,19 @@ def test_calexec_calrt_lib_that_cannot_load_is_named_exit_2(tmp_path):
                           timeout=TIMEOUT_S)
     assert done.returncode == 2, done.stderr
     assert f"$CALEXEC_CALRT_LIB='{lib}': cannot load" in one_line(done.stderr)
+
+
+@pytest.mark.parametrize("argv, named", [
+    # numpy's default_rng refuses a negative seed: it was an internal error (exit 70)
+    (["bench", "logits", "--iters", "1", "--seed", "-1"], "argument --seed: must be >= 0, got -1"),
+    (["bench", "overhead", "--tokens", "1", "--runs", "1", "--zero-tokens", "1", "--no-floor",
+      "--decode-us", "1", "--seed", "-1"], "argument --seed: must be >= 0, got -1"),
+    (["bench", "recovery", "--recoveries", "1", "--seed", "-1"], "argument --seed: must be >= 0"),
+    # the emulator refused the device config: exit 3 and two lines, the flag not named
+    (["demo", "--seqs", "1", "--decode-us", "-5"], "argument --decode-us: must be >= 0, got -5"),
+])
+def test_a_negative_count_is_refused_at_parse_time_exit_2(argv, named):
+    done = calexec(*argv)
+    line = one_line(done.stderr)
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert named in line, line

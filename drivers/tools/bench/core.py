@@ -54,7 +54,6 @@ thresholds above are reported, never asserted: a benchmark reports numbers.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -1056,50 +1055,44 @@ def decode_profiles(values: Sequence[str] | None) -> list[int]:
     return out
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 @cliargs.command_main
 def main(argv: list[str]) -> int:
     """Entry point; ``argv`` starts with the command words (``bench overhead|logits``)."""
     command = argv[1] if len(argv) > 1 else ""
     parser = cliargs.parser(f"calexec bench {command}".strip(), __doc__)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts")
+    parser.add_argument("--seed", type=cliargs.non_negative_int, default=0,
+                        help="seed of the prompts")
     if command in ("overhead", "recovery", "pingpong"):
         cliargs.add_device_args(parser)
     if command == "overhead":
-        parser.add_argument("--tokens", type=_positive, default=100,
+        parser.add_argument("--tokens", type=cliargs.positive_int, default=100,
                             help="decode tokens per block at each decode profile (default 100)")
         parser.add_argument("--decode-us", action="append", metavar="US",
                             help="decode latency of a TPOT profile in us, repeatable or a comma "
                                  "list, reported in this order (default: "
                                  f"{','.join(map(str, DEFAULT_PROFILES_US))})")
-        parser.add_argument("--runs", type=_positive, default=6,
+        parser.add_argument("--runs", type=cliargs.positive_int, default=6,
                             help="blocks per side and phase, order rotated (default 6)")
         parser.add_argument("--gil-switch-us", type=int, default=SERVING_SWITCH_INTERVAL_US,
                             help="GIL switch interval for the run (us; 0 keeps Python's 5000; "
                                  "default: what calexec serve uses)")
-        parser.add_argument("--zero-tokens", type=_positive, default=300,
+        parser.add_argument("--zero-tokens", type=cliargs.positive_int, default=300,
                             help="decode tokens per block at zero latency (default 300)")
         parser.add_argument("--no-floor", action="store_true",
                             help="do not build and run the C floor (drivers/calrt/floor.c)")
     elif command == "logits":
-        parser.add_argument("--iters", type=_positive, default=2000,
+        parser.add_argument("--iters", type=cliargs.positive_int, default=2000,
                             help="timed calls per case (default 2000)")
     elif command == "recovery":
-        parser.add_argument("--recoveries", type=_positive, default=100,
+        parser.add_argument("--recoveries", type=cliargs.positive_int, default=100,
                             help="injected device faults, each followed by a recovery (100)")
     elif command == "pingpong":
-        parser.add_argument("--seqs", type=_positive, default=4,
+        parser.add_argument("--seqs", type=cliargs.positive_int, default=4,
                             help="sequences decoding at once (default 4)")
-        parser.add_argument("--tokens", type=_positive, default=40,
+        parser.add_argument("--tokens", type=cliargs.positive_int, default=40,
                             help="decode tokens per sequence, loaded runs (default 40)")
-        parser.add_argument("--solo-tokens", type=_positive, default=60,
+        parser.add_argument("--solo-tokens", type=cliargs.positive_int, default=60,
                             help="decode tokens of the single-request TPOT run (default 60)")
         parser.add_argument("--trace", metavar="PATH",
                             help="write the job timelines (trace-event JSON) of one run")
