@@ -399,3 +399,33 @@ def test_a_negative_count_is_refused_at_parse_time_exit_2(argv, named):
     line = one_line(done.stderr)
     assert done.returncode == 2, (done.returncode, done.stderr)
     assert named in line, line
+
+
+@pytest.fixture
+def synthetic_calbin(tmp_path: Path) -> str:
+    from calexec.drivers.synthetic import calbin
+
+    path = tmp_path / "synthetic.calbin"
+    calbin.write(str(path), calbin.default_spec())
+    return str(path)
+
+
+@pytest.mark.parametrize("extra, named", [
+    # were internal errors (exit 70), the last two after the warm-up had run
+    (["--runtime-lib", "{not_calrt}"], "--runtime-lib='{not_calrt}': cannot load"),
+    (["--out", "{tmp}"], "--out='{tmp}': "),
+    (["--out", "{not_toml}"], "--out='{not_toml}': "),
+    # was exit 1, "executor did not start", the flag not named
+    (["--device-config", "decode_us=-1"], "--device-config: decode_us='-1' refused"),
+])
+def test_golden_record_bad_flags_are_one_line_exit_2(extra, named, synthetic_calbin, tmp_path):
+    not_toml = tmp_path / "goldens.toml"
+    not_toml.write_text("this is not TOML\n")
+    values = {"not_calrt": _not_calrt_libraries(tmp_path)[1], "tmp": str(tmp_path),
+              "not_toml": str(not_toml)}
+    extra = [a.format(**values) for a in extra]
+    done = calexec("golden", "record", "--calbin", synthetic_calbin, *extra)
+    line = one_line(done.stderr)
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert line.startswith("calexec golden record: ") and named.format(**values) in line, line
+    assert not_toml.read_text() == "this is not TOML\n"
