@@ -429,3 +429,21 @@ def test_golden_record_bad_flags_are_one_line_exit_2(extra, named, synthetic_cal
     assert done.returncode == 2, (done.returncode, done.stderr)
     assert line.startswith("calexec golden record: ") and named.format(**values) in line, line
     assert not_toml.read_text() == "this is not TOML\n"
+
+
+@pytest.mark.parametrize("argv, named", [
+    # the KvManager refused iters + 1 tokens mid-run: internal error (exit 70)
+    (["--iters", "1", "--profile-iters", "40960"], "--profile-iters=40960: must be in 1..40959"),
+    (["--iters", "40960", "--profile-iters", "1"], "--iters=40960: must be in 1..40959"),
+    # calbin_load refused it: 'internal error: DriverError ... code 12' (exit 70)
+    (["--iters", "1", "--profile-iters", "1", "--calbin", "{not_calbin}"],
+     "--calbin='{not_calbin}': "),
+])
+def test_sim_bench_bad_flags_are_one_line_exit_2(argv, named, tmp_path):
+    not_calbin = tmp_path / "x.calbin"
+    not_calbin.write_text("not a calbin\n")
+    argv = [a.format(not_calbin=not_calbin) for a in argv]
+    done = calexec("sim", "bench", *argv)
+    line = one_line(done.stderr)
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert named.format(not_calbin=not_calbin) in line, line

@@ -88,11 +88,18 @@ def _bench(argv: list[str]) -> int:
     p.add_argument("--profile-iters", type=int, default=50, help="10 ms decode jobs")
     cliargs.add_device_args(p, manifest=False)
     args = p.parse_args(argv)
-    if args.iters < 1 or args.profile_iters < 1 or args.iters >= calbin_fmt.MAX_SEQ:
-        raise cliargs.UserError(f"--iters/--profile-iters must be in 1..{calbin_fmt.MAX_SEQ - 1}")
+    # each run decodes one sequence: its tokens + the seed token fit the model's max_seq
+    for flag, value in (("--iters", args.iters), ("--profile-iters", args.profile_iters)):
+        if not 1 <= value < calbin_fmt.MAX_SEQ:
+            raise cliargs.UserError(f"{flag}={value}: must be in 1..{calbin_fmt.MAX_SEQ - 1}")
     device = cliargs.device_spec(args)
     with tempfile.TemporaryDirectory(prefix="calexec-bench-") as tmp:
         path = device.calbin(tmp)
+        try:  # the emulator runs only synthetic calbins: say so before calbin_load refuses it
+            calbin_fmt.read(path)
+        except (OSError, ValueError) as exc:
+            raise cliargs.UserError(f"--calbin={path!r}: not a synthetic calbin (calexec sim "
+                                    f"write-calbin): {exc}") from None
         rt = device.runtime()
         if not rt.has_emu:
             raise cliargs.UserError(f"{device.library!r} has no emulator controls (calrt_emu_*): "
