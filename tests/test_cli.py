@@ -447,3 +447,24 @@ def test_sim_bench_bad_flags_are_one_line_exit_2(argv, named, tmp_path):
     line = one_line(done.stderr)
     assert done.returncode == 2, (done.returncode, done.stderr)
     assert named.format(not_calbin=not_calbin) in line, line
+
+
+@pytest.mark.parametrize("argv, named", [
+    # sequence ids past the KvManager's max_seqs (64): pingpong exited 1 with a 120 kB line (one
+    # failed reset per id), demo 1 with "prefill failed: kv.seq_id_out_of_range"
+    (["bench", "pingpong", "--seqs", "63", "--tokens", "1", "--solo-tokens", "1"],
+     "--seqs=63: the device's KvManager takes sequence ids 0..63"),
+    (["demo", "--seqs", "64", "--tokens", "1"],
+     "--seqs=64: the device's KvManager takes sequence ids 0..63"),
+    # written after the whole run: internal error (exit 70)
+    (["bench", "pingpong", "--seqs", "1", "--tokens", "1", "--solo-tokens", "1", "--trace",
+      "{tmp}"], "--trace='{tmp}': "),
+    (["bench", "pingpong", "--seqs", "1", "--tokens", "1", "--solo-tokens", "1", "--trace",
+      "{tmp}/no/trace.json"], "--trace='{tmp}/no/trace.json': "),
+])
+def test_sequence_and_trace_flags_are_one_line_exit_2(argv, named, tmp_path):
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    done = calexec(*argv)
+    line = one_line(done.stderr)
+    assert done.returncode == 2, (done.returncode, done.stderr[:2000])
+    assert named.format(tmp=tmp_path) in line, line

@@ -62,6 +62,12 @@ def main(argv: list[str]) -> int:
         status = ex.start()
         if not status.ok:
             raise cliargs.UserError(f"executor start failed: {status}", cliargs.EXIT_REFUSED)
+        max_seqs = getattr(ex.kv, "max_seqs", None)  # known once started
+        if max_seqs is not None and args.seqs >= max_seqs:  # ids 1..seqs
+            ex.shutdown()
+            raise cliargs.UserError(f"--seqs={args.seqs}: the device's KvManager takes sequence "
+                                    f"ids 0..{max_seqs - 1} (max_seqs={max_seqs}; 0 is the "
+                                    f"warm-up's), so at most {max_seqs - 1}")
         golden = ex.life.expected_golden(sha)[0]
         print(f"runtime {ex.runtime.version}, calbin sha256 {sha[:16]}..., generation "
               f"{None if ex.gen is None else ex.gen.id}, lifecycle {ex.state}, golden "

@@ -63,6 +63,7 @@ import threading
 import time
 import tracemalloc
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -106,6 +107,11 @@ MAX_DECODE_US = 1_000_000
 
 class BenchError(RuntimeError):
     """A benchmark could not run (device, executor or job failure); the message says which."""
+
+
+class BenchSettingError(BenchError):
+    """A setting the device or the file system refuses, found once the run has the device (or
+    at its end): ``main`` says it in one line naming the flag, exit 2."""
 
 
 def _gen(ex: DeviceExecutor) -> Generation:
@@ -981,8 +987,15 @@ def run_pingpong(seqs: int, tokens: int, solo_tokens: int, trace_path: str | Non
         for overlap in overlaps:
             side: dict[int, dict[str, Any]] = {}
             for capacity in (1, 2):
-                _progress(f"pingpong: overlap {overlap}, capacity {capacity}")
                 run = _PingPongRun(rt, path, capacity, overlap, device)
+                max_seqs = getattr(run.ex.kv, "max_seqs", None)
+                if max_seqs is not None and seqs + 1 >= max_seqs:  # ids 1..seqs, seqs+1 solo
+                    run.close()
+                    raise BenchSettingError(
+                        f"--seqs={seqs}: the device's KvManager takes sequence ids "
+                        f"0..{max_seqs - 1} (max_seqs={max_seqs}; 0 is the warm-up's, "
+                        f"seqs+1 the solo run's), so at most {max_seqs - 2}")
+                _progress(f"pingpong: overlap {overlap}, capacity {capacity}")
                 try:
                     loaded = run.decode(range(1, seqs + 1), tokens)
                     loaded_jobs = list(run.jobs)
@@ -1009,7 +1022,11 @@ def run_pingpong(seqs: int, tokens: int, solo_tokens: int, trace_path: str | Non
                 "capacity_1": side[1], "capacity_2": side[2]}
     if trace_path:
         last = overlaps[-1]
-        write_trace(trace_path, {k: v for k, v in traced.items() if k.endswith(last)})
+        try:
+            write_trace(trace_path, {k: v for k, v in traced.items() if k.endswith(last)})
+        except OSError as exc:
+            raise BenchSettingError(f"--trace={trace_path!r}: cannot write it: "
+                                    f"{exc.strerror or exc}") from None
     return {
         "seqs": seqs, "tokens": tokens, "solo_tokens": solo_tokens,
         "profile_us": PINGPONG_PROFILE, "rule": PHASE_B_RULE, "overlap": results,
@@ -1127,10 +1144,19 @@ def main(argv: list[str]) -> int:
             limit = calbin_fmt.MAX_SEQ - PROMPT_LEN
             if max(args.tokens, args.solo_tokens) > limit:
                 parser.error(f"--tokens/--solo-tokens must be <= {limit}")
+            if args.trace:  # written at the end: refused before the run, not after it
+                trace = Path(args.trace)
+                if trace.is_dir() or not trace.parent.is_dir():
+                    raise cliargs.UserError(
+                        f"--trace={args.trace!r}: cannot write it: "
+                        + ("a directory" if trace.is_dir() else
+                           f"no directory {str(trace.parent)!r}"))
             result = run_pingpong(args.seqs, args.tokens, args.solo_tokens, args.trace,
                                   device=device)
         else:
             result = run_logits(args.iters, args.seed)
+    except BenchSettingError as exc:
+        raise cliargs.UserError(str(exc)) from None
     except (BenchError, DriverError, FloorError) as exc:  # (DeviceSpecError: exit 2)
         print(f"calexec bench {command}: {exc}", file=sys.stderr)
         return 1
