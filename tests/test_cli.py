@@ -468,3 +468,16 @@ def test_sequence_and_trace_flags_are_one_line_exit_2(argv, named, tmp_path):
     line = one_line(done.stderr)
     assert done.returncode == 2, (done.returncode, done.stderr[:2000])
     assert named.format(tmp=tmp_path) in line, line
+
+
+def test_conform_with_a_library_that_is_not_calrt_is_exit_2(tmp_path):
+    """A directory, a text file, a real .so without calrt.h's symbols: the run used to go on,
+    every question 'inconclusive', exit 0 with a list of 'safe settings'."""
+    text_file, not_calrt = _not_calrt_libraries(tmp_path)
+    for lib, named in ((str(tmp_path), f"'{tmp_path}': not a regular file"),
+                       (text_file, f"--lib='{text_file}': cannot load it: "),
+                       (not_calrt, f"--lib='{not_calrt}': cannot load it: ")):
+        done = calexec("conform", "--quick", "--only", "parallel", "--lib", lib)
+        line = one_line(done.stderr)
+        assert done.returncode == 2, (lib, done.returncode, done.stderr)
+        assert line.startswith("calexec conform: ") and named in line, line

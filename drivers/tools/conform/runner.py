@@ -3,7 +3,8 @@
 Each experiment runs in its own child process with a timeout (``isolate.py``); a child that
 crashes or hangs makes its questions ``inconclusive`` with the reason, and the run goes on.
 Exit 0 when the run completed (whatever the verdicts), 1 when the runner itself failed
-(e.g. the emulator library could not be built, or the report could not be written).
+(e.g. the emulator library could not be built, or the report could not be written), 2 for a
+bad flag (``--lib`` that is no file, or that Python cannot load as a calrt.h library).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from calexec.drivers.synthetic import calbin as calbin_fmt
 from calexec.drivers.tools.conform import overlap_trace
 from calexec.drivers.tools.conform.experiment_rig import build_emulator_lib
 from calexec.drivers.tools.conform.experiments import EXPERIMENTS, QUESTIONS
-from calexec.drivers.tools.conform.isolate import OK, run_isolated
+from calexec.drivers.tools.conform.isolate import ERROR, OK, run_isolated
 
 MODULE = "calexec.drivers.tools.conform.experiments"
 
@@ -126,6 +127,14 @@ def main(argv: list[str]) -> int:
     if args.lib and not os.path.exists(args.lib):
         print(f"calexec conform: --lib {args.lib!r} does not exist", file=sys.stderr)
         return 2
+    if args.lib:  # a library Python cannot even load is a typo, not a run of inconclusives
+        if not os.path.isfile(args.lib):
+            raise cliargs.UserError(f"--lib={args.lib!r}: not a regular file")
+        probe = run_isolated("calexec.drivers.tools.conform.runner:probe_library",
+                             {"lib": args.lib}, 30.0)
+        if probe.status == ERROR:  # (a crash or a hang in it is reported by the run)
+            reason = probe.reason.removeprefix("experiment failed: ").split("  Additionally")[0]
+            raise cliargs.UserError(f"--lib={args.lib!r}: cannot load it: {reason}")
     if args.calbin is not None:
         try:
             calbin_fmt.read(args.calbin)
