@@ -124,7 +124,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="dump size cap in bytes")
     p.add_argument("--dump-prompts", action="store_true",
                    help="also dump prompt and completion content (off by default)")
-    p.add_argument("--gil-switch-us", type=int, default=SERVING_SWITCH_INTERVAL_US,
+    p.add_argument("--gil-switch-us", type=cliargs.non_negative_int,
+                   default=SERVING_SWITCH_INTERVAL_US,
                    help="GIL switch interval in microseconds (0 keeps Python's 5000): shorter "
                         "hand-offs between the executor's threads, see drivers/serving/process.py")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
@@ -169,7 +170,11 @@ def _listen_socket(host: str, port: int) -> socket.socket:
 def _admin_token(path: Path | None) -> str | None:
     if path is None:
         return None
-    token = path.read_text(encoding="utf-8").strip()
+    try:
+        token = path.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"--admin-token-file={str(path)!r}: cannot read it: "
+                         f"{getattr(err, 'strerror', None) or err}") from None
     if not token:
         raise ValueError(f"--admin-token-file={str(path)!r} is empty")
     return token
@@ -186,8 +191,12 @@ def main(argv: list[str]) -> int:
     try:
         set_gil_switch_interval_us(args.gil_switch_us)
         token = _admin_token(args.admin_token_file)
-        dump = None if args.dump_dir is None else DumpSink(
-            args.dump_dir.absolute(), args.dump_max_bytes, include_content=args.dump_prompts)
+        try:
+            dump = None if args.dump_dir is None else DumpSink(
+                args.dump_dir.absolute(), args.dump_max_bytes, include_content=args.dump_prompts)
+        except (OSError, DumpConfigError) as err:
+            raise ValueError(f"--dump-dir={str(args.dump_dir)!r}: "
+                             f"{getattr(err, 'strerror', None) or err}") from None
         if args.timeout > MAX_TIMEOUT_S:  # refused here, not per request blaming the client
             raise ValueError(f"--timeout={args.timeout:g}: above the server's largest request "
                              f"deadline, max_timeout_s={MAX_TIMEOUT_S:g}")

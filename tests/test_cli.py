@@ -481,3 +481,28 @@ def test_conform_with_a_library_that_is_not_calrt_is_exit_2(tmp_path):
         line = one_line(done.stderr)
         assert done.returncode == 2, (lib, done.returncode, done.stderr)
         assert line.startswith("calexec conform: ") and named in line, line
+
+
+@pytest.mark.parametrize("argv, named", [
+    # said "[Errno 2] No such file or directory: '...'" / "[Errno 21] Is a directory": no flag
+    (["serve", "--admin-token-file", "{tmp}/none"], "--admin-token-file='{tmp}/none': "),
+    (["serve", "--admin-token-file", "{tmp}"], "--admin-token-file='{tmp}': "),
+    # "[Errno 17] File exists: '...'"
+    (["serve", "--dump-dir", "{file}"], "--dump-dir='{file}': "),
+    # "gil switch interval=-5 us: must be >= 0"
+    (["serve", "--gil-switch-us", "-5"], "argument --gil-switch-us: must be >= 0, got -5"),
+    # "seed must be a u64, got -1", "hidden must be >= 1, got 0"
+    (["sim", "write-calbin", "{tmp}/c.calbin", "--seed", "-1"], "argument --seed: "),
+    (["sim", "write-calbin", "{tmp}/c.calbin", "--hidden", "0"], "argument --hidden: "),
+    # "not a calbin: header is ..."
+    (["accept", "--gates", "correctness", "--calbin", "{file}"], "--calbin='{file}': "),
+])
+def test_a_bad_value_found_past_the_parser_still_names_its_flag(argv, named, tmp_path):
+    file = tmp_path / "file"
+    file.write_text("x\n")
+    values = {"tmp": str(tmp_path), "file": str(file)}
+    argv = [a.format(**values) for a in argv]
+    done = calexec(*argv)
+    line = one_line(done.stderr)
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert line.startswith(f"calexec {cli.lookup(argv)}: ") and named.format(**values) in line, line

@@ -165,6 +165,12 @@ def main(argv: list[str]) -> int:
     if args.report:  # before the run: a missing extra must not cost the run
         cliargs.require_extra("plots", "--report (PNG plots)")
     device = cliargs.device_spec(args)
+    if args.calbin is not None:  # the gates check every token against the synthetic oracle
+        try:
+            calbin_fmt.read(args.calbin)
+        except (OSError, ValueError) as exc:
+            raise cliargs.UserError(f"--calbin={args.calbin!r}: the gates need a synthetic "
+                                    f"calbin (calexec sim write-calbin): {exc}") from None
     try:
         if args.soak_seconds is not None:
             sizes = attrs.evolve(sizes, soak_seconds=args.soak_seconds)
