@@ -506,3 +506,20 @@ def test_a_bad_value_found_past_the_parser_still_names_its_flag(argv, named, tmp
     line = one_line(done.stderr)
     assert done.returncode == 2, (done.returncode, done.stderr)
     assert line.startswith(f"calexec {cli.lookup(argv)}: ") and named.format(**values) in line, line
+
+
+@pytest.mark.parametrize("argv, named", [
+    # its own argparse parser: the usage line, then the error (two lines)
+    (["bench", "charts", "--iters", "0"], "argument --iters: must be >= 1, got 0"),
+    (["bench", "charts", "--iters", "x"], "argument --iters: invalid positive_int value: 'x'"),
+    # nan passed the '< 0' check: the whole soak ran, then its rss check failed (exit 1)
+    (["bench", "soak", "--requests", "1", "--faults", "1", "--clients", "1", "--decode-us", "0",
+      "--max-tokens", "1", "--rss-bound-mib", "nan"], "argument --rss-bound-mib: "),
+    (["bench", "soak", "--requests", "1", "--faults", "1", "--clients", "1", "--decode-us", "0",
+      "--max-tokens", "1", "--rss-bound-mib", "-1"], "argument --rss-bound-mib: must be >= 0"),
+])
+def test_bench_charts_and_soak_flags_are_one_line_exit_2(argv, named):
+    done = calexec(*argv)
+    line = one_line(done.stderr)
+    assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
+    assert line.startswith(f"calexec {cli.lookup(argv)}: error: ") and named in line, line
