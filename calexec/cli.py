@@ -18,7 +18,8 @@ one line naming the offender; an unexpected exception prints one line and exits 
 ``CALEXEC_DEBUG=1`` to see the traceback). Exit codes: 0 success; 1 the command's check failed
 (gate, stale diagram, oracle mismatch); 2 bad usage or configuration; 3 runtime refusal (the
 executor did not start or ended Failed); 4 ``serve --once``'s sample request failed; 70 an
-internal error (a bug); 130 interrupted; 141 the reader closed stdout (``| head``).
+internal error (a bug); 130 interrupted; 141 the reader closed stdout (``| head``); a stdout
+that cannot be written at the end of the run (a full disk) is one line, exit 2.
 """
 
 from __future__ import annotations
@@ -104,7 +105,8 @@ def _unknown(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Run the command ``argv`` (default ``sys.argv[1:]``) and return its exit code. stdout is
     flushed here, not at interpreter exit: a reader that left (``| head``) is exit 141 whether
-    it left during the command or before its buffered output was written."""
+    it left during the command or before its buffered output was written, and a stdout that
+    cannot take the output (a full disk) is one line, exit 2."""
     try:
         code = _run(argv)
         if sys.stdout is not None:
@@ -113,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # the reader left (`calexec ... | head`): quietly, as SIGPIPE would
         _quiet_stdout()
         return EXIT_BROKEN_PIPE
+    except OSError as exc:  # the final flush: stdout on a full disk (`> /dev/full`), an I/O error
+        _quiet_stdout()
+        print(f"calexec: cannot write to stdout: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_CONFIG
 
 
 def _run(argv: list[str] | None) -> int:

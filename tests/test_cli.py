@@ -523,3 +523,19 @@ def test_bench_charts_and_soak_flags_are_one_line_exit_2(argv, named):
     line = one_line(done.stderr)
     assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
     assert line.startswith(f"calexec {cli.lookup(argv)}: error: ") and named in line, line
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+@pytest.mark.parametrize("argv", [["--version"], ["sim", "write-calbin", "{tmp}/c.calbin"]])
+def test_a_full_stdout_is_one_line_not_a_traceback(argv, tmp_path):
+    """stdout on a full disk (``> /dev/full``), block-buffered: the flush at the end of the
+    run used to fail after main returned ('Exception ignored ... OSError', exit 120)."""
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "calexec", *argv], stdout=full,
+                              stderr=subprocess.PIPE, text=True, timeout=TIMEOUT_S,
+                              env=_env_without("PYTHONUNBUFFERED"))
+    line = one_line(done.stderr)
+    assert "Exception ignored" not in done.stderr
+    assert done.returncode == 2 and "cannot write to stdout: No space left on device" in line, (
+        done.returncode, done.stderr)
