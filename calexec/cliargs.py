@@ -24,6 +24,7 @@ import argparse
 import difflib
 import functools
 import importlib.util
+import os
 import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -141,6 +142,16 @@ def positive_float(text: str) -> float:
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value
+
+
+def output_dir(flag: str, path: str) -> None:
+    """Make the directory a command writes its report into, before the run (a run can last
+    hours): one line naming ``flag`` and ``path`` (UserError, exit 2) when it cannot be."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except (OSError, ValueError) as exc:  # (ValueError: a NUL in the path)
+        raise UserError(f"{flag}={path!r}: cannot make the directory: "
+                        f"{getattr(exc, 'strerror', None) or exc}") from None
 
 
 # ---- the device an entry point opens ---------------------------------------------------------

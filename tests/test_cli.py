@@ -539,3 +539,17 @@ def test_a_full_stdout_is_one_line_not_a_traceback(argv, tmp_path):
     assert "Exception ignored" not in done.stderr
     assert done.returncode == 2 and "cannot write to stdout: No space left on device" in line, (
         done.returncode, done.stderr)
+
+
+@pytest.mark.parametrize("argv", [["accept", "--gates", "lengths", "--phase", "a"],
+                                  ["conform", "--quick", "--only", "parallel"]])
+def test_a_report_directory_that_cannot_be_made_is_refused_before_the_run(argv, tmp_path):
+    """``--report`` naming an existing file: the whole run went first (24 h for ``accept
+    --full``), then 'cannot write the report' (accept, exit 2) or '[Errno 17] File exists'
+    (conform, exit 1)."""
+    file = tmp_path / "file"
+    file.write_text("x\n")
+    done = calexec(*argv, "--report", str(file))
+    line = one_line(done.stderr)  # (no progress line: nothing ran)
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert f"--report='{file}': cannot make the directory" in line, line

@@ -162,8 +162,9 @@ def main(argv: list[str]) -> int:
     parser = _parser()
     args = parser.parse_args(argv[1:])
     sizes = FULL if args.full else QUICK
-    if args.report:  # before the run: a missing extra must not cost the run
+    if args.report:  # before the run: a missing extra or directory must not cost the run
         cliargs.require_extra("plots", "--report (PNG plots)")
+        cliargs.output_dir("--report", args.report)
     device = cliargs.device_spec(args)
     if args.calbin is not None:  # the gates check every token against the synthetic oracle
         try:

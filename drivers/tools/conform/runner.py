@@ -141,8 +141,9 @@ def main(argv: list[str]) -> int:
         except (OSError, ValueError) as exc:
             raise cliargs.UserError(f"--calbin={args.calbin!r}: not a readable synthetic calbin: {exc}") from None
         args.calbin = os.path.abspath(args.calbin)
-    if args.report:  # before the run: timing.png needs matplotlib
+    if args.report:  # before the run: timing.png needs matplotlib, the files a directory
         cliargs.require_extra("plots", "--report (timing.png)")
+        cliargs.output_dir("--report", args.report)
     t0 = time.monotonic()
     try:
         result = run(args.lib, args.config, args.quick, tuple(args.only or ()), args.timeout,
