@@ -553,3 +553,13 @@ def test_a_report_directory_that_cannot_be_made_is_refused_before_the_run(argv, 
     line = one_line(done.stderr)  # (no progress line: nothing ran)
     assert done.returncode == 2, (done.returncode, done.stderr)
     assert f"--report='{file}': cannot make the directory" in line, line
+
+
+def test_conform_only_repeated_runs_the_experiment_once():
+    """``--only parallel --only parallel`` (a repeated flag, e.g. from a script): the experiment
+    ran twice and the report listed each of its questions twice."""
+    done = calexec("conform", "--quick", "--json", "--only", "parallel", "--only", "parallel")
+    assert done.returncode == 0, done.stderr
+    ids = [q["id"] for q in json.loads(done.stdout)["questions"]]
+    assert ids and len(ids) == len(set(ids)), ids
+    assert done.stderr.count("experiment parallel ...") == 1, done.stderr

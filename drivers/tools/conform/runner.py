@@ -57,6 +57,7 @@ def run(lib: str | None, config: str = "", quick: bool = False, only: tuple[str,
     by default) and dlopens it. ``calbin_path``: a synthetic calbin to use (the experiments
     check outputs against its oracle); None writes the default one. ``experiment_kwargs`` passes
     extra keyword arguments to one experiment (tests); ``on_child(name, pid)`` is called when its child starts."""
+    only = tuple(dict.fromkeys(only))  # a repeated --only runs once
     unknown = [name for name in only if name not in EXPERIMENTS]
     if unknown:
         raise ValueError(f"unknown experiment(s) {unknown}; known: {list(EXPERIMENTS)}")
