@@ -563,3 +563,10 @@ def test_conform_only_repeated_runs_the_experiment_once():
     ids = [q["id"] for q in json.loads(done.stdout)["questions"]]
     assert ids and len(ids) == len(set(ids)), ids
     assert done.stderr.count("experiment parallel ...") == 1, done.stderr
+
+
+def test_accept_gates_repeated_runs_the_gate_once():
+    """``--gates lengths,lengths``: the gate ran twice ('2/2 gates'), the report kept one."""
+    done = calexec("accept", "--gates", "lengths,lengths", "--phase", "a")
+    assert done.returncode == 0, done.stderr
+    assert "(1/1 gates)" in done.stderr and "/2 gates" not in done.stderr, done.stderr

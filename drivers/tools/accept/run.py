@@ -96,7 +96,7 @@ def run_accept(sizes: Sizes = QUICK, phases: Sequence[str] = ("a", "b"),
     environment, and the per-job latency / RSS series the plots are drawn from. ``device``:
     the runtime library (it needs the emulator controls: the gates inject faults), manifest
     and synthetic calbin (the oracle checks every token); default the bundled emulator's."""
-    names = list(GATES) if gates is None else list(gates)
+    names = list(GATES) if gates is None else list(dict.fromkeys(gates))  # a repeat runs once
     unknown = [g for g in names if g not in GATES]
     if unknown:
         raise ValueError(f"unknown gate(s) {unknown}; known: {list(GATES)}")
