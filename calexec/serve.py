@@ -204,6 +204,8 @@ def main(argv: list[str]) -> int:
                             ("--max-resumes", args.max_resumes)):
             if value < 0:
                 raise ValueError(f"{flag}={value}: must be >= 0")
+        if not args.served_model_name.strip():  # every response would say "model": ""
+            raise ValueError(f"--served-model-name={args.served_model_name!r}: must not be empty")
         problem = None if args.api_key is None else api_key_problem(args.api_key)
         if problem is not None:  # checked here: it would refuse every request
             raise ValueError(f"--api-key {problem}")

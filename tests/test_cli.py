@@ -496,6 +496,8 @@ def test_conform_with_a_library_that_is_not_calrt_is_exit_2(tmp_path):
     (["sim", "write-calbin", "{tmp}/c.calbin", "--hidden", "0"], "argument --hidden: "),
     # "not a calbin: header is ..."
     (["accept", "--gates", "correctness", "--calbin", "{file}"], "--calbin='{file}': "),
+    # served, exit 0: every response said "model": ""
+    (["serve", "--once", "--served-model-name", " "], "--served-model-name=' ': "),
 ])
 def test_a_bad_value_found_past_the_parser_still_names_its_flag(argv, named, tmp_path):
     file = tmp_path / "file"
