@@ -572,3 +572,15 @@ def test_accept_gates_repeated_runs_the_gate_once():
     done = calexec("accept", "--gates", "lengths,lengths", "--phase", "a")
     assert done.returncode == 0, done.stderr
     assert "(1/1 gates)" in done.stderr and "/2 gates" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("phases, named", [
+    ("0:inf", "--decode-us: share 'inf' of 0 must be > 0 and finite"),  # was exit 70
+    ("0:nan", "--decode-us: share 'nan' of 0 must be > 0 and finite"),
+])
+def test_bench_soak_phase_shares_must_be_finite(phases, named):
+    done = calexec("bench", "soak", "--requests", "1", "--faults", "1", "--clients", "1",
+                   "--max-tokens", "1", "--decode-us", phases)
+    line = one_line(done.stderr)
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert named in line, line

@@ -65,6 +65,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import random
 import statistics
@@ -140,10 +141,12 @@ def parse_phases(text: str) -> list[Phase]:
             raise ValueError(f"--decode-us: {part!r} is not US or US:SHARE") from None
         if decode_us < 0 or decode_us > 1_000_000:
             raise ValueError(f"--decode-us: {decode_us} is outside 0..1000000 us")
-        if not weight > 0:
-            raise ValueError(f"--decode-us: share {share!r} of {us} must be > 0")
+        if not 0 < weight < math.inf:  # (nan fails both; inf would make every share nan)
+            raise ValueError(f"--decode-us: share {share!r} of {us} must be > 0 and finite")
         phases.append((decode_us, weight))
     total = sum(w for _, w in phases)
+    if total == math.inf:
+        raise ValueError(f"--decode-us: the shares of {text!r} overflow; use smaller numbers")
     return [Phase(us, w / total) for us, w in phases]
 
 
