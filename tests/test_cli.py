@@ -584,3 +584,13 @@ def test_bench_soak_phase_shares_must_be_finite(phases, named):
     line = one_line(done.stderr)
     assert done.returncode == 2, (done.returncode, done.stderr)
     assert named in line, line
+
+
+def test_serve_dump_dir_with_home_at_the_filesystem_root(tmp_path):
+    """HOME=/ (a container's or a service account's): every path is 'under' it, so any
+    --dump-dir was refused 'is under a home directory'. /home and /root stay refused."""
+    pre = "import os\nos.environ['HOME'] = '/'"
+    done = calexec("serve", "--once", "--dump-dir", str(tmp_path / "dumps"), pre=pre)
+    assert done.returncode == 0, done.stderr
+    refused = calexec("serve", "--once", "--dump-dir", "/root/calexec-dumps", pre=pre)
+    assert refused.returncode == 2 and "under a home directory" in one_line(refused.stderr)
