@@ -19,13 +19,14 @@ one line naming the offender; an unexpected exception prints one line and exits 
 (gate, stale diagram, oracle mismatch); 2 bad usage or configuration; 3 runtime refusal (the
 executor did not start or ended Failed); 4 ``serve --once``'s sample request failed; 70 an
 internal error (a bug); 130 interrupted; 141 the reader closed stdout (``| head``); a stdout
-that cannot be written at the end of the run (a full disk) is one line, exit 2.
+that cannot be written at the end of the run, or a full disk during it, is one line, exit 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import difflib
+import errno
 import importlib
 import os
 import sys
@@ -35,6 +36,8 @@ from calexec.cliargs import EXIT_CONFIG, Parser, UserError, as_user_error, missi
 from calexec.commands import COMMANDS, lookup
 
 EXIT_INTERNAL, EXIT_INTERRUPTED = 70, 130
+#: an OSError with one of these errnos is a full disk or quota: one line, exit 2, never 70
+_DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 #: the reader of stdout closed it (128 + SIGPIPE, what a shell reports for a process it killed)
 EXIT_BROKEN_PIPE = 141
 
@@ -161,6 +164,15 @@ def _run(argv: list[str] | None) -> int:
         if user is not None:
             print(f"{prog}: {user}", file=sys.stderr)
             return user.code
+        if isinstance(exc, OSError) and exc.errno in _DISK_FULL:  # the environment, not a bug
+            where = f" ({exc.filename})" if exc.filename else ""
+            print(f"{prog}: cannot write: {exc.strerror}{where}", file=sys.stderr)
+            try:  # (stdout may be the full one: its buffer must not fail again at exit)
+                if sys.stdout is not None:
+                    sys.stdout.flush()
+            except OSError:
+                _quiet_stdout()
+            return EXIT_CONFIG
         if os.environ.get("CALEXEC_DEBUG"):
             raise
         first = str(exc).splitlines()[0] if str(exc) else ""

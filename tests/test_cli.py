@@ -594,3 +594,18 @@ def test_serve_dump_dir_with_home_at_the_filesystem_root(tmp_path):
     assert done.returncode == 0, done.stderr
     refused = calexec("serve", "--once", "--dump-dir", "/root/calexec-dumps", pre=pre)
     assert refused.returncode == 2 and "under a home directory" in one_line(refused.stderr)
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_full_disk_during_the_command_is_one_line_exit_2(tmp_path):
+    """stdout unbuffered on a full disk: the command's own print failed, 'internal error:
+    OSError: [Errno 28] No space left on device' exit 70. A full disk is never a bug."""
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(
+            [sys.executable, "-m", "calexec", "sim", "write-calbin", str(tmp_path / "c.calbin")],
+            stdout=full, stderr=subprocess.PIPE, text=True, timeout=TIMEOUT_S,
+            env={**_env_without("PYTHONUNBUFFERED"), "PYTHONUNBUFFERED": "1"})
+    line = one_line(done.stderr)
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert line.startswith("calexec sim write-calbin: ") and "No space left on device" in line
+    assert "internal error" not in line, line
