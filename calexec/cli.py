@@ -57,7 +57,8 @@ _EPILOG = """\
 
 exit codes: 0 success; 1 a check failed (gate, stale diagram, oracle mismatch); 2 bad usage or
 configuration; 3 runtime refusal (executor did not start or ended Failed); 4 serve --once's
-sample request failed; 70 internal error (CALEXEC_DEBUG=1 shows the traceback); 130 interrupted.
+sample request failed; 70 internal error (CALEXEC_DEBUG=1 shows the traceback); 130 interrupted;
+141 the reader of stdout left (| head).
 """
 
 
