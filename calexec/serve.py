@@ -253,6 +253,11 @@ def main(argv: list[str]) -> int:
             print(f"calexec serve: {err}", file=sys.stderr)
             return EXIT_USAGE
         logging.getLogger("calexec.serve").info("reset_kind=%s from %s", reset_kind, why)
+        if not args.once:  # (uvicorn, handed the socket, does not say it; --once prints it)
+            bound_host, bound_port = listener.getsockname()[:2]
+            shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+            logging.getLogger("calexec.serve").info("listening on http://%s:%d", shown,
+                                                    bound_port)
         status = executor.start()
         if not status.ok:
             print(f"calexec serve: executor failed to start: {status}", file=sys.stderr)

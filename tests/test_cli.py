@@ -609,3 +609,32 @@ def test_a_full_disk_during_the_command_is_one_line_exit_2(tmp_path):
     assert done.returncode == 2, (done.returncode, done.stderr)
     assert line.startswith("calexec sim write-calbin: ") and "No space left on device" in line
     assert "internal error" not in line, line
+
+
+def test_serve_says_the_address_it_listens_on():
+    """``serve --port 0`` (an ephemeral port) never said which port it got: uvicorn is handed
+    the bound socket, so its 'running on' line is not printed either."""
+    import os
+    import selectors
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "calexec", "serve", "--port", "0"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    assert proc.stderr is not None
+    seen = b""
+    try:
+        with selectors.DefaultSelector() as sel:
+            sel.register(proc.stderr, selectors.EVENT_READ)
+            deadline = time.monotonic() + TIMEOUT_S
+            while (time.monotonic() < deadline and proc.poll() is None
+                   and b"Application startup complete" not in seen):
+                if sel.select(timeout=1.0):
+                    seen += os.read(proc.stderr.fileno(), 65536)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        rest = proc.communicate(timeout=TIMEOUT_S)[1]
+    text = (seen + rest).decode(errors="replace")
+    assert proc.returncode == 0, text
+    listening = [line for line in text.splitlines() if "listening on http://127.0.0.1:" in line]
+    assert listening and not listening[0].rstrip().endswith(":0"), text
