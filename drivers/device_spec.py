@@ -144,15 +144,16 @@ class DeviceSpec:
         """A RecoveryPolicy (``fields`` override its defaults) with the resolved reset kind."""
         return RecoveryPolicy(**{"reset_kind": self.reset()[0], **fields})
 
-    def check_device_config(self, rt: CalRT, config: str) -> None:
-        """Name the ``key=value`` of ``config`` the runtime refuses: when ``calrt_device_open``
-        refuses the whole string, each item is tried alone. Raises DeviceSpecError."""
+    def check_device_config(self, rt: CalRT, config: str, flag: str = "--device-config") -> None:
+        """Name the ``key=value`` of ``config`` (given as ``flag``) the runtime refuses: when
+        ``calrt_device_open`` refuses the whole string, each item is tried alone. Raises
+        DeviceSpecError."""
         if not config:
             return
         items = [item for item in config.split(";") if item.strip()]
         for item in items:
             if "=" not in item:
-                raise DeviceSpecError(f"--device-config: item {item!r} is not key=value")
+                raise DeviceSpecError(f"{flag}: item {item!r} is not key=value")
         rc, device = rt.open_device(config)
         if rc == 0 and device is not None:
             device.close()
@@ -163,10 +164,10 @@ class DeviceSpec:
                 one.close()
                 continue
             key, _, value = item.partition("=")
-            raise DeviceSpecError(f"--device-config: {key.strip()}={value.strip()!r} refused by "
+            raise DeviceSpecError(f"{flag}: {key.strip()}={value.strip()!r} refused by "
                                   f"the runtime (calrt_device_open returned {rc_one}); the "
                                   "emulator's keys are listed in docs/emulator.md")
-        raise DeviceSpecError(f"--device-config={config!r}: refused by the runtime "
+        raise DeviceSpecError(f"{flag}={config!r}: refused by the runtime "
                               f"(calrt_device_open returned {rc}), though each item alone opens")
 
 

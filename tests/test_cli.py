@@ -638,3 +638,17 @@ def test_serve_says_the_address_it_listens_on():
     assert proc.returncode == 0, text
     listening = [line for line in text.splitlines() if "listening on http://127.0.0.1:" in line]
     assert listening and not listening[0].rstrip().endswith(":0"), text
+
+
+@pytest.mark.parametrize("config, named", [
+    ("garbage", "--config: item 'garbage' is not key=value"),
+    ("decode_us=5;kv_blockz=4", "--config: kv_blockz='4' refused by the runtime"),
+])
+def test_conform_config_the_runtime_refuses_is_exit_2(config, named):
+    """A typo in --config: every experiment's device_open failed, every question
+    'inconclusive', exit 0 with a list of 'safe settings'."""
+    done = calexec("conform", "--quick", "--only", "parallel", "--config", config)
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    last = [line for line in done.stderr.splitlines() if line.strip()][-1]
+    assert last.startswith("calexec conform: ") and named in last, done.stderr
+    assert "experiment parallel" not in done.stderr, done.stderr

@@ -4,7 +4,8 @@ Each experiment runs in its own child process with a timeout (``isolate.py``); a
 crashes or hangs makes its questions ``inconclusive`` with the reason, and the run goes on.
 Exit 0 when the run completed (whatever the verdicts), 1 when the runner itself failed
 (e.g. the emulator library could not be built, or the report could not be written), 2 for a
-bad flag (``--lib`` that is no file, or that Python cannot load as a calrt.h library).
+bad flag (``--lib`` that is no file, or that Python cannot load as a calrt.h library; a
+``--config`` whose key or value the library's ``calrt_device_open`` refuses).
 """
 
 from __future__ import annotations
@@ -46,6 +47,23 @@ def probe_library(lib: str) -> tuple[str, bool]:
     return rt.version, rt.has_emu
 
 
+class ConfigRefused(ValueError):
+    """``--config`` names a key or value the library's ``calrt_device_open`` refuses (the
+    message names it): every experiment would fail to open its device."""
+
+
+def probe_config(lib: str, config: str) -> str | None:
+    """Run in a child: why ``lib`` refuses the device config ``config`` (None: it opens)."""
+    from calexec.drivers.calrt.runtime import CalRT
+    from calexec.drivers.device_spec import DeviceSpec, DeviceSpecError
+
+    try:
+        DeviceSpec().check_device_config(CalRT.load(lib), config, flag="--config")
+    except DeviceSpecError as exc:
+        return str(exc)
+    return None
+
+
 def run(lib: str | None, config: str = "", quick: bool = False, only: tuple[str, ...] = (),
         timeout_s: float | None = None, work_dir: str | None = None,
         experiment_kwargs: dict[str, dict] | None = None,
@@ -72,6 +90,11 @@ def run(lib: str | None, config: str = "", quick: bool = False, only: tuple[str,
         if calbin_path is None:
             calbin_fmt.write(calbin)
         version, has_emu = _runtime_info(lib)
+        if config:  # a refused config would make every question inconclusive: say so first
+            probe = run_isolated(f"{__name__}:probe_config", {"lib": lib, "config": config},
+                                 30.0)
+            if probe.status == OK and probe.result is not None:
+                raise ConfigRefused(probe.result)
         questions, timeline, experiments = [], [], {}
         for name in only or tuple(EXPERIMENTS):
             _progress(f"experiment {name} ...")
@@ -152,6 +175,8 @@ def main(argv: list[str]) -> int:
         if args.report:
             files = write_report(result, args.report)
             _progress(f"report written to {args.report}: {', '.join(files)}")
+    except ConfigRefused as exc:
+        raise cliargs.UserError(str(exc)) from None
     except (RuntimeError, OSError, ValueError) as exc:
         print(f"calexec conform: {exc}", file=sys.stderr)
         return 1
