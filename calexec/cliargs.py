@@ -182,8 +182,10 @@ def add_device_args(p: argparse.ArgumentParser, *, calbin: bool = True, manifest
                                 "conformance.json): the reset kind its verdicts prove safe")
 
 
-def device_spec(args: argparse.Namespace) -> Any:
-    """The validated ``DeviceSpec`` of :func:`add_device_args`' flags; raises UserError."""
+def device_spec(args: argparse.Namespace, synthetic: str | None = None) -> Any:
+    """The validated ``DeviceSpec`` of :func:`add_device_args`' flags; raises UserError.
+    ``synthetic``: the command runs only the synthetic model, for this reason (said when a
+    ``--calbin`` is not one)."""
     from calexec.drivers.device_spec import DeviceSpec, DeviceSpecError
 
     spec = DeviceSpec(manifest_path=getattr(args, "manifest", None),
@@ -193,6 +195,8 @@ def device_spec(args: argparse.Namespace) -> Any:
                       conform_report=getattr(args, "conform_report", None))
     try:
         spec.check()
+        if synthetic is not None:
+            spec.check_synthetic_calbin(synthetic)
     except DeviceSpecError as exc:
         raise UserError(str(exc)) from None
     return spec

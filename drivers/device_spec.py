@@ -105,6 +105,18 @@ class DeviceSpec:
         except ValueError as exc:
             raise DeviceSpecError(f"--manifest: {exc}") from None
 
+    def check_synthetic_calbin(self, why: str) -> None:
+        """For a command that runs only the synthetic model (the emulator, the oracle): an
+        explicit ``--calbin`` must be one (``calexec sim write-calbin``); ``why`` says what
+        needs it. Raises DeviceSpecError naming the flag and value."""
+        if self.calbin_path is None:
+            return
+        try:
+            calbin_fmt.read(self.calbin_path)
+        except (OSError, ValueError) as exc:
+            raise DeviceSpecError(f"--calbin={self.calbin_path!r}: not a synthetic calbin "
+                                  f"(calexec sim write-calbin), which {why}: {exc}") from None
+
     def calbin(self, tmp_dir: str) -> str:
         """``--calbin``, or the default synthetic calbin written into ``tmp_dir``."""
         if self.calbin_path is not None:

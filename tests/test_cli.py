@@ -652,3 +652,15 @@ def test_conform_config_the_runtime_refuses_is_exit_2(config, named):
     last = [line for line in done.stderr.splitlines() if line.strip()][-1]
     assert last.startswith("calexec conform: ") and named in last, done.stderr
     assert "experiment parallel" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("argv", DEVICE_COMMANDS[2:], ids=lambda argv: " ".join(argv[:2]))
+def test_a_calbin_that_is_not_synthetic_is_named_exit_2_by_the_emulator_benches(argv, tmp_path):
+    """The benches run the emulator and check tokens against the synthetic oracle: a calbin
+    of any other kind was 'executor start failed: ... FILE_FORMAT', two lines, exit 1."""
+    path = tmp_path / "x.calbin"
+    path.write_text("not a calbin\n")
+    done = calexec(*argv, "--calbin", str(path))
+    line = one_line(done.stderr)
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert f"--calbin='{path}': not a synthetic calbin" in line, line

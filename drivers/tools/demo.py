@@ -44,7 +44,8 @@ def main(argv: list[str]) -> int:
     if args.prompt_len + args.tokens > calbin_fmt.MAX_SEQ:
         raise cliargs.UserError(f"--prompt-len + --tokens = {args.prompt_len + args.tokens}: "
                                 f"above the model's max_seq {calbin_fmt.MAX_SEQ}")
-    spec = cliargs.device_spec(args)
+    spec = cliargs.device_spec(
+        args, synthetic="the demo checks tokens against the synthetic model's oracle")
     with tempfile.TemporaryDirectory(prefix="calexec-demo-") as tmp:
         path = spec.calbin(tmp)
         try:  # the oracle checks the tokens: only a synthetic calbin has one

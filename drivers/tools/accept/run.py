@@ -165,13 +165,8 @@ def main(argv: list[str]) -> int:
     if args.report:  # before the run: a missing extra or directory must not cost the run
         cliargs.require_extra("plots", "--report (PNG plots)")
         cliargs.output_dir("--report", args.report)
-    device = cliargs.device_spec(args)
-    if args.calbin is not None:  # the gates check every token against the synthetic oracle
-        try:
-            calbin_fmt.read(args.calbin)
-        except (OSError, ValueError) as exc:
-            raise cliargs.UserError(f"--calbin={args.calbin!r}: the gates need a synthetic "
-                                    f"calbin (calexec sim write-calbin): {exc}") from None
+    device = cliargs.device_spec(
+        args, synthetic="the gates check every token against the synthetic model's oracle")
     try:
         if args.soak_seconds is not None:
             sizes = attrs.evolve(sizes, soak_seconds=args.soak_seconds)

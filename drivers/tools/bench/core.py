@@ -1118,7 +1118,8 @@ def main(argv: list[str]) -> int:
               file=sys.stderr)
         return 2
     args = parser.parse_args(argv[2:])
-    device = cliargs.device_spec(args) if command != "logits" else DeviceSpec()
+    device = (cliargs.device_spec(args, synthetic="the benchmark runs on the emulator")
+              if command != "logits" else DeviceSpec())
     try:
         if command == "overhead":
             limit = calbin_fmt.MAX_SEQ - PROMPT_LEN
