@@ -664,3 +664,20 @@ def test_a_calbin_that_is_not_synthetic_is_named_exit_2_by_the_emulator_benches(
     line = one_line(done.stderr)
     assert done.returncode == 2, (done.returncode, done.stderr)
     assert f"--calbin='{path}': not a synthetic calbin" in line, line
+
+
+@pytest.mark.parametrize("argv", [
+    DEVICE_COMMANDS[3], DEVICE_COMMANDS[4],
+    ["bench", "server", "--requests", "1", "--concurrency", "1", "--rounds", "1",
+     "--max-tokens", "1", "--decode-us", "0"],
+], ids=lambda argv: " ".join(argv[:2]))
+def test_an_executor_that_does_not_start_is_exit_3_in_the_benches(argv, tmp_path):
+    """A synthetic calbin of another seed has no pinned golden (§9.2): the executor refuses
+    to start. The benches exited 1 (a failed check); calexec's contract says 3."""
+    from calexec.drivers.synthetic import calbin
+
+    path = tmp_path / "seed5.calbin"
+    calbin.write(str(path), calbin.default_spec(seed=5))
+    done = calexec(*argv, "--calbin", str(path))
+    assert done.returncode == 3, (done.returncode, done.stderr)
+    assert "golden.unpinned" in done.stderr and "Traceback" not in done.stderr, done.stderr

@@ -279,7 +279,7 @@ class ExecutorLoop:
                                  clock=CountingClock(self.tally))
         status = self.ex.start()
         if not status.ok:
-            raise BenchError(f"executor start failed: {status}")
+            raise cliargs.UserError(f"executor start failed: {status}", cliargs.EXIT_REFUSED)
         self.row = np.empty(calbin_fmt.VOCAB, dtype=np.float32)
         self.mode = "enqueue"
 
@@ -779,7 +779,7 @@ def run_recovery(recoveries: int, seed: int, device: DeviceSpec = DeviceSpec()) 
         ex = DeviceExecutor(_emulator_runtime(device), device.manifest(), config)
         status = ex.start()
         if not status.ok:
-            raise BenchError(f"executor start failed: {status}")
+            raise cliargs.UserError(f"executor start failed: {status}", cliargs.EXIT_REFUSED)
         rng = np.random.default_rng(seed)
         prompt = rng.integers(0, calbin_fmt.VOCAB, PROMPT_LEN, dtype=np.int32)
         outcomes: dict[str, int] = {}
@@ -899,8 +899,8 @@ class _PingPongRun:
             device_config=f"overlap={overlap};{profile}", recovery=device.recovery()))
         status = self.ex.start()
         if not status.ok:
-            raise BenchError(f"executor (capacity {capacity}, overlap {overlap}) start failed: "
-                             f"{status}")
+            raise cliargs.UserError(f"executor (capacity {capacity}, overlap {overlap}) start "
+                                    f"failed: {status}", cliargs.EXIT_REFUSED)
         self.seed = calbin_fmt.read(calbin_path).seed
         self.jobs: list = []  # (job_id, seq, kind, JobTimings, chart steps) of every decode job
 

@@ -430,7 +430,7 @@ def run_server_bench(requests: int, max_tokens: int, decode_us: int,
                                            recovery=device.recovery()))
         status = ex.start()
         if not status.ok:
-            raise BenchError(f"executor start failed: {status}")
+            raise cliargs.UserError(f"executor start failed: {status}", cliargs.EXIT_REFUSED)
         app = create_app(served(ex), ServerConfig())
         try:
             with LiveServer(app) as live, LiveServer(http_floor_app()) as floor, \
