@@ -76,6 +76,9 @@ class DeviceSpec:
         """Validate every setting without opening a device; raises DeviceSpecError."""
         if self.reset_kind is not None and self.conform_report is not None:
             self.reset()  # the conflict is named before any path
+        if self.runtime_lib == "":  # (not the default: an unset variable in a script)
+            raise DeviceSpecError("--runtime-lib='': empty (omit the flag for "
+                                  f"${ENV_LIB} or the bundled emulator)")
         lib_flag = "--runtime-lib" if self.runtime_lib else f"${ENV_LIB}"
         _readable_file(lib_flag, self.library)
         _readable_file("--manifest", self.manifest_path)

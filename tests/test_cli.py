@@ -681,3 +681,17 @@ def test_an_executor_that_does_not_start_is_exit_3_in_the_benches(argv, tmp_path
     done = calexec(*argv, "--calbin", str(path))
     assert done.returncode == 3, (done.returncode, done.stderr)
     assert "golden.unpinned" in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("argv, named", [
+    # said "$CALEXEC_CALRT_LIB=None: cannot load ...": the wrong flag, the wrong value
+    (["demo", "--seqs", "1", "--runtime-lib", ""], "--runtime-lib='': empty"),
+    (["serve", "--once", "--runtime-lib", ""], "--runtime-lib='': empty"),
+    # ran on the bundled emulator, exit 0, as if the flag had not been given
+    (["conform", "--quick", "--only", "parallel", "--lib", ""], "--lib='': empty"),
+])
+def test_an_empty_library_flag_is_named_not_ignored(argv, named):
+    done = calexec(*argv)
+    line = one_line(done.stderr)
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert named in line, line

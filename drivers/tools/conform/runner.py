@@ -148,6 +148,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--timeout", type=cliargs.positive_float,
                    help="seconds per experiment child (default 30 quick / 120)")
     args = p.parse_args(argv[1:])
+    if args.lib == "":  # (not the default: an unset variable in a script)
+        raise cliargs.UserError("--lib='': empty (omit the flag to build the bundled emulator)")
     if args.lib and not os.path.exists(args.lib):
         print(f"calexec conform: --lib {args.lib!r} does not exist", file=sys.stderr)
         return 2
