@@ -27,6 +27,7 @@ import importlib.util
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NoReturn
 
 from calexec.commands import lookup
@@ -135,6 +136,19 @@ def non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
+
+
+def nonempty(text: str) -> str:
+    """A path flag's value: '' (an unset variable in a script) is refused, never taken for
+    'no value' or for the working directory (``Path('')`` is ``.``)."""
+    if not text:
+        raise argparse.ArgumentTypeError("empty path (omit the flag for its default)")
+    return text
+
+
+def nonempty_path(text: str) -> Path:
+    """:func:`nonempty` as a ``Path``."""
+    return Path(nonempty(text))
 
 
 def positive_float(text: str) -> float:

@@ -98,7 +98,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="allow browser pages of this origin (scheme://host[:port], or '*') to "
                         "call the server: CORS preflights answered, responses marked; "
                         "repeatable; default: CORS off")
-    p.add_argument("--admin-token-file", type=Path, help="file holding the admin bearer "
+    p.add_argument("--admin-token-file", type=cliargs.nonempty_path, help="file holding the admin bearer "
                    "token; without it the admin endpoints are disabled")
     p.add_argument("--grace", type=cliargs.positive_float, default=30.0,
                    help="drain grace in seconds")
@@ -119,7 +119,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=cliargs.positive_float, default=30.0,
                    help="default request deadline in seconds (at most the server's "
                         f"max_timeout_s, {MAX_TIMEOUT_S:g})")
-    p.add_argument("--dump-dir", type=Path, help="enable the dump sink in this directory")
+    p.add_argument("--dump-dir", type=cliargs.nonempty_path, help="enable the dump sink in this directory")
     p.add_argument("--dump-max-bytes", type=cliargs.positive_int, default=16 << 20,
                    help="dump size cap in bytes")
     p.add_argument("--dump-prompts", action="store_true",

@@ -695,3 +695,23 @@ def test_an_empty_library_flag_is_named_not_ignored(argv, named):
     line = one_line(done.stderr)
     assert done.returncode == 2, (done.returncode, done.stderr)
     assert named in line, line
+
+
+@pytest.mark.parametrize("argv", [
+    # Path('') is '.': the dump sink wrote calexec-dump-PID.jsonl into the working directory,
+    # past DumpSink's "an explicit directory is required" (S12)
+    ["serve", "--once", "--dump-dir", ""],
+    ["serve", "--once", "--admin-token-file", ""],
+    # ignored ('if args.report:'): the run went on and wrote no report, exit 0
+    ["accept", "--gates", "lengths", "--phase", "a", "--report", ""],
+    ["conform", "--quick", "--only", "parallel", "--report", ""],
+    ["bench", "pingpong", "--seqs", "1", "--tokens", "1", "--solo-tokens", "1", "--trace", ""],
+    ["golden", "record", "--calbin", "x.calbin", "--out", ""],
+], ids=lambda argv: f"{argv[0]} {argv[-2]}")
+def test_an_empty_path_flag_is_refused_exit_2(argv, tmp_path):
+    done = subprocess.run([sys.executable, "-m", "calexec", *argv], capture_output=True,
+                          text=True, timeout=TIMEOUT_S, cwd=tmp_path)
+    line = one_line(done.stderr)
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert f"argument {argv[-2]}: empty path" in line, line
+    assert list(tmp_path.iterdir()) == [], list(tmp_path.iterdir())

@@ -140,7 +140,8 @@ def main(argv: list[str]) -> int:
                    help="shared library implementing calrt.h (default: build the bundled emulator)")
     p.add_argument("--calbin", metavar="PATH", help="synthetic calbin the experiments load and check "
                    "against its oracle (default: the default synthetic calbin)")
-    p.add_argument("--report", metavar="DIR", help="write conformance.md/.json, trace.json, timing.png here")
+    p.add_argument("--report", metavar="DIR", type=cliargs.nonempty,
+                   help="write conformance.md/.json, trace.json, timing.png here")
     p.add_argument("--json", action="store_true", help="print the run as one JSON object on stdout")
     p.add_argument("--quick", action="store_true", help="small sizes (seconds, for CI)")
     p.add_argument("--config", default="", help="device config string passed to calrt_device_open")
