@@ -702,6 +702,8 @@ def test_an_empty_library_flag_is_named_not_ignored(argv, named):
     # past DumpSink's "an explicit directory is required" (S12)
     ["serve", "--once", "--dump-dir", ""],
     ["serve", "--once", "--admin-token-file", ""],
+    # os.path.abspath('') is the working directory: taken for a tokenizer directory
+    ["serve", "--once", "--tokenizer", ""],
     # ignored ('if args.report:'): the run went on and wrote no report, exit 0
     ["accept", "--gates", "lengths", "--phase", "a", "--report", ""],
     ["conform", "--quick", "--only", "parallel", "--report", ""],
