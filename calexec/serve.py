@@ -85,11 +85,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=DEFAULT_MODEL_NAME, metavar="NAME",
                    help="the model name the API reports (requests may also name the "
                         "manifest's model; any other `model` is a 404)")
-    p.add_argument("--tokenizer", metavar="PATH", type=cliargs.nonempty, help="a Hugging Face tokenizer.json (or its "
-                   "directory; tokenizer_config.json next to it gives the chat template and "
-                   "eos_token) loaded with the `tokenizers` library (pip install "
-                   "'calexec[tokenizer]'); default: the byte-level tokenizer of the synthetic "
-                   "model")
+    p.add_argument("--tokenizer", metavar="PATH", type=cliargs.nonempty,
+                   help="a Hugging Face tokenizer.json (or its directory; "
+                        "tokenizer_config.json next to it gives the chat template and "
+                        "eos_token) loaded with the `tokenizers` library (pip install "
+                        "'calexec[tokenizer]'); default: the byte-level tokenizer of the "
+                        "synthetic model")
     p.add_argument("--api-key", metavar="KEY", default=os.environ.get("CALEXEC_API_KEY"),
                    help="OpenAI endpoints (/v1/*, /tokenize, /detokenize) need "
                         "'Authorization: Bearer KEY' (default: $CALEXEC_API_KEY; unset: open); "
