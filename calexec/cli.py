@@ -18,22 +18,26 @@ one line naming the offender; an unexpected exception prints one line and exits 
 ``CALEXEC_DEBUG=1`` to see the traceback). Exit codes: 0 success; 1 the command's check failed
 (gate, stale diagram, oracle mismatch); 2 bad usage or configuration; 3 runtime refusal (the
 executor did not start or ended Failed); 4 ``serve --once``'s sample request failed; 70 an
-internal error (a bug); 130 interrupted; 141 the reader closed stdout (``| head``).
+internal error (a bug); 130 interrupted; 141 the reader closed stdout (``| head``); a stdout
+that cannot be written at the end of the run, or a full disk during it, is one line, exit 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import difflib
+import errno
 import importlib
 import os
 import sys
 
 from calexec import __version__
-from calexec.cliargs import EXIT_CONFIG, Parser, UserError, missing_extra
+from calexec.cliargs import EXIT_CONFIG, Parser, UserError, as_user_error, missing_extra
 from calexec.commands import COMMANDS, lookup
 
 EXIT_INTERNAL, EXIT_INTERRUPTED = 70, 130
+#: an OSError with one of these errnos is a full disk or quota: one line, exit 2, never 70
+_DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 #: the reader of stdout closed it (128 + SIGPIPE, what a shell reports for a process it killed)
 EXIT_BROKEN_PIPE = 141
 
@@ -53,7 +57,8 @@ _EPILOG = """\
 
 exit codes: 0 success; 1 a check failed (gate, stale diagram, oracle mismatch); 2 bad usage or
 configuration; 3 runtime refusal (executor did not start or ended Failed); 4 serve --once's
-sample request failed; 70 internal error (CALEXEC_DEBUG=1 shows the traceback); 130 interrupted.
+sample request failed; 70 internal error (CALEXEC_DEBUG=1 shows the traceback); 130 interrupted;
+141 the reader of stdout left (| head).
 """
 
 
@@ -102,6 +107,25 @@ def _unknown(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command ``argv`` (default ``sys.argv[1:]``) and return its exit code. stdout is
+    flushed here, not at interpreter exit: a reader that left (``| head``) is exit 141 whether
+    it left during the command or before its buffered output was written, and a stdout that
+    cannot take the output (a full disk) is one line, exit 2."""
+    try:
+        code = _run(argv)
+        if sys.stdout is not None:
+            sys.stdout.flush()
+        return code
+    except BrokenPipeError:  # the reader left (`calexec ... | head`): quietly, as SIGPIPE would
+        _quiet_stdout()
+        return EXIT_BROKEN_PIPE
+    except OSError as exc:  # the final flush: stdout on a full disk (`> /dev/full`), an I/O error
+        _quiet_stdout()
+        print(f"calexec: cannot write to stdout: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_CONFIG
+
+
+def _run(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0].startswith("-"):
         parser = build_parser()
@@ -137,6 +161,19 @@ def main(argv: list[str] | None = None) -> int:
         _quiet_stdout()
         return EXIT_BROKEN_PIPE
     except Exception as exc:  # a bug: one line, the traceback on request
+        user = as_user_error(exc)  # (a bad flag found late: a DeviceSpecError)
+        if user is not None:
+            print(f"{prog}: {user}", file=sys.stderr)
+            return user.code
+        if isinstance(exc, OSError) and exc.errno in _DISK_FULL:  # the environment, not a bug
+            where = f" ({exc.filename})" if exc.filename else ""
+            print(f"{prog}: cannot write: {exc.strerror}{where}", file=sys.stderr)
+            try:  # (stdout may be the full one: its buffer must not fail again at exit)
+                if sys.stdout is not None:
+                    sys.stdout.flush()
+            except OSError:
+                _quiet_stdout()
+            return EXIT_CONFIG
         if os.environ.get("CALEXEC_DEBUG"):
             raise
         first = str(exc).splitlines()[0] if str(exc) else ""

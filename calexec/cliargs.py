@@ -4,7 +4,8 @@
   are one line (``calexec serve: error: argument --port: ...``) with a "did you mean" for a
   mistyped flag, exit 2.
 - :class:`UserError`: raised by a subcommand for a bad setting (exit 2, :data:`EXIT_CONFIG`) or
-  a runtime refusal (exit 3, :data:`EXIT_REFUSED`); ``calexec.cli`` prints its one line.
+  a runtime refusal (exit 3, :data:`EXIT_REFUSED`); ``calexec.cli`` prints its one line, as it
+  does for a ``DeviceSpecError`` (:func:`as_user_error`).
 - :func:`add_device_args` / :func:`device_spec`: ``--manifest``, ``--calbin``,
   ``--runtime-lib`` (and for ``serve`` ``--reset-kind`` / ``--conform-report``) on every entry
   point that opens a device, turned into a validated ``DeviceSpec``.
@@ -23,8 +24,10 @@ import argparse
 import difflib
 import functools
 import importlib.util
+import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NoReturn
 
 from calexec.commands import lookup
@@ -45,6 +48,20 @@ class UserError(Exception):
     def __init__(self, message: str, code: int = EXIT_CONFIG) -> None:
         super().__init__(message)
         self.code = code
+
+
+def as_user_error(exc: BaseException) -> UserError | None:
+    """``exc`` as the :class:`UserError` it means, or None for a bug: a ``UserError`` itself,
+    or a ``DeviceSpecError`` (a ``--runtime-lib``/``--manifest``/``--calbin``/``$CALEXEC_CALRT_LIB``
+    found bad only when a command opens it: one line naming the flag, exit 2)."""
+    if isinstance(exc, UserError):
+        return exc
+    # (looked up, not imported: an exception of that class means its module is loaded, and an
+    # internal error must not import the device layer to be reported)
+    device_spec = sys.modules.get("calexec.drivers.device_spec")
+    if device_spec is not None and isinstance(exc, device_spec.DeviceSpecError):
+        return UserError(str(exc))
+    return None
 
 
 def missing_extra(extra: str) -> str | None:
@@ -113,11 +130,42 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """A count or seed that may be 0 (a seed: numpy's ``default_rng`` refuses a negative one)."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def nonempty(text: str) -> str:
+    """A path flag's value: '' (an unset variable in a script) is refused, never taken for
+    'no value' or for the working directory (``Path('')`` is ``.``)."""
+    if not text:
+        raise argparse.ArgumentTypeError("empty path (omit the flag for its default)")
+    return text
+
+
+def nonempty_path(text: str) -> Path:
+    """:func:`nonempty` as a ``Path``."""
+    return Path(nonempty(text))
+
+
 def positive_float(text: str) -> float:
     value = float(text)
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value
+
+
+def output_dir(flag: str, path: str) -> None:
+    """Make the directory a command writes its report into, before the run (a run can last
+    hours): one line naming ``flag`` and ``path`` (UserError, exit 2) when it cannot be."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except (OSError, ValueError) as exc:  # (ValueError: a NUL in the path)
+        raise UserError(f"{flag}={path!r}: cannot make the directory: "
+                        f"{getattr(exc, 'strerror', None) or exc}") from None
 
 
 # ---- the device an entry point opens ---------------------------------------------------------
@@ -148,8 +196,10 @@ def add_device_args(p: argparse.ArgumentParser, *, calbin: bool = True, manifest
                                 "conformance.json): the reset kind its verdicts prove safe")
 
 
-def device_spec(args: argparse.Namespace) -> Any:
-    """The validated ``DeviceSpec`` of :func:`add_device_args`' flags; raises UserError."""
+def device_spec(args: argparse.Namespace, synthetic: str | None = None) -> Any:
+    """The validated ``DeviceSpec`` of :func:`add_device_args`' flags; raises UserError.
+    ``synthetic``: the command runs only the synthetic model, for this reason (said when a
+    ``--calbin`` is not one)."""
     from calexec.drivers.device_spec import DeviceSpec, DeviceSpecError
 
     spec = DeviceSpec(manifest_path=getattr(args, "manifest", None),
@@ -159,6 +209,8 @@ def device_spec(args: argparse.Namespace) -> Any:
                       conform_report=getattr(args, "conform_report", None))
     try:
         spec.check()
+        if synthetic is not None:
+            spec.check_synthetic_calbin(synthetic)
     except DeviceSpecError as exc:
         raise UserError(str(exc)) from None
     return spec
@@ -170,16 +222,20 @@ def say(prog: str, message: str) -> None:
 
 
 def command_main(fn: Callable[[list[str]], int]) -> Callable[[list[str]], int]:
-    """Decorate a subcommand's ``main(argv)``: a :class:`UserError` becomes its one line on
-    stderr (``calexec <command>: message``) and its exit code, whether the module is called
-    through ``calexec.cli`` or directly."""
+    """Decorate a subcommand's ``main(argv)``: a :class:`UserError` (or what
+    :func:`as_user_error` takes for one) becomes its one line on stderr (``calexec <command>:
+    message``) and its exit code, whether the module is called through ``calexec.cli`` or
+    directly."""
 
     @functools.wraps(fn)
     def main(argv: list[str]) -> int:
         try:
             return fn(argv)
-        except UserError as exc:
-            say(f"calexec {lookup(argv) or argv[0]}", str(exc))
-            return exc.code
+        except Exception as exc:
+            user = as_user_error(exc)
+            if user is None:
+                raise
+            say(f"calexec {lookup(argv) or argv[0]}", str(user))
+            return user.code
 
     return main

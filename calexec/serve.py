@@ -85,11 +85,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=DEFAULT_MODEL_NAME, metavar="NAME",
                    help="the model name the API reports (requests may also name the "
                         "manifest's model; any other `model` is a 404)")
-    p.add_argument("--tokenizer", metavar="PATH", help="a Hugging Face tokenizer.json (or its "
-                   "directory; tokenizer_config.json next to it gives the chat template and "
-                   "eos_token) loaded with the `tokenizers` library (pip install "
-                   "'calexec[tokenizer]'); default: the byte-level tokenizer of the synthetic "
-                   "model")
+    p.add_argument("--tokenizer", metavar="PATH", type=cliargs.nonempty,
+                   help="a Hugging Face tokenizer.json (or its directory; "
+                        "tokenizer_config.json next to it gives the chat template and "
+                        "eos_token) loaded with the `tokenizers` library (pip install "
+                        "'calexec[tokenizer]'); default: the byte-level tokenizer of the "
+                        "synthetic model")
     p.add_argument("--api-key", metavar="KEY", default=os.environ.get("CALEXEC_API_KEY"),
                    help="OpenAI endpoints (/v1/*, /tokenize, /detokenize) need "
                         "'Authorization: Bearer KEY' (default: $CALEXEC_API_KEY; unset: open); "
@@ -98,7 +99,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="allow browser pages of this origin (scheme://host[:port], or '*') to "
                         "call the server: CORS preflights answered, responses marked; "
                         "repeatable; default: CORS off")
-    p.add_argument("--admin-token-file", type=Path, help="file holding the admin bearer "
+    p.add_argument("--admin-token-file", type=cliargs.nonempty_path, help="file holding the admin bearer "
                    "token; without it the admin endpoints are disabled")
     p.add_argument("--grace", type=cliargs.positive_float, default=30.0,
                    help="drain grace in seconds")
@@ -119,12 +120,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=cliargs.positive_float, default=30.0,
                    help="default request deadline in seconds (at most the server's "
                         f"max_timeout_s, {MAX_TIMEOUT_S:g})")
-    p.add_argument("--dump-dir", type=Path, help="enable the dump sink in this directory")
+    p.add_argument("--dump-dir", type=cliargs.nonempty_path, help="enable the dump sink in this directory")
     p.add_argument("--dump-max-bytes", type=cliargs.positive_int, default=16 << 20,
                    help="dump size cap in bytes")
     p.add_argument("--dump-prompts", action="store_true",
                    help="also dump prompt and completion content (off by default)")
-    p.add_argument("--gil-switch-us", type=int, default=SERVING_SWITCH_INTERVAL_US,
+    p.add_argument("--gil-switch-us", type=cliargs.non_negative_int,
+                   default=SERVING_SWITCH_INTERVAL_US,
                    help="GIL switch interval in microseconds (0 keeps Python's 5000): shorter "
                         "hand-offs between the executor's threads, see drivers/serving/process.py")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
@@ -169,7 +171,11 @@ def _listen_socket(host: str, port: int) -> socket.socket:
 def _admin_token(path: Path | None) -> str | None:
     if path is None:
         return None
-    token = path.read_text(encoding="utf-8").strip()
+    try:
+        token = path.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"--admin-token-file={str(path)!r}: cannot read it: "
+                         f"{getattr(err, 'strerror', None) or err}") from None
     if not token:
         raise ValueError(f"--admin-token-file={str(path)!r} is empty")
     problem = api_key_problem(token)  # a token no request could match locks the admin out
@@ -189,8 +195,12 @@ def main(argv: list[str]) -> int:
     try:
         set_gil_switch_interval_us(args.gil_switch_us)
         token = _admin_token(args.admin_token_file)
-        dump = None if args.dump_dir is None else DumpSink(
-            args.dump_dir.absolute(), args.dump_max_bytes, include_content=args.dump_prompts)
+        try:
+            dump = None if args.dump_dir is None else DumpSink(
+                args.dump_dir.absolute(), args.dump_max_bytes, include_content=args.dump_prompts)
+        except (OSError, DumpConfigError) as err:
+            raise ValueError(f"--dump-dir={str(args.dump_dir)!r}: "
+                             f"{getattr(err, 'strerror', None) or err}") from None
         if args.timeout > MAX_TIMEOUT_S:  # refused here, not per request blaming the client
             raise ValueError(f"--timeout={args.timeout:g}: above the server's largest request "
                              f"deadline, max_timeout_s={MAX_TIMEOUT_S:g}")
@@ -198,6 +208,8 @@ def main(argv: list[str]) -> int:
                             ("--max-resumes", args.max_resumes)):
             if value < 0:
                 raise ValueError(f"{flag}={value}: must be >= 0")
+        if not args.served_model_name.strip():  # every response would say "model": ""
+            raise ValueError(f"--served-model-name={args.served_model_name!r}: must not be empty")
         problem = None if args.api_key is None else api_key_problem(args.api_key)
         if problem is not None:  # checked here: it would refuse every request
             raise ValueError(f"--api-key {problem}")
@@ -245,6 +257,11 @@ def main(argv: list[str]) -> int:
             print(f"calexec serve: {err}", file=sys.stderr)
             return EXIT_USAGE
         logging.getLogger("calexec.serve").info("reset_kind=%s from %s", reset_kind, why)
+        if not args.once:  # (uvicorn, handed the socket, does not say it; --once prints it)
+            bound_host, bound_port = listener.getsockname()[:2]
+            shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+            logging.getLogger("calexec.serve").info("listening on http://%s:%d", shown,
+                                                    bound_port)
         status = executor.start()
         if not status.ok:
             print(f"calexec serve: executor failed to start: {status}", file=sys.stderr)

@@ -76,6 +76,9 @@ class DeviceSpec:
         """Validate every setting without opening a device; raises DeviceSpecError."""
         if self.reset_kind is not None and self.conform_report is not None:
             self.reset()  # the conflict is named before any path
+        if self.runtime_lib == "":  # (not the default: an unset variable in a script)
+            raise DeviceSpecError("--runtime-lib='': empty (omit the flag for "
+                                  f"${ENV_LIB} or the bundled emulator)")
         lib_flag = "--runtime-lib" if self.runtime_lib else f"${ENV_LIB}"
         _readable_file(lib_flag, self.library)
         _readable_file("--manifest", self.manifest_path)
@@ -104,6 +107,18 @@ class DeviceSpec:
                 from None
         except ValueError as exc:
             raise DeviceSpecError(f"--manifest: {exc}") from None
+
+    def check_synthetic_calbin(self, why: str) -> None:
+        """For a command that runs only the synthetic model (the emulator, the oracle): an
+        explicit ``--calbin`` must be one (``calexec sim write-calbin``); ``why`` says what
+        needs it. Raises DeviceSpecError naming the flag and value."""
+        if self.calbin_path is None:
+            return
+        try:
+            calbin_fmt.read(self.calbin_path)
+        except (OSError, ValueError) as exc:
+            raise DeviceSpecError(f"--calbin={self.calbin_path!r}: not a synthetic calbin "
+                                  f"(calexec sim write-calbin), which {why}: {exc}") from None
 
     def calbin(self, tmp_dir: str) -> str:
         """``--calbin``, or the default synthetic calbin written into ``tmp_dir``."""
@@ -144,15 +159,16 @@ class DeviceSpec:
         """A RecoveryPolicy (``fields`` override its defaults) with the resolved reset kind."""
         return RecoveryPolicy(**{"reset_kind": self.reset()[0], **fields})
 
-    def check_device_config(self, rt: CalRT, config: str) -> None:
-        """Name the ``key=value`` of ``config`` the runtime refuses: when ``calrt_device_open``
-        refuses the whole string, each item is tried alone. Raises DeviceSpecError."""
+    def check_device_config(self, rt: CalRT, config: str, flag: str = "--device-config") -> None:
+        """Name the ``key=value`` of ``config`` (given as ``flag``) the runtime refuses: when
+        ``calrt_device_open`` refuses the whole string, each item is tried alone. Raises
+        DeviceSpecError."""
         if not config:
             return
         items = [item for item in config.split(";") if item.strip()]
         for item in items:
             if "=" not in item:
-                raise DeviceSpecError(f"--device-config: item {item!r} is not key=value")
+                raise DeviceSpecError(f"{flag}: item {item!r} is not key=value")
         rc, device = rt.open_device(config)
         if rc == 0 and device is not None:
             device.close()
@@ -163,10 +179,10 @@ class DeviceSpec:
                 one.close()
                 continue
             key, _, value = item.partition("=")
-            raise DeviceSpecError(f"--device-config: {key.strip()}={value.strip()!r} refused by "
+            raise DeviceSpecError(f"{flag}: {key.strip()}={value.strip()!r} refused by "
                                   f"the runtime (calrt_device_open returned {rc_one}); the "
                                   "emulator's keys are listed in docs/emulator.md")
-        raise DeviceSpecError(f"--device-config={config!r}: refused by the runtime "
+        raise DeviceSpecError(f"{flag}={config!r}: refused by the runtime "
                               f"(calrt_device_open returned {rc}), though each item alone opens")
 
 

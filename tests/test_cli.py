@@ -331,3 +331,406 @@ def test_output_cut_short_by_the_reader_is_not_an_internal_error():
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 141, err
     assert "internal error" not in err and "Traceback" not in err, err
+
+
+# ---- bad-input sweep: odd environments and flag values ---------------------------------------
+def _env_without(*names: str) -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items() if k not in names}
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["bench", "--help"], ["sim", "-h"],
+                                  ["demo", "--help"], ["--version"]])
+def test_a_reader_gone_before_any_output_is_exit_141_without_a_traceback(argv):
+    """``calexec ... | head -1`` with stdout block-buffered (no PYTHONUNBUFFERED, a user's
+    shell): the failed flush at exit used to print "Exception ignored ... BrokenPipeError" and
+    exit 120, and a group's help (``calexec bench --help``) a traceback. The read end is closed
+    before the child starts, so every write fails."""
+    import os
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run([sys.executable, "-m", "calexec", *argv], stdout=write_end,
+                              stderr=subprocess.PIPE, text=True, timeout=TIMEOUT_S,
+                              env=_env_without("PYTHONUNBUFFERED"))
+    finally:
+        os.close(write_end)
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr
+    assert done.returncode == 141, (done.returncode, done.stderr)
+
+
+def _not_calrt_libraries(tmp_path: Path) -> list[str]:
+    """A file that is no shared library, and a real one without calrt.h's symbols."""
+    import _ctypes
+
+    text = tmp_path / "libtext.so"
+    text.write_text("not an ELF\n")
+    return [str(text), _ctypes.__file__]
+
+
+#: the smallest runs of the commands that open a device (they fail at the library's load)
+DEVICE_COMMANDS = [
+    ["demo", "--seqs", "1", "--tokens", "1"],
+    ["sim", "bench", "--iters", "1", "--profile-iters", "1"],
+    ["bench", "overhead", "--tokens", "1", "--runs", "1", "--zero-tokens", "1", "--no-floor",
+     "--decode-us", "1"],
+    ["bench", "recovery", "--recoveries", "1"],
+    ["bench", "pingpong", "--seqs", "1", "--tokens", "1", "--solo-tokens", "1"],
+]
+
+
+@pytest.mark.parametrize("argv", DEVICE_COMMANDS, ids=lambda argv: " ".join(argv[:2]))
+def test_a_runtime_lib_that_cannot_load_is_named_exit_2_on_every_command(argv, tmp_path):
+    """The library is dlopen'ed after the flags are checked; its DeviceSpecError used to be an
+    internal error (exit 70: demo, sim bench) or a failed check (exit 1: bench *)."""
+    for lib in _not_calrt_libraries(tmp_path):
+        done = calexec(*argv, "--runtime-lib", lib)
+        line = one_line(done.stderr)
+        assert done.returncode == 2, (argv, lib, done.returncode, done.stderr)
+        assert f"--runtime-lib='{lib}': cannot load" in line, line
+
+
+def test_calexec_calrt_lib_that_cannot_load_is_named_exit_2(tmp_path):
+    lib = _not_calrt_libraries(tmp_path)[0]
+    code = (f"import os, sys\nos.environ['CALEXEC_CALRT_LIB'] = {lib!r}\n"
+            "from calexec.cli import main\nsys.exit(main(['demo', '--seqs', '1']))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    assert done.returncode == 2, done.stderr
+    assert f"$CALEXEC_CALRT_LIB='{lib}': cannot load" in one_line(done.stderr)
+
+
+@pytest.mark.parametrize("argv, named", [
+    # numpy's default_rng refuses a negative seed: it was an internal error (exit 70)
+    (["bench", "logits", "--iters", "1", "--seed", "-1"], "argument --seed: must be >= 0, got -1"),
+    (["bench", "overhead", "--tokens", "1", "--runs", "1", "--zero-tokens", "1", "--no-floor",
+      "--decode-us", "1", "--seed", "-1"], "argument --seed: must be >= 0, got -1"),
+    (["bench", "recovery", "--recoveries", "1", "--seed", "-1"], "argument --seed: must be >= 0"),
+    # the emulator refused the device config: exit 3 and two lines, the flag not named
+    (["demo", "--seqs", "1", "--decode-us", "-5"], "argument --decode-us: must be >= 0, got -5"),
+])
+def test_a_negative_count_is_refused_at_parse_time_exit_2(argv, named):
+    done = calexec(*argv)
+    line = one_line(done.stderr)
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert named in line, line
+
+
+@pytest.fixture
+def synthetic_calbin(tmp_path: Path) -> str:
+    from calexec.drivers.synthetic import calbin
+
+    path = tmp_path / "synthetic.calbin"
+    calbin.write(str(path), calbin.default_spec())
+    return str(path)
+
+
+@pytest.mark.parametrize("extra, named", [
+    # were internal errors (exit 70), the last two after the warm-up had run
+    (["--runtime-lib", "{not_calrt}"], "--runtime-lib='{not_calrt}': cannot load"),
+    (["--out", "{tmp}"], "--out='{tmp}': "),
+    (["--out", "{not_toml}"], "--out='{not_toml}': "),
+    # was exit 1, "executor did not start", the flag not named
+    (["--device-config", "decode_us=-1"], "--device-config: decode_us='-1' refused"),
+])
+def test_golden_record_bad_flags_are_one_line_exit_2(extra, named, synthetic_calbin, tmp_path):
+    not_toml = tmp_path / "goldens.toml"
+    not_toml.write_text("this is not TOML\n")
+    values = {"not_calrt": _not_calrt_libraries(tmp_path)[1], "tmp": str(tmp_path),
+              "not_toml": str(not_toml)}
+    extra = [a.format(**values) for a in extra]
+    done = calexec("golden", "record", "--calbin", synthetic_calbin, *extra)
+    line = one_line(done.stderr)
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert line.startswith("calexec golden record: ") and named.format(**values) in line, line
+    assert not_toml.read_text() == "this is not TOML\n"
+
+
+@pytest.mark.parametrize("argv, named", [
+    # the KvManager refused iters + 1 tokens mid-run: internal error (exit 70)
+    (["--iters", "1", "--profile-iters", "40960"], "--profile-iters=40960: must be in 1..40959"),
+    (["--iters", "40960", "--profile-iters", "1"], "--iters=40960: must be in 1..40959"),
+    # calbin_load refused it: 'internal error: DriverError ... code 12' (exit 70)
+    (["--iters", "1", "--profile-iters", "1", "--calbin", "{not_calbin}"],
+     "--calbin='{not_calbin}': "),
+])
+def test_sim_bench_bad_flags_are_one_line_exit_2(argv, named, tmp_path):
+    not_calbin = tmp_path / "x.calbin"
+    not_calbin.write_text("not a calbin\n")
+    argv = [a.format(not_calbin=not_calbin) for a in argv]
+    done = calexec("sim", "bench", *argv)
+    line = one_line(done.stderr)
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert named.format(not_calbin=not_calbin) in line, line
+
+
+@pytest.mark.parametrize("argv, named", [
+    # sequence ids past the KvManager's max_seqs (64): pingpong exited 1 with a 120 kB line (one
+    # failed reset per id), demo 1 with "prefill failed: kv.seq_id_out_of_range"
+    (["bench", "pingpong", "--seqs", "63", "--tokens", "1", "--solo-tokens", "1"],
+     "--seqs=63: the device's KvManager takes sequence ids 0..63"),
+    (["demo", "--seqs", "64", "--tokens", "1"],
+     "--seqs=64: the device's KvManager takes sequence ids 0..63"),
+    # written after the whole run: internal error (exit 70)
+    (["bench", "pingpong", "--seqs", "1", "--tokens", "1", "--solo-tokens", "1", "--trace",
+      "{tmp}"], "--trace='{tmp}': "),
+    (["bench", "pingpong", "--seqs", "1", "--tokens", "1", "--solo-tokens", "1", "--trace",
+      "{tmp}/no/trace.json"], "--trace='{tmp}/no/trace.json': "),
+])
+def test_sequence_and_trace_flags_are_one_line_exit_2(argv, named, tmp_path):
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    done = calexec(*argv)
+    line = one_line(done.stderr)
+    assert done.returncode == 2, (done.returncode, done.stderr[:2000])
+    assert named.format(tmp=tmp_path) in line, line
+
+
+def test_conform_with_a_library_that_is_not_calrt_is_exit_2(tmp_path):
+    """A directory, a text file, a real .so without calrt.h's symbols: the run used to go on,
+    every question 'inconclusive', exit 0 with a list of 'safe settings'."""
+    text_file, not_calrt = _not_calrt_libraries(tmp_path)
+    for lib, named in ((str(tmp_path), f"'{tmp_path}': not a regular file"),
+                       (text_file, f"--lib='{text_file}': cannot load it: "),
+                       (not_calrt, f"--lib='{not_calrt}': cannot load it: ")):
+        done = calexec("conform", "--quick", "--only", "parallel", "--lib", lib)
+        line = one_line(done.stderr)
+        assert done.returncode == 2, (lib, done.returncode, done.stderr)
+        assert line.startswith("calexec conform: ") and named in line, line
+
+
+@pytest.mark.parametrize("argv, named", [
+    # said "[Errno 2] No such file or directory: '...'" / "[Errno 21] Is a directory": no flag
+    (["serve", "--admin-token-file", "{tmp}/none"], "--admin-token-file='{tmp}/none': "),
+    (["serve", "--admin-token-file", "{tmp}"], "--admin-token-file='{tmp}': "),
+    # "[Errno 17] File exists: '...'"
+    (["serve", "--dump-dir", "{file}"], "--dump-dir='{file}': "),
+    # "gil switch interval=-5 us: must be >= 0"
+    (["serve", "--gil-switch-us", "-5"], "argument --gil-switch-us: must be >= 0, got -5"),
+    # "seed must be a u64, got -1", "hidden must be >= 1, got 0"
+    (["sim", "write-calbin", "{tmp}/c.calbin", "--seed", "-1"], "argument --seed: "),
+    (["sim", "write-calbin", "{tmp}/c.calbin", "--hidden", "0"], "argument --hidden: "),
+    # "not a calbin: header is ..."
+    (["accept", "--gates", "correctness", "--calbin", "{file}"], "--calbin='{file}': "),
+    # served, exit 0: every response said "model": ""
+    (["serve", "--once", "--served-model-name", " "], "--served-model-name=' ': "),
+])
+def test_a_bad_value_found_past_the_parser_still_names_its_flag(argv, named, tmp_path):
+    file = tmp_path / "file"
+    file.write_text("x\n")
+    values = {"tmp": str(tmp_path), "file": str(file)}
+    argv = [a.format(**values) for a in argv]
+    done = calexec(*argv)
+    line = one_line(done.stderr)
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert line.startswith(f"calexec {cli.lookup(argv)}: ") and named.format(**values) in line, line
+
+
+@pytest.mark.parametrize("argv, named", [
+    # its own argparse parser: the usage line, then the error (two lines)
+    (["bench", "charts", "--iters", "0"], "argument --iters: must be >= 1, got 0"),
+    (["bench", "charts", "--iters", "x"], "argument --iters: invalid positive_int value: 'x'"),
+    # nan passed the '< 0' check: the whole soak ran, then its rss check failed (exit 1)
+    (["bench", "soak", "--requests", "1", "--faults", "1", "--clients", "1", "--decode-us", "0",
+      "--max-tokens", "1", "--rss-bound-mib", "nan"], "argument --rss-bound-mib: "),
+    (["bench", "soak", "--requests", "1", "--faults", "1", "--clients", "1", "--decode-us", "0",
+      "--max-tokens", "1", "--rss-bound-mib", "-1"], "argument --rss-bound-mib: must be >= 0"),
+])
+def test_bench_charts_and_soak_flags_are_one_line_exit_2(argv, named):
+    done = calexec(*argv)
+    line = one_line(done.stderr)
+    assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
+    assert line.startswith(f"calexec {cli.lookup(argv)}: error: ") and named in line, line
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+@pytest.mark.parametrize("argv", [["--version"], ["sim", "write-calbin", "{tmp}/c.calbin"]])
+def test_a_full_stdout_is_one_line_not_a_traceback(argv, tmp_path):
+    """stdout on a full disk (``> /dev/full``), block-buffered: the flush at the end of the
+    run used to fail after main returned ('Exception ignored ... OSError', exit 120)."""
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "calexec", *argv], stdout=full,
+                              stderr=subprocess.PIPE, text=True, timeout=TIMEOUT_S,
+                              env=_env_without("PYTHONUNBUFFERED"))
+    line = one_line(done.stderr)
+    assert "Exception ignored" not in done.stderr
+    assert done.returncode == 2 and "cannot write to stdout: No space left on device" in line, (
+        done.returncode, done.stderr)
+
+
+@pytest.mark.parametrize("argv", [["accept", "--gates", "lengths", "--phase", "a"],
+                                  ["conform", "--quick", "--only", "parallel"]])
+def test_a_report_directory_that_cannot_be_made_is_refused_before_the_run(argv, tmp_path):
+    """``--report`` naming an existing file: the whole run went first (24 h for ``accept
+    --full``), then 'cannot write the report' (accept, exit 2) or '[Errno 17] File exists'
+    (conform, exit 1)."""
+    file = tmp_path / "file"
+    file.write_text("x\n")
+    done = calexec(*argv, "--report", str(file))
+    line = one_line(done.stderr)  # (no progress line: nothing ran)
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert f"--report='{file}': cannot make the directory" in line, line
+
+
+def test_conform_only_repeated_runs_the_experiment_once():
+    """``--only parallel --only parallel`` (a repeated flag, e.g. from a script): the experiment
+    ran twice and the report listed each of its questions twice."""
+    done = calexec("conform", "--quick", "--json", "--only", "parallel", "--only", "parallel")
+    assert done.returncode == 0, done.stderr
+    ids = [q["id"] for q in json.loads(done.stdout)["questions"]]
+    assert ids and len(ids) == len(set(ids)), ids
+    assert done.stderr.count("experiment parallel ...") == 1, done.stderr
+
+
+def test_accept_gates_repeated_runs_the_gate_once():
+    """``--gates lengths,lengths``: the gate ran twice ('2/2 gates'), the report kept one."""
+    done = calexec("accept", "--gates", "lengths,lengths", "--phase", "a")
+    assert done.returncode == 0, done.stderr
+    assert "(1/1 gates)" in done.stderr and "/2 gates" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("phases, named", [
+    ("0:inf", "--decode-us: share 'inf' of 0 must be > 0 and finite"),  # was exit 70
+    ("0:nan", "--decode-us: share 'nan' of 0 must be > 0 and finite"),
+])
+def test_bench_soak_phase_shares_must_be_finite(phases, named):
+    done = calexec("bench", "soak", "--requests", "1", "--faults", "1", "--clients", "1",
+                   "--max-tokens", "1", "--decode-us", phases)
+    line = one_line(done.stderr)
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert named in line, line
+
+
+def test_serve_dump_dir_with_home_at_the_filesystem_root(tmp_path):
+    """HOME=/ (a container's or a service account's): every path is 'under' it, so any
+    --dump-dir was refused 'is under a home directory'. /home and /root stay refused."""
+    pre = "import os\nos.environ['HOME'] = '/'"
+    done = calexec("serve", "--once", "--dump-dir", str(tmp_path / "dumps"), pre=pre)
+    assert done.returncode == 0, done.stderr
+    refused = calexec("serve", "--once", "--dump-dir", "/root/calexec-dumps", pre=pre)
+    assert refused.returncode == 2 and "under a home directory" in one_line(refused.stderr)
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_full_disk_during_the_command_is_one_line_exit_2(tmp_path):
+    """stdout unbuffered on a full disk: the command's own print failed, 'internal error:
+    OSError: [Errno 28] No space left on device' exit 70. A full disk is never a bug."""
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(
+            [sys.executable, "-m", "calexec", "sim", "write-calbin", str(tmp_path / "c.calbin")],
+            stdout=full, stderr=subprocess.PIPE, text=True, timeout=TIMEOUT_S,
+            env={**_env_without("PYTHONUNBUFFERED"), "PYTHONUNBUFFERED": "1"})
+    line = one_line(done.stderr)
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert line.startswith("calexec sim write-calbin: ") and "No space left on device" in line
+    assert "internal error" not in line, line
+
+
+def test_serve_says_the_address_it_listens_on():
+    """``serve --port 0`` (an ephemeral port) never said which port it got: uvicorn is handed
+    the bound socket, so its 'running on' line is not printed either."""
+    import os
+    import selectors
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "calexec", "serve", "--port", "0"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    assert proc.stderr is not None
+    seen = b""
+    try:
+        with selectors.DefaultSelector() as sel:
+            sel.register(proc.stderr, selectors.EVENT_READ)
+            deadline = time.monotonic() + TIMEOUT_S
+            while (time.monotonic() < deadline and proc.poll() is None
+                   and b"Application startup complete" not in seen):
+                if sel.select(timeout=1.0):
+                    seen += os.read(proc.stderr.fileno(), 65536)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        rest = proc.communicate(timeout=TIMEOUT_S)[1]
+    text = (seen + rest).decode(errors="replace")
+    assert proc.returncode == 0, text
+    listening = [line for line in text.splitlines() if "listening on http://127.0.0.1:" in line]
+    assert listening and not listening[0].rstrip().endswith(":0"), text
+
+
+@pytest.mark.parametrize("config, named", [
+    ("garbage", "--config: item 'garbage' is not key=value"),
+    ("decode_us=5;kv_blockz=4", "--config: kv_blockz='4' refused by the runtime"),
+])
+def test_conform_config_the_runtime_refuses_is_exit_2(config, named):
+    """A typo in --config: every experiment's device_open failed, every question
+    'inconclusive', exit 0 with a list of 'safe settings'."""
+    done = calexec("conform", "--quick", "--only", "parallel", "--config", config)
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    last = [line for line in done.stderr.splitlines() if line.strip()][-1]
+    assert last.startswith("calexec conform: ") and named in last, done.stderr
+    assert "experiment parallel" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("argv", DEVICE_COMMANDS[2:], ids=lambda argv: " ".join(argv[:2]))
+def test_a_calbin_that_is_not_synthetic_is_named_exit_2_by_the_emulator_benches(argv, tmp_path):
+    """The benches run the emulator and check tokens against the synthetic oracle: a calbin
+    of any other kind was 'executor start failed: ... FILE_FORMAT', two lines, exit 1."""
+    path = tmp_path / "x.calbin"
+    path.write_text("not a calbin\n")
+    done = calexec(*argv, "--calbin", str(path))
+    line = one_line(done.stderr)
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert f"--calbin='{path}': not a synthetic calbin" in line, line
+
+
+@pytest.mark.parametrize("argv", [
+    DEVICE_COMMANDS[3], DEVICE_COMMANDS[4],
+    ["bench", "server", "--requests", "1", "--concurrency", "1", "--rounds", "1",
+     "--max-tokens", "1", "--decode-us", "0"],
+], ids=lambda argv: " ".join(argv[:2]))
+def test_an_executor_that_does_not_start_is_exit_3_in_the_benches(argv, tmp_path):
+    """A synthetic calbin of another seed has no pinned golden (§9.2): the executor refuses
+    to start. The benches exited 1 (a failed check); calexec's contract says 3."""
+    from calexec.drivers.synthetic import calbin
+
+    path = tmp_path / "seed5.calbin"
+    calbin.write(str(path), calbin.default_spec(seed=5))
+    done = calexec(*argv, "--calbin", str(path))
+    assert done.returncode == 3, (done.returncode, done.stderr)
+    assert "golden.unpinned" in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("argv, named", [
+    # said "$CALEXEC_CALRT_LIB=None: cannot load ...": the wrong flag, the wrong value
+    (["demo", "--seqs", "1", "--runtime-lib", ""], "--runtime-lib='': empty"),
+    (["serve", "--once", "--runtime-lib", ""], "--runtime-lib='': empty"),
+    # ran on the bundled emulator, exit 0, as if the flag had not been given
+    (["conform", "--quick", "--only", "parallel", "--lib", ""], "--lib='': empty"),
+])
+def test_an_empty_library_flag_is_named_not_ignored(argv, named):
+    done = calexec(*argv)
+    line = one_line(done.stderr)
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert named in line, line
+
+
+@pytest.mark.parametrize("argv", [
+    # Path('') is '.': the dump sink wrote calexec-dump-PID.jsonl into the working directory,
+    # past DumpSink's "an explicit directory is required" (S12)
+    ["serve", "--once", "--dump-dir", ""],
+    ["serve", "--once", "--admin-token-file", ""],
+    # os.path.abspath('') is the working directory: taken for a tokenizer directory
+    ["serve", "--once", "--tokenizer", ""],
+    # ignored ('if args.report:'): the run went on and wrote no report, exit 0
+    ["accept", "--gates", "lengths", "--phase", "a", "--report", ""],
+    ["conform", "--quick", "--only", "parallel", "--report", ""],
+    ["bench", "pingpong", "--seqs", "1", "--tokens", "1", "--solo-tokens", "1", "--trace", ""],
+    ["golden", "record", "--calbin", "x.calbin", "--out", ""],
+], ids=lambda argv: f"{argv[0]} {argv[-2]}")
+def test_an_empty_path_flag_is_refused_exit_2(argv, tmp_path):
+    done = subprocess.run([sys.executable, "-m", "calexec", *argv], capture_output=True,
+                          text=True, timeout=TIMEOUT_S, cwd=tmp_path)
+    line = one_line(done.stderr)
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert f"argument {argv[-2]}: empty path" in line, line
+    assert list(tmp_path.iterdir()) == [], list(tmp_path.iterdir())

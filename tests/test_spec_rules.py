@@ -298,6 +298,6 @@ def test_golden_record_usage_errors_name_the_problem(calbins, tmp_path, capsys):
     text = manifest_path.read_text().replace('ignored_models = ["qwen3_decode_s40960_b1_draft"]\n', "")
     manifest_path.write_text(text)
     assert golden_cli.main(["golden", "record", "--calbin", calbins["main"],
-                            "--manifest", str(manifest_path)]) == 1
+                            "--manifest", str(manifest_path)]) == 3  # runtime refusal
     assert "manifest.model_unlisted" in capsys.readouterr().err
     assert not gl.goldens_path(manifest_path).exists()

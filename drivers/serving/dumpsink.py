@@ -31,7 +31,7 @@ class DumpConfigError(ValueError):
 def _home_roots() -> list[Path]:
     roots = [Path("/home"), Path("/root")]
     home = os.environ.get("HOME")
-    if home:
+    if home and Path(home).resolve() != Path("/"):  # HOME=/ (a service account): no home
         roots.append(Path(home))
     return [r.resolve() for r in roots]
 

@@ -37,14 +37,15 @@ def main(argv: list[str]) -> int:
                    help="tokens to decode per sequence")
     p.add_argument("--prompt-len", type=cliargs.positive_int, default=17,
                    help="prompt tokens per sequence")
-    p.add_argument("--decode-us", type=int, default=0,
+    p.add_argument("--decode-us", type=cliargs.non_negative_int, default=0,
                    help="emulated decode latency in microseconds (emulator device config)")
     cliargs.add_device_args(p)
     args = p.parse_args(argv[1:])
     if args.prompt_len + args.tokens > calbin_fmt.MAX_SEQ:
         raise cliargs.UserError(f"--prompt-len + --tokens = {args.prompt_len + args.tokens}: "
                                 f"above the model's max_seq {calbin_fmt.MAX_SEQ}")
-    spec = cliargs.device_spec(args)
+    spec = cliargs.device_spec(
+        args, synthetic="the demo checks tokens against the synthetic model's oracle")
     with tempfile.TemporaryDirectory(prefix="calexec-demo-") as tmp:
         path = spec.calbin(tmp)
         try:  # the oracle checks the tokens: only a synthetic calbin has one
@@ -62,6 +63,12 @@ def main(argv: list[str]) -> int:
         status = ex.start()
         if not status.ok:
             raise cliargs.UserError(f"executor start failed: {status}", cliargs.EXIT_REFUSED)
+        max_seqs = getattr(ex.kv, "max_seqs", None)  # known once started
+        if max_seqs is not None and args.seqs >= max_seqs:  # ids 1..seqs
+            ex.shutdown()
+            raise cliargs.UserError(f"--seqs={args.seqs}: the device's KvManager takes sequence "
+                                    f"ids 0..{max_seqs - 1} (max_seqs={max_seqs}; 0 is the "
+                                    f"warm-up's), so at most {max_seqs - 1}")
         golden = ex.life.expected_golden(sha)[0]
         print(f"runtime {ex.runtime.version}, calbin sha256 {sha[:16]}..., generation "
               f"{None if ex.gen is None else ex.gen.id}, lifecycle {ex.state}, golden "

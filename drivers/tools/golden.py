@@ -8,20 +8,29 @@ From then on warm-up compares against this pin, and a start or model switch to a
 without one is refused unless ``allow_unpinned_golden`` is set.
 
 Record on the runtime that will serve: the golden is what *this* runtime computes.
-Exit status: 0 recorded, 1 the executor did not start (Status printed), 2 usage error.
+Exit status: 0 recorded; 2 a bad flag (one line naming it, before anything runs: the paths,
+the library's load, the device config's keys, an ``--out`` that cannot be updated); 3 the
+executor did not start (its Status printed).
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import attrs
 
 from calexec import cliargs
-from calexec.contracts.goldens import NO_GOLDENS, PinnedGolden, goldens_path, pin
+from calexec.contracts.goldens import (
+    NO_GOLDENS,
+    GoldenFileError,
+    PinnedGolden,
+    goldens_path,
+    load_goldens,
+    pin,
+)
 from calexec.contracts.manifest import ManifestError, default_manifest_path, load_manifest
 from calexec.contracts.status import Status
+from calexec.drivers.device_spec import DeviceSpec
 
 
 def record(calbin: str, manifest_path: str | Path, runtime_lib: str | None = None,
@@ -48,6 +57,21 @@ def record(calbin: str, manifest_path: str | Path, runtime_lib: str | None = Non
         ex.shutdown(10.0)
 
 
+def _check_out(out: Path) -> None:
+    """Refuse an ``--out`` that cannot be updated before the warm-up runs: a directory, a file
+    that is no goldens file, a missing parent directory. Raises UserError."""
+    try:
+        if out.is_dir():
+            raise OSError(f"{out} is a directory")
+        if not out.parent.is_dir():
+            raise OSError(f"no directory {str(out.parent)!r}")
+        load_goldens(out)  # an existing file must be one pin() can merge into
+    except (OSError, GoldenFileError) as exc:
+        raise cliargs.UserError(f"--out={str(out)!r}: cannot update it: "
+                                f"{getattr(exc, 'strerror', None) or exc}") from None
+
+
+@cliargs.command_main
 def main(argv: list[str]) -> int:
     """Entry point; ``argv`` starts with the command words ``golden record``."""
     parser = cliargs.parser("calexec golden record", __doc__)
@@ -55,27 +79,33 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--manifest", default=str(default_manifest_path()),
                         help="manifest the calbin is resolved against (default: the packaged "
                              "qwen3_synthetic.toml)")
-    parser.add_argument("--out", type=Path, default=None,
+    parser.add_argument("--out", type=cliargs.nonempty_path, default=None,
                         help="goldens file to update (default: <manifest stem>.goldens.toml)")
     parser.add_argument("--runtime-lib", default=None,
                         help="calrt.h library to load (default: the bundled emulator)")
     parser.add_argument("--device-config", default="", help="device config string")
     parser.add_argument("--note", default=None, help="free text stored with the golden")
     args = parser.parse_args(argv[2:] if argv[:2] == ["golden", "record"] else argv[1:])
-    if not Path(args.calbin).is_file():
-        print(f"calexec golden record: --calbin {args.calbin!r}: no such file", file=sys.stderr)
-        return 2
+    # every flag is checked before the warm-up runs: the paths, the library's load, the device
+    # config's keys (one line naming the flag, exit 2; DeviceSpecError through command_main)
+    spec = DeviceSpec(manifest_path=args.manifest, calbin_path=args.calbin,
+                      runtime_lib=args.runtime_lib)
+    spec.check()
+    spec.check_device_config(spec.runtime(), args.device_config)
+    out = args.out if args.out is not None else goldens_path(args.manifest)
+    _check_out(out)
     try:
         golden = record(args.calbin, args.manifest, args.runtime_lib, args.device_config,
                         args.note if args.note is not None else f"recorded from {Path(args.calbin).name}")
     except (ManifestError, OSError) as exc:
-        print(f"calexec golden record: {exc}", file=sys.stderr)
-        return 2
+        raise cliargs.UserError(str(exc)) from None
     if isinstance(golden, Status):
-        print(f"calexec golden record: executor did not start: {golden}", file=sys.stderr)
-        return 1
-    out = args.out if args.out is not None else goldens_path(args.manifest)
-    pin(out, golden)
+        raise cliargs.UserError(f"executor did not start: {golden}", cliargs.EXIT_REFUSED)
+    try:
+        pin(out, golden)
+    except (OSError, GoldenFileError) as exc:
+        raise cliargs.UserError(f"--out={str(out)!r}: cannot update it: "
+                                f"{getattr(exc, 'strerror', None) or exc}") from None
     print(f"pinned golden for calbin sha256 {golden.calbin_sha256}: tokens {list(golden.tokens)} "
           f"(prompt of {len(golden.prompt)} tokens, {golden.decode_steps} decode steps) -> {out}")
     return 0

@@ -96,7 +96,7 @@ def run_accept(sizes: Sizes = QUICK, phases: Sequence[str] = ("a", "b"),
     environment, and the per-job latency / RSS series the plots are drawn from. ``device``:
     the runtime library (it needs the emulator controls: the gates inject faults), manifest
     and synthetic calbin (the oracle checks every token); default the bundled emulator's."""
-    names = list(GATES) if gates is None else list(gates)
+    names = list(GATES) if gates is None else list(dict.fromkeys(gates))  # a repeat runs once
     unknown = [g for g in names if g not in GATES]
     if unknown:
         raise ValueError(f"unknown gate(s) {unknown}; known: {list(GATES)}")
@@ -144,7 +144,7 @@ def _parser() -> argparse.ArgumentParser:
     mode.add_argument("--full", action="store_true", help="the spec's sizes, 24 h soak")
     p.add_argument("--phase", choices=sorted(PHASES), default="both",
                    help="a: in-flight 1; b: in-flight 2 (PING/PONG); both (default)")
-    p.add_argument("--report", metavar="DIR", help="write report.md, report.json and plots")
+    p.add_argument("--report", metavar="DIR", type=cliargs.nonempty, help="write report.md, report.json and plots")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.add_argument("--soak-seconds", type=cliargs.positive_float,
                    help="soak duration (quick 20, full 86400)")
@@ -162,9 +162,11 @@ def main(argv: list[str]) -> int:
     parser = _parser()
     args = parser.parse_args(argv[1:])
     sizes = FULL if args.full else QUICK
-    if args.report:  # before the run: a missing extra must not cost the run
+    if args.report:  # before the run: a missing extra or directory must not cost the run
         cliargs.require_extra("plots", "--report (PNG plots)")
-    device = cliargs.device_spec(args)
+        cliargs.output_dir("--report", args.report)
+    device = cliargs.device_spec(
+        args, synthetic="the gates check every token against the synthetic model's oracle")
     try:
         if args.soak_seconds is not None:
             sizes = attrs.evolve(sizes, soak_seconds=args.soak_seconds)

@@ -10,12 +10,12 @@ same declarations as the baseline.
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import time
 from collections.abc import Callable
 
+from calexec import cliargs
 from calexec.machines.charts import DECLARED
 from calexec.machines.compiled import compile_chart
 
@@ -89,12 +89,11 @@ def run_bench(iters: int) -> dict[str, float | int | str]:
 
 def main(argv: list[str]) -> int:
     """Entry point; ``argv`` starts with the command words ``bench charts``."""
-    parser = argparse.ArgumentParser(prog="calexec bench charts", description=__doc__.splitlines()[0])
+    parser = cliargs.parser("calexec bench charts", __doc__)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--iters", type=int, default=2000, help="jobs per form (default 2000)")
+    parser.add_argument("--iters", type=cliargs.positive_int, default=2000,
+                        help="jobs per form (default 2000)")
     args = parser.parse_args(argv[2:])
-    if args.iters < 1:
-        parser.error(f"--iters must be >= 1, got {args.iters}")
     result = run_bench(args.iters)
     if args.json:
         print(json.dumps(result))

@@ -54,7 +54,6 @@ thresholds above are reported, never asserted: a benchmark reports numbers.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -64,6 +63,7 @@ import threading
 import time
 import tracemalloc
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -75,7 +75,7 @@ from calexec.contracts.status import Status
 from calexec.contracts.types import TaskKind
 from calexec.drivers import alloccount
 from calexec.drivers.calrt.runtime import CalRT
-from calexec.drivers.device_spec import DeviceSpec, DeviceSpecError
+from calexec.drivers.device_spec import DeviceSpec
 from calexec.drivers.direct import DirectRunner, DriverError
 from calexec.drivers.native.fused_logits import FusedLogits
 from calexec.drivers.serving.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
@@ -108,6 +108,11 @@ MAX_DECODE_US = 1_000_000
 
 class BenchError(RuntimeError):
     """A benchmark could not run (device, executor or job failure); the message says which."""
+
+
+class BenchSettingError(BenchError):
+    """A setting the device or the file system refuses, found once the run has the device (or
+    at its end): ``main`` says it in one line naming the flag, exit 2."""
 
 
 def _gen(ex: DeviceExecutor) -> Generation:
@@ -275,7 +280,7 @@ class ExecutorLoop:
                                  clock=CountingClock(self.tally))
         status = self.ex.start()
         if not status.ok:
-            raise BenchError(f"executor start failed: {status}")
+            raise cliargs.UserError(f"executor start failed: {status}", cliargs.EXIT_REFUSED)
         self.row = np.empty(calbin_fmt.VOCAB, dtype=np.float32)
         self.mode = "enqueue"
 
@@ -776,7 +781,7 @@ def run_recovery(recoveries: int, seed: int, device: DeviceSpec = DeviceSpec()) 
         ex = DeviceExecutor(_emulator_runtime(device), device.manifest(), config)
         status = ex.start()
         if not status.ok:
-            raise BenchError(f"executor start failed: {status}")
+            raise cliargs.UserError(f"executor start failed: {status}", cliargs.EXIT_REFUSED)
         rng = np.random.default_rng(seed)
         prompt = rng.integers(0, calbin_fmt.VOCAB, PROMPT_LEN, dtype=np.int32)
         outcomes: dict[str, int] = {}
@@ -896,8 +901,8 @@ class _PingPongRun:
             device_config=f"overlap={overlap};{profile}", recovery=device.recovery()))
         status = self.ex.start()
         if not status.ok:
-            raise BenchError(f"executor (capacity {capacity}, overlap {overlap}) start failed: "
-                             f"{status}")
+            raise cliargs.UserError(f"executor (capacity {capacity}, overlap {overlap}) start "
+                                    f"failed: {status}", cliargs.EXIT_REFUSED)
         self.seed = calbin_fmt.read(calbin_path).seed
         self.jobs: list = []  # (job_id, seq, kind, JobTimings, chart steps) of every decode job
 
@@ -984,8 +989,15 @@ def run_pingpong(seqs: int, tokens: int, solo_tokens: int, trace_path: str | Non
         for overlap in overlaps:
             side: dict[int, dict[str, Any]] = {}
             for capacity in (1, 2):
-                _progress(f"pingpong: overlap {overlap}, capacity {capacity}")
                 run = _PingPongRun(rt, path, capacity, overlap, device)
+                max_seqs = getattr(run.ex.kv, "max_seqs", None)
+                if max_seqs is not None and seqs + 1 >= max_seqs:  # ids 1..seqs, seqs+1 solo
+                    run.close()
+                    raise BenchSettingError(
+                        f"--seqs={seqs}: the device's KvManager takes sequence ids "
+                        f"0..{max_seqs - 1} (max_seqs={max_seqs}; 0 is the warm-up's, "
+                        f"seqs+1 the solo run's), so at most {max_seqs - 2}")
+                _progress(f"pingpong: overlap {overlap}, capacity {capacity}")
                 try:
                     loaded = run.decode(range(1, seqs + 1), tokens)
                     loaded_jobs = list(run.jobs)
@@ -1012,7 +1024,11 @@ def run_pingpong(seqs: int, tokens: int, solo_tokens: int, trace_path: str | Non
                 "capacity_1": side[1], "capacity_2": side[2]}
     if trace_path:
         last = overlaps[-1]
-        write_trace(trace_path, {k: v for k, v in traced.items() if k.endswith(last)})
+        try:
+            write_trace(trace_path, {k: v for k, v in traced.items() if k.endswith(last)})
+        except OSError as exc:
+            raise BenchSettingError(f"--trace={trace_path!r}: cannot write it: "
+                                    f"{exc.strerror or exc}") from None
     return {
         "seqs": seqs, "tokens": tokens, "solo_tokens": solo_tokens,
         "profile_us": PINGPONG_PROFILE, "rule": PHASE_B_RULE, "overlap": results,
@@ -1058,59 +1074,54 @@ def decode_profiles(values: Sequence[str] | None) -> list[int]:
     return out
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 @cliargs.command_main
 def main(argv: list[str]) -> int:
     """Entry point; ``argv`` starts with the command words (``bench overhead|logits``)."""
     command = argv[1] if len(argv) > 1 else ""
     parser = cliargs.parser(f"calexec bench {command}".strip(), __doc__)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts")
+    parser.add_argument("--seed", type=cliargs.non_negative_int, default=0,
+                        help="seed of the prompts")
     if command in ("overhead", "recovery", "pingpong"):
         cliargs.add_device_args(parser)
     if command == "overhead":
-        parser.add_argument("--tokens", type=_positive, default=100,
+        parser.add_argument("--tokens", type=cliargs.positive_int, default=100,
                             help="decode tokens per block at each decode profile (default 100)")
         parser.add_argument("--decode-us", action="append", metavar="US",
                             help="decode latency of a TPOT profile in us, repeatable or a comma "
                                  "list, reported in this order (default: "
                                  f"{','.join(map(str, DEFAULT_PROFILES_US))})")
-        parser.add_argument("--runs", type=_positive, default=6,
+        parser.add_argument("--runs", type=cliargs.positive_int, default=6,
                             help="blocks per side and phase, order rotated (default 6)")
         parser.add_argument("--gil-switch-us", type=int, default=SERVING_SWITCH_INTERVAL_US,
                             help="GIL switch interval for the run (us; 0 keeps Python's 5000; "
                                  "default: what calexec serve uses)")
-        parser.add_argument("--zero-tokens", type=_positive, default=300,
+        parser.add_argument("--zero-tokens", type=cliargs.positive_int, default=300,
                             help="decode tokens per block at zero latency (default 300)")
         parser.add_argument("--no-floor", action="store_true",
                             help="do not build and run the C floor (drivers/calrt/floor.c)")
     elif command == "logits":
-        parser.add_argument("--iters", type=_positive, default=2000,
+        parser.add_argument("--iters", type=cliargs.positive_int, default=2000,
                             help="timed calls per case (default 2000)")
     elif command == "recovery":
-        parser.add_argument("--recoveries", type=_positive, default=100,
+        parser.add_argument("--recoveries", type=cliargs.positive_int, default=100,
                             help="injected device faults, each followed by a recovery (100)")
     elif command == "pingpong":
-        parser.add_argument("--seqs", type=_positive, default=4,
+        parser.add_argument("--seqs", type=cliargs.positive_int, default=4,
                             help="sequences decoding at once (default 4)")
-        parser.add_argument("--tokens", type=_positive, default=40,
+        parser.add_argument("--tokens", type=cliargs.positive_int, default=40,
                             help="decode tokens per sequence, loaded runs (default 40)")
-        parser.add_argument("--solo-tokens", type=_positive, default=60,
+        parser.add_argument("--solo-tokens", type=cliargs.positive_int, default=60,
                             help="decode tokens of the single-request TPOT run (default 60)")
-        parser.add_argument("--trace", metavar="PATH",
+        parser.add_argument("--trace", metavar="PATH", type=cliargs.nonempty,
                             help="write the job timelines (trace-event JSON) of one run")
     else:
         print("usage: calexec bench {overhead|logits|recovery|pingpong} [--json] ...",
               file=sys.stderr)
         return 2
     args = parser.parse_args(argv[2:])
-    device = cliargs.device_spec(args) if command != "logits" else DeviceSpec()
+    device = (cliargs.device_spec(args, synthetic="the benchmark runs on the emulator")
+              if command != "logits" else DeviceSpec())
     try:
         if command == "overhead":
             limit = calbin_fmt.MAX_SEQ - PROMPT_LEN
@@ -1136,11 +1147,20 @@ def main(argv: list[str]) -> int:
             limit = calbin_fmt.MAX_SEQ - PROMPT_LEN
             if max(args.tokens, args.solo_tokens) > limit:
                 parser.error(f"--tokens/--solo-tokens must be <= {limit}")
+            if args.trace:  # written at the end: refused before the run, not after it
+                trace = Path(args.trace)
+                if trace.is_dir() or not trace.parent.is_dir():
+                    raise cliargs.UserError(
+                        f"--trace={args.trace!r}: cannot write it: "
+                        + ("a directory" if trace.is_dir() else
+                           f"no directory {str(trace.parent)!r}"))
             result = run_pingpong(args.seqs, args.tokens, args.solo_tokens, args.trace,
                                   device=device)
         else:
             result = run_logits(args.iters, args.seed)
-    except (BenchError, DriverError, DeviceSpecError, FloorError) as exc:
+    except BenchSettingError as exc:
+        raise cliargs.UserError(str(exc)) from None
+    except (BenchError, DriverError, FloorError) as exc:  # (DeviceSpecError: exit 2)
         print(f"calexec bench {command}: {exc}", file=sys.stderr)
         return 1
     _emit(result, args.json)

@@ -73,7 +73,7 @@ from calexec import cliargs
 from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.status import Status
 from calexec.contracts.types import TaskKind
-from calexec.drivers.device_spec import DeviceSpec, DeviceSpecError
+from calexec.drivers.device_spec import DeviceSpec
 from calexec.drivers.memory import pin_mmap_threshold
 from calexec.drivers.serving.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
 from calexec.drivers.tools.bench.api_floor import EngineSocket
@@ -434,7 +434,7 @@ def run_server_bench(requests: int, max_tokens: int, decode_us: int,
                                            recovery=device.recovery()))
         status = ex.start()
         if not status.ok:
-            raise BenchError(f"executor start failed: {status}")
+            raise cliargs.UserError(f"executor start failed: {status}", cliargs.EXIT_REFUSED)
         app = create_app(served(ex), ServerConfig())
         try:
             with LiveServer(app) as live, LiveServer(http_floor_app()) as floor, \
@@ -611,7 +611,7 @@ def main(argv: list[str]) -> int:
         result = run_server_bench(args.requests, args.max_tokens, args.decode_us, device,
                                   args.concurrency, args.loadgen, not args.no_stream,
                                   args.client, args.rounds)
-    except (BenchError, DeviceSpecError) as exc:
+    except BenchError as exc:  # (a DeviceSpecError: exit 2, by cliargs.command_main)
         print(f"calexec bench server: {exc}", file=sys.stderr)
         return 1
     finally:

@@ -12,6 +12,7 @@ Prints one JSON object (``--json``) or a short table; progress goes to stderr.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import tempfile
@@ -27,15 +28,23 @@ from calexec.drivers.synthetic import calbin as calbin_fmt
 PROFILE_DECODE_US = 10_000
 
 
+def _u64(text: str) -> int:
+    """argparse type of ``--seed`` (the calbin stores it as a u64)."""
+    value = int(text)
+    if not 0 <= value < 2**64:
+        raise argparse.ArgumentTypeError(f"must be in 0..2**64-1, got {value}")
+    return value
+
+
 def _write_calbin(argv: list[str]) -> int:
     p = cliargs.parser("calexec sim write-calbin", "Write the default synthetic calbin to PATH "
                        "and print its sha256 (which names the model generation).")
     p.add_argument("path", help="file to write")
-    p.add_argument("--tile-d0", type=int, default=calbin_fmt.DEFAULT_TILE_D0,
+    p.add_argument("--tile-d0", type=cliargs.positive_int, default=calbin_fmt.DEFAULT_TILE_D0,
                    help="logits tile D0 of the prefill models")
-    p.add_argument("--seed", type=int, default=calbin_fmt.DEFAULT_SEED,
+    p.add_argument("--seed", type=_u64, default=calbin_fmt.DEFAULT_SEED,
                    help="seed of the synthetic weights")
-    p.add_argument("--hidden", type=int, default=calbin_fmt.DEFAULT_HIDDEN,
+    p.add_argument("--hidden", type=cliargs.positive_int, default=calbin_fmt.DEFAULT_HIDDEN,
                    help="hidden size")
     args = p.parse_args(argv)
     try:
@@ -88,9 +97,11 @@ def _bench(argv: list[str]) -> int:
     p.add_argument("--profile-iters", type=int, default=50, help="10 ms decode jobs")
     cliargs.add_device_args(p, manifest=False)
     args = p.parse_args(argv)
-    if args.iters < 1 or args.profile_iters < 1 or args.iters >= calbin_fmt.MAX_SEQ:
-        raise cliargs.UserError(f"--iters/--profile-iters must be in 1..{calbin_fmt.MAX_SEQ - 1}")
-    device = cliargs.device_spec(args)
+    # each run decodes one sequence: its tokens + the seed token fit the model's max_seq
+    for flag, value in (("--iters", args.iters), ("--profile-iters", args.profile_iters)):
+        if not 1 <= value < calbin_fmt.MAX_SEQ:
+            raise cliargs.UserError(f"{flag}={value}: must be in 1..{calbin_fmt.MAX_SEQ - 1}")
+    device = cliargs.device_spec(args, synthetic="sim bench runs on the emulator")
     with tempfile.TemporaryDirectory(prefix="calexec-bench-") as tmp:
         path = device.calbin(tmp)
         rt = device.runtime()

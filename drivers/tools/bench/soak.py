@@ -62,8 +62,10 @@ Progress goes to stderr every ``--progress-s`` seconds. Needs the ``[server]`` e
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
+import math
 import os
 import random
 import statistics
@@ -139,10 +141,12 @@ def parse_phases(text: str) -> list[Phase]:
             raise ValueError(f"--decode-us: {part!r} is not US or US:SHARE") from None
         if decode_us < 0 or decode_us > 1_000_000:
             raise ValueError(f"--decode-us: {decode_us} is outside 0..1000000 us")
-        if not weight > 0:
-            raise ValueError(f"--decode-us: share {share!r} of {us} must be > 0")
+        if not 0 < weight < math.inf:  # (nan fails both; inf would make every share nan)
+            raise ValueError(f"--decode-us: share {share!r} of {us} must be > 0 and finite")
         phases.append((decode_us, weight))
     total = sum(w for _, w in phases)
+    if total == math.inf:
+        raise ValueError(f"--decode-us: the shares of {text!r} overflow; use smaller numbers")
     return [Phase(us, w / total) for us, w in phases]
 
 
@@ -804,6 +808,15 @@ def _readable(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _mib_bound(text: str) -> float:
+    """argparse type of ``--rss-bound-mib``: a number >= 0 (inf: no bound); nan compares false
+    with everything, so it would pass the check below it and fail the run's rss check."""
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
 @cliargs.command_main
 def main(argv: list[str]) -> int:
     return run_cli(argv)
@@ -828,7 +841,7 @@ def run_cli(argv: list[str], hooks: Hooks | None = None) -> int:
                         help="bound of the whole run; the requests left are not sent")
     parser.add_argument("--progress-s", type=cliargs.positive_float, default=30.0,
                         help="seconds between two progress lines on stderr")
-    parser.add_argument("--rss-bound-mib", type=float, default=64.0,
+    parser.add_argument("--rss-bound-mib", type=_mib_bound, default=64.0,
                         help="the last RSS sample may exceed the post-warm-up one by this")
     args = parser.parse_args(argv[2:])
     try:
@@ -836,8 +849,6 @@ def run_cli(argv: list[str], hooks: Hooks | None = None) -> int:
         tokens = parse_range(args.max_tokens)
     except ValueError as exc:
         parser.error(str(exc))
-    if args.rss_bound_mib < 0:
-        parser.error(f"--rss-bound-mib={args.rss_bound_mib}: must be >= 0")
     pinned = pin_mmap_threshold()  # the process is a server's: calexec serve's policy
     try:
         report = run_soak(args.requests, args.faults, args.clients, args.seed, phases, tokens,

@@ -3,7 +3,9 @@
 Each experiment runs in its own child process with a timeout (``isolate.py``); a child that
 crashes or hangs makes its questions ``inconclusive`` with the reason, and the run goes on.
 Exit 0 when the run completed (whatever the verdicts), 1 when the runner itself failed
-(e.g. the emulator library could not be built, or the report could not be written).
+(e.g. the emulator library could not be built, or the report could not be written), 2 for a
+bad flag (``--lib`` that is no file, or that Python cannot load as a calrt.h library; a
+``--config`` whose key or value the library's ``calrt_device_open`` refuses).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from calexec.drivers.synthetic import calbin as calbin_fmt
 from calexec.drivers.tools.conform import overlap_trace
 from calexec.drivers.tools.conform.experiment_rig import build_emulator_lib
 from calexec.drivers.tools.conform.experiments import EXPERIMENTS, QUESTIONS
-from calexec.drivers.tools.conform.isolate import OK, run_isolated
+from calexec.drivers.tools.conform.isolate import ERROR, OK, run_isolated
 
 MODULE = "calexec.drivers.tools.conform.experiments"
 
@@ -45,6 +47,23 @@ def probe_library(lib: str) -> tuple[str, bool]:
     return rt.version, rt.has_emu
 
 
+class ConfigRefused(ValueError):
+    """``--config`` names a key or value the library's ``calrt_device_open`` refuses (the
+    message names it): every experiment would fail to open its device."""
+
+
+def probe_config(lib: str, config: str) -> str | None:
+    """Run in a child: why ``lib`` refuses the device config ``config`` (None: it opens)."""
+    from calexec.drivers.calrt.runtime import CalRT
+    from calexec.drivers.device_spec import DeviceSpec, DeviceSpecError
+
+    try:
+        DeviceSpec().check_device_config(CalRT.load(lib), config, flag="--config")
+    except DeviceSpecError as exc:
+        return str(exc)
+    return None
+
+
 def run(lib: str | None, config: str = "", quick: bool = False, only: tuple[str, ...] = (),
         timeout_s: float | None = None, work_dir: str | None = None,
         experiment_kwargs: dict[str, dict] | None = None,
@@ -56,6 +75,7 @@ def run(lib: str | None, config: str = "", quick: bool = False, only: tuple[str,
     by default) and dlopens it. ``calbin_path``: a synthetic calbin to use (the experiments
     check outputs against its oracle); None writes the default one. ``experiment_kwargs`` passes
     extra keyword arguments to one experiment (tests); ``on_child(name, pid)`` is called when its child starts."""
+    only = tuple(dict.fromkeys(only))  # a repeated --only runs once
     unknown = [name for name in only if name not in EXPERIMENTS]
     if unknown:
         raise ValueError(f"unknown experiment(s) {unknown}; known: {list(EXPERIMENTS)}")
@@ -70,6 +90,11 @@ def run(lib: str | None, config: str = "", quick: bool = False, only: tuple[str,
         if calbin_path is None:
             calbin_fmt.write(calbin)
         version, has_emu = _runtime_info(lib)
+        if config:  # a refused config would make every question inconclusive: say so first
+            probe = run_isolated(f"{__name__}:probe_config", {"lib": lib, "config": config},
+                                 30.0)
+            if probe.status == OK and probe.result is not None:
+                raise ConfigRefused(probe.result)
         questions, timeline, experiments = [], [], {}
         for name in only or tuple(EXPERIMENTS):
             _progress(f"experiment {name} ...")
@@ -115,7 +140,8 @@ def main(argv: list[str]) -> int:
                    help="shared library implementing calrt.h (default: build the bundled emulator)")
     p.add_argument("--calbin", metavar="PATH", help="synthetic calbin the experiments load and check "
                    "against its oracle (default: the default synthetic calbin)")
-    p.add_argument("--report", metavar="DIR", help="write conformance.md/.json, trace.json, timing.png here")
+    p.add_argument("--report", metavar="DIR", type=cliargs.nonempty,
+                   help="write conformance.md/.json, trace.json, timing.png here")
     p.add_argument("--json", action="store_true", help="print the run as one JSON object on stdout")
     p.add_argument("--quick", action="store_true", help="small sizes (seconds, for CI)")
     p.add_argument("--config", default="", help="device config string passed to calrt_device_open")
@@ -123,17 +149,28 @@ def main(argv: list[str]) -> int:
     p.add_argument("--timeout", type=cliargs.positive_float,
                    help="seconds per experiment child (default 30 quick / 120)")
     args = p.parse_args(argv[1:])
+    if args.lib == "":  # (not the default: an unset variable in a script)
+        raise cliargs.UserError("--lib='': empty (omit the flag to build the bundled emulator)")
     if args.lib and not os.path.exists(args.lib):
         print(f"calexec conform: --lib {args.lib!r} does not exist", file=sys.stderr)
         return 2
+    if args.lib:  # a library Python cannot even load is a typo, not a run of inconclusives
+        if not os.path.isfile(args.lib):
+            raise cliargs.UserError(f"--lib={args.lib!r}: not a regular file")
+        probe = run_isolated("calexec.drivers.tools.conform.runner:probe_library",
+                             {"lib": args.lib}, 30.0)
+        if probe.status == ERROR:  # (a crash or a hang in it is reported by the run)
+            reason = probe.reason.removeprefix("experiment failed: ").split("  Additionally")[0]
+            raise cliargs.UserError(f"--lib={args.lib!r}: cannot load it: {reason}")
     if args.calbin is not None:
         try:
             calbin_fmt.read(args.calbin)
         except (OSError, ValueError) as exc:
             raise cliargs.UserError(f"--calbin={args.calbin!r}: not a readable synthetic calbin: {exc}") from None
         args.calbin = os.path.abspath(args.calbin)
-    if args.report:  # before the run: timing.png needs matplotlib
+    if args.report:  # before the run: timing.png needs matplotlib, the files a directory
         cliargs.require_extra("plots", "--report (timing.png)")
+        cliargs.output_dir("--report", args.report)
     t0 = time.monotonic()
     try:
         result = run(args.lib, args.config, args.quick, tuple(args.only or ()), args.timeout,
@@ -141,6 +178,8 @@ def main(argv: list[str]) -> int:
         if args.report:
             files = write_report(result, args.report)
             _progress(f"report written to {args.report}: {', '.join(files)}")
+    except ConfigRefused as exc:
+        raise cliargs.UserError(str(exc)) from None
     except (RuntimeError, OSError, ValueError) as exc:
         print(f"calexec conform: {exc}", file=sys.stderr)
         return 1
