@@ -220,6 +220,23 @@ REGRESSIONS: dict[str, D.Case] = {
             ("client", C(1, 1, (18082, 151712), 3, tokens=(97683, 136550, 138422),
                          deadline_s=0.0147, after_failure=None, think_s=0.0041,
                          faults=((1, "SUBMIT_RC"),))),), 0.0031, 2),
+    # comparator gaps found by a long run (seeds 8402, 8536): an admin release answers with
+    # the sequence's state at its instant, which Phase B changes (client 1 ends sooner; a
+    # job whose Wait failed is reaped by the submitter, not waited for): `kv.sequence_busy` /
+    # `kv.sequence_on_device` on one side, ok on the other (allowed: timing)
+    "an_admin_release_finds_the_sequence_free_sooner_in_phase_b": D.Case(("phase_b_full",), (
+        ("client", C(1, 3, (61808, 4756, 97101), 5, want=(44792, 85), logits_out=False,
+                     tokens=(115367, 70900, 15428), after_failure=None, think_s=0.0041)),
+        ("tick", 0.0203),
+        ("client", C(2, 2, (73491, 87909, 135384), 6, logits_out=False, greedy=False,
+                     tokens=(31119, 137603, 119628), after_failure=None)),
+        ("tick", 0.0203), ("release", 3)), 0.0097, 4),
+    "an_admin_release_finds_the_sequence_still_on_the_device_in_phase_b": D.Case(
+        ("phase_b_none",), (
+            ("client", C(2, 1, (14767, 27576, 114062, 104821, 45680, 83364, 100912), 1,
+                         logits_out=False, greedy=False, tokens=(36503, 67443, 51737),
+                         deadline_s=0.0147, after_failure=None, faults=((-1, "WAIT_RC"),))),
+            ("tick", 0.0203), ("release", 1)), 0.00053, 4),
 }
 
 

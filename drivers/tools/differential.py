@@ -695,6 +695,9 @@ TIMING_CODES = frozenset({
 
 
 def _code(entry: tuple) -> str | None:
+    """The error code of an answer: a job's (``err``) or a sequence release's (not ``ok``)."""
+    if entry[0] == "release":
+        return None if entry[1] == "ok" else entry[1]
     return entry[4] if len(entry) > 4 and entry[3] == "err" else None
 
 
@@ -725,12 +728,15 @@ def allowed(variant: Variant, expected: tuple, got: tuple, timed: bool) -> str |
       histories with something timed (``timed``: a cancel, an admin release, a recovery or
       switch, a job fault, a short deadline, a caller that waits between steps or sends its
       early request late): an answer that depends on when a job ran may differ: an early
-      request, or an error of ``TIMING_CODES`` or of the device (a reset aborts every job in
-      flight, Phase B's two included) on either side, or a success with the same tokens and
-      logits in another generation (a job that faults ran at another time, so its recovery
-      did, before or after this job). Histories with nothing timed must be answered exactly.
+      request, or an error of ``TIMING_CODES`` (a job's, or an admin release's that finds the
+      sequence busy or on the device, or free, at another time) or of the device (a reset
+      aborts every job in flight, Phase B's two included) on either side, or a success with
+      the same tokens and logits in another generation (a job that faults ran at another
+      time, so its recovery did, before or after this job). Histories with nothing timed
+      must be answered exactly.
     """
-    if (variant.ready_queue_max and _code(expected) == "lifecycle.unavailable"):
+    if (variant.ready_queue_max and expected[0] != "release"
+            and _code(expected) == "lifecycle.unavailable"):
         return "ready_queue"
     if variant.shifts_time and timed:
         if expected[0] == "early" or got[0] == "early":
