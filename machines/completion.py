@@ -231,8 +231,15 @@ class Completion:
         # the caller's next job finds its permit free; the lease still goes back after)
         self.dispatch.release_budget(job)
         self.dispatch.release_permit(job)
+        # delivered before greedy ahead fires and yields: the result is in the caller's row
+        # already (postprocess), so a cancel that comes while this thread yields is too late
+        # for this job (it completes, as a cancel after its resolve would) and stops the
+        # stream's next one; decided after the yield, it discarded a result whose row was
+        # written (found by the differential test's long run)
+        if target == JOB_COMPLETING and not advance(job, JOB_EV_DELIVER):
+            target = JOB_CANCEL_REQUESTED
         stream, job.stream = job.stream, None
-        if stream is not None and target == JOB_COMPLETING and not job.cancel_flag:
+        if stream is not None and target == JOB_COMPLETING:
             ran_us = job.timings.completed_us - job.timings.submitted_us
             tuning = self.config.tuning
             slow = self.config.threads and ran_us >= tuning.ahead_yield_min_us
@@ -240,8 +247,6 @@ class Completion:
                 job, result, min(tuning.ahead_arm_delay_s, ran_us / 4e6) if slow else 0.0)
             if fired is not None and slow:
                 self._until_submitted(job_of(fired))
-        if target == JOB_COMPLETING and not advance(job, JOB_EV_DELIVER):
-            target = JOB_CANCEL_REQUESTED
         if target != JOB_COMPLETING:  # cancelled after submit (FI12): result discarded
             if job.run.state == JOB_CANCEL_REQUESTED:
                 job.run.send(JOB_EV_FAIL)

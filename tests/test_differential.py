@@ -237,6 +237,17 @@ REGRESSIONS: dict[str, D.Case] = {
                          logits_out=False, greedy=False, tokens=(36503, 67443, 51737),
                          deadline_s=0.0147, after_failure=None, faults=((-1, "WAIT_RC"),))),
             ("tick", 0.0203), ("release", 1)), 0.00053, 4),
+    # found by a long run (seed 8501): greedy ahead yielded (ahead_yield_s) between a step's
+    # postprocess, which wrote the caller's row, and the cancel check of its delivery; a
+    # cancel in that window discarded the result as cancelled with the row written. The
+    # step is now delivered before the yield: the cancel stops the next step, as on the
+    # plain path, where it came while the caller thought
+    "a_cancel_while_greedy_ahead_yields_stops_the_next_step": D.Case(
+        ("ahead", "phase_b_dma"), (
+            ("client", C(1, 2, (44770, 36175, 77352), 2, reserve=False,
+                         tokens=(56064, 42936, 103636), after_failure=None, think_s=0.0703,
+                         faults=((1, "WAIT_RC"), (1, "SUBMIT_RC")))),
+            ("tick", 0.1007), ("cancel", 1)), 0.0097, 2),
 }
 
 
