@@ -32,7 +32,8 @@ generation N+1 and never outlives its generation's teardown.
 Greedy ahead (``greedy_ahead=True``): when a job of the stream completes while its caller
 waits for it, the completion thread itself fires the armed next job with the job's argmax
 (unless it is one of ``stop_tokens``, ``max_steps`` jobs were fired, or ``max_len`` is
-reached), after the job's KV commit and permit release and before its result is delivered.
+reached), after the job's KV commit, permit release and deliver transition and before its
+caller is woken.
 The caller then waits only for the device: its own wake-up and token choice leave the critical
 path (two wake-ups per token remain on it, the completion thread's and the submitter's, where
 an ``enqueue`` caller has three). The caller's loop is unchanged: ``step(result.argmax)``
@@ -464,8 +465,8 @@ class DecodeStream:
 
     def fire_ahead(self, job: Job, result: InferenceResult, arm_delay_s: float = 0.0
                    ) -> JobHandle | None:
-        """On the completion thread, after ``job``'s KV commit and permit release and before
-        its result is delivered: fire the armed next job with ``job``'s argmax when the
+        """On the completion thread, after ``job``'s KV commit, permit release and deliver
+        transition and before its caller is woken: fire the armed next job with ``job``'s argmax when the
         caller waits for ``job`` and the stream may go on. Never raises; returns the fired
         job's handle (None: nothing fired)."""
         ex = self.ex
