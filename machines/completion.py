@@ -343,10 +343,11 @@ class Completion:
                                    f"contract ByteSize is {sm.logits.byte_size}", **job.ctx())
         # the caller's array is written only by a job whose result it will take: a job
         # cancelled after submit (FI12: result discarded) is checked into a row of its own
-        # (its KV commit still needs the output check). A cancel that comes after this line
-        # finds the caller's row written, but its result is discarded all the same.
+        # (its KV commit still needs the output check). A cancel that comes after the claim
+        # is too late: the job completes and delivers what the row holds (once, a cancel in
+        # between discarded a result whose row was written; found by the explorer)
         dst = job.logits_out
-        if dst is None or job.cancel_flag:
+        if dst is None or not job.claim_row():
             dst = np.empty(count, np.float32)
         fused = self.fused_logits
         if fused is not None:

@@ -62,6 +62,8 @@ log = logging.getLogger("calexec.job")
 #: append to a list, never while a callback runs or another lock is taken, so it cannot take
 #: part in a deadlock; taken by ``Job.resolve`` only when a callback was registered.
 _CALLBACKS_MU = threading.Lock()
+#: orders a cancel against the completion thread's claim of the caller's row (``claim_row``)
+_CANCEL_MU = threading.Lock()
 #: ``Job._callbacks`` once the job's callbacks were run: later registrations run at once
 _FIRED: tuple[()] = ()
 #: a registered done callback: the handle it was registered on and the function
@@ -102,7 +104,7 @@ class Job:
                  "cancel_flag", "lease", "txn", "timings", "run", "wait_rc", "device_status",
                  "output_status", "result", "_done", "_on_cancel", "internal", "logits_out",
                  "_gen", "budget_taken", "permit_held", "clock", "on_resolved", "submitted_at", "uncounted",
-                 "stream", "early_wake_s", "auto", "auto_next", "_callbacks",
+                 "stream", "early_wake_s", "auto", "auto_next", "_callbacks", "row_claimed",
                  "__weakref__")
 
     def __init__(self, job_id: int, generation_id: int, request: InferenceRequest,
@@ -116,6 +118,8 @@ class Job:
         self.submodel: SubmodelContract | None = None
         self.deadline: float = request.deadline
         self.cancel_flag = False
+        #: the completion thread writes this job's result into the caller's row (``claim_row``)
+        self.row_claimed = False
         #: the buffer slot and KV transaction, from admission until released
         self.lease: BufferLease | None = None
         self.txn: KvTxn | None = None
@@ -163,6 +167,17 @@ class Job:
     @gen.setter
     def gen(self, generation: Generation | None) -> None:
         self._gen = None if generation is None else weakref.ref(generation)
+
+    def claim_row(self) -> bool:
+        """The completion thread is about to write this job's result into the caller's row
+        (``logits_out``): from then on a cancel is too late, as after the job's resolve (the
+        job completes and delivers what its row holds). False: cancelled already (the result
+        is then checked into a row of its own and discarded, FI12)."""
+        with _CANCEL_MU:
+            if self.cancel_flag:
+                return False
+            self.row_claimed = True
+            return True
 
     # ---- JobChart guards -------------------------------------------------------------------
     def not_cancelled(self) -> bool:
@@ -304,13 +319,19 @@ class JobHandle:
 
     def cancel(self) -> bool:
         """Request cancellation. Idempotent. True when the request was recorded before the job
-        was resolved (it may still complete: a submitted job is always waited for)."""
+        was resolved (it may still complete: a submitted job is always waited for); False
+        when it was resolved, or its result is being written into the caller's row already
+        (``Job.claim_row``: it completes, as if the cancel came after its resolve)."""
         job = self._job
         if job.done:
             return False
-        if not job.cancel_flag:
+        with _CANCEL_MU:
+            if job.row_claimed:
+                return False
+            if job.cancel_flag:
+                return True
             job.cancel_flag = True
-            job._on_cancel()
+        job._on_cancel()
         return True
 
     # ---- completion without a waiting thread (issue 25) ------------------------------------

@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
 
+from calexec.contracts.status import Status
 from calexec.drivers.tools import explore as X
 
 SCHEDULES = int(os.environ.get("CALEXEC_EXPLORE_SCHEDULES",
@@ -274,3 +275,22 @@ def test_a_model_switch_racing_shutdown_never_tears_down_under_it(seed):
         assert x.ex.state == "Stopped"
     finally:
         x.close()
+
+
+# ---- found by the explorer on main (stop 37), fixed: a cancel after the row was written ---------
+def test_a_cancel_that_comes_once_the_caller_row_is_written_is_too_late():
+    """The completion thread chose the caller's row for a decode (not cancelled yet), wrote
+    it, and a cancel came before the deliver: the result was discarded as cancelled with the
+    row written. Now the completion thread claims the row (``Job.claim_row``) and a cancel
+    after the claim is too late: the job delivers what the row holds. The schedule is the
+    failure's, replayed as far as it fits the fixed code."""
+    choices = [1, 0, 1, 0, 1, 0, 0, 0, 0, 0, 2, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0,
+               0, 2, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 2,
+               0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0,
+               2, 1, 0, 0, 0, 0, 0, 0, 1, 0]
+    x = X.replay(CALBINS, [("decode", 1, 0.05), ("run", 29, 30.0), ("cancel", 0), ("finish",)],
+                 choices, lenient=True, reset_kind="reset", capacity=1, kv_blocks=64,
+                 slack_s=0.1)
+    [(handle, _request, result)] = x.results
+    assert not isinstance(result, Status), result  # delivered: the cancel came too late
+    assert handle.cancel() is False

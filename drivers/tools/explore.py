@@ -1043,9 +1043,12 @@ class Explorer:
     def request_recovery(self) -> None:
         """A device fault reported to the controller (reset, rebuild, golden)."""
         self.script.append(("request_recovery",))
-        ex = self.ex
-        self._spawn("admin-fault", lambda: ex.faults.report(Status.failure(
-            "explorer.device_fault", Category.DEVICE, Phase.RECOVERY, "injected by the explorer")))
+        self._spawn("admin-fault", self.report_device_fault)
+
+    def report_device_fault(self) -> None:
+        """Report a device fault to the executor's fault controller (on the caller's thread)."""
+        self.ex.faults.report(Status.failure(
+            "explorer.device_fault", Category.DEVICE, Phase.RECOVERY, "injected by the explorer"))
 
     def switch(self, to_other: bool, golden_ok: bool = True) -> None:
         """A model switch; ``golden_ok=False`` records a golden the calbin cannot meet, so
@@ -1479,9 +1482,12 @@ def explore_seed(calbins: dict[str, str], seed: int, length: int = 12,
 
 
 def replay(calbins: dict[str, str], script: Sequence[tuple], choices: Sequence[int],
-           **options) -> Explorer:
-    """Replay a recorded schedule exactly (script + choice indices from a failure report)."""
-    explorer = Explorer(calbins, ReplayChooser(choices), **options)
+           lenient: bool = False, **options) -> Explorer:
+    """Replay a recorded schedule exactly (script + choice indices from a failure report);
+    ``lenient``: on code changed since the report, the same choices as far as they fit
+    (``LenientReplayChooser``): a regression test's schedule up to the fixed window."""
+    chooser = LenientReplayChooser(choices) if lenient else ReplayChooser(choices)
+    explorer = Explorer(calbins, chooser, **options)
     try:
         explorer.start()
         for action in script:
@@ -1491,8 +1497,9 @@ def replay(calbins: dict[str, str], script: Sequence[tuple], choices: Sequence[i
     return explorer
 
 
-class _LenientReplay(ReplayChooser):
-    """A replay that tolerates a changed schedule (index modulo the options): for shrinking."""
+class LenientReplayChooser(ReplayChooser):
+    """A replay that tolerates a changed schedule (index modulo the options; 0 past the
+    tape's end): for shrinking, and for replaying a fixed failure's schedule."""
 
     def choose(self, options: list, sched: Scheduler) -> int:
         value = self.tape[self.i] if self.i < len(self.tape) else 0
@@ -1526,7 +1533,7 @@ def shrink(calbins: dict[str, str], info: dict, attempts: int = 300) -> dict:
     options = dict(info["options"])
     script = [tuple(a) for a in info["script"]]
     choices = list(info["choices"])
-    target = _run_script(calbins, script, _LenientReplay(choices), options)
+    target = _run_script(calbins, script, LenientReplayChooser(choices), options)
     if target is None:
         raise ValueError("the recorded schedule does not fail when replayed")
     tries = 0
@@ -1535,7 +1542,7 @@ def shrink(calbins: dict[str, str], info: dict, attempts: int = 300) -> dict:
     def still_fails(s, c) -> bool:
         nonlocal tries
         tries += 1
-        return _run_script(calbins, s, _LenientReplay(c), options) == target
+        return _run_script(calbins, s, LenientReplayChooser(c), options) == target
 
     def pct_fails(s) -> list[int] | None:
         """The script under the failure's own PCT priorities (robust to dropped actions:
