@@ -248,6 +248,31 @@ REGRESSIONS: dict[str, D.Case] = {
                          tokens=(56064, 42936, 103636), after_failure=None, think_s=0.0703,
                          faults=((1, "WAIT_RC"), (1, "SUBMIT_RC")))),
             ("tick", 0.1007), ("cancel", 1)), 0.0097, 2),
+    # comparator gaps found by a long run (seeds 9203, 9237). A fault of client 4's jobs was
+    # armed when client 4 was started, while client 2 still owned the sequence: the plain
+    # path reached that content (seq 1, position 3) after it was armed, greedy ahead before.
+    # Faults are now armed from a client's start (once the sequence is its) to its end
+    "a_fault_of_a_later_owner_is_not_met_by_the_sequence_earlier_owner": D.Case(
+        ("phase_b_dma",), (
+            ("client", C(2, 1, (146041, 21514), 4, logits_out=False,
+                         tokens=(20383, 28985, 32869), deadline_s=0.0147, after_failure=None,
+                         think_s=0.0041)),
+            ("tick", 0.0059),
+            ("client", C(4, 1, (86722, 63240, 138743), 3, logits_out=False,
+                         tokens=(123432, 118970, 91974), deadline_s=0.0147, after_failure=None,
+                         faults=((2, "WAIT_RC"), (0, "WAIT_RC"))))), 0.00053, 4),
+    # ... and a reported device fault found the plain path still recovering from a NaN
+    # output (covered: one recovery) and Phase B's, whose NaN job ran sooner, Ready again (a
+    # second recovery): the generations differed at the end with no answer to show why. The
+    # report now answers started/covered, a timing difference
+    "a_device_fault_covered_by_a_running_recovery_or_not": D.Case(("phase_b_dma",), (
+        ("client", C(1, 2, (1164, 144747), 4, logits_out=False, tokens=(72389, 32807, 8650),
+                     early_at=2, after_failure=None, early_delay_s=0.0083)),
+        ("tick", 0.0059),
+        ("client", C(2, 2, (87664, 46419, 39801, 116276), 4, logits_out=False,
+                     tokens=(133417, 82588, 101799), after_failure=None, think_s=0.0041,
+                     faults=((2, "OUTPUT_NAN"),))),
+        ("tick", 0.0021), ("tick", 0.0203), ("recover",)), 0.00053, 2),
 }
 
 

@@ -327,6 +327,7 @@ class Lane(Explorer):
         self.finished: set[int] = set()
         self.gen_calbins: dict[int, str] = {}
         self._admin = 0
+        self._recovers = 0
         #: clients whose answers were not compared with the plain path's (the history took
         #: another path after an allowed difference): only checked against the oracle
         self.diverged: dict[Any, str] = {}
@@ -373,11 +374,16 @@ class Lane(Explorer):
     def start_client(self, client: Client) -> None:
         self.specs[client.cid] = client
         self.answers[client.cid] = []
+        self._spawn(f"client{client.cid}", lambda: self._client(client))
+
+    def _fault_keys(self, client: Client) -> dict[tuple[int, int, str], str]:
+        """The device's fault table entries of ``client``'s jobs (named by their content)."""
+        keys = {}
         for step, point in client.faults:
             position = len(client.prompt) + step if step >= 0 else 0
             kind = "decode" if step >= 0 else "prefill"
-            self.device.faults[(client.seq, position, kind)] = point
-        self._spawn(f"client{client.cid}", lambda: self._client(client))
+            keys[(client.seq, position, kind)] = point
+        return keys
 
     def cancel_client(self, cid: int) -> None:
         """The client gives up (a disconnect): its job now is cancelled, and so is every
@@ -398,6 +404,21 @@ class Lane(Explorer):
             status = self.ex.release_sequence(seq)
             self._record(key, ("release", status.code))
         self._spawn("admin-release", body)
+
+    def request_recovery(self) -> None:
+        """A device fault reported to the controller; its answer is whether it found the
+        lifecycle Ready (``started``: a recovery runs for it) or already draining or
+        recovering (``covered``: the running recovery covers it, one more generation less)."""
+        key = ("recover", self._recovers)
+        self._recovers += 1
+        self.answers[key] = []
+        self.script.append(("request_recovery",))
+
+        def body():
+            found = self.ex.state
+            self.report_device_fault()
+            self._record(key, ("recover", "started" if found == "Ready" else "covered"))
+        self._spawn("admin-fault", body)
 
     def _record(self, key: Any, entry: tuple) -> None:
         """An answer, with the virtual time it came at (``compare`` orders divergences).
@@ -432,6 +453,9 @@ class Lane(Explorer):
         try:
             self._client_program(c)
         finally:
+            for key, point in self._fault_keys(c).items():  # (its faults no job met)
+                if self.device.faults.get(key) == point:
+                    del self.device.faults[key]
             self.finished.add(c.cid)
 
     def _client_program(self, c: Client) -> None:
@@ -441,6 +465,9 @@ class Lane(Explorer):
         while any(o.seq == c.seq and o.cid < c.cid and o.cid not in self.finished
                   for o in self.specs.values()):
             ex.clock.sleep(0.001)
+        # the client's faults are its own jobs': armed from its start to its end, so a job of
+        # the sequence's earlier owner (run earlier or later by a shortcut) never meets them
+        self.device.faults.update(self._fault_keys(c))
 
         def record(entry: tuple) -> None:
             self._record(c.cid, entry)
@@ -728,8 +755,10 @@ def allowed(variant: Variant, expected: tuple, got: tuple, timed: bool) -> str |
       histories with something timed (``timed``: a cancel, an admin release, a recovery or
       switch, a job fault, a short deadline, a caller that waits between steps or sends its
       early request late): an answer that depends on when a job ran may differ: an early
-      request, or an error of ``TIMING_CODES`` (a job's, or an admin release's that finds the
-      sequence busy or on the device, or free, at another time) or of the device (a reset
+      request, a reported device fault that found a recovery running (covered by it) where
+      the other found the lifecycle Ready (a recovery of its own), or an error of
+      ``TIMING_CODES`` (a job's, or an admin release's that finds the sequence busy or on
+      the device, or free, at another time) or of the device (a reset
       aborts every job in flight, Phase B's two included) on either side, or a success with
       the same tokens and logits in another generation (a job that faults ran at another
       time, so its recovery did, before or after this job). Histories with nothing timed
@@ -739,7 +768,7 @@ def allowed(variant: Variant, expected: tuple, got: tuple, timed: bool) -> str |
             and _code(expected) == "lifecycle.unavailable"):
         return "ready_queue"
     if variant.shifts_time and timed:
-        if expected[0] == "early" or got[0] == "early":
+        if expected[0] in ("early", "recover") or got[0] in ("early", "recover"):
             return "timing"
         for code in (_code(expected), _code(got)):
             if code is not None and (code in TIMING_CODES or code.startswith(("device.",
