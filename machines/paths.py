@@ -30,6 +30,17 @@ as a step: only the chart raises it). Guard outcomes of a step are those of its
 named guards (an expression or a callable cannot be set from outside: drive such a chart with
 event data). At most ``MAX_CONFIGURATIONS`` configurations are explored (``ValueError``
 beyond).
+
+A configuration is the *set* of active states, with the set of states each history recorded
+(``_node``), whatever order a run entered them in: the regions of a parallel state moved by
+``a b`` and by ``b a`` are one configuration (a parallel chart of three regions of three
+states has 28 configurations; keyed by the order, its graph had 202 nodes). Only where that
+order decides what an event does do two configurations of one set differ, by the order of
+their atomic states (``_order_decides``: python-statemachine selects one transition per atomic
+state in configuration order and, of two from orthogonal regions whose exit sets meet, keeps
+the first). Walks and paths follow the run that reached each configuration first (still the
+shortest: the breadth-first order is the same); a tour's walk may reach a configuration by
+another order of events than that run, and replays its steps for its ``end`` (``_walk_end``).
 """
 
 from __future__ import annotations
@@ -269,8 +280,100 @@ def _selected(chart: CompiledChart, record: Transition,
     return MappingProxyType(outcome) if _refuse(outcome, rivals) else None
 
 
-#: a configuration node: what ``StatechartRun.node`` returns
-_Node = tuple[tuple[str, ...], tuple[tuple[str, tuple[str, ...]], ...], bool]
+#: a configuration node (``_node``): the active states in declaration order, the active atomic
+#: states in configuration order where that order decides (else ``()``), each recorded history
+#: (history id, its states in declaration order) and whether the run still runs
+_Node = tuple[tuple[str, ...], tuple[str, ...], tuple[tuple[str, tuple[str, ...]], ...], bool]
+
+
+def _event_tokens(event: str) -> tuple[str, ...]:
+    """``event`` as python-statemachine matches it: its dot-separated tokens, a trailing
+    ``.*`` or ``.`` dropped (``error.*`` selects on ``error`` and ``error.execution``)."""
+    if event.endswith(".*"):
+        event = event[:-2]
+    elif event.endswith("."):
+        event = event[:-1]
+    return tuple(event.split(".")) if event else ()
+
+
+def _same_sent_event(one: str, other: str) -> bool:
+    """Whether one sent event could select transitions declared on ``one`` and on ``other``
+    (``""``: eventless, selected together after every microstep)."""
+    if not one or not other:
+        return one == other
+    if "*" in (one, other):
+        return True
+    a, b = _event_tokens(one), _event_tokens(other)
+    return a[:len(b)] == b[:len(a)]
+
+
+def _region_leaving(declared: Any, region: Any) -> bool:
+    """Whether the exit set of ``declared`` (a python-statemachine transition) may reach
+    beyond ``region``: its domain (the first compound proper ancestor of its source that is a
+    proper ancestor of every target, a history target standing for its parent; none: the
+    root) is not inside ``region``. Never smaller than python-statemachine's domain (larger
+    for an internal transition or a recorded history); a transition to its own region has
+    the root as domain, as in python-statemachine (a parallel state is not compound)."""
+    targets = [t.parent if t.is_history else t for t in declared.targets]
+    if not targets:
+        return False  # a targetless transition exits nothing
+    for ancestor in declared.source.ancestors():
+        if ancestor.is_compound and all(t.is_descendant(ancestor) for t in targets):
+            return not (ancestor is region or ancestor.is_descendant(region))
+    return True  # the root: every active state
+
+
+def _regions(one: Any, other: Any) -> tuple[Any, Any] | None:
+    """The two regions of one parallel state that hold ``one`` and ``other`` (each a region
+    or inside one), or None when the two states cannot be active apart (one contains the
+    other, or they are alternatives of a compound state)."""
+    if one is other or one.is_descendant(other) or other.is_descendant(one):
+        return None
+    for ancestor in one.ancestors():
+        if other.is_descendant(ancestor):
+            if not ancestor.parallel:
+                return None
+            return (next(s for s in (one, *one.ancestors()) if s.parent is ancestor),
+                    next(s for s in (other, *other.ancestors()) if s.parent is ancestor))
+    return None
+
+
+def _order_decides(chart: CompiledChart) -> bool:
+    """Whether the order of the active atomic states can decide what an event does:
+    python-statemachine selects one transition per atomic state in configuration order (the
+    order the states were entered in), then of two selected transitions whose exit sets meet
+    keeps the first, unless the later one's source is a descendant of the other's. Only
+    transitions of orthogonal regions on one event, one of them leaving its region, can be
+    such a pair (exit sets inside two regions are apart; of nested sources the descendant
+    wins in either order)."""
+    if not any(state.parallel for state in chart.declaration.states_map.values()):
+        return False
+    declared = [(record.event, chart.declared[record.id]) for record in chart.transitions
+                if any(state.parallel for state in chart.declared[record.id].source.ancestors())]
+    for i, (event, one) in enumerate(declared):
+        for other_event, other in declared[i + 1:]:
+            if not _same_sent_event(event, other_event):
+                continue
+            regions = _regions(one.source, other.source)
+            if regions is not None and (_region_leaving(one, regions[0])
+                                        or _region_leaving(other, regions[1])):
+                return True
+    return False
+
+
+def _node(run: StatechartRun, rank: Mapping[str, int], ordered: bool) -> _Node:
+    """The node of ``run``'s configuration: ``StatechartRun.node`` with the active states and
+    each recorded history as sets (in declaration order, whatever order the run entered them
+    in), and with ``ordered`` (``_order_decides``) the order of the active atomic states."""
+    configuration, history, running = run.node()
+
+    def canonical(ids: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(sorted(ids, key=lambda state: (rank.get(state, len(rank)), state)))
+
+    states = run.chart.declaration.states_map
+    atomic = tuple(s for s in configuration if states[s].is_atomic) if ordered else ()
+    return (canonical(configuration), atomic,
+            tuple((name, canonical(ids)) for name, ids in history), running)
 
 
 @attrs.frozen
@@ -283,6 +386,9 @@ class _Graph:
     start: _Node
     edges: Mapping[_Node, list[tuple[Transition, frozenset[int], _Node, Mapping[str, bool]]]]
     entered: Mapping[str, tuple[tuple[Transition, ...], str]]
+    #: ``_node``'s arguments: state -> declaration index, and ``_order_decides``
+    rank: Mapping[str, int]
+    ordered: bool
 
 
 _GRAPHS: dict[int, tuple[CompiledChart, _Graph]] = {}
@@ -295,14 +401,16 @@ def _graph(chart: CompiledChart) -> _Graph:
     if known is not None and known[0] is chart:
         return known[1]
     start = StatechartRun.skeleton(chart)
+    rank = {state: i for i, state in enumerate(chart.states)}
+    ordered = _order_decides(chart)
     raised = {f"done.state.{state}" for state in chart.states}
     no_steps: tuple[Transition, ...] = ()
-    runs = {start.node(): (start, no_steps)}
+    runs = {_node(start, rank, ordered): (start, no_steps)}
     edges: dict[_Node, list[tuple[Transition, frozenset[int], _Node, Mapping[str, bool]]]] = {}
     entered: dict[str, tuple[tuple[Transition, ...], str]] = {}
     for state in [*start.entered, *start.configuration]:
         entered.setdefault(state, ((), start.state))
-    frontier = deque([start.node()])
+    frontier = deque([_node(start, rank, ordered)])
     while frontier:
         node = frontier.popleft()
         run, steps = runs[node]
@@ -321,7 +429,7 @@ def _graph(chart: CompiledChart) -> _Graph:
             taken = frozenset(t.id for t in forced)
             for state in twin.entered:
                 entered.setdefault(state, (path, twin.state))
-            after = twin.node()
+            after = _node(twin, rank, ordered)
             out.append((record, taken, after, outcomes))
             if after not in runs:
                 if len(runs) >= MAX_CONFIGURATIONS:
@@ -329,7 +437,8 @@ def _graph(chart: CompiledChart) -> _Graph:
                                      f"configurations reachable; paths are not enumerated")
                 runs[after] = (twin, path)
                 frontier.append(after)
-    graph = _Graph(start.node(), MappingProxyType(edges), MappingProxyType(entered))
+    graph = _Graph(_node(start, rank, ordered), MappingProxyType(edges), MappingProxyType(entered),
+                   MappingProxyType(rank), ordered)
     _GRAPHS[id(chart)] = (chart, graph)
     return graph
 
@@ -424,8 +533,22 @@ def _configuration_tour(chart: CompiledChart) -> list[Walk]:
         if not steps:
             names = ", ".join(_describe(chart.transitions[i]) for i in sorted(untaken))
             raise ValueError(f"{chart.name}: transition(s) {names} cannot be toured")
-        walks.append(_walk(graph, tuple(steps), ",".join(node[0])))
+        walks.append(_walk(graph, tuple(steps), _walk_end(chart, graph, tuple(steps))))
     return walks
+
+
+def _walk_end(chart: CompiledChart, graph: _Graph, steps: tuple[Transition, ...]) -> str:
+    """The configuration a run that follows ``steps`` from the start ends in, ``"a,b"`` in
+    the order that run lists it: a node holds its states as a set, and the walk may reach it
+    by another order of events than the run that explored it first."""
+    run, node = StatechartRun.skeleton(chart), graph.start
+    for step in steps:
+        _, _, node, outcomes = next(e for e in graph.edges[node] if e[0] is step)
+        run.force(step, outcomes)
+    if _node(run, graph.rank, graph.ordered) != node:  # the graph merged runs that differ
+        raise RuntimeError(f"{chart.name}: the walk {' '.join(s.event for s in steps)} ends in "
+                           f"{run.state}, not in the configuration its graph says")
+    return run.state
 
 
 def _steps_data(walk: Path | Walk) -> list[dict[str, Any]]:

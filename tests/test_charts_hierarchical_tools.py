@@ -9,7 +9,13 @@ from statemachine import HistoryState, State, StateChart
 
 from calexec.machines import diagrams, mutants
 from calexec.machines.compiled import compile_chart, compiled
-from calexec.machines.coverage import TransitionListener, TransitionRecorder, recording, report
+from calexec.machines.coverage import (
+    TransitionListener,
+    TransitionRecorder,
+    describe,
+    recording,
+    report,
+)
 from calexec.machines.paths import (
     GuardTable,
     drive,
@@ -283,3 +289,210 @@ def test_a_done_state_transition_of_a_state_without_a_final_child_is_named_with_
                                          r"finished taken from no reachable configuration "
                                          r"\(done.state.running: raised only when"):
         transition_paths(Job)
+
+
+class Player(StateChart):
+    """Two regions of three states each, moved by their own events: a newcomer's first
+    parallel chart. Its configurations: ``off`` and the 3 x 3 of ``on``."""
+
+    class on(State.Parallel):
+        class source(State.Compound):
+            radio = State(initial=True)
+            cd = State()
+            aux = State()
+            next_source = radio.to(cd) | cd.to(aux) | aux.to(radio)
+
+        class volume(State.Compound):
+            low = State(initial=True)
+            mid = State()
+            high = State()
+            louder = low.to(mid) | mid.to(high)
+            quieter = high.to(mid) | mid.to(low)
+
+    off = State(initial=True)
+    power = off.to(on) | on.to(off)
+
+
+class Mixer(StateChart):
+    """Three regions of three states each (the review's chart): ``off`` and the 3 x 3 x 3 of
+    ``on``."""
+
+    class on(State.Parallel):
+        class bass(State.Compound):
+            b1 = State(initial=True)
+            b2 = State()
+            b3 = State()
+            bass_up = b1.to(b2) | b2.to(b3) | b3.to(b1)
+
+        class mids(State.Compound):
+            m1 = State(initial=True)
+            m2 = State()
+            m3 = State()
+            mids_up = m1.to(m2) | m2.to(m3) | m3.to(m1)
+
+        class treble(State.Compound):
+            t1 = State(initial=True)
+            t2 = State()
+            t3 = State()
+            treble_up = t1.to(t2) | t2.to(t3) | t3.to(t1)
+
+    off = State(initial=True)
+    power = off.to(on) | on.to(off)
+
+
+def _real_run(declaration: type[StateChart], events: tuple[str, ...],
+              recorder: TransitionRecorder | None = None) -> StateChart:
+    listeners = [] if recorder is None else [TransitionListener(compiled(declaration), recorder)]
+    machine = declaration(listeners=listeners)
+    for event in events:
+        machine.send(event)
+    return machine
+
+
+def _real_distances(declaration: type[StateChart]) -> tuple[
+        dict[frozenset[str], int], dict[str, int], dict[int, int]]:
+    """Breadth-first over python-statemachine instances (each replayed from the start),
+    keyed by the set of active states: the shortest number of events to every configuration,
+    to a configuration containing every state, and to taking every transition (by id)."""
+    chart = compiled(declaration)
+    start = frozenset(_real_run(declaration, ()).configuration_values)
+    reach: dict[frozenset[str], tuple[str, ...]] = {start: ()}
+    taking: dict[int, int] = {}
+    frontier = [start]
+    while frontier:
+        ahead = []
+        for configuration in frontier:
+            events = reach[configuration]
+            for event in chart.events:
+                recorder = TransitionRecorder()
+                machine = _real_run(declaration, events, recorder)
+                recorder.clear()
+                machine.send(event)
+                for _, transition_id in recorder.hits:
+                    taking.setdefault(transition_id, len(events) + 1)
+                after = frozenset(machine.configuration_values)
+                if after not in reach:
+                    reach[after] = (*events, event)
+                    ahead.append(after)
+        frontier = ahead
+    to_state: dict[str, int] = {}
+    for configuration, events in reach.items():  # reach is in breadth-first order
+        for state in configuration:
+            to_state.setdefault(state, len(events))
+    return {c: len(e) for c, e in reach.items()}, to_state, taking
+
+
+@pytest.mark.parametrize(("declaration", "count"), [(Player, 10), (Mixer, 28)],
+                         ids=["two-regions", "three-regions"])
+def test_a_configuration_of_a_parallel_chart_is_one_node_whatever_order_its_regions_moved_in(
+        declaration: type[StateChart], count: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A configuration reached by two event orders (``power louder next_source`` and
+    ``power next_source louder``) was two nodes: the active states were compared in the order
+    python-statemachine lists them, which is the order they were entered in. The review's
+    three regions of three states explored 202 nodes for 28 configurations, so
+    ``MAX_CONFIGURATIONS`` was reached about seven times too early. Explored now: exactly the
+    configurations python-statemachine reaches, and every walk and path is still a shortest
+    one that a real instance follows."""
+    from calexec.machines import paths
+
+    to_configuration, to_state, taking = _real_distances(declaration)
+    assert len(to_configuration) == count
+    chart = compile_chart(declaration)  # a fresh compiled chart: its graph is explored here
+    monkeypatch.setattr(paths, "MAX_CONFIGURATIONS", count - 1)
+    with pytest.raises(ValueError, match=rf"more than {count - 1} configurations reachable"):
+        state_paths(chart)
+    chart = compile_chart(declaration)
+    monkeypatch.setattr(paths, "MAX_CONFIGURATIONS", count)
+    walks = state_paths(chart)
+    for state, walk in walks.items():
+        assert len(walk.events) == to_state[state], (state, walk.events)
+        ended = list(_real_run(declaration, walk.events).configuration_values)
+        assert state in ended and ",".join(ended) == walk.end, (state, walk.events, walk.end)
+    for path in transition_paths(chart):
+        recorder = TransitionRecorder()
+        _real_run(declaration, path.events, recorder)
+        assert path.transition.key in recorder.hits, (path.transition, path.events)
+        assert len(path.events) == taking[path.transition.id], (path.transition, path.events)
+    with recording([chart]) as recorder:
+        for walk in transition_tour(chart):
+            assert ",".join(_real_run(declaration, walk.events).configuration_values) == walk.end
+            assert drive(chart.run(GuardTable.for_chart(chart)), walk) == walk.end
+    assert report([chart], recorder)[0].complete
+
+
+class Race(StateChart):
+    """Both regions leave the parallel state on ``leave``. python-statemachine selects the
+    transitions of the atomic states in configuration order, and of two that exit the same
+    states the first one wins: which region leaves depends on which moved last (after ``ma``
+    the configuration lists ``b1`` before ``a2``)."""
+
+    class both(State.Parallel, initial=True):
+        class left(State.Compound):
+            a1 = State(initial=True)
+            a2 = State()
+            ma = a1.to(a2) | a2.to(a1)
+
+        class right(State.Compound):
+            b1 = State(initial=True)
+            b2 = State()
+            mb = b1.to(b2) | b2.to(b1)
+
+    out_left = State(final=True)
+    out_right = State(final=True)
+    leave = (both.left.a1.to(out_left) | both.left.a2.to(out_left)
+             | both.right.b1.to(out_right) | both.right.b2.to(out_right))
+
+
+class Restart(StateChart):
+    """``restart`` goes from a region's state to its own region. Its domain is the chart's
+    root (a parallel state is not compound), so it exits the other region too, and the two
+    regions' ``restart`` conflict as ``Race``'s ``leave`` do: ``b2``'s is taken only where
+    ``b2`` is listed before ``a``, after ``poke`` re-entered ``a``."""
+
+    class both(State.Parallel, initial=True):
+        class left(State.Compound):
+            a = State(initial=True)
+            poke = a.to(a)
+
+        class right(State.Compound):
+            b1 = State(initial=True)
+            b2 = State()
+            mb = b1.to(b2) | b2.to(b1)
+
+    restart = both.left.a.to(both.left) | both.right.b2.to(both.right)
+
+
+@pytest.mark.parametrize(("declaration", "transition", "by_order"), [
+    (Race, "b2 --leave--> out_right", (("ma", "mb", "leave"), ("mb", "ma", "leave"))),
+    (Restart, "b2 --restart--> right", (("mb", "restart"), ("mb", "poke", "restart"))),
+], ids=["leaving-the-parallel-state", "to-its-own-region"])
+def test_paths_tell_configurations_apart_by_order_where_python_statemachine_does(
+        declaration: type[StateChart], transition: str,
+        by_order: tuple[tuple[str, ...], tuple[str, ...]]) -> None:
+    """Where the order of the active states decides which transition an event takes, one set
+    of active states is more than one configuration: ``transition`` is taken only from its
+    source listed before the other region's atomic state (the second event sequence, not
+    the first, though both send the last event from the same set of active states), an
+    order a graph keyed by the set alone never explores: it named the transition
+    unreachable."""
+    first, second = (_real_run(declaration, events[:-1]) for events in by_order)
+    assert set(first.configuration_values) == set(second.configuration_values)
+    taken = []
+    for events in by_order:
+        recorder = TransitionRecorder()
+        _real_run(declaration, events, recorder)
+        taken.append({describe(compiled(declaration).transitions[i]) for _, i in recorder.hits})
+    assert transition not in taken[0] and transition in taken[1], taken
+    chart = compile_chart(declaration)
+    for path in transition_paths(chart):
+        recorder = TransitionRecorder()
+        _real_run(declaration, path.events, recorder)
+        assert path.transition.key in recorder.hits, (path.transition, path.events)
+    for state, walk in state_paths(chart).items():
+        ended = ",".join(_real_run(declaration, walk.events).configuration_values)
+        assert ended == walk.end, (state, walk.events)
+    with recording([chart]) as recorder:
+        for walk in transition_tour(chart):
+            assert ",".join(_real_run(declaration, walk.events).configuration_values) == walk.end
+            assert drive(chart.run(GuardTable.for_chart(chart)), walk) == walk.end
+    assert report([chart], recorder)[0].complete
