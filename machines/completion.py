@@ -85,6 +85,7 @@ class Completion:
         #: float): the early wake-ups and the arming delays (issue 17)
         self.decode_exec_us = 0.0
         self._prewoken = 0  # the job the submitter last woke early for (``prewake_at``)
+        self._backing_off = 0  # the job whose submit last found the runtime busy
 
     # ---- the queue ---------------------------------------------------------------------------
     def push(self, job: Job) -> None:
@@ -122,6 +123,14 @@ class Completion:
             return None
         self._prewoken = head.job_id
         return now + early
+
+    def submit_backing_off(self, job: Job) -> None:
+        """The submitter found the runtime busy for ``job`` and backs off before its retry:
+        a completion thread yielding until ``job`` is on the device (greedy ahead's
+        ``_until_submitted``) stops yielding and delivers the step before it."""
+        with self.cv:
+            self._backing_off = job.job_id
+            self.cv.notify_all()
 
     def stop(self, stopping: bool = True) -> None:
         """The threads are to stop (or start again): the idle wait ends."""
@@ -270,10 +279,13 @@ class Completion:
         stream) and gets out of the submitter's way, its own GIL-holding work (delivering the
         job before, which also wakes that job's caller) waiting until ``job`` is on the device
         or failed, bounded by ``tuning.ahead_yield_s`` (A/B measured, docs/benchmarks.md:
-        without it the submitter's wake-up waited for the GIL behind that work)."""
+        without it the submitter's wake-up waited for the GIL behind that work). A submit
+        that found the runtime busy and backs off (``submit_backing_off``) ends the yield:
+        the submitter then sleeps, and the caller of the step before would wait with it."""
         end = self.clock.monotonic() + self.config.tuning.ahead_yield_s
         with self.cv:
-            while not (job.done or job.submitted_at or self._stopping):
+            while not (job.done or job.submitted_at or self._stopping
+                       or self._backing_off == job.job_id):
                 remaining = end - self.clock.monotonic()
                 if remaining <= 0:
                     return

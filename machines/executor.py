@@ -765,6 +765,7 @@ class DeviceExecutor(SequenceOwnership):
             # §8 Transient row: the runtime did not run the graph; bounded retry with backoff.
             attempt += 1
             self.outcomes.bump("submit_retries")
+            self.completion.submit_backing_off(job)
             self.clock.sleep(self.faults.backoff(attempt))
             rc = self._infer(gen, slot, job.request.seq_id)
         if rc != CalrtCode.SUCCESS:

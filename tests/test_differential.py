@@ -279,3 +279,25 @@ REGRESSIONS: dict[str, D.Case] = {
 @pytest.mark.parametrize("name", sorted(REGRESSIONS))
 def test_a_history_that_found_a_defect_is_answered_as_the_plain_path_answers_it(name):
     assert D.run_case(CALBINS, REGRESSIONS[name]) == []
+
+
+def test_greedy_ahead_stops_yielding_when_the_step_it_fired_backs_off():
+    """Greedy ahead fires a stream's next step, then yields (``ahead_yield_s``) until that
+    step is on the device before it wakes the caller of the step before. A submit that
+    found the runtime busy backs off (§8 Transient row) and ends the yield: the caller's
+    answer comes when it would without the busy submit, in virtual time (before, it waited
+    for the backoff too, up to the yield's bound)."""
+    def run(faults):
+        diff = D.Differential(CALBINS, ["ahead"], decode_s=0.0097, prefill_s=0.0194)
+        diff.start()
+        diff.act(("client", C(1, 1, (5, 6, 7), 3, logits_out=False, after_failure=None,
+                              faults=faults)))
+        assert diff.finish() == []  # answered as the plain path answers it, busy or not
+        ahead = diff.lanes[1]
+        return ahead.times[1], ahead.answers[1], ahead.device.fired
+
+    quiet_times, quiet_answers, _ = run(())
+    busy_times, busy_answers, fired = run(((1, "SUBMIT_BUSY"),))
+    assert [f[:4] for f in fired] == [(1, 4, "decode", "SUBMIT_BUSY")]
+    assert busy_answers == quiet_answers
+    assert busy_times[1] == quiet_times[1]  # the first decode's answer: not held

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import numpy as np
 
+from calexec.contracts.codes import CalrtCode
 from calexec.contracts.errors import Category
 from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.status import Status
@@ -61,8 +62,10 @@ if TYPE_CHECKING:
     from calexec.machines.device_api import RuntimeApi
 
 VOCAB = 151936
-#: job faults a history can schedule (emulator fault points, fired by job content)
-JOB_FAULTS = ("SUBMIT_RC", "WAIT_RC", "CCU_EXCEPTION", "OUTPUT_NAN", "OUTPUT_SHORT", "HANG")
+#: job faults a history can schedule (emulator fault points, fired by job content);
+#: ``SUBMIT_BUSY``: ``SUBMIT_RC`` answering DEVICE_BUSY once (retried after a backoff, §8)
+JOB_FAULTS = ("SUBMIT_RC", "WAIT_RC", "CCU_EXCEPTION", "OUTPUT_NAN", "OUTPUT_SHORT", "HANG",
+              "SUBMIT_BUSY")
 
 
 # ---- variants ------------------------------------------------------------------------------------
@@ -257,6 +260,10 @@ class TimedDevice(DeviceModel):
         self.fired.append((*key, point, self.sched.now))
         if point == "WAIT_RC":
             self.wait_faults.add(id(outbuf))
+        elif point == "SUBMIT_BUSY":
+            if self.controls().set_fault(Fault.SUBMIT_RC, FaultMode.NTH, 1, 0,
+                                         int(CalrtCode.DEVICE_BUSY)) != 0:
+                raise RuntimeError("arming SUBMIT_RC (busy) refused")
         elif self.controls().set_fault(Fault[point], FaultMode.NTH, 1, 0, 0) != 0:
             raise RuntimeError(f"arming {point} refused")
 
