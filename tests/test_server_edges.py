@@ -525,3 +525,32 @@ def test_an_unexpected_error_in_a_route_is_an_openai_shaped_500_and_counted(exec
         assert "RuntimeError" in error["message"] and "a bug" not in error["message"]
         metrics = client.get("/metrics").text
     assert 'code="server.unexpected_error"' in metrics
+
+
+@pytest.mark.parametrize("garbage", [
+    b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + b"\x00" * 40,  # a TLS ClientHello
+    b"GET / HTTP/1.1\r\nhost: 127.0.0.1\r\nbad header line\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\ncontent-length: 5\r\ncontent-length: 7\r\n\r\nabcde",
+])
+def test_bytes_that_are_not_an_http_request_get_an_openai_shaped_400(executor, garbage):
+    """uvicorn's own answer to bytes its HTTP parser refuses was a plain-text 400 ("Invalid
+    HTTP request received."): the one error of this server that was not OpenAI-shaped JSON.
+    It is now the JSON body every other error has, code ``request.malformed_http``, and the
+    connection closes; the server serves on."""
+    from test_server_support import ServeLikeServer, read_until_closed
+
+    with ServeLikeServer(create_app(executor, ServerConfig())) as server:
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=30.0)
+        try:
+            sock.sendall(garbage)
+            data, ended = read_until_closed(sock)
+        finally:
+            sock.close()
+        head, _, body = data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400 "), data[:300]
+        assert b"content-type: application/json" in head.lower(), head
+        error = json.loads(body)["error"]
+        assert error["code"] == "request.malformed_http" and error["message"], error
+        assert error["type"] == "invalid_request_error"
+        assert ended in ("eof", "reset")
+        assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200

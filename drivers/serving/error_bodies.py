@@ -4,6 +4,7 @@ Status.to_dict()``; 429 and 503 carry ``Retry-After``."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -92,3 +93,19 @@ def body_timeout(came: str, timeout_s: float) -> Status:
     return Status.failure("request.body_timeout", Category.DEADLINE, Phase.VALIDATE,
                           f"the request body did not arrive whole within body_timeout_s="
                           f"{timeout_s:g} s: {came}")
+
+
+def malformed_http(message: str) -> bytes:
+    """The whole HTTP/1.1 response to bytes that are not an HTTP request (the HTTP parser's
+    ``message``, e.g. "Invalid HTTP request received."): a 400 with the OpenAI-shaped JSON
+    body every other error has (code ``request.malformed_http``), ``connection: close``,
+    written by the connection itself before any ASGI app is called."""
+    status = Status.failure("request.malformed_http", Category.INVALID_REQUEST, Phase.VALIDATE,
+                            message or "malformed HTTP request")
+    described = status.to_dict()
+    described["http_status"] = 400
+    body = json.dumps({"error": error_body(status, None, 400), "status": described},
+                      separators=(",", ":")).encode()
+    return (b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+            b"content-length: " + str(len(body)).encode("ascii") +
+            b"\r\nconnection: close\r\n\r\n" + body)

@@ -34,7 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
-from calexec.drivers.serving import openai_api, wire
+from calexec.drivers.serving import error_bodies, openai_api, wire
 from calexec.drivers.serving.admin import MAX_PATH_CHARS, add_admin_routes, calbin_path_refusal
 from calexec.drivers.serving.debug import add_debug_routes
 from calexec.drivers.serving.dumpsink import DumpSink
@@ -208,6 +208,15 @@ def abortable(protocol: type) -> type:
                 extensions[wire.ABORT_EXTENSION] = transport.abort
                 await app(scope, receive, send)
             self.app = with_abort
+
+        def send_400_response(self, msg: str) -> None:
+            """Bytes that are not an HTTP request: uvicorn's plain-text 400, as the OpenAI
+            -shaped JSON every other error of this server is (``malformed_http``)."""
+            transport = getattr(self, "transport", None)
+            if transport is None or transport.is_closing():
+                return
+            transport.write(error_bodies.malformed_http(str(msg)))
+            transport.close()
 
         def on_response_complete(self) -> None:
             self._await_head()  # first: a pipelined request it starts cancels the wait
