@@ -168,6 +168,20 @@ class Job:
     def gen(self, generation: Generation | None) -> None:
         self._gen = None if generation is None else weakref.ref(generation)
 
+    def request_cancel(self) -> bool:
+        """``JobHandle.cancel``: set the cancel flag once and tell the executor (its
+        ``on_cancel``); False when the job was resolved or its row claimed (too late)."""
+        if self.done:
+            return False
+        with _CANCEL_MU:
+            if self.row_claimed:
+                return False
+            if self.cancel_flag:
+                return True
+            self.cancel_flag = True
+        self._on_cancel()
+        return True
+
     def claim_row(self) -> bool:
         """The completion thread is about to write this job's result into the caller's row
         (``logits_out``): from then on a cancel is too late, as after the job's resolve (the
@@ -322,17 +336,7 @@ class JobHandle:
         was resolved (it may still complete: a submitted job is always waited for); False
         when it was resolved, or its result is being written into the caller's row already
         (``Job.claim_row``: it completes, as if the cancel came after its resolve)."""
-        job = self._job
-        if job.done:
-            return False
-        with _CANCEL_MU:
-            if job.row_claimed:
-                return False
-            if job.cancel_flag:
-                return True
-            job.cancel_flag = True
-        job._on_cancel()
-        return True
+        return self._job.request_cancel()
 
     # ---- completion without a waiting thread (issue 25) ------------------------------------
     def add_done_callback(self, fn: Callable[[JobHandle], object]) -> None:
