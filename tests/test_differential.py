@@ -273,6 +273,21 @@ REGRESSIONS: dict[str, D.Case] = {
                      tokens=(133417, 82588, 101799), after_failure=None, think_s=0.0041,
                      faults=((2, "OUTPUT_NAN"),))),
         ("tick", 0.0021), ("tick", 0.0203), ("recover",)), 0.00053, 2),
+    # harness gap found by a long run (seed 12400): client 3's decode waited in the queue
+    # behind client 4's prefill until its deadline. The submitter's sweep of that deadline and
+    # the caller's wait on the same deadline woke at one instant; each lane ran first whichever
+    # thread had jumped time: the plain path answered wait.deadline (the job still queued: the
+    # release found the sequence busy), the pre-armed one submit.deadline (release ok). The
+    # lanes' scheduler now runs the executor's threads first at such an instant
+    "a_queue_deadline_and_its_callers_wait_end_at_one_instant": D.Case(("auto_immediate",), (
+        ("client", C(2, 2, (59345, 100898, 3603, 45491, 61434, 84241, 61511), 5,
+                     reserve=False, logits_out=False, tokens=(128349, 127807, 60182),
+                     faults=((2, "SUBMIT_RC"), (-1, "WAIT_RC")))),
+        ("tick", 0.1007),
+        ("client", C(3, 3, (49325, 44759, 96077, 61772, 6710, 95866), 3, reserve=False,
+                     logits_out=False, deadline_s=0.0147)),
+        ("client", C(4, 1, (22382, 112980, 104190, 97528, 70762, 23158, 15165, 66290,
+                            136316), 3, logits_out=False, deadline_s=0.0147))), 0.0031, 2),
 }
 
 

@@ -307,6 +307,11 @@ def _digest(array: np.ndarray | None) -> str | None:
     return hashlib.blake2b(np.ascontiguousarray(array).tobytes(), digest_size=12).hexdigest()
 
 
+def _executor_first(thread: Any) -> int:
+    """``Scheduler.rank`` of a lane: the executor's own threads (``calexec-*``) first."""
+    return 0 if thread.name.startswith("calexec-") else 1
+
+
 class Lane(Explorer):
     """One variant's executor, its timed device, and the clients' answers on it."""
 
@@ -325,6 +330,11 @@ class Lane(Explorer):
         self.device.locate = self._locate
         self.sched.device = self.device
         self.sched.clamp_to_horizon = True
+        # the executor's threads before the callers' when several can run (an instant woke
+        # them, or the running one blocked): a job whose deadline passed is resolved by the
+        # submitter before its caller's wait on that same deadline ends, on every lane alike
+        # (else the tie is broken by which thread jumped time, which differs between lanes)
+        self.sched.rank = _executor_first
         #: client id -> its answers, in order; ("admin", k) -> an admin release's answer
         self.answers: dict[Any, list] = {}
         self.current: dict[int, Any] = {}  # client id -> its handle or stream now

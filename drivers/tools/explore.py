@@ -451,6 +451,14 @@ class Scheduler:
         #: a time jump never passes the run's horizon (several schedulers kept at the same
         #: virtual time, drivers/tools/differential.py); default: jump to the next deadline
         self.clamp_to_horizon = False
+        #: a canonical order of the threads that can run when no running thread goes on
+        #: (the running one blocked, finished or jumped time): sorted by this key, stable in
+        #: creation order. None (default): creation order, the thread that jumped first.
+        #: Several schedulers compared with each other (drivers/tools/differential.py) set
+        #: it, so that threads woken at one instant (a job's deadline and its caller's wait
+        #: on that same deadline) run in the same order on every one of them
+        self.rank: Callable[[CThread], int] | None = None
+        self._jumped = False
 
     # -- from controlled threads --
     def me(self) -> CThread | None:
@@ -539,8 +547,10 @@ class Scheduler:
             now = self.now
             live = [t for t in self.threads if not t.finished]
             runnable = [t for t in live if t.enabled(now)]
-            if me is not None and me in runnable:  # option 0: no preemption
-                runnable.remove(me)
+            if self.rank is not None:
+                runnable.sort(key=self.rank)
+            if me is not None and me in runnable and not (self._jumped and self.rank):
+                runnable.remove(me)  # option 0: no preemption
                 runnable.insert(0, me)
             device = self.device.options() if self.device is not None else []
             deadlines = [t.deadline for t in live if t.pred is not None and t.deadline is not None]
@@ -574,6 +584,7 @@ class Scheduler:
             if len(self.trace) > 400:
                 del self.trace[:200]
             if isinstance(chosen, CThread):
+                self._jumped = False
                 if chosen is not me or len(options) > 1:
                     self.trace.append(f"{label}:{chosen.what}")
                 return chosen
@@ -583,6 +594,7 @@ class Scheduler:
                 if self.clamp_to_horizon:
                     target = min(target, self.horizon)
                 self.now = max(now, target)
+                self._jumped = True
                 try:
                     if self.on_jump is not None:
                         self.on_jump()
