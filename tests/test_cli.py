@@ -737,6 +737,41 @@ def test_an_empty_path_flag_is_refused_exit_2(argv, tmp_path):
 
 
 # ---- stop 38: output that cannot be written is one line naming it, exit 2 ---------------------
+@pytest.mark.parametrize("argv, file", [
+    (["accept", "--gates", "lengths", "--phase", "a"], "report.json"),
+    (["conform", "--quick", "--only", "parallel"], "conformance.json"),
+])
+def test_a_report_file_that_cannot_be_written_is_refused_before_the_run(argv, file, tmp_path):
+    """``--report DIR`` where ``DIR/<file>`` is a directory: the run went first, then
+    ``cannot write the report`` without the file (accept) or ``[Errno 21] Is a directory``
+    exit 1, a failed check (conform)."""
+    report = tmp_path / "report"
+    (report / file).mkdir(parents=True)
+    done = calexec(*argv, "--report", str(report))
+    line = one_line(done.stderr)  # (no progress line: nothing ran)
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert line.endswith(f"--report={str(report)!r}: cannot write {str(report / file)!r}: "
+                         "Is a directory"), line
+
+
+@pytest.mark.parametrize("argv, file", [
+    (["accept", "--gates", "lengths", "--phase", "a"], "report.md"),
+    (["conform", "--quick", "--only", "parallel"], "conformance.md"),
+])
+def test_a_report_that_cannot_be_written_after_the_run_is_one_line_exit_2(argv, file, tmp_path):
+    """The same file broken during the run (the check before it skipped here): one line naming
+    the file, exit 2, never a traceback nor conform's exit 1 (a check failed)."""
+    report = tmp_path / "report"
+    (report / file).mkdir(parents=True)
+    pre = "import calexec.cliargs as c\nc.writable_file = lambda *args: None"
+    done = calexec(*argv, "--report", str(report), pre=pre)
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    last = done.stderr.strip().splitlines()[-1]
+    assert last == (f"calexec {argv[0]}: --report={str(report)!r}: cannot write "
+                    f"{str(report / file)!r}: Is a directory"), last
+
+
 def _stdout_hung_up(argv: list[str]) -> subprocess.CompletedProcess:
     """``calexec ARGV`` writing to a terminal that hung up: the slave end of a pty whose master
     is closed, where every write is EIO."""
