@@ -19,7 +19,8 @@ one line naming the offender; an unexpected exception prints one line and exits 
 (gate, stale diagram, oracle mismatch); 2 bad usage or configuration; 3 runtime refusal (the
 executor did not start or ended Failed); 4 ``serve --once``'s sample request failed; 70 an
 internal error (a bug); 130 interrupted; 141 the reader closed stdout (``| head``); a stdout
-that cannot be written at the end of the run, or a full disk during it, is one line, exit 2.
+that cannot be written (a full disk, an I/O error: :class:`StdoutError`), or an output file, is
+one line naming it and the OS error (``cliargs.cannot_write``), exit 2.
 """
 
 from __future__ import annotations
