@@ -28,6 +28,7 @@ import difflib
 import functools
 import importlib.util
 import os
+import stat
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -204,6 +205,8 @@ def writable_file(flag: str, path: str | os.PathLike[str],
     (Opened for appending, never truncated; a file made by the probe is removed.)"""
     existed = os.path.lexists(path)
     try:
+        if existed and not stat.S_ISREG(mode := os.stat(path).st_mode) and not stat.S_ISDIR(mode):
+            return  # a FIFO or a device (/dev/stdout): opening it may block; the write will tell
         with open(path, "ab"):
             pass
     except (OSError, ValueError) as exc:  # (ValueError: a NUL in the path)

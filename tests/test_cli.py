@@ -830,6 +830,10 @@ def test_cannot_write_names_the_flag_the_file_and_the_os_error(tmp_path):
     assert str(caught.value) == f"--out={str(under_a_file)!r}: cannot write it: Not a directory"
     cliargs.writable_file("--out", tmp_path / "new.png")
     assert not (tmp_path / "new.png").exists()  # the probe leaves nothing behind
+    import os
+
+    os.mkfifo(tmp_path / "fifo")
+    cliargs.writable_file("--out", tmp_path / "fifo")  # not opened: no reader, it would block
     eio = OSError(errno.EIO, "Input/output error")
     assert str(cliargs.cannot_write(None, eio)) == "cannot write to stdout: Input/output error"
     inside = IsADirectoryError(errno.EISDIR, "Is a directory", str(tmp_path / "r" / "a.json"))
