@@ -19,7 +19,8 @@ one line naming the offender; an unexpected exception prints one line and exits 
 (gate, stale diagram, oracle mismatch); 2 bad usage or configuration; 3 runtime refusal (the
 executor did not start or ended Failed); 4 ``serve --once``'s sample request failed; 70 an
 internal error (a bug); 130 interrupted; 141 the reader closed stdout (``| head``); a stdout
-that cannot be written at the end of the run, or a full disk during it, is one line, exit 2.
+that cannot be written (a full disk, an I/O error: :class:`StdoutError`), or an output file, is
+one line naming it and the OS error (``cliargs.cannot_write``), exit 2.
 """
 
 from __future__ import annotations
@@ -30,9 +31,17 @@ import errno
 import importlib
 import os
 import sys
+from typing import Any
 
 from calexec import __version__
-from calexec.cliargs import EXIT_CONFIG, Parser, UserError, as_user_error, missing_extra
+from calexec.cliargs import (
+    EXIT_CONFIG,
+    Parser,
+    UserError,
+    as_user_error,
+    cannot_write,
+    missing_extra,
+)
 from calexec.commands import COMMANDS, lookup
 
 EXIT_INTERNAL, EXIT_INTERRUPTED = 70, 130
@@ -48,8 +57,46 @@ def _quiet_stdout() -> None:
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError):  # no real stdout: nothing to flush
+    except (OSError, ValueError, AttributeError):  # no real stdout: nothing to flush
         pass
+
+
+class StdoutError(OSError):
+    """A write to stdout failed (other than the reader leaving, ``BrokenPipeError``): EIO, a
+    full disk. Raised by :class:`_Stdout`, so the error is told from a file's."""
+
+
+class _Stdout:
+    """``sys.stdout`` while a command runs: the same stream, but its write errors are
+    :class:`StdoutError` (a file write that fails the same way is not one), and the first is
+    kept in ``failed``: argparse's ``--help``/``--version`` swallow it, ``main`` does not."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self.failed: OSError | None = None
+
+    def _call(self, name: str, *args: Any) -> Any:
+        try:
+            return getattr(self._stream, name)(*args)
+        except BrokenPipeError as exc:
+            self.failed = self.failed or exc
+            raise
+        except OSError as exc:
+            error = StdoutError(exc.errno, exc.strerror or str(exc))
+            self.failed = self.failed or error
+            raise error from exc
+
+    def write(self, text: str) -> int:
+        return int(self._call("write", text))
+
+    def writelines(self, lines: Any) -> None:
+        self._call("writelines", lines)
+
+    def flush(self) -> None:
+        self._call("flush")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
 
 
 _EPILOG = """\
@@ -110,19 +157,28 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command ``argv`` (default ``sys.argv[1:]``) and return its exit code. stdout is
     flushed here, not at interpreter exit: a reader that left (``| head``) is exit 141 whether
     it left during the command or before its buffered output was written, and a stdout that
-    cannot take the output (a full disk) is one line, exit 2."""
+    cannot take the output (a full disk, an I/O error) is one line, exit 2."""
+    real = sys.stdout
+    stdout = _Stdout(real) if real is not None else None
+    if stdout is not None:
+        sys.stdout = stdout
     try:
         code = _run(argv)
         if sys.stdout is not None:
             sys.stdout.flush()
+        if stdout is not None and stdout.failed is not None:  # a failure someone swallowed
+            raise stdout.failed
         return code
     except BrokenPipeError:  # the reader left (`calexec ... | head`): quietly, as SIGPIPE would
         _quiet_stdout()
         return EXIT_BROKEN_PIPE
     except OSError as exc:  # the final flush: stdout on a full disk (`> /dev/full`), an I/O error
         _quiet_stdout()
-        print(f"calexec: cannot write to stdout: {exc.strerror or exc}", file=sys.stderr)
+        print(f"calexec: {cannot_write(None, exc)}", file=sys.stderr)
         return EXIT_CONFIG
+    finally:
+        if stdout is not None and sys.stdout is stdout:
+            sys.stdout = real
 
 
 def _run(argv: list[str] | None) -> int:
@@ -165,6 +221,12 @@ def _run(argv: list[str] | None) -> int:
         if user is not None:
             print(f"{prog}: {user}", file=sys.stderr)
             return user.code
+        if isinstance(exc, StdoutError):  # stdout itself failed (EIO, full): no output to give
+            _quiet_stdout()
+            if isinstance(sys.stdout, _Stdout):
+                sys.stdout.failed = None  # (said here, not again by main)
+            print(f"{prog}: {cannot_write(None, exc)}", file=sys.stderr)
+            return EXIT_CONFIG
         if isinstance(exc, OSError) and exc.errno in _DISK_FULL:  # the environment, not a bug
             where = f" ({exc.filename})" if exc.filename else ""
             print(f"{prog}: cannot write: {exc.strerror}{where}", file=sys.stderr)

@@ -11,6 +11,9 @@
   point that opens a device, turned into a validated ``DeviceSpec``.
 - :func:`require_extra`: the one-line ``pip install`` a command prints when an optional extra
   it needs is not installed.
+- :func:`cannot_write` / :func:`writable_file`: output a command cannot write (a report, a
+  diagram, a PNG, stdout): one line naming the path (or ``stdout``) and the OS error, exit 2;
+  ``writable_file`` finds it out before a long run.
 
 Exit codes, the same for every subcommand: 0 success; 1 the command ran and its check failed
 (a gate, a stale diagram, an oracle mismatch); 2 bad usage or configuration (named in the
@@ -25,6 +28,7 @@ import difflib
 import functools
 import importlib.util
 import os
+import stat
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -158,14 +162,60 @@ def positive_float(text: str) -> float:
     return value
 
 
-def output_dir(flag: str, path: str) -> None:
+def output_dir(flag: str, path: str, files: tuple[str, ...] = ()) -> None:
     """Make the directory a command writes its report into, before the run (a run can last
-    hours): one line naming ``flag`` and ``path`` (UserError, exit 2) when it cannot be."""
+    hours), and check that each of ``files`` in it can be written (:func:`writable_file`):
+    one line naming ``flag`` and ``path`` (UserError, exit 2) when not."""
     try:
         os.makedirs(path, exist_ok=True)
     except (OSError, ValueError) as exc:  # (ValueError: a NUL in the path)
         raise UserError(f"{flag}={path!r}: cannot make the directory: "
                         f"{getattr(exc, 'strerror', None) or exc}") from None
+    for name in files:
+        writable_file(flag, os.path.join(path, name), path)
+
+
+def cannot_write(path: str | os.PathLike[str] | None, exc: BaseException,
+                 flag: str | None = None) -> UserError:
+    """The :class:`UserError` (exit 2) of output that cannot be written, to raise ``from None``:
+    one line naming the file (``exc.filename`` when the OS names one, else ``path``; ``path``
+    None: stdout) and the OS error, after ``flag=path`` when a flag gave the path::
+
+        --report='out': cannot write 'out/mutation.md': Is a directory
+        --out='live.png': cannot write it: Is a directory
+        cannot write to stdout: Input/output error
+    """
+    reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+    filename = getattr(exc, "filename", None)
+    named = filename if filename is not None else path
+    target = None if named is None else os.fsdecode(named)
+    what = "to stdout" if target is None else repr(target)
+    if flag is not None and path is not None:
+        given = os.fsdecode(path)
+        return UserError(f"{flag}={given!r}: cannot write "
+                         f"{'it' if target == given else what}: {reason}")
+    return UserError(f"cannot write {what}: {reason}")
+
+
+def writable_file(flag: str, path: str | os.PathLike[str],
+                  given: str | os.PathLike[str] | None = None) -> None:
+    """Find out before a run that the file ``path`` can be written: its directory exists and it
+    is not a directory itself; raises :func:`cannot_write`'s error naming ``flag`` with its
+    value ``given`` (default ``path``; a report directory, say, when ``path`` is a file in it).
+    (Opened for appending, never truncated; a file made by the probe is removed.)"""
+    existed = os.path.lexists(path)
+    try:
+        if existed and not stat.S_ISREG(mode := os.stat(path).st_mode) and not stat.S_ISDIR(mode):
+            return  # a FIFO or a device (/dev/stdout): opening it may block; the write will tell
+        with open(path, "ab"):
+            pass
+    except (OSError, ValueError) as exc:  # (ValueError: a NUL in the path)
+        raise cannot_write(path if given is None else given, exc, flag) from None
+    if not existed:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
 
 
 # ---- the device an entry point opens ---------------------------------------------------------

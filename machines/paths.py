@@ -45,6 +45,8 @@ another order of events than that run, and replays its steps for its ``end`` (``
 
 from __future__ import annotations
 
+import functools
+import weakref
 from collections import deque
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
@@ -391,14 +393,25 @@ class _Graph:
     ordered: bool
 
 
-_GRAPHS: dict[int, tuple[CompiledChart, _Graph]] = {}
+#: id(compiled chart) -> (a weak reference to it, its graph). Weak: the entry goes with the
+#: chart (a mutation run or a toolkit process compiles many charts; a ``_Graph`` holds no
+#: reference to its chart, so the cache does not keep one alive).
+_GRAPHS: dict[int, tuple[weakref.ref[CompiledChart], _Graph]] = {}
+
+
+def _forget(key: int, ref: weakref.ref[CompiledChart]) -> None:
+    """The chart cached under ``key`` was collected: drop its graph (unless the entry is
+    already another chart's)."""
+    known = _GRAPHS.get(key)
+    if known is not None and known[0] is ref:
+        del _GRAPHS[key]
 
 
 def _graph(chart: CompiledChart) -> _Graph:
-    """The configuration graph of ``chart``, explored once per compiled chart (breadth-first
-    from the initial configuration; ``MAX_CONFIGURATIONS`` at most)."""
+    """The configuration graph of ``chart``, explored once per compiled chart while that chart
+    lives (breadth-first from the initial configuration; ``MAX_CONFIGURATIONS`` at most)."""
     known = _GRAPHS.get(id(chart))
-    if known is not None and known[0] is chart:
+    if known is not None and known[0]() is chart:
         return known[1]
     start = StatechartRun.skeleton(chart)
     rank = {state: i for i, state in enumerate(chart.states)}
@@ -439,7 +452,7 @@ def _graph(chart: CompiledChart) -> _Graph:
                 frontier.append(after)
     graph = _Graph(_node(start, rank, ordered), MappingProxyType(edges), MappingProxyType(entered),
                    MappingProxyType(rank), ordered)
-    _GRAPHS[id(chart)] = (chart, graph)
+    _GRAPHS[id(chart)] = (weakref.ref(chart, functools.partial(_forget, id(chart))), graph)
     return graph
 
 

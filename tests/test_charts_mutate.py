@@ -180,7 +180,7 @@ def test_mutant_that_never_reaches_the_chart_is_an_error(tmp_path, capsys):
         (["--chart", "door:Door", "--test-cmd", "no-such-test-runner -q"],
          "--test-cmd 'no-such-test-runner -q': cannot run 'no-such-test-runner'"),
         (["--chart", "door:Door", "--test-cmd", "true", "--report", "/proc/no/such/dir"],
-         "--report '/proc/no/such/dir': "),
+         "--report='/proc/no/such/dir': cannot write "),
         (["--chart", "door:Door", "--test-cmd", "true", "--timeout", "-1"],
          "--timeout -1.0: must be a number of seconds > 0"),
         (["--chart", "door:Door", "--test-cmd", "true", "--error-codes", "three"],
@@ -203,6 +203,39 @@ def test_bad_arguments_are_named(tmp_path, capsys, args, message):
     assert status == 2
     assert message in out.err
     assert "Traceback" not in out.err and out.out == ""
+
+
+def test_a_report_file_that_is_a_directory_is_refused_before_the_run(tmp_path, capsys):
+    """``--report DIR`` where ``DIR/mutation.md`` is a directory: the whole run went first,
+    then 'internal error: IsADirectoryError', exit 70."""
+    command = _door_project(tmp_path)
+    (tmp_path / "report" / "mutation.md").mkdir(parents=True)
+    status, out = _mutate(capsys, tmp_path, "--chart", "door:Door", "--test-cmd", command,
+                          "--report", str(tmp_path / "report"))
+    assert status == 2, out.err
+    assert out.out == "" and "unmutated run" not in out.err, out.err  # nothing ran
+    report = tmp_path / "report"
+    assert (f"--report={str(report)!r}: cannot write {str(report / 'mutation.md')!r}: "
+            "Is a directory") in out.err, out.err
+
+
+def test_a_report_that_cannot_be_written_after_the_run_is_one_line_and_the_run_is_kept(
+        tmp_path, capsys, monkeypatch):
+    """The report directory checked before the run, broken during it: the run's result still
+    reaches stdout, then one line naming the file, exit 2 (was a traceback, exit 70)."""
+    from calexec import cliargs
+
+    monkeypatch.setattr(cliargs, "writable_file", lambda *args: None, raising=False)
+    command = _door_project(tmp_path)
+    (tmp_path / "report" / "mutation.json").mkdir(parents=True)
+    status, out = _mutate(capsys, tmp_path, "--chart", "door:Door", "--test-cmd", command,
+                          "--mutant", "drop:opened-close->closed",
+                          "--report", str(tmp_path / "report"))
+    assert status == 2, out.err
+    assert json.loads(out.out)["mutants"][0]["status"] == "killed"
+    last = out.err.strip().splitlines()[-1]
+    assert last == (f"calexec charts mutate: --report={str(tmp_path / 'report')!r}: cannot "
+                    f"write {str(tmp_path / 'report' / 'mutation.json')!r}: Is a directory"), last
 
 
 def test_cwd_that_is_not_a_directory_is_named(tmp_path, capsys):

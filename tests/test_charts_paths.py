@@ -159,3 +159,43 @@ def test_a_flat_chart_s_steps_name_only_guards_a_model_can_answer():
     every += [step["guards"] for t in data["transitions"] for step in t["path"]]
     assert all(name.isidentifier() for guards in every for name in guards), every
     assert {"signed": True} in every
+
+
+def _fresh_compound_chart(index: int) -> type:
+    """A new hierarchical chart class (a compound state): explored by configuration."""
+    from statemachine import State, StateChart
+
+    class Outer(State.Compound):
+        inner = State(initial=True)
+        deeper = State()
+        step = inner.to(deeper)
+
+    namespace = {"outer": Outer, "done": State(final=True)}
+    namespace["leave"] = namespace["outer"].to(namespace["done"])
+    return type(f"Explored{index}", (StateChart,), namespace)
+
+
+def test_explored_charts_are_not_kept_alive_by_the_graph_cache():
+    """``paths._GRAPHS`` held every compiled chart it explored for the process's lifetime (a
+    mutation run, or a toolkit process given user charts, compiles hundreds): the cache is
+    weak, a chart and its graph go once nothing else holds the chart."""
+    import gc
+    import weakref
+
+    from calexec.machines import paths
+    from calexec.machines.compiled import compile_chart
+
+    gc.collect()
+    before = len(paths._GRAPHS)
+    refs = []
+    for index in range(40):
+        chart = compile_chart(_fresh_compound_chart(index))
+        assert chart.general, "not explored by configuration: the cache is not exercised"
+        found = transition_paths(chart)
+        assert [p.transition for p in found] == list(chart.transitions)
+        assert paths._graph(chart) is paths._graph(chart)  # still cached while it lives
+        refs.append(weakref.ref(chart))
+    del chart, found
+    gc.collect()
+    assert [r for r in refs if r() is not None] == []
+    assert len(paths._GRAPHS) == before

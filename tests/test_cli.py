@@ -734,3 +734,109 @@ def test_an_empty_path_flag_is_refused_exit_2(argv, tmp_path):
     assert done.returncode == 2, (done.returncode, done.stderr)
     assert f"argument {argv[-2]}: empty path" in line, line
     assert list(tmp_path.iterdir()) == [], list(tmp_path.iterdir())
+
+
+# ---- stop 38: output that cannot be written is one line naming it, exit 2 ---------------------
+@pytest.mark.parametrize("argv, file", [
+    (["accept", "--gates", "lengths", "--phase", "a"], "report.json"),
+    (["conform", "--quick", "--only", "parallel"], "conformance.json"),
+])
+def test_a_report_file_that_cannot_be_written_is_refused_before_the_run(argv, file, tmp_path):
+    """``--report DIR`` where ``DIR/<file>`` is a directory: the run went first, then
+    ``cannot write the report`` without the file (accept) or ``[Errno 21] Is a directory``
+    exit 1, a failed check (conform)."""
+    report = tmp_path / "report"
+    (report / file).mkdir(parents=True)
+    done = calexec(*argv, "--report", str(report))
+    line = one_line(done.stderr)  # (no progress line: nothing ran)
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert line.endswith(f"--report={str(report)!r}: cannot write {str(report / file)!r}: "
+                         "Is a directory"), line
+
+
+@pytest.mark.parametrize("argv, file", [
+    (["accept", "--gates", "lengths", "--phase", "a"], "report.md"),
+    (["conform", "--quick", "--only", "parallel"], "conformance.md"),
+])
+def test_a_report_that_cannot_be_written_after_the_run_is_one_line_exit_2(argv, file, tmp_path):
+    """The same file broken during the run (the check before it skipped here): one line naming
+    the file, exit 2, never a traceback nor conform's exit 1 (a check failed)."""
+    report = tmp_path / "report"
+    (report / file).mkdir(parents=True)
+    pre = "import calexec.cliargs as c\nc.writable_file = lambda *args: None"
+    done = calexec(*argv, "--report", str(report), pre=pre)
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    last = done.stderr.strip().splitlines()[-1]
+    assert last == (f"calexec {argv[0]}: --report={str(report)!r}: cannot write "
+                    f"{str(report / file)!r}: Is a directory"), last
+
+
+def _stdout_hung_up(argv: list[str]) -> subprocess.CompletedProcess:
+    """``calexec ARGV`` writing to a terminal that hung up: the slave end of a pty whose master
+    is closed, where every write is EIO."""
+    import os
+
+    master, slave = os.openpty()
+    os.close(master)
+    try:
+        return subprocess.run([sys.executable, "-m", "calexec", *argv], stdout=slave,
+                              stderr=subprocess.PIPE, text=True, timeout=TIMEOUT_S)
+    finally:
+        os.close(slave)
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "openpty"), reason="needs a pty")
+@pytest.mark.parametrize("argv, prefix", [
+    (["charts", "paths", "calexec.machines.charts:JobChart"], "calexec charts paths: "),
+    (["--version"], "calexec: "),
+    (["demo", "--help"], "calexec: "),
+])
+def test_a_stdout_with_an_io_error_is_one_line_exit_2(argv, prefix):
+    """EIO on stdout (a terminal gone): 'internal error: OSError: [Errno 5]', exit 70; and
+    argparse's --help/--version swallowed it, exit 0 with nothing written."""
+    done = _stdout_hung_up(argv)
+    line = one_line(done.stderr)
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert line == f"{prefix}cannot write to stdout: Input/output error", line
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_full_stdout_during_the_command_names_stdout(tmp_path):
+    """A full disk under stdout (unbuffered): the line said 'cannot write: No space left on
+    device', not what could not be written."""
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(
+            [sys.executable, "-m", "calexec", "charts", "paths",
+             "calexec.machines.charts:JobChart"],
+            stdout=full, stderr=subprocess.PIPE, text=True, timeout=TIMEOUT_S,
+            env={**_env_without("PYTHONUNBUFFERED"), "PYTHONUNBUFFERED": "1"})
+    line = one_line(done.stderr)
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert line == "calexec charts paths: cannot write to stdout: No space left on device", line
+
+
+def test_cannot_write_names_the_flag_the_file_and_the_os_error(tmp_path):
+    """The shared one line of every command's unwritable output (calexec.cliargs)."""
+    import errno
+
+    from calexec import cliargs
+
+    (tmp_path / "file").write_text("x")
+    under_a_file = tmp_path / "file" / "out.png"
+    with pytest.raises(cliargs.UserError) as caught:
+        cliargs.writable_file("--out", under_a_file)
+    assert caught.value.code == 2
+    assert str(caught.value) == f"--out={str(under_a_file)!r}: cannot write it: Not a directory"
+    cliargs.writable_file("--out", tmp_path / "new.png")
+    assert not (tmp_path / "new.png").exists()  # the probe leaves nothing behind
+    import os
+
+    os.mkfifo(tmp_path / "fifo")
+    cliargs.writable_file("--out", tmp_path / "fifo")  # not opened: no reader, it would block
+    eio = OSError(errno.EIO, "Input/output error")
+    assert str(cliargs.cannot_write(None, eio)) == "cannot write to stdout: Input/output error"
+    inside = IsADirectoryError(errno.EISDIR, "Is a directory", str(tmp_path / "r" / "a.json"))
+    assert str(cliargs.cannot_write(tmp_path / "r", inside, "--report")) == (
+        f"--report={str(tmp_path / 'r')!r}: cannot write {str(tmp_path / 'r' / 'a.json')!r}: "
+        "Is a directory")

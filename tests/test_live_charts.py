@@ -153,8 +153,11 @@ def test_debug_job_path_of_a_failed_request_names_the_refusing_guard(executor):
         (["--clients", "0"], "argument --clients: must be >= 1, got 0"),
         (["--out", "/nonexistent-dir/live.png"], "--out='/nonexistent-dir/live.png': no directory"),
         (["--out", "{tmp}/live.png"], "needs headless Chromium: chromium is not on PATH"),
+        # stop 38: a directory (or a read-only file) was found only by Chromium, after the load
+        (["--out", "{tmp}"], "--out='{tmp}': cannot write it: Is a directory"),
     ],
-    ids=["negative-seconds", "nan-seconds", "no-clients", "no-out-directory", "no-chromium"],
+    ids=["negative-seconds", "nan-seconds", "no-clients", "no-out-directory", "no-chromium",
+         "out-is-a-directory"],
 )
 def test_diagrams_live_bad_input_is_one_line_exit_2_before_any_load(args, message, tmp_path,
                                                                       monkeypatch, capsys):
@@ -166,6 +169,7 @@ def test_diagrams_live_bad_input_is_one_line_exit_2_before_any_load(args, messag
 
     monkeypatch.setenv("PATH", str(tmp_path))  # no chromium here
     args = [a.format(tmp=tmp_path) for a in args]
+    message = message.format(tmp=tmp_path)
     assert cli(["diagrams", "live", "--job-out", "", *args]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and message in err, err

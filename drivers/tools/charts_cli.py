@@ -22,7 +22,7 @@ import json
 import sys
 from pathlib import Path
 
-from calexec.cliargs import EXIT_CONFIG, EXIT_FAILED, UserError
+from calexec.cliargs import EXIT_CONFIG, EXIT_FAILED, UserError, cannot_write
 from calexec.cliargs import parser as cli_parser
 from calexec.machines.chartref import ChartRefError, load_chart
 from calexec.machines.compiled import CompiledChart, compiled
@@ -107,7 +107,7 @@ def draw(argv: list[str]) -> int:
         raise UserError(f"graphviz's dot failed (install graphviz): "
                         f"{str(err).splitlines()[0]}") from None
     except OSError as err:
-        raise UserError(f"--out={str(args.out)!r}: {err.strerror or err}") from None
+        raise cannot_write(args.out, err, "--out") from None
     for path in written:
         print(path)
     return 0

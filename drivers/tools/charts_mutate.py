@@ -401,10 +401,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.report:
             try:  # before the run, not after it: a report that cannot be written is bad input
                 Path(args.report).mkdir(parents=True, exist_ok=True)
-            except OSError as err:
-                raise ValueError(f"--report {args.report!r}: {err.strerror or err}") from None
+            except (OSError, ValueError) as err:
+                raise ValueError(str(cliargs.cannot_write(args.report, err, "--report"))) from None
             if not os.access(args.report, os.W_OK):
                 raise ValueError(f"--report {args.report!r}: not writable")
+            for name in ("mutation.md", "mutation.json"):  # (not a directory, say)
+                try:
+                    cliargs.writable_file("--report", Path(args.report) / name, args.report)
+                except cliargs.UserError as err:
+                    raise ValueError(str(err)) from None
         chosen = select_mutants(charts, args)
         equivalent_path = Path(args.equivalent) if args.equivalent else (
             cwd / DEFAULT_EQUIVALENT if args.test_cmd is None and own else None)
@@ -494,12 +499,19 @@ def main(argv: list[str] | None = None) -> int:
         "mutants": [o.to_json() for o in outcomes],
     }
     text = markdown(report)
-    if args.report:
+    unwritten = None
+    if args.report:  # (checked before the run; what changed since is still one line, exit 2)
         out = Path(args.report)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "mutation.md").write_text(text)
-        (out / "mutation.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report, indent=2) if args.json else text)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "mutation.md").write_text(text)
+            (out / "mutation.json").write_text(json.dumps(report, indent=2) + "\n")
+        except OSError as err:
+            unwritten = cliargs.cannot_write(args.report, err, "--report")
+    print(json.dumps(report, indent=2) if args.json else text)  # the run's result, whatever
+    if unwritten is not None:
+        print(f"calexec charts mutate: {unwritten}", file=sys.stderr)
+        return cliargs.EXIT_CONFIG
     if any(o.status == "error" for o in outcomes):
         return 1
     if args.fail_on_survivor and any(o.status == "survived" for o in outcomes):

@@ -74,6 +74,8 @@ def main(argv: list[str]) -> int:
         if value and not os.path.isdir(os.path.dirname(os.path.abspath(value))):
             raise cliargs.UserError(f"{flag}={value!r}: no directory "
                                     f"{os.path.dirname(os.path.abspath(value))!r} to write it in")
+        if value:  # (a directory itself, read-only: Chromium failed after the whole load)
+            cliargs.writable_file(flag, value)
     if shutil.which("chromium") is None and shutil.which("chromium-browser") is None:
         raise cliargs.UserError("needs headless Chromium: chromium is not on PATH (Debian "
                                 "package 'chromium'; bash .ci/install-server-tools)")

@@ -73,7 +73,7 @@ def main(argv: list[str]) -> int:
     """Entry point; ``argv`` starts with the command word ``diagrams``. Exit 0, 1 when
     ``--check`` finds a stale file, 2 when ``--out`` cannot be written or graphviz's ``dot``
     is missing (one line, no traceback)."""
-    from calexec.cliargs import EXIT_CONFIG
+    from calexec.cliargs import EXIT_CONFIG, cannot_write
     from calexec.cliargs import parser as cli_parser
 
     parser = cli_parser("calexec diagrams", __doc__)
@@ -107,8 +107,7 @@ def main(argv: list[str]) -> int:
         if args.png is not None and err.filename is not None and (
                 Path(str(err.filename)) == args.png or args.png in Path(str(err.filename)).parents):
             flag, value = "--png", args.png  # the PNG directory failed, not --out
-        print(f"calexec diagrams: {flag}={str(value)!r}: {err.strerror or err}"
-              f"{f' ({err.filename})' if err.filename else ''}", file=sys.stderr)
+        print(f"calexec diagrams: {cannot_write(value, err, flag)}", file=sys.stderr)
         return EXIT_CONFIG
     for path in written:
         print(path)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from calexec.cliargs import EXIT_CONFIG, command_main
+from calexec.cliargs import EXIT_CONFIG, cannot_write, command_main
 from calexec.cliargs import parser as cli_parser
 from calexec.machines.compiled import names_source
 
@@ -40,8 +40,7 @@ def main(argv: list[str]) -> int:
     try:
         args.out.write_text(fresh, encoding="utf-8")
     except OSError as err:
-        print(f"calexec charts names: --out={str(args.out)!r}: {err.strerror or err}",
-              file=sys.stderr)
+        print(f"calexec charts names: {cannot_write(args.out, err, '--out')}", file=sys.stderr)
         return EXIT_CONFIG
     print(args.out)
     return 0

@@ -10,6 +10,8 @@ from typing import Any
 
 LATENCY_PNG = "latency.png"
 RSS_PNG = "rss.png"
+#: the files ``write_report`` may write (the plots when their series were measured)
+REPORT_FILES = ("report.json", "report.md", LATENCY_PNG, RSS_PNG)
 
 
 def write_report(report: dict[str, Any], directory: str) -> list[str]:

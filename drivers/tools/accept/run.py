@@ -41,7 +41,7 @@ from calexec.drivers.memory import pin_mmap_threshold
 from calexec.drivers.synthetic import calbin as calbin_fmt
 from calexec.drivers.tools.accept.gate_rig import Progress, Silent
 from calexec.drivers.tools.accept.gates import GATES, AcceptContext
-from calexec.drivers.tools.accept.report import write_report
+from calexec.drivers.tools.accept.report import REPORT_FILES, write_report
 
 SPEC_LENGTHS = (1, 2, 15, 16, 17, 127, 128, 1024, 4095, 4096, 40959)
 
@@ -164,7 +164,7 @@ def main(argv: list[str]) -> int:
     sizes = FULL if args.full else QUICK
     if args.report:  # before the run: a missing extra or directory must not cost the run
         cliargs.require_extra("plots", "--report (PNG plots)")
-        cliargs.output_dir("--report", args.report)
+        cliargs.output_dir("--report", args.report, REPORT_FILES)
     device = cliargs.device_spec(
         args, synthetic="the gates check every token against the synthetic model's oracle")
     try:
@@ -181,8 +181,7 @@ def main(argv: list[str]) -> int:
         try:
             write_report(report, args.report)
         except OSError as exc:
-            raise cliargs.UserError(f"--report={args.report!r}: cannot write the report: "
-                                    f"{exc.strerror or exc}") from None
+            raise cliargs.cannot_write(args.report, exc, "--report") from None
     if args.json:
         print(json.dumps({k: v for k, v in report.items() if k != "series"}))
     else:

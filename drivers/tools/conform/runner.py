@@ -115,6 +115,10 @@ def run(lib: str | None, config: str = "", quick: bool = False, only: tuple[str,
             "experiments": experiments, "timeline": timeline}
 
 
+#: the files ``write_report`` may write (trace.json and timing.png when there is a timeline)
+REPORT_FILES = ("conformance.md", "conformance.json", "trace.json", "timing.png")
+
+
 def write_report(run_dict: dict[str, Any], out_dir: str) -> list[str]:
     """Write conformance.md/.json, trace.json and timing.png (when there is a timeline)."""
     os.makedirs(out_dir, exist_ok=True)
@@ -170,19 +174,22 @@ def main(argv: list[str]) -> int:
         args.calbin = os.path.abspath(args.calbin)
     if args.report:  # before the run: timing.png needs matplotlib, the files a directory
         cliargs.require_extra("plots", "--report (timing.png)")
-        cliargs.output_dir("--report", args.report)
+        cliargs.output_dir("--report", args.report, REPORT_FILES)
     t0 = time.monotonic()
     try:
         result = run(args.lib, args.config, args.quick, tuple(args.only or ()), args.timeout,
                      calbin_path=args.calbin)
-        if args.report:
-            files = write_report(result, args.report)
-            _progress(f"report written to {args.report}: {', '.join(files)}")
     except ConfigRefused as exc:
         raise cliargs.UserError(str(exc)) from None
     except (RuntimeError, OSError, ValueError) as exc:
         print(f"calexec conform: {exc}", file=sys.stderr)
         return 1
+    if args.report:  # (checked before the run; what changed since is one line, exit 2)
+        try:
+            files = write_report(result, args.report)
+        except OSError as exc:
+            raise cliargs.cannot_write(args.report, exc, "--report") from None
+        _progress(f"report written to {args.report}: {', '.join(files)}")
     if args.json:
         print(json.dumps(result))
     else:
