@@ -391,6 +391,9 @@ class _Graph:
     #: ``_node``'s arguments: state -> declaration index, and ``_order_decides``
     rank: Mapping[str, int]
     ordered: bool
+    #: ids of the transitions the chart takes as it starts (its initial macrostep's eventless
+    #: and ``done.state`` ones): their path has no step
+    at_start: frozenset[int] = frozenset()
 
 
 #: id(compiled chart) -> (a weak reference to it, its graph). Weak: the entry goes with the
@@ -451,17 +454,23 @@ def _graph(chart: CompiledChart) -> _Graph:
                 runs[after] = (twin, path)
                 frontier.append(after)
     graph = _Graph(_node(start, rank, ordered), MappingProxyType(edges), MappingProxyType(entered),
-                   MappingProxyType(rank), ordered)
+                   MappingProxyType(rank), ordered,
+                   frozenset(t.id for t in start.taken_at_start))
     _GRAPHS[id(chart)] = (weakref.ref(chart, functools.partial(_forget, id(chart))), graph)
     return graph
 
 
-def _from(graph: _Graph, node: _Node) -> tuple[dict[_Node, tuple[Transition, ...]],
-                                                dict[int, tuple[tuple[Transition, ...], _Node]]]:
+def _from(graph: _Graph, node: _Node, started: bool = False
+          ) -> tuple[dict[_Node, tuple[Transition, ...]],
+                     dict[int, tuple[tuple[Transition, ...], _Node]]]:
     """Breadth-first over ``graph`` from ``node``: the shortest steps to every node, and for
-    every transition the shortest steps that take it with the node they end in."""
+    every transition the shortest steps that take it with the node they end in. ``started``:
+    ``node`` is the start of a run that just started (the transitions its start took are
+    taken with no step), not the same configuration reached again later."""
     reach: dict[_Node, tuple[Transition, ...]] = {node: ()}
     first: dict[int, tuple[tuple[Transition, ...], _Node]] = {}
+    if node == graph.start:  # (taken before any step: the chart's start took them)
+        first.update((transition_id, ((), node)) for transition_id in graph.at_start)
     frontier = deque([node])
     while frontier:
         here = frontier.popleft()
@@ -492,7 +501,7 @@ def _walk(graph: _Graph, steps: tuple[Transition, ...], end: str) -> Walk:
 def _never_raised(chart: CompiledChart, graph: _Graph) -> str:
     """``" (done.state.x is raised only when ...)"`` for the ``done.state`` events of
     transitions no reachable configuration takes (their state never completes), or ``""``."""
-    _, first = _from(graph, graph.start)
+    _, first = _from(graph, graph.start, started=True)
     events = list(dict.fromkeys(t.event for t in chart.transitions
                                 if t.id not in first and t.event.startswith("done.state.")))
     if not events:
@@ -514,7 +523,7 @@ def _configuration_walks(chart: CompiledChart) -> dict[str, Walk]:
 
 def _configuration_paths(chart: CompiledChart) -> list[Path]:
     graph = _graph(chart)
-    _, first = _from(graph, graph.start)
+    _, first = _from(graph, graph.start, started=True)
     never = [t for t in chart.transitions if t.id not in first]
     if never:
         raise ValueError(f"{chart.name}: transition(s) {', '.join(map(_describe, never))} "
@@ -528,8 +537,10 @@ def _configuration_tour(chart: CompiledChart) -> list[Walk]:
     on by the shortest steps to the nearest transition not taken yet, until none is
     reachable; then the next walk starts over."""
     graph = _graph(chart)
-    untaken = {t.id for t in chart.transitions}
+    untaken = {t.id for t in chart.transitions} - graph.at_start  # (every walk takes those)
     walks: list[Walk] = []
+    if not untaken and graph.at_start:  # the chart's start takes every transition
+        walks.append(_walk(graph, (), _walk_end(chart, graph, ())))
     while untaken:
         node, steps = graph.start, list[Transition]()
         while True:

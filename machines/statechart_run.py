@@ -152,11 +152,16 @@ class StatechartRun:
         self._root_parallel_pending: State | None = None
         #: ids of the states a skeleton entered in its last ``force`` (or its start)
         self.entered: list[str] = []
+        #: the transitions a skeleton took as it started, in order (eventless ones and
+        #: ``done.state`` ones of the initial macrostep; python-statemachine takes them with
+        #: no event sent); () for a run with callbacks (its listeners heard them)
+        self.taken_at_start: tuple[Transition, ...] = ()
         #: ``keep_trail``'s bounded deque of (event, source, target, None, time), or None
         self.trail: Any = None
         self._now: Callable[[], float] = time.monotonic
         if not callbacks:  # a skeleton (``skeleton``): the chart's structure only
             self._start(**start_kwargs)
+            self.taken_at_start = self._take_records()
             return
         if chart.checker is not None:  # contracts enabled: checked as on an instance
             listeners = (*listeners, chart.checker.listener())
@@ -204,6 +209,7 @@ class StatechartRun:
         twin._cache = {}
         twin._taken = []
         twin.entered = []
+        twin.taken_at_start = ()
         return twin
 
     def candidates(self) -> list[Transition]:
@@ -245,17 +251,18 @@ class StatechartRun:
                 self._outcomes = None
             if declared not in selected:
                 return None
-        taken: list[Transition] = []
         self.entered = []
         self._microstep(selected, trigger)
         self._run_macrostep()
         self._check_root_final()
-        for step, event in self._taken:
-            found = self.chart.by_declared.get((id(step), event))
-            if found is not None:
-                taken.append(found)
+        return list(self._take_records())
+
+    def _take_records(self) -> tuple[Transition, ...]:
+        """The transitions taken since the last call (a skeleton's), as the chart's records."""
+        records = tuple(found for step, event in self._taken
+                        if (found := self.chart.by_declared.get((id(step), event))) is not None)
         self._taken = []
-        return taken
+        return records
 
     # ---- public API
 

@@ -496,3 +496,43 @@ def test_paths_tell_configurations_apart_by_order_where_python_statemachine_does
             assert ",".join(_real_run(declaration, walk.events).configuration_values) == walk.end
             assert drive(chart.run(GuardTable.for_chart(chart)), walk) == walk.end
     assert report([chart], recorder)[0].complete
+
+
+def test_an_eventless_transition_the_chart_takes_as_it_starts_has_an_empty_path() -> None:
+    """python-statemachine runs eventless transitions in the initial macrostep: a chart whose
+    initial state is left at once by one (a newcomer's ``a.to(b, cond="ready")``) takes it
+    with no event sent. Its path is empty, the tour's walks take it, and a real run that
+    follows the tour covers every transition (paths named it "taken from no reachable
+    configuration" and refused the chart)."""
+
+    class Boot(StateChart):
+        checking = State(initial=True)
+        ready = State()
+        done = State(final=True)
+        checking.to(ready, cond="self_test_ok")
+        finish = ready.to(done)
+
+        def self_test_ok(self) -> bool:
+            return True
+
+    chart = compile_chart(Boot)
+    paths = {p.transition.target: p for p in transition_paths(chart)}
+    assert paths["ready"].steps == () and paths["done"].events == ("finish",)
+    assert state_paths(chart)["ready"].steps == ()
+    tour = transition_tour(chart)
+    assert [walk.events for walk in tour] == [("finish",)]
+    with recording([chart]) as recorder:
+        for walk in tour:
+            drive(chart.run(GuardTable.for_chart(chart)), walk)  # type: ignore[arg-type]
+    assert report([chart], recorder)[0].complete
+
+
+def test_a_chart_whose_only_transition_is_taken_as_it_starts_has_one_empty_walk() -> None:
+    class Blink(StateChart):
+        on = State(initial=True)
+        off = State(final=True)
+        on.to(off)
+
+    chart = compile_chart(Blink)
+    assert [p.steps for p in transition_paths(chart)] == [()]
+    assert [(walk.steps, walk.end) for walk in transition_tour(chart)] == [((), "off")]

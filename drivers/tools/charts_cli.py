@@ -114,9 +114,9 @@ def draw(argv: list[str]) -> int:
 
 
 def _text(data: dict) -> str:
-    def steps(walk: list[dict]) -> str:
+    def steps(walk: list[dict], none: str = "(no step: the chart starts so)") -> str:
         if not walk:
-            return "(initial state)"
+            return none
         return " ".join(
             f"{s['event']}" + (f"[{','.join(k if v else '!' + k for k, v in s['guards'].items())}]"
                                if s["guards"] else "")
@@ -124,9 +124,11 @@ def _text(data: dict) -> str:
 
     lines = [f"{data['chart']} ({data['class']}): initial {data['initial']}, finals "
              f"{', '.join(data['finals']) or 'none'}", "", "shortest path to every state:"]
-    lines += [f"  {state}: {steps(walk)}" for state, walk in data["states"].items()]
+    lines += [f"  {state}: {steps(walk, '(no step: entered as the chart starts)')}"
+              for state, walk in data["states"].items()]
     lines += ["", "shortest path taking every transition:"]
-    lines += [f"  {t['from']} --{t['event'] or '(eventless)'}--> {t['to']}: {steps(t['path'])}"
+    lines += [f"  {t['from']} --{t['event'] or '(eventless)'}--> {t['to']}: "
+              f"{steps(t['path'], '(no step: taken as the chart starts)')}"
               for t in data["transitions"]]
     lines += ["", f"transition tour ({len(data['tour'])} walk(s) from {data['initial']}):"]
     lines += [f"  {i + 1}. {steps(walk)}" for i, walk in enumerate(data["tour"])]
