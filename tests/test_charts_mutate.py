@@ -190,11 +190,16 @@ def test_mutant_that_never_reaches_the_chart_is_an_error(tmp_path, capsys):
         # 'mutant = 5' (not [[mutant]] tables) was internal error TypeError, exit 70
         (["--chart", "door:Door", "--test-cmd", "true", "--equivalent", "not_tables.toml"],
          "'mutant' must be [[mutant]] tables (chart, id, reason), not int 5"),
+        # a newcomer's 'charts mutate door:Door' (as 'charts draw door:Door') was refused as
+        # 'unrecognized arguments': a chart given without --chart is taken as one
+        (["door:Door", "--test-cmd", "false"], "fails without any mutant"),
+        (["door:Nope", "--test-cmd", "true"], "module 'door' has no attribute 'Nope'"),
     ],
     ids=["no-test-cmd", "unknown-mutant", "not-a-chart", "no-module", "bad-spec", "red-baseline",
          "bad-equivalent-list", "first-failure-with-own-command", "empty-test-cmd",
          "test-cmd-not-found", "unwritable-report", "negative-timeout", "bad-error-codes",
-         "unbalanced-quote", "equivalent-not-tables"],
+         "unbalanced-quote", "equivalent-not-tables", "positional-chart",
+         "positional-not-a-chart"],
 )
 def test_bad_arguments_are_named(tmp_path, capsys, args, message):
     _door_project(tmp_path)

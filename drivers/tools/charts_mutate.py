@@ -115,6 +115,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="a chart to mutate (repeatable): one of calexec's "
                              f"({', '.join(CALEXEC_CHARTS)}) or any python-statemachine chart class "
                              "as module:Class (then --test-cmd is required); default: calexec's four")
+    parser.add_argument("charts", nargs="*", metavar="CHART",
+                        help="the same as --chart CHART (as 'charts draw' and 'charts paths' "
+                             "take their chart)")
     parser.add_argument("--test-cmd", help="the command that tests the chart, run once per "
                         "mutant (shell words, no shell); default: calexec's model-based tests")
     parser.add_argument("--cwd", default=".", help="directory the test command runs in and "
@@ -376,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError:
             raise ValueError(f"--error-codes {args.error_codes!r}: expected exit codes separated "
                              f"by commas (e.g. 3,4,5)") from None
-        specs = args.chart or list(CALEXEC_CHARTS)
+        specs = [*(args.chart or ()), *args.charts] or list(CALEXEC_CHARTS)
         charts = [_resolve_chart(spec, cwd) for spec in specs]
         if len({c.name for c in charts}) != len(charts):
             raise ValueError(f"--chart: two charts share a name in {specs}; use NAME=module:Class")
