@@ -269,6 +269,11 @@ def test_admin_reload_switches_the_model_and_rolls_back_a_bad_one(fresh, tmp_pat
         corrupt = tmp_path / "corrupt.calbin"
         corrupt.write_bytes(b"not a calbin" * 10)
         r = client.post("/admin/reload", json={"calbin": str(corrupt)}, headers=auth)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "calbin.invalid", r.text
+        assert r.json()["error"]["param"] == "calbin" and executor.gen.id == 2  # nothing moved
+        unpinned = tmp_path / "unpinned.calbin"  # a calbin, but no golden pinned for it
+        cb.write(str(unpinned), cb.default_spec(seed=other_seed ^ 0x11))
+        r = client.post("/admin/reload", json={"calbin": str(unpinned)}, headers=auth)
         assert r.status_code == 500 and r.json()["status"]["code"] == "recovery.rolled_back"
         r = complete(client, prompt=[5, 6, 7], max_tokens=4)  # the previous model serves
         assert r.json()["choices"][0]["token_ids"] == oracle_tokens([5, 6, 7], 4, other_seed)
