@@ -874,14 +874,14 @@ def run_cli(argv: list[str], hooks: Hooks | None = None) -> int:
     parser.add_argument("--rss-bound-mib", type=_mib_bound, default=64.0,
                         help="the last RSS sample may exceed the post-warm-up one by this")
     args = parser.parse_args(argv[2:])
-    refusal = schedule_refusal(args.requests, args.faults, args.clients)
-    if refusal is not None:
-        parser.error(refusal)
     try:
         phases = parse_phases(args.decode_us)
         tokens = parse_range(args.max_tokens)
     except ValueError as exc:
         parser.error(str(exc))
+    refusal = schedule_refusal(args.requests, args.faults, args.clients)
+    if refusal is not None:
+        parser.error(refusal)
     pinned = pin_mmap_threshold()  # the process is a server's: calexec serve's policy
     try:
         report = run_soak(args.requests, args.faults, args.clients, args.seed, phases, tokens,
