@@ -59,6 +59,7 @@ from calexec.contracts.errors import Category
 from calexec.contracts.prepare import InferenceRequest, check_request
 from calexec.contracts.status import Phase, Status, llama_decode_code
 from calexec.contracts.types import EngineSlot, ModelGeneration, TaskKind
+from calexec.machines import switch_check
 from calexec.machines.autoarm import AutoArm
 from calexec.machines.chart_names import (
     JOB_EV_ADMIT,
@@ -318,6 +319,13 @@ class DeviceExecutor(SequenceOwnership):
         """Model switch through the lifecycle; a refused calbin rolls back
         (``DeviceLifecycle.switch_model``)."""
         return self.life.switch_model(calbin_path)
+
+    def check_calbin(self, calbin_path: object, max_bytes: int | None = None) -> Status:
+        """Whether ``switch_model(calbin_path)`` can start: the file, the runtime's host-side
+        read of it and the manifest, checked without touching the device or the lifecycle
+        (``Status.OK``, or a 400 ``calbin.<reason>`` failure naming the path; never raises;
+        machines/switch_check.py). The admin reload calls it before any drain."""
+        return switch_check.check_calbin(self.runtime, self.manifest, calbin_path, max_bytes)
 
     def shutdown(self, grace: float = 10.0) -> Status:
         """Stop admission, cancel queued jobs, drain submitted ones within ``grace`` seconds,

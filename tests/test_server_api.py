@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import threading
 
 import pytest
@@ -269,6 +270,11 @@ def test_admin_reload_switches_the_model_and_rolls_back_a_bad_one(fresh, tmp_pat
         corrupt = tmp_path / "corrupt.calbin"
         corrupt.write_bytes(b"not a calbin" * 10)
         r = client.post("/admin/reload", json={"calbin": str(corrupt)}, headers=auth)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "calbin.invalid", r.text
+        assert r.json()["error"]["param"] == "calbin" and executor.gen.id == 2  # nothing moved
+        unpinned = tmp_path / "unpinned.calbin"  # a calbin, but no golden pinned for it
+        cb.write(str(unpinned), cb.default_spec(seed=other_seed ^ 0x11))
+        r = client.post("/admin/reload", json={"calbin": str(unpinned)}, headers=auth)
         assert r.status_code == 500 and r.json()["status"]["code"] == "recovery.rolled_back"
         r = complete(client, prompt=[5, 6, 7], max_tokens=4)  # the previous model serves
         assert r.json()["choices"][0]["token_ids"] == oracle_tokens([5, 6, 7], 4, other_seed)
@@ -384,6 +390,66 @@ def test_dump_sink_writes_content_only_when_allowed(tmp_path):
     sink = DumpSink(tmp_path, max_bytes=1000, include_content=True)
     sink.write({"prompt_token_ids": [1, 2], "text": "hi", "n": 1})
     assert json.loads(sink.path.read_text()) == {"prompt_token_ids": [1, 2], "text": "hi", "n": 1}
+
+
+@pytest.mark.parametrize("broken", ["removed", "replaced_by_a_file"])
+def test_a_dump_dir_that_becomes_unwritable_never_breaks_a_request(tmp_path, caplog, broken):
+    """``serve --dump-dir``: the directory is removed (or a file takes its place) while the
+    server runs. Plain and streamed requests still answer 200 with the oracle's tokens; each
+    refused record is counted in ``DumpSink.errors``; one warning names the file and errno,
+    nothing is logged at ERROR. Before the fix ``DumpSink.write`` raised the OSError at the
+    end of every request: ``finish`` caught it as an internal error and logged a traceback
+    ("recording request N") per request, uncounted. A directory back in place is written to
+    again. (Removal, not chmod: the tests may run as root.)"""
+    import shutil
+
+    executor = started_executor(tmp_path)
+    directory = tmp_path / "dump"
+    sink = DumpSink(directory, max_bytes=1 << 20)
+    try:
+        app = create_app(executor, ServerConfig(), sink)
+        with TestClient(app) as client:
+            assert complete(client, prompt=[5, 6, 7], max_tokens=2).status_code == 200
+            assert sink.records == 1
+            shutil.rmtree(directory)
+            if broken == "replaced_by_a_file":
+                directory.write_text("not a directory")
+            with caplog.at_level(logging.WARNING):
+                for _ in range(2):
+                    r = complete(client, prompt=[5, 6, 7], max_tokens=3)
+                    assert r.status_code == 200, r.text
+                    assert r.json()["choices"][0]["token_ids"] == oracle_tokens([5, 6, 7], 3)
+                with client.stream("POST", "/v1/completions", json={
+                        "prompt": [5, 6, 7], "max_tokens": 3, "stream": True}) as s:
+                    lines = [line for line in s.iter_lines() if line]
+                assert s.status_code == 200 and lines[-1] == "data: [DONE]", lines[-2:]
+            errors = [f"{r.name}: {r.getMessage()}" for r in caplog.records
+                      if r.levelno >= logging.ERROR]
+            assert errors == [], errors
+            assert sink.errors == 3 and sink.records == 1, (sink.errors, sink.records)
+            warnings = [r.getMessage() for r in caplog.records if r.name == "calexec.dump"]
+            assert len(warnings) == 1, warnings  # one line per streak, not one per request
+            code = "ENOENT" if broken == "removed" else "ENOTDIR"
+            assert str(sink.path) in warnings[0] and code in warnings[0], warnings
+            if broken == "replaced_by_a_file":
+                directory.unlink()
+            directory.mkdir()
+            assert complete(client, prompt=[5, 6, 7], max_tokens=2).status_code == 200
+            assert sink.records == 2 and sink.errors == 3
+            assert len(sink.path.read_text().splitlines()) == 1
+    finally:
+        executor.shutdown(5.0)
+
+
+def test_dump_sink_write_returns_false_when_the_file_system_refuses_the_record(tmp_path):
+    """The library half: ``write`` never raises an OSError (before the fix it did), the
+    record is counted in ``errors`` and nothing of it stays in the file."""
+    sink = DumpSink(tmp_path / "d", max_bytes=1000)
+    assert sink.write({"n": 1})
+    sink.path.unlink()
+    sink.path.mkdir()  # the file's name is now a directory: open() fails (root too)
+    assert sink.write({"n": 2}) is False and sink.write({"n": 3}) is False
+    assert sink.errors == 2 and sink.records == 1 and sink.dropped == 0
 
 
 @pytest.mark.parametrize("directory", ["", "relative/dir", "/root/calexec-dump", "/home/u/d"])

@@ -59,8 +59,20 @@ def assert_sequences_whole(service) -> None:
 
 @pytest.fixture
 def corrupt(tmp_path):
+    """Not a calbin: ``switch_model`` loads it, the runtime refuses it, the switch rolls back
+    (over HTTP, ``check_calbin`` refuses it first: 400, nothing moves)."""
     path = tmp_path / "corrupt.calbin"
-    path.write_bytes(b"not a calbin " * 16)  # a regular file: passes the server's checks
+    path.write_bytes(b"not a calbin " * 16)
+    return str(path)
+
+
+@pytest.fixture
+def unpinned(tmp_path):
+    """A calbin that passes ``check_calbin`` (a good calbin of another model) but whose switch
+    is refused at its golden (none pinned, ``allow_unpinned_golden`` off): the rollback path
+    of a reload over HTTP."""
+    path = tmp_path / "unpinned.calbin"
+    cb.write(str(path), cb.default_spec(seed=cb.DEFAULT_SEED ^ 0x3C))
     return str(path)
 
 
@@ -130,9 +142,10 @@ def _admission(**fields):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_refused_reload_under_load_every_client_gets_a_json_error_or_sse_error(tmp_path, corrupt,
+def test_refused_reload_under_load_every_client_gets_a_json_error_or_sse_error(tmp_path, unpinned,
                                                                               stream):
-    """Eight clients decoding (20 ms a token) while a corrupt calbin is reloaded and refused
+    """Eight clients decoding (20 ms a token) while a calbin with no pinned golden is reloaded
+    and refused
     (the fallback load held open for a while): every response is a completion, a JSON error
     body, or a stream ending with [DONE] or an SSE error event; nothing stays running; every
     id is free again; the previous model serves again."""
@@ -163,7 +176,7 @@ def test_refused_reload_under_load_every_client_gets_a_json_error_or_sse_error(t
             wait_for(lambda: executor.counters["succeeded"] >= 8 + 3, what="clients decoding")
             reload: list = []
             reloading = threading.Thread(target=lambda: reload.append(httpx.post(
-                f"{server.url}/admin/reload", json={"calbin": corrupt}, headers=AUTH,
+                f"{server.url}/admin/reload", json={"calbin": unpinned}, headers=AUTH,
                 timeout=30)))
             reloading.start()
             assert gated.entered.wait(10)  # refused; the fallback's load is held
@@ -390,12 +403,65 @@ def test_reload_refuses_bad_paths_with_400_and_the_lifecycle_unchanged(admin, tm
             "too_large": str(big), "not_a_string": ["a.calbin"],
             "too_long": "/" + "a" * 5000}[case]
     r = _bounded(lambda: client.post("/admin/reload", json={"calbin": path}, headers=AUTH))
+    assert_refused_before_the_lifecycle_moved(client, executor, r)
+
+
+def assert_refused_before_the_lifecycle_moved(client, executor, r) -> None:
+    """A 400 ``calbin.*`` naming ``calbin`` and its value; generation 1 serves, undrained."""
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "calbin" and err["type"] == "invalid_request_error"
-    assert err["message"].startswith("calbin=")
+    assert err["code"].startswith("calbin.") and err["message"].startswith("calbin="), err
+    assert r.json()["status"]["http_status"] == 400
     assert executor.state == "Ready" and executor.gen.id == 1 and not executor.recoveries
+    assert executor.life.good_calbins == [executor.gen.calbin_path]
     assert client.get("/ready").status_code == 200
+    r = client.post("/v1/completions", json={"prompt": [3, 4, 5], "max_tokens": 3})
+    assert r.json()["choices"][0]["token_ids"] == oracle_tokens([3, 4, 5], 3)
+
+
+def _truncated(data: bytes) -> bytes:
+    return data[:len(data) // 2]
+
+
+def _unterminated(data: bytes) -> bytes:
+    return data[:data.rindex(b"end\n")]
+
+
+def _no_decode_model(data: bytes) -> bytes:
+    spec = cb.default_spec()
+    return cb.dumps(cb.CalbinSpec(spec.seed, [m for m in spec.models if m.name != cb.DECODE]))
+
+
+def _bad_dtype(data: bytes) -> bytes:
+    return data.replace(b"output logits BF16", b"output logits Q4", 1)
+
+
+@pytest.mark.parametrize("case,code", [
+    ("garbage", "calbin.invalid"), ("truncated", "calbin.invalid"),
+    ("unterminated", "calbin.invalid"), ("bad_dtype", "calbin.invalid"),
+    ("no_decode_model", "calbin.manifest_mismatch")])
+def test_reload_refuses_a_file_that_is_no_calbin_with_400_before_any_drain(admin, tmp_path,
+                                                                           case, code):
+    """A regular, readable file that is not a calbin the manifest describes (garbage bytes, a
+    truncated or unterminated calbin, a dtype the runtime does not know, a model the manifest
+    needs missing) is refused by ``DeviceExecutor.check_calbin`` with a 400 ``calbin.*``:
+    nothing drained, no switch, no rollback. Before the fix the server drained, switched, failed
+    the load and rolled back (500 ``recovery.rolled_back``, generation 2)."""
+    client, executor, _ = admin
+    with open(executor.gen.calbin_path, "rb") as f:
+        good = f.read()
+    data = {"garbage": lambda _: b"not a calbin " * 16, "truncated": _truncated,
+            "unterminated": _unterminated, "bad_dtype": _bad_dtype,
+            "no_decode_model": _no_decode_model}[case](good)
+    path = tmp_path / f"{case}.calbin"
+    path.write_bytes(data)
+    r = _bounded(lambda: client.post("/admin/reload", json={"calbin": str(path)},
+                                     headers=AUTH))
+    assert_refused_before_the_lifecycle_moved(client, executor, r)
+    assert r.json()["error"]["code"] == code and str(path) in r.json()["error"]["message"]
+    assert executor.check_calbin(str(path)).code == code  # the executor's own answer
+    assert executor.check_calbin(executor.gen.calbin_path).ok
 
 
 @pytest.mark.parametrize("grace", ["1e400", "nan", "-1", "inf", "1e12", "soon", ""])
@@ -421,8 +487,9 @@ def test_a_good_reload_still_switches(admin, tmp_path):
 
 
 # ---- defect 6, end to end: a `calexec serve` process -----------------------------------------------
-def test_sigterm_after_a_refused_reload_under_load_exits_0(tmp_path, corrupt):
-    """Streaming clients, a corrupt calbin reloaded (refused, rolled back), then SIGTERM: every
+def test_sigterm_after_a_refused_reload_under_load_exits_0(tmp_path, unpinned):
+    """Streaming clients, a calbin with no pinned golden reloaded (refused, rolled back), then
+    SIGTERM: every
     stream ends with [DONE] or an SSE error event and the process exits 0. Before the fix the
     requests finishing during the rollback raised AttributeError (streams cut, requests left
     "running" holding their ids) and the drain ended not drained: exit 3."""
@@ -470,7 +537,7 @@ def test_sigterm_after_a_refused_reload_under_load_exits_0(tmp_path, corrupt):
         wait_for(lambda: sum(1 for lines in streams if len(lines) > 2) >= 12,
                  what="streams going")
         for _ in range(4):
-            r = httpx.post(f"{url}/admin/reload", json={"calbin": corrupt}, headers=AUTH,
+            r = httpx.post(f"{url}/admin/reload", json={"calbin": unpinned}, headers=AUTH,
                            timeout=30)
             assert r.status_code == 500 and r.json()["status"]["code"] == "recovery.rolled_back"
             assert httpx.get(f"{url}/ready", timeout=5).status_code == 200

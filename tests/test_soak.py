@@ -154,6 +154,51 @@ def test_a_run_cut_by_max_seconds_fails_the_requests_and_faults_checks(capsys):
     assert "checks failed: requests, faults" in err
 
 
+@pytest.mark.parametrize("argv,flag,value", [
+    (["--requests", "8", "--faults", "2"], "--requests", "8"),      # 3 * (2 + 1) = 9 needed
+    (["--requests", "2", "--faults", "1", "--clients", "4"], "--requests", "2"),
+    (["--requests", "9", "--faults", "2", "--clients", "1"], "--clients", "1"),
+])
+def test_a_run_whose_requests_cannot_carry_its_faults_is_refused_at_the_cli(capsys, argv, flag,
+                                                                            value):
+    """``calexec bench soak`` refuses, in one line naming the flag and its value, exit 2, a run
+    too small for its fault schedule: fault i is armed at (i + 1) * requests // (faults + 1)
+    requests and each fault needs 3 of its own (armed on one of the next 1-3 calls), so
+    ``--requests >= 3 * (faults + 1)``; a fault run needs two clients. Before the fix such a
+    run started a server and failed (faults not fired), or ran with its faults unplaced."""
+    from calexec import cli
+
+    code = cli.main(["bench", "soak", *argv])
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert len(err.splitlines()) == 1 and f"{flag}: {value} cannot carry --faults" in err, err
+
+
+def test_the_bound_is_the_fewest_requests_that_give_each_fault_three(capsys):
+    """At ``--requests 3 * (faults + 1)`` every fault's share of the schedule holds 3."""
+    for faults in range(1, 40):
+        requests = soak.REQUESTS_PER_FAULT * (faults + 1)
+        assert soak.schedule_refusal(requests, faults, 2) is None
+        assert soak.schedule_refusal(requests - 1, faults, 2) is not None
+        due = [(i + 1) * requests // (faults + 1) for i in range(faults)] + [requests]
+        assert min(b - a for a, b in zip(due, due[1:])) >= soak.REQUESTS_PER_FAULT
+    assert soak.schedule_refusal(1, 0, 1) is None  # no fault: anything goes
+
+
+def test_a_run_with_no_faults_is_allowed_and_runs(capsys):
+    """``--faults 0`` (refused by argparse before the fix: "must be >= 1") runs a fault-free
+    soak through the CLI entry and passes every check."""
+    from calexec import cli
+
+    code = cli.main(["bench", "soak", "--requests", "12", "--faults", "0", "--clients", "1",
+                     *ARGS[:1], *ARGS[3:]])
+    out, err = capsys.readouterr()
+    report = json.loads(out)
+    assert code == 0 and report["ok"], (err, {k: c for k, c in report["checks"].items()
+                                              if not c["ok"]})
+    assert report["faults_requested"] == 0 and report["requests_finished"] == 12
+
+
 def test_errors_beyond_the_documented_budget_are_counted():
     windows = [{"kind": "unknown_csr", "armed": 10.0, "ended": 11.0, "fired": 1},
                {"kind": "hang", "armed": 20.0, "ended": 21.0, "fired": 1}]

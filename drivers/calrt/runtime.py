@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from calexec.contracts.runtime_view import RuntimeModelInfo, RuntimeTensorInfo
+from calexec.drivers.calrt import calbin_check
 from calexec.drivers.calrt._calrt_emu import ffi as _ffi
 from calexec.drivers.calrt._calrt_emu import lib as _emu_lib
 from calexec.drivers.native.fused_logits import FusedLogits
@@ -137,6 +138,21 @@ class CalRT:
         """A new fused native logits postprocess (drivers/native/fused_logits.py) for the
         executor's completion path. Host code, not CalRT: the same whichever library is loaded."""
         return FusedLogits()
+
+    def inspect_calbin(self, path: str) -> tuple[RuntimeModelInfo, ...] | str | None:
+        """The models the calbin at ``path`` holds, read on the host (no device, no handle),
+        or one line saying why the runtime would refuse it (drivers/calrt/calbin_check.py, the
+        twin of the emulator's loader); None when the library is a vendor shim, whose calbin
+        format is its own. ``DeviceExecutor.check_calbin`` calls it (on a regular file) before
+        a model switch moves the lifecycle."""
+        if not self.has_emu:
+            return None
+        try:
+            with open(path, "rb") as f:
+                data = f.read(calbin_check.MAX_BYTES + 1)
+        except OSError as err:
+            return f"cannot read the file ({err.strerror or err})"
+        return calbin_check.inspect(data)
 
     def open_device(self, config: str = "") -> tuple[int, Device | None]:
         out = self.ffi.new("calrt_device **")

@@ -1,15 +1,14 @@
 """Admin endpoints of the reference server (bearer token, ``ServerConfig.admin_token``):
-``POST /admin/drain?grace=S`` and ``POST /admin/reload`` (model switch, §9.2), with the
-checks a calbin path passes before the lifecycle moves."""
+``POST /admin/drain?grace=S`` and ``POST /admin/reload`` (model switch, §9.2). A reload's
+calbin passes ``DeviceExecutor.check_calbin`` (the file, the runtime's host-side read, the
+manifest) before the lifecycle moves: a bad one is a 400 naming ``calbin``, and serving goes
+on undrained."""
 
 from __future__ import annotations
 
 import hmac
 import json
 import math
-import os
-import stat
-from typing import Any
 
 from anyio import to_thread
 from fastapi import FastAPI, Request
@@ -20,39 +19,10 @@ from calexec.contracts.status import Phase, Status
 from calexec.drivers.serving import wire
 from calexec.drivers.serving.error_bodies import body_timeout, error_response, invalid
 from calexec.drivers.serving.service import CompletionService, ServerConfig
+from calexec.machines import switch_check
 
-#: longest ``/admin/reload`` path accepted (Linux PATH_MAX)
-MAX_PATH_CHARS = 4096
-
-
-def calbin_path_refusal(path: Any, max_bytes: int) -> str | None:
-    """Why ``path`` cannot be a calbin to load (None: it can), checked before the lifecycle
-    moves and without opening it: a string, no NUL, at most ``MAX_PATH_CHARS``, an existing
-    regular file (``os.stat`` + ``S_ISREG``: a FIFO, a device such as /dev/zero or a directory
-    is refused without blocking on it), non-empty, at most ``max_bytes``, readable."""
-    if not isinstance(path, str) or not path:
-        return f"calbin={path!r}: a calbin file path (a non-empty string) is required"
-    shown = repr(path[:200])
-    if "\x00" in path:
-        return f"calbin={shown}: the path contains a NUL character"
-    if len(path) > MAX_PATH_CHARS:
-        return f"calbin={shown}...: the path is longer than {MAX_PATH_CHARS} characters"
-    try:
-        info = os.stat(path)
-    except FileNotFoundError:
-        return f"calbin={shown}: no such file"
-    except (OSError, ValueError) as err:
-        return f"calbin={shown}: cannot stat the file ({err})"
-    if not stat.S_ISREG(info.st_mode):
-        return f"calbin={shown}: not a regular file (mode {stat.filemode(info.st_mode)})"
-    if info.st_size == 0:
-        return f"calbin={shown}: the file is empty"
-    if info.st_size > max_bytes:
-        return f"calbin={shown}: {info.st_size} bytes > max_calbin_bytes={max_bytes}"
-    if not os.access(path, os.R_OK):
-        return f"calbin={shown}: the file is not readable by the server"
-    return None
-
+#: longest ``/admin/reload`` path accepted (Linux PATH_MAX; ``DeviceExecutor.check_calbin``)
+MAX_PATH_CHARS = switch_check.MAX_PATH_CHARS
 
 
 def admin_refusal(request: Request, config: ServerConfig) -> JSONResponse | None:
@@ -128,9 +98,13 @@ def add_admin_routes(app: FastAPI, service: CompletionService) -> None:
         except ValueError:
             body = None
         path = body.get("calbin") if isinstance(body, dict) else None
-        refusal = calbin_path_refusal(path, config.max_calbin_bytes)
-        if refusal is not None or not isinstance(path, str):  # (no refusal: a str)
-            return error_response(invalid(refusal or f"calbin={path!r}"), "calbin")
+        # the calbin is checked before anything moves (no drain, no switch): a path that is
+        # not a calbin this manifest describes is the client's error, answered 400
+        checked = await to_thread.run_sync(executor.check_calbin, path,
+                                           config.max_calbin_bytes)
+        if not checked.ok or not isinstance(path, str):  # (checked ok: a str)
+            return error_response(checked if not checked.ok else invalid(f"calbin={path!r}"),
+                                  "calbin", http_status=400)
         # the lifecycle moves only when it can: not while draining, recovering or unhealthy
         reasons = ["server is draining"] if service.draining else service.health()
         if reasons:

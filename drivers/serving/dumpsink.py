@@ -9,12 +9,18 @@ The legacy code dumped to a path hard-coded under a user's home directory. Here:
 * records are JSON lines appended to ``<dir>/calexec-dump-<pid>.jsonl``; once the file would
   exceed ``max_bytes`` further records are dropped and counted, never truncated mid-line;
 * prompt and completion content (token ids and text) is written only with
-  ``include_content=True``; otherwise a record holds counts, status, finish reason and timings.
+  ``include_content=True``; otherwise a record holds counts, status, finish reason and timings;
+* a record the file system refuses (the directory removed or read-only, ENOSPC, ...) is
+  dropped and counted in ``errors``, never raised: the dump never breaks the request it
+  describes. One warning line names the file and the errno when writes start failing (and
+  again when the errno changes); a write that succeeds again ends the streak.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 import threading
 from pathlib import Path
@@ -22,6 +28,8 @@ from typing import Any
 
 #: Record keys that carry user content; removed unless the sink allows content.
 CONTENT_KEYS = ("prompt", "prompt_token_ids", "text", "token_ids")
+
+log = logging.getLogger("calexec.dump")
 
 
 class DumpConfigError(ValueError):
@@ -64,11 +72,14 @@ class DumpSink:
         self.written_bytes = self.path.stat().st_size if self.path.exists() else 0
         self.records = 0
         self.dropped = 0
+        #: records the file system refused (OSError on open or write), none of them raised
+        self.errors = 0
+        self._failing: int | None = None  # the errno of the current streak of failed writes
         self._mu = threading.Lock()
 
     def write(self, record: dict[str, Any]) -> bool:
-        """Append one record (content keys removed unless allowed). False when dropped by the
-        size cap."""
+        """Append one record (content keys removed unless allowed). False when dropped: by
+        the size cap (``dropped``) or because the file system refused it (``errors``)."""
         if not self.include_content:
             record = {k: v for k, v in record.items() if k not in CONTENT_KEYS}
         line = (json.dumps(record, sort_keys=True, separators=(",", ":")) + "\n").encode("utf-8")
@@ -76,8 +87,24 @@ class DumpSink:
             if self.written_bytes + len(line) > self.max_bytes:
                 self.dropped += 1
                 return False
-            with open(self.path, "ab") as f:
-                f.write(line)
+            try:
+                with open(self.path, "ab") as f:
+                    f.write(line)
+            except OSError as err:
+                self.errors += 1
+                try:  # a part of the line may have reached the file (ENOSPC): cut it off
+                    if self.path.stat().st_size > self.written_bytes:
+                        os.truncate(self.path, self.written_bytes)
+                except OSError:
+                    pass
+                if err.errno != self._failing:
+                    self._failing = err.errno
+                    name = errno.errorcode.get(err.errno or 0, str(err.errno))
+                    log.warning("dump record not written to %s: %s (errno %s %s); records are "
+                                "dropped and counted until a write succeeds", self.path,
+                                err.strerror or err, err.errno, name)
+                return False
+            self._failing = None
             self.written_bytes += len(line)
             self.records += 1
         return True

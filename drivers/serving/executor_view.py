@@ -10,7 +10,8 @@ for features an embedder's server would not need or would do otherwise:
 * ``kv``: the KvManager's ``max_seqs``, to check ``--max-sequences`` at start (service.py);
 * ``kvc``: the KV coordinator's host-side view, for the KV usage gauge (metrics.py) and the
   live chart page's KV transaction counts (live_charts.py);
-* ``gen`` and ``switch_model``: the admin model switch and its answer (admin.py);
+* ``gen``, ``check_calbin`` and ``switch_model``: the admin model switch, the calbin check
+  before it (a 400, nothing drained) and its answer (admin.py);
 * ``config`` and ``job_trail``: the debug endpoint of one job's chart path (debug.py).
 
 ``DeviceExecutor`` satisfies it: ``calexec/serve.py`` and drivers/fleet/ray_serve.py hand one
@@ -52,6 +53,8 @@ class ServedExecutor(InferenceExecutor, Protocol):
 
     @property
     def config(self) -> ExecutorConfig: ...
+
+    def check_calbin(self, calbin_path: object, max_bytes: int | None = None) -> Status: ...
 
     def switch_model(self, calbin_path: str) -> Status: ...
 

@@ -35,7 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
 from calexec.drivers.serving import error_bodies, openai_api, wire
-from calexec.drivers.serving.admin import MAX_PATH_CHARS, add_admin_routes, calbin_path_refusal
+from calexec.drivers.serving.admin import MAX_PATH_CHARS, add_admin_routes
 from calexec.drivers.serving.debug import add_debug_routes
 from calexec.drivers.serving.dumpsink import DumpSink
 from calexec.drivers.serving.error_bodies import (
@@ -57,7 +57,7 @@ from calexec.drivers.serving.service import (
 #: what embedders and the tests import from here (the app's parts live in the modules above)
 __all__ = ["Admission", "CompletionService", "DrainingServer", "MAX_PATH_CHARS",
            "PARAM_OF_CODE", "RequestRun", "SequencePool", "ServerConfig",
-           "calbin_path_refusal", "create_app", "error_body", "error_response", "invalid",
+           "create_app", "error_body", "error_response", "invalid",
            "uvicorn_config"]
 
 log = logging.getLogger("calexec.server")

@@ -303,7 +303,10 @@ def run_chaos(workdir: Path, seconds: float = 6.0, clients: int = 16, seed: int 
                         path = str(corrupt) if action == "reload_corrupt" else \
                             rng.choice([main, good])
                         r = admin.post("/admin/reload", json={"calbin": path}, headers=AUTH)
-                        if r.status_code not in (200, 500, 503) or "error" not in r.json() \
+                        # a corrupt calbin is refused before the lifecycle moves (400
+                        # calbin.invalid, DeviceExecutor.check_calbin); 503 while unhealthy
+                        allowed = (400, 503) if action == "reload_corrupt" else (200, 500, 503)
+                        if r.status_code not in allowed or "error" not in r.json() \
                                 and r.status_code != 200:
                             problems.append(f"{action}: HTTP {r.status_code} {r.text[:300]}")
                     else:

@@ -817,6 +817,36 @@ def _mib_bound(text: str) -> float:
     return value
 
 
+#: a fault is armed on one of the next 1-3 calls of its point (chaos.arm_fault), and a point
+#: may be met once per request only (a prefill's slice, say): each fault's share of the
+#: requests must hold this many
+REQUESTS_PER_FAULT = 3
+
+
+def schedule_refusal(requests: int, faults: int, clients: int) -> str | None:
+    """Why ``--requests``/``--faults``/``--clients`` cannot carry the fault schedule (None:
+    they can). Fault i is armed once ``(i + 1) * requests // (faults + 1)`` requests were sent
+    and the traffic is held there until it is (``due`` in ``run_soak``), so the requests
+    between two steps, and after the last, number ``requests // (faults + 1)`` at least: that
+    must be ``REQUESTS_PER_FAULT``. ``--clients 1`` cannot carry the faults either: a request
+    refused KV by ``can_allocate_false``/``apply_false`` waits for another request to give
+    KV back, and with one client there is none, so it waits out its whole deadline and fails
+    (429 ``kv.deadline``, an error beyond the documented budget: measured, ``--requests 45
+    --faults 14 --clients 1``)."""
+    if faults == 0:
+        return None
+    least = REQUESTS_PER_FAULT * (faults + 1)
+    if requests < least:
+        return (f"argument --requests: {requests} cannot carry --faults {faults}: each fault "
+                f"needs {REQUESTS_PER_FAULT} requests of its own and the traffic before the "
+                f"first one its share too, so --requests >= {REQUESTS_PER_FAULT} * (faults + 1)"
+                f" = {least} (or fewer --faults, or --faults 0)")
+    if clients < 2:
+        return (f"argument --clients: {clients} cannot carry --faults {faults}: a fault run "
+                f"needs --clients >= 2 (or --faults 0)")
+    return None
+
+
 @cliargs.command_main
 def main(argv: list[str]) -> int:
     return run_cli(argv)
@@ -828,7 +858,7 @@ def run_cli(argv: list[str], hooks: Hooks | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--requests", type=cliargs.positive_int, default=2000,
                         help="requests to send in all (250000: the issue's figure)")
-    parser.add_argument("--faults", type=cliargs.positive_int, default=50,
+    parser.add_argument("--faults", type=cliargs.non_negative_int, default=50,
                         help="device faults spread over the requests, one at a time "
                              "(2500: the issue's figure)")
     parser.add_argument("--clients", type=cliargs.positive_int, default=8,
@@ -849,6 +879,9 @@ def run_cli(argv: list[str], hooks: Hooks | None = None) -> int:
         tokens = parse_range(args.max_tokens)
     except ValueError as exc:
         parser.error(str(exc))
+    refusal = schedule_refusal(args.requests, args.faults, args.clients)
+    if refusal is not None:
+        parser.error(refusal)
     pinned = pin_mmap_threshold()  # the process is a server's: calexec serve's policy
     try:
         report = run_soak(args.requests, args.faults, args.clients, args.seed, phases, tokens,

@@ -1,0 +1,103 @@
+"""Whether a calbin path can be switched to, checked on the host before the lifecycle moves.
+
+``check_calbin`` (``DeviceExecutor.check_calbin``) refuses what a model switch would refuse
+at its first step, loading and resolving the calbin, without touching the device, the
+generation or the lifecycle: a path that is not an existing, non-empty, readable regular file
+(stat first: a FIFO, a device such as /dev/zero or a directory is never opened), a file the
+runtime says is not a calbin (``runtime.inspect_calbin``, when the runtime offers it: the
+bundled emulator does, drivers/calrt/calbin_check.py; a vendor shim's format is its own, so
+only the file and the manifest's sha256 pin are checked there), and a calbin the manifest
+does not describe (``Manifest.resolve``: missing, extra or mismatched models, a sha256 other
+than the pinned one). What it cannot see (the golden run, buffers that do not map, a loader
+that refuses what the twin accepted) is still refused by the switch, which rolls back.
+
+Every refusal is a ``Status`` (INVALID_REQUEST, phase VALIDATE: HTTP 400) whose code is
+``calbin.<reason>`` and whose message starts ``calbin=<path>:``; nothing raises.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+from typing import Any
+
+from calexec.contracts.errors import Category
+from calexec.contracts.status import Phase, Status
+
+#: longest path accepted (Linux PATH_MAX)
+MAX_PATH_CHARS = 4096
+_CHUNK = 1 << 20
+
+
+def refused(reason: str, shown: str, message: str) -> Status:
+    """The failure ``calbin.<reason>``: ``calbin=<shown>: <message>``."""
+    return Status.failure(f"calbin.{reason}", Category.INVALID_REQUEST, Phase.VALIDATE,
+                          f"calbin={shown}: {message}")
+
+
+def _file_refusal(path: Any, max_bytes: int | None) -> Status | None:
+    if not isinstance(path, str) or not path:
+        return refused("path_required", repr(path)[:200],
+                       "a calbin file path (a non-empty string) is required")
+    shown = repr(path[:200]) + ("..." if len(path) > 200 else "")
+    if "\x00" in path:
+        return refused("bad_path", shown, "the path contains a NUL character")
+    if len(path) > MAX_PATH_CHARS:
+        return refused("bad_path", shown, f"the path is longer than {MAX_PATH_CHARS} characters")
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        return refused("not_found", shown, "no such file")
+    except (OSError, ValueError) as err:
+        return refused("unreadable", shown, f"cannot stat the file ({err})")
+    if not stat.S_ISREG(info.st_mode):
+        return refused("not_a_file", shown,
+                       f"not a regular file (mode {stat.filemode(info.st_mode)})")
+    if info.st_size == 0:
+        return refused("empty", shown, "the file is empty")
+    if max_bytes is not None and info.st_size > max_bytes:
+        return refused("too_large", shown, f"{info.st_size} bytes > max_calbin_bytes={max_bytes}")
+    if not os.access(path, os.R_OK):
+        return refused("unreadable", shown, "the file is not readable by the server")
+    return None
+
+
+def _sha256(path: str) -> str | OSError:
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(_CHUNK):
+                digest.update(chunk)
+    except OSError as err:
+        return err
+    return digest.hexdigest()
+
+
+def check_calbin(runtime: Any, manifest: Any, path: Any, max_bytes: int | None = None) -> Status:
+    """``Status.OK`` when ``path`` passes every check above, else the ``calbin.<reason>``
+    failure naming the first one it fails (module docstring); ``max_bytes``: the largest file
+    accepted (None: no bound)."""
+    status = _file_refusal(path, max_bytes)
+    if status is not None:
+        return status
+    shown = repr(path[:200]) + ("..." if len(path) > 200 else "")
+    sha = _sha256(path)
+    if isinstance(sha, OSError):
+        return refused("unreadable", shown, f"cannot read the file ({sha.strerror or sha})")
+    inspect = getattr(runtime, "inspect_calbin", None)
+    models = inspect(path) if inspect is not None else None
+    if isinstance(models, str):
+        return refused("invalid", shown, f"not a calbin the runtime loads: {models}")
+    if models is None:  # the runtime cannot read it on the host: the sha256 pin alone
+        pinned = getattr(manifest, "calbin_sha256", None)
+        if pinned is not None and sha != pinned:
+            return refused("manifest_mismatch", shown,
+                           f"manifest.sha256_mismatch: calbin_sha256={sha} but "
+                           f"{getattr(manifest, 'source', 'the manifest')} pins {pinned}")
+        return Status.OK
+    resolved = manifest.resolve(models, generation_id=0, calbin_sha256=sha)
+    if isinstance(resolved, Status):
+        return refused("manifest_mismatch", shown,
+                       f"{resolved.code}: {resolved.message or resolved.code}")
+    return Status.OK
