@@ -5,11 +5,12 @@ at its first step, loading and resolving the calbin, without touching the device
 generation or the lifecycle: a path that is not an existing, non-empty, readable regular file
 (stat first: a FIFO, a device such as /dev/zero or a directory is never opened), a file the
 runtime says is not a calbin (``runtime.inspect_calbin``, when the runtime offers it: the
-bundled emulator does, drivers/calrt/calbin_check.py; a vendor shim's format is its own, so
-only the file and the manifest's sha256 pin are checked there), and a calbin the manifest
-does not describe (``Manifest.resolve``: missing, extra or mismatched models, a sha256 other
-than the pinned one). What it cannot see (the golden run, buffers that do not map, a loader
-that refuses what the twin accepted) is still refused by the switch, which rolls back.
+bundled emulator runs its own loader on a scratch device; a vendor shim's second device would
+be hardware, so only the file and the manifest's sha256 pin are checked there), and a calbin
+the manifest does not describe (``Manifest.resolve``: missing, extra or mismatched models, a
+sha256 other than the pinned one). What it cannot see (the golden run, buffers that do not
+map, the emulator's execution contract, checked at configure) is still refused by the switch,
+which rolls back.
 
 Every refusal is a ``Status`` (INVALID_REQUEST, phase VALIDATE: HTTP 400) whose code is
 ``calbin.<reason>`` and whose message starts ``calbin=<path>:``; nothing raises.
@@ -20,9 +21,11 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
-from typing import Any
+from collections.abc import Callable
 
 from calexec.contracts.errors import Category
+from calexec.contracts.manifest import Manifest
+from calexec.contracts.runtime_view import RuntimeModelInfo
 from calexec.contracts.status import Phase, Status
 
 #: longest path accepted (Linux PATH_MAX)
@@ -36,7 +39,7 @@ def refused(reason: str, shown: str, message: str) -> Status:
                           f"calbin={shown}: {message}")
 
 
-def _file_refusal(path: Any, max_bytes: int | None) -> Status | None:
+def _file_refusal(path: object, max_bytes: int | None) -> Status | None:
     if not isinstance(path, str) or not path:
         return refused("path_required", repr(path)[:200],
                        "a calbin file path (a non-empty string) is required")
@@ -74,27 +77,31 @@ def _sha256(path: str) -> str | OSError:
     return digest.hexdigest()
 
 
-def check_calbin(runtime: Any, manifest: Any, path: Any, max_bytes: int | None = None) -> Status:
+def check_calbin(runtime: object, manifest: Manifest, path: object,
+                 max_bytes: int | None = None) -> Status:
     """``Status.OK`` when ``path`` passes every check above, else the ``calbin.<reason>``
     failure naming the first one it fails (module docstring); ``max_bytes``: the largest file
     accepted (None: no bound)."""
     status = _file_refusal(path, max_bytes)
     if status is not None:
         return status
+    if not isinstance(path, str):  # (_file_refusal refused it; said again for the types)
+        return refused("path_required", repr(path)[:200], "a calbin file path is required")
     shown = repr(path[:200]) + ("..." if len(path) > 200 else "")
     sha = _sha256(path)
     if isinstance(sha, OSError):
         return refused("unreadable", shown, f"cannot read the file ({sha.strerror or sha})")
-    inspect = getattr(runtime, "inspect_calbin", None)
+    inspect: Callable[[str], tuple[RuntimeModelInfo, ...] | str | None] | None = getattr(
+        runtime, "inspect_calbin", None)
     models = inspect(path) if inspect is not None else None
     if isinstance(models, str):
         return refused("invalid", shown, f"not a calbin the runtime loads: {models}")
     if models is None:  # the runtime cannot read it on the host: the sha256 pin alone
-        pinned = getattr(manifest, "calbin_sha256", None)
+        pinned = manifest.calbin_sha256
         if pinned is not None and sha != pinned:
             return refused("manifest_mismatch", shown,
                            f"manifest.sha256_mismatch: calbin_sha256={sha} but "
-                           f"{getattr(manifest, 'source', 'the manifest')} pins {pinned}")
+                           f"{manifest.source} pins {pinned}")
         return Status.OK
     resolved = manifest.resolve(models, generation_id=0, calbin_sha256=sha)
     if isinstance(resolved, Status):

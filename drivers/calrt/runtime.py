@@ -28,7 +28,6 @@ from typing import Any
 import numpy as np
 
 from calexec.contracts.runtime_view import RuntimeModelInfo, RuntimeTensorInfo
-from calexec.drivers.calrt import calbin_check
 from calexec.drivers.calrt._calrt_emu import ffi as _ffi
 from calexec.drivers.calrt._calrt_emu import lib as _emu_lib
 from calexec.drivers.native.fused_logits import FusedLogits
@@ -140,19 +139,32 @@ class CalRT:
         return FusedLogits()
 
     def inspect_calbin(self, path: str) -> tuple[RuntimeModelInfo, ...] | str | None:
-        """The models the calbin at ``path`` holds, read on the host (no device, no handle),
-        or one line saying why the runtime would refuse it (drivers/calrt/calbin_check.py, the
-        twin of the emulator's loader); None when the library is a vendor shim, whose calbin
-        format is its own. ``DeviceExecutor.check_calbin`` calls it (on a regular file) before
-        a model switch moves the lifecycle."""
+        """The models the calbin at ``path`` holds, as the runtime's loader reads it, or one
+        line saying why it refuses the file; None when it cannot be read on the host without
+        the serving device (a vendor shim: a second device is real hardware). On the emulator
+        the loader is run on a scratch device of its own (opened, loaded, unloaded, closed:
+        the serving device, its faults and its counters are not touched), so the check and the
+        switch read a file with the same code. ``DeviceExecutor.check_calbin`` calls it (on a
+        regular file) before a model switch moves the lifecycle."""
         if not self.has_emu:
             return None
+        rc, device = self.open_device("")
+        if device is None:  # (the emulator out of memory, say): the switch will tell
+            return None
         try:
-            with open(path, "rb") as f:
-                data = f.read(calbin_check.MAX_BYTES + 1)
-        except OSError as err:
-            return f"cannot read the file ({err.strerror or err})"
-        return calbin_check.inspect(data)
+            rc, calbin = device.load_calbin(path)
+            if calbin is None:
+                why = device.emu.calbin_error() if device.emu is not None else ""
+                return f"the loader refused it ({_name(Rc, rc)}{': ' + why if why else ''})"
+            try:
+                rc, models = calbin.models()
+                if rc != 0:
+                    return f"its models cannot be listed ({_name(Rc, rc)})"
+                return tuple(model.info for model in models)
+            finally:
+                calbin.unload()
+        finally:
+            device.close()
 
     def open_device(self, config: str = "") -> tuple[int, Device | None]:
         out = self.ffi.new("calrt_device **")
