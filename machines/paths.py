@@ -410,6 +410,11 @@ def _forget(key: int, ref: weakref.ref[CompiledChart]) -> None:
         del _GRAPHS[key]
 
 
+def cached_graphs() -> int:
+    """How many charts' configuration graphs are cached now (a chart's goes with it)."""
+    return len(_GRAPHS)
+
+
 def _graph(chart: CompiledChart) -> _Graph:
     """The configuration graph of ``chart``, explored once per compiled chart while that chart
     lives (breadth-first from the initial configuration; ``MAX_CONFIGURATIONS`` at most)."""

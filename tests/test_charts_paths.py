@@ -176,7 +176,7 @@ def _fresh_compound_chart(index: int) -> type:
 
 
 def test_explored_charts_are_not_kept_alive_by_the_graph_cache():
-    """``paths._GRAPHS`` held every compiled chart it explored for the process's lifetime (a
+    """The graph cache held every compiled chart it explored for the process's lifetime (a
     mutation run, or a toolkit process given user charts, compiles hundreds): the cache is
     weak, a chart and its graph go once nothing else holds the chart."""
     import gc
@@ -186,16 +186,16 @@ def test_explored_charts_are_not_kept_alive_by_the_graph_cache():
     from calexec.machines.compiled import compile_chart
 
     gc.collect()
-    before = len(paths._GRAPHS)
+    before = paths.cached_graphs()
     refs = []
     for index in range(40):
         chart = compile_chart(_fresh_compound_chart(index))
         assert chart.general, "not explored by configuration: the cache is not exercised"
         found = transition_paths(chart)
         assert [p.transition for p in found] == list(chart.transitions)
-        assert paths._graph(chart) is paths._graph(chart)  # still cached while it lives
+        assert paths.cached_graphs() == before + 1  # cached while it lives
         refs.append(weakref.ref(chart))
     del chart, found
     gc.collect()
     assert [r for r in refs if r() is not None] == []
-    assert len(paths._GRAPHS) == before
+    assert paths.cached_graphs() == before
