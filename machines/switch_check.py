@@ -39,11 +39,16 @@ def refused(reason: str, shown: str, message: str) -> Status:
                           f"calbin={shown}: {message}")
 
 
+def _shown(path: str) -> str:
+    """``path`` as a refusal names it: quoted, its first 200 characters."""
+    return repr(path[:200]) + ("..." if len(path) > 200 else "")
+
+
 def _file_refusal(path: object, max_bytes: int | None) -> Status | None:
     if not isinstance(path, str) or not path:
         return refused("path_required", repr(path)[:200],
                        "a calbin file path (a non-empty string) is required")
-    shown = repr(path[:200]) + ("..." if len(path) > 200 else "")
+    shown = _shown(path)
     if "\x00" in path:
         return refused("bad_path", shown, "the path contains a NUL character")
     if len(path) > MAX_PATH_CHARS:
@@ -87,7 +92,7 @@ def check_calbin(runtime: object, manifest: Manifest, path: object,
         return status
     if not isinstance(path, str):  # (_file_refusal refused it; said again for the types)
         return refused("path_required", repr(path)[:200], "a calbin file path is required")
-    shown = repr(path[:200]) + ("..." if len(path) > 200 else "")
+    shown = _shown(path)
     sha = _sha256(path)
     if isinstance(sha, OSError):
         return refused("unreadable", shown, f"cannot read the file ({sha.strerror or sha})")
