@@ -62,8 +62,7 @@ class Completion:
     def __init__(self, config: ExecutorConfig, clock: Clock, locks: LockOrder,
                  dispatch: Dispatch, outcomes: JobOutcomes,
                  fused_logits: LogitsPostprocessor | None,
-                 current: Callable[[], Generation | None],
-                 capacity: Callable[[], int]) -> None:
+                 current: Callable[[], Generation | None]) -> None:
         self.config = config
         self.clock = clock
         self.locks = locks
@@ -72,7 +71,6 @@ class Completion:
         #: the runtime's fused output check and conversion (drivers/native), or None (numpy)
         self.fused_logits = fused_logits
         self._current = current  # the executor's current generation
-        self._capacity = capacity  # the effective in-flight capacity
         self.mu = locks.lock(COMPLETION)  # never held across Wait()
         self.cv = clock.condition(self.mu, "completion_cv")
         self._queue: deque[Job] = deque()
@@ -321,11 +319,14 @@ class Completion:
         outcomes = self.outcomes
         outcomes.quarantine_after_submit(job, status, release_permit=False, on_device=True)
         outcomes.hold(job, slot)
-        if self._capacity() == 1:
-            # nothing else can be on the device while this job keeps its permit: the
-            # completion thread may as well wait the grace for the device to let go (a
-            # prompt release of the sequence); with two in flight it must not (the other
-            # job's completion would wait behind it), and the submitter reaps it
+        if self.dispatch.inflight == 1:
+            # the kept job's permit is the only one held, and it stays held: nothing else
+            # can be on the device meanwhile, so the completion thread may as well wait the
+            # grace for the device to let go (a prompt release of the sequence). With
+            # another permit held it must not (that job's completion would wait behind it),
+            # and the submitter reaps it. Not the capacity: a downgrade to 1 (this very
+            # failure may have caused it) leaves a job submitted before it in flight (found
+            # by the explorer: PCT seed 39106)
             outbuf = slot.outbuf  # the slot is quarantined, so its buffers are kept
             if outbuf is not None:
                 outbuf.wait(int(self.config.timeout_grace_s * 1e6))

@@ -258,8 +258,7 @@ class DeviceExecutor(SequenceOwnership):
         # ``JobHandle.wait_until``, ``Job.early_wake_s``)
         self.completion = Completion(
             config, clock, self.locks, self.dispatch, self.outcomes,
-            getattr(runtime, "logits_postprocessor", lambda: None)(), lambda: self.gen,
-            self._effective_capacity)
+            getattr(runtime, "logits_postprocessor", lambda: None)(), lambda: self.gen)
         self._last_submit_seq: int | None = None  # the submitter's own (no lock)
         self._features_off: dict[str, int] = {}  # FEATURES name -> generation it went off in
         self._job_ids = itertools.count(1)

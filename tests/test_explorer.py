@@ -294,3 +294,20 @@ def test_a_cancel_that_comes_once_the_caller_row_is_written_is_too_late():
     [(handle, _request, result)] = x.results
     assert not isinstance(result, Status), result  # delivered: the cancel came too late
     assert handle.cancel() is False
+
+
+# ---- found by the explorer on main (stop 38), fixed: a kept job's grace after a downgrade -------
+def test_a_job_in_flight_behind_a_kept_one_is_completed_by_its_deadline_after_a_downgrade():
+    """Phase B, two jobs in flight: the first one's Wait failed with the device still holding
+    it, which downgraded the executor to one job in flight. The completion thread then saw a
+    capacity of 1, took it for "nothing else on the device" and waited the 0.2 s grace for
+    the kept job, while the second job, submitted before the downgrade, waited behind it
+    past its own execution deadline. Now it waits the grace only when the kept job's permit
+    is the only one held. PCT seed 39106 (``CALEXEC_EXPLORE_SEED=38000``, 15,000 schedules),
+    shrunk to a schedule of no preemptions."""
+    script = [("decode", 2, 5.0), ("arm", "HANG", 1), ("run", 1000000, 30.0),
+              ("prefill", 1, 2, 0.5, True), ("arm", "HANG", 1), ("prefill", 3, 13, 5.0, False),
+              ("reset_sequence", 2), ("finish",)]
+    x = X.replay(CALBINS, script, [], lenient=True, reset_kind="reset", capacity=2,
+                 kv_blocks=64, slack_s=0.1)
+    assert x.ex.snapshot()["inflight_capacity"] == 1  # the scenario did downgrade
