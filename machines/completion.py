@@ -296,10 +296,12 @@ class Completion:
         runtime: the slot is quarantined and its host storage stays mapped, and the in-flight
         permit stays held until the device lets go (``JobOutcomes.reap_held``). If it has not
         after ``timeout_grace_s``, ``device.hung`` is reported: the recovery resets the device
-        (or, with no safe reset, the lifecycle ends Failed). In Phase A the completion thread
-        waits that grace itself (no other job can be in flight meanwhile); in Phase B it goes
-        on at once and the submitter reaps (every 50 ms), so the other job's completion is
-        never held up by one the device keeps (found by the explorer in Phase B)."""
+        (or, with no safe reset, the lifecycle ends Failed). When the kept job's permit is the
+        only one held, the completion thread waits that grace itself (no other job can be in
+        flight meanwhile); with another one held (Phase B, or jobs submitted before a
+        downgrade to capacity 1) it goes on at once and the submitter reaps (every 50 ms), so
+        the other job's completion is never held up by one the device keeps (found by the
+        explorer in Phase B, and after a downgrade)."""
         if self.clock.monotonic() >= self.execution_deadline(job):
             status = Status.failure("execution.deadline", Category.DEVICE, Phase.WAIT,
                                     "execution deadline passed; buffers kept until the device "
