@@ -288,6 +288,21 @@ REGRESSIONS: dict[str, D.Case] = {
                      logits_out=False, deadline_s=0.0147)),
         ("client", C(4, 1, (22382, 112980, 104190, 97528, 70762, 23158, 15165, 66290,
                             136316), 3, logits_out=False, deadline_s=0.0147))), 0.0031, 2),
+    # found by stop 39's long run (seed 30271): Phase B ran the two clients' jobs side by side,
+    # so client 3's device fault came before the model switch and ran a recovery of its own
+    # (generation 2), then the switch (3); on the plain path it came during the switch's drain
+    # and the switch's generation covered it (2). Every answer was equal; only the end
+    # generation differed, by the one recovery: the timing rule, now applied to the end state
+    "a_device_fault_before_a_switch_on_one_lane_and_during_it_on_the_other": D.Case(
+        ("phase_b_full",), (
+            ("client", C(3, 3, (68641, 74351, 32874, 54989), 3, logits_out=False,
+                         tokens=(10099, 96166, 120783), after_failure=None,
+                         faults=((2, "CCU_EXCEPTION"), (4, "WAIT_RC")))),
+            ("client", C(4, 1, (130140, 89056, 40997, 73913, 11417, 116939, 148568, 5455,
+                                92179), 3, logits_out=False, tokens=(105805, 130919, 19812),
+                         after_failure=None)),
+            ("tick", 0.1007),
+            ("switch", False, True)), 0.0097, 4),
 }
 
 
@@ -316,3 +331,21 @@ def test_greedy_ahead_stops_yielding_when_the_step_it_fired_backs_off():
     assert [f[:4] for f in fired] == [(1, 4, "decode", "SUBMIT_BUSY")]
     assert busy_answers == quiet_answers
     assert busy_times[1] == quiet_times[1]  # the first decode's answer: not held
+
+
+def test_an_end_generation_no_device_fault_explains_is_still_a_difference():
+    """The end state's timing rule (``a_device_fault_before_a_switch_on_one_lane_and_during_it_on
+    _the_other``) allows a lane ahead by as many generations as it has device faults among its
+    answers, nothing more: a recovery one lane ran and no job's answer explains is reported."""
+    diff = D.Differential(CALBINS, ["phase_b_full"], decode_s=0.0097, prefill_s=0.0194)
+    try:
+        diff.start()
+        diff.act(("client", C(1, 1, (5, 6, 7), 2, logits_out=False, think_s=0.01)))
+        diff.act(("tick", 1.0))  # the client is done on both lanes
+        diff.lanes[1].request_recovery()  # this lane only: the plain path never recovers
+        diff.act(("tick", 1.0))
+        assert [lane.ex.gen.id for lane in diff.lanes] == [1, 2]
+        problems = diff.finish()
+    finally:
+        diff.close()
+    assert problems == ["phase_b_full: generation 2 != plain 1"]
