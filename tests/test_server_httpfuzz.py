@@ -1,0 +1,63 @@
+"""Adversarial HTTP and admin input found by probing a loopback ``calexec serve`` (branch
+httpfuzz): each case used to get a 500 (with a traceback in the log), a misleading message or
+a silently ignored parameter, and now gets a 400 whose OpenAI-shaped body names the field and
+its value. Real executor on the bundled emulator, TestClient (server exceptions are answered,
+not raised: a 500 is what a client saw); every wait bounded."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from calexec.drivers.serving.server import ServerConfig, create_app
+from test_server_support import started_executor
+
+TOKEN = "httpfuzz-admin-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+DEEP = "[" * 3000 + "]" * 3000  # valid JSON, nested past Python's recursion limit
+
+
+@pytest.fixture(scope="module")
+def executor(tmp_path_factory):
+    executor = started_executor(tmp_path_factory.mktemp("calbin"))
+    yield executor
+    executor.shutdown(5.0)
+
+
+@pytest.fixture
+def client(executor):
+    app = create_app(executor, ServerConfig(admin_token=TOKEN))
+    with TestClient(app, raise_server_exceptions=False) as client:
+        yield client
+
+
+def assert_healthy(client) -> None:
+    """The server serves on: /health ok, a completion, nothing held."""
+    assert client.get("/health").json()["status"] == "ok"
+    assert client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}
+                       ).status_code == 200
+    metrics = client.get("/metrics").text
+    assert "calexec_kv_sequences_in_use 0.0" in metrics, metrics
+
+
+def _history(arguments: str) -> list[dict]:
+    return [{"role": "user", "content": "hi"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function",
+                 "function": {"name": "f", "arguments": arguments}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "42"}]
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/tokenize"])
+def test_history_call_arguments_nested_past_the_recursion_limit_are_rendered_as_text(
+        client, route):
+    """An assistant's ``tool_calls[].function.arguments`` is a string the plain template
+    parses as JSON to write the call as Qwen3 does; a valid JSON string nested 3000 deep made
+    ``json.loads`` raise RecursionError (not a ValueError): a 500 on chat and /tokenize. The
+    arguments are the client's text: too deep to parse, they are written as given."""
+    body = {"messages": _history(DEEP)}
+    if route == "/v1/chat/completions":
+        body["max_tokens"] = 2
+    r = client.post(route, json=body)
+    assert r.status_code == 200, r.text[:300]
+    assert_healthy(client)
