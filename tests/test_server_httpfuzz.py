@@ -61,3 +61,33 @@ def test_history_call_arguments_nested_past_the_recursion_limit_are_rendered_as_
     r = client.post(route, json=body)
     assert r.status_code == 200, r.text[:300]
     assert_healthy(client)
+
+
+@pytest.mark.parametrize("raw", [DEEP, '{"calbin": ' + DEEP + "}", "{not json", "\"x\"",
+                                 b'{"calbin": "\xff"}'],
+                         ids=["deep", "deep-value", "invalid", "not-an-object", "not-utf8"])
+def test_a_reload_body_that_is_no_json_object_is_a_400_naming_the_body(client, executor, raw):
+    """``/admin/reload`` parsed its body with ``json.loads``: nesting past the recursion limit
+    was a 500 (RecursionError); a body that was not JSON at all was answered "calbin=None:
+    a calbin file path is required", naming a field the client may well have sent. The
+    answer is now a 400 saying the body is not a JSON object; nothing moves."""
+    r = client.post("/admin/reload", content=raw, headers={**AUTH,
+                                                            "content-type": "application/json"})
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] is None, error
+    assert error["message"].startswith("body: "), error
+    assert executor.state == "Ready" and executor.gen.id == 1
+    assert_healthy(client)
+
+
+def test_a_reload_body_with_an_unknown_key_is_a_400_naming_it(client, executor):
+    """Every OpenAI body refuses a key it does not implement; ``/admin/reload`` ignored them
+    (``{"calbin": P, "force": true}`` reloaded as if ``force`` were honoured). Refused, named,
+    before the calbin is even checked."""
+    r = client.post("/admin/reload", json={"calbin": executor.gen.calbin_path, "force": True},
+                    headers=AUTH)
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["param"] == "force" and error["message"].startswith("force: unknown"), error
+    assert executor.state == "Ready" and executor.gen.id == 1

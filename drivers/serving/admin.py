@@ -9,6 +9,7 @@ from __future__ import annotations
 import hmac
 import json
 import math
+from typing import Any
 
 from anyio import to_thread
 from fastapi import FastAPI, Request
@@ -44,6 +45,30 @@ def admin_refusal(request: Request, config: ServerConfig) -> JSONResponse | None
                               http_status=403)
     return None
 
+
+
+#: the keys of a ``/admin/reload`` body (any other is refused, named, as the OpenAI bodies do)
+RELOAD_KEYS = ("calbin",)
+
+
+def reload_body(raw: bytes) -> dict[str, Any] | tuple[Status, str | None]:
+    """The ``/admin/reload`` body as a JSON object, or the 400 failure saying why it is not
+    one and its ``param``: not JSON, not UTF-8, nested past the parser's recursion limit, not
+    an object (``param`` None: the body as a whole), a key other than ``calbin`` (that key)."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as err:  # (UnicodeDecodeError is a ValueError)
+        why = "nested too deeply" if isinstance(err, RecursionError) else str(err)[:120]
+        return invalid(f"body: not valid JSON ({why}); send {{\"calbin\": PATH}}"), None
+    if not isinstance(body, dict):
+        return invalid(f"body: must be a JSON object {{\"calbin\": PATH}}, not "
+                       f"{type(body).__name__}"), None
+    unknown = sorted(key for key in body if key not in RELOAD_KEYS)
+    if unknown:
+        name = unknown[0][:80]
+        return invalid(f"{name}: unknown parameter, refused (the body is "
+                       "{\"calbin\": PATH})"), name
+    return body
 
 
 def add_admin_routes(app: FastAPI, service: CompletionService) -> None:
@@ -93,11 +118,10 @@ def add_admin_routes(app: FastAPI, service: CompletionService) -> None:
             return error_response(invalid(f"request body exceeds max_body_bytes="
                                           f"{config.max_body_bytes}"), None, http_status=413,
                                   headers=wire.CLOSE)
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            body = None
-        path = body.get("calbin") if isinstance(body, dict) else None
+        body = reload_body(raw)
+        if isinstance(body, tuple):
+            return error_response(body[0], body[1], http_status=400)
+        path = body.get("calbin")
         # the calbin is checked before anything moves (no drain, no switch): a path that is
         # not a calbin this manifest describes is the client's error, answered 400
         checked = await to_thread.run_sync(executor.check_calbin, path,
