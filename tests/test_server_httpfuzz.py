@@ -91,3 +91,28 @@ def test_a_reload_body_with_an_unknown_key_is_a_400_naming_it(client, executor):
     error = r.json()["error"]
     assert error["param"] == "force" and error["message"].startswith("force: unknown"), error
     assert executor.state == "Ready" and executor.gen.id == 1
+
+
+@pytest.mark.parametrize("query", ["grace=%D9%A3", "grace=1_0", "grace=%205", "grace=5%20",
+                                   "grace=%EF%BC%95"],
+                         ids=["arabic-indic-3", "underscore", "leading-space", "trailing-space",
+                              "fullwidth-5"])
+def test_a_drain_grace_that_is_not_an_ascii_number_is_refused(client, executor, query):
+    """``float()`` reads "٣" (ARABIC-INDIC DIGIT THREE) as 3, "1_0" as 10 and " 5" as 5: each
+    started a drain. The grace is a plain ASCII decimal number, as ``job_id`` is ASCII digits."""
+    r = client.post(f"/admin/drain?{query}", headers=AUTH)
+    assert r.status_code == 400, r.text[:300]
+    assert r.json()["error"]["param"] == "grace", r.text
+    assert client.get("/ready").status_code == 200  # no drain started
+
+
+@pytest.mark.parametrize("query", ["grase=0", "grace=1&now=1"])
+def test_a_drain_with_an_unknown_query_parameter_is_refused_naming_it(client, query):
+    """``POST /admin/drain?grase=0`` (a typo) drained with the default 30 s grace, the unknown
+    parameter ignored. It is refused, named, and no drain starts."""
+    r = client.post(f"/admin/drain?{query}", headers=AUTH)
+    assert r.status_code == 400, r.text[:300]
+    name = query.split("&")[-1].split("=")[0]
+    error = r.json()["error"]
+    assert error["param"] == name and error["message"].startswith(f"{name}: unknown"), error
+    assert client.get("/ready").status_code == 200

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hmac
 import json
 import math
+import re
 from typing import Any
 
 from anyio import to_thread
@@ -49,6 +50,11 @@ def admin_refusal(request: Request, config: ServerConfig) -> JSONResponse | None
 
 #: the keys of a ``/admin/reload`` body (any other is refused, named, as the OpenAI bodies do)
 RELOAD_KEYS = ("calbin",)
+#: the query parameters of ``/admin/drain``
+DRAIN_PARAMS = ("grace",)
+#: a drain's ``grace``: an ASCII decimal number (``float()`` alone also reads "٣" as 3,
+#: "1_0" as 10 and " 5" as 5)
+GRACE = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
 
 
 def reload_body(raw: bytes) -> dict[str, Any] | tuple[Status, str | None]:
@@ -81,11 +87,12 @@ def add_admin_routes(app: FastAPI, service: CompletionService) -> None:
         refused = admin_refusal(request, config)
         if refused is not None:
             return refused
+        unknown = sorted(key for key in request.query_params if key not in DRAIN_PARAMS)
+        if unknown:
+            return error_response(invalid(f"{unknown[0][:64]}: unknown parameter, refused "
+                                          "(POST /admin/drain?grace=S)"), unknown[0][:64])
         raw_grace = request.query_params.get("grace", "30")
-        try:
-            grace = float(raw_grace)
-        except ValueError:
-            grace = math.nan
+        grace = float(raw_grace) if GRACE.fullmatch(raw_grace) else math.nan
         if not (math.isfinite(grace) and 0 <= grace <= config.max_drain_grace_s):
             return error_response(invalid(f"grace={raw_grace[:64]!r}: must be a finite number "
                                            f"of seconds in [0, {config.max_drain_grace_s:g}]"),
