@@ -116,3 +116,17 @@ def test_a_drain_with_an_unknown_query_parameter_is_refused_naming_it(client, qu
     error = r.json()["error"]
     assert error["param"] == name and error["message"].startswith(f"{name}: unknown"), error
     assert client.get("/ready").status_code == 200
+
+
+@pytest.mark.parametrize("value", ["x", True, None, [1]])
+def test_a_logit_bias_value_of_the_wrong_type_names_its_key(client, value):
+    """pydantic reports a bad ``logit_bias`` value at (``logit_bias``, key, union branch): the
+    key was taken for a union branch and the message read "logit_bias='x': must be one of 5".
+    It names the key and the value's expected type."""
+    r = client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1,
+                                             "logit_bias": {"5": value}})
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["param"] == "logit_bias.5", error
+    assert error["message"].startswith(f"logit_bias.5={value!r}: must be one of int, float"
+                                       ), error

@@ -15,6 +15,7 @@ import hashlib
 import hmac
 import re
 import time
+import types
 import typing
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -325,20 +326,34 @@ def _field_path(model: type[BaseModel], loc: tuple, extra: bool = False
     """A pydantic error location split into the field path in the body (field names and
     list indices) and the union branch tags pydantic inserts (``str``, ``list[int]``): a
     name that is no field of the models reachable at that point is a tag, except the last
-    one of an ``extra`` (extra_forbidden) error, which is the unknown key itself."""
+    one of an ``extra`` (extra_forbidden) error, which is the unknown key itself, and the
+    item after a field whose value is an object (``logit_bias``), which is the key in it."""
     path: list[Any] = []
     tags: list[str] = []
     models = {model}
+    keyed = False  # the previous item was a field of object values: this one is a key
     for i, item in enumerate(loc):
         owner = next((m for m in models if isinstance(item, str) and item in m.model_fields),
                      None)
-        if isinstance(item, int) or owner is not None or (extra and i == len(loc) - 1):
+        if keyed or isinstance(item, int) or owner is not None or \
+                (extra and i == len(loc) - 1):
             path.append(item)
+            keyed = False
             if owner is not None:
-                models = set(_models_in(owner.model_fields[item].annotation))
+                annotation = owner.model_fields[item].annotation
+                models = set(_models_in(annotation))
+                keyed = _maps(annotation)
         else:
             tags.append(str(item))
     return path, tags
+
+
+def _maps(annotation: Any) -> bool:
+    """The annotation is an object of values (``dict[str, float] | None``; a union's branch,
+    never a list's item)."""
+    origin = typing.get_origin(annotation)
+    return origin is dict or (origin in (typing.Union, types.UnionType)
+                              and any(_maps(arg) for arg in typing.get_args(annotation)))
 
 
 def _models_in(annotation: Any) -> list[type[BaseModel]]:
