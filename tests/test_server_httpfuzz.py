@@ -130,3 +130,21 @@ def test_a_logit_bias_value_of_the_wrong_type_names_its_key(client, value):
     assert error["param"] == "logit_bias.5", error
     assert error["message"].startswith(f"logit_bias.5={value!r}: must be one of int, float"
                                        ), error
+
+
+@pytest.mark.parametrize("part,field,expected", [
+    ({"type": "text", "text": 5}, "text", "messages[0].content[0].text=5: must be a string"),
+    ({"type": "text"}, "text", "messages[0].content[0].text=None: must be a string"),
+    ({"type": "image_url", "image_url": {"url": "x"}}, "type",
+     "messages[0].content[0].type='image_url': only text parts are supported"),
+    ({"text": "hi"}, "type", "messages[0].content[0].type=None: only text parts are supported")])
+def test_a_content_part_names_what_is_wrong_with_it(client, part, field, expected):
+    """A text part whose ``text`` is not a string was refused as "type='text': only text parts
+    are supported", which is a text part. The message and ``param`` name the part's field
+    that is wrong."""
+    r = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": [part]}], "max_tokens": 1})
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["param"] == f"messages.0.content.0.{field}", error
+    assert error["message"].startswith(expected), error

@@ -499,10 +499,13 @@ def message_text(message: ChatMessage, index: int) -> str:
         return message.content
     texts = []
     for j, part in enumerate(message.content):
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise Refusal(invalid(f"messages[{index}].content[{j}].type="
-                                  f"{part.get('type')!r}: only text parts are supported"),
-                          f"messages.{index}.content")
+        at = f"messages[{index}].content[{j}]"
+        if part.get("type") != "text":
+            raise Refusal(invalid(f"{at}.type={part.get('type')!r:.80}: only text parts are "
+                                  "supported"), f"messages.{index}.content.{j}.type")
+        if not isinstance(part.get("text"), str):
+            raise Refusal(invalid(f"{at}.text={part.get('text')!r:.80}: must be a string"),
+                          f"messages.{index}.content.{j}.text")
         texts.append(part["text"])
     return "".join(texts)
 
