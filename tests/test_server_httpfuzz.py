@@ -148,3 +148,22 @@ def test_a_content_part_names_what_is_wrong_with_it(client, part, field, expecte
     error = r.json()["error"]
     assert error["param"] == f"messages.0.content.0.{field}", error
     assert error["message"].startswith(expected), error
+
+
+@pytest.mark.parametrize("prompt,n,expected", [
+    ([[1, 2], [3, -1]], 1, "prompt[1]=-1 outside the vocabulary"),
+    (["a", ""], 2, "prompt is empty"),
+    ([[1, 2], [3, 4], list(range(300, 300 + 40961))], 1, "This model's maximum context length")])
+def test_a_refused_element_of_a_prompt_list_is_named(client, prompt, n, expected):
+    """Each prompt of a list is checked as a request of its own, whose message spoke of
+    "prompt" alone: ``[[1, 2], [3, -1]]`` was refused as "prompt[1]=-1 outside the
+    vocabulary", which reads as the list's second element. The message says which element
+    (its start unchanged: clients match on the context-length phrase)."""
+    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "n": n})
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["param"] == "prompt", error
+    bad = len(prompt) - 1
+    assert error["message"].startswith(expected), error
+    assert error["message"].endswith(f"(prompt list element {bad})"), error
+    assert_healthy(client)

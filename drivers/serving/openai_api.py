@@ -1178,9 +1178,13 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         if request.scope.get(handoff.RESUME) is not None:
             return refused(Refusal(invalid("resume: a request of several choices (a prompt "
                                            "list or n > 1) is not resumed"), "resume"))
-        for admission, _ in specs:  # every prompt checked before the first choice runs
+        for k, (admission, _) in enumerate(specs[::n]):  # every prompt checked first
             ids, status, param = service.check(admission)
             if ids is None:
+                if len(specs) > n and param is not None:  # an element of a prompt list:
+                    # which one (the message's start kept: clients match on it)
+                    status = attrs.evolve(status, message=f"{status.message} (prompt list "
+                                          f"element {k})")
                 return fail(status, param)
         first = specs[0][0]
         timeout = config.default_timeout_s if first.timeout is None else first.timeout
