@@ -167,3 +167,28 @@ def test_a_refused_element_of_a_prompt_list_is_named(client, prompt, n, expected
     assert error["message"].startswith(expected), error
     assert error["message"].endswith(f"(prompt list element {bad})"), error
     assert_healthy(client)
+
+
+@pytest.mark.parametrize("sign", [1, -1], ids=["positive", "negative"])
+@pytest.mark.parametrize("field", ["temperature", "top_p", "presence_penalty",
+                                   "frequency_penalty", "repetition_penalty", "min_p",
+                                   "logit_bias"])
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_an_integer_too_large_for_a_float_is_a_400_naming_the_field(client, route, field,
+                                                                     sign):
+    """A number field takes a JSON integer as well as a float, and an integer has no bound:
+    ``"temperature": 1`` followed by 400 zeros was turned into a float with ``float()``,
+    whose OverflowError was a 500 (and uvicorn closed the connection). Such a value is out of
+    every range: a 400 naming the field, as ``1e400`` (which JSON parses to inf) already was."""
+    huge = sign * 10 ** 400
+    body = {"max_tokens": 1, field: {"5": huge} if field == "logit_bias" else huge}
+    body.update({"prompt": [1, 2]} if route == "/v1/completions"
+                else {"messages": [{"role": "user", "content": "hi"}]})
+    r = client.post(route, json=body)
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["param"] == field, error
+    assert error["message"].startswith("logit_bias[5]=" if field == "logit_bias"
+                                       else f"{field}="), error
+    assert len(error["message"]) < 300, error  # the value is not written out whole
+    assert_healthy(client)

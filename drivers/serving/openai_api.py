@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import math
 import re
 import time
 import types
@@ -398,6 +399,16 @@ def include_usage(body: _Body) -> bool:
 TOKEN_ID_KEY = re.compile(r"[0-9]{1,18}")
 
 
+def as_float(value: int | float) -> float:
+    """A number field's value as a float. A JSON integer has no bound and ``float()`` raises
+    OverflowError past 1.8e308: such an integer is +-inf, out of every range (as ``1e400``,
+    which the JSON parser reads as inf), so the field's check refuses it naming the field."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
 def _logit_bias(bias: dict[str, int | float] | None, vocab: int | None
                 ) -> tuple[tuple[int, float], ...]:
     """``logit_bias``'s (token id, bias) pairs: keys are token ids written as strings (OpenAI),
@@ -410,7 +421,7 @@ def _logit_bias(bias: dict[str, int | float] | None, vocab: int | None
             raise Refusal(invalid(f"logit_bias[{key[:40]!r}]: the key must be a token id in "
                                   f"[0, {vocab if vocab is not None else 'vocab'})"),
                           "logit_bias")
-        pairs.append((token, float(value)))
+        pairs.append((token, as_float(value)))
     return tuple(pairs)
 
 
@@ -429,7 +440,7 @@ def sampling_params(body: _Body, logprobs: int | None, vocab: int | None = None,
                                   f"[0, {vocab})"), field)
 
     def number(value: int | float | None, default: float) -> float:
-        return default if value is None else float(value)
+        return default if value is None else as_float(value)
     try:
         params = SamplingParams(
             temperature=number(body.temperature, 0.0), top_p=number(body.top_p, 1.0),
