@@ -192,3 +192,30 @@ def test_an_integer_too_large_for_a_float_is_a_400_naming_the_field(client, rout
                                        else f"{field}="), error
     assert len(error["message"]) < 300, error  # the value is not written out whole
     assert_healthy(client)
+
+
+@pytest.mark.parametrize("body", [b'{"grace": 0}', b"grace=0", b"[]"])
+def test_a_drain_with_a_body_is_refused_not_drained_with_the_default_grace(client, body):
+    """``/admin/drain`` reads its grace from the query; a client sending ``{"grace": 0}`` as
+    JSON got a drain of the default 30 s, its body ignored. A body that says something is
+    refused (``{}`` and an empty one say nothing) and no drain starts."""
+    r = client.post("/admin/drain", content=body,
+                    headers={**AUTH, "content-type": "application/json"})
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["param"] is None and error["message"].startswith("body: "), error
+    assert "?grace=" in error["message"], error
+    assert client.get("/ready").status_code == 200
+
+
+def test_a_reload_with_a_query_parameter_is_refused_naming_it(client, executor):
+    """``/admin/reload?calbin=P`` (the path where the drain takes its grace) was answered
+    "calbin=None: a calbin file path is required", the query ignored; ``?force=1`` reloaded
+    as if honoured. A query parameter is refused, named; nothing is checked or moved."""
+    for query, name in ((f"calbin={executor.gen.calbin_path}", "calbin"), ("force=1", "force")):
+        r = client.post(f"/admin/reload?{query}", json={"calbin": executor.gen.calbin_path},
+                        headers=AUTH)
+        assert r.status_code == 400, r.text[:300]
+        error = r.json()["error"]
+        assert error["param"] == name and error["message"].startswith(f"{name}: unknown"), error
+    assert executor.state == "Ready" and executor.gen.id == 1

@@ -82,6 +82,23 @@ def add_admin_routes(app: FastAPI, service: CompletionService) -> None:
     executor, config = service.executor, service.config
     retry = config.retry_after_s
 
+    async def read_body(request: Request) -> bytes | JSONResponse:
+        """An admin request's body, or the answer to one that did not arrive (499), came too
+        slowly (408) or is too large (413)."""
+        try:
+            raw = await wire.read_body(request, config.max_body_bytes, config.body_timeout_s)
+        except wire.ClientGone as gone:
+            return error_response(Status.cancelled(Phase.VALIDATE, str(gone)), None,
+                                  http_status=499)
+        except wire.BodyTimeout as late:
+            return error_response(body_timeout(str(late), config.body_timeout_s), None,
+                                  http_status=408, headers=wire.CLOSE)
+        if raw is None:
+            return error_response(invalid(f"request body exceeds max_body_bytes="
+                                          f"{config.max_body_bytes}"), None, http_status=413,
+                                  headers=wire.CLOSE)
+        return raw
+
     @app.post("/admin/drain")
     async def admin_drain(request: Request) -> Response:
         refused = admin_refusal(request, config)
@@ -91,6 +108,13 @@ def add_admin_routes(app: FastAPI, service: CompletionService) -> None:
         if unknown:
             return error_response(invalid(f"{unknown[0][:64]}: unknown parameter, refused "
                                           "(POST /admin/drain?grace=S)"), unknown[0][:64])
+        raw = await read_body(request)
+        if not isinstance(raw, bytes):
+            return raw
+        if raw.strip() and raw.strip() != b"{}":  # ({}: a client's json={}, saying nothing)
+            return error_response(invalid(f"body: /admin/drain takes no body ({len(raw)} "
+                                          "bytes sent): the grace is the query parameter "
+                                          "?grace=S"), None)
         raw_grace = request.query_params.get("grace", "30")
         grace = float(raw_grace) if GRACE.fullmatch(raw_grace) else math.nan
         if not (math.isfinite(grace) and 0 <= grace <= config.max_drain_grace_s):
@@ -113,18 +137,14 @@ def add_admin_routes(app: FastAPI, service: CompletionService) -> None:
         if media is not None:
             return error_response(invalid(f"content-type {media!r}: the body must be JSON "
                                           "(application/json)"), None, http_status=415)
-        try:
-            raw = await wire.read_body(request, config.max_body_bytes, config.body_timeout_s)
-        except wire.ClientGone as gone:
-            return error_response(Status.cancelled(Phase.VALIDATE, str(gone)), None,
-                                  http_status=499)
-        except wire.BodyTimeout as late:
-            return error_response(body_timeout(str(late), config.body_timeout_s), None,
-                                  http_status=408, headers=wire.CLOSE)
-        if raw is None:
-            return error_response(invalid(f"request body exceeds max_body_bytes="
-                                          f"{config.max_body_bytes}"), None, http_status=413,
-                                  headers=wire.CLOSE)
+        unknown = sorted(request.query_params)
+        if unknown:
+            return error_response(invalid(f"{unknown[0][:64]}: unknown parameter, refused "
+                                          "(POST /admin/reload takes the body "
+                                          "{\"calbin\": PATH} and no query)"), unknown[0][:64])
+        raw = await read_body(request)
+        if not isinstance(raw, bytes):
+            return raw
         body = reload_body(raw)
         if isinstance(body, tuple):
             return error_response(body[0], body[1], http_status=400)
