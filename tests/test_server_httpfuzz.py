@@ -219,3 +219,32 @@ def test_a_reload_with_a_query_parameter_is_refused_naming_it(client, executor):
         error = r.json()["error"]
         assert error["param"] == name and error["message"].startswith(f"{name}: unknown"), error
     assert executor.state == "Ready" and executor.gen.id == 1
+
+
+LONG = "k" * 100_000
+
+
+@pytest.mark.parametrize("route,body,param,message", [
+    ("/v1/completions", {"prompt": "hi", LONG: 1}, LONG[:80], "kkkk"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", LONG: 1}]},
+     f"messages.0.{LONG}"[:80], "messages.0.kkkk"),
+    ("/tokenize", {"prompt": "hi", LONG: 1}, LONG[:80], "kkkk"),
+    ("/v1/completions", {"prompt": "hi", "stream": True, "stream_options": {LONG: True}},
+     "stream_options", "stream_options.kkkk"),
+    ("/v1/chat/completions", {"messages": [{"role": LONG, "content": "x"}]},
+     "messages.0.role", "messages[0].role='kkkk"),
+    ("/v1/completions", {"prompt": "hi", "stop": LONG}, "stop", "stop[0]='kkkk"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["a", LONG]}, "stop", "stop[1]='kkkk"),
+], ids=["unknown-key", "unknown-message-key", "unknown-tokenize-key", "stream-options-key",
+        "role", "stop", "stop-list"])
+def test_an_error_echoes_a_long_name_or_value_cut_short(client, route, body, param, message):
+    """Most refusals cut the value they echo (``!r:.80``), but an unknown key, an unknown
+    ``stream_options`` key, a role and a stop string were written whole, three times over
+    (message, ``param``, ``status.message``): a 100 KB key made a 300 KB error body (up to
+    2.7 MB for a body at ``max_body_bytes``). They are cut like every other value."""
+    r = client.post(route, json=body)
+    assert r.status_code == 400, r.text[:300]
+    assert len(r.content) < 4096, len(r.content)
+    error = r.json()["error"]
+    assert error["param"] == param, error["param"][:100]
+    assert error["message"].startswith(message), error["message"][:100]

@@ -303,7 +303,8 @@ def parse(model: type[Body], raw: bytes) -> Body:
         errors = err.errors()
         first = errors[0]
         path, branches = _field_path(model, first["loc"], first["type"] == "extra_forbidden")
-        param = ".".join(str(p) for p in path) or None
+        # (an unknown key is the client's, of any length: cut as every echoed value is)
+        param = ".".join(str(p) for p in path)[:80] or None
         if first["type"] == "extra_forbidden":
             raise Refusal(invalid(f"{param}: unknown parameter, refused (calexec does not "
                                   "ignore parameters it does not implement; docs/server.md)"),
@@ -380,7 +381,7 @@ def refusal(body: _Body) -> None:
         unknown = set(body.stream_options) - {"include_usage", "continuous_usage_stats",
                                               "include_obfuscation"}
         if unknown:
-            raise Refusal(invalid(f"stream_options.{sorted(unknown)[0]}: unknown option"),
+            raise Refusal(invalid(f"stream_options.{sorted(unknown)[0][:80]}: unknown option"),
                           "stream_options")
         if body.stream_options.get("continuous_usage_stats"):
             raise Refusal(invalid("stream_options.continuous_usage_stats: not supported"),
@@ -497,7 +498,7 @@ def message_text(message: ChatMessage, index: int) -> str:
     """The text of a message: a string, or its ``text`` parts joined (other parts refused); an
     assistant message without content: its ``refusal``, if any."""
     if message.role not in CHAT_ROLES:
-        raise Refusal(invalid(f"messages[{index}].role={message.role!r}: must be one of "
+        raise Refusal(invalid(f"messages[{index}].role={message.role!r:.80}: must be one of "
                               f"{list(CHAT_ROLES)}"), f"messages.{index}.role")
     for key, why in UNRENDERABLE.items():
         value = getattr(message, key)
