@@ -248,3 +248,46 @@ def test_an_error_echoes_a_long_name_or_value_cut_short(client, route, body, par
     error = r.json()["error"]
     assert error["param"] == param, error["param"][:100]
     assert error["message"].startswith(message), error["message"][:100]
+
+
+ORIGIN = "http://app.example:3000"
+#: what the official openai JS SDK's requests carry (its preflight lists them)
+SDK_HEADERS = ("authorization, content-type, openai-organization, openai-project, "
+               "x-stainless-arch, x-stainless-lang, x-stainless-os, x-stainless-package-version, "
+               "x-stainless-retry-count, x-stainless-runtime, x-stainless-runtime-version, "
+               "x-stainless-timeout")
+
+
+@pytest.fixture
+def cors(executor):
+    app = create_app(executor, ServerConfig(cors_origins=(ORIGIN,)))
+    with TestClient(app, raise_server_exceptions=False) as client:
+        yield client
+
+
+def test_a_browser_preflight_of_the_official_sdk_is_answered(cors):
+    """The openai JS SDK (``dangerouslyAllowBrowser``) sends its ``x-stainless-*`` headers
+    (and ``openai-organization``/``-project`` when set): a browser's preflight lists them,
+    and with only ``authorization`` and ``content-type`` allowed it was refused, so the
+    browser never sent the request. Any request header is allowed from a listed origin."""
+    r = cors.options("/v1/chat/completions", headers={
+        "origin": ORIGIN, "access-control-request-method": "POST",
+        "access-control-request-headers": SDK_HEADERS})
+    assert r.status_code == 200, r.text[:300]
+    assert r.headers["access-control-allow-origin"] == ORIGIN
+    allowed = {h.strip() for h in r.headers["access-control-allow-headers"].lower().split(",")}
+    assert {h.strip() for h in SDK_HEADERS.split(",")} <= allowed, allowed
+
+
+@pytest.mark.parametrize("origin,method,param,why", [
+    (ORIGIN, "PUT", "method", "method 'PUT' is not allowed"),
+    ("http://evil.example", "POST", "origin", "origin 'http://evil.example' is not allowed"),
+])
+def test_a_refused_preflight_names_what_was_refused(cors, origin, method, param, why):
+    """Every refused preflight said ``param: origin`` and "(allowed origins:
+    --cors-origin)", also when the origin was allowed and the method was not."""
+    r = cors.options("/v1/chat/completions", headers={
+        "origin": origin, "access-control-request-method": method})
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["param"] == param and why in error["message"], error
