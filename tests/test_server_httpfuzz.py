@@ -291,3 +291,25 @@ def test_a_refused_preflight_names_what_was_refused(cors, origin, method, param,
     assert r.status_code == 400, r.text[:300]
     error = r.json()["error"]
     assert error["param"] == param and why in error["message"], error
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/tokenize", "/admin/reload"])
+@pytest.mark.parametrize("coding", ["gzip", "br", "identity, gzip"])
+def test_a_compressed_body_is_a_415_naming_the_coding(client, route, coding):
+    """The server decodes no content coding: a gzip body was parsed as JSON as it came
+    ("body: Invalid JSON: expected value at line 1 column 1"), and a plain body labelled gzip
+    was taken. RFC 9110 section 15.5.16: a 415 naming the coding, ``Accept-Encoding:
+    identity`` saying what is accepted."""
+    import gzip
+    raw = {"/v1/completions": b'{"prompt": "hi", "max_tokens": 1}',
+           "/tokenize": b'{"prompt": "hi"}', "/admin/reload": b'{"calbin": "x"}'}[route]
+    r = client.post(route, content=gzip.compress(raw), headers={
+        **AUTH, "content-type": "application/json", "content-encoding": coding})
+    assert r.status_code == 415, r.text[:300]
+    assert r.headers["accept-encoding"] == "identity"
+    error = r.json()["error"]
+    assert error["message"].startswith(f"content-encoding {coding.split(', ')[-1]!r}"), error
+    r = client.post(route, content=raw, headers={**AUTH, "content-type": "application/json",
+                                                  "content-encoding": "identity"})
+    assert r.status_code in (200, 400) and r.json().get("error", {}).get("param") in (
+        None, "calbin"), r.text[:300]

@@ -137,6 +137,11 @@ def add_admin_routes(app: FastAPI, service: CompletionService) -> None:
         if media is not None:
             return error_response(invalid(f"content-type {media!r}: the body must be JSON "
                                           "(application/json)"), None, http_status=415)
+        coding = wire.unsupported_coding(request)
+        if coding is not None:
+            return error_response(invalid(f"content-encoding {coding!r}: not supported, send "
+                                          "the body uncompressed"), None, http_status=415,
+                                  headers=wire.IDENTITY_ONLY)
         unknown = sorted(request.query_params)
         if unknown:
             return error_response(invalid(f"{unknown[0][:64]}: unknown parameter, refused "

@@ -902,6 +902,10 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         if media is not None:
             raise Refusal(invalid(f"content-type {media!r}: the body must be JSON "
                                   "(application/json)"), None, 415)
+        coding = wire.unsupported_coding(request)
+        if coding is not None:
+            raise Refusal(invalid(f"content-encoding {coding!r}: not supported, send the body "
+                                  "uncompressed"), None, 415, wire.IDENTITY_ONLY)
         try:
             raw = await wire.read_body(request, config.max_body_bytes, config.body_timeout_s)
         except wire.ClientGone as gone:  # 499: nobody reads it, the failure is counted
