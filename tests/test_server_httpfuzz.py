@@ -1,8 +1,9 @@
 """Adversarial HTTP and admin input found by probing a loopback ``calexec serve`` (branch
-httpfuzz): each case used to get a 500 (with a traceback in the log), a misleading message or
-a silently ignored parameter, and now gets a 400 whose OpenAI-shaped body names the field and
-its value. Real executor on the bundled emulator, TestClient (server exceptions are answered,
-not raised: a 500 is what a client saw); every wait bounded."""
+httpfuzz): each case used to get a 500 (with a traceback in the log), a misleading message, an
+unbounded echo or a silently ignored parameter, and now gets a 4xx whose OpenAI-shaped body
+names the field and its value (a browser's preflight from a listed origin: its 200). Real
+executor on the bundled emulator, TestClient (server exceptions are answered, not raised: a
+500 is what a client saw); every wait bounded."""
 
 from __future__ import annotations
 
