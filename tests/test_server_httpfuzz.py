@@ -314,3 +314,13 @@ def test_a_compressed_body_is_a_415_naming_the_coding(client, route, coding):
                                                   "content-encoding": "identity"})
     assert r.status_code in (200, 400) and r.json().get("error", {}).get("param") in (
         None, "calbin"), r.text[:300]
+
+
+def test_a_drain_grace_given_twice_is_refused(client):
+    """``?grace=3600&grace=0`` drained with the last one (0 s: every stream cut at once) while
+    the first one read as an hour. Which one was meant is the client's to say: refused."""
+    r = client.post("/admin/drain?grace=3600&grace=0", headers=AUTH)
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["param"] == "grace" and "given 2 times" in error["message"], error
+    assert client.get("/ready").status_code == 200

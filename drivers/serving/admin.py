@@ -115,6 +115,10 @@ def add_admin_routes(app: FastAPI, service: CompletionService) -> None:
             return error_response(invalid(f"body: /admin/drain takes no body ({len(raw)} "
                                           "bytes sent): the grace is the query parameter "
                                           "?grace=S"), None)
+        given = request.query_params.getlist("grace")
+        if len(given) > 1:  # (the last would win: which one was meant is the client's)
+            return error_response(invalid(f"grace={given[0][:64]!r}: given {len(given)} times "
+                                          "in the query, give it once"), "grace")
         raw_grace = request.query_params.get("grace", "30")
         grace = float(raw_grace) if GRACE.fullmatch(raw_grace) else math.nan
         if not (math.isfinite(grace) and 0 <= grace <= config.max_drain_grace_s):
