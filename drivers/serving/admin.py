@@ -9,6 +9,8 @@ from __future__ import annotations
 import hmac
 import json
 import math
+import re
+from typing import Any
 
 from anyio import to_thread
 from fastapi import FastAPI, Request
@@ -46,21 +48,79 @@ def admin_refusal(request: Request, config: ServerConfig) -> JSONResponse | None
 
 
 
+#: the keys of a ``/admin/reload`` body (any other is refused, named, as the OpenAI bodies do)
+RELOAD_KEYS = ("calbin",)
+#: the query parameters of ``/admin/drain``
+DRAIN_PARAMS = ("grace",)
+#: a drain's ``grace``: an ASCII decimal number (``float()`` alone also reads "٣" as 3,
+#: "1_0" as 10 and " 5" as 5)
+GRACE = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
+
+
+def reload_body(raw: bytes) -> dict[str, Any] | tuple[Status, str | None]:
+    """The ``/admin/reload`` body as a JSON object, or the 400 failure saying why it is not
+    one and its ``param``: not JSON, not UTF-8, nested past the parser's recursion limit, not
+    an object (``param`` None: the body as a whole), a key other than ``calbin`` (that key)."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as err:  # (UnicodeDecodeError is a ValueError)
+        why = "nested too deeply" if isinstance(err, RecursionError) else str(err)[:120]
+        return invalid(f"body: not valid JSON ({why}); send {{\"calbin\": PATH}}"), None
+    if not isinstance(body, dict):
+        return invalid(f"body: must be a JSON object {{\"calbin\": PATH}}, not "
+                       f"{type(body).__name__}"), None
+    unknown = sorted(key for key in body if key not in RELOAD_KEYS)
+    if unknown:
+        name = unknown[0][:80]
+        return invalid(f"{name}: unknown parameter, refused (the body is "
+                       "{\"calbin\": PATH})"), name
+    return body
+
+
 def add_admin_routes(app: FastAPI, service: CompletionService) -> None:
     """``/admin/drain`` and ``/admin/reload`` on ``app``."""
     executor, config = service.executor, service.config
     retry = config.retry_after_s
+
+    async def read_body(request: Request) -> bytes | JSONResponse:
+        """An admin request's body, or the answer to one that did not arrive (499), came too
+        slowly (408) or is too large (413)."""
+        try:
+            raw = await wire.read_body(request, config.max_body_bytes, config.body_timeout_s)
+        except wire.ClientGone as gone:
+            return error_response(Status.cancelled(Phase.VALIDATE, str(gone)), None,
+                                  http_status=499)
+        except wire.BodyTimeout as late:
+            return error_response(body_timeout(str(late), config.body_timeout_s), None,
+                                  http_status=408, headers=wire.CLOSE)
+        if raw is None:
+            return error_response(invalid(f"request body exceeds max_body_bytes="
+                                          f"{config.max_body_bytes}"), None, http_status=413,
+                                  headers=wire.CLOSE)
+        return raw
 
     @app.post("/admin/drain")
     async def admin_drain(request: Request) -> Response:
         refused = admin_refusal(request, config)
         if refused is not None:
             return refused
+        unknown = sorted(key for key in request.query_params if key not in DRAIN_PARAMS)
+        if unknown:
+            return error_response(invalid(f"{unknown[0][:64]}: unknown parameter, refused "
+                                          "(POST /admin/drain?grace=S)"), unknown[0][:64])
+        raw = await read_body(request)
+        if not isinstance(raw, bytes):
+            return raw
+        if raw.strip() and raw.strip() != b"{}":  # ({}: a client's json={}, saying nothing)
+            return error_response(invalid(f"body: /admin/drain takes no body ({len(raw)} "
+                                          "bytes sent): the grace is the query parameter "
+                                          "?grace=S"), None)
+        given = request.query_params.getlist("grace")
+        if len(given) > 1:  # (the last would win: which one was meant is the client's)
+            return error_response(invalid(f"grace={given[0][:64]!r}: given {len(given)} times "
+                                          "in the query, give it once"), "grace")
         raw_grace = request.query_params.get("grace", "30")
-        try:
-            grace = float(raw_grace)
-        except ValueError:
-            grace = math.nan
+        grace = float(raw_grace) if GRACE.fullmatch(raw_grace) else math.nan
         if not (math.isfinite(grace) and 0 <= grace <= config.max_drain_grace_s):
             return error_response(invalid(f"grace={raw_grace[:64]!r}: must be a finite number "
                                            f"of seconds in [0, {config.max_drain_grace_s:g}]"),
@@ -81,23 +141,23 @@ def add_admin_routes(app: FastAPI, service: CompletionService) -> None:
         if media is not None:
             return error_response(invalid(f"content-type {media!r}: the body must be JSON "
                                           "(application/json)"), None, http_status=415)
-        try:
-            raw = await wire.read_body(request, config.max_body_bytes, config.body_timeout_s)
-        except wire.ClientGone as gone:
-            return error_response(Status.cancelled(Phase.VALIDATE, str(gone)), None,
-                                  http_status=499)
-        except wire.BodyTimeout as late:
-            return error_response(body_timeout(str(late), config.body_timeout_s), None,
-                                  http_status=408, headers=wire.CLOSE)
-        if raw is None:
-            return error_response(invalid(f"request body exceeds max_body_bytes="
-                                          f"{config.max_body_bytes}"), None, http_status=413,
-                                  headers=wire.CLOSE)
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            body = None
-        path = body.get("calbin") if isinstance(body, dict) else None
+        coding = wire.unsupported_coding(request)
+        if coding is not None:
+            return error_response(invalid(f"content-encoding {coding!r}: not supported, send "
+                                          "the body uncompressed"), None, http_status=415,
+                                  headers=wire.IDENTITY_ONLY)
+        unknown = sorted(request.query_params)
+        if unknown:
+            return error_response(invalid(f"{unknown[0][:64]}: unknown parameter, refused "
+                                          "(POST /admin/reload takes the body "
+                                          "{\"calbin\": PATH} and no query)"), unknown[0][:64])
+        raw = await read_body(request)
+        if not isinstance(raw, bytes):
+            return raw
+        body = reload_body(raw)
+        if isinstance(body, tuple):
+            return error_response(body[0], body[1], http_status=400)
+        path = body.get("calbin")
         # the calbin is checked before anything moves (no drain, no switch): a path that is
         # not a calbin this manifest describes is the client's error, answered 400
         checked = await to_thread.run_sync(executor.check_calbin, path,

@@ -581,7 +581,7 @@ def call_text(calls: Sequence[Mapping[str, Any]]) -> str:
         fn = call["function"]
         try:
             arguments: Any = json.loads(fn["arguments"])
-        except ValueError:
+        except (ValueError, RecursionError):  # (valid JSON nested past the recursion limit)
             arguments = fn["arguments"]  # as given: the model's own text
         blocks.append(f"{CALL_OPEN}\n" + json.dumps({"name": fn["name"], "arguments": arguments},
                                                     ensure_ascii=False) + f"\n{CALL_CLOSE}")

@@ -13,8 +13,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import math
 import re
 import time
+import types
 import typing
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -301,7 +303,8 @@ def parse(model: type[Body], raw: bytes) -> Body:
         errors = err.errors()
         first = errors[0]
         path, branches = _field_path(model, first["loc"], first["type"] == "extra_forbidden")
-        param = ".".join(str(p) for p in path) or None
+        # (an unknown key is the client's, of any length: cut as every echoed value is)
+        param = ".".join(str(p) for p in path)[:80] or None
         if first["type"] == "extra_forbidden":
             raise Refusal(invalid(f"{param}: unknown parameter, refused (calexec does not "
                                   "ignore parameters it does not implement; docs/server.md)"),
@@ -325,20 +328,34 @@ def _field_path(model: type[BaseModel], loc: tuple, extra: bool = False
     """A pydantic error location split into the field path in the body (field names and
     list indices) and the union branch tags pydantic inserts (``str``, ``list[int]``): a
     name that is no field of the models reachable at that point is a tag, except the last
-    one of an ``extra`` (extra_forbidden) error, which is the unknown key itself."""
+    one of an ``extra`` (extra_forbidden) error, which is the unknown key itself, and the
+    item after a field whose value is an object (``logit_bias``), which is the key in it."""
     path: list[Any] = []
     tags: list[str] = []
     models = {model}
+    keyed = False  # the previous item was a field of object values: this one is a key
     for i, item in enumerate(loc):
         owner = next((m for m in models if isinstance(item, str) and item in m.model_fields),
                      None)
-        if isinstance(item, int) or owner is not None or (extra and i == len(loc) - 1):
+        if keyed or isinstance(item, int) or owner is not None or \
+                (extra and i == len(loc) - 1):
             path.append(item)
+            keyed = False
             if owner is not None:
-                models = set(_models_in(owner.model_fields[item].annotation))
+                annotation = owner.model_fields[item].annotation
+                models = set(_models_in(annotation))
+                keyed = _maps(annotation)
         else:
             tags.append(str(item))
     return path, tags
+
+
+def _maps(annotation: Any) -> bool:
+    """The annotation is an object of values (``dict[str, float] | None``; a union's branch,
+    never a list's item)."""
+    origin = typing.get_origin(annotation)
+    return origin is dict or (origin in (typing.Union, types.UnionType)
+                              and any(_maps(arg) for arg in typing.get_args(annotation)))
 
 
 def _models_in(annotation: Any) -> list[type[BaseModel]]:
@@ -364,7 +381,7 @@ def refusal(body: _Body) -> None:
         unknown = set(body.stream_options) - {"include_usage", "continuous_usage_stats",
                                               "include_obfuscation"}
         if unknown:
-            raise Refusal(invalid(f"stream_options.{sorted(unknown)[0]}: unknown option"),
+            raise Refusal(invalid(f"stream_options.{sorted(unknown)[0][:80]}: unknown option"),
                           "stream_options")
         if body.stream_options.get("continuous_usage_stats"):
             raise Refusal(invalid("stream_options.continuous_usage_stats: not supported"),
@@ -383,6 +400,16 @@ def include_usage(body: _Body) -> bool:
 TOKEN_ID_KEY = re.compile(r"[0-9]{1,18}")
 
 
+def as_float(value: int | float) -> float:
+    """A number field's value as a float. A JSON integer has no bound and ``float()`` raises
+    OverflowError past 1.8e308: such an integer is +-inf, out of every range (as ``1e400``,
+    which the JSON parser reads as inf), so the field's check refuses it naming the field."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
 def _logit_bias(bias: dict[str, int | float] | None, vocab: int | None
                 ) -> tuple[tuple[int, float], ...]:
     """``logit_bias``'s (token id, bias) pairs: keys are token ids written as strings (OpenAI),
@@ -395,7 +422,7 @@ def _logit_bias(bias: dict[str, int | float] | None, vocab: int | None
             raise Refusal(invalid(f"logit_bias[{key[:40]!r}]: the key must be a token id in "
                                   f"[0, {vocab if vocab is not None else 'vocab'})"),
                           "logit_bias")
-        pairs.append((token, float(value)))
+        pairs.append((token, as_float(value)))
     return tuple(pairs)
 
 
@@ -414,7 +441,7 @@ def sampling_params(body: _Body, logprobs: int | None, vocab: int | None = None,
                                   f"[0, {vocab})"), field)
 
     def number(value: int | float | None, default: float) -> float:
-        return default if value is None else float(value)
+        return default if value is None else as_float(value)
     try:
         params = SamplingParams(
             temperature=number(body.temperature, 0.0), top_p=number(body.top_p, 1.0),
@@ -471,7 +498,7 @@ def message_text(message: ChatMessage, index: int) -> str:
     """The text of a message: a string, or its ``text`` parts joined (other parts refused); an
     assistant message without content: its ``refusal``, if any."""
     if message.role not in CHAT_ROLES:
-        raise Refusal(invalid(f"messages[{index}].role={message.role!r}: must be one of "
+        raise Refusal(invalid(f"messages[{index}].role={message.role!r:.80}: must be one of "
                               f"{list(CHAT_ROLES)}"), f"messages.{index}.role")
     for key, why in UNRENDERABLE.items():
         value = getattr(message, key)
@@ -484,10 +511,13 @@ def message_text(message: ChatMessage, index: int) -> str:
         return message.content
     texts = []
     for j, part in enumerate(message.content):
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise Refusal(invalid(f"messages[{index}].content[{j}].type="
-                                  f"{part.get('type')!r}: only text parts are supported"),
-                          f"messages.{index}.content")
+        at = f"messages[{index}].content[{j}]"
+        if part.get("type") != "text":
+            raise Refusal(invalid(f"{at}.type={part.get('type')!r:.80}: only text parts are "
+                                  "supported"), f"messages.{index}.content.{j}.type")
+        if not isinstance(part.get("text"), str):
+            raise Refusal(invalid(f"{at}.text={part.get('text')!r:.80}: must be a string"),
+                          f"messages.{index}.content.{j}.text")
         texts.append(part["text"])
     return "".join(texts)
 
@@ -872,6 +902,10 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         if media is not None:
             raise Refusal(invalid(f"content-type {media!r}: the body must be JSON "
                                   "(application/json)"), None, 415)
+        coding = wire.unsupported_coding(request)
+        if coding is not None:
+            raise Refusal(invalid(f"content-encoding {coding!r}: not supported, send the body "
+                                  "uncompressed"), None, 415, wire.IDENTITY_ONLY)
         try:
             raw = await wire.read_body(request, config.max_body_bytes, config.body_timeout_s)
         except wire.ClientGone as gone:  # 499: nobody reads it, the failure is counted
@@ -1160,9 +1194,13 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         if request.scope.get(handoff.RESUME) is not None:
             return refused(Refusal(invalid("resume: a request of several choices (a prompt "
                                            "list or n > 1) is not resumed"), "resume"))
-        for admission, _ in specs:  # every prompt checked before the first choice runs
+        for k, (admission, _) in enumerate(specs[::n]):  # every prompt checked first
             ids, status, param = service.check(admission)
             if ids is None:
+                if len(specs) > n and param is not None:  # an element of a prompt list:
+                    # which one (the message's start kept: clients match on it)
+                    status = attrs.evolve(status, message=f"{status.message} (prompt list "
+                                          f"element {k})")
                 return fail(status, param)
         first = specs[0][0]
         timeout = config.default_timeout_s if first.timeout is None else first.timeout

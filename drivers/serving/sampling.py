@@ -53,7 +53,7 @@ class SamplingError(ValueError):
     """A sampling parameter is invalid: ``field`` names it, the message gives the value."""
 
     def __init__(self, field: str, value: Any, why: str) -> None:
-        super().__init__(f"{field}={value!r}: {why}")
+        super().__init__(f"{field}={value!r:.80}: {why}")  # (a stop string may be 1 MB)
         self.field = field
         self.value = value
 

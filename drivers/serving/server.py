@@ -75,9 +75,11 @@ def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
     retry = config.retry_after_s
 
     if config.cors_origins:  # off by default: a browser page may call only when asked for
+        # any request header: the official SDKs send their own (the openai JS SDK's
+        # x-stainless-*, openai-organization...), which a browser's preflight lists
         app.add_middleware(OpenAICORS, allow_origins=list(config.cors_origins),
                            allow_methods=["GET", "POST", "OPTIONS"],
-                           allow_headers=["authorization", "content-type"],
+                           allow_headers=["*"],
                            expose_headers=["retry-after"], max_age=600)
 
     @app.exception_handler(StarletteHTTPException)
@@ -164,8 +166,17 @@ class OpenAICORS(CORSMiddleware):
         refused = bytes(answer.body).decode("utf-8", "replace")  # "Disallowed CORS origin, ..."
         allowed = {k: v for k, v in answer.headers.items()
                    if k.lower().startswith("access-control-") or k.lower() == "vary"}
-        return error_response(invalid(f"CORS preflight refused: {refused} (allowed origins: "
-                                      "--cors-origin)"), "origin", headers=allowed)
+        origin = request_headers.get("origin", "")
+        method = request_headers.get("access-control-request-method", "")
+        if not self.is_allowed_origin(origin=origin):  # what was refused, first the origin
+            param, why = "origin", (f"origin {origin[:200]!r} is not allowed (allowed: the "
+                                    "--cors-origin ones)")
+        elif method not in self.allow_methods:
+            param, why = "method", (f"method {method[:40]!r} is not allowed (allowed: "
+                                    f"{', '.join(self.allow_methods)})")
+        else:
+            param, why = None, refused
+        return error_response(invalid(f"CORS preflight refused: {why}"), param, headers=allowed)
 
 
 #: how long uvicorn waits, after a drain, for connections still open before it ends their

@@ -50,6 +50,18 @@ def non_json_media(request: Request) -> str | None:
     return None if media in ("", "application/json") else media[:80]
 
 
+#: the answer's headers to a body in a content coding this server does not decode (RFC 9110
+#: section 15.5.16: a 415 whose Accept-Encoding says which codings would be accepted)
+IDENTITY_ONLY = {"Accept-Encoding": "identity"}
+
+
+def unsupported_coding(request: Request) -> str | None:
+    """The content coding of a body this server cannot read (any but ``identity``: it
+    decompresses nothing), else None; a route answers it 415 with :data:`IDENTITY_ONLY`."""
+    codings = [c.strip().lower() for c in request.headers.get("content-encoding", "").split(",")]
+    return next((c[:40] for c in reversed(codings) if c and c != "identity"), None)
+
+
 async def read_body(request: Request, limit: int, timeout: float) -> bytes | None:
     """The body, or None when it exceeds ``limit`` bytes (declared or actual); raises
     :class:`ClientGone` when the client disconnects mid-upload (the route answers it as a

@@ -1,0 +1,326 @@
+"""Adversarial HTTP and admin input found by probing a loopback ``calexec serve`` (branch
+httpfuzz): each case used to get a 500 (with a traceback in the log), a misleading message, an
+unbounded echo or a silently ignored parameter, and now gets a 4xx whose OpenAI-shaped body
+names the field and its value (a browser's preflight from a listed origin: its 200). Real
+executor on the bundled emulator, TestClient (server exceptions are answered, not raised: a
+500 is what a client saw); every wait bounded."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from calexec.drivers.serving.server import ServerConfig, create_app
+from test_server_support import started_executor
+
+TOKEN = "httpfuzz-admin-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+DEEP = "[" * 3000 + "]" * 3000  # valid JSON, nested past Python's recursion limit
+
+
+@pytest.fixture(scope="module")
+def executor(tmp_path_factory):
+    executor = started_executor(tmp_path_factory.mktemp("calbin"))
+    yield executor
+    executor.shutdown(5.0)
+
+
+@pytest.fixture
+def client(executor):
+    app = create_app(executor, ServerConfig(admin_token=TOKEN))
+    with TestClient(app, raise_server_exceptions=False) as client:
+        yield client
+
+
+def assert_healthy(client) -> None:
+    """The server serves on: /health ok, a completion, nothing held."""
+    assert client.get("/health").json()["status"] == "ok"
+    assert client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}
+                       ).status_code == 200
+    metrics = client.get("/metrics").text
+    assert "calexec_kv_sequences_in_use 0.0" in metrics, metrics
+
+
+def _history(arguments: str) -> list[dict]:
+    return [{"role": "user", "content": "hi"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function",
+                 "function": {"name": "f", "arguments": arguments}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "42"}]
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/tokenize"])
+def test_history_call_arguments_nested_past_the_recursion_limit_are_rendered_as_text(
+        client, route):
+    """An assistant's ``tool_calls[].function.arguments`` is a string the plain template
+    parses as JSON to write the call as Qwen3 does; a valid JSON string nested 3000 deep made
+    ``json.loads`` raise RecursionError (not a ValueError): a 500 on chat and /tokenize. The
+    arguments are the client's text: too deep to parse, they are written as given."""
+    body = {"messages": _history(DEEP)}
+    if route == "/v1/chat/completions":
+        body["max_tokens"] = 2
+    r = client.post(route, json=body)
+    assert r.status_code == 200, r.text[:300]
+    assert_healthy(client)
+
+
+@pytest.mark.parametrize("raw", [DEEP, '{"calbin": ' + DEEP + "}", "{not json", "\"x\"",
+                                 b'{"calbin": "\xff"}'],
+                         ids=["deep", "deep-value", "invalid", "not-an-object", "not-utf8"])
+def test_a_reload_body_that_is_no_json_object_is_a_400_naming_the_body(client, executor, raw):
+    """``/admin/reload`` parsed its body with ``json.loads``: nesting past the recursion limit
+    was a 500 (RecursionError); a body that was not JSON at all was answered "calbin=None:
+    a calbin file path is required", naming a field the client may well have sent. The
+    answer is now a 400 saying the body is not a JSON object; nothing moves."""
+    r = client.post("/admin/reload", content=raw, headers={**AUTH,
+                                                            "content-type": "application/json"})
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] is None, error
+    assert error["message"].startswith("body: "), error
+    assert executor.state == "Ready" and executor.gen.id == 1
+    assert_healthy(client)
+
+
+def test_a_reload_body_with_an_unknown_key_is_a_400_naming_it(client, executor):
+    """Every OpenAI body refuses a key it does not implement; ``/admin/reload`` ignored them
+    (``{"calbin": P, "force": true}`` reloaded as if ``force`` were honoured). Refused, named,
+    before the calbin is even checked."""
+    r = client.post("/admin/reload", json={"calbin": executor.gen.calbin_path, "force": True},
+                    headers=AUTH)
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["param"] == "force" and error["message"].startswith("force: unknown"), error
+    assert executor.state == "Ready" and executor.gen.id == 1
+
+
+@pytest.mark.parametrize("query", ["grace=%D9%A3", "grace=1_0", "grace=%205", "grace=5%20",
+                                   "grace=%EF%BC%95"],
+                         ids=["arabic-indic-3", "underscore", "leading-space", "trailing-space",
+                              "fullwidth-5"])
+def test_a_drain_grace_that_is_not_an_ascii_number_is_refused(client, executor, query):
+    """``float()`` reads "٣" (ARABIC-INDIC DIGIT THREE) as 3, "1_0" as 10 and " 5" as 5: each
+    started a drain. The grace is a plain ASCII decimal number, as ``job_id`` is ASCII digits."""
+    r = client.post(f"/admin/drain?{query}", headers=AUTH)
+    assert r.status_code == 400, r.text[:300]
+    assert r.json()["error"]["param"] == "grace", r.text
+    assert client.get("/ready").status_code == 200  # no drain started
+
+
+@pytest.mark.parametrize("query", ["grase=0", "grace=1&now=1"])
+def test_a_drain_with_an_unknown_query_parameter_is_refused_naming_it(client, query):
+    """``POST /admin/drain?grase=0`` (a typo) drained with the default 30 s grace, the unknown
+    parameter ignored. It is refused, named, and no drain starts."""
+    r = client.post(f"/admin/drain?{query}", headers=AUTH)
+    assert r.status_code == 400, r.text[:300]
+    name = query.split("&")[-1].split("=")[0]
+    error = r.json()["error"]
+    assert error["param"] == name and error["message"].startswith(f"{name}: unknown"), error
+    assert client.get("/ready").status_code == 200
+
+
+@pytest.mark.parametrize("value", ["x", True, None, [1]])
+def test_a_logit_bias_value_of_the_wrong_type_names_its_key(client, value):
+    """pydantic reports a bad ``logit_bias`` value at (``logit_bias``, key, union branch): the
+    key was taken for a union branch and the message read "logit_bias='x': must be one of 5".
+    It names the key and the value's expected type."""
+    r = client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1,
+                                             "logit_bias": {"5": value}})
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["param"] == "logit_bias.5", error
+    assert error["message"].startswith(f"logit_bias.5={value!r}: must be one of int, float"
+                                       ), error
+
+
+@pytest.mark.parametrize("part,field,expected", [
+    ({"type": "text", "text": 5}, "text", "messages[0].content[0].text=5: must be a string"),
+    ({"type": "text"}, "text", "messages[0].content[0].text=None: must be a string"),
+    ({"type": "image_url", "image_url": {"url": "x"}}, "type",
+     "messages[0].content[0].type='image_url': only text parts are supported"),
+    ({"text": "hi"}, "type", "messages[0].content[0].type=None: only text parts are supported")])
+def test_a_content_part_names_what_is_wrong_with_it(client, part, field, expected):
+    """A text part whose ``text`` is not a string was refused as "type='text': only text parts
+    are supported", which is a text part. The message and ``param`` name the part's field
+    that is wrong."""
+    r = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": [part]}], "max_tokens": 1})
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["param"] == f"messages.0.content.0.{field}", error
+    assert error["message"].startswith(expected), error
+
+
+@pytest.mark.parametrize("prompt,n,expected", [
+    ([[1, 2], [3, -1]], 1, "prompt[1]=-1 outside the vocabulary"),
+    (["a", ""], 2, "prompt is empty"),
+    ([[1, 2], [3, 4], list(range(300, 300 + 40961))], 1, "This model's maximum context length")])
+def test_a_refused_element_of_a_prompt_list_is_named(client, prompt, n, expected):
+    """Each prompt of a list is checked as a request of its own, whose message spoke of
+    "prompt" alone: ``[[1, 2], [3, -1]]`` was refused as "prompt[1]=-1 outside the
+    vocabulary", which reads as the list's second element. The message says which element
+    (its start unchanged: clients match on the context-length phrase)."""
+    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "n": n})
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["param"] == "prompt", error
+    bad = len(prompt) - 1
+    assert error["message"].startswith(expected), error
+    assert error["message"].endswith(f"(prompt list element {bad})"), error
+    assert_healthy(client)
+
+
+@pytest.mark.parametrize("sign", [1, -1], ids=["positive", "negative"])
+@pytest.mark.parametrize("field", ["temperature", "top_p", "presence_penalty",
+                                   "frequency_penalty", "repetition_penalty", "min_p",
+                                   "logit_bias"])
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_an_integer_too_large_for_a_float_is_a_400_naming_the_field(client, route, field,
+                                                                     sign):
+    """A number field takes a JSON integer as well as a float, and an integer has no bound:
+    ``"temperature": 1`` followed by 400 zeros was turned into a float with ``float()``,
+    whose OverflowError was a 500 (and uvicorn closed the connection). Such a value is out of
+    every range: a 400 naming the field, as ``1e400`` (which JSON parses to inf) already was."""
+    huge = sign * 10 ** 400
+    body = {"max_tokens": 1, field: {"5": huge} if field == "logit_bias" else huge}
+    body.update({"prompt": [1, 2]} if route == "/v1/completions"
+                else {"messages": [{"role": "user", "content": "hi"}]})
+    r = client.post(route, json=body)
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["param"] == field, error
+    assert error["message"].startswith("logit_bias[5]=" if field == "logit_bias"
+                                       else f"{field}="), error
+    assert len(error["message"]) < 300, error  # the value is not written out whole
+    assert_healthy(client)
+
+
+@pytest.mark.parametrize("body", [b'{"grace": 0}', b"grace=0", b"[]"])
+def test_a_drain_with_a_body_is_refused_not_drained_with_the_default_grace(client, body):
+    """``/admin/drain`` reads its grace from the query; a client sending ``{"grace": 0}`` as
+    JSON got a drain of the default 30 s, its body ignored. A body that says something is
+    refused (``{}`` and an empty one say nothing) and no drain starts."""
+    r = client.post("/admin/drain", content=body,
+                    headers={**AUTH, "content-type": "application/json"})
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["param"] is None and error["message"].startswith("body: "), error
+    assert "?grace=" in error["message"], error
+    assert client.get("/ready").status_code == 200
+
+
+def test_a_reload_with_a_query_parameter_is_refused_naming_it(client, executor):
+    """``/admin/reload?calbin=P`` (the path where the drain takes its grace) was answered
+    "calbin=None: a calbin file path is required", the query ignored; ``?force=1`` reloaded
+    as if honoured. A query parameter is refused, named; nothing is checked or moved."""
+    for query, name in ((f"calbin={executor.gen.calbin_path}", "calbin"), ("force=1", "force")):
+        r = client.post(f"/admin/reload?{query}", json={"calbin": executor.gen.calbin_path},
+                        headers=AUTH)
+        assert r.status_code == 400, r.text[:300]
+        error = r.json()["error"]
+        assert error["param"] == name and error["message"].startswith(f"{name}: unknown"), error
+    assert executor.state == "Ready" and executor.gen.id == 1
+
+
+LONG = "k" * 100_000
+
+
+@pytest.mark.parametrize("route,body,param,message", [
+    ("/v1/completions", {"prompt": "hi", LONG: 1}, LONG[:80], "kkkk"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", LONG: 1}]},
+     f"messages.0.{LONG}"[:80], "messages.0.kkkk"),
+    ("/tokenize", {"prompt": "hi", LONG: 1}, LONG[:80], "kkkk"),
+    ("/v1/completions", {"prompt": "hi", "stream": True, "stream_options": {LONG: True}},
+     "stream_options", "stream_options.kkkk"),
+    ("/v1/chat/completions", {"messages": [{"role": LONG, "content": "x"}]},
+     "messages.0.role", "messages[0].role='kkkk"),
+    ("/v1/completions", {"prompt": "hi", "stop": LONG}, "stop", "stop[0]='kkkk"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["a", LONG]}, "stop", "stop[1]='kkkk"),
+], ids=["unknown-key", "unknown-message-key", "unknown-tokenize-key", "stream-options-key",
+        "role", "stop", "stop-list"])
+def test_an_error_echoes_a_long_name_or_value_cut_short(client, route, body, param, message):
+    """Most refusals cut the value they echo (``!r:.80``), but an unknown key, an unknown
+    ``stream_options`` key, a role and a stop string were written whole, three times over
+    (message, ``param``, ``status.message``): a 100 KB key made a 300 KB error body (up to
+    2.7 MB for a body at ``max_body_bytes``). They are cut like every other value."""
+    r = client.post(route, json=body)
+    assert r.status_code == 400, r.text[:300]
+    assert len(r.content) < 4096, len(r.content)
+    error = r.json()["error"]
+    assert error["param"] == param, error["param"][:100]
+    assert error["message"].startswith(message), error["message"][:100]
+
+
+ORIGIN = "http://app.example:3000"
+#: what the official openai JS SDK's requests carry (its preflight lists them)
+SDK_HEADERS = ("authorization, content-type, openai-organization, openai-project, "
+               "x-stainless-arch, x-stainless-lang, x-stainless-os, x-stainless-package-version, "
+               "x-stainless-retry-count, x-stainless-runtime, x-stainless-runtime-version, "
+               "x-stainless-timeout")
+
+
+@pytest.fixture
+def cors(executor):
+    app = create_app(executor, ServerConfig(cors_origins=(ORIGIN,)))
+    with TestClient(app, raise_server_exceptions=False) as client:
+        yield client
+
+
+def test_a_browser_preflight_of_the_official_sdk_is_answered(cors):
+    """The openai JS SDK (``dangerouslyAllowBrowser``) sends its ``x-stainless-*`` headers
+    (and ``openai-organization``/``-project`` when set): a browser's preflight lists them,
+    and with only ``authorization`` and ``content-type`` allowed it was refused, so the
+    browser never sent the request. Any request header is allowed from a listed origin."""
+    r = cors.options("/v1/chat/completions", headers={
+        "origin": ORIGIN, "access-control-request-method": "POST",
+        "access-control-request-headers": SDK_HEADERS})
+    assert r.status_code == 200, r.text[:300]
+    assert r.headers["access-control-allow-origin"] == ORIGIN
+    allowed = {h.strip() for h in r.headers["access-control-allow-headers"].lower().split(",")}
+    assert {h.strip() for h in SDK_HEADERS.split(",")} <= allowed, allowed
+
+
+@pytest.mark.parametrize("origin,method,param,why", [
+    (ORIGIN, "PUT", "method", "method 'PUT' is not allowed"),
+    ("http://evil.example", "POST", "origin", "origin 'http://evil.example' is not allowed"),
+])
+def test_a_refused_preflight_names_what_was_refused(cors, origin, method, param, why):
+    """Every refused preflight said ``param: origin`` and "(allowed origins:
+    --cors-origin)", also when the origin was allowed and the method was not."""
+    r = cors.options("/v1/chat/completions", headers={
+        "origin": origin, "access-control-request-method": method})
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["param"] == param and why in error["message"], error
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/tokenize", "/admin/reload"])
+@pytest.mark.parametrize("coding", ["gzip", "br", "identity, gzip"])
+def test_a_compressed_body_is_a_415_naming_the_coding(client, route, coding):
+    """The server decodes no content coding: a gzip body was parsed as JSON as it came
+    ("body: Invalid JSON: expected value at line 1 column 1"), and a plain body labelled gzip
+    was taken. RFC 9110 section 15.5.16: a 415 naming the coding, ``Accept-Encoding:
+    identity`` saying what is accepted."""
+    import gzip
+    raw = {"/v1/completions": b'{"prompt": "hi", "max_tokens": 1}',
+           "/tokenize": b'{"prompt": "hi"}', "/admin/reload": b'{"calbin": "x"}'}[route]
+    r = client.post(route, content=gzip.compress(raw), headers={
+        **AUTH, "content-type": "application/json", "content-encoding": coding})
+    assert r.status_code == 415, r.text[:300]
+    assert r.headers["accept-encoding"] == "identity"
+    error = r.json()["error"]
+    assert error["message"].startswith(f"content-encoding {coding.split(', ')[-1]!r}"), error
+    r = client.post(route, content=raw, headers={**AUTH, "content-type": "application/json",
+                                                  "content-encoding": "identity"})
+    assert r.status_code in (200, 400) and r.json().get("error", {}).get("param") in (
+        None, "calbin"), r.text[:300]
+
+
+def test_a_drain_grace_given_twice_is_refused(client):
+    """``?grace=3600&grace=0`` drained with the last one (0 s: every stream cut at once) while
+    the first one read as an hour. Which one was meant is the client's to say: refused."""
+    r = client.post("/admin/drain?grace=3600&grace=0", headers=AUTH)
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["param"] == "grace" and "given 2 times" in error["message"], error
+    assert client.get("/ready").status_code == 200
