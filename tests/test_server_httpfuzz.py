@@ -324,3 +324,30 @@ def test_a_drain_grace_given_twice_is_refused(client):
     error = r.json()["error"]
     assert error["param"] == "grace" and "given 2 times" in error["message"], error
     assert client.get("/ready").status_code == 200
+
+
+@pytest.mark.parametrize("route,limit", [("/v1/completions", {"max_tokens": 2}),
+                                         ("/v1/completions", {"max_tokens": 0, "echo": True}),
+                                         ("/v1/chat/completions", {"max_tokens": 2}),
+                                         ("/v1/chat/completions",
+                                          {"max_completion_tokens": 2})])
+def test_min_tokens_above_the_max_tokens_given_is_refused_naming_both(client, route, limit):
+    """``min_tokens`` larger than the ``max_tokens`` the body gives can never be met: vLLM
+    refuses it ("min_tokens must be less than or equal to max_tokens"); it was accepted and
+    the request ended at max_tokens, the minimum silently broken. Without a max_tokens in the
+    body the server's default is no promise to the client, so nothing is refused then."""
+    body = {"min_tokens": 3, **limit}
+    body.update({"prompt": [1, 2]} if route == "/v1/completions"
+                else {"messages": [{"role": "user", "content": "hi"}]})
+    r = client.post(route, json=body)
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["param"] == "min_tokens", error
+    given = limit.get("max_completion_tokens", limit.get("max_tokens"))
+    assert error["message"].startswith(f"min_tokens=3: must be <= max_tokens={given}"), error
+    ok = dict(body, min_tokens=given)  # equal is allowed
+    assert client.post(route, json=ok).status_code == 200
+    unlimited = {k: v for k, v in body.items() if k not in ("max_tokens", "max_completion_tokens")}
+    if route == "/v1/chat/completions":  # the server's default max is no promise: accepted
+        assert client.post(route, json=dict(unlimited, min_tokens=1)).status_code == 200
+    assert_healthy(client)

@@ -440,6 +440,14 @@ def sampling_params(body: _Body, logprobs: int | None, vocab: int | None = None,
             raise Refusal(invalid(f"{field}[{bad}]={ids[bad]} outside the vocabulary "
                                   f"[0, {vocab})"), field)
 
+    # vLLM's rule: a minimum above the maximum the body gives can never be met (without a
+    # max_tokens in the body the server's default is no promise, so nothing is refused)
+    given = body.max_tokens if body.max_tokens is not None else getattr(
+        body, "max_completion_tokens", None)
+    if body.min_tokens is not None and given is not None and body.min_tokens > given:
+        raise Refusal(invalid(f"min_tokens={body.min_tokens}: must be <= max_tokens={given}"),
+                      "min_tokens")
+
     def number(value: int | float | None, default: float) -> float:
         return default if value is None else as_float(value)
     try:
