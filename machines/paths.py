@@ -13,9 +13,12 @@ model (for the executor: the fault plan) before sending the step's event.
 
 Hierarchical charts (compound, parallel or history states, eventless transitions) are explored
 by *configuration*, not by state: breadth-first over the distinct (configuration, recorded
-history) a skeleton of the chart reaches (``statechart_run.StatechartRun.skeleton``: every
-guard passes, no action runs), sending one candidate transition's event at a time and then
-running the macrostep it starts (``done.state`` events, eventless transitions). A candidate is
+history) a skeleton of the chart reaches (``statechart_run.StatechartRun.skeleton``: no
+action runs), sending one candidate transition's event at a time and then running the
+macrostep it starts (``done.state`` events, eventless transitions) under the same guard
+outcomes, as a ``GuardTable`` model answers them until the next step; an event is sent once
+more under outcomes that also select each guarded eventless or ``done.state`` transition
+(``_macrostep_outcomes``) where the macrostep then goes elsewhere. A candidate is
 sent only where some guard outcomes select it (``_selected``: the earlier alternatives of its
 state and the transitions of its active descendants on the same event refused, since a
 state's transitions come before its ancestors'); under those outcomes (a guard not named
@@ -378,16 +381,22 @@ def _node(run: StatechartRun, rank: Mapping[str, int], ordered: bool) -> _Node:
             tuple((name, canonical(ids)) for name, ids in history), running)
 
 
+#: an edge of the configuration graph: (sent transition, ids of every transition it took,
+#: next node, the guard outcomes under which it goes there). One transition may have several
+#: edges from one node: the outcomes also decide the guarded eventless and ``done.state``
+#: transitions of the macrostep it starts (``_macrostep_outcomes``)
+_Edge = tuple[Transition, frozenset[int], _Node, Mapping[str, bool]]
+
+
 @attrs.frozen
 class _Graph:
-    """The configurations a skeleton reaches: ``edges[node]`` lists ``(sent transition, ids
-    of every transition it took, next node, the guard outcomes that select it there)``;
-    ``entered[state]`` the shortest steps that enter ``state`` and the configuration they
+    """The configurations a skeleton reaches: ``edges[node]`` lists its ``_Edge`` s;
+    ``entered[state]`` the shortest edges that enter ``state`` and the configuration they
     end in."""
 
     start: _Node
-    edges: Mapping[_Node, list[tuple[Transition, frozenset[int], _Node, Mapping[str, bool]]]]
-    entered: Mapping[str, tuple[tuple[Transition, ...], str]]
+    edges: Mapping[_Node, list[_Edge]]
+    entered: Mapping[str, tuple[tuple[_Edge, ...], str]]
     #: ``_node``'s arguments: state -> declaration index, and ``_order_decides``
     rank: Mapping[str, int]
     ordered: bool
@@ -415,6 +424,28 @@ def cached_graphs() -> int:
     return len(_GRAPHS)
 
 
+def _macrostep_outcomes(chart: CompiledChart) -> list[Mapping[str, bool]]:
+    """The winning outcomes of each guarded transition a macrostep takes without an event
+    sent (eventless, ``done.state``): a sent event's outcomes merged with one of them
+    select that one in the macrostep the event starts (its alternatives are refused)."""
+    inner = [t for t in chart.transitions
+             if (not t.event or t.event.startswith("done.state.")) and (t.conds or t.unless)]
+    return [found for t in inner if (found := winning_guards(chart, t)) is not None]
+
+
+def _variants(outcomes: Mapping[str, bool],
+              inner: list[Mapping[str, bool]]) -> list[Mapping[str, bool]]:
+    """``outcomes``, then ``outcomes`` merged with each of ``inner`` it does not contradict
+    (each once)."""
+    found = [outcomes]
+    for extra in inner:
+        if all(outcomes.get(name, value) == value for name, value in extra.items()):
+            merged = MappingProxyType({**outcomes, **extra})
+            if merged not in found:
+                found.append(merged)
+    return found
+
+
 def _graph(chart: CompiledChart) -> _Graph:
     """The configuration graph of ``chart``, explored once per compiled chart while that chart
     lives (breadth-first from the initial configuration; ``MAX_CONFIGURATIONS`` at most)."""
@@ -425,10 +456,11 @@ def _graph(chart: CompiledChart) -> _Graph:
     rank = {state: i for i, state in enumerate(chart.states)}
     ordered = _order_decides(chart)
     raised = {f"done.state.{state}" for state in chart.states}
-    no_steps: tuple[Transition, ...] = ()
+    inner = _macrostep_outcomes(chart)
+    no_steps: tuple[_Edge, ...] = ()
     runs = {_node(start, rank, ordered): (start, no_steps)}
-    edges: dict[_Node, list[tuple[Transition, frozenset[int], _Node, Mapping[str, bool]]]] = {}
-    entered: dict[str, tuple[tuple[Transition, ...], str]] = {}
+    edges: dict[_Node, list[_Edge]] = {}
+    entered: dict[str, tuple[tuple[_Edge, ...], str]] = {}
     for state in [*start.entered, *start.configuration]:
         entered.setdefault(state, ((), start.state))
     frontier = deque([_node(start, rank, ordered)])
@@ -439,25 +471,31 @@ def _graph(chart: CompiledChart) -> _Graph:
         for record in run.candidates():
             if record.event in raised:  # only the chart raises it, within a macrostep
                 continue
-            outcomes = _selected(chart, record, run.configuration)
-            if outcomes is None:  # the event takes another transition here, whatever the guards
+            selecting = _selected(chart, record, run.configuration)
+            if selecting is None:  # the event takes another transition here, whatever the guards
                 continue
-            twin = run.fork()
-            path: tuple[Transition, ...] = (*steps, record)
-            forced = twin.force(record, outcomes)
-            if forced is None:  # another region's transition preempts it under these outcomes
-                continue
-            taken = frozenset(t.id for t in forced)
-            for state in twin.entered:
-                entered.setdefault(state, (path, twin.state))
-            after = _node(twin, rank, ordered)
-            out.append((record, taken, after, outcomes))
-            if after not in runs:
-                if len(runs) >= MAX_CONFIGURATIONS:
-                    raise ValueError(f"{chart.name}: more than {MAX_CONFIGURATIONS} "
-                                     f"configurations reachable; paths are not enumerated")
-                runs[after] = (twin, path)
-                frontier.append(after)
+            went: list[tuple[frozenset[int], _Node]] = []
+            for outcomes in _variants(selecting, inner):
+                twin = run.fork()
+                forced = twin.force(record, outcomes)
+                if forced is None:  # another region's transition preempts it under these
+                    continue
+                taken = frozenset(t.id for t in forced)
+                after = _node(twin, rank, ordered)
+                if (taken, after) in went:  # the macrostep took the same whatever these guards
+                    continue
+                went.append((taken, after))
+                edge: _Edge = (record, taken, after, outcomes)
+                path = (*steps, edge)
+                for state in twin.entered:
+                    entered.setdefault(state, (path, twin.state))
+                out.append(edge)
+                if after not in runs:
+                    if len(runs) >= MAX_CONFIGURATIONS:
+                        raise ValueError(f"{chart.name}: more than {MAX_CONFIGURATIONS} "
+                                         f"configurations reachable; paths are not enumerated")
+                    runs[after] = (twin, path)
+                    frontier.append(after)
     graph = _Graph(_node(start, rank, ordered), MappingProxyType(edges), MappingProxyType(entered),
                    MappingProxyType(rank), ordered,
                    frozenset(t.id for t in start.taken_at_start))
@@ -466,21 +504,21 @@ def _graph(chart: CompiledChart) -> _Graph:
 
 
 def _from(graph: _Graph, node: _Node, started: bool = False
-          ) -> tuple[dict[_Node, tuple[Transition, ...]],
-                     dict[int, tuple[tuple[Transition, ...], _Node]]]:
-    """Breadth-first over ``graph`` from ``node``: the shortest steps to every node, and for
-    every transition the shortest steps that take it with the node they end in. ``started``:
+          ) -> tuple[dict[_Node, tuple[_Edge, ...]], dict[int, tuple[tuple[_Edge, ...], _Node]]]:
+    """Breadth-first over ``graph`` from ``node``: the shortest edges to every node, and for
+    every transition the shortest edges that take it with the node they end in. ``started``:
     ``node`` is the start of a run that just started (the transitions its start took are
     taken with no step), not the same configuration reached again later."""
-    reach: dict[_Node, tuple[Transition, ...]] = {node: ()}
-    first: dict[int, tuple[tuple[Transition, ...], _Node]] = {}
+    reach: dict[_Node, tuple[_Edge, ...]] = {node: ()}
+    first: dict[int, tuple[tuple[_Edge, ...], _Node]] = {}
     if node == graph.start:  # (taken before any step: the chart's start took them)
         first.update((transition_id, ((), node)) for transition_id in graph.at_start)
     frontier = deque([node])
     while frontier:
         here = frontier.popleft()
-        for record, taken, after, _ in graph.edges.get(here, ()):
-            path = (*reach[here], record)
+        for edge in graph.edges.get(here, ()):
+            _, taken, after, _ = edge
+            path = (*reach[here], edge)
             for transition_id in taken:
                 first.setdefault(transition_id, (path, after))
             if after not in reach:
@@ -489,18 +527,13 @@ def _from(graph: _Graph, node: _Node, started: bool = False
     return reach, first
 
 
-def _outcomes_along(graph: _Graph, steps: tuple[Transition, ...]) -> tuple[Mapping[str, bool], ...]:
-    """The named guard outcomes of each of ``steps``, a path from the initial configuration:
-    those of the edge it follows."""
-    node, found = graph.start, []
-    for step in steps:
-        _, _, node, outcomes = next(e for e in graph.edges[node] if e[0] is step)
-        found.append(_named(outcomes))
-    return tuple(found)
+def _steps(edges: tuple[_Edge, ...]) -> tuple[tuple[Transition, ...], tuple[Mapping[str, bool], ...]]:
+    """The sent transitions of ``edges`` and the named guard outcomes of each."""
+    return tuple(e[0] for e in edges), tuple(_named(e[3]) for e in edges)
 
 
-def _walk(graph: _Graph, steps: tuple[Transition, ...], end: str) -> Walk:
-    return Walk(steps, _outcomes_along(graph, steps), end)
+def _walk(edges: tuple[_Edge, ...], end: str) -> Walk:
+    return Walk(*_steps(edges), end)
 
 
 def _never_raised(chart: CompiledChart, graph: _Graph) -> str:
@@ -523,7 +556,7 @@ def _configuration_walks(chart: CompiledChart) -> dict[str, Walk]:
     if missing:
         raise ValueError(f"{chart.name}: state(s) {', '.join(missing)} never entered from "
                          f"{chart.initial}{_never_raised(chart, graph)}")
-    return {state: _walk(graph, *entered[state]) for state in chart.states}
+    return {state: _walk(*entered[state]) for state in chart.states}
 
 
 def _configuration_paths(chart: CompiledChart) -> list[Path]:
@@ -533,8 +566,7 @@ def _configuration_paths(chart: CompiledChart) -> list[Path]:
     if never:
         raise ValueError(f"{chart.name}: transition(s) {', '.join(map(_describe, never))} "
                          f"taken from no reachable configuration{_never_raised(chart, graph)}")
-    return [Path(t, first[t.id][0], _outcomes_along(graph, first[t.id][0]))
-            for t in chart.transitions]
+    return [Path(t, *_steps(first[t.id][0])) for t in chart.transitions]
 
 
 def _configuration_tour(chart: CompiledChart) -> list[Walk]:
@@ -545,37 +577,36 @@ def _configuration_tour(chart: CompiledChart) -> list[Walk]:
     untaken = {t.id for t in chart.transitions} - graph.at_start  # (every walk takes those)
     walks: list[Walk] = []
     if not untaken and graph.at_start:  # the chart's start takes every transition
-        walks.append(_walk(graph, (), _walk_end(chart, graph, ())))
+        walks.append(_walk((), _walk_end(chart, graph, ())))
     while untaken:
-        node, steps = graph.start, list[Transition]()
+        node, steps = graph.start, list[_Edge]()
         while True:
             _, first = _from(graph, node)
             nearest = min(((len(first[i][0]), i) for i in untaken if i in first), default=None)
             if nearest is None:
                 break
             path, _end = first[nearest[1]]
-            for record in path:  # follow the path edge by edge: what each step takes
-                record_edge = next(e for e in graph.edges[node] if e[0] is record)
-                untaken.difference_update(record_edge[1])
-                node = record_edge[2]
+            for edge in path:  # follow the path edge by edge: what each step takes
+                untaken.difference_update(edge[1])
+                node = edge[2]
             steps.extend(path)
         if not steps:
             names = ", ".join(_describe(chart.transitions[i]) for i in sorted(untaken))
             raise ValueError(f"{chart.name}: transition(s) {names} cannot be toured")
-        walks.append(_walk(graph, tuple(steps), _walk_end(chart, graph, tuple(steps))))
+        walks.append(_walk(tuple(steps), _walk_end(chart, graph, tuple(steps))))
     return walks
 
 
-def _walk_end(chart: CompiledChart, graph: _Graph, steps: tuple[Transition, ...]) -> str:
-    """The configuration a run that follows ``steps`` from the start ends in, ``"a,b"`` in
-    the order that run lists it: a node holds its states as a set, and the walk may reach it
-    by another order of events than the run that explored it first."""
-    run, node = StatechartRun.skeleton(chart), graph.start
-    for step in steps:
-        _, _, node, outcomes = next(e for e in graph.edges[node] if e[0] is step)
+def _walk_end(chart: CompiledChart, graph: _Graph, steps: tuple[_Edge, ...]) -> str:
+    """The configuration a run that follows ``steps`` (edges) from the start ends in,
+    ``"a,b"`` in the order that run lists it: a node holds its states as a set, and the walk
+    may reach it by another order of events than the run that explored it first."""
+    run = StatechartRun.skeleton(chart)
+    for step, _, _, outcomes in steps:
         run.force(step, outcomes)
+    node = steps[-1][2] if steps else graph.start
     if _node(run, graph.rank, graph.ordered) != node:  # the graph merged runs that differ
-        raise RuntimeError(f"{chart.name}: the walk {' '.join(s.event for s in steps)} ends in "
+        raise RuntimeError(f"{chart.name}: the walk {' '.join(s[0].event for s in steps)} ends in "
                            f"{run.state}, not in the configuration its graph says")
     return run.state
 

@@ -536,3 +536,61 @@ def test_a_chart_whose_only_transition_is_taken_as_it_starts_has_one_empty_walk(
     chart = compile_chart(Blink)
     assert [p.steps for p in transition_paths(chart)] == [()]
     assert [(walk.steps, walk.end) for walk in transition_tour(chart)] == [((), "off")]
+
+
+def test_guarded_eventless_alternatives_after_an_event_are_each_reached() -> None:
+    """A newcomer's self-test: ``power`` enters ``selftest``, which an eventless transition
+    leaves for ``running`` when ``healthy`` holds and for ``failed`` unless it does. The
+    macrostep of ``power`` evaluates those guards under the step's outcomes, as a
+    ``GuardTable`` model answers them (paths ran the macrostep with every guard passing:
+    ``failed`` "taken from no reachable configuration", the chart refused)."""
+
+    class SelfTest(StateChart):
+        off = State(initial=True)
+        selftest = State()
+        running = State()
+        failed = State(final=True)
+        power = off.to(selftest)
+        selftest.to(running, cond="healthy")
+        selftest.to(failed, unless="healthy")
+        halt = running.to(failed)
+
+        def healthy(self) -> bool:
+            return True
+
+    chart = compile_chart(SelfTest)
+    paths = {(p.transition.source, p.transition.target): p for p in transition_paths(chart)}
+    assert paths[("selftest", "failed")].events == ("power",)
+    assert paths[("selftest", "failed")].guards == ({"healthy": False},)
+    assert state_paths(chart)["failed"].events == ("power",)
+    with recording([chart]) as recorder:
+        for walk in transition_tour(chart):
+            assert drive(chart.run(GuardTable.for_chart(chart)), walk) == walk.end  # type: ignore[arg-type]
+    assert report([chart], recorder)[0].complete
+
+
+def test_an_eventless_transition_guarded_by_unless_follows_the_guard_table() -> None:
+    """``check.to(ok, unless="broken")``: a ``GuardTable`` model answers ``broken`` True
+    when a step names no outcome, so ``power`` stays in ``check`` and ``fix`` can be taken
+    (paths let the eventless transition pass whatever its guard: ``fix`` was "taken from no
+    reachable configuration", and a walk's ``end`` was not where a real run ends)."""
+
+    class Check(StateChart):
+        off = State(initial=True)
+        check = State()
+        ok = State(final=True)
+        power = off.to(check)
+        check.to(ok, unless="broken")
+        fix = check.to(ok)
+
+        def broken(self) -> bool:
+            return True
+
+    chart = compile_chart(Check)
+    paths = {p.transition.event or "(eventless)": p for p in transition_paths(chart)}
+    assert paths["fix"].events == ("power", "fix")
+    assert paths["(eventless)"].guards == ({"broken": False},)
+    with recording([chart]) as recorder:
+        for walk in transition_tour(chart):
+            assert drive(chart.run(GuardTable.for_chart(chart)), walk) == walk.end  # type: ignore[arg-type]
+    assert report([chart], recorder)[0].complete
