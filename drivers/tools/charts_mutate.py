@@ -24,6 +24,7 @@ Report: Markdown on stdout (``--json``: JSON instead), both into ``--report DIR`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -172,7 +173,8 @@ def _resolve_chart(spec: str, cwd: Path) -> Chart:
         raise ValueError(f"--chart {spec!r}: expected one of {', '.join(CALEXEC_CHARTS)} or "
                          f"MODULE:CLASS")
     try:
-        declaration = load_chart(target, str(cwd))
+        with contextlib.redirect_stdout(sys.stderr):  # stdout is the report (--json)
+            declaration = load_chart(target, str(cwd))
     except ChartRefError as err:
         raise ValueError(f"--chart {err}") from None
     class_name = target.partition(":")[2]
