@@ -105,39 +105,68 @@ def _describe(transition: Transition) -> str:
     return f"{transition.source} --{transition.event or '(eventless)'}--> {transition.target}"
 
 
-def _refuse(outcome: dict[str, bool], rivals: tuple[Transition, ...]) -> bool:
-    """Fix in ``outcome`` one guard of each of ``rivals`` so that it refuses (its first guard
-    not already fixed the other way); False when one of them cannot be refused."""
-    for rival in rivals:
-        refusals = [(n, False) for n in rival.conds] + [(n, True) for n in rival.unless]
-        for name, value in refusals:
-            if outcome.get(name, value) == value:
-                outcome[name] = value
-                break
-        else:
-            return False
-    return True
+def _refuse(outcome: Mapping[str, bool],
+            rivals: tuple[Transition, ...]) -> dict[str, bool] | None:
+    """``outcome`` with one guard of each of ``rivals`` fixed so that it refuses, or None when
+    no choice refuses them all. Each rival is refused by its first guard not fixed the other
+    way; where that leaves a later rival no guard to refuse by, the search goes back and takes
+    an earlier rival's next guard (alternatives whose guards share names: ``cond="a",
+    unless="b"`` refused by ``b`` when a later ``unless="a"`` needs ``a``)."""
+    found = dict(outcome)
+
+    def refusals(rival: Transition) -> list[tuple[str, bool]]:
+        return [(n, False) for n in rival.conds] + [(n, True) for n in rival.unless]
+
+    def refusable(fixed: Mapping[str, bool], rest: tuple[Transition, ...]) -> bool:
+        # every rival left still has a guard not fixed the other way (prunes the search)
+        return all(any(fixed.get(n, v) == v for n, v in refusals(r)) for r in rest)
+
+    if not refusable(found, rivals):
+        return None
+    for index, rival in enumerate(rivals):
+        choices = refusals(rival)
+        if any(found.get(name) == value for name, value in choices):
+            continue  # refused already
+        rest = rivals[index + 1:]
+        for name, value in choices:
+            if name not in found and refusable({**found, name: value}, rest):
+                deeper = _refuse({**found, name: value}, rest)
+                if deeper is not None:
+                    return deeper
+        return None
+    return found
 
 
 def winning_guards(chart: ChartLike, transition: Transition) -> Mapping[str, bool] | None:
     """Guard outcomes under which ``transition`` is the one taken, or ``None`` if it is
     shadowed (an earlier candidate for the same state and event can never be refused).
 
-    Greedy: each earlier candidate is refused by its first guard not already fixed the other
-    way; enough for the declared charts, where guards of competing transitions do not clash.
+    Each earlier candidate is refused by its first guard that can be (``_refuse``).
     """
     chart = compiled(chart)
+    own = _own_guards(transition)
+    found = None if own is None else _refuse(own, _earlier(chart, transition))
+    return None if found is None else MappingProxyType(found)
+
+
+def _own_guards(transition: Transition) -> dict[str, bool] | None:
+    """The outcomes ``transition``'s own guards need (its ``cond`` true, its ``unless``
+    false), or None when they contradict each other."""
     outcome: dict[str, bool] = {name: True for name in transition.conds}
     for name in transition.unless:
         if outcome.get(name) is True:
             return None
         outcome[name] = False
+    return outcome
+
+
+def _earlier(chart: CompiledChart, transition: Transition) -> tuple[Transition, ...]:
+    """The candidates declared before ``transition`` for its state and event."""
     slot = chart.table[(transition.source, transition.event)]
     if transition not in slot:
         raise ValueError(f"{chart.name}: transition {_describe(transition)} is not in its own "
                          f"table slot")
-    earlier = slot[:slot.index(transition)]
-    return MappingProxyType(outcome) if _refuse(outcome, earlier) else None
+    return tuple(slot[:slot.index(transition)])
 
 
 def _outgoing(chart: CompiledChart) -> dict[str, list[Transition]]:
@@ -265,10 +294,9 @@ def _selected(chart: CompiledChart, record: Transition,
     ``record``, or None when no outcome does: an earlier alternative of its state cannot be
     refused, or an active descendant of its state has a transition on the same event that
     cannot be refused (a state's transitions are selected before its ancestors')."""
-    winning = winning_guards(chart, record)
-    if winning is None:
+    outcome = _own_guards(record)
+    if outcome is None:
         return None
-    outcome = dict(winning)
     states = chart.declaration.states_map
     inner: list[str] = []  # active states strictly below record.source
     for state_id in configuration:
@@ -282,7 +310,8 @@ def _selected(chart: CompiledChart, record: Transition,
         if node is not None:
             inner.extend(s for s in chain if s not in inner)
     rivals = tuple(t for state_id in inner for t in chart.table.get((state_id, record.event), ()))
-    return MappingProxyType(outcome) if _refuse(outcome, rivals) else None
+    found = _refuse(outcome, _earlier(chart, record) + rivals)
+    return None if found is None else MappingProxyType(found)
 
 
 #: a configuration node (``_node``): the active states in declaration order, the active atomic
