@@ -594,8 +594,19 @@ def _configuration_paths(chart: CompiledChart) -> list[Path]:
     never = [t for t in chart.transitions if t.id not in first]
     if never:
         raise ValueError(f"{chart.name}: transition(s) {', '.join(map(_describe, never))} "
-                         f"taken from no reachable configuration{_never_raised(chart, graph)}")
+                         f"taken from no reachable configuration{_never_raised(chart, graph)}"
+                         f"{_only_at_start(graph, never)}")
     return [Path(t, *_steps(first[t.id][0])) for t in chart.transitions]
+
+
+def _only_at_start(graph: _Graph, never: list[Transition]) -> str:
+    """Why a guarded eventless transition out of a state the chart's start enters may be in
+    ``never``: the start selects it before any step, where every guard holds."""
+    found = [t for t in never if not t.event and (t.conds or t.unless)
+             and graph.entered.get(t.source, ((None,), ""))[0] == ()]
+    return "".join(f"; {_describe(t)}: guarded and eventless, out of a state the chart's start "
+                   f"enters, where every guard holds (a path sets guard outcomes only for the "
+                   f"events it sends): drive it with a model of your own" for t in found)
 
 
 def _configuration_tour(chart: CompiledChart) -> list[Walk]:

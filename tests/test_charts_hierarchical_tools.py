@@ -594,3 +594,31 @@ def test_an_eventless_transition_guarded_by_unless_follows_the_guard_table() -> 
         for walk in transition_tour(chart):
             assert drive(chart.run(GuardTable.for_chart(chart)), walk) == walk.end  # type: ignore[arg-type]
     assert report([chart], recorder)[0].complete
+
+
+def test_an_eventless_alternative_only_the_start_could_take_is_named_with_why() -> None:
+    """``power`` is left at start by ``power.to(selftest)``, and ``selftest`` at once for
+    ``running`` (``healthy`` holds: a path sets outcomes only for the events it sends). That
+    ``failed`` is reached only by a start with ``healthy`` false was "taken from no reachable
+    configuration", as if the declaration were wrong; the message says why."""
+
+    class PowerOn(StateChart):
+        power = State(initial=True)
+        selftest = State()
+        running = State()
+        failed = State(final=True)
+        power.to(selftest)
+        selftest.to(running, cond="healthy")
+        selftest.to(failed, unless="healthy")
+        halt = running.to(failed)
+
+        def healthy(self) -> bool:
+            return True
+
+    with pytest.raises(ValueError) as raised:
+        transition_paths(compile_chart(PowerOn))
+    message = str(raised.value)
+    assert message.startswith("PowerOn: transition(s) selftest --(eventless)--> failed taken "
+                              "from no reachable configuration"), message
+    assert ("selftest --(eventless)--> failed: guarded and eventless, out of a state the "
+            "chart's start enters") in message, message
