@@ -293,7 +293,9 @@ def _selected(chart: CompiledChart, record: Transition,
     """Guard outcomes under which sending ``record.event`` in ``configuration`` takes
     ``record``, or None when no outcome does: an earlier alternative of its state cannot be
     refused, or an active descendant of its state has a transition on the same event that
-    cannot be refused (a state's transitions are selected before its ancestors')."""
+    cannot be refused (a state's transitions are selected before its ancestors'), or an
+    eventless transition of ``configuration`` cannot be refused (python-statemachine takes
+    those first, under the outcomes the step sets)."""
     outcome = _own_guards(record)
     if outcome is None:
         return None
@@ -310,7 +312,10 @@ def _selected(chart: CompiledChart, record: Transition,
         if node is not None:
             inner.extend(s for s in chain if s not in inner)
     rivals = tuple(t for state_id in inner for t in chart.table.get((state_id, record.event), ()))
-    found = _refuse(outcome, _earlier(chart, record) + rivals)
+    # a real run takes the eventless transitions the step's outcomes enable before its event:
+    # those of ``configuration`` (refused there under the outcomes that reached it) stay so
+    waiting = tuple(t for state_id in configuration for t in chart.table.get((state_id, ""), ()))
+    found = _refuse(outcome, _earlier(chart, record) + rivals + waiting)
     return None if found is None else MappingProxyType(found)
 
 
@@ -454,12 +459,20 @@ def cached_graphs() -> int:
 
 
 def _macrostep_outcomes(chart: CompiledChart) -> list[Mapping[str, bool]]:
-    """The winning outcomes of each guarded transition a macrostep takes without an event
-    sent (eventless, ``done.state``): a sent event's outcomes merged with one of them
-    select that one in the macrostep the event starts (its alternatives are refused)."""
+    """For each guarded transition a macrostep takes without an event sent (eventless,
+    ``done.state``): its winning outcomes, then each outcome of one of its guards that
+    refuses it. A sent event's outcomes merged with one of them select that transition in
+    the macrostep the event starts (its alternatives refused), or stop there without it."""
     inner = [t for t in chart.transitions
              if (not t.event or t.event.startswith("done.state.")) and (t.conds or t.unless)]
-    return [found for t in inner if (found := winning_guards(chart, t)) is not None]
+    found: list[Mapping[str, bool]] = []
+    for transition in inner:
+        winning = winning_guards(chart, transition)
+        if winning is not None:
+            found.append(winning)
+        found.extend(MappingProxyType({name: value}) for name, value in
+                     [(n, False) for n in transition.conds] + [(n, True) for n in transition.unless])
+    return found
 
 
 def _variants(outcomes: Mapping[str, bool],
@@ -595,18 +608,27 @@ def _configuration_paths(chart: CompiledChart) -> list[Path]:
     if never:
         raise ValueError(f"{chart.name}: transition(s) {', '.join(map(_describe, never))} "
                          f"taken from no reachable configuration{_never_raised(chart, graph)}"
-                         f"{_only_at_start(graph, never)}")
+                         f"{_only_at_start(chart, graph, never)}")
     return [Path(t, *_steps(first[t.id][0])) for t in chart.transitions]
 
 
-def _only_at_start(graph: _Graph, never: list[Transition]) -> str:
-    """Why a guarded eventless transition out of a state the chart's start enters may be in
-    ``never``: the start selects it before any step, where every guard holds."""
-    found = [t for t in never if not t.event and (t.conds or t.unless)
-             and graph.entered.get(t.source, ((None,), ""))[0] == ()]
-    return "".join(f"; {_describe(t)}: guarded and eventless, out of a state the chart's start "
-                   f"enters, where every guard holds (a path sets guard outcomes only for the "
-                   f"events it sends): drive it with a model of your own" for t in found)
+def _only_at_start(chart: CompiledChart, graph: _Graph, never: list[Transition]) -> str:
+    """Why a transition out of a state the chart's start enters and at once leaves by a
+    guarded eventless transition may be in ``never``: the start selects that one before any
+    step, where every guard holds."""
+    leaving = [chart.transitions[i] for i in sorted(graph.at_start)]
+    reasons = []
+    for transition in never:
+        if graph.entered.get(transition.source, ((None,), ""))[0] != ():
+            continue
+        left = next((t for t in leaving if t.source == transition.source and not t.event
+                     and (t.conds or t.unless)), None)
+        if left is not None:
+            reasons.append(f"; {_describe(transition)}: out of {transition.source}, which the "
+                           f"chart's start enters and leaves at once by {_describe(left)} "
+                           f"(every guard holds at the start: a path sets guard outcomes only "
+                           f"for the events it sends): drive it with a model of your own")
+    return "".join(reasons)
 
 
 def _configuration_tour(chart: CompiledChart) -> list[Walk]:

@@ -15,6 +15,7 @@ from calexec.machines.coverage import (
     describe,
     recording,
     report,
+    track,
 )
 from calexec.machines.paths import (
     GuardTable,
@@ -620,5 +621,42 @@ def test_an_eventless_alternative_only_the_start_could_take_is_named_with_why() 
     message = str(raised.value)
     assert message.startswith("PowerOn: transition(s) selftest --(eventless)--> failed taken "
                               "from no reachable configuration"), message
-    assert ("selftest --(eventless)--> failed: guarded and eventless, out of a state the "
-            "chart's start enters") in message, message
+    assert ("; selftest --(eventless)--> failed: out of selftest, which the chart's start "
+            "enters and leaves at once by selftest --(eventless)--> running (every guard holds "
+            "at the start") in message, message
+
+
+def test_a_step_keeps_refusing_the_eventless_transitions_of_where_it_is_sent() -> None:
+    """``arm`` stops in ``hold`` only where ``ready`` is false; python-statemachine takes
+    ``hold``'s eventless transition before the next event when that step's outcomes enable
+    it. The ``abort`` step named no outcome (``ready`` answered True): a real run went to
+    ``opened`` first and ignored ``abort``, while the walk said ``shut``."""
+
+    class Gate(StateChart):
+        closed = State(initial=True)
+        hold = State()
+        opened = State(final=True)
+        shut = State(final=True)
+        arm = closed.to(hold)
+        hold.to(opened, cond="ready")
+        abort = hold.to(shut)
+
+        def ready(self) -> bool:
+            return True
+
+    chart = compiled(Gate)
+    paths = {p.transition.target: p for p in transition_paths(chart)}
+    assert paths["shut"].events == ("arm", "abort")
+    assert paths["shut"].guards == ({"ready": False}, {"ready": False})
+    undo = track(Gate, recorder := TransitionRecorder())
+    try:
+        for walk in transition_tour(chart):
+            model = GuardTable.for_chart(chart)
+            gate = Gate(model)
+            for step, outcomes in zip(walk.steps, walk.guards):
+                model.outcomes = dict(outcomes)
+                gate.send(step.event)
+            assert ",".join(map(str, gate.configuration_values)) == walk.end
+    finally:
+        undo()
+    assert report([chart], recorder)[0].complete
