@@ -13,9 +13,12 @@ model (for the executor: the fault plan) before sending the step's event.
 
 Hierarchical charts (compound, parallel or history states, eventless transitions) are explored
 by *configuration*, not by state: breadth-first over the distinct (configuration, recorded
-history) a skeleton of the chart reaches (``statechart_run.StatechartRun.skeleton``: every
-guard passes, no action runs), sending one candidate transition's event at a time and then
-running the macrostep it starts (``done.state`` events, eventless transitions). A candidate is
+history) a skeleton of the chart reaches (``statechart_run.StatechartRun.skeleton``: no
+action runs), sending one candidate transition's event at a time and then running the
+macrostep it starts (``done.state`` events, eventless transitions) under the same guard
+outcomes, as a ``GuardTable`` model answers them until the next step; an event is sent once
+more under outcomes that also select each guarded eventless or ``done.state`` transition
+(``_macrostep_outcomes``) where the macrostep then goes elsewhere. A candidate is
 sent only where some guard outcomes select it (``_selected``: the earlier alternatives of its
 state and the transitions of its active descendants on the same event refused, since a
 state's transitions come before its ancestors'); under those outcomes (a guard not named
@@ -102,39 +105,68 @@ def _describe(transition: Transition) -> str:
     return f"{transition.source} --{transition.event or '(eventless)'}--> {transition.target}"
 
 
-def _refuse(outcome: dict[str, bool], rivals: tuple[Transition, ...]) -> bool:
-    """Fix in ``outcome`` one guard of each of ``rivals`` so that it refuses (its first guard
-    not already fixed the other way); False when one of them cannot be refused."""
-    for rival in rivals:
-        refusals = [(n, False) for n in rival.conds] + [(n, True) for n in rival.unless]
-        for name, value in refusals:
-            if outcome.get(name, value) == value:
-                outcome[name] = value
-                break
-        else:
-            return False
-    return True
+def _refuse(outcome: Mapping[str, bool],
+            rivals: tuple[Transition, ...]) -> dict[str, bool] | None:
+    """``outcome`` with one guard of each of ``rivals`` fixed so that it refuses, or None when
+    no choice refuses them all. Each rival is refused by its first guard not fixed the other
+    way; where that leaves a later rival no guard to refuse by, the search goes back and takes
+    an earlier rival's next guard (alternatives whose guards share names: ``cond="a",
+    unless="b"`` refused by ``b`` when a later ``unless="a"`` needs ``a``)."""
+    found = dict(outcome)
+
+    def refusals(rival: Transition) -> list[tuple[str, bool]]:
+        return [(n, False) for n in rival.conds] + [(n, True) for n in rival.unless]
+
+    def refusable(fixed: Mapping[str, bool], rest: tuple[Transition, ...]) -> bool:
+        # every rival left still has a guard not fixed the other way (prunes the search)
+        return all(any(fixed.get(n, v) == v for n, v in refusals(r)) for r in rest)
+
+    if not refusable(found, rivals):
+        return None
+    for index, rival in enumerate(rivals):
+        choices = refusals(rival)
+        if any(found.get(name) == value for name, value in choices):
+            continue  # refused already
+        rest = rivals[index + 1:]
+        for name, value in choices:
+            if name not in found and refusable({**found, name: value}, rest):
+                deeper = _refuse({**found, name: value}, rest)
+                if deeper is not None:
+                    return deeper
+        return None
+    return found
 
 
 def winning_guards(chart: ChartLike, transition: Transition) -> Mapping[str, bool] | None:
     """Guard outcomes under which ``transition`` is the one taken, or ``None`` if it is
     shadowed (an earlier candidate for the same state and event can never be refused).
 
-    Greedy: each earlier candidate is refused by its first guard not already fixed the other
-    way; enough for the declared charts, where guards of competing transitions do not clash.
+    Each earlier candidate is refused by its first guard that can be (``_refuse``).
     """
     chart = compiled(chart)
+    own = _own_guards(transition)
+    found = None if own is None else _refuse(own, _earlier(chart, transition))
+    return None if found is None else MappingProxyType(found)
+
+
+def _own_guards(transition: Transition) -> dict[str, bool] | None:
+    """The outcomes ``transition``'s own guards need (its ``cond`` true, its ``unless``
+    false), or None when they contradict each other."""
     outcome: dict[str, bool] = {name: True for name in transition.conds}
     for name in transition.unless:
         if outcome.get(name) is True:
             return None
         outcome[name] = False
+    return outcome
+
+
+def _earlier(chart: CompiledChart, transition: Transition) -> tuple[Transition, ...]:
+    """The candidates declared before ``transition`` for its state and event."""
     slot = chart.table[(transition.source, transition.event)]
     if transition not in slot:
         raise ValueError(f"{chart.name}: transition {_describe(transition)} is not in its own "
                          f"table slot")
-    earlier = slot[:slot.index(transition)]
-    return MappingProxyType(outcome) if _refuse(outcome, earlier) else None
+    return tuple(slot[:slot.index(transition)])
 
 
 def _outgoing(chart: CompiledChart) -> dict[str, list[Transition]]:
@@ -261,11 +293,12 @@ def _selected(chart: CompiledChart, record: Transition,
     """Guard outcomes under which sending ``record.event`` in ``configuration`` takes
     ``record``, or None when no outcome does: an earlier alternative of its state cannot be
     refused, or an active descendant of its state has a transition on the same event that
-    cannot be refused (a state's transitions are selected before its ancestors')."""
-    winning = winning_guards(chart, record)
-    if winning is None:
+    cannot be refused (a state's transitions are selected before its ancestors'), or an
+    eventless transition of ``configuration`` cannot be refused (python-statemachine takes
+    those first, under the outcomes the step sets)."""
+    outcome = _own_guards(record)
+    if outcome is None:
         return None
-    outcome = dict(winning)
     states = chart.declaration.states_map
     inner: list[str] = []  # active states strictly below record.source
     for state_id in configuration:
@@ -279,7 +312,11 @@ def _selected(chart: CompiledChart, record: Transition,
         if node is not None:
             inner.extend(s for s in chain if s not in inner)
     rivals = tuple(t for state_id in inner for t in chart.table.get((state_id, record.event), ()))
-    return MappingProxyType(outcome) if _refuse(outcome, rivals) else None
+    # a real run takes the eventless transitions the step's outcomes enable before its event:
+    # those of ``configuration`` (refused there under the outcomes that reached it) stay so
+    waiting = tuple(t for state_id in configuration for t in chart.table.get((state_id, ""), ()))
+    found = _refuse(outcome, _earlier(chart, record) + rivals + waiting)
+    return None if found is None else MappingProxyType(found)
 
 
 #: a configuration node (``_node``): the active states in declaration order, the active atomic
@@ -378,16 +415,22 @@ def _node(run: StatechartRun, rank: Mapping[str, int], ordered: bool) -> _Node:
             tuple((name, canonical(ids)) for name, ids in history), running)
 
 
+#: an edge of the configuration graph: (sent transition, ids of every transition it took,
+#: next node, the guard outcomes under which it goes there). One transition may have several
+#: edges from one node: the outcomes also decide the guarded eventless and ``done.state``
+#: transitions of the macrostep it starts (``_macrostep_outcomes``)
+_Edge = tuple[Transition, frozenset[int], _Node, Mapping[str, bool]]
+
+
 @attrs.frozen
 class _Graph:
-    """The configurations a skeleton reaches: ``edges[node]`` lists ``(sent transition, ids
-    of every transition it took, next node, the guard outcomes that select it there)``;
-    ``entered[state]`` the shortest steps that enter ``state`` and the configuration they
+    """The configurations a skeleton reaches: ``edges[node]`` lists its ``_Edge`` s;
+    ``entered[state]`` the shortest edges that enter ``state`` and the configuration they
     end in."""
 
     start: _Node
-    edges: Mapping[_Node, list[tuple[Transition, frozenset[int], _Node, Mapping[str, bool]]]]
-    entered: Mapping[str, tuple[tuple[Transition, ...], str]]
+    edges: Mapping[_Node, list[_Edge]]
+    entered: Mapping[str, tuple[tuple[_Edge, ...], str]]
     #: ``_node``'s arguments: state -> declaration index, and ``_order_decides``
     rank: Mapping[str, int]
     ordered: bool
@@ -415,6 +458,36 @@ def cached_graphs() -> int:
     return len(_GRAPHS)
 
 
+def _macrostep_outcomes(chart: CompiledChart) -> list[Mapping[str, bool]]:
+    """For each guarded transition a macrostep takes without an event sent (eventless,
+    ``done.state``): its winning outcomes, then each outcome of one of its guards that
+    refuses it. A sent event's outcomes merged with one of them select that transition in
+    the macrostep the event starts (its alternatives refused), or stop there without it."""
+    inner = [t for t in chart.transitions
+             if (not t.event or t.event.startswith("done.state.")) and (t.conds or t.unless)]
+    found: list[Mapping[str, bool]] = []
+    for transition in inner:
+        winning = winning_guards(chart, transition)
+        if winning is not None:
+            found.append(winning)
+        found.extend(MappingProxyType({name: value}) for name, value in
+                     [(n, False) for n in transition.conds] + [(n, True) for n in transition.unless])
+    return found
+
+
+def _variants(outcomes: Mapping[str, bool],
+              inner: list[Mapping[str, bool]]) -> list[Mapping[str, bool]]:
+    """``outcomes``, then ``outcomes`` merged with each of ``inner`` it does not contradict
+    (each once)."""
+    found = [outcomes]
+    for extra in inner:
+        if all(outcomes.get(name, value) == value for name, value in extra.items()):
+            merged = MappingProxyType({**outcomes, **extra})
+            if merged not in found:
+                found.append(merged)
+    return found
+
+
 def _graph(chart: CompiledChart) -> _Graph:
     """The configuration graph of ``chart``, explored once per compiled chart while that chart
     lives (breadth-first from the initial configuration; ``MAX_CONFIGURATIONS`` at most)."""
@@ -425,10 +498,11 @@ def _graph(chart: CompiledChart) -> _Graph:
     rank = {state: i for i, state in enumerate(chart.states)}
     ordered = _order_decides(chart)
     raised = {f"done.state.{state}" for state in chart.states}
-    no_steps: tuple[Transition, ...] = ()
+    inner = _macrostep_outcomes(chart)
+    no_steps: tuple[_Edge, ...] = ()
     runs = {_node(start, rank, ordered): (start, no_steps)}
-    edges: dict[_Node, list[tuple[Transition, frozenset[int], _Node, Mapping[str, bool]]]] = {}
-    entered: dict[str, tuple[tuple[Transition, ...], str]] = {}
+    edges: dict[_Node, list[_Edge]] = {}
+    entered: dict[str, tuple[tuple[_Edge, ...], str]] = {}
     for state in [*start.entered, *start.configuration]:
         entered.setdefault(state, ((), start.state))
     frontier = deque([_node(start, rank, ordered)])
@@ -439,25 +513,31 @@ def _graph(chart: CompiledChart) -> _Graph:
         for record in run.candidates():
             if record.event in raised:  # only the chart raises it, within a macrostep
                 continue
-            outcomes = _selected(chart, record, run.configuration)
-            if outcomes is None:  # the event takes another transition here, whatever the guards
+            selecting = _selected(chart, record, run.configuration)
+            if selecting is None:  # the event takes another transition here, whatever the guards
                 continue
-            twin = run.fork()
-            path: tuple[Transition, ...] = (*steps, record)
-            forced = twin.force(record, outcomes)
-            if forced is None:  # another region's transition preempts it under these outcomes
-                continue
-            taken = frozenset(t.id for t in forced)
-            for state in twin.entered:
-                entered.setdefault(state, (path, twin.state))
-            after = _node(twin, rank, ordered)
-            out.append((record, taken, after, outcomes))
-            if after not in runs:
-                if len(runs) >= MAX_CONFIGURATIONS:
-                    raise ValueError(f"{chart.name}: more than {MAX_CONFIGURATIONS} "
-                                     f"configurations reachable; paths are not enumerated")
-                runs[after] = (twin, path)
-                frontier.append(after)
+            went: list[tuple[frozenset[int], _Node]] = []
+            for outcomes in _variants(selecting, inner):
+                twin = run.fork()
+                forced = twin.force(record, outcomes)
+                if forced is None:  # another region's transition preempts it under these
+                    continue
+                taken = frozenset(t.id for t in forced)
+                after = _node(twin, rank, ordered)
+                if (taken, after) in went:  # the macrostep took the same whatever these guards
+                    continue
+                went.append((taken, after))
+                edge: _Edge = (record, taken, after, outcomes)
+                path = (*steps, edge)
+                for state in twin.entered:
+                    entered.setdefault(state, (path, twin.state))
+                out.append(edge)
+                if after not in runs:
+                    if len(runs) >= MAX_CONFIGURATIONS:
+                        raise ValueError(f"{chart.name}: more than {MAX_CONFIGURATIONS} "
+                                         f"configurations reachable; paths are not enumerated")
+                    runs[after] = (twin, path)
+                    frontier.append(after)
     graph = _Graph(_node(start, rank, ordered), MappingProxyType(edges), MappingProxyType(entered),
                    MappingProxyType(rank), ordered,
                    frozenset(t.id for t in start.taken_at_start))
@@ -466,21 +546,21 @@ def _graph(chart: CompiledChart) -> _Graph:
 
 
 def _from(graph: _Graph, node: _Node, started: bool = False
-          ) -> tuple[dict[_Node, tuple[Transition, ...]],
-                     dict[int, tuple[tuple[Transition, ...], _Node]]]:
-    """Breadth-first over ``graph`` from ``node``: the shortest steps to every node, and for
-    every transition the shortest steps that take it with the node they end in. ``started``:
+          ) -> tuple[dict[_Node, tuple[_Edge, ...]], dict[int, tuple[tuple[_Edge, ...], _Node]]]:
+    """Breadth-first over ``graph`` from ``node``: the shortest edges to every node, and for
+    every transition the shortest edges that take it with the node they end in. ``started``:
     ``node`` is the start of a run that just started (the transitions its start took are
     taken with no step), not the same configuration reached again later."""
-    reach: dict[_Node, tuple[Transition, ...]] = {node: ()}
-    first: dict[int, tuple[tuple[Transition, ...], _Node]] = {}
+    reach: dict[_Node, tuple[_Edge, ...]] = {node: ()}
+    first: dict[int, tuple[tuple[_Edge, ...], _Node]] = {}
     if node == graph.start:  # (taken before any step: the chart's start took them)
         first.update((transition_id, ((), node)) for transition_id in graph.at_start)
     frontier = deque([node])
     while frontier:
         here = frontier.popleft()
-        for record, taken, after, _ in graph.edges.get(here, ()):
-            path = (*reach[here], record)
+        for edge in graph.edges.get(here, ()):
+            _, taken, after, _ = edge
+            path = (*reach[here], edge)
             for transition_id in taken:
                 first.setdefault(transition_id, (path, after))
             if after not in reach:
@@ -489,18 +569,13 @@ def _from(graph: _Graph, node: _Node, started: bool = False
     return reach, first
 
 
-def _outcomes_along(graph: _Graph, steps: tuple[Transition, ...]) -> tuple[Mapping[str, bool], ...]:
-    """The named guard outcomes of each of ``steps``, a path from the initial configuration:
-    those of the edge it follows."""
-    node, found = graph.start, []
-    for step in steps:
-        _, _, node, outcomes = next(e for e in graph.edges[node] if e[0] is step)
-        found.append(_named(outcomes))
-    return tuple(found)
+def _steps(edges: tuple[_Edge, ...]) -> tuple[tuple[Transition, ...], tuple[Mapping[str, bool], ...]]:
+    """The sent transitions of ``edges`` and the named guard outcomes of each."""
+    return tuple(e[0] for e in edges), tuple(_named(e[3]) for e in edges)
 
 
-def _walk(graph: _Graph, steps: tuple[Transition, ...], end: str) -> Walk:
-    return Walk(steps, _outcomes_along(graph, steps), end)
+def _walk(edges: tuple[_Edge, ...], end: str) -> Walk:
+    return Walk(*_steps(edges), end)
 
 
 def _never_raised(chart: CompiledChart, graph: _Graph) -> str:
@@ -523,7 +598,7 @@ def _configuration_walks(chart: CompiledChart) -> dict[str, Walk]:
     if missing:
         raise ValueError(f"{chart.name}: state(s) {', '.join(missing)} never entered from "
                          f"{chart.initial}{_never_raised(chart, graph)}")
-    return {state: _walk(graph, *entered[state]) for state in chart.states}
+    return {state: _walk(*entered[state]) for state in chart.states}
 
 
 def _configuration_paths(chart: CompiledChart) -> list[Path]:
@@ -532,9 +607,28 @@ def _configuration_paths(chart: CompiledChart) -> list[Path]:
     never = [t for t in chart.transitions if t.id not in first]
     if never:
         raise ValueError(f"{chart.name}: transition(s) {', '.join(map(_describe, never))} "
-                         f"taken from no reachable configuration{_never_raised(chart, graph)}")
-    return [Path(t, first[t.id][0], _outcomes_along(graph, first[t.id][0]))
-            for t in chart.transitions]
+                         f"taken from no reachable configuration{_never_raised(chart, graph)}"
+                         f"{_only_at_start(chart, graph, never)}")
+    return [Path(t, *_steps(first[t.id][0])) for t in chart.transitions]
+
+
+def _only_at_start(chart: CompiledChart, graph: _Graph, never: list[Transition]) -> str:
+    """Why a transition out of a state the chart's start enters and at once leaves by a
+    guarded eventless transition may be in ``never``: the start selects that one before any
+    step, where every guard holds."""
+    leaving = [chart.transitions[i] for i in sorted(graph.at_start)]
+    reasons = []
+    for transition in never:
+        if graph.entered.get(transition.source, ((None,), ""))[0] != ():
+            continue
+        left = next((t for t in leaving if t.source == transition.source and not t.event
+                     and (t.conds or t.unless)), None)
+        if left is not None:
+            reasons.append(f"; {_describe(transition)}: out of {transition.source}, which the "
+                           f"chart's start enters and leaves at once by {_describe(left)} "
+                           f"(every guard holds at the start: a path sets guard outcomes only "
+                           f"for the events it sends): drive it with a model of your own")
+    return "".join(reasons)
 
 
 def _configuration_tour(chart: CompiledChart) -> list[Walk]:
@@ -545,37 +639,36 @@ def _configuration_tour(chart: CompiledChart) -> list[Walk]:
     untaken = {t.id for t in chart.transitions} - graph.at_start  # (every walk takes those)
     walks: list[Walk] = []
     if not untaken and graph.at_start:  # the chart's start takes every transition
-        walks.append(_walk(graph, (), _walk_end(chart, graph, ())))
+        walks.append(_walk((), _walk_end(chart, graph, ())))
     while untaken:
-        node, steps = graph.start, list[Transition]()
+        node, steps = graph.start, list[_Edge]()
         while True:
             _, first = _from(graph, node)
             nearest = min(((len(first[i][0]), i) for i in untaken if i in first), default=None)
             if nearest is None:
                 break
             path, _end = first[nearest[1]]
-            for record in path:  # follow the path edge by edge: what each step takes
-                record_edge = next(e for e in graph.edges[node] if e[0] is record)
-                untaken.difference_update(record_edge[1])
-                node = record_edge[2]
+            for edge in path:  # follow the path edge by edge: what each step takes
+                untaken.difference_update(edge[1])
+                node = edge[2]
             steps.extend(path)
         if not steps:
             names = ", ".join(_describe(chart.transitions[i]) for i in sorted(untaken))
             raise ValueError(f"{chart.name}: transition(s) {names} cannot be toured")
-        walks.append(_walk(graph, tuple(steps), _walk_end(chart, graph, tuple(steps))))
+        walks.append(_walk(tuple(steps), _walk_end(chart, graph, tuple(steps))))
     return walks
 
 
-def _walk_end(chart: CompiledChart, graph: _Graph, steps: tuple[Transition, ...]) -> str:
-    """The configuration a run that follows ``steps`` from the start ends in, ``"a,b"`` in
-    the order that run lists it: a node holds its states as a set, and the walk may reach it
-    by another order of events than the run that explored it first."""
-    run, node = StatechartRun.skeleton(chart), graph.start
-    for step in steps:
-        _, _, node, outcomes = next(e for e in graph.edges[node] if e[0] is step)
+def _walk_end(chart: CompiledChart, graph: _Graph, steps: tuple[_Edge, ...]) -> str:
+    """The configuration a run that follows ``steps`` (edges) from the start ends in,
+    ``"a,b"`` in the order that run lists it: a node holds its states as a set, and the walk
+    may reach it by another order of events than the run that explored it first."""
+    run = StatechartRun.skeleton(chart)
+    for step, _, _, outcomes in steps:
         run.force(step, outcomes)
+    node = steps[-1][2] if steps else graph.start
     if _node(run, graph.rank, graph.ordered) != node:  # the graph merged runs that differ
-        raise RuntimeError(f"{chart.name}: the walk {' '.join(s.event for s in steps)} ends in "
+        raise RuntimeError(f"{chart.name}: the walk {' '.join(s[0].event for s in steps)} ends in "
                            f"{run.state}, not in the configuration its graph says")
     return run.state
 

@@ -53,6 +53,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from itertools import chain
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from statemachine import State, StateChart
@@ -160,7 +161,13 @@ class StatechartRun:
         self.trail: Any = None
         self._now: Callable[[], float] = time.monotonic
         if not callbacks:  # a skeleton (``skeleton``): the chart's structure only
-            self._start(**start_kwargs)
+            # its initial macrostep answers guards as a ``GuardTable`` with no outcome set
+            # does: every one holds (so an ``unless`` refuses, as on a real run)
+            self._outcomes = MappingProxyType({})
+            try:
+                self._start(**start_kwargs)
+            finally:
+                self._outcomes = None
             self.taken_at_start = self._take_records()
             return
         if chart.checker is not None:  # contracts enabled: checked as on an instance
@@ -185,7 +192,9 @@ class StatechartRun:
 
     @classmethod
     def skeleton(cls, chart: CompiledChart) -> StatechartRun:
-        """A run that calls no callback: every guard passes and every action does nothing.
+        """A run that calls no callback: every action does nothing, and a guard answers as a
+        ``paths.GuardTable`` does (its outcome given to ``force``, else True; so an
+        ``unless`` refuses).
         ``machines/paths.py`` explores the configurations of a chart with it (``node``,
         ``fork``, ``force``)."""
         return cls(chart, callbacks=False)
@@ -237,23 +246,25 @@ class StatechartRun:
         region of a parallel state), or nothing and None when ``record`` is not among them;
         without, ``record`` alone. ``entered`` is then the ids of the states entered on the way
         (some may have been left again within the macrostep: a final child whose
-        ``done.state`` event leaves its parent)."""
+        ``done.state`` event leaves its parent). The macrostep the event starts selects its
+        eventless and ``done.state`` transitions under the same ``outcomes`` (a real run's
+        ``GuardTable`` answers them so until the next step sets others)."""
         declared = self.chart.declared[record.id]
         bound = BoundEvent(id=record.event, _sm=self.machine)
         trigger = bound.build_trigger(machine=self.machine)
         self._cache.clear()
         selected: list[Any] = [declared]
-        if outcomes is not None:
-            self._outcomes = outcomes
-            try:
+        self._outcomes = outcomes
+        try:
+            if outcomes is not None:
                 selected = list(self._select(trigger, eventless=False))
-            finally:
-                self._outcomes = None
-            if declared not in selected:
-                return None
-        self.entered = []
-        self._microstep(selected, trigger)
-        self._run_macrostep()
+                if declared not in selected:
+                    return None
+            self.entered = []
+            self._microstep(selected, trigger)
+            self._run_macrostep()
+        finally:
+            self._outcomes = None
         self._check_root_final()
         return list(self._take_records())
 
@@ -471,7 +482,7 @@ class StatechartRun:
 
     def _conditions_match(self, transition: Any, trigger: TriggerData) -> bool:
         if self._outcomes is not None:  # a skeleton selecting under given outcomes
-            record = next((r for r in (self.chart.by_declared.get((id(transition), str(e)))
+            record = next((r for r in (self.chart.record_of(transition, e)
                                        for e in (trigger.event, *transition.events))
                            if r is not None), None)
             if record is None:

@@ -15,6 +15,7 @@ from calexec.machines.coverage import (
     describe,
     recording,
     report,
+    track,
 )
 from calexec.machines.paths import (
     GuardTable,
@@ -536,3 +537,126 @@ def test_a_chart_whose_only_transition_is_taken_as_it_starts_has_one_empty_walk(
     chart = compile_chart(Blink)
     assert [p.steps for p in transition_paths(chart)] == [()]
     assert [(walk.steps, walk.end) for walk in transition_tour(chart)] == [((), "off")]
+
+
+def test_guarded_eventless_alternatives_after_an_event_are_each_reached() -> None:
+    """A newcomer's self-test: ``power`` enters ``selftest``, which an eventless transition
+    leaves for ``running`` when ``healthy`` holds and for ``failed`` unless it does. The
+    macrostep of ``power`` evaluates those guards under the step's outcomes, as a
+    ``GuardTable`` model answers them (paths ran the macrostep with every guard passing:
+    ``failed`` "taken from no reachable configuration", the chart refused)."""
+
+    class SelfTest(StateChart):
+        off = State(initial=True)
+        selftest = State()
+        running = State()
+        failed = State(final=True)
+        power = off.to(selftest)
+        selftest.to(running, cond="healthy")
+        selftest.to(failed, unless="healthy")
+        halt = running.to(failed)
+
+        def healthy(self) -> bool:
+            return True
+
+    chart = compile_chart(SelfTest)
+    paths = {(p.transition.source, p.transition.target): p for p in transition_paths(chart)}
+    assert paths[("selftest", "failed")].events == ("power",)
+    assert paths[("selftest", "failed")].guards == ({"healthy": False},)
+    assert state_paths(chart)["failed"].events == ("power",)
+    with recording([chart]) as recorder:
+        for walk in transition_tour(chart):
+            assert drive(chart.run(GuardTable.for_chart(chart)), walk) == walk.end  # type: ignore[arg-type]
+    assert report([chart], recorder)[0].complete
+
+
+def test_an_eventless_transition_guarded_by_unless_follows_the_guard_table() -> None:
+    """``check.to(ok, unless="broken")``: a ``GuardTable`` model answers ``broken`` True
+    when a step names no outcome, so ``power`` stays in ``check`` and ``fix`` can be taken
+    (paths let the eventless transition pass whatever its guard: ``fix`` was "taken from no
+    reachable configuration", and a walk's ``end`` was not where a real run ends)."""
+
+    class Check(StateChart):
+        off = State(initial=True)
+        check = State()
+        ok = State(final=True)
+        power = off.to(check)
+        check.to(ok, unless="broken")
+        fix = check.to(ok)
+
+        def broken(self) -> bool:
+            return True
+
+    chart = compile_chart(Check)
+    paths = {p.transition.event or "(eventless)": p for p in transition_paths(chart)}
+    assert paths["fix"].events == ("power", "fix")
+    assert paths["(eventless)"].guards == ({"broken": False},)
+    with recording([chart]) as recorder:
+        for walk in transition_tour(chart):
+            assert drive(chart.run(GuardTable.for_chart(chart)), walk) == walk.end  # type: ignore[arg-type]
+    assert report([chart], recorder)[0].complete
+
+
+def test_an_eventless_alternative_only_the_start_could_take_is_named_with_why() -> None:
+    """``power`` is left at start by ``power.to(selftest)``, and ``selftest`` at once for
+    ``running`` (``healthy`` holds: a path sets outcomes only for the events it sends). That
+    ``failed`` is reached only by a start with ``healthy`` false was "taken from no reachable
+    configuration", as if the declaration were wrong; the message says why."""
+
+    class PowerOn(StateChart):
+        power = State(initial=True)
+        selftest = State()
+        running = State()
+        failed = State(final=True)
+        power.to(selftest)
+        selftest.to(running, cond="healthy")
+        selftest.to(failed, unless="healthy")
+        halt = running.to(failed)
+
+        def healthy(self) -> bool:
+            return True
+
+    with pytest.raises(ValueError) as raised:
+        transition_paths(compile_chart(PowerOn))
+    message = str(raised.value)
+    assert message.startswith("PowerOn: transition(s) selftest --(eventless)--> failed taken "
+                              "from no reachable configuration"), message
+    assert ("; selftest --(eventless)--> failed: out of selftest, which the chart's start "
+            "enters and leaves at once by selftest --(eventless)--> running (every guard holds "
+            "at the start") in message, message
+
+
+def test_a_step_keeps_refusing_the_eventless_transitions_of_where_it_is_sent() -> None:
+    """``arm`` stops in ``hold`` only where ``ready`` is false; python-statemachine takes
+    ``hold``'s eventless transition before the next event when that step's outcomes enable
+    it. The ``abort`` step named no outcome (``ready`` answered True): a real run went to
+    ``opened`` first and ignored ``abort``, while the walk said ``shut``."""
+
+    class Gate(StateChart):
+        closed = State(initial=True)
+        hold = State()
+        opened = State(final=True)
+        shut = State(final=True)
+        arm = closed.to(hold)
+        hold.to(opened, cond="ready")
+        abort = hold.to(shut)
+
+        def ready(self) -> bool:
+            return True
+
+    chart = compiled(Gate)
+    paths = {p.transition.target: p for p in transition_paths(chart)}
+    assert paths["shut"].events == ("arm", "abort")
+    assert paths["shut"].guards == ({"ready": False}, {"ready": False})
+    undo = track(Gate, recorder := TransitionRecorder())
+    try:
+        for walk in transition_tour(chart):
+            model = GuardTable.for_chart(chart)
+            gate = Gate(model)
+            for step, outcomes in zip(walk.steps, walk.guards):
+                model.outcomes = dict(outcomes)
+                gate.send(step.event)
+            assert ",".join(map(str, gate.configuration_values)) == walk.end
+    finally:
+        undo()
+    assert report([chart], recorder)[0].complete

@@ -194,12 +194,21 @@ def test_mutant_that_never_reaches_the_chart_is_an_error(tmp_path, capsys):
         # 'unrecognized arguments': a chart given without --chart is taken as one
         (["door:Door", "--test-cmd", "false"], "fails without any mutant"),
         (["door:Nope", "--test-cmd", "true"], "module 'door' has no attribute 'Nope'"),
+        # a score is a percentage: --fail-under 150 ran every mutant, then failed whatever
+        # they did; -5 and nan passed whatever they did
+        (["door:Door", "--test-cmd", "true", "--fail-under", "150"],
+         "--fail-under 150: expected a percentage (0-100)"),
+        (["door:Door", "--test-cmd", "true", "--fail-under=-5"],
+         "--fail-under -5: expected a percentage (0-100)"),
+        (["door:Door", "--test-cmd", "true", "--fail-under", "nan"],
+         "--fail-under nan: expected a percentage (0-100)"),
     ],
     ids=["no-test-cmd", "unknown-mutant", "not-a-chart", "no-module", "bad-spec", "red-baseline",
          "bad-equivalent-list", "first-failure-with-own-command", "empty-test-cmd",
          "test-cmd-not-found", "unwritable-report", "negative-timeout", "bad-error-codes",
          "unbalanced-quote", "equivalent-not-tables", "positional-chart",
-         "positional-not-a-chart"],
+         "positional-not-a-chart", "fail-under-above-100", "fail-under-negative",
+         "fail-under-nan"],
 )
 def test_bad_arguments_are_named(tmp_path, capsys, args, message):
     _door_project(tmp_path)

@@ -10,7 +10,7 @@ from collections import deque
 
 import pytest
 
-from calexec.machines.compiled import CHARTS, JOB
+from calexec.machines.compiled import CHARTS, JOB, compile_chart
 from calexec.machines.coverage import TransitionListener, recording
 from calexec.machines.paths import GuardTable, drive, transition_paths, winning_guards
 
@@ -94,6 +94,29 @@ def test_a_shadowed_transition_is_named_as_source_event_target():
         "Door: transition shut --push--> gone can never be taken (shadowed by shut --push--> "
         "ajar, declared before it for the same state and event, whose guards cannot all be "
         "refused)")
+
+
+def test_alternatives_whose_guards_share_names_are_each_taken_where_some_outcome_selects_it():
+    """A newcomer's triage: ``referred`` is taken when ``bleeding`` and ``stable`` both hold
+    (``urgent`` needs ``stable`` false, ``routine`` needs ``bleeding`` false). The greedy
+    choice refused ``urgent`` by ``bleeding`` false, then could not refuse ``routine``: paths
+    named ``referred`` "can never be taken" and the command exited 2 on a valid chart."""
+    from statemachine import State, StateMachine
+
+    class Triage(StateMachine):
+        waiting = State(initial=True)
+        urgent = State(final=True)
+        routine = State(final=True)
+        referred = State(final=True)
+
+        assess = (waiting.to(urgent, cond="bleeding", unless="stable")
+                  | waiting.to(routine, unless="bleeding")
+                  | waiting.to(referred, cond="stable"))
+
+    paths = {p.target: p for p in transition_paths(Triage)}
+    assert paths["referred"].guards == ({"stable": True, "bleeding": True},)
+    for target, path in paths.items():
+        assert drive(compile_chart(Triage).run(GuardTable.for_chart(Triage)), path) == target
 
 
 def test_paths_of_a_large_chart_index_the_transitions_once(monkeypatch):

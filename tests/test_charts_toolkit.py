@@ -277,3 +277,18 @@ def test_check_of_a_file_that_is_not_utf8_is_stale_not_an_internal_error(project
     err = capsys.readouterr().err
     assert "Light.dot: differs from the declared chart" in err, err
     assert "Light.svg: not rendered from the current DOT" in err, err
+
+
+def test_paths_json_is_json_when_the_chart_module_prints_at_import(project, capsys):
+    """A newcomer's package prints a banner when imported (``print`` in ``__init__``):
+    ``charts paths --json`` wrote it before the JSON, so ``... --json | jq`` failed. What the
+    module prints goes to stderr; the JSON alone to stdout."""
+    root, module = project
+    package = root / f"noisy_{module}"
+    package.mkdir()
+    (package / "__init__.py").write_text(
+        f"print('noisy package imported')\nfrom {module} import Light\n")
+    assert cli(["charts", "paths", f"noisy_{module}:Light", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["chart"] == "Light"
+    assert "noisy package imported" in captured.err

@@ -17,6 +17,7 @@ toolkit does not support yet, graphviz missing).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import sys
@@ -38,9 +39,13 @@ from calexec.machines.paths import as_data
 
 
 def chart_from(ref: str) -> CompiledChart:
-    """The compiled chart ``ref`` (``MODULE:CLASS``) names, or ``UserError`` (exit 2)."""
+    """The compiled chart ``ref`` (``MODULE:CLASS``) names, or ``UserError`` (exit 2). What
+    the chart's module prints as it is imported goes to stderr: stdout is the command's
+    answer (``paths --json`` is read as JSON)."""
     try:
-        return compiled(load_chart(ref))
+        with contextlib.redirect_stdout(sys.stderr):
+            declaration = load_chart(ref)
+        return compiled(declaration)
     except (ChartRefError, ValueError, TypeError) as err:  # bad reference, unsupported chart
         raise UserError(str(err).splitlines()[0] if str(err) else repr(err)) from None
 

@@ -24,6 +24,7 @@ Report: Markdown on stdout (``--json``: JSON instead), both into ``--report DIR`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -156,7 +157,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="documented equivalent mutants ([[mutant]] chart, id, reason); "
                              f"default for calexec's command: {DEFAULT_EQUIVALENT}")
     parser.add_argument("--fail-under", type=float, metavar="PCT",
-                        help="exit 1 when a chart's score is below PCT percent")
+                        help="exit 1 when a chart's score is below PCT percent (0-100)")
     parser.add_argument("--fail-on-survivor", action="store_true",
                         help="exit 1 when a mutant survives that is not a documented equivalent")
     parser.add_argument("--json", action="store_true", help="print the JSON report, not Markdown")
@@ -172,7 +173,8 @@ def _resolve_chart(spec: str, cwd: Path) -> Chart:
         raise ValueError(f"--chart {spec!r}: expected one of {', '.join(CALEXEC_CHARTS)} or "
                          f"MODULE:CLASS")
     try:
-        declaration = load_chart(target, str(cwd))
+        with contextlib.redirect_stdout(sys.stderr):  # stdout is the report (--json)
+            declaration = load_chart(target, str(cwd))
     except ChartRefError as err:
         raise ValueError(f"--chart {err}") from None
     class_name = target.partition(":")[2]
@@ -372,6 +374,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--sample {args.sample}: must be at least 1")
         if args.timeout is not None and not 0 < args.timeout < float("inf"):
             raise ValueError(f"--timeout {args.timeout}: must be a number of seconds > 0")
+        if args.fail_under is not None and not 0 <= args.fail_under <= 100:  # (nan too)
+            raise ValueError(f"--fail-under {args.fail_under:g}: expected a percentage (0-100)")
         if not cwd.is_dir():
             raise ValueError(f"--cwd {args.cwd!r}: not a directory")
         try:
