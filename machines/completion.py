@@ -296,9 +296,9 @@ class Completion:
         runtime: the slot is quarantined and its host storage stays mapped, and the in-flight
         permit stays held until the device lets go (``JobOutcomes.reap_held``). If it has not
         after ``timeout_grace_s``, ``device.hung`` is reported: the recovery resets the device
-        (or, with no safe reset, the lifecycle ends Failed). When the kept job's permit is the
-        only one held, the completion thread waits that grace itself (no other job can be in
-        flight meanwhile); with another one held (Phase B, or jobs submitted before a
+        (or, with no safe reset, the lifecycle ends Failed). At capacity 1, when the kept
+        job's permit is the only one held, the completion thread waits that grace itself (no
+        other job can be in flight meanwhile); otherwise (Phase B, or jobs submitted before a
         downgrade to capacity 1) it goes on at once and the submitter reaps (every 50 ms), so
         the other job's completion is never held up by one the device keeps (found by the
         explorer in Phase B, and after a downgrade)."""
@@ -321,14 +321,17 @@ class Completion:
         outcomes = self.outcomes
         outcomes.quarantine_after_submit(job, status, release_permit=False, on_device=True)
         outcomes.hold(job, slot)
-        if self.dispatch.inflight == 1:
-            # the kept job's permit is the only one held, and it stays held: nothing else
-            # can be on the device meanwhile, so the completion thread may as well wait the
-            # grace for the device to let go (a prompt release of the sequence). With
-            # another permit held it must not (that job's completion would wait behind it),
-            # and the submitter reaps it. Not the capacity: a downgrade to 1 (this very
-            # failure may have caused it) leaves a job submitted before it in flight (found
-            # by the explorer: PCT seed 39106)
+        dispatch = self.dispatch
+        if dispatch.capacity == 1 and dispatch.inflight == 1:
+            # one job in flight at most, and the kept job's permit is the only one held (it
+            # stays held): nothing else can be on the device or reach it meanwhile, so the
+            # completion thread may as well wait the grace for the device to let go (a
+            # prompt release of the sequence). Otherwise it must not (another job's
+            # completion would wait behind it), and the submitter reaps it. The capacity
+            # alone is not enough: a downgrade to 1 (this very failure may have caused it)
+            # leaves a job submitted before it in flight (found by the explorer: PCT seed
+            # 39106); the permits alone neither: at capacity 2 another job may be submitted
+            # during the grace
             outbuf = slot.outbuf  # the slot is quarantined, so its buffers are kept
             if outbuf is not None:
                 outbuf.wait(int(self.config.timeout_grace_s * 1e6))
