@@ -437,6 +437,21 @@ def test_a_dump_dir_that_becomes_unwritable_never_breaks_a_request(tmp_path, cap
             assert complete(client, prompt=[5, 6, 7], max_tokens=2).status_code == 200
             assert sink.records == 2 and sink.errors == 3
             assert len(sink.path.read_text().splitlines()) == 1
+            # and a scrape says so: a dump that stops writing is seen without reading logs
+            metrics = client.get("/metrics").text
+            counts = {outcome: metric_value(metrics, "calexec_dump_records_total",
+                                            {"outcome": outcome})
+                      for outcome in ("written", "dropped", "error")}
+            assert counts == {"written": 2.0, "dropped": 0.0, "error": 3.0}, counts
+    finally:
+        executor.shutdown(5.0)
+
+
+def test_a_server_without_a_dump_exports_no_dump_metric(tmp_path):
+    executor = started_executor(tmp_path)
+    try:
+        with TestClient(create_app(executor, ServerConfig())) as client:
+            assert "calexec_dump_records" not in client.get("/metrics").text
     finally:
         executor.shutdown(5.0)
 

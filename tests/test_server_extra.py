@@ -27,6 +27,7 @@ from PIL import Image
 import needs
 from calexec.drivers.calrt.runtime import Fault, FaultMode, Stage
 from calexec.drivers.serving import byte_tokenizer as tokenizer
+from calexec.drivers.serving.dumpsink import DumpSink
 from calexec.drivers.serving.server import ServerConfig, create_app
 from calexec.serve import SAMPLE_REQUEST
 from test_server_support import LiveServer, metric_value, oracle_tokens, started_executor, wait_for
@@ -152,8 +153,9 @@ def test_promtool_accepts_the_metrics_exposition(tmp_path):
                           "x_bytes 1\n", capture_output=True, text=True, timeout=30)
     assert lint.returncode != 0 and "_total" in lint.stdout + lint.stderr
     executor = started_executor(tmp_path)
+    dump = DumpSink(tmp_path / "dump", max_bytes=1 << 20)  # its counter family is linted too
     try:
-        with TestClient(create_app(executor, ServerConfig())) as client:
+        with TestClient(create_app(executor, ServerConfig(), dump)) as client:
             assert client.post("/v1/completions",
                                json={"prompt": [1, 2], "max_tokens": 3}).status_code == 200
             with client.stream("POST", "/v1/completions",
@@ -168,7 +170,8 @@ def test_promtool_accepts_the_metrics_exposition(tmp_path):
     # the traffic above filled the histograms, counters and gauges promtool is to lint
     for name in ("calexec_time_to_first_token_seconds_bucket", "calexec_job_h2d_seconds_bucket",
                  "calexec_request_failures_total", "calexec_lifecycle_state",
-                 "calexec_buffer_slots", "calexec_num_requests_running"):
+                 "calexec_buffer_slots", "calexec_num_requests_running",
+                 "calexec_dump_records_total"):
         assert name in text, name
     check = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True,
                            text=True, timeout=30)

@@ -77,6 +77,12 @@ class DumpSink:
         self._failing: int | None = None  # the errno of the current streak of failed writes
         self._mu = threading.Lock()
 
+    def counts(self) -> dict[str, int]:
+        """Records by outcome: ``written``, ``dropped`` (the size cap), ``error`` (the file
+        system refused it); the server's ``calexec_dump_records_total``."""
+        with self._mu:
+            return {"written": self.records, "dropped": self.dropped, "error": self.errors}
+
     def write(self, record: dict[str, Any]) -> bool:
         """Append one record (content keys removed unless allowed). False when dropped: by
         the size cap (``dropped``) or because the file system refused it (``errors``)."""

@@ -51,6 +51,7 @@ calexec_responses_send_waiting              gauge      streamed responses waitin
 calexec_server_draining                     gauge      1 while the server drains
 calexec_feature_disabled                    gauge      feature; 1 while a §8 PROGRAMMING fault keeps it off
 calexec_golden_unpinned                     gauge      1 while serving on a golden no file pins (§9.2)
+calexec_dump_records_total                  counter    outcome (written|dropped|error); only with serve --dump-dir
 ==========================================  =========  =================================================
 
 With ``ServerConfig.metrics_names == "vllm"`` (``calexec serve --metrics-names vllm``) the
@@ -142,6 +143,22 @@ class _ExecutorCollector(Collector):
         yield jobs
         for name, value in self._server_gauges().items():
             yield _gauge(name, _SERVER_GAUGE_HELP[name], value)
+
+
+class _DumpCollector(Collector):
+    """``calexec_dump_records_total{outcome}`` at scrape time, from ``DumpSink.counts``."""
+
+    def __init__(self, counts: Callable[[], dict[str, int]]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "calexec_dump_records", "Request dump records (serve --dump-dir) by outcome: "
+            "written, dropped by the size cap, refused by the file system (error).",
+            labels=["outcome"])
+        for outcome, value in self._counts().items():
+            family.add_metric([outcome], value)
+        yield family
 
 
 _SERVER_GAUGE_HELP = {
@@ -360,18 +377,23 @@ class ServerMetrics:
 
     def __init__(self, snapshot: Snapshot, server_gauges: Callable[[], dict[str, float]],
                  model_name: str = "calexec", names: str = "calexec",
-                 cache_info: Callable[[], dict[str, str]] = dict) -> None:
+                 cache_info: Callable[[], dict[str, str]] = dict,
+                 dump_counts: Callable[[], dict[str, int]] | None = None) -> None:
         """``server_gauges`` returns the values of the ``calexec_num_requests_running``,
         ``calexec_kv_sequences_{in_use,free,withheld,capacity}``,
         ``calexec_kv_cache_usage_perc``, ``calexec_responses_send_waiting`` and
         ``calexec_server_draining`` gauges.
         ``model_name`` labels the request counters and token histograms (vLLM's label).
         ``names``: "vllm" adds the ``vllm:`` families (:class:`VllmMetrics`, ``self.vllm``;
-        None otherwise), ``cache_info`` giving the labels of ``vllm:cache_config_info``."""
+        None otherwise), ``cache_info`` giving the labels of ``vllm:cache_config_info``.
+        ``dump_counts`` (``DumpSink.counts``; None: no dump, no family) gives
+        ``calexec_dump_records_total``."""
         if names not in METRICS_NAMES:
             raise ValueError(f"metrics names {names!r}: must be one of {METRICS_NAMES}")
         self.registry = CollectorRegistry()
         reg = self.registry
+        if dump_counts is not None:
+            reg.register(_DumpCollector(dump_counts))
         self.ttft = Histogram("calexec_time_to_first_token_seconds",
                               "Request arrival to the prefill job's completion.",
                               buckets=TTFT_BUCKETS, registry=reg)

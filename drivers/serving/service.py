@@ -529,7 +529,8 @@ class CompletionService:
         self._releasing: set[threading.Thread] = set()  # background sequence releases
         self._releasing_mu = threading.Lock()
         self.metrics = ServerMetrics(executor.snapshot, self._server_gauges, config.model_name,
-                                     config.metrics_names, self._cache_info)
+                                     config.metrics_names, self._cache_info,
+                                     None if dump is None else dump.counts)
         self.tokenizer = hf_tokenizer.load(config.tokenizer_path)
         self.started_at = time.time()
         self.admission = AdmissionQueue(self.sequences, lambda: executor.state, self.health,
