@@ -351,3 +351,35 @@ def test_min_tokens_above_the_max_tokens_given_is_refused_naming_both(client, ro
     if route == "/v1/chat/completions":  # the server's default max is no promise: accepted
         assert client.post(route, json=dict(unlimited, min_tokens=1)).status_code == 200
     assert_healthy(client)
+
+
+@pytest.mark.parametrize("method,path", [("POST", "/v1/chat/completions/"),
+                                         ("POST", "/v1/completions/"), ("GET", "/health/"),
+                                         ("POST", "/tokenize/"),
+                                         ("GET", "/debug/statecharts/live.json/")])
+def test_a_trailing_slash_is_a_404_not_a_redirect_to_the_host_header(client, method, path):
+    """Starlette's router answered a path with a trailing slash by a 307 to the path without
+    it, its Location built from the client's ``Host`` header (``Host: evil.example`` got
+    ``Location: http://evil.example/v1/chat/completions``), and an SDK that POSTs does not
+    re-POST a redirect reliably. No redirect: the OpenAI-shaped 404 naming the path."""
+    r = client.request(method, path, json={"messages": [{"role": "user", "content": "hi"}],
+                                           "prompt": "hi", "max_tokens": 1}
+                       if method == "POST" else None,
+                       headers={"host": "evil.example"}, follow_redirects=False)
+    assert r.status_code == 404, (r.status_code, r.headers, r.text[:300])
+    assert "location" not in r.headers, r.headers
+    error = r.json()["error"]
+    assert error["code"] == "not_found" and path in error["message"], error
+
+
+def test_the_statecharts_page_redirect_does_not_name_the_host_header(client):
+    """``/debug/statecharts`` (documented) still leads to the mounted page
+    ``/debug/statecharts/``, by a relative Location: never one built from ``Host``."""
+    r = client.get("/debug/statecharts", headers={"host": "evil.example"},
+                   follow_redirects=False)
+    assert r.status_code == 307, (r.status_code, r.text[:300])
+    assert "evil.example" not in r.headers["location"], r.headers
+    assert r.headers["location"] in ("statecharts/", "/debug/statecharts/"), r.headers
+    r = client.get("/debug/statecharts/live.json")
+    assert r.status_code == 200, r.text[:300]
+
