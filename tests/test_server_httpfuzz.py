@@ -383,3 +383,16 @@ def test_the_statecharts_page_redirect_does_not_name_the_host_header(client):
     r = client.get("/debug/statecharts/live.json")
     assert r.status_code == 200, r.text[:300]
 
+
+def test_tokenize_with_no_messages_is_a_400_naming_messages_as_chat_is(client):
+    """``/v1/chat/completions`` refuses ``"messages": []`` (400, ``param: messages``);
+    ``/tokenize`` answered it 200, the tokens of the generation prompt alone. Refused as
+    chat refuses it, with the same message."""
+    chat = client.post("/v1/chat/completions", json={"messages": [], "max_tokens": 1})
+    r = client.post("/tokenize", json={"messages": []})
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == "messages", error
+    assert error["message"] == chat.json()["error"]["message"], (error, chat.text)
+    assert client.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}
+                       ).status_code == 200

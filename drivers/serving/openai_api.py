@@ -1452,7 +1452,8 @@ class TokenizeRequest(BaseModel):
     model: StrictStr | None = None
     prompt: StrictStr | None = None
     content: StrictStr | None = None  # llama-server
-    messages: list[ChatMessage] | None = None
+    # at least one, as chat's: [] was tokenized as the generation prompt alone
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: StrictBool = True
     add_special: StrictBool | None = None  # llama-server's add_special_tokens
     add_generation_prompt: StrictBool = True
