@@ -396,3 +396,88 @@ def test_tokenize_with_no_messages_is_a_400_naming_messages_as_chat_is(client):
     assert error["message"] == chat.json()["error"]["message"], (error, chat.text)
     assert client.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}
                        ).status_code == 200
+
+
+def _asgi_call(app, path: str, headers: list, chunks: list[dict]) -> list[dict]:
+    """``app`` called as an ASGI server would call it: ``receive`` gives ``chunks``, then
+    waits (a client that sends no more: at most 5 s, bounded) and says the client is gone;
+    the messages the app sent come back."""
+    import anyio
+
+    sent: list[dict] = []
+    queue = list(chunks)
+
+    async def receive() -> dict:
+        if queue:
+            return queue.pop(0)
+        await anyio.sleep(5)
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
+             "http_version": "1.1", "method": "POST", "scheme": "http", "path": path,
+             "raw_path": path.encode(), "root_path": "", "query_string": b"",
+             "headers": headers, "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
+    anyio.run(app, scope, receive, send)
+    return sent
+
+
+#: what a body that did not arrive is answered, on the API and the admin routes alike
+BODY_FAILURES = {
+    "gone": (499, None, "cancelled_error", "request.cancelled", "CANCELLED",
+             "the client disconnected after 10 bytes of its body"),
+    "late": (408, "close", "timeout_error", "request.body_timeout", "DEADLINE_EXCEEDED",
+             "the request body did not arrive whole within body_timeout_s=0.2 s: "
+             "10 bytes of 100 came"),
+    "large": (413, "close", "invalid_request_error", "request.invalid", "INVALID_ARGUMENT",
+              "request body exceeds max_body_bytes=500"),
+}
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/tokenize", "/admin/reload",
+                                  "/admin/drain"])
+@pytest.mark.parametrize("failure", list(BODY_FAILURES))
+def test_a_body_that_does_not_arrive_is_answered_alike_on_api_and_admin_routes(
+        executor, path, failure):
+    """A body whose client left mid-upload (499), that came too slowly (408) or is larger
+    than ``max_body_bytes`` (413): one answer on every route that reads a body, byte for
+    byte (status, ``Connection: close`` where the rest is not awaited, the whole error
+    body); the API routes count the failure, the admin ones do not."""
+    import json
+
+    from test_server_support import metric_value
+
+    app = create_app(executor, ServerConfig(admin_token=TOKEN, max_body_bytes=500,
+                                            body_timeout_s=0.2))
+    http_status, connection, kind, code, grpc, message = BODY_FAILURES[failure]
+    headers = [(b"authorization", AUTH["Authorization"].encode()),
+               (b"content-type", b"application/json"),
+               (b"content-length", b"100" if failure != "large" else b"501")]
+    chunk = {"type": "http.request", "body": b'{"prompt":', "more_body": True}
+    if failure == "gone":
+        sent = _asgi_call(app, path, headers, [chunk, {"type": "http.disconnect"}])
+    else:
+        sent = _asgi_call(app, path, headers, [chunk])
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    assert start["status"] == http_status, (start, body[:300])
+    head = {k.decode(): v.decode() for k, v in start["headers"]}
+    assert head.get("connection") == connection, head
+    assert head["content-type"] == "application/json" and \
+        head["content-length"] == str(len(body)), head
+    assert set(head) == {"content-type", "content-length"} | (
+        {"connection"} if connection else set()), head
+    assert json.loads(body) == {
+        "error": {"message": message, "type": kind, "code": code, "param": None},
+        "status": {"ok": False, "code": code,
+                   "category": {499: "cancelled", 408: "deadline", 413: "invalid_request"}[
+                       http_status],
+                   "phase": "validate", "raw": None, "raw_name": None, "message": message,
+                   "job_id": None, "seq_id": None, "generation": None, "step": None,
+                   "http_status": http_status, "grpc_code": grpc}}, body
+    assert body == json.dumps(json.loads(body), separators=(",", ":")).encode(), body
+    counted = metric_value(app.state.service.metrics.exposition().decode(),
+                           "calexec_request_failures_total", {"code": code})
+    assert (counted or 0) == (0 if path.startswith("/admin") else 1), counted
