@@ -481,3 +481,91 @@ def test_a_body_that_does_not_arrive_is_answered_alike_on_api_and_admin_routes(
     counted = metric_value(app.state.service.metrics.exposition().decode(),
                            "calexec_request_failures_total", {"code": code})
     assert (counted or 0) == (0 if path.startswith("/admin") else 1), counted
+
+
+class _CountingFile:
+    """A file whose reads add up the bytes they returned (``total[0]``)."""
+
+    def __init__(self, f, total: list[int]) -> None:
+        self._f, self._total = f, total
+
+    def read(self, *args):
+        data = self._f.read(*args)
+        self._total[0] += len(data)
+        return data
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._f.close()
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+
+@pytest.fixture
+def bytes_read(monkeypatch):
+    """Every byte the reload pre-check (machines/switch_check.py) reads from a file in
+    Python, counted: ``bytes_read[0]`` (the runtime's loader reads in C: not counted)."""
+    import builtins
+
+    from calexec.machines import switch_check
+
+    total = [0]
+    monkeypatch.setattr(switch_check, "open",
+                        lambda *a, **k: _CountingFile(builtins.open(*a, **k), total),
+                        raising=False)
+    return total
+
+
+TAIL = 64 << 20  # a sparse tail: 64 MiB the file system stores as a hole
+
+
+@pytest.mark.parametrize("runtime", ["emulator", "vendor"])
+def test_the_reload_pre_check_does_not_read_a_large_file_whole(client, executor, tmp_path,
+                                                               bytes_read, runtime):
+    """``/admin/reload`` checks its calbin before anything moves; that check hashed the
+    whole file (sha256) first, needed only when the manifest pins a sha256 (the packaged one
+    does not): 1.2 s for 200 MB, also for a file the loader then refused at its first lines.
+    Unpinned, the check reads no more than the file's first bytes in Python: a calbin
+    followed by a 64 MiB hole is refused by the emulator's loader (``calbin.invalid``); a
+    runtime with no host-side loader (a vendor shim) has nothing else to check."""
+    from calexec.drivers.synthetic import calbin
+    from calexec.machines import switch_check
+
+    path = tmp_path / "big.calbin"
+    calbin.write(str(path), calbin.default_spec())
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size + TAIL)
+    assert executor.manifest.calbin_sha256 is None  # (the packaged manifest pins none)
+    if runtime == "vendor":  # (no inspect_calbin)
+        assert switch_check.check_calbin(object(), executor.manifest, str(path)).ok
+        assert bytes_read[0] <= 4096, bytes_read[0]
+        return
+    checked = executor.check_calbin(str(path))
+    assert checked.code == "calbin.invalid", checked
+    assert bytes_read[0] <= 4096, bytes_read[0]
+    r = client.post("/admin/reload", json={"calbin": str(path)}, headers=AUTH)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "calbin.invalid", r.text
+    assert bytes_read[0] <= 2 * 4096, bytes_read[0]
+    assert executor.state == "Ready" and executor.gen.id == 1
+
+
+def test_a_pinned_sha256_is_still_checked_by_the_reload_pre_check(executor, tmp_path,
+                                                                  monkeypatch):
+    """The pin is on the whole file's content: with a manifest pinning a sha256, the check
+    still hashes the file, and another calbin is refused naming the mismatch."""
+    import attrs
+
+    from calexec.drivers.synthetic import calbin
+
+    path = tmp_path / "other.calbin"
+    sha = calbin.write(str(path), calbin.default_spec())
+    pinned = attrs.evolve(executor.manifest, calbin_sha256="0" * 64)
+    monkeypatch.setattr(executor, "manifest", pinned)
+    checked = executor.check_calbin(str(path))
+    assert checked.code == "calbin.manifest_mismatch" and "sha256_mismatch" in \
+        checked.message, checked
+    monkeypatch.setattr(executor, "manifest", attrs.evolve(pinned, calbin_sha256=sha))
+    assert executor.check_calbin(str(path)).ok
