@@ -202,6 +202,18 @@ class Manifest:
         if self.calbin_sha256 is not None and sha != self.calbin_sha256:
             return Status.artifact("sha256_mismatch",
                                    f"calbin_sha256={sha} but {self.source} pins {self.calbin_sha256}")
+        refused = self.models_refusal(models)
+        if refused is not None:
+            return refused
+        return ModelGeneration(
+            generation_id=generation_id, calbin_sha256=sha, calrt_version=self.calrt_version,
+            submodels=self.submodels, vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+        )
+
+    def models_refusal(self, models: Sequence[RuntimeModelInfo]) -> Status | None:
+        """None when these runtime models are the ones the manifest describes, else the
+        ARTIFACT Status :meth:`resolve` refuses them with (every ``manifest.<reason>`` but the
+        sha256's): what a check needing no sha256 (an unpinned manifest) calls."""
         by_name = collections.defaultdict(list)
         for model in models:
             by_name[model.name].append(model)
@@ -225,10 +237,7 @@ class Manifest:
                 f"[[submodel]] exact_name nor in ignored_models); §10.2 refuses Ready on a "
                 f"calbin with models the manifest does not describe",
             )
-        return ModelGeneration(
-            generation_id=generation_id, calbin_sha256=sha, calrt_version=self.calrt_version,
-            submodels=self.submodels, vocab_size=self.vocab_size, hidden_size=self.hidden_size,
-        )
+        return None
 
 
 def load_manifest(path: str | Path) -> Manifest:

@@ -8,7 +8,9 @@ runtime says is not a calbin (``runtime.inspect_calbin``, when the runtime offer
 bundled emulator runs its own loader on a scratch device; a vendor shim's second device would
 be hardware, so only the file and the manifest's sha256 pin are checked there), and a calbin
 the manifest does not describe (``Manifest.resolve``: missing, extra or mismatched models, a
-sha256 other than the pinned one). What it cannot see (the golden run, buffers that do not
+sha256 other than the pinned one; the file is hashed only when the manifest pins a sha256,
+after every other check: unpinned, the check reads its first bytes in Python and the loader
+what it reads, never a large file whole). What it cannot see (the golden run, buffers that do not
 map, the emulator's execution contract, checked at configure) is still refused by the switch,
 which rolls back.
 
@@ -71,6 +73,22 @@ def _file_refusal(path: object, max_bytes: int | None) -> Status | None:
     return None
 
 
+#: bytes of the file the check reads to see that it can be read (all it reads in Python
+#: unless the manifest pins a sha256: the runtime's loader reads what it needs its own way)
+_PROBE = 64
+
+
+def _unreadable(path: str) -> str | None:
+    """Why the file's first bytes cannot be read (``os.access`` is not the whole answer: a
+    read can still fail), else None."""
+    try:
+        with open(path, "rb") as f:
+            f.read(_PROBE)
+    except OSError as err:
+        return err.strerror or str(err)
+    return None
+
+
 def _sha256(path: str) -> str | OSError:
     digest = hashlib.sha256()
     try:
@@ -93,17 +111,26 @@ def check_calbin(runtime: object, manifest: Manifest, path: object,
     if not isinstance(path, str):  # (_file_refusal refused it; said again for the types)
         return refused("path_required", repr(path)[:200], "a calbin file path is required")
     shown = _shown(path)
-    sha = _sha256(path)
-    if isinstance(sha, OSError):
-        return refused("unreadable", shown, f"cannot read the file ({sha.strerror or sha})")
+    unreadable = _unreadable(path)
+    if unreadable is not None:
+        return refused("unreadable", shown, f"cannot read the file ({unreadable})")
     inspect: Callable[[str], tuple[RuntimeModelInfo, ...] | str | None] | None = getattr(
         runtime, "inspect_calbin", None)
     models = inspect(path) if inspect is not None else None
     if isinstance(models, str):
         return refused("invalid", shown, f"not a calbin the runtime loads: {models}")
+    pinned = manifest.calbin_sha256
+    if pinned is None:  # nothing pins the content: the file is not hashed (the switch does)
+        refusal = None if models is None else manifest.models_refusal(models)
+        if refusal is not None:
+            return refused("manifest_mismatch", shown,
+                           f"{refusal.code}: {refusal.message or refusal.code}")
+        return Status.OK
+    sha = _sha256(path)  # the pin is on the whole content: read whole, last
+    if isinstance(sha, OSError):
+        return refused("unreadable", shown, f"cannot read the file ({sha.strerror or sha})")
     if models is None:  # the runtime cannot read it on the host: the sha256 pin alone
-        pinned = manifest.calbin_sha256
-        if pinned is not None and sha != pinned:
+        if sha != pinned:
             return refused("manifest_mismatch", shown,
                            f"manifest.sha256_mismatch: calbin_sha256={sha} but "
                            f"{manifest.source} pins {pinned}")

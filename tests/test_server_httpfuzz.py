@@ -351,3 +351,221 @@ def test_min_tokens_above_the_max_tokens_given_is_refused_naming_both(client, ro
     if route == "/v1/chat/completions":  # the server's default max is no promise: accepted
         assert client.post(route, json=dict(unlimited, min_tokens=1)).status_code == 200
     assert_healthy(client)
+
+
+@pytest.mark.parametrize("method,path", [("POST", "/v1/chat/completions/"),
+                                         ("POST", "/v1/completions/"), ("GET", "/health/"),
+                                         ("POST", "/tokenize/"),
+                                         ("GET", "/debug/statecharts/live.json/")])
+def test_a_trailing_slash_is_a_404_not_a_redirect_to_the_host_header(client, method, path):
+    """Starlette's router answered a path with a trailing slash by a 307 to the path without
+    it, its Location built from the client's ``Host`` header (``Host: evil.example`` got
+    ``Location: http://evil.example/v1/chat/completions``), and an SDK that POSTs does not
+    re-POST a redirect reliably. No redirect: the OpenAI-shaped 404 naming the path."""
+    r = client.request(method, path, json={"messages": [{"role": "user", "content": "hi"}],
+                                           "prompt": "hi", "max_tokens": 1}
+                       if method == "POST" else None,
+                       headers={"host": "evil.example"}, follow_redirects=False)
+    assert r.status_code == 404, (r.status_code, r.headers, r.text[:300])
+    assert "location" not in r.headers, r.headers
+    error = r.json()["error"]
+    assert error["code"] == "not_found" and path in error["message"], error
+
+
+def test_the_statecharts_page_redirect_does_not_name_the_host_header(client):
+    """``/debug/statecharts`` (documented) still leads to the mounted page
+    ``/debug/statecharts/``, by a relative Location: never one built from ``Host``."""
+    r = client.get("/debug/statecharts", headers={"host": "evil.example"},
+                   follow_redirects=False)
+    assert r.status_code == 307, (r.status_code, r.text[:300])
+    assert "evil.example" not in r.headers["location"], r.headers
+    assert r.headers["location"] in ("statecharts/", "/debug/statecharts/"), r.headers
+    r = client.get("/debug/statecharts/live.json")
+    assert r.status_code == 200, r.text[:300]
+
+
+def test_tokenize_with_no_messages_is_a_400_naming_messages_as_chat_is(client):
+    """``/v1/chat/completions`` refuses ``"messages": []`` (400, ``param: messages``);
+    ``/tokenize`` answered it 200, the tokens of the generation prompt alone. Refused as
+    chat refuses it, with the same message."""
+    chat = client.post("/v1/chat/completions", json={"messages": [], "max_tokens": 1})
+    r = client.post("/tokenize", json={"messages": []})
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == "messages", error
+    assert error["message"] == chat.json()["error"]["message"], (error, chat.text)
+    assert client.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}
+                       ).status_code == 200
+
+
+def _asgi_call(app, path: str, headers: list, chunks: list[dict]) -> list[dict]:
+    """``app`` called as an ASGI server would call it: ``receive`` gives ``chunks``, then
+    waits (a client that sends no more: at most 5 s, bounded) and says the client is gone;
+    the messages the app sent come back."""
+    import anyio
+
+    sent: list[dict] = []
+    queue = list(chunks)
+
+    async def receive() -> dict:
+        if queue:
+            return queue.pop(0)
+        await anyio.sleep(5)
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
+             "http_version": "1.1", "method": "POST", "scheme": "http", "path": path,
+             "raw_path": path.encode(), "root_path": "", "query_string": b"",
+             "headers": headers, "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
+    anyio.run(app, scope, receive, send)
+    return sent
+
+
+#: what a body that did not arrive is answered, on the API and the admin routes alike
+BODY_FAILURES = {
+    "gone": (499, None, "cancelled_error", "request.cancelled", "CANCELLED",
+             "the client disconnected after 10 bytes of its body"),
+    "late": (408, "close", "timeout_error", "request.body_timeout", "DEADLINE_EXCEEDED",
+             "the request body did not arrive whole within body_timeout_s=0.2 s: "
+             "10 bytes of 100 came"),
+    "large": (413, "close", "invalid_request_error", "request.invalid", "INVALID_ARGUMENT",
+              "request body exceeds max_body_bytes=500"),
+}
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/tokenize", "/admin/reload",
+                                  "/admin/drain"])
+@pytest.mark.parametrize("failure", list(BODY_FAILURES))
+def test_a_body_that_does_not_arrive_is_answered_alike_on_api_and_admin_routes(
+        executor, path, failure):
+    """A body whose client left mid-upload (499), that came too slowly (408) or is larger
+    than ``max_body_bytes`` (413): one answer on every route that reads a body, byte for
+    byte (status, ``Connection: close`` where the rest is not awaited, the whole error
+    body); the API routes count the failure, the admin ones do not."""
+    import json
+
+    from test_server_support import metric_value
+
+    app = create_app(executor, ServerConfig(admin_token=TOKEN, max_body_bytes=500,
+                                            body_timeout_s=0.2))
+    http_status, connection, kind, code, grpc, message = BODY_FAILURES[failure]
+    headers = [(b"authorization", AUTH["Authorization"].encode()),
+               (b"content-type", b"application/json"),
+               (b"content-length", b"100" if failure != "large" else b"501")]
+    chunk = {"type": "http.request", "body": b'{"prompt":', "more_body": True}
+    if failure == "gone":
+        sent = _asgi_call(app, path, headers, [chunk, {"type": "http.disconnect"}])
+    else:
+        sent = _asgi_call(app, path, headers, [chunk])
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    assert start["status"] == http_status, (start, body[:300])
+    head = {k.decode(): v.decode() for k, v in start["headers"]}
+    assert head.get("connection") == connection, head
+    assert head["content-type"] == "application/json" and \
+        head["content-length"] == str(len(body)), head
+    assert set(head) == {"content-type", "content-length"} | (
+        {"connection"} if connection else set()), head
+    assert json.loads(body) == {
+        "error": {"message": message, "type": kind, "code": code, "param": None},
+        "status": {"ok": False, "code": code,
+                   "category": {499: "cancelled", 408: "deadline", 413: "invalid_request"}[
+                       http_status],
+                   "phase": "validate", "raw": None, "raw_name": None, "message": message,
+                   "job_id": None, "seq_id": None, "generation": None, "step": None,
+                   "http_status": http_status, "grpc_code": grpc}}, body
+    assert body == json.dumps(json.loads(body), separators=(",", ":")).encode(), body
+    counted = metric_value(app.state.service.metrics.exposition().decode(),
+                           "calexec_request_failures_total", {"code": code})
+    assert (counted or 0) == (0 if path.startswith("/admin") else 1), counted
+
+
+class _CountingFile:
+    """A file whose reads add up the bytes they returned (``total[0]``)."""
+
+    def __init__(self, f, total: list[int]) -> None:
+        self._f, self._total = f, total
+
+    def read(self, *args):
+        data = self._f.read(*args)
+        self._total[0] += len(data)
+        return data
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._f.close()
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+
+@pytest.fixture
+def bytes_read(monkeypatch):
+    """Every byte the reload pre-check (machines/switch_check.py) reads from a file in
+    Python, counted: ``bytes_read[0]`` (the runtime's loader reads in C: not counted)."""
+    import builtins
+
+    from calexec.machines import switch_check
+
+    total = [0]
+    monkeypatch.setattr(switch_check, "open",
+                        lambda *a, **k: _CountingFile(builtins.open(*a, **k), total),
+                        raising=False)
+    return total
+
+
+TAIL = 64 << 20  # a sparse tail: 64 MiB the file system stores as a hole
+
+
+@pytest.mark.parametrize("runtime", ["emulator", "vendor"])
+def test_the_reload_pre_check_does_not_read_a_large_file_whole(client, executor, tmp_path,
+                                                               bytes_read, runtime):
+    """``/admin/reload`` checks its calbin before anything moves; that check hashed the
+    whole file (sha256) first, needed only when the manifest pins a sha256 (the packaged one
+    does not): 1.2 s for 200 MB, also for a file the loader then refused at its first lines.
+    Unpinned, the check reads no more than the file's first bytes in Python: a calbin
+    followed by a 64 MiB hole is refused by the emulator's loader (``calbin.invalid``); a
+    runtime with no host-side loader (a vendor shim) has nothing else to check."""
+    from calexec.drivers.synthetic import calbin
+    from calexec.machines import switch_check
+
+    path = tmp_path / "big.calbin"
+    calbin.write(str(path), calbin.default_spec())
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size + TAIL)
+    assert executor.manifest.calbin_sha256 is None  # (the packaged manifest pins none)
+    if runtime == "vendor":  # (no inspect_calbin)
+        assert switch_check.check_calbin(object(), executor.manifest, str(path)).ok
+        assert bytes_read[0] <= 4096, bytes_read[0]
+        return
+    checked = executor.check_calbin(str(path))
+    assert checked.code == "calbin.invalid", checked
+    assert bytes_read[0] <= 4096, bytes_read[0]
+    r = client.post("/admin/reload", json={"calbin": str(path)}, headers=AUTH)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "calbin.invalid", r.text
+    assert bytes_read[0] <= 2 * 4096, bytes_read[0]
+    assert executor.state == "Ready" and executor.gen.id == 1
+
+
+def test_a_pinned_sha256_is_still_checked_by_the_reload_pre_check(executor, tmp_path,
+                                                                  monkeypatch):
+    """The pin is on the whole file's content: with a manifest pinning a sha256, the check
+    still hashes the file, and another calbin is refused naming the mismatch."""
+    import attrs
+
+    from calexec.drivers.synthetic import calbin
+
+    path = tmp_path / "other.calbin"
+    sha = calbin.write(str(path), calbin.default_spec())
+    pinned = attrs.evolve(executor.manifest, calbin_sha256="0" * 64)
+    monkeypatch.setattr(executor, "manifest", pinned)
+    checked = executor.check_calbin(str(path))
+    assert checked.code == "calbin.manifest_mismatch" and "sha256_mismatch" in \
+        checked.message, checked
+    monkeypatch.setattr(executor, "manifest", attrs.evolve(pinned, calbin_sha256=sha))
+    assert executor.check_calbin(str(path)).ok

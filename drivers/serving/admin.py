@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
 from calexec.drivers.serving import wire
-from calexec.drivers.serving.error_bodies import body_timeout, error_response, invalid
+from calexec.drivers.serving.error_bodies import error_response, invalid
 from calexec.drivers.serving.service import CompletionService, ServerConfig
 from calexec.machines import switch_check
 
@@ -84,19 +84,11 @@ def add_admin_routes(app: FastAPI, service: CompletionService) -> None:
 
     async def read_body(request: Request) -> bytes | JSONResponse:
         """An admin request's body, or the answer to one that did not arrive (499), came too
-        slowly (408) or is too large (413)."""
-        try:
-            raw = await wire.read_body(request, config.max_body_bytes, config.body_timeout_s)
-        except wire.ClientGone as gone:
-            return error_response(Status.cancelled(Phase.VALIDATE, str(gone)), None,
-                                  http_status=499)
-        except wire.BodyTimeout as late:
-            return error_response(body_timeout(str(late), config.body_timeout_s), None,
-                                  http_status=408, headers=wire.CLOSE)
-        if raw is None:
-            return error_response(invalid(f"request body exceeds max_body_bytes="
-                                          f"{config.max_body_bytes}"), None, http_status=413,
-                                  headers=wire.CLOSE)
+        slowly (408) or is too large (413): ``wire.body_or_refusal``, as the API's."""
+        raw = await wire.body_or_refusal(request, config.max_body_bytes, config.body_timeout_s)
+        if isinstance(raw, wire.BodyRefusal):
+            return error_response(raw.status, None, http_status=raw.http_status,
+                                  headers=raw.headers)
         return raw
 
     @app.post("/admin/drain")

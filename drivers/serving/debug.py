@@ -11,7 +11,7 @@ from typing import Any
 
 from anyio import to_thread
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
@@ -85,11 +85,19 @@ def add_debug_routes(app: FastAPI, service: CompletionService) -> None:
             return no_graphviz(err, "/debug/jobs/{id}")
         return HTMLResponse(svg_page)
 
+    @app.get("/debug/statecharts")
+    async def statecharts_page() -> Response:
+        """The mounted page is ``/debug/statecharts/``: a redirect there by a relative
+        Location (the router's own slash redirect is off: it named the client's Host)."""
+        return RedirectResponse("statecharts/", status_code=307)
+
     # the live statecharts page: the generic inspector, mounted as any app would mount it
     inspector = server_inspector(executor, service.live_job_counts)
-    app.mount("/debug/statecharts", inspector_app(inspector, AppOptions(
+    page = inspector_app(inspector, AppOptions(
         svg=lambda chart, active: chart_svg_cached(chart.name, active),
         graphviz_error=no_graphviz, error=inspector_error, title="calexec statecharts",
         labels=LABELS, counted=COUNTED,
         # the lifecycle chart first (the operator's question: is it Ready?), then the rest
-        order=lambda names: sorted(names, key=lambda name: name != "lifecycle"))))
+        order=lambda names: sorted(names, key=lambda name: name != "lifecycle")))
+    page.router.redirect_slashes = False  # "/debug/statecharts/live.json/": a 404, as above
+    app.mount("/debug/statecharts", page)

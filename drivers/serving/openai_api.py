@@ -914,16 +914,9 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         if coding is not None:
             raise Refusal(invalid(f"content-encoding {coding!r}: not supported, send the body "
                                   "uncompressed"), None, 415, wire.IDENTITY_ONLY)
-        try:
-            raw = await wire.read_body(request, config.max_body_bytes, config.body_timeout_s)
-        except wire.ClientGone as gone:  # 499: nobody reads it, the failure is counted
-            raise Refusal(Status.cancelled(Phase.VALIDATE, str(gone)), None, 499) from None
-        except wire.BodyTimeout as late:  # 408, the connection closed: the body is not awaited
-            raise Refusal(error_bodies.body_timeout(str(late), config.body_timeout_s), None,
-                          408, wire.CLOSE) from None
-        if raw is None:
-            raise Refusal(invalid(f"request body exceeds max_body_bytes={config.max_body_bytes}"),
-                          None, 413, wire.CLOSE)
+        raw = await wire.body_or_refusal(request, config.max_body_bytes, config.body_timeout_s)
+        if isinstance(raw, wire.BodyRefusal):  # 499 (nobody reads it), 408, 413: counted
+            raise Refusal(raw.status, None, raw.http_status, raw.headers)
         body = parse(model, raw)
         not_found = model_refusal(getattr(body, "model", None), served_names())
         if not_found is not None:
@@ -1452,7 +1445,8 @@ class TokenizeRequest(BaseModel):
     model: StrictStr | None = None
     prompt: StrictStr | None = None
     content: StrictStr | None = None  # llama-server
-    messages: list[ChatMessage] | None = None
+    # at least one, as chat's: [] was tokenized as the generation prompt alone
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: StrictBool = True
     add_special: StrictBool | None = None  # llama-server's add_special_tokens
     add_generation_prompt: StrictBool = True

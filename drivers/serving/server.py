@@ -69,8 +69,11 @@ def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
     ``app.state.service.drain(grace)``)."""
     config = config or ServerConfig()
     service = CompletionService(executor, config, dump)
+    # no redirect_slashes: Starlette answered "/v1/completions/" with a 307 whose Location
+    # it built from the client's Host header (and SDKs do not re-POST a 307 reliably); a
+    # path with a trailing slash is the OpenAI-shaped 404 naming it, as any unknown path
     app = FastAPI(title="calexec reference server", docs_url=None, redoc_url=None,
-                  openapi_url=None)
+                  openapi_url=None, redirect_slashes=False)
     app.state.service = service
     retry = config.retry_after_s
 

@@ -9,6 +9,7 @@ import json
 import math
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -17,6 +18,9 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.requests import ClientDisconnect
 from starlette.types import Message, Receive, Scope, Send
+
+from calexec.contracts.status import Phase, Status
+from calexec.drivers.serving.error_bodies import body_timeout, invalid
 
 #: ASGI scope extension: a callable that aborts the request's connection at once (set by the
 #: HTTP protocol ``server.uvicorn_config`` runs; a response cut by its bound calls it, so the
@@ -88,6 +92,33 @@ async def read_body(request: Request, limit: int, timeout: float) -> bytes | Non
     if late.cancelled_caught:
         raise BodyTimeout(f"{size} bytes of {(declared or 'an undeclared length')[:20]} came")
     return b"".join(chunks)
+
+
+@dataclass(frozen=True)
+class BodyRefusal:
+    """The answer to a body that did not arrive (:func:`body_or_refusal`): its failure, the
+    HTTP status and the response's headers (:data:`CLOSE` when the rest is not awaited)."""
+
+    status: Status
+    http_status: int
+    headers: dict[str, str] | None = None
+
+
+async def body_or_refusal(request: Request, limit: int, timeout: float
+                          ) -> bytes | BodyRefusal:
+    """:func:`read_body`, its failures mapped to their answer, one mapping for every route
+    that reads a body (the API's and the admin's): the client gone mid-upload is a 499
+    (a cancelled request, which nobody reads), a body not whole within ``timeout`` a 408
+    and one over ``limit`` bytes a 413, both closing the connection."""
+    try:
+        raw = await read_body(request, limit, timeout)
+    except ClientGone as gone:
+        return BodyRefusal(Status.cancelled(Phase.VALIDATE, str(gone)), 499)
+    except BodyTimeout as late:
+        return BodyRefusal(body_timeout(str(late), timeout), 408, CLOSE)
+    if raw is None:
+        return BodyRefusal(invalid(f"request body exceeds max_body_bytes={limit}"), 413, CLOSE)
+    return raw
 
 
 async def until_disconnect(request: Request, work: Callable[[], Awaitable[None]]) -> None:
