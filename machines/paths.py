@@ -29,10 +29,11 @@ only ever entered and left within one macrostep (a final child whose ``done.stat
 leaves its parent), the first walk that enters it; a
 transition taken inside a macrostep (an eventless one, or one on ``done.state.<id>``) has the
 event that leads to it as its path's last step (a ``done.state.<id>`` event is never sent
-as a step: only the chart raises it). Guard outcomes of a step are those of its
-named guards (an expression or a callable cannot be set from outside: drive such a chart with
-event data). At most ``MAX_CONFIGURATIONS`` configurations are explored (``ValueError``
-beyond).
+as a step: only the chart raises it). Guard outcomes of a step are set on the names a model
+answers: a guard expression's by the names inside it (``guard_expr``: ``cond="a and not b"``
+taken under ``{"a": True, "b": False}``); a callable guard, which python-statemachine calls
+itself and no model answers, or an expression not over names is refused (``_unsettable``).
+At most ``MAX_CONFIGURATIONS`` configurations are explored (``ValueError`` beyond).
 
 A configuration is the *set* of active states, with the set of states each history recorded
 (``_node``), whatever order a run entered them in: the regions of a parallel state moved by
@@ -56,8 +57,16 @@ from types import MappingProxyType
 from typing import Any
 
 import attrs
+from statemachine.callbacks import CallbackGroup
 
-from calexec.machines.compiled import ChartLike, ChartRun, CompiledChart, Transition, compiled
+from calexec.machines.compiled import (
+    ChartLike,
+    ChartRun,
+    CompiledChart,
+    Transition,
+    compiled,
+)
+from calexec.machines.guard_expr import Alternative, UnsettableGuard, alternatives, names
 from calexec.machines.statechart_run import StatechartRun
 
 #: bound on the configurations explored for a hierarchical chart
@@ -105,36 +114,62 @@ def _describe(transition: Transition) -> str:
     return f"{transition.source} --{transition.event or '(eventless)'}--> {transition.target}"
 
 
-def _refuse(outcome: Mapping[str, bool],
-            rivals: tuple[Transition, ...]) -> dict[str, bool] | None:
-    """``outcome`` with one guard of each of ``rivals`` fixed so that it refuses, or None when
-    no choice refuses them all. Each rival is refused by its first guard not fixed the other
-    way; where that leaves a later rival no guard to refuse by, the search goes back and takes
-    an earlier rival's next guard (alternatives whose guards share names: ``cond="a",
-    unless="b"`` refused by ``b`` when a later ``unless="a"`` needs ``a``)."""
+#: one requirement of a search: its alternatives, any one of which meets it (each a set of
+#: guard-name outcomes, ``guard_expr.Alternative``)
+_Choice = tuple[Alternative, ...]
+
+
+def _takes(transition: Transition) -> tuple[_Choice, ...]:
+    """What taking ``transition`` requires: each ``cond`` true, each ``unless`` false (a
+    guard expression by the names inside it, ``guard_expr``)."""
+    return (tuple(alternatives(text, True) for text in transition.conds)
+            + tuple(alternatives(text, False) for text in transition.unless))
+
+
+def _refusals(transition: Transition) -> _Choice:
+    """The ways to refuse ``transition``: one of its ``cond`` false or ``unless`` true."""
+    return (tuple(way for text in transition.conds for way in alternatives(text, False))
+            + tuple(way for text in transition.unless for way in alternatives(text, True)))
+
+
+def _solve(outcome: Mapping[str, bool],
+           choices: tuple[_Choice, ...]) -> dict[str, bool] | None:
+    """``outcome`` with names fixed so that each of ``choices`` is met by one of its
+    alternatives, or None when no setting meets them all. Each is met by its first
+    alternative not contradicting what is fixed; where that leaves a later one no way, the
+    search goes back and takes an earlier one's next alternative (alternatives whose guards
+    share names: ``cond="a", unless="b"`` refused by ``b`` when a later ``unless="a"`` needs
+    ``a``)."""
     found = dict(outcome)
 
-    def refusals(rival: Transition) -> list[tuple[str, bool]]:
-        return [(n, False) for n in rival.conds] + [(n, True) for n in rival.unless]
+    def fits(fixed: Mapping[str, bool], way: Alternative) -> bool:
+        return all(fixed.get(name, value) == value for name, value in way)
 
-    def refusable(fixed: Mapping[str, bool], rest: tuple[Transition, ...]) -> bool:
-        # every rival left still has a guard not fixed the other way (prunes the search)
-        return all(any(fixed.get(n, v) == v for n, v in refusals(r)) for r in rest)
+    def possible(fixed: Mapping[str, bool], rest: tuple[_Choice, ...]) -> bool:
+        # every choice left still has a way not contradicting ``fixed`` (prunes the search)
+        return all(any(fits(fixed, way) for way in choice) for choice in rest)
 
-    if not refusable(found, rivals):
+    if not possible(found, choices):
         return None
-    for index, rival in enumerate(rivals):
-        choices = refusals(rival)
-        if any(found.get(name) == value for name, value in choices):
-            continue  # refused already
-        rest = rivals[index + 1:]
-        for name, value in choices:
-            if name not in found and refusable({**found, name: value}, rest):
-                deeper = _refuse({**found, name: value}, rest)
+    for index, choice in enumerate(choices):
+        if any(all(found.get(name) == value for name, value in way) for way in choice):
+            continue  # met already
+        rest = choices[index + 1:]
+        for way in choice:
+            fixed = {**found, **dict(way)}
+            if fits(found, way) and possible(fixed, rest):
+                deeper = _solve(fixed, rest)
                 if deeper is not None:
                     return deeper
         return None
     return found
+
+
+def _refuse(outcome: Mapping[str, bool],
+            rivals: tuple[Transition, ...]) -> dict[str, bool] | None:
+    """``outcome`` with one guard of each of ``rivals`` fixed so that it refuses, or None when
+    no choice refuses them all (``_solve``)."""
+    return _solve(outcome, tuple(_refusals(rival) for rival in rivals))
 
 
 def winning_guards(chart: ChartLike, transition: Transition) -> Mapping[str, bool] | None:
@@ -144,20 +179,9 @@ def winning_guards(chart: ChartLike, transition: Transition) -> Mapping[str, boo
     Each earlier candidate is refused by its first guard that can be (``_refuse``).
     """
     chart = compiled(chart)
-    own = _own_guards(transition)
-    found = None if own is None else _refuse(own, _earlier(chart, transition))
+    found = _solve({}, _takes(transition)
+                   + tuple(_refusals(rival) for rival in _earlier(chart, transition)))
     return None if found is None else MappingProxyType(found)
-
-
-def _own_guards(transition: Transition) -> dict[str, bool] | None:
-    """The outcomes ``transition``'s own guards need (its ``cond`` true, its ``unless``
-    false), or None when they contradict each other."""
-    outcome: dict[str, bool] = {name: True for name in transition.conds}
-    for name in transition.unless:
-        if outcome.get(name) is True:
-            return None
-        outcome[name] = False
-    return outcome
 
 
 def _earlier(chart: CompiledChart, transition: Transition) -> tuple[Transition, ...]:
@@ -202,9 +226,37 @@ def _shadowed(chart: CompiledChart, transition: Transition) -> str:
             f"all be refused)")
 
 
+def _unsettable(chart: CompiledChart) -> None:
+    """``ValueError`` naming the first guard of ``chart`` no path can set, and why: a callable
+    (python-statemachine calls it, not the model a path drives), or an expression that is not
+    and/or/not over names (``guard_expr``)."""
+    for record in chart.transitions:
+        declared = chart.declared[record.id] if record.id < len(chart.declared) else None
+        for spec in getattr(declared, "_specs", ()):
+            if spec.group != CallbackGroup.COND or isinstance(
+                    getattr(spec.func, "calexec_constant", None), bool):
+                continue  # a constant guard of chart mutation testing: folded at compile
+            where = f"on transition {_describe(record)}"
+            if not isinstance(spec.func, str):
+                name = str(getattr(spec.func, "__name__", spec.func))
+                named = name if name.isidentifier() else "a_name"
+                raise ValueError(
+                    f"{chart.name}: guard {name!r} (a callable) {where}: a path cannot set it "
+                    f"(python-statemachine calls the callable itself, not the model a path "
+                    f"drives); name it instead, cond=\"{named}\" with {named} a method of the "
+                    f"model, or drive the chart with a model of your own")
+            try:
+                alternatives(spec.func, True)
+            except UnsettableGuard as err:
+                raise ValueError(f"{chart.name}: guard {spec.func!r} {where}: a path cannot set "
+                                 f"it: {err}") from None
+
+
 def _guards(chart: CompiledChart) -> dict[int, Mapping[str, bool] | None]:
     """Transition id -> its winning guard outcomes; ``ValueError`` for a shadowed one (a
-    declaration bug, named before the states or transitions only it would reach)."""
+    declaration bug, named before the states or transitions only it would reach) or a guard
+    no path can set (``_unsettable``)."""
+    _unsettable(chart)
     guards = {t.id: winning_guards(chart, t) for t in chart.transitions}
     for transition in chart.transitions:
         if guards[transition.id] is None:
@@ -285,7 +337,9 @@ def _by_configuration(chart: CompiledChart) -> bool:
 
 
 def _named(outcomes: Mapping[str, bool]) -> Mapping[str, bool]:
-    return MappingProxyType({k: v for k, v in outcomes.items() if k.isidentifier()})
+    """A step's outcomes: names a model answers (a guard expression is set by the names
+    inside it; ``_unsettable`` refused a chart with a guard no name sets)."""
+    return MappingProxyType(dict(outcomes))
 
 
 def _selected(chart: CompiledChart, record: Transition,
@@ -296,9 +350,6 @@ def _selected(chart: CompiledChart, record: Transition,
     cannot be refused (a state's transitions are selected before its ancestors'), or an
     eventless transition of ``configuration`` cannot be refused (python-statemachine takes
     those first, under the outcomes the step sets)."""
-    outcome = _own_guards(record)
-    if outcome is None:
-        return None
     states = chart.declaration.states_map
     inner: list[str] = []  # active states strictly below record.source
     for state_id in configuration:
@@ -315,7 +366,8 @@ def _selected(chart: CompiledChart, record: Transition,
     # a real run takes the eventless transitions the step's outcomes enable before its event:
     # those of ``configuration`` (refused there under the outcomes that reached it) stay so
     waiting = tuple(t for state_id in configuration for t in chart.table.get((state_id, ""), ()))
-    found = _refuse(outcome, _earlier(chart, record) + rivals + waiting)
+    found = _solve({}, _takes(record) + tuple(
+        _refusals(rival) for rival in _earlier(chart, record) + rivals + waiting))
     return None if found is None else MappingProxyType(found)
 
 
@@ -470,8 +522,7 @@ def _macrostep_outcomes(chart: CompiledChart) -> list[Mapping[str, bool]]:
         winning = winning_guards(chart, transition)
         if winning is not None:
             found.append(winning)
-        found.extend(MappingProxyType({name: value}) for name, value in
-                     [(n, False) for n in transition.conds] + [(n, True) for n in transition.unless])
+        found.extend(MappingProxyType(dict(way)) for way in _refusals(transition))
     return found
 
 
@@ -712,9 +763,19 @@ class GuardTable:
     def for_chart(cls, chart: ChartLike, **kwargs: object) -> GuardTable:
         """An instance whose class has one method per guard name of ``chart``."""
         chart = compiled(chart)
-        methods = {name: _guard_method(name) for name in sorted(chart.guard_names)}
+        every = {name for t in chart.transitions for text in t.conds + t.unless
+                 for name in _guard_names(text)}
+        methods = {name: _guard_method(name) for name in sorted(chart.guard_names | every)}
         table: GuardTable = type(f"{cls.__name__}_{chart.name}", (cls,), methods)(**kwargs)
         return table
+
+
+def _guard_names(text: str) -> tuple[str, ...]:
+    """The names a guard's text reads (none for an expression no path can set)."""
+    try:
+        return names(text)
+    except UnsettableGuard:
+        return ()
 
 
 def _guard_method(name: str) -> Callable[[GuardTable], bool]:

@@ -71,6 +71,7 @@ from calexec.machines.chart_support import (
     GuardRejected,
     IllegalTransition,
 )
+from calexec.machines.guard_expr import holds
 
 if TYPE_CHECKING:  # compiled builds a StatechartRun (lazily), so no import back at run time
     from calexec.machines.compiled import CompiledChart, Transition
@@ -487,8 +488,8 @@ class StatechartRun:
                            if r is not None), None)
             if record is None:
                 return True
-            return (all(self._outcomes.get(name, True) for name in record.conds)
-                    and not any(self._outcomes.get(name, True) for name in record.unless))
+            return (all(holds(text, self._outcomes) for text in record.conds)
+                    and not any(holds(text, self._outcomes) for text in record.unless))
         args, kwargs = self._args_kwargs(transition, trigger)
         self._registry.call(transition.validators.key, *args, on_error=None, **kwargs)
         return bool(self._registry.all(transition.cond.key, *args, on_error=self._on_error(),
