@@ -84,6 +84,10 @@ class Path:
     transition: Transition
     steps: tuple[Transition, ...]
     guards: tuple[Mapping[str, bool], ...]
+    #: outcomes to set before the chart starts (``Walk.start``)
+    start: Mapping[str, bool] = attrs.field(factory=lambda: MappingProxyType({}))
+    #: the configuration that start ends in (``""`` when ``start`` is empty)
+    started: str = ""
 
     @property
     def events(self) -> tuple[str, ...]:
@@ -98,11 +102,16 @@ class Path:
 class Walk:
     """A run from the chart's initial state: ``steps`` taken in order (empty: stay in the
     initial state), ``guards[i]`` the outcomes that make ``steps[i]`` the one taken, ``end``
-    the state it ends in."""
+    the state it ends in. ``start``: the outcomes to set before the chart starts, for a walk
+    that needs its start (the initial macrostep: eventless and ``done.state`` transitions
+    taken before any event) to choose otherwise than with every guard holding, and
+    ``started`` the configuration that start ends in; empty for any other walk."""
 
     steps: tuple[Transition, ...]
     guards: tuple[Mapping[str, bool], ...]
     end: str
+    start: Mapping[str, bool] = attrs.field(factory=lambda: MappingProxyType({}))
+    started: str = ""
 
     @property
     def events(self) -> tuple[str, ...]:
@@ -480,15 +489,36 @@ class _Graph:
     ``entered[state]`` the shortest edges that enter ``state`` and the configuration they
     end in."""
 
-    start: _Node
+    #: the ways the chart starts, the one with every guard holding first
+    starts: tuple[_Start, ...]
     edges: Mapping[_Node, list[_Edge]]
-    entered: Mapping[str, tuple[tuple[_Edge, ...], str]]
+    #: state -> (index of the start, the edges from it, the configuration they end in)
+    entered: Mapping[str, tuple[int, tuple[_Edge, ...], str]]
     #: ``_node``'s arguments: state -> declaration index, and ``_order_decides``
     rank: Mapping[str, int]
     ordered: bool
-    #: ids of the transitions the chart takes as it starts (its initial macrostep's eventless
-    #: and ``done.state`` ones): their path has no step
-    at_start: frozenset[int] = frozenset()
+
+    @property
+    def start(self) -> _Node:
+        """The node of the start where every guard holds."""
+        return self.starts[0].node
+
+    @property
+    def at_start(self) -> frozenset[int]:
+        """Ids of the transitions the start where every guard holds takes."""
+        return self.starts[0].taken
+
+
+@attrs.frozen
+class _Start:
+    """One way the chart starts: the outcomes set before it starts (empty: every guard
+    holds), the ids of the transitions its initial macrostep takes (eventless and
+    ``done.state`` ones: their path has no step) and the node and configuration it ends in."""
+
+    outcomes: Mapping[str, bool]
+    taken: frozenset[int]
+    node: _Node
+    state: str
 
 
 #: id(compiled chart) -> (a weak reference to it, its graph). Weak: the entry goes with the
@@ -545,21 +575,33 @@ def _graph(chart: CompiledChart) -> _Graph:
     known = _GRAPHS.get(id(chart))
     if known is not None and known[0]() is chart:
         return known[1]
-    start = StatechartRun.skeleton(chart)
     rank = {state: i for i, state in enumerate(chart.states)}
     ordered = _order_decides(chart)
     raised = {f"done.state.{state}" for state in chart.states}
     inner = _macrostep_outcomes(chart)
     no_steps: tuple[_Edge, ...] = ()
-    runs = {_node(start, rank, ordered): (start, no_steps)}
+    runs: dict[_Node, tuple[StatechartRun, int, tuple[_Edge, ...]]] = {}
     edges: dict[_Node, list[_Edge]] = {}
-    entered: dict[str, tuple[tuple[_Edge, ...], str]] = {}
-    for state in [*start.entered, *start.configuration]:
-        entered.setdefault(state, ((), start.state))
-    frontier = deque([_node(start, rank, ordered)])
+    entered: dict[str, tuple[int, tuple[_Edge, ...], str]] = {}
+    starts: list[_Start] = []
+    frontier: deque[_Node] = deque()
+    # the start under every guard holding, then under outcomes that select (or refuse) each
+    # guarded eventless or ``done.state`` transition: the start takes those too
+    for start_outcomes in _variants(MappingProxyType({}), inner):
+        start = StatechartRun.skeleton(chart, start_outcomes)
+        begun = _Start(start_outcomes, frozenset(t.id for t in start.taken_at_start),
+                       _node(start, rank, ordered), start.state)
+        if any((s.taken, s.node) == (begun.taken, begun.node) for s in starts):
+            continue  # this start went as one before, whatever these outcomes
+        starts.append(begun)
+        for state in [*start.entered, *start.configuration]:
+            entered.setdefault(state, (len(starts) - 1, (), start.state))
+        if begun.node not in runs:
+            runs[begun.node] = (start, len(starts) - 1, no_steps)
+            frontier.append(begun.node)
     while frontier:
         node = frontier.popleft()
-        run, steps = runs[node]
+        run, origin, steps = runs[node]
         out = edges.setdefault(node, [])
         for record in run.candidates():
             if record.event in raised:  # only the chart raises it, within a macrostep
@@ -581,31 +623,29 @@ def _graph(chart: CompiledChart) -> _Graph:
                 edge: _Edge = (record, taken, after, outcomes)
                 path = (*steps, edge)
                 for state in twin.entered:
-                    entered.setdefault(state, (path, twin.state))
+                    entered.setdefault(state, (origin, path, twin.state))
                 out.append(edge)
                 if after not in runs:
                     if len(runs) >= MAX_CONFIGURATIONS:
                         raise ValueError(f"{chart.name}: more than {MAX_CONFIGURATIONS} "
                                          f"configurations reachable; paths are not enumerated")
-                    runs[after] = (twin, path)
+                    runs[after] = (twin, origin, path)
                     frontier.append(after)
-    graph = _Graph(_node(start, rank, ordered), MappingProxyType(edges), MappingProxyType(entered),
-                   MappingProxyType(rank), ordered,
-                   frozenset(t.id for t in start.taken_at_start))
+    graph = _Graph(tuple(starts), MappingProxyType(edges), MappingProxyType(entered),
+                   MappingProxyType(rank), ordered)
     _GRAPHS[id(chart)] = (weakref.ref(chart, functools.partial(_forget, id(chart))), graph)
     return graph
 
 
-def _from(graph: _Graph, node: _Node, started: bool = False
+def _from(graph: _Graph, node: _Node, at_start: frozenset[int] = frozenset()
           ) -> tuple[dict[_Node, tuple[_Edge, ...]], dict[int, tuple[tuple[_Edge, ...], _Node]]]:
     """Breadth-first over ``graph`` from ``node``: the shortest edges to every node, and for
-    every transition the shortest edges that take it with the node they end in. ``started``:
-    ``node`` is the start of a run that just started (the transitions its start took are
-    taken with no step), not the same configuration reached again later."""
+    every transition the shortest edges that take it with the node they end in.
+    ``at_start``: ``node`` is where a start that took these transitions ended (they are
+    taken with no step)."""
     reach: dict[_Node, tuple[_Edge, ...]] = {node: ()}
     first: dict[int, tuple[tuple[_Edge, ...], _Node]] = {}
-    if node == graph.start:  # (taken before any step: the chart's start took them)
-        first.update((transition_id, ((), node)) for transition_id in graph.at_start)
+    first.update((transition_id, ((), node)) for transition_id in at_start)
     frontier = deque([node])
     while frontier:
         here = frontier.popleft()
@@ -620,19 +660,34 @@ def _from(graph: _Graph, node: _Node, started: bool = False
     return reach, first
 
 
+def _from_starts(graph: _Graph) -> dict[int, tuple[int, tuple[_Edge, ...]]]:
+    """Transition id -> (index of the start, the shortest edges from it that take the
+    transition): the fewest steps of any start, the start where every guard holds first."""
+    found: dict[int, tuple[int, tuple[_Edge, ...]]] = {}
+    for index, start in enumerate(graph.starts):
+        _, first = _from(graph, start.node, start.taken)
+        for transition_id, (edges, _end) in first.items():
+            known = found.get(transition_id)
+            if known is None or len(edges) < len(known[1]):
+                found[transition_id] = (index, edges)
+    return found
+
+
 def _steps(edges: tuple[_Edge, ...]) -> tuple[tuple[Transition, ...], tuple[Mapping[str, bool], ...]]:
     """The sent transitions of ``edges`` and the named guard outcomes of each."""
     return tuple(e[0] for e in edges), tuple(_named(e[3]) for e in edges)
 
 
-def _walk(edges: tuple[_Edge, ...], end: str) -> Walk:
-    return Walk(*_steps(edges), end)
+def _walk(edges: tuple[_Edge, ...], end: str, start: _Start | None = None) -> Walk:
+    if start is None or not start.outcomes:
+        return Walk(*_steps(edges), end)
+    return Walk(*_steps(edges), end, start.outcomes, start.state)
 
 
 def _never_raised(chart: CompiledChart, graph: _Graph) -> str:
     """``" (done.state.x is raised only when ...)"`` for the ``done.state`` events of
     transitions no reachable configuration takes (their state never completes), or ``""``."""
-    _, first = _from(graph, graph.start, started=True)
+    first = _from_starts(graph)
     events = list(dict.fromkeys(t.event for t in chart.transitions
                                 if t.id not in first and t.event.startswith("done.state.")))
     if not events:
@@ -649,36 +704,45 @@ def _configuration_walks(chart: CompiledChart) -> dict[str, Walk]:
     if missing:
         raise ValueError(f"{chart.name}: state(s) {', '.join(missing)} never entered from "
                          f"{chart.initial}{_never_raised(chart, graph)}")
-    return {state: _walk(*entered[state]) for state in chart.states}
+    return {state: _walk(entered[state][1], entered[state][2], graph.starts[entered[state][0]])
+            for state in chart.states}
 
 
 def _configuration_paths(chart: CompiledChart) -> list[Path]:
     graph = _graph(chart)
-    _, first = _from(graph, graph.start, started=True)
+    first = _from_starts(graph)
     never = [t for t in chart.transitions if t.id not in first]
     if never:
         raise ValueError(f"{chart.name}: transition(s) {', '.join(map(_describe, never))} "
                          f"taken from no reachable configuration{_never_raised(chart, graph)}"
                          f"{_only_at_start(chart, graph, never)}")
-    return [Path(t, *_steps(first[t.id][0])) for t in chart.transitions]
+    paths = []
+    for transition in chart.transitions:
+        index, edges = first[transition.id]
+        start = graph.starts[index]
+        paths.append(Path(transition, *_steps(edges), start.outcomes, start.state)
+                     if start.outcomes else Path(transition, *_steps(edges)))
+    return paths
 
 
 def _only_at_start(chart: CompiledChart, graph: _Graph, never: list[Transition]) -> str:
     """Why a transition out of a state the chart's start enters and at once leaves by a
     guarded eventless transition may be in ``never``: the start selects that one before any
-    step, where every guard holds."""
+    step, and no start explored (every guard holding, or outcomes selecting or refusing one
+    guarded eventless transition at a time) selects it."""
     leaving = [chart.transitions[i] for i in sorted(graph.at_start)]
     reasons = []
     for transition in never:
-        if graph.entered.get(transition.source, ((None,), ""))[0] != ():
+        if graph.entered.get(transition.source, (0, (None,), ""))[1] != ():
             continue
         left = next((t for t in leaving if t.source == transition.source and not t.event
                      and (t.conds or t.unless)), None)
         if left is not None:
             reasons.append(f"; {_describe(transition)}: out of {transition.source}, which the "
                            f"chart's start enters and leaves at once by {_describe(left)} "
-                           f"(every guard holds at the start: a path sets guard outcomes only "
-                           f"for the events it sends): drive it with a model of your own")
+                           f"(no start paths explore takes it: they set outcomes before the "
+                           f"start for one guarded eventless transition at a time): drive it "
+                           f"with a model of your own")
     return "".join(reasons)
 
 
@@ -687,12 +751,26 @@ def _configuration_tour(chart: CompiledChart) -> list[Walk]:
     on by the shortest steps to the nearest transition not taken yet, until none is
     reachable; then the next walk starts over."""
     graph = _graph(chart)
+    first_start = graph.starts[0]
     untaken = {t.id for t in chart.transitions} - graph.at_start  # (every walk takes those)
     walks: list[Walk] = []
     if not untaken and graph.at_start:  # the chart's start takes every transition
-        walks.append(_walk((), _walk_end(chart, graph, ())))
+        walks.append(_walk((), _walk_end(chart, graph, (), first_start), first_start))
     while untaken:
-        node, steps = graph.start, list[_Edge]()
+        # the start nearest a transition not taken yet (where every guard holds on a tie)
+        nearest_start: tuple[int, int] | None = None
+        for index, begun in enumerate(graph.starts):
+            _, first = _from(graph, begun.node, begun.taken)
+            near = min((len(first[i][0]) for i in untaken if i in first), default=None)
+            if near is not None and (nearest_start is None or near < nearest_start[0]):
+                nearest_start = (near, index)
+        if nearest_start is None:
+            names = ", ".join(_describe(chart.transitions[i]) for i in sorted(untaken))
+            raise ValueError(f"{chart.name}: transition(s) {names} cannot be toured")
+        start = graph.starts[nearest_start[1]]
+        took = untaken & start.taken
+        untaken -= start.taken
+        node, steps = start.node, list[_Edge]()
         while True:
             _, first = _from(graph, node)
             nearest = min(((len(first[i][0]), i) for i in untaken if i in first), default=None)
@@ -703,21 +781,22 @@ def _configuration_tour(chart: CompiledChart) -> list[Walk]:
                 untaken.difference_update(edge[1])
                 node = edge[2]
             steps.extend(path)
-        if not steps:
+        if not steps and not took:
             names = ", ".join(_describe(chart.transitions[i]) for i in sorted(untaken))
             raise ValueError(f"{chart.name}: transition(s) {names} cannot be toured")
-        walks.append(_walk(tuple(steps), _walk_end(chart, graph, tuple(steps))))
+        walks.append(_walk(tuple(steps), _walk_end(chart, graph, tuple(steps), start), start))
     return walks
 
 
-def _walk_end(chart: CompiledChart, graph: _Graph, steps: tuple[_Edge, ...]) -> str:
-    """The configuration a run that follows ``steps`` (edges) from the start ends in,
+def _walk_end(chart: CompiledChart, graph: _Graph, steps: tuple[_Edge, ...],
+              start: _Start) -> str:
+    """The configuration a run that follows ``steps`` (edges) from ``start`` ends in,
     ``"a,b"`` in the order that run lists it: a node holds its states as a set, and the walk
     may reach it by another order of events than the run that explored it first."""
-    run = StatechartRun.skeleton(chart)
+    run = StatechartRun.skeleton(chart, start.outcomes)
     for step, _, _, outcomes in steps:
         run.force(step, outcomes)
-    node = steps[-1][2] if steps else graph.start
+    node = steps[-1][2] if steps else start.node
     if _node(run, graph.rank, graph.ordered) != node:  # the graph merged runs that differ
         raise RuntimeError(f"{chart.name}: the walk {' '.join(s[0].event for s in steps)} ends in "
                            f"{run.state}, not in the configuration its graph says")
@@ -725,15 +804,21 @@ def _walk_end(chart: CompiledChart, graph: _Graph, steps: tuple[_Edge, ...]) -> 
 
 
 def _steps_data(walk: Path | Walk) -> list[dict[str, Any]]:
-    return [{"event": step.event, "from": step.source, "to": step.target,
-             "guards": dict(outcomes)} for step, outcomes in zip(walk.steps, walk.guards)]
+    """The steps of ``walk``, after a start step (``"event": None``, the outcomes to set
+    before the chart starts and the configuration it starts in) when it needs one."""
+    start: list[dict[str, Any]] = [] if not walk.start else [
+        {"event": None, "from": None, "to": walk.started, "guards": dict(walk.start)}]
+    return start + [{"event": step.event, "from": step.source, "to": step.target,
+                     "guards": dict(outcomes)} for step, outcomes in zip(walk.steps, walk.guards)]
 
 
 def as_data(chart: ChartLike) -> dict[str, Any]:
     """The paths of ``chart`` as JSON-ready data: ``states`` (state -> steps of its shortest
     walk), ``transitions`` (one entry per transition with the steps of its shortest path) and
     ``tour`` (a list of walks, each a list of steps); a step is ``{"event", "from", "to",
-    "guards"}`` with ``guards`` the outcomes to set before sending ``event``."""
+    "guards"}`` with ``guards`` the outcomes to set before sending ``event``. A walk with a
+    ``start`` begins with a start step, ``{"event": None, "from": None, "to": <the
+    configuration the start ends in>, "guards": <outcomes to set before the chart starts>}``."""
     chart = compiled(chart)
     return {
         "chart": chart.name,
@@ -788,7 +873,9 @@ def _guard_method(name: str) -> Callable[[GuardTable], bool]:
 
 def drive(run: ChartRun, path: Path | Walk) -> str:
     """Send ``path``'s events to ``run`` (whose model is a ``GuardTable``), setting each step's
-    guard outcomes first; return the final state. Raises as ``ChartRun.send`` does."""
+    guard outcomes first; return the final state. Raises as ``ChartRun.send`` does. A path
+    with a ``start`` needs a run started under it: ``chart.run(GuardTable.for_chart(chart,
+    outcomes=path.start))`` (the start reads the model as the chart starts)."""
     for step, outcomes in zip(path.steps, path.guards):
         run.model.outcomes = dict(outcomes)
         run.send(step.event)
