@@ -16,7 +16,13 @@ from statemachine import StateChart
 
 class ChartRefError(ValueError):
     """``MODULE:CLASS`` does not name a chart class; the message is one line naming what was
-    given and what was expected."""
+    given and what was expected: ``'<ref>': <reason>``. ``ref`` and ``reason`` are the two
+    parts, for a caller that names the reference itself (``--chart='<ref>': <reason>``)."""
+
+    def __init__(self, ref: str, reason: str) -> None:
+        super().__init__(f"{ref!r}: {reason}")
+        self.ref = ref
+        self.reason = reason
 
 
 def load_chart(ref: str, cwd: str | None = None) -> type[StateChart[Any]]:
@@ -25,13 +31,13 @@ def load_chart(ref: str, cwd: str | None = None) -> type[StateChart[Any]]:
     current directory) goes first on ``sys.path``. Raises ``ChartRefError``."""
     module_name, sep, class_name = ref.partition(":")
     if not sep or not module_name or not class_name:
-        raise ChartRefError(f"{ref!r}: expected MODULE:CLASS, a chart class and the module "
-                            f"that declares it (e.g. order_workflow:OrderWorkflow)")
+        raise ChartRefError(ref, "expected MODULE:CLASS, a chart class and the module "
+                                 "that declares it (e.g. order_workflow:OrderWorkflow)")
     root = os.path.abspath(cwd or os.getcwd())
     if "/" in module_name or os.sep in module_name or (
             module_name.endswith(".py") and os.path.isfile(os.path.join(root, module_name))):
         stem = os.path.splitext(os.path.basename(module_name))[0] or module_name
-        raise ChartRefError(f"{ref!r}: {module_name!r} is a file path, not a module name: run "
+        raise ChartRefError(ref, f"{module_name!r} is a file path, not a module name: run "
                             f"from the directory that holds it and name the module "
                             f"(e.g. {stem}:{class_name})")
     if root not in sys.path:
@@ -43,19 +49,19 @@ def load_chart(ref: str, cwd: str | None = None) -> type[StateChart[Any]]:
     except BaseException as err:  # noqa: BLE001 - the user's module may raise anything at
         # import, sys.exit() and an argparse error (SystemExit) included
         why = str(err).splitlines()[0] if str(err) else ""
-        raise ChartRefError(f"{ref!r}: cannot import module {module_name!r} from {root} "
+        raise ChartRefError(ref, f"cannot import module {module_name!r} from {root} "
                             f"({type(err).__name__}: {why})") from err
     found: object = module
     for part in class_name.split("."):
         found = getattr(found, part, None)
         if found is None:
-            raise ChartRefError(f"{ref!r}: module {module_name!r} has no attribute "
+            raise ChartRefError(ref, f"module {module_name!r} has no attribute "
                                 f"{class_name!r} (expected a chart class there)")
     if not (isinstance(found, type) and issubclass(found, StateChart)):
-        raise ChartRefError(f"{ref!r}: {class_name} is {type(found).__name__} {found!r:.60}, "
+        raise ChartRefError(ref, f"{class_name} is {type(found).__name__} {found!r:.60}, "
                             f"not a python-statemachine chart class (a StateMachine or "
                             f"StateChart subclass)")
     if not found.states:
-        raise ChartRefError(f"{ref!r}: {class_name} declares no states (a base class of "
+        raise ChartRefError(ref, f"{class_name} declares no states (a base class of "
                             f"charts? name the subclass that declares them)")
     return found

@@ -30,6 +30,7 @@ events of a job, a txn, a slot); it takes no lock. Concurrent ``send`` on one ru
 from __future__ import annotations
 
 import re
+import threading
 import time
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
@@ -331,7 +332,14 @@ def _dotted(event: str) -> str:
 #: what every toolkit function takes as a chart: the declared class, or its compiled form
 ChartLike = type[StateChart[Any]] | CompiledChart
 
-_COMPILED: dict[type[StateChart[Any]], CompiledChart] = {}
+#: the attribute of a chart class holding its one ``CompiledChart`` (set by ``compiled``, read
+#: from the class's own ``__dict__``: a subclass has its own). On the class, not in a module
+#: dict: a dict keyed by the class kept every class ever compiled (and its table) for the
+#: process's life, and a weak-keyed one would too, since the compiled chart refers to its
+#: class. On the class, the two live and go together (a cycle the collector frees).
+_COMPILED = "_calexec_compiled"
+#: ``compiled`` makes one compiled chart per class when threads ask at once
+_COMPILING = threading.RLock()
 
 
 def compiled(declaration: ChartLike, name: str | None = None) -> CompiledChart:
@@ -346,9 +354,13 @@ def compiled(declaration: ChartLike, name: str | None = None) -> CompiledChart:
     if not (isinstance(declaration, type) and issubclass(declaration, StateChart)):
         raise TypeError(f"{declaration!r} is not a python-statemachine chart class "
                         f"(a StateMachine or StateChart subclass) nor a CompiledChart")
-    chart = _COMPILED.get(declaration)
-    if chart is None:
-        chart = _COMPILED.setdefault(declaration, compile_chart(declaration, name))
+    chart = vars(declaration).get(_COMPILED)
+    if not isinstance(chart, CompiledChart):
+        with _COMPILING:
+            chart = vars(declaration).get(_COMPILED)
+            if not isinstance(chart, CompiledChart):
+                chart = compile_chart(declaration, name)
+                setattr(declaration, _COMPILED, chart)
     if name is not None and chart.name != name:
         raise ValueError(f"{declaration.__name__} is already compiled as {chart.name!r}, "
                          f"not {name!r}")

@@ -29,10 +29,11 @@ only ever entered and left within one macrostep (a final child whose ``done.stat
 leaves its parent), the first walk that enters it; a
 transition taken inside a macrostep (an eventless one, or one on ``done.state.<id>``) has the
 event that leads to it as its path's last step (a ``done.state.<id>`` event is never sent
-as a step: only the chart raises it). Guard outcomes of a step are those of its
-named guards (an expression or a callable cannot be set from outside: drive such a chart with
-event data). At most ``MAX_CONFIGURATIONS`` configurations are explored (``ValueError``
-beyond).
+as a step: only the chart raises it). Guard outcomes of a step are set on the names a model
+answers: a guard expression's by the names inside it (``guard_expr``: ``cond="a and not b"``
+taken under ``{"a": True, "b": False}``); a callable guard, which python-statemachine calls
+itself and no model answers, or an expression not over names is refused (``_unsettable``).
+At most ``MAX_CONFIGURATIONS`` configurations are explored (``ValueError`` beyond).
 
 A configuration is the *set* of active states, with the set of states each history recorded
 (``_node``), whatever order a run entered them in: the regions of a parallel state moved by
@@ -56,8 +57,16 @@ from types import MappingProxyType
 from typing import Any
 
 import attrs
+from statemachine.callbacks import CallbackGroup
 
-from calexec.machines.compiled import ChartLike, ChartRun, CompiledChart, Transition, compiled
+from calexec.machines.compiled import (
+    ChartLike,
+    ChartRun,
+    CompiledChart,
+    Transition,
+    compiled,
+)
+from calexec.machines.guard_expr import Alternative, UnsettableGuard, alternatives, names
 from calexec.machines.statechart_run import StatechartRun
 
 #: bound on the configurations explored for a hierarchical chart
@@ -75,6 +84,10 @@ class Path:
     transition: Transition
     steps: tuple[Transition, ...]
     guards: tuple[Mapping[str, bool], ...]
+    #: outcomes to set before the chart starts (``Walk.start``)
+    start: Mapping[str, bool] = attrs.field(factory=lambda: MappingProxyType({}))
+    #: the configuration that start ends in (``""`` when ``start`` is empty)
+    started: str = ""
 
     @property
     def events(self) -> tuple[str, ...]:
@@ -89,11 +102,16 @@ class Path:
 class Walk:
     """A run from the chart's initial state: ``steps`` taken in order (empty: stay in the
     initial state), ``guards[i]`` the outcomes that make ``steps[i]`` the one taken, ``end``
-    the state it ends in."""
+    the state it ends in. ``start``: the outcomes to set before the chart starts, for a walk
+    that needs its start (the initial macrostep: eventless and ``done.state`` transitions
+    taken before any event) to choose otherwise than with every guard holding, and
+    ``started`` the configuration that start ends in; empty for any other walk."""
 
     steps: tuple[Transition, ...]
     guards: tuple[Mapping[str, bool], ...]
     end: str
+    start: Mapping[str, bool] = attrs.field(factory=lambda: MappingProxyType({}))
+    started: str = ""
 
     @property
     def events(self) -> tuple[str, ...]:
@@ -105,36 +123,62 @@ def _describe(transition: Transition) -> str:
     return f"{transition.source} --{transition.event or '(eventless)'}--> {transition.target}"
 
 
-def _refuse(outcome: Mapping[str, bool],
-            rivals: tuple[Transition, ...]) -> dict[str, bool] | None:
-    """``outcome`` with one guard of each of ``rivals`` fixed so that it refuses, or None when
-    no choice refuses them all. Each rival is refused by its first guard not fixed the other
-    way; where that leaves a later rival no guard to refuse by, the search goes back and takes
-    an earlier rival's next guard (alternatives whose guards share names: ``cond="a",
-    unless="b"`` refused by ``b`` when a later ``unless="a"`` needs ``a``)."""
+#: one requirement of a search: its alternatives, any one of which meets it (each a set of
+#: guard-name outcomes, ``guard_expr.Alternative``)
+_Choice = tuple[Alternative, ...]
+
+
+def _takes(transition: Transition) -> tuple[_Choice, ...]:
+    """What taking ``transition`` requires: each ``cond`` true, each ``unless`` false (a
+    guard expression by the names inside it, ``guard_expr``)."""
+    return (tuple(alternatives(text, True) for text in transition.conds)
+            + tuple(alternatives(text, False) for text in transition.unless))
+
+
+def _refusals(transition: Transition) -> _Choice:
+    """The ways to refuse ``transition``: one of its ``cond`` false or ``unless`` true."""
+    return (tuple(way for text in transition.conds for way in alternatives(text, False))
+            + tuple(way for text in transition.unless for way in alternatives(text, True)))
+
+
+def _solve(outcome: Mapping[str, bool],
+           choices: tuple[_Choice, ...]) -> dict[str, bool] | None:
+    """``outcome`` with names fixed so that each of ``choices`` is met by one of its
+    alternatives, or None when no setting meets them all. Each is met by its first
+    alternative not contradicting what is fixed; where that leaves a later one no way, the
+    search goes back and takes an earlier one's next alternative (alternatives whose guards
+    share names: ``cond="a", unless="b"`` refused by ``b`` when a later ``unless="a"`` needs
+    ``a``)."""
     found = dict(outcome)
 
-    def refusals(rival: Transition) -> list[tuple[str, bool]]:
-        return [(n, False) for n in rival.conds] + [(n, True) for n in rival.unless]
+    def fits(fixed: Mapping[str, bool], way: Alternative) -> bool:
+        return all(fixed.get(name, value) == value for name, value in way)
 
-    def refusable(fixed: Mapping[str, bool], rest: tuple[Transition, ...]) -> bool:
-        # every rival left still has a guard not fixed the other way (prunes the search)
-        return all(any(fixed.get(n, v) == v for n, v in refusals(r)) for r in rest)
+    def possible(fixed: Mapping[str, bool], rest: tuple[_Choice, ...]) -> bool:
+        # every choice left still has a way not contradicting ``fixed`` (prunes the search)
+        return all(any(fits(fixed, way) for way in choice) for choice in rest)
 
-    if not refusable(found, rivals):
+    if not possible(found, choices):
         return None
-    for index, rival in enumerate(rivals):
-        choices = refusals(rival)
-        if any(found.get(name) == value for name, value in choices):
-            continue  # refused already
-        rest = rivals[index + 1:]
-        for name, value in choices:
-            if name not in found and refusable({**found, name: value}, rest):
-                deeper = _refuse({**found, name: value}, rest)
+    for index, choice in enumerate(choices):
+        if any(all(found.get(name) == value for name, value in way) for way in choice):
+            continue  # met already
+        rest = choices[index + 1:]
+        for way in choice:
+            fixed = {**found, **dict(way)}
+            if fits(found, way) and possible(fixed, rest):
+                deeper = _solve(fixed, rest)
                 if deeper is not None:
                     return deeper
         return None
     return found
+
+
+def _refuse(outcome: Mapping[str, bool],
+            rivals: tuple[Transition, ...]) -> dict[str, bool] | None:
+    """``outcome`` with one guard of each of ``rivals`` fixed so that it refuses, or None when
+    no choice refuses them all (``_solve``)."""
+    return _solve(outcome, tuple(_refusals(rival) for rival in rivals))
 
 
 def winning_guards(chart: ChartLike, transition: Transition) -> Mapping[str, bool] | None:
@@ -144,20 +188,9 @@ def winning_guards(chart: ChartLike, transition: Transition) -> Mapping[str, boo
     Each earlier candidate is refused by its first guard that can be (``_refuse``).
     """
     chart = compiled(chart)
-    own = _own_guards(transition)
-    found = None if own is None else _refuse(own, _earlier(chart, transition))
+    found = _solve({}, _takes(transition)
+                   + tuple(_refusals(rival) for rival in _earlier(chart, transition)))
     return None if found is None else MappingProxyType(found)
-
-
-def _own_guards(transition: Transition) -> dict[str, bool] | None:
-    """The outcomes ``transition``'s own guards need (its ``cond`` true, its ``unless``
-    false), or None when they contradict each other."""
-    outcome: dict[str, bool] = {name: True for name in transition.conds}
-    for name in transition.unless:
-        if outcome.get(name) is True:
-            return None
-        outcome[name] = False
-    return outcome
 
 
 def _earlier(chart: CompiledChart, transition: Transition) -> tuple[Transition, ...]:
@@ -202,9 +235,37 @@ def _shadowed(chart: CompiledChart, transition: Transition) -> str:
             f"all be refused)")
 
 
+def _unsettable(chart: CompiledChart) -> None:
+    """``ValueError`` naming the first guard of ``chart`` no path can set, and why: a callable
+    (python-statemachine calls it, not the model a path drives), or an expression that is not
+    and/or/not over names (``guard_expr``)."""
+    for record in chart.transitions:
+        declared = chart.declared[record.id] if record.id < len(chart.declared) else None
+        for spec in getattr(declared, "_specs", ()):
+            if spec.group != CallbackGroup.COND or isinstance(
+                    getattr(spec.func, "calexec_constant", None), bool):
+                continue  # a constant guard of chart mutation testing: folded at compile
+            where = f"on transition {_describe(record)}"
+            if not isinstance(spec.func, str):
+                name = str(getattr(spec.func, "__name__", spec.func))
+                named = name if name.isidentifier() else "a_name"
+                raise ValueError(
+                    f"{chart.name}: guard {name!r} (a callable) {where}: a path cannot set it "
+                    f"(python-statemachine calls the callable itself, not the model a path "
+                    f"drives); name it instead, cond=\"{named}\" with {named} a method of the "
+                    f"model, or drive the chart with a model of your own")
+            try:
+                alternatives(spec.func, True)
+            except UnsettableGuard as err:
+                raise ValueError(f"{chart.name}: guard {spec.func!r} {where}: a path cannot set "
+                                 f"it: {err}") from None
+
+
 def _guards(chart: CompiledChart) -> dict[int, Mapping[str, bool] | None]:
     """Transition id -> its winning guard outcomes; ``ValueError`` for a shadowed one (a
-    declaration bug, named before the states or transitions only it would reach)."""
+    declaration bug, named before the states or transitions only it would reach) or a guard
+    no path can set (``_unsettable``)."""
+    _unsettable(chart)
     guards = {t.id: winning_guards(chart, t) for t in chart.transitions}
     for transition in chart.transitions:
         if guards[transition.id] is None:
@@ -285,7 +346,9 @@ def _by_configuration(chart: CompiledChart) -> bool:
 
 
 def _named(outcomes: Mapping[str, bool]) -> Mapping[str, bool]:
-    return MappingProxyType({k: v for k, v in outcomes.items() if k.isidentifier()})
+    """A step's outcomes: names a model answers (a guard expression is set by the names
+    inside it; ``_unsettable`` refused a chart with a guard no name sets)."""
+    return MappingProxyType(dict(outcomes))
 
 
 def _selected(chart: CompiledChart, record: Transition,
@@ -296,9 +359,6 @@ def _selected(chart: CompiledChart, record: Transition,
     cannot be refused (a state's transitions are selected before its ancestors'), or an
     eventless transition of ``configuration`` cannot be refused (python-statemachine takes
     those first, under the outcomes the step sets)."""
-    outcome = _own_guards(record)
-    if outcome is None:
-        return None
     states = chart.declaration.states_map
     inner: list[str] = []  # active states strictly below record.source
     for state_id in configuration:
@@ -315,7 +375,8 @@ def _selected(chart: CompiledChart, record: Transition,
     # a real run takes the eventless transitions the step's outcomes enable before its event:
     # those of ``configuration`` (refused there under the outcomes that reached it) stay so
     waiting = tuple(t for state_id in configuration for t in chart.table.get((state_id, ""), ()))
-    found = _refuse(outcome, _earlier(chart, record) + rivals + waiting)
+    found = _solve({}, _takes(record) + tuple(
+        _refusals(rival) for rival in _earlier(chart, record) + rivals + waiting))
     return None if found is None else MappingProxyType(found)
 
 
@@ -428,15 +489,36 @@ class _Graph:
     ``entered[state]`` the shortest edges that enter ``state`` and the configuration they
     end in."""
 
-    start: _Node
+    #: the ways the chart starts, the one with every guard holding first
+    starts: tuple[_Start, ...]
     edges: Mapping[_Node, list[_Edge]]
-    entered: Mapping[str, tuple[tuple[_Edge, ...], str]]
+    #: state -> (index of the start, the edges from it, the configuration they end in)
+    entered: Mapping[str, tuple[int, tuple[_Edge, ...], str]]
     #: ``_node``'s arguments: state -> declaration index, and ``_order_decides``
     rank: Mapping[str, int]
     ordered: bool
-    #: ids of the transitions the chart takes as it starts (its initial macrostep's eventless
-    #: and ``done.state`` ones): their path has no step
-    at_start: frozenset[int] = frozenset()
+
+    @property
+    def start(self) -> _Node:
+        """The node of the start where every guard holds."""
+        return self.starts[0].node
+
+    @property
+    def at_start(self) -> frozenset[int]:
+        """Ids of the transitions the start where every guard holds takes."""
+        return self.starts[0].taken
+
+
+@attrs.frozen
+class _Start:
+    """One way the chart starts: the outcomes set before it starts (empty: every guard
+    holds), the ids of the transitions its initial macrostep takes (eventless and
+    ``done.state`` ones: their path has no step) and the node and configuration it ends in."""
+
+    outcomes: Mapping[str, bool]
+    taken: frozenset[int]
+    node: _Node
+    state: str
 
 
 #: id(compiled chart) -> (a weak reference to it, its graph). Weak: the entry goes with the
@@ -470,8 +552,7 @@ def _macrostep_outcomes(chart: CompiledChart) -> list[Mapping[str, bool]]:
         winning = winning_guards(chart, transition)
         if winning is not None:
             found.append(winning)
-        found.extend(MappingProxyType({name: value}) for name, value in
-                     [(n, False) for n in transition.conds] + [(n, True) for n in transition.unless])
+        found.extend(MappingProxyType(dict(way)) for way in _refusals(transition))
     return found
 
 
@@ -494,21 +575,33 @@ def _graph(chart: CompiledChart) -> _Graph:
     known = _GRAPHS.get(id(chart))
     if known is not None and known[0]() is chart:
         return known[1]
-    start = StatechartRun.skeleton(chart)
     rank = {state: i for i, state in enumerate(chart.states)}
     ordered = _order_decides(chart)
     raised = {f"done.state.{state}" for state in chart.states}
     inner = _macrostep_outcomes(chart)
     no_steps: tuple[_Edge, ...] = ()
-    runs = {_node(start, rank, ordered): (start, no_steps)}
+    runs: dict[_Node, tuple[StatechartRun, int, tuple[_Edge, ...]]] = {}
     edges: dict[_Node, list[_Edge]] = {}
-    entered: dict[str, tuple[tuple[_Edge, ...], str]] = {}
-    for state in [*start.entered, *start.configuration]:
-        entered.setdefault(state, ((), start.state))
-    frontier = deque([_node(start, rank, ordered)])
+    entered: dict[str, tuple[int, tuple[_Edge, ...], str]] = {}
+    starts: list[_Start] = []
+    frontier: deque[_Node] = deque()
+    # the start under every guard holding, then under outcomes that select (or refuse) each
+    # guarded eventless or ``done.state`` transition: the start takes those too
+    for start_outcomes in _variants(MappingProxyType({}), inner):
+        start = StatechartRun.skeleton(chart, start_outcomes)
+        begun = _Start(start_outcomes, frozenset(t.id for t in start.taken_at_start),
+                       _node(start, rank, ordered), start.state)
+        if any((s.taken, s.node) == (begun.taken, begun.node) for s in starts):
+            continue  # this start went as one before, whatever these outcomes
+        starts.append(begun)
+        for state in [*start.entered, *start.configuration]:
+            entered.setdefault(state, (len(starts) - 1, (), start.state))
+        if begun.node not in runs:
+            runs[begun.node] = (start, len(starts) - 1, no_steps)
+            frontier.append(begun.node)
     while frontier:
         node = frontier.popleft()
-        run, steps = runs[node]
+        run, origin, steps = runs[node]
         out = edges.setdefault(node, [])
         for record in run.candidates():
             if record.event in raised:  # only the chart raises it, within a macrostep
@@ -530,31 +623,29 @@ def _graph(chart: CompiledChart) -> _Graph:
                 edge: _Edge = (record, taken, after, outcomes)
                 path = (*steps, edge)
                 for state in twin.entered:
-                    entered.setdefault(state, (path, twin.state))
+                    entered.setdefault(state, (origin, path, twin.state))
                 out.append(edge)
                 if after not in runs:
                     if len(runs) >= MAX_CONFIGURATIONS:
                         raise ValueError(f"{chart.name}: more than {MAX_CONFIGURATIONS} "
                                          f"configurations reachable; paths are not enumerated")
-                    runs[after] = (twin, path)
+                    runs[after] = (twin, origin, path)
                     frontier.append(after)
-    graph = _Graph(_node(start, rank, ordered), MappingProxyType(edges), MappingProxyType(entered),
-                   MappingProxyType(rank), ordered,
-                   frozenset(t.id for t in start.taken_at_start))
+    graph = _Graph(tuple(starts), MappingProxyType(edges), MappingProxyType(entered),
+                   MappingProxyType(rank), ordered)
     _GRAPHS[id(chart)] = (weakref.ref(chart, functools.partial(_forget, id(chart))), graph)
     return graph
 
 
-def _from(graph: _Graph, node: _Node, started: bool = False
+def _from(graph: _Graph, node: _Node, at_start: frozenset[int] = frozenset()
           ) -> tuple[dict[_Node, tuple[_Edge, ...]], dict[int, tuple[tuple[_Edge, ...], _Node]]]:
     """Breadth-first over ``graph`` from ``node``: the shortest edges to every node, and for
-    every transition the shortest edges that take it with the node they end in. ``started``:
-    ``node`` is the start of a run that just started (the transitions its start took are
-    taken with no step), not the same configuration reached again later."""
+    every transition the shortest edges that take it with the node they end in.
+    ``at_start``: ``node`` is where a start that took these transitions ended (they are
+    taken with no step)."""
     reach: dict[_Node, tuple[_Edge, ...]] = {node: ()}
     first: dict[int, tuple[tuple[_Edge, ...], _Node]] = {}
-    if node == graph.start:  # (taken before any step: the chart's start took them)
-        first.update((transition_id, ((), node)) for transition_id in graph.at_start)
+    first.update((transition_id, ((), node)) for transition_id in at_start)
     frontier = deque([node])
     while frontier:
         here = frontier.popleft()
@@ -569,19 +660,34 @@ def _from(graph: _Graph, node: _Node, started: bool = False
     return reach, first
 
 
+def _from_starts(graph: _Graph) -> dict[int, tuple[int, tuple[_Edge, ...]]]:
+    """Transition id -> (index of the start, the shortest edges from it that take the
+    transition): the fewest steps of any start, the start where every guard holds first."""
+    found: dict[int, tuple[int, tuple[_Edge, ...]]] = {}
+    for index, start in enumerate(graph.starts):
+        _, first = _from(graph, start.node, start.taken)
+        for transition_id, (edges, _end) in first.items():
+            known = found.get(transition_id)
+            if known is None or len(edges) < len(known[1]):
+                found[transition_id] = (index, edges)
+    return found
+
+
 def _steps(edges: tuple[_Edge, ...]) -> tuple[tuple[Transition, ...], tuple[Mapping[str, bool], ...]]:
     """The sent transitions of ``edges`` and the named guard outcomes of each."""
     return tuple(e[0] for e in edges), tuple(_named(e[3]) for e in edges)
 
 
-def _walk(edges: tuple[_Edge, ...], end: str) -> Walk:
-    return Walk(*_steps(edges), end)
+def _walk(edges: tuple[_Edge, ...], end: str, start: _Start | None = None) -> Walk:
+    if start is None or not start.outcomes:
+        return Walk(*_steps(edges), end)
+    return Walk(*_steps(edges), end, start.outcomes, start.state)
 
 
 def _never_raised(chart: CompiledChart, graph: _Graph) -> str:
     """``" (done.state.x is raised only when ...)"`` for the ``done.state`` events of
     transitions no reachable configuration takes (their state never completes), or ``""``."""
-    _, first = _from(graph, graph.start, started=True)
+    first = _from_starts(graph)
     events = list(dict.fromkeys(t.event for t in chart.transitions
                                 if t.id not in first and t.event.startswith("done.state.")))
     if not events:
@@ -598,36 +704,45 @@ def _configuration_walks(chart: CompiledChart) -> dict[str, Walk]:
     if missing:
         raise ValueError(f"{chart.name}: state(s) {', '.join(missing)} never entered from "
                          f"{chart.initial}{_never_raised(chart, graph)}")
-    return {state: _walk(*entered[state]) for state in chart.states}
+    return {state: _walk(entered[state][1], entered[state][2], graph.starts[entered[state][0]])
+            for state in chart.states}
 
 
 def _configuration_paths(chart: CompiledChart) -> list[Path]:
     graph = _graph(chart)
-    _, first = _from(graph, graph.start, started=True)
+    first = _from_starts(graph)
     never = [t for t in chart.transitions if t.id not in first]
     if never:
         raise ValueError(f"{chart.name}: transition(s) {', '.join(map(_describe, never))} "
                          f"taken from no reachable configuration{_never_raised(chart, graph)}"
                          f"{_only_at_start(chart, graph, never)}")
-    return [Path(t, *_steps(first[t.id][0])) for t in chart.transitions]
+    paths = []
+    for transition in chart.transitions:
+        index, edges = first[transition.id]
+        start = graph.starts[index]
+        paths.append(Path(transition, *_steps(edges), start.outcomes, start.state)
+                     if start.outcomes else Path(transition, *_steps(edges)))
+    return paths
 
 
 def _only_at_start(chart: CompiledChart, graph: _Graph, never: list[Transition]) -> str:
     """Why a transition out of a state the chart's start enters and at once leaves by a
     guarded eventless transition may be in ``never``: the start selects that one before any
-    step, where every guard holds."""
+    step, and no start explored (every guard holding, or outcomes selecting or refusing one
+    guarded eventless transition at a time) selects it."""
     leaving = [chart.transitions[i] for i in sorted(graph.at_start)]
     reasons = []
     for transition in never:
-        if graph.entered.get(transition.source, ((None,), ""))[0] != ():
+        if graph.entered.get(transition.source, (0, (None,), ""))[1] != ():
             continue
         left = next((t for t in leaving if t.source == transition.source and not t.event
                      and (t.conds or t.unless)), None)
         if left is not None:
             reasons.append(f"; {_describe(transition)}: out of {transition.source}, which the "
                            f"chart's start enters and leaves at once by {_describe(left)} "
-                           f"(every guard holds at the start: a path sets guard outcomes only "
-                           f"for the events it sends): drive it with a model of your own")
+                           f"(no start paths explore takes it: they set outcomes before the "
+                           f"start for one guarded eventless transition at a time): drive it "
+                           f"with a model of your own")
     return "".join(reasons)
 
 
@@ -636,12 +751,26 @@ def _configuration_tour(chart: CompiledChart) -> list[Walk]:
     on by the shortest steps to the nearest transition not taken yet, until none is
     reachable; then the next walk starts over."""
     graph = _graph(chart)
+    first_start = graph.starts[0]
     untaken = {t.id for t in chart.transitions} - graph.at_start  # (every walk takes those)
     walks: list[Walk] = []
     if not untaken and graph.at_start:  # the chart's start takes every transition
-        walks.append(_walk((), _walk_end(chart, graph, ())))
+        walks.append(_walk((), _walk_end(chart, graph, (), first_start), first_start))
     while untaken:
-        node, steps = graph.start, list[_Edge]()
+        # the start nearest a transition not taken yet (where every guard holds on a tie)
+        nearest_start: tuple[int, int] | None = None
+        for index, begun in enumerate(graph.starts):
+            _, first = _from(graph, begun.node, begun.taken)
+            near = min((len(first[i][0]) for i in untaken if i in first), default=None)
+            if near is not None and (nearest_start is None or near < nearest_start[0]):
+                nearest_start = (near, index)
+        if nearest_start is None:
+            names = ", ".join(_describe(chart.transitions[i]) for i in sorted(untaken))
+            raise ValueError(f"{chart.name}: transition(s) {names} cannot be toured")
+        start = graph.starts[nearest_start[1]]
+        took = untaken & start.taken
+        untaken -= start.taken
+        node, steps = start.node, list[_Edge]()
         while True:
             _, first = _from(graph, node)
             nearest = min(((len(first[i][0]), i) for i in untaken if i in first), default=None)
@@ -652,21 +781,22 @@ def _configuration_tour(chart: CompiledChart) -> list[Walk]:
                 untaken.difference_update(edge[1])
                 node = edge[2]
             steps.extend(path)
-        if not steps:
+        if not steps and not took:
             names = ", ".join(_describe(chart.transitions[i]) for i in sorted(untaken))
             raise ValueError(f"{chart.name}: transition(s) {names} cannot be toured")
-        walks.append(_walk(tuple(steps), _walk_end(chart, graph, tuple(steps))))
+        walks.append(_walk(tuple(steps), _walk_end(chart, graph, tuple(steps), start), start))
     return walks
 
 
-def _walk_end(chart: CompiledChart, graph: _Graph, steps: tuple[_Edge, ...]) -> str:
-    """The configuration a run that follows ``steps`` (edges) from the start ends in,
+def _walk_end(chart: CompiledChart, graph: _Graph, steps: tuple[_Edge, ...],
+              start: _Start) -> str:
+    """The configuration a run that follows ``steps`` (edges) from ``start`` ends in,
     ``"a,b"`` in the order that run lists it: a node holds its states as a set, and the walk
     may reach it by another order of events than the run that explored it first."""
-    run = StatechartRun.skeleton(chart)
+    run = StatechartRun.skeleton(chart, start.outcomes)
     for step, _, _, outcomes in steps:
         run.force(step, outcomes)
-    node = steps[-1][2] if steps else graph.start
+    node = steps[-1][2] if steps else start.node
     if _node(run, graph.rank, graph.ordered) != node:  # the graph merged runs that differ
         raise RuntimeError(f"{chart.name}: the walk {' '.join(s[0].event for s in steps)} ends in "
                            f"{run.state}, not in the configuration its graph says")
@@ -674,15 +804,21 @@ def _walk_end(chart: CompiledChart, graph: _Graph, steps: tuple[_Edge, ...]) -> 
 
 
 def _steps_data(walk: Path | Walk) -> list[dict[str, Any]]:
-    return [{"event": step.event, "from": step.source, "to": step.target,
-             "guards": dict(outcomes)} for step, outcomes in zip(walk.steps, walk.guards)]
+    """The steps of ``walk``, after a start step (``"event": None``, the outcomes to set
+    before the chart starts and the configuration it starts in) when it needs one."""
+    start: list[dict[str, Any]] = [] if not walk.start else [
+        {"event": None, "from": None, "to": walk.started, "guards": dict(walk.start)}]
+    return start + [{"event": step.event, "from": step.source, "to": step.target,
+                     "guards": dict(outcomes)} for step, outcomes in zip(walk.steps, walk.guards)]
 
 
 def as_data(chart: ChartLike) -> dict[str, Any]:
     """The paths of ``chart`` as JSON-ready data: ``states`` (state -> steps of its shortest
     walk), ``transitions`` (one entry per transition with the steps of its shortest path) and
     ``tour`` (a list of walks, each a list of steps); a step is ``{"event", "from", "to",
-    "guards"}`` with ``guards`` the outcomes to set before sending ``event``."""
+    "guards"}`` with ``guards`` the outcomes to set before sending ``event``. A walk with a
+    ``start`` begins with a start step, ``{"event": None, "from": None, "to": <the
+    configuration the start ends in>, "guards": <outcomes to set before the chart starts>}``."""
     chart = compiled(chart)
     return {
         "chart": chart.name,
@@ -712,9 +848,19 @@ class GuardTable:
     def for_chart(cls, chart: ChartLike, **kwargs: object) -> GuardTable:
         """An instance whose class has one method per guard name of ``chart``."""
         chart = compiled(chart)
-        methods = {name: _guard_method(name) for name in sorted(chart.guard_names)}
+        every = {name for t in chart.transitions for text in t.conds + t.unless
+                 for name in _guard_names(text)}
+        methods = {name: _guard_method(name) for name in sorted(chart.guard_names | every)}
         table: GuardTable = type(f"{cls.__name__}_{chart.name}", (cls,), methods)(**kwargs)
         return table
+
+
+def _guard_names(text: str) -> tuple[str, ...]:
+    """The names a guard's text reads (none for an expression no path can set)."""
+    try:
+        return names(text)
+    except UnsettableGuard:
+        return ()
 
 
 def _guard_method(name: str) -> Callable[[GuardTable], bool]:
@@ -727,7 +873,9 @@ def _guard_method(name: str) -> Callable[[GuardTable], bool]:
 
 def drive(run: ChartRun, path: Path | Walk) -> str:
     """Send ``path``'s events to ``run`` (whose model is a ``GuardTable``), setting each step's
-    guard outcomes first; return the final state. Raises as ``ChartRun.send`` does."""
+    guard outcomes first; return the final state. Raises as ``ChartRun.send`` does. A path
+    with a ``start`` needs a run started under it: ``chart.run(GuardTable.for_chart(chart,
+    outcomes=path.start))`` (the start reads the model as the chart starts)."""
     for step, outcomes in zip(path.steps, path.guards):
         run.model.outcomes = dict(outcomes)
         run.send(step.event)

@@ -71,6 +71,7 @@ from calexec.machines.chart_support import (
     GuardRejected,
     IllegalTransition,
 )
+from calexec.machines.guard_expr import holds
 
 if TYPE_CHECKING:  # compiled builds a StatechartRun (lazily), so no import back at run time
     from calexec.machines.compiled import CompiledChart, Transition
@@ -117,7 +118,8 @@ class StatechartRun:
     """
 
     def __init__(self, chart: CompiledChart, model: object | None = None,
-                 listeners: Iterable[object] = (), callbacks: bool = True,
+                 listeners: Iterable[object] = (), callbacks: bool = True, *,
+                 skeleton_outcomes: Mapping[str, bool] | None = None,
                  **start_kwargs: object) -> None:
         self.chart = chart
         declaration = chart.declaration
@@ -161,9 +163,10 @@ class StatechartRun:
         self.trail: Any = None
         self._now: Callable[[], float] = time.monotonic
         if not callbacks:  # a skeleton (``skeleton``): the chart's structure only
-            # its initial macrostep answers guards as a ``GuardTable`` with no outcome set
-            # does: every one holds (so an ``unless`` refuses, as on a real run)
-            self._outcomes = MappingProxyType({})
+            # its initial macrostep answers guards as a ``GuardTable`` given
+            # ``skeleton_outcomes`` before the chart starts does (none: every guard holds,
+            # so an ``unless`` refuses, as on a real run)
+            self._outcomes = MappingProxyType(dict(skeleton_outcomes or {}))
             try:
                 self._start(**start_kwargs)
             finally:
@@ -191,13 +194,15 @@ class StatechartRun:
     # ---- skeletons: the structure of the chart, for paths (machines/paths.py)
 
     @classmethod
-    def skeleton(cls, chart: CompiledChart) -> StatechartRun:
+    def skeleton(cls, chart: CompiledChart,
+                 outcomes: Mapping[str, bool] | None = None) -> StatechartRun:
         """A run that calls no callback: every action does nothing, and a guard answers as a
         ``paths.GuardTable`` does (its outcome given to ``force``, else True; so an
-        ``unless`` refuses).
-        ``machines/paths.py`` explores the configurations of a chart with it (``node``,
-        ``fork``, ``force``)."""
-        return cls(chart, callbacks=False)
+        ``unless`` refuses); its start (the initial macrostep: eventless and ``done.state``
+        transitions taken before any event) answers ``outcomes`` (a model's set before the
+        chart starts). ``machines/paths.py`` explores the configurations of a chart with it
+        (``node``, ``fork``, ``force``)."""
+        return cls(chart, callbacks=False, skeleton_outcomes=outcomes)
 
     def node(self) -> tuple[tuple[str, ...], tuple[tuple[str, tuple[str, ...]], ...], bool]:
         """What decides this run's future: the configuration, the recorded history and
@@ -487,8 +492,8 @@ class StatechartRun:
                            if r is not None), None)
             if record is None:
                 return True
-            return (all(self._outcomes.get(name, True) for name in record.conds)
-                    and not any(self._outcomes.get(name, True) for name in record.unless))
+            return (all(holds(text, self._outcomes) for text in record.conds)
+                    and not any(holds(text, self._outcomes) for text in record.unless))
         args, kwargs = self._args_kwargs(transition, trigger)
         self._registry.call(transition.validators.key, *args, on_error=None, **kwargs)
         return bool(self._registry.all(transition.cond.key, *args, on_error=self._on_error(),

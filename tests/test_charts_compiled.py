@@ -189,3 +189,38 @@ def test_a_guard_defined_on_the_chart_class_is_found_by_the_compiled_run():
     assert run.state == "ajar"
     with pytest.raises(GuardRejected):
         chart.run(Lock(locked=True)).send("push")
+
+
+def _door_chart() -> type:
+    """A user's chart class, made anew on each call (as a test fixture or a long-lived tool
+    process builds them): every class has the same qualified name."""
+    from statemachine import State, StateChart
+
+    class Door(StateChart):
+        closed = State(initial=True)
+        opened = State(final=True)
+        open = closed.to(opened, cond="unlocked")
+
+    return Door
+
+
+def test_a_compiled_user_chart_class_can_be_collected():
+    """``compiled`` kept every class it compiled in a module-level dict for the process's
+    life (with its transition table). The compiled chart now lives as long as its class and
+    no longer: once nothing else holds a class, both go. (python-statemachine's own registry
+    keeps the newest class of each qualified name, so the newer ``Door`` is made first.)"""
+    import gc
+    import weakref
+
+    from calexec.machines.compiled import compiled
+
+    old = _door_chart()
+    chart = compiled(old)
+    assert compiled(old) is chart  # one compiled chart per class while it lives
+    refs = [weakref.ref(old), weakref.ref(chart)]
+    newer = _door_chart()
+    assert compiled(newer) is not chart
+    del old, chart
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
+    assert compiled(newer).declaration is newer

@@ -97,8 +97,8 @@ def test_a_failing_command_fails_the_cover_run(project, capsys):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--chart", "{m}", "--", "true"], "--chart='{m}': '{m}': expected MODULE:CLASS"),
-        (["--chart", "{m}:Nope", "--", "true"], "--chart='{m}:Nope': '{m}:Nope': module"),
+        (["--chart", "{m}", "--", "true"], "--chart='{m}': expected MODULE:CLASS"),
+        (["--chart", "{m}:Nope", "--", "true"], "--chart='{m}:Nope': module"),
         (["--chart", "{m}:Light", "--min", "120", "--", "true"],
          "--min='120': expected a percentage (0-100)"),
         (["--chart", "{m}:Light"], "no test command: give it after `--`"),
@@ -117,6 +117,29 @@ def test_bad_input_is_one_line_exit_2(project, capsys, args, message):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in err, err
     assert message.format(m=module) in lines[0], lines[0]
+
+
+def test_the_chart_reference_is_named_once_in_each_message(project, capsys):
+    """``charts cover`` printed the reference twice, ``--chart='m:Nope': 'm:Nope': module ...``
+    and ``... imported m:Light: 'm:Light': cannot import ...``: its own prefix, then the
+    reference the loader's message starts with."""
+    root, module = project
+    ref = f"{module}:Nope"
+    assert cli(["charts", "cover", "--chart", ref, "--", "true"]) == 2
+    err = capsys.readouterr().err
+    assert err.count(ref) == 1, err
+    # a chart the parent imports but no process of the command can
+    (root / f"child_{module}.py").write_text(textwrap.dedent(CHART) + textwrap.dedent("""
+        import os
+        if os.environ.get("CALEXEC_CHART_COVER_DIR"):
+            raise RuntimeError("not in the command's processes")
+    """))
+    ref = f"child_{module}:Light"
+    assert cli(["charts", "cover", "--chart", ref, "--", sys.executable, "-c", "pass"]) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "not in the command's processes" in lines[0], err
+    assert lines[0].count(ref) == 1, lines[0]
 
 
 def test_two_charts_of_the_same_name_are_refused_by_cover_and_the_plugin(project, capsys):

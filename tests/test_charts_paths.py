@@ -154,8 +154,9 @@ def test_paths_of_a_large_chart_index_the_transitions_once(monkeypatch):
 def test_a_flat_chart_s_steps_name_only_guards_a_model_can_answer():
     """A flat chart whose guards include a callable and an expression (it takes the general
     run) had steps requiring ``{"<lambda>": True}`` and ``{"ready and not busy": True}``:
-    outcomes no model can be given. Only named guards are step outcomes, as on a
-    hierarchical chart (module docstring)."""
+    outcomes no model can be given. Those were then left out of the steps, silently (a run
+    following them took other transitions); now an expression is set by the names inside it
+    and a callable is refused, naming it."""
     from statemachine import State, StateMachine
 
     from calexec.machines.paths import as_data
@@ -177,11 +178,23 @@ def test_a_flat_chart_s_steps_name_only_guards_a_model_can_answer():
         def signed(self) -> bool:
             return True
 
-    data = as_data(Desk)
+    # the callable: no path can set it, so paths refuse the chart naming it (they dropped it)
+    with pytest.raises(ValueError, match=r"guard '<lambda>' \(a callable\) on transition "
+                                         r"idle --take--> busy: a path cannot set it"):
+        as_data(Desk)
+    class Desk2(StateMachine):
+        idle = State(initial=True)
+        busy = State()
+        done = State(final=True)
+        check = idle.to(busy, cond="ready and not busy_now")
+        finish = busy.to(done, cond="signed")
+
+    data = as_data(Desk2)
     every = [step["guards"] for walk in data["tour"] for step in walk]
     every += [step["guards"] for t in data["transitions"] for step in t["path"]]
     assert all(name.isidentifier() for guards in every for name in guards), every
-    assert {"signed": True} in every
+    # the expression is set by the names inside it (it was left out of the step)
+    assert {"ready": True, "busy_now": False} in every and {"signed": True} in every
 
 
 def _fresh_compound_chart(index: int) -> type:

@@ -8,7 +8,9 @@ that declares it (``MODULE`` is imported from the current directory, see
 and the DOT sha256 the SVG/PNG carry; needs no graphviz). ``paths`` prints the shortest path
 to every state, to every transition, and a transition tour (walks from the initial state that
 together take every transition), as text or, with ``--json``, as data a test can iterate
-(``calexec.machines.paths.as_data``).
+(``calexec.machines.paths.as_data``). A walk whose chart must choose otherwise as it starts
+(a guarded eventless transition out of the initial state) begins with a start step,
+``(start)[!healthy]`` (JSON: ``"event": null``): outcomes to set before the chart starts.
 
 Exit codes: 0 done; 1 ``--check`` found a stale file; 2 bad input (one line naming it: not
 ``MODULE:CLASS``, module not importable, no such class, not a chart class, a construct the
@@ -123,8 +125,9 @@ def _text(data: dict) -> str:
         if not walk:
             return none
         return " ".join(
-            f"{s['event']}" + (f"[{','.join(k if v else '!' + k for k, v in s['guards'].items())}]"
-                               if s["guards"] else "")
+            ("(start)" if s["event"] is None else f"{s['event']}")
+            + (f"[{','.join(k if v else '!' + k for k, v in s['guards'].items())}]"
+               if s["guards"] else "")
             for s in walk)
 
     lines = [f"{data['chart']} ({data['class']}): initial {data['initial']}, finals "

@@ -62,7 +62,7 @@ def install_from_env(environ: Mapping[str, str] = os.environ) -> None:
             track(chart, recorder)
             loaded[ref] = chart.name
         except (ChartRefError, ValueError, TypeError) as err:
-            errors[ref] = str(err).splitlines()[0] if str(err) else repr(err)
+            errors[ref] = _reason(err)
 
     def write() -> None:
         path = Path(out, f"hits-{os.getpid()}.json")
@@ -70,6 +70,13 @@ def install_from_env(environ: Mapping[str, str] = os.environ) -> None:
                                     "hits": sorted(recorder.hits)}), encoding="utf-8")
 
     atexit.register(write)
+
+
+def _reason(err: Exception) -> str:
+    """The first line of why ``err`` refused a chart, without the reference a
+    ``ChartRefError`` starts with (the caller names it once)."""
+    text = err.reason if isinstance(err, ChartRefError) else str(err)
+    return text.splitlines()[0] if text else repr(err)
 
 
 def _minimum(text: str) -> float:
@@ -116,7 +123,7 @@ def main(argv: list[str]) -> int:
         try:
             charts.append(compiled(load_chart(ref)))
         except (ChartRefError, ValueError, TypeError) as err:
-            raise UserError(f"--chart={ref!r}: {str(err).splitlines()[0]}") from None
+            raise UserError(f"--chart={ref!r}: {_reason(err)}") from None
     refs = list(dict.fromkeys(args.chart))
     named: dict[str, tuple[str, CompiledChart]] = {}
     for ref, chart in zip(refs, charts):

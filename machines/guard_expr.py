@@ -1,0 +1,127 @@
+"""Guard expressions as paths set them: python-statemachine's boolean guard expressions
+(``cond="has_items and not blocked"``; ``!``, ``^`` and ``v`` as it reads them) over the names
+a model answers.
+
+A path does not set an expression as one opaque guard (no model method is named ``"a and not
+b"``): it sets the names inside it, which a ``paths.GuardTable`` model answers and
+python-statemachine combines as the expression says. ``alternatives(text, value)`` are the
+ways to give ``text`` the outcome ``value`` (each a set of name outcomes; a name not set
+answers True, as ``GuardTable`` answers it), ``holds`` evaluates it under outcomes, ``names``
+lists its names.
+
+Only ``and``, ``or``, ``not``, names and constants are such expressions. A comparison
+(``load > 3``), a call (``In('busy')``) or anything else python-statemachine evaluates on
+values a path does not set is refused: ``UnsettableGuard`` says why, and the caller names the
+guard and its transition.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+from collections.abc import Mapping
+
+from statemachine.spec_parser import replace_operators
+
+#: bound on the ways to set one expression (``(a or b) and (c or d) and ...`` doubles them)
+MAX_ALTERNATIVES = 256
+
+#: one way to give an expression an outcome: (name, outcome) pairs, each name once
+Alternative = tuple[tuple[str, bool], ...]
+
+
+class UnsettableGuard(ValueError):
+    """A guard expression whose outcome no setting of names decides; the message is the
+    reason (the caller prefixes the guard and its transition)."""
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse(text: str) -> ast.expr:
+    """``text`` as an expression of names, constants, ``and``, ``or`` and ``not``."""
+    if text.isidentifier():
+        return ast.Name(id=text, ctx=ast.Load())
+    try:
+        tree = ast.parse(replace_operators(text), mode="eval").body
+    except SyntaxError as err:
+        raise UnsettableGuard(f"not a boolean expression ({err.msg})") from None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            raise UnsettableGuard("a comparison: its outcome depends on values a path does not "
+                                  "set, only on the names of guards")
+        if isinstance(node, ast.Call):
+            raise UnsettableGuard("a call (such as In(...)): its outcome depends on what a path "
+                                  "does not set")
+        if not isinstance(node, (ast.BoolOp, ast.UnaryOp, ast.Name, ast.Constant,
+                                 ast.And, ast.Or, ast.Not, ast.Load)):
+            raise UnsettableGuard(f"{type(node).__name__} is not and/or/not over names")
+        if isinstance(node, ast.UnaryOp) and not isinstance(node.op, ast.Not):
+            raise UnsettableGuard(f"{type(node.op).__name__} is not and/or/not over names")
+    return tree
+
+
+def names(text: str) -> tuple[str, ...]:
+    """The names ``text`` reads, in order, each once."""
+    return tuple(dict.fromkeys(n.id for n in ast.walk(_parse(text)) if isinstance(n, ast.Name)))
+
+
+def holds(text: str, outcomes: Mapping[str, bool]) -> bool:
+    """``text``'s outcome where each name answers ``outcomes`` (True when not there)."""
+    if text.isidentifier():
+        return outcomes.get(text, True)
+    return _holds(_parse(text), outcomes)
+
+
+def _holds(node: ast.expr, outcomes: Mapping[str, bool]) -> bool:
+    if isinstance(node, ast.Name):
+        return outcomes.get(node.id, True)
+    if isinstance(node, ast.Constant):
+        return bool(node.value)
+    if isinstance(node, ast.UnaryOp):
+        return not _holds(node.operand, outcomes)
+    if isinstance(node, ast.BoolOp):
+        values = (_holds(value, outcomes) for value in node.values)
+        return all(values) if isinstance(node.op, ast.And) else any(values)
+    raise UnsettableGuard(f"{type(node).__name__} is not and/or/not over names")
+
+
+@functools.lru_cache(maxsize=4096)
+def alternatives(text: str, value: bool) -> tuple[Alternative, ...]:
+    """The ways to give ``text`` the outcome ``value``, simplest first: each sets some names,
+    and any setting that includes one of them gives ``text`` that outcome. Empty when no
+    setting does (``"a and not a"`` for True)."""
+    if text.isidentifier():
+        return (((text, value),),)
+    found = _alternatives(_parse(text), value)
+    if len(found) > MAX_ALTERNATIVES:
+        raise UnsettableGuard(f"more than {MAX_ALTERNATIVES} ways to set it")
+    return tuple(tuple(way.items()) for way in found)
+
+
+def _alternatives(node: ast.expr, value: bool) -> list[dict[str, bool]]:
+    if isinstance(node, ast.Name):
+        return [{node.id: value}]
+    if isinstance(node, ast.Constant):
+        return [{}] if bool(node.value) == value else []
+    if isinstance(node, ast.UnaryOp):
+        return _alternatives(node.operand, not value)
+    if not isinstance(node, ast.BoolOp):
+        raise UnsettableGuard(f"{type(node).__name__} is not and/or/not over names")
+    every = isinstance(node.op, ast.And) == value  # each operand must have ``value``
+    if not every:  # any one operand with ``value`` decides
+        found: list[dict[str, bool]] = []
+        for operand in node.values:
+            found += [way for way in _alternatives(operand, value) if way not in found]
+            if len(found) > MAX_ALTERNATIVES:
+                break
+        return found
+    ways: list[dict[str, bool]] = [{}]
+    for operand in node.values:
+        merged: list[dict[str, bool]] = []
+        for way in ways:
+            for more in _alternatives(operand, value):
+                if all(way.get(name, outcome) == outcome for name, outcome in more.items()):
+                    both = {**way, **more}
+                    if both not in merged:
+                        merged.append(both)
+        ways = merged[:MAX_ALTERNATIVES + 1]
+    return ways
