@@ -303,6 +303,21 @@ REGRESSIONS: dict[str, D.Case] = {
                          after_failure=None)),
             ("tick", 0.1007),
             ("switch", False, True)), 0.0097, 4),
+    # harness gap found by stop 40's long run (seed 50114): client 2's prefill passed its
+    # 14.7 ms deadline on both lanes (wait.deadline, the release finding the sequence busy)
+    # and still ran: in Phase B beside client 1's prefill, on the plain path after it. Its
+    # injected NaN output ran a recovery (generation 2) no answer carries, its caller gone.
+    # The end state was compared at the last answer, with Phase B's recovery running and the
+    # plain path's job still on the device; it is now compared once both lanes settled
+    "a_job_whose_caller_left_faults_after_the_last_answer": D.Case(("phase_b_full",), (
+        ("client", C(1, 2, (684, 14198, 78604, 47180, 18752, 25656, 47318, 139245, 144244,
+                            81897), 0, reserve=False, logits_out=False, greedy=False,
+                     tokens=(24721, 106345, 89078))),
+        ("tick", 0.0059),
+        ("client", C(2, 1, (5988, 129424, 138588, 129464, 119270, 104532, 92159, 90697), 1,
+                     logits_out=False, greedy=False, tokens=(135471, 50901, 88307),
+                     deadline_s=0.0147, after_failure=None, faults=((-1, "OUTPUT_NAN"),))),
+        ("tick", 0.0203)), 0.0097, 4),
 }
 
 

@@ -455,6 +455,14 @@ class Lane(Explorer):
     def clients_done(self) -> bool:
         return all(cid in self.finished for cid in self.answers if not isinstance(cid, tuple))
 
+    def settled(self) -> bool:
+        """Nothing left to happen after the clients ended: no job queued, armed, in flight
+        or held by the runtime, and the lifecycle at rest (Ready or Failed). Unlocked reads
+        (the lane's threads are paused at a scheduling point, maybe holding the lock)."""
+        dispatch = self.ex.dispatch
+        return (self.ex.state in ("Ready", "Failed") and dispatch.inflight == 0
+                and not dispatch.has_work() and not dispatch.any_held)
+
     # ---- one client's program (a controlled thread) ------------------------------------------
     def _answer(self, result, out: np.ndarray | None, count: int) -> tuple:
         if isinstance(result, Status):  # (with the caller's row: untouched by a failure,
@@ -653,6 +661,15 @@ class Differential:
                 break
             for lane in self.lanes:
                 lane.advance(1.0)
+        # the end state once nothing is left to happen: a job whose caller left (its
+        # deadline passed) may still run, and its fault run a recovery (found by stop 40's
+        # long run, seed 50114: compared at once, the plain path's was still on the device
+        # while Phase B's, which had run earlier, already recovered)
+        for _ in range(int(horizon_s)):
+            if all(lane.settled() for lane in self.lanes):
+                break
+            for lane in self.lanes:
+                lane.advance(1.0)
         problems = []
         for lane in self.lanes:
             if not lane.clients_done():
@@ -660,6 +677,10 @@ class Differential:
                          and cid not in lane.finished]
                 problems.append(f"{lane.variant.name}: clients {stuck} never ended within "
                                 f"{horizon_s}s of virtual time")
+            elif not lane.settled():
+                problems.append(f"{lane.variant.name}: never settled within {horizon_s}s of "
+                                f"virtual time after its clients ended (lifecycle "
+                                f"{lane.ex.state}, dispatch {lane.ex.dispatch.peek()})")
         problems += self.oracle_problems(self.ref)
         for lane in self.lanes[1:]:
             problems += compare(self.ref, lane, self.timed)
