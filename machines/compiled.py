@@ -32,7 +32,7 @@ from __future__ import annotations
 import re
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
 from typing import Any, Protocol
 
@@ -89,10 +89,11 @@ class TransitionChecker(Protocol):
 
     def after(self, model: object, transition: Transition) -> None: ...
 
-    def listener(self) -> object:
+    def listener(self, configuration: Callable[[], Iterable[str]] | None = None) -> object:
         """A python-statemachine listener calling ``before``/``after`` around each declared
         transition (``before_transition``/``after_transition``): how the general run of a
-        hierarchical chart, which resolves callbacks as an instance does, checks contracts."""
+        hierarchical chart, which resolves callbacks as an instance does, checks contracts
+        (``configuration``: the run's active state ids, whose invariants ``after`` checks)."""
         ...
 
 

@@ -174,7 +174,7 @@ class StatechartRun:
             self.taken_at_start = self._take_records()
             return
         if chart.checker is not None:  # contracts enabled: checked as on an instance
-            listeners = (*listeners, chart.checker.listener())
+            listeners = (*listeners, chart.checker.listener(lambda: self.configuration))
         resolvers = Listeners.from_listeners((
             Listener.from_obj(machine, skip_attrs=_protected(declaration)),
             Listener.from_obj(model, skip_attrs={"state"}),
