@@ -210,3 +210,44 @@ def test_a_run_id_with_a_slash_is_served(shop):
         assert answer.status_code == 200, answer.text
         assert answer.json()["run_id"] == "shop/order-7"
         assert answer.json()["trail"][0]["to"] == "placed"
+
+
+def test_a_followed_hierarchical_instance_names_its_configuration(monkeypatch):
+    """A python-statemachine instance of a hierarchical chart has several active states: its
+    record's ``state`` was None and its page was headed ``TrafficLight run t1: None``, where
+    a compiled run of the same chart says ``operating,cars,green,...``."""
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    from traffic_light import Junction, TrafficLight
+
+    inspector = Inspector()
+    light = TrafficLight(Junction())
+    inspector.paths.follow("t1", light)
+    light.send("power_on")
+    run = compiled(TrafficLight).run(Junction())
+    run.send("power_on")
+    record = inspector.paths.record("t1")
+    assert record is not None and record["state"] == run.state, record
+    inspector.close()
+
+
+def test_states_with_their_own_values_are_counted_and_named_by_id():
+    """``State(value=1)``: an instance's ``configuration_values`` are the values, not the
+    ids the chart's counts are keyed by, so its runs were counted nowhere and its state was
+    named ``'1'``."""
+    from statemachine import State, StateMachine
+
+    class Ticket(StateMachine):
+        new = State(initial=True, value=1)
+        done = State(final=True, value=2)
+        close = new.to(done)
+
+    inspector = Inspector()
+    ticket = Ticket()
+    inspector.register(Ticket, runs=lambda: [ticket])
+    inspector.paths.follow("t1", ticket)
+    assert inspector.live()["charts"]["Ticket"]["counts"] == {"new": 1, "done": 0}
+    ticket.send("close")
+    assert inspector.live()["charts"]["Ticket"]["counts"] == {"new": 0, "done": 1}
+    record = inspector.paths.record("t1")
+    assert record is not None and record["state"] == "done", record
+    inspector.close()
