@@ -351,6 +351,12 @@ def _named(outcomes: Mapping[str, bool]) -> Mapping[str, bool]:
     return MappingProxyType(dict(outcomes))
 
 
+def _by_id(chart: CompiledChart) -> dict[str, Any]:
+    """The chart's states by id (python-statemachine's ``states_map`` is keyed by value, which
+    ``State(value=...)`` makes differ from the id a configuration names)."""
+    return {state.id: state for state in chart.declaration.states_map.values()}
+
+
 def _selected(chart: CompiledChart, record: Transition,
               configuration: tuple[str, ...]) -> Mapping[str, bool] | None:
     """Guard outcomes under which sending ``record.event`` in ``configuration`` takes
@@ -359,7 +365,7 @@ def _selected(chart: CompiledChart, record: Transition,
     cannot be refused (a state's transitions are selected before its ancestors'), or an
     eventless transition of ``configuration`` cannot be refused (python-statemachine takes
     those first, under the outcomes the step sets)."""
-    states = chart.declaration.states_map
+    states = _by_id(chart)
     inner: list[str] = []  # active states strictly below record.source
     for state_id in configuration:
         chain: list[str] = []
@@ -470,7 +476,7 @@ def _node(run: StatechartRun, rank: Mapping[str, int], ordered: bool) -> _Node:
     def canonical(ids: tuple[str, ...]) -> tuple[str, ...]:
         return tuple(sorted(ids, key=lambda state: (rank.get(state, len(rank)), state)))
 
-    states = run.chart.declaration.states_map
+    states = _by_id(run.chart)
     atomic = tuple(s for s in configuration if states[s].is_atomic) if ordered else ()
     return (canonical(configuration), atomic,
             tuple((name, canonical(ids)) for name, ids in history), running)
