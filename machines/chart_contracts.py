@@ -130,6 +130,8 @@ class ContractChecker:
     python-statemachine instance. Reports each violation to its monitors."""
 
     def __init__(self, chart: CompiledChart, contracts: Iterable[Contract]) -> None:
+        from calexec.machines.compiled import dotted_event
+
         self.chart = chart
         self.monitors: tuple[ContractMonitor, ...] = ()
         self.invariants: dict[str, tuple[Contract, ...]] = {}
@@ -139,7 +141,10 @@ class ContractChecker:
             index = {"invariant": self.invariants, "precondition": self.pre,
                      "postcondition": self.post}[contract.kind]
             for name in contract.names:
-                index[name] = index.get(name, ()) + (contract,)
+                # ``done_state_x`` names the transition taken on ``done.state.x``
+                spelled = {name, name if contract.kind == "invariant" else dotted_event(name)}
+                for key in spelled:
+                    index[key] = index.get(key, ()) + (contract,)
 
     def _check(self, contracts: tuple[Contract, ...], model: Model, state: str,
                transition: Transition | None) -> None:

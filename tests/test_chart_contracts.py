@@ -407,3 +407,31 @@ def test_a_violation_is_raised_from_send_under_statechart_semantics(kind, broken
     configuration = (list(run.configuration_values) if kind == "psm"
                      else list(run.configuration))
     assert "broken" not in configuration, configuration
+
+
+class Batch(StateChart):
+    """``done_state_job``: the transition python-statemachine takes on ``done.state.job``."""
+
+    class job(State.Compound):  # noqa: N801 - python-statemachine's declaration style
+        running = State(initial=True)
+        finished = State(final=True)
+        finish = running.to(finished)
+
+    archived = State(final=True)
+    done_state_job = job.to(archived)
+
+    @precondition("done_state_job")
+    def archives_only_audited(account: Account) -> bool:  # noqa: N805
+        return account.audited
+
+
+@pytest.mark.parametrize("kind", ["psm", "compiled"])
+def test_a_contract_on_a_done_state_event_by_its_declared_name_is_checked(kind):
+    """A precondition on ``done_state_job`` (the name the chart declares, which the contract
+    check accepts) was never checked: the transition is taken on ``done.state.job``."""
+    account = Account(audited=False)
+    with contracts_checked(Batch, raise_on_violation=False) as monitor:
+        run = Batch(account) if kind == "psm" else compiled(Batch).run(account)
+        run.send("finish")
+    assert [(v.contract, v.transition) for v in monitor.violations] == [
+        ("archives_only_audited", "job --done.state.job--> archived")], monitor.violations
