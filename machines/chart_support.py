@@ -6,7 +6,8 @@ python-statemachine 3.2.2 but the constructs ``unsupported`` names. A compiled r
 of two engines: the flat fast path (``compiled.ChartRun``: atomic and final states, named
 ``cond``/``unless`` guards, no action, no validator, ``StateMachine`` semantics), or the
 general run (``statechart_run.StatechartRun``) for everything ``hierarchical`` and ``actions``
-list and for ``StateChart`` semantics (``semantics``): compound, parallel and history states,
+list and for ``StateChart`` semantics (``semantics``: a ``StateChart``, or a ``StateMachine``
+setting one of the flags that choose the semantics otherwise): compound, parallel and history states,
 eventless and targetless transitions, validators, guards that are expressions or callables,
 actions (enter/exit, before/on/after, declared or by naming convention).
 
@@ -162,7 +163,18 @@ def semantics(declaration: type[StateChart[Any]]) -> str | None:
     if not issubclass(declaration, StateMachine):
         return (f"{declaration.__name__} is a StateChart (a refused event is ignored, callback "
                 f"errors become events): the flat fast path follows StateMachine semantics only")
+    changed = [f"{flag} = {getattr(declaration, flag)!r}" for flag in _SEMANTIC_FLAGS
+               if getattr(declaration, flag) != getattr(StateMachine, flag)]
+    if changed:
+        return (f"{declaration.__name__} sets {', '.join(changed)}: the flat fast path follows "
+                f"StateMachine's defaults only")
     return None
+
+
+#: the class flags that choose python-statemachine's semantics (StateMachine and StateChart
+#: differ in each); a StateMachine that sets one to another value is not run by its defaults
+_SEMANTIC_FLAGS = ("allow_event_without_transition", "catch_errors_as_events",
+                   "enable_self_transition_entries", "atomic_configuration_update")
 
 
 def _declared(declaration: type[StateChart[Any]], spec: Any) -> bool:
