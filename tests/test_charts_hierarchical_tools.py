@@ -698,3 +698,32 @@ def test_paths_of_a_chart_whose_states_have_values_drive_a_real_run():
         run = compiled(Valued).run(GuardTable.for_chart(Valued, outcomes=walk.start))
         drive(run, walk)
     assert set(state_paths(Valued)) == set(compiled(Valued).states)
+
+
+def test_every_derived_mutant_of_a_history_target_applies() -> None:
+    """``derive`` named ``target:idle-restore->h:idle`` (the source, when the original target
+    is a history state), but ``apply`` looked for it among the targets of a history
+    transition without the chart's first state: ``no mutant``, which ``charts mutate``
+    reported as "the command did not import the chart"."""
+
+    def player() -> type[StateChart]:
+        class Player(StateChart):
+            idle = State(initial=True)
+
+            class active(State.Compound):  # noqa: N801 - python-statemachine's style
+                playing = State(initial=True)
+                paused = State()
+                pause = playing.to(paused)
+                h = HistoryState()
+
+            stopped = State(final=True)
+            load = idle.to(active)
+            stop = active.to(idle)
+            eject = idle.to(stopped)
+            restore = idle.to(active.h)
+
+        return Player
+
+    for limit in (0, 1, 2):
+        for mutant in mutants.derive(player(), targets_per_transition=limit):
+            mutants.apply(player(), mutant.id)
