@@ -50,3 +50,37 @@ def test_a_check_that_raises_fails_the_schedule_with_its_seed_and_choices(where)
     again = replay_threads(scenario, found.failure.choices,
                            invariant=invariant if where == "invariant" else None)
     assert again is not None and again.message == found.failure.message
+
+
+def test_a_condition_s_wait_for_runs_under_the_explorer():
+    """``clock.condition(lock)`` is a ``threading.Condition`` on the real clock, so code uses
+    its ``wait_for(predicate, timeout)``; the explorer's condition had no ``wait_for``: every
+    schedule failed with ``AttributeError``. It waits as ``threading.Condition`` does, in
+    virtual time: a producer one second late is seen, one later than the timeout is not."""
+
+    def scenario(delay: float, seen: list[tuple[list[str], float]]):
+        def build(clock):
+            lock = clock.lock()
+            ready = clock.condition(lock)
+            box: list[str] = []
+            start = clock.monotonic()
+
+            def consumer():
+                with ready:
+                    got = ready.wait_for(lambda: box, timeout=5.0)
+                    seen.append((list(got), clock.monotonic() - start))
+
+            def producer():
+                clock.sleep(delay)
+                with ready:
+                    box.append("x")
+                    ready.notify_all()
+            clock.start_thread(consumer, "consumer")
+            clock.start_thread(producer, "producer")
+        return build
+
+    for delay, found, waited in ((1.0, ["x"], 1.0), (9.0, [], 5.0)):
+        seen: list[tuple[list[str], float]] = []
+        result = explore_threads(scenario(delay, seen), seeds=range(5))
+        assert result.failure is None, result.failure.message
+        assert [(got, round(t, 6)) for got, t in seen] == [(found, waited)] * 5, seen
