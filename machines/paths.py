@@ -877,12 +877,37 @@ def _guard_method(name: str) -> Callable[[GuardTable], bool]:
     return guard
 
 
-def drive(run: ChartRun, path: Path | Walk) -> str:
+class PathNotFollowed(Exception):
+    """A run that did not take a step of the path ``drive`` sent it: ``chart``, ``step`` (its
+    number, from 1), ``transition`` (``source --event--> target``) and ``state`` (where the
+    run is)."""
+
+    def __init__(self, chart: str, step: int, steps: int, transition: Transition,
+                 state: str) -> None:
+        self.chart, self.step, self.state = chart, step, state
+        self.transition = _describe(transition)
+        super().__init__(
+            f"{chart}: step {step} of {steps}, {self.transition}, was not taken: the run is in "
+            f"{state!r} (a StateChart ignores a refused event and turns an action's error into "
+            f"error.execution)")
+
+
+def drive(run: ChartRun | StatechartRun, path: Path | Walk) -> str:
     """Send ``path``'s events to ``run`` (whose model is a ``GuardTable``), setting each step's
-    guard outcomes first; return the final state. Raises as ``ChartRun.send`` does. A path
-    with a ``start`` needs a run started under it: ``chart.run(GuardTable.for_chart(chart,
-    outcomes=path.start))`` (the start reads the model as the chart starts)."""
-    for step, outcomes in zip(path.steps, path.guards):
+    guard outcomes first; return the final state. Raises as ``send`` does, and
+    ``PathNotFollowed`` when the run did not take a step's transition (``StateChart``
+    semantics refuse quietly). A path with a ``start`` needs a run started under it:
+    ``chart.run(GuardTable.for_chart(chart, outcomes=path.start))`` (the start reads the model
+    as the chart starts).
+
+    A step counts as taken when the chart's ``taken`` counter of its transition moved during
+    the ``send``: another run of the same chart taking it at that moment (another thread)
+    would count too."""
+    chart = run.chart
+    for number, (step, outcomes) in enumerate(zip(path.steps, path.guards, strict=True), 1):
         run.model.outcomes = dict(outcomes)
+        before = chart.taken[step.id]
         run.send(step.event)
+        if chart.taken[step.id] == before:
+            raise PathNotFollowed(chart.name, number, len(path.steps), step, run.state)
     return run.state
