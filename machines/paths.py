@@ -904,8 +904,9 @@ def drive(run: ChartRun | StatechartRun, path: Path | Walk) -> str:
     the ``send``: another run of the same chart taking it at that moment (another thread)
     would count too."""
     chart = run.chart
+    model: Any = run.model  # a GuardTable, or a model of the user's with ``outcomes``
     for number, (step, outcomes) in enumerate(zip(path.steps, path.guards, strict=True), 1):
-        run.model.outcomes = dict(outcomes)
+        model.outcomes = dict(outcomes)
         before = chart.taken[step.id]
         run.send(step.event)
         if chart.taken[step.id] == before:
