@@ -11,9 +11,11 @@ Declared in the chart's class, one way only: a function of the model decorated w
 
 The function takes the run's model (the object that answers the guards) and returns whether
 the contract holds. An invariant is checked after every transition into (or within) one of
-its states; a precondition after the transition was selected (guards passed) and before the
+its states (every active state's invariants: those of a target's ancestors and of the
+children entered with it too); a precondition after the transition was selected (guards passed) and before the
 state changes; a postcondition after the state changed. The decorator returns a ``Contract``
-(python-statemachine ignores it; it is not a callback). Several decorators may stack.
+(python-statemachine ignores it; it is not a callback). One decorator per function
+(stacking is a ``ValueError``): list several states or events in it.
 
 Contracts are checked only while enabled (``enable_contracts(Chart)`` returns a
 ``ContractMonitor``; ``with contracts_checked(Chart) as monitor:``), by both run kinds:
