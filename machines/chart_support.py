@@ -71,8 +71,9 @@ def _all_states(declaration: type[StateChart[Any]]) -> list[Any]:
 
 def unsupported(declaration: type[StateChart[Any]]) -> list[str]:
     """Each construct of ``declaration`` no tool supports (compiling refuses the chart), with
-    where it is: invoke callbacks, delayed events, multi-target transitions, async callbacks."""
-    found = []
+    where it is: invoke callbacks, delayed events, multi-target transitions, async callbacks,
+    and two states of one id (python-statemachine keys states by id and keeps one)."""
+    found = _same_ids(declaration)
     for state in _all_states(declaration):
         for spec in state._specs:
             if spec.group == CallbackGroup.INVOKE and not spec.is_convention:
@@ -93,6 +94,22 @@ def unsupported(declaration: type[StateChart[Any]]) -> list[str]:
             if _is_async(declaration, spec):
                 found.append(f"async callback {_name(spec.func)!r} of state {state.id!r}")
     return list(dict.fromkeys(found))
+
+
+def _same_ids(declaration: type[StateChart[Any]]) -> list[str]:
+    """``N states with id 'x' (in 'a', 'b')`` for each id declared by several states (children
+    of different compound states may share a name; python-statemachine's ``states_map`` keeps
+    one of them, and every tool would answer for that one)."""
+    parents: dict[str, list[str]] = {}
+    pending = list(declaration.states)
+    while pending:
+        state = pending.pop(0)
+        parent = state.parent.id if state.parent is not None else declaration.__name__
+        parents.setdefault(state.id, []).append(parent)
+        pending.extend(state.states)
+        pending.extend(getattr(state, "history", ()) or ())
+    return [f"{len(where)} states with id {state_id!r} (in {', '.join(map(repr, where))})"
+            for state_id, where in parents.items() if len(where) > 1]
 
 
 def _is_async(declaration: type[StateChart[Any]], spec: Any) -> bool:
