@@ -264,9 +264,16 @@ class Inspector:
         state to highlight in its SVG (``active``; default: the state holding most runs, if
         any). ``count_instances=False``: rates from compiled runs only (no class listener; an
         app that never runs the class itself). ``ValueError`` for a name already registered
-        or both/neither of runs, counts."""
+        or both/neither of runs, counts; ``TypeError`` for one of runs, counts, active that is
+        not a function (a list of runs, not a function returning it)."""
         shared = compiled(chart)
         name = name or shared.name
+        expected = {"runs": "the live runs", "counts": "{state: count}",
+                    "active": "the state to highlight or None"}
+        for field, given in (("runs", runs), ("counts", counts), ("active", active)):
+            if given is not None and not callable(given):
+                raise TypeError(f"register({shared.name}): {field}={given!r:.60}: expected a "
+                                f"function returning {expected[field]}, called at each poll")
         if runs is not None and counts is None:
             counts = _counting(shared, runs)
         elif runs is not None or counts is None:

@@ -251,3 +251,30 @@ def test_states_with_their_own_values_are_counted_and_named_by_id():
     record = inspector.paths.record("t1")
     assert record is not None and record["state"] == "done", record
     inspector.close()
+
+
+def test_runs_counts_and_active_that_are_not_callables_are_refused_by_name():
+    """``register(Chart, runs=shop.workflows)`` (the list, not a function returning it) was
+    accepted; the page then answered 500 at every poll (``'list' object is not callable``)."""
+    from statemachine import State, StateMachine
+
+    class Fan(StateMachine):
+        off = State(initial=True)
+        on = State()
+        flip = off.to(on) | on.to(off)
+
+    inspector = Inspector()
+    fans = [Fan()]
+    for given in ({"runs": fans}, {"counts": {"off": 1}},
+                  {"runs": lambda: fans, "active": "off"}):
+        field, value = next((k, v) for k, v in given.items() if not callable(v))
+        with pytest.raises(TypeError) as refused:
+            inspector.register(Fan, **given, count_instances=False)
+        assert str(refused.value).startswith(
+            f"register(Fan): {field}={value!r:.60}: expected a function returning "), refused.value
+    assert inspector.charts == {}
+    app = Starlette(routes=[Mount("/charts", inspector_app(inspector))])
+    inspector.register(Fan, runs=lambda: fans, count_instances=False)
+    with TestClient(app) as client:
+        assert client.get("/charts/live.json").json()["charts"]["Fan"]["counts"] == {
+            "off": 1, "on": 0}
