@@ -435,3 +435,24 @@ def test_a_contract_on_a_done_state_event_by_its_declared_name_is_checked(kind):
         run.send("finish")
     assert [(v.contract, v.transition) for v in monitor.violations] == [
         ("archives_only_audited", "job --done.state.job--> archived")], monitor.violations
+
+
+def test_a_transition_an_invariant_broke_after_is_counted_at_once_by_the_general_run():
+    """The invariant is checked after the state changed: the run is in ``ajar`` when the
+    violation is raised, and the flat run has counted the transition. The general run kept
+    it pending until its next ``send``: coverage, the inspector's rates and a followed path
+    missed it (and stamped it later, after whatever came next)."""
+    from collections import deque
+
+    chart = compiled(Gate)
+    swing = next(t for t in chart.transitions if t.event == "swing")
+    before = chart.taken[swing.id]
+    with contracts_checked(Gate):
+        run = chart.run(Account(balance=0))
+        trail: deque[object] = deque()
+        run.keep_trail(trail, lambda: 1.0)
+        with pytest.raises(ContractViolation):
+            run.send("swing")
+    assert list(run.configuration) == ["ajar"]
+    assert chart.taken[swing.id] == before + 1
+    assert [step[:3] for step in trail] == [("swing", "shut", "ajar")]  # type: ignore[index]
