@@ -11,9 +11,11 @@ Declared in the chart's class, one way only: a function of the model decorated w
 
 The function takes the run's model (the object that answers the guards) and returns whether
 the contract holds. An invariant is checked after every transition into (or within) one of
-its states; a precondition after the transition was selected (guards passed) and before the
+its states (every active state's invariants: those of a target's ancestors and of the
+children entered with it too); a precondition after the transition was selected (guards passed) and before the
 state changes; a postcondition after the state changed. The decorator returns a ``Contract``
-(python-statemachine ignores it; it is not a callback). Several decorators may stack.
+(python-statemachine ignores it; it is not a callback). One decorator per function
+(stacking is a ``ValueError``): list several states or events in it.
 
 Contracts are checked only while enabled (``enable_contracts(Chart)`` returns a
 ``ContractMonitor``; ``with contracts_checked(Chart) as monitor:``), by both run kinds:
@@ -40,6 +42,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from statemachine import StateChart
+from statemachine.exceptions import InvalidDefinition
 
 from calexec.machines.contract_decl import (
     Check as Check,
@@ -70,11 +73,18 @@ if TYPE_CHECKING:  # compiled imports charts, which declares its contracts with 
 REPR_LIMIT = 300
 
 
-class ContractViolation(Exception):
+class ContractViolation(InvalidDefinition):
     """A contract that did not hold: ``chart``, ``contract`` (its function's name), ``kind``,
-    ``state`` (the run's state when checked), ``transition`` (``source --event--> target``,
-    or None for an invariant checked outside a transition) and ``data`` (``repr`` of the
-    model, or the error the check raised)."""
+    ``state`` (the state whose invariant broke; for a pre/postcondition the transition's
+    source/target), ``transition`` (``source --event--> target``, or None for an invariant
+    checked outside a transition) and ``data`` (``repr`` of the model, or the error the check
+    raised).
+
+    An ``InvalidDefinition`` (an ``Exception``) because that is the one error
+    python-statemachine does not turn into the internal ``error.execution`` event under
+    ``StateChart`` semantics (``catch_errors_as_events``): any other would be swallowed there,
+    not raised from ``send``, and would send the chart down its own error transitions. The
+    general run (machines/statechart_run.py) lets it through the same way."""
 
     def __init__(self, chart: str, contract: Contract, state: str,
                  transition: Transition | None, data: str) -> None:
@@ -122,6 +132,8 @@ class ContractChecker:
     python-statemachine instance. Reports each violation to its monitors."""
 
     def __init__(self, chart: CompiledChart, contracts: Iterable[Contract]) -> None:
+        from calexec.machines.compiled import dotted_event
+
         self.chart = chart
         self.monitors: tuple[ContractMonitor, ...] = ()
         self.invariants: dict[str, tuple[Contract, ...]] = {}
@@ -131,7 +143,10 @@ class ContractChecker:
             index = {"invariant": self.invariants, "precondition": self.pre,
                      "postcondition": self.post}[contract.kind]
             for name in contract.names:
-                index[name] = index.get(name, ()) + (contract,)
+                # ``done_state_x`` names the transition taken on ``done.state.x``
+                spelled = {name, name if contract.kind == "invariant" else dotted_event(name)}
+                for key in spelled:
+                    index[key] = index.get(key, ()) + (contract,)
 
     def _check(self, contracts: tuple[Contract, ...], model: Model, state: str,
                transition: Transition | None) -> None:
@@ -153,28 +168,38 @@ class ContractChecker:
         if contracts:
             self._check(contracts, model, transition.source, transition)
 
-    def listener(self) -> ContractListener:
+    def listener(self, configuration: Callable[[], Iterable[str]] | None = None
+                 ) -> ContractListener:
         """The listener that checks this chart's contracts on a run resolving callbacks as a
-        python-statemachine instance does (the general run, ``StatechartRun``)."""
-        return ContractListener(self)
+        python-statemachine instance does (the general run, ``StatechartRun``, which gives
+        its ``configuration``: the active state ids)."""
+        return ContractListener(self, configuration)
 
-    def after(self, model: Model, transition: Transition) -> None:
-        """Postconditions of the event and invariants of the target, after the change."""
+    def after(self, model: Model, transition: Transition,
+              active: Iterable[str] | None = None) -> None:
+        """Postconditions of the event, then the invariants of every ``active`` state (the
+        run's configuration after the change: the target, the states entered with it and
+        their ancestors; default: the target alone, a flat run's whole configuration)."""
         post = self.post.get(transition.event)
         if post:
             self._check(post, model, transition.target, transition)
-        held = self.invariants.get(transition.target)
-        if held:
-            self._check(held, model, transition.target, transition)
+        for state in (transition.target,) if active is None else active:
+            held = self.invariants.get(state)
+            if held:
+                self._check(held, model, state, transition)
 
 
 class ContractListener:
     """python-statemachine listener checking a chart's contracts on a real instance of its
     class (``enable_contracts`` adds one to the class for every instance created while it is
-    enabled; give one instance ``listeners=[ContractListener(checker)]`` to check only it)."""
+    enabled; give one instance ``listeners=[ContractListener(checker)]`` to check only it).
+    The invariants checked after a transition are those of every active state: read from
+    ``configuration`` when given, else from the instance (``machine``)."""
 
-    def __init__(self, checker: ContractChecker) -> None:
+    def __init__(self, checker: ContractChecker,
+                 configuration: Callable[[], Iterable[str]] | None = None) -> None:
         self.checker = checker
+        self.configuration = configuration
 
     def _declared(self, event: object, transition: object) -> Transition | None:
         # the initial pseudo-transition is not a declared one
@@ -185,10 +210,13 @@ class ContractListener:
         if taken is not None:
             self.checker.before(model, taken)
 
-    def after_transition(self, event: object, transition: object, model: Model) -> None:
+    def after_transition(self, event: object, transition: object, model: Model,
+                         machine: StateChart[object]) -> None:
         taken = self._declared(event, transition)
         if taken is not None:
-            self.checker.after(model, taken)
+            active = (self.configuration() if self.configuration is not None
+                      else [state.id for state in machine.configuration])
+            self.checker.after(model, taken, active)
 
 
 class ContractMonitor:

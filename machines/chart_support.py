@@ -6,7 +6,8 @@ python-statemachine 3.2.2 but the constructs ``unsupported`` names. A compiled r
 of two engines: the flat fast path (``compiled.ChartRun``: atomic and final states, named
 ``cond``/``unless`` guards, no action, no validator, ``StateMachine`` semantics), or the
 general run (``statechart_run.StatechartRun``) for everything ``hierarchical`` and ``actions``
-list and for ``StateChart`` semantics (``semantics``): compound, parallel and history states,
+list and for ``StateChart`` semantics (``semantics``: a ``StateChart``, or a ``StateMachine``
+setting one of the flags that choose the semantics otherwise): compound, parallel and history states,
 eventless and targetless transitions, validators, guards that are expressions or callables,
 actions (enter/exit, before/on/after, declared or by naming convention).
 
@@ -70,8 +71,9 @@ def _all_states(declaration: type[StateChart[Any]]) -> list[Any]:
 
 def unsupported(declaration: type[StateChart[Any]]) -> list[str]:
     """Each construct of ``declaration`` no tool supports (compiling refuses the chart), with
-    where it is: invoke callbacks, delayed events, multi-target transitions, async callbacks."""
-    found = []
+    where it is: invoke callbacks, delayed events, multi-target transitions, async callbacks,
+    and two states of one id (python-statemachine keys states by id and keeps one)."""
+    found = _same_ids(declaration)
     for state in _all_states(declaration):
         for spec in state._specs:
             if spec.group == CallbackGroup.INVOKE and not spec.is_convention:
@@ -92,6 +94,22 @@ def unsupported(declaration: type[StateChart[Any]]) -> list[str]:
             if _is_async(declaration, spec):
                 found.append(f"async callback {_name(spec.func)!r} of state {state.id!r}")
     return list(dict.fromkeys(found))
+
+
+def _same_ids(declaration: type[StateChart[Any]]) -> list[str]:
+    """``N states with id 'x' (in 'a', 'b')`` for each id declared by several states (children
+    of different compound states may share a name; python-statemachine's ``states_map`` keeps
+    one of them, and every tool would answer for that one)."""
+    parents: dict[str, list[str]] = {}
+    pending = list(declaration.states)
+    while pending:
+        state = pending.pop(0)
+        parent = state.parent.id if state.parent is not None else declaration.__name__
+        parents.setdefault(state.id, []).append(parent)
+        pending.extend(state.states)
+        pending.extend(getattr(state, "history", ()) or ())
+    return [f"{len(where)} states with id {state_id!r} (in {', '.join(map(repr, where))})"
+            for state_id, where in parents.items() if len(where) > 1]
 
 
 def _is_async(declaration: type[StateChart[Any]], spec: Any) -> bool:
@@ -162,7 +180,18 @@ def semantics(declaration: type[StateChart[Any]]) -> str | None:
     if not issubclass(declaration, StateMachine):
         return (f"{declaration.__name__} is a StateChart (a refused event is ignored, callback "
                 f"errors become events): the flat fast path follows StateMachine semantics only")
+    changed = [f"{flag} = {getattr(declaration, flag)!r}" for flag in _SEMANTIC_FLAGS
+               if getattr(declaration, flag) != getattr(StateMachine, flag)]
+    if changed:
+        return (f"{declaration.__name__} sets {', '.join(changed)}: the flat fast path follows "
+                f"StateMachine's defaults only")
     return None
+
+
+#: the class flags that choose python-statemachine's semantics (StateMachine and StateChart
+#: differ in each); a StateMachine that sets one to another value is not run by its defaults
+_SEMANTIC_FLAGS = ("allow_event_without_transition", "catch_errors_as_events",
+                   "enable_self_transition_entries", "atomic_configuration_update")
 
 
 def _declared(declaration: type[StateChart[Any]], spec: Any) -> bool:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import re
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
 from typing import Any, Protocol
 
@@ -89,10 +89,11 @@ class TransitionChecker(Protocol):
 
     def after(self, model: object, transition: Transition) -> None: ...
 
-    def listener(self) -> object:
+    def listener(self, configuration: Callable[[], Iterable[str]] | None = None) -> object:
         """A python-statemachine listener calling ``before``/``after`` around each declared
         transition (``before_transition``/``after_transition``): how the general run of a
-        hierarchical chart, which resolves callbacks as an instance does, checks contracts."""
+        hierarchical chart, which resolves callbacks as an instance does, checks contracts
+        (``configuration``: the run's active state ids, whose invariants ``after`` checks)."""
         ...
 
 
@@ -318,9 +319,10 @@ def _blocked(transition: Any) -> bool:
     )
 
 
-def _dotted(event: str) -> str:
+def dotted_event(event: str) -> str:
     """The SCXML name python-statemachine also registers for ``done_state_x``,
-    ``done_invoke_x`` and ``error_x`` (itself for any other name)."""
+    ``done_invoke_x`` and ``error_x`` (itself for any other name): the event a transition
+    declared as ``done_state_x`` is taken on, and its record's ``event``."""
     for prefix in ("done_state_", "done_invoke_"):
         if event.startswith(prefix):
             return f"{prefix[:-1].replace('_', '.')}.{event[len(prefix):]}"
@@ -407,7 +409,8 @@ def compile_chart(declaration: type[StateChart[Any]], name: str | None = None) -
             events = [str(e) for e in declared.events]
             # ``done_state_x`` also declares ``done.state.x`` (psm registers both): one record,
             # the dotted event psm raises, reached by either name
-            aliases = {e: _dotted(e) for e in events if _dotted(e) != e and _dotted(e) in events}
+            aliases = {e: dotted_event(e) for e in events
+                       if dotted_event(e) != e and dotted_event(e) in events}
             for event in [e for e in events if e not in aliases] or [""]:  # "": eventless
                 index = len(transitions)
                 transition = Transition(

@@ -95,24 +95,26 @@ class Registered:
 
 
 def state_of(run: object) -> str | None:
-    """The state id of a run: a ``ChartRun``, a python-statemachine instance (its one active
-    state; None for a compound configuration) or any object with a ``state`` attribute."""
+    """The state of a run, by id: a ``ChartRun``'s, a ``StatechartRun``'s or a
+    python-statemachine instance's (its configuration joined, ``"a,b"``, as a
+    ``StatechartRun`` names it), or any object's ``state`` attribute (a string)."""
     if isinstance(run, (ChartRun, StatechartRun)):
         return run.state
     if isinstance(run, StateChart):
-        values = list(run.configuration_values)
-        return str(values[0]) if len(values) == 1 else None
+        return ",".join(states_of(run))
     state = getattr(run, "state", None)
     return state if isinstance(state, str) else None
 
 
 def states_of(run: object) -> tuple[str, ...]:
-    """Every active state of a run: its configuration (a hierarchical chart's run is in a
-    state and its ancestors, in each region of a parallel state), else its one state."""
+    """Every active state id of a run: its configuration (a hierarchical chart's run is in a
+    state and its ancestors, in each region of a parallel state), else its one state. An
+    instance's states by id, not by value (``State(value=1)``: the chart's counts are keyed
+    by id)."""
     if isinstance(run, StatechartRun):
         return tuple(run.configuration)
     if isinstance(run, StateChart):
-        return tuple(str(v) for v in run.configuration_values)
+        return tuple(state.id for state in run.configuration)
     state = state_of(run)
     return () if state is None else (state,)
 
@@ -262,9 +264,16 @@ class Inspector:
         state to highlight in its SVG (``active``; default: the state holding most runs, if
         any). ``count_instances=False``: rates from compiled runs only (no class listener; an
         app that never runs the class itself). ``ValueError`` for a name already registered
-        or both/neither of runs, counts."""
+        or both/neither of runs, counts; ``TypeError`` for one of runs, counts, active that is
+        not a function (a list of runs, not a function returning it)."""
         shared = compiled(chart)
         name = name or shared.name
+        expected = {"runs": "the live runs", "counts": "{state: count}",
+                    "active": "the state to highlight or None"}
+        for field, given in (("runs", runs), ("counts", counts), ("active", active)):
+            if given is not None and not callable(given):
+                raise TypeError(f"register({shared.name}): {field}={given!r:.60}: expected a "
+                                f"function returning {expected[field]}, called at each poll")
         if runs is not None and counts is None:
             counts = _counting(shared, runs)
         elif runs is not None or counts is None:

@@ -115,8 +115,11 @@ def _other_targets(states: list[Any], transition: Any, limit: int) -> list[Any]:
     original, source = transition.target, transition.source
     if original is None:  # a targetless transition: nothing to retarget
         return []
-    start = states.index(original) if original in states else 0  # a history target
-    after = [s for s in states[start + 1:] + states[:start] if s is not original]
+    if original in states:
+        start = states.index(original)
+        after = [s for s in states[start + 1:] + states[:start] if s is not original]
+    else:  # a history target (not among the states): every state, the first one too
+        after = list(states)
     if limit == 0:
         return after
     ordered = ([source] if source is not original else []) + [s for s in after if s is not source]

@@ -351,6 +351,12 @@ def _named(outcomes: Mapping[str, bool]) -> Mapping[str, bool]:
     return MappingProxyType(dict(outcomes))
 
 
+def _by_id(chart: CompiledChart) -> dict[str, Any]:
+    """The chart's states by id (python-statemachine's ``states_map`` is keyed by value, which
+    ``State(value=...)`` makes differ from the id a configuration names)."""
+    return {state.id: state for state in chart.declaration.states_map.values()}
+
+
 def _selected(chart: CompiledChart, record: Transition,
               configuration: tuple[str, ...]) -> Mapping[str, bool] | None:
     """Guard outcomes under which sending ``record.event`` in ``configuration`` takes
@@ -359,7 +365,7 @@ def _selected(chart: CompiledChart, record: Transition,
     cannot be refused (a state's transitions are selected before its ancestors'), or an
     eventless transition of ``configuration`` cannot be refused (python-statemachine takes
     those first, under the outcomes the step sets)."""
-    states = chart.declaration.states_map
+    states = _by_id(chart)
     inner: list[str] = []  # active states strictly below record.source
     for state_id in configuration:
         chain: list[str] = []
@@ -470,7 +476,7 @@ def _node(run: StatechartRun, rank: Mapping[str, int], ordered: bool) -> _Node:
     def canonical(ids: tuple[str, ...]) -> tuple[str, ...]:
         return tuple(sorted(ids, key=lambda state: (rank.get(state, len(rank)), state)))
 
-    states = run.chart.declaration.states_map
+    states = _by_id(run.chart)
     atomic = tuple(s for s in configuration if states[s].is_atomic) if ordered else ()
     return (canonical(configuration), atomic,
             tuple((name, canonical(ids)) for name, ids in history), running)
@@ -871,12 +877,38 @@ def _guard_method(name: str) -> Callable[[GuardTable], bool]:
     return guard
 
 
-def drive(run: ChartRun, path: Path | Walk) -> str:
+class PathNotFollowed(Exception):
+    """A run that did not take a step of the path ``drive`` sent it: ``chart``, ``step`` (its
+    number, from 1), ``transition`` (``source --event--> target``) and ``state`` (where the
+    run is)."""
+
+    def __init__(self, chart: str, step: int, steps: int, transition: Transition,
+                 state: str) -> None:
+        self.chart, self.step, self.state = chart, step, state
+        self.transition = _describe(transition)
+        super().__init__(
+            f"{chart}: step {step} of {steps}, {self.transition}, was not taken: the run is in "
+            f"{state!r} (a StateChart ignores a refused event and turns an action's error into "
+            f"error.execution)")
+
+
+def drive(run: ChartRun | StatechartRun, path: Path | Walk) -> str:
     """Send ``path``'s events to ``run`` (whose model is a ``GuardTable``), setting each step's
-    guard outcomes first; return the final state. Raises as ``ChartRun.send`` does. A path
-    with a ``start`` needs a run started under it: ``chart.run(GuardTable.for_chart(chart,
-    outcomes=path.start))`` (the start reads the model as the chart starts)."""
-    for step, outcomes in zip(path.steps, path.guards):
-        run.model.outcomes = dict(outcomes)
+    guard outcomes first; return the final state. Raises as ``send`` does, and
+    ``PathNotFollowed`` when the run did not take a step's transition (``StateChart``
+    semantics refuse quietly). A path with a ``start`` needs a run started under it:
+    ``chart.run(GuardTable.for_chart(chart, outcomes=path.start))`` (the start reads the model
+    as the chart starts).
+
+    A step counts as taken when the chart's ``taken`` counter of its transition moved during
+    the ``send``: another run of the same chart taking it at that moment (another thread)
+    would count too."""
+    chart = run.chart
+    model: Any = run.model  # a GuardTable, or a model of the user's with ``outcomes``
+    for number, (step, outcomes) in enumerate(zip(path.steps, path.guards, strict=True), 1):
+        model.outcomes = dict(outcomes)
+        before = chart.taken[step.id]
         run.send(step.event)
+        if chart.taken[step.id] == before:
+            raise PathNotFollowed(chart.name, number, len(path.steps), step, run.state)
     return run.state

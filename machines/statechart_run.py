@@ -174,7 +174,7 @@ class StatechartRun:
             self.taken_at_start = self._take_records()
             return
         if chart.checker is not None:  # contracts enabled: checked as on an instance
-            listeners = (*listeners, chart.checker.listener())
+            listeners = (*listeners, chart.checker.listener(lambda: self.configuration))
         resolvers = Listeners.from_listeners((
             Listener.from_obj(machine, skip_attrs=_protected(declaration)),
             Listener.from_obj(model, skip_attrs={"state"}),
@@ -363,6 +363,7 @@ class StatechartRun:
                 took_events = self._run_macrostep()
             except Exception:
                 self._internal.clear()
+                self._notify()  # what was taken before the error counts, as on the flat run
                 raise
             self._notify()
             self._check_root_final()
@@ -371,7 +372,13 @@ class StatechartRun:
             if external is None:
                 continue
             self._cache.clear()
-            result = self._take_external_event(external)
+            try:
+                result = self._take_external_event(external)
+            except Exception:
+                # a transition an ``after`` callback (a broken postcondition or invariant)
+                # raised after was taken: counted and trailed now, as the flat run does
+                self._notify()
+                raise
             external = None
             self._notify()
             if first_result is sentinel:

@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass
 
 import pytest
-from statemachine import State, StateMachine
+from statemachine import State, StateChart, StateMachine
 
 from calexec.machines.chart_contracts import (
     ContractViolation,
@@ -215,7 +215,7 @@ def test_a_slot_freed_with_a_slice_left_is_a_contract_violation(kind):
 
 # ---- the pytest option: a user's project turns its chart's contracts on for a session -----
 PROJECT_CHART = '''
-from statemachine import State, StateMachine
+from statemachine import State, StateChart, StateMachine
 
 from calexec.machines.chart_contracts import invariant
 
@@ -316,3 +316,143 @@ def test_an_invariant_is_checked_after_an_eventless_transition_of_an_instance():
         Kettle(Account(balance=0)).send("heat")
     assert [(v.contract, v.transition) for v in monitor.violations] == [
         ("has_water", "boiling --(eventless)--> whistling")], monitor.violations
+
+
+class Workshop(StateChart):
+    """A compound state entered through its parent: ``bench`` is entered by ``start``, whose
+    target is ``work``; ``tools`` is a region of a parallel state entered by ``equip``."""
+
+    idle = State(initial=True)
+
+    class work(State.Compound):  # noqa: N801 - python-statemachine's declaration style
+        bench = State(initial=True)
+        lathe = State()
+        turn = bench.to(lathe)
+
+    class kit(State.Parallel):  # noqa: N801
+        class tools(State.Compound):  # noqa: N801
+            boxed = State(initial=True)
+        class gloves(State.Compound):  # noqa: N801
+            worn = State(initial=True)
+
+    start = idle.to(work)
+    equip = idle.to(kit)
+
+    @invariant("bench", "boxed")
+    def bench_needs_power(account: Account) -> bool:  # noqa: N805
+        return account.balance > 0
+
+    @invariant("work")
+    def work_is_audited(account: Account) -> bool:  # noqa: N805
+        return account.audited
+
+
+@pytest.mark.parametrize("kind", ["psm", "compiled"])
+def test_an_invariant_of_a_state_entered_by_its_parents_transition_is_checked(kind):
+    """A transition into ``work`` enters ``bench`` too (its initial child), and one into the
+    parallel ``kit`` enters ``boxed``: their invariants were never checked (only the
+    transition's target's were), so a run sat in a state breaking its invariant unnoticed."""
+    for event, state in (("start", "bench"), ("equip", "boxed")):
+        with contracts_checked(Workshop, raise_on_violation=False) as monitor:
+            run = Workshop(Account()) if kind == "psm" else compiled(Workshop).run(Account())
+            run.send(event)
+        assert [(v.contract, v.state) for v in monitor.violations] == [
+            ("bench_needs_power", state)], monitor.violations
+
+
+@pytest.mark.parametrize("kind", ["psm", "compiled"])
+def test_an_invariant_is_checked_after_a_transition_within_its_state(kind):
+    """The invariant of a compound state holds while the run is in it: a transition between
+    its children (``bench -> lathe``) checks it too."""
+    account = Account(balance=1)
+    with contracts_checked(Workshop, raise_on_violation=False) as monitor:
+        run = Workshop(account) if kind == "psm" else compiled(Workshop).run(account)
+        run.send("start")
+        account.audited = False
+        run.send("turn")
+    assert [(v.contract, v.state, v.transition) for v in monitor.violations] == [
+        ("work_is_audited", "work", "bench --turn--> lathe")], monitor.violations
+
+
+class Gate(StateChart):
+    """``StateChart`` semantics: a callback's error becomes ``error.execution``."""
+
+    shut = State(initial=True)
+    ajar = State()
+    broken = State(final=True)
+    swing = shut.to(ajar)
+    error_execution = shut.to(broken) | ajar.to(broken)
+
+    @precondition("swing")
+    def swings_only_unfrozen(account: Account) -> bool:  # noqa: N805
+        return not account.frozen
+
+    @invariant("ajar")
+    def ajar_only_funded(account: Account) -> bool:  # noqa: N805
+        return account.balance > 0
+
+
+@pytest.mark.parametrize("kind", ["psm", "compiled"])
+@pytest.mark.parametrize("broken", ["precondition", "invariant"])
+def test_a_violation_is_raised_from_send_under_statechart_semantics(kind, broken):
+    """python-statemachine turns a callback's (a listener's) exception into the internal
+    ``error.execution`` event under ``StateChart`` semantics: the violation was swallowed
+    (not raised from ``send``) and it sent the chart down its own error transition."""
+    account = Account(balance=0 if broken == "invariant" else 1, frozen=broken == "precondition")
+    with contracts_checked(Gate):
+        run = Gate(account) if kind == "psm" else compiled(Gate).run(account)
+        with pytest.raises(ContractViolation) as caught:
+            run.send("swing")
+    assert caught.value.kind == broken
+    configuration = (list(run.configuration_values) if kind == "psm"
+                     else list(run.configuration))
+    assert "broken" not in configuration, configuration
+
+
+class Batch(StateChart):
+    """``done_state_job``: the transition python-statemachine takes on ``done.state.job``."""
+
+    class job(State.Compound):  # noqa: N801 - python-statemachine's declaration style
+        running = State(initial=True)
+        finished = State(final=True)
+        finish = running.to(finished)
+
+    archived = State(final=True)
+    done_state_job = job.to(archived)
+
+    @precondition("done_state_job")
+    def archives_only_audited(account: Account) -> bool:  # noqa: N805
+        return account.audited
+
+
+@pytest.mark.parametrize("kind", ["psm", "compiled"])
+def test_a_contract_on_a_done_state_event_by_its_declared_name_is_checked(kind):
+    """A precondition on ``done_state_job`` (the name the chart declares, which the contract
+    check accepts) was never checked: the transition is taken on ``done.state.job``."""
+    account = Account(audited=False)
+    with contracts_checked(Batch, raise_on_violation=False) as monitor:
+        run = Batch(account) if kind == "psm" else compiled(Batch).run(account)
+        run.send("finish")
+    assert [(v.contract, v.transition) for v in monitor.violations] == [
+        ("archives_only_audited", "job --done.state.job--> archived")], monitor.violations
+
+
+def test_a_transition_an_invariant_broke_after_is_counted_at_once_by_the_general_run():
+    """The invariant is checked after the state changed: the run is in ``ajar`` when the
+    violation is raised, and the flat run has counted the transition. The general run kept
+    it pending until its next ``send``: coverage, the inspector's rates and a followed path
+    missed it (and stamped it later, after whatever came next)."""
+    from collections import deque
+
+    chart = compiled(Gate)
+    swing = next(t for t in chart.transitions if t.event == "swing")
+    before = chart.taken[swing.id]
+    with contracts_checked(Gate):
+        run = chart.run(Account(balance=0))
+        trail: deque[object] = deque()
+        run.keep_trail(trail, lambda: 1.0)
+        with pytest.raises(ContractViolation):
+            run.send("swing")
+    assert list(run.configuration) == ["ajar"]
+    assert chart.taken[swing.id] == before + 1
+    assert [step[:3] for step in trail] == [("swing", "shut", "ajar")]  # type: ignore[index]

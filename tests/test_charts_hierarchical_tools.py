@@ -664,3 +664,66 @@ def test_a_step_keeps_refusing_the_eventless_transitions_of_where_it_is_sent() -
     finally:
         undo()
     assert report([chart], recorder)[0].complete
+
+
+class Valued(StateChart):
+    """States declared with their own ``value=``: python-statemachine's ``states_map`` is keyed
+    by value, the tools name states by id."""
+
+    class outer(State.Compound):  # noqa: N801 - python-statemachine's declaration style
+        a = State(initial=True, value=10)
+        b = State(value=11)
+        go = a.to(b)
+
+    class both(State.Parallel):  # noqa: N801
+        class left(State.Compound):  # noqa: N801
+            up = State(initial=True, value="U")
+            down = State(value="D")
+            flip = up.to(down)
+
+        class right(State.Compound):  # noqa: N801
+            on = State(initial=True, value="ON")
+            flip = on.to.itself()
+
+    end = State(final=True)
+    fin = outer.to(end)
+    split = outer.to(both)
+    stop = both.to(end)
+
+
+def test_paths_of_a_chart_whose_states_have_values_drive_a_real_run():
+    """``charts paths`` on such a chart was an internal error (``KeyError: 'a'``): it looked
+    the ids of a configuration up in the map keyed by value."""
+    for walk in transition_tour(Valued):
+        run = compiled(Valued).run(GuardTable.for_chart(Valued, outcomes=walk.start))
+        drive(run, walk)
+    assert set(state_paths(Valued)) == set(compiled(Valued).states)
+
+
+def test_every_derived_mutant_of_a_history_target_applies() -> None:
+    """``derive`` named ``target:idle-restore->h:idle`` (the source, when the original target
+    is a history state), but ``apply`` looked for it among the targets of a history
+    transition without the chart's first state: ``no mutant``, which ``charts mutate``
+    reported as "the command did not import the chart"."""
+
+    def player() -> type[StateChart]:
+        class Player(StateChart):
+            idle = State(initial=True)
+
+            class active(State.Compound):  # noqa: N801 - python-statemachine's style
+                playing = State(initial=True)
+                paused = State()
+                pause = playing.to(paused)
+                h = HistoryState()
+
+            stopped = State(final=True)
+            load = idle.to(active)
+            stop = active.to(idle)
+            eject = idle.to(stopped)
+            restore = idle.to(active.h)
+
+        return Player
+
+    for limit in (0, 1, 2):
+        for mutant in mutants.derive(player(), targets_per_transition=limit):
+            mutants.apply(player(), mutant.id)

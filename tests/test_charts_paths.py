@@ -235,3 +235,33 @@ def test_explored_charts_are_not_kept_alive_by_the_graph_cache():
     gc.collect()
     assert [r for r in refs if r() is not None] == []
     assert paths.cached_graphs() == before
+
+
+def test_drive_raises_when_the_run_does_not_take_a_step():
+    """Under ``StateChart`` semantics a refused event is ignored and an action's error becomes
+    ``error.execution``: ``drive`` sent every step of a walk the run did not follow (here the
+    ``before`` action needs the user's model, not a ``GuardTable``) and returned as if it had.
+    It raises ``PathNotFollowed`` naming the first step not taken and where the run is."""
+    from statemachine import State, StateChart
+
+    from calexec.machines.compiled import compiled
+    from calexec.machines.paths import PathNotFollowed, transition_tour
+
+    class Kiosk(StateChart):
+        idle = State(initial=True)
+        serving = State()
+        done = State(final=True)
+        start = idle.to(serving)
+        finish = serving.to(done)
+
+        def before_start(self, model) -> None:
+            model.served += 1  # a GuardTable has no ``served``
+
+    (walk,) = transition_tour(Kiosk)
+    run = compiled(Kiosk).run(GuardTable.for_chart(Kiosk))
+    with pytest.raises(PathNotFollowed) as caught:
+        drive(run, walk)
+    assert str(caught.value) == (
+        "Kiosk: step 1 of 2, idle --start--> serving, was not taken: the run is in 'idle' "
+        "(a StateChart ignores a refused event and turns an action's error into "
+        "error.execution)"), caught.value

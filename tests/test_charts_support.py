@@ -203,3 +203,31 @@ def test_commands_refuse_an_unsupported_chart_in_one_line(tmp_path, monkeypatch,
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"calexec charts {command}: Nested: the compiled form does not support yet: "
                    "invoke 'work' on state 'start'"]
+
+
+class TwoIdles(StateChart):
+    """Two compound states with a child of the same id: python-statemachine keys its states
+    by id and keeps one ``idle`` and one ``busy``, so ``a``'s and ``b``'s children are mixed
+    up (an instance in ``b`` sent ``go`` ends in ``a``'s ``busy``)."""
+
+    class a(State.Compound):  # noqa: N801 - python-statemachine's declaration style
+        idle = State(initial=True)
+        busy = State()
+        go = idle.to(busy)
+
+    class b(State.Compound):  # noqa: N801
+        idle = State(initial=True)
+        busy = State()
+        go = idle.to(busy)
+
+    switch = a.to(b) | b.to(a)
+
+
+def test_two_states_of_one_id_are_refused_naming_the_id_and_their_parents():
+    """Every tool took such a chart and answered for whichever state kept the id: paths
+    printed ``busy: switch go`` for a ``busy`` of ``a``, a diagram drew one ``idle``."""
+    named = ["2 states with id 'idle' (in 'a', 'b')", "2 states with id 'busy' (in 'a', 'b')"]
+    assert unsupported(TwoIdles) == named
+    with pytest.raises(UnsupportedChart) as refused:
+        compile_chart(TwoIdles)
+    assert all(n in str(refused.value) for n in named), refused.value

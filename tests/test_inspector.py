@@ -210,3 +210,71 @@ def test_a_run_id_with_a_slash_is_served(shop):
         assert answer.status_code == 200, answer.text
         assert answer.json()["run_id"] == "shop/order-7"
         assert answer.json()["trail"][0]["to"] == "placed"
+
+
+def test_a_followed_hierarchical_instance_names_its_configuration(monkeypatch):
+    """A python-statemachine instance of a hierarchical chart has several active states: its
+    record's ``state`` was None and its page was headed ``TrafficLight run t1: None``, where
+    a compiled run of the same chart says ``operating,cars,green,...``."""
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    from traffic_light import Junction, TrafficLight
+
+    inspector = Inspector()
+    light = TrafficLight(Junction())
+    inspector.paths.follow("t1", light)
+    light.send("power_on")
+    run = compiled(TrafficLight).run(Junction())
+    run.send("power_on")
+    record = inspector.paths.record("t1")
+    assert record is not None and record["state"] == run.state, record
+    inspector.close()
+
+
+def test_states_with_their_own_values_are_counted_and_named_by_id():
+    """``State(value=1)``: an instance's ``configuration_values`` are the values, not the
+    ids the chart's counts are keyed by, so its runs were counted nowhere and its state was
+    named ``'1'``."""
+    from statemachine import State, StateMachine
+
+    class Ticket(StateMachine):
+        new = State(initial=True, value=1)
+        done = State(final=True, value=2)
+        close = new.to(done)
+
+    inspector = Inspector()
+    ticket = Ticket()
+    inspector.register(Ticket, runs=lambda: [ticket])
+    inspector.paths.follow("t1", ticket)
+    assert inspector.live()["charts"]["Ticket"]["counts"] == {"new": 1, "done": 0}
+    ticket.send("close")
+    assert inspector.live()["charts"]["Ticket"]["counts"] == {"new": 0, "done": 1}
+    record = inspector.paths.record("t1")
+    assert record is not None and record["state"] == "done", record
+    inspector.close()
+
+
+def test_runs_counts_and_active_that_are_not_callables_are_refused_by_name():
+    """``register(Chart, runs=shop.workflows)`` (the list, not a function returning it) was
+    accepted; the page then answered 500 at every poll (``'list' object is not callable``)."""
+    from statemachine import State, StateMachine
+
+    class Fan(StateMachine):
+        off = State(initial=True)
+        on = State()
+        flip = off.to(on) | on.to(off)
+
+    inspector = Inspector()
+    fans = [Fan()]
+    for given in ({"runs": fans}, {"counts": {"off": 1}},
+                  {"runs": lambda: fans, "active": "off"}):
+        field, value = next((k, v) for k, v in given.items() if not callable(v))
+        with pytest.raises(TypeError) as refused:
+            inspector.register(Fan, **given, count_instances=False)
+        assert str(refused.value).startswith(
+            f"register(Fan): {field}={value!r:.60}: expected a function returning "), refused.value
+    assert inspector.charts == {}
+    app = Starlette(routes=[Mount("/charts", inspector_app(inspector))])
+    inspector.register(Fan, runs=lambda: fans, count_instances=False)
+    with TestClient(app) as client:
+        assert client.get("/charts/live.json").json()["charts"]["Fan"]["counts"] == {
+            "off": 1, "on": 0}

@@ -335,6 +335,19 @@ class CCondition:
             self._lock.acquire()
         return got
 
+    def wait_for(self, predicate: Callable[[], Any], timeout: float | None = None) -> Any:
+        """``threading.Condition.wait_for``: wait until ``predicate()`` is true or ``timeout``
+        (virtual seconds) has passed; the predicate's last value."""
+        end = None if timeout is None else self.sched.now + timeout
+        result = predicate()
+        while not result:
+            remaining = None if end is None else end - self.sched.now
+            if remaining is not None and remaining <= 0:
+                break
+            self.wait(remaining)
+            result = predicate()
+        return result
+
     def notify(self, n: int = 1) -> None:
         for token in self._waiters[:n]:
             token[0] = True

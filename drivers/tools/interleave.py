@@ -23,7 +23,8 @@ moves only when every thread is blocked (a 5 s timeout costs nothing).
 
 ``scenario(clock)`` returns a final check, or None: called once nothing can run any more, it
 returns True/None when all is well, else False or a message. ``invariant`` (optional) is
-checked at every scheduling point. Any exception a controlled thread raises fails the
+checked at every scheduling point. A check that raises (an ``assert``) fails the schedule,
+naming the check and the error. Any exception a controlled thread raises fails the
 schedule; so does a deadlock (threads blocked for good), and a chart contract violated by a
 run of ``charts`` (their contracts are enabled for the exploration, recorded, never raised in
 the threads: machines/chart_contracts.py).
@@ -77,6 +78,18 @@ def _judge(verdict: Verdict, what: str) -> str | None:
     return f"{what}: {verdict}" if isinstance(verdict, str) else f"{what} does not hold"
 
 
+def _ask(check: Callable[[], Verdict], what: str) -> str | None:
+    """``check``'s verdict as a failure message, or None; a check that raises (an ``assert``
+    in it, or a bug) fails the schedule too, naming the check and the error: raised out of
+    the explorer, it would lose the schedule's seed and choices (or, raised at a point of a
+    controlled thread, be blamed on that thread)."""
+    try:
+        verdict = check()
+    except Exception as err:  # noqa: BLE001 - the user's check: any error is its failure
+        return f"{what} raised {type(err).__name__}: {err}"
+    return _judge(verdict, what)
+
+
 def run_schedule(scenario: Scenario, chooser: TapeChooser | PCTChooser, *,
                  invariant: Callable[[], Verdict] | None = None,
                  charts: Iterable[ChartLike] = (), steps: int = 100_000,
@@ -89,7 +102,7 @@ def run_schedule(scenario: Scenario, chooser: TapeChooser | PCTChooser, *,
         if contracts.violations:
             raise AssertionError(f"chart contract violated: {contracts.violations[0]}")
         if invariant is not None:
-            problem = _judge(invariant(), "invariant")
+            problem = _ask(invariant, "invariant")
             if problem is not None:
                 raise AssertionError(problem)
 
@@ -113,7 +126,7 @@ def run_schedule(scenario: Scenario, chooser: TapeChooser | PCTChooser, *,
                 sched.fail(f"the schedule did not finish ({stop}: {steps} steps, "
                            f"{horizon_s} s of virtual time):\n{sched.describe()}")
             elif final is not None:
-                problem = _judge(final(), "final check")
+                problem = _ask(final, "final check")
                 if problem is not None:
                     sched.fail(problem)
     finally:

@@ -1,0 +1,86 @@
+"""The interleaving explorer on a user's own threads (drivers/tools/interleave.py): what a
+schedule's failure carries when the user's own checks raise."""
+
+from __future__ import annotations
+
+import pytest
+
+from calexec.drivers.tools.interleave import explore_threads, replay_threads
+
+
+def two_counters(clock):
+    """Two threads bumping a counter under a lock made by ``clock``."""
+    lock, counts = clock.lock(), [0]
+
+    def bump():
+        for _ in range(2):
+            with lock:
+                counts[0] += 1
+    for name in ("a", "b"):
+        clock.start_thread(bump, name)
+    return counts
+
+
+@pytest.mark.parametrize("where", ["final", "invariant"])
+def test_a_check_that_raises_fails_the_schedule_with_its_seed_and_choices(where):
+    """A final check or an ``invariant=`` written with ``assert`` (or one with a bug) raised
+    out of ``explore_threads``: the schedule that broke it, its seed and its choices were lost,
+    so it could not be replayed. It fails that schedule, naming the check and the error."""
+    seen: list[list[int]] = []
+
+    def scenario(clock):
+        counts = two_counters(clock)
+        seen.append(counts)
+
+        def final():
+            assert counts[0] == 5, f"count {counts[0]}"
+        return final if where == "final" else None
+
+    def invariant():
+        if seen and seen[-1][0] == 3:
+            raise KeyError("three")
+        return True
+
+    found = explore_threads(scenario, seeds=range(3),
+                            invariant=invariant if where == "invariant" else None)
+    assert found.failure is not None and found.failure.seed == 0
+    expected = ("final check raised AssertionError: count 4" if where == "final"
+                else "invariant raised KeyError: 'three'")
+    assert found.failure.message.startswith(expected), found.failure.message
+    again = replay_threads(scenario, found.failure.choices,
+                           invariant=invariant if where == "invariant" else None)
+    assert again is not None and again.message == found.failure.message
+
+
+def test_a_condition_s_wait_for_runs_under_the_explorer():
+    """``clock.condition(lock)`` is a ``threading.Condition`` on the real clock, so code uses
+    its ``wait_for(predicate, timeout)``; the explorer's condition had no ``wait_for``: every
+    schedule failed with ``AttributeError``. It waits as ``threading.Condition`` does, in
+    virtual time: a producer one second late is seen, one later than the timeout is not."""
+
+    def scenario(delay: float, seen: list[tuple[list[str], float]]):
+        def build(clock):
+            lock = clock.lock()
+            ready = clock.condition(lock)
+            box: list[str] = []
+            start = clock.monotonic()
+
+            def consumer():
+                with ready:
+                    got = ready.wait_for(lambda: box, timeout=5.0)
+                    seen.append((list(got), clock.monotonic() - start))
+
+            def producer():
+                clock.sleep(delay)
+                with ready:
+                    box.append("x")
+                    ready.notify_all()
+            clock.start_thread(consumer, "consumer")
+            clock.start_thread(producer, "producer")
+        return build
+
+    for delay, found, waited in ((1.0, ["x"], 1.0), (9.0, [], 5.0)):
+        seen: list[tuple[list[str], float]] = []
+        result = explore_threads(scenario(delay, seen), seeds=range(5))
+        assert result.failure is None, result.failure.message
+        assert [(got, round(t, 6)) for got, t in seen] == [(found, waited)] * 5, seen
