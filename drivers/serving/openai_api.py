@@ -863,7 +863,24 @@ class _Choices:
         self.runs: list[RequestRun] = []
         #: a stream's chunks, in the order the choices make them; None: every choice ended
         self.events: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        #: at most this many chunks wait for the sender (:meth:`put`): a client that stops
+        #: reading holds its choices back, as one choice's stream is held
+        self.room = STREAM_AHEAD * count
+        self._taken = asyncio.Event()
         self.prompt_tokens = self.completion_tokens = 0
+
+    async def put(self, chunk: dict[str, Any]) -> None:
+        """Queue a stream's chunk, once there is room (the sender took enough)."""
+        while self.events.qsize() >= self.room:
+            self._taken.clear()
+            await self._taken.wait()
+        self.events.put_nowait(chunk)
+
+    async def take(self) -> dict[str, Any] | None:
+        """The next chunk for the sender (None: every choice ended); wakes a waiting put."""
+        item = await self.events.get()
+        self._taken.set()
+        return item
 
     def fail(self, status: Status, param: str | None, counted: bool) -> None:
         if self.failure is None:  # the first failure is the answer
@@ -1259,7 +1276,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
             token = await service.advance(run)
             if sse and run.status is None:
                 for chunk in shape.opening():
-                    state.events.put_nowait(chunk)
+                    await state.put(chunk)
             while token is not None:
                 piece = out.add(token)
                 if out.stopped:
@@ -1267,14 +1284,14 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
                 if sse:
                     sent = shape.piece(piece, token, run)
                     if sent is not None:
-                        state.events.put_nowait(sent)
+                        await state.put(sent)
                 token = await service.advance(run)
             if run.status is not None:
                 state.fail(run.status, None, counted=True)  # counted by finish()
                 scope.cancel()
                 return
             if sse:
-                state.events.put_nowait(shape.last(out.flush(), run))
+                await state.put(shape.last(out.flush(), run))
             else:
                 out.flush()
                 whole = shape.whole(out.text, run)
@@ -1306,7 +1323,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
 
         async def first_event() -> None:  # may wait for sequence ids: watch for disconnect
             nonlocal opening
-            opening = await state.events.get()
+            opening = await state.take()
         try:
             await wire.until_disconnect(request, first_event)
         except BaseException:
@@ -1324,7 +1341,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
             try:
                 while item is not None:
                     yield wire.sse(item)
-                    item = await state.events.get()
+                    item = await state.take()
                 if state.failure is not None:
                     status, param, counted = state.failure
                     if not counted:
