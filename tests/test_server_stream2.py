@@ -11,6 +11,7 @@ import time
 
 from calexec.drivers.serving.server import ServerConfig, create_app
 from test_server_support import (
+    MODEL,
     ServeLikeServer,
     metric_value,
     read_until_closed,
@@ -18,6 +19,7 @@ from test_server_support import (
     started_executor,
     wait_for,
 )
+from test_server_support import live_fixture  # noqa: F401 - the fixture ``live``
 
 
 def _idle(service) -> bool:
@@ -42,10 +44,11 @@ def test_a_client_that_stops_reading_an_n2_stream_holds_the_generation_back(tmp_
             try:
                 wait_for(lambda: service.sends.waiting == 1, what="the server's send stalled",
                          timeout=3)
+                time.sleep(0.5)  # (what the queue and the bursts take ahead, then nothing)
                 before = executor.snapshot()["succeeded"]
                 time.sleep(0.5)
-                # the choices stand still: a few steps finishing, not thousands
-                assert executor.snapshot()["succeeded"] - before < 40
+                # the choices stand still (they made some 230 steps a second each before)
+                assert executor.snapshot()["succeeded"] == before
                 assert service.active == 2
                 wait_for(lambda: _idle(service), what="the stalled stream cut and freed",
                          timeout=sent + 4 + service.config.deadline_slack_s + 10
@@ -58,3 +61,26 @@ def test_a_client_that_stops_reading_an_n2_stream_holds_the_generation_back(tmp_
                 sock.close()
     finally:
         executor.shutdown(5.0)
+
+
+def test_an_n3_chat_stream_opens_every_choice_in_index_order_for_the_sdk_helper(live):
+    """The SDK's ``chat.completions.stream`` helper builds its snapshot from the first chunk
+    (``choices[index] = ...`` on that chunk's list) and appends a choice it has not seen: it
+    needs the choices to appear in index order. Each choice sent its own opening (``role``)
+    after its first token, so choice 1's could come first (the helper's IndexError) or after
+    choice 2's (its text appended to the wrong choice). The openings of every choice now go
+    out first, in index order, then the choices' chunks as they come."""
+    _, client, _ = live
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "n": 3,
+            "stream": True, "temperature": 1.0, "seed": 5,
+            "stop": ">"}  # (the helper refuses a "length" finish: each ends at its 1st id)
+    chunks = list(client.chat.completions.create(model=MODEL, **body))
+    opening = [(c.choices[0].index, c.choices[0].delta.role) for c in chunks[:3]]
+    assert opening == [(0, "assistant"), (1, "assistant"), (2, "assistant")], opening
+    assert all(c.choices[0].delta.role is None for c in chunks[3:])
+    whole = client.chat.completions.create(model=MODEL, **{**body, "stream": False})
+    with client.chat.completions.stream(model=MODEL, **{k: v for k, v in body.items()
+                                                         if k != "stream"}) as stream:
+        final = stream.get_final_completion()
+    assert [(c.index, c.message.content, c.finish_reason) for c in final.choices] == \
+        [(c.index, c.message.content, c.finish_reason) for c in whole.choices]
