@@ -9,6 +9,9 @@ import json
 import re
 import time
 
+import pytest
+
+from calexec.drivers.serving import grammar
 from calexec.drivers.serving.server import ServerConfig, create_app
 from test_server_support import (
     MODEL,
@@ -84,3 +87,33 @@ def test_an_n3_chat_stream_opens_every_choice_in_index_order_for_the_sdk_helper(
         final = stream.get_final_completion()
     assert [(c.index, c.message.content, c.finish_reason) for c in final.choices] == \
         [(c.index, c.message.content, c.finish_reason) for c in whole.choices]
+
+
+CALL = '<tool_call>\n{"name":"get","arguments":'
+
+
+@pytest.mark.parametrize(("text", "arguments", "content"), [
+    (CALL + '{"x":1}}\n</tool_ca', ['{"x":1}'], ""),  # cut in the close tag
+    (CALL + '{"x":1}}', ['{"x":1}'], ""),  # cut after the call's "}"
+    (CALL + '{"x":1}', ['{"x":1}'], ""),  # cut right after the arguments
+    (CALL + '{"x":{"y":"}"}', ['{"x":{"y":"}"}'], ""),  # cut inside: as generated
+    (CALL + '{"x":1}}\n</tool_call>\n<tool_call>\n{"', ['{"x":1}'], ""),  # in an opening
+    ('hi <tool_call>\n{"na', [], "hi "),  # an opening cut before its name
+])
+def test_a_tool_call_stream_cut_by_max_tokens_streams_no_call_markup(text, arguments,
+                                                                     content):
+    """A streamed tool call cut by ``max_tokens`` flushed the text held back at the end into
+    the call's arguments or the content: ``{"x":1}}\\n</tool_ca`` as the arguments of a call
+    whose arguments were whole (JSON no client parses), the start of the next call's
+    ``<tool_call>`` as content. What is held back is the call's markup (the grammar writes
+    it): it is dropped; arguments cut inside stay as generated, as OpenAI streams them."""
+    stream = grammar.ToolCallStream()
+    deltas = [d for ch in text for d in stream.feed(ch)] + stream.feed("", final=True)
+    calls: dict[int, str] = {}
+    for d in deltas:
+        for piece in d.get("tool_calls", ()):
+            calls[piece["index"]] = calls.get(piece["index"], "") + \
+                piece["function"]["arguments"]
+    assert list(calls.values()) == arguments
+    assert "".join(d.get("content", "") for d in deltas) == content
+    assert stream.cut
