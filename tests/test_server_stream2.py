@@ -66,6 +66,31 @@ def test_a_client_that_stops_reading_an_n2_stream_holds_the_generation_back(tmp_
         executor.shutdown(5.0)
 
 
+def test_a_client_that_closes_a_stalled_n2_stream_frees_its_choices_at_once(tmp_path):
+    """The choices of a stalled stream wait for room (the test above); the client closing
+    ends that wait: both sequences come back at once, not at the deadline (60 s)."""
+    executor = started_executor(tmp_path)
+    app = create_app(executor, ServerConfig())
+    service = app.state.service
+    try:
+        with ServeLikeServer(app, small_buffers=True) as server:
+            sock = stalled_client(server.port, {"prompt": [1, 2, 3], "max_tokens": 3000,
+                                                "n": 2, "stream": True, "timeout": 60})
+            try:
+                wait_for(lambda: service.sends.waiting == 1, what="the server's send stalled",
+                         timeout=5)
+                time.sleep(0.3)  # (the choices now wait for room)
+                assert service.active == 2
+            finally:
+                sock.close()
+            wait_for(lambda: _idle(service), what="the closed stream's choices freed",
+                     timeout=10)
+            text = service.metrics.exposition().decode()
+            assert metric_value(text, "calexec_kv_sequences_in_use") == 0
+    finally:
+        executor.shutdown(5.0)
+
+
 def test_an_n3_chat_stream_opens_every_choice_in_index_order_for_the_sdk_helper(live):
     """The SDK's ``chat.completions.stream`` helper builds its snapshot from the first chunk
     (``choices[index] = ...`` on that chunk's list) and appends a choice it has not seen: it
