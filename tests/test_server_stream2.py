@@ -9,6 +9,7 @@ import json
 import re
 import time
 
+import httpx
 import pytest
 
 from calexec.drivers.serving import grammar
@@ -142,3 +143,27 @@ def test_a_tool_call_stream_cut_by_max_tokens_streams_no_call_markup(text, argum
     assert list(calls.values()) == arguments
     assert "".join(d.get("content", "") for d in deltas) == content
     assert stream.cut
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_request_past_its_timeout_is_told_so_not_an_executor_internal(live, stream):
+    """A request whose ``timeout`` ran out mid-generation got the executor's own words for
+    the step that met the deadline ("queue deadline passed before infer()", "wait_until
+    deadline passed; the job continues (state Succeeded)", "admission deadline passed"): a
+    streamed client read them as the error event's message after 300 tokens, a whole
+    answer's as the 504's. The message now says the request's timeout ran out, its value and
+    how many tokens were generated; the code (``<phase>.deadline``) is kept."""
+    server, _, _ = live
+    body = {"prompt": "x", "max_tokens": 30000, "stream": stream, "timeout": 0.5}
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+    if stream:
+        assert r.status_code == 200
+        events = [json.loads(m) for m in re.findall(r"data: (\{.*?\})\n\n", r.text)]
+        error = events[-1]["error"]
+        assert len(events) > 1 and "data: [DONE]" not in r.text
+    else:
+        assert r.status_code == 504, r.text
+        error = r.json()["error"]
+    assert error["code"].endswith(".deadline"), error
+    assert error["message"].startswith("request timeout=0.5 s passed after "), error
+    assert " generated tokens" in error["message"], error
