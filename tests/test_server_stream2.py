@@ -17,13 +17,13 @@ from calexec.drivers.serving.server import ServerConfig, create_app
 from test_server_support import (
     MODEL,
     ServeLikeServer,
+    live_fixture,  # noqa: F401 - the fixture ``live``
     metric_value,
     read_until_closed,
     stalled_client,
     started_executor,
     wait_for,
 )
-from test_server_support import live_fixture  # noqa: F401 - the fixture ``live``
 
 
 def _idle(service) -> bool:
