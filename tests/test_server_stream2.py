@@ -167,3 +167,30 @@ def test_a_request_past_its_timeout_is_told_so_not_an_executor_internal(live, st
     assert error["code"].endswith(".deadline"), error
     assert error["message"].startswith("request timeout=0.5 s passed after "), error
     assert " generated tokens" in error["message"], error
+
+
+def test_response_ids_are_unique_across_server_processes(tmp_path):
+    """``id`` was ``cmpl-<the process's request counter>``: every server (a restart, each
+    replica of a fleet) answered its first request ``cmpl-1``, so a client or a proxy that
+    keys responses by id (OpenAI: "a unique identifier") merged different answers; a request
+    of several choices already had a random one. Each response's id is now random, as
+    vLLM's (``cmpl-<32 hex>``), streamed or not, constant over a stream."""
+    from fastapi.testclient import TestClient
+
+    executor = started_executor(tmp_path)
+    ids = []
+    try:
+        for _ in range(2):  # two servers on one executor: each with its own counter
+            with TestClient(create_app(executor, ServerConfig())) as client:
+                ids.append(client.post("/v1/completions", json={
+                    "prompt": [1, 2], "max_tokens": 1}).json()["id"])
+                chunks = client.post("/v1/chat/completions", json={
+                    "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                    "stream": True}).text
+                streamed = set(re.findall(r'"id":"([^"]+)"', chunks))
+                assert len(streamed) == 1, streamed
+                ids.extend(streamed)
+    finally:
+        executor.shutdown(5.0)
+    assert len(set(ids)) == 4, ids
+    assert all(re.fullmatch(r"(chat)?cmpl-[0-9a-f]{32}", i) for i in ids), ids

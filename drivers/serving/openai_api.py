@@ -1508,7 +1508,8 @@ class _Shape:
 
     def start(self, service: CompletionService, run: RequestRun) -> None:
         self.service, self.run, self.created = service, run, int(time.time())
-        self.id = f"{self.PREFIX}-{run.request_id}"
+        # random, as vLLM's: a counter repeats across restarts and a fleet's replicas
+        self.id = f"{self.PREFIX}-{uuid.uuid4().hex}"
         self.tok = service.tokenizer
         self.sent_logprobs = 0
         self.opened = False
