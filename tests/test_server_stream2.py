@@ -1,6 +1,6 @@
 """Streaming defects a real client hits, found by probing a loopback server (branch
 stream2): each case used to hold more than it should, send a chunk the official ``openai``
-SDK misreads, or answer a parameter silently wrong. Real executor on the bundled emulator;
+SDK misreads, word an error in the executor's terms or reuse an id. Real executor on the bundled emulator;
 raw loopback sockets where a client misbehaves; every wait bounded."""
 
 from __future__ import annotations
