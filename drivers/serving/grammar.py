@@ -471,6 +471,7 @@ class ToolCallStream:
         self._text = ""
         self._at = 0  # characters of _text turned into deltas
         self._in_call = False
+        self._args = 0  # where the open call's arguments start in _text
         self.calls = 0
         self.complete = 0
         #: the output ended inside a call, or with one opened but not named (max_tokens)
@@ -484,7 +485,10 @@ class ToolCallStream:
             rest = self._text[self._at:]
             if self._in_call:
                 end = rest.find(self._END)
-                upto = end if end >= 0 else len(rest) if final else _args_ready(rest, self._END)
+                upto = end if end >= 0 else _args_ready(rest, self._END)
+                if end < 0 and final and upto < len(rest) and \
+                        not _whole_json(self._text[self._args:self._at + upto]):
+                    upto = len(rest)  # cut inside the arguments: as generated
                 if upto:
                     deltas.append({"tool_calls": [{"index": self.calls - 1, "function": {
                         "arguments": rest[:upto]}}]})
@@ -507,10 +511,11 @@ class ToolCallStream:
                 self.calls += 1
                 self._in_call = True
                 self._at += opened.end()
+                self._args = self._at
                 continue
-            if final:
+            if final:  # an opening cut short is the call's markup, no content
                 self.cut = self.cut or start >= 0
-                self._content(rest, deltas, final=True)
+                self._content(rest if start < 0 else rest[:start], deltas, final=True)
                 self._at += len(rest)
             else:
                 ready = start if start >= 0 else len(rest) - _open_prefix(rest)
@@ -542,6 +547,15 @@ def _open_prefix(text: str) -> int:
         if CALL_OPEN.startswith(text[-n:]):
             return n
     return 0
+
+
+def _whole_json(text: str) -> bool:
+    """``text`` is one JSON value (a cut call's arguments, whole before the held end)."""
+    try:
+        json.loads(text)
+    except (ValueError, RecursionError):
+        return False
+    return True
 
 
 def _args_ready(rest: str, end: str) -> int:

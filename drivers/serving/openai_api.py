@@ -861,9 +861,28 @@ class _Choices:
         self.results: list[dict[str, Any] | None] = [None] * count
         self.extra: dict[str, Any] = {}
         self.runs: list[RequestRun] = []
+        #: the shapes of the choices started so far (the first one opens every choice)
+        self.shapes: list[_Shape] = []
         #: a stream's chunks, in the order the choices make them; None: every choice ended
         self.events: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        #: at most this many chunks wait for the sender (:meth:`put`): a client that stops
+        #: reading holds its choices back, as one choice's stream is held
+        self.room = STREAM_AHEAD * count
+        self._taken = asyncio.Event()
         self.prompt_tokens = self.completion_tokens = 0
+
+    async def put(self, chunk: dict[str, Any]) -> None:
+        """Queue a stream's chunk, once there is room (the sender took enough)."""
+        while self.events.qsize() >= self.room:
+            self._taken.clear()
+            await self._taken.wait()
+        self.events.put_nowait(chunk)
+
+    async def take(self) -> dict[str, Any] | None:
+        """The next chunk for the sender (None: every choice ended); wakes a waiting put."""
+        item = await self.events.get()
+        self._taken.set()
+        return item
 
     def fail(self, status: Status, param: str | None, counted: bool) -> None:
         if self.failure is None:  # the first failure is the answer
@@ -1254,12 +1273,10 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         out = TextOutput(service.tokenizer, params.stop, params.include_stop_str_in_output)
         shape.start(service, run)
         shape.id, shape.created, shape.index = state.id, state.created, k
+        state.shapes.append(shape)
         sse = admission.sse
         try:
             token = await service.advance(run)
-            if sse and run.status is None:
-                for chunk in shape.opening():
-                    state.events.put_nowait(chunk)
             while token is not None:
                 piece = out.add(token)
                 if out.stopped:
@@ -1267,14 +1284,14 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
                 if sse:
                     sent = shape.piece(piece, token, run)
                     if sent is not None:
-                        state.events.put_nowait(sent)
+                        await state.put(sent)
                 token = await service.advance(run)
             if run.status is not None:
                 state.fail(run.status, None, counted=True)  # counted by finish()
                 scope.cancel()
                 return
             if sse:
-                state.events.put_nowait(shape.last(out.flush(), run))
+                await state.put(shape.last(out.flush(), run))
             else:
                 out.flush()
                 whole = shape.whole(out.text, run)
@@ -1302,17 +1319,17 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
             with anyio.CancelScope(shield=True):
                 await asyncio.wait({producer})
 
-        opening: dict[str, Any] | None = None
+        first: dict[str, Any] | None = None
 
         async def first_event() -> None:  # may wait for sequence ids: watch for disconnect
-            nonlocal opening
-            opening = await state.events.get()
+            nonlocal first
+            first = await state.take()
         try:
             await wire.until_disconnect(request, first_event)
         except BaseException:
             await stop()
             raise
-        if opening is None:
+        if first is None:
             await stop()
             if state.failure is not None:
                 status, param, counted = state.failure
@@ -1320,11 +1337,16 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
             return fail(Status.cancelled(Phase.CANCEL, "client disconnected"), count=False)
 
         async def events() -> AsyncIterator[bytes]:
-            item: dict[str, Any] | None = opening
+            item: dict[str, Any] | None = first
             try:
+                # every choice's opening first, in index order (a chat's role delta): the
+                # SDK's stream helper adds a choice it has not seen at the end of its list
+                for k in range(len(state.results)):
+                    for chunk in state.shapes[0].opening(k):
+                        yield wire.sse(chunk)
                 while item is not None:
                     yield wire.sse(item)
-                    item = await state.events.get()
+                    item = await state.take()
                 if state.failure is not None:
                     status, param, counted = state.failure
                     if not counted:
@@ -1486,7 +1508,8 @@ class _Shape:
 
     def start(self, service: CompletionService, run: RequestRun) -> None:
         self.service, self.run, self.created = service, run, int(time.time())
-        self.id = f"{self.PREFIX}-{run.request_id}"
+        # random, as vLLM's: a counter repeats across restarts and a fleet's replicas
+        self.id = f"{self.PREFIX}-{uuid.uuid4().hex}"
         self.tok = service.tokenizer
         self.sent_logprobs = 0
         self.opened = False
@@ -1503,7 +1526,8 @@ class _Shape:
         self.sent_logprobs = len(run.token_logprobs)
         return infos
 
-    def opening(self) -> list[dict[str, Any]]:
+    def opening(self, index: int | None = None) -> list[dict[str, Any]]:
+        """The chunks that open the stream of choice ``index`` (default: this shape's)."""
         return []
 
     def _head(self, chunk: bool = False) -> dict[str, Any]:
@@ -1623,11 +1647,11 @@ class _ChatShape(_Shape):
             "finish_reason": run.finish_reason, "token_ids": run.tokens}],
             "usage": _usage(run), **({"prompt_token_ids": run.prompt} if self.prompt_ids else {})}
 
-    def opening(self) -> list[dict[str, Any]]:
+    def opening(self, index: int | None = None) -> list[dict[str, Any]]:
         if self.opened:  # a replica before this one sent it
             return []
         return [{**self._head(chunk=True), "choices": [{
-            "index": self.index, "delta": {"role": "assistant", "content": ""},
+            "index": self.index if index is None else index, "delta": {"role": "assistant", "content": ""},
             "logprobs": None,
             "finish_reason": None}],
             **({"prompt_token_ids": self.run.prompt} if self.prompt_ids else {})}]

@@ -446,6 +446,22 @@ _BURST = object()
 STREAM_AHEAD = 16
 
 
+#: how :func:`_told_as_timeout` starts a message (it rewrites a message once)
+_TIMEOUT_TOLD = "request timeout="
+
+
+def _told_as_timeout(run: RequestRun, status: Status) -> Status:
+    """``status`` as the client reads it: a deadline that ended ``run`` is its ``timeout``
+    (the body's, or the server's default), whichever step met it; the executor's words for
+    that step ("queue deadline passed before infer()", ...) follow in parentheses."""
+    if status.category is not Category.DEADLINE or status.message.startswith(_TIMEOUT_TOLD):
+        return status
+    return attrs.evolve(status, message=(
+        f"{_TIMEOUT_TOLD}{run.deadline - run.started:g} s passed after {len(run.tokens)} "
+        f"generated tokens (the body's timeout, or the server's --timeout; "
+        f"{status.message})"))
+
+
 def _prompt_row(logits: np.ndarray, token: int, top: int) -> tuple[sampling.TokenLogprobs, int]:
     """The log-probability of prompt ``token`` in ``logits`` (the raw FP32 row of the
     position before it), the ``top`` most likely tokens', and the token's rank (1: the most
@@ -680,6 +696,8 @@ class CompletionService:
                 return cast(int, token)
             token = await self._step(run)
             if token is not _PROMPT_ROW and token is not _BURST:
+                if token is None and run.status is not None:
+                    run.status = _told_as_timeout(run, run.status)
                 return cast(int | None, token)
 
     @staticmethod
