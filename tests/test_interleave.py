@@ -84,3 +84,35 @@ def test_a_condition_s_wait_for_runs_under_the_explorer():
         result = explore_threads(scenario(delay, seen), seeds=range(5))
         assert result.failure is None, result.failure.message
         assert [(got, round(t, 6)) for got, t in seen] == [(found, waited)] * 5, seen
+
+
+@pytest.mark.parametrize(("kwargs", "named"), [
+    ({"seeds": 5}, "seeds=5"), ({"seeds": "abc"}, "seeds='abc'"),
+    ({"seeds": ["a", 1]}, "seeds: 'a'"), ({"seeds": [True]}, "seeds: True"),
+    ({"depth": 0}, "depth=0"), ({"depth": 2.5}, "depth=2.5"), ({"length": 0}, "length=0"),
+    ({"steps": 0}, "steps=0"), ({"horizon_s": 0}, "horizon_s=0"),
+    ({"horizon_s": float("nan")}, "horizon_s=nan"), ({"invariant": 3}, "invariant=3"),
+])
+def test_bad_arguments_are_refused_naming_the_argument_and_its_value(kwargs, named):
+    """``seeds=5`` (meant: five seeds) failed with ``'int' object is not iterable``; ``depth``
+    or ``steps`` of 0, a zero or NaN horizon and a non-callable invariant were taken and every
+    schedule "passed" or failed for another reason. Each is refused before any schedule runs,
+    with a ``ValueError``/``TypeError`` naming the argument and its value (a seed when the
+    loop meets it: ``seeds`` is read lazily, ``itertools.count()`` explores until a failure)."""
+    ran = []
+
+    def scenario(clock):
+        ran.append(1)
+        two_counters(clock)
+
+    with pytest.raises((TypeError, ValueError)) as refused:
+        explore_threads(scenario, **kwargs)
+    assert named in str(refused.value)
+    assert ran == []
+
+
+def test_replay_refuses_choices_that_are_not_indices():
+    with pytest.raises(TypeError, match=r"choices: 'x'"):
+        replay_threads(lambda clock: None, [0, "x"])
+    with pytest.raises(ValueError, match=r"steps=-1"):
+        replay_threads(lambda clock: None, [0], steps=-1)

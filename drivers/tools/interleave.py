@@ -32,6 +32,8 @@ the threads: machines/chart_contracts.py).
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable, Iterable, Sequence
 
 import attrs
@@ -144,9 +146,15 @@ def explore_threads(scenario: Scenario, *, seeds: Iterable[int] = range(100), de
     """Run ``scenario`` under one PCT schedule per seed (random thread priorities and
     ``depth - 1`` priority change points placed among the first ``length`` choices, as
     Shuttle's and Coyote's PCT) until one fails; ``charts``: whose contracts are checked."""
+    _check_bounds(steps=steps, horizon_s=horizon_s, invariant=invariant,
+                  depth=depth, length=length)
+    if isinstance(seeds, (int, str, bytes)):
+        raise TypeError(f"seeds={seeds!r}: an iterable of integer seeds, e.g. range({seeds!r})"
+                        if isinstance(seeds, int) else
+                        f"seeds={seeds!r}: an iterable of integer seeds, e.g. range(100)")
     charts = tuple(charts)
     count = 0
-    for seed in seeds:
+    for seed in map(functools.partial(_index, "seeds"), seeds):  # lazily: count() may go on
         count += 1
         failure = run_schedule(scenario, PCTChooser(seed, depth=depth, steps=length, p_jump=0.0),
                                invariant=invariant, charts=charts, steps=steps,
@@ -162,5 +170,37 @@ def replay_threads(scenario: Scenario, choices: Sequence[int], *,
                    horizon_s: float = 60.0) -> ScheduleFailure | None:
     """Run ``scenario`` under the recorded ``choices`` (``ScheduleFailure.choices``): the same
     schedule, so the same failure (or None if the code no longer fails on it)."""
+    _check_bounds(steps=steps, horizon_s=horizon_s, invariant=invariant)
+    if isinstance(choices, (str, bytes)):
+        raise TypeError(f"choices={choices!r}: the choices a ScheduleFailure recorded")
+    choices = [_index("choices", choice) for choice in choices]
     return run_schedule(scenario, ReplayChooser(list(choices)), invariant=invariant,
                         charts=tuple(charts), steps=steps, horizon_s=horizon_s)
+
+
+def _index(name: str, value: object) -> int:
+    """``value``, an element of argument ``name``, as a non-negative integer, else
+    ``TypeError``/``ValueError`` naming both."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: {value!r} is not an integer")
+    if value < 0:
+        raise ValueError(f"{name}: {value!r} is negative")
+    return value
+
+
+def _check_bounds(*, steps: int, horizon_s: float, invariant: object,
+                  **counts: int) -> None:
+    """Refuse, naming the argument and its value, a bound no schedule can run under: ``steps``
+    and every count (``depth``, ``length``) an integer >= 1, ``horizon_s`` a finite number of
+    seconds > 0, ``invariant`` None or callable."""
+    for name, value in {"steps": steps, **counts}.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name}={value!r}: an integer >= 1")
+        if value < 1:
+            raise ValueError(f"{name}={value!r}: must be >= 1")
+    if isinstance(horizon_s, bool) or not isinstance(horizon_s, (int, float)):
+        raise TypeError(f"horizon_s={horizon_s!r}: seconds of virtual time, a number > 0")
+    if not (math.isfinite(horizon_s) and horizon_s > 0):
+        raise ValueError(f"horizon_s={horizon_s!r}: seconds of virtual time, finite and > 0")
+    if invariant is not None and not callable(invariant):
+        raise TypeError(f"invariant={invariant!r}: a function of no arguments (or None)")
