@@ -140,6 +140,21 @@ class _Outcome:
     error_chunk: bytes | None = None  # the SSE error event of a failed stream, not forwarded
 
 
+class ClientGone(Exception):
+    """Sending to the client failed: its connection is closed (ASGI 2.4: the server raises a
+    subclass of OSError; any exception a ``send`` raises means the same here)."""
+
+
+async def to_client(send: Send, message: Message) -> None:
+    """``send(message)``, a failure of it raised as :class:`ClientGone`: a client that left is
+    never taken for a replica that died (which would start a sibling for nobody and leave the
+    replica generating)."""
+    try:
+        await send(message)
+    except Exception as err:  # noqa: BLE001 - whatever the server raises for a closed connection
+        raise ClientGone(repr(err)) from err
+
+
 class FleetIngress:
     """ASGI app in front of the device replicas (see the module docstring)."""
 
@@ -337,9 +352,9 @@ class FleetIngress:
                     headers = list(start.get("headers", []))
                     if client.failed_from is not None:
                         headers.append((RELAYED_FROM, client.failed_from.encode()))
-                    await send({**start, "headers": headers})
+                    await to_client(send, {**start, "headers": headers})
                     start, client.started = None, True
-                await send(message)
+                await to_client(send, message)
                 if chunk:
                     client.opened = True
                     client.complete = client.final
@@ -350,6 +365,9 @@ class FleetIngress:
                     return _Outcome(None, replica)
             ended = True  # the stream ended before the response did
             return await self._cut(client, send, _Outcome(handed or "replica_died", replica))
+        except ClientGone as gone:  # the client left: its replica stops, nothing is retried
+            log.info("client left while replica %s answered (%s)", replica, gone)
+            return _Outcome(None, replica)  # (``ended`` unset: the stream is stopped below)
         except Exception as err:  # noqa: BLE001 - the replica's process died or is unreachable
             ended = True
             log.warning("replica %s failed mid-response: %r", replica, err)
@@ -364,12 +382,21 @@ class FleetIngress:
         response's last chunk (then only its end is sent)."""
         client.pending.clear()
         if client.complete:
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            try:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            except Exception as err:  # noqa: BLE001 - the client left: it had every chunk
+                log.info("client left before the end of its response (%r)", err)
             return _Outcome(None, outcome.replica)
         return outcome
 
     async def _give_up(self, client: _Client, outcome: _Outcome, send: Send) -> None:
         """The budget is spent: the client gets what it would have got without the fleet."""
+        try:
+            await self._tell(client, outcome, send)
+        except Exception as err:  # noqa: BLE001 - the client left meanwhile: nobody to tell
+            log.info("client left before its failure could be sent (%r)", err)
+
+    async def _tell(self, client: _Client, outcome: _Outcome, send: Send) -> None:
         if not client.started:
             if outcome.held is not None:
                 await send_held(send, *outcome.held)

@@ -1,0 +1,70 @@
+"""The operational surface as an SRE meets it (stop 40): how the fleet ingress treats a client
+that left, what a draining fleet answers its probes, and what ``calexec serve`` says about a
+setup that exposes it (a non-loopback ``--host`` without ``--api-key``, an admin token file
+others can read, a ``--grace`` no ``/admin/drain`` would take).
+
+The fleet cases drive the ingress as tests/test_fleet_ingress.py does (plain async generators
+as replicas, no Ray, no device); the ``serve`` cases run ``calexec serve`` in a child process
+on loopback, bounded, killed at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from calexec.drivers.fleet.ingress import FailoverSettings, FleetIngress
+from test_fleet_ingress import BODY, Client, Replica, Router, chunk
+
+
+class GoneClient(Client):
+    """A client whose connection is gone after ``leave_after`` body bytes: the server's
+    ``send`` then raises (ASGI 2.4: "a server-specific subclass of OSError" when sending on
+    a closed connection; hypercorn, granian and Ray Serve's proxy do), and ``receive`` says
+    ``http.disconnect``."""
+
+    async def run(self, app) -> GoneClient:
+        scope = {"type": "http", "method": "POST", "path": self.path, "query_string": b"",
+                 "headers": [(b"content-type", b"application/json")], "http_version": "1.1"}
+        given = False
+
+        async def receive():
+            nonlocal given
+            if not given:
+                given = True
+                return {"type": "http.request", "body": json.dumps(self.body).encode(),
+                        "more_body": False}
+            await self.left.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            if self.left.is_set():
+                raise ConnectionResetError("the client's connection is closed")
+            self.messages.append(message)
+            if self.leave_after is not None and len(self.content) >= self.leave_after:
+                self.left.set()
+        await asyncio.wait_for(app(scope, receive, send), timeout=10)
+        return self
+
+
+def fleet(*replicas: Replica) -> tuple[FleetIngress, Router]:
+    router = Router(*replicas)
+    return FleetIngress(router, FailoverSettings(backoff_s=0.001, retry_after_s=2)), router
+
+
+def test_a_send_to_a_client_that_left_stops_the_replica_and_is_no_failover():
+    gate = asyncio.Event()
+    gate.set()  # the replica streams at full speed
+    r1, r2 = Replica("r1", gate=gate), Replica("r2")
+    app, router = fleet(r1, r2)
+
+    async def scenario():
+        client = await GoneClient(BODY, leave_after=len(chunk(0) + chunk(1))).run(app)
+        return client, r1.closed  # (before asyncio.run closes what was left open)
+    client, stopped = asyncio.run(scenario())
+    assert client.content == chunk(0) + chunk(1)
+    # the replica's generation was stopped (its sequence comes back), not left running...
+    assert stopped and not r1.finished
+    # ...and a client that left is no replica death: nothing counted, no sibling started
+    assert app.failovers == {} and router.calls == ["r1"] and not r2.requests
+
