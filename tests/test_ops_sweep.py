@@ -14,7 +14,7 @@ import asyncio
 import json
 
 from calexec.drivers.fleet.ingress import FailoverSettings, FleetIngress
-from test_fleet_ingress import BODY, Client, Replica, Router, chunk
+from test_fleet_ingress import BODY, Client, Replica, Router, chunk, run
 
 
 class GoneClient(Client):
@@ -68,3 +68,28 @@ def test_a_send_to_a_client_that_left_stops_the_replica_and_is_no_failover():
     # ...and a client that left is no replica death: nothing counted, no sibling started
     assert app.failovers == {} and router.calls == ["r1"] and not r2.requests
 
+
+def probe(app: FleetIngress, method: str, path: str) -> Client:
+    """One request of ``method`` to ``path`` (``Client`` sends POST)."""
+    async def as_method(scope, receive, send):
+        await app({**scope, "method": method}, receive, send)
+    return run(as_method, Client(path=path))
+
+
+def test_a_draining_fleet_still_answers_its_liveness_and_metrics_probes():
+    """A single server keeps /health 200 while it drains (docs/server.md "Drain": a liveness
+    probe must not kill a process finishing its work); the fleet's ingress refused every
+    request, /health and /metrics included, for the whole --grace."""
+    r1 = Replica("r1")
+    app, router = fleet(r1)
+    app.draining = True  # as FleetIngress.drain sets it
+    for method, path in (("GET", "/health"), ("HEAD", "/health"), ("GET", "/metrics")):
+        answer = probe(app, method, path)
+        assert answer.starts[0]["status"] == 200, (method, path)
+    assert len(router.calls) == 3  # forwarded to a replica, as when not draining
+    # what admits work, and readiness, are still refused at the ingress: 503 + Retry-After
+    for method, path in (("GET", "/ready"), ("POST", "/v1/completions"),
+                         ("POST", "/admin/reload")):
+        answer = probe(app, method, path)
+        assert answer.starts[0]["status"] == 503 and answer.header(b"retry-after") == b"2"
+    assert len(router.calls) == 3

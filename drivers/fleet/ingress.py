@@ -38,8 +38,10 @@ the device replicas, each reached through a streaming call (``call(request)``: t
    ingress is the one place that retries. A response from a sibling after a failover carries
    ``x-calexec-relayed-from: <the replica that failed>``.
 5. **Drain.** :meth:`FleetIngress.drain` (the fleet's SIGTERM/SIGINT, before Serve shuts
-   down) answers every new request 503 + ``Retry-After`` ("fleet is draining") and waits,
-   bounded, for the admitted ones to finish.
+   down) answers every new request 503 + ``Retry-After`` ("fleet is draining"), except the
+   probes ``GET``/``HEAD`` ``/health`` and ``/metrics`` (``PROBES``: still forwarded, as a
+   single server answers them while it drains), and waits, bounded, for the admitted ones
+   to finish.
 
 Nothing here knows Ray: ``call`` is given by the host, so tests drive the ingress with plain
 async generators as replicas. Counters: ``failovers`` by cause, ``reprefilled`` (prompt +
@@ -86,6 +88,11 @@ log = logging.getLogger("calexec.fleet_ingress")
 #: the ``x-calexec-relayed-from`` of requests the ingress sends (the replica never relays them)
 INGRESS = "ingress"
 REPLICA_HEADER = b"x-calexec-replica"
+#: what a draining ingress still forwards: liveness and metrics describe the fleet and admit
+#: no work (a single server keeps /health 200 while it drains: a liveness probe must not kill
+#: a process finishing its work, nor a scrape miss it); /ready is refused, as all the rest
+PROBES = frozenset((method, path) for method in ("GET", "HEAD")
+                   for path in ("/health", "/metrics"))
 #: ``failovers`` causes
 CAUSES = ("replica_died", "drained", "unavailable")
 
@@ -195,7 +202,7 @@ class FleetIngress:
             return
         if scope["type"] != "http":
             return
-        if self.draining:
+        if self.draining and (scope["method"], route_path(scope)) not in PROBES:
             await send_held(send, *refusal(Status.unavailable(
                 Phase.ADMISSION, "fleet is draining"), 503, self.settings.retry_after_s))
             return
