@@ -6,7 +6,8 @@ drain and exit.
 
 Exit codes: 0 after a clean drain (SIGTERM/SIGINT, ``POST /admin/drain``, or the end of
 ``--once``); 2 for bad arguments or configuration (one line naming the flag); 3 when the
-executor failed to start or its lifecycle ended ``Failed`` (work did not drain within
+executor failed to start, when a second signal forced the exit while requests still ran
+(they were cut), or when its lifecycle ended ``Failed`` (work did not drain within
 ``--grace``, or a device fault needed a reset that ``--reset-kind`` / ``--conform-report`` did
 not allow: with an external ``--runtime-lib`` and neither, the reset kind is ``none``, spec
 §9.1), so a supervisor restarts the process; 4 when the ``--once`` sample request did not
@@ -288,6 +289,10 @@ def main(argv: list[str]) -> int:
             status = service.drain_status
         if not status.ok or executor.state != "Stopped":
             print(f"calexec serve: executor ended {executor.state}: {status}", file=sys.stderr)
+            return EXIT_FAILED
+        if server.cut:  # a second signal ended the drain: what still ran was cut, not drained
+            print(f"calexec serve: forced exit by a second signal: {server.cut} request(s) "
+                  "still running were cut", file=sys.stderr)
             return EXIT_FAILED
         if sample is not None:
             if not sample.ok:

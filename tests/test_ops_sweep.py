@@ -12,9 +12,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
 
 from calexec.drivers.fleet.ingress import FailoverSettings, FleetIngress
 from test_fleet_ingress import BODY, Client, Replica, Router, chunk, run
+from test_server_support import free_port, wait_for
 
 
 class GoneClient(Client):
@@ -93,3 +102,76 @@ def test_a_draining_fleet_still_answers_its_liveness_and_metrics_probes():
         answer = probe(app, method, path)
         assert answer.starts[0]["status"] == 503 and answer.header(b"retry-after") == b"2"
     assert len(router.calls) == 3
+
+
+def serve_process(tmp_path, *args: str) -> tuple[subprocess.Popen, str]:
+    """``calexec serve`` on a free loopback port, ready (bounded: 30 s); the caller kills it."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "calexec", "serve", "--port", str(port),
+                             "--log-level", "warning", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ}, cwd=tmp_path)
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        try:
+            return httpx.get(f"{url}/ready", timeout=1).status_code == 200
+        except httpx.TransportError:
+            assert proc.poll() is None, proc.communicate(timeout=10)
+            return False
+    try:
+        wait_for(up, timeout=30, what="calexec serve to become ready")
+    except BaseException:
+        proc.kill()
+        proc.communicate(timeout=10)
+        raise
+    return proc, url
+
+
+def stopped(proc: subprocess.Popen, timeout: float = 30) -> tuple[int, str]:
+    """The exit code and stderr of ``proc`` (killed if it outlives ``timeout``)."""
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate(timeout=10)
+        raise AssertionError(f"calexec serve did not exit within {timeout} s: {err}") from None
+    return proc.returncode, err
+
+
+def test_a_second_signal_that_cuts_a_stream_is_no_clean_exit(tmp_path):
+    """The first SIGTERM drains; a second one forces the exit, cutting what still runs: that
+    is no clean drain (exit 0), it exits 3 naming the requests it cut."""
+    proc, url = serve_process(tmp_path, "--grace", "30", "--device-config", "decode_us=20000")
+    try:
+        first = threading.Event()
+        events: list[bytes] = []
+
+        def stream() -> None:
+            try:
+                with httpx.stream("POST", f"{url}/v1/completions", timeout=30,
+                                  json={"prompt": [5, 6], "max_tokens": 2000,
+                                        "stream": True}) as r:
+                    for line in r.iter_lines():
+                        events.append(line.encode())
+                        first.set()
+            except httpx.HTTPError:
+                pass  # cut
+        worker = threading.Thread(target=stream, daemon=True)
+        worker.start()
+        assert first.wait(10)
+        proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: httpx.get(f"{url}/ready", timeout=2).status_code == 503,
+                 what="/ready to report draining")
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code, err = stopped(proc)
+        assert time.monotonic() - t0 < 10  # forced: not the 30 s grace
+        worker.join(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=10)
+    assert b"data: [DONE]" not in events  # the stream was cut...
+    assert code == 3, err  # ...so the exit says so
+    assert "1 request(s) still running were cut" in err
