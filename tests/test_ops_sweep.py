@@ -175,3 +175,34 @@ def test_a_second_signal_that_cuts_a_stream_is_no_clean_exit(tmp_path):
     assert b"data: [DONE]" not in events  # the stream was cut...
     assert code == 3, err  # ...so the exit says so
     assert "1 request(s) still running were cut" in err
+
+
+def test_a_non_loopback_host_without_an_api_key_is_warned_about():
+    from calexec import serve
+
+    for host in ("0.0.0.0", "::", "10.1.2.3"):
+        warned = serve.exposure_warnings(host, None, None)
+        assert len(warned) == 1 and f"--host={host!r}" in warned[0]
+        assert "--api-key" in warned[0]
+        assert serve.exposure_warnings(host, "key", None) == []  # guarded: nothing to say
+    for host in ("127.0.0.1", "::1", "localhost"):
+        assert serve.exposure_warnings(host, None, None) == []
+
+
+def test_an_admin_token_file_others_can_read_is_warned_about_at_startup(tmp_path):
+    """The admin token drains and reloads the server: a token file the group or others can
+    read (a fresh file's 0644) is said in one WARNING line naming it and its mode; 0600 is
+    quiet. (Warned, not refused: a Kubernetes secret volume mounts its files 0644 unless told
+    otherwise.)"""
+    token = tmp_path / "admin.token"
+    token.write_text("s3cret-admin\n", encoding="utf-8")
+    for mode, warned in ((0o644, True), (0o640, True), (0o600, False), (0o400, False)):
+        token.chmod(mode)
+        done = subprocess.run([sys.executable, "-m", "calexec", "serve", "--once",
+                               "--admin-token-file", str(token)],
+                              capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        line = f"--admin-token-file={str(token)!r} is readable by"
+        assert (line in done.stderr) is warned, (oct(mode), done.stderr)
+        if warned:
+            assert f"mode {mode:04o}" in done.stderr and "s3cret" not in done.stderr
