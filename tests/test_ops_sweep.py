@@ -206,3 +206,32 @@ def test_an_admin_token_file_others_can_read_is_warned_about_at_startup(tmp_path
         assert (line in done.stderr) is warned, (oct(mode), done.stderr)
         if warned:
             assert f"mode {mode:04o}" in done.stderr and "s3cret" not in done.stderr
+
+
+def test_with_an_api_key_no_v1_path_answers_an_unauthenticated_client_but_401(tmp_path):
+    """``--api-key`` guards ``/v1/*`` (docs/server.md "API key"); a client without the key
+    learnt which /v1 routes and methods exist (404 for ``/v1/foo``, 405 for ``POST
+    /v1/models``). vLLM's middleware answers 401 to any /v1 path without the key, as OpenAI
+    does; with the key the route's own 404/405 comes back. Other paths keep theirs."""
+    from fastapi.testclient import TestClient
+
+    from calexec.drivers.serving.server import ServerConfig, create_app
+    from test_server_support import started_executor
+
+    executor = started_executor(tmp_path)
+    try:
+        with TestClient(create_app(executor, ServerConfig(api_key="k3y"))) as client:
+            for method, path in (("GET", "/v1/foo"), ("POST", "/v1/embeddings"),
+                                 ("POST", "/v1/models"), ("DELETE", "/v1/completions"),
+                                 ("GET", "/v1")):
+                answer = client.request(method, path)
+                assert answer.status_code == 401, (method, path, answer.text)
+                assert answer.json()["error"]["code"] == "invalid_api_key"
+                keyed = client.request(method, path, headers={"authorization": "Bearer k3y"})
+                assert keyed.status_code in (404, 405), (method, path)
+            assert client.get("/nope").status_code == 404  # not an OpenAI path: as before
+            assert client.get("/metrics").status_code == 200
+        with TestClient(create_app(executor, ServerConfig())) as client:  # no key: as before
+            assert client.get("/v1/foo").status_code == 404
+    finally:
+        executor.shutdown(5.0)

@@ -87,7 +87,14 @@ def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
 
     @app.exception_handler(StarletteHTTPException)
     async def no_route(request: Request, exc: StarletteHTTPException) -> Response:
-        """An unknown path (404) or method (405): OpenAI-shaped, like every other error."""
+        """An unknown path (404) or method (405): OpenAI-shaped, like every other error. With
+        an API key, a ``/v1`` path asked without it is a 401 first (as vLLM and OpenAI answer):
+        a client without the key learns no route or method."""
+        path = request.url.path
+        if path == "/v1" or path.startswith("/v1/"):
+            auth = openai_api.auth_refusal(request, config.api_key)
+            if auth is not None:
+                return error_response(auth.status, auth.param, retry, auth.http_status)
         return route_error(request.method, request.url.path, exc.status_code,
                            dict(exc.headers or {}))
 
