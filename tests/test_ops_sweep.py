@@ -104,6 +104,55 @@ def test_a_draining_fleet_still_answers_its_liveness_and_metrics_probes():
     assert len(router.calls) == 3
 
 
+
+class StoppedReader(Client):
+    """A client that stops reading after ``leave_after`` body bytes without closing its
+    connection: the server's ``send`` then blocks (its transport's buffer is full) for ever."""
+
+    async def run(self, app) -> StoppedReader:
+        scope = {"type": "http", "method": "POST", "path": self.path, "query_string": b"",
+                 "headers": [(b"content-type", b"application/json")], "http_version": "1.1"}
+        given = False
+        never = asyncio.Event()
+
+        async def receive():
+            nonlocal given
+            if not given:
+                given = True
+                return {"type": "http.request", "body": json.dumps(self.body).encode(),
+                        "more_body": False}
+            await never.wait()  # it never disconnects either
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            if self.leave_after is not None and len(self.content) >= self.leave_after:
+                await never.wait()  # its socket buffer is full: the send waits
+            self.messages.append(message)
+        await asyncio.wait_for(app(scope, receive, send), timeout=10)
+        return self
+
+
+def test_a_client_that_stops_reading_is_cut_at_its_deadline_by_the_ingress():
+    """A single server cuts a stream whose client stopped reading at the request's deadline
+    + slack (docs/server.md); the fleet's ingress waited in its send for ever: the request
+    stayed active (a fleet drain then waited its whole grace and exited 3) and the replica's
+    stream was never stopped."""
+    gate = asyncio.Event()
+    gate.set()
+    r1, r2 = Replica("r1", gate=gate), Replica("r2")
+    router = Router(r1, r2)
+    app = FleetIngress(router, FailoverSettings(backoff_s=0.001, deadline_slack_s=0.2))
+
+    async def scenario():
+        t0 = asyncio.get_running_loop().time()
+        client = await StoppedReader({**BODY, "timeout": 0.5}, leave_after=len(chunk(0))).run(app)
+        return client, asyncio.get_running_loop().time() - t0, r1.closed
+    client, took, stopped = asyncio.run(scenario())
+    assert took < 2.0  # the deadline (0.5 s) + slack (0.2 s), not the client's whim
+    assert client.content == chunk(0) and stopped and not r1.finished
+    assert app.active == 0 and app.failovers == {} and router.calls == ["r1"]
+
+
 def serve_process(tmp_path, *args: str) -> tuple[subprocess.Popen, str]:
     """``calexec serve`` on a free loopback port, ready (bounded: 30 s); the caller kills it."""
     port = free_port()

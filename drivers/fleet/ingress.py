@@ -30,7 +30,9 @@ the device replicas, each reached through a streaming call (``call(request)``: t
    ``max_backoff_s``; the first retry after a replica that answered goes at once). Past the
    budget the client gets what it got before: the replica's 503 (or the ingress's own 503 +
    ``Retry-After``) when nothing was sent yet, else the SSE error event and the end of the
-   stream. A client that leaves stops the replica's work (``cancel()`` of the call).
+   stream. A client that leaves stops the replica's work (``cancel()`` of the call), and so
+   does one that stops reading: a send to it waits at most until the request's deadline +
+   ``deadline_slack_s`` (at least that slack), as the server cuts such a stream.
 4. Other routes (/ready, /health, /metrics, /admin, /debug, /v1/models, /tokenize) are
    forwarded once, to whichever replica the router picks: they describe or steer one replica,
    and an admin POST is never repeated on another. A request marked relayed by the ingress
@@ -114,6 +116,10 @@ class FailoverSettings:
     #: server's ``body_timeout_s``
     body_timeout_s: float = attrs.field(default=30.0, validator=attrs.validators.gt(0))
     retry_after_s: int = attrs.field(default=1, validator=attrs.validators.ge(0))
+    #: a send to the client may wait (the client stopped reading) until the request's deadline
+    #: + this, and at least this long: then the client is taken as gone and its response cut,
+    #: as the server's ``deadline_slack_s`` cuts a stream whose client stopped reading
+    deadline_slack_s: float = attrs.field(default=0.5, validator=attrs.validators.gt(0))
 
 
 @attrs.define
@@ -128,6 +134,8 @@ class _Client:
     final: bool = False  # the next forwarded chunk is the response's last one
     complete: bool = False  # the last chunk went out (only the end-of-body may be missing)
     failed_from: str | None = None  # the first replica that failed this request
+    cut_at: float = math.inf  # a send still waiting then (time.monotonic()) cuts the response
+    slack_s: float = 0.5  # ...and every send may wait at least this long
 
     def resume(self, deadline: float) -> dict[str, Any]:
         admitted = self.admitted or {}
@@ -149,15 +157,20 @@ class _Outcome:
 
 class ClientGone(Exception):
     """Sending to the client failed: its connection is closed (ASGI 2.4: the server raises a
-    subclass of OSError; any exception a ``send`` raises means the same here)."""
+    subclass of OSError; any exception a ``send`` raises means the same here), or it stopped
+    reading and the send waited past the request's deadline + slack."""
 
 
-async def to_client(send: Send, message: Message) -> None:
-    """``send(message)``, a failure of it raised as :class:`ClientGone`: a client that left is
-    never taken for a replica that died (which would start a sibling for nobody and leave the
-    replica generating)."""
+async def _to_client(send: Send, message: Message, client: _Client) -> None:
+    """``send(message)``, bounded by ``client.cut_at`` (at least ``client.slack_s``); a
+    failure or a send still waiting then raised as :class:`ClientGone`: a client that left or
+    stopped reading is never taken for a replica that died (which would start a sibling for
+    nobody and leave the replica generating), and never holds the request for ever."""
+    wait = max(client.cut_at - time.monotonic(), client.slack_s)
     try:
-        await send(message)
+        await asyncio.wait_for(send(message), wait)
+    except TimeoutError as err:
+        raise ClientGone(f"the client read nothing for {wait:.1f} s, past its deadline") from err
     except Exception as err:  # noqa: BLE001 - whatever the server raises for a closed connection
         raise ClientGone(repr(err)) from err
 
@@ -235,8 +248,9 @@ class FleetIngress:
 
     async def _serve(self, scope: Message, body: bytes, receive: Receive, send: Send,
                      failover: bool) -> None:
-        client = _Client()
         deadline = time.monotonic() + request_timeout(body, self.settings.default_timeout_s)
+        slack = self.settings.deadline_slack_s
+        client = _Client(cut_at=deadline + slack, slack_s=slack)
         avoid: list[str] = []
         watching = asyncio.ensure_future(wait_disconnect(receive))
         attempts = 0
@@ -359,9 +373,9 @@ class FleetIngress:
                     headers = list(start.get("headers", []))
                     if client.failed_from is not None:
                         headers.append((RELAYED_FROM, client.failed_from.encode()))
-                    await to_client(send, {**start, "headers": headers})
+                    await _to_client(send, {**start, "headers": headers}, client)
                     start, client.started = None, True
-                await to_client(send, message)
+                await _to_client(send, message, client)
                 if chunk:
                     client.opened = True
                     client.complete = client.final
@@ -390,18 +404,19 @@ class FleetIngress:
         client.pending.clear()
         if client.complete:
             try:
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-            except Exception as err:  # noqa: BLE001 - the client left: it had every chunk
-                log.info("client left before the end of its response (%r)", err)
+                await _to_client(send, {"type": "http.response.body", "body": b"",
+                                       "more_body": False}, client)
+            except ClientGone as gone:  # it had every chunk
+                log.info("client left before the end of its response (%s)", gone)
             return _Outcome(None, outcome.replica)
         return outcome
 
     async def _give_up(self, client: _Client, outcome: _Outcome, send: Send) -> None:
         """The budget is spent: the client gets what it would have got without the fleet."""
         try:
-            await self._tell(client, outcome, send)
-        except Exception as err:  # noqa: BLE001 - the client left meanwhile: nobody to tell
-            log.info("client left before its failure could be sent (%r)", err)
+            await self._tell(client, outcome, lambda message: _to_client(send, message, client))
+        except ClientGone as gone:  # the client left meanwhile: nobody to tell
+            log.info("client left before its failure could be sent (%s)", gone)
 
     async def _tell(self, client: _Client, outcome: _Outcome, send: Send) -> None:
         if not client.started:
