@@ -22,6 +22,7 @@ import time
 import httpx
 
 from calexec.drivers.fleet.ingress import FailoverSettings, FleetIngress
+from calexec.drivers.serving.handoff import PROGRESS_TYPE
 from test_fleet_ingress import BODY, Client, Replica, Router, chunk, run
 from test_server_support import free_port, wait_for
 
@@ -151,6 +152,58 @@ def test_a_client_that_stops_reading_is_cut_at_its_deadline_by_the_ingress():
     assert took < 2.0  # the deadline (0.5 s) + slack (0.2 s), not the client's whim
     assert client.content == chunk(0) and stopped and not r1.finished
     assert app.active == 0 and app.failovers == {} and router.calls == ["r1"]
+
+
+
+class Frozen:
+    """A replica whose process stopped (SIGSTOP, a partition) or a router with no replica to
+    place the call on (Ray Serve queues it until one comes up): the call yields nothing more
+    after ``answer`` (``"nothing"`` or ``"one_token"``) and never ends."""
+
+    def __init__(self, answer: str) -> None:
+        self.answer = answer
+        self.closed = False
+        self.calls = 0
+
+    async def __call__(self, request: dict):
+        self.calls += 1
+        try:
+            if self.answer == "one_token":
+                yield {"type": PROGRESS_TYPE, "replica": "frozen", "seed": 7, "id": "cmpl-f",
+                       "created": 1, "prompt_tokens": 2}
+                yield {"type": "http.response.start", "status": 200,
+                       "headers": [(b"content-type", b"text/event-stream")]}
+                yield {"type": PROGRESS_TYPE, "tokens": [11]}
+                yield {"type": "http.response.body", "body": chunk(0), "more_body": True}
+            await asyncio.Event().wait()  # for ever
+        finally:
+            self.closed = True
+
+
+def test_a_replica_that_never_answers_is_bounded_by_the_request_deadline():
+    """docs/server.md: failovers are bounded by the request's deadline, and past the budget
+    the client gets the 503 + Retry-After before the first byte, else the SSE error event.
+    An attempt itself was not bounded: a replica that stopped answering (or a call no replica
+    took) held the client until it gave up, and the fleet's drain for its whole grace."""
+    for answer in ("nothing", "one_token"):
+        frozen = Frozen(answer)
+        app = FleetIngress(frozen, FailoverSettings(backoff_s=0.001, deadline_slack_s=0.1,
+                                                    retry_after_s=2))
+
+        async def scenario():
+            t0 = asyncio.get_running_loop().time()
+            client = await Client({**BODY, "timeout": 0.4}).run(app)
+            return client, asyncio.get_running_loop().time() - t0
+        client, took = asyncio.run(scenario())
+        assert took < 2.0, answer  # 0.4 s + slack, not the test's 10 s cap
+        assert frozen.closed and app.active == 0 and client.ended
+        if answer == "nothing":
+            assert client.starts[0]["status"] == 503 and client.header(b"retry-after") == b"2"
+            error = json.loads(client.content)["error"]
+        else:
+            assert client.content.startswith(chunk(0)) and b"[DONE]" not in client.content
+            error = json.loads(client.content[len(chunk(0)):].removeprefix(b"data: "))["error"]
+        assert "deadline" in error["message"], error
 
 
 def serve_process(tmp_path, *args: str) -> tuple[subprocess.Popen, str]:

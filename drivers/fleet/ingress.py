@@ -26,7 +26,8 @@ the device replicas, each reached through a streaming call (``call(request)``: t
    seed: identical for greedy and seeded sampling. Routing avoids the replicas that failed
    this request (``request["avoid"]``, read by ``LifecycleRouter``) while others exist.
 3. **Bounded.** At most ``max_failovers`` failovers and the request's deadline (its
-   ``timeout`` or ``default_timeout_s``); later retries back off (``backoff_s`` doubling up to
+   ``timeout`` or ``default_timeout_s``), which bounds each attempt too (at the deadline +
+   twice ``deadline_slack_s``: a replica that stopped answering, or a call no replica took); later retries back off (``backoff_s`` doubling up to
    ``max_backoff_s``; the first retry after a replica that answered goes at once). Past the
    budget the client gets what it got before: the replica's 503 (or the ingress's own 503 +
    ``Retry-After``) when nothing was sent yet, else the SSE error event and the end of the
@@ -95,6 +96,8 @@ REPLICA_HEADER = b"x-calexec-replica"
 #: a process finishing its work, nor a scrape miss it); /ready is refused, as all the rest
 PROBES = frozenset((method, path) for method in ("GET", "HEAD")
                    for path in ("/health", "/metrics"))
+#: the outcome of an attempt the request's deadline ended (no failover follows)
+DEADLINE = "deadline"
 #: ``failovers`` causes
 CAUSES = ("replica_died", "drained", "unavailable")
 
@@ -263,11 +266,23 @@ class FleetIngress:
                     if client.admitted is not None:
                         request["resume"] = client.resume(deadline)
                 forwarding = asyncio.ensure_future(self._attempt(request, client, send))
-                done, _ = await asyncio.wait({forwarding, watching},
+                # the request's deadline bounds an attempt too (a replica that stopped
+                # answering, a call no replica took), past the replica's own answer to it
+                bound = None if not failover else max(
+                    0.0, deadline + 2 * self.settings.deadline_slack_s - time.monotonic())
+                done, _ = await asyncio.wait({forwarding, watching}, timeout=bound,
                                              return_when=asyncio.FIRST_COMPLETED)
-                if forwarding not in done:  # the client left: _attempt stops the replica
+                if forwarding not in done:  # _attempt stops the replica
                     forwarding.cancel()
                     await asyncio.gather(forwarding, return_exceptions=True)
+                    if watching in done:  # the client left
+                        return
+                    self.exhausted += 1
+                    if self.on_exhausted is not None:
+                        self.on_exhausted()
+                    log.warning("request past its deadline after %d attempt(s): no answer",
+                                attempts + 1)
+                    await self._give_up(client, _Outcome(DEADLINE, retryable=False), send)
                     return
                 outcome = forwarding.result()
                 if outcome.cause is None:
@@ -432,6 +447,9 @@ class FleetIngress:
 
 
 def unavailable(outcome: _Outcome) -> Status:
+    if outcome.cause == DEADLINE:
+        return Status.unavailable(Phase.ADMISSION, "no replica finished the request within "
+                                  "its deadline (its timeout, or the server's default)")
     return Status.unavailable(Phase.ADMISSION, f"no replica could finish the request (last: "
                               f"{outcome.cause} at {outcome.replica or 'an unknown replica'})")
 
