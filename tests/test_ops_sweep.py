@@ -190,11 +190,11 @@ def test_a_replica_that_never_answers_is_bounded_by_the_request_deadline():
         app = FleetIngress(frozen, FailoverSettings(backoff_s=0.001, deadline_slack_s=0.1,
                                                     retry_after_s=2))
 
-        async def scenario():
+        async def scenario(app: FleetIngress):
             t0 = asyncio.get_running_loop().time()
             client = await Client({**BODY, "timeout": 0.4}).run(app)
             return client, asyncio.get_running_loop().time() - t0
-        client, took = asyncio.run(scenario())
+        client, took = asyncio.run(scenario(app))
         assert took < 2.0, answer  # 0.4 s + slack, not the test's 10 s cap
         assert frozen.closed and app.active == 0 and client.ended
         if answer == "nothing":

@@ -27,9 +27,10 @@ the device replicas, each reached through a streaming call (``call(request)``: t
    this request (``request["avoid"]``, read by ``LifecycleRouter``) while others exist.
 3. **Bounded.** At most ``max_failovers`` failovers and the request's deadline (its
    ``timeout`` or ``default_timeout_s``), which bounds each attempt too (at the deadline +
-   twice ``deadline_slack_s``: a replica that stopped answering, or a call no replica took); later retries back off (``backoff_s`` doubling up to
-   ``max_backoff_s``; the first retry after a replica that answered goes at once). Past the
-   budget the client gets what it got before: the replica's 503 (or the ingress's own 503 +
+   twice ``deadline_slack_s``: a replica that stopped answering, or a call no replica
+   took); later retries back off (``backoff_s`` doubling up to ``max_backoff_s``; the
+   first retry after a replica that answered goes at once). Past the budget the client
+   gets what it got before: the replica's 503 (or the ingress's own 503 +
    ``Retry-After``) when nothing was sent yet, else the SSE error event and the end of the
    stream. A client that leaves stops the replica's work (``cancel()`` of the call), and so
    does one that stops reading: a send to it waits at most until the request's deadline +
