@@ -1,7 +1,14 @@
-"""The operational surface as an SRE meets it (stop 40): how the fleet ingress treats a client
-that left, what a draining fleet answers its probes, and what ``calexec serve`` says about a
-setup that exposes it (a non-loopback ``--host`` without ``--api-key``, an admin token file
-others can read, a ``--grace`` no ``/admin/drain`` would take).
+"""The operational surface as an SRE meets it (stop 40).
+
+- the fleet ingress (drivers/fleet/ingress.py) and its clients: one whose connection is gone
+  (the server's ``send`` raises), one that stops reading (``send`` blocks), a replica that
+  never answers: each is cut within the request's deadline + slack, the replica's call
+  stopped, no failover counted; a draining fleet still forwards its liveness and metrics
+  probes;
+- ``calexec serve`` as a process: a second signal that cuts a running stream exits 3, not 0;
+  the startup warnings about an open ``--host`` without ``--api-key`` and an admin token file
+  its group or others can read;
+- the API key: an unknown ``/v1`` route or method asked without it is a 401, as vLLM answers.
 
 The fleet cases drive the ingress as tests/test_fleet_ingress.py does (plain async generators
 as replicas, no Ray, no device); the ``serve`` cases run ``calexec serve`` in a child process
