@@ -213,6 +213,81 @@ def test_a_replica_that_never_answers_is_bounded_by_the_request_deadline():
         assert "deadline" in error["message"], error
 
 
+
+def test_a_request_task_cancelled_by_its_server_stops_the_replica():
+    """Ray Serve's proxy cancels a request's task when its HTTP client disconnects (it does not
+    say ``http.disconnect``); the ingress's own task then ended, but the task forwarding the
+    replica's stream went on: the replica generated to its end for nobody, its sequence held."""
+    gate = asyncio.Event()  # the replica sends token 0, then waits for a gate nobody opens
+    r1 = Replica("r1", gate=gate)
+    app, router = fleet(r1)
+
+    async def scenario():
+        request = asyncio.ensure_future(Client().run(app))
+        while not r1.requests:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # streaming: token 0 sent, waiting on the gate
+        request.cancel()  # what the proxy does when the client disconnects
+        await asyncio.gather(request, return_exceptions=True)
+        await asyncio.sleep(0.05)
+        left = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        return r1.closed, left
+    closed, left = asyncio.run(scenario())
+    assert closed and not r1.finished  # its stream was stopped at once
+    assert left == [] and app.active == 0 and app.failovers == {}
+
+
+
+def test_a_send_to_a_client_that_left_stops_the_sibling_of_a_replica_relay():
+    """The replica's own edge (drivers/fleet/edge.py) relaying to a sibling: a send to its
+    client that raises (the connection closed, ASGI 2.4) was counted as a relay failure and
+    left the sibling's stream running (its app never saw the disconnect)."""
+    from calexec.drivers.fleet.edge import ReplicaEdge, serve_relayed
+
+    state = {"saw_disconnect": False}
+
+    async def slow_stream(scope, receive, send):
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: 2\n\n", "more_body": True})
+        message = await receive()  # blocks until the relay is stopped
+        state["saw_disconnect"] = message["type"] == "http.disconnect"
+
+    def never(scope, receive, send):
+        raise AssertionError("this replica does not serve: it relays")
+    sib = ReplicaEdge(slow_stream, replica="r2", serving=lambda: True, relay=None,
+                      relay_target=lambda: False, max_body_bytes=1 << 20)
+    edge = ReplicaEdge(never, replica="r1", serving=lambda: False,
+                       relay=lambda request: serve_relayed(sib, request, stop_grace_s=5.0),
+                       relay_target=lambda: True, max_body_bytes=1 << 20)
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [],
+             "query_string": b""}
+    sent: list[dict] = []
+
+    async def go():
+        gone = asyncio.Event()
+        messages = [{"type": "http.request", "body": b"{}", "more_body": False}]
+
+        async def receive():
+            if messages:
+                return messages.pop(0)
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            if gone.is_set():
+                raise ConnectionResetError("the client's connection is closed")
+            sent.append(message)
+            if message.get("body"):
+                gone.set()  # the client leaves once the first chunk arrived
+        await asyncio.wait_for(edge(scope, receive, send), 10)
+        return state["saw_disconnect"]
+    saw_disconnect = asyncio.run(go())
+    assert saw_disconnect  # the sibling's app was told, at once
+    assert edge.relay_failures == 0  # a client that left is no failed relay
+
+
 def serve_process(tmp_path, *args: str) -> tuple[subprocess.Popen, str]:
     """``calexec serve`` on a free loopback port, ready (bounded: 30 s); the caller kills it."""
     port = free_port()

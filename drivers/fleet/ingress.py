@@ -73,6 +73,7 @@ from calexec.drivers.fleet.edge import (
     BODY_LATE,
     BODY_TOO_LARGE,
     RELAY_ROUTES,
+    ClientGone,
     RELAYED_FROM,
     Message,
     Receive,
@@ -157,12 +158,6 @@ class _Outcome:
     retryable: bool = True
     held: tuple[Message, bytes] | None = None  # a refused response, not forwarded
     error_chunk: bytes | None = None  # the SSE error event of a failed stream, not forwarded
-
-
-class ClientGone(Exception):
-    """Sending to the client failed: its connection is closed (ASGI 2.4: the server raises a
-    subclass of OSError; any exception a ``send`` raises means the same here), or it stopped
-    reading and the send waited past the request's deadline + slack."""
 
 
 async def _to_client(send: Send, message: Message, client: _Client) -> None:
@@ -257,6 +252,7 @@ class FleetIngress:
         client = _Client(cut_at=deadline + slack, slack_s=slack)
         avoid: list[str] = []
         watching = asyncio.ensure_future(wait_disconnect(receive))
+        forwarding: asyncio.Future[_Outcome] | None = None
         attempts = 0
         try:
             while True:
@@ -313,8 +309,13 @@ class FleetIngress:
                     if done:
                         return
         finally:
+            # this task cancelled (Ray Serve's proxy does that when the client disconnects):
+            # the attempt under way is cancelled too, which stops its replica's stream
+            if forwarding is not None and not forwarding.done():
+                forwarding.cancel()
             watching.cancel()
-            await asyncio.gather(watching, return_exceptions=True)
+            await asyncio.gather(watching, *[f for f in (forwarding,) if f is not None],
+                                 return_exceptions=True)
 
     def _count(self, cause: str, client: _Client) -> None:
         reprefill = 0
