@@ -6,7 +6,8 @@ drain and exit.
 
 Exit codes: 0 after a clean drain (SIGTERM/SIGINT, ``POST /admin/drain``, or the end of
 ``--once``); 2 for bad arguments or configuration (one line naming the flag); 3 when the
-executor failed to start or its lifecycle ended ``Failed`` (work did not drain within
+executor failed to start, when a second signal forced the exit while requests still ran
+(they were cut), or when its lifecycle ended ``Failed`` (work did not drain within
 ``--grace``, or a device fault needed a reset that ``--reset-kind`` / ``--conform-report`` did
 not allow: with an external ``--runtime-lib`` and neither, the reset kind is ``none``, spec
 §9.1), so a supervisor restarts the process; 4 when the ``--once`` sample request did not
@@ -184,6 +185,33 @@ def _admin_token(path: Path | None) -> str | None:
     return token
 
 
+def exposure_warnings(host: str, api_key: str | None, token_file: Path | None) -> list[str]:
+    """What an operator should hear about who can reach or steer this server (WARNING lines
+    at startup, nothing refused): a ``--host`` that is not loopback with no ``--api-key``
+    (anyone reaching the address runs completions), an ``--admin-token-file`` the group or
+    others can read (anyone on the machine can drain or reload the server; a Kubernetes secret
+    volume mounts its files 0644 unless told otherwise, so this is not refused)."""
+    from calexec.drivers.fleet.local_ray import is_loopback  # (imports no Ray)
+
+    said = []
+    if api_key is None and not is_loopback(host):
+        said.append(f"--host={host!r} is not a loopback address and no --api-key is set: "
+                    "anyone who reaches it can run completions (set --api-key or "
+                    "$CALEXEC_API_KEY, or bind 127.0.0.1 behind a proxy that authenticates)")
+    if token_file is not None:
+        try:
+            mode = token_file.stat().st_mode & 0o777
+        except OSError:
+            mode = 0  # (read already: a race with its removal is not this check's)
+        if mode & 0o077:
+            who = " and ".join(w for w, bits in (("its group", 0o070), ("others", 0o007))
+                               if mode & bits)
+            said.append(f"--admin-token-file={str(token_file)!r} is readable by {who} "
+                        f"(mode {mode:04o}): whoever reads it can drain or reload this "
+                        "server; chmod 600 it")
+    return said
+
+
 @cliargs.command_main
 def main(argv: list[str]) -> int:
     """Entry point; ``argv`` starts with the command word ``serve``."""
@@ -195,6 +223,8 @@ def main(argv: list[str]) -> int:
     try:
         set_gil_switch_interval_us(args.gil_switch_us)
         token = _admin_token(args.admin_token_file)
+        for line in exposure_warnings(args.host, args.api_key, args.admin_token_file):
+            logging.getLogger("calexec.serve").warning("%s", line)
         try:
             dump = None if args.dump_dir is None else DumpSink(
                 args.dump_dir.absolute(), args.dump_max_bytes, include_content=args.dump_prompts)
@@ -288,6 +318,10 @@ def main(argv: list[str]) -> int:
             status = service.drain_status
         if not status.ok or executor.state != "Stopped":
             print(f"calexec serve: executor ended {executor.state}: {status}", file=sys.stderr)
+            return EXIT_FAILED
+        if server.cut:  # a second signal ended the drain: what still ran was cut, not drained
+            print(f"calexec serve: forced exit by a second signal: {server.cut} request(s) "
+                  "still running were cut", file=sys.stderr)
             return EXIT_FAILED
         if sample is not None:
             if not sample.ok:

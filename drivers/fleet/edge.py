@@ -64,6 +64,14 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 
+class ClientGone(Exception):
+    """Sending to the client failed: its connection is closed (ASGI 2.4: the server raises a
+    subclass of OSError; any exception a ``send`` raises means the same here), or (the fleet
+    ingress) it stopped reading and the send waited past the request's deadline + slack. A
+    client that left is never a relay or a replica that failed: the sibling's call is
+    stopped, nothing is retried or counted."""
+
+
 class ReplicaEdge:
     """ASGI wrapper around one replica's app (see the module docstring for the rules).
 
@@ -161,7 +169,10 @@ class ReplicaEdge:
                     message = {**message, "headers": [*message.get("headers", []),
                                                       (RELAYED_FROM, self.replica.encode())]}
                     started = True
-                await send(message)
+                try:
+                    await send(message)
+                except Exception as err:  # noqa: BLE001 - whatever the server raises for a closed connection
+                    raise ClientGone(repr(err)) from err
 
         forwarding = asyncio.ensure_future(forward())
         watching = asyncio.ensure_future(wait_disconnect(receive))
@@ -169,7 +180,8 @@ class ReplicaEdge:
         try:
             done, _ = await asyncio.wait({forwarding, watching},
                                          return_when=asyncio.FIRST_COMPLETED)
-            client_left = forwarding not in done
+            client_left = forwarding not in done or isinstance(forwarding.exception(),
+                                                               ClientGone)
         finally:
             for task in (forwarding, watching):
                 if not task.done():

@@ -26,11 +26,15 @@ the device replicas, each reached through a streaming call (``call(request)``: t
    seed: identical for greedy and seeded sampling. Routing avoids the replicas that failed
    this request (``request["avoid"]``, read by ``LifecycleRouter``) while others exist.
 3. **Bounded.** At most ``max_failovers`` failovers and the request's deadline (its
-   ``timeout`` or ``default_timeout_s``); later retries back off (``backoff_s`` doubling up to
-   ``max_backoff_s``; the first retry after a replica that answered goes at once). Past the
-   budget the client gets what it got before: the replica's 503 (or the ingress's own 503 +
+   ``timeout`` or ``default_timeout_s``), which bounds each attempt too (at the deadline +
+   twice ``deadline_slack_s``: a replica that stopped answering, or a call no replica
+   took); later retries back off (``backoff_s`` doubling up to ``max_backoff_s``; the
+   first retry after a replica that answered goes at once). Past the budget the client
+   gets what it got before: the replica's 503 (or the ingress's own 503 +
    ``Retry-After``) when nothing was sent yet, else the SSE error event and the end of the
-   stream. A client that leaves stops the replica's work (``cancel()`` of the call).
+   stream. A client that leaves stops the replica's work (``cancel()`` of the call), and so
+   does one that stops reading: a send to it waits at most until the request's deadline +
+   ``deadline_slack_s`` (at least that slack), as the server cuts such a stream.
 4. Other routes (/ready, /health, /metrics, /admin, /debug, /v1/models, /tokenize) are
    forwarded once, to whichever replica the router picks: they describe or steer one replica,
    and an admin POST is never repeated on another. A request marked relayed by the ingress
@@ -38,8 +42,10 @@ the device replicas, each reached through a streaming call (``call(request)``: t
    ingress is the one place that retries. A response from a sibling after a failover carries
    ``x-calexec-relayed-from: <the replica that failed>``.
 5. **Drain.** :meth:`FleetIngress.drain` (the fleet's SIGTERM/SIGINT, before Serve shuts
-   down) answers every new request 503 + ``Retry-After`` ("fleet is draining") and waits,
-   bounded, for the admitted ones to finish.
+   down) answers every new request 503 + ``Retry-After`` ("fleet is draining"), except the
+   probes ``GET``/``HEAD`` ``/health`` and ``/metrics`` (``PROBES``: still forwarded, as a
+   single server answers them while it drains), and waits, bounded, for the admitted ones
+   to finish.
 
 Nothing here knows Ray: ``call`` is given by the host, so tests drive the ingress with plain
 async generators as replicas. Counters: ``failovers`` by cause, ``reprefilled`` (prompt +
@@ -68,6 +74,7 @@ from calexec.drivers.fleet.edge import (
     BODY_TOO_LARGE,
     RELAY_ROUTES,
     RELAYED_FROM,
+    ClientGone,
     Message,
     Receive,
     Send,
@@ -86,6 +93,13 @@ log = logging.getLogger("calexec.fleet_ingress")
 #: the ``x-calexec-relayed-from`` of requests the ingress sends (the replica never relays them)
 INGRESS = "ingress"
 REPLICA_HEADER = b"x-calexec-replica"
+#: what a draining ingress still forwards: liveness and metrics describe the fleet and admit
+#: no work (a single server keeps /health 200 while it drains: a liveness probe must not kill
+#: a process finishing its work, nor a scrape miss it); /ready is refused, as all the rest
+PROBES = frozenset((method, path) for method in ("GET", "HEAD")
+                   for path in ("/health", "/metrics"))
+#: the outcome of an attempt the request's deadline ended (no failover follows)
+DEADLINE = "deadline"
 #: ``failovers`` causes
 CAUSES = ("replica_died", "drained", "unavailable")
 
@@ -107,6 +121,10 @@ class FailoverSettings:
     #: server's ``body_timeout_s``
     body_timeout_s: float = attrs.field(default=30.0, validator=attrs.validators.gt(0))
     retry_after_s: int = attrs.field(default=1, validator=attrs.validators.ge(0))
+    #: a send to the client may wait (the client stopped reading) until the request's deadline
+    #: + this, and at least this long: then the client is taken as gone and its response cut,
+    #: as the server's ``deadline_slack_s`` cuts a stream whose client stopped reading
+    deadline_slack_s: float = attrs.field(default=0.5, validator=attrs.validators.gt(0))
 
 
 @attrs.define
@@ -121,6 +139,8 @@ class _Client:
     final: bool = False  # the next forwarded chunk is the response's last one
     complete: bool = False  # the last chunk went out (only the end-of-body may be missing)
     failed_from: str | None = None  # the first replica that failed this request
+    cut_at: float = math.inf  # a send still waiting then (time.monotonic()) cuts the response
+    slack_s: float = 0.5  # ...and every send may wait at least this long
 
     def resume(self, deadline: float) -> dict[str, Any]:
         admitted = self.admitted or {}
@@ -138,6 +158,20 @@ class _Outcome:
     retryable: bool = True
     held: tuple[Message, bytes] | None = None  # a refused response, not forwarded
     error_chunk: bytes | None = None  # the SSE error event of a failed stream, not forwarded
+
+
+async def _to_client(send: Send, message: Message, client: _Client) -> None:
+    """``send(message)``, bounded by ``client.cut_at`` (at least ``client.slack_s``); a
+    failure or a send still waiting then raised as :class:`ClientGone`: a client that left or
+    stopped reading is never taken for a replica that died (which would start a sibling for
+    nobody and leave the replica generating), and never holds the request for ever."""
+    wait = max(client.cut_at - time.monotonic(), client.slack_s)
+    try:
+        await asyncio.wait_for(send(message), wait)
+    except TimeoutError as err:
+        raise ClientGone(f"the client read nothing for {wait:.1f} s, past its deadline") from err
+    except Exception as err:  # noqa: BLE001 - whatever the server raises for a closed connection
+        raise ClientGone(repr(err)) from err
 
 
 class FleetIngress:
@@ -180,7 +214,7 @@ class FleetIngress:
             return
         if scope["type"] != "http":
             return
-        if self.draining:
+        if self.draining and (scope["method"], route_path(scope)) not in PROBES:
             await send_held(send, *refusal(Status.unavailable(
                 Phase.ADMISSION, "fleet is draining"), 503, self.settings.retry_after_s))
             return
@@ -213,10 +247,12 @@ class FleetIngress:
 
     async def _serve(self, scope: Message, body: bytes, receive: Receive, send: Send,
                      failover: bool) -> None:
-        client = _Client()
         deadline = time.monotonic() + request_timeout(body, self.settings.default_timeout_s)
+        slack = self.settings.deadline_slack_s
+        client = _Client(cut_at=deadline + slack, slack_s=slack)
         avoid: list[str] = []
         watching = asyncio.ensure_future(wait_disconnect(receive))
+        forwarding: asyncio.Future[_Outcome] | None = None
         attempts = 0
         try:
             while True:
@@ -227,11 +263,23 @@ class FleetIngress:
                     if client.admitted is not None:
                         request["resume"] = client.resume(deadline)
                 forwarding = asyncio.ensure_future(self._attempt(request, client, send))
-                done, _ = await asyncio.wait({forwarding, watching},
+                # the request's deadline bounds an attempt too (a replica that stopped
+                # answering, a call no replica took), past the replica's own answer to it
+                bound = None if not failover else max(
+                    0.0, deadline + 2 * self.settings.deadline_slack_s - time.monotonic())
+                done, _ = await asyncio.wait({forwarding, watching}, timeout=bound,
                                              return_when=asyncio.FIRST_COMPLETED)
-                if forwarding not in done:  # the client left: _attempt stops the replica
+                if forwarding not in done:  # _attempt stops the replica
                     forwarding.cancel()
                     await asyncio.gather(forwarding, return_exceptions=True)
+                    if watching in done:  # the client left
+                        return
+                    self.exhausted += 1
+                    if self.on_exhausted is not None:
+                        self.on_exhausted()
+                    log.warning("request past its deadline after %d attempt(s): no answer",
+                                attempts + 1)
+                    await self._give_up(client, _Outcome(DEADLINE, retryable=False), send)
                     return
                 outcome = forwarding.result()
                 if outcome.cause is None:
@@ -261,8 +309,13 @@ class FleetIngress:
                     if done:
                         return
         finally:
+            # this task cancelled (Ray Serve's proxy does that when the client disconnects):
+            # the attempt under way is cancelled too, which stops its replica's stream
+            if forwarding is not None and not forwarding.done():
+                forwarding.cancel()
             watching.cancel()
-            await asyncio.gather(watching, return_exceptions=True)
+            await asyncio.gather(watching, *[f for f in (forwarding,) if f is not None],
+                                 return_exceptions=True)
 
     def _count(self, cause: str, client: _Client) -> None:
         reprefill = 0
@@ -337,9 +390,9 @@ class FleetIngress:
                     headers = list(start.get("headers", []))
                     if client.failed_from is not None:
                         headers.append((RELAYED_FROM, client.failed_from.encode()))
-                    await send({**start, "headers": headers})
+                    await _to_client(send, {**start, "headers": headers}, client)
                     start, client.started = None, True
-                await send(message)
+                await _to_client(send, message, client)
                 if chunk:
                     client.opened = True
                     client.complete = client.final
@@ -350,6 +403,9 @@ class FleetIngress:
                     return _Outcome(None, replica)
             ended = True  # the stream ended before the response did
             return await self._cut(client, send, _Outcome(handed or "replica_died", replica))
+        except ClientGone as gone:  # the client left: its replica stops, nothing is retried
+            log.info("client left while replica %s answered (%s)", replica, gone)
+            return _Outcome(None, replica)  # (``ended`` unset: the stream is stopped below)
         except Exception as err:  # noqa: BLE001 - the replica's process died or is unreachable
             ended = True
             log.warning("replica %s failed mid-response: %r", replica, err)
@@ -364,12 +420,22 @@ class FleetIngress:
         response's last chunk (then only its end is sent)."""
         client.pending.clear()
         if client.complete:
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            try:
+                await _to_client(send, {"type": "http.response.body", "body": b"",
+                                       "more_body": False}, client)
+            except ClientGone as gone:  # it had every chunk
+                log.info("client left before the end of its response (%s)", gone)
             return _Outcome(None, outcome.replica)
         return outcome
 
     async def _give_up(self, client: _Client, outcome: _Outcome, send: Send) -> None:
         """The budget is spent: the client gets what it would have got without the fleet."""
+        try:
+            await self._tell(client, outcome, lambda message: _to_client(send, message, client))
+        except ClientGone as gone:  # the client left meanwhile: nobody to tell
+            log.info("client left before its failure could be sent (%s)", gone)
+
+    async def _tell(self, client: _Client, outcome: _Outcome, send: Send) -> None:
         if not client.started:
             if outcome.held is not None:
                 await send_held(send, *outcome.held)
@@ -383,6 +449,9 @@ class FleetIngress:
 
 
 def unavailable(outcome: _Outcome) -> Status:
+    if outcome.cause == DEADLINE:
+        return Status.unavailable(Phase.ADMISSION, "no replica finished the request within "
+                                  "its deadline (its timeout, or the server's default)")
     return Status.unavailable(Phase.ADMISSION, f"no replica could finish the request (last: "
                               f"{outcome.cause} at {outcome.replica or 'an unknown replica'})")
 

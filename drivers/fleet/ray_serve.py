@@ -493,7 +493,7 @@ def build_app(settings: ReplicaSettings, replicas: int, health_check_period_s: f
     failover = failover or FailoverSettings(
         max_failovers=server.max_resumes, default_timeout_s=server.default_timeout_s,
         max_body_bytes=server.max_body_bytes, retry_after_s=server.retry_after_s,
-        body_timeout_s=server.body_timeout_s)
+        body_timeout_s=server.body_timeout_s, deadline_slack_s=server.deadline_slack_s)
     entry = serve.deployment(
         CalexecIngress, name=INGRESS_DEPLOYMENT, num_replicas=1,
         ray_actor_options={"num_cpus": 0},

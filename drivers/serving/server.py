@@ -87,7 +87,14 @@ def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
 
     @app.exception_handler(StarletteHTTPException)
     async def no_route(request: Request, exc: StarletteHTTPException) -> Response:
-        """An unknown path (404) or method (405): OpenAI-shaped, like every other error."""
+        """An unknown path (404) or method (405): OpenAI-shaped, like every other error. With
+        an API key, a ``/v1`` path asked without it is a 401 first (as vLLM and OpenAI answer):
+        a client without the key learns no route or method."""
+        path = request.url.path
+        if path == "/v1" or path.startswith("/v1/"):
+            auth = openai_api.auth_refusal(request, config.api_key)
+            if auth is not None:
+                return error_response(auth.status, auth.param, retry, auth.http_status)
         return route_error(request.method, request.url.path, exc.status_code,
                            dict(exc.headers or {}))
 
@@ -298,7 +305,8 @@ def _listening_url(sockname: tuple) -> str:
 
 class DrainingServer(uvicorn.Server):
     """uvicorn server whose first SIGTERM/SIGINT drains the service (new requests 503,
-    admitted ones finish, executor shut down) and then exits; a second signal forces exit.
+    admitted ones finish, executor shut down) and then exits; a second signal forces exit,
+    cutting the requests still running (counted in ``cut``).
     It also exits when the executor's lifecycle ends Failed (a supervisor restarts it)."""
 
     def __init__(self, config: uvicorn.Config, service: CompletionService, grace: float,
@@ -310,6 +318,9 @@ class DrainingServer(uvicorn.Server):
         self.service = service
         self.grace = grace
         self.on_started = on_started
+        #: admitted requests still running when a second signal forced the exit (they are
+        #: cut: no clean drain, ``calexec serve`` exits 3); 0 otherwise
+        self.cut = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         service.on_drained.append(self._drained)
 
@@ -329,6 +340,10 @@ class DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.service.draining or self._loop is None:
+            if not self.force_exit:  # the requests this forced exit cuts (``cut``)
+                self.cut = self.service.active
+                log.warning("signal %s again: forced exit, %d request(s) cut",
+                            signal.Signals(sig).name, self.cut)
             self.should_exit = self.force_exit = True
             return
         log.info("signal %s: draining (grace %.1fs)", signal.Signals(sig).name, self.grace)
