@@ -135,16 +135,22 @@ class Client:
                 given = True
                 return {"type": "http.request", "body": json.dumps(self.body).encode(),
                         "more_body": False}
-            await self.left.wait()
+            await self.gone()
             return {"type": "http.disconnect"}
 
-        async def send(message):
-            assert message["type"].startswith("http."), message  # nothing internal leaks
-            self.messages.append(message)
-            if self.leave_after is not None and len(self.content) >= self.leave_after:
-                self.left.set()
-        await asyncio.wait_for(app(scope, receive, send), timeout=10)
+        await asyncio.wait_for(app(scope, receive, self.send), timeout=10)
         return self
+
+    async def gone(self) -> None:
+        """Returns when the client disconnects (``receive`` then says ``http.disconnect``)."""
+        await self.left.wait()
+
+    async def send(self, message: dict) -> None:
+        """The server's ``send``: record the message; leave after ``leave_after`` bytes."""
+        assert message["type"].startswith("http."), message  # nothing internal leaks
+        self.messages.append(message)
+        if self.leave_after is not None and len(self.content) >= self.leave_after:
+            self.left.set()
 
     @property
     def starts(self) -> list[dict]:

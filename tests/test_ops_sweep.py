@@ -40,28 +40,10 @@ class GoneClient(Client):
     a closed connection; hypercorn, granian and Ray Serve's proxy do), and ``receive`` says
     ``http.disconnect``."""
 
-    async def run(self, app) -> GoneClient:
-        scope = {"type": "http", "method": "POST", "path": self.path, "query_string": b"",
-                 "headers": [(b"content-type", b"application/json")], "http_version": "1.1"}
-        given = False
-
-        async def receive():
-            nonlocal given
-            if not given:
-                given = True
-                return {"type": "http.request", "body": json.dumps(self.body).encode(),
-                        "more_body": False}
-            await self.left.wait()
-            return {"type": "http.disconnect"}
-
-        async def send(message):
-            if self.left.is_set():
-                raise ConnectionResetError("the client's connection is closed")
-            self.messages.append(message)
-            if self.leave_after is not None and len(self.content) >= self.leave_after:
-                self.left.set()
-        await asyncio.wait_for(app(scope, receive, send), timeout=10)
-        return self
+    async def send(self, message: dict) -> None:
+        if self.left.is_set():
+            raise ConnectionResetError("the client's connection is closed")
+        await super().send(message)
 
 
 def fleet(*replicas: Replica) -> tuple[FleetIngress, Router]:
@@ -117,27 +99,13 @@ class StoppedReader(Client):
     """A client that stops reading after ``leave_after`` body bytes without closing its
     connection: the server's ``send`` then blocks (its transport's buffer is full) for ever."""
 
-    async def run(self, app) -> StoppedReader:
-        scope = {"type": "http", "method": "POST", "path": self.path, "query_string": b"",
-                 "headers": [(b"content-type", b"application/json")], "http_version": "1.1"}
-        given = False
-        never = asyncio.Event()
+    async def gone(self) -> None:
+        await asyncio.Event().wait()  # it never disconnects either
 
-        async def receive():
-            nonlocal given
-            if not given:
-                given = True
-                return {"type": "http.request", "body": json.dumps(self.body).encode(),
-                        "more_body": False}
-            await never.wait()  # it never disconnects either
-            return {"type": "http.disconnect"}
-
-        async def send(message):
-            if self.leave_after is not None and len(self.content) >= self.leave_after:
-                await never.wait()  # its socket buffer is full: the send waits
-            self.messages.append(message)
-        await asyncio.wait_for(app(scope, receive, send), timeout=10)
-        return self
+    async def send(self, message: dict) -> None:
+        if self.leave_after is not None and len(self.content) >= self.leave_after:
+            await asyncio.Event().wait()  # its socket buffer is full: the send waits
+        self.messages.append(message)
 
 
 def test_a_client_that_stops_reading_is_cut_at_its_deadline_by_the_ingress():
