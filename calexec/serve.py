@@ -212,6 +212,13 @@ def exposure_warnings(host: str, api_key: str | None, token_file: Path | None) -
     return said
 
 
+def _warn_exposure(args: argparse.Namespace) -> None:
+    """Log :func:`exposure_warnings` (after every flag was checked and the address taken: a
+    refused command prints its one line only)."""
+    for line in exposure_warnings(args.host, args.api_key, args.admin_token_file):
+        logging.getLogger("calexec.serve").warning("%s", line)
+
+
 @cliargs.command_main
 def main(argv: list[str]) -> int:
     """Entry point; ``argv`` starts with the command word ``serve``."""
@@ -223,8 +230,6 @@ def main(argv: list[str]) -> int:
     try:
         set_gil_switch_interval_us(args.gil_switch_us)
         token = _admin_token(args.admin_token_file)
-        for line in exposure_warnings(args.host, args.api_key, args.admin_token_file):
-            logging.getLogger("calexec.serve").warning("%s", line)
         try:
             dump = None if args.dump_dir is None else DumpSink(
                 args.dump_dir.absolute(), args.dump_max_bytes, include_content=args.dump_prompts)
@@ -274,6 +279,7 @@ def main(argv: list[str]) -> int:
     except ValueError as err:
         print(f"calexec serve: {err}", file=sys.stderr)
         return EXIT_USAGE
+    _warn_exposure(args)  # once the flags are known good: a refusal stays one line
     with listener, tempfile.TemporaryDirectory(prefix="calexec-serve-") as tmp:
         try:
             runtime = spec.runtime()
@@ -355,6 +361,7 @@ def _serve_ray(args: argparse.Namespace, config: ServerConfig, port: int, spec) 
         print(f"calexec serve --ray: {err}; install the extra: pip install 'calexec[ray]'",
               file=sys.stderr)
         return EXIT_USAGE
+    _warn_exposure(args)
     if port == 0:  # --once: an ephemeral port the proxy can bind
         with socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET) as s:
             s.bind((args.host, 0))
