@@ -48,11 +48,16 @@ def test_a_client_that_stops_reading_an_n2_stream_holds_the_generation_back(tmp_
             try:
                 wait_for(lambda: service.sends.waiting == 1, what="the server's send stalled",
                          timeout=3)
-                time.sleep(0.5)  # (what the queue and the bursts take ahead, then nothing)
-                before = executor.snapshot()["succeeded"]
-                time.sleep(0.5)
-                # the choices stand still (they made some 230 steps a second each before)
-                assert executor.snapshot()["succeeded"] == before
+                # the choices come to stand still (they made some 230 steps a second each
+                # before the bound): no job for half a second, well before the deadline cut
+                # (which would stop them too); unbounded, they never stand still before it
+
+                def standing_still() -> bool:
+                    before = executor.snapshot()["succeeded"]
+                    time.sleep(0.5)
+                    return executor.snapshot()["succeeded"] == before
+                wait_for(standing_still, what="the choices standing still, waiting for room",
+                         timeout=max(0.0, sent + 4 - 1.0 - time.monotonic()))
                 assert service.active == 2
                 wait_for(lambda: _idle(service), what="the stalled stream cut and freed",
                          timeout=sent + 4 + service.config.deadline_slack_s + 10
