@@ -95,13 +95,20 @@ def _pseudo(chart: CompiledChart, name: str) -> str:
     return name if name not in states else _q(f"{name}:calexec")
 
 
-def _event_label(event: str) -> str:
+def _event_label(chart: CompiledChart, event: str) -> str:
+    """The name the chart gives ``event`` (``Event(..., name="Start the engine")``), else
+    python-statemachine's default for an id (``kv_grow`` -> ``Kv grow``), as its own diagrams
+    print it."""
+    for transition in chart.declared:
+        for declared in transition.events:
+            if str(declared) == event and getattr(declared, "name", None):
+                return str(declared.name)
     return event.replace("_", " ").capitalize()
 
 
 def transition_label(chart: CompiledChart, transition: Transition) -> str:
     """``Event [guards]`` of one transition; ``[else]`` for an unguarded fallback."""
-    text = _event_label(transition.event)
+    text = _event_label(chart, transition.event)
     if transition.guards:
         return f"{text} [{', '.join(transition.guards)}]"
     alternatives = chart.table[(transition.source, transition.event)]
@@ -229,7 +236,7 @@ def render_chart_dot(chart: ChartLike, active_state: str | None = None,
 
     def emit_box(index: int, indent: str) -> None:
         states, members = boxes[index]
-        events = ", ".join(dict.fromkeys(_event_label(t.event) for t in members))
+        events = ", ".join(dict.fromkeys(_event_label(chart, t.event) for t in members))
         out.append(f"{indent}subgraph cluster_group_{index} {{")
         out.append(f'{indent}label={_q(f"{events}: from every state in this box")}; '
                    'style="dashed, rounded"; color="gray40"; fontsize=12;')
@@ -448,11 +455,11 @@ def render_path_svg(chart: ChartLike, steps: Iterable[Mapping[str, Any]]) -> str
             last = target
             passed_over = [g for t in candidates if t.id < chosen.id for g in t.guards]
             if passed_over:
-                line = f"{_event_label(event)}: [{', '.join(passed_over)}] refused"
+                line = f"{_event_label(chart, event)}: [{', '.join(passed_over)}] refused"
         else:
             guards = step.get("refused_by")
             why = f"[{', '.join(guards)}]" if guards else "(not declared here)"
-            line = f"refused: {_event_label(event)} {why}"
+            line = f"refused: {_event_label(chart, event)} {why}"
         if line is not None:
             notes[source] = f"{notes[source]}\n{line}" if source in notes else line
     return svg_from_dot(render_chart_dot(chart, last, taken, notes))

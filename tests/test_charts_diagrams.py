@@ -278,3 +278,36 @@ def test_a_png_directory_that_cannot_be_made_is_named_as_png_not_out(tmp_path, c
     assert diagrams_cli.main(["diagrams", "--out", str(out), "--png", str(blocker)]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"calexec diagrams: --png={str(blocker)!r}: "), err
+
+
+def test_an_event_named_by_the_chart_is_labelled_with_that_name():
+    """``Event(a.to(b), name="Start the engine")``: python-statemachine's own diagram prints
+    the name; ours printed the id (``Go``). An unnamed event keeps the default (``Kv grow``),
+    in a flat chart, a hierarchical one and a run's path."""
+    from statemachine import Event, State, StateChart, StateMachine
+
+    class Engine(StateMachine):
+        off = State(initial=True)
+        on = State(final=True)
+        go = Event(off.to(on), name="Start the engine")
+        kv_grow = off.to(on, cond="cold")
+
+    lines = _statements(diagrams.render_chart_dot(Engine))
+    edge = next(line for line in lines if line.startswith("off -> on"))
+    assert 'label="Start the engine\\lKv grow [cold]\\l"' in edge, edge
+    assert "Go\\l" not in edge
+
+    class Nested(StateChart):
+        class running(State.Compound):
+            idle = State(initial=True)
+            busy = State()
+            work = Event(idle.to(busy), name="Take a job")
+        stopped = State(initial=True)
+        boot = Event(stopped.to(running), name="Power on")
+
+    dot = diagrams.render_chart_dot(Nested)
+    assert "Take a job" in dot and "Power on" in dot, dot
+    assert '"Work' not in dot and '"Boot' not in dot
+
+    svg = diagrams.render_path_svg(Engine, [{"event": "go", "from": "on", "to": None}])
+    assert "refused: Start the engine (not declared here)" in svg
