@@ -102,7 +102,8 @@ def test_a_null_prompt_is_the_start_of_a_document(live):
     ("user", "u1"), ("parallel_tool_calls", True), ("tool_choice", "none"), ("tools", []),
     ("functions", []), ("function_call", "none"), ("response_format", {"type": "text"}),
     ("prompt_cache_options", {"mode": "implicit"}), ("prompt_cache_retention", "24h"),
-    ("prompt_cache_key", "k"), ("service_tier", "auto"), ("store", False),
+    ("prompt_cache_key", "k"), ("service_tier", "auto"), ("service_tier", "priority"),
+    ("prompt_cache_retention", "in_memory"), ("store", False),
     ("metadata", {"k": "v"}), ("safety_identifier", "s"), ("modalities", ["text"])])
 def test_chat_accepts_the_sdks_non_null_fields_it_can_honour(live, field, value):
     server, _, _ = live
@@ -110,6 +111,22 @@ def test_chat_accepts_the_sdks_non_null_fields_it_can_honour(live, field, value)
             field: value}
     r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("service_tier", "bogus"), ("service_tier", ""), ("service_tier", 1),
+    ("prompt_cache_retention", "forever")])
+def test_chat_refuses_a_value_outside_the_fields_set_naming_field_and_values(live, field, value):
+    """OpenAI answers 400 for a service tier or cache retention it does not have; these were
+    taken as any string."""
+    server, _, _ = live
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+            field: value}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == field, error
+    assert "'auto'" in error["message"] or "'24h'" in error["message"], error
 
 
 @pytest.mark.parametrize(("field", "value"), [

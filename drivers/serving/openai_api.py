@@ -20,7 +20,7 @@ import types
 import typing
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine
-from typing import Annotated, Any, TypeVar, cast
+from typing import Annotated, Any, Literal, TypeVar, cast
 
 import anyio
 import attrs
@@ -204,10 +204,11 @@ class ChatRequest(_Body):
     # metadata and caching hints: accepted, ignored (nothing is stored, one tier, no cache)
     metadata: dict[str, Any] | None = None
     store: StrictBool | None = None
-    service_tier: StrictStr | None = None
+    # the OpenAI SDK's values (3.51); another string is a 400 naming the field, as OpenAI's
+    service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast"] | None = None
     prompt_cache_key: StrictStr | None = None
     prompt_cache_options: dict[str, Any] | None = None
-    prompt_cache_retention: StrictStr | None = None
+    prompt_cache_retention: Literal["in_memory", "in-memory", "24h"] | None = None
     safety_identifier: StrictStr | None = None
     parallel_tool_calls: StrictBool | None = None  # false: at most one call
     # structured outputs and tools: checked and compiled by drivers/serving/grammar.py
