@@ -32,7 +32,7 @@ from calexec.drivers.serving import grammar, sampling
 from calexec.drivers.serving.byte_tokenizer import ByteTokenizer
 from calexec.drivers.serving.openai_api import ChatMessage, render_chat
 from calexec.drivers.serving.server import ServerConfig, create_app
-from test_server_support import LiveServer, started_executor
+from test_server_support import LiveServer, started_executor, stream_tool_calls
 
 MODEL = "calexec-qwen3-synthetic"
 EXAMPLES = int(os.environ.get("CALEXEC_STRUCTURED_EXAMPLES", "10"))
@@ -453,16 +453,10 @@ def test_auto_output_parsing_whole_and_streamed_agree(text, content, names):
     for call in calls:
         assert conforms(json.loads(call["function"]["arguments"]),
                         SCHEMAS[call["function"]["name"]])
-    stream = grammar.ToolCallStream()
-    deltas = [d for ch in text for d in stream.feed(ch)] + stream.feed("", final=True)
-    streamed_calls: dict[int, str] = {}
-    for d in deltas:
-        for piece in d.get("tool_calls", ()):
-            streamed_calls[piece["index"]] = streamed_calls.get(piece["index"], "") + \
-                piece["function"]["arguments"]
+    deltas, streamed_calls, _ = stream_tool_calls(text)
     if names:
         assert "".join(d.get("content", "") for d in deltas) == (content or "")
-        assert list(streamed_calls.values()) == [c["function"]["arguments"] for c in calls]
+        assert streamed_calls == [c["function"]["arguments"] for c in calls]
 
 
 @pytest.mark.parametrize("parallel", [None, False])

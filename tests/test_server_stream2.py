@@ -12,7 +12,6 @@ import time
 import httpx
 import pytest
 
-from calexec.drivers.serving import grammar
 from calexec.drivers.serving.server import ServerConfig, create_app
 from test_server_support import (
     MODEL,
@@ -22,6 +21,7 @@ from test_server_support import (
     read_until_closed,
     stalled_client,
     started_executor,
+    stream_tool_calls,
     wait_for,
 )
 
@@ -138,14 +138,8 @@ def test_a_tool_call_stream_cut_by_max_tokens_streams_no_call_markup(text, argum
     whose arguments were whole (JSON no client parses), the start of the next call's
     ``<tool_call>`` as content. What is held back is the call's markup (the grammar writes
     it): it is dropped; arguments cut inside stay as generated, as OpenAI streams them."""
-    stream = grammar.ToolCallStream()
-    deltas = [d for ch in text for d in stream.feed(ch)] + stream.feed("", final=True)
-    calls: dict[int, str] = {}
-    for d in deltas:
-        for piece in d.get("tool_calls", ()):
-            calls[piece["index"]] = calls.get(piece["index"], "") + \
-                piece["function"]["arguments"]
-    assert list(calls.values()) == arguments
+    deltas, calls, stream = stream_tool_calls(text)
+    assert calls == arguments
     assert "".join(d.get("content", "") for d in deltas) == content
     assert stream.cut
 

@@ -167,3 +167,18 @@ def read_until_closed(sock: socket.socket, limit: int = 64 << 20) -> tuple[bytes
     except TimeoutError:
         pass
     return bytes(data), "open"
+
+
+def stream_tool_calls(text: str) -> tuple[list[dict], list[str], object]:
+    """Feed ``text`` to a ``grammar.ToolCallStream`` one character at a time, as a stream of
+    tokens would, then end it: the deltas, each call's streamed arguments joined (by call
+    index, in index order), and the stream itself."""
+    from calexec.drivers.serving import grammar
+
+    stream = grammar.ToolCallStream()
+    deltas = [d for ch in text for d in stream.feed(ch)] + stream.feed("", final=True)
+    calls: dict[int, str] = {}
+    for d in deltas:
+        for piece in d.get("tool_calls", ()):
+            calls[piece["index"]] = calls.get(piece["index"], "") + piece["function"]["arguments"]
+    return deltas, [calls[i] for i in sorted(calls)], stream
