@@ -111,7 +111,9 @@ def _other_targets(states: list[Any], transition: Any, limit: int) -> list[Any]:
     """The states a ``target`` mutant may send ``transition`` to. ``limit`` 0: every other
     state. Otherwise the first ``limit`` of: the source itself (the event does nothing), then
     the states declared after the original target, wrapping round (a deterministic spread
-    over early, late and final states)."""
+    over early, late and final states). Either way the states a transition from outside
+    enters exactly as it enters the original target come last (a compound and its initial
+    child: such a mutant ends in the same configuration)."""
     original, source = transition.target, transition.source
     if original is None:  # a targetless transition: nothing to retarget
         return []
@@ -120,10 +122,47 @@ def _other_targets(states: list[Any], transition: Any, limit: int) -> list[Any]:
         after = [s for s in states[start + 1:] + states[:start] if s is not original]
     else:  # a history target (not among the states): every state, the first one too
         after = list(states)
-    if limit == 0:
-        return after
-    ordered = ([source] if source is not original else []) + [s for s in after if s is not source]
-    return ordered[:limit]
+    ordered = after if limit == 0 else \
+        ([source] if source is not original else []) + [s for s in after if s is not source]
+    if original in states:
+        # a state whose default entry is the original's (a compound and its initial child, a
+        # parallel state and a region's initial state) ends the transition in the same
+        # configuration: such a mutant survives every test that checks configurations. Last,
+        # so a limit spends its mutants on targets a test can tell apart.
+        entered = _entered(original)
+        ordered = ([s for s in ordered if _entered(s) != entered]
+                   + [s for s in ordered if _entered(s) == entered])
+    return ordered if limit == 0 else ordered[:limit]
+
+
+def _default_entry(state: Any, into: set[str]) -> None:
+    """Add ``state`` and what entering it enters by default: a compound's initial child, every
+    region of a parallel state, recursively."""
+    into.add(state.id)
+    children = list(state.states)
+    if not children:
+        return
+    if not state.parallel:
+        children = [next((c for c in children if c.initial), children[0])]
+    for child in children:
+        _default_entry(child, into)
+
+
+def _entered(state: Any) -> frozenset[str]:
+    """The configuration a transition from outside every ancestor of ``state`` ends in when it
+    targets ``state``: its ancestors, ``state`` and its default entry, and the default entry of
+    the other regions of each parallel ancestor."""
+    into: set[str] = set()
+    _default_entry(state, into)
+    child, parent = state, state.parent
+    while parent is not None:
+        into.add(parent.id)
+        if parent.parallel:
+            for region in parent.states:
+                if region is not child:
+                    _default_entry(region, into)
+        child, parent = parent, parent.parent
+    return frozenset(into)
 
 
 def _force(transition: Any, spec: CallbackSpec, value: bool) -> Callable[[], None]:

@@ -727,3 +727,57 @@ def test_every_derived_mutant_of_a_history_target_applies() -> None:
     for limit in (0, 1, 2):
         for mutant in mutants.derive(player(), targets_per_transition=limit):
             mutants.apply(player(), mutant.id)
+
+
+def test_a_target_mutant_ends_in_another_configuration_than_the_original() -> None:
+    """The target mutants of a transition into a compound state were the next states declared,
+    its initial child first: ``target:idle-load->active:playing`` enters exactly what
+    ``load`` enters (``active``, ``playing``), an equivalent mutant no test can kill, reported
+    as a survivor. States entered alike now come last: with the default two targets per
+    transition, every target mutant of ``load`` and of ``start`` (into a parallel state's
+    region) ends somewhere else; with every target (0) they are still derived, last."""
+
+    def chart() -> type[StateChart]:
+        class Player(StateChart):
+            idle = State(initial=True)
+
+            class active(State.Compound):  # noqa: N801 - python-statemachine's style
+                playing = State(initial=True)
+                paused = State()
+                pause = playing.to(paused)
+
+            class both(State.Parallel):  # noqa: N801
+                class left(State.Compound):  # noqa: N801
+                    l1 = State(initial=True)
+                    l2 = State()
+                    step = l1.to(l2)
+
+                class right(State.Compound):  # noqa: N801
+                    r1 = State(initial=True)
+
+            done = State(final=True)
+            load = idle.to(active)
+            start = idle.to(both.left.l1)
+            stop = active.to(idle) | both.to(idle)
+            eject = idle.to(done)
+
+        return Player
+
+    def configuration_after(declaration: type[StateChart], event: str) -> set[str]:
+        machine = declaration()
+        machine.send(event)
+        return {s.id for s in machine.configuration}
+
+    for event, label in (("load", "idle-load->active"), ("start", "idle-start->l1")):
+        expected = configuration_after(chart(), event)
+        target_mutants = [m for m in mutants.derive(chart()) if m.kind == "target"
+                          and m.transition == label]
+        assert len(target_mutants) == 2, target_mutants
+        for mutant in target_mutants:
+            declaration = chart()
+            mutants.apply(declaration, mutant.id)
+            assert configuration_after(declaration, event) != expected, mutant.id
+        every = [m.detail for m in mutants.derive(chart(), targets_per_transition=0)
+                 if m.kind == "target" and m.transition == label]
+        alike = {"idle-load->active": {"playing"}, "idle-start->l1": {"both", "left"}}[label]
+        assert set(every[-len(alike):]) == alike, every
