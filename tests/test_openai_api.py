@@ -440,6 +440,27 @@ def test_logprobs_bytes_with_a_byte_level_bpe_tokenizer_json(tmp_path):
         [0xC3] if token == split[0] else [0xA9] for token in ids]
 
 
+def test_hf_stream_text_ends_as_decode_does_when_a_character_is_cut(tmp_path):
+    """A stream (or a whole answer: the same detokenizer) cut by ``max_tokens`` or a stop
+    token after the first byte of a two-byte character: ``tokenizers``' ``DecodeStream`` holds
+    the byte back, and its end dropped it, so the answer's text was not the text of its
+    ``token_ids`` (``tok.decode``: U+FFFD for the cut character, as the byte-level tokenizer's
+    answer has). Whole characters and no cut: unchanged."""
+    from calexec.drivers.serving.hf_tokenizer import HFTokenizer
+
+    tok = _byte_level_bpe("hello world")
+    tok.save(str(tmp_path / "tokenizer.json"))
+    served = HFTokenizer(str(tmp_path / "tokenizer.json"))
+    first, second = tok.token_to_id("\u00c3"), tok.token_to_id("\u00a9")
+    hello = tok.encode("hello").ids
+    for ids in (hello + [first], hello + [first, second], hello + [first, second, first],
+                [first], hello, [first, first]):
+        detok = served.detokenizer()
+        text = "".join(detok.feed(t) for t in ids) + detok.flush()
+        assert text == served.decode(ids) == tok.decode(ids), ids
+    assert served.decode(hello + [first]) == "hello\ufffd"
+
+
 # ---- calexec serve flags ------------------------------------------------------------------
 def test_serve_once_with_api_key_and_tokenizer(tmp_path):
     from test_cli import calexec

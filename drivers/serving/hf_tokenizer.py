@@ -115,18 +115,34 @@ def _special(value: object) -> str:
 
 
 class _StreamDetokenizer:
-    """``feed``/``flush`` over ``tokenizers.decoders.DecodeStream``."""
+    """``feed``/``flush`` over ``tokenizers.decoders.DecodeStream``. The stream holds back the
+    tokens of a character not yet whole; ``flush`` gives what ``decode`` makes of them (U+FFFD
+    for a cut character, as the byte-level tokenizer's ``flush``), so that the text of an
+    answer is the text of its token ids."""
 
     def __init__(self, tok) -> None:
         from tokenizers.decoders import DecodeStream
         self._tok = tok
         self._stream = DecodeStream(skip_special_tokens=True)
+        #: ids fed since the stream last gave text (what it may be holding back)
+        self._held: list[int] = []
+        #: the last ids that gave text (the context the held ones are decoded in)
+        self._context: list[int] = []
 
     def feed(self, token_id: int) -> str:
-        return self._stream.step(self._tok, token_id) or ""
+        text = self._stream.step(self._tok, token_id) or ""
+        self._held.append(token_id)
+        if text:
+            self._context, self._held = self._held[-4:], []
+        return text
 
     def flush(self) -> str:
-        return ""
+        held, self._held = self._held, []
+        if not held:
+            return ""
+        before = self._tok.decode(self._context, skip_special_tokens=True)
+        after = self._tok.decode(self._context + held, skip_special_tokens=True)
+        return after[len(before):] if after.startswith(before) else ""
 
 
 #: what the server encodes and decodes with
