@@ -318,6 +318,20 @@ REGRESSIONS: dict[str, D.Case] = {
                      logits_out=False, greedy=False, tokens=(135471, 50901, 88307),
                      deadline_s=0.0147, after_failure=None, faults=((-1, "OUTPUT_NAN"),))),
         ("tick", 0.0203)), 0.0097, 4),
+    # found by stop 41's long run (seed 50446): client 2's last step met an injected short
+    # output (a recovery, generation 2). Phase B ran it earlier, beside client 3's steps, so
+    # the admin switch found its lifecycle Ready and switched (to the same calbin with a
+    # golden it cannot meet: refused, and the rollback met the same golden: Failed); on the
+    # plain path it found the recovery still warming and did nothing (the harness switches a
+    # Ready lifecycle only). A switch made on one lane only is now a timing divergence
+    "a_switch_that_found_the_lifecycle_ready_on_one_lane_only": D.Case(("phase_b_full",), (
+        ("client", C(2, 3, (48404, 27281, 46719, 90007, 55135, 28067, 90829), 4,
+                     logits_out=False, tokens=(59845, 64300, 62590),
+                     after_failure=None, faults=((-1, "OUTPUT_SHORT"),))),
+        ("client", C(3, 2, (136901, 5281), 4, logits_out=False,
+                     tokens=(133173, 82844, 146739), after_failure=None)),
+        ("tick", 0.0203),
+        ("switch", False, False)), 0.0031, 2),
 }
 
 

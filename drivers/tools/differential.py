@@ -830,6 +830,13 @@ def compare(ref: Lane, lane: Lane, timed: bool = True) -> list[str]:
         for seq, position, kind, _point, at in lane.device.fired:
             if (seq, position, kind) not in ran and (diverge_at is None or at < diverge_at):
                 diverge_at, first = at, ["speculation", "speculation"]
+    switched_alone = False
+    if lane.variant.shifts_time and timed:  # a switch that found Ready on one lane only
+        for (ref_at, ref_ran), (lane_at, lane_ran) in zip(ref.switch_log, lane.switch_log):
+            if ref_ran != lane_ran:
+                switched_alone = True
+                diverge_at, first = min(ref_at, lane_at), ["switch", "timing"]
+                break
     for key, expected in ref.answers.items():  # the earliest allowed difference
         got = lane.answers.get(key, [])
         for index, (e, g) in enumerate(zip(expected, got)):
@@ -865,7 +872,9 @@ def compare(ref: Lane, lane: Lane, timed: bool = True) -> list[str]:
                 else:
                     lane.diverged[key] = rule
                 break
-    if lane.ex.state == "Failed" and ref.ex.state != "Failed":  # never a shortcut's outcome
+    if switched_alone:  # the end state follows a model switch one lane did not make
+        lane.diverged["end"] = "timing"
+    elif lane.ex.state == "Failed" and ref.ex.state != "Failed":  # never a shortcut's outcome
         problems.append(f"{name}: the lifecycle ended Failed ({lane.ex.failure}), the plain "
                         f"path's {ref.ex.state}")
     if diverge_at is None:

@@ -911,6 +911,9 @@ class Explorer:
         self.seed = seed
         self.slack = slack_s
         self.script: list[tuple] = []
+        #: one (virtual time, switched) per ``switch`` action, in order: whether its admin
+        #: call found the lifecycle Ready and switched, or found it busy and did nothing
+        self.switch_log: list[tuple[float, bool]] = []
         self.handles: list = []
         self.results: list = []
         self.rows: dict[int, np.ndarray] = {}  # job id -> the caller's logits row
@@ -1089,7 +1092,9 @@ class Explorer:
                 pinned = ex.goldens.get(sha)
                 ex.goldens[sha] = (1, 2, 3)
             try:
-                if ex.state == "Ready":
+                ready = ex.state == "Ready"
+                self.switch_log.append((self.sched.now, ready))
+                if ready:
                     ex.switch_model(path)
             finally:
                 if sha is not None:
