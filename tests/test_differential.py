@@ -332,6 +332,28 @@ REGRESSIONS: dict[str, D.Case] = {
                      tokens=(133173, 82844, 146739), after_failure=None)),
         ("tick", 0.0203),
         ("switch", False, False)), 0.0031, 2),
+    # found by stop 41's hypothesis run: client 4's prefill met a model switch (whose
+    # rollback ends Failed). The plain path refused it at once, the ready-queue variant when
+    # the lifecycle failed, 65 ms later, with the same answer; the client's sequence release
+    # right after found client 1's job still holding sequence 1 on the plain path, and it
+    # gone on the variant. An equal refusal given later by the ready queue is now where the
+    # histories start to differ
+    "a_refusal_the_ready_queue_gave_later_than_the_plain_path": D.Case(
+        ("ready_queue_stream",), (
+            ("release", 1),
+            ("client", C(1, 1, (0,), 0, reserve=False, logits_out=False, greedy=False,
+                         tokens=(0,), deadline_s=0.0147, release=False)),
+            ("tick", 0.00047),
+            ("client", C(2, 1, (0,), 0, reserve=False, logits_out=False, greedy=False,
+                         tokens=(0,), release=False)),
+            ("client", C(3, 1, (0,), 0, reserve=False, logits_out=False, greedy=False,
+                         tokens=(0,), release=False)),
+            ("release", 1),
+            ("client", C(4, 1, (0, 0), 0, reserve=False, logits_out=False, greedy=False,
+                         tokens=(0, 0, 0), release=True)),
+            ("switch", False, False),
+            ("switch", False, False),
+            ("release", 1)), 0.0097, 2),
 }
 
 
