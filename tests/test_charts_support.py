@@ -231,3 +231,34 @@ def test_two_states_of_one_id_are_refused_naming_the_id_and_their_parents():
     with pytest.raises(UnsupportedChart) as refused:
         compile_chart(TwoIdles)
     assert all(n in str(refused.value) for n in named), refused.value
+
+
+class Kicker(StateChart):
+    """Callbacks that reach the machine (the differential test proves the rest equal)."""
+
+    idle = State(initial=True)
+    busy = State()
+    done = State(final=True)
+    kick = idle.to(busy, cond="not In('done')")
+    finish = busy.to(done)
+
+    def on_enter_busy(self, later: bool = False) -> None:
+        if later:
+            self.send("finish", delay=50)
+        else:
+            self.raise_("finish")
+
+
+def test_a_callback_s_events_and_in_guards_are_the_run_s_and_a_delayed_send_is_refused():
+    """The general run's ``machine`` had no configuration and no engine: ``In('done')`` and
+    ``self.raise_(...)`` raised AttributeError, which StateChart semantics turned into
+    ``error.execution``, so the run silently stayed in ``idle``/``busy``."""
+    chart = compile_chart(Kicker)
+    run = chart.run(None)
+    run.send("kick")
+    real = Kicker()
+    real.send("kick")
+    assert run.configuration == tuple(real.configuration_values) == ("done",) and run.final
+    run = chart.run(None)
+    with pytest.raises(UnsupportedChart, match=r"^Kicker: a callback's send\('finish', delay="):
+        run.send("kick", later=True)
