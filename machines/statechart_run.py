@@ -300,6 +300,14 @@ class StatechartRun:
             except Exception as err:
                 raise InvalidDefinition(
                     f"Error on {visited!s} when resolving callbacks: {err}") from err
+        coroutines = sorted({str(callback) for executor in self._registry._registry.values()
+                             for callback in executor if callback._iscoro})
+        if coroutines:  # the chart's own are refused by ``compile_chart``; these came later
+            raise UnsupportedChart(
+                f"{chart.name}: the compiled form does not support yet: async callback(s) "
+                f"{', '.join(map(repr, coroutines))} of the model or a listener "
+                f"(python-statemachine runs such an instance on its async engine; a compiled "
+                f"run would take their coroutines for answers)")
         self._start(**start_kwargs)
 
     # ---- skeletons: the structure of the chart, for paths (machines/paths.py)

@@ -18,6 +18,7 @@ from calexec.machines.chart_support import UnsupportedChart, actions, hierarchic
 from calexec.machines.compiled import compile_chart
 from calexec.machines.coverage import TransitionRecorder, track
 from calexec.machines.paths import transition_paths
+from calexec.machines.statechart_run import StatechartRun
 
 
 class Compound(StateChart):
@@ -262,3 +263,43 @@ def test_a_callback_s_events_and_in_guards_are_the_run_s_and_a_delayed_send_is_r
     run = chart.run(None)
     with pytest.raises(UnsupportedChart, match=r"^Kicker: a callback's send\('finish', delay="):
         run.send("kick", later=True)
+
+
+class Gate(StateChart):
+    shut = State(initial=True)
+    open = State()
+    lift = shut.to(open, cond="cleared") | open.to(shut)
+
+
+class AsyncModel:
+    async def cleared(self) -> bool:
+        return False
+
+    async def on_enter_open(self) -> None: ...
+
+
+class AsyncListener:
+    async def after_transition(self) -> None: ...
+
+
+def test_async_callbacks_of_the_model_or_a_listener_are_refused_naming_them():
+    """An async guard on the model (``cond="cleared"``) was called and its coroutine taken for
+    True: the run opened a gate python-statemachine keeps shut (a RuntimeWarning the only
+    sign); the chart's own async callbacks were already refused at compile time."""
+    chart = compile_chart(Gate)
+    with pytest.raises(UnsupportedChart, match=r"^Gate: the compiled form does not support yet: "
+                       r"async callback\(s\) 'cleared', 'on_enter_open' of the model"):
+        chart.run(AsyncModel())
+    with pytest.raises(UnsupportedChart, match=r"'after_transition' of the model or a listener"):
+        StatechartRun(chart, SimpleNamespace(cleared=lambda: True), listeners=[AsyncListener()])
+    assert chart.run(SimpleNamespace(cleared=lambda: True)).send("lift") is None
+
+    class FlatGate(StateMachine):  # the flat fast path asks the model itself
+        shut = State(initial=True)
+        open = State()
+        lift = shut.to(open, cond="cleared") | open.to(shut)
+
+    flat = compile_chart(FlatGate)
+    assert not flat.general
+    with pytest.raises(UnsupportedChart, match=r"^FlatGate: .* async guard\(s\) 'cleared' of"):
+        flat.run(AsyncModel())
