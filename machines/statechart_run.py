@@ -40,8 +40,9 @@ What differs from a python-statemachine instance, on purpose:
   delayed send from a callback is refused (``UnsupportedSend`` naming the chart, raised from
   ``send`` under either semantics), as is assigning
   the configuration. The model's state field is not written.
-- Class-level ``listeners`` are not attached (coverage listens to the compiled chart:
-  ``CompiledChart.attach``); pass observer objects as ``listeners=``.
+- Class-level ``listeners`` are attached as an instance attaches them (a class is made and
+  its ``setup`` called, per run); pass more observer objects as ``listeners=`` (coverage
+  listens to the compiled chart: ``CompiledChart.attach``).
 
 Refused at compile time (``chart_support.unsupported``): ``invoke``, delayed events,
 multi-target transitions (other than a compound state's initial) and async callbacks.
@@ -69,6 +70,7 @@ from statemachine.event_data import EventData, TriggerData
 from statemachine.exceptions import InvalidDefinition
 from statemachine.graph import iterate_states_and_transitions
 from statemachine.orderedset import OrderedSet
+from statemachine.signature import SignatureAdapter
 from statemachine.transition import Transition as DeclaredTransition
 
 from calexec.machines.chart_support import (
@@ -76,6 +78,7 @@ from calexec.machines.chart_support import (
     GuardRejected,
     IllegalTransition,
     UnsupportedChart,
+    class_listeners,
 )
 from calexec.machines.guard_expr import holds
 
@@ -201,6 +204,29 @@ class _EngineView:
                              f"machine._engine.{name}, which the run does not offer")
 
 
+def _made_class_listeners(declaration: type[StateChart[Any]], machine: Any,
+                          kwargs: Mapping[str, object]) -> list[object]:
+    """The chart's class-level listeners as python-statemachine's ``__init__`` makes them (a
+    callable entry called, its ``setup(sm, ...)`` given the start's keyword arguments), but
+    those of calexec's tools (``chart_support.class_listeners``)."""
+    made: list[object] = []
+    for entry in class_listeners(declaration):
+        if not callable(entry):
+            made.append(entry)
+            continue
+        instance = entry()
+        setup = getattr(instance, "setup", None)
+        if setup is not None:
+            bound = SignatureAdapter.from_callable(setup).bind_expected(machine, **kwargs)
+            try:
+                setup(*bound.args, **bound.kwargs)
+            except TypeError as err:
+                raise TypeError(f"Error calling setup() on listener {type(instance).__name__}: "
+                                f"{err}") from err
+        made.append(instance)
+    return made
+
+
 def _data(kwargs: dict[str, object]) -> dict[str, Any]:
     """Event data as python-statemachine's untyped ``build_trigger`` takes it."""
     return kwargs
@@ -286,10 +312,12 @@ class StatechartRun:
             return
         if chart.checker is not None:  # contracts enabled: checked as on an instance
             listeners = (*listeners, chart.checker.listener(lambda: self.configuration))
+        # the class-level ``listeners = [...]``, made and set up as an instance makes them
+        owned = _made_class_listeners(declaration, machine, start_kwargs)
         resolvers = Listeners.from_listeners((
             Listener.from_obj(machine, skip_attrs=_protected(declaration)),
             Listener.from_obj(model, skip_attrs={"state"}),
-            *(Listener.from_obj(listener) for listener in listeners),
+            *(Listener.from_obj(listener) for listener in (*owned, *listeners)),
         ))
         resolvers.resolve(declaration._specs, registry=self._registry)
         for visited in iterate_states_and_transitions(declaration.states):

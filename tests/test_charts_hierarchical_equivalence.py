@@ -17,7 +17,7 @@ boolean expressions and callables, validators raising, ``error.execution`` from 
 action (``StateChart``) and the same error raised to the caller (``StateMachine``); callbacks
 that reach the machine (``In('id')`` guards, ``raise_``/``send``/an event method from an
 action, ``machine.configuration``, ``event_data``), an event of several ids and a transition
-bound to two events.
+bound to two events, class-level listeners.
 
 Size: ``CALEXEC_HIER_EXAMPLES`` examples per chart (default 60: a few seconds), sequences of up
 to 30 events; a longer run: ``CALEXEC_HIER_EXAMPLES=5000``.
@@ -249,11 +249,27 @@ class Faulty(StateMachine):
         model.log.append(("exit", state.id))
 
 
+class Audit:
+    """A class-level listener: made and set up per instance, answering a guard and logging."""
+
+    def setup(self, sm: StateChart) -> None:
+        self.chart = type(sm).__name__
+
+    def belt_ok(self, model: Recorder, amount: int = 0) -> bool:
+        model.log.append(("audit belt_ok", self.chart, amount))
+        return amount != 2
+
+    def after_transition(self, model: Recorder, event: str, source: State) -> None:
+        model.log.append(("audit after", str(event), source.id))
+
+
 class Relay(StateChart):
     """Callbacks that reach the machine: ``In('id')`` guards, ``raise_`` (the internal queue:
     within the macrostep), ``send`` and an event called as a method (the external queue: after
     it), ``machine.configuration`` read from a callback, ``event_data`` injected; an event
-    of several ids and a transition bound to two events."""
+    of several ids and a transition bound to two events; a class-level listener."""
+
+    listeners = [Audit]
 
     class line(State.Parallel):
         class feed(State.Compound):
@@ -268,7 +284,7 @@ class Relay(StateChart):
             stopped = State(initial=True)
             running = State()
             spin = Event(stopped.to(running, cond="In('loaded') or flag_set"), id="spin go")
-            halt = running.to(stopped)
+            halt = running.to(stopped, cond="belt_ok")
 
     idle = State(initial=True)
     power = idle.to(line, on="chain") | line.to(idle)

@@ -11,11 +11,12 @@ from types import SimpleNamespace
 
 import pytest
 from statemachine import Event, HistoryState, State, StateChart, StateMachine
+from statemachine.exceptions import TransitionNotAllowed
 
 from calexec.cli import main as cli
 from calexec.machines import diagrams, mutants
 from calexec.machines.chart_support import UnsupportedChart, actions, hierarchical, unsupported
-from calexec.machines.compiled import compile_chart
+from calexec.machines.compiled import ChartTransitionError, compile_chart, compiled
 from calexec.machines.coverage import TransitionRecorder, track
 from calexec.machines.paths import transition_paths
 from calexec.machines.statechart_run import StatechartRun
@@ -303,3 +304,49 @@ def test_async_callbacks_of_the_model_or_a_listener_are_refused_naming_them():
     assert not flat.general
     with pytest.raises(UnsupportedChart, match=r"^FlatGate: .* async guard\(s\) 'cleared' of"):
         flat.run(AsyncModel())
+
+
+class Doorman:
+    """A class-level listener answering the chart's guard."""
+
+    def setup(self, sm: StateChart, badge: str = "") -> None:
+        self.badge = badge
+
+    def has_badge(self) -> bool:
+        return self.badge == "staff"
+
+
+class StaffDoor(StateMachine):
+    listeners = [Doorman]
+    closed = State(initial=True)
+    open = State()
+    enter = closed.to(open, cond="has_badge") | open.to(closed)
+
+
+def test_class_level_listeners_are_attached_as_an_instance_attaches_them():
+    """A flat chart whose guard a class-level listener answers was run by the flat fast path,
+    which asks the model only (AttributeError: no ``has_badge``), and the general run did not
+    attach class-level listeners at all (their callbacks silently not called)."""
+    chart = compile_chart(StaffDoor)
+    assert "class-level listener 'Doorman'" in chart.general
+    run = StatechartRun(chart, None, badge="visitor")
+    real = StaffDoor(badge="visitor")
+    with pytest.raises(ChartTransitionError, match="rejected by guard"):
+        run.send("enter")
+    with pytest.raises(TransitionNotAllowed):
+        real.send("enter")
+    run, real = StatechartRun(chart, None, badge="staff"), StaffDoor(badge="staff")
+    run.send("enter")
+    real.send("enter")
+    assert run.configuration == tuple(real.configuration_values) == ("open",)
+    recorder = TransitionRecorder()
+    undo = track(StaffDoor, recorder)  # coverage's own class-level listener is not the chart's
+    try:
+        assert compile_chart(StaffDoor).general == chart.general
+        assert [type(x).__name__ for x in StaffDoor._class_listeners] == [
+            "type", "TransitionListener"]
+        run = StatechartRun(compiled(StaffDoor), None, badge="staff")
+        run.send("enter")
+        assert compiled(StaffDoor).taken == [1, 0]  # once: the run did not also hear itself
+    finally:
+        undo()
