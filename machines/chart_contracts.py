@@ -196,6 +196,9 @@ class ContractListener:
     The invariants checked after a transition are those of every active state: read from
     ``configuration`` when given, else from the instance (``machine``)."""
 
+    #: not the chart's own class-level listener (``chart_support.class_listeners``)
+    calexec_tool = True
+
     def __init__(self, checker: ContractChecker,
                  configuration: Callable[[], Iterable[str]] | None = None) -> None:
         self.checker = checker

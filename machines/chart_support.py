@@ -155,8 +155,10 @@ def hierarchical(declaration: type[StateChart[Any]]) -> list[str]:
 
 def actions(declaration: type[StateChart[Any]]) -> list[str]:
     """Each action ``declaration`` declares (or defines by naming convention on the class),
-    with where: what the flat fast path would not call (the general run does)."""
-    found = []
+    with where, and each class-level listener (``listeners = [...]``: its callbacks and
+    guards): what the flat fast path would not call (the general run does)."""
+    found = [f"class-level listener {_name(entry) if isinstance(entry, type) else repr(entry)!r}"
+             for entry in class_listeners(declaration)]
     groups = {CallbackGroup.ENTER: "enter", CallbackGroup.EXIT: "exit",
               CallbackGroup.BEFORE: "before", CallbackGroup.ON: "on", CallbackGroup.AFTER: "after"}
     for state in _all_states(declaration):
@@ -172,6 +174,14 @@ def actions(declaration: type[StateChart[Any]]) -> list[str]:
                     found.append(f"{groups[spec.group]} action {_name(spec.func)!r} on "
                                  f"transition {describe_transition(transition)}")
     return list(dict.fromkeys(found))
+
+
+def class_listeners(declaration: type[StateChart[Any]]) -> list[Any]:
+    """The chart's own class-level ``listeners = [...]`` entries, in order: those calexec's
+    tools add there to hear python-statemachine instances (coverage, contracts, the inspector;
+    they carry ``calexec_tool``) are not the chart's and hear compiled runs otherwise."""
+    return [entry for entry in getattr(declaration, "_class_listeners", ())
+            if not getattr(entry, "calexec_tool", False)]
 
 
 def semantics(declaration: type[StateChart[Any]]) -> str | None:

@@ -29,6 +29,7 @@ events of a job, a txn, a slot); it takes no lock. Concurrent ``send`` on one ru
 
 from __future__ import annotations
 
+import inspect
 import re
 import threading
 import time
@@ -179,6 +180,13 @@ class CompiledChart:
             from calexec.machines.statechart_run import StatechartRun  # imports this module
 
             return StatechartRun(self, model)  # type: ignore[return-value]
+        coroutines = [name for name in sorted(self.guard_names)
+                      if inspect.iscoroutinefunction(getattr(model, name, None))]
+        if coroutines:  # the flat run calls a guard and takes its coroutine for True
+            raise UnsupportedChart(
+                f"{self.name}: the compiled form does not support yet: async guard(s) "
+                f"{', '.join(map(repr, coroutines))} of the model (python-statemachine runs "
+                f"such an instance on its async engine)")
         if state is None:
             state = self.initial
         elif state not in self.states:

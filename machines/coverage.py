@@ -84,6 +84,9 @@ class TransitionListener:
     ``chart``'s declaration takes: to ``recorder`` when given, else to the chart's listeners
     (as if a ``ChartRun`` of it had taken them)."""
 
+    #: not the chart's own class-level listener (``chart_support.class_listeners``)
+    calexec_tool = True
+
     def __init__(self, chart: ChartLike, recorder: TransitionRecorder | None = None) -> None:
         self.chart = compiled(chart)
         self.recorder = recorder

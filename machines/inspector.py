@@ -69,6 +69,9 @@ class _InstanceCounter:
     """python-statemachine listener counting the declared transitions real instances of a
     chart take (a compiled run counts into ``CompiledChart.taken`` itself)."""
 
+    #: not the chart's own class-level listener (``chart_support.class_listeners``)
+    calexec_tool = True
+
     def __init__(self, chart: CompiledChart) -> None:
         self.chart = chart
         self.taken = [0] * len(chart.transitions)

@@ -32,12 +32,17 @@ What differs from a python-statemachine instance, on purpose:
   transition for the event in the active configuration) or ``GuardRejected`` (transitions
   exist but none is enabled), not ``TransitionNotAllowed``; both are ``ChartTransitionError``.
   The run's ``state`` in those errors is the active configuration, ``"a,b"``.
-- ``machine`` (and ``self`` of the chart's methods) is a bare instance of the chart class with
-  no engine: a callback may read and write its own attributes and ``self.model``; it may not
-  ``send``/``raise_`` events or read ``configuration`` through it (the run owns those:
-  ``StatechartRun.configuration``). The model's state field is not written.
-- Class-level ``listeners`` are not attached (coverage listens to the compiled chart:
-  ``CompiledChart.attach``); pass observer objects as ``listeners=``.
+- ``machine`` (and ``self`` of the chart's methods) is a bare instance of the chart class whose
+  configuration and engine are this run's: a callback may read and write its own attributes
+  and ``self.model``, read ``configuration``/``configuration_values`` (so ``In('id')`` guards
+  hold as on an instance), and ``send``/``raise_`` events or call one as a method: queued as
+  python-statemachine queues them (``raise_``: within the macrostep; ``send``: after it). A
+  delayed send from a callback is refused (``UnsupportedSend`` naming the chart, raised from
+  ``send`` under either semantics), as is assigning
+  the configuration. The model's state field is not written.
+- Class-level ``listeners`` are attached as an instance attaches them (a class is made and
+  its ``setup`` called, per run); pass more observer objects as ``listeners=`` (coverage
+  listens to the compiled chart: ``CompiledChart.attach``).
 
 Refused at compile time (``chart_support.unsupported``): ``invoke``, delayed events,
 multi-target transitions (other than a compound state's initial) and async callbacks.
@@ -50,6 +55,7 @@ Thread model as ``ChartRun``: one owner at a time, no lock.
 from __future__ import annotations
 
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from itertools import chain
@@ -64,12 +70,15 @@ from statemachine.event_data import EventData, TriggerData
 from statemachine.exceptions import InvalidDefinition
 from statemachine.graph import iterate_states_and_transitions
 from statemachine.orderedset import OrderedSet
+from statemachine.signature import SignatureAdapter
 from statemachine.transition import Transition as DeclaredTransition
 
 from calexec.machines.chart_support import (
     ChartTransitionError,
     GuardRejected,
     IllegalTransition,
+    UnsupportedChart,
+    class_listeners,
 )
 from calexec.machines.guard_expr import holds
 
@@ -78,6 +87,8 @@ if TYPE_CHECKING:  # compiled builds a StatechartRun (lazily), so no import back
 
 _ERROR_EXECUTION = "error.execution"
 _INITIAL = "__initial__"
+#: no event of a processing loop enabled a transition yet (psm's ``_sentinel``)
+_NOTHING = object()
 
 
 class _Step:
@@ -95,6 +106,125 @@ class _Step:
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _Step) and self.state == other.state
+
+
+class _ConfigurationView:
+    """The run's configuration where python-statemachine's ``StateChart`` keeps its own
+    (``machine._config``): ``machine.configuration``, ``configuration_values``,
+    ``current_state_value`` and ``In('id')`` guards read the run's active states."""
+
+    __slots__ = ("_run",)
+
+    def __init__(self, run: StatechartRun) -> None:
+        self._run = weakref.ref(run)  # no cycle: a run goes when its owner lets it go
+
+    @property
+    def run(self) -> StatechartRun:
+        run = self._run()
+        if run is None:
+            raise ReferenceError("the compiled run of this machine is gone")
+        return run
+
+    @property
+    def states(self) -> OrderedSet[State]:
+        return OrderedSet(self.run._config)
+
+    @states.setter
+    def states(self, _: object) -> None:
+        self._refuse()
+
+    @property
+    def values(self) -> OrderedSet[Any]:
+        return OrderedSet(state.value for state in self.run._config)
+
+    @property
+    def value(self) -> Any:
+        values = [state.value for state in self.run._config]
+        if not values:
+            return None
+        return values[0] if len(values) == 1 else OrderedSet(values)
+
+    @value.setter
+    def value(self, _: object) -> None:
+        self._refuse()
+
+    @property
+    def current_state(self) -> Any:
+        states = self.states
+        return next(iter(states)) if len(states) == 1 else states
+
+    def _refuse(self) -> None:
+        raise TypeError(f"{self.run.chart.name}: a callback of a compiled run may not assign "
+                        f"its configuration (send an event)")
+
+
+class UnsupportedSend(UnsupportedChart, InvalidDefinition):
+    """A callback sent a delayed event, which no compiled run follows; an
+    ``InvalidDefinition`` too, so ``StateChart`` semantics raise it from ``send`` rather than
+    turn it into ``error.execution``."""
+
+
+class _EngineView:
+    """What ``machine.send``, ``machine.raise_`` and ``machine.<event>()`` reach from a
+    callback (python-statemachine's engine): the run's queues, as its engine queues them: an
+    internal event joins the macrostep running, an external one waits for it to end."""
+
+    __slots__ = ("_run",)
+
+    def __init__(self, run: StatechartRun) -> None:
+        self._run = weakref.ref(run)  # no cycle: a run goes when its owner lets it go
+
+    @property
+    def run(self) -> StatechartRun:
+        run = self._run()
+        if run is None:
+            raise ReferenceError("the compiled run of this machine is gone")
+        return run
+
+    @property
+    def running(self) -> bool:
+        return self.run.running
+
+    def put(self, trigger: TriggerData, internal: bool = False) -> None:
+        run = self.run
+        delay = getattr(trigger.event, "delay", 0)
+        if delay or trigger.send_id is not None:
+            raise UnsupportedSend(f"{run.chart.name}: a callback's send("
+                                  f"{str(trigger.event)!r}, {'delay' if delay else 'send_id'}"
+                                  f"=...) is not supported by a compiled run (no delayed sends)")
+        if not run.running and not run.allow_event_without_transition:
+            raise IllegalTransition(run.chart.name, run.state, str(trigger.event))
+        (run._internal if internal and run._processing else run._external).append(trigger)
+
+    def processing_loop(self) -> object:
+        return self.run._processing_loop(None)
+
+    def __getattr__(self, name: str) -> Any:
+        raise AttributeError(f"{self.run.chart.name}: a callback of a compiled run reached "
+                             f"machine._engine.{name}, which the run does not offer")
+
+
+def _made_class_listeners(declaration: type[StateChart[Any]], machine: Any,
+                          kwargs: Mapping[str, object]) -> list[object]:
+    """The chart's class-level listeners as python-statemachine's ``__init__`` makes them (a
+    callable entry called, its ``setup(sm, ...)`` given the start's keyword arguments), but
+    those of calexec's tools (``chart_support.class_listeners``)."""
+    made: list[object] = []
+    for entry in class_listeners(declaration):
+        if not callable(entry):
+            made.append(entry)
+            continue
+        instance = entry()
+        setup = getattr(instance, "setup", None)
+        if setup is not None:
+            bound = SignatureAdapter.from_callable(setup).bind_expected(machine, **kwargs)
+            try:
+                setup(*bound.args, **bound.kwargs)
+            except TypeError as err:
+                raise TypeError(f"Error calling setup() on listener {type(instance).__name__}: "
+                                f"{err}") from err
+        made.append(instance)
+    return made
 
 
 def _data(kwargs: dict[str, object]) -> dict[str, Any]:
@@ -131,6 +261,10 @@ class StatechartRun:
         # the chart class forbids assigning state ids; these are not
         object.__setattr__(machine, "model", model)
         object.__setattr__(machine, "state_field", "state")
+        # what a callback reaches through ``machine`` (or ``self``) is this run: its
+        # ``configuration`` (and ``In(...)`` guards), ``send``, ``raise_`` and event calls
+        object.__setattr__(machine, "_config", _ConfigurationView(self))
+        object.__setattr__(machine, "_engine", _EngineView(self))
         self.machine = machine
         self.model = model
         self.allow_event_without_transition = bool(declaration.allow_event_without_transition)
@@ -141,6 +275,9 @@ class StatechartRun:
         self.running = True
         self._config: OrderedSet[State] = OrderedSet()
         self._internal: deque[TriggerData] = deque()
+        #: external events sent by callbacks while a step runs, taken after its macrostep
+        self._external: deque[TriggerData] = deque()
+        self._processing = False
         self._cache: dict[tuple[int, int, int, int], tuple[tuple[Any, ...], dict[str, Any]]] = {}
         self._taken: list[tuple[Any, str]] = []
         self._registry = CallbacksRegistry()
@@ -175,10 +312,12 @@ class StatechartRun:
             return
         if chart.checker is not None:  # contracts enabled: checked as on an instance
             listeners = (*listeners, chart.checker.listener(lambda: self.configuration))
+        # the class-level ``listeners = [...]``, made and set up as an instance makes them
+        owned = _made_class_listeners(declaration, machine, start_kwargs)
         resolvers = Listeners.from_listeners((
             Listener.from_obj(machine, skip_attrs=_protected(declaration)),
             Listener.from_obj(model, skip_attrs={"state"}),
-            *(Listener.from_obj(listener) for listener in listeners),
+            *(Listener.from_obj(listener) for listener in (*owned, *listeners)),
         ))
         resolvers.resolve(declaration._specs, registry=self._registry)
         for visited in iterate_states_and_transitions(declaration.states):
@@ -189,6 +328,14 @@ class StatechartRun:
             except Exception as err:
                 raise InvalidDefinition(
                     f"Error on {visited!s} when resolving callbacks: {err}") from err
+        coroutines = sorted({str(callback) for executor in self._registry._registry.values()
+                             for callback in executor if callback._iscoro})
+        if coroutines:  # the chart's own are refused by ``compile_chart``; these came later
+            raise UnsupportedChart(
+                f"{chart.name}: the compiled form does not support yet: async callback(s) "
+                f"{', '.join(map(repr, coroutines))} of the model or a listener "
+                f"(python-statemachine runs such an instance on its async engine; a compiled "
+                f"run would take their coroutines for answers)")
         self._start(**start_kwargs)
 
     # ---- skeletons: the structure of the chart, for paths (machines/paths.py)
@@ -350,41 +497,63 @@ class StatechartRun:
             transition = DeclaredTransition(State(), state, event=_INITIAL)
             transition._specs.clear()  # type: ignore[no-untyped-call]
             transitions.append(transition)
-        self._enter_states(transitions, trigger, OrderedSet(), OrderedSet())
+        self._processing = True  # an event a callback sends while entering waits its turn
+        try:
+            self._enter_states(transitions, trigger, OrderedSet(), OrderedSet())
+        finally:
+            self._processing = False
         self._processing_loop(None)
 
     def _processing_loop(self, external: TriggerData | None) -> object:
-        sentinel = object()
-        first_result: object = sentinel
+        """Queue ``external`` and take the external queue one event at a time, each after the
+        macrostep before it; within a step (a callback sent it) only queue it, as
+        python-statemachine's loop does. The result is the first taken event's."""
+        if external is not None:
+            self._external.append(external)
+        if self._processing:
+            return None
+        self._processing = True
+        try:
+            return self._loop()
+        finally:
+            self._processing = False
+
+    def _loop(self) -> object:
+        first_result: object = _NOTHING
         took_events = True
         while took_events and self.running:
             self._cache.clear()
             try:
                 took_events = self._run_macrostep()
             except Exception:
-                self._internal.clear()
+                self._clear_queues()
                 self._notify()  # what was taken before the error counts, as on the flat run
                 raise
             self._notify()
             self._check_root_final()
             if not self.running:
                 break
-            if external is None:
+            if not self._external:
                 continue
             self._cache.clear()
             try:
-                result = self._take_external_event(external)
+                result = self._take_external_event(self._external.popleft())
             except Exception:
                 # a transition an ``after`` callback (a broken postcondition or invariant)
                 # raised after was taken: counted and trailed now, as the flat run does
                 self._notify()
                 raise
-            external = None
             self._notify()
-            if first_result is sentinel:
+            if first_result is _NOTHING:
                 first_result = result
             took_events = True
-        return None if first_result is sentinel else first_result
+        if not self.running:
+            self._external.clear()
+        return None if first_result is _NOTHING else first_result
+
+    def _clear_queues(self) -> None:
+        self._internal.clear()
+        self._external.clear()
 
     def _check_root_final(self) -> None:
         state, self._root_parallel_pending = self._root_parallel_pending, None
@@ -445,11 +614,11 @@ class StatechartRun:
             if not self.allow_event_without_transition:
                 self._internal.clear()
                 raise self._refusal(str(trigger.event))
-            return None
+            return _NOTHING  # a later queued event's result is the send's, as in psm
         try:
             return self._microstep(list(enabled), trigger)
         except Exception:
-            self._internal.clear()
+            self._clear_queues()
             raise
 
     def _refusal(self, event: str) -> ChartTransitionError:

@@ -14,7 +14,10 @@ The charts cover: compound states with an initial child, a parallel state with t
 shallow and deep history, final states and the ``done.state.<id>`` events of compound and
 parallel states, transitions from ancestors, eventless transitions, guards as names, ``unless``,
 boolean expressions and callables, validators raising, ``error.execution`` from a raising
-action (``StateChart``) and the same error raised to the caller (``StateMachine``).
+action (``StateChart``) and the same error raised to the caller (``StateMachine``); callbacks
+that reach the machine (``In('id')`` guards, ``raise_``/``send``/an event method from an
+action, ``machine.configuration``, ``event_data``), an event of several ids and a transition
+bound to two events, class-level listeners.
 
 Size: ``CALEXEC_HIER_EXAMPLES`` examples per chart (default 60: a few seconds), sequences of up
 to 30 events; a longer run: ``CALEXEC_HIER_EXAMPLES=5000``.
@@ -27,7 +30,7 @@ import os
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from statemachine import HistoryState, State, StateChart, StateMachine
+from statemachine import Event, HistoryState, State, StateChart, StateMachine
 from statemachine.exceptions import TransitionNotAllowed
 
 from calexec.machines.compiled import (
@@ -246,7 +249,79 @@ class Faulty(StateMachine):
         model.log.append(("exit", state.id))
 
 
-CHARTS = [Player, Checkout, Faulty]
+class Audit:
+    """A class-level listener: made and set up per instance, answering a guard and logging."""
+
+    def setup(self, sm: StateChart) -> None:
+        self.chart = type(sm).__name__
+
+    def belt_ok(self, model: Recorder, amount: int = 0) -> bool:
+        model.log.append(("audit belt_ok", self.chart, amount))
+        return amount != 2
+
+    def after_transition(self, model: Recorder, event: str, source: State) -> None:
+        model.log.append(("audit after", str(event), source.id))
+
+
+class Relay(StateChart):
+    """Callbacks that reach the machine: ``In('id')`` guards, ``raise_`` (the internal queue:
+    within the macrostep), ``send`` and an event called as a method (the external queue: after
+    it), ``machine.configuration`` read from a callback, ``event_data`` injected; an event
+    of several ids and a transition bound to two events; a class-level listener."""
+
+    listeners = [Audit]
+
+    class line(State.Parallel):
+        class feed(State.Compound):
+            waiting = State(initial=True)
+            loaded = State()
+            jammed = State()
+            load = waiting.to(loaded, on="announce")
+            jam = loaded.to(jammed, cond="In('running')")
+            clear = jammed.to(waiting, event="clear reset")
+
+        class motor(State.Compound):
+            stopped = State(initial=True)
+            running = State()
+            spin = Event(stopped.to(running, cond="In('loaded') or flag_set"), id="spin go")
+            halt = running.to(stopped, cond="belt_ok")
+
+    idle = State(initial=True)
+    power = idle.to(line, on="chain") | line.to(idle)
+    ping = line.to.itself(internal=True, on="relay_ping")
+    pong = line.to.itself(internal=True, on="note_pong")
+
+    def flag_set(self, flag: bool = False) -> bool:
+        return flag
+
+    def chain(self, model: Recorder, flag: bool = False) -> str:
+        model.log.append(("chain", flag))
+        if flag:
+            self.raise_("spin", amount=7, flag=True)  # internal: taken within this macrostep
+        return "chained"
+
+    def announce(self, model: Recorder, machine: StateChart, event_data: object,
+                 amount: int = 0) -> None:
+        model.log.append(("announce", str(event_data.event),  # type: ignore[attr-defined]
+                          _ids(machine.configuration), amount))
+        if amount > 3:
+            self.send("halt")  # external: after this macrostep
+            self.ping(amount=amount)
+
+    def relay_ping(self, model: Recorder, amount: int = 0) -> str:
+        model.log.append(("ping", amount, _ids(self.configuration)))
+        if amount % 2:
+            self.raise_("pong", amount=amount + 1)
+        return "pinged"
+
+    def note_pong(self, model: Recorder, amount: int = 0) -> None:
+        model.log.append(("pong", amount))
+
+    def on_enter_state(self, model: Recorder, state: State, event: str, amount: int = 0) -> None:
+        model.log.append(("enter", state.id, str(event), amount))
+
+
+CHARTS = [Player, Checkout, Faulty, Relay]
 
 #: sequences every run checks besides the random ones: the ones where deep and shallow history
 #: differ, done events, error.execution, a validator raising, a rolled-back action error
@@ -268,6 +343,11 @@ SCENARIOS: dict[type[StateChart], list[list[tuple[str, int, bool]]]] = {
         [("start", 0, False), ("checkout", -1, False), ("checkout", -1, True),
          ("authorise", 5, True)],  # unless expression; eventless transition after the refund
     ],
+    Relay: [
+        [("power", 0, True), ("load", 5, False), ("jam", 0, False), ("reset", 0, False)],
+        [("power", 0, False), ("load", 1, False), ("go", 0, False), ("jam", 0, False),
+         ("clear", 0, False), ("ping", 3, False), ("power", 0, False)],
+    ],
     Faulty: [
         [("go", 0, False), ("heat", 0, False), ("cool", 0, True), ("light", 0, False),
          ("stop", 0, False), ("resume", 0, False)],  # rolled back, then shallow history
@@ -287,7 +367,8 @@ def _outcome(target: object, event: str, amount: int, flag: bool) -> tuple[objec
 
 
 def events_for(chart: type[StateChart]) -> st.SearchStrategy[tuple[str, int, bool]]:
-    names = sorted({str(e) for e in chart.events} - {"error_execution", "done_state_video"})
+    names = sorted({i for e in chart.events for i in e.id.split()}  # each id of an event
+                   | {str(e) for e in chart.events} - {"error_execution", "done_state_video"})
     return st.tuples(st.sampled_from([*names, "not_an_event"]), st.integers(-2, 5),
                      st.booleans())
 

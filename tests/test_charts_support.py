@@ -11,13 +11,15 @@ from types import SimpleNamespace
 
 import pytest
 from statemachine import Event, HistoryState, State, StateChart, StateMachine
+from statemachine.exceptions import TransitionNotAllowed
 
 from calexec.cli import main as cli
 from calexec.machines import diagrams, mutants
 from calexec.machines.chart_support import UnsupportedChart, actions, hierarchical, unsupported
-from calexec.machines.compiled import compile_chart
+from calexec.machines.compiled import ChartTransitionError, compile_chart, compiled
 from calexec.machines.coverage import TransitionRecorder, track
 from calexec.machines.paths import transition_paths
+from calexec.machines.statechart_run import StatechartRun
 
 
 class Compound(StateChart):
@@ -231,3 +233,120 @@ def test_two_states_of_one_id_are_refused_naming_the_id_and_their_parents():
     with pytest.raises(UnsupportedChart) as refused:
         compile_chart(TwoIdles)
     assert all(n in str(refused.value) for n in named), refused.value
+
+
+class Kicker(StateChart):
+    """Callbacks that reach the machine (the differential test proves the rest equal)."""
+
+    idle = State(initial=True)
+    busy = State()
+    done = State(final=True)
+    kick = idle.to(busy, cond="not In('done')")
+    finish = busy.to(done)
+
+    def on_enter_busy(self, later: bool = False) -> None:
+        if later:
+            self.send("finish", delay=50)
+        else:
+            self.raise_("finish")
+
+
+def test_a_callback_s_events_and_in_guards_are_the_run_s_and_a_delayed_send_is_refused():
+    """The general run's ``machine`` had no configuration and no engine: ``In('done')`` and
+    ``self.raise_(...)`` raised AttributeError, which StateChart semantics turned into
+    ``error.execution``, so the run silently stayed in ``idle``/``busy``."""
+    chart = compile_chart(Kicker)
+    run = chart.run(None)
+    run.send("kick")
+    real = Kicker()
+    real.send("kick")
+    assert run.configuration == tuple(real.configuration_values) == ("done",) and run.final
+    run = chart.run(None)
+    with pytest.raises(UnsupportedChart, match=r"^Kicker: a callback's send\('finish', delay="):
+        run.send("kick", later=True)
+
+
+class Gate(StateChart):
+    shut = State(initial=True)
+    open = State()
+    lift = shut.to(open, cond="cleared") | open.to(shut)
+
+
+class AsyncModel:
+    async def cleared(self) -> bool:
+        return False
+
+    async def on_enter_open(self) -> None: ...
+
+
+class AsyncListener:
+    async def after_transition(self) -> None: ...
+
+
+def test_async_callbacks_of_the_model_or_a_listener_are_refused_naming_them():
+    """An async guard on the model (``cond="cleared"``) was called and its coroutine taken for
+    True: the run opened a gate python-statemachine keeps shut (a RuntimeWarning the only
+    sign); the chart's own async callbacks were already refused at compile time."""
+    chart = compile_chart(Gate)
+    with pytest.raises(UnsupportedChart, match=r"^Gate: the compiled form does not support yet: "
+                       r"async callback\(s\) 'cleared', 'on_enter_open' of the model"):
+        chart.run(AsyncModel())
+    with pytest.raises(UnsupportedChart, match=r"'after_transition' of the model or a listener"):
+        StatechartRun(chart, SimpleNamespace(cleared=lambda: True), listeners=[AsyncListener()])
+    assert chart.run(SimpleNamespace(cleared=lambda: True)).send("lift") is None
+
+    class FlatGate(StateMachine):  # the flat fast path asks the model itself
+        shut = State(initial=True)
+        open = State()
+        lift = shut.to(open, cond="cleared") | open.to(shut)
+
+    flat = compile_chart(FlatGate)
+    assert not flat.general
+    with pytest.raises(UnsupportedChart, match=r"^FlatGate: .* async guard\(s\) 'cleared' of"):
+        flat.run(AsyncModel())
+
+
+class Doorman:
+    """A class-level listener answering the chart's guard."""
+
+    def setup(self, sm: StateChart, badge: str = "") -> None:
+        self.badge = badge
+
+    def has_badge(self) -> bool:
+        return self.badge == "staff"
+
+
+class StaffDoor(StateMachine):
+    listeners = [Doorman]
+    closed = State(initial=True)
+    open = State()
+    enter = closed.to(open, cond="has_badge") | open.to(closed)
+
+
+def test_class_level_listeners_are_attached_as_an_instance_attaches_them():
+    """A flat chart whose guard a class-level listener answers was run by the flat fast path,
+    which asks the model only (AttributeError: no ``has_badge``), and the general run did not
+    attach class-level listeners at all (their callbacks silently not called)."""
+    chart = compile_chart(StaffDoor)
+    assert "class-level listener 'Doorman'" in chart.general
+    run = StatechartRun(chart, None, badge="visitor")
+    real = StaffDoor(badge="visitor")
+    with pytest.raises(ChartTransitionError, match="rejected by guard"):
+        run.send("enter")
+    with pytest.raises(TransitionNotAllowed):
+        real.send("enter")
+    run, real = StatechartRun(chart, None, badge="staff"), StaffDoor(badge="staff")
+    run.send("enter")
+    real.send("enter")
+    assert run.configuration == tuple(real.configuration_values) == ("open",)
+    recorder = TransitionRecorder()
+    undo = track(StaffDoor, recorder)  # coverage's own class-level listener is not the chart's
+    try:
+        assert compile_chart(StaffDoor).general == chart.general
+        assert [type(x).__name__ for x in StaffDoor._class_listeners] == [
+            "type", "TransitionListener"]
+        run = StatechartRun(compiled(StaffDoor), None, badge="staff")
+        run.send("enter")
+        assert compiled(StaffDoor).taken == [1, 0]  # once: the run did not also hear itself
+    finally:
+        undo()
