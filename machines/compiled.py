@@ -135,6 +135,9 @@ class CompiledChart:
     #: None (production), or what checks the chart's contracts around every transition a run
     #: takes (``chart_contracts.enable_contracts`` sets it; ``send`` then pays one more test)
     checker: TransitionChecker | None = attrs.field(default=None, repr=False, eq=False)
+    #: model class -> the guards it answers with a coroutine function (``run`` refuses them):
+    #: looked up once per class, since ``run`` is on the executor's per-job path
+    async_guards: dict[type, tuple[str, ...]] = attrs.field(factory=dict, repr=False, eq=False)
 
     def record_of(self, transition: Any, event: object) -> Transition | None:
         """The record of ``transition`` (a python-statemachine ``Transition`` of the
@@ -180,8 +183,18 @@ class CompiledChart:
             from calexec.machines.statechart_run import StatechartRun  # imports this module
 
             return StatechartRun(self, model)  # type: ignore[return-value]
-        coroutines = [name for name in sorted(self.guard_names)
-                      if inspect.iscoroutinefunction(getattr(model, name, None))]
+        cls = type(model)
+        coroutines = self.async_guards.get(cls)
+        if coroutines is None:  # once per model class (a racing thread computes the same)
+            coroutines = self.async_guards[cls] = tuple(
+                name for name in sorted(self.guard_names)
+                if inspect.iscoroutinefunction(getattr(cls, name, None)))
+        own = getattr(model, "__dict__", None)
+        if own:  # a guard set on the instance itself
+            extra = [name for name in self.guard_names
+                     if name in own and inspect.iscoroutinefunction(own[name])]
+            if extra:
+                coroutines = tuple(sorted({*coroutines, *extra}))
         if coroutines:  # the flat run calls a guard and takes its coroutine for True
             raise UnsupportedChart(
                 f"{self.name}: the compiled form does not support yet: async guard(s) "

@@ -304,6 +304,17 @@ def test_async_callbacks_of_the_model_or_a_listener_are_refused_naming_them():
     assert not flat.general
     with pytest.raises(UnsupportedChart, match=r"^FlatGate: .* async guard\(s\) 'cleared' of"):
         flat.run(AsyncModel())
+    # looked up once per model class (the executor makes a run per job), so a second model of
+    # the class is refused as the first, and an async guard set on one instance is still seen
+    with pytest.raises(UnsupportedChart, match=r"'cleared'"):
+        flat.run(AsyncModel())
+
+    async def cleared() -> bool:
+        return False
+
+    assert flat.run(SimpleNamespace(cleared=lambda: True)).send("lift") == "open"
+    with pytest.raises(UnsupportedChart, match=r"async guard\(s\) 'cleared' of the model"):
+        flat.run(SimpleNamespace(cleared=cleared))
 
 
 class Doorman:
