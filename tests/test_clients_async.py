@@ -1,0 +1,92 @@
+"""Real clients in their async, streaming and cancelling modes (branch asyncsweep): the
+official ``openai`` SDK's ``AsyncOpenAI`` (the [test] extra's, pinned in constraints.txt),
+unmodified, against a loopback server on the synthetic model. Requests run concurrently
+(``asyncio.gather``), tasks are cancelled in the middle of a stream, streams are broken out
+of; after each, the server holds nothing (no request active, every sequence id free, no
+release pending) and later answers still equal the numpy oracle's greedy tokens. Also the
+context's edge as clients meet it: a chat request that sends no ``max_tokens`` (LangChain's
+``ChatOpenAI`` and the SDK send none by default) with a long conversation.
+
+Client timeout: 30 s, no retries; every wait is bounded."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+
+from calexec.drivers.serving import byte_tokenizer as tokenizer
+from test_server_support import MODEL, openai_server, oracle_tokens, wait_for
+
+TIMEOUT_S = 30.0
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    with openai_server(tmp_path_factory.mktemp("calbin"), timeout=TIMEOUT_S) as (server, sdk,
+                                                                                service):
+        yield server, sdk, service
+
+
+def _async_client(server) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
+                              timeout=TIMEOUT_S)
+
+
+def _chat_prompt(content: str) -> list[int]:
+    """The prompt the plain template renders for one user message (byte-level ids)."""
+    return tokenizer.encode(f"user: {content}\nassistant:")
+
+
+def _max_seq(server) -> int:
+    card = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]
+    return int(card["max_model_len"])
+
+
+def _idle(service) -> bool:
+    return (service.active == 0 and service.sequences.in_use == 0
+            and service.releases_pending == 0)
+
+
+def _run(coro):
+    return asyncio.run(asyncio.wait_for(coro, TIMEOUT_S * 2))
+
+
+# ---- the context's edge ------------------------------------------------------------------------
+@pytest.mark.parametrize("sent", [{}, {"max_tokens": None}, {"max_completion_tokens": None}],
+                         ids=["absent", "max_tokens-null", "max_completion_tokens-null"])
+def test_a_chat_without_max_tokens_gets_what_the_context_leaves(served, sent):
+    """A chat body without ``max_tokens`` (or with null: the SDK's and LangChain's default)
+    whose messages leave fewer than the default 256 tokens of context was refused with a 400
+    ``context_length_exceeded`` blaming ``max_tokens=256``, a number the client never sent:
+    a long conversation that fits failed. As vLLM and OpenAI do, the default is what the
+    context leaves (at most 256 here): the reply runs to the context's end, ``length``."""
+    server, client, service = served
+    max_seq = _max_seq(server)
+    content = "x" * (max_seq - len(_chat_prompt("")) - 3)  # leaves 3 tokens of context
+    prompt = _chat_prompt(content)
+    assert max_seq - len(prompt) == 3
+    reply = client.chat.completions.create(model=MODEL, temperature=0, **sent,
+                                           messages=[{"role": "user", "content": content}])
+    choice = reply.choices[0]
+    assert choice.finish_reason == "length"
+    assert reply.usage is not None and reply.usage.completion_tokens == 3
+    assert reply.usage.prompt_tokens == len(prompt)
+    assert choice.message.content == tokenizer.decode(oracle_tokens(prompt, 3))
+    wait_for(lambda: _idle(service), what="the long request released")
+
+
+def test_a_chat_max_tokens_given_over_the_context_is_still_refused_naming_it(served):
+    """Only the server's default is cut to the context: a ``max_tokens`` the client gave that
+    does not fit is still a 400 naming ``max_tokens`` (as before; OpenAI and vLLM do too)."""
+    server, client, _ = served
+    max_seq = _max_seq(server)
+    content = "x" * (max_seq - len(_chat_prompt("")) - 3)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, temperature=0, max_tokens=4,
+                                       messages=[{"role": "user", "content": content}])
+    error = caught.value.body
+    assert isinstance(error, dict), error
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "max_tokens"), error
