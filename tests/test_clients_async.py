@@ -78,6 +78,27 @@ def test_a_chat_without_max_tokens_gets_what_the_context_leaves(served, sent):
     wait_for(lambda: _idle(service), what="the long request released")
 
 
+def test_a_chat_whose_messages_fill_the_context_names_the_messages(served):
+    """Messages that leave no room for a reply (exactly the context, or more) are the
+    client's to shorten: the 400 ``context_length_exceeded`` names ``messages`` (the chat
+    body has no ``prompt`` field: OpenAI names ``messages`` there; it named ``prompt`` when
+    the body gave ``max_tokens``), never the ``max_tokens`` the client did not send."""
+    server, client, _ = served
+    max_seq = _max_seq(server)
+    for extra, given in ((0, {}), (5, {}), (5, {"max_tokens": 4}), (5, {"n": 2}),
+                         (5, {"max_tokens": 4, "n": 2, "stream": True})):
+        content = "x" * (max_seq - len(_chat_prompt("")) + extra)
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model=MODEL, temperature=0, **given,
+                                           messages=[{"role": "user", "content": content}])
+        error = caught.value.body
+        assert isinstance(error, dict), error
+        assert (error["code"], error["param"]) == ("context_length_exceeded", "messages"), error
+        assert error["message"].startswith(
+            f"This model's maximum context length is {max_seq} tokens. However, "), error
+        assert "max_tokens" not in error["message"], error
+
+
 def test_a_chat_max_tokens_given_over_the_context_is_still_refused_naming_it(served):
     """Only the server's default is cut to the context: a ``max_tokens`` the client gave that
     does not fit is still a 400 naming ``max_tokens`` (as before; OpenAI and vLLM do too)."""

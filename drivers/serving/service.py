@@ -246,6 +246,9 @@ class Admission:
     #: the request's ``n`` on the first choice of each prompt (vLLM's ``request_params_n``
     #: counts it once per prompt); None on the other choices
     n_param: int | None = 1
+    #: the body's field a refusal of the prompt names (chat: ``messages``, whose rendering
+    #: the prompt is; the chat body has no ``prompt``)
+    prompt_param: str = "prompt"
 
 
 class SequencePool:
@@ -630,16 +633,16 @@ class CompletionService:
         max_seq = generation.submodels[TaskKind.DECODE].max_seq
         prompt = self.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else body.prompt
         if not prompt:
-            return None, invalid("prompt is empty"), "prompt"
+            return None, invalid("prompt is empty"), body.prompt_param
         bad = next((i for i, t in enumerate(prompt) if not 0 <= t < vocab), None)
         if bad is not None:
             return None, invalid(f"prompt[{bad}]={prompt[bad]} outside the vocabulary "
-                                  f"[0, {vocab})"), "prompt"
+                                  f"[0, {vocab})"), body.prompt_param
         if len(prompt) > max_seq:  # phrased as OpenAI and vLLM do: clients look for it
             return None, context_exceeded(
                 f"This model's maximum context length is {max_seq} tokens. However, your "
                 f"request has {len(prompt)} input tokens. Please reduce the length of the "
-                "prompt or messages."), "prompt"
+                "prompt or messages."), body.prompt_param
         if len(prompt) + body.max_tokens > max_seq:
             return None, context_exceeded(
                 f"This model's maximum context length is {max_seq} tokens. However, you "
