@@ -111,3 +111,41 @@ def test_a_chat_max_tokens_given_over_the_context_is_still_refused_naming_it(ser
     error = caught.value.body
     assert isinstance(error, dict), error
     assert (error["code"], error["param"]) == ("context_length_exceeded", "max_tokens"), error
+
+
+# ---- a timeout as the async SDK reads it -------------------------------------------------------
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_request_of_several_choices_past_its_timeout_names_the_timeout_it_gave(served,
+                                                                                  stream):
+    """A request of several choices (``n`` > 1, a prompt list) whose ``timeout`` ran out was
+    told ``request timeout=0.499873 s passed``: each choice's run was admitted with the time
+    left of the request's deadline, and the message named that, not the ``timeout`` the
+    client gave (a single choice names it, test_server_stream2.py). The message names the
+    request's timeout; the deadline is still the request's, shared by its choices."""
+    server, _, service = served
+
+    async def ask(**body):
+        client = _async_client(server)
+        try:
+            if not stream:
+                await client.completions.create(model=MODEL, max_tokens=30000, **body)
+                return None
+            chunks = await client.completions.create(model=MODEL, max_tokens=30000,
+                                                     stream=True, **body)
+            async for _ in chunks:
+                pass
+            return None
+        except openai.APIError as err:
+            return err
+        finally:
+            await client.close()
+
+    for body in ({"prompt": "x", "n": 2}, {"prompt": ["x", "y"]}, {"prompt": ["x"], "n": 3}):
+        err = _run(ask(**body, extra_body={"timeout": 0.5}))
+        assert err is not None, body
+        if not stream:
+            assert isinstance(err, openai.APIStatusError) and err.status_code == 504, err
+        error = err.body  # the body's "error" object, as the SDK hands it over
+        assert isinstance(error, dict) and error["code"].endswith(".deadline"), (body, error)
+        assert error["message"].startswith("request timeout=0.5 s passed after "), (body, err)
+        wait_for(lambda: _idle(service), what="the timed-out choices released")

@@ -1279,8 +1279,8 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         """Choice ``k`` of a request of several (``_generate_many``): its chunks go to
         ``state.events`` (streamed), its choice to ``state.results`` (not streamed); a
         failure goes to ``state.failure`` and cancels the request's other choices."""
-        remaining = max(deadline - time.monotonic(), 1e-3)
-        run, status, param = service.admit(attrs.evolve(admission, timeout=remaining))
+        # the request's deadline (its timeout kept for the messages that name it)
+        run, status, param = service.admit(attrs.evolve(admission, deadline=deadline))
         if run is None:
             state.fail(status, param, counted=False)
             scope.cancel()

@@ -249,6 +249,9 @@ class Admission:
     #: the body's field a refusal of the prompt names (chat: ``messages``, whose rendering
     #: the prompt is; the chat body has no ``prompt``)
     prompt_param: str = "prompt"
+    #: the absolute deadline (``time.monotonic()``) of the request this run is a choice of
+    #: (its choices share it); None: ``timeout`` from admission
+    deadline: float | None = None
 
 
 class SequencePool:
@@ -341,6 +344,9 @@ class RequestRun:
     first_token_host: float | None = None
     last_token_at: float | None = None
     n_param: int | None = 1
+    #: the request's timeout in seconds (the body's, or the server's default): a deadline
+    #: error names it (None: the run's own, ``deadline - started``)
+    timeout: float | None = None
     #: model generation of the request's jobs (its KV lives in that generation's KvManager)
     generation_id: int | None = None
     #: how tokens are chosen (drivers/serving/sampling.py); logprobs of each token when asked for
@@ -459,8 +465,9 @@ def _told_as_timeout(run: RequestRun, status: Status) -> Status:
     that step ("queue deadline passed before infer()", ...) follow in parentheses."""
     if status.category is not Category.DEADLINE or status.message.startswith(_TIMEOUT_TOLD):
         return status
+    told = run.deadline - run.started if run.timeout is None else run.timeout
     return attrs.evolve(status, message=(
-        f"{_TIMEOUT_TOLD}{run.deadline - run.started:g} s passed after {len(run.tokens)} "
+        f"{_TIMEOUT_TOLD}{told:g} s passed after {len(run.tokens)} "
         f"generated tokens (the body's timeout, or the server's --timeout; "
         f"{status.message})"))
 
@@ -671,11 +678,13 @@ class CompletionService:
         if isinstance(got, Status):
             return None, got, None
         now = time.monotonic()
+        deadline = now + timeout if body.deadline is None else body.deadline
         run = RequestRun(next(self._ids), got if isinstance(got, int) else None, list(prompt),
-                         body.max_tokens, now + timeout, now, body.sse,
+                         body.max_tokens, deadline, now, body.sse,
                          np.empty(vocab, dtype=np.float32),
                          waiter=None if isinstance(got, int) else got,
-                         prompt_top=body.prompt_logprobs, n_param=body.n_param)
+                         prompt_top=body.prompt_logprobs, n_param=body.n_param,
+                         timeout=timeout)
         if isinstance(got, int):
             run.scheduled_at = now
         self.active += 1
