@@ -149,3 +149,26 @@ def test_a_request_of_several_choices_past_its_timeout_names_the_timeout_it_gave
         assert isinstance(error, dict) and error["code"].endswith(".deadline"), (body, error)
         assert error["message"].startswith("request timeout=0.5 s passed after "), (body, err)
         wait_for(lambda: _idle(service), what="the timed-out choices released")
+
+
+# ---- stream_options -----------------------------------------------------------------------------
+@pytest.mark.parametrize("options", [{"include_usage": None}, {"include_obfuscation": None},
+                                     {"continuous_usage_stats": None},
+                                     {"include_usage": None, "include_obfuscation": None}])
+def test_stream_options_whose_values_are_null_mean_their_defaults(served, options):
+    """``null`` for an optional field means its default (docs/server.md), inside
+    ``stream_options`` too (a client serialising a model with unset fields sends them so;
+    vLLM's ``StreamOptions`` declares them optional): ``{"include_usage": null}`` was a 400
+    "must be a boolean". It streams as ``{}`` does: no usage chunk."""
+    server, client, _ = served
+    chunks = list(client.completions.create(model=MODEL, prompt="abc", max_tokens=3,
+                                            stream=True, stream_options=options))
+    assert [c.usage for c in chunks] == [None] * len(chunks)
+    text = "".join(choice.text for c in chunks for choice in c.choices)
+    assert text == tokenizer.decode(oracle_tokens(tokenizer.encode("abc"), 3))
+    for wrong in (0, 1, "true"):  # still no boolean: refused naming the options
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.completions.create(model=MODEL, prompt="abc", max_tokens=3, stream=True,
+                                      stream_options={**options, "include_usage": wrong})
+        assert isinstance(caught.value.body, dict), caught.value
+        assert caught.value.body["param"] == "stream_options", caught.value.body

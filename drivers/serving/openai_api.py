@@ -389,7 +389,9 @@ def refusal(body: _Body) -> None:
             raise Refusal(invalid("stream_options.continuous_usage_stats: not supported"),
                           "stream_options")
         for key in ("include_usage", "include_obfuscation"):  # no obfuscation is added
-            if not isinstance(body.stream_options.get(key, False), bool):
+            # null: the option's default (false), as for a field of the body
+            if body.stream_options.get(key) is not None \
+                    and not isinstance(body.stream_options[key], bool):
                 raise Refusal(invalid(f"stream_options.{key}: must be a boolean"),
                               "stream_options")
 
