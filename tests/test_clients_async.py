@@ -54,6 +54,184 @@ def _run(coro):
     return asyncio.run(asyncio.wait_for(coro, TIMEOUT_S * 2))
 
 
+# ---- AsyncOpenAI: concurrency, cancelling, response wrappers ----------------------------------
+def _completion_answer(prompt: str, n: int) -> str:
+    return tokenizer.decode(oracle_tokens(tokenizer.encode(prompt), n))
+
+
+def _oracle_check(server) -> None:
+    """A request after the others still answers the oracle's greedy tokens."""
+    async def ask() -> str:
+        client = _async_client(server)
+        try:
+            done = await client.completions.create(model=MODEL, prompt="after", max_tokens=6)
+            return done.choices[0].text
+        finally:
+            await client.close()
+    assert _run(ask()) == _completion_answer("after", 6)
+
+
+def test_concurrent_async_requests_each_answer_the_oracle(served):
+    """24 requests at once through one ``AsyncOpenAI`` (``asyncio.gather``): completions and
+    chats, whole and streamed, one prompt each; every answer is its own prompt's greedy
+    continuation (no answer crosses to another request), and the server is idle after."""
+    server, _, service = served
+
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, str]:
+        text = f"question {i}"
+        if i % 2:  # chat
+            body = {"messages": [{"role": "user", "content": text}], "max_tokens": 5}
+            expected = tokenizer.decode(oracle_tokens(_chat_prompt(text), 5))
+            if i % 4 == 1:
+                whole = await client.chat.completions.create(model=MODEL, **body)
+                return whole.choices[0].message.content or "", expected
+            stream = await client.chat.completions.create(model=MODEL, stream=True, **body)
+            return "".join([c.choices[0].delta.content or "" async for c in stream
+                            if c.choices]), expected
+        expected = _completion_answer(text, 5)
+        if i % 4 == 0:
+            whole = await client.completions.create(model=MODEL, prompt=text, max_tokens=5)
+            return whole.choices[0].text, expected
+        stream = await client.completions.create(model=MODEL, prompt=text, max_tokens=5,
+                                                 stream=True)
+        return "".join([c.choices[0].text async for c in stream if c.choices]), expected
+
+    async def all_of_them() -> list[tuple[str, str]]:
+        client = _async_client(server)
+        try:
+            return await asyncio.gather(*(one(client, i) for i in range(24)))
+        finally:
+            await client.close()
+
+    for got, expected in _run(all_of_them()):
+        assert got == expected
+    wait_for(lambda: _idle(service), what="every request released")
+
+
+@pytest.mark.parametrize("how", ["break", "cancel-stream", "cancel-whole", "cancel-n3-stream",
+                                 "cancel-n3-whole"])
+def test_an_async_client_that_gives_up_mid_generation_frees_everything(served, how):
+    """A client that breaks out of ``async for`` (closing the stream), or whose task is
+    cancelled mid-stream or while a whole answer (one choice or three) is being generated:
+    the server stops the generation and gives back every sequence id well before the
+    30000 tokens asked for could be generated (the wait is bounded), and the next answer is
+    still the oracle's."""
+    server, _, service = served
+    n = 3 if "n3" in how else 1
+
+    async def give_up() -> None:
+        client = _async_client(server)
+        try:
+            body = {"model": MODEL, "prompt": "long", "max_tokens": 30000, "n": n}
+            if how == "break":
+                stream = await client.completions.create(stream=True, **body)
+                async with stream:
+                    seen = 0
+                    async for _ in stream:
+                        seen += 1
+                        if seen == 5:
+                            break
+                return
+            if how.endswith("stream"):
+                started = asyncio.Event()
+
+                async def read() -> None:
+                    stream = await client.completions.create(stream=True, **body)
+                    async for _ in stream:
+                        started.set()
+                task = asyncio.create_task(read())
+                await asyncio.wait_for(started.wait(), TIMEOUT_S)
+            else:
+                task = asyncio.create_task(client.completions.create(**body))
+                for _ in range(int(TIMEOUT_S / 0.01)):  # bounded: until it generates
+                    if service.active == n:
+                        break
+                    await asyncio.sleep(0.01)
+                assert service.active == n
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        finally:
+            await client.close()
+
+    _run(give_up())
+    wait_for(lambda: _idle(service), timeout=15.0, what=f"the server idle after {how}")
+    counts = service.sequences.counts()
+    assert counts["free"] == counts["capacity"], counts
+    _oracle_check(server)
+
+
+def test_streaming_and_raw_response_wrappers(served):
+    """``with_streaming_response`` (the SSE lines as they come, headers first) and
+    ``with_raw_response`` (headers, then ``parse()``) of the async SDK, on completions and
+    chat: the content types the SDK decides by, and the parsed answers are the oracle's."""
+    server, _, _ = served
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "raw"}], "max_tokens": 4}
+
+    async def go() -> None:
+        client = _async_client(server)
+        try:
+            async with client.chat.completions.with_streaming_response.create(
+                    stream=True, **chat) as response:
+                assert response.headers["content-type"].startswith("text/event-stream")
+                lines = [line async for line in response.iter_lines() if line]
+            assert lines[-1] == "data: [DONE]"
+            assert all(line.startswith("data: ") for line in lines), lines
+            async with client.chat.completions.with_streaming_response.create(**chat) as response:
+                assert response.headers["content-type"] == "application/json"
+                whole = await response.parse()
+            assert whole.choices[0].message.content == tokenizer.decode(
+                oracle_tokens(_chat_prompt("raw"), 4))
+            raw = await client.completions.with_raw_response.create(model=MODEL, prompt="raw",
+                                                                    max_tokens=4)
+            assert raw.http_response.status_code == 200
+            assert raw.headers["content-type"] == "application/json"
+            assert raw.parse().choices[0].text == _completion_answer("raw", 4)
+        finally:
+            await client.close()
+    _run(go())
+
+
+@pytest.mark.parametrize("temperature", [0, 0.9])
+def test_an_async_n3_stream_with_logprobs_is_the_whole_answer(served, temperature):
+    """``n=3`` + ``stream`` + ``logprobs`` (+ usage) through the async SDK, seeded: each
+    choice's streamed text, log-probabilities and finish reason are those of the same request
+    answered whole, and the usage chunk counts the three choices' tokens."""
+    server, _, _ = served
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "three"}],
+            "max_tokens": 5, "n": 3, "seed": 11, "temperature": temperature,
+            "logprobs": True, "top_logprobs": 2}
+
+    async def go():
+        client = _async_client(server)
+        try:
+            whole = await client.chat.completions.create(**body)
+            stream = await client.chat.completions.create(
+                stream=True, stream_options={"include_usage": True}, **body)
+            got: dict[int, list] = {}
+            usage = None
+            async for chunk in stream:
+                usage = chunk.usage or usage
+                for choice in chunk.choices:
+                    entry = got.setdefault(choice.index, ["", [], None])
+                    entry[0] += choice.delta.content or ""
+                    if choice.logprobs and choice.logprobs.content:
+                        entry[1] += [(e.token, e.logprob) for e in choice.logprobs.content]
+                    entry[2] = choice.finish_reason or entry[2]
+            return whole, got, usage
+        finally:
+            await client.close()
+
+    whole, got, usage = _run(go())
+    assert sorted(got) == [0, 1, 2]
+    for choice in whole.choices:
+        expected = [choice.message.content,
+                    [(e.token, e.logprob) for e in choice.logprobs.content],
+                    choice.finish_reason]
+        assert got[choice.index] == expected
+    assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens == 15
+
+
 # ---- the context's edge ------------------------------------------------------------------------
 @pytest.mark.parametrize("sent", [{}, {"max_tokens": None}, {"max_completion_tokens": None}],
                          ids=["absent", "max_tokens-null", "max_completion_tokens-null"])
