@@ -291,6 +291,26 @@ def test_a_chat_max_tokens_given_over_the_context_is_still_refused_naming_it(ser
     assert (error["code"], error["param"]) == ("context_length_exceeded", "max_tokens"), error
 
 
+
+def test_a_chat_max_completion_tokens_over_the_context_is_refused_naming_that_field(served):
+    """The SDK's current field and what LangChain's ``ChatOpenAI(max_tokens=...)`` sends:
+    ``max_completion_tokens``. One that does not fit the context was refused naming
+    ``max_tokens`` ("max_tokens=4 for the completion"), a field the body did not have; the
+    refusal names the field the body gave."""
+    server, client, _ = served
+    max_seq = _max_seq(server)
+    content = "x" * (max_seq - len(_chat_prompt("")) - 3)
+    for n in (1, 2):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model=MODEL, temperature=0, max_completion_tokens=4,
+                                           n=n, messages=[{"role": "user", "content": content}])
+        error = caught.value.body
+        assert isinstance(error, dict), error
+        assert (error["code"], error["param"]) == ("context_length_exceeded",
+                                                   "max_completion_tokens"), error
+        assert "max_completion_tokens=4" in error["message"], error
+
+
 # ---- a timeout as the async SDK reads it -------------------------------------------------------
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_a_request_of_several_choices_past_its_timeout_names_the_timeout_it_gave(served,

@@ -1098,7 +1098,10 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
             wanted = body.max_completion_tokens or body.max_tokens or chat_default(len(ids))
         except Refusal as err:
             return refused(err)
-        admission = Admission(ids, wanted, body.stream, body.timeout, prompt_param="messages")
+        admission = Admission(ids, wanted, body.stream, body.timeout, prompt_param="messages",
+                              max_tokens_param="max_completion_tokens" if body.max_tokens
+                              is None and body.max_completion_tokens is not None
+                              else "max_tokens")
 
         def chat_shape() -> _Shape:
             shape = _ToolChatShape(plan.tools) if plan is not None and plan.tools else _ChatShape()

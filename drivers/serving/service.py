@@ -249,6 +249,9 @@ class Admission:
     #: the body's field a refusal of the prompt names (chat: ``messages``, whose rendering
     #: the prompt is; the chat body has no ``prompt``)
     prompt_param: str = "prompt"
+    #: the body's field ``max_tokens`` came from (chat: ``max_completion_tokens`` when the body
+    #: gave that one), named when it does not fit the context
+    max_tokens_param: str = "max_tokens"
     #: the absolute deadline (``time.monotonic()``) of the request this run is a choice of
     #: (its choices share it); None: ``timeout`` from admission
     deadline: float | None = None
@@ -651,11 +654,12 @@ class CompletionService:
                 f"request has {len(prompt)} input tokens. Please reduce the length of the "
                 "prompt or messages."), body.prompt_param
         if len(prompt) + body.max_tokens > max_seq:
+            field = body.max_tokens_param
             return None, context_exceeded(
                 f"This model's maximum context length is {max_seq} tokens. However, you "
                 f"requested {len(prompt) + body.max_tokens} tokens ({len(prompt)} in the "
-                f"prompt, max_tokens={body.max_tokens} for the completion). Please reduce "
-                "the prompt or max_tokens."), "max_tokens"
+                f"prompt, {field}={body.max_tokens} for the completion). Please reduce "
+                f"the prompt or {field}."), field
         timeout = self.config.default_timeout_s if body.timeout is None else body.timeout
         if timeout > self.config.max_timeout_s:
             return None, invalid(f"timeout={timeout} > max_timeout_s="
