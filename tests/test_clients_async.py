@@ -5,7 +5,9 @@ unmodified, against a loopback server on the synthetic model. Requests run concu
 of; after each, the server holds nothing (no request active, every sequence id free, no
 release pending) and later answers still equal the numpy oracle's greedy tokens. Also the
 context's edge as clients meet it: a chat request that sends no ``max_tokens`` (LangChain's
-``ChatOpenAI`` and the SDK send none by default) with a long conversation.
+``ChatOpenAI`` and the SDK send none by default) with a long conversation, the field a
+context refusal names (``messages``, ``max_completion_tokens``); a timeout of several choices
+as the async SDK reads it; ``stream_options`` whose values are null.
 
 Client timeout: 30 s, no retries; every wait is bounded."""
 
