@@ -5,6 +5,9 @@
 greedy tokens), ``with_structured_output`` with a pydantic model (LangChain's default method
 sends ``response_format`` ``json_schema``) and ``bind_tools`` with one tool (``tools``); the
 ``OpenAI`` completion LLM: ``invoke`` and ``batch`` (it always sends ``prompt`` as a list).
+Async (one event loop for the module): ``ainvoke``, ``astream``, ``abatch``,
+``astream_events``, and the ``bind_tools`` loop that sends a ``ToolMessage`` back for a
+second turn.
 
 ``with_structured_output`` and ``bind_tools`` are written to the OpenAI contract: they need the
 grammar engine of issue 27's structured-outputs branch and fail without it (on this server a
@@ -14,6 +17,7 @@ retries."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pydantic
@@ -114,3 +118,101 @@ def test_llm_invoke_sends_a_one_element_prompt_list(url):
 def test_llm_batch(url):
     prompts = ["abc", "xyz", "hello"]
     assert _llm(url).batch(prompts) == [_completion_answer(p, 3) for p in prompts]
+
+
+# ---- async (branch asyncsweep) ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def loop():
+    """One event loop for the module's async tests, as an application has one: langchain-openai
+    caches its default ``httpx.AsyncClient`` per base URL and timeout, bound to the loop of
+    its first use (a second ``asyncio.run`` gets "Event loop is closed")."""
+    running = asyncio.new_event_loop()
+    yield running
+    running.close()
+
+
+@pytest.fixture
+def arun(loop):
+    return lambda coro: loop.run_until_complete(asyncio.wait_for(coro, TIMEOUT_S * 3))
+
+
+def test_chat_ainvoke_astream_and_abatch(url, arun):
+    """``ChatOpenAI``'s async calls (``AsyncOpenAI`` under it): ``ainvoke``, ``astream`` with
+    usage, ``abatch`` (concurrent requests), each the oracle's greedy reply."""
+    async def go():
+        reply = await _chat(url).ainvoke("Hello async")
+        chunks = [c async for c in _chat(url, stream_usage=True).astream("Stream async")]
+        replies = await _chat(url).abatch(["a1", "a2", "a3", "a4"])
+        return reply, chunks, replies
+
+    reply, chunks, replies = arun(go())
+    assert reply.content == _chat_answer("Hello async", 4)
+    assert reply.response_metadata["finish_reason"] == "length"
+    assert "".join(c.content for c in chunks) == _chat_answer("Stream async", 4)
+    usage = [c.usage_metadata for c in chunks if c.usage_metadata]
+    assert usage and usage[-1]["output_tokens"] == 4
+    assert [r.content for r in replies] == [_chat_answer(p, 4) for p in ("a1", "a2", "a3", "a4")]
+
+
+def test_chat_astream_events_reports_each_token_and_the_end(url, arun):
+    """``astream_events`` (v2), what agent frameworks and UIs subscribe to: a start, one
+    ``on_chat_model_stream`` per token chunk (their text the oracle's reply) and an end
+    whose output is the whole message."""
+    async def go():
+        return [e async for e in _chat(url).astream_events("Events", version="v2")]
+
+    events = arun(go())
+    kinds = [e["event"] for e in events]
+    assert kinds[0] == "on_chat_model_start" and kinds[-1] == "on_chat_model_end", kinds
+    streamed = "".join(e["data"]["chunk"].content for e in events
+                       if e["event"] == "on_chat_model_stream")
+    assert streamed == _chat_answer("Events", 4)
+    assert events[-1]["data"]["output"].content == streamed
+
+
+def test_a_bind_tools_loop_sends_the_tool_result_back_for_a_second_turn(url, arun):
+    """The tool-calling loop as LangChain's docs write it, async: the model calls the tool
+    (``bind_tools``, ``tool_choice`` forcing it), the application appends the ``AIMessage``
+    (content "", ``tool_calls``) and a ``ToolMessage`` answering its call id, and asks again
+    (tools still bound, ``auto``): the second turn is accepted and answered (the plain
+    template renders the call and the tool's answer into its prompt), streamed too."""
+    from langchain_core.messages import HumanMessage, ToolMessage
+
+    class get_weather(pydantic.BaseModel):  # noqa: N801 - the tool's name, as a function's
+        """The weather in a city."""
+
+        city: str = pydantic.Field(max_length=12)
+
+    async def go():
+        forced = _chat(url, max_tokens=200).bind_tools([get_weather], tool_choice="get_weather")
+        history: list = [HumanMessage("Weather in Paris?")]
+        called = await forced.ainvoke(history)
+        history.append(called)
+        for call in called.tool_calls:
+            history.append(ToolMessage(content="sunny, 21 C", tool_call_id=call["id"]))
+        free = _chat(url, max_tokens=8).bind_tools([get_weather])
+        second = await free.ainvoke(history)
+        streamed = [c async for c in free.astream(history)]
+        return called, second, streamed
+
+    called, second, streamed = arun(go())
+    assert [c["name"] for c in called.tool_calls] == ["get_weather"], called
+    assert second.response_metadata["finish_reason"] in ("length", "stop", "tool_calls")
+    joined = streamed[0]
+    for chunk in streamed[1:]:
+        joined = joined + chunk
+    assert joined.content == second.content  # greedy: the same reply, streamed
+    assert [c["args"] for c in joined.tool_calls] == [c["args"] for c in second.tool_calls]
+
+
+def test_llm_ainvoke_astream_and_abatch(url, arun):
+    """The ``OpenAI`` completion LLM's async calls: ``ainvoke``, ``astream`` (token pieces
+    joining to the reply), ``abatch``."""
+    async def go():
+        return (await _llm(url).ainvoke("abc"), [c async for c in _llm(url).astream("xyz")],
+                await _llm(url).abatch(["abc", "hello"]))
+
+    one, pieces, many = arun(go())
+    assert one == _completion_answer("abc", 3)
+    assert "".join(pieces) == _completion_answer("xyz", 3)
+    assert many == [_completion_answer(p, 3) for p in ("abc", "hello")]

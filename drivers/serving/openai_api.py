@@ -55,6 +55,7 @@ from calexec.drivers.serving.service import (
     Admission,
     CompletionService,
     RequestRun,
+    context_exceeded,
 )
 
 Number = StrictInt | StrictFloat
@@ -388,7 +389,9 @@ def refusal(body: _Body) -> None:
             raise Refusal(invalid("stream_options.continuous_usage_stats: not supported"),
                           "stream_options")
         for key in ("include_usage", "include_obfuscation"):  # no obfuscation is added
-            if not isinstance(body.stream_options.get(key, False), bool):
+            # null: the option's default (false), as for a field of the body
+            if body.stream_options.get(key) is not None \
+                    and not isinstance(body.stream_options[key], bool):
                 raise Refusal(invalid(f"stream_options.{key}: must be a boolean"),
                               "stream_options")
 
@@ -960,6 +963,21 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         generation = service.executor.generation
         return None if generation is None else generation.submodels[TaskKind.DECODE].max_seq
 
+    def chat_default(prompt_len: int) -> int:
+        """A chat's ``max_tokens`` when the body gives none: ``CHAT_DEFAULT_MAX_TOKENS``, or
+        what the context leaves after the prompt when that is less (as vLLM and OpenAI: a
+        long conversation that fits is answered, never refused for a number the client did
+        not send); messages leaving no room are refused naming them."""
+        limit = max_seq()
+        if limit is None or prompt_len + CHAT_DEFAULT_MAX_TOKENS <= limit:
+            return CHAT_DEFAULT_MAX_TOKENS
+        if prompt_len >= limit:  # phrased as OpenAI and vLLM do: clients look for it
+            raise Refusal(context_exceeded(
+                f"This model's maximum context length is {limit} tokens. However, your "
+                f"messages take {prompt_len} tokens, which leaves no room for the reply. "
+                "Please reduce the length of the messages."), "messages")
+        return limit - prompt_len
+
     def structure(build: Callable[..., Any], *args: Any) -> Any:
         """A grammar.* builder's result for this server's tokenizer and vocabulary
         (``tool_setup``: no model needed); its GrammarError is the 400 naming the field."""
@@ -1077,10 +1095,13 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
                                body.chat_template_kwargs, body.continue_final_message, tools)
             ids = truncated(service.tokenizer.encode(text, bool(body.add_special_tokens)),
                             body.truncate_prompt_tokens)
+            wanted = body.max_completion_tokens or body.max_tokens or chat_default(len(ids))
         except Refusal as err:
             return refused(err)
-        wanted = body.max_completion_tokens or body.max_tokens or CHAT_DEFAULT_MAX_TOKENS
-        admission = Admission(ids, wanted, body.stream, body.timeout)
+        admission = Admission(ids, wanted, body.stream, body.timeout, prompt_param="messages",
+                              max_tokens_param="max_completion_tokens" if body.max_tokens
+                              is None and body.max_completion_tokens is not None
+                              else "max_tokens")
 
         def chat_shape() -> _Shape:
             shape = _ToolChatShape(plan.tools) if plan is not None and plan.tools else _ChatShape()
@@ -1263,8 +1284,8 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         """Choice ``k`` of a request of several (``_generate_many``): its chunks go to
         ``state.events`` (streamed), its choice to ``state.results`` (not streamed); a
         failure goes to ``state.failure`` and cancels the request's other choices."""
-        remaining = max(deadline - time.monotonic(), 1e-3)
-        run, status, param = service.admit(attrs.evolve(admission, timeout=remaining))
+        # the request's deadline (its timeout kept for the messages that name it)
+        run, status, param = service.admit(attrs.evolve(admission, deadline=deadline))
         if run is None:
             state.fail(status, param, counted=False)
             scope.cancel()

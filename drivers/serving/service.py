@@ -246,6 +246,15 @@ class Admission:
     #: the request's ``n`` on the first choice of each prompt (vLLM's ``request_params_n``
     #: counts it once per prompt); None on the other choices
     n_param: int | None = 1
+    #: the body's field a refusal of the prompt names (chat: ``messages``, whose rendering
+    #: the prompt is; the chat body has no ``prompt``)
+    prompt_param: str = "prompt"
+    #: the body's field ``max_tokens`` came from (chat: ``max_completion_tokens`` when the body
+    #: gave that one), named when it does not fit the context
+    max_tokens_param: str = "max_tokens"
+    #: the absolute deadline (``time.monotonic()``) of the request this run is a choice of
+    #: (its choices share it); None: ``timeout`` from admission
+    deadline: float | None = None
 
 
 class SequencePool:
@@ -338,6 +347,9 @@ class RequestRun:
     first_token_host: float | None = None
     last_token_at: float | None = None
     n_param: int | None = 1
+    #: the request's timeout in seconds (the body's, or the server's default): a deadline
+    #: error names it (None: the run's own, ``deadline - started``)
+    timeout: float | None = None
     #: model generation of the request's jobs (its KV lives in that generation's KvManager)
     generation_id: int | None = None
     #: how tokens are chosen (drivers/serving/sampling.py); logprobs of each token when asked for
@@ -456,8 +468,9 @@ def _told_as_timeout(run: RequestRun, status: Status) -> Status:
     that step ("queue deadline passed before infer()", ...) follow in parentheses."""
     if status.category is not Category.DEADLINE or status.message.startswith(_TIMEOUT_TOLD):
         return status
+    told = run.deadline - run.started if run.timeout is None else run.timeout
     return attrs.evolve(status, message=(
-        f"{_TIMEOUT_TOLD}{run.deadline - run.started:g} s passed after {len(run.tokens)} "
+        f"{_TIMEOUT_TOLD}{told:g} s passed after {len(run.tokens)} "
         f"generated tokens (the body's timeout, or the server's --timeout; "
         f"{status.message})"))
 
@@ -630,22 +643,23 @@ class CompletionService:
         max_seq = generation.submodels[TaskKind.DECODE].max_seq
         prompt = self.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else body.prompt
         if not prompt:
-            return None, invalid("prompt is empty"), "prompt"
+            return None, invalid("prompt is empty"), body.prompt_param
         bad = next((i for i, t in enumerate(prompt) if not 0 <= t < vocab), None)
         if bad is not None:
             return None, invalid(f"prompt[{bad}]={prompt[bad]} outside the vocabulary "
-                                  f"[0, {vocab})"), "prompt"
+                                  f"[0, {vocab})"), body.prompt_param
         if len(prompt) > max_seq:  # phrased as OpenAI and vLLM do: clients look for it
             return None, context_exceeded(
                 f"This model's maximum context length is {max_seq} tokens. However, your "
                 f"request has {len(prompt)} input tokens. Please reduce the length of the "
-                "prompt or messages."), "prompt"
+                "prompt or messages."), body.prompt_param
         if len(prompt) + body.max_tokens > max_seq:
+            field = body.max_tokens_param
             return None, context_exceeded(
                 f"This model's maximum context length is {max_seq} tokens. However, you "
                 f"requested {len(prompt) + body.max_tokens} tokens ({len(prompt)} in the "
-                f"prompt, max_tokens={body.max_tokens} for the completion). Please reduce "
-                "the prompt or max_tokens."), "max_tokens"
+                f"prompt, {field}={body.max_tokens} for the completion). Please reduce "
+                f"the prompt or {field}."), field
         timeout = self.config.default_timeout_s if body.timeout is None else body.timeout
         if timeout > self.config.max_timeout_s:
             return None, invalid(f"timeout={timeout} > max_timeout_s="
@@ -668,11 +682,13 @@ class CompletionService:
         if isinstance(got, Status):
             return None, got, None
         now = time.monotonic()
+        deadline = now + timeout if body.deadline is None else body.deadline
         run = RequestRun(next(self._ids), got if isinstance(got, int) else None, list(prompt),
-                         body.max_tokens, now + timeout, now, body.sse,
+                         body.max_tokens, deadline, now, body.sse,
                          np.empty(vocab, dtype=np.float32),
                          waiter=None if isinstance(got, int) else got,
-                         prompt_top=body.prompt_logprobs, n_param=body.n_param)
+                         prompt_top=body.prompt_logprobs, n_param=body.n_param,
+                         timeout=timeout)
         if isinstance(got, int):
             run.scheduled_at = now
         self.active += 1
