@@ -180,6 +180,12 @@ class CompiledChart:
             if state is not None:
                 raise ValueError(f"{self.name}: state={state!r}: a hierarchical run starts in its "
                                  f"declared initial configuration")
+            saved = _saved_state(model)
+            if saved is not None:  # an instance would start there; this run would not
+                raise UnsupportedChart(
+                    f"{self.name}: the model already holds state={saved!r} (a python-"
+                    f"statemachine instance restores it): a general run starts in the declared "
+                    f"initial configuration; give it a model whose state is None")
             from calexec.machines.statechart_run import StatechartRun  # imports this module
 
             return StatechartRun(self, model)  # type: ignore[return-value]
@@ -201,14 +207,44 @@ class CompiledChart:
                 f"{', '.join(map(repr, coroutines))} of the model (python-statemachine runs "
                 f"such an instance on its async engine)")
         if state is None:
-            state = self.initial
+            # a model that already holds a state (persisted, or a run before this one) starts
+            # there, as a python-statemachine instance restores it (the state's value: its id
+            # unless declared with value=)
+            saved = own.get("state") if own else None
+            if saved is None:
+                state = self.initial
+            else:
+                state = self.state_of(saved)
+                if state is None:
+                    raise ValueError(f"{self.name}: the model's state={saved!r} is the value of "
+                                     f"none of the chart's states {self.states}")
         elif state not in self.states:
             raise ValueError(f"{self.name}: state={state!r} is not one of {self.states}")
         return ChartRun(self, state, model)
 
+    def state_of(self, saved: object) -> str | None:
+        """The id of the state whose value a model's state field ``saved`` holds, as
+        python-statemachine reads it: the ``value=`` a state was declared with, else its id;
+        None: no state."""
+        for declared in self.declaration.states_map.values():
+            try:
+                if declared.value == saved and declared.id in self.states:
+                    return str(declared.id)
+            except (TypeError, ValueError):  # an == that raises (an array...): no state
+                continue
+        return None
+
     def outgoing(self, state: str) -> tuple[Transition, ...]:
         """Declared transitions leaving ``state``, in declaration order."""
         return tuple(t for t in self.transitions if t.source == state)
+
+
+def _saved_state(model: object) -> object:
+    """The state a model instance holds in its own ``state`` attribute (None: none). Only the
+    instance's own attributes: a class-level property (calexec's models read their run) is no
+    saved state."""
+    own = getattr(model, "__dict__", None)
+    return own.get("state") if own else None
 
 
 class ChartRun:

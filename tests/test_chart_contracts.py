@@ -108,7 +108,7 @@ def test_pre_and_postconditions_are_checked_on_their_events(kind):
 def test_contracts_are_off_unless_enabled():
     account = Account(balance=-1)
     Wallet(account).send("spend")  # nothing checks: no raise
-    compiled(Wallet).run(account).send("spend")
+    compiled(Wallet).run(Account(balance=-1)).send("spend")  # (account holds "spent" now)
     assert compiled(Wallet).checker is None
     with contracts_checked(Wallet):
         assert compiled(Wallet).checker is not None

@@ -361,3 +361,42 @@ def test_class_level_listeners_are_attached_as_an_instance_attaches_them():
         assert compiled(StaffDoor).taken == [1, 0]  # once: the run did not also hear itself
     finally:
         undo()
+
+
+def test_a_model_that_already_holds_a_state_starts_there_as_an_instance_does():
+    """A python-statemachine instance on a model whose ``state`` is set (a persisted order, a
+    model an instance already moved) starts in that state; a compiled run started in the
+    initial state, so the same event was taken by one and refused by the other. The flat run
+    now starts where the model says (an id, or a state's ``value=``), refuses a state the chart
+    does not have by name, and the general run, which starts in its declared configuration,
+    refuses such a model instead of answering otherwise."""
+
+    class Workflow(StateMachine):
+        draft = State(initial=True)
+        review = State(value=2)
+        done = State(final=True)
+        submit = draft.to(review)
+        approve = review.to(done)
+
+    instance = Workflow(SimpleNamespace(state=2))  # the state's value, as psm writes it
+    assert [s.id for s in instance.configuration] == ["review"]
+    run = compile_chart(Workflow).run(SimpleNamespace(state=2))
+    assert run.state == "review"
+    assert run.send("approve") == "done"
+    assert compile_chart(Workflow).run(SimpleNamespace(state="draft")).send("submit") == "review"
+    assert compile_chart(Workflow).run(SimpleNamespace(state=None)).state == "draft"
+    for gone in ("gone", "review"):  # "review" is an id, not the value psm reads
+        with pytest.raises(ValueError, match=rf"^Workflow: the model's state={gone!r} is the "):
+            compile_chart(Workflow).run(SimpleNamespace(state=gone))
+
+    class Nested(StateChart):
+        class busy(State.Compound):  # noqa: N801
+            a = State(initial=True)
+            b = State()
+            go = a.to(b)
+        idle = State(initial=True)
+        start = idle.to(busy)
+
+    assert compile_chart(Nested).run(SimpleNamespace()).configuration
+    with pytest.raises(UnsupportedChart, match=r"^Nested: the model already holds state='b'"):
+        compile_chart(Nested).run(SimpleNamespace(state="b"))
