@@ -108,10 +108,9 @@ class _Step:
         return isinstance(other, _Step) and self.state == other.state
 
 
-class _ConfigurationView:
-    """The run's configuration where python-statemachine's ``StateChart`` keeps its own
-    (``machine._config``): ``machine.configuration``, ``configuration_values``,
-    ``current_state_value`` and ``In('id')`` guards read the run's active states."""
+class _RunView:
+    """A part of a run that the run's ``machine`` (a callback's ``self``) holds: it refers to
+    the run weakly, so that the machine does not keep the run alive."""
 
     __slots__ = ("_run",)
 
@@ -124,6 +123,14 @@ class _ConfigurationView:
         if run is None:
             raise ReferenceError("the compiled run of this machine is gone")
         return run
+
+
+class _ConfigurationView(_RunView):
+    """The run's configuration where python-statemachine's ``StateChart`` keeps its own
+    (``machine._config``): ``machine.configuration``, ``configuration_values``,
+    ``current_state_value`` and ``In('id')`` guards read the run's active states."""
+
+    __slots__ = ()
 
     @property
     def states(self) -> OrderedSet[State]:
@@ -164,22 +171,12 @@ class UnsupportedSend(UnsupportedChart, InvalidDefinition):
     turn it into ``error.execution``."""
 
 
-class _EngineView:
+class _EngineView(_RunView):
     """What ``machine.send``, ``machine.raise_`` and ``machine.<event>()`` reach from a
     callback (python-statemachine's engine): the run's queues, as its engine queues them: an
     internal event joins the macrostep running, an external one waits for it to end."""
 
-    __slots__ = ("_run",)
-
-    def __init__(self, run: StatechartRun) -> None:
-        self._run = weakref.ref(run)  # no cycle: a run goes when its owner lets it go
-
-    @property
-    def run(self) -> StatechartRun:
-        run = self._run()
-        if run is None:
-            raise ReferenceError("the compiled run of this machine is gone")
-        return run
+    __slots__ = ()
 
     @property
     def running(self) -> bool:
