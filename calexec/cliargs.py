@@ -218,6 +218,43 @@ def writable_file(flag: str, path: str | os.PathLike[str],
             pass
 
 
+def read_small_text(flag: str, path: str | os.PathLike[str], limit: int, what: str) -> str:
+    """The UTF-8 text of the small input file ``flag`` names (a token file, a TOML list): a
+    regular file or a pipe (``<(command)``), at most ``limit`` bytes. Refused in one line
+    naming ``flag`` and its value (UserError, exit 2), never a hang or a read without end: a
+    directory, a device (``/dev/zero``), a longer file, text that is not UTF-8. A FIFO no one
+    writes to reads as empty (opened without waiting for a writer)."""
+    given = os.fsdecode(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # (a FIFO: do not wait for a writer)
+    except (OSError, ValueError) as exc:  # (ValueError: a NUL in the path)
+        raise UserError(f"{flag}={given!r}: cannot read it: "
+                        f"{getattr(exc, 'strerror', None) or exc}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise UserError(f"{flag}={given!r}: is a directory, not {what}")
+        if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
+            raise UserError(f"{flag}={given!r}: not a regular file ({stat.filemode(mode)}), "
+                            f"not {what}")
+        os.set_blocking(fd, True)
+        chunks, size = [], 0
+        while size <= limit and (chunk := os.read(fd, limit + 1 - size)):
+            chunks.append(chunk)
+            size += len(chunk)
+    except OSError as exc:
+        raise UserError(f"{flag}={given!r}: cannot read it: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    if size > limit:
+        raise UserError(f"{flag}={given!r}: longer than {limit} bytes, not {what}")
+    try:
+        return b"".join(chunks).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{flag}={given!r}: not UTF-8 text ({exc.reason} at byte "
+                        f"{exc.start}), not {what}") from None
+
+
 # ---- the device an entry point opens ---------------------------------------------------------
 def add_device_args(p: argparse.ArgumentParser, *, calbin: bool = True, manifest: bool = True,
                     reset: bool = False) -> None:

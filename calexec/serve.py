@@ -169,14 +169,16 @@ def _listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+#: the largest --admin-token-file read (a token is a line; more is not a token file)
+ADMIN_TOKEN_MAX_BYTES = 4096
+
+
 def _admin_token(path: Path | None) -> str | None:
     if path is None:
         return None
-    try:
-        token = path.read_text(encoding="utf-8").strip()
-    except (OSError, UnicodeDecodeError) as err:
-        raise ValueError(f"--admin-token-file={str(path)!r}: cannot read it: "
-                         f"{getattr(err, 'strerror', None) or err}") from None
+    # (a FIFO no one writes to is empty, /dev/zero too long: neither waits nor reads forever)
+    token = cliargs.read_small_text("--admin-token-file", path, ADMIN_TOKEN_MAX_BYTES,
+                                    "an admin token file").strip()
     if not token:
         raise ValueError(f"--admin-token-file={str(path)!r} is empty")
     problem = api_key_problem(token)  # a token no request could match locks the admin out

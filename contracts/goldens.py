@@ -23,6 +23,7 @@ A golden applies only to the prompt and decode steps it was recorded with. Loadi
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 import tomllib
 from collections.abc import Iterable, Mapping
@@ -86,12 +87,21 @@ def load_goldens(path: str | Path) -> Goldens:
     """The pinned goldens in ``path``; an absent file pins nothing (empty mapping)."""
     file = str(path)
     try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return NO_GOLDENS
+    if not stat.S_ISREG(mode):  # (a FIFO would wait for a writer, /dev/zero never end)
+        raise GoldenFileError(file, "<file>", stat.filemode(mode), "not a regular file")
+    try:
         with open(path, "rb") as fh:
             raw = tomllib.load(fh)
     except FileNotFoundError:
         return NO_GOLDENS
     except tomllib.TOMLDecodeError as exc:
         raise GoldenFileError(file, "<toml>", None, f"not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise GoldenFileError(file, "<toml>", None, f"not UTF-8 text: {exc.reason} at byte "
+                              f"{exc.start}") from None
     for key in raw:
         if key not in ("format", "golden"):
             raise GoldenFileError(file, key, raw[key], "unknown key (allowed: format, golden)")

@@ -248,6 +248,9 @@ def load_manifest(path: str | Path) -> Manifest:
             raw = tomllib.load(fh)
     except tomllib.TOMLDecodeError as exc:
         raise ManifestError(file, "<toml>", ABSENT, f"not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ManifestError(file, "<toml>", ABSENT, f"not UTF-8 text: {exc.reason} at byte "
+                            f"{exc.start}") from None
     table = _table(file, "", raw, _TOP_KEYS, _TOP_OPTIONAL)
     for key in ("vocab_size", "hidden_size"):
         if table[key] <= 0:

@@ -840,3 +840,77 @@ def test_cannot_write_names_the_flag_the_file_and_the_os_error(tmp_path):
     assert str(cliargs.cannot_write(tmp_path / "r", inside, "--report")) == (
         f"--report={str(tmp_path / 'r')!r}: cannot write {str(tmp_path / 'r' / 'a.json')!r}: "
         "Is a directory")
+
+
+# ---- stop 42: input files that are not files (a FIFO, a device), or not text ----------------
+def _fifo(tmp_path: Path) -> str:
+    import os
+
+    path = tmp_path / "fifo"
+    os.mkfifo(path)
+    return str(path)
+
+
+def _binary(tmp_path: Path) -> str:
+    path = tmp_path / "binary"
+    path.write_bytes(b"\x81\xff\x00not text")
+    return str(path)
+
+
+@pytest.mark.skipif(not Path("/dev/zero").exists() or not hasattr(__import__("os"), "mkfifo"),
+                    reason="needs /dev/zero and mkfifo")
+@pytest.mark.parametrize("argv, named", [
+    # waited for a writer forever / read /dev/zero without end (memory, then the 20 s probe)
+    (["serve", "--once", "--tokenizer", "{fifo}"], "--tokenizer='{fifo}': it is not a regular file"),
+    (["serve", "--once", "--tokenizer", "/dev/zero"], "--tokenizer='/dev/zero': it is not a regular"),
+    # a FIFO no one writes to: empty (a pipe, `<(command)`, is still read); /dev/zero: refused
+    (["serve", "--once", "--admin-token-file", "{fifo}"], "--admin-token-file='{fifo}' is empty"),
+    (["serve", "--once", "--admin-token-file", "/dev/zero"],
+     "--admin-token-file='/dev/zero': not a regular file"),
+    # hung on the FIFO; /dev/zero: "internal error: MemoryError", exit 70
+    (["charts", "mutate", "--chart", "calexec.machines.charts:JobChart", "--test-cmd", "true",
+      "--sample", "1", "--equivalent", "/dev/zero"], "--equivalent='/dev/zero': not a regular"),
+    (["golden", "record", "--calbin", "{calbin}", "--out", "{fifo}"],
+     "--out='{fifo}': cannot update it: {fifo}: <file>='prw"),
+    (["golden", "record", "--calbin", "{calbin}", "--out", "/dev/zero"],
+     "--out='/dev/zero': cannot update it: /dev/zero: <file>='crw"),
+    # "internal error: UnicodeDecodeError", exit 70
+    (["golden", "record", "--calbin", "{calbin}", "--out", "{binary}"],
+     "--out='{binary}': cannot update it: {binary}: <toml>=None: not UTF-8 text"),
+    (["charts", "mutate", "--chart", "calexec.machines.charts:JobChart", "--test-cmd", "true",
+      "--sample", "1", "--equivalent", "{binary}"], "--equivalent='{binary}': not UTF-8 text"),
+    # named the flag but not the file: "--manifest: 'utf-8' codec can't decode byte 0x81 ..."
+    (["demo", "--seqs", "1", "--tokens", "1", "--manifest", "{binary}"],
+     "--manifest: {binary}: <toml>: not UTF-8 text"),
+], ids=lambda v: " ".join(v[:3]) if isinstance(v, list) else None)
+def test_an_input_file_that_is_a_fifo_a_device_or_not_text_is_one_line_exit_2(
+        argv, named, tmp_path, synthetic_calbin):
+    given = {"fifo": _fifo(tmp_path), "binary": _binary(tmp_path), "calbin": synthetic_calbin}
+    before = Path(given["binary"]).read_bytes()
+    argv = [a.format(**given) for a in argv]
+    done = calexec(*argv, timeout=60)
+    line = one_line(done.stderr)
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert line.startswith(f"calexec {cli.lookup(argv)}: ") and named.format(**given) in line, line
+    assert Path(given["binary"]).read_bytes() == before  # (nothing written over it)
+
+
+def test_a_small_text_file_may_be_a_pipe_but_not_too_long(tmp_path):
+    """``read_small_text``: ``--admin-token-file <(command)`` (a pipe) is read; a file longer
+    than the limit is refused naming the flag, not read into memory whole."""
+    import os
+
+    from calexec import cliargs
+
+    read, write = os.pipe()
+    os.write(write, b"secret\n")
+    os.close(write)
+    try:
+        assert cliargs.read_small_text("--x", f"/dev/fd/{read}", 64, "a token") == "secret\n"
+    finally:
+        os.close(read)
+    long = tmp_path / "long"
+    long.write_bytes(b"a" * 65)
+    with pytest.raises(cliargs.UserError) as caught:
+        cliargs.read_small_text("--x", long, 64, "a token")
+    assert str(caught.value) == f"--x={str(long)!r}: longer than 64 bytes, not a token"

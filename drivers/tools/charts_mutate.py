@@ -281,11 +281,19 @@ def _judge(outcome: Outcome, code: int | None, output: str, applied: bool,
         outcome.output_tail = output[-2000:]
 
 
+#: the largest --equivalent file read
+EQUIVALENT_MAX_BYTES = 16 * 1024 * 1024
+
+
 def load_equivalents(path: Path) -> dict[tuple[str, str], str]:
     """(chart, mutant id) -> reason, from a TOML file of ``[[mutant]]`` tables."""
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as err:
+    try:  # (a FIFO or /dev/zero: refused, never waited on nor read without end)
+        text = cliargs.read_small_text("--equivalent", path, EQUIVALENT_MAX_BYTES,
+                                       "a TOML list of equivalent mutants")
+        data = tomllib.loads(text)
+    except cliargs.UserError as err:
+        raise ValueError(str(err)) from None
+    except tomllib.TOMLDecodeError as err:
         raise ValueError(f"--equivalent {str(path)!r}: {err}") from err
     entries = data.get("mutant", [])
     if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
