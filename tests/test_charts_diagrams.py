@@ -309,5 +309,15 @@ def test_an_event_named_by_the_chart_is_labelled_with_that_name():
     assert "Take a job" in dot and "Power on" in dot, dot
     assert '"Work' not in dot and '"Boot' not in dot
 
+
+@pytest.mark.requires_tool("dot")
+def test_a_refused_event_on_a_run_s_path_is_labelled_with_its_declared_name():
+    from statemachine import Event, State, StateMachine
+
+    class Engine(StateMachine):
+        off = State(initial=True)
+        on = State(final=True)
+        go = Event(off.to(on), name="Start the engine")
+
     svg = diagrams.render_path_svg(Engine, [{"event": "go", "from": "on", "to": None}])
     assert "refused: Start the engine (not declared here)" in svg
