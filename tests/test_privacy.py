@@ -56,6 +56,11 @@ THIRD_PARTY = {
                         "and removes it (tests/test_charts_toolkit.py)",
     "_actions": "argparse.ArgumentParser: no public list of a parser's arguments "
                 "(tests/test_cli.py checks that every flag has help)",
+    "_iscoro": "python-statemachine CallbackWrapper: whether a resolved callback is a "
+               "coroutine function; the registry's public ``has_async_callbacks`` says only "
+               "that one is, machines/statechart_run.py names which ones it refuses "
+               "(tests/test_charts_support.py::"
+               "test_async_callbacks_of_the_model_or_a_listener_are_refused_naming_them)",
 }
 
 ACCESSORS = {"getattr", "setattr", "hasattr", "delattr"}
