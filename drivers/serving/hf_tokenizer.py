@@ -25,17 +25,18 @@ class HFTokenizer:
     def __init__(self, path: str) -> None:
         import json
         import os
+        file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        if os.path.exists(file) and not os.path.isfile(file):  # the library would wait for a
+            # FIFO's writer, or read /dev/zero without end (checked first: a wrong path is
+            # wrong whether or not the library is installed)
+            shown = "it" if file == path else repr(file)
+            raise TokenizerLoadError(f"--tokenizer={path!r}: {shown} is not a regular file, "
+                                     "not a tokenizer.json")
         try:
             from tokenizers import Tokenizer
         except ImportError as err:
             raise TokenizerLoadError(f"--tokenizer={path!r}: the `tokenizers` library is not "
                                      f"installed ({err}); pip install 'calexec[tokenizer]'") from None
-        file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
-        if os.path.exists(file) and not os.path.isfile(file):  # the library would wait for a
-            # FIFO's writer, or read /dev/zero without end
-            shown = "it" if file == path else repr(file)
-            raise TokenizerLoadError(f"--tokenizer={path!r}: {shown} is not a regular file, "
-                                     "not a tokenizer.json")
         try:
             self._tok = Tokenizer.from_file(file)
         except Exception as err:  # noqa: BLE001 - the library raises its own Exception type
