@@ -138,6 +138,10 @@ class CompiledChart:
     #: model class -> the guards it answers with a coroutine function (``run`` refuses them):
     #: looked up once per class, since ``run`` is on the executor's per-job path
     async_guards: dict[type, tuple[str, ...]] = attrs.field(factory=dict, repr=False, eq=False)
+    #: where a flat run starts when neither its model nor the caller names a state: the
+    #: chart's ``start_configuration_values`` (python-statemachine 3) if it declares one,
+    #: else ``initial`` (which diagrams and paths keep drawing as the declared initial state)
+    start: str = ""
 
     def record_of(self, transition: Any, event: object) -> Transition | None:
         """The record of ``transition`` (a python-statemachine ``Transition`` of the
@@ -212,7 +216,7 @@ class CompiledChart:
             # unless declared with value=)
             saved = own.get("state") if own else None
             if saved is None:
-                state = self.initial
+                state = self.start or self.initial
             else:
                 state = self.state_of(saved)
                 if state is None:
@@ -226,17 +230,43 @@ class CompiledChart:
         """The id of the state whose value a model's state field ``saved`` holds, as
         python-statemachine reads it: the ``value=`` a state was declared with, else its id;
         None: no state."""
-        for declared in self.declaration.states_map.values():
-            try:
-                if declared.value == saved and declared.id in self.states:
-                    return str(declared.id)
-            except (TypeError, ValueError):  # an == that raises (an array...): no state
-                continue
-        return None
+        return _state_of(self.declaration, self.states, saved)
 
     def outgoing(self, state: str) -> tuple[Transition, ...]:
         """Declared transitions leaving ``state``, in declaration order."""
         return tuple(t for t in self.transitions if t.source == state)
+
+
+def _state_of(declaration: type[StateChart[Any]], states: tuple[str, ...],
+              saved: object) -> str | None:
+    """``CompiledChart.state_of`` before the chart exists (``compiled`` reads the start)."""
+    for declared in declaration.states_map.values():
+        try:
+            if declared.value == saved and declared.id in states:
+                return str(declared.id)
+        except (TypeError, ValueError):  # an == that raises (an array...): no state
+            continue
+    return None
+
+
+def _start_state(name: str, declaration: type[StateChart[Any]], states: tuple[str, ...],
+                 flat: bool) -> str:
+    """The state a flat run of ``declaration`` starts in when its model holds none: its
+    ``start_configuration_values`` (one value, a state's ``value=`` as an instance reads it);
+    "" when it declares none or the chart takes the general run (which reads them itself).
+    A value no state has, or several for a flat chart, is a ValueError naming them (an
+    instance raises ``InvalidStateValue`` when it is made)."""
+    values = list(getattr(declaration, "start_configuration_values", None) or [])
+    if not values or not flat:
+        return ""
+    if len(values) > 1:
+        raise ValueError(f"{name}: start_configuration_values={values!r}: a flat chart starts "
+                         f"in one state")
+    state = _state_of(declaration, states, values[0])
+    if state is None:
+        raise ValueError(f"{name}: start_configuration_values={values!r}: {values[0]!r} is the "
+                         f"value of none of the chart's states {states}")
+    return state
 
 
 def _saved_state(model: object) -> object:
@@ -502,6 +532,7 @@ def compile_chart(declaration: type[StateChart[Any]], name: str | None = None) -
         taken=[0] * len(transitions),
         general=general,
         declared=tuple(sources),
+        start=_start_state(name, declaration, states, not general),
     )
 
 

@@ -400,3 +400,45 @@ def test_a_model_that_already_holds_a_state_starts_there_as_an_instance_does():
     assert compile_chart(Nested).run(SimpleNamespace()).configuration
     with pytest.raises(UnsupportedChart, match=r"^Nested: the model already holds state='b'"):
         compile_chart(Nested).run(SimpleNamespace(state="b"))
+
+
+def test_a_flat_chart_s_start_configuration_values_are_where_its_run_starts():
+    """A chart class may declare ``start_configuration_values`` (python-statemachine 3: where
+    an instance starts when its model holds no state). The flat run ignored it and started in
+    the initial state, so an instance took an event its compiled run refused. The flat run now
+    starts there (a state's ``value=``, as an instance reads it); a saved model state and an
+    explicit ``state=`` still come first; a value no state has, or more than one value for a
+    flat chart, is refused by name when the chart is compiled."""
+
+    class Ticket(StateMachine):
+        opened = State(initial=True)
+        triaged = State(value=7)
+        closed = State(final=True)
+        triage = opened.to(triaged)
+        close = triaged.to(closed)
+        start_configuration_values = [7]
+
+    instance = Ticket()
+    assert [s.id for s in instance.configuration] == ["triaged"]
+    chart = compile_chart(Ticket)
+    assert chart.general == ()  # still the flat fast path
+    run = chart.run(SimpleNamespace())
+    assert run.state == "triaged"
+    assert run.send("close") == "closed"
+    assert chart.run(SimpleNamespace(state="opened")).state == "opened"  # the model's own
+    assert chart.run(SimpleNamespace(), state="opened").state == "opened"  # an explicit one
+    assert chart.initial == "opened"  # what diagrams and paths start from is unchanged
+
+    class Gone(Ticket):
+        start_configuration_values = ["nowhere"]
+
+    with pytest.raises(ValueError, match=r"^Gone: start_configuration_values=\['nowhere'\]: "
+                                         r"'nowhere' is the value of none of the chart's"):
+        compile_chart(Gone)
+
+    class Two(Ticket):
+        start_configuration_values = ["opened", 7]
+
+    with pytest.raises(ValueError, match=r"^Two: start_configuration_values=\['opened', 7\]: "
+                                         r"a flat chart starts in one state"):
+        compile_chart(Two)
