@@ -56,6 +56,11 @@ if TYPE_CHECKING:
     from calexec.machines.pool import BufferSlot
 
 
+#: what a deferred conversion needs: the output's BF16 array, the slice's base and length, the
+#: row the result's ``logits`` view (``Completion._postprocess`` with ``defer``)
+_Deferred = tuple[np.ndarray, int, int, np.ndarray]
+
+
 class Completion:
     """The completion queue and the completion of one job (see the module docstring)."""
 
@@ -215,7 +220,11 @@ class Completion:
         copy_ms = outbuf.copy_ms() if hasattr(outbuf, "copy_ms") else None
         if copy_ms is not None:  # measured by the device (the emulator); the host cannot
             job.timings.h2d_ms, job.timings.d2h_ms = copy_ms
-        result = self.postprocess(job)
+        # greedy ahead fires the next step with this job's argmax: the fused pass then only
+        # checks and finds the argmax (half the memory traffic), and the conversion into the
+        # row follows after the firing, before the caller is woken (``_convert_deferred``)
+        defer = job.stream is not None and self.fused_logits is not None
+        result, deferred = self._postprocess(job, defer)
         job.timings.postprocess_ms = (self.clock.now_us() - t1) / 1000.0
         if isinstance(result, Status):
             job.output_status = result
@@ -254,7 +263,12 @@ class Completion:
                 job, result, min(tuning.ahead_arm_delay_s, ran_us / 4e6) if slow else 0.0)
             if fired is not None and slow:
                 self._until_submitted(job_of(fired))
-        if target != JOB_COMPLETING:  # cancelled after submit (FI12): result discarded
+        if deferred is not None:  # the row is written before anyone may read it
+            result = self._convert_deferred(job, result, deferred)
+        if isinstance(result, Status):  # (the conversion answered otherwise: not a result)
+            outcomes.count(result)
+            job.resolve(result)
+        elif target != JOB_COMPLETING:  # cancelled after submit (FI12): result discarded
             if job.run.state == JOB_CANCEL_REQUESTED:
                 job.run.send(JOB_EV_FAIL)
             outcomes.bump("cancelled")
@@ -271,6 +285,28 @@ class Completion:
             if not problem.ok:  # FI15: slot quarantined by the pool; the job's result stands
                 outcomes.faults.report(problem.with_context(**job.ctx()), job)
                 outcomes.check_pool(job)
+
+    def _convert_deferred(self, job: Job, result: InferenceResult,
+                          deferred: _Deferred) -> InferenceResult | Status:
+        """The conversion ``_postprocess(job, defer=True)`` left: the checked BF16 slice into
+        the result's row, the call the plain path makes, on the same bytes (the lease still
+        holds the output), so it answers as the check did. Its time is added to the job's
+        postprocess span. A different answer (only memory written behind the executor's back
+        could give one) is an internal error of this job, never a result."""
+        fused = self.fused_logits
+        if fused is None:  # (set at construction: a deferral implies it)
+            return Status.internal("postprocess", Phase.OUTPUT_CHECK, "no fused postprocess "
+                                   "for a deferred conversion", **job.ctx())
+        t0 = self.clock.now_us()
+        src, base, count, dst = deferred
+        rc = fused(src, base, count, dst)
+        job.timings.postprocess_ms += (self.clock.now_us() - t0) / 1000.0
+        if rc != 0 or fused.argmax != result.argmax:
+            return Status.internal("output_changed", Phase.OUTPUT_CHECK,
+                                   f"the logits slice converted after greedy ahead fired "
+                                   f"answers rc={rc} argmax={fused.argmax}; its check answered "
+                                   f"rc=0 argmax={result.argmax}", **job.ctx())
+        return result
 
     def _until_submitted(self, job: Job) -> None:
         """Greedy ahead: the completion thread just queued ``job`` (the next step of a
@@ -339,26 +375,37 @@ class Completion:
 
     def postprocess(self, job: Job) -> InferenceResult | Status:
         """Output size (FI09), finiteness (FI10), then the direct conversion (§10.1) and the
+        argmax (``_postprocess``)."""
+        return self._postprocess(job, False)[0]
+
+    def _postprocess(self, job: Job, defer: bool
+                     ) -> tuple[InferenceResult | Status, _Deferred | None]:
+        """Output size (FI09), finiteness (FI10), then the direct conversion (§10.1) and the
         argmax: fused in one native pass when the runtime offers it (``fused_logits``,
-        drivers/native; GIL released), else the numpy path. Same bits, same argmax."""
+        drivers/native; GIL released), else the numpy path. Same bits, same argmax.
+        ``defer`` (fused only): the pass checks and finds the argmax without writing the row,
+        and what the conversion needs comes back beside the result; ``_convert_deferred``
+        writes the result's ``logits`` with it, and must before the job is resolved."""
         lease, txn, gen = job.queued_parts()
         request, slot, sm = job.request, lease.slot, job.submodel
         outbuf, host_output, scratch = slot.outbuf, slot.host_output, slot.scratch
         if sm is None or outbuf is None or host_output is None or scratch is None:
-            return Status.internal("slot_incomplete", Phase.OUTPUT_CHECK, f"{job!r}: no "
-                                   "submodel, or its slot lost its buffers or storage",
-                                   **job.ctx())
+            return (Status.internal("slot_incomplete", Phase.OUTPUT_CHECK, f"{job!r}: no "
+                                    "submodel, or its slot lost its buffers or storage",
+                                    **job.ctx()), None)
         vocab = gen.contracts.vocab_size
         row = valid_logits_row(request.token_count, sm.logits_tile_d0)
         first, count = request.logits_range(vocab)
         base = row * vocab + first
         rc, valid_bytes = outbuf.valid_bytes()
         if rc != 0:
-            return Status.from_calrt(rc, Phase.OUTPUT_CHECK, "output valid bytes", **job.ctx())
+            return (Status.from_calrt(rc, Phase.OUTPUT_CHECK, "output valid bytes",
+                                      **job.ctx()), None)
         if valid_bytes < sm.logits.byte_size:
-            return Status.internal("output_short", Phase.OUTPUT_CHECK,
-                                   f"output {sm.logits.name!r} holds {valid_bytes} bytes, "
-                                   f"contract ByteSize is {sm.logits.byte_size}", **job.ctx())
+            return (Status.internal("output_short", Phase.OUTPUT_CHECK,
+                                    f"output {sm.logits.name!r} holds {valid_bytes} bytes, "
+                                    f"contract ByteSize is {sm.logits.byte_size}",
+                                    **job.ctx()), None)
         # the caller's array is written only by a job whose result it will take: a job
         # cancelled after submit (FI12: result discarded) is checked into a row of its own
         # (its KV commit still needs the output check). A cancel that comes after the claim
@@ -369,27 +416,30 @@ class Completion:
             dst = np.empty(count, np.float32)
         fused = self.fused_logits
         if fused is not None:
-            rc = fused(host_output, base, count, dst)
-            if rc == fused.NONFINITE:  # dst is partly written: not a result
-                return Status.internal("output_not_finite", Phase.OUTPUT_CHECK,
-                                       f"NaN/Inf in logits row {row} [{first}, {first + count}) "
-                                       f"at index {first + fused.first_nonfinite}", **job.ctx())
+            rc = fused.check(host_output, base, count, dst) if defer else fused(
+                host_output, base, count, dst)
+            if rc == fused.NONFINITE:  # dst may be partly written: not a result
+                return (Status.internal("output_not_finite", Phase.OUTPUT_CHECK,
+                                        f"NaN/Inf in logits row {row} [{first}, {first + count}) "
+                                        f"at index {first + fused.first_nonfinite}",
+                                        **job.ctx()), None)
             if rc != 0:  # §10.1 bounds or a short destination, refused before any access
-                return Status.internal("logits_slice", Phase.OUTPUT_CHECK,
-                                       f"logits slice base={base} n={count} refused ({rc}: "
-                                       f"{fused.RC_NAMES.get(rc)}) for an output of "
-                                       f"{host_output.shape[0]} elements and a "
-                                       f"destination of {dst.shape[0]}", **job.ctx())
+                return (Status.internal("logits_slice", Phase.OUTPUT_CHECK,
+                                        f"logits slice base={base} n={count} refused ({rc}: "
+                                        f"{fused.RC_NAMES.get(rc)}) for an output of "
+                                        f"{host_output.shape[0]} elements and a "
+                                        f"destination of {dst.shape[0]}", **job.ctx()), None)
             argmax = fused.argmax
         else:
             src = host_output[base:base + count]
             if not bf16_all_finite(src, scratch):
-                return Status.internal("output_not_finite", Phase.OUTPUT_CHECK,
-                                       f"NaN/Inf in logits row {row} [{first}, {first + count})",
-                                       **job.ctx())
+                return (Status.internal("output_not_finite", Phase.OUTPUT_CHECK,
+                                        f"NaN/Inf in logits row {row} [{first}, {first + count})",
+                                        **job.ctx()), None)
             bf16_to_f32_into(host_output, base, count, dst)
             argmax = int(np.argmax(dst[:count]))
+        deferred = (host_output, base, count, dst) if defer and fused is not None else None
         return InferenceResult(job_id=job.job_id, seq_id=request.seq_id,
                                generation=job.generation_id, kind=job.kind, logits=dst[:count],
                                argmax=argmax, kv_len=txn.target_len,
-                               timings=job.timings)
+                               timings=job.timings), deferred

@@ -160,6 +160,10 @@ class LogitsPostprocessor(Protocol):
 
     def __call__(self, src: np.ndarray, base: int, n: int, dst: np.ndarray, /) -> int: ...
 
+    def check(self, src: np.ndarray, base: int, n: int, dst: np.ndarray, /) -> int:
+        """``__call__`` without writing ``dst``: the same rc, argmax and first_nonfinite."""
+        ...
+
     @property
     def argmax(self) -> int:
         """This thread's last call: index within the slice of the first maximum."""

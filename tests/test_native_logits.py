@@ -46,7 +46,13 @@ def reference(src: np.ndarray, base: int, n: int):
 def check_against_numpy(src: np.ndarray, base: int, n: int) -> None:
     fused = FusedLogits()
     dst = np.full(n + 3, np.float32(5.5))  # 3 sentinels past the slice
+    # check (greedy ahead's first pass): the same answers, nothing written
+    rc = fused.check(src, base, n, dst)
+    checked = (rc, fused.argmax, fused.first_nonfinite, np.float32(fused.max).view(np.uint32))
+    assert np.all(dst == np.float32(5.5))
     rc = fused.with_sumexp(src, base, n, dst)
+    assert checked == (rc, fused.argmax, fused.first_nonfinite,
+                       np.float32(fused.max).view(np.uint32))
     finite, expected, index = reference(src, base, n)
     assert np.all(dst[n:] == np.float32(5.5))  # never a write past n
     if not finite:
@@ -144,6 +150,9 @@ def test_negative_slices_and_short_destinations_are_refused():
     assert fused(src, -1, 5, dst) == EBOUNDS
     assert fused(src, 0, -5, dst) == EBOUNDS
     assert fused(src, 0, 11, dst) == EDST
+    assert fused.check(src, -1, 5, dst) == EBOUNDS and fused.argmax == -1
+    assert fused.check(src, 0, 11, dst) == EDST  # checked as the conversion checks it
+    assert fused.check(src, 90, 10, dst) == OK and fused.argmax == 0
     assert np.all(dst == np.float32(5.5))
     assert fused(src, 90, 10, dst) == OK and np.all(dst == 0.0)
 

@@ -266,3 +266,86 @@ def test_a_logits_slice_fires_the_token_id_not_the_index_in_the_slice(calbin):
         stream.close()
         drain_stepped(ex)
         assert_released(ex, 1)
+
+
+class _ChangesTheBytesBeforeConverting:
+    """The runtime's fused postprocess, except that before the ``when``-th conversion that
+    follows a check (greedy ahead's deferred conversion) it writes a new maximum into the
+    checked BF16 slice: memory changed behind the executor's back between the two passes."""
+
+    def __init__(self, fused, when: int) -> None:
+        self.fused, self.when, self.checked, self.changed = fused, when, None, 0
+        self.NONFINITE, self.RC_NAMES = fused.NONFINITE, fused.RC_NAMES
+
+    def check(self, src, base, n, dst):
+        self.checked = (src, base, n)
+        return self.fused.check(src, base, n, dst)
+
+    def __call__(self, src, base, n, dst):
+        if self.checked == (src, base, n):
+            self.checked = None
+            self.when -= 1
+            if self.when == 0:
+                src[base + (self.fused.argmax + 1) % n] = 0x7F00  # a larger finite value
+                self.changed += 1
+        return self.fused(src, base, n, dst)
+
+    @property
+    def argmax(self):
+        return self.fused.argmax
+
+    @property
+    def first_nonfinite(self):
+        return self.fused.first_nonfinite
+
+
+class _Runtime:
+    """The emulator's runtime with ``_ChangesTheBytesBeforeConverting`` as its postprocess."""
+
+    def __init__(self, runtime, when: int) -> None:
+        self._runtime = runtime
+        self.postprocess = _ChangesTheBytesBeforeConverting(runtime.logits_postprocessor(), when)
+
+    def logits_postprocessor(self):
+        return self.postprocess
+
+    def __getattr__(self, name):
+        return getattr(self._runtime, name)
+
+
+def test_a_deferred_conversion_that_answers_otherwise_fails_its_step_not_the_stream_s_bytes(
+        calbin):
+    """Greedy ahead checks job N's slice and fires N+1 with its argmax, then converts N's row
+    (stop 42). Both passes read bytes the lease still holds, so they answer alike; if they did
+    not (memory written behind the executor's back), N must not be delivered with a row that
+    disagrees with the token already fired: N fails ``output_changed`` (an internal error
+    naming both answers) and everything is released as after any failed step."""
+    from calexec.drivers.calrt.runtime import CalRT
+    from calexec.machines.executor import DeviceExecutor, ExecutorConfig
+    from calexec.machines.faults import RecordingFaultSink
+    from executor_harness import MANIFEST
+
+    runtime = _Runtime(CalRT.load(), when=3)
+    ex = DeviceExecutor(runtime, MANIFEST, ExecutorConfig(calbin_path=calbin, threads=False),
+                        fault_sink=RecordingFaultSink())
+    assert ex.start().ok
+    try:
+        row = np.empty(ex.generation.vocab_size, np.float32)
+        stream, token = open_stepped(ex, 1, 8, logits_out=row)
+        out, failed = [token], None
+        for _ in range(5):
+            result = stream.step(out[-1])
+            if isinstance(result, Status):
+                failed = result
+                break
+            assert np.array_equal(row, oracle_logits(PROMPT, out))  # the steps before: intact
+            out.append(result.argmax)
+        assert runtime.postprocess.changed == 1
+        assert failed is not None and failed.code == "internal.output_changed", failed
+        assert failed.category == Category.INTERNAL and "argmax=" in failed.message
+        assert len(out) == 3  # steps 1 and 2 delivered, step 3 failed
+        stream.close()
+        drain_stepped(ex)
+        assert_released(ex, 1)
+    finally:
+        ex.shutdown(grace=5.0)

@@ -113,6 +113,8 @@ int calexec_bf16_logits(const uint16_t *src, size_t size, size_t base, size_t n,
     out->first_nonfinite = -1;
     out->max = -INFINITY;
     out->sumexp = 0.0;
+    if ((flags & CALEXEC_LOGITS_NOSTORE) && (flags & CALEXEC_LOGITS_SUMEXP))
+        return CALEXEC_LOGITS_EFLAGS;
     if (base > size || n > size - base)
         return CALEXEC_LOGITS_EBOUNDS;
     if (n > dst_len)
@@ -123,6 +125,7 @@ int calexec_bf16_logits(const uint16_t *src, size_t size, size_t base, size_t n,
         return CALEXEC_LOGITS_ENULL;
     const uint16_t *s = src + base;
     const int want_sumexp = (flags & CALEXEC_LOGITS_SUMEXP) != 0;
+    const int store = (flags & CALEXEC_LOGITS_NOSTORE) == 0;
     int32_t best_key = INT32_MIN;
     size_t best = 0;
     float run_max = -INFINITY;
@@ -134,13 +137,23 @@ int calexec_bf16_logits(const uint16_t *src, size_t size, size_t base, size_t n,
         /* 16-bit lanes: NaN/Inf iff the magnitude bits are >= 0x7F80 (exponent all ones) */
         uint16_t mag_max = 0;
         int16_t bmax = INT16_MIN;
-        for (size_t j = 0; j < len; j++) {
-            const uint16_t b = bs[j];
-            bd[j] = bf16_value(b);
-            const uint16_t mag = (uint16_t)(b & 0x7FFFu);
-            mag_max = mag > mag_max ? mag : mag_max;
-            const int16_t k = bf16_key(b);
-            bmax = k > bmax ? k : bmax;
+        if (store) {
+            for (size_t j = 0; j < len; j++) {
+                const uint16_t b = bs[j];
+                bd[j] = bf16_value(b);
+                const uint16_t mag = (uint16_t)(b & 0x7FFFu);
+                mag_max = mag > mag_max ? mag : mag_max;
+                const int16_t k = bf16_key(b);
+                bmax = k > bmax ? k : bmax;
+            }
+        } else {  /* the same loop without the store (two loops: each one vectorises) */
+            for (size_t j = 0; j < len; j++) {
+                const uint16_t b = bs[j];
+                const uint16_t mag = (uint16_t)(b & 0x7FFFu);
+                mag_max = mag > mag_max ? mag : mag_max;
+                const int16_t k = bf16_key(b);
+                bmax = k > bmax ? k : bmax;
+            }
         }
         if (mag_max >= 0x7F80u) {
             for (size_t j = 0; j < len; j++) {

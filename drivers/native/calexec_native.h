@@ -11,7 +11,12 @@
  *     the FP32 values (-0 == +0, first occurrence wins); out->max: that value;
  *   - with CALEXEC_LOGITS_SUMEXP in flags, out->sumexp: sum over the slice of exp(x - max),
  *     accumulated in double per block (relative error about 1e-6: what sampling and
- *     logprobs need, not bit-reproducible across machines).
+ *     logprobs need, not bit-reproducible across machines);
+ *   - with CALEXEC_LOGITS_NOSTORE in flags, dst is not written (its arguments are checked as
+ *     always): the finiteness check, argmax and max alone, reading only the BF16 bytes (half
+ *     the memory traffic; greedy ahead's token, with the conversion done later by a second
+ *     call without the flag, which answers the same). NOSTORE with SUMEXP (the sum reads the
+ *     FP32 values) is refused with CALEXEC_LOGITS_EFLAGS before anything is read.
  * Bounds (§10.1): refused with CALEXEC_LOGITS_EBOUNDS unless base <= size and n <= size - base
  * (no overflow), with CALEXEC_LOGITS_EDST unless n <= dst_len; nothing is read or written
  * then. n == 0 is valid: argmax -1, max -Inf, sumexp 0. No allocation, no global state,
@@ -28,11 +33,13 @@ enum calexec_logits_rc {
     CALEXEC_LOGITS_EBOUNDS = 1,
     CALEXEC_LOGITS_EDST = 2,
     CALEXEC_LOGITS_NONFINITE = 3,
-    CALEXEC_LOGITS_ENULL = 4
+    CALEXEC_LOGITS_ENULL = 4,
+    CALEXEC_LOGITS_EFLAGS = 5
 };
 
 enum calexec_logits_flags {
-    CALEXEC_LOGITS_SUMEXP = 1
+    CALEXEC_LOGITS_SUMEXP = 1,
+    CALEXEC_LOGITS_NOSTORE = 2
 };
 
 typedef struct calexec_logits_stats {

@@ -45,8 +45,26 @@ static int one_case(size_t size, size_t base, size_t n, int specials) {
         if (!specials && (src[i] & 0x7F80u) == 0x7F80u)
             src[i] &= 0xBFFFu; /* finite */
     }
-    calexec_logits_stats st;
+    calexec_logits_stats st, ns;
+    /* NOSTORE first: the same answers, dst untouched (a sentinel pattern stays) */
+    memset(dst, 0xA5, n * sizeof *dst);
+    int nrc = calexec_bf16_logits(src, size, base, n, dst, n, CALEXEC_LOGITS_NOSTORE, &ns);
+    for (size_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, &dst[i], sizeof u);
+        if (u != 0xA5A5A5A5u) {
+            free(src);
+            free(dst);
+            return fail("NOSTORE wrote the destination", size, base, n);
+        }
+    }
     int rc = calexec_bf16_logits(src, size, base, n, dst, n, CALEXEC_LOGITS_SUMEXP, &st);
+    if (nrc != rc || ns.argmax != st.argmax || ns.first_nonfinite != st.first_nonfinite
+        || memcmp(&ns.max, &st.max, sizeof ns.max) != 0) {
+        free(src);
+        free(dst);
+        return fail("NOSTORE answers otherwise than the conversion", size, base, n);
+    }
     long long bad = -1, best = -1;
     float best_v = 0.0f;
     for (size_t i = 0; i < n && bad < 0; i++) {
@@ -95,6 +113,10 @@ int main(void) {
         return fail("short destination not refused", 8, 0, 4);
     if (calexec_bf16_logits(NULL, 0, 0, 0, NULL, 0, 0, &st) != CALEXEC_LOGITS_OK || st.argmax != -1)
         return fail("empty slice", 0, 0, 0);
+    if (calexec_bf16_logits(NULL, 4, 0, 1, NULL, 1,
+                            CALEXEC_LOGITS_NOSTORE | CALEXEC_LOGITS_SUMEXP, &st)
+        != CALEXEC_LOGITS_EFLAGS)
+        return fail("NOSTORE with SUMEXP not refused", 4, 0, 1);
     if (calexec_bf16_logits(NULL, 4, 0, 1, NULL, 1, 0, NULL) != CALEXEC_LOGITS_ENULL)
         return fail("NULL stats", 4, 0, 1);
     for (int iter = 0; iter < 3000; iter++) {

@@ -35,10 +35,13 @@ EBOUNDS = _lib.CALEXEC_LOGITS_EBOUNDS
 EDST = _lib.CALEXEC_LOGITS_EDST
 NONFINITE = _lib.CALEXEC_LOGITS_NONFINITE
 ENULL = _lib.CALEXEC_LOGITS_ENULL
+EFLAGS = _lib.CALEXEC_LOGITS_EFLAGS
 SUMEXP = _lib.CALEXEC_LOGITS_SUMEXP
+NOSTORE = _lib.CALEXEC_LOGITS_NOSTORE
 
 RC_NAMES = {OK: "ok", EBOUNDS: "slice out of bounds", EDST: "destination too short",
-            NONFINITE: "NaN/Inf in the slice", ENULL: "null pointer"}
+            NONFINITE: "NaN/Inf in the slice", ENULL: "null pointer",
+            EFLAGS: "flags that do not go together"}
 
 #: arrays whose pointer is kept per role (sources: the slots' output arrays, 2 per task kind by
 #: default; destinations: the callers' rows). A kept array stays alive until replaced.
@@ -51,7 +54,7 @@ class FusedLogits:
     """``calexec_bf16_logits`` with cached pointers and per-thread out-parameters."""
 
     # the rc values, for callers that import no cffi module (machines/)
-    OK, EBOUNDS, EDST, NONFINITE, ENULL = OK, EBOUNDS, EDST, NONFINITE, ENULL
+    OK, EBOUNDS, EDST, NONFINITE, ENULL, EFLAGS = OK, EBOUNDS, EDST, NONFINITE, ENULL, EFLAGS
     RC_NAMES = RC_NAMES
 
     __slots__ = ("_src", "_dst", "_next", "_local")
@@ -110,6 +113,20 @@ class FusedLogits:
         s = self._ptr(self._src, src, _U16, "src")
         d = self._ptr(self._dst, dst, _F32, "dst")
         return _lib.calexec_bf16_logits(s[1], s[2], base, n, d[1], d[2], 0, stats)
+
+    def check(self, src: np.ndarray, base: int, n: int, dst: np.ndarray) -> int:
+        """``__call__`` without writing ``dst`` (its arguments are checked all the same): the
+        finiteness check, ``argmax`` and ``max`` alone, reading only the BF16 bytes (about half
+        the time of the conversion on a row not in cache). Greedy ahead fires its next step
+        with this argmax; the conversion (``__call__`` on the same arguments, which answers the
+        same) follows, off the critical path, before the caller is woken."""
+        stats = self._stats()
+        if base < 0 or n < 0:
+            stats.argmax = stats.first_nonfinite = -1
+            return EBOUNDS
+        s = self._ptr(self._src, src, _U16, "src")
+        d = self._ptr(self._dst, dst, _F32, "dst")
+        return _lib.calexec_bf16_logits(s[1], s[2], base, n, d[1], d[2], NOSTORE, stats)
 
     def with_sumexp(self, src: np.ndarray, base: int, n: int, dst: np.ndarray) -> int:
         """``__call__`` plus the sum of ``exp(x - max)`` over the slice (``sumexp``), what
