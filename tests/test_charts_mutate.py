@@ -180,7 +180,7 @@ def test_mutant_that_never_reaches_the_chart_is_an_error(tmp_path, capsys):
         (["--chart", "door:Door", "--test-cmd", "no-such-test-runner -q"],
          "--test-cmd 'no-such-test-runner -q': cannot run 'no-such-test-runner'"),
         (["--chart", "door:Door", "--test-cmd", "true", "--report", "/proc/no/such/dir"],
-         "--report='/proc/no/such/dir': cannot write "),
+         "--report='/proc/no/such/dir': cannot make the directory: "),
         (["--chart", "door:Door", "--test-cmd", "true", "--timeout", "-1"],
          "--timeout -1.0: must be a number of seconds > 0"),
         (["--chart", "door:Door", "--test-cmd", "true", "--error-codes", "three"],

@@ -571,7 +571,29 @@ def test_a_report_directory_that_cannot_be_made_is_refused_before_the_run(argv, 
     done = calexec(*argv, "--report", str(file))
     line = one_line(done.stderr)  # (no progress line: nothing ran)
     assert done.returncode == 2, (done.returncode, done.stderr)
-    assert f"--report='{file}': cannot make the directory" in line, line
+    assert line.endswith(f"--report='{file}': not a directory"), line
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["diagrams", "--out", "{file}"], "--out"),
+    (["diagrams", "--out", "{tmp}/out", "--png", "{file}"], "--png"),
+    (["charts", "draw", "calexec.machines.charts:JobChart", "--out", "{file}"], "--out"),
+    (["charts", "mutate", "--chart", "job", "--test-cmd", "true", "--report", "{file}"],
+     "--report"),
+    (["serve", "--once", "--dump-dir", "{file}"], "--dump-dir"),
+])
+def test_an_output_directory_that_is_a_regular_file_is_not_a_directory(argv, flag, tmp_path):
+    """An output directory flag naming an existing regular file said the OS's 'File exists'
+    (from makedirs; charts draw, diagrams: 'cannot write it: File exists'): one line naming
+    the flag and its value, 'not a directory', exit 2, before anything is written."""
+    file = tmp_path / "x.txt"
+    file.write_text("x\n")
+    argv = [a.format(tmp=tmp_path, file=file) for a in argv]
+    done = calexec(*argv)
+    line = one_line(done.stderr)
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert line == f"calexec {cli.lookup(argv)}: {flag}='{file}': not a directory", line
+    assert file.read_text() == "x\n"
 
 
 def test_conform_only_repeated_runs_the_experiment_once():

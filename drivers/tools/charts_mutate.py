@@ -54,6 +54,8 @@ CALEXEC_CHARTS = {
     "lifecycle": "calexec.machines.charts:LifecycleChart",
     "buffer_slot": "calexec.machines.charts:BufferSlotChart",
 }
+#: the files ``--report DIR`` gets
+REPORT_FILES = ("mutation.md", "mutation.json")
 #: The model-based tests of calexec's charts at a fast size: the charts on both forms, the
 #: generated paths on bare charts and through the executor (job, KV txn, lifecycle), the
 #: chart rules proved through the executor (tests/test_chart_rules_*.py: one test per rule
@@ -417,16 +419,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--test-cmd {command_text!r}: empty command")
         if args.report:
             try:  # before the run, not after it: a report that cannot be written is bad input
-                Path(args.report).mkdir(parents=True, exist_ok=True)
-            except (OSError, ValueError) as err:
-                raise ValueError(str(cliargs.cannot_write(args.report, err, "--report"))) from None
-            if not os.access(args.report, os.W_OK):
-                raise ValueError(f"--report {args.report!r}: not writable")
-            for name in ("mutation.md", "mutation.json"):  # (not a directory, say)
-                try:
-                    cliargs.writable_file("--report", Path(args.report) / name, args.report)
-                except cliargs.UserError as err:
-                    raise ValueError(str(err)) from None
+                cliargs.output_dir("--report", args.report, REPORT_FILES)
+            except cliargs.UserError as err:
+                raise ValueError(str(err)) from None
         chosen = select_mutants(charts, args)
         equivalent_path = Path(args.equivalent) if args.equivalent else (
             cwd / DEFAULT_EQUIVALENT if args.test_cmd is None and own else None)
@@ -520,9 +515,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.report:  # (checked before the run; what changed since is still one line, exit 2)
         out = Path(args.report)
         try:
-            out.mkdir(parents=True, exist_ok=True)
+            cliargs.make_dir("--report", out)
             (out / "mutation.md").write_text(text)
             (out / "mutation.json").write_text(json.dumps(report, indent=2) + "\n")
+        except cliargs.UserError as err:
+            unwritten = err
         except OSError as err:
             unwritten = cliargs.cannot_write(args.report, err, "--report")
     print(json.dumps(report, indent=2) if args.json else text)  # the run's result, whatever
