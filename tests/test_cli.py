@@ -12,6 +12,7 @@ import argparse
 import importlib
 import io
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -594,6 +595,39 @@ def test_an_output_directory_that_is_a_regular_file_is_not_a_directory(argv, fla
     assert done.returncode == 2, (done.returncode, done.stderr)
     assert line == f"calexec {cli.lookup(argv)}: {flag}='{file}': not a directory", line
     assert file.read_text() == "x\n"
+
+
+def _unwritable_dump_dir(tmp_path: Path, how: str) -> Path:
+    if how == "read-only directory":  # (root writes into a 0555 directory all the same)
+        if os.geteuid() == 0:
+            pytest.skip("root writes into a 0555 directory; the /sys case covers root")
+        directory = tmp_path / "ro"
+        directory.mkdir()
+        directory.chmod(0o555)
+        return directory
+    if not Path("/sys").is_dir():
+        pytest.skip("needs Linux's /sys")
+    return Path("/sys")  # sysfs: no one, root included, makes a file there
+
+
+@pytest.mark.parametrize("how", ["read-only directory", "/sys"])
+def test_a_dump_dir_nothing_can_be_written_to_is_refused_before_the_server_binds(how,
+                                                                                 tmp_path):
+    """``serve --dump-dir`` a directory where no file can be made: the server started and
+    served, each request's record dropped with a warning; refused at start in one line naming
+    the flag, its value and the OS's reason, exit 2, before the sample request."""
+    directory = _unwritable_dump_dir(tmp_path, how)
+    try:
+        done = calexec("serve", "--once", "--dump-dir", str(directory))
+    finally:
+        if directory != Path("/sys"):
+            directory.chmod(0o755)
+    line = one_line(done.stderr)
+    assert done.returncode == 2 and done.stdout == "", (done.returncode, done.stdout,
+                                                        done.stderr)
+    assert line.startswith(f"calexec serve: --dump-dir='{directory}': cannot write "
+                           f"'{directory}/calexec-dump-"), line
+    assert line.endswith(("Permission denied", "Read-only file system")), line
 
 
 def test_conform_only_repeated_runs_the_experiment_once():
