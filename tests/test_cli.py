@@ -514,6 +514,8 @@ def test_conform_with_a_library_that_is_not_calrt_is_exit_2(tmp_path):
     (["sim", "write-calbin", "{tmp}/c.calbin", "--hidden", "0"], "argument --hidden: "),
     # "not a calbin: header is ..."
     (["accept", "--gates", "correctness", "--calbin", "{file}"], "--calbin='{file}': "),
+    # "--lib '...' does not exist": the one flag of conform not in cliargs' style
+    (["conform", "--lib", "{tmp}/none.so"], "--lib='{tmp}/none.so': does not exist"),
     # served, exit 0: every response said "model": ""
     (["serve", "--once", "--served-model-name", " "], "--served-model-name=' ': "),
 ])
