@@ -14,6 +14,9 @@
 - :func:`cannot_write` / :func:`writable_file`: output a command cannot write (a report, a
   diagram, a PNG, stdout): one line naming the path (or ``stdout``) and the OS error, exit 2;
   ``writable_file`` finds it out before a long run.
+- :func:`make_dir` / :func:`output_dir` / :func:`cannot_make_dir`: an output directory flag
+  (``--out``, ``--report``, ``--dump-dir``) whose directory cannot be made: one line naming
+  the flag and its value, ``not a directory`` when a file is there, exit 2.
 
 Exit codes, the same for every subcommand: 0 success; 1 the command ran and its check failed
 (a gate, a stale diagram, an oracle mismatch); 2 bad usage or configuration (named in the
@@ -162,15 +165,35 @@ def positive_float(text: str) -> float:
     return value
 
 
-def output_dir(flag: str, path: str, files: tuple[str, ...] = ()) -> None:
-    """Make the directory a command writes its report into, before the run (a run can last
-    hours), and check that each of ``files`` in it can be written (:func:`writable_file`):
-    one line naming ``flag`` and ``path`` (UserError, exit 2) when not."""
+def cannot_make_dir(flag: str, path: str | os.PathLike[str], exc: BaseException) -> UserError:
+    """The :class:`UserError` (exit 2) of an output directory ``flag`` names that cannot be
+    made, to raise ``from None``: one line naming ``flag`` and ``path``; "not a directory"
+    when something else is there already (the OS says "File exists"), else the OS error::
+
+        --out='x.txt': not a directory
+        --report='/proc/x': cannot make the directory: No such file or directory
+    """
+    given = os.fsdecode(path)
+    if isinstance(exc, FileExistsError):  # (makedirs with exist_ok: only a non-directory)
+        return UserError(f"{flag}={given!r}: not a directory")
+    return UserError(f"{flag}={given!r}: cannot make the directory: "
+                     f"{getattr(exc, 'strerror', None) or exc}")
+
+
+def make_dir(flag: str, path: str | os.PathLike[str]) -> None:
+    """Make the output directory ``flag`` names (with its parents), or raise
+    :func:`cannot_make_dir`'s error."""
     try:
         os.makedirs(path, exist_ok=True)
     except (OSError, ValueError) as exc:  # (ValueError: a NUL in the path)
-        raise UserError(f"{flag}={path!r}: cannot make the directory: "
-                        f"{getattr(exc, 'strerror', None) or exc}") from None
+        raise cannot_make_dir(flag, path, exc) from None
+
+
+def output_dir(flag: str, path: str, files: tuple[str, ...] = ()) -> None:
+    """Make the directory a command writes its report into, before the run (a run can last
+    hours), and check that each of ``files`` in it can be written (:func:`writable_file`):
+    one line naming ``flag`` and ``path`` (UserError, exit 2) when not (:func:`make_dir`)."""
+    make_dir(flag, path)
     for name in files:
         writable_file(flag, os.path.join(path, name), path)
 

@@ -235,9 +235,15 @@ def main(argv: list[str]) -> int:
         try:
             dump = None if args.dump_dir is None else DumpSink(
                 args.dump_dir.absolute(), args.dump_max_bytes, include_content=args.dump_prompts)
-        except (OSError, DumpConfigError) as err:
-            raise ValueError(f"--dump-dir={str(args.dump_dir)!r}: "
-                             f"{getattr(err, 'strerror', None) or err}") from None
+        except DumpConfigError as err:
+            raise ValueError(f"--dump-dir={str(args.dump_dir)!r}: {err}") from None
+        except OSError as err:  # its directory cannot be made (a file there: not a directory)
+            raise ValueError(str(cliargs.cannot_make_dir("--dump-dir", args.dump_dir, err))) from None
+        if dump is not None:  # a directory no file can be made in: refused now, not a warning
+            try:                # and a dropped record per request once serving
+                cliargs.writable_file("--dump-dir", dump.path, args.dump_dir)
+            except cliargs.UserError as err:
+                raise ValueError(str(err)) from None
         if args.timeout > MAX_TIMEOUT_S:  # refused here, not per request blaming the client
             raise ValueError(f"--timeout={args.timeout:g}: above the server's largest request "
                              f"deadline, max_timeout_s={MAX_TIMEOUT_S:g}")

@@ -97,7 +97,8 @@ def _configure_contracts(config: pytest.Config) -> None:
         try:
             charts.append(load_chart(ref, str(config.invocation_params.dir)))
         except (ChartRefError, UnsupportedChart, ValueError) as err:
-            raise pytest.UsageError(f"--chart-contracts {err}") from None
+            reason = err.reason if isinstance(err, ChartRefError) else err
+            raise pytest.UsageError(f"--chart-contracts={ref!r}: {reason}") from None
     try:
         config.stash[_CONTRACTS] = enable_contracts(*charts)
     except (UnsupportedChart, ValueError, TypeError) as err:
@@ -134,14 +135,19 @@ def pytest_configure(config: pytest.Config) -> None:
             declaration = load_chart(ref, str(config.invocation_params.dir))
             first = named.setdefault(declaration.__name__, (ref, declaration))
             if first[1] is not declaration:
-                raise ValueError(f"{ref!r} and {first[0]!r}: two charts named "
-                                 f"{declaration.__name__} (coverage counts transitions by "
-                                 f"chart name); give one class another name")
-            undo.append(track(declaration, recorder))
+                problem = (f"--chart-coverage={ref!r} and --chart-coverage={first[0]!r}: two "
+                           f"charts named {declaration.__name__} (coverage counts transitions "
+                           f"by chart name); give one class another name")
+            else:
+                undo.append(track(declaration, recorder))
+                problem = None
         except (ChartRefError, UnsupportedChart, ValueError) as err:
+            reason = err.reason if isinstance(err, ChartRefError) else err
+            problem = f"--chart-coverage={ref!r}: {reason}"
+        if problem is not None:
             for done in undo:
                 done()
-            raise pytest.UsageError(f"--chart-coverage {err}") from None
+            raise pytest.UsageError(problem)
         charts.append(declaration)
     config.stash[_STATE] = _Session(charts, recorder, minimum, whole_suite_only, undo)
 

@@ -265,7 +265,8 @@ def test_the_pytest_option_turns_a_projects_contracts_on(tmp_path):
         in on.stdout
     bad = subprocess.run([*command, "--chart-contracts=door_chart:Nope"], cwd=tmp_path,
                          env=env, capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 4 and "has no attribute 'Nope'" in bad.stderr, bad.stderr[-500:]
+    assert bad.returncode == 4 and ("--chart-contracts='door_chart:Nope': module 'door_chart' "
+                                    "has no attribute 'Nope'") in bad.stderr, bad.stderr[-500:]
 
 
 class Hatch(StateMachine):

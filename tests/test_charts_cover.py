@@ -159,4 +159,5 @@ def test_two_charts_of_the_same_name_are_refused_by_cover_and_the_plugin(project
                              f"--chart-coverage=other_{module}:Light"],
                             capture_output=True, text=True, timeout=120)
     assert plugin.returncode == 4, plugin.stdout + plugin.stderr
-    assert "two charts named Light" in plugin.stderr, plugin.stderr
+    assert (f"--chart-coverage='other_{module}:Light' and --chart-coverage='{module}:Light': "
+            "two charts named Light") in plugin.stderr, plugin.stderr

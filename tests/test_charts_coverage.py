@@ -193,8 +193,8 @@ def test_command_line_gate_counts_real_instances_of_a_user_chart(tmp_path):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (("--chart-coverage=kettle",), "--chart-coverage 'kettle': expected MODULE:CLASS"),
-        (("--chart-coverage=nowhere:Kettle",), "--chart-coverage 'nowhere:Kettle': cannot import"),
+        (("--chart-coverage=kettle",), "--chart-coverage='kettle': expected MODULE:CLASS"),
+        (("--chart-coverage=nowhere:Kettle",), "--chart-coverage='nowhere:Kettle': cannot import"),
         (("--chart-coverage=kettle:Pot",), "module 'kettle' has no attribute 'Pot'"),
         (("--chart-coverage=kettle:Kettle", "--chart-coverage-min=120"),
          "--chart-coverage-min='120.0': expected a percentage"),

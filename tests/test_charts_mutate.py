@@ -164,29 +164,30 @@ def test_mutant_that_never_reaches_the_chart_is_an_error(tmp_path, capsys):
     [
         (["--chart", "door:Door", "--mutant", "drop:nowhere"], "--test-cmd is required"),
         (["--chart", "door:Door", "--test-cmd", "true", "--mutant", "drop:nowhere"],
-         "--mutant 'drop:nowhere': no such mutant"),
-        (["--chart", "door:Nope", "--test-cmd", "true"], "module 'door' has no attribute 'Nope'"),
+         "--mutant='drop:nowhere': no such mutant"),
+        (["--chart", "door:Nope", "--test-cmd", "true"],
+         "--chart='door:Nope': module 'door' has no attribute 'Nope'"),
         (["--chart", "nosuchmodule:Door", "--test-cmd", "true"], "cannot import module"),
-        (["--chart", "door", "--test-cmd", "true"], "expected one of job, kv_txn"),
+        (["--chart", "door", "--test-cmd", "true"], "--chart='door': expected one of job, kv_txn"),
         (["--chart", "door:Door", "--test-cmd", "false"], "fails without any mutant"),
         (["--chart", "door:Door", "--test-cmd", "true", "--equivalent", "door.py"],
-         "--equivalent"),
+         "--equivalent='"),
         (["--chart", "door:Door", "--test-cmd", "true", "--first-failure"],
          "--first-failure applies to calexec's default command"),
         # found as a newcomer: an empty --test-cmd ran calexec's own default command, a
         # command not found and an unwritable --report (after the whole run) were internal
         # errors (exit 70), a negative --timeout judged every mutant an error
-        (["--chart", "door:Door", "--test-cmd", ""], "--test-cmd '': empty command"),
+        (["--chart", "door:Door", "--test-cmd", ""], "--test-cmd='': empty command"),
         (["--chart", "door:Door", "--test-cmd", "no-such-test-runner -q"],
-         "--test-cmd 'no-such-test-runner -q': cannot run 'no-such-test-runner'"),
+         "--test-cmd='no-such-test-runner -q': cannot run 'no-such-test-runner'"),
         (["--chart", "door:Door", "--test-cmd", "true", "--report", "/proc/no/such/dir"],
-         "--report='/proc/no/such/dir': cannot write "),
+         "--report='/proc/no/such/dir': cannot make the directory: "),
         (["--chart", "door:Door", "--test-cmd", "true", "--timeout", "-1"],
-         "--timeout -1.0: must be a number of seconds > 0"),
+         "--timeout=-1.0: must be a number of seconds > 0"),
         (["--chart", "door:Door", "--test-cmd", "true", "--error-codes", "three"],
-         "--error-codes 'three': expected exit codes"),
+         "--error-codes='three': expected exit codes"),
         (["--chart", "door:Door", "--test-cmd", "python -c 'pass"],
-         "--test-cmd \"python -c 'pass\": No closing quotation"),
+         "--test-cmd=\"python -c 'pass\": No closing quotation"),
         # 'mutant = 5' (not [[mutant]] tables) was internal error TypeError, exit 70
         (["--chart", "door:Door", "--test-cmd", "true", "--equivalent", "not_tables.toml"],
          "'mutant' must be [[mutant]] tables (chart, id, reason), not int 5"),
@@ -197,11 +198,11 @@ def test_mutant_that_never_reaches_the_chart_is_an_error(tmp_path, capsys):
         # a score is a percentage: --fail-under 150 ran every mutant, then failed whatever
         # they did; -5 and nan passed whatever they did
         (["door:Door", "--test-cmd", "true", "--fail-under", "150"],
-         "--fail-under 150: expected a percentage (0-100)"),
+         "--fail-under=150: expected a percentage (0-100)"),
         (["door:Door", "--test-cmd", "true", "--fail-under=-5"],
-         "--fail-under -5: expected a percentage (0-100)"),
+         "--fail-under=-5: expected a percentage (0-100)"),
         (["door:Door", "--test-cmd", "true", "--fail-under", "nan"],
-         "--fail-under nan: expected a percentage (0-100)"),
+         "--fail-under=nan: expected a percentage (0-100)"),
     ],
     ids=["no-test-cmd", "unknown-mutant", "not-a-chart", "no-module", "bad-spec", "red-baseline",
          "bad-equivalent-list", "first-failure-with-own-command", "empty-test-cmd",
@@ -217,6 +218,29 @@ def test_bad_arguments_are_named(tmp_path, capsys, args, message):
     assert status == 2
     assert message in out.err
     assert "Traceback" not in out.err and out.out == ""
+
+
+@pytest.mark.parametrize("name, content", [
+    ("a_directory", None),  # refused by cliargs.read_small_text
+    ("bad.toml", "mutant = [\n"),  # the rest by load_equivalents itself
+    ("not_tables.toml", "mutant = 5\n"),
+    ("no_reason.toml", '[[mutant]]\nchart = "door"\nid = "drop:x"\n'),
+])
+def test_every_equivalent_list_refusal_names_it_as_flag_equals_value(tmp_path, capsys, name,
+                                                                      content):
+    """``--equivalent`` errors read ``--equivalent='F': ...`` (a directory, a FIFO: cliargs'
+    style) or ``--equivalent 'F': ...`` (bad TOML, no [[mutant]] tables, a field missing): one
+    style, cliargs' ``--flag='value'``, for every refusal."""
+    _door_project(tmp_path)
+    path = tmp_path / name
+    if content is None:
+        path.mkdir()
+    else:
+        path.write_text(content)
+    status, out = _mutate(capsys, tmp_path, "--chart", "door:Door", "--test-cmd", "true",
+                          "--equivalent", name)
+    assert status == 2, out.err
+    assert out.err.startswith(f"calexec charts mutate: --equivalent={str(path)!r}: "), out.err
 
 
 def test_a_report_file_that_is_a_directory_is_refused_before_the_run(tmp_path, capsys):
@@ -255,7 +279,7 @@ def test_a_report_that_cannot_be_written_after_the_run_is_one_line_and_the_run_i
 def test_cwd_that_is_not_a_directory_is_named(tmp_path, capsys):
     status, out = _mutate(capsys, tmp_path / "nowhere", "--chart", "job", "--test-cmd", "true")
     assert status == 2
-    assert f"--cwd {str(tmp_path / 'nowhere')!r}: not a directory" in out.err
+    assert f"--cwd={str(tmp_path / 'nowhere')!r}: not a directory" in out.err
 
 
 def _light():

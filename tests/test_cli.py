@@ -12,6 +12,7 @@ import argparse
 import importlib
 import io
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -513,6 +514,8 @@ def test_conform_with_a_library_that_is_not_calrt_is_exit_2(tmp_path):
     (["sim", "write-calbin", "{tmp}/c.calbin", "--hidden", "0"], "argument --hidden: "),
     # "not a calbin: header is ..."
     (["accept", "--gates", "correctness", "--calbin", "{file}"], "--calbin='{file}': "),
+    # "--lib '...' does not exist": the one flag of conform not in cliargs' style
+    (["conform", "--lib", "{tmp}/none.so"], "--lib='{tmp}/none.so': does not exist"),
     # served, exit 0: every response said "model": ""
     (["serve", "--once", "--served-model-name", " "], "--served-model-name=' ': "),
 ])
@@ -571,7 +574,62 @@ def test_a_report_directory_that_cannot_be_made_is_refused_before_the_run(argv, 
     done = calexec(*argv, "--report", str(file))
     line = one_line(done.stderr)  # (no progress line: nothing ran)
     assert done.returncode == 2, (done.returncode, done.stderr)
-    assert f"--report='{file}': cannot make the directory" in line, line
+    assert line.endswith(f"--report='{file}': not a directory"), line
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["diagrams", "--out", "{file}"], "--out"),
+    (["diagrams", "--out", "{tmp}/out", "--png", "{file}"], "--png"),
+    (["charts", "draw", "calexec.machines.charts:JobChart", "--out", "{file}"], "--out"),
+    (["charts", "mutate", "--chart", "job", "--test-cmd", "true", "--report", "{file}"],
+     "--report"),
+    (["serve", "--once", "--dump-dir", "{file}"], "--dump-dir"),
+])
+def test_an_output_directory_that_is_a_regular_file_is_not_a_directory(argv, flag, tmp_path):
+    """An output directory flag naming an existing regular file said the OS's 'File exists'
+    (from makedirs; charts draw, diagrams: 'cannot write it: File exists'): one line naming
+    the flag and its value, 'not a directory', exit 2, before anything is written."""
+    file = tmp_path / "x.txt"
+    file.write_text("x\n")
+    argv = [a.format(tmp=tmp_path, file=file) for a in argv]
+    done = calexec(*argv)
+    line = one_line(done.stderr)
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert line == f"calexec {cli.lookup(argv)}: {flag}='{file}': not a directory", line
+    assert file.read_text() == "x\n"
+
+
+def _unwritable_dump_dir(tmp_path: Path, how: str) -> Path:
+    if how == "read-only directory":  # (root writes into a 0555 directory all the same)
+        if os.geteuid() == 0:
+            pytest.skip("root writes into a 0555 directory; the /sys case covers root")
+        directory = tmp_path / "ro"
+        directory.mkdir()
+        directory.chmod(0o555)
+        return directory
+    if not Path("/sys").is_dir():
+        pytest.skip("needs Linux's /sys")
+    return Path("/sys")  # sysfs: no one, root included, makes a file there
+
+
+@pytest.mark.parametrize("how", ["read-only directory", "/sys"])
+def test_a_dump_dir_nothing_can_be_written_to_is_refused_before_the_server_binds(how,
+                                                                                 tmp_path):
+    """``serve --dump-dir`` a directory where no file can be made: the server started and
+    served, each request's record dropped with a warning; refused at start in one line naming
+    the flag, its value and the OS's reason, exit 2, before the sample request."""
+    directory = _unwritable_dump_dir(tmp_path, how)
+    try:
+        done = calexec("serve", "--once", "--dump-dir", str(directory))
+    finally:
+        if directory != Path("/sys"):
+            directory.chmod(0o755)
+    line = one_line(done.stderr)
+    assert done.returncode == 2 and done.stdout == "", (done.returncode, done.stdout,
+                                                        done.stderr)
+    assert line.startswith(f"calexec serve: --dump-dir='{directory}': cannot write "
+                           f"'{directory}/calexec-dump-"), line
+    assert line.endswith(("Permission denied", "Read-only file system")), line
 
 
 def test_conform_only_repeated_runs_the_experiment_once():

@@ -25,6 +25,7 @@ from calexec.drivers.fleet.edge import (
     relay_request,
     serve_relayed,
 )
+from test_server_support import run_leaving_client, slow_stream
 
 BODY = {"prompt": [1, 2], "max_tokens": 2}
 
@@ -238,38 +239,10 @@ def test_body_over_the_limit_is_passed_through_whole_and_not_relayed():
 def test_client_leaving_during_a_relay_stops_the_sibling():
     """The sibling's app is mid-stream when the client disconnects: the relay stream is closed,
     the sibling's app sees http.disconnect and ends."""
-    state = {"saw_disconnect": False, "finished": False}
-
-    async def slow_stream(scope, receive, send):
-        await receive()
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
-        message = await receive()  # blocks until the relay is stopped
-        state["saw_disconnect"] = message["type"] == "http.disconnect"
-        state["finished"] = True
-
-    relay, _ = sibling(slow_stream)
+    slow, state = slow_stream(b"data: 1\n\n")
+    relay, _ = sibling(slow)
     e = edge(FakeApp(503), serving=False, relay=relay)
-    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [],
-             "query_string": b""}
-    sent: list[dict] = []
-
-    async def go():
-        first = asyncio.Event()
-        messages = [{"type": "http.request", "body": b"{}", "more_body": False}]
-
-        async def receive():
-            if messages:
-                return messages.pop(0)
-            await first.wait()
-            return {"type": "http.disconnect"}
-
-        async def send(message):
-            sent.append(message)
-            if message.get("body"):
-                first.set()  # the client leaves once the first chunk arrived
-        await asyncio.wait_for(e(scope, receive, send), 10)
-    asyncio.run(go())
+    sent = run_leaving_client(e)
     assert state == {"saw_disconnect": True, "finished": True}
     assert [m.get("body") for m in sent[1:]] == [b"data: 1\n\n"]
 

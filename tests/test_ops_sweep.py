@@ -31,7 +31,7 @@ import httpx
 from calexec.drivers.fleet.ingress import FailoverSettings, FleetIngress
 from calexec.drivers.serving.handoff import PROGRESS_TYPE
 from test_fleet_ingress import BODY, Client, Replica, Router, chunk, run
-from test_server_support import free_port, wait_for
+from test_server_support import free_port, run_leaving_client, slow_stream, wait_for
 
 
 class GoneClient(Client):
@@ -212,47 +212,17 @@ def test_a_send_to_a_client_that_left_stops_the_sibling_of_a_replica_relay():
     left the sibling's stream running (its app never saw the disconnect)."""
     from calexec.drivers.fleet.edge import ReplicaEdge, serve_relayed
 
-    state = {"saw_disconnect": False}
-
-    async def slow_stream(scope, receive, send):
-        await receive()
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
-        await send({"type": "http.response.body", "body": b"data: 2\n\n", "more_body": True})
-        message = await receive()  # blocks until the relay is stopped
-        state["saw_disconnect"] = message["type"] == "http.disconnect"
+    slow, state = slow_stream(b"data: 1\n\n", b"data: 2\n\n")
 
     def never(scope, receive, send):
         raise AssertionError("this replica does not serve: it relays")
-    sib = ReplicaEdge(slow_stream, replica="r2", serving=lambda: True, relay=None,
+    sib = ReplicaEdge(slow, replica="r2", serving=lambda: True, relay=None,
                       relay_target=lambda: False, max_body_bytes=1 << 20)
     edge = ReplicaEdge(never, replica="r1", serving=lambda: False,
                        relay=lambda request: serve_relayed(sib, request, stop_grace_s=5.0),
                        relay_target=lambda: True, max_body_bytes=1 << 20)
-    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [],
-             "query_string": b""}
-    sent: list[dict] = []
-
-    async def go():
-        gone = asyncio.Event()
-        messages = [{"type": "http.request", "body": b"{}", "more_body": False}]
-
-        async def receive():
-            if messages:
-                return messages.pop(0)
-            await gone.wait()
-            return {"type": "http.disconnect"}
-
-        async def send(message):
-            if gone.is_set():
-                raise ConnectionResetError("the client's connection is closed")
-            sent.append(message)
-            if message.get("body"):
-                gone.set()  # the client leaves once the first chunk arrived
-        await asyncio.wait_for(edge(scope, receive, send), 10)
-        return state["saw_disconnect"]
-    saw_disconnect = asyncio.run(go())
-    assert saw_disconnect  # the sibling's app was told, at once
+    run_leaving_client(edge, send_raises=True)
+    assert state["saw_disconnect"]  # the sibling's app was told, at once
     assert edge.relay_failures == 0  # a client that left is no failed relay
 
 

@@ -1,15 +1,17 @@
 """Helpers shared by the server tests (no tests here): executors on the bundled emulator,
-a uvicorn server on an ephemeral loopback port, the oracle's greedy tokens, metric lookup."""
+a uvicorn server on an ephemeral loopback port, the oracle's greedy tokens, metric lookup, an
+ASGI app streaming to a client that leaves mid-stream."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import re
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -102,6 +104,53 @@ def wait_for(predicate, timeout: float = 10.0, what: str = "condition") -> None:
         if time.monotonic() > end:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.01)
+
+
+def slow_stream(*chunks: bytes) -> tuple[Callable, dict[str, bool]]:
+    """An ASGI app (a sibling replica's, say) that reads the request, sends a 200 and
+    ``chunks`` (more to come), then waits for the next message: and the state it fills in,
+    ``saw_disconnect`` (that message was ``http.disconnect``) and ``finished``."""
+    state = {"saw_disconnect": False, "finished": False}
+
+    async def app(scope, receive, send):
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for body in chunks:
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+        message = await receive()  # blocks until the relay is stopped
+        state["saw_disconnect"] = message["type"] == "http.disconnect"
+        state["finished"] = True
+    return app, state
+
+
+def run_leaving_client(app, *, send_raises: bool = False, timeout: float = 10.0) -> list[dict]:
+    """Run ``app`` (bounded by ``timeout``) on a ``POST /v1/completions`` of ``{}`` whose
+    client leaves once the first body chunk arrived: ``receive`` then says ``http.disconnect``;
+    with ``send_raises`` a later ``send`` raises ``ConnectionResetError`` (ASGI 2.4: the
+    connection is closed), else it is recorded too. Returns the messages the client got."""
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [],
+             "query_string": b""}
+    sent: list[dict] = []
+
+    async def go():
+        gone = asyncio.Event()
+        messages = [{"type": "http.request", "body": b"{}", "more_body": False}]
+
+        async def receive():
+            if messages:
+                return messages.pop(0)
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            if send_raises and gone.is_set():
+                raise ConnectionResetError("the client's connection is closed")
+            sent.append(message)
+            if message.get("body"):
+                gone.set()  # the client leaves once the first chunk arrived
+        await asyncio.wait_for(app(scope, receive, send), timeout)
+    asyncio.run(go())
+    return sent
 
 
 SVG_ACTIVE = re.compile(r"<title>(\w+)</title>\s*<\w+ fill=\"turquoise\"")

@@ -25,7 +25,7 @@ import json
 import sys
 from pathlib import Path
 
-from calexec.cliargs import EXIT_CONFIG, EXIT_FAILED, UserError, cannot_write
+from calexec.cliargs import EXIT_CONFIG, EXIT_FAILED, UserError, cannot_write, make_dir
 from calexec.cliargs import parser as cli_parser
 from calexec.machines.chartref import ChartRefError, load_chart
 from calexec.machines.compiled import CompiledChart, compiled
@@ -100,10 +100,10 @@ def draw(argv: list[str]) -> int:
         return 0
     dot = render_chart_dot(chart)
     stem = args.out / chart.declaration.__name__
+    make_dir("--out", args.out)  # (a file there: 'not a directory', not 'File exists')
     try:
         svg = svg_from_dot(dot)
         png = png_from_dot(dot) if args.png else None
-        args.out.mkdir(parents=True, exist_ok=True)
         stem.with_suffix(".dot").write_text(dot, encoding="utf-8")
         stem.with_suffix(".svg").write_text(svg, encoding="utf-8")
         written = [stem.with_suffix(".dot"), stem.with_suffix(".svg")]

@@ -54,6 +54,8 @@ CALEXEC_CHARTS = {
     "lifecycle": "calexec.machines.charts:LifecycleChart",
     "buffer_slot": "calexec.machines.charts:BufferSlotChart",
 }
+#: the files ``--report DIR`` gets
+REPORT_FILES = ("mutation.md", "mutation.json")
 #: The model-based tests of calexec's charts at a fast size: the charts on both forms, the
 #: generated paths on bare charts and through the executor (job, KV txn, lifecycle), the
 #: chart rules proved through the executor (tests/test_chart_rules_*.py: one test per rule
@@ -172,13 +174,13 @@ def _resolve_chart(spec: str, cwd: Path) -> Chart:
     if "=" in spec:
         name, _, target = spec.partition("=")
     if ":" not in target:
-        raise ValueError(f"--chart {spec!r}: expected one of {', '.join(CALEXEC_CHARTS)} or "
+        raise ValueError(f"--chart={spec!r}: expected one of {', '.join(CALEXEC_CHARTS)} or "
                          f"MODULE:CLASS")
     try:
         with contextlib.redirect_stdout(sys.stderr):  # stdout is the report (--json)
             declaration = load_chart(target, str(cwd))
     except ChartRefError as err:
-        raise ValueError(f"--chart {err}") from None
+        raise ValueError(f"--chart={spec!r}: {err.reason}") from None
     class_name = target.partition(":")[2]
     if spec == target and ":" in spec:  # a bare module:Class: calexec's own keep their names
         name = next((n for n, t in CALEXEC_CHARTS.items() if t == target), class_name)
@@ -202,7 +204,7 @@ def select_mutants(charts: list[Chart], args: argparse.Namespace) -> list[tuple[
                     by_id[mutant.id] = (chart, mutant)
         unknown = sorted(wanted - set(by_id))
         if unknown:
-            raise ValueError(f"--mutant {unknown[0]!r}: no such mutant (list them with --json "
+            raise ValueError(f"--mutant={unknown[0]!r}: no such mutant (list them with --json "
                              f"on a --sample run, or see derive())")
         chosen = list(dict.fromkeys(by_id[m] for m in args.mutant))
     if args.sample is not None and args.sample < len(chosen):
@@ -294,16 +296,16 @@ def load_equivalents(path: Path) -> dict[tuple[str, str], str]:
     except cliargs.UserError as err:
         raise ValueError(str(err)) from None
     except tomllib.TOMLDecodeError as err:
-        raise ValueError(f"--equivalent {str(path)!r}: {err}") from err
+        raise ValueError(f"--equivalent={str(path)!r}: {err}") from err
     entries = data.get("mutant", [])
     if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
-        raise ValueError(f"--equivalent {str(path)!r}: 'mutant' must be [[mutant]] tables "
+        raise ValueError(f"--equivalent={str(path)!r}: 'mutant' must be [[mutant]] tables "
                          f"(chart, id, reason), not {type(entries).__name__} {entries!r:.40}")
     result = {}
     for index, entry in enumerate(entries):
         missing = [k for k in ("chart", "id", "reason") if not str(entry.get(k, "")).strip()]
         if missing:
-            raise ValueError(f"--equivalent {str(path)!r}: [[mutant]] #{index + 1} has no "
+            raise ValueError(f"--equivalent={str(path)!r}: [[mutant]] #{index + 1} has no "
                              f"{', '.join(missing)}")
         result[(str(entry["chart"]), str(entry["id"]))] = str(entry["reason"]).strip()
     return result
@@ -377,21 +379,21 @@ def main(argv: list[str] | None = None) -> int:
     cwd = Path(args.cwd).resolve()
     try:
         if args.jobs < 1:
-            raise ValueError(f"--jobs {args.jobs}: must be at least 1")
+            raise ValueError(f"--jobs={args.jobs}: must be at least 1")
         if args.targets_per_transition < 0:
-            raise ValueError(f"--targets-per-transition {args.targets_per_transition}: must be >= 0")
+            raise ValueError(f"--targets-per-transition={args.targets_per_transition}: must be >= 0")
         if args.sample is not None and args.sample < 1:
-            raise ValueError(f"--sample {args.sample}: must be at least 1")
+            raise ValueError(f"--sample={args.sample}: must be at least 1")
         if args.timeout is not None and not 0 < args.timeout < float("inf"):
-            raise ValueError(f"--timeout {args.timeout}: must be a number of seconds > 0")
+            raise ValueError(f"--timeout={args.timeout}: must be a number of seconds > 0")
         if args.fail_under is not None and not 0 <= args.fail_under <= 100:  # (nan too)
-            raise ValueError(f"--fail-under {args.fail_under:g}: expected a percentage (0-100)")
+            raise ValueError(f"--fail-under={args.fail_under:g}: expected a percentage (0-100)")
         if not cwd.is_dir():
-            raise ValueError(f"--cwd {args.cwd!r}: not a directory")
+            raise ValueError(f"--cwd={args.cwd!r}: not a directory")
         try:
             error_codes = {int(c) for c in args.error_codes.split(",") if c.strip()}
         except ValueError:
-            raise ValueError(f"--error-codes {args.error_codes!r}: expected exit codes separated "
+            raise ValueError(f"--error-codes={args.error_codes!r}: expected exit codes separated "
                              f"by commas (e.g. 3,4,5)") from None
         specs = [*(args.chart or ()), *args.charts] or list(CALEXEC_CHARTS)
         charts = [_resolve_chart(spec, cwd) for spec in specs]
@@ -401,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.test_cmd is None and not own:
             raise ValueError("--test-cmd is required for a chart that is not calexec's own")
         if args.test_cmd is None and not (cwd / "tests" / "test_executor_stateful.py").is_file():
-            raise ValueError(f"--cwd {str(cwd)!r}: calexec's default test command needs its "
+            raise ValueError(f"--cwd={str(cwd)!r}: calexec's default test command needs its "
                              f"tests/ directory (run from the calexec checkout or give --test-cmd)")
         if args.first_failure and args.test_cmd is not None:
             raise ValueError("--first-failure applies to calexec's default command; add your "
@@ -412,21 +414,14 @@ def main(argv: list[str] | None = None) -> int:
         try:
             command = shlex.split(command_text)
         except ValueError as err:
-            raise ValueError(f"--test-cmd {command_text!r}: {err}") from None
+            raise ValueError(f"--test-cmd={command_text!r}: {err}") from None
         if not command:
-            raise ValueError(f"--test-cmd {command_text!r}: empty command")
+            raise ValueError(f"--test-cmd={command_text!r}: empty command")
         if args.report:
             try:  # before the run, not after it: a report that cannot be written is bad input
-                Path(args.report).mkdir(parents=True, exist_ok=True)
-            except (OSError, ValueError) as err:
-                raise ValueError(str(cliargs.cannot_write(args.report, err, "--report"))) from None
-            if not os.access(args.report, os.W_OK):
-                raise ValueError(f"--report {args.report!r}: not writable")
-            for name in ("mutation.md", "mutation.json"):  # (not a directory, say)
-                try:
-                    cliargs.writable_file("--report", Path(args.report) / name, args.report)
-                except cliargs.UserError as err:
-                    raise ValueError(str(err)) from None
+                cliargs.output_dir("--report", args.report, REPORT_FILES)
+            except cliargs.UserError as err:
+                raise ValueError(str(err)) from None
         chosen = select_mutants(charts, args)
         equivalent_path = Path(args.equivalent) if args.equivalent else (
             cwd / DEFAULT_EQUIVALENT if args.test_cmd is None and own else None)
@@ -461,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             code, baseline_s, output = _run(command, cwd, env_for("baseline"), None)
         except OSError as err:  # not found, not executable
-            print(f"calexec charts mutate: --test-cmd {command_text!r}: cannot run "
+            print(f"calexec charts mutate: --test-cmd={command_text!r}: cannot run "
                   f"{command[0]!r}: {err.strerror or err}", file=sys.stderr)
             return 2
         if code != 0:
@@ -520,9 +515,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.report:  # (checked before the run; what changed since is still one line, exit 2)
         out = Path(args.report)
         try:
-            out.mkdir(parents=True, exist_ok=True)
+            cliargs.make_dir("--report", out)
             (out / "mutation.md").write_text(text)
             (out / "mutation.json").write_text(json.dumps(report, indent=2) + "\n")
+        except cliargs.UserError as err:
+            unwritten = err
         except OSError as err:
             unwritten = cliargs.cannot_write(args.report, err, "--report")
     print(json.dumps(report, indent=2) if args.json else text)  # the run's result, whatever

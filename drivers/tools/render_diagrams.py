@@ -73,7 +73,7 @@ def main(argv: list[str]) -> int:
     """Entry point; ``argv`` starts with the command word ``diagrams``. Exit 0, 1 when
     ``--check`` finds a stale file, 2 when ``--out`` cannot be written or graphviz's ``dot``
     is missing (one line, no traceback)."""
-    from calexec.cliargs import EXIT_CONFIG, cannot_write
+    from calexec.cliargs import EXIT_CONFIG, UserError, cannot_write, make_dir
     from calexec.cliargs import parser as cli_parser
 
     parser = cli_parser("calexec diagrams", __doc__)
@@ -97,7 +97,13 @@ def main(argv: list[str]) -> int:
             print(f"diagrams in {args.out}{f' and {args.png}' if args.png else ''} are up to "
                   "date")
             return 0
+        for flag, directory in (("--out", args.out), ("--png", args.png)):
+            if directory is not None:  # (a file there: 'not a directory', not 'File exists')
+                make_dir(flag, directory)
         written = write_all(args.out, args.png)
+    except UserError as err:  # an output directory that cannot be made
+        print(f"calexec diagrams: {err}", file=sys.stderr)
+        return err.code
     except GraphvizError as err:  # first: 'dot not found' is also an OSError
         print(f"calexec diagrams: graphviz's dot failed (install graphviz): "
               f"{str(err.args[0] if err.args else err).splitlines()[0]}", file=sys.stderr)

@@ -156,7 +156,7 @@ def main(argv: list[str]) -> int:
     if args.lib == "":  # (not the default: an unset variable in a script)
         raise cliargs.UserError("--lib='': empty (omit the flag to build the bundled emulator)")
     if args.lib and not os.path.exists(args.lib):
-        print(f"calexec conform: --lib {args.lib!r} does not exist", file=sys.stderr)
+        print(f"calexec conform: --lib={args.lib!r}: does not exist", file=sys.stderr)
         return 2
     if args.lib:  # a library Python cannot even load is a typo, not a run of inconclusives
         if not os.path.isfile(args.lib):
