@@ -148,7 +148,7 @@ def _bad_manifest(tmp_path: Path) -> str:
     (["demo", "--manifest", "/nonexistent.toml"], "--manifest='/nonexistent.toml'"),
     (["accept", "--runtime-lib", "/nonexistent"], "--runtime-lib='/nonexistent'"),
     (["bench", "overhead", "--runtime-lib", "/nonexistent"], "--runtime-lib='/nonexistent'"),
-    (["conform", "--runtime-lib", "/nonexistent"], "'/nonexistent' does not exist"),
+    (["conform", "--runtime-lib", "/nonexistent"], "--lib='/nonexistent': does not exist"),
     (["accept", "--soak-seconds", "inf"], "--soak-seconds"),
     # issue 24 item 7: keys no request could ever match (headers are latin-1, clients ASCII)
     (["serve", "--once", "--api-key", "caf\u00e9-key"], "--api-key has U+00E9 at character 4"),
@@ -514,7 +514,7 @@ def test_conform_with_a_library_that_is_not_calrt_is_exit_2(tmp_path):
     (["sim", "write-calbin", "{tmp}/c.calbin", "--hidden", "0"], "argument --hidden: "),
     # "not a calbin: header is ..."
     (["accept", "--gates", "correctness", "--calbin", "{file}"], "--calbin='{file}': "),
-    # "--lib '...' does not exist": the one flag of conform not in cliargs' style
+    # "--lib '...' does not exist": conform's flag was not in cliargs' style
     (["conform", "--lib", "{tmp}/none.so"], "--lib='{tmp}/none.so': does not exist"),
     # served, exit 0: every response said "model": ""
     (["serve", "--once", "--served-model-name", " "], "--served-model-name=' ': "),
