@@ -467,7 +467,8 @@ def test_a_body_that_does_not_arrive_is_answered_alike_on_api_and_admin_routes(
     assert head.get("connection") == connection, head
     assert head["content-type"] == "application/json" and \
         head["content-length"] == str(len(body)), head
-    assert set(head) == {"content-type", "content-length"} | (
+    # (x-request-id: every response's, docs/server.md "Request ids")
+    assert set(head) == {"content-type", "content-length", "x-request-id"} | (
         {"connection"} if connection else set()), head
     assert json.loads(body) == {
         "error": {"message": message, "type": kind, "code": code, "param": None},

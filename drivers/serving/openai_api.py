@@ -1021,6 +1021,8 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
+        # named first: an error answer carries the id an answer would have had
+        response_id = new_response_id(request, _CompletionShape.PREFIX)
         try:
             body = await read(request, CompletionRequest)
             refusal(body)
@@ -1060,14 +1062,15 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         if not batch and body.n == 1:
             ids, echo = prepared[0]
             return await _generate(request, admission(ids), params, shape_of(echo),
-                                   include_usage(body))
+                                   include_usage(body), response_id)
         return await _generate_many(
             request, [(admission(ids, j), shape_of(echo))
                       for ids, echo in prepared for j in range(body.n)],
-            body.n, params, include_usage(body))
+            body.n, params, include_usage(body), response_id)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
+        response_id = new_response_id(request, _ChatShape.PREFIX)
         try:
             body = await read(request, ChatRequest)
             refusal(body)
@@ -1109,10 +1112,10 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
             return shape
         if body.n == 1:
             return await _generate(request, admission, params, chat_shape(),
-                                   include_usage(body))
+                                   include_usage(body), response_id)
         return await _generate_many(
             request, [(attrs.evolve(admission, n_param=body.n if j == 0 else None), chat_shape())
-                      for j in range(body.n)], body.n, params, include_usage(body))
+                      for j in range(body.n)], body.n, params, include_usage(body), response_id)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
@@ -1167,7 +1170,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         return JSONResponse({"prompt": service.tokenizer.decode(body.tokens)})
 
     async def _generate(request: Request, admission: Admission, params: SamplingParams,
-                        shape: _Shape, usage_chunk: bool) -> Response:
+                        shape: _Shape, usage_chunk: bool, response_id: str) -> Response:
         # the fleet's out-of-band channel (drivers/serving/handoff.py): ASGI scope keys only
         # drivers/fleet/edge.serve_relayed sets; an HTTP request cannot carry them
         progress = request.scope.get(handoff.PROGRESS)
@@ -1187,13 +1190,14 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
             return fail(status, param)
         run.sampling = params
         out = TextOutput(service.tokenizer, params.stop, params.include_stop_str_in_output)
-        shape.start(service, run)
+        shape.start(service, run, response_id)
         if resume is not None:
             bad = resume_refusal(resume, run)
             if bad is not None:
                 await service.finish(run)
                 return refused(bad)
             continue_from(resume, run, out, shape, admission.sse)
+            wire.name_request(request.scope, shape.id)  # the id the first replica started
         if progress is not None:
             progress({"seed": params.seed, "id": shape.id, "created": shape.created,
                       "prompt_tokens": len(run.prompt)})
@@ -1226,7 +1230,8 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         return JSONResponse(shape.whole(out.text, run))
 
     async def _generate_many(request: Request, specs: list[tuple[Admission, _Shape]], n: int,
-                             params: SamplingParams, usage_chunk: bool) -> Response:
+                             params: SamplingParams, usage_chunk: bool, response_id: str
+                             ) -> Response:
         """A request of several choices (a prompt list, ``n`` > 1): choice ``k`` (``index``
         k = prompt_i * n + j) is a run of its own through the same admission as a separate
         request, at most ``service.choice_concurrency`` at once (the rest wait for their
@@ -1247,7 +1252,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         first = specs[0][0]
         timeout = config.default_timeout_s if first.timeout is None else first.timeout
         deadline = time.monotonic() + timeout  # the request's: every choice ends by it
-        state = _Choices(n, len(specs), f"{specs[0][1].PREFIX}-{uuid.uuid4().hex}")
+        state = _Choices(n, len(specs), response_id)
 
         async def one(k: int, admission: Admission, shape: _Shape,
                       limit: anyio.Semaphore, scope: anyio.CancelScope) -> None:
@@ -1293,8 +1298,8 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         state.runs.append(run)
         run.sampling = params
         out = TextOutput(service.tokenizer, params.stop, params.include_stop_str_in_output)
-        shape.start(service, run)
-        shape.id, shape.created, shape.index = state.id, state.created, k
+        shape.start(service, run, state.id)
+        shape.created, shape.index = state.created, k
         state.shapes.append(shape)
         sse = admission.sse
         try:
@@ -1513,6 +1518,15 @@ class DetokenizeRequest(BaseModel):
     tokens: list[Annotated[StrictInt, Field(ge=0, lt=1 << 31)]]
 
 
+def new_response_id(request: Request, prefix: str) -> str:
+    """A new response body ``id`` (``cmpl-``/``chatcmpl-`` + a random hex: random as vLLM's,
+    since a counter repeats across restarts and a fleet's replicas), also the request's
+    ``x-request-id`` unless the client sent its own (wire.RequestIds)."""
+    made = f"{prefix}-{uuid.uuid4().hex}"
+    wire.name_request(request.scope, made)
+    return made
+
+
 def _usage(run: RequestRun) -> dict[str, int]:
     return {"prompt_tokens": len(run.prompt), "completion_tokens": len(run.tokens),
             "total_tokens": len(run.prompt) + len(run.tokens)}
@@ -1528,10 +1542,10 @@ class _Shape:
     #: choice, the chat response; when streamed, in the first chunk); ``token_ids`` always
     prompt_ids = False
 
-    def start(self, service: CompletionService, run: RequestRun) -> None:
+    def start(self, service: CompletionService, run: RequestRun, response_id: str) -> None:
+        """Start the response ``response_id`` (:func:`new_response_id`) of ``run``."""
         self.service, self.run, self.created = service, run, int(time.time())
-        # random, as vLLM's: a counter repeats across restarts and a fleet's replicas
-        self.id = f"{self.PREFIX}-{uuid.uuid4().hex}"
+        self.id = response_id
         self.tok = service.tokenizer
         self.sent_logprobs = 0
         self.opened = False
