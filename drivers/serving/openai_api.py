@@ -56,6 +56,7 @@ from calexec.drivers.serving.service import (
     CompletionService,
     RequestRun,
     context_exceeded,
+    failure_param,
 )
 
 Number = StrictInt | StrictFloat
@@ -449,7 +450,8 @@ def sampling_params(body: _Body, logprobs: int | None, vocab: int | None = None,
     given = body.max_tokens if body.max_tokens is not None else getattr(
         body, "max_completion_tokens", None)
     if body.min_tokens is not None and given is not None and body.min_tokens > given:
-        raise Refusal(invalid(f"min_tokens={body.min_tokens}: must be <= max_tokens={given}"),
+        field = "max_tokens" if body.max_tokens is not None else "max_completion_tokens"
+        raise Refusal(invalid(f"min_tokens={body.min_tokens}: must be <= {field}={given}"),
                       "min_tokens")
 
     def number(value: int | float | None, default: float) -> float:
@@ -1225,7 +1227,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         if run.status is not None:
             if handed and progress is not None:  # (a hand-off needs the progress channel)
                 progress({"handoff": "drained"})
-            return fail(run.status, count=False)  # counted by finish()
+            return fail(run.status, failure_param(run), count=False)  # counted by finish()
         out.flush()
         return JSONResponse(shape.whole(out.text, run))
 
@@ -1314,7 +1316,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
                         await state.put(sent)
                 token = await service.advance(run)
             if run.status is not None:
-                state.fail(run.status, None, counted=True)  # counted by finish()
+                state.fail(run.status, failure_param(run), counted=True)  # counted by finish()
                 scope.cancel()
                 return
             if sse:
@@ -1419,10 +1421,10 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
             raise
         if first is None and not run.done:  # the client left before the first token
             await service.finish(run, abandoned=True)
-            return fail(run.status, count=False)
+            return fail(run.status, failure_param(run), count=False)
         if run.status is not None:
             await service.finish(run)
-            return fail(run.status, count=False)
+            return fail(run.status, failure_param(run), count=False)
 
         async def events() -> AsyncIterator[bytes]:
             token = first
@@ -1461,7 +1463,8 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
                                   run.status.category in RESUMABLE or not service.ready,
                                   "cause": "drained" if service.draining else "unavailable"})
                     yield wire.sse({"error": error_bodies.error_body(
-                        run.status, error_bodies.PARAM_OF_CODE.get(run.status.code))})
+                        run.status, failure_param(run)
+                        or error_bodies.PARAM_OF_CODE.get(run.status.code))})
                 else:
                     tail = [wire.sse(shape.last(out.flush(), run))]
                     if usage_chunk:
