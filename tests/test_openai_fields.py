@@ -570,6 +570,10 @@ def test_cors_origins_answer_preflights_and_mark_responses(tmp_path):
                            headers={"origin": PREFLIGHT["origin"]}, timeout=30)
             assert r.status_code == 200
             assert r.headers["access-control-allow-origin"] == PREFLIGHT["origin"]
+            # a page's script may read the request id (and Retry-After)
+            exposed = r.headers["access-control-expose-headers"].lower().split(",")
+            assert {"x-request-id", "retry-after"} <= {h.strip() for h in exposed}, exposed
+            assert r.headers["x-request-id"] == r.json()["id"]
             other = {**PREFLIGHT, "origin": "http://evil.example"}
             r = httpx.options(f"{server.url}/v1/chat/completions", headers=other, timeout=30)
             assert "access-control-allow-origin" not in r.headers
