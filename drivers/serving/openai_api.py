@@ -1077,7 +1077,8 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
             body = await read(request, ChatRequest)
             refusal(body)
             top = body.top_logprobs
-            if top is not None and not body.logprobs:
+            # 0 without logprobs asks for nothing (vLLM takes it): only more is refused
+            if top and not body.logprobs:
                 raise Refusal(invalid(f"top_logprobs={top}: needs logprobs=true"),
                               "top_logprobs")
             if top is not None and not 0 <= top <= sampling.MAX_LOGPROBS:
