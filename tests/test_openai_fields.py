@@ -6,6 +6,7 @@ route, ``context_length_exceeded``, 415, ``/v1/models/{id}``, CORS) on a loopbac
 
 from __future__ import annotations
 
+import json
 import typing
 
 import attrs
@@ -139,6 +140,30 @@ def test_chat_refuses_what_this_model_cannot_honour_naming_it(live, field, value
     r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == field
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_top_logprobs_0_without_logprobs_is_neutral_and_more_is_refused(live, stream):
+    """``logprobs: false`` with ``top_logprobs: 0`` (a client that serialises both of its
+    settings) asks for nothing: vLLM takes it, and this server refused it as "needs
+    logprobs=true". It answers without logprobs; a positive ``top_logprobs`` without
+    ``logprobs`` is still a 400 naming ``top_logprobs``."""
+    server, _, _ = live
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "logprobs": False, "top_logprobs": 0, "stream": stream}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    if stream:
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines()
+                  if line.startswith("data: {")]
+        assert all(c["choices"][0]["logprobs"] is None for c in chunks if c["choices"])
+    else:
+        assert r.json()["choices"][0]["logprobs"] is None
+    for more in ({"top_logprobs": 1}, {"top_logprobs": 1, "logprobs": None}):
+        r = httpx.post(f"{server.url}/v1/chat/completions", json={**body, **more}, timeout=30)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "top_logprobs" and "needs logprobs=true" in error["message"]
 
 
 def test_stream_options_include_obfuscation_is_accepted(live):
@@ -570,6 +595,10 @@ def test_cors_origins_answer_preflights_and_mark_responses(tmp_path):
                            headers={"origin": PREFLIGHT["origin"]}, timeout=30)
             assert r.status_code == 200
             assert r.headers["access-control-allow-origin"] == PREFLIGHT["origin"]
+            # a page's script may read the request id (and Retry-After)
+            exposed = r.headers["access-control-expose-headers"].lower().split(",")
+            assert {"x-request-id", "retry-after"} <= {h.strip() for h in exposed}, exposed
+            assert r.headers["x-request-id"] == r.json()["id"]
             other = {**PREFLIGHT, "origin": "http://evil.example"}
             r = httpx.options(f"{server.url}/v1/chat/completions", headers=other, timeout=30)
             assert "access-control-allow-origin" not in r.headers

@@ -166,6 +166,28 @@ def test_a_request_that_can_never_fit_the_kv_is_400_at_once(fresh):
     assert app.state.service.sequences.in_use == 0
 
 
+@pytest.mark.parametrize("extra", [{}, {"stream": True}, {"n": 2}, {"n": 2, "stream": True}])
+def test_a_chat_that_can_never_fit_the_kv_names_the_field_it_sent(fresh, extra):
+    """A chat whose ``max_completion_tokens`` (the SDK's current field, LangChain's) can never
+    fit the KV was refused naming ``max_tokens`` (``param`` and "shorten the prompt or
+    max_tokens"), a field its body did not have; whole, streamed, several choices."""
+    executor, app = fresh("kv_blocks=2;kv_block_size=16")
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 30,
+            **extra}
+    with TestClient(app) as client:
+        r = client.post("/v1/chat/completions", json=chat)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "kv.exceeds_capacity", err
+        assert err["param"] == "max_completion_tokens", err
+        assert err["message"].endswith("shorten the prompt or max_completion_tokens"), err
+        given_max_tokens = {**chat, "max_tokens": 30}
+        del given_max_tokens["max_completion_tokens"]
+        err = client.post("/v1/chat/completions", json=given_max_tokens).json()["error"]
+        assert err["param"] == "max_tokens" and err["message"].endswith("or max_tokens"), err
+    assert app.state.service.sequences.in_use == 0
+
+
 def test_sequence_ids_exhausted_is_429_when_nobody_may_wait(fresh):
     """max_waiting=0: no waiting queue, exhaustion is refused at once (issue 16 keeps it)."""
     executor, app = fresh(max_sequences=1, max_waiting=0)

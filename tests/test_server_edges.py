@@ -523,6 +523,11 @@ def test_an_unexpected_error_in_a_route_is_an_openai_shaped_500_and_counted(exec
         error = r.json()["error"]
         assert error["type"] == "server_error" and error["code"] == "server.unexpected_error"
         assert "RuntimeError" in error["message"] and "a bug" not in error["message"]
+        # the id the answer would have had (docs/server.md "Request ids"), or the client's
+        assert r.headers["x-request-id"].startswith("cmpl-")
+        mine = client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1},
+                           headers={"X-Request-Id": "bug-1"})
+        assert (mine.status_code, mine.headers["x-request-id"]) == (500, "bug-1")
         metrics = client.get("/metrics").text
     assert 'code="server.unexpected_error"' in metrics
 

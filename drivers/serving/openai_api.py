@@ -56,6 +56,7 @@ from calexec.drivers.serving.service import (
     CompletionService,
     RequestRun,
     context_exceeded,
+    failure_param,
 )
 
 Number = StrictInt | StrictFloat
@@ -449,7 +450,8 @@ def sampling_params(body: _Body, logprobs: int | None, vocab: int | None = None,
     given = body.max_tokens if body.max_tokens is not None else getattr(
         body, "max_completion_tokens", None)
     if body.min_tokens is not None and given is not None and body.min_tokens > given:
-        raise Refusal(invalid(f"min_tokens={body.min_tokens}: must be <= max_tokens={given}"),
+        field = "max_tokens" if body.max_tokens is not None else "max_completion_tokens"
+        raise Refusal(invalid(f"min_tokens={body.min_tokens}: must be <= {field}={given}"),
                       "min_tokens")
 
     def number(value: int | float | None, default: float) -> float:
@@ -1021,6 +1023,8 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
+        # named first: an error answer carries the id an answer would have had
+        response_id = new_response_id(request, _CompletionShape.PREFIX)
         try:
             body = await read(request, CompletionRequest)
             refusal(body)
@@ -1060,19 +1064,21 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         if not batch and body.n == 1:
             ids, echo = prepared[0]
             return await _generate(request, admission(ids), params, shape_of(echo),
-                                   include_usage(body))
+                                   include_usage(body), response_id)
         return await _generate_many(
             request, [(admission(ids, j), shape_of(echo))
                       for ids, echo in prepared for j in range(body.n)],
-            body.n, params, include_usage(body))
+            body.n, params, include_usage(body), response_id)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
+        response_id = new_response_id(request, _ChatShape.PREFIX)
         try:
             body = await read(request, ChatRequest)
             refusal(body)
             top = body.top_logprobs
-            if top is not None and not body.logprobs:
+            # 0 without logprobs asks for nothing (vLLM takes it): only more is refused
+            if top and not body.logprobs:
                 raise Refusal(invalid(f"top_logprobs={top}: needs logprobs=true"),
                               "top_logprobs")
             if top is not None and not 0 <= top <= sampling.MAX_LOGPROBS:
@@ -1109,10 +1115,10 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
             return shape
         if body.n == 1:
             return await _generate(request, admission, params, chat_shape(),
-                                   include_usage(body))
+                                   include_usage(body), response_id)
         return await _generate_many(
             request, [(attrs.evolve(admission, n_param=body.n if j == 0 else None), chat_shape())
-                      for j in range(body.n)], body.n, params, include_usage(body))
+                      for j in range(body.n)], body.n, params, include_usage(body), response_id)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
@@ -1167,7 +1173,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         return JSONResponse({"prompt": service.tokenizer.decode(body.tokens)})
 
     async def _generate(request: Request, admission: Admission, params: SamplingParams,
-                        shape: _Shape, usage_chunk: bool) -> Response:
+                        shape: _Shape, usage_chunk: bool, response_id: str) -> Response:
         # the fleet's out-of-band channel (drivers/serving/handoff.py): ASGI scope keys only
         # drivers/fleet/edge.serve_relayed sets; an HTTP request cannot carry them
         progress = request.scope.get(handoff.PROGRESS)
@@ -1187,13 +1193,14 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
             return fail(status, param)
         run.sampling = params
         out = TextOutput(service.tokenizer, params.stop, params.include_stop_str_in_output)
-        shape.start(service, run)
+        shape.start(service, run, response_id)
         if resume is not None:
             bad = resume_refusal(resume, run)
             if bad is not None:
                 await service.finish(run)
                 return refused(bad)
             continue_from(resume, run, out, shape, admission.sse)
+            wire.name_request(request.scope, shape.id)  # the id the first replica started
         if progress is not None:
             progress({"seed": params.seed, "id": shape.id, "created": shape.created,
                       "prompt_tokens": len(run.prompt)})
@@ -1221,12 +1228,13 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         if run.status is not None:
             if handed and progress is not None:  # (a hand-off needs the progress channel)
                 progress({"handoff": "drained"})
-            return fail(run.status, count=False)  # counted by finish()
+            return fail(run.status, failure_param(run), count=False)  # counted by finish()
         out.flush()
         return JSONResponse(shape.whole(out.text, run))
 
     async def _generate_many(request: Request, specs: list[tuple[Admission, _Shape]], n: int,
-                             params: SamplingParams, usage_chunk: bool) -> Response:
+                             params: SamplingParams, usage_chunk: bool, response_id: str
+                             ) -> Response:
         """A request of several choices (a prompt list, ``n`` > 1): choice ``k`` (``index``
         k = prompt_i * n + j) is a run of its own through the same admission as a separate
         request, at most ``service.choice_concurrency`` at once (the rest wait for their
@@ -1247,7 +1255,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         first = specs[0][0]
         timeout = config.default_timeout_s if first.timeout is None else first.timeout
         deadline = time.monotonic() + timeout  # the request's: every choice ends by it
-        state = _Choices(n, len(specs), f"{specs[0][1].PREFIX}-{uuid.uuid4().hex}")
+        state = _Choices(n, len(specs), response_id)
 
         async def one(k: int, admission: Admission, shape: _Shape,
                       limit: anyio.Semaphore, scope: anyio.CancelScope) -> None:
@@ -1293,8 +1301,8 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         state.runs.append(run)
         run.sampling = params
         out = TextOutput(service.tokenizer, params.stop, params.include_stop_str_in_output)
-        shape.start(service, run)
-        shape.id, shape.created, shape.index = state.id, state.created, k
+        shape.start(service, run, state.id)
+        shape.created, shape.index = state.created, k
         state.shapes.append(shape)
         sse = admission.sse
         try:
@@ -1309,7 +1317,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
                         await state.put(sent)
                 token = await service.advance(run)
             if run.status is not None:
-                state.fail(run.status, None, counted=True)  # counted by finish()
+                state.fail(run.status, failure_param(run), counted=True)  # counted by finish()
                 scope.cancel()
                 return
             if sse:
@@ -1414,10 +1422,10 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
             raise
         if first is None and not run.done:  # the client left before the first token
             await service.finish(run, abandoned=True)
-            return fail(run.status, count=False)
+            return fail(run.status, failure_param(run), count=False)
         if run.status is not None:
             await service.finish(run)
-            return fail(run.status, count=False)
+            return fail(run.status, failure_param(run), count=False)
 
         async def events() -> AsyncIterator[bytes]:
             token = first
@@ -1456,7 +1464,8 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
                                   run.status.category in RESUMABLE or not service.ready,
                                   "cause": "drained" if service.draining else "unavailable"})
                     yield wire.sse({"error": error_bodies.error_body(
-                        run.status, error_bodies.PARAM_OF_CODE.get(run.status.code))})
+                        run.status, failure_param(run)
+                        or error_bodies.PARAM_OF_CODE.get(run.status.code))})
                 else:
                     tail = [wire.sse(shape.last(out.flush(), run))]
                     if usage_chunk:
@@ -1513,6 +1522,15 @@ class DetokenizeRequest(BaseModel):
     tokens: list[Annotated[StrictInt, Field(ge=0, lt=1 << 31)]]
 
 
+def new_response_id(request: Request, prefix: str) -> str:
+    """A new response body ``id`` (``cmpl-``/``chatcmpl-`` + a random hex: random as vLLM's,
+    since a counter repeats across restarts and a fleet's replicas), also the request's
+    ``x-request-id`` unless the client sent its own (wire.RequestIds)."""
+    made = f"{prefix}-{uuid.uuid4().hex}"
+    wire.name_request(request.scope, made)
+    return made
+
+
 def _usage(run: RequestRun) -> dict[str, int]:
     return {"prompt_tokens": len(run.prompt), "completion_tokens": len(run.tokens),
             "total_tokens": len(run.prompt) + len(run.tokens)}
@@ -1528,10 +1546,10 @@ class _Shape:
     #: choice, the chat response; when streamed, in the first chunk); ``token_ids`` always
     prompt_ids = False
 
-    def start(self, service: CompletionService, run: RequestRun) -> None:
+    def start(self, service: CompletionService, run: RequestRun, response_id: str) -> None:
+        """Start the response ``response_id`` (:func:`new_response_id`) of ``run``."""
         self.service, self.run, self.created = service, run, int(time.time())
-        # random, as vLLM's: a counter repeats across restarts and a fleet's replicas
-        self.id = f"{self.PREFIX}-{uuid.uuid4().hex}"
+        self.id = response_id
         self.tok = service.tokenizer
         self.sent_logprobs = 0
         self.opened = False

@@ -83,7 +83,10 @@ def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
         app.add_middleware(OpenAICORS, allow_origins=list(config.cors_origins),
                            allow_methods=["GET", "POST", "OPTIONS"],
                            allow_headers=["*"],
-                           expose_headers=["retry-after"], max_age=600)
+                           expose_headers=["retry-after", wire.REQUEST_ID_HEADER],
+                           max_age=600)
+    # outside CORS: its preflight answers carry the id too
+    app.add_middleware(wire.RequestIds)
 
     @app.exception_handler(StarletteHTTPException)
     async def no_route(request: Request, exc: StarletteHTTPException) -> Response:
@@ -107,7 +110,9 @@ def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
                                 f"{request.method} {request.url.path[:200]}: an unexpected "
                                 f"error ({type(exc).__name__}); the server logged it")
         service.metrics.observe_failure(status)
-        return error_response(status, None, retry, 500)
+        # (sent by Starlette's outermost middleware: wire.RequestIds does not see it)
+        return error_response(status, None, retry, 500,
+                              {wire.REQUEST_ID_HEADER: wire.request_id(request.scope)})
 
     def fail(status: Status, param: str | None = None, http_status: int | None = None,
              count: bool = True, headers: dict[str, str] | None = None) -> JSONResponse:

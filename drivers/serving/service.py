@@ -350,6 +350,8 @@ class RequestRun:
     #: the request's timeout in seconds (the body's, or the server's default): a deadline
     #: error names it (None: the run's own, ``deadline - started``)
     timeout: float | None = None
+    #: ``Admission.max_tokens_param``: the body's field a refusal of ``max_tokens`` names
+    max_tokens_param: str = "max_tokens"
     #: model generation of the request's jobs (its KV lives in that generation's KvManager)
     generation_id: int | None = None
     #: how tokens are chosen (drivers/serving/sampling.py); logprobs of each token when asked for
@@ -460,6 +462,27 @@ STREAM_AHEAD = 16
 
 #: how :func:`_told_as_timeout` starts a message (it rewrites a message once)
 _TIMEOUT_TOLD = "request timeout="
+
+
+#: codes of a run's failure about the body's maximum of tokens: the error's ``param`` (and the
+#: field its message names, "max_tokens" in the layers below) is the field the body gave
+#: (``RequestRun.max_tokens_param``: a chat's ``max_completion_tokens``)
+MAX_TOKENS_CODES = frozenset({"kv.exceeds_capacity"})
+
+
+def failure_param(run: RequestRun) -> str | None:
+    """The body field ``run``'s failure is about (an error body's ``param``), if known."""
+    if run.status is not None and run.status.code in MAX_TOKENS_CODES:
+        return run.max_tokens_param
+    return None
+
+
+def _as_told(run: RequestRun, status: Status) -> Status:
+    """``status`` naming the field the body gave its maximum in, where it names max_tokens."""
+    field = run.max_tokens_param
+    if status.code not in MAX_TOKENS_CODES or field == "max_tokens":
+        return status
+    return attrs.evolve(status, message=re.sub(r"\bmax_tokens\b", field, status.message))
 
 
 def _told_as_timeout(run: RequestRun, status: Status) -> Status:
@@ -688,7 +711,7 @@ class CompletionService:
                          np.empty(vocab, dtype=np.float32),
                          waiter=None if isinstance(got, int) else got,
                          prompt_top=body.prompt_logprobs, n_param=body.n_param,
-                         timeout=timeout)
+                         timeout=timeout, max_tokens_param=body.max_tokens_param)
         if isinstance(got, int):
             run.scheduled_at = now
         self.active += 1
@@ -713,7 +736,7 @@ class CompletionService:
             token = await self._step(run)
             if token is not _PROMPT_ROW and token is not _BURST:
                 if token is None and run.status is not None:
-                    run.status = _told_as_timeout(run, run.status)
+                    run.status = _as_told(run, _told_as_timeout(run, run.status))
                 return cast(int | None, token)
 
     @staticmethod

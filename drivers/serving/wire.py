@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +19,7 @@ import anyio.lowlevel
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.requests import ClientDisconnect
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from calexec.contracts.status import Phase, Status
 from calexec.drivers.serving.error_bodies import body_timeout, invalid
@@ -32,6 +34,88 @@ ABORT_EXTENSION = "calexec.abort"
 #: connection closes after it, so the rest of the body is not awaited at the client's pace
 #: (uvicorn would otherwise read it as the same request's, for as long as it trickles in)
 CLOSE = {"Connection": "close"}
+
+
+#: the response header naming the request (as vLLM's ``--enable-request-id-headers`` and
+#: OpenAI's API send it; the ``openai`` SDK reads it into its errors' ``request_id``)
+REQUEST_ID_HEADER = "x-request-id"
+#: a client's ``X-Request-Id`` is sent back when it is 1 to this many printable ASCII
+#: characters (a space inside allowed); any other value is ignored, never cut
+MAX_REQUEST_ID_CHARS = 128
+SANE_REQUEST_ID = re.compile(rb"[\x20-\x7e]{1,%d}" % MAX_REQUEST_ID_CHARS)
+#: ASGI scope key: the request's :class:`RequestId` (set by :class:`RequestIds`)
+REQUEST_ID = "calexec.request_id"
+
+
+class RequestId:
+    """The id of one request: the client's sane ``X-Request-Id``, else the server's own (a
+    route names it, :func:`name_request`: the response body's ``id``), else one made when
+    the answer starts (a request no route named: 404, 405, ``/health``)."""
+
+    __slots__ = ("client", "server")
+
+    def __init__(self, client: str | None) -> None:
+        self.client = client
+        self.server: str | None = None
+
+    def value(self) -> str:
+        if self.client is not None:
+            return self.client
+        if self.server is None:
+            self.server = uuid.uuid4().hex
+        return self.server
+
+
+def client_request_id(headers: list[tuple[bytes, bytes]]) -> str | None:
+    """The client's ``X-Request-Id`` when it sent exactly one and it is sane
+    (:data:`SANE_REQUEST_ID`), else None (the server's id is sent)."""
+    given = [value for name, value in headers if name.lower() == b"x-request-id"]
+    if len(given) != 1 or SANE_REQUEST_ID.fullmatch(given[0]) is None:
+        return None
+    return given[0].decode("ascii")
+
+
+def name_request(scope: Scope, server_id: str) -> None:
+    """Record ``server_id`` (a response body's ``id``) as the request's id, sent in
+    ``x-request-id`` unless the client gave its own (a scope :class:`RequestIds` did not
+    see, e.g. a test's bare app: nothing to do)."""
+    ids = scope.get(REQUEST_ID)
+    if isinstance(ids, RequestId):
+        ids.server = server_id
+
+
+def request_id(scope: Scope) -> str:
+    """The id the response to ``scope``'s request carries (made now if none was)."""
+    ids = scope.get(REQUEST_ID)
+    if not isinstance(ids, RequestId):
+        ids = scope[REQUEST_ID] = RequestId(client_request_id(scope.get("headers", [])))
+    return ids.value()
+
+
+class RequestIds:
+    """ASGI middleware: every HTTP response carries ``x-request-id`` (:class:`RequestId`:
+    the client's sane ``X-Request-Id``, else the id a route named, else a new one). Always
+    on, where vLLM gates its own behind ``--enable-request-id-headers`` for its cost: here a
+    scan of the request's headers, a uuid and one call more per send (docs/server.md
+    "Request ids" has the measure); a client cannot know a flag it would need."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        ids = scope[REQUEST_ID] = RequestId(client_request_id(scope["headers"]))
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", ())
+                           if k.lower() != b"x-request-id"]
+                headers.append((b"x-request-id", ids.value().encode("ascii")))
+                message = {**message, "headers": headers}
+            await send(message)
+        await self.app(scope, receive, send_with_id)
 
 
 class ClientGone(Exception):
