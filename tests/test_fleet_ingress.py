@@ -119,14 +119,17 @@ class Client:
     ``leave_after``: disconnect once that many body bytes arrived."""
 
     def __init__(self, body: dict = BODY, path: str = "/v1/completions",
-                 leave_after: int | None = None) -> None:
+                 leave_after: int | None = None,
+                 headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
         self.body, self.path, self.leave_after = body, path, leave_after
+        self.headers = headers
         self.messages: list[dict] = []
         self.left = asyncio.Event()
 
     async def run(self, app) -> Client:
         scope = {"type": "http", "method": "POST", "path": self.path, "query_string": b"",
-                 "headers": [(b"content-type", b"application/json")], "http_version": "1.1"}
+                 "headers": [(b"content-type", b"application/json"), *self.headers],
+                 "http_version": "1.1"}
         given = False
 
         async def receive():
@@ -348,3 +351,35 @@ def test_a_body_that_trickles_in_is_a_408_and_reaches_no_replica():
 def test_failover_settings_refuse_a_body_timeout_that_is_not_positive():
     with pytest.raises(ValueError, match="body_timeout_s"):
         FailoverSettings(body_timeout_s=0)
+
+
+def test_the_ingress_s_own_answers_carry_an_x_request_id_and_a_replica_s_is_kept():
+    """Every response of the server carries ``x-request-id`` (the client's sane
+    ``X-Request-Id``, else its own); the ingress relays a replica's answer with the replica's
+    header, but its own answers (the 503 when no replica answered, the drain's 503) had
+    none: the client's id is echoed there, else one is made; a replica's is never replaced."""
+    dead = lambda: Router(Replica("r0", fail_at=0))  # noqa: E731 - died before answering
+    client = run(ingress(dead(), max_failovers=0))
+    made = client.header(b"x-request-id")
+    assert client.starts[0]["status"] == 503 and made and len(made) == 32
+    given = ((b"x-request-id", b"trace-42"),)
+    client = run(ingress(dead(), max_failovers=0), Client(headers=given))
+    assert client.header(b"x-request-id") == b"trace-42"
+    # an id that is no printable ASCII, or too long, is not echoed (the server's rule)
+    client = run(ingress(dead(), max_failovers=0),
+                 Client(headers=((b"x-request-id", b"x" * 129),)))
+    assert client.header(b"x-request-id") not in (None, b"x" * 129)
+    app = ingress(Router(Replica("r1")))
+    app.draining = True
+    client = run(app, Client(headers=given))
+    assert client.starts[0]["status"] == 503 and client.header(b"x-request-id") == b"trace-42"
+
+    class Named(Replica):  # a replica's answer names its own id: relayed as it is
+        def start(self, status: int = 200) -> dict:
+            message = super().start(status)
+            message["headers"] = [*message["headers"], (b"x-request-id", b"cmpl-r1")]
+            return message
+
+    client = run(ingress(Router(Named("r1"))), Client(headers=given))
+    assert client.content == UNCUT
+    assert [v for k, v in client.starts[0]["headers"] if k == b"x-request-id"] == [b"cmpl-r1"]

@@ -49,7 +49,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from calexec.drivers.serving import handoff
+from calexec.drivers.serving import handoff, wire
 
 log = logging.getLogger("calexec.fleet_edge")
 
@@ -351,6 +351,22 @@ async def stop_stream(stream: Any) -> None:
             await stream.aclose()
     except Exception as err:  # noqa: BLE001 - stopping is best effort; the sibling's deadline bounds the rest
         log.warning("could not stop a relay stream: %r", err)
+
+
+def with_request_id(scope: Message, send: Send) -> Send:
+    """``send`` adding ``x-request-id`` (the client's sane ``X-Request-Id``, else a new id:
+    ``wire.RequestId``, the server's rule) to a response start that has none: a relay's own
+    answers need one, while a response it relays keeps the replica's."""
+    ids = wire.RequestId(wire.client_request_id(scope.get("headers", [])))
+
+    async def send_with_id(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            headers = list(message.get("headers", ()))
+            if not any(name.lower() == wire.REQUEST_ID_HEADER.encode() for name, _ in headers):
+                headers.append((wire.REQUEST_ID_HEADER.encode(), ids.value().encode("ascii")))
+                message = {**message, "headers": headers}
+        await send(message)
+    return send_with_id
 
 
 async def send_held(send: Send, start: Message, payload: bytes) -> None:

@@ -84,6 +84,7 @@ from calexec.drivers.fleet.edge import (
     send_held,
     stop_stream,
     wait_disconnect,
+    with_request_id,
 )
 from calexec.drivers.serving import error_bodies, wire
 from calexec.drivers.serving.handoff import PROGRESS_TYPE
@@ -214,6 +215,7 @@ class FleetIngress:
             return
         if scope["type"] != "http":
             return
+        send = with_request_id(scope, send)  # its own answers too (a replica's: kept)
         if self.draining and (scope["method"], route_path(scope)) not in PROBES:
             await send_held(send, *refusal(Status.unavailable(
                 Phase.ADMISSION, "fleet is draining"), 503, self.settings.retry_after_s))
