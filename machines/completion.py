@@ -56,9 +56,10 @@ if TYPE_CHECKING:
     from calexec.machines.pool import BufferSlot
 
 
-#: what a deferred conversion needs: the output's BF16 array, the slice's base and length, the
-#: row the result's ``logits`` view (``Completion._postprocess`` with ``defer``)
-_Deferred = tuple[np.ndarray, int, int, np.ndarray]
+#: what a deferred conversion needs (``Completion.postprocess`` with ``defer``): the output's
+#: BF16 array, the slice's base and length, the row the result's ``logits`` view, and the
+#: argmax the check found
+Deferred = tuple[np.ndarray, int, int, np.ndarray, int]
 
 
 class Completion:
@@ -224,7 +225,7 @@ class Completion:
         # checks and finds the argmax (half the memory traffic), and the conversion into the
         # row follows after the firing, before the caller is woken (``_convert_deferred``)
         defer = job.stream is not None and self.fused_logits is not None
-        result, deferred = self._postprocess(job, defer)
+        result, deferred = self.postprocess(job, defer)
         job.timings.postprocess_ms = (self.clock.now_us() - t1) / 1000.0
         if isinstance(result, Status):
             job.output_status = result
@@ -287,8 +288,8 @@ class Completion:
                 outcomes.check_pool(job)
 
     def _convert_deferred(self, job: Job, result: InferenceResult,
-                          deferred: _Deferred) -> InferenceResult | Status:
-        """The conversion ``_postprocess(job, defer=True)`` left: the checked BF16 slice into
+                          deferred: Deferred) -> InferenceResult | Status:
+        """The conversion ``postprocess(job, defer=True)`` left: the checked BF16 slice into
         the result's row, the call the plain path makes, on the same bytes (the lease still
         holds the output), so it answers as the check did. Its time is added to the job's
         postprocess span. A different answer (only memory written behind the executor's back
@@ -298,14 +299,14 @@ class Completion:
             return Status.internal("postprocess", Phase.OUTPUT_CHECK, "no fused postprocess "
                                    "for a deferred conversion", **job.ctx())
         t0 = self.clock.now_us()
-        src, base, count, dst = deferred
+        src, base, count, dst, checked = deferred
         rc = fused(src, base, count, dst)
         job.timings.postprocess_ms += (self.clock.now_us() - t0) / 1000.0
-        if rc != 0 or fused.argmax != result.argmax:
+        if rc != 0 or fused.argmax != checked:
             return Status.internal("output_changed", Phase.OUTPUT_CHECK,
                                    f"the logits slice converted after greedy ahead fired "
                                    f"answers rc={rc} argmax={fused.argmax}; its check answered "
-                                   f"rc=0 argmax={result.argmax}", **job.ctx())
+                                   f"rc=0 argmax={checked}", **job.ctx())
         return result
 
     def _until_submitted(self, job: Job) -> None:
@@ -373,19 +374,15 @@ class Completion:
                 outbuf.wait(int(self.config.timeout_grace_s * 1e6))
         outcomes.reap_held()  # let go: permit back; still held after the grace: device.hung
 
-    def postprocess(self, job: Job) -> InferenceResult | Status:
-        """Output size (FI09), finiteness (FI10), then the direct conversion (§10.1) and the
-        argmax (``_postprocess``)."""
-        return self._postprocess(job, False)[0]
-
-    def _postprocess(self, job: Job, defer: bool
-                     ) -> tuple[InferenceResult | Status, _Deferred | None]:
+    def postprocess(self, job: Job, defer: bool = False
+                    ) -> tuple[InferenceResult | Status, Deferred | None]:
         """Output size (FI09), finiteness (FI10), then the direct conversion (§10.1) and the
         argmax: fused in one native pass when the runtime offers it (``fused_logits``,
         drivers/native; GIL released), else the numpy path. Same bits, same argmax.
-        ``defer`` (fused only): the pass checks and finds the argmax without writing the row,
-        and what the conversion needs comes back beside the result; ``_convert_deferred``
-        writes the result's ``logits`` with it, and must before the job is resolved."""
+        Returns the result (or the Status of a failed check) and None, or with ``defer``
+        (fused only) what the conversion needs: the pass then checks and finds the argmax
+        without writing the row, and ``_convert_deferred`` writes the result's ``logits``
+        with it, which must happen before the job is resolved."""
         lease, txn, gen = job.queued_parts()
         request, slot, sm = job.request, lease.slot, job.submodel
         outbuf, host_output, scratch = slot.outbuf, slot.host_output, slot.scratch
@@ -438,7 +435,7 @@ class Completion:
                                         **job.ctx()), None)
             bf16_to_f32_into(host_output, base, count, dst)
             argmax = int(np.argmax(dst[:count]))
-        deferred = (host_output, base, count, dst) if defer and fused is not None else None
+        deferred = (host_output, base, count, dst, argmax) if defer and fused is not None else None
         return InferenceResult(job_id=job.job_id, seq_id=request.seq_id,
                                generation=job.generation_id, kind=job.kind, logits=dst[:count],
                                argmax=argmax, kv_len=txn.target_len,

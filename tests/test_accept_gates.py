@@ -62,11 +62,11 @@ def test_report_files_hold_every_gate(tiny_report, tmp_path):
 def test_a_wrong_token_fails_the_gate_and_the_exit_status(monkeypatch, capsys):
     real = Completion.postprocess
 
-    def off_by_one(self, job):
-        result = real(self, job)
+    def off_by_one(self, job, defer=False):
+        result, deferred = real(self, job, defer)
         if job.internal or not hasattr(result, "argmax"):
-            return result  # the golden warm-up stays intact, so the executor starts
-        return attrs.evolve(result, argmax=(result.argmax + 1) % len(result.logits))
+            return result, deferred  # the golden warm-up stays intact: the executor starts
+        return attrs.evolve(result, argmax=(result.argmax + 1) % len(result.logits)), deferred
 
     monkeypatch.setattr(Completion, "postprocess", off_by_one)
     rc = accept.main(["accept", "--quick", "--phase", "a", "--gates", "correctness", "--json"])

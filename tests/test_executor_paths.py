@@ -215,10 +215,10 @@ def failures_after_submit(calbin):
 def cancel_while_completing(calbin, monkeypatch):
     original = Completion.postprocess
 
-    def postprocess_then_cancel(self, job):
+    def postprocess_then_cancel(self, job, defer=False):
         if not job.internal:  # leave the start-up golden run alone
             job.cancel_flag = True  # a cancel arriving between Wait() and delivery
-        return original(self, job)
+        return original(self, job, defer)
 
     monkeypatch.setattr(Completion, "postprocess", postprocess_then_cancel)
     with running_executor(calbin) as ex:
