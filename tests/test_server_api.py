@@ -408,6 +408,37 @@ def test_dump_sink_writes_no_prompt_text_by_default_and_respects_the_cap(fresh, 
         executor.shutdown(5.0)
 
 
+def test_a_dump_record_names_the_x_request_id_its_response_carried(tmp_path):
+    """Every response carries ``x-request-id`` (the body's id, or the client's own); the dump
+    record of the request had only the server's internal integer id, so a request a client
+    quotes by that id could not be found in the dump. Each record names it, for a whole
+    answer, a stream, each choice of ``n`` > 1, and the client's own id."""
+    executor = started_executor(tmp_path)
+    try:
+        sink = DumpSink(tmp_path / "dump", max_bytes=100_000)
+        app = create_app(executor, ServerConfig(), sink)
+        with TestClient(app) as client:
+            sent = []
+            r = complete(client, prompt="a", max_tokens=2)
+            sent.append(r.headers["x-request-id"])
+            r = client.post("/v1/completions", json={"prompt": "b", "max_tokens": 2,
+                                                     "stream": True})
+            assert r.status_code == 200
+            sent.append(r.headers["x-request-id"])
+            r = client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "c"}], "max_tokens": 2, "n": 2})
+            assert r.status_code == 200 and r.headers["x-request-id"] == r.json()["id"]
+            sent += [r.headers["x-request-id"]] * 2
+            r = client.post("/v1/completions", json={"prompt": "d", "max_tokens": 2},
+                            headers={"X-Request-Id": "trace-7"})
+            sent.append(r.headers["x-request-id"])
+        assert sent[0].startswith("cmpl-") and sent[-1] == "trace-7"
+        records = [json.loads(line) for line in sink.path.read_text().splitlines()]
+        assert sorted(record["x_request_id"] for record in records) == sorted(sent)
+    finally:
+        executor.shutdown(5.0)
+
+
 def test_dump_sink_writes_content_only_when_allowed(tmp_path):
     sink = DumpSink(tmp_path, max_bytes=1000, include_content=True)
     sink.write({"prompt_token_ids": [1, 2], "text": "hi", "n": 1})

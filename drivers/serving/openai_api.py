@@ -859,9 +859,11 @@ def choice_seed(seed: int | None, k: int) -> int | None:
 class _Choices:
     """The shared state of a request of several choices (``_generate_many``)."""
 
-    def __init__(self, n: int, count: int, response_id: str) -> None:
+    def __init__(self, n: int, count: int, response_id: str, x_request_id: str) -> None:
         self.n = n
         self.id, self.created = response_id, int(time.time())
+        #: the response's ``x-request-id`` (each choice's dump record names it)
+        self.x_request_id = x_request_id
         #: (status, param, counted already by the run's finish)
         self.failure: tuple[Status, str | None, bool] | None = None
         self.results: list[dict[str, Any] | None] = [None] * count
@@ -1201,6 +1203,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
                 return refused(bad)
             continue_from(resume, run, out, shape, admission.sse)
             wire.name_request(request.scope, shape.id)  # the id the first replica started
+        run.x_request_id = wire.request_id(request.scope)  # (its dump record names it)
         if progress is not None:
             progress({"seed": params.seed, "id": shape.id, "created": shape.created,
                       "prompt_tokens": len(run.prompt)})
@@ -1255,7 +1258,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         first = specs[0][0]
         timeout = config.default_timeout_s if first.timeout is None else first.timeout
         deadline = time.monotonic() + timeout  # the request's: every choice ends by it
-        state = _Choices(n, len(specs), response_id)
+        state = _Choices(n, len(specs), response_id, wire.request_id(request.scope))
 
         async def one(k: int, admission: Admission, shape: _Shape,
                       limit: anyio.Semaphore, scope: anyio.CancelScope) -> None:
@@ -1303,6 +1306,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         out = TextOutput(service.tokenizer, params.stop, params.include_stop_str_in_output)
         shape.start(service, run, state.id)
         shape.created, shape.index = state.created, k
+        run.x_request_id = state.x_request_id
         state.shapes.append(shape)
         sse = admission.sse
         try:

@@ -352,6 +352,8 @@ class RequestRun:
     timeout: float | None = None
     #: ``Admission.max_tokens_param``: the body's field a refusal of ``max_tokens`` names
     max_tokens_param: str = "max_tokens"
+    #: the ``x-request-id`` its response carries (the route sets it; its dump record names it)
+    x_request_id: str | None = None
     #: model generation of the request's jobs (its KV lives in that generation's KvManager)
     generation_id: int | None = None
     #: how tokens are chosen (drivers/serving/sampling.py); logprobs of each token when asked for
@@ -1365,7 +1367,8 @@ class CompletionService:
                 self._record_vllm(run)
         if self.dump is not None:
             self.dump.write({
-                "request_id": run.request_id, "seq_id": run.seq_id, "stream": run.sse,
+                "request_id": run.request_id, "x_request_id": run.x_request_id,
+                "seq_id": run.seq_id, "stream": run.sse,
                 "prompt_tokens": len(run.prompt), "completion_tokens": len(run.tokens),
                 "finish_reason": run.finish_reason,
                 "status": None if run.status is None else run.status.to_dict(),
