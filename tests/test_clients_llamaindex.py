@@ -3,7 +3,8 @@ unmodified, against a loopback server on the synthetic model: ``complete``, ``ch
 ``stream_complete`` / ``stream_chat``, each checked against the numpy oracle's greedy tokens;
 and its async API (``acomplete``, ``astream_complete``, ``achat``, ``astream_chat``, as a chat
 model and not): one by one, 12 at once (``asyncio.gather``), and a consumer task cancelled in
-the middle of a stream or a whole answer, after which the server holds nothing.
+the middle of a stream or a whole answer, or more of them than the server has sequence ids
+(some waiting for one), after which the server holds nothing.
 
 Installed by ``.ci/clients`` only, without pip's dependency check for one package:
 ``llama-index-llms-openai`` (which ``OpenAILike`` subclasses) declares ``openai<3``, and the
@@ -283,3 +284,44 @@ def test_async_logprobs_are_the_server_s(served, is_chat_model):
     assert [position[0][0] for position in got] == greedy
     assert all(len(position) == 2 for position in got), got
     assert got == expected
+
+
+def test_cancelling_consumers_some_of_which_wait_for_a_sequence_id_frees_everything(served):
+    """More ``astream_chat`` / ``astream_complete`` consumers than the server has sequence
+    ids (4 more), all cancelled once every sequence id is leased and 4 requests wait for
+    one: the waiting requests leave the queue, the generating ones stop (none ran to its
+    length), every sequence id is free, and the next answer is still the oracle's."""
+    server, service, _ = served
+    capacity = service.sequences.counts()["capacity"]
+    n = capacity + 4
+    length_before = _ran_to_length(server)
+
+    async def read(llm, i: int) -> None:
+        stream = await (llm.astream_chat([llms.ChatMessage(role="user", content=f"q{i}")])
+                        if i % 2 else llm.astream_complete(f"q{i}"))
+        async for _ in stream:
+            pass
+
+    async def give_up() -> tuple[int, int]:
+        async with openai.DefaultAsyncHttpxClient() as http:
+            by_kind = {chat_model: _openai_like(server, chat_model, max_tokens=30000, http=http)
+                       for chat_model in (False, True)}
+            tasks = [asyncio.create_task(read(by_kind[bool(i % 2)], i)) for i in range(n)]
+            for _ in range(int(TIMEOUT_S / 0.01)):  # bounded: until all of them arrived
+                if service.active == n and service.sequences.in_use == capacity:
+                    break
+                await asyncio.sleep(0.01)
+            seen = service.active, service.sequences.in_use
+            for task in tasks:
+                task.cancel()
+            outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+            assert all(isinstance(o, asyncio.CancelledError) for o in outcomes), outcomes
+            await asyncio.to_thread(wait_for, lambda: server_idle(service), 15.0,
+                                    "the server idle after the cancels")
+        return seen
+
+    assert _run(give_up()) == (n, capacity)
+    counts = service.sequences.counts()
+    assert counts["free"] == counts["capacity"], counts
+    assert _ran_to_length(server) == length_before
+    assert _openai_like(server).complete("after").text == _greedy("after")
