@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from calexec.drivers.serving import byte_tokenizer as tokenizer
-from test_server_support import MODEL, openai_server, oracle_tokens, wait_for
+from test_server_support import MODEL, openai_server, oracle_tokens, server_idle, wait_for
 
 TIMEOUT_S = 30.0
 
@@ -45,11 +45,6 @@ def _chat_prompt(content: str) -> list[int]:
 def _max_seq(server) -> int:
     card = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]
     return int(card["max_model_len"])
-
-
-def _idle(service) -> bool:
-    return (service.active == 0 and service.sequences.in_use == 0
-            and service.releases_pending == 0)
 
 
 def _run(coro):
@@ -107,7 +102,7 @@ def test_concurrent_async_requests_each_answer_the_oracle(served):
 
     for got, expected in _run(all_of_them()):
         assert got == expected
-    wait_for(lambda: _idle(service), what="every request released")
+    wait_for(lambda: server_idle(service), what="every request released")
 
 
 @pytest.mark.parametrize("how", ["break", "cancel-stream", "cancel-whole", "cancel-n3-stream",
@@ -157,7 +152,7 @@ def test_an_async_client_that_gives_up_mid_generation_frees_everything(served, h
             await client.close()
 
     _run(give_up())
-    wait_for(lambda: _idle(service), timeout=15.0, what=f"the server idle after {how}")
+    wait_for(lambda: server_idle(service), timeout=15.0, what=f"the server idle after {how}")
     counts = service.sequences.counts()
     assert counts["free"] == counts["capacity"], counts
     _oracle_check(server)
@@ -255,7 +250,7 @@ def test_a_chat_without_max_tokens_gets_what_the_context_leaves(served, sent):
     assert reply.usage is not None and reply.usage.completion_tokens == 3
     assert reply.usage.prompt_tokens == len(prompt)
     assert choice.message.content == tokenizer.decode(oracle_tokens(prompt, 3))
-    wait_for(lambda: _idle(service), what="the long request released")
+    wait_for(lambda: server_idle(service), what="the long request released")
 
 
 def test_a_chat_whose_messages_fill_the_context_names_the_messages(served):
@@ -348,7 +343,7 @@ def test_a_request_of_several_choices_past_its_timeout_names_the_timeout_it_gave
         error = err.body  # the body's "error" object, as the SDK hands it over
         assert isinstance(error, dict) and error["code"].endswith(".deadline"), (body, error)
         assert error["message"].startswith("request timeout=0.5 s passed after "), (body, err)
-        wait_for(lambda: _idle(service), what="the timed-out choices released")
+        wait_for(lambda: server_idle(service), what="the timed-out choices released")
 
 
 # ---- stream_options -----------------------------------------------------------------------------

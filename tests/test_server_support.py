@@ -106,6 +106,11 @@ def wait_for(predicate, timeout: float = 10.0, what: str = "condition") -> None:
         time.sleep(0.01)
 
 
+def server_idle(service) -> bool:
+    return (service.active == 0 and service.sequences.in_use == 0
+            and service.releases_pending == 0)
+
+
 def slow_stream(*chunks: bytes) -> tuple[Callable, dict[str, bool]]:
     """An ASGI app (a sibling replica's, say) that reads the request, sends a 200 and
     ``chunks`` (more to come), then waits for the next message: and the state it fills in,
