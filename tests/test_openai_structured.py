@@ -441,12 +441,21 @@ def test_auto_answers_with_text_or_calls_and_the_response_says_which(live, llgui
      '<tool_call>\n{"name":"get_weather","arguments":{"city":"a}\\n","unit":"celsius"}}\n'
      '</tool_call>', "let me look\n", ["get_time", "get_weather"]),
     ('<tool_call>\n{"name":"get_time","arguments":{"zo', None, []),  # cut by max_tokens
+    # cut by max_tokens after the arguments, in the call's closing markup: the stream sent
+    # the call whole (its arguments end at their "}"), and so does the whole answer
+    ('<tool_call>\n{"name":"get_time","arguments":{"zone":3}}\n</tool_ca', None,
+     ["get_time"]),
+    ('<tool_call>\n{"name":"get_time","arguments":{"zone":3}', None, ["get_time"]),
+    ('so\n<tool_call>\n{"name":"get_time","arguments":{"zone":1}}\n</tool_call>\n'
+     '<tool_call>\n{"na', "so\n", ["get_time"]),  # a second call's opening cut short
     ('a <tool_call> tag, then <tool_call>\n{"name":"get_time","arguments":{"zone":0}}\n'
      '</tool_call>', "a <tool_call> tag, then ", ["get_time"]),  # what auto's grammar allows
 ])
 def test_auto_output_parsing_whole_and_streamed_agree(text, content, names):
     """parse_tool_calls (the whole answer) and ToolCallStream (fed one character at a time,
-    as a stream) read the same calls and content."""
+    as a stream) read the same calls and content. An answer cut only in a call's closing
+    markup was text in the whole answer while the stream had sent the call (found by driving
+    llama-index's ``achat_with_tools`` and ``astream_chat_with_tools``): both have the call."""
     parsed_content, calls = grammar.parse_tool_calls(text)
     assert [c["function"]["name"] for c in calls] == names
     assert parsed_content == (text if not names else content)
@@ -457,6 +466,37 @@ def test_auto_output_parsing_whole_and_streamed_agree(text, content, names):
     if names:
         assert "".join(d.get("content", "") for d in deltas) == (content or "")
         assert streamed_calls == [c["function"]["arguments"] for c in calls]
+
+
+@pytest.mark.parametrize("cut", [1, 3, 14])
+def test_a_call_cut_in_its_closing_markup_is_a_call_whole_and_streamed(live, llguidance, cut):
+    """``tool_choice: required`` answered with a call whose last ``cut`` tokens (bytes: the
+    closing ``}\n</tool_call>``, 14 of them) ``max_tokens`` cut off: the stream sent the call
+    with its whole arguments, the whole answer gave no call and the markup as content. Both
+    now have the call (``finish_reason: length``)."""
+    server, _ = live
+    body = chat_body(tools=[CLOCK], tool_choice="required", parallel_tool_calls=False,
+                     max_tokens=200)
+    r = post(server, body)
+    assert r.status_code == 200, r.text
+    full = r.json()
+    generated = full["usage"]["completion_tokens"]
+    expected = full["choices"][0]["message"]["tool_calls"]
+    assert full["choices"][0]["finish_reason"] == "tool_calls" and len(expected) == 1
+    body = {**body, "max_tokens": generated - cut}
+    r = post(server, body)
+    assert r.status_code == 200, r.text
+    whole = r.json()["choices"][0]
+    assert whole["finish_reason"] == "length" and whole["message"]["content"] is None, whole
+    got = whole["message"]["tool_calls"]
+    assert [c["function"] for c in got] == [c["function"] for c in expected]
+    arguments, finish = "", None
+    for chunk in streamed(server, body):
+        for choice in chunk["choices"]:
+            for piece in choice["delta"].get("tool_calls") or []:
+                arguments += piece["function"]["arguments"]
+            finish = choice["finish_reason"] or finish
+    assert arguments == expected[0]["function"]["arguments"] and finish == "length"
 
 
 @pytest.mark.parametrize("parallel", [None, False])

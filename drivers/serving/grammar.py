@@ -437,10 +437,12 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     :class:`ToolCallStream` streams for it: each ``<tool_call>\\n{"name": ..., "arguments":
     {...}}\\n</tool_call>`` is a call (``function.arguments`` the arguments' JSON text as
     generated), the text outside the calls is the content (None when there is none). An
-    output cut short inside a call (max_tokens): no calls, the whole text is the content."""
+    output cut short (max_tokens) in a call's closing markup or in the opening of one more
+    call has the calls, as streamed; cut inside a call's arguments (not one JSON value):
+    no calls, the whole text is the content (the stream sent the arguments as generated)."""
     stream = ToolCallStream()
     deltas = stream.feed(text, final=True)
-    if not stream.calls or stream.cut:
+    if not stream.calls or stream.args_cut:
         return text, []
     content = "".join(d.get("content", "") for d in deltas)
     calls: list[dict[str, Any]] = []
@@ -476,6 +478,9 @@ class ToolCallStream:
         self.complete = 0
         #: the output ended inside a call, or with one opened but not named (max_tokens)
         self.cut = False
+        #: the output ended inside a call's arguments (not one JSON value yet): the stream
+        #: sent them as generated; a whole answer has no calls then, its text is the content
+        self.args_cut = False
 
     def feed(self, piece: str, final: bool = False) -> list[dict[str, Any]]:
         """The deltas ``piece`` completes (``final``: the end of the output: flush)."""
@@ -489,6 +494,8 @@ class ToolCallStream:
                 if end < 0 and final and upto < len(rest) and \
                         not _whole_json(self._text[self._args:self._at + upto]):
                     upto = len(rest)  # cut inside the arguments: as generated
+                if end < 0 and final and not _whole_json(self._text[self._args:self._at + upto]):
+                    self.args_cut = True
                 if upto:
                     deltas.append({"tool_calls": [{"index": self.calls - 1, "function": {
                         "arguments": rest[:upto]}}]})
