@@ -650,8 +650,8 @@ def test_accept_gates_repeated_runs_the_gate_once():
 
 
 @pytest.mark.parametrize("phases, named", [
-    ("0:inf", "--decode-us: share 'inf' of 0 must be > 0 and finite"),  # was exit 70
-    ("0:nan", "--decode-us: share 'nan' of 0 must be > 0 and finite"),
+    ("0:inf", "--decode-us='0:inf': share 'inf' of 0 must be > 0 and finite"),  # was exit 70
+    ("0:nan", "--decode-us='0:nan': share 'nan' of 0 must be > 0 and finite"),
 ])
 def test_bench_soak_phase_shares_must_be_finite(phases, named):
     done = calexec("bench", "soak", "--requests", "1", "--faults", "1", "--clients", "1",

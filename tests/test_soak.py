@@ -213,9 +213,9 @@ def test_errors_beyond_the_documented_budget_are_counted():
 
 
 @pytest.mark.parametrize("flag,value,message", [
-    ("--decode-us", "0,x", "--decode-us: 'x' is not US or US:SHARE"),
-    ("--decode-us", "2000:0", "share '0' of 2000 must be > 0"),
-    ("--max-tokens", "8-4", "--max-tokens: '8-4' needs 1 <= LO <= HI"),
+    ("--decode-us", "0,x", "--decode-us='0,x': 'x' is not US or US:SHARE"),
+    ("--decode-us", "2000:0", "--decode-us='2000:0': share '0' of 2000 must be > 0"),
+    ("--max-tokens", "8-4", "--max-tokens='8-4': needs 1 <= LO <= HI"),
     ("--requests", "0", "must be >= 1"),
 ])
 def test_bad_arguments_are_refused_naming_the_flag(capsys, flag, value, message):

@@ -138,15 +138,16 @@ def parse_phases(text: str) -> list[Phase]:
         try:
             decode_us, weight = int(us), float(share) if share else 1.0
         except ValueError:
-            raise ValueError(f"--decode-us: {part!r} is not US or US:SHARE") from None
+            raise ValueError(f"--decode-us={text!r}: {part!r} is not US or US:SHARE") from None
         if decode_us < 0 or decode_us > 1_000_000:
-            raise ValueError(f"--decode-us: {decode_us} is outside 0..1000000 us")
+            raise ValueError(f"--decode-us={text!r}: {decode_us} is outside 0..1000000 us")
         if not 0 < weight < math.inf:  # (nan fails both; inf would make every share nan)
-            raise ValueError(f"--decode-us: share {share!r} of {us} must be > 0 and finite")
+            raise ValueError(f"--decode-us={text!r}: share {share!r} of {us} must be > 0 and "
+                             "finite")
         phases.append((decode_us, weight))
     total = sum(w for _, w in phases)
     if total == math.inf:
-        raise ValueError(f"--decode-us: the shares of {text!r} overflow; use smaller numbers")
+        raise ValueError(f"--decode-us={text!r}: the shares overflow; use smaller numbers")
     return [Phase(us, w / total) for us, w in phases]
 
 
@@ -156,9 +157,9 @@ def parse_range(text: str) -> tuple[int, int]:
     try:
         pair = (int(lo), int(hi or lo))
     except ValueError:
-        raise ValueError(f"--max-tokens: {text!r} is not N or LO-HI") from None
+        raise ValueError(f"--max-tokens={text!r}: not N or LO-HI") from None
     if not 1 <= pair[0] <= pair[1]:
-        raise ValueError(f"--max-tokens: {text!r} needs 1 <= LO <= HI")
+        raise ValueError(f"--max-tokens={text!r}: needs 1 <= LO <= HI")
     return pair
 
 
