@@ -154,8 +154,10 @@ def test_phase_b_a_job_behind_one_the_device_keeps_is_completed_without_its_grac
 
 def test_execution_timeout_of_a_hung_job_resets_and_rebuilds(calbins):
     policy = RecoveryPolicy(drain_grace_s=0.2)
+    # 0.2 s for the hung decode; a prefill (the golden run's, the oracle check's) gets 50 ms
+    # more per token, so a loaded host (CI beside a soak) does not time out a healthy one
     with running_executor(calbins["main"], execution_timeout_s=0.2, timeout_grace_s=0.1,
-                          recovery=policy) as ex:
+                          execution_timeout_per_token_s=0.05, recovery=policy) as ex:
         greedy(ex, 1, PROMPT, 0)
         arm(ex, "HANG")
         res = ex.enqueue(decode(1, 3, len(PROMPT))).wait_until(deadline())

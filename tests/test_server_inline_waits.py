@@ -73,6 +73,9 @@ def servers(tmp_path_factory):
                 executor = started_executor(
                     tmp_path_factory.mktemp(path), f"decode_us={decode_us}",
                     execution_timeout_s=0.3, timeout_grace_s=0.1,
+                    # a prefill (the golden run's at start) gets 50 ms more per token: a
+                    # loaded host missed 0.3 s for it once, and the fixture never started
+                    execution_timeout_per_token_s=0.05,
                     recovery=RecoveryPolicy(max_recoveries=100_000, drain_grace_s=1.0))
                 stack.callback(executor.shutdown, 5.0)
                 app = create_app(executor, ServerConfig(**settings_))
