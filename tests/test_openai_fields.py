@@ -142,6 +142,20 @@ def test_chat_refuses_what_this_model_cannot_honour_naming_it(live, field, value
     assert r.json()["error"]["param"] == field
 
 
+def test_a_reasoning_effort_refusal_names_the_switch_this_server_has(live):
+    """An OpenAI client that asks a reasoning model for less thinking sends
+    ``reasoning_effort``; Qwen3's thinking is its chat template's ``enable_thinking``. The 400
+    names the field and where the switch is, not only "not supported"."""
+    server, _, _ = live
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+            "reasoning_effort": "low"}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "reasoning_effort", error
+    assert "chat_template_kwargs" in error["message"] and "enable_thinking" in error["message"]
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_top_logprobs_0_without_logprobs_is_neutral_and_more_is_refused(live, stream):
     """``logprobs: false`` with ``top_logprobs: 0`` (a client that serialises both of its

@@ -252,7 +252,9 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "modalities": (lambda v: v is None or v == ["text"], "only modalities [\"text\"]"),
     "audio": (_none_or(), "audio output is not supported"),
     "prediction": (_none_or(), "predicted outputs are not supported"),
-    "reasoning_effort": (_none_or(), "reasoning_effort is not supported"),
+    "reasoning_effort": (_none_or(), "reasoning_effort is not supported: Qwen3's thinking "
+                         "is switched by its chat template, chat_template_kwargs: "
+                         "{\"enable_thinking\": false} (with a --tokenizer that has one)"),
     "verbosity": (_none_or(), "verbosity is not supported"),
     "web_search_options": (_none_or(), "web search is not supported"),
     "moderation": (_none_or(), "moderation is not performed by this server"),
