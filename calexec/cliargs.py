@@ -123,15 +123,31 @@ def parser(prog: str, doc: str | None) -> Parser:
 
 
 # ---- value types: argparse turns their ValueError/ArgumentTypeError into a one-line error ----
+def _integer(text: str) -> int:
+    """``text`` as an int, or the one-line refusal naming it (argparse would say ``invalid
+    positive_int value``, the name of this module's function, not what was wrong)."""
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
 def port(text: str) -> int:
-    value = int(text)
+    value = _integer(text)
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"{value} is not a TCP port (0..65535)")
     return value
 
 
 def positive_int(text: str) -> int:
-    value = int(text)
+    value = _integer(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
@@ -139,7 +155,7 @@ def positive_int(text: str) -> int:
 
 def non_negative_int(text: str) -> int:
     """A count or seed that may be 0 (a seed: numpy's ``default_rng`` refuses a negative one)."""
-    value = int(text)
+    value = _integer(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
@@ -159,7 +175,7 @@ def nonempty_path(text: str) -> Path:
 
 
 def positive_float(text: str) -> float:
-    value = float(text)
+    value = _number(text)
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value

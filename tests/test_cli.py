@@ -533,7 +533,12 @@ def test_a_bad_value_found_past_the_parser_still_names_its_flag(argv, named, tmp
 @pytest.mark.parametrize("argv, named", [
     # its own argparse parser: the usage line, then the error (two lines)
     (["bench", "charts", "--iters", "0"], "argument --iters: must be >= 1, got 0"),
-    (["bench", "charts", "--iters", "x"], "argument --iters: invalid positive_int value: 'x'"),
+    # argparse named the type function ("invalid positive_int value: 'x'"), not the problem
+    (["bench", "charts", "--iters", "x"], "argument --iters: 'x' is not an integer"),
+    (["bench", "pingpong", "--tokens", "1e9"], "argument --tokens: '1e9' is not an integer"),
+    (["bench", "overhead", "--seed", "s"], "argument --seed: 's' is not an integer"),
+    (["serve", "--port", "http"], "argument --port: 'http' is not an integer"),
+    (["serve", "--grace", "soon"], "argument --grace: 'soon' is not a number"),
     # nan passed the '< 0' check: the whole soak ran, then its rss check failed (exit 1)
     (["bench", "soak", "--requests", "1", "--faults", "1", "--clients", "1", "--decode-us", "0",
       "--max-tokens", "1", "--rss-bound-mib", "nan"], "argument --rss-bound-mib: "),
