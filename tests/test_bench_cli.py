@@ -39,9 +39,14 @@ LOGITS_KEYS = {"speedup_vs_legacy", "speedup_vs_legacy_prefill", "ratio_to_copy"
 
 def _run_json(argv: list[str], capsys) -> dict:
     assert bench.main(argv) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert out.count("\n") == 1, f"--json must print exactly one line, got {out!r}"
-    return json.loads(out)
+    report = json.loads(out)
+    host = report.get("host")
+    if isinstance(host, dict) and host.get("quiet") is False:  # said where a reader sees it
+        assert f"not a quiet host ({host['noise']}" in captured.err, captured.err[-500:]
+    return report
 
 
 def _numbers(value) -> list[float]:
@@ -62,7 +67,7 @@ def test_overhead_json_report(capsys):
     assert sys.getswitchinterval() == before  # restored after the run
     # what the host did beside the run (hostload.py; not Linux: available false)
     assert report["host"]["available"] is False or {
-        "steal_pct", "busy_pct", "others_busy_pct"} <= report["host"].keys()
+        "steal_pct", "busy_pct", "others_busy_pct", "quiet", "noise"} <= report["host"].keys()
     assert (report["tokens"], report["runs"], report["zero_tokens"], report["seed"]) == (8, 2, 12, 3)
     assert report["tokens_identical"] is True
     assert report["dma_violations"] == 0

@@ -4,6 +4,7 @@ its place in the reports of ``bench overhead`` and ``bench server``. No timing f
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from calexec.drivers.tools.bench import hostload
@@ -58,3 +59,44 @@ def test_garbage_or_no_time_passed_is_not_a_figure(tmp_path):
     meter = hostload.HostMeter(stat, tmp_path / "l", tmp_path / "d").start()
     got = meter.report()  # the same ticks: no CPU time passed
     assert got["available"] is False and "no CPU time" in got["reason"]
+
+
+def _span(tmp_path: Path, steal: int, others_expected: bool = False, user: int = 0) -> dict:
+    """A report over 1,000 ticks: ``steal`` stolen, ``user`` running, the rest idle."""
+    stat = tmp_path / "stat"
+    _stat(stat, user=0, idle=0, steal=0)
+    meter = hostload.HostMeter(stat, tmp_path / "l", tmp_path / "d", cpus=2,
+                               others_expected=others_expected).start()
+    time.sleep(0.2)  # (a span long enough that this process's own share is about none)
+    _stat(stat, user=user, idle=1000 - steal - user, steal=steal)
+    return meter.report()
+
+
+def test_a_span_with_cpu_stolen_is_not_quiet_and_the_benches_say_so(tmp_path):
+    """A ratio from a span whose CPU the hypervisor took (13-20 % at stop 42) moved more with
+    the steal than with the change it measured; the report says whether the span was quiet,
+    and the benches print why not on stderr (``noise_line``)."""
+    quiet = _span(tmp_path, steal=10)  # 1 %: at the bound's side
+    assert quiet["quiet"] is True and quiet["noise"] is None
+    assert hostload.noise_line(quiet) is None
+    stolen = _span(tmp_path, steal=130)
+    assert stolen["quiet"] is False and stolen["noise"] == "steal 13 % > 2 %"
+    line = hostload.noise_line(stolen)
+    assert line is not None and "not a quiet host (steal 13 % > 2 %" in line
+    assert "not a gate figure" in line
+
+
+def test_other_processes_make_a_span_noisy_unless_the_bench_runs_them(tmp_path):
+    """Other processes' CPU (a test suite beside the run) is noise, except where the benchmark
+    runs its own (``bench server``'s out-of-process load generator)."""
+    busy = _span(tmp_path, steal=0, user=400)  # 40 % busy, this process used ~none of it
+    assert busy["quiet"] is False and busy["noise"].startswith("other processes ")
+    assert _span(tmp_path, steal=0, user=400, others_expected=True)["quiet"] is True
+    both = _span(tmp_path, steal=300, user=400)
+    assert both["noise"].startswith("steal 30 % > 2 %; other processes ")
+
+
+def test_an_unknown_host_load_is_said_too(tmp_path):
+    missing = tmp_path / "missing"
+    line = hostload.noise_line(hostload.HostMeter(missing, missing, missing).start().report())
+    assert line is not None and "host load unknown" in line and str(missing) in line

@@ -62,7 +62,7 @@ def test_interleaved_rounds_and_the_serving_process_policy_in_the_report(capsys)
     assert isinstance(report["mmap_threshold_pinned"], bool)
     assert isinstance(report["cpu_model"], str) and report["cpu_model"]
     assert report["host"]["available"] is False or {
-        "steal_pct", "busy_pct", "others_busy_pct"} <= report["host"].keys()
+        "steal_pct", "busy_pct", "others_busy_pct", "quiet", "noise"} <= report["host"].keys()
     # c=1: 3 rounds of 4 requests; c=2: blocks of 4 would hold fewer than 4 requests per
     # client, so the level runs 12 // (4 * 2) = 1 round
     assert (report["c1"]["rounds"], report["c2"]["rounds"]) == (3, 1)

@@ -81,7 +81,7 @@ from calexec.drivers.native.fused_logits import FusedLogits
 from calexec.drivers.serving.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
 from calexec.drivers.synthetic import calbin as calbin_fmt
 from calexec.drivers.tools.bench.floor import FloorError, FloorLoop, build_floor
-from calexec.drivers.tools.bench.hostload import HostMeter
+from calexec.drivers.tools.bench.hostload import HostMeter, noise_line
 from calexec.drivers.tools.bench.sim import PROFILE_DECODE_US
 from calexec.machines.clock import Clock
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
@@ -579,6 +579,10 @@ def run_overhead(tokens: int, runs: int, zero_tokens: int, seed: int,
         }
     main = modes[0]
     e, ze = tpot[main], zero[main]
+    host_report = host.report()
+    noisy = noise_line(host_report)
+    if noisy is not None:
+        _progress(noisy)
     return {
         "tokens": tokens, "runs": runs, "zero_tokens": zero_tokens, "seed": seed,
         "prompt_len": PROMPT_LEN, "decode_us": profiles_us[0],
@@ -605,7 +609,7 @@ def run_overhead(tokens: int, runs: int, zero_tokens: int, seed: int,
         "profiles": profiles,
         "dma_violations": dma,
         "spec_gate": SPEC_GATE, "goal": GOAL,
-        "cpu_model": cpu_model(), "host": host.report(),
+        "cpu_model": cpu_model(), "host": host_report,
         "cpus": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__,
     }
 

@@ -78,7 +78,7 @@ from calexec.drivers.memory import pin_mmap_threshold
 from calexec.drivers.serving.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
 from calexec.drivers.tools.bench.api_floor import EngineSocket
 from calexec.drivers.tools.bench.core import cpu_model
-from calexec.drivers.tools.bench.hostload import HostMeter
+from calexec.drivers.tools.bench.hostload import HostMeter, noise_line
 from calexec.drivers.tools.bench.subproc import run_json_program
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 
@@ -606,7 +606,8 @@ def main(argv: list[str]) -> int:
     # server is measured as it is deployed
     pinned = pin_mmap_threshold()
     previous = set_gil_switch_interval_us(args.gil_switch_us)
-    host = HostMeter().start()
+    # the load generator's own process is one of the "others" (--loadgen process)
+    host = HostMeter(others_expected=args.loadgen == "process").start()
     try:
         result = run_server_bench(args.requests, args.max_tokens, args.decode_us, device,
                                   args.concurrency, args.loadgen, not args.no_stream,
@@ -618,8 +619,10 @@ def main(argv: list[str]) -> int:
         set_gil_switch_interval_us(previous)
     result["gil_switch_interval_us"] = args.gil_switch_us or previous
     result["mmap_threshold_pinned"] = pinned
-    # the load generator's process is one of the "others" (--loadgen process)
     result["host"] = host.report()
+    noisy = noise_line(result["host"])
+    if noisy is not None:
+        print(f"bench server: {noisy}", file=sys.stderr)
     result["cpu_model"] = cpu_model()
     result["cpus"] = os.cpu_count()
     result["python"] = platform.python_version()
