@@ -313,7 +313,11 @@ def _render_nested_dot(chart: CompiledChart, active_state: str | None, taken: fr
 
     def anchor(state_id: str) -> str:
         state = by_id.get(state_id)
-        return _id(f"{state_id}__anchor" if state is not None and state.states else state_id)
+        if state is None or not state.states:
+            return _id(state_id)
+        # the box's own point node; a state of the chart called ``<box>__anchor`` keeps that
+        # name (``_pseudo``: the point takes a quoted ID no state can have)
+        return _pseudo(chart, f"{state_id}__anchor")
 
     def node(state_id: str) -> str:
         attrs_ = []

@@ -253,6 +253,43 @@ def test_a_compound_state_named_legend_keeps_its_own_cluster():
     assert 'subgraph "cluster_legend:calexec" {' in lines
 
 
+def test_a_state_named_like_a_box_s_anchor_stays_a_state_outside_the_box():
+    """A newcomer's chart with a compound ``box`` and a top-level state ``box__anchor`` (the
+    renderer's name for the box's own point): the state was merged with the point, drawn
+    inside the box, ``leave = box.to(box__anchor)`` became a loop on the box and ``stop`` left
+    from the box instead of from the state."""
+    from statemachine import State, StateChart
+
+    class Anchors(StateChart):
+        idle = State(initial=True)
+
+        class box(State.Compound):
+            inner = State(initial=True)
+            other = State()
+            flip = inner.to(other)
+
+        box__anchor = State()
+        done = State(final=True)
+        enter = idle.to(box)
+        leave = box.to(box__anchor)
+        stop = box__anchor.to(done)
+
+    dot = diagrams.render_chart_dot(Anchors)
+    lines = _statements(dot)
+    point = '"box__anchor:calexec"'
+    assert [line for line in lines if line.startswith("box__anchor [")] == [
+        'box__anchor [label="box__anchor", id="s_box__anchor"];'], dot
+    assert f'{point} [label="", shape=point, width=0.12, style=filled, fillcolor=black];' \
+        in lines, dot
+    assert f'{point} -> box__anchor [label="Leave\\l", id="t_1", ltail=cluster_box, ' \
+           'penwidth=2.5];' in lines, dot
+    assert 'box__anchor -> done [label="Stop\\l", id="t_3"];' in lines, dot
+    assert f'idle -> {point} [label="Enter\\l", id="t_0", lhead=cluster_box];' in lines, dot
+    # the state is declared outside the box: after the box's closing brace
+    box_end = lines.index("}", lines.index("subgraph cluster_box {"))
+    assert lines.index('box__anchor [label="box__anchor", id="s_box__anchor"];') > box_end
+
+
 def test_check_of_a_file_that_is_not_utf8_is_stale_not_an_internal_error(tmp_path, capsys):
     """``calexec diagrams --check`` read the committed files as UTF-8: an SVG saved
     compressed (svgz) or otherwise binary under the .svg name ended the check with
