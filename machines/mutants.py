@@ -1,8 +1,8 @@
 """Mutants of a declared python-statemachine chart, derived from its declaration.
 
 Chart mutation testing (``calexec charts mutate``) asks whether a test suite notices when a
-chart is wrong. The mutants are enumerated from any flat ``StateMachine`` class, nothing is
-written per mutant:
+chart is wrong. The mutants are enumerated from any python-statemachine chart class (flat
+or hierarchical: nested states' transitions too), nothing is written per mutant:
 
 - ``guard-true`` / ``guard-false``: one declared guard (a ``cond`` or ``unless`` entry of one
   transition) replaced by a constant guard returning True / False. The ``unless`` sense is
@@ -188,7 +188,7 @@ def _retarget(transition: Any, new: Any) -> Callable[[], None]:
 
 
 def derive(declaration: type[StateMachine], targets_per_transition: int = 2) -> list[Mutant]:
-    """Every mutant of the flat ``StateMachine`` class ``declaration`` (see ``_sites``)."""
+    """Every mutant of the chart class ``declaration``, flat or hierarchical (see ``_sites``)."""
     return [mutant for mutant, _ in _sites(declaration, targets_per_transition)]
 
 
