@@ -220,6 +220,33 @@ def test_bad_arguments_are_named(tmp_path, capsys, args, message):
     assert "Traceback" not in out.err and out.out == ""
 
 
+def test_a_chart_mutation_cannot_take_is_refused_naming_the_chart_flag(tmp_path, capsys):
+    """A newcomer's chart with an async action: the refusal said ``calexec charts mutate:
+    Aio: chart mutation does not support yet: ...``, naming neither ``--chart`` nor the
+    reference given (``charts cover --chart`` names both); it reads ``--chart='aio:Aio': ...``
+    like every other refusal of the flag, before anything runs."""
+    (tmp_path / "aio.py").write_text(textwrap.dedent("""
+        from statemachine import State, StateChart
+
+
+        class Aio(StateChart):
+            idle = State(initial=True)
+            done = State(final=True)
+            go = idle.to(done)
+
+            async def on_go(self):
+                return 1
+    """))
+    for given in (["--chart", "aio:Aio"], ["aio:Aio"], ["--chart", "Mine=aio:Aio"]):
+        status, out = _mutate(capsys, tmp_path, *given, "--test-cmd", "true")
+        assert status == 2, out.err
+        ref = given[-1]
+        assert out.err.splitlines() == [
+            f"calexec charts mutate: --chart={ref!r}: Aio: chart mutation does not support "
+            "yet: async callback 'on_go' on transition idle --go--> done"], out.err
+        assert out.out == ""
+
+
 @pytest.mark.parametrize("name, content", [
     ("a_directory", None),  # refused by cliargs.read_small_text
     ("bad.toml", "mutant = [\n"),  # the rest by load_equivalents itself

@@ -45,6 +45,7 @@ import attrs
 from calexec import cliargs
 from calexec.drivers.tools.sitecustomize_template import sitecustomize_source
 from calexec.machines import mutants as mutants_mod
+from calexec.machines.chart_support import UnsupportedChart, refuse_unsupported
 from calexec.machines.chartref import ChartRefError, load_chart
 
 #: calexec's own charts, by the names ``machines.charts.DECLARED`` gives them.
@@ -181,6 +182,10 @@ def _resolve_chart(spec: str, cwd: Path) -> Chart:
             declaration = load_chart(target, str(cwd))
     except ChartRefError as err:
         raise ValueError(f"--chart={spec!r}: {err.reason}") from None
+    try:
+        refuse_unsupported(declaration, "chart mutation")
+    except UnsupportedChart as err:  # named by the flag, as charts cover's --chart is
+        raise ValueError(f"--chart={spec!r}: {err}") from None
     class_name = target.partition(":")[2]
     if spec == target and ":" in spec:  # a bare module:Class: calexec's own keep their names
         name = next((n for n, t in CALEXEC_CHARTS.items() if t == target), class_name)
