@@ -581,5 +581,5 @@ def inspector_app(inspector: Inspector, options: AppOptions | None = None) -> St
 
     return Starlette(routes=[
         Route("/", index), Route("/live.json", live), Route("/runs/{run_id:path}", run_path),
-        Route("/{chart}.svg", chart_svg),
+        Route("/{chart:path}.svg", chart_svg),  # a name may hold a slash, as a run id may
     ], exception_handlers=handlers)

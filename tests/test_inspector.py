@@ -212,6 +212,38 @@ def test_a_run_id_with_a_slash_is_served(shop):
         assert answer.json()["trail"][0]["to"] == "placed"
 
 
+def test_a_chart_name_with_a_slash_is_served(monkeypatch):
+    """``register(OrderWorkflow, name="shop/orders")`` was accepted and drawn on the page, but
+    its own drawing, ``/charts/shop/orders.svg`` (the name as the path says it) or
+    ``/charts/shop%2Forders.svg``, answered a plain 404 ``Not Found`` (the route took one path
+    segment), as run ids with a slash did."""
+    from calexec.machines.inspector import AppOptions
+
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    from order_workflow import OrderWorkflow
+
+    inspector = Inspector()
+    inspector.register(OrderWorkflow, counts=lambda: {"cart": 1}, name="shop/orders")
+    drawn = []
+
+    def svg(chart, active):
+        drawn.append((chart.name, active))
+        return "<svg>orders</svg>"
+
+    app = Starlette(routes=[Mount("/charts", inspector_app(inspector, AppOptions(svg=svg)))])
+    with TestClient(app) as client:
+        for path in ("/charts/shop/orders.svg", "/charts/shop%2Forders.svg"):
+            answer = client.get(path)
+            assert answer.status_code == 200, (path, answer.text)
+            assert answer.text == "<svg>orders</svg>"
+            assert answer.headers["content-type"].startswith("image/svg+xml")
+        missing = client.get("/charts/shop/other.svg")
+        assert missing.status_code == 404
+        assert missing.json() == {"error": "chart='shop/other' is not one of ['shop/orders']"}
+    assert drawn == [("OrderWorkflow", "cart")] * 2
+    inspector.close()
+
+
 def test_a_followed_hierarchical_instance_names_its_configuration(monkeypatch):
     """A python-statemachine instance of a hierarchical chart has several active states: its
     record's ``state`` was None and its page was headed ``TrafficLight run t1: None``, where
