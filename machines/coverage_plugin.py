@@ -88,14 +88,16 @@ def _configure_contracts(config: pytest.Config) -> None:
                               + list(config.getoption("chart_contracts") or [])))
     if not refs:
         return
-    from calexec.machines.chart_contracts import enable_contracts
+    from calexec.machines.chart_contracts import declared_contracts, enable_contracts
     from calexec.machines.chart_support import UnsupportedChart
     from calexec.machines.chartref import ChartRefError, load_chart
 
     charts = []
     for ref in refs:
         try:
-            charts.append(load_chart(ref, str(config.invocation_params.dir)))
+            declaration = load_chart(ref, str(config.invocation_params.dir))
+            declared_contracts(declaration)  # a chart no run takes, a contract naming no state
+            charts.append(declaration)
         except (ChartRefError, UnsupportedChart, ValueError) as err:
             reason = err.reason if isinstance(err, ChartRefError) else err
             raise pytest.UsageError(f"--chart-contracts={ref!r}: {reason}") from None
