@@ -133,7 +133,9 @@ def _other_targets(states: list[Any], transition: Any, limit: int) -> list[Any]:
     # apart, each a configuration of its own.
     same = _entered(original) if original in states else None
     seen: set[frozenset[str]] = set()
-    first, again, alike = [], [], []
+    first: list[Any] = []
+    again: list[Any] = []
+    alike: list[Any] = []
     for state in ordered:
         entered = _entered(state)
         (alike if entered == same else again if entered in seen else first).append(state)
