@@ -95,7 +95,7 @@ def _pseudo(chart: CompiledChart, name: str) -> str:
     return name if name not in states else _q(f"{name}:calexec")
 
 
-def _event_label(chart: CompiledChart, event: str) -> str:
+def _event_name(chart: CompiledChart, event: str) -> str:
     """The name the chart gives ``event`` (``Event(..., name="Start the engine")``), else
     python-statemachine's default for an id (``kv_grow`` -> ``Kv grow``), as its own diagrams
     print it."""
@@ -104,6 +104,17 @@ def _event_label(chart: CompiledChart, event: str) -> str:
             if str(declared) == event and getattr(declared, "name", None):
                 return str(declared.name)
     return event.replace("_", " ").capitalize()
+
+
+def _event_label(chart: CompiledChart, event: str) -> str:
+    """``event``'s name (``_event_name``); followed by its id, ``Go on (go.on)``, when another
+    event of the chart has the same name (``go.on`` and ``go_on`` are both ``Go on``: two
+    edges that read as one event)."""
+    name = _event_name(chart, event)
+    if any(other != event and _event_name(chart, other) == name
+           for other in {t.event for t in chart.transitions} if other):
+        return f"{name} ({event})"
+    return name
 
 
 def transition_label(chart: CompiledChart, transition: Transition) -> str:

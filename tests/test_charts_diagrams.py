@@ -290,6 +290,27 @@ def test_a_state_named_like_a_box_s_anchor_stays_a_state_outside_the_box():
     assert lines.index('box__anchor [label="box__anchor", id="s_box__anchor"];') > box_end
 
 
+def test_two_events_of_one_name_are_told_apart_by_their_ids():
+    """A newcomer's chart with events ``go.on`` (``Event(..., id="go.on")``) and ``go_on``:
+    python-statemachine names both ``Go on``, and the diagram drew ``a -> b "Go on"`` and
+    ``a -> c "Go on"``, one event that seemed to lead two ways. Events whose names collide are
+    labelled with their ids too; a name no other event has stays as it was."""
+    from statemachine import Event, State, StateMachine
+
+    class Dots(StateMachine):
+        a = State(initial=True)
+        b = State()
+        c = State()
+        dotted = Event(a.to(b), id="go.on")
+        under = Event(a.to(c), id="go_on")
+        back = b.to(a) | c.to(a)
+
+    lines = _statements(diagrams.render_chart_dot(Dots))
+    assert 'a -> b [label="Go on (go.on)\\l", id="t_0"];' in lines, lines
+    assert 'a -> c [label="Go on (go_on)\\l", id="t_1"];' in lines, lines
+    assert any(line.startswith('b -> a [label="Back\\l"') for line in lines), lines
+
+
 def test_check_of_a_file_that_is_not_utf8_is_stale_not_an_internal_error(tmp_path, capsys):
     """``calexec diagrams --check`` read the committed files as UTF-8: an SVG saved
     compressed (svgz) or otherwise binary under the .svg name ended the check with
