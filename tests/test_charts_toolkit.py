@@ -316,3 +316,35 @@ def test_paths_json_is_json_when_the_chart_module_prints_at_import(project, caps
     captured = capsys.readouterr()
     assert json.loads(captured.out)["chart"] == "Light"
     assert "noisy package imported" in captured.err
+
+
+def test_a_path_whose_guard_the_chart_class_answers_itself_names_that_guard():
+    """A newcomer declares a guard as a method of the chart class (``def ready(self)``, as
+    python-statemachine's docs do): paths name ``go[ready]``, but a run driven with a
+    ``GuardTable`` never hears the outcome (python-statemachine asks the chart before the
+    model), and ``drive`` said the step was not taken because 'a StateChart ignores a refused
+    event and turns an action's error into error.execution', which sends them looking for an
+    error that is not there. It names the guard, where it is declared, and what to do."""
+    from statemachine import StateChart
+
+    from calexec.machines.paths import PathNotFollowed
+
+    class Own(StateChart):
+        a = State(initial=True)
+        b = State()
+        c = State(final=True)
+        go = a.to(b, cond="ready") | a.to(c)
+        fin = b.to(c)
+
+        def ready(self) -> bool:
+            return False
+
+    chart = compile_chart(Own)
+    walk = next(w for w in transition_tour(chart) if w.events == ("go", "fin"))
+    with pytest.raises(PathNotFollowed) as caught:
+        drive(chart.run(GuardTable.for_chart(chart)), walk)
+    assert str(caught.value) == (
+        "Own: step 1 of 2, a --go--> b, was not taken: the run is in 'c' (guard(s) 'ready' "
+        "(of Own) are methods of the chart class, which python-statemachine asks before the "
+        "model: the outcomes the step set on the model were not heard; move them to the model, "
+        "or drive the chart with a model of your own)")
