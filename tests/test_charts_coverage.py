@@ -190,6 +190,27 @@ def test_command_line_gate_counts_real_instances_of_a_user_chart(tmp_path):
     assert status == 0 and "transition coverage Kettle: 2/3" in output, output
 
 
+def test_a_chart_the_tests_import_under_another_module_name_is_named(tmp_path):
+    """The chart file ``app/kettle.py``, given as ``--chart-coverage=app.kettle:Kettle`` from
+    the project directory while the tests import it as ``kettle`` (``pythonpath = app``): the
+    same file imported twice is two classes, the listener heard only the one the tests never
+    ran, and the run said ``transition coverage Kettle: 0/3`` (a gate failing on every
+    transition) with no hint why. The count is still the given class's, but the summary names
+    the other module and the reference to give."""
+    (tmp_path / "app").mkdir()
+    (tmp_path / "app" / "kettle.py").write_text(textwrap.dedent(USER_CHART))
+    ini = "[pytest]\ntestpaths = tests\npythonpath = app\n"
+    status, output = _run_pytest(tmp_path, USER_TESTS, "--chart-coverage=app.kettle:Kettle", ini=ini)
+    assert status == 0, output
+    assert "transition coverage Kettle: 0/3" in output, output
+    assert ("transition coverage Kettle: the tests imported its file as module 'kettle' too, "
+            "another class whose runs are not counted: name the chart as they import it "
+            "(kettle:Kettle)") in output, output
+    status, output = _run_pytest(tmp_path, USER_TESTS, "--chart-coverage=kettle:Kettle", ini=ini)
+    assert status == 0 and "transition coverage Kettle: 2/3" in output, output
+    assert "imported its file as module" not in output, output
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
