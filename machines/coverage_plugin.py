@@ -210,45 +210,19 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     state = config.stash.get(_STATE, None)
     if state is None:
         return
-    from calexec.machines.coverage import describe, report
+    from calexec.machines.coverage import describe, other_imports, report
 
     for coverage in report(state.charts, state.recorder):
         terminalreporter.write_line(coverage.line())
     for declaration in state.charts:
-        for twin in _twins(declaration):
+        for twin in other_imports(declaration):
             terminalreporter.write_line(
                 f"transition coverage {declaration.__name__}: the tests imported its file as "
                 f"module {twin!r} too, another class whose runs are not counted: name the "
-                f"chart as they import it ({twin}:{declaration.__qualname__})", yellow=True)
+                f"chart as they import it ({twin}:{declaration.__name__})", yellow=True)
     for coverage in state.failed:
         terminalreporter.write_line(
             f"transition coverage gate FAILED for {coverage.chart}: {coverage.percent:.1f} % < "
             f"{state.minimum:g} %; untaken transitions:", red=True)
         for transition in coverage.untaken:
             terminalreporter.write_line(f"    {describe(transition)}")
-
-
-def _twins(declaration: type) -> list[str]:
-    """The other names under which this session imported ``declaration``'s file (``app.kettle``
-    given, the tests' ``kettle``): each made a class of its own, whose runs a listener on
-    ``declaration`` never hears."""
-    import os
-    import sys
-
-    home = sys.modules.get(declaration.__module__)
-    path = getattr(home, "__file__", None)
-    if not path:
-        return []
-    found = []
-    for name, module in list(sys.modules.items()):
-        other = getattr(module, "__file__", None)
-        if name == declaration.__module__ or not other or module is home:
-            continue
-        try:
-            same = os.path.samefile(other, path)
-        except OSError:
-            continue
-        if same and isinstance(getattr(module, declaration.__name__, None), type) and \
-                getattr(module, declaration.__name__) is not declaration:
-            found.append(name)
-    return sorted(found)
