@@ -220,6 +220,33 @@ def test_bad_arguments_are_named(tmp_path, capsys, args, message):
     assert "Traceback" not in out.err and out.out == ""
 
 
+def test_a_selection_of_no_mutant_is_refused_before_the_run(tmp_path, capsys):
+    """``--kind guard-true`` on a chart without guards (a newcomer's CI line, copied from
+    another chart's) selected nothing, ran the unmutated command anyway and exited 0 with an
+    empty report: ``--fail-on-survivor`` passed having judged nothing. It is refused, naming
+    the flag and the chart, before anything runs (PIT fails a run that finds no mutation)."""
+    (tmp_path / "plain.py").write_text(textwrap.dedent("""
+        from statemachine import State, StateMachine
+
+
+        class Plain(StateMachine):
+            a = State(initial=True)
+            b = State(final=True)
+            go = a.to(b)
+    """))
+    status, out = _mutate(capsys, tmp_path, "--chart", "plain:Plain", "--test-cmd", "true",
+                          "--kind", "guard-true", "--fail-on-survivor")
+    assert status == 2, out.err
+    assert out.err.splitlines() == [
+        "calexec charts mutate: --kind=guard-true: no mutant of Plain is of that kind (a chart "
+        "without guards has no guard mutants)"], out.err
+    assert out.out == ""
+    status, out = _mutate(capsys, tmp_path, "--chart", "plain:Plain", "--test-cmd",
+                          f"{sys.executable} -c 'import plain'", "--kind", "drop")
+    assert status == 0, out.err  # a kind the chart has: run as before (it survives)
+    assert json.loads(out.out)["charts"]["Plain"]["survived"] == 1
+
+
 def test_a_chart_mutation_cannot_take_is_refused_naming_the_chart_flag(tmp_path, capsys):
     """A newcomer's chart with an async action: the refusal said ``calexec charts mutate:
     Aio: chart mutation does not support yet: ...``, naming neither ``--chart`` nor the

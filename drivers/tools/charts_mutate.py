@@ -212,6 +212,12 @@ def select_mutants(charts: list[Chart], args: argparse.Namespace) -> list[tuple[
             raise ValueError(f"--mutant={unknown[0]!r}: no such mutant (list them with --json "
                              f"on a --sample run, or see derive())")
         chosen = list(dict.fromkeys(by_id[m] for m in args.mutant))
+    if not chosen:  # nothing would be judged: a pass would say nothing (PIT refuses it too)
+        names = ", ".join(chart.name for chart in charts)
+        if args.kind:
+            raise ValueError(f"--kind={','.join(args.kind)}: no mutant of {names} is of that "
+                             f"kind (a chart without guards has no guard mutants)")
+        raise ValueError(f"--chart: {names} declare(s) no transition to mutate")
     if args.sample is not None and args.sample < len(chosen):
         groups: dict[tuple[str, str], list] = {}
         for item in chosen:
