@@ -310,3 +310,41 @@ def test_runs_counts_and_active_that_are_not_callables_are_refused_by_name():
     with TestClient(app) as client:
         assert client.get("/charts/live.json").json()["charts"]["Fan"]["counts"] == {
             "off": 1, "on": 0}
+
+
+def test_a_runs_function_that_raises_is_named_and_the_rest_still_answers(monkeypatch):
+    """An app's ``runs=`` that raises (its store is down) or ``counts=`` answering a count that
+    is no integer: ``live.json``, the page and every chart's drawing answered a bare 500
+    (the other charts too), the page's own poll failing with them. The failing chart's
+    counts are empty and its ``error`` names what raised; everything else answers."""
+    from calexec.machines.inspector import AppOptions
+
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    from order_workflow import Order, OrderWorkflow
+    from traffic_light import TrafficLight
+
+    def store_down() -> list[object]:
+        raise ConnectionError("orders database unreachable")
+
+    inspector = Inspector()
+    inspector.register(OrderWorkflow, runs=store_down)
+    inspector.register(TrafficLight, counts=lambda: {"off": "many"})
+    working = OrderWorkflow(Order(items=["pen"]))
+    inspector.register(OrderWorkflow, runs=lambda: [working], name="working")
+    svg = AppOptions(svg=lambda chart, active: f"<svg>{chart.name} {active}</svg>")
+    app = Starlette(routes=[Mount("/charts", inspector_app(inspector, svg))])
+    with TestClient(app) as client:
+        live = client.get("/charts/live.json")
+        assert live.status_code == 200, live.text
+        charts = live.json()["charts"]
+        assert charts["OrderWorkflow"]["counts"] == {}
+        assert charts["OrderWorkflow"]["error"] == (
+            "OrderWorkflow: the runs= or counts= function given to register raised "
+            "ConnectionError: orders database unreachable")
+        assert charts["TrafficLight"]["error"].startswith(
+            "TrafficLight: the runs= or counts= function given to register raised ValueError: ")
+        assert charts["working"]["counts"]["cart"] == 1 and "error" not in charts["working"]
+        assert client.get("/charts/").status_code == 200
+        assert client.get("/charts/OrderWorkflow.svg").text == "<svg>OrderWorkflow None</svg>"
+        assert client.get("/charts/working.svg").text == "<svg>OrderWorkflow cart</svg>"
+    inspector.close()
