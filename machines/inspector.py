@@ -338,9 +338,10 @@ class Inspector:
             found, error = entry.counted()
             counts: dict[str, Json] = dict(found)
             rates: list[Json] = list(per_minute.get(name, [0.0] * len(entry.chart.transitions)))
-            charts[name] = {"counts": counts, "per_minute": rates}
+            info: dict[str, Json] = {"counts": counts, "per_minute": rates}
             if error is not None:
-                charts[name]["error"] = error
+                info["error"] = error
+            charts[name] = info
         status: dict[str, Json] = dict(self.status()) if self.status is not None else {}
         return {"status": status, "window_s": self.rates.window_s, "charts": charts}
 
