@@ -342,7 +342,13 @@ class Inspector:
             if error is not None:
                 info["error"] = error
             charts[name] = info
-        status: dict[str, Json] = dict(self.status()) if self.status is not None else {}
+        status: dict[str, Json] = {}
+        if self.status is not None:
+            try:
+                status = dict(self.status())
+            except Exception as err:  # noqa: BLE001 - the app's function: named, as counts
+                status = {"error": f"the status function given to Inspector raised "
+                                   f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
         return {"status": status, "window_s": self.rates.window_s, "charts": charts}
 
 

@@ -314,7 +314,7 @@ def test_runs_counts_and_active_that_are_not_callables_are_refused_by_name():
 
 def test_a_runs_function_that_raises_is_named_and_the_rest_still_answers(monkeypatch):
     """An app's ``runs=`` that raises (its store is down) or ``counts=`` answering a count that
-    is no integer: ``live.json``, the page and every chart's drawing answered a bare 500
+    is no integer (or a ``status=`` that raises): ``live.json``, the page and every chart's drawing answered a bare 500
     (the other charts too), the page's own poll failing with them. The failing chart's
     counts are empty and its ``error`` names what raised; everything else answers."""
     from calexec.machines.inspector import AppOptions
@@ -326,7 +326,10 @@ def test_a_runs_function_that_raises_is_named_and_the_rest_still_answers(monkeyp
     def store_down() -> list[object]:
         raise ConnectionError("orders database unreachable")
 
-    inspector = Inspector()
+    def status() -> dict[str, object]:
+        raise KeyError("queue")
+
+    inspector = Inspector(status=status)
     inspector.register(OrderWorkflow, runs=store_down)
     inspector.register(TrafficLight, counts=lambda: {"off": "many"})
     working = OrderWorkflow(Order(items=["pen"]))
@@ -337,6 +340,8 @@ def test_a_runs_function_that_raises_is_named_and_the_rest_still_answers(monkeyp
         live = client.get("/charts/live.json")
         assert live.status_code == 200, live.text
         charts = live.json()["charts"]
+        assert live.json()["status"] == {
+            "error": "the status function given to Inspector raised KeyError: 'queue'"}
         assert charts["OrderWorkflow"]["counts"] == {}
         assert charts["OrderWorkflow"]["error"] == (
             "OrderWorkflow: the runs= or counts= function given to register raised "
