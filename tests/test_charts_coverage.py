@@ -229,3 +229,23 @@ def test_bad_plugin_options_are_one_usage_error(tmp_path, args, message):
     status, output = _run_pytest(tmp_path, USER_TESTS, *args, ini=ini)
     assert status == 4, output  # pytest's usage error
     assert message in output and "Traceback" not in output, output
+
+
+def test_a_bad_configured_chart_is_named_by_its_configuration_key(tmp_path):
+    """``chart_coverage = kettle:Pot`` (or ``chart_contracts``) in the pytest configuration,
+    no flag given: the usage error said ``--chart-coverage='kettle:Pot': ...``, a flag the
+    user never passed, sending them to look for it in scripts and CI files. A configured
+    value is named by its key; a value given by the flag still by the flag."""
+    (tmp_path / "kettle.py").write_text(textwrap.dedent(USER_CHART))
+    for key in ("chart_coverage", "chart_contracts"):
+        ini = f"[pytest]\ntestpaths = tests\npythonpath = .\n{key} = kettle:Pot\n"
+        status, output = _run_pytest(tmp_path, USER_TESTS, ini=ini)
+        assert status == 4, output
+        assert (f"ERROR: {key}='kettle:Pot': module 'kettle' has no attribute 'Pot'"
+                in output), output
+        flag = "--" + key.replace("_", "-")
+        status, output = _run_pytest(tmp_path, USER_TESTS, f"{flag}=kettle:Pan", ini=ini)
+        assert status == 4 and f"ERROR: {key}='kettle:Pot'" in output, output  # the first
+    ini = "[pytest]\ntestpaths = tests\npythonpath = .\n"
+    status, output = _run_pytest(tmp_path, USER_TESTS, "--chart-contracts=kettle:Pan", ini=ini)
+    assert status == 4 and "ERROR: --chart-contracts='kettle:Pan': module" in output, output
