@@ -379,3 +379,30 @@ def test_a_refused_event_on_a_run_s_path_is_labelled_with_its_declared_name():
 
     svg = diagrams.render_path_svg(Engine, [{"event": "go", "from": "on", "to": None}])
     assert "refused: Start the engine (not declared here)" in svg
+
+
+def test_a_state_the_chart_names_is_labelled_with_its_name_and_id():
+    """``rot_ = State("Rot")`` (python-statemachine's docs name states so; ``rot_`` because
+    the word is taken): the diagram said ``rot_``, the name the author gave it nowhere (as on
+    a compound: ``class pending(State.Compound, name="Awaiting payment")``). A state with a
+    name of its own reads ``Rot (rot_)``; python-statemachine's default name (``gelb`` ->
+    ``Gelb``) is no name of its own, so calexec's charts are drawn as before."""
+    from statemachine import State, StateChart
+
+    class Ampel(StateChart):
+        gelb = State(initial=True)
+        rot_ = State("Rot")
+
+        class warte(State.Compound, name="Warten auf Grün"):  # noqa: N801
+            kurz = State(initial=True)
+            lang = State("Lange warten", final=True)
+            dehnen = kurz.to(lang)
+
+        stop = gelb.to(rot_)
+        warten = rot_.to(warte)
+
+    lines = _statements(diagrams.render_chart_dot(Ampel))
+    assert 'gelb [label="gelb", id="s_gelb"];' in lines, lines
+    assert 'rot_ [label="Rot (rot_)", id="s_rot_"];' in lines, lines
+    assert 'lang [label="Lange warten (lang)", id="s_lang", peripheries=2];' in lines, lines
+    assert any(line.startswith('label="Warten auf Grün (warte)";') for line in lines), lines
