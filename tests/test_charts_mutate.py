@@ -420,3 +420,25 @@ def test_sample_is_deterministic_and_spread():
     first = charts_mutate.select_mutants([chart], args)
     assert first == charts_mutate.select_mutants([chart], args) and len(first) == 8
     assert {m.kind for _, m in first} == set(mutants.KINDS)
+
+
+def test_a_mutant_the_tests_import_under_another_module_name_says_so(tmp_path, capsys):
+    """``--chart app_door.door:Door`` while the tests import the file as ``door`` (its
+    directory on ``sys.path``): every mutant was 'never applied: the command did not import
+    the chart', though the tests plainly imported it, under another name (another class, which
+    the hook never touches). The reason names the module given and what to do."""
+    package = tmp_path / "app_door"
+    package.mkdir()
+    (package / "door.py").write_text(textwrap.dedent(DOOR))
+    script = (f"import sys; sys.path.insert(0, {str(package)!r}); "
+              "from door import Door")
+    status, out = _mutate(capsys, tmp_path, "--chart", "app_door.door:Door",
+                          "--test-cmd", f"{sys.executable} -c \"{script}\"",
+                          "--mutant", "drop:opened-close->closed")
+    assert status == 1, out.err
+    (mutant,) = json.loads(out.out)["mutants"]
+    assert mutant["status"] == "error"
+    assert mutant["how"] == (
+        "mutant never applied: the command did not import the chart (module 'app_door.door'; "
+        "a file its tests import under another module name is another class: give --chart as "
+        "they import it)"), mutant["how"]

@@ -277,10 +277,13 @@ def _on_sigterm_interrupt() -> Any:
 
 
 def _judge(outcome: Outcome, code: int | None, output: str, applied: bool,
-           error_codes: set[int]) -> None:
+           error_codes: set[int], module: str = "") -> None:
     outcome.exit_code = code
     if not applied:
-        outcome.status, outcome.how = "error", "mutant never applied: the command did not import the chart"
+        outcome.status, outcome.how = "error", (
+            f"mutant never applied: the command did not import the chart"
+            + (f" (module {module!r}; a file its tests import under another module name is "
+               f"another class: give --chart as they import it)" if module else ""))
     elif code is None:
         outcome.status, outcome.how = "killed", "timeout"
     elif code == 0:
@@ -485,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
             env[mutants_mod.ACK_ENV] = str(ack)
             code, outcome.seconds, output = _run(command, cwd, env, timeout)
             applied = ack.is_file() and env[mutants_mod.ENV] in ack.read_text().splitlines()
-            _judge(outcome, code, output, applied, error_codes)
+            _judge(outcome, code, output, applied, error_codes, chart.target.partition(":")[0])
             outcome.reason = equivalents.get((chart.name, mutant.id), "")
             if outcome.status == "survived" and outcome.reason:
                 outcome.status = "equivalent"
