@@ -281,7 +281,7 @@ def _judge(outcome: Outcome, code: int | None, output: str, applied: bool,
     outcome.exit_code = code
     if not applied:
         outcome.status, outcome.how = "error", (
-            f"mutant never applied: the command did not import the chart"
+            "mutant never applied: the command did not import the chart"
             + (f" (module {module!r}; a file its tests import under another module name is "
                f"another class: give --chart as they import it)" if module else ""))
     elif code is None:
