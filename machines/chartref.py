@@ -36,6 +36,11 @@ def load_chart(ref: str, cwd: str | None = None) -> type[StateChart[Any]]:
     root = os.path.abspath(cwd or os.getcwd())
     if "/" in module_name or os.sep in module_name or (
             module_name.endswith(".py") and os.path.isfile(os.path.join(root, module_name))):
+        dotted = _module_under(root, module_name)
+        if dotted is not None and "." in dotted:
+            raise ChartRefError(ref, f"{module_name!r} is a file path, not a module name: "
+                                f"name the module, as imported from {root} (e.g. "
+                                f"{dotted}:{class_name})")
         stem = os.path.splitext(os.path.basename(module_name))[0] or module_name
         raise ChartRefError(ref, f"{module_name!r} is a file path, not a module name: run "
                             f"from the directory that holds it and name the module "
@@ -65,3 +70,19 @@ def load_chart(ref: str, cwd: str | None = None) -> type[StateChart[Any]]:
         raise ChartRefError(ref, f"{class_name} declares no states (a base class of "
                             f"charts? name the subclass that declares them)")
     return found
+
+
+def _module_under(root: str, path: str) -> str | None:
+    """The dotted module name ``import`` finds file ``path`` (``pkg/chart.py``, ``pkg/chart``)
+    by from ``root``, or None when it is not a module file under ``root`` (outside it, a
+    part that is no identifier)."""
+    full = os.path.normpath(os.path.join(root, path))
+    if not full.endswith(".py"):
+        full += ".py"
+    if not os.path.isfile(full):
+        return None
+    relative = os.path.relpath(full, root)[:-len(".py")]
+    parts = relative.split(os.sep)
+    if not all(part.isidentifier() for part in parts):
+        return None  # "..", a dash, ...: not importable by this name from root
+    return ".".join(parts)

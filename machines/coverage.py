@@ -15,6 +15,8 @@ is given for the session; a test may attach its own recorder beside it for one s
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -147,3 +149,27 @@ def describe(transition: Transition) -> str:
     guards = f" [{', '.join(transition.guards)}]" if transition.guards else ""
     event = transition.event or "(eventless)"
     return f"{transition.source} --{event}{guards}--> {transition.target}"
+
+
+def other_imports(chart: ChartLike) -> list[str]:
+    """The other module names under which this process imported the file declaring ``chart``
+    (``app.kettle`` loaded, the tests' ``kettle``): each is a class of its own, whose runs a
+    recorder tracking ``chart`` never hears. Sorted; empty when there are none."""
+    declaration = compiled(chart).declaration
+    home = sys.modules.get(declaration.__module__)
+    path = getattr(home, "__file__", None)
+    if not path:
+        return []
+    found = []
+    for name, module in list(sys.modules.items()):
+        other = getattr(module, "__file__", None)
+        if module is home or not other:
+            continue
+        try:
+            same = os.path.samefile(other, path)
+        except OSError:
+            continue
+        twin = getattr(module, declaration.__name__, None)
+        if same and isinstance(twin, type) and twin is not declaration:
+            found.append(name)
+    return sorted(found)

@@ -84,21 +84,24 @@ def _minimum(text: str, origin: str) -> float:
 
 
 def _configure_contracts(config: pytest.Config) -> None:
-    refs = list(dict.fromkeys(list(config.getini("chart_contracts"))
-                              + list(config.getoption("chart_contracts") or [])))
+    flags = list(config.getoption("chart_contracts") or [])
+    refs = list(dict.fromkeys(list(config.getini("chart_contracts")) + flags))
     if not refs:
         return
-    from calexec.machines.chart_contracts import enable_contracts
+    from calexec.machines.chart_contracts import declared_contracts, enable_contracts
     from calexec.machines.chart_support import UnsupportedChart
     from calexec.machines.chartref import ChartRefError, load_chart
 
     charts = []
     for ref in refs:
         try:
-            charts.append(load_chart(ref, str(config.invocation_params.dir)))
+            declaration = load_chart(ref, str(config.invocation_params.dir))
+            declared_contracts(declaration)  # a chart no run takes, a contract naming no state
+            charts.append(declaration)
         except (ChartRefError, UnsupportedChart, ValueError) as err:
             reason = err.reason if isinstance(err, ChartRefError) else err
-            raise pytest.UsageError(f"--chart-contracts={ref!r}: {reason}") from None
+            origin = "--chart-contracts" if ref in flags else "chart_contracts"
+            raise pytest.UsageError(f"{origin}={ref!r}: {reason}") from None
     try:
         config.stash[_CONTRACTS] = enable_contracts(*charts)
     except (UnsupportedChart, ValueError, TypeError) as err:
@@ -130,12 +133,15 @@ def pytest_configure(config: pytest.Config) -> None:
     recorder = TransitionRecorder()
     charts, undo = [], []
     named: dict[str, tuple[str, type]] = {}
+    def given(ref: str) -> str:  # as the user gave it: the flag, or the configuration's key
+        return f"{'--chart-coverage' if ref in refs else 'chart_coverage'}={ref!r}"
+
     for ref in dict.fromkeys(configured + refs):
         try:
             declaration = load_chart(ref, str(config.invocation_params.dir))
             first = named.setdefault(declaration.__name__, (ref, declaration))
             if first[1] is not declaration:
-                problem = (f"--chart-coverage={ref!r} and --chart-coverage={first[0]!r}: two "
+                problem = (f"{given(ref)} and {given(first[0])}: two "
                            f"charts named {declaration.__name__} (coverage counts transitions "
                            f"by chart name); give one class another name")
             else:
@@ -143,7 +149,7 @@ def pytest_configure(config: pytest.Config) -> None:
                 problem = None
         except (ChartRefError, UnsupportedChart, ValueError) as err:
             reason = err.reason if isinstance(err, ChartRefError) else err
-            problem = f"--chart-coverage={ref!r}: {reason}"
+            problem = f"{given(ref)}: {reason}"
         if problem is not None:
             for done in undo:
                 done()
@@ -208,10 +214,16 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     state = config.stash.get(_STATE, None)
     if state is None:
         return
-    from calexec.machines.coverage import describe, report
+    from calexec.machines.coverage import describe, other_imports, report
 
     for coverage in report(state.charts, state.recorder):
         terminalreporter.write_line(coverage.line())
+    for declaration in state.charts:
+        for twin in other_imports(declaration):
+            terminalreporter.write_line(
+                f"transition coverage {declaration.__name__}: the tests imported its file as "
+                f"module {twin!r} too, another class whose runs are not counted: name the "
+                f"chart as they import it ({twin}:{declaration.__name__})", yellow=True)
     for coverage in state.failed:
         terminalreporter.write_line(
             f"transition coverage gate FAILED for {coverage.chart}: {coverage.percent:.1f} % < "

@@ -95,7 +95,20 @@ def _pseudo(chart: CompiledChart, name: str) -> str:
     return name if name not in states else _q(f"{name}:calexec")
 
 
-def _event_label(chart: CompiledChart, event: str) -> str:
+def _state_text(chart: CompiledChart, state_id: str) -> str:
+    """How a state is labelled: its id (what paths, coverage and tests name it by), preceded
+    by the name the chart gives it when it gives one of its own (``rot_ = State("Rot")``:
+    ``Rot (rot_)``); python-statemachine's default name (``in_flight`` -> ``In flight``) is
+    no name of its own."""
+    state = chart.declaration.states_map.get(state_id) if hasattr(
+        chart.declaration, "states_map") else None
+    name = str(getattr(state, "name", "") or "")
+    if not name or name == state_id.replace("_", " ").capitalize() or name == state_id:
+        return state_id
+    return f"{name} ({state_id})"
+
+
+def _event_name(chart: CompiledChart, event: str) -> str:
     """The name the chart gives ``event`` (``Event(..., name="Start the engine")``), else
     python-statemachine's default for an id (``kv_grow`` -> ``Kv grow``), as its own diagrams
     print it."""
@@ -104,6 +117,17 @@ def _event_label(chart: CompiledChart, event: str) -> str:
             if str(declared) == event and getattr(declared, "name", None):
                 return str(declared.name)
     return event.replace("_", " ").capitalize()
+
+
+def _event_label(chart: CompiledChart, event: str) -> str:
+    """``event``'s name (``_event_name``); followed by its id, ``Go on (go.on)``, when another
+    event of the chart has the same name (``go.on`` and ``go_on`` are both ``Go on``: two
+    edges that read as one event)."""
+    name = _event_name(chart, event)
+    if any(other != event and _event_name(chart, other) == name
+           for other in {t.event for t in chart.transitions} if other):
+        return f"{name} ({event})"
+    return name
 
 
 def transition_label(chart: CompiledChart, transition: Transition) -> str:
@@ -225,11 +249,11 @@ def render_chart_dot(chart: ChartLike, active_state: str | None = None,
             attrs_.append(f"fillcolor={ACTIVE_FILL}")
         if state in visited:
             attrs_.append(f"color={PATH_COLOR}, penwidth=2.5")
-        label = _q(state)
+        label = _q(_state_text(chart, state))
         if state in notes:  # inside the node, so it cannot be mistaken for another's
             lines = "".join(f'<BR/><FONT POINT-SIZE="11" COLOR="{PATH_COLOR}">{html.escape(line)}'
                             "</FONT>" for line in notes[state].split("\n"))
-            label = f"<{html.escape(state)}{lines}>"
+            label = f"<{html.escape(_state_text(chart, state))}{lines}>"
         return f"{_id(state)} [{', '.join([f'label={label}', f'id={_q(NODE_ID + state)}'] + attrs_)}];"
 
     placed: set[str] = set()
@@ -313,7 +337,11 @@ def _render_nested_dot(chart: CompiledChart, active_state: str | None, taken: fr
 
     def anchor(state_id: str) -> str:
         state = by_id.get(state_id)
-        return _id(f"{state_id}__anchor" if state is not None and state.states else state_id)
+        if state is None or not state.states:
+            return _id(state_id)
+        # the box's own point node; a state of the chart called ``<box>__anchor`` keeps that
+        # name (``_pseudo``: the point takes a quoted ID no state can have)
+        return _pseudo(chart, f"{state_id}__anchor")
 
     def node(state_id: str) -> str:
         attrs_ = []
@@ -323,11 +351,11 @@ def _render_nested_dot(chart: CompiledChart, active_state: str | None, taken: fr
             attrs_.append(f"fillcolor={ACTIVE_FILL}")
         if state_id in visited:
             attrs_.append(f"color={PATH_COLOR}, penwidth=2.5")
-        label = _q(state_id)
+        label = _q(_state_text(chart, state_id))
         if state_id in notes:
             lines = "".join(f'<BR/><FONT POINT-SIZE="11" COLOR="{PATH_COLOR}">{html.escape(line)}'
                             "</FONT>" for line in notes[state_id].split("\n"))
-            label = f"<{html.escape(state_id)}{lines}>"
+            label = f"<{html.escape(_state_text(chart, state_id))}{lines}>"
         return f"{_id(state_id)} [{', '.join([f'label={label}', f'id={_q(NODE_ID + state_id)}'] + attrs_)}];"
 
     def emit(state: Any, indent: str) -> None:
@@ -340,7 +368,7 @@ def _render_nested_dot(chart: CompiledChart, active_state: str | None, taken: fr
         fill = f'style="{style[1:-1]}, filled"; fillcolor="{ACTIVE_FILL}"; ' \
             if state.id == active_state else f"style={style}; "
         out.append(f"{indent}subgraph cluster_{state.id} {{")
-        out.append(f"{indent}  label={_q(state.id + kind)}; {fill}{color}fontsize=13;")
+        out.append(f"{indent}  label={_q(_state_text(chart, state.id) + kind)}; {fill}{color}fontsize=13;")
         if state.parallel:
             out.append(f'{indent}  {anchor(state.id)} [label="", shape=point, width=0.01, '
                        f'style=invis];')

@@ -96,6 +96,23 @@ class Registered:
     def taken(self) -> tuple[int, ...]:
         return tuple(a + b for a, b in zip(self.chart.taken, self.instances.taken, strict=True))
 
+    def counted(self) -> tuple[dict[str, int], str | None]:
+        """(count per state, None), or ({}, why) when the app's ``runs``/``counts`` function
+        raised or answered a count that is no integer: one chart's failing function leaves
+        the other charts, the page and the drawings answering."""
+        try:
+            return {state: int(n) for state, n in self.counts().items()}, None
+        except Exception as err:  # noqa: BLE001 - the app's function may raise anything
+            return {}, (f"{self.name}: the runs= or counts= function given to register raised "
+                        f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+
+    def highlighted(self) -> str | None:
+        """The state to highlight (``active``), None when the app's function raised."""
+        try:
+            return self.active()
+        except Exception:  # noqa: BLE001 - as counted(): live.json names the error
+            return None
+
 
 def state_of(run: object) -> str | None:
     """The state of a run, by id: a ``ChartRun``'s, a ``StatechartRun``'s or a
@@ -313,14 +330,25 @@ class Inspector:
 
     def live(self) -> dict[str, Json]:
         """What the page shows: ``status`` (the app's lines), ``window_s`` and per chart its
-        ``counts`` per state and ``per_minute`` per transition id."""
+        ``counts`` per state and ``per_minute`` per transition id (and ``error``, naming it,
+        when the chart's ``runs``/``counts`` function raised: its counts are then empty)."""
         per_minute = self.rates.per_minute()
         charts: dict[str, Json] = {}
         for name, entry in list(self.charts.items()):
-            counts: dict[str, Json] = {state: int(n) for state, n in entry.counts().items()}
+            found, error = entry.counted()
+            counts: dict[str, Json] = dict(found)
             rates: list[Json] = list(per_minute.get(name, [0.0] * len(entry.chart.transitions)))
-            charts[name] = {"counts": counts, "per_minute": rates}
-        status: dict[str, Json] = dict(self.status()) if self.status is not None else {}
+            info: dict[str, Json] = {"counts": counts, "per_minute": rates}
+            if error is not None:
+                info["error"] = error
+            charts[name] = info
+        status: dict[str, Json] = {}
+        if self.status is not None:
+            try:
+                status = dict(self.status())
+            except Exception as err:  # noqa: BLE001 - the app's function: named, as counts
+                status = {"error": f"the status function given to Inspector raised "
+                                   f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"}
         return {"status": status, "window_s": self.rates.window_s, "charts": charts}
 
 
@@ -533,7 +561,7 @@ def inspector_app(inspector: Inspector, options: AppOptions | None = None) -> St
             return refused(request, 404, f"chart={name!r:.60} is not one of "
                                          f"{sorted(inspector.charts)}")
         try:
-            svg = await run_in_threadpool(opts.svg, entry.chart, entry.active())
+            svg = await run_in_threadpool(opts.svg, entry.chart, entry.highlighted())
         except GraphvizError as err:
             return drawing_failed(err, f"{base(request)}/{name}.svg")
         return Response(svg, media_type="image/svg+xml")
@@ -547,7 +575,7 @@ def inspector_app(inspector: Inspector, options: AppOptions | None = None) -> St
             for name in names:
                 entry = inspector.charts[name]
                 svgs[name] = strip_xml_decl(
-                    await run_in_threadpool(opts.svg, entry.chart, entry.active()))
+                    await run_in_threadpool(opts.svg, entry.chart, entry.highlighted()))
         except GraphvizError as err:
             return drawing_failed(err, base(request) or "/")
         return HTMLResponse(page(svgs, inspector.live(), f"{base(request)}/live.json",
@@ -581,5 +609,5 @@ def inspector_app(inspector: Inspector, options: AppOptions | None = None) -> St
 
     return Starlette(routes=[
         Route("/", index), Route("/live.json", live), Route("/runs/{run_id:path}", run_path),
-        Route("/{chart}.svg", chart_svg),
+        Route("/{chart:path}.svg", chart_svg),  # a name may hold a slash, as a run id may
     ], exception_handlers=handlers)

@@ -1,8 +1,8 @@
 """Mutants of a declared python-statemachine chart, derived from its declaration.
 
 Chart mutation testing (``calexec charts mutate``) asks whether a test suite notices when a
-chart is wrong. The mutants are enumerated from any flat ``StateMachine`` class, nothing is
-written per mutant:
+chart is wrong. The mutants are enumerated from any python-statemachine chart class (flat
+or hierarchical: nested states' transitions too), nothing is written per mutant:
 
 - ``guard-true`` / ``guard-false``: one declared guard (a ``cond`` or ``unless`` entry of one
   transition) replaced by a constant guard returning True / False. The ``unless`` sense is
@@ -112,8 +112,9 @@ def _other_targets(states: list[Any], transition: Any, limit: int) -> list[Any]:
     state. Otherwise the first ``limit`` of: the source itself (the event does nothing), then
     the states declared after the original target, wrapping round (a deterministic spread
     over early, late and final states). Either way the states a transition from outside
-    enters exactly as it enters the original target come last (a compound and its initial
-    child: such a mutant ends in the same configuration)."""
+    enters exactly as it enters the original target, or as it enters a state taken before,
+    come last (a compound and its initial child: such a mutant ends in the same
+    configuration)."""
     original, source = transition.target, transition.source
     if original is None:  # a targetless transition: nothing to retarget
         return []
@@ -124,14 +125,22 @@ def _other_targets(states: list[Any], transition: Any, limit: int) -> list[Any]:
         after = list(states)
     ordered = after if limit == 0 else \
         ([source] if source is not original else []) + [s for s in after if s is not source]
-    if original in states:
-        # a state whose default entry is the original's (a compound and its initial child, a
-        # parallel state and a region's initial state) ends the transition in the same
-        # configuration: such a mutant survives every test that checks configurations. Last,
-        # so a limit spends its mutants on targets a test can tell apart.
-        entered = _entered(original)
-        ordered = ([s for s in ordered if _entered(s) != entered]
-                   + [s for s in ordered if _entered(s) == entered])
+    # a state whose default entry is the original's (a compound and its initial child, a
+    # parallel state and a region's initial state) ends the transition in the same
+    # configuration: such a mutant survives every test that checks configurations. Likewise
+    # two targets entered alike (``processing`` and its initial child ``fulfilment``) are one
+    # mutant twice. Those come last, so a limit spends its mutants on targets a test can tell
+    # apart, each a configuration of its own.
+    same = _entered(original) if original in states else None
+    seen: set[frozenset[str]] = set()
+    first: list[Any] = []
+    again: list[Any] = []
+    alike: list[Any] = []
+    for state in ordered:
+        entered = _entered(state)
+        (alike if entered == same else again if entered in seen else first).append(state)
+        seen.add(entered)
+    ordered = first + again + alike
     return ordered if limit == 0 else ordered[:limit]
 
 
@@ -188,7 +197,7 @@ def _retarget(transition: Any, new: Any) -> Callable[[], None]:
 
 
 def derive(declaration: type[StateMachine], targets_per_transition: int = 2) -> list[Mutant]:
-    """Every mutant of the flat ``StateMachine`` class ``declaration`` (see ``_sites``)."""
+    """Every mutant of the chart class ``declaration``, flat or hierarchical (see ``_sites``)."""
     return [mutant for mutant, _ in _sites(declaration, targets_per_transition)]
 
 

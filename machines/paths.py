@@ -883,13 +883,35 @@ class PathNotFollowed(Exception):
     run is)."""
 
     def __init__(self, chart: str, step: int, steps: int, transition: Transition,
-                 state: str) -> None:
+                 state: str, why: str | None = None) -> None:
         self.chart, self.step, self.state = chart, step, state
         self.transition = _describe(transition)
+        why = why or ("a StateChart ignores a refused event and turns an action's error into "
+                      "error.execution")
         super().__init__(
             f"{chart}: step {step} of {steps}, {self.transition}, was not taken: the run is in "
-            f"{state!r} (a StateChart ignores a refused event and turns an action's error into "
-            f"error.execution)")
+            f"{state!r} ({why})")
+
+
+def _unheard(declaration: type, outcomes: Mapping[str, bool]) -> str | None:
+    """Why a run cannot hear ``outcomes`` set on its model: the names among them that are
+    methods (or properties) of the chart class itself, or of a base of the user's, which
+    python-statemachine asks before the model; None when there are none."""
+    found = {}
+    for name in outcomes:
+        for klass in declaration.__mro__:
+            if klass is object or klass.__module__.split(".")[0] == "statemachine":
+                continue
+            value = vars(klass).get(name)
+            if callable(value) or isinstance(value, property):
+                found[name] = klass.__name__
+                break
+    if not found:
+        return None
+    listed = ", ".join(f"{name!r} (of {owner})" for name, owner in found.items())
+    return (f"guard(s) {listed} are methods of the chart class, which python-statemachine asks "
+            f"before the model: the outcomes the step set on the model were not heard; move "
+            f"them to the model, or drive the chart with a model of your own")
 
 
 def drive(run: ChartRun | StatechartRun, path: Path | Walk) -> str:
@@ -910,5 +932,6 @@ def drive(run: ChartRun | StatechartRun, path: Path | Walk) -> str:
         before = chart.taken[step.id]
         run.send(step.event)
         if chart.taken[step.id] == before:
-            raise PathNotFollowed(chart.name, number, len(path.steps), step, run.state)
+            raise PathNotFollowed(chart.name, number, len(path.steps), step, run.state,
+                                  _unheard(chart.declaration, outcomes))
     return run.state

@@ -269,6 +269,57 @@ def test_the_pytest_option_turns_a_projects_contracts_on(tmp_path):
                                     "has no attribute 'Nope'") in bad.stderr, bad.stderr[-500:]
 
 
+NOT_CHECKABLE = '''
+from statemachine import State, StateChart
+
+from calexec.machines.chart_contracts import invariant
+
+
+class Aio(StateChart):
+    idle = State(initial=True)
+    done = State(final=True)
+    go = idle.to(done)
+
+    async def on_go(self):
+        return 1
+
+
+class Typo(StateChart):
+    idle = State(initial=True)
+    done = State(final=True)
+    go = idle.to(done)
+
+    @invariant("dnoe")
+    def finished(model) -> bool:
+        return True
+'''
+
+
+@pytest.mark.parametrize(("chart", "reason"), [
+    ("Aio", "Aio: the compiled form does not support yet: async callback 'on_go' on transition "
+            "idle --go--> done"),
+    ("Typo", "Typo: @invariant('dnoe') on finished: 'dnoe' is not a state of the chart "
+             "(one of idle, done)"),
+])
+def test_a_chart_the_contracts_option_cannot_check_is_named_by_the_option_s_value(
+        tmp_path, chart, reason):
+    """``--chart-contracts=odd_charts:Aio`` (an async action) or a chart whose contract names
+    no state said ``--chart-contracts: Aio: ...``: not the value given (nor, of several values,
+    which one), where ``--chart-coverage`` says ``--chart-coverage='odd_charts:Aio': ...``.
+    Both read ``--flag='value': <why>``."""
+    (tmp_path / "odd_charts.py").write_text(NOT_CHECKABLE)
+    (tmp_path / "test_nothing.py").write_text("def test_nothing():\n    pass\n")
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+               "-p", "no:hypothesispytest", "test_nothing.py",
+               f"--chart-contracts=odd_charts:{chart}"]
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 4, done.stdout[-2000:] + done.stderr[-2000:]
+    assert done.stderr.strip().splitlines() == [
+        f"ERROR: --chart-contracts='odd_charts:{chart}': {reason}"], done.stderr[-1000:]
+
+
 class Hatch(StateMachine):
     """A hierarchical chart (compound ``closed``): its compiled run is the general one."""
 

@@ -161,3 +161,23 @@ def test_two_charts_of_the_same_name_are_refused_by_cover_and_the_plugin(project
     assert plugin.returncode == 4, plugin.stdout + plugin.stderr
     assert (f"--chart-coverage='other_{module}:Light' and --chart-coverage='{module}:Light': "
             "two charts named Light") in plugin.stderr, plugin.stderr
+
+
+def test_a_chart_the_command_imports_under_another_module_name_is_named(project, capsys):
+    """``--chart app_x.lamp:Light`` while the command imports the same file as ``lamp`` (its
+    directory on ``sys.path``): two module names, two classes, and the count said ``0/3`` with
+    no hint that the runs were of the other class. The output names the other module and the
+    ``--chart`` to give; that one counts the runs."""
+    root, module = project
+    package = root / f"app_{module}"
+    package.mkdir()
+    (package / "lamp.py").write_text(textwrap.dedent(CHART))
+    script = (f"import sys\nsys.path.insert(0, {str(package)!r})\n"
+              "from lamp import Light, Power\nLight(Power()).send('switch')\n")
+    assert cli(["charts", "cover", "--chart", f"app_{module}.lamp:Light", "--",
+                sys.executable, "-c", script]) == 0
+    out = capsys.readouterr().out
+    assert "transition coverage Light: 0/3 (0.0 %)" in out, out
+    assert ("transition coverage Light: the command imported its file as module 'lamp' too, "
+            "another class whose runs are not counted: name the chart as it imports it "
+            "(--chart=lamp:Light)") in out, out

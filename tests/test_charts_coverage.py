@@ -190,6 +190,27 @@ def test_command_line_gate_counts_real_instances_of_a_user_chart(tmp_path):
     assert status == 0 and "transition coverage Kettle: 2/3" in output, output
 
 
+def test_a_chart_the_tests_import_under_another_module_name_is_named(tmp_path):
+    """The chart file ``app/kettle.py``, given as ``--chart-coverage=app.kettle:Kettle`` from
+    the project directory while the tests import it as ``kettle`` (``pythonpath = app``): the
+    same file imported twice is two classes, the listener heard only the one the tests never
+    ran, and the run said ``transition coverage Kettle: 0/3`` (a gate failing on every
+    transition) with no hint why. The count is still the given class's, but the summary names
+    the other module and the reference to give."""
+    (tmp_path / "app").mkdir()
+    (tmp_path / "app" / "kettle.py").write_text(textwrap.dedent(USER_CHART))
+    ini = "[pytest]\ntestpaths = tests\npythonpath = app\n"
+    status, output = _run_pytest(tmp_path, USER_TESTS, "--chart-coverage=app.kettle:Kettle", ini=ini)
+    assert status == 0, output
+    assert "transition coverage Kettle: 0/3" in output, output
+    assert ("transition coverage Kettle: the tests imported its file as module 'kettle' too, "
+            "another class whose runs are not counted: name the chart as they import it "
+            "(kettle:Kettle)") in output, output
+    status, output = _run_pytest(tmp_path, USER_TESTS, "--chart-coverage=kettle:Kettle", ini=ini)
+    assert status == 0 and "transition coverage Kettle: 2/3" in output, output
+    assert "imported its file as module" not in output, output
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -208,3 +229,23 @@ def test_bad_plugin_options_are_one_usage_error(tmp_path, args, message):
     status, output = _run_pytest(tmp_path, USER_TESTS, *args, ini=ini)
     assert status == 4, output  # pytest's usage error
     assert message in output and "Traceback" not in output, output
+
+
+def test_a_bad_configured_chart_is_named_by_its_configuration_key(tmp_path):
+    """``chart_coverage = kettle:Pot`` (or ``chart_contracts``) in the pytest configuration,
+    no flag given: the usage error said ``--chart-coverage='kettle:Pot': ...``, a flag the
+    user never passed, sending them to look for it in scripts and CI files. A configured
+    value is named by its key; a value given by the flag still by the flag."""
+    (tmp_path / "kettle.py").write_text(textwrap.dedent(USER_CHART))
+    for key in ("chart_coverage", "chart_contracts"):
+        ini = f"[pytest]\ntestpaths = tests\npythonpath = .\n{key} = kettle:Pot\n"
+        status, output = _run_pytest(tmp_path, USER_TESTS, ini=ini)
+        assert status == 4, output
+        assert (f"ERROR: {key}='kettle:Pot': module 'kettle' has no attribute 'Pot'"
+                in output), output
+        flag = "--" + key.replace("_", "-")
+        status, output = _run_pytest(tmp_path, USER_TESTS, f"{flag}=kettle:Pan", ini=ini)
+        assert status == 4 and f"ERROR: {key}='kettle:Pot'" in output, output  # the first
+    ini = "[pytest]\ntestpaths = tests\npythonpath = .\n"
+    status, output = _run_pytest(tmp_path, USER_TESTS, "--chart-contracts=kettle:Pan", ini=ini)
+    assert status == 4 and "ERROR: --chart-contracts='kettle:Pan': module" in output, output

@@ -253,6 +253,64 @@ def test_a_compound_state_named_legend_keeps_its_own_cluster():
     assert 'subgraph "cluster_legend:calexec" {' in lines
 
 
+def test_a_state_named_like_a_box_s_anchor_stays_a_state_outside_the_box():
+    """A newcomer's chart with a compound ``box`` and a top-level state ``box__anchor`` (the
+    renderer's name for the box's own point): the state was merged with the point, drawn
+    inside the box, ``leave = box.to(box__anchor)`` became a loop on the box and ``stop`` left
+    from the box instead of from the state."""
+    from statemachine import State, StateChart
+
+    class Anchors(StateChart):
+        idle = State(initial=True)
+
+        class box(State.Compound):
+            inner = State(initial=True)
+            other = State()
+            flip = inner.to(other)
+
+        box__anchor = State()
+        done = State(final=True)
+        enter = idle.to(box)
+        leave = box.to(box__anchor)
+        stop = box__anchor.to(done)
+
+    dot = diagrams.render_chart_dot(Anchors)
+    lines = _statements(dot)
+    point = '"box__anchor:calexec"'
+    assert [line for line in lines if line.startswith("box__anchor [")] == [
+        'box__anchor [label="box__anchor", id="s_box__anchor"];'], dot
+    assert f'{point} [label="", shape=point, width=0.12, style=filled, fillcolor=black];' \
+        in lines, dot
+    assert f'{point} -> box__anchor [label="Leave\\l", id="t_1", ltail=cluster_box, ' \
+           'penwidth=2.5];' in lines, dot
+    assert 'box__anchor -> done [label="Stop\\l", id="t_3"];' in lines, dot
+    assert f'idle -> {point} [label="Enter\\l", id="t_0", lhead=cluster_box];' in lines, dot
+    # the state is declared outside the box: after the box's closing brace
+    box_end = lines.index("}", lines.index("subgraph cluster_box {"))
+    assert lines.index('box__anchor [label="box__anchor", id="s_box__anchor"];') > box_end
+
+
+def test_two_events_of_one_name_are_told_apart_by_their_ids():
+    """A newcomer's chart with events ``go.on`` (``Event(..., id="go.on")``) and ``go_on``:
+    python-statemachine names both ``Go on``, and the diagram drew ``a -> b "Go on"`` and
+    ``a -> c "Go on"``, one event that seemed to lead two ways. Events whose names collide are
+    labelled with their ids too; a name no other event has stays as it was."""
+    from statemachine import Event, State, StateMachine
+
+    class Dots(StateMachine):
+        a = State(initial=True)
+        b = State()
+        c = State()
+        dotted = Event(a.to(b), id="go.on")
+        under = Event(a.to(c), id="go_on")
+        back = b.to(a) | c.to(a)
+
+    lines = _statements(diagrams.render_chart_dot(Dots))
+    assert 'a -> b [label="Go on (go.on)\\l", id="t_0"];' in lines, lines
+    assert 'a -> c [label="Go on (go_on)\\l", id="t_1"];' in lines, lines
+    assert any(line.startswith('b -> a [label="Back\\l"') for line in lines), lines
+
+
 def test_check_of_a_file_that_is_not_utf8_is_stale_not_an_internal_error(tmp_path, capsys):
     """``calexec diagrams --check`` read the committed files as UTF-8: an SVG saved
     compressed (svgz) or otherwise binary under the .svg name ended the check with
@@ -321,3 +379,30 @@ def test_a_refused_event_on_a_run_s_path_is_labelled_with_its_declared_name():
 
     svg = diagrams.render_path_svg(Engine, [{"event": "go", "from": "on", "to": None}])
     assert "refused: Start the engine (not declared here)" in svg
+
+
+def test_a_state_the_chart_names_is_labelled_with_its_name_and_id():
+    """``rot_ = State("Rot")`` (python-statemachine's docs name states so; ``rot_`` because
+    the word is taken): the diagram said ``rot_``, the name the author gave it nowhere (as on
+    a compound: ``class pending(State.Compound, name="Awaiting payment")``). A state with a
+    name of its own reads ``Rot (rot_)``; python-statemachine's default name (``gelb`` ->
+    ``Gelb``) is no name of its own, so calexec's charts are drawn as before."""
+    from statemachine import State, StateChart
+
+    class Ampel(StateChart):
+        gelb = State(initial=True)
+        rot_ = State("Rot")
+
+        class warte(State.Compound, name="Warten auf Grün"):  # noqa: N801
+            kurz = State(initial=True)
+            lang = State("Lange warten", final=True)
+            dehnen = kurz.to(lang)
+
+        stop = gelb.to(rot_)
+        warten = rot_.to(warte)
+
+    lines = _statements(diagrams.render_chart_dot(Ampel))
+    assert 'gelb [label="gelb", id="s_gelb"];' in lines, lines
+    assert 'rot_ [label="Rot (rot_)", id="s_rot_"];' in lines, lines
+    assert 'lang [label="Lange warten (lang)", id="s_lang", peripheries=2];' in lines, lines
+    assert any(line.startswith('label="Warten auf Grün (warte)";') for line in lines), lines

@@ -781,3 +781,46 @@ def test_a_target_mutant_ends_in_another_configuration_than_the_original() -> No
                  if m.kind == "target" and m.transition == label]
         alike = {"idle-load->active": {"playing"}, "idle-start->l1": {"both", "left"}}[label]
         assert set(every[-len(alike):]) == alike, every
+
+
+def test_two_target_mutants_of_one_transition_end_in_two_configurations() -> None:
+    """A newcomer's ``note = draft.to.itself(internal=True)`` declared before a compound
+    ``processing`` whose initial child is ``fulfilment``: the two default target mutants of
+    ``note`` were ``...:processing`` and ``...:fulfilment``, which enter the same configuration
+    (one mutant run twice, the second never telling a test anything the first did not). A
+    target entered as an earlier one is entered comes last, as one entered as the original
+    target already did; with every target (0) both are still derived."""
+
+    def chart() -> type[StateChart]:
+        class Workflow(StateChart):
+            draft = State(initial=True)
+
+            class processing(State.Compound):  # noqa: N801 - python-statemachine's style
+                fulfilment = State(initial=True)
+                on_hold = State()
+                hold = fulfilment.to(on_hold)
+
+            done = State(final=True)
+            note = draft.to.itself(internal=True)
+            submit = draft.to(processing)
+            finish = processing.to(done)
+
+        return Workflow
+
+    def configuration_after(declaration: type[StateChart], event: str) -> frozenset[str]:
+        machine = declaration()
+        machine.send(event)
+        return frozenset(s.id for s in machine.configuration)
+
+    label = "draft-note->draft"
+    targets = [m for m in mutants.derive(chart()) if m.kind == "target" and m.transition == label]
+    assert [m.detail for m in targets] == ["processing", "on_hold"], targets
+    ends = set()
+    for mutant in targets:
+        declaration = chart()
+        mutants.apply(declaration, mutant.id)
+        ends.add(configuration_after(declaration, "note"))
+    assert len(ends) == 2, ends
+    every = [m.detail for m in mutants.derive(chart(), targets_per_transition=0)
+             if m.kind == "target" and m.transition == label]
+    assert every == ["processing", "on_hold", "done", "fulfilment"], every

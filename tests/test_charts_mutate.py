@@ -220,6 +220,60 @@ def test_bad_arguments_are_named(tmp_path, capsys, args, message):
     assert "Traceback" not in out.err and out.out == ""
 
 
+def test_a_selection_of_no_mutant_is_refused_before_the_run(tmp_path, capsys):
+    """``--kind guard-true`` on a chart without guards (a newcomer's CI line, copied from
+    another chart's) selected nothing, ran the unmutated command anyway and exited 0 with an
+    empty report: ``--fail-on-survivor`` passed having judged nothing. It is refused, naming
+    the flag and the chart, before anything runs (PIT fails a run that finds no mutation)."""
+    (tmp_path / "plain.py").write_text(textwrap.dedent("""
+        from statemachine import State, StateMachine
+
+
+        class Plain(StateMachine):
+            a = State(initial=True)
+            b = State(final=True)
+            go = a.to(b)
+    """))
+    status, out = _mutate(capsys, tmp_path, "--chart", "plain:Plain", "--test-cmd", "true",
+                          "--kind", "guard-true", "--fail-on-survivor")
+    assert status == 2, out.err
+    assert out.err.splitlines() == [
+        "calexec charts mutate: --kind=guard-true: no mutant of Plain is of that kind (a chart "
+        "without guards has no guard mutants)"], out.err
+    assert out.out == ""
+    status, out = _mutate(capsys, tmp_path, "--chart", "plain:Plain", "--test-cmd",
+                          f"{sys.executable} -c 'import plain'", "--kind", "drop")
+    assert status == 0, out.err  # a kind the chart has: run as before (it survives)
+    assert json.loads(out.out)["charts"]["Plain"]["survived"] == 1
+
+
+def test_a_chart_mutation_cannot_take_is_refused_naming_the_chart_flag(tmp_path, capsys):
+    """A newcomer's chart with an async action: the refusal said ``calexec charts mutate:
+    Aio: chart mutation does not support yet: ...``, naming neither ``--chart`` nor the
+    reference given (``charts cover --chart`` names both); it reads ``--chart='aio:Aio': ...``
+    like every other refusal of the flag, before anything runs."""
+    (tmp_path / "aio.py").write_text(textwrap.dedent("""
+        from statemachine import State, StateChart
+
+
+        class Aio(StateChart):
+            idle = State(initial=True)
+            done = State(final=True)
+            go = idle.to(done)
+
+            async def on_go(self):
+                return 1
+    """))
+    for given in (["--chart", "aio:Aio"], ["aio:Aio"], ["--chart", "Mine=aio:Aio"]):
+        status, out = _mutate(capsys, tmp_path, *given, "--test-cmd", "true")
+        assert status == 2, out.err
+        ref = given[-1]
+        assert out.err.splitlines() == [
+            f"calexec charts mutate: --chart={ref!r}: Aio: chart mutation does not support "
+            "yet: async callback 'on_go' on transition idle --go--> done"], out.err
+        assert out.out == ""
+
+
 @pytest.mark.parametrize("name, content", [
     ("a_directory", None),  # refused by cliargs.read_small_text
     ("bad.toml", "mutant = [\n"),  # the rest by load_equivalents itself
@@ -366,3 +420,25 @@ def test_sample_is_deterministic_and_spread():
     first = charts_mutate.select_mutants([chart], args)
     assert first == charts_mutate.select_mutants([chart], args) and len(first) == 8
     assert {m.kind for _, m in first} == set(mutants.KINDS)
+
+
+def test_a_mutant_the_tests_import_under_another_module_name_says_so(tmp_path, capsys):
+    """``--chart app_door.door:Door`` while the tests import the file as ``door`` (its
+    directory on ``sys.path``): every mutant was 'never applied: the command did not import
+    the chart', though the tests plainly imported it, under another name (another class, which
+    the hook never touches). The reason names the module given and what to do."""
+    package = tmp_path / "app_door"
+    package.mkdir()
+    (package / "door.py").write_text(textwrap.dedent(DOOR))
+    script = (f"import sys; sys.path.insert(0, {str(package)!r}); "
+              "from door import Door")
+    status, out = _mutate(capsys, tmp_path, "--chart", "app_door.door:Door",
+                          "--test-cmd", f"{sys.executable} -c \"{script}\"",
+                          "--mutant", "drop:opened-close->closed")
+    assert status == 1, out.err
+    (mutant,) = json.loads(out.out)["mutants"]
+    assert mutant["status"] == "error"
+    assert mutant["how"] == (
+        "mutant never applied: the command did not import the chart (module 'app_door.door'; "
+        "a file its tests import under another module name is another class: give --chart as "
+        "they import it)"), mutant["how"]

@@ -220,6 +220,30 @@ def test_bad_chart_reference_is_one_line_exit_2(project, capsys, command, ref, m
     assert captured.out == ""
 
 
+def test_a_file_path_of_a_package_module_is_answered_with_its_dotted_module(project, capsys):
+    """A newcomer gives ``pkg/chart.py:Light`` for a chart in a package of the project: the
+    answer said to run from ``pkg/`` and name ``chart:Light``, which fails on the package's
+    relative imports (``attempted relative import with no known parent package``); it names
+    the module as imported from the project directory, ``pkg.chart:Light``, which works."""
+    root, module = project
+    package = root / f"pkg_{module}"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "rules.py").write_text("POWER = 'powered'\n")
+    (package / "chart.py").write_text(
+        "from statemachine import State, StateMachine\n\nfrom .rules import POWER\n\n\n"
+        "class Light(StateMachine):\n    off = State(initial=True)\n    on = State()\n"
+        "    switch = off.to(on, cond=POWER) | on.to(off)\n")
+    for given in (f"pkg_{module}/chart.py", f"./pkg_{module}/chart", str(package / "chart.py")):
+        assert cli(["charts", "paths", f"{given}:Light"]) == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert line == (f"calexec charts paths: '{given}:Light': '{given}' is a file path, not a "
+                        f"module name: name the module, as imported from {root} "
+                        f"(e.g. pkg_{module}.chart:Light)"), line
+    assert cli(["charts", "paths", f"pkg_{module}.chart:Light"]) == 0
+    assert "switch[powered]" in capsys.readouterr().out
+
+
 def test_compiling_a_chart_base_class_without_states_is_a_value_error_naming_it():
     """python-statemachine accepts a chart class that declares no state (an abstract base);
     compiling one failed with ``AttributeError: ... 'initial_state'`` (exit 70 from the
@@ -292,3 +316,35 @@ def test_paths_json_is_json_when_the_chart_module_prints_at_import(project, caps
     captured = capsys.readouterr()
     assert json.loads(captured.out)["chart"] == "Light"
     assert "noisy package imported" in captured.err
+
+
+def test_a_path_whose_guard_the_chart_class_answers_itself_names_that_guard():
+    """A newcomer declares a guard as a method of the chart class (``def ready(self)``, as
+    python-statemachine's docs do): paths name ``go[ready]``, but a run driven with a
+    ``GuardTable`` never hears the outcome (python-statemachine asks the chart before the
+    model), and ``drive`` said the step was not taken because 'a StateChart ignores a refused
+    event and turns an action's error into error.execution', which sends them looking for an
+    error that is not there. It names the guard, where it is declared, and what to do."""
+    from statemachine import StateChart
+
+    from calexec.machines.paths import PathNotFollowed
+
+    class Own(StateChart):
+        a = State(initial=True)
+        b = State()
+        c = State(final=True)
+        go = a.to(b, cond="ready") | a.to(c)
+        fin = b.to(c)
+
+        def ready(self) -> bool:
+            return False
+
+    chart = compile_chart(Own)
+    walk = next(w for w in transition_tour(chart) if w.events == ("go", "fin"))
+    with pytest.raises(PathNotFollowed) as caught:
+        drive(chart.run(GuardTable.for_chart(chart)), walk)
+    assert str(caught.value) == (
+        "Own: step 1 of 2, a --go--> b, was not taken: the run is in 'c' (guard(s) 'ready' "
+        "(of Own) are methods of the chart class, which python-statemachine asks before the "
+        "model: the outcomes the step set on the model were not heard; move them to the model, "
+        "or drive the chart with a model of your own)")

@@ -252,6 +252,23 @@ def test_wait_without_a_job_is_invalid(runner):
     assert runner.slot(calbin.DECODE).outbuf.get_status() == (0, JobStatus.IDLE)
 
 
+def test_a_library_named_by_its_file_name_in_the_current_directory_loads(tmp_path, monkeypatch):
+    """``calexec conform --lib libcalrt_emu.so`` (or ``demo --runtime-lib``, or
+    ``CALEXEC_CALRT_LIB``) run in the library's directory: the flag's check found the file, then
+    dlopen, which looks a name without ``/`` up in the system's library path only, said
+    ``cannot open shared object file: No such file or directory``, exit 2. The file the name
+    names in the current directory is loaded."""
+    out = tmp_path / "lib"
+    subprocess.run(["make", "-s", "-C", CALRT_DIR, "lib", f"O={out}"], check=True, capture_output=True)
+    monkeypatch.chdir(out)
+    rt = CalRT.load("libcalrt_emu.so")
+    assert rt.path == "libcalrt_emu.so" and rt.has_emu and rt.version == "0.7.6-emu"
+    monkeypatch.setenv("CALEXEC_CALRT_LIB", "libcalrt_emu.so")
+    assert CalRT.load().version == "0.7.6-emu"
+    with pytest.raises(OSError, match="no_such_lib.so"):  # a name of no file: dlopen's search
+        CalRT.load("no_such_lib.so")
+
+
 def test_dlopen_path_runs_a_decode(tmp_path, calbin_path, monkeypatch):
     out = tmp_path / "lib"
     subprocess.run(["make", "-s", "-C", CALRT_DIR, "lib", f"O={out}"], check=True, capture_output=True)

@@ -212,6 +212,38 @@ def test_a_run_id_with_a_slash_is_served(shop):
         assert answer.json()["trail"][0]["to"] == "placed"
 
 
+def test_a_chart_name_with_a_slash_is_served(monkeypatch):
+    """``register(OrderWorkflow, name="shop/orders")`` was accepted and drawn on the page, but
+    its own drawing, ``/charts/shop/orders.svg`` (the name as the path says it) or
+    ``/charts/shop%2Forders.svg``, answered a plain 404 ``Not Found`` (the route took one path
+    segment), as run ids with a slash did."""
+    from calexec.machines.inspector import AppOptions
+
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    from order_workflow import OrderWorkflow
+
+    inspector = Inspector()
+    inspector.register(OrderWorkflow, counts=lambda: {"cart": 1}, name="shop/orders")
+    drawn = []
+
+    def svg(chart, active):
+        drawn.append((chart.name, active))
+        return "<svg>orders</svg>"
+
+    app = Starlette(routes=[Mount("/charts", inspector_app(inspector, AppOptions(svg=svg)))])
+    with TestClient(app) as client:
+        for path in ("/charts/shop/orders.svg", "/charts/shop%2Forders.svg"):
+            answer = client.get(path)
+            assert answer.status_code == 200, (path, answer.text)
+            assert answer.text == "<svg>orders</svg>"
+            assert answer.headers["content-type"].startswith("image/svg+xml")
+        missing = client.get("/charts/shop/other.svg")
+        assert missing.status_code == 404
+        assert missing.json() == {"error": "chart='shop/other' is not one of ['shop/orders']"}
+    assert drawn == [("OrderWorkflow", "cart")] * 2
+    inspector.close()
+
+
 def test_a_followed_hierarchical_instance_names_its_configuration(monkeypatch):
     """A python-statemachine instance of a hierarchical chart has several active states: its
     record's ``state`` was None and its page was headed ``TrafficLight run t1: None``, where
@@ -278,3 +310,46 @@ def test_runs_counts_and_active_that_are_not_callables_are_refused_by_name():
     with TestClient(app) as client:
         assert client.get("/charts/live.json").json()["charts"]["Fan"]["counts"] == {
             "off": 1, "on": 0}
+
+
+def test_a_runs_function_that_raises_is_named_and_the_rest_still_answers(monkeypatch):
+    """An app's ``runs=`` that raises (its store is down) or ``counts=`` answering a count that
+    is no integer (or a ``status=`` that raises): ``live.json``, the page and every chart's drawing answered a bare 500
+    (the other charts too), the page's own poll failing with them. The failing chart's
+    counts are empty and its ``error`` names what raised; everything else answers."""
+    from calexec.machines.inspector import AppOptions
+
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    from order_workflow import Order, OrderWorkflow
+    from traffic_light import TrafficLight
+
+    def store_down() -> list[object]:
+        raise ConnectionError("orders database unreachable")
+
+    def status() -> dict[str, object]:
+        raise KeyError("queue")
+
+    inspector = Inspector(status=status)
+    inspector.register(OrderWorkflow, runs=store_down)
+    inspector.register(TrafficLight, counts=lambda: {"off": "many"})
+    working = OrderWorkflow(Order(items=["pen"]))
+    inspector.register(OrderWorkflow, runs=lambda: [working], name="working")
+    svg = AppOptions(svg=lambda chart, active: f"<svg>{chart.name} {active}</svg>")
+    app = Starlette(routes=[Mount("/charts", inspector_app(inspector, svg))])
+    with TestClient(app) as client:
+        live = client.get("/charts/live.json")
+        assert live.status_code == 200, live.text
+        charts = live.json()["charts"]
+        assert live.json()["status"] == {
+            "error": "the status function given to Inspector raised KeyError: 'queue'"}
+        assert charts["OrderWorkflow"]["counts"] == {}
+        assert charts["OrderWorkflow"]["error"] == (
+            "OrderWorkflow: the runs= or counts= function given to register raised "
+            "ConnectionError: orders database unreachable")
+        assert charts["TrafficLight"]["error"].startswith(
+            "TrafficLight: the runs= or counts= function given to register raised ValueError: ")
+        assert charts["working"]["counts"]["cart"] == 1 and "error" not in charts["working"]
+        assert client.get("/charts/").status_code == 200
+        assert client.get("/charts/OrderWorkflow.svg").text == "<svg>OrderWorkflow None</svg>"
+        assert client.get("/charts/working.svg").text == "<svg>OrderWorkflow cart</svg>"
+    inspector.close()

@@ -116,3 +116,23 @@ def test_replay_refuses_choices_that_are_not_indices():
         replay_threads(lambda clock: None, [0, "x"])
     with pytest.raises(ValueError, match=r"steps=-1"):
         replay_threads(lambda clock: None, [0], steps=-1)
+
+
+def test_choices_that_do_not_fit_the_scenario_are_refused_not_reported_as_its_failure():
+    """A newcomer replays a failure's choices after changing the scenario (or the choices of
+    another one): a choice picked an index past its point's options, and ``replay_threads``
+    returned a ``ScheduleFailure`` 'thread b raised RuntimeError: replay diverged ...' with the
+    explorer's own traceback: the code under test blamed, and a test asserting the replay
+    fails passed as if the bug had been reproduced. It is a ``ValueError`` naming ``choices``;
+    choices that fit still replay the schedule as before."""
+    def scenario(clock):
+        counts = two_counters(clock)
+        return lambda: counts[0] == 4 or f"count {counts[0]}"
+
+    with pytest.raises(ValueError) as refused:
+        replay_threads(scenario, [0, 0, 9, 9, 9])
+    message = str(refused.value)
+    assert message.startswith("choices=(0, 0, 9, 9, 9): not a schedule of this scenario ("
+                              "choice "), message
+    assert "picks index 9 of 2 options): the scenario or the code changed since" in message
+    assert replay_threads(scenario, [0, 1, 1, 0]) is None  # a schedule that fits: it passes

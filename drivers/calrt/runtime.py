@@ -107,6 +107,17 @@ def _abi_ffi():
     return _ABI_FFI
 
 
+def _as_path(lib_path: str) -> str:
+    """What to ``dlopen`` for ``lib_path``: a bare file name (``libcalrt.so``, no directory) of
+    a file in the current directory as that file (``./libcalrt.so``): dlopen looks a name
+    without a ``/`` up in the system's library path only, never in the current directory, so
+    the file the flag names, which exists, was 'No such file or directory'. Any other
+    value (a path, a library name of the system's path) as given."""
+    if os.sep in lib_path or (os.altsep and os.altsep in lib_path):
+        return lib_path
+    return os.path.join(os.curdir, lib_path) if os.path.isfile(lib_path) else lib_path
+
+
 class CalRT:
     """A loaded CalRT library (the bundled emulator or a dlopen'ed shim)."""
 
@@ -131,7 +142,7 @@ class CalRT:
         # A plain (ABI-mode) FFI with the same cdef: the API-mode module's ffi.dlopen would
         # resolve the names to the bundled emulator's own functions, not the library's.
         ffi = _abi_ffi()
-        return cls(ffi.dlopen(lib_path), lib_path, ffi)
+        return cls(ffi.dlopen(_as_path(lib_path)), lib_path, ffi)
 
     def logits_postprocessor(self) -> FusedLogits:
         """A new fused native logits postprocess (drivers/native/fused_logits.py) for the

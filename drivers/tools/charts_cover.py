@@ -33,7 +33,13 @@ from calexec.cliargs import parser as cli_parser
 from calexec.drivers.tools.sitecustomize_template import sitecustomize_source
 from calexec.machines.chartref import ChartRefError, load_chart
 from calexec.machines.compiled import CompiledChart, compiled
-from calexec.machines.coverage import TransitionRecorder, describe, report, track
+from calexec.machines.coverage import (
+    TransitionRecorder,
+    describe,
+    other_imports,
+    report,
+    track,
+)
 
 #: ``MODULE:CLASS`` references, comma-separated, that the started processes record
 CHARTS_ENV = "CALEXEC_CHART_COVER"
@@ -55,18 +61,21 @@ def install_from_env(environ: Mapping[str, str] = os.environ) -> None:
         return
     recorder = TransitionRecorder()
     loaded: dict[str, str] = {}  # ref -> chart name
+    tracked: dict[str, CompiledChart] = {}
     errors: dict[str, str] = {}
     for ref in refs.split(","):
         try:
             chart = compiled(load_chart(ref, os.getcwd()))
             track(chart, recorder)
             loaded[ref] = chart.name
+            tracked[ref] = chart
         except (ChartRefError, ValueError, TypeError) as err:
             errors[ref] = _reason(err)
 
     def write() -> None:
         path = Path(out, f"hits-{os.getpid()}.json")
-        path.write_text(json.dumps({"loaded": loaded, "errors": errors,
+        twins = {ref: other_imports(chart) for ref, chart in tracked.items()}
+        path.write_text(json.dumps({"loaded": loaded, "errors": errors, "twins": twins,
                                     "hits": sorted(recorder.hits)}), encoding="utf-8")
 
     atexit.register(write)
@@ -101,6 +110,16 @@ def merge(scratch: Path) -> tuple[set[tuple[str, int]], set[str], dict[str, str]
         loaded.update(data["loaded"])
         errors.update(data["errors"])
     return hits, loaded, {ref: err for ref, err in errors.items() if ref not in loaded}
+
+
+def twins(scratch: Path) -> dict[str, list[str]]:
+    """Reference -> the other module names any process of the command imported its file under
+    (``coverage.other_imports``), from every ``hits-*.json`` in ``scratch``."""
+    found: dict[str, set[str]] = {}
+    for path in sorted(scratch.glob("hits-*.json")):
+        for ref, names in json.loads(path.read_text(encoding="utf-8")).get("twins", {}).items():
+            found.setdefault(ref, set()).update(names)
+    return {ref: sorted(names) for ref, names in found.items() if names}
 
 
 def main(argv: list[str]) -> int:
@@ -147,6 +166,7 @@ def main(argv: list[str]) -> int:
         except OSError as err:
             raise UserError(f"test command {args.command[0]!r}: {err.strerror or err}") from None
         hits, loaded, errors = merge(scratch)
+        other = twins(scratch)
     if errors:
         for ref, why in errors.items():
             print(f"calexec charts cover: no process of the command imported {ref}: {why}",
@@ -159,6 +179,11 @@ def main(argv: list[str]) -> int:
     recorder = TransitionRecorder()
     recorder.hits.update(hits)
     below = False
+    for ref, chart in zip(refs, charts):
+        for name in other.get(ref, []):
+            print(f"transition coverage {chart.name}: the command imported its file as module "
+                  f"{name!r} too, another class whose runs are not counted: name the chart as "
+                  f"it imports it (--chart={name}:{chart.declaration.__name__})")
     for coverage in report(charts, recorder):
         print(coverage.line() + f" ({coverage.percent:.1f} %)")
         for transition in coverage.untaken:

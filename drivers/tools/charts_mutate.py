@@ -45,6 +45,7 @@ import attrs
 from calexec import cliargs
 from calexec.drivers.tools.sitecustomize_template import sitecustomize_source
 from calexec.machines import mutants as mutants_mod
+from calexec.machines.chart_support import UnsupportedChart, refuse_unsupported
 from calexec.machines.chartref import ChartRefError, load_chart
 
 #: calexec's own charts, by the names ``machines.charts.DECLARED`` gives them.
@@ -181,6 +182,10 @@ def _resolve_chart(spec: str, cwd: Path) -> Chart:
             declaration = load_chart(target, str(cwd))
     except ChartRefError as err:
         raise ValueError(f"--chart={spec!r}: {err.reason}") from None
+    try:
+        refuse_unsupported(declaration, "chart mutation")
+    except UnsupportedChart as err:  # named by the flag, as charts cover's --chart is
+        raise ValueError(f"--chart={spec!r}: {err}") from None
     class_name = target.partition(":")[2]
     if spec == target and ":" in spec:  # a bare module:Class: calexec's own keep their names
         name = next((n for n, t in CALEXEC_CHARTS.items() if t == target), class_name)
@@ -207,6 +212,12 @@ def select_mutants(charts: list[Chart], args: argparse.Namespace) -> list[tuple[
             raise ValueError(f"--mutant={unknown[0]!r}: no such mutant (list them with --json "
                              f"on a --sample run, or see derive())")
         chosen = list(dict.fromkeys(by_id[m] for m in args.mutant))
+    if not chosen:  # nothing would be judged: a pass would say nothing (PIT refuses it too)
+        names = ", ".join(chart.name for chart in charts)
+        if args.kind:
+            raise ValueError(f"--kind={','.join(args.kind)}: no mutant of {names} is of that "
+                             f"kind (a chart without guards has no guard mutants)")
+        raise ValueError(f"--chart: {names} declare(s) no transition to mutate")
     if args.sample is not None and args.sample < len(chosen):
         groups: dict[tuple[str, str], list] = {}
         for item in chosen:
@@ -266,10 +277,13 @@ def _on_sigterm_interrupt() -> Any:
 
 
 def _judge(outcome: Outcome, code: int | None, output: str, applied: bool,
-           error_codes: set[int]) -> None:
+           error_codes: set[int], module: str = "") -> None:
     outcome.exit_code = code
     if not applied:
-        outcome.status, outcome.how = "error", "mutant never applied: the command did not import the chart"
+        outcome.status, outcome.how = "error", (
+            "mutant never applied: the command did not import the chart"
+            + (f" (module {module!r}; a file its tests import under another module name is "
+               f"another class: give --chart as they import it)" if module else ""))
     elif code is None:
         outcome.status, outcome.how = "killed", "timeout"
     elif code == 0:
@@ -474,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
             env[mutants_mod.ACK_ENV] = str(ack)
             code, outcome.seconds, output = _run(command, cwd, env, timeout)
             applied = ack.is_file() and env[mutants_mod.ENV] in ack.read_text().splitlines()
-            _judge(outcome, code, output, applied, error_codes)
+            _judge(outcome, code, output, applied, error_codes, chart.target.partition(":")[0])
             outcome.reason = equivalents.get((chart.name, mutant.id), "")
             if outcome.status == "survived" and outcome.reason:
                 outcome.status = "equivalent"

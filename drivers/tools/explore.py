@@ -141,14 +141,20 @@ class PriorityTapeChooser(TapeChooser):
 
 
 class ReplayChooser(TapeChooser):
-    """Replays recorded choice indices exactly (0 after the end)."""
+    """Replays recorded choice indices exactly (0 after the end). A choice past the options
+    of its point raises in the thread at that point; ``diverged`` keeps the first such
+    message (None while the replay fits), for a caller to tell it from the code's failure."""
+
+    diverged: str | None = None
 
     def choose(self, options: list, sched: Scheduler) -> int:
         value = self.tape[self.i] if self.i < len(self.tape) else 0
         self.i += 1
         if value >= len(options):
-            raise RuntimeError(f"replay diverged at choice {self.i - 1}: index {value} of "
-                               f"{len(options)} options {options}")
+            where = f"choice {self.i - 1} picks index {value} of {len(options)} options"
+            if self.diverged is None:
+                self.diverged = where
+            raise RuntimeError(f"replay diverged: {where} {options}")
         return value
 
 

@@ -169,13 +169,26 @@ def replay_threads(scenario: Scenario, choices: Sequence[int], *,
                    charts: Iterable[ChartLike] = (), steps: int = 100_000,
                    horizon_s: float = 60.0) -> ScheduleFailure | None:
     """Run ``scenario`` under the recorded ``choices`` (``ScheduleFailure.choices``): the same
-    schedule, so the same failure (or None if the code no longer fails on it)."""
+    schedule, so the same failure (or None if the code no longer fails on it). ``ValueError``
+    naming ``choices`` when they do not fit the scenario (a point offers fewer options than a
+    choice picks): that is no failure of the code, nor a reproduction."""
     _check_bounds(steps=steps, horizon_s=horizon_s, invariant=invariant)
     if isinstance(choices, (str, bytes)):
         raise TypeError(f"choices={choices!r}: the choices a ScheduleFailure recorded")
     choices = [_index("choices", choice) for choice in choices]
-    return run_schedule(scenario, ReplayChooser(list(choices)), invariant=invariant,
-                        charts=tuple(charts), steps=steps, horizon_s=horizon_s)
+    chooser = ReplayChooser(list(choices))
+    found = run_schedule(scenario, chooser, invariant=invariant, charts=tuple(charts),
+                         steps=steps, horizon_s=horizon_s)
+    if chooser.diverged is not None:  # not the code's failure: the choices do not fit it
+        raise ValueError(f"choices={_short(choices)}: not a schedule of this scenario "
+                         f"({chooser.diverged}): the scenario or the code "
+                         f"changed since they were recorded, or they are another scenario's")
+    return found
+
+
+def _short(choices: Sequence[int]) -> str:
+    text = repr(tuple(choices))
+    return text if len(text) <= 60 else text[:56] + "...)"
 
 
 def _index(name: str, value: object) -> int:
