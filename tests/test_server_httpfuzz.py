@@ -572,3 +572,77 @@ def test_a_pinned_sha256_is_still_checked_by_the_reload_pre_check(executor, tmp_
         checked.message, checked
     monkeypatch.setattr(executor, "manifest", attrs.evolve(pinned, calbin_sha256=sha))
     assert executor.check_calbin(str(path)).ok
+
+
+# --- found at stop 43 (httpedge): the HTTP/1 transport of a real `calexec serve` ----------------
+# Raw loopback sockets against uvicorn with the configuration `calexec serve` runs
+# (`server.uvicorn_config`: httptools, the abortable protocol); every read is bounded by the
+# socket's timeout (`read_until_closed`).
+
+
+@pytest.fixture(scope="module")
+def served(executor):
+    """``(server, service)``: the module's executor behind ``calexec serve``'s uvicorn
+    configuration on an ephemeral loopback port."""
+    from test_server_support import ServeLikeServer
+
+    app = create_app(executor, ServerConfig())
+    with ServeLikeServer(app) as server:
+        yield server, app.state.service
+
+
+def _raw(port: int, raw: bytes, timeout: float = 30.0) -> tuple[bytes, str]:
+    """Send ``raw`` on a fresh loopback connection and read until the server closes it (or
+    ``timeout`` of silence: "open")."""
+    import socket
+
+    from test_server_support import read_until_closed
+
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(raw)
+        return read_until_closed(sock)
+
+
+def _post(body: dict, version: str = "1.1", extra: str = "") -> bytes:
+    import json
+
+    payload = json.dumps(body).encode()
+    return (f"POST /v1/completions HTTP/{version}\r\nhost: 127.0.0.1\r\n"
+            f"content-type: application/json\r\ncontent-length: {len(payload)}\r\n{extra}\r\n"
+            ).encode() + payload
+
+
+def _head(data: bytes) -> tuple[bytes, dict[str, str], bytes]:
+    """The status line, the headers (lower-case names) and the rest of a raw response."""
+    head, _, rest = data.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    headers = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(b":")
+        headers[name.strip().lower().decode("latin-1")] = value.strip().decode("latin-1")
+    return lines[0], headers, rest
+
+
+@pytest.mark.parametrize("raw", [
+    b"post /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}",
+    b"FOO /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}",
+    b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\n"
+    b"transfer-encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
+    b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03",
+], ids=["lowercase-method", "unknown-method", "content-length-and-chunked", "tls-hello"])
+def test_a_request_the_http_parser_refuses_carries_an_x_request_id(served, raw):
+    """Bytes the HTTP parser refuses (a lower-case or unknown method, which httptools' llhttp
+    does not take; Content-Length beside Transfer-Encoding, RFC 9112 section 6.3's smuggling
+    case; a TLS handshake) get the OpenAI-shaped 400 ``request.malformed_http``, written by
+    the connection itself, which carried no ``x-request-id``: the one response of the server
+    without it (docs/server.md "Request ids": every response). It carries a new id now."""
+    import json
+    import re
+
+    server, _ = served
+    data, ended = _raw(server.port, raw)
+    status, headers, body = _head(data)
+    assert status == b"HTTP/1.1 400 Bad Request", data[:300]
+    assert json.loads(body)["error"]["code"] == "request.malformed_http", body[:300]
+    assert re.fullmatch(r"[0-9a-f]{32}", headers.get("x-request-id", "")), headers
+    assert ended in ("eof", "reset"), ended

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import uuid
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
@@ -241,7 +242,7 @@ def abortable(protocol: type) -> type:
             transport = getattr(self, "transport", None)
             if transport is None or transport.is_closing():
                 return
-            transport.write(error_bodies.malformed_http(str(msg)))
+            transport.write(error_bodies.malformed_http(str(msg), uuid.uuid4().hex))
             transport.close()
 
         def on_response_complete(self) -> None:
