@@ -646,3 +646,33 @@ def test_a_request_the_http_parser_refuses_carries_an_x_request_id(served, raw):
     assert json.loads(body)["error"]["code"] == "request.malformed_http", body[:300]
     assert re.fullmatch(r"[0-9a-f]{32}", headers.get("x-request-id", "")), headers
     assert ended in ("eof", "reset"), ended
+
+
+@pytest.mark.parametrize("extra,expected", [
+    ("x-big: " + "a" * (64 << 10) + "\r\n", 200),
+    ("".join(f"x-h{i}: v\r\n" for i in range(1000)), 200),
+    ("x-big: " + "a" * (2 << 20) + "\r\n", 431),
+    ("".join(f"x-h{i}: {'v' * 100}\r\n" for i in range(20000)), 431),
+], ids=["64KiB-header", "1000-headers", "2MiB-header", "2MiB-of-headers"])
+def test_a_request_head_over_max_head_bytes_is_a_431(served, extra, expected):
+    """A request head had no size bound at all (httptools has none; only the time to send it,
+    ``HEAD_TIMEOUT_S``): a 64 MiB header was read whole into memory (the server's peak RSS
+    grew by some 110 MB for one client) and, being joined piece by piece, took the event loop
+    for seconds. A head over ``server.MAX_HEAD_BYTES`` (1 MiB, Go's default) is answered 431
+    (RFC 6585) with the OpenAI-shaped body and the connection closed; a 64 KiB header and
+    1,000 headers are still served."""
+    import json
+
+    from calexec.drivers.serving import server as server_module
+
+    server, _ = served
+    data, ended = _raw(server.port, _post({"prompt": [1, 2], "max_tokens": 1}, extra=extra))
+    status, headers, body = _head(data)
+    assert status.startswith(f"HTTP/1.1 {expected} ".encode()), data[:300]
+    assert headers.get("x-request-id"), headers
+    if expected == 431:
+        error = json.loads(body)["error"]
+        assert error["code"] == "request.head_too_large", error
+        assert "1048576" in error["message"], error
+        assert ended in ("eof", "reset"), ended
+    assert server_module.MAX_HEAD_BYTES == 1 << 20

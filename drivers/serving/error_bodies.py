@@ -104,6 +104,15 @@ def malformed_http(message: str, request_id: str) -> bytes:
                        message or "malformed HTTP request", request_id)
 
 
+def head_too_large(limit: int, request_id: str) -> bytes:
+    """The whole HTTP/1.1 response to a request head (request line and header fields) over
+    ``limit`` bytes: 431 (RFC 6585), code ``request.head_too_large``, ``connection: close``,
+    written by the connection itself (the head is never read whole)."""
+    return raw_refusal(431, "Request Header Fields Too Large", "request.head_too_large",
+                       f"the request head (request line and header fields) exceeds "
+                       f"{limit} bytes", request_id)
+
+
 def raw_refusal(http_status: int, reason: str, code: str, message: str,
                 request_id: str) -> bytes:
     """A whole HTTP/1.1 response refusing what the connection received before any ASGI app

@@ -210,6 +210,12 @@ SHUTDOWN_WAIT_S = 2
 HEAD_TIMEOUT_S = 30.0
 
 
+#: a request head (request line and header fields) longer than this many bytes is answered
+#: 431 and its connection closed, before the head is read whole (httptools bounds neither the
+#: head nor a header; uvicorn's h11 protocol refuses past its own 16 KiB); Go's default
+MAX_HEAD_BYTES = 1 << 20
+
+
 def abortable(protocol: type) -> type:
     """``protocol`` (a uvicorn HTTP protocol class) whose requests get, in their ASGI scope's
     ``extensions``, a callable aborting their connection at once (``wire.ABORT_EXTENSION``:
@@ -217,10 +223,17 @@ def abortable(protocol: type) -> type:
     connection without waiting for that client to read what is buffered. Its connections are
     closed when a request head has not arrived whole ``HEAD_TIMEOUT_S`` after the connection
     was made or the last response was sent (the ASGI app is called once a head is whole);
-    aborted when that response is still unsent and none of it was read in that time."""
+    aborted when that response is still unsent and none of it was read in that time.
+
+    With uvicorn's httptools protocol also: a request head over ``MAX_HEAD_BYTES`` is
+    answered 431 (:meth:`data_received`)."""
+    parses_heads = hasattr(protocol, "on_headers_complete")  # httptools' (h11 has a limit)
 
     class Abortable(protocol):
         _head_timer: asyncio.TimerHandle | None = None
+        #: bytes received since the last request head ended (while one is being read)
+        _head_bytes = 0
+        _reading_head = True
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
@@ -244,6 +257,37 @@ def abortable(protocol: type) -> type:
                 return
             transport.write(error_bodies.malformed_http(str(msg), uuid.uuid4().hex))
             transport.close()
+
+        def data_received(self, data: bytes) -> None:
+            if parses_heads and self._reading_head:
+                self._head_bytes += len(data)
+                if self._head_bytes > MAX_HEAD_BYTES:
+                    self._refuse_head()
+                    return
+            super().data_received(data)
+
+        def _refuse_head(self) -> None:
+            """A head over ``MAX_HEAD_BYTES``: 431, closed; nothing more is parsed. While a
+            previous response of the connection is still being sent (a pipelined head), a
+            431 would land inside it: the connection is aborted instead."""
+            self._reading_head = False
+            transport = self.transport
+            if transport.is_closing():
+                return
+            cycle = getattr(self, "cycle", None)
+            if cycle is not None and not cycle.response_complete:
+                transport.abort()
+                return
+            transport.write(error_bodies.head_too_large(MAX_HEAD_BYTES, uuid.uuid4().hex))
+            transport.close()
+
+        def on_headers_complete(self) -> None:
+            self._reading_head, self._head_bytes = False, 0
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            self._reading_head = True  # the next request's head, from the next read on
+            super().on_message_complete()
 
         def on_response_complete(self) -> None:
             self._await_head()  # first: a pipelined request it starts cancels the wait
