@@ -623,6 +623,42 @@ def _head(data: bytes) -> tuple[bytes, dict[str, str], bytes]:
     return lines[0], headers, rest
 
 
+@pytest.mark.parametrize("keep_alive", [False, True], ids=["plain", "keep-alive"])
+def test_an_http_1_0_stream_is_close_delimited_and_whole(served, keep_alive):
+    """An HTTP/1.0 client has no chunked transfer coding (RFC 9112 section 6.1: a server
+    MUST NOT send Transfer-Encoding to a request that does not indicate HTTP/1.1), yet a
+    streamed answer to it was sent ``transfer-encoding: chunked`` (uvicorn's httptools
+    protocol adds it to any response without a Content-Length): the client read chunk sizes
+    inside its SSE events. It is close-delimited now: ``connection: close``, the events as
+    they are, the whole stream up to ``[DONE]``, then the server closes; with or without
+    ``Connection: keep-alive`` (a 1.0 connection is not kept for an undelimited body)."""
+    import json
+
+    from test_server_support import oracle_tokens, server_idle, wait_for
+
+    server, service = served
+    extra = "connection: keep-alive\r\n" if keep_alive else ""
+    data, ended = _raw(server.port, _post({"prompt": [1, 2, 3], "max_tokens": 6,
+                                           "stream": True}, "1.0", extra))
+    status, headers, body = _head(data)
+    assert status.startswith(b"HTTP/1.1 200 "), data[:300]
+    assert "transfer-encoding" not in headers and "content-length" not in headers, headers
+    assert headers.get("connection") == "close" and ended == "eof", (headers, ended)
+    assert headers["x-request-id"].startswith("cmpl-"), headers
+    events = [e for e in body.decode().split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events), events
+    assert events[-1] == "data: [DONE]", events[-2:]
+    chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    tokens = [t for c in chunks for t in c["choices"][0]["token_ids"]]
+    assert tokens == oracle_tokens([1, 2, 3], 6), tokens
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length", chunks[-1]
+    # a whole answer to HTTP/1.0 keeps its Content-Length
+    data, ended = _raw(server.port, _post({"prompt": [1, 2, 3], "max_tokens": 2}, "1.0", extra))
+    status, headers, body = _head(data)
+    assert status.startswith(b"HTTP/1.1 200 ") and int(headers["content-length"]) == len(body)
+    wait_for(lambda: server_idle(service), 10, "the server idle")
+
+
 @pytest.mark.parametrize("raw", [
     b"post /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}",
     b"FOO /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}",

@@ -17,6 +17,7 @@ and 503 carry ``Retry-After``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
 import uuid
@@ -226,7 +227,8 @@ def abortable(protocol: type) -> type:
     aborted when that response is still unsent and none of it was read in that time.
 
     With uvicorn's httptools protocol also: a request head over ``MAX_HEAD_BYTES`` is
-    answered 431 (:meth:`data_received`)."""
+    answered 431 (:meth:`data_received`); an answer without a Content-Length to an HTTP/1.0
+    request is close-delimited, never chunked (:func:`close_delimited`)."""
     parses_heads = hasattr(protocol, "on_headers_complete")  # httptools' (h11 has a limit)
 
     class Abortable(protocol):
@@ -284,6 +286,8 @@ def abortable(protocol: type) -> type:
         def on_headers_complete(self) -> None:
             self._reading_head, self._head_bytes = False, 0
             super().on_headers_complete()
+            if self.scope.get("http_version") == "1.0":
+                close_delimited(self.cycle)
 
         def on_message_complete(self) -> None:
             self._reading_head = True  # the next request's head, from the next read on
@@ -332,6 +336,45 @@ def abortable(protocol: type) -> type:
 
     Abortable.__name__ = Abortable.__qualname__ = f"Abortable{protocol.__name__}"
     return Abortable
+
+
+def close_delimited(cycle: Any) -> None:
+    """Make ``cycle`` (uvicorn's httptools ``RequestResponseCycle`` of an HTTP/1.0 request)
+    send an answer that has no Content-Length close-delimited: uvicorn adds
+    ``transfer-encoding: chunked`` to any such answer whatever the request's version, and an
+    HTTP/1.0 client has no chunked coding (RFC 9112 section 6.1: a server MUST NOT send
+    Transfer-Encoding unless the request indicates HTTP/1.1); its streamed answer's bytes go
+    as they are and the connection's close ends it (as uvicorn's h11 protocol does)."""
+    from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+
+    if type(cycle) is RequestResponseCycle:
+        cycle.__class__ = _close_delimited_cycle()
+
+
+@functools.cache
+def _close_delimited_cycle() -> type:
+    """The subclass of uvicorn's httptools ``RequestResponseCycle`` :func:`close_delimited`
+    gives a cycle (made once, when the first HTTP/1.0 request comes: it needs httptools)."""
+    from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+
+    class CloseDelimitedCycle(RequestResponseCycle):
+        """An HTTP/1.0 request's cycle (:func:`close_delimited`)."""
+
+        undelimited = False
+
+        async def send(self, message: Any) -> None:
+            if message["type"] == "http.response.start" and not self.response_started:
+                names = {name.lower() for name, _ in message.get("headers", ())}
+                if (not names & {b"content-length", b"transfer-encoding"}
+                        and self.scope["method"] != "HEAD"
+                        and message["status"] not in (204, 304)):
+                    # uvicorn frames nothing (``chunked_encoding`` decided) and closes after
+                    self.undelimited, self.chunked_encoding, self.keep_alive = True, False, False
+            elif (self.undelimited and message["type"] == "http.response.body"
+                  and not self.response_complete):
+                self.expected_content_length = len(message.get("body", b""))  # sent whole
+            await super().send(message)
+    return CloseDelimitedCycle
 
 
 def uvicorn_config(app: Any, host: str = "127.0.0.1", port: int = 8000,
