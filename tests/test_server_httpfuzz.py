@@ -712,3 +712,24 @@ def test_a_request_head_over_max_head_bytes_is_a_431(served, extra, expected):
         assert "1048576" in error["message"], error
         assert ended in ("eof", "reset"), ended
     assert server_module.MAX_HEAD_BYTES == 1 << 20
+
+
+@pytest.mark.parametrize("version,interim", [("1.0", False), ("1.1", True)])
+def test_an_http_1_0_client_gets_no_100_continue(served, version, interim):
+    """``Expect: 100-continue`` in an HTTP/1.0 request MUST be ignored and a 1.0 client gets
+    no 1xx answer (RFC 9110 sections 10.1.1 and 15.2: it has none and reads one as the final
+    answer); uvicorn wrote ``HTTP/1.1 100 Continue`` to it when the route read the body, so
+    the client took a body-less 100 for its answer. A 1.0 client's first bytes are now the
+    answer itself; an HTTP/1.1 client still gets its ``100 Continue`` first."""
+    import json
+
+    server, _ = served
+    data, ended = _raw(server.port, _post({"prompt": [1, 2, 3], "max_tokens": 2}, version,
+                                          "expect: 100-continue\r\nconnection: close\r\n"))
+    if interim:
+        assert data.startswith(b"HTTP/1.1 100 Continue\r\n\r\n"), data[:200]
+        data = data[len(b"HTTP/1.1 100 Continue\r\n\r\n"):]
+    status, headers, body = _head(data)
+    assert status.startswith(b"HTTP/1.1 200 "), data[:200]
+    assert json.loads(body)["usage"]["completion_tokens"] == 2, body[:300]
+    assert ended == "eof", ended

@@ -228,7 +228,8 @@ def abortable(protocol: type) -> type:
 
     With uvicorn's httptools protocol also: a request head over ``MAX_HEAD_BYTES`` is
     answered 431 (:meth:`data_received`); an answer without a Content-Length to an HTTP/1.0
-    request is close-delimited, never chunked (:func:`close_delimited`)."""
+    request is close-delimited, never chunked (:func:`close_delimited`), and its
+    ``Expect: 100-continue`` is ignored (no ``100 Continue``)."""
     parses_heads = hasattr(protocol, "on_headers_complete")  # httptools' (h11 has a limit)
 
     class Abortable(protocol):
@@ -287,6 +288,10 @@ def abortable(protocol: type) -> type:
             self._reading_head, self._head_bytes = False, 0
             super().on_headers_complete()
             if self.scope.get("http_version") == "1.0":
+                # RFC 9110 sections 10.1.1, 15.2: a 1.0 request's 100-continue is ignored
+                # (uvicorn writes "100 Continue" to any version: a 1.0 client takes it for
+                # the answer)
+                self.cycle.waiting_for_100_continue = False
                 close_delimited(self.cycle)
 
         def on_message_complete(self) -> None:
