@@ -733,3 +733,35 @@ def test_an_http_1_0_client_gets_no_100_continue(served, version, interim):
     assert status.startswith(b"HTTP/1.1 200 "), data[:200]
     assert json.loads(body)["usage"]["completion_tokens"] == 2, body[:300]
     assert ended == "eof", ended
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_half_closed_request_is_taken_as_gone_and_holds_nothing(served, stream):
+    """Pins the documented behaviour (docs/server.md "HTTP/1 at the transport"), not a fix:
+    a client that half-closes (``shutdown(SHUT_WR)``) after sending its whole request is
+    taken as gone, as uvicorn reports the EOF as a disconnect: no answer, the request
+    cancelled (counted ``request.cancelled``), and it holds nothing afterwards (every
+    sequence id free, none withheld), whole or streamed."""
+    import socket
+
+    from test_server_support import metric_value, read_until_closed, server_idle, wait_for
+
+    server, service = served
+
+    def cancelled() -> float:
+        return metric_value(service.metrics.exposition().decode(),
+                            "calexec_request_failures_total",
+                            {"code": "request.cancelled"}) or 0.0
+    before = cancelled()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30.0) as sock:
+        sock.sendall(_post({"prompt": [1, 2, 3], "max_tokens": 200, "stream": stream}))
+        sock.shutdown(socket.SHUT_WR)
+        data, ended = read_until_closed(sock)
+    assert (data, ended) == (b"", "eof"), (data[:300], ended)
+    wait_for(lambda: server_idle(service), 10, "the server idle")
+    wait_for(lambda: cancelled() == before + 1, 10, "the request counted as cancelled")
+    assert service.sequences.in_use == 0 and service.sequences.consistent()
+    text = service.metrics.exposition().decode()
+    assert metric_value(text, "calexec_kv_sequences_withheld") == 0, text[-500:]
+    assert metric_value(text, "calexec_kv_sequences_free") == metric_value(
+        text, "calexec_kv_sequences_capacity"), text[-500:]
