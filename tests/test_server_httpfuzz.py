@@ -765,3 +765,39 @@ def test_a_half_closed_request_is_taken_as_gone_and_holds_nothing(served, stream
     assert metric_value(text, "calexec_kv_sequences_withheld") == 0, text[-500:]
     assert metric_value(text, "calexec_kv_sequences_free") == metric_value(
         text, "calexec_kv_sequences_capacity"), text[-500:]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("bad,refusal", [
+    (b"FOO / HTTP/1.1\r\nhost: x\r\n\r\n", b"HTTP/1.1 400 Bad Request\r\n"),
+    (b"GET /health HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * (2 << 20) + b"\r\n\r\n",
+     b"HTTP/1.1 431 Request Header Fields Too Large\r\n"),
+], ids=["malformed", "head-too-large"])
+def test_a_refused_pipelined_request_is_answered_after_the_answers_before_it(
+        served, stream, bad, refusal):
+    """A client pipelining a good request and then bytes the server refuses (the parser's
+    400, the 431 of a head too large) got the refusal written at once: in front of its good
+    request's answer, which was then never sent (its request cancelled by the close), or,
+    when that answer was a stream already under way, inside its chunked body (the 400's
+    status line between two events), a stream no client can read; the 431 aborted the
+    stream. RFC 9112 section 9.3.2: answers go in the order of the requests. The refusal now
+    waits for the answers before it: the good request's whole answer (a stream through
+    ``[DONE]`` and its last chunk), then the refusal, then the close."""
+    import json
+
+    server, service = served
+    good = _post({"prompt": [1, 2, 3], "max_tokens": 24, "stream": stream})
+    data, ended = _raw(server.port, good + bad)
+    status, headers, rest = _head(data)
+    assert status.startswith(b"HTTP/1.1 200 "), data[:300]
+    if stream:
+        assert headers.get("transfer-encoding") == "chunked", headers
+        end = rest.index(b"\r\n0\r\n\r\n") + len(b"\r\n0\r\n\r\n")
+        assert b"data: [DONE]" in rest[:end] and b"HTTP/1.1" not in rest[:end], rest[-300:]
+    else:
+        end = int(headers["content-length"])
+        assert json.loads(rest[:end])["usage"]["completion_tokens"] == 24, rest[:300]
+    after = rest[end:]
+    assert after.startswith(refusal), after[:300]
+    assert _head(after)[1].get("x-request-id"), after[:300]
+    assert ended in ("eof", "reset"), ended

@@ -226,10 +226,12 @@ def abortable(protocol: type) -> type:
     was made or the last response was sent (the ASGI app is called once a head is whole);
     aborted when that response is still unsent and none of it was read in that time.
 
-    With uvicorn's httptools protocol also: a request head over ``MAX_HEAD_BYTES`` is
-    answered 431 (:meth:`data_received`); an answer without a Content-Length to an HTTP/1.0
-    request is close-delimited, never chunked (:func:`close_delimited`), and its
-    ``Expect: 100-continue`` is ignored (no ``100 Continue``)."""
+    Bytes the parser refuses are answered the OpenAI-shaped 400, after the answers to the
+    requests pipelined before them. With uvicorn's httptools protocol also: a request head
+    over ``MAX_HEAD_BYTES`` is answered 431 (:meth:`data_received`), the same way; an
+    answer without a Content-Length to an HTTP/1.0 request is close-delimited, never
+    chunked (:func:`close_delimited`), and its ``Expect: 100-continue`` is ignored (no
+    ``100 Continue``)."""
     parses_heads = hasattr(protocol, "on_headers_complete")  # httptools' (h11 has a limit)
 
     class Abortable(protocol):
@@ -237,6 +239,9 @@ def abortable(protocol: type) -> type:
         #: bytes received since the last request head ended (while one is being read)
         _head_bytes = 0
         _reading_head = True
+        #: the refusal the connection answers (400, 431) once the requests before it are
+        #: answered; nothing more is read once it is set (:meth:`_refuse`)
+        _refusal: bytes | None = None
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
@@ -255,33 +260,40 @@ def abortable(protocol: type) -> type:
         def send_400_response(self, msg: str) -> None:
             """Bytes that are not an HTTP request: uvicorn's plain-text 400, as the OpenAI
             -shaped JSON every other error of this server is (``malformed_http``)."""
-            transport = getattr(self, "transport", None)
-            if transport is None or transport.is_closing():
-                return
-            transport.write(error_bodies.malformed_http(str(msg), uuid.uuid4().hex))
-            transport.close()
+            self._refuse(error_bodies.malformed_http(str(msg), uuid.uuid4().hex))
 
         def data_received(self, data: bytes) -> None:
+            if self._refusal is not None:  # refused: nothing more is read
+                return
             if parses_heads and self._reading_head:
                 self._head_bytes += len(data)
-                if self._head_bytes > MAX_HEAD_BYTES:
-                    self._refuse_head()
+                if self._head_bytes > MAX_HEAD_BYTES:  # 431; nothing more is parsed
+                    self._refuse(error_bodies.head_too_large(MAX_HEAD_BYTES,
+                                                             uuid.uuid4().hex))
                     return
             super().data_received(data)
 
-        def _refuse_head(self) -> None:
-            """A head over ``MAX_HEAD_BYTES``: 431, closed; nothing more is parsed. While a
-            previous response of the connection is still being sent (a pipelined head), a
-            431 would land inside it: the connection is aborted instead."""
-            self._reading_head = False
+        def _refuse(self, answer: bytes) -> None:
+            """Answer what the connection received with ``answer`` (a whole HTTP response
+            written by the connection itself) and close it; nothing more is read. Requests
+            pipelined before it are answered first (RFC 9112 section 9.3.2: in request
+            order; written now, it would land in front of their answers or inside one being
+            streamed): it is written once the last of them is sent."""
+            transport = getattr(self, "transport", None)
+            if self._refusal is not None or transport is None or transport.is_closing():
+                return
+            self._refusal = answer
+            self._refuse_when_answered()
+
+        def _refuse_when_answered(self) -> None:
             transport = self.transport
-            if transport.is_closing():
+            if self._refusal is None or transport.is_closing():
                 return
             cycle = getattr(self, "cycle", None)
-            if cycle is not None and not cycle.response_complete:
-                transport.abort()
-                return
-            transport.write(error_bodies.head_too_large(MAX_HEAD_BYTES, uuid.uuid4().hex))
+            if getattr(self, "pipeline", None) or (
+                    cycle is not None and not cycle.response_complete):
+                return  # on_response_complete calls again
+            transport.write(self._refusal)
             transport.close()
 
         def on_headers_complete(self) -> None:
@@ -301,6 +313,7 @@ def abortable(protocol: type) -> type:
         def on_response_complete(self) -> None:
             self._await_head()  # first: a pipelined request it starts cancels the wait
             super().on_response_complete()
+            self._refuse_when_answered()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._head_arrived()
