@@ -801,3 +801,31 @@ def test_a_refused_pipelined_request_is_answered_after_the_answers_before_it(
     assert after.startswith(refusal), after[:300]
     assert _head(after)[1].get("x-request-id"), after[:300]
     assert ended in ("eof", "reset"), ended
+
+
+def test_a_final_answer_before_an_expected_body_closes_the_connection(served):
+    """A request with ``Expect: 100-continue`` whose route answers without reading its body
+    (a 404 here; a 401 or a 415 alike) left the connection open with the body still
+    expected: the client, told nothing, sent its next request there, and its first
+    ``Content-Length`` bytes were taken for the old body, the rest parsed as a request: a
+    400 for a good request. RFC 9110 section 10.1.1: such a server SHOULD say whether it
+    closes or goes on reading; it closes now (``connection: close``, as Go's server does),
+    and a body that was sent is still read as before (the connection kept)."""
+    import socket
+
+    from test_server_support import read_until_closed
+
+    server, _ = served
+    head = (b"POST /v1/nope HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: 20\r\nexpect: 100-continue\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30.0) as sock:
+        sock.sendall(head)
+        data, ended = read_until_closed(sock)
+    status, headers, _ = _head(data)
+    assert status.startswith(b"HTTP/1.1 404 "), data[:300]
+    assert headers.get("connection") == "close" and ended == "eof", (headers, ended)
+    # the body sent with the head: read (discarded) as before, the next request served
+    data, ended = _raw(server.port, head + b"{" + b" " * 18 + b"}" +
+                       b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+    assert data.startswith(b"HTTP/1.1 404 "), data[:300]
+    assert data.count(b"HTTP/1.1 200 OK\r\n") == 1, data[-300:]

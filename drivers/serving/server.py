@@ -230,8 +230,9 @@ def abortable(protocol: type) -> type:
     requests pipelined before them. With uvicorn's httptools protocol also: a request head
     over ``MAX_HEAD_BYTES`` is answered 431 (:meth:`data_received`), the same way; an
     answer without a Content-Length to an HTTP/1.0 request is close-delimited, never
-    chunked (:func:`close_delimited`), and its ``Expect: 100-continue`` is ignored (no
-    ``100 Continue``)."""
+    chunked, and its ``Expect: 100-continue`` is ignored (no ``100 Continue``); an answer
+    given before the body a request expecting ``100-continue`` announced closes the
+    connection (:func:`answer_framing`)."""
     parses_heads = hasattr(protocol, "on_headers_complete")  # httptools' (h11 has a limit)
 
     class Abortable(protocol):
@@ -299,12 +300,14 @@ def abortable(protocol: type) -> type:
         def on_headers_complete(self) -> None:
             self._reading_head, self._head_bytes = False, 0
             super().on_headers_complete()
-            if self.scope.get("http_version") == "1.0":
+            version_1_0 = self.scope.get("http_version") == "1.0"
+            if version_1_0:
                 # RFC 9110 sections 10.1.1, 15.2: a 1.0 request's 100-continue is ignored
                 # (uvicorn writes "100 Continue" to any version: a 1.0 client takes it for
                 # the answer)
                 self.cycle.waiting_for_100_continue = False
-                close_delimited(self.cycle)
+            if version_1_0 or self.cycle.waiting_for_100_continue:
+                answer_framing(self.cycle)
 
         def on_message_complete(self) -> None:
             self._reading_head = True  # the next request's head, from the next read on
@@ -356,34 +359,43 @@ def abortable(protocol: type) -> type:
     return Abortable
 
 
-def close_delimited(cycle: Any) -> None:
-    """Make ``cycle`` (uvicorn's httptools ``RequestResponseCycle`` of an HTTP/1.0 request)
-    send an answer that has no Content-Length close-delimited: uvicorn adds
-    ``transfer-encoding: chunked`` to any such answer whatever the request's version, and an
-    HTTP/1.0 client has no chunked coding (RFC 9112 section 6.1: a server MUST NOT send
-    Transfer-Encoding unless the request indicates HTTP/1.1); its streamed answer's bytes go
-    as they are and the connection's close ends it (as uvicorn's h11 protocol does)."""
+def answer_framing(cycle: Any) -> None:
+    """Make ``cycle`` (uvicorn's httptools ``RequestResponseCycle`` of an HTTP/1.0 request
+    or of one that expects ``100-continue``) frame its answer as the request needs:
+
+    - HTTP/1.0: an answer without a Content-Length is close-delimited. uvicorn adds
+      ``transfer-encoding: chunked`` to any such answer whatever the request's version, and
+      an HTTP/1.0 client has no chunked coding (RFC 9112 section 6.1: a server MUST NOT send
+      Transfer-Encoding unless the request indicates HTTP/1.1); the streamed answer's bytes
+      go as they are and the connection's close ends it (as uvicorn's h11 protocol does).
+    - an answer started while the body the request announced with ``Expect: 100-continue``
+      has not come (the route did not read it: a 404, a 401, a 415) closes the connection
+      (``connection: close``, RFC 9110 section 10.1.1; Go's server does the same): kept
+      open, the client's next request would be read as that body."""
     from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
     if type(cycle) is RequestResponseCycle:
-        cycle.__class__ = _close_delimited_cycle()
+        cycle.__class__ = _framed_cycle()
 
 
 @functools.cache
-def _close_delimited_cycle() -> type:
-    """The subclass of uvicorn's httptools ``RequestResponseCycle`` :func:`close_delimited`
-    gives a cycle (made once, when the first HTTP/1.0 request comes: it needs httptools)."""
+def _framed_cycle() -> type:
+    """The subclass of uvicorn's httptools ``RequestResponseCycle`` :func:`answer_framing`
+    gives a cycle (made once, when first needed: it needs httptools)."""
     from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
-    class CloseDelimitedCycle(RequestResponseCycle):
-        """An HTTP/1.0 request's cycle (:func:`close_delimited`)."""
+    class FramedCycle(RequestResponseCycle):
+        """An HTTP/1.0 request's, or an expecting one's, cycle (:func:`answer_framing`)."""
 
         undelimited = False
 
         async def send(self, message: Any) -> None:
             if message["type"] == "http.response.start" and not self.response_started:
+                if self.waiting_for_100_continue and self.more_body:
+                    self.keep_alive = False  # the body never asked for: close after
                 names = {name.lower() for name, _ in message.get("headers", ())}
-                if (not names & {b"content-length", b"transfer-encoding"}
+                if (self.scope["http_version"] == "1.0"
+                        and not names & {b"content-length", b"transfer-encoding"}
                         and self.scope["method"] != "HEAD"
                         and message["status"] not in (204, 304)):
                     # uvicorn frames nothing (``chunked_encoding`` decided) and closes after
@@ -392,7 +404,7 @@ def _close_delimited_cycle() -> type:
                   and not self.response_complete):
                 self.expected_content_length = len(message.get("body", b""))  # sent whole
             await super().send(message)
-    return CloseDelimitedCycle
+    return FramedCycle
 
 
 def uvicorn_config(app: Any, host: str = "127.0.0.1", port: int = 8000,
