@@ -829,3 +829,28 @@ def test_a_final_answer_before_an_expected_body_closes_the_connection(served):
                        b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
     assert data.startswith(b"HTTP/1.1 404 "), data[:300]
     assert data.count(b"HTTP/1.1 200 OK\r\n") == 1, data[-300:]
+
+
+def test_a_client_leaving_with_a_request_pipelined_behind_a_stream_frees_the_stream(served):
+    """A client that pipelined a request behind a stream and then closed its connection
+    left the stream running for ever: uvicorn's httptools protocol marks only the
+    connection's last request (the pipelined one, never started) disconnected, so the
+    stream saw no disconnect, wrote on into the closed transport (uvloop raises
+    RuntimeError: a traceback in the log, counted ``server.unexpected_error``) and its
+    sequence id stayed in use (still after its deadline). Every request of a lost
+    connection is disconnected now: the stream is cancelled as any stream whose client
+    left, the sequence comes back, nothing counted as a server error."""
+    import socket
+
+    from test_server_support import metric_value, server_idle, wait_for
+
+    server, service = served
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30.0) as sock:
+        sock.sendall(_post({"prompt": [1, 2, 3], "max_tokens": 3000, "stream": True})
+                     + _post({"prompt": [1, 2], "max_tokens": 1}))
+        assert sock.recv(64).startswith(b"HTTP/1.1 200 ")  # the stream under way
+    wait_for(lambda: server_idle(service), 20, "the stream's sequence id back")
+    text = service.metrics.exposition().decode()
+    assert not metric_value(text, "calexec_request_failures_total",
+                            {"code": "server.unexpected_error"}), text[-800:]
+    assert service.sequences.in_use == 0 and service.sequences.consistent()

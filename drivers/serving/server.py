@@ -245,6 +245,7 @@ def abortable(protocol: type) -> type:
         _refusal: bytes | None = None
 
         def connection_made(self, transport: Any) -> None:
+            self._cycles: list[Any] = []
             super().connection_made(transport)
             self._await_head()
             app = getattr(self, "app", None)  # uvicorn's protocols keep the ASGI app there
@@ -300,6 +301,9 @@ def abortable(protocol: type) -> type:
         def on_headers_complete(self) -> None:
             self._reading_head, self._head_bytes = False, 0
             super().on_headers_complete()
+            # the connection's requests not yet answered (connection_lost disconnects them)
+            self._cycles = [c for c in self._cycles if not c.response_complete]
+            self._cycles.append(self.cycle)
             version_1_0 = self.scope.get("http_version") == "1.0"
             if version_1_0:
                 # RFC 9110 sections 10.1.1, 15.2: a 1.0 request's 100-continue is ignored
@@ -319,7 +323,17 @@ def abortable(protocol: type) -> type:
             self._refuse_when_answered()
 
         def connection_lost(self, exc: Exception | None) -> None:
+            """uvicorn's httptools protocol tells only the connection's last request (one
+            pipelined behind the others, never started) that the client is gone: the one
+            being answered (a stream) saw no disconnect and wrote on into the closed
+            transport (uvloop raises). Every unanswered request of the connection is
+            disconnected."""
             self._head_arrived()
+            cycles, self._cycles = self._cycles, []
+            for cycle in cycles:
+                if cycle is not getattr(self, "cycle", None) and not cycle.response_complete:
+                    cycle.disconnected = True
+                    cycle.message_event.set()
             super().connection_lost(exc)
 
         def _await_head(self) -> None:
