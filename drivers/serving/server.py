@@ -300,7 +300,11 @@ def abortable(protocol: type) -> type:
 
         def on_headers_complete(self) -> None:
             self._reading_head, self._head_bytes = False, 0
+            before = getattr(self, "cycle", None)
             super().on_headers_complete()
+            cycle = getattr(self, "cycle", None)
+            if cycle is None or cycle is before:
+                return  # a WebSocket upgrade (with a WebSocket library installed): no cycle
             # the connection's requests not yet answered (connection_lost disconnects them)
             self._cycles = [c for c in self._cycles if not c.response_complete]
             self._cycles.append(self.cycle)
