@@ -572,3 +572,285 @@ def test_a_pinned_sha256_is_still_checked_by_the_reload_pre_check(executor, tmp_
         checked.message, checked
     monkeypatch.setattr(executor, "manifest", attrs.evolve(pinned, calbin_sha256=sha))
     assert executor.check_calbin(str(path)).ok
+
+
+# --- found at stop 43 (httpedge): the HTTP/1 transport of a real `calexec serve` ----------------
+# Raw loopback sockets against uvicorn with the configuration `calexec serve` runs
+# (`server.uvicorn_config`: httptools, the abortable protocol); every read is bounded by the
+# socket's timeout (`read_until_closed`).
+
+
+@pytest.fixture(scope="module")
+def served(executor):
+    """``(server, service)``: the module's executor behind ``calexec serve``'s uvicorn
+    configuration on an ephemeral loopback port."""
+    from test_server_support import ServeLikeServer
+
+    app = create_app(executor, ServerConfig())
+    with ServeLikeServer(app) as server:
+        yield server, app.state.service
+
+
+def _raw(port: int, raw: bytes, timeout: float = 30.0) -> tuple[bytes, str]:
+    """Send ``raw`` on a fresh loopback connection and read until the server closes it (or
+    ``timeout`` of silence: "open")."""
+    import socket
+
+    from test_server_support import read_until_closed
+
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(raw)
+        return read_until_closed(sock)
+
+
+def _post(body: dict, version: str = "1.1", extra: str = "") -> bytes:
+    import json
+
+    payload = json.dumps(body).encode()
+    return (f"POST /v1/completions HTTP/{version}\r\nhost: 127.0.0.1\r\n"
+            f"content-type: application/json\r\ncontent-length: {len(payload)}\r\n{extra}\r\n"
+            ).encode() + payload
+
+
+def _head(data: bytes) -> tuple[bytes, dict[str, str], bytes]:
+    """The status line, the headers (lower-case names) and the rest of a raw response."""
+    head, _, rest = data.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    headers = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(b":")
+        headers[name.strip().lower().decode("latin-1")] = value.strip().decode("latin-1")
+    return lines[0], headers, rest
+
+
+@pytest.mark.parametrize("keep_alive", [False, True], ids=["plain", "keep-alive"])
+def test_an_http_1_0_stream_is_close_delimited_and_whole(served, keep_alive):
+    """An HTTP/1.0 client has no chunked transfer coding (RFC 9112 section 6.1: a server
+    MUST NOT send Transfer-Encoding to a request that does not indicate HTTP/1.1), yet a
+    streamed answer to it was sent ``transfer-encoding: chunked`` (uvicorn's httptools
+    protocol adds it to any response without a Content-Length): the client read chunk sizes
+    inside its SSE events. It is close-delimited now: ``connection: close``, the events as
+    they are, the whole stream up to ``[DONE]``, then the server closes; with or without
+    ``Connection: keep-alive`` (a 1.0 connection is not kept for an undelimited body)."""
+    import json
+
+    from test_server_support import oracle_tokens, server_idle, wait_for
+
+    server, service = served
+    extra = "connection: keep-alive\r\n" if keep_alive else ""
+    data, ended = _raw(server.port, _post({"prompt": [1, 2, 3], "max_tokens": 6,
+                                           "stream": True}, "1.0", extra))
+    status, headers, body = _head(data)
+    assert status.startswith(b"HTTP/1.1 200 "), data[:300]
+    assert "transfer-encoding" not in headers and "content-length" not in headers, headers
+    assert headers.get("connection") == "close" and ended == "eof", (headers, ended)
+    assert headers["x-request-id"].startswith("cmpl-"), headers
+    events = [e for e in body.decode().split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events), events
+    assert events[-1] == "data: [DONE]", events[-2:]
+    chunks = [json.loads(e[len("data: "):]) for e in events[:-1]]
+    tokens = [t for c in chunks for t in c["choices"][0]["token_ids"]]
+    assert tokens == oracle_tokens([1, 2, 3], 6), tokens
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length", chunks[-1]
+    # a whole answer to HTTP/1.0 keeps its Content-Length
+    data, ended = _raw(server.port, _post({"prompt": [1, 2, 3], "max_tokens": 2}, "1.0", extra))
+    status, headers, body = _head(data)
+    assert status.startswith(b"HTTP/1.1 200 ") and int(headers["content-length"]) == len(body)
+    wait_for(lambda: server_idle(service), 10, "the server idle")
+
+
+@pytest.mark.parametrize("raw", [
+    b"post /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}",
+    b"FOO /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}",
+    b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\n"
+    b"transfer-encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
+    b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03",
+], ids=["lowercase-method", "unknown-method", "content-length-and-chunked", "tls-hello"])
+def test_a_request_the_http_parser_refuses_carries_an_x_request_id(served, raw):
+    """Bytes the HTTP parser refuses (a lower-case or unknown method, which httptools' llhttp
+    does not take; Content-Length beside Transfer-Encoding, RFC 9112 section 6.3's smuggling
+    case; a TLS handshake) get the OpenAI-shaped 400 ``request.malformed_http``, written by
+    the connection itself, which carried no ``x-request-id``: the one response of the server
+    without it (docs/server.md "Request ids": every response). It carries a new id now."""
+    import json
+    import re
+
+    server, _ = served
+    data, ended = _raw(server.port, raw)
+    status, headers, body = _head(data)
+    assert status == b"HTTP/1.1 400 Bad Request", data[:300]
+    assert json.loads(body)["error"]["code"] == "request.malformed_http", body[:300]
+    assert re.fullmatch(r"[0-9a-f]{32}", headers.get("x-request-id", "")), headers
+    assert ended in ("eof", "reset"), ended
+
+
+@pytest.mark.parametrize("extra,expected", [
+    ("x-big: " + "a" * (64 << 10) + "\r\n", 200),
+    ("".join(f"x-h{i}: v\r\n" for i in range(1000)), 200),
+    ("x-big: " + "a" * (2 << 20) + "\r\n", 431),
+    ("".join(f"x-h{i}: {'v' * 100}\r\n" for i in range(20000)), 431),
+], ids=["64KiB-header", "1000-headers", "2MiB-header", "2MiB-of-headers"])
+def test_a_request_head_over_max_head_bytes_is_a_431(served, extra, expected):
+    """A request head had no size bound at all (httptools has none; only the time to send it,
+    ``HEAD_TIMEOUT_S``): a 64 MiB header was read whole into memory (the server's peak RSS
+    grew by some 110 MB for one client) and, being joined piece by piece, took the event loop
+    for seconds. A head over ``server.MAX_HEAD_BYTES`` (1 MiB, Go's default) is answered 431
+    (RFC 6585) with the OpenAI-shaped body and the connection closed; a 64 KiB header and
+    1,000 headers are still served."""
+    import json
+
+    from calexec.drivers.serving import server as server_module
+
+    server, _ = served
+    data, ended = _raw(server.port, _post({"prompt": [1, 2], "max_tokens": 1}, extra=extra))
+    status, headers, body = _head(data)
+    assert status.startswith(f"HTTP/1.1 {expected} ".encode()), data[:300]
+    assert headers.get("x-request-id"), headers
+    if expected == 431:
+        error = json.loads(body)["error"]
+        assert error["code"] == "request.head_too_large", error
+        assert "1048576" in error["message"], error
+        assert ended in ("eof", "reset"), ended
+    assert server_module.MAX_HEAD_BYTES == 1 << 20
+
+
+@pytest.mark.parametrize("version,interim", [("1.0", False), ("1.1", True)])
+def test_an_http_1_0_client_gets_no_100_continue(served, version, interim):
+    """``Expect: 100-continue`` in an HTTP/1.0 request MUST be ignored and a 1.0 client gets
+    no 1xx answer (RFC 9110 sections 10.1.1 and 15.2: it has none and reads one as the final
+    answer); uvicorn wrote ``HTTP/1.1 100 Continue`` to it when the route read the body, so
+    the client took a body-less 100 for its answer. A 1.0 client's first bytes are now the
+    answer itself; an HTTP/1.1 client still gets its ``100 Continue`` first."""
+    import json
+
+    server, _ = served
+    data, ended = _raw(server.port, _post({"prompt": [1, 2, 3], "max_tokens": 2}, version,
+                                          "expect: 100-continue\r\nconnection: close\r\n"))
+    if interim:
+        assert data.startswith(b"HTTP/1.1 100 Continue\r\n\r\n"), data[:200]
+        data = data[len(b"HTTP/1.1 100 Continue\r\n\r\n"):]
+    status, headers, body = _head(data)
+    assert status.startswith(b"HTTP/1.1 200 "), data[:200]
+    assert json.loads(body)["usage"]["completion_tokens"] == 2, body[:300]
+    assert ended == "eof", ended
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_half_closed_request_is_taken_as_gone_and_holds_nothing(served, stream):
+    """Pins the documented behaviour (docs/server.md "HTTP/1 at the transport"), not a fix:
+    a client that half-closes (``shutdown(SHUT_WR)``) after sending its whole request is
+    taken as gone, as uvicorn reports the EOF as a disconnect: no answer, the request
+    cancelled (counted ``request.cancelled``), and it holds nothing afterwards (every
+    sequence id free, none withheld), whole or streamed."""
+    import socket
+
+    from test_server_support import metric_value, read_until_closed, server_idle, wait_for
+
+    server, service = served
+
+    def cancelled() -> float:
+        return metric_value(service.metrics.exposition().decode(),
+                            "calexec_request_failures_total",
+                            {"code": "request.cancelled"}) or 0.0
+    before = cancelled()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30.0) as sock:
+        sock.sendall(_post({"prompt": [1, 2, 3], "max_tokens": 200, "stream": stream}))
+        sock.shutdown(socket.SHUT_WR)
+        data, ended = read_until_closed(sock)
+    assert (data, ended) == (b"", "eof"), (data[:300], ended)
+    wait_for(lambda: server_idle(service), 10, "the server idle")
+    wait_for(lambda: cancelled() == before + 1, 10, "the request counted as cancelled")
+    assert service.sequences.in_use == 0 and service.sequences.consistent()
+    text = service.metrics.exposition().decode()
+    assert metric_value(text, "calexec_kv_sequences_withheld") == 0, text[-500:]
+    assert metric_value(text, "calexec_kv_sequences_free") == metric_value(
+        text, "calexec_kv_sequences_capacity"), text[-500:]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("bad,refusal", [
+    (b"FOO / HTTP/1.1\r\nhost: x\r\n\r\n", b"HTTP/1.1 400 Bad Request\r\n"),
+    (b"GET /health HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * (2 << 20) + b"\r\n\r\n",
+     b"HTTP/1.1 431 Request Header Fields Too Large\r\n"),
+], ids=["malformed", "head-too-large"])
+def test_a_refused_pipelined_request_is_answered_after_the_answers_before_it(
+        served, stream, bad, refusal):
+    """A client pipelining a good request and then bytes the server refuses (the parser's
+    400, the 431 of a head too large) got the refusal written at once: in front of its good
+    request's answer, which was then never sent (its request cancelled by the close), or,
+    when that answer was a stream already under way, inside its chunked body (the 400's
+    status line between two events), a stream no client can read; the 431 aborted the
+    stream. RFC 9112 section 9.3.2: answers go in the order of the requests. The refusal now
+    waits for the answers before it: the good request's whole answer (a stream through
+    ``[DONE]`` and its last chunk), then the refusal, then the close."""
+    import json
+
+    server, service = served
+    good = _post({"prompt": [1, 2, 3], "max_tokens": 24, "stream": stream})
+    data, ended = _raw(server.port, good + bad)
+    status, headers, rest = _head(data)
+    assert status.startswith(b"HTTP/1.1 200 "), data[:300]
+    if stream:
+        assert headers.get("transfer-encoding") == "chunked", headers
+        end = rest.index(b"\r\n0\r\n\r\n") + len(b"\r\n0\r\n\r\n")
+        assert b"data: [DONE]" in rest[:end] and b"HTTP/1.1" not in rest[:end], rest[-300:]
+    else:
+        end = int(headers["content-length"])
+        assert json.loads(rest[:end])["usage"]["completion_tokens"] == 24, rest[:300]
+    after = rest[end:]
+    assert after.startswith(refusal), after[:300]
+    assert _head(after)[1].get("x-request-id"), after[:300]
+    assert ended in ("eof", "reset"), ended
+
+
+def test_a_final_answer_before_an_expected_body_closes_the_connection(served):
+    """A request with ``Expect: 100-continue`` whose route answers without reading its body
+    (a 404 here; a 401 or a 415 alike) left the connection open with the body still
+    expected: the client, told nothing, sent its next request there, and its first
+    ``Content-Length`` bytes were taken for the old body, the rest parsed as a request: a
+    400 for a good request. RFC 9110 section 10.1.1: such a server SHOULD say whether it
+    closes or goes on reading; it closes now (``connection: close``, as Go's server does),
+    and a body that was sent is still read as before (the connection kept)."""
+    import socket
+
+    from test_server_support import read_until_closed
+
+    server, _ = served
+    head = (b"POST /v1/nope HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: 20\r\nexpect: 100-continue\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30.0) as sock:
+        sock.sendall(head)
+        data, ended = read_until_closed(sock)
+    status, headers, _ = _head(data)
+    assert status.startswith(b"HTTP/1.1 404 "), data[:300]
+    assert headers.get("connection") == "close" and ended == "eof", (headers, ended)
+    # the body sent with the head: read (discarded) as before, the next request served
+    data, ended = _raw(server.port, head + b"{" + b" " * 18 + b"}" +
+                       b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+    assert data.startswith(b"HTTP/1.1 404 "), data[:300]
+    assert data.count(b"HTTP/1.1 200 OK\r\n") == 1, data[-300:]
+
+
+def test_a_client_leaving_with_a_request_pipelined_behind_a_stream_frees_the_stream(served):
+    """A client that pipelined a request behind a stream and then closed its connection
+    left the stream running for ever: uvicorn's httptools protocol marks only the
+    connection's last request (the pipelined one, never started) disconnected, so the
+    stream saw no disconnect, wrote on into the closed transport (uvloop raises
+    RuntimeError: a traceback in the log, counted ``server.unexpected_error``) and its
+    sequence id stayed in use (still after its deadline). Every request of a lost
+    connection is disconnected now: the stream is cancelled as any stream whose client
+    left, the sequence comes back, nothing counted as a server error."""
+    import socket
+
+    from test_server_support import metric_value, server_idle, wait_for
+
+    server, service = served
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30.0) as sock:
+        sock.sendall(_post({"prompt": [1, 2, 3], "max_tokens": 3000, "stream": True})
+                     + _post({"prompt": [1, 2], "max_tokens": 1}))
+        assert sock.recv(64).startswith(b"HTTP/1.1 200 ")  # the stream under way
+    wait_for(lambda: server_idle(service), 20, "the stream's sequence id back")
+    text = service.metrics.exposition().decode()
+    assert not metric_value(text, "calexec_request_failures_total",
+                            {"code": "server.unexpected_error"}), text[-800:]
+    assert service.sequences.in_use == 0 and service.sequences.consistent()

@@ -1,7 +1,8 @@
 """``wire.until_disconnect``: the work runs to its end while the client stays, is cancelled
 when the client disconnects first, leaves no watcher behind, and passes a failure of either
 the work or the watcher to the caller (the server's handlers answer it; nothing is lost in a
-task nobody awaits)."""
+task nobody awaits). ``wire.BoundedStreamingResponse``: a send that fails or a cancelled
+response ends its body at once (what the request holds comes back then)."""
 
 from __future__ import annotations
 
@@ -106,3 +107,92 @@ def test_a_cancel_from_outside_is_not_swallowed():
             return "cancelled"
         return "swallowed"
     assert _run(main()) == "cancelled"
+
+
+def _bounded_response(released: list[str]) -> wire.BoundedStreamingResponse:
+    """A ``BoundedStreamingResponse`` over a body whose ``finally`` (where a request gives
+    back its sequence id) records "released"; its bound far away, its cut recording "cut"."""
+    import time
+
+    async def body():  # noqa: ANN202 - a test helper
+        try:
+            for i in range(1000):
+                yield f"data: {i}\n\n".encode()
+        finally:
+            released.append("released")
+
+    async def on_cut() -> None:
+        released.append("cut")
+    return wire.BoundedStreamingResponse(body(), wire.SendBounds(),
+                                         lambda: time.monotonic() + 600, on_cut)
+
+
+_SCOPE = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
+          "http_version": "1.1", "method": "POST", "path": "/", "headers": []}
+
+
+def test_a_send_that_fails_ends_the_body_at_once():
+    """A send that raised (a server writing into a connection already gone: uvloop's
+    RuntimeError on a closed transport, ASGI 2.4's OSError) left the response's body
+    suspended: what its ``finally`` gives back (the request's sequence id, KV, decode slot)
+    stayed held until the generator was garbage-collected, which the exception's reference
+    cycle puts off to the next full collection (on a live server, a sequence id still in
+    use after 35 s and at the drain). The body is closed before the failure goes on."""
+    import gc
+
+    async def main() -> tuple[list[str], str]:
+        released: list[str] = []
+        response, sends = _bounded_response(released), []
+
+        async def send(message: dict[str, object]) -> None:
+            sends.append(message)
+            if len(sends) > 2:
+                raise RuntimeError("unable to perform operation on <TCPTransport closed=True>")
+
+        async def receive() -> dict[str, object]:
+            await asyncio.sleep(30)  # the client says nothing (bounded: _run's 10 s)
+            return {"type": "http.disconnect"}
+        try:
+            await response(_SCOPE, receive, send)  # type: ignore[arg-type]
+        except Exception as failure:  # noqa: BLE001 - what the server would see
+            return list(released), type(failure).__name__
+        return list(released), "no failure"
+    gc.disable()  # what a collection would do later is not what is tested
+    try:
+        assert _run(main()) == (["released"], "RuntimeError")
+    finally:
+        gc.enable()
+
+
+def test_a_response_whose_task_is_cancelled_ends_its_body_before_the_cancel_completes():
+    """The client left: the server cancels the response's task in a send. The body's
+    ``finally`` ran only when the generator was collected; it runs before the task ends."""
+    import gc
+
+    async def main() -> list[str]:
+        released: list[str] = []
+        response = _bounded_response(released)
+        blocked = asyncio.Event()
+
+        async def send(message: dict[str, object]) -> None:
+            if message.get("body"):
+                blocked.set()
+                await asyncio.sleep(30)  # a send that waits (cancelled below)
+
+        async def receive() -> dict[str, object]:
+            await asyncio.sleep(30)
+            return {"type": "http.disconnect"}
+        task = asyncio.get_running_loop().create_task(
+            response(_SCOPE, receive, send))  # type: ignore[arg-type]
+        await blocked.wait()
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        return list(released)
+    gc.disable()
+    try:
+        assert _run(main()) == ["released"]
+    finally:
+        gc.enable()

@@ -95,17 +95,35 @@ def body_timeout(came: str, timeout_s: float) -> Status:
                           f"{timeout_s:g} s: {came}")
 
 
-def malformed_http(message: str) -> bytes:
+def malformed_http(message: str, request_id: str) -> bytes:
     """The whole HTTP/1.1 response to bytes that are not an HTTP request (the HTTP parser's
     ``message``, e.g. "Invalid HTTP request received."): a 400 with the OpenAI-shaped JSON
     body every other error has (code ``request.malformed_http``), ``connection: close``,
     written by the connection itself before any ASGI app is called."""
-    status = Status.failure("request.malformed_http", Category.INVALID_REQUEST, Phase.VALIDATE,
-                            message or "malformed HTTP request")
+    return raw_refusal(400, "Bad Request", "request.malformed_http",
+                       message or "malformed HTTP request", request_id)
+
+
+def head_too_large(limit: int, request_id: str) -> bytes:
+    """The whole HTTP/1.1 response to a request head (request line and header fields) over
+    ``limit`` bytes: 431 (RFC 6585), code ``request.head_too_large``, ``connection: close``,
+    written by the connection itself (the head is never read whole)."""
+    return raw_refusal(431, "Request Header Fields Too Large", "request.head_too_large",
+                       f"the request head (request line and header fields) exceeds "
+                       f"{limit} bytes", request_id)
+
+
+def raw_refusal(http_status: int, reason: str, code: str, message: str,
+                request_id: str) -> bytes:
+    """A whole HTTP/1.1 response refusing what the connection received before any ASGI app
+    was called: the OpenAI-shaped JSON body of an invalid request with ``code`` and
+    ``message``, the ``x-request-id`` every response carries (``request_id``, ASCII),
+    ``connection: close``."""
+    status = Status.failure(code, Category.INVALID_REQUEST, Phase.VALIDATE, message)
     described = status.to_dict()
-    described["http_status"] = 400
-    body = json.dumps({"error": error_body(status, None, 400), "status": described},
+    described["http_status"] = http_status
+    body = json.dumps({"error": error_body(status, None, http_status), "status": described},
                       separators=(",", ":")).encode()
-    return (b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
-            b"content-length: " + str(len(body)).encode("ascii") +
-            b"\r\nconnection: close\r\n\r\n" + body)
+    return (f"HTTP/1.1 {http_status} {reason}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nx-request-id: {request_id}\r\n"
+            f"connection: close\r\n\r\n").encode("ascii") + body

@@ -17,8 +17,10 @@ and 503 carry ``Retry-After``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
+import uuid
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
@@ -209,6 +211,12 @@ SHUTDOWN_WAIT_S = 2
 HEAD_TIMEOUT_S = 30.0
 
 
+#: a request head (request line and header fields) longer than this many bytes is answered
+#: 431 and its connection closed, before the head is read whole (httptools bounds neither the
+#: head nor a header; uvicorn's h11 protocol refuses past its own 16 KiB); Go's default
+MAX_HEAD_BYTES = 1 << 20
+
+
 def abortable(protocol: type) -> type:
     """``protocol`` (a uvicorn HTTP protocol class) whose requests get, in their ASGI scope's
     ``extensions``, a callable aborting their connection at once (``wire.ABORT_EXTENSION``:
@@ -216,12 +224,28 @@ def abortable(protocol: type) -> type:
     connection without waiting for that client to read what is buffered. Its connections are
     closed when a request head has not arrived whole ``HEAD_TIMEOUT_S`` after the connection
     was made or the last response was sent (the ASGI app is called once a head is whole);
-    aborted when that response is still unsent and none of it was read in that time."""
+    aborted when that response is still unsent and none of it was read in that time.
+
+    Bytes the parser refuses are answered the OpenAI-shaped 400, after the answers to the
+    requests pipelined before them. With uvicorn's httptools protocol also: a request head
+    over ``MAX_HEAD_BYTES`` is answered 431 (:meth:`data_received`), the same way; an
+    answer without a Content-Length to an HTTP/1.0 request is close-delimited, never
+    chunked, and its ``Expect: 100-continue`` is ignored (no ``100 Continue``); an answer
+    given before the body a request expecting ``100-continue`` announced closes the
+    connection (:func:`answer_framing`)."""
+    parses_heads = hasattr(protocol, "on_headers_complete")  # httptools' (h11 has a limit)
 
     class Abortable(protocol):
         _head_timer: asyncio.TimerHandle | None = None
+        #: bytes received since the last request head ended (while one is being read)
+        _head_bytes = 0
+        _reading_head = True
+        #: the refusal the connection answers (400, 431) once the requests before it are
+        #: answered; nothing more is read once it is set (:meth:`_refuse`)
+        _refusal: bytes | None = None
 
         def connection_made(self, transport: Any) -> None:
+            self._cycles: list[Any] = []
             super().connection_made(transport)
             self._await_head()
             app = getattr(self, "app", None)  # uvicorn's protocols keep the ASGI app there
@@ -238,18 +262,82 @@ def abortable(protocol: type) -> type:
         def send_400_response(self, msg: str) -> None:
             """Bytes that are not an HTTP request: uvicorn's plain-text 400, as the OpenAI
             -shaped JSON every other error of this server is (``malformed_http``)."""
-            transport = getattr(self, "transport", None)
-            if transport is None or transport.is_closing():
+            self._refuse(error_bodies.malformed_http(str(msg), uuid.uuid4().hex))
+
+        def data_received(self, data: bytes) -> None:
+            if self._refusal is not None:  # refused: nothing more is read
                 return
-            transport.write(error_bodies.malformed_http(str(msg)))
+            if parses_heads and self._reading_head:
+                self._head_bytes += len(data)
+                if self._head_bytes > MAX_HEAD_BYTES:  # 431; nothing more is parsed
+                    self._refuse(error_bodies.head_too_large(MAX_HEAD_BYTES,
+                                                             uuid.uuid4().hex))
+                    return
+            super().data_received(data)
+
+        def _refuse(self, answer: bytes) -> None:
+            """Answer what the connection received with ``answer`` (a whole HTTP response
+            written by the connection itself) and close it; nothing more is read. Requests
+            pipelined before it are answered first (RFC 9112 section 9.3.2: in request
+            order; written now, it would land in front of their answers or inside one being
+            streamed): it is written once the last of them is sent."""
+            transport = getattr(self, "transport", None)
+            if self._refusal is not None or transport is None or transport.is_closing():
+                return
+            self._refusal = answer
+            self._refuse_when_answered()
+
+        def _refuse_when_answered(self) -> None:
+            transport = self.transport
+            if self._refusal is None or transport.is_closing():
+                return
+            cycle = getattr(self, "cycle", None)
+            if getattr(self, "pipeline", None) or (
+                    cycle is not None and not cycle.response_complete):
+                return  # on_response_complete calls again
+            transport.write(self._refusal)
             transport.close()
+
+        def on_headers_complete(self) -> None:
+            self._reading_head, self._head_bytes = False, 0
+            before = getattr(self, "cycle", None)
+            super().on_headers_complete()
+            cycle = getattr(self, "cycle", None)
+            if cycle is None or cycle is before:
+                return  # a WebSocket upgrade (with a WebSocket library installed): no cycle
+            # the connection's requests not yet answered (connection_lost disconnects them)
+            self._cycles = [c for c in self._cycles if not c.response_complete]
+            self._cycles.append(self.cycle)
+            version_1_0 = self.scope.get("http_version") == "1.0"
+            if version_1_0:
+                # RFC 9110 sections 10.1.1, 15.2: a 1.0 request's 100-continue is ignored
+                # (uvicorn writes "100 Continue" to any version: a 1.0 client takes it for
+                # the answer)
+                self.cycle.waiting_for_100_continue = False
+            if version_1_0 or self.cycle.waiting_for_100_continue:
+                answer_framing(self.cycle)
+
+        def on_message_complete(self) -> None:
+            self._reading_head = True  # the next request's head, from the next read on
+            super().on_message_complete()
 
         def on_response_complete(self) -> None:
             self._await_head()  # first: a pipelined request it starts cancels the wait
             super().on_response_complete()
+            self._refuse_when_answered()
 
         def connection_lost(self, exc: Exception | None) -> None:
+            """uvicorn's httptools protocol tells only the connection's last request (one
+            pipelined behind the others, never started) that the client is gone: the one
+            being answered (a stream) saw no disconnect and wrote on into the closed
+            transport (uvloop raises). Every unanswered request of the connection is
+            disconnected."""
             self._head_arrived()
+            cycles, self._cycles = self._cycles, []
+            for cycle in cycles:
+                if cycle is not getattr(self, "cycle", None) and not cycle.response_complete:
+                    cycle.disconnected = True
+                    cycle.message_event.set()
             super().connection_lost(exc)
 
         def _await_head(self) -> None:
@@ -287,6 +375,54 @@ def abortable(protocol: type) -> type:
 
     Abortable.__name__ = Abortable.__qualname__ = f"Abortable{protocol.__name__}"
     return Abortable
+
+
+def answer_framing(cycle: Any) -> None:
+    """Make ``cycle`` (uvicorn's httptools ``RequestResponseCycle`` of an HTTP/1.0 request
+    or of one that expects ``100-continue``) frame its answer as the request needs:
+
+    - HTTP/1.0: an answer without a Content-Length is close-delimited. uvicorn adds
+      ``transfer-encoding: chunked`` to any such answer whatever the request's version, and
+      an HTTP/1.0 client has no chunked coding (RFC 9112 section 6.1: a server MUST NOT send
+      Transfer-Encoding unless the request indicates HTTP/1.1); the streamed answer's bytes
+      go as they are and the connection's close ends it (as uvicorn's h11 protocol does).
+    - an answer started while the body the request announced with ``Expect: 100-continue``
+      has not come (the route did not read it: a 404, a 401, a 415) closes the connection
+      (``connection: close``, RFC 9110 section 10.1.1; Go's server does the same): kept
+      open, the client's next request would be read as that body."""
+    from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+
+    if type(cycle) is RequestResponseCycle:
+        cycle.__class__ = _framed_cycle()
+
+
+@functools.cache
+def _framed_cycle() -> type:
+    """The subclass of uvicorn's httptools ``RequestResponseCycle`` :func:`answer_framing`
+    gives a cycle (made once, when first needed: it needs httptools)."""
+    from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+
+    class FramedCycle(RequestResponseCycle):
+        """An HTTP/1.0 request's, or an expecting one's, cycle (:func:`answer_framing`)."""
+
+        undelimited = False
+
+        async def send(self, message: Any) -> None:
+            if message["type"] == "http.response.start" and not self.response_started:
+                if self.waiting_for_100_continue and self.more_body:
+                    self.keep_alive = False  # the body never asked for: close after
+                names = {name.lower() for name, _ in message.get("headers", ())}
+                if (self.scope["http_version"] == "1.0"
+                        and not names & {b"content-length", b"transfer-encoding"}
+                        and self.scope["method"] != "HEAD"
+                        and message["status"] not in (204, 304)):
+                    # uvicorn frames nothing (``chunked_encoding`` decided) and closes after
+                    self.undelimited, self.chunked_encoding, self.keep_alive = True, False, False
+            elif (self.undelimited and message["type"] == "http.response.body"
+                  and not self.response_complete):
+                self.expected_content_length = len(message.get("body", b""))  # sent whole
+            await super().send(message)
+    return FramedCycle
 
 
 def uvicorn_config(app: Any, host: str = "127.0.0.1", port: int = 8000,

@@ -350,16 +350,29 @@ class BoundedStreamingResponse(StreamingResponse):
                                             "more_body": True})
                 await guard.send(send, {"type": "http.response.body", "body": b"",
                                         "more_body": False})
+            except BaseException:
+                if not stalled.cancel_called:  # (a cut closes it below)
+                    await self._close_body()
+                raise
             finally:
                 guard.close()
         if stalled.cancelled_caught:
             await self._cut()
 
+    async def _close_body(self) -> None:
+        """A send that failed (the connection is gone: the server raises) or the response's
+        task cancelled (its client left) ends the body iterator now: its ``finally`` gives
+        back what the request holds. Left suspended, it would hold it until the iterator is
+        garbage-collected, which a reference cycle through the exception delays to the next
+        full collection."""
+        close = getattr(self.body_iterator, "aclose", None)
+        if close is not None:
+            with anyio.CancelScope(shield=True):
+                await close()
+
     async def _cut(self) -> None:
         with anyio.CancelScope(shield=True):
             await self.on_cut()
-            close = getattr(self.body_iterator, "aclose", None)
-            if close is not None:
-                await close()
+        await self._close_body()
         if self.abort is not None:
             self.abort()
