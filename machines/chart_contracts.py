@@ -105,6 +105,7 @@ def declared_contracts(chart: ChartLike) -> tuple[Contract, ...]:
     from calexec.machines.compiled import compiled
 
     shared = compiled(chart)
+    shared.refuse_runs()  # (its own async callbacks: no run to check)
     found: dict[str, Contract] = {}
     for klass in reversed(shared.declaration.__mro__):
         for attr, value in vars(klass).items():

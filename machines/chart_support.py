@@ -12,8 +12,11 @@ eventless and targetless transitions, validators, guards that are expressions or
 actions (enter/exit, before/on/after, declared or by naming convention).
 
 Refused by ``unsupported`` (so by ``compiled.compile_chart`` and ``mutants.derive``, hence by
-every tool), each named with its state or transition: ``invoke`` callbacks, delayed events,
-multi-target transitions and async callbacks, which no compiled run follows.
+every tool), each named with its state or transition: ``invoke`` callbacks, delayed events and
+multi-target transitions, which no compiled run follows. The chart's own async callbacks
+(``async_only``) are refused by everything that runs the chart (``CompiledChart.run`` and
+``refuse_runs``: coverage, contracts, the live view, mutation), not by diagrams and path
+enumeration, which call no callback.
 
 Imports nothing of calexec (``mutants`` uses it before the charts are imported).
 """
@@ -69,10 +72,16 @@ def _all_states(declaration: type[StateChart[Any]]) -> list[Any]:
     return list(declaration.states_map.values())
 
 
-def unsupported(declaration: type[StateChart[Any]]) -> list[str]:
+def unsupported(declaration: type[StateChart[Any]], runs: bool = True) -> list[str]:
     """Each construct of ``declaration`` no tool supports (compiling refuses the chart), with
     where it is: invoke callbacks, delayed events, multi-target transitions, async callbacks,
-    and two states of one id (python-statemachine keys states by id and keeps one)."""
+    and two states of one id (python-statemachine keys states by id and keeps one).
+
+    ``runs=False``: leave out what only a run cannot follow (async callbacks, ``async_only``):
+    the tools that run nothing of the chart (diagrams, path enumeration) take it."""
+    if not runs:
+        only = set(async_only(declaration))
+        return [entry for entry in unsupported(declaration) if entry not in only]
     found = _same_ids(declaration)
     for state in _all_states(declaration):
         for spec in state._specs:
@@ -94,6 +103,13 @@ def unsupported(declaration: type[StateChart[Any]]) -> list[str]:
             if _is_async(declaration, spec):
                 found.append(f"async callback {_name(spec.func)!r} of state {state.id!r}")
     return list(dict.fromkeys(found))
+
+
+def async_only(declaration: type[StateChart[Any]]) -> list[str]:
+    """The chart's own async callbacks (``async callback 'fetch' on transition ...``): no
+    compiled run, coverage, contract check, live view or mutant run follows them, but
+    drawing the chart or enumerating its paths calls none of them."""
+    return [entry for entry in unsupported(declaration) if entry.startswith("async callback ")]
 
 
 def _same_ids(declaration: type[StateChart[Any]]) -> list[str]:
@@ -214,9 +230,11 @@ def _name(func: Any) -> str:
     return func if isinstance(func, str) else getattr(func, "__name__", repr(func))
 
 
-def refuse_unsupported(declaration: type[StateChart[Any]], tool: str) -> None:
-    """Raise ``UnsupportedChart`` naming every unsupported construct of ``declaration``."""
-    found = unsupported(declaration)
+def refuse_unsupported(declaration: type[StateChart[Any]], tool: str,
+                       runs: bool = True) -> None:
+    """Raise ``UnsupportedChart`` naming every unsupported construct of ``declaration``
+    (``runs=False``: but what only a run cannot follow, ``unsupported``)."""
+    found = unsupported(declaration, runs)
     if found:
         raise UnsupportedChart(f"{declaration.__name__}: {tool} does not support yet: "
                                f"{'; '.join(found)}")

@@ -55,6 +55,7 @@ from calexec.machines.chart_support import (
 )
 from calexec.machines.chart_support import (
     actions,
+    async_only,
     describe_transition,
     hierarchical,
     refuse_unsupported,
@@ -142,6 +143,18 @@ class CompiledChart:
     #: chart's ``start_configuration_values`` (python-statemachine 3) if it declares one,
     #: else ``initial`` (which diagrams and paths keep drawing as the declared initial state)
     start: str = ""
+    #: the chart's own async callbacks (``chart_support.async_only``): drawn and enumerated,
+    #: never run (``run`` and ``refuse_runs`` refuse the chart, naming them); empty mostly
+    unrunnable: tuple[str, ...] = attrs.field(default=(), repr=False)
+
+    def refuse_runs(self, tool: str = "the compiled form") -> None:
+        """Raise ``UnsupportedChart`` when no run of this chart can be followed (its own
+        async callbacks): what every tool that runs it (``run``, coverage, contracts, the
+        live view, mutation) calls first."""
+        if self.unrunnable:
+            raise UnsupportedChart(
+                f"{self.name}: {tool} does not support yet: {'; '.join(self.unrunnable)} "
+                f"(a run of it is refused; diagrams and paths take the chart)")
 
     def record_of(self, transition: Any, event: object) -> Transition | None:
         """The record of ``transition`` (a python-statemachine ``Transition`` of the
@@ -180,6 +193,8 @@ class CompiledChart:
         ``statechart_run.StatechartRun`` (``model`` is then python-statemachine's ``model=``;
         ``state`` must be None: it starts in the declared initial configuration), which has
         ``send``/``can``/``state``/``final`` as ``ChartRun`` has plus event data."""
+        if self.unrunnable:
+            self.refuse_runs()
         if self.general:
             if state is not None:
                 raise ValueError(f"{self.name}: state={state!r}: a hierarchical run starts in its "
@@ -472,7 +487,7 @@ def compile_chart(declaration: type[StateChart[Any]], name: str | None = None) -
         name = declaration.__name__
     if not declaration.states:  # an abstract base: python-statemachine checks it no further
         raise ValueError(f"{name}: declaration {declaration.__name__} declares no states")
-    refuse_unsupported(declaration, "the compiled form")
+    refuse_unsupported(declaration, "the compiled form", runs=False)  # async: at run
     if declaration.initial_state is None:
         raise ValueError(f"{name}: declaration {declaration.__name__} has no initial state")
     general = tuple(hierarchical(declaration) + actions(declaration)
@@ -533,6 +548,7 @@ def compile_chart(declaration: type[StateChart[Any]], name: str | None = None) -
         general=general,
         declared=tuple(sources),
         start=_start_state(name, declaration, states, not general),
+        unrunnable=tuple(async_only(declaration)),
     )
 
 

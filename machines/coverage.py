@@ -49,6 +49,8 @@ def recording(charts: Iterable[ChartLike]) -> Iterator[TransitionRecorder]:
     (detached after it; other listeners, such as the plugin's recorder, keep recording beside
     it)."""
     shared = tuple(compiled(chart) for chart in charts)
+    for chart in shared:
+        chart.refuse_runs()  # (its own async callbacks: no run to record)
     recorder = TransitionRecorder()
     for chart in shared:
         chart.attach(recorder)
@@ -65,6 +67,7 @@ def track(chart: ChartLike, recorder: TransitionRecorder) -> Callable[[], None]:
     instance of its class created from now on (a ``TransitionListener`` added to the class's
     listeners). Returns the call that undoes both."""
     shared = compiled(chart)
+    shared.refuse_runs()  # (its own async callbacks: no run to record)
     listener = TransitionListener(shared, recorder)
     declaration = shared.declaration
     shared.attach(recorder)

@@ -224,6 +224,7 @@ class PathLog:
             run.keep_trail(trail, self._clock)
         elif isinstance(run, StateChart):
             shared = compiled(chart if chart is not None else type(run))
+            shared.refuse_runs()  # (its own async callbacks: no run to follow)
             run.add_listener(_TrailListener(shared, trail, self._clock))  # type: ignore[no-untyped-call]
         else:
             raise TypeError(f"run={run!r:.60}: expected a compiled run (ChartRun, "
@@ -287,6 +288,7 @@ class Inspector:
         or both/neither of runs, counts; ``TypeError`` for one of runs, counts, active that is
         not a function (a list of runs, not a function returning it)."""
         shared = compiled(chart)
+        shared.refuse_runs()  # (its own async callbacks: no run to show)
         name = name or shared.name
         expected = {"runs": "the live runs", "counts": "{state: count}",
                     "active": "the state to highlight or None"}

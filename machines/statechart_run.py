@@ -248,6 +248,8 @@ class StatechartRun:
                  listeners: Iterable[object] = (), callbacks: bool = True, *,
                  skeleton_outcomes: Mapping[str, bool] | None = None,
                  **start_kwargs: object) -> None:
+        if callbacks:  # (a skeleton calls none: its chart's async callbacks do not matter)
+            chart.refuse_runs()
         self.chart = chart
         declaration = chart.declaration
         self.declaration = declaration

@@ -297,7 +297,7 @@ class Typo(StateChart):
 
 @pytest.mark.parametrize(("chart", "reason"), [
     ("Aio", "Aio: the compiled form does not support yet: async callback 'on_go' on transition "
-            "idle --go--> done"),
+            "idle --go--> done (a run of it is refused; diagrams and paths take the chart)"),
     ("Typo", "Typo: @invariant('dnoe') on finished: 'dnoe' is not a state of the chart "
              "(one of idle, done)"),
 ])

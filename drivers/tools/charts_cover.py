@@ -140,8 +140,10 @@ def main(argv: list[str]) -> int:
         if "," in ref:
             raise UserError(f"--chart={ref!r}: one MODULE:CLASS per --chart")
         try:
-            charts.append(compiled(load_chart(ref)))
-        except (ChartRefError, ValueError, TypeError) as err:
+            chart = compiled(load_chart(ref))
+            chart.refuse_runs("transition coverage")  # before the command runs
+            charts.append(chart)
+        except (ChartRefError, ValueError, TypeError) as err:  # (UnsupportedChart: a ValueError)
             raise UserError(f"--chart={ref!r}: {_reason(err)}") from None
     refs = list(dict.fromkeys(args.chart))
     named: dict[str, tuple[str, CompiledChart]] = {}
