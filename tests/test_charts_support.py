@@ -263,6 +263,7 @@ def test_a_chart_with_async_callbacks_is_drawn_and_pathed_and_every_run_is_refus
     assert unsupported(Checkout, runs=False) == []
 
 
+@pytest.mark.requires_tool("dot")  # charts draw writes the SVG too
 def test_charts_draw_and_paths_take_an_async_chart_and_cover_refuses_it_up_front(
         tmp_path, monkeypatch, capsys):
     (tmp_path / "aio_chart.py").write_text(textwrap.dedent("""
