@@ -15,8 +15,8 @@ Refused by ``unsupported`` (so by ``compiled.compile_chart`` and ``mutants.deriv
 every tool), each named with its state or transition: ``invoke`` callbacks, delayed events and
 multi-target transitions, which no compiled run follows. The chart's own async callbacks
 (``async_only``) are refused by everything that runs the chart (``CompiledChart.run`` and
-``refuse_runs``: coverage, contracts, the live view, mutation), not by diagrams and path
-enumeration, which call no callback.
+``refuse_runs``: coverage, contracts, the live view; mutation by ``unsupported``), not by
+diagrams and path enumeration, which call no callback.
 
 Imports nothing of calexec (``mutants`` uses it before the charts are imported).
 """
@@ -79,37 +79,43 @@ def unsupported(declaration: type[StateChart[Any]], runs: bool = True) -> list[s
 
     ``runs=False``: leave out what only a run cannot follow (async callbacks, ``async_only``):
     the tools that run nothing of the chart (diagrams, path enumeration) take it."""
-    if not runs:
-        only = set(async_only(declaration))
-        return [entry for entry in unsupported(declaration) if entry not in only]
-    found = _same_ids(declaration)
-    for state in _all_states(declaration):
-        for spec in state._specs:
-            if spec.group == CallbackGroup.INVOKE and not spec.is_convention:
-                found.append(f"invoke {_name(spec.func)!r} on state {state.id!r}")
-        for transition in state.transitions:
-            if transition.initial:
-                continue
-            where = describe_transition(transition)
-            if len(transition.targets) > 1:
-                found.append(f"transition {where} with {len(transition.targets)} targets")
-            for event in transition.events:
-                if getattr(event, "delay", 0):
-                    found.append(f"delayed event {str(event)!r} on transition {where}")
-            for spec in transition._specs:
-                if _is_async(declaration, spec):
-                    found.append(f"async callback {_name(spec.func)!r} on transition {where}")
-        for spec in state._specs:
-            if _is_async(declaration, spec):
-                found.append(f"async callback {_name(spec.func)!r} of state {state.id!r}")
-    return list(dict.fromkeys(found))
+    return [entry for entry, only_runs in _scan(declaration) if runs or not only_runs]
 
 
 def async_only(declaration: type[StateChart[Any]]) -> list[str]:
     """The chart's own async callbacks (``async callback 'fetch' on transition ...``): no
     compiled run, coverage, contract check, live view or mutant run follows them, but
     drawing the chart or enumerating its paths calls none of them."""
-    return [entry for entry in unsupported(declaration) if entry.startswith("async callback ")]
+    return [entry for entry, only_runs in _scan(declaration) if only_runs]
+
+
+def _scan(declaration: type[StateChart[Any]]) -> list[tuple[str, bool]]:
+    """``unsupported``'s entries in declaration order, each with whether only a run cannot
+    follow it (an async callback)."""
+    found = [(entry, False) for entry in _same_ids(declaration)]
+    for state in _all_states(declaration):
+        for spec in state._specs:
+            if spec.group == CallbackGroup.INVOKE and not spec.is_convention:
+                found.append((f"invoke {_name(spec.func)!r} on state {state.id!r}", False))
+        for transition in state.transitions:
+            if transition.initial:
+                continue
+            where = describe_transition(transition)
+            if len(transition.targets) > 1:
+                found.append((f"transition {where} with {len(transition.targets)} targets",
+                              False))
+            for event in transition.events:
+                if getattr(event, "delay", 0):
+                    found.append((f"delayed event {str(event)!r} on transition {where}", False))
+            for spec in transition._specs:
+                if _is_async(declaration, spec):
+                    found.append((f"async callback {_name(spec.func)!r} on transition {where}",
+                                  True))
+        for spec in state._specs:
+            if _is_async(declaration, spec):
+                found.append((f"async callback {_name(spec.func)!r} of state {state.id!r}",
+                              True))
+    return list(dict.fromkeys(found))
 
 
 def _same_ids(declaration: type[StateChart[Any]]) -> list[str]:
@@ -233,7 +239,7 @@ def _name(func: Any) -> str:
 def refuse_unsupported(declaration: type[StateChart[Any]], tool: str,
                        runs: bool = True) -> None:
     """Raise ``UnsupportedChart`` naming every unsupported construct of ``declaration``
-    (``runs=False``: but what only a run cannot follow, ``unsupported``)."""
+    (``runs=False``: all but the async callbacks, see ``unsupported``)."""
     found = unsupported(declaration, runs)
     if found:
         raise UnsupportedChart(f"{declaration.__name__}: {tool} does not support yet: "

@@ -150,7 +150,7 @@ class CompiledChart:
     def refuse_runs(self, tool: str = "the compiled form") -> None:
         """Raise ``UnsupportedChart`` when no run of this chart can be followed (its own
         async callbacks): what every tool that runs it (``run``, coverage, contracts, the
-        live view, mutation) calls first."""
+        live view) calls first; mutation refuses the chart by ``unsupported``."""
         if self.unrunnable:
             raise UnsupportedChart(
                 f"{self.name}: {tool} does not support yet: {'; '.join(self.unrunnable)} "
