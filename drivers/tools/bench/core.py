@@ -80,8 +80,10 @@ from calexec.drivers.direct import DirectRunner, DriverError
 from calexec.drivers.native.fused_logits import FusedLogits
 from calexec.drivers.serving.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
 from calexec.drivers.synthetic import calbin as calbin_fmt
+from calexec.drivers.tools.bench import pyfloor
 from calexec.drivers.tools.bench.floor import FloorError, FloorLoop, build_floor
 from calexec.drivers.tools.bench.hostload import HostMeter, noise_line
+from calexec.drivers.tools.bench.pyfloor import ThreadedLoop
 from calexec.drivers.tools.bench.sim import PROFILE_DECODE_US
 from calexec.machines.clock import Clock
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
@@ -391,13 +393,16 @@ class ExecutorLoop:
 
 def _paired_runs(direct: DirectLoop, executor: ExecutorLoop, modes: Sequence[str],
                  prompts: list[np.ndarray], n: int, label: str,
-                 timings: dict[str, list], floor: FloorLoop | None = None) -> dict[str, Any]:
-    """One block per side (direct, each executor mode, and the C floor when given) per run,
-    the order rotated from run to run so drift falls on every side alike; each mode's
-    ``(wall_us, start_us, JobTimings)`` per decode job are appended to ``timings[mode]``."""
-    sides = ("direct", *modes, *(("floor",) if floor is not None else ()))
+                 timings: dict[str, list], floor: FloorLoop | None = None,
+                 threads: ThreadedLoop | None = None) -> dict[str, Any]:
+    """One block per side (direct, each executor mode, the C floor and the Python-threads
+    floor when given) per run, the order rotated from run to run so drift falls on every side
+    alike; each mode's ``(wall_us, start_us, JobTimings)`` per decode job are appended to
+    ``timings[mode]``."""
+    sides = ("direct", *modes, *(("floor",) if floor is not None else ()),
+             *(("threads",) if threads is not None else ()))
     times: dict[str, list[list[float]]] = {side: [] for side in sides}
-    identical = floor_identical = True
+    identical = floor_identical = threads_identical = True
     for r, prompt in enumerate(prompts):
         order = sides[r % len(sides):] + sides[:r % len(sides)]
         out: dict[str, list[int]] = {}
@@ -406,17 +411,21 @@ def _paired_runs(direct: DirectLoop, executor: ExecutorLoop, modes: Sequence[str
                 out[side], t = direct.decode_block(prompt, n)
             elif side == "floor" and floor is not None:
                 out[side], t = floor.decode_block(prompt.tolist(), n)
+            elif side == "threads" and threads is not None:
+                out[side], t = threads.decode_block(prompt, n)
             else:
                 executor.mode = side
                 out[side], t = executor.decode_block(prompt, n, timings[side])
             times[side].append(t)
         identical &= all(out[side] == out["direct"] for side in modes)
         floor_identical &= "floor" not in out or out["floor"] == out["direct"]
+        threads_identical &= "threads" not in out or out["threads"] == out["direct"]
         _progress(f"{label}: run {r + 1}/{len(prompts)} ({'/'.join(order)}) P50 " + ", ".join(
             f"{side} {np.median(times[side][-1]):.1f}" for side in sides) + " us")
     result: dict[str, Any] = {side: np.concatenate(times[side]) for side in sides}
     result["identical"] = identical
     result["floor_identical"] = floor_identical
+    result["threads_identical"] = threads_identical
     return result
 
 
@@ -461,6 +470,11 @@ def _profile_report(decode_us: int, tpot: dict[str, Any], timings: dict[str, lis
     if "floor" in tpot:
         f = _over_decode(tpot["floor"], decode_us)
         floor = {"floor_us_p50": f["over_decode_us_p50"], "floor_us_p99": f["over_decode_us_p99"]}
+    threads: dict[str, Any] = {"threads_floor_us_p50": None, "threads_floor_us_p99": None}
+    if "threads" in tpot:
+        f = _over_decode(tpot["threads"], decode_us)
+        threads = {"threads_floor_us_p50": f["over_decode_us_p50"],
+                   "threads_floor_us_p99": f["over_decode_us_p99"]}
     per_mode: dict[str, dict[str, Any]] = {}
     for mode in modes:
         e = tpot[mode]
@@ -474,8 +488,13 @@ def _profile_report(decode_us: int, tpot: dict[str, Any], timings: dict[str, lis
             "over_decode_to_floor_p50": (
                 round(over["over_decode_us_p50"] / floor["floor_us_p50"], 3)
                 if floor["floor_us_p50"] and floor["floor_us_p50"] > 0 else None),
+            # the mode's control work: its time over the decode beyond the thread roles'
+            "over_threads_floor_us_p50": (
+                round(over["over_decode_us_p50"] - threads["threads_floor_us_p50"], 2)
+                if threads["threads_floor_us_p50"] is not None else None),
             "tpot_breakdown_us_p50": _breakdown(timings[mode]),
         }
+    t = tpot.get("threads")
     return {
         "decode_us": decode_us,
         "tokens_identical": bool(tpot["identical"]),
@@ -485,6 +504,12 @@ def _profile_report(decode_us: int, tpot: dict[str, Any], timings: dict[str, lis
         "floor": ({"tpot_us_p50": _p(tpot["floor"], 50), "tpot_us_p99": _p(tpot["floor"], 99),
                    "tokens_identical": bool(tpot["floor_identical"])}
                   if "floor" in tpot else None),
+        **threads,
+        "threads_floor": ({"tpot_us_p50": _p(t, 50), "tpot_us_p99": _p(t, 99),
+                           "p50_ratio": round(_p(t, 50) / _p(d, 50), 4),
+                           "p99_ratio": round(_p(t, 99) / _p(d, 99), 4),
+                           "tokens_identical": bool(tpot["threads_identical"])}
+                          if t is not None else None),
         "modes": per_mode,
         "gate_met": {mode: bool(r["p50_ratio"] <= SPEC_GATE["p50_ratio"]
                                 and r["p99_ratio"] <= SPEC_GATE["p99_ratio"])
@@ -496,7 +521,7 @@ def run_overhead(tokens: int, runs: int, zero_tokens: int, seed: int,
                  device: DeviceSpec = DeviceSpec(), modes: Sequence[str] = MODES,
                  account_tokens: int = 100,
                  decode_us: Sequence[int] = DEFAULT_PROFILES_US,
-                 floor: bool = True) -> dict[str, Any]:
+                 floor: bool = True, threads_floor: bool = True) -> dict[str, Any]:
     """Run the zero-latency phase once and the TPOT phase at each decode latency of
     ``decode_us`` (us, in order) for the direct loop and each executor mode; return the
     figures (times in us). ``device`` names the runtime, manifest and (synthetic) calbin
@@ -526,14 +551,21 @@ def run_overhead(tokens: int, runs: int, zero_tokens: int, seed: int,
             else:
                 _progress(f"floor: not measured: {floor_reason}")
         direct = DirectLoop(rt, path)
+        threads_loop: ThreadedLoop | None = None
         try:
+            if threads_floor:
+                threads_loop = ThreadedLoop(rt, path, BENCH_SEQ, _WAIT_S)
             executor = ExecutorLoop(rt, path, device)
         except BaseException:
+            if threads_loop is not None:
+                threads_loop.close()
             direct.close()
             raise
         try:
             warm = min(WARMUP_TOKENS, zero_tokens)
             direct.decode_block(prompts[0], warm)
+            if threads_loop is not None:
+                threads_loop.decode_block(prompts[0], warm)
             accounting = {}
             for mode in modes:
                 executor.mode = mode
@@ -541,24 +573,28 @@ def run_overhead(tokens: int, runs: int, zero_tokens: int, seed: int,
                 accounting[mode] = executor.accounting(prompts[0], account_tokens)
             zero_timings: dict[str, list] = {mode: [] for mode in modes}
             zero = _paired_runs(direct, executor, modes, prompts, zero_tokens, "zero-latency",
-                                zero_timings)
+                                zero_timings, threads=threads_loop)
             profiles = []
             first: tuple[dict[str, Any], dict[str, list]] | None = None
             for us in profiles_us:
-                for side in (direct, executor, floor_loop):
+                for side in (direct, executor, floor_loop, threads_loop):
                     if side is not None:
                         side.set_decode_latency(us)
                 tpot_timings: dict[str, list] = {mode: [] for mode in modes}
                 tpot = _paired_runs(direct, executor, modes, prompts, tokens,
-                                    f"{us} us decode", tpot_timings, floor_loop)
+                                    f"{us} us decode", tpot_timings, floor_loop, threads_loop)
                 profiles.append(_profile_report(us, tpot, tpot_timings, modes))
                 if first is None:
                     first = (tpot, tpot_timings)
             dma = direct.dma_violations() + executor.dma_violations()
             if floor_loop is not None:
                 dma += floor_loop.dma_violations
+            if threads_loop is not None:
+                dma += threads_loop.dma_violations()
         finally:
             executor.close()
+            if threads_loop is not None:
+                threads_loop.close()
             direct.close()
     if first is None:  # (profiles_us is not empty: checked above)
         raise BenchError("no decode profile ran")
@@ -606,6 +642,15 @@ def run_overhead(tokens: int, runs: int, zero_tokens: int, seed: int,
         "floor": {"available": floor_loop is not None, "reason": floor_reason,
                   "program": "drivers/calrt/floor.c", "threads": 2, "handoffs_per_token": 2,
                   "warmup_tokens": WARMUP_TOKENS},
+        "threads_floor_us_p50": profiles[0]["threads_floor_us_p50"],
+        "threads_floor_us_p99": profiles[0]["threads_floor_us_p99"],
+        "threads_floor": {
+            "available": threads_loop is not None,
+            "reason": None if threads_loop is not None else "not requested (--no-threads-floor)",
+            "module": pyfloor.MODULE, "threads": pyfloor.THREADS,
+            "handoffs_per_token": pyfloor.HANDOFFS_PER_TOKEN,
+            # zero latency, paired per token as overhead_us_p50: the thread roles' own cost
+            "overhead_us_p50": (_p(zero["threads"] - zd, 50) if "threads" in zero else None)},
         "profiles": profiles,
         "dma_violations": dma,
         "spec_gate": SPEC_GATE, "goal": GOAL,
@@ -1104,6 +1149,9 @@ def main(argv: list[str]) -> int:
                             help="decode tokens per block at zero latency (default 300)")
         parser.add_argument("--no-floor", action="store_true",
                             help="do not build and run the C floor (drivers/calrt/floor.c)")
+        parser.add_argument("--no-threads-floor", action="store_true",
+                            help="do not run the Python-threads floor "
+                                 "(drivers/tools/bench/pyfloor.py)")
     elif command == "logits":
         parser.add_argument("--iters", type=cliargs.positive_int, default=2000,
                             help="timed calls per case (default 2000)")
@@ -1141,7 +1189,8 @@ def main(argv: list[str]) -> int:
             try:
                 result = run_overhead(args.tokens, args.runs, args.zero_tokens, args.seed,
                                       device, decode_us=profiles_us,
-                                      floor=not args.no_floor)
+                                      floor=not args.no_floor,
+                                      threads_floor=not args.no_threads_floor)
             finally:
                 set_gil_switch_interval_us(previous)
             result["gil_switch_interval_us"] = args.gil_switch_us or previous
