@@ -63,9 +63,11 @@ def test_floor_program_report_is_sane(program):
                                                          abs=0.011)
 
 
-def test_floor_decodes_the_direct_loops_tokens(program):
-    """The loop really feeds each argmax back: on the benchmark's calbin it produces the
-    greedy tokens of the direct Python loop for the same prompt."""
+@pytest.mark.parametrize("roles", [2, 3])
+def test_floor_decodes_the_direct_loops_tokens(program, roles):
+    """The loop really feeds each argmax back, through the caller thread too with three
+    roles: on the benchmark's calbin it produces the greedy tokens of the direct Python loop
+    for the same prompt."""
     device = DeviceSpec()
     prompt = np.arange(100, 117, dtype=np.int32)
     with tempfile.TemporaryDirectory() as tmp:
@@ -75,8 +77,9 @@ def test_floor_decodes_the_direct_loops_tokens(program):
             want, _ = direct.decode_block(prompt, 6)
         finally:
             direct.close()
-        loop = floor_mod.FloorLoop(program, path, warmup=2)
+        loop = floor_mod.FloorLoop(program, path, warmup=2, roles=roles)
         got, times = loop.decode_block(prompt.tolist(), 6)
+        assert (loop.last["threads"], loop.last["handoffs_per_token"]) == (roles, roles)
     assert got == want
     assert len(times) == 6 and all(math.isfinite(t) for t in times)
     assert loop.dma_violations == 0
@@ -90,6 +93,8 @@ def test_floor_decodes_the_direct_loops_tokens(program):
     (["--prompt", "1,,a"], "--prompt=1,,a"),
     (["--bogus", "1"], "--bogus=1"),
     (["--tokens"], "--tokens="),
+    (["--roles", "4"], "--roles=4"),
+    (["--roles", "1"], "--roles=1"),
 ])
 def test_floor_program_rejects_bad_arguments(program, args, named):
     done = _run(program, *args)
@@ -116,12 +121,18 @@ def test_overhead_reports_the_floor_beside_each_mode(capsys):
                        "--zero-tokens", "5", "--decode-us", "400,250"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["floor"]["available"] is True and report["floor"]["reason"] is None
+    assert report["floor"]["roles"] == [2, 3]
+    assert report["floor3_us_p50"] == report["profiles"][0]["floor3_us_p50"]
     assert report["floor_us_p50"] == report["profiles"][0]["floor_us_p50"]
     for profile in report["profiles"]:
         side = profile["floor"]
         assert side["tokens_identical"] is True
         assert profile["floor_us_p50"] == pytest.approx(side["tpot_us_p50"]
                                                         - profile["decode_us"], abs=0.02)
+        three = profile["floor3"]  # the same loop with the caller thread between
+        assert three["tokens_identical"] is True
+        assert profile["floor3_us_p50"] == pytest.approx(three["tpot_us_p50"]
+                                                         - profile["decode_us"], abs=0.02)
         for mode, figures in profile["modes"].items():
             assert figures["floor_us_p50"] == profile["floor_us_p50"], mode
             assert figures["floor_us_p99"] == profile["floor_us_p99"], mode
@@ -138,6 +149,8 @@ def test_overhead_without_the_floor_says_why(capsys, monkeypatch):
     assert report["floor"]["reason"] == "no C compiler 'cc'"
     profile = report["profiles"][0]
     assert profile["floor"] is None and profile["floor_us_p50"] is None
+    assert profile["floor3"] is None and profile["floor3_us_p50"] is None
+    assert report["floor"]["roles"] == []
     assert all(f["floor_us_p50"] is None and f["over_decode_to_floor_p50"] is None
                for f in profile["modes"].values())
     assert report["tokens_identical"] is True  # the other sides ran as before
@@ -152,3 +165,8 @@ def test_no_floor_flag_skips_the_build(capsys, monkeypatch):
     report = json.loads(capsys.readouterr().out)
     assert report["floor"]["available"] is False and "--no-floor" in report["floor"]["reason"]
     assert os.path.basename(report["floor"]["program"]) == "floor.c"
+
+
+def test_floor_loop_refuses_other_roles(tmp_path):
+    with pytest.raises(ValueError, match="roles=4"):
+        floor_mod.FloorLoop(str(tmp_path / "floor"), str(tmp_path / "x.calbin"), roles=4)

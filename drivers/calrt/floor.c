@@ -9,7 +9,10 @@
  *                      infer -> hand-off of the job in flight to the completion thread
  *
  * Two hand-offs per token (mutex + condition variable each way), no queues, no charts, no
- * allocation after setup. Job 0 is the prompt's prefill (sliced, valid row (n-1) % D0), then
+ * allocation after setup. With --roles 3 the executor's third role joins: the completion
+ * thread hands the argmax to a caller thread, which hands it on to the submitter (three
+ * hand-offs per token, the executor's caller -> submitter -> completion -> caller, in C:
+ * no GIL). Job 0 is the prompt's prefill (sliced, valid row (n-1) % D0), then
  * warm-up decode tokens (not timed), then the timed decode tokens. The KV of the whole block
  * is reserved once before the prefill, as the executor's kv_reserve_len does.
  *
@@ -17,7 +20,7 @@
  * steady-state period of the loop; the floor = token time minus the device's decode latency.
  *
  * Usage: floor [--calbin PATH] [--decode-us US] [--tokens N] [--warmup W] [--prompt a,b,...]
- *              [--prefill NAME] [--decode NAME]
+ *              [--prefill NAME] [--decode NAME] [--roles 2|3]
  * Without --calbin it writes a small calbin of its own (for the sanitizer builds). Prints one
  * JSON object on stdout: token_us (every timed token), token_us_p50/p99, floor_us_p50/p99,
  * tokens (the prefill's argmax then every decode token), counters. Exit 0, 1 on a runtime
@@ -60,12 +63,12 @@ typedef struct loop {
     slot prefill, decode;
     int32_t prompt[MAX_PROMPT];
     int prompt_len;
-    long warmup, tokens, decode_us;
+    long warmup, tokens, decode_us, roles;
     /* the hand-offs: guarded by mu */
     pthread_mutex_t mu;
-    pthread_cond_t to_submitter, to_completion;
-    int token_ready, job_ready, failed;
-    int32_t token;
+    pthread_cond_t to_submitter, to_completion, to_caller;
+    int token_ready, job_ready, result_ready, failed;
+    int32_t token, result;
     slot *job_slot;  /* the slot of the job in flight */
     uint64_t job_row; /* its valid row */
     /* written by the completion thread only, read after both threads joined */
@@ -87,6 +90,7 @@ static void fail(loop *l, const char *what, int32_t rc)
     l->failed = 1;
     pthread_cond_broadcast(&l->to_submitter);
     pthread_cond_broadcast(&l->to_completion);
+    pthread_cond_broadcast(&l->to_caller);
     pthread_mutex_unlock(&l->mu);
 }
 
@@ -197,10 +201,40 @@ static void *completion_main(void *arg)
         l->done_ns[j] = now_ns();
         l->out_tokens[j] = token;
         pthread_mutex_lock(&l->mu);
-        l->token = token;
-        l->token_ready = 1;
-        pthread_cond_signal(&l->to_submitter);
+        if (l->roles == 3) { /* to the caller, who hands it on */
+            l->result = token;
+            l->result_ready = 1;
+            pthread_cond_signal(&l->to_caller);
+        } else {
+            l->token = token;
+            l->token_ready = 1;
+            pthread_cond_signal(&l->to_submitter);
+        }
         pthread_mutex_unlock(&l->mu);
+    }
+    return NULL;
+}
+
+/* Caller (--roles 3): takes each job's argmax from the completion thread and hands it to the
+ * submitter as the next token, as the executor's caller does with a result. */
+static void *caller_main(void *arg)
+{
+    loop *l = (loop *)arg;
+    long jobs = 1 + l->warmup + l->tokens;
+    for (long j = 0; j + 1 < jobs; j++) { /* every job but the last feeds a next one */
+        pthread_mutex_lock(&l->mu);
+        while (!l->result_ready && !l->failed)
+            pthread_cond_wait(&l->to_caller, &l->mu);
+        int failed = l->failed;
+        l->result_ready = 0;
+        if (!failed) {
+            l->token = l->result;
+            l->token_ready = 1;
+            pthread_cond_signal(&l->to_submitter);
+        }
+        pthread_mutex_unlock(&l->mu);
+        if (failed)
+            return NULL;
     }
     return NULL;
 }
@@ -326,6 +360,8 @@ int main(int argc, char **argv)
     pthread_mutex_init(&l.mu, NULL);
     pthread_cond_init(&l.to_submitter, NULL);
     pthread_cond_init(&l.to_completion, NULL);
+    pthread_cond_init(&l.to_caller, NULL);
+    l.roles = 2;
     l.decode_us = 2000;
     l.tokens = 100;
     l.warmup = 8;
@@ -355,6 +391,10 @@ int main(int argc, char **argv)
             g_prefill_name = value;
         else if (strcmp(flag, "--decode") == 0)
             g_decode_name = value;
+        else if (strcmp(flag, "--roles") == 0) {
+            if (!parse_long(value, 2, 3, &l.roles))
+                return bad_arg(flag, value, "must be 2 (submitter, completion) or 3 (and a caller)");
+        }
         else
             return bad_arg(flag, value, "unknown flag (usage: see the head of drivers/calrt/floor.c)");
     }
@@ -391,18 +431,27 @@ int main(int argc, char **argv)
         fprintf(stderr, "floor: the block (%d + %ld tokens) does not fit the model or its KV\n", l.prompt_len, jobs);
         goto out;
     }
-    pthread_t sub, comp;
+    pthread_t sub, comp, caller;
     if (pthread_create(&comp, NULL, completion_main, &l) != 0) {
         fprintf(stderr, "floor: cannot start the completion thread\n");
+        goto out;
+    }
+    if (l.roles == 3 && pthread_create(&caller, NULL, caller_main, &l) != 0) {
+        fail(&l, "cannot start the caller thread", -1);
+        pthread_join(comp, NULL);
         goto out;
     }
     if (pthread_create(&sub, NULL, submitter_main, &l) != 0) {
         fail(&l, "cannot start the submitter thread", -1);
         pthread_join(comp, NULL);
+        if (l.roles == 3)
+            pthread_join(caller, NULL);
         goto out;
     }
     pthread_join(sub, NULL);
     pthread_join(comp, NULL);
+    if (l.roles == 3)
+        pthread_join(caller, NULL);
     if (l.failed)
         goto out;
     long first = 1 + l.warmup; /* the first timed decode job */
@@ -417,9 +466,9 @@ int main(int argc, char **argv)
         fprintf(stderr, "floor: counters failed\n");
         goto out;
     }
-    printf("{\"program\": \"calrt-floor\", \"threads\": 2, \"handoffs_per_token\": 2, \"decode_us\": %ld, "
+    printf("{\"program\": \"calrt-floor\", \"threads\": %ld, \"handoffs_per_token\": %ld, \"decode_us\": %ld, "
            "\"tokens\": %ld, \"warmup\": %ld, \"prompt_len\": %d, \"vocab\": %llu, ",
-           l.decode_us, l.tokens, l.warmup, l.prompt_len, (unsigned long long)l.decode.vocab);
+           l.roles, l.roles, l.decode_us, l.tokens, l.warmup, l.prompt_len, (unsigned long long)l.decode.vocab);
     printf("\"token_us_p50\": %.2f, \"token_us_p99\": %.2f, \"floor_us_p50\": %.2f, \"floor_us_p99\": %.2f, ", p50, p99,
            p50 - (double)l.decode_us, p99 - (double)l.decode_us);
     printf("\"jobs_submitted\": %llu, \"jobs_executed\": %llu, \"dma_violations\": %llu, \"token_us\": [",

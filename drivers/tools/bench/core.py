@@ -394,15 +394,17 @@ class ExecutorLoop:
 def _paired_runs(direct: DirectLoop, executor: ExecutorLoop, modes: Sequence[str],
                  prompts: list[np.ndarray], n: int, label: str,
                  timings: dict[str, list], floor: FloorLoop | None = None,
-                 threads: ThreadedLoop | None = None) -> dict[str, Any]:
-    """One block per side (direct, each executor mode, the C floor and the Python-threads
-    floor when given) per run, the order rotated from run to run so drift falls on every side
-    alike; each mode's ``(wall_us, start_us, JobTimings)`` per decode job are appended to
-    ``timings[mode]``."""
+                 threads: ThreadedLoop | None = None,
+                 floor3: FloorLoop | None = None) -> dict[str, Any]:
+    """One block per side (direct, each executor mode, the C floor with two and with three
+    roles and the Python-threads floor when given) per run, the order rotated from run to
+    run so drift falls on every side alike; each mode's ``(wall_us, start_us, JobTimings)``
+    per decode job are appended to ``timings[mode]``."""
     sides = ("direct", *modes, *(("floor",) if floor is not None else ()),
+             *(("floor3",) if floor3 is not None else ()),
              *(("threads",) if threads is not None else ()))
     times: dict[str, list[list[float]]] = {side: [] for side in sides}
-    identical = floor_identical = threads_identical = True
+    identical = floor_identical = floor3_identical = threads_identical = True
     for r, prompt in enumerate(prompts):
         order = sides[r % len(sides):] + sides[:r % len(sides)]
         out: dict[str, list[int]] = {}
@@ -411,6 +413,8 @@ def _paired_runs(direct: DirectLoop, executor: ExecutorLoop, modes: Sequence[str
                 out[side], t = direct.decode_block(prompt, n)
             elif side == "floor" and floor is not None:
                 out[side], t = floor.decode_block(prompt.tolist(), n)
+            elif side == "floor3" and floor3 is not None:
+                out[side], t = floor3.decode_block(prompt.tolist(), n)
             elif side == "threads" and threads is not None:
                 out[side], t = threads.decode_block(prompt, n)
             else:
@@ -419,12 +423,14 @@ def _paired_runs(direct: DirectLoop, executor: ExecutorLoop, modes: Sequence[str
             times[side].append(t)
         identical &= all(out[side] == out["direct"] for side in modes)
         floor_identical &= "floor" not in out or out["floor"] == out["direct"]
+        floor3_identical &= "floor3" not in out or out["floor3"] == out["direct"]
         threads_identical &= "threads" not in out or out["threads"] == out["direct"]
         _progress(f"{label}: run {r + 1}/{len(prompts)} ({'/'.join(order)}) P50 " + ", ".join(
             f"{side} {np.median(times[side][-1]):.1f}" for side in sides) + " us")
     result: dict[str, Any] = {side: np.concatenate(times[side]) for side in sides}
     result["identical"] = identical
     result["floor_identical"] = floor_identical
+    result["floor3_identical"] = floor3_identical
     result["threads_identical"] = threads_identical
     return result
 
@@ -470,6 +476,11 @@ def _profile_report(decode_us: int, tpot: dict[str, Any], timings: dict[str, lis
     if "floor" in tpot:
         f = _over_decode(tpot["floor"], decode_us)
         floor = {"floor_us_p50": f["over_decode_us_p50"], "floor_us_p99": f["over_decode_us_p99"]}
+    floor3: dict[str, Any] = {"floor3_us_p50": None, "floor3_us_p99": None}
+    if "floor3" in tpot:
+        f = _over_decode(tpot["floor3"], decode_us)
+        floor3 = {"floor3_us_p50": f["over_decode_us_p50"],
+                  "floor3_us_p99": f["over_decode_us_p99"]}
     threads: dict[str, Any] = {"threads_floor_us_p50": None, "threads_floor_us_p99": None}
     if "threads" in tpot:
         f = _over_decode(tpot["threads"], decode_us)
@@ -504,6 +515,10 @@ def _profile_report(decode_us: int, tpot: dict[str, Any], timings: dict[str, lis
         "floor": ({"tpot_us_p50": _p(tpot["floor"], 50), "tpot_us_p99": _p(tpot["floor"], 99),
                    "tokens_identical": bool(tpot["floor_identical"])}
                   if "floor" in tpot else None),
+        **floor3,
+        "floor3": ({"tpot_us_p50": _p(tpot["floor3"], 50), "tpot_us_p99": _p(tpot["floor3"], 99),
+                    "tokens_identical": bool(tpot["floor3_identical"])}
+                   if "floor3" in tpot else None),
         **threads,
         "threads_floor": ({"tpot_us_p50": _p(t, 50), "tpot_us_p99": _p(t, 99),
                            "p50_ratio": round(_p(t, 50) / _p(d, 50), 4),
@@ -542,12 +557,14 @@ def run_overhead(tokens: int, runs: int, zero_tokens: int, seed: int,
         path = device.calbin(tmp)
         rt = _emulator_runtime(device)
         floor_loop: FloorLoop | None = None
+        floor3_loop: FloorLoop | None = None
         floor_reason: str | None = "not requested (--no-floor)"
         if floor:
             _progress("floor: make floor (drivers/calrt/floor.c)")
             program, floor_reason = build_floor(os.path.join(tmp, "floor-build"))
             if program is not None:
                 floor_loop = FloorLoop(program, path, WARMUP_TOKENS)
+                floor3_loop = FloorLoop(program, path, WARMUP_TOKENS, roles=3)
             else:
                 _progress(f"floor: not measured: {floor_reason}")
         direct = DirectLoop(rt, path)
@@ -577,18 +594,20 @@ def run_overhead(tokens: int, runs: int, zero_tokens: int, seed: int,
             profiles = []
             first: tuple[dict[str, Any], dict[str, list]] | None = None
             for us in profiles_us:
-                for side in (direct, executor, floor_loop, threads_loop):
+                for side in (direct, executor, floor_loop, floor3_loop, threads_loop):
                     if side is not None:
                         side.set_decode_latency(us)
                 tpot_timings: dict[str, list] = {mode: [] for mode in modes}
                 tpot = _paired_runs(direct, executor, modes, prompts, tokens,
-                                    f"{us} us decode", tpot_timings, floor_loop, threads_loop)
+                                    f"{us} us decode", tpot_timings, floor_loop, threads_loop,
+                                    floor3_loop)
                 profiles.append(_profile_report(us, tpot, tpot_timings, modes))
                 if first is None:
                     first = (tpot, tpot_timings)
             dma = direct.dma_violations() + executor.dma_violations()
-            if floor_loop is not None:
-                dma += floor_loop.dma_violations
+            for c_floor in (floor_loop, floor3_loop):
+                if c_floor is not None:
+                    dma += c_floor.dma_violations
             if threads_loop is not None:
                 dma += threads_loop.dma_violations()
         finally:
@@ -639,9 +658,13 @@ def run_overhead(tokens: int, runs: int, zero_tokens: int, seed: int,
                                 and r["p99_ratio"] <= SPEC_GATE["p99_ratio"])
                      for mode, r in per_mode.items()},
         "floor_us_p50": profiles[0]["floor_us_p50"], "floor_us_p99": profiles[0]["floor_us_p99"],
+        "floor3_us_p50": profiles[0]["floor3_us_p50"],
+        "floor3_us_p99": profiles[0]["floor3_us_p99"],
         "floor": {"available": floor_loop is not None, "reason": floor_reason,
                   "program": "drivers/calrt/floor.c", "threads": 2, "handoffs_per_token": 2,
-                  "warmup_tokens": WARMUP_TOKENS},
+                  "warmup_tokens": WARMUP_TOKENS,
+                  # the sides run: roles 2 (floor_us_*), roles 3 (floor3_us_*: and a caller)
+                  "roles": [2, 3] if floor_loop is not None else []},
         "threads_floor_us_p50": profiles[0]["threads_floor_us_p50"],
         "threads_floor_us_p99": profiles[0]["threads_floor_us_p99"],
         "threads_floor": {

@@ -64,9 +64,14 @@ def build_floor(out_dir: str, calrt_dir: str = CALRT_DIR) -> tuple[str | None, s
 class FloorLoop:
     """One block of the floor program per :meth:`decode_block`: prefill ``prompt``, a few
     warm-up decode tokens (not timed), then ``n`` timed decode tokens, at the latency of
-    :meth:`set_decode_latency`, on the calbin of the benchmark's other sides."""
+    :meth:`set_decode_latency`, on the calbin of the benchmark's other sides. ``roles`` 3
+    adds the executor's caller thread between the completion thread and the submitter
+    (``--roles 3``)."""
 
-    def __init__(self, program: str, calbin_path: str, warmup: int = 8) -> None:
+    def __init__(self, program: str, calbin_path: str, warmup: int = 8, roles: int = 2) -> None:
+        if roles not in (2, 3):
+            raise ValueError(f"roles={roles!r}: the floor program runs 2 or 3 threads")
+        self.roles = roles
         self.program = program
         self.calbin_path = calbin_path
         self.warmup = warmup
@@ -81,7 +86,7 @@ class FloorLoop:
         """The program's report for one block (FloorError when it fails)."""
         argv = [self.program, "--calbin", self.calbin_path, "--decode-us", str(self.decode_us),
                 "--tokens", str(n), "--warmup", str(self.warmup),
-                "--prompt", ",".join(str(int(t)) for t in prompt)]
+                "--prompt", ",".join(str(int(t)) for t in prompt), "--roles", str(self.roles)]
         jobs = 1 + self.warmup + n
         timeout = 60.0 + jobs * (self.decode_us / 1e6 + 0.05)
         report = run_json_program(argv, timeout, "the floor program", FloorError)
