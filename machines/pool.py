@@ -304,7 +304,6 @@ class BufferPool:
         self.generation_id = generation.generation_id
         self.pool_mu = locks.lock(POOL)
         self.clock = locks.clock
-        self._available = self.clock.condition(self.pool_mu, "pool")
         self.misuse = 0
         self.dropped = 0
         self.slots: list[BufferSlot] = []
@@ -321,6 +320,11 @@ class BufferPool:
                 slot = BufferSlot(self, next(ids), submodel, models[kind], engine)
                 self.slots.append(slot)
                 self._free.setdefault(kind, deque()).append(slot)
+        #: one condition per kind, all on pool_mu: a slot given back wakes a waiter of its own
+        #: kind (one shared condition woke the oldest waiter of any kind, which slept again,
+        #: while the waiter the slot was for slept on until its deadline)
+        self._available = {kind: self.clock.condition(self.pool_mu, "pool")
+                           for kind in self._free}
         self._models = models
 
     def open(self) -> Status:
@@ -373,16 +377,16 @@ class BufferPool:
         ``stop()`` returning a Status (cancel, shutdown) ends the wait with it.
         ``speculative`` (a pre-armed job: no caller asked for it yet): never a slot that a
         request is waiting for."""
-        with self._available:
+        available = self._available.get(kind)
+        if available is None:
+            return Status.invalid(5, f"no buffer slot for kind={kind.name} in this generation")
+        with available:
             while True:
-                free = self._free.get(kind)
+                free = self._free[kind]
                 if free and not (speculative and self._waiting.get(kind)):
                     slot = free.popleft()
                     slot.run.send(SLOT_EV_LEASE)
                     return BufferLease(slot, owner)
-                if free is None:
-                    return Status.invalid(5, f"no buffer slot for kind={kind.name} in this "
-                                             "generation")
                 stopped = stop()
                 if stopped is not None:
                     return stopped
@@ -393,14 +397,15 @@ class BufferPool:
                         generation=self.generation_id)
                 self._waiting[kind] = self._waiting.get(kind, 0) + 1
                 try:
-                    self.clock.wait(self._available, remaining)
+                    self.clock.wait(available, remaining)
                 finally:
                     self._waiting[kind] -= 1
 
     def wake(self) -> None:
         """Wake waiters (a cancel or shutdown happened)."""
-        with self._available:
-            self._available.notify_all()
+        with self.pool_mu:
+            for available in self._available.values():
+                available.notify_all()
 
     def mark_in_flight(self, lease: BufferLease) -> None:
         with self.pool_mu:
@@ -431,7 +436,7 @@ class BufferPool:
                 slot.run.send(SLOT_EV_QUARANTINE)
 
     def _give_back(self, slot: BufferSlot) -> Status:
-        with self._available:
+        with self.pool_mu:
             run = slot.run
             if run.state == SLOT_IN_FLIGHT:
                 run.send(SLOT_EV_DROP_IN_FLIGHT)
@@ -446,7 +451,7 @@ class BufferPool:
             target = run.send(SLOT_EV_GIVE_BACK)
             if target == SLOT_FREE:
                 self._free[slot.kind].append(slot)
-                self._available.notify()
+                self._available[slot.kind].notify()
                 return Status.OK
             return Status.internal("undo_slice_missing", Phase.RELEASE,
                                    f"slot {slot.slot_id} returned with active slices "
@@ -502,6 +507,16 @@ class BufferPool:
                 if slot.run.state != SLOT_RETIRED:
                     raise LeaseError(f"drop_storage of {slot!r}: only Retired slots")
                 slot.host_input = slot.host_position = slot.host_output = slot.scratch = None
+
+    def free(self, kind: TaskKind) -> int:
+        """Slots of ``kind`` free to lease now."""
+        with self.pool_mu:
+            return len(self._free.get(kind, ()))
+
+    def waiting(self, kind: TaskKind) -> int:
+        """Requests waiting in ``acquire`` for a slot of ``kind`` now."""
+        with self.pool_mu:
+            return self._waiting.get(kind, 0)
 
     def usable(self, kind: TaskKind) -> int:
         """Slots of ``kind`` that can still be leased now or later (not quarantined/retired)."""
