@@ -139,7 +139,8 @@ def _text(data: dict) -> str:
               f"{steps(t['path'], '(no step: taken as the chart starts)')}"
               for t in data["transitions"]]
     lines += ["", f"transition tour ({len(data['tour'])} walk(s) from {data['initial']}):"]
-    lines += [f"  {i + 1}. {steps(walk)}" for i, walk in enumerate(data["tour"])]
+    lines += [f"  {i + 1}. {steps(walk)} (ends in {end})"
+              for i, (walk, end) in enumerate(zip(data["tour"], data["ends"]["tour"]))]
     return "\n".join(lines)
 
 
