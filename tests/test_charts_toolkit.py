@@ -15,6 +15,7 @@ from statemachine import State, StateMachine
 from calexec.cli import main as cli
 from calexec.machines import diagrams
 from calexec.machines.charts import DECLARED
+from calexec.machines.chartref import load_chart
 from calexec.machines.compiled import CHARTS, compile_chart, compiled
 from calexec.machines.coverage import TransitionRecorder, report, track
 from calexec.machines.paths import GuardTable, as_data, drive, state_paths, transition_tour
@@ -391,3 +392,28 @@ def test_a_path_whose_guard_the_chart_class_answers_itself_names_that_guard():
         "(of Own) are methods of the chart class, which python-statemachine asks before the "
         "model: the outcomes the step set on the model were not heard; move them to the model, "
         "or drive the chart with a model of your own)")
+
+
+def test_draw_refuses_to_overwrite_another_module_s_chart_of_the_same_name(project, capsys):
+    """stop 44: ``charts draw a:Light`` then ``charts draw b:Light`` into one ``--out``
+    silently replaced the first chart's files (both are ``Light.*``)."""
+    root, module = project
+    other = f"other_{module}"
+    (root / f"{other}.py").write_text(textwrap.dedent(PROJECT))
+    out = root / "diagrams"
+    out.mkdir()
+    first = diagrams.render_chart_dot(compiled(load_chart(f"{module}:Light")))
+    (out / "Light.dot").write_text(first)  # what `charts draw {module}:Light` wrote
+    assert cli(["charts", "draw", f"{other}:Light"]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert lines == [f"calexec charts draw: {other}:Light: {Path('diagrams', 'Light.dot')} is "
+                     f"the diagram of another chart named Light, declared in {module}.py (this "
+                     f"one is declared in {other}.py); draw one of them into another --out, or "
+                     f"delete {Path('diagrams', 'Light.dot')} to replace it"], captured.err
+    assert (out / "Light.dot").read_text() == first  # untouched
+    assert cli(["charts", "draw", f"{other}:Light", "--check"]) == 1
+    assert (f"Light.dot: the diagram of another chart named Light, declared in {module}.py "
+            f"(this one is declared in {other}.py)") in capsys.readouterr().err
+    cli(["charts", "draw", f"{module}:Light"])  # its own chart: redrawn (or graphviz named)
+    assert "another chart" not in capsys.readouterr().err
