@@ -14,8 +14,8 @@ from statemachine import State, StateMachine
 
 from calexec.cli import main as cli
 from calexec.machines import diagrams
-from calexec.machines.charts import DECLARED
 from calexec.machines.chartref import load_chart
+from calexec.machines.charts import DECLARED
 from calexec.machines.compiled import CHARTS, compile_chart, compiled
 from calexec.machines.coverage import TransitionRecorder, report, track
 from calexec.machines.paths import GuardTable, as_data, drive, state_paths, transition_tour
