@@ -23,6 +23,7 @@ Imports nothing of calexec (``mutants`` uses it before the charts are imported).
 
 from __future__ import annotations
 
+import difflib
 import inspect
 from typing import Any
 
@@ -42,12 +43,26 @@ class ChartTransitionError(Exception):
 class IllegalTransition(ChartTransitionError):
     """The event has no declared transition from the current state (or is unknown)."""
 
-    def __init__(self, chart: str, state: str, event: str) -> None:
+    def __init__(self, chart: str, state: str, event: str,
+                 events: tuple[str, ...] | None = None) -> None:
         self.chart, self.state, self.event = chart, state, event
         super().__init__(
             f"{chart}: event {event!r} is not allowed in state {state!r} "
-            f"(no declared transition {state} --{event}-->)"
+            f"(no declared transition {state} --{event}-->){_unknown(chart, event, events)}"
         )
+
+
+def _unknown(chart: str, event: object, events: tuple[str, ...] | None) -> str:
+    """``": Chart has no event 'x' ..."`` when ``events`` (the chart's) are given and ``event``
+    is none of them (a typo, a non-string), else ``""``. Built only when an event is refused."""
+    if events is None or (isinstance(event, str) and event in events):
+        return ""
+    if not isinstance(event, str):
+        return (f": an event is a string, the name of one of {chart}'s events, not "
+                f"{type(event).__name__} {event!r} ({', '.join(events)})")
+    close = difflib.get_close_matches(event, events, n=1)
+    hint = f"did you mean {close[0]!r}?" if close else f"its events: {', '.join(events)}"
+    return f": {chart} has no event {event!r} ({hint})"
 
 
 class GuardRejected(ChartTransitionError):

@@ -327,20 +327,28 @@ class ChartRun:
     def select(self, event: str) -> Transition:
         """The transition ``send(event)`` would take now (guards evaluated), without taking it.
         Raises ``IllegalTransition`` or ``GuardRejected``."""
-        candidates = self._table.get((self.state, event))
-        if candidates is None:
-            raise IllegalTransition(self.chart.name, self.state, event)
-        model = self.model
-        for transition in candidates:
-            for name in transition.conds:
-                if not getattr(model, name)():
-                    break
-            else:
-                for name in transition.unless:
-                    if getattr(model, name)():
+        # One try around the whole success path: free in 3.11 when nothing raises (the same
+        # instructions as without it), so the errors' context costs the hot path nothing.
+        try:
+            candidates = self._table.get((self.state, event))
+            if candidates is None:
+                raise IllegalTransition(self.chart.name, self.state, event, self.chart.events)
+            model = self.model
+            for transition in candidates:
+                for name in transition.conds:
+                    if not getattr(model, name)():
                         break
                 else:
-                    return transition
+                    for name in transition.unless:
+                        if getattr(model, name)():
+                            break
+                    else:
+                        return transition
+        except (AttributeError, TypeError) as err:
+            named = _select_error(self, event, locals().get("name"), err)
+            if named is err:
+                raise
+            raise named from (None if isinstance(named, IllegalTransition) else err)
         guards = tuple(dict.fromkeys(g for t in candidates for g in t.guards))
         if self.trail is not None:
             self.trail.append((event, self.state, None, guards, self._now()))
@@ -376,6 +384,42 @@ class ChartRun:
 
     def __repr__(self) -> str:
         return f"ChartRun({self.chart.name}, state={self.state!r})"
+
+
+def _select_error(run: ChartRun, event: str, name: str | None, err: Exception) -> Exception:
+    """What ``run.select(event)`` raises for ``err``: an unhashable event (a list: the table
+    lookup's ``TypeError``) is an ``IllegalTransition`` naming it; ``err`` raised as guard
+    ``name`` was evaluated gains the chart, the event, the state and the guard: a guard the
+    model does not have, or one that cannot be called with no argument (the flat run passes
+    no event data) is a new error of the same type saying so; any other error the guard raised
+    itself is ``err`` with that as a note."""
+    try:
+        hash(event)
+    except TypeError:
+        return IllegalTransition(run.chart.name, run.state, event, run.chart.events)
+    if name is None:  # (not from a guard: an event whose __eq__ raised)
+        return err
+    chart, model = run.chart.name, run.model
+    where = f"{chart}: event {event!r} in state {run.state!r}: guard {name!r}"
+    guard = getattr(model, name, None)
+    if guard is None and isinstance(err, AttributeError):
+        return AttributeError(f"{where}: the model, {type(model).__name__}, has no attribute "
+                              f"{name!r} (the flat run calls model.{name}() with no argument)")
+    if isinstance(err, TypeError) and callable(guard):
+        try:
+            inspect.signature(guard).bind()
+        except TypeError as unbound:
+            return TypeError(
+                f"{where}: {type(model).__name__}.{name} cannot be called with no argument "
+                f"({unbound}); the flat run passes no event data: give the parameter a default, "
+                f"or run StatechartRun(compiled({chart}), model), which passes send's keywords")
+        except ValueError:  # no signature (a builtin): the guard's own error, below
+            pass
+    if isinstance(err, TypeError) and guard is not None and not callable(guard):
+        return TypeError(f"{where}: model.{name} is {type(guard).__name__} {guard!r}, not a "
+                         f"method (the flat run calls model.{name}())")
+    err.add_note(f"(raised evaluating {where})")
+    return err
 
 
 def _guard_names(transition: Any, expected: bool, named_only: bool = True) -> tuple[str, ...]:

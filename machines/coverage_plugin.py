@@ -25,7 +25,9 @@ given on the command line judges whatever ran. Without either, the plugin does n
 ``--chart-contracts=MODULE:CLASS`` (repeatable; or ``chart_contracts`` in the configuration)
 checks the contracts declared in the chart class (machines/chart_contracts.py) on every run
 during the session: a violation raises from the ``send`` that broke it, and a session in which
-any was recorded (one a caught exception hid included) fails, naming the first.
+any was recorded (one a caught exception hid included) fails, naming the first. A chart that
+declares no contract is a usage error (pytest's exit 4, one line naming it): the session
+would check nothing while the option says it checks.
 """
 
 from __future__ import annotations
@@ -96,7 +98,12 @@ def _configure_contracts(config: pytest.Config) -> None:
     for ref in refs:
         try:
             declaration = load_chart(ref, str(config.invocation_params.dir))
-            declared_contracts(declaration)  # a chart no run takes, a contract naming no state
+            # a chart no run takes, a contract naming no state; none: nothing would be checked
+            if not declared_contracts(declaration):
+                raise ValueError(
+                    f"{declaration.__name__} declares no contracts, so none would be checked "
+                    f"(declare them in the class with @invariant, @precondition or "
+                    f"@postcondition from calexec.machines.chart_contracts)")
             charts.append(declaration)
         except (ChartRefError, UnsupportedChart, ValueError) as err:
             reason = err.reason if isinstance(err, ChartRefError) else err

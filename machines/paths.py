@@ -88,6 +88,10 @@ class Path:
     start: Mapping[str, bool] = attrs.field(factory=lambda: MappingProxyType({}))
     #: the configuration that start ends in (``""`` when ``start`` is empty)
     started: str = ""
+    #: the configuration the path ends in, ``"a,b"`` as ``Walk.end`` (the transition's target
+    #: on a flat chart; on a hierarchical one its ancestors, regions and the states entered
+    #: by the macrostep the step starts too)
+    end: str = ""
 
     @property
     def events(self) -> tuple[str, ...]:
@@ -290,7 +294,8 @@ def transition_paths(chart: ChartLike) -> list[Path]:
             raise ValueError(f"{chart.name}: source of {_describe(transition)} is unreachable")
         steps = reach[transition.source] + (transition,)
         # every step's guards are known: a shadowed transition is never on a path (the BFS skips it)
-        paths.append(Path(transition, steps, tuple(_named(guards[s.id] or {}) for s in steps)))
+        paths.append(Path(transition, steps, tuple(_named(guards[s.id] or {}) for s in steps),
+                          end=transition.target))
     return paths
 
 
@@ -726,8 +731,9 @@ def _configuration_paths(chart: CompiledChart) -> list[Path]:
     for transition in chart.transitions:
         index, edges = first[transition.id]
         start = graph.starts[index]
-        paths.append(Path(transition, *_steps(edges), start.outcomes, start.state)
-                     if start.outcomes else Path(transition, *_steps(edges)))
+        end = _walk_end(chart, graph, edges, start)
+        paths.append(Path(transition, *_steps(edges), start.outcomes, start.state, end=end)
+                     if start.outcomes else Path(transition, *_steps(edges), end=end))
     return paths
 
 
@@ -824,18 +830,25 @@ def as_data(chart: ChartLike) -> dict[str, Any]:
     ``tour`` (a list of walks, each a list of steps); a step is ``{"event", "from", "to",
     "guards"}`` with ``guards`` the outcomes to set before sending ``event``. A walk with a
     ``start`` begins with a start step, ``{"event": None, "from": None, "to": <the
-    configuration the start ends in>, "guards": <outcomes to set before the chart starts>}``."""
+    configuration the start ends in>, "guards": <outcomes to set before the chart starts>}``.
+    ``ends``: the configuration each of those ends in, ``"a,b"`` (``Walk.end``, ``Path.end``):
+    ``{"states": {state: end}, "transitions": [end, ...], "tour": [end, ...]}`` in the order
+    of ``states``, ``transitions`` and ``tour``."""
     chart = compiled(chart)
+    walks, paths, tour = state_paths(chart), transition_paths(chart), transition_tour(chart)
     return {
         "chart": chart.name,
         "class": f"{chart.declaration.__module__}:{chart.declaration.__qualname__}",
         "initial": chart.initial,
         "finals": sorted(chart.finals),
-        "states": {state: _steps_data(walk) for state, walk in state_paths(chart).items()},
+        "states": {state: _steps_data(walk) for state, walk in walks.items()},
         "transitions": [{"event": p.transition.event, "from": p.transition.source,
                          "to": p.transition.target, "guards": list(p.transition.guards),
-                         "path": _steps_data(p)} for p in transition_paths(chart)],
-        "tour": [_steps_data(walk) for walk in transition_tour(chart)],
+                         "path": _steps_data(p)} for p in paths],
+        "tour": [_steps_data(walk) for walk in tour],
+        "ends": {"states": {state: walk.end for state, walk in walks.items()},
+                 "transitions": [p.end for p in paths],
+                 "tour": [walk.end for walk in tour]},
     }
 
 

@@ -453,9 +453,11 @@ class StatechartRun:
             if kwargs.get(unsupported) is not None:
                 raise ValueError(f"{self.chart.name}: send({event!r}, {unsupported}=...) is not "
                                  f"supported by a compiled run (no delayed or internal sends)")
+        if not isinstance(event, str):  # (getattr below: "attribute name must be string")
+            raise IllegalTransition(self.chart.name, self.state, event, self.chart.events)
         if not self.running:
             if not self.allow_event_without_transition:
-                raise IllegalTransition(self.chart.name, self.state, event)
+                raise IllegalTransition(self.chart.name, self.state, event, self.chart.events)
             return None
         known = getattr(self.declaration, event, None)
         name = known.name if isinstance(known, Event) else event
@@ -627,7 +629,7 @@ class StatechartRun:
         candidates = [t for state in self._config for t in state.transitions
                       if not t.initial and t.match(event)]
         if not candidates:
-            return IllegalTransition(self.chart.name, self.state, event)
+            return IllegalTransition(self.chart.name, self.state, event, self.chart.events)
         guards = tuple(dict.fromkeys(
             g for t in candidates for g in self._guards_of(t, event)))
         return GuardRejected(self.chart.name, self.state, event, guards or ("(validators)",))

@@ -269,6 +269,30 @@ def test_the_pytest_option_turns_a_projects_contracts_on(tmp_path):
                                     "has no attribute 'Nope'") in bad.stderr, bad.stderr[-500:]
 
 
+def test_the_pytest_option_on_a_chart_without_contracts_says_so(tmp_path):
+    """stop 44: ``--chart-contracts`` naming a chart that declares none ran the session as if
+    it checked something, silently. It is a usage error, one line naming it (exit 4, as for
+    any bad value of the option)."""
+    (tmp_path / "bare_chart.py").write_text(
+        "from statemachine import State, StateMachine\n\n"
+        "class Bare(StateMachine):\n"
+        "    idle = State(initial=True)\n"
+        "    done = State(final=True)\n"
+        "    go = idle.to(done)\n")
+    (tmp_path / "test_bare.py").write_text("def test_nothing():\n    pass\n")
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
+         "no:hypothesispytest", "test_bare.py", "--chart-contracts=bare_chart:Bare"],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path)}, capture_output=True,
+        text=True, timeout=120)
+    assert run.returncode == 4, (run.stdout[-1000:], run.stderr[-1000:])
+    errors = [line for line in run.stderr.splitlines() if line.strip()]
+    assert errors == ["ERROR: --chart-contracts='bare_chart:Bare': Bare declares no contracts, "
+                      "so none would be checked (declare them in the class with @invariant, "
+                      "@precondition or @postcondition from calexec.machines.chart_contracts)"], \
+        run.stderr
+
+
 NOT_CHECKABLE = '''
 from statemachine import State, StateChart
 

@@ -14,6 +14,7 @@ from statemachine import State, StateMachine
 
 from calexec.cli import main as cli
 from calexec.machines import diagrams
+from calexec.machines.chartref import load_chart
 from calexec.machines.charts import DECLARED
 from calexec.machines.compiled import CHARTS, compile_chart, compiled
 from calexec.machines.coverage import TransitionRecorder, report, track
@@ -116,6 +117,48 @@ def test_paths_as_data_is_json_a_test_can_iterate():
     assert taken == {(t.source, t.event, t.target) for t in compiled(Door).transitions}
 
 
+class Kiosk(StateMachine):
+    """Compound and parallel states: where a path ends is more than its last step's target."""
+
+    class on(State.Compound):  # noqa: N801 - a state's id is its name
+        class lit(State.Parallel):  # noqa: N801
+            class screen(State.Compound):  # noqa: N801
+                dark = State(initial=True)
+                bright = State()
+                glow = dark.to(bright)
+            class door(State.Compound):  # noqa: N801
+                shut = State(initial=True)
+                ajar = State()
+                pull = shut.to(ajar, cond="unlocked")
+        idle = State(initial=True)
+        wake = idle.to(lit)
+    off = State(final=True)
+    unplug = on.to(off)
+
+
+def test_paths_json_says_the_configuration_each_path_ends_in():
+    """stop 44: ``--json`` gave each step's target only, so a test could not tell the
+    configuration a walk of a hierarchical chart ends in (its regions, its ancestors)."""
+    data = json.loads(json.dumps(as_data(Kiosk)))
+    ends = data["ends"]
+    assert ends["states"]["ajar"] == "on,lit,screen,dark,door,ajar"
+    assert ends["states"]["idle"] == "on,idle"
+    index = {(t["from"], t["event"]): i for i, t in enumerate(data["transitions"])}
+    assert ends["transitions"][index[("shut", "pull")]] == "on,lit,screen,dark,door,ajar"
+    assert ends["transitions"][index[("on", "unplug")]] == "off"
+    assert len(ends["tour"]) == len(data["tour"]) and "off" in ends["tour"]
+    for walk, end in zip(data["tour"], ends["tour"]):  # the end is where a real instance is
+        model = GuardTable.for_chart(Kiosk)
+        machine = Kiosk(model)
+        for step in walk:
+            model.outcomes = step["guards"]
+            machine.send(step["event"])
+        assert set(machine.configuration_values) == set(end.split(","))
+    flat = as_data(Door)["ends"]
+    assert flat["states"] == {state: state for state in compiled(Door).states}
+    assert flat["transitions"] == [t.target for t in compiled(Door).transitions]
+
+
 # ---- the commands, run from a user's project directory --------------------------------------
 PROJECT = """
     from statemachine import State, StateMachine
@@ -160,6 +203,7 @@ def test_paths_command_prints_text_and_json(project, capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["chart"] == "Light" and set(data["states"]) == {"off", "on", "gone"}
     assert sum(len(walk) for walk in data["tour"]) >= 3
+    assert data["ends"]["tour"] == ["gone"] and data["ends"]["states"]["gone"] == "gone"
 
 
 @pytest.mark.requires_tool("dot")
@@ -348,3 +392,28 @@ def test_a_path_whose_guard_the_chart_class_answers_itself_names_that_guard():
         "(of Own) are methods of the chart class, which python-statemachine asks before the "
         "model: the outcomes the step set on the model were not heard; move them to the model, "
         "or drive the chart with a model of your own)")
+
+
+def test_draw_refuses_to_overwrite_another_module_s_chart_of_the_same_name(project, capsys):
+    """stop 44: ``charts draw a:Light`` then ``charts draw b:Light`` into one ``--out``
+    silently replaced the first chart's files (both are ``Light.*``)."""
+    root, module = project
+    other = f"other_{module}"
+    (root / f"{other}.py").write_text(textwrap.dedent(PROJECT))
+    out = root / "diagrams"
+    out.mkdir()
+    first = diagrams.render_chart_dot(compiled(load_chart(f"{module}:Light")))
+    (out / "Light.dot").write_text(first)  # what `charts draw {module}:Light` wrote
+    assert cli(["charts", "draw", f"{other}:Light"]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert lines == [f"calexec charts draw: {other}:Light: {Path('diagrams', 'Light.dot')} is "
+                     f"the diagram of another chart named Light, declared in {module}.py (this "
+                     f"one is declared in {other}.py); draw one of them into another --out, or "
+                     f"delete {Path('diagrams', 'Light.dot')} to replace it"], captured.err
+    assert (out / "Light.dot").read_text() == first  # untouched
+    assert cli(["charts", "draw", f"{other}:Light", "--check"]) == 1
+    assert (f"Light.dot: the diagram of another chart named Light, declared in {module}.py "
+            f"(this one is declared in {other}.py)") in capsys.readouterr().err
+    cli(["charts", "draw", f"{module}:Light"])  # its own chart: redrawn (or graphviz named)
+    assert "another chart" not in capsys.readouterr().err

@@ -3,7 +3,9 @@ statechart toolkit on any python-statemachine chart class, run from the project 
 that declares it (``MODULE`` is imported from the current directory, see
 ``calexec.machines.chartref``).
 
-``draw`` writes ``<out>/<Class>.dot`` and ``.svg`` (``--png``: and ``.png``), or with
+``draw`` writes ``<out>/<Class>.dot`` and ``.svg`` (``--png``: and ``.png``; refused, exit 2,
+when ``<Class>.dot`` there is the diagram of another class of that name, from another module),
+or with
 ``--check`` exits 1 when those files are not what the chart renders now (compares DOT text
 and the DOT sha256 the SVG/PNG carry; needs no graphviz). ``paths`` prints the shortest path
 to every state, to every transition, and a transition tour (walks from the initial state that
@@ -22,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -32,6 +35,7 @@ from calexec.machines.compiled import CompiledChart, compiled
 from calexec.machines.diagrams import (
     SHA_PATTERN,
     GraphvizError,
+    declared_in,
     png_from_dot,
     png_sha,
     render_chart_dot,
@@ -52,6 +56,10 @@ def chart_from(ref: str) -> CompiledChart:
         raise UserError(str(err).splitlines()[0] if str(err) else repr(err)) from None
 
 
+#: the title every chart's DOT carries on its second line (machines/diagrams.py ``_dot_header``)
+_TITLE = re.compile(r'^label="(?P<name>[^"]*) \(declared in (?P<file>[^"]*)\)"', re.MULTILINE)
+
+
 def stale(chart: CompiledChart, out: Path, png: bool) -> list[str]:
     """One message per file of ``chart`` in ``out`` that is missing or not current."""
     dot = render_chart_dot(chart)
@@ -61,8 +69,14 @@ def stale(chart: CompiledChart, out: Path, png: bool) -> list[str]:
     dot_path, svg_path = stem.with_suffix(".dot"), stem.with_suffix(".svg")
     if not dot_path.is_file():
         problems.append(f"{dot_path}: missing")
-    elif dot_path.read_text(encoding="utf-8", errors="replace") != dot:
-        problems.append(f"{dot_path}: differs from the declared chart")
+    elif (text := dot_path.read_text(encoding="utf-8", errors="replace")) != dot:
+        title = _TITLE.search(text)
+        if title is not None and title.group("file") != declared_in(chart):
+            problems.append(f"{dot_path}: the diagram of another chart named "
+                            f"{chart.declaration.__name__}, declared in {title.group('file')} "
+                            f"(this one is declared in {declared_in(chart)})")
+        else:
+            problems.append(f"{dot_path}: differs from the declared chart")
     if not svg_path.is_file():
         problems.append(f"{svg_path}: missing")
     else:
@@ -76,6 +90,21 @@ def stale(chart: CompiledChart, out: Path, png: bool) -> list[str]:
         elif png_sha(png_path.read_bytes()) != sha:
             problems.append(f"{png_path}: not rendered from the current DOT")
     return problems
+
+
+def refuse_another_chart(chart: CompiledChart, ref: str, dot_path: Path) -> None:
+    """``UserError`` (exit 2) when ``dot_path`` holds the diagram of another chart of the same
+    class name (declared in another module): drawing would overwrite it silently."""
+    try:
+        found = _TITLE.search(dot_path.read_text(encoding="utf-8", errors="replace"))
+    except OSError:  # none there yet (or unreadable: writing it says so)
+        return
+    if found is None or found.group("file") == declared_in(chart):
+        return
+    raise UserError(
+        f"{ref}: {dot_path} is the diagram of another chart named {chart.declaration.__name__}, "
+        f"declared in {found.group('file')} (this one is declared in {declared_in(chart)}); "
+        f"draw one of them into another --out, or delete {dot_path} to replace it")
 
 
 def draw(argv: list[str]) -> int:
@@ -100,6 +129,7 @@ def draw(argv: list[str]) -> int:
         return 0
     dot = render_chart_dot(chart)
     stem = args.out / chart.declaration.__name__
+    refuse_another_chart(chart, args.chart, stem.with_suffix(".dot"))
     make_dir("--out", args.out)  # (a file there: 'not a directory', not 'File exists')
     try:
         svg = svg_from_dot(dot)
@@ -139,7 +169,8 @@ def _text(data: dict) -> str:
               f"{steps(t['path'], '(no step: taken as the chart starts)')}"
               for t in data["transitions"]]
     lines += ["", f"transition tour ({len(data['tour'])} walk(s) from {data['initial']}):"]
-    lines += [f"  {i + 1}. {steps(walk)}" for i, walk in enumerate(data["tour"])]
+    lines += [f"  {i + 1}. {steps(walk)} (ends in {end})"
+              for i, (walk, end) in enumerate(zip(data["tour"], data["ends"]["tour"]))]
     return "\n".join(lines)
 
 
