@@ -1,7 +1,7 @@
 """``calexec bench overhead|logits|recovery|pingpong`` (spec §6.4, §9.2, §10.1, §11, §13.3).
 
 ``bench overhead [--json] [--tokens N] [--runs R] [--zero-tokens M] [--seed S]
-[--decode-us US[,US...]]`` compares, in
+[--decode-us US[,US...]] [--no-floor] [--no-threads-floor]`` compares, in
 one process, the *direct synchronous path* (what llama-calrt did before: one thread, no queues;
 ``DirectRunner`` submit + ``Wait`` + BF16->FP32 of the decode row + argmax) with the same greedy
 decode through ``DeviceExecutor`` (threads on, in-flight capacity 1) in four modes (``MODES``):
@@ -25,6 +25,11 @@ Python/numpy allocations (``alloccount``):
 2. Control overhead on the zero-latency profile: the P50 of the paired per-token differences
    (executor token i minus direct token i of the same run), both raw P50s, and where the
    executor's time goes, from each job's own ``JobTimings``.
+3. The floors, as more sides of the same rotation: the C program ``drivers/calrt/floor.c``
+   with the executor's two device threads (``floor_us_*``) and with its caller thread too
+   (``--roles 3``: ``floor3_us_*``), and the direct loop run by the executor's three roles in
+   Python threads and nothing else (``pyfloor.ThreadedLoop``: ``threads_floor_us_*``); each
+   mode's ``over_threads_floor_us_p50`` is its control work beyond those roles.
 
 Both sides convert with the same direct conversion into a preallocated row, so the ratios
 isolate the executor's control work (queues, threads, charts, checks), not PR6's gain.
