@@ -120,3 +120,36 @@ def test_models_report_the_context_length_between_generations(gap):
     during = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["max_model_len"]
     info = httpx.get(f"{url}/tokenizer_info", timeout=10).json()["model_max_length"]
     assert isinstance(before, int) and during == before and info == before
+
+
+def test_a_choice_cancelled_by_its_sibling_failure_is_not_a_client_cancellation(tmp_path):
+    """``n=2``: one choice fails (an artifact fault: not resumed), the request answers its
+    500 and its other choice is cancelled. No client left, so nothing is counted under
+    ``request.cancelled`` (docs/server.md: 499, the client is gone), which operators read as
+    clients giving up: the sibling was counted there, one per failed request of several
+    choices. It has a code of its own, ``request.choice_cancelled``."""
+    from calexec.drivers.calrt.runtime import Fault, FaultMode
+    from test_server_support import metric_value
+
+    # decode jobs of 20 ms: the sibling is still decoding when the first choice fails
+    executor = started_executor(tmp_path, "decode_us=20000")
+    emu = executor.device.emu
+    app = create_app(executor, ServerConfig())
+    service = app.state.service
+    try:
+        with LiveServer(app) as server, httpx.Client(base_url=server.url, timeout=30) as http:
+            assert emu.set_fault(Fault.UNKNOWN_CSR, FaultMode.NTH, 1, 0, 0) == 0
+            response = http.post("/v1/completions", json={"prompt": [5, 6, 7], "n": 2,
+                                                          "max_tokens": 8})
+            assert response.status_code == 500, response.text
+            assert response.json()["error"]["code"] == "calrt.csr_failed"
+            wait_for(lambda: service.active == 0, 10, "both choices finished")
+            metrics = http.get("/metrics").text
+        failures = {code: metric_value(metrics, "calexec_request_failures_total",
+                                       {"code": code})
+                    for code in ("calrt.csr_failed", "request.cancelled",
+                                 "request.choice_cancelled")}
+        assert failures == {"calrt.csr_failed": 1, "request.cancelled": None,
+                            "request.choice_cancelled": 1}, failures
+    finally:
+        executor.shutdown(5.0)

@@ -1339,8 +1339,11 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
             state.count(k, run)
         finally:
             if state.failure is not None and not run.done:
-                run.status = Status.cancelled(Phase.CANCEL, "another choice of the request "
-                                              "failed")
+                # not request.cancelled (499: the client is gone): no client left; the
+                # request's answer is the other choice's failure
+                run.status = Status.failure("request.choice_cancelled", Category.CANCELLED,
+                                            Phase.CANCEL, "another choice of the request "
+                                            "failed", seq_id=run.seq_id)
             await service.finish(run, abandoned=True)
 
     async def _sse_many(request: Request, head: _Shape, state: _Choices,
