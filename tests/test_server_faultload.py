@@ -7,16 +7,29 @@ Loopback servers only, on the bundled emulator; faults through the emulator's fa
 
 from __future__ import annotations
 
+import json
+import random
 import threading
+from collections import Counter
 from typing import Any
 
 import pytest
 
 pytest.importorskip("httpx", reason="the server tests need the [server] extra")
 import httpx  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+from calexec.drivers.calrt.runtime import Fault, FaultMode  # noqa: E402
 from calexec.drivers.serving.server import ServerConfig, create_app  # noqa: E402
-from test_server_support import LiveServer, started_executor, wait_for  # noqa: E402
+from calexec.drivers.tools.chaos import FAULTS, arm_fault, chaos_executor  # noqa: E402
+from test_server_support import (  # noqa: E402
+    LiveServer,
+    ServeLikeServer,
+    metric_value,
+    server_idle,
+    started_executor,
+    wait_for,
+)
 
 
 class BetweenGenerations:
@@ -128,9 +141,6 @@ def test_a_choice_cancelled_by_its_sibling_failure_is_not_a_client_cancellation(
     ``request.cancelled`` (docs/server.md: 499, the client is gone), which operators read as
     clients giving up: the sibling was counted there, one per failed request of several
     choices. It has a code of its own, ``request.choice_cancelled``."""
-    from calexec.drivers.calrt.runtime import Fault, FaultMode
-    from test_server_support import metric_value
-
     # decode jobs of 20 ms: the sibling is still decoding when the first choice fails
     executor = started_executor(tmp_path, "decode_us=20000")
     emu = executor.device.emu
@@ -173,9 +183,6 @@ def _load_client(url: str, seed: int, stop: threading.Event, out: list) -> None:
     """Seeded client kinds: plain, streamed, a slow reader, one that leaves after two events,
     one that gives up before its answer (client timeout), one with a 50 ms server timeout.
     Each request appends ``(kind, status or None, outcome, error code)``."""
-    import json
-    import random
-
     rng = random.Random(seed)
     with httpx.Client(base_url=url, timeout=30) as http:
         while not stop.is_set():
@@ -249,13 +256,6 @@ def test_what_the_server_says_under_a_fault_load_is_what_clients_saw(tmp_path):
     * once idle, every in-flight, queue, sequence-id, KV and send gauge reads 0, no slot is
       leased or in flight, every sequence id is free, /ready is 200 and a request then gets
       200."""
-    from calexec.drivers.serving.server import ServerConfig
-    from calexec.drivers.tools.chaos import FAULTS, arm_fault, chaos_executor
-    from test_server_support import ServeLikeServer, metric_value, server_idle
-
-    import random
-    from collections import Counter
-
     executor = chaos_executor(tmp_path)
     emu = executor.device.emu
     app = create_app(executor, ServerConfig(max_sequences=4, max_waiting=4))
@@ -311,7 +311,6 @@ def test_what_the_server_says_under_a_fault_load_is_what_clients_saw(tmp_path):
     assert {code for code, _, _ in readies} <= {200, 503}
 
     def count(name: str, **labels: str) -> float:
-        from prometheus_client.parser import text_string_to_metric_families
         return sum(s.value for f in text_string_to_metric_families(metrics) for s in f.samples
                    if s.name == name and labels.items() <= s.labels.items())
 
