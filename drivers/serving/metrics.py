@@ -19,7 +19,7 @@ calexec_job_device_wait_seconds             histogram  kind; time spent in Wait(
 calexec_job_h2d_seconds                     histogram  kind; host->device copy, when a job measured it
 calexec_job_d2h_seconds                     histogram  kind; device->host copy, when a job measured it
 calexec_job_postprocess_seconds             histogram  kind; output checks + BF16->FP32 conversion
-calexec_requests_total                      counter    stream, model_name; completion requests received
+calexec_requests_total                      counter    stream, model_name; completion requests (choices) admitted
 calexec_request_success_total               counter    finished_reason (stop|length), model_name
 calexec_request_failures_total              counter    category, code, raw (CalRT code or "none"), model_name
 calexec_request_prompt_tokens               histogram  model_name; prompt tokens of each successful request
@@ -419,8 +419,10 @@ class ServerMetrics:
             kind: [(name, histogram.labels(kind.name.lower()))
                    for name, histogram in self.stages.items()] for kind in TaskKind}
         model = ["model_name"]
-        self.requests = _WithModel(Counter("calexec_requests", "Completion requests received.",
-                                           ["stream", *model], registry=reg), model_name)
+        self.requests = _WithModel(Counter(
+            "calexec_requests", "Completion requests (each choice) admitted: given a sequence "
+            "id or a place in the waiting queue; one refused before is counted only in "
+            "calexec_request_failures_total.", ["stream", *model], registry=reg), model_name)
         self.success = _WithModel(Counter("calexec_request_success",
                                           "Completion requests finished.",
                                           ["finished_reason", *model], registry=reg), model_name)

@@ -961,12 +961,14 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         limit = max_seq() if keep == -1 else keep
         return ids if limit is None or len(ids) <= limit else ids[len(ids) - limit:]
 
+    # the generation served, or during a recovery's gap between two generations the last one
+    # (service.contracts): a request is checked, and waits for Ready, as every other one
     def vocab() -> int | None:
-        generation = service.executor.generation
+        generation = service.contracts
         return None if generation is None else generation.vocab_size
 
     def max_seq() -> int | None:
-        generation = service.executor.generation
+        generation = service.contracts
         return None if generation is None else generation.submodels[TaskKind.DECODE].max_seq
 
     def chat_default(prompt_len: int) -> int:
@@ -991,7 +993,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
             if build is grammar.tool_setup:
                 return build(*args)
             n = vocab()
-            if n is None:  # no generation now: a grammar needs the vocabulary
+            if n is None:  # no generation served yet: a grammar needs the vocabulary
                 asked = grammar.response_format_schema(args[0])
                 if asked is None and not (len(args) > 1 and args[1].tools):
                     return None
@@ -1337,8 +1339,11 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
             state.count(k, run)
         finally:
             if state.failure is not None and not run.done:
-                run.status = Status.cancelled(Phase.CANCEL, "another choice of the request "
-                                              "failed")
+                # not request.cancelled (499: the client is gone): no client left; the
+                # request's answer is the other choice's failure
+                run.status = Status.failure("request.choice_cancelled", Category.CANCELLED,
+                                            Phase.CANCEL, "another choice of the request "
+                                            "failed", seq_id=run.seq_id)
             await service.finish(run, abandoned=True)
 
     async def _sse_many(request: Request, head: _Shape, state: _Choices,

@@ -45,7 +45,7 @@ from anyio import to_thread
 from calexec.contracts.errors import Category
 from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.status import Phase, Status
-from calexec.contracts.types import TaskKind
+from calexec.contracts.types import ModelGeneration, TaskKind
 from calexec.drivers.serving import byte_tokenizer, hf_tokenizer, sampling, wire
 from calexec.drivers.serving.admission import AdmissionQueue
 from calexec.drivers.serving.dumpsink import DumpSink
@@ -623,6 +623,15 @@ class CompletionService:
                 "num_gpu_blocks": "" if blocks is None else str(blocks),
                 "max_num_seqs": str(self.config.max_sequences)}
 
+    @property
+    def contracts(self) -> ModelGeneration | None:
+        """The contracts (vocabulary, context length) requests are checked against: the
+        current generation's, or while a recovery or model switch has released it and not yet
+        opened the next one, the last one served (a request then waits for Ready, checked as
+        it will be served; None only before any generation)."""
+        self._contracts = self.executor.generation or self._contracts
+        return self._contracts
+
     def health(self) -> list[str]:
         """Why the executor cannot serve now (empty: it can): ``executor.health()``."""
         return list(getattr(self.executor, "health", lambda: [])())
@@ -660,7 +669,7 @@ class CompletionService:
         if self.draining:
             return None, Status.unavailable(Phase.ADMISSION, "server is draining"), None
         # while a recovery replaces the generation, requests are validated against the last one
-        generation = self._contracts = self.executor.generation or self._contracts
+        generation = self.contracts
         if generation is None:
             return None, Status.unavailable(
                 Phase.ADMISSION, f"device lifecycle is {self.executor.state}"), None
