@@ -214,6 +214,9 @@ class _NoRequest:
 
 
 _NO_REQUEST = _NoRequest()
+#: how long ``decode_sync`` waits for the job it cancelled at the request's deadline (a job
+#: on the device is bounded by the §9.1 execution deadline; past this it returns anyway)
+_DECODE_SYNC_CANCEL_WAIT_S = 10.0
 
 
 class DeviceExecutor(SequenceOwnership):
@@ -944,8 +947,20 @@ class DeviceExecutor(SequenceOwnership):
             while not handle.done and (self.submit_one() or self.complete_one()):
                 pass
         result = handle.wait_until(request.deadline)
-        if not handle.done:  # the caller gets an error now: nobody takes this result, so
-            handle.cancel()  # the job must not write its logits_out later (FI12)
+        if not handle.done and isinstance(result, Status):  # the caller gets an error now:
+            handle.cancel()  # nobody takes this result: it must not write logits_out (FI12)
+            # The caller has no handle to wait on: wait (bounded) here for the cancelled job
+            # to resolve, so that once decode_sync returns its sequence may be released and
+            # its logits_out reused (docs/embedding.md section 3).
+            if self.config.threads:
+                handle.wait_until(self.clock.monotonic() + _DECODE_SYNC_CANCEL_WAIT_S)
+            else:
+                while not handle.done and (self.submit_one() or self.complete_one()):
+                    pass
+            result = Status.deadline(
+                Phase.WAIT, "decode_sync deadline passed; the job was cancelled"
+                + ("" if handle.done else f" and is still on its way (state {handle.state})"),
+                job_id=result.job_id, seq_id=result.seq_id, generation=result.generation)
         if isinstance(result, Status):
             code = llama_decode_code(result)
             log.warning("decode_sync failed: code=%d job_id=%s seq_id=%s generation=%s raw=%s "

@@ -717,3 +717,19 @@ def test_the_documented_example_runs_and_yields_the_oracle_tokens(calbin, capsys
     assert results == [expected_greedy([3, 14, 15, 92], 7), expected_greedy([65, 35, 89, 79], 7)]
     out = capsys.readouterr().out
     assert "executor Stopped: ok" in out and "withheld" not in out
+
+
+def test_decode_sync_past_its_deadline_returns_once_the_cancelled_job_let_go(calbin):
+    """decode_sync gives the caller no handle, so when the deadline passes with the job on
+    the device it waits (bounded) for the job it cancelled: the sequence can be released at
+    once afterwards (not ``kv.sequence_busy``), and the Status says the job was cancelled,
+    not that it continues (found at stop 44 by an embedder)."""
+    # a 59-token prefill at 20 ms a token runs on the device long past its 50 ms deadline
+    with running_job_path(calbin, device_config="prefill_per_token_us=20000") as ex:
+        tokens = list(range(1, 60))
+        code, status = ex.decode_sync(prefill(7, tokens, seconds=0.05, kv_reserve_len=63))
+        assert code == 2 and isinstance(status, Status), status
+        assert status.code == "wait.deadline" and status.seq_id == 7
+        assert "cancelled" in status.message and "continues" not in status.message
+        released = ex.release_sequence(7)
+        assert released.ok, released
