@@ -48,8 +48,8 @@ import logging
 import math
 import threading
 from collections import deque
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Collection
+from typing import TYPE_CHECKING, Any, cast
 
 import attrs
 import numpy as np
@@ -60,6 +60,7 @@ from calexec.contracts.prepare import InferenceRequest, check_request
 from calexec.contracts.status import Phase, Status, llama_decode_code
 from calexec.contracts.types import EngineSlot, ModelGeneration, TaskKind
 from calexec.machines import switch_check
+from calexec.machines.api import ExecutorSnapshot
 from calexec.machines.autoarm import AutoArm
 from calexec.machines.chart_names import (
     JOB_EV_ADMIT,
@@ -975,7 +976,8 @@ class DeviceExecutor(SequenceOwnership):
                       logits_out: np.ndarray | None = None,
                       want_logits: tuple[int, int] | None = None, max_len: int | None = None,
                       request_id: int = 0, greedy_ahead: bool = False,
-                      stop_tokens: Any = (), max_steps: int | None = None) -> DecodeStream:
+                      stop_tokens: Collection[int] = (), max_steps: int | None = None
+                      ) -> DecodeStream:
         """Decode steps of ``seq_id`` from ``past_len`` (its committed length) with the next
         job pre-armed while the current one runs: ``stream.step(token)`` per token. Every job
         has ``deadline`` (absolute ``time.monotonic()``); ``max_len``: the stream never arms
@@ -993,10 +995,10 @@ class DeviceExecutor(SequenceOwnership):
         return stream
 
     # ---- observability ---------------------------------------------------------------------------
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> ExecutorSnapshot:
         dispatch = self.dispatch.snapshot()
         pool = self.pool
-        return {
+        return cast(ExecutorSnapshot, {
             "lifecycle": self.life.run.state,
             "generation": None if self.gen is None else self.gen.id,
             "queued": dispatch["queued"],
@@ -1018,4 +1020,4 @@ class DeviceExecutor(SequenceOwnership):
             "waiting_for_ready": self.life.ready_waiters,
             "retired_generations_kept": len(self.life.retired),
             **self.counters,
-        }
+        })
