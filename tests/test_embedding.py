@@ -726,3 +726,14 @@ def test_decode_sync_past_its_deadline_returns_once_the_cancelled_job_let_go(cal
         assert "cancelled" in status.message and "continues" not in status.message
         released = ex.release_sequence(7)
         assert released.ok, released
+
+
+def test_the_package_ships_py_typed_so_a_users_mypy_reads_its_annotations():
+    """PEP 561: without ``calexec/py.typed`` a user's ``mypy --strict`` refuses every
+    ``calexec`` import ("missing library stubs or py.typed marker"), so the typed protocols
+    of machines/api.py never reach the embedder (found at stop 44 by an embedder)."""
+    import importlib.resources
+    import tomllib
+    assert (importlib.resources.files("calexec") / "py.typed").is_file()
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert "py.typed" in pyproject["tool"]["setuptools"]["package-data"]["calexec"]
