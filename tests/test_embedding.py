@@ -737,3 +737,20 @@ def test_the_package_ships_py_typed_so_a_users_mypy_reads_its_annotations():
     assert (importlib.resources.files("calexec") / "py.typed").is_file()
     pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
     assert "py.typed" in pyproject["tool"]["setuptools"]["package-data"]["calexec"]
+
+
+def test_a_stream_step_with_no_generation_is_unavailable_not_an_invalid_token(calbin):
+    """With no model generation (here: after shutdown; also between two during a switch) a
+    stream's step used to answer ``request.invalid`` "token=1: outside [0, vocab_size=0)",
+    a 400 blaming a valid token. It is ``lifecycle.unavailable`` (503: retry elsewhere), as
+    ``enqueue`` answers then (found at stop 44 by an embedder)."""
+    with running_job_path(calbin) as ex:
+        assert ex.shutdown(grace=5.0).ok
+        stream = ex.decode_stream(1, 0, deadline(BOUND_S))
+        assert stream.submit_nowait(1) is None  # it cannot answer without blocking
+        step = stream.step(1)
+        assert isinstance(step, Status), step
+        assert (step.code, step.category.name, step.seq_id) == (
+            "lifecycle.unavailable", "UNAVAILABLE", 1), step
+        assert "Stopped" in step.message and stream.closed
+        assert stream.submit(1) is step  # the closed stream keeps its reason
