@@ -754,3 +754,24 @@ def test_a_stream_step_with_no_generation_is_unavailable_not_an_invalid_token(ca
             "lifecycle.unavailable", "UNAVAILABLE", 1), step
         assert "Stopped" in step.message and stream.closed
         assert stream.submit(1) is step  # the closed stream keeps its reason
+
+
+def test_a_second_start_raises_at_once_and_the_executor_serves_on(calbin):
+    """``start()`` is called once (docs/embedding.md section 1). A second call used to open
+    a second device and configure generation 2 over the first one's handles before the
+    lifecycle chart raised IllegalTransition, leaking the first device. It raises a
+    RuntimeError naming the call and touches nothing: the executor serves on generation 1 and
+    shuts down cleanly (found at stop 44 by an embedder)."""
+    with running_job_path(calbin) as ex:
+        with pytest.raises(RuntimeError, match=r"start\(\) called a second time"):
+            ex.start()
+        assert ex.state == "Ready" and ex.health() == []
+        result = ex.enqueue(prefill(1, PROMPT)).wait_until(deadline(BOUND_S))
+        assert isinstance(result, InferenceResult), result
+        assert result.argmax == expected_greedy(PROMPT, 0)[0]
+        assert result.generation == 1 == ex.snapshot()["generation"]
+        assert ex.release_sequence(1, 1.0).ok
+        status = ex.shutdown(grace=5.0)
+        assert status.ok and ex.state == "Stopped", status
+        with pytest.raises(RuntimeError, match="second time"):
+            ex.start()  # after shutdown too: nothing reopened
