@@ -712,6 +712,32 @@ def test_the_documented_example_runs_and_yields_the_oracle_tokens(calbin, capsys
     assert "executor Stopped: ok" in out and "withheld" not in out
 
 
+def test_the_documented_example_type_checks_with_mypy_strict(tmp_path, monkeypatch):
+    """The page says "type your code against them": its complete example passes a
+    ``DeviceExecutor`` where ``InferenceExecutor`` is expected, and must pass ``mypy
+    --strict`` against the package as installed (py.typed; the layer folders under
+    calexec/, linked as .ci/lint does). Found at stop 44: the snapshot and stop_tokens
+    annotations made DeviceExecutor no InferenceExecutor for mypy, and the example's own
+    helper was untyped."""
+    api = pytest.importorskip("mypy.api")
+    root = DOC.parent.parent
+    package = tmp_path / "site" / "calexec"
+    package.mkdir(parents=True)
+    for f in [*(root / "calexec").glob("*.py"), root / "calexec" / "py.typed"]:
+        (package / f.name).symlink_to(f)
+    for layer in ("contracts", "machines", "drivers"):
+        (package / layer).symlink_to(root / layer, target_is_directory=True)
+    text = DOC.read_text(encoding="utf-8")
+    block = text.split("<!-- embedding-example:start -->", 1)[1].split(
+        "<!-- embedding-example:end -->", 1)[0]
+    example = tmp_path / "example.py"
+    example.write_text(block.split("```python\n", 1)[1].rsplit("```", 1)[0], encoding="utf-8")
+    monkeypatch.setenv("MYPYPATH", str(tmp_path / "site"))
+    out, err, rc = api.run(["--strict", "--follow-imports=silent", "--config-file=",
+                            f"--cache-dir={tmp_path / 'mypy-cache'}", str(example)])
+    assert rc == 0, out + err
+
+
 def test_decode_sync_past_its_deadline_returns_once_the_cancelled_job_let_go(calbin):
     """decode_sync gives the caller no handle, so when the deadline passes with the job on
     the device it waits (bounded) for the job it cancelled: the sequence can be released at
