@@ -713,12 +713,12 @@ def test_the_documented_example_runs_and_yields_the_oracle_tokens(calbin, capsys
 
 
 def test_the_documented_example_type_checks_with_mypy_strict(tmp_path, monkeypatch):
-    """The page says "type your code against them": its complete example passes a
-    ``DeviceExecutor`` where ``InferenceExecutor`` is expected, and must pass ``mypy
-    --strict`` against the package as installed (py.typed; the layer folders under
-    calexec/, linked as .ci/lint does). Found at stop 44: the snapshot and stop_tokens
-    annotations made DeviceExecutor no InferenceExecutor for mypy, and the example's own
-    helper was untyped."""
+    """The page says "type your code against them": its complete example, which passes a
+    ``DeviceExecutor`` where ``InferenceExecutor`` is expected, and examples/asyncio_server.py
+    must pass ``mypy --strict`` against the package as installed (py.typed; the layer folders
+    under calexec/, linked as .ci/lint does). Found at stop 44: the snapshot and stop_tokens
+    annotations made DeviceExecutor no InferenceExecutor for mypy, and both examples had
+    untyped helpers."""
     api = pytest.importorskip("mypy.api")
     root = DOC.parent.parent
     package = tmp_path / "site" / "calexec"
@@ -733,8 +733,9 @@ def test_the_documented_example_type_checks_with_mypy_strict(tmp_path, monkeypat
     example = tmp_path / "example.py"
     example.write_text(block.split("```python\n", 1)[1].rsplit("```", 1)[0], encoding="utf-8")
     monkeypatch.setenv("MYPYPATH", str(tmp_path / "site"))
+    server = root / "examples" / "asyncio_server.py"  # the page's other example
     out, err, rc = api.run(["--strict", "--follow-imports=silent", "--config-file=",
-                            f"--cache-dir={tmp_path / 'mypy-cache'}", str(example)])
+                            f"--cache-dir={tmp_path / 'mypy-cache'}", str(example), str(server)])
     assert rc == 0, out + err
 
 
