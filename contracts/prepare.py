@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Iterator, Sequence
-from typing import SupportsIndex
+from typing import SupportsFloat, SupportsIndex
 
 import attrs
 import numpy as np
@@ -63,11 +63,54 @@ def valid_logits_row(token_count: int, tile_d0: int) -> int:
     return (token_count - 1) % tile_d0
 
 
+def _index(field: str, value: object) -> int:
+    """``operator.index(value)``; a TypeError names the field and the value (a newcomer's
+    ``past_len=1.0`` or ``seq_id="3"`` says which argument it was)."""
+    try:
+        return operator.index(value)  # type: ignore[arg-type]  # checked: TypeError below
+    except TypeError:
+        raise TypeError(f"InferenceRequest.{field}={value!r}: expected an int, got "
+                        f"{type(value).__name__}") from None
+
+
 def _seq_ids(value: SupportsIndex | tuple[SupportsIndex, ...] | list[SupportsIndex]
              ) -> tuple[int, ...]:
     if isinstance(value, (tuple, list)):
-        return tuple(operator.index(v) for v in value)
-    return (operator.index(value),)
+        return tuple(_index("seq_id", v) for v in value)
+    return (_index("seq_id", value),)
+
+
+def _kind(value: int) -> TaskKind:
+    try:
+        return TaskKind(value)
+    except ValueError:
+        raise ValueError(f"InferenceRequest.kind={value!r}: not a TaskKind (one of "
+                         f"{', '.join(k.name for k in TaskKind)})") from None
+
+
+def _past_len(value: SupportsIndex) -> int:
+    return _index("past_len", value)
+
+
+def _request_id(value: SupportsIndex) -> int:
+    return _index("request_id", value)
+
+
+def _kv_reserve_len(value: SupportsIndex | None) -> int | None:
+    return None if value is None else _index("kv_reserve_len", value)
+
+
+def _deadline(value: SupportsFloat) -> float:
+    """An absolute ``time.monotonic()`` value (None is no deadline here: pass one)."""
+    if isinstance(value, (str, bytes)):  # float("3") would parse it: refuse, as for None
+        raise TypeError(f"InferenceRequest.deadline={value!r}: expected an absolute "
+                        f"time.monotonic() value (a float), got {type(value).__name__}")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"InferenceRequest.deadline={value!r}: expected an absolute "
+                        f"time.monotonic() value (a float), got {type(value).__name__}"
+                        ) from None
 
 
 def _optional_array(instance: object, attribute: attrs.Attribute[np.ndarray | None],
@@ -78,7 +121,12 @@ def _optional_array(instance: object, attribute: attrs.Attribute[np.ndarray | No
 
 
 def _optional_range(value: Sequence[SupportsIndex] | None) -> tuple[int, int] | None:
-    return None if value is None else (operator.index(value[0]), operator.index(value[1]))
+    if value is None:
+        return None
+    if not isinstance(value, Sequence) or len(value) != 2:
+        raise TypeError(f"InferenceRequest.want_logits={value!r}: expected (base, count) "
+                        "or None")
+    return (_index("want_logits", value[0]), _index("want_logits", value[1]))
 
 
 @attrs.frozen(eq=False)
@@ -94,18 +142,19 @@ class InferenceRequest:
     """
 
     seq_ids: tuple[int, ...] = attrs.field(alias="seq_id", converter=_seq_ids)
-    kind: TaskKind = attrs.field(converter=TaskKind)
+    kind: TaskKind = attrs.field(converter=_kind)
     positions: np.ndarray | None = attrs.field(validator=_optional_array)
-    past_len: int = attrs.field(converter=operator.index)
-    deadline: float = attrs.field(converter=float)
+    past_len: int = attrs.field(converter=_past_len)
+    deadline: float = attrs.field(converter=_deadline)
     tokens: np.ndarray | None = attrs.field(default=None, validator=_optional_array)
     embeddings: np.ndarray | None = attrs.field(default=None, validator=_optional_array)
     want_logits: tuple[int, int] | None = attrs.field(default=None, converter=_optional_range)
-    request_id: int = attrs.field(default=0, converter=operator.index)
+    request_id: int = attrs.field(default=0, converter=_request_id)
     #: KV tokens the whole request needs to finish (prompt + max new tokens): the prefill
     #: reserves them up front, all or nothing (§7, no hold and wait); None: this job's only.
-    kv_reserve_len: int | None = attrs.field(default=None, converter=attrs.converters.optional(
-        operator.index), validator=attrs.validators.optional(attrs.validators.ge(0)))
+    kv_reserve_len: int | None = attrs.field(
+        default=None, converter=_kv_reserve_len,
+        validator=attrs.validators.optional(attrs.validators.ge(0)))
 
     @property
     def seq_id(self) -> int:

@@ -36,9 +36,9 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 import attrs
 import numpy as np
@@ -55,6 +55,7 @@ from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 
 log = logging.getLogger("asyncio_server")
 T = TypeVar("T")
+P = ParamSpec("P")
 #: how long a finished generation waits for its cancelled last job before withholding its id
 RELEASE_WAIT_S = 30.0
 
@@ -75,7 +76,7 @@ class _Run:
     seq_id: int
     handle: CompletionHandle | None = None
     stream: DecodeSteps | None = None
-    pending: asyncio.Future | None = None
+    pending: asyncio.Future[Any] | None = None
 
 
 class Embedding:
@@ -90,23 +91,25 @@ class Embedding:
             self.free.put_nowait(seq_id)
         self.sequences = sequences
         self.withheld: set[int] = set()
-        self.finishing: set[asyncio.Task] = set()
+        self.finishing: set[asyncio.Task[None]] = set()
 
-    async def call(self, fn: Callable[..., T], *args, **kwargs) -> T:
+    async def call(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """A call that may block, on a control thread."""
         return await asyncio.get_running_loop().run_in_executor(
             self.control, functools.partial(fn, *args, **kwargs))
 
-    async def _blocking(self, run: _Run, fn: Callable[..., T], *args, **kwargs) -> T:
+    async def _blocking(self, run: _Run, fn: Callable[P, T], *args: P.args,
+                        **kwargs: P.kwargs) -> T:
         """``call`` for a generation: if the generation is cancelled meanwhile the call still
         ends on its thread, and its result (a handle, a stream) goes to the finish."""
-        run.pending = asyncio.ensure_future(self.call(fn, *args, **kwargs))
-        value = await asyncio.shield(run.pending)
+        pending: asyncio.Future[T] = asyncio.ensure_future(self.call(fn, *args, **kwargs))
+        run.pending = pending
+        value = await asyncio.shield(pending)
         run.pending = None
         return value
 
     async def generate(self, prompt: list[int], max_tokens: int, stop: frozenset[int],
-                       deadline: float) -> AsyncIterator[int]:
+                       deadline: float) -> AsyncGenerator[int, None]:
         """The greedy tokens of ``prompt``; raises ``Refused`` with the Status that ended it.
         Use it under ``contextlib.aclosing`` so that an early exit gives everything back."""
         try:  # (asyncio.timeout, not wait_for: a cancel never loses an id already taken)
@@ -220,21 +223,23 @@ class JsonLineServer:
         self.embedding = embedding
         self.host, self.port = host, port
         self.server: asyncio.Server | None = None
-        self.generations: set[asyncio.Task] = set()
-        self.connections: set[asyncio.Task] = set()
+        self.generations: set[asyncio.Task[None]] = set()
+        self.connections: set[asyncio.Task[Any]] = set()
         self.draining = False
 
     async def start(self) -> None:
         self.server = await asyncio.start_server(self._connection, self.host, self.port)
         self.port = self.server.sockets[0].getsockname()[1]
 
-    async def _send(self, writer: asyncio.StreamWriter, message: dict) -> None:
+    async def _send(self, writer: asyncio.StreamWriter, message: dict[str, Any]) -> None:
         writer.write(json.dumps(message).encode() + b"\n")
         await writer.drain()
 
     async def _connection(self, reader: asyncio.StreamReader,
                           writer: asyncio.StreamWriter) -> None:
-        self.connections.add(asyncio.current_task())
+        me = asyncio.current_task()  # a connection handler runs in its own task
+        if me is not None:
+            self.connections.add(me)
         try:
             while line := await reader.readline():
                 try:
@@ -254,7 +259,8 @@ class JsonLineServer:
         except (ConnectionError, asyncio.IncompleteReadError):
             pass  # the client went away: its generation was cancelled with this task
         finally:
-            self.connections.discard(asyncio.current_task())
+            if me is not None:
+                self.connections.discard(me)
             writer.close()
 
     async def _generation(self, body: object, writer: asyncio.StreamWriter) -> None:
@@ -279,7 +285,8 @@ class JsonLineServer:
         cancel them), close the connections and shut the executor down."""
         end = time.monotonic() + grace
         self.draining = True
-        self.server.close()
+        if self.server is not None:
+            self.server.close()
         if self.generations:
             await asyncio.wait(set(self.generations), timeout=grace)
         for task in (*self.generations, *self.connections):

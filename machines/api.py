@@ -250,8 +250,8 @@ class InferenceExecutor(Protocol):
     def decode_sync(self, request: InferenceRequest, logits_out: np.ndarray | None = None
                     ) -> tuple[int, InferenceResult | Status]:
         """``llama_decode``-style: enqueue and block until resolved or the request's deadline
-        (then the job is cancelled). ``(0, result)`` or ``(llama_decode_code(status),
-        status)``."""
+        (then the job is cancelled and waited for, bounded, so that its sequence may be
+        released on return). ``(0, result)`` or ``(llama_decode_code(status), status)``."""
         ...
 
     def decode_stream(self, seq_id: int, past_len: int, deadline: float,

@@ -198,6 +198,8 @@ class DeviceLifecycle:
         self.golden_source: str | None = None  # the current generation's: pinned|config|unpinned
         self.unpinned_goldens: set[str] = set()  # calbin sha256s accepted by allow_unpinned_golden
         self.start_status: Status | None = None
+        #: ``start`` was called (under ``mu``): a second call raises before touching anything
+        self._started = False
         self.failure: Status | None = None  # why the lifecycle is Failed
 
     # ---- lifecycle guards (LifecycleChart) ------------------------------------------------
@@ -261,8 +263,19 @@ class DeviceLifecycle:
         """Open the device and generation 1, warm up with the golden run, go Ready.
 
         FI01: the manifest is resolved against ``GetAllModels`` before ``configure``; a
-        mismatch refuses the generation and nothing is configured."""
+        mismatch refuses the generation and nothing is configured.
+
+        Called once: a second call raises ``RuntimeError`` before it touches anything (it
+        used to open a second device and configure a generation over the first one's
+        handles, and only then raise from the chart, leaking the first device)."""
         host = self._host
+        with self.mu:
+            if self._started:
+                raise RuntimeError(
+                    f"DeviceExecutor.start() called a second time (lifecycle "
+                    f"{self.run.state}); start is called once: build a new DeviceExecutor "
+                    "to start again")
+            self._started = True
         rc, host.device = host.runtime.open_device(host.config.device_config)
         status = (Status.from_calrt(rc, Phase.CONFIGURE, "device open") if rc != 0 else
                   self._enable_phase_b())

@@ -48,8 +48,8 @@ import logging
 import math
 import threading
 from collections import deque
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Collection
+from typing import TYPE_CHECKING, Any, cast
 
 import attrs
 import numpy as np
@@ -60,6 +60,7 @@ from calexec.contracts.prepare import InferenceRequest, check_request
 from calexec.contracts.status import Phase, Status, llama_decode_code
 from calexec.contracts.types import EngineSlot, ModelGeneration, TaskKind
 from calexec.machines import switch_check
+from calexec.machines.api import ExecutorSnapshot
 from calexec.machines.autoarm import AutoArm
 from calexec.machines.chart_names import (
     JOB_EV_ADMIT,
@@ -214,6 +215,9 @@ class _NoRequest:
 
 
 _NO_REQUEST = _NoRequest()
+#: how long ``decode_sync`` waits for the job it cancelled at the request's deadline (a job
+#: on the device is bounded by the §9.1 execution deadline; past this it returns anyway)
+_DECODE_SYNC_CANCEL_WAIT_S = 10.0
 
 
 class DeviceExecutor(SequenceOwnership):
@@ -944,8 +948,20 @@ class DeviceExecutor(SequenceOwnership):
             while not handle.done and (self.submit_one() or self.complete_one()):
                 pass
         result = handle.wait_until(request.deadline)
-        if not handle.done:  # the caller gets an error now: nobody takes this result, so
-            handle.cancel()  # the job must not write its logits_out later (FI12)
+        if not handle.done and isinstance(result, Status):  # the caller gets an error now:
+            handle.cancel()  # nobody takes this result: it must not write logits_out (FI12)
+            # The caller has no handle to wait on: wait (bounded) here for the cancelled job
+            # to resolve, so that once decode_sync returns its sequence may be released and
+            # its logits_out reused (docs/embedding.md section 3).
+            if self.config.threads:
+                handle.wait_until(self.clock.monotonic() + _DECODE_SYNC_CANCEL_WAIT_S)
+            else:
+                while not handle.done and (self.submit_one() or self.complete_one()):
+                    pass
+            result = Status.deadline(
+                Phase.WAIT, "decode_sync deadline passed; the job was cancelled"
+                + ("" if handle.done else f" and is still on its way (state {handle.state})"),
+                job_id=result.job_id, seq_id=result.seq_id, generation=result.generation)
         if isinstance(result, Status):
             code = llama_decode_code(result)
             log.warning("decode_sync failed: code=%d job_id=%s seq_id=%s generation=%s raw=%s "
@@ -960,7 +976,8 @@ class DeviceExecutor(SequenceOwnership):
                       logits_out: np.ndarray | None = None,
                       want_logits: tuple[int, int] | None = None, max_len: int | None = None,
                       request_id: int = 0, greedy_ahead: bool = False,
-                      stop_tokens: Any = (), max_steps: int | None = None) -> DecodeStream:
+                      stop_tokens: Collection[int] = (), max_steps: int | None = None
+                      ) -> DecodeStream:
         """Decode steps of ``seq_id`` from ``past_len`` (its committed length) with the next
         job pre-armed while the current one runs: ``stream.step(token)`` per token. Every job
         has ``deadline`` (absolute ``time.monotonic()``); ``max_len``: the stream never arms
@@ -978,10 +995,10 @@ class DeviceExecutor(SequenceOwnership):
         return stream
 
     # ---- observability ---------------------------------------------------------------------------
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> ExecutorSnapshot:
         dispatch = self.dispatch.snapshot()
         pool = self.pool
-        return {
+        return cast(ExecutorSnapshot, {
             "lifecycle": self.life.run.state,
             "generation": None if self.gen is None else self.gen.id,
             "queued": dispatch["queued"],
@@ -1003,4 +1020,4 @@ class DeviceExecutor(SequenceOwnership):
             "waiting_for_ready": self.life.ready_waiters,
             "retired_generations_kept": len(self.life.retired),
             **self.counters,
-        }
+        })

@@ -188,6 +188,11 @@ class DecodeStream:
         if refused is not None:
             return refused
         ex, vocab = self.ex, self._vocab()
+        if vocab == 0:  # no generation (shut down, or between two): the token cannot be
+            # checked, and the request is not the caller's fault (503, not 400)
+            return self._close(Status.unavailable(
+                Phase.ADMISSION, f"device lifecycle is {ex.state}: no model generation is "
+                                 "loaded; not admitting", seq_id=self.seq_id))
         if not (isinstance(token, (int, np.integer)) and 0 <= token < vocab):
             return self._close(Status.invalid(6, f"token={token!r}: outside [0, vocab_size="
                                                  f"{vocab})"))

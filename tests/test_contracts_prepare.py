@@ -219,3 +219,28 @@ def test_slice_bounds_never_overflow_in_u64_arithmetic(offset, size, limit):
 def test_negative_operands_are_out_of_bounds(negative, other):
     assert not slice_bounds_ok(negative, other, other)
     assert not slice_bounds_ok(other, negative, 2**64)
+
+
+@pytest.mark.parametrize(("field", "value", "error"), [
+    ("deadline", None, TypeError),  # "no deadline" is not None here: float() said nothing
+    ("deadline", "soon", TypeError),
+    ("past_len", 1.5, TypeError),
+    ("seq_id", "3", TypeError),
+    ("seq_id", [1, 2.0], TypeError),
+    ("kind", 99, ValueError),
+    ("request_id", None, TypeError),
+    ("kv_reserve_len", 8.0, TypeError),
+    ("want_logits", 5, TypeError),
+    ("want_logits", (0, 1.5), TypeError),
+])
+def test_a_badly_typed_request_field_raises_naming_the_field_and_value(field, value, error):
+    """A newcomer's wrong type raises from the converter with ``InferenceRequest.<field>=
+    <value>`` in the message, not a bare "float() argument must be ..." that names neither
+    (found at stop 44 by an embedder)."""
+    fields = dict(seq_id=1, kind=TaskKind.PREFILL_IDS, tokens=np.arange(3, dtype=np.int32),
+                  positions=np.arange(3, dtype=np.int32), past_len=0, deadline=1.0)
+    fields[field] = value
+    with pytest.raises(error) as raised:
+        InferenceRequest(**fields)
+    assert f"InferenceRequest.{field}=" in str(raised.value), raised.value
+    assert repr(value) in str(raised.value) or repr(value[1]) in str(raised.value)

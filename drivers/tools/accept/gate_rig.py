@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
 
 import attrs
@@ -168,7 +168,7 @@ def hung_status(seq: int) -> Status:
                           f"job of seq {seq} unresolved past its deadline + {HANG_GRACE_S}s")
 
 
-def leased(snapshot: dict[str, Any]) -> int:
+def leased(snapshot: Mapping[str, Any]) -> int:  # an ExecutorSnapshot too
     """Slots currently out of the pool (Leased or InFlight) in an executor snapshot."""
     slots = snapshot.get("slots") or {}
     return int(slots.get("Leased", 0) + slots.get("InFlight", 0))
