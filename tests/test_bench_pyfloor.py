@@ -34,7 +34,7 @@ def loops():
     device = DeviceSpec()
     with tempfile.TemporaryDirectory() as tmp:
         path = device.calbin(tmp)
-        rt = bench._emulator_runtime(device)
+        rt = device.runtime()  # the bundled emulator (latency controls)
         direct = bench.DirectLoop(rt, path)
         threaded = ThreadedLoop(rt, path, bench.BENCH_SEQ, wait_s=10.0)
         try:
