@@ -49,6 +49,8 @@ class _LifecycleModel(Protocol):
 
     def golden_passed(self) -> bool: ...
 
+    def never_opened(self) -> bool: ...
+
 
 class _SlotModel(Protocol):
     def undo_slice_done(self) -> bool: ...
@@ -92,6 +94,10 @@ GUARD_RULES: dict[str, str] = {
     "all_submitted_drained": (
         "§9.1/§5.1-7: every submitted job has returned from Wait() (or been handed to a "
         "verified reset); no DMA buffer is released before that"
+    ),
+    "never_opened": (
+        "FI13: shutdown before start: no device was opened and no generation exists, so "
+        "there is nothing to drain and the exit is orderly (Stopped, not Failed)"
     ),
     "reset_confirmed": (
         "§9.1/§9.2: after the drain or the vendor-confirmed reset, the runtime no longer "
@@ -239,7 +245,9 @@ class LifecycleChart(StateMachine):
     drain = Ready.to(Draining)
     recover = Draining.to(Recovering, cond="all_submitted_drained")
     reconfigure = Recovering.to(Configuring, cond="reset_confirmed")
-    stop = Draining.to(Stopped, cond="all_submitted_drained")
+    # a shutdown before start(): nothing was opened, so the exit is orderly (not Failed)
+    stop = (Draining.to(Stopped, cond="all_submitted_drained")
+            | Configuring.to(Stopped, cond="never_opened"))
     # §9.2 model switch: a generation that fails to configure or to pass its golden is
     # refused and the last known good calbin is configured again (as Triton keeps the old
     # model on a failed reload); the previous model keeps serving after its own golden.

@@ -215,6 +215,12 @@ class DeviceLifecycle:
     def golden_passed(self) -> bool:
         return self._golden_ok
 
+    def never_opened(self) -> bool:
+        """``start()`` never ran: no device is open and no generation exists (a shutdown
+        before start has nothing to drain)."""
+        host = self._host
+        return not self._started and host.device is None and host.gen is None
+
     def all_submitted_drained(self) -> bool:
         host = self._host
         host.outcomes.reap_held(report=False)
@@ -275,6 +281,10 @@ class DeviceLifecycle:
                     f"DeviceExecutor.start() called a second time (lifecycle "
                     f"{self.run.state}); start is called once: build a new DeviceExecutor "
                     "to start again")
+            if self.stopping or self.run.final:
+                raise RuntimeError(
+                    f"DeviceExecutor.start() called after shutdown() (lifecycle "
+                    f"{self.run.state}); build a new DeviceExecutor to start again")
             self._started = True
         rc, host.device = host.runtime.open_device(host.config.device_config)
         status = (Status.from_calrt(rc, Phase.CONFIGURE, "device open") if rc != 0 else
@@ -825,6 +835,12 @@ class DeviceLifecycle:
             already_final = self.run.final
             self.stopping = True
             self.admitting = False
+            if self.never_opened() and self.run.state in (LIFECYCLE_CONFIGURING,
+                                                          LIFECYCLE_STOPPED):
+                if not already_final:
+                    self.run.send(LIFECYCLE_EV_STOP)  # before start(): nothing to drain
+                self.ready_cv.notify_all()
+                return Status.OK
             if self.run.state == LIFECYCLE_READY:
                 self.run.send(LIFECYCLE_EV_DRAIN)
             self.ready_cv.notify_all()

@@ -802,3 +802,28 @@ def test_a_second_start_raises_at_once_and_the_executor_serves_on(calbin):
         assert status.ok and ex.state == "Stopped", status
         with pytest.raises(RuntimeError, match="second time"):
             ex.start()  # after shutdown too: nothing reopened
+
+
+def test_shutdown_before_start_ends_stopped_and_start_then_refuses(calbin):
+    """An embedder whose own start-up failed before it called ``start()`` (a config check, a
+    port in use) calls ``shutdown()`` on the way out. Nothing was opened, so that is an
+    orderly exit: the lifecycle ends ``Stopped`` (``Configuring -> Stopped`` guarded by
+    ``never_opened``), not ``Failed``, which a supervisor reads as a broken device. A
+    ``start()`` after it raises naming the shutdown and opens nothing (found at stop 44, fixed
+    at stop 46)."""
+    from calexec.drivers.calrt.runtime import CalRT
+    from calexec.machines.executor import DeviceExecutor, ExecutorConfig
+    from calexec.machines.faults import RecordingFaultSink
+    from executor_harness import MANIFEST
+
+    ex = DeviceExecutor(CalRT.load(), MANIFEST, ExecutorConfig(calbin_path=str(calbin)),
+                        fault_sink=RecordingFaultSink())
+    status = ex.shutdown(grace=1.0)
+    assert status.ok, status
+    assert ex.state == "Stopped" and ex.failure is None
+    assert ex.shutdown(grace=1.0).ok and ex.state == "Stopped"  # idempotent
+    with pytest.raises(RuntimeError, match=r"start\(\) called after shutdown\(\)"):
+        ex.start()
+    assert ex.state == "Stopped" and ex.device is None
+    assert ex.snapshot()["generation"] in (0, None)
+

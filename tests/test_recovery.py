@@ -383,6 +383,9 @@ def lifecycle_scenarios(calbins):
     ex = DeviceExecutor(CalRT.load(), manifest, ExecutorConfig(calbin_path=calbins["other"]))
     status = ex.start()
     assert status.code == "golden.unpinned" and ex.state == "Failed"
+    # Configuring -> Stopped (shutdown before start: nothing was opened)
+    ex = DeviceExecutor(CalRT.load(), manifest, ExecutorConfig(calbin_path=calbins["main"]))
+    assert ex.shutdown(grace=1.0).ok and ex.state == "Stopped"
 
 
 @pytest.fixture(scope="module")
