@@ -215,9 +215,6 @@ class _NoRequest:
 
 
 _NO_REQUEST = _NoRequest()
-#: how long ``decode_sync`` waits for the job it cancelled at the request's deadline (a job
-#: on the device is bounded by the §9.1 execution deadline; past this it returns anyway)
-_DECODE_SYNC_CANCEL_WAIT_S = 10.0
 
 
 class DeviceExecutor(SequenceOwnership):
@@ -849,6 +846,22 @@ class DeviceExecutor(SequenceOwnership):
         """The §9.1 execution deadline of a submitted ``job`` (Clock.monotonic())."""
         return self.completion.execution_deadline(job)
 
+    def cancelled_job_bound(self, handle: JobHandle) -> float:
+        """By when (Clock.monotonic()) the cancelled job of ``handle`` is resolved, whatever
+        the device does: a submitted job by its §9.1 execution deadline (the completion
+        thread's Wait is bounded by it), one not submitted yet by the deadline it would have
+        if infer() accepted it now; plus ``timeout_grace_s`` for the completion thread to end
+        it. ``decode_sync`` waits this long for the job it cancelled at the caller's deadline."""
+        job = job_of(handle)
+        cfg = self.config
+        submitted_at = job.submitted_at  # 0.0 until infer() accepted it
+        if submitted_at:
+            end = self.completion.execution_deadline(job)
+        else:
+            end = (self.clock.monotonic() + cfg.execution_timeout_s
+                   + cfg.execution_timeout_per_token_s * job.request.token_count)
+        return end + cfg.timeout_grace_s
+
     # ---- threads ---------------------------------------------------------------------------------
     _stopping_threads = False
 
@@ -954,7 +967,7 @@ class DeviceExecutor(SequenceOwnership):
             # to resolve, so that once decode_sync returns its sequence may be released and
             # its logits_out reused (docs/embedding.md section 3).
             if self.config.threads:
-                handle.wait_until(self.clock.monotonic() + _DECODE_SYNC_CANCEL_WAIT_S)
+                handle.wait_until(self.cancelled_job_bound(handle))
             else:
                 while not handle.done and (self.submit_one() or self.complete_one()):
                     pass

@@ -827,3 +827,21 @@ def test_shutdown_before_start_ends_stopped_and_start_then_refuses(calbin):
     assert ex.state == "Stopped" and ex.device is None
     assert ex.snapshot()["generation"] in (0, None)
 
+
+def test_decode_sync_waits_for_its_cancelled_job_as_long_as_the_execution_deadline_allows(
+        calbin):
+    """The wait for the job decode_sync cancelled at its deadline is bounded by that job's
+    §9.1 execution deadline (``execution_timeout_s`` + per token, + ``timeout_grace_s``), by
+    which the completion thread resolves it whatever the device does. It used to be a fixed
+    10 s: a job the device finishes 12 s after the deadline (a slow prefill; an operator's
+    ``execution_timeout_s=60`` for a slow model) made decode_sync return "still on its way"
+    and the caller's ``release_sequence`` fail ``kv.sequence_busy`` (stop 44's leftover)."""
+    # 59 tokens at 200 ms a token: about 11.8 s on the device, past a 50 ms deadline
+    with running_job_path(calbin, device_config="prefill_per_token_us=200000",
+                          execution_timeout_s=60.0) as ex:
+        code, status = ex.decode_sync(prefill(8, list(range(1, 60)), seconds=0.05,
+                                              kv_reserve_len=63))
+        assert code == 2 and isinstance(status, Status), status
+        assert "still on its way" not in status.message, status
+        released = ex.release_sequence(8)
+        assert released.ok, released
