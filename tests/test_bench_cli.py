@@ -210,3 +210,34 @@ def test_bad_decode_us_names_the_flag_and_value(value, capsys):
     assert "--decode-us=" in err
     bad = value.split(",")[-1].strip()
     assert bad in err, err
+
+
+def test_the_timed_executor_has_the_system_clock_and_hand_offs_are_counted_aside(tmp_path):
+    """The hand-off counting clock wraps every condition and event of the executor (a tally
+    per notify, a lock per job's event): time and allocations on the very path the benchmark
+    times. The executor of the timed blocks is built as a serving one is, with the system
+    clock; hand-offs are counted on an executor of its own (found at stop 46: every mode's
+    timed figure included the counting)."""
+    from calexec.drivers.device_spec import DeviceSpec
+    from calexec.machines.clock import SYSTEM
+
+    device = DeviceSpec()
+    path = device.calbin(str(tmp_path))
+    rt = device.runtime()
+    timed = bench.ExecutorLoop(rt, path, device)
+    counting = bench.ExecutorLoop(rt, path, device, counting=True)
+    try:
+        assert timed.ex.clock is SYSTEM and timed.tally is None
+        assert isinstance(counting.ex.clock, bench.CountingClock)
+        prompt = bench.np.arange(1, 17, dtype=bench.np.int32)
+        for loop in (timed, counting):
+            loop.mode = "enqueue"
+            tokens, _ = loop.decode_block(prompt, 4)
+            assert len(tokens) == 5
+        assert set(timed.accounting(prompt, 5)) == {
+            "python_allocations_per_token", "numpy_data_allocations_per_token"}
+        handoffs = counting.accounting(prompt, 5)
+        assert handoffs["handoffs_per_token"] >= 3, handoffs  # the spec's thread roles
+    finally:
+        timed.close()
+        counting.close()

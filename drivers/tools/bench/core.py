@@ -90,7 +90,7 @@ from calexec.drivers.tools.bench.floor import FloorError, FloorLoop, build_floor
 from calexec.drivers.tools.bench.hostload import HostMeter, noise_line
 from calexec.drivers.tools.bench.pyfloor import ThreadedLoop
 from calexec.drivers.tools.bench.sim import PROFILE_DECODE_US
-from calexec.machines.clock import Clock
+from calexec.machines.clock import SYSTEM, Clock
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 from calexec.machines.generation import Generation
 from calexec.machines.job import InferenceResult, now_us
@@ -190,8 +190,9 @@ class HandoffTally:
     """Counts the executor's cross-thread hand-offs: every ``notify`` of a condition and every
     ``set`` of an event made by the clock below, split by whether a thread was waiting (a real
     hand-off: that thread wakes) or not (a signal nobody needed), and by the notifying thread.
-    Bench only: the executor gets a ``CountingClock`` here and the plain clock everywhere else,
-    so the hot path of a serving executor pays nothing for it."""
+    Bench only, and only on an executor of its own (``ExecutorLoop(counting=True)``): its
+    wrapped conditions and events cost time and allocations on the path, so the executor
+    the timed blocks measure has the system clock, as a serving executor has."""
 
     def __init__(self) -> None:
         self.counts: dict[tuple[str, str, bool], int] = {}
@@ -279,12 +280,17 @@ class ExecutorLoop:
     logits row. The prefill reserves the KV the whole block needs (``kv_reserve_len``), as the
     server does."""
 
-    def __init__(self, rt: CalRT, calbin_path: str, device: DeviceSpec = DeviceSpec()) -> None:
-        self.tally = HandoffTally()
+    def __init__(self, rt: CalRT, calbin_path: str, device: DeviceSpec = DeviceSpec(),
+                 counting: bool = False) -> None:
+        #: ``counting``: the executor gets a ``CountingClock`` (hand-offs counted, for
+        #: ``accounting`` only: its wrapped conditions and events cost time and allocations
+        #: on the path); otherwise the system clock, as a serving executor has, which is what
+        #: the timed blocks measure
+        self.tally = HandoffTally() if counting else None
         self.ex = DeviceExecutor(rt, device.manifest(),
                                  ExecutorConfig(calbin_path=calbin_path, inflight_capacity=1,
                                                 recovery=device.recovery()),
-                                 clock=CountingClock(self.tally))
+                                 clock=CountingClock(self.tally) if self.tally else SYSTEM)
         status = self.ex.start()
         if not status.ok:
             raise cliargs.UserError(f"executor start failed: {status}", cliargs.EXIT_REFUSED)
@@ -362,9 +368,10 @@ class ExecutorLoop:
         return tokens, times
 
     def accounting(self, prompt: np.ndarray, n: int) -> dict[str, Any]:
-        """Per decode token of the current mode, zero latency: cross-thread hand-offs
-        (``HandoffTally``) over ``n`` tokens, then Python allocations and numpy data buffers
-        (``alloccount``, every thread for Python's) over ``n`` more of the same block."""
+        """Per decode token of the current mode, zero latency, over ``n`` tokens: with a
+        counting clock the cross-thread hand-offs (``HandoffTally``), else Python
+        allocations and numpy data buffers (``alloccount``, every thread for Python's) of the
+        plain executor."""
         result = self._prefill(prompt, 2 * n + 1)
         token, past = [result.argmax], [len(prompt)]
         step, close = self._stepper(len(prompt), 2 * n + 1)
@@ -375,16 +382,16 @@ class ExecutorLoop:
 
         try:
             one()  # warm-up: the first step arms the next job
-            self.tally.reset()
-            for _ in range(n):
-                one()
-            out = self.tally.per_token(n)
+            if self.tally is not None:
+                self.tally.reset()
+                for _ in range(n):
+                    one()
+                return self.tally.per_token(n)
             allocs = alloccount.count(one, n, warmup=0)
         finally:
             close()
-        out["python_allocations_per_token"] = round(allocs.python, 2)
-        out["numpy_data_allocations_per_token"] = round(allocs.numpy_data, 2)
-        return out
+        return {"python_allocations_per_token": round(allocs.python, 2),
+                "numpy_data_allocations_per_token": round(allocs.numpy_data, 2)}
 
     def dma_violations(self) -> int:
         counters = self.ex.device.emu.counters()
@@ -589,10 +596,20 @@ def run_overhead(tokens: int, runs: int, zero_tokens: int, seed: int,
             if threads_loop is not None:
                 threads_loop.decode_block(prompts[0], warm)
             accounting = {}
-            for mode in modes:
-                executor.mode = mode
-                executor.decode_block(prompts[0], warm)
-                accounting[mode] = executor.accounting(prompts[0], account_tokens)
+            # hand-offs on an executor of their own with the counting clock, closed before
+            # anything is timed; allocations on the plain executor the timed blocks measure
+            counting = ExecutorLoop(rt, path, device, counting=True)
+            try:
+                for mode in modes:
+                    counting.mode = executor.mode = mode
+                    counting.decode_block(prompts[0], warm)
+                    executor.decode_block(prompts[0], warm)
+                    accounting[mode] = {
+                        **counting.accounting(prompts[0], account_tokens),
+                        **executor.accounting(prompts[0], account_tokens)}
+            finally:
+                dma_counted = counting.dma_violations()
+                counting.close()
             zero_timings: dict[str, list] = {mode: [] for mode in modes}
             zero = _paired_runs(direct, executor, modes, prompts, zero_tokens, "zero-latency",
                                 zero_timings, threads=threads_loop)
@@ -609,7 +626,7 @@ def run_overhead(tokens: int, runs: int, zero_tokens: int, seed: int,
                 profiles.append(_profile_report(us, tpot, tpot_timings, modes))
                 if first is None:
                     first = (tpot, tpot_timings)
-            dma = direct.dma_violations() + executor.dma_violations()
+            dma = direct.dma_violations() + executor.dma_violations() + dma_counted
             for c_floor in (floor_loop, floor3_loop):
                 if c_floor is not None:
                     dma += c_floor.dma_violations
