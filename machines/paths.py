@@ -638,14 +638,30 @@ def _graph(chart: CompiledChart) -> _Graph:
                 out.append(edge)
                 if after not in runs:
                     if len(runs) >= MAX_CONFIGURATIONS:
-                        raise ValueError(f"{chart.name}: more than {MAX_CONFIGURATIONS} "
-                                         f"configurations reachable; paths are not enumerated")
+                        raise ValueError(_too_many(chart))
                     runs[after] = (twin, origin, path)
                     frontier.append(after)
     graph = _Graph(tuple(starts), MappingProxyType(edges), MappingProxyType(entered),
                    MappingProxyType(rank), ordered)
     _GRAPHS[id(chart)] = (weakref.ref(chart, functools.partial(_forget, id(chart))), graph)
     return graph
+
+
+def _too_many(chart: CompiledChart) -> str:
+    """Why ``_graph`` stops: more than ``MAX_CONFIGURATIONS`` nodes, naming what multiplies
+    them (the history states: a node is the active states *and* what each history recorded)
+    and what still takes the chart."""
+    histories = [str(h.id) for state in chart.declaration.states_map.values()
+                 for h in getattr(state, "history", ()) or ()]
+    why = ""
+    if histories:
+        shown = ", ".join(histories[:6]) + (", ..." if len(histories) > 6 else "")
+        why = (f" (a configuration is the active states and what each of the chart's "
+               f"{len(histories)} history states recorded: {shown}; their combinations "
+               f"multiply)")
+    return (f"{chart.name}: more than {MAX_CONFIGURATIONS} configurations reachable{why}; "
+            f"paths are not enumerated (charts draw, cover and mutate still take the chart; "
+            f"drive its tests with a model of your own)")
 
 
 def _from(graph: _Graph, node: _Node, at_start: frozenset[int] = frozenset()

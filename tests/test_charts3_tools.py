@@ -1,0 +1,75 @@
+"""The toolkit's commands on a newcomer's python-statemachine 3 charts (stop 46, charts3):
+``tests/data/charts3/`` (see tests/test_charts3_runs.py for what each fixture declares)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from calexec.machines.chartref import load_chart
+from calexec.machines.paths import MAX_CONFIGURATIONS, as_data
+
+FIXTURES = Path(__file__).parent / "data" / "charts3"
+
+
+def _calexec(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
+        str(FIXTURES), os.environ.get("PYTHONPATH", "")]))}
+    return subprocess.run([sys.executable, "-m", "calexec", *args], cwd=FIXTURES, env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_paths_of_a_chart_whose_histories_multiply_its_configurations_say_why() -> None:
+    chart = load_chart("big_chart:BigChart", cwd=str(FIXTURES))
+    with pytest.raises(ValueError) as raised:
+        as_data(chart)
+    message = str(raised.value)
+    assert f"BigChart: more than {MAX_CONFIGURATIONS} configurations reachable" in message
+    assert "12 history states" in message and "h0, h1" in message
+    assert "charts draw, cover and mutate still take the chart" in message
+
+
+def test_paths_of_the_order_flow_reach_done_state_and_error_transitions() -> None:
+    chart = load_chart("order_flow:OrderFlow", cwd=str(FIXTURES))
+    data = as_data(chart)
+    taken = {(step["from"], step["event"], step["to"])
+             for walk in data["tour"] for step in walk}
+    assert ("draft", "submit", "checking") in taken
+    # error.execution is reached by sending it (python-statemachine takes it as any event)
+    assert ("fulfilment", "error.execution", "broken") in taken
+
+
+def test_cover_counts_done_state_error_execution_and_eventless_transitions() -> None:
+    done = _calexec("charts", "cover", "--chart", "order_flow:OrderFlow", "--chart",
+                    "media_player:MediaPlayer", "--", sys.executable, "-m", "pytest", "-q",
+                    "-p", "no:cacheprovider", "drive_fixtures.py::test_order",
+                    "drive_fixtures.py::test_media")
+    assert "transition coverage OrderFlow: 6/12 (50.0 %)" in done.stdout, done.stdout + done.stderr
+    untaken = [line.strip() for line in done.stdout.splitlines() if "untaken" in line]
+    # taken: submit, the unless-guarded eventless screening -> cleared, done.state.checking,
+    # pack, charge and the error.execution that charge's raising action caused
+    assert "untaken: screening --(eventless) [is_fraud]--> flagged" in untaken
+    assert not any("done.state.checking" in line or "error.execution" in line
+                   or "!is_fraud" in line for line in untaken)
+    assert "transition coverage MediaPlayer: 10/19 (52.6 %)" in done.stdout
+
+
+def test_draw_of_the_big_chart_and_the_fixtures_writes_their_files(tmp_path: Path) -> None:
+    for ref in ("media_player:MediaPlayer", "order_flow:OrderFlow", "big_chart:BigChart"):
+        done = _calexec("charts", "draw", ref, "--out", str(tmp_path))
+        assert done.returncode == 0, done.stderr
+        name = ref.split(":")[1]
+        dot = (tmp_path / f"{name}.dot").read_text()
+        assert "digraph" in dot
+
+
+def test_a_command_on_a_chart_class_python_statemachine_refuses_is_one_line_exit_2() -> None:
+    done = _calexec("charts", "paths", "bad_chart:Broken")
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "bad_chart:Broken" in lines[0] and "orphan" in lines[0]
+    assert "Traceback" not in done.stderr
