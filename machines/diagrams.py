@@ -131,14 +131,27 @@ def _event_label(chart: CompiledChart, event: str) -> str:
 
 
 def transition_label(chart: CompiledChart, transition: Transition) -> str:
-    """``Event [guards]`` of one transition; ``[else]`` for an unguarded fallback."""
-    text = _event_label(chart, transition.event)
+    """``Event [guards]`` of one transition; ``[else]`` for an unguarded fallback;
+    ``(eventless)`` for a transition of no event; `` (internal)`` after an internal one
+    (``internal=True`` or no target: its source is neither exited nor entered again, where
+    an external self transition on the same edge is)."""
+    text = _event_label(chart, transition.event) if transition.event else "(eventless)"
     if transition.guards:
-        return f"{text} [{', '.join(transition.guards)}]"
-    alternatives = chart.table[(transition.source, transition.event)]
-    if any(t.guards for t in alternatives if t.id < transition.id):
-        return f"{text} [else]"
-    return text
+        text = f"{text} [{', '.join(transition.guards)}]"
+    elif transition.event and any(t.guards for t in chart.table[(transition.source,
+                                                                 transition.event)]
+                                  if t.id < transition.id):
+        text = f"{text} [else]"
+    return f"{text} (internal)" if internal(chart, transition) else text
+
+
+def internal(chart: CompiledChart, transition: Transition) -> bool:
+    """Whether ``transition`` is internal: declared ``internal=True``, or with no target
+    (python-statemachine exits and enters nothing for either)."""
+    if transition.id >= len(chart.declared):
+        return False
+    declared = chart.declared[transition.id]
+    return bool(getattr(declared, "internal", False)) or getattr(declared, "target", 0) is None
 
 
 def groups(chart: CompiledChart) -> list[tuple[tuple[str, ...], tuple[Transition, ...]]]:
@@ -189,6 +202,9 @@ def _legend(chart: CompiledChart, boxed: bool, finals: list[str]) -> list[str]:
         ("<TD>Event [else]</TD>", "taken when the guarded alternative is refused"),
         ("<TD>two lines</TD>", "one edge, one transition per label line"),
     ]
+    if any(internal(chart, t) for t in chart.transitions):
+        rows.append(("<TD>Event (internal)</TD>",
+                     "internal: its source is not exited and entered again"))
     if boxed:
         rows.append(('<TD>dashed box &#8594;</TD>',
                      "<B>bold</B> edge leaving a dashed box: declared from EVERY state in it"))
@@ -397,8 +413,7 @@ def _render_nested_dot(chart: CompiledChart, active_state: str | None, taken: fr
     edges: dict[tuple[str, str], list[str]] = {}
     ids: dict[tuple[str, str], list[int]] = {}
     for t in chart.transitions:
-        label = transition_label(chart, t) if t.event else \
-            ("(eventless)" + (f" [{', '.join(t.guards)}]" if t.guards else ""))
+        label = transition_label(chart, t)
         edges.setdefault((t.source, t.target), []).append(label)
         ids.setdefault((t.source, t.target), []).append(t.id)
     for (source, target), labels in edges.items():

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from calexec.machines.chartref import load_chart
+from calexec.machines.diagrams import render_chart_dot
 from calexec.machines.paths import MAX_CONFIGURATIONS, as_data
 
 FIXTURES = Path(__file__).parent / "data" / "charts3"
@@ -73,3 +74,18 @@ def test_a_command_on_a_chart_class_python_statemachine_refuses_is_one_line_exit
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "bad_chart:Broken" in lines[0] and "orphan" in lines[0]
     assert "Traceback" not in done.stderr
+
+
+def test_an_internal_self_transition_is_drawn_apart_from_an_external_one() -> None:
+    """``tick = track.to.itself(internal=True)`` exits and enters nothing; ``restart =
+    track.to.itself()`` exits and re-enters the track (its regions back to their initial
+    states): the diagram drew both as one plain self loop, so a reader could not tell them
+    apart. The internal one is marked, and the legend says what the mark means."""
+    chart = load_chart("media_player:MediaPlayer", cwd=str(FIXTURES))
+    dot = render_chart_dot(chart)
+    loop = next(line for line in dot.splitlines() if line.startswith("track__anchor -> track__"))
+    assert 'label="Tick (internal)\\lRestart\\l"' in loop
+    assert "Event (internal)" in dot and "not exited and entered again" in dot
+    # a chart without internal transitions keeps its legend as it was
+    assert "(internal)" not in render_chart_dot(load_chart("order_flow:OrderFlow",
+                                                           cwd=str(FIXTURES)))
