@@ -495,7 +495,7 @@ def render_path_svg(chart: ChartLike, steps: Iterable[Mapping[str, Any]]) -> str
                 raise ValueError(f"{chart.name}: step {source} --{event}--> {target} is not "
                                  "a declared transition")
             taken.add(chosen.id)
-            last = target
+            last = _drawn_state(chart, target)
             passed_over = [g for t in candidates if t.id < chosen.id for g in t.guards]
             if passed_over:
                 line = f"{_event_label(chart, event)}: [{', '.join(passed_over)}] refused"
@@ -506,6 +506,18 @@ def render_path_svg(chart: ChartLike, steps: Iterable[Mapping[str, Any]]) -> str
         if line is not None:
             notes[source] = f"{notes[source]}\n{line}" if source in notes else line
     return svg_from_dot(render_chart_dot(chart, last, taken, notes))
+
+
+def _drawn_state(chart: CompiledChart, target: str) -> str:
+    """The state a path that ended by a transition to ``target`` is drawn filled in: the
+    target, or for a history state (a pseudo-state, no node of its own to fill) the compound
+    state it belongs to, which the run is then in."""
+    if target in chart.states:
+        return target
+    for state in chart.declaration.states_map.values():
+        if any(history.id == target for history in getattr(state, "history", ()) or ()):
+            return str(state.id)
+    raise ValueError(f"{chart.name}: a step's target {target!r} is not one of {chart.states}")
 
 
 def render_chart_svg(chart: ChartLike, active_state: str | None = None) -> str:
