@@ -131,16 +131,19 @@ def _event_label(chart: CompiledChart, event: str) -> str:
 
 
 def transition_label(chart: CompiledChart, transition: Transition) -> str:
-    """``Event [guards]`` of one transition; ``[else]`` for an unguarded fallback;
+    """``Event [guards]`` of one transition (``Event #2 [guards]`` when its state has several
+    guarded alternatives for the event: the order they are tried in, the first whose guards
+    hold being taken); ``[else]`` for an unguarded fallback;
     ``(eventless)`` for a transition of no event; `` (internal)`` after an internal one
     (``internal=True`` or no target: its source is neither exited nor entered again, where
     an external self transition on the same edge is)."""
     text = _event_label(chart, transition.event) if transition.event else "(eventless)"
+    slot = chart.table.get((transition.source, transition.event), ())
     if transition.guards:
+        if sum(1 for t in slot if t.guards) > 1:  # which is tried first decides, when both hold
+            text = f"{text} #{slot.index(transition) + 1}"
         text = f"{text} [{', '.join(transition.guards)}]"
-    elif transition.event and any(t.guards for t in chart.table[(transition.source,
-                                                                 transition.event)]
-                                  if t.id < transition.id):
+    elif transition.event and any(t.guards for t in slot if t.id < transition.id):
         text = f"{text} [else]"
     return f"{text} (internal)" if internal(chart, transition) else text
 
@@ -202,6 +205,9 @@ def _legend(chart: CompiledChart, boxed: bool, finals: list[str]) -> list[str]:
         ("<TD>Event [else]</TD>", "taken when the guarded alternative is refused"),
         ("<TD>two lines</TD>", "one edge, one transition per label line"),
     ]
+    if any(sum(1 for t in slot if t.guards) > 1 for slot in chart.table.values()):
+        rows.append(("<TD>Event #1 [g], #2 [h]</TD>",
+                     "tried in this order: the first whose guards hold is taken"))
     if any(internal(chart, t) for t in chart.transitions):
         rows.append(("<TD>Event (internal)</TD>",
                      "internal: its source is not exited and entered again"))

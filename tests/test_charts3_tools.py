@@ -89,3 +89,22 @@ def test_an_internal_self_transition_is_drawn_apart_from_an_external_one() -> No
     # a chart without internal transitions keeps its legend as it was
     assert "(internal)" not in render_chart_dot(load_chart("order_flow:OrderFlow",
                                                            cwd=str(FIXTURES)))
+
+
+def test_guarded_alternatives_of_one_event_are_drawn_in_the_order_they_are_tried() -> None:
+    """``play`` from ``stopped``: ``[has_license, network_up, !low_battery]`` first, then
+    ``[has_license, offline]``, then the fallback. When both guard sets hold the first wins;
+    drawn as two plain ``Play [..]`` lines the diagram read as if either could be taken. The
+    eventless alternatives of ``screening`` likewise."""
+    media = render_chart_dot(load_chart("media_player:MediaPlayer", cwd=str(FIXTURES)))
+    assert ('label="Play #1 [has_license, network_up, !low_battery]\\lPlay #2 [has_license, '
+            'offline]\\l"') in media
+    assert 'label="Play [else]\\l"' in media
+    assert "tried in this order: the first whose guards hold is taken" in media
+    orders = render_chart_dot(load_chart("order_flow:OrderFlow", cwd=str(FIXTURES)))
+    assert 'label="(eventless) #1 [is_fraud]\\l"' in orders
+    assert 'label="(eventless) #2 [!is_fraud]\\l"' in orders
+    # one guarded transition per state and event: no number, no legend row
+    assert 'label="(eventless) [is_vip]\\lDeliver\\l"' in orders
+    big = render_chart_dot(load_chart("big_chart:BigChart", cwd=str(FIXTURES)))
+    assert "#1" not in big and "tried in this order" not in big
