@@ -653,15 +653,24 @@ def _too_many(chart: CompiledChart) -> str:
     and what still takes the chart."""
     histories = [str(h.id) for state in chart.declaration.states_map.values()
                  for h in getattr(state, "history", ()) or ()]
-    why = ""
+    parallel = [str(state.id) for state in chart.declaration.states_map.values()
+                if state.parallel]
+    causes = []
+    if parallel:
+        causes.append(f"the states of the regions of its {len(parallel)} parallel state(s) "
+                      f"{_shown(parallel)} combine")
     if histories:
-        shown = ", ".join(histories[:6]) + (", ..." if len(histories) > 6 else "")
-        why = (f" (a configuration is the active states and what each of the chart's "
-               f"{len(histories)} history states recorded: {shown}; their combinations "
-               f"multiply)")
+        causes.append(f"a configuration is the active states and what each of the chart's "
+                      f"{len(histories)} history states recorded: {_shown(histories)}; their "
+                      f"combinations multiply")
+    why = f" ({'; '.join(causes)})" if causes else ""
     return (f"{chart.name}: more than {MAX_CONFIGURATIONS} configurations reachable{why}; "
             f"paths are not enumerated (charts draw, cover and mutate still take the chart; "
             f"drive its tests with a model of your own)")
+
+
+def _shown(names: list[str]) -> str:
+    return ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
 
 
 def _from(graph: _Graph, node: _Node, at_start: frozenset[int] = frozenset()

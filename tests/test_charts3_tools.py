@@ -34,6 +34,15 @@ def test_paths_of_a_chart_whose_histories_multiply_its_configurations_say_why() 
     assert "charts draw, cover and mutate still take the chart" in message
 
 
+def test_paths_of_a_chart_whose_parallel_regions_combine_past_the_bound_say_why() -> None:
+    chart = load_chart("big_chart:GridChart", cwd=str(FIXTURES))
+    with pytest.raises(ValueError) as raised:
+        as_data(chart)
+    message = str(raised.value)
+    assert f"GridChart: more than {MAX_CONFIGURATIONS} configurations reachable" in message
+    assert "the states of the regions of its 1 parallel state(s) grid combine" in message
+
+
 def test_paths_of_the_order_flow_reach_done_state_and_error_transitions() -> None:
     chart = load_chart("order_flow:OrderFlow", cwd=str(FIXTURES))
     data = as_data(chart)

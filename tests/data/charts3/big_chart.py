@@ -56,3 +56,32 @@ def _build() -> type:
 
 
 BigChart = _build()
+
+
+def _regions(count: int, size: int) -> type:
+    """A parallel state of ``count`` regions of ``size`` states each, in a cycle."""
+    body: dict[str, object] = {}
+    for region in range(count):
+        inner: dict[str, object] = {}
+        states = [State(initial=(i == 0)) for i in range(size)]
+        for i, state in enumerate(states):
+            inner[f"r{region}_{i}"] = state
+        step = states[0].to(states[1])
+        for i in range(1, size):
+            step |= states[i].to(states[(i + 1) % size])
+        inner[f"step{region}"] = step
+        body[f"region{region}"] = State.Compound.__class__(f"region{region}", (State.Compound,),
+                                                           inner)
+    return State.Parallel.__class__("grid", (State.Parallel,), body)
+
+
+def _build_grid() -> type:
+    grid = _regions(4, 10)
+    body: dict[str, object] = {"idle": State(initial=True), "grid": grid}
+    body["start"] = body["idle"].to(grid)  # type: ignore[attr-defined]
+    body["reset"] = grid.to(body["idle"])  # type: ignore[attr-defined]
+    return type(StateChart)("GridChart", (StateChart,), body)
+
+
+#: 4 regions of 10 states: 10,000 configurations, more than ``charts paths`` explores
+GridChart = _build_grid()
