@@ -23,6 +23,7 @@ import pytest
 from statemachine import State, StateMachine
 from statemachine.exceptions import TransitionNotAllowed
 
+from calexec.machines.chart_contracts import contracts_checked, precondition
 from calexec.machines.chartref import ChartRefError, load_chart
 from calexec.machines.compiled import (
     JOB,
@@ -32,6 +33,7 @@ from calexec.machines.compiled import (
     GuardRejected,
     compiled,
 )
+from calexec.machines.coverage import recording, report
 
 FIXTURES = Path(__file__).parent / "data" / "charts3"
 
@@ -127,6 +129,38 @@ def test_a_guard_refusing_with_data_is_guard_rejected() -> None:
     run.send("pay", amount=50)
     with pytest.raises(GuardRejected, match="cleared"):
         run.send("settle", amount=1)
+
+
+class Guarded(StateMachine):
+    """``Payment`` with a contract: a large payment is never settled uncleared."""
+
+    created = State(initial=True)
+    large = State()
+    small = State()
+    settled = State(final=True)
+
+    pay = created.to(large, cond="big") | created.to(small)
+    settle = large.to(settled, cond="cleared") | small.to(settled)
+
+    @precondition("settle")
+    def settles_only_what_was_paid(till: Till) -> bool:
+        return getattr(till, "paid", True)
+
+
+def test_a_send_with_data_is_recorded_by_coverage_and_checked_by_contracts() -> None:
+    with recording([Payment]) as recorder:
+        run = compiled(Payment).run(Till())
+        run.send("pay", amount=20)
+        run.send("settle", amount=20)
+    (coverage,) = report([Payment], recorder)
+    assert coverage.covered == 2 and {t.target for t in coverage.untaken} == {"small", "settled"}
+    till = Till()
+    till.paid = False  # type: ignore[attr-defined]
+    with contracts_checked(Guarded, raise_on_violation=False) as monitor:
+        run = compiled(Guarded).run(till)
+        run.send("pay", amount=20)
+        run.send("settle", amount=20)
+    assert [v.contract for v in monitor.violations] == ["settles_only_what_was_paid"]
 
 
 def test_calexecs_own_charts_keep_the_keyword_free_send_of_the_hot_path() -> None:
