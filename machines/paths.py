@@ -62,6 +62,7 @@ from statemachine.callbacks import CallbackGroup
 from calexec.machines.compiled import (
     ChartLike,
     ChartRun,
+    ChartTransitionError,
     CompiledChart,
     Transition,
     compiled,
@@ -968,7 +969,16 @@ def drive(run: ChartRun | StatechartRun, path: Path | Walk) -> str:
     for number, (step, outcomes) in enumerate(zip(path.steps, path.guards, strict=True), 1):
         model.outcomes = dict(outcomes)
         before = chart.taken[step.id]
-        run.send(step.event)
+        try:
+            run.send(step.event)
+        except ChartTransitionError:
+            raise
+        except Exception as err:  # a validator, guard or action of the chart raised
+            err.add_note(f"(raised by step {number} of {len(path.steps)} of a {chart.name} "
+                         f"path, {_describe(step)}: drive sends each event with no data, so a "
+                         f"validator or callback that needs some cannot be driven with a "
+                         f"GuardTable; drive it with a model of your own)")
+            raise
         if chart.taken[step.id] == before:
             raise PathNotFollowed(chart.name, number, len(path.steps), step, run.state,
                                   _unheard(chart.declaration, outcomes))

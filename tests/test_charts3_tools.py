@@ -9,10 +9,18 @@ import sys
 from pathlib import Path
 
 import pytest
+from statemachine import State, StateChart
 
 from calexec.machines.chartref import load_chart
+from calexec.machines.compiled import compiled
 from calexec.machines.diagrams import render_chart_dot
-from calexec.machines.paths import MAX_CONFIGURATIONS, as_data
+from calexec.machines.paths import (
+    MAX_CONFIGURATIONS,
+    GuardTable,
+    as_data,
+    drive,
+    transition_tour,
+)
 
 FIXTURES = Path(__file__).parent / "data" / "charts3"
 
@@ -117,3 +125,30 @@ def test_guarded_alternatives_of_one_event_are_drawn_in_the_order_they_are_tried
     assert 'label="(eventless) [is_vip]\\lDeliver\\l"' in orders
     big = render_chart_dot(load_chart("big_chart:BigChart", cwd=str(FIXTURES)))
     assert "#1" not in big and "tried in this order" not in big
+
+
+class Weighed(StateChart):
+    """A validator that needs event data (``weight``, no default)."""
+
+    a = State(initial=True)
+    b = State()
+    c = State(final=True)
+    go = a.to(b, validators="needs_weight")
+    end = b.to(c)
+
+    def needs_weight(self, weight: int) -> None:
+        if weight <= 0:
+            raise ValueError(f"weight must be positive, got {weight}")
+
+
+def test_a_step_whose_validator_needs_event_data_is_named_when_drive_fails() -> None:
+    """python-statemachine raises the validator's ``TypeError`` (missing ``weight``) for a
+    ``send("go")`` without data, as ``drive`` sends it: the error said nothing of the path,
+    the step or why; it now carries a note naming them."""
+    (walk,) = transition_tour(Weighed)
+    with pytest.raises(TypeError) as raised:
+        drive(compiled(Weighed).run(GuardTable.for_chart(Weighed)), walk)
+    notes = "\n".join(getattr(raised.value, "__notes__", []))
+    assert "missing 1 required positional argument: 'weight'" in str(raised.value)
+    assert "step 1 of 2 of a Weighed path, a --go--> b" in notes
+    assert "drive sends each event with no data" in notes
