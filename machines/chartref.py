@@ -55,7 +55,7 @@ def load_chart(ref: str, cwd: str | None = None) -> type[StateChart[Any]]:
         # import, sys.exit() and an argparse error (SystemExit) included
         why = str(err).splitlines()[0] if str(err) else ""
         raise ChartRefError(ref, f"cannot import module {module_name!r} from {root} "
-                            f"({type(err).__name__}: {why})") from err
+                            f"({type(err).__name__}{_where(err, root)}: {why})") from err
     found: object = module
     for part in class_name.split("."):
         found = getattr(found, part, None)
@@ -70,6 +70,26 @@ def load_chart(ref: str, cwd: str | None = None) -> type[StateChart[Any]]:
         raise ChartRefError(ref, f"{class_name} declares no states (a base class of "
                             f"charts? name the subclass that declares them)")
     return found
+
+
+def _where(err: BaseException, root: str) -> str:
+    """`` in chart class Broken at bad_chart.py:7`` for an error raised while a module under
+    ``root`` was imported: the chart class python-statemachine was creating when it refused
+    the definition (its metaclass's ``cls``), and the last line of a file under ``root`` the
+    error passed through; ``""`` when neither is known. The chart's own message names the
+    problem, not the class: a module of several charts would leave the reader guessing."""
+    chart = ""
+    line = ""
+    tb = err.__traceback__
+    while tb is not None:
+        made = tb.tb_frame.f_locals.get("cls") if tb.tb_frame.f_code.co_name == "__init__" else None
+        if isinstance(made, type) and issubclass(made, StateChart):
+            chart = made.__qualname__
+        filename = tb.tb_frame.f_code.co_filename  # "<frozen importlib...>": no file
+        if os.path.isabs(filename) and filename.startswith(root + os.sep):
+            line = f"{os.path.relpath(filename, root)}:{tb.tb_lineno}"
+        tb = tb.tb_next
+    return (f" in chart class {chart}" if chart else "") + (f" at {line}" if line else "")
 
 
 def _module_under(root: str, path: str) -> str | None:

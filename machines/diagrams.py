@@ -131,14 +131,30 @@ def _event_label(chart: CompiledChart, event: str) -> str:
 
 
 def transition_label(chart: CompiledChart, transition: Transition) -> str:
-    """``Event [guards]`` of one transition; ``[else]`` for an unguarded fallback."""
-    text = _event_label(chart, transition.event)
+    """``Event [guards]`` of one transition (``Event #2 [guards]`` when its state has several
+    guarded alternatives for the event: the order they are tried in, the first whose guards
+    hold being taken); ``[else]`` for an unguarded fallback;
+    ``(eventless)`` for a transition of no event; `` (internal)`` after an internal one
+    (``internal=True`` or no target: its source is neither exited nor entered again, where
+    an external self transition on the same edge is)."""
+    text = _event_label(chart, transition.event) if transition.event else "(eventless)"
+    slot = chart.table.get((transition.source, transition.event), ())
     if transition.guards:
-        return f"{text} [{', '.join(transition.guards)}]"
-    alternatives = chart.table[(transition.source, transition.event)]
-    if any(t.guards for t in alternatives if t.id < transition.id):
-        return f"{text} [else]"
-    return text
+        if sum(1 for t in slot if t.guards) > 1:  # which is tried first decides, when both hold
+            text = f"{text} #{slot.index(transition) + 1}"
+        text = f"{text} [{', '.join(transition.guards)}]"
+    elif transition.event and any(t.guards for t in slot if t.id < transition.id):
+        text = f"{text} [else]"
+    return f"{text} (internal)" if internal(chart, transition) else text
+
+
+def internal(chart: CompiledChart, transition: Transition) -> bool:
+    """Whether ``transition`` is internal: declared ``internal=True``, or with no target
+    (python-statemachine exits and enters nothing for either)."""
+    if transition.id >= len(chart.declared):
+        return False
+    declared = chart.declared[transition.id]
+    return bool(getattr(declared, "internal", False)) or getattr(declared, "target", 0) is None
 
 
 def groups(chart: CompiledChart) -> list[tuple[tuple[str, ...], tuple[Transition, ...]]]:
@@ -189,6 +205,12 @@ def _legend(chart: CompiledChart, boxed: bool, finals: list[str]) -> list[str]:
         ("<TD>Event [else]</TD>", "taken when the guarded alternative is refused"),
         ("<TD>two lines</TD>", "one edge, one transition per label line"),
     ]
+    if any(sum(1 for t in slot if t.guards) > 1 for slot in chart.table.values()):
+        rows.append(("<TD>Event #1 [g], #2 [h]</TD>",
+                     "tried in this order: the first whose guards hold is taken"))
+    if any(internal(chart, t) for t in chart.transitions):
+        rows.append(("<TD>Event (internal)</TD>",
+                     "internal: its source is not exited and entered again"))
     if boxed:
         rows.append(('<TD>dashed box &#8594;</TD>',
                      "<B>bold</B> edge leaving a dashed box: declared from EVERY state in it"))
@@ -397,8 +419,7 @@ def _render_nested_dot(chart: CompiledChart, active_state: str | None, taken: fr
     edges: dict[tuple[str, str], list[str]] = {}
     ids: dict[tuple[str, str], list[int]] = {}
     for t in chart.transitions:
-        label = transition_label(chart, t) if t.event else \
-            ("(eventless)" + (f" [{', '.join(t.guards)}]" if t.guards else ""))
+        label = transition_label(chart, t)
         edges.setdefault((t.source, t.target), []).append(label)
         ids.setdefault((t.source, t.target), []).append(t.id)
     for (source, target), labels in edges.items():
@@ -480,7 +501,7 @@ def render_path_svg(chart: ChartLike, steps: Iterable[Mapping[str, Any]]) -> str
                 raise ValueError(f"{chart.name}: step {source} --{event}--> {target} is not "
                                  "a declared transition")
             taken.add(chosen.id)
-            last = target
+            last = _drawn_state(chart, target)
             passed_over = [g for t in candidates if t.id < chosen.id for g in t.guards]
             if passed_over:
                 line = f"{_event_label(chart, event)}: [{', '.join(passed_over)}] refused"
@@ -491,6 +512,18 @@ def render_path_svg(chart: ChartLike, steps: Iterable[Mapping[str, Any]]) -> str
         if line is not None:
             notes[source] = f"{notes[source]}\n{line}" if source in notes else line
     return svg_from_dot(render_chart_dot(chart, last, taken, notes))
+
+
+def _drawn_state(chart: CompiledChart, target: str) -> str:
+    """The state a path that ended by a transition to ``target`` is drawn filled in: the
+    target, or for a history state (a pseudo-state, no node of its own to fill) the compound
+    state it belongs to, which the run is then in."""
+    if target in chart.states:
+        return target
+    for state in chart.declaration.states_map.values():
+        if any(history.id == target for history in getattr(state, "history", ()) or ()):
+            return str(state.id)
+    raise ValueError(f"{chart.name}: a step's target {target!r} is not one of {chart.states}")
 
 
 def render_chart_svg(chart: ChartLike, active_state: str | None = None) -> str:

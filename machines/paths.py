@@ -62,6 +62,7 @@ from statemachine.callbacks import CallbackGroup
 from calexec.machines.compiled import (
     ChartLike,
     ChartRun,
+    ChartTransitionError,
     CompiledChart,
     Transition,
     compiled,
@@ -638,14 +639,39 @@ def _graph(chart: CompiledChart) -> _Graph:
                 out.append(edge)
                 if after not in runs:
                     if len(runs) >= MAX_CONFIGURATIONS:
-                        raise ValueError(f"{chart.name}: more than {MAX_CONFIGURATIONS} "
-                                         f"configurations reachable; paths are not enumerated")
+                        raise ValueError(_too_many(chart))
                     runs[after] = (twin, origin, path)
                     frontier.append(after)
     graph = _Graph(tuple(starts), MappingProxyType(edges), MappingProxyType(entered),
                    MappingProxyType(rank), ordered)
     _GRAPHS[id(chart)] = (weakref.ref(chart, functools.partial(_forget, id(chart))), graph)
     return graph
+
+
+def _too_many(chart: CompiledChart) -> str:
+    """Why ``_graph`` stops: more than ``MAX_CONFIGURATIONS`` nodes, naming what multiplies
+    them (the history states: a node is the active states *and* what each history recorded)
+    and what still takes the chart."""
+    histories = [str(h.id) for state in chart.declaration.states_map.values()
+                 for h in getattr(state, "history", ()) or ()]
+    parallel = [str(state.id) for state in chart.declaration.states_map.values()
+                if state.parallel]
+    causes = []
+    if parallel:
+        causes.append(f"the states of the regions of its {len(parallel)} parallel state(s) "
+                      f"{_shown(parallel)} combine")
+    if histories:
+        causes.append(f"a configuration is the active states and what each of the chart's "
+                      f"{len(histories)} history states recorded: {_shown(histories)}; their "
+                      f"combinations multiply")
+    why = f" ({'; '.join(causes)})" if causes else ""
+    return (f"{chart.name}: more than {MAX_CONFIGURATIONS} configurations reachable{why}; "
+            f"paths are not enumerated (charts draw, cover and mutate still take the chart; "
+            f"drive its tests with a model of your own)")
+
+
+def _shown(names: list[str]) -> str:
+    return ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
 
 
 def _from(graph: _Graph, node: _Node, at_start: frozenset[int] = frozenset()
@@ -943,7 +969,16 @@ def drive(run: ChartRun | StatechartRun, path: Path | Walk) -> str:
     for number, (step, outcomes) in enumerate(zip(path.steps, path.guards, strict=True), 1):
         model.outcomes = dict(outcomes)
         before = chart.taken[step.id]
-        run.send(step.event)
+        try:
+            run.send(step.event)
+        except ChartTransitionError:
+            raise
+        except Exception as err:  # a validator, guard or action of the chart raised
+            err.add_note(f"(raised by step {number} of {len(path.steps)} of a {chart.name} "
+                         f"path, {_describe(step)}: drive sends each event with no data, so a "
+                         f"validator or callback that needs some cannot be driven with a "
+                         f"GuardTable; drive it with a model of your own)")
+            raise
         if chart.taken[step.id] == before:
             raise PathNotFollowed(chart.name, number, len(path.steps), step, run.state,
                                   _unheard(chart.declaration, outcomes))

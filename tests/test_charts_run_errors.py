@@ -34,7 +34,7 @@ class Model:
 
 def _runs(model: object) -> list:
     flat = compiled(Till).run(model)
-    assert type(flat).__name__ == "ChartRun"  # (the flat fast path is what is tested)
+    assert type(flat).__name__ == "EventDataRun"  # (the flat fast path of a user's chart)
     return [flat, StatechartRun(compiled(Till), model)]
 
 

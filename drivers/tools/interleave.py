@@ -45,9 +45,9 @@ from calexec.drivers.tools.explore import (
     TapeChooser,
     VirtualClock,
 )
-from calexec.machines.chart_contracts import enable_contracts
+from calexec.machines.chart_contracts import declared_contracts, enable_contracts
 from calexec.machines.clock import Clock
-from calexec.machines.compiled import ChartLike
+from calexec.machines.compiled import ChartLike, compiled
 
 #: what a scenario's final check or invariant returns: True/None (holds), False or a message
 Verdict = bool | str | None
@@ -97,6 +97,7 @@ def run_schedule(scenario: Scenario, chooser: TapeChooser | PCTChooser, *,
                  charts: Iterable[ChartLike] = (), steps: int = 100_000,
                  horizon_s: float = 60.0, seed: int | None = None) -> ScheduleFailure | None:
     """Run ``scenario`` once under ``chooser``'s schedule; the failure, or None."""
+    charts = _contracted(charts)
     sched = Scheduler(chooser)
     contracts = enable_contracts(*charts, raise_on_violation=False)
 
@@ -152,7 +153,7 @@ def explore_threads(scenario: Scenario, *, seeds: Iterable[int] = range(100), de
         raise TypeError(f"seeds={seeds!r}: an iterable of integer seeds, e.g. range({seeds!r})"
                         if isinstance(seeds, int) else
                         f"seeds={seeds!r}: an iterable of integer seeds, e.g. range(100)")
-    charts = tuple(charts)
+    charts = _contracted(charts)
     count = 0
     for seed in map(functools.partial(_index, "seeds"), seeds):  # lazily: count() may go on
         count += 1
@@ -176,6 +177,7 @@ def replay_threads(scenario: Scenario, choices: Sequence[int], *,
     if isinstance(choices, (str, bytes)):
         raise TypeError(f"choices={choices!r}: the choices a ScheduleFailure recorded")
     choices = [_index("choices", choice) for choice in choices]
+    charts = _contracted(charts)
     chooser = ReplayChooser(list(choices))
     found = run_schedule(scenario, chooser, invariant=invariant, charts=tuple(charts),
                          steps=steps, horizon_s=horizon_s)
@@ -183,6 +185,30 @@ def replay_threads(scenario: Scenario, choices: Sequence[int], *,
         raise ValueError(f"choices={_short(choices)}: not a schedule of this scenario "
                          f"({chooser.diverged}): the scenario or the code "
                          f"changed since they were recorded, or they are another scenario's")
+    return found
+
+
+def _contracted(charts: Iterable[ChartLike]) -> tuple[ChartLike, ...]:
+    """``charts`` as a tuple, each a chart class (or its ``CompiledChart``) that declares
+    contracts: else a ``TypeError`` (not a chart: a ``"module:Class"`` string, say) or
+    ``ValueError`` (no contract: an exploration that looked checked would check nothing, as
+    the pytest option ``--chart-contracts`` refuses), naming ``charts`` and the chart."""
+    if isinstance(charts, (str, bytes)) or not isinstance(charts, Iterable):
+        raise TypeError(f"charts={charts!r}: an iterable of chart classes whose contracts are "
+                        f"checked (e.g. charts=[Transfer])")
+    found = tuple(charts)
+    for chart in found:
+        try:
+            shared = compiled(chart)
+        except TypeError as err:
+            raise TypeError(f"charts: {err} (pass the class itself, e.g. charts=[Transfer]; "
+                            f"a 'module:Class' reference: calexec.machines.chartref."
+                            f"load_chart)") from None
+        if not declared_contracts(shared):
+            raise ValueError(f"charts: {shared.name} declares no contracts, so none would be "
+                             f"checked (declare them in the class with @invariant, "
+                             f"@precondition or @postcondition from "
+                             f"calexec.machines.chart_contracts, or leave it out of charts)")
     return found
 
 

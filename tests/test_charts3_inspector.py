@@ -1,0 +1,68 @@
+"""The live inspector on a newcomer's hierarchical chart (stop 46, charts3): the media player
+of ``tests/data/charts3/`` (history states, a parallel state in a compound inside a parallel
+root), followed as a compiled run and as a python-statemachine instance."""
+
+from __future__ import annotations
+
+import importlib
+import shutil
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("starlette", reason="the inspector's ASGI app needs the [server] extra")
+from starlette.testclient import TestClient  # noqa: E402
+
+from calexec.machines.chartref import load_chart  # noqa: E402
+from calexec.machines.compiled import compiled  # noqa: E402
+from calexec.machines.diagrams import render_path_svg  # noqa: E402
+from calexec.machines.inspector import Inspector, inspector_app  # noqa: E402
+
+FIXTURES = Path(__file__).parent / "data" / "charts3"
+RESUMED = ["play", "plug", "tick", "restart", "pause", "resume"]  # the last one: to H*
+
+
+def _media() -> object:
+    load_chart("media_player:MediaPlayer", cwd=str(FIXTURES))
+    return importlib.import_module("media_player")
+
+
+def test_the_path_of_a_run_that_resumed_a_history_state_is_drawn(tmp_path: Path) -> None:
+    """A run whose last transition went to a history state (``paused --resume--> hist``) made
+    the path page fill the history pseudo-state, which is no state: ``ValueError: active_state=
+    'hist' is not one of ...`` and a 500. The compound the history belongs to is filled."""
+    if shutil.which("dot") is None:
+        pytest.fail("graphviz 'dot' is needed (it is installed with the [server] tools)")
+    media = _media()
+    chart = media.MediaPlayer  # type: ignore[attr-defined]
+    inspector = Inspector()
+    runs: list[object] = []
+    inspector.register(chart, runs=lambda: runs)
+    run = compiled(chart).run(media.Player())  # type: ignore[attr-defined]
+    machine = chart(model=media.Player())  # type: ignore[attr-defined]
+    runs += [run, machine]
+    inspector.paths.follow("compiled", run)
+    inspector.paths.follow("instance", machine)
+    for event in RESUMED:
+        run.send(event)
+        machine.send(event)
+    with TestClient(inspector_app(inspector)) as client:
+        for run_id in ("compiled", "instance"):
+            page = client.get(f"/runs/{run_id}")
+            assert page.status_code == 200, page.text[:300]
+            data = client.get(f"/runs/{run_id}?format=json").json()
+            assert data["trail"][-1]["to"] == "hist"
+            assert data["state"] == ",".join(run.configuration)
+        counts = client.get("/live.json").json()["charts"]["MediaPlayer"]["counts"]
+    assert counts["playing"] == 2 and counts["headphones"] == 0 and counts["paused"] == 0
+    svg = render_path_svg(chart, [{"event": "play", "from": "stopped", "to": "playing"},
+                                  {"event": "pause", "from": "playing", "to": "paused"},
+                                  {"event": "resume", "from": "paused", "to": "hist"}])
+    assert 'id="s_hist"' in svg
+
+
+def test_a_path_step_to_a_target_the_chart_does_not_have_is_named() -> None:
+    media = _media()
+    with pytest.raises(ValueError, match="is not a declared transition"):
+        render_path_svg(media.MediaPlayer,  # type: ignore[attr-defined]
+                        [{"event": "resume", "from": "paused", "to": "nowhere"}])
