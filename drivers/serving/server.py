@@ -17,11 +17,14 @@ and 503 carry ``Retry-After``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import signal
+import socket
+import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
@@ -444,6 +447,19 @@ def _listening_url(sockname: tuple) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
+class _CutTracebacks(logging.Filter):
+    """After a forced exit: drops uvicorn's tracebacks of the tasks the exit cancels (each
+    cut request's ``Exception in ASGI application`` and the lifespan's, both a
+    ``CancelledError``); the cut is the one WARNING line ``DrainingServer`` writes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[0] is asyncio.CancelledError:
+            return False
+        message = record.getMessage()
+        return not (message.startswith("Traceback")
+                    and message.rstrip().endswith("CancelledError"))
+
+
 class DrainingServer(uvicorn.Server):
     """uvicorn server whose first SIGTERM/SIGINT drains the service (new requests 503,
     admitted ones finish, executor shut down) and then exits; a second signal forces exit,
@@ -462,11 +478,35 @@ class DrainingServer(uvicorn.Server):
         #: admitted requests still running when a second signal forced the exit (they are
         #: cut: no clean drain, ``calexec serve`` exits 3); 0 otherwise
         self.cut = 0
+        self._cut_tracebacks = _CutTracebacks()
         self._loop: asyncio.AbstractEventLoop | None = None
         service.on_drained.append(self._drained)
 
     def _drained(self, status: Status) -> None:
         self.should_exit = True
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """uvicorn's SIGTERM/SIGINT handlers, and SIGHUP handled as they are (a drain, then
+        a forced exit): by default SIGHUP (a closed terminal, ``kill -HUP``) ended the process
+        at once, every request cut, nothing logged."""
+        hup = getattr(signal, "SIGHUP", None)
+        if hup is None or threading.current_thread() is not threading.main_thread():
+            with super().capture_signals():
+                yield
+            return
+        previous = signal.signal(hup, self.handle_exit)
+        try:
+            with super().capture_signals():
+                yield
+        finally:
+            signal.signal(hup, previous)
+
+    def run(self, sockets: list[socket.socket] | None = None) -> None:
+        try:
+            super().run(sockets=sockets)
+        finally:
+            logging.getLogger("uvicorn.error").removeFilter(self._cut_tracebacks)
 
     async def startup(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -485,6 +525,7 @@ class DrainingServer(uvicorn.Server):
                 self.cut = self.service.active
                 log.warning("signal %s again: forced exit, %d request(s) cut",
                             signal.Signals(sig).name, self.cut)
+                logging.getLogger("uvicorn.error").addFilter(self._cut_tracebacks)
             self.should_exit = self.force_exit = True
             return
         log.info("signal %s: draining (grace %.1fs)", signal.Signals(sig).name, self.grace)
