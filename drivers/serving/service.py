@@ -1200,6 +1200,10 @@ class CompletionService:
         current = None if contracts is None else contracts.generation_id
         if current == run.generation_id:
             return None
+        if current is None and self.draining:  # the drain's grace ran out: shut down
+            return Status.unavailable(Phase.ADMISSION, f"server drained: its grace "
+                                      f"({self.drain_grace:g} s) ran out before the request "
+                                      "finished; retry", seq_id=run.seq_id)
         return Status.unavailable(Phase.ADMISSION, f"the request's generation {run.generation_id}"
                                   f" was replaced by {current} (recovery or model switch); "
                                   "retry", seq_id=run.seq_id)
@@ -1412,11 +1416,15 @@ class CompletionService:
         """Refuse new work (503), let admitted requests finish within ``grace`` seconds, then
         shut the executor down with the rest of the grace. Runs ``on_drained`` callbacks."""
         self.draining = True
+        if self.drain_grace is None:  # called without start_drain
+            self.drain_grace = grace
         self.admission.pump()  # requests waiting for a sequence id or Ready: 503 now
         deadline = time.monotonic() + grace
         await self._until_idle(deadline)
         slack = self.config.deadline_slack_s
         if self.active:
+            log.warning("drain: grace %gs over, %d request(s) still running are cut", grace,
+                        self.active)
             # the grace is over: a response still sending to a client that stopped reading
             # is cut now (it holds its sequence, KV and pre-armed slot until then), and what
             # it holds comes back (BoundedStreamingResponse, ``cut``)
