@@ -57,6 +57,19 @@ DRAIN_PARAMS = ("grace",)
 GRACE = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
 
 
+def json_type_name(value: object) -> str:
+    """The JSON name of a parsed JSON value's type, as a client wrote it (not Python's)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, list):
+        return "array"
+    return "string" if isinstance(value, str) else "object"
+
+
 def reload_body(raw: bytes) -> dict[str, Any] | tuple[Status, str | None]:
     """The ``/admin/reload`` body as a JSON object, or the 400 failure saying why it is not
     one and its ``param``: not JSON, not UTF-8, nested past the parser's recursion limit, not
@@ -68,7 +81,7 @@ def reload_body(raw: bytes) -> dict[str, Any] | tuple[Status, str | None]:
         return invalid(f"body: not valid JSON ({why}); send {{\"calbin\": PATH}}"), None
     if not isinstance(body, dict):
         return invalid(f"body: must be a JSON object {{\"calbin\": PATH}}, not "
-                       f"{type(body).__name__}"), None
+                       f"{json_type_name(body)}"), None
     unknown = sorted(key for key in body if key not in RELOAD_KEYS)
     if unknown:
         name = unknown[0][:80]
