@@ -134,3 +134,32 @@ def test_an_admin_body_of_the_wrong_json_type_is_named_by_its_json_name(tmp_path
     error = r.json()["error"]
     assert error["message"] == f'body: must be a JSON object {{"calbin": PATH}}, not {named}'
     assert error["param"] is None
+
+
+def test_an_unexpected_error_is_logged_with_the_request_id_its_client_got(tmp_path, monkeypatch,
+                                                                         caplog):
+    """The 500 ``server.unexpected_error`` answers an ``x-request-id``; the log's traceback
+    carried no request id, so an operator handed that id by a client could not find it."""
+    from fastapi.testclient import TestClient
+
+    from calexec.drivers.serving import openai_api
+    from calexec.drivers.serving.server import ServerConfig, create_app
+
+    def broken(model, raw):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(openai_api, "parse", broken)
+    executor = started_executor(tmp_path)
+    try:
+        app = create_app(executor, ServerConfig())
+        with caplog.at_level("ERROR", logger="calexec.server"), \
+                TestClient(app, raise_server_exceptions=False) as client:
+            r = client.post("/v1/completions", json={"prompt": "a secret prompt", "max_tokens": 1},
+                            headers={"X-Request-Id": "report-42"})
+    finally:
+        executor.shutdown(5.0)
+    assert r.status_code == 500 and r.headers["x-request-id"] == "report-42"
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == "calexec.server"]
+    assert lines == ["request report-42: POST /v1/completions: unexpected RuntimeError "
+                     "(traceback below)"], lines
+    assert not [line for line in caplog.messages if "secret prompt" in line]

@@ -115,9 +115,12 @@ def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
                                 f"{request.method} {request.url.path[:200]}: an unexpected "
                                 f"error ({type(exc).__name__}); the server logged it")
         service.metrics.observe_failure(status)
+        request_id = wire.request_id(request.scope)
+        # the id the client was answered with, so its report finds the traceback that follows
+        log.error("request %s: %s %s: unexpected %s (traceback below)", request_id,
+                  request.method, request.url.path[:200], type(exc).__name__)
         # (sent by Starlette's outermost middleware: wire.RequestIds does not see it)
-        return error_response(status, None, retry, 500,
-                              {wire.REQUEST_ID_HEADER: wire.request_id(request.scope)})
+        return error_response(status, None, retry, 500, {wire.REQUEST_ID_HEADER: request_id})
 
     def fail(status: Status, param: str | None = None, http_status: int | None = None,
              count: bool = True, headers: dict[str, str] | None = None) -> JSONResponse:
