@@ -163,3 +163,34 @@ def test_an_unexpected_error_is_logged_with_the_request_id_its_client_got(tmp_pa
     assert lines == ["request report-42: POST /v1/completions: unexpected RuntimeError "
                      "(traceback below)"], lines
     assert not [line for line in caplog.messages if "secret prompt" in line]
+
+
+def test_the_listening_line_comes_once_the_server_answers(tmp_path):
+    """``listening on http://...`` was logged before the executor's start (warm-up, golden):
+    a probe of that address was then refused for the whole start. It comes once the socket
+    listens; before the start a ``bound ...`` line says connections are refused until then."""
+    import subprocess
+    import sys
+
+    from test_server_support import free_port
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "calexec", "serve", "--port", str(port),
+                             "--log-level", "info"], stderr=subprocess.PIPE, text=True,
+                            cwd=tmp_path)
+    lines: list[str] = []
+    watchdog = threading.Timer(30.0, proc.kill)  # bounds the read below
+    watchdog.start()
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            lines.append(line)
+            if "listening on" in line or len(lines) > 50:
+                break
+        ready = httpx.get(f"http://127.0.0.1:{port}/ready", timeout=5)
+    finally:
+        watchdog.cancel()
+        killed(proc)
+    bound = [i for i, line in enumerate(lines) if "bound http://127.0.0.1:" in line]
+    assert bound and "connections are refused until it serves" in lines[bound[0]], lines
+    assert f"listening on http://127.0.0.1:{port}" in lines[-1], lines
+    assert ready.status_code == 200, ready.text
