@@ -194,3 +194,42 @@ def test_the_listening_line_comes_once_the_server_answers(tmp_path):
     assert bound and "connections are refused until it serves" in lines[bound[0]], lines
     assert f"listening on http://127.0.0.1:{port}" in lines[-1], lines
     assert ready.status_code == 200, ready.text
+
+
+def test_admin_drains_and_switches_are_logged(tmp_path, caplog):
+    """A drain by ``POST /admin/drain`` and a model switch left no line in the log (a signal's
+    drain did): the log showed uvicorn's ``Shutting down`` with no cause, a new generation
+    with none. Each is one line naming the request's id; a switch that fails says so."""
+    from fastapi.testclient import TestClient
+
+    from calexec.drivers.serving.server import ServerConfig, create_app
+    from calexec.drivers.synthetic import calbin as cb
+    from test_server_support import oracle_tokens
+
+    executor = started_executor(tmp_path)
+    seed = cb.DEFAULT_SEED ^ 0x77
+    other = tmp_path / "other.calbin"
+    sha = cb.write(str(other), cb.default_spec(seed=seed))
+    executor.goldens[sha] = tuple(oracle_tokens(list(executor.config.golden_tokens),
+                                                executor.config.golden_decode_steps + 1, seed))
+    unpinned = tmp_path / "unpinned.calbin"  # a calbin whose golden nobody pinned
+    cb.write(str(unpinned), cb.default_spec(seed=seed ^ 0x11))
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    try:
+        app = create_app(executor, ServerConfig(admin_token=TOKEN))
+        with caplog.at_level("INFO", logger="calexec.admin"), TestClient(app) as client:
+            ok = client.post("/admin/reload", json={"calbin": str(other)},
+                             headers={**auth, "X-Request-Id": "sw-1"})
+            bad = client.post("/admin/reload", json={"calbin": str(unpinned)}, headers=auth)
+            drain = client.post("/admin/drain", params={"grace": 5},
+                                headers={**auth, "X-Request-Id": "dr-1"})
+            wait_for(lambda: app.state.service.drain_status is not None, what="the drain")
+    finally:
+        executor.shutdown(5.0)
+    assert (ok.status_code, bad.status_code, drain.status_code) == (200, 500, 202)
+    lines = [r.getMessage() for r in caplog.records if r.name == "calexec.admin"]
+    assert lines[0] == f"admin: switching to calbin {str(other)!r}, x-request-id sw-1", lines
+    assert lines[1] == f"admin: calbin {str(other)!r} serves, generation 2", lines
+    assert lines[3].startswith(f"admin: switch to calbin {str(unpinned)!r} failed, lifecycle Ready")
+    assert lines[4] == "admin: draining (grace 5s), x-request-id dr-1", lines
+    assert len(lines) == 5, lines
