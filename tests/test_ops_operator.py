@@ -233,3 +233,109 @@ def test_admin_drains_and_switches_are_logged(tmp_path, caplog):
     assert lines[3].startswith(f"admin: switch to calbin {str(unpinned)!r} failed, lifecycle Ready")
     assert lines[4] == "admin: draining (grace 5s), x-request-id dr-1", lines
     assert len(lines) == 5, lines
+
+
+def scrape_checked(http: httpx.Client, seen: dict[tuple, float]) -> str:
+    """``/metrics`` parsed by prometheus_client's parser, held to what a monitoring stack
+    relies on: HELP and TYPE for every family, no NaN, cumulative histogram buckets, no
+    counter (or histogram count/sum/bucket) below its value at an earlier scrape (``seen``,
+    updated), label values from closed sets (no request id, prompt or client-sent text)."""
+    import math
+    import re
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = http.get("/metrics").text
+    helps = set(re.findall(r"^# HELP (\S+)", text, re.M))
+    types = set(re.findall(r"^# TYPE (\S+)", text, re.M))
+    assert helps == types and types, sorted(types ^ helps)
+    for family in text_string_to_metric_families(text):
+        buckets: dict[tuple, list[tuple[float, float]]] = {}
+        for sample in family.samples:
+            assert not math.isnan(sample.value), sample
+            for value in sample.labels.values():
+                assert "secret" not in value and not re.fullmatch(r"[0-9a-f]{32}", value), sample
+            key = (sample.name, tuple(sorted(sample.labels.items())))
+            monotone = family.type in ("counter", "histogram") and not sample.name.endswith(
+                "_created")
+            if monotone:
+                assert sample.value >= seen.get(key, 0.0), (key, seen.get(key), sample.value)
+                seen[key] = sample.value
+            if sample.name.endswith("_bucket"):
+                rest = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "le"))
+                buckets.setdefault(rest, []).append((float(sample.labels["le"]), sample.value))
+        for series in buckets.values():
+            counts = [count for _, count in sorted(series)]
+            assert counts == sorted(counts), (family.name, series)
+    return text
+
+
+def test_metrics_and_probes_through_the_lifecycle(tmp_path):
+    """docs/operations.md's probe table and metric promises, on a loopback server: serving,
+    under load (streamed and not), a model switch, a recovery (an injected CCU exception:
+    generation + 1), a drain."""
+    from calexec.drivers.calrt.runtime import Fault, FaultMode
+    from calexec.drivers.serving.server import ServerConfig, create_app
+    from calexec.drivers.synthetic import calbin as cb
+    from test_server_support import LiveServer, metric_value, oracle_tokens
+
+    executor = started_executor(tmp_path, "decode_us=2000")
+    seed = cb.DEFAULT_SEED ^ 0x77
+    other = tmp_path / "other.calbin"
+    sha = cb.write(str(other), cb.default_spec(seed=seed))
+    executor.goldens[sha] = tuple(oracle_tokens(list(executor.config.golden_tokens),
+                                                executor.config.golden_decode_steps + 1, seed))
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    seen: dict[tuple, float] = {}
+    app = create_app(executor, ServerConfig(admin_token=TOKEN, metrics_names="vllm"))
+    service = app.state.service
+
+    def load(url: str) -> list[int]:
+        codes: list[int] = []
+
+        def one(i: int) -> None:
+            body = {"prompt": f"secret prompt {i}", "max_tokens": 12, "stream": i % 2 == 0}
+            with httpx.Client(base_url=url, timeout=30) as client:
+                r = client.post("/v1/completions", json=body,
+                                headers={"X-Request-Id": f"{i:032x}"})
+                codes.append(r.status_code)
+        workers = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+        for worker in workers:
+            worker.start()
+        scrape_checked(http, seen)  # while they run
+        for worker in workers:
+            worker.join(30)
+        return codes
+
+    def probes() -> tuple[int, int]:
+        return http.get("/ready").status_code, http.get("/health").status_code
+    try:
+        with LiveServer(app) as server, httpx.Client(base_url=server.url, timeout=30) as http:
+            scrape_checked(http, seen)
+            assert probes() == (200, 200)
+            assert load(server.url) == [200] * 4
+            r = http.post("/admin/reload", json={"calbin": str(other)}, headers=auth)
+            assert r.status_code == 200 and r.json()["generation"] == 2, r.text
+            scrape_checked(http, seen)
+            assert probes() == (200, 200)
+            assert executor.device.emu.set_fault(Fault.CCU_EXCEPTION, FaultMode.NTH, 1, 0, 0) == 0
+            assert load(server.url) == [200] * 4  # the faulted one resumed
+            wait_for(lambda: probes() == (200, 200) and executor.gen.id == 3,
+                     what="Ready at generation 3")
+            text = scrape_checked(http, seen)
+            # the fault's recovery, not the switch: an alert on recoveries pages for faults
+            assert metric_value(text, "calexec_recoveries_total") == 1
+            assert metric_value(text, "calexec_model_switches_total", {"outcome": "ok"}) == 1
+            assert metric_value(text, "calexec_generation") == 3
+            r = http.post("/admin/drain", params={"grace": 5}, headers=auth)
+            assert r.status_code == 202
+            ready = http.get("/ready")
+            assert (ready.status_code, ready.headers["retry-after"]) == (503, "1")
+            assert http.get("/health").status_code == 200
+            wait_for(lambda: service.drain_status is not None, what="the drain")
+            text = scrape_checked(http, seen)
+            assert metric_value(text, "calexec_server_draining") == 1
+            assert metric_value(text, "calexec_lifecycle_state", {"state": "Stopped"}) == 1
+            assert probes() == (503, 200)
+    finally:
+        executor.shutdown(5.0)

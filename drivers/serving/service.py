@@ -58,6 +58,8 @@ from calexec.machines.api import CompletionHandle
 from calexec.machines.compiled import JOB
 
 log = logging.getLogger("calexec.server")
+#: the ``reason`` of a model switch's record in ``executor.recoveries``
+MODEL_SWITCH = "lifecycle.model_switch"
 
 
 def context_exceeded(message: str) -> Status:
@@ -582,7 +584,7 @@ class CompletionService:
         self.sends = wire.SendBounds()
         self._releasing: set[threading.Thread] = set()  # background sequence releases
         self._releasing_mu = threading.Lock()
-        self.metrics = ServerMetrics(executor.snapshot, self._server_gauges, config.model_name,
+        self.metrics = ServerMetrics(self._metrics_snapshot, self._server_gauges, config.model_name,
                                      config.metrics_names, self._cache_info,
                                      None if dump is None else dump.counts)
         self.tokenizer = hf_tokenizer.load(config.tokenizer_path)
@@ -599,6 +601,20 @@ class CompletionService:
         self._device_waits = [math.inf] * _DEVICE_WINDOW
         self._device_wait_at = 0
         self._contracts = executor.generation  # validation while the generation is replaced
+
+    def _metrics_snapshot(self) -> dict[str, Any]:
+        """``executor.snapshot()`` with its ``recoveries`` split: the executor counts a model
+        switch (``/admin/reload``) as a recovery (the lifecycle runs the same drain and golden),
+        which an alert on fault recoveries must not page for."""
+        snap = dict(self.executor.snapshot())
+        switches, recoveries = {"ok": 0, "failed": 0}, 0
+        for record in list(self.executor.recoveries):  # (one copy: both counts agree)
+            if record.get("reason") == MODEL_SWITCH:
+                switches["ok" if record.get("ok") else "failed"] += 1
+            else:
+                recoveries += 1
+        snap["recoveries"], snap["model_switches"] = recoveries, switches
+        return snap
 
     def _server_gauges(self) -> dict[str, float]:
         counts = self.sequences.counts()
