@@ -327,8 +327,11 @@ def main(argv: list[str]) -> int:
                                                     bound_port)
             if sample is not None:
                 sample.start(server, url)
+        # log_config=None: uvicorn's lines go through the root handler above, one format
+        # (``LEVEL logger: message``) for the whole log, not uvicorn's ``INFO:     ...``
         server = DrainingServer(uvicorn_config(app, host=args.host, port=port,
-                                               log_level=log_level, access_log=False),
+                                               log_level=log_level, access_log=False,
+                                               log_config=None),
                                 app.state.service, args.grace, on_started=started)
         server.run(sockets=[listener])
         service = app.state.service

@@ -194,6 +194,12 @@ def test_the_listening_line_comes_once_the_server_answers(tmp_path):
     assert bound and "connections are refused until it serves" in lines[bound[0]], lines
     assert f"listening on http://127.0.0.1:{port}" in lines[-1], lines
     assert ready.status_code == 200, ready.text
+    # one format for the whole log, uvicorn's lines included (they were ``INFO:     ...``)
+    import re
+    assert any("uvicorn" in line for line in lines), lines
+    odd = [line for line in lines if not re.match(r"(DEBUG|INFO|WARNING|ERROR|CRITICAL) "
+                                                    r"[\w.]+: \S", line)]
+    assert not odd, odd
 
 
 def test_admin_drains_and_switches_are_logged(tmp_path, caplog):
