@@ -345,3 +345,30 @@ def test_metrics_and_probes_through_the_lifecycle(tmp_path):
             assert probes() == (503, 200)
     finally:
         executor.shutdown(5.0)
+
+
+def test_a_signal_after_an_admin_drain_is_the_first_one_not_a_forced_exit(tmp_path):
+    """A preStop hook that drains by ``POST /admin/drain`` returns at once, then Kubernetes
+    sends SIGTERM: that signal was taken as the second one, a forced exit cutting the
+    requests the drain was finishing (exit 3). It is the first: the drain goes on (its own
+    grace), the stream ends whole, exit 0; a second signal still forces."""
+    token = tmp_path / "admin-token"
+    token.write_text(TOKEN)
+    token.chmod(0o600)
+    proc, url = serve_process(tmp_path, "--log-level", "info", "--grace", "30",
+                              "--admin-token-file", str(token),
+                              "--device-config", "decode_us=20000")
+    try:
+        worker, first, lines = stream_in_thread(url, 40)
+        assert first.wait(10)
+        r = httpx.post(f"{url}/admin/drain", params={"grace": 30}, timeout=5,
+                       headers={"Authorization": f"Bearer {TOKEN}"})
+        assert r.status_code == 202, r.text
+        proc.send_signal(signal.SIGTERM)
+        code, err = stopped(proc)
+        worker.join(10)
+    finally:
+        killed(proc)
+    assert b"data: [DONE]" in lines, lines[-2:]  # the drain finished it
+    assert code == 0, err
+    assert "signal SIGTERM: already draining (grace 30s)" in err and "forced" not in err, err

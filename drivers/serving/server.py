@@ -481,6 +481,8 @@ class DrainingServer(uvicorn.Server):
         #: admitted requests still running when a second signal forced the exit (they are
         #: cut: no clean drain, ``calexec serve`` exits 3); 0 otherwise
         self.cut = 0
+        #: a signal was handled (the next one forces the exit)
+        self.signalled = False
         self._cut_tracebacks = _CutTracebacks()
         self._loop: asyncio.AbstractEventLoop | None = None
         service.on_drained.append(self._drained)
@@ -523,15 +525,21 @@ class DrainingServer(uvicorn.Server):
             self._loop.call_soon_threadsafe(self.service.start_drain, self.grace)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self.service.draining or self._loop is None:
+        name = signal.Signals(sig).name
+        if self.signalled or self._loop is None:
             if not self.force_exit:  # the requests this forced exit cuts (``cut``)
                 self.cut = self.service.active
-                log.warning("signal %s again: forced exit, %d request(s) cut",
-                            signal.Signals(sig).name, self.cut)
+                log.warning("signal %s again: forced exit, %d request(s) cut", name, self.cut)
                 logging.getLogger("uvicorn.error").addFilter(self._cut_tracebacks)
             self.should_exit = self.force_exit = True
             return
-        log.info("signal %s: draining (grace %.1fs)", signal.Signals(sig).name, self.grace)
+        self.signalled = True
+        if self.service.drain_grace is not None:  # POST /admin/drain (a preStop hook's): the
+            # first signal is no "second" one; the drain keeps its own grace
+            log.info("signal %s: already draining (grace %gs); a second signal forces the "
+                     "exit", name, self.service.drain_grace)
+            return
+        log.info("signal %s: draining (grace %.1fs)", name, self.grace)
         self.drain_soon()
 
     async def on_tick(self, counter: int) -> bool:
