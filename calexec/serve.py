@@ -301,11 +301,11 @@ def main(argv: list[str]) -> int:
             print(f"calexec serve: {err}", file=sys.stderr)
             return EXIT_USAGE
         logging.getLogger("calexec.serve").info("reset_kind=%s from %s", reset_kind, why)
-        if not args.once:  # (uvicorn, handed the socket, does not say it; --once prints it)
-            bound_host, bound_port = listener.getsockname()[:2]
-            shown = f"[{bound_host}]" if ":" in bound_host else bound_host
-            logging.getLogger("calexec.serve").info("listening on http://%s:%d", shown,
-                                                    bound_port)
+        bound_host, bound_port = listener.getsockname()[:2]
+        shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+        logging.getLogger("calexec.serve").info(
+            "bound http://%s:%d; starting the executor (warm-up, golden): connections are "
+            "refused until it serves", shown, bound_port)
         status = executor.start()
         if not status.ok:
             print(f"calexec serve: executor failed to start: {status}", file=sys.stderr)
@@ -320,10 +320,19 @@ def main(argv: list[str]) -> int:
         sample = SampleRun(args.timeout + 10.0, sys.stdout, args.api_key) if args.once else None
         if sample is not None:
             sample.byte_level = args.tokenizer is None
+        def started(server: DrainingServer, url: str) -> None:
+            # once the socket listens, not before the executor's start: a probe of the logged
+            # address is then answered (uvicorn, handed the socket, does not say it)
+            logging.getLogger("calexec.serve").info("listening on http://%s:%d", shown,
+                                                    bound_port)
+            if sample is not None:
+                sample.start(server, url)
+        # log_config=None: uvicorn's lines go through the root handler above, one format
+        # (``LEVEL logger: message``) for the whole log, not uvicorn's ``INFO:     ...``
         server = DrainingServer(uvicorn_config(app, host=args.host, port=port,
-                                               log_level=log_level, access_log=False),
-                                app.state.service, args.grace,
-                                on_started=None if sample is None else sample.start)
+                                               log_level=log_level, access_log=False,
+                                               log_config=None),
+                                app.state.service, args.grace, on_started=started)
         server.run(sockets=[listener])
         service = app.state.service
         if service.drain_status is None:  # left the loop without a drain (failed executor)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 import math
 import re
 from typing import Any
@@ -22,6 +23,8 @@ from calexec.drivers.serving import wire
 from calexec.drivers.serving.error_bodies import error_response, invalid
 from calexec.drivers.serving.service import CompletionService, ServerConfig
 from calexec.machines import switch_check
+
+log = logging.getLogger("calexec.admin")
 
 #: longest ``/admin/reload`` path accepted (Linux PATH_MAX; ``DeviceExecutor.check_calbin``)
 MAX_PATH_CHARS = switch_check.MAX_PATH_CHARS
@@ -57,6 +60,19 @@ DRAIN_PARAMS = ("grace",)
 GRACE = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
 
 
+def json_type_name(value: object) -> str:
+    """The JSON name of a parsed JSON value's type, as a client wrote it (not Python's)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, list):
+        return "array"
+    return "string" if isinstance(value, str) else "object"
+
+
 def reload_body(raw: bytes) -> dict[str, Any] | tuple[Status, str | None]:
     """The ``/admin/reload`` body as a JSON object, or the 400 failure saying why it is not
     one and its ``param``: not JSON, not UTF-8, nested past the parser's recursion limit, not
@@ -68,7 +84,7 @@ def reload_body(raw: bytes) -> dict[str, Any] | tuple[Status, str | None]:
         return invalid(f"body: not valid JSON ({why}); send {{\"calbin\": PATH}}"), None
     if not isinstance(body, dict):
         return invalid(f"body: must be a JSON object {{\"calbin\": PATH}}, not "
-                       f"{type(body).__name__}"), None
+                       f"{json_type_name(body)}"), None
     unknown = sorted(key for key in body if key not in RELOAD_KEYS)
     if unknown:
         name = unknown[0][:80]
@@ -119,6 +135,9 @@ def add_admin_routes(app: FastAPI, service: CompletionService) -> None:
                                   "grace")
         started = service.drain_grace is None
         service.start_drain(grace)  # idempotent: a drain under way keeps its own grace
+        if started:  # (a signal's drain logs its own line)
+            log.info("admin: draining (grace %gs), x-request-id %s", grace,
+                     wire.request_id(request.scope))
         return JSONResponse({"draining": True, "grace": service.drain_grace,
                              "started": started}, status_code=202)
 
@@ -163,10 +182,15 @@ def add_admin_routes(app: FastAPI, service: CompletionService) -> None:
             return error_response(Status.unavailable(
                 Phase.RECOVERY, f"reload refused, lifecycle unchanged: {'; '.join(reasons)}"),
                 "calbin", retry_after=retry)
+        log.info("admin: switching to calbin %r, x-request-id %s", path,
+                 wire.request_id(request.scope))
         status = await to_thread.run_sync(executor.switch_model, path)
         if not status.ok:
+            log.warning("admin: switch to calbin %r failed, lifecycle %s: %s", path,
+                        executor.state, status)
             return error_response(status, "calbin")
         gen = executor.gen  # the switch succeeded: the new generation
+        log.info("admin: calbin %r serves, generation %s", path, None if gen is None else gen.id)
         return JSONResponse({"reloaded": True, "calbin": path,
                              "generation": None if gen is None else gen.id,
                              "lifecycle": executor.state})

@@ -13,6 +13,7 @@ for features an embedder's server would not need or would do otherwise:
 * ``gen``, ``check_calbin`` and ``switch_model``: the admin model switch, the calbin check
   before it (a 400, nothing drained) and its answer (admin.py);
 * ``config`` and ``job_trail``: the debug endpoint of one job's chart path (debug.py).
+* ``recoveries``: fault recoveries and model switches counted apart (service.py, metrics.py).
 
 ``DeviceExecutor`` satisfies it: ``calexec/serve.py`` and drivers/fleet/ray_serve.py hand one
 to ``create_app`` through ``served`` (see there for the one member mypy cannot check yet).
@@ -59,6 +60,11 @@ class ServedExecutor(InferenceExecutor, Protocol):
     def switch_model(self, calbin_path: str) -> Status: ...
 
     def job_trail(self, job_id: int) -> dict[str, Any] | None: ...
+
+    @property
+    def recoveries(self) -> list[dict[str, Any]]:
+        """One record per recovery or model switch (``reason``, ``ok``, generations)."""
+        ...
 
 
 def served(executor: DeviceExecutor) -> ServedExecutor:

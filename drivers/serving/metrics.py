@@ -108,9 +108,17 @@ class _ExecutorCollector(Collector):
                      "Effective in-flight capacity (2 in Phase B until a downgrade).",
                      snap["inflight_capacity"])
         recoveries = CounterMetricFamily("calexec_recoveries",
-                                         "Recoveries (drain, rebuild, golden) run by the executor.")
+                                         "Recoveries from faults (drain, reset, rebuild, golden) "
+                                         "run by the executor; model switches not included.")
         recoveries.add_metric([], snap["recoveries"])
         yield recoveries
+        switches = CounterMetricFamily("calexec_model_switches",
+                                       "Model switches (POST /admin/reload) by outcome: ok, "
+                                       "failed (rolled back or lifecycle failed).",
+                                       labels=["outcome"])
+        for outcome in ("ok", "failed"):
+            switches.add_metric([outcome], snap.get("model_switches", {}).get(outcome, 0))
+        yield switches
         downgrades = CounterMetricFamily("calexec_pingpong_downgrades",
                                          "Automatic Phase B downgrades to in-flight capacity 1.")
         downgrades.add_metric([], snap["downgrades"])

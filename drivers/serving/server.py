@@ -17,11 +17,14 @@ and 503 carry ``Retry-After``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import signal
+import socket
+import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
@@ -112,9 +115,12 @@ def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
                                 f"{request.method} {request.url.path[:200]}: an unexpected "
                                 f"error ({type(exc).__name__}); the server logged it")
         service.metrics.observe_failure(status)
+        request_id = wire.request_id(request.scope)
+        # the id the client was answered with, so its report finds the traceback that follows
+        log.error("request %s: %s %s: unexpected %s (traceback below)", request_id,
+                  request.method, request.url.path[:200], type(exc).__name__)
         # (sent by Starlette's outermost middleware: wire.RequestIds does not see it)
-        return error_response(status, None, retry, 500,
-                              {wire.REQUEST_ID_HEADER: wire.request_id(request.scope)})
+        return error_response(status, None, retry, 500, {wire.REQUEST_ID_HEADER: request_id})
 
     def fail(status: Status, param: str | None = None, http_status: int | None = None,
              count: bool = True, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -444,6 +450,19 @@ def _listening_url(sockname: tuple) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
+class _CutTracebacks(logging.Filter):
+    """After a forced exit: drops uvicorn's tracebacks of the tasks the exit cancels (each
+    cut request's ``Exception in ASGI application`` and the lifespan's, both a
+    ``CancelledError``); the cut is the one WARNING line ``DrainingServer`` writes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[0] is asyncio.CancelledError:
+            return False
+        message = record.getMessage()
+        return not (message.startswith("Traceback")
+                    and message.rstrip().endswith("CancelledError"))
+
+
 class DrainingServer(uvicorn.Server):
     """uvicorn server whose first SIGTERM/SIGINT drains the service (new requests 503,
     admitted ones finish, executor shut down) and then exits; a second signal forces exit,
@@ -462,11 +481,37 @@ class DrainingServer(uvicorn.Server):
         #: admitted requests still running when a second signal forced the exit (they are
         #: cut: no clean drain, ``calexec serve`` exits 3); 0 otherwise
         self.cut = 0
+        #: a signal was handled (the next one forces the exit)
+        self.signalled = False
+        self._cut_tracebacks = _CutTracebacks()
         self._loop: asyncio.AbstractEventLoop | None = None
         service.on_drained.append(self._drained)
 
     def _drained(self, status: Status) -> None:
         self.should_exit = True
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """uvicorn's SIGTERM/SIGINT handlers, and SIGHUP handled as they are (a drain, then
+        a forced exit): by default SIGHUP (a closed terminal, ``kill -HUP``) ended the process
+        at once, every request cut, nothing logged."""
+        hup = getattr(signal, "SIGHUP", None)
+        if hup is None or threading.current_thread() is not threading.main_thread():
+            with super().capture_signals():
+                yield
+            return
+        previous = signal.signal(hup, self.handle_exit)
+        try:
+            with super().capture_signals():
+                yield
+        finally:
+            signal.signal(hup, previous)
+
+    def run(self, sockets: list[socket.socket] | None = None) -> None:
+        try:
+            super().run(sockets=sockets)
+        finally:
+            logging.getLogger("uvicorn.error").removeFilter(self._cut_tracebacks)
 
     async def startup(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -480,14 +525,21 @@ class DrainingServer(uvicorn.Server):
             self._loop.call_soon_threadsafe(self.service.start_drain, self.grace)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self.service.draining or self._loop is None:
+        name = signal.Signals(sig).name
+        if self.signalled or self._loop is None:
             if not self.force_exit:  # the requests this forced exit cuts (``cut``)
                 self.cut = self.service.active
-                log.warning("signal %s again: forced exit, %d request(s) cut",
-                            signal.Signals(sig).name, self.cut)
+                log.warning("signal %s again: forced exit, %d request(s) cut", name, self.cut)
+                logging.getLogger("uvicorn.error").addFilter(self._cut_tracebacks)
             self.should_exit = self.force_exit = True
             return
-        log.info("signal %s: draining (grace %.1fs)", signal.Signals(sig).name, self.grace)
+        self.signalled = True
+        if self.service.drain_grace is not None:  # POST /admin/drain (a preStop hook's): the
+            # first signal is no "second" one; the drain keeps its own grace
+            log.info("signal %s: already draining (grace %gs); a second signal forces the "
+                     "exit", name, self.service.drain_grace)
+            return
+        log.info("signal %s: draining (grace %.1fs)", name, self.grace)
         self.drain_soon()
 
     async def on_tick(self, counter: int) -> bool:

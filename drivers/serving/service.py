@@ -58,6 +58,8 @@ from calexec.machines.api import CompletionHandle
 from calexec.machines.compiled import JOB
 
 log = logging.getLogger("calexec.server")
+#: the ``reason`` of a model switch's record in ``executor.recoveries``
+MODEL_SWITCH = "lifecycle.model_switch"
 
 
 def context_exceeded(message: str) -> Status:
@@ -582,7 +584,7 @@ class CompletionService:
         self.sends = wire.SendBounds()
         self._releasing: set[threading.Thread] = set()  # background sequence releases
         self._releasing_mu = threading.Lock()
-        self.metrics = ServerMetrics(executor.snapshot, self._server_gauges, config.model_name,
+        self.metrics = ServerMetrics(self._metrics_snapshot, self._server_gauges, config.model_name,
                                      config.metrics_names, self._cache_info,
                                      None if dump is None else dump.counts)
         self.tokenizer = hf_tokenizer.load(config.tokenizer_path)
@@ -599,6 +601,20 @@ class CompletionService:
         self._device_waits = [math.inf] * _DEVICE_WINDOW
         self._device_wait_at = 0
         self._contracts = executor.generation  # validation while the generation is replaced
+
+    def _metrics_snapshot(self) -> dict[str, Any]:
+        """``executor.snapshot()`` with its ``recoveries`` split: the executor counts a model
+        switch (``/admin/reload``) as a recovery (the lifecycle runs the same drain and golden),
+        which an alert on fault recoveries must not page for."""
+        snap = dict(self.executor.snapshot())
+        switches, recoveries = {"ok": 0, "failed": 0}, 0
+        for record in list(self.executor.recoveries):  # (one copy: both counts agree)
+            if record.get("reason") == MODEL_SWITCH:
+                switches["ok" if record.get("ok") else "failed"] += 1
+            else:
+                recoveries += 1
+        snap["recoveries"], snap["model_switches"] = recoveries, switches
+        return snap
 
     def _server_gauges(self) -> dict[str, float]:
         counts = self.sequences.counts()
@@ -1200,6 +1216,10 @@ class CompletionService:
         current = None if contracts is None else contracts.generation_id
         if current == run.generation_id:
             return None
+        if current is None and self.draining:  # the drain's grace ran out: shut down
+            return Status.unavailable(Phase.ADMISSION, f"server drained: its grace "
+                                      f"({self.drain_grace:g} s) ran out before the request "
+                                      "finished; retry", seq_id=run.seq_id)
         return Status.unavailable(Phase.ADMISSION, f"the request's generation {run.generation_id}"
                                   f" was replaced by {current} (recovery or model switch); "
                                   "retry", seq_id=run.seq_id)
@@ -1412,11 +1432,15 @@ class CompletionService:
         """Refuse new work (503), let admitted requests finish within ``grace`` seconds, then
         shut the executor down with the rest of the grace. Runs ``on_drained`` callbacks."""
         self.draining = True
+        if self.drain_grace is None:  # called without start_drain
+            self.drain_grace = grace
         self.admission.pump()  # requests waiting for a sequence id or Ready: 503 now
         deadline = time.monotonic() + grace
         await self._until_idle(deadline)
         slack = self.config.deadline_slack_s
         if self.active:
+            log.warning("drain: grace %gs over, %d request(s) still running are cut", grace,
+                        self.active)
             # the grace is over: a response still sending to a client that stopped reading
             # is cut now (it holds its sequence, KV and pre-armed slot until then), and what
             # it holds comes back (BoundedStreamingResponse, ``cut``)
