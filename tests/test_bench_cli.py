@@ -163,7 +163,8 @@ def test_server_bench_json_report(capsys):
 PROFILE_KEYS = {"decode_us", "tokens_identical", "direct_tpot_us_p50", "direct_tpot_us_p99",
                 "direct", "modes", "gate_met"}
 PROFILE_MODE_KEYS = {"p50_ratio", "p99_ratio", "tpot_us_p50", "tpot_us_p99",
-                     "over_decode_us_p50", "over_decode_us_p99", "tpot_breakdown_us_p50"}
+                     "over_decode_us_p50", "over_decode_us_p99", "tpot_breakdown_us_p50",
+                     "tpot_tail_breakdown_us"}
 
 
 def test_overhead_reports_each_decode_profile(capsys):
@@ -189,6 +190,10 @@ def test_overhead_reports_each_decode_profile(capsys):
             # time over the decode latency is the TPOT minus that latency (P50 of a shift)
             assert figures["over_decode_us_p50"] == pytest.approx(
                 figures["tpot_us_p50"] - profile["decode_us"], abs=0.02)
+            # the tail's spans: tokens at or above the P99, so their mean wall time is too
+            tail = figures["tpot_tail_breakdown_us"]
+            assert BREAKDOWN_KEYS <= tail.keys() and tail["tokens"] >= 1, tail
+            assert tail["total_us"] >= figures["tpot_us_p99"] - 0.1, (tail, figures)
             assert set(profile["gate_met"]) == set(bench.MODES)
             assert profile["gate_met"][mode] == (figures["p50_ratio"] <= 1.03
                                                  and figures["p99_ratio"] <= 1.05)

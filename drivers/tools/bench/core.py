@@ -447,13 +447,15 @@ def _paired_runs(direct: DirectLoop, executor: ExecutorLoop, modes: Sequence[str
     return result
 
 
-def _breakdown(timings: list) -> dict[str, float]:
+def _breakdown(timings: list, tail: bool = False) -> dict[str, float]:
     """P50 in us of each span of the executor's decode jobs (from their own JobTimings).
     ``caller_us`` is the wall time of the caller's step not covered by the job's stamps that
     lie inside it: building the request (or writing the token into a pre-armed job),
     resolving it and waking the waiting caller. For a pre-armed job, admission and prepare ran
     before the step began (while the previous job was on the device): ``off_path_us`` is the
-    part of them outside the step."""
+    part of them outside the step. ``tail``: instead of the P50, each span's mean over the
+    tokens whose wall time is at or above the P99 (which span makes the P99; ``tokens``: how
+    many)."""
     spans: dict[str, list[float]] = {k: [] for k in (
         "admission_us", "prepare_us", "queue_wait_us", "execution_us", "postprocess_us",
         "caller_us", "off_path_us", "total_us")}
@@ -469,7 +471,16 @@ def _breakdown(timings: list) -> dict[str, float]:
         spans["off_path_us"].append(min(max(start_us - t.accepted_us, 0),
                                         t.queued_us - t.accepted_us))
         spans["total_us"].append(wall)
-    return {k: _p(v, 50) for k, v in spans.items()}
+    if not tail:
+        return {k: _p(v, 50) for k, v in spans.items()}
+    if not timings:
+        return {}
+    walls = np.asarray(spans["total_us"], dtype=np.float64)
+    slow = walls >= np.percentile(walls, 99)
+    out = {k: round(float(np.asarray(v, dtype=np.float64)[slow].mean()), 1)
+           for k, v in spans.items()}
+    out["tokens"] = int(slow.sum())
+    return out
 
 
 def _over_decode(samples: np.ndarray, decode_us: int) -> dict[str, float]:
@@ -516,6 +527,8 @@ def _profile_report(decode_us: int, tpot: dict[str, Any], timings: dict[str, lis
                 round(over["over_decode_us_p50"] - threads["threads_floor_us_p50"], 2)
                 if threads["threads_floor_us_p50"] is not None else None),
             "tpot_breakdown_us_p50": _breakdown(timings[mode]),
+            # which span makes the P99: each span's mean over the tokens at or above it
+            "tpot_tail_breakdown_us": _breakdown(timings[mode], tail=True),
         }
     t = tpot.get("threads")
     return {
