@@ -105,6 +105,16 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
 class Parser(argparse.ArgumentParser):
     """One-line errors with suggestions; exit 2 through ``SystemExit`` as argparse does."""
 
+    def _get_values(self, action: argparse.Action, arg_strings: list[str]) -> Any:
+        # `--iters=--`: Python 3.11's argparse drops the '--' as the end of options and hands
+        # the action an empty list, past its type (an internal error, exit 70, when the command
+        # compared it); the value given is the word '--', checked as any other value
+        if action.option_strings and action.nargs is None and arg_strings == ["--"]:
+            value = self._get_value(action, "--")
+            self._check_value(action, value)
+            return value
+        return super()._get_values(action, arg_strings)
+
     def error(self, message: str) -> NoReturn:
         if message.startswith("unrecognized arguments:"):
             flags = [s for s in self._option_string_actions if s.startswith("--")]
@@ -113,7 +123,15 @@ class Parser(argparse.ArgumentParser):
                 if close:
                     message += f" (did you mean {close[0]}?)"
                     break
+        # one line whatever was typed: a control character in an argument (a newline in an
+        # unknown word, an escape sequence) is shown escaped, never written to the terminal
+        message = message.translate(_CONTROL_ESCAPES)
         self.exit(EXIT_CONFIG, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+#: control characters (C0, DEL, C1) and the Unicode line separators escaped in a usage error
+_CONTROL_ESCAPES = {c: repr(chr(c))[1:-1]
+                    for c in (*range(0x20), *range(0x7f, 0xa0), 0x2028, 0x2029)}
 
 
 def parser(prog: str, doc: str | None) -> Parser:
@@ -178,6 +196,36 @@ def positive_float(text: str) -> float:
     value = _number(text)
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+#: the emulator's largest latency knob (``decode_us`` and the others in docs/emulator.md)
+MAX_LATENCY_US = 60_000_000
+
+
+def latency_us(text: str) -> int:
+    """An emulated latency flag (``--decode-us``) in microseconds: an integer in
+    0..:data:`MAX_LATENCY_US`, the range the emulator's device config takes (above it the
+    device used to refuse to open, exit 3, in words that did not name the flag)."""
+    value = _integer(text)
+    if not 0 <= value <= MAX_LATENCY_US:
+        raise argparse.ArgumentTypeError(f"must be in 0..{MAX_LATENCY_US} us, got {value}")
+    return value
+
+
+#: the longest duration a seconds flag (``--grace``, ``--timeout``, ``--soak-seconds``, ...)
+#: takes: about 115 days. Longer is no run anyone waits for, and a timer much longer than this
+#: overflows the C time types under Python's waits (``1e30`` was an internal error, exit 70).
+MAX_SECONDS = 1e7
+
+
+def seconds(text: str) -> float:
+    """A duration flag's value in seconds: a finite number > 0 and at most
+    :data:`MAX_SECONDS`."""
+    value = _number(text)
+    if not 0 < value <= MAX_SECONDS:  # (NaN fails both comparisons)
+        raise argparse.ArgumentTypeError(
+            f"must be a number of seconds > 0 and at most {MAX_SECONDS:g}, got {text!r}")
     return value
 
 

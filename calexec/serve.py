@@ -102,7 +102,7 @@ def _parser() -> argparse.ArgumentParser:
                         "repeatable; default: CORS off")
     p.add_argument("--admin-token-file", type=cliargs.nonempty_path, help="file holding the admin bearer "
                    "token; without it the admin endpoints are disabled")
-    p.add_argument("--grace", type=cliargs.positive_float, default=30.0,
+    p.add_argument("--grace", type=cliargs.seconds, default=30.0,
                    help="drain grace in seconds")
     p.add_argument("--max-sequences", type=cliargs.positive_int, default=32,
                    help="KV sequence ids to lease")
@@ -118,7 +118,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-resumes", type=int, default=3,
                    help="resumes of one request after device-side/retryable failures "
                         "(docs/server.md; 0: the request fails as the fault did)")
-    p.add_argument("--timeout", type=cliargs.positive_float, default=30.0,
+    p.add_argument("--timeout", type=cliargs.seconds, default=30.0,
                    help="default request deadline in seconds (at most the server's "
                         f"max_timeout_s, {MAX_TIMEOUT_S:g})")
     p.add_argument("--dump-dir", type=cliargs.nonempty_path, help="enable the dump sink in this directory")

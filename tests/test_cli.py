@@ -410,7 +410,7 @@ def test_calexec_calrt_lib_that_cannot_load_is_named_exit_2(tmp_path):
       "--decode-us", "1", "--seed", "-1"], "argument --seed: must be >= 0, got -1"),
     (["bench", "recovery", "--recoveries", "1", "--seed", "-1"], "argument --seed: must be >= 0"),
     # the emulator refused the device config: exit 3 and two lines, the flag not named
-    (["demo", "--seqs", "1", "--decode-us", "-5"], "argument --decode-us: must be >= 0, got -5"),
+    (["demo", "--seqs", "1", "--decode-us", "-5"], "argument --decode-us: must be in 0..60000000 us, got -5"),
 ])
 def test_a_negative_count_is_refused_at_parse_time_exit_2(argv, named):
     done = calexec(*argv)

@@ -37,7 +37,7 @@ def main(argv: list[str]) -> int:
                    help="tokens to decode per sequence")
     p.add_argument("--prompt-len", type=cliargs.positive_int, default=17,
                    help="prompt tokens per sequence")
-    p.add_argument("--decode-us", type=cliargs.non_negative_int, default=0,
+    p.add_argument("--decode-us", type=cliargs.latency_us, default=0,
                    help="emulated decode latency in microseconds (emulator device config)")
     cliargs.add_device_args(p)
     args = p.parse_args(argv[1:])

@@ -60,11 +60,12 @@ def main(argv: list[str]) -> int:
     """``calexec diagrams live --out PNG [--job-out PNG] [--seconds S] [--clients N]``."""
     parser = cliargs.parser("calexec diagrams live",
                             "Screenshot /debug/statecharts under load, and one job's path.")
-    parser.add_argument("--out", default="docs/img/live.png", help="PNG to write")
+    parser.add_argument("--out", type=cliargs.nonempty, default="docs/img/live.png",
+                        help="PNG to write")
     parser.add_argument("--job-out", default="docs/img/job_path.png",
                         help="PNG of /debug/jobs/{id} for a request failed by an injected CCU "
                              "exception ('' to skip)")
-    parser.add_argument("--seconds", type=cliargs.positive_float, default=5.0,
+    parser.add_argument("--seconds", type=cliargs.seconds, default=5.0,
                         help="load before the shot")
     parser.add_argument("--clients", type=cliargs.positive_int, default=4,
                         help="concurrent client threads")
@@ -98,7 +99,9 @@ def main(argv: list[str]) -> int:
         if not status.ok:
             print(f"calexec diagrams live: executor did not start: {status}", file=sys.stderr)
             return 1
-        app = create_app(served(ex), ServerConfig())
+        # (no resumes: the injected CCU exception of the job shot must fail its request, whose
+        # error names the job; a resumed request answers 200 and names none)
+        app = create_app(served(ex), ServerConfig(max_resumes=0))
         server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1",
                                                port=0, log_level="warning", access_log=False))
         thread = threading.Thread(target=server.run, daemon=True)
@@ -150,7 +153,10 @@ def _job_path_shot(ex: Any, server: Any, url: str, tmp: str, out: str) -> subpro
     ex.device.emu.set_fault(Fault.CCU_EXCEPTION, FaultMode.NTH, 1, 0, 0)
     with httpx.Client(base_url=url, timeout=30) as http:
         body = http.post("/v1/completions", json={"prompt": [7, 7, 8], "max_tokens": 4}).json()
-    job_id = body["status"]["job_id"]
+    job_id = body.get("status", {}).get("job_id") if isinstance(body, dict) else None
+    if job_id is None:  # (the request was not failed by the fault: no job to draw)
+        raise cliargs.UserError(f"--job-out: the request the injected CCU exception should "
+                                f"fail answered {str(body)[:200]}", cliargs.EXIT_FAILED)
     page_file = os.path.join(tmp, f"job_{job_id}.html")
     with open(page_file, "w", encoding="utf-8") as fh:
         fh.write(path_page(ex.job_trail(job_id)))

@@ -73,16 +73,17 @@ def main(argv: list[str]) -> int:
     """Entry point; ``argv`` starts with the command word ``diagrams``. Exit 0, 1 when
     ``--check`` finds a stale file, 2 when ``--out`` cannot be written or graphviz's ``dot``
     is missing (one line, no traceback)."""
-    from calexec.cliargs import EXIT_CONFIG, UserError, cannot_write, make_dir
+    from calexec.cliargs import EXIT_CONFIG, UserError, cannot_write, make_dir, nonempty_path
     from calexec.cliargs import parser as cli_parser
 
     parser = cli_parser("calexec diagrams", __doc__)
-    parser.add_argument("--out", type=Path, default=Path("diagrams"), help="output directory")
+    parser.add_argument("--out", type=nonempty_path, default=Path("diagrams"),
+                        help="output directory")
     parser.add_argument("--check", action="store_true",
                         help="exit 1 if any diagram in --out (and --png DIR) is stale (compares "
                              "DOT text and the DOT sha256 the SVG/PNG carry; needs no graphviz "
                              "binary)")
-    parser.add_argument("--png", type=Path, default=None, metavar="DIR",
+    parser.add_argument("--png", type=nonempty_path, default=None, metavar="DIR",
                         help="also write <chart>.png to DIR (docs/img for docs/diagrams.md)")
     args = parser.parse_args(argv[1:])
     try:

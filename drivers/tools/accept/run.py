@@ -137,6 +137,19 @@ def run_accept(sizes: Sizes = QUICK, phases: Sequence[str] = ("a", "b"),
     }
 
 
+def gate_list(text: str) -> list[str]:
+    """``--gates``' value: comma-separated names of ``GATES``, each once (a repeat is
+    dropped); an empty item (``correctness,,``) or an unknown name is refused naming the
+    flag (exit 2), never taken for "every gate"."""
+    names = [g.strip() for g in text.split(",")]
+    bad = [g for g in names if g not in GATES]
+    if bad:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: {', '.join(repr(g) for g in bad)} is not a gate; "
+            f"give a comma-separated subset of {','.join(GATES)}")
+    return list(dict.fromkeys(names))
+
+
 def _parser() -> argparse.ArgumentParser:
     p = cliargs.parser("calexec accept", __doc__)
     mode = p.add_mutually_exclusive_group()
@@ -146,12 +159,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="a: in-flight 1; b: in-flight 2 (PING/PONG); both (default)")
     p.add_argument("--report", metavar="DIR", type=cliargs.nonempty, help="write report.md, report.json and plots")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
-    p.add_argument("--soak-seconds", type=cliargs.positive_float,
+    p.add_argument("--soak-seconds", type=cliargs.seconds,
                    help="soak duration (quick 20, full 86400)")
-    p.add_argument("--chaos-seconds", type=cliargs.positive_float,
+    p.add_argument("--chaos-seconds", type=cliargs.seconds,
                    help="length of the chaos gate's fault soak of the server per phase "
                         "(quick 6, full 1800)")
-    p.add_argument("--gates", help=f"comma-separated subset of {','.join(GATES)}")
+    p.add_argument("--gates", type=gate_list, help=f"comma-separated subset of {','.join(GATES)}")
     cliargs.add_device_args(p)
     return p
 
@@ -172,8 +185,7 @@ def main(argv: list[str]) -> int:
             sizes = attrs.evolve(sizes, soak_seconds=args.soak_seconds)
         if args.chaos_seconds is not None:
             sizes = attrs.evolve(sizes, chaos_seconds=args.chaos_seconds)
-        gates = None if not args.gates else [g.strip() for g in args.gates.split(",")]
-        report = run_accept(sizes, PHASES[args.phase], gates, Progress(0), device)
+        report = run_accept(sizes, PHASES[args.phase], args.gates, Progress(0), device)
     except ValueError as exc:
         print(f"calexec accept: {exc}", file=sys.stderr)
         return 2

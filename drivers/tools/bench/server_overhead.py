@@ -586,7 +586,7 @@ def main(argv: list[str]) -> int:
                         help="skip the streaming (server-sent events) side")
     parser.add_argument("--max-tokens", type=cliargs.positive_int, default=8,
                         help="tokens per request")
-    parser.add_argument("--decode-us", type=int, default=10000,
+    parser.add_argument("--decode-us", type=cliargs.latency_us, default=10000,
                         help="emulated decode latency in us (0 = zero latency)")
     parser.add_argument("--rounds", type=cliargs.positive_int, default=DEFAULT_ROUNDS,
                         help="interleaved rounds of the direct, server and server_stream "

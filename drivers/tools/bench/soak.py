@@ -868,9 +868,9 @@ def run_cli(argv: list[str], hooks: Hooks | None = None) -> int:
     parser.add_argument("--decode-us", default="0,2000",
                         help="decode-latency phases US[:SHARE],... in order")
     parser.add_argument("--max-tokens", default="4-8", help="tokens per request, N or LO-HI")
-    parser.add_argument("--max-seconds", type=cliargs.positive_float, default=3600.0,
+    parser.add_argument("--max-seconds", type=cliargs.seconds, default=3600.0,
                         help="bound of the whole run; the requests left are not sent")
-    parser.add_argument("--progress-s", type=cliargs.positive_float, default=30.0,
+    parser.add_argument("--progress-s", type=cliargs.seconds, default=30.0,
                         help="seconds between two progress lines on stderr")
     parser.add_argument("--rss-bound-mib", type=_mib_bound, default=64.0,
                         help="the last RSS sample may exceed the post-warm-up one by this")

@@ -150,7 +150,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--quick", action="store_true", help="small sizes (seconds, for CI)")
     p.add_argument("--config", default="", help="device config string passed to calrt_device_open")
     p.add_argument("--only", action="append", choices=list(EXPERIMENTS), help="run only this experiment (repeat)")
-    p.add_argument("--timeout", type=cliargs.positive_float,
+    p.add_argument("--timeout", type=cliargs.seconds,
                    help="seconds per experiment child (default 30 quick / 120)")
     args = p.parse_args(argv[1:])
     if args.lib == "":  # (not the default: an unset variable in a script)
