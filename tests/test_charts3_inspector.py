@@ -5,7 +5,6 @@ root), followed as a compiled run and as a python-statemachine instance."""
 from __future__ import annotations
 
 import importlib
-import shutil
 from pathlib import Path
 
 import pytest
@@ -27,12 +26,11 @@ def _media() -> object:
     return importlib.import_module("media_player")
 
 
+@pytest.mark.requires_tool("dot")
 def test_the_path_of_a_run_that_resumed_a_history_state_is_drawn(tmp_path: Path) -> None:
     """A run whose last transition went to a history state (``paused --resume--> hist``) made
     the path page fill the history pseudo-state, which is no state: ``ValueError: active_state=
     'hist' is not one of ...`` and a 500. The compound the history belongs to is filled."""
-    if shutil.which("dot") is None:
-        pytest.fail("graphviz 'dot' is needed (it is installed with the [server] tools)")
     media = _media()
     chart = media.MediaPlayer  # type: ignore[attr-defined]
     inspector = Inspector()

@@ -76,6 +76,7 @@ def test_cover_counts_done_state_error_execution_and_eventless_transitions() -> 
     assert "transition coverage MediaPlayer: 10/19 (52.6 %)" in done.stdout
 
 
+@pytest.mark.requires_tool("dot")  # `charts draw` writes the SVG too
 def test_draw_of_the_big_chart_and_the_fixtures_writes_their_files(tmp_path: Path) -> None:
     for ref in ("media_player:MediaPlayer", "order_flow:OrderFlow", "big_chart:BigChart"):
         done = _calexec("charts", "draw", ref, "--out", str(tmp_path))

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import io
+import re
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from calexec import cli, cliargs
@@ -163,6 +164,9 @@ def test_a_mistyped_flag_is_refused_with_a_suggestion(case: tuple[str, str], typ
 @given(st.sampled_from(sorted(FLAGS)),
        st.text(alphabet=st.characters(codec="utf-8"), min_size=1, max_size=8))
 def test_an_unknown_flag_with_control_characters_stays_one_line(command: str, junk: str):
+    # (a word of flag characters alone may abbreviate a real flag, which argparse takes:
+    # `diagrams --c` is `diagrams --check`)
+    assume(not re.fullmatch(r"[a-z0-9-]*", junk))
     word = "--" + junk
     argv = [*command.split(), *REQUIRED.get(command, []), word]
     code, out, err = _run(argv)
