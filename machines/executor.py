@@ -853,14 +853,11 @@ class DeviceExecutor(SequenceOwnership):
         if infer() accepted it now; plus ``timeout_grace_s`` for the completion thread to end
         it. ``decode_sync`` waits this long for the job it cancelled at the caller's deadline."""
         job = job_of(handle)
-        cfg = self.config
-        submitted_at = job.submitted_at  # 0.0 until infer() accepted it
-        if submitted_at:
-            end = self.completion.execution_deadline(job)
-        else:
-            end = (self.clock.monotonic() + cfg.execution_timeout_s
-                   + cfg.execution_timeout_per_token_s * job.request.token_count)
-        return end + cfg.timeout_grace_s
+        submitted = job.submitted_at  # 0.0 until infer() accepted it
+        end = self.completion.execution_deadline(job)  # the one formula (§9.1)
+        if not submitted:  # (submitted meanwhile: a later bound, still a bound)
+            end += self.clock.monotonic()
+        return end + self.config.timeout_grace_s
 
     # ---- threads ---------------------------------------------------------------------------------
     _stopping_threads = False
