@@ -183,6 +183,8 @@ def test_overhead_reports_each_decode_profile(capsys):
     assert report["gate_met"] == first["gate_met"]
     for profile in report["profiles"]:
         assert PROFILE_KEYS <= profile.keys(), PROFILE_KEYS - profile.keys()
+        # --tokens given: every profile has that many tokens per block, one block per side
+        assert (profile["tokens_per_block"], profile["samples_per_side"]) == (6, 6)
         assert set(profile["modes"]) == set(bench.MODES)
         assert profile["tokens_identical"] is True
         for mode, figures in profile["modes"].items():
@@ -193,11 +195,43 @@ def test_overhead_reports_each_decode_profile(capsys):
             # the tail's spans: tokens at or above the P99, so their mean wall time is too
             tail = figures["tpot_tail_breakdown_us"]
             assert BREAKDOWN_KEYS <= tail.keys() and tail["tokens"] >= 1, tail
+            for ci in (figures["p50_ratio_ci95"], figures["p99_ratio_ci95"]):
+                assert len(ci) == 2 and 0 < ci[0] <= ci[1], (mode, ci)
             assert tail["total_us"] >= figures["tpot_us_p99"] - 0.1, (tail, figures)
             assert set(profile["gate_met"]) == set(bench.MODES)
             assert profile["gate_met"][mode] == (figures["p50_ratio"] <= 1.03
                                                  and figures["p99_ratio"] <= 1.05)
         assert all(math.isfinite(n) for n in _numbers(profile))
+
+
+def test_tokens_per_block_holds_the_device_time_of_100_tokens_at_10_ms():
+    limit = 40000
+    assert bench.tokens_per_block(10000, None, limit) == 100
+    assert bench.tokens_per_block(2000, None, limit) == 500  # P99: 30th slowest of 3,000
+    assert bench.tokens_per_block(1000, None, limit) == 1000
+    # bounded both ways: a fast profile does not run a million tokens, a slow one keeps 100
+    assert bench.tokens_per_block(1, None, limit) == bench.AUTO_TOKENS_MAX
+    assert bench.tokens_per_block(1_000_000, None, limit) == bench.AUTO_TOKENS_MIN
+    # --tokens wins at every profile; the sequence length bounds both
+    assert bench.tokens_per_block(2000, 7, limit) == 7
+    assert bench.tokens_per_block(1, None, 300) == 300
+    assert bench.tokens_per_block(2000, 900, 300) == 300
+
+
+def test_ratio_ci95_is_the_sampling_spread_of_the_ratio():
+    import numpy as np
+    rng = np.random.default_rng(1)
+    d = rng.exponential(100.0, 3000) + 2000.0
+    e = d * 1.1
+    small = bench.ratio_ci95(e[:300], d[:300], 99)
+    large = bench.ratio_ci95(e, d, 99)
+    assert small is not None and large is not None
+    # reproducible (fixed seed), around the true ratio, narrower with ten times the tokens
+    assert bench.ratio_ci95(e, d, 99) == large
+    point = float(np.percentile(e, 99) / np.percentile(d, 99))
+    assert large[0] <= point <= large[1]
+    assert large[1] - large[0] < small[1] - small[0]
+    assert bench.ratio_ci95(e[:1], d, 99) is None
 
 
 def test_decode_profiles_default_is_10_and_2_ms():

@@ -111,6 +111,14 @@ DEFAULT_PROFILES_US = (PROFILE_DECODE_US, 2000)
 #: the largest ``--decode-us`` accepted: one second per token (a block of 100 tokens per side
 #: and run already takes minutes there)
 MAX_DECODE_US = 1_000_000
+#: without ``--tokens``, a profile's blocks hold this much device time each (100 tokens at
+#: 10 ms): a faster profile gets more tokens, so its P99 rests on as many samples per unit of
+#: device time (at 2 ms, 500 tokens: over 6 runs the P99 is the 30th slowest of 3,000 tokens,
+#: where 100 tokens made it the 6th of 600 and moved it by 10-50 % between runs)
+AUTO_BLOCK_DEVICE_US = 1_000_000
+AUTO_TOKENS_MIN, AUTO_TOKENS_MAX = 100, 2000
+#: resamples of the bootstrap behind each ratio's ``*_ci95`` (fixed seed: reproducible)
+BOOTSTRAP_RESAMPLES = 400
 
 
 class BenchError(RuntimeError):
@@ -483,6 +491,32 @@ def _breakdown(timings: list, tail: bool = False) -> dict[str, float]:
     return out
 
 
+def tokens_per_block(decode_us: int, tokens: int | None, limit: int) -> int:
+    """Decode tokens per block at a ``decode_us`` profile: ``tokens`` when given (``--tokens``),
+    else ``AUTO_BLOCK_DEVICE_US`` of device time, within ``AUTO_TOKENS_MIN..AUTO_TOKENS_MAX``;
+    never above ``limit`` (what the sequence length leaves after the prompt)."""
+    if tokens is not None:
+        return min(tokens, limit)
+    auto = round(AUTO_BLOCK_DEVICE_US / max(decode_us, 1))
+    return max(1, min(limit, AUTO_TOKENS_MAX, max(AUTO_TOKENS_MIN, auto)))
+
+
+def ratio_ci95(e: np.ndarray, d: np.ndarray, q: float, seed: int = 0,
+               resamples: int = BOOTSTRAP_RESAMPLES) -> list[float] | None:
+    """The 95 % bootstrap interval of the ratio ``P_q(e) / P_q(d)``: both sides' tokens
+    resampled with replacement, ``resamples`` times, with a fixed seed. It shows how far the
+    sample size alone moves the ratio (tokens of one block are not independent, so it is a
+    lower bound on the run-to-run spread, not a bound on it). None with fewer than 2 tokens."""
+    e, d = np.asarray(e, dtype=np.float64), np.asarray(d, dtype=np.float64)
+    if len(e) < 2 or len(d) < 2:
+        return None
+    rng = np.random.default_rng(seed)
+    pe = np.percentile(e[rng.integers(0, len(e), (resamples, len(e)))], q, axis=1)
+    pd = np.percentile(d[rng.integers(0, len(d), (resamples, len(d)))], q, axis=1)
+    lo, hi = np.percentile(pe / pd, [2.5, 97.5])
+    return [round(float(lo), 4), round(float(hi), 4)]
+
+
 def _over_decode(samples: np.ndarray, decode_us: int) -> dict[str, float]:
     """P50/P99 of token time minus the device's decode latency (us): the per-token cost of
     everything that is not the device's compute (the same definition as the C floor's)."""
@@ -516,6 +550,8 @@ def _profile_report(decode_us: int, tpot: dict[str, Any], timings: dict[str, lis
         per_mode[mode] = {
             "p50_ratio": round(_p(e, 50) / _p(d, 50), 4),
             "p99_ratio": round(_p(e, 99) / _p(d, 99), 4),
+            # how far the sample size alone moves each ratio (bootstrap, ``ratio_ci95``)
+            "p50_ratio_ci95": ratio_ci95(e, d, 50), "p99_ratio_ci95": ratio_ci95(e, d, 99),
             "tpot_us_p50": _p(e, 50), "tpot_us_p99": _p(e, 99),
             **over, **floor,
             # issue 28's target: the best mode's overhead within 2x of the floor
@@ -533,6 +569,9 @@ def _profile_report(decode_us: int, tpot: dict[str, Any], timings: dict[str, lis
     t = tpot.get("threads")
     return {
         "decode_us": decode_us,
+        # decode tokens per side (blocks x tokens per block): the P99 is the
+        # ``samples // 100``-th slowest of them
+        "samples_per_side": int(len(d)),
         "tokens_identical": bool(tpot["identical"]),
         "direct_tpot_us_p50": _p(d, 50), "direct_tpot_us_p99": _p(d, 99),
         "direct": _over_decode(d, decode_us),
@@ -557,7 +596,7 @@ def _profile_report(decode_us: int, tpot: dict[str, Any], timings: dict[str, lis
     }
 
 
-def run_overhead(tokens: int, runs: int, zero_tokens: int, seed: int,
+def run_overhead(tokens: int | None, runs: int, zero_tokens: int, seed: int,
                  device: DeviceSpec = DeviceSpec(), modes: Sequence[str] = MODES,
                  account_tokens: int = 100,
                  decode_us: Sequence[int] = DEFAULT_PROFILES_US,
@@ -568,12 +607,16 @@ def run_overhead(tokens: int, runs: int, zero_tokens: int, seed: int,
     (default: the bundled emulator's). ``profiles`` holds one entry per decode latency; the
     top-level figures are the first profile's and the ``enqueue`` mode's (as before), and
     ``modes`` holds every mode's at the first profile, with its hand-offs and allocations
-    per token. ``floor``: build the C floor program (drivers/calrt/floor.c) and run it as one
+    per token. ``tokens``: decode tokens per block at every profile; None: each profile's
+    own (``tokens_per_block``: the same device time per block, so the faster profiles' P99
+    rests on more tokens). ``floor``: build the C floor program (drivers/calrt/floor.c) and run it as one
     more side of each profile (``floor_us_p50`` / ``floor_us_p99`` beside each mode's time
     over the decode latency); when it cannot be built, ``floor.reason`` says why."""
     profiles_us = list(decode_us)
     if not profiles_us or any(us < 1 for us in profiles_us):
         raise BenchError(f"decode latencies must be >= 1 us, got {profiles_us}")
+    limit = calbin_fmt.MAX_SEQ - PROMPT_LEN
+    block_tokens = {us: tokens_per_block(us, tokens, limit) for us in profiles_us}
     host = HostMeter().start()
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(0, calbin_fmt.VOCAB, PROMPT_LEN, dtype=np.int32) for _ in range(runs)]
@@ -633,10 +676,11 @@ def run_overhead(tokens: int, runs: int, zero_tokens: int, seed: int,
                     if side is not None:
                         side.set_decode_latency(us)
                 tpot_timings: dict[str, list] = {mode: [] for mode in modes}
-                tpot = _paired_runs(direct, executor, modes, prompts, tokens,
-                                    f"{us} us decode", tpot_timings, floor_loop, threads_loop,
-                                    floor3_loop)
-                profiles.append(_profile_report(us, tpot, tpot_timings, modes))
+                tpot = _paired_runs(direct, executor, modes, prompts, block_tokens[us],
+                                    f"{us} us decode ({block_tokens[us]} tokens per block)",
+                                    tpot_timings, floor_loop, threads_loop, floor3_loop)
+                profiles.append({"tokens_per_block": block_tokens[us],
+                                 **_profile_report(us, tpot, tpot_timings, modes)})
                 if first is None:
                     first = (tpot, tpot_timings)
             dma = direct.dma_violations() + executor.dma_violations() + dma_counted
@@ -674,7 +718,9 @@ def run_overhead(tokens: int, runs: int, zero_tokens: int, seed: int,
     if noisy is not None:
         _progress(noisy)
     return {
-        "tokens": tokens, "runs": runs, "zero_tokens": zero_tokens, "seed": seed,
+        # the first profile's tokens per block (each profile's: ``profiles[i]``)
+        "tokens": block_tokens[profiles_us[0]], "runs": runs, "zero_tokens": zero_tokens,
+        "seed": seed,
         "prompt_len": PROMPT_LEN, "decode_us": profiles_us[0],
         "decode_us_profiles": profiles_us,
         "tokens_identical": bool(zero["identical"]
@@ -1192,8 +1238,11 @@ def main(argv: list[str]) -> int:
     if command in ("overhead", "recovery", "pingpong"):
         cliargs.add_device_args(parser)
     if command == "overhead":
-        parser.add_argument("--tokens", type=cliargs.positive_int, default=100,
-                            help="decode tokens per block at each decode profile (default 100)")
+        parser.add_argument("--tokens", type=cliargs.positive_int, default=None,
+                            help="decode tokens per block at every decode profile (default: "
+                                 f"{AUTO_BLOCK_DEVICE_US // 1000} ms of device time per block, "
+                                 f"{AUTO_TOKENS_MIN}..{AUTO_TOKENS_MAX} tokens: 100 at 10 ms, "
+                                 "500 at 2 ms)")
         parser.add_argument("--decode-us", action="append", metavar="US",
                             help="decode latency of a TPOT profile in us, repeatable or a comma "
                                  "list, reported in this order (default: "
@@ -1235,7 +1284,7 @@ def main(argv: list[str]) -> int:
     try:
         if command == "overhead":
             limit = calbin_fmt.MAX_SEQ - PROMPT_LEN
-            if max(args.tokens, args.zero_tokens) > limit:
+            if max(args.tokens or 0, args.zero_tokens) > limit:
                 parser.error(f"--tokens/--zero-tokens must be <= {limit}")
             if args.gil_switch_us < 0:
                 parser.error(f"--gil-switch-us={args.gil_switch_us}: must be >= 0")
