@@ -537,6 +537,9 @@ def test_a_bad_value_found_past_the_parser_still_names_its_flag(argv, named, tmp
     (["bench", "charts", "--iters", "x"], "argument --iters: 'x' is not an integer"),
     (["bench", "pingpong", "--tokens", "1e9"], "argument --tokens: '1e9' is not an integer"),
     (["bench", "overhead", "--seed", "s"], "argument --seed: 's' is not an integer"),
+    # a negative seed ran (random.Random takes one) where bench overhead's refuses it
+    (["bench", "faults", "--seed", "-1"], "argument --seed: must be >= 0, got -1"),
+    (["bench", "soak", "--seed", "-1"], "argument --seed: must be >= 0, got -1"),
     (["serve", "--port", "http"], "argument --port: 'http' is not an integer"),
     (["serve", "--grace", "soon"], "argument --grace: 'soon' is not a number"),
     # nan passed the '< 0' check: the whole soak ran, then its rss check failed (exit 1)

@@ -330,7 +330,8 @@ def main(argv: list[str]) -> int:
                         help="device faults to inject, one at a time (1000: the issue's figure)")
     parser.add_argument("--clients", type=cliargs.positive_int, default=6,
                         help="concurrent loopback clients; half of them stream")
-    parser.add_argument("--seed", type=int, default=16, help="seed of the schedule and prompts")
+    parser.add_argument("--seed", type=cliargs.non_negative_int, default=16,
+                        help="seed of the schedule and prompts")
     args = parser.parse_args(argv[2:])
 
     def progress(done: int, total: int) -> None:

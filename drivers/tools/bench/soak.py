@@ -864,7 +864,8 @@ def run_cli(argv: list[str], hooks: Hooks | None = None) -> int:
                              "(2500: the issue's figure)")
     parser.add_argument("--clients", type=cliargs.positive_int, default=8,
                         help="concurrent loopback clients")
-    parser.add_argument("--seed", type=int, default=28, help="seed of the schedule and prompts")
+    parser.add_argument("--seed", type=cliargs.non_negative_int, default=28,
+                        help="seed of the schedule and prompts")
     parser.add_argument("--decode-us", default="0,2000",
                         help="decode-latency phases US[:SHARE],... in order")
     parser.add_argument("--max-tokens", default="4-8", help="tokens per request, N or LO-HI")
