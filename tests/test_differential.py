@@ -59,7 +59,7 @@ def clients(cid: int):
         reserve=st.booleans(),
         want=st.one_of(st.none(), st.none(), st.tuples(st.integers(0, 150000),
                                                        st.integers(1, 1000))),
-        logits_out=st.booleans(), greedy=st.booleans(),
+        logits_out=st.booleans(), fresh_rows=st.booleans(), greedy=st.booleans(),
         tokens=st.lists(st.integers(0, 151935), min_size=1, max_size=3).map(tuple),
         deadline_s=st.sampled_from((60.0, 60.0, 60.0, -1.0, 0.0147)),
         early_at=st.one_of(st.none(), st.none(), st.integers(0, 5)),
@@ -354,6 +354,10 @@ REGRESSIONS: dict[str, D.Case] = {
             ("switch", False, False),
             ("switch", False, False),
             ("release", 1)), 0.0097, 2),
+    # stop 47, a hand mutant of AutoArm.matches: a guess armed with the row of the request
+    # before was adopted by a request with a row of its own; its result went to the old row
+    "a_guess_is_adopted_only_by_a_request_with_its_row": D.Case(("auto", "auto_immediate"), (
+        ("client", C(1, 1, (5, 6, 7), 4, fresh_rows=True)), ("tick", 0.1)), 0.01, 2),
 }
 
 

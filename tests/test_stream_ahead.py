@@ -349,3 +349,27 @@ def test_a_deferred_conversion_that_answers_otherwise_fails_its_step_not_the_str
         assert_released(ex, 1)
     finally:
         ex.shutdown(grace=5.0)
+
+
+def test_a_step_cancelled_on_the_device_fires_nothing_ahead(calbin):
+    """The caller cancels the step it submitted (its handle, not the stream) while the job is
+    on the device: Wait returns, the result is discarded (FI12), and the completion thread
+    fires no next step with the argmax of a result nobody gets. (Found at stop 47 by a hand
+    mutant: firing whatever the job's end answered left every test green.)"""
+    from calexec.machines.job import JobHandle
+    with running_job_path(calbin, threads=False) as ex:
+        stream, token = open_stepped(ex, 1, 6)
+        handle = stream.submit(token)
+        assert isinstance(handle, JobHandle), handle
+        ex.submit_one()  # infer: the job is on the device
+        assert handle.state == "Submitted", handle.state
+        ex.submit_one()  # the submitter arms the step after it (nothing else to submit)
+        assert stream.armed is not None
+        assert handle.cancel()
+        assert ex.complete_one()
+        result = handle.wait_until(deadline())
+        assert isinstance(result, Status) and result.category is Category.CANCELLED, result
+        assert stream.ahead is None and stream.ahead_steps == 0  # nothing fired ahead
+        stream.close()
+        drain_stepped(ex)
+        assert_released(ex, 1)

@@ -129,6 +129,12 @@ class Client:
     reserve: bool = True
     want: tuple[int, int] | None = None
     logits_out: bool = True
+    #: with ``logits_out``: each decode request sent through ``enqueue`` or ``decode_sync``
+    #: gets a zeroed row of its own (a caller that allocates per request, as a server may),
+    #: so a guess armed with the row of the request before is not the caller's; a stream
+    #: keeps the row it was opened with. The row a failed step leaves is then not compared
+    #: (one lane's is fresh, a stream's holds the step before).
+    fresh_rows: bool = False
     #: tokens: the argmax of the step before (greedy ahead applies) or ``tokens`` in turn
     greedy: bool = True
     tokens: tuple[int, ...] = ()
@@ -464,11 +470,13 @@ class Lane(Explorer):
                 and not dispatch.has_work() and not dispatch.any_held)
 
     # ---- one client's program (a controlled thread) ------------------------------------------
-    def _answer(self, result, out: np.ndarray | None, count: int) -> tuple:
+    def _answer(self, result, out: np.ndarray | None, count: int,
+                fresh: bool = False) -> tuple:
         if isinstance(result, Status):  # (with the caller's row: untouched by a failure,
             # except that non-finite output may leave it partly written: documented, and the
-            # fused path writes before it finds the NaN, the numpy path after: not compared)
-            unspecified = out is None or result.code == "internal.output_not_finite"
+            # fused path writes before it finds the NaN, the numpy path after: not compared;
+            # nor with ``fresh`` rows: Client.fresh_rows)
+            unspecified = out is None or result.code == "internal.output_not_finite" or fresh
             return ("err", result.code,
                     None if unspecified or out is None else _digest(out[:count]))
         return ("ok", int(result.argmax), int(result.kv_len), result.generation,
@@ -526,6 +534,7 @@ class Lane(Explorer):
             if not c.greedy:
                 token = c.tokens[step % len(c.tokens)] if c.tokens else 0
             early = c.early_at == step
+            step_out = out  # the caller's row of this step (Client.fresh_rows: its own)
             decode = InferenceRequest(
                 seq_id=c.seq, kind=TaskKind.DECODE, tokens=np.asarray([token], np.int32),
                 positions=np.asarray([past], np.int32), past_len=past, deadline=deadline,
@@ -546,7 +555,9 @@ class Lane(Explorer):
                     record(("early", (0,), past + 1, *self._early(c, past, deadline)))
                 result = submitted if isinstance(submitted, Status) else stream.wait()
             else:
-                handle = ex.enqueue(decode, logits_out=out, on_created=gone)
+                if c.fresh_rows and out is not None:
+                    step_out = np.zeros(count, np.float32)
+                handle = ex.enqueue(decode, logits_out=step_out, on_created=gone)
                 self.current[c.cid] = handle
                 self.handles.append(handle)
                 if early:
@@ -554,7 +565,8 @@ class Lane(Explorer):
                 result = handle.wait_until(deadline)
                 if not handle.done:  # as decode_sync: a result nobody takes is cancelled
                     handle.cancel()
-            record(("decode", (token,), past, *self._answer(result, out, count)))
+            record(("decode", (token,), past,
+                    *self._answer(result, step_out, count, c.fresh_rows)))
             if failed:  # the one request after a failure: done
                 break
             failed = isinstance(result, Status)
@@ -711,8 +723,11 @@ class Differential:
                 continue
             first, count = client.want if client.want is not None else (0, VOCAB)
             sequence, generation = None, None
-            row = _digest(np.zeros(count, np.float32)) if client.logits_out else None
+            zero = _digest(np.zeros(count, np.float32))
+            row = zero if client.logits_out else None
             for entry in ref.answers.get(cid, ()):
+                if client.fresh_rows and entry[0] == "decode" and lane.variant.api != "stream":
+                    row = zero  # this step's row was its own, zeroed
                 if entry[0] in ("prefill", "decode") and client.logits_out:
                     # the caller's row is written only by a job whose result the caller
                     # takes (after its Wait succeeded; a non-finite output may leave it
@@ -954,6 +969,7 @@ def random_case(seed: int, variants: Sequence[str] | None = None) -> Case:
             reserve=rng.random() < 0.7,
             want=None if rng.random() < 0.7 else (rng.randrange(150000), rng.randint(1, 1000)),
             logits_out=rng.random() < 0.6, greedy=rng.random() < 0.7,
+            fresh_rows=rng.random() < 0.3,
             tokens=tuple(rng.randrange(VOCAB) for _ in range(3)),
             deadline_s=rng.choice((60.0, 60.0, 60.0, -1.0, 0.0147)),
             early_at=rng.choice((None, None, 0, 1, 2)),
@@ -1017,7 +1033,8 @@ def shrink_case(calbins: dict[str, str], case: Case, attempts: int = 200) -> Cas
         tries += 1
         if fails(candidate):
             case = candidate
-    simpler = {"want": None, "logits_out": False, "early_at": None, "think_s": 0.0,
+    simpler = {"want": None, "logits_out": False, "fresh_rows": False, "early_at": None,
+               "think_s": 0.0,
                "early_delay_s": 0.0, "faults": (), "release": True, "after_failure": None}
     for index, action in enumerate(case.actions):
         if action[0] != "client":
