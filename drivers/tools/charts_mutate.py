@@ -19,6 +19,11 @@ reported as a stale entry.
 
 Report: Markdown on stdout (``--json``: JSON instead), both into ``--report DIR``
 (``mutation.md``, ``mutation.json``); score per chart = killed / (killed + survived).
+
+Exit codes: 0 done; 1 a mutant is an error, survives undocumented (``--fail-on-survivor``) or a
+chart scores below ``--fail-under``; 2 bad input, in one line naming the flag and its value (a
+chart that is no chart, a selection of no mutant, an unmutated run that fails, a ``--report``
+that cannot be written); 130 interrupted.
 """
 
 from __future__ import annotations
@@ -390,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     while argv[:1] in (["charts"], ["mutate"]):  # the dispatcher passes the command words
         argv = argv[1:]
     args = _parser().parse_args(argv)
-    cwd = Path(args.cwd).resolve()
+    cwd = Path(args.cwd or ".").resolve()
     try:
         if args.jobs < 1:
             raise ValueError(f"--jobs={args.jobs}: must be at least 1")
@@ -398,8 +403,16 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--targets-per-transition={args.targets_per_transition}: must be >= 0")
         if args.sample is not None and args.sample < 1:
             raise ValueError(f"--sample={args.sample}: must be at least 1")
-        if args.timeout is not None and not 0 < args.timeout < float("inf"):
-            raise ValueError(f"--timeout={args.timeout}: must be a number of seconds > 0")
+        if args.timeout is not None and not 0 < args.timeout <= cliargs.MAX_SECONDS:
+            # (1e30 overflowed the wait for the first mutant: an internal error, exit 70)
+            raise ValueError(f"--timeout={args.timeout}: must be a number of seconds > 0 and "
+                             f"at most {cliargs.MAX_SECONDS:g}")
+        if args.examples < 1:
+            raise ValueError(f"--examples={args.examples}: must be at least 1")
+        for flag, value in (("--report", args.report), ("--cwd", args.cwd),
+                            ("--equivalent", args.equivalent)):
+            if value is not None and not value:  # ('' was taken for no flag, or for '.')
+                raise ValueError(f"{flag}='': empty path (omit the flag for its default)")
         if args.fail_under is not None and not 0 <= args.fail_under <= 100:  # (nan too)
             raise ValueError(f"--fail-under={args.fail_under:g}: expected a percentage (0-100)")
         if not cwd.is_dir():
