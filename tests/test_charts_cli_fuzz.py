@@ -487,3 +487,31 @@ def test_other_imports_passes_over_a_module_whose_getattr_raises(
     monkeypatch.setitem(sys.modules, lazy.__name__, lazy)
     chart = load_chart(f"{module('charts')}:Door")
     assert other_imports(chart) == []
+
+
+def test_a_chart_graphviz_cannot_draw_is_named_with_its_size_and_nothing_written(
+        project: Path, monkeypatch: pytest.MonkeyPatch):
+    """graphviz failing (here a ``dot`` that exits 1; for real, 400 states that do not lay out
+    within its 60 s) was ``graphviz's dot failed (install graphviz): ...`` with graphviz
+    installed, after --out was made; a large chart gave no word before the wait."""
+    bin_dir = project / "fake_bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "dot").write_text("#!/bin/sh\necho 'layout failed' >&2\nexit 1\n")
+    (bin_dir / "dot").chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    name = module("large")
+    (project / f"{name}.py").write_text(
+        "from statemachine import State, StateMachine\n\n"
+        "names = {f's{i}': State(initial=i == 0) for i in range(120)}\n"
+        "names.update({f'e{i}': names[f's{i}'].to(names[f's{i + 1}']) for i in range(119)})\n"
+        "names['back'] = names['s119'].to(names['s0'])\n"
+        "Large = type('Large', (StateMachine,), names)\n")
+    before = _listing(project)
+    code, out, err = _run(["charts", "draw", f"{name}:Large", "--out", "large_out"])
+    assert code == 2 and out == "" and _listing(project) == before
+    assert err.splitlines() == [
+        "calexec charts draw: laying out Large (120 states, 120 transitions) with graphviz's "
+        "dot, at most 60 s per format ...",
+        "calexec charts draw: graphviz's dot could not draw Large (120 states, 120 "
+        "transitions): dot -Tsvg exited 1: layout failed; nothing written (`charts paths` and "
+        "`charts draw --check` need no graphviz)"]
