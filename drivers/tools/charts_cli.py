@@ -16,7 +16,8 @@ together take every transition), as text or, with ``--json``, as data a test can
 
 Exit codes: 0 done; 1 ``--check`` found a stale file; 2 bad input (one line naming it: not
 ``MODULE:CLASS``, module not importable, no such class, not a chart class, a construct the
-toolkit does not support yet, graphviz missing).
+toolkit does not support yet, graphviz missing or failing, ``--out`` empty or not writable);
+130 interrupted. ``draw`` writes every file or none.
 """
 
 from __future__ import annotations
