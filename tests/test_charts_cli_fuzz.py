@@ -18,6 +18,7 @@ import io
 import itertools
 import os
 import signal
+import subprocess
 import sys
 import textwrap
 import types
@@ -515,3 +516,17 @@ def test_a_chart_graphviz_cannot_draw_is_named_with_its_size_and_nothing_written
         "calexec charts draw: graphviz's dot could not draw Large (120 states, 120 "
         "transitions): dot -Tsvg exited 1: layout failed; nothing written (`charts paths` and "
         "`charts draw --check` need no graphviz)"]
+
+
+@pytest.mark.requires_tool("dot")
+def test_draw_over_a_fifo_named_like_its_file_does_not_wait_for_a_writer(project: Path):
+    """``<out>/Door.dot`` a FIFO: draw read it to see whose diagram it was, and waited for a
+    writer for ever. It is replaced as any file that is not a diagram is."""
+    out = project / "fifo_out"
+    out.mkdir()
+    os.mkfifo(out / "Door.dot")
+    done = subprocess.run(  # (its own process: a regression waits, bounded, not the suite)
+        [sys.executable, "-m", "calexec.cli", "charts", "draw", f"{module('charts')}:Door",
+         "--out", str(out)], cwd=project, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert (out / "Door.dot").is_file() and "Door (declared in" in (out / "Door.dot").read_text()

@@ -107,9 +107,13 @@ def stale(chart: CompiledChart, out: Path, png: bool) -> list[str]:
 def refuse_another_chart(chart: CompiledChart, ref: str, dot_path: Path) -> None:
     """``UserError`` (exit 2) when ``dot_path`` holds the diagram of another chart of the same
     class name (declared in another module): drawing would overwrite it silently."""
+    if not dot_path.is_file():  # none there yet, or a FIFO/device (never read: it may block)
+        return
     try:
-        found = _TITLE.search(dot_path.read_text(encoding="utf-8", errors="replace"))
-    except OSError:  # none there yet (or unreadable: writing it says so)
+        with dot_path.open("rb") as handle:  # (the title is on the second line)
+            head = handle.read(64 * 1024).decode("utf-8", errors="replace")
+        found = _TITLE.search(head)
+    except OSError:  # unreadable: writing it says so
         return
     if found is None or found.group("file") == declared_in(chart):
         return
