@@ -128,7 +128,8 @@ def _interrupts() -> Iterator[list[int] | None]:
     try:
         yield seen
     finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if signal.getsignal(signal.SIGINT) is interrupt:  # (a handler the module set stays)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _where(err: BaseException, root: str) -> str:

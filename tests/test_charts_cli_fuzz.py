@@ -530,3 +530,30 @@ def test_draw_over_a_fifo_named_like_its_file_does_not_wait_for_a_writer(project
          "--out", str(out)], cwd=project, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert (out / "Door.dot").is_file() and "Door (declared in" in (out / "Door.dot").read_text()
+
+
+def test_a_sigint_handler_the_chart_module_installs_is_kept(project: Path):
+    """Telling a module's own ``KeyboardInterrupt`` from a Ctrl-C puts a handler in place while
+    the module is imported; a handler the module installs itself is not undone after it."""
+    name = module("handler")
+    (project / f"{name}.py").write_text(textwrap.dedent("""
+        import signal
+        from statemachine import State, StateMachine
+
+        def on_sigint(signum, frame):
+            pass
+
+        signal.signal(signal.SIGINT, on_sigint)
+
+        class Switch(StateMachine):
+            off = State(initial=True)
+            on = State()
+            flip = off.to(on) | on.to(off)
+    """))
+    try:
+        chart = load_chart(f"{name}:Switch")
+        handler = signal.getsignal(signal.SIGINT)
+        assert callable(handler) and getattr(handler, "__name__", "") == "on_sigint"
+        assert chart.__name__ == "Switch"
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
