@@ -557,3 +557,18 @@ def test_a_sigint_handler_the_chart_module_installs_is_kept(project: Path):
         assert chart.__name__ == "Switch"
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def test_cover_of_a_command_that_runs_no_transition_is_zero_not_an_error(project: Path):
+    """A decision, pinned: a Python command that imports the chart (every process of it does,
+    through the sitecustomize) but takes none of its transitions is 0/N, exit 0 at the default
+    ``--min 0`` (the untaken transitions listed); a gate above 0 fails it, exit 1. Only a
+    command in which no Python process recorded at all is bad input (exit 2)."""
+    argv = ["charts", "cover", "--chart", f"{module('charts')}:Door", "--", sys.executable,
+            "-c", "pass"]
+    code, out, err = _run(argv)
+    assert code == 0 and err == "", err
+    assert out.splitlines()[0] == "transition coverage Door: 0/4 (0.0 %)"
+    assert sum(line.startswith("    untaken: ") for line in out.splitlines()) == 4
+    code, out, _ = _run([*argv[:4], "--min", "1", *argv[4:]])
+    assert code == 1 and "transition coverage gate FAILED for Door: 0.0 % < 1 %" in out
