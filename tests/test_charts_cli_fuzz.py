@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import io
 import itertools
+import json
 import os
 import signal
 import subprocess
@@ -257,11 +258,15 @@ def test_an_attribute_that_is_no_chart_is_shown_in_one_short_line(project: Path,
         assert "...," in line and "yyy" not in line and len(line) < 250, line
 
 
-def test_the_module_s_own_charts_are_taken(project: Path):
-    for ref in (f"{module('charts')}:Door", f"{module('charts')}:Player"):
+def test_the_module_s_own_charts_are_taken_and_paths_json_is_json(project: Path):
+    for ref, states in ((f"{module('charts')}:Door", {"closed", "opened", "locked"}),
+                        (f"{module('charts')}:Player", {"stopped", "playing", "slow", "fast",
+                                                        "done"})):
         code, out, err = _run(["charts", "paths", ref, "--json"])
         assert code == 0 and err == "", err
-        assert out.startswith("{")
+        data = json.loads(out)  # stdout is the JSON document alone
+        assert set(data["states"]) == states and data["class"].endswith(ref.split(":")[1])
+        assert len(data["ends"]["tour"]) == len(data["tour"])
 
 
 # ---- flag values the chart commands refuse ---------------------------------------------------
