@@ -577,3 +577,20 @@ def test_cover_of_a_command_that_runs_no_transition_is_zero_not_an_error(project
     assert sum(line.startswith("    untaken: ") for line in out.splitlines()) == 4
     code, out, _ = _run([*argv[:4], "--min", "1", *argv[4:]])
     assert code == 1 and "transition coverage gate FAILED for Door: 0.0 % < 1 %" in out
+
+
+@pytest.mark.parametrize("command", ["charts draw", "charts names", "diagrams"])
+def test_the_fix_command_of_a_stale_check_can_be_pasted(project: Path, command: str):
+    """``--check`` prints the command that fixes what is stale: an ``--out`` with a space (or
+    a reference with a shell character) was printed bare, so the pasted command wrote
+    somewhere else or failed."""
+    out = project / "my diagrams" / ("names.py" if command == "charts names" else "")
+    argv = [*command.split(), "--check", "--out", str(out)]
+    if command == "charts draw":
+        argv.insert(2, f"{module('charts')}:Door")
+    code, _, err = _run(argv)
+    assert code == 1, err
+    fix = err.splitlines()[-1]
+    assert fix.startswith("fix: calexec "), fix
+    quoted = "'" + str(out).rstrip("/") + "'"
+    assert f"--out {quoted}" in fix, fix

@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import shutil
 import sys
 import tempfile
@@ -138,8 +139,9 @@ def draw(argv: list[str]) -> int:
         for problem in problems:
             print(f"stale: {problem}", file=sys.stderr)
         if problems:
-            print(f"fix: calexec charts draw {args.chart} --out {args.out}"
-                  + (" --png" if args.png else ""), file=sys.stderr)
+            print(f"fix: calexec charts draw {shlex.quote(args.chart)} --out "
+                  f"{shlex.quote(str(args.out))}" + (" --png" if args.png else ""),
+                  file=sys.stderr)
             return EXIT_FAILED
         print(f"{chart.name}: diagrams in {args.out} are up to date")
         return 0

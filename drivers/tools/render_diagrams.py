@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import shlex
 import sys
 from pathlib import Path
 
@@ -112,8 +113,8 @@ def main(argv: list[str]) -> int:
             for problem in problems:
                 print(f"stale: {problem}", file=sys.stderr)
             if problems:
-                print(f"fix: {FIX_COMMAND} --out {args.out}"
-                      + (f" --png {args.png}" if args.png else ""), file=sys.stderr)
+                print(f"fix: {FIX_COMMAND} --out {shlex.quote(str(args.out))}"
+                      + (f" --png {shlex.quote(str(args.png))}" if args.png else ""), file=sys.stderr)
                 return 1
             print(f"diagrams in {args.out}{f' and {args.png}' if args.png else ''} are up to "
                   "date")

@@ -7,6 +7,7 @@ read as a text file: a directory, a device, a FIFO), in one line naming it."""
 from __future__ import annotations
 
 import os
+import shlex
 import stat
 import sys
 from pathlib import Path
@@ -60,7 +61,7 @@ def main(argv: list[str]) -> int:
         if current != fresh:
             if current is not None:
                 print(f"stale: {args.out} differs from the declared charts", file=sys.stderr)
-            print(f"fix: calexec charts names --out {args.out}", file=sys.stderr)
+            print(f"fix: calexec charts names --out {shlex.quote(str(args.out))}", file=sys.stderr)
             return 1
         print(f"{args.out} is up to date")
         return 0
