@@ -59,6 +59,11 @@ LEGEND_CLUSTER = "cluster_legend"
 FONT = "Helvetica"
 
 
+#: how long graphviz's ``dot`` may take to lay out one format (hundreds of states with edges
+#: crossing back may not lay out in that time)
+GRAPHVIZ_TIMEOUT_S = 60
+
+
 class GraphvizError(RuntimeError):
     """graphviz ``dot`` is missing or failed."""
 
@@ -450,9 +455,9 @@ def run_graphviz(dot: str, fmt: str) -> bytes:
         raise GraphvizError("graphviz 'dot' is not on PATH (Debian: apt-get install graphviz)")
     try:
         done = subprocess.run([exe, f"-T{fmt}"], input=dot.encode("utf-8"), capture_output=True,
-                              timeout=60, check=False)
+                              timeout=GRAPHVIZ_TIMEOUT_S, check=False)
     except subprocess.TimeoutExpired:
-        raise GraphvizError(f"dot -T{fmt} did not finish within 60 s") from None
+        raise GraphvizError(f"dot -T{fmt} did not finish within {GRAPHVIZ_TIMEOUT_S} s") from None
     if done.returncode != 0:
         raise GraphvizError(f"dot -T{fmt} exited {done.returncode}: "
                             f"{done.stderr.decode('utf-8', 'replace').strip()}")

@@ -594,3 +594,16 @@ def test_the_fix_command_of_a_stale_check_can_be_pasted(project: Path, command: 
     assert fix.startswith("fix: calexec "), fix
     quoted = "'" + str(out).rstrip("/") + "'"
     assert f"--out {quoted}" in fix, fix
+
+
+def test_write_all_or_none_names_the_file_not_its_scratch_file(tmp_path: Path):
+    from calexec.drivers.tools.charts_cli import write_all_or_none
+
+    kept = tmp_path / "Door.dot"
+    kept.write_text("old\n")
+    gone = tmp_path / "no-such-dir" / "Door.svg"
+    with pytest.raises(cliargs.UserError) as refused:
+        write_all_or_none(tmp_path, {kept: "new\n", gone: b"<svg/>"})
+    assert str(refused.value) == (f"--out={str(tmp_path)!r}: cannot write {str(gone)!r}: "
+                                  "No such file or directory")
+    assert kept.read_text() == "old\n" and os.listdir(tmp_path) == ["Door.dot"]

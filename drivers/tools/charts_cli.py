@@ -46,6 +46,7 @@ from calexec.cliargs import parser as cli_parser
 from calexec.machines.chartref import ChartRefError, load_chart
 from calexec.machines.compiled import CompiledChart, compiled
 from calexec.machines.diagrams import (
+    GRAPHVIZ_TIMEOUT_S,
     SHA_PATTERN,
     GraphvizError,
     declared_in,
@@ -151,7 +152,7 @@ def draw(argv: list[str]) -> int:
     size = f"{len(chart.states)} states, {len(chart.transitions)} transitions"
     if len(chart.states) > LARGE_STATES or len(chart.transitions) > LARGE_TRANSITIONS:
         print(f"calexec charts draw: laying out {chart.name} ({size}) with graphviz's dot, "
-              f"at most {GRAPHVIZ_SECONDS} s per format ...", file=sys.stderr, flush=True)
+              f"at most {GRAPHVIZ_TIMEOUT_S} s per format ...", file=sys.stderr, flush=True)
     try:  # every format first: a chart graphviz cannot lay out writes nothing
         contents: dict[str, str | bytes] = {".dot": dot, ".svg": svg_from_dot(dot)}
         if args.png:
@@ -174,10 +175,8 @@ def draw(argv: list[str]) -> int:
 
 
 #: a chart larger than this gets a line on stderr before graphviz lays it out (which may take
-#: up to ``GRAPHVIZ_SECONDS`` per format: hundreds of states with many crossing edges)
+#: up to ``GRAPHVIZ_TIMEOUT_S`` per format: hundreds of states with many crossing edges)
 LARGE_STATES, LARGE_TRANSITIONS = 100, 200
-#: how long graphviz's ``dot`` may take per format (``machines.diagrams.run_graphviz``)
-GRAPHVIZ_SECONDS = 60
 
 
 def write_all_or_none(out: Path, contents: dict[Path, str | bytes]) -> None:
@@ -186,20 +185,24 @@ def write_all_or_none(out: Path, contents: dict[Path, str | bytes]) -> None:
     files replace the real ones only once all are written. ``UserError`` (exit 2) naming
     ``--out`` and the file otherwise."""
     scratch: dict[Path, str] = {}
+    writing = out
     umask = os.umask(0)
     os.umask(umask)
     try:
         try:
             for path, data in contents.items():
+                writing = path  # (named in the error, not its scratch file)
                 fd, name = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
                 scratch[path] = name
                 with os.fdopen(fd, "wb") as handle:
                     handle.write(data.encode("utf-8") if isinstance(data, str) else data)
                 os.chmod(name, 0o666 & ~umask)  # (mkstemp's 0600: as open() would make it)
             for path, name in scratch.items():
+                writing = path
                 os.replace(name, path)
         except OSError as err:
-            raise cannot_write(out, err, "--out") from None
+            named = OSError(err.errno, err.strerror or str(err), str(writing))
+            raise cannot_write(out, named, "--out") from None
     finally:
         for name in scratch.values():
             with contextlib.suppress(OSError):
