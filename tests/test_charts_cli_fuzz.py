@@ -607,3 +607,20 @@ def test_write_all_or_none_names_the_file_not_its_scratch_file(tmp_path: Path):
     assert str(refused.value) == (f"--out={str(tmp_path)!r}: cannot write {str(gone)!r}: "
                                   "No such file or directory")
     assert kept.read_text() == "old\n" and os.listdir(tmp_path) == ["Door.dot"]
+
+
+def test_draw_into_a_file_is_refused_before_graphviz_runs(project: Path,
+                                                          monkeypatch: pytest.MonkeyPatch):
+    """``--out`` naming a file was refused before the layout; writing every format first
+    (this stop) moved the refusal after it: a minute's layout, then ``not a directory``. It
+    comes first again (here graphviz would fail, and is never asked)."""
+    bin_dir = project / "failing_bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "dot").write_text("#!/bin/sh\necho 'should not run' >&2\nexit 1\n")
+    (bin_dir / "dot").chmod(0o755)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    (project / "a_file").write_text("mine\n")
+    line = _assert_usage_error(project, ["charts", "draw", f"{module('charts')}:Door", "--out",
+                                         "a_file"], "--out='a_file'")
+    assert line == "calexec charts draw: --out='a_file': not a directory", line
+    assert (project / "a_file").read_text() == "mine\n"

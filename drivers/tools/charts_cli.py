@@ -37,6 +37,7 @@ from calexec.cliargs import (
     EXIT_CONFIG,
     EXIT_FAILED,
     UserError,
+    cannot_make_dir,
     cannot_write,
     make_dir,
     nonempty_path,
@@ -149,6 +150,8 @@ def draw(argv: list[str]) -> int:
     dot = render_chart_dot(chart)
     stem = args.out / chart.declaration.__name__
     refuse_another_chart(chart, args.chart, stem.with_suffix(".dot"))
+    if os.path.lexists(args.out) and not args.out.is_dir():  # before a layout of up to a minute
+        raise cannot_make_dir("--out", args.out, FileExistsError())
     size = f"{len(chart.states)} states, {len(chart.transitions)} transitions"
     if len(chart.states) > LARGE_STATES or len(chart.transitions) > LARGE_TRANSITIONS:
         print(f"calexec charts draw: laying out {chart.name} ({size}) with graphviz's dot, "
