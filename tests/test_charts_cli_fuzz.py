@@ -624,3 +624,32 @@ def test_draw_into_a_file_is_refused_before_graphviz_runs(project: Path,
                                          "a_file"], "--out='a_file'")
     assert line == "calexec charts draw: --out='a_file': not a directory", line
     assert (project / "a_file").read_text() == "mine\n"
+
+
+def test_mutate_says_after_the_unmutated_run_that_the_command_never_imports_the_chart(
+        project: Path):
+    """``--test-cmd`` that never imports the chart (``true``, a test file of another project, a
+    module name the tests import otherwise): every mutant ran and was reported "never applied"
+    only in the final report. The unmutated run now reports the modules its processes
+    imported, and a chart none imported is said before the first mutant runs. The verdicts
+    stay as they were (each such mutant an error, exit 1)."""
+    ref = f"{module('charts')}:Door"
+    mutant = "drop:opened-close->closed"
+    for command, imports in ((f"{sys.executable} -c pass", False),
+                             (f"{sys.executable} -c 'import {module('charts')}'", True)):
+        code, out, err = _run(["charts", "mutate", "--chart", ref, "--test-cmd", command,
+                               "--mutant", mutant, "--json"])
+        warned = [line for line in err.splitlines() if "warning:" in line]
+        status = json.loads(out)["mutants"][0]["status"]
+        if imports:
+            assert code == 0 and warned == [] and status == "survived", err
+        else:
+            assert code == 1 and status == "error", err
+            assert warned == [
+                f"calexec charts mutate: warning: the unmutated run of --test-cmd never imported "
+                f"module {module('charts')!r} (--chart={ref!r}): no mutant of Door can be "
+                f"applied, each will be an error. Give --chart as the tests import it, or a "
+                f"command that imports it"], err
+            lines = err.splitlines()
+            assert lines.index(warned[0]) < next(i for i, line in enumerate(lines)
+                                                 if line.startswith("  [1/1]"))

@@ -82,9 +82,25 @@ DEFAULT_CHART_ONLY_PREFIX = "tests/test_charts_"
 #: calexec's documented equivalent mutants, relative to --cwd (used when it exists).
 DEFAULT_EQUIVALENT = "docs/chart_mutants_equivalent.toml"
 STATUSES = ("killed", "survived", "equivalent", "error")
+#: modules (comma-separated) the unmutated run reports importing, into CALEXEC_CHART_MUTANT_ACK
+PROBE_ENV = "CALEXEC_CHART_MUTATE_PROBE"
 SITECUSTOMIZE = sitecustomize_source(
     "`calexec charts mutate`: apply the chart mutant named in CALEXEC_CHART_MUTANT.",
-    "calexec.machines.mutants")
+    "calexec.machines.mutants") + f'''
+# the unmutated run: report which chart modules this process imported (as it exits: however it
+# imported them), so a command that never imports a chart is said before every mutant runs
+if _os.environ.get("{PROBE_ENV}") and _os.environ.get("{mutants_mod.ACK_ENV}"):
+    import atexit as _atexit
+
+    def _report_imports(names=_os.environ["{PROBE_ENV}"].split(","),
+                        ack=_os.environ["{mutants_mod.ACK_ENV}"]):
+        seen = [name for name in names if name in _sys.modules]
+        if seen:
+            with open(ack, "a", encoding="utf-8") as out:
+                out.write("".join("imported " + name + "\\n" for name in seen))
+
+    _atexit.register(_report_imports)
+'''
 FAILED_LINE = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.MULTILINE)
 
 
@@ -480,8 +496,12 @@ def main(argv: list[str] | None = None) -> int:
             return env
 
         print(f"charts mutate: unmutated run of `{command_text}` ...", file=sys.stderr)
+        probe = env_for("baseline")
+        modules = {chart.target.partition(":")[0]: chart for chart in charts}
+        probe[PROBE_ENV] = ",".join(modules)
+        probe[mutants_mod.ACK_ENV] = str(scratch / "ack-baseline")
         try:
-            code, baseline_s, output = _run(command, cwd, env_for("baseline"), None)
+            code, baseline_s, output = _run(command, cwd, probe, None)
         except OSError as err:  # not found, not executable
             print(f"calexec charts mutate: --test-cmd={command_text!r}: cannot run "
                   f"{command[0]!r}: {err.strerror or err}", file=sys.stderr)
@@ -492,6 +512,16 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
         timeout = args.timeout if args.timeout is not None else 5 * baseline_s + 30
+        try:
+            imported = set((scratch / "ack-baseline").read_text(encoding="utf-8").splitlines())
+        except OSError:  # no process of the command reported any
+            imported = set()
+        for name, chart in modules.items():
+            if f"imported {name}" not in imported:
+                print(f"calexec charts mutate: warning: the unmutated run of --test-cmd never "
+                      f"imported module {name!r} (--chart={chart.target!r}): no mutant of "
+                      f"{chart.name} can be applied, each will be an error. Give --chart as "
+                      f"the tests import it, or a command that imports it", file=sys.stderr)
 
         def one(index: int, chart: Chart, mutant: mutants_mod.Mutant) -> Outcome:
             outcome = Outcome(chart.name, mutant)
