@@ -6,9 +6,13 @@ directory (it is put first on ``sys.path``), so a user's own chart needs no inst
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 from statemachine import StateChart
@@ -47,29 +51,85 @@ def load_chart(ref: str, cwd: str | None = None) -> type[StateChart[Any]]:
                             f"(e.g. {stem}:{class_name})")
     if root not in sys.path:
         sys.path.insert(0, root)
-    try:
-        module = importlib.import_module(module_name)
-    except KeyboardInterrupt:
-        raise
-    except BaseException as err:  # noqa: BLE001 - the user's module may raise anything at
-        # import, sys.exit() and an argparse error (SystemExit) included
-        why = str(err).splitlines()[0] if str(err) else ""
-        raise ChartRefError(ref, f"cannot import module {module_name!r} from {root} "
-                            f"({type(err).__name__}{_where(err, root)}: {why})") from err
+    with _interrupts() as interrupted:
+        try:
+            module = importlib.import_module(module_name)
+        except KeyboardInterrupt as err:
+            if interrupted is None or interrupted:  # Ctrl-C (or not known not to be): stop
+                raise
+            # the module raised it itself: it is a module that cannot be imported
+            raise ChartRefError(ref, f"cannot import module {module_name!r} from {root} "
+                                f"(KeyboardInterrupt{_where(err, root)}: raised by the "
+                                f"module as it was imported, no Ctrl-C)") from err
+        except BaseException as err:  # noqa: BLE001 - the user's module may raise anything at
+            # import, sys.exit() and an argparse error (SystemExit) included
+            why = _first_line(str(err))
+            raise ChartRefError(ref, f"cannot import module {module_name!r} from {root} "
+                                f"({type(err).__name__}{_where(err, root)}: {why})") from err
     found: object = module
+    missing = object()
     for part in class_name.split("."):
-        found = getattr(found, part, None)
-        if found is None:
+        try:
+            found = getattr(found, part, missing)
+        except Exception as err:  # noqa: BLE001 - a module's __getattr__, a property
+            raise ChartRefError(ref, f"reading {class_name!r} of module {module_name!r} "
+                                f"raised {type(err).__name__}: {_first_line(str(err))}") from err
+        if found is missing:
             raise ChartRefError(ref, f"module {module_name!r} has no attribute "
                                 f"{class_name!r} (expected a chart class there)")
     if not (isinstance(found, type) and issubclass(found, StateChart)):
-        raise ChartRefError(ref, f"{class_name} is {type(found).__name__} {found!r:.60}, "
+        raise ChartRefError(ref, f"{class_name} is {type(found).__name__} {_shown(found)}, "
                             f"not a python-statemachine chart class (a StateMachine or "
                             f"StateChart subclass)")
     if not found.states:
         raise ChartRefError(ref, f"{class_name} declares no states (a base class of "
                             f"charts? name the subclass that declares them)")
     return found
+
+
+#: control characters (C0, DEL, C1) shown escaped in a message: a module's own error text may
+#: hold an escape sequence, which must not reach the terminal live
+_CONTROL = {c: repr(chr(c))[1:-1] for c in (*range(0x20), *range(0x7f, 0xa0))}
+
+
+def _first_line(text: str) -> str:
+    """The first line of ``text``, its control characters escaped."""
+    return (text.splitlines()[0] if text else "").translate(_CONTROL)
+
+
+def _shown(value: object, limit: int = 60) -> str:
+    """``repr(value)`` for a one-line message: its first line, at most ``limit`` characters
+    (cut with ``...``), the repr of the type when the object's own ``__repr__`` raises."""
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - a user's object: its __repr__ may raise anything
+        text = object.__repr__(value)
+    text = _first_line(text)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+@contextlib.contextmanager
+def _interrupts() -> Iterator[list[int] | None]:
+    """While a user's module is imported: the SIGINTs (Ctrl-C) that arrived, so that a
+    ``KeyboardInterrupt`` the module raises itself is told from the user's Ctrl-C (which
+    still interrupts). None when that cannot be known (not the main thread, or SIGINT is
+    not Python's default handler): every ``KeyboardInterrupt`` is then taken for a Ctrl-C."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield None
+        return
+    seen: list[int] = []
+
+    def interrupt(signum: int, _frame: object) -> None:
+        seen.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupt)
+    try:
+        yield seen
+    finally:
+        if signal.getsignal(signal.SIGINT) is interrupt:  # (a handler the module set stays)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _where(err: BaseException, root: str) -> str:

@@ -172,7 +172,12 @@ def other_imports(chart: ChartLike) -> list[str]:
             same = os.path.samefile(other, path)
         except OSError:
             continue
-        twin = getattr(module, declaration.__name__, None)
-        if same and isinstance(twin, type) and twin is not declaration:
+        if not same:  # (another file's module: never asked for the name, its __getattr__ may raise)
+            continue
+        try:
+            twin = getattr(module, declaration.__name__, None)
+        except Exception:  # noqa: BLE001 - a module's own __getattr__ may raise anything
+            continue
+        if isinstance(twin, type) and twin is not declaration:
             found.append(name)
     return sorted(found)

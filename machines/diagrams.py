@@ -59,6 +59,11 @@ LEGEND_CLUSTER = "cluster_legend"
 FONT = "Helvetica"
 
 
+#: how long graphviz's ``dot`` may take to lay out one format (hundreds of states with edges
+#: crossing back may not lay out in that time)
+GRAPHVIZ_TIMEOUT_S = 60
+
+
 class GraphvizError(RuntimeError):
     """graphviz ``dot`` is missing or failed."""
 
@@ -108,24 +113,27 @@ def _state_text(chart: CompiledChart, state_id: str) -> str:
     return f"{name} ({state_id})"
 
 
-def _event_name(chart: CompiledChart, event: str) -> str:
-    """The name the chart gives ``event`` (``Event(..., name="Start the engine")``), else
+def _event_names(chart: CompiledChart) -> dict[str, str]:
+    """Event id -> the name the chart gives it (``Event(..., name="Start the engine")``), else
     python-statemachine's default for an id (``kv_grow`` -> ``Kv grow``), as its own diagrams
-    print it."""
+    print it; every event of the chart's transitions, in one pass over its declaration (a
+    label is drawn per transition: a pass per label per event was cubic, 20 s for 800)."""
+    given: dict[str, str] = {}
     for transition in chart.declared:
         for declared in transition.events:
-            if str(declared) == event and getattr(declared, "name", None):
-                return str(declared.name)
-    return event.replace("_", " ").capitalize()
+            if getattr(declared, "name", None):
+                given.setdefault(str(declared), str(declared.name))
+    return {event: given.get(event) or event.replace("_", " ").capitalize()
+            for event in dict.fromkeys(t.event for t in chart.transitions) if event}
 
 
 def _event_label(chart: CompiledChart, event: str) -> str:
-    """``event``'s name (``_event_name``); followed by its id, ``Go on (go.on)``, when another
+    """``event``'s name (``_event_names``); followed by its id, ``Go on (go.on)``, when another
     event of the chart has the same name (``go.on`` and ``go_on`` are both ``Go on``: two
     edges that read as one event)."""
-    name = _event_name(chart, event)
-    if any(other != event and _event_name(chart, other) == name
-           for other in {t.event for t in chart.transitions} if other):
+    names = _event_names(chart)
+    name = names.get(event) or event.replace("_", " ").capitalize()
+    if any(other != event and other_name == name for other, other_name in names.items()):
         return f"{name} ({event})"
     return name
 
@@ -447,9 +455,9 @@ def run_graphviz(dot: str, fmt: str) -> bytes:
         raise GraphvizError("graphviz 'dot' is not on PATH (Debian: apt-get install graphviz)")
     try:
         done = subprocess.run([exe, f"-T{fmt}"], input=dot.encode("utf-8"), capture_output=True,
-                              timeout=60, check=False)
+                              timeout=GRAPHVIZ_TIMEOUT_S, check=False)
     except subprocess.TimeoutExpired:
-        raise GraphvizError(f"dot -T{fmt} did not finish within 60 s") from None
+        raise GraphvizError(f"dot -T{fmt} did not finish within {GRAPHVIZ_TIMEOUT_S} s") from None
     if done.returncode != 0:
         raise GraphvizError(f"dot -T{fmt} exited {done.returncode}: "
                             f"{done.stderr.decode('utf-8', 'replace').strip()}")

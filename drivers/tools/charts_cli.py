@@ -16,7 +16,8 @@ together take every transition), as text or, with ``--json``, as data a test can
 
 Exit codes: 0 done; 1 ``--check`` found a stale file; 2 bad input (one line naming it: not
 ``MODULE:CLASS``, module not importable, no such class, not a chart class, a construct the
-toolkit does not support yet, graphviz missing).
+toolkit does not support yet, graphviz missing or failing, ``--out`` empty or not writable);
+130 interrupted. ``draw`` writes every file or none.
 """
 
 from __future__ import annotations
@@ -24,15 +25,29 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import re
+import shlex
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
-from calexec.cliargs import EXIT_CONFIG, EXIT_FAILED, UserError, cannot_write, make_dir
+from calexec.cliargs import (
+    EXIT_CONFIG,
+    EXIT_FAILED,
+    UserError,
+    cannot_make_dir,
+    cannot_write,
+    make_dir,
+    nonempty_path,
+    writable_file,
+)
 from calexec.cliargs import parser as cli_parser
 from calexec.machines.chartref import ChartRefError, load_chart
 from calexec.machines.compiled import CompiledChart, compiled
 from calexec.machines.diagrams import (
+    GRAPHVIZ_TIMEOUT_S,
     SHA_PATTERN,
     GraphvizError,
     declared_in,
@@ -95,9 +110,13 @@ def stale(chart: CompiledChart, out: Path, png: bool) -> list[str]:
 def refuse_another_chart(chart: CompiledChart, ref: str, dot_path: Path) -> None:
     """``UserError`` (exit 2) when ``dot_path`` holds the diagram of another chart of the same
     class name (declared in another module): drawing would overwrite it silently."""
+    if not dot_path.is_file():  # none there yet, or a FIFO/device (never read: it may block)
+        return
     try:
-        found = _TITLE.search(dot_path.read_text(encoding="utf-8", errors="replace"))
-    except OSError:  # none there yet (or unreadable: writing it says so)
+        with dot_path.open("rb") as handle:  # (the title is on the second line)
+            head = handle.read(64 * 1024).decode("utf-8", errors="replace")
+        found = _TITLE.search(head)
+    except OSError:  # unreadable: writing it says so
         return
     if found is None or found.group("file") == declared_in(chart):
         return
@@ -110,7 +129,7 @@ def refuse_another_chart(chart: CompiledChart, ref: str, dot_path: Path) -> None
 def draw(argv: list[str]) -> int:
     parser = cli_parser("calexec charts draw", __doc__)
     parser.add_argument("chart", metavar="MODULE:CLASS", help="the chart class to draw")
-    parser.add_argument("--out", type=Path, default=Path("diagrams"),
+    parser.add_argument("--out", type=nonempty_path, default=Path("diagrams"),
                         help="directory of <Class>.dot/.svg(/.png)")
     parser.add_argument("--check", action="store_true",
                         help="exit 1 if the files in --out are not what the chart renders now")
@@ -122,32 +141,75 @@ def draw(argv: list[str]) -> int:
         for problem in problems:
             print(f"stale: {problem}", file=sys.stderr)
         if problems:
-            print(f"fix: calexec charts draw {args.chart} --out {args.out}"
-                  + (" --png" if args.png else ""), file=sys.stderr)
+            print(f"fix: calexec charts draw {shlex.quote(args.chart)} --out "
+                  f"{shlex.quote(str(args.out))}" + (" --png" if args.png else ""),
+                  file=sys.stderr)
             return EXIT_FAILED
         print(f"{chart.name}: diagrams in {args.out} are up to date")
         return 0
     dot = render_chart_dot(chart)
     stem = args.out / chart.declaration.__name__
     refuse_another_chart(chart, args.chart, stem.with_suffix(".dot"))
-    make_dir("--out", args.out)  # (a file there: 'not a directory', not 'File exists')
-    try:
-        svg = svg_from_dot(dot)
-        png = png_from_dot(dot) if args.png else None
-        stem.with_suffix(".dot").write_text(dot, encoding="utf-8")
-        stem.with_suffix(".svg").write_text(svg, encoding="utf-8")
-        written = [stem.with_suffix(".dot"), stem.with_suffix(".svg")]
-        if png is not None:
-            stem.with_suffix(".png").write_bytes(png)
-            written.append(stem.with_suffix(".png"))
+    if os.path.lexists(args.out) and not args.out.is_dir():  # before a layout of up to a minute
+        raise cannot_make_dir("--out", args.out, FileExistsError())
+    size = f"{len(chart.states)} states, {len(chart.transitions)} transitions"
+    if len(chart.states) > LARGE_STATES or len(chart.transitions) > LARGE_TRANSITIONS:
+        print(f"calexec charts draw: laying out {chart.name} ({size}) with graphviz's dot, "
+              f"at most {GRAPHVIZ_TIMEOUT_S} s per format ...", file=sys.stderr, flush=True)
+    try:  # every format first: a chart graphviz cannot lay out writes nothing
+        contents: dict[str, str | bytes] = {".dot": dot, ".svg": svg_from_dot(dot)}
+        if args.png:
+            contents[".png"] = png_from_dot(dot)
     except GraphvizError as err:
-        raise UserError(f"graphviz's dot failed (install graphviz): "
-                        f"{str(err).splitlines()[0]}") from None
-    except OSError as err:
-        raise cannot_write(args.out, err, "--out") from None
+        why = str(err).splitlines()[0] if str(err) else type(err).__name__
+        if shutil.which("dot") is None:
+            raise UserError(f"drawing needs graphviz's dot: {why}") from None
+        raise UserError(f"graphviz's dot could not draw {chart.name} ({size}): {why}; "
+                        f"nothing written (`charts paths` and `charts draw --check` need no "
+                        f"graphviz)") from None
+    make_dir("--out", args.out)  # (a file there: 'not a directory', not 'File exists')
+    written = [stem.with_suffix(suffix) for suffix in contents]
+    for path in written:  # each writable (not a directory) before any is replaced
+        writable_file("--out", path, args.out)
+    write_all_or_none(args.out, {path: contents[path.suffix] for path in written})
     for path in written:
         print(path)
     return 0
+
+
+#: a chart larger than this gets a line on stderr before graphviz lays it out (which may take
+#: up to ``GRAPHVIZ_TIMEOUT_S`` per format: hundreds of states with many crossing edges)
+LARGE_STATES, LARGE_TRANSITIONS = 100, 200
+
+
+def write_all_or_none(out: Path, contents: dict[Path, str | bytes]) -> None:
+    """Write every file of ``contents`` (in directory ``out``, the ``--out`` given) or, when
+    one cannot be written, none: each goes to a scratch file beside it first, and the scratch
+    files replace the real ones only once all are written. ``UserError`` (exit 2) naming
+    ``--out`` and the file otherwise."""
+    scratch: dict[Path, str] = {}
+    writing = out
+    umask = os.umask(0)
+    os.umask(umask)
+    try:
+        try:
+            for path, data in contents.items():
+                writing = path  # (named in the error, not its scratch file)
+                fd, name = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+                scratch[path] = name
+                with os.fdopen(fd, "wb") as handle:
+                    handle.write(data.encode("utf-8") if isinstance(data, str) else data)
+                os.chmod(name, 0o666 & ~umask)  # (mkstemp's 0600: as open() would make it)
+            for path, name in scratch.items():
+                writing = path
+                os.replace(name, path)
+        except OSError as err:
+            named = OSError(err.errno, err.strerror or str(err), str(writing))
+            raise cannot_write(out, named, "--out") from None
+    finally:
+        for name in scratch.values():
+            with contextlib.suppress(OSError):
+                os.unlink(name)  # (gone once replaced)
 
 
 def _text(data: dict) -> str:

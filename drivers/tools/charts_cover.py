@@ -135,6 +135,9 @@ def main(argv: list[str]) -> int:
     minimum = _minimum(args.min)
     if not args.command:
         raise UserError("no test command: give it after `--` (e.g. -- python -m pytest -q)")
+    if not args.command[0].strip():  # ('' was "Permission denied", naming nothing)
+        raise UserError(f"test command {args.command[0]!r}: empty program name (the word after "
+                        f"`--` is the program to run, e.g. -- python -m pytest -q)")
     charts: list[CompiledChart] = []
     for ref in dict.fromkeys(args.chart):
         if "," in ref:
@@ -176,7 +179,8 @@ def main(argv: list[str]) -> int:
         return 2
     if not loaded:
         print("calexec charts cover: the command started no Python process that recorded "
-              "(is it a Python command, run with this environment?)", file=sys.stderr)
+              "(is it a Python command, run with this environment?)"
+              + (f"; it exited with code {code}" if code else ""), file=sys.stderr)
         return 2
     recorder = TransitionRecorder()
     recorder.hits.update(hits)

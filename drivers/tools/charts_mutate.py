@@ -19,6 +19,11 @@ reported as a stale entry.
 
 Report: Markdown on stdout (``--json``: JSON instead), both into ``--report DIR``
 (``mutation.md``, ``mutation.json``); score per chart = killed / (killed + survived).
+
+Exit codes: 0 done; 1 a mutant is an error, survives undocumented (``--fail-on-survivor``) or a
+chart scores below ``--fail-under``; 2 bad input, in one line naming the flag and its value (a
+chart that is no chart, a selection of no mutant, an unmutated run that fails, a ``--report``
+that cannot be written); 130 interrupted.
 """
 
 from __future__ import annotations
@@ -77,9 +82,25 @@ DEFAULT_CHART_ONLY_PREFIX = "tests/test_charts_"
 #: calexec's documented equivalent mutants, relative to --cwd (used when it exists).
 DEFAULT_EQUIVALENT = "docs/chart_mutants_equivalent.toml"
 STATUSES = ("killed", "survived", "equivalent", "error")
+#: modules (comma-separated) the unmutated run reports importing, into CALEXEC_CHART_MUTANT_ACK
+PROBE_ENV = "CALEXEC_CHART_MUTATE_PROBE"
 SITECUSTOMIZE = sitecustomize_source(
     "`calexec charts mutate`: apply the chart mutant named in CALEXEC_CHART_MUTANT.",
-    "calexec.machines.mutants")
+    "calexec.machines.mutants") + f'''
+# the unmutated run: report which chart modules this process imported (as it exits: however it
+# imported them), so a command that never imports a chart is said before every mutant runs
+if _os.environ.get("{PROBE_ENV}") and _os.environ.get("{mutants_mod.ACK_ENV}"):
+    import atexit as _atexit
+
+    def _report_imports(names=_os.environ["{PROBE_ENV}"].split(","),
+                        ack=_os.environ["{mutants_mod.ACK_ENV}"]):
+        seen = [name for name in names if name in _sys.modules]
+        if seen:
+            with open(ack, "a", encoding="utf-8") as out:
+                out.write("".join("imported " + name + "\\n" for name in seen))
+
+    _atexit.register(_report_imports)
+'''
 FAILED_LINE = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.MULTILINE)
 
 
@@ -390,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     while argv[:1] in (["charts"], ["mutate"]):  # the dispatcher passes the command words
         argv = argv[1:]
     args = _parser().parse_args(argv)
-    cwd = Path(args.cwd).resolve()
+    cwd = Path(args.cwd or ".").resolve()
     try:
         if args.jobs < 1:
             raise ValueError(f"--jobs={args.jobs}: must be at least 1")
@@ -398,8 +419,16 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--targets-per-transition={args.targets_per_transition}: must be >= 0")
         if args.sample is not None and args.sample < 1:
             raise ValueError(f"--sample={args.sample}: must be at least 1")
-        if args.timeout is not None and not 0 < args.timeout < float("inf"):
-            raise ValueError(f"--timeout={args.timeout}: must be a number of seconds > 0")
+        if args.timeout is not None and not 0 < args.timeout <= cliargs.MAX_SECONDS:
+            # (1e30 overflowed the wait for the first mutant: an internal error, exit 70)
+            raise ValueError(f"--timeout={args.timeout}: must be a number of seconds > 0 and "
+                             f"at most {cliargs.MAX_SECONDS:g}")
+        if args.examples < 1:
+            raise ValueError(f"--examples={args.examples}: must be at least 1")
+        for flag, value in (("--report", args.report), ("--cwd", args.cwd),
+                            ("--equivalent", args.equivalent)):
+            if value is not None and not value:  # ('' was taken for no flag, or for '.')
+                raise ValueError(f"{flag}='': empty path (omit the flag for its default)")
         if args.fail_under is not None and not 0 <= args.fail_under <= 100:  # (nan too)
             raise ValueError(f"--fail-under={args.fail_under:g}: expected a percentage (0-100)")
         if not cwd.is_dir():
@@ -467,8 +496,12 @@ def main(argv: list[str] | None = None) -> int:
             return env
 
         print(f"charts mutate: unmutated run of `{command_text}` ...", file=sys.stderr)
+        probe = env_for("baseline")
+        modules = {chart.target.partition(":")[0]: chart for chart in charts}
+        probe[PROBE_ENV] = ",".join(modules)
+        probe[mutants_mod.ACK_ENV] = str(scratch / "ack-baseline")
         try:
-            code, baseline_s, output = _run(command, cwd, env_for("baseline"), None)
+            code, baseline_s, output = _run(command, cwd, probe, None)
         except OSError as err:  # not found, not executable
             print(f"calexec charts mutate: --test-cmd={command_text!r}: cannot run "
                   f"{command[0]!r}: {err.strerror or err}", file=sys.stderr)
@@ -479,6 +512,16 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
         timeout = args.timeout if args.timeout is not None else 5 * baseline_s + 30
+        try:
+            imported = set((scratch / "ack-baseline").read_text(encoding="utf-8").splitlines())
+        except OSError:  # no process of the command reported any
+            imported = set()
+        for name, chart in modules.items():
+            if f"imported {name}" not in imported:
+                print(f"calexec charts mutate: warning: the unmutated run of --test-cmd never "
+                      f"imported module {name!r} (--chart={chart.target!r}): no mutant of "
+                      f"{chart.name} can be applied, each will be an error. Give --chart as "
+                      f"the tests import it, or a command that imports it", file=sys.stderr)
 
         def one(index: int, chart: Chart, mutant: mutants_mod.Mutant) -> Outcome:
             outcome = Outcome(chart.name, mutant)

@@ -6,7 +6,9 @@ the SVG/PNG carry; needs no graphviz binary). Rendering: ``calexec.machines.diag
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import shlex
 import sys
 from pathlib import Path
 
@@ -24,21 +26,40 @@ from calexec.machines.diagrams import (
 
 def write_all(out: Path, png: Path | None = None) -> list[Path]:
     """Render every chart to ``out/<chart>.dot`` and ``out/<chart>.svg`` (and
-    ``png/<chart>.png`` when ``png`` is given); return the files written."""
-    out.mkdir(parents=True, exist_ok=True)
-    if png is not None:
-        png.mkdir(parents=True, exist_ok=True)
-    written = []
+    ``png/<chart>.png`` when ``png`` is given); return the files written. Everything is
+    rendered, and every file found writable (``UserError`` naming ``--out`` or ``--png``
+    otherwise), before the first is written: a graphviz failure or a directory in the way
+    leaves the old diagrams as they were, never some charts new and some old."""
+    from calexec.cliargs import UserError, make_dir, writable_file
+
+    contents: dict[Path, str | bytes] = {}
     for name in CHARTS:
         dot = render_chart_dot(CHARTS[name])
-        (out / f"{name}.dot").write_text(dot, encoding="utf-8")
-        (out / f"{name}.svg").write_text(svg_from_dot(dot), encoding="utf-8")
-        written += [out / f"{name}.dot", out / f"{name}.svg"]
+        contents[out / f"{name}.dot"] = dot
+        contents[out / f"{name}.svg"] = svg_from_dot(dot)
         if png is not None:
             # 96 dpi: the diagrams' 12-14 pt text is ~16-19 px high, legible without zoom
-            (png / f"{name}.png").write_bytes(png_from_dot(dot))
-            written.append(png / f"{name}.png")
-    return written
+            contents[png / f"{name}.png"] = png_from_dot(dot)
+    made = [d for d in dict.fromkeys((out, png)) if d is not None and not d.exists()]
+    try:
+        make_dir("--out", out)  # (a file there: 'not a directory', not 'File exists')
+        if png is not None:
+            make_dir("--png", png)
+        for path in contents:
+            flag, given = ("--png", png) if png is not None and path.parent == png else (
+                "--out", out)
+            writable_file(flag, path, given)
+    except UserError:
+        for directory in made:  # refused: no empty directory left behind either
+            with contextlib.suppress(OSError):
+                directory.rmdir()
+        raise
+    for path, data in contents.items():
+        if isinstance(data, bytes):
+            path.write_bytes(data)
+        else:
+            path.write_text(data, encoding="utf-8")
+    return list(contents)
 
 
 def stale_files(out: Path, png: Path | None = None) -> list[str]:
@@ -73,7 +94,7 @@ def main(argv: list[str]) -> int:
     """Entry point; ``argv`` starts with the command word ``diagrams``. Exit 0, 1 when
     ``--check`` finds a stale file, 2 when ``--out`` cannot be written or graphviz's ``dot``
     is missing (one line, no traceback)."""
-    from calexec.cliargs import EXIT_CONFIG, UserError, cannot_write, make_dir, nonempty_path
+    from calexec.cliargs import EXIT_CONFIG, UserError, cannot_write, nonempty_path
     from calexec.cliargs import parser as cli_parser
 
     parser = cli_parser("calexec diagrams", __doc__)
@@ -92,16 +113,13 @@ def main(argv: list[str]) -> int:
             for problem in problems:
                 print(f"stale: {problem}", file=sys.stderr)
             if problems:
-                print(f"fix: {FIX_COMMAND} --out {args.out}"
-                      + (f" --png {args.png}" if args.png else ""), file=sys.stderr)
+                print(f"fix: {FIX_COMMAND} --out {shlex.quote(str(args.out))}"
+                      + (f" --png {shlex.quote(str(args.png))}" if args.png else ""), file=sys.stderr)
                 return 1
             print(f"diagrams in {args.out}{f' and {args.png}' if args.png else ''} are up to "
                   "date")
             return 0
-        for flag, directory in (("--out", args.out), ("--png", args.png)):
-            if directory is not None:  # (a file there: 'not a directory', not 'File exists')
-                make_dir(flag, directory)
-        written = write_all(args.out, args.png)
+        written = write_all(args.out, args.png)  # (renders everything, then makes --out)
     except UserError as err:  # an output directory that cannot be made
         print(f"calexec diagrams: {err}", file=sys.stderr)
         return err.code

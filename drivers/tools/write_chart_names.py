@@ -1,23 +1,53 @@
 """``calexec charts names [--check] [--out FILE]``: write machines/chart_names.py, one constant
 per state and event of every declared chart (``calexec.machines.compiled.names_source``), or
-``--check`` that the committed file is current (exit 1 and the fix command when stale)."""
+``--check`` that the committed file is current (exit 1 and the fix command when stale or
+missing). Exit 2: ``--out`` empty, or a path that cannot be written (or, with ``--check``,
+read as a text file: a directory, a device, a FIFO), in one line naming it."""
 
 from __future__ import annotations
 
+import os
+import shlex
+import stat
 import sys
 from pathlib import Path
 
-from calexec.cliargs import EXIT_CONFIG, cannot_write, command_main
+from calexec.cliargs import EXIT_CONFIG, UserError, cannot_write, command_main, nonempty_path
 from calexec.cliargs import parser as cli_parser
 from calexec.machines.compiled import names_source
 
 DEFAULT_OUT = Path(__file__).resolve().parents[2] / "machines" / "chart_names.py"
 
 
+def current_text(path: Path, size: int) -> str | None:
+    """The text of the module ``--out`` names (None when there is none), as far as it can
+    equal a module of ``size`` bytes: at most ``size + 1`` bytes are read (a longer file is
+    stale, not read to its end), bytes that are not UTF-8 replaced (a stale file, not an
+    error). ``UserError`` (exit 2) naming ``--out`` for what is no file: a directory, a device
+    (``/dev/zero`` was read until the kernel killed the command), a FIFO (waited on)."""
+    given = str(path)
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        raise UserError(f"--out={given!r}: cannot read it: {err.strerror or err}") from None
+    if stat.S_ISDIR(mode):
+        raise UserError(f"--out={given!r}: is a directory, not a generated chart names module")
+    if not stat.S_ISREG(mode):
+        raise UserError(f"--out={given!r}: not a regular file ({stat.filemode(mode)}), not a "
+                        f"generated chart names module")
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(size + 1).decode("utf-8", errors="replace")
+    except OSError as err:
+        raise UserError(f"--out={given!r}: cannot read it: {err.strerror or err}") from None
+
+
 @command_main
 def main(argv: list[str]) -> int:
     parser = cli_parser("calexec charts names", __doc__)
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
+    parser.add_argument("--out", type=nonempty_path, default=DEFAULT_OUT,
                         help="the generated module (default: machines/chart_names.py of this "
                              "source tree)")
     parser.add_argument("--check", action="store_true",
@@ -25,15 +55,13 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv[2:])
     fresh = names_source()
     if args.check:
-        try:
-            current = args.out.read_text(encoding="utf-8", errors="replace")
-        except OSError as err:
-            current = None
-            print(f"stale: {args.out}: {err.strerror or err}", file=sys.stderr)
+        current = current_text(args.out, len(fresh.encode("utf-8")))
+        if current is None:
+            print(f"stale: {args.out}: missing", file=sys.stderr)
         if current != fresh:
             if current is not None:
                 print(f"stale: {args.out} differs from the declared charts", file=sys.stderr)
-            print(f"fix: calexec charts names --out {args.out}", file=sys.stderr)
+            print(f"fix: calexec charts names --out {shlex.quote(str(args.out))}", file=sys.stderr)
             return 1
         print(f"{args.out} is up to date")
         return 0
