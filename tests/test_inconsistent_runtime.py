@@ -86,3 +86,36 @@ def test_with_the_fault_controller_the_recovery_reaps_such_a_job_and_serves_agai
         result = ex.enqueue(prefill(2, [4, 5, 6])).wait_until(deadline())
         assert isinstance(result, InferenceResult), result
         assert ex.snapshot()["inflight"] == 0
+
+
+class OneElementShort:
+    """An output buffer whose valid bytes are one BF16 element short of what the job wrote
+    (the emulator's OUTPUT_SHORT fault halves the output; this is the boundary)."""
+
+    def __init__(self, outbuf) -> None:
+        self._outbuf = outbuf
+
+    def __getattr__(self, name):
+        return getattr(self._outbuf, name)
+
+    def valid_bytes(self):
+        rc, valid = self._outbuf.valid_bytes()
+        return rc, max(valid - 2, 0) if rc == 0 else valid
+
+
+def test_an_output_one_element_short_of_its_contract_is_refused(calbin):
+    """FI09 at its boundary: ``valid_bytes`` one element short of the contract's ByteSize is
+    ``internal.output_short`` (the job's logits are not read), as half of it is. (Stop 47: a
+    hand mutant that let two bytes through left every test green.)"""
+    ex = make_executor(calbin, threads=False, fault_sink=RecordingFaultSink())
+    try:
+        for slot in ex.pool.slots:
+            slot.outbuf = OneElementShort(slot.outbuf)
+        handle = ex.enqueue(prefill(1, [1, 2, 3]))
+        assert ex.submit_one() and ex.complete_one()
+        status = handle.wait_until(deadline())
+        assert isinstance(status, Status) and status.code == "internal.output_short", status
+        assert "contract ByteSize" in status.message
+        assert ex.kvc.seqs[1].unknown_reason == "internal.output_short"
+    finally:
+        ex.shutdown(grace=0.2)
