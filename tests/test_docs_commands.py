@@ -209,3 +209,22 @@ def test_a_flag_help_states_its_default_once(command, flag):
     end = next(i for i in range(start + 1, len(lines)) if not lines[i].startswith(" " * 8))
     entry = " ".join(" ".join(lines[start:end]).split())
     assert len(re.findall(r"\bdefault\b", entry)) == 1, entry
+
+
+def test_golden_record_does_not_warn_about_the_golden_it_pins(tmp_path, capsys, caplog):
+    """docs/manifest.md §6: ``calexec golden record --calbin X --manifest M`` printed
+    ``allow_unpinned_golden: ... goes Ready on an unpinned golden ... (first run trusted; §9.2
+    asks for a fixed golden)`` while pinning that very golden; it prints the pin alone."""
+    calbin, manifest = tmp_path / "m5.calbin", tmp_path / "my.toml"
+    assert cli.main(["sim", "write-calbin", str(calbin), "--seed", "5"]) == 0
+    manifest.write_text((ROOT / "contracts" / "manifests" / "qwen3_synthetic.toml")
+                        .read_text(encoding="utf-8"), encoding="utf-8")
+    capsys.readouterr()
+    caplog.set_level("WARNING")
+    assert cli.main(["golden", "record", "--calbin", str(calbin), "--manifest",
+                     str(manifest)]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("pinned golden for calbin sha256 "), out
+    assert (tmp_path / "my.goldens.toml").is_file()
+    assert "unpinned" not in err, err
+    assert [r.getMessage() for r in caplog.records if "unpinned" in r.getMessage()] == []
