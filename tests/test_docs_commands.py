@@ -47,9 +47,17 @@ def command_lines() -> list[tuple[str, str]]:
         text = path.read_text(encoding="utf-8")
         for _lang, block in FENCE.findall(text):
             joined = re.sub(r"\\\n\s*", " ", block)
+            current: str | None = None  # a usage line, continued by indented `[--flag ...]` lines
             for line in joined.splitlines():
-                if "calexec " in line and not line.lstrip().startswith(("from ", "import ")):
-                    found.append((path.name, line.split("  #")[0].strip()))
+                words = line.split("  #")[0].strip()
+                if current is not None and line[:1].isspace() and words.startswith(("[", "--")):
+                    current += " " + words
+                    continue
+                if current is not None:
+                    found.append((path.name, current))
+                current = words if COMMAND.match(words) else None
+            if current is not None:
+                found.append((path.name, current))
         for code in INLINE.findall(FENCE.sub("", text)):
             if "calexec " in code:
                 found.append((path.name, code))
@@ -228,3 +236,17 @@ def test_golden_record_does_not_warn_about_the_golden_it_pins(tmp_path, capsys, 
     assert (tmp_path / "my.goldens.toml").is_file()
     assert "unpinned" not in err, err
     assert [r.getMessage() for r in caplog.records if "unpinned" in r.getMessage()] == []
+
+
+def test_every_mutant_id_docs_testing_md_names_is_one_of_calexecs_charts():
+    """``calexec charts mutate --chart job --mutant ID`` with an id docs/testing.md shows
+    must select a mutant (``S-`` stands for any source state, ``...`` for elided parts)."""
+    from calexec.machines import charts, mutants
+
+    ids = {m.id for chart in (charts.JobChart, charts.KvTxnChart, charts.LifecycleChart,
+                              charts.BufferSlotChart) for m in mutants.derive(chart, 0)}
+    text = (ROOT / "docs" / "testing.md").read_text(encoding="utf-8")
+    named = set(re.findall(r"`((?:guard-true|guard-false|drop|target):[^`'\s]+)", text))
+    assert len(named) > 20
+    unknown = sorted(i for i in named if i not in ids and "..." not in i and ":S-" not in i)
+    assert unknown == []
