@@ -12,6 +12,7 @@ The whole file runs in a few seconds: the help texts are read once, in process.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import functools
 import importlib
@@ -19,12 +20,13 @@ import io
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
 
 from calexec import cli
-from calexec.commands import COMMANDS, lookup
+from calexec.commands import lookup
 from calexec.drivers.tools import explore
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -119,12 +121,12 @@ def python_blocks() -> list[tuple[str, int, str]]:
     return blocks
 
 
-def submodule(module: object, name: str) -> bool:
+def submodule(module: types.ModuleType, name: str) -> bool:
     """``from package import name`` of a submodule not imported yet."""
     if not hasattr(module, "__path__"):
         return False
     try:
-        importlib.import_module(f"{getattr(module, '__name__')}.{name}")
+        importlib.import_module(f"{module.__name__}.{name}")
     except ImportError:
         return False
     return True
@@ -135,10 +137,9 @@ def import_problems(doc: str, line: int, code: str) -> list[str]:
     ``calexec`` import of a module or name that does not exist."""
     where = f"{doc}:{line}"
     try:
-        tree = compile(code, where, "exec", flags=0x400, dont_inherit=True)  # ast.PyCF_ONLY_AST
+        tree = ast.parse(code, where)
     except SyntaxError as exc:
         return [f"{where}: does not compile: {exc}"]
-    import ast
     problems = []
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "calexec":
