@@ -27,6 +27,7 @@ import pytest
 
 from calexec import cli
 from calexec.commands import lookup
+from calexec.contracts.manifest import default_manifest_path
 from calexec.drivers.tools import explore
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -226,8 +227,8 @@ def test_golden_record_does_not_warn_about_the_golden_it_pins(tmp_path, capsys, 
     asks for a fixed golden)`` while pinning that very golden; it prints the pin alone."""
     calbin, manifest = tmp_path / "m5.calbin", tmp_path / "my.toml"
     assert cli.main(["sim", "write-calbin", str(calbin), "--seed", "5"]) == 0
-    manifest.write_text((ROOT / "contracts" / "manifests" / "qwen3_synthetic.toml")
-                        .read_text(encoding="utf-8"), encoding="utf-8")
+    manifest.write_text(Path(default_manifest_path()).read_text(encoding="utf-8"),
+                        encoding="utf-8")
     capsys.readouterr()
     caplog.set_level("WARNING")
     assert cli.main(["golden", "record", "--calbin", str(calbin), "--manifest",
