@@ -20,6 +20,7 @@ import io
 import re
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -252,3 +253,24 @@ def test_every_mutant_id_docs_testing_md_names_is_one_of_calexecs_charts():
     assert len(named) > 20
     unknown = sorted(i for i in named if i not in ids and "..." not in i and ":S-" not in i)
     assert unknown == []
+
+
+def test_demo_reports_the_pool_after_the_last_slot_came_back(monkeypatch, capsys):
+    """``calexec demo --seqs 1 --tokens 1 --prompt-len 1`` printed ``slots={'Free': 5, ...,
+    'InFlight': 1, ...}; shutdown ok`` about one run in six: the completion thread gives a
+    job's slot back just after resolving it, and the demo read the pool in between. The slot's
+    return is delayed here so that the window is always hit; the demo reports the pool once it
+    settled."""
+    from calexec.machines.pool import BufferPool
+
+    real = BufferPool.device_done
+
+    def slow_device_done(self: BufferPool, lease: object) -> bool:
+        time.sleep(0.2)  # the completion thread, preempted between resolve and give-back
+        return real(self, lease)
+
+    monkeypatch.setattr(BufferPool, "device_done", slow_device_done)
+    assert cli.main(["demo", "--seqs", "1", "--tokens", "1", "--prompt-len", "1"]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert "'Leased': 0, 'InFlight': 0" in last, last
+    assert "shutdown ok, lifecycle Stopped" in last
