@@ -274,3 +274,21 @@ def test_demo_reports_the_pool_after_the_last_slot_came_back(monkeypatch, capsys
     last = capsys.readouterr().out.splitlines()[-1]
     assert "'Leased': 0, 'InFlight': 0" in last, last
     assert "shutdown ok, lifecycle Stopped" in last
+
+
+@pytest.mark.parametrize("bad", [-1, True, 1.5, "2"])
+def test_mutants_derive_refuses_a_targets_per_transition_it_cannot_mean(bad):
+    """docs/framework.md's public ``derive(Chart, targets_per_transition)``: ``-1`` gave 43 of
+    OrderWorkflow's 50 target-complete mutants (a slice from the end), silently, where
+    ``calexec charts mutate --targets-per-transition -1`` is refused; it is a ValueError
+    (TypeError for a non-int) naming the argument and the value."""
+    from calexec.machines import mutants
+
+    sys.path.insert(0, str(ROOT / "examples" / "charts"))
+    try:
+        from order_workflow import OrderWorkflow
+    finally:
+        sys.path.remove(str(ROOT / "examples" / "charts"))
+    with pytest.raises((ValueError, TypeError), match=r"targets_per_transition="):
+        mutants.derive(OrderWorkflow, bad)
+    assert len(mutants.derive(OrderWorkflow, 0)) > len(mutants.derive(OrderWorkflow, 2)) > 0
