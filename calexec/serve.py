@@ -99,7 +99,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cors-origin", metavar="ORIGIN", action="append", default=[],
                    help="allow browser pages of this origin (scheme://host[:port], or '*') to "
                         "call the server: CORS preflights answered, responses marked; "
-                        "repeatable; default: CORS off")
+                        "repeatable (default: CORS off)")
     p.add_argument("--admin-token-file", type=cliargs.nonempty_path, help="file holding the admin bearer "
                    "token; without it the admin endpoints are disabled")
     p.add_argument("--grace", type=cliargs.seconds, default=30.0,
@@ -320,6 +320,7 @@ def main(argv: list[str]) -> int:
         sample = SampleRun(args.timeout + 10.0, sys.stdout, args.api_key) if args.once else None
         if sample is not None:
             sample.byte_level = args.tokenizer is None
+            sample.served = spec.served()
         def started(server: DrainingServer, url: str) -> None:
             # once the socket listens, not before the executor's start: a probe of the logged
             # address is then answered (uvicorn, handed the socket, does not say it)
@@ -409,7 +410,10 @@ def _serve_ray(args: argparse.Namespace, config: ServerConfig, port: int, spec) 
                 return EXIT_FAILED
             url = f"http://{args.host}:{port}"
             if args.once:
-                ok = SampleRun(args.timeout + 10.0, sys.stdout, args.api_key).request(url)
+                sample = SampleRun(args.timeout + 10.0, sys.stdout, args.api_key)
+                sample.served = (f"{spec.served()}, {args.replicas or 1} replica(s) under "
+                                 "Ray Serve")
+                ok = sample.request(url)
                 return EXIT_OK if ok else EXIT_SAMPLE_FAILED
             print(f"calexec serve --ray: {args.replicas or 1} replica(s) serving {url}",
                   flush=True)
@@ -448,6 +452,8 @@ class SampleRun:
         self.out = out
         self.api_key = api_key
         self.byte_level = True  # the sample's note on the tokenizer (False with --tokenizer)
+        #: what the banner says is served (``DeviceSpec.served``)
+        self.served = "the synthetic calbin on the bundled emulator"
         self.ok = False
 
     def start(self, server: DrainingServer, url: str) -> None:
@@ -466,7 +472,7 @@ class SampleRun:
         endpoint = f"{url}/v1/completions"
         body = json.dumps(SAMPLE_REQUEST)
         say = self._say
-        say(f"calexec serve --once: the synthetic calbin on the bundled emulator, serving {url}")
+        say(f"calexec serve --once: {self.served}, serving {url}")
         say("sample request:")
         headers = {"content-type": "application/json"}
         auth = ""

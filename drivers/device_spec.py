@@ -120,6 +120,15 @@ class DeviceSpec:
             raise DeviceSpecError(f"--calbin={self.calbin_path!r}: not a synthetic calbin "
                                   f"(calexec sim write-calbin), which {why}: {exc}") from None
 
+    def served(self) -> str:
+        """What runs, for a banner: ``calbin 'PATH'`` or the synthetic calbin, on the bundled
+        emulator or ``runtime library 'LIB'``."""
+        calbin = "the synthetic calbin" if self.calbin_path is None else \
+            f"calbin {self.calbin_path!r}"
+        runtime = "the bundled emulator" if self.library is None else \
+            f"runtime library {self.library!r}"
+        return f"{calbin} on {runtime}"
+
     def calbin(self, tmp_dir: str) -> str:
         """``--calbin``, or the default synthetic calbin written into ``tmp_dir``."""
         if self.calbin_path is not None:

@@ -197,7 +197,15 @@ def _retarget(transition: Any, new: Any) -> Callable[[], None]:
 
 
 def derive(declaration: type[StateMachine], targets_per_transition: int = 2) -> list[Mutant]:
-    """Every mutant of the chart class ``declaration``, flat or hierarchical (see ``_sites``)."""
+    """Every mutant of the chart class ``declaration``, flat or hierarchical (see ``_sites``).
+    ``targets_per_transition``: target mutants per transition, an int >= 0 (0: every other
+    state); another value is a TypeError or ValueError naming it."""
+    if not isinstance(targets_per_transition, int) or isinstance(targets_per_transition, bool):
+        raise TypeError(f"targets_per_transition={targets_per_transition!r}: expected an int "
+                        ">= 0 (0: every other state)")
+    if targets_per_transition < 0:
+        raise ValueError(f"targets_per_transition={targets_per_transition}: must be >= 0 "
+                         "(0: every other state)")
     return [mutant for mutant, _ in _sites(declaration, targets_per_transition)]
 
 

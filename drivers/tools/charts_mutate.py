@@ -150,8 +150,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--targets-per-transition", type=int, default=2, metavar="K",
                         help="target mutants per transition: the source itself, then the states "
                              "declared after the target, a state entered exactly as the target "
-                             "is (a compound's initial child) last (0: every other state; "
-                             "default 2)")
+                             "is (a compound's initial child) last (0: every other state)")
     parser.add_argument("--kind", action="append", choices=mutants_mod.KINDS,
                         help="only these mutant kinds (repeatable)")
     parser.add_argument("--mutant", action="append", metavar="ID",

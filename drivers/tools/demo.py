@@ -11,6 +11,7 @@ import hashlib
 import sys
 import tempfile
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -18,9 +19,30 @@ from calexec import cliargs
 from calexec.drivers.synthetic import calbin as calbin_fmt
 from calexec.drivers.synthetic import oracle
 
+if TYPE_CHECKING:
+    from calexec.machines.api import ExecutorSnapshot
+    from calexec.machines.executor import DeviceExecutor
+
 
 def _argmax(row: np.ndarray) -> int:
     return int(np.argmax(oracle.bf16_to_f32(row)))
+
+
+#: how long the demo waits for the last job's buffer slot to come back before it reports
+SETTLE_S = 5.0
+
+
+def _settled_snapshot(ex: DeviceExecutor) -> ExecutorSnapshot:
+    """``ex.snapshot()`` once no buffer slot is Leased or InFlight (bounded by SETTLE_S): the
+    completion thread gives a job's slot back just after resolving it, so a snapshot taken
+    right after the last result could still count that slot in flight."""
+    deadline = time.monotonic() + SETTLE_S
+    while True:
+        snapshot = ex.snapshot()
+        slots = snapshot["slots"] or {}
+        if slots.get("Leased", 0) + slots.get("InFlight", 0) == 0 or time.monotonic() > deadline:
+            return snapshot
+        time.sleep(0.001)
 
 
 @cliargs.command_main
@@ -112,7 +134,7 @@ def main(argv: list[str]) -> int:
             tpot = np.median(st["tpot_ms"]) if st["tpot_ms"] else float("nan")
             print(f"seq {seq}: prompt {st['prompt']} tokens, ttft {st['ttft_ms']:.2f} ms, "
                   f"tpot {tpot:.3f} ms, tokens {st['tokens']}")
-        snapshot = ex.snapshot()
+        snapshot = _settled_snapshot(ex)
         counters = ex.device.emu.counters() if ex.device.emu else {}
         status = ex.shutdown()
     print(f"oracle match: {'yes' if ok else 'NO'}; executor: succeeded={snapshot['succeeded']} "

@@ -867,8 +867,10 @@ _GOLDENS: dict[str, tuple[int, ...]] = {}  # calbin sha256 -> oracle golden toke
 
 def write_calbins(directory: str) -> dict[str, str]:
     """The two calbins a scenario switches between (the synthetic model, two seeds); their
-    §9.2 goldens are pinned from the numpy oracle (an independent expectation)."""
+    §9.2 goldens are pinned from the numpy oracle (an independent expectation). ``directory``
+    is made if it does not exist (``write_calbins("/tmp/x")`` in a fresh shell)."""
     from calexec.drivers.synthetic import calbin as cb
+    os.makedirs(directory, exist_ok=True)
     main = os.path.join(directory, "explore_main.calbin")
     other = os.path.join(directory, "explore_other.calbin")
     seed = cb.default_spec().seed

@@ -15,6 +15,7 @@ executor did not start (its Status printed).
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import attrs
@@ -33,6 +34,14 @@ from calexec.contracts.status import Status
 from calexec.drivers.device_spec import DeviceSpec
 
 
+class _RecordingUnpinned(logging.Filter):
+    """Drops the executor's ``allow_unpinned_golden: ... goes Ready on an unpinned golden``
+    WARNING while :func:`record` runs: recording is what pins that golden."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("allow_unpinned_golden:")
+
+
 def record(calbin: str, manifest_path: str | Path, runtime_lib: str | None = None,
            device_config: str = "", note: str = "") -> PinnedGolden | Status:
     """Run the warm-up of ``calbin`` once (no pinned golden consulted) and return its golden,
@@ -44,7 +53,13 @@ def record(calbin: str, manifest_path: str | Path, runtime_lib: str | None = Non
     config = ExecutorConfig(calbin_path=str(calbin), device_config=device_config,
                             allow_unpinned_golden=True)
     ex = DeviceExecutor(CalRT.load(runtime_lib), manifest, config)
-    status = ex.start()
+    quiet = _RecordingUnpinned()  # the warm-up trusts its first run: that is what is recorded
+    executor_log = logging.getLogger("calexec.executor")
+    executor_log.addFilter(quiet)
+    try:
+        status = ex.start()
+    finally:
+        executor_log.removeFilter(quiet)
     try:
         if not status.ok:
             return status
