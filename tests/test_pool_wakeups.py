@@ -38,6 +38,11 @@ def _until(predicate, seconds: float = 10.0) -> None:
 def test_a_slot_given_back_wakes_a_waiter_of_its_kind(calbin):
     with running_job_path(calbin) as ex:
         pool = ex.gen.pool
+        # start() returns once the golden run's result is in; its slot comes back just after
+        # (the completion thread resolves, then gives the lease back). Taken before it is
+        # back, that slot would come back later and serve a waiter at once: the test failed
+        # 2 runs in 6 on a loaded host (stop 47)
+        _until(lambda: pool.counts()["Free"] == len(pool.slots))
         held: dict[TaskKind, list[BufferLease]] = {TaskKind.PREFILL_IDS: [], TaskKind.DECODE: []}
         for kind, leases in held.items():
             while pool.free(kind):
