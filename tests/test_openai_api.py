@@ -510,6 +510,14 @@ def test_request_metrics_carry_model_name_and_token_histograms(live):
     assert metric_value(after, "calexec_requests_total", {"stream": "false", **labels}) >= 1
     assert metric_value(after, "calexec_request_success_total",
                         {"finished_reason": "length", **labels}) >= 1
+    # a streamed request is counted under stream="true", not "false"
+    streamed = metric_value(after, "calexec_requests_total", {"stream": "true", **labels}) or 0
+    whole = metric_value(after, "calexec_requests_total", {"stream": "false", **labels})
+    list(client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=2, stream=True))
+    later = httpx.get(f"{server.url}/metrics").text
+    assert metric_value(later, "calexec_requests_total", {"stream": "true", **labels}) \
+        == streamed + 1
+    assert metric_value(later, "calexec_requests_total", {"stream": "false", **labels}) == whole
 
 
 def test_kv_usage_fraction_follows_the_running_requests(tmp_path):

@@ -119,6 +119,31 @@ def test_bad_input_is_400_with_a_json_body_and_serving_continues(fresh, body, pa
         assert complete(client, prompt=[1, 2], max_tokens=1).status_code == 200
 
 
+
+def test_a_request_filling_the_context_exactly_is_served(fresh):
+    """max_seq (40960) is the limit, inclusive: a prompt of exactly max_seq tokens (echo, no
+    completion), and prompt + max_tokens = max_seq, are served; one token more is a 400."""
+    _, app = fresh(max_body_bytes=1 << 20)
+    with TestClient(app) as client:
+        r = complete(client, prompt=[1] * 40960, max_tokens=0, echo=True)
+        assert r.status_code == 200, r.text[:300]
+        assert r.json()["usage"]["prompt_tokens"] == 40960
+        first = oracle_tokens([1, 2], 1)[0]  # a stop token id: the answer ends at once
+        r = complete(client, prompt=[1, 2], max_tokens=40958, stop_token_ids=[first])
+        assert r.status_code == 200, r.text[:300]
+        assert r.json()["choices"][0]["finish_reason"] == "stop"
+        r = complete(client, prompt=[1, 2], max_tokens=40959)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+
+
+def test_a_timeout_of_exactly_max_timeout_s_is_accepted(served):
+    client, _ = served
+    r = complete(client, prompt=[1, 2], max_tokens=1, timeout=600)  # max_timeout_s, inclusive
+    assert r.status_code == 200, r.text
+    r = complete(client, prompt=[1, 2], max_tokens=1, timeout=600.5)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "timeout", r.text
+    assert "max_timeout_s=600" in r.json()["error"]["message"]
+
 def test_malformed_json_is_400(served):
     client, _ = served
     r = client.post("/v1/completions", content=b'{"prompt": [1, 2', headers={
