@@ -152,6 +152,19 @@ def test_malformed_json_is_400(served):
     assert complete(client, prompt=[3], max_tokens=1).status_code == 200
 
 
+
+def test_a_body_of_exactly_max_body_bytes_is_read(served):
+    """max_body_bytes (4096 here) is inclusive: a body of exactly that many bytes is served,
+    one byte more is a 413."""
+    client, _ = served
+    body = json.dumps({"prompt": [1, 2], "max_tokens": 1}).encode()
+    exact = body + b" " * (4096 - len(body))  # (JSON allows the trailing whitespace)
+    headers = {"content-type": "application/json"}
+    r = client.post("/v1/completions", content=exact, headers=headers)
+    assert r.status_code == 200, r.text
+    r = client.post("/v1/completions", content=exact + b" ", headers=headers)
+    assert r.status_code == 413 and "max_body_bytes=4096" in r.json()["error"]["message"]
+
 def test_body_over_the_limit_is_413(served):
     client, _ = served
     r = complete(client, prompt=[1] * 3000)  # > 4096 bytes of JSON
