@@ -286,6 +286,21 @@ def test_drain_makes_ready_and_completions_503(fresh):
     assert service.drain_status.ok and executor.state == "Stopped"
 
 
+
+def test_a_drain_with_grace_0_is_accepted_and_a_negative_one_refused(fresh):
+    """The grace is in [0, max_drain_grace_s]: 0 (stop at once) is a drain, -1 a 400."""
+    executor, app = fresh()
+    service = app.state.service
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    with TestClient(app) as client:
+        r = client.post("/admin/drain", params={"grace": -1}, headers=auth)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "grace", r.text
+        assert not service.draining
+        r = client.post("/admin/drain", params={"grace": 0}, headers=auth)
+        assert r.status_code == 202 and r.json()["grace"] == 0, r.text
+        wait_for(lambda: service.drain_status is not None, what="drain")
+    assert service.drain_status.ok and executor.state == "Stopped"
+
 # ---- admin ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("headers, code", [({}, 401), ({"Authorization": "Bearer nope"}, 403),
                                            ({"Authorization": f"Basic {TOKEN}"}, 401)])
