@@ -325,6 +325,25 @@ def test_admin_disabled_without_a_configured_token(fresh):
         assert r.status_code == 403 and r.json()["error"]["code"] == "admin.disabled"
 
 
+def test_a_reload_during_a_drain_is_refused_naming_the_drain(fresh, tmp_path):
+    """A drain started (its body ``{}``, a client's ``json={}``, says nothing and is
+    accepted): a reload of a good calbin is a 503 saying the server is draining, and the
+    lifecycle does not move."""
+    from calexec.drivers.synthetic import calbin as cb
+    executor, app = fresh()
+    other = tmp_path / "other.calbin"
+    cb.write(str(other), cb.default_spec(seed=cb.DEFAULT_SEED ^ 0x77))
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    with TestClient(app) as client:
+        r = client.post("/admin/drain", params={"grace": 30}, json={}, headers=auth)
+        assert r.status_code == 202, r.text
+        r = client.post("/admin/reload", json={"calbin": str(other)}, headers=auth)
+        assert r.status_code == 503, r.text
+        error = r.json()["error"]
+        assert error["param"] == "calbin" and "server is draining" in error["message"], error
+    assert executor.gen is None or executor.gen.id == 1
+
+
 def test_admin_reload_switches_the_model_and_rolls_back_a_bad_one(fresh, tmp_path):
     from calexec.drivers.synthetic import calbin as cb
     executor, app = fresh()
