@@ -106,3 +106,13 @@ def test_the_sdk_reads_the_request_id_of_answers_and_errors(served):
     with pytest.raises(openai.NotFoundError) as missing:
         sdk.chat.completions.create(**{**CHAT, "model": "nope"})
     assert missing.value.request_id
+
+
+def test_two_client_request_ids_are_ignored_for_the_servers_own(served):
+    """Which of two ``X-Request-Id`` headers was meant is not the server's to guess: neither
+    is echoed, the response names the request by the server's id."""
+    server, _ = served
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=CHAT, timeout=TIMEOUT_S,
+                   headers=[("X-Request-Id", "first-1"), ("X-Request-Id", "second-2")])
+    assert r.status_code == 200, r.text
+    assert r.headers.get_list("x-request-id") == [r.json()["id"]]

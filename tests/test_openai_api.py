@@ -95,6 +95,11 @@ def test_completion_stream_usage_chunk(live):
                                             stream=True, stream_options={"include_usage": True}))
     assert chunks[-1].choices == []
     assert chunks[-1].usage.prompt_tokens == 2 and chunks[-1].usage.completion_tokens == 3
+    # include_usage false (or absent): no usage chunk, no chunk carries usage
+    for options in ({"include_usage": False}, None):
+        plain = list(client.completions.create(model=MODEL, prompt=[4, 5], max_tokens=3,
+                                               stream=True, stream_options=options))
+        assert plain[-1].choices and all(c.usage is None for c in plain), options
 
 
 def test_stop_strings_cut_the_text_also_when_streaming(live):
@@ -327,6 +332,14 @@ def test_api_key_guards_the_openai_endpoints_only(tmp_path):
             with pytest.raises(openai.AuthenticationError):
                 wrong.models.list()
             assert httpx.post(f"{server.url}/tokenize", json={"prompt": "x"}).status_code == 401
+            # the key under another scheme than Bearer (any case) is not the API key
+            for header in ("Basic s3cret", "Token s3cret", "s3cret"):
+                r = httpx.post(f"{server.url}/v1/completions", headers={"Authorization": header},
+                               json={"prompt": "x", "max_tokens": 1}, timeout=30)
+                assert r.status_code == 401, header
+            r = httpx.post(f"{server.url}/v1/completions", headers={"Authorization": "bearer s3cret"},
+                           json={"prompt": "x", "max_tokens": 1}, timeout=30)
+            assert r.status_code == 200, r.text
             right = openai.OpenAI(base_url=f"{server.url}/v1", api_key="s3cret", max_retries=0)
             assert right.completions.create(model=MODEL, prompt="x", max_tokens=1).usage
             assert [m.id for m in right.models.list()][0] == MODEL
@@ -497,6 +510,14 @@ def test_request_metrics_carry_model_name_and_token_histograms(live):
     assert metric_value(after, "calexec_requests_total", {"stream": "false", **labels}) >= 1
     assert metric_value(after, "calexec_request_success_total",
                         {"finished_reason": "length", **labels}) >= 1
+    # a streamed request is counted under stream="true", not "false"
+    streamed = metric_value(after, "calexec_requests_total", {"stream": "true", **labels}) or 0
+    whole = metric_value(after, "calexec_requests_total", {"stream": "false", **labels})
+    list(client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=2, stream=True))
+    later = httpx.get(f"{server.url}/metrics").text
+    assert metric_value(later, "calexec_requests_total", {"stream": "true", **labels}) \
+        == streamed + 1
+    assert metric_value(later, "calexec_requests_total", {"stream": "false", **labels}) == whole
 
 
 def test_kv_usage_fraction_follows_the_running_requests(tmp_path):

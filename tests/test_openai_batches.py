@@ -193,6 +193,16 @@ def test_prompts_times_n_above_the_cap_is_a_400_naming_it(live, body, param):
         assert "max_choices=16" in error["message"], error
 
 
+@pytest.mark.parametrize("body", [{"prompt": [1, 2], "n": 16}, {"prompt": [[1]] * 4, "n": 4},
+                                  {"prompt": ["a"] * 16}])
+def test_exactly_max_choices_is_served(live, body):
+    """The cap is inclusive: prompts x n = max_choices (16) is served, one above is a 400."""
+    server, _, _ = live
+    r = httpx.post(f"{server.url}/v1/completions", json={**body, "max_tokens": 1}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert [c["index"] for c in r.json()["choices"]] == list(range(16))
+
+
 def test_chat_n_above_the_cap_is_a_400_naming_n(live):
     _, client, _ = live
     with pytest.raises(openai.BadRequestError) as err:

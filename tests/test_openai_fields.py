@@ -622,6 +622,20 @@ def test_cors_origins_answer_preflights_and_mark_responses(tmp_path):
         executor.shutdown(5.0)
 
 
+
+def test_cors_origin_star_admits_a_page_of_any_origin(tmp_path):
+    """``--cors-origin '*'`` is accepted (docs/server.md): any page may call."""
+    executor = started_executor(tmp_path)
+    app = create_app(executor, ServerConfig(cors_origins=("*",)))
+    try:
+        with LiveServer(app) as server:
+            other = {**PREFLIGHT, "origin": "http://any.example"}
+            r = httpx.options(f"{server.url}/v1/chat/completions", headers=other, timeout=30)
+            assert r.status_code == 200, r.text
+            assert r.headers["access-control-allow-origin"] in ("*", other["origin"])
+    finally:
+        executor.shutdown(5.0)
+
 @pytest.mark.parametrize("origin", ["app.example", "ftp://x", "http://a.example/path", ""])
 def test_a_cors_origin_that_can_never_match_is_refused_naming_it(origin):
     with pytest.raises(ValueError, match="cors_origins"):

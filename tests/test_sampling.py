@@ -16,6 +16,7 @@ from calexec.drivers.serving.sampling import (
     SamplingParams,
     log_softmax,
     pick,
+    process,
 )
 
 
@@ -138,3 +139,28 @@ def test_top_p_on_a_peaked_row_matches_a_full_sort():
         chosen = {pick(logits, SamplingParams(temperature=1.0, top_p=top_p, seed=2), i)[0]
                   for i in range(200)}
         assert chosen <= nucleus and len(chosen) > 1
+
+
+def test_top_k_2_draws_only_the_two_most_likely_tokens():
+    """top_k is applied from 2 up (1 is greedy): the third token never comes."""
+    logits = np.array([3.0, 2.9, 2.8, -5.0], dtype=np.float32)
+    params = SamplingParams(temperature=1.0, top_k=2, seed=7)
+    drawn = {pick(logits, params, i)[0] for i in range(200)}
+    assert drawn == {0, 1}
+
+
+def test_min_p_keeps_a_token_exactly_at_the_threshold():
+    """min_p keeps tokens whose probability is >= min_p x the top one's: at min_p=1 every
+    token tied with the top one is kept (and is drawn), the rest never."""
+    logits = np.array([5.0, 5.0, 0.0], dtype=np.float32)
+    params = SamplingParams(temperature=1.0, min_p=1.0, seed=3)
+    drawn = {pick(logits, params, i)[0] for i in range(200)}
+    assert drawn == {0, 1}
+
+
+def test_repetition_penalty_applies_to_the_prompt_before_any_token_is_generated():
+    """vLLM penalises every token of the prompt and the output: the first token's row too,
+    when nothing was generated yet."""
+    logits = np.array([2.0, 1.0, -1.0], dtype=np.float32)
+    row = process(logits, SamplingParams(repetition_penalty=2.0, seed=1), prompt=[0, 2])
+    assert row.tolist() == [1.0, 1.0, -2.0]

@@ -119,6 +119,31 @@ def test_bad_input_is_400_with_a_json_body_and_serving_continues(fresh, body, pa
         assert complete(client, prompt=[1, 2], max_tokens=1).status_code == 200
 
 
+
+def test_a_request_filling_the_context_exactly_is_served(fresh):
+    """max_seq (40960) is the limit, inclusive: a prompt of exactly max_seq tokens (echo, no
+    completion), and prompt + max_tokens = max_seq, are served; one token more is a 400."""
+    _, app = fresh(max_body_bytes=1 << 20)
+    with TestClient(app) as client:
+        r = complete(client, prompt=[1] * 40960, max_tokens=0, echo=True)
+        assert r.status_code == 200, r.text[:300]
+        assert r.json()["usage"]["prompt_tokens"] == 40960
+        first = oracle_tokens([1, 2], 1)[0]  # a stop token id: the answer ends at once
+        r = complete(client, prompt=[1, 2], max_tokens=40958, stop_token_ids=[first])
+        assert r.status_code == 200, r.text[:300]
+        assert r.json()["choices"][0]["finish_reason"] == "stop"
+        r = complete(client, prompt=[1, 2], max_tokens=40959)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+
+
+def test_a_timeout_of_exactly_max_timeout_s_is_accepted(served):
+    client, _ = served
+    r = complete(client, prompt=[1, 2], max_tokens=1, timeout=600)  # max_timeout_s, inclusive
+    assert r.status_code == 200, r.text
+    r = complete(client, prompt=[1, 2], max_tokens=1, timeout=600.5)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "timeout", r.text
+    assert "max_timeout_s=600" in r.json()["error"]["message"]
+
 def test_malformed_json_is_400(served):
     client, _ = served
     r = client.post("/v1/completions", content=b'{"prompt": [1, 2', headers={
@@ -126,6 +151,19 @@ def test_malformed_json_is_400(served):
     assert r.status_code == 400 and r.json()["error"]["code"] == "request.invalid"
     assert complete(client, prompt=[3], max_tokens=1).status_code == 200
 
+
+
+def test_a_body_of_exactly_max_body_bytes_is_read(served):
+    """max_body_bytes (4096 here) is inclusive: a body of exactly that many bytes is served,
+    one byte more is a 413."""
+    client, _ = served
+    body = json.dumps({"prompt": [1, 2], "max_tokens": 1}).encode()
+    exact = body + b" " * (4096 - len(body))  # (JSON allows the trailing whitespace)
+    headers = {"content-type": "application/json"}
+    r = client.post("/v1/completions", content=exact, headers=headers)
+    assert r.status_code == 200, r.text
+    r = client.post("/v1/completions", content=exact + b" ", headers=headers)
+    assert r.status_code == 413 and "max_body_bytes=4096" in r.json()["error"]["message"]
 
 def test_body_over_the_limit_is_413(served):
     client, _ = served
@@ -248,6 +286,21 @@ def test_drain_makes_ready_and_completions_503(fresh):
     assert service.drain_status.ok and executor.state == "Stopped"
 
 
+
+def test_a_drain_with_grace_0_is_accepted_and_a_negative_one_refused(fresh):
+    """The grace is in [0, max_drain_grace_s]: 0 (stop at once) is a drain, -1 a 400."""
+    executor, app = fresh()
+    service = app.state.service
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    with TestClient(app) as client:
+        r = client.post("/admin/drain", params={"grace": -1}, headers=auth)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "grace", r.text
+        assert not service.draining
+        r = client.post("/admin/drain", params={"grace": 0}, headers=auth)
+        assert r.status_code == 202 and r.json()["grace"] == 0, r.text
+        wait_for(lambda: service.drain_status is not None, what="drain")
+    assert service.drain_status.ok and executor.state == "Stopped"
+
 # ---- admin ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("headers, code", [({}, 401), ({"Authorization": "Bearer nope"}, 403),
                                            ({"Authorization": f"Basic {TOKEN}"}, 401)])
@@ -270,6 +323,25 @@ def test_admin_disabled_without_a_configured_token(fresh):
     with TestClient(app) as client:
         r = client.post("/admin/drain", headers={"Authorization": f"Bearer {TOKEN}"})
         assert r.status_code == 403 and r.json()["error"]["code"] == "admin.disabled"
+
+
+def test_a_reload_during_a_drain_is_refused_naming_the_drain(fresh, tmp_path):
+    """A drain started (its body ``{}``, a client's ``json={}``, says nothing and is
+    accepted): a reload of a good calbin is a 503 saying the server is draining, and the
+    lifecycle does not move."""
+    from calexec.drivers.synthetic import calbin as cb
+    executor, app = fresh()
+    other = tmp_path / "other.calbin"
+    cb.write(str(other), cb.default_spec(seed=cb.DEFAULT_SEED ^ 0x77))
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    with TestClient(app) as client:
+        r = client.post("/admin/drain", params={"grace": 30}, json={}, headers=auth)
+        assert r.status_code == 202, r.text
+        r = client.post("/admin/reload", json={"calbin": str(other)}, headers=auth)
+        assert r.status_code == 503, r.text
+        error = r.json()["error"]
+        assert error["param"] == "calbin" and "server is draining" in error["message"], error
+    assert executor.gen is None or executor.gen.id == 1
 
 
 def test_admin_reload_switches_the_model_and_rolls_back_a_bad_one(fresh, tmp_path):

@@ -246,6 +246,19 @@ def test_a_whole_answer_resumed_from_k_tokens_equals_the_uncut_one(app, path):
         assert got == whole, f"resumed after {k} tokens"
 
 
+@pytest.mark.parametrize("extra", [{"prompt_logprobs": 1}, {"logprobs": 2}])
+def test_a_whole_answer_with_logprobs_resumed_from_k_tokens_equals_the_uncut_one(app, extra):
+    """A whole answer carries every token's logprobs and the prompt's rows: resumed after k
+    tokens it restarts from the prompt with the same seed (``continue_from``), so it is the
+    uncut answer, prompt_logprobs included."""
+    body = {"prompt": PROMPT, "max_tokens": N, "temperature": 0.8, "seed": 9, **extra}
+    whole = json.loads(relayed(app, COMPLETIONS, body, None)[-1]["body"])
+    tokens = whole["choices"][0]["token_ids"]
+    resume = {"tokens": tokens[:2], "seed": 9, "id": "x", "created": 5}
+    got = json.loads(relayed(app, COMPLETIONS, body, resume)[-1]["body"])
+    got["id"], got["created"] = whole["id"], whole["created"]
+    assert got == whole
+
 def test_progress_messages_only_when_asked_and_never_over_http(app):
     body = {"prompt": PROMPT, "max_tokens": 3, "stream": True}
     assert not [m for m in relayed(app, COMPLETIONS, body, None, progress=False)

@@ -10,15 +10,22 @@ from __future__ import annotations
 
 import json
 import threading
+import time
+import types
 
+import anyio
 import pytest
 
 pytest.importorskip("httpx", reason="the server tests need the [server] extra")
 import httpx  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
+from prometheus_client import CollectorRegistry  # noqa: E402
 
+from calexec.contracts.errors import Category  # noqa: E402
+from calexec.contracts.status import Phase, Status  # noqa: E402
 from calexec.contracts.types import TaskKind  # noqa: E402
 from calexec.drivers.calrt.runtime import Fault, FaultMode, Stage  # noqa: E402
+from calexec.drivers.serving.resume import Resumer  # noqa: E402
 from calexec.drivers.serving.server import ServerConfig, create_app  # noqa: E402
 from calexec.drivers.tools.chaos import FAULTS  # noqa: E402
 from calexec.machines.faults import RecoveryPolicy  # noqa: E402
@@ -386,3 +393,77 @@ def test_seeded_sampling_resumes_with_identical_tokens(tmp_path, stream):
         assert metric_value(metrics, "calexec_resumes_total", {"cause": "device"}) == 1
     finally:
         executor.shutdown(5.0)
+
+
+# ---- the resume decision itself (hand mutants of resume.py the tests above let through) ---------
+def _resumer(max_resumes: int = 2, budget_s: float = 10.0):
+    """A :class:`Resumer` on a stand-in service: its config, its metrics registry, an admission
+    queue answering a fresh id at once, and the release path recording what it freed."""
+    freed: list[int] = []
+    service = types.SimpleNamespace(
+        config=types.SimpleNamespace(max_resumes=max_resumes, resume_budget_s=budget_s),
+        metrics=types.SimpleNamespace(registry=CollectorRegistry()),
+        admission=types.SimpleNamespace(try_admit=lambda resume: 9),
+        release_now=lambda seq_id: freed.append(seq_id) is None,
+        release_later=lambda old: freed.append(old.seq_id))
+    return Resumer(service), service.metrics.registry, freed
+
+
+def _run(**given):
+    fields = dict(abandoned=False, resumes=0, resume_s=0.0, resume_started=None,
+                  deadline=time.monotonic() + 60, seq_id=3, handle=None, enqueue_idle=None,
+                  request_id=1, decode=None, generation_id=1, past=4, reprefill=False,
+                  resume_cause=None, resume_failure=None, waiter=None)
+    return types.SimpleNamespace(**{**fields, **given})
+
+
+INTERNAL = Status.failure("request.output_nan", Category.INTERNAL, Phase.OUTPUT_CHECK, "nan")
+
+
+@pytest.mark.parametrize("case, run, max_resumes, goes_on, exhausted", [
+    ("an INTERNAL failure resumes", {}, 2, True, 0),
+    ("--max-resumes 0: resumes are off, no budget was spent", {}, 0, False, 0),
+    ("the last resume was spent", {"resumes": 2}, 2, False, 1),
+    ("one resume left", {"resumes": 1}, 2, True, 0),
+    ("the time budget was spent", {"resume_s": 10.0}, 2, False, 1),
+    ("the request's deadline passed", {"deadline": 0.0}, 2, False, 0),
+    ("the client left", {"abandoned": True}, 2, False, 0),
+])
+def test_what_is_resumed_and_what_spends_the_budget(case, run, max_resumes, goes_on, exhausted):
+    resumer, registry, freed = _resumer(max_resumes)
+    run = _run(**run)
+    assert anyio.run(resumer.resume, run, INTERNAL) is goes_on, case
+    assert registry.get_sample_value("calexec_resume_budget_exhausted_total") == exhausted, case
+    if goes_on:  # the failed sequence is released, the fresh one is the admission's answer
+        assert freed == [3] and run.seq_id is None and run.waiter == 9 and run.reprefill
+        assert run.resume_cause == "internal" and run.resume_failure is INTERNAL
+        assert registry.get_sample_value("calexec_resumes_total", {"cause": "internal"}) == 1
+    else:
+        assert freed == [] and run.seq_id == 3
+
+
+def test_a_resume_re_prefills_the_prompt_and_the_tokens_produced():
+    resumer, registry, _ = _resumer()
+    run = _run(reprefill=True, prompt=[5, 6, 7], tokens=[1, 2], resume_cause="device",
+               resume_started=time.monotonic())
+    resumer.resumed(run)
+    assert registry.get_sample_value("calexec_resumed_tokens_reprefilled_total") == 5
+    assert run.resume_started is None and not run.reprefill
+
+
+def test_only_a_resume_wait_cut_short_by_its_time_budget_counts_as_budget_exhausted():
+    """``take_sequence``: a resume that stops waiting for a fresh sequence ends with the
+    failure it resumed from; ``calexec_resume_budget_exhausted_total`` counts it only when
+    the resume's time budget, not the request's own deadline, cut the wait."""
+    resumer, registry, _ = _resumer()
+
+    async def deadline_passed(run, until):
+        return Status.deadline(Phase.ADMISSION, "deadline passed")
+    resumer.service.admission.take = deadline_passed
+    now = time.monotonic()
+    own = _run(deadline=now - 1, resume_started=now - 2, resume_failure=INTERNAL)
+    assert anyio.run(resumer.take_sequence, own) is INTERNAL
+    assert registry.get_sample_value("calexec_resume_budget_exhausted_total") == 0
+    budget = _run(deadline=now + 60, resume_started=now - 2, resume_failure=INTERNAL)
+    assert anyio.run(resumer.take_sequence, budget) is INTERNAL
+    assert registry.get_sample_value("calexec_resume_budget_exhausted_total") == 1

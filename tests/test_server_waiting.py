@@ -286,3 +286,88 @@ def test_serve_refuses_a_negative_waiting_or_resume_bound_naming_the_flag(flag, 
     assert serve.main(["serve", flag, "-1"]) == 2
     err = capsys.readouterr().err
     assert f"{flag}=-1: must be >= 0" in err and err.count("\n") == 1
+
+
+# ---- the queue's decisions (hand mutants of admission.py the tests above let through) ------------
+def _gated_queue(ids: int, max_waiting: int = 8):
+    """A queue whose lifecycle, health reasons and drain are the test's to set (``box``)."""
+    pool = SequencePool(range(1, ids + 1))
+    box: dict = {"state": "Ready", "health": [], "draining": False}
+    queue = AdmissionQueue(pool, lambda: box["state"], lambda: list(box["health"]),
+                           lambda: box["draining"], max_waiting, 0.005)
+    pool.on_free = queue.pump
+    return pool, queue, box
+
+
+def test_a_draining_server_refuses_new_requests_but_still_resumes_admitted_ones():
+    """docs/server.md: a drain lets admitted requests finish; one of them resuming after a
+    device fault is not a new request and is not refused for the drain."""
+    async def main() -> None:
+        pool, queue, box = _gated_queue(1)
+        assert queue.try_admit() == 1
+        fresh = queue.try_admit()
+        assert isinstance(fresh, Waiter)
+        box["draining"] = True
+        refused = queue.try_admit()
+        assert isinstance(refused, Status) and refused.category is Category.UNAVAILABLE
+        assert "draining" in refused.message
+        resume = queue.try_admit(resume=True)
+        assert isinstance(resume, Waiter), resume
+        pool.release(1)  # pump: the drain refuses the fresh waiter, the resume gets the id
+        assert fresh.status is not None and "draining" in fresh.status.message
+        assert resume.status is None and resume.seq_id == 1
+    anyio.run(main)
+
+
+def test_a_request_arriving_as_the_lifecycle_turns_ready_queues_behind_earlier_waiters():
+    """Ids are free during a recovery; the first request to arrive once Ready (before the
+    watcher pumped) must not take one ahead of the requests that waited through it."""
+    async def main() -> None:
+        _, queue, box = _gated_queue(1)
+        box["state"] = "Recovering"
+        first = queue.try_admit()
+        assert isinstance(first, Waiter)
+        box["state"] = "Ready"
+        late = queue.try_admit()
+        assert isinstance(late, Waiter), f"the later request jumped the queue: {late!r}"
+        assert await queue.wait(first, time.monotonic() + 5) == 1
+        queue.leave(late)
+        assert queue.waiting == 0
+    anyio.run(main)
+
+
+def test_an_unhealthy_executor_hands_no_id_and_its_full_queue_is_503_not_429():
+    """While ``executor.health()`` names a reason (a hung job not yet recovered) a freed id
+    waits for health, and a full queue is 503 naming the reason, not 429 ``kv.full``."""
+    async def main() -> None:
+        pool, queue, box = _gated_queue(1, max_waiting=1)
+        assert queue.try_admit() == 1
+        box["health"] = ["job 7 hung"]
+        waiter = queue.try_admit()
+        assert isinstance(waiter, Waiter)
+        full = queue.try_admit()
+        assert isinstance(full, Status) and full.http_status == 503, full
+        assert full.category is Category.UNAVAILABLE and "job 7 hung" in full.message
+        pool.release(1)
+        assert waiter.seq_id is None  # not handed while unhealthy
+        box["health"] = []
+        assert await queue.wait(waiter, time.monotonic() + 5) == 1
+    anyio.run(main)
+
+
+def test_a_resume_is_never_refused_for_a_full_queue_and_a_failed_lifecycle_refuses_it():
+    async def main() -> None:
+        _, queue, box = _gated_queue(1, max_waiting=1)
+        assert queue.try_admit() == 1
+        fresh = queue.try_admit()
+        full = queue.try_admit()
+        assert isinstance(full, Status) and full.code == "kv.full" and full.http_status == 429
+        resume = queue.try_admit(resume=True)
+        assert isinstance(resume, Waiter), f"a resume was refused for a full queue: {resume!r}"
+        box["state"] = "Failed"
+        queue.pump()  # waiting cannot help any more: every waiter, resumes too, is refused
+        for waiter in (fresh, resume):
+            assert waiter.status is not None and waiter.status.http_status == 503
+            assert "Failed" in waiter.status.message
+        assert queue.waiting == 0
+    anyio.run(main)
