@@ -21,15 +21,19 @@ def calbin(tmp_path_factory):
     return write_calbin(tmp_path_factory.mktemp("inconsistent_runtime"))
 
 
-class WaitSaysDone:
-    """An output buffer whose ``Wait()`` returns success at once, whatever the job does (its
-    ``GetStatus`` is the emulator's own answer)."""
+class OutbufProxy:
+    """An output buffer that answers as the emulator's, except for what a subclass overrides."""
 
     def __init__(self, outbuf) -> None:
         self._outbuf = outbuf
 
     def __getattr__(self, name):
         return getattr(self._outbuf, name)
+
+
+class WaitSaysDone(OutbufProxy):
+    """An output buffer whose ``Wait()`` returns success at once, whatever the job does (its
+    ``GetStatus`` is the emulator's own answer)."""
 
     def wait(self, timeout_us):
         return 0
@@ -88,15 +92,9 @@ def test_with_the_fault_controller_the_recovery_reaps_such_a_job_and_serves_agai
         assert ex.snapshot()["inflight"] == 0
 
 
-class OneElementShort:
+class OneElementShort(OutbufProxy):
     """An output buffer whose valid bytes are one BF16 element short of what the job wrote
     (the emulator's OUTPUT_SHORT fault halves the output; this is the boundary)."""
-
-    def __init__(self, outbuf) -> None:
-        self._outbuf = outbuf
-
-    def __getattr__(self, name):
-        return getattr(self._outbuf, name)
 
     def valid_bytes(self):
         rc, valid = self._outbuf.valid_bytes()
