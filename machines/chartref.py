@@ -112,10 +112,17 @@ def _shown(value: object, limit: int = 60) -> str:
 def _interrupts() -> Iterator[list[int] | None]:
     """While a user's module is imported: the SIGINTs (Ctrl-C) that arrived, so that a
     ``KeyboardInterrupt`` the module raises itself is told from the user's Ctrl-C (which
-    still interrupts). None when that cannot be known (not the main thread, or SIGINT is
-    not Python's default handler): every ``KeyboardInterrupt`` is then taken for a Ctrl-C."""
-    if (threading.current_thread() is not threading.main_thread()
-            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+    still interrupts). Always empty when SIGINT is ignored (a job started in the background:
+    no Ctrl-C can arrive). None when that cannot be known (not the main thread, or another
+    SIGINT handler): every ``KeyboardInterrupt`` is then taken for a Ctrl-C."""
+    if threading.current_thread() is not threading.main_thread():
+        yield None
+        return
+    handler = signal.getsignal(signal.SIGINT)
+    if handler is signal.SIG_IGN:
+        yield []
+        return
+    if handler is not signal.default_int_handler:
         yield None
         return
     seen: list[int] = []

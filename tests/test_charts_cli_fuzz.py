@@ -223,12 +223,31 @@ def test_ctrl_c_while_a_module_is_imported_still_interrupts(project: Path):
             pass
         raise RuntimeError("the SIGINT was not delivered")
     """))
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    with pytest.raises(KeyboardInterrupt):
-        load_chart(f"{name}:X")
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
-    code, _, err = _run(["charts", "paths", f"{name}:X"])
-    assert code == 130 and "interrupted" in err, (code, err)
+    # Python's own handler, as in a terminal (a job started in the background, CI's run
+    # under nohup among them, inherits SIGINT ignored: no Ctrl-C can come, test below)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            load_chart(f"{name}:X")
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+        code, _, err = _run(["charts", "paths", f"{name}:X"])
+        assert code == 130 and "interrupted" in err, (code, err)
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+def test_with_sigint_ignored_a_module_raising_keyboardinterrupt_is_refused(project: Path):
+    """A process that ignores SIGINT (started in the background) gets no Ctrl-C: a
+    ``KeyboardInterrupt`` while the module is imported is the module's own, refused by name
+    (exit 2), not 'interrupted' (CI's first run under nohup, stop 47)."""
+    name = module("interrupts")
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        code, _, err = _run(["charts", "paths", f"{name}:X"])
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # left as it was
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert code == 2 and "raised by the module as it was imported" in err, (code, err)
 
 
 @pytest.mark.parametrize(("attribute", "said"), [
