@@ -32,24 +32,27 @@ def write_all(out: Path, png: Path | None = None) -> list[Path]:
     leaves the old diagrams as they were, never some charts new and some old."""
     from calexec.cliargs import UserError, make_dir, writable_file
 
-    contents: dict[Path, str | bytes] = {}
-    for name in CHARTS:
-        dot = render_chart_dot(CHARTS[name])
-        contents[out / f"{name}.dot"] = dot
-        contents[out / f"{name}.svg"] = svg_from_dot(dot)
-        if png is not None:
-            # 96 dpi: the diagrams' 12-14 pt text is ~16-19 px high, legible without zoom
-            contents[png / f"{name}.png"] = png_from_dot(dot)
+    targets = [(out / f"{name}.{ext}", "--out", out) for name in CHARTS for ext in ("dot", "svg")]
+    if png is not None:
+        targets += [(png / f"{name}.png", "--png", png) for name in CHARTS]
     made = [d for d in dict.fromkeys((out, png)) if d is not None and not d.exists()]
+    contents: dict[Path, str | bytes] = {}
     try:
+        # the paths first (a bad --out or --png is named even without graphviz), then the
+        # rendering: either failing leaves no directory made and no file written
         make_dir("--out", out)  # (a file there: 'not a directory', not 'File exists')
         if png is not None:
             make_dir("--png", png)
-        for path in contents:
-            flag, given = ("--png", png) if png is not None and path.parent == png else (
-                "--out", out)
+        for path, flag, given in targets:
             writable_file(flag, path, given)
-    except UserError:
+        for name in CHARTS:
+            dot = render_chart_dot(CHARTS[name])
+            contents[out / f"{name}.dot"] = dot
+            contents[out / f"{name}.svg"] = svg_from_dot(dot)
+            if png is not None:
+                # 96 dpi: the diagrams' 12-14 pt text is ~16-19 px high, legible without zoom
+                contents[png / f"{name}.png"] = png_from_dot(dot)
+    except (UserError, GraphvizError):
         for directory in made:  # refused: no empty directory left behind either
             with contextlib.suppress(OSError):
                 directory.rmdir()
