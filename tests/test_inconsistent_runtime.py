@@ -31,6 +31,16 @@ class OutbufProxy:
         return getattr(self._outbuf, name)
 
 
+def stepped_prefill_through(ex, proxy: type[OutbufProxy]):
+    """Every slot's output buffer wrapped in ``proxy``, one prefill submitted and completed
+    (stepped executor): its answer."""
+    for slot in ex.pool.slots:
+        slot.outbuf = proxy(slot.outbuf)
+    handle = ex.enqueue(prefill(1, [1, 2, 3]))
+    assert ex.submit_one() and ex.complete_one()
+    return handle.wait_until(deadline())
+
+
 class WaitSaysDone(OutbufProxy):
     """An output buffer whose ``Wait()`` returns success at once, whatever the job does (its
     ``GetStatus`` is the emulator's own answer)."""
@@ -50,11 +60,7 @@ def test_a_job_running_after_a_successful_wait_gives_its_permit_back_once_the_ru
                        fault_sink=RecordingFaultSink())
     try:
         arm(ex, "HANG")  # the job never ends by itself
-        for slot in ex.pool.slots:
-            slot.outbuf = WaitSaysDone(slot.outbuf)
-        handle = ex.enqueue(prefill(1, [1, 2, 3]))
-        assert ex.submit_one() and ex.complete_one()
-        status = handle.wait_until(deadline())
+        status = stepped_prefill_through(ex, WaitSaysDone)
         assert isinstance(status, Status) and status.code == "device.status_not_done", status
         slot = next(s for s in ex.pool.slots if s.run.state == "Quarantined")
         assert slot.outbuf.get_status()[1] in (DeviceJobStatus.PENDING, DeviceJobStatus.RUNNING)
@@ -107,11 +113,7 @@ def test_an_output_one_element_short_of_its_contract_is_refused(calbin):
     hand mutant that let two bytes through left every test green.)"""
     ex = make_executor(calbin, threads=False, fault_sink=RecordingFaultSink())
     try:
-        for slot in ex.pool.slots:
-            slot.outbuf = OneElementShort(slot.outbuf)
-        handle = ex.enqueue(prefill(1, [1, 2, 3]))
-        assert ex.submit_one() and ex.complete_one()
-        status = handle.wait_until(deadline())
+        status = stepped_prefill_through(ex, OneElementShort)
         assert isinstance(status, Status) and status.code == "internal.output_short", status
         assert "contract ByteSize" in status.message
         assert ex.kvc.seqs[1].unknown_reason == "internal.output_short"
