@@ -21,8 +21,8 @@ import os
 from cffi import FFI
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native")
-HEADER = "calexec_native.h"
-SOURCES = ("calexec_native.c",)
+HEADERS = ("calexec_native.h", "calexec_relay.h")
+SOURCES = ("calexec_native.c", "calexec_relay.c")
 # -Wno-psabi: the eight-lane helpers are always inlined; GCC still notes that an AVX vector
 # returned without AVX (the SSE2 clone) would change an ABI none of them has.
 WARNINGS = ["-Wall", "-Wextra", "-Werror", "-Wno-psabi"]
@@ -34,8 +34,11 @@ OPTIMISE = ["-O3", "-std=c11", "-ffp-contract=fast"]
 
 def cdef_text() -> str:
     """The header without preprocessor lines (the header is the single source of the cdef)."""
-    with open(os.path.join(HERE, HEADER), encoding="utf-8") as f:
-        return "".join(line for line in f if not line.lstrip().startswith("#"))
+    text = []
+    for header in HEADERS:
+        with open(os.path.join(HERE, header), encoding="utf-8") as f:
+            text += [line for line in f if not line.lstrip().startswith("#")]
+    return "".join(text)
 
 
 def _source_path(name: str) -> str:
@@ -50,7 +53,7 @@ ffibuilder.cdef(cdef_text() + "int calexec_native_gil_held(void);\n")
 ffibuilder.set_source(
     "calexec.drivers.native._calexec_native",
     # a test hook: 1 iff the calling thread holds the GIL while inside a call of this module
-    '#include "calexec_native.h"\n'
+    '#include "calexec_native.h"\n#include "calexec_relay.h"\n'
     "static int calexec_native_gil_held(void) { return PyGILState_Check(); }\n",
     sources=[_source_path(s) for s in SOURCES],
     include_dirs=[HERE],

@@ -31,6 +31,7 @@ from calexec.contracts.runtime_view import RuntimeModelInfo, RuntimeTensorInfo
 from calexec.drivers.calrt._calrt_emu import ffi as _ffi
 from calexec.drivers.calrt._calrt_emu import lib as _emu_lib
 from calexec.drivers.native.fused_logits import FusedLogits
+from calexec.drivers.native.relay import RelayFunctions
 
 #: fault injection (the emulator's fault plan): every armed point is logged here, marked
 #: INJECTED, so an injected fault is never mistaken for a real one in a log
@@ -144,6 +145,20 @@ class CalRT:
         ffi = _abi_ffi()
         return cls(ffi.dlopen(_as_path(lib_path)), lib_path, ffi)
 
+    def function_address(self, name: str) -> int:
+        """The address of the library's function ``name`` (a ``calrt.h`` entry point), for
+        host native code that calls the runtime itself (the relay, drivers/native/relay.py)."""
+        return int(self.ffi.cast("uintptr_t", self.ffi.addressof(self.lib, name)))
+
+    def relay_functions(self) -> RelayFunctions:
+        """What the native relay calls (drivers/native/relay.py): this library's infer, Wait,
+        GetStatus and valid-bytes entry points and its DONE status."""
+        return RelayFunctions(infer=self.function_address("calrt_infer"),
+                              wait=self.function_address("calrt_wait"),
+                              status=self.function_address("calrt_get_status"),
+                              valid_bytes=self.function_address("calrt_outputbuf_valid_bytes"),
+                              done_status=int(JobStatus.DONE))
+
     def logits_postprocessor(self) -> FusedLogits:
         """A new fused native logits postprocess (drivers/native/fused_logits.py) for the
         executor's completion path. Host code, not CalRT: the same whichever library is loaded."""
@@ -194,6 +209,12 @@ class Device:
         self._ffi = rt.ffi
         self._h = handle
         self.emu = Emulator(self) if rt.has_emu else None
+
+    @property
+    def address(self) -> int:
+        """The handle's address (a ``uintptr_t``), for host native code that calls the runtime
+        through :meth:`CalRT.function_address` (the relay, drivers/native/relay.py)."""
+        return int(self._ffi.cast("uintptr_t", self._h))
 
     def close(self) -> int:
         return self._lib.calrt_device_close(self._h)
@@ -299,6 +320,12 @@ class Model:
         self._info: RuntimeModelInfo | None = None
 
     @property
+    def address(self) -> int:
+        """The handle's address (a ``uintptr_t``), for host native code that calls the runtime
+        through :meth:`CalRT.function_address` (the relay, drivers/native/relay.py)."""
+        return int(self._ffi.cast("uintptr_t", self._h))
+
+    @property
     def name(self) -> str:
         return self.info.name
 
@@ -380,6 +407,12 @@ class InputBuf:
         self._n = self._ffi.new("int32_t *")
 
     @property
+    def address(self) -> int:
+        """The handle's address (a ``uintptr_t``), for host native code that calls the runtime
+        through :meth:`CalRT.function_address` (the relay, drivers/native/relay.py)."""
+        return int(self._ffi.cast("uintptr_t", self._h))
+
+    @property
     def handle(self):
         """The runtime's handle (a cffi ``calrt_inputbuf *``), for tests of the C API."""
         return self._h
@@ -431,6 +464,12 @@ class OutputBuf:
         #: the emulator's control that measures the job's copies (``copy_ms``); None on a
         #: vendor runtime (dlopen'ed), which has none
         self.copy_control = getattr(self._lib, "calrt_emu_outputbuf_copy_ns", None)
+
+    @property
+    def address(self) -> int:
+        """The handle's address (a ``uintptr_t``), for host native code that calls the runtime
+        through :meth:`CalRT.function_address` (the relay, drivers/native/relay.py)."""
+        return int(self._ffi.cast("uintptr_t", self._h))
 
     def map(self, tensor: str, arr: np.ndarray) -> int:
         ptr, dtype, size = _host(self._ffi, arr, f"output tensor {tensor!r}")
@@ -487,6 +526,12 @@ class KvManager:
         self.block_size = int(bs[0])
         self.capacity_blocks = int(cap[0])
         self.max_seqs = int(seqs[0])
+
+    @property
+    def address(self) -> int:
+        """The handle's address (a ``uintptr_t``), for host native code that calls the runtime
+        through :meth:`CalRT.function_address` (the relay, drivers/native/relay.py)."""
+        return int(self._ffi.cast("uintptr_t", self._h))
 
     def free_blocks(self) -> tuple[int, int]:
         bs, cap, free, seqs = (self._ffi.new("uint32_t *"), self._ffi.new("uint32_t *"), self._ffi.new("uint32_t *"),
