@@ -30,6 +30,9 @@ Python/numpy allocations (``alloccount``):
    (``--roles 3``: ``floor3_us_*``), and the direct loop run by the executor's three roles in
    Python threads and nothing else (``pyfloor.ThreadedLoop``: ``threads_floor_us_*``); each
    mode's ``over_threads_floor_us_p50`` is its control work beyond those roles.
+   The relay floor (``relayfloor.RelayLoop``: ``relay_floor_us_*``): the same Python roles
+   with the token carried from job to job by the native relay (docs/architecture.md,
+   "Native hand-offs"), ``--relay-work-us`` of Python work per event beside it.
 
 Both sides convert with the same direct conversion into a preallocated row, so the ratios
 isolate the executor's control work (queues, threads, charts, checks), not PR6's gain.
@@ -85,10 +88,11 @@ from calexec.drivers.direct import DirectRunner, DriverError
 from calexec.drivers.native.fused_logits import FusedLogits
 from calexec.drivers.serving.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
 from calexec.drivers.synthetic import calbin as calbin_fmt
-from calexec.drivers.tools.bench import pyfloor
+from calexec.drivers.tools.bench import pyfloor, relayfloor
 from calexec.drivers.tools.bench.floor import FloorError, FloorLoop, build_floor
 from calexec.drivers.tools.bench.hostload import HostMeter, noise_line
 from calexec.drivers.tools.bench.pyfloor import ThreadedLoop
+from calexec.drivers.tools.bench.relayfloor import RelayLoop
 from calexec.drivers.tools.bench.sim import PROFILE_DECODE_US
 from calexec.machines.clock import SYSTEM, Clock
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
@@ -415,16 +419,18 @@ def _paired_runs(direct: DirectLoop, executor: ExecutorLoop, modes: Sequence[str
                  prompts: list[np.ndarray], n: int, label: str,
                  timings: dict[str, list], floor: FloorLoop | None = None,
                  threads: ThreadedLoop | None = None,
-                 floor3: FloorLoop | None = None) -> dict[str, Any]:
+                 floor3: FloorLoop | None = None,
+                 relay: RelayLoop | None = None) -> dict[str, Any]:
     """One block per side (direct, each executor mode, the C floor with two and with three
     roles and the Python-threads floor when given) per run, the order rotated from run to
     run so drift falls on every side alike; each mode's ``(wall_us, start_us, JobTimings)``
     per decode job are appended to ``timings[mode]``."""
     sides = ("direct", *modes, *(("floor",) if floor is not None else ()),
              *(("floor3",) if floor3 is not None else ()),
-             *(("threads",) if threads is not None else ()))
+             *(("threads",) if threads is not None else ()),
+             *(("relay",) if relay is not None else ()))
     times: dict[str, list[list[float]]] = {side: [] for side in sides}
-    identical = floor_identical = floor3_identical = threads_identical = True
+    identical = floor_identical = floor3_identical = threads_identical = relay_identical = True
     for r, prompt in enumerate(prompts):
         order = sides[r % len(sides):] + sides[:r % len(sides)]
         out: dict[str, list[int]] = {}
@@ -437,6 +443,8 @@ def _paired_runs(direct: DirectLoop, executor: ExecutorLoop, modes: Sequence[str
                 out[side], t = floor3.decode_block(prompt.tolist(), n)
             elif side == "threads" and threads is not None:
                 out[side], t = threads.decode_block(prompt, n)
+            elif side == "relay" and relay is not None:
+                out[side], t = relay.decode_block(prompt, n)
             else:
                 executor.mode = side
                 out[side], t = executor.decode_block(prompt, n, timings[side])
@@ -445,6 +453,7 @@ def _paired_runs(direct: DirectLoop, executor: ExecutorLoop, modes: Sequence[str
         floor_identical &= "floor" not in out or out["floor"] == out["direct"]
         floor3_identical &= "floor3" not in out or out["floor3"] == out["direct"]
         threads_identical &= "threads" not in out or out["threads"] == out["direct"]
+        relay_identical &= "relay" not in out or out["relay"] == out["direct"]
         _progress(f"{label}: run {r + 1}/{len(prompts)} ({'/'.join(order)}) P50 " + ", ".join(
             f"{side} {np.median(times[side][-1]):.1f}" for side in sides) + " us")
     result: dict[str, Any] = {side: np.concatenate(times[side]) for side in sides}
@@ -452,6 +461,7 @@ def _paired_runs(direct: DirectLoop, executor: ExecutorLoop, modes: Sequence[str
     result["floor_identical"] = floor_identical
     result["floor3_identical"] = floor3_identical
     result["threads_identical"] = threads_identical
+    result["relay_identical"] = relay_identical
     return result
 
 
@@ -543,6 +553,11 @@ def _profile_report(decode_us: int, tpot: dict[str, Any], timings: dict[str, lis
         f = _over_decode(tpot["threads"], decode_us)
         threads = {"threads_floor_us_p50": f["over_decode_us_p50"],
                    "threads_floor_us_p99": f["over_decode_us_p99"]}
+    relay: dict[str, Any] = {"relay_floor_us_p50": None, "relay_floor_us_p99": None}
+    if "relay" in tpot:
+        f = _over_decode(tpot["relay"], decode_us)
+        relay = {"relay_floor_us_p50": f["over_decode_us_p50"],
+                 "relay_floor_us_p99": f["over_decode_us_p99"]}
     per_mode: dict[str, dict[str, Any]] = {}
     for mode in modes:
         e = tpot[mode]
@@ -589,6 +604,15 @@ def _profile_report(decode_us: int, tpot: dict[str, Any], timings: dict[str, lis
                            "p99_ratio": round(_p(t, 99) / _p(d, 99), 4),
                            "tokens_identical": bool(tpot["threads_identical"])}
                           if t is not None else None),
+        **relay,
+        "relay_floor": ({"tpot_us_p50": _p(tpot["relay"], 50),
+                         "tpot_us_p99": _p(tpot["relay"], 99),
+                         "p50_ratio": round(_p(tpot["relay"], 50) / _p(d, 50), 4),
+                         "p99_ratio": round(_p(tpot["relay"], 99) / _p(d, 99), 4),
+                         "p50_ratio_ci95": ratio_ci95(tpot["relay"], d, 50),
+                         "p99_ratio_ci95": ratio_ci95(tpot["relay"], d, 99),
+                         "tokens_identical": bool(tpot["relay_identical"])}
+                        if "relay" in tpot else None),
         "modes": per_mode,
         "gate_met": {mode: bool(r["p50_ratio"] <= SPEC_GATE["p50_ratio"]
                                 and r["p99_ratio"] <= SPEC_GATE["p99_ratio"])
@@ -600,7 +624,8 @@ def run_overhead(tokens: int | None, runs: int, zero_tokens: int, seed: int,
                  device: DeviceSpec = DeviceSpec(), modes: Sequence[str] = MODES,
                  account_tokens: int = 100,
                  decode_us: Sequence[int] = DEFAULT_PROFILES_US,
-                 floor: bool = True, threads_floor: bool = True) -> dict[str, Any]:
+                 floor: bool = True, threads_floor: bool = True,
+                 relay_floor: bool = True, relay_work_us: float = 0.0) -> dict[str, Any]:
     """Run the zero-latency phase once and the TPOT phase at each decode latency of
     ``decode_us`` (us, in order) for the direct loop and each executor mode; return the
     figures (times in us). ``device`` names the runtime, manifest and (synthetic) calbin
@@ -637,13 +662,18 @@ def run_overhead(tokens: int | None, runs: int, zero_tokens: int, seed: int,
                 _progress(f"floor: not measured: {floor_reason}")
         direct = DirectLoop(rt, path)
         threads_loop: ThreadedLoop | None = None
+        relay_loop: RelayLoop | None = None
         try:
             if threads_floor:
                 threads_loop = ThreadedLoop(rt, path, BENCH_SEQ, _WAIT_S)
+            if relay_floor:
+                relay_loop = RelayLoop(rt, path, BENCH_SEQ, _WAIT_S, relay_work_us)
             executor = ExecutorLoop(rt, path, device)
         except BaseException:
             if threads_loop is not None:
                 threads_loop.close()
+            if relay_loop is not None:
+                relay_loop.close()
             direct.close()
             raise
         try:
@@ -651,6 +681,8 @@ def run_overhead(tokens: int | None, runs: int, zero_tokens: int, seed: int,
             direct.decode_block(prompts[0], warm)
             if threads_loop is not None:
                 threads_loop.decode_block(prompts[0], warm)
+            if relay_loop is not None:
+                relay_loop.decode_block(prompts[0], warm)
             accounting = {}
             # hand-offs on an executor of their own with the counting clock, closed before
             # anything is timed; allocations on the plain executor the timed blocks measure
@@ -668,17 +700,18 @@ def run_overhead(tokens: int | None, runs: int, zero_tokens: int, seed: int,
                 counting.close()
             zero_timings: dict[str, list] = {mode: [] for mode in modes}
             zero = _paired_runs(direct, executor, modes, prompts, zero_tokens, "zero-latency",
-                                zero_timings, threads=threads_loop)
+                                zero_timings, threads=threads_loop, relay=relay_loop)
             profiles = []
             first: tuple[dict[str, Any], dict[str, list]] | None = None
             for us in profiles_us:
-                for side in (direct, executor, floor_loop, floor3_loop, threads_loop):
+                for side in (direct, executor, floor_loop, floor3_loop, threads_loop, relay_loop):
                     if side is not None:
                         side.set_decode_latency(us)
                 tpot_timings: dict[str, list] = {mode: [] for mode in modes}
                 tpot = _paired_runs(direct, executor, modes, prompts, block_tokens[us],
                                     f"{us} us decode ({block_tokens[us]} tokens per block)",
-                                    tpot_timings, floor_loop, threads_loop, floor3_loop)
+                                    tpot_timings, floor_loop, threads_loop, floor3_loop,
+                                    relay_loop)
                 profiles.append({"tokens_per_block": block_tokens[us],
                                  **_profile_report(us, tpot, tpot_timings, modes)})
                 if first is None:
@@ -689,10 +722,14 @@ def run_overhead(tokens: int | None, runs: int, zero_tokens: int, seed: int,
                     dma += c_floor.dma_violations
             if threads_loop is not None:
                 dma += threads_loop.dma_violations()
+            if relay_loop is not None:
+                dma += relay_loop.dma_violations()
         finally:
             executor.close()
             if threads_loop is not None:
                 threads_loop.close()
+            if relay_loop is not None:
+                relay_loop.close()
             direct.close()
     if first is None:  # (profiles_us is not empty: checked above)
         raise BenchError("no decode profile ran")
@@ -755,6 +792,18 @@ def run_overhead(tokens: int | None, runs: int, zero_tokens: int, seed: int,
             "handoffs_per_token": pyfloor.HANDOFFS_PER_TOKEN,
             # zero latency, paired per token as overhead_us_p50: the thread roles' own cost
             "overhead_us_p50": (_p(zero["threads"] - zd, 50) if "threads" in zero else None)},
+        "relay_floor_us_p50": profiles[0]["relay_floor_us_p50"],
+        "relay_floor_us_p99": profiles[0]["relay_floor_us_p99"],
+        "relay_floor": {
+            "available": relay_loop is not None,
+            "reason": None if relay_loop is not None else "not requested (--no-relay-floor)",
+            "module": relayfloor.MODULE, "threads": relayfloor.THREADS,
+            "python_work_us": relay_work_us,
+            # jobs fired in C by a rule vs by the completion thread's Python (the submitter
+            # armed the next job after the job before it had completed), over the whole run
+            "rule_fires": relay_loop.rule_fires if relay_loop is not None else None,
+            "plain_fires": relay_loop.plain_fires if relay_loop is not None else None,
+            "overhead_us_p50": (_p(zero["relay"] - zd, 50) if "relay" in zero else None)},
         "profiles": profiles,
         "dma_violations": dma,
         "spec_gate": SPEC_GATE, "goal": GOAL,
@@ -1259,6 +1308,13 @@ def main(argv: list[str]) -> int:
         parser.add_argument("--no-threads-floor", action="store_true",
                             help="do not run the Python-threads floor "
                                  "(drivers/tools/bench/pyfloor.py)")
+        parser.add_argument("--no-relay-floor", action="store_true",
+                            help="do not run the native-relay floor "
+                                 "(drivers/tools/bench/relayfloor.py)")
+        parser.add_argument("--relay-work-us", type=cliargs.latency_us, default=0,
+                            help="Python work (us, holding the GIL) the relay floor's device "
+                                 "threads each do after every relay event, in place of the "
+                                 "executor's chart transitions (default 0)")
     elif command == "logits":
         parser.add_argument("--iters", type=cliargs.positive_int, default=2000,
                             help="timed calls per case (default 2000)")
@@ -1297,7 +1353,9 @@ def main(argv: list[str]) -> int:
                 result = run_overhead(args.tokens, args.runs, args.zero_tokens, args.seed,
                                       device, decode_us=profiles_us,
                                       floor=not args.no_floor,
-                                      threads_floor=not args.no_threads_floor)
+                                      threads_floor=not args.no_threads_floor,
+                                      relay_floor=not args.no_relay_floor,
+                                      relay_work_us=args.relay_work_us)
             finally:
                 set_gil_switch_interval_us(previous)
             result["gil_switch_interval_us"] = args.gil_switch_us or previous
