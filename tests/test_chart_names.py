@@ -92,3 +92,25 @@ def test_check_of_a_file_that_is_not_utf8_is_stale_not_an_internal_error(tmp_pat
     assert tool.main(["charts", "names", "--check", "--out", str(out)]) == 1
     err = capsys.readouterr().err
     assert "differs from the declared charts" in err and "fix: calexec charts names" in err
+
+
+def test_a_write_cut_short_leaves_the_previous_module_whole(tmp_path):
+    """``charts names`` wrote the module in place: a write cut short (a full disk; here the
+    process's file-size limit) left a truncated ``chart_names.py`` that no longer imports, in
+    place of a good one. The new text now goes to a scratch file beside it, which replaces
+    the module only once it is whole; the error names ``--out`` (exit 2)."""
+    out = tmp_path / "chart_names.py"
+    previous = "# the previous module, whole\n" * 4
+    out.write_text(previous, encoding="utf-8")
+    limit = len(names_source().encode("utf-8")) // 2
+    code = ("import resource, signal, sys\n"
+            "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+            f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit}))\n"
+            "from calexec.cli import main\n"
+            f"sys.exit(main(['charts', 'names', '--out', {str(out)!r}]))\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 2, run.stderr
+    assert "--out" in run.stderr and "Traceback" not in run.stderr
+    assert out.read_text(encoding="utf-8") == previous
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chart_names.py"]  # no scratch left

@@ -12,8 +12,9 @@ import stat
 import sys
 from pathlib import Path
 
-from calexec.cliargs import EXIT_CONFIG, UserError, cannot_write, command_main, nonempty_path
+from calexec.cliargs import UserError, command_main, nonempty_path
 from calexec.cliargs import parser as cli_parser
+from calexec.drivers.tools.charts_cli import write_all_or_none
 from calexec.machines.compiled import names_source
 
 DEFAULT_OUT = Path(__file__).resolve().parents[2] / "machines" / "chart_names.py"
@@ -65,10 +66,8 @@ def main(argv: list[str]) -> int:
             return 1
         print(f"{args.out} is up to date")
         return 0
-    try:
-        args.out.write_text(fresh, encoding="utf-8")
-    except OSError as err:
-        print(f"calexec charts names: {cannot_write(args.out, err, '--out')}", file=sys.stderr)
-        return EXIT_CONFIG
+    # a scratch file beside it replaces the module only once it is whole: a write cut short
+    # (a full disk) leaves the previous module, never a truncated one that does not import
+    write_all_or_none(args.out, {args.out: fresh})
     print(args.out)
     return 0
