@@ -103,6 +103,8 @@ class RelayLoop:
         self.rule_fires = 0
         #: when the relay decided each job's completion (CLOCK_MONOTONIC ns), this block's
         self.done_ns: list[int] = []
+        #: when infer returned for each job (CLOCK_MONOTONIC ns), this block's
+        self.inferred_ns: list[int] = []
         self._mu = threading.Lock()  # the bookkeeping of jobs (tags) between the threads
         self._cv = threading.Condition(self._mu)
         self._done: set[int] = set()  # completed job tags of this block
@@ -175,6 +177,7 @@ class RelayLoop:
                 continue
             if event.rc != 0:
                 raise RelayLoopError(f"infer(tag={event.tag}) returned {event.rc}")
+            self.inferred_ns.append(event.t_ns)
             self._arm_next(event.tag)
             _python_work(self.python_work_us)
 
@@ -235,7 +238,7 @@ class RelayLoop:
         p = len(prompt)
         if not runner.kv.apply(self.seq_id, p + n):  # the block's reservation, once
             raise RelayLoopError(f"KV apply(seq={self.seq_id}, {p + n}) failed")
-        self.done_ns = []
+        self.done_ns, self.inferred_ns = [], []
         with self._mu:
             self._done.clear()
             self._tokens.clear()
