@@ -163,10 +163,11 @@ class NativeRelay:
         self._h = _lib.calexec_relay_new(fns)
         if self._h == _ffi.NULL:
             raise MemoryError("calexec_relay_new: no memory")
+        # one event buffer per wait: the C relay lets one thread into each wait at a time
+        # (EBUSY otherwise, the buffer untouched); fire, track and register build their own
+        # argument, so any threads may call them at once
         self._submit_ev = _ffi.new("calexec_relay_event *")
         self._complete_ev = _ffi.new("calexec_relay_event *")
-        self._job = _ffi.new("calexec_relay_job *")
-        self._rule = _ffi.new("calexec_relay_rule *")
         self._kept: dict[int, tuple[np.ndarray, ...]] = {}  # tag -> arrays a rule points into
         self._closed = False
 
@@ -182,13 +183,15 @@ class NativeRelay:
 
     def fire(self, job: RelayJob) -> Rc:
         """Queue ``job`` for the submitter (Python's own fire)."""
-        self._fill_job(self._job, job)
-        return Rc(_lib.calexec_relay_fire(self._h, self._job))
+        arg = _ffi.new("calexec_relay_job *")
+        self._fill_job(arg, job)
+        return Rc(_lib.calexec_relay_fire(self._h, arg))
 
     def track(self, job: RelayJob) -> Rc:
         """A job Python gave to infer itself joins the completion thread's queue."""
-        self._fill_job(self._job, job)
-        return Rc(_lib.calexec_relay_track(self._h, self._job))
+        arg = _ffi.new("calexec_relay_job *")
+        self._fill_job(arg, job)
+        return Rc(_lib.calexec_relay_track(self._h, arg))
 
     def wake(self) -> Rc:
         return Rc(_lib.calexec_relay_wake(self._h))
@@ -212,7 +215,7 @@ class NativeRelay:
         if (token_dst.dtype != np.int32 or logits.dtype != np.uint16 or dst.dtype != np.float32
                 or not all(a.flags.c_contiguous for a in (token_dst, logits, dst))):
             return Rc.EARG
-        r = self._rule
+        r = _ffi.new("calexec_relay_rule *")
         r.tag = tag
         self._fill_job(r.next, nxt)
         r.token_dst = _ffi.cast("int32_t *", token_dst.ctypes.data)
