@@ -22,7 +22,7 @@ from calexec.drivers.calrt.runtime import Fault, FaultMode
 from calexec.drivers.device_spec import DeviceSpec
 from calexec.drivers.synthetic import calbin as calbin_fmt
 from calexec.drivers.tools.bench import core as bench
-from calexec.drivers.tools.bench.relayfloor import RelayLoop, RelayLoopError
+from calexec.drivers.tools.bench.relayfloor import DELIVERIES, RelayLoop, RelayLoopError
 
 PROMPT = np.asarray([5, 6, 7, 8, 9, 10, 11], dtype=np.int32)
 
@@ -31,14 +31,15 @@ def _relay_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("calexec-bench-relay")]
 
 
-@pytest.fixture
-def loops():
+@pytest.fixture(params=DELIVERIES)
+def loops(request):
     device = DeviceSpec()
     with tempfile.TemporaryDirectory() as tmp:
         path = device.calbin(tmp)
         rt = device.runtime()
         direct = bench.DirectLoop(rt, path)
-        relay = RelayLoop(rt, path, bench.BENCH_SEQ, wait_s=10.0)
+        relay = RelayLoop(rt, path, bench.BENCH_SEQ, wait_s=10.0, python_work_us=20,
+                          deliver=request.param)
         try:
             yield direct, relay
         finally:
@@ -46,8 +47,10 @@ def loops():
             direct.close()
 
 
-@pytest.mark.parametrize("decode_us", [1, 300])
+@pytest.mark.parametrize("decode_us", [0, 300])
 def test_the_relay_loop_answers_as_the_direct_loop(loops, decode_us):
+    """Each way of delivering the token (``deliver``), at zero latency too, where the device
+    runs ahead of the caller past the decisions the relay keeps."""
     direct, relay = loops
     direct.set_decode_latency(decode_us)
     relay.set_decode_latency(decode_us)
@@ -98,15 +101,23 @@ def test_a_block_beyond_the_sequence_is_refused_before_any_job(loops):
     assert relay.relay.counters()["inferred"] == 0
 
 
+def test_an_unknown_delivery_is_refused_naming_it():
+    device = DeviceSpec()
+    with tempfile.TemporaryDirectory() as tmp:
+        with pytest.raises(ValueError, match="deliver='fast': one of python, native, caller"):
+            RelayLoop(device.runtime(), device.calbin(tmp), bench.BENCH_SEQ, deliver="fast")
+
+
 def test_overhead_reports_the_relay_floor_beside_the_others(capsys, monkeypatch):
     monkeypatch.setattr(bench, "build_floor", lambda out_dir: (None, "not in this test"))
     assert bench.main(["bench", "overhead", "--json", "--tokens", "5", "--runs", "2",
                        "--zero-tokens", "5", "--decode-us", "400,250", "--no-threads-floor",
-                       "--relay-work-us", "20"]) == 0
+                       "--relay-work-us", "20", "--relay-deliver", "caller"]) == 0
     report = json.loads(capsys.readouterr().out)
     side = report["relay_floor"]
     assert side["available"] is True and side["reason"] is None
     assert side["python_work_us"] == 20 and side["threads"] == 3
+    assert side["deliver"] == "caller"
     assert side["rule_fires"] + side["plain_fires"] > 0
     assert isinstance(side["overhead_us_p50"], float)
     assert report["relay_floor_us_p50"] == report["profiles"][0]["relay_floor_us_p50"]

@@ -264,6 +264,30 @@ def test_a_blocked_wait_holds_no_gil_and_a_second_waiter_is_refused(relay_of):
     assert got[0].kind == Kind.WAKE
 
 
+def test_a_caller_waiting_in_c_wakes_with_the_decision(relay_of):
+    r = relay_of({1: Outcome(argmax=9), 2: Outcome()})
+    r.relay.fire(job(1))
+    r.register(1, 2)
+    assert r.relay.result_wait(1, 0).kind == Kind.TIMEOUT  # not decided yet
+    got: list[object] = []
+    caller = threading.Thread(target=lambda: got.append(r.relay.result_wait(1, 10.0)))
+    caller.start()
+    r.relay.submitter_wait(1.0)
+    r.relay.completion_wait(1.0)
+    caller.join(10.0)
+    assert not caller.is_alive()
+    decided = got[0]
+    assert (decided.kind, decided.tag, decided.why, decided.token, decided.fired_tag) == (
+        Kind.DONE, 1, Why.FIRED, 9, 2)
+    assert r.relay.result_wait(1, 0).token == 9  # kept: asked again, answered again
+    waiting: list[object] = []
+    other = threading.Thread(target=lambda: waiting.append(r.relay.result_wait(7, 10.0)))
+    other.start()
+    r.relay.close()  # a caller waiting for a job never decided returns CLOSED
+    other.join(10.0)
+    assert not other.is_alive() and waiting[0].kind == Kind.CLOSED
+
+
 # ---- the reference model: equal answers for random operation sequences ---------------------
 
 TAGS = st.integers(1, 12)
@@ -345,6 +369,15 @@ class RelayVersusModel(RuleBasedStateMachine):
         if got.kind == Kind.DONE:
             assert (got.status, got.why, got.token, got.fired_tag) == (
                 want.status, want.why, want.token, want.fired_tag)
+
+    @precondition(lambda self: self.r is not None)
+    @rule(tag=TAGS)
+    def result_poll(self, tag: int) -> None:
+        got, want = self.r.relay.result_wait(tag, 0), self.m.result(tag)
+        assert (got.kind, got.tag) == (want.kind, want.tag)
+        if got.kind == Kind.DONE:
+            assert (got.rc, got.status, got.why, got.token, got.fired_tag) == (
+                want.rc, want.status, want.why, want.token, want.fired_tag)
 
     @precondition(lambda self: self.r is not None)
     @rule()

@@ -16,10 +16,18 @@ typedef struct ring {
     int32_t head, count;
 } ring;
 
+typedef struct decision {
+    int64_t tag, fired_tag;
+    int32_t rc, status, why, token;
+    int64_t t_ns;
+} decision;
+
 struct calexec_relay {
     calexec_relay_fns fns;
     pthread_mutex_t mu;
-    pthread_cond_t to_submitter, to_completion;
+    pthread_cond_t to_submitter, to_completion, to_caller;
+    decision decided[CALEXEC_RELAY_QUEUE]; /* the last decisions, oldest first */
+    int32_t decided_head, decided_count;
     ring fires;     /* jobs for the submitter to infer, oldest first */
     ring in_flight; /* jobs given to infer, for the completion thread, oldest first */
     calexec_relay_rule rules[CALEXEC_RELAY_RULES];
@@ -93,6 +101,12 @@ calexec_relay *calexec_relay_new(const calexec_relay_fns *fns)
         pthread_mutex_destroy(&r->mu);
         ok = 0;
     }
+    if (ok && pthread_cond_init(&r->to_caller, &attr) != 0) {
+        pthread_cond_destroy(&r->to_completion);
+        pthread_cond_destroy(&r->to_submitter);
+        pthread_mutex_destroy(&r->mu);
+        ok = 0;
+    }
     pthread_condattr_destroy(&attr);
     if (!ok) {
         free(r);
@@ -107,6 +121,7 @@ void calexec_relay_free(calexec_relay *r)
         return;
     pthread_cond_destroy(&r->to_submitter);
     pthread_cond_destroy(&r->to_completion);
+    pthread_cond_destroy(&r->to_caller);
     pthread_mutex_destroy(&r->mu);
     free(r);
 }
@@ -128,6 +143,7 @@ int32_t calexec_relay_close(calexec_relay *r, int64_t *tags, int32_t cap)
     r->closed = 1;
     pthread_cond_broadcast(&r->to_submitter);
     pthread_cond_broadcast(&r->to_completion);
+    pthread_cond_broadcast(&r->to_caller);
     pthread_mutex_unlock(&r->mu);
     return dropped;
 }
@@ -398,7 +414,64 @@ int32_t calexec_relay_completion_wait(calexec_relay *r, int64_t timeout_us, cale
     out->token = token;
     out->fired_tag = why == CALEXEC_RELAY_FIRED ? rule.next.tag : -1;
     r->counters.done++;
+    /* published for calexec_relay_result_wait: the oldest decision makes room */
+    if (r->decided_count == CALEXEC_RELAY_QUEUE) {
+        r->decided_head = (r->decided_head + 1) % CALEXEC_RELAY_QUEUE;
+        r->decided_count--;
+    }
+    decision *d = &r->decided[(r->decided_head + r->decided_count) % CALEXEC_RELAY_QUEUE];
+    d->tag = out->tag;
+    d->fired_tag = out->fired_tag;
+    d->rc = out->rc;
+    d->status = out->status;
+    d->why = out->why;
+    d->token = out->token;
+    d->t_ns = out->t_ns;
+    r->decided_count++;
+    pthread_cond_broadcast(&r->to_caller);
     r->in_completion = 0;
+    pthread_mutex_unlock(&r->mu);
+    return CALEXEC_RELAY_OK;
+}
+
+static const decision *find_decision(const calexec_relay *r, int64_t tag)
+{
+    for (int32_t i = 0; i < r->decided_count; i++) {
+        const decision *d = &r->decided[(r->decided_head + i) % CALEXEC_RELAY_QUEUE];
+        if (d->tag == tag)
+            return d;
+    }
+    return NULL;
+}
+
+int32_t calexec_relay_result_wait(calexec_relay *r, int64_t tag, int64_t timeout_us, calexec_relay_event *out)
+{
+    if (!r || !out)
+        return CALEXEC_RELAY_ENULL;
+    if (timeout_us < 0)
+        return CALEXEC_RELAY_EARG;
+    struct timespec until = deadline_after(timeout_us);
+    pthread_mutex_lock(&r->mu);
+    const decision *d;
+    while (!(d = find_decision(r, tag)) && !r->closed) {
+        if (timeout_us == 0 || pthread_cond_timedwait(&r->to_caller, &r->mu, &until) == ETIMEDOUT) {
+            d = find_decision(r, tag);
+            break;
+        }
+    }
+    if (d) {
+        event_init(out, CALEXEC_RELAY_DONE);
+        out->tag = d->tag;
+        out->fired_tag = d->fired_tag;
+        out->rc = d->rc;
+        out->status = d->status;
+        out->why = d->why;
+        out->token = d->token;
+        out->t_ns = d->t_ns;
+    } else {
+        event_init(out, r->closed ? CALEXEC_RELAY_CLOSED : CALEXEC_RELAY_TIMEOUT);
+        out->tag = tag;
+    }
     pthread_mutex_unlock(&r->mu);
     return CALEXEC_RELAY_OK;
 }

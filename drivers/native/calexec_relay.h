@@ -142,6 +142,13 @@ int32_t calexec_relay_register(calexec_relay *r, const calexec_relay_rule *rule)
 int32_t calexec_relay_withdraw(calexec_relay *r, int64_t tag);
 int32_t calexec_relay_completion_wait(calexec_relay *r, int64_t timeout_us, calexec_relay_event *out);
 
+/* A caller's wait for the decision on job `tag` (any thread, any number of them): DONE with
+ * the completion's why, token and fired_tag once the completion thread decided it (the last
+ * CALEXEC_RELAY_QUEUE decisions are kept), CLOSED, or TIMEOUT. It lets the thread that
+ * consumes a job's token wake from C, without a hand-off through the completion thread's
+ * Python. */
+int32_t calexec_relay_result_wait(calexec_relay *r, int64_t tag, int64_t timeout_us, calexec_relay_event *out);
+
 /* counters for tests and reports: jobs inferred, events by kind, fires by rule */
 typedef struct calexec_relay_counters {
     int64_t inferred, done, fired_by_rule, fired_by_python, wakes, withdrawn;

@@ -253,6 +253,14 @@ class NativeRelay:
             self._kept.pop(event.tag, None)  # the rule, if any, is decided
         return event
 
+    def result_wait(self, tag: int, timeout_s: float) -> RelayEvent | Rc:
+        """Block (GIL released) until the completion thread decided job ``tag`` (DONE, with
+        its why, token and fired tag; the last few decisions are kept), the close or the
+        timeout. Any thread, any number of them: the consumer of a job's token wakes from C."""
+        ev = _ffi.new("calexec_relay_event *")
+        rc = _lib.calexec_relay_result_wait(self._h, tag, _timeout_us(timeout_s), ev)
+        return _event(ev) if rc == 0 else Rc(rc)
+
     # ---- life ----------------------------------------------------------------------------
     def counters(self) -> dict[str, int]:
         out = _ffi.new("calexec_relay_counters *")

@@ -63,6 +63,7 @@ class RelayModel:
         self.tokens: dict[int, int] = {}  # the successor's tag -> the token written into it
         self.wake_pending = False
         self.closed = False
+        self.decided: deque[ModelEvent] = deque(maxlen=QUEUE)  # the last decisions
 
     def fire(self, job: RelayJob) -> Rc:
         if self.closed:
@@ -157,8 +158,18 @@ class RelayModel:
                     self.fires.append(rule.next)
                     fired_tag = rule.next.tag
             del self.rules[job.tag]
-        return ModelEvent(Kind.DONE, tag=job.tag, rc=wait_rc, status=status, why=why,
-                          fired_tag=fired_tag, token=token)
+        event = ModelEvent(Kind.DONE, tag=job.tag, rc=wait_rc, status=status, why=why,
+                           fired_tag=fired_tag, token=token)
+        self.decided.append(event)
+        return event
+
+    def result(self, tag: int) -> ModelEvent:
+        """``result_wait`` that never blocks: the decision on ``tag`` if kept, else CLOSED
+        or TIMEOUT."""
+        for event in reversed(self.decided):
+            if event.tag == tag:
+                return event
+        return ModelEvent(Kind.CLOSED if self.closed else Kind.TIMEOUT, tag=tag)
 
     def close(self) -> list[int]:
         dropped = [job.tag for job in self.fires]

@@ -625,7 +625,8 @@ def run_overhead(tokens: int | None, runs: int, zero_tokens: int, seed: int,
                  account_tokens: int = 100,
                  decode_us: Sequence[int] = DEFAULT_PROFILES_US,
                  floor: bool = True, threads_floor: bool = True,
-                 relay_floor: bool = True, relay_work_us: float = 0.0) -> dict[str, Any]:
+                 relay_floor: bool = True, relay_work_us: float = 0.0,
+                 relay_deliver: str = "python") -> dict[str, Any]:
     """Run the zero-latency phase once and the TPOT phase at each decode latency of
     ``decode_us`` (us, in order) for the direct loop and each executor mode; return the
     figures (times in us). ``device`` names the runtime, manifest and (synthetic) calbin
@@ -667,7 +668,8 @@ def run_overhead(tokens: int | None, runs: int, zero_tokens: int, seed: int,
             if threads_floor:
                 threads_loop = ThreadedLoop(rt, path, BENCH_SEQ, _WAIT_S)
             if relay_floor:
-                relay_loop = RelayLoop(rt, path, BENCH_SEQ, _WAIT_S, relay_work_us)
+                relay_loop = RelayLoop(rt, path, BENCH_SEQ, _WAIT_S, relay_work_us,
+                                       relay_deliver)
             executor = ExecutorLoop(rt, path, device)
         except BaseException:
             if threads_loop is not None:
@@ -798,7 +800,7 @@ def run_overhead(tokens: int | None, runs: int, zero_tokens: int, seed: int,
             "available": relay_loop is not None,
             "reason": None if relay_loop is not None else "not requested (--no-relay-floor)",
             "module": relayfloor.MODULE, "threads": relayfloor.THREADS,
-            "python_work_us": relay_work_us,
+            "python_work_us": relay_work_us, "deliver": relay_deliver,
             # jobs fired in C by a rule vs by the completion thread's Python (the submitter
             # armed the next job after the job before it had completed), over the whole run
             "rule_fires": relay_loop.rule_fires if relay_loop is not None else None,
@@ -1315,6 +1317,11 @@ def main(argv: list[str]) -> int:
                             help="Python work (us, holding the GIL) the relay floor's device "
                                  "threads each do after every relay event, in place of the "
                                  "executor's chart transitions (default 0)")
+        parser.add_argument("--relay-deliver", choices=relayfloor.DELIVERIES, default="python",
+                            help="how the relay floor's caller gets each token: python (the "
+                                 "completion thread does the work, then wakes it), native "
+                                 "(it waits in C; the completion thread does the work), "
+                                 "caller (it waits in C and does the work itself)")
     elif command == "logits":
         parser.add_argument("--iters", type=cliargs.positive_int, default=2000,
                             help="timed calls per case (default 2000)")
@@ -1355,7 +1362,8 @@ def main(argv: list[str]) -> int:
                                       floor=not args.no_floor,
                                       threads_floor=not args.no_threads_floor,
                                       relay_floor=not args.no_relay_floor,
-                                      relay_work_us=args.relay_work_us)
+                                      relay_work_us=args.relay_work_us,
+                                      relay_deliver=args.relay_deliver)
             finally:
                 set_gil_switch_interval_us(previous)
             result["gil_switch_interval_us"] = args.gil_switch_us or previous

@@ -35,6 +35,14 @@ from calexec.machines.postprocess import bf16_to_f32_into
 
 MODULE = "drivers/tools/bench/relayfloor.py"
 THREADS = 3
+#: how a job's token reaches the caller (``RelayLoop(deliver=...)``, ``--relay-deliver``):
+#: ``python``, the completion thread's Python does the job's work and then wakes the caller
+#: (a condition, as the executor's job event); ``native``, the caller waits in C for the
+#: relay's decision (``result_wait``) while the completion thread's Python does the work;
+#: ``caller``, the caller waits in C and does the job's work itself
+DELIVERIES = ("python", "native", "caller")
+#: how long a caller waits in C before it looks for its token on the Python side too
+_EVICTED_POLL_S = 0.05
 
 
 def _python_work(us: float) -> None:
@@ -90,11 +98,15 @@ class RelayLoop:
     """The direct loop's greedy decode, its hand-offs in the native relay (module docstring)."""
 
     def __init__(self, rt: CalRT, calbin_path: str, seq_id: int, wait_s: float = 30.0,
-                 python_work_us: float = 0.0) -> None:
+                 python_work_us: float = 0.0, deliver: str = "python") -> None:
+        if deliver not in DELIVERIES:
+            raise ValueError(f"deliver={deliver!r}: one of {', '.join(DELIVERIES)}")
         self.runner = DirectRunner(rt, calbin_path)
-        #: Python work (holding the GIL) each device thread does after each relay event, in
-        #: place of the executor's chart transitions applied after the native hand-off
+        #: Python work (holding the GIL) done per job after each relay event, in place of the
+        #: executor's chart transitions applied after the native hand-off (by the submitter,
+        #: and by the completion thread or, with ``deliver="caller"``, the caller)
         self.python_work_us = python_work_us
+        self.deliver = deliver
         self.seq_id = seq_id
         self.wait_s = wait_s
         self.relay = NativeRelay(rt.relay_functions())
@@ -164,6 +176,7 @@ class RelayLoop:
             with self._cv:
                 self._error = f"{threading.current_thread().name}: {exc}"
                 self._cv.notify_all()
+            self.relay.close()  # a caller waiting in C returns (CLOSED) and hears why
 
     def _submitter(self) -> None:
         relay = self.relay
@@ -215,7 +228,8 @@ class RelayLoop:
                     rc = relay.fire(self._job(tag + 1))
                     if rc != 0:
                         raise RelayLoopError(f"relay fire(tag={tag + 1}) returned {rc!r}")
-            _python_work(self.python_work_us)
+            if self.deliver != "caller":
+                _python_work(self.python_work_us)
             with self._cv:
                 self._tokens[tag] = token
                 self._cv.notify_all()
@@ -254,20 +268,49 @@ class RelayLoop:
             raise RelayLoopError(f"relay fire(tag=1) returned {rc!r}")
         deadline = time.monotonic() + self.wait_s
         for tag in range(1, n + 1):
-            with self._cv:
-                while tag not in self._tokens and self._error is None:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise RelayLoopError(f"no token {tag} within {self.wait_s:.0f} s")
-                    self._cv.wait(left)
-                if self._error is not None:
-                    raise RelayLoopError(self._error)
-                token = self._tokens.pop(tag)
+            token = self._native_token(tag, deadline) if self.deliver != "python" else None
+            if token is None:
+                token = self._python_token(tag, deadline)
+            if self.deliver == "caller":
+                _python_work(self.python_work_us)
             t = clock()
             times.append((t - t_prev) / 1e3)
             t_prev = t
             tokens.append(token)
         return tokens, times
+
+    def _native_token(self, tag: int, deadline: float) -> int | None:
+        """(deliver native or caller) Wait in C for the relay's decision on ``tag``: its
+        token when a rule fired the job after it; None when the completion thread's Python
+        has the token (no rule fired: the block's last job, or a late arming)."""
+        while True:
+            # the relay keeps the last few decisions: a caller that fell further behind (the
+            # device far ahead, at zero latency) finds its token on the Python side instead
+            left = deadline - time.monotonic()
+            event = self.relay.result_wait(tag, min(max(0.0, left), _EVICTED_POLL_S))
+            if self._error is not None:
+                raise RelayLoopError(self._error)
+            if not isinstance(event, RelayEvent):
+                raise RelayLoopError(f"result_wait(tag={tag}) returned {event!r}")
+            if event.kind == Kind.DONE:
+                return event.token if event.why == Why.FIRED else None
+            with self._cv:
+                if tag in self._tokens:
+                    return None
+            if event.kind == Kind.CLOSED or left <= 0:
+                raise RelayLoopError(f"no decision on job {tag} within {self.wait_s:.0f} s")
+
+    def _python_token(self, tag: int, deadline: float) -> int:
+        """The token the completion thread's Python delivered for ``tag``."""
+        with self._cv:
+            while tag not in self._tokens and self._error is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RelayLoopError(f"no token {tag} within {self.wait_s:.0f} s")
+                self._cv.wait(left)
+            if self._error is not None:
+                raise RelayLoopError(self._error)
+            return self._tokens.pop(tag)
 
     def dma_violations(self) -> int:
         emu = self.runner.device.emu
