@@ -4,7 +4,8 @@
  * threads of the design: the submitter (submitter_wait; after each job given to infer it arms
  * the next job and registers its fire rule), the completion thread (completion_wait; a job
  * whose rule did not fire is fired by it, the plain path), and a third thread that withdraws
- * rules at random (a cancel racing the firing). Checks: every job completes once, in order;
+ * rules at random (a cancel racing the firing), and a consumer waiting in C for each job's
+ * decision (calexec_relay_result_wait). Checks: every job completes once, in order;
  * each job's input token is its predecessor's argmax whichever path fired it; a withdrawal
  * that answered 1 was never followed by that rule's firing. Exit 0, 1 on a failed check. */
 #define _POSIX_C_SOURCE 200809L
@@ -122,6 +123,24 @@ static void *withdrawer(void *arg)
     return NULL;
 }
 
+/* a consumer waiting in C for each job's decision (it may fall behind the kept ones) */
+static atomic_long g_results_seen;
+static void *consumer(void *arg)
+{
+    (void)arg;
+    for (long tag = 1; tag <= JOBS && atomic_load(&g_completed) < JOBS; tag++) {
+        calexec_relay_event ev;
+        if (calexec_relay_result_wait(g_relay, tag, 2000, &ev) != CALEXEC_RELAY_OK || ev.kind == CALEXEC_RELAY_CLOSED)
+            return NULL;
+        if (ev.kind == CALEXEC_RELAY_DONE) {
+            if (ev.tag != tag)
+                atomic_fetch_add(&g_out_of_order, 1);
+            atomic_fetch_add(&g_results_seen, 1);
+        }
+    }
+    return NULL;
+}
+
 static void *completion(void *arg)
 {
     (void)arg;
@@ -164,22 +183,25 @@ int main(void)
     }
     g_slots[1].token = 5;
     atomic_store(&g_slots[1].tag, 1);
-    pthread_t ts, tc, tw;
+    pthread_t ts, tc, tw, tr;
     pthread_create(&ts, NULL, submitter, NULL);
     pthread_create(&tc, NULL, completion, NULL);
     pthread_create(&tw, NULL, withdrawer, (void *)(uintptr_t)12345);
+    pthread_create(&tr, NULL, consumer, NULL);
     calexec_relay_job first = job_of(1);
     calexec_relay_fire(g_relay, &first);
     pthread_join(tc, NULL);
     pthread_join(tw, NULL);
     calexec_relay_close(g_relay, NULL, 0);
     pthread_join(ts, NULL);
+    pthread_join(tr, NULL);
     calexec_relay_counters c;
     calexec_relay_counters_get(g_relay, &c);
     calexec_relay_free(g_relay);
     long done = atomic_load(&g_completed);
-    printf("relay_check: %ld jobs, %lld fired by rules, %lld by the plain path, %lld withdrawn\n", done,
-           (long long)c.fired_by_rule, (long long)c.fired_by_python - 1, (long long)c.withdrawn);
+    printf("relay_check: %ld jobs, %lld fired by rules, %lld by the plain path, %lld withdrawn, "
+           "%ld decisions seen by a consumer waiting in C\n", done, (long long)c.fired_by_rule,
+           (long long)c.fired_by_python - 1, (long long)c.withdrawn, atomic_load(&g_results_seen));
     if (done != JOBS || atomic_load(&g_out_of_order) || atomic_load(&g_bad_token) ||
         atomic_load(&g_withdrawn_then_fired) || c.fired_by_rule == 0 || c.fired_by_python < 2) {
         fprintf(stderr, "relay_check: FAILED: completed %ld/%d, out of order %ld, bad tokens %ld, "
