@@ -633,12 +633,18 @@ class TextOutput:
     """Tokens -> text, cut at the first stop string (not included, like OpenAI; included with
     ``keep_stop``, vLLM's ``include_stop_str_in_output``). ``add``
     returns the text that became final; text that could still start a stop string is held
-    back until it cannot. ``stopped`` once a stop string matched."""
+    back until it cannot. ``stopped`` once a stop string matched. With ``min_tokens`` (vLLM's),
+    a stop string counts only once more than that many tokens were added, and only a match
+    that ends in the text after theirs, as vLLM's detokenizer checks them."""
 
-    def __init__(self, tok: Tokenizer, stop: tuple[str, ...], keep_stop: bool = False) -> None:
+    def __init__(self, tok: Tokenizer, stop: tuple[str, ...], keep_stop: bool = False,
+                 min_tokens: int = 0) -> None:
         self._detok = tok.detokenizer()
         self._stop = stop
         self._keep_stop = keep_stop  # vLLM's include_stop_str_in_output
+        self._min_tokens = min_tokens
+        self._tokens = 0
+        self._check_from = 0  # no stop string may end at or before this index of ``text``
         self.text = ""
         self._sent = 0
         self.stopped = False
@@ -651,12 +657,20 @@ class TextOutput:
     def add(self, token: int) -> str:
         if self.stopped:
             return ""
-        return self._emit(self.text + self._detok.feed(token), final=False)
+        self._tokens += 1
+        return self._emit(self._unchecked(self.text + self._detok.feed(token)), final=False)
 
     def flush(self) -> str:
         if self.stopped:
             return ""
-        return self._emit(self.text + self._detok.flush(), final=True)
+        return self._emit(self._unchecked(self.text + self._detok.flush()), final=True)
+
+    def _unchecked(self, text: str) -> str:
+        """``text``, noting that none of it may end a stop string while at most
+        ``min_tokens`` tokens were added."""
+        if self._tokens <= self._min_tokens:
+            self._check_from = len(text)
+        return text
 
     @property
     def sent(self) -> int:
@@ -666,8 +680,9 @@ class TextOutput:
     def _emit(self, text: str, final: bool) -> str:
         if self._stop:
             start = max(0, self._sent - max(len(s) for s in self._stop))
-            hits = [(p, len(s)) for p, s in ((text.find(s, start), s) for s in self._stop)
-                    if p >= 0]
+            hits = [(p, len(s)) for p, s in
+                    ((text.find(s, max(start, self._check_from - len(s) + 1)), s)
+                     for s in self._stop) if p >= 0]
             if hits:
                 at, length = min(hits)  # the first match (the shorter string at a tie)
                 text = text[:at + length] if self._keep_stop else text[:at]
@@ -1198,7 +1213,8 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         if run is None:
             return fail(status, param)
         run.sampling = params
-        out = TextOutput(service.tokenizer, params.stop, params.include_stop_str_in_output)
+        out = TextOutput(service.tokenizer, params.stop, params.include_stop_str_in_output,
+                         params.min_tokens)
         shape.start(service, run, response_id)
         if resume is not None:
             bad = resume_refusal(resume, run)
@@ -1307,7 +1323,8 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
             return
         state.runs.append(run)
         run.sampling = params
-        out = TextOutput(service.tokenizer, params.stop, params.include_stop_str_in_output)
+        out = TextOutput(service.tokenizer, params.stop, params.include_stop_str_in_output,
+                         params.min_tokens)
         shape.start(service, run, state.id)
         shape.created, shape.index = state.created, k
         run.x_request_id = state.x_request_id

@@ -1,0 +1,68 @@
+"""The OpenAI surface against what vLLM's and llama.cpp's own server suites pin (stop 48):
+behaviours of fields this server supports that a client pointed at it instead of vLLM or
+llama-server would notice, checked through the official ``openai`` client and raw ``httpx``
+against a loopback server on the synthetic model (its greedy tokens are the numpy oracle's;
+the byte-level tokenizer renders every id outside 256..511 as ``<id>``, so ``"><"`` spans two
+tokens). Each test names the vLLM or llama.cpp source it follows. Compared files are listed in
+docs/server.md ("Real clients and peer suites").
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from calexec.drivers.serving import byte_tokenizer as tokenizer
+from test_server_support import MODEL, live_fixture, oracle_tokens  # noqa: F401 - `live`
+
+
+def _stream(url: str, body: dict) -> list[dict]:
+    """The data events of a streamed answer (``[DONE]`` left out; it must be the last)."""
+    events: list[str] = []
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=30) as r:
+        assert r.status_code == 200, r.read()
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def _rendered(tokens: list[int]) -> str:
+    return "".join(f"<{t}>" for t in tokens)
+
+
+# ---- min_tokens and stop strings (vllm tests/detokenizer/test_min_tokens.py) -----------------
+@pytest.mark.parametrize("min_tokens", [0, 1, 4])
+def test_a_stop_string_ends_the_text_only_after_min_tokens(live, min_tokens):
+    # vllm tests/detokenizer/test_min_tokens.py::test_min_tokens_with_stop: with min_tokens=5
+    # and stop "e", " is Lee, ..." goes on past the "e" of " Lee" (vLLM's detokenizer checks
+    # stop strings once more than min_tokens tokens were generated, and only for a match that
+    # ends in the text after them: vllm/v1/engine/detokenizer.py). Here every two tokens meet
+    # in "><": a stop string "><" may end the text only in token min_tokens + 1's text, which
+    # is the boundary between tokens min_tokens and min_tokens + 1 (at least token 2).
+    server, client, _ = live
+    prompt = tokenizer.encode("hello")
+    oracle = oracle_tokens(prompt, 8)
+    kept = max(min_tokens, 1)  # the tokens whose whole text is kept before the stop string
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "stop": ["><"],
+            "min_tokens": min_tokens}
+    whole = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).json()
+    choice = whole["choices"][0]
+    assert choice["text"] == _rendered(oracle[:kept])[:-1]
+    assert choice["finish_reason"] == "stop"
+    assert choice["token_ids"] == oracle[:kept + 1]
+    assert whole["usage"]["completion_tokens"] == kept + 1
+    chunks = _stream(f"{server.url}/v1/completions", body)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == choice["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    # every choice of a request of several (n) takes the same rule
+    several = httpx.post(f"{server.url}/v1/completions", json={**body, "n": 2}, timeout=30)
+    assert [c["text"] for c in several.json()["choices"]] == [choice["text"]] * 2
+    # the chat route takes the same rule
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=8,
+        stop=["><"], extra_body={"min_tokens": min_tokens})
+    assert chat.choices[0].finish_reason == "stop"
+    assert chat.usage.completion_tokens == kept + 1
+    assert chat.choices[0].message.content.count("><") == kept - 1
