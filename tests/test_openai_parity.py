@@ -66,3 +66,65 @@ def test_a_stop_string_ends_the_text_only_after_min_tokens(live, min_tokens):
     assert chat.choices[0].finish_reason == "stop"
     assert chat.usage.completion_tokens == kept + 1
     assert chat.choices[0].message.content.count("><") == kept - 1
+
+
+# ---- a stop token is generated: counted, in token_ids and logprobs (vllm tests/detokenizer/
+# test_stop_token_ids.py) ---------------------------------------------------------------------
+def test_a_stop_token_is_counted_and_listed_but_not_written(live):
+    # vllm tests/detokenizer/test_stop_token_ids.py::test_stop_token_id_excluded_from_output and
+    # ::test_stop_token_id_included_in_output: "hello" then the stop id "!" gives the text
+    # "hello" ("hello!" with include_stop_str_in_output) and output_token_ids "hello!"; vLLM's
+    # OpenAI server counts those ids in usage.completion_tokens and lists them in token_ids
+    # and logprobs (vllm/entrypoints/openai/completion/serving.py).
+    server, client, _ = live
+    prompt = tokenizer.encode("hi")
+    oracle = oracle_tokens(prompt, 5)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 5, "stop_token_ids": [oracle[2]],
+            "logprobs": 0}
+    whole = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).json()
+    choice = whole["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    assert choice["text"] == _rendered(oracle[:2])
+    assert choice["token_ids"] == oracle[:3]
+    assert whole["usage"]["completion_tokens"] == 3
+    assert whole["usage"]["total_tokens"] == len(prompt) + 3
+    assert choice["logprobs"]["tokens"] == [f"<{t}>" for t in oracle[:3]]
+    chunks = _stream(f"{server.url}/v1/completions",
+                     {**body, "stream_options": {"include_usage": True}})
+    streamed = [c["choices"][0] for c in chunks if c["choices"]]
+    assert "".join(c["text"] for c in streamed) == choice["text"]
+    assert [t for c in streamed for t in c["token_ids"]] == oracle[:3]
+    for key in ("tokens", "token_logprobs", "text_offset"):
+        assert [x for c in streamed for x in c["logprobs"][key]] == choice["logprobs"][key]
+    assert chunks[-1]["usage"] == whole["usage"]
+    # include_stop_str_in_output writes the stop token's text too
+    kept = httpx.post(f"{server.url}/v1/completions", timeout=30,
+                      json={**body, "include_stop_str_in_output": True}).json()
+    assert kept["choices"][0]["text"] == _rendered(oracle[:3])
+    kept_chunks = _stream(f"{server.url}/v1/completions",
+                          {**body, "include_stop_str_in_output": True})
+    assert "".join(c["choices"][0]["text"] for c in kept_chunks) == _rendered(oracle[:3])
+    # chat: the same count, ids and logprobs, whole and streamed
+    messages = [{"role": "user", "content": "hi"}]
+    chat_oracle = oracle_tokens(tokenizer.encode("user: hi\nassistant:"), 5)
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5,
+                                          logprobs=True,
+                                          extra_body={"stop_token_ids": [chat_oracle[1]]})
+    assert chat.choices[0].message.content == _rendered(chat_oracle[:1])
+    assert chat.usage.completion_tokens == 2
+    assert chat.choices[0].model_extra["token_ids"] == chat_oracle[:2]
+    assert [c.token for c in chat.choices[0].logprobs.content] == \
+        [f"<{t}>" for t in chat_oracle[:2]]
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=5, logprobs=True, stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"stop_token_ids": [chat_oracle[1]]})
+    ids, tokens, usage = [], [], None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            ids += (c.model_extra or {}).get("token_ids") or []
+            tokens += [t.token for t in (c.logprobs.content if c.logprobs else None) or []]
+    assert ids == chat_oracle[:2]
+    assert tokens == [f"<{t}>" for t in chat_oracle[:2]]
+    assert usage.completion_tokens == 2

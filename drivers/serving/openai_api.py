@@ -716,6 +716,16 @@ class TextOutput:
         return max(self._matched, default=0)
 
 
+def finished_text(out: TextOutput, run: RequestRun) -> str:
+    """The rest of the answer's text once ``run``'s generation ended (``out.flush``): the
+    text held back, after the stop token's own when one ended it and the request asked for
+    ``include_stop_str_in_output`` (vLLM writes it then)."""
+    piece = ""
+    if run.stop_token is not None and run.sampling.include_stop_str_in_output:
+        piece = out.add(run.stop_token)
+    return piece + out.flush()
+
+
 def _prefix_function(s: str) -> list[int]:
     """KMP's prefix function of ``s``: entry i is the length of the longest proper prefix of
     ``s[:i + 1]`` that also ends it."""
@@ -1252,7 +1262,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
             if handed and progress is not None:  # (a hand-off needs the progress channel)
                 progress({"handoff": "drained"})
             return fail(run.status, failure_param(run), count=False)  # counted by finish()
-        out.flush()
+        finished_text(out, run)
         return JSONResponse(shape.whole(out.text, run))
 
     async def _generate_many(request: Request, specs: list[tuple[Admission, _Shape]], n: int,
@@ -1346,9 +1356,9 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
                 scope.cancel()
                 return
             if sse:
-                await state.put(shape.last(out.flush(), run))
+                await state.put(shape.last(finished_text(out, run), run))
             else:
-                out.flush()
+                finished_text(out, run)
                 whole = shape.whole(out.text, run)
                 state.results[k] = whole["choices"][0]
                 if "prompt_token_ids" in whole:  # chat: the request's, not the choice's
@@ -1495,7 +1505,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
                         run.status, failure_param(run)
                         or error_bodies.PARAM_OF_CODE.get(run.status.code))})
                 else:
-                    tail = [wire.sse(shape.last(out.flush(), run))]
+                    tail = [wire.sse(shape.last(finished_text(out, run), run))]
                     if usage_chunk:
                         tail.append(wire.sse(shape.usage_chunk(run)))
                     tail.append(b"data: [DONE]\n\n")
@@ -1557,6 +1567,12 @@ def new_response_id(request: Request, prefix: str) -> str:
     made = f"{prefix}-{uuid.uuid4().hex}"
     wire.name_request(request.scope, made)
     return made
+
+
+def _stop_ids(run: RequestRun) -> list[int]:
+    """The end or stop token that ended ``run`` (the last of ``run.tokens``), as a stream's
+    last chunk lists it: ``[]`` when none did."""
+    return [] if run.stop_token is None else [run.stop_token]
 
 
 def _usage(run: RequestRun) -> dict[str, int]:
@@ -1694,7 +1710,8 @@ class _CompletionShape(_Shape):
     def last(self, text: str, run: RequestRun) -> dict[str, Any]:
         # no usage here: only the usage chunk carries it, when include_usage asks (as chat)
         return self._first({**self._head(), "choices": [self._choice(
-            self._with_echo(text), [], run, run.finish_reason, [])]}, run)
+            self._with_echo(text), _stop_ids(run), run, run.finish_reason,
+            self._new_logprobs(run))]}, run)
 
 
 class _ChatShape(_Shape):
@@ -1731,10 +1748,14 @@ class _ChatShape(_Shape):
             "token_ids": [token]}]}
 
     def last(self, text: str, run: RequestRun) -> dict[str, Any]:
-        return {**self._head(chunk=True), "choices": [{
+        infos = self._new_logprobs(run)  # the stop token's, if one ended it
+        chunk = {**self._head(chunk=True), "choices": [{
             "index": self.index, "delta": {"content": text} if text else {},
-            "logprobs": None,
+            "logprobs": self._logprobs(run, infos) if infos else None,
             "finish_reason": run.finish_reason}]}
+        if run.stop_token is not None:
+            chunk["choices"][0]["token_ids"] = _stop_ids(run)
+        return chunk
 
 
 class _ToolChatShape(_ChatShape):
@@ -1780,7 +1801,7 @@ class _ToolChatShape(_ChatShape):
     def last(self, text: str, run: RequestRun) -> dict[str, Any]:
         deltas = self.calls.feed(text, final=True)
         finish = self._finish(run, 0 if self.calls.cut else self.calls.complete)
-        ids, self.held_ids = self.held_ids, []
+        ids, self.held_ids = self.held_ids + _stop_ids(run), []
         chunk = self._chunk(_merged(deltas) if deltas else {}, run, ids, finish)
         if not ids:
             del chunk["choices"][0]["token_ids"]
