@@ -128,3 +128,40 @@ def test_a_stop_token_is_counted_and_listed_but_not_written(live):
     assert ids == chat_oracle[:2]
     assert tokens == [f"<{t}>" for t in chat_oracle[:2]]
     assert usage.completion_tokens == 2
+
+
+# ---- deliberate differences, pinned -------------------------------------------------------------
+def test_a_chat_stream_ends_with_a_finish_chunk_of_its_own(live):
+    # vllm tests/entrypoints/openai/chat_completion/test_chat.py::test_chat_streaming asserts
+    # `delta.content` on the chunk that carries the finish_reason (vLLM sends it with the last
+    # token). This server sends the finish_reason on a chunk of its own, as OpenAI's stream
+    # does, whose delta holds only what a stop string held back (here nothing): every token's
+    # text came before it, in order (docs/server.md, "Chat").
+    _, client, _ = live
+    messages = [{"role": "user", "content": "what is 1+1?"}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5,
+                                                 stream=True))
+    finishing = [c for c in chunks if c.choices and c.choices[0].finish_reason is not None]
+    assert finishing == [chunks[-1]]
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].choices[0].delta.content is None
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == \
+        whole.choices[0].message.content
+
+
+def test_token_ids_are_sent_without_return_token_ids(live):
+    # vllm tests/entrypoints/openai/basic/test_return_token_ids.py::
+    # test_basic_completion_with_emoji: without return_token_ids vLLM sends no `token_ids`
+    # (and no `prompt_token_ids`). Here a choice always carries its `token_ids` (a calexec
+    # extension the docs promise); `prompt_token_ids` only when asked for, as vLLM.
+    server, _, _ = live
+    prompt = tokenizer.encode("hi")
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 3}
+    choice = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).json()[
+        "choices"][0]
+    assert choice["token_ids"] == oracle_tokens(prompt, 3)
+    assert "prompt_token_ids" not in choice
+    asked = httpx.post(f"{server.url}/v1/completions", json={**body, "return_token_ids": True},
+                       timeout=30).json()["choices"][0]
+    assert asked["prompt_token_ids"] == prompt
