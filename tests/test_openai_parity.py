@@ -97,6 +97,11 @@ def test_a_stop_token_is_counted_and_listed_but_not_written(live):
     for key in ("tokens", "token_logprobs", "text_offset"):
         assert [x for c in streamed for x in c["logprobs"][key]] == choice["logprobs"][key]
     assert chunks[-1]["usage"] == whole["usage"]
+    # each choice of a request of several (n) the same, streamed
+    ids: dict[int, list[int]] = {0: [], 1: []}
+    for chunk in _stream(f"{server.url}/v1/completions", {**body, "n": 2}):
+        ids[chunk["choices"][0]["index"]] += chunk["choices"][0]["token_ids"]
+    assert ids == {0: oracle[:3], 1: oracle[:3]}
     # include_stop_str_in_output writes the stop token's text too
     kept = httpx.post(f"{server.url}/v1/completions", timeout=30,
                       json={**body, "include_stop_str_in_output": True}).json()
