@@ -170,3 +170,16 @@ def test_token_ids_are_sent_without_return_token_ids(live):
     asked = httpx.post(f"{server.url}/v1/completions", json={**body, "return_token_ids": True},
                        timeout=30).json()["choices"][0]
     assert asked["prompt_token_ids"] == prompt
+
+
+def test_a_chat_without_max_tokens_gets_at_most_256_tokens(live):
+    # vLLM's chat default max_tokens is what the context leaves after the prompt
+    # (max_model_len - prompt); here 256 (openai_api.CHAT_DEFAULT_MAX_TOKENS), or less when
+    # the context leaves less: the KV of prompt + max_tokens is reserved up front, and the
+    # context's rest would reserve ~40k tokens of KV for every chat (docs/server.md).
+    _, client, _ = live
+    chat = client.chat.completions.create(model=MODEL,
+                                          messages=[{"role": "user", "content": "hi"}],
+                                          extra_body={"ignore_eos": True})
+    assert chat.usage.completion_tokens == 256
+    assert chat.choices[0].finish_reason == "length"
