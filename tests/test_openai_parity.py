@@ -183,3 +183,22 @@ def test_a_chat_without_max_tokens_gets_at_most_256_tokens(live):
                                           extra_body={"ignore_eos": True})
     assert chat.usage.completion_tokens == 256
     assert chat.choices[0].finish_reason == "length"
+
+
+def test_an_error_in_a_stream_is_its_last_event_without_done(live):
+    # vLLM's serving_completion/serving_chat stream generators send `data: [DONE]` after the
+    # `data: {"error": ...}` event of a failure mid-stream. Here the error event is the
+    # stream's last (the official SDK raises on it either way): a stream without `[DONE]` is
+    # one that did not end well, which the fleet ingress relies on to continue it on a sibling
+    # (docs/server.md, "A failed choice" and "Across replicas"). The request's own timeout
+    # (2 s, far short of 40000 tokens) ends it after its first tokens.
+    server, _, _ = live
+    body = {"model": MODEL, "prompt": [40, 41], "max_tokens": 40000, "ignore_eos": True,
+            "timeout": 2, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert json.loads(events[0])["choices"][0]["token_ids"]  # tokens were streamed first
+    last = json.loads(events[-1])
+    assert last["error"]["code"] in ("wait.deadline", "submit.deadline", "admission.deadline")
+    assert "[DONE]" not in events
