@@ -90,7 +90,8 @@ def test_end_token_stops_the_generation(fresh):
     _, app = fresh(end_token_id=expected[2])
     with TestClient(app) as client:
         body = complete(client, prompt=prompt, max_tokens=10).json()
-    assert body["choices"][0]["token_ids"] == expected[:2]
+    assert body["choices"][0]["token_ids"] == expected[:3]  # the end token listed (as vLLM)
+    assert body["usage"]["completion_tokens"] == 3
     assert body["choices"][0]["finish_reason"] == "stop"
 
 

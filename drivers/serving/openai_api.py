@@ -633,12 +633,18 @@ class TextOutput:
     """Tokens -> text, cut at the first stop string (not included, like OpenAI; included with
     ``keep_stop``, vLLM's ``include_stop_str_in_output``). ``add``
     returns the text that became final; text that could still start a stop string is held
-    back until it cannot. ``stopped`` once a stop string matched."""
+    back until it cannot. ``stopped`` once a stop string matched. With ``min_tokens`` (vLLM's),
+    a stop string counts only once more than that many tokens were added, and only a match
+    that ends in the text after theirs, as vLLM's detokenizer checks them."""
 
-    def __init__(self, tok: Tokenizer, stop: tuple[str, ...], keep_stop: bool = False) -> None:
+    def __init__(self, tok: Tokenizer, stop: tuple[str, ...], keep_stop: bool = False,
+                 min_tokens: int = 0) -> None:
         self._detok = tok.detokenizer()
         self._stop = stop
         self._keep_stop = keep_stop  # vLLM's include_stop_str_in_output
+        self._min_tokens = min_tokens
+        self._tokens = 0
+        self._check_from = 0  # no stop string may end at or before this index of ``text``
         self.text = ""
         self._sent = 0
         self.stopped = False
@@ -651,12 +657,20 @@ class TextOutput:
     def add(self, token: int) -> str:
         if self.stopped:
             return ""
-        return self._emit(self.text + self._detok.feed(token), final=False)
+        self._tokens += 1
+        return self._emit(self._unchecked(self.text + self._detok.feed(token)), final=False)
 
     def flush(self) -> str:
         if self.stopped:
             return ""
-        return self._emit(self.text + self._detok.flush(), final=True)
+        return self._emit(self._unchecked(self.text + self._detok.flush()), final=True)
+
+    def _unchecked(self, text: str) -> str:
+        """``text``, noting that none of it may end a stop string while at most
+        ``min_tokens`` tokens were added."""
+        if self._tokens <= self._min_tokens:
+            self._check_from = len(text)
+        return text
 
     @property
     def sent(self) -> int:
@@ -666,8 +680,9 @@ class TextOutput:
     def _emit(self, text: str, final: bool) -> str:
         if self._stop:
             start = max(0, self._sent - max(len(s) for s in self._stop))
-            hits = [(p, len(s)) for p, s in ((text.find(s, start), s) for s in self._stop)
-                    if p >= 0]
+            hits = [(p, len(s)) for p, s in
+                    ((text.find(s, max(start, self._check_from - len(s) + 1)), s)
+                     for s in self._stop) if p >= 0]
             if hits:
                 at, length = min(hits)  # the first match (the shorter string at a tie)
                 text = text[:at + length] if self._keep_stop else text[:at]
@@ -699,6 +714,16 @@ class TextOutput:
                         k = prefix[k - 1]
             self._matched[j] = k
         return max(self._matched, default=0)
+
+
+def finished_text(out: TextOutput, run: RequestRun) -> str:
+    """The rest of the answer's text once ``run``'s generation ended (``out.flush``): the
+    text held back, after the stop token's own when one ended it and the request asked for
+    ``include_stop_str_in_output`` (vLLM writes it then)."""
+    piece = ""
+    if run.stop_token is not None and run.sampling.include_stop_str_in_output:
+        piece = out.add(run.stop_token)
+    return piece + out.flush()
 
 
 def _prefix_function(s: str) -> list[int]:
@@ -1198,7 +1223,8 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         if run is None:
             return fail(status, param)
         run.sampling = params
-        out = TextOutput(service.tokenizer, params.stop, params.include_stop_str_in_output)
+        out = TextOutput(service.tokenizer, params.stop, params.include_stop_str_in_output,
+                         params.min_tokens)
         shape.start(service, run, response_id)
         if resume is not None:
             bad = resume_refusal(resume, run)
@@ -1236,7 +1262,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
             if handed and progress is not None:  # (a hand-off needs the progress channel)
                 progress({"handoff": "drained"})
             return fail(run.status, failure_param(run), count=False)  # counted by finish()
-        out.flush()
+        finished_text(out, run)
         return JSONResponse(shape.whole(out.text, run))
 
     async def _generate_many(request: Request, specs: list[tuple[Admission, _Shape]], n: int,
@@ -1307,7 +1333,8 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
             return
         state.runs.append(run)
         run.sampling = params
-        out = TextOutput(service.tokenizer, params.stop, params.include_stop_str_in_output)
+        out = TextOutput(service.tokenizer, params.stop, params.include_stop_str_in_output,
+                         params.min_tokens)
         shape.start(service, run, state.id)
         shape.created, shape.index = state.created, k
         run.x_request_id = state.x_request_id
@@ -1329,9 +1356,9 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
                 scope.cancel()
                 return
             if sse:
-                await state.put(shape.last(out.flush(), run))
+                await state.put(shape.last(finished_text(out, run), run))
             else:
-                out.flush()
+                finished_text(out, run)
                 whole = shape.whole(out.text, run)
                 state.results[k] = whole["choices"][0]
                 if "prompt_token_ids" in whole:  # chat: the request's, not the choice's
@@ -1478,7 +1505,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
                         run.status, failure_param(run)
                         or error_bodies.PARAM_OF_CODE.get(run.status.code))})
                 else:
-                    tail = [wire.sse(shape.last(out.flush(), run))]
+                    tail = [wire.sse(shape.last(finished_text(out, run), run))]
                     if usage_chunk:
                         tail.append(wire.sse(shape.usage_chunk(run)))
                     tail.append(b"data: [DONE]\n\n")
@@ -1540,6 +1567,12 @@ def new_response_id(request: Request, prefix: str) -> str:
     made = f"{prefix}-{uuid.uuid4().hex}"
     wire.name_request(request.scope, made)
     return made
+
+
+def _stop_ids(run: RequestRun) -> list[int]:
+    """The end or stop token that ended ``run`` (the last of ``run.tokens``), as a stream's
+    last chunk lists it: ``[]`` when none did."""
+    return [] if run.stop_token is None else [run.stop_token]
 
 
 def _usage(run: RequestRun) -> dict[str, int]:
@@ -1677,7 +1710,8 @@ class _CompletionShape(_Shape):
     def last(self, text: str, run: RequestRun) -> dict[str, Any]:
         # no usage here: only the usage chunk carries it, when include_usage asks (as chat)
         return self._first({**self._head(), "choices": [self._choice(
-            self._with_echo(text), [], run, run.finish_reason, [])]}, run)
+            self._with_echo(text), _stop_ids(run), run, run.finish_reason,
+            self._new_logprobs(run))]}, run)
 
 
 class _ChatShape(_Shape):
@@ -1714,10 +1748,14 @@ class _ChatShape(_Shape):
             "token_ids": [token]}]}
 
     def last(self, text: str, run: RequestRun) -> dict[str, Any]:
-        return {**self._head(chunk=True), "choices": [{
+        infos = self._new_logprobs(run)  # the stop token's, if one ended it
+        chunk = {**self._head(chunk=True), "choices": [{
             "index": self.index, "delta": {"content": text} if text else {},
-            "logprobs": None,
+            "logprobs": self._logprobs(run, infos) if infos else None,
             "finish_reason": run.finish_reason}]}
+        if run.stop_token is not None:
+            chunk["choices"][0]["token_ids"] = _stop_ids(run)
+        return chunk
 
 
 class _ToolChatShape(_ChatShape):
@@ -1763,7 +1801,7 @@ class _ToolChatShape(_ChatShape):
     def last(self, text: str, run: RequestRun) -> dict[str, Any]:
         deltas = self.calls.feed(text, final=True)
         finish = self._finish(run, 0 if self.calls.cut else self.calls.complete)
-        ids, self.held_ids = self.held_ids, []
+        ids, self.held_ids = self.held_ids + _stop_ids(run), []
         chunk = self._chunk(_merged(deltas) if deltas else {}, run, ids, finish)
         if not ids:
             del chunk["choices"][0]["token_ids"]

@@ -336,7 +336,11 @@ class RequestRun:
     started: float
     sse: bool  # the answer goes out as server-sent events
     logits: np.ndarray
+    #: the generated tokens, the end or stop token that ended the generation included (last;
+    #: ``stop_token``): counted and listed as vLLM counts them, its text not written
     tokens: list[int] = attrs.Factory(list)
+    #: the end token or ``stop_token_ids`` id that ended the generation (None: another end)
+    stop_token: int | None = None
     past: int = 0
     handle: Any = None  # JobHandle of the current/last job
     abandoned: bool = False  # the client went away: cancel whatever job is or becomes current
@@ -875,13 +879,13 @@ class CompletionService:
         return self._take(run, token, logprobs)
 
     def _take(self, run: RequestRun, token: int, logprobs: Any) -> int | None:
-        """The chosen ``token`` of a job: None when it ends the generation (the end token or a
-        stop token id: not part of the answer), else appended; ``finish_reason`` set when
-        the grammar is complete or ``max_tokens`` reached."""
-        if (token == self.config.end_token_id and not run.sampling.ignore_eos) \
-                or token in run.sampling.stop_token_ids:
-            run.finish_reason = "stop"
-            return None
+        """The chosen ``token`` of a job, appended: None when it ends the generation (the end
+        token or a stop token id, ``run.stop_token``: generated, so counted in ``usage``,
+        listed in ``token_ids`` and logprobs as vLLM does, but its text is not part of the
+        answer), else the token; ``finish_reason`` set when the grammar is complete or
+        ``max_tokens`` reached."""
+        stop = (token == self.config.end_token_id and not run.sampling.ignore_eos) \
+            or token in run.sampling.stop_token_ids
         run.tokens.append(token)
         if self.metrics.vllm is not None:
             now = time.monotonic()
@@ -893,6 +897,10 @@ class CompletionService:
             run.last_token_at = now
         if logprobs is not None:
             run.token_logprobs.append(logprobs)
+        if stop:
+            run.finish_reason = "stop"
+            run.stop_token = token
+            return None
         if run.constraint is not None and run.constraint.finished:
             run.finish_reason = "stop"  # the grammar is complete: nothing may follow
         elif len(run.tokens) >= run.max_tokens:
