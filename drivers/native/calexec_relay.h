@@ -125,7 +125,10 @@ calexec_relay *calexec_relay_new(const calexec_relay_fns *fns);
 /* frees the relay; call only once no thread is in it (after close and both waits returned) */
 void calexec_relay_free(calexec_relay *r);
 /* closes it: every wait returns CLOSED from now on; fires and rules are refused. Returns how
- * many queued jobs were never given to infer (*dropped tags into tags[0, cap), if given). */
+ * many queued jobs were never given to infer (*dropped tags into tags[0, cap), if given). A
+ * job the submitter was giving to infer as it closed is still reported by its INFERRED event;
+ * from the close on the relay Waits for nothing: the jobs in flight are the caller's to Wait
+ * for (or to end by a reset) before their buffers are freed. */
 int32_t calexec_relay_close(calexec_relay *r, int64_t *tags, int32_t cap);
 
 /* Python's own fire: queue `job` for the submitter (EFULL, ECLOSED) */
