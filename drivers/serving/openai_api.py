@@ -1274,9 +1274,10 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         async def produce() -> None:
             try:
                 limit = anyio.Semaphore(service.choice_concurrency)
-                async with anyio.create_task_group() as tg:
-                    for k, (admission, shape) in enumerate(specs):
-                        tg.start_soon(one, k, admission, shape, limit, tg.cancel_scope)
+                with service.open_request():  # a drain waits for it between two choices
+                    async with anyio.create_task_group() as tg:
+                        for k, (admission, shape) in enumerate(specs):
+                            tg.start_soon(one, k, admission, shape, limit, tg.cancel_scope)
             finally:
                 state.events.put_nowait(None)  # the end, after every run finished
 
@@ -1300,7 +1301,10 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         ``state.events`` (streamed), its choice to ``state.results`` (not streamed); a
         failure goes to ``state.failure`` and cancels the request's other choices."""
         # the request's deadline (its timeout kept for the messages that name it)
-        run, status, param = service.admit(attrs.evolve(admission, deadline=deadline))
+        # a choice after one that was admitted is part of an admitted request: a drain
+        # started since lets it run (it refuses only requests not yet admitted)
+        run, status, param = service.admit(attrs.evolve(admission, deadline=deadline),
+                                           admitted=bool(state.runs))
         if run is None:
             state.fail(status, param, counted=False)
             scope.cancel()
