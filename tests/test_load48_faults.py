@@ -495,6 +495,12 @@ def _check_counts(records: list[Record], metrics: str, plan: Schedule,
     unseen = [r for r in records if r.ended == "left" or r.ended == "error" and (
         len(_prompts(r.body)) * r.body.get("n", 1) > 1)]
     most_unseen = sum(len(_prompts(r.body)) * r.body.get("n", 1) for r in unseen)
+    gone = total("calexec_request_failures_total", code="request.cancelled") + total(
+        "calexec_request_failures_total", code="request.client_stalled")
+    most_left = sum(len(_prompts(r.body)) * r.body.get("n", 1) for r in records
+                    if r.ended == "left")
+    if gone > most_left:  # counted as clients gone: at most the clients that left
+        problems.append(f"{gone} requests counted cancelled or stalled, {most_left} left")
     if not succeeded <= success <= succeeded + most_unseen:
         problems.append(f"success {success}: clients saw {succeeded} choices (+{most_unseen} "
                         f"unseen)")
