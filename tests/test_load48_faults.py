@@ -715,3 +715,42 @@ def test_an_unexpected_error_in_one_choice_is_the_answer_not_a_short_success(tmp
         assert service.active == 0 and service.sequences.counts()["in_use"] == 0
     finally:
         executor.shutdown(5.0)
+
+
+@pytest.mark.parametrize("point", ["HANG", "HANG+STALE_COMPLETION"])
+def test_a_drain_meeting_a_hung_job_of_an_ended_request_ends_stopped(tmp_path, point):
+    """A request cut at its deadline (504) leaves its job on the device, hung (FI: HANG); a
+    drain then finds no request running and shut the executor down at once, which does not
+    recover a hung job: it waited out the grace and ended Failed (``shutdown.not_drained``,
+    ``calexec serve`` exit 3) though the fault controller recovers that job within its
+    execution deadline. The drain now waits (within its grace) for the jobs of ended requests
+    to leave the device, and ends Stopped (found by the "drain" schedules, seeds 8000-8005)."""
+    from calexec.drivers.calrt.runtime import Fault, FaultMode
+
+    executor = executor_for(tmp_path, False, 2000)  # execution deadline 0.5 s
+    app = create_app(executor, ServerConfig(admin_token=TOKEN, max_sequences=6))
+    service = app.state.service
+    try:
+        with ServeLikeServer(app) as server, httpx.Client(base_url=server.url,
+                                                          timeout=30) as http:
+            for name in point.split("+"):
+                assert executor.device.emu.set_fault(Fault[name], FaultMode.NTH, 1) == 0
+            r = http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4,
+                                                   "timeout": 0.2})
+            assert r.status_code == 504, r.text
+            assert service.releases_pending == 1  # its job is still on the device
+            r = http.post("/admin/drain", params={"grace": 5}, headers=AUTH)
+            assert r.status_code == 202, r.text
+            end = time.monotonic() + 20
+            while service.drain_status is None and time.monotonic() < end:
+                time.sleep(0.02)
+        assert service.drain_status is not None and service.drain_status.ok, \
+            service.drain_status
+        assert executor.state == "Stopped"
+        assert len(executor.recoveries) == 1  # the hung job's, during the drain
+        counts = service.sequences.counts()
+        assert counts["in_use"] == 0 and counts["withheld"] == 0, counts
+    finally:
+        executor.device.emu.clear_all_faults()
+        if not executor.lifecycle.final:
+            executor.shutdown(5.0)

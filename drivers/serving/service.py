@@ -1457,6 +1457,11 @@ class CompletionService:
         self.admission.pump()  # requests waiting for a sequence id or Ready: 503 now
         deadline = time.monotonic() + grace
         await self._until_idle(deadline)
+        # jobs of requests that ended (a deadline, a client gone) may still be on the device:
+        # a hung one is recovered meanwhile (execution deadline, reset), which the shutdown
+        # below would not do (it would end Failed, not drained)
+        while self.releases_pending and time.monotonic() < deadline:
+            await anyio.sleep(0.01)
         slack = self.config.deadline_slack_s
         if self.active:
             log.warning("drain: grace %gs over, %d request(s) still running are cut", grace,
