@@ -18,7 +18,8 @@ One mechanism for both reasons:
   gives back an id it was handed but did not take.
 * ``pump`` hands free ids to the waiters in order (resumes first, then fresh requests, FIFO
   within each) while the lifecycle is Ready and healthy, and refuses every waiter once the
-  lifecycle is Failed/Stopped or the server drains. It runs when a sequence id is freed (the
+  lifecycle is Failed/Stopped or the server drains (a drain refuses only requests not yet
+  admitted: resumes and the later choices of an admitted request keep waiting). It runs when a sequence id is freed (the
   pool's ``on_free`` hook, from any thread, through ``call_soon_threadsafe``) and from one
   watcher task per queue while anyone waits: the executor has no public state-change event, so
   the watcher re-reads its lifecycle every ``lifecycle_poll_s`` (slices of 5 ms by default, 10
@@ -49,6 +50,8 @@ class Waiter:
     """One request waiting for a sequence id (and Ready)."""
 
     resume: bool
+    #: a later choice of a request already admitted (``try_admit``): a drain does not refuse it
+    admitted: bool = False
     since: float = attrs.Factory(time.monotonic)
     event: anyio.Event = attrs.Factory(anyio.Event)
     seq_id: int | None = None  # handed by pump(), not yet taken by wait()
@@ -76,13 +79,16 @@ class AdmissionQueue:
         return len(self._resumes) + len(self._fresh)
 
     # ---- admission --------------------------------------------------------------------------
-    def try_admit(self, resume: bool = False) -> int | Waiter | Status:
+    def try_admit(self, resume: bool = False, admitted: bool = False) -> int | Waiter | Status:
         """A sequence id now, a registered :class:`Waiter`, or the refusal (module docstring).
         ``resume``: an admitted request resuming on a fresh sequence (never refused for a full
-        queue; served before fresh requests; not refused while the server drains)."""
+        queue; served before fresh requests; not refused while the server drains).
+        ``admitted``: a later choice of a request of several that was admitted (its turn in
+        the FIFO as any request's; not refused while the server drains: a drain lets admitted
+        requests finish)."""
         self._remember_loop()
         state = self._state()
-        if self._draining() and not resume:
+        if self._draining() and not (resume or admitted):
             return Status.unavailable(Phase.ADMISSION, "server is draining")
         if state != "Ready" and state not in WAITABLE:
             return Status.unavailable(Phase.ADMISSION, f"device lifecycle is {state}")
@@ -102,7 +108,7 @@ class AdmissionQueue:
             return Status.unavailable(
                 Phase.ADMISSION, f"{'; '.join(reasons) or f'device lifecycle is {state}'} "
                 f"and {full}")
-        waiter = Waiter(resume)
+        waiter = Waiter(resume, admitted)
         queue.append(waiter)
         self._ensure_watcher()
         return waiter
@@ -182,12 +188,18 @@ class AdmissionQueue:
                 waiter.event.set()
 
     def _refuse_all(self, status: Status, resumes: bool) -> None:
+        """Refuse the waiters; ``resumes`` False (a drain): not the resumes, nor the later
+        choices of admitted requests, which keep their places."""
         for queue in ((self._resumes, self._fresh) if resumes else (self._fresh,)):
+            kept = [waiter for waiter in queue if waiter.admitted and not resumes]
             while queue:
                 waiter = queue.popleft()
+                if waiter.admitted and not resumes:
+                    continue
                 waiter.queued = False
                 waiter.status = status
                 waiter.event.set()
+            queue.extend(kept)
 
     def wake_threadsafe(self) -> None:
         """From any thread (a sequence id was freed): pump on the event loop."""

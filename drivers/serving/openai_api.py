@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import logging
 import math
 import re
 import time
@@ -873,6 +874,22 @@ def choices_refusal(prompts: int, n: int, cap: int) -> None:
                           f"max_choices={cap}, the server's cap per request"), "n")
 
 
+log = logging.getLogger("calexec.server")
+
+
+def unexpected_failure(request: Request, exc: BaseException) -> Status:
+    """The answer to a completion that met an error this server did not foresee (a bug)
+    after its response or its choices started: the app's 500 (``server.unexpected_error``,
+    drivers/serving/server.py), logged with its traceback. A stream sends it as its error
+    event; a request of several choices answers it instead of its other choices."""
+    log.error("request %s: %s %s: unexpected %s (traceback below)",
+              wire.request_id(request.scope), request.method, request.url.path[:200],
+              type(exc).__name__, exc_info=exc)
+    return Status.failure("server.unexpected_error", Category.PROGRAMMING, Phase.VALIDATE,
+                          f"{request.method} {request.url.path[:200]}: an unexpected error "
+                          f"({type(exc).__name__}); the server logged it")
+
+
 def choice_seed(seed: int | None, k: int) -> int | None:
     """The seed of choice ``k`` of a request with ``seed``: choice 0 keeps it (n=1 draws the
     same), the others get one derived from (seed, k), so every choice draws differently and
@@ -1256,6 +1273,8 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
                         run.status = HANDED_OFF
                         return
             await wire.until_disconnect(request, drive)
+        except Exception as exc:  # noqa: BLE001 - a bug: its 500, answered here
+            run.status = unexpected_failure(request, exc)  # (counted by finish())
         finally:
             await service.finish(run, abandoned=True)
         if run.status is not None:
@@ -1300,9 +1319,13 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         async def produce() -> None:
             try:
                 limit = anyio.Semaphore(service.choice_concurrency)
-                async with anyio.create_task_group() as tg:
-                    for k, (admission, shape) in enumerate(specs):
-                        tg.start_soon(one, k, admission, shape, limit, tg.cancel_scope)
+                with service.open_request():  # a drain waits for it between two choices
+                    async with anyio.create_task_group() as tg:
+                        for k, (admission, shape) in enumerate(specs):
+                            tg.start_soon(one, k, admission, shape, limit, tg.cancel_scope)
+            except Exception as exc:  # noqa: BLE001 - a bug in a choice: the request's
+                # answer, never a success short of that choice (its stream ended with [DONE])
+                state.fail(unexpected_failure(request, exc), None, counted=False)
             finally:
                 state.events.put_nowait(None)  # the end, after every run finished
 
@@ -1326,7 +1349,10 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         ``state.events`` (streamed), its choice to ``state.results`` (not streamed); a
         failure goes to ``state.failure`` and cancels the request's other choices."""
         # the request's deadline (its timeout kept for the messages that name it)
-        run, status, param = service.admit(attrs.evolve(admission, deadline=deadline))
+        # a choice after one that was admitted is part of an admitted request: a drain
+        # started since lets it run (it refuses only requests not yet admitted)
+        run, status, param = service.admit(attrs.evolve(admission, deadline=deadline),
+                                           admitted=bool(state.runs))
         if run is None:
             state.fail(status, param, counted=False)
             scope.cancel()
@@ -1514,6 +1540,10 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
                         progress({"final": True})
                     for part in tail:
                         yield part
+            except Exception as exc:  # noqa: BLE001 - a bug: the stream's error event, as
+                # for a failure (the connection was cut without one); counted by finish()
+                run.status = unexpected_failure(request, exc)
+                yield wire.sse({"error": error_bodies.error_body(run.status, None)})
             finally:
                 await service.finish(run, abandoned=True)
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
 import logging
 import math
@@ -34,7 +35,7 @@ import re
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import anyio
@@ -568,6 +569,9 @@ class CompletionService:
         self.drain_grace: float | None = None
         self.on_drained: list[Any] = []  # callables run once a drain has finished
         self.active = 0  # admitted completion requests not yet finished
+        #: requests of several choices under way (``open_request``): between two of its
+        #: choices such a request holds no run, and a drain still waits for it
+        self._open_requests = 0
         self._live: dict[int, RequestRun] = {}
         self._ids = itertools.count(1)
         # Prefills (may wait for KV capacity or a slot) and the jobs of requests that already
@@ -682,11 +686,12 @@ class CompletionService:
         never takes every sequence id or all the KV."""
         return max(1, self.config.max_sequences // 2)
 
-    def check(self, body: Admission) -> tuple[list[int] | None, Status, str | None]:
+    def check(self, body: Admission, admitted: bool = False
+              ) -> tuple[list[int] | None, Status, str | None]:
         """``body``'s prompt ids when :meth:`admit` would take it (nothing is leased), or
         (None, failure, offending field): a request of several choices checks them all
-        before the first one runs."""
-        if self.draining:
+        before the first one runs. ``admitted``: as :meth:`admit`'s."""
+        if self.draining and not admitted:
             return None, Status.unavailable(Phase.ADMISSION, "server is draining"), None
         # while a recovery replaces the generation, requests are validated against the last one
         generation = self.contracts
@@ -720,10 +725,13 @@ class CompletionService:
                                   f"{self.config.max_timeout_s}"), "timeout"
         return list(prompt), Status.OK, None
 
-    def admit(self, body: Admission) -> tuple[RequestRun | None, Status, str | None]:
+    def admit(self, body: Admission, admitted: bool = False
+              ) -> tuple[RequestRun | None, Status, str | None]:
         """A RequestRun holding a sequence id or waiting for one (``run.waiter``: its first
-        ``advance`` waits, drivers/serving/admission.py), or (None, failure, offending field)."""
-        prompt, status, param = self.check(body)
+        ``advance`` waits, drivers/serving/admission.py), or (None, failure, offending field).
+        ``admitted``: a later choice of a request of several whose first choice was admitted:
+        a drain started since does not refuse it (the drain lets admitted requests finish)."""
+        prompt, status, param = self.check(body, admitted)
         if prompt is None:
             return None, status, param
         timeout = self.config.default_timeout_s if body.timeout is None else body.timeout
@@ -732,7 +740,8 @@ class CompletionService:
             return None, Status.unavailable(
                 Phase.ADMISSION, f"device lifecycle is {self.executor.state}"), None
         vocab = generation.vocab_size
-        got = self.admission.try_admit()  # an id, a place in the waiting queue, or a refusal
+        # an id, a place in the waiting queue, or a refusal
+        got = self.admission.try_admit(admitted=admitted)
         if isinstance(got, Status):
             return None, got, None
         now = time.monotonic()
@@ -1422,10 +1431,21 @@ class CompletionService:
                 "prompt_token_ids": run.prompt, "token_ids": run.tokens,
                 "text": self.tokenizer.decode(run.tokens)})
 
+    @contextlib.contextmanager
+    def open_request(self) -> Iterator[None]:
+        """Around a request of several choices (drivers/serving/openai_api.py): a drain waits for
+        it (within its grace) also while it holds no run, between one choice's end and the
+        next one's admission."""
+        self._open_requests += 1
+        try:
+            yield
+        finally:
+            self._open_requests -= 1
+
     # ---- drain ----------------------------------------------------------------------------------
     async def _until_idle(self, until: float) -> None:
         """Wait (polling, bounded by ``until``, ``time.monotonic()``) for no admitted request."""
-        while self.active and time.monotonic() < until:
+        while (self.active or self._open_requests) and time.monotonic() < until:
             await anyio.sleep(0.01)
 
     def start_drain(self, grace: float) -> asyncio.Task:
@@ -1445,6 +1465,11 @@ class CompletionService:
         self.admission.pump()  # requests waiting for a sequence id or Ready: 503 now
         deadline = time.monotonic() + grace
         await self._until_idle(deadline)
+        # jobs of requests that ended (a deadline, a client gone) may still be on the device:
+        # a hung one is recovered meanwhile (execution deadline, reset), which the shutdown
+        # below would not do (it would end Failed, not drained)
+        while self.releases_pending and time.monotonic() < deadline:
+            await anyio.sleep(0.01)
         slack = self.config.deadline_slack_s
         if self.active:
             log.warning("drain: grace %gs over, %d request(s) still running are cut", grace,
