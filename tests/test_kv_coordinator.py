@@ -360,3 +360,19 @@ def test_rolling_back_the_open_txn_keeps_the_chained_one_until_its_owner_rolls_i
     assert reserve(kvc, 1, tokens=1).code == "kv.sequence_busy"  # still held by the stream
     assert kvc.rollback(nxt).ok and view.next_txn is None
     assert isinstance(reserve(kvc, 1, tokens=1), KvTxn)
+
+
+def test_reserve_next_on_a_committed_job_the_sequence_moved_on_from_is_refused():
+    """A decode stream pre-arms on the job before it: when that job committed already, the
+    next txn opens at once only if the sequence still ends where it did. Truncated since (or
+    moved on another way), the armed job would start at a length the KV no longer holds:
+    refused, nothing opened (found by a hand mutant of ``reserve_next``, stop 48)."""
+    kvc, _ = coordinator()
+    first = reserve(kvc, 1, tokens=8, reserve_len=32)
+    kvc.mark_submitted(first, evidence=FINISHED)
+    kvc.commit(first)
+    assert kvc.truncate(1, 4).ok and kvc.seqs[1].committed_len == 4
+    moved = kvc.reserve_next(first, 1)
+    assert not isinstance(moved, KvTxn), moved
+    assert moved.code == "kv.sequence_busy" and "moved on" in moved.message, moved
+    assert kvc.seqs[1].open_txn is None and kvc.seqs[1].next_txn is None
