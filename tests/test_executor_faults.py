@@ -281,6 +281,27 @@ def test_fi15_missing_undo_slice_quarantines_the_slot(calbin, monkeypatch):
         assert ex.faults.reports[-1].code == "internal.undo_slice_missing"
 
 
+
+def test_a_failed_undo_slice_is_reported_itself_before_the_quarantine_it_causes(
+        calbin, monkeypatch):
+    """UndoSlice answering an error after a good job: the result stands, the runtime's own
+    error is reported (its category decides the recovery, here DEVICE), then the slot's
+    quarantine for the slices left (FI15). Reporting only the quarantine (INTERNAL) hid
+    the runtime's answer from the fault controller (a hand mutant of ``_complete``, stop
+    48)."""
+    from calexec.contracts.codes import CalrtCode
+
+    with running_executor(calbin) as ex:
+        monkeypatch.setattr(BufferSlot, "undo_slices", lambda self: Status.from_calrt(
+            CalrtCode.DEVICE_CRASH, Phase.RELEASE, "UndoSlice failed"))
+        res = ex.enqueue(prefill(1, PROMPT)).wait_until(deadline())
+        settle(ex)
+        assert not isinstance(res, Status)  # the result was valid and is delivered
+        undo, missing = list(ex.faults.reports)[-2:]
+        assert (undo.raw, undo.category, undo.seq_id) == (
+            CalrtCode.DEVICE_CRASH, Category.DEVICE, 1), undo
+        assert missing.code == "internal.undo_slice_missing", missing
+
 def test_admission_refuses_when_not_ready_and_token_budget(calbin):
     with running_executor(calbin, max_pending_tokens=8) as ex:
         res = ex.enqueue(prefill(1, list(range(9)))).wait_until(deadline())
