@@ -120,6 +120,9 @@ def test_a_slot_whose_undo_slice_failed_is_quarantined_not_reused(calbin):
         assert rc == 0 and active == 2
         codes = [status.code for status in ex.faults.reports]
         assert "internal.undo_slice_missing" in codes, codes
+        # the runtime's own error is reported as it first answered: the first tensor undone
+        undo = next(status for status in ex.faults.reports if status.raw == 14)
+        assert "UndoSlice('input_ids')" in undo.message, undo
 
 
 def test_a_slot_the_runtime_still_runs_is_quarantined_and_never_torn_down(calbin):
