@@ -376,3 +376,22 @@ def test_reserve_next_on_a_committed_job_the_sequence_moved_on_from_is_refused()
     assert not isinstance(moved, KvTxn), moved
     assert moved.code == "kv.sequence_busy" and "moved on" in moved.message, moved
     assert kvc.seqs[1].open_txn is None and kvc.seqs[1].next_txn is None
+
+
+def test_a_shrink_the_kv_manager_refused_leaves_the_reservation_it_holds():
+    """A rollback gives back what its reserve grew; when the KvManager refuses that shrink,
+    it still holds the grown reservation, and so does the coordinator's view (it answers
+    ``kv.apply_refused``), whose ``reserved_len`` decides what later reserves apply and what
+    a pre-arm may use (found by a hand mutant of ``rollback``, stop 48)."""
+    kvc, kv = coordinator()
+    txn = reserve(kvc, 1, tokens=20)  # two blocks of 16
+    assert kv.lens[1] == 20 and kvc.seqs[1].reserved_len == 20
+    apply = kv.apply
+    kv.apply = lambda seq, target: False  # the shrink is refused
+    try:
+        status = kvc.rollback(txn)
+    finally:
+        kv.apply = apply
+    assert status.code == "kv.apply_refused", status
+    assert kv.lens[1] == 20 and kvc.seqs[1].reserved_len == 20
+    assert kvc.seqs[1].open_txn is None
