@@ -395,3 +395,18 @@ def test_a_shrink_the_kv_manager_refused_leaves_the_reservation_it_holds():
     assert status.code == "kv.apply_refused", status
     assert kv.lens[1] == 20 and kvc.seqs[1].reserved_len == 20
     assert kvc.seqs[1].open_txn is None
+
+
+def test_a_truncation_beyond_the_committed_length_is_refused():
+    """``truncate`` keeps a prefix of what was computed; a length beyond the committed one
+    would claim KV never written (and grow the reservation): refused, nothing applied
+    (found by a hand mutant of ``truncate``, stop 48)."""
+    kvc, kv = coordinator()
+    txn = reserve(kvc, 1, tokens=8)
+    kvc.mark_submitted(txn, evidence=FINISHED)
+    kvc.commit(txn)
+    calls = kv.calls
+    status = kvc.truncate(1, 9)
+    assert status.code == "kv.truncate_beyond_committed" and "length=9" in status.message
+    assert kv.calls == calls and kvc.seqs[1].committed_len == 8
+    assert kvc.truncate(1, 8).ok  # the committed length itself is kept as it is
