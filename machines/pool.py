@@ -392,6 +392,12 @@ class BufferPool:
                     return stopped
                 remaining = deadline - self.clock.monotonic()
                 if remaining <= 0:
+                    # the caller's own deadline may have passed between ``stop()`` and the
+                    # read above (a stalled thread): its answer is that deadline (504), as
+                    # when it passes during the wait, never "no slot" (429)
+                    stopped = stop()
+                    if stopped is not None:
+                        return stopped
                     return Status.exhausted(
                         "buffer", Phase.LEASE, f"no free {kind.name} buffer slot before the deadline",
                         generation=self.generation_id)

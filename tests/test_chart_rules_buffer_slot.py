@@ -61,6 +61,37 @@ class FailingUndo:
         return 14
 
 
+
+class FailingStatus:
+    """A slot's output buffer whose ``GetStatus`` fails (rc 18) though it names DONE."""
+
+    def __init__(self, outbuf) -> None:
+        self._outbuf = outbuf
+
+    def __getattr__(self, name):
+        return getattr(self._outbuf, name)
+
+    def get_status(self):
+        return 18, int(DeviceJobStatus.DONE)
+
+
+def test_a_get_status_that_failed_is_never_the_runtime_letting_go(calbin):
+    """``runtime_done`` (the guard of ``device_done`` and ``retire``, and what ``reap_held``
+    asks) reads the runtime's status only when ``GetStatus`` itself succeeded: a failed
+    call says nothing about the buffers, whatever status it carries, so a held slot stays
+    held and a quarantined one is not torn down (found by a hand mutant of
+    ``runtime_done``, stop 48)."""
+    with running_job_path(calbin, threads=False) as ex:
+        slot = ex.pool.slots[0]
+        real = slot.outbuf
+        assert slot.runtime_let_go()  # idle: the runtime's own answer
+        slot.outbuf = FailingStatus(real)
+        try:
+            assert not slot.runtime_let_go()
+            assert slot.runtime_answer == (18, DeviceJobStatus.DONE)
+        finally:
+            slot.outbuf = real
+
 def test_a_slot_whose_undo_slice_failed_is_quarantined_not_reused(calbin):
     """FI15/§6.5: a slot goes back to the free list only after every SliceTensor was undone;
     a slot returned with a slice still active is quarantined (never leased again), while the
@@ -89,6 +120,9 @@ def test_a_slot_whose_undo_slice_failed_is_quarantined_not_reused(calbin):
         assert rc == 0 and active == 2
         codes = [status.code for status in ex.faults.reports]
         assert "internal.undo_slice_missing" in codes, codes
+        # the runtime's own error is reported as it first answered: the first tensor undone
+        undo = next(status for status in ex.faults.reports if status.raw == 14)
+        assert "UndoSlice('input_ids')" in undo.message, undo
 
 
 def test_a_slot_the_runtime_still_runs_is_quarantined_and_never_torn_down(calbin):

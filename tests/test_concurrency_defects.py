@@ -380,6 +380,31 @@ def test_without_a_ready_queue_requests_during_recovery_are_refused_at_once(calb
         recovery.join(10)
 
 
+
+def test_a_request_cancelled_while_it_waits_for_ready_ends_cancelled_at_once(calbins):
+    """A request queued through a recovery (``ready_queue_max``) whose caller cancels it
+    ends CANCELLED at once, before Ready, its admission thread free again; it does not
+    wait on for Ready or its deadline (found by a hand mutant of ``wait_for_ready``, stop
+    48)."""
+    with running_executor(calbins["main"], ready_queue_max=2) as ex:
+        release, recovery = recovery_held_in_warming(ex)
+        handles, out = [], []
+        client = threading.Thread(target=lambda: out.append(ex.enqueue(
+            prefill(4, PROMPT, seconds=60), on_created=handles.append)), daemon=True)
+        try:
+            client.start()
+            until(lambda: ex.snapshot()["waiting_for_ready"] == 1, 5, "the request to queue")
+            assert handles[0].cancel()
+            client.join(10)
+            assert not client.is_alive(), "the cancelled request still waits for Ready"
+            res = out[0].wait_until(deadline())
+            assert isinstance(res, Status) and res.category == Category.CANCELLED, res
+            assert ex.state == "Warming" and ex.snapshot()["waiting_for_ready"] == 0
+        finally:
+            release.set()
+            recovery.join(10)
+            client.join(10)
+
 # ---- a released pre-armed job makes its sequence busy for its own next step (CI, bench faults) -------
 class _Delegate:
     """Forwards every attribute to the wrapped runtime object (``open_device``/``create_kv``

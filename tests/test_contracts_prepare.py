@@ -244,3 +244,40 @@ def test_a_badly_typed_request_field_raises_naming_the_field_and_value(field, va
         InferenceRequest(**fields)
     assert f"InferenceRequest.{field}=" in str(raised.value), raised.value
     assert repr(value) in str(raised.value) or repr(value[1]) in str(raised.value)
+
+
+# ---- boundaries hand mutants moved unseen (stop 48, docs/testing.md) ----------------------------
+def test_the_largest_seq_id_that_fits_s32_passes_step_2(gen):
+    one = np.zeros(1, dtype=np.int32)
+    req = InferenceRequest(seq_id=2**31 - 1, kind=TaskKind.DECODE, past_len=0, deadline=0.0,
+                           tokens=one, positions=one)
+    assert check_request(req, gen).ok
+
+
+def test_more_embedding_elements_than_positions_are_refused_at_step_4(gen):
+    four_rows = np.zeros((4, HIDDEN), dtype=np.uint16)
+    assert_step(check_request(embeds_request(3, embeddings=four_rows), gen), 4,
+                f"embeddings has {4 * HIDDEN} elements, expected token_count=3 x hidden_size={HIDDEN}")
+
+
+def test_a_wrong_position_past_the_small_request_path_is_refused_at_step_6(gen):
+    """Above 16 positions the check runs on numpy: a position too high or too low is named."""
+    for wrong in (50, 5):
+        positions = np.arange(10, 30, dtype=np.int32)
+        positions[17] = wrong
+        assert_step(check_request(ids_request(20, past=10, positions=positions), gen), 6,
+                    f"positions[17]={wrong}, expected past_len + 17 = 27")
+
+
+def test_a_tensor_that_is_not_sliceable_takes_exactly_its_rows(gen):
+    """A manifest may declare an input that is not sliceable with more than one row (a fixed
+    length): a request must then fill it exactly; fewer rows are refused at step 5."""
+    import attrs
+
+    ids = gen.submodels[TaskKind.PREFILL_IDS]
+    fixed = attrs.evolve(ids, token_or_embed=attrs.evolve(ids.token_or_embed, sliceable=False),
+                         position=attrs.evolve(ids.position, sliceable=False))
+    whole = attrs.evolve(gen, submodels={**gen.submodels, TaskKind.PREFILL_IDS: fixed})
+    assert_step(check_request(ids_request(5), whole), 5, "tokens.shape=[5]",
+                f"exactly {MAX_SEQ} rows")
+    assert check_request(ids_request(5), gen).ok  # sliceable: at most MAX_SEQ rows

@@ -225,3 +225,67 @@ def test_execution_deadline_keeps_the_buffers_until_the_device_lets_go_then_reco
         assert ex.release_sequence(1).ok  # its KV died with generation 1
         assert ex.device.emu.set_latency() == 0
         serves_oracle_on(ex, 1)
+
+
+def _late_clock():
+    """The executor's clock; ``late()``: its next timed wait ends 0.5 s before the waiter's
+    deadline, and from then on every clock read is a second after the one before (a host
+    that stalls the waiter between two reads), until ``on_time()``."""
+    from calexec.machines.clock import Clock
+
+    class _Clock(Clock):
+        __slots__ = ("skipped", "armed", "ticking")
+
+        def __init__(self) -> None:
+            self.skipped, self.armed, self.ticking = 0.0, False, False
+
+        def monotonic(self):
+            now = super().monotonic() + self.skipped
+            if self.ticking:
+                self.skipped += 1.0
+            return now
+
+        def wait(self, cond, timeout):
+            if self.armed and timeout is not None:
+                self.armed, self.ticking = False, True
+                self.skipped += timeout - 0.5
+                return False
+            return super().wait(cond, timeout)
+
+    return _Clock()
+
+
+def test_a_deadline_passing_between_two_clock_reads_of_a_slot_wait_is_still_the_deadline(
+        calbin):
+    """A request waiting for a buffer slot whose deadline passes is answered 504
+    ``admission.deadline`` (the test above with a 50 ms deadline). The pool read the clock
+    twice per round: the caller's stop check (deadline not passed yet), then the time left
+    (passed): a deadline falling between the two answered 429 ``buffer.full`` instead, on a
+    stalled host. Found with a hand mutant of ``fail_before_submit`` (stop 48):
+    RESOURCE_EXHAUSTED reached it for a request only that way."""
+    from calexec.drivers.calrt.runtime import CalRT
+    from calexec.machines.executor import DeviceExecutor, ExecutorConfig
+    from calexec.machines.faults import RecordingFaultSink
+    from executor_harness import MANIFEST
+
+    clock = _late_clock()
+    ex = DeviceExecutor(CalRT.load(), MANIFEST,
+                        ExecutorConfig(calbin_path=calbin, threads=False, auto_prearm=False,
+                                       slots_per_kind=1),
+                        fault_sink=RecordingFaultSink(), clock=clock)
+    assert ex.start().ok
+    try:
+        held = ex.enqueue(prefill(1, PROMPT))  # queued: it holds the only prefill slot
+        assert held.state == "Queued"
+        clock.armed = True
+        late = ex.enqueue(prefill(2, PROMPT))
+        clock.ticking = False
+        res = late.wait_until(clock.monotonic() + 10.0)
+        assert isinstance(res, Status), res
+        assert (res.code, res.category, res.phase) == (
+            "admission.deadline", Category.DEADLINE, Phase.ADMISSION), res
+        assert res.http_status == 504
+        assert list(ex.faults.reports) == []
+    finally:
+        clock.ticking = clock.armed = False
+        ex.shutdown(grace=5.0)

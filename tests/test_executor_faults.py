@@ -281,6 +281,27 @@ def test_fi15_missing_undo_slice_quarantines_the_slot(calbin, monkeypatch):
         assert ex.faults.reports[-1].code == "internal.undo_slice_missing"
 
 
+
+def test_a_failed_undo_slice_is_reported_itself_before_the_quarantine_it_causes(
+        calbin, monkeypatch):
+    """UndoSlice answering an error after a good job: the result stands, the runtime's own
+    error is reported (its category decides the recovery, here DEVICE), then the slot's
+    quarantine for the slices left (FI15). Reporting only the quarantine (INTERNAL) hid
+    the runtime's answer from the fault controller (a hand mutant of ``_complete``, stop
+    48)."""
+    from calexec.contracts.codes import CalrtCode
+
+    with running_executor(calbin) as ex:
+        monkeypatch.setattr(BufferSlot, "undo_slices", lambda self: Status.from_calrt(
+            CalrtCode.DEVICE_CRASH, Phase.RELEASE, "UndoSlice failed"))
+        res = ex.enqueue(prefill(1, PROMPT)).wait_until(deadline())
+        settle(ex)
+        assert not isinstance(res, Status)  # the result was valid and is delivered
+        undo, missing = list(ex.faults.reports)[-2:]
+        assert (undo.raw, undo.category, undo.seq_id) == (
+            CalrtCode.DEVICE_CRASH, Category.DEVICE, 1), undo
+        assert missing.code == "internal.undo_slice_missing", missing
+
 def test_admission_refuses_when_not_ready_and_token_budget(calbin):
     with running_executor(calbin, max_pending_tokens=8) as ex:
         res = ex.enqueue(prefill(1, list(range(9)))).wait_until(deadline())
@@ -328,3 +349,154 @@ def test_decode_sync_past_its_deadline_cancels_the_job_so_it_never_writes_logits
         settle(ex)  # the job ends on the device (0.2 s)
         assert np.all(row == -7.0), "a job whose caller gave up wrote its logits_out"
         assert ex.snapshot()["cancelled"] >= 1
+
+
+# ---- hand mutants of stops 47 and 48 (docs/testing.md) ------------------------------
+def test_a_job_queued_while_shutdown_closes_its_generation_never_reaches_the_device(
+        calbin, monkeypatch):
+    """Shutdown cancels the queued jobs, then closes the generation to request threads and
+    waits for those inside. A request thread that queues its job between the two (its
+    preparation ran across the cancel) must not have it submitted: the submitter refuses a
+    job of a closing generation (``generation ... retired before submit``), as the queue
+    itself does from the close on, and reports no fault (UNAVAILABLE is the shutdown's, not
+    the device's). Without the check the job ran on the device during the shutdown drain
+    (found by a hand mutant of ``_unsubmittable``, stop 47; the report by one of
+    ``fail_before_submit``, stop 48)."""
+    from calexec.drivers.calrt.runtime import CalRT
+    from calexec.machines.clock import Clock
+    from calexec.machines.executor import DeviceExecutor, ExecutorConfig
+    from calexec.machines.faults import RecordingFaultSink
+    from calexec.machines.pool import BufferSlot
+    from executor_harness import MANIFEST
+
+    holding, opened, queued = threading.Event(), threading.Event(), threading.Event()
+    box: dict = {}
+
+    def gated_prepare(slot, request, prepare=BufferSlot.prepare):
+        if threading.current_thread() is box.get("thread") and not opened.is_set():
+            holding.set()
+            opened.wait(10.0)
+        return prepare(slot, request)
+
+    class _ReadyHook(threading.Condition):
+        def notify_all(self):
+            # shutdown wakes the Ready waiters after it cancelled the queued jobs (the KV
+            # coordinator is closed by then): the held request thread queues its job now
+            ex = box.get("ex")
+            if (ex is not None and holding.is_set() and not opened.is_set()
+                    and threading.current_thread() is not box.get("thread")
+                    and ex.kvc.closed):
+                opened.set()
+                queued.wait(10.0)
+            super().notify_all()
+
+    class _HookClock(Clock):
+        __slots__ = ()
+
+        def condition(self, lock, name=""):
+            return _ReadyHook(lock) if name == "ready_cv" else super().condition(lock, name)
+
+    monkeypatch.setattr(BufferSlot, "prepare", gated_prepare)
+    ex = DeviceExecutor(CalRT.load(), MANIFEST,
+                        ExecutorConfig(calbin_path=calbin, threads=False, auto_prearm=False),
+                        fault_sink=RecordingFaultSink(), clock=_HookClock())
+    assert ex.start().ok
+    box["ex"] = ex
+
+    def request() -> None:
+        box["handle"] = ex.enqueue(prefill(1, PROMPT, seconds=60.0))
+        queued.set()
+
+    thread = box["thread"] = threading.Thread(target=request, name="request", daemon=True)
+    try:
+        thread.start()
+        assert holding.wait(10.0), "the request never reached its preparation"
+        assert ex.shutdown(grace=5.0).ok
+        thread.join(10.0)
+        assert queued.is_set() and box["handle"].state == "Failed", box["handle"].state
+        result = box["handle"].wait_until(deadline())
+        assert isinstance(result, Status) and result.category == Category.UNAVAILABLE, result
+        assert "retired before submit" in result.message, result
+        # refused for the shutdown, not for a fault: nothing reported to the fault sink
+        assert list(ex.faults.reports) == [], list(ex.faults.reports)
+    finally:
+        opened.set()
+        queued.set()
+        thread.join(10.0)
+        if not ex.lifecycle.final:
+            ex.shutdown(grace=5.0)
+
+
+
+class _SkippingClock:
+    """The executor's clock, ``skipped`` seconds ahead of the system's once a test moves
+    it; with ``jump_waits`` a timed wait runs out at once (time jumps past its end)."""
+
+    def __new__(cls):
+        from calexec.machines.clock import Clock
+
+        class _Clock(Clock):
+            __slots__ = ("skipped", "jump_waits")
+
+            def __init__(self) -> None:
+                self.skipped = 0.0
+                self.jump_waits = False
+
+            def monotonic(self):
+                return super().monotonic() + self.skipped
+
+            def now_us(self):
+                return super().now_us() + int(self.skipped * 1e6)
+
+            def wait(self, cond, timeout):
+                if self.jump_waits and timeout is not None:
+                    self.skipped += timeout + 1.0
+                    return False
+                return super().wait(cond, timeout)
+
+        return _Clock()
+
+
+@pytest.mark.parametrize("cause", ["cancelled", "queue deadline", "no buffer slot"])
+def test_a_failure_before_submit_that_is_the_callers_is_never_a_fault(calbin, cause):
+    """A job that fails before submit for a reason of its own caller (cancelled while
+    queued; its deadline passed in the queue or while it waited for a buffer slot)
+    releases what it held and is not reported to the fault sink: the device did nothing
+    wrong (a controller counting them would take a client's cancels and deadlines for
+    device trouble). Found by hand mutants of ``fail_before_submit`` (stops 47 and 48):
+    CANCELLED or DEADLINE dropped from its list of the caller's categories passed every
+    test."""
+    from calexec.drivers.calrt.runtime import CalRT
+    from calexec.machines.executor import DeviceExecutor, ExecutorConfig
+    from calexec.machines.faults import RecordingFaultSink
+    from executor_harness import MANIFEST
+
+    clock = _SkippingClock()
+    ex = DeviceExecutor(CalRT.load(), MANIFEST,
+                        ExecutorConfig(calbin_path=calbin, threads=False, auto_prearm=False),
+                        fault_sink=RecordingFaultSink(), clock=clock)
+    assert ex.start().ok
+    try:
+        reports = list(ex.faults.reports)
+        if cause == "no buffer slot":  # every prefill slot leased by a queued job
+            held = [ex.enqueue(prefill(seq, PROMPT)) for seq in (1, 2)]
+            assert [h.state for h in held] == ["Queued", "Queued"]
+            clock.jump_waits = True  # its wait for a slot runs to its deadline
+            handle = ex.enqueue(prefill(3, PROMPT))
+            expected = Category.DEADLINE
+        else:
+            handle = ex.enqueue(prefill(1, PROMPT))
+            assert handle.state == "Queued"
+            if cause == "cancelled":
+                assert handle.cancel()
+                expected = Category.CANCELLED
+            else:
+                clock.skipped = 60.0  # past the job's deadline (10 s)
+                expected = Category.DEADLINE
+            assert ex.submit_one()
+        res = handle.wait_until(clock.monotonic() + 10.0)
+        assert isinstance(res, Status) and res.category == expected, res
+        assert list(ex.faults.reports) == reports
+    finally:
+        clock.jump_waits = False
+        ex.shutdown(grace=5.0)

@@ -624,3 +624,109 @@ def test_submit_nowait_takes_the_step_fired_ahead_and_refuses_another_token(calb
         assert out == expected_greedy(PROMPT, steps)
         stream.close()
         assert_released(ex, 1)
+
+
+class _ArmingGate:
+    """Stops ``BufferSlot.prepare`` on the ``holder`` thread (the submitter arming a stream's
+    next step) until opened; its clock makes ``close()``'s bounded wait for that arming run
+    out at once (what a host too busy to finish an arming in ``_CLOSE_WAIT_S`` does)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.holder = None
+        self.holding = threading.Event()
+        self.opened = threading.Event()
+        self.skipped = 0.0  # seconds the clock jumped for a wait that met the held arming
+
+    def clock(self):
+        from calexec.machines.clock import Clock
+
+        gate = self
+
+        class _JumpingClock(Clock):
+            __slots__ = ()
+
+            def monotonic(self):
+                return super().monotonic() + gate.skipped
+
+            def now_us(self):
+                return super().now_us() + int(gate.skipped * 1e6)
+
+            def wait(self, cond, timeout):
+                import threading
+
+                if (gate.holding.is_set() and not gate.opened.is_set()
+                        and threading.current_thread() is not gate.holder):
+                    gate.skipped += (timeout or 0.0) + 1.0  # the wait runs out
+                    return False
+                return super().wait(cond, timeout)
+
+        return _JumpingClock()
+
+
+def test_a_step_armed_after_its_stream_closed_is_released_by_the_arming(calbin, monkeypatch):
+    """``close()`` waits (bounded) for the submitter's arming of the next step and releases
+    the job armed; when that wait runs out first (a host too busy for the arming to end in
+    time), the arming itself must release the job it armed for the closed stream. Kept armed,
+    it held a buffer slot, a token of budget and the sequence's chained KV txn, and the
+    executor never went back to idle (found by a hand mutant of ``arm_next``, stop 47)."""
+    import threading
+    import time
+
+    from calexec.drivers.calrt.runtime import CalRT
+    from calexec.machines.executor import DeviceExecutor, ExecutorConfig
+    from calexec.machines.faults import RecordingFaultSink
+    from calexec.machines.pool import BufferSlot
+    from executor_harness import MANIFEST
+
+    gate = _ArmingGate()
+    prepare = BufferSlot.prepare
+
+    def gated_prepare(slot, request):
+        if threading.current_thread() is gate.holder and not gate.opened.is_set():
+            gate.holding.set()
+            gate.opened.wait(10.0)
+        return prepare(slot, request)
+
+    monkeypatch.setattr(BufferSlot, "prepare", gated_prepare)
+    ex = DeviceExecutor(CalRT.load(), MANIFEST,
+                        ExecutorConfig(calbin_path=calbin, threads=False, auto_prearm=False),
+                        fault_sink=RecordingFaultSink(), clock=gate.clock())
+    assert ex.start().ok
+    submitter = None
+    try:
+        handle = ex.enqueue(prefill(1, PROMPT, kv_reserve_len=len(PROMPT) + 8))
+        assert ex.submit_one() and ex.complete_one()
+        first = handle.wait_until(deadline())
+        assert isinstance(first, InferenceResult), first
+        stream, token = ex.decode_stream(1, first.kv_len, deadline(60.0)), first.argmax
+        assert stream.armed is not None
+        assert not isinstance(stream.submit(token), Status)  # fired: queued, next to arm
+
+        def drive() -> None:  # submit the fired step, then arm the next (bounded)
+            for _ in range(5000):
+                if gate.holding.is_set():
+                    return
+                if not ex.submit_one():
+                    time.sleep(0.001)
+
+        submitter = threading.Thread(target=drive, name="submitter", daemon=True)
+        gate.holder = submitter
+        submitter.start()
+        assert gate.holding.wait(10.0), "the submitter never armed the next step"
+        stream.close()  # its wait for the arming runs out; nothing armed to release yet
+        assert gate.skipped > 0
+        gate.opened.set()
+        submitter.join(10.0)
+        assert not submitter.is_alive()
+        ex.complete_one()
+        assert ex.dispatch.armed_jobs() == [], ex.dispatch.armed_jobs()
+        snap = settle(ex)
+        assert snap["pending_tokens"] == 0 and ex.pool.counts()["Leased"] == 0, snap
+        assert ex.kvc.seqs[1].next_txn is None and ex.kvc.seqs[1].open_txn is None
+    finally:
+        gate.opened.set()
+        if submitter is not None:
+            submitter.join(10.0)
+        ex.shutdown(grace=5.0)

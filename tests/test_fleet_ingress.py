@@ -383,3 +383,78 @@ def test_the_ingress_s_own_answers_carry_an_x_request_id_and_a_replica_s_is_kept
     client = run(ingress(Router(Named("r1"))), Client(headers=given))
     assert client.content == UNCUT
     assert [v for k, v in client.starts[0]["headers"] if k == b"x-request-id"] == [b"cmpl-r1"]
+
+
+# ---- which failures fail over (hand mutants of `retryable`, stops 47 and 48) ------------
+class Refusing(Replica):
+    """A sibling that answers ``status`` at once (before admitting anything)."""
+
+    def __init__(self, name: str, status: int) -> None:
+        super().__init__(name)
+        self.status = status
+
+    async def __call__(self, request: dict):
+        self.requests.append(request)
+        yield {"type": PROGRESS_TYPE, "replica": self.name}
+        yield self.start(self.status)
+        yield {"type": "http.response.body",
+               "body": b'{"error":{"message":"refused %d"}}' % self.status, "more_body": False}
+        self.finished = True
+
+
+class Failing(Replica):
+    """Sends tokens up to ``fail_at``, then an SSE error event its progress marks not
+    retryable (the request's own failure), then ``then``: "end" (its end-of-body message)
+    or "die" (the process dies before it)."""
+
+    def __init__(self, name: str, fail_at: int, then: str) -> None:
+        super().__init__(name)
+        self.fail_at, self.then = fail_at, then
+
+    async def __call__(self, request: dict):
+        self.requests.append(request)
+        yield {"type": PROGRESS_TYPE, "replica": self.name}
+        yield {"type": PROGRESS_TYPE, "seed": 7, "id": "cmpl-x", "created": 1, "prompt_tokens": 2}
+        yield self.start()
+        for i in range(self.fail_at):
+            yield {"type": PROGRESS_TYPE, "tokens": [TOKENS[i]]}
+            yield {"type": "http.response.body", "body": chunk(i), "more_body": True}
+        yield {"type": PROGRESS_TYPE, "error": "internal.output_not_finite", "retryable": False,
+               "cause": "internal"}
+        yield {"type": "http.response.body", "body": ERROR, "more_body": self.then == "die"}
+        if self.then == "die":
+            raise RuntimeError("ActorDiedError: the replica's process died")
+        self.finished = True
+
+
+ERROR = b'data: {"error":{"message":"output not finite","type":"internal_error"}}\n\n'
+SENT = b"".join(chunk(i) for i in range(2))
+
+
+def test_a_stream_s_own_failure_reaches_the_client_and_is_not_failed_over():
+    for then in ("end", "die"):
+        r1, r2 = Failing("r1", 2, then), Replica("r2")
+        app = ingress(Router(r1, r2))
+        client = run(app)
+        assert client.content == SENT + ERROR and client.ended, (then, client.content)
+        assert not r2.requests and app.failovers == {} and app.exhausted == 0, then
+
+
+def test_a_sibling_s_429_after_the_client_s_response_started_is_failed_over():
+    r1, r2, r3 = Replica("r1", fail_at=2), Refusing("r2", 429), Replica("r3")
+    app = ingress(Router(r1, r2, r3), max_failovers=2)
+    client = run(app)
+    assert client.content == UNCUT and len(client.starts) == 1
+    assert app.failovers == {"replica_died": 1, "unavailable": 1}
+    assert r3.requests[0]["avoid"] == ["r1", "r2"]
+
+
+def test_a_sibling_s_other_refusal_after_the_response_started_ends_it_uncounted():
+    r1, r2, r3 = Replica("r1", fail_at=2), Refusing("r2", 500), Replica("r3")
+    app = ingress(Router(r1, r2, r3), max_failovers=2)
+    client = run(app)
+    assert client.content.startswith(SENT) and b"[DONE]" not in client.content
+    last = [e for e in client.content.split(b"\n\n") if e][-1]
+    assert json.loads(last[6:])["error"]["message"] == "refused 500", last
+    assert not r3.requests and app.failovers == {"replica_died": 1}
+    assert app.exhausted == 0  # the request's own failure, not a spent failover budget

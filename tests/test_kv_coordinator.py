@@ -360,3 +360,53 @@ def test_rolling_back_the_open_txn_keeps_the_chained_one_until_its_owner_rolls_i
     assert reserve(kvc, 1, tokens=1).code == "kv.sequence_busy"  # still held by the stream
     assert kvc.rollback(nxt).ok and view.next_txn is None
     assert isinstance(reserve(kvc, 1, tokens=1), KvTxn)
+
+
+def test_reserve_next_on_a_committed_job_the_sequence_moved_on_from_is_refused():
+    """A decode stream pre-arms on the job before it: when that job committed already, the
+    next txn opens at once only if the sequence still ends where it did. Truncated since (or
+    moved on another way), the armed job would start at a length the KV no longer holds:
+    refused, nothing opened (found by a hand mutant of ``reserve_next``, stop 48)."""
+    kvc, _ = coordinator()
+    first = reserve(kvc, 1, tokens=8, reserve_len=32)
+    kvc.mark_submitted(first, evidence=FINISHED)
+    kvc.commit(first)
+    assert kvc.truncate(1, 4).ok and kvc.seqs[1].committed_len == 4
+    moved = kvc.reserve_next(first, 1)
+    assert not isinstance(moved, KvTxn), moved
+    assert moved.code == "kv.sequence_busy" and "moved on" in moved.message, moved
+    assert kvc.seqs[1].open_txn is None and kvc.seqs[1].next_txn is None
+
+
+def test_a_shrink_the_kv_manager_refused_leaves_the_reservation_it_holds():
+    """A rollback gives back what its reserve grew; when the KvManager refuses that shrink,
+    it still holds the grown reservation, and so does the coordinator's view (it answers
+    ``kv.apply_refused``), whose ``reserved_len`` decides what later reserves apply and what
+    a pre-arm may use (found by a hand mutant of ``rollback``, stop 48)."""
+    kvc, kv = coordinator()
+    txn = reserve(kvc, 1, tokens=20)  # two blocks of 16
+    assert kv.lens[1] == 20 and kvc.seqs[1].reserved_len == 20
+    apply = kv.apply
+    kv.apply = lambda seq, target: False  # the shrink is refused
+    try:
+        status = kvc.rollback(txn)
+    finally:
+        kv.apply = apply
+    assert status.code == "kv.apply_refused", status
+    assert kv.lens[1] == 20 and kvc.seqs[1].reserved_len == 20
+    assert kvc.seqs[1].open_txn is None
+
+
+def test_a_truncation_beyond_the_committed_length_is_refused():
+    """``truncate`` keeps a prefix of what was computed; a length beyond the committed one
+    would claim KV never written (and grow the reservation): refused, nothing applied
+    (found by a hand mutant of ``truncate``, stop 48)."""
+    kvc, kv = coordinator()
+    txn = reserve(kvc, 1, tokens=8)
+    kvc.mark_submitted(txn, evidence=FINISHED)
+    kvc.commit(txn)
+    calls = kv.calls
+    status = kvc.truncate(1, 9)
+    assert status.code == "kv.truncate_beyond_committed" and "length=9" in status.message
+    assert kv.calls == calls and kvc.seqs[1].committed_len == 8
+    assert kvc.truncate(1, 8).ok  # the committed length itself is kept as it is

@@ -467,3 +467,39 @@ def test_only_a_resume_wait_cut_short_by_its_time_budget_counts_as_budget_exhaus
     budget = _run(deadline=now + 60, resume_started=now - 2, resume_failure=INTERNAL)
     assert anyio.run(resumer.take_sequence, budget) is INTERNAL
     assert registry.get_sample_value("calexec_resume_budget_exhausted_total") == 1
+
+
+SWITCH_PROMPT = [3, 1, 4, 1, 5]
+
+
+def test_without_resumes_a_generation_replaced_between_two_jobs_is_a_503_to_retry(
+        tmp_path, monkeypatch):
+    """``--max-resumes 0``: a model switch between two jobs of a request ends it with 503
+    UNAVAILABLE naming the replaced generation (retry), the same answer a resume would
+    have avoided. Its next job, admitted on the new generation, is refused there for a
+    ``past_len`` the new KV never held (400 ``kv.past_len_beyond_committed``): that refusal
+    is the server's generation change, never the client's request (found by a hand mutant
+    of ``_generation_moved``, helper srvmut, stop 47)."""
+    executor = started_executor(tmp_path)
+    copy = tmp_path / "copy.calbin"
+    copy.write_bytes((tmp_path / "synthetic.calbin").read_bytes())
+    enqueue, calls, switched = executor.enqueue, [], []
+
+    def switching_enqueue(request, *args, **kwargs):
+        calls.append(request.past_len)
+        if len(calls) == 3:  # after two tokens: the generation is replaced, then the job goes
+            switched.append(executor.switch_model(str(copy)))
+        return enqueue(request, *args, **kwargs)
+
+    monkeypatch.setattr(executor, "enqueue", switching_enqueue)
+    app = create_app(executor, ServerConfig(max_resumes=0, prearm=False, decode_bursts=False))
+    try:
+        with TestClient(app) as client:
+            r = client.post("/v1/completions", json={"prompt": SWITCH_PROMPT, "max_tokens": 6})
+            assert switched and switched[0].ok, switched
+            assert r.status_code == 503, r.text
+            status = r.json()["status"]
+            assert status["category"] == "unavailable", status
+            assert "was replaced by" in status["message"], status
+    finally:
+        executor.shutdown(5.0)
