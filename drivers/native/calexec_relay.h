@@ -65,7 +65,10 @@ enum calexec_relay_why {
     CALEXEC_RELAY_QUEUE_FULL = 8   /* the fire queue was full */
 };
 
-enum { CALEXEC_RELAY_MAX_STOP = 16, CALEXEC_RELAY_QUEUE = 4, CALEXEC_RELAY_RULES = 8 };
+/* HANDOVER_US: how long a completion that fired a job waits, at most, for the submitter to
+ * give it to infer before it returns (calexec_relay_completion_wait) */
+enum { CALEXEC_RELAY_MAX_STOP = 16, CALEXEC_RELAY_QUEUE = 4, CALEXEC_RELAY_RULES = 8,
+       CALEXEC_RELAY_HANDOVER_US = 2000 };
 
 /* calrt.h's signatures with opaque handles */
 typedef int32_t (*calexec_relay_infer_fn)(void *dev, void *model, void *kv, int32_t seq, void *inbuf,
