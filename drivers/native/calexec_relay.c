@@ -150,19 +150,26 @@ int32_t calexec_relay_close(calexec_relay *r, int64_t *tags, int32_t cap)
     return dropped;
 }
 
-int32_t calexec_relay_fire(calexec_relay *r, const calexec_relay_job *job)
+/* Python's jobs: onto `q` and wake the thread waiting on `cv` (EFULL, ECLOSED) */
+static int32_t push_job(calexec_relay *r, ring *q, pthread_cond_t *cv, int64_t *counter,
+                        const calexec_relay_job *job)
 {
     if (!r || !job)
         return CALEXEC_RELAY_ENULL;
     pthread_mutex_lock(&r->mu);
-    int32_t rc = r->closed ? CALEXEC_RELAY_ECLOSED
-                           : ring_push(&r->fires, job) ? CALEXEC_RELAY_OK : CALEXEC_RELAY_EFULL;
+    int32_t rc = r->closed ? CALEXEC_RELAY_ECLOSED : ring_push(q, job) ? CALEXEC_RELAY_OK : CALEXEC_RELAY_EFULL;
     if (rc == CALEXEC_RELAY_OK) {
-        r->counters.fired_by_python++;
-        pthread_cond_signal(&r->to_submitter);
+        if (counter)
+            (*counter)++;
+        pthread_cond_signal(cv);
     }
     pthread_mutex_unlock(&r->mu);
     return rc;
+}
+
+int32_t calexec_relay_fire(calexec_relay *r, const calexec_relay_job *job)
+{
+    return r ? push_job(r, &r->fires, &r->to_submitter, &r->counters.fired_by_python, job) : CALEXEC_RELAY_ENULL;
 }
 
 int32_t calexec_relay_wake(calexec_relay *r)
@@ -181,15 +188,7 @@ int32_t calexec_relay_wake(calexec_relay *r)
 
 int32_t calexec_relay_track(calexec_relay *r, const calexec_relay_job *job)
 {
-    if (!r || !job)
-        return CALEXEC_RELAY_ENULL;
-    pthread_mutex_lock(&r->mu);
-    int32_t rc = r->closed ? CALEXEC_RELAY_ECLOSED
-                           : ring_push(&r->in_flight, job) ? CALEXEC_RELAY_OK : CALEXEC_RELAY_EFULL;
-    if (rc == CALEXEC_RELAY_OK)
-        pthread_cond_signal(&r->to_completion);
-    pthread_mutex_unlock(&r->mu);
-    return rc;
+    return r ? push_job(r, &r->in_flight, &r->to_completion, NULL, job) : CALEXEC_RELAY_ENULL;
 }
 
 /* wait on cv until ready() or closed or the deadline; 1 when ready, 0 timeout/closed */

@@ -19,9 +19,7 @@ from typing import Protocol
 
 import attrs
 
-from calexec.drivers.native.relay import QUEUE, RULES, Kind, Rc, RelayJob, Why
-
-MAX_STOP = 16
+from calexec.drivers.native.relay import MAX_STOP, QUEUE, RULES, Kind, Rc, RelayJob, Why
 
 
 class ModelRuntime(Protocol):
