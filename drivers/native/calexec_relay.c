@@ -35,6 +35,7 @@ struct calexec_relay {
     int32_t wake, closed, in_submitter, in_completion;
     int64_t last_inferred; /* the tag of the job the submitter gave to infer last */
     int32_t inferring;     /* the submitter holds a popped job it has not reported yet */
+    int32_t submitter_only; /* inferred jobs are not tracked (calexec_relay_submitter_only) */
     calexec_relay_counters counters;
 };
 
@@ -117,6 +118,16 @@ calexec_relay *calexec_relay_new(const calexec_relay_fns *fns)
     return r;
 }
 
+int32_t calexec_relay_submitter_only(calexec_relay *r)
+{
+    if (!r)
+        return CALEXEC_RELAY_ENULL;
+    pthread_mutex_lock(&r->mu);
+    r->submitter_only = 1;
+    pthread_mutex_unlock(&r->mu);
+    return CALEXEC_RELAY_OK;
+}
+
 void calexec_relay_free(calexec_relay *r)
 {
     if (!r)
@@ -188,7 +199,11 @@ int32_t calexec_relay_wake(calexec_relay *r)
 
 int32_t calexec_relay_track(calexec_relay *r, const calexec_relay_job *job)
 {
-    return r ? push_job(r, &r->in_flight, &r->to_completion, NULL, job) : CALEXEC_RELAY_ENULL;
+    if (!r)
+        return CALEXEC_RELAY_ENULL;
+    if (r->submitter_only) /* (set before any other thread uses the relay: no lock needed) */
+        return CALEXEC_RELAY_EARG;
+    return push_job(r, &r->in_flight, &r->to_completion, NULL, job);
 }
 
 /* wait on cv until ready() or closed or the deadline; 1 when ready, 0 timeout/closed */
@@ -255,7 +270,7 @@ int32_t calexec_relay_submitter_wait(calexec_relay *r, int64_t timeout_us, calex
     r->last_inferred = job.tag;
     r->inferring = 0;
     pthread_cond_broadcast(&r->to_completion); /* a completion thread waiting for its firing */
-    if (rc == 0) {
+    if (rc == 0 && !r->submitter_only) {
         /* the in-flight ring holds as many as the fire ring: a job popped from one always
          * fits the other unless Python tracked jobs of its own beyond it (then it stays
          * Python's to wait for: reported as an infer that needs Python, rc kept 0) */
@@ -294,7 +309,9 @@ int32_t calexec_relay_register(calexec_relay *r, const calexec_relay_rule *rule)
         return CALEXEC_RELAY_EARG;
     pthread_mutex_lock(&r->mu);
     int32_t rc = CALEXEC_RELAY_EFULL;
-    if (r->closed)
+    if (r->submitter_only) /* no completion side here: a rule would never be decided */
+        rc = CALEXEC_RELAY_EARG;
+    else if (r->closed)
         rc = CALEXEC_RELAY_ECLOSED;
     else if (find_rule(r, rule->tag) >= 0)
         rc = CALEXEC_RELAY_EARG;

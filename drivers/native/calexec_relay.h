@@ -125,6 +125,11 @@ typedef struct calexec_relay calexec_relay;
 
 /* NULL on a NULL/incomplete fns or no memory */
 calexec_relay *calexec_relay_new(const calexec_relay_fns *fns);
+/* a submitter-only relay (the executor's use, docs/architecture.md "Native hand-offs"): the
+ * jobs its submitter gives to infer do not join the in-flight queue (the caller's own
+ * completion thread Waits for them); track and register are refused (EARG). Call it once,
+ * right after calexec_relay_new, before any other thread uses the relay. */
+int32_t calexec_relay_submitter_only(calexec_relay *r);
 /* frees the relay; call only once no thread is in it (after close and both waits returned) */
 void calexec_relay_free(calexec_relay *r);
 /* closes it: every wait returns CLOSED from now on; fires and rules are refused. Returns how

@@ -153,7 +153,7 @@ class NativeRelay:
     """One ``calexec_relay`` (module docstring). The arrays a rule points into are kept
     referenced here until the rule is decided or withdrawn."""
 
-    def __init__(self, functions: RelayFunctions) -> None:
+    def __init__(self, functions: RelayFunctions, submitter_only: bool = False) -> None:
         fns = _ffi.new("calexec_relay_fns *")
         fns.infer = _ffi.cast("calexec_relay_infer_fn", functions.infer)
         fns.wait = _ffi.cast("calexec_relay_wait_fn", functions.wait)
@@ -163,6 +163,11 @@ class NativeRelay:
         self._h = _lib.calexec_relay_new(fns)
         if self._h == _ffi.NULL:
             raise MemoryError("calexec_relay_new: no memory")
+        #: the executor's use: the jobs inferred are Waited by its own completion thread,
+        #: not tracked here (``calexec_relay_submitter_only``: track and register refused)
+        self.submitter_only = submitter_only
+        if submitter_only:
+            _lib.calexec_relay_submitter_only(self._h)
         # one event buffer per wait: the C relay lets one thread into each wait at a time
         # (EBUSY otherwise, the buffer untouched); fire, track and register build their own
         # argument, so any threads may call them at once

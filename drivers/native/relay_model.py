@@ -52,9 +52,13 @@ class ModelEvent:
 class RelayModel:
     """The relay's rules in plain Python (module docstring)."""
 
-    def __init__(self, rt: ModelRuntime, done_status: int = 3) -> None:
+    def __init__(self, rt: ModelRuntime, done_status: int = 3,
+                 submitter_only: bool = False) -> None:
         self.rt = rt
         self.done_status = done_status
+        #: ``calexec_relay_submitter_only``: inferred jobs are not tracked; track and
+        #: register are refused (EARG)
+        self.submitter_only = submitter_only
         self.fires: deque[RelayJob] = deque()
         self.in_flight: deque[RelayJob] = deque()
         self.rules: dict[int, ModelRule] = {}
@@ -72,6 +76,8 @@ class RelayModel:
         return Rc.OK
 
     def track(self, job: RelayJob) -> Rc:
+        if self.submitter_only:
+            return Rc.EARG
         if self.closed:
             return Rc.ECLOSED
         if len(self.in_flight) == QUEUE:
@@ -96,7 +102,7 @@ class RelayModel:
         job = self.fires.popleft()
         rc = self.rt.infer(job)
         why = Why.FIRED
-        if rc == 0:
+        if rc == 0 and not self.submitter_only:
             if len(self.in_flight) < QUEUE:
                 self.in_flight.append(job)
             else:
@@ -104,7 +110,7 @@ class RelayModel:
         return ModelEvent(Kind.INFERRED, tag=job.tag, rc=rc, why=why)
 
     def register(self, rule: ModelRule) -> Rc:
-        if len(rule.stop) > MAX_STOP:
+        if len(rule.stop) > MAX_STOP or self.submitter_only:
             return Rc.EARG
         if self.closed:
             return Rc.ECLOSED
