@@ -91,6 +91,7 @@ class ExecutorSnapshot(TypedDict):
     submit_retries: int
     auto_prearmed: int
     auto_prearm_released: int
+    relay_submitted: int  #: jobs given to infer from the submitter's native relay
 
 
 @runtime_checkable

@@ -36,6 +36,10 @@ class Clock:
 
     __slots__ = ()
 
+    #: this clock's time is the host's (``time.monotonic``): a wait in native code, which
+    #: follows the host's time, may stand in for one of its waits (``SubmitRelay``)
+    real = True
+
     def monotonic(self) -> float:
         return time.monotonic()
 

@@ -18,6 +18,8 @@ own handle classes there (the cffi driver's ``Device.infer`` takes its ``Model``
 
 Optional members, probed with ``getattr`` (a vendor runtime may lack them):
 ``RuntimeApi.logits_postprocessor()`` -> ``LogitsPostprocessor`` (else the numpy path),
+``RuntimeApi.submit_relay(clock)`` -> ``SubmitRelay | None`` (the submitter's wait and the
+infer of a fired job in native code, with ``ExecutorConfig.native_relay``; else Python's),
 ``DeviceApi.dma_quiescent()`` -> ``bool | None`` (proof that no stale DMA is pending),
 ``DeviceApi.injected_faults_fired()`` -> ``int | None`` (the emulator's fault plan),
 ``KvManagerApi.capacity_blocks`` and ``max_seqs`` (``int``).
@@ -171,3 +173,37 @@ class LogitsPostprocessor(Protocol):
 
     @property
     def first_nonfinite(self) -> int: ...
+
+
+#: the kinds of ``SubmitRelay.wait``'s answer (drivers/native/calexec_relay.h's event kinds)
+RELAY_TIMEOUT, RELAY_INFERRED, RELAY_WAKE, RELAY_CLOSED = 0, 1, 2, 3
+
+
+class SubmitRelay(Protocol):
+    """The submitter's idle wait, in native code (issue 28; docs/architecture.md, "Native
+    hand-offs"). A thread that queues a job the submitter would submit next at once hands it
+    to ``fire``; the submitter thread, blocked in ``wait`` with the GIL released, calls
+    ``device.infer`` on it right away, without a Python wake-up in between, and then reports
+    it (INFERRED) for the submitter's Python to apply what follows infer. Only the thread in
+    ``wait`` calls infer (invariant 2). ``wake`` ends a wait that Python has work for
+    (coalesced); ``close`` ends every wait from then on and returns the tags of the jobs
+    fired and never given to infer. A runtime offers one through ``submit_relay(clock)``,
+    only for a clock its waits follow (the native relay waits in real time)."""
+
+    def fire(self, tag: int, device: Any, model: Any, kv: Any, seq: int, inbuf: Any,
+             outbuf: Any, /) -> bool:
+        """Queue a job for the submitter's ``infer`` (False: closed or full; not queued)."""
+        ...
+
+    def wake(self) -> None: ...
+
+    def wait(self, timeout_s: float, /) -> tuple[int, int, int]:
+        """(kind, tag, rc): RELAY_INFERRED with the job's tag and infer's code, RELAY_WAKE,
+        RELAY_CLOSED or RELAY_TIMEOUT (tag and rc 0)."""
+        ...
+
+    def close(self) -> list[int]: ...
+
+    def free(self) -> None:
+        """Only after ``close`` and once no thread is in ``wait``."""
+        ...

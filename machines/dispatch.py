@@ -108,14 +108,34 @@ class SubmitterStep:
     arm: Armer | None = None
     #: nothing to do: the call returned after waiting (True) or at once (False, idle)
     woke: bool = False
+    #: nothing to do, asked with ``relay_idle``: the submitter waits in its native relay
+    #: this long at most (``SubmitRelay.wait``); the wait the plain path takes on the
+    #: condition, with the same bound
+    idle_for: float | None = None
 
     @property
     def idle(self) -> bool:
-        return not (self.fail or self.submit is not None or self.arm is not None or self.woke)
+        return not (self.fail or self.submit is not None or self.arm is not None or self.woke
+                    or self.idle_for is not None)
+
+
+@attrs.frozen
+class RelayOffer:
+    """What ``fire`` and ``queue_fired`` need to hand a job to the submitter's native relay
+    themselves (``SubmitRelay``): the submitter's own checks (``next_for_submitter``'s
+    ``unsubmittable`` and ``capacity``) and whether this job's infer is the relay's plain
+    ``infer`` (not Phase B's fixed engine)."""
+
+    unsubmittable: Callable[[Job, float], Status | None]
+    capacity: Callable[[], int]
+    eligible: Callable[[Job], bool]
 
 
 #: the submitter re-checks slots held by the runtime this often (nobody signals a let-go)
 HELD_RECHECK_S = 0.05
+#: the longest single wait of the submitter in its native relay (the plain path's idle wait
+#: is shutdown-only; a native wait is bounded, and simply taken again)
+RELAY_IDLE_MAX_S = 1.0
 
 
 class Dispatch:
@@ -147,6 +167,15 @@ class Dispatch:
         self._handing_off = 0  # popped by the submitter, not yet failed/submitted
         self._refusal: Status | None = None
         self._stopping = False  # the executor's threads are to stop (``stop``)
+        #: the submitter waits in a native relay (``SubmitRelay``): whatever wakes it wakes
+        #: that wait too (``_notify``); set by the executor while its relay is open
+        self.relay_wake: Callable[[], object] | None = None
+        #: jobs taken for the submitter by the thread that queued them, to be inferred by
+        #: the relay (job id -> job), until the submitter reports them (``take_relayed``)
+        self._relayed: dict[int, Job] = {}
+        #: jobs taken for the relay that it refused (closed): the submitter submits them
+        #: itself, first (their permits are held, their slots marked in flight)
+        self._refused_by_relay: deque[Job] = deque()
 
     # ---- reads -------------------------------------------------------------------------------
     @property
@@ -196,7 +225,7 @@ class Dispatch:
                     "guesses": len(self._guesses), "to_arm": len(self._to_arm),
                     "arm_later": len(self._arm_later), "arming": self._arming is not None,
                     "held_by_runtime": len(self._held), "handing_off": self._handing_off,
-                    "refusing": self._refusal is not None}
+                    "relayed": len(self._relayed), "refusing": self._refusal is not None}
 
     def peek(self) -> dict[str, Any]:
         """The state without the lock, for a checker that runs only while no other thread
@@ -227,7 +256,15 @@ class Dispatch:
     def wake(self) -> None:
         """Wake every wait on the dispatch condition (a cancel, a shutdown, a lease back)."""
         with self.cv:
-            self.cv.notify_all()
+            self._notify()
+
+    def _notify(self) -> None:
+        """(cv held) Wake the waits on the condition and the submitter's relay wait: there
+        may be work for the submitter."""
+        self.cv.notify_all()
+        relay_wake = self.relay_wake
+        if relay_wake is not None:
+            relay_wake()
 
     # ---- the token budget ----------------------------------------------------------------------
     def take_budget(self, job: Job, budget: int) -> bool:
@@ -276,7 +313,7 @@ class Dispatch:
                 self._unarm_locked(job)
                 if job.auto is not None:
                     self._forget_guess_locked(job.auto)
-            self.cv.notify_all()
+            self._notify()
         return armed
 
     def wait_left(self, gen: Generation, deadline: float) -> bool:
@@ -294,14 +331,14 @@ class Dispatch:
         """Queued and armed jobs fail with ``status`` (None: admission may queue again)."""
         with self.cv:
             self._refusal = status
-            self.cv.notify_all()
+            self._notify()
 
     def cancel_pending(self) -> None:
         """Shutdown: every queued and armed job is cancelled (the submitter releases them)."""
         with self.cv:
             for job in (*self._queue, *self._armed):
                 job.cancel_flag = True
-            self.cv.notify_all()
+            self._notify()
 
     # ---- the queue ------------------------------------------------------------------------------
     def queue(self, job: Job, current: Generation | None) -> bool:
@@ -312,7 +349,7 @@ class Dispatch:
             if gen is None or gen.closing or gen is not current:
                 return False
             self._queue.append(job)
-            self.cv.notify_all()
+            self._notify()
             return True
 
     # ---- armed jobs -----------------------------------------------------------------------------
@@ -331,32 +368,36 @@ class Dispatch:
             if for_caller:
                 self._for_caller.add(job)
             if notify:
-                self.cv.notify_all()
+                self._notify()
             return True
 
     def fire(self, job: Job, token: int, current: Generation | None,
-             rearm: Armer | None = None, at: float = 0.0) -> tuple[bool, Status | None]:
+             rearm: Armer | None = None, at: float = 0.0, relay: RelayOffer | None = None
+             ) -> tuple[bool, Status | None]:
         """A pre-armed job gets its token and is queued, atomically (``queue_fired``):
         (False, None) when it was not armed any more (someone else owns it); (True, a
         Status) when it is owned but could not be queued (the caller releases it); (True,
-        None) when queued, and then ``rearm`` is armed by the submitter from ``at``."""
+        None) when queued, and then ``rearm`` is armed by the submitter from ``at``.
+        ``relay``: the submitter waits in a native relay; when the job is what the submitter
+        would submit next at once, it is taken for it here (``job.relayed``: the caller
+        hands it to the relay, ``_take_for_relay_locked``)."""
         with self.cv:
             if not self._take_armed_locked(job):
                 return False, None
-            status = self._queue_fired_locked(job, token, current)
+            status = self._queue_fired_locked(job, token, current, relay)
             if status is None and rearm is not None:
                 self._to_arm.append((at, rearm))
             return True, status
 
-    def queue_fired(self, job: Job, token: int, current: Generation | None
-                    ) -> Status | None:
+    def queue_fired(self, job: Job, token: int, current: Generation | None,
+                    relay: RelayOffer | None = None) -> Status | None:
         """``job`` (owned by the caller: an adopted guess) gets its token and is queued; a
-        Status when it could not be (the caller releases it)."""
+        Status when it could not be (the caller releases it). ``relay`` as for ``fire``."""
         with self.cv:
-            return self._queue_fired_locked(job, token, current)
+            return self._queue_fired_locked(job, token, current, relay)
 
-    def _queue_fired_locked(self, job: Job, token: int, current: Generation | None
-                            ) -> Status | None:
+    def _queue_fired_locked(self, job: Job, token: int, current: Generation | None,
+                            relay: RelayOffer | None = None) -> Status | None:
         """Write ``token`` into the job's slot and request, Preparing -> Queued, stamp its
         timings, queue it, wake the submitter. A Status: not queued (fenced or cancelled)."""
         gen = job.gen
@@ -382,8 +423,55 @@ class Dispatch:
         timings.accepted_us = timings.admitted_us = timings.queued_us = self.clock.now_us()
         self._released_locked(job)  # queued: a request's job now, no release under way
         self._queue.append(job)
-        self.cv.notify_all()
+        if relay is not None and self._take_for_relay_locked(job, relay):
+            # the relay's fire wakes the submitter in C; a Python wake-up now would make
+            # it come back to Python before the job is there (it recomputes its wait after
+            # reporting the job anyway)
+            self.cv.notify_all()
+            return None
+        self._notify()
         return None
+
+    def _take_for_relay_locked(self, job: Job, relay: RelayOffer) -> bool:
+        """``job`` was just queued: if the submitter's next look (``_next_locked``) would
+        submit exactly it, at once, take it for the submitter now, as that look would (its
+        permit, the hand-off), so that the native relay infers it without a Python wake-up.
+        The same decision, made on this thread: no job ended to fail first, ``job`` alone in
+        the queue, a permit free, nothing held by the runtime, not stopping."""
+        if (self._stopping or self._held or len(self._queue) != 1
+                or self._inflight >= relay.capacity() or not relay.eligible(job)):
+            return False
+        now = self.clock.monotonic()
+        if any(relay.unsubmittable(other, now) is not None
+               for other in (*self._queue, *self._armed)):
+            return False
+        self._queue.popleft()
+        self._inflight += 1
+        job.permit_held = True
+        self._handing_off += 1
+        job.relayed = True
+        self._relayed[job.job_id] = job
+        return True
+
+    def take_relayed(self, tag: int) -> Job | None:
+        """The submitter's relay reported the job with id ``tag`` (inferred, or dropped at
+        its close): it is the submitter's again, to apply what follows infer (None: no
+        such job was taken for the relay)."""
+        with self.mu:
+            return self._relayed.pop(tag, None)
+
+    def relay_refused(self, job: Job) -> None:
+        """The relay did not take ``job`` (closed): the submitter submits it itself, before
+        anything else (its permit and hand-off stay counted)."""
+        with self.cv:
+            if self._relayed.pop(job.job_id, None) is job:
+                self._refused_by_relay.append(job)
+            self._notify()
+
+    @property
+    def relayed_count(self) -> int:
+        """Jobs taken for the relay and not reported yet (no lock: a length)."""
+        return len(self._relayed)
 
     def take_armed(self, job: Job) -> bool:
         """Take ``job`` out of the armed jobs: True, the caller owns it now; False, someone
@@ -490,7 +578,7 @@ class Dispatch:
         with self.cv:
             self._to_arm.extend((0.0, armer) for armer in self._arm_later)
             self._arm_later.clear()
-            self.cv.notify_all()
+            self._notify()
 
     def unschedule(self, armer: Armer) -> None:
         """``armer`` is not to be armed any more (cv held by the caller)."""
@@ -587,12 +675,12 @@ class Dispatch:
         wait."""
         with self.cv:
             self._stopping = stopping
-            self.cv.notify_all()
+            self._notify()
 
     def next_for_submitter(self, unsubmittable: Callable[[Job, float], Status | None],
                            capacity: int | Callable[[], int], block: bool,
-                           wake_at: float | None | Callable[[float], float | None]
-                           ) -> SubmitterStep:
+                           wake_at: float | None | Callable[[float], float | None],
+                           relay_idle: bool = False) -> SubmitterStep:
         """The submitter's next step. ``unsubmittable(job, now)`` says why a queued or armed
         job can no longer be submitted (a pure check of the job and the executor's facts: it
         must not take a lock); ``capacity`` (the in-flight bound) and ``wake_at`` (when an
@@ -603,11 +691,14 @@ class Dispatch:
         re-check) and looks again under the same lock, so a wake-up goes straight to the job
         that caused it; it returns ``woke`` only when slots the runtime holds need a re-check
         outside the lock (``JobOutcomes.reap_held``) or, with non-callable ``capacity`` and
-        ``wake_at`` (fixed for one call), after one wait: the caller acts and asks again."""
+        ``wake_at`` (fixed for one call), after one wait: the caller acts and asks again.
+        ``relay_idle`` (with ``block``): instead of that wait, return ``idle_for``, its bound,
+        for the submitter to wait in its native relay (``SubmitRelay.wait``); it also waits
+        there while jobs taken for the relay are not reported yet."""
         fixed = not callable(capacity) and not callable(wake_at)
         with self.cv:
             while True:
-                step = self._next_locked(unsubmittable, capacity, block, wake_at)
+                step = self._next_locked(unsubmittable, capacity, block, wake_at, relay_idle)
                 if step is not None:
                     return step
                 if fixed or self._held:
@@ -615,9 +706,11 @@ class Dispatch:
 
     def _next_locked(self, unsubmittable: Callable[[Job, float], Status | None],
                      capacity: int | Callable[[], int], block: bool,
-                     wake_at: float | None | Callable[[float], float | None]
-                     ) -> SubmitterStep | None:
+                     wake_at: float | None | Callable[[float], float | None],
+                     relay_idle: bool = False) -> SubmitterStep | None:
         """One look of ``next_for_submitter`` (lock held): a step, or None after a wait."""
+        if self._refused_by_relay:  # taken for the relay, which was closed: submit them
+            return SubmitterStep(submit=self._refused_by_relay.popleft())
         stopping = self._stopping
         now = self.clock.monotonic()
         ended = [(job, status) for job in self._queue
@@ -652,7 +745,7 @@ class Dispatch:
                 self._to_arm.popleft()
                 self._arming = armer
                 return SubmitterStep(arm=armer)
-        if not block or (stopping and not self._queue):
+        if not block or (stopping and not self._queue and not self._relayed):
             return SubmitterStep()
         timeout = (min(j.deadline for j in (*self._queue, *self._armed)) - now
                    if self._queue or self._armed else None)
@@ -661,6 +754,9 @@ class Dispatch:
                       HELD_RECHECK_S if self._held else None):
             if bound is not None:
                 timeout = bound if timeout is None else min(timeout, bound)
+        if relay_idle:
+            return SubmitterStep(idle_for=RELAY_IDLE_MAX_S if timeout is None
+                                 else min(max(timeout, 0.0), RELAY_IDLE_MAX_S))
         self.clock.wait(self.cv, None if timeout is None else max(timeout, 0))
         return None
 
@@ -676,7 +772,7 @@ class Dispatch:
                 job.permit_held = False
                 self._inflight -= 1
                 if self._queue:  # only a queued job waits for a permit (issue 17: the idle
-                    self.cv.notify_all()  # submitter is not woken for nothing)
+                    self._notify()  # submitter is not woken for nothing)
 
     def set_capacity(self, capacity: int) -> None:
         with self.cv:
@@ -689,7 +785,7 @@ class Dispatch:
         entry.job.permit_held = False
         with self.cv:
             self._held.append(entry)
-            self.cv.notify_all()  # the submitter's wait now re-checks every HELD_RECHECK_S
+            self._notify()  # the submitter's wait now re-checks every HELD_RECHECK_S
 
     def reaped(self, let_go: list[Held], now: float, report: bool
                ) -> tuple[list[Held], list[Held], bool]:
@@ -702,7 +798,7 @@ class Dispatch:
                 self._held.remove(entry)
             self._inflight -= len(freed)
             if freed:
-                self.cv.notify_all()
+                self._notify()
             hung = [] if not report else [entry for entry in self._held
                                           if not entry.reported and now >= entry.grace_end]
             for entry in hung:

@@ -74,8 +74,9 @@ from calexec.machines.chart_names import (
 from calexec.machines.clock import SYSTEM, Clock
 from calexec.machines.compiled import ChartRun
 from calexec.machines.completion import Completion
+from calexec.machines.device_api import RELAY_CLOSED, RELAY_INFERRED, SubmitRelay
 from calexec.machines.device_lifecycle import DeviceLifecycle
-from calexec.machines.dispatch import Arm, Dispatch
+from calexec.machines.dispatch import Arm, Dispatch, RelayOffer
 from calexec.machines.faults import Decision, FaultController, FaultSink, RecoveryPolicy
 from calexec.machines.generation import Generation
 from calexec.machines.job import InferenceResult, Job, JobHandle, advance, job_of
@@ -170,6 +171,13 @@ class ExecutorConfig:
     #: the hot path's timing (arming delays, greedy ahead's yield, early wake-ups, a guess's
     #: expiry): machines/tuning.py; none of it changes an answer, only when work runs
     tuning: HotPathTuning = attrs.field(factory=HotPathTuning)
+    #: the submitter waits in a native relay when the runtime offers one
+    #: (``RuntimeApi.submit_relay``, docs/architecture.md "Native hand-offs"): a fired
+    #: decode step (a pre-armed stream's, greedy ahead's, an adopted guess's) that the
+    #: submitter would submit at once is given to ``infer`` from that wait, without a
+    #: Python wake-up. Same decisions, same answers (tests/test_differential.py); off by
+    #: default until its speed is measured on the executor modes
+    native_relay: bool = False
 
 
 def _check_caller_arguments(request: InferenceRequest, logits_out: Any,
@@ -272,6 +280,12 @@ class DeviceExecutor(SequenceOwnership):
                                                    "calexec-completion")
         # thread identity of runtime calls (invariant 2); Wait's: ``completion.wait_threads``
         self.infer_threads: set[str] = set()
+        # the submitter's native relay while the threads run (``native_relay``), and what a
+        # thread that fires a job needs to hand it to the relay itself
+        self._relay: SubmitRelay | None = None
+        self._relay_open = False  # the submitter waits in it (False once it closed)
+        self._relay_offer = RelayOffer(self._unsubmittable, self._effective_capacity,
+                                       self._relay_eligible)
 
     # ---- the lifecycle (machines/device_lifecycle.py): what embedders and tools call here --------
     @property
@@ -587,13 +601,17 @@ class DeviceExecutor(SequenceOwnership):
         # early wake-up (``Completion.prewake_at``, lock-free) each time; it returns ``woke``
         # only when slots the runtime holds need reaping outside its lock
         wake_at = self._prewake_at if block and self._tuning.prewake_s > 0 else None
+        relay = self._relay if block and self._relay_open else None
         while True:
             step = dispatch.next_for_submitter(self._unsubmittable, self._effective_capacity,
-                                               block, wake_at)
+                                               block, wake_at, relay_idle=relay is not None)
             if not step.woke:
                 break
             if dispatch.any_held:  # nobody signals when the runtime lets go: re-check
                 self.outcomes.reap_held()
+        if step.idle_for is not None and relay is not None:
+            self._relay_wait(relay, step.idle_for)
+            return True
         if step.arm is not None:
             try:
                 step.arm.arm_next()  # it never raises: a failed arm leaves nothing armed
@@ -620,10 +638,106 @@ class DeviceExecutor(SequenceOwnership):
         finally:
             dispatch.handed_off(1)
         self._holding["calexec-submitter"] = None
+        self._after_submit_step(job)
+        return True
+
+    def _after_submit_step(self, job: Job) -> None:
+        """(The submitter.) ``job`` was submitted (or failed): arm the guess of its
+        successor when its sequence's job before was submitted just before it."""
         seq, self._last_submit_seq = self._last_submit_seq, job.request.seq_id
         if job.auto_next and job.submitted_at and seq == job.request.seq_id:
             self._auto_after_submit(job)
-        return True
+
+    # ---- the native relay (``native_relay``; machines/device_api.py ``SubmitRelay``) ----------
+    @property
+    def relay_active(self) -> bool:
+        """The submitter waits in a native relay now (``native_relay``, threads running)."""
+        return self._relay is not None and self._relay_open
+
+    def _relay_eligible(self, job: Job) -> bool:
+        """Whether ``job``'s infer is the relay's plain ``infer`` (``_infer``'s choice)."""
+        lease = job.lease
+        return lease is not None and (lease.slot.engine == EngineSlot.AUTO
+                                      or self.feature_disabled("fixed_engine"))
+
+    def _relay_fire(self, job: Job) -> None:
+        """(The thread that fired ``job``, after the dispatch took it for the submitter:
+        ``job.relayed``.) Its slot goes in flight and the relay's submitter infers it; a
+        closed relay leaves it to the submitter's Python (``Dispatch.relay_refused``)."""
+        gen, lease, relay = job.gen, job.lease, self._relay
+        fired = False
+        try:
+            if gen is None or lease is None:  # (a relayed job is queued: it holds both)
+                raise RuntimeError(f"{job!r} was taken for the relay without its generation "
+                                   "or lease")
+            if not job.in_flight_marked:
+                gen.pool.mark_in_flight(lease)
+                job.in_flight_marked = True
+            slot = lease.slot
+            fired = relay is not None and relay.fire(job.job_id, self.device, slot.model,
+                                                     gen.kv, job.request.seq_id, slot.inbuf,
+                                                     slot.outbuf)
+        finally:
+            if not fired:  # the submitter's Python submits it (it raises on, if this did)
+                self.dispatch.relay_refused(job)
+
+    def _relay_wait(self, relay: SubmitRelay, timeout_s: float) -> None:
+        """The submitter's idle wait in the relay; a job it inferred meanwhile gets what
+        follows infer here, exactly as ``_submit`` applies it."""
+        kind, tag, rc = relay.wait(timeout_s)
+        if kind == RELAY_CLOSED:
+            self._relay_open = False
+        if kind == RELAY_INFERRED:
+            job = self.dispatch.take_relayed(tag)
+            if job is None:
+                raise RuntimeError(f"the submit relay reported job {tag}, which was not "
+                                   "taken for it")
+            self.infer_threads.add(threading.current_thread().name)
+            self.outcomes.bump("relay_submitted")
+            self._holding["calexec-submitter"] = job
+            try:
+                self._after_infer(job, rc)
+            finally:
+                self.dispatch.handed_off(1)
+            self._holding["calexec-submitter"] = None
+            self._after_submit_step(job)
+        if self.dispatch.any_held:  # nobody signals when the runtime lets go: re-check
+            self.outcomes.reap_held()
+
+    def _open_relay(self) -> None:
+        """``start_threads``: the submitter waits in a native relay from now on, when asked
+        for (``native_relay``) and the runtime offers one for this executor's clock."""
+        if not (self.config.native_relay and self.config.threads) or self._relay is not None:
+            return
+        make = getattr(self.runtime, "submit_relay", None)
+        relay = make(self.clock) if make is not None else None
+        if relay is None:
+            log.info("native_relay: the runtime offers no submit relay for this clock; the "
+                     "submitter waits in Python")
+            return
+        self._relay, self._relay_open = relay, True
+        self.dispatch.relay_wake = relay.wake
+
+    def _close_relay(self, threads_gone: bool) -> None:
+        """``stop_threads``: close the relay; a job fired into it and never given to infer
+        fails as a job the submitter could not submit (its slot was never on the device).
+        The relay is freed only once no thread can be in it."""
+        relay = self._relay
+        if relay is None:
+            return
+        self.dispatch.relay_wake = None
+        self._relay_open = False
+        for tag in relay.close():
+            job = self.dispatch.take_relayed(tag)
+            if job is None:
+                continue
+            try:
+                self._after_infer(job, None)
+            finally:
+                self.dispatch.handed_off(1)
+        if threads_gone:
+            relay.free()
+            self._relay = None
 
     # ---- implicit pre-arms (machines/autoarm.py) ------------------------------------------------
     def _auto_after_submit(self, job: Job) -> None:
@@ -689,9 +803,12 @@ class DeviceExecutor(SequenceOwnership):
                         "on_created_raised", Phase.ADMISSION, f"on_created raised "
                         f"{type(exc).__name__}: {exc}", **job.ctx()))
                     raise
-            status = dispatch.queue_fired(job, int(request.tokens[0]), self.gen)
+            status = dispatch.queue_fired(job, int(request.tokens[0]), self.gen,
+                                          self._relay_offer if self._relay_open else None)
             if status is not None:
                 return self.outcomes.fail_before_submit(job, status)
+            if job.relayed:
+                self._relay_fire(job)
             return handle
         finally:
             dispatch.exit(gen)
@@ -741,12 +858,16 @@ class DeviceExecutor(SequenceOwnership):
         of a slot or budget); it was a guess, and the caller admits its step the ordinary
         way."""
         at = self.clock.monotonic() + arm_delay_s if arm_delay_s > 0 else 0.0
-        owned, status = self.dispatch.fire(job, token, self.gen, rearm, at)
+        owned, status = self.dispatch.fire(job, token, self.gen, rearm, at,
+                                           self._relay_offer if self._relay_open else None)
         if not owned:
             return None
         if status is not None:
             return self.outcomes.fail_before_submit(job, status)
-        return JobHandle(job)
+        handle = JobHandle(job)
+        if job.relayed:
+            self._relay_fire(job)
+        return handle
 
     def release_armed(self, job: Job, status: Status) -> bool:
         """Release a pre-armed job that will not get a token (its stream closed): lease,
@@ -765,9 +886,25 @@ class DeviceExecutor(SequenceOwnership):
 
     def _submit(self, job: Job) -> None:
         gen, slot = job.gen, job.lease.slot
-        gen.pool.mark_in_flight(job.lease)
+        if not job.in_flight_marked:  # (a job the relay refused was marked already)
+            gen.pool.mark_in_flight(job.lease)
+            job.in_flight_marked = True
         self.infer_threads.add(threading.current_thread().name)
-        rc = self._infer(gen, slot, job.request.seq_id)
+        self._after_infer(job, self._infer(gen, slot, job.request.seq_id))
+
+    def _after_infer(self, job: Job, rc: int | None) -> None:
+        """What follows the first ``infer`` of ``job`` (the submitter's, in Python or in its
+        relay): the §8 retries of a busy device, the rollback of a refused job, or the job
+        on the device (Submitted, KV submitted, the completion queue). ``rc`` None: it was
+        never given to infer (fired into a relay that closed)."""
+        gen, slot = job.gen, job.lease.slot
+        if rc is None:
+            gen.pool.device_done(job.lease)
+            self.dispatch.release_permit(job)
+            self.outcomes.fail_before_submit(job, Status.cancelled(
+                Phase.SUBMIT, "the executor's threads stopped before the job was submitted",
+                **job.ctx()))
+            return
         attempt = 0
         while rc == CalrtCode.DEVICE_BUSY and attempt < self.config.recovery.submit_retries:
             # §8 Transient row: the runtime did not run the graph; bounded retry with backoff.
@@ -866,6 +1003,7 @@ class DeviceExecutor(SequenceOwnership):
         self._stopping_threads = False
         self.dispatch.stop(False)
         self.completion.stop(False)
+        self._open_relay()
         for name, step in (("calexec-submitter", self.submit_one),
                            ("calexec-completion", self.complete_one)):
             self._holding[name] = None
@@ -946,6 +1084,7 @@ class DeviceExecutor(SequenceOwnership):
         for thread in self._threads:
             thread.join(timeout=5.0)
         self._threads = [t for t in self._threads if t.is_alive()]
+        self._close_relay(threads_gone=not self._threads)
 
     # ---- synchronous compatibility entry (§6.1) -------------------------------------------------
     def decode_sync(self, request: InferenceRequest, logits_out: np.ndarray | None = None

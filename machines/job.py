@@ -105,7 +105,7 @@ class Job:
                  "output_status", "result", "_done", "_on_cancel", "internal", "logits_out",
                  "_gen", "budget_taken", "permit_held", "clock", "on_resolved", "submitted_at", "uncounted",
                  "stream", "early_wake_s", "auto", "auto_next", "_callbacks", "row_claimed",
-                 "__weakref__")
+                 "relayed", "in_flight_marked", "__weakref__")
 
     def __init__(self, job_id: int, generation_id: int, request: InferenceRequest,
                  on_cancel: Callable[[], None], internal: bool = False,
@@ -138,6 +138,11 @@ class Job:
         self.budget_taken = False  # holds request.token_count of the admission budget
         self.submitted_at = 0.0  # Clock.monotonic() when infer() accepted it
         self.permit_held = False  # holds one in-flight permit (submitter -> release)
+        #: taken for the submitter by the thread that queued it, for the native relay to
+        #: infer (``Dispatch`` sets it under its lock; machines/executor.py ``_relay_fire``)
+        self.relayed = False
+        #: its slot is marked in flight (``BufferPool.mark_in_flight``) before infer
+        self.in_flight_marked = False
         #: a failure of this job is not counted (a pre-arm attempt that found no free
         #: resource, or a pre-armed job released because its decode stream ended)
         self.uncounted = False

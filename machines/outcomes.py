@@ -61,7 +61,9 @@ COUNTER_NAMES = ("submitted", "succeeded", "failed", "quarantined", "cancelled",
                  "stale_completions", "submit_retries",
                  # implicit pre-arms (machines/autoarm.py): guesses taken by the request that
                  # came, and guesses released unused
-                 "auto_prearmed", "auto_prearm_released")
+                 "auto_prearmed", "auto_prearm_released",
+                 # jobs the submitter gave to infer from its native relay (native_relay)
+                 "relay_submitted")
 
 
 class JobOutcomes:

@@ -19,7 +19,7 @@ from calexec.machines.chart_names import (
     JOB_QUEUED,
 )
 from calexec.machines.clock import SYSTEM
-from calexec.machines.dispatch import Dispatch, Held
+from calexec.machines.dispatch import Dispatch, Held, RelayOffer
 from calexec.machines.job import Job
 from calexec.machines.locks import LockOrder
 
@@ -189,6 +189,93 @@ def test_firing_into_a_closed_generation_or_a_cancelled_job_gives_it_back(d):
     owned, status = d.fire(cancelled, 1, gen2)
     assert owned and status.code == "request.cancelled"
     assert cancelled.run.state != JOB_QUEUED and d.snapshot()["queued"] == 0
+
+
+def offer(unsubmittable=never, capacity=1, eligible=True) -> RelayOffer:
+    return RelayOffer(unsubmittable, lambda: capacity, lambda job: eligible)
+
+
+def test_a_fired_job_the_submitter_would_submit_at_once_is_taken_for_the_relay(d):
+    """The same decision ``next_for_submitter`` makes, on the firing thread: the job's
+    permit and hand-off are taken, the submitter's relay wait is not woken (the relay's
+    fire wakes it in C), and the job is the submitter's again when the relay reports it."""
+    woken = []
+    d.relay_wake = lambda: woken.append(1)
+    gen = Gen()
+    job = make_job(1, gen)
+    d.arm(job, gen)
+    assert d.fire(job, 42, gen, relay=offer()) == (True, None)
+    assert job.relayed and job.permit_held and d.inflight == 1 and not woken
+    snap = d.snapshot()
+    assert (snap["queued"], snap["relayed"], snap["handing_off"]) == (0, 1, 1)
+    assert not d.drained()  # a recovery's drain waits for it
+    # the submitter has nothing else to do, and it waits in the relay for the job
+    step = d.next_for_submitter(never, 1, block=True, wake_at=None, relay_idle=True)
+    assert step.idle_for is not None and step.submit is None
+    assert d.take_relayed(1) is job and d.take_relayed(1) is None
+    d.handed_off(1)
+    d.release_permit(job)
+    assert d.drained()
+
+
+@pytest.mark.parametrize("case", ["busy", "other_ended", "self_ended", "queued_before",
+                                  "held", "not_eligible", "stopping"])
+def test_a_fired_job_is_left_to_the_submitter_unless_it_would_submit_it_at_once(d, case):
+    """Every situation in which the submitter's next look would do something else first
+    (fail an ended job, submit the job queued before, wait for a permit) or would not use
+    the relay's plain infer: the job is queued as on the plain path and the submitter's
+    relay wait is woken."""
+    woken = []
+    d.relay_wake = lambda: woken.append(1)
+    gen = Gen()
+    job = make_job(1, gen, deadline=time.monotonic() + (-1 if case == "self_ended" else 60))
+    d.arm(job, gen)
+    kw = {}
+    if case == "busy":
+        kw["capacity"] = 0
+    elif case == "other_ended":
+        d.arm(make_job(2, gen, deadline=time.monotonic() - 1, seq=2), gen)
+    elif case == "queued_before":
+        d.queue(make_job(3, gen, seq=3), gen)
+        woken.clear()
+    elif case == "held":
+        d.hold(Held(slot=SimpleNamespace(), kvc=SimpleNamespace(), seq_id=9,
+                    job=make_job(4, gen, seq=9), grace_end=0.0))
+        woken.clear()
+    elif case == "not_eligible":
+        kw["eligible"] = False
+    elif case == "stopping":
+        d.stop()
+        woken.clear()
+    assert d.fire(job, 42, gen, relay=offer(expired, **kw)) == (True, None)
+    assert not job.relayed and d.snapshot()["relayed"] == 0 and woken
+    assert d.snapshot()["queued"] >= 1
+
+
+def test_a_job_the_relay_refused_is_submitted_by_the_submitter_first(d):
+    gen = Gen()
+    job = make_job(1, gen)
+    d.arm(job, gen)
+    d.fire(job, 42, gen, relay=offer())
+    other = make_job(2, gen, seq=2)
+    d.queue(other, gen)
+    d.relay_refused(job)  # the relay was closed: the submitter's Python submits it
+    step = d.next_for_submitter(never, 2, block=False, wake_at=None)
+    assert step.submit is job and d.inflight == 1 and d.snapshot()["relayed"] == 0
+    assert d.snapshot()["handing_off"] == 1  # counted once, when it was taken
+
+
+def test_a_stopping_submitter_waits_for_the_jobs_taken_for_its_relay(d):
+    gen = Gen()
+    job = make_job(1, gen)
+    d.arm(job, gen)
+    d.fire(job, 42, gen, relay=offer())
+    d.stop()
+    step = d.next_for_submitter(never, 1, block=True, wake_at=None, relay_idle=True)
+    assert step.idle_for is not None  # not "nothing to do": the relay reports the job first
+    d.take_relayed(1)
+    step = d.next_for_submitter(never, 1, block=True, wake_at=None, relay_idle=True)
+    assert step.idle and step.idle_for is None  # now the thread may end
 
 
 def test_reclaim_takes_every_armed_job_not_fired(d):

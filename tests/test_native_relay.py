@@ -1,7 +1,8 @@
 """The native relay (drivers/native/calexec_relay.h, issue 28): its contract on a fake
 runtime, equal answers with its Python reference model (drivers/native/relay_model.py) for
-random operation sequences, and the withdraw-versus-fire race under real threads. On the
-emulator: tests/test_bench_relayfloor.py."""
+random operation sequences (and the same for the executor's relay on an injected clock,
+``ClockRelay``, in the submitter-only form), and the withdraw-versus-fire race under real
+threads. On the emulator: tests/test_bench_relayfloor.py and tests/test_executor_relay.py."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ from calexec.drivers.native.relay import (
     Why,
 )
 from calexec.drivers.native.relay_model import ModelRule, RelayModel
+from calexec.drivers.tools.explore import ClockRelay
+from calexec.machines.clock import SYSTEM
 
 DONE, CCU_EXCEPTION = 3, 4
 VOCAB = 64
@@ -112,10 +115,10 @@ def job(tag: int) -> RelayJob:
 class Relay:
     """A C relay on a fake device, with the arrays its rules point into."""
 
-    def __init__(self, outcomes: dict[int, Outcome]) -> None:
+    def __init__(self, outcomes: dict[int, Outcome], submitter_only: bool = False) -> None:
         self.device = FakeDevice(outcomes)
         self.functions = CallbackFunctions(self.device, done_status=DONE)
-        self.relay = NativeRelay(self.functions.functions)
+        self.relay = NativeRelay(self.functions.functions, submitter_only=submitter_only)
         self.token_dst = {tag: np.full(1, -7, np.int32) for tag in outcomes}
         self.rows = {tag: np.zeros(VOCAB, np.float32) for tag in outcomes}
 
@@ -316,10 +319,12 @@ class RelayVersusModel(RuleBasedStateMachine):
         self.m: RelayModel | None = None
 
     @precondition(lambda self: self.r is None)
-    @rule(seed=st.integers(0, 2**16))
-    def start(self, seed: int) -> None:
-        self.r = Relay(_outcomes(seed))
-        self.m = RelayModel(ModelDevice(FakeDevice(_outcomes(seed))), done_status=DONE)
+    @rule(seed=st.integers(0, 2**16), submitter_only=st.booleans())
+    def start(self, seed: int, submitter_only: bool) -> None:
+        # submitter_only: the executor's relay (inferred jobs untracked, rules refused)
+        self.r = Relay(_outcomes(seed), submitter_only)
+        self.m = RelayModel(ModelDevice(FakeDevice(_outcomes(seed))), done_status=DONE,
+                            submitter_only=submitter_only)
 
     def teardown(self) -> None:
         if self.r is not None:
@@ -400,6 +405,73 @@ RelayVersusModel.TestCase.settings = settings(
     max_examples=int(os.environ.get("CALEXEC_RELAY_EXAMPLES", "150")), stateful_step_count=40,
     deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TestRelayVersusModel = RelayVersusModel.TestCase
+
+
+class _InferOnly:
+    """The device as ``ClockRelay``'s waiter calls it (the executor's ``device.infer``)."""
+
+    def __init__(self, fake: FakeDevice) -> None:
+        self.fake = fake
+
+    def infer(self, model: int, kv: int, seq: int, inbuf: int, outbuf: int) -> int:
+        return self.fake.infer(0x10, model, kv, seq, inbuf, outbuf)
+
+
+class ClockRelayVersusModel(RuleBasedStateMachine):
+    """The executor's relay under the explorer and the differential test (``ClockRelay``,
+    drivers/tools/explore.py) against the same model in its submitter-only form, which the
+    C relay is checked against above: fire, wake, a wait that polls, close."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c: ClockRelay | None = None
+        self.m: RelayModel | None = None
+        self.device: _InferOnly | None = None
+
+    @precondition(lambda self: self.c is None)
+    @rule(seed=st.integers(0, 2**16))
+    def start(self, seed: int) -> None:
+        self.device = _InferOnly(FakeDevice(_outcomes(seed)))
+        self.c = ClockRelay(SYSTEM)
+        self.m = RelayModel(ModelDevice(FakeDevice(_outcomes(seed))), done_status=DONE,
+                            submitter_only=True)
+
+    @precondition(lambda self: self.c is not None)
+    @rule(tag=TAGS)
+    def fire(self, tag: int) -> None:
+        j = job(tag)
+        got = self.c.fire(tag, self.device, j.model, j.kv, j.seq, j.inbuf, j.outbuf)
+        assert got == (self.m.fire(j) == Rc.OK)
+
+    @precondition(lambda self: self.c is not None)
+    @rule()
+    def wake(self) -> None:
+        self.c.wake()
+        self.m.wake()
+
+    @precondition(lambda self: self.c is not None)
+    @rule()
+    def submitter_poll(self) -> None:
+        got = self.c.wait(0)  # infers on the device given with the job, as the executor's
+        want = self.m.submitter_wait()
+        assert got == (int(want.kind), want.tag if want.kind == Kind.INFERRED else 0,
+                       want.rc if want.kind == Kind.INFERRED else 0)
+
+    @precondition(lambda self: self.c is not None)
+    @rule()
+    def close(self) -> None:
+        assert self.c.close() == self.m.close()
+
+    @invariant()
+    def same_state(self) -> None:
+        if self.c is not None:
+            assert self.device.fake.inferred == self.m.rt.fake.inferred
+
+
+ClockRelayVersusModel.TestCase.settings = settings(
+    max_examples=int(os.environ.get("CALEXEC_RELAY_EXAMPLES", "150")), stateful_step_count=40,
+    deadline=None, suppress_health_check=[HealthCheck.too_slow])
+TestClockRelayVersusModel = ClockRelayVersusModel.TestCase
 
 
 # ---- the race the model does not show: a withdrawal against the completion's decision -------

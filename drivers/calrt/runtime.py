@@ -31,7 +31,7 @@ from calexec.contracts.runtime_view import RuntimeModelInfo, RuntimeTensorInfo
 from calexec.drivers.calrt._calrt_emu import ffi as _ffi
 from calexec.drivers.calrt._calrt_emu import lib as _emu_lib
 from calexec.drivers.native.fused_logits import FusedLogits
-from calexec.drivers.native.relay import RelayFunctions
+from calexec.drivers.native.relay import Kind, NativeRelay, RelayEvent, RelayFunctions, RelayJob
 
 #: fault injection (the emulator's fault plan): every armed point is logged here, marked
 #: INJECTED, so an injected fault is never mistaken for a real one in a log
@@ -158,6 +158,15 @@ class CalRT:
                               status=self.function_address("calrt_get_status"),
                               valid_bytes=self.function_address("calrt_outputbuf_valid_bytes"),
                               done_status=int(JobStatus.DONE))
+
+    def submit_relay(self, clock: object) -> NativeSubmitRelay | None:
+        """The executor's submit relay (``ExecutorConfig.native_relay``; machines/device_api.py
+        ``SubmitRelay``): a submitter-only native relay on this library's entry points.
+        None for a clock whose time is not the host's (``clock.real`` false: the explorer's
+        virtual clock), which a wait in C cannot follow."""
+        if not getattr(clock, "real", False):
+            return None
+        return NativeSubmitRelay(NativeRelay(self.relay_functions(), submitter_only=True))
 
     def logits_postprocessor(self) -> FusedLogits:
         """A new fused native logits postprocess (drivers/native/fused_logits.py) for the
@@ -646,3 +655,40 @@ class Emulator:
         if self._lib.calrt_emu_get_counters(self._h, self._counters) != 0:
             return {}
         return {name: int(getattr(self._counters, name)) for name in _COUNTER_FIELDS}
+
+
+class NativeSubmitRelay:
+    """The executor's submitter wait in C (machines/device_api.py ``SubmitRelay``) over a
+    submitter-only :class:`NativeRelay`: the handles a job is given to ``infer`` with are
+    passed by address (``.address`` of this driver's objects)."""
+
+    __slots__ = ("_relay", "_closed")
+
+    def __init__(self, relay: NativeRelay) -> None:
+        self._relay = relay
+        self._closed = False
+
+    def fire(self, tag: int, device: Device, model: Model, kv: KvManager, seq: int,
+             inbuf: InputBuf, outbuf: OutputBuf, /) -> bool:
+        return self._relay.fire(RelayJob(tag=tag, dev=device.address, model=model.address,
+                                         kv=kv.address, inbuf=inbuf.address,
+                                         outbuf=outbuf.address, seq=seq)) == 0
+
+    def wake(self) -> None:
+        self._relay.wake()
+
+    def wait(self, timeout_s: float, /) -> tuple[int, int, int]:
+        event = self._relay.submitter_wait(timeout_s)
+        if not isinstance(event, RelayEvent):  # a code: EBUSY (a second submitter), ENULL
+            raise RuntimeError(f"calexec_relay_submitter_wait refused: {event!r}")
+        if event.kind == Kind.INFERRED:
+            return int(Kind.INFERRED), event.tag, event.rc
+        return int(event.kind), 0, 0
+
+    def close(self) -> list[int]:
+        self._closed = True
+        return self._relay.close()
+
+    def free(self) -> None:
+        if self._closed:
+            self._relay.free()

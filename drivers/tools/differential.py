@@ -85,6 +85,9 @@ class Variant:
     ready_queue_max: int = 0
     #: ``default`` (HotPathTuning()) or ``immediate`` (HotPathTuning.immediate())
     tuning: str = "default"
+    #: ``ExecutorConfig.native_relay``: the submitter waits in its relay (``ClockRelay`` on
+    #: the lane's clock, the C relay's rules) and fired steps are inferred from that wait
+    relay: bool = False
 
     @property
     def phase_b(self) -> bool:
@@ -113,6 +116,11 @@ VARIANTS: dict[str, Variant] = {v.name: v for v in (
     Variant("phase_b_full", api="decode_sync", auto_prearm=True, capacity=2, overlap="full"),
     Variant("phase_b_dma", api="stream", greedy_ahead=True, capacity=2, overlap="dma"),
     Variant("phase_b_none", api="enqueue", capacity=2, overlap="none"),
+    Variant("relay_ahead", api="stream", greedy_ahead=True, relay=True),
+    Variant("relay_stream", api="stream", auto_prearm=True, relay=True),
+    Variant("relay_auto", api="enqueue", auto_prearm=True, tuning="immediate", relay=True),
+    Variant("relay_phase_b", api="stream", greedy_ahead=True, capacity=2, overlap="dma",
+            relay=True),
 )}
 
 
@@ -363,7 +371,7 @@ class Lane(Explorer):
         return {"device_config": f"kv_blocks={o['kv_blocks']};kv_block_size=16;dma_guard=0;"
                                  f"overlap={v.overlap}",
                 "auto_prearm": v.auto_prearm, "ready_queue_max": v.ready_queue_max,
-                "slots_per_kind": self.slots_per_kind,
+                "slots_per_kind": self.slots_per_kind, "native_relay": v.relay,
                 "tuning": (HotPathTuning.immediate() if v.tuning == "immediate"
                            else HotPathTuning())}
 

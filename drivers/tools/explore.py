@@ -52,6 +52,7 @@ import sys
 import tempfile
 import threading
 import traceback
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
@@ -402,6 +403,9 @@ class VirtualClock(Clock):
     #: is blocked, so no other thread can change what a read returns before the reader's next
     #: point; preempting at the read adds schedules without adding behaviours
     clock_points = False
+    #: virtual time: no native wait can stand in for this clock's (``RuntimeProxy``
+    #: gives the executor a ``ClockRelay`` instead of the C relay)
+    real = False
 
     def monotonic(self) -> float:
         if self.clock_points and self.sched.me() is not None:
@@ -766,8 +770,75 @@ def _wrap(value, model: DeviceModel):
     return value
 
 
+class ClockRelay:
+    """The submitter's relay (machines/device_api.py ``SubmitRelay``) on an injected clock:
+    the C relay's submitter-only rules (drivers/native/calexec_relay.c; its reference model
+    ``RelayModel(submitter_only=True)``, which ``tests/test_native_relay.py`` checks both
+    against) in Python, with the clock's own lock and condition, so the explorer schedules
+    its waits and the ``infer`` its waiter makes like any other. It is what an executor with
+    ``native_relay`` gets under the explorer and in the differential test."""
+
+    def __init__(self, clock: Clock) -> None:
+        self._clock = clock
+        self._cv = clock.condition(clock.lock(), "relay")
+        self._fires: deque[tuple[int, Any, Any, Any, int, Any, Any]] = deque()
+        self._wake = False
+        self._closed = False
+
+    def fire(self, tag: int, device: Any, model: Any, kv: Any, seq: int, inbuf: Any,
+             outbuf: Any, /) -> bool:
+        from calexec.drivers.native.relay import QUEUE
+        with self._cv:
+            if self._closed or len(self._fires) == QUEUE:
+                return False
+            self._fires.append((tag, device, model, kv, seq, inbuf, outbuf))
+            self._cv.notify_all()
+            return True
+
+    def wake(self) -> None:
+        with self._cv:
+            if not self._closed:
+                self._wake = True
+                self._cv.notify_all()
+
+    def wait(self, timeout_s: float, /) -> tuple[int, int, int]:
+        from calexec.drivers.native.relay import Kind
+        clock = self._clock
+        end = clock.monotonic() + max(0.0, timeout_s)
+        with self._cv:
+            while not (self._closed or self._fires or self._wake):
+                remaining = end - clock.monotonic()
+                if remaining <= 0:
+                    return int(Kind.TIMEOUT), 0, 0
+                clock.wait(self._cv, remaining)
+            if self._closed:
+                return int(Kind.CLOSED), 0, 0
+            if not self._fires:
+                self._wake = False
+                return int(Kind.WAKE), 0, 0
+            tag, device, model, kv, seq, inbuf, outbuf = self._fires.popleft()
+        # only this (the submitter's) thread infers, outside the lock, as the C relay does
+        return int(Kind.INFERRED), tag, device.infer(model, kv, seq, inbuf, outbuf)
+
+    def close(self) -> list[int]:
+        with self._cv:
+            dropped = [item[0] for item in self._fires]
+            self._fires.clear()
+            self._closed = True
+            self._cv.notify_all()
+        return dropped
+
+    def free(self) -> None:
+        pass
+
+
 class RuntimeProxy(_Proxy):
     """``CalRT`` whose device is stepped and whose blocking calls are scheduling points."""
+
+    def submit_relay(self, clock: Clock) -> ClockRelay:
+        """The relay on the explorer's clock (never the C relay: it would call the runtime
+        past the proxies, in real time)."""
+        return ClockRelay(clock)
 
     def open_device(self, config: str = ""):
         rc, device = self._inner.open_device(config)
