@@ -149,3 +149,33 @@ def test_no_relay_floor_flag_says_why_and_a_bad_work_value_is_refused(capsys, mo
         bench.main(["bench", "overhead", "--relay-work-us", "-5"])
     assert exit_info.value.code == 2
     assert "--relay-work-us" in capsys.readouterr().err
+
+
+def test_native_relay_runs_every_mode_again_on_the_relay_executor(capsys, monkeypatch):
+    """``--native-relay``: each executor mode a second time as ``MODE+relay`` on an executor
+    with ``ExecutorConfig.native_relay``, in the same rotation; the direct loop's tokens,
+    and the report says how many steps its submitter inferred from the relay."""
+    monkeypatch.setattr(bench, "build_floor", lambda out_dir: (None, "not in this test"))
+    assert bench.main(["bench", "overhead", "--json", "--tokens", "6", "--runs", "2",
+                       "--zero-tokens", "6", "--decode-us", "1500", "--no-threads-floor",
+                       "--no-relay-floor", "--native-relay"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    relay_modes = [m + bench.RELAY_SUFFIX for m in bench.MODES]
+    assert list(report["modes"]) == [*bench.MODES, *relay_modes]
+    assert report["native_relay"]["modes"] == relay_modes
+    assert 0 < report["native_relay"]["relay_submitted"] <= report["native_relay"]["submitted"]
+    assert report["tokens_identical"] is True and report["dma_violations"] == 0
+    for mode in relay_modes:
+        assert report["modes"][mode]["handoffs_per_token"] >= 0
+        assert mode in report["profiles"][0]["modes"]
+    assert set(report["gate_met"]) == set(report["modes"])
+
+
+def test_without_native_relay_no_mode_runs_on_a_relay(capsys, monkeypatch):
+    monkeypatch.setattr(bench, "build_floor", lambda out_dir: (None, "not in this test"))
+    assert bench.main(["bench", "overhead", "--json", "--tokens", "4", "--runs", "1",
+                       "--zero-tokens", "4", "--decode-us", "300", "--no-threads-floor",
+                       "--no-relay-floor"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert list(report["modes"]) == list(bench.MODES)
+    assert report["native_relay"] == {"modes": [], "relay_submitted": None, "submitted": None}

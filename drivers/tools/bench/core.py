@@ -282,6 +282,8 @@ class CountingClock(Clock):
 
 #: the executor paths the benchmark measures against the direct loop
 MODES = ("enqueue", "prearmed", "ahead", "decode_sync")
+#: a mode run on an executor with ``native_relay`` (``--native-relay``): ``ahead+relay``
+RELAY_SUFFIX = "+relay"
 
 
 class ExecutorLoop:
@@ -293,7 +295,7 @@ class ExecutorLoop:
     server does."""
 
     def __init__(self, rt: CalRT, calbin_path: str, device: DeviceSpec = DeviceSpec(),
-                 counting: bool = False) -> None:
+                 counting: bool = False, native_relay: bool = False) -> None:
         #: ``counting``: the executor gets a ``CountingClock`` (hand-offs counted, for
         #: ``accounting`` only: its wrapped conditions and events cost time and allocations
         #: on the path); otherwise the system clock, as a serving executor has, which is what
@@ -301,7 +303,8 @@ class ExecutorLoop:
         self.tally = HandoffTally() if counting else None
         self.ex = DeviceExecutor(rt, device.manifest(),
                                  ExecutorConfig(calbin_path=calbin_path, inflight_capacity=1,
-                                                recovery=device.recovery()),
+                                                recovery=device.recovery(),
+                                                native_relay=native_relay),
                                  clock=CountingClock(self.tally) if self.tally else SYSTEM)
         status = self.ex.start()
         if not status.ok:
@@ -420,7 +423,8 @@ def _paired_runs(direct: DirectLoop, executor: ExecutorLoop, modes: Sequence[str
                  timings: dict[str, list], floor: FloorLoop | None = None,
                  threads: ThreadedLoop | None = None,
                  floor3: FloorLoop | None = None,
-                 relay: RelayLoop | None = None) -> dict[str, Any]:
+                 relay: RelayLoop | None = None,
+                 relay_executor: ExecutorLoop | None = None) -> dict[str, Any]:
     """One block per side (direct, each executor mode, the C floor with two and with three
     roles and the Python-threads floor when given) per run, the order rotated from run to
     run so drift falls on every side alike; each mode's ``(wall_us, start_us, JobTimings)``
@@ -446,8 +450,8 @@ def _paired_runs(direct: DirectLoop, executor: ExecutorLoop, modes: Sequence[str
             elif side == "relay" and relay is not None:
                 out[side], t = relay.decode_block(prompt, n)
             else:
-                executor.mode = side
-                out[side], t = executor.decode_block(prompt, n, timings[side])
+                loop = _loop_of(side, executor, relay_executor)
+                out[side], t = loop.decode_block(prompt, n, timings[side])
             times[side].append(t)
         identical &= all(out[side] == out["direct"] for side in modes)
         floor_identical &= "floor" not in out or out["floor"] == out["direct"]
@@ -463,6 +467,19 @@ def _paired_runs(direct: DirectLoop, executor: ExecutorLoop, modes: Sequence[str
     result["threads_identical"] = threads_identical
     result["relay_identical"] = relay_identical
     return result
+
+
+def _loop_of(mode: str, executor: ExecutorLoop, relay_executor: ExecutorLoop | None
+             ) -> ExecutorLoop:
+    """The executor ``mode`` runs on (``ahead+relay``: the one with ``native_relay``), set
+    to the mode itself."""
+    loop = executor
+    if mode.endswith(RELAY_SUFFIX):
+        if relay_executor is None:
+            raise BenchError(f"mode {mode}: no executor with the native relay")
+        loop, mode = relay_executor, mode.removesuffix(RELAY_SUFFIX)
+    loop.mode = mode
+    return loop
 
 
 def _breakdown(timings: list, tail: bool = False) -> dict[str, float]:
@@ -626,7 +643,8 @@ def run_overhead(tokens: int | None, runs: int, zero_tokens: int, seed: int,
                  decode_us: Sequence[int] = DEFAULT_PROFILES_US,
                  floor: bool = True, threads_floor: bool = True,
                  relay_floor: bool = True, relay_work_us: float = 0.0,
-                 relay_deliver: str = "python") -> dict[str, Any]:
+                 relay_deliver: str = "python", native_relay: bool = False
+                 ) -> dict[str, Any]:
     """Run the zero-latency phase once and the TPOT phase at each decode latency of
     ``decode_us`` (us, in order) for the direct loop and each executor mode; return the
     figures (times in us). ``device`` names the runtime, manifest and (synthetic) calbin
@@ -637,7 +655,11 @@ def run_overhead(tokens: int | None, runs: int, zero_tokens: int, seed: int,
     own (``tokens_per_block``: the same device time per block, so the faster profiles' P99
     rests on more tokens). ``floor``: build the C floor program (drivers/calrt/floor.c) and run it as one
     more side of each profile (``floor_us_p50`` / ``floor_us_p99`` beside each mode's time
-    over the decode latency); when it cannot be built, ``floor.reason`` says why."""
+    over the decode latency); when it cannot be built, ``floor.reason`` says why.
+    ``native_relay``: every mode runs a second time on an executor with
+    ``ExecutorConfig.native_relay`` (modes ``<mode>+relay``, in the same rotation)."""
+    if native_relay:
+        modes = (*modes, *(m + RELAY_SUFFIX for m in modes if not m.endswith(RELAY_SUFFIX)))
     profiles_us = list(decode_us)
     if not profiles_us or any(us < 1 for us in profiles_us):
         raise BenchError(f"decode latencies must be >= 1 us, got {profiles_us}")
@@ -664,6 +686,8 @@ def run_overhead(tokens: int | None, runs: int, zero_tokens: int, seed: int,
         direct = DirectLoop(rt, path)
         threads_loop: ThreadedLoop | None = None
         relay_loop: RelayLoop | None = None
+        relay_executor: ExecutorLoop | None = None
+        relayed: dict[str, int] | None = None
         try:
             if threads_floor:
                 threads_loop = ThreadedLoop(rt, path, BENCH_SEQ, _WAIT_S)
@@ -671,6 +695,12 @@ def run_overhead(tokens: int | None, runs: int, zero_tokens: int, seed: int,
                 relay_loop = RelayLoop(rt, path, BENCH_SEQ, _WAIT_S, relay_work_us,
                                        relay_deliver)
             executor = ExecutorLoop(rt, path, device)
+            if native_relay:
+                relay_executor = ExecutorLoop(rt, path, device, native_relay=True)
+                if not relay_executor.ex.relay_active:
+                    relay_executor.close()
+                    executor.close()
+                    raise BenchError("--native-relay: the runtime offers no submit relay")
         except BaseException:
             if threads_loop is not None:
                 threads_loop.close()
@@ -689,31 +719,39 @@ def run_overhead(tokens: int | None, runs: int, zero_tokens: int, seed: int,
             # hand-offs on an executor of their own with the counting clock, closed before
             # anything is timed; allocations on the plain executor the timed blocks measure
             counting = ExecutorLoop(rt, path, device, counting=True)
+            counting_relay = (ExecutorLoop(rt, path, device, counting=True, native_relay=True)
+                              if relay_executor is not None else None)
             try:
                 for mode in modes:
-                    counting.mode = executor.mode = mode
-                    counting.decode_block(prompts[0], warm)
-                    executor.decode_block(prompts[0], warm)
+                    counter = _loop_of(mode, counting, counting_relay)
+                    timed = _loop_of(mode, executor, relay_executor)
+                    counter.decode_block(prompts[0], warm)
+                    timed.decode_block(prompts[0], warm)
                     accounting[mode] = {
-                        **counting.accounting(prompts[0], account_tokens),
-                        **executor.accounting(prompts[0], account_tokens)}
+                        **counter.accounting(prompts[0], account_tokens),
+                        **timed.accounting(prompts[0], account_tokens)}
             finally:
                 dma_counted = counting.dma_violations()
                 counting.close()
+                if counting_relay is not None:
+                    dma_counted += counting_relay.dma_violations()
+                    counting_relay.close()
             zero_timings: dict[str, list] = {mode: [] for mode in modes}
             zero = _paired_runs(direct, executor, modes, prompts, zero_tokens, "zero-latency",
-                                zero_timings, threads=threads_loop, relay=relay_loop)
+                                zero_timings, threads=threads_loop, relay=relay_loop,
+                                relay_executor=relay_executor)
             profiles = []
             first: tuple[dict[str, Any], dict[str, list]] | None = None
             for us in profiles_us:
-                for side in (direct, executor, floor_loop, floor3_loop, threads_loop, relay_loop):
+                for side in (direct, executor, floor_loop, floor3_loop, threads_loop, relay_loop,
+                             relay_executor):
                     if side is not None:
                         side.set_decode_latency(us)
                 tpot_timings: dict[str, list] = {mode: [] for mode in modes}
                 tpot = _paired_runs(direct, executor, modes, prompts, block_tokens[us],
                                     f"{us} us decode ({block_tokens[us]} tokens per block)",
                                     tpot_timings, floor_loop, threads_loop, floor3_loop,
-                                    relay_loop)
+                                    relay_loop, relay_executor)
                 profiles.append({"tokens_per_block": block_tokens[us],
                                  **_profile_report(us, tpot, tpot_timings, modes)})
                 if first is None:
@@ -726,8 +764,13 @@ def run_overhead(tokens: int | None, runs: int, zero_tokens: int, seed: int,
                 dma += threads_loop.dma_violations()
             if relay_loop is not None:
                 dma += relay_loop.dma_violations()
+            if relay_executor is not None:
+                dma += relay_executor.dma_violations()
+                relayed = relay_executor.ex.counters
         finally:
             executor.close()
+            if relay_executor is not None:
+                relay_executor.close()
             if threads_loop is not None:
                 threads_loop.close()
             if relay_loop is not None:
@@ -806,6 +849,12 @@ def run_overhead(tokens: int | None, runs: int, zero_tokens: int, seed: int,
             "rule_fires": relay_loop.rule_fires if relay_loop is not None else None,
             "plain_fires": relay_loop.plain_fires if relay_loop is not None else None,
             "overhead_us_p50": (_p(zero["relay"] - zd, 50) if "relay" in zero else None)},
+        "native_relay": {
+            "modes": [m for m in modes if m.endswith(RELAY_SUFFIX)],
+            # over the whole run: the steps the relay executor's submitter gave to infer
+            # from its native wait, of all it submitted
+            "relay_submitted": None if relayed is None else relayed["relay_submitted"],
+            "submitted": None if relayed is None else relayed["submitted"]},
         "profiles": profiles,
         "dma_violations": dma,
         "spec_gate": SPEC_GATE, "goal": GOAL,
@@ -1317,6 +1366,10 @@ def main(argv: list[str]) -> int:
                             help="Python work (us, holding the GIL) the relay floor's device "
                                  "threads each do after every relay event, in place of the "
                                  "executor's chart transitions (default 0)")
+        parser.add_argument("--native-relay", action="store_true",
+                            help="run every executor mode a second time on an executor "
+                                 "with the native submit relay (ExecutorConfig.native_relay; "
+                                 "modes MODE+relay)")
         parser.add_argument("--relay-deliver", choices=relayfloor.DELIVERIES, default="python",
                             help="how the relay floor's caller gets each token: python (the "
                                  "completion thread does the work, then wakes it), native "
@@ -1363,7 +1416,8 @@ def main(argv: list[str]) -> int:
                                       threads_floor=not args.no_threads_floor,
                                       relay_floor=not args.no_relay_floor,
                                       relay_work_us=args.relay_work_us,
-                                      relay_deliver=args.relay_deliver)
+                                      relay_deliver=args.relay_deliver,
+                                      native_relay=args.native_relay)
             finally:
                 set_gil_switch_interval_us(previous)
             result["gil_switch_interval_us"] = args.gil_switch_us or previous
