@@ -202,3 +202,23 @@ def test_an_error_in_a_stream_is_its_last_event_without_done(live):
     last = json.loads(events[-1])
     assert last["error"]["code"] in ("wait.deadline", "submit.deadline", "admission.deadline")
     assert "[DONE]" not in events
+
+
+# ---- two stop strings in one token's text (vllm/v1/engine/detokenizer.py check_stop_strings) --
+def test_two_stop_strings_in_one_tokens_text_cut_at_the_earliest_not_the_first_listed():
+    """A pinned difference: vLLM's ``check_stop_strings`` tries the stop strings in list order
+    and cuts at the first one found in the new text, so with ``stop=["3>", "<1"]`` and a token
+    whose text is ``<123>`` it answers ``<12``, which holds the other stop string. Here the
+    text is cut at the earliest match in the text, whatever the list's order (OpenAI: the
+    text stops before the first stop sequence it contains), so the answer never holds one."""
+    from calexec.drivers.serving.byte_tokenizer import ByteTokenizer
+    from calexec.drivers.serving.openai_api import TextOutput
+
+    tok = ByteTokenizer()
+    assert tok.decode([123]) == "<123>"
+    for stop in (("3>", "<1"), ("<1", "3>")):
+        out = TextOutput(tok, stop)
+        sent = out.add(123) + out.flush()
+        assert out.stopped and out.text == sent == "", (stop, out.text)
+    kept = TextOutput(tok, ("3>", "<1"), keep_stop=True)
+    assert kept.add(123) + kept.flush() == "<1"  # include_stop_str_in_output: that match
