@@ -599,7 +599,10 @@ def test_submit_nowait_takes_the_step_fired_ahead_and_refuses_another_token(calb
     """greedy_ahead: once the completion thread fired the argmax's step, ``submit_nowait``
     takes it; with another token it declines (``submit`` closes the stream for the misuse)."""
     steps = 6
-    with running_job_path(calbin, device_config="decode_us=2000") as ex:
+    # a 20 ms device: the submitter arms step 2 while step 1 runs even on a loaded host (on
+    # a 2 ms one a full test suite beside it once delayed the arming past step 1's end, so
+    # nothing was fired ahead and the wait below timed out)
+    with running_job_path(calbin, device_config="decode_us=20000") as ex:
         stream, token = open_stream(ex, 1, steps, greedy_ahead=True, max_steps=steps)
         out = [token]
         handle = stream.submit(token)
