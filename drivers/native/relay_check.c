@@ -173,8 +173,93 @@ static void *completion(void *arg)
     return NULL;
 }
 
+/* the executor's use (calexec_relay_submitter_only): two threads fire, one wakes, the
+ * submitter infers until the close; every job fired is inferred once or dropped by the
+ * close, none is tracked, track and register are refused */
+enum { SO_PER_FIRER = 2000 };
+static calexec_relay *g_so;
+static atomic_long g_so_fired, g_so_inferred, g_so_bad;
+
+static int32_t so_infer(void *dev, void *model, void *kv, int32_t seq, void *inbuf, void *outbuf)
+{
+    (void)dev, (void)model, (void)kv, (void)inbuf, (void)outbuf;
+    return seq == 7 ? 0 : 4;
+}
+
+static void *so_submitter(void *arg)
+{
+    (void)arg;
+    calexec_relay_event ev;
+    for (;;) {
+        if (calexec_relay_submitter_wait(g_so, 100000, &ev) != CALEXEC_RELAY_OK) {
+            atomic_fetch_add(&g_so_bad, 1);
+            return NULL;
+        }
+        if (ev.kind == CALEXEC_RELAY_CLOSED)
+            return NULL;
+        if (ev.kind == CALEXEC_RELAY_INFERRED) {
+            atomic_fetch_add(&g_so_inferred, 1);
+            if (ev.rc != 0 || ev.why != CALEXEC_RELAY_FIRED)
+                atomic_fetch_add(&g_so_bad, 1);
+        }
+    }
+}
+
+static void *so_firer(void *arg)
+{
+    long base = (long)(uintptr_t)arg;
+    for (long i = 0; i < SO_PER_FIRER; i++) {
+        calexec_relay_job job = {base + i, NULL, NULL, NULL, NULL, NULL, 7};
+        int32_t rc;
+        while ((rc = calexec_relay_fire(g_so, &job)) == CALEXEC_RELAY_EFULL)
+            sleep_us(5);
+        if (rc != CALEXEC_RELAY_OK)
+            atomic_fetch_add(&g_so_bad, 1);
+        else
+            atomic_fetch_add(&g_so_fired, 1);
+        if (i % 7 == 0)
+            calexec_relay_wake(g_so);
+    }
+    return NULL;
+}
+
+static int submitter_only_check(void)
+{
+    calexec_relay_fns fns = {so_infer, fake_wait, fake_status, fake_valid, DONE};
+    g_so = calexec_relay_new(&fns);
+    if (!g_so || calexec_relay_submitter_only(g_so) != CALEXEC_RELAY_OK)
+        return 1;
+    calexec_relay_job job = {1, NULL, NULL, NULL, NULL, NULL, 7};
+    if (calexec_relay_track(g_so, &job) != CALEXEC_RELAY_EARG)
+        return 1;
+    pthread_t ts, f1, f2;
+    pthread_create(&ts, NULL, so_submitter, NULL);
+    pthread_create(&f1, NULL, so_firer, (void *)(uintptr_t)1000000);
+    pthread_create(&f2, NULL, so_firer, (void *)(uintptr_t)2000000);
+    pthread_join(f1, NULL);
+    pthread_join(f2, NULL);
+    int32_t dropped = calexec_relay_close(g_so, NULL, 0);
+    pthread_join(ts, NULL);
+    calexec_relay_counters c;
+    calexec_relay_counters_get(g_so, &c);
+    calexec_relay_free(g_so);
+    long fired = atomic_load(&g_so_fired), inferred = atomic_load(&g_so_inferred);
+    printf("relay_check: submitter-only: %ld fired, %ld inferred, %d dropped at the close\n",
+           fired, inferred, dropped);
+    if (fired != 2 * SO_PER_FIRER || inferred + dropped != fired || c.in_flight != 0 ||
+        atomic_load(&g_so_bad)) {
+        fprintf(stderr, "relay_check: submitter-only FAILED: fired %ld, inferred %ld, dropped "
+                        "%d, in flight %d, bad %ld\n", fired, inferred, dropped, c.in_flight,
+                atomic_load(&g_so_bad));
+        return 1;
+    }
+    return 0;
+}
+
 int main(void)
 {
+    if (submitter_only_check() != 0)
+        return 1;
     calexec_relay_fns fns = {fake_infer, fake_wait, fake_status, fake_valid, DONE};
     g_relay = calexec_relay_new(&fns);
     if (!g_relay) {
