@@ -262,8 +262,7 @@ class Completion:
             slow = self.config.threads and ran_us >= tuning.ahead_yield_min_us
             fired = stream.fire_ahead(  # greedy ahead (machines/stream.py)
                 job, result, min(tuning.ahead_arm_delay_s, ran_us / 4e6) if slow else 0.0)
-            # (a step the submitter's native relay infers needs no GIL for it: no yield)
-            if fired is not None and slow and not job_of(fired).relayed:
+            if fired is not None and slow:
                 self._until_submitted(job_of(fired))
         if deferred is not None:  # the row is written before anyone may read it
             result = self._convert_deferred(job, result, deferred)
