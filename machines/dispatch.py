@@ -170,6 +170,11 @@ class Dispatch:
         #: the submitter waits in a native relay (``SubmitRelay``): whatever wakes it wakes
         #: that wait too (``_notify``); set by the executor while its relay is open
         self.relay_wake: Callable[[], object] | None = None
+        #: the submitter was told to wait in its relay (``idle_for``) and not woken since:
+        #: only then does a notification call ``relay_wake`` (one native call per wait,
+        #: none while the submitter runs Python, which looks at the state itself before it
+        #: waits again)
+        self._relay_waiting = False
         #: jobs taken for the submitter by the thread that queued them, to be inferred by
         #: the relay (job id -> job), until the submitter reports them (``take_relayed``)
         self._relayed: dict[int, Job] = {}
@@ -263,7 +268,8 @@ class Dispatch:
         may be work for the submitter."""
         self.cv.notify_all()
         relay_wake = self.relay_wake
-        if relay_wake is not None:
+        if relay_wake is not None and self._relay_waiting:
+            self._relay_waiting = False
             relay_wake()
 
     # ---- the token budget ----------------------------------------------------------------------
@@ -709,6 +715,7 @@ class Dispatch:
                      wake_at: float | None | Callable[[float], float | None],
                      relay_idle: bool = False) -> SubmitterStep | None:
         """One look of ``next_for_submitter`` (lock held): a step, or None after a wait."""
+        self._relay_waiting = False  # the submitter looks now (any wake was for this look)
         if self._refused_by_relay:  # taken for the relay, which was closed: submit them
             return SubmitterStep(submit=self._refused_by_relay.popleft())
         stopping = self._stopping
@@ -755,6 +762,7 @@ class Dispatch:
             if bound is not None:
                 timeout = bound if timeout is None else min(timeout, bound)
         if relay_idle:
+            self._relay_waiting = True  # from now on a notification wakes its relay wait
             return SubmitterStep(idle_for=RELAY_IDLE_MAX_S if timeout is None
                                  else min(max(timeout, 0.0), RELAY_IDLE_MAX_S))
         self.clock.wait(self.cv, None if timeout is None else max(timeout, 0))

@@ -223,10 +223,8 @@ def test_a_fired_job_the_submitter_would_submit_at_once_is_taken_for_the_relay(d
 def test_a_fired_job_is_left_to_the_submitter_unless_it_would_submit_it_at_once(d, case):
     """Every situation in which the submitter's next look would do something else first
     (fail an ended job, submit the job queued before, wait for a permit) or would not use
-    the relay's plain infer: the job is queued as on the plain path and the submitter's
-    relay wait is woken."""
-    woken = []
-    d.relay_wake = lambda: woken.append(1)
+    the relay's plain infer: the job is queued as on the plain path (and the submitter
+    woken: the next test)."""
     gen = Gen()
     job = make_job(1, gen, deadline=time.monotonic() + (-1 if case == "self_ended" else 60))
     d.arm(job, gen)
@@ -237,19 +235,38 @@ def test_a_fired_job_is_left_to_the_submitter_unless_it_would_submit_it_at_once(
         d.arm(make_job(2, gen, deadline=time.monotonic() - 1, seq=2), gen)
     elif case == "queued_before":
         d.queue(make_job(3, gen, seq=3), gen)
-        woken.clear()
     elif case == "held":
         d.hold(Held(slot=SimpleNamespace(), kvc=SimpleNamespace(), seq_id=9,
                     job=make_job(4, gen, seq=9), grace_end=0.0))
-        woken.clear()
     elif case == "not_eligible":
         kw["eligible"] = False
     elif case == "stopping":
         d.stop()
-        woken.clear()
     assert d.fire(job, 42, gen, relay=offer(expired, **kw)) == (True, None)
-    assert not job.relayed and d.snapshot()["relayed"] == 0 and woken
+    assert not job.relayed and d.snapshot()["relayed"] == 0
     assert d.snapshot()["queued"] >= 1
+
+
+def test_a_submitter_waiting_in_its_relay_is_woken_once_per_wait(d):
+    """Whatever may give the submitter work wakes its relay wait, once (the relay's wake
+    is coalesced too); while the submitter looks at the state itself (in Python, between
+    two waits) nothing calls into the relay."""
+    woken = []
+    d.relay_wake = lambda: woken.append(1)
+    gen = Gen()
+    d.queue(make_job(1, gen), gen)
+    assert not woken  # the submitter was never told to wait: it will look
+    step = d.next_for_submitter(never, 0, block=True, wake_at=None, relay_idle=True)
+    assert step.idle_for is not None  # no permit: wait
+    d.queue(make_job(2, gen, seq=2), gen)
+    d.refuse(None)
+    assert woken == [1]  # one wake for the wait
+    step = d.next_for_submitter(never, 0, block=True, wake_at=None, relay_idle=True)
+    assert step.idle_for is not None
+    job = make_job(3, gen, seq=3)
+    d.arm(job, gen)
+    assert d.fire(job, 7, gen, relay=offer(capacity=0)) == (True, None)  # queued, not taken
+    assert woken == [1, 1]
 
 
 def test_a_job_the_relay_refused_is_submitted_by_the_submitter_first(d):
