@@ -430,9 +430,10 @@ class Dispatch:
         self._released_locked(job)  # queued: a request's job now, no release under way
         self._queue.append(job)
         if relay is not None and self._take_for_relay_locked(job, relay):
-            # the relay's fire wakes the submitter in C; a Python wake-up now would make
-            # it come back to Python before the job is there (it recomputes its wait after
-            # reporting the job anyway)
+            # the relay's fire wakes the submitter in C, and it looks again after reporting
+            # the job: a wake of its relay wait now would only bring it back to Python
+            # before the job is there
+            self._relay_waiting = False
             self.cv.notify_all()
             return None
         self._notify()
@@ -473,11 +474,6 @@ class Dispatch:
             if self._relayed.pop(job.job_id, None) is job:
                 self._refused_by_relay.append(job)
             self._notify()
-
-    @property
-    def relayed_count(self) -> int:
-        """Jobs taken for the relay and not reported yet (no lock: a length)."""
-        return len(self._relayed)
 
     def take_armed(self, job: Job) -> bool:
         """Take ``job`` out of the armed jobs: True, the caller owns it now; False, someone

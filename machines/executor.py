@@ -175,8 +175,9 @@ class ExecutorConfig:
     #: (``RuntimeApi.submit_relay``, docs/architecture.md "Native hand-offs"): a fired
     #: decode step (a pre-armed stream's, greedy ahead's, an adopted guess's) that the
     #: submitter would submit at once is given to ``infer`` from that wait, without a
-    #: Python wake-up. Same decisions, same answers (tests/test_differential.py); off by
-    #: default until its speed is measured on the executor modes
+    #: Python wake-up. Same decisions, same answers (tests/test_differential.py). Off by
+    #: default: its gains at 2 ms are within one run's spread to the next
+    #: (docs/benchmarks.md, stop 49)
     native_relay: bool = False
 
 
