@@ -658,8 +658,7 @@ class DeviceExecutor(SequenceOwnership):
     def _relay_eligible(self, job: Job) -> bool:
         """Whether ``job``'s infer is the relay's plain ``infer`` (``_infer``'s choice)."""
         lease = job.lease
-        return lease is not None and (lease.slot.engine == EngineSlot.AUTO
-                                      or self.feature_disabled("fixed_engine"))
+        return lease is not None and self._plain_infer(lease.slot)
 
     def _relay_fire(self, job: Job) -> None:
         """(The thread that fired ``job``, after the dispatch took it for the submitter:
@@ -733,7 +732,9 @@ class DeviceExecutor(SequenceOwnership):
             if job is None:
                 continue
             try:
-                self._after_infer(job, None)
+                self._not_submitted(job, Status.cancelled(
+                    Phase.SUBMIT, "the executor's threads stopped before the job was "
+                    "submitted", **job.ctx()))
             finally:
                 self.dispatch.handed_off(1)
         if threads_gone:
@@ -893,19 +894,11 @@ class DeviceExecutor(SequenceOwnership):
         self.infer_threads.add(threading.current_thread().name)
         self._after_infer(job, self._infer(gen, slot, job.request.seq_id))
 
-    def _after_infer(self, job: Job, rc: int | None) -> None:
+    def _after_infer(self, job: Job, rc: int) -> None:
         """What follows the first ``infer`` of ``job`` (the submitter's, in Python or in its
         relay): the §8 retries of a busy device, the rollback of a refused job, or the job
-        on the device (Submitted, KV submitted, the completion queue). ``rc`` None: it was
-        never given to infer (fired into a relay that closed)."""
+        on the device (Submitted, KV submitted, the completion queue)."""
         gen, slot = job.gen, job.lease.slot
-        if rc is None:
-            gen.pool.device_done(job.lease)
-            self.dispatch.release_permit(job)
-            self.outcomes.fail_before_submit(job, Status.cancelled(
-                Phase.SUBMIT, "the executor's threads stopped before the job was submitted",
-                **job.ctx()))
-            return
         attempt = 0
         while rc == CalrtCode.DEVICE_BUSY and attempt < self.config.recovery.submit_retries:
             # §8 Transient row: the runtime did not run the graph; bounded retry with backoff.
@@ -916,10 +909,8 @@ class DeviceExecutor(SequenceOwnership):
             rc = self._infer(gen, slot, job.request.seq_id)
         if rc != CalrtCode.SUCCESS:
             # FI05: the runtime did not take the job: software rollback, no Wait.
-            gen.pool.device_done(job.lease)
-            self.dispatch.release_permit(job)
-            status = Status.from_calrt(rc, Phase.SUBMIT, "infer", **job.ctx())
-            self.outcomes.fail_before_submit(job, status)
+            self._not_submitted(job, Status.from_calrt(rc, Phase.SUBMIT, "infer",
+                                                       **job.ctx()))
             return
         job.timings.submitted_us = self.clock.now_us()
         job.submitted_at = self.clock.monotonic()  # the §9.1 execution deadline's start
@@ -928,11 +919,22 @@ class DeviceExecutor(SequenceOwnership):
         self.outcomes.bump("submitted")
         self.completion.push(job)
 
+    def _not_submitted(self, job: Job, status: Status) -> None:
+        """A job the submitter took whose infer never started it (refused, or never given
+        to infer): its slot back from in flight, its permit, then failed with ``status``."""
+        job.gen.pool.device_done(job.lease)
+        self.dispatch.release_permit(job)
+        self.outcomes.fail_before_submit(job, status)
+
+    def _plain_infer(self, slot: BufferSlot) -> bool:
+        """Whether ``slot``'s jobs go to plain ``infer()`` (not Phase B's fixed engine)."""
+        return slot.engine == EngineSlot.AUTO or self.feature_disabled("fixed_engine")
+
     def _infer(self, gen: Generation, slot: BufferSlot, seq_id: int) -> int:
         """Phase A: infer(); Phase B: infer_with_fixed_task_type on the slot's PING/PONG
         (plain infer() while ``fixed_engine`` is switched off)."""
         device: DeviceApi = self.device
-        if slot.engine == EngineSlot.AUTO or self.feature_disabled("fixed_engine"):
+        if self._plain_infer(slot):
             return device.infer(slot.model, gen.kv, seq_id, slot.inbuf, slot.outbuf)
         return device.infer_with_fixed_task_type(slot.model, gen.kv, seq_id, slot.inbuf,
                                                  slot.outbuf, int(slot.engine))
