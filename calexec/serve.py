@@ -130,6 +130,10 @@ def _parser() -> argparse.ArgumentParser:
                    default=SERVING_SWITCH_INTERVAL_US,
                    help="GIL switch interval in microseconds (0 keeps Python's 5000): shorter "
                         "hand-offs between the executor's threads, see drivers/serving/process.py")
+    p.add_argument("--native-relay", action="store_true",
+                   help="the executor's submitter waits in the native relay and infers the "
+                        "steps fired for it from C (ExecutorConfig.native_relay; off by "
+                        "default: docs/architecture.md \"Native hand-offs\")")
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
                    help="log level (default info; with --once warning)")
     p.add_argument("--ray", action="store_true",
@@ -296,7 +300,8 @@ def main(argv: list[str]) -> int:
             executor = DeviceExecutor(runtime, spec.manifest(), ExecutorConfig(
                 calbin_path=spec.calbin(tmp), device_config=args.device_config,
                 recovery=spec.recovery(),
-                allow_unpinned_golden=args.allow_unpinned_golden))
+                allow_unpinned_golden=args.allow_unpinned_golden,
+                native_relay=args.native_relay))
         except (OSError, ValueError) as err:
             print(f"calexec serve: {err}", file=sys.stderr)
             return EXIT_USAGE
@@ -387,7 +392,7 @@ def _serve_ray(args: argparse.Namespace, config: ServerConfig, port: int, spec) 
     settings = ReplicaSettings(device_config=args.device_config, calbin_path=args.calbin,
                                runtime_lib=args.runtime_lib, grace_s=args.grace, server=config,
                                gil_switch_us=args.gil_switch_us, manifest_path=args.manifest,
-                               reset_kind=spec.reset()[0])
+                               reset_kind=spec.reset()[0], native_relay=args.native_relay)
     local = not local_ray.joins_cluster()
     try:
         ray.init(address=local_ray.init_address(), include_dashboard=False)

@@ -54,8 +54,10 @@ def run_bounded(argv: list[str], timeout: float, **kwargs) -> subprocess.Complet
 
 
 # ---- calexec serve --once ------------------------------------------------------------------------
-def test_serve_once_prints_a_curl_command_and_the_completion(tmp_path):
-    done = run_bounded([sys.executable, "-m", "calexec", "serve", "--once"], timeout=60,
+@pytest.mark.parametrize("flags", [[], ["--native-relay", "--device-config", "decode_us=2000"]],
+                         ids=["default", "native_relay"])
+def test_serve_once_prints_a_curl_command_and_the_completion(tmp_path, flags):
+    done = run_bounded([sys.executable, "-m", "calexec", "serve", "--once", *flags], timeout=60,
                        cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout

@@ -24,8 +24,8 @@ DEVICE = "decode_us=2000"
 def make(tmp_path):
     made = []
 
-    def build(**config):
-        executor = started_executor(tmp_path, DEVICE)
+    def build(native_relay=False, **config):
+        executor = started_executor(tmp_path, DEVICE, native_relay=native_relay)
         made.append(executor)
         return executor, create_app(executor, ServerConfig(**config))
     yield build
@@ -247,3 +247,32 @@ def test_a_discarded_step_that_hangs_never_delays_the_answer(tmp_path, stream):
             assert again.json()["choices"][0]["token_ids"] == greedy
     finally:
         executor.shutdown(5.0)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_native_relay_serves_the_same_tokens_and_infers_fired_steps_from_c(make, stream):
+    """``serve --native-relay`` (ExecutorConfig.native_relay): the fired steps of a request
+    (greedy ahead, pre-armed) reach infer() from the submitter's relay, counted in
+    ``calexec_relay_submitted_total``, and the answer is the one without it."""
+    prompt = list(range(40, 52))
+    answers, relayed = {}, {}
+    for native_relay in (False, True):
+        executor, app = make(native_relay=native_relay)
+        assert executor.relay_active is native_relay
+        with TestClient(app) as client:
+            body = {"prompt": prompt, "max_tokens": 16, "stream": stream}
+            r = client.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            answers[native_relay] = (r.text if stream else r.json()["choices"][0]["token_ids"])
+            relayed[native_relay] = metric_value(client.get("/metrics").text,
+                                                 "calexec_relay_submitted_total")
+            wait_for(lambda: settled(executor, app.state.service),
+                     what="sequence and armed job released")
+    if stream:  # the ids and timestamps of a stream differ: compare the tokens' text
+        texts = {k: [json.loads(line[6:])["choices"][0]["text"] for line in v.splitlines()
+                     if line.startswith("data: {")] for k, v in answers.items()}
+        assert texts[True] == texts[False] and len(texts[True]) >= 16
+    else:
+        assert answers[True] == answers[False] == oracle_tokens(prompt, 16)
+    assert relayed[False] == 0
+    assert relayed[True] >= 1, "no step went to infer() from the relay"

@@ -141,6 +141,8 @@ class ReplicaSettings:
     #: GIL switch interval of the replica process in us (0: Python's default; drivers/serving/process.py)
     gil_switch_us: int = attrs.field(default=SERVING_SWITCH_INTERVAL_US,
                                      validator=attrs.validators.ge(0))
+    #: ``ExecutorConfig.native_relay`` of every replica's executor (``serve --native-relay``)
+    native_relay: bool = False
 
 
 def check_lifecycle(state: str, failure: Any = None) -> None:
@@ -255,7 +257,7 @@ class CalexecReplica:
                           runtime_lib=settings.runtime_lib, reset_kind=settings.reset_kind)
         self.executor = DeviceExecutor(spec.runtime(), spec.manifest(), ExecutorConfig(
             calbin_path=spec.calbin(self._tmp.name), device_config=settings.device_config,
-            recovery=spec.recovery()))
+            recovery=spec.recovery(), native_relay=settings.native_relay))
         status = self.executor.start()
         if not status.ok:
             self._tmp.cleanup()

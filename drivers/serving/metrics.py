@@ -30,6 +30,7 @@ calexec_decode_steps_total{prearmed}       counter    decode jobs of decode stre
 calexec_decode_steps_ahead_total            counter    of those, fired with the argmax (greedy ahead)
 calexec_decode_burst_jobs_total             counter    jobs taken in decode bursts (greedy, streamed or not)
 calexec_executor_jobs_total                 counter    outcome; the executor's own job counters
+calexec_relay_submitted_total               counter    jobs inferred from the native relay (serve --native-relay)
 calexec_num_requests_running                gauge      completion requests being served
 calexec_num_requests_waiting                gauge      requests waiting for a sequence id or Ready
 calexec_resumes_total                       counter    cause; generations resumed on a fresh sequence
@@ -149,6 +150,11 @@ class _ExecutorCollector(Collector):
         for outcome in ("submitted", "succeeded", "failed", "quarantined", "cancelled"):
             jobs.add_metric([outcome], snap[outcome])
         yield jobs
+        relayed = CounterMetricFamily("calexec_relay_submitted",
+                                      "Jobs the submitter gave to infer from its native relay "
+                                      "(serve --native-relay; 0 without it).")
+        relayed.add_metric([], snap.get("relay_submitted", 0))
+        yield relayed
         for name, value in self._server_gauges().items():
             yield _gauge(name, _SERVER_GAUGE_HELP[name], value)
 
