@@ -31,10 +31,10 @@ ARGS = ["--json", "--clients", "6", "--seed", "5", "--decode-us", "0,2000",
         "--rss-bound-mib", RSS_BOUND]
 
 
-def _run(capsys, requests: int, faults: int, hooks: soak.Hooks | None = None
-         ) -> tuple[int, dict, str]:
+def _run(capsys, requests: int, faults: int, hooks: soak.Hooks | None = None,
+         flags: tuple[str, ...] = ()) -> tuple[int, dict, str]:
     code = soak.run_cli(["bench", "soak", "--requests", str(requests), "--faults", str(faults),
-                         *ARGS], hooks)
+                         *ARGS, *flags], hooks)
     out, err = capsys.readouterr()
     assert out.count("\n") == 1, f"--json must print exactly one line, got {out!r}"
     return code, json.loads(out), err
@@ -57,6 +57,7 @@ def test_small_soak_passes_every_check_with_every_fault_kind(capsys):
     assert [p["decode_us"] for p in report["phases"]] == [0, 2000]
     # the 2 ms phase runs the server's pre-armed decode streams
     assert report["phases"][1]["decode_steps_prearmed"] >= 1
+    assert report["native_relay"] is False and report["relay_submitted"] == 0
     assert report["decode_steps_prearmed"] >= report["phases"][1]["decode_steps_prearmed"]
     start, end = report["pools_start"], report["pools_end"]
     assert {k: v for k, v in start.items() if k != "buffer_slots"} == \
@@ -73,6 +74,19 @@ def test_small_soak_passes_every_check_with_every_fault_kind(capsys):
     assert objects["growth"] <= soak.LIVE_OBJECTS_SLACK
     # the process runs with calexec serve's memory policy (drivers/memory.py) where it can
     assert report["mmap_threshold_pinned"] is (platform.libc_ver()[0] == "glibc")
+
+
+def test_a_small_soak_on_the_native_relay_passes_every_check(capsys):
+    """``--native-relay``: the same faults under the same load with the executor's submitter
+    on its native relay (every fault kind, resumes, recoveries): no wrong token, nothing
+    beyond the budget, nothing leaked, and steps really went to infer() from the relay."""
+    code, report, _ = _run(capsys, REQUESTS, FAULT_COUNT, flags=("--native-relay",))
+    failed = {name: c["detail"] for name, c in report["checks"].items() if not c["ok"]}
+    assert code == 0 and report["ok"], failed
+    assert report["native_relay"] is True and report["faults_fired"] == FAULT_COUNT
+    assert report["wrong_tokens"] == 0 and report["errors_beyond_budget"] == {}
+    assert report["phases"][1]["relay_submitted"] >= 1, report["phases"]
+    assert report["relay_submitted"] >= report["phases"][1]["relay_submitted"]
 
 
 def test_a_wrong_token_a_leaked_id_a_leaked_thread_growing_rss_and_objects_fail_the_run(

@@ -145,9 +145,10 @@ def wait_until(predicate, timeout: float) -> bool:
     return True
 
 
-def bench_executor(workdir: Path):
+def bench_executor(workdir: Path, native_relay: bool = False):
     """drivers/tools/chaos.py's executor (fast latency profile, no escalation to Failed) with a
-    shorter execution deadline and drain grace: a hung job costs well under a second."""
+    shorter execution deadline and drain grace: a hung job costs well under a second.
+    ``native_relay``: ``ExecutorConfig.native_relay`` (``bench soak --native-relay``)."""
     from calexec.contracts.manifest import default_manifest_path, load_manifest
     from calexec.drivers.calrt.runtime import CalRT
     from calexec.drivers.synthetic import calbin
@@ -163,7 +164,8 @@ def bench_executor(workdir: Path):
                                   execution_timeout_s=0.4, timeout_grace_s=0.1,
                                   golden_timeout_s=5.0,
                                   recovery=RecoveryPolicy(max_recoveries=1_000_000,
-                                                          drain_grace_s=0.2)))
+                                                          drain_grace_s=0.2),
+                                  native_relay=native_relay))
     status = executor.start()
     if not status.ok:
         raise BenchError(f"executor did not start: {status}")

@@ -515,8 +515,10 @@ class _Monitor(threading.Thread):
 def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
              phases: list[Phase] | None = None, max_tokens: tuple[int, int] = (4, 8),
              max_seconds: float = 3600.0, progress_s: float = 30.0,
-             rss_bound_mib: float = 64.0, hooks: Hooks | None = None) -> dict[str, Any]:
-    """One soak; the report (module docstring), ``ok`` False when a check failed."""
+             rss_bound_mib: float = 64.0, hooks: Hooks | None = None,
+             native_relay: bool = False) -> dict[str, Any]:
+    """One soak; the report (module docstring), ``ok`` False when a check failed.
+    ``native_relay``: the executor's submitter on its native relay (``--native-relay``)."""
     import httpx
 
     from calexec.drivers.calrt.runtime import Fault, FaultMode
@@ -548,7 +550,7 @@ def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
     current: list[float | None] = [None] * clients
     with tempfile.TemporaryDirectory(prefix="calexec-bench-soak-") as tmp:
         try:
-            executor = bench_executor(Path(tmp))
+            executor = bench_executor(Path(tmp), native_relay)
         except Exception as exc:  # noqa: BLE001 - said in one line by main
             raise SoakError(f"executor did not start: {exc}") from exc
         calbin_path = executor.gen.calbin_path if executor.gen is not None else ""
@@ -563,7 +565,9 @@ def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
             return {"decode_steps_prearmed": int(get("calexec_decode_steps_total",
                                                      {"prearmed": "true"}) or 0),
                     "decode_steps_ahead": int(get("calexec_decode_steps_ahead_total") or 0),
-                    "auto_prearmed": int(executor.snapshot().get("auto_prearmed", 0))}
+                    "auto_prearmed": int(executor.snapshot().get("auto_prearmed", 0)),
+                    # steps the submitter inferred from its native relay (--native-relay)
+                    "relay_submitted": int(executor.snapshot().get("relay_submitted", 0))}
         monitor = _Monitor(emu, tally, phases, progress_s, counters=decode_counters,
                            rss=hooks.rss or rss_bytes, status=lambda: (
             f"requests {tally.finished}/{requests} faults {len(windows)}/{faults} "
@@ -763,6 +767,7 @@ def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
         "resumes_by_cause": {k: int(v) for k, v in resumed.items() if v},
         "decode_steps_prearmed": int(prearmed), "decode_steps_ahead": int(ahead),
         "auto_prearmed": counters.get("auto_prearmed"),
+        "native_relay": native_relay, "relay_submitted": counters.get("relay_submitted"),
         "recoveries": counters.get("recoveries"),
         "rss_mib": {"first": None if rss_first is None else round(rss_first / mib, 1),
                     "after_warm_up": None if warm is None else round(warm / mib, 1),
@@ -875,6 +880,9 @@ def run_cli(argv: list[str], hooks: Hooks | None = None) -> int:
                         help="seconds between two progress lines on stderr")
     parser.add_argument("--rss-bound-mib", type=_mib_bound, default=64.0,
                         help="the last RSS sample may exceed the post-warm-up one by this")
+    parser.add_argument("--native-relay", action="store_true",
+                        help="the executor's submitter on its native relay "
+                             "(ExecutorConfig.native_relay, serve --native-relay)")
     args = parser.parse_args(argv[2:])
     try:
         phases = parse_phases(args.decode_us)
@@ -887,7 +895,8 @@ def run_cli(argv: list[str], hooks: Hooks | None = None) -> int:
     pinned = pin_mmap_threshold()  # the process is a server's: calexec serve's policy
     try:
         report = run_soak(args.requests, args.faults, args.clients, args.seed, phases, tokens,
-                          args.max_seconds, args.progress_s, args.rss_bound_mib, hooks)
+                          args.max_seconds, args.progress_s, args.rss_bound_mib, hooks,
+                          args.native_relay)
     except SoakError as exc:
         print(f"calexec bench soak: {exc}", file=sys.stderr)
         return 1
