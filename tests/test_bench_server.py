@@ -47,6 +47,19 @@ def test_thread_loadgen_without_streaming(capsys):
         level["server"]["cpu_ms_per_request"] / level["direct"]["cpu_ms_per_request"],
         abs=0.002)
     assert "load generator" in report["process_cpu_scope"]  # its threads run in this process
+    assert report["native_relay"] is False and report["relay_submitted"] == 0
+
+
+def test_native_relay_runs_both_sides_on_the_relay_executor(capsys):
+    """``--native-relay``: the executor both sides use runs its submitter on the relay, and
+    at a 2 ms decode the server's fired steps went to infer() from it (the report says how
+    many). Figures are reported, never asserted."""
+    assert bench_server.main(["bench", "server", "--json", "--requests", "2", "--max-tokens",
+                              "4", "--decode-us", "2000", "--concurrency", "1",
+                              "--loadgen", "thread", "--no-stream", "--rounds", "1",
+                              "--native-relay"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["native_relay"] is True and report["relay_submitted"] >= 1
 
 
 def test_interleaved_rounds_and_the_serving_process_policy_in_the_report(capsys):

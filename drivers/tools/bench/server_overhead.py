@@ -404,9 +404,12 @@ def run_server_bench(requests: int, max_tokens: int, decode_us: int,
                      device: DeviceSpec = DeviceSpec(),
                      levels: Sequence[int] = DEFAULT_LEVELS, loadgen: str = "process",
                      stream: bool = True, client: str = "stdlib",
-                     rounds: int = DEFAULT_ROUNDS) -> dict[str, Any]:
-    """Per concurrency level: ``direct`` (the in-process executor, this process's threads),
-    ``server`` (HTTP, not streaming), ``server_stream`` (HTTP, server-sent events; when
+                     rounds: int = DEFAULT_ROUNDS, native_relay: bool = False
+                     ) -> dict[str, Any]:
+    """``native_relay``: the executor (both sides') runs its submitter on the native relay
+    (``ExecutorConfig.native_relay``, ``serve --native-relay``). Per concurrency level:
+    ``direct`` (the in-process executor, this process's threads), ``server`` (HTTP, not
+    streaming), ``server_stream`` (HTTP, server-sent events; when
     ``stream``), ``server_no_ahead`` (HTTP with greedy ahead off), ``server_always_prearm``
     (HTTP pre-arming at any device speed), ``server_no_bursts`` (HTTP
     with the decode bursts off), ``server_thread_waits`` (HTTP with the bursts and the inline
@@ -431,7 +434,8 @@ def run_server_bench(requests: int, max_tokens: int, decode_us: int,
         path = device.calbin(tmp)
         ex = DeviceExecutor(device.runtime(), device.manifest(),
                             ExecutorConfig(calbin_path=path, device_config=f"decode_us={decode_us}",
-                                           recovery=device.recovery()))
+                                           recovery=device.recovery(),
+                                           native_relay=native_relay))
         status = ex.start()
         if not status.ok:
             raise cliargs.UserError(f"executor start failed: {status}", cliargs.EXIT_REFUSED)
@@ -444,6 +448,8 @@ def run_server_bench(requests: int, max_tokens: int, decode_us: int,
                                  split.url)
                 if split.url is None:
                     result["api_process_floor"] = f"not run: {split.reason}"
+                result["native_relay"] = native_relay
+                result["relay_submitted"] = ex.snapshot()["relay_submitted"]
                 return result
         except TimeoutError as exc:  # (a server that did not start)
             raise BenchError(str(exc)) from None
@@ -595,6 +601,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--gil-switch-us", type=int, default=SERVING_SWITCH_INTERVAL_US,
                         help="GIL switch interval for the run (us; 0 keeps Python's 5000; "
                              "default: what calexec serve uses)")
+    parser.add_argument("--native-relay", action="store_true",
+                        help="the executor's submitter on its native relay "
+                             "(ExecutorConfig.native_relay, serve --native-relay)")
     cliargs.add_device_args(parser)
     args = parser.parse_args(argv[2:])
     if args.decode_us < 0:
@@ -611,7 +620,7 @@ def main(argv: list[str]) -> int:
     try:
         result = run_server_bench(args.requests, args.max_tokens, args.decode_us, device,
                                   args.concurrency, args.loadgen, not args.no_stream,
-                                  args.client, args.rounds)
+                                  args.client, args.rounds, args.native_relay)
     except BenchError as exc:  # (a DeviceSpecError: exit 2, by cliargs.command_main)
         print(f"calexec bench server: {exc}", file=sys.stderr)
         return 1
