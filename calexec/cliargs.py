@@ -214,9 +214,11 @@ def latency_us(text: str) -> int:
 
 
 #: the longest duration a seconds flag (``--grace``, ``--timeout``, ``--soak-seconds``, ...)
-#: takes: about 115 days. Longer is no run anyone waits for, and a timer much longer than this
-#: overflows the C time types under Python's waits (``1e30`` was an internal error, exit 70).
-MAX_SECONDS = 1e7
+#: takes: about 11.6 days. Longer is no run anyone waits for, and a longer timer overflows the
+#: waits under it: a subprocess's wait polls in milliseconds in a C int, at most about 24.8
+#: days (``conform --timeout 1e7`` was ``internal error: OverflowError``, exit 70, as ``1e30``
+#: was for every seconds flag).
+MAX_SECONDS = 1e6
 
 
 def seconds(text: str) -> float:

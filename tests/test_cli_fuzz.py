@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import io
 import re
+import subprocess
+import sys
 
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
@@ -179,9 +181,9 @@ def test_an_unknown_flag_with_control_characters_stays_one_line(command: str, ju
 @pytest.mark.parametrize(("argv", "flag", "said"), [
     # a seconds flag took 1e30: serve's drain overflowed a timer at Ctrl-C (exit 70, after a
     # hang), conform's first experiment did (exit 70)
-    (["serve", "--grace", "1e30"], "--grace", "at most 1e+07, got '1e30'"),
-    (["conform", "--timeout", "1e30"], "--timeout", "at most 1e+07, got '1e30'"),
-    (["accept", "--soak-seconds", "1e9"], "--soak-seconds", "at most 1e+07"),
+    (["serve", "--grace", "1e30"], "--grace", "at most 1e+06, got '1e30'"),
+    (["conform", "--timeout", "1e30"], "--timeout", "at most 1e+06, got '1e30'"),
+    (["accept", "--soak-seconds", "1e9"], "--soak-seconds", "at most 1e+06"),
     # above the emulator's range: the device refused to open, exit 3, not naming the flag
     (["demo", "--decode-us", "60000001"], "--decode-us", "must be in 0..60000000 us"),
     (["bench", "server", "--decode-us", "60000001"], "--decode-us", "0..60000000"),
@@ -202,3 +204,24 @@ def test_an_unknown_flag_with_control_characters_stays_one_line(command: str, ju
 def test_found_by_fuzzing_is_a_usage_error(argv: list[str], flag: str, said: str):
     line = _assert_usage_error(argv, flag)
     assert said in line, line
+
+
+# ---- stop 50 -----------------------------------------------------------------------------------
+def test_the_longest_seconds_value_fits_the_waits_under_it():
+    """`conform --timeout 1e7` (then the largest value taken) was exit 70, `internal error:
+    OverflowError: timeout is too large`, at its first experiment, as was `charts mutate
+    --timeout 1e7` at its first mutant: a subprocess's wait polls in milliseconds in a C int
+    (at most about 24.8 days). The largest value a seconds flag takes must fit it."""
+    with subprocess.Popen([sys.executable, "-c", "print('ok')"], stdout=subprocess.PIPE) as proc:
+        out, _ = proc.communicate(timeout=cliargs.MAX_SECONDS)
+    assert out.strip() == b"ok"
+    assert cliargs.seconds(repr(cliargs.MAX_SECONDS)) == cliargs.MAX_SECONDS
+
+
+@pytest.mark.parametrize("argv", [
+    ["conform", "--timeout", "1e7"],
+    ["charts", "mutate", "--test-cmd", "true", "--timeout", "1e7"],
+])
+def test_a_seconds_value_the_waits_cannot_take_is_a_usage_error(argv: list[str]):
+    line = _assert_usage_error(argv, argv[-2])
+    assert f"at most {cliargs.MAX_SECONDS:g}" in line, line

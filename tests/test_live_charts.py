@@ -148,8 +148,8 @@ def test_debug_job_path_of_a_failed_request_names_the_refusing_guard(executor):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--seconds", "-1"], "argument --seconds: must be a number of seconds > 0 and at most 1e+07, got '-1'"),
-        (["--seconds", "nan"], "argument --seconds: must be a number of seconds > 0 and at most 1e+07, got 'nan'"),
+        (["--seconds", "-1"], "argument --seconds: must be a number of seconds > 0 and at most 1e+06, got '-1'"),
+        (["--seconds", "nan"], "argument --seconds: must be a number of seconds > 0 and at most 1e+06, got 'nan'"),
         (["--clients", "0"], "argument --clients: must be >= 1, got 0"),
         (["--out", "/nonexistent-dir/live.png"], "--out='/nonexistent-dir/live.png': no directory"),
         (["--out", "{tmp}/live.png"], "needs headless Chromium: chromium is not on PATH"),
