@@ -179,6 +179,18 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def int_in(low: int, high: int) -> Callable[[str], int]:
+    """The argparse type of an integer flag in ``low..high``."""
+
+    def bounded(text: str) -> int:
+        value = _integer(text)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be in {low}..{high}, got {value}")
+        return value
+
+    return bounded
+
+
 def nonempty(text: str) -> str:
     """A path flag's value: '' (an unset variable in a script) is refused, never taken for
     'no value' or for the working directory (``Path('')`` is ``.``)."""

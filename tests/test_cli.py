@@ -542,6 +542,14 @@ def test_a_bad_value_found_past_the_parser_still_names_its_flag(argv, named, tmp
     (["bench", "soak", "--seed", "-1"], "argument --seed: must be >= 0, got -1"),
     (["serve", "--port", "http"], "argument --port: 'http' is not an integer"),
     (["serve", "--grace", "soon"], "argument --grace: 'soon' is not a number"),
+    # "invalid _u64 value: 'abc'" (the type function's name); sizes the emulator's loader
+    # refuses were written, exit 0: a calbin every command then failed to load (exit 3)
+    (["sim", "write-calbin", "/nonexistent/c.calbin", "--seed", "abc"],
+     "argument --seed: 'abc' is not an integer"),
+    (["sim", "write-calbin", "/nonexistent/c.calbin", "--hidden", "1000000000"],
+     "argument --hidden: must be in 1..26843545, got 1000000000"),
+    (["sim", "write-calbin", "/nonexistent/c.calbin", "--tile-d0", "7236677"],
+     "argument --tile-d0: must be in 1..7236676, got 7236677"),
     # nan passed the '< 0' check: the whole soak ran, then its rss check failed (exit 1)
     (["bench", "soak", "--requests", "1", "--faults", "1", "--clients", "1", "--decode-us", "0",
       "--max-tokens", "1", "--rss-bound-mib", "nan"], "argument --rss-bound-mib: "),
@@ -553,6 +561,31 @@ def test_bench_charts_and_soak_flags_are_one_line_exit_2(argv, named):
     line = one_line(done.stderr)
     assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
     assert line.startswith(f"calexec {cli.lookup(argv)}: error: ") and named in line, line
+
+
+@pytest.mark.parametrize("size", ["hidden", "tile_d0"])
+def test_write_calbins_largest_sizes_are_what_the_emulators_loader_takes(size, tmp_path):
+    """``sim write-calbin``'s bounds are the emulator's (a tensor of at most 2**40 elements):
+    the largest value loads, one more is refused by the loader as by the flag."""
+    from calexec.drivers.calrt.runtime import CalRT
+    from calexec.drivers.synthetic import calbin
+
+    largest = {"hidden": calbin.MAX_HIDDEN, "tile_d0": calbin.MAX_TILE_D0}[size]
+    path = tmp_path / "c.calbin"
+    path.write_bytes(calbin.dumps(calbin.default_spec(**{size: largest})))
+    runtime = CalRT.load()
+    assert not isinstance(runtime.inspect_calbin(str(path)), str)
+    text = path.read_text()
+    bigger = text  # (its meta line, and the dimension of the tensor it sizes)
+    for before, after in ((f" {largest}\n", f" {largest + 1}\n"),
+                          (f",{largest}\n", f",{largest + 1}\n"),
+                          (f",{largest},", f",{largest + 1},")):
+        bigger = bigger.replace(before, after)
+    assert bigger != text
+    path.write_text(bigger)
+    assert "INVALID_CALBIN" in runtime.inspect_calbin(str(path))
+    with pytest.raises(ValueError, match=size):
+        calbin.default_spec(**{size: largest + 1})
 
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")

@@ -30,6 +30,13 @@ VOCAB = 151936
 DEFAULT_TILE_D0 = 16
 DEFAULT_HIDDEN = 64
 DEFAULT_SEED = 0x0C0FFEE
+#: the most elements a tensor may hold: the bundled emulator's loader refuses a larger one
+#: (``parse_tensor`` in drivers/calrt/emulator.c, checked dimension by dimension)
+MAX_TENSOR_ELEMS = 1 << 40
+#: the largest ``hidden`` (``inputs_embeds`` is 1 x MAX_SEQ x hidden) and ``tile_d0``
+#: (``logits`` is 1 x tile_d0 x VOCAB) of a calbin that loader takes
+MAX_HIDDEN = MAX_TENSOR_ELEMS // MAX_SEQ
+MAX_TILE_D0 = MAX_TENSOR_ELEMS // VOCAB
 DECOY_SALT = 0x5A17D1CE0DDBA11
 KINDS = ("prefill_ids", "prefill_embeds", "decode")
 
@@ -73,12 +80,12 @@ class CalbinSpec:
 
 def default_spec(tile_d0: int = DEFAULT_TILE_D0, seed: int = DEFAULT_SEED, hidden: int = DEFAULT_HIDDEN) -> CalbinSpec:
     """The default synthetic Qwen3 calbin (prefill ids/embeds, decode, decoy)."""
-    if tile_d0 < 1:
-        raise ValueError(f"tile_d0 must be >= 1, got {tile_d0}")
+    if not 1 <= tile_d0 <= MAX_TILE_D0:
+        raise ValueError(f"tile_d0 must be in 1..{MAX_TILE_D0}, got {tile_d0}")
     if not 0 <= seed < 2**64:
         raise ValueError(f"seed must be a u64, got {seed}")
-    if hidden < 1:
-        raise ValueError(f"hidden must be >= 1, got {hidden}")
+    if not 1 <= hidden <= MAX_HIDDEN:
+        raise ValueError(f"hidden must be in 1..{MAX_HIDDEN}, got {hidden}")
     csrs = ("cur_seq_len", "total_seq_len")
 
     def meta(d0: int) -> tuple[tuple[str, int], ...]:

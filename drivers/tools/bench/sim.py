@@ -30,8 +30,8 @@ PROFILE_DECODE_US = 10_000
 
 def _u64(text: str) -> int:
     """argparse type of ``--seed`` (the calbin stores it as a u64)."""
-    value = int(text)
-    if not 0 <= value < 2**64:
+    value = cliargs.non_negative_int(text)
+    if value >= 2**64:
         raise argparse.ArgumentTypeError(f"must be in 0..2**64-1, got {value}")
     return value
 
@@ -40,11 +40,14 @@ def _write_calbin(argv: list[str]) -> int:
     p = cliargs.parser("calexec sim write-calbin", "Write the default synthetic calbin to PATH "
                        "and print its sha256 (which names the model generation).")
     p.add_argument("path", help="file to write")
-    p.add_argument("--tile-d0", type=cliargs.positive_int, default=calbin_fmt.DEFAULT_TILE_D0,
+    # (larger sizes write a calbin the emulator's loader refuses: every command then fails)
+    p.add_argument("--tile-d0", type=cliargs.int_in(1, calbin_fmt.MAX_TILE_D0),
+                   default=calbin_fmt.DEFAULT_TILE_D0,
                    help="logits tile D0 of the prefill models")
     p.add_argument("--seed", type=_u64, default=calbin_fmt.DEFAULT_SEED,
                    help="seed of the synthetic weights")
-    p.add_argument("--hidden", type=cliargs.positive_int, default=calbin_fmt.DEFAULT_HIDDEN,
+    p.add_argument("--hidden", type=cliargs.int_in(1, calbin_fmt.MAX_HIDDEN),
+                   default=calbin_fmt.DEFAULT_HIDDEN,
                    help="hidden size")
     args = p.parse_args(argv)
     try:
