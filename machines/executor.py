@@ -46,6 +46,7 @@ import functools
 import itertools
 import logging
 import math
+import os
 import threading
 from collections import deque
 from collections.abc import Callable, Collection
@@ -104,73 +105,147 @@ FEATURES: dict[str, str] = {
 }
 
 
+def _int_at_least(low: int, high: int | None = None) -> Callable[[Any, Any, Any], None]:
+    """attrs validator: an int (not a bool) in ``low..high``; the ValueError or TypeError names
+    the field and the value it got."""
+    def check(instance: Any, attribute: Any, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"ExecutorConfig.{attribute.name}={value!r}: must be an int, got "
+                            f"{type(value).__name__}")
+        if value < low or (high is not None and value > high):
+            bound = f">= {low}" if high is None else f"in {low}..{high}"
+            raise ValueError(f"ExecutorConfig.{attribute.name}={value!r}: must be {bound}")
+    return check
+
+
+def _seconds(positive: bool) -> Callable[[Any, Any, Any], None]:
+    """attrs validator: a finite number of seconds (an int or float, not a bool), > 0 when
+    ``positive`` else >= 0; a NaN, an infinity or a negative value would turn a deadline
+    computed from it into one that never passes or has always passed."""
+    def check(instance: Any, attribute: Any, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"ExecutorConfig.{attribute.name}={value!r}: must be a number of "
+                            f"seconds, got {type(value).__name__}")
+        if not math.isfinite(value) or value < 0 or (positive and value == 0):
+            bound = "> 0" if positive else ">= 0"
+            raise ValueError(f"ExecutorConfig.{attribute.name}={value!r}: must be a finite "
+                             f"number of seconds {bound}")
+    return check
+
+
+def _flag(instance: Any, attribute: Any, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"ExecutorConfig.{attribute.name}={value!r}: must be True or False, got "
+                        f"{type(value).__name__}")
+
+
+def _of_type(kind: type) -> Callable[[Any, Any, Any], None]:
+    def check(instance: Any, attribute: Any, value: Any) -> None:
+        if not isinstance(value, kind):
+            raise TypeError(f"ExecutorConfig.{attribute.name}={value!r}: must be a "
+                            f"{kind.__name__}, got {type(value).__name__}")
+    return check
+
+
+def _calbin_path(value: Any) -> Any:
+    """``calbin_path`` converter: a ``pathlib.Path`` (any ``os.PathLike``) becomes its str."""
+    return os.fspath(value) if isinstance(value, os.PathLike) else value
+
+
+def _token_ids(instance: Any, attribute: Any, value: Any) -> None:
+    if not isinstance(value, tuple) or not value or any(
+            isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in value):
+        raise ValueError(f"ExecutorConfig.{attribute.name}={value!r}: must be a non-empty "
+                         "tuple of token ids (ints >= 0)")
+
+
+def _goldens(instance: Any, attribute: Any, value: Any) -> None:
+    if not isinstance(value, dict):
+        raise TypeError(f"ExecutorConfig.goldens={value!r}: must be a dict of calbin sha256 -> "
+                        f"tuple of token ids, got {type(value).__name__}")
+    for sha, tokens in value.items():
+        if not isinstance(sha, str) or not isinstance(tokens, tuple) or any(
+                isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in tokens):
+            raise ValueError(f"ExecutorConfig.goldens[{sha!r}]={tokens!r}: must map a calbin "
+                             "sha256 (str) to a tuple of token ids (ints >= 0)")
+
+
+#: most buffer slots per task kind: each holds host copies of a submodel's inputs and outputs
+#: (MiBs), and a few keep the device busy
+MAX_SLOTS_PER_KIND = 64
+
 @attrs.define
 class ExecutorConfig:
     """Executor settings. Everything about the model (shapes, max_seq, tile D0) comes from the
     manifest; these are operational choices only."""
 
-    calbin_path: str
-    device_config: str = ""
+    calbin_path: str = attrs.field(converter=_calbin_path, validator=_of_type(str))
+    device_config: str = attrs.field(default="", validator=_of_type(str))
     #: Phase A: 1 (default). Phase B: 2, each buffer slot fixed to PING or PONG and submitted
     #: with infer_with_fixed_task_type; enable only after `calexec accept --phase b` and
     #: `calexec conform` proved overlap and slot reuse. Back to 1 is configuration only.
-    inflight_capacity: int = attrs.field(default=1, validator=attrs.validators.in_((1, 2)))
+    inflight_capacity: int = attrs.field(default=1, validator=_int_at_least(1, 2))
     #: Phase B automatic downgrade to capacity 1: this many failures after submit within
     #: the window (logged, counted in snapshot()["downgrades"]).
-    downgrade_after_faults: int = attrs.field(default=2, validator=attrs.validators.ge(1))
-    downgrade_window_s: float = 60.0
+    downgrade_after_faults: int = attrs.field(default=2, validator=_int_at_least(1))
+    downgrade_window_s: float = attrs.field(default=60.0, validator=_seconds(positive=True))
     #: buffer slots per task kind: one in flight + one being prepared keeps the device busy.
-    slots_per_kind: int = attrs.field(default=2, validator=attrs.validators.ge(1))
+    slots_per_kind: int = attrs.field(default=2,
+                                      validator=_int_at_least(1, MAX_SLOTS_PER_KIND))
     #: admission token budget: jobs admitted but not yet completed, in tokens.
-    max_pending_tokens: int = attrs.field(default=1 << 20, validator=attrs.validators.ge(1))
+    max_pending_tokens: int = attrs.field(default=1 << 20, validator=_int_at_least(1))
     #: §9.1 execution deadline: base + per token, measured from infer() success.
-    execution_timeout_s: float = 30.0
-    execution_timeout_per_token_s: float = 0.001
+    execution_timeout_s: float = attrs.field(default=30.0, validator=_seconds(positive=True))
+    execution_timeout_per_token_s: float = attrs.field(default=0.001,
+                                                       validator=_seconds(positive=False))
     #: §9.1: after a failed Wait with the job still on the device, how long to wait for the
     #: device to let go of the buffers before admission is halted.
-    timeout_grace_s: float = 2.0
+    timeout_grace_s: float = attrs.field(default=2.0, validator=_seconds(positive=False))
     #: False: stepped mode (no threads; the caller drives submit_one/complete_one).
-    threads: bool = True
+    threads: bool = attrs.field(default=True, validator=_flag)
     #: record lock acquisition order (tests); strict raises on a violation.
-    check_lock_order: bool = False
-    strict_lock_order: bool = False
+    check_lock_order: bool = attrs.field(default=False, validator=_flag)
+    strict_lock_order: bool = attrs.field(default=False, validator=_flag)
     #: the fixed golden run of §9.2 Warming: this prompt, then greedy decode steps
-    golden_tokens: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17)
-    golden_decode_steps: int = 2
-    golden_seq_id: int = 0
+    golden_tokens: tuple[int, ...] = attrs.field(
+        default=(1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17), validator=_token_ids)
+    golden_decode_steps: int = attrs.field(default=2, validator=_int_at_least(0))
+    golden_seq_id: int = attrs.field(default=0, validator=_int_at_least(0))
     #: deadline of each golden job (a golden that cannot finish fails the warm-up, never hangs)
-    golden_timeout_s: float = 10.0
+    golden_timeout_s: float = attrs.field(default=10.0, validator=_seconds(positive=True))
     #: expected golden tokens per calbin sha256 for the prompt above, given by the operator;
     #: they take precedence over the goldens pinned next to the manifest (``Manifest.goldens``,
     #: written by ``calexec golden record``).
-    goldens: dict[str, tuple[int, ...]] = attrs.field(factory=dict)
+    goldens: dict[str, tuple[int, ...]] = attrs.field(factory=dict, validator=_goldens)
     #: §9.2: start or switch to a calbin with no pinned golden. Refused by default; when set,
     #: the first warm-up's tokens become the expected ones for this process (trust on first
     #: use), logged at WARNING and shown in ``snapshot()["golden"]``.
-    allow_unpinned_golden: bool = False
+    allow_unpinned_golden: bool = attrs.field(default=False, validator=_flag)
     #: recovery thresholds and reset choice (calexec.machines.faults.RecoveryPolicy)
-    recovery: RecoveryPolicy = attrs.field(factory=RecoveryPolicy)
+    recovery: RecoveryPolicy = attrs.field(factory=RecoveryPolicy,
+                                       validator=_of_type(RecoveryPolicy))
     #: queue through recovery (Triton's DELAY policy): up to this many requests that arrive
     #: while the device drains/recovers/configures/warms wait for Ready within their
     #: deadline instead of an immediate UNAVAILABLE; 0 refuses them at once
-    ready_queue_max: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    ready_queue_max: int = attrs.field(default=0, validator=_int_at_least(0))
     #: the path of each job (taken transitions, refused events and their guards) is kept for
     #: this many most recent jobs (``job_trail``); 0 keeps none
-    job_trails_kept: int = attrs.field(default=1024, validator=attrs.validators.ge(0))
+    job_trails_kept: int = attrs.field(default=1024, validator=_int_at_least(0))
     #: /ready and health(): a job still on the device this long past its request deadline
     #: means the device stalls (the execution deadline above is the hard bound)
-    stall_after_s: float = attrs.field(default=1.0, validator=attrs.validators.gt(0))
+    stall_after_s: float = attrs.field(default=1.0, validator=_seconds(positive=True))
     #: how long a recovery waits for request threads still preparing a job of the old
     #: generation to leave it (they end at once: admission is stopped and their waits woken)
-    fence_grace_s: float = attrs.field(default=2.0, validator=attrs.validators.gt(0))
+    fence_grace_s: float = attrs.field(default=2.0, validator=_seconds(positive=True))
     #: implicit pre-arming for enqueue/decode_sync callers (machines/autoarm.py): while a
     #: sequence's decode job runs, the submitter arms the job the sequence's next token would
     #: need (only within its KV reservation, only with a free slot); any other request of it
     #: releases the guess first, and so does an admission short of a slot or token budget
-    auto_prearm: bool = True
+    auto_prearm: bool = attrs.field(default=True, validator=_flag)
     #: the hot path's timing (arming delays, greedy ahead's yield, early wake-ups, a guess's
     #: expiry): machines/tuning.py; none of it changes an answer, only when work runs
-    tuning: HotPathTuning = attrs.field(factory=HotPathTuning)
+    tuning: HotPathTuning = attrs.field(factory=HotPathTuning,
+                                    validator=_of_type(HotPathTuning))
     #: the submitter waits in a native relay when the runtime offers one
     #: (``RuntimeApi.submit_relay``, docs/architecture.md "Native hand-offs"): a fired
     #: decode step (a pre-armed stream's, greedy ahead's, an adopted guess's) that the
@@ -178,7 +253,7 @@ class ExecutorConfig:
     #: Python wake-up. Same decisions, same answers (tests/test_differential.py). Off by
     #: default: its gains at 2 ms are within one run's spread to the next
     #: (docs/benchmarks.md, stop 49)
-    native_relay: bool = False
+    native_relay: bool = attrs.field(default=False, validator=_flag)
 
 
 def _check_caller_arguments(request: InferenceRequest, logits_out: Any,

@@ -853,3 +853,53 @@ def test_decode_sync_waits_for_its_cancelled_job_as_long_as_the_execution_deadli
         assert "still on its way" not in status.message, status
         released = ex.release_sequence(8)
         assert released.ok, released
+
+
+@pytest.mark.parametrize(("field", "value", "error"), [
+    ("calbin_path", 123, TypeError),
+    ("calbin_path", None, TypeError),
+    ("device_config", 5, TypeError),
+    ("execution_timeout_s", -1.0, ValueError),
+    ("execution_timeout_s", float("nan"), ValueError),
+    ("execution_timeout_s", float("inf"), ValueError),
+    ("execution_timeout_s", "30", TypeError),
+    ("execution_timeout_per_token_s", -0.001, ValueError),
+    ("timeout_grace_s", float("nan"), ValueError),
+    ("downgrade_window_s", -1, ValueError),
+    ("golden_timeout_s", 0, ValueError),
+    ("fence_grace_s", float("inf"), ValueError),
+    ("slots_per_kind", 10**9, ValueError),
+    ("slots_per_kind", True, TypeError),
+    ("max_pending_tokens", 2.5, TypeError),
+    ("golden_tokens", (), ValueError),
+    ("golden_tokens", (1, -5), ValueError),
+    ("golden_decode_steps", -1, ValueError),
+    ("golden_seq_id", -1, ValueError),
+    ("goldens", None, TypeError),
+    ("goldens", {"sha": "abc"}, ValueError),
+    ("recovery", None, TypeError),
+    ("tuning", None, TypeError),
+    ("threads", "no", TypeError),
+])
+def test_a_nonsensical_executor_config_is_refused_at_construction_naming_the_field(
+        field, value, error):
+    """``ExecutorConfig`` refuses a wrong type or an out-of-range value when it is built, with
+    an error naming the field and the value. Before, most fields took anything: a str or None
+    calbin path or an int device config raised from deep inside ``start()`` (and the executor
+    then shut down ``Failed``); a NaN or infinite execution timeout killed the completion
+    thread and ``start()`` hung 20 s; a negative one failed every job; ``tuning=None`` sent
+    the submitter into an endless fault/recovery loop; ``slots_per_kind=10**9`` exhausted
+    memory (found at stop 50 by an embedder)."""
+    from calexec.machines.executor import ExecutorConfig
+
+    with pytest.raises(error, match=rf"ExecutorConfig\.{field}(\[.*\])?="):
+        ExecutorConfig(**{"calbin_path": "model.calbin", field: value})
+    config = ExecutorConfig(calbin_path="model.calbin")
+    with pytest.raises(error, match=rf"ExecutorConfig\.{field}(\[.*\])?="):
+        setattr(config, field, value)  # attrs runs the same check on assignment
+
+
+def test_a_pathlike_calbin_path_is_taken_as_its_str(calbin):
+    from calexec.machines.executor import ExecutorConfig
+
+    assert ExecutorConfig(calbin_path=Path(calbin)).calbin_path == str(calbin)
