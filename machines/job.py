@@ -316,6 +316,7 @@ class JobHandle:
         """Block until the job is resolved or ``deadline`` (absolute ``time.monotonic()``;
         None waits without limit). Never cancels: on timeout the job keeps running and a
         ``wait.deadline`` Status is returned."""
+        _check_deadline("JobHandle.wait_until", deadline)
         clock = self._job.clock
         early = self._job.early_wake_s
         if early > 0 and not self._job._done.is_set():
@@ -326,13 +327,17 @@ class JobHandle:
             if clock.wait_event(self._job._done, early):
                 return self._job.resolved_result()
         timeout = None if deadline is None else clock.remaining(deadline)
+        if timeout is not None and timeout > threading.TIMEOUT_MAX:
+            timeout = None  # beyond what a thread can wait (an infinite deadline): no limit
         if clock.wait_event(self._job._done, timeout):
             return self._job.resolved_result()
         return Status.deadline(Phase.WAIT, "wait_until deadline passed; the job continues "
                                            f"(state {self._job.run.state})", **self._job.ctx())
 
     def result(self, timeout: float | None = None) -> InferenceResult | Status:
-        """``wait_until`` with a relative timeout in seconds."""
+        """``wait_until`` with a relative timeout in seconds (None or ``math.inf``: no limit;
+        0 or less: only looks)."""
+        _check_deadline("JobHandle.result", timeout, "timeout")
         return self.wait_until(None if timeout is None else
                                self._job.clock.monotonic() + timeout)
 
@@ -419,6 +424,7 @@ class JobHandle:
         ``wait.deadline`` Status. Parks no thread (``as_future``). Never cancels: on the
         deadline, or when the awaiting task is cancelled, the job keeps running and the
         registration is removed; a caller that gives the job up calls ``cancel()``."""
+        _check_deadline("JobHandle.wait_async", deadline)
         job = self._job
         if job._done.is_set():
             return job.resolved_result()
@@ -434,6 +440,21 @@ class JobHandle:
 
     def __repr__(self) -> str:
         return f"JobHandle({self._job!r})"
+
+
+def _check_deadline(call: str, value: object, name: str = "deadline") -> None:
+    """A wait's ``deadline`` (or ``timeout``) is None or a number that is not NaN: a NaN
+    compares false with every time, so the wait would end at once reporting a deadline that
+    never was; a str would fail deep in the clock. Both are the caller's bug: ValueError or
+    TypeError naming the call, the argument and its value. ``math.inf`` waits without limit."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{call}: {name}={value!r}: expected seconds (a float) or None, got "
+                        f"{type(value).__name__}")
+    if value != value:
+        raise ValueError(f"{call}: {name}=nan: expected a time.monotonic() value, math.inf "
+                         "or None")
 
 
 def job_of(handle: JobHandle) -> Job:

@@ -903,3 +903,35 @@ def test_a_pathlike_calbin_path_is_taken_as_its_str(calbin):
     from calexec.machines.executor import ExecutorConfig
 
     assert ExecutorConfig(calbin_path=Path(calbin)).calbin_path == str(calbin)
+
+
+def test_waits_take_an_infinite_deadline_and_refuse_a_nan_one_naming_it():
+    """``result(math.inf)`` and ``wait_until(math.inf)`` wait without a limit, as None does.
+    Before, they raised ``OverflowError: timestamp out of range for platform time_t`` from
+    ``threading.Event.wait``; a NaN deadline or timeout returned a ``wait.deadline`` Status at
+    once, for a deadline that never was (NaN compares false with every time). A NaN or a
+    non-number is the caller's bug: ValueError or TypeError naming the call and the argument
+    (found at stop 50 by an embedder)."""
+    import math
+
+    job = bare_job()
+    handle = JobHandle(job)
+    timer = threading.Timer(0.2, job.resolve, args=(DONE,))
+    timer.start()
+    try:
+        assert handle.result(math.inf) is job.result
+    finally:
+        timer.join(BOUND_S)
+    assert handle.wait_until(math.inf) is job.result
+    assert handle.result(1e12) is job.result  # beyond threading.TIMEOUT_MAX: no limit either
+
+    pending = JobHandle(bare_job(2))
+    with pytest.raises(ValueError, match=r"JobHandle\.wait_until: deadline=nan"):
+        pending.wait_until(math.nan)
+    with pytest.raises(ValueError, match=r"JobHandle\.result: timeout=nan"):
+        pending.result(math.nan)
+    with pytest.raises(TypeError, match=r"JobHandle\.result: timeout='5'"):
+        pending.result("5")
+    with pytest.raises(ValueError, match=r"JobHandle\.wait_async: deadline=nan"):
+        asyncio.run(pending.wait_async(math.nan))
+
