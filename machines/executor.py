@@ -1174,7 +1174,8 @@ class DeviceExecutor(SequenceOwnership):
         if not self.config.threads:
             while not handle.done and (self.submit_one() or self.complete_one()):
                 pass
-        result = handle.wait_until(request.deadline)
+        # a refused request (not an InferenceRequest, a NaN deadline) is resolved already
+        result = handle.wait_until(None if handle.done else request.deadline)
         if not handle.done and isinstance(result, Status):  # the caller gets an error now:
             handle.cancel()  # nobody takes this result: it must not write logits_out (FI12)
             # The caller has no handle to wait on: wait (bounded) here for the cancelled job

@@ -935,3 +935,18 @@ def test_waits_take_an_infinite_deadline_and_refuse_a_nan_one_naming_it():
     with pytest.raises(ValueError, match=r"JobHandle\.wait_async: deadline=nan"):
         asyncio.run(pending.wait_async(math.nan))
 
+
+def test_decode_sync_of_something_not_a_request_is_a_status_like_enqueue(calbin):
+    """``enqueue("x")`` answers ``request.invalid``; ``decode_sync("x")`` raised
+    ``AttributeError: 'str' object has no attribute 'deadline'`` (found at stop 50 by an
+    embedder). It answers llama.cpp's -1 and the same Status, and the executor serves on."""
+    with running_job_path(calbin) as ex:
+        for bad in ("x", None):
+            code, status = ex.decode_sync(bad)
+            assert code == -1 and isinstance(status, Status), status
+            assert status.code == "request.invalid" and "InferenceRequest" in status.message
+        code, result = ex.decode_sync(prefill(1, PROMPT))
+        assert code == 0 and result.argmax == expected_greedy(PROMPT, 0)[0]
+        assert ex.release_sequence(1, 1.0).ok
+        snap = ex.snapshot()
+        assert snap["queued"] == snap["inflight"] == snap["pending_tokens"] == 0
