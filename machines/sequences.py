@@ -23,9 +23,13 @@ touches nothing else of the executor; it takes no executor lock.
 
 from __future__ import annotations
 
+import math
+import operator
 from typing import TYPE_CHECKING
 
-from calexec.contracts.status import Status
+from calexec.contracts.errors import Category
+from calexec.contracts.status import Phase, Status
+from calexec.contracts.types import S32_MAX
 
 if TYPE_CHECKING:
     from calexec.machines.generation import Generation
@@ -42,8 +46,33 @@ class SequenceOwnership:
         generations). ``kv.sequence_on_device`` (UNAVAILABLE: retry) while the device still
         runs a job of it after ``wait_s`` seconds; ``kv.sequence_busy`` while a job of it is
         open (the caller released too early: a bug on its side)."""
+        refusal = _argument_refusal(seq_id, wait_s)
+        if refusal is not None:
+            return refusal
         gen: Generation | None = getattr(self, "gen", None)
         kvc = None if gen is None else gen.kvc
         if kvc is None or seq_id not in kvc.seqs:
             return Status.OK  # no KV of it in a live KvManager: nothing to release on the device
         return kvc.reset_sequence(seq_id, wait_s=wait_s)
+
+
+def _argument_refusal(seq_id: object, wait_s: object) -> Status | None:
+    """``request.invalid`` naming ``seq_id`` when it is no sequence id (not an int, a bool,
+    outside ``0..S32_MAX``), or ``wait_s`` when it is no finite number of seconds (a NaN, an
+    infinity, a str):
+    an id the KvManager never holds would otherwise be "released" with OK while the id the
+    caller meant (``"3"`` for 3) kept its KV."""
+    try:
+        index = None if isinstance(seq_id, bool) else operator.index(seq_id)  # type: ignore[arg-type]
+    except TypeError:
+        index = None
+    if index is None or not 0 <= index <= S32_MAX:
+        return Status.failure("request.invalid", Category.INVALID_REQUEST, Phase.VALIDATE,
+                              f"release_sequence: seq_id={seq_id!r}: expected a sequence id, "
+                              f"an int in 0..{S32_MAX}")
+    if isinstance(wait_s, bool) or not isinstance(wait_s, (int, float)) or not math.isfinite(
+            wait_s):
+        return Status.failure("request.invalid", Category.INVALID_REQUEST, Phase.VALIDATE,
+                              f"release_sequence: wait_s={wait_s!r}: expected a finite number of "
+                              "seconds", seq_id=index)
+    return None

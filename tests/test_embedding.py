@@ -950,3 +950,28 @@ def test_decode_sync_of_something_not_a_request_is_a_status_like_enqueue(calbin)
         assert ex.release_sequence(1, 1.0).ok
         snap = ex.snapshot()
         assert snap["queued"] == snap["inflight"] == snap["pending_tokens"] == 0
+
+
+def test_release_sequence_refuses_what_is_no_sequence_id_naming_it(calbin):
+    """``release_sequence("1")`` (an id read from JSON), ``-1`` or ``True`` answered OK, since
+    the KvManager holds no such id, while the KV of sequence 1 stayed held: the caller put the
+    id back on its free list and its next prefill on 1 was refused ``kv.sequence_busy`` or
+    rewound another request's KV (found at stop 50 by an embedder). They are
+    ``request.invalid`` naming ``seq_id``; a NaN or infinite ``wait_s`` too, naming it."""
+    import math
+
+    with running_job_path(calbin) as ex:
+        result = ex.enqueue(prefill(1, PROMPT)).wait_until(deadline(BOUND_S))
+        assert isinstance(result, InferenceResult), result
+        for bad in ("1", -1, True, 2**40, None, 1.0):
+            status = ex.release_sequence(bad)
+            assert status.code == "request.invalid", (bad, status)
+            assert f"seq_id={bad!r}" in status.message and status.category.value == "invalid_request"
+        for bad_wait in (math.nan, math.inf, "1"):
+            status = ex.release_sequence(1, bad_wait)
+            assert status.code == "request.invalid" and "wait_s=" in status.message, status
+        # sequence 1 still holds its KV: its next decode goes on from it
+        step = ex.enqueue(decode(1, result.argmax, result.kv_len)).wait_until(deadline(BOUND_S))
+        assert isinstance(step, InferenceResult), step
+        assert step.argmax == expected_greedy(PROMPT, 1)[1] and step.kv_len == len(PROMPT) + 1
+        assert ex.release_sequence(1, 1.0).ok
