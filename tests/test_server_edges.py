@@ -145,6 +145,36 @@ def test_a_server_config_refuses_an_api_key_no_request_could_match(key):
     assert ServerConfig(api_key="sk-ok key~").api_key == "sk-ok key~"
 
 
+@pytest.mark.parametrize(("settings", "error", "match"), [
+    ({"default_timeout_s": 30.0, "max_timeout_s": 1.0}, ValueError,
+     r"^default_timeout_s=30\.0 > max_timeout_s=1\.0"),
+    ({"default_timeout_s": float("inf"), "max_timeout_s": float("inf")}, ValueError,
+     r"^default_timeout_s=inf: must be finite"),
+    ({"release_wait_s": float("inf")}, ValueError, r"^release_wait_s=inf: must be finite"),
+    ({"lifecycle_poll_s": float("inf")}, ValueError, r"^lifecycle_poll_s=inf"),
+    ({"prearm_min_device_ms": float("nan")}, ValueError, r"^prearm_min_device_ms=nan"),
+    ({"body_timeout_s": "30"}, TypeError, r"^body_timeout_s='30': expected a number"),
+    ({"model_name": ""}, ValueError, r"^model_name='': must be a non-empty str"),
+    ({"model_name": 5}, ValueError, r"^model_name=5: must be a non-empty str"),
+    ({"cors_origins": "https://app.example"}, TypeError,
+     r"^cors_origins='https://app\.example': expected a tuple of origins, not one str"),
+])
+def test_a_server_config_refuses_settings_that_would_fail_every_request(settings, error, match):
+    """Found at stop 50 by an embedder: ``default_timeout_s`` above ``max_timeout_s`` was
+    accepted, and every request without its own ``timeout`` was then answered 400
+    ``timeout=30.0 > max_timeout_s=1.0`` for a field the client never sent; an infinite
+    default reached the executor as a deadline it refuses (every request 400); an infinite
+    ``release_wait_s`` a wait ``release_sequence`` refuses (every id withheld); a str
+    ``body_timeout_s`` failed with ``'>' not supported``; one str ``cors_origins`` was split
+    into its characters and refused as ``'h'``; an empty or non-str ``model_name`` was taken
+    (``--served-model-name`` refuses it). Each is refused when built, naming it."""
+    with pytest.raises(error, match=match):
+        ServerConfig(**settings)
+    assert ServerConfig(cors_origins=["https://app.example"]).cors_origins == (
+        "https://app.example",)
+    assert ServerConfig(default_timeout_s=5.0, max_timeout_s=5.0).default_timeout_s == 5.0
+
+
 def test_an_app_whose_sequence_ids_exceed_the_kv_managers_is_refused(tmp_path):
     """Issue 24 item 7, for embedders: max_seqs=3 takes ids 0..2, so a server leasing 1..6
     would answer 4 of 6 concurrent requests 400 kv.seq_id_out_of_range; refused when the

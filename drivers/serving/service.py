@@ -127,6 +127,36 @@ def _check_api_key(instance: Any, attribute: Any, key: str | None) -> None:
         raise ValueError(f"{attribute.name} {problem}")
 
 
+def _seconds(positive: bool = True) -> Callable[[Any, Any, Any], None]:
+    """attrs validator of a seconds (or ms) setting: a finite number (not a bool), > 0 when
+    ``positive`` else >= 0. An infinite one would reach the executor as a deadline or a wait
+    it refuses (``request.invalid``), so every request or release would fail."""
+    def check(instance: Any, attribute: Any, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{attribute.name}={value!r}: expected a number, got "
+                            f"{type(value).__name__}")
+        if not math.isfinite(value) or value < 0 or (positive and value == 0):
+            raise ValueError(f"{attribute.name}={value!r}: must be finite and "
+                             f"{'> 0' if positive else '>= 0'}")
+    return check
+
+
+def _model_name(instance: Any, attribute: Any, value: Any) -> None:
+    """A non-empty str: every response and ``/v1/models`` names it (``--served-model-name``
+    is refused the same way)."""
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"model_name={value!r}: must be a non-empty str")
+
+
+def _origins(value: Any) -> tuple[str, ...]:
+    """``cors_origins`` converter: any iterable of origins, but not one str (whose characters
+    would be taken as origins, each refused as ``'h'``)."""
+    if isinstance(value, str):
+        raise TypeError(f"cors_origins={value[:100]!r}: expected a tuple of origins, not one "
+                        f"str: write ({value[:100]!r},)")
+    return tuple(value)
+
+
 @attrs.frozen
 class ServerConfig:
     """Operational settings of the server (the model's limits come from the executor)."""
@@ -134,12 +164,12 @@ class ServerConfig:
     #: admin bearer token; None disables the admin endpoints (always 403). Printable ASCII
     #: without outer whitespace, as ``api_key`` (else no request could match it)
     admin_token: str | None = attrs.field(default=None, validator=_check_api_key)
-    model_name: str = "calexec-qwen3-synthetic"
+    model_name: str = attrs.field(default="calexec-qwen3-synthetic", validator=_model_name)
     #: OpenAI endpoints need ``Authorization: Bearer <api_key>`` when set (docs/server.md)
     api_key: str | None = attrs.field(default=None, validator=_check_api_key)
     #: browser origins allowed to call the server (CORS: preflights answered, responses
     #: marked); empty: CORS off (docs/server.md)
-    cors_origins: tuple[str, ...] = attrs.field(default=(), converter=tuple[str, ...],
+    cors_origins: tuple[str, ...] = attrs.field(default=(), converter=_origins,
                                                 validator=_check_cors)
     #: a Hugging Face tokenizer.json (or its directory); None: the byte-level tokenizer
     tokenizer_path: str | None = None
@@ -148,10 +178,10 @@ class ServerConfig:
     #: the whole request body must arrive within this many seconds of the route's first read
     #: of it (408 ``request.body_timeout`` and the connection closed otherwise): a client
     #: sending its body slowly (slowloris) holds its connection no longer
-    body_timeout_s: float = attrs.field(default=30.0, validator=attrs.validators.gt(0))
+    body_timeout_s: float = attrs.field(default=30.0, validator=_seconds())
     #: per-request deadline when the body gives no ``timeout``; and the largest one accepted.
-    default_timeout_s: float = attrs.field(default=30.0, validator=attrs.validators.gt(0))
-    max_timeout_s: float = attrs.field(default=600.0, validator=attrs.validators.gt(0))
+    default_timeout_s: float = attrs.field(default=30.0, validator=_seconds())
+    max_timeout_s: float = attrs.field(default=600.0, validator=_seconds())
     #: KV sequence ids the server leases to requests: 1..max_sequences (0 is the golden run's).
     max_sequences: int = attrs.field(default=32, validator=attrs.validators.ge(1))
     #: worker threads for blocking executor calls: this many for prefills (which may wait for
@@ -162,12 +192,12 @@ class ServerConfig:
     end_token_id: int = byte_tokenizer.END_TOKEN_ID
     #: one bounded wait (s) of the background release of a sequence id for its last job to
     #: end / the device to let go; repeated until the executor is Stopped or Failed.
-    release_wait_s: float = attrs.field(default=60.0, validator=attrs.validators.gt(0))
+    release_wait_s: float = attrs.field(default=60.0, validator=_seconds())
     #: a response (or a stream's last event) is sent at most this long after the request's
     #: deadline, hung device or not (docs/server.md).
-    deadline_slack_s: float = attrs.field(default=0.5, validator=attrs.validators.gt(0))
+    deadline_slack_s: float = attrs.field(default=0.5, validator=_seconds())
     #: ``/admin/drain?grace=`` is refused above this (seconds).
-    max_drain_grace_s: float = attrs.field(default=3600.0, validator=attrs.validators.gt(0))
+    max_drain_grace_s: float = attrs.field(default=3600.0, validator=_seconds())
     #: ``/admin/reload`` refuses a calbin larger than this (bytes).
     max_calbin_bytes: int = attrs.field(default=16 << 30, validator=attrs.validators.gt(0))
     #: requests that may wait (within their deadline) for a KV sequence id or for the
@@ -178,11 +208,11 @@ class ServerConfig:
     max_waiting: int = attrs.field(default=1024, validator=attrs.validators.ge(0))
     #: the waiting queue re-reads the executor's lifecycle in slices this long (the executor
     #: has no state-change event; a freed sequence id wakes the queue at once)
-    lifecycle_poll_s: float = attrs.field(default=0.005, validator=attrs.validators.gt(0))
+    lifecycle_poll_s: float = attrs.field(default=0.005, validator=_seconds())
     #: resumes of one generation after retryable/device failures (drivers/serving/resume.py); 0: none
     max_resumes: int = attrs.field(default=3, validator=attrs.validators.ge(0))
     #: total time (s) one request may lose to resumes before it gets the failure instead
-    resume_budget_s: float = attrs.field(default=10.0, validator=attrs.validators.gt(0))
+    resume_budget_s: float = attrs.field(default=10.0, validator=_seconds())
     #: decode through the executor's pre-armed decode stream (issue 17: job N+1 is admitted
     #: and prepared while N runs; a token only fires it); False: one ``enqueue`` per token
     prearm: bool = True
@@ -192,7 +222,7 @@ class ServerConfig:
     #: costs the submitter's CPU (the server at zero latency and c=8: about 70 requests/s
     #: with plain decodes, 54 pre-armed; docs/benchmarks.md). Decided when a request opens its decode stream; the
     #: answers are the same either way. 0: always pre-arm (while ``prearm``)
-    prearm_min_device_ms: float = attrs.field(default=0.5, validator=attrs.validators.ge(0))
+    prearm_min_device_ms: float = attrs.field(default=0.5, validator=_seconds(positive=False))
     #: choices one request may ask for: prompts x ``n`` (completions; chat: ``n``); above it
     #: the request is refused with a 400 naming ``n`` (or ``prompt``) and this cap
     max_choices: int = attrs.field(default=16, validator=attrs.validators.ge(1))
@@ -228,6 +258,12 @@ class ServerConfig:
     #: (dashboards and autoscalers built for vLLM read them); "calexec": those only
     metrics_names: str = attrs.field(default="calexec",
                                      validator=attrs.validators.in_(METRICS_NAMES))
+
+    def __attrs_post_init__(self) -> None:
+        if self.default_timeout_s > self.max_timeout_s:  # every request without one refused
+            raise ValueError(f"default_timeout_s={self.default_timeout_s!r} > max_timeout_s="
+                             f"{self.max_timeout_s!r}: every request without its own timeout "
+                             "would be refused")
 
 
 @attrs.define
