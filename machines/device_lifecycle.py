@@ -287,7 +287,9 @@ class DeviceLifecycle:
                     f"{self.run.state}); build a new DeviceExecutor to start again")
             self._started = True
         rc, host.device = host.runtime.open_device(host.config.device_config)
-        status = (Status.from_calrt(rc, Phase.CONFIGURE, "device open") if rc != 0 else
+        status = (Status.from_calrt(rc, Phase.CONFIGURE, "device open with device_config="
+                                    f"{host.config.device_config!r} (the emulator's keys: "
+                                    "docs/emulator.md)") if rc != 0 else
                   self._enable_phase_b())
         if status.ok:
             status = self._open(host.config.calbin_path)

@@ -975,3 +975,26 @@ def test_release_sequence_refuses_what_is_no_sequence_id_naming_it(calbin):
         assert isinstance(step, InferenceResult), step
         assert step.argmax == expected_greedy(PROMPT, 1)[1] and step.kv_len == len(PROMPT) + 1
         assert ex.release_sequence(1, 1.0).ok
+
+
+def test_a_device_config_the_runtime_refuses_is_named_in_starts_status(calbin):
+    """``ExecutorConfig(device_config="decode_us=20000;prefill_us=50000")`` (a key the
+    emulator does not have: it is ``prefill_per_token_us``) made ``start()`` answer
+    ``CalRT configure returned 5 (INVALID_CONFIG): device open``, naming neither the setting
+    nor its value (``calexec serve --device-config`` names the refused item; an embedder had
+    nothing to go on). The Status names ``device_config`` and its value (found at stop 50 by
+    an embedder)."""
+    from calexec.drivers.calrt.runtime import CalRT
+    from calexec.machines.executor import DeviceExecutor, ExecutorConfig
+    from calexec.machines.faults import RecordingFaultSink
+    from executor_harness import MANIFEST
+
+    bad = "decode_us=20000;prefill_us=50000"
+    ex = DeviceExecutor(CalRT.load(), MANIFEST,
+                        ExecutorConfig(calbin_path=str(calbin), device_config=bad),
+                        fault_sink=RecordingFaultSink())
+    status = ex.start()
+    assert status.code == "calrt.configure_failed" and status.raw == 5, status
+    assert f"device_config={bad!r}" in status.message, status.message
+    assert ex.state == "Failed"
+    assert ex.shutdown(grace=1.0).code == status.code
