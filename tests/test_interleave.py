@@ -136,3 +136,20 @@ def test_choices_that_do_not_fit_the_scenario_are_refused_not_reported_as_its_fa
                               "choice "), message
     assert "picks index 9 of 2 options): the scenario or the code changed since" in message
     assert replay_threads(scenario, [0, 1, 1, 0]) is None  # a schedule that fits: it passes
+
+
+def test_choices_that_do_not_fit_the_first_point_are_refused_the_same_way():
+    """The refusal above held from the second choice on; a first choice past its options
+    (``[9]``, or another scenario's choices) raised ``RuntimeError: replay diverged: choice 0
+    picks index 9 of 2 options [<CThread(a, ...)>, ...]`` from the scheduler's loop, not the
+    documented ``ValueError`` naming ``choices`` (found at stop 50 by a library user)."""
+    def scenario(clock):
+        counts = two_counters(clock)
+        return lambda: counts[0] == 4 or f"count {counts[0]}"
+
+    with pytest.raises(ValueError) as refused:
+        replay_threads(scenario, [9, 0])
+    assert str(refused.value).startswith(
+        "choices=(9, 0): not a schedule of this scenario (choice 0 picks index 9 of 2 "
+        "options)"), refused.value
+    assert replay_threads(scenario, [0, 1, 1, 0]) is None  # the scenario replays on

@@ -179,8 +179,15 @@ def replay_threads(scenario: Scenario, choices: Sequence[int], *,
     choices = [_index("choices", choice) for choice in choices]
     charts = _contracted(charts)
     chooser = ReplayChooser(list(choices))
-    found = run_schedule(scenario, chooser, invariant=invariant, charts=tuple(charts),
-                         steps=steps, horizon_s=horizon_s)
+    try:
+        found = run_schedule(scenario, chooser, invariant=invariant, charts=tuple(charts),
+                             steps=steps, horizon_s=horizon_s)
+    except RuntimeError:
+        # a choice that does not fit the schedule's first point raises in the scheduler's
+        # own loop (the caller's thread), not in a controlled thread: the same refusal below
+        if chooser.diverged is None:
+            raise
+        found = None
     if chooser.diverged is not None:  # not the code's failure: the choices do not fit it
         raise ValueError(f"choices={_short(choices)}: not a schedule of this scenario "
                          f"({chooser.diverged}): the scenario or the code "
