@@ -153,3 +153,16 @@ def test_choices_that_do_not_fit_the_first_point_are_refused_the_same_way():
         "choices=(9, 0): not a schedule of this scenario (choice 0 picks index 9 of 2 "
         "options)"), refused.value
     assert replay_threads(scenario, [0, 1, 1, 0]) is None  # the scenario replays on
+
+
+@pytest.mark.parametrize("explore", [explore_threads, lambda s: replay_threads(s, [])])
+def test_a_scenario_that_is_not_one_is_refused_naming_it(explore):
+    """``explore_threads(42)`` failed with ``'int' object is not callable`` from inside the
+    scheduler, and a scenario returning something that is no check (``return counts``: a
+    list) failed every schedule as "final check raised TypeError: 'list' object is not
+    callable", blamed on the code under test. Both are a ``TypeError`` naming the scenario
+    (found at stop 50 by a library user)."""
+    with pytest.raises(TypeError, match=r"^scenario=42: a function of the clock"):
+        explore(42)
+    with pytest.raises(TypeError, match=r"^scenario returned \[0, 0\]: a final check"):
+        explore(lambda clock: [0, 0])

@@ -112,6 +112,9 @@ def run_schedule(scenario: Scenario, chooser: TapeChooser | PCTChooser, *,
     sched.on_point = at_point
     try:
         final = scenario(VirtualClock(sched))
+        if final is not None and not callable(final):
+            raise TypeError(f"scenario returned {final!r}: a final check (a function of no "
+                            "arguments) or None")
         stop = sched.run(steps, horizon_s)
         if sched.failure is None:
             at_point_failure = None
@@ -147,7 +150,7 @@ def explore_threads(scenario: Scenario, *, seeds: Iterable[int] = range(100), de
     """Run ``scenario`` under one PCT schedule per seed (random thread priorities and
     ``depth - 1`` priority change points placed among the first ``length`` choices, as
     Shuttle's and Coyote's PCT) until one fails; ``charts``: whose contracts are checked."""
-    _check_bounds(steps=steps, horizon_s=horizon_s, invariant=invariant,
+    _check_bounds(scenario, steps=steps, horizon_s=horizon_s, invariant=invariant,
                   depth=depth, length=length)
     if isinstance(seeds, (int, str, bytes)):
         raise TypeError(f"seeds={seeds!r}: an iterable of integer seeds, e.g. range({seeds!r})"
@@ -173,7 +176,7 @@ def replay_threads(scenario: Scenario, choices: Sequence[int], *,
     schedule, so the same failure (or None if the code no longer fails on it). ``ValueError``
     naming ``choices`` when they do not fit the scenario (a point offers fewer options than a
     choice picks): that is no failure of the code, nor a reproduction."""
-    _check_bounds(steps=steps, horizon_s=horizon_s, invariant=invariant)
+    _check_bounds(scenario, steps=steps, horizon_s=horizon_s, invariant=invariant)
     if isinstance(choices, (str, bytes)):
         raise TypeError(f"choices={choices!r}: the choices a ScheduleFailure recorded")
     choices = [_index("choices", choice) for choice in choices]
@@ -234,11 +237,15 @@ def _index(name: str, value: object) -> int:
     return value
 
 
-def _check_bounds(*, steps: int, horizon_s: float, invariant: object,
+def _check_bounds(scenario: object, *, steps: int, horizon_s: float, invariant: object,
                   **counts: int) -> None:
-    """Refuse, naming the argument and its value, a bound no schedule can run under: ``steps``
+    """Refuse, naming the argument and its value, a ``scenario`` that is not callable, and a
+    bound no schedule can run under: ``steps``
     and every count (``depth``, ``length``) an integer >= 1, ``horizon_s`` a finite number of
     seconds > 0, ``invariant`` None or callable."""
+    if not callable(scenario):
+        raise TypeError(f"scenario={scenario!r}: a function of the clock that builds the code "
+                        "under test (def scenario(clock): ...)")
     for name, value in {"steps": steps, **counts}.items():
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name}={value!r}: an integer >= 1")
