@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 from collections import deque
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -69,6 +70,7 @@ from calexec.contracts.goldens import lookup as lookup_golden
 from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import EngineSlot, TaskKind
+from calexec.machines import switch_check
 from calexec.machines.chart_names import (
     LIFECYCLE_CONFIGURING,
     LIFECYCLE_DRAINING,
@@ -526,7 +528,15 @@ class DeviceLifecycle:
 
     def switch_model(self, calbin_path: str) -> Status:
         """Model switch through the lifecycle: the new calbin goes live only after its golden
-        passes; otherwise the previous one is configured again and keeps serving."""
+        passes; otherwise the previous one is configured again and keeps serving. A path that
+        is no path (None, an int; a ``pathlib.Path`` is taken as its str) is refused
+        ``calbin.path_required`` before the lifecycle moves: the drain and teardown would run
+        and the open of generation+1 raise, leaving no generation at all."""
+        if isinstance(calbin_path, os.PathLike):
+            calbin_path = os.fspath(calbin_path)
+        if not isinstance(calbin_path, str):
+            return switch_check.refused("path_required", repr(calbin_path)[:200],
+                                        "a calbin file path (a str) is required")
         return self.recover(Status.failure("lifecycle.model_switch", Category.LIFECYCLE,
                                            Phase.RECOVERY, f"switch to {calbin_path!r}"),
                             reset=False, calbin_path=calbin_path)

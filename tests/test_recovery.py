@@ -319,6 +319,21 @@ def test_failed_switch_keeps_the_previous_model_serving(calbins):
         assert serves_oracle(ex)
 
 
+def test_a_switch_to_something_not_a_path_is_refused_before_the_lifecycle_moves(calbins):
+    """``switch_model(5)`` (or None, a typo'd variable) drained the executor, tore its
+    generation down and then raised ``TypeError: expected str, bytes or os.PathLike object``
+    from the open of generation 2: the executor stayed ``Configuring`` with no generation,
+    refusing every request for good (found at stop 50 by an embedder). It is refused
+    ``calbin.path_required`` (400) at once: the same generation serves on."""
+    with running_executor(calbins["main"]) as ex:
+        for bad in (5, None, b"main.calbin"):
+            status = ex.switch_model(bad)
+            assert status.code == "calbin.path_required", (bad, status)
+            assert status.category is Category.INVALID_REQUEST and repr(bad) in status.message
+            assert ex.state == "Ready" and ex.gen.id == 1 and ex.recoveries == []
+        assert serves_oracle(ex)
+
+
 def test_requests_during_recovery_get_unavailable_not_dropped(calbins):
     with running_executor(calbins["main"], "decode_us=20000",
                           recovery=RecoveryPolicy(drain_grace_s=1.0)) as ex:
