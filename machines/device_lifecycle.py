@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import os
 import threading
 from collections import deque
@@ -806,7 +807,15 @@ class DeviceLifecycle:
         already torn the old generation down). Shutdown holds ``recovery_mu`` from then on,
         so no recovery runs under its teardown (a later one finds the executor stopping and
         does nothing). If it still runs after ``grace`` nothing is torn down and
-        ``shutdown.recovery_busy`` is returned."""
+        ``shutdown.recovery_busy`` is returned. A ``grace`` that is no finite number of
+        seconds (None, NaN, inf) raises TypeError or ValueError naming it, changing nothing;
+        a negative one is 0."""
+        if isinstance(grace, bool) or not isinstance(grace, (int, float)):
+            raise TypeError(f"shutdown: grace={grace!r}: expected seconds (a float), got "
+                            f"{type(grace).__name__}")
+        if not math.isfinite(grace):  # NaN: every bound compares false, a hung job is waited
+            raise ValueError(f"shutdown: grace={grace!r}: expected a finite number of "
+                             "seconds")  # for without end; inf: the thread waits overflow
         if self._recovery_owner == threading.get_ident():
             return self._shutdown(grace)  # called from within a recovery: it holds the lock
         clock = self._host.clock

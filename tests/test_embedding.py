@@ -998,3 +998,26 @@ def test_a_device_config_the_runtime_refuses_is_named_in_starts_status(calbin):
     assert f"device_config={bad!r}" in status.message, status.message
     assert ex.state == "Failed"
     assert ex.shutdown(grace=1.0).code == status.code
+
+
+def test_shutdown_with_a_grace_that_is_no_seconds_raises_naming_it_and_changes_nothing(calbin):
+    """``shutdown(None)`` (meant: the default) and ``shutdown("5")`` raised ``'>' not
+    supported between instances of 'float' and 'NoneType'``; ``shutdown(math.inf)``
+    ``OverflowError: timestamp out of range``; ``shutdown(math.nan)`` took the NaN, whose
+    every bound compares false (found at stop 50 by an embedder). Each raises naming
+    ``grace`` before anything is stopped: the executor still serves, and a later
+    ``shutdown(5.0)`` ends Stopped."""
+    import math
+
+    with running_job_path(calbin) as ex:
+        for bad, error in ((None, TypeError), ("5", TypeError), (math.inf, ValueError),
+                           (math.nan, ValueError)):
+            with pytest.raises(error, match=rf"^shutdown: grace={bad!r}: expected"):
+                ex.shutdown(bad)
+            assert ex.state == "Ready" and ex.health() == []
+        result = ex.enqueue(prefill(1, PROMPT)).wait_until(deadline(BOUND_S))
+        assert isinstance(result, InferenceResult) and result.argmax == expected_greedy(
+            PROMPT, 0)[0]
+        assert ex.release_sequence(1, 1.0).ok
+        status = ex.shutdown(5.0)
+        assert status.ok and ex.state == "Stopped", status
