@@ -286,6 +286,29 @@ def _check_caller_arguments(request: InferenceRequest, logits_out: Any,
     return Status.OK
 
 
+def _check_stream_arguments(*, max_len: object, max_steps: object, stop_tokens: object,
+                            greedy_ahead: object) -> None:
+    """``decode_stream``'s settings, checked before anything of the sequence is touched: a
+    TypeError or ValueError naming the argument and its value (the request fields, seq_id,
+    past_len and request_id, are named by ``InferenceRequest``'s converters the same way).
+    Before, a str ``stop_tokens`` raised ``invalid literal for int()``, None ``'NoneType'
+    object is not iterable``, a str ``max_len`` a comparison error, and a ``max_len`` of 0 or
+    less was taken (every step ahead refused)."""
+    for name, value in (("max_len", max_len), ("max_steps", max_steps)):
+        if value is not None and (isinstance(value, bool)
+                                  or not isinstance(value, (int, np.integer))):
+            raise TypeError(f"decode_stream: {name}={value!r}: expected an int or None")
+    if max_len is not None and max_len < 1:  # type: ignore[operator]  # an int: checked above
+        raise ValueError(f"decode_stream: max_len={max_len!r}: must be >= 1 (the prompt plus "
+                         "the tokens to generate)")
+    if not isinstance(greedy_ahead, bool):
+        raise TypeError(f"decode_stream: greedy_ahead={greedy_ahead!r}: expected True or False")
+    if isinstance(stop_tokens, (str, bytes)) or not isinstance(stop_tokens, Collection) or any(
+            isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in stop_tokens):
+        raise TypeError(f"decode_stream: stop_tokens={stop_tokens!r}: expected a collection of "
+                        "token ids (ints)")
+
+
 _TRAIL_STEPS = 32  # a job takes at most ~8 transitions; refused events are few
 
 
@@ -1215,6 +1238,8 @@ class DeviceExecutor(SequenceOwnership):
         ``max_steps`` jobs); the caller still calls ``step(result.argmax)``. See
         machines/stream.py."""
         from calexec.machines.stream import DecodeStream
+        _check_stream_arguments(max_len=max_len, max_steps=max_steps, stop_tokens=stop_tokens,
+                                greedy_ahead=greedy_ahead)
         self.outcomes.release_armed_of(seq_id)  # the stream arms its own
         stream = DecodeStream(self, seq_id, past_len, deadline, logits_out, want_logits,
                               max_len, request_id, greedy_ahead, stop_tokens, max_steps)

@@ -10,6 +10,8 @@ No timing threshold: waits are bounded polls on conditions.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -733,3 +735,33 @@ def test_a_step_armed_after_its_stream_closed_is_released_by_the_arming(calbin, 
         if submitter is not None:
             submitter.join(10.0)
         ex.shutdown(grace=5.0)
+
+
+@pytest.mark.parametrize(("kwargs", "error", "named"), [
+    ({"stop_tokens": "ab"}, TypeError, "stop_tokens='ab'"),
+    ({"stop_tokens": None}, TypeError, "stop_tokens=None"),
+    ({"stop_tokens": [1, "2"]}, TypeError, "stop_tokens=[1, '2']"),
+    ({"max_len": "9"}, TypeError, "max_len='9'"),
+    ({"max_len": 0}, ValueError, "max_len=0"),
+    ({"max_len": -1}, ValueError, "max_len=-1"),
+    ({"max_steps": 2.5}, TypeError, "max_steps=2.5"),
+    ({"greedy_ahead": "yes"}, TypeError, "greedy_ahead='yes'"),
+])
+def test_decode_stream_settings_that_are_no_settings_raise_naming_them(calbin, kwargs, error,
+                                                                       named):
+    """``decode_stream(..., stop_tokens="ab")`` raised ``invalid literal for int() with base
+    10: 'a'``, ``stop_tokens=None`` ``'NoneType' object is not iterable``, ``max_len="9"``
+    ``'>' not supported``; ``max_len=-1`` and ``greedy_ahead="yes"`` were taken (found at stop
+    50 by an embedder). Each raises naming the argument and its value, before anything of the
+    sequence is touched: a stream opened right after serves the oracle's tokens."""
+    with running_job_path(calbin) as ex:
+        stream, token = open_stream(ex, 1, 4)
+        stream.close()
+        with pytest.raises(error, match=rf"^decode_stream: {re.escape(named)}: "):
+            ex.decode_stream(1, len(PROMPT), deadline(), **kwargs)
+        stream = ex.decode_stream(1, len(PROMPT), deadline(), max_len=len(PROMPT) + 4)
+        with stream:
+            result = stream.step(token)
+        assert isinstance(result, InferenceResult), result
+        assert result.argmax == expected_greedy(PROMPT, 1)[1]
+        assert_released(ex, 1)
