@@ -36,11 +36,13 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import random
 import threading
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 
@@ -66,6 +68,27 @@ class Action(enum.Enum):
     STOP = "stop"  # Failed, a person must act
 
 
+def _policy_number(low: float, high: float = math.inf, *, integral: bool = False,
+                   above: bool = False) -> Callable[[Any, Any, Any], None]:
+    """attrs validator of a ``RecoveryPolicy`` field: a finite number (an int when
+    ``integral``; never a bool) in ``[low, high]`` (``(low, high]`` when ``above``); the error
+    names the field and its value. A NaN drain grace or window compares false with every
+    time (a drain never ends, a window never holds a fault), a str fails deep in a
+    recovery: refused when the policy is built."""
+    def check(instance: Any, attribute: Any, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, int if integral else (int, float)):
+            raise TypeError(f"RecoveryPolicy.{attribute.name}={value!r}: expected "
+                            f"{'an int' if integral else 'a number'}, got {type(value).__name__}")
+        number = float(value)
+        if not (math.isfinite(number) and (number > low if above else number >= low)
+                and number <= high):
+            bound = f"{'>' if above else '>='} {low:g}" + (
+                "" if high == math.inf else f" and <= {high:g}")
+            raise ValueError(f"RecoveryPolicy.{attribute.name}={value!r}: must be finite and "
+                             f"{bound}")
+    return check
+
+
 @attrs.define
 class RecoveryPolicy:
     """Recovery thresholds (documented defaults)."""
@@ -76,21 +99,21 @@ class RecoveryPolicy:
     reset_kind: str = attrs.field(default="reset", validator=attrs.validators.in_(
         ("reset", "reset_ccu", "reset_configuration", "none")))
     #: how long a drain waits for submitted jobs before the reset (or Failed)
-    drain_grace_s: float = 5.0
+    drain_grace_s: float = attrs.field(default=5.0, validator=_policy_number(0))
     #: escalation: more recoveries than this within the window -> Failed
-    max_recoveries: int = 5
-    recovery_window_s: float = 60.0
+    max_recoveries: int = attrs.field(default=5, validator=_policy_number(0, integral=True))
+    recovery_window_s: float = attrs.field(default=60.0, validator=_policy_number(0, above=True))
     #: transient faults (13, 17) within the window before a drain + rebuild
-    transient_threshold: int = 8
-    transient_window_s: float = 10.0
+    transient_threshold: int = attrs.field(default=8, validator=_policy_number(1, integral=True))
+    transient_window_s: float = attrs.field(default=10.0, validator=_policy_number(0, above=True))
     #: admission budget factor while transient faults are recent
-    reduced_admission: float = 0.5
+    reduced_admission: float = attrs.field(default=0.5, validator=_policy_number(0, 1, above=True))
     #: infer() retries on a transient code (the runtime did not run the graph), with
     #: exponential backoff from backoff_base_s, capped at backoff_max_s, +/- jitter fraction
-    submit_retries: int = 2
-    backoff_base_s: float = 0.001
-    backoff_max_s: float = 0.02
-    jitter: float = 0.5
+    submit_retries: int = attrs.field(default=2, validator=_policy_number(0, integral=True))
+    backoff_base_s: float = attrs.field(default=0.001, validator=_policy_number(0))
+    backoff_max_s: float = attrs.field(default=0.02, validator=_policy_number(0))
+    jitter: float = attrs.field(default=0.5, validator=_policy_number(0, 1))
 
 
 _ACTIONS: dict[Category, Action] = {

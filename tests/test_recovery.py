@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import time
 
@@ -294,6 +295,26 @@ def test_device_fault_without_a_safe_reset_fails_from_recovering(calbins):
         ex.enqueue(decode(1, 3, len(PROMPT))).wait_until(deadline())
         assert wait_state(ex, ("Failed",)) == "Failed"
         assert ex.failure.code == "recovery.no_safe_reset"
+
+
+@pytest.mark.parametrize(("field", "value", "error"), [
+    ("drain_grace_s", float("nan"), ValueError), ("drain_grace_s", -1.0, ValueError),
+    ("drain_grace_s", "5", TypeError), ("recovery_window_s", 0, ValueError),
+    ("recovery_window_s", float("inf"), ValueError), ("max_recoveries", -1, ValueError),
+    ("max_recoveries", 2.5, TypeError), ("transient_threshold", 0, ValueError),
+    ("transient_window_s", float("nan"), ValueError), ("reduced_admission", 0.0, ValueError),
+    ("reduced_admission", 1.5, ValueError), ("submit_retries", -1, ValueError),
+    ("backoff_base_s", float("inf"), ValueError), ("backoff_max_s", -0.1, ValueError),
+    ("jitter", 2.0, ValueError), ("jitter", True, TypeError),
+])
+def test_a_recovery_policy_that_is_nonsense_is_refused_naming_the_field(field, value, error):
+    """``RecoveryPolicy`` took any value (found at stop 50 by an embedder tuning recovery): a
+    NaN ``drain_grace_s`` or window compares false with every time, so a drain never ends
+    or a window never holds a fault; ``reduced_admission=0`` admits nothing after one
+    transient fault; a str failed deep in the first recovery. Refused when built, naming the
+    field and its value."""
+    with pytest.raises(error, match=rf"^RecoveryPolicy\.{field}={re.escape(repr(value))}: "):
+        RecoveryPolicy(**{field: value})
 
 
 # ---- model switch (§9.2) ------------------------------------------------------------------------------
