@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 
+import attrs
 import numpy as np
 import pytest
 
@@ -103,3 +104,17 @@ def test_the_submitter_reading_a_queue_the_completion_thread_just_emptied_does_n
             time.sleep(0.001)
         assert ex.completion.head() is None and len(ex.completion) == 0
         assert ex.completion.prewake_at(ex.clock.monotonic(), ex.config.tuning.prewake_s) is None
+
+
+@pytest.mark.parametrize("field", [f.name for f in attrs.fields(HotPathTuning)])
+def test_an_infinite_or_non_numeric_timing_is_refused_naming_it(field):
+    """``HotPathTuning(ahead_yield_s=math.inf)`` was taken, and the completion thread's first
+    yield raised ``OverflowError: timestamp out of range for platform time_t``: an INTERNAL
+    fault and a recovery, the stream's step failed (found at stop 50 by an embedder). Every
+    timing must be finite and a number: refused when built, naming the field."""
+    import math
+
+    with pytest.raises(ValueError, match=rf"^HotPathTuning\.{field}=inf: must be finite"):
+        HotPathTuning(**{field: math.inf})
+    with pytest.raises(TypeError, match=rf"^HotPathTuning\.{field}='1': expected a number"):
+        HotPathTuning(**{field: "1"})
