@@ -353,7 +353,11 @@ class JobHandle:
         """Call ``fn(self)`` once when the job is resolved: by the thread that resolves it,
         or now by this thread when it already is. ``fn`` must not block nor call the executor
         (it may run while the resolving thread holds executor locks); an exception it raises
-        is logged and ignored. Callbacks run in registration order."""
+        is logged and ignored. Callbacks run in registration order. ``fn`` that is not
+        callable raises TypeError naming it here, not later on the resolving thread."""
+        if not callable(fn):
+            raise TypeError(f"add_done_callback: fn={fn!r}: expected a callable taking the "
+                            "handle")
         job = self._job
         with _CALLBACKS_MU:
             callbacks = job._callbacks

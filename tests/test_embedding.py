@@ -106,6 +106,22 @@ def test_callbacks_run_in_registration_order_and_a_raising_one_is_logged_only(ca
     assert logged[0].exc_info[0] is RuntimeError
 
 
+def test_a_done_callback_that_is_not_callable_is_refused_where_it_is_registered(caplog):
+    """``add_done_callback(5)`` (say ``handle.add_done_callback(queue)`` for ``queue.put``)
+    was registered, and the job's resolution then logged ``TypeError: 'int' object is not
+    callable`` on the resolving thread, far from the mistake; nothing reached the caller
+    (found at stop 50 by an embedder). It raises at once, naming ``fn``; nothing is
+    registered."""
+    caplog.set_level(logging.ERROR, logger="calexec.job")
+    job = bare_job()
+    handle = JobHandle(job)
+    with pytest.raises(TypeError, match=r"^add_done_callback: fn=5: expected a callable"):
+        handle.add_done_callback(5)
+    assert handle.pending_callbacks == 0
+    job.resolve(DONE)
+    assert callback_errors(caplog) == []
+
+
 def test_remove_done_callback_unregisters_before_resolution():
     job = bare_job()
     handle = JobHandle(job)
