@@ -156,6 +156,8 @@ def test_a_server_config_refuses_an_api_key_no_request_could_match(key):
     ({"body_timeout_s": "30"}, TypeError, r"^body_timeout_s='30': expected a number"),
     ({"model_name": ""}, ValueError, r"^model_name='': must be a non-empty str"),
     ({"model_name": 5}, ValueError, r"^model_name=5: must be a non-empty str"),
+    ({"end_token_id": "x"}, ValueError, r"^end_token_id='x': must be a token id"),
+    ({"end_token_id": -1}, ValueError, r"^end_token_id=-1: must be a token id"),
     ({"cors_origins": "https://app.example"}, TypeError,
      r"^cors_origins='https://app\.example': expected a tuple of origins, not one str"),
 ])
@@ -167,7 +169,9 @@ def test_a_server_config_refuses_settings_that_would_fail_every_request(settings
     ``release_wait_s`` a wait ``release_sequence`` refuses (every id withheld); a str
     ``body_timeout_s`` failed with ``'>' not supported``; one str ``cors_origins`` was split
     into its characters and refused as ``'h'``; an empty or non-str ``model_name`` was taken
-    (``--served-model-name`` refuses it). Each is refused when built, naming it."""
+    (``--served-model-name`` refuses it); an ``end_token_id`` of ``"x"`` failed every
+    request with a 500 (the decode stream refused it as a stop token). Each is refused when
+    built, naming it."""
     with pytest.raises(error, match=match):
         ServerConfig(**settings)
     assert ServerConfig(cors_origins=["https://app.example"]).cors_origins == (

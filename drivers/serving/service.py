@@ -148,6 +148,13 @@ def _model_name(instance: Any, attribute: Any, value: Any) -> None:
         raise ValueError(f"model_name={value!r}: must be a non-empty str")
 
 
+def _token_id(instance: Any, attribute: Any, value: Any) -> None:
+    """A token id: an int >= 0 (not a bool). A str reached every decode stream as a stop
+    token and failed every request with a 500."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{attribute.name}={value!r}: must be a token id (an int >= 0)")
+
+
 def _origins(value: Any) -> tuple[str, ...]:
     """``cors_origins`` converter: any iterable of origins, but not one str (whose characters
     would be taken as origins, each refused as ``'h'``)."""
@@ -189,7 +196,8 @@ class ServerConfig:
     worker_threads: int = attrs.field(default=16, validator=attrs.validators.ge(1))
     #: Retry-After seconds on 429 and 503.
     retry_after_s: int = attrs.field(default=1, validator=attrs.validators.ge(0))
-    end_token_id: int = byte_tokenizer.END_TOKEN_ID
+    #: the token that ends a generation (a token id; the tokenizer's eos for ``calexec serve``)
+    end_token_id: int = attrs.field(default=byte_tokenizer.END_TOKEN_ID, validator=_token_id)
     #: one bounded wait (s) of the background release of a sequence id for its last job to
     #: end / the device to let go; repeated until the executor is Stopped or Failed.
     release_wait_s: float = attrs.field(default=60.0, validator=_seconds())
