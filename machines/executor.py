@@ -109,7 +109,7 @@ def _int_at_least(low: int, high: int | None = None) -> Callable[[Any, Any, Any]
     """attrs validator: an int (not a bool) in ``low..high``; the ValueError or TypeError names
     the field and the value it got."""
     def check(instance: Any, attribute: Any, value: Any) -> None:
-        if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
             raise TypeError(f"ExecutorConfig.{attribute.name}={value!r}: must be an int, got "
                             f"{type(value).__name__}")
         if value < low or (high is not None and value > high):
@@ -123,7 +123,7 @@ def _seconds(positive: bool) -> Callable[[Any, Any, Any], None]:
     ``positive`` else >= 0; a NaN, an infinity or a negative value would turn a deadline
     computed from it into one that never passes or has always passed."""
     def check(instance: Any, attribute: Any, value: Any) -> None:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
             raise TypeError(f"ExecutorConfig.{attribute.name}={value!r}: must be a number of "
                             f"seconds, got {type(value).__name__}")
         if not math.isfinite(value) or value < 0 or (positive and value == 0):
@@ -154,7 +154,7 @@ def _calbin_path(value: Any) -> Any:
 
 def _token_ids(instance: Any, attribute: Any, value: Any) -> None:
     if not isinstance(value, tuple) or not value or any(
-            isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in value):
+            isinstance(t, bool) or not isinstance(t, (int, np.integer)) or t < 0 for t in value):
         raise ValueError(f"ExecutorConfig.{attribute.name}={value!r}: must be a non-empty "
                          "tuple of token ids (ints >= 0)")
 
@@ -165,7 +165,7 @@ def _goldens(instance: Any, attribute: Any, value: Any) -> None:
                         f"tuple of token ids, got {type(value).__name__}")
     for sha, tokens in value.items():
         if not isinstance(sha, str) or not isinstance(tokens, tuple) or any(
-                isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in tokens):
+                isinstance(t, bool) or not isinstance(t, (int, np.integer)) or t < 0 for t in tokens):
             raise ValueError(f"ExecutorConfig.goldens[{sha!r}]={tokens!r}: must map a calbin "
                              "sha256 (str) to a tuple of token ids (ints >= 0)")
 

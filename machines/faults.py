@@ -37,6 +37,7 @@ from __future__ import annotations
 import enum
 import logging
 import math
+import numbers
 import random
 import threading
 import time
@@ -76,7 +77,8 @@ def _policy_number(low: float, high: float = math.inf, *, integral: bool = False
     time (a drain never ends, a window never holds a fault), a str fails deep in a
     recovery: refused when the policy is built."""
     def check(instance: Any, attribute: Any, value: Any) -> None:
-        if isinstance(value, bool) or not isinstance(value, int if integral else (int, float)):
+        if isinstance(value, bool) or not isinstance(
+                value, numbers.Integral if integral else numbers.Real):
             raise TypeError(f"RecoveryPolicy.{attribute.name}={value!r}: expected "
                             f"{'an int' if integral else 'a number'}, got {type(value).__name__}")
         number = float(value)
