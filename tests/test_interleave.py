@@ -3,9 +3,12 @@ schedule's failure carries when the user's own checks raise."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from calexec.drivers.tools.interleave import explore_threads, replay_threads
+from calexec.machines.clock import SYSTEM
 
 
 def two_counters(clock):
@@ -166,3 +169,45 @@ def test_a_scenario_that_is_not_one_is_refused_naming_it(explore):
         explore(42)
     with pytest.raises(TypeError, match=r"^scenario returned \[0, 0\]: a final check"):
         explore(lambda clock: [0, 0])
+
+
+@pytest.mark.parametrize(("wait", "raised"), [
+    (lambda clock: clock.event().wait(math.inf), "OverflowError"),
+    (lambda clock: clock.sleep(math.inf), "OverflowError"),
+    (lambda clock: clock.lock().acquire(timeout=math.nan), "ValueError: Invalid value NaN"),
+    (lambda clock: clock.lock().acquire(timeout=-2), "ValueError: timeout value must be"),
+    (lambda clock: clock.lock().acquire(False, 1.0), "ValueError: can't specify a timeout"),
+])
+def test_a_wait_the_real_clock_refuses_fails_the_schedule_as_it_would_fail_the_thread(wait,
+                                                                                      raised):
+    """Code under test that waits ``event.wait(math.inf)`` or sleeps ``math.inf`` raises
+    ``OverflowError: timestamp out of range for platform time_t`` on the real clock
+    (``threading``, ``time.sleep``), at its first wait; a NaN or negative lock timeout a
+    ``ValueError``. Under the explorer's virtual clock each was taken (the infinite wait even
+    timed out at virtual infinity and went on), so every schedule passed code that fails
+    in production (found at stop 50 by a library user). The virtual clock raises what the
+    real one raises: the schedule fails naming it."""
+    def scenario(clock):
+        clock.start_thread(lambda: wait(clock), "waiter")
+
+    found = explore_threads(scenario, seeds=range(3))
+    assert found.failure is not None, "the explorer passed a wait the real clock refuses"
+    assert found.failure.message.startswith(f"thread waiter raised {raised}"), (
+        found.failure.message)
+    with pytest.raises((OverflowError, ValueError)):  # as the real clock does
+        wait(SYSTEM)
+
+
+def test_finite_waits_still_run_in_virtual_time():
+    def scenario(clock):
+        done = []
+
+        def waiter():
+            lock = clock.lock()
+            assert lock.acquire(timeout=5.0) and not clock.event().wait(3600.0)
+            clock.sleep(1e6)
+            done.append(clock.monotonic())
+        clock.start_thread(waiter, "waiter")
+        return lambda: len(done) == 1 or "the waiter did not finish"
+
+    assert explore_threads(scenario, seeds=range(2), horizon_s=1e7).failure is None

@@ -248,12 +248,26 @@ class CThread(threading.Thread):
         sched = self.sched
         if sched.me() is None:
             return super().join(timeout)
+        _as_threading(timeout, nan_ok=False)
         sched.point("join")
         deadline = None if timeout is None else sched.now + timeout
         sched.block(lambda: self.finished, deadline, f"join {self.name}")
 
     def is_alive(self) -> bool:
         return not self.finished
+
+
+def _as_threading(timeout: float | None, *, nan_ok: bool = True) -> None:
+    """Raise what ``threading`` (and ``time.sleep``) raise for a timeout no real thread can
+    wait: beyond ``threading.TIMEOUT_MAX`` (an infinity) ``OverflowError``; NaN, where the
+    real call refuses it (a lock's ``acquire``, a ``join``), ``ValueError``. Virtual time would
+    take them, and the explorer would pass code the real clock fails at its first wait."""
+    if timeout is None:
+        return
+    if not nan_ok and timeout != timeout:
+        raise ValueError("Invalid value NaN (not a number)")
+    if timeout > threading.TIMEOUT_MAX:
+        raise OverflowError("timestamp out of range for platform time_t")
 
 
 class CLock:
@@ -276,6 +290,12 @@ class CLock:
             if sched.aborting:
                 raise _Abort()
             raise RuntimeError("an uncontrolled thread met a held controlled lock")
+        if timeout is not None and timeout != -1:  # as threading.Lock.acquire refuses them
+            if not blocking:
+                raise ValueError("can't specify a timeout for a non-blocking call")
+            if timeout < 0:
+                raise ValueError("timeout value must be positive")
+            _as_threading(timeout, nan_ok=False)
         sched.point("acquire")
         if self.owner is None:
             self.owner = me
@@ -331,6 +351,7 @@ class CCondition:
     def wait(self, timeout: float | None = None) -> bool:
         sched = self.sched
         token = [False]
+        _as_threading(timeout)
         self._waiters.append(token)
         self._lock.release()
         try:
@@ -386,6 +407,7 @@ class CEvent:
         sched = self.sched
         if sched.me() is None:
             return self.flag
+        _as_threading(timeout)
         sched.point("event.wait")
         if self.flag:
             return True
@@ -419,6 +441,7 @@ class VirtualClock(Clock):
         sched = self.sched
         if sched.me() is None:
             return
+        _as_threading(seconds)  # what ``SYSTEM.sleep`` (``time.sleep``) raises for it
         sched.point("sleep")
         if seconds > 0:
             sched.block(lambda: False, sched.now + seconds, "sleep")
