@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import attrs
-from statemachine import StateMachine
+from statemachine import StateChart, StateMachine
 from statemachine.callbacks import CallbackGroup, CallbackSpec
 
 from calexec.machines.chart_support import refuse_unsupported
@@ -196,10 +196,26 @@ def _retarget(transition: Any, new: Any) -> Callable[[], None]:
     return apply
 
 
+def _chart_class(declaration: object) -> type[StateMachine]:
+    """The chart class of ``declaration``: the class itself, or a ``CompiledChart``'s (as every
+    other tool takes either); anything else is a TypeError naming it, as ``compiled`` says
+    it, instead of an AttributeError from the first attribute read."""
+    from calexec.machines.compiled import CompiledChart  # at call time: see the module doc
+
+    if isinstance(declaration, CompiledChart):
+        return declaration.declaration  # type: ignore[return-value]  # a StateChart class
+    if not (isinstance(declaration, type) and issubclass(declaration, StateChart)):
+        raise TypeError(f"{declaration!r} is not a python-statemachine chart class "
+                        f"(a StateMachine or StateChart subclass) nor a CompiledChart")
+    return declaration  # type: ignore[return-value]  # a StateMachine is a StateChart
+
+
 def derive(declaration: type[StateMachine], targets_per_transition: int = 2) -> list[Mutant]:
-    """Every mutant of the chart class ``declaration``, flat or hierarchical (see ``_sites``).
-    ``targets_per_transition``: target mutants per transition, an int >= 0 (0: every other
-    state); another value is a TypeError or ValueError naming it."""
+    """Every mutant of the chart class ``declaration`` (or of a ``CompiledChart``'s), flat or
+    hierarchical (see ``_sites``). ``targets_per_transition``: target mutants per
+    transition, an int >= 0 (0: every other state); another value is a TypeError or
+    ValueError naming it."""
+    declaration = _chart_class(declaration)
     if not isinstance(targets_per_transition, int) or isinstance(targets_per_transition, bool):
         raise TypeError(f"targets_per_transition={targets_per_transition!r}: expected an int "
                         ">= 0 (0: every other state)")
@@ -211,7 +227,13 @@ def derive(declaration: type[StateMachine], targets_per_transition: int = 2) -> 
 
 def apply(declaration: type[StateMachine], mutant_id: str) -> Mutant:
     """Mutate ``declaration`` in place by ``mutant_id`` (as ``derive`` names it, with any
-    number of target mutants). Raises ``ValueError`` for an unknown id."""
+    number of target mutants). Raises ``ValueError`` for an unknown id, ``TypeError`` for a
+    ``declaration`` that is not a chart class (a ``CompiledChart`` included: the class is
+    mutated in place, and the compiled table made before would not see it)."""
+    if _chart_class(declaration) is not declaration:
+        raise TypeError(f"apply({declaration!r}, ...): pass the chart class itself; apply "
+                        "mutates it in place, and a CompiledChart made before would not see "
+                        "the mutation")
     for mutant, action in _sites(declaration, 0):
         if mutant.id == mutant_id:
             action()

@@ -442,3 +442,23 @@ def test_a_mutant_the_tests_import_under_another_module_name_says_so(tmp_path, c
         "mutant never applied: the command did not import the chart (module 'app_door.door'; "
         "a file its tests import under another module name is another class: give --chart as "
         "they import it)"), mutant["how"]
+
+
+def test_derive_takes_a_compiled_chart_and_refuses_what_is_no_chart_naming_it():
+    """Every tool takes the chart class or its ``CompiledChart`` (docs/framework.md, Public
+    API), but ``mutants.derive(compiled(Chart))`` raised ``AttributeError: 'str' object has
+    no attribute 'parent'``, and ``derive(42)`` or ``apply(42, ...)`` ``'int' object has no
+    attribute 'states'`` (found at stop 50 by a library user). ``derive`` takes either and
+    names anything else as ``compiled`` does; ``apply``, which mutates the class in place,
+    refuses a ``CompiledChart`` (its table would not see the mutation), naming it."""
+    from calexec.machines.compiled import compiled
+
+    assert [m.id for m in mutants.derive(compiled(JobChart))] == [
+        m.id for m in mutants.derive(JobChart)]
+    for bad in (42, "order_workflow:OrderWorkflow", int):
+        with pytest.raises(TypeError, match="is not a python-statemachine chart class"):
+            mutants.derive(bad)
+        with pytest.raises(TypeError, match="is not a python-statemachine chart class"):
+            mutants.apply(bad, "x")
+    with pytest.raises(TypeError, match=r"pass the chart class itself"):
+        mutants.apply(compiled(JobChart), mutants.derive(JobChart)[0].id)
