@@ -84,8 +84,11 @@ def _kind(value: int) -> TaskKind:
     try:
         return TaskKind(value)
     except ValueError:
-        raise ValueError(f"InferenceRequest.kind={value!r}: not a TaskKind (one of "
-                         f"{', '.join(k.name for k in TaskKind)})") from None
+        members = ", ".join(f"TaskKind.{k.name} ({k.value})" for k in TaskKind)
+        named = (f": write TaskKind.{value.upper()}, the member, not its name"
+                 if isinstance(value, str) and value.upper() in TaskKind.__members__ else "")
+        raise ValueError(f"InferenceRequest.kind={value!r}: not a TaskKind{named} (one of "
+                         f"{members})") from None
 
 
 def _past_len(value: SupportsIndex) -> int:

@@ -246,6 +246,22 @@ def test_a_badly_typed_request_field_raises_naming_the_field_and_value(field, va
     assert repr(value) in str(raised.value) or repr(value[1]) in str(raised.value)
 
 
+@pytest.mark.parametrize("name", ["DECODE", "decode", "prefill_ids"])
+def test_a_kind_given_by_its_name_says_to_write_the_member(name):
+    """``kind="DECODE"`` (or the manifest's spelling, ``"prefill_ids"``) was refused "not a
+    TaskKind (one of PREFILL_IDS, PREFILL_EMBEDS, DECODE, VISION)": the list named the very
+    string given, so the message read as a contradiction (found at stop 50 by an embedder).
+    It says to write the member, ``TaskKind.DECODE``, and lists the members as written."""
+    fields = dict(seq_id=1, kind=name, tokens=np.arange(3, dtype=np.int32),
+                  positions=np.arange(3, dtype=np.int32), past_len=0, deadline=1.0)
+    with pytest.raises(ValueError) as raised:
+        InferenceRequest(**fields)
+    message = str(raised.value)
+    assert message.startswith(f"InferenceRequest.kind={name!r}: not a TaskKind: write "
+                              f"TaskKind.{name.upper()}, the member, not its name"), message
+    assert "TaskKind.PREFILL_IDS (0), TaskKind.PREFILL_EMBEDS (1)" in message
+
+
 # ---- boundaries hand mutants moved unseen (stop 48, docs/testing.md) ----------------------------
 def test_the_largest_seq_id_that_fits_s32_passes_step_2(gen):
     one = np.zeros(1, dtype=np.int32)
