@@ -179,6 +179,29 @@ def test_a_server_config_refuses_settings_that_would_fail_every_request(settings
     assert ServerConfig(default_timeout_s=5.0, max_timeout_s=5.0).default_timeout_s == 5.0
 
 
+def test_create_app_names_a_config_or_executor_that_is_not_one(tmp_path):
+    """``create_app(executor, {"api_key": "k"})`` (the settings as a dict) raised
+    ``AttributeError: 'dict' object has no attribute 'max_sequences'``, ``create_app(None)``
+    ``'NoneType' object has no attribute 'generation'``, and the arguments swapped ``'Device
+    Executor' object has no attribute 'max_sequences'`` (found at stop 50 by an embedder).
+    Each is a TypeError naming the argument; the right call still builds the app."""
+    executor = started_executor(tmp_path)
+    try:
+        with pytest.raises(TypeError, match=r"^create_app: config=\{'api_key': 'k'\}: expected "
+                                            r"a ServerConfig or None, got dict \(build one"):
+            create_app(executor, {"api_key": "k"})
+        for bad in (None, "executor"):
+            with pytest.raises(TypeError, match=rf"^create_app: executor={bad!r}: expected a "
+                                                "started DeviceExecutor"):
+                create_app(bad, ServerConfig())
+        with pytest.raises(TypeError, match=r"^create_app: config=<calexec"):
+            create_app(ServerConfig(), executor)  # swapped: the config is checked first
+        with TestClient(create_app(executor)) as client:
+            assert client.get("/v1/models").status_code == 200
+    finally:
+        executor.shutdown(5.0)
+
+
 def test_an_app_whose_sequence_ids_exceed_the_kv_managers_is_refused(tmp_path):
     """Issue 24 item 7, for embedders: max_seqs=3 takes ids 0..2, so a server leasing 1..6
     would answer 4 of 6 concurrent requests 400 kv.seq_id_out_of_range; refused when the

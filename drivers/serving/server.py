@@ -58,6 +58,7 @@ from calexec.drivers.serving.service import (
     SequencePool,
     ServerConfig,
 )
+from calexec.machines.api import InferenceExecutor
 
 #: what embedders and the tests import from here (the app's parts live in the modules above)
 __all__ = ["Admission", "CompletionService", "DrainingServer", "MAX_PATH_CHARS",
@@ -71,8 +72,18 @@ log = logging.getLogger("calexec.server")
 def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
                dump: DumpSink | None = None) -> FastAPI:
     """The FastAPI app serving ``executor`` (already started; not shut down by the app: use
-    ``app.state.service.drain(grace)``)."""
-    config = config or ServerConfig()
+    ``app.state.service.drain(grace)``). An ``executor`` that is no ``InferenceExecutor`` or
+    a ``config`` that is no ``ServerConfig`` (a dict of its settings, say) is a TypeError
+    naming it, not an AttributeError from deep in the service."""
+    if config is None:
+        config = ServerConfig()
+    elif not isinstance(config, ServerConfig):
+        hint = " (build one: ServerConfig(**settings))" if isinstance(config, dict) else ""
+        raise TypeError(f"create_app: config={config!r:.200}: expected a ServerConfig or "
+                        f"None, got {type(config).__name__}{hint}")
+    if not isinstance(executor, InferenceExecutor):
+        raise TypeError(f"create_app: executor={executor!r:.200}: expected a started "
+                        f"DeviceExecutor (an InferenceExecutor), got {type(executor).__name__}")
     service = CompletionService(executor, config, dump)
     # no redirect_slashes: Starlette answered "/v1/completions/" with a 307 whose Location
     # it built from the client's Host header (and SDKs do not re-POST a 307 reliably); a
