@@ -309,6 +309,27 @@ def _check_stream_arguments(*, max_len: object, max_steps: object, stop_tokens: 
                         "token ids (ints)")
 
 
+def _check_construction(runtime: Any, manifest: Any, config: Any) -> None:
+    """``DeviceExecutor``'s arguments, checked when it is built: a TypeError naming the one
+    that is not what it takes. Before, a dict config raised ``'dict' object has no attribute
+    'tuning'``, and a manifest path (a str) or a None runtime were taken, so ``start()``
+    raised an AttributeError from deep inside and left the lifecycle ``Configuring`` (a
+    later ``shutdown()`` then answered ``shutdown.not_drained``)."""
+    from calexec.contracts.manifest import Manifest
+
+    if not isinstance(config, ExecutorConfig):
+        hint = " (build one: ExecutorConfig(**settings))" if isinstance(config, dict) else ""
+        raise TypeError(f"DeviceExecutor: config={config!r:.200}: expected an ExecutorConfig, "
+                        f"got {type(config).__name__}{hint}")
+    if not isinstance(manifest, Manifest):
+        raise TypeError(f"DeviceExecutor: manifest={manifest!r:.200}: expected a Manifest "
+                        f"(load_manifest(path)), got {type(manifest).__name__}")
+    if runtime is None or isinstance(runtime, type) or not callable(
+            getattr(runtime, "open_device", None)):
+        raise TypeError(f"DeviceExecutor: runtime={runtime!r:.200}: expected a loaded runtime "
+                        "(CalRT.load(), or a shim with the same methods)")
+
+
 _TRAIL_STEPS = 32  # a job takes at most ~8 transitions; refused events are few
 
 
@@ -333,6 +354,7 @@ class DeviceExecutor(SequenceOwnership):
 
     def __init__(self, runtime: Any, manifest: Any, config: ExecutorConfig,
                  fault_sink: FaultSink | None = None, clock: Clock = SYSTEM) -> None:
+        _check_construction(runtime, manifest, config)
         self.runtime = runtime
         self.manifest = manifest
         self.config = config

@@ -1037,3 +1037,36 @@ def test_shutdown_with_a_grace_that_is_no_seconds_raises_naming_it_and_changes_n
         assert ex.release_sequence(1, 1.0).ok
         status = ex.shutdown(5.0)
         assert status.ok and ex.state == "Stopped", status
+
+
+def test_a_device_executor_built_from_the_wrong_things_raises_naming_them(calbin):
+    """``DeviceExecutor(runtime, manifest, {"calbin_path": ...})`` raised ``'dict' object has
+    no attribute 'tuning'``; a manifest path (a str) or a None runtime were taken, and
+    ``start()`` then raised ``AttributeError: 'str' object has no attribute 'resolve'`` from
+    deep inside, leaving the lifecycle ``Configuring``, and ``shutdown()`` answered
+    ``shutdown.not_drained`` as if a job had hung (found at stop 50 by an embedder). Each is a
+    TypeError naming the argument when the executor is built."""
+    from calexec.contracts.manifest import default_manifest_path
+    from calexec.drivers.calrt.runtime import CalRT
+    from calexec.machines.executor import DeviceExecutor, ExecutorConfig
+    from executor_harness import MANIFEST
+
+    config = ExecutorConfig(calbin_path=str(calbin))
+    cases = [
+        ((CalRT.load(), MANIFEST, {"calbin_path": str(calbin)}),
+         r"^DeviceExecutor: config=\{'calbin_path': .*: expected an ExecutorConfig, got dict "
+         r"\(build one"),
+        ((CalRT.load(), str(default_manifest_path()), config),
+         r"^DeviceExecutor: manifest='.*': expected a Manifest \(load_manifest\(path\)\)"),
+        ((CalRT.load(), None, config), r"^DeviceExecutor: manifest=None"),
+        ((None, MANIFEST, config), r"^DeviceExecutor: runtime=None: expected a loaded runtime"),
+        ((CalRT, MANIFEST, config), r"^DeviceExecutor: runtime=<class .*: expected a loaded"),
+    ]
+    for args, match in cases:
+        with pytest.raises(TypeError, match=match):
+            DeviceExecutor(*args)
+    ex = DeviceExecutor(CalRT.load(), MANIFEST, config)
+    try:
+        assert ex.start().ok
+    finally:
+        assert ex.shutdown(5.0).ok
