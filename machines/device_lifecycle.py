@@ -289,6 +289,30 @@ class DeviceLifecycle:
                     f"DeviceExecutor.start() called after shutdown() (lifecycle "
                     f"{self.run.state}); build a new DeviceExecutor to start again")
             self._started = True
+        try:
+            status = self._start()
+        except Exception as exc:  # noqa: BLE001 - the barrier: start answers a Status
+            # a runtime (a vendor shim) that raises instead of returning its code: the start
+            # fails as any failed start does, Failed with what it could torn down, and
+            # shutdown() answers this Status (not shutdown.not_drained from Configuring)
+            status = Status.internal("start_exception", Phase.CONFIGURE,
+                                     f"start raised {type(exc).__name__}: {exc}")
+            log.error("start caught %s", status, exc_info=exc)
+        if not status.ok:
+            self.start_status = status
+            self.fail(status)
+            released = self._release_failed_generation()
+            host.stop_threads()
+            if host.device is not None and released.ok:
+                host.device.close()  # else a job may still run: keep the device open
+            return status
+        self._go_ready()
+        self.start_status = Status.OK
+        return Status.OK
+
+    def _start(self) -> Status:
+        """``start``'s steps: open the device, configure generation 1, warm up."""
+        host = self._host
         rc, host.device = host.runtime.open_device(host.config.device_config)
         status = (Status.from_calrt(rc, Phase.CONFIGURE, "device open with device_config="
                                     f"{host.config.device_config!r} (the emulator's keys: "
@@ -301,17 +325,7 @@ class DeviceLifecycle:
             if host.config.threads:
                 host.start_threads()
             status = self.warm_up()
-        if not status.ok:
-            self.start_status = status
-            self.fail(status)
-            released = self._release_failed_generation()
-            host.stop_threads()
-            if host.device is not None and released.ok:
-                host.device.close()  # else a job may still run: keep the device open
-            return status
-        self._go_ready()
-        self.start_status = Status.OK
-        return Status.OK
+        return status
 
     def _enable_phase_b(self) -> Status:
         """Phase B needs the runtime's parallel mode (§6.4); Phase A leaves it off."""

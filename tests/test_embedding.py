@@ -1070,3 +1070,60 @@ def test_a_device_executor_built_from_the_wrong_things_raises_naming_them(calbin
         assert ex.start().ok
     finally:
         assert ex.shutdown(5.0).ok
+
+
+class _RaisingRuntime:
+    """A runtime shim that raises instead of returning a code: at ``open_device``, or (with
+    ``after_open``) at the open device's ``load_calbin``."""
+
+    def __init__(self, after_open: bool) -> None:
+        from calexec.drivers.calrt.runtime import CalRT
+        self._runtime, self.after_open, self.closed = CalRT.load(), after_open, 0
+
+    def open_device(self, config: str):
+        if not self.after_open:
+            raise RuntimeError("vendor shim: no device node")
+        rc, device = self._runtime.open_device(config)
+        shim = self
+
+        class Device:
+            def __getattr__(self, name: str):
+                return getattr(device, name)
+
+            def load_calbin(self, path):
+                raise OSError("vendor shim: calbin read failed")
+
+            def close(self):
+                shim.closed += 1
+                return device.close()
+        return rc, Device()
+
+    def __getattr__(self, name: str):
+        return getattr(self._runtime, name)
+
+
+@pytest.mark.parametrize("after_open", [False, True])
+def test_a_runtime_that_raises_in_start_ends_failed_with_a_status(calbin, after_open, caplog):
+    """A runtime shim that raises in ``start()`` (``open_device``, or the open device's
+    ``load_calbin``) escaped ``start()`` as that exception and left the lifecycle
+    ``Configuring``; ``shutdown()`` then answered ``shutdown.not_drained`` (DEVICE: "a job
+    did not end", exit 3 in ``calexec serve``'s terms) for an executor that never ran a job
+    (found at stop 50 by an embedder). ``start()`` answers ``internal.start_exception`` naming
+    the error, the lifecycle is ``Failed``, the device opened is closed, and ``shutdown()``
+    answers start's Status, as docs/embedding.md section 6 says."""
+    from calexec.machines.executor import DeviceExecutor, ExecutorConfig
+    from calexec.machines.faults import RecordingFaultSink
+    from executor_harness import MANIFEST
+
+    caplog.set_level(logging.CRITICAL, logger="calexec")
+    runtime = _RaisingRuntime(after_open)
+    ex = DeviceExecutor(runtime, MANIFEST, ExecutorConfig(calbin_path=str(calbin)),
+                        fault_sink=RecordingFaultSink())
+    status = ex.start()
+    assert status.code == "internal.start_exception", status
+    error = "OSError: vendor shim: calbin" if after_open else "RuntimeError: vendor shim"
+    assert status.message.startswith(f"start raised {error}"), status.message
+    assert ex.state == "Failed" and ex.failure is not None
+    assert runtime.closed == (1 if after_open else 0)
+    assert ex.shutdown(grace=1.0).code == "internal.start_exception"
+    assert ex.state == "Failed" and not ex.threads_alive().get("calexec-submitter", False)
