@@ -58,6 +58,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import numbers
 import os
 import threading
 from collections import deque
@@ -824,7 +825,7 @@ class DeviceLifecycle:
         ``shutdown.recovery_busy`` is returned. A ``grace`` that is no finite number of
         seconds (None, NaN, inf) raises TypeError or ValueError naming it, changing nothing;
         a negative one is 0."""
-        if isinstance(grace, bool) or not isinstance(grace, (int, float)):
+        if isinstance(grace, bool) or not isinstance(grace, numbers.Real):
             raise TypeError(f"shutdown: grace={grace!r}: expected seconds (a float), got "
                             f"{type(grace).__name__}")
         if not math.isfinite(grace):  # NaN: every bound compares false, a hung job is waited

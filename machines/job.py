@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import numbers
 import threading
 import time
 import weakref
@@ -453,7 +454,7 @@ def _check_deadline(call: str, value: object, name: str = "deadline") -> None:
     TypeError naming the call, the argument and its value. ``math.inf`` waits without limit."""
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{call}: {name}={value!r}: expected seconds (a float) or None, got "
                         f"{type(value).__name__}")
     if value != value:

@@ -24,6 +24,7 @@ touches nothing else of the executor; it takes no executor lock.
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 from typing import TYPE_CHECKING
 
@@ -70,7 +71,7 @@ def _argument_refusal(seq_id: object, wait_s: object) -> Status | None:
         return Status.failure("request.invalid", Category.INVALID_REQUEST, Phase.VALIDATE,
                               f"release_sequence: seq_id={seq_id!r}: expected a sequence id, "
                               f"an int in 0..{S32_MAX}")
-    if isinstance(wait_s, bool) or not isinstance(wait_s, (int, float)) or not math.isfinite(
+    if isinstance(wait_s, bool) or not isinstance(wait_s, numbers.Real) or not math.isfinite(
             wait_s):
         return Status.failure("request.invalid", Category.INVALID_REQUEST, Phase.VALIDATE,
                               f"release_sequence: wait_s={wait_s!r}: expected a finite number of "

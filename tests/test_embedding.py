@@ -940,6 +940,9 @@ def test_waits_take_an_infinite_deadline_and_refuse_a_nan_one_naming_it():
         timer.join(BOUND_S)
     assert handle.wait_until(math.inf) is job.result
     assert handle.result(1e12) is job.result  # beyond threading.TIMEOUT_MAX: no limit either
+    import numpy as np
+    assert handle.result(np.float32(0.5)) is job.result  # a numpy number is seconds too
+    assert handle.wait_until(np.float64(deadline(1.0))) is job.result
 
     pending = JobHandle(bare_job(2))
     with pytest.raises(ValueError, match=r"JobHandle\.wait_until: deadline=nan"):
@@ -986,6 +989,8 @@ def test_release_sequence_refuses_what_is_no_sequence_id_naming_it(calbin):
         for bad_wait in (math.nan, math.inf, "1"):
             status = ex.release_sequence(1, bad_wait)
             assert status.code == "request.invalid" and "wait_s=" in status.message, status
+        import numpy as np
+        assert ex.release_sequence(7, np.float32(0.1)).ok  # a numpy number is seconds too
         # sequence 1 still holds its KV: its next decode goes on from it
         step = ex.enqueue(decode(1, result.argmax, result.kv_len)).wait_until(deadline(BOUND_S))
         assert isinstance(step, InferenceResult), step

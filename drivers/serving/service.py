@@ -31,6 +31,7 @@ import contextlib
 import itertools
 import logging
 import math
+import numbers
 import re
 import statistics
 import threading
@@ -132,7 +133,7 @@ def _seconds(positive: bool = True) -> Callable[[Any, Any, Any], None]:
     ``positive`` else >= 0. An infinite one would reach the executor as a deadline or a wait
     it refuses (``request.invalid``), so every request or release would fail."""
     def check(instance: Any, attribute: Any, value: Any) -> None:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise TypeError(f"{attribute.name}={value!r}: expected a number, got "
                             f"{type(value).__name__}")
         if not math.isfinite(value) or value < 0 or (positive and value == 0):
