@@ -64,6 +64,7 @@ import threading
 from collections import deque
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
+import attrs
 import numpy as np
 
 from calexec.contracts.errors import Category
@@ -417,8 +418,9 @@ class DeviceLifecycle:
         clock = self._host.clock
         seq = cfg.golden_seq_id
         status = self._host.gen.kvc.reset_sequence(seq)
-        if not status.ok:
-            return status
+        if not status.ok:  # named as the setting it comes from (the embedder never sent it)
+            return attrs.evolve(status, message=f"golden run on ExecutorConfig.golden_seq_id="
+                                                f"{seq}: {status.message}")
         prompt = np.asarray(cfg.golden_tokens, dtype=np.int32)
         out: list[int] = []
         request = InferenceRequest(seq_id=seq, kind=TaskKind.PREFILL_IDS, tokens=prompt,

@@ -1132,3 +1132,22 @@ def test_a_runtime_that_raises_in_start_ends_failed_with_a_status(calbin, after_
     assert runtime.closed == (1 if after_open else 0)
     assert ex.shutdown(grace=1.0).code == "internal.start_exception"
     assert ex.state == "Failed" and not ex.threads_alive().get("calexec-submitter", False)
+
+
+def test_a_golden_seq_id_the_kv_manager_refuses_is_named_as_the_setting(calbin):
+    """``ExecutorConfig(golden_seq_id=999)`` on a KvManager of 64 ids made ``start()`` answer
+    ``CalRT admission returned 4 (INVALID_VALUE): KvManager release of seq 999``: an id the
+    embedder never sent, with nothing saying it is the warm-up's setting (found at stop 50 by
+    an embedder). The Status names ``ExecutorConfig.golden_seq_id=999``."""
+    from calexec.drivers.calrt.runtime import CalRT
+    from calexec.machines.executor import DeviceExecutor, ExecutorConfig
+    from calexec.machines.faults import RecordingFaultSink
+    from executor_harness import MANIFEST
+
+    ex = DeviceExecutor(CalRT.load(), MANIFEST,
+                        ExecutorConfig(calbin_path=str(calbin), golden_seq_id=999),
+                        fault_sink=RecordingFaultSink())
+    status = ex.start()
+    assert not status.ok and ex.state == "Failed", status
+    assert status.message.startswith("golden run on ExecutorConfig.golden_seq_id=999: "), status
+    assert ex.shutdown(grace=1.0).code == status.code
