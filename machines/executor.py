@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any, cast
 import attrs
 import numpy as np
 
+from calexec.contracts import fields
 from calexec.contracts.codes import CalrtCode
 from calexec.contracts.errors import Category
 from calexec.contracts.prepare import InferenceRequest, check_request
@@ -105,32 +106,16 @@ FEATURES: dict[str, str] = {
 }
 
 
-def _int_at_least(low: int, high: int | None = None) -> Callable[[Any, Any, Any], None]:
-    """attrs validator: an int (not a bool) in ``low..high``; the ValueError or TypeError names
-    the field and the value it got."""
-    def check(instance: Any, attribute: Any, value: Any) -> None:
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise TypeError(f"ExecutorConfig.{attribute.name}={value!r}: must be an int, got "
-                            f"{type(value).__name__}")
-        if value < low or (high is not None and value > high):
-            bound = f">= {low}" if high is None else f"in {low}..{high}"
-            raise ValueError(f"ExecutorConfig.{attribute.name}={value!r}: must be {bound}")
-    return check
+def _int_at_least(low: int, high: float = math.inf) -> Callable[[Any, Any, Any], None]:
+    """attrs validator: an int (not a bool) in ``low..high``, naming the field and value."""
+    return fields.number(low, high, integral=True, owner="ExecutorConfig")
 
 
 def _seconds(positive: bool) -> Callable[[Any, Any, Any], None]:
-    """attrs validator: a finite number of seconds (an int or float, not a bool), > 0 when
-    ``positive`` else >= 0; a NaN, an infinity or a negative value would turn a deadline
-    computed from it into one that never passes or has always passed."""
-    def check(instance: Any, attribute: Any, value: Any) -> None:
-        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-            raise TypeError(f"ExecutorConfig.{attribute.name}={value!r}: must be a number of "
-                            f"seconds, got {type(value).__name__}")
-        if not math.isfinite(value) or value < 0 or (positive and value == 0):
-            bound = "> 0" if positive else ">= 0"
-            raise ValueError(f"ExecutorConfig.{attribute.name}={value!r}: must be a finite "
-                             f"number of seconds {bound}")
-    return check
+    """attrs validator: a finite number of seconds, > 0 when ``positive`` else >= 0; a NaN,
+    an infinity or a negative value would turn a deadline computed from it into one that
+    never passes or has always passed."""
+    return fields.number(0, above=positive, owner="ExecutorConfig")
 
 
 def _flag(instance: Any, attribute: Any, value: Any) -> None:

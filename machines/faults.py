@@ -37,7 +37,6 @@ from __future__ import annotations
 import enum
 import logging
 import math
-import numbers
 import random
 import threading
 import time
@@ -47,6 +46,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 
+from calexec.contracts import fields
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Status
 from calexec.machines.clock import SYSTEM
@@ -71,24 +71,10 @@ class Action(enum.Enum):
 
 def _policy_number(low: float, high: float = math.inf, *, integral: bool = False,
                    above: bool = False) -> Callable[[Any, Any, Any], None]:
-    """attrs validator of a ``RecoveryPolicy`` field: a finite number (an int when
-    ``integral``; never a bool) in ``[low, high]`` (``(low, high]`` when ``above``); the error
-    names the field and its value. A NaN drain grace or window compares false with every
-    time (a drain never ends, a window never holds a fault), a str fails deep in a
-    recovery: refused when the policy is built."""
-    def check(instance: Any, attribute: Any, value: Any) -> None:
-        if isinstance(value, bool) or not isinstance(
-                value, numbers.Integral if integral else numbers.Real):
-            raise TypeError(f"RecoveryPolicy.{attribute.name}={value!r}: expected "
-                            f"{'an int' if integral else 'a number'}, got {type(value).__name__}")
-        number = float(value)
-        if not (math.isfinite(number) and (number > low if above else number >= low)
-                and number <= high):
-            bound = f"{'>' if above else '>='} {low:g}" + (
-                "" if high == math.inf else f" and <= {high:g}")
-            raise ValueError(f"RecoveryPolicy.{attribute.name}={value!r}: must be finite and "
-                             f"{bound}")
-    return check
+    """attrs validator of a ``RecoveryPolicy`` field (``fields.number``). A NaN drain grace or
+    window compares false with every time (a drain never ends, a window never holds a
+    fault), a str fails deep in a recovery: refused when the policy is built."""
+    return fields.number(low, high, integral=integral, above=above, owner="RecoveryPolicy")
 
 
 @attrs.define

@@ -451,8 +451,10 @@ def _check_deadline(call: str, value: object, name: str = "deadline") -> None:
     """A wait's ``deadline`` (or ``timeout``) is None or a number that is not NaN: a NaN
     compares false with every time, so the wait would end at once reporting a deadline that
     never was; a str would fail deep in the clock. Both are the caller's bug: ValueError or
-    TypeError naming the call, the argument and its value. ``math.inf`` waits without limit."""
-    if value is None:
+    TypeError naming the call, the argument and its value. ``math.inf`` waits without limit.
+    (A float that is no NaN, what every wait of the executor's own passes, returns at the
+    first test: this runs on every caller's wait.)"""
+    if value is None or (type(value) is float and value == value):
         return
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{call}: {name}={value!r}: expected seconds (a float) or None, got "

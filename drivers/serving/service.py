@@ -31,7 +31,6 @@ import contextlib
 import itertools
 import logging
 import math
-import numbers
 import re
 import statistics
 import threading
@@ -44,6 +43,7 @@ import attrs
 import numpy as np
 from anyio import to_thread
 
+from calexec.contracts import fields
 from calexec.contracts.errors import Category
 from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.status import Phase, Status
@@ -129,17 +129,10 @@ def _check_api_key(instance: Any, attribute: Any, key: str | None) -> None:
 
 
 def _seconds(positive: bool = True) -> Callable[[Any, Any, Any], None]:
-    """attrs validator of a seconds (or ms) setting: a finite number (not a bool), > 0 when
-    ``positive`` else >= 0. An infinite one would reach the executor as a deadline or a wait
-    it refuses (``request.invalid``), so every request or release would fail."""
-    def check(instance: Any, attribute: Any, value: Any) -> None:
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise TypeError(f"{attribute.name}={value!r}: expected a number, got "
-                            f"{type(value).__name__}")
-        if not math.isfinite(value) or value < 0 or (positive and value == 0):
-            raise ValueError(f"{attribute.name}={value!r}: must be finite and "
-                             f"{'> 0' if positive else '>= 0'}")
-    return check
+    """attrs validator of a seconds (or ms) setting: a finite number, > 0 when ``positive``
+    else >= 0. An infinite one would reach the executor as a deadline or a wait it refuses
+    (``request.invalid``), so every request or release would fail."""
+    return fields.number(0, above=positive)
 
 
 def _model_name(instance: Any, attribute: Any, value: Any) -> None:

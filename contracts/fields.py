@@ -1,0 +1,37 @@
+"""One attrs validator for the numeric settings of every config class (``ExecutorConfig``,
+``RecoveryPolicy``, ``HotPathTuning``, ``ServerConfig``): a finite number, an int where the
+field counts something, never a bool, within its bounds. The error names the field and the
+value it got, so an embedder's typo is found where the config is built, not deep in a
+thread (a NaN timeout hung ``start()``; an infinite yield crashed a thread's wait)."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable
+from typing import Any
+
+Validator = Callable[[Any, Any, Any], None]
+
+
+def number(low: float = -math.inf, high: float = math.inf, *, integral: bool = False,
+           above: bool = False, owner: str | None = None) -> Validator:
+    """An attrs validator: a finite number in ``[low, high]`` (``(low, high]`` when
+    ``above``), an int (numpy's included) when ``integral``, never a bool. TypeError for
+    another kind of value, ValueError for one out of range, each naming
+    ``owner.field=value`` (``field=value`` without an owner)."""
+    kind = numbers.Integral if integral else numbers.Real
+
+    def check(instance: Any, attribute: Any, value: Any) -> None:
+        name = attribute.name if owner is None else f"{owner}.{attribute.name}"
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise TypeError(f"{name}={value!r}: expected {'an int' if integral else 'a number'}"
+                            f", got {type(value).__name__}")
+        as_float = float(value)
+        if not (math.isfinite(as_float) and (as_float > low if above else as_float >= low)
+                and as_float <= high):
+            parts = [] if low == -math.inf else [f"{'>' if above else '>='} {low:g}"]
+            parts += [] if high == math.inf else [f"<= {high:g}"]
+            raise ValueError(f"{name}={value!r}: must be finite"
+                             + "".join(f" and {part}" for part in parts))
+    return check
