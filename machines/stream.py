@@ -88,6 +88,15 @@ _CLOSE_WAIT_S = 2.0
 _AHEAD_WAIT_S = 10.0
 
 
+def _is_int(token: object) -> bool:
+    """An int token id, numpy's included; never a bool (``True`` is no token 1)."""
+    return isinstance(token, (int, np.integer)) and not isinstance(token, bool)
+
+
+def _is_token(token: object, vocab: int) -> bool:
+    return _is_int(token) and 0 <= token < vocab  # type: ignore[operator]  # an int
+
+
 class DecodeStream:
     """Decode steps of one sequence with the next step pre-armed. Not thread-safe except
     ``cancel``: one caller steps it."""
@@ -193,9 +202,10 @@ class DecodeStream:
             return self._close(Status.unavailable(
                 Phase.ADMISSION, f"device lifecycle is {ex.state}: no model generation is "
                                  "loaded; not admitting", seq_id=self.seq_id))
-        if not (isinstance(token, (int, np.integer)) and 0 <= token < vocab):
-            return self._close(Status.invalid(6, f"token={token!r}: outside [0, vocab_size="
-                                                 f"{vocab})"))
+        if not _is_token(token, vocab):
+            problem = ("outside [0, vocab_size=" f"{vocab})" if _is_int(token) else
+                       f"not a token id (an int), got {type(token).__name__}")
+            return self._close(Status.invalid(6, f"token={token!r}: {problem}"))
         if self._cancelled:  # a caller that gave up: the step is what the plain path
             return self._cancelled_step(int(token))  # answers a cancelled request
         dispatch = ex.dispatch
@@ -241,7 +251,7 @@ class DecodeStream:
         if refused is not None:
             return refused
         vocab = self._vocab()
-        if self._cancelled or not (isinstance(token, (int, np.integer)) and 0 <= token < vocab):
+        if self._cancelled or not _is_token(token, vocab):
             return None
         token = int(token)
         ready = self._take_ready(token)

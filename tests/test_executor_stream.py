@@ -597,6 +597,22 @@ def test_submit_nowait_declines_without_changing_anything_then_submit_takes_the_
         assert stream.closed and isinstance(stream.submit_nowait(out[-1]), Status)
 
 
+@pytest.mark.parametrize("bad, named", [(True, "token=True: not a token id (an int), got bool"),
+                                         ("5", "token='5': not a token id (an int), got str"),
+                                         (-1, "token=-1: outside [0, vocab_size=")])
+def test_a_token_that_is_no_token_id_is_refused_naming_it(calbin, bad, named):
+    """A stream's step with ``True`` (taken as token 1 before) or ``"5"`` (answered "outside
+    [0, vocab_size)") is refused ``request.invalid`` saying what it is; ``submit_nowait``
+    declines it, changing nothing."""
+    with running_job_path(calbin, threads=False) as ex:
+        stream, _token = open_stream_stepped(ex, 1, 4)
+        assert stream.submit_nowait(bad) is None and not stream.closed and stream.steps == 0
+        answer = stream.submit(bad)
+        assert isinstance(answer, Status) and answer.code == "request.invalid", answer
+        assert named in answer.message, answer.message
+        assert stream.closed and stream.steps == 0
+
+
 def test_submit_nowait_takes_the_step_fired_ahead_and_refuses_another_token(calbin):
     """greedy_ahead: once the completion thread fired the argmax's step, ``submit_nowait``
     takes it; with another token it declines (``submit`` closes the stream for the misuse)."""
