@@ -2,14 +2,17 @@
 ``RecoveryPolicy``, ``HotPathTuning``, ``ServerConfig``): a finite number, an int where the
 field counts something, never a bool, within its bounds. The error names the field and the
 value it got, so an embedder's typo is found where the config is built, not deep in a
-thread (a NaN timeout hung ``start()``; an infinite yield crashed a thread's wait)."""
+thread (a NaN timeout hung ``start()``; an infinite yield crashed a thread's wait).
+
+And one test of a token id (``is_token_id``), which the configs' token settings, a decode
+stream's steps and its stop tokens share: an int, numpy's included, never a bool."""
 
 from __future__ import annotations
 
 import math
 import numbers
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeGuard
 
 Validator = Callable[[Any, Any, Any], None]
 
@@ -35,3 +38,19 @@ def number(low: float = -math.inf, high: float = math.inf, *, integral: bool = F
             raise ValueError(f"{name}={value!r}: must be finite"
                              + "".join(f" and {part}" for part in parts))
     return check
+
+
+def is_int(value: object) -> TypeGuard[int]:
+    """An int, numpy's included, never a bool (``True`` is no token 1, no count 1)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_token_id(value: object) -> TypeGuard[int]:
+    """A token id: an int (``is_int``) >= 0. Whether it is below a model's vocabulary size
+    is the caller's to check: a config holds ids before any model is loaded."""
+    return is_int(value) and value >= 0
+
+
+def token_ids(value: object) -> bool:
+    """A non-empty tuple of token ids (``is_token_id``)."""
+    return isinstance(value, tuple) and bool(value) and all(map(is_token_id, value))

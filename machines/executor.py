@@ -138,8 +138,7 @@ def _calbin_path(value: Any) -> Any:
 
 
 def _token_ids(instance: Any, attribute: Any, value: Any) -> None:
-    if not isinstance(value, tuple) or not value or any(
-            isinstance(t, bool) or not isinstance(t, (int, np.integer)) or t < 0 for t in value):
+    if not fields.token_ids(value):
         raise ValueError(f"ExecutorConfig.{attribute.name}={value!r}: must be a non-empty "
                          "tuple of token ids (ints >= 0)")
 
@@ -149,8 +148,8 @@ def _goldens(instance: Any, attribute: Any, value: Any) -> None:
         raise TypeError(f"ExecutorConfig.goldens={value!r}: must be a dict of calbin sha256 -> "
                         f"tuple of token ids, got {type(value).__name__}")
     for sha, tokens in value.items():
-        if not isinstance(sha, str) or not isinstance(tokens, tuple) or any(
-                isinstance(t, bool) or not isinstance(t, (int, np.integer)) or t < 0 for t in tokens):
+        if not isinstance(sha, str) or not isinstance(tokens, tuple) or not all(
+                map(fields.is_token_id, tokens)):
             raise ValueError(f"ExecutorConfig.goldens[{sha!r}]={tokens!r}: must map a calbin "
                              "sha256 (str) to a tuple of token ids (ints >= 0)")
 
@@ -280,16 +279,15 @@ def _check_stream_arguments(*, max_len: object, max_steps: object, stop_tokens: 
     object is not iterable``, a str ``max_len`` a comparison error, and a ``max_len`` of 0 or
     less was taken (every step ahead refused)."""
     for name, value in (("max_len", max_len), ("max_steps", max_steps)):
-        if value is not None and (isinstance(value, bool)
-                                  or not isinstance(value, (int, np.integer))):
+        if value is not None and not fields.is_int(value):
             raise TypeError(f"decode_stream: {name}={value!r}: expected an int or None")
     if max_len is not None and max_len < 1:  # type: ignore[operator]  # an int: checked above
         raise ValueError(f"decode_stream: max_len={max_len!r}: must be >= 1 (the prompt plus "
                          "the tokens to generate)")
     if not isinstance(greedy_ahead, bool):
         raise TypeError(f"decode_stream: greedy_ahead={greedy_ahead!r}: expected True or False")
-    if isinstance(stop_tokens, (str, bytes)) or not isinstance(stop_tokens, Collection) or any(
-            isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in stop_tokens):
+    if isinstance(stop_tokens, (str, bytes)) or not isinstance(stop_tokens, Collection) or not all(
+            map(fields.is_int, stop_tokens)):
         raise TypeError(f"decode_stream: stop_tokens={stop_tokens!r}: expected a collection of "
                         "token ids (ints)")
 

@@ -65,6 +65,7 @@ from typing import TYPE_CHECKING, SupportsInt
 import attrs
 import numpy as np
 
+from calexec.contracts import fields
 from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import TaskKind
@@ -88,13 +89,8 @@ _CLOSE_WAIT_S = 2.0
 _AHEAD_WAIT_S = 10.0
 
 
-def _is_int(token: object) -> bool:
-    """An int token id, numpy's included; never a bool (``True`` is no token 1)."""
-    return isinstance(token, (int, np.integer)) and not isinstance(token, bool)
-
-
 def _is_token(token: object, vocab: int) -> bool:
-    return _is_int(token) and 0 <= token < vocab  # type: ignore[operator]  # an int
+    return fields.is_token_id(token) and token < vocab
 
 
 class DecodeStream:
@@ -203,7 +199,7 @@ class DecodeStream:
                 Phase.ADMISSION, f"device lifecycle is {ex.state}: no model generation is "
                                  "loaded; not admitting", seq_id=self.seq_id))
         if not _is_token(token, vocab):
-            problem = ("outside [0, vocab_size=" f"{vocab})" if _is_int(token) else
+            problem = ("outside [0, vocab_size=" f"{vocab})" if fields.is_int(token) else
                        f"not a token id (an int), got {type(token).__name__}")
             return self._close(Status.invalid(6, f"token={token!r}: {problem}"))
         if self._cancelled:  # a caller that gave up: the step is what the plain path

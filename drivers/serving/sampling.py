@@ -34,6 +34,8 @@ from typing import Any, Protocol
 import attrs
 import numpy as np
 
+from calexec.contracts import fields
+
 #: the most alternatives ``logprobs``/``top_logprobs`` may ask for (vLLM's default max_logprobs)
 MAX_LOGPROBS = 20
 #: at most this many stop strings / stop token ids per request, each string at most this long
@@ -63,10 +65,6 @@ def _check(field: str, ok: bool, value: Any, why: str) -> None:
         raise SamplingError(field, value, why)
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
 
@@ -82,12 +80,12 @@ def _validate_top_p(_inst: Any, _attr: Any, value: float) -> None:
 
 
 def _validate_top_k(_inst: Any, _attr: Any, value: int) -> None:
-    _check("top_k", _is_int(value) and (value >= 1 or value in (0, -1)), value,
+    _check("top_k", fields.is_int(value) and (value >= 1 or value in (0, -1)), value,
            "must be an integer >= 1, or 0 / -1 for all tokens")
 
 
 def _validate_seed(_inst: Any, _attr: Any, value: int | None) -> None:
-    _check("seed", value is None or (_is_int(value) and SEED_MIN <= value <= SEED_MAX), value,
+    _check("seed", value is None or (fields.is_int(value) and SEED_MIN <= value <= SEED_MAX), value,
            f"must be an integer in [{SEED_MIN}, {SEED_MAX}]")
 
 
@@ -103,7 +101,7 @@ def _validate_stop_ids(_inst: Any, _attr: Any, value: tuple[int, ...]) -> None:
     _check("stop_token_ids", len(value) <= MAX_STOP_TOKEN_IDS, list(value)[:4],
            f"at most {MAX_STOP_TOKEN_IDS} ids")
     for i, t in enumerate(value):
-        _check(f"stop_token_ids[{i}]", _is_int(t) and t >= 0, t, "must be an integer >= 0")
+        _check(f"stop_token_ids[{i}]", fields.is_token_id(t), t, "must be an integer >= 0")
 
 
 def _validate_min_p(_inst: Any, _attr: Any, value: float) -> None:
@@ -126,7 +124,7 @@ def _validate_logit_bias(_inst: Any, _attr: Any, value: tuple[tuple[int, float],
     _check("logit_bias", len(value) <= MAX_LOGIT_BIAS, len(value),
            f"at most {MAX_LOGIT_BIAS} entries")
     for token, bias in value:
-        _check(f"logit_bias[{token!r}]", _is_int(token) and token >= 0, token,
+        _check(f"logit_bias[{token!r}]", fields.is_token_id(token), token,
                "the key must be a token id >= 0")
         _check(f"logit_bias[{token!r}]", _is_number(bias) and math.isfinite(bias)
                and -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE, bias,
@@ -134,7 +132,7 @@ def _validate_logit_bias(_inst: Any, _attr: Any, value: tuple[tuple[int, float],
 
 
 def _validate_min_tokens(_inst: Any, _attr: Any, value: int) -> None:
-    _check("min_tokens", _is_int(value) and value >= 0, value, "must be an integer >= 0")
+    _check("min_tokens", fields.is_int(value) and value >= 0, value, "must be an integer >= 0")
 
 
 def _validate_allowed(_inst: Any, _attr: Any, value: tuple[int, ...] | None) -> None:
@@ -142,7 +140,7 @@ def _validate_allowed(_inst: Any, _attr: Any, value: tuple[int, ...] | None) -> 
         return
     _check("allowed_token_ids", len(value) > 0, list(value), "must not be empty (null: all)")
     for i, t in enumerate(value):
-        _check(f"allowed_token_ids[{i}]", _is_int(t) and t >= 0, t, "must be an integer >= 0")
+        _check(f"allowed_token_ids[{i}]", fields.is_token_id(t), t, "must be an integer >= 0")
 
 
 def _to_ids(value: Any) -> tuple[int, ...] | None:
@@ -150,7 +148,7 @@ def _to_ids(value: Any) -> tuple[int, ...] | None:
 
 
 def _validate_logprobs(_inst: Any, _attr: Any, value: int | None) -> None:
-    _check("logprobs", value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS), value,
+    _check("logprobs", value is None or (fields.is_int(value) and 0 <= value <= MAX_LOGPROBS), value,
            f"must be null or an integer in [0, {MAX_LOGPROBS}]")
 
 

@@ -145,7 +145,7 @@ def _model_name(instance: Any, attribute: Any, value: Any) -> None:
 def _token_id(instance: Any, attribute: Any, value: Any) -> None:
     """A token id: an int >= 0 (not a bool). A str reached every decode stream as a stop
     token and failed every request with a 500."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+    if not fields.is_token_id(value):
         raise ValueError(f"{attribute.name}={value!r}: must be a token id (an int >= 0)")
 
 
