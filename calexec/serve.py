@@ -265,7 +265,7 @@ def main(argv: list[str]) -> int:
             if problem is not None:
                 raise ValueError(f"--cors-origin{problem}")
         tokenizer_path = None if args.tokenizer is None else os.path.abspath(args.tokenizer)
-        loaded = hf_tokenizer.load(tokenizer_path)  # TokenizerLoadError names the path
+        loaded = hf_tokenizer.load(tokenizer_path, "--tokenizer")  # the error names the flag
         end_token = DEFAULT_END_TOKEN if loaded.eos_token_id is None else loaded.eos_token_id
         config = ServerConfig(admin_token=token, max_sequences=args.max_sequences,
                               default_timeout_s=args.timeout, model_name=args.served_model_name,

@@ -40,6 +40,17 @@ def number(low: float = -math.inf, high: float = math.inf, *, integral: bool = F
     return check
 
 
+def flag(owner: str | None = None) -> Validator:
+    """An attrs validator: True or False, nothing else (a str ``"no"`` is true, an int 1 no
+    setting's value): a TypeError naming ``owner.field=value``."""
+    def check(instance: Any, attribute: Any, value: Any) -> None:
+        if not isinstance(value, bool):
+            name = attribute.name if owner is None else f"{owner}.{attribute.name}"
+            raise TypeError(f"{name}={value!r}: must be True or False, got "
+                            f"{type(value).__name__}")
+    return check
+
+
 def is_int(value: object) -> TypeGuard[int]:
     """An int, numpy's included, never a bool (``True`` is no token 1, no count 1)."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)

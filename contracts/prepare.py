@@ -65,8 +65,11 @@ def valid_logits_row(token_count: int, tile_d0: int) -> int:
 
 def _index(field: str, value: object) -> int:
     """``operator.index(value)``; a TypeError names the field and the value (a newcomer's
-    ``past_len=1.0`` or ``seq_id="3"`` says which argument it was)."""
+    ``past_len=1.0`` or ``seq_id="3"`` says which argument it was). A bool is no int here:
+    ``seq_id=True`` was sequence 1, another request's KV."""
     try:
+        if isinstance(value, bool):
+            raise TypeError
         return operator.index(value)  # type: ignore[arg-type]  # checked: TypeError below
     except TypeError:
         raise TypeError(f"InferenceRequest.{field}={value!r}: expected an int, got "

@@ -118,10 +118,7 @@ def _seconds(positive: bool) -> Callable[[Any, Any, Any], None]:
     return fields.number(0, above=positive, owner="ExecutorConfig")
 
 
-def _flag(instance: Any, attribute: Any, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"ExecutorConfig.{attribute.name}={value!r}: must be True or False, got "
-                        f"{type(value).__name__}")
+_flag = fields.flag("ExecutorConfig")
 
 
 def _of_type(kind: type) -> Callable[[Any, Any, Any], None]:

@@ -145,6 +145,11 @@ class DecodeStream:
         job = self._arm_job(None, past_len, blocking=False, notify=True)
         if isinstance(job, Job):
             self._armed = job
+        elif job.code == "request.invalid" and not self._beyond_max_len(past_len):
+            # the first step's request fails the §6.3 checks (a negative seq_id, a past_len
+            # beyond max_seq, a NaN deadline): so would every step's, and the caller learns
+            # it now, not at its first submit (which answers this status)
+            self.status = job
 
     # ---- the caller's API ------------------------------------------------------------------
     @property
@@ -540,9 +545,13 @@ class DecodeStream:
         if drop is not None:
             ex.release_armed(drop, Status.cancelled(Phase.CANCEL, "decode stream closed"))
 
+    def _beyond_max_len(self, past: int) -> bool:
+        """A step at ``past`` is beyond what the stream arms ahead (``max_len``)."""
+        return self.max_len is not None and past + 1 > self.max_len
+
     def _arm_job(self, prev_txn: KvTxn | None, past: int, blocking: bool,
                  notify: bool = False) -> Job | Status:
-        if not blocking and self.max_len is not None and past + 1 > self.max_len:
+        if not blocking and self._beyond_max_len(past):
             # max_len bounds what the stream arms ahead; the caller's own step (blocking) is
             # a request like any other, answered by the plain path's checks
             return Status.invalid(2, f"decode stream: past_len={past} + 1 > max_len="

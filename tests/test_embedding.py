@@ -1151,3 +1151,61 @@ def test_a_golden_seq_id_the_kv_manager_refuses_is_named_as_the_setting(calbin):
     assert not status.ok and ex.state == "Failed", status
     assert status.message.startswith("golden run on ExecutorConfig.golden_seq_id=999: "), status
     assert ex.shutdown(grace=1.0).code == status.code
+
+
+def test_a_bool_is_no_sequence_id_position_or_request_id(calbin):
+    """``InferenceRequest(seq_id=True)`` was sequence 1 (``operator.index(True)`` is 1): an
+    embedder's flag passed where an id belongs decoded on, and committed KV to, another
+    request's sequence (found at stop 51, ``decode_stream(True, ...)``). A bool is refused
+    for every int field of a request, naming it, as a str is."""
+    import numpy as np
+
+    from calexec.contracts.prepare import InferenceRequest
+    from calexec.contracts.types import TaskKind
+
+    for field, value in (("seq_id", True), ("seq_id", [1, False]), ("past_len", False),
+                         ("request_id", True), ("kv_reserve_len", True),
+                         ("want_logits", (0, True))):
+        fields = {"seq_id": 1, "kind": TaskKind.DECODE, "tokens": np.ones(1, np.int32),
+                  "positions": np.zeros(1, np.int32),
+                  "past_len": 0,
+                  "deadline": deadline(BOUND_S), field: value}
+        with pytest.raises(TypeError, match=f"InferenceRequest.{field}="):
+            InferenceRequest(**fields)
+    with running_job_path(calbin) as ex:
+        with pytest.raises(TypeError, match="InferenceRequest.seq_id=True"):
+            ex.decode_stream(True, 0, deadline(BOUND_S))
+        snap = ex.snapshot()
+        assert snap["queued"] == snap["inflight"] == snap["pending_tokens"] == 0
+
+
+def test_a_decode_stream_whose_first_step_cannot_be_valid_is_closed_when_made(calbin):
+    """``decode_stream(-1, 0, ...)`` (or a ``past_len`` beyond ``max_seq``, a NaN deadline)
+    returned an open stream with nothing armed; the request's own check answered only at
+    the first ``submit`` (found at stop 50). Every step of such a stream is refused the same
+    way, so the stream is closed when it is made, its ``status`` the check's
+    ``request.invalid`` naming the value, and ``submit`` answers that status."""
+    import math
+
+    with running_job_path(calbin) as ex:
+        for seq, past, dl, named in ((-1, 0, deadline(BOUND_S), "seq_id=-1"),
+                                     (1, -5, deadline(BOUND_S), "past_len=-5"),
+                                     (1, 10**9, deadline(BOUND_S), "past_len=1000000000"),
+                                     (1, 0, math.nan, "deadline=nan")):
+            stream = ex.decode_stream(seq, past, dl)
+            assert stream.closed, (seq, past, dl)
+            assert stream.status is not None and stream.status.code == "request.invalid"
+            assert named in stream.status.message, stream.status
+            assert stream.submit(5) is stream.status
+        # a stream whose first step is only not armable now (no reason of the caller's)
+        # stays open: a valid one decodes
+        result = ex.enqueue(prefill(1, PROMPT)).wait_until(deadline(BOUND_S))
+        assert isinstance(result, InferenceResult), result
+        stream = ex.decode_stream(1, result.kv_len, deadline(BOUND_S))
+        assert not stream.closed
+        step = stream.step(result.argmax)
+        assert isinstance(step, InferenceResult) and step.argmax == expected_greedy(PROMPT, 1)[1]
+        stream.close()
+        assert ex.release_sequence(1, 1.0).ok
+        snap = ex.snapshot()
+        assert snap["queued"] == snap["inflight"] == snap["pending_tokens"] == 0

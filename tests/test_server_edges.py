@@ -160,6 +160,17 @@ def test_a_server_config_refuses_an_api_key_no_request_could_match(key):
     ({"end_token_id": -1}, ValueError, r"^end_token_id=-1: must be a token id"),
     ({"cors_origins": "https://app.example"}, TypeError,
      r"^cors_origins='https://app\.example': expected a tuple of origins, not one str"),
+    # found at stop 51: a bool or a float count was taken (True as 1 sequence, 2.5 worker
+    # threads), a str count failed with "'>=' not supported", a str flag was true
+    ({"max_sequences": True}, TypeError, r"^max_sequences=True: expected an int, got bool"),
+    ({"worker_threads": 2.5}, TypeError, r"^worker_threads=2\.5: expected an int"),
+    ({"max_choices": "16"}, TypeError, r"^max_choices='16': expected an int"),
+    ({"max_body_bytes": 0}, ValueError, r"^max_body_bytes=0: must be finite and >= 1"),
+    ({"retry_after_s": -1}, ValueError, r"^retry_after_s=-1: must be finite and >= 0"),
+    ({"max_waiting": None}, TypeError, r"^max_waiting=None: expected an int"),
+    ({"prearm": "no"}, TypeError, r"^prearm='no': must be True or False, got str"),
+    ({"greedy_ahead": 1}, TypeError, r"^greedy_ahead=1: must be True or False, got int"),
+    ({"tokenizer_path": 5}, TypeError, r"^tokenizer_path=5: expected a str path or None"),
 ])
 def test_a_server_config_refuses_settings_that_would_fail_every_request(settings, error, match):
     """Found at stop 50 by an embedder: ``default_timeout_s`` above ``max_timeout_s`` was
@@ -616,3 +627,21 @@ def test_bytes_that_are_not_an_http_request_get_an_openai_shaped_400(executor, g
         assert error["type"] == "invalid_request_error"
         assert ended in ("eof", "reset")
         assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
+
+
+def test_an_embedders_tokenizer_path_that_cannot_be_loaded_is_named_as_its_setting(tmp_path):
+    """``create_app(executor, ServerConfig(tokenizer_path=...))`` with a path that is no
+    tokenizer.json said ``--tokenizer='...': ...``, a flag the embedder never gave (found at
+    stop 50). The error names ``tokenizer_path``; ``calexec serve`` still names its flag
+    (tests/test_cli.py)."""
+    from calexec.drivers.serving.hf_tokenizer import TokenizerLoadError
+
+    not_json = tmp_path / "tokenizer.json"
+    not_json.write_text("not a tokenizer")
+    executor = started_executor(tmp_path)
+    try:
+        for bad in (str(tmp_path), str(not_json)):
+            with pytest.raises(TokenizerLoadError, match=rf"^tokenizer_path={bad!r}: "):
+                create_app(executor, ServerConfig(tokenizer_path=bad))
+    finally:
+        executor.shutdown(5.0)

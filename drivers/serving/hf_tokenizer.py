@@ -13,7 +13,8 @@ from calexec.drivers.serving.byte_tokenizer import ByteTokenizer
 
 
 class TokenizerLoadError(ValueError):
-    """``--tokenizer PATH`` cannot be loaded (the message names the path and why)."""
+    """A tokenizer path cannot be loaded (the message names the setting, the path and
+    why)."""
 
 
 class HFTokenizer:
@@ -22,7 +23,9 @@ class HFTokenizer:
     present, gives the chat template (``chat_template``) and the special tokens (``bos_token``,
     ``eos_token``); streaming decodes with ``tokenizers.decoders.DecodeStream``."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, setting: str = "tokenizer_path") -> None:
+        """``setting``: what a load error names as the source of ``path`` (``calexec serve``
+        passes ``--tokenizer``; an embedder set ``ServerConfig.tokenizer_path``)."""
         import json
         import os
         file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
@@ -30,17 +33,17 @@ class HFTokenizer:
             # FIFO's writer, or read /dev/zero without end (checked first: a wrong path is
             # wrong whether or not the library is installed)
             shown = "it" if file == path else repr(file)
-            raise TokenizerLoadError(f"--tokenizer={path!r}: {shown} is not a regular file, "
+            raise TokenizerLoadError(f"{setting}={path!r}: {shown} is not a regular file, "
                                      "not a tokenizer.json")
         try:
             from tokenizers import Tokenizer
         except ImportError as err:
-            raise TokenizerLoadError(f"--tokenizer={path!r}: the `tokenizers` library is not "
+            raise TokenizerLoadError(f"{setting}={path!r}: the `tokenizers` library is not "
                                      f"installed ({err}); pip install 'calexec[tokenizer]'") from None
         try:
             self._tok = Tokenizer.from_file(file)
         except Exception as err:  # noqa: BLE001 - the library raises its own Exception type
-            raise TokenizerLoadError(f"--tokenizer={path!r}: cannot load {file!r} as a "
+            raise TokenizerLoadError(f"{setting}={path!r}: cannot load {file!r} as a "
                                      f"tokenizer.json: {err}") from None
         self.name = file
         #: added (special) tokens: written as their text, never as byte-level pieces
@@ -54,7 +57,7 @@ class HFTokenizer:
                 with open(config_file, encoding="utf-8") as f:
                     config = json.load(f)
             except (OSError, ValueError) as err:
-                raise TokenizerLoadError(f"--tokenizer={path!r}: {config_file!r} is not "
+                raise TokenizerLoadError(f"{setting}={path!r}: {config_file!r} is not "
                                          f"readable JSON: {err}") from None
             template = config.get("chat_template")
             if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
@@ -155,7 +158,8 @@ class _StreamDetokenizer:
 Tokenizer = ByteTokenizer | HFTokenizer
 
 
-def load(path: str | None) -> Tokenizer:
+def load(path: str | None, setting: str = "tokenizer_path") -> Tokenizer:
     """The tokenizer of ``--tokenizer PATH`` (a tokenizer.json or a directory holding one);
-    None: the byte-level tokenizer. Raises :class:`TokenizerLoadError` naming the path."""
-    return ByteTokenizer() if path is None else HFTokenizer(path)
+    None: the byte-level tokenizer. Raises :class:`TokenizerLoadError` naming ``setting``
+    and the path."""
+    return ByteTokenizer() if path is None else HFTokenizer(path, setting)

@@ -31,6 +31,7 @@ import contextlib
 import itertools
 import logging
 import math
+import os
 import re
 import statistics
 import threading
@@ -142,6 +143,23 @@ def _model_name(instance: Any, attribute: Any, value: Any) -> None:
         raise ValueError(f"model_name={value!r}: must be a non-empty str")
 
 
+def _count(low: int) -> Callable[[Any, Any, Any], None]:
+    """attrs validator of a count setting: an int >= ``low``, never a bool (``True`` was
+    taken as 1 sequence) nor a float (2.5 worker threads)."""
+    return fields.number(low, integral=True)
+
+
+def _path_or_none(value: Any) -> str | None:
+    """``tokenizer_path`` converter: a ``pathlib.Path`` becomes its str; None stays None."""
+    if value is None or isinstance(value, str):
+        return value
+    path = os.fspath(value) if isinstance(value, os.PathLike) else None
+    if isinstance(path, str):
+        return path
+    raise TypeError(f"tokenizer_path={value!r}: expected a str path or None, got "
+                    f"{type(value).__name__}")
+
+
 def _token_id(instance: Any, attribute: Any, value: Any) -> None:
     """A token id: an int >= 0 (not a bool). A str reached every decode stream as a stop
     token and failed every request with a 500."""
@@ -173,9 +191,9 @@ class ServerConfig:
     cors_origins: tuple[str, ...] = attrs.field(default=(), converter=_origins,
                                                 validator=_check_cors)
     #: a Hugging Face tokenizer.json (or its directory); None: the byte-level tokenizer
-    tokenizer_path: str | None = None
+    tokenizer_path: str | None = attrs.field(default=None, converter=_path_or_none)
     #: completion request body limit (413 above it).
-    max_body_bytes: int = attrs.field(default=1 << 20, validator=attrs.validators.gt(0))
+    max_body_bytes: int = attrs.field(default=1 << 20, validator=_count(1))
     #: the whole request body must arrive within this many seconds of the route's first read
     #: of it (408 ``request.body_timeout`` and the connection closed otherwise): a client
     #: sending its body slowly (slowloris) holds its connection no longer
@@ -184,12 +202,12 @@ class ServerConfig:
     default_timeout_s: float = attrs.field(default=30.0, validator=_seconds())
     max_timeout_s: float = attrs.field(default=600.0, validator=_seconds())
     #: KV sequence ids the server leases to requests: 1..max_sequences (0 is the golden run's).
-    max_sequences: int = attrs.field(default=32, validator=attrs.validators.ge(1))
+    max_sequences: int = attrs.field(default=32, validator=_count(1))
     #: worker threads for blocking executor calls: this many for prefills (which may wait for
     #: KV or a slot) and as many again for the decodes and waits of running requests.
-    worker_threads: int = attrs.field(default=16, validator=attrs.validators.ge(1))
+    worker_threads: int = attrs.field(default=16, validator=_count(1))
     #: Retry-After seconds on 429 and 503.
-    retry_after_s: int = attrs.field(default=1, validator=attrs.validators.ge(0))
+    retry_after_s: int = attrs.field(default=1, validator=_count(0))
     #: the token that ends a generation (a token id; the tokenizer's eos for ``calexec serve``)
     end_token_id: int = attrs.field(default=byte_tokenizer.END_TOKEN_ID, validator=_token_id)
     #: one bounded wait (s) of the background release of a sequence id for its last job to
@@ -201,23 +219,23 @@ class ServerConfig:
     #: ``/admin/drain?grace=`` is refused above this (seconds).
     max_drain_grace_s: float = attrs.field(default=3600.0, validator=_seconds())
     #: ``/admin/reload`` refuses a calbin larger than this (bytes).
-    max_calbin_bytes: int = attrs.field(default=16 << 30, validator=attrs.validators.gt(0))
+    max_calbin_bytes: int = attrs.field(default=16 << 30, validator=_count(1))
     #: requests that may wait (within their deadline) for a KV sequence id or for the
     #: lifecycle to be Ready again; one more is refused (429 ids / 503 recovery), 0 never waits.
     #: Deep enough that a burst is queued, not refused (vLLM queues without a bound): a waiter
     #: is a suspended task and a few hundred bytes, no thread; each still waits no longer
     #: than its own deadline
-    max_waiting: int = attrs.field(default=1024, validator=attrs.validators.ge(0))
+    max_waiting: int = attrs.field(default=1024, validator=_count(0))
     #: the waiting queue re-reads the executor's lifecycle in slices this long (the executor
     #: has no state-change event; a freed sequence id wakes the queue at once)
     lifecycle_poll_s: float = attrs.field(default=0.005, validator=_seconds())
     #: resumes of one generation after retryable/device failures (drivers/serving/resume.py); 0: none
-    max_resumes: int = attrs.field(default=3, validator=attrs.validators.ge(0))
+    max_resumes: int = attrs.field(default=3, validator=_count(0))
     #: total time (s) one request may lose to resumes before it gets the failure instead
     resume_budget_s: float = attrs.field(default=10.0, validator=_seconds())
     #: decode through the executor's pre-armed decode stream (issue 17: job N+1 is admitted
     #: and prepared while N runs; a token only fires it); False: one ``enqueue`` per token
-    prearm: bool = True
+    prearm: bool = attrs.field(default=True, validator=fields.flag())
     #: ... but only while the device's decode steps wait at least this long on the device (ms,
     #: the median wait of the last 32 decode jobs; pre-armed until one is measured): a
     #: faster device ends a step before pre-arming could hide anything behind it, and arming
@@ -227,18 +245,18 @@ class ServerConfig:
     prearm_min_device_ms: float = attrs.field(default=0.5, validator=_seconds(positive=False))
     #: choices one request may ask for: prompts x ``n`` (completions; chat: ``n``); above it
     #: the request is refused with a 400 naming ``n`` (or ``prompt``) and this cap
-    max_choices: int = attrs.field(default=16, validator=attrs.validators.ge(1))
+    max_choices: int = attrs.field(default=16, validator=_count(1))
     #: greedy requests: the executor's completion thread fires each next decode step with the
     #: argmax itself (``decode_stream(greedy_ahead=True)``), so the device does not wait for
     #: the event loop; a request ended by a stop string costs at most one discarded step
-    greedy_ahead: bool = True
+    greedy_ahead: bool = attrs.field(default=True, validator=fields.flag())
     #: wait for a job on the event loop (``CompletionHandle.wait_async``: the thread that
     #: resolves it wakes the loop) and take a decode step there when the stream has it ready
     #: (``DecodeSteps.submit_nowait``: fired ahead or pre-armed), instead of a worker thread
     #: per enqueue and per wait (issue 28: two fewer thread hand-offs per token). False: every
     #: enqueue and wait in a worker thread, the path before; the answers are the same
     #: (tests/test_server_inline_waits.py)
-    inline_waits: bool = True
+    inline_waits: bool = attrs.field(default=True, validator=fields.flag())
     #: a non-streamed greedy request without stop strings, log-probabilities or a grammar
     #: (nothing read per token) takes its jobs in one worker-thread burst: the thread runs its
     #: prefill and decode steps one after the other, as the plain path runs them, until the
@@ -246,7 +264,7 @@ class ServerConfig:
     #: of once per token (issue 28). A failed job is handed back to the loop and handled as
     #: the plain path handles it (resume, error). False: one loop wake per token; the answers
     #: are the same (tests/test_server_inline_waits.py)
-    decode_bursts: bool = True
+    decode_bursts: bool = attrs.field(default=True, validator=fields.flag())
     #: the same for a streamed request's decode steps (server-sent events; its prefill, the
     #: first token, takes the plain path): its burst runs in the background
     #: and hands each token to the loop as it is taken; the loop is woken only when it waits
@@ -255,7 +273,7 @@ class ServerConfig:
     #: deadline or a disconnect is handled as the non-streamed burst handles it. False: one
     #: loop round trip per token; the answers and events are the same
     #: (tests/test_server_inline_waits.py)
-    stream_bursts: bool = True
+    stream_bursts: bool = attrs.field(default=True, validator=fields.flag())
     #: "vllm": ``/metrics`` exports vLLM's ``vllm:`` families beside the ``calexec_`` ones
     #: (dashboards and autoscalers built for vLLM read them); "calexec": those only
     metrics_names: str = attrs.field(default="calexec",
