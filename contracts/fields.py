@@ -52,8 +52,10 @@ def flag(owner: str | None = None) -> Validator:
 
 
 def is_int(value: object) -> TypeGuard[int]:
-    """An int, numpy's included, never a bool (``True`` is no token 1, no count 1)."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    """An int, numpy's included, never a bool (``True`` is no token 1, no count 1). A plain
+    int is answered first: a decode stream asks this of every token."""
+    return type(value) is int or (isinstance(value, numbers.Integral)
+                                  and not isinstance(value, bool))
 
 
 def is_token_id(value: object) -> TypeGuard[int]:
