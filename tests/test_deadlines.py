@@ -289,3 +289,89 @@ def test_a_deadline_passing_between_two_clock_reads_of_a_slot_wait_is_still_the_
     finally:
         clock.ticking = clock.armed = False
         ex.shutdown(grace=5.0)
+
+
+def _gate_clock():
+    """The executor's clock, except that a timed wait of the thread named ``waiter`` that
+    returns while ``gate`` is clear lets go of its condition's lock and stops there (still a
+    waiter to the pool: the pool counts it until its wait returns) until ``gate`` is set:
+    the moment between a slot's return waking a waiter and that waiter taking it."""
+    import threading
+
+    from calexec.machines.clock import Clock
+
+    class _Clock(Clock):
+        __slots__ = ("gate", "waiting", "paused", "locks")
+
+        def __init__(self) -> None:
+            self.gate, self.waiting, self.paused = (threading.Event(), threading.Event(),
+                                                    threading.Event())
+            self.gate.set()
+            self.locks: dict[int, object] = {}
+
+        def condition(self, lock, name=""):
+            cond = super().condition(lock, name)
+            self.locks[id(cond)] = lock
+            return cond
+
+        def wait(self, cond, timeout):
+            mine = threading.current_thread().name == "waiter"
+            if mine:
+                self.waiting.set()
+            woke = super().wait(cond, timeout)
+            if mine and not self.gate.is_set():
+                lock = self.locks[id(cond)]
+                lock.release()
+                self.paused.set()
+                self.gate.wait(10.0)
+                lock.acquire()
+            return woke
+
+    return _Clock()
+
+
+def test_a_guess_never_takes_the_slot_a_woken_request_is_about_to_take(calbin):
+    """``BufferPool.acquire(speculative=True)`` (a pre-arm: no caller asked for it yet) never
+    takes a slot a request waits for. The window: a slot comes back and wakes the waiting
+    request, and before that request runs again a guess asks for a slot. Taken, the request
+    would sleep on until its deadline (429/504) while the guess holds the slot for a step
+    nobody may ask for. Stop 48's hand mutant of this check (``speculative and waiting``
+    dropped) survived every test: no test reached the window."""
+    import threading
+
+    from calexec.contracts.types import TaskKind
+    from calexec.drivers.calrt.runtime import CalRT
+    from calexec.machines.executor import DeviceExecutor, ExecutorConfig
+    from calexec.machines.faults import RecordingFaultSink
+    from calexec.machines.pool import BufferLease
+    from executor_harness import MANIFEST
+
+    clock = _gate_clock()
+    ex = DeviceExecutor(CalRT.load(), MANIFEST,
+                        ExecutorConfig(calbin_path=calbin, threads=False, auto_prearm=False,
+                                       slots_per_kind=1),
+                        fault_sink=RecordingFaultSink(), clock=clock)
+    assert ex.start().ok
+    pool, got = ex.pool, []
+    assert pool is not None
+    waiter = threading.Thread(name="waiter", daemon=True, target=lambda: got.append(
+        pool.acquire(TaskKind.DECODE, clock.monotonic() + 10.0)))
+    try:
+        held = pool.acquire(TaskKind.DECODE, clock.monotonic() + 1.0)  # the only decode slot
+        assert isinstance(held, BufferLease), held
+        waiter.start()
+        assert clock.waiting.wait(10.0)  # the request waits for the slot
+        clock.gate.clear()
+        assert held.release().ok  # the slot comes back and wakes it ...
+        assert clock.paused.wait(10.0)  # ... and it has not taken it yet
+        guess = pool.acquire(TaskKind.DECODE, clock.monotonic(), speculative=True)
+        assert isinstance(guess, Status), f"the guess took the waiting request's slot: {guess}"
+        assert guess.code == "buffer.full", guess
+        clock.gate.set()
+        waiter.join(10.0)
+        assert not waiter.is_alive() and len(got) == 1
+        assert isinstance(got[0], BufferLease), got  # the request got it
+        assert got[0].release().ok
+    finally:
+        clock.gate.set()
+        ex.shutdown(grace=5.0)
