@@ -854,3 +854,73 @@ def test_a_client_leaving_with_a_request_pipelined_behind_a_stream_frees_the_str
     assert not metric_value(text, "calexec_request_failures_total",
                             {"code": "server.unexpected_error"}), text[-800:]
     assert service.sequences.in_use == 0 and service.sequences.consistent()
+
+
+_CHUNKED = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"transfer-encoding: chunked\r\n\r\n")
+
+
+@pytest.mark.parametrize("pipelined_before", [False, True], ids=["alone", "behind-a-request"])
+@pytest.mark.parametrize("body", [
+    b"zz\r\n{}\r\n0\r\n\r\n",
+    b"2\r\n{}XX\r\n0\r\n\r\n",
+    b"5\r\n{}\r\n0\r\n\r\n",
+], ids=["chunk-size-not-hex", "chunk-longer-than-its-size", "chunk-shorter-than-its-size"])
+def test_a_malformed_chunked_body_is_answered_400_at_once(served, body, pipelined_before):
+    """A request whose chunked body the HTTP parser refuses (a chunk size that is no hex
+    number, a chunk longer or shorter than its size) had its route started (the head was
+    whole) waiting for the rest of a body nothing more was read of: the client got nothing
+    for ``body_timeout_s`` (30 s), then the route's 408 and after it the parser's 400, two
+    answers to one request (found at stop 51; left by stop 50's probe as "a 408 after the
+    timeout"). The parser's 400 is that request's answer, at once; its route is told the
+    client is gone. A good request pipelined before it is answered first, whole."""
+    import json
+    import time
+
+    from test_server_support import server_idle, wait_for
+
+    server, service = served
+    good = _post({"prompt": [1, 2, 3], "max_tokens": 4}) if pipelined_before else b""
+    started = time.monotonic()
+    data, ended = _raw(server.port, good + _CHUNKED + body, timeout=10.0)
+    took = time.monotonic() - started
+    if pipelined_before:
+        status, headers, rest = _head(data)
+        assert status.startswith(b"HTTP/1.1 200 "), data[:300]
+        end = int(headers["content-length"])
+        assert json.loads(rest[:end])["usage"]["completion_tokens"] == 4, rest[:300]
+        data = rest[end:]
+    status, headers, rest = _head(data)
+    assert status == b"HTTP/1.1 400 Bad Request", (took, data[:300])
+    assert json.loads(rest)["error"]["code"] == "request.malformed_http", rest[:300]
+    assert b"HTTP/1.1" not in rest, rest[:300]  # one answer to the request, not two
+    assert ended in ("eof", "reset"), (ended, took)
+    wait_for(lambda: server_idle(service), 10, "the server idle")
+
+
+def test_a_malformed_body_after_its_requests_answer_closes_without_a_second_answer(served):
+    """A route that answers before reading the body (a 404 here; a 401 alike) gave its
+    request's one answer; the malformed chunked body that came after it was answered too,
+    with the parser's 400 behind the 404: a second answer to one request, which a client
+    takes for the answer to its next one (found at stop 51). The connection is closed after
+    the 404 instead, with nothing behind it."""
+    import socket
+
+    from test_server_support import read_until_closed
+
+    server, _ = served
+    head = _CHUNKED.replace(b"/v1/completions", b"/nope")
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10.0) as sock:
+        sock.sendall(head)
+        first = b""
+        while b"\r\n\r\n" not in first:  # the 404's head: answered before its body came
+            chunk = sock.recv(65536)
+            assert chunk, first
+            first += chunk
+        sock.sendall(b"zz\r\n{}\r\n0\r\n\r\n")
+        rest, ended = read_until_closed(sock)
+    data = first + rest
+    status, headers, body = _head(data)
+    assert status == b"HTTP/1.1 404 Not Found", data[:300]
+    assert len(body) == int(headers["content-length"]), data[:600]  # nothing behind it
+    assert ended in ("eof", "reset"), ended

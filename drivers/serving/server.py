@@ -260,6 +260,8 @@ def abortable(protocol: type) -> type:
         #: the refusal the connection answers (400, 431) once the requests before it are
         #: answered; nothing more is read once it is set (:meth:`_refuse`)
         _refusal: bytes | None = None
+        #: the request whose own body the parser refused: the refusal is its answer
+        _refused_cycle: Any = None
 
         def connection_made(self, transport: Any) -> None:
             self._cycles: list[Any] = []
@@ -278,8 +280,27 @@ def abortable(protocol: type) -> type:
 
         def send_400_response(self, msg: str) -> None:
             """Bytes that are not an HTTP request: uvicorn's plain-text 400, as the OpenAI
-            -shaped JSON every other error of this server is (``malformed_http``)."""
-            self._refuse(error_bodies.malformed_http(str(msg), uuid.uuid4().hex))
+            -shaped JSON every other error of this server is (``malformed_http``).
+
+            Refused inside a request's body (a malformed chunk: the head was whole, so its
+            route runs, waiting for the rest of a body nothing more is read of), the 400 is
+            that request's answer: unless the route already started its own, the route is
+            told its client is gone (what it would answer is dropped) and the 400 goes once
+            the requests before it are answered. Otherwise the route waited
+            ``body_timeout_s`` for its 408, and the 400 followed it: two answers to one
+            request. A route that answered before the body came (a 404, a 401) gave the
+            request's one answer: the connection is closed after it, with no 400 behind it
+            (a second answer the client would take for its next request's)."""
+            cycle = getattr(self, "cycle", None)
+            answer = error_bodies.malformed_http(str(msg), uuid.uuid4().hex)
+            if parses_heads and not self._reading_head and cycle is not None:
+                if cycle.response_started:
+                    answer = b""
+                else:
+                    self._refused_cycle = cycle
+                    cycle.disconnected = True
+                    cycle.message_event.set()
+            self._refuse(answer)
 
         def data_received(self, data: bytes) -> None:
             if self._refusal is not None:  # refused: nothing more is read
@@ -310,7 +331,8 @@ def abortable(protocol: type) -> type:
                 return
             cycle = getattr(self, "cycle", None)
             if getattr(self, "pipeline", None) or (
-                    cycle is not None and not cycle.response_complete):
+                    cycle is not None and not cycle.response_complete
+                    and cycle is not self._refused_cycle):
                 return  # on_response_complete calls again
             transport.write(self._refusal)
             transport.close()
