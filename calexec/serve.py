@@ -49,7 +49,11 @@ from calexec.drivers.memory import pin_mmap_threshold
 from calexec.drivers.serving import byte_tokenizer, hf_tokenizer
 from calexec.drivers.serving.dumpsink import DumpConfigError, DumpSink
 from calexec.drivers.serving.executor_view import served
-from calexec.drivers.serving.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
+from calexec.drivers.serving.process import (
+    SERVING_SWITCH_INTERVAL_US,
+    raise_open_file_limit,
+    set_gil_switch_interval_us,
+)
 from calexec.drivers.serving.server import DrainingServer, ServerConfig, create_app, uvicorn_config
 from calexec.drivers.serving.service import (
     api_key_problem,
@@ -233,6 +237,9 @@ def main(argv: list[str]) -> int:
     port = args.port if args.port is not None else 0 if args.once else 8000
     log_level = args.log_level or ("warning" if args.once else "info")
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    raised = raise_open_file_limit()  # every connection is a descriptor (process.py)
+    if raised is not None:
+        logging.getLogger("calexec.serve").info("open-file limit %d -> %d", *raised)
     try:
         set_gil_switch_interval_us(args.gil_switch_us)
         token = _admin_token(args.admin_token_file)

@@ -1016,3 +1016,55 @@ def test_a_small_text_file_may_be_a_pipe_but_not_too_long(tmp_path):
     with pytest.raises(cliargs.UserError) as caught:
         cliargs.read_small_text("--x", long, 64, "a token")
     assert str(caught.value) == f"--x={str(long)!r}: longer than 64 bytes, not a token"
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="RLIMIT_NOFILE is POSIX")
+def test_serve_outlasts_more_idle_connections_than_a_default_open_file_limit():
+    """``calexec serve`` under a soft open-file limit of 256 (many hosts start a process at
+    1024): 400 idle connections (a slowloris, or clients that open and wait) took every
+    descriptor, and a new client's ``/health`` was reset, until the idle ones timed out
+    (``HEAD_TIMEOUT_S``, 30 s). ``serve`` raises its soft limit toward the hard one (at most
+    65536, as vLLM's API server does) and says so; the health check is answered."""
+    import os
+    import re
+    import resource
+    import selectors
+    import signal
+    import socket
+    import time
+    import urllib.request
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1024:
+        pytest.skip(f"this host's hard open-file limit is {hard}: no room to raise 256")
+
+    def low_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+
+    proc = subprocess.Popen([sys.executable, "-m", "calexec", "serve", "--port", "0"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            preexec_fn=low_limit)
+    assert proc.stderr is not None
+    seen, socks = b"", []
+    try:
+        with selectors.DefaultSelector() as sel:
+            sel.register(proc.stderr, selectors.EVENT_READ)
+            deadline = time.monotonic() + TIMEOUT_S
+            while (time.monotonic() < deadline and proc.poll() is None
+                   and not re.search(rb"listening on http://127\.0\.0\.1:\d+\n", seen)):
+                if sel.select(timeout=1.0):
+                    seen += os.read(proc.stderr.fileno(), 65536)
+        port = int(re.search(rb"listening on http://127\.0\.0\.1:(\d+)", seen).group(1))
+        for _ in range(400):
+            socks.append(socket.create_connection(("127.0.0.1", port), timeout=5.0))
+        time.sleep(0.5)  # the server accepts them
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10.0) as reply:
+            assert reply.status == 200
+    finally:
+        for sock in socks:
+            sock.close()
+        proc.send_signal(signal.SIGINT)
+        rest = proc.communicate(timeout=TIMEOUT_S)[1]
+    text = (seen + rest).decode(errors="replace")
+    assert proc.returncode == 0, text
+    assert "open-file limit 256 -> " in text, text

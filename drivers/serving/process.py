@@ -1,4 +1,5 @@
-"""The GIL switch interval of a serving process (process-wide: only entry points set it).
+"""The process-wide settings of a serving process (only entry points set them): the GIL
+switch interval and the open-file limit.
 
 CPython makes a thread that wants the GIL wait up to ``sys.getswitchinterval()`` (5 ms by
 default) before it forces the running thread to let go. The executor hands every job across
@@ -12,11 +13,23 @@ profile, four runs each, interleaved: default 5 ms -> TPOT P99 ratio (executor /
 Serve replica (``ReplicaSettings.gil_switch_us``) and ``calexec bench overhead`` apply it; the
 library (``DeviceExecutor``) never changes interpreter-wide state, so an embedding server
 keeps its own choice.
+
+The open-file limit: every connection is a descriptor, held until its client goes or the
+server's head timeout (30 s) closes it. Under a soft ``RLIMIT_NOFILE`` of 1024 (many hosts'
+default for a new process) a thousand idle connections (a slowloris, clients that open and
+wait) leave none for the next client's accept: its ``/health`` is reset. Serving entry points
+raise the soft limit toward the hard one (:func:`raise_open_file_limit`, at most
+:data:`OPEN_FILES_TARGET`), as vLLM's API server does.
 """
 
 from __future__ import annotations
 
 import sys
+
+try:
+    import resource
+except ImportError:  # not POSIX: no RLIMIT_NOFILE to raise
+    resource = None  # type: ignore[assignment]
 
 #: the interval serving entry points use, in microseconds (Python's default is 5000).
 SERVING_SWITCH_INTERVAL_US = 500
@@ -32,3 +45,24 @@ def set_gil_switch_interval_us(interval_us: int) -> int:
     if interval_us:
         sys.setswitchinterval(interval_us / 1e6)
     return previous
+
+
+#: the soft open-file limit serving entry points ask for (vLLM's ``set_ulimit`` default)
+OPEN_FILES_TARGET = 65536
+
+
+def raise_open_file_limit(target: int = OPEN_FILES_TARGET) -> tuple[int, int] | None:
+    """Raise the soft ``RLIMIT_NOFILE`` to ``target`` (or the hard limit, if lower); never
+    lowers it. Returns (before, after) when it changed, None when it did not need to or
+    could not (no ``resource`` module, or the system refused: the limit in force stays)."""
+    if resource is None:
+        return None
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        wanted = target if hard == resource.RLIM_INFINITY else min(target, hard)
+        if soft != resource.RLIM_INFINITY and soft < wanted:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            return soft, wanted
+    except (OSError, ValueError):
+        return None
+    return None
