@@ -296,6 +296,37 @@ def test_a_cancel_that_comes_once_the_caller_row_is_written_is_too_late():
     assert handle.cancel() is False
 
 
+# ---- found by the explorer on main (stop 51), fixed: the oracle check's order of commits ---------
+def test_the_oracle_check_replays_a_sequence_in_commit_order_not_job_id_order():
+    """PCT seed 57378 (``CALEXEC_EXPLORE_SEED=51000``, 15,000 schedules; Phase B, no safe
+    reset) failed "job 6 (seq 2 at 1): logits differ from the oracle". The executor was
+    right: job 6 (a prefill of seq 2 at 1, made while the sequence held 1 token) was
+    admitted after job 7 (seq 2 rewound to 0, four tokens) had committed, so it ran on job
+    7's position 0 and its logits are the oracle's for that history. The check replayed
+    the sequence's commits sorted by completion time, ties by job id; the explorer's device
+    takes no virtual time, so every job completed at the same instant and the check took
+    job 6 before job 7. It now breaks ties by the order the jobs were resolved (one thread
+    completes them, committing first), recorded by a done callback. The schedule is the
+    failure's (tests/data/explore_seed57378.json), replayed as far as it fits."""
+    import json
+    from pathlib import Path
+
+    from calexec.machines.job import job_of
+
+    info = json.loads((Path(__file__).parent / "data" / "explore_seed57378.json").read_text())
+    x = X.replay(CALBINS, [tuple(a) for a in info["script"]], info["choices"], lenient=True,
+                 **info["options"])
+    jobs = {job_of(h).job_id: job_of(h) for h in x.handles}
+    rewind, later = jobs[7], jobs[6]
+    # the window: the rewind (the higher id) committed first, at the same virtual instant
+    assert (rewind.request.seq_id, rewind.request.past_len) == (2, 0)
+    assert (later.request.seq_id, later.request.past_len) == (2, 1)
+    assert rewind.txn.run.state == later.txn.run.state == "Committed"
+    assert rewind.timings.completed_us == later.timings.completed_us
+    assert x.resolved_order[7] < x.resolved_order[6], x.resolved_order
+    assert x.logits_problems() == []
+
+
 # ---- found by the explorer on main (stop 38), fixed: a kept job's grace after a downgrade -------
 def test_a_job_in_flight_behind_a_kept_one_is_completed_by_its_deadline_after_a_downgrade():
     """Phase B, two jobs in flight: the first one's Wait failed with the device still holding

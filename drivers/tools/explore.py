@@ -64,7 +64,7 @@ from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import TaskKind
 from calexec.machines.clock import Clock
-from calexec.machines.job import job_of
+from calexec.machines.job import JobHandle, job_of
 
 if TYPE_CHECKING:
     from calexec.drivers.calrt.runtime import CalRT, Emulator, KvManager
@@ -1017,6 +1017,11 @@ class Explorer:
         #: call found the lifecycle Ready and switched, or found it busy and did nothing
         self.switch_log: list[tuple[float, bool]] = []
         self.handles: list = []
+        #: job id -> its place in the order jobs were resolved (a done callback): the order
+        #: of their KV commits (one thread completes jobs, committing before it resolves),
+        #: which the virtual clock's completion times cannot give (a device of no time ends
+        #: every job at the same instant)
+        self.resolved_order: dict[int, int] = {}
         self.results: list = []
         self.rows: dict[int, np.ndarray] = {}  # job id -> the caller's logits row
         self.pools: list = []
@@ -1100,7 +1105,7 @@ class Explorer:
             out = logits_out
             if row:
                 out = np.full(request.logits_range(VOCAB)[1], np.nan, np.float32)
-            handle = ex.enqueue(request, logits_out=out, on_created=self.handles.append)
+            handle = ex.enqueue(request, logits_out=out, on_created=self._track)
             result = handle.wait_until(None)
             self.results.append((handle, request, result))
             if row:
@@ -1108,6 +1113,12 @@ class Explorer:
             if isinstance(result, Status) and result.code == "internal.unexpected_exception":
                 self.sched.fail(f"enqueue's barrier caught an exception: {result}")
         self._spawn("request", body)
+
+    def _track(self, handle: JobHandle) -> None:
+        """A job the explorer made: kept, with its place in the resolve order."""
+        self.handles.append(handle)
+        order = self.resolved_order
+        handle.add_done_callback(lambda done: order.setdefault(done.job_id, len(order)))
 
     def _deadline(self, seconds: float) -> float:
         return self.ex.clock.monotonic() + seconds
@@ -1308,7 +1319,12 @@ class Explorer:
             job = job_of(handle)
             if job.txn is not None and job.txn.run.state == "Committed":
                 committed.append(job)
-        committed.sort(key=lambda j: (j.timings.completed_us, j.job_id))
+        # in commit order: by completion time, ties (the virtual clock's) by the resolve
+        # order; by job id, a rewinding prefill of 0..4 completed first was checked after a
+        # job at 1 it had preceded on the device (PCT seed 57378)
+        order = self.resolved_order
+        committed.sort(key=lambda j: (j.timings.completed_us,
+                                      order.get(j.job_id, len(order) + j.job_id)))
         sequences: dict[tuple[int, int], Any] = {}
         for job in committed:
             request, key = job.request, (job.generation_id, job.request.seq_id)
