@@ -912,6 +912,12 @@ class CompletionService:
         the failure allows it, else end it with the failure."""
         if handle is not None:
             handle.cancel()  # wait deadline: the job continues unless told otherwise
+        if (self.draining and result.category is Category.CANCELLED
+                and not (run.abandoned or run.finished)):
+            # the request cancelled nothing (its client is there): the executor's shutdown at
+            # the end of the drain's grace cancelled its queued or pre-armed step
+            run.status = self._drained(run)
+            return None
         moved = self._generation_moved(run, result)
         if await self.resumer.resume(run, moved or result, replaced=moved is not None):
             return await self.advance(run)  # recursion bounded by max_resumes
@@ -1290,12 +1296,17 @@ class CompletionService:
         if current == run.generation_id:
             return None
         if current is None and self.draining:  # the drain's grace ran out: shut down
-            return Status.unavailable(Phase.ADMISSION, f"server drained: its grace "
-                                      f"({self.drain_grace:g} s) ran out before the request "
-                                      "finished; retry", seq_id=run.seq_id)
+            return self._drained(run)
         return Status.unavailable(Phase.ADMISSION, f"the request's generation {run.generation_id}"
                                   f" was replaced by {current} (recovery or model switch); "
                                   "retry", seq_id=run.seq_id)
+
+    def _drained(self, run: RequestRun) -> Status:
+        """UNAVAILABLE (retry): the drain's grace ran out before ``run`` finished and the
+        executor's shutdown ended it (docs/server.md "Drain")."""
+        return Status.unavailable(Phase.ADMISSION, f"server drained: its grace "
+                                  f"({self.drain_grace:g} s) ran out before the request "
+                                  "finished; retry", seq_id=run.seq_id)
 
     async def finish(self, run: RequestRun, abandoned: bool = False) -> None:
         """Finish a request at once: cancel its job if one is still running, record metrics
