@@ -1,11 +1,15 @@
-"""One attrs validator for the numeric settings of every config class (``ExecutorConfig``,
-``RecoveryPolicy``, ``HotPathTuning``, ``ServerConfig``): a finite number, an int where the
-field counts something, never a bool, within its bounds. The error names the field and the
-value it got, so an embedder's typo is found where the config is built, not deep in a
-thread (a NaN timeout hung ``start()``; an infinite yield crashed a thread's wait).
+"""The validators and value tests the config classes (``ExecutorConfig``, ``RecoveryPolicy``,
+``HotPathTuning``, ``ServerConfig``) and the request paths share.
 
-And one test of a token id (``is_token_id``), which the configs' token settings, a decode
-stream's steps and its stop tokens share: an int, numpy's included, never a bool."""
+``number``: a finite number, an int where the field counts something, never a bool, within
+its bounds; ``flag``: True or False. The error names the field and the value it got, so an
+embedder's typo is found where the config is built, not deep in a thread (a NaN timeout
+hung ``start()``; an infinite yield crashed a thread's wait).
+
+``is_int`` and ``is_token_id``: an int (numpy's included, never a bool) and a token id, which
+the configs' token settings, a decode stream's steps and stop tokens and the sampling
+parameters ask of their values.
+"""
 
 from __future__ import annotations
 
