@@ -227,6 +227,22 @@ def test_execution_deadline_keeps_the_buffers_until_the_device_lets_go_then_reco
         serves_oracle_on(ex, 1)
 
 
+def _one_slot_executor(calbin, clock):
+    """A started stepped executor (``threads=False``, no implicit pre-arms) on ``clock``, one
+    buffer slot per kind, its faults recorded (no recovery runs)."""
+    from calexec.drivers.calrt.runtime import CalRT
+    from calexec.machines.executor import DeviceExecutor, ExecutorConfig
+    from calexec.machines.faults import RecordingFaultSink
+    from executor_harness import MANIFEST
+
+    ex = DeviceExecutor(CalRT.load(), MANIFEST,
+                        ExecutorConfig(calbin_path=calbin, threads=False, auto_prearm=False,
+                                       slots_per_kind=1),
+                        fault_sink=RecordingFaultSink(), clock=clock)
+    assert ex.start().ok
+    return ex
+
+
 def _late_clock():
     """The executor's clock; ``late()``: its next timed wait ends 0.5 s before the waiter's
     deadline, and from then on every clock read is a second after the one before (a host
@@ -263,17 +279,8 @@ def test_a_deadline_passing_between_two_clock_reads_of_a_slot_wait_is_still_the_
     (passed): a deadline falling between the two answered 429 ``buffer.full`` instead, on a
     stalled host. Found with a hand mutant of ``fail_before_submit`` (stop 48):
     RESOURCE_EXHAUSTED reached it for a request only that way."""
-    from calexec.drivers.calrt.runtime import CalRT
-    from calexec.machines.executor import DeviceExecutor, ExecutorConfig
-    from calexec.machines.faults import RecordingFaultSink
-    from executor_harness import MANIFEST
-
     clock = _late_clock()
-    ex = DeviceExecutor(CalRT.load(), MANIFEST,
-                        ExecutorConfig(calbin_path=calbin, threads=False, auto_prearm=False,
-                                       slots_per_kind=1),
-                        fault_sink=RecordingFaultSink(), clock=clock)
-    assert ex.start().ok
+    ex = _one_slot_executor(calbin, clock)
     try:
         held = ex.enqueue(prefill(1, PROMPT))  # queued: it holds the only prefill slot
         assert held.state == "Queued"
@@ -340,18 +347,10 @@ def test_a_guess_never_takes_the_slot_a_woken_request_is_about_to_take(calbin):
     import threading
 
     from calexec.contracts.types import TaskKind
-    from calexec.drivers.calrt.runtime import CalRT
-    from calexec.machines.executor import DeviceExecutor, ExecutorConfig
-    from calexec.machines.faults import RecordingFaultSink
     from calexec.machines.pool import BufferLease
-    from executor_harness import MANIFEST
 
     clock = _gate_clock()
-    ex = DeviceExecutor(CalRT.load(), MANIFEST,
-                        ExecutorConfig(calbin_path=calbin, threads=False, auto_prearm=False,
-                                       slots_per_kind=1),
-                        fault_sink=RecordingFaultSink(), clock=clock)
-    assert ex.start().ok
+    ex = _one_slot_executor(calbin, clock)
     pool, got = ex.pool, []
     assert pool is not None
     waiter = threading.Thread(name="waiter", daemon=True, target=lambda: got.append(
