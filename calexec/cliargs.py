@@ -17,6 +17,8 @@
 - :func:`make_dir` / :func:`output_dir` / :func:`cannot_make_dir`: an output directory flag
   (``--out``, ``--report``, ``--dump-dir``) whose directory cannot be made: one line naming
   the flag and its value, ``not a directory`` when a file is there, exit 2.
+- :func:`staged_report`: a report's files (``--report DIR``) written all together or not at
+  all: a Ctrl-C or an error while they are written leaves ``DIR`` as it was.
 
 Exit codes, the same for every subcommand: 0 success; 1 the command ran and its check failed
 (a gate, a stale diagram, an oracle mismatch); 2 bad usage or configuration (named in the
@@ -27,13 +29,19 @@ message); 3 a runtime refusal (the executor did not start, or its lifecycle ende
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
+import errno
 import functools
 import importlib.util
 import os
+import shutil
+import signal
 import stat
 import sys
-from collections.abc import Callable
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -274,6 +282,65 @@ def output_dir(flag: str, path: str, files: tuple[str, ...] = ()) -> None:
     make_dir(flag, path)
     for name in files:
         writable_file(flag, os.path.join(path, name), path)
+
+
+@contextlib.contextmanager
+def staged_report(flag: str, directory: str | os.PathLike[str]) -> Iterator[str]:
+    """A scratch directory inside the report directory ``flag`` names, for the block to write
+    the report's files into. When the block ends without an exception they replace the files
+    of the same names in ``directory`` together (a Ctrl-C that arrives meanwhile is held until
+    they all are, then interrupts as usual); when it raises (a ``KeyboardInterrupt`` too) the
+    scratch directory is removed and ``directory`` keeps what it had: an interrupted or failed
+    write never leaves a report that looks complete, half new and half old or cut short.
+    ``directory`` that cannot be made, or written in, is :func:`cannot_write`'s one line
+    naming ``flag`` (UserError, exit 2)."""
+    make_dir(flag, directory)
+    try:
+        scratch = tempfile.mkdtemp(prefix=".partial-", dir=directory)
+    except OSError as exc:
+        raise cannot_write(directory, exc, flag) from None
+    try:
+        yield scratch
+        names = sorted(os.listdir(scratch))
+        for name in names:  # (a directory in a file's place: found before any file moves)
+            target = os.path.join(directory, name)
+            if os.path.isdir(target) and not os.path.islink(target):
+                named = OSError(errno.EISDIR, os.strerror(errno.EISDIR), target)
+                raise cannot_write(directory, named, flag) from None
+        with _sigint_held():
+            for name in names:
+                target = os.path.join(directory, name)
+                try:
+                    os.replace(os.path.join(scratch, name), target)
+                except OSError as exc:  # (named as the report's file, not the scratch one)
+                    named = OSError(exc.errno, exc.strerror or str(exc), target)
+                    raise cannot_write(directory, named, flag) from None
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _sigint_held() -> Iterator[None]:
+    """Hold a SIGINT for the block (the main thread only: elsewhere Python runs no handler)
+    and deliver it after, as Python's handler in place would have."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    try:
+        previous = signal.signal(signal.SIGINT, lambda num, frame: received.append(num))
+    except (ValueError, OSError):  # (no signals here: nothing to hold)
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if received:
+        if callable(previous):
+            previous(signal.SIGINT, None)
+        elif previous == signal.SIG_DFL:
+            raise KeyboardInterrupt
 
 
 def cannot_write(path: str | os.PathLike[str] | None, exc: BaseException,

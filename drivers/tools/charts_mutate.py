@@ -571,9 +571,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.report:  # (checked before the run; what changed since is still one line, exit 2)
         out = Path(args.report)
         try:
-            cliargs.make_dir("--report", out)
-            (out / "mutation.md").write_text(text)
-            (out / "mutation.json").write_text(json.dumps(report, indent=2) + "\n")
+            with cliargs.staged_report("--report", out) as staged:  # (both or neither)
+                Path(staged, "mutation.md").write_text(text)
+                Path(staged, "mutation.json").write_text(json.dumps(report, indent=2) + "\n")
         except cliargs.UserError as err:
             unwritten = err
         except OSError as err:

@@ -189,9 +189,10 @@ def main(argv: list[str]) -> int:
     except ValueError as exc:
         print(f"calexec accept: {exc}", file=sys.stderr)
         return 2
-    if args.report:
+    if args.report:  # (all the files or none: a Ctrl-C while they are written leaves none)
         try:
-            write_report(report, args.report)
+            with cliargs.staged_report("--report", args.report) as scratch:
+                write_report(report, scratch)
         except OSError as exc:
             raise cliargs.cannot_write(args.report, exc, "--report") from None
     if args.json:

@@ -8,13 +8,14 @@ child did, and a child past its deadline is killed (SIGKILL) so the runner never
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import multiprocessing as mp
 import os
 import signal
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import attrs
@@ -52,6 +53,24 @@ def _signal_name(num: int) -> str:
         return f"signal {num}"
 
 
+@contextlib.contextmanager
+def _sigint_ignored_by_children() -> Iterator[None]:
+    """SIGINT ignored while a child is started, so the child inherits the ignoring (Python
+    keeps an inherited SIG_IGN): a Ctrl-C at the terminal reaches the whole process group,
+    and the child's ``KeyboardInterrupt`` was a ``Process SpawnProcess-N:`` line (and its
+    traceback) on the terminal. The parent stops the run and kills its child instead. (In
+    another thread than the main one no handler can be set: nothing is changed there.)"""
+    try:
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def run_isolated(target: str, kwargs: dict, timeout_s: float,
                  on_start: Callable[[int], None] | None = None) -> Outcome:
     """Call ``module:function(**kwargs)`` in a spawn child; wait at most timeout_s.
@@ -64,16 +83,22 @@ def run_isolated(target: str, kwargs: dict, timeout_s: float,
     parent, child = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_child, args=(child, module, func, kwargs), daemon=True)
     t0 = time.monotonic()
-    proc.start()
+    with _sigint_ignored_by_children():
+        proc.start()
     child.close()
-    if on_start is not None and proc.pid is not None:  # (started: it has one)
-        on_start(proc.pid)
     message, got = None, False
     try:
-        got = parent.poll(timeout_s)
-        message = parent.recv() if got else None
-    except (EOFError, OSError):
-        message = None  # the child died before sending a result
+        if on_start is not None and proc.pid is not None:  # (started: it has one)
+            on_start(proc.pid)
+        try:
+            got = parent.poll(timeout_s)
+            message = parent.recv() if got else None
+        except (EOFError, OSError):
+            message = None  # the child died before sending a result
+    except BaseException:  # a Ctrl-C (the child ignores it): the child goes with the parent
+        proc.kill()
+        proc.join(5)
+        raise
     seconds = time.monotonic() - t0
     if message is None:
         if not got:

@@ -185,8 +185,9 @@ def main(argv: list[str]) -> int:
         print(f"calexec conform: {exc}", file=sys.stderr)
         return 1
     if args.report:  # (checked before the run; what changed since is one line, exit 2)
-        try:
-            files = write_report(result, args.report)
+        try:  # (all the files or none: a Ctrl-C while they are written leaves none)
+            with cliargs.staged_report("--report", args.report) as scratch:
+                files = write_report(result, scratch)
         except OSError as exc:
             raise cliargs.cannot_write(args.report, exc, "--report") from None
         _progress(f"report written to {args.report}: {', '.join(files)}")

@@ -1,0 +1,136 @@
+"""Stop 52's probe of bad command lines and interruptions (docs/traceability.md, "Found at stop
+52 (cliadmin)"): a Ctrl-C while a report is written leaves no report that looks complete, and
+a Ctrl-C at the terminal (the whole process group) is the parent's to handle, never a line
+from a child process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from calexec import cli, cliargs
+from calexec.drivers.tools.accept import report as accept_report
+from calexec.drivers.tools.accept import run as accept_run
+from calexec.drivers.tools.conform import isolate, overlap_trace
+from calexec.drivers.tools.conform import runner as conform_runner
+
+
+def _old_report(directory: Path, names: tuple[str, ...]) -> dict[str, str]:
+    """A previous run's report in ``directory``: what must still be there, unchanged."""
+    directory.mkdir(parents=True, exist_ok=True)
+    files = {name: f"previous run's {name}\n" for name in names}
+    for name, text in files.items():
+        (directory / name).write_text(text)
+    return files
+
+
+def _contents(directory: Path) -> dict[str, str]:
+    return {p.name: p.read_text() for p in directory.iterdir()}
+
+
+def _interrupt(*args: object, **kwargs: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _conform_result() -> dict:
+    """A finished conform run with a timeline (so its report has trace.json and timing.png)."""
+    span = {"phase": "parallel", "engine": 0, "job": 1, "stage": "compute", "start_us": 0.0,
+            "end_us": 10.0}
+    return {"runtime": "probe", "library": "probe.so", "bundled": True,
+            "emulator_controls": True, "config": "", "quick": True, "questions": [],
+            "settings": [], "experiments": {}, "timeline": [span]}
+
+
+def test_conform_interrupted_while_its_report_is_written_leaves_the_previous_report(
+        monkeypatch, tmp_path, capsys):
+    """``conform --report DIR`` wrote trace.json, then rendered timing.png, then the JSON and
+    the Markdown: a Ctrl-C during the PNG (about a second of matplotlib) left the new
+    trace.json beside the previous run's conformance.json and .md (or, with no previous run,
+    a trace.json alone); now the files replace the old ones together or not at all."""
+    directory = tmp_path / "report"
+    old = _old_report(directory, ("conformance.json", "conformance.md", "trace.json"))
+    monkeypatch.setattr(conform_runner, "run", lambda *args, **kwargs: _conform_result())
+    monkeypatch.setattr(overlap_trace, "write_png", _interrupt)
+    code = cli.main(["conform", "--quick", "--report", str(directory)])
+    assert code == 130, capsys.readouterr().err
+    assert capsys.readouterr().err.strip() == "calexec conform: interrupted"
+    assert _contents(directory) == old  # nothing new, nothing half written, no scratch left
+
+
+def test_conform_report_written_whole_replaces_the_previous_one(monkeypatch, tmp_path, capsys):
+    directory = tmp_path / "report"
+    _old_report(directory, ("conformance.json",))
+    monkeypatch.setattr(conform_runner, "run", lambda *args, **kwargs: _conform_result())
+    monkeypatch.setattr(overlap_trace, "write_png",
+                        lambda path, spans, title: Path(path).write_bytes(b"png"))
+    assert cli.main(["conform", "--quick", "--report", str(directory)]) == 0
+    assert sorted(p.name for p in directory.iterdir()) == [
+        "conformance.json", "conformance.md", "timing.png", "trace.json"]
+    assert json.loads((directory / "conformance.json").read_text())["runtime"] == "probe"
+
+
+def _accept_report() -> dict:
+    gate = {"passed": True, "metric": "m", "value": 1, "seconds": 0.1, "details": {}}
+    return {"mode": "quick", "passed": True, "phases": ["a"], "started": "now", "seconds": 1,
+            "gates": {"lengths_a": gate}, "sizes": {}, "environment": {},
+            "series": {"latency_ms": {}, "rss_mib": {}}}
+
+
+def test_accept_interrupted_while_its_report_is_written_leaves_the_previous_report(
+        monkeypatch, tmp_path, capsys):
+    """``accept --report DIR`` wrote report.json before report.md: a Ctrl-C between them left
+    the new report.json (the machine-read one, complete) beside the previous run's report.md;
+    now neither is replaced unless both are written."""
+    directory = tmp_path / "report"
+    old = _old_report(directory, ("report.json", "report.md"))
+    monkeypatch.setattr(accept_run, "run_accept", lambda *args, **kwargs: _accept_report())
+    monkeypatch.setattr(accept_report, "markdown", _interrupt)
+    code = cli.main(["accept", "--gates", "lengths", "--phase", "a", "--report",
+                     str(directory)])
+    assert code == 130, capsys.readouterr().err
+    assert _contents(directory) == old
+
+
+def test_a_staged_report_is_all_or_nothing(tmp_path):
+    directory = tmp_path / "out"
+    old = _old_report(directory, ("a.json", "b.md"))
+    with pytest.raises(KeyboardInterrupt):
+        with cliargs.staged_report("--report", directory) as scratch:
+            Path(scratch, "a.json").write_text("new")
+            raise KeyboardInterrupt
+    assert _contents(directory) == old
+    # a file of the report that cannot replace its old one (a directory there): none moves
+    os.remove(directory / "b.md")
+    (directory / "b.md").mkdir()
+    with pytest.raises(cliargs.UserError) as refused:
+        with cliargs.staged_report("--report", directory) as scratch:
+            Path(scratch, "a.json").write_text("new")
+            Path(scratch, "b.md").write_text("new")
+    assert str(refused.value) == (f"--report={str(directory)!r}: cannot write "
+                                  f"{str(directory / 'b.md')!r}: Is a directory")
+    assert (directory / "a.json").read_text() == old["a.json"]
+    assert sorted(p.name for p in directory.iterdir()) == ["a.json", "b.md"]
+    os.rmdir(directory / "b.md")
+    with cliargs.staged_report("--report", directory) as scratch:
+        Path(scratch, "a.json").write_text("new a")
+        Path(scratch, "b.md").write_text("new b")
+    assert _contents(directory) == {"a.json": "new a", "b.md": "new b"}
+
+
+def test_an_isolated_experiment_ignores_the_terminals_ctrl_c():
+    """A Ctrl-C at the terminal reaches conform's experiment child too (one process group):
+    the child died of it and printed ``Process SpawnProcess-N:`` under the parent's
+    ``interrupted``; now the child ignores SIGINT (the parent stops the run and kills it)."""
+    sent: list[int] = []
+
+    def ctrl_c(pid: int) -> None:
+        os.kill(pid, signal.SIGINT)
+        sent.append(pid)
+
+    outcome = isolate.run_isolated("os:getpid", {}, 60.0, on_start=ctrl_c)
+    assert outcome.status == isolate.OK, outcome
+    assert outcome.result == sent[0]
