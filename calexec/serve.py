@@ -280,7 +280,7 @@ def main(argv: list[str]) -> int:
                               end_token_id=end_token, max_waiting=args.max_waiting,
                               max_resumes=args.max_resumes, max_choices=args.max_choices,
                               cors_origins=tuple(args.cors_origin),
-                              metrics_names=args.metrics_names)
+                              metrics_names=args.metrics_names, drain_grace_s=args.grace)
         if args.replicas is not None and not args.ray:
             raise ValueError(f"--replicas={args.replicas} needs --ray")
         if args.ray and dump is not None:

@@ -127,9 +127,15 @@ def add_admin_routes(app: FastAPI, service: CompletionService) -> None:
         if len(given) > 1:  # (the last would win: which one was meant is the client's)
             return error_response(invalid(f"grace={given[0][:64]!r}: given {len(given)} times "
                                           "in the query, give it once"), "grace")
-        raw_grace = request.query_params.get("grace", "30")
-        grace = float(raw_grace) if GRACE.fullmatch(raw_grace) else math.nan
-        if not (math.isfinite(grace) and 0 <= grace <= config.max_drain_grace_s):
+        raw_grace = request.query_params.get("grace")
+        if raw_grace is None:  # the server's own drain grace (`--grace`), as its signals'
+            grace = config.drain_grace_s
+        elif GRACE.fullmatch(raw_grace):
+            grace = float(raw_grace)
+        else:
+            grace = math.nan
+        if raw_grace is not None and not (
+                math.isfinite(grace) and 0 <= grace <= config.max_drain_grace_s):
             return error_response(invalid(f"grace={raw_grace[:64]!r}: must be a finite number "
                                            f"of seconds in [0, {config.max_drain_grace_s:g}]"),
                                   "grace")

@@ -25,6 +25,9 @@ from calexec.machines.inspector import AppOptions, inspector_app
 
 #: a job id in a path: ASCII digits only, at most 18 (a job counter never gets longer)
 JOB_ID = re.compile(r"[0-9]{1,18}")
+#: the query parameters of ``/debug/jobs/{id}``, and the values its ``format`` takes
+JOB_PARAMS = ("format",)
+JOB_FORMATS = ("html", "json")
 
 
 @functools.lru_cache(maxsize=64)
@@ -71,13 +74,26 @@ def add_debug_routes(app: FastAPI, service: CompletionService) -> None:
         if not JOB_ID.fullmatch(job_id):  # str.isdigit() takes "²", which int() refuses
             return error_response(invalid(f"job_id={job_id!r:.40}: must be a job id (a "
                                           "decimal integer)"), "job_id")
+        unknown = sorted(key for key in request.query_params if key not in JOB_PARAMS)
+        if unknown:
+            return error_response(invalid(f"{unknown[0][:64]}: unknown parameter, refused "
+                                          "(GET /debug/jobs/{id}?format=json|html)"),
+                                  unknown[0][:64])
+        given = request.query_params.getlist("format")
+        if len(given) > 1:  # (which one was meant is the client's)
+            return error_response(invalid(f"format={given[0][:64]!r}: given {len(given)} "
+                                          "times in the query, give it once"), "format")
+        view = given[0] if given else "html"
+        if view not in JOB_FORMATS:  # (`format=JSON` answered the HTML page)
+            return error_response(invalid(f"format={view[:64]!r}: must be one of "
+                                          f"{', '.join(JOB_FORMATS)}"), "format")
         wanted = int(job_id)
         record = executor.job_trail(wanted)
         if record is None:
             return error_response(invalid(
                 f"job_id={wanted}: unknown, still running, or older than the last "
                 f"{executor.config.job_trails_kept} jobs"), "job_id", http_status=404)
-        if request.query_params.get("format") == "json":
+        if view == "json":
             return JSONResponse(record)
         try:
             svg_page = await to_thread.run_sync(path_page, record)

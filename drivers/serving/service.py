@@ -218,6 +218,10 @@ class ServerConfig:
     deadline_slack_s: float = attrs.field(default=0.5, validator=_seconds())
     #: ``/admin/drain?grace=`` is refused above this (seconds).
     max_drain_grace_s: float = attrs.field(default=3600.0, validator=_seconds())
+    #: the grace (s) of a ``POST /admin/drain`` without ``?grace=``: ``calexec serve``'s
+    #: ``--grace``, the grace its signals drain with (``/admin/drain`` took 30 s whatever
+    #: ``--grace`` said)
+    drain_grace_s: float = attrs.field(default=30.0, validator=_seconds(positive=False))
     #: ``/admin/reload`` refuses a calbin larger than this (bytes).
     max_calbin_bytes: int = attrs.field(default=16 << 30, validator=_count(1))
     #: requests that may wait (within their deadline) for a KV sequence id or for the
