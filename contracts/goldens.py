@@ -179,6 +179,16 @@ def dumps(goldens: Goldens) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _mode_of(target: Path) -> int:
+    """The permission bits ``target`` has, or a new file's (0666 less the umask)."""
+    try:
+        return stat.S_IMODE(os.stat(target).st_mode)
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
 def pin(path: str | Path, golden: PinnedGolden) -> Goldens:
     """Add ``golden`` to the file at ``path`` (replacing the entry for the same calbin, prompt
     and decode steps), written atomically; returns the file's new content."""
@@ -193,6 +203,9 @@ def pin(path: str | Path, golden: PinnedGolden) -> Goldens:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(dumps(result))
+        # the file keeps its mode (a new one gets open()'s, the umask applied): mkstemp's 0600
+        # made a goldens file the server reads as another user unreadable to it
+        os.chmod(tmp, _mode_of(target))
         os.replace(tmp, target)
     except BaseException:
         os.unlink(tmp)

@@ -134,3 +134,42 @@ def test_an_isolated_experiment_ignores_the_terminals_ctrl_c():
     outcome = isolate.run_isolated("os:getpid", {}, 60.0, on_start=ctrl_c)
     assert outcome.status == isolate.OK, outcome
     assert outcome.result == sent[0]
+
+
+@pytest.fixture
+def synthetic_calbin(tmp_path: Path) -> str:
+    from calexec.drivers.synthetic import calbin
+
+    path = tmp_path / "synthetic.calbin"
+    calbin.write(str(path), calbin.default_spec())
+    return str(path)
+
+
+def test_golden_record_keeps_the_goldens_files_mode(synthetic_calbin, tmp_path, capsys):
+    """``golden record`` wrote the goldens file through ``mkstemp`` and renamed it over the
+    old one: a goldens file that was 0644 (read by a server running as another user) became
+    0600, and a new one was 0600 whatever the umask; now the file keeps its mode, and a new
+    one gets what ``open()`` would give it."""
+    kept = tmp_path / "kept.goldens.toml"
+    assert cli.main(["golden", "record", "--calbin", synthetic_calbin, "--out", str(kept)]) == 0
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert kept.stat().st_mode & 0o777 == 0o666 & ~umask
+    kept.chmod(0o644)
+    assert cli.main(["golden", "record", "--calbin", synthetic_calbin, "--out", str(kept),
+                     "--note", "again"]) == 0
+    assert kept.stat().st_mode & 0o777 == 0o644
+    assert 'note = "again"' in kept.read_text()
+
+
+def test_golden_record_out_naming_a_directory_by_its_slash_is_refused(synthetic_calbin,
+                                                                        tmp_path, capsys):
+    """``--out goldens/`` (a directory not made yet) wrote the goldens into a new file named
+    ``goldens``, exit 0; now one line naming the flag, exit 2, before the warm-up runs."""
+    out = f"{tmp_path / 'goldens'}/"
+    code = cli.main(["golden", "record", "--calbin", synthetic_calbin, "--out", out])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err == (f"calexec golden record: --out={out!r}: names a directory; give the "
+                   "goldens file to update (e.g. model.goldens.toml)\n")
+    assert not (tmp_path / "goldens").exists()

@@ -16,6 +16,7 @@ executor did not start (its Status printed).
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import attrs
@@ -94,7 +95,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--manifest", default=str(default_manifest_path()),
                         help="manifest the calbin is resolved against (default: the packaged "
                              "qwen3_synthetic.toml)")
-    parser.add_argument("--out", type=cliargs.nonempty_path, default=None,
+    parser.add_argument("--out", type=cliargs.nonempty, default=None,
                         help="goldens file to update (default: <manifest stem>.goldens.toml)")
     parser.add_argument("--runtime-lib", default=None,
                         help="calrt.h library to load (default: the bundled emulator)")
@@ -107,7 +108,11 @@ def main(argv: list[str]) -> int:
                       runtime_lib=args.runtime_lib)
     spec.check()
     spec.check_device_config(spec.runtime(), args.device_config)
-    out = args.out if args.out is not None else goldens_path(args.manifest)
+    if args.out is not None and args.out.endswith(("/", os.sep)):  # (Path() drops the slash:
+        # `--out dir/` wrote the goldens into a new file named `dir`)
+        raise cliargs.UserError(f"--out={args.out!r}: names a directory; give the goldens "
+                                "file to update (e.g. model.goldens.toml)")
+    out = Path(args.out) if args.out is not None else goldens_path(args.manifest)
     _check_out(out)
     try:
         golden = record(args.calbin, args.manifest, args.runtime_lib, args.device_config,
