@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -173,3 +175,24 @@ def test_golden_record_out_naming_a_directory_by_its_slash_is_refused(synthetic_
     assert err == (f"calexec golden record: --out={out!r}: names a directory; give the "
                    "goldens file to update (e.g. model.goldens.toml)\n")
     assert not (tmp_path / "goldens").exists()
+
+
+def test_bench_servers_api_process_leaves_a_ctrl_c_to_the_bench(tmp_path):
+    """``bench server``'s API process (``api_floor``) shares the terminal's process group: a
+    Ctrl-C made it shut down and raise the signal again, a ``KeyboardInterrupt`` traceback
+    under the bench's ``interrupted``; now it ignores SIGINT and ends when the bench closes
+    its stdin, exit 0, nothing on stderr."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "calexec.drivers.tools.bench.api_floor", "--socket",
+         str(tmp_path / "engine.sock"), "--max-seconds", "120"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().startswith("http://127.0.0.1:")
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(input="", timeout=60)  # (stdin closed: the bench ended)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err

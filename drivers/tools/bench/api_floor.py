@@ -13,7 +13,8 @@ Two halves:
   stdout) whose ``/v1/completions`` parses the same kind of pydantic body as the
   ``http_floor`` app, sends it over a pooled connection to the socket, and answers the tokens
   as a completion. It exits when its stdin closes (the bench ended) or after
-  ``--max-seconds``.
+  ``--max-seconds``. It ignores SIGINT: a Ctrl-C at the terminal reaches the whole process
+  group, and stopping the run is the bench's (it closes the stdin), not a traceback here.
 
 What it leaves out is exactly what the in-process server adds beyond HTTP: admission and the
 waiting queue, sequence ownership, resumes, decode bursts and streams, metrics, stop strings,
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import socket
 import struct
 import sys
@@ -243,8 +245,18 @@ def main(argv: list[str]) -> int:
 
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(create_app(args.socket), host="127.0.0.1", port=0,
-                                           log_level="warning", access_log=False))
+    class FloorServer(uvicorn.Server):
+        """uvicorn, but a SIGINT (a Ctrl-C at the bench's terminal) is not its to act on:
+        uvicorn shut down, then raised the signal again, a ``KeyboardInterrupt`` traceback
+        under the bench's own ``interrupted`` line."""
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if sig != signal.SIGINT:
+                super().handle_exit(sig, frame)
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (restored by uvicorn after it serves)
+    server = FloorServer(uvicorn.Config(create_app(args.socket), host="127.0.0.1", port=0,
+                                        log_level="warning", access_log=False))
 
     async def serve() -> None:
         task = asyncio.create_task(server.serve())
