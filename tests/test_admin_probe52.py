@@ -101,3 +101,28 @@ def test_a_job_pages_json_format_is_still_the_data(client, executor, job_id):
                       ).status_code == 400
     assert client.get(f"/debug/jobs/{job_id}", params={"format": "x"}).status_code == 401
     assert server_idle(client.app.state.service)
+
+
+@pytest.mark.parametrize("encoding, said", [
+    ("utf-16", "body: not UTF-8 ("),
+    ("utf-32-le", "body: not valid JSON ("),  # (its NULs are UTF-8, but no JSON)
+    ("utf-8-sig", "body: not valid JSON (Unexpected UTF-8 BOM"),
+])
+def test_a_reload_body_that_is_not_utf8_json_is_refused_as_the_apis_are(client, executor,
+                                                                        encoding, said):
+    """``json.loads`` of bytes detects UTF-16 and -32 and skips a byte order mark: a reload
+    body in either was read (and the path it named checked, 400 ``calbin.not_found`` here)
+    where the OpenAI routes refuse the same bytes as JSON, and docs/server.md says a body
+    that is not UTF-8 is a 400 ``body: ...``; now it is, nothing checked or moved."""
+    generation = executor.gen.id
+    raw = '{"calbin": "/nonexistent/probe52.calbin"}'.encode(encoding)
+    r = client.post("/admin/reload", content=raw, headers={**AUTH,
+                                                          "Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] is None and error["message"].startswith(said), error
+    assert executor.gen.id == generation and executor.state == "Ready"
+    # the API refuses the same bytes
+    api = client.post("/v1/completions", content='{"prompt": [1], "max_tokens": 1}'.encode(
+        encoding), headers={"Content-Type": "application/json"})
+    assert api.status_code == 400, api.text
