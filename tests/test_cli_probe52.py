@@ -196,3 +196,32 @@ def test_bench_servers_api_process_leaves_a_ctrl_c_to_the_bench(tmp_path):
             proc.wait(10)
     assert proc.returncode == 0, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+
+
+@pytest.mark.parametrize("origin, said", [
+    ("http://App.example", "the host must be written as a browser sends it, lowercase ASCII"),
+    ("http://\u00e9t\u00e9.example", "the host must be written as a browser sends it"),
+    ("http://app.example:80", "a browser leaves the default port 80 of http out of Origin: "
+                              "write http://app.example"),
+    ("https://app.example:443", "the default port 443 of https"),
+    ("http://app.example:99999", "port 99999 is not a TCP port (1..65535)"),
+    ("http://app.example:0", "port 0 is not a TCP port"),
+    ("http://app.example:08080", "port 08080 is not a TCP port (1..65535) as a browser writes"),
+])
+def test_serve_refuses_a_cors_origin_no_browser_ever_sends(origin, said, capsys):
+    """A browser writes ``Origin`` with a lowercase ASCII host (punycode) and without the
+    scheme's default port, and the CORS middleware compares strings: these origins were
+    taken and every page of them refused; now one line naming the flag, exit 2, before the
+    server binds (as for an ``--api-key`` no request could carry)."""
+    assert cli.main(["serve", "--once", "--cors-origin", origin]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"calexec serve: --cors-origin={origin!r}: ") and said in err, err
+    assert len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("origin", ["*", "http://localhost:3000", "https://app.example",
+                                    "http://127.0.0.1:5173", "https://xn--tt-bja.example:8443"])
+def test_a_cors_origin_a_browser_sends_is_still_taken(origin):
+    from calexec.drivers.serving.server import ServerConfig
+
+    assert ServerConfig(cors_origins=(origin,)).cors_origins == (origin,)

@@ -73,15 +73,35 @@ def context_exceeded(message: str) -> Status:
 
 
 #: an origin as browsers send it: scheme, host, optional port, no path ("*": any)
-_ORIGIN = re.compile(r"https?://[^/\s:]+(:\d{1,5})?")
+_ORIGIN = re.compile(r"(https?)://([^/\s:]+)(?::(\d{1,5}))?")
+#: a host as a browser writes it in ``Origin``: lowercase ASCII (a name in punycode)
+_ORIGIN_HOST = re.compile(r"[a-z0-9.-]+")
+_DEFAULT_PORTS = {"http": "80", "https": "443"}
 
 
 def cors_origin_problem(origin: str) -> str | None:
-    """Why ``origin`` can never match a browser's ``Origin`` header (None: it can)."""
-    if origin == "*" or _ORIGIN.fullmatch(origin):
+    """Why ``origin`` can never match a browser's ``Origin`` header (None: it can). A browser
+    writes the host in lowercase ASCII (punycode for a non-ASCII name) and leaves out the
+    scheme's default port; the middleware compares the header with the setting as strings, so
+    ``http://App.example``, ``http://é.example``, ``http://a.example:80`` or a port past 65535
+    would never match (they were taken, and every page refused)."""
+    if origin == "*":
         return None
-    return (f"={origin[:100]!r}: must be '*' or scheme://host[:port] (http or https, no path), "
-            "as a browser sends Origin")
+    match = _ORIGIN.fullmatch(origin)
+    if match is None:
+        return (f"={origin[:100]!r}: must be '*' or scheme://host[:port] (http or https, no "
+                "path), as a browser sends Origin")
+    scheme, host, port = match.groups()
+    if not _ORIGIN_HOST.fullmatch(host):
+        return (f"={origin[:100]!r}: the host must be written as a browser sends it, lowercase "
+                "ASCII (a non-ASCII name in punycode, xn--...)")
+    if port is not None and (port.startswith("0") or not 1 <= int(port) <= 65535):
+        return (f"={origin[:100]!r}: port {port} is not a TCP port (1..65535) as a browser "
+                "writes it (no leading zero)")
+    if port == _DEFAULT_PORTS[scheme]:
+        return (f"={origin[:100]!r}: a browser leaves the default port {port} of {scheme} out "
+                f"of Origin: write {scheme}://{host}")
+    return None
 
 
 def _check_cors(instance: Any, attribute: Any, origins: tuple[str, ...]) -> None:
