@@ -300,7 +300,15 @@ def staged_report(flag: str, directory: str | os.PathLike[str]) -> Iterator[str]
     except OSError as exc:
         raise cannot_write(directory, exc, flag) from None
     try:
-        yield scratch
+        try:
+            yield scratch
+        except OSError as exc:  # (a full disk: named as the report's file, not the scratch one)
+            name = os.fsdecode(exc.filename) if exc.filename is not None else None
+            if name is None or os.path.dirname(os.path.abspath(name)) != os.path.abspath(scratch):
+                raise
+            named = OSError(exc.errno, exc.strerror or str(exc),
+                            os.path.join(directory, os.path.basename(name)))
+            raise cannot_write(directory, named, flag) from None
         names = sorted(os.listdir(scratch))
         for name in names:  # (a directory in a file's place: found before any file moves)
             target = os.path.join(directory, name)

@@ -225,3 +225,15 @@ def test_a_cors_origin_a_browser_sends_is_still_taken(origin):
     from calexec.drivers.serving.server import ServerConfig
 
     assert ServerConfig(cors_origins=(origin,)).cors_origins == (origin,)
+
+
+def test_a_staged_report_names_a_file_that_cannot_be_written_as_the_reports(tmp_path):
+    """A write that fails in the scratch directory (a full disk) is named as the report's
+    file, never as the scratch file nobody asked for."""
+    directory = tmp_path / "out"
+    with pytest.raises(cliargs.UserError) as refused:
+        with cliargs.staged_report("--report", directory) as scratch:
+            raise OSError(28, "No space left on device", os.path.join(scratch, "a.json"))
+    assert str(refused.value) == (f"--report={str(directory)!r}: cannot write "
+                                  f"{str(directory / 'a.json')!r}: No space left on device")
+    assert list(directory.iterdir()) == []
