@@ -184,9 +184,23 @@ def _mode_of(target: Path) -> int:
     try:
         return stat.S_IMODE(os.stat(target).st_mode)
     except FileNotFoundError:
-        umask = os.umask(0)
-        os.umask(umask)
-        return 0o666 & ~umask
+        return 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    """The process's umask: read from ``/proc/self/status`` where Linux shows it, since
+    setting it to read it back (``os.umask``) is process-wide, and a thread creating a file in
+    between would create it with no mask; elsewhere by that setting and back."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    umask = os.umask(0o077)  # (the strictest mask meanwhile, not none)
+    os.umask(umask)
+    return umask
 
 
 def pin(path: str | Path, golden: PinnedGolden) -> Goldens:
