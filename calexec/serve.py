@@ -264,6 +264,9 @@ def main(argv: list[str]) -> int:
                 raise ValueError(f"{flag}={value}: must be >= 0")
         if not args.served_model_name.strip():  # every response would say "model": ""
             raise ValueError(f"--served-model-name={args.served_model_name!r}: must not be empty")
+        if not args.served_model_name.isprintable():  # (responses would carry a newline)
+            raise ValueError(f"--served-model-name={args.served_model_name!r}: must be printable "
+                             "(no control characters, no separator other than a space)")
         problem = None if args.api_key is None else api_key_problem(args.api_key)
         if problem is not None:  # checked here: it would refuse every request
             raise ValueError(f"--api-key {problem}")

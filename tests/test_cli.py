@@ -518,6 +518,8 @@ def test_conform_with_a_library_that_is_not_calrt_is_exit_2(tmp_path):
     (["conform", "--lib", "{tmp}/none.so"], "--lib='{tmp}/none.so': does not exist"),
     # served, exit 0: every response said "model": ""
     (["serve", "--once", "--served-model-name", " "], "--served-model-name=' ': "),
+    (["serve", "--once", "--served-model-name", "qwen\n3"],
+     "--served-model-name='qwen\\n3': must be printable"),
 ])
 def test_a_bad_value_found_past_the_parser_still_names_its_flag(argv, named, tmp_path):
     file = tmp_path / "file"

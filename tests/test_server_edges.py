@@ -156,6 +156,9 @@ def test_a_server_config_refuses_an_api_key_no_request_could_match(key):
     ({"body_timeout_s": "30"}, TypeError, r"^body_timeout_s='30': expected a number"),
     ({"model_name": ""}, ValueError, r"^model_name='': must be a non-empty str"),
     ({"model_name": 5}, ValueError, r"^model_name=5: must be a non-empty str"),
+    # found at stop 52: a name with a newline or a tab was taken (every response carried it)
+    ({"model_name": "qwen\n3"}, ValueError, r"^model_name='qwen\\n3': must be printable"),
+    ({"model_name": "qwen\t3"}, ValueError, r"^model_name='qwen\\t3': must be printable"),
     ({"end_token_id": "x"}, ValueError, r"^end_token_id='x': must be a token id"),
     ({"end_token_id": -1}, ValueError, r"^end_token_id=-1: must be a token id"),
     ({"cors_origins": "https://app.example"}, TypeError,

@@ -161,6 +161,9 @@ def _model_name(instance: Any, attribute: Any, value: Any) -> None:
     is refused the same way)."""
     if not isinstance(value, str) or not value.strip():
         raise ValueError(f"model_name={value!r}: must be a non-empty str")
+    if not value.isprintable():  # (a newline or a tab: no client could send it back)
+        raise ValueError(f"model_name={value!r}: must be printable (no control characters, "
+                         "no separator other than a space)")
 
 
 def _count(low: int) -> Callable[[Any, Any, Any], None]:
