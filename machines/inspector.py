@@ -590,7 +590,15 @@ def inspector_app(inspector: Inspector, options: AppOptions | None = None) -> St
         if record is None or chart is None:
             return refused(request, 404, f"run_id={run_id!r:.60}: not followed (or older "
                                          f"than the last {inspector.paths.keep} runs)")
-        if request.query_params.get("format") == "json":
+        unknown = sorted(key for key in request.query_params if key != "format")
+        given = request.query_params.getlist("format")
+        if unknown:  # (a mistyped key answered the page, as if honoured)
+            return refused(request, 400, f"{unknown[0][:60]}: unknown parameter (runs/"
+                                         "{run_id}?format=json|html)")
+        if len(given) > 1 or (given and given[0] not in ("json", "html")):
+            return refused(request, 400, f"format={given[0][:60]!r}: must be json or html, "
+                                         "given once")  # (format=JSON answered the page)
+        if given == ["json"]:
             return JSONResponse(record)
         try:
             text = await run_in_threadpool(path_page, chart, record,

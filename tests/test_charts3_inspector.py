@@ -64,3 +64,31 @@ def test_a_path_step_to_a_target_the_chart_does_not_have_is_named() -> None:
     with pytest.raises(ValueError, match="is not a declared transition"):
         render_path_svg(media.MediaPlayer,  # type: ignore[attr-defined]
                         [{"event": "resume", "from": "paused", "to": "nowhere"}])
+
+
+@pytest.mark.parametrize("query, named", [
+    ("format=JSON", "format='JSON'"),
+    ("format=xml", "format='xml'"),
+    ("format=json&format=html", "format='json'"),
+    ("fromat=json", "fromat: unknown parameter"),
+])
+def test_a_run_pages_query_it_does_not_take_is_a_400_naming_it(query: str, named: str) -> None:
+    """Found at stop 52: ``/runs/{id}?format=JSON`` (or ``xml``, ``format`` twice, a
+    mistyped key) answered the drawn page, 200, as if honoured, as the server's
+    ``/debug/jobs/{id}`` did. It is a 400 naming the parameter; ``format=json`` is still the
+    run's steps."""
+    media = _media()
+    chart = media.MediaPlayer  # type: ignore[attr-defined]
+    inspector = Inspector()
+    runs: list[object] = []
+    inspector.register(chart, runs=lambda: runs)
+    run = compiled(chart).run(media.Player())  # type: ignore[attr-defined]
+    runs.append(run)
+    inspector.paths.follow("r1", run)
+    run.send("play")
+    with TestClient(inspector_app(inspector)) as client:
+        refused = client.get(f"/runs/r1?{query}")
+        data = client.get("/runs/r1?format=json")
+    assert refused.status_code == 400, refused.text[:300]
+    assert named in refused.json()["error"], refused.text[:300]
+    assert data.status_code == 200 and data.json()["trail"][-1]["to"] == "playing", data.text

@@ -373,6 +373,23 @@ def test_errors_of_the_mounted_statecharts_inspector_are_openai_shaped(client, m
         assert "chart='nochart'" in error["message"] and "lifecycle" in error["message"]
 
 
+def test_the_mounted_inspectors_400_is_request_invalid_not_not_found():
+    """The inspector answers a query its run page does not take with a 400 (found at stop
+    52); through the server's hook every message was ``request.not_found``, whatever the
+    status. A 400 is ``request.invalid``; a 404 stays ``request.not_found``."""
+    from starlette.requests import Request
+
+    from calexec.drivers.serving.debug import inspector_error
+
+    request = Request({"type": "http", "method": "GET", "path": "/debug/statecharts/runs/r",
+                       "headers": [], "query_string": b"format=xml"})
+    for status, code in ((400, "request.invalid"), (404, "not_found")):
+        r = inspector_error(request, status, "format='xml': must be json or html", {})
+        body = json.loads(bytes(r.body))
+        assert r.status_code == status and body["error"]["code"] == code, body
+        assert body["error"]["message"].startswith("format='xml'"), body
+
+
 @pytest.mark.parametrize("token", ["caf\u00e9", "\u2603-token", " token", ""])
 def test_a_server_config_refuses_an_admin_token_no_request_could_match(executor, token):
     """The admin token was taken as given (the api key has been checked since issue 24): a

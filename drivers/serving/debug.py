@@ -48,11 +48,13 @@ def inspector_error(request: Request, status: int, message: str | None,
                     headers: Mapping[str, str]) -> Response:
     """An error of the mounted inspector as every other error of the server (OpenAI shape):
     a path or method no route takes (``message`` None: 404 / 405 + ``Allow``, as
-    ``error_bodies.route_error``), an unknown chart or run (404 ``not_found`` naming it)."""
+    ``error_bodies.route_error``), an unknown chart or run (404 ``not_found`` naming it), a
+    query it does not take (400 ``request.invalid`` naming it)."""
     if message is None:
         return route_error(request.method, request.url.path, status, dict(headers))
-    return error_response(Status.failure("request.not_found", Category.INVALID_REQUEST,
-                                         Phase.VALIDATE, message), None, http_status=status,
+    code = "request.not_found" if status == 404 else "request.invalid"
+    return error_response(Status.failure(code, Category.INVALID_REQUEST, Phase.VALIDATE,
+                                         message), None, http_status=status,
                           headers=dict(headers) or None)
 
 
