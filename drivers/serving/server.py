@@ -249,7 +249,8 @@ def abortable(protocol: type) -> type:
     answer without a Content-Length to an HTTP/1.0 request is close-delimited, never
     chunked, and its ``Expect: 100-continue`` is ignored (no ``100 Continue``); an answer
     given before the body a request expecting ``100-continue`` announced closes the
-    connection (:func:`answer_framing`)."""
+    connection (:func:`answer_framing`); a request asking to switch protocols (``Upgrade``)
+    is served as a plain one, its body read (:meth:`_feed`)."""
     parses_heads = hasattr(protocol, "on_headers_complete")  # httptools' (h11 has a limit)
 
     class Abortable(protocol):
@@ -262,6 +263,9 @@ def abortable(protocol: type) -> type:
         _refusal: bytes | None = None
         #: the request whose own body the parser refused: the refusal is its answer
         _refused_cycle: Any = None
+        #: the head of a request asking to switch protocols, without the upgrade: parsed
+        #: again once the parser stops at the upgrade (:meth:`_feed`)
+        _plain_head: bytes | None = None
 
         def connection_made(self, transport: Any) -> None:
             self._cycles: list[Any] = []
@@ -311,7 +315,52 @@ def abortable(protocol: type) -> type:
                     self._refuse(error_bodies.head_too_large(MAX_HEAD_BYTES,
                                                              uuid.uuid4().hex))
                     return
-            super().data_received(data)
+            if not parses_heads:
+                super().data_received(data)
+                return
+            self._feed(data)
+
+        def _feed(self, data: bytes) -> None:
+            """uvicorn's httptools ``data_received``, except for a request asking to switch
+            protocols (``Connection: upgrade`` and an ``Upgrade`` header: ``curl --http2``'s
+            ``h2c``, a WebSocket handshake): uvicorn served it as a plain request without its
+            body (the parser skips the body of an upgrade; a completion got ``Invalid JSON:
+            EOF``) and dropped every byte after its head, or handed a WebSocket handshake to
+            its WebSocket protocol (a bodiless 403, no route being one). Such a request is
+            served as a plain one, body and all (RFC 9110 section 7.8: a server may ignore
+            ``Upgrade``): its head is parsed again without the upgrade (:meth:`_ignore_upgrade`)."""
+            import httptools
+
+            self._unset_keepalive_if_required()
+            try:
+                self.parser.feed_data(data)
+            except httptools.HttpParserError:
+                msg = "Invalid HTTP request received."
+                self.logger.warning(msg)
+                self.send_400_response(msg)
+            except httptools.HttpParserUpgrade as upgrade:
+                head, self._plain_head = self._plain_head, None
+                if head is None:  # CONNECT: uvicorn's way (its route answers; nothing follows)
+                    self._unsupported_upgrade_warning()
+                    return
+                self.parser = httptools.HttpRequestParser(self)
+                self._reading_head, self._head_bytes = True, 0
+                self.data_received(head + data[upgrade.args[0]:])
+
+        def _ignore_upgrade(self) -> bytes:
+            """The head of the request being parsed (its method, target, version and header
+            fields as received) without its ``Upgrade`` field and ``upgrade`` connection
+            option: what the parser reads as a plain request."""
+            connection = [token.strip() for name, value in self.headers
+                          if name == b"connection" for token in value.split(b",")]
+            kept = [t for t in connection if t and t.lower() != b"upgrade"]
+            lines = [b"%s %s HTTP/%s" % (self.parser.get_method(), self.url,
+                                         self.parser.get_http_version().encode())]
+            lines += [name + b": " + value for name, value in self.headers
+                      if name not in (b"upgrade", b"connection")]
+            if kept:
+                lines.append(b"connection: " + b", ".join(kept))
+            return b"\r\n".join(lines) + b"\r\n\r\n"
 
         def _refuse(self, answer: bytes) -> None:
             """Answer what the connection received with ``answer`` (a whole HTTP response
@@ -339,11 +388,17 @@ def abortable(protocol: type) -> type:
 
         def on_headers_complete(self) -> None:
             self._reading_head, self._head_bytes = False, 0
+            if parses_heads and self.parser.should_upgrade() and any(
+                    name == b"upgrade" for name, _ in self.headers):
+                # parsed again without the upgrade once the parser stops at it (_feed): no
+                # request yet (the parser skips the body of an upgrade)
+                self._plain_head = self._ignore_upgrade()
+                return
             before = getattr(self, "cycle", None)
             super().on_headers_complete()
             cycle = getattr(self, "cycle", None)
             if cycle is None or cycle is before:
-                return  # a WebSocket upgrade (with a WebSocket library installed): no cycle
+                return  # no request started (uvicorn's WebSocket upgrade path): no cycle
             # the connection's requests not yet answered (connection_lost disconnects them)
             self._cycles = [c for c in self._cycles if not c.response_complete]
             self._cycles.append(self.cycle)
@@ -357,6 +412,8 @@ def abortable(protocol: type) -> type:
                 answer_framing(self.cycle)
 
         def on_message_complete(self) -> None:
+            if self._plain_head is not None:
+                return  # an upgrade's head, without its body: parsed again (_feed)
             self._reading_head = True  # the next request's head, from the next read on
             super().on_message_complete()
 

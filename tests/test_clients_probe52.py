@@ -1,0 +1,124 @@
+"""Stop 52, real clients and hostile HTTP: defects found by probing a loopback ``calexec serve``
+on the bundled emulator with real clients (the ``openai`` SDK, LangChain, curl) and raw
+sockets, each pinned here (docs/traceability.md "Found at stop 52 (clients)"). Real executor,
+``calexec serve``'s uvicorn configuration on an ephemeral loopback port; every wait bounded."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+
+from calexec.drivers.serving.server import ServerConfig, create_app
+from test_server_support import (
+    ServeLikeServer,
+    oracle_tokens,
+    read_until_closed,
+    server_idle,
+    started_executor,
+    wait_for,
+)
+
+PROMPT = [1, 2, 3]
+
+
+@pytest.fixture(scope="module")
+def executor(tmp_path_factory):
+    executor = started_executor(tmp_path_factory.mktemp("calbin"))
+    yield executor
+    executor.shutdown(5.0)
+
+
+@pytest.fixture(scope="module")
+def served(executor):
+    """``(server, service)``: the module's executor behind ``calexec serve``'s uvicorn
+    configuration (``server.uvicorn_config``) on an ephemeral loopback port."""
+    app = create_app(executor, ServerConfig())
+    with ServeLikeServer(app) as server:
+        yield server, app.state.service
+
+
+def send_raw(port: int, raw: bytes, timeout: float = 30.0) -> tuple[bytes, str]:
+    """``raw`` on a fresh loopback connection; what came back until the server closed it (or
+    ``timeout`` of silence: "open")."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(raw)
+        return read_until_closed(sock)
+
+
+def responses(data: bytes) -> list[tuple[bytes, dict[str, str], bytes]]:
+    """The responses in ``data`` (each framed by its Content-Length): status line, headers
+    (lower-case names), body."""
+    found = []
+    while data:
+        head, _, rest = data.partition(b"\r\n\r\n")
+        lines = head.split(b"\r\n")
+        headers = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(b":")
+            headers[name.strip().lower().decode("latin-1")] = value.strip().decode("latin-1")
+        length = int(headers.get("content-length", len(rest)))
+        found.append((lines[0], headers, rest[:length]))
+        data = rest[length:]
+    return found
+
+
+COMPLETION = json.dumps({"prompt": PROMPT, "max_tokens": 3}).encode()
+HEALTH_AFTER = b"GET /health HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n\r\n"
+
+
+def _upgrade_request(upgrade: str, connection: str, chunked: bool) -> bytes:
+    framing = (f"transfer-encoding: chunked\r\n\r\n{len(COMPLETION):x}\r\n".encode()
+               + COMPLETION + b"\r\n0\r\n\r\n") if chunked else (
+        f"content-length: {len(COMPLETION)}\r\n\r\n".encode() + COMPLETION)
+    return (f"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\nuser-agent: curl/7.88.1\r\n"
+            f"connection: {connection}\r\n{upgrade}content-type: application/json\r\n"
+            ).encode() + framing
+
+
+@pytest.mark.parametrize("upgrade, connection, chunked", [
+    # what `curl --http2 http://...` sends (an h2c upgrade, HTTP/2 over cleartext)
+    ("upgrade: h2c\r\nhttp2-settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n",
+     "Upgrade, HTTP2-Settings", False),
+    ("upgrade: websocket\r\nsec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+     "sec-websocket-version: 13\r\n", "upgrade", False),
+    ("upgrade: h2c\r\n", "keep-alive, Upgrade", True),
+], ids=["curl-http2-h2c", "websocket", "chunked-body"])
+def test_a_request_asking_to_upgrade_is_served_as_a_plain_one_with_its_body(
+        served, upgrade, connection, chunked):
+    """A request asking to switch protocols (``Connection: upgrade`` + ``Upgrade``, as
+    ``curl --http2`` sends to every http:// URL) was served without its body: uvicorn's
+    httptools protocol lets the parser skip the body of an upgrade, so a valid completion got
+    400 ``body: Invalid JSON: EOF while parsing a value``; the bytes after its head (the body,
+    a pipelined request) were dropped, and a WebSocket handshake went to uvicorn's WebSocket
+    protocol. RFC 9110 section 7.8 lets a server ignore ``Upgrade``: the request is answered as
+    a plain one, its body read, and the request pipelined behind it answered too."""
+    server, service = served
+    data, ended = send_raw(server.port, _upgrade_request(upgrade, connection, chunked)
+                           + HEALTH_AFTER)
+    answers = responses(data)
+    assert [a[0][:12] for a in answers] == [b"HTTP/1.1 200", b"HTTP/1.1 200"], data[:600]
+    body = json.loads(answers[0][2])
+    assert body["choices"][0]["token_ids"] == oracle_tokens(PROMPT, 3), body
+    assert answers[0][1]["x-request-id"] == body["id"], answers[0][1]
+    assert json.loads(answers[1][2])["status"] == "ok", answers[1]
+    assert ended == "eof", ended
+    wait_for(lambda: server_idle(service), 10, "the server idle")
+
+
+def test_a_websocket_handshake_on_a_get_route_is_answered_as_the_get(served):
+    """``GET /health`` with a WebSocket handshake (a load balancer's or a browser's probe
+    that asks for one) got uvicorn's WebSocket protocol's bodiless ``403 Forbidden`` without
+    an ``x-request-id`` (no route takes a WebSocket): the one answer of the server that is no
+    JSON and carries no request id (docs/server.md "Request ids"). It is answered as the
+    ``GET``, with the id."""
+    server, _ = served
+    data, ended = send_raw(server.port, (
+        b"GET /health HTTP/1.1\r\nhost: 127.0.0.1\r\nupgrade: websocket\r\n"
+        b"connection: Upgrade, close\r\nsec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+        b"sec-websocket-version: 13\r\n\r\n"))
+    [(status, headers, body)] = responses(data)
+    assert status.startswith(b"HTTP/1.1 200 "), data[:300]
+    assert json.loads(body)["status"] == "ok" and len(headers["x-request-id"]) == 32, data
+    assert ended == "eof", ended
