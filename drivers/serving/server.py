@@ -266,6 +266,7 @@ def abortable(protocol: type) -> type:
         #: the head of a request asking to switch protocols, without the upgrade: parsed
         #: again once the parser stops at the upgrade (:meth:`_feed`)
         _plain_head: bytes | None = None
+        parser: Any  # uvicorn's httptools parser (replaced for a head parsed again: _feed)
 
         def connection_made(self, transport: Any) -> None:
             self._cycles: list[Any] = []
