@@ -122,3 +122,53 @@ def test_a_websocket_handshake_on_a_get_route_is_answered_as_the_get(served):
     assert status.startswith(b"HTTP/1.1 200 "), data[:300]
     assert json.loads(body)["status"] == "ok" and len(headers["x-request-id"]) == 32, data
     assert ended == "eof", ended
+
+
+@pytest.mark.parametrize("route, body, field", [
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 3}, "choices"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "héllo"}],
+                              "max_tokens": 2}, "choices"),
+    ("/tokenize", {"prompt": "héllo"}, "tokens"),
+], ids=["completions", "chat", "tokenize"])
+def test_a_body_with_a_utf8_byte_order_mark_is_read_as_without_it(served, route, body, field):
+    """A JSON body starting with a UTF-8 byte order mark (an editor's, sent by ``curl
+    --data-binary @request.json``) was a 400 ``body: Invalid JSON: expected value at line 1
+    column 1``, a riddle to a client whose JSON is valid; Python's ``json.loads`` (vLLM's
+    server, this one's ``/admin/reload``) ignores it, as RFC 8259 section 8.1 allows. It is
+    answered as the same body without it."""
+    import httpx
+
+    server, service = served
+    payload = json.dumps(body).encode()
+    with httpx.Client(base_url=server.url, timeout=30.0) as http:
+        plain = http.post(route, content=payload, headers={"content-type": "application/json"})
+        marked = http.post(route, content=b"\xef\xbb\xbf" + payload,
+                           headers={"content-type": "application/json"})
+    assert plain.status_code == 200, plain.text
+    assert marked.status_code == 200, marked.text
+    assert marked.json()[field] == plain.json()[field], (marked.json(), plain.json())
+    wait_for(lambda: server_idle(service), 10, "the server idle")
+
+
+@pytest.mark.parametrize("encoding, named", [
+    ("utf-16", "UTF-16"), ("utf-16-le", "UTF-16-LE"), ("utf-32", "UTF-32"),
+])
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_a_body_that_is_not_utf8_is_a_400_naming_its_encoding(served, route, encoding, named):
+    """A UTF-16 or UTF-32 JSON body (PowerShell's ``Out-File``, .NET's ``Encoding.Unicode``)
+    was a 400 ``body: Invalid JSON: expected value at line 1 column 1`` (or ``...column 2``)
+    that named neither the body's encoding nor what to send; RFC 8259 section 8.1 asks for
+    UTF-8 between systems. Now the 400 says the body is UTF-16 (UTF-32) and to send UTF-8."""
+    import httpx
+
+    server, _ = served
+    body = {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}
+    body.pop("messages" if route == "/v1/completions" else "prompt")
+    with httpx.Client(base_url=server.url, timeout=30.0) as http:
+        answer = http.post(route, content=json.dumps(body).encode(encoding),
+                           headers={"content-type": "application/json"})
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] is None and error["type"] == "invalid_request_error", error
+    assert f"this body is {named}" in error["message"], error
+    assert "send it encoded as UTF-8" in error["message"], error
