@@ -172,3 +172,52 @@ def test_a_body_that_is_not_utf8_is_a_400_naming_its_encoding(served, route, enc
     assert error["param"] is None and error["type"] == "invalid_request_error", error
     assert f"this body is {named}" in error["message"], error
     assert "send it encoded as UTF-8" in error["message"], error
+
+
+@pytest.mark.parametrize("target", [
+    b"/health?" + b"x" * (1 << 16),
+    b"/v1/models/" + b"m" * 70000,
+], ids=["long-query", "long-path"])
+def test_a_request_target_longer_than_the_server_parses_is_a_414_naming_it(served, target):
+    """A request target (path and query) over 65,535 bytes, which uvicorn's URL parser
+    (``httptools.parse_url``) refuses, was answered the bare 400 ``Invalid HTTP request
+    received.``: neither the target nor its length named, where RFC 9112 section 3 asks for
+    414 (URI Too Long). Now a 414 ``request.uri_too_long`` (OpenAI-shaped, with an
+    ``x-request-id``) saying how long it was and the limit, after the answer to the request
+    pipelined before it; a target of 65,535 bytes is still served."""
+    from calexec.drivers.serving.server import MAX_TARGET_BYTES
+
+    server, _ = served
+    data, ended = send_raw(server.port, HEALTH_AFTER.replace(b"connection: close\r\n", b"")
+                           + b"GET " + target + b" HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n")
+    answers = responses(data)
+    assert [a[0][:12] for a in answers] == [b"HTTP/1.1 200", b"HTTP/1.1 414"], data[:600]
+    _, headers, body = answers[1]
+    error = json.loads(body)["error"]
+    assert error["code"] == "request.uri_too_long", error
+    assert f"is {len(target)} bytes" in error["message"], error
+    assert str(MAX_TARGET_BYTES) in error["message"] and len(headers["x-request-id"]) == 32
+    assert ended == "eof", ended
+    longest = b"/health?" + b"x" * (MAX_TARGET_BYTES - len(b"/health?"))
+    data, _ = send_raw(server.port, b"GET " + longest + b" HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+                       b"connection: close\r\n\r\n")
+    assert data.startswith(b"HTTP/1.1 200 "), data[:300]
+
+
+@pytest.mark.parametrize("target", [b"http://[::1/health", b"http://127.0.0.1:99999999/health"],
+                         ids=["unclosed-ipv6", "port-out-of-range"])
+def test_a_target_the_url_parser_refuses_is_answered_after_the_request_before_it(served,
+                                                                               target):
+    """A request line whose target the URL parser refuses (an absolute URI with an unclosed
+    IPv6 literal or a port out of range) was taken for a refusal of the body of the request
+    pipelined before it: that request (a ``GET /health``) was told its client is gone and got
+    no answer, the connection's one answer was the 400. Now the request before it is
+    answered, then the 400 ``request.malformed_http`` (RFC 9112 section 9.3.2: in order)."""
+    server, _ = served
+    data, ended = send_raw(server.port, HEALTH_AFTER.replace(b"connection: close\r\n", b"")
+                           + b"GET " + target + b" HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n")
+    answers = responses(data)
+    assert [a[0][:12] for a in answers] == [b"HTTP/1.1 200", b"HTTP/1.1 400"], data[:600]
+    assert json.loads(answers[0][2])["status"] == "ok", answers[0]
+    assert json.loads(answers[1][2])["error"]["code"] == "request.malformed_http", answers[1]
+    assert ended == "eof", ended

@@ -234,6 +234,11 @@ HEAD_TIMEOUT_S = 30.0
 MAX_HEAD_BYTES = 1 << 20
 
 
+#: the longest request target (path and query) uvicorn's httptools protocol parses
+#: (``httptools.parse_url``: http_parser's 16-bit offsets); a longer one is answered 414
+MAX_TARGET_BYTES = 65535
+
+
 def abortable(protocol: type) -> type:
     """``protocol`` (a uvicorn HTTP protocol class) whose requests get, in their ASGI scope's
     ``extensions``, a callable aborting their connection at once (``wire.ABORT_EXTENSION``:
@@ -266,6 +271,8 @@ def abortable(protocol: type) -> type:
         #: the head of a request asking to switch protocols, without the upgrade: parsed
         #: again once the parser stops at the upgrade (:meth:`_feed`)
         _plain_head: bytes | None = None
+        #: the request target is longer than MAX_TARGET_BYTES: answered 414 (:meth:`_feed`)
+        _target_too_long = False
         parser: Any  # uvicorn's httptools parser (replaced for a head parsed again: _feed)
 
         def connection_made(self, transport: Any) -> None:
@@ -336,6 +343,12 @@ def abortable(protocol: type) -> type:
             try:
                 self.parser.feed_data(data)
             except httptools.HttpParserError:
+                if self._target_too_long:  # on_headers_complete stopped the parser
+                    self.logger.warning("Invalid HTTP request received: request target of "
+                                        "%d bytes.", len(self.url))
+                    self._refuse(error_bodies.target_too_long(len(self.url), MAX_TARGET_BYTES,
+                                                              uuid.uuid4().hex))
+                    return
                 msg = "Invalid HTTP request received."
                 self.logger.warning(msg)
                 self.send_400_response(msg)
@@ -388,15 +401,24 @@ def abortable(protocol: type) -> type:
             transport.close()
 
         def on_headers_complete(self) -> None:
-            self._reading_head, self._head_bytes = False, 0
+            if parses_heads and len(self.url) > MAX_TARGET_BYTES:
+                # uvicorn's URL parser (httptools.parse_url) refuses it: the connection
+                # answered the bare 400 "Invalid HTTP request received." (RFC 9112 section
+                # 3: 414), and as a refusal of the body of the request pipelined before it,
+                # which went unanswered. The parser stops here; _feed answers 414
+                self._target_too_long = True
+                raise ValueError("request target too long")
             if parses_heads and self.parser.should_upgrade() and any(
                     name == b"upgrade" for name, _ in self.headers):
                 # parsed again without the upgrade once the parser stops at it (_feed): no
                 # request yet (the parser skips the body of an upgrade)
+                self._reading_head, self._head_bytes = False, 0
                 self._plain_head = self._ignore_upgrade()
                 return
             before = getattr(self, "cycle", None)
             super().on_headers_complete()
+            # after uvicorn's: bytes it refuses in the head are no refusal of a body
+            self._reading_head, self._head_bytes = False, 0
             cycle = getattr(self, "cycle", None)
             if cycle is None or cycle is before:
                 return  # no request started (uvicorn's WebSocket upgrade path): no cycle
