@@ -221,3 +221,39 @@ def test_a_target_the_url_parser_refuses_is_answered_after_the_request_before_it
     assert json.loads(answers[0][2])["status"] == "ok", answers[0]
     assert json.loads(answers[1][2])["error"]["code"] == "request.malformed_http", answers[1]
     assert ended == "eof", ended
+
+
+def test_upgrade_requests_pipelined_by_the_thousand_are_each_answered(served):
+    """The head of a request asking to upgrade is parsed again (the test above); 2,000 such
+    requests pipelined in one write are each answered in order, the connection's last one
+    closing it: parsing them again is a loop, never a recursion the interpreter's limit
+    (1,000 frames) would end in the middle of a read."""
+    server, service = served
+    one = (b"GET /health HTTP/1.1\r\nhost: 127.0.0.1\r\nupgrade: h2c\r\n"
+           b"connection: Upgrade\r\n\r\n")
+    data, ended = send_raw(server.port, one * 2000 + HEALTH_AFTER)
+    answers = responses(data)
+    assert len(answers) == 2001 and ended == "eof", (len(answers), ended, data[-300:])
+    assert all(a[0].startswith(b"HTTP/1.1 200 ") for a in answers), data[:300]
+    assert len({a[1]["x-request-id"] for a in answers}) == 2001
+    wait_for(lambda: server_idle(service), 10, "the server idle")
+
+
+def test_an_upgrade_request_whose_body_comes_in_later_writes_is_read_whole(served):
+    """A request asking to upgrade whose head and body arrive in separate writes (the body
+    a byte at a time): the body is read whole across them, then answered."""
+    import time
+
+    server, _ = served
+    request = _upgrade_request("upgrade: h2c\r\n", "Upgrade, close", False)
+    head, _, body = request.partition(b"\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30.0) as sock:
+        sock.sendall(head + b"\r\n\r\n")
+        time.sleep(0.05)  # the head is parsed alone (no bound on a test's result: ordering)
+        for i in range(len(body)):
+            sock.sendall(body[i:i + 1])
+        data, ended = read_until_closed(sock)
+    [(status, _, answer)] = responses(data)
+    assert status.startswith(b"HTTP/1.1 200 "), data[:300]
+    assert json.loads(answer)["choices"][0]["token_ids"] == oracle_tokens(PROMPT, 3)
+    assert ended == "eof", ended

@@ -340,26 +340,29 @@ def abortable(protocol: type) -> type:
             import httptools
 
             self._unset_keepalive_if_required()
-            try:
-                self.parser.feed_data(data)
-            except httptools.HttpParserError:
-                if self._target_too_long:  # on_headers_complete stopped the parser
-                    self.logger.warning("Invalid HTTP request received: request target of "
-                                        "%d bytes.", len(self.url))
-                    self._refuse(error_bodies.target_too_long(len(self.url), MAX_TARGET_BYTES,
-                                                              uuid.uuid4().hex))
-                    return
-                msg = "Invalid HTTP request received."
-                self.logger.warning(msg)
-                self.send_400_response(msg)
-            except httptools.HttpParserUpgrade as upgrade:
-                head, self._plain_head = self._plain_head, None
-                if head is None:  # CONNECT: uvicorn's way (its route answers; nothing follows)
-                    self._unsupported_upgrade_warning()
-                    return
-                self.parser = httptools.HttpRequestParser(self)
-                self._reading_head, self._head_bytes = True, 0
-                self.data_received(head + data[upgrade.args[0]:])
+            while self._refusal is None:  # once per upgrade in data (pipelined: a loop)
+                try:
+                    self.parser.feed_data(data)
+                except httptools.HttpParserError:
+                    if self._target_too_long:  # on_headers_complete stopped the parser
+                        self.logger.warning("Invalid HTTP request received: request target "
+                                            "of %d bytes.", len(self.url))
+                        self._refuse(error_bodies.target_too_long(
+                            len(self.url), MAX_TARGET_BYTES, uuid.uuid4().hex))
+                        return
+                    msg = "Invalid HTTP request received."
+                    self.logger.warning(msg)
+                    self.send_400_response(msg)
+                except httptools.HttpParserUpgrade as upgrade:
+                    head, self._plain_head = self._plain_head, None
+                    if head is None:  # CONNECT: uvicorn's way (its route answers)
+                        self._unsupported_upgrade_warning()
+                        return
+                    self.parser = httptools.HttpRequestParser(self)
+                    self._reading_head, self._head_bytes = True, 0
+                    data = head + data[upgrade.args[0]:]
+                    continue
+                return
 
         def _ignore_upgrade(self) -> bytes:
             """The head of the request being parsed (its method, target, version and header
