@@ -257,3 +257,16 @@ def test_an_upgrade_request_whose_body_comes_in_later_writes_is_read_whole(serve
     assert status.startswith(b"HTTP/1.1 200 "), data[:300]
     assert json.loads(answer)["choices"][0]["token_ids"] == oracle_tokens(PROMPT, 3)
     assert ended == "eof", ended
+
+
+def test_an_upgrade_request_closing_its_connection_is_its_last_answer(served):
+    """A request asking to upgrade with ``Connection: Upgrade, close`` and bytes behind it:
+    its answer closes the connection and is the only one, as for any request that closes it
+    (nothing behind it is read as a request, nor answered 400)."""
+    server, _ = served
+    request = _upgrade_request("upgrade: h2c\r\n", "Upgrade, close", False)
+    data, ended = send_raw(server.port, request + HEALTH_AFTER + b"garbage\r\n\r\n")
+    [(status, headers, body)] = responses(data)
+    assert status.startswith(b"HTTP/1.1 200 ") and headers.get("connection") == "close", data
+    assert json.loads(body)["choices"][0]["token_ids"] == oracle_tokens(PROMPT, 3)
+    assert ended == "eof", ended

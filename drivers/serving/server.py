@@ -359,6 +359,10 @@ def abortable(protocol: type) -> type:
                         self._unsupported_upgrade_warning()
                         return
                     self.parser = httptools.HttpRequestParser(self)
+                    with contextlib.suppress(AttributeError):  # httptools < 0.6.3: none
+                        # as uvicorn's own parser: what follows a "connection: close"
+                        # request is no error (its answer is the connection's last)
+                        self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
                     self._reading_head, self._head_bytes = True, 0
                     data = head + data[upgrade.args[0]:]
                     continue
