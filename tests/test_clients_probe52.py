@@ -270,3 +270,55 @@ def test_an_upgrade_request_closing_its_connection_is_its_last_answer(served):
     assert status.startswith(b"HTTP/1.1 200 ") and headers.get("connection") == "close", data
     assert json.loads(body)["choices"][0]["token_ids"] == oracle_tokens(PROMPT, 3)
     assert ended == "eof", ended
+
+
+@pytest.mark.parametrize("compressed", [True, False], ids=["gzip-body", "plain-body"])
+@pytest.mark.parametrize("route, coding", [
+    ("/v1/completions", "gzip, chunked"), ("/tokenize", "deflate, chunked"),
+    ("/v1/chat/completions", "br, chunked"),
+])
+def test_a_body_in_a_transfer_coding_besides_chunked_is_a_501_naming_it(served, route,
+                                                                        coding, compressed):
+    """``Transfer-Encoding: gzip, chunked``: the HTTP parser frames the body by its final
+    ``chunked`` and the route got the gzip bytes as they came: a gzip body was a 400
+    ``body: Invalid JSON: expected value at line 1 column 1``, a plain body labelled gzip was
+    taken as if the coding were not there (stop 50 refused the same for Content-Encoding,
+    415). RFC 9112 section 6.1: a transfer coding the server does not understand is a 501,
+    here naming the coding; the connection goes on (the chunked framing is intact)."""
+    import gzip
+
+    server, _ = served
+    payload = json.dumps({"prompt": "hi", "max_tokens": 1} if route != "/v1/chat/completions"
+                         else {"messages": [{"role": "user", "content": "hi"}],
+                               "max_tokens": 1}).encode()
+    if route == "/tokenize":
+        payload = b'{"prompt": "hi"}'
+    body = gzip.compress(payload) if compressed else payload
+    request = (f"POST {route} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json"
+               f"\r\ntransfer-encoding: {coding}\r\n\r\n{len(body):x}\r\n").encode() + body \
+        + b"\r\n0\r\n\r\n"
+    data, ended = send_raw(server.port, request + HEALTH_AFTER)
+    answers = responses(data)
+    assert [a[0][:12] for a in answers] == [b"HTTP/1.1 501", b"HTTP/1.1 200"], data[:600]
+    error = json.loads(answers[0][2])["error"]
+    named = coding.split(",")[0]
+    assert error["message"].startswith(f"transfer-encoding {named!r}: not supported"), error
+    assert error["type"] == "invalid_request_error" and error["param"] is None, error
+    assert ended == "eof", ended
+
+
+def test_a_reload_body_in_a_transfer_coding_besides_chunked_is_a_501_naming_it(executor):
+    """``POST /admin/reload`` takes a JSON body as the OpenAI routes do: the same 501 naming
+    the transfer coding, nothing checked or switched (the generation stays)."""
+    from fastapi.testclient import TestClient
+
+    token = "probe52-admin-token"
+    app = create_app(executor, ServerConfig(admin_token=token))
+    generation = executor.generation
+    with TestClient(app, raise_server_exceptions=False) as client:
+        answer = client.post("/admin/reload", content=b'{"calbin": "x"}', headers={
+            "authorization": f"Bearer {token}", "content-type": "application/json",
+            "transfer-encoding": "gzip, chunked"})
+    assert answer.status_code == 501, answer.text
+    assert answer.json()["error"]["message"].startswith("transfer-encoding 'gzip'"), answer.text
+    assert executor.generation == generation

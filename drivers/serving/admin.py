@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
 from calexec.drivers.serving import wire
-from calexec.drivers.serving.error_bodies import error_response, invalid
+from calexec.drivers.serving.error_bodies import error_response, invalid, transfer_coding_refused
 from calexec.drivers.serving.service import CompletionService, ServerConfig
 from calexec.machines import switch_check
 
@@ -169,6 +169,10 @@ def add_admin_routes(app: FastAPI, service: CompletionService) -> None:
             return error_response(invalid(f"content-encoding {coding!r}: not supported, send "
                                           "the body uncompressed"), None, http_status=415,
                                   headers=wire.IDENTITY_ONLY)
+        transfer = wire.unsupported_transfer_coding(request)
+        if transfer is not None:
+            return error_response(transfer_coding_refused(transfer), None,
+                                  http_status=501)
         unknown = sorted(request.query_params)
         if unknown:
             return error_response(invalid(f"{unknown[0][:64]}: unknown parameter, refused "

@@ -20,6 +20,7 @@ ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error",
                405: "invalid_request_error", 408: "timeout_error",
                413: "invalid_request_error",
                415: "invalid_request_error", 429: "rate_limit_error",
+               501: "invalid_request_error",
                499: "cancelled_error", 503: "unavailable_error", 504: "timeout_error"}
 
 
@@ -35,7 +36,7 @@ OPENAI_CODE = {"request.model_not_found": "model_not_found",
 #: of the body says the same as the response: a 401 is UNAUTHENTICATED, not a 400)
 GRPC_OF_HTTP = {401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND",
                 405: "UNIMPLEMENTED", 408: "DEADLINE_EXCEEDED", 413: "INVALID_ARGUMENT", 415: "INVALID_ARGUMENT",
-                499: "CANCELLED"}
+                499: "CANCELLED", 501: "UNIMPLEMENTED"}
 
 
 def error_response(status: Status, param: str | None = None, retry_after: int = 1,
@@ -84,6 +85,13 @@ def route_error(method: str, path: str, http_status: int,
 def invalid(message: str) -> Status:
     """A 400 INVALID_REQUEST failure naming what was wrong."""
     return Status.failure("request.invalid", Category.INVALID_REQUEST, Phase.VALIDATE, message)
+
+
+def transfer_coding_refused(coding: str) -> Status:
+    """The failure of a request whose body comes in a transfer coding other than chunked
+    (``wire.unsupported_transfer_coding``; answered 501)."""
+    return invalid(f"transfer-encoding {coding!r}: not supported (RFC 9112 section 6.1): "
+                   f"send the body with chunked alone or a Content-Length, uncompressed")
 
 
 def body_timeout(came: str, timeout_s: float) -> Status:

@@ -1004,6 +1004,9 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         if coding is not None:
             raise Refusal(invalid(f"content-encoding {coding!r}: not supported, send the body "
                                   "uncompressed"), None, 415, wire.IDENTITY_ONLY)
+        transfer = wire.unsupported_transfer_coding(request)
+        if transfer is not None:
+            raise Refusal(error_bodies.transfer_coding_refused(transfer), None, 501)
         raw = await wire.body_or_refusal(request, config.max_body_bytes, config.body_timeout_s)
         if isinstance(raw, wire.BodyRefusal):  # 499 (nobody reads it), 408, 413: counted
             raise Refusal(raw.status, None, raw.http_status, raw.headers)

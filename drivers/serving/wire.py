@@ -150,6 +150,16 @@ def unsupported_coding(request: Request) -> str | None:
     return next((c[:40] for c in reversed(codings) if c and c != "identity"), None)
 
 
+def unsupported_transfer_coding(request: Request) -> str | None:
+    """A transfer coding of the request's body other than ``chunked`` (and ``identity``), else
+    None: the HTTP parser frames a ``Transfer-Encoding: gzip, chunked`` body by its final
+    ``chunked`` and hands the route the gzip bytes as they came, which it cannot read (it
+    decodes nothing); a route answers it 501 (RFC 9112 section 6.1)."""
+    codings = [c.strip().lower() for value in request.headers.getlist("transfer-encoding")
+               for c in value.split(",")]
+    return next((c[:40] for c in codings if c and c not in ("chunked", "identity")), None)
+
+
 async def read_body(request: Request, limit: int, timeout: float) -> bytes | None:
     """The body, or None when it exceeds ``limit`` bytes (declared or actual); raises
     :class:`ClientGone` when the client disconnects mid-upload (the route answers it as a
