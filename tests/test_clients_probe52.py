@@ -322,3 +322,27 @@ def test_a_reload_body_in_a_transfer_coding_besides_chunked_is_a_501_naming_it(e
     assert answer.status_code == 501, answer.text
     assert answer.json()["error"]["message"].startswith("transfer-encoding 'gzip'"), answer.text
     assert executor.generation == generation
+
+
+@pytest.mark.parametrize("field, value", [
+    ("guided_json", {"type": "object"}), ("guided_choice", ["a", "b"]),
+    ("structured_outputs", {"json": {"type": "object"}}),
+])
+def test_a_vllm_guided_decoding_field_is_refused_pointing_at_response_format(served, field,
+                                                                             value):
+    """vLLM's ``guided_json`` (a client written for vLLM's server sends it in ``extra_body``)
+    was refused "structured outputs (guided decoding) are not supported": wrong, since
+    ``response_format`` json_schema and ``tools`` are constrained by the grammar here; a user
+    reading it gave up on JSON output. The 400 still names the field, and says what to send."""
+    import openai
+
+    server, _ = served
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
+                           timeout=30.0)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(messages=[{"role": "user", "content": "hi"}],
+                                       model="calexec-qwen3-synthetic", max_tokens=2,
+                                       extra_body={field: value})
+    error = refused.value.body
+    assert error["param"] == field, error
+    assert "response_format" in error["message"] and "json_schema" in error["message"], error

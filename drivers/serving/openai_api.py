@@ -261,7 +261,9 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "web_search_options": (_none_or(), "web search is not supported"),
     "moderation": (_none_or(), "moderation is not performed by this server"),
     # vLLM's own fields: named with the reason, not refused as unknown
-    **{name: (_none_or(), "structured outputs (guided decoding) are not supported")
+    **{name: (_none_or(), "vLLM's guided decoding fields are not supported; structured "
+              "outputs are: send response_format {\"type\": \"json_schema\", ...} (or "
+              "json_object), or tools")
        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
                     "guided_decoding_backend", "guided_whitespace_pattern",
                     "structured_outputs")},
