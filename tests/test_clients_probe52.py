@@ -346,3 +346,37 @@ def test_a_vllm_guided_decoding_field_is_refused_pointing_at_response_format(ser
     error = refused.value.body
     assert error["param"] == field, error
     assert "response_format" in error["message"] and "json_schema" in error["message"], error
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "weather", "description": "the weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}]
+
+
+def test_tokenize_counts_a_tool_using_chat_as_the_chat_does(served):
+    """vLLM's ``/tokenize`` takes a chat's ``tools`` (``TokenizeChatRequest.tools``: the
+    chat template writes them into the prompt), so a client can count a tool-using chat's
+    prompt before sending it; here ``tools`` was refused as an unknown parameter, and the
+    count without them was not the chat's. Now ``/tokenize`` of the messages and tools is
+    the chat's ``usage.prompt_tokens`` and its prompt; ``tools`` without ``messages`` and a
+    malformed tool are 400s naming them."""
+    import httpx
+
+    server, service = served
+    messages = [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": "weather in Paris?"}]
+    with httpx.Client(base_url=server.url, timeout=30.0) as http:
+        counted = http.post("/tokenize", json={"messages": messages, "tools": TOOLS})
+        plain = http.post("/tokenize", json={"messages": messages})
+        chat = http.post("/v1/chat/completions", json={
+            "messages": messages, "tools": TOOLS, "tool_choice": "none", "max_tokens": 1})
+        alone = http.post("/tokenize", json={"prompt": "hi", "tools": TOOLS})
+        bad = http.post("/tokenize", json={"messages": messages, "tools": [{"type": "x"}]})
+    assert counted.status_code == 200 and chat.status_code == 200, (counted.text, chat.text)
+    assert counted.json()["count"] == chat.json()["usage"]["prompt_tokens"], \
+        (counted.json()["count"], chat.json()["usage"])
+    assert counted.json()["count"] > plain.json()["count"], (counted.json(), plain.json())
+    assert alone.status_code == 400 and alone.json()["error"]["param"] == "tools", alone.text
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools.0.type", bad.text
+    wait_for(lambda: server_idle(service), 10, "the server idle")

@@ -1202,15 +1202,20 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
                 raise Refusal(invalid("give exactly one of prompt, content (llama-server) and "
                                       f"messages; got {given or 'none'}"),
                               given[1] if len(given) > 1 else "prompt")
+            if body.tools is not None and body.messages is None:
+                raise Refusal(invalid("tools: only with messages (the chat template writes "
+                                      "them into a chat's prompt)"), "tools")
             text = body.prompt if body.prompt is not None else body.content
             if text is not None:
                 special = body.add_special_tokens if body.add_special is None \
                     else body.add_special
                 ids = service.tokenizer.encode(text, special)
             elif body.messages is not None:  # (exactly one of the three)
+                tools = structure(grammar.tool_setup, body.tools, None)
                 ids = service.tokenizer.encode(
                     render_chat(body.messages, service.tokenizer, body.add_generation_prompt,
-                                body.chat_template_kwargs), add_special_tokens=False)
+                                body.chat_template_kwargs, tools=tools),
+                    add_special_tokens=False)
         except Refusal as err:
             return refused(err)
         texts = [service.tokenizer.token_text(t) for t in ids] \
@@ -1581,7 +1586,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
 
 class TokenizeRequest(BaseModel):
     """``POST /tokenize``: vLLM's bodies, ``prompt`` (+ ``add_special_tokens``) or chat
-    ``messages`` (+ ``add_generation_prompt``, ``chat_template_kwargs``), with
+    ``messages`` (+ ``add_generation_prompt``, ``chat_template_kwargs``, ``tools``), with
     ``return_token_strs``; or llama-server's ``content`` (+ ``add_special``, ``with_pieces``:
     ``tokens`` as ``{"id", "piece"}`` objects)."""
 
@@ -1596,6 +1601,9 @@ class TokenizeRequest(BaseModel):
     add_special: StrictBool | None = None  # llama-server's add_special_tokens
     add_generation_prompt: StrictBool = True
     chat_template_kwargs: dict[StrictStr, Any] | None = None
+    # vLLM's TokenizeChatRequest: the tools the chat template writes into the prompt, so the
+    # count is a tool-using chat's own (checked as chat checks them)
+    tools: Any = None
     return_token_strs: StrictBool = False
     with_pieces: StrictBool = False  # llama-server
 
