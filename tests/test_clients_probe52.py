@@ -195,6 +195,7 @@ def test_a_request_target_longer_than_the_server_parses_is_a_414_naming_it(serve
     _, headers, body = answers[1]
     error = json.loads(body)["error"]
     assert error["code"] == "request.uri_too_long", error
+    assert error["type"] == "invalid_request_error", error
     assert f"is {len(target)} bytes" in error["message"], error
     assert str(MAX_TARGET_BYTES) in error["message"] and len(headers["x-request-id"]) == 32
     assert ended == "eof", ended
@@ -380,3 +381,22 @@ def test_tokenize_counts_a_tool_using_chat_as_the_chat_does(served):
     assert alone.status_code == 400 and alone.json()["error"]["param"] == "tools", alone.text
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools.0.type", bad.text
     wait_for(lambda: server_idle(service), 10, "the server idle")
+
+
+def test_a_head_over_max_head_bytes_is_typed_a_client_error(served):
+    """The 431 of a request head over ``MAX_HEAD_BYTES`` said ``"type": "server_error"`` (its
+    status had no entry in the error types, whose default is the server's), while its
+    category is ``invalid_request`` and docs/server.md's error table says
+    ``invalid_request_error``: a client sorting errors by type blamed the server for its
+    own header. Now ``invalid_request_error``, as the 414 of a target too long."""
+    from calexec.drivers.serving.server import MAX_HEAD_BYTES
+
+    server, _ = served
+    data, ended = send_raw(server.port, b"GET /health HTTP/1.1\r\nhost: 127.0.0.1\r\nx-big: "
+                           + b"a" * MAX_HEAD_BYTES + b"\r\n\r\n")
+    [(status, _, body)] = responses(data)
+    assert status.startswith(b"HTTP/1.1 431 "), data[:300]
+    error = json.loads(body)["error"]
+    assert (error["code"], error["type"]) == ("request.head_too_large",
+                                              "invalid_request_error"), error
+    assert ended in ("eof", "reset"), ended

@@ -18,8 +18,9 @@ PARAM_OF_CODE = {"kv.exceeds_capacity": "max_tokens"}
 ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error",
                403: "permission_error", 404: "invalid_request_error",
                405: "invalid_request_error", 408: "timeout_error",
-               413: "invalid_request_error",
+               413: "invalid_request_error", 414: "invalid_request_error",
                415: "invalid_request_error", 429: "rate_limit_error",
+               431: "invalid_request_error",
                501: "invalid_request_error",
                499: "cancelled_error", 503: "unavailable_error", 504: "timeout_error"}
 
