@@ -78,13 +78,16 @@ def reload_body(raw: bytes) -> dict[str, Any] | tuple[Status, str | None]:
     one and its ``param``: not UTF-8 (UTF-16 or -32 too), not JSON (a byte order mark
     included), nested past the parser's recursion limit, not an object (``param`` None: the
     body as a whole), a key other than ``calbin`` (that key)."""
-    try:  # (UTF-8 only, as the API's bodies: json.loads of bytes also took UTF-16 and -32)
-        text = raw.decode("utf-8")
+    utf8 = wire.utf8_json(raw)  # (as the API's bodies: a UTF-8 BOM skipped, UTF-16/32 refused)
+    if isinstance(utf8, str):
+        return invalid(utf8), None
+    try:
+        text = utf8.decode("utf-8")
     except UnicodeDecodeError as err:
         return invalid(f"body: not UTF-8 ({err.reason} at byte {err.start}); send "
                        "{\"calbin\": PATH} as UTF-8 JSON"), None
     try:
-        body = json.loads(text)  # (a UTF-8 byte order mark: not JSON, as for the API)
+        body = json.loads(text)
     except (ValueError, RecursionError) as err:
         why = "nested too deeply" if isinstance(err, RecursionError) else str(err)[:120]
         return invalid(f"body: not valid JSON ({why}); send {{\"calbin\": PATH}}"), None

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
-import json
 import logging
 import math
 import re
@@ -303,27 +302,13 @@ class Refusal(Exception):
         self.headers = headers
 
 
-def utf8_json(raw: bytes) -> bytes:
-    """A request body as the JSON parser reads it: UTF-8 without a byte order mark. RFC 8259
-    section 8.1 lets a parser ignore a UTF-8 BOM, as Python's ``json.loads`` does (vLLM's
-    server, and this one's ``/admin/reload``), so a body saved by an editor that writes one
-    (``curl --data-binary @request.json``) is read; it was ``Invalid JSON: expected value at
-    line 1 column 1``. JSON between systems must be UTF-8 (same section): a UTF-16 or UTF-32
-    body (a BOM, or NUL bytes around its first characters) is a :class:`Refusal` naming its
-    encoding, where the message was the same riddle."""
-    if raw.startswith(b"\xef\xbb\xbf"):
-        return raw[3:]
-    encoding = json.detect_encoding(raw)
-    if encoding != "utf-8":
-        raise Refusal(invalid(f"body: JSON must be UTF-8 (RFC 8259 section 8.1); this body is "
-                              f"{encoding.upper()}: send it encoded as UTF-8"), None)
-    return raw
-
-
 def parse(model: type[Body], raw: bytes) -> Body:
     """The validated body, or :class:`Refusal` naming the first bad field (its path in the
     body, e.g. ``messages.0.content``: never pydantic's union branch) and value."""
-    raw = utf8_json(raw)
+    raw_or_why = wire.utf8_json(raw)
+    if isinstance(raw_or_why, str):  # UTF-16 or -32: refused naming it
+        raise Refusal(invalid(raw_or_why), None)
+    raw = raw_or_why
     try:
         return model.model_validate_json(raw)
     except ValidationError as err:

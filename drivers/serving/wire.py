@@ -150,6 +150,23 @@ def unsupported_coding(request: Request) -> str | None:
     return next((c[:40] for c in reversed(codings) if c and c != "identity"), None)
 
 
+def utf8_json(raw: bytes) -> bytes | str:
+    """A request's JSON body as its parser reads it, UTF-8 without a byte order mark, or the
+    message refusing it (a ``str``). RFC 8259 section 8.1 lets a parser ignore a UTF-8 BOM, as
+    Python's ``json.loads`` does (and vLLM's server), so a body saved by an editor that writes
+    one (``curl --data-binary @request.json``) is read; JSON between systems must be UTF-8
+    (same section): a UTF-16 or UTF-32 body (a BOM, or NUL bytes around its first characters)
+    is refused naming its encoding. The OpenAI routes and ``/admin/reload`` both read bodies
+    through this."""
+    if raw.startswith(b"\xef\xbb\xbf"):
+        return raw[3:]
+    encoding = json.detect_encoding(raw)
+    if encoding != "utf-8":
+        return (f"body: JSON must be UTF-8 (RFC 8259 section 8.1); this body is "
+                f"{encoding.upper()}: send it encoded as UTF-8")
+    return raw
+
+
 def unsupported_transfer_coding(request: Request) -> str | None:
     """A transfer coding of the request's body other than ``chunked`` (and ``identity``), else
     None: the HTTP parser frames a ``Transfer-Encoding: gzip, chunked`` body by its final
