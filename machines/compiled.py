@@ -140,6 +140,10 @@ class CompiledChart:
     #: model class -> the guards it answers with a coroutine function (``run`` refuses them):
     #: looked up once per class, since ``run`` is on the executor's per-job path
     async_guards: dict[type, tuple[str, ...]] = attrs.field(factory=dict, repr=False, eq=False)
+    #: model class -> the guards it answers with a value rather than a method (a property, a
+    #: class attribute: python-statemachine reads those, ``AttributeGuardRun`` does too),
+    #: looked up once per class as ``async_guards`` is
+    value_guards: dict[type, frozenset[str]] = attrs.field(factory=dict, repr=False, eq=False)
     #: where a flat run starts when neither its model nor the caller names a state: the
     #: chart's ``start_configuration_values`` (python-statemachine 3) if it declares one,
     #: else ``initial`` (which diagrams and paths keep drawing as the declared initial state)
@@ -219,12 +223,18 @@ class CompiledChart:
             coroutines = self.async_guards[cls] = tuple(
                 name for name in sorted(self.guard_names)
                 if inspect.iscoroutinefunction(getattr(cls, name, None)))
-        own = getattr(model, "__dict__", None)
-        if own:  # a guard set on the instance itself
-            extra = [name for name in self.guard_names
-                     if name in own and inspect.iscoroutinefunction(own[name])]
+        values = self.value_guards.get(cls)
+        if values is None:
+            values = self.value_guards[cls] = frozenset(
+                name for name in self.guard_names if _answers_by_value(cls, name))
+        own: dict[str, Any] = getattr(model, "__dict__", None) or {}
+        mine = [name for name in self.guard_names if name in own] if own else None
+        if mine:  # a guard set on the instance itself (it hides the class's)
+            extra = [name for name in mine if inspect.iscoroutinefunction(own[name])]
             if extra:
                 coroutines = tuple(sorted({*coroutines, *extra}))
+            values = values.difference(mine).union(
+                name for name in mine if not callable(own[name]))
         if coroutines:  # the flat run calls a guard and takes its coroutine for True
             raise UnsupportedChart(
                 f"{self.name}: the compiled form does not support yet: async guard(s) "
@@ -244,6 +254,8 @@ class CompiledChart:
                                      f"none of the chart's states {self.states}")
         elif state not in self.states:
             raise ValueError(f"{self.name}: state={state!r} is not one of {self.states}")
+        if values:  # (a guard answered by an attribute: read, as an instance reads it)
+            return AttributeGuardRun(self, state, model, values)
         return (ChartRun if self.keyword_free else EventDataRun)(self, state, model)
 
     def state_of(self, saved: object) -> str | None:
@@ -488,6 +500,63 @@ class EventDataRun(ChartRun):
         except Exception as err:
             err.add_note(f"(raised evaluating {where})")
             raise
+
+
+class AttributeGuardRun(EventDataRun):
+    """The flat run of a model that answers some guards with a value rather than a method: a
+    property (``@property def paid(self)``) or a plain attribute (``self.paid = True``) named
+    by ``cond="paid"``. python-statemachine reads such a guard (its ``attr_method``) where it
+    calls a method; this run does the same for the names in ``values`` and calls the others
+    as ``EventDataRun`` does. ``CompiledChart.run`` makes one only for such a model, so the
+    runs of models whose guards are all methods keep the fast path."""
+
+    __slots__ = ("values",)
+
+    def __init__(self, chart: CompiledChart, state: str, model: Any,
+                 values: frozenset[str]) -> None:
+        super().__init__(chart, state, model)
+        self.values = values
+
+    def select(self, event: str) -> Transition:
+        """``ChartRun.select``, each guard in ``values`` read instead of called."""
+        try:
+            candidates = self._table.get((self.state, event))
+        except TypeError:  # an unhashable event (a list)
+            candidates = None
+        if candidates is None:
+            return ChartRun.select(self, event)  # the same refusal as a flat run's
+        return self._select_with(event, (), {})
+
+    def _guard(self, event: str, name: str, args: tuple[object, ...],
+               data: dict[str, object]) -> bool:
+        if name in self.values:
+            try:
+                return bool(getattr(self.model, name))
+            except Exception as err:
+                err.add_note(f"(raised reading {self.chart.name}: event {event!r} in state "
+                             f"{self.state!r}: guard {name!r}, model.{name})")
+                raise
+        return super()._guard(event, name, args, data)
+
+    def __repr__(self) -> str:
+        return f"AttributeGuardRun({self.chart.name}, state={self.state!r})"
+
+
+def _answers_by_value(cls: type, name: str) -> bool:
+    """Whether instances of the model class ``cls`` answer guard ``name`` with a value, as
+    python-statemachine sees it (not callable): a property, or a class attribute that is not
+    callable (a method, a function, a staticmethod, a callable object are called)."""
+    missing = object()
+    found = inspect.getattr_static(cls, name, missing)
+    if found is missing:
+        return False
+    if isinstance(found, property):
+        return True
+    if isinstance(found, (staticmethod, classmethod)) or inspect.isfunction(found):
+        return False
+    if hasattr(type(found), "__get__") and not callable(found):
+        return True  # another descriptor (functools.cached_property, ...): read
+    return not callable(found)
 
 
 def _data_text(args: tuple[object, ...], data: dict[str, object]) -> str:
