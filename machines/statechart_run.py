@@ -563,8 +563,9 @@ class StatechartRun:
 
     def keep_trail(self, trail: Any, now: Callable[[], float]) -> None:
         """Append every taken transition to ``trail`` (a bounded deque) as ``(event, source,
-        target, None, now())``, as ``ChartRun.keep_trail`` does (the inspector's path of one
-        run)."""
+        target, None, now())``, and each event refused by its guards (``GuardRejected``) as
+        ``(event, source, None, guards, now())``, as ``ChartRun.keep_trail`` does (the
+        inspector's path of one run)."""
         self.trail = trail
         self._now = now
 
@@ -614,13 +615,24 @@ class StatechartRun:
         if not enabled:
             if not self.allow_event_without_transition:
                 self._internal.clear()
-                raise self._refusal(str(trigger.event))
+                refusal = self._refusal(str(trigger.event))
+                if self.trail is not None and isinstance(refusal, GuardRejected):
+                    self._trail_refusal(str(trigger.event), refusal.guards)
+                raise refusal
             return _NOTHING  # a later queued event's result is the send's, as in psm
         try:
             return self._microstep(list(enabled), trigger)
         except Exception:
             self._clear_queues()
             raise
+
+    def _trail_refusal(self, event: str, guards: tuple[str, ...]) -> None:
+        """Trail a refused event as the flat run does, ``(event, state, None, guards, now())``,
+        ``state`` being the state that declares the first refusing transition (the one the
+        inspector's path notes the refusal in)."""
+        source = next((t.source.id for state in self._config for t in state.transitions
+                       if not t.initial and t.match(event)), self.state)
+        self.trail.append((event, source, None, guards, self._now()))
 
     def _refusal(self, event: str) -> ChartTransitionError:
         """The error for an external event no transition takes: ``IllegalTransition`` when

@@ -1,0 +1,137 @@
+"""A newcomer's own charts through the toolkit (stop 52): each test here is a defect found by
+pointing docs/framework.md's tools at charts written from python-statemachine's own
+documentation, with python-statemachine's behaviour as the oracle."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from statemachine import State, StateMachine
+from statemachine.exceptions import TransitionNotAllowed
+
+from calexec.machines.compiled import ChartTransitionError, compiled
+from calexec.machines.inspector import Inspector
+
+
+class Door(StateMachine):
+    """A flat chart whose guards are names, as the docs ask; its model answers two of them
+    with a value, as python-statemachine's documentation allows ("a method, property or
+    attribute name")."""
+
+    closed = State(initial=True)
+    opened = State()
+    locked = State(final=True)
+    open = closed.to(opened, cond="unlocked")
+    close = opened.to(closed)
+    lock = closed.to(locked, cond="has_key", unless="jammed")
+
+
+class Household:
+    """``unlocked`` a plain attribute, ``has_key`` a property, ``jammed`` a method."""
+
+    def __init__(self, unlocked: bool, key: bool, jam: bool) -> None:
+        self.unlocked = unlocked
+        self.key = key
+        self.jam = jam
+
+    @property
+    def has_key(self) -> bool:
+        return self.key
+
+    def jammed(self) -> bool:
+        return self.jam
+
+
+def _answer(send: object, event: str) -> str:
+    try:
+        send(event)  # type: ignore[operator]
+    except (TransitionNotAllowed, ChartTransitionError):
+        return "refused"
+    return "taken"
+
+
+_FLAGS = st.tuples(st.booleans(), st.booleans(), st.booleans())
+
+
+@settings(max_examples=80, deadline=None)
+@given(_FLAGS, st.lists(st.tuples(st.sampled_from(["open", "close", "lock"]), _FLAGS),
+                        max_size=12))
+def test_a_guard_the_model_answers_with_a_property_or_attribute_is_read_as_an_instance_reads_it(
+        start, steps):
+    """The flat run called ``model.unlocked()`` and raised ``TypeError: ... model.unlocked is
+    bool True, not a method`` where a python-statemachine instance of the same chart on the
+    same model reads the attribute (and the property) and takes the transition."""
+    mine, theirs = Household(*start), Household(*start)
+    instance, run = Door(theirs), compiled(Door).run(mine)
+    for event, flags in steps:
+        mine.unlocked, mine.key, mine.jam = flags
+        theirs.unlocked, theirs.key, theirs.jam = flags
+        assert _answer(run.send, event) == _answer(instance.send, event), (event, flags)
+        assert [run.state] == [s.id for s in instance.configuration]
+
+
+def test_a_run_on_a_model_with_value_guards_takes_event_data_and_can_as_a_flat_run():
+    """``send`` with data and ``can`` answer the same on such a model (the value guards are
+    read, the method guard still gets the data its signature names)."""
+
+    class Gate(StateMachine):
+        shut = State(initial=True)
+        up = State()
+        raise_it = shut.to(up, cond=["powered", "heavy_enough"])
+        lower = up.to(shut)
+
+    class Plant:
+        powered = True
+
+        def heavy_enough(self, weight: int = 0) -> bool:
+            return weight > 3
+
+    run = compiled(Gate).run(Plant())
+    assert not run.can("raise_it", weight=1)
+    assert run.can("raise_it", weight=5)
+    assert run.send("raise_it", weight=5) == "up"
+    run.model.powered = False
+    run.send("lower")
+    assert not run.can("raise_it", weight=5)
+
+
+class Ticket(StateMachine):
+    """Flat, but a guard expression: the general run (``StatechartRun``)."""
+
+    new = State(initial=True)
+    open_ = State()
+    closed = State(final=True)
+    triage = new.to(open_, cond="assigned and not duplicate")
+    close = open_.to(closed)
+
+
+class Desk:
+    def __init__(self) -> None:
+        self.assigned = False
+        self.duplicate = False
+
+
+def test_the_inspector_follows_a_general_runs_refusals_with_their_guards():
+    """docs/framework.md: a followed run's path has "refusals with their guards included for
+    a compiled run". A chart with a guard expression takes the general run, whose trail kept
+    only taken transitions: the refused ``triage`` was missing from the path."""
+    inspector = Inspector()
+    try:
+        inspector.register(Ticket, counts=dict)
+        run = compiled(Ticket).run(Desk())
+        inspector.paths.follow("t1", run)
+        try:
+            run.send("triage")
+        except ChartTransitionError:
+            pass
+        else:  # pragma: no cover - the guard refuses
+            raise AssertionError("triage was taken with its guard false")
+        run.model.assigned = True
+        run.send("triage")
+        record = inspector.paths.record("t1")
+        assert record is not None
+        assert [(s["event"], s["from"], s["to"], s["refused_by"]) for s in record["trail"]] == [
+            ("triage", "new", None, ["assigned and not duplicate"]),
+            ("triage", "new", "open_", None)]
+    finally:
+        inspector.close()
