@@ -4,6 +4,11 @@ documentation, with python-statemachine's behaviour as the oracle."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from statemachine import State, StateMachine
@@ -135,3 +140,53 @@ def test_the_inspector_follows_a_general_runs_refusals_with_their_guards():
             ("triage", "new", "open_", None)]
     finally:
         inspector.close()
+
+
+LAMP = '''
+from statemachine import State, StateMachine
+
+
+class Lamp(StateMachine):
+    off = State(initial=True)
+    on = State()
+    switch = off.to(on) | on.to(off)
+'''
+
+LAMP_TEST = '''
+from lamp import Lamp
+
+
+def test_switch_turns_it_on():
+    lamp = Lamp()
+    lamp.send("switch")
+    assert list(lamp.configuration_values) == ["on"]
+'''
+
+
+def _charts(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "calexec.cli", "charts", *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=600, check=False)
+
+
+def test_mutate_takes_the_same_chart_given_twice_once_and_names_two_charts_of_one_name(tmp_path):
+    """docs/framework.md: a chart given as CHART "is taken the same way" as --chart. Given both
+    ways (or twice), mutate refused it, exit 2, as "two charts share a name in ['lamp:Lamp',
+    'lamp:Lamp']; use NAME=module:Class", as if they were two charts; cover counts it once."""
+    (tmp_path / "lamp.py").write_text(LAMP)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "__init__.py").write_text("")
+    (tmp_path / "other" / "lamp.py").write_text(LAMP)
+    (tmp_path / "test_lamp.py").write_text(LAMP_TEST)
+    command = f"{sys.executable} -m pytest -q -p no:cacheprovider test_lamp.py"
+    twice = _charts(tmp_path, "mutate", "lamp:Lamp", "--chart", "lamp:Lamp", "--test-cmd",
+                    command, "--mutant", "drop:off-switch->on", "--json")
+    assert twice.returncode == 0, twice.stderr
+    report = json.loads(twice.stdout)
+    assert [(m["chart"], m["id"], m["status"]) for m in report["mutants"]] == [
+        ("Lamp", "drop:off-switch->on", "killed")]
+    two = _charts(tmp_path, "mutate", "--chart", "lamp:Lamp", "--chart", "other.lamp:Lamp",
+                  "--test-cmd", command)
+    assert two.returncode == 2
+    assert two.stderr.strip().splitlines() == [
+        "calexec charts mutate: --chart: 'lamp:Lamp' and 'other.lamp:Lamp' are two charts "
+        "named Lamp; name one: NAME=module:Class (e.g. Lamp2=other.lamp:Lamp)"]

@@ -438,9 +438,17 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--error-codes={args.error_codes!r}: expected exit codes separated "
                              f"by commas (e.g. 3,4,5)") from None
         specs = [*(args.chart or ()), *args.charts] or list(CALEXEC_CHARTS)
-        charts = [_resolve_chart(spec, cwd) for spec in specs]
-        if len({c.name for c in charts}) != len(charts):
-            raise ValueError(f"--chart: two charts share a name in {specs}; use NAME=module:Class")
+        charts: list[Chart] = []
+        for spec in specs:
+            chart = _resolve_chart(spec, cwd)
+            same = next((c for c in charts if c.name == chart.name), None)
+            if same is None:
+                charts.append(chart)
+            elif same.declaration is not chart.declaration:
+                raise ValueError(f"--chart: {same.target!r} and {chart.target!r} are two charts "
+                                 f"named {chart.name}; name one: NAME=module:Class (e.g. "
+                                 f"{chart.name}2={chart.target})")
+            # (the same chart given twice, as CHART and --chart: mutated once, as cover counts it)
         own = all(c.target in CALEXEC_CHARTS.values() for c in charts)
         if args.test_cmd is None and not own:
             raise ValueError("--test-cmd is required for a chart that is not calexec's own")
