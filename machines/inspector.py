@@ -286,9 +286,13 @@ class Inspector:
         any). ``count_instances=False``: rates from compiled runs only (no class listener; an
         app that never runs the class itself). ``ValueError`` for a name already registered
         or both/neither of runs, counts; ``TypeError`` for one of runs, counts, active that is
-        not a function (a list of runs, not a function returning it)."""
+        not a function (a list of runs, not a function returning it), or a ``name`` that is not
+        a str."""
         shared = compiled(chart)
         shared.refuse_runs()  # (its own async callbacks: no run to show)
+        if name is not None and not isinstance(name, str):  # (the page failed 500 on it)
+            raise TypeError(f"register({shared.name}): name={name!r:.60}: expected a str, the "
+                            f"chart's name in the page and its URL")
         name = name or shared.name
         expected = {"runs": "the live runs", "counts": "{state: count}",
                     "active": "the state to highlight or None"}

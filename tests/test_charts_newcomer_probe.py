@@ -190,3 +190,22 @@ def test_mutate_takes_the_same_chart_given_twice_once_and_names_two_charts_of_on
     assert two.stderr.strip().splitlines() == [
         "calexec charts mutate: --chart: 'lamp:Lamp' and 'other.lamp:Lamp' are two charts "
         "named Lamp; name one: NAME=module:Class (e.g. Lamp2=other.lamp:Lamp)"]
+
+
+def test_a_chart_registered_under_a_name_that_is_no_str_is_refused_naming_it():
+    """``register(Chart, name=5)`` was taken, and then the inspector's page answered every
+    request 500 (``html.escape`` of an int), hiding every chart registered beside it."""
+    inspector = Inspector()
+    try:
+        for name in (5, b"Lamp", ["Lamp"]):
+            try:
+                inspector.register(Ticket, counts=dict, name=name)  # type: ignore[arg-type]
+            except TypeError as refused:
+                assert str(refused).startswith(f"register(Ticket): name={name!r}: expected a str")
+            else:
+                raise AssertionError(f"name={name!r} was registered")
+        assert inspector.live()["charts"] == {}
+        inspector.register(Ticket, counts=dict, name="tickets/v2")
+        assert list(inspector.live()["charts"]) == ["tickets/v2"]
+    finally:
+        inspector.close()
