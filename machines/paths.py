@@ -981,5 +981,17 @@ def drive(run: ChartRun | StatechartRun, path: Path | Walk) -> str:
             raise
         if chart.taken[step.id] == before:
             raise PathNotFollowed(chart.name, number, len(path.steps), step, run.state,
-                                  _unheard(chart.declaration, outcomes))
+                                  _unheard(chart.declaration, outcomes)
+                                  or _started_elsewhere(chart))
     return run.state
+
+
+def _started_elsewhere(chart: CompiledChart) -> str | None:
+    """Why a run may have missed a path's step because it did not start where paths start: the
+    chart's ``start_configuration_values`` (where a run starts, not the declared initial state
+    paths are computed from); None when it declares none."""
+    values = list(getattr(chart.declaration, "start_configuration_values", None) or ())
+    if not values:
+        return None
+    return (f"the run started in the chart's start_configuration_values {values!r}; paths "
+            f"start from the declared initial state {chart.initial!r}")

@@ -16,6 +16,7 @@ from statemachine.exceptions import TransitionNotAllowed
 
 from calexec.machines.compiled import ChartTransitionError, compiled
 from calexec.machines.inspector import Inspector
+from calexec.machines.paths import GuardTable, PathNotFollowed, drive, transition_tour
 
 
 class Door(StateMachine):
@@ -209,3 +210,32 @@ def test_a_chart_registered_under_a_name_that_is_no_str_is_refused_naming_it():
         assert list(inspector.live()["charts"]) == ["tickets/v2"]
     finally:
         inspector.close()
+
+
+class Resumed(StateMachine):
+    """A chart whose runs start where ``start_configuration_values`` says (python-statemachine
+    3), not at its declared initial state, which paths start from (docs/framework.md)."""
+
+    start_configuration_values = ["waiting"]
+    fresh = State(initial=True)
+    waiting = State()
+    served = State(final=True)
+    call = fresh.to(waiting) | waiting.to(served, cond="ready") | waiting.to(fresh)
+
+
+def test_driving_a_path_on_a_run_started_elsewhere_says_where_it_started():
+    """``drive`` of a ``Resumed`` path raised PathNotFollowed "... the run is in 'served' (a
+    StateChart ignores a refused event and turns an action's error into error.execution)":
+    a reason that is not the chart's (a StateMachine, no action); it now says the run started
+    in the chart's start_configuration_values and paths from the declared initial state."""
+    walk = next(w for w in transition_tour(Resumed))
+    try:
+        drive(compiled(Resumed).run(GuardTable.for_chart(Resumed, outcomes=walk.start)), walk)
+    except PathNotFollowed as missed:
+        message = str(missed)
+    else:  # pragma: no cover - the run starts in 'waiting'
+        raise AssertionError("the walk from 'fresh' was followed by a run started in 'waiting'")
+    assert message.startswith("Resumed: step 1 of "), message
+    assert message.endswith("(the run started in the chart's start_configuration_values "
+                            "['waiting']; paths start from the declared initial state "
+                            "'fresh')"), message
