@@ -18,7 +18,11 @@ action runs), sending one candidate transition's event at a time and then runnin
 macrostep it starts (``done.state`` events, eventless transitions) under the same guard
 outcomes, as a ``GuardTable`` model answers them until the next step; an event is sent once
 more under outcomes that also select each guarded eventless or ``done.state`` transition
-(``_macrostep_outcomes``) where the macrostep then goes elsewhere. A candidate is
+(``_macrostep_outcomes``) where the macrostep then goes elsewhere. A guarded eventless
+transition of a configuration that the step reaching it could not take (its guards must
+change after that step) is taken as python-statemachine takes it, before the next event sent
+under outcomes that enable it (``_enabling``; ``StatechartRun.force`` runs that macrostep
+first), so that event's step is taken where it led. A candidate is
 sent only where some guard outcomes select it (``_selected``: the earlier alternatives of its
 state and the transitions of its active descendants on the same event refused, since a
 state's transitions come before its ancestors'); under those outcomes (a guard not named
@@ -363,14 +367,14 @@ def _by_id(chart: CompiledChart) -> dict[str, Any]:
     return {state.id: state for state in chart.declaration.states_map.values()}
 
 
-def _selected(chart: CompiledChart, record: Transition,
-              configuration: tuple[str, ...]) -> Mapping[str, bool] | None:
+def _selected(chart: CompiledChart, record: Transition, configuration: tuple[str, ...],
+              base: Mapping[str, bool] | None = None) -> Mapping[str, bool] | None:
     """Guard outcomes under which sending ``record.event`` in ``configuration`` takes
     ``record``, or None when no outcome does: an earlier alternative of its state cannot be
     refused, or an active descendant of its state has a transition on the same event that
     cannot be refused (a state's transitions are selected before its ancestors'), or an
     eventless transition of ``configuration`` cannot be refused (python-statemachine takes
-    those first, under the outcomes the step sets)."""
+    those first, under the outcomes the step sets). ``base``: outcomes fixed beforehand."""
     states = _by_id(chart)
     inner: list[str] = []  # active states strictly below record.source
     for state_id in configuration:
@@ -386,10 +390,37 @@ def _selected(chart: CompiledChart, record: Transition,
     rivals = tuple(t for state_id in inner for t in chart.table.get((state_id, record.event), ()))
     # a real run takes the eventless transitions the step's outcomes enable before its event:
     # those of ``configuration`` (refused there under the outcomes that reached it) stay so
-    waiting = tuple(t for state_id in configuration for t in chart.table.get((state_id, ""), ()))
-    found = _solve({}, _takes(record) + tuple(
-        _refusals(rival) for rival in _earlier(chart, record) + rivals + waiting))
+    # (``_graph`` explores taking them first as edges of their own: ``_enabling``)
+    found = _solve(dict(base or {}), _takes(record) + tuple(
+        _refusals(rival) for rival in _earlier(chart, record) + rivals + _waiting(chart,
+                                                                                   configuration)))
     return None if found is None else MappingProxyType(found)
+
+
+def _waiting(chart: CompiledChart, configuration: tuple[str, ...]) -> tuple[Transition, ...]:
+    """The eventless transitions of the active states of ``configuration``."""
+    return tuple(t for state_id in configuration for t in chart.table.get((state_id, ""), ()))
+
+
+def _enabling(chart: CompiledChart, configuration: tuple[str, ...]
+              ) -> list[tuple[Transition, Mapping[str, bool]]]:
+    """Each guarded eventless transition of ``configuration`` with outcomes that select it
+    (its earlier alternatives refused; then also every other eventless transition there
+    refused): a run in ``configuration`` whose model answers so takes it before the next
+    event it is sent, as python-statemachine runs the macrostep before a sent event. The
+    step that reached ``configuration`` may not have been able to take it (its guards must
+    change after that step: ``cooled`` once the boiler is ``hot``)."""
+    waiting = _waiting(chart, configuration)
+    found: list[tuple[Transition, Mapping[str, bool]]] = []
+    for eventless in waiting:
+        if not (eventless.conds or eventless.unless):
+            continue
+        others = tuple(_refusals(t) for t in waiting if t is not eventless)
+        for rivals in (tuple(_refusals(t) for t in _earlier(chart, eventless)), others):
+            outcomes = _solve({}, _takes(eventless) + rivals)
+            if outcomes is not None and (eventless, outcomes) not in found:
+                found.append((eventless, MappingProxyType(outcomes)))
+    return found
 
 
 #: a configuration node (``_node``): the active states in declaration order, the active atomic
@@ -615,23 +646,42 @@ def _graph(chart: CompiledChart) -> _Graph:
         node = frontier.popleft()
         run, origin, steps = runs[node]
         out = edges.setdefault(node, [])
+        # (the event sent, the outcomes that select its transition, an eventless transition
+        # the run must take first or None)
+        sends: list[tuple[Transition, Mapping[str, bool], Transition | None]] = []
         for record in run.candidates():
             if record.event in raised:  # only the chart raises it, within a macrostep
                 continue
             selecting = _selected(chart, record, run.configuration)
             if selecting is None:  # the event takes another transition here, whatever the guards
                 continue
-            went: list[tuple[frozenset[int], _Node]] = []
+            sends.append((record, selecting, None))
+        # an eventless transition waiting here under other outcomes: the next event sent
+        # under them takes it first, then that event's transition where it leads
+        for eventless, enabling in _enabling(chart, run.configuration):
+            settled = run.fork()
+            if eventless.id not in {t.id for t in settled.settle(enabling)}:
+                continue  # another eventless transition goes first under these
+            for record in settled.candidates():
+                if record.event in raised:
+                    continue
+                selecting = _selected(chart, record, settled.configuration, enabling)
+                if selecting is not None:
+                    sends.append((record, selecting, eventless))
+        went: set[tuple[int, frozenset[int], _Node]] = set()
+        for record, selecting, first in sends:
             for outcomes in _variants(selecting, inner):
                 twin = run.fork()
                 forced = twin.force(record, outcomes)
                 if forced is None:  # another region's transition preempts it under these
                     continue
                 taken = frozenset(t.id for t in forced)
+                if first is not None and first.id not in taken:
+                    continue  # under these the run does not take ``first`` before the event
                 after = _node(twin, rank, ordered)
-                if (taken, after) in went:  # the macrostep took the same whatever these guards
+                if (record.id, taken, after) in went:  # the same whatever these guards
                     continue
-                went.append((taken, after))
+                went.add((record.id, taken, after))
                 edge: _Edge = (record, taken, after, outcomes)
                 path = (*steps, edge)
                 for state in twin.entered:

@@ -395,7 +395,10 @@ class StatechartRun:
         outcome; a guard not named answers True, as a ``paths.GuardTable`` model does) the
         event takes every transition python-statemachine would select under them (one per
         region of a parallel state), or nothing and None when ``record`` is not among them;
-        without, ``record`` alone. ``entered`` is then the ids of the states entered on the way
+        without, ``record`` alone. Under ``outcomes`` the eventless transitions they enable in
+        the configuration are taken first, as python-statemachine takes them before a sent
+        event (their records are returned too; ``record`` is then selected where they lead).
+        ``entered`` is then the ids of the states entered on the way
         (some may have been left again within the macrostep: a final child whose
         ``done.state`` event leaves its parent). The macrostep the event starts selects its
         eventless and ``done.state`` transitions under the same ``outcomes`` (a real run's
@@ -407,12 +410,33 @@ class StatechartRun:
         selected: list[Any] = [declared]
         self._outcomes = outcomes
         try:
+            self.entered = []
             if outcomes is not None:
+                # python-statemachine's loop runs the macrostep before it takes a sent event:
+                # the eventless transitions these outcomes enable go first
+                self._run_macrostep()
+                self._check_root_final()
+                self._cache.clear()
+                if not self.running:
+                    return None
                 selected = list(self._select(trigger, eventless=False))
                 if declared not in selected:
                     return None
-            self.entered = []
             self._microstep(selected, trigger)
+            self._run_macrostep()
+        finally:
+            self._outcomes = None
+        self._check_root_final()
+        return list(self._take_records())
+
+    def settle(self, outcomes: Mapping[str, bool]) -> list[Transition]:
+        """Run the macrostep python-statemachine runs before it takes a sent event, under
+        ``outcomes`` (a skeleton's, as ``force``): the eventless transitions they enable;
+        return the records taken (``entered``: the states entered on the way)."""
+        self._cache.clear()
+        self._outcomes = outcomes
+        try:
+            self.entered = []
             self._run_macrostep()
         finally:
             self._outcomes = None

@@ -11,12 +11,19 @@ from pathlib import Path
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from statemachine import State, StateMachine
+from statemachine import State, StateChart, StateMachine
 from statemachine.exceptions import TransitionNotAllowed
 
 from calexec.machines.compiled import ChartTransitionError, compiled
 from calexec.machines.inspector import Inspector
-from calexec.machines.paths import GuardTable, PathNotFollowed, drive, transition_tour
+from calexec.machines.paths import (
+    GuardTable,
+    PathNotFollowed,
+    as_data,
+    drive,
+    transition_paths,
+    transition_tour,
+)
 
 
 class Door(StateMachine):
@@ -144,7 +151,7 @@ def test_the_inspector_follows_a_general_runs_refusals_with_their_guards():
 
 
 LAMP = '''
-from statemachine import State, StateMachine
+from statemachine import State, StateChart, StateMachine
 
 
 class Lamp(StateMachine):
@@ -239,3 +246,54 @@ def test_driving_a_path_on_a_run_started_elsewhere_says_where_it_started():
     assert message.endswith("(the run started in the chart's start_configuration_values "
                             "['waiting']; paths start from the declared initial state "
                             "'fresh')"), message
+
+
+class Boiler(StateChart):
+    """It cools down by itself (an eventless transition) once ``cooled`` holds and
+    ``hot_enough`` does not: guards that change after the boiler got hot, not on the step that
+    made it hot (``warm`` needs ``hot_enough``)."""
+
+    cold = State(initial=True)
+    heating = State()
+    hot = State()
+    heat = cold.to(heating)
+    warm = heating.to(hot, cond="hot_enough") | heating.to.itself(internal=True)
+    hot.to(cold, cond="cooled and not hot_enough")  # eventless
+    drain = hot.to(cold)
+
+
+def test_paths_reach_an_eventless_transition_whose_guards_change_after_the_step_that_arrived():
+    """python-statemachine takes the eventless transitions the model's answers enable before
+    the next event it is sent (``heat`` sent in ``hot`` with ``cooled``: hot -> cold, then
+    cold -> heating). ``charts paths`` explored only eventless transitions taken within the
+    macrostep of the step that arrived, and refused the chart, exit 2: "Boiler: transition(s)
+    hot --(eventless)--> cold taken from no reachable configuration", a declaration bug it
+    does not have."""
+    eventless = next(t for t in compiled(Boiler).transitions if t.event == "")
+    data = as_data(Boiler)  # raised ValueError
+    (entry,) = [t for t in data["transitions"] if t["event"] == "" and t["from"] == "hot"]
+    steps = entry["path"]
+    assert steps and steps[-1]["event"] is not None
+    # the path drives a python-statemachine instance through the eventless transition ...
+    model = GuardTable.for_chart(Boiler)
+    seen: list[tuple[str, str]] = []
+
+    class Watch:
+        def after_transition(self, source: State, target: State) -> None:
+            seen.append((source.id, target.id))
+
+    boiler = Boiler(model, listeners=[Watch()])
+    for step in steps:
+        model.outcomes = step["guards"]
+        boiler.send(step["event"])
+    assert ("hot", "cold") in seen
+    assert [s.id for s in boiler.configuration] == [steps[-1]["to"]]
+    # ... and the compiled run, as drive follows it
+    (path,) = [p for p in transition_paths(Boiler) if p.transition == eventless]
+    run = compiled(Boiler).run(GuardTable.for_chart(Boiler))
+    before = compiled(Boiler).taken[eventless.id]
+    drive(run, path)
+    assert compiled(Boiler).taken[eventless.id] == before + 1
+    # and the tour takes every transition, the eventless one included
+    assert {t.id for walk in transition_tour(Boiler) for t in walk.steps} | {eventless.id} == {
+        t.id for t in compiled(Boiler).transitions}
