@@ -937,15 +937,38 @@ class GuardTable:
 
     def __init__(self, outcomes: Mapping[str, bool] | None = None, default: bool = True) -> None:
         self.outcomes: dict[str, bool] = dict(outcomes or {})
-        self.default = default
+        self._default = default
+
+    @property
+    def default(self) -> bool:
+        """What a guard not named in ``outcomes`` answers. (A property, not an attribute of
+        the instance: a chart's guard named ``default`` is a method of ``for_chart``'s class,
+        which an instance attribute would hide, and python-statemachine would read it.)"""
+        return self._default
+
+    @default.setter
+    def default(self, value: bool) -> None:
+        self._default = value
 
     @classmethod
     def for_chart(cls, chart: ChartLike, **kwargs: object) -> GuardTable:
-        """An instance whose class has one method per guard name of ``chart``."""
+        """An instance whose class has one method per guard name of ``chart``. A guard named
+        ``outcomes`` (the table a test sets) is a ``ValueError`` naming it and its transition:
+        no model can answer both."""
         chart = compiled(chart)
         every = {name for t in chart.transitions for text in t.conds + t.unless
                  for name in _guard_names(text)}
-        methods = {name: _guard_method(name) for name in sorted(chart.guard_names | every)}
+        names_read = chart.guard_names | every
+        if "outcomes" in names_read:
+            where = next(t for t in chart.transitions
+                         if any("outcomes" in _guard_names(text) or text == "outcomes"
+                                for text in t.conds + t.unless))
+            raise ValueError(
+                f"GuardTable.for_chart({chart.name}): guard 'outcomes' on transition "
+                f"{_describe(where)} has the name of the table a test sets "
+                f"(model.outcomes = step['guards']); rename the guard, or drive the chart "
+                f"with a model of your own")
+        methods = {name: _guard_method(name) for name in sorted(names_read)}
         table: GuardTable = type(f"{cls.__name__}_{chart.name}", (cls,), methods)(**kwargs)
         return table
 
@@ -960,7 +983,7 @@ def _guard_names(text: str) -> tuple[str, ...]:
 
 def _guard_method(name: str) -> Callable[[GuardTable], bool]:
     def guard(self: GuardTable) -> bool:
-        return self.outcomes.get(name, self.default)
+        return self.outcomes.get(name, self._default)
 
     guard.__name__ = name
     return guard

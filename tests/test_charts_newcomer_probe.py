@@ -297,3 +297,50 @@ def test_paths_reach_an_eventless_transition_whose_guards_change_after_the_step_
     # and the tour takes every transition, the eventless one included
     assert {t.id for walk in transition_tour(Boiler) for t in walk.steps} | {eventless.id} == {
         t.id for t in compiled(Boiler).transitions}
+
+
+class Fallback(StateMachine):
+    """A guard named ``default``, as ``GuardTable`` names its own fallback answer."""
+
+    a = State(initial=True)
+    b = State()
+    c = State(final=True)
+    go = a.to(b, cond="default") | a.to(c)
+    back = b.to(a)
+
+
+def test_a_guard_named_default_is_answered_by_the_guard_table_as_any_other():
+    """``GuardTable.for_chart`` made a method ``default`` that the instance's own ``default``
+    attribute (its fallback, True) hid: python-statemachine read the attribute, so ``go`` took
+    ``a -> b`` under ``{"default": False}`` and the tour's walk to ``c`` was not followed."""
+    for walk in as_data(Fallback)["tour"]:
+        model = GuardTable.for_chart(Fallback)
+        machine = Fallback(model)
+        for step in walk:
+            model.outcomes = step["guards"]
+            machine.send(step["event"])
+            assert [s.id for s in machine.configuration] == [step["to"]], step
+    for walk in transition_tour(Fallback):
+        assert drive(compiled(Fallback).run(GuardTable.for_chart(Fallback)), walk) == walk.end
+    table = GuardTable.for_chart(Fallback, default=False)
+    assert table.default() is False  # the chart's guard, answering the fallback
+
+
+class Bookkeeping(StateMachine):
+    a = State(initial=True)
+    b = State(final=True)
+    close = a.to(b, cond="outcomes")
+
+
+def test_a_guard_named_outcomes_is_refused_by_the_guard_table_naming_it():
+    """A guard named ``outcomes`` cannot be a method of a table whose ``outcomes`` a test
+    sets: ``for_chart`` made one anyway, and every step then answered the dict's truth."""
+    try:
+        GuardTable.for_chart(Bookkeeping)
+    except ValueError as refused:
+        assert str(refused) == (
+            "GuardTable.for_chart(Bookkeeping): guard 'outcomes' on transition a --close--> b "
+            "has the name of the table a test sets (model.outcomes = step['guards']); rename "
+            "the guard, or drive the chart with a model of your own")
+    else:
+        raise AssertionError("a GuardTable was made for a guard named outcomes")
