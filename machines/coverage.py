@@ -30,10 +30,22 @@ class TransitionRecorder:
     """The set of taken transition keys ``(chart name, transition id)``; a chart listener
     (``chart.attach(recorder)``): calling it with a ``Transition`` records its key."""
 
-    __slots__ = ("hits",)
+    __slots__ = ("hits", "charts")
 
     def __init__(self) -> None:
         self.hits: set[tuple[str, int]] = set()
+        #: chart name -> the chart class ``track``/``recording`` record under it (a key is
+        #: ``(chart name, transition id)``: two classes of one name would mix their counts)
+        self.charts: dict[str, type] = {}
+
+    def claim(self, chart: ChartLike) -> None:
+        """Record ``chart`` under its name here; a ``ValueError`` naming both when another
+        chart class of that name is recorded here already (its transition ids would count as
+        this one's: ``shop.orders:Order`` covered by the runs of ``billing.orders:Order``)."""
+        shared = compiled(chart)
+        known = self.charts.setdefault(shared.name, shared.declaration)
+        if known is not shared.declaration:
+            raise ValueError(_same_name(shared.name, known, shared.declaration))
 
     def __call__(self, transition: Transition) -> None:
         self.hits.add(transition.key)
@@ -49,9 +61,10 @@ def recording(charts: Iterable[ChartLike]) -> Iterator[TransitionRecorder]:
     (detached after it; other listeners, such as the plugin's recorder, keep recording beside
     it)."""
     shared = tuple(compiled(chart) for chart in charts)
+    recorder = TransitionRecorder()
     for chart in shared:
         chart.refuse_runs()  # (its own async callbacks: no run to record)
-    recorder = TransitionRecorder()
+        recorder.claim(chart)
     for chart in shared:
         chart.attach(recorder)
     try:
@@ -68,6 +81,7 @@ def track(chart: ChartLike, recorder: TransitionRecorder) -> Callable[[], None]:
     listeners). Returns the call that undoes both."""
     shared = compiled(chart)
     shared.refuse_runs()  # (its own async callbacks: no run to record)
+    recorder.claim(shared)
     listener = TransitionListener(shared, recorder)
     declaration = shared.declaration
     shared.attach(recorder)
@@ -132,9 +146,17 @@ class ChartCoverage:
 
 
 def report(charts: Iterable[ChartLike], recorder: TransitionRecorder) -> list[ChartCoverage]:
-    """Per-chart coverage of ``charts`` from what ``recorder`` saw."""
+    """Per-chart coverage of ``charts`` from what ``recorder`` saw. Two chart classes of one
+    name (among ``charts``, or one of them and a class the recorder recorded under that name)
+    are a ``ValueError`` naming both: their keys are the same."""
     result = []
-    for chart in map(compiled, charts):
+    shared = list(map(compiled, charts))
+    named: dict[str, type] = dict(recorder.charts)
+    for chart in shared:
+        known = named.setdefault(chart.name, chart.declaration)
+        if known is not chart.declaration:
+            raise ValueError(_same_name(chart.name, known, chart.declaration))
+    for chart in shared:
         untaken = tuple(t for t in chart.transitions if t.key not in recorder.hits)
         result.append(
             ChartCoverage(
@@ -145,6 +167,12 @@ def report(charts: Iterable[ChartLike], recorder: TransitionRecorder) -> list[Ch
             )
         )
     return result
+
+
+def _same_name(name: str, one: type, other: type) -> str:
+    return (f"two chart classes named {name}, {one.__module__}:{one.__qualname__} and "
+            f"{other.__module__}:{other.__qualname__}: coverage counts a transition by its "
+            f"chart's name and id, so their counts would mix; give one class another name")
 
 
 def describe(transition: Transition) -> str:

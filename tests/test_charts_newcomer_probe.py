@@ -15,6 +15,7 @@ from statemachine import State, StateChart, StateMachine
 from statemachine.exceptions import TransitionNotAllowed
 
 from calexec.machines.compiled import ChartTransitionError, compiled
+from calexec.machines.coverage import TransitionRecorder, recording, report, track
 from calexec.machines.inspector import Inspector
 from calexec.machines.paths import (
     GuardTable,
@@ -344,3 +345,66 @@ def test_a_guard_named_outcomes_is_refused_by_the_guard_table_naming_it():
             "the guard, or drive the chart with a model of your own")
     else:
         raise AssertionError("a GuardTable was made for a guard named outcomes")
+
+
+def _two_orders(tmp_path: Path, monkeypatch: object) -> tuple[type, type]:
+    """``shop.orders:Order`` and ``billing.orders:Order``: two charts of one class name."""
+    for package, states in (("shop", ("new", "done")), ("billing", ("open", "closed"))):
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("")
+        first, second = states
+        (tmp_path / package / "orders.py").write_text(
+            "from statemachine import State, StateMachine\n\n\n"
+            "class Order(StateMachine):\n"
+            f"    {first} = State(initial=True)\n"
+            f"    {second} = State(final=True)\n"
+            f"    go_{package} = {first}.to({second})\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # type: ignore[attr-defined]
+    import importlib
+
+    shop = importlib.import_module("shop.orders").Order
+    billing = importlib.import_module("billing.orders").Order
+    return shop, billing
+
+
+def test_the_coverage_api_refuses_two_charts_of_one_name_instead_of_mixing_their_counts(
+        tmp_path, monkeypatch):
+    """``recording([shop Order, billing Order])`` (the API docs/framework.md lists) reported
+    the shop's Order 1/1 covered after only billing's Order ran: a key is (chart name,
+    transition id), so billing's transition 0 counted as the shop's. ``charts cover`` and the
+    pytest plugin refuse such a pair; the API now does too, naming both."""
+    shop, billing = _two_orders(tmp_path, monkeypatch)
+    expected = ("two chart classes named Order, shop.orders:Order and billing.orders:Order: "
+                "coverage counts a transition by its chart's name and id, so their counts "
+                "would mix; give one class another name")
+    refusals = []
+    try:
+        with recording([shop, billing]):
+            pass
+    except ValueError as refused:
+        refusals.append(str(refused))
+    recorder = TransitionRecorder()
+    undo = track(shop, recorder)
+    try:
+        track(billing, recorder)  # (refused before it attaches anything)
+    except ValueError as refused:
+        refusals.append(str(refused))
+    finally:
+        undo()
+    try:
+        report([shop, billing], TransitionRecorder())
+    except ValueError as refused:
+        refusals.append(str(refused))
+    assert refusals == [expected] * 3
+    # one of them alone is counted as before
+    with recording([billing]) as alone:
+        compiled(billing).run(None).send("go_billing")  # (recording: compiled runs)
+    assert [c.line() for c in report([billing], alone)] == ["transition coverage Order: 1/1"]
+    try:
+        report([shop], alone)
+    except ValueError as refused:
+        assert str(refused) == expected.replace(
+            "shop.orders:Order and billing.orders:Order",
+            "billing.orders:Order and shop.orders:Order")
+    else:
+        raise AssertionError("the shop's Order was reported from billing's counts")
