@@ -237,6 +237,11 @@ def _shortest(outgoing: Mapping[str, list[Transition]], start: str,
 
 
 def _shadowed(chart: CompiledChart, transition: Transition) -> str:
+    if _solve({}, _takes(transition)) is None:  # (no earlier one to blame: "shadowed by ,")
+        guards = ", ".join([*map(repr, transition.conds),
+                            *(f"unless {text!r}" for text in transition.unless)])
+        return (f"{chart.name}: transition {_describe(transition)} can never be taken: its own "
+                f"guards ({guards}) cannot all hold at once")
     slot = chart.table[(transition.source, transition.event)]
     earlier = ", ".join(_describe(t) for t in slot[:slot.index(transition)])
     return (f"{chart.name}: transition {_describe(transition)} can never be taken (shadowed by "

@@ -408,3 +408,24 @@ def test_the_coverage_api_refuses_two_charts_of_one_name_instead_of_mixing_their
             "billing.orders:Order and shop.orders:Order")
     else:
         raise AssertionError("the shop's Order was reported from billing's counts")
+
+
+class Contradiction(StateMachine):
+    a = State(initial=True)
+    b = State(final=True)
+    go = a.to(b, cond="ready and not ready") | a.to(a)
+    stop = a.to(b, cond="ready", unless="ready")
+
+
+def test_a_transition_whose_own_guards_contradict_is_named_for_them_not_for_no_rival():
+    """``charts paths`` said "can never be taken (shadowed by , declared before it for the
+    same state and event, whose guards cannot all be refused)": shadowed by nothing. It is the
+    transition's own guards that cannot all hold."""
+    try:
+        as_data(Contradiction)
+    except ValueError as refused:
+        assert str(refused) == (
+            "Contradiction: transition a --go--> b can never be taken: its own guards "
+            "('ready and not ready') cannot all hold at once")
+    else:
+        raise AssertionError("a transition no outcome takes was given a path")
