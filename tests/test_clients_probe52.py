@@ -15,6 +15,7 @@ from test_server_support import (
     ServeLikeServer,
     oracle_tokens,
     read_until_closed,
+    send_raw,
     server_idle,
     started_executor,
     wait_for,
@@ -37,14 +38,6 @@ def served(executor):
     app = create_app(executor, ServerConfig())
     with ServeLikeServer(app) as server:
         yield server, app.state.service
-
-
-def send_raw(port: int, raw: bytes, timeout: float = 30.0) -> tuple[bytes, str]:
-    """``raw`` on a fresh loopback connection; what came back until the server closed it (or
-    ``timeout`` of silence: "open")."""
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
-        sock.sendall(raw)
-        return read_until_closed(sock)
 
 
 def responses(data: bytes) -> list[tuple[bytes, dict[str, str], bytes]]:

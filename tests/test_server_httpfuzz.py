@@ -592,15 +592,10 @@ def served(executor):
 
 
 def _raw(port: int, raw: bytes, timeout: float = 30.0) -> tuple[bytes, str]:
-    """Send ``raw`` on a fresh loopback connection and read until the server closes it (or
-    ``timeout`` of silence: "open")."""
-    import socket
+    """Send ``raw`` on a fresh loopback connection and read until the server closes it."""
+    from test_server_support import send_raw
 
-    from test_server_support import read_until_closed
-
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
-        sock.sendall(raw)
-        return read_until_closed(sock)
+    return send_raw(port, raw, timeout)
 
 
 def _post(body: dict, version: str = "1.1", extra: str = "") -> bytes:

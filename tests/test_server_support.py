@@ -223,6 +223,14 @@ def read_until_closed(sock: socket.socket, limit: int = 64 << 20) -> tuple[bytes
     return bytes(data), "open"
 
 
+def send_raw(port: int, raw: bytes, timeout: float = 30.0) -> tuple[bytes, str]:
+    """``raw`` on a fresh loopback connection to ``port``; what came back until the server
+    closed it, and how (``read_until_closed``; ``timeout`` of silence: "open")."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(raw)
+        return read_until_closed(sock)
+
+
 def stream_tool_calls(text: str) -> tuple[list[dict], list[str], object]:
     """Feed ``text`` to a ``grammar.ToolCallStream`` one character at a time, as a stream of
     tokens would, then end it: the deltas, each call's streamed arguments joined (by call
