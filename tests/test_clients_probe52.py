@@ -17,6 +17,7 @@ from test_server_support import (
     read_until_closed,
     send_raw,
     server_idle,
+    split_head,
     started_executor,
     wait_for,
 )
@@ -45,14 +46,9 @@ def responses(data: bytes) -> list[tuple[bytes, dict[str, str], bytes]]:
     (lower-case names), body."""
     found = []
     while data:
-        head, _, rest = data.partition(b"\r\n\r\n")
-        lines = head.split(b"\r\n")
-        headers = {}
-        for line in lines[1:]:
-            name, _, value = line.partition(b":")
-            headers[name.strip().lower().decode("latin-1")] = value.strip().decode("latin-1")
+        status, headers, rest = split_head(data)
         length = int(headers.get("content-length", len(rest)))
-        found.append((lines[0], headers, rest[:length]))
+        found.append((status, headers, rest[:length]))
         data = rest[length:]
     return found
 

@@ -609,13 +609,9 @@ def _post(body: dict, version: str = "1.1", extra: str = "") -> bytes:
 
 def _head(data: bytes) -> tuple[bytes, dict[str, str], bytes]:
     """The status line, the headers (lower-case names) and the rest of a raw response."""
-    head, _, rest = data.partition(b"\r\n\r\n")
-    lines = head.split(b"\r\n")
-    headers = {}
-    for line in lines[1:]:
-        name, _, value = line.partition(b":")
-        headers[name.strip().lower().decode("latin-1")] = value.strip().decode("latin-1")
-    return lines[0], headers, rest
+    from test_server_support import split_head
+
+    return split_head(data)
 
 
 @pytest.mark.parametrize("keep_alive", [False, True], ids=["plain", "keep-alive"])

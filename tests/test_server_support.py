@@ -231,6 +231,17 @@ def send_raw(port: int, raw: bytes, timeout: float = 30.0) -> tuple[bytes, str]:
         return read_until_closed(sock)
 
 
+def split_head(data: bytes) -> tuple[bytes, dict[str, str], bytes]:
+    """The status line, the headers (lower-case names) and the rest of a raw response."""
+    head, _, rest = data.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    headers = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(b":")
+        headers[name.strip().lower().decode("latin-1")] = value.strip().decode("latin-1")
+    return lines[0], headers, rest
+
+
 def stream_tool_calls(text: str) -> tuple[list[dict], list[str], object]:
     """Feed ``text`` to a ``grammar.ToolCallStream`` one character at a time, as a stream of
     tokens would, then end it: the deltas, each call's streamed arguments joined (by call
