@@ -231,8 +231,11 @@ class DecodeStream:
             if isinstance(fresh, Status):
                 return self._close(fresh)
             handle = self._fire_step(fresh, int(token))
-            if handle is None:  # released before it was queued: that is the step's answer
-                answer = fresh.resolved_result()
+            if handle is None:  # released before it was queued: that is the step's answer,
+                # once its releaser (a close of the generation, a cancel) resolved it: the
+                # release takes the job first and resolves it after (read at once, it was
+                # internal.job_unresolved, found by CI under a drain with no grace)
+                answer = JobHandle(fresh).wait_until(self.deadline)
                 return self._close(answer if isinstance(answer, Status) else Status.internal(
                     "prearm", Phase.PREPARE, "pre-armed job resolved before its token"))
         self._current = handle

@@ -781,3 +781,56 @@ def test_decode_stream_settings_that_are_no_settings_raise_naming_them(calbin, k
         assert isinstance(result, InferenceResult), result
         assert result.argmax == expected_greedy(PROMPT, 1)[1]
         assert_released(ex, 1)
+
+
+def test_a_step_whose_own_admission_another_thread_releases_answers_that_release(calbin,
+                                                                                monkeypatch):
+    """Found by CI at stop 52 (``test_server_relay_probe``, a drain with no grace under
+    load): a step whose pre-armed job was gone admits its own job and fires it; when another
+    thread (a shutdown's close of the generation, a cancel) took that job first, the step
+    answers what its release says. It read the job's result at once, before the releasing
+    thread had resolved it: ``internal.job_unresolved`` ("the job has no result yet", a 500
+    to the client) instead of the release's 503. The step now waits for the release,
+    bounded by the stream's deadline."""
+    import threading
+
+    drained = Status.unavailable(Phase.ADMISSION, "server drained (probe)")
+    taken, release = threading.Event(), threading.Event()
+    releasers: list[threading.Thread] = []
+    with running_job_path(calbin) as ex:
+        fire, give_up = ex.fire_armed, ex.outcomes.fail_before_submit
+        fired: list[object] = []
+
+        def gated(job, status):  # the other thread's release of the step's own job
+            if fired[1:] and job is fired[1]:
+                taken.set()
+                assert release.wait(10)
+            return give_up(job, status)
+
+        def racing(job, token, rearm=None, arm_delay_s=0.0):
+            fired.append(job)
+            if len(fired) == 1:  # the pre-armed job: released whole, the step admits its own
+                assert ex.release_armed(job, drained)
+            else:  # the step's own job: another thread owns it first, its release gated
+                releaser = threading.Thread(target=ex.release_armed, args=(job, drained))
+                releasers.append(releaser)
+                releaser.start()
+                assert taken.wait(10)
+                threading.Timer(0.2, release.set).start()
+            return fire(job, token, rearm, arm_delay_s)
+
+        monkeypatch.setattr(ex.outcomes, "fail_before_submit", gated)
+        stream, token = open_stream(ex, 1, 4)
+        until(lambda: stream.armed is not None, what="the first step armed")
+        monkeypatch.setattr(ex, "fire_armed", racing)
+        try:
+            answer = stream.submit(token)
+        finally:
+            release.set()
+            for releaser in releasers:
+                releaser.join(10)
+        assert len(fired) == 2, fired
+        assert isinstance(answer, Status) and answer.code == "lifecycle.unavailable", answer
+        assert "server drained (probe)" in answer.message and stream.closed, answer
+        stream.close()
+        assert_released(ex, 1)
