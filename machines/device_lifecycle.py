@@ -670,6 +670,12 @@ class DeviceLifecycle:
             self.run.send(LIFECYCLE_EV_ROLL_BACK)
             self._rollback_path = None
             status = self._configure_and_warm(fallback)
+            if self._retry_golden(status, refused):
+                # the fallback served, and its golden met a device fault (a NaN, a hung or
+                # failed job), not a refusal of the calbin: it is retried as the fault
+                # controller's budget allows (it escalates to Failed past max_recoveries),
+                # not Failed at the second fault of one recovery
+                self._rollback_path = fallback
             if status.ok and fallback != target:
                 record["refused"] = refused
                 self._go_ready()
@@ -682,6 +688,19 @@ class DeviceLifecycle:
             return status
         self._go_ready()
         return Status.OK
+
+    def _retry_golden(self, status: Status, refused: list[str]) -> bool:
+        """Whether a generation whose golden run failed with ``status`` (after ``refused``)
+        is configured again: a fault the controller resets or rebuilds for (DEVICE, INTERNAL,
+        UNKNOWN, LIFECYCLE, TRANSIENT; not a golden that ran and differs, not a refusal of the
+        calbin), at most ``RecoveryPolicy.max_recoveries`` attempts in one recovery, and only
+        while the controller has not escalated (the lifecycle is not final)."""
+        retryable = (Category.DEVICE, Category.INTERNAL, Category.UNKNOWN, Category.LIFECYCLE,
+                     Category.TRANSIENT)
+        return (not status.ok and status.category in retryable
+                and status.code != "golden.mismatch" and not self.stopping
+                and not self.run.final
+                and len(refused) <= self._host.config.recovery.max_recoveries)
 
     def _configure_and_warm(self, calbin_path: str) -> Status:
         """Configuring -> Warming -> (golden) with a fresh generation of ``calbin_path``."""
