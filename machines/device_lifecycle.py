@@ -671,10 +671,10 @@ class DeviceLifecycle:
             self._rollback_path = None
             status = self._configure_and_warm(fallback)
             if self._retry_golden(status, refused):
-                # the fallback served, and its golden met a device fault (a NaN, a hung or
-                # failed job), not a refusal of the calbin: it is retried as the fault
-                # controller's budget allows (it escalates to Failed past max_recoveries),
-                # not Failed at the second fault of one recovery
+                # the fallback served, and a job of its golden met a fault (a NaN, a hung or
+                # failed job): it is configured again as the fault controller's budget
+                # allows (it escalates to Failed past max_recoveries), not Failed at the
+                # second fault of one recovery
                 self._rollback_path = fallback
             if status.ok and fallback != target:
                 record["refused"] = refused
@@ -690,14 +690,14 @@ class DeviceLifecycle:
         return Status.OK
 
     def _retry_golden(self, status: Status, refused: list[str]) -> bool:
-        """Whether a generation whose golden run failed with ``status`` (after ``refused``)
-        is configured again: a fault the controller resets or rebuilds for (DEVICE, INTERNAL,
-        UNKNOWN, LIFECYCLE, TRANSIENT; not a golden that ran and differs, not a refusal of the
-        calbin), at most ``RecoveryPolicy.max_recoveries`` attempts in one recovery, and only
-        while the controller has not escalated (the lifecycle is not final)."""
-        retryable = (Category.DEVICE, Category.INTERNAL, Category.UNKNOWN, Category.LIFECYCLE,
-                     Category.TRANSIENT)
-        return (not status.ok and status.category in retryable
+        """Whether a generation of a calbin that served, refused with ``status`` (after
+        ``refused``), is configured again: a job of its golden run met a fault on the device
+        path (a NaN row, a CCU exception, a hung job, a failed CSR write: ``status.job_id``
+        set; not a golden that ran and differs, not COMPATIBILITY), at most
+        ``RecoveryPolicy.max_recoveries`` attempts in one recovery, and only while the
+        controller, told of every such fault, has not escalated (the lifecycle is not final)."""
+        return (not status.ok and status.job_id is not None
+                and status.category is not Category.COMPATIBILITY
                 and status.code != "golden.mismatch" and not self.stopping
                 and not self.run.final
                 and len(refused) <= self._host.config.recovery.max_recoveries)

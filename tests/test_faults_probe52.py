@@ -29,6 +29,7 @@ from test_server_support import (  # noqa: E402
 GOLDEN_FAULTS = {
     "nan_then_inf": [("OUTPUT_NAN", 1), ("OUTPUT_INF", 2)],
     "inf_then_ccu": [("OUTPUT_INF", 1), ("CCU_EXCEPTION", 2)],
+    "nan_and_a_failed_csr_write": [("OUTPUT_NAN", 1), ("UNKNOWN_CSR", 2)],
     "nan_inf_ccu_hang": [("OUTPUT_NAN", 1), ("OUTPUT_INF", 2), ("CCU_EXCEPTION", 3),
                          ("HANG", 4)],
 }
@@ -41,10 +42,10 @@ def _arm(emu, schedule) -> None:
 
 @pytest.mark.parametrize("name", sorted(GOLDEN_FAULTS))
 def test_a_recovery_whose_goldens_meet_faults_one_after_another_ends_ready(tmp_path, name):
-    """Two (or four) device faults on the golden runs of one recovery, with the default
+    """Two (or four) faults on the jobs of the golden runs of one recovery, with the default
     policy (escalation past 5 recoveries within 60 s): the lifecycle ended Failed at the
-    second one (the recovery retried its calbin once), a dead server for two NaN rows; now
-    the golden is run again while the budget allows, and the executor serves."""
+    second one (the recovery configured its calbin again only once), a dead server for two
+    NaN rows; now the golden is run again while the budget allows, and the executor serves."""
     executor = started_executor(tmp_path, execution_timeout_s=0.5, timeout_grace_s=0.1)
     try:
         emu = executor.device.emu
