@@ -659,7 +659,9 @@ class DeviceExecutor(SequenceOwnership):
         def stop() -> Status | None:
             if job.cancel_flag:
                 return Status.cancelled(Phase.ADMISSION, **job.ctx())
-            if (not job.internal and (life.stopping or not life.admitting)) or (
+            # a golden job (internal) is admitted while admission is closed (Warming), but
+            # not once a shutdown stops: its wait would outlive the shutdown's grace
+            if life.stopping or (not job.internal and not life.admitting) or (
                     gen is not None and gen.closing):
                 return Status.unavailable(Phase.ADMISSION, "executor is shutting down or "
                                           "recovering; retry later", **job.ctx())

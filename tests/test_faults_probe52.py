@@ -6,6 +6,8 @@ poll of a condition; nothing asserts a duration.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 pytest.importorskip("httpx", reason="the server tests need the [server] extra")
@@ -107,4 +109,33 @@ def test_a_request_whose_fault_meets_faulty_goldens_gets_its_tokens(tmp_path):
             again = http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 3})
             assert again.json()["choices"][0]["token_ids"] == oracle_tokens([1, 2, 3], 3)
     finally:
+        executor.shutdown(5.0)
+
+
+def test_a_shutdown_ends_a_recovery_whose_golden_waits_for_kv_within_its_grace(tmp_path):
+    """A drain's shutdown meeting a recovery whose golden job waits for KV (the KvManager
+    said no once: a fault armed while the lifecycle warmed) stopped nothing: golden jobs were
+    exempt from the stop, so the shutdown answered ``shutdown.recovery_busy`` after its grace,
+    the lifecycle still Warming and nothing torn down, and the recovery went on until the
+    golden's own timeout; now the golden's wait ends with the shutdown and the lifecycle is
+    final (Failed: the old generation was already torn down, embedding.md's table)."""
+    executor = started_executor(tmp_path, golden_timeout_s=60.0)
+    out: list[Status] = []
+    try:
+        assert executor.device.emu.set_fault(Fault.CAN_ALLOCATE_FALSE, FaultMode.NTH, 1, 0,
+                                             0) == 0
+        recovery = threading.Thread(target=lambda: out.append(executor.recover(Status.failure(
+            "device.ccu_exception", Category.DEVICE, Phase.RECOVERY, "before the schedule"))),
+            daemon=True)
+        recovery.start()
+        wait_for(lambda: executor.state == "Warming" and executor.kvc is not None
+                 and executor.kvc.waiting == 1, 20, "the golden waiting for KV")
+        status = executor.shutdown(1.0)
+        recovery.join(20)
+        assert not recovery.is_alive(), "the recovery outlived the shutdown"
+        assert status.code != "shutdown.recovery_busy", status
+        assert executor.lifecycle.final and executor.state == "Failed"
+        assert out and not out[0].ok
+    finally:
+        executor.device.emu.clear_all_faults()
         executor.shutdown(5.0)
