@@ -122,7 +122,7 @@ def test_a_shutdown_ends_a_recovery_whose_golden_waits_for_kv_within_its_grace(t
     executor = started_executor(tmp_path, golden_timeout_s=60.0)
     out: list[Status] = []
     try:
-        assert executor.device.emu.set_fault(Fault.CAN_ALLOCATE_FALSE, FaultMode.NTH, 1, 0,
+        assert executor.device.emu.set_fault(Fault.CAN_ALLOCATE_FALSE, FaultMode.ALWAYS, 1, 0,
                                              0) == 0
         recovery = threading.Thread(target=lambda: out.append(executor.recover(Status.failure(
             "device.ccu_exception", Category.DEVICE, Phase.RECOVERY, "before the schedule"))),
