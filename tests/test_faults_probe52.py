@@ -10,7 +10,9 @@ import threading
 
 import pytest
 
-pytest.importorskip("httpx", reason="the server tests need the [server] extra")
+import needs
+
+needs.module("httpx", "server")
 import httpx  # noqa: E402
 
 from calexec.contracts.errors import Category  # noqa: E402
