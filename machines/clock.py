@@ -53,13 +53,16 @@ class Clock:
 
     def wait(self, cond: threading.Condition, timeout: float | None) -> bool:
         """``cond.wait(timeout)`` (the caller holds ``cond``'s lock). ``None`` is allowed only
-        for a documented shutdown-only wait."""
-        return cond.wait(timeout)
+        for a documented shutdown-only wait. A timeout beyond ``threading.TIMEOUT_MAX`` (a
+        request deadline centuries away, e.g. ``monotonic() + 1e12``) waits that long instead
+        of raising OverflowError: every caller re-checks its deadline after a wait."""
+        return cond.wait(_bounded(timeout))
 
     def wait_event(self, event: threading.Event, timeout: float | None) -> bool:
         """``event.wait(timeout)``; ``None`` only for a wait the caller chose to leave open
-        (``JobHandle.wait_until(None)``)."""
-        return event.wait(timeout)
+        (``JobHandle.wait_until(None)``). A timeout beyond ``threading.TIMEOUT_MAX`` as in
+        ``wait``."""
+        return event.wait(_bounded(timeout))
 
     def remaining(self, deadline: float) -> float:
         """Seconds until ``deadline`` (an absolute ``monotonic()`` value), never negative."""
@@ -84,6 +87,15 @@ class Clock:
         thread = threading.Thread(target=target, args=args, name=name, daemon=True)
         thread.start()
         return thread
+
+
+def _bounded(timeout: float | None) -> float | None:
+    """``timeout`` capped at ``threading.TIMEOUT_MAX`` (about 292 years on 64-bit Linux): a
+    longer one makes ``Condition.wait`` and ``Event.wait`` raise OverflowError ("timestamp out
+    of range for platform time_t"), and a deadline that far away is not reached anyway."""
+    if timeout is not None and timeout > threading.TIMEOUT_MAX:
+        return threading.TIMEOUT_MAX
+    return timeout
 
 
 SYSTEM = Clock()
