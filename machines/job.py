@@ -270,11 +270,15 @@ class Job:
 
 def _run(callbacks: Iterable[_Callback]) -> None:
     """Call each ``fn(handle)``; an exception is logged, never raised into the caller (an
-    executor thread, most of the time)."""
+    executor thread, most of the time). That includes a ``BaseException`` that is no
+    ``Exception``: ``asyncio.CancelledError`` (a callback reading a cancelled future's
+    ``result()``), ``SystemExit`` or ``KeyboardInterrupt`` raised by the callback would
+    otherwise pass the executor thread's barrier, which catches ``Exception``, and end
+    ``calexec-completion`` silently: every later job would wait for a thread that is gone."""
     for handle, fn in callbacks:
         try:
             fn(handle)
-        except Exception:  # noqa: BLE001 - a callback's bug never reaches the executor
+        except BaseException:  # noqa: BLE001 - a callback's bug never reaches the executor
             log.exception("done callback %r of job %d raised", fn, handle.job_id)
 
 
