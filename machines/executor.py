@@ -445,7 +445,10 @@ class DeviceExecutor(SequenceOwnership):
     def shutdown(self, grace: float = 10.0) -> Status:
         """Stop admission, cancel queued jobs, drain submitted ones within ``grace`` seconds,
         stop the threads, release the generation and the device: Stopped when drained (FI13),
-        Failed otherwise; idempotent (``DeviceLifecycle.shutdown``)."""
+        Failed otherwise; idempotent (``DeviceLifecycle.shutdown``). Called on the submitter
+        or completion thread (a done callback) it raises RuntimeError, changing nothing
+        (``refuse_on_worker_thread``)."""
+        self.refuse_on_worker_thread("shutdown")
         return self.life.shutdown(grace)
 
     # ---- observability: what the components count ----------------------------------------------
@@ -1182,6 +1185,22 @@ class DeviceExecutor(SequenceOwnership):
             reasons.append(f"the device has not let go of {held} failed job(s)")
         return reasons
 
+    def refuse_on_worker_thread(self, call: str) -> None:
+        """RuntimeError naming ``call`` and the thread when the calling thread is this
+        executor's submitter or completion thread, i.e. a done callback called the executor
+        (docs/embedding.md section 4 forbids it). ``shutdown`` there stopped admission, then
+        failed to join its own thread ("cannot join current thread") and left the lifecycle
+        Draining; ``decode_sync`` there waited for a job only that same thread can complete,
+        stalling every other job until the deadline. Both are refused before anything
+        changes."""
+        current = threading.current_thread()
+        if current in self._threads:  # a list of two: identity, at C speed
+            raise RuntimeError(
+                f"DeviceExecutor.{call}() called on the executor's own thread {current.name} "
+                "(from a done callback?): it would wait for that thread itself; a done "
+                "callback must only hand the result on (loop.call_soon_threadsafe, "
+                "queue.put_nowait) and call the executor from a thread of yours")
+
     def stop_threads(self) -> None:
         self._stopping_threads = True
         self.dispatch.stop()
@@ -1196,7 +1215,10 @@ class DeviceExecutor(SequenceOwnership):
                     ) -> tuple[int, InferenceResult | Status]:
         """``llama_decode``-style: (int code, result or Status). Logs every failure with
         job_id, seq_id, generation, raw CalRT code and phase. ``logits_out`` as for
-        ``enqueue`` (a llama context's own logits row: no allocation per token)."""
+        ``enqueue`` (a llama context's own logits row: no allocation per token). Called on
+        the submitter or completion thread (a done callback) it raises RuntimeError
+        (``refuse_on_worker_thread``)."""
+        self.refuse_on_worker_thread("decode_sync")
         handle = self.enqueue(request, logits_out=logits_out)
         if not self.config.threads:
             while not handle.done and (self.submit_one() or self.complete_one()):
