@@ -137,7 +137,8 @@ class CompletionHandle(Protocol):
     def add_done_callback(self, fn: Callable[[CompletionHandle], object]) -> None:
         """``fn(handle)`` once, on the thread that resolves the job (an executor thread,
         usually ``calexec-completion``), or at once on this thread when already resolved.
-        ``fn`` must not block nor call the executor; its exceptions are logged."""
+        ``fn`` must not block nor call the executor; its exceptions (``BaseException``
+        included) are logged."""
         ...
 
     def remove_done_callback(self, fn: Callable[[CompletionHandle], object]) -> int:
@@ -292,5 +293,6 @@ class InferenceExecutor(Protocol):
         ``shutdown.not_drained`` (Failed: the device kept a job, its buffers stay mapped) or
         ``shutdown.recovery_busy`` (a recovery outlived ``grace``; nothing torn down) or the
         ``failure`` of an executor already Failed. Idempotent; blocks up to about ``grace``
-        plus the threads' joins."""
+        plus the threads' joins. Called on the executor's submitter or completion thread (a
+        done callback) it raises RuntimeError, changing nothing."""
         ...

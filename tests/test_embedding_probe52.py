@@ -1,0 +1,207 @@
+"""Found at stop 52 by an embedder writing its own server on the executor (docs/embedding.md):
+misuse of the documented API that the page's promises did not survive. Every case runs on the
+bundled emulator through the public API.
+
+No timing threshold: every wait is bounded, and a bound that is reached fails the test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+
+import pytest
+
+from calexec.contracts.status import Status
+from calexec.machines.clock import SYSTEM
+from calexec.machines.job import InferenceResult
+from executor_harness import (
+    deadline,
+    decode,
+    expected_greedy,
+    prefill,
+    running_executor,
+    running_job_path,
+    until,
+    write_calbin,
+)
+
+PROMPT = [3, 14, 15, 92, 65, 35, 89, 79]
+BOUND_S = 30.0  # a hang guard: reaching it fails the test
+SMALL_KV = "kv_blocks=4;kv_block_size=16;max_seqs=8"  # 64 tokens of KV in all
+
+
+@pytest.fixture(scope="module")
+def calbin(tmp_path_factory):
+    return write_calbin(tmp_path_factory.mktemp("calbin"))
+
+
+# ---- a deadline centuries away ----------------------------------------------------------------
+@pytest.mark.parametrize("far", [1e12, 1e300], ids=["monotonic+1e12", "1e300"])
+def test_an_admission_wait_with_a_deadline_centuries_away_waits_for_the_kv(calbin, far):
+    """docs/embedding.md: a deadline is any absolute time.monotonic() value; one far away is
+    accepted and never passes. A request whose admission had to wait for KV with a finite
+    deadline beyond ``threading.TIMEOUT_MAX`` (about 292 years) was failed at once with
+    ``internal.unexpected_exception: enqueue raised OverflowError: timestamp out of range
+    for platform time_t`` (INTERNAL, a 500), though a job with the same deadline that found
+    its KV free ran. It now waits for the KV like any other request."""
+    with running_job_path(calbin, device_config=SMALL_KV) as ex:
+        first = ex.enqueue(prefill(1, PROMPT, kv_reserve_len=64)).wait_until(deadline(BOUND_S))
+        assert isinstance(first, InferenceResult), first  # all the KV is seq 1's now
+        request = prefill(2, PROMPT, seconds=far, kv_reserve_len=16)  # monotonic() + far
+        assert request.deadline > time.monotonic() + threading.TIMEOUT_MAX
+        got: dict[str, object] = {}
+
+        def admit() -> None:
+            handle = ex.enqueue(request)
+            got["result"] = handle.wait_until(deadline(BOUND_S))
+
+        waiter = threading.Thread(target=admit, name="admit-far")
+        waiter.start()
+        until(lambda: ex.kvc.waiting == 1 or "result" in got, BOUND_S,
+              "the far-deadline request waiting for KV")
+        assert "result" not in got, got  # it waits: it was not failed at once
+        assert ex.release_sequence(1).ok
+        waiter.join(BOUND_S)
+        assert not waiter.is_alive()
+        result = got["result"]
+        assert isinstance(result, InferenceResult), result
+        assert result.argmax == expected_greedy(PROMPT, 0)[0]
+        assert ex.release_sequence(2, 1.0).ok
+        assert ex.health() == []
+
+
+def test_the_clock_waits_past_timeout_max_instead_of_raising():
+    """The one place every executor wait goes through (machines/clock.py): a timeout beyond
+    ``threading.TIMEOUT_MAX`` raised OverflowError from ``Condition.wait``."""
+    cond = threading.Condition()
+    notifier = threading.Thread(target=lambda: (cond.acquire(), cond.notify_all(),
+                                                cond.release()), name="notifier")
+    with cond:
+        notifier.start()  # it notifies once this thread waits (it needs the lock)
+        assert SYSTEM.wait(cond, threading.TIMEOUT_MAX * 10) is True
+    notifier.join(BOUND_S)
+    assert not notifier.is_alive()
+    event = threading.Event()
+    setter = threading.Timer(0.0, event.set)
+    setter.start()
+    assert SYSTEM.wait_event(event, 1e300) is True
+    setter.join(BOUND_S)
+
+
+# ---- a done callback raising what is no Exception ---------------------------------------------
+def _cancelled_future_result() -> None:
+    loop = asyncio.new_event_loop()
+    try:
+        future = loop.create_future()
+        future.cancel()
+        future.result()  # raises asyncio.CancelledError, a BaseException
+    finally:
+        loop.close()
+
+
+def _exit() -> None:
+    raise SystemExit(3)
+
+
+def _interrupt() -> None:
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("raiser", [_cancelled_future_result, _exit, _interrupt],
+                         ids=["CancelledError", "SystemExit", "KeyboardInterrupt"])
+def test_a_done_callback_raising_a_base_exception_never_ends_the_completion_thread(
+        calbin, raiser, caplog):
+    """docs/embedding.md section 4: an exception a done callback raises is logged on
+    ``calexec.job`` and never reaches the executor's thread. A callback raising a
+    BaseException that is no Exception (``asyncio.CancelledError`` from reading a cancelled
+    future's ``result()``, ``sys.exit()``) passed through and ended ``calexec-completion``:
+    health said the thread was not running, every later job waited until its deadline and
+    shutdown ended ``shutdown.not_drained`` (Failed). Now it is logged like any other."""
+    with running_job_path(calbin) as ex, caplog.at_level(logging.ERROR, logger="calexec.job"):
+        first = ex.enqueue(prefill(1, PROMPT)).wait_until(deadline(BOUND_S))
+        assert isinstance(first, InferenceResult), first
+        ran = threading.Event()
+
+        def callback(_handle) -> None:
+            ran.set()
+            raiser()
+
+        handle = ex.enqueue(decode(1, first.argmax, first.kv_len),
+                            on_created=lambda h: h.add_done_callback(callback))
+        second = handle.wait_until(deadline(BOUND_S))
+        assert isinstance(second, InferenceResult), second
+        assert ran.wait(BOUND_S)
+        # the next job needs the completion thread: it is served
+        third = ex.enqueue(decode(1, second.argmax, second.kv_len)).wait_until(
+            deadline(BOUND_S))
+        assert isinstance(third, InferenceResult), third
+        assert [first.argmax, second.argmax, third.argmax] == expected_greedy(PROMPT, 2)
+        assert all(ex.threads_alive().values()), ex.threads_alive()
+        assert ex.health() == []
+        assert any(r.name == "calexec.job" and f"job {handle.job_id} raised" in r.getMessage()
+                   for r in caplog.records)
+        assert ex.release_sequence(1, 1.0).ok
+        assert ex.shutdown(5.0).ok and ex.state == "Stopped"
+
+
+# ---- a done callback calling shutdown or decode_sync ------------------------------------------
+@pytest.mark.parametrize("call", ["shutdown", "decode_sync"])
+def test_shutdown_or_decode_sync_from_a_done_callback_raises_naming_it_and_changes_nothing(
+        calbin, call):
+    """A done callback runs on ``calexec-completion``. ``shutdown()`` there stopped admission,
+    then raised ``RuntimeError: cannot join current thread`` and left the executor Draining
+    (not admitting) until another thread shut it down; ``decode_sync()`` there waited for a
+    job that only that same thread could complete, so every other job stalled until the
+    deadline and a shutdown meanwhile ended ``shutdown.not_drained`` (Failed). Both now raise
+    a RuntimeError naming the call and the thread at once (logged on ``calexec.job``, as any
+    exception of a callback), and the executor serves on."""
+    with running_executor(calbin) as ex:
+        first = ex.enqueue(prefill(1, PROMPT)).wait_until(deadline(BOUND_S))
+        assert isinstance(first, InferenceResult), first
+        seen: dict[str, object] = {}
+        ran = threading.Event()
+
+        def callback(_handle) -> None:
+            seen["thread"] = threading.current_thread().name
+            try:
+                if call == "shutdown":
+                    seen["answer"] = ex.shutdown(2.0)
+                else:
+                    seen["answer"] = ex.decode_sync(prefill(2, PROMPT, seconds=BOUND_S))
+            except RuntimeError as exc:
+                seen["error"] = str(exc)
+            finally:
+                ran.set()
+
+        handle = ex.enqueue(decode(1, first.argmax, first.kv_len),
+                            on_created=lambda h: h.add_done_callback(callback))
+        second = handle.wait_until(deadline(BOUND_S))
+        assert isinstance(second, InferenceResult), second
+        assert ran.wait(BOUND_S)
+        assert seen["thread"] == "calexec-completion"
+        assert "answer" not in seen, seen
+        assert f"{call}()" in str(seen["error"]) and "calexec-completion" in str(seen["error"])
+        assert ex.state == "Ready" and ex.health() == []
+        third = ex.enqueue(decode(1, second.argmax, second.kv_len)).wait_until(
+            deadline(BOUND_S))
+        assert isinstance(third, InferenceResult), third
+        assert [first.argmax, second.argmax, third.argmax] == expected_greedy(PROMPT, 2)
+        assert ex.release_sequence(1, 1.0).ok and ex.release_sequence(2, 1.0).ok
+        status = ex.shutdown(5.0)
+        assert status.ok and ex.state == "Stopped", status
+
+
+def test_shutdown_from_a_done_callback_on_a_thread_of_the_callers_own_still_works(calbin):
+    """The refusal is only for the executor's own threads: a callback that runs on the
+    caller's thread (registered on a job already resolved) may shut down."""
+    with running_executor(calbin) as ex:
+        handle = ex.enqueue(prefill(1, PROMPT))
+        assert isinstance(handle.wait_until(deadline(BOUND_S)), InferenceResult)
+        assert ex.release_sequence(1, 1.0).ok
+        answers: list[Status] = []
+        handle.add_done_callback(lambda _h: answers.append(ex.shutdown(5.0)))
+        assert len(answers) == 1 and answers[0].ok, answers
+        assert ex.state == "Stopped"
