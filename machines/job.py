@@ -439,13 +439,22 @@ class JobHandle:
             return job.resolved_result()
         future = self.as_future()
         timeout = None if deadline is None else job.clock.remaining(deadline)
+        # ``asyncio.wait``, not ``asyncio.wait_for``: Python 3.11's wait_for swallows a
+        # cancellation of the awaiting task that comes once the result was scheduled on the
+        # loop (it returns the result; the task runs on as if never cancelled: a handler
+        # whose client left generated on, an ``asyncio.timeout`` did not fire). ``wait``
+        # raises the CancelledError and leaves the future to us.
         try:
-            return await asyncio.wait_for(future, timeout)
-        except TimeoutError:
-            if job._done.is_set():  # resolved as the deadline fell
-                return job.resolved_result()
-            return Status.deadline(Phase.WAIT, "wait_async deadline passed; the job continues "
-                                               f"(state {job.run.state})", **job.ctx())
+            await asyncio.wait((future,), timeout=timeout)
+        finally:
+            if not future.done():
+                future.cancel()  # deadline or cancelled: unregister (``as_future``)
+        if not future.cancelled():
+            return future.result()
+        if job._done.is_set():  # resolved as the deadline fell
+            return job.resolved_result()
+        return Status.deadline(Phase.WAIT, "wait_async deadline passed; the job continues "
+                                           f"(state {job.run.state})", **job.ctx())
 
     def __repr__(self) -> str:
         return f"JobHandle({self._job!r})"
