@@ -14,9 +14,9 @@ import time
 
 import pytest
 
-from calexec.contracts.status import Status
+from calexec.contracts.status import Phase, Status
 from calexec.machines.clock import SYSTEM
-from calexec.machines.job import InferenceResult
+from calexec.machines.job import InferenceResult, Job, JobHandle
 from executor_harness import (
     deadline,
     decode,
@@ -205,3 +205,85 @@ def test_shutdown_from_a_done_callback_on_a_thread_of_the_callers_own_still_work
         handle.add_done_callback(lambda _h: answers.append(ex.shutdown(5.0)))
         assert len(answers) == 1 and answers[0].ok, answers
         assert ex.state == "Stopped"
+
+
+# ---- cancelling the task that awaits wait_async -----------------------------------------------
+def test_cancelling_the_awaiting_task_as_the_result_arrives_raises_cancelled_error():
+    """docs/embedding.md section 4: cancelling the task that awaits ``wait_async`` (a client
+    that disconnected) stops the observation. On Python 3.11 ``asyncio.wait_for``, which
+    ``wait_async`` used, swallowed a cancel that came once the job's result was already
+    scheduled on the loop: ``await`` returned the result, the task ran on as if never
+    cancelled (``cancelling()`` stuck at 1), so a handler whose client left went on
+    generating and an enclosing ``asyncio.timeout`` never fired. Now the task gets its
+    CancelledError, and the job's registration is gone."""
+    done = Status.cancelled(Phase.CANCEL, "resolved by the test")
+
+    def resolve_now(job: Job) -> None:
+        resolver = threading.Thread(target=job.resolve, args=(done,), name="resolver")
+        resolver.start()
+        resolver.join(BOUND_S)
+        assert not resolver.is_alive()
+
+    async def main() -> list[str]:
+        seen = []
+        job = Job(1, 1, decode(1, 5, 0), on_cancel=lambda: None)
+        handle = JobHandle(job)
+        task = asyncio.create_task(handle.wait_async(deadline(BOUND_S)))
+        await asyncio.sleep(0)  # the task awaits the job
+        resolve_now(job)  # the result is scheduled on the loop, not yet delivered
+        assert task.cancel()
+        try:
+            await asyncio.wait_for(task, BOUND_S)
+            seen.append("returned")
+        except asyncio.CancelledError:
+            seen.append("cancelled")
+        assert handle.pending_callbacks == 0 and job.done
+
+        # the same inside asyncio.timeout: what follows the await must not run
+        job = Job(2, 1, decode(1, 5, 0), on_cancel=lambda: None)
+        handle = JobHandle(job)
+        after: list[str] = []
+
+        async def handler() -> None:
+            async with asyncio.timeout(BOUND_S):
+                await handle.wait_async(deadline(BOUND_S))
+            after.append("ran on")
+            await asyncio.sleep(0)
+
+        task = asyncio.create_task(handler())
+        await asyncio.sleep(0)
+        resolve_now(job)
+        assert task.cancel()
+        try:
+            await asyncio.wait_for(task, BOUND_S)
+        except asyncio.CancelledError:
+            seen.append("handler cancelled")
+        seen.extend(after)
+        return seen
+
+    assert asyncio.run(main()) == ["cancelled", "handler cancelled"]
+
+
+def test_wait_async_still_returns_the_result_or_its_deadline_status():
+    """The other answers of ``wait_async`` stay what they were: the result when the job is
+    resolved first, ``wait.deadline`` (the job not cancelled, nothing registered) when the
+    deadline passes first."""
+    done = Status.cancelled(Phase.CANCEL, "resolved by the test")
+
+    async def main() -> tuple[object, object, Job]:
+        job = Job(1, 1, decode(1, 5, 0), on_cancel=lambda: None)
+        handle = JobHandle(job)
+        task = asyncio.create_task(handle.wait_async(deadline(BOUND_S)))
+        await asyncio.sleep(0)
+        resolver = threading.Thread(target=job.resolve, args=(done,), name="resolver")
+        resolver.start()
+        resolved = await asyncio.wait_for(task, BOUND_S)
+        resolver.join(BOUND_S)
+        late = Job(2, 1, decode(1, 5, 0), on_cancel=lambda: None)
+        expired = await JobHandle(late).wait_async(time.monotonic() - 1.0)
+        return resolved, expired, late
+
+    resolved, expired, late = asyncio.run(main())
+    assert resolved == done.with_context(job_id=1, seq_id=1, generation=1)
+    assert isinstance(expired, Status) and expired.code == "wait.deadline"
+    assert not late.done and not late.cancel_flag and JobHandle(late).pending_callbacks == 0
