@@ -205,6 +205,13 @@ class DeviceLifecycle:
         self.start_status: Status | None = None
         #: ``start`` was called (under ``mu``): a second call raises before touching anything
         self._started = False
+        #: set except while ``start`` runs: a ``shutdown`` from another thread waits for it
+        #: (bounded by its grace) instead of tearing down what start is building
+        self._start_done = host.clock.event()
+        self._start_done.set()
+        #: ``shutdown`` was called (under ``mu``): a ``start`` after it raises
+        self._shutdown_called = False
+        self._start_thread: int | None = None  # ident of the thread running ``start``
         self.failure: Status | None = None  # why the lifecycle is Failed
 
     # ---- lifecycle guards (LifecycleChart) ------------------------------------------------
@@ -278,19 +285,29 @@ class DeviceLifecycle:
 
         Called once: a second call raises ``RuntimeError`` before it touches anything (it
         used to open a second device and configure a generation over the first one's
-        handles, and only then raise from the chart, leaking the first device)."""
-        host = self._host
+        handles, and only then raise from the chart, leaking the first device). A
+        ``shutdown`` from another thread meanwhile waits for it (``_start_done``)."""
         with self.mu:
             if self._started:
                 raise RuntimeError(
                     f"DeviceExecutor.start() called a second time (lifecycle "
                     f"{self.run.state}); start is called once: build a new DeviceExecutor "
                     "to start again")
-            if self.stopping or self.run.final:
+            if self.stopping or self.run.final or self._shutdown_called:
                 raise RuntimeError(
                     f"DeviceExecutor.start() called after shutdown() (lifecycle "
                     f"{self.run.state}); build a new DeviceExecutor to start again")
             self._started = True
+            self._start_done.clear()
+            self._start_thread = threading.get_ident()
+        try:
+            return self._start_once()
+        finally:
+            self._start_done.set()
+
+    def _start_once(self) -> Status:
+        """``start`` after its once-only check; ``_start_done`` is clear meanwhile."""
+        host = self._host
         try:
             status = self._start()
         except Exception as exc:  # noqa: BLE001 - the barrier: start answers a Status
@@ -300,6 +317,11 @@ class DeviceLifecycle:
             status = Status.internal("start_exception", Phase.CONFIGURE,
                                      f"start raised {type(exc).__name__}: {exc}")
             log.error("start caught %s", status, exc_info=exc)
+        if not status.ok and self._shutdown_called:  # say why its golden run was refused
+            status = Status.unavailable(
+                status.phase or Phase.CONFIGURE,
+                f"start() was interrupted by shutdown() from another thread ({status.code}: "
+                f"{status.message})")
         if not status.ok:
             self.start_status = status
             self.fail(status)
@@ -862,6 +884,21 @@ class DeviceLifecycle:
             return max(0.0, until - clock.monotonic())
 
         halfway = start + max(grace, 0.0) / 2
+        # A start() running on another thread (a SIGTERM during the warm-up) ends first, as a
+        # recovery does below: half of grace on its own, then interrupted (its golden run is
+        # refused, so it ends Failed and tears down what it built). Tearing down beside it
+        # raised AttributeError from a generation it had just released, or failed it
+        # ``internal.start_exception``. A start() that begins after this raises.
+        with self.mu:
+            self._shutdown_called = True
+            starting = (not self._start_done.is_set()
+                        and self._start_thread != threading.get_ident())
+        if starting and not clock.wait_event(self._start_done, left(halfway)):
+            self._interrupt()
+            if not clock.wait_event(self._start_done, left(end)):
+                return Status.failure(
+                    "shutdown.start_busy", Category.LIFECYCLE, Phase.SHUTDOWN,
+                    f"start() still ran after grace={grace}s; nothing was torn down")
         recovery = self._recovery_thread
         if recovery is not None and recovery is not threading.current_thread():
             recovery.join(left(halfway))
