@@ -15,9 +15,12 @@ import time
 import pytest
 
 from calexec.contracts.status import Phase, Status
+from calexec.drivers.calrt.runtime import CalRT
 from calexec.machines.clock import SYSTEM
+from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 from calexec.machines.job import InferenceResult, Job, JobHandle
 from executor_harness import (
+    MANIFEST,
     deadline,
     decode,
     expected_greedy,
@@ -287,3 +290,66 @@ def test_wait_async_still_returns_the_result_or_its_deadline_status():
     assert resolved == done.with_context(job_id=1, seq_id=1, generation=1)
     assert isinstance(expired, Status) and expired.code == "wait.deadline"
     assert not late.done and not late.cancel_flag and JobHandle(late).pending_callbacks == 0
+
+
+# ---- shutdown while start() runs on another thread --------------------------------------------
+SLOW_WARMUP = "prefill_per_token_us=30000;decode_us=30000"  # the golden run takes a while
+
+
+def _starting(calbin: str):
+    """A DeviceExecutor whose start() runs on a thread of its own, returned once it is in
+    the golden warm-up; and a dict that gets start's answer."""
+    ex = DeviceExecutor(CalRT.load(), MANIFEST,
+                        ExecutorConfig(calbin_path=calbin, device_config=SLOW_WARMUP))
+    answers: dict[str, object] = {}
+
+    def start() -> None:
+        try:
+            answers["start"] = ex.start()
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            answers["start"] = exc
+
+    starter = threading.Thread(target=start, name="starter")
+    starter.start()
+    until(lambda: ex.state == "Warming" or "start" in answers, BOUND_S, "start warming up")
+    assert "start" not in answers, answers  # still warming up: the shutdown meets it
+    return ex, starter, answers
+
+
+def test_shutdown_while_start_warms_up_on_another_thread_waits_for_it_and_ends_stopped(
+        calbin):
+    """A server's SIGTERM handler shutting down while ``start()`` (run on the server's pool,
+    as docs/embedding.md says) is in its golden warm-up tore down beside it: start failed
+    (``lifecycle.unavailable: generation 1 is closing``), and shutdown, depending on the
+    instant, raised ``AttributeError: 'NoneType' object has no attribute 'released'`` (a
+    generation start had just released); the executor ended Failed. Now shutdown lets start
+    end first
+    (half of its grace), then drains as usual: OK, Stopped, start answered OK, no thread
+    left."""
+    ex, starter, answers = _starting(calbin)
+    status = ex.shutdown(BOUND_S)
+    starter.join(BOUND_S)
+    assert not starter.is_alive()
+    assert isinstance(answers["start"], Status) and answers["start"].ok, answers
+    assert status.ok and ex.state == "Stopped", status
+    assert not any(ex.threads_alive().values()), ex.threads_alive()
+    assert ex.health() == ["lifecycle is Stopped, not admitting"]
+    assert ex.shutdown(1.0).ok  # idempotent
+
+
+def test_shutdown_with_no_grace_during_start_is_start_busy_then_starts_failure(calbin):
+    """With no grace for start to end on its own, shutdown interrupts it (its golden run is
+    refused) and answers ``shutdown.start_busy``, tearing nothing down beside it; start then
+    ends Failed with a Status naming the shutdown, which a later shutdown answers."""
+    ex, starter, answers = _starting(calbin)
+    status = ex.shutdown(0.0)
+    assert status.code == "shutdown.start_busy", status
+    starter.join(BOUND_S)
+    assert not starter.is_alive()
+    started = answers["start"]
+    assert isinstance(started, Status) and not started.ok, answers
+    assert "interrupted by shutdown()" in started.message
+    assert ex.state == "Failed"
+    again = ex.shutdown(1.0)
+    assert again == started, again
+    assert not any(ex.threads_alive().values()), ex.threads_alive()
