@@ -495,7 +495,11 @@ class DeviceExecutor(SequenceOwnership):
         deadline). ``on_created`` receives the handle before admission starts, so another
         thread (e.g. a client-disconnect handler) can cancel a job that is still waiting.
         ``logits_out``: a contiguous float32 array receiving the requested logits slice
-        (zero allocations per token); None allocates one per job."""
+        (zero allocations per token); None allocates one per job. An ``on_created`` that is
+        not callable raises TypeError naming it, before anything is created."""
+        if on_created is not None and not callable(on_created):
+            raise TypeError(f"enqueue: on_created={on_created!r:.200}: expected a callable "
+                            "taking the handle, or None")
         if self.dispatch.any_guess and isinstance(request, InferenceRequest):
             handle = self._auto_take(request, logits_out, on_created)
             if handle is not None:
