@@ -353,3 +353,24 @@ def test_shutdown_with_no_grace_during_start_is_start_busy_then_starts_failure(c
     again = ex.shutdown(1.0)
     assert again == started, again
     assert not any(ex.threads_alive().values()), ex.threads_alive()
+
+
+# ---- enqueue's on_created ----------------------------------------------------------------------
+@pytest.mark.parametrize("on_created", [3, "cancel"], ids=["int", "str"])
+def test_an_on_created_that_is_not_callable_raises_naming_it_before_anything_is_created(
+        calbin, on_created):
+    """``enqueue(request, on_created=...)`` with something that is not callable raised
+    ``TypeError: 'int' object is not callable`` from inside ``enqueue``, naming neither the
+    argument nor the call, after a job had been created for it (the error of a caller's
+    argument, as ``add_done_callback`` names ``fn``). Now a TypeError naming ``on_created``
+    before any job exists; the executor serves on."""
+    with running_job_path(calbin) as ex:
+        before = ex.snapshot()
+        with pytest.raises(TypeError, match=r"enqueue: on_created=.*expected a callable"):
+            ex.enqueue(prefill(1, PROMPT), on_created=on_created)
+        after = ex.snapshot()
+        assert {key: after[key] for key in ("submitted", "failed", "queued", "inflight")} == \
+            {key: before[key] for key in ("submitted", "failed", "queued", "inflight")}
+        result = ex.enqueue(prefill(1, PROMPT)).wait_until(deadline(BOUND_S))
+        assert isinstance(result, InferenceResult), result
+        assert ex.release_sequence(1, 1.0).ok and ex.health() == []
