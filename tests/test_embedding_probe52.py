@@ -63,11 +63,17 @@ def test_an_admission_wait_with_a_deadline_centuries_away_waits_for_the_kv(calbi
 
         waiter = threading.Thread(target=admit, name="admit-far")
         waiter.start()
-        until(lambda: ex.kvc.waiting == 1 or "result" in got, BOUND_S,
-              "the far-deadline request waiting for KV")
-        assert "result" not in got, got  # it waits: it was not failed at once
-        assert ex.release_sequence(1).ok
-        waiter.join(BOUND_S)
+        released = False
+        try:
+            until(lambda: ex.kvc.waiting == 1 or "result" in got, BOUND_S,
+                  "the far-deadline request waiting for KV")
+            assert "result" not in got, got  # it waits: it was not failed at once
+            released = ex.release_sequence(1).ok
+            assert released
+        finally:
+            if not released:
+                ex.shutdown(5.0)  # a failed test: end the wait (the KV never comes back)
+            waiter.join(BOUND_S)
         assert not waiter.is_alive()
         result = got["result"]
         assert isinstance(result, InferenceResult), result
