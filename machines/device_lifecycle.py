@@ -205,11 +205,11 @@ class DeviceLifecycle:
         self.start_status: Status | None = None
         #: ``start`` was called (under ``mu``): a second call raises before touching anything
         self._started = False
-        #: set except while ``start`` runs: a ``shutdown`` from another thread waits for it
-        #: (bounded by its grace) instead of tearing down what start is building
+        #: ``start`` runs: a ``shutdown`` from another thread waits for it (bounded by its
+        #: grace) instead of tearing down what start is building; ``_start_done`` wakes it
+        self._start_running = False
         self._start_done = host.clock.event()
-        self._start_done.set()
-        #: ``shutdown`` was called (under ``mu``): a ``start`` after it raises
+        #: ``shutdown`` was called: a ``start`` after it raises
         self._shutdown_called = False
         self._start_thread: int | None = None  # ident of the thread running ``start``
         self.failure: Status | None = None  # why the lifecycle is Failed
@@ -286,27 +286,33 @@ class DeviceLifecycle:
         Called once: a second call raises ``RuntimeError`` before it touches anything (it
         used to open a second device and configure a generation over the first one's
         handles, and only then raise from the chart, leaking the first device). A
-        ``shutdown`` from another thread meanwhile waits for it (``_start_done``)."""
+        ``shutdown`` from another thread meanwhile waits for it (``_start_running``)."""
         with self.mu:
             if self._started:
                 raise RuntimeError(
                     f"DeviceExecutor.start() called a second time (lifecycle "
                     f"{self.run.state}); start is called once: build a new DeviceExecutor "
                     "to start again")
+            # ``_start_running`` first, then ``_shutdown_called``; shutdown writes the flag
+            # first, then reads ``_start_running`` (no lock: no scheduling point added to its
+            # path): one of the two sees the other (the GIL orders the four steps)
+            self._start_thread = threading.get_ident()
+            self._start_running = True
             if self.stopping or self.run.final or self._shutdown_called:
+                self._start_running = False
                 raise RuntimeError(
                     f"DeviceExecutor.start() called after shutdown() (lifecycle "
                     f"{self.run.state}); build a new DeviceExecutor to start again")
             self._started = True
-            self._start_done.clear()
-            self._start_thread = threading.get_ident()
         try:
             return self._start_once()
         finally:
-            self._start_done.set()
+            self._start_running = False  # then wake a shutdown that saw it running
+            if self._shutdown_called:
+                self._start_done.set()
 
     def _start_once(self) -> Status:
-        """``start`` after its once-only check; ``_start_done`` is clear meanwhile."""
+        """``start`` after its once-only check (``_start_running`` meanwhile)."""
         host = self._host
         try:
             status = self._start()
@@ -889,10 +895,8 @@ class DeviceLifecycle:
         # refused, so it ends Failed and tears down what it built). Tearing down beside it
         # raised AttributeError from a generation it had just released, or failed it
         # ``internal.start_exception``. A start() that begins after this raises.
-        with self.mu:
-            self._shutdown_called = True
-            starting = (not self._start_done.is_set()
-                        and self._start_thread != threading.get_ident())
+        self._shutdown_called = True  # then ``_start_running``: see ``start``
+        starting = self._start_running and self._start_thread != threading.get_ident()
         if starting and not clock.wait_event(self._start_done, left(halfway)):
             self._interrupt()
             if not clock.wait_event(self._start_done, left(end)):
