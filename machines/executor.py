@@ -447,8 +447,8 @@ class DeviceExecutor(SequenceOwnership):
         stop the threads, release the generation and the device: Stopped when drained (FI13),
         Failed otherwise; idempotent (``DeviceLifecycle.shutdown``). Called on the submitter
         or completion thread (a done callback) it raises RuntimeError, changing nothing
-        (``refuse_on_worker_thread``)."""
-        self.refuse_on_worker_thread("shutdown")
+        (``_refuse_on_worker_thread``)."""
+        self._refuse_on_worker_thread("shutdown")
         return self.life.shutdown(grace)
 
     # ---- observability: what the components count ----------------------------------------------
@@ -1189,7 +1189,7 @@ class DeviceExecutor(SequenceOwnership):
             reasons.append(f"the device has not let go of {held} failed job(s)")
         return reasons
 
-    def refuse_on_worker_thread(self, call: str) -> None:
+    def _refuse_on_worker_thread(self, call: str) -> None:
         """RuntimeError naming ``call`` and the thread when the calling thread is this
         executor's submitter or completion thread, i.e. a done callback called the executor
         (docs/embedding.md section 4 forbids it). ``shutdown`` there stopped admission, then
@@ -1221,8 +1221,8 @@ class DeviceExecutor(SequenceOwnership):
         job_id, seq_id, generation, raw CalRT code and phase. ``logits_out`` as for
         ``enqueue`` (a llama context's own logits row: no allocation per token). Called on
         the submitter or completion thread (a done callback) it raises RuntimeError
-        (``refuse_on_worker_thread``)."""
-        self.refuse_on_worker_thread("decode_sync")
+        (``_refuse_on_worker_thread``)."""
+        self._refuse_on_worker_thread("decode_sync")
         handle = self.enqueue(request, logits_out=logits_out)
         if not self.config.threads:
             while not handle.done and (self.submit_one() or self.complete_one()):
