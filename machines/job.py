@@ -274,11 +274,17 @@ def _run(callbacks: Iterable[_Callback]) -> None:
     ``Exception``: ``asyncio.CancelledError`` (a callback reading a cancelled future's
     ``result()``), ``SystemExit`` or ``KeyboardInterrupt`` raised by the callback would
     otherwise pass the executor thread's barrier, which catches ``Exception``, and end
-    ``calexec-completion`` silently: every later job would wait for a thread that is gone."""
+    ``calexec-completion`` silently: every later job would wait for a thread that is gone.
+    On the main thread (a callback run at once by ``add_done_callback`` on a job already
+    resolved), ``KeyboardInterrupt`` and ``SystemExit`` are the embedder's own Ctrl-C or exit
+    and are raised on, never swallowed."""
     for handle, fn in callbacks:
         try:
             fn(handle)
-        except BaseException:  # noqa: BLE001 - a callback's bug never reaches the executor
+        except BaseException as exc:  # noqa: BLE001 - a callback's bug never reaches the executor
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)) and (
+                    threading.current_thread() is threading.main_thread()):
+                raise  # (a callback run at once on the embedder's main thread: its Ctrl-C)
             log.exception("done callback %r of job %d raised", fn, handle.job_id)
 
 

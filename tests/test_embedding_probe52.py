@@ -156,6 +156,22 @@ def test_a_done_callback_raising_a_base_exception_never_ends_the_completion_thre
         assert ex.shutdown(5.0).ok and ex.state == "Stopped"
 
 
+@pytest.mark.parametrize("raiser", [_exit, _interrupt], ids=["SystemExit", "KeyboardInterrupt"])
+def test_a_ctrl_c_in_a_callback_run_at_once_on_the_main_thread_is_raised_on(calbin, raiser):
+    """The other side of the test above: ``add_done_callback`` on a job already resolved runs
+    the callback at once on the caller's thread. On the main thread a ``KeyboardInterrupt``
+    or ``SystemExit`` there is the embedder's own Ctrl-C or exit: it is raised on, not
+    logged and swallowed (the first fix swallowed it on every thread)."""
+    assert threading.current_thread() is threading.main_thread()
+    with running_job_path(calbin) as ex:
+        handle = ex.enqueue(prefill(1, PROMPT))
+        assert isinstance(handle.wait_until(deadline(BOUND_S)), InferenceResult)
+        with pytest.raises((KeyboardInterrupt, SystemExit)):
+            handle.add_done_callback(lambda _handle: raiser())
+        assert ex.release_sequence(1, 1.0).ok
+        assert ex.shutdown(5.0).ok and ex.state == "Stopped"
+
+
 # ---- a done callback calling shutdown or decode_sync ------------------------------------------
 @pytest.mark.parametrize("call", ["shutdown", "decode_sync"])
 def test_shutdown_or_decode_sync_from_a_done_callback_raises_naming_it_and_changes_nothing(
