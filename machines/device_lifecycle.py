@@ -678,10 +678,11 @@ class DeviceLifecycle:
         with self.mu:
             self.run.send(LIFECYCLE_EV_RECONFIGURE)
         target = calbin_path or old.calbin_path
-        # One more attempt if this one fails: a switch rolls back to the last good calbin
-        # (Triton keeps the old model on a failed reload); a recovery retries its calbin once.
         # The other chance if this one is refused: a switch to another calbin rolls back to
-        # the last good one; a recovery, or a reload of the calbin that served, retries it.
+        # the last good one (Triton keeps the old model on a failed reload); a recovery, or a
+        # reload of the calbin that served, retries it; and a calbin that served is retried
+        # again while its golden jobs meet device faults, within the escalation budget
+        # (``_retry_golden``).
         switching = calbin_path is not None and calbin_path != old.calbin_path
         self._rollback_path = (self._last_good_other(exclude=target) if switching else
                                target if target in self.good_calbins else None)
