@@ -274,13 +274,16 @@ def _check_stream_arguments(*, max_len: object, max_steps: object, stop_tokens: 
     past_len and request_id, are named by ``InferenceRequest``'s converters the same way).
     Before, a str ``stop_tokens`` raised ``invalid literal for int()``, None ``'NoneType'
     object is not iterable``, a str ``max_len`` a comparison error, and a ``max_len`` of 0 or
-    less was taken (every step ahead refused)."""
+    less was taken (every step ahead refused), a negative ``max_steps`` too (as 0)."""
     for name, value in (("max_len", max_len), ("max_steps", max_steps)):
         if value is not None and not fields.is_int(value):
             raise TypeError(f"decode_stream: {name}={value!r}: expected an int or None")
     if max_len is not None and max_len < 1:  # type: ignore[operator]  # an int: checked above
         raise ValueError(f"decode_stream: max_len={max_len!r}: must be >= 1 (the prompt plus "
                          "the tokens to generate)")
+    if max_steps is not None and max_steps < 0:  # type: ignore[operator]  # an int: checked
+        raise ValueError(f"decode_stream: max_steps={max_steps!r}: must be >= 0 (the jobs "
+                         "greedy ahead may fire; 0: none)")
     if not isinstance(greedy_ahead, bool):
         raise TypeError(f"decode_stream: greedy_ahead={greedy_ahead!r}: expected True or False")
     if isinstance(stop_tokens, (str, bytes)) or not isinstance(stop_tokens, Collection) or not all(

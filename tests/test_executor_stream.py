@@ -761,6 +761,7 @@ def test_a_step_armed_after_its_stream_closed_is_released_by_the_arming(calbin, 
     ({"max_len": 0}, ValueError, "max_len=0"),
     ({"max_len": -1}, ValueError, "max_len=-1"),
     ({"max_steps": 2.5}, TypeError, "max_steps=2.5"),
+    ({"max_steps": -1}, ValueError, "max_steps=-1"),
     ({"greedy_ahead": "yes"}, TypeError, "greedy_ahead='yes'"),
 ])
 def test_decode_stream_settings_that_are_no_settings_raise_naming_them(calbin, kwargs, error,
@@ -768,8 +769,9 @@ def test_decode_stream_settings_that_are_no_settings_raise_naming_them(calbin, k
     """``decode_stream(..., stop_tokens="ab")`` raised ``invalid literal for int() with base
     10: 'a'``, ``stop_tokens=None`` ``'NoneType' object is not iterable``, ``max_len="9"``
     ``'>' not supported``; ``max_len=-1`` and ``greedy_ahead="yes"`` were taken (found at stop
-    50 by an embedder). Each raises naming the argument and its value, before anything of the
-    sequence is touched: a stream opened right after serves the oracle's tokens."""
+    50 by an embedder), ``max_steps=-1`` too (stop 53: it meant no step ahead, as 0 does).
+    Each raises naming the argument and its value, before anything of the sequence is
+    touched: a stream opened right after serves the oracle's tokens."""
     with running_job_path(calbin) as ex:
         stream, token = open_stream(ex, 1, 4)
         stream.close()
