@@ -499,7 +499,10 @@ class DeviceExecutor(SequenceOwnership):
         thread (e.g. a client-disconnect handler) can cancel a job that is still waiting.
         ``logits_out``: a contiguous float32 array receiving the requested logits slice
         (zero allocations per token); None allocates one per job. An ``on_created`` that is
-        not callable raises TypeError naming it, before anything is created."""
+        not callable raises TypeError naming it, before anything is created. Called on the
+        submitter or completion thread (a done callback) it raises RuntimeError
+        (``_refuse_on_worker_thread``): an admission that waits there holds every other job."""
+        self._refuse_on_worker_thread("enqueue")
         if on_created is not None and not callable(on_created):
             raise TypeError(f"enqueue: on_created={on_created!r:.200}: expected a callable "
                             "taking the handle, or None")
@@ -1198,13 +1201,14 @@ class DeviceExecutor(SequenceOwnership):
         (docs/embedding.md section 4 forbids it). ``shutdown`` there stopped admission, then
         failed to join its own thread ("cannot join current thread") and left the lifecycle
         Draining; ``decode_sync`` there waited for a job only that same thread can complete,
-        stalling every other job until the deadline. Both are refused before anything
+        stalling every other job until the deadline; ``enqueue`` there stalled them the same
+        way whenever its admission waited for KV or a buffer. Each is refused before anything
         changes."""
         current = threading.current_thread()
         if current in self._threads:  # a list of two: identity, at C speed
             raise RuntimeError(
                 f"DeviceExecutor.{call}() called on the executor's own thread {current.name} "
-                "(from a done callback?): it would wait for that thread itself; a done "
+                "(from a done callback?): it could wait for that thread itself; a done "
                 "callback must only hand the result on (loop.call_soon_threadsafe, "
                 "queue.put_nowait) and call the executor from a thread of yours")
 

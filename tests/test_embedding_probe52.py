@@ -173,7 +173,7 @@ def test_a_ctrl_c_in_a_callback_run_at_once_on_the_main_thread_is_raised_on(calb
 
 
 # ---- a done callback calling shutdown or decode_sync ------------------------------------------
-@pytest.mark.parametrize("call", ["shutdown", "decode_sync"])
+@pytest.mark.parametrize("call", ["shutdown", "decode_sync", "enqueue"])
 def test_shutdown_or_decode_sync_from_a_done_callback_raises_naming_it_and_changes_nothing(
         calbin, call):
     """A done callback runs on ``calexec-completion``. ``shutdown()`` there stopped admission,
@@ -182,7 +182,10 @@ def test_shutdown_or_decode_sync_from_a_done_callback_raises_naming_it_and_chang
     job that only that same thread could complete, so every other job stalled until the
     deadline and a shutdown meanwhile ended ``shutdown.not_drained`` (Failed). Both now raise
     a RuntimeError naming the call and the thread at once (logged on ``calexec.job``, as any
-    exception of a callback), and the executor serves on."""
+    exception of a callback), and the executor serves on. ``enqueue()`` there (stop 53) was
+    taken: an admission that had to wait for KV or a buffer held the completion thread until
+    its deadline, every other job with it (a job whose KV was free took the callback's whole
+    deadline); it is refused the same way, whether its admission would wait or not."""
     with running_executor(calbin) as ex:
         first = ex.enqueue(prefill(1, PROMPT)).wait_until(deadline(BOUND_S))
         assert isinstance(first, InferenceResult), first
@@ -194,6 +197,8 @@ def test_shutdown_or_decode_sync_from_a_done_callback_raises_naming_it_and_chang
             try:
                 if call == "shutdown":
                     seen["answer"] = ex.shutdown(2.0)
+                elif call == "enqueue":
+                    seen["answer"] = ex.enqueue(prefill(2, PROMPT, seconds=BOUND_S))
                 else:
                     seen["answer"] = ex.decode_sync(prefill(2, PROMPT, seconds=BOUND_S))
             except RuntimeError as exc:
