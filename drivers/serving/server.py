@@ -250,7 +250,8 @@ def abortable(protocol: type) -> type:
 
     Bytes the parser refuses are answered the OpenAI-shaped 400, after the answers to the
     requests pipelined before them. With uvicorn's httptools protocol also: a request head
-    over ``MAX_HEAD_BYTES`` is answered 431 (:meth:`data_received`), the same way; an
+    over ``MAX_HEAD_BYTES`` is answered 431 (:meth:`data_received`), the same way, and an
+    HTTP/1.1 head without exactly one Host field 400 (:meth:`on_headers_complete`); an
     answer without a Content-Length to an HTTP/1.0 request is close-delimited, never
     chunked, and its ``Expect: 100-continue`` is ignored (no ``100 Continue``); an answer
     given before the body a request expecting ``100-continue`` announced closes the
@@ -273,6 +274,9 @@ def abortable(protocol: type) -> type:
         _plain_head: bytes | None = None
         #: the request target is longer than MAX_TARGET_BYTES: answered 414 (:meth:`_feed`)
         _target_too_long = False
+        #: why the request head is refused (an HTTP/1.1 head without exactly one Host):
+        #: answered 400 (:meth:`_feed`)
+        _head_refused: str | None = None
         parser: Any  # uvicorn's httptools parser (replaced for a head parsed again: _feed)
 
         def connection_made(self, transport: Any) -> None:
@@ -350,6 +354,12 @@ def abortable(protocol: type) -> type:
                         self._refuse(error_bodies.target_too_long(
                             len(self.url), MAX_TARGET_BYTES, uuid.uuid4().hex))
                         return
+                    if self._head_refused is not None:  # on_headers_complete stopped it
+                        self.logger.warning("Invalid HTTP request received: %s.",
+                                            self._head_refused)
+                        self._refuse(error_bodies.malformed_http(self._head_refused,
+                                                                 uuid.uuid4().hex))
+                        return
                     msg = "Invalid HTTP request received."
                     self.logger.warning(msg)
                     self.send_400_response(msg)
@@ -415,6 +425,17 @@ def abortable(protocol: type) -> type:
                 # which went unanswered. The parser stops here; _feed answers 414
                 self._target_too_long = True
                 raise ValueError("request target too long")
+            if parses_heads:
+                hosts = sum(1 for name, _ in self.headers if name == b"host")
+                if hosts > 1 or (hosts == 0 and self.parser.get_http_version() == "1.1"):
+                    # RFC 9112 section 3.2: a server MUST answer 400 to an HTTP/1.1 request
+                    # without a Host field or with several (uvicorn's h11 protocol refuses
+                    # both; its httptools one served them). The parser stops here
+                    self._head_refused = (
+                        f"an HTTP/1.1 request with {hosts} Host headers" if hosts
+                        else "an HTTP/1.1 request with no Host header"
+                    ) + " (RFC 9112 section 3.2: exactly one)"
+                    raise ValueError(self._head_refused)
             if parses_heads and self.parser.should_upgrade() and any(
                     name == b"upgrade" for name, _ in self.headers):
                 # parsed again without the upgrade once the parser stops at it (_feed): no
