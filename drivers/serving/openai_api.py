@@ -1817,6 +1817,16 @@ class _ToolChatShape(_ChatShape):
         self.calls = grammar.ToolCallStream()
         self.held_ids: list[int] = []
 
+    def opening(self, index: int | None = None) -> list[dict[str, Any]]:
+        # content null, as OpenAI's first chunk of a tool call: the answer may be calls only,
+        # whose whole message has content null; text that follows fills it in. An opening
+        # "" made the SDK's stream helper (and any client that joins the deltas) end a call
+        # with content "" where the whole answer says null, after an empty content.delta.
+        chunks = super().opening(index)
+        for chunk in chunks:
+            chunk["choices"][0]["delta"]["content"] = None
+        return chunks
+
     @staticmethod
     def _finish(run: RequestRun, calls: int) -> str | None:
         return "tool_calls" if calls and run.finish_reason == "stop" else run.finish_reason
