@@ -127,3 +127,57 @@ def test_likelihood_task_with_batches_scores_every_choice_as_the_oracle(url,
         assert all(math.isfinite(g) for g in got), got
         assert got == pytest.approx(want, abs=1e-3), (doc, got, want)
     assert 0.0 <= results["results"]["calexec_mc"]["acc,none"] <= 1.0
+
+
+def _local_completions(url: str, **model_args):
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    return LocalCompletionsAPI(model=MODEL, base_url=f"{url}/v1/completions",
+                               tokenizer_backend="remote", max_retries=1, timeout=10,
+                               max_length=512, batch_size=BATCH, **model_args)
+
+
+ROLLING_DOCS = ("hello world, this is a document", "another one")
+
+
+def test_rolling_loglikelihood_with_the_end_tokens_id_as_prefix_is_the_oracles(url):
+    """docs/server.md: lm-eval's rolling (perplexity) requests need
+    ``custom_prefix_token_id=151643`` with the byte-level tokenizer; given it, every document's
+    score (windows of the prefix id, then the document's tokens) is the oracle's, as is an
+    empty context's loglikelihood."""
+    from lm_eval.api.instance import Instance
+
+    lm = _local_completions(url, custom_prefix_token_id=tokenizer.END_TOKEN_ID)
+    got = lm.loglikelihood_rolling(
+        [Instance("loglikelihood_rolling", {}, (doc,), i) for i, doc in enumerate(ROLLING_DOCS)])
+    want = [_oracle_loglikelihood([tokenizer.END_TOKEN_ID], tokenizer.encode(doc))
+            for doc in ROLLING_DOCS]
+    assert got == pytest.approx(want, abs=1e-3)
+    (empty, _), = lm.loglikelihood([Instance("loglikelihood", {}, ("", "hello"), 0)])
+    assert empty == pytest.approx(_oracle_loglikelihood([tokenizer.END_TOKEN_ID],
+                                                        tokenizer.encode("hello")), abs=1e-3)
+
+
+def test_without_a_prefix_token_id_lm_eval_sends_null_which_is_refused_naming_prompt(url):
+    """What docs/server.md says users meet without ``custom_prefix_token_id``: the
+    byte-level tokenizer's special tokens have no text (``/tokenizer_info`` null), so lm-eval's
+    remote tokenizer has no prefix id and sends ``None`` as each window's first token; the
+    server refuses it (400, ``param: prompt``)."""
+    import requests
+    from lm_eval.api.instance import Instance
+
+    lm = _local_completions(url)
+    assert lm.prefix_token_id is None
+    sent: list[dict] = []
+    post = requests.post
+
+    def spy(*args, **kwargs):
+        sent.append(kwargs.get("json") or {})
+        return post(*args, **kwargs)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(requests, "post", spy)
+        with pytest.raises(Exception, match="400"):
+            lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, ("abc",), 0)])
+    assert sent and sent[0]["prompt"] == [[None, *tokenizer.encode("abc")]]
+    answer = requests.post(f"{url}/v1/completions", json=sent[0], timeout=10)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "prompt"
