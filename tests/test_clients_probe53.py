@@ -62,3 +62,21 @@ def test_a_chat_without_tools_still_opens_with_empty_content(client: openai.Open
         chunks = list(client.chat.completions.create(
             model=MODEL, messages=MESSAGES, max_tokens=2, temperature=0, stream=True, **extra))
         assert chunks[0].choices[0].delta.content == ""
+
+
+def test_a_bad_token_in_a_late_prompt_list_element_is_named_with_its_position(
+        client: openai.OpenAI):
+    """A prompt list of token-id lists with one bad id far in (lm-eval's ``None`` prefix token
+    in a batch, docs/server.md): the 400 names ``prompt`` and the item, ``prompt[3][0]=None``;
+    the message used to show the value cut to 80 characters, the first element's ids only."""
+    prompts = [[300 + i] * 30 for i in range(3)] + [[None, 301, 302]]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL, prompt=prompts, max_tokens=1)  # type: ignore[arg-type]
+    assert refused.value.param == "prompt"
+    message = refused.value.message
+    assert "prompt[3][0]=None" in message and "list[list[int]]" in message, message
+    # a value of no form at all still names the forms
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL, prompt=5, max_tokens=1)  # type: ignore[arg-type]
+    assert "prompt=5: must be one of str, list[int], list[str], list[list[int]]" in \
+        refused.value.message
