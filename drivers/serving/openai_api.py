@@ -326,24 +326,23 @@ def parse(model: type[Body], raw: bytes) -> Body:
         value = f"{param}={first['input']!r:.80}"
         if branches:  # a union: none of its forms matched; name them all
             forms: dict[str, None] = {}
-            inside: list[tuple[list[Any], str, dict[str, Any]]] = []
+            inside: list[tuple[list[Any], str, object, str]] = []  # (where, form, input, why)
             for error in errors:
                 where, tags = _field_path(model, error["loc"])
                 if tags and where[:len(path)] == path:
                     forms[tags[0]] = None
-                    inside.append((where[len(path):], tags[0], error))
+                    inside.append((where[len(path):], tags[0], error["input"], error["msg"]))
             one_of = f"must be one of {', '.join(forms)}"
             # the one form whose items the value has (a list of token-id lists): name the bad
             # item in it, which the value cut to 80 characters may not show
-            deepest = max((len(at) for at, _, _ in inside), default=0)
-            deep = [(at, form, error) for at, form, error in inside if len(at) == deepest]
-            if deepest and len({form for _, form, _ in deep}) == 1 and \
-                    all(len(at) < deepest for at, form, _ in inside if form != deep[0][1]):
-                at, form, error = deep[0]
+            deepest = max((len(got[0]) for got in inside), default=0)
+            deep = [got for got in inside if len(got[0]) == deepest]
+            if deepest and len({got[1] for got in deep}) == 1 and \
+                    all(len(got[0]) < deepest for got in inside if got[1] != deep[0][1]):
+                at, form, bad, why = deep[0]
                 item = "".join(f"[{i}]" for i in at)
-                raise Refusal(invalid(f"{param}{item}={error['input']!r:.80}: "
-                                      f"{error['msg'][:200]} (as {form}; {param} {one_of})"),
-                              param) from None
+                raise Refusal(invalid(f"{param}{item}={bad!r:.80}: {why[:200]} "
+                                      f"(as {form}; {param} {one_of})"), param) from None
             raise Refusal(invalid(f"{value}: {one_of}"), param) from None
         raise Refusal(invalid(f"{value}: {first['msg']}"), param) from None
 
