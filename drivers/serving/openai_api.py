@@ -333,13 +333,19 @@ def parse(model: type[Body], raw: bytes) -> Body:
                     forms[tags[0]] = None
                     inside.append((where[len(path):], tags[0], error["input"], error["msg"]))
             one_of = f"must be one of {', '.join(forms)}"
-            # the one form whose items the value has (a list of token-id lists): name the bad
-            # item in it, which the value cut to 80 characters may not show
+            # the form the value comes closest to, the one reaching deepest into it with the
+            # fewest bad items there (a list of token-id lists; a list of ids with one null):
+            # name its first bad item, which the value cut to 80 characters may not show
             deepest = max((len(got[0]) for got in inside), default=0)
-            deep = [got for got in inside if len(got[0]) == deepest]
-            if deepest and len({got[1] for got in deep}) == 1 and \
-                    all(len(got[0]) < deepest for got in inside if got[1] != deep[0][1]):
-                at, form, bad, why = deep[0]
+            bad_items: dict[str, int] = {}
+            for got in inside:
+                if len(got[0]) == deepest:
+                    bad_items[got[1]] = bad_items.get(got[1], 0) + 1
+            fewest = min(bad_items.values(), default=0)
+            closest = [form for form, count in bad_items.items() if count == fewest]
+            if deepest and len(closest) == 1:
+                at, form, bad, why = next(got for got in inside if got[1] == closest[0]
+                                          and len(got[0]) == deepest)
                 item = "".join(f"[{i}]" for i in at)
                 raise Refusal(invalid(f"{param}{item}={bad!r:.80}: {why[:200]} "
                                       f"(as {form}; {param} {one_of})"), param) from None
