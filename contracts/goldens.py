@@ -33,6 +33,7 @@ from typing import Any
 
 import attrs
 
+from calexec.contracts.files import new_file_mode
 from calexec.contracts.types import SHA256_RE
 
 FORMAT = 1
@@ -184,23 +185,7 @@ def _mode_of(target: Path) -> int:
     try:
         return stat.S_IMODE(os.stat(target).st_mode)
     except FileNotFoundError:
-        return 0o666 & ~_umask()
-
-
-def _umask() -> int:
-    """The process's umask: read from ``/proc/self/status`` where Linux shows it, since
-    setting it to read it back (``os.umask``) is process-wide, and a thread creating a file in
-    between would create it with no mask; elsewhere by that setting and back."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as status:
-            for line in status:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    umask = os.umask(0o077)  # (the strictest mask meanwhile, not none)
-    os.umask(umask)
-    return umask
+        return new_file_mode()
 
 
 def pin(path: str | Path, golden: PinnedGolden) -> Goldens:

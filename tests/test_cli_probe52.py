@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from calexec import cli, cliargs
+from calexec.contracts.files import new_file_mode, process_umask
 from calexec.drivers.tools.accept import report as accept_report
 from calexec.drivers.tools.accept import run as accept_run
 from calexec.drivers.tools.conform import isolate, overlap_trace
@@ -154,14 +155,24 @@ def test_golden_record_keeps_the_goldens_files_mode(synthetic_calbin, tmp_path, 
     one gets what ``open()`` would give it."""
     kept = tmp_path / "kept.goldens.toml"
     assert cli.main(["golden", "record", "--calbin", synthetic_calbin, "--out", str(kept)]) == 0
-    umask = os.umask(0o022)
-    os.umask(umask)
-    assert kept.stat().st_mode & 0o777 == 0o666 & ~umask
+    assert kept.stat().st_mode & 0o777 == new_file_mode()
     kept.chmod(0o644)
     assert cli.main(["golden", "record", "--calbin", synthetic_calbin, "--out", str(kept),
                      "--note", "again"]) == 0
     assert kept.stat().st_mode & 0o777 == 0o644
     assert 'note = "again"' in kept.read_text()
+
+
+def test_the_process_umask_is_read_without_being_changed():
+    """The one reader of the umask (``contracts.files``; ``charts draw`` had a second one that
+    set it to 0 and back, leaving another thread's new file world-writable meanwhile)."""
+    code = ("import os\nos.umask(0o027)\n"
+            "from calexec.contracts.files import new_file_mode, process_umask\n"
+            "print(oct(process_umask()), oct(new_file_mode()), oct(os.umask(0o027)))\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True)
+    assert run.stdout.split() == ["0o27", "0o640", "0o27"]
+    assert new_file_mode() == 0o666 & ~process_umask()
 
 
 def test_golden_record_out_naming_a_directory_by_its_slash_is_refused(synthetic_calbin,
