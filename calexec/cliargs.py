@@ -17,8 +17,9 @@
 - :func:`make_dir` / :func:`output_dir` / :func:`cannot_make_dir`: an output directory flag
   (``--out``, ``--report``, ``--dump-dir``) whose directory cannot be made: one line naming
   the flag and its value, ``not a directory`` when a file is there, exit 2.
-- :func:`staged_report`: a report's files (``--report DIR``) written all together or not at
-  all: a Ctrl-C or an error while they are written leaves ``DIR`` as it was.
+- :func:`staged_report`: a command's output files (``--report DIR``, ``charts draw``'s
+  diagrams, ``charts names``' module) written all together or not at all: a Ctrl-C or an
+  error while they are written leaves ``DIR`` as it was.
 
 Exit codes, the same for every subcommand: 0 success; 1 the command ran and its check failed
 (a gate, a stale diagram, an oracle mismatch); 2 bad usage or configuration (named in the
@@ -285,36 +286,44 @@ def output_dir(flag: str, path: str, files: tuple[str, ...] = ()) -> None:
 
 
 @contextlib.contextmanager
-def staged_report(flag: str, directory: str | os.PathLike[str]) -> Iterator[str]:
-    """A scratch directory inside the report directory ``flag`` names, for the block to write
-    the report's files into. When the block ends without an exception they replace the files
-    of the same names in ``directory`` together (a Ctrl-C that arrives meanwhile is held until
-    they all are, then interrupts as usual); when it raises (a ``KeyboardInterrupt`` too) the
-    scratch directory is removed and ``directory`` keeps what it had: an interrupted or failed
-    write never leaves a report that looks complete, half new and half old or cut short.
-    ``directory`` that cannot be made, or written in, is :func:`cannot_write`'s one line
-    naming ``flag`` (UserError, exit 2)."""
+def staged_report(flag: str, directory: str | os.PathLike[str],
+                  given: str | os.PathLike[str] | None = None) -> Iterator[str]:
+    """A scratch directory inside the output directory ``directory``, for the block to write
+    the command's files into (a report's, ``charts draw``'s diagrams, ``charts names``'
+    module: every command that replaces a set of files goes through here). When the block
+    ends without an exception they replace the files of the same names in ``directory``
+    together (a Ctrl-C that arrives meanwhile is held until they all are, then interrupts as
+    usual); when it raises (a ``KeyboardInterrupt`` too) the scratch directory is removed and
+    ``directory`` keeps what it had: an interrupted or failed write never leaves output that
+    looks complete, half new and half old or cut short. A new file gets the mode ``open()``
+    gives it (the umask applied). ``directory`` that cannot be made, or written in, is
+    :func:`cannot_write`'s one line naming ``flag`` with its value ``given`` (default
+    ``directory``; the file, when the flag names one: ``charts names --out FILE``) (UserError,
+    exit 2)."""
+    shown = directory if given is None else given
     make_dir(flag, directory)
     try:
         scratch = tempfile.mkdtemp(prefix=".partial-", dir=directory)
     except OSError as exc:
-        raise cannot_write(directory, exc, flag) from None
+        raise cannot_write(shown, exc, flag) from None
     try:
         try:
             yield scratch
         except OSError as exc:  # (a full disk: named as the report's file, not the scratch one)
-            name = os.fsdecode(exc.filename) if exc.filename is not None else None
-            if name is None or os.path.dirname(os.path.abspath(name)) != os.path.abspath(scratch):
+            if exc.filename is None:  # (a write's error names no file: the output's, then)
+                raise cannot_write(shown, exc, flag) from None
+            name = os.fsdecode(exc.filename)
+            if os.path.dirname(os.path.abspath(name)) != os.path.abspath(scratch):
                 raise
             named = OSError(exc.errno, exc.strerror or str(exc),
                             os.path.join(directory, os.path.basename(name)))
-            raise cannot_write(directory, named, flag) from None
+            raise cannot_write(shown, named, flag) from None
         names = sorted(os.listdir(scratch))
         for name in names:  # (a directory in a file's place: found before any file moves)
             target = os.path.join(directory, name)
             if os.path.isdir(target) and not os.path.islink(target):
                 named = OSError(errno.EISDIR, os.strerror(errno.EISDIR), target)
-                raise cannot_write(directory, named, flag) from None
+                raise cannot_write(shown, named, flag) from None
         with _sigint_held():
             for name in names:
                 target = os.path.join(directory, name)
@@ -322,7 +331,7 @@ def staged_report(flag: str, directory: str | os.PathLike[str]) -> Iterator[str]
                     os.replace(os.path.join(scratch, name), target)
                 except OSError as exc:  # (named as the report's file, not the scratch one)
                     named = OSError(exc.errno, exc.strerror or str(exc), target)
-                    raise cannot_write(directory, named, flag) from None
+                    raise cannot_write(shown, named, flag) from None
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

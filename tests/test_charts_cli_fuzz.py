@@ -32,6 +32,7 @@ from hypothesis import strategies as st
 from statemachine import State, StateMachine
 
 from calexec import cli, cliargs
+from calexec.contracts.files import new_file_mode
 from calexec.machines.chartref import ChartRefError, load_chart
 from calexec.machines.diagrams import render_chart_dot
 
@@ -426,9 +427,7 @@ def test_draw_that_cannot_write_one_file_writes_none(project: Path):
     assert code == 0 and sorted(os.listdir(fresh)) == ["Door.dot", "Door.png", "Door.svg"]
     assert out_text.split() == [str(fresh / f"Door.{s}") for s in ("dot", "svg", "png")]
     mode = os.stat(fresh / "Door.svg").st_mode & 0o777
-    umask = os.umask(0)
-    os.umask(umask)
-    assert mode == 0o666 & ~umask  # as an ordinary write makes it, not a scratch file's 0600
+    assert mode == new_file_mode()  # as an ordinary write makes it, not a scratch file's 0600
     assert _run(["charts", "draw", ref, "--out", str(fresh), "--png", "--check"])[0] == 0
 
 
@@ -615,17 +614,37 @@ def test_the_fix_command_of_a_stale_check_can_be_pasted(project: Path, command: 
     assert f"--out {quoted}" in fix, fix
 
 
-def test_write_all_or_none_names_the_file_not_its_scratch_file(tmp_path: Path):
-    from calexec.drivers.tools.charts_cli import write_all_or_none
+@pytest.mark.requires_tool("dot")
+def test_a_ctrl_c_while_draw_replaces_its_files_leaves_no_mix(project: Path,
+                                                               monkeypatch: pytest.MonkeyPatch):
+    """``charts draw`` had its own all-or-none writer, which renamed the scratch files over
+    the old ones one by one: a Ctrl-C between two renames left ``Door.dot`` new and
+    ``Door.svg`` (and ``.png``) the previous chart's, a set ``--check`` calls stale. It writes
+    through ``cliargs.staged_report`` now, as every report does: the Ctrl-C is held until
+    every file is replaced, then interrupts."""
+    from calexec.drivers.tools import charts_cli
 
-    kept = tmp_path / "Door.dot"
-    kept.write_text("old\n")
-    gone = tmp_path / "no-such-dir" / "Door.svg"
-    with pytest.raises(cliargs.UserError) as refused:
-        write_all_or_none(tmp_path, {kept: "new\n", gone: b"<svg/>"})
-    assert str(refused.value) == (f"--out={str(tmp_path)!r}: cannot write {str(gone)!r}: "
-                                  "No such file or directory")
-    assert kept.read_text() == "old\n" and os.listdir(tmp_path) == ["Door.dot"]
+    out = project / "interrupted"
+    out.mkdir()
+    for suffix in ("dot", "svg", "png"):
+        (out / f"Door.{suffix}").write_text("the previous chart's\n")
+    replace = os.replace
+    calls: list[str] = []
+
+    def interrupted_replace(src: str, dst: str) -> None:
+        calls.append(os.path.basename(dst))
+        if len(calls) == 2:  # a Ctrl-C between the first file and the second
+            os.kill(os.getpid(), signal.SIGINT)
+        replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", interrupted_replace)
+    with pytest.raises(KeyboardInterrupt), contextlib.redirect_stdout(io.StringIO()):
+        charts_cli.draw([f"{module('charts')}:Door", "--out", str(out), "--png"])
+    monkeypatch.undo()
+    assert len(calls) >= 2
+    old = [p.name for p in sorted(out.iterdir()) if p.read_bytes() == b"the previous chart's\n"]
+    assert old in ([], ["Door.dot", "Door.png", "Door.svg"]), old
+    assert sorted(os.listdir(out)) == ["Door.dot", "Door.png", "Door.svg"]  # no scratch left
 
 
 def test_draw_into_a_file_is_refused_before_graphviz_runs(project: Path,

@@ -30,7 +30,6 @@ import re
 import shlex
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 from calexec.cliargs import (
@@ -38,9 +37,9 @@ from calexec.cliargs import (
     EXIT_FAILED,
     UserError,
     cannot_make_dir,
-    cannot_write,
     make_dir,
     nonempty_path,
+    staged_report,
     writable_file,
 )
 from calexec.cliargs import parser as cli_parser
@@ -171,7 +170,12 @@ def draw(argv: list[str]) -> int:
     written = [stem.with_suffix(suffix) for suffix in contents]
     for path in written:  # each writable (not a directory) before any is replaced
         writable_file("--out", path, args.out)
-    write_all_or_none(args.out, {path: contents[path.suffix] for path in written})
+    # every file or none: a Ctrl-C or a full disk while they are written leaves the old ones
+    with staged_report("--out", args.out) as scratch:
+        for path in written:
+            data = contents[path.suffix]
+            (Path(scratch) / path.name).write_bytes(
+                data.encode("utf-8") if isinstance(data, str) else data)
     for path in written:
         print(path)
     return 0
@@ -180,36 +184,6 @@ def draw(argv: list[str]) -> int:
 #: a chart larger than this gets a line on stderr before graphviz lays it out (which may take
 #: up to ``GRAPHVIZ_TIMEOUT_S`` per format: hundreds of states with many crossing edges)
 LARGE_STATES, LARGE_TRANSITIONS = 100, 200
-
-
-def write_all_or_none(out: Path, contents: dict[Path, str | bytes]) -> None:
-    """Write every file of ``contents`` (in directory ``out``, the ``--out`` given) or, when
-    one cannot be written, none: each goes to a scratch file beside it first, and the scratch
-    files replace the real ones only once all are written. ``UserError`` (exit 2) naming
-    ``--out`` and the file otherwise."""
-    scratch: dict[Path, str] = {}
-    writing = out
-    umask = os.umask(0)
-    os.umask(umask)
-    try:
-        try:
-            for path, data in contents.items():
-                writing = path  # (named in the error, not its scratch file)
-                fd, name = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-                scratch[path] = name
-                with os.fdopen(fd, "wb") as handle:
-                    handle.write(data.encode("utf-8") if isinstance(data, str) else data)
-                os.chmod(name, 0o666 & ~umask)  # (mkstemp's 0600: as open() would make it)
-            for path, name in scratch.items():
-                writing = path
-                os.replace(name, path)
-        except OSError as err:
-            named = OSError(err.errno, err.strerror or str(err), str(writing))
-            raise cannot_write(out, named, "--out") from None
-    finally:
-        for name in scratch.values():
-            with contextlib.suppress(OSError):
-                os.unlink(name)  # (gone once replaced)
 
 
 def _text(data: dict) -> str:

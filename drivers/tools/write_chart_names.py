@@ -12,9 +12,8 @@ import stat
 import sys
 from pathlib import Path
 
-from calexec.cliargs import UserError, command_main, nonempty_path
+from calexec.cliargs import UserError, command_main, nonempty_path, staged_report
 from calexec.cliargs import parser as cli_parser
-from calexec.drivers.tools.charts_cli import write_all_or_none
 from calexec.machines.compiled import names_source
 
 DEFAULT_OUT = Path(__file__).resolve().parents[2] / "machines" / "chart_names.py"
@@ -68,6 +67,7 @@ def main(argv: list[str]) -> int:
         return 0
     # a scratch file beside it replaces the module only once it is whole: a write cut short
     # (a full disk) leaves the previous module, never a truncated one that does not import
-    write_all_or_none(args.out, {args.out: fresh})
+    with staged_report("--out", args.out.parent, given=args.out) as scratch:
+        (Path(scratch) / args.out.name).write_bytes(fresh.encode("utf-8"))
     print(args.out)
     return 0
