@@ -631,6 +631,9 @@ def _graph(chart: CompiledChart) -> _Graph:
     runs: dict[_Node, tuple[StatechartRun, int, tuple[_Edge, ...]]] = {}
     edges: dict[_Node, list[_Edge]] = {}
     entered: dict[str, tuple[int, tuple[_Edge, ...], str]] = {}
+    #: state -> the first walk whose configuration holds it (preferred to one that enters it
+    #: and leaves it within the macrostep: a walk's test asserts the state is active)
+    held: dict[str, tuple[int, tuple[_Edge, ...], str]] = {}
     starts: list[_Start] = []
     frontier: deque[_Node] = deque()
     # the start under every guard holding, then under outcomes that select (or refuse) each
@@ -644,6 +647,8 @@ def _graph(chart: CompiledChart) -> _Graph:
         starts.append(begun)
         for state in [*start.entered, *start.configuration]:
             entered.setdefault(state, (len(starts) - 1, (), start.state))
+        for state in start.configuration:
+            held.setdefault(state, (len(starts) - 1, (), start.state))
         if begun.node not in runs:
             runs[begun.node] = (start, len(starts) - 1, no_steps)
             frontier.append(begun.node)
@@ -691,12 +696,15 @@ def _graph(chart: CompiledChart) -> _Graph:
                 path = (*steps, edge)
                 for state in twin.entered:
                     entered.setdefault(state, (origin, path, twin.state))
+                for state in twin.configuration:
+                    held.setdefault(state, (origin, path, twin.state))
                 out.append(edge)
                 if after not in runs:
                     if len(runs) >= MAX_CONFIGURATIONS:
                         raise ValueError(_too_many(chart))
                     runs[after] = (twin, origin, path)
                     frontier.append(after)
+    entered.update(held)
     graph = _Graph(tuple(starts), MappingProxyType(edges), MappingProxyType(entered),
                    MappingProxyType(rank), ordered)
     _GRAPHS[id(chart)] = (weakref.ref(chart, functools.partial(_forget, id(chart))), graph)

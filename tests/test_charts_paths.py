@@ -265,3 +265,56 @@ def test_drive_raises_when_the_run_does_not_take_a_step():
         "Kiosk: step 1 of 2, idle --start--> serving, was not taken: the run is in 'idle' "
         "(a StateChart ignores a refused event and turns an action's error into "
         "error.execution)"), caught.value
+
+
+def test_a_state_path_ends_where_the_state_is_active_when_some_outcome_keeps_it():
+    """A state left at once by a guarded eventless transition (every guard holding, as a
+    ``GuardTable`` answers by default) had the walk that passes through it as its path: the
+    state's walk ended in the configuration after it (``queued``: no step, ends in
+    ``job,running``; ``b``: ``go``, ends in ``c``), so the documented state test (drive the
+    walk, assert the state is active) failed for it. The first configuration that holds the
+    state is preferred now, as docs/framework.md says (a start step ``[!ready]``, a step
+    ``go[!skip]``); a state no outcome keeps (a final child whose ``done.state`` leaves its
+    parent) keeps the walk that enters it."""
+    from statemachine import State, StateChart
+
+    from calexec.machines.compiled import compiled
+    from calexec.machines.paths import as_data
+
+    class Queue(StateChart):
+        class job(State.Compound):
+            queued = State(initial=True)
+            running = State()
+            finished = State(final=True)
+            queued.to(running, cond="ready")
+            go = running.to(finished)
+            later = queued.to(running)
+
+        done = State(final=True)
+        done_state_job = job.to(done)
+
+    class Pass(StateChart):
+        a = State(initial=True)
+        b = State()
+        c = State()
+        go = a.to(b)
+        b.to(c, cond="skip")
+        back = c.to(a)
+
+    for chart, expected in ((Queue, {"queued": "job,queued", "finished": "done"}),
+                            (Pass, {"b": "b"})):
+        data = as_data(chart)
+        for state, walk in data["states"].items():
+            model = GuardTable.for_chart(chart)
+            steps = list(walk)
+            if steps and steps[0]["event"] is None:
+                model.outcomes = steps.pop(0)["guards"]
+            run = compiled(chart).run(model)
+            for step in steps:
+                model.outcomes = step["guards"]
+                run.send(step["event"])
+            assert run.state == data["ends"]["states"][state], (chart.__name__, state)
+            if state in expected:
+                assert data["ends"]["states"][state] == expected[state], (state, data["ends"])
+            if state != "finished":  # (left within the macrostep under every outcome)
+                assert state in run.configuration, (chart.__name__, state, run.state)
