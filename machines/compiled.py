@@ -361,7 +361,9 @@ class ChartRun:
                             break
                     else:
                         return transition
-        except (AttributeError, TypeError) as err:
+        except ChartTransitionError:
+            raise
+        except Exception as err:  # (a guard's own error too: it gains a note naming the guard)
             named = _select_error(self, event, locals().get("name"), err)
             if named is err:
                 raise

@@ -113,3 +113,25 @@ def test_an_error_a_guard_raises_itself_keeps_its_type_and_gains_where():
     assert raised.value.__notes__ == [
         "(raised evaluating Till: event 'start' in state 'idle': guard 'has_float')"]
     assert not isinstance(raised.value, ChartTransitionError)
+
+
+@pytest.mark.parametrize("error", [ValueError, ZeroDivisionError, RuntimeError, KeyError])
+def test_a_guard_s_own_error_of_any_type_gains_where_on_send_without_data(error):
+    """Only a guard's ``AttributeError``/``TypeError`` gained the note naming the chart, the
+    event, the state and the guard on the flat run's ``send(event)``: a ``ValueError`` (or a
+    ``ZeroDivisionError``, ...) came out bare, while ``can(event)`` and ``send(event, x=1)``
+    (which evaluate the guards another way) noted it. Every error a guard raises is noted
+    now, on each of the three."""
+    class Raising(Model):
+        def has_float(self) -> bool:
+            raise error("float drawer jammed")
+
+    note = "(raised evaluating Till: event 'start' in state 'idle': guard 'has_float')"
+    run = compiled(Till).run(Raising())
+    with pytest.raises(error) as raised:
+        run.send("start")
+    assert raised.value.__notes__ == [note]
+    assert run.state == "idle"
+    with pytest.raises(error) as raised:
+        run.can("start")
+    assert raised.value.__notes__ == [note.replace("'start' in", "'start' with data () in")]
