@@ -462,3 +462,23 @@ def test_derive_takes_a_compiled_chart_and_refuses_what_is_no_chart_naming_it():
             mutants.apply(bad, "x")
     with pytest.raises(TypeError, match=r"pass the chart class itself"):
         mutants.apply(compiled(JobChart), mutants.derive(JobChart)[0].id)
+
+
+def test_a_named_mutant_outside_the_kind_given_is_refused_before_the_run(tmp_path, capsys):
+    """``--kind drop --mutant guard-true:...`` ran the guard-true mutant: ``--mutant``
+    replaced the selection and ``--kind`` was dropped without a word, so a CI line meant to
+    judge only dropped transitions judged (and could pass on) another kind. Both flags narrow
+    the run; a named mutant outside ``--kind`` is refused, naming both, before anything runs."""
+    command = _door_project(tmp_path)
+    named = "guard-true:closed-lock->locked:has_key"
+    status, out = _mutate(capsys, tmp_path, "--chart", "door:Door", "--test-cmd", command,
+                          "--kind", "drop", "--mutant", named)
+    assert status == 2, out.err
+    assert out.err.splitlines() == [
+        f"calexec charts mutate: --mutant={named!r}: a guard-true mutant, not of --kind=drop; "
+        f"name mutants of that kind, or drop --kind"], out.err
+    assert out.out == ""
+    status, out = _mutate(capsys, tmp_path, "--chart", "door:Door", "--test-cmd", command,
+                          "--kind", "guard-true", "--mutant", named)
+    assert status == 0, out.err  # of the kind given: run as before
+    assert [(m["id"], m["status"]) for m in json.loads(out.out)["mutants"]] == [(named, "killed")]

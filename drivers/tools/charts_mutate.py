@@ -232,6 +232,12 @@ def select_mutants(charts: list[Chart], args: argparse.Namespace) -> list[tuple[
             raise ValueError(f"--mutant={unknown[0]!r}: no such mutant (list them with --json "
                              f"on a --sample run, or see derive())")
         chosen = list(dict.fromkeys(by_id[m] for m in args.mutant))
+        other = next((m for m in args.mutant if args.kind and by_id[m][1].kind not in args.kind),
+                     None)
+        if other is not None:  # (both flags narrow the run: this mutant is outside --kind)
+            raise ValueError(f"--mutant={other!r}: a {by_id[other][1].kind} mutant, not of "
+                             f"--kind={','.join(args.kind)}; name mutants of that kind, or "
+                             f"drop --kind")
     if not chosen:  # nothing would be judged: a pass would say nothing (PIT refuses it too)
         names = ", ".join(chart.name for chart in charts)
         if args.kind:
