@@ -169,8 +169,24 @@ class CompiledChart:
         """The record of ``transition`` (a python-statemachine ``Transition`` of the
         declaration) taken on ``event``, as a listener of an instance is called
         (``after_transition(event, transition)``; ``event`` is None for an eventless one);
-        None for the initial pseudo-transition, which is not declared."""
-        return self.by_declared.get((id(transition), "" if event is None else str(event)))
+        None for the initial pseudo-transition, which is not declared. An event the
+        transition took as a descriptor match (``door`` taking ``door.slam``) is its record
+        of the first of its events that matches."""
+        record = self.by_declared.get((id(transition), "" if event is None else str(event)))
+        if record is None and event is not None and not getattr(transition, "initial", True):
+            found = _selecting((r for r in self.transitions if self.declared[r.id] is transition),
+                               self.declared, transition.source.id, str(event))
+            record = found[0] if found else None
+        return record
+
+    def matching(self, state: str, event: object) -> tuple[Transition, ...] | None:
+        """The records a flat run tries for ``event`` in ``state`` when the table has no slot
+        for it: those whose declared transition matches it as an SCXML event descriptor, as
+        python-statemachine selects (``door`` takes ``door.slam``; ``_selecting``); None when
+        none does (or ``event`` is no string). Only a refused lookup pays for this."""
+        if not isinstance(event, str) or not event:
+            return None
+        return _selecting(self.transitions, self.declared, state, event) or None
 
     def set_checker(self, checker: TransitionChecker | None) -> None:
         """Install (or with None remove) the contract checker every run of this chart calls
@@ -348,8 +364,11 @@ class ChartRun:
         # instructions as without it), so the errors' context costs the hot path nothing.
         try:
             candidates = self._table.get((self.state, event))
-            if candidates is None:
-                raise IllegalTransition(self.chart.name, self.state, event, self.chart.events)
+            if candidates is None:  # (no slot: a declared descriptor may match, 'door.slam')
+                candidates = self.chart.matching(self.state, event)
+                if candidates is None:
+                    raise IllegalTransition(self.chart.name, self.state, event,
+                                            self.chart.events)
             model = self.model
             for transition in candidates:
                 for name in transition.conds:
@@ -463,6 +482,8 @@ class EventDataRun(ChartRun):
         except TypeError:  # an unhashable event (a list)
             candidates = None
         if candidates is None:
+            candidates = self.chart.matching(self.state, event)  # ('door' takes 'door.slam')
+        if candidates is None:
             return self.select(event)  # the same refusal (or the same error) as without data
         for transition in candidates:
             if (all(self._guard(event, name, args, data) for name in transition.conds)
@@ -525,7 +546,7 @@ class AttributeGuardRun(EventDataRun):
             candidates = self._table.get((self.state, event))
         except TypeError:  # an unhashable event (a list)
             candidates = None
-        if candidates is None:
+        if candidates is None and self.chart.matching(self.state, event) is None:
             return ChartRun.select(self, event)  # the same refusal as a flat run's
         return self._select_with(event, (), {})
 
@@ -645,6 +666,28 @@ def _blocked(transition: Any) -> bool:
     )
 
 
+def _selecting(transitions: Iterable[Transition], declared: tuple[Any, ...], source: str,
+               event: str) -> tuple[Transition, ...]:
+    """The records of ``source`` python-statemachine tries for ``event``, in its order: those
+    whose declared transition matches ``event`` as an SCXML event descriptor
+    (``Transition.match``: ``door`` takes ``door.slam`` too, ``error.*`` takes ``error`` and
+    ``error.execution``), in declaration order, one per declared transition (the record of
+    ``event`` itself when it has one, else its first matching one)."""
+    found: dict[int, Transition] = {}
+    for record in transitions:
+        if record.source != source or not record.event:
+            continue
+        origin = declared[record.id]
+        known = found.get(id(origin))
+        if known is not None:
+            if record.event == event and known.event != event:
+                found[id(origin)] = record
+            continue
+        if origin.match(event):
+            found[id(origin)] = record
+    return tuple(found.values())
+
+
 def dotted_event(event: str) -> str:
     """The SCXML name python-statemachine also registers for ``done_state_x``,
     ``done_invoke_x`` and ``error_x`` (itself for any other name): the event a transition
@@ -756,6 +799,10 @@ def compile_chart(declaration: type[StateChart[Any]], name: str | None = None) -
     for transition in transitions:
         slot = (transition.source, transition.event)
         table[slot] = table.get(slot, ()) + (transition,)
+    for (source, event), exact in list(table.items()):  # ('b', 'door.slam'): 'door' first
+        if event and (selecting := _selecting(transitions, tuple(sources), source, event)):
+            if selecting != exact:
+                table[(source, event)] = selecting
     return CompiledChart(
         name=name,
         declaration=declaration,

@@ -446,7 +446,7 @@ class StatechartRun:
     def _take_records(self) -> tuple[Transition, ...]:
         """The transitions taken since the last call (a skeleton's), as the chart's records."""
         records = tuple(found for step, event in self._taken
-                        if (found := self.chart.by_declared.get((id(step), event))) is not None)
+                        if (found := self.chart.record_of(step, event)) is not None)
         self._taken = []
         return records
 
@@ -599,7 +599,7 @@ class StatechartRun:
         taken, self._taken = self._taken, []
         chart = self.chart
         for declared, event in taken:
-            record = chart.by_declared.get((id(declared), event))
+            record = chart.record_of(declared, event)  # ('door' taking 'door.slam': its record)
             if record is None:
                 continue
             chart.taken[record.id] += 1

@@ -267,3 +267,117 @@ def test_a_state_machine_with_statechart_flags_is_run_as_python_statemachine_run
     with pytest.raises(ChartTransitionError):
         run.send("start")
     assert list(instance.configuration_values) == list(run.configuration) == ["idle"]
+
+
+class _Hatch:
+    """The model of ``_Dotted``: one guard, set by the test."""
+
+    def __init__(self, ok: bool) -> None:
+        self.ok = ok
+
+    def sealed(self) -> bool:
+        return self.ok
+
+
+def _dotted_chart() -> type:
+    from statemachine import Event, State, StateMachine
+
+    class Dotted(StateMachine):
+        closed = State(initial=True)
+        opened = State()
+        jammed = State()
+        gone = State(final=True)
+
+        door = closed.to(opened) | opened.to(jammed, cond="sealed") | jammed.to(closed)
+        slam = Event(opened.to(gone), id="door.slam")
+        oops = Event(jammed.to(opened), id="error.*")
+
+    return Dotted
+
+
+@given(events=st.lists(st.sampled_from(["door", "door.slam", "door.slam.hard", "door.open",
+                                        "error", "error.execution", "err", "doors", "x.y"]),
+                       max_size=8),
+       ok=st.booleans(), data=st.booleans())
+def test_a_flat_run_matches_dotted_events_as_python_statemachine_does(events, ok, data):
+    """python-statemachine matches a sent event against each transition's SCXML event
+    descriptor: ``door`` takes ``door.slam`` and ``door.open`` too, ``error.*`` takes ``error``
+    and ``error.execution``, and of two that match, the one declared first is tried first.
+    The flat run looked the sent event up by exact name: ``send("door.open")`` was an
+    ``IllegalTransition`` ("has no event") where an instance opened the door, and in
+    ``opened`` ``door.slam`` ended in ``gone`` where an instance (``door`` declared first,
+    ``sealed`` holding) ended in ``jammed``."""
+    chart = _dotted_chart()
+    machine = chart(_Hatch(ok))
+    run = compiled(chart).run(_Hatch(ok))
+    kwargs = {"force": 1} if data else {}
+    for event in events:
+        try:
+            machine.send(event, **kwargs)
+            expected = True
+        except TransitionNotAllowed:
+            expected = False
+        try:
+            run.send(event, **kwargs)
+            taken = True
+        except ChartTransitionError:
+            taken = False
+        (state,) = machine.configuration
+        assert (taken, run.state) == (expected, state.id), (events, event)
+        if state.final:
+            break
+
+
+def test_dotted_events_on_the_flat_run_named_cases():
+    chart = _dotted_chart()
+    run = compiled(chart).run(_Hatch(True))
+    run.send("door.open")  # 'door' takes it: closed -> opened
+    assert run.state == "opened"
+    run.send("door.slam")  # 'door' (declared first, sealed holds) before 'door.slam'
+    assert run.state == "jammed"
+    run.send("error.execution")  # 'error.*'
+    assert run.state == "opened"
+    assert compiled(chart).run(_Hatch(False)).can("door.open.wide")
+
+
+def test_a_transition_taken_by_a_dotted_event_is_counted_by_coverage():
+    """An instance (and a general run) taking ``door`` on ``door.open`` was not counted: the
+    coverage record was looked up by the exact event sent, so the gate listed the transition
+    untaken though the tests took it."""
+    from statemachine import Event, State, StateChart
+
+    from calexec.machines.coverage import TransitionRecorder, report, track
+
+    class Hall(StateChart):
+        class inside(State.Compound):
+            near = State(initial=True)
+            far = State()
+            door = near.to(far)
+        out = State(initial=True)
+        enter = out.to(inside)
+        alarm = Event(inside.to(out), id="alarm.*")
+
+    flat = _dotted_chart()
+    recorder = TransitionRecorder()
+    undo = track(flat, recorder)
+    try:
+        machine = flat(_Hatch(False))
+        machine.send("door.open")
+        machine.send("door.slam.hard")
+    finally:
+        undo()
+    (coverage,) = report([flat], recorder)
+    assert [(t.source, t.event) for t in coverage.untaken] == [
+        ("opened", "door"), ("jammed", "door"), ("jammed", "error.*")], coverage.untaken
+    for make in (Hall, lambda: compiled(Hall).run(None)):  # an instance, the general run
+        recorder = TransitionRecorder()
+        undo = track(Hall, recorder)
+        try:
+            run = make()
+            run.send("enter")
+            run.send("door.x")
+            run.send("alarm.fire")
+        finally:
+            undo()
+        (coverage,) = report([Hall], recorder)
+        assert coverage.complete, (make, coverage.untaken)
