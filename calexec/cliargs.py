@@ -319,10 +319,22 @@ def staged_report(flag: str, directory: str | os.PathLike[str],
                             os.path.join(directory, os.path.basename(name)))
             raise cannot_write(shown, named, flag) from None
         names = sorted(os.listdir(scratch))
-        for name in names:  # (a directory in a file's place: found before any file moves)
+        for name in names:  # (what is no file in a file's place: found before any file moves)
             target = os.path.join(directory, name)
             if os.path.isdir(target) and not os.path.islink(target):
                 named = OSError(errno.EISDIR, os.strerror(errno.EISDIR), target)
+                raise cannot_write(shown, named, flag) from None
+            try:
+                link, mode = os.lstat(target).st_mode, os.stat(target).st_mode
+            except OSError:  # (none there yet, or a dangling link: replaced)
+                continue
+            if (not stat.S_ISREG(mode) and not stat.S_ISDIR(mode)
+                    and (stat.S_ISLNK(link) or not stat.S_ISFIFO(mode))):
+                # a device, a socket, a link to one or to a FIFO (/dev/stdout): the rename
+                # would put a file in its place (as root, in place of /dev/null itself); a
+                # FIFO of its own in the output directory is replaced as a stale file is
+                named = OSError(errno.EINVAL, f"not a regular file ({stat.filemode(mode)}), "
+                                f"which the new file would replace", target)
                 raise cannot_write(shown, named, flag) from None
         with _sigint_held():
             for name in names:

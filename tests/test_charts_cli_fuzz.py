@@ -19,6 +19,7 @@ import itertools
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -691,3 +692,43 @@ def test_mutate_says_after_the_unmutated_run_that_the_command_never_imports_the_
             lines = err.splitlines()
             assert lines.index(warned[0]) < next(i for i, line in enumerate(lines)
                                                  if line.startswith("  [1/1]"))
+
+
+@pytest.mark.requires_tool("dot")
+@pytest.mark.parametrize("special", ["devnull", "fifo"])
+@pytest.mark.parametrize("command", ["charts names", "charts draw"])
+def test_a_link_to_a_device_where_a_file_goes_is_refused_not_replaced(project: Path,
+                                                                       command: str,
+                                                                       special: str):
+    """``charts names --out /dev/null`` (or ``/dev/stdout``, a link to the terminal or a
+    pipe; or such a link in ``charts draw``'s place of ``Door.svg``) renamed the new file
+    over it, exit 0: as root, a regular file took the place of ``/dev/null`` itself for
+    every process of the machine. A device, or a link to anything that is no regular file,
+    where the staged writer would put a file is refused now, naming it, exit 2, and stays
+    (here a link to ``os.devnull`` or to a FIFO, never ``/dev/null`` itself; a FIFO of its
+    own in the output directory is replaced, as
+    ``test_draw_over_a_fifo_named_like_its_file_does_not_wait_for_a_writer`` pins)."""
+    out = project / f"special_{command.replace(' ', '_')}_{special}"
+    out.mkdir()
+    target = os.devnull
+    if special == "fifo":
+        target = str(out / "a_fifo")
+        os.mkfifo(target)
+    link = out / ("names.py" if command == "charts names" else "Door.svg")
+    link.symlink_to(target)
+    argv = (["charts", "names", "--out", str(link)] if command == "charts names"
+            else ["charts", "draw", f"{module('charts')}:Door", "--out", str(out)])
+    line = _assert_usage_error(project, argv, "not a regular file")
+    assert line.startswith(f"calexec {command}: --out="), line
+    assert str(link) in line, line
+    assert os.path.islink(link) and os.readlink(link) == target
+    assert stat.S_ISCHR(os.stat(os.devnull).st_mode)
+
+
+@pytest.mark.parametrize("out", [".", "..", "/", "a_directory"])
+def test_names_out_naming_a_directory_is_one_line_exit_2(project: Path, out: str):
+    """``charts names --out .`` wrote the module to the scratch directory's own path once
+    ``charts names`` wrote through ``staged_report``: an internal error (exit 70)."""
+    (project / "a_directory").mkdir(exist_ok=True)
+    line = _assert_usage_error(project, ["charts", "names", "--out", out], f"--out={out!r}")
+    assert line.endswith("is a directory, not a generated chart names module"), line

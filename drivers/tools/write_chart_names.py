@@ -65,6 +65,9 @@ def main(argv: list[str]) -> int:
             return 1
         print(f"{args.out} is up to date")
         return 0
+    if args.out.name in ("", "..") or args.out.is_dir():  # ('.', '/', a directory)
+        raise UserError(f"--out={str(args.out)!r}: is a directory, not a generated chart "
+                        f"names module")
     # a scratch file beside it replaces the module only once it is whole: a write cut short
     # (a full disk) leaves the previous module, never a truncated one that does not import
     with staged_report("--out", args.out.parent, given=args.out) as scratch:
