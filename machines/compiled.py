@@ -155,6 +155,9 @@ class CompiledChart:
     #: executor's hot path) for calexec's own charts (``charts.DECLARED``); False: an ``EventDataRun``
     #: (``send(event, *args, **data)``, as an instance's) for any other chart
     keyword_free: bool = attrs.field(default=False, repr=False)
+    #: whether an event without a dot can match a declared descriptor other than itself
+    #: (``error.*``, ``error.``, ``*``): else ``matching`` answers such an event at once
+    wildcards: bool = attrs.field(default=False, repr=False)
 
     def refuse_runs(self, tool: str = "the compiled form") -> None:
         """Raise ``UnsupportedChart`` when no run of this chart can be followed (its own
@@ -184,8 +187,8 @@ class CompiledChart:
         for it: those whose declared transition matches it as an SCXML event descriptor, as
         python-statemachine selects (``door`` takes ``door.slam``; ``_selecting``); None when
         none does (or ``event`` is no string). Only a refused lookup pays for this."""
-        if not isinstance(event, str) or not event:
-            return None
+        if not isinstance(event, str) or not event or ("." not in event and not self.wildcards):
+            return None  # (the table holds every slot such an event can select)
         return _selecting(self.transitions, self.declared, state, event) or None
 
     def set_checker(self, checker: TransitionChecker | None) -> None:
@@ -823,6 +826,8 @@ def compile_chart(declaration: type[StateChart[Any]], name: str | None = None) -
         # calexec's own charts: the executor sends them events without data, and a **data
         # parameter costs every send ~40 ns (8 %); any other chart's flat run takes data
         keyword_free=declaration in DECLARED.values(),
+        wildcards=any(t.event == "*" or t.event.endswith(".") or t.event.endswith(".*")
+                      for t in transitions),
     )
 
 
