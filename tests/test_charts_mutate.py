@@ -482,3 +482,20 @@ def test_a_named_mutant_outside_the_kind_given_is_refused_before_the_run(tmp_pat
                           "--kind", "guard-true", "--mutant", named)
     assert status == 0, out.err  # of the kind given: run as before
     assert [(m["id"], m["status"]) for m in json.loads(out.out)["mutants"]] == [(named, "killed")]
+
+
+def test_examples_with_a_test_command_of_ones_own_is_refused_as_first_failure_is(tmp_path,
+                                                                               capsys):
+    """``--examples 200`` with ``--test-cmd`` was accepted and changed nothing (it sets
+    ``CALEXEC_STATEFUL_EXAMPLES`` for calexec's default command only): a user raising the
+    examples of their own hypothesis tests ran the same tests; ``--first-failure`` there is
+    refused, and so is ``--examples`` now, naming it, before anything runs."""
+    command = _door_project(tmp_path)
+    status, out = _mutate(capsys, tmp_path, "--chart", "door:Door", "--test-cmd", command,
+                          "--examples", "200")
+    assert status == 2, out.err
+    assert out.err.splitlines() == [
+        "calexec charts mutate: --examples=200 applies to calexec's default command "
+        "(CALEXEC_STATEFUL_EXAMPLES of its stateful tests); set your own tests' example count "
+        "in --test-cmd"], out.err
+    assert out.out == ""

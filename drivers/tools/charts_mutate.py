@@ -81,6 +81,8 @@ DEFAULT_TEST_CMD = (
 DEFAULT_CHART_ONLY_PREFIX = "tests/test_charts_"
 #: calexec's documented equivalent mutants, relative to --cwd (used when it exists).
 DEFAULT_EQUIVALENT = "docs/chart_mutants_equivalent.toml"
+#: CALEXEC_STATEFUL_EXAMPLES the default command's stateful test runs (``--examples``)
+DEFAULT_EXAMPLES = 30
 STATUSES = ("killed", "survived", "equivalent", "error")
 #: modules (comma-separated) the unmutated run reports importing, into CALEXEC_CHART_MUTANT_ACK
 PROBE_ENV = "CALEXEC_CHART_MUTATE_PROBE"
@@ -169,8 +171,9 @@ def _parser() -> argparse.ArgumentParser:
                              "mutant that makes the executor wait); the report then names one "
                              "killer per mutant. For your own --test-cmd, add your runner's "
                              "flag to it")
-    parser.add_argument("--examples", type=int, default=30,
-                        help="CALEXEC_STATEFUL_EXAMPLES for the default command (default 30)")
+    parser.add_argument("--examples", type=int, default=None,
+                        help=f"CALEXEC_STATEFUL_EXAMPLES for the default command (default "
+                             f"{DEFAULT_EXAMPLES})")
     parser.add_argument("--error-codes", default="3,4,5",
                         help="exit codes meaning 'not judged' rather than killed (default "
                              "3,4,5: pytest's internal error, usage error, no tests)")
@@ -428,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
             # (1e30 overflowed the wait for the first mutant: an internal error, exit 70)
             raise ValueError(f"--timeout={args.timeout}: must be a number of seconds > 0 and "
                              f"at most {cliargs.MAX_SECONDS:g}")
-        if args.examples < 1:
+        if args.examples is not None and args.examples < 1:
             raise ValueError(f"--examples={args.examples}: must be at least 1")
         for flag, value in (("--report", args.report), ("--cwd", args.cwd),
                             ("--equivalent", args.equivalent)):
@@ -464,6 +467,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.first_failure and args.test_cmd is not None:
             raise ValueError("--first-failure applies to calexec's default command; add your "
                              "runner's own flag (pytest: -x) to --test-cmd")
+        if args.examples is not None and args.test_cmd is not None:  # (it was ignored)
+            raise ValueError(f"--examples={args.examples} applies to calexec's default command "
+                             f"(CALEXEC_STATEFUL_EXAMPLES of its stateful tests); set your own "
+                             f"tests' example count in --test-cmd")
         command_text = args.test_cmd if args.test_cmd is not None else (
             DEFAULT_TEST_CMD.replace(" -q ", " -q -x ", 1) if args.first_failure
             else DEFAULT_TEST_CMD)
@@ -501,7 +508,8 @@ def main(argv: list[str] | None = None) -> int:
         base_env["PYTHONPATH"] = os.pathsep.join(
             filter(None, [str(site), str(cwd), base_env.get("PYTHONPATH")]))
         if args.test_cmd is None:
-            base_env["CALEXEC_STATEFUL_EXAMPLES"] = str(args.examples)
+            base_env["CALEXEC_STATEFUL_EXAMPLES"] = str(
+                DEFAULT_EXAMPLES if args.examples is None else args.examples)
 
         def env_for(tag: str) -> dict[str, str]:
             env = dict(base_env)
