@@ -802,10 +802,16 @@ def compile_chart(declaration: type[StateChart[Any]], name: str | None = None) -
     for transition in transitions:
         slot = (transition.source, transition.event)
         table[slot] = table.get(slot, ()) + (transition,)
-    for (source, event), exact in list(table.items()):  # ('b', 'door.slam'): 'door' first
-        if event and (selecting := _selecting(transitions, tuple(sources), source, event)):
-            if selecting != exact:
-                table[(source, event)] = selecting
+    # python-statemachine tries every transition whose descriptor matches the sent event, in
+    # declaration order: ('b', 'door.slam') tries 'door' first when it leaves 'b' before
+    leaving: dict[str, list[Transition]] = {}
+    for transition in transitions:
+        leaving.setdefault(transition.source, []).append(transition)
+    origins = tuple(sources)
+    for (source, event), exact in list(table.items()):
+        selecting = _selecting(leaving.get(source, ()), origins, source, event) if event else ()
+        if selecting and selecting != exact:
+            table[(source, event)] = selecting
     return CompiledChart(
         name=name,
         declaration=declaration,
