@@ -101,10 +101,18 @@ class Registered:
         raised or answered a count that is no integer: one chart's failing function leaves
         the other charts, the page and the drawings answering."""
         try:
-            return {state: int(n) for state, n in self.counts().items()}, None
+            answered = dict(self.counts().items())
         except Exception as err:  # noqa: BLE001 - the app's function may raise anything
             return {}, (f"{self.name}: the runs= or counts= function given to register raised "
                         f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+        found: dict[str, int] = {}
+        for state, n in answered.items():
+            try:
+                found[state] = int(n)
+            except (TypeError, ValueError, OverflowError):  # (runs= counts integers itself)
+                return {}, (f"{self.name}: the counts= function given to register answered a "
+                            f"count that is no integer: {state!r:.60}={n!r:.60}")
+        return found, None
 
     def highlighted(self) -> str | None:
         """The state to highlight (``active``), None when the app's function raised."""
@@ -285,15 +293,18 @@ class Inspector:
         state to highlight in its SVG (``active``; default: the state holding most runs, if
         any). ``count_instances=False``: rates from compiled runs only (no class listener; an
         app that never runs the class itself). ``ValueError`` for a name already registered
-        or both/neither of runs, counts; ``TypeError`` for one of runs, counts, active that is
-        not a function (a list of runs, not a function returning it), or a ``name`` that is not
-        a str."""
+        or both/neither of runs, counts, or an empty or blank ``name``; ``TypeError`` for one of
+        runs, counts, active that is not a function (a list of runs, not a function returning
+        it), or a ``name`` that is not a str."""
         shared = compiled(chart)
         shared.refuse_runs()  # (its own async callbacks: no run to show)
         if name is not None and not isinstance(name, str):  # (the page failed 500 on it)
             raise TypeError(f"register({shared.name}): name={name!r:.60}: expected a str, the "
                             f"chart's name in the page and its URL")
-        name = name or shared.name
+        if name is not None and not name.strip():  # (was: the chart's own name, silently)
+            raise ValueError(f"register({shared.name}): name={name!r}: empty; give the name "
+                             "the page shows (or none: the chart's own)")
+        name = shared.name if name is None else name
         expected = {"runs": "the live runs", "counts": "{state: count}",
                     "active": "the state to highlight or None"}
         for field, given in (("runs", runs), ("counts", counts), ("active", active)):

@@ -429,3 +429,22 @@ def test_a_transition_whose_own_guards_contradict_is_named_for_them_not_for_no_r
             "('ready and not ready') cannot all hold at once")
     else:
         raise AssertionError("a transition no outcome takes was given a path")
+
+
+def test_a_chart_registered_under_an_empty_or_blank_name_is_refused_naming_it():
+    """``register(Chart, name="")`` fell back to the chart's own name without a word (a name
+    computed by the app that came out empty then clashed with, or hid behind, the chart's
+    own), and ``name=" "`` was drawn on the page as a blank heading with a URL of a space.
+    Both are a ValueError naming the name (stop 53)."""
+    inspector = Inspector()
+    try:
+        for name in ("", " ", "\t"):
+            try:
+                inspector.register(Ticket, counts=dict, name=name)
+            except ValueError as refused:
+                assert str(refused).startswith(f"register(Ticket): name={name!r}: "), refused
+            else:
+                raise AssertionError(f"name={name!r} was registered")
+        assert inspector.live()["charts"] == {}
+    finally:
+        inspector.close()
