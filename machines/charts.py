@@ -245,9 +245,12 @@ class LifecycleChart(StateMachine):
     drain = Ready.to(Draining)
     recover = Draining.to(Recovering, cond="all_submitted_drained")
     reconfigure = Recovering.to(Configuring, cond="reset_confirmed")
-    # a shutdown before start(): nothing was opened, so the exit is orderly (not Failed)
+    # a shutdown before start(): nothing was opened, so the exit is orderly (not Failed);
+    # a shutdown that stopped a recovery's golden run (FI13: the golden's queued jobs are
+    # cancelled like any others) drains what was submitted and ends as orderly
     stop = (Draining.to(Stopped, cond="all_submitted_drained")
-            | Configuring.to(Stopped, cond="never_opened"))
+            | Configuring.to(Stopped, cond="never_opened")
+            | Warming.to(Stopped, cond="all_submitted_drained"))
     # §9.2 model switch: a generation that fails to configure or to pass its golden is
     # refused and the last known good calbin is configured again (as Triton keeps the old
     # model on a failed reload); the previous model keeps serving after its own golden.

@@ -713,6 +713,21 @@ class DeviceLifecycle:
                                       "serves again", **self._gctx())
         record["refused"] = refused
         if not status.ok:
+            # A shutdown stopped the golden run (its queued jobs are cancelled as any others,
+            # FI13): no verdict on the calbin. With nothing left on the device the exit is
+            # orderly, Warming -> Stopped (the shutdown then tears down as after a drain);
+            # failing it made every drain that met a recovery an exit 3, as for a broken
+            # device. A golden job the device still holds: Failed, as before.
+            with self.mu:
+                stopped = (self.stopping and self.run.state == LIFECYCLE_WARMING
+                           and self.run.can(LIFECYCLE_EV_STOP))
+                if stopped:
+                    self.run.send(LIFECYCLE_EV_STOP)
+                    self.ready_cv.notify_all()
+            if stopped:
+                log.info("recovery stopped by the shutdown while warming (%s): lifecycle "
+                         "Stopped", status.code)
+                return status
             self.fail(status)
             return status
         self._go_ready()

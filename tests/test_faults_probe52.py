@@ -120,7 +120,7 @@ def test_a_shutdown_ends_a_recovery_whose_golden_waits_for_kv_within_its_grace(t
     exempt from the stop, so the shutdown answered ``shutdown.recovery_busy`` after its grace,
     the lifecycle still Warming and nothing torn down, and the recovery went on until the
     golden's own timeout; now the golden's wait ends with the shutdown and the lifecycle is
-    final (Failed: the old generation was already torn down, embedding.md's table)."""
+    final: Stopped, nothing being left on the device (stop 53; it ended Failed)."""
     executor = started_executor(tmp_path, golden_timeout_s=60.0)
     out: list[Status] = []
     try:
@@ -135,8 +135,8 @@ def test_a_shutdown_ends_a_recovery_whose_golden_waits_for_kv_within_its_grace(t
         status = executor.shutdown(1.0)
         recovery.join(20)
         assert not recovery.is_alive(), "the recovery outlived the shutdown"
-        assert status.code != "shutdown.recovery_busy", status
-        assert executor.lifecycle.final and executor.state == "Failed"
+        assert status.ok, status
+        assert executor.lifecycle.final and executor.state == "Stopped"
         assert out and not out[0].ok
     finally:
         executor.device.emu.clear_all_faults()

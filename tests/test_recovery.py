@@ -10,6 +10,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 import time
 
 import numpy as np
@@ -422,6 +423,25 @@ def lifecycle_scenarios(calbins):
     # Configuring -> Stopped (shutdown before start: nothing was opened)
     ex = DeviceExecutor(CalRT.load(), manifest, ExecutorConfig(calbin_path=calbins["main"]))
     assert ex.shutdown(grace=1.0).ok and ex.state == "Stopped"
+    # Warming -> Stopped (a shutdown stops a recovery's golden run, here waiting for KV)
+    with running_executor(calbins["main"]) as ex:
+        arm(ex, "CCU_EXCEPTION")
+        arm(ex, "CAN_ALLOCATE_FALSE", param=2)  # the request's reserve, then the golden's
+        assert isinstance(ex.enqueue(prefill(1, PROMPT)).wait_until(deadline()), Status)
+        until(lambda: ex.state == "Warming" and ex.kvc is not None and ex.kvc.waiting == 1,
+              what="the recovery's golden waiting for KV")
+        assert ex.shutdown(grace=1.0).ok and ex.state == "Stopped"
+    # ... but Warming -> Failed when the stopped golden's job is still on the device (hung)
+    with running_executor(calbins["main"], golden_timeout_s=1.0) as ex:
+        arm(ex, "HANG")
+        recovery = threading.Thread(target=ex.recover, args=(Status.failure(
+            "device.ccu_exception", Category.DEVICE, Phase.RECOVERY, "a fault"),), daemon=True)
+        recovery.start()
+        until(lambda: ex.state == "Warming" and ex.snapshot()["inflight"] == 1,
+              what="the recovery's golden prefill on the device")
+        assert not ex.shutdown(grace=0.2).ok
+        recovery.join(10)
+        assert ex.state == "Failed", ex.state
 
 
 @pytest.fixture(scope="module")

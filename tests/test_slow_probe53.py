@@ -1,0 +1,90 @@
+"""Stop 53 (faults): slow and vanishing clients, and seeded fault schedules under load, each
+test replaying a defect found by probing a loopback server (raw sockets, httpx) on the
+bundled emulator. Every wait is a bounded poll of a condition; nothing asserts a duration.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import needs
+
+needs.module("httpx", "server")
+import httpx  # noqa: E402
+
+from calexec.contracts.errors import Category  # noqa: E402
+from calexec.contracts.status import Phase, Status  # noqa: E402
+from calexec.drivers.calrt.runtime import Fault, FaultMode  # noqa: E402
+from calexec.drivers.serving.server import ServerConfig, create_app  # noqa: E402
+from test_server_support import (  # noqa: E402
+    LiveServer,
+    server_idle,
+    started_executor,
+    wait_for,
+)
+
+TOKEN = "probe53-admin-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def test_a_drain_that_meets_a_recovery_warming_up_ends_stopped(tmp_path):
+    """A request's job meets a CCU exception; the fault controller's recovery is warming up
+    (its golden prefill waits for KV: the KvManager said no once) when ``POST /admin/drain``
+    arrives. The shutdown stops the golden run, nothing is left on the device, and the
+    lifecycle ended ``Failed`` all the same (``calexec serve``: exit 3, as for a broken
+    device, for a deploy that met a recovery); now it ends ``Stopped`` and the drain is OK."""
+    executor = started_executor(tmp_path)
+    app = create_app(executor, ServerConfig(admin_token=TOKEN))
+    service = app.state.service
+    try:
+        with LiveServer(app) as server, httpx.Client(base_url=server.url, timeout=30) as http:
+            emu = executor.device.emu
+            assert emu.set_fault(Fault.CCU_EXCEPTION, FaultMode.NTH, 1, 0, 0) == 0
+            # the request's prefill asks first, the recovery's golden prefill second
+            assert emu.set_fault(Fault.CAN_ALLOCATE_FALSE, FaultMode.NTH, 2, 0, 0) == 0
+            answers: list[httpx.Response] = []
+            client = threading.Thread(target=lambda: answers.append(http.post(
+                "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 1,
+                                         "timeout": 20})), daemon=True)
+            client.start()
+            wait_for(lambda: executor.state == "Warming" and executor.kvc is not None
+                     and executor.kvc.waiting == 1, 20, "the recovery's golden waiting for KV")
+            r = http.post("/admin/drain", params={"grace": 1}, headers=AUTH)
+            assert r.status_code == 202, r.text
+            wait_for(lambda: service.drain_status is not None, 30, "the drain's end")
+            client.join(30)
+            assert executor.state == "Stopped", (executor.state, executor.lifecycle.failure)
+            assert service.drain_status.ok, service.drain_status
+            assert executor.recoveries and not executor.recoveries[-1]["ok"]
+            assert answers and answers[0].status_code == 503, answers
+            wait_for(lambda: server_idle(service), 10, "the server to go idle")
+            counts = service.sequences.counts()
+            assert counts["free"] == counts["capacity"] and counts["withheld"] == 0
+    finally:
+        executor.device.emu.clear_all_faults()
+        if executor.state != "Stopped":
+            executor.shutdown(5.0)
+
+
+def test_a_shutdown_that_stops_a_recovery_with_a_golden_job_on_the_device_ends_failed(tmp_path):
+    """The bound of the fix above (the guard of ``Warming -> Stopped``): the recovery's golden
+    prefill hangs on the device; the shutdown stops the recovery, whose golden ends at its
+    own timeout with the job still on the device, so nothing drained: ``Failed`` (FI13:
+    Stopped only once everything submitted returned), never ``Stopped``."""
+    executor = started_executor(tmp_path, golden_timeout_s=2.0, execution_timeout_s=60.0)
+    out: list[Status] = []
+    try:
+        assert executor.device.emu.set_fault(Fault.HANG, FaultMode.NTH, 1, 0, 0) == 0
+        recovery = threading.Thread(target=lambda: out.append(executor.recover(Status.failure(
+            "device.ccu_exception", Category.DEVICE, Phase.RECOVERY, "before the schedule"))),
+            daemon=True)
+        recovery.start()
+        wait_for(lambda: executor.state == "Warming" and executor.snapshot()["inflight"] == 1,
+                 20, "the golden prefill on the device")
+        status = executor.shutdown(0.4)
+        assert not status.ok, status
+        recovery.join(20)
+        assert not recovery.is_alive() and out and not out[0].ok
+        assert executor.lifecycle.final and executor.state == "Failed", executor.state
+    finally:
+        executor.device.emu.clear_all_faults()
