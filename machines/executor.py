@@ -1185,9 +1185,16 @@ class DeviceExecutor(SequenceOwnership):
         job = self.completion.waiting_on
         if job is not None and not job.done:
             now = self.clock.monotonic()
-            late = now - min(self.completion.execution_deadline(job),
-                             job.deadline + self.config.stall_after_s)
-            if late >= 0:
+            execution = self.completion.execution_deadline(job)
+            stalled = job.deadline + self.config.stall_after_s
+            # named after the deadline that passed: a job hung past its execution deadline
+            # is usually well within its request's deadline (it read "-18.989s past its
+            # deadline")
+            if execution <= stalled and now >= execution:
+                reasons.append(f"job {job.job_id} (seq {job.request.seq_id}) is on the device "
+                               f"{now - execution:.3f}s past its execution deadline "
+                               f"(submitted {now - job.submitted_at:.3f}s ago)")
+            elif now >= stalled:
                 reasons.append(f"job {job.job_id} (seq {job.request.seq_id}) is on the device "
                                f"{now - job.deadline:.3f}s past its deadline")
         held = len(self.dispatch.held())

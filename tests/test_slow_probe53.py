@@ -5,15 +5,20 @@ bundled emulator. Every wait is a bounded poll of a condition; nothing asserts a
 
 from __future__ import annotations
 
+import re
 import threading
+import time
 
 import needs
 
 needs.module("httpx", "server")
 import httpx  # noqa: E402
+import numpy as np  # noqa: E402
 
 from calexec.contracts.errors import Category  # noqa: E402
+from calexec.contracts.prepare import InferenceRequest  # noqa: E402
 from calexec.contracts.status import Phase, Status  # noqa: E402
+from calexec.contracts.types import TaskKind  # noqa: E402
 from calexec.drivers.calrt.runtime import Fault, FaultMode  # noqa: E402
 from calexec.drivers.serving.server import ServerConfig, create_app  # noqa: E402
 from test_server_support import (  # noqa: E402
@@ -88,3 +93,29 @@ def test_a_shutdown_that_stops_a_recovery_with_a_golden_job_on_the_device_ends_f
         assert executor.lifecycle.final and executor.state == "Failed", executor.state
     finally:
         executor.device.emu.clear_all_faults()
+
+
+def test_a_hung_job_is_named_past_its_execution_deadline_not_a_negative_time(tmp_path):
+    """A request's job hangs on the device: past its execution deadline (0.3 s here), long
+    before its request's deadline (30 s), ``health()`` (and so ``/health``, ``/ready`` and a
+    waiter's ``admission.deadline``) said ``job 5 (seq 1) is on the device -29.6s past its
+    deadline``; now it names the execution deadline and how long ago it passed."""
+    executor = started_executor(tmp_path, execution_timeout_s=0.3, timeout_grace_s=30.0)
+    try:
+        assert executor.device.emu.set_fault(Fault.HANG, FaultMode.NTH, 1, 0, 0) == 0
+        handle = executor.enqueue(InferenceRequest(
+            seq_id=1, kind=TaskKind.PREFILL_IDS, tokens=np.asarray([5, 6, 7], dtype=np.int32),
+            positions=np.arange(3, dtype=np.int32), past_len=0,
+            deadline=time.monotonic() + 30.0))
+        reasons: list[str] = []
+
+        def late() -> bool:
+            reasons[:] = [r for r in executor.health() if "is on the device" in r]
+            return bool(reasons)
+        wait_for(late, 20, "the hung job in health()")
+        assert "past its execution deadline" in reasons[0], reasons
+        assert not re.search(r" -\d", reasons[0]), reasons
+        handle.cancel()
+    finally:
+        executor.device.emu.clear_all_faults()
+        executor.shutdown(1.0)
