@@ -981,7 +981,10 @@ class DeviceLifecycle:
             return self.failure or self.start_status or Status.OK
         if not drained:
             # the runtime may still DMA into our buffers: keep everything mapped and alive
-            return self.failure
+            # (a recovery that a shutdown stopped may have ended Stopped before this drain)
+            return self.failure or Status.failure(
+                "shutdown.not_drained", Category.DEVICE, Phase.SHUTDOWN,
+                f"submitted work did not drain within grace={grace}s")
         if host.gen is not None:
             host.gen.release(host.device)
             self._retire(host.gen)
