@@ -3,7 +3,9 @@
 ``reserve`` replaces the old ``do { ok = Apply(); } while (!ok)`` busy loop (S01): it asks
 ``canAllocate`` first, calls ``Apply`` once, and when either says no it waits on a condition
 variable until capacity is released, the deadline passes, the job is cancelled or the
-executor shuts down. Each wake-up retries ``Apply`` exactly once. A capacity *epoch* counter,
+executor shuts down. Each wake-up retries ``Apply`` exactly once. A fresh reservation that had
+to wait is served first come, first served (``_fifo``: only the head tries, a later one never
+overtakes it); growing a reservation already held is never queued. A capacity *epoch* counter,
 bumped under ``admission_mu`` whenever capacity is given back, closes the window between a
 failed ``Apply`` and the wait: no release can be missed, and no thread spins.
 
@@ -73,6 +75,10 @@ class SeqView:
     #: a pre-armed decode stream's next txn (``reserve_next``), Reserved behind ``open_txn``;
     #: it becomes the open txn when that one commits, and is rolled back otherwise
     next_txn: KvTxn | None = None
+
+
+#: the ``what`` of a ``_wait_for_capacity`` ticket in ``KvCoordinator._fifo``
+_QUEUED = "waiting its turn for KV capacity"
 
 
 class _Claim:
@@ -145,6 +151,8 @@ class KvCoordinator:
         self._epoch = 0
         self._closed = False
         self._waiting = 0  # threads in reserve's capacity wait (admission_mu)
+        #: fresh reservations waiting for capacity, in arrival order (admission_mu)
+        self._fifo: list[_Claim] = []
         self._kv_closed = False  # under _kv_call_mu: no KvManager call after close()
         self.seqs: dict[int, SeqView] = {}
         # Observability: how often waiters woke and retried Apply (FI04 proves no spinning).
@@ -292,21 +300,51 @@ class KvCoordinator:
     def _wait_for_capacity(self, seq_id: int, target: int, reserved: int, deadline: float,
                            stop: Callable[[], Status | None], ctx: dict[str, Any]
                            ) -> Status | None:
-        """None when Apply succeeded; else the Status that ended the wait."""
+        """None when Apply succeeded; else the Status that ended the wait.
+
+        A fresh reservation (the sequence holds no block) is admitted first come, first
+        served: once one had to wait, a later fresh one neither overtakes it nor tries
+        before it is at the head of ``_fifo`` (else small requests arriving all the time
+        kept a large one out until its deadline, though it fits alone). A sequence growing
+        a reservation it holds is never queued: it gives its KV back once it ends."""
         needed = self.blocks_for(target) - self.blocks_for(reserved)
+        fresh = self.blocks_for(reserved) == 0
+        ticket = _Claim(seq_id, "reserving KV capacity")
+        try:
+            return self._wait_in_turn(seq_id, target, needed, fresh, ticket, deadline, stop,
+                                      ctx)
+        finally:
+            if ticket.what == _QUEUED:  # set under admission_mu when it joined the queue
+                with self.admission_mu:
+                    self._fifo.remove(ticket)
+                    if self._fifo:
+                        self._bump()  # the next in turn tries now
+
+    def _wait_in_turn(self, seq_id: int, target: int, needed: int, fresh: bool,
+                      ticket: _Claim, deadline: float, stop: Callable[[], Status | None],
+                      ctx: dict[str, Any]) -> Status | None:
         while True:
             with self.admission_mu:
                 if self._closed:
                     return Status.unavailable(Phase.ADMISSION, "executor is shutting down", **ctx)
                 epoch = self._epoch
+                # a fresh reservation waits its turn behind the ones that waited before it
+                behind = fresh and bool(self._fifo) and self._fifo[0] is not ticket
             stopped = stop()
             if stopped is not None:
                 return stopped
-            with self._kv_call_mu:
-                fits = not self._kv_closed and bool(self.kv.can_allocate(needed))
-            if fits and self._apply(seq_id, target):
-                return None
+            if not behind:
+                with self._kv_call_mu:
+                    fits = not self._kv_closed and bool(self.kv.can_allocate(needed))
+                if fits and self._apply(seq_id, target):
+                    return None
             with self.admission_mu:
+                if fresh and ticket.what != _QUEUED:
+                    if self._fifo:
+                        self._bump()  # the head retries: its "no" may have been transient
+                        epoch = self._epoch
+                    self._fifo.append(ticket)
+                    ticket.what = _QUEUED
                 while self._epoch == epoch and not self._closed:
                     remaining = deadline - self.clock.monotonic()
                     if remaining <= 0:

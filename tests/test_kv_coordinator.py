@@ -410,3 +410,57 @@ def test_a_truncation_beyond_the_committed_length_is_refused():
     assert status.code == "kv.truncate_beyond_committed" and "length=9" in status.message
     assert kv.calls == calls and kvc.seqs[1].committed_len == 8
     assert kvc.truncate(1, 8).ok  # the committed length itself is kept as it is
+
+
+def _wait_until(predicate, seconds: float = 5.0) -> None:
+    end = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.005)
+
+
+def test_a_large_reservation_is_not_overtaken_by_smaller_ones_arriving_after_it():
+    """8 blocks; two small requests hold 1 block each. A large one needing 7 waits; small
+    ones keep arriving and each fitted at once, so whenever one small request ended another
+    took its block: the large one waited until its deadline (429 ``kv.deadline``) though it
+    fits alone (found with 4 looping clients on a loopback server). Now a fresh reservation
+    waits its turn: the small ones that arrive after it wait behind it, and it gets its 7
+    blocks once the two small ones gave theirs back."""
+    kvc, kv = coordinator(capacity_blocks=8)
+    small = [reserve(kvc, seq, tokens=16) for seq in (1, 2)]
+    assert all(isinstance(txn, KvTxn) for txn in small)
+    large, got = in_thread(lambda: reserve(kvc, 3, tokens=7 * 16, seconds=10))
+    _wait_until(lambda: kvc.waiting == 1)
+    later, got_later = in_thread(lambda: reserve(kvc, 4, tokens=16, seconds=10))
+    _wait_until(lambda: kvc.waiting == 2)
+    assert 4 not in kv.lens, "a later small reservation overtook the large one"
+    for txn in small:
+        kvc.mark_submitted(txn, evidence=FINISHED)
+        kvc.commit(txn)
+        assert kvc.reset_sequence(txn.seq_id).ok
+    large.join(5)
+    assert isinstance(got[0], KvTxn) and kv.lens[3] == 7 * 16
+    later.join(5)  # its turn now: the eighth block
+    assert isinstance(got_later[0], KvTxn) and kv.lens[4] == 16
+
+
+def test_a_waiter_leaving_the_queue_lets_the_next_one_in_and_growth_is_never_queued():
+    """The turn passes on when the head gives up (its deadline), and a sequence growing the
+    reservation it already holds is not queued behind fresh ones (it gives its KV back once
+    it ends: queueing it could wait for capacity only it can free)."""
+    kvc, kv = coordinator(capacity_blocks=4)
+    held = reserve(kvc, 1, tokens=16)
+    assert isinstance(held, KvTxn)
+    kvc.mark_submitted(held, evidence=FINISHED)
+    kvc.commit(held)
+    head, got_head = in_thread(lambda: reserve(kvc, 2, tokens=4 * 16, seconds=0.3))
+    _wait_until(lambda: kvc.waiting == 1)
+    grown = reserve(kvc, 1, past=16, tokens=16)  # seq 1 holds a block: grows past the head
+    assert isinstance(grown, KvTxn) and kv.lens[1] == 32
+    kvc.mark_submitted(grown, evidence=FINISHED)
+    kvc.commit(grown)
+    nxt, got_next = in_thread(lambda: reserve(kvc, 3, tokens=16, seconds=10))
+    head.join(5)
+    assert got_head[0].code == "kv.deadline"
+    nxt.join(5)
+    assert isinstance(got_next[0], KvTxn) and kv.lens[3] == 16
