@@ -537,6 +537,12 @@ def test_kv_pressure_waiters_block_idle_and_all_finish(calbin):
         while ex.kvc.waiting < len(WAITERS) and time.monotonic() < end:
             time.sleep(0.005)
         assert ex.kvc.waiting == len(WAITERS)  # all blocked in reserve
+        # each waiter joining the KV queue woke the others once (the head retries: its "no"
+        # may have been transient); let those wake-ups settle (bounded) before the idle phase
+        wakeups = -1
+        while ex.kvc.wakeups != wakeups and time.monotonic() < end:
+            wakeups = ex.kvc.wakeups
+            time.sleep(0.05)
         # Everybody is blocked and nothing is released: an idle phase.
         wakeups, applies = ex.kvc.wakeups, ex.kvc.apply_calls
         cpu0, wall0 = time.process_time(), time.monotonic()
