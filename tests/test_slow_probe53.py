@@ -5,7 +5,12 @@ bundled emulator. Every wait is a bounded poll of a condition; nothing asserts a
 
 from __future__ import annotations
 
+import json
 import re
+import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -23,6 +28,7 @@ from calexec.drivers.calrt.runtime import Fault, FaultMode  # noqa: E402
 from calexec.drivers.serving.server import ServerConfig, create_app  # noqa: E402
 from test_server_support import (  # noqa: E402
     LiveServer,
+    free_port,
     server_idle,
     started_executor,
     wait_for,
@@ -119,3 +125,41 @@ def test_a_hung_job_is_named_past_its_execution_deadline_not_a_negative_time(tmp
     finally:
         executor.device.emu.clear_all_faults()
         executor.shutdown(1.0)
+
+
+def test_a_drain_that_cuts_a_client_still_sending_its_body_logs_no_traceback(tmp_path):
+    """``calexec serve``, a client that sent its request head and part of its body, SIGTERM:
+    the drain ends at once (nothing admitted), and uvicorn cut the connection after
+    ``SHUTDOWN_WAIT_S``, logging ``ERROR Cancel 1 running task(s)`` and an ``ERROR Exception
+    in ASGI application`` traceback (``CancelledError``) per such client on every deploy;
+    now one WARNING line and no traceback, exit 0."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "calexec", "serve", "--port", str(port),
+                             "--grace", "1", "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path)
+    sock = None
+    try:
+        def up() -> bool:
+            try:
+                return httpx.get(f"{url}/ready", timeout=1).status_code == 200
+            except httpx.TransportError:
+                assert proc.poll() is None, proc.stderr.read().decode()
+                return False
+        wait_for(up, 30, "calexec serve to become ready")
+        body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 4}).encode()
+        sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                     b"application/json\r\ncontent-length: %d\r\n\r\n" % len(body) + body[:-4])
+        time.sleep(0.3)  # the route reads the body
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=30)
+        stderr = proc.stderr.read().decode()
+        assert code == 0, stderr[-3000:]
+        assert "Traceback" not in stderr and "ERROR" not in stderr, stderr[-3000:]
+    finally:
+        if sock is not None:
+            sock.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -592,14 +592,21 @@ def _listening_url(sockname: tuple) -> str:
 
 
 class _CutTracebacks(logging.Filter):
-    """After a forced exit: drops uvicorn's tracebacks of the tasks the exit cancels (each
-    cut request's ``Exception in ASGI application`` and the lifespan's, both a
-    ``CancelledError``); the cut is the one WARNING line ``DrainingServer`` writes."""
+    """After a forced exit, or once a drain ended: drops uvicorn's tracebacks of the tasks
+    the exit cancels (each cut request's ``Exception in ASGI application`` and the
+    lifespan's, both a ``CancelledError``; after a drain, requests whose clients never sent
+    their whole body, which ``SHUTDOWN_WAIT_S`` cuts), and makes uvicorn's ``Cancel N
+    running task(s), timeout graceful shutdown exceeded`` a WARNING: the cut is expected,
+    no error of the server. A forced exit's cut is the one WARNING line ``DrainingServer``
+    writes."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.exc_info and record.exc_info[0] is asyncio.CancelledError:
             return False
         message = record.getMessage()
+        if message.startswith("Cancel ") and "timeout graceful shutdown exceeded" in message:
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            return True
         return not (message.startswith("Traceback")
                     and message.rstrip().endswith("CancelledError"))
 
@@ -629,6 +636,10 @@ class DrainingServer(uvicorn.Server):
         service.on_drained.append(self._drained)
 
     def _drained(self, status: Status) -> None:
+        # connections still open (a client that never sent its whole body, one that does
+        # not read what was buffered for it) are cut by uvicorn after SHUTDOWN_WAIT_S: an
+        # expected end of a drain, not an error with a traceback per connection
+        logging.getLogger("uvicorn.error").addFilter(self._cut_tracebacks)
         self.should_exit = True
 
     @contextlib.contextmanager
