@@ -345,6 +345,10 @@ class KvCoordinator:
                         epoch = self._epoch
                     self._fifo.append(ticket)
                     ticket.what = _QUEUED
+                    if behind and self._fifo[0] is ticket:
+                        # the ones it saw before it left meanwhile (leaving an empty queue
+                        # wakes no one): its turn, and it has not tried: try now, not wait
+                        continue
                 while self._epoch == epoch and not self._closed:
                     remaining = deadline - self.clock.monotonic()
                     if remaining <= 0:

@@ -464,3 +464,51 @@ def test_a_waiter_leaving_the_queue_lets_the_next_one_in_and_growth_is_never_que
     assert got_head[0].code == "kv.deadline"
     nxt.join(5)
     assert isinstance(got_next[0], KvTxn) and kv.lens[3] == 16
+
+
+class _HeadGatedKv(GatedKv):
+    """``GatedKv`` whose Apply for sequence 2 waits for ``head_gate`` (announced by
+    ``head_in``)."""
+
+    def __init__(self, capacity_blocks: int) -> None:
+        super().__init__(capacity_blocks)
+        self.head_in, self.head_gate = threading.Event(), threading.Event()
+
+    def apply(self, seq: int, target: int) -> bool:
+        if seq == 2:
+            self.head_in.set()
+            assert self.head_gate.wait(10), "the test never let the head's Apply go"
+        return super().apply(seq, target)
+
+
+def test_a_fresh_reservation_that_finds_the_queue_emptied_before_it_joins_tries_at_once():
+    """The lead's review of the first-come-first-served queue: a fresh reservation that saw
+    another at the queue's head did not try; if that head then got its KV and left before
+    the newcomer joined (nothing else in the queue, so nothing woke anyone), the newcomer
+    joined as the head without having tried and slept, KV free, until its deadline: a lost
+    wake-up (FI04). Here the head was woken by a release before the newcomer looked, and
+    runs its Apply only once the newcomer has decided to wait behind it."""
+    kv = _HeadGatedKv(capacity_blocks=4)
+    kvc = KvCoordinator(kv, 1, LockOrder(checking=True, strict=True))
+    held = reserve(kvc, 1, tokens=4 * 16)
+    assert isinstance(held, KvTxn)
+    kvc.mark_submitted(held, evidence=FINISHED)
+    kvc.commit(held)
+    head, got_head = in_thread(lambda: reserve(kvc, 2, tokens=16, seconds=10))
+    _wait_until(lambda: kvc.waiting == 1)
+    assert kvc.reset_sequence(1).ok  # the release wakes the head, held in its Apply
+    assert kv.head_in.wait(5)
+    stopped_once: list[bool] = []
+
+    def newcomer_stop():
+        if not stopped_once:  # the newcomer saw the head in the queue and did not try
+            stopped_once.append(True)
+            kv.head_gate.set()  # the head gets its block and leaves the queue, now empty
+            head.join(5)
+        return None
+
+    newcomer = reserve(kvc, 3, tokens=16, seconds=3, stop=newcomer_stop)
+    head.join(5)
+    assert isinstance(got_head[0], KvTxn) and kv.lens[2] == 16
+    assert isinstance(newcomer, KvTxn), newcomer  # 3 blocks free: not kv.deadline
+    assert kv.lens[3] == 16
