@@ -19,7 +19,9 @@
   the flag and its value, ``not a directory`` when a file is there, exit 2.
 - :func:`staged_report`: a command's output files (``--report DIR``, ``charts draw``'s
   diagrams, ``charts names``' module) written all together or not at all: a Ctrl-C or an
-  error while they are written leaves ``DIR`` as it was.
+  error while they are written leaves ``DIR`` as it was; a report's, written, replace the
+  older report whole (its files this run did not write are removed, nothing else in
+  ``DIR``).
 
 Exit codes, the same for every subcommand: 0 success; 1 the command ran and its check failed
 (a gate, a stale diagram, an oracle mismatch); 2 bad usage or configuration (named in the
@@ -287,19 +289,23 @@ def output_dir(flag: str, path: str, files: tuple[str, ...] = ()) -> None:
 
 @contextlib.contextmanager
 def staged_report(flag: str, directory: str | os.PathLike[str],
+                  files: tuple[str, ...] = (), *,
                   given: str | os.PathLike[str] | None = None) -> Iterator[str]:
     """A scratch directory inside the output directory ``directory``, for the block to write
     the command's files into (a report's, ``charts draw``'s diagrams, ``charts names``'
     module: every command that replaces a set of files goes through here). When the block
     ends without an exception they replace the files of the same names in ``directory``
-    together (a Ctrl-C that arrives meanwhile is held until they all are, then interrupts as
-    usual); when it raises (a ``KeyboardInterrupt`` too) the scratch directory is removed and
-    ``directory`` keeps what it had: an interrupted or failed write never leaves output that
-    looks complete, half new and half old or cut short. A new file gets the mode ``open()``
-    gives it (the umask applied). ``directory`` that cannot be made, or written in, is
-    :func:`cannot_write`'s one line naming ``flag`` with its value ``given`` (default
-    ``directory``; the file, when the flag names one: ``charts names --out FILE``) (UserError,
-    exit 2)."""
+    together, and each of ``files`` (the names a report of this kind may have, say
+    ``timing.png``) this run did not write is removed, so no file of an older run sits beside
+    the new report as if it were its own; any other file in ``directory`` is the user's and
+    stays. A Ctrl-C that arrives meanwhile is held until they all are, then interrupts as
+    usual. When the block raises (a ``KeyboardInterrupt`` too) the scratch directory is
+    removed and ``directory`` keeps what it had: an interrupted or failed write never leaves
+    output that looks complete, half new and half old or cut short. A new file gets the mode
+    ``open()`` gives it (the umask applied). ``directory`` that cannot be made, or written
+    in, is :func:`cannot_write`'s one line naming ``flag`` with its value ``given`` (default
+    ``directory``; the file, when the flag names one: ``charts names --out FILE``)
+    (UserError, exit 2)."""
     shown = directory if given is None else given
     make_dir(flag, directory)
     try:
@@ -319,6 +325,11 @@ def staged_report(flag: str, directory: str | os.PathLike[str],
                             os.path.join(directory, os.path.basename(name)))
             raise cannot_write(shown, named, flag) from None
         names = sorted(os.listdir(scratch))
+        # an older run's file of the report this run did not write (a timing.png of a run
+        # with a timeline, under a new report without one); a directory there is not one
+        stale = [name for name in sorted(set(files) - set(names))
+                 if os.path.lexists(target := os.path.join(directory, name))
+                 and (os.path.islink(target) or not os.path.isdir(target))]
         for name in names:  # (what is no file in a file's place: found before any file moves)
             target = os.path.join(directory, name)
             if os.path.isdir(target) and not os.path.islink(target):
@@ -344,6 +355,16 @@ def staged_report(flag: str, directory: str | os.PathLike[str],
                 except OSError as exc:  # (named as the report's file, not the scratch one)
                     named = OSError(exc.errno, exc.strerror or str(exc), target)
                     raise cannot_write(shown, named, flag) from None
+            for name in stale:
+                target = os.path.join(directory, name)
+                try:
+                    os.unlink(target)
+                except FileNotFoundError:  # (removed meanwhile: what was asked)
+                    pass
+                except OSError as exc:
+                    raise UserError(f"{flag}={os.fsdecode(shown)!r}: cannot remove "
+                                    f"{target!r} of an older run: "
+                                    f"{exc.strerror or exc}") from None
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

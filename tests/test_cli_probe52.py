@@ -102,7 +102,7 @@ def test_a_staged_report_is_all_or_nothing(tmp_path):
     directory = tmp_path / "out"
     old = _old_report(directory, ("a.json", "b.md"))
     with pytest.raises(KeyboardInterrupt):
-        with cliargs.staged_report("--report", directory) as scratch:
+        with cliargs.staged_report("--report", directory, ("a.json", "b.md")) as scratch:
             Path(scratch, "a.json").write_text("new")
             raise KeyboardInterrupt
     assert _contents(directory) == old
@@ -110,7 +110,7 @@ def test_a_staged_report_is_all_or_nothing(tmp_path):
     os.remove(directory / "b.md")
     (directory / "b.md").mkdir()
     with pytest.raises(cliargs.UserError) as refused:
-        with cliargs.staged_report("--report", directory) as scratch:
+        with cliargs.staged_report("--report", directory, ("a.json", "b.md")) as scratch:
             Path(scratch, "a.json").write_text("new")
             Path(scratch, "b.md").write_text("new")
     assert str(refused.value) == (f"--report={str(directory)!r}: cannot write "
@@ -118,7 +118,7 @@ def test_a_staged_report_is_all_or_nothing(tmp_path):
     assert (directory / "a.json").read_text() == old["a.json"]
     assert sorted(p.name for p in directory.iterdir()) == ["a.json", "b.md"]
     os.rmdir(directory / "b.md")
-    with cliargs.staged_report("--report", directory) as scratch:
+    with cliargs.staged_report("--report", directory, ("a.json", "b.md")) as scratch:
         Path(scratch, "a.json").write_text("new a")
         Path(scratch, "b.md").write_text("new b")
     assert _contents(directory) == {"a.json": "new a", "b.md": "new b"}
@@ -243,7 +243,7 @@ def test_a_staged_report_names_a_file_that_cannot_be_written_as_the_reports(tmp_
     file, never as the scratch file nobody asked for."""
     directory = tmp_path / "out"
     with pytest.raises(cliargs.UserError) as refused:
-        with cliargs.staged_report("--report", directory) as scratch:
+        with cliargs.staged_report("--report", directory, ("a.json", "b.md")) as scratch:
             raise OSError(28, "No space left on device", os.path.join(scratch, "a.json"))
     assert str(refused.value) == (f"--report={str(directory)!r}: cannot write "
                                   f"{str(directory / 'a.json')!r}: No space left on device")

@@ -593,7 +593,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.report:  # (checked before the run; what changed since is still one line, exit 2)
         out = Path(args.report)
         try:
-            with cliargs.staged_report("--report", out) as staged:  # (both or neither)
+            with cliargs.staged_report("--report", out, REPORT_FILES) as staged:  # (both or neither)
                 Path(staged, "mutation.md").write_text(text)
                 Path(staged, "mutation.json").write_text(json.dumps(report, indent=2) + "\n")
         except cliargs.UserError as err:

@@ -191,7 +191,7 @@ def main(argv: list[str]) -> int:
         return 2
     if args.report:  # (all the files or none: a Ctrl-C while they are written leaves none)
         try:
-            with cliargs.staged_report("--report", args.report) as scratch:
+            with cliargs.staged_report("--report", args.report, REPORT_FILES) as scratch:
                 write_report(report, scratch)
         except OSError as exc:
             raise cliargs.cannot_write(args.report, exc, "--report") from None

@@ -186,7 +186,7 @@ def main(argv: list[str]) -> int:
         return 1
     if args.report:  # (checked before the run; what changed since is one line, exit 2)
         try:  # (all the files or none: a Ctrl-C while they are written leaves none)
-            with cliargs.staged_report("--report", args.report) as scratch:
+            with cliargs.staged_report("--report", args.report, REPORT_FILES) as scratch:
                 files = write_report(result, scratch)
         except OSError as exc:
             raise cliargs.cannot_write(args.report, exc, "--report") from None

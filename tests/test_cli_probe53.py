@@ -1,0 +1,66 @@
+"""Stop 53's probe of bad command lines, bad files and the admin endpoints (docs/traceability.md,
+"Found at stop 53 (cliadmin)")."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from calexec import cli
+from calexec.drivers.tools.accept import run as accept_run
+from calexec.drivers.tools.conform import overlap_trace
+from calexec.drivers.tools.conform import runner as conform_runner
+
+
+def _conform_result(timeline: bool) -> dict:
+    spans = [{"phase": "parallel", "engine": 0, "job": 1, "stage": "compute", "start_us": 0.0,
+              "end_us": 10.0}] if timeline else []
+    return {"runtime": "probe", "library": "probe.so", "bundled": True,
+            "emulator_controls": True, "config": "", "quick": True, "questions": [],
+            "settings": [], "experiments": {}, "timeline": spans}
+
+
+def test_a_conform_report_replaces_the_older_report_whole(monkeypatch, tmp_path, capsys):
+    """``conform --report DIR`` over the report of a run with a timeline, by a run without
+    one (a library whose overlap experiment was inconclusive): the new conformance.json /
+    .md sat beside the older run's trace.json and timing.png, which the new report does not
+    list (``artifacts: []``) but a reader takes for its own; now the report's own files this
+    run did not write are removed, and a file of the user's in DIR stays."""
+    directory = tmp_path / "report"
+    monkeypatch.setattr(overlap_trace, "write_png",
+                        lambda path, spans, title: Path(path).write_bytes(b"png"))
+    monkeypatch.setattr(conform_runner, "run", lambda *args, **kwargs: _conform_result(True))
+    assert cli.main(["conform", "--quick", "--report", str(directory)]) == 0
+    (directory / "notes.txt").write_text("mine")
+    (directory / "timing.png.d").mkdir()  # (a name like one of the report's: not its file)
+    monkeypatch.setattr(conform_runner, "run", lambda *args, **kwargs: _conform_result(False))
+    assert cli.main(["conform", "--quick", "--report", str(directory)]) == 0, \
+        capsys.readouterr().err
+    assert sorted(p.name for p in directory.iterdir()) == [
+        "conformance.json", "conformance.md", "notes.txt", "timing.png.d"]
+    assert json.loads((directory / "conformance.json").read_text())["artifacts"] == []
+    assert (directory / "notes.txt").read_text() == "mine"
+
+
+def _accept_report(series: bool) -> dict:
+    gate = {"passed": True, "metric": "m", "value": 1, "seconds": 0.1, "details": {}}
+    latency = {"lengths_a": [1.0, 2.0, 3.0]} if series else {}
+    return {"mode": "quick", "passed": True, "phases": ["a"], "started": "now", "seconds": 1,
+            "gates": {"lengths_a": gate}, "sizes": {}, "environment": {},
+            "series": {"latency_ms": latency, "rss_mib": {}}}
+
+
+def test_an_accept_report_without_plots_removes_the_older_runs_plots(monkeypatch, tmp_path,
+                                                                     capsys):
+    """``accept --report DIR`` of gates with no latency series (``--gates soak``'s RSS only,
+    say) kept the older run's latency.png next to a report.md that does not show it."""
+    directory = tmp_path / "report"
+    monkeypatch.setattr(accept_run, "run_accept", lambda *args, **kwargs: _accept_report(True))
+    args = ["accept", "--gates", "lengths", "--phase", "a", "--report", str(directory)]
+    assert cli.main(args) == 0, capsys.readouterr().err
+    assert (directory / "latency.png").exists()
+    (directory / "run.log").write_text("mine")
+    monkeypatch.setattr(accept_run, "run_accept", lambda *args, **kwargs: _accept_report(False))
+    assert cli.main(args) == 0, capsys.readouterr().err
+    assert sorted(p.name for p in directory.iterdir()) == ["report.json", "report.md",
+                                                           "run.log"]
