@@ -477,15 +477,22 @@ class DeviceLifecycle:
         return handle.wait_until(request.deadline)
 
     def fail(self, status: Status) -> None:
-        """Lifecycle -> Failed with ``status`` as the reason; queued work is refused."""
+        """Lifecycle -> Failed with ``status`` as the reason; queued work is refused. Logged
+        once, by the call that moved it: a later call (the fault controller's STOP for a
+        golden job's fault, then the start that golden job failed) finds it final already,
+        and the lifecycle keeps the first reason."""
         with self.mu:
             self.admitting = False
-            if not self.run.final:
+            moved = not self.run.final
+            if moved:
                 self.run.send(LIFECYCLE_EV_FAIL)
                 self.failure = status
             self.ready_cv.notify_all()
         self._refuse_queued(status)
-        log.error("device lifecycle Failed: %s", status)
+        if moved:
+            log.error("device lifecycle Failed: %s", status)
+        else:
+            log.debug("device lifecycle already %s; also: %s", self.run.state, status)
 
     # ---- the queue through recovery (ready_queue_max) ------------------------------------------
     def wait_for_ready(self, job: Job) -> Status | None:

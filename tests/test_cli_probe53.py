@@ -64,3 +64,40 @@ def test_an_accept_report_without_plots_removes_the_older_runs_plots(monkeypatch
     assert cli.main(args) == 0, capsys.readouterr().err
     assert sorted(p.name for p in directory.iterdir()) == ["report.json", "report.md",
                                                            "run.log"]
+
+
+def test_a_start_whose_golden_job_stops_the_device_logs_its_failure_once(tmp_path, caplog):
+    """A runtime that answers the warm-up's ``Wait`` with a compatibility error (8
+    DRIVER_INCOMPATIBLE: a vendor library on the wrong driver) fails the start: the fault
+    controller's STOP failed the lifecycle, then the start that golden job failed did again,
+    and the log said ``device lifecycle Failed`` twice above the command's one line; now
+    once, with the first reason, and the start answers it."""
+    import logging
+
+    from calexec.contracts.manifest import default_manifest_path, load_manifest
+    from calexec.drivers.calrt.runtime import CalRT, Fault, FaultMode
+    from calexec.drivers.synthetic import calbin
+    from calexec.machines.executor import DeviceExecutor, ExecutorConfig
+
+    runtime = CalRT.load()
+    open_device = runtime.open_device
+
+    def open_incompatible(config: str = ""):
+        rc, device = open_device(config)
+        assert device is not None and device.emu is not None
+        assert device.emu.set_fault(Fault.WAIT_RC, FaultMode.EVERY_K, 1, 0, 8) == 0
+        return rc, device
+
+    runtime.open_device = open_incompatible  # type: ignore[method-assign]
+    path = tmp_path / "synthetic.calbin"
+    calbin.write(str(path), calbin.default_spec())
+    executor = DeviceExecutor(runtime, load_manifest(default_manifest_path()),
+                              ExecutorConfig(calbin_path=str(path)))
+    with caplog.at_level(logging.INFO):
+        status = executor.start()
+        executor.shutdown(5.0)
+    assert not status.ok and status.code == "calrt.wait_failed", status
+    said = [r.getMessage() for r in caplog.records
+            if r.getMessage().startswith("device lifecycle Failed")]
+    assert said == [f"device lifecycle Failed: {status}"], said
+    assert executor.state == "Failed"
