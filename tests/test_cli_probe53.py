@@ -101,3 +101,28 @@ def test_a_start_whose_golden_job_stops_the_device_logs_its_failure_once(tmp_pat
             if r.getMessage().startswith("device lifecycle Failed")]
     assert said == [f"device lifecycle Failed: {status}"], said
     assert executor.state == "Failed"
+
+
+def test_accept_on_a_calbin_with_no_pinned_golden_is_refused_before_the_run(tmp_path,
+                                                                           capsys):
+    """``accept --calbin X`` with a synthetic calbin no golden is pinned for (``calexec sim
+    write-calbin --seed 7``): every gate's executor failed to start (``golden.unpinned``),
+    and the run printed ``FAIL lengths_a lengths_correct = 0`` and ``accept quick: FAILED``,
+    exit 1, as if the executor had failed its gates (the reason only in --json or the
+    report); now one line naming --calbin and the command that pins its golden, exit 2,
+    before any gate runs."""
+    from calexec.drivers.synthetic import calbin
+
+    path = tmp_path / "seed7.calbin"
+    calbin.write(str(path), calbin.default_spec(seed=7))
+    report = tmp_path / "report"
+    code = cli.main(["accept", "--quick", "--gates", "lengths", "--phase", "a", "--calbin",
+                     str(path), "--report", str(report)])
+    captured = capsys.readouterr()
+    assert code == 2, captured
+    assert captured.out == ""
+    [line] = captured.err.splitlines()
+    assert line.startswith(f"calexec accept: --calbin={str(path)!r}: no golden is pinned "
+                           "for it (sha256 "), line
+    assert line.endswith(f"run `calexec golden record --calbin {path}` first"), line
+    assert not any(report.iterdir())

@@ -8,6 +8,7 @@ bounded: a job that does not resolve by its deadline plus ``HANG_GRACE_S`` count
 
 from __future__ import annotations
 
+import hashlib
 import io
 import sys
 import time
@@ -18,6 +19,8 @@ import attrs
 import numpy as np
 
 from calexec.contracts.errors import Category
+from calexec.contracts.goldens import goldens_path
+from calexec.contracts.goldens import lookup as lookup_golden
 from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import TaskKind
@@ -150,6 +153,37 @@ def open_executor(calbin_path: str, phase: str, recovery: RecoveryPolicy | None 
     ex = DeviceExecutor(device.runtime(), device.manifest(), config)
     status = ex.start()
     return ex if status.ok else status
+
+
+def unpinned_golden(calbin_path: str, device: DeviceSpec = DeviceSpec()) -> str | None:
+    """Why no gate's executor can start on ``calbin_path`` with ``device``'s manifest: no
+    golden is pinned next to it for this calbin and the warm-up every gate runs (§9.2; the
+    start would end ``golden.unpinned``), in one line naming the flag that chose it; None
+    when one is. Found before the run: each gate would otherwise fail on the same start
+    and the run read as gates the executor failed (exit 1)."""
+    config = ExecutorConfig(calbin_path=calbin_path)
+    manifest = device.manifest()
+    try:
+        with open(calbin_path, "rb") as f:
+            sha = hashlib.sha256(f.read()).hexdigest()
+    except OSError:  # (read a moment ago: the start will say what became of it)
+        return None
+    if lookup_golden(manifest.goldens, sha, config.golden_tokens,
+                     config.golden_decode_steps) is not None:
+        return None
+    where = goldens_path(manifest.source)
+    if device.calbin_path is not None:
+        return (f"--calbin={device.calbin_path!r}: no golden is pinned for it (sha256 {sha}) "
+                f"in {where}, so no gate's executor can start; run `calexec golden record "
+                f"--calbin {device.calbin_path}`" + (f" --manifest {device.manifest_path}"
+                                                      if device.manifest_path else "") +
+                " first")
+    given = "the packaged manifest" if device.manifest_path is None else \
+        f"--manifest={device.manifest_path!r}"
+    manifest_flag = "" if device.manifest_path is None else f" --manifest {device.manifest_path}"
+    return (f"{given}: {where} pins no golden for the synthetic calbin (sha256 {sha}), so no "
+            "gate's executor can start; run `calexec sim write-calbin PATH` and `calexec "
+            f"golden record --calbin PATH{manifest_flag}` first")
 
 
 def run_job(ex: DeviceExecutor, req: InferenceRequest) -> Any:

@@ -13,7 +13,8 @@ content) and PNG plots (per-job latency distribution, RSS over the soak). ``--js
 report object. Progress goes to stderr: a bar on a terminal, plain lines (at most one per 10 s,
 one per gate) in a log. ``--runtime-lib`` / ``--manifest`` / ``--calbin`` replace the bundled
 emulator, its manifest and the synthetic calbin (the gates need the emulator controls and a
-synthetic calbin: they inject faults and check every token against the oracle). Exit status:
+synthetic calbin, with a pinned golden: they inject faults and check every token against the
+oracle). Exit status:
 0 all gates passed, 1 a gate failed, 2 usage or configuration error.
 
 Python API: ``run_accept(sizes, phases, gates, progress)`` -> report dict; ``QUICK`` / ``FULL``
@@ -39,7 +40,7 @@ from calexec import cliargs
 from calexec.drivers.device_spec import DeviceSpec
 from calexec.drivers.memory import pin_mmap_threshold
 from calexec.drivers.synthetic import calbin as calbin_fmt
-from calexec.drivers.tools.accept.gate_rig import Progress, Silent
+from calexec.drivers.tools.accept.gate_rig import Progress, Silent, unpinned_golden
 from calexec.drivers.tools.accept.gates import GATES, AcceptContext
 from calexec.drivers.tools.accept.report import REPORT_FILES, write_report
 
@@ -111,6 +112,9 @@ def run_accept(sizes: Sizes = QUICK, phases: Sequence[str] = ("a", "b"),
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="calexec-accept-") as tmp:
         path = device.calbin(tmp)
+        unpinned = unpinned_golden(path, device)
+        if unpinned is not None:
+            raise ValueError(unpinned)
         ctx = AcceptContext(calbin_path=path, seed=calbin_fmt.read(path).seed, sizes=sizes,
                             device=device)
         for phase in phases:
