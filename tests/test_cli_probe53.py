@@ -126,3 +126,31 @@ def test_accept_on_a_calbin_with_no_pinned_golden_is_refused_before_the_run(tmp_
                            "for it (sha256 "), line
     assert line.endswith(f"run `calexec golden record --calbin {path}` first"), line
     assert not any(report.iterdir())
+
+
+def _request(authorization: str):
+    from starlette.requests import Request
+
+    return Request({"type": "http", "method": "POST", "path": "/admin/drain",
+                    "headers": [(b"authorization", authorization.encode("latin-1"))]})
+
+
+def test_the_admin_token_is_read_from_the_header_as_the_api_key_is():
+    """``Authorization: Bearer  TOKEN`` (two spaces: RFC 9110 allows more than one after
+    the scheme; a script's ``"Bearer  $(cat token)"``) was the API key on ``/v1`` but a 403
+    ``admin token does not match`` on ``/admin/*`` and ``/debug/jobs/{id}``, with the right
+    token; now the admin token is read as the API key is."""
+    from calexec.drivers.serving import openai_api
+    from calexec.drivers.serving.admin import admin_refusal
+    from calexec.drivers.serving.server import ServerConfig
+
+    token = "probe53-admin-token"
+    config = ServerConfig(admin_token=token, api_key=token)
+    for header in (f"Bearer {token}", f"Bearer  {token}", f"bearer {token} ",
+                   f"Bearer \t{token}"):
+        assert openai_api.auth_refusal(_request(header), config.api_key) is None, header
+        assert admin_refusal(_request(header), config) is None, header
+    for header, code in (("Bearer   ", 401), ("Bearer", 401), (f"Bearer {token}x", 403),
+                         (f"Basic {token}", 401)):
+        refused = admin_refusal(_request(header), config)
+        assert refused is not None and refused.status_code == code, header

@@ -32,13 +32,16 @@ MAX_PATH_CHARS = switch_check.MAX_PATH_CHARS
 
 def admin_refusal(request: Request, config: ServerConfig) -> JSONResponse | None:
     """None when ``request`` carries the admin bearer token (constant-time compare), else the
-    401/403 answer."""
+    401/403 answer. The token is read as the API key is (``openai_api.auth_refusal``): the
+    spaces after ``Bearer`` (RFC 9110 allows more than one) and around the token are not
+    part of it."""
     header = request.headers.get("authorization", "")
     if config.admin_token is None:
         return error_response(Status.failure("admin.disabled", Category.INVALID_REQUEST,
                                              Phase.VALIDATE, "no admin token is configured"),
                               http_status=403)
     scheme, _, token = header.partition(" ")
+    token = token.strip()
     if scheme.lower() != "bearer" or not token:
         return error_response(Status.failure("admin.unauthenticated", Category.INVALID_REQUEST,
                                              Phase.VALIDATE, "Authorization: Bearer <token> "
