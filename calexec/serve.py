@@ -363,6 +363,8 @@ def main(argv: list[str]) -> int:
                   "still running were cut", file=sys.stderr)
             return EXIT_FAILED
         if sample is not None:
+            if sample.out_error is not None:  # not the request's failure: stdout's
+                raise sample.out_error
             if not sample.ok:
                 print("calexec serve --once: the sample request failed (see above)",
                       file=sys.stderr)
@@ -470,6 +472,10 @@ class SampleRun:
         #: what the banner says is served (``DeviceSpec.served``)
         self.served = "the synthetic calbin on the bundled emulator"
         self.ok = False
+        #: what writing to ``out`` raised on the sample's thread (its reader left, ``| head``:
+        #: BrokenPipeError; a full disk): ``main`` raises it once the server drained, for the
+        #: console script to answer as any stdout failure (exit 141, or one line, exit 2)
+        self.out_error: OSError | None = None
 
     def start(self, server: DrainingServer, url: str) -> None:
         """``DrainingServer.on_started``: never blocks the event loop."""
@@ -479,6 +485,8 @@ class SampleRun:
     def _run(self, server: DrainingServer, url: str) -> None:
         try:
             self.ok = self.request(url)
+        except OSError as err:  # (``request`` answers the HTTP errors: this is ``out``'s)
+            self.out_error = err
         finally:
             server.drain_soon()
 

@@ -3,8 +3,13 @@
 
 from __future__ import annotations
 
+import errno
+import io
 import json
+import sys
 from pathlib import Path
+
+import pytest
 
 from calexec import cli
 from calexec.drivers.tools.accept import run as accept_run
@@ -154,3 +159,31 @@ def test_the_admin_token_is_read_from_the_header_as_the_api_key_is():
                          (f"Basic {token}", 401)):
         refused = admin_refusal(_request(header), config)
         assert refused is not None and refused.status_code == code, header
+
+
+class _Unwritable(io.StringIO):
+    """A stdout whose every write fails as ``error`` says (its reader left, a full disk)."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__()
+        self.error = error
+
+    def write(self, text: str) -> int:
+        raise self.error
+
+
+@pytest.mark.parametrize("error, code, said", [
+    (BrokenPipeError(errno.EPIPE, "Broken pipe"), 141, ""),
+    (OSError(errno.ENOSPC, "No space left on device"), 2,
+     "calexec serve: cannot write to stdout: No space left on device\n"),
+])
+def test_serve_once_with_a_stdout_it_cannot_write_ends_as_any_command(monkeypatch, capsys,
+                                                                       error, code, said):
+    """``calexec serve --once | head -1`` (and ``> /dev/full``): the sample's thread printed
+    the banner, the write failed, and the thread died in a ``BrokenPipeError`` (or
+    ``StdoutError``) traceback, then ``the sample request failed (see above)`` although no
+    request had failed; now, once the server drained, the exit is the console script's for a
+    stdout that cannot be written: 141 and nothing said (the reader left), or one line, 2."""
+    monkeypatch.setattr(sys, "stdout", _Unwritable(error))
+    assert cli.main(["serve", "--once"]) == code
+    assert capsys.readouterr().err == said
