@@ -202,6 +202,19 @@ def int_in(low: int, high: int) -> Callable[[str], int]:
     return bounded
 
 
+def utf8_text(text: str) -> str:
+    """A free-text flag's value (``golden record --note``) that a UTF-8 file can hold: an
+    argument with a byte that is not UTF-8 reaches Python as a lone surrogate (``\\udcff``),
+    which no UTF-8 or TOML file can store, and is refused naming it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: not UTF-8 text (byte 0x{ord(text[exc.start]) & 0xFF:02x} at character "
+            f"{exc.start + 1})") from None
+    return text
+
+
 def nonempty(text: str) -> str:
     """A path flag's value: '' (an unset variable in a script) is refused, never taken for
     'no value' or for the working directory (``Path('')`` is ``.``)."""

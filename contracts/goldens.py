@@ -58,7 +58,19 @@ class PinnedGolden:
     prompt: tuple[int, ...] = attrs.field(converter=tuple[int, ...])
     decode_steps: int
     tokens: tuple[int, ...] = attrs.field(converter=tuple[int, ...])
-    note: str = ""
+    note: str = attrs.field(default="")
+
+    @note.validator
+    def _storable(self, attribute: attrs.Attribute[str], value: str) -> None:
+        # a lone surrogate (a byte of a command-line argument or a file name that is not
+        # UTF-8) has no TOML form: written as ``\udcff`` it made the whole goldens file
+        # unreadable, every golden in it lost to every command that loads the manifest
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"PinnedGolden.note={value!r}: not Unicode text (U+"
+                             f"{ord(value[exc.start]):04X} at character {exc.start + 1}, a "
+                             "byte that was not UTF-8); a goldens file cannot hold it") from None
 
     def matches(self, prompt: Iterable[int], decode_steps: int) -> bool:
         return self.prompt == tuple(prompt) and self.decode_steps == decode_steps

@@ -187,3 +187,55 @@ def test_serve_once_with_a_stdout_it_cannot_write_ends_as_any_command(monkeypatc
     monkeypatch.setattr(sys, "stdout", _Unwritable(error))
     assert cli.main(["serve", "--once"]) == code
     assert capsys.readouterr().err == said
+
+
+def _goldens_file(tmp_path: Path) -> Path:
+    from calexec.contracts.goldens import PinnedGolden, pin
+
+    out = tmp_path / "model.goldens.toml"
+    pin(out, PinnedGolden("0" * 64, (1, 2), 1, (3, 4), "kept"))
+    return out
+
+
+def test_golden_record_refuses_a_note_that_is_not_utf8_text(tmp_path, capsys):
+    """``golden record --note $'\\xff'`` (a byte that is not UTF-8; Python hands it over as
+    the lone surrogate U+DCFF) was written to the goldens file as ``"\\udcff"``, which TOML
+    refuses: the whole file, every golden in it, became unreadable, and with the default
+    ``--out`` (the packaged manifest's goldens) every command failed to load the manifest;
+    now a usage error naming ``--note``, exit 2, the file untouched."""
+    from calexec.contracts.goldens import load_goldens
+    from calexec.drivers.synthetic import calbin
+
+    out = _goldens_file(tmp_path)
+    before = out.read_bytes()
+    path = tmp_path / "synthetic.calbin"
+    calbin.write(str(path), calbin.default_spec())
+    code = cli.main(["golden", "record", "--calbin", str(path), "--out", str(out), "--note",
+                     "x\udcff"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("calexec golden record: error: argument --note: 'x\\udcff': not "
+                          "UTF-8 text (byte 0xff at character 2)"), err
+    assert out.read_bytes() == before
+    assert [g.note for g in load_goldens(out)["0" * 64]] == ["kept"]
+
+
+def test_golden_record_of_a_calbin_whose_name_is_not_utf8_keeps_the_file_readable(
+        tmp_path, capsys):
+    """The default note, ``recorded from NAME``, of a calbin whose file name has a byte that
+    is not UTF-8 made the goldens file unreadable the same way; now that byte is U+FFFD in
+    the note (the sha256 names the calbin) and the file loads, its other goldens kept."""
+    from calexec.contracts.goldens import PinnedGolden, load_goldens
+    from calexec.drivers.synthetic import calbin
+
+    out = _goldens_file(tmp_path)
+    path = tmp_path / "model\udcff.calbin"  # (the file name's bytes: b"model\xff.calbin")
+    calbin.write(str(path), calbin.default_spec())
+    assert cli.main(["golden", "record", "--calbin", str(path), "--out", str(out)]) == 0, \
+        capsys.readouterr().err
+    goldens = load_goldens(out)
+    assert [g.note for g in goldens["0" * 64]] == ["kept"]
+    assert [g.note for sha, gs in goldens.items() if sha != "0" * 64 for g in gs] == [
+        "recorded from model\ufffd.calbin"]
+    with pytest.raises(ValueError, match=r"PinnedGolden.note='x\\udcff': not Unicode text"):
+        PinnedGolden("0" * 64, (1,), 0, (2,), "x\udcff")

@@ -73,6 +73,13 @@ def record(calbin: str, manifest_path: str | Path, runtime_lib: str | None = Non
         ex.shutdown(10.0)
 
 
+def _default_note(calbin: str) -> str:
+    """``recorded from NAME``: the calbin's file name, a byte of it that is not UTF-8 shown
+    as U+FFFD (the note is text in a UTF-8 file; the sha256 names the calbin)."""
+    name = os.fsencode(Path(calbin).name).decode("utf-8", "replace")
+    return f"recorded from {name}"
+
+
 def _check_out(out: Path) -> None:
     """Refuse an ``--out`` that cannot be updated before the warm-up runs: a directory, a file
     that is no goldens file, a missing parent directory. Raises UserError."""
@@ -100,7 +107,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--runtime-lib", default=None,
                         help="calrt.h library to load (default: the bundled emulator)")
     parser.add_argument("--device-config", default="", help="device config string")
-    parser.add_argument("--note", default=None, help="free text stored with the golden")
+    parser.add_argument("--note", default=None, type=cliargs.utf8_text,
+                        help="free text stored with the golden")
     args = parser.parse_args(argv[2:] if argv[:2] == ["golden", "record"] else argv[1:])
     # every flag is checked before the warm-up runs: the paths, the library's load, the device
     # config's keys (one line naming the flag, exit 2; DeviceSpecError through command_main)
@@ -116,7 +124,7 @@ def main(argv: list[str]) -> int:
     _check_out(out)
     try:
         golden = record(args.calbin, args.manifest, args.runtime_lib, args.device_config,
-                        args.note if args.note is not None else f"recorded from {Path(args.calbin).name}")
+                        args.note if args.note is not None else _default_note(args.calbin))
     except (ManifestError, OSError) as exc:
         raise cliargs.UserError(str(exc)) from None
     if isinstance(golden, Status):
