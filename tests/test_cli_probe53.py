@@ -239,3 +239,36 @@ def test_golden_record_of_a_calbin_whose_name_is_not_utf8_keeps_the_file_readabl
         "recorded from model\ufffd.calbin"]
     with pytest.raises(ValueError, match=r"PinnedGolden.note='x\\udcff': not Unicode text"):
         PinnedGolden("0" * 64, (1,), 0, (2,), "x\udcff")
+
+
+@pytest.mark.parametrize("body, code", [
+    ('{"calbin\\udcff": 1}', "dcff"),  # (a key: its "unknown parameter" answer was a 500)
+    ('{"calbin": "/tmp/model.calbin\\ud800"}', "d800"),
+    ('{"calbin": "x", "\\udfff": 1}', "dfff"),
+])
+def test_an_admin_reload_body_with_a_lone_surrogate_escape_is_a_400(tmp_path, body, code):
+    """``POST /admin/reload`` with a ``\\udcff`` escape in a key (Python's JSON parser takes a
+    lone surrogate; the API's bodies are refused for one, a 400): the "unknown parameter"
+    answer named the key, its JSON could not be encoded, and the client got a 500
+    ``server.unexpected_error`` with a traceback in the server's log; now a 400 ``body:``
+    naming the escape, as the API answers, nothing checked or moved."""
+    from fastapi.testclient import TestClient
+
+    from calexec.drivers.serving.server import ServerConfig, create_app
+    from test_server_support import started_executor
+
+    executor = started_executor(tmp_path)
+    try:
+        app = create_app(executor, ServerConfig(admin_token="probe53-admin-token"))
+        with TestClient(app, raise_server_exceptions=False) as client:
+            r = client.post("/admin/reload", content=body.encode("ascii"),
+                            headers={"Authorization": "Bearer probe53-admin-token",
+                                     "content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["message"] == (f"body: not valid JSON (a lone surrogate escape \\u{code}: "
+                                    'not a Unicode character); send {"calbin": PATH}'), error
+        assert error["param"] is None
+        assert executor.state == "Ready" and executor.gen is not None and executor.gen.id == 1
+    finally:
+        executor.shutdown(5.0)

@@ -79,8 +79,10 @@ def json_type_name(value: object) -> str:
 def reload_body(raw: bytes) -> dict[str, Any] | tuple[Status, str | None]:
     """The ``/admin/reload`` body as a JSON object, or the 400 failure saying why it is not
     one and its ``param``: not UTF-8 (UTF-16 or -32 too), not JSON (a byte order mark
-    included), nested past the parser's recursion limit, not an object (``param`` None: the
-    body as a whole), a key other than ``calbin`` (that key)."""
+    included; a ``\\ud800``-``\\udfff`` escape of a lone surrogate, which the API's parser
+    refuses too: a key of one was answered 500), nested past the parser's recursion limit,
+    not an object (``param`` None: the body as a whole), a key other than ``calbin`` (that
+    key)."""
     utf8 = wire.utf8_json(raw)  # (as the API's bodies: a UTF-8 BOM skipped, UTF-16/32 refused)
     if isinstance(utf8, str):
         return invalid(utf8), None
@@ -94,6 +96,14 @@ def reload_body(raw: bytes) -> dict[str, Any] | tuple[Status, str | None]:
     except (ValueError, RecursionError) as err:
         why = "nested too deeply" if isinstance(err, RecursionError) else str(err)[:120]
         return invalid(f"body: not valid JSON ({why}); send {{\"calbin\": PATH}}"), None
+    try:  # (Python's parser takes "\udcff"; the API's bodies are refused for it, as here)
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as err:
+        return invalid(f"body: not valid JSON (a lone surrogate escape \\u"
+                       f"{ord(err.object[err.start]):04x}: not a Unicode character); send "
+                       "{\"calbin\": PATH}"), None
+    except RecursionError:  # (as deep as the parser took, past the encoder's limit)
+        return invalid("body: not valid JSON (nested too deeply); send {\"calbin\": PATH}"), None
     if not isinstance(body, dict):
         return invalid(f"body: must be a JSON object {{\"calbin\": PATH}}, not "
                        f"{json_type_name(body)}"), None
