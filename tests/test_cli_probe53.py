@@ -272,3 +272,21 @@ def test_an_admin_reload_body_with_a_lone_surrogate_escape_is_a_400(tmp_path, bo
         assert executor.state == "Ready" and executor.gen is not None and executor.gen.id == 1
     finally:
         executor.shutdown(5.0)
+
+
+def test_charts_mutate_survives_a_test_command_and_output_that_are_not_utf8(tmp_path, capsys):
+    """``charts mutate --test-cmd CMD`` whose test run prints a byte that is not UTF-8 (a test
+    printing binary) ended the run at once, ``internal error: UnicodeDecodeError``, exit 70;
+    and a ``--test-cmd`` (or ``--cwd``) with such a byte ran every mutant, then failed writing
+    mutation.md, exit 70, the run's result lost. Now the output is read with U+FFFD for such
+    a byte and the command shown with ``\\xff`` in the report, which is written."""
+    report = tmp_path / "report"
+    command = "sh -c 'printf \"\\377\"; exit 0' #\udcff"
+    code = cli.main(["charts", "mutate", "--chart", "lifecycle", "--test-cmd", command,
+                     "--jobs", "1", "--report", str(report)])
+    err = capsys.readouterr().err
+    assert code == 1, err  # (the command never imports the chart: every mutant an error)
+    assert "internal error" not in err, err
+    data = json.loads((report / "mutation.json").read_text(encoding="utf-8"))
+    assert data["command"] == "sh -c 'printf \"\\377\"; exit 0' #\\xff"
+    assert "#\\xff" in (report / "mutation.md").read_text(encoding="utf-8")

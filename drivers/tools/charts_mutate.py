@@ -265,12 +265,22 @@ def select_mutants(charts: list[Chart], args: argparse.Namespace) -> list[tuple[
 _LIVE: set[subprocess.Popen] = set()  # test commands running now (killed on interrupt)
 
 
+def _shown(text: str) -> str:
+    """``text`` from the command line or a path, for the report: a byte that was not UTF-8
+    (a lone surrogate in Python's str) written as ``\\xff``, so mutation.md and stdout can
+    take it (it ended a finished run as an internal error, the report unwritten)."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
 def _run(command: list[str], cwd: Path, env: dict[str, str], timeout: float | None):
     """(exit code or None on timeout, seconds, output). The command runs in its own process
     group, killed whole on timeout."""
     start = time.monotonic()
+    # (a test's output is shown, never parsed: a byte that is not UTF-8, a test printing
+    # binary, is U+FFFD, not a UnicodeDecodeError ending the whole run as an internal error)
     proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stderr=subprocess.STDOUT, text=True, encoding="utf-8",
+                            errors="replace", start_new_session=True)
     _LIVE.add(proc)
     try:
         output, _ = proc.communicate(timeout=timeout)
@@ -516,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
             env["HYPOTHESIS_STORAGE_DIRECTORY"] = str(scratch / f"hypothesis-{tag}")
             return env
 
-        print(f"charts mutate: unmutated run of `{command_text}` ...", file=sys.stderr)
+        print(f"charts mutate: unmutated run of `{_shown(command_text)}` ...", file=sys.stderr)
         probe = env_for("baseline")
         modules = {chart.target.partition(":")[0]: chart for chart in charts}
         probe[PROBE_ENV] = ",".join(modules)
@@ -578,11 +588,12 @@ def main(argv: list[str] | None = None) -> int:
         elapsed = time.monotonic() - start
 
     report = {
-        "command": command_text, "cwd": str(cwd), "baseline_s": round(baseline_s, 2),
+        "command": _shown(command_text), "cwd": _shown(str(cwd)),
+        "baseline_s": round(baseline_s, 2),
         "targets_per_transition": args.targets_per_transition, "jobs": args.jobs,
         "timeout_s": round(timeout, 1), "elapsed_s": round(elapsed, 1),
         "chart_only_prefix": prefix,
-        "equivalent_list": str(equivalent_path) if equivalents else None,
+        "equivalent_list": _shown(str(equivalent_path)) if equivalents else None,
         "charts": summarise(outcomes, charts, prefix),
         "stale_equivalents": [{"chart": o.chart, "id": o.mutant.id} for o in outcomes
                               if o.reason and o.status == "killed"],
