@@ -82,3 +82,25 @@ def test_an_http_1_0_request_without_host_and_one_with_one_host_are_served(serve
         status, _, body = split_head(data)
         assert status.startswith(b"HTTP/1.1 200 "), data[:500]
         assert len(json.loads(body)["choices"][0]["token_ids"]) == 2
+
+
+def test_every_401_carries_a_bearer_challenge(executor):
+    """RFC 9110 section 11.6.1: a 401 MUST carry ``WWW-Authenticate`` with a challenge; the
+    API key's 401 (a /v1 route, an unknown /v1 path, ``/tokenize``) and the admin token's came
+    without one (found by the CLI and admin probe). Now ``Bearer`` (RFC 6750), the scheme
+    both take; a 403 (a wrong admin token) needs none."""
+    from fastapi.testclient import TestClient
+
+    app = create_app(executor, ServerConfig(api_key="k3y", admin_token="t0ken"))
+    with TestClient(app) as client:
+        for method, path in (("POST", "/v1/completions"), ("GET", "/v1/models"),
+                             ("GET", "/v1/nope"), ("POST", "/tokenize"),
+                             ("POST", "/admin/drain"), ("POST", "/admin/reload")):
+            answer = client.request(method, path)
+            assert answer.status_code == 401, (method, path, answer.text)
+            assert answer.headers.get("www-authenticate") == "Bearer", (method, path,
+                                                                       answer.headers)
+        wrong = client.post("/admin/drain", headers={"authorization": "Bearer nope"})
+        assert wrong.status_code == 403 and "www-authenticate" not in wrong.headers
+        keyed = client.get("/v1/models", headers={"authorization": "Bearer k3y"})
+        assert keyed.status_code == 200 and "www-authenticate" not in keyed.headers

@@ -55,6 +55,8 @@ def error_response(status: Status, param: str | None = None, retry_after: int = 
     headers = dict(headers or {})
     if code in (429, 503):
         headers["Retry-After"] = str(retry_after)
+    if code == 401:  # RFC 9110 section 11.6.1: a 401 MUST carry a challenge (RFC 6750's)
+        headers.setdefault("WWW-Authenticate", "Bearer")
     return JSONResponse(body, status_code=code, headers=headers or None)
 
 
