@@ -7,7 +7,8 @@ The legacy code dumped to a path hard-coded under a user's home directory. Here:
   directories, see ``_home_roots``) is refused unless
   ``allow_home=True`` is passed explicitly;
 * records are JSON lines appended to ``<dir>/calexec-dump-<pid>.jsonl``; once the file would
-  exceed ``max_bytes`` further records are dropped and counted, never truncated mid-line;
+  exceed ``max_bytes`` further records are dropped and counted, never truncated mid-line (the
+  file's size when the record is written: a file rotated away or emptied is written again);
 * prompt and completion content (token ids and text) is written only with
   ``include_content=True``; otherwise a record holds counts, status, finish reason and timings;
 * a record the file system refuses (the directory removed or read-only, ENOSPC, ...) is
@@ -90,19 +91,27 @@ class DumpSink:
             record = {k: v for k, v in record.items() if k not in CONTENT_KEYS}
         line = (json.dumps(record, sort_keys=True, separators=(",", ":")) + "\n").encode("utf-8")
         with self._mu:
-            if self.written_bytes + len(line) > self.max_bytes:
-                self.dropped += 1
-                return False
             try:
+                # the file's own size, not a count of the bytes this sink wrote: a file
+                # rotated away (renamed, or truncated in place by logrotate's copytruncate)
+                # is a new, small file, and the cap counted the old one's bytes against it
                 with open(self.path, "ab") as f:
-                    f.write(line)
+                    size = os.fstat(f.fileno()).st_size
+                    if size + len(line) > self.max_bytes:
+                        self.written_bytes = size
+                        self.dropped += 1
+                        return False
+                    try:
+                        f.write(line)
+                        f.flush()
+                    except OSError:
+                        try:  # a part of the line may have reached the file (ENOSPC): cut
+                            f.truncate(size)  # it off (this file's, wherever its name is)
+                        except OSError:
+                            pass
+                        raise
             except OSError as err:
                 self.errors += 1
-                try:  # a part of the line may have reached the file (ENOSPC): cut it off
-                    if self.path.stat().st_size > self.written_bytes:
-                        os.truncate(self.path, self.written_bytes)
-                except OSError:
-                    pass
                 if err.errno != self._failing:
                     self._failing = err.errno
                     name = errno.errorcode.get(err.errno or 0, str(err.errno))
@@ -111,6 +120,6 @@ class DumpSink:
                                 err.strerror or err, err.errno, name)
                 return False
             self._failing = None
-            self.written_bytes += len(line)
+            self.written_bytes = size + len(line)
             self.records += 1
         return True
