@@ -3,7 +3,11 @@
 - the dump sink's cap (``--dump-max-bytes``) counted the bytes the sink had written since the
   process started, not the size of its file: a dump file rotated away (renamed, as logrotate
   does by default, or truncated in place by ``copytruncate``) left a new, small file, and once
-  the old one's bytes reached the cap every record was dropped for the rest of the process.
+  the old one's bytes reached the cap every record was dropped for the rest of the process;
+- ``calexec_request_failures_total`` ("failed completion requests") counted the refusals of
+  routes that are no completion (``/v1/models`` without the API key, a bad ``/tokenize``...),
+  whose successes are counted nowhere: a poller of ``/v1/models`` without the key made the
+  completions' failure rate.
 """
 
 from __future__ import annotations
@@ -11,7 +15,12 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+from fastapi.testclient import TestClient
+
 from calexec.drivers.serving.dumpsink import DumpSink
+from calexec.drivers.serving.server import ServerConfig, create_app
+from test_server_support import metric_value, started_executor
 
 
 def record(i: int) -> dict:
@@ -35,3 +44,49 @@ def test_a_dump_file_rotated_away_is_written_again_not_dropped(tmp_path):
             for line in sink.path.read_text().splitlines()] == [20]
     assert sink.records == 7 and sink.dropped == 1 and sink.errors == 0
     assert sink.path.stat().st_size <= sink.max_bytes
+
+
+def failures(client: TestClient) -> float:
+    text = client.get("/metrics").text
+    return sum(metric_value(text, "calexec_request_failures_total", {"code": code}) or 0.0
+               for code in ("request.invalid", "request.invalid_api_key",
+                            "request.model_not_found"))
+
+
+@pytest.fixture(scope="module", name="keyed")
+def keyed_fixture(tmp_path_factory):
+    """A server on the emulator whose OpenAI routes need the API key ``k1``."""
+    executor = started_executor(tmp_path_factory.mktemp("keyed"))
+    try:
+        with TestClient(create_app(executor, ServerConfig(api_key="k1"))) as client:
+            yield client
+    finally:
+        executor.shutdown(5.0)
+
+
+KEY = {"Authorization": "Bearer k1"}
+
+
+@pytest.mark.parametrize(("method", "path", "body", "headers", "status"), [
+    ("GET", "/v1/models", None, {}, 401),  # a gateway's poll without the key
+    ("GET", "/v1/models/other", None, KEY, 404),
+    ("GET", "/tokenizer_info", None, {}, 401),
+    ("POST", "/tokenize", {"prompt": "a", "content": "b"}, KEY, 400),
+    ("POST", "/detokenize", {"tokens": "x"}, KEY, 400),
+])
+def test_a_refusal_of_a_route_that_is_no_completion_is_no_failed_completion(
+        keyed, method, path, body, headers, status):
+    before = failures(keyed)
+    r = keyed.request(method, path, json=body, headers=headers)
+    assert r.status_code == status, r.text
+    assert failures(keyed) == before
+
+
+def test_a_refused_completion_is_still_a_failed_completion(keyed):
+    before = failures(keyed)
+    assert keyed.post("/v1/completions", json={"prompt": "a"}).status_code == 401
+    assert keyed.post("/v1/completions", json={"prompt": "a", "model": "x"},
+                      headers=KEY).status_code == 404
+    assert keyed.post("/v1/chat/completions", json={"messages": []},
+                      headers=KEY).status_code == 400
+    assert failures(keyed) == before + 3

@@ -995,7 +995,17 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         return tuple(names)
 
     def refused(err: Refusal) -> Response:
+        """A completion or chat request refused: answered and counted in
+        ``calexec_request_failures_total`` (every such request ends counted once, in it or in
+        ``calexec_request_success_total``)."""
         return fail(err.status, err.param, err.http_status, headers=err.headers)
+
+    def answered(err: Refusal) -> Response:
+        """The refusal of a request that is no completion (``/v1/models``, ``/tokenize``,
+        ``/detokenize``, ``/tokenizer_info``): answered, not counted as a failed completion
+        request (their successes are counted nowhere, so a poller of ``/v1/models`` without the
+        API key, or a client's bad ``/tokenize``, made the completions' failure rate)."""
+        return fail(err.status, err.param, err.http_status, count=False, headers=err.headers)
 
     async def read(request: Request, model: type[Body]) -> Body:
         auth = auth_refusal(request, config.api_key)
@@ -1076,7 +1086,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
     async def models(request: Request) -> Response:
         auth = auth_refusal(request, config.api_key)
         if auth is not None:
-            return refused(auth)
+            return answered(auth)
         return JSONResponse({"object": "list",
                              "data": [model_card(name) for name in served_names()]})
 
@@ -1090,10 +1100,10 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         """One served model (the SDK's ``models.retrieve``); 404 ``model_not_found`` else."""
         auth = auth_refusal(request, config.api_key)
         if auth is not None:
-            return refused(auth)
+            return answered(auth)
         not_found = model_refusal(model_id, served_names())
         if not_found is not None:
-            return refused(not_found)
+            return answered(not_found)
         return JSONResponse(model_card(model_id))
 
     @app.post("/v1/completions")
@@ -1220,7 +1230,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
                                 body.chat_template_kwargs, tools=tools),
                     add_special_tokens=False)
         except Refusal as err:
-            return refused(err)
+            return answered(err)
         texts = [service.tokenizer.token_text(t) for t in ids] \
             if body.return_token_strs or body.with_pieces else None
         tokens: list[Any] = list(ids) if not body.with_pieces or texts is None else \
@@ -1236,7 +1246,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         byte-level tokenizer's end token) is null."""
         auth = auth_refusal(request, config.api_key)
         if auth is not None:
-            return refused(auth)
+            return answered(auth)
         tok = service.tokenizer
         return JSONResponse({"tokenizer_class": type(tok).__name__,
                              "eos_token": tok.eos_token or None,
@@ -1249,7 +1259,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         try:
             body = await read(request, DetokenizeRequest)
         except Refusal as err:
-            return refused(err)
+            return answered(err)
         return JSONResponse({"prompt": service.tokenizer.decode(body.tokens)})
 
     async def _generate(request: Request, admission: Admission, params: SamplingParams,
