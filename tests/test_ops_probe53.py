@@ -7,20 +7,29 @@
 - ``calexec_request_failures_total`` ("failed completion requests") counted the refusals of
   routes that are no completion (``/v1/models`` without the API key, a bad ``/tokenize``...),
   whose successes are counted nowhere: a poller of ``/v1/models`` without the key made the
-  completions' failure rate.
+  completions' failure rate;
+- a forced exit (a second signal) answered each non-streamed request it cut with uvicorn's
+  plain-text ``500 Internal Server Error`` (no OpenAI body, no ``x-request-id``: a server bug
+  to its client) where docs/server.md says the connections of the requests cut are closed.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
+import threading
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
 from calexec.drivers.serving.dumpsink import DumpSink
 from calexec.drivers.serving.server import ServerConfig, create_app
-from test_server_support import metric_value, started_executor
+from test_ops_sweep import serve_process, stopped
+from test_server_support import metric_value, started_executor, wait_for
 
 
 def record(i: int) -> dict:
@@ -90,3 +99,36 @@ def test_a_refused_completion_is_still_a_failed_completion(keyed):
     assert keyed.post("/v1/chat/completions", json={"messages": []},
                       headers=KEY).status_code == 400
     assert failures(keyed) == before + 3
+
+
+def test_a_forced_exit_closes_the_connection_of_a_request_it_cuts_not_a_plain_500(tmp_path):
+    proc, url = serve_process(tmp_path, "--grace", "30", "--device-config", "decode_us=20000")
+    got: list[object] = []
+
+    def whole_answer() -> None:  # 1000 tokens: 20 s, past the test
+        try:
+            got.append(httpx.post(f"{url}/v1/completions", timeout=60,
+                                  json={"prompt": [5, 6], "max_tokens": 1000}))
+        except httpx.TransportError as err:
+            got.append(err)
+    worker = threading.Thread(target=whole_answer, daemon=True)
+    try:
+        worker.start()
+        wait_for(lambda: "calexec_num_requests_running 1.0" in httpx.get(
+            f"{url}/metrics", timeout=2).text, what="the request to run")
+        proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: httpx.get(f"{url}/ready", timeout=2).status_code == 503,
+                 what="/ready to report draining")
+        proc.send_signal(signal.SIGTERM)
+        code, err = stopped(proc)
+        worker.join(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=10)
+    assert code == 3 and "1 request(s) still running were cut" in err, err
+    assert len(got) == 1
+    answer = got[0]
+    assert isinstance(answer, httpx.TransportError), (
+        f"HTTP {answer.status_code} {answer.headers.get('content-type')}: {answer.text!r}"
+        if isinstance(answer, httpx.Response) else answer)

@@ -487,6 +487,24 @@ def abortable(protocol: type) -> type:
                     cycle.message_event.set()
             super().connection_lost(exc)
 
+        def abort_unanswered(self) -> None:
+            """A forced exit (``DrainingServer``, a second signal): the requests of this
+            connection not yet answered whole are told their client is gone (nothing more is
+            sent for them) and the connection is aborted. uvicorn otherwise answered each
+            request the exit's task cancellation ended before its response started with its
+            plain-text ``500 Internal Server Error`` (no OpenAI body, no ``x-request-id``),
+            which a client takes for a bug of the server, not a cut."""
+            cycles = [c for c in (*self._cycles, getattr(self, "cycle", None))
+                      if c is not None and not c.response_complete]
+            if not cycles:
+                return  # answered: uvicorn's shutdown closes it
+            for cycle in cycles:
+                cycle.disconnected = True
+                cycle.message_event.set()
+            transport = getattr(self, "transport", None)
+            if transport is not None:
+                transport.abort()
+
         def _await_head(self) -> None:
             self._head_arrived()
             transport = getattr(self, "transport", None)
@@ -684,6 +702,8 @@ class DrainingServer(uvicorn.Server):
                 log.warning("signal %s again: forced exit, %d request(s) cut", name, self.cut)
                 logging.getLogger("uvicorn.error").addFilter(self._cut_tracebacks)
             self.should_exit = self.force_exit = True
+            if self._loop is not None:  # (from the signal handler: on the loop, soon)
+                self._loop.call_soon_threadsafe(self._abort_unanswered)
             return
         self.signalled = True
         if self.service.drain_grace is not None:  # POST /admin/drain (a preStop hook's): the
@@ -693,6 +713,19 @@ class DrainingServer(uvicorn.Server):
             return
         log.info("signal %s: draining (grace %.1fs)", name, self.grace)
         self.drain_soon()
+
+    def _abort_unanswered(self) -> None:
+        """A forced exit cuts the requests still running: their connections are aborted
+        (``abortable``'s ``abort_unanswered``), no answer is made up for them."""
+        for connection in list(self.server_state.connections):
+            abort = getattr(connection, "abort_unanswered", None)
+            if abort is not None:
+                abort()
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.force_exit:  # (a second signal that came before the loop ran the callback)
+            self._abort_unanswered()
+        await super().shutdown(sockets=sockets)
 
     async def on_tick(self, counter: int) -> bool:
         if self.service.executor.state == "Failed" and not self.service.draining:
