@@ -10,7 +10,11 @@
   completions' failure rate;
 - a forced exit (a second signal) answered each non-streamed request it cut with uvicorn's
   plain-text ``500 Internal Server Error`` (no OpenAI body, no ``x-request-id``: a server bug
-  to its client) where docs/server.md says the connections of the requests cut are closed.
+  to its client) where docs/server.md says the connections of the requests cut are closed;
+- the streams a drain's grace cut ended with one of three messages ("server drained: its grace
+  ran out", "device lifecycle is Draining; not admitting", "generation 1 retired while the job
+  was armed"), depending on where the executor's shutdown met each, and the last two were
+  first resumed: ``calexec_resumes_total`` counted resumes at a drain (no device fault).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from fastapi.testclient import TestClient
 from calexec.drivers.serving.dumpsink import DumpSink
 from calexec.drivers.serving.server import ServerConfig, create_app
 from test_ops_sweep import serve_process, stopped
-from test_server_support import metric_value, started_executor, wait_for
+from test_server_support import LiveServer, metric_value, started_executor, wait_for
 
 
 def record(i: int) -> dict:
@@ -132,3 +136,43 @@ def test_a_forced_exit_closes_the_connection_of_a_request_it_cuts_not_a_plain_50
     assert isinstance(answer, httpx.TransportError), (
         f"HTTP {answer.status_code} {answer.headers.get('content-type')}: {answer.text!r}"
         if isinstance(answer, httpx.Response) else answer)
+
+
+def test_the_requests_a_drains_grace_cuts_end_alike_and_resume_nothing(tmp_path):
+    executor = started_executor(tmp_path, "decode_us=1000")
+    app = create_app(executor, ServerConfig(admin_token="t"))
+    service = app.state.service
+    ends: list[str] = []
+
+    def stream(url: str, i: int) -> None:  # greedy and sampled: 5 s of tokens each
+        try:
+            with httpx.stream("POST", f"{url}/v1/completions", timeout=30, json={
+                    "prompt": [5, 6], "max_tokens": 5000, "stream": True,
+                    "temperature": 0.5 if i % 2 else 0}) as r:
+                lines = [line for line in r.iter_lines() if line]
+            ends.append(lines[-1])
+        except httpx.HTTPError as err:
+            ends.append(repr(err))
+    try:
+        with LiveServer(app) as server:
+            workers = [threading.Thread(target=stream, args=(server.url, i), daemon=True)
+                       for i in range(4)]
+            for worker in workers:
+                worker.start()
+            wait_for(lambda: service.active == 4, what="the streams to run")
+            r = httpx.post(f"{server.url}/admin/drain", params={"grace": 0.3},
+                           headers={"Authorization": "Bearer t"})
+            assert r.status_code == 202, r.text
+            for worker in workers:
+                worker.join(30)
+            wait_for(lambda: service.drain_status is not None, what="the drain")
+            text = service.metrics.exposition().decode()
+    finally:
+        executor.shutdown(5.0)
+    drained = ('data: {"error":{"message":"server drained: its grace (0.3 s) ran out before '
+               'the request finished; retry","type":"unavailable_error","code":'
+               '"lifecycle.unavailable","param":null}}')
+    assert ends == [drained] * 4, ends
+    resumes = sum(metric_value(text, "calexec_resumes_total", {"cause": cause}) or 0.0
+                  for cause in ("unavailable", "generation_replaced", "cancelled"))
+    assert resumes == 0, [line for line in text.splitlines() if "resumes_total" in line]

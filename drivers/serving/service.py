@@ -650,6 +650,8 @@ class CompletionService:
         self.drain_status: Status | None = None
         #: the grace (s) of the drain ``start_drain`` started; None before one
         self.drain_grace: float | None = None
+        #: the drain's grace is over: what still runs is cut and the executor shut down
+        self.grace_over = False
         self.on_drained: list[Any] = []  # callables run once a drain has finished
         self.active = 0  # admitted completion requests not yet finished
         #: requests of several choices under way (``open_request``): between two of its
@@ -889,7 +891,8 @@ class CompletionService:
                 run.scheduled_at = time.monotonic()
         moved = self._generation_moved(run)
         if moved is not None:
-            if await self.resumer.resume(run, moved, replaced=True):
+            # (past the drain's grace the shutdown ended the generation: nothing to resume)
+            if not self.grace_over and await self.resumer.resume(run, moved, replaced=True):
                 return await self.advance(run)  # recursion bounded by max_resumes
             run.status = moved
             return None
@@ -939,14 +942,19 @@ class CompletionService:
         the failure allows it, else end it with the failure."""
         if handle is not None:
             handle.cancel()  # wait deadline: the job continues unless told otherwise
-        if (self.draining and result.category is Category.CANCELLED
-                and not (run.abandoned or run.finished)):
+        if (self.draining and not (run.abandoned or run.finished) and (
+                result.category is Category.CANCELLED
+                or (self.grace_over and result.category is Category.UNAVAILABLE))):
             # the request cancelled nothing (its client is there): the executor's shutdown at
-            # the end of the drain's grace cancelled its queued or pre-armed step
+            # the end of the drain's grace cancelled its queued or pre-armed step, or refused
+            # its next one ("lifecycle is Draining; not admitting", "generation 1 retired
+            # while the job was armed"): the drain ended it, nothing to resume (a resume
+            # was counted in calexec_resumes_total for each such request)
             run.status = self._drained(run)
             return None
         moved = self._generation_moved(run, result)
-        if await self.resumer.resume(run, moved or result, replaced=moved is not None):
+        if not self.grace_over and await self.resumer.resume(run, moved or result,
+                                                             replaced=moved is not None):
             return await self.advance(run)  # recursion bounded by max_resumes
         run.status = moved or result
         return None
@@ -1322,8 +1330,8 @@ class CompletionService:
         current = None if contracts is None else contracts.generation_id
         if current == run.generation_id:
             return None
-        if current is None and self.draining:  # the drain's grace ran out: shut down
-            return self._drained(run)
+        if (current is None and self.draining) or self.grace_over:  # the drain's grace ran
+            return self._drained(run)                                # out: shut down
         return Status.unavailable(Phase.ADMISSION, f"the request's generation {run.generation_id}"
                                   f" was replaced by {current} (recovery or model switch); "
                                   "retry", seq_id=run.seq_id)
@@ -1565,6 +1573,7 @@ class CompletionService:
         while self.releases_pending and time.monotonic() < deadline:
             await anyio.sleep(0.01)
         slack = self.config.deadline_slack_s
+        self.grace_over = True
         if self.active:
             log.warning("drain: grace %gs over, %d request(s) still running are cut", grace,
                         self.active)
