@@ -276,7 +276,12 @@ def test_the_timed_executor_has_the_system_clock_and_hand_offs_are_counted_aside
         assert set(timed.accounting(prompt, 5)) == {
             "python_allocations_per_token", "numpy_data_allocations_per_token"}
         handoffs = counting.accounting(prompt, 5)
-        assert handoffs["handoffs_per_token"] >= 3, handoffs  # the spec's thread roles
+        # the spec's thread roles each signal per token; whether the thread signalled was
+        # already waiting (a hand-off) or still busy (a signal without a waiter) is the
+        # host's scheduling (CI at stop 53, under load: 2.8 hand-offs + 3.0 signals without)
+        assert handoffs["handoffs_per_token"] > 0, handoffs
+        assert (handoffs["handoffs_per_token"]
+                + handoffs["signals_without_waiter_per_token"]) >= 3, handoffs
     finally:
         timed.close()
         counting.close()
