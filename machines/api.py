@@ -292,7 +292,8 @@ class InferenceExecutor(Protocol):
         seconds, stop the threads, release the device. OK and ``state`` Stopped when drained;
         ``shutdown.not_drained`` (Failed: the device kept a job, its buffers stay mapped) or
         ``shutdown.recovery_busy`` (a recovery outlived ``grace``; nothing torn down) or
-        ``shutdown.start_busy`` (a ``start`` on another thread outlived it) or the
+        ``shutdown.start_busy`` (a ``start`` on another thread outlived it) or
+        ``shutdown.in_progress`` (another thread's ``shutdown`` outlived it) or the
         ``failure`` of an executor already Failed. Idempotent; blocks up to about ``grace``
         plus the threads' joins. Called on the executor's submitter or completion thread (a
         done callback) it raises RuntimeError, changing nothing."""

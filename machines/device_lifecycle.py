@@ -62,6 +62,7 @@ import numbers
 import os
 import threading
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import attrs
@@ -211,6 +212,11 @@ class DeviceLifecycle:
         self._start_done = host.clock.event()
         #: ``shutdown`` was called: a ``start`` after it raises
         self._shutdown_called = False
+        #: ident of the thread whose ``shutdown`` runs now (``mu``): a ``shutdown`` on another
+        #: thread meanwhile waits for it (``_shutdown_done``) instead of taking it for a
+        #: recovery that holds ``recovery_mu``
+        self._shutdown_owner: int | None = None
+        self._shutdown_done = host.clock.event()
         self._start_thread: int | None = None  # ident of the thread running ``start``
         self.failure: Status | None = None  # why the lifecycle is Failed
 
@@ -894,7 +900,9 @@ class DeviceLifecycle:
         already torn the old generation down). Shutdown holds ``recovery_mu`` from then on,
         so no recovery runs under its teardown (a later one finds the executor stopping and
         does nothing). If it still runs after ``grace`` nothing is torn down and
-        ``shutdown.recovery_busy`` is returned. A ``grace`` that is no finite number of
+        ``shutdown.recovery_busy`` is returned. Another thread's shutdown in progress is waited
+        for (bounded by ``grace``; else ``shutdown.in_progress``), then this call answers as
+        one after it. A ``grace`` that is no finite number of
         seconds (None, NaN, inf) raises TypeError or ValueError naming it, changing nothing;
         a negative one is 0."""
         if isinstance(grace, bool) or not isinstance(grace, numbers.Real):
@@ -912,7 +920,40 @@ class DeviceLifecycle:
         def left(until: float) -> float:
             return max(0.0, until - clock.monotonic())
 
-        halfway = start + max(grace, 0.0) / 2
+        # One shutdown at a time. Another thread's (a SIGTERM handler's beside a ``finally``)
+        # is the same operation: wait for it, bounded by this call's grace, then answer as a
+        # call after it does. It holds ``recovery_mu`` while it tears down, and this call took
+        # that for a recovery: ``shutdown.recovery_busy``, "nothing was torn down", while the
+        # other call was tearing everything down.
+        me = threading.get_ident()
+        while True:
+            with self.mu:
+                owner = self._shutdown_owner
+                if owner is None:
+                    self._shutdown_owner = me
+                    self._shutdown_done.clear()
+            if owner is None:
+                try:
+                    return self._shutdown_once(grace, end, left)
+                finally:
+                    with self.mu:
+                        self._shutdown_owner = None
+                    self._shutdown_done.set()
+            if owner == me:  # (a done callback run by this very shutdown called it again)
+                return self._shutdown_once(grace, end, left)
+            if not clock.wait_event(self._shutdown_done, left(end)) and left(end) <= 0:
+                return Status.failure(
+                    "shutdown.in_progress", Category.LIFECYCLE, Phase.SHUTDOWN,
+                    f"another thread's shutdown still runs after grace={grace}s (lifecycle "
+                    f"{self.run.state}); it goes on and ends the lifecycle")
+
+    def _shutdown_once(self, grace: float, end: float,
+                       left: Callable[[float], float]) -> Status:
+        """``shutdown`` on the one thread running it: a start or a recovery in progress ends
+        first (bounded by what is left of ``grace``), then the teardown under
+        ``recovery_mu``."""
+        clock = self._host.clock
+        halfway = clock.monotonic() + left(end) / 2
         # A start() running on another thread (a SIGTERM during the warm-up) ends first, as a
         # recovery does below: half of grace on its own, then interrupted (its golden run is
         # refused, so it ends Failed and tears down what it built). Tearing down beside it
