@@ -208,7 +208,9 @@ class DecodeSteps(Protocol):
         ...
 
     def cancel(self) -> bool:
-        """Cancel the job in flight and the armed one (any thread, never blocks)."""
+        """Cancel the job in flight and the armed one (any thread, never blocks), and a step
+        that ``submit`` is admitting (waiting for KV, a buffer slot or Ready: it answers
+        CANCELLED at once)."""
         ...
 
     def close(self, wait: bool = True) -> Status:

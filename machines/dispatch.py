@@ -52,7 +52,7 @@ from calexec.machines.locks import SUBMIT, LockOrder
 if TYPE_CHECKING:
     from calexec.machines.autoarm import AutoArm
     from calexec.machines.generation import Generation
-    from calexec.machines.job import Job
+    from calexec.machines.job import Job, JobHandle
     from calexec.machines.kv import KvCoordinator, KvTxn
     from calexec.machines.pool import BufferSlot
     from calexec.machines.stream import DecodeStream
@@ -79,6 +79,9 @@ class Arm:
     #: wake the submitter once armed, so its idle wait counts the armed job's deadline (not
     #: needed when the submitter arms it itself)
     notify: bool = False
+    #: as ``enqueue``'s: given the job's handle before admission starts (a decode stream's own
+    #: step, whose ``cancel`` then reaches a wait for KV, a slot or Ready)
+    on_created: Callable[[JobHandle], None] | None = None
 
 
 @attrs.define(eq=False)

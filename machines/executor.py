@@ -955,9 +955,11 @@ class DeviceExecutor(SequenceOwnership):
     def admit_armed(self, request: InferenceRequest, logits_out: np.ndarray | None,
                     arm: Arm) -> Job:
         """Admit and prepare ``request``'s job up to Preparing and keep it armed (``arm``:
-        chained behind its predecessor's KV txn, waiting or not): the ordinary admission
-        path stopping before Queued. The job (resolved with why when nothing was armed)."""
-        return job_of(self._enqueue(request, internal=False, logits_out=logits_out, arm=arm))
+        chained behind its predecessor's KV txn, waiting or not; ``arm.on_created`` as
+        ``enqueue``'s): the ordinary admission path stopping before Queued. The job
+        (resolved with why when nothing was armed)."""
+        return job_of(self._enqueue(request, internal=False, logits_out=logits_out, arm=arm,
+                                    on_created=arm.on_created))
 
     @property
     def expected_decode_s(self) -> float:

@@ -115,6 +115,9 @@ class DecodeStream:
         self._cancelled = False  # cancel() was called (any thread): later steps are cancelled
         self._armed: Job | None = None
         self._current: JobHandle | None = None
+        #: the step's job while ``submit`` admits it afresh (it may wait for KV, a slot or
+        #: Ready): ``cancel`` (any thread) reaches it there too (``_admitting_created``)
+        self._admitting: JobHandle | None = None
         self.prearmed_steps = 0  # steps whose job was armed before the token came
         self.steps = 0
         # greedy ahead (see the module docstring)
@@ -227,10 +230,14 @@ class DecodeStream:
         if handle is not None:
             self.prearmed_steps += 1
         else:  # nothing armed (no free resource then): admit it now, blocking
-            fresh = self._arm_job(None, self.past_len, blocking=True)
-            if isinstance(fresh, Status):
-                return self._close(fresh)
-            handle = self._fire_step(fresh, int(token))
+            try:
+                fresh = self._arm_job(None, self.past_len, blocking=True,
+                                      on_created=self._admitting_created)
+                if isinstance(fresh, Status):
+                    return self._close(fresh)
+                handle = self._fire_step(fresh, int(token))
+            finally:
+                self._admitting = None
             if handle is None:  # released before it was queued: that is the step's answer,
                 # once its releaser (a close of the generation, a cancel) resolved it: the
                 # release takes the job first and resolves it after (read at once, it was
@@ -358,12 +365,14 @@ class DecodeStream:
     def cancel(self) -> bool:
         """Cancel the job in flight and the armed one (from any thread); the stream closes at
         its owner's next call (a later ``submit`` answers CANCELLED, as a server answers
-        every job of a request its client gave up). True when something was still running."""
+        every job of a request its client gave up). A ``submit`` admitting its step (waiting
+        for KV, a buffer slot or Ready) ends CANCELLED at once. True when something was still
+        running."""
         self._cancelled = True
         cancelled = False
         ahead = self._ahead
         for handle in (self._current, None if self._armed is None else JobHandle(self._armed),
-                       None if ahead is None else ahead[1]):
+                       None if ahead is None else ahead[1], self._admitting):
             if handle is not None:
                 cancelled |= handle.cancel()
         return cancelled
@@ -548,12 +557,22 @@ class DecodeStream:
         if drop is not None:
             ex.release_armed(drop, Status.cancelled(Phase.CANCEL, "decode stream closed"))
 
+    def _admitting_created(self, handle: JobHandle) -> None:
+        """(``submit``'s own admission, on the owner's thread, before it may wait.) Keep the
+        step's handle for ``cancel``; a cancel that came first cancels it now. (``cancel``
+        sets the flag before it reads the handle, and this keeps the handle before it reads
+        the flag: one of the two sees the other.)"""
+        self._admitting = handle
+        if self._cancelled:
+            handle.cancel()
+
     def _beyond_max_len(self, past: int) -> bool:
         """A step at ``past`` is beyond what the stream arms ahead (``max_len``)."""
         return self.max_len is not None and past + 1 > self.max_len
 
     def _arm_job(self, prev_txn: KvTxn | None, past: int, blocking: bool,
-                 notify: bool = False) -> Job | Status:
+                 notify: bool = False,
+                 on_created: Callable[[JobHandle], None] | None = None) -> Job | Status:
         if not blocking and self._beyond_max_len(past):
             # max_len bounds what the stream arms ahead; the caller's own step (blocking) is
             # a request like any other, answered by the plain path's checks
@@ -568,7 +587,8 @@ class DecodeStream:
         if past != self._row0 and rows is not None and self._fresh[parity]:  # a step that
             rows[parity].fill(0.0)  # may be fired ahead; arming runs off the critical path
             self._fresh[parity] = False
-        job = self.ex.admit_armed(request, self.logits_out, Arm(prev_txn, blocking, notify))
+        job = self.ex.admit_armed(request, self.logits_out,
+                                  Arm(prev_txn, blocking, notify, on_created))
         if job.done:
             return job.result if isinstance(job.result, Status) else Status.internal(
                 "prearm", Phase.PREPARE, "pre-armed job resolved before its token")

@@ -17,6 +17,7 @@ from executor_harness import (
     deadline,
     prefill,
     running_executor,
+    running_job_path,
     until,
     write_calbin,
 )
@@ -25,6 +26,7 @@ PROMPT = [3, 14, 15, 92, 65, 35, 89, 79]
 BOUND_S = 30.0  # a hang guard: reaching it fails the test
 #: a prefill of PROMPT takes 8 x 60 ms of device time: long enough to shut down beside it
 SLOW_PREFILL = "prefill_per_token_us=60000"
+SMALL_KV = "kv_blocks=4;kv_block_size=16;max_seqs=8"  # 64 tokens of KV in all
 
 
 @pytest.fixture(scope="module")
@@ -73,3 +75,46 @@ def test_a_shutdown_beside_another_threads_shutdown_waits_for_it_not_for_a_recov
         # the patient one waited for the first and answers as a call after it
         assert answers["patient"].ok, answers["patient"]
         assert ex.shutdown(1.0).ok  # and later calls too
+
+
+# ---- cancelling a decode stream whose step waits in admission ---------------------------------
+def test_cancelling_a_stream_ends_a_step_that_waits_for_kv_at_once(calbin):
+    """docs/embedding.md section 2: a request's admission may wait for KV (a prefill without
+    ``kv_reserve_len`` reserves only its prompt, so a decode step past its last block needs
+    one more), and ``DecodeSteps.cancel()`` cancels the stream's job "from any thread" (a
+    client disconnect handler calls it). A step whose job the stream admitted itself (nothing
+    was armed: no KV for it) was out of its reach while it waited: ``cancel()`` answered False
+    and the step waited on, holding the owner's thread and the sequence, until the stream's
+    deadline, and then answered ``kv.deadline`` (a 429, "retry later") for a client that had
+    left. Now the wait ends at once, CANCELLED, and the stream is closed."""
+    block = 16
+    with running_job_path(calbin, device_config=SMALL_KV) as ex:
+        # seq 2 holds exactly one block; seq 1 reserves the other three
+        prompt = list(range(1, block + 1))
+        two = ex.enqueue(prefill(2, prompt)).wait_until(deadline(BOUND_S))
+        assert isinstance(two, InferenceResult) and two.kv_len == block, two
+        one = ex.enqueue(prefill(1, PROMPT, kv_reserve_len=3 * block)).wait_until(
+            deadline(BOUND_S))
+        assert isinstance(one, InferenceResult), one
+        stream = ex.decode_stream(2, two.kv_len, deadline(BOUND_S))
+        answers: list[object] = []
+        owner = threading.Thread(target=lambda: answers.append(stream.step(two.argmax)),
+                                 name="stream-owner")
+        owner.start()
+        try:
+            until(lambda: ex.kvc.waiting == 1 or bool(answers), BOUND_S,
+                  "the step waiting for a KV block")
+            assert not answers, answers  # it waits: seq 1 holds every other block
+            assert stream.cancel()  # something was still running: the step's admission
+            owner.join(BOUND_S / 3)  # far less than the stream's deadline
+            assert not owner.is_alive(), "the step still waits for KV after cancel()"
+        finally:
+            if owner.is_alive():
+                ex.release_sequence(1)  # a failed test: let the step end
+                owner.join(BOUND_S)
+        answer = answers[0]
+        assert isinstance(answer, Status) and answer.code == "request.cancelled", answer
+        assert stream.closed
+        assert ex.kvc.waiting == 0
+        assert stream.close().code == "request.cancelled"
+        assert ex.release_sequence(2, 1.0).ok and ex.release_sequence(1, 1.0).ok
