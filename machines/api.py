@@ -203,7 +203,8 @@ class DecodeSteps(Protocol):
 
     def wait(self) -> InferenceResult | Status:
         """The result of the last ``submit`` (blocks until resolved or the deadline, then
-        cancels the job and closes); advances ``past_len``. Returns at once once the handle is
+        cancels the job, waits (bounded) for it to end, so the sequence may be released, and
+        closes); advances ``past_len``. Returns at once once the handle is
         done, so an asyncio caller awaits ``handle.wait_async(stream.deadline)`` first."""
         ...
 

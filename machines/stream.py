@@ -348,7 +348,19 @@ class DecodeStream:
         # (a Status until the handle is done: wait_until returns a result only once it is)
         if isinstance(result, Status) and not handle.done:  # the stream's deadline passed
             handle.cancel()  # with the job still running: its result is nobody's (it must
-            return self._close(result)  # not write logits_out later)
+            # not write logits_out later). As decode_sync does, wait (bounded: by then the
+            # executor resolved it whatever the device does) for it to end, so that once this
+            # returns the sequence may be released: a caller of step() holds no handle to
+            # wait on (release_sequence answered kv.sequence_busy, "a bug in the order")
+            if ex.config.threads:
+                handle.wait_until(ex.cancelled_job_bound(handle))
+            else:
+                while not handle.done and (ex.submit_one() or ex.complete_one()):
+                    pass
+            if not handle.done:  # still on its way: ``quiet`` says so until it ends
+                with ex.dispatch.cv:
+                    self._discarded = handle
+            return self._close(result)
         self._current = None
         if isinstance(result, Status):
             return self._close(result)

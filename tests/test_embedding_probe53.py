@@ -8,6 +8,7 @@ No timing threshold: every wait is bounded, and a bound that is reached fails th
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -27,6 +28,8 @@ BOUND_S = 30.0  # a hang guard: reaching it fails the test
 #: a prefill of PROMPT takes 8 x 60 ms of device time: long enough to shut down beside it
 SLOW_PREFILL = "prefill_per_token_us=60000"
 SMALL_KV = "kv_blocks=4;kv_block_size=16;max_seqs=8"  # 64 tokens of KV in all
+#: a decode step takes 300 ms of device time: a stream deadline passes while one runs
+SLOW_DECODE = "decode_us=300000"
 
 
 @pytest.fixture(scope="module")
@@ -118,3 +121,32 @@ def test_cancelling_a_stream_ends_a_step_that_waits_for_kv_at_once(calbin):
         assert ex.kvc.waiting == 0
         assert stream.close().code == "request.cancelled"
         assert ex.release_sequence(2, 1.0).ok and ex.release_sequence(1, 1.0).ok
+
+
+# ---- a decode stream's deadline passing while its step runs ---------------------------------------
+@pytest.mark.parametrize("greedy_ahead", [False, True], ids=["prearmed", "greedy-ahead"])
+def test_a_stream_step_past_its_deadline_leaves_the_sequence_releasable(calbin, greedy_ahead):
+    """docs/embedding.md section 3: once a request's last job is resolved and its stream
+    closed, ``release_sequence`` gives the id back; ``kv.sequence_busy`` means the caller broke
+    that order. ``DecodeSteps.wait`` (so ``step``) past the stream's deadline cancels its step
+    and closes the stream, but returned at once with the cancelled step still on the device:
+    ``close()`` returned at once too, ``quiet`` said nothing was left, and
+    ``release_sequence(seq, 1.0)`` answered ``kv.sequence_busy`` (INVALID_REQUEST, "a bug in
+    the order above") to a caller of ``step()``, which holds no handle to wait on (it would
+    withhold a good id). ``decode_sync`` waits for the job it cancelled; ``wait()`` now does
+    too (bounded by ``cancelled_job_bound``), so the sequence may be released at once."""
+    with running_job_path(calbin, device_config=SLOW_DECODE) as ex:
+        first = ex.enqueue(prefill(1, PROMPT, kv_reserve_len=len(PROMPT) + 8)).wait_until(
+            deadline(BOUND_S))
+        assert isinstance(first, InferenceResult), first
+        stream = ex.decode_stream(1, first.kv_len, time.monotonic() + 0.1,
+                                  max_len=len(PROMPT) + 8, greedy_ahead=greedy_ahead)
+        answer = stream.step(first.argmax)  # 300 ms of device time: the deadline passes
+        assert isinstance(answer, Status) and answer.code == "wait.deadline", answer
+        assert stream.closed
+        stream.close()
+        assert stream.quiet
+        released = ex.release_sequence(1, 1.0)
+        assert released.ok, released
+        again = ex.enqueue(prefill(1, PROMPT)).wait_until(deadline(BOUND_S))
+        assert isinstance(again, InferenceResult) and again.argmax == first.argmax, again

@@ -526,8 +526,7 @@ class Lane(Explorer):
         self.current[c.cid] = handle
         self.handles.append(handle)
         result = handle.wait_until(deadline)
-        if not handle.done:  # as decode_sync: a result nobody takes is cancelled
-            handle.cancel()
+        self._give_up(handle)
         record(("prefill", c.prompt, 0, *self._answer(result, out, count)))
         stream, past, failed = None, len(tokens), isinstance(result, Status)
         token = first + result.argmax if not isinstance(result, Status) else 0
@@ -571,8 +570,7 @@ class Lane(Explorer):
                 if early:
                     record(("early", (0,), past + 1, *self._early(c, past, deadline)))
                 result = handle.wait_until(deadline)
-                if not handle.done:  # as decode_sync: a result nobody takes is cancelled
-                    handle.cancel()
+                self._give_up(handle)
             record(("decode", (token,), past,
                     *self._answer(result, step_out, count, c.fresh_rows)))
             if failed:  # the one request after a failure: done
@@ -586,6 +584,14 @@ class Lane(Explorer):
         if c.release:
             status = ex.release_sequence(c.seq, wait_s=5.0)
             record(("release", status.code))
+
+    def _give_up(self, handle: Any) -> None:
+        """As decode_sync and a decode stream's ``wait`` do at the caller's deadline: a job
+        whose result nobody takes is cancelled, and waited for (bounded by
+        ``cancelled_job_bound``), so its sequence may be released next."""
+        if not handle.done:
+            handle.cancel()
+            handle.wait_until(self.ex.cancelled_job_bound(handle))
 
     def _gone(self, cid: int) -> Callable[[Any], None]:
         """``on_created`` of a client's jobs: a client that gave up cancels each at once."""
