@@ -200,7 +200,10 @@ class KvCoordinator:
         return blocks
 
     def _bump(self) -> None:
-        """Capacity or state changed: wake waiters (caller holds admission_mu)."""
+        """Capacity was given back (a release, a shrink), or a job a reset waits for let go:
+        wake the waiters (caller holds admission_mu). Never for a change that gives nothing
+        back (a commit, a txn opened or ended without growing): FI04, waiters are woken by
+        releases, never by the other sequences' jobs."""
         self._epoch += 1
         self._changed.notify_all()
 
@@ -428,19 +431,20 @@ class KvCoordinator:
         with self.admission_mu:
             view = self.seqs[txn.seq_id]
             if view.next_txn is txn:  # pre-armed behind an open txn: it never grew anything
-                view.next_txn = None
-                self._bump()
+                view.next_txn = None  # (no capacity back: no waiter is woken)
                 return Status.OK
-        ok = True
+        ok, shrunk = True, False
         if self.blocks_for(txn.old_reserved) < self.blocks_for(self.seqs[txn.seq_id].reserved_len):
             # None: closed, the KvManager (and what it reserved) is gone: nothing to give back
-            ok = self._apply(txn.seq_id, txn.old_reserved) is not False
+            applied = self._apply(txn.seq_id, txn.old_reserved)
+            ok, shrunk = applied is not False, applied is True
         with self.admission_mu:
             view = self.seqs[txn.seq_id]
             if ok:
                 view.reserved_len = txn.old_reserved
             view.open_txn = None
-            self._bump()
+            if shrunk:  # capacity given back: the waiters try again
+                self._bump()
         if not ok:
             return Status.failure("kv.apply_refused", Category.UNKNOWN, Phase.ADMISSION,
                                   f"Apply({txn.seq_id}, {txn.old_reserved}) refused a shrink",
@@ -467,7 +471,8 @@ class KvCoordinator:
             view = self.seqs[txn.seq_id]
             view.committed_len = txn.target_len
             view.open_txn, view.next_txn = view.next_txn, None  # a pre-armed txn goes next
-            self._bump()
+            # no capacity given back: no waiter is woken (every commit woke every KV waiter,
+            # which asked canAllocate again and slept on: one wake-up per waiter per token)
 
     def mark_unknown(self, txn: KvTxn, reason: str, on_device: bool = False) -> None:
         """Any failure after submit: the device KV of this sequence is Unknown (§7).
@@ -480,8 +485,7 @@ class KvCoordinator:
             view = self.seqs[txn.seq_id]
             view.unknown_reason = reason
             view.open_txn = None
-            view.on_device += on_device
-            self._bump()
+            view.on_device += on_device  # (no capacity back: its reset gives it back)
 
     def device_let_go(self, seq_id: int) -> None:
         """The runtime finished a job of ``seq_id`` that was marked ``on_device``."""

@@ -15,6 +15,7 @@ import pytest
 from calexec.contracts.status import Status
 from calexec.machines.job import InferenceResult
 from executor_harness import (
+    decode,
     deadline,
     prefill,
     running_executor,
@@ -150,3 +151,51 @@ def test_a_stream_step_past_its_deadline_leaves_the_sequence_releasable(calbin, 
         assert released.ok, released
         again = ex.enqueue(prefill(1, PROMPT)).wait_until(deadline(BOUND_S))
         assert isinstance(again, InferenceResult) and again.argmax == first.argmax, again
+
+
+# ---- KV waiters and the other sequences' jobs ------------------------------------------------------
+def test_kv_waiters_sleep_through_other_sequences_jobs_and_wake_on_the_release(calbin):
+    """Spec FI04, docs/architecture.md "Every wait is bounded": a request waiting for KV is
+    woken by a release, never polls. Every job's KV commit woke every KV waiter of the
+    executor (``notify_all`` with a new capacity epoch, though a commit gives nothing back),
+    and each asked ``canAllocate`` again and slept on: one wake-up per waiter per token of
+    any sequence (3 waiters, 20 decode steps elsewhere: 53 wake-ups), a busy loop paced by the
+    device under KV pressure, taking the GIL from the jobs that run. Now a waiter sleeps
+    through the other sequences' jobs and wakes when KV is given back."""
+    steps = 20
+    with running_job_path(calbin, device_config=SMALL_KV) as ex:
+        held = ex.enqueue(prefill(1, PROMPT, kv_reserve_len=64)).wait_until(deadline(BOUND_S))
+        assert isinstance(held, InferenceResult), held  # seq 1 holds all the KV
+        answers: dict[int, object] = {}
+
+        def wait_for_kv(seq: int) -> None:
+            handle = ex.enqueue(prefill(seq, PROMPT, seconds=BOUND_S, kv_reserve_len=16))
+            answers[seq] = handle.wait_until(deadline(BOUND_S))
+
+        waiters = [threading.Thread(target=wait_for_kv, args=(seq,), name=f"kv-waiter-{seq}")
+                   for seq in (2, 3, 4)]
+        for thread in waiters:
+            thread.start()
+        try:
+            until(lambda: ex.kvc.waiting == len(waiters) or bool(answers), BOUND_S,
+                  "three requests waiting for KV")
+            assert not answers, answers
+            before = ex.kvc.wakeups
+            token, past = held.argmax, held.kv_len
+            for _ in range(steps):  # seq 1 decodes within its reservation: nothing given back
+                result = ex.enqueue(decode(1, token, past)).wait_until(deadline(BOUND_S))
+                assert isinstance(result, InferenceResult), result
+                token, past = result.argmax, result.kv_len
+            assert ex.kvc.wakeups == before, (
+                f"{ex.kvc.wakeups - before} wake-ups of {len(waiters)} KV waiters in {steps} "
+                "decode steps of another sequence, with no KV given back")
+            assert ex.kvc.waiting == len(waiters) and not answers
+        finally:
+            released = ex.release_sequence(1, 1.0)
+            for thread in waiters:
+                thread.join(BOUND_S)
+        assert released.ok, released
+        assert not any(thread.is_alive() for thread in waiters)
+        for seq in (2, 3, 4):  # the release woke them: each got its KV
+            assert isinstance(answers[seq], InferenceResult), (seq, answers[seq])
+            assert ex.release_sequence(seq, 1.0).ok
