@@ -15,8 +15,8 @@ import pytest
 from calexec.contracts.status import Status
 from calexec.machines.job import InferenceResult
 from executor_harness import (
-    decode,
     deadline,
+    decode,
     prefill,
     running_executor,
     running_job_path,
