@@ -174,11 +174,16 @@ def test_kv_waiters_sleep_through_other_sequences_jobs_and_wake_on_the_release(c
 
         waiters = [threading.Thread(target=wait_for_kv, args=(seq,), name=f"kv-waiter-{seq}")
                    for seq in (2, 3, 4)]
-        for thread in waiters:
-            thread.start()
         try:
-            until(lambda: ex.kvc.waiting == len(waiters) or bool(answers), BOUND_S,
-                  "three requests waiting for KV")
+            # one at a time: each that joins the KV queue behind others wakes those once (its
+            # head retries: a "no" may have been transient), so after the k-th joined there
+            # were 0 + 1 + ... + (k - 1) wake-ups; counted, they are over
+            for joined, thread in enumerate(waiters, start=1):
+                thread.start()
+                woken = joined * (joined - 1) // 2
+                until(lambda joined=joined, woken=woken: (
+                    ex.kvc.waiting == joined and ex.kvc.wakeups == woken) or bool(answers),
+                    BOUND_S, f"{joined} request(s) waiting for KV, {woken} wake-up(s) over")
             assert not answers, answers
             before = ex.kvc.wakeups
             token, past = held.argmax, held.kv_len
@@ -193,7 +198,8 @@ def test_kv_waiters_sleep_through_other_sequences_jobs_and_wake_on_the_release(c
         finally:
             released = ex.release_sequence(1, 1.0)
             for thread in waiters:
-                thread.join(BOUND_S)
+                if thread.is_alive() or thread.ident is not None:
+                    thread.join(BOUND_S)
         assert released.ok, released
         assert not any(thread.is_alive() for thread in waiters)
         for seq in (2, 3, 4):  # the release woke them: each got its KV
