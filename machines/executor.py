@@ -537,7 +537,13 @@ class DeviceExecutor(SequenceOwnership):
             job.on_resolved = self.outcomes.keep_trail
         handle = JobHandle(job)
         if on_created is not None:
-            on_created(handle)
+            try:
+                on_created(handle)
+            except BaseException as exc:  # the caller's callback: it raises to the caller, its
+                self.outcomes.fail_early(job, Status.internal(  # job resolved first (it stayed
+                    "on_created_raised", Phase.ADMISSION, f"on_created raised "  # Created)
+                    f"{type(exc).__name__}: {exc}", **job.ctx()))
+                raise
         # queue through recovery: a caller's request waits for Ready; a pre-arm never waits
         # (the submitter arms: the recovery's golden run needs the submitter)
         life = self.life

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from calexec.contracts.status import Status
-from calexec.machines.job import InferenceResult
+from calexec.machines.job import InferenceResult, JobHandle
 from executor_harness import (
     deadline,
     decode,
@@ -205,3 +205,31 @@ def test_kv_waiters_sleep_through_other_sequences_jobs_and_wake_on_the_release(c
         for seq in (2, 3, 4):  # the release woke them: each got its KV
             assert isinstance(answers[seq], InferenceResult), (seq, answers[seq])
             assert ex.release_sequence(seq, 1.0).ok
+
+
+def test_an_on_created_that_raises_leaves_its_handle_resolved_on_the_plain_path(calbin):
+    """``enqueue(request, on_created=fn)`` with an ``fn`` that keeps the handle (a disconnect
+    handler's registry) and then raises: the exception reaches the caller, as on the
+    guess-adoption path, but on the plain path the job it had been given stayed Created and
+    unresolved for good (its done callbacks never ran; a ``wait_until`` on it waited out its
+    deadline). Now it is resolved first, ``internal.on_created_raised`` (found by the embedder
+    probe, fixed by the lead), and nothing else of the executor moved."""
+    with running_job_path(calbin) as ex:
+        kept: list[JobHandle] = []
+        called: list[object] = []
+
+        def on_created(handle: JobHandle) -> None:
+            kept.append(handle)
+            handle.add_done_callback(lambda h: called.append(h.result()))
+            raise ValueError("registry full")
+
+        with pytest.raises(ValueError, match="registry full"):
+            ex.enqueue(prefill(1, PROMPT), on_created=on_created)
+        assert len(kept) == 1 and kept[0].done, kept
+        result = kept[0].wait_until(deadline(1.0))
+        assert isinstance(result, Status) and result.code == "internal.on_created_raised", result
+        assert "ValueError: registry full" in (result.message or ""), result
+        assert called == [result]
+        again = ex.enqueue(prefill(1, PROMPT)).wait_until(deadline(BOUND_S))
+        assert isinstance(again, InferenceResult), again
+        assert ex.release_sequence(1, 1.0).ok
