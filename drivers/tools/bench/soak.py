@@ -807,7 +807,10 @@ def _readable(report: dict[str, Any]) -> str:
     for key in ("requests_finished", "completed", "by_mode", "phases", "faults_by_kind",
                 "faults_not_fired", "wrong_tokens", "client_errors", "errors_documented",
                 "errors_beyond_budget", "error_examples", "resumes_by_cause",
-                "decode_steps_prearmed", "decode_steps_ahead", "auto_prearmed", "recoveries",
+                "decode_steps_prearmed", "decode_steps_ahead", "auto_prearmed",
+                # whether the submitter ran on its native relay and what it gave to infer
+                # there (--native-relay): the JSON had them, the readable report did not
+                "native_relay", "relay_submitted", "recoveries",
                 "rss_mib", "mmap_threshold_pinned", "live_objects", "pools_end",
                 "threads_leaked"):
         lines.append(f"  {key}: {json.dumps(report[key])}")
