@@ -190,6 +190,17 @@ class SamplingParams:
     #: structured outputs and tools: the grammar each generation starts (None: free text)
     grammar: GrammarSpec | None = attrs.field(default=None, eq=False)
 
+    def __attrs_post_init__(self) -> None:
+        # min_tokens holds the end and stop tokens back; allowed_token_ids of those alone
+        # left no token to choose: every logit -inf, and the pick was a token outside
+        # allowed_token_ids (id 0 greedy, the last id sampled), silently
+        if self.min_tokens > 0 and self.allowed_token_ids is not None:
+            held = {*self.end_token_ids, *self.stop_token_ids}
+            _check("min_tokens", not held.issuperset(self.allowed_token_ids), self.min_tokens,
+                   f"every token of allowed_token_ids {list(self.allowed_token_ids)[:16]} is "
+                   "an end or stop token, which min_tokens holds back: no token could be "
+                   "chosen before min_tokens")
+
     @property
     def greedy(self) -> bool:
         """Temperature 0 (or top_k 1): the argmax (of the processed row), no draw."""
