@@ -160,3 +160,32 @@ def test_min_tokens_with_only_end_or_stop_tokens_allowed_is_refused_naming_min_t
         else:
             ids = answer.json()["choices"][0]["token_ids"]
         assert ids[:2] == [354, 354] and set(ids) <= {151643, 354}, ids
+
+
+@pytest.mark.parametrize("temperature", [0, 1])
+def test_a_grammar_that_allows_none_of_the_allowed_token_ids_ends_with_a_400(
+        url: str, temperature: int):
+    """``response_format`` JSON with ``allowed_token_ids`` the grammar never allows next ('a':
+    a JSON object opens with '{'): every logit was -inf and the answer was token 0 (greedy
+    and sampled), outside both, ``finish_reason: stop``, as if all went well. Now the request ends with a 400 naming ``allowed_token_ids`` (whole; a
+    stream's error event, its status when nothing was sent yet), also once a few tokens went
+    out ('{' allowed, then nothing the grammar takes after it)."""
+    with httpx.Client(base_url=url, timeout=30) as client:
+        for allowed, n in (([353], 1), ([353], 2), ([256 + ord("{")], 1)):
+            body = {"prompt": "hi", "max_tokens": 4, "allowed_token_ids": allowed, "n": n,
+                    "response_format": {"type": "json_object"}, "temperature": temperature}
+            whole = client.post("/v1/completions", json=body)
+            assert whole.status_code == 400, whole.text[:300]
+            error = whole.json()["error"]
+            assert error["param"] == "allowed_token_ids", error
+            assert error["message"].startswith(f"allowed_token_ids={allowed}: none of them "
+                                               "can be token "), error
+            stream = client.post("/v1/completions", json={**body, "stream": True})
+            if allowed == [353]:  # the first token: nothing sent, the response's status
+                assert stream.status_code == 400, stream.text[:300]
+                assert stream.json()["error"] == error
+            else:  # '{' went out: the stream's error event, no [DONE]
+                assert stream.status_code == 200
+                data = [e for e in stream.text.split("\n\n") if e]
+                assert data[0].startswith("data: {") and '"token_ids":[379]' in data[0]
+                assert json.loads(data[-1][len("data: "):]) == {"error": error}

@@ -60,6 +60,12 @@ class SamplingError(ValueError):
         self.value = value
 
 
+class NoTokenLeft(SamplingError):
+    """The request's constraints leave no token to choose at one step of its generation
+    (known only there: the grammar's state with ``allowed_token_ids``); ``field`` names the
+    body field to change."""
+
+
 def _check(field: str, ok: bool, value: Any, why: str) -> None:
     if not ok:
         raise SamplingError(field, value, why)
@@ -363,6 +369,12 @@ def pick(logits: np.ndarray, params: SamplingParams, index: int,
     if params.plain_greedy:
         return (int(np.argmax(logits)) if argmax is None else int(argmax)), None
     row = process(logits, params, prompt, output, constraint)
+    if params.allowed_token_ids is not None and not np.isfinite(row).any():
+        # the grammar (response_format, tools) allows none of allowed_token_ids next: every
+        # logit -inf, and the argmax or the draw was id 0, outside both, silently
+        raise NoTokenLeft("allowed_token_ids", list(params.allowed_token_ids)[:16],
+                          f"none of them can be token {index} of the answer (the "
+                          "response_format or tools grammar allows none of them there)")
     if params.greedy:
         token = int(np.argmax(row)) if argmax is None or params.processed else int(argmax)
     else:

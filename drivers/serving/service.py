@@ -562,10 +562,16 @@ _TIMEOUT_TOLD = "request timeout="
 MAX_TOKENS_CODES = frozenset({"kv.exceeds_capacity"})
 
 
+#: a generation whose constraints left no token to choose (sampling.NoTokenLeft): 400
+NO_TOKEN_LEFT = "sampling.no_token_left"
+
+
 def failure_param(run: RequestRun) -> str | None:
     """The body field ``run``'s failure is about (an error body's ``param``), if known."""
     if run.status is not None and run.status.code in MAX_TOKENS_CODES:
         return run.max_tokens_param
+    if run.status is not None and run.status.code == NO_TOKEN_LEFT:
+        return "allowed_token_ids"
     return None
 
 
@@ -934,7 +940,13 @@ class CompletionService:
                 run.constraint.accept(earlier)
         args = (result.logits, run.sampling, len(run.tokens), result.argmax, run.prompt,
                 run.tokens, run.constraint)
-        token, logprobs = await to_thread.run_sync(sampling.pick, *args, limiter=self._limiter)
+        try:
+            token, logprobs = await to_thread.run_sync(sampling.pick, *args,
+                                                       limiter=self._limiter)
+        except sampling.NoTokenLeft as err:  # the request's own constraints: a 400
+            run.status = Status.failure(NO_TOKEN_LEFT, Category.INVALID_REQUEST, Phase.VALIDATE,
+                                        str(err), seq_id=run.seq_id)
+            return None
         return self._take(run, token, logprobs)
 
     async def _failed(self, run: RequestRun, result: Status, handle: Any) -> int | None:
