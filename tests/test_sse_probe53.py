@@ -167,9 +167,10 @@ def test_a_grammar_that_allows_none_of_the_allowed_token_ids_ends_with_a_400(
         url: str, temperature: int):
     """``response_format`` JSON with ``allowed_token_ids`` the grammar never allows next ('a':
     a JSON object opens with '{'): every logit was -inf and the answer was token 0 (greedy
-    and sampled), outside both, ``finish_reason: stop``, as if all went well. Now the request ends with a 400 naming ``allowed_token_ids`` (whole; a
-    stream's error event, its status when nothing was sent yet), also once a few tokens went
-    out ('{' allowed, then nothing the grammar takes after it)."""
+    and sampled), outside both, ``finish_reason: stop``, as if all went well. Now the
+    request ends with a 400 naming ``allowed_token_ids`` (whole; a stream's error event, its
+    status when nothing was sent yet), also once a few tokens went out ('{' allowed, then
+    nothing the grammar takes after it)."""
     with httpx.Client(base_url=url, timeout=30) as client:
         for allowed, n in (([353], 1), ([353], 2), ([256 + ord("{")], 1)):
             body = {"prompt": "hi", "max_tokens": 4, "allowed_token_ids": allowed, "n": n,
