@@ -190,3 +190,20 @@ def test_a_grammar_that_allows_none_of_the_allowed_token_ids_ends_with_a_400(
                 data = [e for e in stream.text.split("\n\n") if e]
                 assert data[0].startswith("data: {") and '"token_ids":[379]' in data[0]
                 assert json.loads(data[-1][len("data: "):]) == {"error": error}
+
+
+def test_a_tool_chat_stream_s_last_chunk_has_null_logprobs_as_a_text_chat_s(url: str):
+    """With ``tools`` (the tool shape) and ``logprobs``, a stream's last chunk that holds no
+    token (``finish_reason: length``) carried ``logprobs: {"content": []}``, where the same
+    chat without tools (and OpenAI) sends null; the tokens' chunks carry theirs alike."""
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "stream": True,
+            "logprobs": True, "seed": 1, "temperature": 1}
+    tool = {"type": "function", "function": {"name": "get"}}
+    with httpx.Client(base_url=url, timeout=30) as client:
+        for extra in ({}, {"tools": [tool]}):
+            chunks = events(client.post("/v1/chat/completions", json={**body, **extra}).text)
+            last = chunks[-1]["choices"][0]
+            assert last["finish_reason"] == "length" and last["logprobs"] is None, (extra, last)
+            rows = [row for c in chunks[:-1] for row in (c["choices"][0]["logprobs"] or
+                                                         {"content": []})["content"]]
+            assert len(rows) == 3, (extra, rows)

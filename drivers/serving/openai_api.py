@@ -1870,9 +1870,11 @@ class _ToolChatShape(_ChatShape):
 
     def _chunk(self, delta: dict[str, Any], run: RequestRun, token_ids: list[int],
                finish: str | None = None) -> dict[str, Any]:
+        infos = self._new_logprobs(run)  # none left for a last chunk that holds no token:
+        # null there, as a text chat's last chunk (it was {"content": []})
         return {**self._head(chunk=True), "choices": [{
             "index": self.index, "delta": delta,
-            "logprobs": self._logprobs(run, self._new_logprobs(run)), "finish_reason": finish,
+            "logprobs": self._logprobs(run, infos) if infos else None, "finish_reason": finish,
             "token_ids": token_ids}]}
 
     def piece(self, text: str, token: int, run: RequestRun) -> dict[str, Any] | None:
