@@ -639,8 +639,14 @@ def test_a_ctrl_c_while_draw_replaces_its_files_leaves_no_mix(project: Path,
         replace(src, dst)
 
     monkeypatch.setattr(os, "replace", interrupted_replace)
-    with pytest.raises(KeyboardInterrupt), contextlib.redirect_stdout(io.StringIO()):
-        charts_cli.draw([f"{module('charts')}:Door", "--out", str(out), "--png"])
+    # Python's handler, whatever this process inherited (a run started in the background,
+    # under nohup among them, inherits SIGINT ignored: its Ctrl-C never comes; CI at stop 53)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt), contextlib.redirect_stdout(io.StringIO()):
+            charts_cli.draw([f"{module('charts')}:Door", "--out", str(out), "--png"])
+    finally:
+        signal.signal(signal.SIGINT, before)
     monkeypatch.undo()
     assert len(calls) >= 2
     old = [p.name for p in sorted(out.iterdir()) if p.read_bytes() == b"the previous chart's\n"]
