@@ -15,9 +15,9 @@ from test_server_support import (
     ServeLikeServer,
     oracle_tokens,
     read_until_closed,
+    responses,
     send_raw,
     server_idle,
-    split_head,
     started_executor,
     wait_for,
 )
@@ -39,18 +39,6 @@ def served(executor):
     app = create_app(executor, ServerConfig())
     with ServeLikeServer(app) as server:
         yield server, app.state.service
-
-
-def responses(data: bytes) -> list[tuple[bytes, dict[str, str], bytes]]:
-    """The responses in ``data`` (each framed by its Content-Length): status line, headers
-    (lower-case names), body."""
-    found = []
-    while data:
-        status, headers, rest = split_head(data)
-        length = int(headers.get("content-length", len(rest)))
-        found.append((status, headers, rest[:length]))
-        data = rest[length:]
-    return found
 
 
 COMPLETION = json.dumps({"prompt": PROMPT, "max_tokens": 3}).encode()

@@ -11,6 +11,7 @@ import pytest
 from calexec.drivers.serving.server import ServerConfig, create_app
 from test_server_support import (
     ServeLikeServer,
+    responses,
     send_raw,
     split_head,
     started_executor,
@@ -29,17 +30,6 @@ def served(executor):
     app = create_app(executor, ServerConfig())
     with ServeLikeServer(app) as server:
         yield server
-
-
-def responses(data: bytes) -> list[tuple[bytes, dict[str, str], bytes]]:
-    """The responses in ``data`` (each framed by its Content-Length)."""
-    found = []
-    while data:
-        status, headers, rest = split_head(data)
-        length = int(headers.get("content-length", len(rest)))
-        found.append((status, headers, rest[:length]))
-        data = rest[length:]
-    return found
 
 
 HEALTH = b"GET /health HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n"

@@ -242,6 +242,18 @@ def split_head(data: bytes) -> tuple[bytes, dict[str, str], bytes]:
     return lines[0], headers, rest
 
 
+def responses(data: bytes) -> list[tuple[bytes, dict[str, str], bytes]]:
+    """The responses in ``data`` (each framed by its Content-Length): status line, headers
+    (lower-case names), body."""
+    found = []
+    while data:
+        status, headers, rest = split_head(data)
+        length = int(headers.get("content-length", len(rest)))
+        found.append((status, headers, rest[:length]))
+        data = rest[length:]
+    return found
+
+
 def stream_tool_calls(text: str) -> tuple[list[dict], list[str], object]:
     """Feed ``text`` to a ``grammar.ToolCallStream`` one character at a time, as a stream of
     tokens would, then end it: the deltas, each call's streamed arguments joined (by call
