@@ -21,11 +21,15 @@ import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 
 from calexec.contracts.errors import Category  # noqa: E402
+from calexec.contracts.manifest import default_manifest_path, load_manifest  # noqa: E402
 from calexec.contracts.prepare import InferenceRequest  # noqa: E402
 from calexec.contracts.status import Phase, Status  # noqa: E402
 from calexec.contracts.types import TaskKind  # noqa: E402
-from calexec.drivers.calrt.runtime import Fault, FaultMode  # noqa: E402
+from calexec.drivers.calrt.runtime import CalRT, Fault, FaultMode  # noqa: E402
 from calexec.drivers.serving.server import ServerConfig, create_app  # noqa: E402
+from calexec.drivers.synthetic import calbin  # noqa: E402
+from calexec.machines.clock import Clock  # noqa: E402
+from calexec.machines.executor import DeviceExecutor, ExecutorConfig  # noqa: E402
 from test_server_support import (  # noqa: E402
     LiveServer,
     free_port,
@@ -101,24 +105,51 @@ def test_a_shutdown_that_stops_a_recovery_with_a_golden_job_on_the_device_ends_f
         executor.device.emu.clear_all_faults()
 
 
+class _ShiftedClock(Clock):
+    """The host's clock plus ``shift`` seconds the test adds: the executor's threads and
+    ``health()`` see time jump while a native ``Wait()`` (host time) still runs."""
+
+    __slots__ = ("shift",)
+    real = False  # not the host's time: no native wait stands in for one of its waits
+
+    def __init__(self) -> None:
+        self.shift = 0.0
+
+    def monotonic(self) -> float:
+        return super().monotonic() + self.shift
+
+    def now_us(self) -> int:
+        return super().now_us() + int(self.shift * 1e6)
+
+
 def test_a_hung_job_is_named_past_its_execution_deadline_not_a_negative_time(tmp_path):
-    """A request's job hangs on the device: past its execution deadline (0.3 s here), long
-    before its request's deadline (30 s), ``health()`` (and so ``/health``, ``/ready`` and a
-    waiter's ``admission.deadline``) said ``job 5 (seq 1) is on the device -29.6s past its
-    deadline``; now it names the execution deadline and how long ago it passed."""
-    executor = started_executor(tmp_path, execution_timeout_s=0.3, timeout_grace_s=30.0)
+    """A request's job hangs on the device and its ``Wait()`` runs on past the job's
+    execution deadline (10 s here), long before its request's deadline (60 s): ``health()``
+    (and so ``/health``, ``/ready`` and a waiter's ``admission.deadline``) said ``job 5 (seq
+    1) is on the device -48.9s past its deadline``; now it names the execution deadline and
+    how long ago it passed. The clock jumps 11 s while the completion thread is still in its
+    (host-time) ``Wait()``, so the window is held open, not raced (it was a poll of a window
+    of a few milliseconds, and a busy CI host missed it)."""
+    path = str(tmp_path / "synthetic.calbin")
+    calbin.write(path, calbin.default_spec())
+    clock = _ShiftedClock()
+    executor = DeviceExecutor(CalRT.load(), load_manifest(default_manifest_path()),
+                              ExecutorConfig(calbin_path=path, execution_timeout_s=10.0,
+                                             timeout_grace_s=30.0), clock=clock)
+    assert executor.start().ok
     try:
         assert executor.device.emu.set_fault(Fault.HANG, FaultMode.NTH, 1, 0, 0) == 0
         handle = executor.enqueue(InferenceRequest(
             seq_id=1, kind=TaskKind.PREFILL_IDS, tokens=np.asarray([5, 6, 7], dtype=np.int32),
             positions=np.arange(3, dtype=np.int32), past_len=0,
-            deadline=time.monotonic() + 30.0))
-        reasons: list[str] = []
-
-        def late() -> bool:
-            reasons[:] = [r for r in executor.health() if "is on the device" in r]
-            return bool(reasons)
-        wait_for(late, 20, "the hung job in health()")
+            deadline=clock.monotonic() + 60.0))
+        wait_for(lambda: executor.completion.waiting_on is not None, 20,
+                 "the completion thread waiting on the hung job")
+        assert not [r for r in executor.health() if "is on the device" in r]
+        clock.shift = 11.0  # 1 s past the execution deadline; the Wait() runs 10 s of host time
+        reasons = [r for r in executor.health() if "is on the device" in r]
+        assert executor.completion.waiting_on is not None  # still in the Wait(): not raced
+        assert len(reasons) == 1, executor.health()
         assert "past its execution deadline" in reasons[0], reasons
         assert not re.search(r" -\d", reasons[0]), reasons
         handle.cancel()
