@@ -9,8 +9,6 @@ import json
 import re
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -30,9 +28,9 @@ from calexec.drivers.serving.server import ServerConfig, create_app  # noqa: E40
 from calexec.drivers.synthetic import calbin  # noqa: E402
 from calexec.machines.clock import Clock  # noqa: E402
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig  # noqa: E402
+from test_ops_sweep import serve_process, stopped  # noqa: E402
 from test_server_support import (  # noqa: E402
     LiveServer,
-    free_port,
     server_idle,
     started_executor,
     wait_for,
@@ -143,12 +141,17 @@ def test_a_hung_job_is_named_past_its_execution_deadline_not_a_negative_time(tmp
             seq_id=1, kind=TaskKind.PREFILL_IDS, tokens=np.asarray([5, 6, 7], dtype=np.int32),
             positions=np.arange(3, dtype=np.int32), past_len=0,
             deadline=clock.monotonic() + 60.0))
-        wait_for(lambda: executor.completion.waiting_on is not None, 20,
-                 "the completion thread waiting on the hung job")
+
+        def waiting_on_it() -> bool:
+            # start() returns once the golden's last job resolved, maybe before the completion
+            # thread let go of it: that done job is not the one this test waits for
+            job = executor.completion.waiting_on
+            return job is not None and job.request.seq_id == 1 and not job.done
+        wait_for(waiting_on_it, 20, "the completion thread waiting on the hung job")
         assert not [r for r in executor.health() if "is on the device" in r]
         clock.shift = 11.0  # 1 s past the execution deadline; the Wait() runs 10 s of host time
         reasons = [r for r in executor.health() if "is on the device" in r]
-        assert executor.completion.waiting_on is not None  # still in the Wait(): not raced
+        assert waiting_on_it()  # still in the Wait(): not raced
         assert len(reasons) == 1, executor.health()
         assert "past its execution deadline" in reasons[0], reasons
         assert not re.search(r" -\d", reasons[0]), reasons
@@ -164,28 +167,17 @@ def test_a_drain_that_cuts_a_client_still_sending_its_body_logs_no_traceback(tmp
     ``SHUTDOWN_WAIT_S``, logging ``ERROR Cancel 1 running task(s)`` and an ``ERROR Exception
     in ASGI application`` traceback (``CancelledError``) per such client on every deploy;
     now one WARNING line and no traceback, exit 0."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "calexec", "serve", "--port", str(port),
-                             "--grace", "1", "--log-level", "warning"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path)
+    proc, url = serve_process(tmp_path, "--grace", "1")
+    port = int(url.rsplit(":", 1)[1])
     sock = None
     try:
-        def up() -> bool:
-            try:
-                return httpx.get(f"{url}/ready", timeout=1).status_code == 200
-            except httpx.TransportError:
-                assert proc.poll() is None, proc.stderr.read().decode()
-                return False
-        wait_for(up, 30, "calexec serve to become ready")
         body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 4}).encode()
         sock = socket.create_connection(("127.0.0.1", port), timeout=10)
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
                      b"application/json\r\ncontent-length: %d\r\n\r\n" % len(body) + body[:-4])
         time.sleep(0.3)  # the route reads the body
         proc.send_signal(signal.SIGTERM)
-        code = proc.wait(timeout=30)
-        stderr = proc.stderr.read().decode()
+        code, stderr = stopped(proc)
         assert code == 0, stderr[-3000:]
         assert "Traceback" not in stderr and "ERROR" not in stderr, stderr[-3000:]
     finally:
@@ -193,4 +185,4 @@ def test_a_drain_that_cuts_a_client_still_sending_its_body_logs_no_traceback(tmp
             sock.close()
         if proc.poll() is None:
             proc.kill()
-            proc.wait()
+            proc.communicate(timeout=10)
