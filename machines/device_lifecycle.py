@@ -329,6 +329,8 @@ class DeviceLifecycle:
             status = Status.internal("start_exception", Phase.CONFIGURE,
                                      f"start raised {type(exc).__name__}: {exc}")
             log.error("start caught %s", status, exc_info=exc)
+        if status.ok:
+            status = self._go_ready()
         if not status.ok and self._shutdown_called:  # say why its golden run was refused
             status = Status.unavailable(
                 status.phase or Phase.CONFIGURE,
@@ -342,7 +344,6 @@ class DeviceLifecycle:
             if host.device is not None and released.ok:
                 host.device.close()  # else a job may still run: keep the device open
             return status
-        self._go_ready()
         self.start_status = Status.OK
         return Status.OK
 
@@ -357,7 +358,8 @@ class DeviceLifecycle:
         if status.ok:
             status = self._open(host.config.calbin_path)
         if status.ok:
-            self.run.send(LIFECYCLE_EV_CONFIGURED)
+            status = self._advance(LIFECYCLE_EV_CONFIGURED)
+        if status.ok:
             if host.config.threads:
                 host.start_threads()
             status = self.warm_up()
@@ -387,9 +389,31 @@ class DeviceLifecycle:
         host.dispatch.refuse(None)  # the new generation's own golden jobs may queue
         return Status.OK
 
-    def _go_ready(self) -> None:
+    def _advance(self, event: str) -> Status:
+        """Send ``event`` (a step of a start or a recovery) unless the lifecycle went final
+        meanwhile: OK when sent, else the failure that ended it. A start or a recovery works
+        outside ``mu`` between its steps (fence, drain, reset, golden run), and the fault
+        controller, told of a fault on the completion thread, may end the lifecycle Failed
+        there (past ``max_recoveries``, e.g. the reset aborting a golden job the device never
+        finished); the next step then raised IllegalTransition out of ``recover()`` ("event
+        'roll_back' is not allowed in state 'Failed'") instead of answering a Status."""
+        with self.mu:
+            if not self.run.final:
+                self.run.send(event)
+                return Status.OK
+            state, failure = self.run.state, self.failure
+        if failure is not None:
+            return failure
+        return Status.unavailable(Phase.RECOVERY, f"the lifecycle ended {state} before {event}")
+
+    def _go_ready(self) -> Status:
+        """Warming -> Ready, admission open (unless the lifecycle went final meanwhile)."""
         host = self._host
         with self.mu:
+            if self.run.final:
+                state, failure = self.run.state, self.failure
+                return failure if failure is not None else Status.unavailable(
+                    Phase.RECOVERY, f"the lifecycle ended {state} before it was warm")
             self.run.send(LIFECYCLE_EV_WARMED)
             self._served_gen_id = host.gen.id
             host.dispatch.refuse(None)
@@ -399,6 +423,7 @@ class DeviceLifecycle:
         if path in self.good_calbins:
             self.good_calbins.remove(path)
         self.good_calbins.append(path)
+        return Status.OK
 
     def expected_golden(self, sha: str) -> tuple[tuple[int, ...] | None, str]:
         """(expected tokens or None, where they come from) for calbin ``sha``: the operator's
@@ -665,8 +690,9 @@ class DeviceLifecycle:
                                     "for its supervisor", **self._gctx())
             self.fail(status)
             return status
-        with self.mu:
-            self.run.send(LIFECYCLE_EV_RECOVER)
+        status = self._advance(LIFECYCLE_EV_RECOVER)
+        if not status.ok:
+            return status
         old = host.gen
         old.pool.quarantine_all()  # invariant 8: every old-generation slot
         if reset and not reset_done:
@@ -688,8 +714,9 @@ class DeviceLifecycle:
         if not status.ok:
             self.fail(status)
             return status
-        with self.mu:
-            self.run.send(LIFECYCLE_EV_RECONFIGURE)
+        status = self._advance(LIFECYCLE_EV_RECONFIGURE)
+        if not status.ok:
+            return status
         target = calbin_path or old.calbin_path
         # The other chance if this one is refused: a switch to another calbin rolls back to
         # the last good one (Triton keeps the old model on a failed reload); a recovery, or a
@@ -709,7 +736,10 @@ class DeviceLifecycle:
                 self.fail(released)
                 return released
             fallback = self._rollback_path
-            self.run.send(LIFECYCLE_EV_ROLL_BACK)
+            advanced = self._advance(LIFECYCLE_EV_ROLL_BACK)
+            if not advanced.ok:
+                record["refused"] = refused
+                return advanced
             self._rollback_path = None
             status = self._configure_and_warm(fallback)
             if self._retry_golden(status, refused):
@@ -720,7 +750,9 @@ class DeviceLifecycle:
                 self._rollback_path = fallback
             if status.ok and fallback != target:
                 record["refused"] = refused
-                self._go_ready()
+                ready = self._go_ready()
+                if not ready.ok:
+                    return ready
                 return Status.failure("recovery.rolled_back", Category.ARTIFACT, Phase.RECOVERY,
                                       f"{target!r} was refused ({refused[0]}); {fallback!r} "
                                       "serves again", **self._gctx())
@@ -743,8 +775,7 @@ class DeviceLifecycle:
                 return status
             self.fail(status)
             return status
-        self._go_ready()
-        return Status.OK
+        return self._go_ready()
 
     def _retry_golden(self, status: Status, refused: list[str]) -> bool:
         """Whether a generation of a calbin that served, refused with ``status`` (after
@@ -765,9 +796,8 @@ class DeviceLifecycle:
         if not status.ok:
             self._host.gen = None
             return status
-        with self.mu:
-            self.run.send(LIFECYCLE_EV_CONFIGURED)
-        return self.warm_up()
+        status = self._advance(LIFECYCLE_EV_CONFIGURED)
+        return self.warm_up() if status.ok else status
 
     def _release_failed_generation(self) -> Status:
         """Tear down a generation refused while Configuring/Warming, or at a failed start,

@@ -276,6 +276,29 @@ def test_escalation_past_max_recoveries_ends_failed(calbins):
         assert state == "Failed" and "escalation" in ex.faults.last().reason
 
 
+@pytest.mark.parametrize("max_recoveries", [0, 1])
+def test_a_recovery_the_fault_controller_escalates_meanwhile_answers_a_status(calbins,
+                                                                             max_recoveries):
+    """A device that stops finishing jobs (the emulator in stepped mode, never stepped): the
+    recovery's golden job times out; tearing its generation down resets the device, which
+    aborts that job; the completion thread reports it (``device.status_not_done``) and the
+    fault controller, past ``max_recoveries``, ends the lifecycle Failed, while the recovery
+    works outside the lifecycle's lock. Its next step raised IllegalTransition out of
+    ``recover()`` ("event 'roll_back' is not allowed in state 'Failed'"); it answers the
+    failure that ended the lifecycle, and the executor still shuts down."""
+    policy = RecoveryPolicy(max_recoveries=max_recoveries, drain_grace_s=0.3)
+    with running_executor(calbins["main"], recovery=policy, golden_timeout_s=0.3,
+                          execution_timeout_s=60.0, timeout_grace_s=60.0) as ex:
+        assert ex.device.emu.set_stepped(True) == 0
+        status = ex.recover(Status.failure("device.ccu_exception", Category.DEVICE,
+                                           Phase.RECOVERY, "the test's reason"))
+        assert not status.ok and status.code == "device.status_not_done", status
+        assert ex.state == "Failed" and ex.failure is not None
+        assert "escalation" in ex.faults.last().reason
+        assert ex.recoveries[-1]["ok"] is False and ex.recoveries[-1]["lifecycle"] == "Failed"
+        assert not ex.shutdown(2.0).ok  # Failed stays Failed; no exception either
+
+
 def test_no_safe_reset_ends_failed_for_the_supervisor(calbins):
     policy = RecoveryPolicy(reset_kind="none", drain_grace_s=0.2)
     with running_executor(calbins["main"], recovery=policy, execution_timeout_s=0.2,
