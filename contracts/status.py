@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import enum
 import re
-from typing import Any, ClassVar, SupportsInt
+from typing import ClassVar, SupportsInt, TypedDict, Unpack
 
 import attrs
 
@@ -63,6 +63,45 @@ _CODE_RE = re.compile(r"^[a-z0-9_]+(\.[a-z0-9_]+)+$")
 def _check_code(instance: object, attribute: attrs.Attribute[str], value: str) -> None:
     if value != "ok" and not _CODE_RE.match(value):
         raise ValueError(f"Status.code={value!r}: must be 'ok' or '<domain>.<reason>' in [a-z0-9_]")
+
+
+class StatusIds(TypedDict, total=False):
+    """The job context a Status carries, as a constructor's keywords (``**ctx``): each an
+    int (or anything ``int()`` takes: a numpy integer, an IntEnum) or None."""
+
+    job_id: SupportsInt | None
+    seq_id: SupportsInt | None
+    generation: SupportsInt | None
+
+
+class StatusStepIds(StatusIds, total=False):
+    """``StatusIds`` and the §6.3 step (the constructors that set the step take only ids)."""
+
+    step: SupportsInt | None
+
+
+class StatusContext(StatusStepIds, total=False):
+    """Every context keyword of ``Status.failure`` (``from_calrt`` sets ``raw`` itself)."""
+
+    raw: SupportsInt | None  #: the raw CalRT code
+
+
+class StatusDict(TypedDict):
+    """``Status.to_dict()``: JSON-ready, the same keys for every Status."""
+
+    ok: bool
+    code: str
+    category: str | None
+    phase: str | None
+    raw: int | None
+    raw_name: str | None
+    message: str
+    job_id: int | None
+    seq_id: int | None
+    generation: int | None
+    step: int | None
+    http_status: int
+    grpc_code: str
 
 
 def _optional_int(value: SupportsInt | None) -> int | None:
@@ -114,12 +153,12 @@ class Status:
 
     # ---- constructors -------------------------------------------------------------------
     @classmethod
-    def failure(cls, code: str, category: Category, phase: Phase, message: str, **ctx: Any) -> Status:
+    def failure(cls, code: str, category: Category, phase: Phase, message: str, **ctx: Unpack[StatusContext]) -> Status:
         """A failure with an explicit code and category; ``ctx``: raw, job_id, seq_id, generation, step."""
         return cls(code=code, category=category, phase=phase, message=message, **ctx)
 
     @classmethod
-    def from_calrt(cls, raw: int, phase: Phase, message: str = "", **ctx: Any) -> Status:
+    def from_calrt(cls, raw: int, phase: Phase, message: str = "", **ctx: Unpack[StatusStepIds]) -> Status:
         """Status of a CalRT call that returned ``raw``: ``OK`` for 0, else classified by §8.
 
         code is ``calrt.<phase>_failed``; the message always names the raw code.
@@ -134,24 +173,24 @@ class Status:
         )
 
     @classmethod
-    def from_csr(cls, raw: int, csr_name: str, value: int, **ctx: Any) -> Status:
+    def from_csr(cls, raw: int, csr_name: str, value: int, **ctx: Unpack[StatusIds]) -> Status:
         """§6.3 step 7: ``SetCsrByName(csr_name, value)`` returned ``raw`` (OK for 0)."""
         return cls.from_calrt(raw, Phase.CSR, f"SetCsrByName({csr_name!r}, {value})", step=7, **ctx)
 
     @classmethod
-    def from_map(cls, raw: int, tensor: str, **ctx: Any) -> Status:
+    def from_map(cls, raw: int, tensor: str, **ctx: Unpack[StatusIds]) -> Status:
         """§6.3 step 8: ``MapBuf`` of ``tensor`` returned ``raw`` (OK for 0)."""
         return cls.from_calrt(raw, Phase.MAP, f"MapBuf(tensor={tensor!r})", step=8, **ctx)
 
     @classmethod
-    def from_slice(cls, raw: int, tensor: str, offset: int, size: int, **ctx: Any) -> Status:
+    def from_slice(cls, raw: int, tensor: str, offset: int, size: int, **ctx: Unpack[StatusIds]) -> Status:
         """§6.3 step 8: ``SliceTensor(tensor, offset, size)`` returned ``raw`` (OK for 0)."""
         return cls.from_calrt(
             raw, Phase.SLICE, f"SliceTensor(tensor={tensor!r}, offset={offset}, size={size})", step=8, **ctx
         )
 
     @classmethod
-    def from_device_status(cls, device_status: int, **ctx: Any) -> Status:
+    def from_device_status(cls, device_status: int, **ctx: Unpack[StatusContext]) -> Status:
         """``GetStatus()`` after a successful ``Wait()``: OK only for DONE.
 
         DONE_CCU_EXCEPTION is a DEVICE failure (FI08); any other value means the job had not
@@ -170,37 +209,37 @@ class Status:
                            f"GetStatus()={device_status} ({name}) after a successful Wait()", **ctx)
 
     @classmethod
-    def invalid(cls, step: int, message: str, **ctx: Any) -> Status:
+    def invalid(cls, step: int, message: str, **ctx: Unpack[StatusIds]) -> Status:
         """§6.3 validation failure at ``step`` (1-6), before any runtime call: 400."""
         return cls.failure("request.invalid", Category.INVALID_REQUEST, Phase.VALIDATE,
                            f"step {step}: {message}", step=step, **ctx)
 
     @classmethod
-    def cancelled(cls, phase: Phase, message: str = "cancel requested", **ctx: Any) -> Status:
+    def cancelled(cls, phase: Phase, message: str = "cancel requested", **ctx: Unpack[StatusContext]) -> Status:
         return cls.failure("request.cancelled", Category.CANCELLED, phase, message, **ctx)
 
     @classmethod
-    def deadline(cls, phase: Phase, message: str = "deadline passed", **ctx: Any) -> Status:
+    def deadline(cls, phase: Phase, message: str = "deadline passed", **ctx: Unpack[StatusContext]) -> Status:
         """A §9.1 deadline passed; code ``<phase>.deadline`` tells which (admission/queue/wait)."""
         return cls.failure(f"{phase.value}.deadline", Category.DEADLINE, phase, message, **ctx)
 
     @classmethod
-    def exhausted(cls, resource: str, phase: Phase, message: str, **ctx: Any) -> Status:
+    def exhausted(cls, resource: str, phase: Phase, message: str, **ctx: Unpack[StatusContext]) -> Status:
         """``resource`` (``"kv"``, ``"queue"``, ...) is full: code ``<resource>.full``, 429."""
         return cls.failure(f"{resource}.full", Category.RESOURCE_EXHAUSTED, phase, message, **ctx)
 
     @classmethod
-    def unavailable(cls, phase: Phase, message: str, **ctx: Any) -> Status:
+    def unavailable(cls, phase: Phase, message: str, **ctx: Unpack[StatusContext]) -> Status:
         """The device lifecycle is not Ready (draining, recovering, failed, shut down): 503."""
         return cls.failure("lifecycle.unavailable", Category.UNAVAILABLE, phase, message, **ctx)
 
     @classmethod
-    def internal(cls, reason: str, phase: Phase, message: str, **ctx: Any) -> Status:
+    def internal(cls, reason: str, phase: Phase, message: str, **ctx: Unpack[StatusContext]) -> Status:
         """Executor-detected fault (``internal.<reason>``), e.g. non-finite or short output: 500."""
         return cls.failure(f"internal.{reason}", Category.INTERNAL, phase, message, **ctx)
 
     @classmethod
-    def artifact(cls, reason: str, message: str, **ctx: Any) -> Status:
+    def artifact(cls, reason: str, message: str, **ctx: Unpack[StatusContext]) -> Status:
         """The manifest and the runtime's models disagree (``manifest.<reason>``): refuse the generation."""
         return cls.failure(f"manifest.{reason}", Category.ARTIFACT, Phase.CONFIGURE, message, **ctx)
 
@@ -208,11 +247,16 @@ class Status:
     def with_context(self, *, job_id: int | None = None, seq_id: int | None = None,
                      generation: int | None = None) -> Status:
         """A copy with the given context fields set (fields passed as None are kept)."""
-        changes: dict[str, Any] = {k: v for k, v in (("job_id", job_id), ("seq_id", seq_id),
-                                                     ("generation", generation)) if v is not None}
+        changes: StatusIds = {}
+        if job_id is not None:
+            changes["job_id"] = job_id
+        if seq_id is not None:
+            changes["seq_id"] = seq_id
+        if generation is not None:
+            changes["generation"] = generation
         return attrs.evolve(self, **changes) if changes else self
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> StatusDict:
         """A JSON-ready dict with a fixed key set, for structured logs and HTTP bodies."""
         return {
             "ok": self.ok,

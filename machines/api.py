@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Collection
-from typing import Any, Literal, Protocol, TypedDict, get_args, runtime_checkable
+from typing import Literal, NotRequired, Protocol, TypedDict, get_args, runtime_checkable
 
 import numpy as np
 
@@ -58,6 +58,79 @@ LifecycleState = Literal["Configuring", "Warming", "Ready", "Draining", "Recover
 LIFECYCLE_STATES: tuple[str, ...] = get_args(LifecycleState)
 
 
+class DispatchSnapshot(TypedDict):
+    """``Dispatch.snapshot()`` (machines/dispatch.py): the dispatch state's counts, read under
+    its lock; ``ExecutorSnapshot.dispatch``."""
+
+    queued: int  #: jobs waiting for the submitter
+    inflight: int  #: jobs on the device
+    pending_tokens: int  #: admission token budget in use
+    armed: int  #: pre-armed jobs (streams' next steps and implicit pre-arms)
+    auto_armed: int  #: implicit pre-arms holding a job
+    guesses: int  #: implicit pre-arms (with or without a job)
+    to_arm: int  #: streams waiting for their next job to be armed
+    arm_later: int  #: arms put off by the arming delay
+    arming: bool  #: the submitter is arming one now
+    held_by_runtime: int  #: slots the runtime still holds after a failed job
+    handing_off: int  #: jobs between the queue and ``infer``
+    relayed: int  #: jobs handed to the native relay and not reported yet
+    refusing: bool  #: queued work is refused (a drain, recovery or shutdown)
+
+
+class RecoveryRecord(TypedDict):
+    """One recovery or model switch (``DeviceExecutor.recoveries``, machines/
+    device_lifecycle.py ``recover``)."""
+
+    reason: str  #: the Status code that asked for it (``model.switch`` for a switch)
+    reset: bool  #: whether a device reset was asked for
+    from_generation: int | None
+    #: the reset that ran (None: none); absent when the recovery stopped before that point
+    reset_kind: NotRequired[str | None]
+    #: codes of the generations refused on the way (absent when it stopped before configuring)
+    refused: NotRequired[list[str]]
+    ok: bool
+    status: str  #: the outcome's Status code
+    seconds: float
+    to_generation: int | None
+    lifecycle: str  #: the lifecycle state it ended in
+
+
+class DowngradeRecord(TypedDict):
+    """One Phase B downgrade to in-flight capacity 1 (``DeviceExecutor.downgrades``)."""
+
+    at: float  #: the executor clock's ``monotonic()``
+    reason: str  #: the Status code of the last failure after submit
+    faults_in_window: int
+
+
+class ThreadFault(TypedDict):
+    """An exception an executor thread's barrier caught (``DeviceExecutor.thread_faults``)."""
+
+    thread: str  #: ``calexec-submitter``, ``calexec-completion`` or ``calexec-recovery``
+    error: str  #: ``TypeName: message``
+    job: int | None  #: the job the thread held (None: none)
+    at: float  #: the executor clock's ``monotonic()``
+
+
+#: One event of a job's chart path (``JobTrail.trail``): taken (``to`` the new state) or
+#: refused (``to`` None, ``refused_by`` the guards); ``t`` the executor clock's
+#: ``monotonic()``. Spelled as a call because ``from`` is a Python keyword.
+TrailStep = TypedDict("TrailStep", {"event": str, "from": str, "to": str | None,
+                                    "refused_by": list[str] | None, "t": float})
+
+
+class JobTrail(TypedDict):
+    """What happened to one recent job (``DeviceExecutor.job_trail``)."""
+
+    job_id: int
+    seq_id: int
+    kind: str  #: ``TaskKind`` name
+    generation: int | None
+    state: str  #: the job chart's final state
+    status: str  #: ``ok`` or the Status code
+    trail: list[TrailStep]
+
+
 class ExecutorSnapshot(TypedDict):
     """``snapshot()``: a consistent read of the executor's gauges and counters (for metrics)."""
 
@@ -73,7 +146,7 @@ class ExecutorSnapshot(TypedDict):
     auto_armed: int  #: implicit pre-arms holding a slot (machines/autoarm.py)
     #: the dispatch object's own snapshot (machines/dispatch.py: queued, armed, inflight,
     #: capacity, pending tokens, held, streams, guesses, arming), for tests and tools
-    dispatch: dict[str, Any]
+    dispatch: DispatchSnapshot
     slots: dict[str, int] | None  #: buffer slots per chart state (None before start)
     recoveries: int  #: recoveries and model switches so far
     golden: str | None  #: where the generation's golden came from: pinned|config|unpinned

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 
 from statemachine import StateChart
 from statemachine.exceptions import InvalidDefinition
+from statemachine.transition import Transition as DeclaredTransition
 
 from calexec.machines.contract_decl import (
     Check as Check,
@@ -205,16 +206,16 @@ class ContractListener:
         self.checker = checker
         self.configuration = configuration
 
-    def _declared(self, event: object, transition: object) -> Transition | None:
+    def _declared(self, event: object, transition: DeclaredTransition) -> Transition | None:
         # the initial pseudo-transition is not a declared one
         return self.checker.chart.record_of(transition, event)
 
-    def before_transition(self, event: object, transition: object, model: Model) -> None:
+    def before_transition(self, event: object, transition: DeclaredTransition, model: Model) -> None:
         taken = self._declared(event, transition)
         if taken is not None:
             self.checker.before(model, taken)
 
-    def after_transition(self, event: object, transition: object, model: Model,
+    def after_transition(self, event: object, transition: DeclaredTransition, model: Model,
                          machine: StateChart[object]) -> None:
         taken = self._declared(event, transition)
         if taken is not None:

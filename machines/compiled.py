@@ -33,6 +33,7 @@ import inspect
 import re
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
 from typing import Any, Protocol
@@ -41,6 +42,7 @@ import attrs
 from statemachine import StateChart
 from statemachine.callbacks import CallbackGroup
 from statemachine.signature import SignatureAdapter
+from statemachine.transition import Transition as DeclaredTransition
 
 from calexec.machines.chart_support import (
     ChartTransitionError as ChartTransitionError,  # re-exported: where runs raise them
@@ -133,7 +135,7 @@ class CompiledChart:
     general: tuple[str, ...] = attrs.field(default=(), repr=False)
     #: the python-statemachine transition each record of ``transitions`` was derived from
     #: (same index): the general run's skeleton takes one by its record
-    declared: tuple[Any, ...] = attrs.field(default=(), repr=False, eq=False)
+    declared: tuple[DeclaredTransition, ...] = attrs.field(default=(), repr=False, eq=False)
     #: None (production), or what checks the chart's contracts around every transition a run
     #: takes (``chart_contracts.enable_contracts`` sets it; ``send`` then pays one more test)
     checker: TransitionChecker | None = attrs.field(default=None, repr=False, eq=False)
@@ -168,7 +170,7 @@ class CompiledChart:
                 f"{self.name}: {tool} does not support yet: {'; '.join(self.unrunnable)} "
                 f"(a run of it is refused; diagrams and paths take the chart)")
 
-    def record_of(self, transition: Any, event: object) -> Transition | None:
+    def record_of(self, transition: DeclaredTransition, event: object) -> Transition | None:
         """The record of ``transition`` (a python-statemachine ``Transition`` of the
         declaration) taken on ``event``, as a listener of an instance is called
         (``after_transition(event, transition)``; ``event`` is None for an eventless one);
@@ -214,7 +216,7 @@ class CompiledChart:
         for listener in self.listeners:
             listener(transition)
 
-    def run(self, model: Any, state: str | None = None) -> ChartRun:
+    def run(self, model: object, state: str | None = None) -> ChartRun:
         """A new run on ``model`` (the guard provider), in ``state`` or the initial state.
 
         For a chart the flat fast path does not cover (``general`` names why) this is a
@@ -328,6 +330,11 @@ def _saved_state(model: object) -> object:
     return own.get("state") if own else None
 
 
+#: One entry of a run's trail (``keep_trail``): ``(event, source, target, None, t)`` for a
+#: taken transition, ``(event, source, None, refusing guards, t)`` for a refused event.
+TrailEntry = tuple[str, str, str | None, tuple[str, ...] | None, float]
+
+
 class ChartRun:
     """A lightweight run of a ``CompiledChart``: ``state`` is the current state id.
 
@@ -341,15 +348,15 @@ class ChartRun:
 
     __slots__ = ("chart", "state", "model", "_table", "trail", "_now")
 
-    def __init__(self, chart: CompiledChart, state: str, model: Any) -> None:
+    def __init__(self, chart: CompiledChart, state: str, model: object) -> None:
         self.chart = chart
         self.state = state
         self.model = model
         self._table = chart.table
-        self.trail = None
+        self.trail: deque[TrailEntry] | None = None
         self._now: Callable[[], float] = time.monotonic
 
-    def keep_trail(self, trail: Any, now: Callable[[], float]) -> None:
+    def keep_trail(self, trail: deque[TrailEntry], now: Callable[[], float]) -> None:
         """Append every taken and refused event to ``trail`` (a bounded deque), stamped with
         ``now()`` (the owner's clock: virtual time under the interleaving explorer)."""
         self.trail = trail
@@ -538,7 +545,7 @@ class AttributeGuardRun(EventDataRun):
 
     __slots__ = ("values",)
 
-    def __init__(self, chart: CompiledChart, state: str, model: Any,
+    def __init__(self, chart: CompiledChart, state: str, model: object,
                  values: frozenset[str]) -> None:
         super().__init__(chart, state, model)
         self.values = values

@@ -28,15 +28,15 @@ infer of a fired job in native code, with ``ExecutorConfig.native_relay``; else 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, Unpack
 
 import numpy as np
 
 from calexec.contracts.runtime_view import RuntimeModelInfo
-from calexec.contracts.status import Phase, Status
+from calexec.contracts.status import Phase, Status, StatusContext
 
 
-def no_object(what: str, phase: Phase, **ctx: Any) -> Status:
+def no_object(what: str, phase: Phase, **ctx: Unpack[StatusContext]) -> Status:
     """A runtime call answered 0 without the object it makes: the runtime broke the driver
     contract (INTERNAL: the generation is not trusted)."""
     return Status.internal("runtime_no_object", phase, f"{what} returned 0 but no object", **ctx)

@@ -63,7 +63,7 @@ import os
 import threading
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, TypedDict, runtime_checkable
 
 import attrs
 import numpy as np
@@ -75,6 +75,7 @@ from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import EngineSlot, TaskKind
 from calexec.machines import switch_check
+from calexec.machines.api import RecoveryRecord, ThreadFault
 from calexec.machines.chart_names import (
     LIFECYCLE_CONFIGURING,
     LIFECYCLE_DRAINING,
@@ -99,8 +100,10 @@ from calexec.machines.locks import LIFECYCLE as LIFECYCLE_RANK
 from calexec.machines.locks import RECOVERY
 
 if TYPE_CHECKING:
+    from calexec.contracts.manifest import Manifest
     from calexec.machines.clock import Clock
     from calexec.machines.completion import Completion
+    from calexec.machines.device_api import DeviceApi, RuntimeApi
     from calexec.machines.dispatch import Dispatch
     from calexec.machines.executor import ExecutorConfig
     from calexec.machines.locks import LockOrder
@@ -114,6 +117,13 @@ _RECOVERING = (LIFECYCLE_DRAINING, LIFECYCLE_RECOVERING, LIFECYCLE_CONFIGURING,
                LIFECYCLE_WARMING)
 
 
+class _RecoveryProgress(TypedDict, total=False):
+    """What ``_recover`` learns on its way, for the ``RecoveryRecord``."""
+
+    reset_kind: str | None
+    refused: list[str]
+
+
 @runtime_checkable
 class LifecycleHost(Protocol):
     """Everything ``DeviceLifecycle`` uses of the executor that owns it (``DeviceExecutor``
@@ -123,9 +133,9 @@ class LifecycleHost(Protocol):
     #: the executor's settings (device config, calbin, capacity, golden, recovery policy)
     config: ExecutorConfig
     #: the CalRT runtime (``open_device``)
-    runtime: Any
+    runtime: RuntimeApi
     #: the manifest every generation is resolved against (and its pinned goldens)
-    manifest: Any
+    manifest: Manifest
     clock: Clock
     #: the executor's ranked locks (``lifecycle_mu`` and ``recovery_mu`` are made from it)
     locks: LockOrder
@@ -136,9 +146,9 @@ class LifecycleHost(Protocol):
     #: the completion side: its length is the number of jobs submitted, not completed
     completion: Completion
     #: what the executor threads' barriers caught (the recovery thread's barrier appends)
-    thread_faults: deque[dict[str, Any]]
+    thread_faults: deque[ThreadFault]
     #: the open device (None before ``start``); the lifecycle opens, resets and closes it
-    device: Any
+    device: DeviceApi | None
     #: the current generation (None before the first and between two); the lifecycle sets it
     gen: Generation | None
 
@@ -189,7 +199,7 @@ class DeviceLifecycle:
         self._recovery_owner: int | None = None  # thread ident holding recovery_mu in recover()
         self._pending_recovery: Decision | None = None
         self._recovery_thread: threading.Thread | None = None
-        self.recoveries: list[dict[str, Any]] = []
+        self.recoveries: list[RecoveryRecord] = []
         self._gen_ids = itertools.count(1)
         #: id of the newest generation that reached Ready
         self._served_gen_id = 0
@@ -636,20 +646,21 @@ class DeviceLifecycle:
                 if self.stopping:  # shutdown ran first: nothing left to recover
                     return Status.unavailable(Phase.RECOVERY, "the executor is shutting down")
                 t0 = host.clock.monotonic()
-                record: dict[str, Any] = {"reason": reason.code, "reset": reset,
-                                          "from_generation": host.gen.id if host.gen else None}
-                status = self._recover(reason, reset, calbin_path, record)
+                from_generation = host.gen.id if host.gen else None
+                progress: _RecoveryProgress = {}
+                status = self._recover(reason, reset, calbin_path, progress)
             finally:
                 self._recovery_owner = None
-            record.update(ok=status.ok, status=status.code,
-                          seconds=host.clock.monotonic() - t0,
-                          to_generation=host.gen.id if host.gen else None,
-                          lifecycle=self.run.state)
+            record: RecoveryRecord = {
+                "reason": reason.code, "reset": reset, "from_generation": from_generation,
+                **progress, "ok": status.ok, "status": status.code,
+                "seconds": host.clock.monotonic() - t0,
+                "to_generation": host.gen.id if host.gen else None, "lifecycle": self.run.state}
             self.recoveries.append(record)
             return status
 
     def _recover(self, reason: Status, reset: bool, calbin_path: str | None,
-                 record: dict[str, Any]) -> Status:
+                 record: _RecoveryProgress) -> Status:
         host = self._host
         config = host.config
         policy = config.recovery

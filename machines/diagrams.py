@@ -489,7 +489,7 @@ def png_sha(png: bytes) -> str | None:
     return found.group(1).decode("ascii") if found else None
 
 
-def render_path_svg(chart: ChartLike, steps: Iterable[Mapping[str, Any]]) -> str:
+def render_path_svg(chart: ChartLike, steps: Iterable[Mapping[str, object]]) -> str:
     """SVG of ``chart`` (a chart class or its ``CompiledChart``) with one run's path drawn on it. ``steps`` are
     ``DeviceExecutor.job_trail`` steps (``event``, ``from``, ``to``, ``refused_by``): the taken
     transitions in ``PATH_COLOR``, the last state filled, and inside each state the events
@@ -501,6 +501,10 @@ def render_path_svg(chart: ChartLike, steps: Iterable[Mapping[str, Any]]) -> str
     last: str | None = None
     for step in steps:
         event, source, target = step["event"], step["from"], step["to"]
+        if not (isinstance(event, str) and isinstance(source, str)
+                and (target is None or isinstance(target, str))):
+            raise TypeError(f"{chart.name}: step {dict(step)!r:.200}: 'event' and 'from' must "
+                            "be names (str), 'to' a state name or None (a refused event)")
         line = None
         if target is not None:
             candidates = chart.table.get((source, event), ())
@@ -515,7 +519,8 @@ def render_path_svg(chart: ChartLike, steps: Iterable[Mapping[str, Any]]) -> str
                 line = f"{_event_label(chart, event)}: [{', '.join(passed_over)}] refused"
         else:
             guards = step.get("refused_by")
-            why = f"[{', '.join(guards)}]" if guards else "(not declared here)"
+            why = (f"[{', '.join(map(str, guards))}]" if isinstance(guards, (list, tuple))
+                   and guards else "(not declared here)")
             line = f"refused: {_event_label(chart, event)} {why}"
         if line is not None:
             notes[source] = f"{notes[source]}\n{line}" if source in notes else line

@@ -39,11 +39,12 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol, TypedDict
 
 import attrs
 
 from calexec.contracts.status import Phase, Status
+from calexec.machines.api import DispatchSnapshot
 from calexec.machines.chart_names import JOB_EV_CANCEL, JOB_EV_ENQUEUE
 from calexec.machines.clock import Clock
 from calexec.machines.compiled import GuardRejected
@@ -56,6 +57,19 @@ if TYPE_CHECKING:
     from calexec.machines.kv import KvCoordinator, KvTxn
     from calexec.machines.pool import BufferSlot
     from calexec.machines.stream import DecodeStream
+
+
+class DispatchPeek(TypedDict):
+    """``Dispatch.peek()``: counts and copies of the dispatch state, read without the lock."""
+
+    queued: int
+    inflight: int
+    pending_tokens: int
+    armed: list[Job]
+    guesses: list[AutoArm]
+    held: list[Held]
+    to_arm: int
+    handing_off: int
 
 
 class Armer(Protocol):
@@ -225,7 +239,7 @@ class Dispatch:
             return (self._inflight == 0 and self._handing_off == 0 and not self._queue
                     and not self._armed)
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> DispatchSnapshot:
         with self.mu:
             return {"queued": len(self._queue), "inflight": self._inflight,
                     "pending_tokens": self._pending_tokens, "armed": len(self._armed),
@@ -235,7 +249,7 @@ class Dispatch:
                     "held_by_runtime": len(self._held), "handing_off": self._handing_off,
                     "relayed": len(self._relayed), "refusing": self._refusal is not None}
 
-    def peek(self) -> dict[str, Any]:
+    def peek(self) -> DispatchPeek:
         """The state without the lock, for a checker that runs only while no other thread
         can change it (the explorer, when every thread waits): counts and copies."""
         return {"queued": len(self._queue), "inflight": self._inflight,

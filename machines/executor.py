@@ -62,7 +62,13 @@ from calexec.contracts.prepare import InferenceRequest, check_request
 from calexec.contracts.status import Phase, Status, llama_decode_code
 from calexec.contracts.types import EngineSlot, ModelGeneration, TaskKind
 from calexec.machines import switch_check
-from calexec.machines.api import ExecutorSnapshot
+from calexec.machines.api import (
+    DowngradeRecord,
+    ExecutorSnapshot,
+    JobTrail,
+    RecoveryRecord,
+    ThreadFault,
+)
 from calexec.machines.autoarm import AutoArm
 from calexec.machines.chart_names import (
     JOB_EV_ADMIT,
@@ -90,7 +96,9 @@ from calexec.machines.sequences import SequenceOwnership
 from calexec.machines.tuning import HotPathTuning
 
 if TYPE_CHECKING:
-    from calexec.machines.device_api import DeviceApi
+    from calexec.contracts.manifest import Manifest
+    from calexec.machines.device_api import DeviceApi, KvManagerApi, RuntimeApi
+    from calexec.machines.dispatch import Armer
     from calexec.machines.stream import DecodeStream
 
 log = logging.getLogger("calexec.executor")
@@ -129,7 +137,7 @@ def _of_type(kind: type) -> Callable[[Any, Any, Any], None]:
     return check
 
 
-def _calbin_path(value: Any) -> Any:
+def _calbin_path(value: object) -> object:
     """``calbin_path`` converter: a ``pathlib.Path`` (any ``os.PathLike``) becomes its str."""
     return os.fspath(value) if isinstance(value, os.PathLike) else value
 
@@ -292,7 +300,7 @@ def _check_stream_arguments(*, max_len: object, max_steps: object, stop_tokens: 
                         "token ids (ints)")
 
 
-def _check_construction(runtime: Any, manifest: Any, config: Any) -> None:
+def _check_construction(runtime: object, manifest: object, config: object) -> None:
     """``DeviceExecutor``'s arguments, checked when it is built: a TypeError naming the one
     that is not what it takes. Before, a dict config raised ``'dict' object has no attribute
     'tuning'``, and a manifest path (a str) or a None runtime were taken, so ``start()``
@@ -335,7 +343,7 @@ class DeviceExecutor(SequenceOwnership):
     shutdown) is its ``DeviceLifecycle`` component, ``self.life`` (machines/device_lifecycle.py),
     for which it is the ``LifecycleHost``."""
 
-    def __init__(self, runtime: Any, manifest: Any, config: ExecutorConfig,
+    def __init__(self, runtime: RuntimeApi, manifest: Manifest, config: ExecutorConfig,
                  fault_sink: FaultSink | None = None, clock: Clock = SYSTEM) -> None:
         _check_construction(runtime, manifest, config)
         self.runtime = runtime
@@ -348,10 +356,10 @@ class DeviceExecutor(SequenceOwnership):
         self.locks = LockOrder(checking=config.check_lock_order, strict=config.strict_lock_order,
                                clock=clock)
         # the runtime objects every job uses; the lifecycle opens, replaces and closes them
-        self.device: Any = None
+        self.device: DeviceApi | None = None
         self.gen: Generation | None = None
         # supervision: what each executor thread's barrier caught (the recovery thread's too)
-        self.thread_faults: deque[dict[str, Any]] = deque(maxlen=100)
+        self.thread_faults: deque[ThreadFault] = deque(maxlen=100)
         # the device's life along the lifecycle chart (its run, lifecycle_mu, the admission
         # gate, the ready queue, recovery, goldens, retired generations, shutdown): one owner,
         # machines/device_lifecycle.py; it reaches this executor as its ``LifecycleHost``
@@ -408,7 +416,7 @@ class DeviceExecutor(SequenceOwnership):
         return self.life.failure
 
     @property
-    def recoveries(self) -> list[dict[str, Any]]:
+    def recoveries(self) -> list[RecoveryRecord]:
         """One record per recovery or model switch: reason, reset, generations, outcome."""
         return self.life.recoveries
 
@@ -462,7 +470,7 @@ class DeviceExecutor(SequenceOwnership):
         return self.outcomes.counters
 
     @property
-    def downgrades(self) -> list[dict[str, Any]]:
+    def downgrades(self) -> list[DowngradeRecord]:
         """Phase B downgrades to capacity 1: when and why."""
         return self.outcomes.downgrades
 
@@ -485,7 +493,7 @@ class DeviceExecutor(SequenceOwnership):
         return None if self.gen is None else self.gen.kvc
 
     @property
-    def kv(self) -> Any:
+    def kv(self) -> KvManagerApi | None:
         return None if self.gen is None else self.gen.kv
 
     # ---- enqueue (§6.2) -------------------------------------------------------------------------
@@ -689,7 +697,7 @@ class DeviceExecutor(SequenceOwnership):
             return None
         return stop
 
-    def job_trail(self, job_id: int) -> dict[str, Any] | None:
+    def job_trail(self, job_id: int) -> JobTrail | None:
         """What happened to one recent job (``JobOutcomes.job_trail``): its chart path, final
         state and status code; None when not kept (still running, or older than
         ``job_trails_kept`` jobs)."""
@@ -973,7 +981,7 @@ class DeviceExecutor(SequenceOwnership):
         average; 0 before the first)."""
         return self.completion.decode_exec_us / 1e6
 
-    def fire_armed(self, job: Job, token: int, rearm: Any = None,
+    def fire_armed(self, job: Job, token: int, rearm: Armer | None = None,
                    arm_delay_s: float = 0.0) -> JobHandle | None:
         """A pre-armed decode job gets its token and joins the submit queue: the token id is
         written into the leased slot's input and the request, the chart goes Preparing ->
@@ -1151,9 +1159,10 @@ class DeviceExecutor(SequenceOwnership):
     def _thread_fault(self, name: str, exc: BaseException) -> None:
         job = self._holding.get(name)
         self._holding[name] = None
-        status = Status.internal("thread_exception", Phase.SUBMIT if "submit" in name
-                                 else Phase.WAIT, f"{name} raised {type(exc).__name__}: {exc}",
-                                 **({} if job is None else dict(job.ctx())))
+        phase = Phase.SUBMIT if "submit" in name else Phase.WAIT
+        message = f"{name} raised {type(exc).__name__}: {exc}"
+        status = (Status.internal("thread_exception", phase, message) if job is None else
+                  Status.internal("thread_exception", phase, message, **job.ctx()))
         log.error("executor thread %s caught %s (job %s); reported as a fault", name,
                   status, None if job is None else job.job_id, exc_info=exc)
         self.thread_faults.append({"thread": name, "error": f"{type(exc).__name__}: {exc}",

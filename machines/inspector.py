@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 from statemachine import StateChart
+from statemachine.transition import Transition as DeclaredTransition
 
 from calexec.machines.compiled import ChartLike, ChartRun, CompiledChart, compiled
 from calexec.machines.diagrams import (
@@ -76,7 +77,7 @@ class _InstanceCounter:
         self.chart = chart
         self.taken = [0] * len(chart.transitions)
 
-    def after_transition(self, event: object, transition: object) -> None:
+    def after_transition(self, event: object, transition: DeclaredTransition) -> None:
         found = self.chart.record_of(transition, event)
         if found is not None:  # not the initial pseudo-transition
             self.taken[found.id] += 1
@@ -267,7 +268,7 @@ class _TrailListener:
             clock: Callable[[], float]) -> None:
         self.chart, self.trail, self.clock = chart, trail, clock
 
-    def after_transition(self, event: object, transition: object) -> None:
+    def after_transition(self, event: object, transition: DeclaredTransition) -> None:
         found = self.chart.record_of(transition, event)
         if found is not None:
             self.trail.append((found.event, found.source, found.target, None, self.clock()))
@@ -485,7 +486,8 @@ def strip_xml_decl(svg: str) -> str:
     return svg.split("?>", 1)[1] if svg.startswith("<?xml") else svg
 
 
-def path_page(chart: ChartLike, record: Mapping[str, Json], heading: str, about: str = "") -> str:
+def path_page(chart: ChartLike, record: Mapping[str, object], heading: str,
+              about: str = "") -> str:
     """HTML of one run's path (a ``PathLog.record`` or ``DeviceExecutor.job_trail``): the
     chart with the path drawn, and the steps in order. Raises ``GraphvizError`` without dot."""
     trail = record.get("trail")

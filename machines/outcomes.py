@@ -28,10 +28,11 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
+from calexec.machines.api import DowngradeRecord, JobTrail, TrailStep
 from calexec.machines.chart_names import (
     JOB_CANCEL_REQUESTED,
     JOB_CREATED,
@@ -46,6 +47,7 @@ from calexec.machines.job import Job, JobHandle
 from calexec.machines.locks import COUNTERS, LockOrder
 
 if TYPE_CHECKING:
+    from calexec.machines.compiled import TrailEntry
     from calexec.machines.executor import ExecutorConfig
     from calexec.machines.generation import Generation
     from calexec.machines.pool import BufferSlot
@@ -80,10 +82,10 @@ class JobOutcomes:
         self.counters: dict[str, int] = dict.fromkeys(COUNTER_NAMES, 0)
         self.counters_mu = locks.lock(COUNTERS)
         #: Phase B downgrades (``downgrade``): when and why
-        self.downgrades: list[dict[str, Any]] = []
+        self.downgrades: list[DowngradeRecord] = []
         self._phase_b_faults: deque[float] = deque()
         #: recent jobs' chart paths (``keep_trail``; counters_mu), newest last
-        self._trails: OrderedDict[int, dict[str, Any]] = OrderedDict()
+        self._trails: OrderedDict[int, tuple[JobTrail, deque[TrailEntry] | None]] = OrderedDict()
 
     # ---- counters ----------------------------------------------------------------------------
     def bump(self, key: str) -> None:
@@ -97,29 +99,31 @@ class JobOutcomes:
     def keep_trail(self, job: Job) -> None:
         """A job resolved (``Job.on_resolved``): keep its path (bounded, newest last)."""
         result = job.result
-        record = {"job_id": job.job_id, "seq_id": job.request.seq_id, "kind": job.kind.name,
-                  "generation": job.generation_id, "state": job.run.state,
-                  "status": "ok" if not isinstance(result, Status) else result.code,
-                  "trail": job.run.trail}
+        record: JobTrail = {
+            "job_id": job.job_id, "seq_id": job.request.seq_id, "kind": job.kind.name,
+            "generation": job.generation_id, "state": job.run.state,
+            "status": "ok" if not isinstance(result, Status) else result.code, "trail": []}
         trails = self._trails
         with self.counters_mu:
-            trails[job.job_id] = record
+            trails[job.job_id] = (record, job.run.trail)
             while len(trails) > self.config.job_trails_kept:
                 trails.popitem(last=False)
 
-    def job_trail(self, job_id: int) -> dict[str, Any] | None:
+    def job_trail(self, job_id: int) -> JobTrail | None:
         """What happened to one recent job: its chart path as a list of steps ``{event,
         from, to, refused_by, t}`` (``to`` None and ``refused_by`` the guards when an event
         was refused), its final state and status code; None when not kept (still running,
         or older than ``job_trails_kept`` jobs)."""
         with self.counters_mu:
-            record = self._trails.get(job_id)
-            if record is None:
+            kept = self._trails.get(job_id)
+            if kept is None:
                 return None
-            steps = list(record["trail"])
-        out = {key: value for key, value in record.items() if key != "trail"}
-        out["trail"] = [{"event": e, "from": s, "to": t, "refused_by": list(g) if g else None,
-                         "t": at} for e, s, t, g, at in steps]
+            record, trail = kept
+            steps = list(trail or ())
+        out = record.copy()
+        out["trail"] = [TrailStep({"event": e, "from": s, "to": t,
+                                   "refused_by": list(g) if g else None, "t": at})
+                        for e, s, t, g, at in steps]
         return out
 
     # ---- before submit -----------------------------------------------------------------------

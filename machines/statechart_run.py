@@ -83,7 +83,7 @@ from calexec.machines.chart_support import (
 from calexec.machines.guard_expr import holds
 
 if TYPE_CHECKING:  # compiled builds a StatechartRun (lazily), so no import back at run time
-    from calexec.machines.compiled import CompiledChart, Transition
+    from calexec.machines.compiled import CompiledChart, TrailEntry, Transition
 
 _ERROR_EXECUTION = "error.execution"
 _INITIAL = "__initial__"
@@ -296,7 +296,7 @@ class StatechartRun:
         #: no event sent); () for a run with callbacks (its listeners heard them)
         self.taken_at_start: tuple[Transition, ...] = ()
         #: ``keep_trail``'s bounded deque of (event, source, target, None, time), or None
-        self.trail: Any = None
+        self.trail: deque[TrailEntry] | None = None
         self._now: Callable[[], float] = time.monotonic
         if not callbacks:  # a skeleton (``skeleton``): the chart's structure only
             # its initial macrostep answers guards as a ``GuardTable`` given
@@ -585,7 +585,7 @@ class StatechartRun:
         if state is not None and state in self._config and self._in_final(state):
             self.running = False
 
-    def keep_trail(self, trail: Any, now: Callable[[], float]) -> None:
+    def keep_trail(self, trail: deque[TrailEntry], now: Callable[[], float]) -> None:
         """Append every taken transition to ``trail`` (a bounded deque) as ``(event, source,
         target, None, now())``, and each event refused by its guards (``GuardRejected``) as
         ``(event, source, None, guards, now())``, as ``ChartRun.keep_trail`` does (the
@@ -654,9 +654,12 @@ class StatechartRun:
         """Trail a refused event as the flat run does, ``(event, state, None, guards, now())``,
         ``state`` being the state that declares the first refusing transition (the one the
         inspector's path notes the refusal in)."""
+        trail = self.trail
+        if trail is None:  # (the caller checked: a trail is kept)
+            return
         source = next((t.source.id for state in self._config for t in state.transitions
                        if not t.initial and t.match(event)), self.state)
-        self.trail.append((event, source, None, guards, self._now()))
+        trail.append((event, source, None, guards, self._now()))
 
     def _refusal(self, event: str) -> ChartTransitionError:
         """The error for an external event no transition takes: ``IllegalTransition`` when

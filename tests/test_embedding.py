@@ -391,7 +391,18 @@ def _value_matches(value, tp) -> bool:
     options = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) \
         else (tp,)
     return any(value is None if opt is type(None)
+               else _typeddict_matches(value, opt) if typing.is_typeddict(opt)
                else isinstance(value, typing.get_origin(opt) or opt) for opt in options)
+
+
+def _typeddict_matches(value, tp) -> bool:
+    """``value`` is a dict with exactly the keys of TypedDict ``tp`` (its required ones and
+    any of its optional ones), each of the key's type."""
+    if not isinstance(value, dict):
+        return False
+    hints = typing.get_type_hints(tp)
+    return (tp.__required_keys__ <= value.keys() <= hints.keys()
+            and all(_value_matches(v, hints[k]) for k, v in value.items()))
 
 
 def conformance(proto, cls, instance=None, seen=None) -> list[str]:

@@ -657,6 +657,24 @@ class Emulator:
         return {name: int(getattr(self._counters, name)) for name in _COUNTER_FIELDS}
 
 
+def emulator_of(device: object) -> Emulator | None:
+    """The bundled emulator's controls of ``device`` (an executor's ``device``, typed
+    ``DeviceApi | None`` there), or None: no device is open, or it is a vendor shim's. A
+    proxy that forwards ``emu`` (the interleaving explorer's) answers its device's."""
+    emu = getattr(device, "emu", None)
+    return emu if isinstance(emu, Emulator) else None
+
+
+def bundled_emulator(device: object) -> Emulator:
+    """``emulator_of(device)`` for a tool that needs the emulator's controls: a TypeError
+    naming the device when it has none (a vendor runtime, or no device open)."""
+    emu = emulator_of(device)
+    if emu is None:
+        raise TypeError(f"device={device!r:.200}: not a device of the bundled emulator (no "
+                        "emulator controls: a vendor runtime, or no device open)")
+    return emu
+
+
 class NativeSubmitRelay:
     """The executor's submitter wait in C (machines/device_api.py ``SubmitRelay``) over a
     submitter-only :class:`NativeRelay`: the handles a job is given to ``infer`` with are

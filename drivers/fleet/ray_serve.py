@@ -73,7 +73,7 @@ from ray.serve import metrics as serve_metrics
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
-from calexec.drivers.calrt.runtime import Fault, FaultMode
+from calexec.drivers.calrt.runtime import Fault, FaultMode, emulator_of
 from calexec.drivers.device_spec import DeviceSpec
 from calexec.drivers.fleet import local_ray
 from calexec.drivers.fleet import registry as replica_registry
@@ -330,8 +330,8 @@ class CalexecReplica:
         """Emulator only: the ``nth`` next ``infer()`` on this replica's device returns ``rc``
         (fault drills and tests). ``{"replica", "device", "rc"}``: the emulator's return code
         (0: armed), or -1 on a vendor runtime (nothing armed)."""
-        device = self.executor.device
-        rc_armed = -1 if device is None or device.emu is None else device.emu.set_fault(
+        emu = emulator_of(self.executor.device)
+        rc_armed = -1 if emu is None else emu.set_fault(
             Fault.SUBMIT_RC, FaultMode.NTH, nth, 0, rc=rc)
         return {"replica": self.replica, "device": self.device, "rc": rc_armed}
 
@@ -441,7 +441,7 @@ def device_label(executor: DeviceExecutor, settings: ReplicaSettings) -> str:
     """The ``device`` metrics tag: ``host/emu-PID`` for the replica's own emulator instance,
     ``host/DEVICE_CONFIG`` for a vendor runtime (the config string selects the device)."""
     host = socket.gethostname()
-    if executor.device is not None and executor.device.emu is not None:
+    if emulator_of(executor.device) is not None:
         return f"{host}/emu-{os.getpid()}"
     return f"{host}/{settings.device_config or 'default'}"
 

@@ -16,16 +16,16 @@ for features an embedder's server would not need or would do otherwise:
 * ``recoveries``: fault recoveries and model switches counted apart (service.py, metrics.py).
 
 ``DeviceExecutor`` satisfies it: ``calexec/serve.py`` and drivers/fleet/ray_serve.py hand one
-to ``create_app`` through ``served`` (see there for the one member mypy cannot check yet).
+to ``create_app`` through ``served`` (where mypy checks it).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Protocol
 
 from calexec.contracts.status import Status
 from calexec.contracts.types import ModelGeneration
-from calexec.machines.api import InferenceExecutor
+from calexec.machines.api import InferenceExecutor, JobTrail, RecoveryRecord
 from calexec.machines.device_api import KvManagerApi
 
 if TYPE_CHECKING:
@@ -59,18 +59,15 @@ class ServedExecutor(InferenceExecutor, Protocol):
 
     def switch_model(self, calbin_path: str) -> Status: ...
 
-    def job_trail(self, job_id: int) -> dict[str, Any] | None: ...
+    def job_trail(self, job_id: int) -> JobTrail | None: ...
 
     @property
-    def recoveries(self) -> list[dict[str, Any]]:
+    def recoveries(self) -> list[RecoveryRecord]:
         """One record per recovery or model switch (``reason``, ``ok``, generations)."""
         ...
 
 
 def served(executor: DeviceExecutor) -> ServedExecutor:
-    """``executor`` as the server holds it. ``DeviceExecutor.snapshot()`` is annotated
-    ``dict[str, Any]``, not ``ExecutorSnapshot``: it spreads its counters in from a plain dict,
-    which a TypedDict cannot take. Once the counters are a TypedDict of their own, this body
-    becomes ``return executor`` and mypy checks the whole protocol here; until then the cast
-    stands for that check (tests/test_embedding.py checks the snapshot's keys at run time)."""
-    return cast(ServedExecutor, executor)
+    """``executor`` as the server holds it; mypy checks here that ``DeviceExecutor`` has every
+    member of the protocol, with its types."""
+    return executor

@@ -21,9 +21,9 @@ The screenshots of it in docs/diagrams.md are taken by ``calexec diagrams live``
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from calexec.drivers.serving.executor_view import ServedExecutor
+from calexec.machines.api import JobTrail
 from calexec.machines.compiled import BUFFER_SLOT, CHARTS, JOB, KV_TXN, LIFECYCLE
 from calexec.machines.inspector import Inspector, Json
 from calexec.machines.inspector import path_page as chart_path_page
@@ -84,7 +84,7 @@ def server_inspector(executor: ServedExecutor,
     return inspector
 
 
-def path_page(record: dict[str, Any]) -> str:
+def path_page(record: JobTrail) -> str:
     """HTML of one job's path (a ``DeviceExecutor.job_trail`` record): the job chart with the
     path drawn, and the steps in order."""
     about = (f"sequence {record['seq_id']}, {record['kind']}, generation "

@@ -38,7 +38,7 @@ import httpx
 import uvicorn
 
 from calexec.contracts.manifest import default_manifest_path, load_manifest
-from calexec.drivers.calrt.runtime import CalRT, Fault, FaultMode
+from calexec.drivers.calrt.runtime import CalRT, Fault, FaultMode, bundled_emulator
 from calexec.drivers.serving.dumpsink import DumpSink
 from calexec.drivers.serving.executor_view import served
 from calexec.drivers.serving.server import ServerConfig, create_app
@@ -280,7 +280,7 @@ def run_chaos(workdir: Path, seconds: float = 6.0, clients: int = 16, seed: int 
     dump = DumpSink(workdir / "dump", max_bytes=256 << 20, include_content=True)
     app = create_app(served(executor), config, dump)
     service = app.state.service
-    emu = executor.device.emu
+    emu = bundled_emulator(executor.device)
     rng = random.Random(seed)
     records: list[Record] = []
     steps: list[dict] = []

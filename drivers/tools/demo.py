@@ -50,6 +50,7 @@ def main(argv: list[str]) -> int:
     from calexec.contracts.prepare import InferenceRequest
     from calexec.contracts.status import Status
     from calexec.contracts.types import TaskKind
+    from calexec.drivers.calrt.runtime import emulator_of
     from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 
     p = cliargs.parser("calexec demo", __doc__)
@@ -81,7 +82,8 @@ def main(argv: list[str]) -> int:
             sha = hashlib.sha256(f.read()).hexdigest()
         config = ExecutorConfig(calbin_path=path, device_config=f"decode_us={args.decode_us}",
                                 recovery=spec.recovery())
-        ex = DeviceExecutor(spec.runtime(), spec.manifest(), config)
+        runtime = spec.runtime()
+        ex = DeviceExecutor(runtime, spec.manifest(), config)
         status = ex.start()
         if not status.ok:
             raise cliargs.UserError(f"executor start failed: {status}", cliargs.EXIT_REFUSED)
@@ -92,7 +94,7 @@ def main(argv: list[str]) -> int:
                                     f"ids 0..{max_seqs - 1} (max_seqs={max_seqs}; 0 is the "
                                     f"warm-up's), so at most {max_seqs - 1}")
         golden = ex.life.expected_golden(sha)[0]
-        print(f"runtime {ex.runtime.version}, calbin sha256 {sha[:16]}..., generation "
+        print(f"runtime {runtime.version}, calbin sha256 {sha[:16]}..., generation "
               f"{None if ex.gen is None else ex.gen.id}, lifecycle {ex.state}, golden "
               f"{None if golden is None else list(golden)}")
         seqs = range(1, args.seqs + 1)
@@ -135,7 +137,8 @@ def main(argv: list[str]) -> int:
             print(f"seq {seq}: prompt {st['prompt']} tokens, ttft {st['ttft_ms']:.2f} ms, "
                   f"tpot {tpot:.3f} ms, tokens {st['tokens']}")
         snapshot = _settled_snapshot(ex)
-        counters = ex.device.emu.counters() if ex.device.emu else {}
+        emu = emulator_of(ex.device)
+        counters = emu.counters() if emu else {}
         status = ex.shutdown()
     print(f"oracle match: {'yes' if ok else 'NO'}; executor: succeeded={snapshot['succeeded']} "
           f"failed={snapshot['failed']} slots={snapshot['slots']}; shutdown {status}, "

@@ -1356,9 +1356,10 @@ class Explorer:
         self.contracts.disable()
         self.sched.abort_threads()
         ex = self.ex
-        if ex is not None and ex.device is not None and not self.device.closed:
+        device = None if ex is None else ex.device
+        if isinstance(device, DeviceProxy) and not self.device.closed:
             self.device.closed = True
-            ex.device._inner.close()
+            device._inner.close()
         # earlier explorers' executors (tens of MB of host buffers per generation) sit in
         # reference cycles: collect them every few explorers, or a long exploration grows by
         # gigabytes between the collector's own runs

@@ -148,9 +148,9 @@ def _job_path_shot(ex: Any, server: Any, url: str, tmp: str, out: str) -> subpro
     """A request failed by a DONE_CCU_EXCEPTION: screenshot of its job's path page."""
     import httpx
 
-    from calexec.drivers.calrt.runtime import Fault, FaultMode
+    from calexec.drivers.calrt.runtime import Fault, FaultMode, bundled_emulator
 
-    ex.device.emu.set_fault(Fault.CCU_EXCEPTION, FaultMode.NTH, 1, 0, 0)
+    bundled_emulator(ex.device).set_fault(Fault.CCU_EXCEPTION, FaultMode.NTH, 1, 0, 0)
     with httpx.Client(base_url=url, timeout=30) as http:
         body = http.post("/v1/completions", json={"prompt": [7, 7, 8], "max_tokens": 4}).json()
     job_id = body.get("status", {}).get("job_id") if isinstance(body, dict) else None

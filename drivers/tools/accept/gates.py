@@ -32,7 +32,7 @@ import numpy as np
 
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import TaskKind
-from calexec.drivers.calrt.runtime import Fault, FaultMode, Overlap
+from calexec.drivers.calrt.runtime import Fault, FaultMode, KvManager, Overlap, bundled_emulator
 from calexec.drivers.device_spec import DeviceSpec
 from calexec.drivers.synthetic import calbin as calbin_fmt
 from calexec.drivers.synthetic import oracle
@@ -274,12 +274,12 @@ def _bounds_check(ex, rng: np.random.Generator) -> dict[str, Any]:
                                                                        dtype=np.int32), 0))
     if not status.ok or isinstance(full, Status):
         return {"ok": False, "error": f"prefill of {MAX_SEQ} failed: {status if not status.ok else full}"}
-    before = ex.device.emu.counters()["jobs_submitted"]
+    before = bundled_emulator(ex.device).counters()["jobs_submitted"]
     over_decode = run_job(ex, request(2, TaskKind.DECODE, [full.argmax], full.kv_len))
     ex.kvc.reset_sequence(3)
     over_prefill = run_job(ex, request(3, TaskKind.PREFILL_IDS,
                                        np.zeros(MAX_SEQ + 1, dtype=np.int32), 0))
-    after = ex.device.emu.counters()["jobs_submitted"]
+    after = bundled_emulator(ex.device).counters()["jobs_submitted"]
     refused = [isinstance(r, Status) and r.code != "accept.hung"
                for r in (over_decode, over_prefill)]
     return {"ok": all(refused) and after == before, "jobs_submitted_delta": after - before,
@@ -314,7 +314,7 @@ def _crosstalk_run(ctx: AcceptContext, phase: str, setting: str, progress: Progr
     seqs = (4, 5)
     total = ctx.sizes.crosstalk_tokens
     try:
-        if ex.device.emu.set_knob("overlap", int(Overlap[setting.upper()])) != 0:
+        if bundled_emulator(ex.device).set_knob("overlap", int(Overlap[setting.upper()])) != 0:
             return {"ok": False, "error": f"set_knob(overlap={setting}) refused"}
         refs = {s: oracle.OracleSequence(ctx.seed) for s in seqs}
         last: dict[int, int] = {}
@@ -354,8 +354,12 @@ def _crosstalk_run(ctx: AcceptContext, phase: str, setting: str, progress: Progr
                                or not np.array_equal(result.logits, oracle.bf16_to_f32(want_bits)))
                 last[s], past[s] = result.argmax, result.kv_len
                 done += 1
-        kv = {s: ex.kv.seq_len(s)[1] for s in seqs}
-        counters = ex.device.emu.counters()
+        kv_manager = ex.kv
+        if not isinstance(kv_manager, KvManager):  # (seq_len is this driver's, not the core's)
+            raise TypeError(f"executor.kv={kv_manager!r:.200}: expected the cffi driver's "
+                            "KvManager (its seq_len reads the device KV lengths)")
+        kv = {s: kv_manager.seq_len(s)[1] for s in seqs}
+        counters = bundled_emulator(ex.device).counters()
         snap = ex.snapshot()
     finally:
         ex.shutdown()
@@ -477,11 +481,11 @@ def injections(ctx: AcceptContext, phase: str, progress: Progress) -> Gate:
                     break  # explicit Failed: the gate accepts it if it says why
                 kind = INJECTION_KINDS[int(rng.integers(len(INJECTION_KINDS)))]
                 result = _inject(ex, kind, rng, ctx.seed)
-                ex.device.emu.clear_all_faults()
+                bundled_emulator(ex.device).clear_all_faults()
                 if kind == "ccu_exception":
                     # read after the clear (fired survives it; the next set resets it): the armed
                     # fault may have fired on a traffic job after the injected one returned
-                    ccu_injected += ex.device.emu.fault_stats(Fault.CCU_EXCEPTION)[2]
+                    ccu_injected += bundled_emulator(ex.device).fault_stats(Fault.CCU_EXCEPTION)[2]
                 if isinstance(result, Status):
                     key = result.code
                     hung += key == "accept.hung"
@@ -503,7 +507,7 @@ def injections(ctx: AcceptContext, phase: str, progress: Progress) -> Gate:
             prompt = np.arange(1, 18, dtype=np.int32)
             tokens, failure = _greedy(ex, 1, prompt, 4, ctx, f"decode {phase}")
             golden = failure is None and tokens == _oracle_greedy(ctx.seed, prompt, 4)
-        counters = ex.device.emu.counters()
+        counters = bundled_emulator(ex.device).counters()
         snap = ex.snapshot()
         failure = ex.failure
     finally:
@@ -541,7 +545,7 @@ def _inject(ex, kind: str, rng: np.random.Generator, seed: int) -> Any:
     label_point = {label: (point, rc) for label, point, rc in FAULTS}
     if kind in label_point:
         point, rc = label_point[kind]
-        ex.device.emu.set_fault(Fault[point], FaultMode.NTH, 1, 0, rc)
+        bundled_emulator(ex.device).set_fault(Fault[point], FaultMode.NTH, 1, 0, rc)
     req = request(1, TaskKind.DECODE, [first.argmax], first.kv_len, seconds=seconds)
     handle = ex.enqueue(req)
     if kind == "cancel":
@@ -593,8 +597,8 @@ def soak(ctx: AcceptContext, phase: str, progress: Progress) -> Gate:
                 samples["leased"].append(leased(snap))
                 samples["queued"].append(snap["queued"])
                 if now >= next_fault and ex.state == "Ready":
-                    ccu_injected += ex.device.emu.fault_stats(Fault.CCU_EXCEPTION)[2]
-                    ex.device.emu.set_fault(Fault.CCU_EXCEPTION, FaultMode.NTH, 1, 0, 0)
+                    ccu_injected += bundled_emulator(ex.device).fault_stats(Fault.CCU_EXCEPTION)[2]
+                    bundled_emulator(ex.device).set_fault(Fault.CCU_EXCEPTION, FaultMode.NTH, 1, 0, 0)
                     fault_times.append(now - t0)
                     next_fault = now + (early_gap if len(fault_times) <= ring
                                         else sizes.soak_fault_every_s)
@@ -603,8 +607,8 @@ def soak(ctx: AcceptContext, phase: str, progress: Progress) -> Gate:
             for c in clients:
                 c.__exit__()
         _wait_settled(ex, 30.0)
-        ccu_injected += ex.device.emu.fault_stats(Fault.CCU_EXCEPTION)[2]
-        counters = ex.device.emu.counters()
+        ccu_injected += bundled_emulator(ex.device).fault_stats(Fault.CCU_EXCEPTION)[2]
+        counters = bundled_emulator(ex.device).counters()
         snap = ex.snapshot()
         pool = ex.pool
     finally:

@@ -82,7 +82,7 @@ from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.status import Status
 from calexec.contracts.types import TaskKind
 from calexec.drivers import alloccount
-from calexec.drivers.calrt.runtime import CalRT
+from calexec.drivers.calrt.runtime import CalRT, bundled_emulator
 from calexec.drivers.device_spec import DeviceSpec
 from calexec.drivers.direct import DirectRunner, DriverError
 from calexec.drivers.native.fused_logits import FusedLogits
@@ -313,7 +313,7 @@ class ExecutorLoop:
         self.mode = "enqueue"
 
     def set_decode_latency(self, decode_us: int) -> None:
-        rc = self.ex.device.emu.set_latency(decode_us=decode_us)
+        rc = bundled_emulator(self.ex.device).set_latency(decode_us=decode_us)
         if rc != 0:
             raise BenchError(f"executor device: set_latency(decode_us={decode_us}) returned {rc}")
 
@@ -409,7 +409,7 @@ class ExecutorLoop:
                 "numpy_data_allocations_per_token": round(allocs.numpy_data, 2)}
 
     def dma_violations(self) -> int:
-        counters = self.ex.device.emu.counters()
+        counters = bundled_emulator(self.ex.device).counters()
         return counters["dma_input_violations"] + counters["dma_output_violations"]
 
     def close(self) -> None:
@@ -1079,7 +1079,7 @@ def run_recovery(recoveries: int, seed: int, device: DeviceSpec = DeviceSpec()) 
                                          past_len=0, deadline=time.monotonic() + _WAIT_S)
                 ex.enqueue(first).wait_until(first.deadline)
                 generation = _gen(ex).id
-                ex.device.emu.set_fault(Fault.CCU_EXCEPTION, FaultMode.NTH, 1, 0, 0)
+                bundled_emulator(ex.device).set_fault(Fault.CCU_EXCEPTION, FaultMode.NTH, 1, 0, 0)
                 t0 = time.perf_counter()
                 req = InferenceRequest(seq_id=1, kind=TaskKind.DECODE,
                                        tokens=np.asarray([1], dtype=np.int32),
@@ -1217,7 +1217,7 @@ class _PingPongRun:
 
     def close(self) -> dict[str, Any]:
         snap = self.ex.snapshot()
-        counters = self.ex.device.emu.counters()
+        counters = bundled_emulator(self.ex.device).counters()
         self.ex.shutdown()
         return {"inflight_capacity_end": snap.get("inflight_capacity"),
                 "downgrades": snap.get("downgrades", 0),

@@ -176,7 +176,7 @@ def run_fault_bench(faults: int, clients: int, seed: int, progress=None) -> dict
     """One run; the report (module docstring)."""
     import httpx
 
-    from calexec.drivers.calrt.runtime import Fault, FaultMode
+    from calexec.drivers.calrt.runtime import Fault, FaultMode, bundled_emulator
     from calexec.drivers.serving.server import ServerConfig, create_app
     from calexec.drivers.tools.bench.core import cpu_model
     from calexec.drivers.tools.chaos import FAULTS, LiveServer
@@ -190,7 +190,7 @@ def run_fault_bench(faults: int, clients: int, seed: int, progress=None) -> dict
         resumed: list[tuple[float, float, str]] = []
         service.resumer.on_resumed = lambda started, lost, cause: resumed.append(
             (started, lost, cause))
-        emu = executor.device.emu
+        emu = bundled_emulator(executor.device)
         records: list = []
         examples: dict[str, str] = {}  # client errors: kind -> first message
         ref_examples: dict[str, str] = {}  # the replay's errors

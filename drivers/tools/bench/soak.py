@@ -521,7 +521,7 @@ def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
     ``native_relay``: the executor's submitter on its native relay (``--native-relay``)."""
     import httpx
 
-    from calexec.drivers.calrt.runtime import Fault, FaultMode
+    from calexec.drivers.calrt.runtime import Fault, FaultMode, bundled_emulator
     from calexec.drivers.serving.server import ServerConfig, create_app
     from calexec.drivers.tools.bench.core import cpu_model
     from calexec.drivers.tools.bench.fault_cost import (
@@ -557,7 +557,7 @@ def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
         app = create_app(executor, ServerConfig(admin_token=TOKEN))
         service = app.state.service
         metrics = service.metrics.registry
-        emu = executor.device.emu
+        emu = bundled_emulator(executor.device)
         def decode_counters() -> dict[str, int]:
             """The server's decode steps (pre-armed, greedy ahead) and the executor's implicit
             pre-arms so far."""
