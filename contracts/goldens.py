@@ -45,7 +45,7 @@ class GoldenFileError(ValueError):
     """A goldens file is malformed (``file``, ``key``, ``value``, ``problem``, as
     ``ManifestError``)."""
 
-    def __init__(self, file: str, key: str, value: Any, problem: str) -> None:
+    def __init__(self, file: str, key: str, value: object, problem: str) -> None:
         self.file, self.key, self.value, self.problem = file, key, value, problem
         super().__init__(f"{file}: {key}={value!r}: {problem}")
 

@@ -61,7 +61,7 @@ class ManifestError(ValueError):
     """A manifest file is malformed. ``key`` is a dotted path such as ``submodel[1].logits.dtype``;
     ``value`` the offending value, or :data:`ABSENT`."""
 
-    def __init__(self, file: str, key: str, value: Any, problem: str) -> None:
+    def __init__(self, file: str, key: str, value: object, problem: str) -> None:
         self.file, self.key, self.value, self.problem = file, key, value, problem
         shown = "" if value is ABSENT else f"={value!r}"
         super().__init__(f"{file}: {key}{shown}: {problem}")

@@ -11,7 +11,7 @@ import math
 import re
 import types
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, SupportsInt
+from typing import SupportsInt
 
 import attrs
 import numpy as np
@@ -63,13 +63,13 @@ class DType(enum.Enum):
         return _ITEMSIZE[self]
 
     @property
-    def host_dtype(self) -> np.dtype[Any]:
+    def host_dtype(self) -> np.dtype[np.generic]:
         """numpy dtype of a host array holding this type (BF16 as its uint16 bit pattern)."""
         return _HOST_DTYPE[self]
 
 
 _ITEMSIZE = {DType.S32: 4, DType.BF16: 2, DType.F32: 4, DType.F16: 2, DType.U8: 1, DType.S8: 1}
-_HOST_DTYPE: dict[DType, np.dtype[Any]] = {
+_HOST_DTYPE: dict[DType, np.dtype[np.generic]] = {
     DType.S32: np.dtype(np.int32), DType.BF16: np.dtype(np.uint16), DType.F32: np.dtype(np.float32),
     DType.F16: np.dtype(np.float16), DType.U8: np.dtype(np.uint8), DType.S8: np.dtype(np.int8),
 }

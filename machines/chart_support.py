@@ -29,6 +29,7 @@ from typing import Any
 
 from statemachine import StateChart, StateMachine
 from statemachine.callbacks import CallbackGroup
+from statemachine.transition import Transition as DeclaredTransition
 
 
 class UnsupportedChart(ValueError):
@@ -76,7 +77,7 @@ class GuardRejected(ChartTransitionError):
         )
 
 
-def describe_transition(transition: Any) -> str:
+def describe_transition(transition: DeclaredTransition) -> str:
     """``source --event--> target`` of a python-statemachine transition."""
     events = "|".join(str(e) for e in transition.events) or "(eventless)"
     targets = ",".join(t.id for t in transition.targets) or "(none)"
@@ -213,7 +214,7 @@ def actions(declaration: type[StateChart[Any]]) -> list[str]:
     return list(dict.fromkeys(found))
 
 
-def class_listeners(declaration: type[StateChart[Any]]) -> list[Any]:
+def class_listeners(declaration: type[StateChart[Any]]) -> list[object]:
     """The chart's own class-level ``listeners = [...]`` entries, in order: those calexec's
     tools add there to hear python-statemachine instances (coverage, contracts, the inspector;
     they carry ``calexec_tool``) are not the chart's and hear compiled runs otherwise."""

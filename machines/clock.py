@@ -19,7 +19,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol, cast
+from typing import Protocol, cast
 
 
 class LockLike(Protocol):
@@ -82,7 +82,7 @@ class Clock:
     def event(self) -> threading.Event:
         return threading.Event()
 
-    def start_thread(self, target: Callable[..., object], name: str, args: tuple[Any, ...] = ()
+    def start_thread(self, target: Callable[..., object], name: str, args: tuple[object, ...] = ()
                      ) -> threading.Thread:
         thread = threading.Thread(target=target, args=args, name=name, daemon=True)
         thread.start()

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import attrs
+from statemachine.transition import Transition as DeclaredTransition
 
 from calexec.machines.compiled import ChartLike, Transition, compiled
 
@@ -110,7 +111,7 @@ class TransitionListener:
         self.chart = compiled(chart)
         self.recorder = recorder
 
-    def after_transition(self, event: Any, transition: Any) -> None:
+    def after_transition(self, event: object, transition: DeclaredTransition) -> None:
         """Called by python-statemachine after each transition (``event`` is the trigger;
         None for an eventless transition, which the compiled chart keys by ``""``)."""
         taken = self.chart.record_of(transition, event)

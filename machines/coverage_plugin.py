@@ -213,7 +213,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
-def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter,
+                            config: pytest.Config) -> None:
     contracts = config.stash.get(_CONTRACTS, None)
     if contracts is not None and contracts.violations:
         terminalreporter.write_line(f"chart contracts: {len(contracts.violations)} violation(s); "

@@ -34,7 +34,9 @@ from __future__ import annotations
 import importlib.abc
 import os
 import sys
-from collections.abc import Callable, Iterator
+import types
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from importlib.machinery import ModuleSpec
 from typing import Any
 
 import attrs
@@ -244,17 +246,18 @@ def apply(declaration: type[StateMachine], mutant_id: str) -> Mutant:
 class ApplyAfterImport(importlib.abc.MetaPathFinder):
     """Runs ``callback(module)`` right after ``name`` is executed by its own loader."""
 
-    def __init__(self, name: str, callback: Callable[[Any], None]) -> None:
+    def __init__(self, name: str, callback: Callable[[types.ModuleType], None]) -> None:
         self.name, self.callback = name, callback
 
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+    def find_spec(self, fullname: str, path: Sequence[str] | None,
+                  target: types.ModuleType | None = None) -> ModuleSpec | None:
         if fullname != self.name:
             return None
         for finder in sys.meta_path:
             find = getattr(finder, "find_spec", None)
             if finder is self or find is None:
                 continue
-            spec = find(fullname, path, target)
+            spec: ModuleSpec | None = find(fullname, path, target)
             if spec is not None and spec.loader is not None:
                 spec.loader = _Loader(spec.loader, self.callback)
                 sys.meta_path.remove(self)
@@ -274,7 +277,7 @@ class _Loader(importlib.abc.Loader):
         self.callback(module)
 
 
-def install_from_env(environ: Any = os.environ) -> None:
+def install_from_env(environ: Mapping[str, str] = os.environ) -> None:
     """Arrange for the mutant named by ``CALEXEC_CHART_MUTANT`` to be applied (see the module
     docstring). Does nothing when it is unset."""
     value = environ.get(ENV)

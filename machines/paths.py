@@ -58,7 +58,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypedDict
 
 import attrs
 from statemachine.callbacks import CallbackGroup
@@ -904,16 +904,41 @@ def _walk_end(chart: CompiledChart, graph: _Graph, steps: tuple[_Edge, ...],
     return run.state
 
 
-def _steps_data(walk: Path | Walk) -> list[dict[str, Any]]:
+#: One step of ``as_data``'s walks: ``event`` sent from ``from`` to ``to`` after setting the
+#: guard outcomes ``guards``; a start step has ``event`` and ``from`` None. (Spelled as a call:
+#: ``from`` is a Python keyword.)
+PathStep = TypedDict("PathStep", {"event": str | None, "from": str | None, "to": str,
+                                  "guards": dict[str, bool]})
+#: One transition of ``as_data``: the transition and the steps of its shortest path.
+TransitionData = TypedDict("TransitionData", {"event": str, "from": str, "to": str,
+                                              "guards": list[str], "path": list[PathStep]})
+
+
+class PathEnds(TypedDict):
+    """``as_data``'s ``ends``: the configuration each walk ends in (``"a,b"``)."""
+
+    states: dict[str, str]
+    transitions: list[str]
+    tour: list[str]
+
+
+#: ``as_data(chart)``: the chart's paths as JSON-ready data (see there).
+PathsData = TypedDict("PathsData", {
+    "chart": str, "class": str, "initial": str, "finals": list[str],
+    "states": dict[str, list[PathStep]], "transitions": list[TransitionData],
+    "tour": list[list[PathStep]], "ends": PathEnds})
+
+
+def _steps_data(walk: Path | Walk) -> list[PathStep]:
     """The steps of ``walk``, after a start step (``"event": None``, the outcomes to set
     before the chart starts and the configuration it starts in) when it needs one."""
-    start: list[dict[str, Any]] = [] if not walk.start else [
+    start: list[PathStep] = [] if not walk.start else [
         {"event": None, "from": None, "to": walk.started, "guards": dict(walk.start)}]
     return start + [{"event": step.event, "from": step.source, "to": step.target,
                      "guards": dict(outcomes)} for step, outcomes in zip(walk.steps, walk.guards)]
 
 
-def as_data(chart: ChartLike) -> dict[str, Any]:
+def as_data(chart: ChartLike) -> PathsData:
     """The paths of ``chart`` as JSON-ready data: ``states`` (state -> steps of its shortest
     walk), ``transitions`` (one entry per transition with the steps of its shortest path) and
     ``tour`` (a list of walks, each a list of steps); a step is ``{"event", "from", "to",

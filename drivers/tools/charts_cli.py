@@ -55,7 +55,7 @@ from calexec.machines.diagrams import (
     render_chart_dot,
     svg_from_dot,
 )
-from calexec.machines.paths import as_data
+from calexec.machines.paths import PathsData, PathStep, as_data
 
 
 def chart_from(ref: str) -> CompiledChart:
@@ -186,8 +186,8 @@ def draw(argv: list[str]) -> int:
 LARGE_STATES, LARGE_TRANSITIONS = 100, 200
 
 
-def _text(data: dict) -> str:
-    def steps(walk: list[dict], none: str = "(no step: the chart starts so)") -> str:
+def _text(data: PathsData) -> str:
+    def steps(walk: list[PathStep], none: str = "(no step: the chart starts so)") -> str:
         if not walk:
             return none
         return " ".join(
