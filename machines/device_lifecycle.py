@@ -93,6 +93,7 @@ from calexec.machines.chart_names import (
     LIFECYCLE_WARMING,
 )
 from calexec.machines.compiled import LIFECYCLE
+from calexec.machines.device_api import no_object
 from calexec.machines.faults import Action, Decision
 from calexec.machines.generation import Generation, open_generation
 from calexec.machines.job import InferenceResult, Job, JobHandle
@@ -364,6 +365,9 @@ class DeviceLifecycle:
         status = (Status.from_calrt(rc, Phase.CONFIGURE, "device open with device_config="
                                     f"{host.config.device_config!r} (the emulator's keys: "
                                     "docs/emulator.md)") if rc != 0 else
+                  # (0 and no device broke the driver contract: said so, not an
+                  # AttributeError from the first call on None)
+                  no_object("open_device", Phase.CONFIGURE) if host.device is None else
                   self._enable_phase_b())
         if status.ok:
             status = self._open(host.config.calbin_path)
