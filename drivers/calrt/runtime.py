@@ -212,7 +212,7 @@ class Device:
 
     __slots__ = ("rt", "_lib", "_ffi", "_h", "emu")
 
-    def __init__(self, rt: CalRT, handle) -> None:
+    def __init__(self, rt: CalRT, handle: object) -> None:
         self.rt = rt
         self._lib = rt.lib
         self._ffi = rt.ffi
@@ -296,7 +296,7 @@ class Calbin:
 
     __slots__ = ("device", "_lib", "_ffi", "_h", "sha256")
 
-    def __init__(self, device: Device, handle, sha256: str) -> None:
+    def __init__(self, device: Device, handle: object, sha256: str) -> None:
         self.device = device
         self._lib = device._lib
         self._ffi = device._ffi
@@ -321,7 +321,7 @@ class Model:
 
     __slots__ = ("calbin", "_lib", "_ffi", "_h", "_info")
 
-    def __init__(self, calbin: Calbin, handle) -> None:
+    def __init__(self, calbin: Calbin, handle: object) -> None:
         self.calbin = calbin
         self._lib = calbin._lib
         self._ffi = calbin._ffi
@@ -407,7 +407,7 @@ class InputBuf:
 
     __slots__ = ("model", "_lib", "_ffi", "_h", "_arrays", "_n")
 
-    def __init__(self, model: Model, handle) -> None:
+    def __init__(self, model: Model, handle: object) -> None:
         self.model = model
         self._lib = model._lib
         self._ffi = model._ffi
@@ -422,7 +422,7 @@ class InputBuf:
         return int(self._ffi.cast("uintptr_t", self._h))
 
     @property
-    def handle(self):
+    def handle(self) -> object:
         """The runtime's handle (a cffi ``calrt_inputbuf *``), for tests of the C API."""
         return self._h
 
@@ -461,7 +461,7 @@ class OutputBuf:
     __slots__ = ("model", "_lib", "_ffi", "_h", "_array", "_status", "_bytes", "_copy",
                  "copy_control")
 
-    def __init__(self, model: Model, handle) -> None:
+    def __init__(self, model: Model, handle: object) -> None:
         self.model = model
         self._lib = model._lib
         self._ffi = model._ffi
@@ -521,7 +521,7 @@ class KvManager:
 
     __slots__ = ("device", "_lib", "_ffi", "_h", "block_size", "capacity_blocks", "max_seqs", "_len")
 
-    def __init__(self, device: Device, handle) -> None:
+    def __init__(self, device: Device, handle: object) -> None:
         self.device = device
         self._lib = device._lib
         self._ffi = device._ffi
