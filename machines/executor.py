@@ -137,8 +137,9 @@ def _of_type(kind: type) -> Callable[[Any, Any, Any], None]:
     return check
 
 
-def _calbin_path(value: object) -> object:
-    """``calbin_path`` converter: a ``pathlib.Path`` (any ``os.PathLike``) becomes its str."""
+def _calbin_path(value: str | os.PathLike[str]) -> object:
+    """``calbin_path`` converter: a ``pathlib.Path`` (any ``os.PathLike``) becomes its str
+    (typed for the callers' sake: another value is passed on, and the validator names it)."""
     return os.fspath(value) if isinstance(value, os.PathLike) else value
 
 
