@@ -624,7 +624,7 @@ class DeviceLifecycle:
                             calbin_path=(self._last_good_other() if decision.action is
                                          Action.ROLLBACK else None))
 
-    def switch_model(self, calbin_path: str) -> Status:
+    def switch_model(self, calbin_path: str | os.PathLike[str]) -> Status:
         """Model switch through the lifecycle: the new calbin goes live only after its golden
         passes; otherwise the previous one is configured again and keeps serving. A path that
         is no path (None, an int; a ``pathlib.Path`` is taken as its str) is refused

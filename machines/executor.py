@@ -442,7 +442,7 @@ class DeviceExecutor(SequenceOwnership):
         (``DeviceLifecycle.recover``)."""
         return self.life.recover(reason, reset, calbin_path)
 
-    def switch_model(self, calbin_path: str) -> Status:
+    def switch_model(self, calbin_path: str | os.PathLike[str]) -> Status:
         """Model switch through the lifecycle; a refused calbin rolls back
         (``DeviceLifecycle.switch_model``)."""
         return self.life.switch_model(calbin_path)

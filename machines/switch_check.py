@@ -104,7 +104,10 @@ def check_calbin(runtime: object, manifest: Manifest, path: object,
                  max_bytes: int | None = None) -> Status:
     """``Status.OK`` when ``path`` passes every check above, else the ``calbin.<reason>``
     failure naming the first one it fails (module docstring); ``max_bytes``: the largest file
-    accepted (None: no bound)."""
+    accepted (None: no bound). A ``pathlib.Path`` (any ``os.PathLike``) is taken as its str,
+    as ``switch_model`` takes it (it was refused ``calbin.path_required``)."""
+    if isinstance(path, os.PathLike):
+        path = os.fspath(path)
     status = _file_refusal(path, max_bytes)
     if status is not None:
         return status

@@ -379,6 +379,23 @@ def test_a_switch_to_something_not_a_path_is_refused_before_the_lifecycle_moves(
         assert serves_oracle(ex)
 
 
+def test_check_calbin_takes_a_pathlib_path_as_switch_model_does(calbins):
+    """``check_calbin`` answers whether ``switch_model`` can start, and ``switch_model`` takes
+    a ``pathlib.Path``; ``check_calbin(Path(p))`` refused it ``calbin.path_required`` ("a
+    non-empty string is required"), so an embedder's pre-check refused what the switch
+    itself would have taken. Bad values are still refused as before."""
+    import pathlib
+
+    other_sha = cb.write(calbins["other"], cb.default_spec(seed=OTHER_SEED))
+    with running_executor(calbins["main"], goldens={other_sha: oracle_golden(OTHER_SEED)}) as ex:
+        assert ex.check_calbin(pathlib.Path(calbins["other"])).ok
+        assert ex.check_calbin(pathlib.Path(calbins["missing"])).code == "calbin.not_found"
+        for bad in (5, None, b"main.calbin", ""):
+            assert ex.check_calbin(bad).code == "calbin.path_required", bad
+        assert ex.switch_model(pathlib.Path(calbins["other"])).ok
+        assert ex.gen.calbin_path == calbins["other"]
+
+
 def test_requests_during_recovery_get_unavailable_not_dropped(calbins):
     with running_executor(calbins["main"], "decode_us=20000",
                           recovery=RecoveryPolicy(drain_grace_s=1.0)) as ex:
