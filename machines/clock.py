@@ -88,6 +88,13 @@ class Clock:
         thread.start()
         return thread
 
+    def join(self, thread: threading.Thread, timeout: float) -> bool:
+        """``thread.join(timeout)``: whether it ended. A wait like the others here, so a
+        clock that observes waits sees what each was given (a thread made by
+        ``start_thread`` joins on its own terms, e.g. the explorer's scheduled threads)."""
+        thread.join(_bounded(max(0.0, timeout)))
+        return not thread.is_alive()
+
 
 def _bounded(timeout: float | None) -> float | None:
     """``timeout`` capped at ``threading.TIMEOUT_MAX`` (about 292 years on 64-bit Linux): a

@@ -114,6 +114,10 @@ log = logging.getLogger("calexec.executor")
 
 #: the lifecycle states a recovery or model switch passes through: a request arriving in one
 #: of them may wait for Ready (``wait_for_ready``)
+#: what a drained shutdown gives the executor's idle threads to end, at least (beyond its
+#: grace only when the drain ended at its very end): the device is closed after they did
+THREADS_EXIT_S = 1.0
+
 _RECOVERING = (LIFECYCLE_DRAINING, LIFECYCLE_RECOVERING, LIFECYCLE_CONFIGURING,
                LIFECYCLE_WARMING)
 
@@ -169,8 +173,8 @@ class LifecycleHost(Protocol):
         """Start ``calexec-submitter`` and ``calexec-completion`` (threads mode)."""
         ...
 
-    def stop_threads(self) -> None:
-        """Stop and join them (bounded)."""
+    def stop_threads(self, timeout: float = 5.0) -> None:
+        """Stop them and wait at most ``timeout`` seconds in all for them to end."""
         ...
 
     def wake_waiters(self) -> None:
@@ -936,7 +940,8 @@ class DeviceLifecycle:
     def shutdown(self, grace: float = 10.0) -> Status:
         """Stop admission, cancel queued jobs, drain submitted ones within ``grace`` seconds,
         stop the threads, release the generation and the device. Ends Stopped when drained
-        (FI13), Failed otherwise. Idempotent.
+        (FI13), Failed otherwise. Idempotent. Every wait comes out of the one ``grace`` (when
+        all drained, the idle threads get at least ``THREADS_EXIT_S`` to end).
 
         A recovery or model switch in progress (the controller's thread, or a caller's
         ``recover``/``switch_model``) ends first: it gets half of ``grace`` to finish on its own
@@ -1014,7 +1019,7 @@ class DeviceLifecycle:
                     f"start() still ran after grace={grace}s; nothing was torn down")
         recovery = self._recovery_thread
         if recovery is not None and recovery is not threading.current_thread():
-            recovery.join(left(halfway))
+            clock.join(recovery, left(halfway))
         if not self._recovery_mu.acquire(timeout=left(halfway)):
             self._interrupt()  # the recovery still runs: make it end
             if not self._recovery_mu.acquire(timeout=left(end)):
@@ -1023,7 +1028,9 @@ class DeviceLifecycle:
                     f"a recovery or model switch still runs after grace={grace}s; nothing "
                     "was torn down")
         try:
-            return self._shutdown(grace)
+            # what is left of grace: the wait for a start or recovery above came out of it
+            # (the drain got the whole grace again, so shutdown(2.0) took 3 s)
+            return self._shutdown(grace, left(end))
         finally:
             self._recovery_mu.release()
 
@@ -1036,8 +1043,12 @@ class DeviceLifecycle:
         self._host.dispatch.cancel_pending()
         self._host.wake_waiters()
 
-    def _shutdown(self, grace: float) -> Status:
+    def _shutdown(self, grace: float, budget: float | None = None) -> Status:
+        """The teardown; the fence and the drain wait at most ``budget`` seconds (default
+        ``grace``, what the caller gave, which the messages name)."""
         host = self._host
+        budget = grace if budget is None else budget
+        until = host.clock.monotonic() + max(budget, 0.0)
         with self.mu:
             already_final = self.run.final
             self.stopping = True
@@ -1056,12 +1067,16 @@ class DeviceLifecycle:
         host.dispatch.cancel_pending()
         host.wake_waiters()
         if host.gen is not None:  # no request thread works on it past this point
-            self._fence(host.gen, min(grace, host.config.fence_grace_s))
+            self._fence(host.gen, min(budget, host.config.fence_grace_s))
         if not host.config.threads:
             while host.submit_one():
                 pass
-        drained = self._drain(grace)
-        host.stop_threads()
+        drained = self._drain(max(0.0, until - host.clock.monotonic()))
+        # the threads' exit comes out of the same budget: a completion thread in a Wait() the
+        # device never answers was joined 5 s more (shutdown(2.0) took 7 s); drained, the
+        # idle threads end at once, and get THREADS_EXIT_S however little is left
+        left = max(0.0, until - host.clock.monotonic())
+        host.stop_threads(left if not drained else max(left, THREADS_EXIT_S))
         with self.mu:
             if drained and self.run.can(LIFECYCLE_EV_STOP):
                 self.run.send(LIFECYCLE_EV_STOP)

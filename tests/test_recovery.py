@@ -18,13 +18,17 @@ import pytest
 
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
+from calexec.drivers.calrt.runtime import CalRT
 from calexec.drivers.synthetic import calbin as cb
 from calexec.drivers.synthetic import oracle
+from calexec.machines.clock import Clock
 from calexec.machines.compiled import LIFECYCLE
+from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 from calexec.machines.faults import Action, RecoveryPolicy
 from calexec.machines.job import InferenceResult
 from calexec.machines.pool import BufferPool
 from executor_harness import (
+    MANIFEST,
     SEED,
     arm,
     deadline,
@@ -377,6 +381,74 @@ def test_a_switch_to_something_not_a_path_is_refused_before_the_lifecycle_moves(
             assert status.category is Category.INVALID_REQUEST and repr(bad) in status.message
             assert ex.state == "Ready" and ex.gen.id == 1 and ex.recoveries == []
         assert serves_oracle(ex)
+
+
+class _WaitsRecorded(Clock):
+    """The system clock, recording the deadline each wait of the thread ``on`` was given
+    (sleeps, condition and event waits, thread joins): what a bounded call promised."""
+
+    __slots__ = ("on", "deadlines")
+
+    def __init__(self) -> None:
+        self.on: threading.Thread | None = None
+        self.deadlines: list[float] = []
+
+    def _given(self, timeout: float | None) -> None:
+        if threading.current_thread() is self.on and timeout is not None:
+            self.deadlines.append(self.monotonic() + timeout)
+
+    def sleep(self, seconds):
+        self._given(seconds)
+        super().sleep(seconds)
+
+    def wait(self, cond, timeout):
+        self._given(timeout)
+        return super().wait(cond, timeout)
+
+    def wait_event(self, event, timeout):
+        self._given(timeout)
+        return super().wait_event(event, timeout)
+
+    def join(self, thread, timeout):
+        self._given(timeout)
+        return super().join(thread, timeout)
+
+
+def test_a_shutdown_that_meets_a_recovery_and_a_hung_job_waits_within_its_grace(calbins):
+    """``shutdown(2.0)`` while a recovery warms up with its golden job hung on the device
+    (no safe reset): the shutdown waits for the recovery (half its grace), then drained the
+    hung job for the whole grace again and joined the completion thread, stuck in that
+    Wait(), 5 s more: 7 s for a grace of 2. Every wait it makes now comes out of the one
+    grace: no deadline it gives a wait lies past ``start + grace`` (the drain's 2 ms poll
+    aside). Deadlines, not durations: a slow host cannot fail it."""
+    clock = _WaitsRecorded()
+    policy = RecoveryPolicy(reset_kind="none", drain_grace_s=0.2)
+    ex = DeviceExecutor(CalRT.load(), MANIFEST, ExecutorConfig(
+        calbin_path=calbins["main"], golden_timeout_s=0.5, execution_timeout_s=60.0,
+        timeout_grace_s=60.0, recovery=policy), clock=clock)
+    assert ex.start().ok
+    try:
+        assert ex.device.emu.set_stepped(True) == 0  # the device finishes nothing from now
+        out: list[Status] = []
+        recovery = threading.Thread(target=lambda: out.append(ex.recover(Status.failure(
+            "device.ccu_exception", Category.DEVICE, Phase.RECOVERY, "the test's reason"),
+            reset=False)), daemon=True)
+        recovery.start()
+        until(lambda: ex.state == "Warming" and ex.snapshot()["inflight"] == 1, 20,
+              "the golden job on the device")
+        clock.on = threading.current_thread()
+        start = clock.monotonic()
+        status = ex.shutdown(2.0)
+        clock.on = None
+        assert not status.ok and ex.state == "Failed", (status, ex.state)
+        assert clock.deadlines, "the shutdown made no wait through its clock"
+        late = [round(d - start, 3) for d in clock.deadlines if d > start + 2.0 + 0.01]
+        assert not late, (f"{len(late)} waits given deadlines past the grace (s after the "
+                          f"call; the first, the last): {late[:3]}, {late[-1:]}")
+        recovery.join(20)
+        assert out and not out[0].ok
+    finally:
+        ex.device.emu.set_stepped(False)
 
 
 def test_check_calbin_takes_a_pathlib_path_as_switch_model_does(calbins):
