@@ -535,6 +535,29 @@ UNRENDERABLE = {"function_call": "the deprecated function_call: send tool_calls 
                 "audio": "audio in the history is not supported"}
 
 
+def content_refusal(message: ChatMessage, index: int) -> Refusal | None:
+    """The 400 for a message without a field its role needs, as OpenAI answers it (None when
+    it has them): ``content`` (missing or null) for a system, developer or user message and
+    for a tool message, which also needs ``tool_call_id``; an assistant message may leave
+    ``content`` out (or null) when it has ``tool_calls`` (or, as the SDK dumps a refused
+    answer, a ``refusal``)."""
+    role = message.role
+    if role == "tool" and message.tool_call_id is None:
+        return Refusal(invalid(f"messages[{index}].tool_call_id: missing, a 'tool' message "
+                               "needs the id of the call it answers"),
+                       f"messages.{index}.tool_call_id")
+    if message.content is not None:
+        return None
+    if role == "assistant":
+        if message.tool_calls or message.refusal is not None:
+            return None
+        needs = "content or tool_calls"
+    else:
+        needs = "content (a string or a list of text parts)"
+    return Refusal(invalid(f"messages[{index}].content: missing (or null), a {role!r} message "
+                           f"needs {needs}"), f"messages.{index}.content")
+
+
 def message_text(message: ChatMessage, index: int) -> str:
     """The text of a message: a string, or its ``text`` parts joined (other parts refused); an
     assistant message without content: its ``refusal``, if any."""
@@ -546,6 +569,9 @@ def message_text(message: ChatMessage, index: int) -> str:
         if value is not None and value != []:
             raise Refusal(invalid(f"messages[{index}].{key}={value!r:.80}: {why}"),
                           f"messages.{index}.{key}")
+    missing = content_refusal(message, index)
+    if missing is not None:
+        raise missing
     if message.content is None:
         return message.refusal or ""
     if isinstance(message.content, str):
