@@ -3,6 +3,8 @@ stop 54 (server)"). Real executor on the bundled emulator; every wait bounded.""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from fastapi.testclient import TestClient
 
@@ -17,9 +19,13 @@ def executor(tmp_path_factory):
     executor.shutdown(5.0)
 
 
+TOKEN = "probe54-admin-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
 @pytest.fixture(scope="module")
 def client(executor):
-    with TestClient(create_app(executor, ServerConfig())) as client:
+    with TestClient(create_app(executor, ServerConfig(admin_token=TOKEN))) as client:
         yield client
 
 
@@ -70,3 +76,27 @@ def test_messages_with_what_their_role_needs_are_still_taken(client, message):
         messages.append({"role": "tool", "tool_call_id": "call_1", "content": "42"})
     r = client.post("/tokenize", json={"messages": messages})
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("shape", ["top", "nested"])
+def test_an_admin_reload_body_with_a_key_given_twice_is_a_400_naming_it(client, executor, shape):
+    """``POST /admin/reload`` with ``{"calbin": A, "calbin": B}``: Python's JSON parser keeps
+    the last value, so the server switched the model to B (here the calbin it serves: a
+    switch to a new generation) while the operator's body also named A. Now a 400 naming the
+    key, nothing checked or moved. (The API's bodies keep JSON's last-one-wins, as OpenAI's
+    and vLLM's parsers do.)"""
+    served = executor.gen.calbin_path
+    generation = executor.gen.id
+    if shape == "top":
+        raw = '{"calbin": "/nonexistent/a.calbin", "calbin": %s}' % json.dumps(served)
+        key = "calbin"
+    else:
+        raw = '{"calbin": %s, "x": {"k": 1, "k": 2}}' % json.dumps(served)
+        key = "k"
+    r = client.post("/admin/reload", content=raw.encode(),
+                    headers={**AUTH, "content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == key and error["code"] == "request.invalid", error
+    assert error["message"].startswith(f"{key}: given more than once"), error
+    assert executor.gen.id == generation and executor.state == "Ready"

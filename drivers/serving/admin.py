@@ -76,13 +76,25 @@ def json_type_name(value: object) -> str:
     return "string" if isinstance(value, str) else "object"
 
 
+def _object(pairs: list[tuple[str, Any]], repeated: list[str]) -> dict[str, Any]:
+    """A JSON object's pairs as a dict (``json.loads``' ``object_pairs_hook``); a key given
+    more than once is added to ``repeated``."""
+    body: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in body:
+            repeated.append(key)
+        body[key] = value
+    return body
+
+
 def reload_body(raw: bytes) -> dict[str, Any] | tuple[Status, str | None]:
     """The ``/admin/reload`` body as a JSON object, or the 400 failure saying why it is not
     one and its ``param``: not UTF-8 (UTF-16 or -32 too), not JSON (a byte order mark
     included; a ``\\ud800``-``\\udfff`` escape of a lone surrogate, which the API's parser
     refuses too: a key of one was answered 500), nested past the parser's recursion limit,
-    not an object (``param`` None: the body as a whole), a key other than ``calbin`` (that
-    key)."""
+    not an object (``param`` None: the body as a whole), a key given twice in an object
+    (that key: ``{"calbin": A, "calbin": B}`` switched to B, the first one unsaid), a key
+    other than ``calbin`` (that key)."""
     utf8 = wire.utf8_json(raw)  # (as the API's bodies: a UTF-8 BOM skipped, UTF-16/32 refused)
     if isinstance(utf8, str):
         return invalid(utf8), None
@@ -91,8 +103,9 @@ def reload_body(raw: bytes) -> dict[str, Any] | tuple[Status, str | None]:
     except UnicodeDecodeError as err:
         return invalid(f"body: not UTF-8 ({err.reason} at byte {err.start}); send "
                        "{\"calbin\": PATH} as UTF-8 JSON"), None
+    repeated: list[str] = []  # keys given twice in one object (JSON's last one would win)
     try:
-        body = json.loads(text)
+        body = json.loads(text, object_pairs_hook=lambda pairs: _object(pairs, repeated))
     except (ValueError, RecursionError) as err:
         why = "nested too deeply" if isinstance(err, RecursionError) else str(err)[:120]
         return invalid(f"body: not valid JSON ({why}); send {{\"calbin\": PATH}}"), None
@@ -104,6 +117,10 @@ def reload_body(raw: bytes) -> dict[str, Any] | tuple[Status, str | None]:
                        "{\"calbin\": PATH}"), None
     except RecursionError:  # (as deep as the parser took, past the encoder's limit)
         return invalid("body: not valid JSON (nested too deeply); send {\"calbin\": PATH}"), None
+    if repeated:
+        name = repeated[0][:80]
+        return invalid(f"{name}: given more than once in the body (the last one would "
+                       "silently win), give it once"), name
     if not isinstance(body, dict):
         return invalid(f"body: must be a JSON object {{\"calbin\": PATH}}, not "
                        f"{json_type_name(body)}"), None
