@@ -83,8 +83,8 @@ def test_an_admin_reload_body_with_a_key_given_twice_is_a_400_naming_it(client, 
     """``POST /admin/reload`` with ``{"calbin": A, "calbin": B}``: Python's JSON parser keeps
     the last value, so the server switched the model to B (here the calbin it serves: a
     switch to a new generation) while the operator's body also named A. Now a 400 naming the
-    key, nothing checked or moved. (The API's bodies keep JSON's last-one-wins, as OpenAI's
-    and vLLM's parsers do.)"""
+    key, nothing checked or moved. (The API's bodies keep JSON's last-one-wins, as vLLM's
+    pydantic parser does.)"""
     served = executor.gen.calbin_path
     generation = executor.gen.id
     if shape == "top":
