@@ -1221,7 +1221,8 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
                               else "max_tokens")
 
         def chat_shape() -> _Shape:
-            shape = _ToolChatShape(plan.tools) if plan is not None and plan.tools else _ChatShape()
+            shape = (_ToolChatShape(plan.tools, plan.tool_choice not in ("auto", "required"))
+                     if plan is not None and plan.tools else _ChatShape())
             shape.prompt_ids = body.return_token_ids
             return shape
         if body.n == 1:
@@ -1862,12 +1863,16 @@ class _ChatShape(_Shape):
 class _ToolChatShape(_ChatShape):
     """A chat response that may call tools (drivers/serving/grammar.py): the message's
     ``tool_calls`` (``content`` the text outside them, null when none) and ``finish_reason``
-    ``"tool_calls"`` when the output made calls; streamed, ``delta.tool_calls`` pieces as
+    ``"tool_calls"`` when the output made calls (``"stop"`` for the calls of a named
+    ``tool_choice``, as OpenAI answers them); streamed, ``delta.tool_calls`` pieces as
     OpenAI sends them (grammar.ToolCallStream). A token whose text is held back (it may open
     or close a call) sends no chunk: its id goes with the next one."""
 
-    def __init__(self, tools: tuple[grammar.Tool, ...]) -> None:
+    def __init__(self, tools: tuple[grammar.Tool, ...], named: bool = False) -> None:
         self.tools = tools
+        #: ``tool_choice`` named the function: its calls end ``"stop"``, as OpenAI's (and
+        #: vLLM's) do; "auto" and "required" calls end ``"tool_calls"``
+        self.named = named
         self.calls = grammar.ToolCallStream()
         self.held_ids: list[int] = []
 
@@ -1881,9 +1886,10 @@ class _ToolChatShape(_ChatShape):
             chunk["choices"][0]["delta"]["content"] = None
         return chunks
 
-    @staticmethod
-    def _finish(run: RequestRun, calls: int) -> str | None:
-        return "tool_calls" if calls and run.finish_reason == "stop" else run.finish_reason
+    def _finish(self, run: RequestRun, calls: int) -> str | None:
+        if calls and run.finish_reason == "stop" and not self.named:
+            return "tool_calls"
+        return run.finish_reason
 
     def whole(self, text: str, run: RequestRun) -> dict[str, Any]:
         answer = super().whole(text, run)
