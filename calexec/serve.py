@@ -321,6 +321,14 @@ def main(argv: list[str]) -> int:
         logging.getLogger("calexec.serve").info(
             "bound http://%s:%d; starting the executor (warm-up, golden): connections are "
             "refused until it serves", shown, bound_port)
+        if args.calbin is not None:  # the reload's check, before the device is touched: a
+            # file the loader refuses is named as a calbin, not as a CalRT configure failure
+            checked = executor.check_calbin(args.calbin)
+            if not checked.ok:
+                why = checked.message.removeprefix(f"calbin={args.calbin!r}: ")
+                print(f"calexec serve: --calbin={args.calbin!r}: not a valid calbin "
+                      f"({checked.code}): {why}; the executor was not started", file=sys.stderr)
+                return EXIT_FAILED
         status = executor.start()
         if not status.ok:
             print(f"calexec serve: executor failed to start: {status}", file=sys.stderr)

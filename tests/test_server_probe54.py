@@ -4,11 +4,14 @@ stop 54 (server)"). Real executor on the bundled emulator; every wait bounded.""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 from fastapi.testclient import TestClient
 
 from calexec.drivers.serving.server import ServerConfig, create_app
+import needs
 from test_server_support import MODEL, started_executor
 
 
@@ -100,3 +103,61 @@ def test_an_admin_reload_body_with_a_key_given_twice_is_a_400_naming_it(client, 
     assert error["param"] == key and error["code"] == "request.invalid", error
     assert error["message"].startswith(f"{key}: given more than once"), error
     assert executor.gen.id == generation and executor.state == "Ready"
+
+
+TOOL = {"type": "function", "function": {"name": "get", "parameters": {
+    "type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["x"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize(("tool_choice", "finish"), [
+    ({"type": "function", "function": {"name": "get"}}, "stop"),
+    ("required", "tool_calls"),
+], ids=["named", "required"])
+def test_the_calls_of_a_named_tool_choice_finish_stop_as_openais_do(client, tool_choice, finish):
+    """OpenAI ends the calls a named ``tool_choice`` forced with ``finish_reason: "stop"``,
+    whole and streamed, and ``"required"`` ones with ``"tool_calls"`` (vLLM aligned its
+    answers to that table: vllm-project/vllm#25054); this server said ``"tool_calls"`` for
+    both. The openai SDK and langchain-openai read the calls whatever the reason."""
+    needs.module("llguidance", "server")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [TOOL],
+            "tool_choice": tool_choice, "parallel_tool_calls": False, "max_tokens": 60}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["message"]["tool_calls"], choice
+    assert choice["finish_reason"] == finish, choice
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines()
+                  if line.startswith("data: {")]
+    reasons = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    assert [r for r in reasons if r is not None] == [finish], reasons
+    assert any(c["choices"][0]["delta"].get("tool_calls") for c in chunks if c["choices"])
+
+
+@pytest.mark.parametrize(("content", "code", "why"), [
+    (b"\x00garbage\xff" * 40, "calbin.invalid", "the loader refused it (ERR_FILE_FORMAT)"),
+    (b"CALBIN\n", "calbin.invalid", "the loader refused it (ERR_FILE_FORMAT)"),
+    (b"", "calbin.empty", "the file is empty"),
+], ids=["garbage", "short", "empty"])
+def test_serve_with_a_calbin_that_is_not_one_names_the_flag_the_path_and_why(tmp_path, content,
+                                                                            code, why):
+    """``calexec serve --calbin FILE`` with a file that is no calbin said ``executor failed
+    to start: calrt.configure_failed [artifact/configure] CalRT configure returned 12
+    (FILE_FORMAT): calbin load '...'`` (after an ERROR line saying the same): a runtime
+    phrase naming neither the flag nor what is wrong with the file. Now the reload's check
+    (``DeviceExecutor.check_calbin``) runs before the executor starts: one line naming
+    ``--calbin``, the path and the reason, exit 3 (docs/server.md: a calbin the emulator
+    refuses ends the start with 3)."""
+    path = tmp_path / "model.calbin"
+    path.write_bytes(content)
+    code_line = ("import sys\nfrom calexec.cli import main\n"
+                 f"sys.exit(main(['serve', '--once', '--calbin', {str(path)!r}]))")
+    done = subprocess.run([sys.executable, "-c", code_line], capture_output=True, text=True,
+                          timeout=120)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 3, (done.returncode, done.stderr)
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert lines[0] == (f"calexec serve: --calbin={str(path)!r}: not a valid calbin ({code}): "
+                        f"{'not a calbin the runtime loads: ' if code == 'calbin.invalid' else ''}"
+                        f"{why}; the executor was not started"), lines[0]
