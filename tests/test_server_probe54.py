@@ -4,15 +4,24 @@ stop 54 (server)"). Real executor on the bundled emulator; every wait bounded.""
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
+import threading
 
 import pytest
 from fastapi.testclient import TestClient
 
 from calexec.drivers.serving.server import ServerConfig, create_app
 import needs
-from test_server_support import MODEL, started_executor
+from test_server_support import (
+    MODEL,
+    ServeLikeServer,
+    read_until_closed,
+    split_head,
+    started_executor,
+    wait_for,
+)
 
 
 @pytest.fixture(scope="module")
@@ -161,3 +170,55 @@ def test_serve_with_a_calbin_that_is_not_one_names_the_flag_the_path_and_why(tmp
     assert lines[0] == (f"calexec serve: --calbin={str(path)!r}: not a valid calbin ({code}): "
                         f"{'not a calbin the runtime loads: ' if code == 'calbin.invalid' else ''}"
                         f"{why}; the executor was not started"), lines[0]
+
+
+def test_a_completion_sent_while_the_server_drains_is_refused_before_its_body(tmp_path):
+    """While a drain waits for a stream, ``POST /v1/completions`` with ``Expect:
+    100-continue`` got ``100 Continue`` (uvicorn sends it when the route reads the body), so
+    the client uploaded its body only to be refused 503 (a client waiting for the 100 before
+    sending, as here, had to send it first: it hung). Now the draining 503 (``Retry-After``,
+    ``Connection: close``) is answered before the body is read, with no ``100 Continue``;
+    a request without the expectation gets the same answer."""
+    import httpx
+
+    executor = started_executor(tmp_path, device_config="decode_us=20000")
+    app = create_app(executor, ServerConfig(admin_token=TOKEN))
+    service = app.state.service
+    stop = threading.Event()
+
+    def stream(url: str) -> None:  # holds the drain open until the test ends it
+        with httpx.Client(timeout=30) as http, http.stream(
+                "POST", f"{url}/v1/completions",
+                json={"prompt": [1, 2], "max_tokens": 500, "stream": True}) as r:
+            for _ in r.iter_lines():
+                if stop.is_set():
+                    return
+    try:
+        with ServeLikeServer(app) as server:
+            holder = threading.Thread(target=stream, args=(server.url,), daemon=True)
+            holder.start()
+            wait_for(lambda: service.active == 1, what="the stream running")
+            r = httpx.post(f"{server.url}/admin/drain?grace=30", headers=AUTH, timeout=10)
+            assert r.status_code == 202, r.text
+            payload = json.dumps({"prompt": [1], "max_tokens": 1}).encode()
+            for expect in (b"expect: 100-continue\r\n", b""):
+                head = (b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n" + expect
+                        + b"content-type: application/json\r\ncontent-length: %d\r\n\r\n"
+                        % len(payload))
+                with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+                    sock.sendall(head if expect else head + payload)  # (no body: expects)
+                    data, ended = read_until_closed(sock)
+                assert b"100 Continue" not in data, data[:300]
+                status, headers, body = split_head(data)
+                assert status.startswith(b"HTTP/1.1 503 "), data[:300]
+                assert headers.get("connection") == "close" and "retry-after" in headers, headers
+                error = json.loads(body)["error"]
+                assert "server is draining" in error["message"], error
+                assert ended == "eof", (expect, ended)
+            assert service.active == 1 and service.drain_status is None  # still draining
+            stop.set()
+            holder.join(30)
+            wait_for(lambda: service.drain_status is not None, timeout=30, what="drain")
+    finally:
+        stop.set()
+        executor.shutdown(5.0)

@@ -302,6 +302,16 @@ class Refusal(Exception):
         self.headers = headers
 
 
+def draining_refusal() -> Refusal:
+    """The 503 of a completion or chat that arrives while the server drains, answered before
+    its body is read: a request sent with ``Expect: 100-continue`` gets no ``100 Continue``
+    (uvicorn sends it when a route first reads the body: the client uploaded its body, or
+    waited for the 100 it was promised, to be refused), and ``Connection: close``, as the
+    server is going away (the client's next request goes to a new connection, elsewhere)."""
+    return Refusal(Status.unavailable(Phase.ADMISSION, "server is draining"), None, 503,
+                   wire.CLOSE)
+
+
 def parse(model: type[Body], raw: bytes) -> Body:
     """The validated body, or :class:`Refusal` naming the first bad field (its path in the
     body, e.g. ``messages.0.content``: never pydantic's union branch) and value."""
@@ -1033,10 +1043,14 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         API key, or a client's bad ``/tokenize``, made the completions' failure rate)."""
         return fail(err.status, err.param, err.http_status, count=False, headers=err.headers)
 
-    async def read(request: Request, model: type[Body]) -> Body:
+    async def read(request: Request, model: type[Body], admits: bool = False) -> Body:
+        """The request's checked body. ``admits``: a completion or chat, refused while the
+        server drains before its body is read (:func:`draining_refusal`)."""
         auth = auth_refusal(request, config.api_key)
         if auth is not None:
             raise auth
+        if admits and service.draining:
+            raise draining_refusal()
         media = wire.non_json_media(request)
         if media is not None:
             raise Refusal(invalid(f"content-type {media!r}: the body must be JSON "
@@ -1137,7 +1151,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         # named first: an error answer carries the id an answer would have had
         response_id = new_response_id(request, _CompletionShape.PREFIX)
         try:
-            body = await read(request, CompletionRequest)
+            body = await read(request, CompletionRequest, admits=True)
             refusal(body)
             # null: the start of a document (OpenAI's document separator; the end token here)
             prompt = [config.end_token_id] if body.prompt is None else body.prompt
@@ -1185,7 +1199,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
     async def chat(request: Request) -> Response:
         response_id = new_response_id(request, _ChatShape.PREFIX)
         try:
-            body = await read(request, ChatRequest)
+            body = await read(request, ChatRequest, admits=True)
             refusal(body)
             top = body.top_logprobs
             # 0 without logprobs asks for nothing (vLLM takes it): only more is refused
