@@ -578,6 +578,7 @@ def test_an_unseeded_request_is_reproducible_from_its_dump_record(tmp_path):
             client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
             body = dict(model=MODEL, prompt=[71, 72], max_tokens=6, temperature=1.0)
             first = client.completions.create(**body).choices[0].model_extra["token_ids"]
+            assert sink.flush(10)  # (the sink's writer thread appends the records)
             records = [json.loads(line) for path in (tmp_path / "dump").iterdir()
                        for line in path.read_text().splitlines()]
             seed = records[-1]["sampling"]["seed"]

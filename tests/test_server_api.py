@@ -536,6 +536,7 @@ def test_a_dump_dir_that_becomes_unwritable_never_breaks_a_request(tmp_path, cap
         app = create_app(executor, ServerConfig(), sink)
         with TestClient(app) as client:
             assert complete(client, prompt=[5, 6, 7], max_tokens=2).status_code == 200
+            assert sink.flush(10)  # (the sink's writer thread appends the records)
             assert sink.records == 1
             shutil.rmtree(directory)
             if broken == "replaced_by_a_file":
@@ -549,6 +550,7 @@ def test_a_dump_dir_that_becomes_unwritable_never_breaks_a_request(tmp_path, cap
                         "prompt": [5, 6, 7], "max_tokens": 3, "stream": True}) as s:
                     lines = [line for line in s.iter_lines() if line]
                 assert s.status_code == 200 and lines[-1] == "data: [DONE]", lines[-2:]
+                assert sink.flush(10)
             errors = [f"{r.name}: {r.getMessage()}" for r in caplog.records
                       if r.levelno >= logging.ERROR]
             assert errors == [], errors
@@ -561,6 +563,7 @@ def test_a_dump_dir_that_becomes_unwritable_never_breaks_a_request(tmp_path, cap
                 directory.unlink()
             directory.mkdir()
             assert complete(client, prompt=[5, 6, 7], max_tokens=2).status_code == 200
+            assert sink.flush(10)
             assert sink.records == 2 and sink.errors == 3
             assert len(sink.path.read_text().splitlines()) == 1
             # and a scrape says so: a dump that stops writing is seen without reading logs

@@ -4,7 +4,9 @@ stop 54 (server)"). Real executor on the bundled emulator; every wait bounded.""
 from __future__ import annotations
 
 import json
+import os
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -12,6 +14,7 @@ import threading
 import pytest
 from fastapi.testclient import TestClient
 
+from calexec.drivers.serving.dumpsink import DumpSink
 from calexec.drivers.serving.server import ServerConfig, create_app
 import needs
 from test_server_support import (
@@ -222,3 +225,101 @@ def test_a_completion_sent_while_the_server_drains_is_refused_before_its_body(tm
     finally:
         stop.set()
         executor.shutdown(5.0)
+
+
+def test_serve_dump_prompts_writes_a_file_only_its_owner_can_read(tmp_path):
+    """``calexec serve --dump-dir D --dump-prompts`` under the common umask 022: the dump file,
+    which holds every user's prompt and completion, was created 0644 (anyone on the host
+    could read it); now 0600. The record of ``--once``'s sample request is in it: the drain
+    flushed the sink's writer thread before the exit."""
+    directory = tmp_path / "dump"
+    done = subprocess.run(
+        [sys.executable, "-c", "import sys\nfrom calexec.cli import main\nsys.exit(main(["
+         f"'serve', '--once', '--device-config', 'decode_us=0', '--dump-dir', "
+         f"{str(directory)!r}, '--dump-prompts']))"],
+        capture_output=True, text=True, timeout=120, preexec_fn=lambda: os.umask(0o022))
+    assert done.returncode == 0, done.stderr
+    files = list(directory.iterdir())
+    assert len(files) == 1, files
+    assert stat.S_IMODE(files[0].stat().st_mode) == 0o600, oct(files[0].stat().st_mode)
+    records = [json.loads(line) for line in files[0].read_text().splitlines()]
+    assert len(records) == 1 and records[0]["text"] and records[0]["prompt_token_ids"], records
+
+
+def test_a_dump_file_that_blocks_never_holds_the_event_loop(executor, tmp_path):
+    """The dump record was written on the event loop at the end of every request: a disk that
+    stalls (here the dump file is a FIFO no one reads, as a hung NFS mount would) stopped
+    the whole server, every other request and ``/health`` included. Now the records are
+    queued for the sink's writer thread: the server answers meanwhile, and once the file
+    takes them they are written in the order the requests ended."""
+    import httpx
+
+    sink = DumpSink(tmp_path / "dump", max_bytes=1 << 20)
+    os.mkfifo(sink.path)
+    reader: list[int] = []
+
+    def unblock() -> None:  # a reader for the FIFO: the writer's open() returns
+        if not reader:
+            reader.append(os.open(sink.path, os.O_RDONLY | os.O_NONBLOCK))
+    try:
+        with ServeLikeServer(create_app(executor, ServerConfig(), sink)) as server, \
+                httpx.Client(base_url=server.url, timeout=5) as http:
+            sent = []
+            for prompt in ([1], [1, 2], [1, 2, 3]):
+                r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+                assert r.status_code == 200, r.text
+                sent.append(r.headers["x-request-id"])
+                assert http.get("/health").status_code == 200
+            assert sink.counts()["written"] == 0  # all waiting for the file
+            unblock()
+            assert sink.flush(10)
+            data = b""
+            while chunk := os.read(reader[0], 1 << 16):
+                data += chunk
+        records = [json.loads(line) for line in data.decode().splitlines()]
+        assert [r["x_request_id"] for r in records] == sent
+        assert [r["prompt_tokens"] for r in records] == [1, 2, 3]
+        assert sink.counts() == {"written": 3, "dropped": 0, "error": 0, "overflow": 0}
+    finally:
+        unblock()
+        os.close(reader[0])
+
+
+def test_a_dump_writer_behind_a_stuck_file_drops_and_counts_past_its_bound(tmp_path, caplog):
+    """The queue the writer thread takes from is bounded (``max_pending_bytes``): while the
+    file takes nothing, records past the bound are dropped and counted (``overflow``, one
+    warning line), never held without end; a ``close`` that runs out of time counts what it
+    could not write. Those taken are written in order once the file takes them."""
+    import logging
+
+    sink = DumpSink(tmp_path / "dump", max_bytes=1 << 20, max_pending_bytes=100)
+    os.mkfifo(sink.path)
+    record = {"request_id": 0, "pad": "x" * 20}  # 47 bytes a line: 2 fit in the bound
+    with caplog.at_level(logging.WARNING, logger="calexec.dump"):
+        taken = [sink.submit({**record, "request_id": i}) for i in range(6)]
+    # (whether the third is taken depends on when the writer took the first off the queue
+    # to block in open(); one warning per streak of drops)
+    assert taken[:2] == [True, True] and taken[-2:] == [False, False], taken
+    assert sink.counts()["overflow"] == taken.count(False)
+    warned = [r for r in caplog.records if "dump writer behind" in r.getMessage()]
+    assert 1 <= len(warned) <= 2, warned
+    assert sink.flush(0.2) is False  # nothing moves: the FIFO has no reader
+    reader = os.open(sink.path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        assert sink.flush(10)
+        lines = os.read(reader, 1 << 16).decode().splitlines()
+    finally:
+        os.close(reader)
+    assert [json.loads(line)["request_id"] for line in lines] == [
+        i for i, ok in enumerate(taken) if ok]
+    assert sink.counts()["written"] == taken.count(True)
+    # stuck again: close gives up on what is left within its time, counted, warned
+    os.unlink(sink.path)
+    os.mkfifo(sink.path)
+    before = sink.counts()["overflow"]
+    assert sink.submit(record) and sink.submit(record)
+    with caplog.at_level(logging.WARNING, logger="calexec.dump"):
+        assert sink.close(0.2) is False
+    assert sink.counts()["overflow"] - before in (1, 2)  # (one may be the writer's, in open)
+    assert any("not written" in r.getMessage() for r in caplog.records)
+    os.close(os.open(sink.path, os.O_RDONLY | os.O_NONBLOCK))  # (lets the writer end)

@@ -24,7 +24,7 @@ import signal
 import socket
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from types import FrameType
 from typing import Any
 
@@ -68,6 +68,9 @@ __all__ = ["Admission", "CompletionService", "DrainingServer", "MAX_PATH_CHARS",
 
 log = logging.getLogger("calexec.server")
 
+#: how long the app's shutdown waits for the dump's queued records to be written
+DUMP_FLUSH_S = 5.0
+
 
 def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
                dump: DumpSink | None = None) -> FastAPI:
@@ -88,8 +91,16 @@ def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
     # no redirect_slashes: Starlette answered "/v1/completions/" with a 307 whose Location
     # it built from the client's Host header (and SDKs do not re-POST a 307 reliably); a
     # path with a trailing slash is the OpenAI-shaped 404 naming it, as any unknown path
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        yield
+        # the app stops (uvicorn's shutdown, a TestClient's end): the dump records still
+        # queued for its writer thread reach the file first, and the writer ends (a drain
+        # has done so)
+        await service.flush_dump(DUMP_FLUSH_S, close=True)
+
     app = FastAPI(title="calexec reference server", docs_url=None, redoc_url=None,
-                  openapi_url=None, redirect_slashes=False)
+                  openapi_url=None, redirect_slashes=False, lifespan=lifespan)
     app.state.service = service
     retry = config.retry_after_s
 

@@ -1525,8 +1525,8 @@ class CompletionService:
             m.e2e.observe(time.monotonic() - run.started)
             if m.vllm is not None:
                 self._record_vllm(run)
-        if self.dump is not None:
-            self.dump.write({
+        if self.dump is not None:  # (queued: the sink's thread writes it, off the loop)
+            self.dump.submit({
                 "request_id": run.request_id, "x_request_id": run.x_request_id,
                 "seq_id": run.seq_id, "stream": run.sse,
                 "prompt_tokens": len(run.prompt), "completion_tokens": len(run.tokens),
@@ -1557,6 +1557,15 @@ class CompletionService:
             self._open_requests -= 1
 
     # ---- drain ----------------------------------------------------------------------------------
+    async def flush_dump(self, timeout: float, close: bool = False) -> bool:
+        """Wait (on a worker thread, at most ``timeout`` seconds) until the dump's records
+        are written; ``close``: then end its writer, counting what it could not write
+        (``DumpSink.close``). True without a dump."""
+        dump = self.dump
+        if dump is None:
+            return True
+        return await to_thread.run_sync(dump.close if close else dump.flush, timeout)
+
     async def _until_idle(self, until: float) -> None:
         """Wait (polling, bounded by ``until``, ``time.monotonic()``) for no admitted request."""
         while (self.active or self._open_requests) and time.monotonic() < until:
@@ -1599,6 +1608,7 @@ class CompletionService:
         status = await to_thread.run_sync(self.executor.shutdown,
                                           max(deadline - time.monotonic(), slack))
         await self._until_idle(time.monotonic() + slack)  # requests the shutdown ended
+        await self.flush_dump(max(deadline - time.monotonic(), slack), close=True)
         if status.ok and self.active:
             status = Status.failure("shutdown.requests_pending", Category.DEVICE, Phase.SHUTDOWN,
                                     f"{self.active} requests still running after grace={grace}s")
