@@ -14,9 +14,9 @@ import threading
 import pytest
 from fastapi.testclient import TestClient
 
+import needs
 from calexec.drivers.serving.dumpsink import DumpSink
 from calexec.drivers.serving.server import ServerConfig, create_app
-import needs
 from test_server_support import (
     MODEL,
     ServeLikeServer,
@@ -103,10 +103,10 @@ def test_an_admin_reload_body_with_a_key_given_twice_is_a_400_naming_it(client, 
     served = executor.gen.calbin_path
     generation = executor.gen.id
     if shape == "top":
-        raw = '{"calbin": "/nonexistent/a.calbin", "calbin": %s}' % json.dumps(served)
+        raw = f'{{"calbin": "/nonexistent/a.calbin", "calbin": {json.dumps(served)}}}'
         key = "calbin"
     else:
-        raw = '{"calbin": %s, "x": {"k": 1, "k": 2}}' % json.dumps(served)
+        raw = f'{{"calbin": {json.dumps(served)}, "x": {{"k": 1, "k": 2}}}}'
         key = "k"
     r = client.post("/admin/reload", content=raw.encode(),
                     headers={**AUTH, "content-type": "application/json"})

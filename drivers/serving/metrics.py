@@ -52,7 +52,7 @@ calexec_responses_send_waiting              gauge      streamed responses waitin
 calexec_server_draining                     gauge      1 while the server drains
 calexec_feature_disabled                    gauge      feature; 1 while a §8 PROGRAMMING fault keeps it off
 calexec_golden_unpinned                     gauge      1 while serving on a golden no file pins (§9.2)
-calexec_dump_records_total                  counter    outcome (written|dropped|error|overflow); only with serve --dump-dir
+calexec_dump_records_total                  counter    outcome (written|dropped|error|overflow); with --dump-dir
 ==========================================  =========  =================================================
 
 With ``ServerConfig.metrics_names == "vllm"`` (``calexec serve --metrics-names vllm``) the
