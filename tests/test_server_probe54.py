@@ -323,3 +323,23 @@ def test_a_dump_writer_behind_a_stuck_file_drops_and_counts_past_its_bound(tmp_p
     assert sink.counts()["overflow"] - before in (1, 2)  # (one may be the writer's, in open)
     assert any("not written" in r.getMessage() for r in caplog.records)
     os.close(os.open(sink.path, os.O_RDONLY | os.O_NONBLOCK))  # (lets the writer end)
+
+
+@pytest.mark.parametrize("name", ["none", "auto", "required"])
+def test_a_tool_choice_naming_a_function_called_like_a_mode_calls_that_function(client, name):
+    """A function may be called "none", "auto" or "required" (1 to 64 letters, digits, _ or
+    -); ``tool_choice: {"type": "function", "function": {"name": "auto"}}`` was read as the
+    mode of that name: "none" answered text with no call, "auto" free text, "required" a
+    call of another tool. Now it is the named function's call, as for any other name."""
+    needs.module("llguidance", "server")
+    tools = [{"type": "function", "function": {**TOOL["function"], "name": name}},
+             {"type": "function", "function": {**TOOL["function"], "name": "other"}}]
+    r = client.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": tools,
+        "tool_choice": {"type": "function", "function": {"name": name}},
+        "parallel_tool_calls": False, "max_tokens": 120})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    calls = choice["message"].get("tool_calls") or []
+    assert [call["function"]["name"] for call in calls] == [name], choice
+    assert choice["finish_reason"] == "stop", choice

@@ -183,6 +183,9 @@ class Structure:
     tools: tuple[Tool, ...] = ()
     #: tool_choice resolved: "auto", "required" or the named function ("none": no Structure)
     tool_choice: str = "none"
+    #: ``tool_choice`` named the function ``tool_choice`` (which may be called "auto",
+    #: "required" or "none": a name, not the mode)
+    named: bool = False
 
     def start(self) -> Constraint:
         from llguidance import LLMatcher
@@ -201,6 +204,9 @@ class ToolSetup:
     choice: str = "none"
     #: the request's ``tools`` as given (the chat template's ``tools`` variable)
     declared: tuple[Mapping[str, Any], ...] = ()
+    #: ``choice`` is the name of the function ``tool_choice`` named (a function may be
+    #: called "auto", "required" or "none": it is still only that function's calls)
+    named: bool = False
 
 
 def _schema_grammar(schema: Any, param: str, strict: bool) -> str:
@@ -338,17 +344,18 @@ def tool_setup(tools: Any, tool_choice: Any, functions: Any = None) -> ToolSetup
             raise GrammarError(f"{where}.function.strict",
                                f"{where}.function.strict={strict!r:.40}: must be a boolean")
         parsed.append(Tool(name, params, description, bool(strict)))
-    choice = _tool_choice(tool_choice, parsed)
-    if choice == "none":
+    choice, named = _tool_choice(tool_choice, parsed)
+    if choice == "none" and not named:
         return ToolSetup((), "none", tuple(tools))
-    return ToolSetup(tuple(parsed), choice, tuple(tools))
+    return ToolSetup(tuple(parsed), choice, tuple(tools), named)
 
 
-def _tool_choice(tool_choice: Any, tools: list[Tool]) -> str:
+def _tool_choice(tool_choice: Any, tools: list[Tool]) -> tuple[str, bool]:
+    """(the mode or the named function's name, whether it is a name)."""
     if tool_choice is None:
-        return "auto"  # OpenAI's default when tools are given
+        return "auto", False  # OpenAI's default when tools are given
     if tool_choice in ("none", "auto", "required"):
-        return str(tool_choice)
+        return str(tool_choice), False
     if isinstance(tool_choice, dict) and tool_choice.get("type") == "function" \
             and isinstance(tool_choice.get("function"), dict) \
             and set(tool_choice) == {"type", "function"}:
@@ -356,7 +363,7 @@ def _tool_choice(tool_choice: Any, tools: list[Tool]) -> str:
         if not any(t.name == name for t in tools):
             raise GrammarError("tool_choice", f"tool_choice.function.name={name!r:.80}: not "
                                               f"one of the tools {[t.name for t in tools]}")
-        return str(name)
+        return str(name), True
     raise GrammarError("tool_choice", f"tool_choice={tool_choice!r:.80}: must be \"none\", "
                                       "\"auto\", \"required\" or {\"type\": \"function\", "
                                       "\"function\": {\"name\": ...}}")
@@ -392,14 +399,13 @@ def chat_structure(response_format: Any, setup: ToolSetup, parallel_tool_calls: 
     for i, tool in enumerate(setup.tools):  # each tool's schema on its own: the field named
         param = f"tools.{i}.function.parameters"
         _checked(_schema_grammar(dict(tool.parameters), param, tool.strict), ll, param)
-    named = setup.choice not in ("auto", "required")
-    tools = [t for t in setup.tools if not named or t.name == setup.choice]
+    tools = [t for t in setup.tools if not setup.named or t.name == setup.choice]
     lines = ['call: "' + CALL_OPEN + '\\n" fn "\\n' + CALL_CLOSE + '"',
              "fn: " + " | ".join(f"fn{i}" for i in range(len(tools)))]
     lines += [f"fn{i}: %json {json.dumps(_call_schema(t))}" for i, t in enumerate(tools)]
     more = "" if parallel_tool_calls is False else ' ("\\n" call)*'
     lines.append("calls: call" + more)
-    if setup.choice == "auto":
+    if setup.choice == "auto" and not setup.named:
         if asked is None:  # text without a call, or text (maybe none) then calls
             open_tag = re.escape(CALL_OPEN)
             lines.append(f"TEXT: /(?s:.*)/ & ~/(?s:.*){open_tag}(?s:.*)/")
@@ -418,7 +424,7 @@ def chat_structure(response_format: Any, setup: ToolSetup, parallel_tool_calls: 
         lines.append("start: calls")
     from llguidance import LLMatcher
     grammar = _checked(LLMatcher.grammar_from_lark("\n".join(lines)), ll, "tools")
-    return Structure(grammar, ll, vocab, end_token, tuple(tools), setup.choice)
+    return Structure(grammar, ll, vocab, end_token, tuple(tools), setup.choice, setup.named)
 
 
 # ---- tool calls in the output ---------------------------------------------------------------

@@ -1235,7 +1235,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
                               else "max_tokens")
 
         def chat_shape() -> _Shape:
-            shape = (_ToolChatShape(plan.tools, plan.tool_choice not in ("auto", "required"))
+            shape = (_ToolChatShape(plan.tools, plan.named)
                      if plan is not None and plan.tools else _ChatShape())
             shape.prompt_ids = body.return_token_ids
             return shape
