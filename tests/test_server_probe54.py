@@ -55,8 +55,9 @@ CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments
     ({"role": "assistant"}, "content"),
     ({"role": "tool", "tool_call_id": "call_1"}, "content"),
     ({"role": "tool", "content": "42"}, "tool_call_id"),
+    ({"role": "user", "content": []}, "content"),  # (OpenAI: an empty array, 400)
 ], ids=["user", "user-null", "system", "developer-null", "assistant-bare", "tool-no-content",
-        "tool-no-id"])
+        "tool-no-id", "user-no-parts"])
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
 def test_a_message_without_the_fields_its_role_needs_is_a_400_naming_it(client, message, param,
                                                                         path):

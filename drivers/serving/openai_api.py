@@ -547,16 +547,16 @@ UNRENDERABLE = {"function_call": "the deprecated function_call: send tool_calls 
 
 def content_refusal(message: ChatMessage, index: int) -> Refusal | None:
     """The 400 for a message without a field its role needs, as OpenAI answers it (None when
-    it has them): ``content`` (missing or null) for a system, developer or user message and
-    for a tool message, which also needs ``tool_call_id``; an assistant message may leave
-    ``content`` out (or null) when it has ``tool_calls`` (or, as the SDK dumps a refused
-    answer, a ``refusal``)."""
+    it has them): ``content`` (missing, null, or an empty list of parts) for a system,
+    developer or user message and for a tool message, which also needs ``tool_call_id``; an
+    assistant message may leave ``content`` out when it has ``tool_calls`` (or, as the SDK
+    dumps a refused answer, a ``refusal``)."""
     role = message.role
     if role == "tool" and message.tool_call_id is None:
         return Refusal(invalid(f"messages[{index}].tool_call_id: missing, a 'tool' message "
                                "needs the id of the call it answers"),
                        f"messages.{index}.tool_call_id")
-    if message.content is not None:
+    if message.content is not None and message.content != []:
         return None
     if role == "assistant":
         if message.tool_calls or message.refusal is not None:
@@ -564,8 +564,10 @@ def content_refusal(message: ChatMessage, index: int) -> Refusal | None:
         needs = "content or tool_calls"
     else:
         needs = "content (a string or a list of text parts)"
-    return Refusal(invalid(f"messages[{index}].content: missing (or null), a {role!r} message "
-                           f"needs {needs}"), f"messages.{index}.content")
+    field = f"messages[{index}].content"
+    given = f"{field}: missing (or null)" if message.content is None else f"{field}=[]: no part"
+    return Refusal(invalid(f"{given}, a {role!r} message needs {needs}"),
+                   f"messages.{index}.content")
 
 
 def message_text(message: ChatMessage, index: int) -> str:
