@@ -10,6 +10,7 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 from fastapi.testclient import TestClient
@@ -323,6 +324,9 @@ def test_a_dump_writer_behind_a_stuck_file_drops_and_counts_past_its_bound(tmp_p
         assert sink.close(0.2) is False
     assert sink.counts()["overflow"] - before in (1, 2)  # (one may be the writer's, in open)
     assert any("not written" in r.getMessage() for r in caplog.records)
+    started = time.monotonic()  # closed again (the app's shutdown after a drain): no wait
+    sink.close(5.0)
+    assert time.monotonic() - started < 1.0
     os.close(os.open(sink.path, os.O_RDONLY | os.O_NONBLOCK))  # (lets the writer end)
 
 

@@ -193,7 +193,11 @@ class DumpSink:
         """:meth:`flush` within ``timeout``, then end the writer thread. Records still waiting
         then are given up: counted in ``overflowed``, one warning line names how many. True
         when every record was written (or refused) in time. A later :meth:`submit` starts a
-        new writer."""
+        new writer. Called again with nothing submitted since (a drain closed it, then the
+        app's shutdown), it does not wait again for a write the disk still holds."""
+        with self._cv:
+            if self._closing and not self._pending:
+                return not self._writing
         flushed = self.flush(timeout)
         with self._cv:
             lost = len(self._pending)
