@@ -303,11 +303,11 @@ class Refusal(Exception):
 
 
 def draining_refusal() -> Refusal:
-    """The 503 of a completion or chat that arrives while the server drains, answered before
-    its body is read: a request sent with ``Expect: 100-continue`` gets no ``100 Continue``
-    (uvicorn sends it when a route first reads the body: the client uploaded its body, or
-    waited for the 100 it was promised, to be refused), and ``Connection: close``, as the
-    server is going away (the client's next request goes to a new connection, elsewhere)."""
+    """The 503 of a completion or chat sent with ``Expect: 100-continue`` while the server
+    drains, answered before its body is read: no ``100 Continue`` (uvicorn sends it when a
+    route first reads the body: the client uploaded its body to be refused), and
+    ``Connection: close`` (the body it announced never comes on this connection; the server
+    is going away)."""
     return Refusal(Status.unavailable(Phase.ADMISSION, "server is draining"), None, 503,
                    wire.CLOSE)
 
@@ -1046,12 +1046,14 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         return fail(err.status, err.param, err.http_status, count=False, headers=err.headers)
 
     async def read(request: Request, model: type[Body], admits: bool = False) -> Body:
-        """The request's checked body. ``admits``: a completion or chat, refused while the
-        server drains before its body is read (:func:`draining_refusal`)."""
+        """The request's checked body. ``admits``: a completion or chat, which, sent with
+        ``Expect: 100-continue`` while the server drains, is refused before its body is read
+        (:func:`draining_refusal`; without the expectation its body is read, as it is on
+        its way, and admission refuses it)."""
         auth = auth_refusal(request, config.api_key)
         if auth is not None:
             raise auth
-        if admits and service.draining:
+        if admits and service.draining and wire.expects_continue(request):
             raise draining_refusal()
         media = wire.non_json_media(request)
         if media is not None:

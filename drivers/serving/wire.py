@@ -138,6 +138,14 @@ def non_json_media(request: Request) -> str | None:
     return None if media in ("", "application/json") else media[:80]
 
 
+def expects_continue(request: Request) -> bool:
+    """The request waits for ``100 Continue`` before sending its body (``Expect:
+    100-continue``, HTTP/1.1: a 1.0 request's expectation is ignored, RFC 9110 section
+    10.1.1); uvicorn sends the 100 when the route first reads the body."""
+    return (request.scope.get("http_version") == "1.1"
+            and request.headers.get("expect", "").strip().lower() == "100-continue")
+
+
 #: the answer's headers to a body in a content coding this server does not decode (RFC 9110
 #: section 15.5.16: a 415 whose Accept-Encoding says which codings would be accepted)
 IDENTITY_ONLY = {"Accept-Encoding": "identity"}
