@@ -297,9 +297,9 @@ def test_a_dump_writer_behind_a_stuck_file_drops_and_counts_past_its_bound(tmp_p
 
     sink = DumpSink(tmp_path / "dump", max_bytes=1 << 20, max_pending_bytes=100)
     os.mkfifo(sink.path)
-    record = {"request_id": 0, "pad": "x" * 20}  # 47 bytes a line: 2 fit in the bound
+    record = {"i": 0, "pad": "x" * 27}  # 44 bytes a line: 2 fit in the bound
     with caplog.at_level(logging.WARNING, logger="calexec.dump"):
-        taken = [sink.submit({**record, "request_id": i}) for i in range(6)]
+        taken = [sink.submit({**record, "i": i}) for i in range(6)]
     # (whether the third is taken depends on when the writer took the first off the queue
     # to block in open(); one warning per streak of drops)
     assert taken[:2] == [True, True] and taken[-2:] == [False, False], taken
@@ -313,7 +313,7 @@ def test_a_dump_writer_behind_a_stuck_file_drops_and_counts_past_its_bound(tmp_p
         lines = os.read(reader, 1 << 16).decode().splitlines()
     finally:
         os.close(reader)
-    assert [json.loads(line)["request_id"] for line in lines] == [
+    assert [json.loads(line)["i"] for line in lines] == [
         i for i, ok in enumerate(taken) if ok]
     assert sink.counts()["written"] == taken.count(True)
     # stuck again: close gives up on what is left within its time, counted, warned
