@@ -482,10 +482,11 @@ def sse_error(held: tuple[Message, bytes] | None) -> bytes | None:
 
 def request_timeout(body: bytes, default: float) -> float:
     """The request's deadline in seconds: its body's ``timeout`` when valid, else ``default``
-    (the server validates the body; an invalid one is refused there, not here)."""
+    (the server validates the body; an invalid one is refused there, not here: one nested
+    past the parser's recursion limit too, which raised out of the ingress, a plain 500)."""
     try:
         timeout = json.loads(body).get("timeout")
-    except (ValueError, AttributeError, UnicodeDecodeError):
+    except (ValueError, AttributeError, UnicodeDecodeError, RecursionError):
         return default
     if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) \
             and math.isfinite(timeout) and timeout > 0:
