@@ -88,9 +88,6 @@ def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
         raise TypeError(f"create_app: executor={executor!r:.200}: expected a started "
                         f"DeviceExecutor (an InferenceExecutor), got {type(executor).__name__}")
     service = CompletionService(executor, config, dump)
-    # no redirect_slashes: Starlette answered "/v1/completions/" with a 307 whose Location
-    # it built from the client's Host header (and SDKs do not re-POST a 307 reliably); a
-    # path with a trailing slash is the OpenAI-shaped 404 naming it, as any unknown path
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         yield
@@ -99,6 +96,9 @@ def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
         # has done so)
         await service.flush_dump(DUMP_FLUSH_S, close=True)
 
+    # no redirect_slashes: Starlette answered "/v1/completions/" with a 307 whose Location
+    # it built from the client's Host header (and SDKs do not re-POST a 307 reliably); a
+    # path with a trailing slash is the OpenAI-shaped 404 naming it, as any unknown path
     app = FastAPI(title="calexec reference server", docs_url=None, redoc_url=None,
                   openapi_url=None, redirect_slashes=False, lifespan=lifespan)
     app.state.service = service
