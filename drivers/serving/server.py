@@ -88,6 +88,7 @@ def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
         raise TypeError(f"create_app: executor={executor!r:.200}: expected a started "
                         f"DeviceExecutor (an InferenceExecutor), got {type(executor).__name__}")
     service = CompletionService(executor, config, dump)
+
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         yield
