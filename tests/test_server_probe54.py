@@ -331,6 +331,23 @@ def test_a_dump_writer_behind_a_stuck_file_drops_and_counts_past_its_bound(tmp_p
     os.close(os.open(sink.path, os.O_RDONLY | os.O_NONBLOCK))  # (lets the writer end)
 
 
+def test_a_dump_file_name_planted_as_a_symlink_is_refused_not_followed(tmp_path, caplog):
+    """The dump file's name is predictable (``calexec-dump-<pid>.jsonl``); in a directory
+    others can write to, a symlink planted at it sent every record (users' prompts, with
+    ``--dump-prompts``) to wherever it pointed. The sink never opens it through a symlink:
+    the record is refused and counted as any refused write, with its warning, and the link's
+    target stays untouched."""
+    sink = DumpSink(tmp_path / "dump", max_bytes=1 << 20, include_content=True)
+    target = tmp_path / "elsewhere.txt"
+    target.write_text("")
+    os.symlink(target, sink.path)
+    with caplog.at_level("WARNING", logger="calexec.dump"):
+        assert sink.write({"prompt": "secret", "id": "x"}) is False
+    assert target.read_text() == ""
+    assert sink.counts()["error"] == 1 and sink.counts()["written"] == 0
+    assert "ELOOP" in caplog.text
+
+
 @pytest.mark.parametrize("name", ["none", "auto", "required"])
 def test_a_tool_choice_naming_a_function_called_like_a_mode_calls_that_function(client, name):
     """A function may be called "none", "auto" or "required" (1 to 64 letters, digits, _ or

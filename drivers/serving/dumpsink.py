@@ -235,9 +235,11 @@ class DumpSink:
             # the file's own size, not a count of the bytes this sink wrote: a file rotated
             # away (renamed, or truncated in place by logrotate's copytruncate) is a new,
             # small file, and the cap counted the old one's bytes against it; made 0600 (S12:
-            # the records are private), the umask applied
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC,
-                         FILE_MODE)
+            # the records are private), the umask applied; never through a symlink (a dump
+            # directory others can write to, /tmp: one planted at the predictable name made
+            # the prompts go wherever it pointed): ELOOP, counted and warned as any refusal
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
+                         | os.O_NOFOLLOW, FILE_MODE)
             with open(fd, "ab") as f:
                 size = os.fstat(f.fileno()).st_size
                 if size + len(line) > self.max_bytes:
