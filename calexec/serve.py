@@ -331,7 +331,10 @@ def main(argv: list[str]) -> int:
                 return EXIT_FAILED
         status = executor.start()
         if not status.ok:
-            print(f"calexec serve: executor failed to start: {status}", file=sys.stderr)
+            # the core names its config field; a serve user has the flag
+            hint = ("; or start with --allow-unpinned-golden (the first golden run is then "
+                    "the reference)" if status.code == "golden.unpinned" else "")
+            print(f"calexec serve: executor failed to start: {status}{hint}", file=sys.stderr)
             return EXIT_FAILED
         problem = sequence_ids_problem(served(executor), args.max_sequences)  # known once started
         if problem is not None:

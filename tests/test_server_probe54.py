@@ -177,6 +177,25 @@ def test_serve_with_a_calbin_that_is_not_one_names_the_flag_the_path_and_why(tmp
                         f"{why}; the executor was not started"), lines[0]
 
 
+def test_serve_with_a_calbin_without_a_pinned_golden_names_the_flag_that_allows_it(tmp_path):
+    """A valid calbin with no pinned golden (a synthetic calbin of another seed): the start
+    is refused ``golden.unpinned``, whose message (the core's) said "or set
+    allow_unpinned_golden", a config field a ``calexec serve`` user does not have; the line
+    now names the flag, ``--allow-unpinned-golden``. Exit 3 as before."""
+    from calexec.drivers.synthetic import calbin
+
+    path = tmp_path / "seed5.calbin"
+    calbin.write(str(path), calbin.default_spec(seed=5))
+    code_line = ("import sys\nfrom calexec.cli import main\n"
+                 f"sys.exit(main(['serve', '--once', '--calbin', {str(path)!r}]))")
+    done = subprocess.run([sys.executable, "-c", code_line], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 3, (done.returncode, done.stderr)
+    failed = [line for line in done.stderr.splitlines() if "failed to start" in line]
+    assert len(failed) == 1 and "golden.unpinned" in failed[0], done.stderr
+    assert "--allow-unpinned-golden" in failed[0], failed[0]
+
+
 def test_a_completion_sent_while_the_server_drains_is_refused_before_its_body(tmp_path):
     """While a drain waits for a stream, ``POST /v1/completions`` with ``Expect:
     100-continue`` got ``100 Continue`` (uvicorn sends it when the route reads the body), so
