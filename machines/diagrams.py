@@ -55,6 +55,9 @@ NODE_ID = "s_"
 EDGE_ID = "t_"
 #: edges and states of one job's path (/debug/jobs/{id})
 PATH_COLOR = "red"
+#: the label of a history state's default transition (``h.to(c)``: entered while the history
+#: has recorded nothing yet), drawn dashed from the ``H`` circle
+HISTORY_DEFAULT = "no history yet"
 LEGEND_CLUSTER = "cluster_legend"
 FONT = "Helvetica"
 
@@ -418,6 +421,16 @@ def _render_nested_dot(chart: CompiledChart, active_state: str | None, taken: fr
             for target in (initial.targets if initial is not None else []):
                 head = f", lhead=cluster_{target.id}" if target.states else ""
                 out.append(f"{anchor(state.id)} -> {anchor(target.id)} [arrowsize=0.6{head}];")
+        for history in state.history:
+            # a history state's default (``h.to(c)``): where it enters while nothing is
+            # recorded; python-statemachine takes it as part of the entry, as it enters a
+            # compound's initial child, so it is drawn as that arrow is, with what it means
+            for default in history.transitions:
+                for target in default.targets:
+                    head = f", lhead=cluster_{target.id}" if target.states else ""
+                    out.append(f"{_id(history.id)} -> {anchor(target.id)} [label="
+                               f"{_q(HISTORY_DEFAULT)}, style=dashed, arrowsize=0.6, "
+                               f"fontsize=10{head}];")
 
     for state in declaration.states:
         emit(state, "")
