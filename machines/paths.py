@@ -56,7 +56,7 @@ from __future__ import annotations
 import functools
 import weakref
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, TypedDict
 
@@ -694,6 +694,8 @@ def _graph(chart: CompiledChart) -> _Graph:
                 went.add((record.id, taken, after))
                 edge: _Edge = (record, taken, after, outcomes)
                 path = (*steps, edge)
+                if not twin.configuration:
+                    raise ValueError(_emptied(chart, forced, path))
                 for state in twin.entered:
                     entered.setdefault(state, (origin, path, twin.state))
                 for state in twin.configuration:
@@ -709,6 +711,26 @@ def _graph(chart: CompiledChart) -> _Graph:
                    MappingProxyType(rank), ordered)
     _GRAPHS[id(chart)] = (weakref.ref(chart, functools.partial(_forget, id(chart))), graph)
     return graph
+
+
+def _emptied(chart: CompiledChart, forced: Sequence[Transition],
+             path: tuple[_Edge, ...]) -> str:
+    """Why a step that leaves no state active is a declaration bug: python-statemachine
+    enters nothing for a history state that has recorded nothing yet and declares no default
+    (``h.to(state)``), and its configuration is then empty, so the chart takes no event
+    again. Names the history states the step's transitions target and the walk to it."""
+    empty = [f"{target.id!r} of {target.parent.id!r}"
+             for taken in forced if taken.id < len(chart.declared)
+             for target in chart.declared[taken.id].targets
+             if target.is_history and not target.transitions]
+    where = " ".join(step[0].event or "(eventless)" for step in path)
+    why = (f"it enters history state {', '.join(dict.fromkeys(empty))} before anything was "
+           f"recorded there, and no default is declared: python-statemachine then enters "
+           f"nothing, its configuration is empty and it takes no event again; declare the "
+           f"default (`h.to(<state>)`) or reach the history only after its state was left"
+           if empty else "python-statemachine's configuration is then empty")
+    return (f"{chart.name}: {_describe(path[-1][0])} (walk: {where}) leaves no state "
+            f"active: {why}")
 
 
 def _too_many(chart: CompiledChart) -> str:

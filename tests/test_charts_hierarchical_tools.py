@@ -44,6 +44,9 @@ def lamp() -> type[StateChart]:
                 burn = high.to(spent)
 
             h = HistoryState(type="deep")
+            # its default: ``restore`` from the start, nothing recorded yet, enters it (without
+            # one python-statemachine enters nothing there, and ``paths`` refuses the chart)
+            h.to(colour)
 
         dark = State(initial=True)
         switch = dark.to(lit) | lit.to(dark)

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import re
 
-from statemachine import HistoryState, State, StateMachine
+import pytest
+from statemachine import HistoryState, State, StateChart, StateMachine
 
 from calexec.machines import diagrams
 from calexec.machines.compiled import compile_chart
+from calexec.machines.paths import as_data, state_paths, transition_paths, transition_tour
 
 
 class Drawer(StateMachine):
@@ -37,3 +39,37 @@ def test_a_history_states_default_transition_is_drawn() -> None:
     assert edge is not None, dot
     assert diagrams.HISTORY_DEFAULT in edge.group(1)
     assert "style=dashed" in edge.group(1)
+
+
+class Player(StateChart):
+    """``resume`` is allowed from the start, before ``on`` was ever left: its history has
+    recorded nothing and declares no default."""
+
+    class on(State.Compound):
+        playing = State(initial=True)
+        paused = State()
+        pause = playing.to(paused)
+        h = HistoryState()
+
+    off = State(initial=True)
+    power = off.to(on) | on.to(off)
+    resume = off.to(on.h)
+
+
+def test_paths_name_a_history_entered_before_it_recorded_anything() -> None:
+    machine = Player()
+    machine.send("resume")
+    assert list(machine.configuration) == []  # python-statemachine: nothing is active any more
+    assert machine.send("power") is None and list(machine.configuration) == []
+    for paths in (state_paths, transition_paths, transition_tour, as_data):
+        with pytest.raises(ValueError) as refused:
+            paths(compile_chart(Player))
+        message = str(refused.value)
+        assert "off --resume--> h (walk: resume) leaves no state active" in message, message
+        assert "history state 'h' of 'on'" in message and "h.to(<state>)" in message, message
+
+
+def test_paths_of_a_history_with_a_default_enter_the_default() -> None:
+    data = as_data(Drawer)
+    assert data["ends"]["states"]["c"] == "box,c"
+    assert [step["event"] for step in data["states"]["c"]] == ["enter"]
