@@ -16,7 +16,9 @@ every real ``StateMachine`` built afterwards run the mutant. In a test process t
 import: ``install_from_env`` (run from a ``sitecustomize`` the mutation runner puts on
 ``PYTHONPATH``) reads ``CALEXEC_CHART_MUTANT=<module>:<Class>@<mutant id>`` and mutates the
 class right after its module is executed, before anything derived from it (for calexec,
-``machines.compiled``) is built. It then appends the same string to the file named by
+``machines.compiled``) is built; a module that compiles its own chart as it is imported
+(``TABLE = compiled(Light)``) has it mutated as ``compile_chart`` starts (``on_compile``),
+before that table is built. It then appends the same string to the file named by
 ``CALEXEC_CHART_MUTANT_ACK``, which is how the runner knows the mutant really ran. Nothing here
 runs, and nothing is imported, when the variable is unset.
 
@@ -43,7 +45,7 @@ import attrs
 from statemachine import StateChart, StateMachine
 from statemachine.callbacks import CallbackGroup, CallbackSpec
 
-from calexec.machines.chart_support import refuse_unsupported
+from calexec.machines.chart_support import on_compile, refuse_unsupported
 
 ENV = "CALEXEC_CHART_MUTANT"
 ACK_ENV = "CALEXEC_CHART_MUTANT_ACK"
@@ -288,13 +290,33 @@ def install_from_env(environ: Mapping[str, str] = os.environ) -> None:
     if not (module_name and class_name and mutant_id):
         raise ValueError(f"{ENV}={value!r}: expected <module>:<Class>@<mutant id>")
 
-    def mutate(module: Any) -> None:
-        apply(getattr(module, class_name), mutant_id)
+    state = {"applying": False, "done": False}
+
+    def mutate_class(chart: Any) -> None:
+        if state["done"] or state["applying"]:  # once, whichever way reaches it first
+            return
+        state["applying"] = True
+        try:
+            apply(chart, mutant_id)
+        finally:
+            state["applying"] = False
+        state["done"] = True
         ack = environ.get(ACK_ENV)
         if ack:
             with open(ack, "a", encoding="utf-8") as out:
                 out.write(value + "\n")
 
+    def mutate(module: Any) -> None:
+        mutate_class(getattr(module, class_name))
+
+    def before_compiling(declaration: type) -> None:
+        # the chart's module compiles it as it is imported (``TABLE = compiled(Light)``):
+        # mutate it first, or that table, and every run of it, is the unmutated chart
+        if (getattr(declaration, "__module__", None) == module_name
+                and declaration.__name__ == class_name):
+            mutate_class(declaration)
+
+    on_compile(before_compiling)
     if module_name in sys.modules:
         mutate(sys.modules[module_name])
         return

@@ -4,12 +4,15 @@ default, odd names, ...) through every toolkit command; each test is a defect fo
 from __future__ import annotations
 
 import re
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 from statemachine import HistoryState, State, StateChart, StateMachine
 
-from calexec.machines import diagrams
-from calexec.machines.compiled import compile_chart
+from calexec.machines import diagrams, mutants
+from calexec.machines.compiled import GuardRejected, IllegalTransition, compile_chart
 from calexec.machines.paths import as_data, state_paths, transition_paths, transition_tour
 
 
@@ -73,3 +76,49 @@ def test_paths_of_a_history_with_a_default_enter_the_default() -> None:
     data = as_data(Drawer)
     assert data["ends"]["states"]["c"] == "box,c"
     assert [step["event"] for step in data["states"]["c"]] == ["enter"]
+
+
+#: a chart module that compiles its chart as it is imported, as an app that runs the compiled
+#: form does
+COMPILED_AT_IMPORT = """
+from statemachine import State, StateMachine
+from calexec.machines.compiled import compiled
+
+
+class Light(StateMachine):
+    red = State(initial=True)
+    green = State()
+    go = red.to(green, cond="clear")
+    stop = green.to(red)
+
+
+class Road:
+    def clear(self):
+        return True
+
+
+TABLE = compiled(Light)
+"""
+
+
+@pytest.mark.parametrize(("mutant", "refused"), [
+    ("drop:red-go->green", IllegalTransition),
+    ("guard-false:red-go->green:clear", GuardRejected),
+])
+def test_a_mutant_reaches_a_chart_its_module_compiles_at_import(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mutant: str,
+        refused: type[Exception]) -> None:
+    module = f"light_compiled_{mutant.partition(':')[0].replace('-', '_')}"
+    (tmp_path / f"{module}.py").write_text(textwrap.dedent(COMPILED_AT_IMPORT))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ack = tmp_path / "ack"
+    value = f"{module}:Light@{mutant}"
+    mutants.install_from_env({mutants.ENV: value, mutants.ACK_ENV: str(ack)})
+    try:
+        light = __import__(module)
+    finally:
+        sys.modules.pop(module, None)
+    assert ack.read_text() == value + "\n"  # applied, and once
+    run = light.TABLE.run(light.Road())  # the table the module built as it was imported
+    with pytest.raises(refused):
+        run.send("go")
