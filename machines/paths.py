@@ -644,6 +644,8 @@ def _graph(chart: CompiledChart) -> _Graph:
                        _node(start, rank, ordered), start.state)
         if any((s.taken, s.node) == (begun.taken, begun.node) for s in starts):
             continue  # this start went as one before, whatever these outcomes
+        if not start.configuration:
+            raise ValueError(_emptied(chart, start.taken_at_start, None, ()))
         starts.append(begun)
         for state in [*start.entered, *start.configuration]:
             entered.setdefault(state, (len(starts) - 1, (), start.state))
@@ -695,7 +697,7 @@ def _graph(chart: CompiledChart) -> _Graph:
                 edge: _Edge = (record, taken, after, outcomes)
                 path = (*steps, edge)
                 if not twin.configuration:
-                    raise ValueError(_emptied(chart, forced, path))
+                    raise ValueError(_emptied(chart, forced, record, path))
                 for state in twin.entered:
                     entered.setdefault(state, (origin, path, twin.state))
                 for state in twin.configuration:
@@ -713,7 +715,7 @@ def _graph(chart: CompiledChart) -> _Graph:
     return graph
 
 
-def _emptied(chart: CompiledChart, forced: Sequence[Transition],
+def _emptied(chart: CompiledChart, forced: Sequence[Transition], sent: Transition | None,
              path: tuple[_Edge, ...]) -> str:
     """Why a step that leaves no state active is a declaration bug: python-statemachine
     enters nothing for a history state that has recorded nothing yet and declares no default
@@ -723,14 +725,14 @@ def _emptied(chart: CompiledChart, forced: Sequence[Transition],
              for taken in forced if taken.id < len(chart.declared)
              for target in chart.declared[taken.id].targets
              if target.is_history and not target.transitions]
-    where = " ".join(step[0].event or "(eventless)" for step in path)
+    where = (f"{_describe(sent)} (walk: {' '.join(step[0].event for step in path)})"
+             if sent is not None else "the chart's start")
     why = (f"it enters history state {', '.join(dict.fromkeys(empty))} before anything was "
            f"recorded there, and no default is declared: python-statemachine then enters "
            f"nothing, its configuration is empty and it takes no event again; declare the "
            f"default (`h.to(<state>)`) or reach the history only after its state was left"
            if empty else "python-statemachine's configuration is then empty")
-    return (f"{chart.name}: {_describe(path[-1][0])} (walk: {where}) leaves no state "
-            f"active: {why}")
+    return f"{chart.name}: {where} leaves no state active: {why}"
 
 
 def _too_many(chart: CompiledChart) -> str:

@@ -72,6 +72,27 @@ def test_paths_name_a_history_entered_before_it_recorded_anything() -> None:
         assert "history state 'h' of 'on'" in message and "h.to(<state>)" in message, message
 
 
+class Booting(StateChart):
+    """The start's eventless transition enters a history that has recorded nothing."""
+
+    class box(State.Compound):
+        a = State(initial=True)
+        b = State()
+        n = a.to(b)
+        h = HistoryState()
+
+    boot = State(initial=True)
+    boot.to(box.h)
+    leave = box.to(boot)
+
+
+def test_paths_name_a_history_the_start_enters_before_it_recorded_anything() -> None:
+    assert list(Booting().configuration) == []
+    with pytest.raises(ValueError, match=r"^Booting: the chart's start leaves no state active: "
+                                         r"it enters history state 'h' of 'box'"):
+        as_data(Booting)
+
+
 def test_paths_of_a_history_with_a_default_enter_the_default() -> None:
     data = as_data(Drawer)
     assert data["ends"]["states"]["c"] == "box,c"
