@@ -24,6 +24,7 @@ Imports nothing of calexec (``mutants`` uses it before the charts are imported).
 from __future__ import annotations
 
 import difflib
+import gc
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -279,3 +280,11 @@ def before_compile(declaration: type) -> None:
     """Run the ``on_compile`` hooks for ``declaration`` (``compiled.compile_chart`` does)."""
     for hook in list(_COMPILE_HOOKS):
         hook(declaration)
+
+
+def alive(declaration: type) -> list[Any]:
+    """The python-statemachine instances of exactly ``declaration`` alive now, found among the
+    objects that refer to the class (an instance refers to its class): those a listener added
+    to the class's ``_class_listeners`` from now on would miss, such as one the chart's module
+    made as it was imported (``LAMP = Lamp()``) before a tool could add it."""
+    return [found for found in gc.get_referrers(declaration) if type(found) is declaration]

@@ -24,6 +24,7 @@ from typing import Any
 import attrs
 from statemachine.transition import Transition as DeclaredTransition
 
+from calexec.machines.chart_support import alive
 from calexec.machines.compiled import ChartLike, Transition, compiled
 
 
@@ -78,8 +79,9 @@ def recording(charts: Iterable[ChartLike]) -> Iterator[TransitionRecorder]:
 def track(chart: ChartLike, recorder: TransitionRecorder) -> Callable[[], None]:
     """Record into ``recorder`` every transition any run of ``chart`` takes from now on: its
     compiled runs (``recorder`` attached to ``compiled(chart)``) and every python-statemachine
-    instance of its class created from now on (a ``TransitionListener`` added to the class's
-    listeners). Returns the call that undoes both."""
+    instance of its class, those created from now on (a ``TransitionListener`` added to the
+    class's listeners) and those alive already (``alive``: the listener added to each).
+    Returns the call that undoes both."""
     shared = compiled(chart)
     shared.refuse_runs()  # (its own async callbacks: no run to record)
     recorder.claim(shared)
@@ -91,10 +93,15 @@ def track(chart: ChartLike, recorder: TransitionRecorder) -> Callable[[], None]:
     # object joins every instance created while it is there (no public API adds one later)
     class_listeners: list[Any] = declaration._class_listeners
     class_listeners.append(listener)
+    # and the instances alive already: one its module made as it was imported (``LAMP =
+    # Lamp()`` under the class), before the plugin or ``charts cover`` could call this
+    for machine in alive(declaration):
+        machine.add_listener(listener)
 
     def undo() -> None:
         shared.detach(recorder)
         class_listeners.remove(listener)
+        listener.listening = False  # (the instances that have it keep it: it records no more)
 
     return undo
 
@@ -110,10 +117,14 @@ class TransitionListener:
     def __init__(self, chart: ChartLike, recorder: TransitionRecorder | None = None) -> None:
         self.chart = compiled(chart)
         self.recorder = recorder
+        #: False once the ``track`` that made it is undone: it then records nothing
+        self.listening = True
 
     def after_transition(self, event: object, transition: DeclaredTransition) -> None:
         """Called by python-statemachine after each transition (``event`` is the trigger;
         None for an eventless transition, which the compiled chart keys by ``""``)."""
+        if not self.listening:
+            return
         taken = self.chart.record_of(transition, event)
         if taken is None:  # the initial pseudo-transition is not a declared one
             return

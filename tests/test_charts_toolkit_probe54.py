@@ -13,6 +13,7 @@ from statemachine import HistoryState, State, StateChart, StateMachine
 
 from calexec.machines import diagrams, mutants
 from calexec.machines.compiled import GuardRejected, IllegalTransition, compile_chart
+from calexec.machines.coverage import TransitionRecorder, report, track
 from calexec.machines.paths import as_data, state_paths, transition_paths, transition_tour
 
 
@@ -143,3 +144,30 @@ def test_a_mutant_reaches_a_chart_its_module_compiles_at_import(
     run = light.TABLE.run(light.Road())  # the table the module built as it was imported
     with pytest.raises(refused):
         run.send("go")
+
+
+class Lamp(StateMachine):
+    off = State(initial=True)
+    on = State()
+    flip = off.to(on) | on.to(off)
+
+
+def test_coverage_counts_an_instance_made_before_tracking_began() -> None:
+    """The app's one lamp, made as its module is imported (``LAMP = Lamp()``), which the
+    pytest plugin and ``charts cover`` import before they call ``track``."""
+    lamp = Lamp()  # alive before track, as a module-level instance is
+    recorder = TransitionRecorder()
+    undo = track(Lamp, recorder)
+    try:
+        lamp.send("flip")
+        lamp.send("flip")
+        later = Lamp()  # made while tracked: counted as before
+        later.send("flip")
+        (coverage,) = report([Lamp], recorder)
+        assert (coverage.covered, coverage.declared) == (2, 2), coverage
+    finally:
+        undo()
+    recorder.clear()
+    lamp.send("flip")  # undone: nothing is recorded any more, from either instance
+    later.send("flip")
+    assert recorder.hits == set()
