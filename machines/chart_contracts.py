@@ -45,6 +45,7 @@ from statemachine import StateChart
 from statemachine.exceptions import InvalidDefinition
 from statemachine.transition import Transition as DeclaredTransition
 
+from calexec.machines.chart_support import alive
 from calexec.machines.contract_decl import (
     Check as Check,
 )
@@ -205,8 +206,12 @@ class ContractListener:
                  configuration: Callable[[], Iterable[str]] | None = None) -> None:
         self.checker = checker
         self.configuration = configuration
+        #: False once the contracts it was added for are disabled: it then checks nothing
+        self.listening = True
 
     def _declared(self, event: object, transition: DeclaredTransition) -> Transition | None:
+        if not self.listening:
+            return None
         # the initial pseudo-transition is not a declared one
         return self.checker.chart.record_of(transition, event)
 
@@ -282,6 +287,10 @@ def _install(shared: CompiledChart, checker: ContractChecker) -> None:
     shared.set_checker(checker)
     listener = ContractListener(checker)
     _class_listeners(shared.declaration).append(listener)
+    # and the instances alive already: one the chart's module made as it was imported
+    # (``KETTLE = Kettle(WATER)`` under the class), which ``--chart-contracts`` imports first
+    for machine in alive(shared.declaration):
+        machine.add_listener(listener)
     _LISTENERS[id(checker)] = listener
 
 
@@ -295,6 +304,7 @@ def _remove(shared: CompiledChart, checker: ContractChecker, monitor: ContractMo
             shared.set_checker(None)
             listener = _LISTENERS.pop(id(checker))
             _class_listeners(shared.declaration).remove(listener)
+            listener.listening = False  # (the instances that have it keep it: inert)
 
 
 @contextmanager

@@ -286,5 +286,8 @@ def alive(declaration: type) -> list[Any]:
     """The python-statemachine instances of exactly ``declaration`` alive now, found among the
     objects that refer to the class (an instance refers to its class): those a listener added
     to the class's ``_class_listeners`` from now on would miss, such as one the chart's module
-    made as it was imported (``LAMP = Lamp()``) before a tool could add it."""
-    return [found for found in gc.get_referrers(declaration) if type(found) is declaration]
+    made as it was imported (``LAMP = Lamp()``) before a tool could add it. Not the bare
+    instance a compiled general run keeps as its ``machine`` (made without ``__init__``: no
+    listeners of its own; its run is heard through the compiled chart)."""
+    return [found for found in gc.get_referrers(declaration)
+            if type(found) is declaration and "_listeners" in vars(found)]

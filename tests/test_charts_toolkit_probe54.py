@@ -12,6 +12,7 @@ import pytest
 from statemachine import HistoryState, State, StateChart, StateMachine
 
 from calexec.machines import diagrams, mutants
+from calexec.machines.chart_contracts import ContractViolation, enable_contracts, invariant
 from calexec.machines.compiled import GuardRejected, IllegalTransition, compile_chart
 from calexec.machines.coverage import TransitionRecorder, report, track
 from calexec.machines.paths import as_data, state_paths, transition_paths, transition_tour
@@ -171,3 +172,37 @@ def test_coverage_counts_an_instance_made_before_tracking_began() -> None:
     lamp.send("flip")  # undone: nothing is recorded any more, from either instance
     later.send("flip")
     assert recorder.hits == set()
+
+
+class Water:
+    def __init__(self) -> None:
+        self.litres = 1
+
+
+class Kettle(StateMachine):
+    cold = State(initial=True)
+    boiling = State()
+    heat = cold.to(boiling)
+    cool = boiling.to(cold)
+
+    @invariant("boiling")
+    def has_water(water: Water) -> bool:
+        return water.litres > 0
+
+
+def test_contracts_are_checked_on_an_instance_made_before_they_were_enabled() -> None:
+    """The app's one kettle, made as its module is imported (``KETTLE = Kettle(WATER)``),
+    which ``--chart-contracts`` imports before it enables the contracts."""
+    water = Water()
+    kettle = Kettle(water)  # alive before the contracts are enabled
+    monitor = enable_contracts(Kettle)
+    try:
+        water.litres = 0
+        with pytest.raises(ContractViolation, match="has_water"):
+            kettle.send("heat")
+    finally:
+        monitor.disable()
+    assert [s.id for s in kettle.configuration] == ["boiling"]  # (an invariant: after)
+    kettle.send("cool")
+    kettle.send("heat")  # disabled: checked no more
+    assert [s.id for s in kettle.configuration] == ["boiling"]
