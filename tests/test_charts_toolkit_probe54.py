@@ -13,7 +13,7 @@ from statemachine import HistoryState, State, StateChart, StateMachine
 
 from calexec.machines import diagrams, mutants
 from calexec.machines.chart_contracts import ContractViolation, enable_contracts, invariant
-from calexec.machines.compiled import GuardRejected, IllegalTransition, compile_chart
+from calexec.machines.compiled import GuardRejected, IllegalTransition, compile_chart, compiled
 from calexec.machines.coverage import TransitionRecorder, report, track
 from calexec.machines.paths import as_data, state_paths, transition_paths, transition_tour
 
@@ -206,3 +206,18 @@ def test_contracts_are_checked_on_an_instance_made_before_they_were_enabled() ->
     kettle.send("cool")
     kettle.send("heat")  # disabled: checked no more
     assert [s.id for s in kettle.configuration] == ["boiling"]
+
+
+def test_tracking_leaves_a_general_runs_own_machine_alone() -> None:
+    """A compiled general run keeps a bare instance of the chart class (no ``__init__`` run,
+    no listeners of its own); one alive when tracking begins is heard through the compiled
+    chart, as before, and not given the instance listener."""
+    run = compiled(Player).run(object())
+    recorder = TransitionRecorder()
+    undo = track(Player, recorder)
+    try:
+        run.send("power")
+    finally:
+        undo()
+    (coverage,) = report([Player], recorder)
+    assert coverage.covered == 1, coverage
