@@ -26,7 +26,6 @@ from __future__ import annotations
 import difflib
 import gc
 import inspect
-from collections.abc import Callable
 from typing import Any
 
 from statemachine import StateChart, StateMachine
@@ -262,24 +261,6 @@ def refuse_unsupported(declaration: type[StateChart[Any]], tool: str,
     if found:
         raise UnsupportedChart(f"{declaration.__name__}: {tool} does not support yet: "
                                f"{'; '.join(found)}")
-
-
-#: called with each chart class ``compiled.compile_chart`` is about to compile (``on_compile``)
-_COMPILE_HOOKS: list[Callable[[type], None]] = []
-
-
-def on_compile(hook: Callable[[type], None]) -> None:
-    """Call ``hook(chart_class)`` each time a chart class is about to be compiled, before
-    anything is read of it: how a chart mutant (``mutants.install_from_env``) reaches a class
-    its own module compiles as it is imported (``TABLE = compiled(Light)`` at the bottom of
-    ``light.py``), which the hook applying it after the module ran comes too late for."""
-    _COMPILE_HOOKS.append(hook)
-
-
-def before_compile(declaration: type) -> None:
-    """Run the ``on_compile`` hooks for ``declaration`` (``compiled.compile_chart`` does)."""
-    for hook in list(_COMPILE_HOOKS):
-        hook(declaration)
 
 
 def alive(declaration: type) -> list[Any]:

@@ -59,7 +59,6 @@ from calexec.machines.chart_support import (
 from calexec.machines.chart_support import (
     actions,
     async_only,
-    before_compile,
     describe_transition,
     hierarchical,
     refuse_unsupported,
@@ -761,7 +760,6 @@ def compile_chart(declaration: type[StateChart[Any]], name: str | None = None) -
     if not (isinstance(declaration, type) and issubclass(declaration, StateChart)):
         raise TypeError(f"{declaration!r} is not a python-statemachine chart class "
                         f"(a StateMachine or StateChart subclass)")
-    before_compile(declaration)  # (a chart mutant pending for it is applied first)
     if name is None:
         name = declaration.__name__
     if not declaration.states:  # an abstract base: python-statemachine checks it no further

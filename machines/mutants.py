@@ -15,10 +15,10 @@ objects, which every instance and ``compiled.compile_chart`` read), so the compi
 every real ``StateMachine`` built afterwards run the mutant. In a test process this happens at
 import: ``install_from_env`` (run from a ``sitecustomize`` the mutation runner puts on
 ``PYTHONPATH``) reads ``CALEXEC_CHART_MUTANT=<module>:<Class>@<mutant id>`` and mutates the
-class right after its module is executed, before anything derived from it (for calexec,
-``machines.compiled``) is built; a module that compiles its own chart as it is imported
-(``TABLE = compiled(Light)``) has it mutated as ``compile_chart`` starts (``on_compile``),
-before that table is built. It then appends the same string to the file named by
+class as soon as python-statemachine has created it, before anything derived from it (for
+calexec, ``machines.compiled``; a table or an instance the chart's own module makes as it is
+imported: ``TABLE = compiled(Light)``, ``GATE = Gate(BADGE)``) is built, or else right after
+its module is executed. It then appends the same string to the file named by
 ``CALEXEC_CHART_MUTANT_ACK``, which is how the runner knows the mutant really ran. Nothing here
 runs, and nothing is imported, when the variable is unset.
 
@@ -45,7 +45,7 @@ import attrs
 from statemachine import StateChart, StateMachine
 from statemachine.callbacks import CallbackGroup, CallbackSpec
 
-from calexec.machines.chart_support import on_compile, refuse_unsupported
+from calexec.machines.chart_support import refuse_unsupported
 
 ENV = "CALEXEC_CHART_MUTANT"
 ACK_ENV = "CALEXEC_CHART_MUTANT_ACK"
@@ -204,7 +204,11 @@ def _chart_class(declaration: object) -> type[StateMachine]:
     """The chart class of ``declaration``: the class itself, or a ``CompiledChart``'s (as every
     other tool takes either); anything else is a TypeError naming it, as ``compiled`` says
     it, instead of an AttributeError from the first attribute read."""
-    from calexec.machines.compiled import CompiledChart  # at call time: see the module doc
+    if isinstance(declaration, type) and issubclass(declaration, StateChart):
+        return declaration  # type: ignore[return-value]  # a StateMachine is a StateChart
+    # at call time, and only for what is no chart class: a mutant applied as calexec's own
+    # chart classes are created must not import compiled, which imports their module
+    from calexec.machines.compiled import CompiledChart
 
     if isinstance(declaration, CompiledChart):
         return declaration.declaration  # type: ignore[return-value]  # a StateChart class
@@ -309,14 +313,18 @@ def install_from_env(environ: Mapping[str, str] = os.environ) -> None:
     def mutate(module: Any) -> None:
         mutate_class(getattr(module, class_name))
 
-    def before_compiling(declaration: type) -> None:
-        # the chart's module compiles it as it is imported (``TABLE = compiled(Light)``):
-        # mutate it first, or that table, and every run of it, is the unmutated chart
-        if (getattr(declaration, "__module__", None) == module_name
-                and declaration.__name__ == class_name):
-            mutate_class(declaration)
+    # as soon as the class exists: what its module does with it as it is imported
+    # (``TABLE = compiled(Light)``, ``GATE = Gate(BADGE)``: a table, an instance whose guards
+    # python-statemachine resolved when it was made) is then the mutant's, not the chart's
+    meta = type(StateChart)
+    created = meta.__init__
 
-    on_compile(before_compiling)
+    def init(cls: Any, *args: Any, **kwargs: Any) -> None:
+        created(cls, *args, **kwargs)
+        if cls.__module__ == module_name and cls.__qualname__ == class_name:
+            mutate_class(cls)
+
+    meta.__init__ = init  # type: ignore[method-assign]  # the process runs one mutant: its hook
     if module_name in sys.modules:
         mutate(sys.modules[module_name])
         return

@@ -3,7 +3,10 @@ default, odd names, ...) through every toolkit command; each test is a defect fo
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -13,7 +16,7 @@ from statemachine import HistoryState, State, StateChart, StateMachine
 
 from calexec.machines import diagrams, mutants
 from calexec.machines.chart_contracts import ContractViolation, enable_contracts, invariant
-from calexec.machines.compiled import GuardRejected, IllegalTransition, compile_chart, compiled
+from calexec.machines.compiled import compile_chart, compiled
 from calexec.machines.coverage import TransitionRecorder, report, track
 from calexec.machines.paths import as_data, state_paths, transition_paths, transition_tour
 
@@ -101,9 +104,9 @@ def test_paths_of_a_history_with_a_default_enter_the_default() -> None:
     assert [step["event"] for step in data["states"]["c"]] == ["enter"]
 
 
-#: a chart module that compiles its chart as it is imported, as an app that runs the compiled
-#: form does
-COMPILED_AT_IMPORT = """
+#: a chart module that builds from its chart as it is imported, as an app does: a compiled
+#: table, and an instance (whose guards python-statemachine resolves when it is made)
+BUILT_AT_IMPORT = """
 from statemachine import State, StateMachine
 from calexec.machines.compiled import compiled
 
@@ -121,30 +124,51 @@ class Road:
 
 
 TABLE = compiled(Light)
+LIGHT = Light(Road())
+"""
+
+#: run in a process of its own, as the mutation runner runs a test command: the hook
+#: install_from_env sets stays in the process
+AFTER_THE_HOOK = """
+import json, sys
+from calexec.machines import mutants
+from statemachine.exceptions import TransitionNotAllowed
+from calexec.machines.compiled import ChartTransitionError
+
+mutants.install_from_env()
+import light_built
+
+said = {}
+try:
+    light_built.TABLE.run(light_built.Road()).send("go")
+    said["table"] = "taken"
+except ChartTransitionError as refused:
+    said["table"] = type(refused).__name__
+try:
+    light_built.LIGHT.send("go")
+    said["instance"] = "taken"
+except TransitionNotAllowed:
+    said["instance"] = "refused"
+print(json.dumps(said))
 """
 
 
-@pytest.mark.parametrize(("mutant", "refused"), [
-    ("drop:red-go->green", IllegalTransition),
-    ("guard-false:red-go->green:clear", GuardRejected),
+@pytest.mark.parametrize(("mutant", "table"), [
+    ("drop:red-go->green", "IllegalTransition"),
+    ("guard-false:red-go->green:clear", "GuardRejected"),
 ])
-def test_a_mutant_reaches_a_chart_its_module_compiles_at_import(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mutant: str,
-        refused: type[Exception]) -> None:
-    module = f"light_compiled_{mutant.partition(':')[0].replace('-', '_')}"
-    (tmp_path / f"{module}.py").write_text(textwrap.dedent(COMPILED_AT_IMPORT))
-    monkeypatch.syspath_prepend(str(tmp_path))
+def test_a_mutant_reaches_what_the_charts_module_builds_as_it_is_imported(
+        tmp_path: Path, mutant: str, table: str) -> None:
+    (tmp_path / "light_built.py").write_text(textwrap.dedent(BUILT_AT_IMPORT))
     ack = tmp_path / "ack"
-    value = f"{module}:Light@{mutant}"
-    mutants.install_from_env({mutants.ENV: value, mutants.ACK_ENV: str(ack)})
-    try:
-        light = __import__(module)
-    finally:
-        sys.modules.pop(module, None)
-    assert ack.read_text() == value + "\n"  # applied, and once
-    run = light.TABLE.run(light.Road())  # the table the module built as it was imported
-    with pytest.raises(refused):
-        run.send("go")
+    env = {k: v for k, v in os.environ.items() if k not in (mutants.ENV, mutants.ACK_ENV)}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path), env.get("PYTHONPATH")]))
+    env[mutants.ENV] = f"light_built:Light@{mutant}"
+    env[mutants.ACK_ENV] = str(ack)
+    out = subprocess.run([sys.executable, "-c", AFTER_THE_HOOK], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    assert json.loads(out.strip().splitlines()[-1]) == {"table": table, "instance": "refused"}
+    assert ack.read_text() == f"light_built:Light@{mutant}\n"  # applied, and once
 
 
 class Lamp(StateMachine):
