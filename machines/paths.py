@@ -721,7 +721,7 @@ def _emptied(chart: CompiledChart, forced: Sequence[Transition], sent: Transitio
     enters nothing for a history state that has recorded nothing yet and declares no default
     (``h.to(state)``), and its configuration is then empty, so the chart takes no event
     again. Names the history states the step's transitions target and the walk to it."""
-    empty = [f"{target.id!r} of {target.parent.id!r}"
+    empty = [f"{target.id!r} of {getattr(target.parent, 'id', None)!r}"  # (a history has one)
              for taken in forced if taken.id < len(chart.declared)
              for target in chart.declared[taken.id].targets
              if target.is_history and not target.transitions]
