@@ -290,7 +290,7 @@ def _install(shared: CompiledChart, checker: ContractChecker) -> None:
     # and the instances alive already: one the chart's module made as it was imported
     # (``KETTLE = Kettle(WATER)`` under the class), which ``--chart-contracts`` imports first
     for machine in alive(shared.declaration):
-        machine.add_listener(listener)
+        machine.add_listener(listener)  # type: ignore[no-untyped-call]  # (python-statemachine untyped)
     _LISTENERS[id(checker)] = listener
 
 

@@ -263,7 +263,7 @@ def refuse_unsupported(declaration: type[StateChart[Any]], tool: str,
                                f"{'; '.join(found)}")
 
 
-def alive(declaration: type) -> list[Any]:
+def alive(declaration: type) -> list[StateChart[Any]]:
     """The python-statemachine instances of exactly ``declaration`` alive now, found among the
     objects that refer to the class (an instance refers to its class): those a listener added
     to the class's ``_class_listeners`` from now on would miss, such as one the chart's module
@@ -271,4 +271,5 @@ def alive(declaration: type) -> list[Any]:
     instance a compiled general run keeps as its ``machine`` (made without ``__init__``: no
     listeners of its own; its run is heard through the compiled chart)."""
     return [found for found in gc.get_referrers(declaration)
-            if type(found) is declaration and "_listeners" in vars(found)]
+            if isinstance(found, StateChart) and type(found) is declaration
+            and "_listeners" in vars(found)]

@@ -96,7 +96,7 @@ def track(chart: ChartLike, recorder: TransitionRecorder) -> Callable[[], None]:
     # and the instances alive already: one its module made as it was imported (``LAMP =
     # Lamp()`` under the class), before the plugin or ``charts cover`` could call this
     for machine in alive(declaration):
-        machine.add_listener(listener)
+        machine.add_listener(listener)  # type: ignore[no-untyped-call]  # (python-statemachine untyped)
 
     def undo() -> None:
         shared.detach(recorder)
