@@ -58,6 +58,7 @@ from calexec.drivers.serving.service import (
     RequestRun,
     context_exceeded,
     failure_param,
+    knock_on,
 )
 
 Number = StrictInt | StrictFloat
@@ -999,8 +1000,16 @@ class _Choices:
         return item
 
     def fail(self, status: Status, param: str | None, counted: bool) -> None:
-        if self.failure is None:  # the first failure is the answer
+        """The first failure is the answer, except that a choice's own failure replaces a
+        knock-on (``lifecycle.unavailable``: the recovery one choice's device fault set off
+        ends the others too, and which of them the loop saw first was a race)."""
+        if self.failure is None or (knock_on(self.failure[0]) and not knock_on(status)
+                                    and status.category is not Category.CANCELLED):
             self.failure = (status, param, counted)
+
+    def knocked_on(self) -> bool:
+        """The answer so far is a knock-on: a choice still running may hold its cause."""
+        return self.failure is not None and knock_on(self.failure[0])
 
     def count(self, k: int, run: RequestRun) -> None:
         """Usage as OpenAI counts it: a prompt's tokens once (its first choice), every
@@ -1478,6 +1487,18 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
                     state.extra["prompt_token_ids"] = whole["prompt_token_ids"]
             state.count(k, run)
         finally:
+            if state.knocked_on() and not run.done and run.handle is not None:
+                # another choice ended with a knock-on of a recovery: the job this one was
+                # waiting for (cancelled with it) may be the one whose fault set that recovery
+                # off; it has been reported, so it resolves now, and its failure is the answer
+                handle = run.handle
+                with anyio.CancelScope(shield=True):
+                    result = await handle.wait_async(run.deadline)
+                if (handle.done and isinstance(result, Status) and not result.ok
+                        and result.category is not Category.DEADLINE):
+                    state.fail(result, None, counted=True)
+                    if state.failure is not None and state.failure[0] is result:
+                        run.status = result  # (its finish counts it)
             if state.failure is not None and not run.done:
                 # not request.cancelled (499: the client is gone): no client left; the
                 # request's answer is the other choice's failure

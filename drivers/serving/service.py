@@ -566,6 +566,21 @@ MAX_TOKENS_CODES = frozenset({"kv.exceeds_capacity"})
 NO_TOKEN_LEFT = "sampling.no_token_left"
 
 
+#: the code of a failure that only says the device stopped serving the request's generation
+#: (``Status.unavailable``): admission stopped or the generation replaced by a recovery, a
+#: model switch or a drain (:func:`knock_on`)
+KNOCK_ON_CODE = "lifecycle.unavailable"
+
+
+def knock_on(status: Status) -> bool:
+    """``status`` is a knock-on of something else (a recovery that another job's fault set
+    off, a model switch, a drain), not the failure of a job of its own: ``lifecycle.unavailable``.
+    A job's own failure (a device fault, NaN output, its hang) is the answer where both
+    describe the same request (``CompletionService._failed``; a request of several choices,
+    docs/server.md "A failed choice")."""
+    return status.code == KNOCK_ON_CODE
+
+
 def failure_param(run: RequestRun) -> str | None:
     """The body field ``run``'s failure is about (an error body's ``param``), if known."""
     if run.status is not None and run.status.code in MAX_TOKENS_CODES:
@@ -964,7 +979,15 @@ class CompletionService:
             # was counted in calexec_resumes_total for each such request)
             run.status = self._drained(run)
             return None
-        moved = self._generation_moved(run, result)
+        # The job's own failure in the request's generation (a device fault, NaN output)
+        # decides over a generation the recovery that fault set off retired meanwhile (on a
+        # loop that took its time, the same fault answered either way: 503
+        # lifecycle.unavailable or its own code); a knock-on (admission stopped, "retired
+        # while the job was armed") or a job that met the next generation without the KV
+        # (kv.past_len_beyond_committed) is told as the generation replaced, which it is
+        own = (not knock_on(result) and result.generation is not None
+               and result.generation == run.generation_id)
+        moved = None if own else self._generation_moved(run, result)
         if not self.grace_over and await self.resumer.resume(run, moved or result,
                                                              replaced=moved is not None):
             return await self.advance(run)  # recursion bounded by max_resumes
