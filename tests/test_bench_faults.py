@@ -19,8 +19,8 @@ KEYS = {"faults_requested", "faults_fired", "faults_by_kind", "faults_not_fired"
         "reference_errors", "error_examples", "reference_error_examples", "completed_sampled",
         "tokens_identical_pct_sampled", "resumes", "resumes_by_cause",
         "resumes_per_fault", "faults_with_a_resume", "added_latency_per_fault_ms",
-        "resume_budget_exhausted", "recoveries", "sequences_at_end", "seconds_with_faults",
-        "cpu_model"}
+        "resume_budget_exhausted", "recoveries", "native_relay", "relay_submitted",
+        "sequences_at_end", "seconds_with_faults", "cpu_model"}
 
 
 def test_fault_bench_json_report_every_kind_no_client_error_identical_tokens(capsys):
@@ -52,6 +52,36 @@ def test_fault_bench_json_report_every_kind_no_client_error_identical_tokens(cap
     seqs = report["sequences_at_end"]
     assert seqs["free"] == seqs["capacity"] and seqs["withheld"] == 0
     assert isinstance(report["cpu_model"], str) and report["cpu_model"]
+    # without --native-relay the submitter never waits in the relay
+    assert report["native_relay"] is False and report["relay_submitted"] == 0
+
+
+def test_fault_bench_on_the_native_relay_reports_it_and_keeps_every_fact(capsys):
+    """``--native-relay`` (as ``bench soak --native-relay``): the same faults under the same
+    load with the executor's submitter on its native relay; no client error, tokens as
+    without faults, and the report says the relay ran (``native_relay``, ``relay_submitted``,
+    the fields soak reports). The flag did not exist: a usage error, exit 2."""
+    assert bench_faults.main(["bench", "faults", "--json", "--faults", "3", "--clients", "4",
+                              "--seed", "5", "--native-relay"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report) == KEYS
+    assert report["native_relay"] is True and report["relay_submitted"] >= 1, report
+    assert report["faults_fired"] >= 1 and report["completed"] >= 1
+    assert report["client_errors"] == 0, report["error_examples"]
+    assert report["tokens_mismatched"] == 0, report["mismatch_examples"]
+    assert report["reference_errors"] == {}, report["reference_error_examples"]
+    seqs = report["sequences_at_end"]
+    assert seqs["free"] == seqs["capacity"] and seqs["withheld"] == 0
+
+
+@pytest.mark.parametrize("flag", ["--native-relay=yes", "--native-relay=0"])
+def test_fault_bench_native_relay_takes_no_value(capsys, flag):
+    with pytest.raises(SystemExit) as exc:
+        bench_faults.main(["bench", "faults", flag])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--native-relay" in err and "ignored explicit argument" in err, err
+    assert err.count("\n") <= 2, err
 
 
 def test_fault_bench_refuses_a_bad_count_naming_the_flag(capsys):

@@ -1,4 +1,5 @@
-"""``calexec bench faults [--json] [--faults N] [--clients C] [--seed S]``: what a device fault
+"""``calexec bench faults [--json] [--faults N] [--clients C] [--seed S] [--native-relay]``:
+what a device fault
 costs a client of the reference server with resumable generations (issue 16).
 
 An in-process server (uvicorn on 127.0.0.1, an ephemeral port; the synthetic calbin on the
@@ -15,8 +16,12 @@ errors), the share of completed requests whose tokens equal the reference's (a r
 counted under ``reference_errors``, a real difference under ``tokens_mismatched`` with up to three
 ``mismatch_examples``), resumes per fault,
 the added latency per fault (the longest pause a request resumed because of that fault saw:
-its failure to its re-prefill's result) P50/P99, and the CPU model. Numbers are reported, never
-asserted (tests/test_bench_faults.py checks the report's shape and correctness facts).
+its failure to its re-prefill's result) P50/P99, and the CPU model. ``--native-relay`` runs the
+executor's submitter on its native relay (``ExecutorConfig.native_relay``, ``serve
+--native-relay``), as ``bench soak --native-relay`` does: ``native_relay`` and
+``relay_submitted`` (the steps it gave to infer from the relay) are in the report, with or
+without it. Numbers are reported, never asserted (tests/test_bench_faults.py checks the
+report's shape and correctness facts).
 """
 
 from __future__ import annotations
@@ -172,8 +177,10 @@ def bench_executor(workdir: Path, native_relay: bool = False):
     return executor
 
 
-def run_fault_bench(faults: int, clients: int, seed: int, progress=None) -> dict[str, Any]:
-    """One run; the report (module docstring)."""
+def run_fault_bench(faults: int, clients: int, seed: int, progress=None,
+                    native_relay: bool = False) -> dict[str, Any]:
+    """One run; the report (module docstring). ``native_relay``: the executor's submitter on
+    its native relay (``--native-relay``)."""
     import httpx
 
     from calexec.drivers.calrt.runtime import Fault, FaultMode, bundled_emulator
@@ -184,7 +191,7 @@ def run_fault_bench(faults: int, clients: int, seed: int, progress=None) -> dict
     points = {name: (point, rc) for name, point, rc in FAULTS}
     rng = random.Random(seed)
     with tempfile.TemporaryDirectory(prefix="calexec-bench-faults-") as tmp:
-        executor = bench_executor(Path(tmp))
+        executor = bench_executor(Path(tmp), native_relay)
         app = create_app(executor, ServerConfig())
         service = app.state.service
         resumed: list[tuple[float, float, str]] = []
@@ -267,6 +274,8 @@ def run_fault_bench(faults: int, clients: int, seed: int, progress=None) -> dict
                 budget_exhausted = metrics.registry.get_sample_value(
                     "calexec_resume_budget_exhausted_total") or 0.0
                 service_sequences = service.sequences.counts()
+                # steps the submitter gave to infer from its native relay (--native-relay)
+                relay_submitted = int(executor.snapshot().get("relay_submitted", 0))
         finally:
             stop.set()
             emu.clear_all_faults()
@@ -318,6 +327,7 @@ def run_fault_bench(faults: int, clients: int, seed: int, progress=None) -> dict
             "max": None if not added_ms else round(max(added_ms), 3)},
         "resume_budget_exhausted": int(budget_exhausted),
         "recoveries": len(executor.recoveries),
+        "native_relay": native_relay, "relay_submitted": relay_submitted,
         "sequences_at_end": service_sequences,
         "seconds_with_faults": round(faulted_s, 3),
         "cpu_model": cpu_model(),
@@ -334,13 +344,17 @@ def main(argv: list[str]) -> int:
                         help="concurrent loopback clients; half of them stream")
     parser.add_argument("--seed", type=cliargs.non_negative_int, default=16,
                         help="seed of the schedule and prompts")
+    parser.add_argument("--native-relay", action="store_true",
+                        help="the executor's submitter on its native relay "
+                             "(ExecutorConfig.native_relay, serve --native-relay)")
     args = parser.parse_args(argv[2:])
 
     def progress(done: int, total: int) -> None:
         if done % 50 == 0 or done == total:
             print(f"bench faults: {done}/{total} faults", file=sys.stderr)
     try:
-        result = run_fault_bench(args.faults, args.clients, args.seed, progress)
+        result = run_fault_bench(args.faults, args.clients, args.seed, progress,
+                                 args.native_relay)
     except BenchError as exc:
         print(f"calexec bench faults: {exc}", file=sys.stderr)
         return 1
