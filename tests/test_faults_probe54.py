@@ -68,6 +68,12 @@ def test_a_choice_s_fault_is_the_answer_when_a_sibling_s_knock_on_came_first(tmp
     forced: list[bool] = []
 
     def gated(decision) -> None:  # the completion thread, between the report and the resolve
+        # the other choice's next job is queued behind the faulted one (one job in flight:
+        # it cannot be submitted while this thread holds the permit), so the recovery's stop
+        # of admission fails it: the knock-on (a job enqueued later would wait for Ready)
+        end = time.monotonic() + 30.0
+        while executor.snapshot()["queued"] < 1 and time.monotonic() < end:
+            time.sleep(0.005)
         before = _failures(service, "lifecycle.unavailable")
         report(decision)
         end = time.monotonic() + 30.0
