@@ -234,6 +234,8 @@ class DeviceLifecycle:
         self._shutdown_done = host.clock.event()
         self._start_thread: int | None = None  # ident of the thread running ``start``
         self.failure: Status | None = None  # why the lifecycle is Failed
+        #: the device was closed (by a failed start or a shutdown): never closed twice
+        self._device_closed = False
 
     # ---- lifecycle guards (LifecycleChart) ------------------------------------------------
     def generation_advanced(self) -> bool:
@@ -356,8 +358,8 @@ class DeviceLifecycle:
             self.fail(status)
             released = self._release_failed_generation()
             host.stop_threads()
-            if host.device is not None and released.ok:
-                host.device.close()  # else a job may still run: keep the device open
+            if released.ok:
+                self._close_device()  # else a job may still run: keep the device open
             return status
         self.start_status = Status.OK
         return Status.OK
@@ -1085,7 +1087,7 @@ class DeviceLifecycle:
                 self.failure = Status.failure(
                     "shutdown.not_drained", Category.DEVICE, Phase.SHUTDOWN,
                     f"submitted work did not drain within grace={grace}s")
-        if host.device is None or (already_final and host.gen is None):
+        if host.device is None or self._device_closed:
             return self.failure or self.start_status or Status.OK
         if not drained:
             # the runtime may still DMA into our buffers: keep everything mapped and alive
@@ -1097,5 +1099,34 @@ class DeviceLifecycle:
             host.gen.release(host.device)
             self._retire(host.gen)
             host.gen = None
-        host.device.close()
+        # Drained: a generation refused while its golden job was on the device (kept, never
+        # released: no safe reset; or a start that failed so) is let go of by now; it was
+        # never torn down and the device never closed (its engine threads and every kept
+        # buffer lived on after a Failed lifecycle's shutdown, however often called)
+        kept = self._release_kept()
+        if not kept.ok:
+            return self.failure or kept  # the runtime says it still uses one: keep it all
+        self._close_device()
         return Status.OK if self.run.state == LIFECYCLE_STOPPED else self.failure
+
+    def _release_kept(self) -> Status:
+        """Tear down the retired generations kept unreleased (refused while a job of theirs
+        was on the device), now that the drain found nothing on it; ``Generation.release``
+        still refuses one whose slots the runtime says it uses."""
+        host = self._host
+        status = Status.OK
+        for gen in [old for old in self._retired if not old.released]:
+            released = gen.release(host.device)
+            if gen.released:
+                self._retire(gen)
+            elif status.ok:
+                status = released
+        return status
+
+    def _close_device(self) -> None:
+        """Close the device once (a failed start or a shutdown): a second close of a
+        vendor runtime's handle is undefined."""
+        host = self._host
+        if host.device is not None and not self._device_closed:
+            self._device_closed = True
+            host.device.close()

@@ -18,7 +18,7 @@ import pytest
 
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
-from calexec.drivers.calrt.runtime import CalRT
+from calexec.drivers.calrt.runtime import CalRT, Did, Stage
 from calexec.drivers.synthetic import calbin as cb
 from calexec.drivers.synthetic import oracle
 from calexec.machines.clock import Clock
@@ -449,6 +449,69 @@ def test_a_shutdown_that_meets_a_recovery_and_a_hung_job_waits_within_its_grace(
         assert out and not out[0].ok
     finally:
         ex.device.emu.set_stepped(False)
+
+
+def _refused_with_its_golden_job_on_the_device(ex):
+    """A recovery whose golden job the device holds (stepped, never stepped) with no safe
+    reset: the refused generation is kept, never released, and the lifecycle ends Failed
+    (``recovery.generation_on_device``). Returns that generation."""
+    assert ex.device.emu.set_stepped(True) == 0
+    status = ex.recover(Status.failure("lifecycle.test", Category.LIFECYCLE, Phase.RECOVERY,
+                                       "the test's reason"), reset=False)
+    assert status.code == "recovery.generation_on_device", status
+    assert ex.state == "Failed" and ex.gen is None
+    kept = [gen for gen in ex.life.retired if not gen.released]
+    assert [gen.id for gen in kept] == [2], ex.life.retired
+    return kept[0]
+
+
+def _finish_the_job_on_the_device(ex):
+    assert ex.device.emu.step(0, Stage.JOB) == (0, Did.SIGNAL)
+    until(lambda: ex.snapshot()["completing"] == 0
+          and ex.snapshot()["dispatch"]["held_by_runtime"] == 0, 20,
+          "the late job completed")
+
+
+def test_a_generation_kept_for_its_golden_job_is_torn_down_once_the_device_let_go(calbins):
+    """A generation refused while its golden job was on the device (no safe reset) is kept
+    mapped and the lifecycle ends Failed, as §9.1 asks. A ``shutdown`` while the job is still
+    there keeps everything; the job then ends late, and its completion counts as a stale
+    completion (its generation is no longer the current one), never as a success; a
+    ``shutdown`` after that tore down nothing either: the generation stayed mapped and the
+    device open (its engine threads running), however often it was called. It now releases
+    the generation and closes the device once the drain finds nothing on it."""
+    policy = RecoveryPolicy(reset_kind="none", drain_grace_s=0.2)
+    with running_executor(calbins["main"], recovery=policy, golden_timeout_s=0.3,
+                          execution_timeout_s=60.0, timeout_grace_s=60.0) as ex:
+        emu = ex.device.emu
+        kept = _refused_with_its_golden_job_on_the_device(ex)
+        before = dict(ex.counters)
+        status = ex.shutdown(0.3)  # the golden job still on the device: nothing released
+        assert status.code == "recovery.generation_on_device" and ex.state == "Failed"
+        assert not kept.released and emu.counters(), "released while the device held a job"
+        _finish_the_job_on_the_device(ex)
+        late = {k: ex.counters[k] - before[k] for k in ("succeeded", "stale_completions")}
+        assert late == {"succeeded": 0, "stale_completions": 1}, late
+        status = ex.shutdown(0.3)
+        assert status.code == "recovery.generation_on_device" and ex.state == "Failed"
+        assert kept.released, "the kept generation was never torn down"
+        assert emu.counters() == {}, "the device was never closed"
+        assert ex.shutdown(0.3).code == "recovery.generation_on_device"  # idempotent
+
+
+def test_a_late_fault_of_a_retired_generation_reports_no_exhausted_pool(calbins):
+    """The golden job of a generation refused while it ran (no safe reset: Failed) ends late
+    with a NaN row: its own fault is reported; ``pool.exhausted`` is not (its generation,
+    one slot per kind, is no longer the one serving: no rebuild is asked for it)."""
+    policy = RecoveryPolicy(reset_kind="none", drain_grace_s=0.2)
+    with running_executor(calbins["main"], recovery=policy, golden_timeout_s=0.3,
+                          execution_timeout_s=60.0, timeout_grace_s=60.0,
+                          slots_per_kind=1) as ex:
+        arm(ex, "OUTPUT_NAN")  # the next job the device accepts: the golden's first
+        _refused_with_its_golden_job_on_the_device(ex)
+        _finish_the_job_on_the_device(ex)
+        codes = [decision.status.code for decision in ex.faults.decisions]
+        assert codes == ["internal.output_not_finite"], codes
 
 
 def test_check_calbin_takes_a_pathlib_path_as_switch_model_does(calbins):
