@@ -362,7 +362,7 @@ def main(argv: list[str]) -> int:
                                 app.state.service, args.grace, on_started=started)
         server.run(sockets=[listener])
         service = app.state.service
-        if service.drain_status is None:  # left the loop without a drain (failed executor)
+        if service.drain_status is None:  # left the loop without a drain (a Failed one drains)
             status = executor.shutdown(args.grace)
         else:
             status = service.drain_status

@@ -645,7 +645,8 @@ class DrainingServer(uvicorn.Server):
     """uvicorn server whose first SIGTERM/SIGINT drains the service (new requests 503,
     admitted ones finish, executor shut down) and then exits; a second signal forces exit,
     cutting the requests still running (counted in ``cut``).
-    It also exits when the executor's lifecycle ends Failed (a supervisor restarts it)."""
+    It also drains and exits when the executor's lifecycle ends Failed (a supervisor
+    restarts it)."""
 
     def __init__(self, config: uvicorn.Config, service: CompletionService, grace: float,
                  on_started: Callable[[DrainingServer, str], None] | None = None) -> None:
@@ -740,7 +741,14 @@ class DrainingServer(uvicorn.Server):
         await super().shutdown(sockets=sockets)
 
     async def on_tick(self, counter: int) -> bool:
-        if self.service.executor.state == "Failed" and not self.service.draining:
-            log.error("executor lifecycle is Failed: exiting")
-            self.should_exit = True
+        service = self.service
+        if (service.executor.state == "Failed" and service.drain_grace is None
+                and not service.draining):
+            # drained as after a signal, then the exit (3: the drain's shutdown answers the
+            # failure): a request whose job the device still held was cut after uvicorn's
+            # SHUTDOWN_WAIT_S (a plain-text 500 and an ERROR traceback) where its job ends
+            # by its execution deadline and the client gets its error
+            log.error("executor lifecycle is Failed: draining (grace %.1fs), then exiting",
+                      self.grace)
+            service.start_drain(self.grace)
         return await super().on_tick(counter)
