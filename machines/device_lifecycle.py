@@ -293,6 +293,14 @@ class DeviceLifecycle:
         (``run_pending_recovery`` takes it; in threads mode the recovery thread does)."""
         return self._pending_recovery is not None
 
+    def recovery_under_way(self) -> bool:
+        """A recovery asked for from Ready has not reached its new generation yet: pending,
+        or draining and resetting the old one (Draining, Recovering). A fault met now belongs
+        to the incident it covers (the fault controller counts it against no escalation
+        budget). Read without ``mu``: a field and the chart's state."""
+        return self._pending_recovery is not None or self.run.state in (LIFECYCLE_DRAINING,
+                                                                        LIFECYCLE_RECOVERING)
+
     @property
     def recovery_active(self) -> bool:
         """A recovery the controller asked for is pending or its thread still runs."""

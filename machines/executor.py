@@ -436,6 +436,10 @@ class DeviceExecutor(SequenceOwnership):
         """Called by the fault controller; never blocks (``DeviceLifecycle.request_recovery``)."""
         self.life.request_recovery(decision)
 
+    def recovery_under_way(self) -> bool:
+        """Asked by the fault controller (``DeviceLifecycle.recovery_under_way``)."""
+        return self.life.recovery_under_way()
+
     def recover(self, reason: Status, reset: bool = True,
                 calbin_path: str | None = None) -> Status:
         """Drain, optionally reset, replace the generation, golden, reopen admission

@@ -152,8 +152,16 @@ class FaultController:
             self._clock = locks.clock
 
     # ---- the table ------------------------------------------------------------------------
-    def decide(self, status: Status) -> Decision:
-        """The decision for one failure (pure but for the sliding windows)."""
+    def decide(self, status: Status, under_way: bool = False) -> Decision:
+        """The decision for one failure (pure but for the sliding windows). ``under_way``: a
+        recovery asked for from Ready has not reached its new generation yet (pending, or
+        draining and resetting the old one): a fault met meanwhile (the second report of one
+        hung job, ``execution.deadline`` then ``device.hung``; a job the recovery's reset
+        aborted; the pool that fault left exhausted) belongs to the incident it covers and
+        neither counts against ``max_recoveries`` nor escalates. Each counted as a recovery,
+        a single hung job spent two, so ``max_recoveries=5`` ended the lifecycle Failed at
+        the third hung job, after two recoveries. A fault of a recovery's golden run
+        (Configuring, Warming) still counts: each golden attempt is one (``_retry_golden``)."""
         now = self._clock.monotonic()
         category = status.category
         if category is None:  # OK: nothing happened
@@ -170,7 +178,9 @@ class FaultController:
                 action, reason = Action.REBUILD, (
                     f"{self.policy.transient_threshold} transient faults within "
                     f"{self.policy.transient_window_s}s (last: {status.code})")
-        if action in (Action.REBUILD, Action.RESET_REBUILD, Action.ROLLBACK):
+        if action in (Action.REBUILD, Action.RESET_REBUILD, Action.ROLLBACK) and under_way:
+            reason += " (a recovery is already under way: not counted)"
+        elif action in (Action.REBUILD, Action.RESET_REBUILD, Action.ROLLBACK):
             recent = self._recoveries
             while recent and now - recent[0] > self.policy.recovery_window_s:
                 recent.popleft()
@@ -187,9 +197,11 @@ class FaultController:
         if status.ok or status.category is None:
             return
         injected = self._injected()  # before the lock: it asks the runtime
+        target = self.executor
         with self._mu:
             self.counts[status.category] = self.counts.get(status.category, 0) + 1
-            decision = self.decide(status)
+            # (a read of the lifecycle without its lock: no lock is taken under faults_mu)
+            decision = self.decide(status, target is not None and target.recovery_under_way())
             self.decisions.append(decision)
             if decision.action is Action.RECORD:
                 self.manifest_differences.append(status)
@@ -247,6 +259,11 @@ class FaultTarget(Protocol):
 
     def request_recovery(self, decision: Decision) -> None:
         """Drain and rebuild (or stop) as ``decision`` says; never blocks the caller."""
+        ...
+
+    def recovery_under_way(self) -> bool:
+        """A recovery asked for from Ready has not reached its new generation yet (pending,
+        Draining or Recovering); read without a lock, never blocks."""
         ...
 
 

@@ -280,6 +280,28 @@ def test_escalation_past_max_recoveries_ends_failed(calbins):
         assert state == "Failed" and "escalation" in ex.faults.last().reason
 
 
+def test_one_hung_job_spends_one_recovery_of_the_escalation_budget(calbins):
+    """``max_recoveries=2``: two hung jobs are two recoveries (Ready again each time), the
+    third escalates to Failed. A hung job is reported twice, ``execution.deadline`` at its
+    deadline and ``device.hung`` after ``timeout_grace_s`` while its recovery drains, and
+    both counted as recoveries: the second hung job ended the lifecycle Failed after one
+    recovery (``max_recoveries=5``: Failed at the third hung job, after two). The second
+    report now belongs to the recovery under way: not counted, no escalation."""
+    policy = RecoveryPolicy(drain_grace_s=1.0, max_recoveries=2)
+    with running_executor(calbins["main"], recovery=policy, execution_timeout_s=0.3,
+                          timeout_grace_s=0.05) as ex:
+        states = []
+        for _incident in range(3):
+            arm(ex, "HANG")
+            status = ex.enqueue(prefill(1, PROMPT)).wait_until(deadline())
+            assert isinstance(status, Status) and status.code == "execution.deadline", status
+            states.append((wait_state(ex, ("Ready", "Failed")), len(ex.recoveries)))
+        assert states == [("Ready", 1), ("Ready", 2), ("Failed", 2)], states
+        assert "escalation" in ex.faults.last().reason
+        hung = [d for d in ex.faults.decisions if d.status.code == "device.hung"]
+        assert all("not counted" in d.reason for d in hung), [d.reason for d in hung]
+
+
 @pytest.mark.parametrize("max_recoveries", [0, 1])
 def test_a_recovery_the_fault_controller_escalates_meanwhile_answers_a_status(calbins,
                                                                              max_recoveries):
