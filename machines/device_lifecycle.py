@@ -365,7 +365,11 @@ class DeviceLifecycle:
             self.start_status = status
             self.fail(status)
             released = self._release_failed_generation()
-            host.stop_threads()
+            # drained: the idle threads end at once; a golden job still on the device keeps
+            # the completion thread in its Wait() until the device answers (its execution
+            # deadline), and waiting the default 5 s for it only held the start up (a
+            # shutdown waiting for this start answered ``shutdown.start_busy``)
+            host.stop_threads(THREADS_EXIT_S if released.ok else 0.0)
             if released.ok:
                 self._close_device()  # else a job may still run: keep the device open
             return status

@@ -473,6 +473,68 @@ def test_a_shutdown_that_meets_a_recovery_and_a_hung_job_waits_within_its_grace(
         ex.device.emu.set_stepped(False)
 
 
+class _SteppedRuntime:
+    """The bundled runtime whose devices finish nothing from their open (stepped mode)."""
+
+    def __init__(self, runtime: CalRT) -> None:
+        self._runtime = runtime
+
+    def open_device(self, config):
+        rc, device = self._runtime.open_device(config)
+        if rc == 0:
+            assert device.emu.set_stepped(True) == 0
+        return rc, device
+
+    def __getattr__(self, name):
+        return getattr(self._runtime, name)
+
+
+class _JoinsRecorded(_WaitsRecorded):
+    """``_WaitsRecorded``, also keeping the timeout of each thread join of the thread ``on``."""
+
+    __slots__ = ("joins",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.joins: list[float] = []
+
+    def join(self, thread, timeout):
+        if threading.current_thread() is self.on and timeout is not None:
+            self.joins.append(timeout)
+        return super().join(thread, timeout)
+
+
+def test_a_start_whose_golden_job_the_device_holds_waits_for_no_thread_it_cannot_join(calbins):
+    """A start whose golden job the device never finishes, with no safe reset: the golden
+    times out, the refused generation is kept (its job still on the device) and the start
+    ends Failed. It then waited the default 5 s to join the completion thread, which is in
+    that job's Wait() until the device answers (here 60 s): a ``shutdown`` waiting for the
+    start meanwhile answered ``shutdown.start_busy``. Drained, the idle threads get
+    ``THREADS_EXIT_S``; with a job left on the device no join waits at all. The job ends
+    late, and a shutdown then tears the kept generation down and closes the device."""
+    clock = _JoinsRecorded()
+    clock.on = threading.current_thread()
+    policy = RecoveryPolicy(reset_kind="none", drain_grace_s=0.2)
+    ex = DeviceExecutor(_SteppedRuntime(CalRT.load()), MANIFEST, ExecutorConfig(
+        calbin_path=calbins["main"], golden_timeout_s=0.3, execution_timeout_s=60.0,
+        timeout_grace_s=60.0, recovery=policy), clock=clock)
+    status = ex.start()
+    clock.on = None
+    emu = ex.device.emu
+    try:
+        assert not status.ok and ex.state == "Failed", status
+        assert [gen.released for gen in ex.life.retired] == [False]  # its job on the device
+        assert clock.joins, "the start joined no thread"
+        assert max(clock.joins) <= 0.0, f"the start waited {max(clock.joins):.2f}s for a thread"
+        assert emu.step(0, Stage.JOB) == (0, Did.SIGNAL)  # the device lets go, late
+        until(lambda: ex.snapshot()["completing"] == 0, 20, "the late golden job completed")
+        assert ex.shutdown(5.0).code == status.code
+        assert [gen.released for gen in ex.life.retired] in ([], [True])
+        assert emu.counters() == {}, "the device was never closed"
+    finally:
+        emu.set_stepped(False)
+
+
 def _refused_with_its_golden_job_on_the_device(ex):
     """A recovery whose golden job the device holds (stepped, never stepped) with no safe
     reset: the refused generation is kept, never released, and the lifecycle ends Failed
