@@ -806,6 +806,15 @@ class DeviceLifecycle:
                 log.info("recovery stopped by the shutdown while warming (%s): lifecycle "
                          "Stopped", status.code)
                 return status
+            if self.stopping and self.run.state == LIFECYCLE_WARMING:
+                # say why, as an interrupted start does: the lifecycle's failure (what
+                # ``calexec serve`` prints as it exits 3) read "wait.deadline: wait_until
+                # deadline passed; the job continues", a DEADLINE naming no shutdown
+                status = Status.unavailable(
+                    status.phase or Phase.RECOVERY,
+                    "the recovery was stopped by shutdown() while a golden job of its "
+                    f"generation was still on the device ({status.code}: {status.message})",
+                    **self._gctx())
             self.fail(status)
             return status
         return self._go_ready()

@@ -535,6 +535,38 @@ def test_a_start_whose_golden_job_the_device_holds_waits_for_no_thread_it_cannot
         emu.set_stepped(False)
 
 
+def test_a_recovery_a_shutdown_stopped_with_its_golden_job_on_the_device_says_so(calbins):
+    """A shutdown interrupts a recovery whose golden job the device holds (stepped, never
+    stepped): the golden run then times out, nothing can drain, and the lifecycle ends
+    Failed, as documented. Its failure (what ``calexec serve`` prints as it exits 3) read
+    ``wait.deadline`` "wait_until deadline passed; the job continues", a DEADLINE that named
+    no shutdown; it now says the shutdown stopped the recovery with its golden job on the
+    device (``lifecycle.unavailable``, the golden's own Status in the message), as an
+    interrupted start says."""
+    with running_executor(calbins["main"], recovery=RecoveryPolicy(drain_grace_s=0.2),
+                          golden_timeout_s=3.0, execution_timeout_s=60.0,
+                          timeout_grace_s=60.0) as ex:
+        emu = ex.device.emu
+        assert emu.set_stepped(True) == 0  # the device finishes nothing from now
+        out: list[Status] = []
+        recovery = threading.Thread(target=lambda: out.append(ex.recover(Status.failure(
+            "device.ccu_exception", Category.DEVICE, Phase.RECOVERY, "the test's reason"),
+            reset=False)), daemon=True)
+        try:
+            recovery.start()
+            until(lambda: ex.state == "Warming" and ex.snapshot()["inflight"] == 1, 20,
+                  "the golden job on the device")
+            ex.shutdown(2.0)  # interrupts the recovery halfway, before its golden times out
+            recovery.join(20)
+            assert out and ex.state == "Failed", (out, ex.state)
+            for status in (out[0], ex.failure):
+                assert status.code == "lifecycle.unavailable", status
+                assert "stopped by shutdown()" in status.message, status
+                assert "wait.deadline" in status.message, status
+        finally:
+            emu.set_stepped(False)
+
+
 def _refused_with_its_golden_job_on_the_device(ex):
     """A recovery whose golden job the device holds (stepped, never stepped) with no safe
     reset: the refused generation is kept, never released, and the lifecycle ends Failed
