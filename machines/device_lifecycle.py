@@ -430,22 +430,25 @@ class DeviceLifecycle:
         finished); the next step then raised IllegalTransition out of ``recover()`` ("event
         'roll_back' is not allowed in state 'Failed'") instead of answering a Status."""
         with self.mu:
-            if not self.run.final:
-                self.run.send(event)
-                return Status.OK
-            state, failure = self.run.state, self.failure
-        if failure is not None:
-            return failure
-        return Status.unavailable(Phase.RECOVERY, f"the lifecycle ended {state} before {event}")
+            if self.run.final:
+                return self._ended(event)
+            self.run.send(event)
+            return Status.OK
+
+    def _ended(self, step: str) -> Status:
+        """(under ``mu``, the lifecycle final) What ended it, for a step that can no longer
+        be taken: its failure, else UNAVAILABLE naming the state and the step."""
+        if self.failure is not None:
+            return self.failure
+        return Status.unavailable(Phase.RECOVERY,
+                                  f"the lifecycle ended {self.run.state} before {step}")
 
     def _go_ready(self) -> Status:
         """Warming -> Ready, admission open (unless the lifecycle went final meanwhile)."""
         host = self._host
         with self.mu:
             if self.run.final:
-                state, failure = self.run.state, self.failure
-                return failure if failure is not None else Status.unavailable(
-                    Phase.RECOVERY, f"the lifecycle ended {state} before it was warm")
+                return self._ended(LIFECYCLE_EV_WARMED)
             self.run.send(LIFECYCLE_EV_WARMED)
             self._served_gen_id = host.gen.id
             host.dispatch.refuse(None)
