@@ -27,10 +27,13 @@ def test_thread_loadgen_without_streaming(capsys):
     assert "server_stream" not in level and "stream_throughput_ratio" not in level
     for side in ("direct", "server", "server_no_ahead", "server_always_prearm",
                  "server_no_bursts", "server_thread_waits", "http_floor"):
-        # the compared sides also carry their CPU per request (this process's)
-        cpu = {"cpu_ms_per_request"} if side in ("direct", "server") else set()
+        # the compared sides also carry their CPU per request (this process's), in all and
+        # per thread role (Linux: /proc), with the threads that ended inside their blocks
+        cpu = ({"cpu_ms_per_request", "cpu_ms_per_request_by_thread", "threads_ended"}
+               if side in ("direct", "server") else set())
         assert set(level[side]) == {"req_per_s", "p50_ms", "p99_ms", *cpu}
-        assert all(math.isfinite(v) and v > 0 for v in level[side].values())
+        assert all(math.isfinite(v) and v > 0 for k, v in level[side].items()
+                   if k not in ("cpu_ms_per_request_by_thread", "threads_ended"))
         assert level[side]["p50_ms"] <= level[side]["p99_ms"]
     assert level["throughput_ratio"] == pytest.approx(
         level["server"]["req_per_s"] / level["direct"]["req_per_s"], abs=0.002)
@@ -46,6 +49,20 @@ def test_thread_loadgen_without_streaming(capsys):
     assert level["cpu_per_request_ratio"] == pytest.approx(
         level["server"]["cpu_ms_per_request"] / level["direct"]["cpu_ms_per_request"],
         abs=0.002)
+    # per thread role: the direct side's load workers (told by themselves: they end with
+    # their block), the executor's threads and the emulator's engines on both sides, the
+    # server's event loop on the server's only; the difference names where its extra goes
+    direct, server = (level[side]["cpu_ms_per_request_by_thread"] for side in ("direct",
+                                                                               "server"))
+    assert {"bench-load", "calexec-submitter", "calexec-completion", "calrt-emu-e0"} <= set(
+        direct)
+    assert {"uvicorn-server", "calexec-submitter", "calrt-emu-e0"} <= set(server)
+    assert "bench-load" not in server and "uvicorn-server" not in direct
+    extra = level["server_minus_direct_cpu_ms_by_thread"]
+    assert set(extra) == set(direct) | set(server)
+    assert extra["bench-load"] == -direct["bench-load"]
+    assert extra["uvicorn-server"] == server["uvicorn-server"]
+    assert list(extra.values()) == sorted(extra.values(), reverse=True)
     assert "load generator" in report["process_cpu_scope"]  # its threads run in this process
     assert report["native_relay"] is False and report["relay_submitted"] == 0
 
@@ -313,4 +330,6 @@ def test_httpx_client_side_has_the_same_shape(capsys):
     assert report["loadgen_client"] == "httpx"
     assert set(report["c1"]["server_stream"]) == {"req_per_s", "p50_ms", "p99_ms",
                                                   "ttft_p50_ms", "ttft_p99_ms",
-                                                  "cpu_ms_per_request"}
+                                                  "cpu_ms_per_request",
+                                                  "cpu_ms_per_request_by_thread",
+                                                  "threads_ended"}

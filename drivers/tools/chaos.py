@@ -89,13 +89,13 @@ def _wait_for(predicate, timeout: float, what: str) -> None:
 
 
 class LiveServer:
-    """uvicorn serving ``app`` on 127.0.0.1 (ephemeral port) in a background thread."""
+    """uvicorn serving ``app`` on 127.0.0.1 (ephemeral port) in a background thread named
+    ``name``."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, name: str = "uvicorn-chaos") -> None:
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0,
                                                     log_level="warning", access_log=False))
-        self.thread = threading.Thread(target=self.server.run, name="uvicorn-chaos",
-                                       daemon=True)
+        self.thread = threading.Thread(target=self.server.run, name=name, daemon=True)
 
     def __enter__(self) -> LiveServer:
         self.thread.start()

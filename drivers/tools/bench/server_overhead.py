@@ -47,7 +47,10 @@ included: ``cpu_ms_per_request``, and ``cpu_per_request_ratio`` / ``stream_cpu_p
 (server / direct). With the load generator in a process of its own that is the server's and the
 executor's CPU per request against the executor's alone: the server's share as CPU, which a
 host's wake-up latency moves much less than it moves requests/s. ``--loadgen thread`` counts
-the load generator's CPU too (``process_cpu_scope`` says which).
+the load generator's CPU too (``process_cpu_scope`` says which). The same blocks also account
+the CPU per thread role (``threadcpu.py``, Linux): ``cpu_ms_per_request_by_thread`` per side
+and ``server_minus_direct_cpu_ms_by_thread`` (and ``server_stream_...``) per level, where the
+server's extra CPU per request goes.
 """
 
 from __future__ import annotations
@@ -76,6 +79,7 @@ from calexec.contracts.types import TaskKind
 from calexec.drivers.device_spec import DeviceSpec
 from calexec.drivers.memory import pin_mmap_threshold
 from calexec.drivers.serving.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
+from calexec.drivers.tools.bench import threadcpu
 from calexec.drivers.tools.bench.api_floor import EngineSocket
 from calexec.drivers.tools.bench.core import cpu_model
 from calexec.drivers.tools.bench.hostload import HostMeter, noise_line
@@ -122,24 +126,31 @@ def _load(requests: int, concurrency: int, one: Callable[[int, int], None],
     lock = threading.Lock()
     todo = iter(range(requests))
     errors: list[BaseException] = []
+    worker_cpu = [0.0]  # the workers' own CPU (s), told before they end (threadcpu.span)
 
     def worker(w: int) -> None:
-        while True:
+        cpu0 = time.thread_time()
+        try:
+            while True:
+                with lock:
+                    i = next(todo, None)
+                if i is None:
+                    return
+                t0 = time.perf_counter()
+                try:
+                    one(w, i)
+                except BaseException as exc:  # noqa: BLE001 - reported after the run
+                    errors.append(exc)
+                    return
+                with lock:
+                    latencies.append(time.perf_counter() - t0)
+        finally:
             with lock:
-                i = next(todo, None)
-            if i is None:
-                return
-            t0 = time.perf_counter()
-            try:
-                one(w, i)
-            except BaseException as exc:  # noqa: BLE001 - reported after the run
-                errors.append(exc)
-                return
-            with lock:
-                latencies.append(time.perf_counter() - t0)
+                worker_cpu[0] += time.thread_time() - cpu0
 
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=worker, args=(w,)) for w in range(concurrency)]
+    threads = [threading.Thread(target=worker, args=(w,), name=f"{LOAD_THREAD}-{w}")
+               for w in range(concurrency)]
     for t in threads:
         t.start()
     for t in threads:
@@ -154,6 +165,7 @@ def _load(requests: int, concurrency: int, one: Callable[[int, int], None],
     if raw:
         out["elapsed_s"] = elapsed
         out["latencies_ms"] = [round(float(v), 4) for v in ms]
+        out["thread_cpu_s"] = {LOAD_THREAD: worker_cpu[0]}
     return out
 
 
@@ -177,6 +189,10 @@ def pooled(blocks: Sequence[dict[str, Any]]) -> dict[str, Any]:
         served = sum(int(b["served"]) for b in blocks)
         out["cpu_ms_per_request"] = round(1000.0 * sum(float(b["cpu_s"]) for b in blocks)
                                           / served, 3)
+        spans = [b["cpu_span"] for b in blocks if b.get("cpu_span") is not None]
+        if served and len(spans) == len(blocks):
+            out["cpu_ms_per_request_by_thread"] = threadcpu.per_request_ms(spans, served)
+            out["threads_ended"] = sum(one.threads_ended for one in spans)
     if all("ttft_ms" in b for b in blocks):
         first = np.concatenate([np.asarray(b["ttft_ms"], dtype=np.float64) for b in blocks])
         out["ttft_p50_ms"] = round(float(np.percentile(first, 50)), 3)
@@ -187,12 +203,18 @@ def pooled(blocks: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def with_cpu(side: Callable[[int], dict[str, Any]], untimed: int
              ) -> Callable[[int], dict[str, Any]]:
     """``side`` (a block of ``size`` timed requests, raw figures) that also records this
-    process's CPU time over the block (``cpu_s``) and the requests it served (``served``: the
-    timed ones and ``untimed`` warm-up requests the block sends first)."""
+    process's CPU time over the block (``cpu_s``), per thread role (``cpu_span``, a
+    ``threadcpu.SpanCpu``; None where threads cannot be read) and the requests it served
+    (``served``: the timed ones and ``untimed`` warm-up requests the block sends first)."""
     def block(size: int) -> dict[str, Any]:
+        threads0 = threadcpu.snapshot()
         cpu0 = time.process_time()
         got = side(size)
-        return {**got, "cpu_s": time.process_time() - cpu0, "served": size + untimed}
+        cpu_s = time.process_time() - cpu0
+        threads1 = threadcpu.snapshot()
+        cpu_span = (None if threads0 is None or threads1 is None else
+                    threadcpu.span(threads0, threads1, got.get("thread_cpu_s")))
+        return {**got, "cpu_s": cpu_s, "served": size + untimed, "cpu_span": cpu_span}
     return block
 
 
@@ -221,6 +243,9 @@ def split(requests: int, parts: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
+#: the direct side's load threads' name (``bench-load-W``; their role in
+#: ``cpu_ms_per_request_by_thread``)
+LOAD_THREAD = "bench-load"
 #: the concurrency levels by default (issue 28: c=1, 8 and 64)
 DEFAULT_LEVELS = (1, 8, 64)
 #: interleaved rounds per level by default: the compared sides (direct, server,
@@ -441,7 +466,8 @@ def run_server_bench(requests: int, max_tokens: int, decode_us: int,
             raise cliargs.UserError(f"executor start failed: {status}", cliargs.EXIT_REFUSED)
         app = create_app(served(ex), ServerConfig())
         try:
-            with LiveServer(app) as live, LiveServer(http_floor_app()) as floor, \
+            with LiveServer(app, name="uvicorn-server") as live, \
+                    LiveServer(http_floor_app(), name="uvicorn-http-floor") as floor, \
                     _ApiFloor(ex, tmp, max_tokens) as split:
                 result = _levels(ex, app, live.url, floor.url, requests, max_tokens,
                                  decode_us, levels, loadgen, stream, client, rounds,
@@ -546,6 +572,11 @@ def _levels(ex: DeviceExecutor, app: Any, url: str, floor_url: str, requests: in
                 level["server_stream"]["req_per_s"] / unburst["req_per_s"], 3)
             level["stream_burst_cpu_ratio"] = round(
                 level["server_stream"]["cpu_ms_per_request"] / unburst["cpu_ms_per_request"], 3)
+        for name in ("server", "server_stream"):  # where the server's extra CPU goes
+            by_thread = level.get(name, {}).get("cpu_ms_per_request_by_thread")
+            if by_thread is not None and "cpu_ms_per_request_by_thread" in d:
+                level[f"{name}_minus_direct_cpu_ms_by_thread"] = threadcpu.difference(
+                    by_thread, d["cpu_ms_per_request_by_thread"])
         if split_url is not None:
             level["api_process_floor_ratio"] = round(
                 level["api_process_floor"]["req_per_s"] / d["req_per_s"], 3)
