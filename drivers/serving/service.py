@@ -56,6 +56,7 @@ from calexec.drivers.serving.error_bodies import invalid
 from calexec.drivers.serving.executor_view import ServedExecutor
 from calexec.drivers.serving.metrics import METRICS_NAMES, ServerMetrics, kv_usage_fraction
 from calexec.drivers.serving.resume import Resumer
+from calexec.drivers.serving.rows import RowPool
 from calexec.drivers.serving.sampling import RowConstraint
 from calexec.machines.api import CompletionHandle
 from calexec.machines.compiled import JOB
@@ -667,6 +668,8 @@ class CompletionService:
         self.config = config
         self.dump = dump
         self.sequences = SequencePool(range(1, config.max_sequences + 1))
+        #: the requests' logits rows, reused once nothing can write them (drivers/serving/rows.py)
+        self.rows = RowPool(config.max_sequences)
         self.draining = False
         self.drain_status: Status | None = None
         #: the grace (s) of the drain ``start_drain`` started; None before one
@@ -854,7 +857,7 @@ class CompletionService:
         deadline = now + timeout if body.deadline is None else body.deadline
         run = RequestRun(next(self._ids), got if isinstance(got, int) else None, list(prompt),
                          body.max_tokens, deadline, now, body.sse,
-                         np.empty(vocab, dtype=np.float32),
+                         self.rows.take(vocab),
                          waiter=None if isinstance(got, int) else got,
                          prompt_top=body.prompt_logprobs, n_param=body.n_param,
                          timeout=timeout, max_tokens_param=body.max_tokens_param)
