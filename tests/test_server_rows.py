@@ -17,8 +17,13 @@ from calexec.drivers.serving.rows import RowPool
 from calexec.drivers.serving.server import ServerConfig, create_app
 from calexec.drivers.tools.chaos import LiveServer
 from test_server_extra import busy_engine, step_one_job
-from test_server_support import oracle_tokens, server_idle, stalled_client, started_executor, \
-    wait_for
+from test_server_support import (
+    oracle_tokens,
+    server_idle,
+    stalled_client,
+    started_executor,
+    wait_for,
+)
 
 
 def test_a_row_comes_back_when_no_array_over_it_is_left():
