@@ -136,3 +136,23 @@ def test_an_abandoned_requests_row_stays_out_while_its_job_is_on_the_device(tmp_
     finally:
         emu.set_stepped(False)
         executor.shutdown(5.0)
+
+
+
+def test_a_row_held_by_a_reference_cycle_comes_back_when_the_cycle_is_collected():
+    pool = RowPool(4)
+
+    class Cycle:
+        pass
+
+    holder = Cycle()
+    holder.me = holder  # only the collector frees it
+    holder.row = pool.take(8)[2:]
+    gc.disable()
+    try:
+        del holder
+        assert pool.counts() == {"lent": 1, "free": 0, "created": 1}
+        gc.collect()
+        assert pool.counts() == {"lent": 0, "free": 1, "created": 1}
+    finally:
+        gc.enable()

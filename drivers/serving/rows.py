@@ -37,7 +37,9 @@ class RowPool:
         if max_free < 0:
             raise ValueError(f"max_free={max_free}: must be >= 0")
         self.max_free = max_free
-        self._mu = threading.Lock()
+        # reentrant: should a garbage collection run inside a locked section (they allocate
+        # nothing the collector tracks), a lease it frees gives its row back on this thread
+        self._mu = threading.RLock()
         self._free: list[bytearray] = []
         self._count = 0  # the size (elements) of the free rows
         self._lent = 0
@@ -74,4 +76,5 @@ class RowPool:
         """``{"lent", "free", "created"}``: rows out now (an array over them is alive), rows
         waiting for a take, rows ever allocated."""
         with self._mu:
-            return {"lent": self._lent, "free": len(self._free), "created": self._created}
+            lent, free, created = self._lent, len(self._free), self._created
+        return {"lent": lent, "free": free, "created": created}
