@@ -194,7 +194,9 @@ class Status:
         """``GetStatus()`` after a successful ``Wait()``: OK only for DONE.
 
         DONE_CCU_EXCEPTION is a DEVICE failure (FI08); any other value means the job had not
-        finished although Wait() said so, which is treated as UNKNOWN (§8 last row).
+        finished although Wait() said so, which is treated as UNKNOWN (§8 last row). That
+        includes ABORTED when nothing says who reset the device; a job the executor's own
+        reset aborted is told by :meth:`aborted_by_reset` instead (the completion side knows).
         """
         if device_status == DeviceJobStatus.DONE:
             return cls.OK
@@ -207,6 +209,18 @@ class Status:
             name = "not a device job status"
         return cls.failure("device.status_not_done", Category.UNKNOWN, Phase.STATUS,
                            f"GetStatus()={device_status} ({name}) after a successful Wait()", **ctx)
+
+    @classmethod
+    def aborted_by_reset(cls, reset: str, **ctx: Unpack[StatusContext]) -> Status:
+        """``GetStatus()=ABORTED`` for a job that was on the device when the executor itself
+        reset it (``reset``: the reset it asked for, e.g. ``"reset"``; a recovery's drain
+        grace ran out, or a refused generation was torn down): a knock-on of that recovery,
+        not an unknown outcome (its output was never written): ``recovery.job_aborted``,
+        UNAVAILABLE (503, retry once the device is Ready again)."""
+        return cls.failure("recovery.job_aborted", Category.UNAVAILABLE, Phase.STATUS,
+                           f"GetStatus()=ABORTED after Wait(): the executor's own device {reset} "
+                           "(a recovery) aborted the job before it finished; its output was not "
+                           "written; retry", **ctx)
 
     @classmethod
     def invalid(cls, step: int, message: str, **ctx: Unpack[StatusIds]) -> Status:

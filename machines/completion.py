@@ -90,6 +90,9 @@ class Completion:
         self.decode_exec_us = 0.0
         self._prewoken = 0  # the job the submitter last woke early for (``prewake_at``)
         self._backing_off = 0  # the job whose submit last found the runtime busy
+        #: the last device reset the executor itself asked for (``device_reset``): its kind,
+        #: and when (Clock.monotonic()) it was asked for
+        self._reset: tuple[str, float] | None = None
 
     # ---- the queue ---------------------------------------------------------------------------
     def push(self, job: Job) -> None:
@@ -135,6 +138,22 @@ class Completion:
         with self.cv:
             self._backing_off = job.job_id
             self.cv.notify_all()
+
+    def device_reset(self, kind: str) -> None:
+        """The lifecycle is about to reset the device (``kind``: ``"reset"``, ...): a job
+        submitted before now that the device then answers ABORTED was aborted by this
+        executor (``Status.aborted_by_reset``), not an unknown outcome."""
+        self._reset = (kind, self.clock.monotonic())
+
+    def _aborted_by_reset(self, job: Job, device_status: int) -> str | None:
+        """The kind of the executor's own reset that aborted ``job``, or None: the device
+        answered ABORTED for a job accepted before the executor's last reset (a job accepted
+        after it was aborted by something else: unknown)."""
+        reset = self._reset
+        if (device_status != DeviceJobStatus.ABORTED or reset is None
+                or not 0 < job.submitted_at <= reset[1]):
+            return None
+        return reset[0]
 
     def stop(self, stopping: bool = True) -> None:
         """The threads are to stop (or start again): the idle wait ends."""
@@ -207,7 +226,9 @@ class Completion:
             return
         target = job.run.send(JOB_EV_WAIT_RETURNED)
         if target == JOB_QUARANTINED:
+            reset = self._aborted_by_reset(job, device_status) if rc == 0 else None
             status = (Status.from_calrt(rc, Phase.WAIT, "Wait", **job.ctx()) if rc != 0 else
+                      Status.aborted_by_reset(reset, **job.ctx()) if reset is not None else
                       Status.from_device_status(device_status, **job.ctx()))
             if slot.runtime_let_go():
                 outcomes.quarantine_after_submit(job, status, release_permit=True)

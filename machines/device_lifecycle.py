@@ -906,6 +906,8 @@ class DeviceLifecycle:
         return others[-1] if others else None
 
     def _reset(self, kind: str) -> Status:
+        # the jobs it aborts end ``recovery.job_aborted`` (the completion side tells them)
+        self._host.completion.device_reset(kind)
         rc = getattr(self._host.device, kind)()
         return Status.from_calrt(rc, Phase.RECOVERY, f"device {kind}", **self._gctx())
 

@@ -270,7 +270,10 @@ class JobOutcomes:
         gen.pool.quarantine(lease, status.code)
         self.dispatch.release_budget(job)
         self.bump("quarantined")
-        if self.config.inflight_capacity == 2:
+        # a job the executor's own reset aborted (``recovery.job_aborted``, UNAVAILABLE) is
+        # a knock-on of the recovery, not a Phase B failure: two jobs on the device at one
+        # recovery's reset downgraded Phase B for good
+        if self.config.inflight_capacity == 2 and status.category is not Category.UNAVAILABLE:
             self.downgrade(status)
         # first the controller: admission stops before the next job gets the permit and
         # before the caller sees the failure

@@ -307,18 +307,30 @@ def test_a_recovery_the_fault_controller_escalates_meanwhile_answers_a_status(ca
                                                                              max_recoveries):
     """A device that stops finishing jobs (the emulator in stepped mode, never stepped): the
     recovery's golden job times out; tearing its generation down resets the device, which
-    aborts that job; the completion thread reports it (``device.status_not_done``) and the
-    fault controller, past ``max_recoveries``, ends the lifecycle Failed, while the recovery
-    works outside the lifecycle's lock. Its next step raised IllegalTransition out of
-    ``recover()`` ("event 'roll_back' is not allowed in state 'Failed'"); it answers the
-    failure that ended the lifecycle, and the executor still shuts down."""
+    aborts that job (``recovery.job_aborted``: a knock-on, nothing to act on), and a device
+    fault reported meanwhile (here beside that report; until stop 55 it was the aborted job's own
+    ``device.status_not_done``) makes the fault controller, past ``max_recoveries``, end the
+    lifecycle Failed while the recovery works outside the lifecycle's lock. Its next step
+    raised IllegalTransition out of ``recover()`` ("event 'roll_back' is not allowed in state
+    'Failed'"); it answers the failure that ended the lifecycle, and the executor still shuts
+    down."""
     policy = RecoveryPolicy(max_recoveries=max_recoveries, drain_grace_s=0.3)
     with running_executor(calbins["main"], recovery=policy, golden_timeout_s=0.3,
                           execution_timeout_s=60.0, timeout_grace_s=60.0) as ex:
+        report = ex.faults.report
+        meanwhile = Status.failure("device.ccu_exception", Category.DEVICE, Phase.STATUS,
+                                   "another job's fault, reported meanwhile")
+
+        def also_a_device_fault(status, job=None):
+            report(status, job)
+            if status.code == "recovery.job_aborted":
+                report(meanwhile)
+
+        ex.faults.report = also_a_device_fault
         assert ex.device.emu.set_stepped(True) == 0
         status = ex.recover(Status.failure("device.ccu_exception", Category.DEVICE,
                                            Phase.RECOVERY, "the test's reason"))
-        assert not status.ok and status.code == "device.status_not_done", status
+        assert status == meanwhile, status
         assert ex.state == "Failed" and ex.failure is not None
         assert "escalation" in ex.faults.last().reason
         assert ex.recoveries[-1]["ok"] is False and ex.recoveries[-1]["lifecycle"] == "Failed"
