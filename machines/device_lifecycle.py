@@ -203,6 +203,14 @@ class DeviceLifecycle:
         self._recovery_mu = host.locks.lock(RECOVERY)
         self._recovery_owner: int | None = None  # thread ident holding recovery_mu in recover()
         self._pending_recovery: Decision | None = None
+        #: the generation the pending decision was made for (the one serving when asked)
+        self._pending_gen: int | None = None
+        #: the decision a recovery thread claimed (holding ``recovery_mu``) and has not yet
+        #: moved the lifecycle to Draining for (``mu``): still a recovery under way
+        self._claimed: Decision | None = None
+        #: controller recoveries dropped: asked for a generation a model switch (or another
+        #: recovery) had already replaced when their turn came (``run_pending_recovery``)
+        self.dropped_recoveries = 0
         self._recovery_thread: threading.Thread | None = None
         self.recoveries: list[RecoveryRecord] = []
         self._gen_ids = itertools.count(1)
@@ -298,8 +306,12 @@ class DeviceLifecycle:
         or draining and resetting the old one (Draining, Recovering). A fault met now belongs
         to the incident it covers (the fault controller counts it against no escalation
         budget). Read without ``mu``: a field and the chart's state."""
-        return self._pending_recovery is not None or self.run.state in (LIFECYCLE_DRAINING,
-                                                                        LIFECYCLE_RECOVERING)
+        return self._asked() or self.run.state in (LIFECYCLE_DRAINING, LIFECYCLE_RECOVERING)
+
+    def _asked(self) -> bool:
+        """A recovery the controller asked for has not moved the lifecycle yet: pending, or
+        claimed by the thread that runs it (read with or without ``mu``: two fields)."""
+        return self._pending_recovery is not None or self._claimed is not None
 
     @property
     def recovery_active(self) -> bool:
@@ -570,8 +582,7 @@ class DeviceLifecycle:
         clock = self._host.clock
         with self.ready_cv:
             state = self.run.state
-            if state not in _RECOVERING and not (
-                    state == LIFECYCLE_READY and self._pending_recovery is not None):
+            if state not in _RECOVERING and not (state == LIFECYCLE_READY and self._asked()):
                 return None  # Ready (admits), or Created/Failed/Stopped: answered by the caller
             if self._ready_waiters >= self._host.config.ready_queue_max:
                 return Status.unavailable(Phase.ADMISSION, f"device lifecycle is "
@@ -609,11 +620,16 @@ class DeviceLifecycle:
             self.fail(decision.status)
             return
         with self.mu:
-            if self.run.state != LIFECYCLE_READY or self._pending_recovery is not None:
+            current = self._host.gen.id if self._host.gen is not None else None
+            if self.run.state != LIFECYCLE_READY or (
+                    self._asked() and current in (self._pending_gen, None)):
                 return  # already draining/recovering: one recovery covers it
-            self._pending_recovery = decision
+            # (one asked for a generation since replaced is superseded: its thread, waiting
+            # for ``recovery_mu``, runs this one instead)
+            superseded = self._asked()
+            self._pending_recovery, self._pending_gen = decision, current
             self.admitting = False  # stop admission at once (§8 Device row)
-        if self._host.config.threads:
+        if self._host.config.threads and not superseded:
             self._recovery_thread = self._host.clock.start_thread(self._supervised_recovery,
                                                                   "calexec-recovery")
 
@@ -636,14 +652,41 @@ class DeviceLifecycle:
             self.fail(status)
 
     def run_pending_recovery(self) -> Status | None:
-        """Run the recovery the controller asked for, if any (stepped mode calls this)."""
+        """Run the recovery the controller asked for, if any (stepped mode calls this). It
+        is claimed once this thread holds ``recovery_mu``, i.e. after the recovery, model
+        switch or shutdown holding it now: a decision made for generation N that finds another
+        generation serving then (a ``switch_model`` took the lock first and went live) is
+        dropped, logged and counted (``dropped_recoveries``): it ran once more on the fresh
+        generation, an extra drain, reset and golden run of a healthy device. None when
+        nothing ran."""
         with self.mu:
-            decision, self._pending_recovery = self._pending_recovery, None
-        if decision is None:
-            return None
-        return self.recover(decision.status, reset=decision.action is Action.RESET_REBUILD,
-                            calbin_path=(self._last_good_other() if decision.action is
-                                         Action.ROLLBACK else None))
+            if self._pending_recovery is None:
+                return None
+        with self._recovery_mu:
+            with self.mu:
+                decision, self._pending_recovery = self._pending_recovery, None
+                current = self._host.gen.id if self._host.gen is not None else None
+                stale = (decision is not None and current is not None
+                         and current != self._pending_gen)
+                if decision is not None and not stale:
+                    self._claimed = decision
+                asked_for = self._pending_gen
+            if decision is None:
+                return None
+            if stale:
+                self.dropped_recoveries += 1
+                log.warning("recovery for generation %s dropped: generation %s serves since "
+                            "(a model switch or another recovery replaced it); was: %s -> %s",
+                            asked_for, current, decision.status, decision.action.value)
+                return None
+            try:
+                return self._recover_held(
+                    decision.status, reset=decision.action is Action.RESET_REBUILD,
+                    calbin_path=(self._last_good_other() if decision.action is
+                                 Action.ROLLBACK else None))
+            finally:
+                with self.mu:
+                    self._claimed = None
 
     def switch_model(self, calbin_path: str | os.PathLike[str]) -> Status:
         """Model switch through the lifecycle: the new calbin goes live only after its golden
@@ -664,25 +707,29 @@ class DeviceLifecycle:
                 calbin_path: str | None = None) -> Status:
         """Drain, optionally reset, tear down the generation, open generation+1 of
         ``calbin_path`` (default: the current calbin), run the golden, reopen admission."""
-        host = self._host
         with self._recovery_mu:
-            self._recovery_owner = threading.get_ident()
-            try:
-                if self.stopping:  # shutdown ran first: nothing left to recover
-                    return Status.unavailable(Phase.RECOVERY, "the executor is shutting down")
-                t0 = host.clock.monotonic()
-                from_generation = host.gen.id if host.gen else None
-                progress: _RecoveryProgress = {}
-                status = self._recover(reason, reset, calbin_path, progress)
-            finally:
-                self._recovery_owner = None
-            record: RecoveryRecord = {
-                "reason": reason.code, "reset": reset, "from_generation": from_generation,
-                **progress, "ok": status.ok, "status": status.code,
-                "seconds": host.clock.monotonic() - t0,
-                "to_generation": host.gen.id if host.gen else None, "lifecycle": self.run.state}
-            self.recoveries.append(record)
-            return status
+            return self._recover_held(reason, reset, calbin_path)
+
+    def _recover_held(self, reason: Status, reset: bool, calbin_path: str | None) -> Status:
+        """``recover`` with ``recovery_mu`` held by this thread."""
+        host = self._host
+        self._recovery_owner = threading.get_ident()
+        try:
+            if self.stopping:  # shutdown ran first: nothing left to recover
+                return Status.unavailable(Phase.RECOVERY, "the executor is shutting down")
+            t0 = host.clock.monotonic()
+            from_generation = host.gen.id if host.gen else None
+            progress: _RecoveryProgress = {}
+            status = self._recover(reason, reset, calbin_path, progress)
+        finally:
+            self._recovery_owner = None
+        record: RecoveryRecord = {
+            "reason": reason.code, "reset": reset, "from_generation": from_generation,
+            **progress, "ok": status.ok, "status": status.code,
+            "seconds": host.clock.monotonic() - t0,
+            "to_generation": host.gen.id if host.gen else None, "lifecycle": self.run.state}
+        self.recoveries.append(record)
+        return status
 
     def _recover(self, reason: Status, reset: bool, calbin_path: str | None,
                  record: _RecoveryProgress) -> Status:
@@ -694,6 +741,7 @@ class DeviceLifecycle:
                 return Status.unavailable(Phase.RECOVERY,
                                           f"cannot recover from lifecycle {self.run.state}")
             self.run.send(LIFECYCLE_EV_DRAIN)
+            self._claimed = None  # under way as Draining from here
         unavailable = Status.unavailable(Phase.RECOVERY,
                                          f"device recovering after {reason.code}; retry later")
         self._stop_admission(unavailable)

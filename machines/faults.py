@@ -141,6 +141,11 @@ class FaultController:
         self._clock = SYSTEM
         self._rng = random.Random(seed)
         self._fired_seen = 0  # the runtime's injected-fault count at the last report
+        #: counted recovery decisions whose ``request_recovery`` has not returned yet
+        #: (``faults_mu``): until it marks the recovery pending, the executor's
+        #: ``recovery_under_way`` cannot tell, and a second fault of the same incident
+        #: reported meanwhile counted against ``max_recoveries`` as well
+        self._requesting = 0
 
     def attach(self, executor: FaultTarget) -> None:
         """Wire the controller to ``executor``: its clock, and a ranked leaf lock
@@ -160,7 +165,8 @@ class FaultController:
         aborted; the pool that fault left exhausted) belongs to the incident it covers and
         neither counts against ``max_recoveries`` nor escalates. Each counted as a recovery,
         a single hung job spent two, so ``max_recoveries=5`` ended the lifecycle Failed at
-        the third hung job, after two recoveries. A fault of a recovery's golden run
+        the third hung job, after two recoveries. ``report`` also passes True while another
+        report's counted decision is still being asked for (not pending yet). A fault of a recovery's golden run
         (Configuring, Warming) still counts: each golden attempt is one (``_retry_golden``)."""
         now = self._clock.monotonic()
         category = status.category
@@ -201,7 +207,13 @@ class FaultController:
         with self._mu:
             self.counts[status.category] = self.counts.get(status.category, 0) + 1
             # (a read of the lifecycle without its lock: no lock is taken under faults_mu)
-            decision = self.decide(status, target is not None and target.recovery_under_way())
+            under_way = self._requesting > 0 or (target is not None
+                                                 and target.recovery_under_way())
+            decision = self.decide(status, under_way)
+            requesting = not under_way and decision.action in (
+                Action.REBUILD, Action.RESET_REBUILD, Action.ROLLBACK)
+            if requesting:
+                self._requesting += 1
             self.decisions.append(decision)
             if decision.action is Action.RECORD:
                 self.manifest_differences.append(status)
@@ -213,8 +225,13 @@ class FaultController:
                                    Action.DISABLE_FEATURE):
             log.warning("%sfault %s -> %s (%s)", "INJECTED " if injected else "",
                         status, decision.action.value, decision.reason)
-            if self.executor is not None:
-                self.executor.request_recovery(decision)
+            try:
+                if self.executor is not None:
+                    self.executor.request_recovery(decision)
+            finally:
+                if requesting:  # it is pending now (or refused: not Ready): the lifecycle says
+                    with self._mu:
+                        self._requesting -= 1
 
     def _injected(self) -> bool:
         """The runtime's fault plan fired since the last look (the emulator counts the faults

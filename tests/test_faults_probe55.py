@@ -20,7 +20,13 @@ from calexec.contracts.errors import Category  # noqa: E402
 from calexec.contracts.status import Phase, Status  # noqa: E402
 from calexec.drivers.serving.server import ServerConfig, create_app  # noqa: E402
 from calexec.machines.faults import Action, RecoveryPolicy  # noqa: E402
-from executor_harness import prefill, running_executor, until, write_calbin  # noqa: E402
+from executor_harness import (  # noqa: E402
+    make_executor,
+    prefill,
+    running_executor,
+    until,
+    write_calbin,
+)
 from test_server_support import LiveServer, started_executor, wait_for  # noqa: E402
 
 DEVICE_FAULT = Status.failure("device.ccu_exception", Category.DEVICE, Phase.RECOVERY,
@@ -113,3 +119,63 @@ def test_a_request_whose_job_the_recovery_s_reset_aborted_gets_503_without_resum
             wait_for(lambda: http.get("/ready").status_code == 200, 30, "ready again")
     finally:
         executor.shutdown(5.0)
+
+
+# ---- 2. two reports of one incident -----------------------------------------------------------
+def test_two_fault_reports_racing_before_the_recovery_is_pending_count_once(calbin):
+    """Two device faults of one incident (Phase B's two jobs, say) reported at once: the
+    second was decided after the first counted its recovery and before that recovery was
+    marked pending (the controller asks for it outside its lock), so it counted too; with
+    ``max_recoveries=1`` the second escalated to Failed at the first incident. Forced here: the
+    first report's ``request_recovery`` waits until the second report was decided. The second
+    belongs to the recovery the first asked for: not counted, the lifecycle recovers."""
+    ex = make_executor(calbin, threads=False, recovery=RecoveryPolicy(max_recoveries=1))
+    try:
+        first, second = (Status.failure("device.ccu_exception", Category.DEVICE, Phase.STATUS,
+                                        f"job {name}'s fault", generation=1)
+                         for name in ("A", "B"))
+        request = ex.request_recovery
+        raced: list[threading.Thread] = []
+
+        def gated(decision) -> None:  # the first report, between its decision and its request
+            if not raced:
+                raced.append(threading.Thread(target=ex.faults.report, args=(second,),
+                                              daemon=True))
+                raced[0].start()
+                raced[0].join(30)
+                assert not raced[0].is_alive(), "the second report blocked"
+            request(decision)
+
+        ex.request_recovery = gated
+        ex.faults.report(first)
+        decisions = [(d.status.message, d.action, "not counted" in d.reason)
+                     for d in ex.faults.decisions]
+        assert decisions == [("job A's fault", Action.RESET_REBUILD, False),
+                             ("job B's fault", Action.RESET_REBUILD, True)], decisions
+        assert ex.state == "Ready" and ex.life.recovery_pending, (ex.state, ex.failure)
+        assert ex.life.run_pending_recovery().ok
+        assert ex.state == "Ready" and ex.gen.id == 2 and len(ex.recoveries) == 1
+    finally:
+        ex.shutdown(5.0)
+
+
+# ---- 3. a recovery decided just before a model switch -----------------------------------------
+def test_a_recovery_decided_for_a_generation_a_model_switch_replaced_is_dropped(calbin):
+    """The fault controller asks for a recovery of generation 1 and, before its thread takes
+    the recovery lock, a ``switch_model`` takes it and goes live (generation 2). The recovery
+    then ran on generation 2: a second drain, reset and golden run of a fresh, healthy
+    generation (generation 3). Stepped mode gives the same order every time: the decision
+    pending, the switch, then the recovery's turn. It is dropped, logged and counted."""
+    ex = make_executor(calbin, threads=False)
+    try:
+        ex.faults.report(Status.failure("device.ccu_exception", Category.DEVICE, Phase.STATUS,
+                                        "a fault of generation 1", generation=1))
+        assert ex.life.recovery_pending and ex.gen.id == 1
+        assert ex.switch_model(calbin).ok  # took the lock first; generation 2 serves
+        assert ex.state == "Ready" and ex.gen.id == 2
+        assert ex.life.run_pending_recovery() is None
+        assert ex.gen.id == 2 and len(ex.recoveries) == 1, ex.recoveries
+        assert ex.life.dropped_recoveries == 1 and not ex.life.recovery_under_way()
+        assert ex.state == "Ready" and ex.life.admitting
+    finally:
+        ex.shutdown(5.0)
