@@ -240,6 +240,9 @@ class DeviceLifecycle:
         #: recovery that holds ``recovery_mu``
         self._shutdown_owner: int | None = None
         self._shutdown_done = host.clock.event()
+        #: set when the golden job waited for now resolves, or by ``_interrupt`` (``mu``):
+        #: a shutdown ends a golden wait at once, not at ``golden_timeout_s``
+        self._golden_wake: threading.Event | None = None
         self._start_thread: int | None = None  # ident of the thread running ``start``
         self.failure: Status | None = None  # why the lifecycle is Failed
         #: the device was closed (by a failed start or a shutdown): never closed twice
@@ -546,13 +549,36 @@ class DeviceLifecycle:
         return tuple(out)
 
     def _run_internal(self, request: InferenceRequest) -> InferenceResult | Status:
+        """One golden job, waited for until its deadline, or until a shutdown interrupts the
+        start or recovery running it (``_interrupt``): a job still on the device then is
+        left to it (its generation keeps its buffers: they are freed only once the device
+        let go) and the golden run answers UNAVAILABLE at once. It waited for
+        ``golden_timeout_s`` whatever the shutdown's grace, which then answered
+        ``shutdown.recovery_busy`` (or ``start_busy``) with nothing torn down."""
         host = self._host
         handle = host.enqueue_internal(request)
         if not host.config.threads:
             while not handle.done:
                 if not (host.submit_one() or host.complete_one()):
                     break
-        return handle.wait_until(request.deadline)
+            return handle.wait_until(request.deadline)
+        wake = host.clock.event()
+        with self.mu:
+            self._golden_wake = wake
+            if self.stopping:
+                wake.set()
+        try:
+            handle.add_done_callback(lambda _handle: wake.set())
+            host.clock.wait_event(wake, host.clock.remaining(request.deadline))
+        finally:
+            with self.mu:
+                self._golden_wake = None
+        if handle.done or not self.stopping:
+            return handle.wait_until(request.deadline)
+        return Status.unavailable(
+            Phase.GOLDEN, "the golden run was stopped by shutdown() with its job still on "
+            f"the device (state {handle.state}); the job continues", job_id=handle.job_id,
+            seq_id=request.seq_id, generation=host.gen.id if host.gen else None)
 
     def fail(self, status: Status) -> None:
         """Lifecycle -> Failed with ``status`` as the reason; queued work is refused. Logged
@@ -906,8 +932,13 @@ class DeviceLifecycle:
         self._stop_admission(Status.unavailable(Phase.RECOVERY,
                                                 f"generation {gen.id} refused; retry later"))
         fenced = self._fence(gen, host.config.fence_grace_s)
-        drained = fenced and self._drain(policy.drain_grace_s)
-        if fenced and not drained and policy.reset_kind != "none":
+        # a start a shutdown interrupted (its golden job still on the device) neither waits
+        # nor resets: the job is left to the device and the generation kept, the shutdown's
+        # own drain (next, within what is left of its grace) releases it once the device let
+        # go; a drain of ``drain_grace_s`` here made the shutdown answer start_busy
+        interrupted = self.stopping
+        drained = fenced and self._drain(0.0 if interrupted else policy.drain_grace_s)
+        if fenced and not drained and policy.reset_kind != "none" and not interrupted:
             reset = self._reset(policy.reset_kind)
             drained = reset.ok and self._drain(policy.drain_grace_s)
         host.gen = None
@@ -1112,10 +1143,14 @@ class DeviceLifecycle:
 
     def _interrupt(self) -> None:
         """Stop admission (golden runs included) and cancel queued jobs: what a recovery in
-        progress waits for ends at once."""
+        progress waits for ends at once (a golden job's wait included, its job left on the
+        device)."""
         with self.mu:
             self.stopping = True
             self.admitting = False
+            wake = self._golden_wake
+        if wake is not None:  # a golden job's wait ends now, its job left on the device
+            wake.set()
         self._host.dispatch.cancel_pending()
         self._host.wake_waiters()
 

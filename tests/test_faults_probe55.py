@@ -199,3 +199,84 @@ def test_a_fault_of_the_switched_generation_is_not_covered_by_the_stale_recovery
         assert ex.life.run_pending_recovery() is None and ex.state == "Ready"
     finally:
         ex.shutdown(5.0)
+
+
+# ---- 4. a shutdown's interrupt ends a golden wait ---------------------------------------------
+def test_a_shutdown_ends_a_recovery_whose_golden_job_the_device_holds_within_its_grace(calbin):
+    """``shutdown(2.0)`` while a recovery warms up with its golden job on a device that
+    finishes nothing, ``golden_timeout_s`` 30: the shutdown interrupted the recovery at half
+    its grace, but the golden run went on waiting for its job until its own timeout, so the
+    shutdown answered ``shutdown.recovery_busy`` with nothing torn down (documented, as
+    "left for a golden job the device itself still holds"). The interrupt now ends the
+    golden wait: the job is left to the device (its generation kept), the recovery ends
+    Failed naming the shutdown, and the shutdown answers that failure within its grace."""
+    with running_executor(calbin, golden_timeout_s=30.0, execution_timeout_s=60.0,
+                          timeout_grace_s=60.0,
+                          recovery=RecoveryPolicy(drain_grace_s=0.2)) as ex:
+        emu = ex.device.emu
+        assert emu.set_stepped(True) == 0  # the device finishes nothing from now
+        try:
+            thread, out = _recover_in_thread(ex, reset=False)
+            until(lambda: ex.state == "Warming" and ex.snapshot()["completing"] == 1, 20,
+                  "the golden job on the device")
+            status = ex.shutdown(2.0)
+            assert status.code != "shutdown.recovery_busy", status
+            assert ex.state == "Failed" and status == ex.failure, (status, ex.state)
+            thread.join(30)
+            assert out and out[0] == ex.failure, out
+            assert "stopped by shutdown()" in out[0].message, out[0]
+            assert "the golden run was stopped by shutdown()" in out[0].message, out[0]
+            assert ex.gen is not None and ex.gen.id == 2 and not ex.gen.released, \
+                "the generation whose job is on the device was released"
+        finally:
+            emu.set_stepped(False)  # the device lets go: a later shutdown tears it down
+        until(lambda: ex.snapshot()["completing"] == 0, 20, "the golden job ended, late")
+        assert ex.shutdown(5.0) == ex.failure and ex.gen is None
+        assert emu.counters() == {}, "the device was never closed"
+
+
+class _SteppedDevices:
+    """The bundled runtime whose devices finish nothing from their open (stepped mode)."""
+
+    def __init__(self, runtime) -> None:
+        self._runtime = runtime
+
+    def open_device(self, config):
+        rc, device = self._runtime.open_device(config)
+        if rc == 0:
+            assert device.emu.set_stepped(True) == 0
+        return rc, device
+
+    def __getattr__(self, name):
+        return getattr(self._runtime, name)
+
+
+def test_a_shutdown_ends_a_start_whose_golden_job_the_device_holds_within_its_grace(calbin):
+    """The same for ``start()`` on another thread (a SIGTERM during the warm-up): its golden
+    job on the device, ``golden_timeout_s`` 30, a drain grace of 20 s: ``shutdown(2.0)``
+    answered ``shutdown.start_busy``. The interrupt ends the golden wait and the refused
+    generation's drain ends with the shutdown's grace; the start ends Failed naming the
+    shutdown, and the shutdown answers that."""
+    from calexec.drivers.calrt.runtime import CalRT
+    from calexec.machines.executor import DeviceExecutor, ExecutorConfig
+    from executor_harness import MANIFEST
+
+    ex = DeviceExecutor(_SteppedDevices(CalRT.load()), MANIFEST, ExecutorConfig(
+        calbin_path=calbin, golden_timeout_s=30.0, execution_timeout_s=60.0,
+        timeout_grace_s=60.0, recovery=RecoveryPolicy(drain_grace_s=20.0)))
+    out: list[Status] = []
+    start = threading.Thread(target=lambda: out.append(ex.start()), daemon=True)
+    start.start()
+    try:
+        until(lambda: ex.state == "Warming" and ex.snapshot()["completing"] == 1, 20,
+              "the golden job on the device")
+        status = ex.shutdown(2.0)
+        assert status.code != "shutdown.start_busy", status
+        start.join(30)
+        assert out and not out[0].ok and "interrupted by shutdown()" in out[0].message, out
+        assert status == out[0] and ex.state == "Failed", (status, ex.state)
+    finally:
+        if ex.device is not None:
+            ex.device.emu.set_stepped(False)
+        start.join(30)
+        ex.shutdown(5.0)
