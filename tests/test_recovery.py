@@ -550,7 +550,8 @@ def test_a_start_whose_golden_job_the_device_holds_waits_for_no_thread_it_cannot
 def test_a_recovery_a_shutdown_stopped_with_its_golden_job_on_the_device_says_so(calbins):
     """A shutdown interrupts a recovery whose golden job the device holds (stepped, never
     stepped): the golden run ends (since stop 55 at the interrupt, no longer at its timeout),
-    nothing can drain, and the lifecycle ends Failed, as documented. Its failure (what ``calexec serve`` prints as it exits 3) read
+    nothing can drain, and the lifecycle ends Failed, as documented. Its failure (what
+    ``calexec serve`` prints as it exits 3) read
     ``wait.deadline`` "wait_until deadline passed; the job continues", a DEADLINE that named
     no shutdown; it now says the shutdown stopped the recovery with its golden job on the
     device (``lifecycle.unavailable``, the golden's own Status in the message), as an
