@@ -243,6 +243,9 @@ class DeviceLifecycle:
         #: set when the golden job waited for now resolves, or by ``_interrupt`` (``mu``):
         #: a shutdown ends a golden wait at once, not at ``golden_timeout_s``
         self._golden_wake: threading.Event | None = None
+        #: the sequences whose KV went with the last generation that served and was
+        #: replaced (``KvCoordinator.gone_with_it``): each next generation is told (``_open``)
+        self._kv_gone: dict[int, tuple[int, int]] = {}
         self._start_thread: int | None = None  # ident of the thread running ``start``
         self.failure: Status | None = None  # why the lifecycle is Failed
         #: the device was closed (by a failed start or a shutdown): never closed twice
@@ -431,6 +434,9 @@ class DeviceLifecycle:
         if isinstance(gen, Status):
             return gen
         gen.kvc.on_busy = host.outcomes.release_armed_of  # armed jobs are guesses
+        # the sequences whose KV went with the generations before (an embedder's decode on
+        # one is told so)
+        gen.kvc.carry_dropped(self._kv_gone)
         host.gen = gen
         self._golden_ok = False
         host.dispatch.refuse(None)  # the new generation's own golden jobs may queue
@@ -818,6 +824,7 @@ class DeviceLifecycle:
                 self.fail(status)
                 return status
         record["reset_kind"] = policy.reset_kind if reset or reset_done else None
+        self._kv_gone = old.kvc.gone_with_it()  # (``_open`` tells generation+1)
         status = old.release(host.device)
         self._retire(old)
         host.gen = None

@@ -163,6 +163,25 @@ class KvCoordinator:
         #: implicit pre-arm, a decode stream's next step), so a guess never makes the
         #: sequence busy for a request
         self.on_busy: Callable[[int], None] | None = None
+        #: sequences whose KV went with an earlier generation (a recovery or model switch),
+        #: not used in this one since: seq_id -> (that generation, its committed length).
+        #: Set by the lifecycle before this generation admits anything (``carry_dropped``);
+        #: a job past the committed length of one is told which generation dropped its KV
+        self.dropped: dict[int, tuple[int, int]] = {}
+
+    def gone_with_it(self) -> dict[int, tuple[int, int]]:
+        """What a generation replacing this one is told (``dropped``): this generation's
+        sequences with KV, and those it was told of and never used."""
+        with self.admission_mu:
+            gone = dict(self.dropped)
+            gone.update({seq: (self.generation_id, view.committed_len)
+                         for seq, view in self.seqs.items() if view.committed_len > 0})
+        return gone
+
+    def carry_dropped(self, gone: dict[int, tuple[int, int]]) -> None:
+        """The generation this one replaces answered ``gone_with_it``: ``gone``."""
+        with self.admission_mu:
+            self.dropped = dict(gone)
 
     # ---- helpers -----------------------------------------------------------------------------
     def blocks_for(self, tokens: int) -> int:
@@ -267,10 +286,15 @@ class KvCoordinator:
                     f"sequence {seq_id} is busy ({view.open_txn or view.next_txn!r}); a "
                     "sequence runs one job at a time", **ctx)
             if past_len > view.committed_len:
+                gone = self.dropped.get(seq_id) if not view.committed_len else None
+                why = "" if gone is None else (
+                    f": its KV ({gone[1]} tokens committed in generation {gone[0]}) went with "
+                    f"generation {gone[0]}, replaced by generation {self.generation_id} (a "
+                    "recovery or model switch); prefill it again from past_len=0")
                 return Status.failure(
                     "kv.past_len_beyond_committed", Category.INVALID_REQUEST, Phase.ADMISSION,
                     f"past_len={past_len} is beyond the committed length {view.committed_len} "
-                    f"of sequence {seq_id}", **ctx)
+                    f"of sequence {seq_id}{why}", **ctx)
             # Claim the sequence while waiting so a second job cannot interleave with this one.
             view.open_txn = claim = _Claim(seq_id)
             old_reserved = view.reserved_len
@@ -291,6 +315,7 @@ class KvCoordinator:
             view.reserved_len = apply_target
             txn = KvTxn(seq_id, past_len, target, old_reserved, self.generation_id)
             view.open_txn = txn
+            self.dropped.pop(seq_id, None)  # used in this generation: its own from now
         return txn
 
     def _unclaim(self, seq_id: int, claim: _Claim) -> None:
@@ -545,6 +570,7 @@ class KvCoordinator:
                                      seq_id=seq_id)
         with self.admission_mu:
             self.seqs[seq_id] = SeqView(seq_id)
+            self.dropped.pop(seq_id, None)  # released by its owner: nothing to tell
             self._bump()
         return Status.OK
 

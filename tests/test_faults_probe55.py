@@ -280,3 +280,28 @@ def test_a_shutdown_ends_a_start_whose_golden_job_the_device_holds_within_its_gr
             ex.device.emu.set_stepped(False)
         start.join(30)
         ex.shutdown(5.0)
+
+
+# ---- 5. an embedder's decode after a model switch ----------------------------------------------
+def test_a_decode_whose_kv_went_with_a_switched_generation_says_so(calbin):
+    """An embedder's sequence with 5 tokens committed in generation 1, then ``switch_model``:
+    its next decode answered ``kv.past_len_beyond_committed`` "past_len=5 is beyond the
+    committed length 0 of sequence 1", true, but it reads as the embedder's own bookkeeping
+    error. Same code (400-class, llama's -1: the job is refused as asked), and the message
+    says the KV went with generation 1, replaced by generation 2, and to prefill again. A
+    sequence prefilled again, or released, in generation 2 is its own again."""
+    from executor_harness import decode, deadline
+
+    with running_executor(calbin) as ex:
+        first = ex.enqueue(prefill(1, [1, 2, 3, 4, 5])).wait_until(deadline())
+        assert not isinstance(first, Status), first
+        assert ex.switch_model(calbin).ok and ex.gen.id == 2
+        status = ex.enqueue(decode(1, first.argmax, first.kv_len)).wait_until(deadline())
+        assert isinstance(status, Status) and status.code == "kv.past_len_beyond_committed"
+        assert status.category is Category.INVALID_REQUEST
+        assert "went with generation 1, replaced by generation 2" in status.message, status
+        assert "5 tokens committed in generation 1" in status.message, status
+        again = ex.enqueue(prefill(1, [1, 2, 3, 4, 5])).wait_until(deadline())
+        assert not isinstance(again, Status), again
+        beyond = ex.enqueue(decode(1, again.argmax, again.kv_len + 3)).wait_until(deadline())
+        assert isinstance(beyond, Status) and "generation 1" not in beyond.message, beyond
