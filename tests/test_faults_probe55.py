@@ -18,9 +18,14 @@ import httpx  # noqa: E402
 
 from calexec.contracts.errors import Category  # noqa: E402
 from calexec.contracts.status import Phase, Status  # noqa: E402
+from calexec.drivers.calrt.runtime import CalRT  # noqa: E402
 from calexec.drivers.serving.server import ServerConfig, create_app  # noqa: E402
+from calexec.machines.executor import DeviceExecutor, ExecutorConfig  # noqa: E402
 from calexec.machines.faults import Action, RecoveryPolicy  # noqa: E402
 from executor_harness import (  # noqa: E402
+    MANIFEST,
+    deadline,
+    decode,
     make_executor,
     prefill,
     running_executor,
@@ -257,10 +262,6 @@ def test_a_shutdown_ends_a_start_whose_golden_job_the_device_holds_within_its_gr
     answered ``shutdown.start_busy``. The interrupt ends the golden wait and the refused
     generation's drain ends with the shutdown's grace; the start ends Failed naming the
     shutdown, and the shutdown answers that."""
-    from calexec.drivers.calrt.runtime import CalRT
-    from calexec.machines.executor import DeviceExecutor, ExecutorConfig
-    from executor_harness import MANIFEST
-
     ex = DeviceExecutor(_SteppedDevices(CalRT.load()), MANIFEST, ExecutorConfig(
         calbin_path=calbin, golden_timeout_s=30.0, execution_timeout_s=60.0,
         timeout_grace_s=60.0, recovery=RecoveryPolicy(drain_grace_s=20.0)))
@@ -290,8 +291,6 @@ def test_a_decode_whose_kv_went_with_a_switched_generation_says_so(calbin):
     error. Same code (400-class, llama's -1: the job is refused as asked), and the message
     says the KV went with generation 1, replaced by generation 2, and to prefill again. A
     sequence prefilled again, or released, in generation 2 is its own again."""
-    from executor_harness import decode, deadline
-
     with running_executor(calbin) as ex:
         first = ex.enqueue(prefill(1, [1, 2, 3, 4, 5])).wait_until(deadline())
         assert not isinstance(first, Status), first
