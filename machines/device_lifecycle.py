@@ -315,9 +315,14 @@ class DeviceLifecycle:
         return self._asked() or self.run.state in (LIFECYCLE_DRAINING, LIFECYCLE_RECOVERING)
 
     def _asked(self) -> bool:
-        """A recovery the controller asked for has not moved the lifecycle yet: pending, or
-        claimed by the thread that runs it (read with or without ``mu``: two fields)."""
-        return self._pending_recovery is not None or self._claimed is not None
+        """A recovery the controller asked for the current generation has not moved the
+        lifecycle yet: pending, or claimed by the thread that runs it (read with or without
+        ``mu``: a few fields). One pending for a generation since replaced (a model switch
+        went live first) covers nothing: it is dropped when its turn comes."""
+        gen = self._host.gen
+        return self._claimed is not None or (
+            self._pending_recovery is not None
+            and (gen is None or gen.id == self._pending_gen))
 
     @property
     def recovery_active(self) -> bool:
@@ -652,14 +657,13 @@ class DeviceLifecycle:
             self.fail(decision.status)
             return
         with self.mu:
-            current = self._host.gen.id if self._host.gen is not None else None
-            if self.run.state != LIFECYCLE_READY or (
-                    self._asked() and current in (self._pending_gen, None)):
+            if self.run.state != LIFECYCLE_READY or self._asked():
                 return  # already draining/recovering: one recovery covers it
             # (one asked for a generation since replaced is superseded: its thread, waiting
             # for ``recovery_mu``, runs this one instead)
-            superseded = self._asked()
-            self._pending_recovery, self._pending_gen = decision, current
+            superseded = self._pending_recovery is not None
+            self._pending_recovery = decision
+            self._pending_gen = self._host.gen.id if self._host.gen is not None else None
             self.admitting = False  # stop admission at once (§8 Device row)
         if self._host.config.threads and not superseded:
             self._recovery_thread = self._host.clock.start_thread(self._supervised_recovery,

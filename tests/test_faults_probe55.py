@@ -189,14 +189,17 @@ def test_a_recovery_decided_for_a_generation_a_model_switch_replaced_is_dropped(
 def test_a_fault_of_the_switched_generation_is_not_covered_by_the_stale_recovery(calbin):
     """The same order, and a fault of generation 2 reported before the stale recovery's
     turn: it is not "covered" by the decision pending for generation 1 (dropped when its turn
-    comes), it replaces it, and generation 2 is recovered once."""
+    comes): it counts against the escalation budget as any first fault of an incident does,
+    replaces the stale decision, and generation 2 is recovered once."""
     ex = make_executor(calbin, threads=False)
     try:
         ex.faults.report(Status.failure("device.ccu_exception", Category.DEVICE, Phase.STATUS,
                                         "a fault of generation 1", generation=1))
         assert ex.switch_model(calbin).ok and ex.gen.id == 2
+        assert not ex.life.recovery_under_way()  # the stale decision covers no fault of 2
         ex.faults.report(Status.failure("device.ccu_exception", Category.DEVICE, Phase.STATUS,
                                         "a fault of generation 2", generation=2))
+        assert "not counted" not in ex.faults.last().reason, ex.faults.last()
         assert not ex.life.admitting  # stopped at once for generation 2's own fault
         assert ex.life.run_pending_recovery().ok
         assert ex.gen.id == 3 and len(ex.recoveries) == 2, ex.recoveries
