@@ -735,6 +735,7 @@ class DeviceLifecycle:
         if not isinstance(calbin_path, str):
             return switch_check.refused("path_required", repr(calbin_path)[:200],
                                         "a calbin file path (a str) is required")
+        self._refuse_within_recovery("switch_model")
         return self.recover(Status.failure("lifecycle.model_switch", Category.LIFECYCLE,
                                            Phase.RECOVERY, f"switch to {calbin_path!r}"),
                             reset=False, calbin_path=calbin_path)
@@ -743,8 +744,21 @@ class DeviceLifecycle:
                 calbin_path: str | None = None) -> Status:
         """Drain, optionally reset, tear down the generation, open generation+1 of
         ``calbin_path`` (default: the current calbin), run the golden, reopen admission."""
+        self._refuse_within_recovery("recover")
         with self._recovery_mu:
             return self._recover_held(reason, reset, calbin_path)
+
+    def _refuse_within_recovery(self, call: str) -> None:
+        """RuntimeError naming ``call`` when this thread runs a recovery or model switch now
+        (a done callback of a job that recovery resolved: a fenced one, or in stepped mode
+        any job its drain completes): ``recovery_mu`` is not reentrant, and the call waited
+        for it, on the thread holding it, for ever (the lifecycle stuck in Draining)."""
+        if self._recovery_owner == threading.get_ident():
+            raise RuntimeError(
+                f"DeviceExecutor.{call}() called on the thread running a recovery or model "
+                f"switch ({threading.current_thread().name}; from a done callback?): it would "
+                "wait for itself; a done callback must only hand the result on "
+                "(docs/embedding.md section 4)")
 
     def _recover_held(self, reason: Status, reset: bool, calbin_path: str | None) -> Status:
         """``recover`` with ``recovery_mu`` held by this thread."""

@@ -443,12 +443,16 @@ class DeviceExecutor(SequenceOwnership):
     def recover(self, reason: Status, reset: bool = True,
                 calbin_path: str | None = None) -> Status:
         """Drain, optionally reset, replace the generation, golden, reopen admission
-        (``DeviceLifecycle.recover``)."""
+        (``DeviceLifecycle.recover``). Called on the submitter or completion thread (a done
+        callback) it raises RuntimeError, changing nothing (``_refuse_on_worker_thread``)."""
+        self._refuse_on_worker_thread("recover")
         return self.life.recover(reason, reset, calbin_path)
 
     def switch_model(self, calbin_path: str | os.PathLike[str]) -> Status:
         """Model switch through the lifecycle; a refused calbin rolls back
-        (``DeviceLifecycle.switch_model``)."""
+        (``DeviceLifecycle.switch_model``). Called on the submitter or completion thread (a
+        done callback) it raises RuntimeError, changing nothing (``_refuse_on_worker_thread``)."""
+        self._refuse_on_worker_thread("switch_model")
         return self.life.switch_model(calbin_path)
 
     def check_calbin(self, calbin_path: object, max_bytes: int | None = None) -> Status:
@@ -1231,8 +1235,10 @@ class DeviceExecutor(SequenceOwnership):
         failed to join its own thread ("cannot join current thread") and left the lifecycle
         Draining; ``decode_sync`` there waited for a job only that same thread can complete,
         stalling every other job until the deadline; ``enqueue`` there stalled them the same
-        way whenever its admission waited for KV or a buffer. Each is refused before anything
-        changes."""
+        way whenever its admission waited for KV or a buffer; ``recover`` and ``switch_model``
+        there drained a generation whose job that very thread holds, for ``drain_grace_s``
+        twice around a reset, and ended the lifecycle Failed (``recovery.not_drained``). Each
+        is refused before anything changes."""
         current = threading.current_thread()
         if current in self._threads:  # a list of two: identity, at C speed
             raise RuntimeError(

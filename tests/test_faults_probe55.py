@@ -307,3 +307,68 @@ def test_a_decode_whose_kv_went_with_a_switched_generation_says_so(calbin):
         assert not isinstance(again, Status), again
         beyond = ex.enqueue(decode(1, again.argmax, again.kv_len + 3)).wait_until(deadline())
         assert isinstance(beyond, Status) and "generation 1" not in beyond.message, beyond
+
+
+# ---- 6. a recovery or model switch asked for from a done callback ------------------------------
+@pytest.mark.parametrize("call", ["switch_model", "recover"])
+def test_a_switch_or_recovery_from_a_done_callback_raises_naming_it_and_changes_nothing(
+        calbin, call):
+    """A done callback runs on ``calexec-completion``. ``switch_model()`` or ``recover()``
+    there drained the generation while the job whose callback runs is still that thread's
+    (the drain cannot end), waited out ``drain_grace_s``, reset the device, drained as long
+    again and ended the lifecycle Failed (``recovery.not_drained``: the process should exit
+    for its supervisor) for a call docs/embedding.md section 4 forbids, as it forbids
+    ``shutdown()``, ``decode_sync()`` and ``enqueue()`` there, which raise at once. Both now
+    raise the same RuntimeError naming the call and the thread, and the executor serves on."""
+    with running_executor(calbin, recovery=RecoveryPolicy(drain_grace_s=0.2)) as ex:
+        seen: dict[str, object] = {}
+        ran = threading.Event()
+
+        def callback(_handle) -> None:
+            seen["thread"] = threading.current_thread().name
+            try:
+                seen["answer"] = (ex.switch_model(calbin) if call == "switch_model" else
+                                  ex.recover(DEVICE_FAULT))
+            except RuntimeError as exc:
+                seen["error"] = str(exc)
+            finally:
+                ran.set()
+
+        handle = ex.enqueue(prefill(1, [1, 2, 3]),
+                            on_created=lambda h: h.add_done_callback(callback))
+        first = handle.wait_until(deadline())
+        assert not isinstance(first, Status), first
+        assert ran.wait(30)
+        assert seen["thread"] == "calexec-completion"
+        assert "answer" not in seen, seen
+        assert f"{call}()" in str(seen["error"]) and "calexec-completion" in str(seen["error"])
+        assert ex.state == "Ready" and ex.gen.id == 1 and ex.recoveries == []
+        again = ex.enqueue(prefill(2, [1, 2, 3])).wait_until(deadline())
+        assert not isinstance(again, Status), again
+
+
+def test_a_switch_from_a_done_callback_a_recovery_runs_raises_instead_of_waiting_for_itself(
+        calbin):
+    """Stepped mode: the recovery's drain completes a job on the thread running the recovery,
+    and the job's done callback asks for ``switch_model``: it waited for the recovery lock
+    that very thread holds, for ever (the lifecycle stuck in Draining). It raises a
+    RuntimeError naming the call, and the recovery goes on."""
+    ex = make_executor(calbin, threads=False, recovery=RecoveryPolicy(drain_grace_s=0.2))
+    seen: dict[str, object] = {}
+
+    def callback(_handle) -> None:
+        try:
+            seen["answer"] = ex.switch_model(calbin)
+        except RuntimeError as exc:
+            seen["error"] = str(exc)
+
+    try:
+        ex.enqueue(prefill(1, [1, 2, 3]), on_created=lambda h: h.add_done_callback(callback))
+        thread, out = _recover_in_thread(ex)
+        thread.join(30)
+        assert not thread.is_alive(), "the recovery waits for itself"
+        assert "answer" not in seen and "switch_model()" in str(seen["error"]), seen
+        assert out and out[0].ok and ex.gen.id == 2 and ex.state == "Ready", out
+    finally:
+        if not thread.is_alive():
+            ex.shutdown(5.0)
