@@ -208,6 +208,10 @@ class DeviceLifecycle:
         #: the decision a recovery thread claimed (holding ``recovery_mu``) and has not yet
         #: moved the lifecycle to Draining for (``mu``): still a recovery under way
         self._claimed: Decision | None = None
+        #: a fault calling for a reset (§8 DEVICE, UNKNOWN, INTERNAL) met while a recovery
+        #: that asked for none (a model switch, a LIFECYCLE rebuild) drains (``mu``): that
+        #: recovery resets the device before it tears the generation down
+        self._reset_for: Status | None = None
         #: controller recoveries dropped: asked for a generation a model switch (or another
         #: recovery) had already replaced when their turn came (``run_pending_recovery``)
         self.dropped_recoveries = 0
@@ -657,6 +661,11 @@ class DeviceLifecycle:
             self.fail(decision.status)
             return
         with self.mu:
+            if (decision.action is Action.RESET_REBUILD and not self.stopping
+                    and self.run.state in (LIFECYCLE_DRAINING, LIFECYCLE_RECOVERING)):
+                # the recovery under way covers it, with the reset it calls for (a model
+                # switch went on without one: the next generation on an unreset device)
+                self._reset_for = decision.status
             if self.run.state != LIFECYCLE_READY or self._asked():
                 return  # already draining/recovering: one recovery covers it
             # (one asked for a generation since replaced is superseded: its thread, waiting
@@ -792,6 +801,7 @@ class DeviceLifecycle:
                                           f"cannot recover from lifecycle {self.run.state}")
             self.run.send(LIFECYCLE_EV_DRAIN)
             self._claimed = None  # under way as Draining from here
+            self._reset_for = None
         unavailable = Status.unavailable(Phase.RECOVERY,
                                          f"device recovering after {reason.code}; retry later")
         self._stop_admission(unavailable)
@@ -829,11 +839,18 @@ class DeviceLifecycle:
             return status
         old = host.gen
         old.pool.quarantine_all()  # invariant 8: every old-generation slot
+        with self.mu:
+            met, self._reset_for = self._reset_for, None
+        if met is not None and not reset and not reset_done:
+            log.warning("%s met while the %s drained: the device is reset before generation %d "
+                        "is torn down", met, reason.code, old.id)
+            reset = True
         if reset and not reset_done:
             if policy.reset_kind == "none":
                 # a device fault needs a reset the runtime cannot give safely: stop (§9.1)
                 status = Status.failure("recovery.no_safe_reset", Category.DEVICE,
-                                        Phase.RECOVERY, f"{reason.code} needs a device reset "
+                                        Phase.RECOVERY, f"{(met or reason).code} needs a "
+                                        "device reset "
                                         "and reset_kind=none; the process should exit for its "
                                         "supervisor", **self._gctx())
             else:

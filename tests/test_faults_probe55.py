@@ -18,12 +18,13 @@ import httpx  # noqa: E402
 
 from calexec.contracts.errors import Category  # noqa: E402
 from calexec.contracts.status import Phase, Status  # noqa: E402
-from calexec.drivers.calrt.runtime import CalRT  # noqa: E402
+from calexec.drivers.calrt.runtime import CalRT, Stage  # noqa: E402
 from calexec.drivers.serving.server import ServerConfig, create_app  # noqa: E402
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig  # noqa: E402
 from calexec.machines.faults import Action, RecoveryPolicy  # noqa: E402
 from executor_harness import (  # noqa: E402
     MANIFEST,
+    arm,
     deadline,
     decode,
     make_executor,
@@ -41,6 +42,19 @@ DEVICE_FAULT = Status.failure("device.ccu_exception", Category.DEVICE, Phase.REC
 @pytest.fixture(scope="module")
 def calbin(tmp_path_factory):
     return write_calbin(tmp_path_factory.mktemp("probe55"))
+
+
+def _on_device(ex, jobs: int) -> bool:
+    """The device holds ``jobs`` jobs (queued or running on its engines): the emulator's own
+    count, not the executor's completion queue, which still holds the start's last golden
+    job for a moment after ``start()`` returned."""
+    if ex.device is None:  # not opened yet
+        return False
+    held = 0
+    for engine in (0, 1):
+        rc, count, _stage = ex.device.emu.pending(engine)
+        held += count if rc == 0 else 0
+    return held == jobs
 
 
 def _recover_in_thread(ex, reason: Status = DEVICE_FAULT, **kw) -> tuple[threading.Thread,
@@ -68,7 +82,7 @@ def test_a_job_the_recovery_s_own_reset_aborts_ends_retryable_and_downgrades_not
         assert emu.set_stepped(True) == 0  # the device finishes nothing from now
         try:
             handles = [ex.enqueue(prefill(seq, [1, 2, 3])) for seq in (1, 2)]
-            until(lambda: ex.snapshot()["completing"] == 2, 20, "both jobs on the device")
+            until(lambda: _on_device(ex, 2), 20, "both jobs on the device")
             decided = len(ex.faults.decisions)
             thread, out = _recover_in_thread(ex)
             until(lambda: all(h.done for h in handles), 30, "the reset to abort both jobs")
@@ -108,7 +122,7 @@ def test_a_request_whose_job_the_recovery_s_reset_aborted_gets_503_without_resum
                     "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4})),
                     daemon=True)
                 request.start()
-                wait_for(lambda: executor.snapshot()["completing"] == 1, 30,
+                wait_for(lambda: _on_device(executor, 1), 30,
                          "the request's job on the device")
                 thread, out = _recover_in_thread(executor)
                 request.join(30)
@@ -225,7 +239,7 @@ def test_a_shutdown_ends_a_recovery_whose_golden_job_the_device_holds_within_its
         assert emu.set_stepped(True) == 0  # the device finishes nothing from now
         try:
             thread, out = _recover_in_thread(ex, reset=False)
-            until(lambda: ex.state == "Warming" and ex.snapshot()["completing"] == 1, 20,
+            until(lambda: ex.state == "Warming" and _on_device(ex, 1), 20,
                   "the golden job on the device")
             status = ex.shutdown(2.0)
             assert status.code != "shutdown.recovery_busy", status
@@ -272,7 +286,7 @@ def test_a_shutdown_ends_a_start_whose_golden_job_the_device_holds_within_its_gr
     start = threading.Thread(target=lambda: out.append(ex.start()), daemon=True)
     start.start()
     try:
-        until(lambda: ex.state == "Warming" and ex.snapshot()["completing"] == 1, 20,
+        until(lambda: ex.state == "Warming" and _on_device(ex, 1), 20,
               "the golden job on the device")
         status = ex.shutdown(2.0)
         assert status.code != "shutdown.start_busy", status
@@ -372,3 +386,37 @@ def test_a_switch_from_a_done_callback_a_recovery_runs_raises_instead_of_waiting
     finally:
         if not thread.is_alive():
             ex.shutdown(5.0)
+
+
+# ---- 7. a device fault met while a model switch drains -----------------------------------------
+def test_a_device_fault_met_while_a_model_switch_drains_resets_the_device(calbin):
+    """``switch_model`` drains the serving generation (no reset: a switch asks for none), and
+    a job of it ends with a CCU exception meanwhile (§8 DEVICE: quarantine, reset, rebuild).
+    The fault controller's recovery was refused (a recovery is under way: the switch) and the
+    switch tore the generation down and configured the next one on the device without the
+    reset the fault calls for. The switch under way now resets the device before the
+    teardown, as the recovery it stands for would have."""
+    with running_executor(calbin, execution_timeout_s=60.0, timeout_grace_s=60.0,
+                          recovery=RecoveryPolicy(drain_grace_s=30.0)) as ex:
+        emu = ex.device.emu
+        arm(ex, "CCU_EXCEPTION")  # the next job submitted ends DONE_CCU_EXCEPTION
+        assert emu.set_stepped(True) == 0  # ... when the test steps it
+        try:
+            handle = ex.enqueue(prefill(1, [1, 2, 3]))
+            until(lambda: _on_device(ex, 1), 20, "the job on the device")
+            out: list[Status] = []
+            thread = threading.Thread(target=lambda: out.append(ex.switch_model(calbin)),
+                                      daemon=True)
+            thread.start()
+            until(lambda: ex.state == "Draining", 20, "the switch draining")
+            assert emu.step(0, Stage.JOB)[0] == 0  # the job ends: a CCU exception
+            status = handle.wait_until(deadline())
+            assert isinstance(status, Status) and status.code == "device.ccu_exception", status
+        finally:
+            emu.set_stepped(False)
+        thread.join(30)
+        assert out and out[0].ok and ex.gen.id == 2, out
+        record = ex.recoveries[-1]
+        assert record["reason"] == "lifecycle.model_switch", record
+        assert record["reset_kind"] == "reset", record
+        assert ex.life.run_pending_recovery() is None and len(ex.recoveries) == 1
