@@ -974,12 +974,13 @@ class DeviceLifecycle:
         self._stop_admission(Status.unavailable(Phase.RECOVERY,
                                                 f"generation {gen.id} refused; retry later"))
         fenced = self._fence(gen, host.config.fence_grace_s)
-        # a start a shutdown interrupted (its golden job still on the device) neither waits
-        # nor resets: the job is left to the device and the generation kept, the shutdown's
-        # own drain (next, within what is left of its grace) releases it once the device let
-        # go; a drain of ``drain_grace_s`` here made the shutdown answer start_busy
+        # a start a shutdown interrupted (its golden job still on the device) waits only for
+        # its queued jobs to be failed, and does not reset: the job is left to the device and
+        # the generation kept, the shutdown's own drain (next, within what is left of its
+        # grace) releases it once the device let go; a drain of ``drain_grace_s`` here made
+        # the shutdown answer start_busy
         interrupted = self.stopping
-        drained = fenced and self._drain(0.0 if interrupted else policy.drain_grace_s)
+        drained = fenced and self._drain(policy.drain_grace_s, device_too=not interrupted)
         if fenced and not drained and policy.reset_kind != "none" and not interrupted:
             reset = self._reset(policy.reset_kind)
             drained = reset.ok and self._drain(policy.drain_grace_s)
@@ -1053,9 +1054,11 @@ class DeviceLifecycle:
             while host.dispatch.has_work() and host.submit_one():
                 pass
 
-    def _drain(self, grace: float) -> bool:
+    def _drain(self, grace: float, device_too: bool = True) -> bool:
         """Wait until every queued job was failed or submitted and every submitted job
-        returned from Wait (or the grace ends: bounded)."""
+        returned from Wait (or the grace ends: bounded). ``device_too`` False: wait only for
+        the queued ones (the submitter fails them at once once cancelled), then answer
+        whether everything drained, never waiting for a job on the device."""
         host = self._host
         clock = host.clock
         deadline = clock.monotonic() + grace
@@ -1065,6 +1068,10 @@ class DeviceLifecycle:
                     pass
             if self.all_submitted_drained():
                 return True
+            if not device_too:
+                queue = host.dispatch.snapshot()
+                if not (queue["queued"] or queue["armed"] or queue["handing_off"]):
+                    return False
             if clock.monotonic() >= deadline:
                 return False
             clock.sleep(0.002)
