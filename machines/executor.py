@@ -1343,6 +1343,7 @@ class DeviceExecutor(SequenceOwnership):
             "dispatch": dispatch,
             "slots": None if pool is None else pool.counts(),
             "recoveries": len(self.life.recoveries),
+            "recoveries_dropped": self.life.dropped_recoveries,
             "golden": self.life.golden_source,
             "allow_unpinned_golden": self.config.allow_unpinned_golden,
             "thread_faults": len(self.thread_faults),

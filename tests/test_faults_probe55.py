@@ -33,7 +33,12 @@ from executor_harness import (  # noqa: E402
     until,
     write_calbin,
 )
-from test_server_support import LiveServer, started_executor, wait_for  # noqa: E402
+from test_server_support import (  # noqa: E402
+    LiveServer,
+    metric_value,
+    started_executor,
+    wait_for,
+)
 
 DEVICE_FAULT = Status.failure("device.ccu_exception", Category.DEVICE, Phase.RECOVERY,
                               "the test's reason")
@@ -196,6 +201,9 @@ def test_a_recovery_decided_for_a_generation_a_model_switch_replaced_is_dropped(
         assert ex.gen.id == 2 and len(ex.recoveries) == 1, ex.recoveries
         assert ex.life.dropped_recoveries == 1 and not ex.life.recovery_under_way()
         assert ex.state == "Ready" and ex.life.admitting
+        assert ex.snapshot()["recoveries_dropped"] == 1
+        text = create_app(ex).state.service.metrics.exposition().decode()
+        assert metric_value(text, "calexec_recoveries_dropped_total") == 1, text
     finally:
         ex.shutdown(5.0)
 

@@ -113,6 +113,11 @@ class _ExecutorCollector(Collector):
                                          "run by the executor; model switches not included.")
         recoveries.add_metric([], snap["recoveries"])
         yield recoveries
+        dropped = CounterMetricFamily("calexec_recoveries_dropped",
+                                      "Fault recoveries dropped unrun: asked for a generation a "
+                                      "model switch had replaced when their turn came.")
+        dropped.add_metric([], snap.get("recoveries_dropped", 0))
+        yield dropped
         switches = CounterMetricFamily("calexec_model_switches",
                                        "Model switches (POST /admin/reload) by outcome: ok, "
                                        "failed (rolled back or lifecycle failed).",
