@@ -209,8 +209,8 @@ class DeviceLifecycle:
         #: moved the lifecycle to Draining for (``mu``): still a recovery under way
         self._claimed: Decision | None = None
         #: a fault calling for a reset (§8 DEVICE, UNKNOWN, INTERNAL) met while a recovery
-        #: that asked for none (a model switch, a LIFECYCLE rebuild) drains (``mu``): that
-        #: recovery resets the device before it tears the generation down
+        #: that asked for none (a model switch, a LIFECYCLE rebuild) is pending or drains
+        #: (``mu``): that recovery resets the device before it tears the generation down
         self._reset_for: Status | None = None
         #: controller recoveries dropped: asked for a generation a model switch (or another
         #: recovery) had already replaced when their turn came (``run_pending_recovery``)
@@ -661,10 +661,12 @@ class DeviceLifecycle:
             self.fail(decision.status)
             return
         with self.mu:
-            if (decision.action is Action.RESET_REBUILD and not self.stopping
-                    and self.run.state in (LIFECYCLE_DRAINING, LIFECYCLE_RECOVERING)):
-                # the recovery under way covers it, with the reset it calls for (a model
-                # switch went on without one: the next generation on an unreset device)
+            if (decision.action is Action.RESET_REBUILD and not self.stopping and (
+                    self._asked() or self.run.state in (LIFECYCLE_DRAINING,
+                                                        LIFECYCLE_RECOVERING))):
+                # the recovery asked for or under way covers it, with the reset it calls for
+                # (a model switch, or a rebuild asked for a LIFECYCLE fault, went on without
+                # one: the next generation on a device never reset)
                 self._reset_for = decision.status
             if self.run.state != LIFECYCLE_READY or self._asked():
                 return  # already draining/recovering: one recovery covers it
@@ -719,6 +721,8 @@ class DeviceLifecycle:
             if decision is None:
                 return None
             if stale:
+                with self.mu:
+                    self._reset_for = None  # a fault of the replaced generation
                 self.dropped_recoveries += 1
                 log.warning("recovery for generation %s dropped: generation %s serves since "
                             "(a model switch or another recovery replaced it); was: %s -> %s",
@@ -782,6 +786,8 @@ class DeviceLifecycle:
             status = self._recover(reason, reset, calbin_path, progress)
         finally:
             self._recovery_owner = None
+            with self.mu:
+                self._reset_for = None  # (met by this recovery, or too late for its reset)
         record: RecoveryRecord = {
             "reason": reason.code, "reset": reset, "from_generation": from_generation,
             **progress, "ok": status.ok, "status": status.code,
@@ -801,7 +807,6 @@ class DeviceLifecycle:
                                           f"cannot recover from lifecycle {self.run.state}")
             self.run.send(LIFECYCLE_EV_DRAIN)
             self._claimed = None  # under way as Draining from here
-            self._reset_for = None
         unavailable = Status.unavailable(Phase.RECOVERY,
                                          f"device recovering after {reason.code}; retry later")
         self._stop_admission(unavailable)

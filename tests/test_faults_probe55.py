@@ -428,3 +428,21 @@ def test_a_device_fault_met_while_a_model_switch_drains_resets_the_device(calbin
         assert record["reason"] == "lifecycle.model_switch", record
         assert record["reset_kind"] == "reset", record
         assert ex.life.run_pending_recovery() is None and len(ex.recoveries) == 1
+
+
+def test_a_device_fault_while_a_rebuild_without_reset_is_pending_gets_its_reset(calbin):
+    """A LIFECYCLE fault asks for a rebuild without a reset (§8: drain and check the
+    generation); a DEVICE fault reported before that rebuild ran was "covered" by it, and
+    the rebuild ran without the reset the device fault calls for. It resets now."""
+    ex = make_executor(calbin, threads=False)
+    try:
+        ex.faults.report(Status.failure("calrt.configure_failed", Category.LIFECYCLE,
+                                        Phase.STATUS, "a lifecycle fault", generation=1))
+        assert ex.life.recovery_pending and ex.faults.last().action is Action.REBUILD
+        ex.faults.report(DEVICE_FAULT.with_context(generation=1))
+        assert ex.life.run_pending_recovery().ok and ex.gen.id == 2
+        record = ex.recoveries[-1]
+        assert record["reason"] == "calrt.configure_failed" and record["reset_kind"] == "reset"
+        assert len(ex.recoveries) == 1 and ex.life.run_pending_recovery() is None
+    finally:
+        ex.shutdown(5.0)
