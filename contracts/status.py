@@ -219,8 +219,8 @@ class Status:
         UNAVAILABLE (503, retry once the device is Ready again)."""
         return cls.failure("recovery.job_aborted", Category.UNAVAILABLE, Phase.STATUS,
                            f"GetStatus()=ABORTED after Wait(): the executor's own device {reset} "
-                           "(a recovery) aborted the job before it finished; its output was not "
-                           "written; retry", **ctx)
+                           "(a recovery, or a refused generation torn down) aborted the job "
+                           "before it finished; its output was not written; retry", **ctx)
 
     @classmethod
     def invalid(cls, step: int, message: str, **ctx: Unpack[StatusIds]) -> Status:
