@@ -34,7 +34,7 @@ import re
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
 from types import MappingProxyType
 from typing import Any, Protocol
 
@@ -183,6 +183,19 @@ class CompiledChart:
                                self.declared, transition.source.id, str(event))
             record = found[0] if found else None
         return record
+
+    def history_defaults(self, transition: DeclaredTransition,
+                         recorded: Container[str]) -> tuple[Transition, ...]:
+        """The records of the history defaults a python-statemachine instance took with
+        ``transition``: the default (``h.to(c)``) of each history state it targets that had
+        recorded nothing (``recorded``: the ids of the histories that have, after the
+        transition; its own exits record before it enters, so one absent was empty)."""
+        found = []
+        for target in transition.targets:
+            if getattr(target, "is_history", False) and target.id not in recorded:
+                found += [record for default in target.transitions
+                          if (record := self.by_declared.get((id(default), ""))) is not None]
+        return tuple(found)
 
     def matching(self, state: str, event: object) -> tuple[Transition, ...] | None:
         """The records a flat run tries for ``event`` in ``state`` when the table has no slot
@@ -806,6 +819,23 @@ def compile_chart(declaration: type[StateChart[Any]], name: str | None = None) -
                 sources.append(declared)
             for alias, dotted in aliases.items():
                 by_declared[(id(declared), alias)] = by_declared[(id(declared), dotted)]
+    # a history state's default (``h.to(c)``: where entering ``box.h`` lands while the
+    # history has recorded nothing) is a declared transition too, eventless from the history
+    # pseudo-state (not among ``states``): coverage counts it when a run enters an empty
+    # history, mutation mutates it (python-statemachine keeps it on the history state only)
+    for history in (h for state in every_state for h in getattr(state, "history", ()) or ()):
+        for declared in history.transitions:
+            if declared.target is None:
+                continue
+            index = len(transitions)
+            transition = Transition(
+                source=history.id, event="", target=declared.target.id,
+                conds=_guard_names(declared, True, named_only=not general),
+                unless=_guard_names(declared, False, named_only=not general),
+                id=index, key=(name, index))
+            transitions.append(transition)
+            by_declared[(id(declared), "")] = transition
+            sources.append(declared)
     for transition in transitions:
         slot = (transition.source, transition.event)
         table[slot] = table.get(slot, ()) + (transition,)

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import attrs
+from statemachine import StateChart
 from statemachine.transition import Transition as DeclaredTransition
 
 from calexec.machines.chart_support import alive
@@ -120,18 +121,22 @@ class TransitionListener:
         #: False once the ``track`` that made it is undone: it then records nothing
         self.listening = True
 
-    def after_transition(self, event: object, transition: DeclaredTransition) -> None:
+    def after_transition(self, event: object, transition: DeclaredTransition,
+                         machine: StateChart[Any]) -> None:
         """Called by python-statemachine after each transition (``event`` is the trigger;
-        None for an eventless transition, which the compiled chart keys by ``""``)."""
+        None for an eventless transition, which the compiled chart keys by ``""``), then for
+        the default of each empty history state it entered (python-statemachine calls no
+        listener for those)."""
         if not self.listening:
             return
         taken = self.chart.record_of(transition, event)
         if taken is None:  # the initial pseudo-transition is not a declared one
             return
-        if self.recorder is not None:
-            self.recorder(taken)
-        else:
-            self.chart.notify(taken)
+        for record in (taken, *self.chart.history_defaults(transition, machine.history_values)):
+            if self.recorder is not None:
+                self.recorder(record)
+            else:
+                self.chart.notify(record)
 
 
 @attrs.frozen

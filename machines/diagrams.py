@@ -421,16 +421,6 @@ def _render_nested_dot(chart: CompiledChart, active_state: str | None, taken: fr
             for target in (initial.targets if initial is not None else []):
                 head = f", lhead=cluster_{target.id}" if target.states else ""
                 out.append(f"{anchor(state.id)} -> {anchor(target.id)} [arrowsize=0.6{head}];")
-        for history in state.history:
-            # a history state's default (``h.to(c)``): where it enters while nothing is
-            # recorded; python-statemachine takes it as part of the entry, as it enters a
-            # compound's initial child, so it is drawn as that arrow is, with what it means
-            for default in history.transitions:
-                for target in default.targets:
-                    head = f", lhead=cluster_{target.id}" if target.states else ""
-                    out.append(f"{_id(history.id)} -> {anchor(target.id)} [label="
-                               f"{_q(HISTORY_DEFAULT)}, style=dashed, arrowsize=0.6, "
-                               f"fontsize=10{head}];")
 
     for state in declaration.states:
         emit(state, "")
@@ -447,6 +437,18 @@ def _render_nested_dot(chart: CompiledChart, active_state: str | None, taken: fr
         text = _q("".join(f"{line}\\l" for line in labels))
         edge_id = _q(EDGE_ID + "_".join(map(str, sorted(ids[(source, target)]))))
         extra = ""
+        if source in history_ids:
+            # a history state's default (``h.to(c)``): where it enters while nothing is
+            # recorded; python-statemachine takes it as part of the entry, as it enters a
+            # compound's initial child, so it is drawn as that arrow is, with what it means
+            # (and its id: coverage and the live view count it as a transition)
+            if by_id[target].states:
+                extra += f", lhead=cluster_{target}"
+            if taken.intersection(ids[(source, target)]):
+                extra += f", color={PATH_COLOR}, fontcolor={PATH_COLOR}, penwidth=3.5"
+            out.append(f"{_id(source)} -> {anchor(target)} [label={_q(HISTORY_DEFAULT)}, "
+                       f"style=dashed, arrowsize=0.6, fontsize=10, id={edge_id}{extra}];")
+            continue
         inside = by_id.get(target) is not None and by_id[source] is not by_id[target] and (
             by_id[source] in by_id[target].ancestors() or by_id[target] in by_id[source].ancestors())
         if by_id[source].states and not inside:

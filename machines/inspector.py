@@ -77,10 +77,14 @@ class _InstanceCounter:
         self.chart = chart
         self.taken = [0] * len(chart.transitions)
 
-    def after_transition(self, event: object, transition: DeclaredTransition) -> None:
+    def after_transition(self, event: object, transition: DeclaredTransition,
+                         machine: StateChart[object]) -> None:
         found = self.chart.record_of(transition, event)
         if found is not None:  # not the initial pseudo-transition
             self.taken[found.id] += 1
+            # and the default of each empty history it entered (no listener hears those)
+            for default in self.chart.history_defaults(transition, machine.history_values):
+                self.taken[default.id] += 1
 
 
 @attrs.define

@@ -10,6 +10,9 @@ or hierarchical: nested states' transitions too), nothing is written per mutant:
 - ``drop``: one declared transition removed.
 - ``target``: one declared transition sent to another state of the chart.
 
+A history state's default (``h.to(c)``) is a declared transition too, mutated after every
+state's own: its targets are the other states of the history's compound only.
+
 A mutant is applied **in place** to the declaration class (its ``State`` and ``Transition``
 objects, which every instance and ``compiled.compile_chart`` read), so the compiled table and
 every real ``StateMachine`` built afterwards run the mutant. In a test process this happens at
@@ -91,7 +94,10 @@ def _sites(declaration: type[StateMachine], targets_per_transition: int) -> Iter
     then the drop, then the target mutants."""
     states = _states(declaration)
     seen: dict[str, int] = {}
-    for state in states:
+    # each state's transitions, then (after every state's) each history state's default
+    # (``h.to(c)``), as ``compiled.compile_chart`` lists them
+    owners = [*states, *(h for state in states for h in getattr(state, "history", ()) or ())]
+    for state in owners:
         for transition in list(state.transitions):
             if transition.initial:
                 continue
@@ -106,16 +112,21 @@ def _sites(declaration: type[StateMachine], targets_per_transition: int) -> Iter
                     yield (Mutant(f"{kind}:{label}:{spec}", kind, label, str(spec)),
                            _force(transition, spec, value))
             yield Mutant(f"drop:{label}", "drop", label), _drop(state, transition)
-            for new in _other_targets(states, transition, targets_per_transition):
+            # a history's default enters a state of the history's compound (SCXML): only
+            # those are its other targets, and never the history itself
+            inside = ([s for s in states if s.is_descendant(state.parent)]
+                      if state.is_history else states)
+            for new in _other_targets(inside, transition, targets_per_transition):
                 yield (Mutant(f"target:{label}:{new.id}", "target", label, new.id),
                        _retarget(transition, new))
 
 
 def _other_targets(states: list[Any], transition: Any, limit: int) -> list[Any]:
     """The states a ``target`` mutant may send ``transition`` to. ``limit`` 0: every other
-    state. Otherwise the first ``limit`` of: the source itself (the event does nothing), then
-    the states declared after the original target, wrapping round (a deterministic spread
-    over early, late and final states). Either way the states a transition from outside
+    state. Otherwise the first ``limit`` of: the source itself (the event does nothing; not
+    for a history's default, whose source is no state), then the states declared after the
+    original target, wrapping round (a deterministic spread over early, late and final
+    states). Either way the states a transition from outside
     enters exactly as it enters the original target, or as it enters a state taken before,
     come last (a compound and its initial child: such a mutant ends in the same
     configuration)."""
@@ -127,8 +138,8 @@ def _other_targets(states: list[Any], transition: Any, limit: int) -> list[Any]:
         after = [s for s in states[start + 1:] + states[:start] if s is not original]
     else:  # a history target (not among the states): every state, the first one too
         after = list(states)
-    ordered = after if limit == 0 else \
-        ([source] if source is not original else []) + [s for s in after if s is not source]
+    stay = [] if source is original or source.is_history else [source]  # (no history target)
+    ordered = after if limit == 0 else stay + [s for s in after if s is not source]
     # a state whose default entry is the original's (a compound and its initial child, a
     # parallel state and a region's initial state) ends the transition in the same
     # configuration: such a mutant survives every test that checks configurations. Likewise

@@ -279,6 +279,8 @@ class StatechartRun:
         self._processing = False
         self._cache: dict[tuple[int, int, int, int], tuple[tuple[Any, ...], dict[str, Any]]] = {}
         self._taken: list[tuple[Any, str]] = []
+        #: the default transitions of the empty history states the microstep enters
+        self._history_defaults: list[Any] = []
         self._registry = CallbacksRegistry()
         #: bound on the microsteps of one macrostep of a skeleton (guards all pass there, so
         #: two eventless transitions could chase each other forever)
@@ -846,6 +848,8 @@ class StatechartRun:
             return None
         event = str(trigger.event) if trigger.event is not None else ""
         self._taken.extend((t, event) for t in transitions)
+        # and the defaults of the empty histories they entered (declared transitions too)
+        self._taken.extend((t, "") for t in self._history_defaults)
         try:
             self._content(transitions, trigger, lambda t: t.after.key, set_target_as_state=True)
         except InvalidDefinition:
@@ -882,6 +886,7 @@ class StatechartRun:
         to_enter: OrderedSet[_Step] = OrderedSet()
         default_entry: OrderedSet[_Step] = OrderedSet()
         default_history: dict[str | None, list[_Step]] = {}
+        self._history_defaults = []
         self._entry_set(transitions, to_enter, default_entry, default_history)
         ordered = sorted(to_enter, key=lambda x: x.state and x.state.document_order or 0)
         new_configuration = OrderedSet(s for s in previous if s not in exited)
@@ -1003,6 +1008,7 @@ class StatechartRun:
                 self._add_ancestors(_Step(info.transition, state), history.parent, to_enter,
                                     default_entry, default_history)
         else:
+            self._history_defaults.extend(history.transitions)
             for transition in history.transitions:
                 step = _Step(transition, transition.target)
                 default_history[parent_id].append(step)

@@ -1,0 +1,115 @@
+"""Stop 55's toolkit probe: the leftovers of stop 54 (a history state's default transition in
+coverage and mutation; listeners piling up on live instances) and a newcomer's own chart
+through every toolkit command; each test is a defect found there."""
+
+from __future__ import annotations
+
+from statemachine import HistoryState, State, StateMachine
+
+from calexec.machines import mutants
+from calexec.machines.compiled import compiled
+from calexec.machines.coverage import TransitionRecorder, describe, report, track
+from calexec.machines.inspector import Inspector
+
+
+def _drawer() -> type[StateMachine]:
+    """A fresh chart class (``compiled`` and ``track`` keep state on the class): entering
+    ``box.h`` before ``box`` was ever left takes the history's default ``h.to(c)``."""
+
+    class Drawer(StateMachine):
+        class box(State.Compound):
+            a = State(initial=True)
+            b = State()
+            c = State()
+            h = HistoryState()
+            nxt = a.to(b) | b.to(c) | c.to(a)
+            h.to(c)
+
+        out = State(initial=True)
+        enter = out.to(box.h)
+        leave = box.to(out)
+
+    return Drawer
+
+
+def _default_of(chart: type[StateMachine]) -> str:
+    """How coverage lists ``chart``'s history default (its source is the history state)."""
+    return "h --(eventless)--> c"
+
+
+def test_a_history_default_is_a_transition_coverage_lists_and_counts_once_taken() -> None:
+    """A python-statemachine instance and a compiled run: the default is declared, untaken
+    while only restored histories were entered, counted once an empty history is entered."""
+    for kind in ("instance", "compiled"):
+        chart = _drawer()
+        listed = [describe(t) for t in compiled(chart).transitions]
+        assert _default_of(chart) in listed, listed
+        recorder = TransitionRecorder()
+        undo = track(chart, recorder)
+        try:
+            (before,) = report([chart], recorder)
+            assert _default_of(chart) in [describe(t) for t in before.untaken]
+            if kind == "instance":
+                machine = chart()
+                machine.send("enter")
+                assert [s.id for s in machine.configuration] == ["box", "c"]
+            else:
+                run = compiled(chart).run(None)
+                run.send("enter")
+                assert set(run.configuration) == {"box", "c"}
+        finally:
+            undo()
+        (after,) = report([chart], recorder)
+        assert _default_of(chart) not in [describe(t) for t in after.untaken], kind
+        assert after.covered == 2, (kind, [describe(t) for t in after.untaken])
+
+
+def test_a_restored_history_does_not_count_its_default() -> None:
+    chart = _drawer()
+    machine = chart()
+    machine.send("enter")  # default: box, c
+    machine.send("nxt")  # box, a
+    machine.send("leave")  # records a
+    recorder = TransitionRecorder()
+    undo = track(chart, recorder)
+    try:
+        machine.send("enter")  # restores a: the default is not taken
+        assert [s.id for s in machine.configuration] == ["box", "a"]
+    finally:
+        undo()
+    (coverage,) = report([chart], recorder)
+    assert _default_of(chart) in [describe(t) for t in coverage.untaken]
+
+
+def test_a_history_default_is_mutated_inside_its_compound() -> None:
+    chart = _drawer()
+    found = [m.id for m in mutants.derive(chart, targets_per_transition=0)]
+    assert "drop:h-->c" in found, found
+    retargeted = sorted(m.detail for m in mutants.derive(chart, 0) if m.transition == "h-->c"
+                        and m.kind == "target")
+    # a history's default enters a state of its compound (SCXML): the other children only
+    assert retargeted == ["a", "b"], retargeted
+    mutated = _drawer()
+    mutants.apply(mutated, "target:h-->c:b")
+    machine = mutated()
+    machine.send("enter")
+    assert [s.id for s in machine.configuration] == ["box", "b"]
+    dropped = _drawer()
+    mutants.apply(dropped, "drop:h-->c")
+    machine = dropped()
+    machine.send("enter")
+    assert list(machine.configuration) == []  # an empty history without default: nothing
+
+
+def test_the_live_view_counts_a_history_default_an_instance_takes() -> None:
+    chart = _drawer()
+    inspector = Inspector()
+    entry = inspector.register(chart, counts=dict)
+    try:
+        machine = chart()
+        machine.send("enter")
+    finally:
+        inspector.close()
+    default = next(t.id for t in compiled(chart).transitions if describe(t) == _default_of(chart))
+    assert entry.taken()[default] == 1, entry.taken()
+
