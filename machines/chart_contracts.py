@@ -45,7 +45,7 @@ from statemachine import StateChart
 from statemachine.exceptions import InvalidDefinition
 from statemachine.transition import Transition as DeclaredTransition
 
-from calexec.machines.chart_support import alive
+from calexec.machines.chart_support import ToolListener, alive
 from calexec.machines.contract_decl import (
     Check as Check,
 )
@@ -192,18 +192,16 @@ class ContractChecker:
                 self._check(held, model, state, transition)
 
 
-class ContractListener:
+class ContractListener(ToolListener):
     """python-statemachine listener checking a chart's contracts on a real instance of its
     class (``enable_contracts`` adds one to the class for every instance created while it is
     enabled; give one instance ``listeners=[ContractListener(checker)]`` to check only it).
     The invariants checked after a transition are those of every active state: read from
     ``configuration`` when given, else from the instance (``machine``)."""
 
-    #: not the chart's own class-level listener (``chart_support.class_listeners``)
-    calexec_tool = True
-
     def __init__(self, checker: ContractChecker,
                  configuration: Callable[[], Iterable[str]] | None = None) -> None:
+        super().__init__()
         self.checker = checker
         self.configuration = configuration
         #: False once the contracts it was added for are disabled: it then checks nothing
@@ -290,7 +288,7 @@ def _install(shared: CompiledChart, checker: ContractChecker) -> None:
     # and the instances alive already: one the chart's module made as it was imported
     # (``KETTLE = Kettle(WATER)`` under the class), which ``--chart-contracts`` imports first
     for machine in alive(shared.declaration):
-        machine.add_listener(listener)  # type: ignore[no-untyped-call]  # (python-statemachine untyped)
+        listener.join(machine)
     _LISTENERS[id(checker)] = listener
 
 
@@ -304,7 +302,8 @@ def _remove(shared: CompiledChart, checker: ContractChecker, monitor: ContractMo
             shared.set_checker(None)
             listener = _LISTENERS.pop(id(checker))
             _class_listeners(shared.declaration).remove(listener)
-            listener.listening = False  # (the instances that have it keep it: inert)
+            listener.listening = False
+            listener.leave_all()  # (from every instance it joined: none keeps a dead listener)
 
 
 @contextmanager

@@ -26,6 +26,8 @@ from __future__ import annotations
 import difflib
 import gc
 import inspect
+import weakref
+from collections import deque
 from typing import Any
 
 from statemachine import StateChart, StateMachine
@@ -273,3 +275,57 @@ def alive(declaration: type) -> list[StateChart[Any]]:
     return [found for found in gc.get_referrers(declaration)
             if isinstance(found, StateChart) and type(found) is declaration
             and "_listeners" in vars(found)]
+
+
+class ToolListener:
+    """Base of the python-statemachine listeners calexec's tools add to a chart's instances
+    (coverage, contracts, the live view): not the chart's own (``calexec_tool``:
+    ``class_listeners`` leaves it out), and undoable. ``join(machine)`` adds it to an instance
+    alive already; put in the class's ``_class_listeners``, python-statemachine calls it for
+    each instance made while it is there (a callable entry: ``__call__`` answers this same
+    listener, ``setup`` hears the instance). It remembers every instance it joined by a weak
+    reference (it keeps none alive), and ``leave_all`` removes it from each: enabling and
+    disabling a tool over and over leaves a long-lived instance's listeners as they were."""
+
+    #: not the chart's own class-level listener (``class_listeners``)
+    calexec_tool = True
+
+    def __init__(self) -> None:
+        #: the instances this listener was added to, while they live
+        self.calexec_joined: weakref.WeakSet[StateChart[Any]] = weakref.WeakSet()
+
+    def __call__(self) -> ToolListener:
+        return self
+
+    def setup(self, machine: StateChart[Any]) -> None:
+        """python-statemachine made ``machine`` with this listener among its class's."""
+        self.calexec_joined.add(machine)
+
+    def join(self, machine: StateChart[Any]) -> None:
+        """Add this listener to ``machine``, an instance made before it was a class's."""
+        machine.add_listener(self)  # type: ignore[no-untyped-call]  # (python-statemachine untyped)
+        self.calexec_joined.add(machine)
+
+    def leave_all(self) -> None:
+        """Remove this listener from every instance it joined and is still alive."""
+        for machine in list(self.calexec_joined):
+            remove_listener(machine, self)
+        self.calexec_joined.clear()
+
+
+def remove_listener(machine: StateChart[Any], listener: object) -> bool:
+    """Undo ``machine.add_listener(listener)`` (python-statemachine 3.2 offers no call for it):
+    forget the listener and every callback resolved from it (keyed ``<attr>@<id>``). The
+    callback lists are replaced, not changed in place, so a ``send`` on another thread
+    iterates the old list or the new one. Whether ``machine`` had it."""
+    listeners: dict[int, object] = machine._listeners
+    if listeners.get(id(listener)) is not listener:
+        return False
+    del listeners[id(listener)]
+    suffix = f"@{id(listener)}"
+    for executor in machine._callbacks._registry.values():
+        if any(key.endswith(suffix) for key in executor.items_already_seen):
+            executor.items = deque(w for w in executor.items if not w.unique_key.endswith(suffix))
+            executor.items_already_seen = {key for key in executor.items_already_seen
+                                           if not key.endswith(suffix)}
+    return True

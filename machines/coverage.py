@@ -25,7 +25,7 @@ import attrs
 from statemachine import StateChart
 from statemachine.transition import Transition as DeclaredTransition
 
-from calexec.machines.chart_support import alive
+from calexec.machines.chart_support import ToolListener, alive
 from calexec.machines.compiled import ChartLike, Transition, compiled
 
 
@@ -82,7 +82,7 @@ def track(chart: ChartLike, recorder: TransitionRecorder) -> Callable[[], None]:
     compiled runs (``recorder`` attached to ``compiled(chart)``) and every python-statemachine
     instance of its class, those created from now on (a ``TransitionListener`` added to the
     class's listeners) and those alive already (``alive``: the listener added to each).
-    Returns the call that undoes both."""
+    Returns the call that undoes both, the listener removed from every instance it joined."""
     shared = compiled(chart)
     shared.refuse_runs()  # (its own async callbacks: no run to record)
     recorder.claim(shared)
@@ -97,25 +97,24 @@ def track(chart: ChartLike, recorder: TransitionRecorder) -> Callable[[], None]:
     # and the instances alive already: one its module made as it was imported (``LAMP =
     # Lamp()`` under the class), before the plugin or ``charts cover`` could call this
     for machine in alive(declaration):
-        machine.add_listener(listener)  # type: ignore[no-untyped-call]  # (python-statemachine untyped)
+        listener.join(machine)
 
     def undo() -> None:
         shared.detach(recorder)
         class_listeners.remove(listener)
-        listener.listening = False  # (the instances that have it keep it: it records no more)
+        listener.listening = False
+        listener.leave_all()  # (from every instance it joined: none keeps a dead listener)
 
     return undo
 
 
-class TransitionListener:
+class TransitionListener(ToolListener):
     """python-statemachine listener that reports the transitions a real instance of
     ``chart``'s declaration takes: to ``recorder`` when given, else to the chart's listeners
     (as if a ``ChartRun`` of it had taken them)."""
 
-    #: not the chart's own class-level listener (``chart_support.class_listeners``)
-    calexec_tool = True
-
     def __init__(self, chart: ChartLike, recorder: TransitionRecorder | None = None) -> None:
+        super().__init__()
         self.chart = compiled(chart)
         self.recorder = recorder
         #: False once the ``track`` that made it is undone: it then records nothing

@@ -43,6 +43,7 @@ import attrs
 from statemachine import StateChart
 from statemachine.transition import Transition as DeclaredTransition
 
+from calexec.machines.chart_support import ToolListener
 from calexec.machines.compiled import ChartLike, ChartRun, CompiledChart, compiled
 from calexec.machines.diagrams import (
     EDGE_ID,
@@ -66,14 +67,12 @@ _MIN_SAMPLE_GAP_S = 1.0
 Json = str | int | float | bool | None | list["Json"] | dict[str, "Json"]
 
 
-class _InstanceCounter:
+class _InstanceCounter(ToolListener):
     """python-statemachine listener counting the declared transitions real instances of a
     chart take (a compiled run counts into ``CompiledChart.taken`` itself)."""
 
-    #: not the chart's own class-level listener (``chart_support.class_listeners``)
-    calexec_tool = True
-
     def __init__(self, chart: CompiledChart) -> None:
+        super().__init__()
         self.chart = chart
         self.taken = [0] * len(chart.transitions)
 
@@ -346,6 +345,7 @@ class Inspector:
                 listeners: list[object] = entry.chart.declaration._class_listeners
                 if entry.instances in listeners:
                     listeners.remove(entry.instances)
+                entry.instances.leave_all()  # (the instances made while it was registered)
 
     def _taken(self) -> dict[str, tuple[int, ...]]:
         return {name: entry.taken() for name, entry in list(self.charts.items())}

@@ -4,9 +4,13 @@ through every toolkit command; each test is a defect found there."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 from statemachine import HistoryState, State, StateMachine
 
 from calexec.machines import mutants
+from calexec.machines.chart_contracts import enable_contracts, invariant
 from calexec.machines.compiled import compiled
 from calexec.machines.coverage import TransitionRecorder, describe, report, track
 from calexec.machines.inspector import Inspector
@@ -113,3 +117,57 @@ def test_the_live_view_counts_a_history_default_an_instance_takes() -> None:
     default = next(t.id for t in compiled(chart).transitions if describe(t) == _default_of(chart))
     assert entry.taken()[default] == 1, entry.taken()
 
+
+class Lamp(StateMachine):
+    """A long-lived instance (``LAMP``) made before any tool was enabled, and others made
+    while one is."""
+
+    off = State(initial=True)
+    on = State()
+    flip = off.to(on) | on.to(off)
+
+    @invariant("on", "off")
+    def fine(model: object) -> bool:
+        return True
+
+
+LAMP = Lamp()
+
+
+def _hooks(machine: StateMachine) -> int:
+    """How many listeners ``machine`` has (each one called on every transition)."""
+    return len(machine.active_listeners)
+
+
+def test_enable_disable_cycles_leave_every_instance_s_listeners_as_they_were() -> None:
+    before = _hooks(LAMP)
+    made: list[StateMachine] = []
+    for _ in range(5):
+        undo = track(Lamp, TransitionRecorder())
+        monitor = enable_contracts(Lamp)
+        inspector = Inspector()
+        inspector.register(Lamp, counts=dict)
+        made.append(Lamp())  # made while they are enabled: each tool's listener joins it
+        assert _hooks(made[-1]) == _hooks(Lamp()) == before + 3
+        LAMP.send("flip")
+        inspector.close()
+        monitor.disable()
+        undo()
+    assert _hooks(LAMP) == before, LAMP.active_listeners
+    for machine in made:
+        assert _hooks(machine) == before, machine.active_listeners
+        machine.send("flip")  # still runs, with nothing of the tools left
+    assert [s.id for s in LAMP.configuration] == ["on"]
+
+
+def test_a_tool_listener_keeps_no_instance_alive() -> None:
+    recorder = TransitionRecorder()
+    undo = track(Lamp, recorder)
+    try:
+        machine = Lamp()
+        gone = weakref.ref(machine)
+        del machine
+        gc.collect()
+        assert gone() is None
+    finally:
+        undo()
