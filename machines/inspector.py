@@ -271,10 +271,13 @@ class _TrailListener:
             clock: Callable[[], float]) -> None:
         self.chart, self.trail, self.clock = chart, trail, clock
 
-    def after_transition(self, event: object, transition: DeclaredTransition) -> None:
+    def after_transition(self, event: object, transition: DeclaredTransition,
+                         machine: StateChart[object]) -> None:
         found = self.chart.record_of(transition, event)
         if found is not None:
-            self.trail.append((found.event, found.source, found.target, None, self.clock()))
+            # and the default of each empty history it entered, as a compiled run's trail has
+            for taken in (found, *self.chart.history_defaults(transition, machine.history_values)):
+                self.trail.append((taken.event, taken.source, taken.target, None, self.clock()))
 
 
 class Inspector:

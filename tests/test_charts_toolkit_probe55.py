@@ -171,3 +171,19 @@ def test_a_tool_listener_keeps_no_instance_alive() -> None:
         assert gone() is None
     finally:
         undo()
+
+
+def test_a_followed_instance_s_path_takes_the_history_default_as_a_compiled_run_s_does() -> None:
+    chart = _drawer()
+    inspector = Inspector()
+    inspector.register(chart, counts=dict)
+    try:
+        trails = []
+        for run_id, run in (("instance", chart()), ("compiled", compiled(chart).run(None))):
+            inspector.paths.follow(run_id, run)
+            run.send("enter")
+            trails.append([(step["from"], step["to"]) for step in
+                           (inspector.paths.record(run_id) or {})["trail"]])
+    finally:
+        inspector.close()
+    assert trails[0] == trails[1] == [("out", "h"), ("h", "c")], trails
