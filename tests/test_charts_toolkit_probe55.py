@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import gc
 import weakref
+from collections.abc import Callable
 
-from statemachine import HistoryState, State, StateMachine
+import pytest
+from statemachine import HistoryState, State, StateChart, StateMachine
 
+from calexec.drivers.tools.interleave import explore_threads, replay_threads
 from calexec.machines import mutants
 from calexec.machines.chart_contracts import enable_contracts, invariant
 from calexec.machines.compiled import compiled
@@ -187,3 +190,18 @@ def test_a_followed_instance_s_path_takes_the_history_default_as_a_compiled_run_
     finally:
         inspector.close()
     assert trails[0] == trails[1] == [("out", "h"), ("h", "c")], trails
+
+
+class NoStates(StateChart):
+    """A newcomer's base class of charts: no states of its own."""
+
+
+def test_a_chart_without_states_given_to_the_explorer_is_refused_naming_charts() -> None:
+    def scenario(clock: object) -> Callable[[], bool]:
+        return lambda: True
+
+    for explore in (lambda: explore_threads(scenario, seeds=range(1), charts=[NoStates]),
+                    lambda: replay_threads(scenario, [], charts=[NoStates])):
+        with pytest.raises(ValueError, match=r"^charts: NoStates: declaration NoStates "
+                                             r"declares no states"):
+            explore()

@@ -214,6 +214,8 @@ def _contracted(charts: Iterable[ChartLike]) -> tuple[ChartLike, ...]:
             raise TypeError(f"charts: {err} (pass the class itself, e.g. charts=[Transfer]; "
                             f"a 'module:Class' reference: calexec.machines.chartref."
                             f"load_chart)") from None
+        except ValueError as err:  # no states, a construct no tool supports: named as above
+            raise ValueError(f"charts: {err}") from None
         if not declared_contracts(shared):
             raise ValueError(f"charts: {shared.name} declares no contracts, so none would be "
                              f"checked (declare them in the class with @invariant, "
