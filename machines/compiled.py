@@ -828,11 +828,9 @@ def compile_chart(declaration: type[StateChart[Any]], name: str | None = None) -
             if declared.target is None:
                 continue
             index = len(transitions)
-            transition = Transition(
-                source=history.id, event="", target=declared.target.id,
-                conds=_guard_names(declared, True, named_only=not general),
-                unless=_guard_names(declared, False, named_only=not general),
-                id=index, key=(name, index))
+            # no guards: python-statemachine enters a default whatever its ``cond`` says
+            transition = Transition(source=history.id, event="", target=declared.target.id,
+                                    conds=(), unless=(), id=index, key=(name, index))
             transitions.append(transition)
             by_declared[(id(declared), "")] = transition
             sources.append(declared)

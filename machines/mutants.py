@@ -106,7 +106,8 @@ def _sites(declaration: type[StateMachine], targets_per_transition: int) -> Iter
             base = f"{state.id}-{events}->{target}"
             seen[base] = seen.get(base, 0) + 1
             label = base if seen[base] == 1 else f"{base}#{seen[base]}"
-            for spec in _guard_specs(transition):
+            # (a history's default has none: python-statemachine never asks its ``cond``)
+            for spec in [] if state.is_history else _guard_specs(transition):
                 for value in (True, False):
                     kind = f"guard-{str(value).lower()}"
                     yield (Mutant(f"{kind}:{label}:{spec}", kind, label, str(spec)),

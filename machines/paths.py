@@ -255,6 +255,8 @@ def _unsettable(chart: CompiledChart) -> None:
     and/or/not over names (``guard_expr``)."""
     for record in chart.transitions:
         declared = chart.declared[record.id] if record.id < len(chart.declared) else None
+        if getattr(getattr(declared, "source", None), "is_history", False):
+            continue  # a history's default: python-statemachine never asks its ``cond``
         for spec in getattr(declared, "_specs", ()):
             if spec.group != CallbackGroup.COND or isinstance(
                     getattr(spec.func, "calexec_constant", None), bool):

@@ -17,6 +17,7 @@ from calexec.machines.chart_contracts import enable_contracts, invariant
 from calexec.machines.compiled import compiled
 from calexec.machines.coverage import TransitionRecorder, describe, report, track
 from calexec.machines.inspector import Inspector
+from calexec.machines.paths import as_data
 
 
 def _drawer() -> type[StateMachine]:
@@ -205,3 +206,32 @@ def test_a_chart_without_states_given_to_the_explorer_is_refused_naming_charts()
         with pytest.raises(ValueError, match=r"^charts: NoStates: declaration NoStates "
                                              r"declares no states"):
             explore()
+
+
+class Deck(StateChart):
+    """A history default declared with a guard, which python-statemachine never asks: entering
+    the empty history enters ``play`` whatever ``has_tape`` answers (here a lambda)."""
+
+    class on(State.Compound):
+        stop = State(initial=True)
+        play = State()
+        press = stop.to(play) | play.to(stop)
+        h = HistoryState()
+        h.to(play, cond=lambda: False)
+
+    off = State(initial=True)
+    power = off.to(on) | on.to(off)
+    resume = off.to(on.h)
+
+
+def test_a_history_default_s_guard_that_python_statemachine_ignores_is_no_guard_of_the_tools(
+) -> None:
+    machine = Deck()
+    machine.send("resume")
+    assert [s.id for s in machine.configuration] == ["on", "play"]  # the guard is not asked
+    (default,) = [t for t in compiled(Deck).transitions if t.source == "h"]
+    assert default.guards == (), default
+    assert [m.kind for m in mutants.derive(Deck) if m.transition == "h-->play"] == [
+        "drop", "target"]  # no guard mutant: each would be equivalent
+    steps = as_data(Deck)["transitions"][-1]
+    assert (steps["from"], steps["to"], steps["guards"]) == ("h", "play", []), steps
