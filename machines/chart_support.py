@@ -112,7 +112,9 @@ def _scan(declaration: type[StateChart[Any]]) -> list[tuple[str, bool]]:
     """``unsupported``'s entries in declaration order, each with whether only a run cannot
     follow it (an async callback)."""
     found = [(entry, False) for entry in _same_ids(declaration)]
-    for state in _all_states(declaration):
+    states = _all_states(declaration)
+    # and the history states (not in ``states_map``): their default is a transition too
+    for state in [*states, *(h for s in states for h in getattr(s, "history", ()) or ())]:
         for spec in state._specs:
             if spec.group == CallbackGroup.INVOKE and not spec.is_convention:
                 found.append((f"invoke {_name(spec.func)!r} on state {state.id!r}", False))

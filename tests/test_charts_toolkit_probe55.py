@@ -5,6 +5,7 @@ through every toolkit command; each test is a defect found there."""
 from __future__ import annotations
 
 import gc
+import re
 import weakref
 from collections.abc import Callable
 
@@ -14,6 +15,7 @@ from statemachine import HistoryState, State, StateChart, StateMachine
 from calexec.drivers.tools.interleave import explore_threads, replay_threads
 from calexec.machines import mutants
 from calexec.machines.chart_contracts import enable_contracts, invariant
+from calexec.machines.chart_support import UnsupportedChart
 from calexec.machines.compiled import compiled
 from calexec.machines.coverage import TransitionRecorder, describe, report, track
 from calexec.machines.inspector import Inspector
@@ -235,3 +237,29 @@ def test_a_history_default_s_guard_that_python_statemachine_ignores_is_no_guard_
         "drop", "target"]  # no guard mutant: each would be equivalent
     steps = as_data(Deck)["transitions"][-1]
     assert (steps["from"], steps["to"], steps["guards"]) == ("h", "play", []), steps
+
+
+class Fetching(StateChart):
+    """The chart's own async callback on a history's default (``h.to(c, on="fetch")``)."""
+
+    class box(State.Compound):
+        a = State(initial=True)
+        c = State()
+        nxt = a.to(c) | c.to(a)
+        h = HistoryState()
+        h.to(c, on="fetch")
+
+    out = State(initial=True)
+    enter = out.to(box.h)
+    leave = box.to(out)
+
+    async def fetch(self) -> int:
+        return 1
+
+
+def test_an_async_callback_on_a_history_default_is_refused_naming_it() -> None:
+    named = "async callback 'fetch' on transition h --(eventless)--> c"
+    with pytest.raises(UnsupportedChart, match=re.escape(named)):
+        compiled(Fetching).run(None)  # (was: blamed on "the model or a listener")
+    with pytest.raises(UnsupportedChart, match=re.escape(named)):
+        mutants.derive(Fetching)  # (was: mutated, its runs then refused)
