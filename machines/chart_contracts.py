@@ -301,9 +301,9 @@ def _remove(shared: CompiledChart, checker: ContractChecker, monitor: ContractMo
         if not checker.monitors:
             shared.set_checker(None)
             listener = _LISTENERS.pop(id(checker))
-            _class_listeners(shared.declaration).remove(listener)
             listener.listening = False
-            listener.leave_all()  # (from every instance it joined: none keeps a dead listener)
+            # from the class, its subclasses declared meanwhile and every instance it joined
+            listener.leave_class(shared.declaration)
 
 
 @contextmanager

@@ -314,6 +314,19 @@ class ToolListener:
             remove_listener(machine, self)
         self.calexec_joined.clear()
 
+    def leave_class(self, declaration: type) -> None:
+        """Take this listener out of ``declaration``'s class-level listeners and out of those
+        of every subclass declared while it was there (python-statemachine copies a base's
+        list into a subclass as it creates it), then ``leave_all``."""
+        pending = [declaration]
+        while pending:
+            klass = pending.pop()
+            listeners: list[object] = getattr(klass, "_class_listeners", [])
+            while self in listeners:
+                listeners.remove(self)
+            pending.extend(klass.__subclasses__())
+        self.leave_all()
+
 
 def remove_listener(machine: StateChart[Any], listener: object) -> bool:
     """Undo ``machine.add_listener(listener)`` (python-statemachine 3.2 offers no call for it):

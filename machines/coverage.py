@@ -101,9 +101,9 @@ def track(chart: ChartLike, recorder: TransitionRecorder) -> Callable[[], None]:
 
     def undo() -> None:
         shared.detach(recorder)
-        class_listeners.remove(listener)
         listener.listening = False
-        listener.leave_all()  # (from every instance it joined: none keeps a dead listener)
+        # from the class, its subclasses declared meanwhile and every instance it joined
+        listener.leave_class(declaration)
 
     return undo
 

@@ -345,10 +345,8 @@ class Inspector:
         """Remove the class listeners the registrations added."""
         with self._mu:
             for entry in self.charts.values():
-                listeners: list[object] = entry.chart.declaration._class_listeners
-                if entry.instances in listeners:
-                    listeners.remove(entry.instances)
-                entry.instances.leave_all()  # (the instances made while it was registered)
+                # from the class, its subclasses declared meanwhile and the instances made
+                entry.instances.leave_class(entry.chart.declaration)
 
     def _taken(self) -> dict[str, tuple[int, ...]]:
         return {name: entry.taken() for name, entry in list(self.charts.items())}

@@ -166,6 +166,30 @@ def test_enable_disable_cycles_leave_every_instance_s_listeners_as_they_were() -
     assert [s.id for s in LAMP.configuration] == ["on"]
 
 
+def test_a_subclass_declared_while_tools_are_enabled_keeps_none_of_their_listeners() -> None:
+    """python-statemachine copies the class-level listeners into a subclass as it creates it:
+    one declared while the tools are enabled (a test's own variant of the chart) got theirs
+    for good, and so did every instance of it made after they were disabled."""
+    subclasses = []
+    for _ in range(3):
+        undo = track(Lamp, TransitionRecorder())
+        monitor = enable_contracts(Lamp)
+        inspector = Inspector()
+        inspector.register(Lamp, counts=dict)
+
+        class SmartLamp(Lamp):
+            pass
+
+        subclasses.append(SmartLamp)
+        during = SmartLamp()
+        inspector.close()
+        monitor.disable()
+        undo()
+        assert _hooks(during) == 0, during.active_listeners
+    for subclass in subclasses:
+        assert _hooks(subclass()) == 0, subclass().active_listeners
+
+
 def test_a_tool_listener_keeps_no_instance_alive() -> None:
     recorder = TransitionRecorder()
     undo = track(Lamp, recorder)
