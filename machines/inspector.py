@@ -43,7 +43,7 @@ import attrs
 from statemachine import StateChart
 from statemachine.transition import Transition as DeclaredTransition
 
-from calexec.machines.chart_support import ToolListener
+from calexec.machines.chart_support import ToolListener, remove_listener
 from calexec.machines.compiled import ChartLike, ChartRun, CompiledChart, compiled
 from calexec.machines.diagrams import (
     EDGE_ID,
@@ -224,27 +224,36 @@ class PathLog:
         self.keep, self.steps, self._clock = keep, steps, clock
         self._mu = threading.Lock()
         self._runs: dict[str, tuple[CompiledChart, object, deque[tuple[
-            str, str, str | None, tuple[str, ...] | None, float]]]] = {}
+            str, str, str | None, tuple[str, ...] | None, float]], _TrailListener | None]] = {}
 
     def follow(self, run_id: str, run: object, chart: ChartLike | None = None) -> None:
         """Record the path of ``run`` (a ``ChartRun``, or a python-statemachine instance of
         ``chart``'s class, ``chart`` defaulting to its class) under ``run_id`` from now on."""
         trail: deque[tuple[str, str, str | None, tuple[str, ...] | None, float]] = deque(
             maxlen=self.steps)
+        listener: _TrailListener | None = None
         if isinstance(run, (ChartRun, StatechartRun)):
             shared = run.chart
             run.keep_trail(trail, self._clock)
         elif isinstance(run, StateChart):
             shared = compiled(chart if chart is not None else type(run))
             shared.refuse_runs()  # (its own async callbacks: no run to follow)
-            run.add_listener(_TrailListener(shared, trail, self._clock))  # type: ignore[no-untyped-call]
+            listener = _TrailListener(shared, trail, self._clock)
+            run.add_listener(listener)  # type: ignore[no-untyped-call]
         else:
             raise TypeError(f"run={run!r:.60}: expected a compiled run (ChartRun, "
                             f"StatechartRun) or a python-statemachine instance")
         with self._mu:
-            self._runs[str(run_id)] = (shared, run, trail)
+            # followed again under its id: the newest; the oldest beyond ``keep`` forgotten
+            gone = [found for found in [self._runs.pop(str(run_id), None)] if found is not None]
+            self._runs[str(run_id)] = (shared, run, trail, listener)
             while len(self._runs) > self.keep:
-                del self._runs[next(iter(self._runs))]
+                gone.append(self._runs.pop(next(iter(self._runs))))
+        # an instance no longer followed loses the listener that recorded its path (a
+        # long-lived one followed again and again kept one per follow, each called per event)
+        for _, old, _, recorder in gone:
+            if recorder is not None and isinstance(old, StateChart):
+                remove_listener(old, recorder)
 
     def record(self, run_id: str) -> dict[str, Json] | None:
         """``{"run_id", "chart", "state", "trail"}`` of a followed run, or None."""
@@ -252,7 +261,7 @@ class PathLog:
             found = self._runs.get(run_id)
             if found is None:
                 return None
-            shared, run, trail = found
+            shared, run, trail, _ = found
             steps = list(trail)
         return {"run_id": run_id, "chart": shared.name, "state": state_of(run),
                 "trail": [{"event": e, "from": s, "to": t,

@@ -287,3 +287,20 @@ def test_an_async_callback_on_a_history_default_is_refused_naming_it() -> None:
         compiled(Fetching).run(None)  # (was: blamed on "the model or a listener")
     with pytest.raises(UnsupportedChart, match=re.escape(named)):
         mutants.derive(Fetching)  # (was: mutated, its runs then refused)
+
+
+def test_a_long_lived_instance_followed_again_and_again_keeps_one_trail_listener() -> None:
+    """``paths.follow`` added a listener per follow that stayed when the run was no longer
+    followed (followed again under its id, or older than the last ``keep``): an app that
+    follows its one kiosk per session grew its listeners, each called on every event."""
+    machine = Lamp()
+    inspector = Inspector()
+    inspector.paths.keep = 2
+    for session in range(6):
+        inspector.paths.follow(f"session-{session}", machine)
+        inspector.paths.follow(f"session-{session}", machine)  # again, under the same id
+        machine.send("flip")
+    assert _hooks(machine) == 2, machine.active_listeners  # the last 2 followed
+    record = inspector.paths.record("session-5")
+    assert record is not None and [step["event"] for step in record["trail"]] == ["flip"]
+    assert inspector.paths.record("session-3") is None
