@@ -271,6 +271,8 @@ class StatechartRun:
         self.enable_self_transition_entries = bool(declaration.enable_self_transition_entries)
         self.atomic_configuration_update = bool(declaration.atomic_configuration_update)
         self.history_values: dict[str, list[State]] = {}
+        # and what it recorded, as an instance's (a listener's ``machine.history_values``)
+        object.__setattr__(machine, "history_values", self.history_values)
         self.running = True
         self._config: OrderedSet[State] = OrderedSet()
         self._internal: deque[TriggerData] = deque()

@@ -17,9 +17,16 @@ from calexec.machines import mutants
 from calexec.machines.chart_contracts import enable_contracts, invariant
 from calexec.machines.chart_support import UnsupportedChart
 from calexec.machines.compiled import compiled
-from calexec.machines.coverage import TransitionRecorder, describe, report, track
+from calexec.machines.coverage import (
+    TransitionListener,
+    TransitionRecorder,
+    describe,
+    report,
+    track,
+)
 from calexec.machines.inspector import Inspector
 from calexec.machines.paths import as_data
+from calexec.machines.statechart_run import StatechartRun
 
 
 def _drawer() -> type[StateMachine]:
@@ -304,3 +311,19 @@ def test_a_long_lived_instance_followed_again_and_again_keeps_one_trail_listener
     record = inspector.paths.record("session-5")
     assert record is not None and [step["event"] for step in record["trail"]] == ["flip"]
     assert inspector.paths.record("session-3") is None
+
+
+def test_a_transition_listener_given_to_a_general_run_counts_its_history_default() -> None:
+    """A ``TransitionListener`` as one of a ``StatechartRun``'s ``listeners=`` reads the
+    histories from the ``machine`` it is called with, the run's own."""
+    chart = _drawer()
+    recorder = TransitionRecorder()
+    run = StatechartRun(compiled(chart), None, listeners=[TransitionListener(chart, recorder)])
+    run.send("enter")
+    run.send("nxt")
+    run.send("leave")
+    run.send("enter")  # restores a: no default
+    assert set(run.configuration) == {"box", "a"}
+    taken = sorted(describe(t) for t in compiled(chart).transitions if t.key in recorder.hits)
+    assert taken == ["box --leave--> out", "c --nxt--> a", _default_of(chart),
+                     "out --enter--> h"], taken
