@@ -26,6 +26,7 @@ from __future__ import annotations
 import difflib
 import gc
 import inspect
+import threading
 import weakref
 from collections import deque
 from typing import Any
@@ -295,24 +296,30 @@ class ToolListener:
     def __init__(self) -> None:
         #: the instances this listener was added to, while they live
         self.calexec_joined: weakref.WeakSet[StateChart[Any]] = weakref.WeakSet()
+        # (instances are made on any thread: a copy of the set must not see it change)
+        self.calexec_joining = threading.Lock()
 
     def __call__(self) -> ToolListener:
         return self
 
     def setup(self, machine: StateChart[Any]) -> None:
         """python-statemachine made ``machine`` with this listener among its class's."""
-        self.calexec_joined.add(machine)
+        with self.calexec_joining:
+            self.calexec_joined.add(machine)
 
     def join(self, machine: StateChart[Any]) -> None:
         """Add this listener to ``machine``, an instance made before it was a class's."""
         machine.add_listener(self)  # type: ignore[no-untyped-call]  # (python-statemachine untyped)
-        self.calexec_joined.add(machine)
+        with self.calexec_joining:
+            self.calexec_joined.add(machine)
 
     def leave_all(self) -> None:
         """Remove this listener from every instance it joined and is still alive."""
-        for machine in list(self.calexec_joined):
+        with self.calexec_joining:
+            joined = list(self.calexec_joined)
+            self.calexec_joined.clear()
+        for machine in joined:
             remove_listener(machine, self)
-        self.calexec_joined.clear()
 
     def leave_class(self, declaration: type) -> None:
         """Take this listener out of ``declaration``'s class-level listeners and out of those
