@@ -84,6 +84,9 @@ def _guard_specs(transition: Any) -> list[CallbackSpec]:
 
 
 def _states(declaration: type[StateMachine]) -> list[Any]:
+    if not declaration.states:  # an abstract base: as compiling it, named (not "no mutant")
+        raise ValueError(f"{declaration.__name__}: declaration {declaration.__name__} declares "
+                         f"no states")
     refuse_unsupported(declaration, "chart mutation")
     return list(declaration.states_map.values())  # nested states too, in declaration order
 

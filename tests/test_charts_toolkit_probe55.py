@@ -327,3 +327,11 @@ def test_a_transition_listener_given_to_a_general_run_counts_its_history_default
     taken = sorted(describe(t) for t in compiled(chart).transitions if t.key in recorder.hits)
     assert taken == ["box --leave--> out", "c --nxt--> a", _default_of(chart),
                      "out --enter--> h"], taken
+
+
+def test_deriving_the_mutants_of_a_chart_without_states_is_refused_naming_it() -> None:
+    """Every other tool refuses a base class without states; ``derive`` answered no mutant
+    (a mutation run of nothing, scored as if complete) and ``apply`` "no mutant"."""
+    for call in (lambda: mutants.derive(NoStates), lambda: mutants.apply(NoStates, "drop:a-go->b")):
+        with pytest.raises(ValueError, match=r"^NoStates: declaration NoStates declares no states"):
+            call()
