@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import html
 import json
+import math
 import threading
 import time
 from collections import deque
@@ -221,6 +222,11 @@ class PathLog:
 
     def __init__(self, keep: int = 100, steps: int = 256,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        for field, value in (("keep", keep), ("steps", steps)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"PathLog({field}={value!r:.60}): expected an int >= 1")
+            if value < 1:  # (keep=0 followed nothing, silently; keep=-1 raised StopIteration)
+                raise ValueError(f"PathLog({field}={value}): must be >= 1")
         self.keep, self.steps, self._clock = keep, steps, clock
         self._mu = threading.Lock()
         self._runs: dict[str, tuple[CompiledChart, object, deque[tuple[
@@ -295,6 +301,12 @@ class Inspector:
     def __init__(self, window_s: float = WINDOW_S,
                  status: Callable[[], Mapping[str, Json]] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        # (a NaN answered every live.json poll 500; a str failed once two samples were taken)
+        if not isinstance(window_s, (int, float)) or isinstance(window_s, bool):
+            raise TypeError(f"Inspector(window_s={window_s!r:.60}): expected a number of seconds")
+        if not (math.isfinite(window_s) and window_s > 0):
+            raise ValueError(f"Inspector(window_s={window_s!r}): must be a finite number of "
+                             f"seconds > 0")
         self.charts: dict[str, Registered] = {}
         self.status = status
         self.paths = PathLog(clock=clock)

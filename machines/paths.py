@@ -53,6 +53,7 @@ another order of events than that run, and replays its steps for its ``end`` (``
 
 from __future__ import annotations
 
+import difflib
 import functools
 import weakref
 from collections import deque
@@ -999,9 +1000,38 @@ class GuardTable:
     on the model when an instance is created, so the guards must exist as methods.
     """
 
+    #: the guard names of the chart ``for_chart`` made this table's class for (None: any)
+    _known: frozenset[str] | None = None
+    #: that chart's name, for the refusals
+    _chart_name = ""
+
     def __init__(self, outcomes: Mapping[str, bool] | None = None, default: bool = True) -> None:
-        self.outcomes: dict[str, bool] = dict(outcomes or {})
+        self.outcomes = {} if outcomes is None else outcomes
         self._default = default
+
+    @property
+    def outcomes(self) -> dict[str, bool]:
+        """Guard name -> what it answers (a step's ``guards``). Set to a mapping; on a table
+        of ``for_chart``, one naming a guard the chart does not have (a typo, which would
+        leave that guard answering ``default`` while the test reads as if it set it) is a
+        ``ValueError`` naming it."""
+        return self._outcomes
+
+    @outcomes.setter
+    def outcomes(self, value: Mapping[str, bool]) -> None:
+        if not isinstance(value, Mapping):
+            raise TypeError(f"GuardTable: outcomes={value!r:.80}: expected a mapping of guard "
+                            f"name -> bool (a step's 'guards')")
+        known = self._known
+        unknown = [name for name in value if known is not None and name not in known]
+        if known is not None and unknown:
+            close = difflib.get_close_matches(str(unknown[0]), sorted(known), n=1)
+            hint = (f"did you mean {close[0]!r}?" if close else
+                    f"its guards: {', '.join(sorted(known)) or '(none)'}")
+            raise ValueError(f"GuardTable of {self._chart_name}: outcomes names "
+                             f"{', '.join(map(repr, unknown))}, no guard of {self._chart_name} "
+                             f"({hint})")
+        self._outcomes: dict[str, bool] = dict(value)
 
     @property
     def default(self) -> bool:
@@ -1032,7 +1062,8 @@ class GuardTable:
                 f"{_describe(where)} has the name of the table a test sets "
                 f"(model.outcomes = step['guards']); rename the guard, or drive the chart "
                 f"with a model of your own")
-        methods = {name: _guard_method(name) for name in sorted(names_read)}
+        methods: dict[str, object] = {name: _guard_method(name) for name in sorted(names_read)}
+        methods.update(_known=frozenset(names_read), _chart_name=chart.name)
         table: GuardTable = type(f"{cls.__name__}_{chart.name}", (cls,), methods)(**kwargs)
         return table
 
@@ -1047,7 +1078,7 @@ def _guard_names(text: str) -> tuple[str, ...]:
 
 def _guard_method(name: str) -> Callable[[GuardTable], bool]:
     def guard(self: GuardTable) -> bool:
-        return self.outcomes.get(name, self._default)
+        return self._outcomes.get(name, self._default)
 
     guard.__name__ = name
     return guard
@@ -1101,6 +1132,10 @@ def drive(run: ChartRun | StatechartRun, path: Path | Walk) -> str:
     A step counts as taken when the chart's ``taken`` counter of its transition moved during
     the ``send``: another run of the same chart taking it at that moment (another thread)
     would count too."""
+    if not isinstance(path, (Path, Walk)):  # (an event name, a step's dict of as_data)
+        raise TypeError(f"drive(run, path={path!r:.60}): expected a Path or Walk (from "
+                        f"transition_paths, state_paths or transition_tour); as_data's steps "
+                        f"are sent one by one, as docs/framework.md shows")
     chart = run.chart
     model: Any = run.model  # a GuardTable, or a model of the user's with ``outcomes``
     for number, (step, outcomes) in enumerate(zip(path.steps, path.guards, strict=True), 1):

@@ -24,8 +24,8 @@ from calexec.machines.coverage import (
     report,
     track,
 )
-from calexec.machines.inspector import Inspector
-from calexec.machines.paths import as_data
+from calexec.machines.inspector import Inspector, PathLog
+from calexec.machines.paths import GuardTable, as_data, drive
 from calexec.machines.statechart_run import StatechartRun
 
 
@@ -335,3 +335,49 @@ def test_deriving_the_mutants_of_a_chart_without_states_is_refused_naming_it() -
     for call in (lambda: mutants.derive(NoStates), lambda: mutants.apply(NoStates, "drop:a-go->b")):
         with pytest.raises(ValueError, match=r"^NoStates: declaration NoStates declares no states"):
             call()
+
+
+class Till(StateMachine):
+    open_ = State(initial=True)
+    paid = State(final=True)
+    pay = open_.to(paid, cond="card_ok")
+
+
+def test_a_guard_table_refuses_outcomes_naming_no_guard_of_its_chart() -> None:
+    """A typo (``card_okk``) left ``card_ok`` answering the default, True: the test that meant
+    a refused card drove the chart to ``paid`` and read as if it had checked the refusal."""
+    with pytest.raises(ValueError, match=r"^GuardTable of Till: outcomes names 'card_okk', no "
+                                         r"guard of Till \(did you mean 'card_ok'\?\)"):
+        GuardTable.for_chart(Till, outcomes={"card_okk": False})
+    table = GuardTable.for_chart(Till)
+    with pytest.raises(ValueError, match="'card_okk'"):
+        table.outcomes = {"card_okk": False}
+    with pytest.raises(TypeError, match=r"outcomes=\['card_ok'\]: expected a mapping"):
+        GuardTable.for_chart(Till, outcomes=["card_ok"])
+    table.outcomes = {"card_ok": False}
+    assert table.card_ok() is False  # type: ignore[attr-defined]  # (made by for_chart)
+
+
+def test_driving_something_that_is_no_path_is_a_type_error_naming_it() -> None:
+    run = compiled(Till).run(GuardTable.for_chart(Till))
+    with pytest.raises(TypeError, match=r"^drive\(run, path='pay'\): expected a Path or Walk"):
+        drive(run, "pay")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("make", "error", "message"), [
+    (lambda: Inspector(window_s=float("nan")), ValueError,
+     r"^Inspector\(window_s=nan\): must be a finite number of seconds > 0"),
+    (lambda: Inspector(window_s=0), ValueError, r"^Inspector\(window_s=0\)"),
+    (lambda: Inspector(window_s="60"), TypeError, r"^Inspector\(window_s='60'\): expected a "
+                                                   r"number of seconds"),
+    (lambda: PathLog(keep=-1), ValueError, r"^PathLog\(keep=-1\): must be >= 1"),
+    (lambda: PathLog(keep=0), ValueError, r"^PathLog\(keep=0\)"),
+    (lambda: PathLog(steps="3"), TypeError, r"^PathLog\(steps='3'\): expected an int >= 1"),
+])
+def test_a_bad_inspector_setting_is_refused_naming_it(make: Callable[[], object],
+                                                      error: type[Exception],
+                                                      message: str) -> None:
+    """(was: ``window_s=nan`` answered every ``live.json`` poll 500, ``keep=-1`` raised
+    ``StopIteration`` from ``follow``, ``keep=0`` followed nothing)"""
+    with pytest.raises(error, match=message):
+        make()
