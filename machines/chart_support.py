@@ -295,19 +295,19 @@ class ToolListener:
 
     def __init__(self) -> None:
         #: the instances this listener was added to, while they live
-        self.calexec_joined: weakref.WeakSet[StateChart[Any]] = weakref.WeakSet()
+        self.calexec_joined: weakref.WeakSet[StateChart[object]] = weakref.WeakSet()
         # (instances are made on any thread: a copy of the set must not see it change)
         self.calexec_joining = threading.Lock()
 
     def __call__(self) -> ToolListener:
         return self
 
-    def setup(self, machine: StateChart[Any]) -> None:
+    def setup(self, machine: StateChart[object]) -> None:
         """python-statemachine made ``machine`` with this listener among its class's."""
         with self.calexec_joining:
             self.calexec_joined.add(machine)
 
-    def join(self, machine: StateChart[Any]) -> None:
+    def join(self, machine: StateChart[object]) -> None:
         """Add this listener to ``machine``, an instance made before it was a class's."""
         machine.add_listener(self)  # type: ignore[no-untyped-call]  # (python-statemachine untyped)
         with self.calexec_joining:
@@ -335,7 +335,7 @@ class ToolListener:
         self.leave_all()
 
 
-def remove_listener(machine: StateChart[Any], listener: object) -> bool:
+def remove_listener(machine: StateChart[object], listener: object) -> bool:
     """Undo ``machine.add_listener(listener)`` (python-statemachine 3.2 offers no call for it):
     forget the listener and every callback resolved from it (keyed ``<attr>@<id>``). The
     callback lists are replaced, not changed in place, so a ``send`` on another thread

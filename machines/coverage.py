@@ -121,7 +121,7 @@ class TransitionListener(ToolListener):
         self.listening = True
 
     def after_transition(self, event: object, transition: DeclaredTransition,
-                         machine: StateChart[Any]) -> None:
+                         machine: StateChart[object]) -> None:
         """Called by python-statemachine after each transition (``event`` is the trigger;
         None for an eventless transition, which the compiled chart keys by ``""``), then for
         the default of each empty history state it entered (python-statemachine calls no
