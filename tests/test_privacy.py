@@ -54,6 +54,16 @@ THIRD_PARTY = {
                         "gets (the class's ``listeners`` attribute, collected at class "
                         "creation); machines/coverage.py ``track`` adds one for a test session "
                         "and removes it (tests/test_charts_toolkit.py)",
+    "_listeners": "python-statemachine StateChart instance: the listeners added to it, by "
+                  "id; python-statemachine 3.2 has ``add_listener`` and no call that removes "
+                  "one, so machines/chart_support.py ``remove_listener`` takes a tool's "
+                  "listener off again (tests/test_charts_toolkit_probe55.py::"
+                  "test_enable_disable_cycles_leave_every_instance_s_listeners_as_they_were)",
+    "_callbacks": "python-statemachine StateChart instance: its callbacks registry, where "
+                  "``add_listener`` resolved the listener's callbacks; ``remove_listener`` "
+                  "takes those out (same test)",
+    "_registry": "python-statemachine CallbacksRegistry: its callback lists by key, which "
+                 "``remove_listener`` replaces without the removed listener's (same test)",
     "_actions": "argparse.ArgumentParser: no public list of a parser's arguments "
                 "(tests/test_cli.py checks that every flag has help)",
     "_iscoro": "python-statemachine CallbackWrapper: whether a resolved callback is a "
