@@ -26,6 +26,7 @@ from __future__ import annotations
 import difflib
 import gc
 import inspect
+import logging
 import threading
 import weakref
 from collections import deque
@@ -34,6 +35,8 @@ from typing import Any
 from statemachine import StateChart, StateMachine
 from statemachine.callbacks import CallbackGroup
 from statemachine.transition import Transition as DeclaredTransition
+
+log = logging.getLogger(__name__)
 
 
 class UnsupportedChart(ValueError):
@@ -340,14 +343,26 @@ def remove_listener(machine: StateChart[object], listener: object) -> bool:
     forget the listener and every callback resolved from it (keyed ``<attr>@<id>``). The
     callback lists are replaced, not changed in place, so a ``send`` on another thread
     iterates the old list or the new one. Whether ``machine`` had it."""
-    listeners: dict[int, object] = machine._listeners
-    if listeners.get(id(listener)) is not listener:
+    try:
+        listeners: dict[int, object] = machine._listeners
+        registry = list(machine._callbacks._registry.values())
+        if listeners.get(id(listener)) is not listener:
+            return False
+        suffix = f"@{id(listener)}"
+        found = [executor for executor in registry
+                 if any(key.endswith(suffix) for key in executor.items_already_seen)]
+        kept = [(executor, deque(w for w in executor.items
+                                 if not w.unique_key.endswith(suffix)),
+                 {key for key in executor.items_already_seen if not key.endswith(suffix)})
+                for executor in found]
+    except (AttributeError, TypeError):
+        # another python-statemachine 3.x keeps them otherwise: the listener stays on the
+        # instance, inert as before this existed (its tool is off), nothing half-removed
+        log.debug("python-statemachine: a listener is not removable from %s instances",
+                  type(machine).__name__)
         return False
     del listeners[id(listener)]
-    suffix = f"@{id(listener)}"
-    for executor in machine._callbacks._registry.values():
-        if any(key.endswith(suffix) for key in executor.items_already_seen):
-            executor.items = deque(w for w in executor.items if not w.unique_key.endswith(suffix))
-            executor.items_already_seen = {key for key in executor.items_already_seen
-                                           if not key.endswith(suffix)}
+    for executor, items, seen in kept:
+        executor.items = items
+        executor.items_already_seen = seen
     return True

@@ -376,3 +376,17 @@ def test_a_bad_inspector_setting_is_refused_naming_it(make: Callable[[], object]
     ``StopIteration`` from ``follow``, ``keep=0`` followed nothing)"""
     with pytest.raises(error, match=message):
         make()
+
+
+def test_a_listener_another_python_statemachine_keeps_otherwise_stays_untouched():
+    """``remove_listener`` reads python-statemachine 3.2's own fields (it has no call for it);
+    an instance whose version keeps them otherwise is left as it was, the listener inert as
+    before, and answered False, neither half-removed nor raising out of a tool's disable."""
+    from types import SimpleNamespace
+
+    from calexec.machines.chart_support import remove_listener
+
+    listener = object()
+    machine = SimpleNamespace(_listeners={id(listener): listener})  # no _callbacks
+    assert remove_listener(machine, listener) is False  # type: ignore[arg-type]
+    assert machine._listeners == {id(listener): listener}
