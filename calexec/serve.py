@@ -45,6 +45,7 @@ from typing import Any, TextIO, cast
 import attrs
 
 from calexec import cliargs
+from calexec.contracts.status import Status
 from calexec.drivers.memory import pin_mmap_threshold
 from calexec.drivers.serving import byte_tokenizer, hf_tokenizer
 from calexec.drivers.serving.dumpsink import DumpConfigError, DumpSink
@@ -60,6 +61,7 @@ from calexec.drivers.serving.service import (
     cors_origin_problem,
     sequence_ids_problem,
 )
+from calexec.machines import switch_check
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 
 EXIT_OK, EXIT_USAGE, EXIT_FAILED, EXIT_SAMPLE_FAILED = 0, 2, 3, 4
@@ -322,14 +324,20 @@ def main(argv: list[str]) -> int:
             "bound http://%s:%d; starting the executor (warm-up, golden): connections are "
             "refused until it serves", shown, bound_port)
         if args.calbin is not None:  # the reload's check, before the device is touched: a
-            # file the loader refuses is named as a calbin, not as a CalRT configure failure
-            checked = executor.check_calbin(args.calbin)
+            # file the loader refuses is named as a calbin, not as a CalRT configure failure;
+            # the sha256 pin is the start's to check (it hashes the file as it loads it: read
+            # whole once, not once more here)
+            checked = executor.check_calbin(args.calbin, hash_pin=False)
             if not checked.ok:
-                why = checked.message.removeprefix(f"calbin={args.calbin!r}: ")
-                print(f"calexec serve: --calbin={args.calbin!r}: not a valid calbin "
-                      f"({checked.code}): {why}; the executor was not started", file=sys.stderr)
+                print(_calbin_refused(args.calbin, checked, "was not started"), file=sys.stderr)
                 return EXIT_FAILED
         status = executor.start()
+        refusal = None if args.calbin is None or status.ok else switch_check.start_refusal(
+            status, args.calbin)
+        if refusal is not None:  # what the check could not see: a vendor runtime's loader
+            # (no host-side read), the manifest's sha256 pin
+            print(_calbin_refused(args.calbin, refusal, "did not start"), file=sys.stderr)
+            return EXIT_FAILED
         if not status.ok:
             # the core names its config field; a serve user has the flag
             hint = ("; or start with --allow-unpinned-golden (the first golden run is then "
@@ -383,6 +391,14 @@ def main(argv: list[str]) -> int:
             print(f"drained: executor {executor.state}; exit {EXIT_OK}", file=sys.stdout,
                   flush=True)
         return EXIT_OK
+
+
+def _calbin_refused(path: str, refusal: Status, started: str) -> str:
+    """The one line of a ``--calbin`` refused (a ``calbin.<reason>`` failure of
+    machines/switch_check.py): the flag, the path, the reason, what became of the executor."""
+    why = refusal.message.removeprefix(f"calbin={path!r}: ")
+    return (f"calexec serve: --calbin={path!r}: not a valid calbin ({refusal.code}): {why}; "
+            f"the executor {started}")
 
 
 def _serve_ray(args: argparse.Namespace, config: ServerConfig, port: int, spec) -> int:

@@ -455,12 +455,16 @@ class DeviceExecutor(SequenceOwnership):
         self._refuse_on_worker_thread("switch_model")
         return self.life.switch_model(calbin_path)
 
-    def check_calbin(self, calbin_path: object, max_bytes: int | None = None) -> Status:
+    def check_calbin(self, calbin_path: object, max_bytes: int | None = None,
+                     hash_pin: bool = True) -> Status:
         """Whether ``switch_model(calbin_path)`` can start: the file, the runtime's host-side
         read of it and the manifest, checked without touching the device or the lifecycle
         (``Status.OK``, or a 400 ``calbin.<reason>`` failure naming the path; never raises;
-        machines/switch_check.py). The admin reload calls it before any drain."""
-        return switch_check.check_calbin(self.runtime, self.manifest, calbin_path, max_bytes)
+        machines/switch_check.py). The admin reload calls it before any drain. ``hash_pin``
+        False: the manifest's sha256 pin is left to the load that follows (``calexec serve
+        --calbin`` before ``start``: the file is then not read whole twice)."""
+        return switch_check.check_calbin(self.runtime, self.manifest, calbin_path, max_bytes,
+                                         hash_pin)
 
     def shutdown(self, grace: float = 10.0) -> Status:
         """Stop admission, cancel queued jobs, drain submitted ones within ``grace`` seconds,

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from calexec.contracts.errors import Category
+from calexec.contracts.codes import describe
+from calexec.contracts.errors import Category, classify
 from calexec.contracts.manifest import Manifest
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import EngineSlot, ModelGeneration, TaskKind
@@ -31,6 +32,20 @@ from calexec.machines.device_api import CalbinApi, DeviceApi, KvManagerApi, Mode
 from calexec.machines.kv import KvCoordinator
 from calexec.machines.locks import LockOrder
 from calexec.machines.pool import BufferPool
+
+#: the code of a generation whose calbin the runtime did not load (``CalbinLoad``: the file
+#: is missing, unreadable or not a calbin the runtime takes, or the runtime failed loading
+#: it); the category is the §8 row of the raw code (ARTIFACT: the file's fault)
+CALBIN_LOAD_FAILED = "calrt.calbin_load_failed"
+
+
+def calbin_load_failed(rc: int, calbin_path: str, generation_id: int) -> Status:
+    """The failure of a ``calbin load`` of ``calbin_path`` that returned ``rc``: code
+    :data:`CALBIN_LOAD_FAILED` (not ``calrt.configure_failed``: the call that failed is the
+    load, and a caller such as ``calexec serve --calbin`` names the file by this code)."""
+    return Status.failure(CALBIN_LOAD_FAILED, classify(rc).category, Phase.CONFIGURE,
+                          f"CalRT calbin load returned {describe(rc)}: {calbin_path!r}",
+                          raw=rc, generation=generation_id)
 
 
 class Generation:
@@ -103,7 +118,7 @@ def open_generation(device: DeviceApi, manifest: Manifest, calbin_path: str, gen
     ctx = {"generation": generation_id}
     rc, calbin = device.load_calbin(calbin_path)
     if rc != 0:
-        return Status.from_calrt(rc, Phase.CONFIGURE, f"calbin load {calbin_path!r}", **ctx)
+        return calbin_load_failed(rc, calbin_path, generation_id)
     if calbin is None:
         return no_object(f"calbin load {calbin_path!r}", Phase.CONFIGURE, **ctx)
     done: list[Callable[[], int]] = [calbin.unload]

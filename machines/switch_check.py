@@ -14,6 +14,10 @@ what it reads, never a large file whole). What it cannot see (the golden run, bu
 map, the emulator's execution contract, checked at configure) is still refused by the switch,
 which rolls back.
 
+``calexec serve --calbin`` runs the check before the executor's start without the sha256 pin
+(``hash_pin=False``: the start hashes the file as it loads it), and names what only the start
+can see (a vendor runtime's loader, the pin) with :func:`start_refusal`, worded as the check's.
+
 Every refusal is a ``Status`` (INVALID_REQUEST, phase VALIDATE: HTTP 400) whose code is
 ``calbin.<reason>`` and whose message starts ``calbin=<path>:``; nothing raises.
 """
@@ -25,10 +29,12 @@ import os
 import stat
 from collections.abc import Callable
 
+from calexec.contracts.codes import CalrtCode, describe
 from calexec.contracts.errors import Category
 from calexec.contracts.manifest import Manifest
 from calexec.contracts.runtime_view import RuntimeModelInfo
 from calexec.contracts.status import Phase, Status
+from calexec.machines.generation import CALBIN_LOAD_FAILED
 
 #: longest path accepted (Linux PATH_MAX)
 MAX_PATH_CHARS = 4096
@@ -101,11 +107,14 @@ def _sha256(path: str) -> str | OSError:
 
 
 def check_calbin(runtime: object, manifest: Manifest, path: object,
-                 max_bytes: int | None = None) -> Status:
+                 max_bytes: int | None = None, hash_pin: bool = True) -> Status:
     """``Status.OK`` when ``path`` passes every check above, else the ``calbin.<reason>``
     failure naming the first one it fails (module docstring); ``max_bytes``: the largest file
     accepted (None: no bound). A ``pathlib.Path`` (any ``os.PathLike``) is taken as its str,
-    as ``switch_model`` takes it (it was refused ``calbin.path_required``)."""
+    as ``switch_model`` takes it (it was refused ``calbin.path_required``). ``hash_pin``
+    False: the file is not hashed for the manifest's sha256 pin, so the check never reads it
+    whole; for a caller whose next step loads the file anyway (the executor's start, which
+    hashes it as it loads it and refuses a mismatch: :func:`start_refusal` names it)."""
     if isinstance(path, os.PathLike):
         path = os.fspath(path)
     status = _file_refusal(path, max_bytes)
@@ -122,7 +131,7 @@ def check_calbin(runtime: object, manifest: Manifest, path: object,
     models = inspect(path) if inspect is not None else None
     if isinstance(models, str):
         return refused("invalid", shown, f"not a calbin the runtime loads: {models}")
-    pinned = manifest.calbin_sha256
+    pinned = manifest.calbin_sha256 if hash_pin else None
     if pinned is None:  # nothing pins the content: the file is not hashed (the switch does)
         refusal = None if models is None else manifest.models_refusal(models)
         if refusal is not None:
@@ -143,3 +152,31 @@ def check_calbin(runtime: object, manifest: Manifest, path: object,
         return refused("manifest_mismatch", shown,
                        f"{resolved.code}: {resolved.message or resolved.code}")
     return Status.OK
+
+
+def start_refusal(status: Status, path: str) -> Status | None:
+    """The ``calbin.<reason>`` refusal (as :func:`check_calbin` words it) that a failed start
+    or switch of ``path`` is when the calbin is what was refused, else None: the runtime's
+    loader refused the file (``calrt.calbin_load_failed`` with an ARTIFACT code: missing,
+    unreadable, not a calbin; ``calbin.invalid``), or the manifest does not describe what it
+    loaded (``manifest.<reason>``, the sha256 pin included: ``calbin.manifest_mismatch``).
+    A vendor runtime's loader runs only there (its check on the host would need a second
+    device), and a start does not read the file once more for a check of its own."""
+    shown = _shown(path)
+    if status.code == CALBIN_LOAD_FAILED and status.category is Category.ARTIFACT:
+        return refused("invalid", shown, "not a calbin the runtime loads: the loader refused "
+                       f"it ({_rc_name(status.raw)})")
+    if status.code.startswith("manifest."):
+        return refused("manifest_mismatch", shown,
+                       f"{status.code}: {status.message or status.code}")
+    return None
+
+
+def _rc_name(raw: int | None) -> str:
+    """A raw CalRT code as the runtime's loader check names it (``ERR_FILE_FORMAT``)."""
+    if raw is None:
+        return "no code"
+    try:
+        return f"ERR_{CalrtCode(raw).name}"
+    except ValueError:
+        return describe(raw)

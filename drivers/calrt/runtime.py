@@ -187,7 +187,7 @@ class CalRT:
         if device is None:  # (the emulator out of memory, say): the switch will tell
             return None
         try:
-            rc, calbin = device.load_calbin(path)
+            rc, calbin = device.load_calbin(path, sha256=False)  # (the check hashes no file)
             if calbin is None:
                 why = device.emu.calbin_error() if device.emu is not None else ""
                 return f"the loader refused it ({_name(Rc, rc)}{': ' + why if why else ''})"
@@ -243,14 +243,13 @@ class Device:
         counters = self.emu.counters()
         return bool(counters) and counters.get("stale_pending", 1) == 0
 
-    def load_calbin(self, path: str) -> tuple[int, Calbin | None]:
-        """(rc, Calbin). The sha256 is of the bytes read here; if Python cannot read the
-        file the runtime's own code (10/11) is returned."""
-        try:
-            with open(path, "rb") as f:
-                sha = hashlib.sha256(f.read()).hexdigest()
-        except OSError:
-            sha = None
+    def load_calbin(self, path: str, sha256: bool = True) -> tuple[int, Calbin | None]:
+        """(rc, Calbin). The sha256 is of the file's bytes, read here once the runtime loaded
+        it (a file it refuses is not read whole for nothing), in chunks: a multi-GB calbin is
+        never held whole in memory (it was, ``f.read()``, beside the runtime's own copy); if
+        Python cannot read the file, 11 (FILE_READ) is returned and nothing stays loaded.
+        ``sha256`` False (``CalRT.inspect_calbin``, which lists the models and unloads): the
+        file is not hashed, and the Calbin's ``sha256`` is ""."""
         out = self._ffi.new("calrt_calbin **")
         rc = self._lib.calrt_calbin_load(self._h, os.fsencode(path), out)
         if rc != 0:
@@ -258,6 +257,13 @@ class Device:
             if why:  # 0.7.6 answers 19 alone: the emulator says which dtype it refused
                 log.error("calbin %r refused (%d INVALID_CALBIN): %s", path, rc, why)
             return rc, None
+        sha: str | None = ""
+        try:
+            if sha256:
+                with open(path, "rb") as f:
+                    sha = hashlib.file_digest(f, "sha256").hexdigest()
+        except OSError:
+            sha = None
         if sha is None:  # readable by the runtime but not by us: do not report a generation
             self._lib.calrt_calbin_unload(out[0])
             return Rc.ERR_FILE_READ, None

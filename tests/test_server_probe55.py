@@ -1,0 +1,151 @@
+"""Stop 55, the server's leftovers: each defect pinned here (docs/traceability.md "Found at
+stop 55 (server)"). Real executor on the bundled emulator (and on a vendor-like build of it
+without its emulator controls); every wait bounded."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+import tracemalloc
+
+import pytest
+
+import calexec.drivers.calrt as calrt_pkg
+from calexec.drivers.calrt.runtime import CalRT
+from calexec.drivers.synthetic import calbin
+from calexec.drivers.tools.conform.experiment_rig import build_emulator_lib
+
+
+@pytest.fixture(scope="module")
+def vendor_lib(tmp_path_factory) -> str:
+    """The bundled emulator built as a shared library that exports only the CalRT ABI (no
+    ``calrt_emu_*`` controls): what ``--runtime-lib`` loads for a vendor shim (``has_emu``
+    false: no host-side read of a calbin, no second device for a check)."""
+    out = tmp_path_factory.mktemp("vendor")
+    full = build_emulator_lib(str(out / "full"))
+    names = subprocess.run(["nm", "-D", "--defined-only", full], capture_output=True,
+                           text=True, check=True).stdout.split()
+    abi = sorted(n for n in names if n.startswith("calrt_") and not n.startswith("calrt_emu_"))
+    script = out / "vendor.map"
+    script.write_text("{ global: " + " ".join(f"{n};" for n in abi) + " local: *; };\n")
+    sources = [f"{calrt_pkg.__path__[0]}/{name}.c"
+               for name in ("emulator", "emu_controls", "emu_engine")]
+    lib = str(out / "libvendor.so")
+    subprocess.run(["cc", "-std=c11", "-O2", "-pthread", "-fPIC", "-shared",
+                    f"-Wl,--version-script={script}", "-o", lib, *sources], check=True)
+    assert CalRT.load(lib).has_emu is False
+    return lib
+
+
+def serve(*argv: str, timeout: float = 150.0) -> subprocess.CompletedProcess[str]:
+    code = f"import sys\nfrom calexec.cli import main\nsys.exit(main({list(argv)!r}))"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.parametrize("content", [b"\x00garbage\xff" * 40, b"CALBIN\n"],
+                         ids=["garbage", "short"])
+def test_serve_on_a_vendor_runtime_names_a_calbin_its_loader_refuses(vendor_lib, tmp_path,
+                                                                    content):
+    """``calexec serve --runtime-lib VENDOR --calbin FILE`` with a file that is no calbin: the
+    pre-start check cannot run a vendor runtime's loader (a second device is hardware), so
+    the start's own refusal was printed raw: ``executor failed to start:
+    calrt.configure_failed [artifact/configure] CalRT configure returned 12 (FILE_FORMAT):
+    calbin load '...'``. Now the start's refusal of the file is said as the bundled
+    emulator's is: the flag, the path, the loader's reason, exit 3 (docs/server.md)."""
+    path = tmp_path / "model.calbin"
+    path.write_bytes(content)
+    done = serve("serve", "--once", "--runtime-lib", vendor_lib, "--reset-kind", "none",
+                 "--calbin", str(path))
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 3, (done.returncode, done.stderr)
+    assert "Traceback" not in done.stderr, done.stderr
+    assert lines[-1] == (f"calexec serve: --calbin={str(path)!r}: not a valid calbin "
+                         "(calbin.invalid): not a calbin the runtime loads: the loader "
+                         "refused it (ERR_FILE_FORMAT); the executor did not start"), lines[-1]
+    assert not any("configure returned" in line for line in lines), done.stderr
+
+
+#: ``calexec serve`` with ``open`` counting the bytes Python reads from one file
+COUNTING = r'''
+import builtins, io, sys
+from calexec.cli import main
+path, argv = sys.argv[1], sys.argv[2:]
+read = [0]
+real_open = builtins.open
+class Counting(io.RawIOBase):
+    def __init__(self, raw): self.raw = raw
+    def readable(self): return True
+    def readinto(self, b):
+        n = self.raw.readinto(b); read[0] += n or 0; return n
+    def fileno(self): return self.raw.fileno()
+    def close(self): self.raw.close(); super().close()
+def counting_open(file, mode="r", *a, **k):
+    if file == path and mode == "rb":
+        return io.BufferedReader(Counting(io.FileIO(file, "rb")))
+    return real_open(file, mode, *a, **k)
+builtins.open = counting_open
+rc = main(argv)
+print("READ", read[0], file=sys.stderr)
+sys.exit(rc)
+'''
+
+
+def padded_calbin(tmp_path, copies: int = 100_000) -> tuple[str, str]:
+    """A valid synthetic calbin made large (its ``seed`` line repeated: the emulator's
+    loader takes it, as many times as it comes) and its sha256."""
+    lines = calbin.dumps(calbin.default_spec()).decode().splitlines(keepends=True)
+    at = next(i for i, line in enumerate(lines) if line.startswith("seed "))
+    data = "".join(lines[:at + 1] + [lines[at]] * copies + lines[at + 1:]).encode()
+    path = tmp_path / "big.calbin"
+    path.write_bytes(data)
+    return str(path), hashlib.sha256(data).hexdigest()
+
+
+def test_serve_with_a_pinned_calbin_reads_it_whole_once(tmp_path):
+    """``calexec serve --calbin`` under a manifest pinning the calbin's sha256: the
+    pre-start check hashed the file (read whole), ran the runtime's loader on a scratch
+    device whose driver hashed it again (read whole, held whole in memory), then the start
+    hashed it a third time: for a multi-GB calbin, three reads and the whole file in
+    memory before serving. Now the check reads the file's first bytes (and the emulator's
+    loader its directives), no hash: the start hashes it once, in chunks, as it loads it
+    (and refuses a pin mismatch itself). Python reads it whole once."""
+    from calexec.contracts.manifest import default_manifest_path
+
+    path, sha = padded_calbin(tmp_path)
+    size = len(open(path, "rb").read())
+    text = default_manifest_path().read_text()
+    assert '# calbin_sha256 = "' in text
+    manifest = tmp_path / "pinned.toml"
+    manifest.write_text(text.replace('# calbin_sha256 = "', f'calbin_sha256 = "{sha}" # "', 1))
+    done = subprocess.run([sys.executable, "-c", COUNTING, path, "serve", "--once",
+                           "--manifest", str(manifest), "--calbin", path,
+                           "--allow-unpinned-golden"], capture_output=True, text=True,
+                          timeout=150)
+    assert done.returncode == 0, done.stderr[-3000:]
+    read = int(done.stderr.rsplit("READ ", 1)[1].split()[0])
+    assert size <= read <= size + 64 * 1024, (read, size)
+
+
+def test_loading_a_calbin_never_holds_it_whole_in_memory(tmp_path):
+    """``Device.load_calbin`` hashed the file with ``hashlib.sha256(f.read())``: the whole
+    calbin as one Python bytes object, beside the runtime's own copy (a 4 GB calbin, 4 GB
+    more at every start and reload). Now it is hashed in chunks; the sha256 is the same."""
+    path, sha = padded_calbin(tmp_path)
+    size = len(open(path, "rb").read())
+    rc, device = CalRT.load().open_device("")
+    assert rc == 0 and device is not None
+    try:
+        tracemalloc.start()
+        try:
+            rc, loaded = device.load_calbin(path)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert rc == 0 and loaded is not None
+        assert loaded.sha256 == sha
+        assert peak < size // 2, (peak, size)
+        assert loaded.unload() == 0
+    finally:
+        device.close()
