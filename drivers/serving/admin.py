@@ -132,6 +132,15 @@ def reload_body(raw: bytes) -> dict[str, Any] | tuple[Status, str | None]:
     return body
 
 
+def draining_refusal(retry_after: int, headers: dict[str, str] | None = None) -> JSONResponse:
+    """The 503 of a reload while the server drains (``param: calbin``, ``Retry-After``):
+    ``headers`` ``wire.CLOSE`` for one refused before the body it announced with ``Expect:
+    100-continue`` was read."""
+    return error_response(Status.unavailable(
+        Phase.RECOVERY, "reload refused, lifecycle unchanged: server is draining"),
+        "calbin", retry_after=retry_after, headers=headers)
+
+
 def add_admin_routes(app: FastAPI, service: CompletionService) -> None:
     """``/admin/drain`` and ``/admin/reload`` on ``app``."""
     executor, config = service.executor, service.config
@@ -193,6 +202,11 @@ def add_admin_routes(app: FastAPI, service: CompletionService) -> None:
         refused = admin_refusal(request, config)
         if refused is not None:
             return refused
+        if service.draining and wire.expects_continue(request):
+            # refused before its body is read: no ``100 Continue`` (uvicorn sends it when the
+            # route first reads the body, and the client uploads it to be refused); the
+            # body it announced never comes on this connection, which closes
+            return draining_refusal(retry, wire.CLOSE)
         media = wire.non_json_media(request)
         if media is not None:
             return error_response(invalid(f"content-type {media!r}: the body must be JSON "
@@ -226,7 +240,9 @@ def add_admin_routes(app: FastAPI, service: CompletionService) -> None:
             return error_response(checked if not checked.ok else invalid(f"calbin={path!r}"),
                                   "calbin", http_status=400)
         # the lifecycle moves only when it can: not while draining, recovering or unhealthy
-        reasons = ["server is draining"] if service.draining else service.health()
+        if service.draining:
+            return draining_refusal(retry)
+        reasons = service.health()
         if reasons:
             return error_response(Status.unavailable(
                 Phase.RECOVERY, f"reload refused, lifecycle unchanged: {'; '.join(reasons)}"),
