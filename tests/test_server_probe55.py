@@ -224,3 +224,42 @@ def test_a_reload_sent_while_the_server_drains_is_refused_before_its_body(tmp_pa
     finally:
         stop.set()
         executor.shutdown(5.0)
+
+
+def test_a_draining_fleet_ingress_reads_the_body_it_refuses_so_the_client_gets_the_503():
+    """The fleet ingress's own draining 503 ("fleet is draining") was sent without reading
+    the request's body: with a body still arriving (here 900 kB, under ``max_body_bytes``,
+    on a request that closes the connection), the close found it unread in the socket and
+    reset the connection (every time here: the client, still sending or reading, gets
+    ECONNRESET, the 503 lost if it had not read it yet). Now the body is read first
+    (bounded, as the server reads a refused body): the 503 then an orderly close. A request
+    that expects ``100-continue`` is answered before its body (no ``100 Continue``),
+    ``Connection: close``."""
+    from calexec.drivers.fleet.ingress import FailoverSettings, FleetIngress
+    from test_fleet_ingress import Replica, Router
+    from test_server_support import LiveServer, read_until_closed, split_head
+
+    replica = Replica("r1")
+    app = FleetIngress(Router(replica), FailoverSettings(backoff_s=0.001))
+    app.draining = True
+    body = json.dumps({"prompt": "x" * 900_000, "max_tokens": 1}).encode()
+    head = (b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+            b"content-type: application/json\r\ncontent-length: %d\r\n" % len(body))
+    with LiveServer(app) as server:
+        for attempt in range(5):
+            with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+                sock.sendall(head + b"connection: close\r\n\r\n" + body)
+                data, ended = read_until_closed(sock)
+            status, headers, payload = split_head(data)
+            assert status.startswith(b"HTTP/1.1 503 "), (attempt, data[:300])
+            assert "retry-after" in headers, headers
+            assert json.loads(payload)["error"]["message"] == "fleet is draining", payload
+            assert ended == "eof", (attempt, ended)
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            sock.sendall(head + b"expect: 100-continue\r\n\r\n")  # (no body before the 100)
+            data, ended = read_until_closed(sock)
+        assert b"100 Continue" not in data, data[:300]
+        status, headers, _ = split_head(data)
+        assert status.startswith(b"HTTP/1.1 503 ") and headers.get("connection") == "close", data
+        assert ended == "eof", ended
+    assert replica.requests == []  # nothing reached a replica

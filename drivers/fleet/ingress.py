@@ -42,7 +42,8 @@ the device replicas, each reached through a streaming call (``call(request)``: t
    ingress is the one place that retries. A response from a sibling after a failover carries
    ``x-calexec-relayed-from: <the replica that failed>``.
 5. **Drain.** :meth:`FleetIngress.drain` (the fleet's SIGTERM/SIGINT, before Serve shuts
-   down) answers every new request 503 + ``Retry-After`` ("fleet is draining"), except the
+   down) answers every new request 503 + ``Retry-After`` ("fleet is draining"; its body read
+   first, bounded: :meth:`FleetIngress._refuse_draining`), except the
    probes ``GET``/``HEAD`` ``/health`` and ``/metrics`` (``PROBES``: still forwarded, as a
    single server answers them while it drains), and waits, bounded, for the admitted ones
    to finish.
@@ -72,6 +73,7 @@ from calexec.drivers.fleet.edge import (
     BODY_GONE,
     BODY_LATE,
     BODY_TOO_LARGE,
+    BODY_WHOLE,
     RELAY_ROUTES,
     RELAYED_FROM,
     ClientGone,
@@ -217,14 +219,35 @@ class FleetIngress:
             return
         send = with_request_id(scope, send)  # its own answers too (a replica's: kept)
         if self.draining and (scope["method"], route_path(scope)) not in PROBES:
-            await send_held(send, *refusal(Status.unavailable(
-                Phase.ADMISSION, "fleet is draining"), 503, self.settings.retry_after_s))
+            await self._refuse_draining(scope, receive, send)
             return
         self.active += 1
         try:
             await self._admitted(scope, receive, send)
         finally:
             self.active -= 1
+
+    async def _refuse_draining(self, scope: Message, receive: Receive, send: Send) -> None:
+        """The draining 503 + ``Retry-After`` ("fleet is draining"), once the request's body
+        is read (bounded: ``max_body_bytes``, ``body_timeout_s``), as a single server reads
+        a refused request's body: answered with the body unread, the connection's close
+        found it in the socket and reset the connection, and a client still sending it got
+        ECONNRESET, never the 503. A body past the bound, or too slow, is left and the 503
+        closes the connection (``Connection: close``); so does the 503 of a request that
+        expects ``100-continue``, answered before its body (no ``100 Continue``: the client
+        would upload it to be refused); a client gone mid-body gets nothing."""
+        close = expects_continue(scope)
+        if not close:
+            _, read = await read_body(receive, self.settings.max_body_bytes,
+                                      self.settings.body_timeout_s)
+            if read == BODY_GONE:
+                return
+            close = read != BODY_WHOLE
+        start, payload = refusal(Status.unavailable(Phase.ADMISSION, "fleet is draining"), 503,
+                                 self.settings.retry_after_s)
+        if close:
+            start["headers"].append((b"connection", b"close"))
+        await send_held(send, start, payload)
 
     async def _admitted(self, scope: Message, receive: Receive, send: Send) -> None:
         chunks, read = await read_body(receive, self.settings.max_body_bytes,
@@ -492,6 +515,13 @@ def request_timeout(body: bytes, default: float) -> float:
             and math.isfinite(timeout) and timeout > 0:
         return float(timeout)
     return default
+
+
+def expects_continue(scope: Message) -> bool:
+    """The request waits for ``100 Continue`` before sending its body (``Expect:
+    100-continue``, HTTP/1.1 only: ``wire.expects_continue`` on an ASGI scope)."""
+    return (scope.get("http_version") == "1.1"
+            and (header_of(scope, b"expect") or "").strip().lower() == "100-continue")
 
 
 def header_of(message: Message, name: bytes) -> str | None:
