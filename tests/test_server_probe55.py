@@ -263,3 +263,42 @@ def test_a_draining_fleet_ingress_reads_the_body_it_refuses_so_the_client_gets_t
         assert status.startswith(b"HTTP/1.1 503 ") and headers.get("connection") == "close", data
         assert ended == "eof", ended
     assert replica.requests == []  # nothing reached a replica
+
+
+def test_the_fleet_ingress_closes_the_connection_of_a_body_it_timed_out():
+    """The fleet ingress answers a body that does not arrive whole within ``body_timeout_s``
+    408, as the server does; but without ``Connection: close``: the connection stayed
+    open, uvicorn reading the rest as the same request's body for as long as the client
+    trickled it (here a byte every second for 8 s: never closed), so the timeout bounded
+    nothing. The 408 (and the 413 of a body too large) now close it, as the server's."""
+    import time
+
+    from calexec.drivers.fleet.ingress import FailoverSettings, FleetIngress
+    from test_fleet_ingress import Replica, Router
+    from test_server_support import LiveServer
+
+    replica = Replica("r1")
+    app = FleetIngress(Router(replica), FailoverSettings(backoff_s=0.001, body_timeout_s=1.0))
+    with LiveServer(app) as server, \
+            socket.create_connection(("127.0.0.1", server.port), timeout=1) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+                     b"content-type: application/json\r\ncontent-length: 100\r\n\r\n")
+        got, ended, began = b"", None, time.monotonic()
+        for _ in range(8):  # a byte a second, never the whole body
+            try:
+                sock.sendall(b" ")
+                chunk = sock.recv(1 << 16)
+            except TimeoutError:
+                continue
+            except OSError as err:
+                ended = type(err).__name__
+                break
+            if not chunk:
+                ended = "eof"
+                break
+            got += chunk
+        took = time.monotonic() - began
+    assert got.startswith(b"HTTP/1.1 408 "), got[:300]
+    assert b"\r\nconnection: close\r\n" in got.lower(), got[:300]
+    assert ended in ("eof", "ConnectionResetError", "BrokenPipeError") and took < 6, (ended, took)
+    assert replica.requests == []

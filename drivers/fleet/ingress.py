@@ -243,28 +243,29 @@ class FleetIngress:
             if read == BODY_GONE:
                 return
             close = read != BODY_WHOLE
-        start, payload = refusal(Status.unavailable(Phase.ADMISSION, "fleet is draining"), 503,
-                                 self.settings.retry_after_s)
-        if close:
-            start["headers"].append((b"connection", b"close"))
-        await send_held(send, start, payload)
+        await send_held(send, *refusal(Status.unavailable(Phase.ADMISSION, "fleet is draining"),
+                                       503, self.settings.retry_after_s, close=close))
 
     async def _admitted(self, scope: Message, receive: Receive, send: Send) -> None:
         chunks, read = await read_body(receive, self.settings.max_body_bytes,
                                        self.settings.body_timeout_s)
         if read == BODY_GONE:  # the client left while sending its body
             return
+        # the 408 and the 413 close the connection, as the server's (``wire.body_or_refusal``):
+        # kept open, the rest of the body was read as the same request's for as long as the
+        # client kept sending it (a client trickling a byte at a time held the connection
+        # without end, the body timeout notwithstanding)
         if read == BODY_LATE:  # as the server answers a body that trickles in
             size = sum(len(chunk) for chunk in chunks)
             await send_held(send, *refusal(error_bodies.body_timeout(
                 f"{size} bytes came", self.settings.body_timeout_s), 408,
-                self.settings.retry_after_s))
+                self.settings.retry_after_s, close=True))
             return
         if read == BODY_TOO_LARGE:
             await send_held(send, *refusal(Status.failure(
                 "request.invalid", Category.INVALID_REQUEST, Phase.VALIDATE,
                 f"request body exceeds max_body_bytes={self.settings.max_body_bytes}"),
-                413, self.settings.retry_after_s))
+                413, self.settings.retry_after_s, close=True))
             return
         body = b"".join(chunks)
         failover = (scope["method"], route_path(scope)) in RELAY_ROUTES
@@ -481,14 +482,18 @@ def unavailable(outcome: _Outcome) -> Status:
                               f"{outcome.cause} at {outcome.replica or 'an unknown replica'})")
 
 
-def refusal(status: Status, code: int, retry_after_s: int) -> tuple[Message, bytes]:
-    """A held response (start, body) with the server's error body."""
+def refusal(status: Status, code: int, retry_after_s: int,
+            close: bool = False) -> tuple[Message, bytes]:
+    """A held response (start, body) with the server's error body; ``close``: with
+    ``Connection: close`` (the request's body was not read whole)."""
     payload = json.dumps({"error": error_bodies.error_body(status, None, code),
                           "status": status.to_dict()}).encode()
     headers = [(b"content-type", b"application/json"),
                (b"content-length", str(len(payload)).encode())]
     if code in (429, 503):
         headers.append((b"retry-after", str(retry_after_s).encode()))
+    if close:
+        headers.append((b"connection", b"close"))
     return {"type": "http.response.start", "status": code, "headers": headers}, payload
 
 
