@@ -302,3 +302,23 @@ def test_the_fleet_ingress_closes_the_connection_of_a_body_it_timed_out():
     assert b"\r\nconnection: close\r\n" in got.lower(), got[:300]
     assert ended in ("eof", "ConnectionResetError", "BrokenPipeError") and took < 6, (ended, took)
     assert replica.requests == []
+
+
+def test_the_reload_check_of_a_large_file_that_is_no_calbin_reads_none_of_it_whole(tmp_path):
+    """``POST /admin/reload`` runs ``check_calbin``, whose emulator loader check went through
+    the driver's ``load_calbin``, which hashed the file with ``f.read()`` before the runtime
+    even looked at it: a 64 MB file that is no calbin (up to ``max_calbin_bytes``, 16 GiB) was
+    read whole into the server's memory to be refused. Now the driver hashes only a file the
+    runtime loaded, and the check's scratch load not at all: refused at its first line."""
+    path = tmp_path / "big.bin"
+    with open(path, "wb") as f:  # (sparse: no disk)
+        f.truncate(64 << 20)
+    runtime = CalRT.load()
+    tracemalloc.start()
+    try:
+        why = runtime.inspect_calbin(str(path))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert isinstance(why, str) and "ERR_FILE_FORMAT" in why, why
+    assert peak < 4 << 20, peak
