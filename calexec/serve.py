@@ -144,7 +144,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="log level (default info; with --once warning)")
     p.add_argument("--ray", action="store_true",
                    help="serve through Ray Serve, one replica per device (needs calexec[ray])")
-    p.add_argument("--replicas", type=int, help="with --ray: number of replicas/devices "
+    p.add_argument("--replicas", type=cliargs.positive_int, help="with --ray: number of replicas/devices "
                                                 "(default 1)")
     p.add_argument("--once", action="store_true",
                    help="smoke run: serve, send one sample completion over loopback, print it "
@@ -290,8 +290,6 @@ def main(argv: list[str]) -> int:
             raise ValueError(f"--replicas={args.replicas} needs --ray")
         if args.ray and dump is not None:
             raise ValueError("--dump-dir is not supported with --ray")
-        if args.ray and (args.replicas or 1) < 1:
-            raise ValueError(f"--replicas={args.replicas}: must be >= 1")
         spec = cliargs.device_spec(args)
     except (OSError, ValueError, DumpConfigError) as err:
         print(f"calexec serve: {err}", file=sys.stderr)

@@ -322,3 +322,31 @@ def test_the_reload_check_of_a_large_file_that_is_no_calbin_reads_none_of_it_who
         tracemalloc.stop()
     assert isinstance(why, str) and "ERR_FILE_FORMAT" in why, why
     assert peak < 4 << 20, peak
+
+
+#: a ``calexec serve`` run in which ``import ray`` fails (nothing Ray starts, whatever runs)
+NO_RAY = """
+import sys
+class _Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "ray":
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked by the test)")
+        return None
+sys.meta_path.insert(0, _Block())
+from calexec.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("count", ["0", "-2"])
+def test_serve_ray_with_no_replica_is_refused_before_ray_starts(count):
+    """``calexec serve --ray --replicas 0`` was checked as ``(args.replicas or 1) < 1``: 0
+    became 1, so the command started a local Ray cluster (a minute on a loaded machine) and
+    deployed one replica instead of refusing the flag. ``--replicas`` is now a positive
+    integer at parse time, as ``--max-sequences``: exit 2 naming it, nothing started."""
+    done = subprocess.run([sys.executable, "-c", NO_RAY, "serve", "--ray", "--replicas", count,
+                           "--port", "0"], capture_output=True, text=True, timeout=60)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert lines == [f"calexec serve: error: argument --replicas: must be >= 1, got {count} "
+                     "(see calexec serve --help)"], done.stderr
