@@ -350,3 +350,40 @@ def test_serve_ray_with_no_replica_is_refused_before_ray_starts(count):
     assert done.returncode == 2, (done.returncode, done.stderr)
     assert lines == [f"calexec serve: error: argument --replicas: must be >= 1, got {count} "
                      "(see calexec serve --help)"], done.stderr
+
+
+def test_the_fleet_ingress_relays_a_timeout_past_the_float_range():
+    """The ingress reads a request's ``timeout`` from its body (``request_timeout``) before
+    relaying it; an integer past the float range (``"timeout": 1000...0``, 401 digits: JSON
+    has no bound, Python parses it as an int) raised OverflowError from ``math.isfinite``
+    out of the ingress (a plain 500 from the proxy, nothing relayed). Now it takes the
+    default deadline and relays the body, whose replica refuses it 400 naming ``timeout``,
+    as the single server does."""
+    import asyncio
+
+    from calexec.drivers.fleet.ingress import FailoverSettings, FleetIngress, request_timeout
+    from test_fleet_ingress import Replica, Router
+
+    body = b'{"prompt": [1], "max_tokens": 1, "timeout": 1' + b"0" * 400 + b"}"
+    assert request_timeout(body, 30.0) == 30.0
+    replica = Replica("r1")
+    app = FleetIngress(Router(replica), FailoverSettings(backoff_s=0.001))
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"",
+             "headers": [(b"content-type", b"application/json")], "http_version": "1.1"}
+    sent: list[dict] = []
+    given = False
+
+    async def receive() -> dict:
+        nonlocal given
+        if not given:
+            given = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.sleep(30)
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    asyncio.run(asyncio.wait_for(app(scope, receive, send), timeout=10))
+    assert len(replica.requests) == 1 and replica.requests[0]["body"] == body
+    assert [m["status"] for m in sent if m["type"] == "http.response.start"] == [200]

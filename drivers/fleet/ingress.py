@@ -511,15 +511,19 @@ def sse_error(held: tuple[Message, bytes] | None) -> bytes | None:
 def request_timeout(body: bytes, default: float) -> float:
     """The request's deadline in seconds: its body's ``timeout`` when valid, else ``default``
     (the server validates the body; an invalid one is refused there, not here: one nested
-    past the parser's recursion limit too, which raised out of the ingress, a plain 500)."""
+    past the parser's recursion limit too, which raised out of the ingress, a plain 500, and
+    an integer past the float range, whose ``float()`` raised OverflowError out of it)."""
     try:
         timeout = json.loads(body).get("timeout")
     except (ValueError, AttributeError, UnicodeDecodeError, RecursionError):
         return default
-    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) \
-            and math.isfinite(timeout) and timeout > 0:
-        return float(timeout)
-    return default
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool):
+        return default
+    try:
+        seconds = float(timeout)
+    except OverflowError:  # (an int of hundreds of digits: JSON has no bound)
+        return default
+    return seconds if math.isfinite(seconds) and seconds > 0 else default
 
 
 def expects_continue(scope: Message) -> bool:
