@@ -144,8 +144,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="log level (default info; with --once warning)")
     p.add_argument("--ray", action="store_true",
                    help="serve through Ray Serve, one replica per device (needs calexec[ray])")
-    p.add_argument("--replicas", type=cliargs.positive_int, help="with --ray: number of replicas/devices "
-                                                "(default 1)")
+    p.add_argument("--replicas", type=cliargs.positive_int,
+                   help="with --ray: number of replicas/devices (default 1)")
     p.add_argument("--once", action="store_true",
                    help="smoke run: serve, send one sample completion over loopback, print it "
                         "as a curl command with the JSON response, drain and exit")
