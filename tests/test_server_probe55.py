@@ -387,3 +387,23 @@ def test_the_fleet_ingress_relays_a_timeout_past_the_float_range():
     asyncio.run(asyncio.wait_for(app(scope, receive, send), timeout=10))
     assert len(replica.requests) == 1 and replica.requests[0]["body"] == body
     assert [m["status"] for m in sent if m["type"] == "http.response.start"] == [200]
+
+
+def test_serve_names_a_calbin_its_manifest_pin_refuses_in_one_line(tmp_path):
+    """With the pin no longer hashed by the pre-start check (above), the sha256 mismatch is
+    the start's (``manifest.sha256_mismatch`` from ``Manifest.resolve``): still said as the
+    check said it, naming the flag, the path and both hashes, exit 3."""
+    from calexec.contracts.manifest import default_manifest_path
+
+    path, sha = padded_calbin(tmp_path, copies=1)
+    text = default_manifest_path().read_text()
+    manifest = tmp_path / "pinned.toml"
+    manifest.write_text(text.replace('# calbin_sha256 = "', f'calbin_sha256 = "{"0" * 64}" # "',
+                                     1))
+    done = serve("serve", "--once", "--manifest", str(manifest), "--calbin", path)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 3, (done.returncode, done.stderr)
+    assert lines[-1].startswith(f"calexec serve: --calbin={path!r}: not a valid calbin "
+                                "(calbin.manifest_mismatch): manifest.sha256_mismatch: "
+                                f"calbin_sha256={sha} but "), lines[-1]
+    assert lines[-1].endswith(f"pins {'0' * 64}; the executor did not start"), lines[-1]
