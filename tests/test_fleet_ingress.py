@@ -173,6 +173,32 @@ class Client:
         return dict(self.starts[0]["headers"]).get(name)
 
 
+def relay_one_body(body: bytes) -> tuple[Replica, list[dict]]:
+    """``body`` POSTed to /v1/completions through an ingress in front of one replica, read
+    by the ingress in one piece (the client then stays until the ingress is done): the
+    replica (``requests``: what reached it) and every ASGI message the ingress sent."""
+    replica = Replica("r1")
+    app = FleetIngress(Router(replica), FailoverSettings(backoff_s=0.001))
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"",
+             "headers": [(b"content-type", b"application/json")], "http_version": "1.1"}
+    sent: list[dict] = []
+    given = False
+
+    async def receive() -> dict:
+        nonlocal given
+        if not given:
+            given = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.sleep(30)
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    asyncio.run(asyncio.wait_for(app(scope, receive, send), timeout=10))
+    return replica, sent
+
+
 def ingress(router, **settings) -> FleetIngress:
     return FleetIngress(router, FailoverSettings(**{"backoff_s": 0.001, **settings}))
 

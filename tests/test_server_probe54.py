@@ -394,31 +394,11 @@ def test_the_fleet_ingress_relays_a_body_nested_past_the_parsers_limit():
     ingress (a plain 500 from the proxy, no OpenAI-shaped body, nothing relayed). Now it
     takes the default deadline and relays the body, whose replica refuses it 400 (as the
     single server does: docs/server.md)."""
-    import asyncio
-
-    from calexec.drivers.fleet.ingress import FailoverSettings, FleetIngress, request_timeout
-    from test_fleet_ingress import Replica, Router
+    from calexec.drivers.fleet.ingress import request_timeout
+    from test_fleet_ingress import relay_one_body
 
     nested = b"[" * 100_000 + b"]" * 100_000
     assert request_timeout(nested, 30.0) == 30.0
-    replica = Replica("r1")
-    app = FleetIngress(Router(replica), FailoverSettings(backoff_s=0.001))
-    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"",
-             "headers": [(b"content-type", b"application/json")], "http_version": "1.1"}
-    sent: list[dict] = []
-    given = False
-
-    async def receive() -> dict:
-        nonlocal given
-        if not given:
-            given = True
-            return {"type": "http.request", "body": nested, "more_body": False}
-        await asyncio.sleep(30)
-        return {"type": "http.disconnect"}
-
-    async def send(message: dict) -> None:
-        sent.append(message)
-
-    asyncio.run(asyncio.wait_for(app(scope, receive, send), timeout=10))
+    replica, sent = relay_one_body(nested)
     assert len(replica.requests) == 1 and replica.requests[0]["body"] == nested
     assert [m["status"] for m in sent if m["type"] == "http.response.start"] == [200]
