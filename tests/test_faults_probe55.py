@@ -33,6 +33,7 @@ from executor_harness import (  # noqa: E402
     until,
     write_calbin,
 )
+from test_recovery import SteppedRuntime  # noqa: E402
 from test_server_support import (  # noqa: E402
     LiveServer,
     metric_value,
@@ -265,29 +266,13 @@ def test_a_shutdown_ends_a_recovery_whose_golden_job_the_device_holds_within_its
         assert emu.counters() == {}, "the device was never closed"
 
 
-class _SteppedDevices:
-    """The bundled runtime whose devices finish nothing from their open (stepped mode)."""
-
-    def __init__(self, runtime) -> None:
-        self._runtime = runtime
-
-    def open_device(self, config):
-        rc, device = self._runtime.open_device(config)
-        if rc == 0:
-            assert device.emu.set_stepped(True) == 0
-        return rc, device
-
-    def __getattr__(self, name):
-        return getattr(self._runtime, name)
-
-
 def test_a_shutdown_ends_a_start_whose_golden_job_the_device_holds_within_its_grace(calbin):
     """The same for ``start()`` on another thread (a SIGTERM during the warm-up): its golden
     job on the device, ``golden_timeout_s`` 30, a drain grace of 20 s: ``shutdown(2.0)``
     answered ``shutdown.start_busy``. The interrupt ends the golden wait and the refused
     generation's drain ends with the shutdown's grace; the start ends Failed naming the
     shutdown, and the shutdown answers that."""
-    ex = DeviceExecutor(_SteppedDevices(CalRT.load()), MANIFEST, ExecutorConfig(
+    ex = DeviceExecutor(SteppedRuntime(CalRT.load()), MANIFEST, ExecutorConfig(
         calbin_path=calbin, golden_timeout_s=30.0, execution_timeout_s=60.0,
         timeout_grace_s=60.0, recovery=RecoveryPolicy(drain_grace_s=20.0)))
     out: list[Status] = []

@@ -485,8 +485,9 @@ def test_a_shutdown_that_meets_a_recovery_and_a_hung_job_waits_within_its_grace(
         ex.device.emu.set_stepped(False)
 
 
-class _SteppedRuntime:
-    """The bundled runtime whose devices finish nothing from their open (stepped mode)."""
+class SteppedRuntime:
+    """The bundled runtime whose devices finish nothing from their open (stepped mode; also
+    used by test_faults_probe55.py)."""
 
     def __init__(self, runtime: CalRT) -> None:
         self._runtime = runtime
@@ -527,7 +528,7 @@ def test_a_start_whose_golden_job_the_device_holds_waits_for_no_thread_it_cannot
     clock = _JoinsRecorded()
     clock.on = threading.current_thread()
     policy = RecoveryPolicy(reset_kind="none", drain_grace_s=0.2)
-    ex = DeviceExecutor(_SteppedRuntime(CalRT.load()), MANIFEST, ExecutorConfig(
+    ex = DeviceExecutor(SteppedRuntime(CalRT.load()), MANIFEST, ExecutorConfig(
         calbin_path=calbins["main"], golden_timeout_s=0.3, execution_timeout_s=60.0,
         timeout_grace_s=60.0, recovery=policy), clock=clock)
     status = ex.start()
