@@ -32,6 +32,7 @@ import logging
 import os
 import re
 import shlex
+import signal
 import socket
 import sys
 import tempfile
@@ -46,6 +47,7 @@ import attrs
 
 from calexec import cliargs
 from calexec.contracts.status import Status
+from calexec.drivers.device_spec import DeviceSpec
 from calexec.drivers.memory import pin_mmap_threshold
 from calexec.drivers.serving import byte_tokenizer, hf_tokenizer
 from calexec.drivers.serving.dumpsink import DumpConfigError, DumpSink
@@ -302,7 +304,68 @@ def main(argv: list[str]) -> int:
         print(f"calexec serve: {err}", file=sys.stderr)
         return EXIT_USAGE
     _warn_exposure(args)  # once the flags are known good: a refusal stays one line
-    with listener, tempfile.TemporaryDirectory(prefix="calexec-serve-") as tmp:
+    try:
+        return _serve(args, config, port, spec, listener, dump, log_level)
+    except _Terminated as ended:  # the scratch directory is gone: now end by the signal
+        signal.signal(ended.signum, signal.SIG_DFL)
+        os.kill(os.getpid(), ended.signum)
+        return EXIT_FAILED  # (not reached where the signal's default action ends the process)
+
+
+class _Terminated(BaseException):
+    """SIGTERM or SIGHUP before the server listens (the executor's start): raised in the main
+    thread to unwind the start, so that the scratch directory holding the synthetic calbin is
+    removed; ``serve`` then ends by that signal, as without a handler (docs/server.md). A
+    process killed by it before left a ``calexec-serve-*`` directory in the temp dir each
+    time (a pod restarted during its warm-up, a supervisor's stop)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+class _StartSignals:
+    """For the executor's start (from ``__enter__`` to ``restore``), SIGTERM and SIGHUP raise
+    :class:`_Terminated` in the main thread; ``restore`` (also on exit, once) puts the
+    previous handlers back, before the server installs its own drain handlers (uvicorn
+    raises a signal it caught again once it stopped: it must not meet this handler). SIGINT
+    keeps Python's ``KeyboardInterrupt``, which unwinds the same way."""
+
+    def __init__(self) -> None:
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _StartSignals:
+        if threading.current_thread() is not threading.main_thread():
+            return self  # (Python runs handlers in the main thread only)
+
+        def terminated(signum: int, frame: object) -> None:
+            raise _Terminated(signum)
+
+        for name in ("SIGTERM", "SIGHUP"):
+            sig = getattr(signal, name, None)
+            if sig is None:  # (no SIGHUP on Windows)
+                continue
+            try:
+                self._previous[sig] = signal.signal(sig, terminated)
+            except (ValueError, OSError):
+                continue
+        return self
+
+    def restore(self) -> None:
+        previous, self._previous = self._previous, {}
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
+
+
+def _serve(args: argparse.Namespace, config: ServerConfig, port: int, spec: DeviceSpec,
+           listener: socket.socket, dump: DumpSink | None, log_level: str) -> int:
+    """``serve`` from its listening socket on (``main``): the executor's start in a scratch
+    directory, then the server until it drains."""
+    with listener, tempfile.TemporaryDirectory(prefix="calexec-serve-") as tmp, \
+            _StartSignals() as start_signals:
         try:
             runtime = spec.runtime()
             spec.check_device_config(runtime, args.device_config)
@@ -362,6 +425,7 @@ def main(argv: list[str]) -> int:
                 sample.start(server, url)
         # log_config=None: uvicorn's lines go through the root handler above, one format
         # (``LEVEL logger: message``) for the whole log, not uvicorn's ``INFO:     ...``
+        start_signals.restore()  # the server's drain handlers from here on
         server = DrainingServer(uvicorn_config(app, host=args.host, port=port,
                                                log_level=log_level, access_log=False,
                                                log_config=None),
