@@ -476,6 +476,20 @@ def _serve_ray(args: argparse.Namespace, config: ServerConfig, port: int, spec) 
     from calexec.drivers.fleet import local_ray
 
     os.environ.update(local_ray.local_environment(args.host))  # read at `import ray`
+    local = not local_ray.joins_cluster()
+    if local and args.calbin is not None:  # before Ray starts (a minute or more): a file its
+        # replicas would refuse at deploy is named now, as without --ray; a cluster's nodes
+        # read the path on their own file systems, so it is not checked here then
+        try:
+            checked = switch_check.check_calbin(spec.runtime(), spec.manifest(), args.calbin,
+                                                hash_pin=False)
+        except (OSError, ValueError) as err:
+            print(f"calexec serve --ray: {err}", file=sys.stderr)
+            return EXIT_USAGE
+        if not checked.ok:
+            print(_calbin_refused(args.calbin, checked, "was not started (nor Ray: no replica "
+                                  "was deployed)"), file=sys.stderr)
+            return EXIT_FAILED
     try:
         import ray
         from ray import serve
@@ -494,7 +508,6 @@ def _serve_ray(args: argparse.Namespace, config: ServerConfig, port: int, spec) 
                                runtime_lib=args.runtime_lib, grace_s=args.grace, server=config,
                                gil_switch_us=args.gil_switch_us, manifest_path=args.manifest,
                                reset_kind=spec.reset()[0], native_relay=args.native_relay)
-    local = not local_ray.joins_cluster()
     try:
         ray.init(address=local_ray.init_address(), include_dashboard=False)
     except (ConnectionError, RuntimeError, ray.exceptions.RayError) as err:

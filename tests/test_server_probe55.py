@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -387,3 +388,21 @@ def test_serve_names_a_calbin_its_manifest_pin_refuses_in_one_line(tmp_path):
                                 "(calbin.manifest_mismatch): manifest.sha256_mismatch: "
                                 f"calbin_sha256={sha} but "), lines[-1]
     assert lines[-1].endswith(f"pins {'0' * 64}; the executor did not start"), lines[-1]
+
+
+def test_serve_ray_names_a_calbin_no_replica_could_load_before_ray_starts(tmp_path):
+    """``calexec serve --ray --calbin FILE`` with a file that is not a calbin started a local
+    Ray (a minute or more) and failed only as its replicas deployed; it now runs the check
+    ``serve`` runs without ``--ray`` first (Ray blocked here: the refusal must come before
+    any import of it): one line naming the flag, exit 3."""
+    garbage = tmp_path / "garbage.calbin"
+    garbage.write_text("not a calbin\n")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a local Ray's case
+    done = subprocess.run([sys.executable, "-c", NO_RAY, "serve", "--ray", "--calbin",
+                           str(garbage), "--port", "0"], capture_output=True, text=True,
+                          timeout=60, env=env)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 3, (done.returncode, done.stderr)
+    assert len(lines) == 1 and lines[0].startswith(
+        f"calexec serve: --calbin={str(garbage)!r}: not a valid calbin (calbin.invalid)"), lines
+    assert "Ray" in lines[0] and "ray" not in done.stdout.lower()
