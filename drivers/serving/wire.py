@@ -185,17 +185,33 @@ def unsupported_transfer_coding(request: Request) -> str | None:
     return next((c[:40] for c in codings if c and c not in ("chunked", "identity")), None)
 
 
+#: how many bytes past ``max_body_bytes`` a refused body is read and dropped before its 413
+#: (:func:`read_body`): what a client already sent must be read, or the close that follows
+#: the answer resets the connection and the client never sees the 413 (Linux drops what it
+#: received when a reset arrives); past this a reset is the cheaper answer (nginx's
+#: lingering close has a bound too)
+DISCARD_MAX_BYTES = 8 << 20
+#: and for at most this long (s; less when ``body_timeout_s`` is): a client that sent its
+#: body is read out at once, one trickling it is not waited for (it is answered, then cut)
+DISCARD_MAX_S = 2.0
+
+
 async def read_body(request: Request, limit: int, timeout: float) -> bytes | None:
     """The body, or None when it exceeds ``limit`` bytes (declared or actual); raises
     :class:`ClientGone` when the client disconnects mid-upload (the route answers it as a
     cancelled request, never with an ASGI traceback) and :class:`BodyTimeout` when the whole
     body has not arrived ``timeout`` seconds after this call (a client sending it a byte at a
     time would hold its connection and this task for as long as it keeps sending). A route
-    answering None or BodyTimeout closes the connection (:data:`CLOSE`)."""
+    answering None or BodyTimeout closes the connection (:data:`CLOSE`). Before None, the
+    rest of the body is read and dropped (:func:`_discard`), so the answer reaches a client
+    that sent it all."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isascii() and declared.isdigit():
         digits = declared.lstrip("0")  # int() raises past 4300 digits: more than ``limit``'s
         if len(digits) > len(str(limit)) or int(digits or "0") > limit:
+            if (len(digits) <= len(str(limit + DISCARD_MAX_BYTES))
+                    and int(digits) <= limit + DISCARD_MAX_BYTES):
+                await _discard(request, timeout)
             return None
     chunks, size = [], 0
     with anyio.move_on_after(timeout) as late:
@@ -203,14 +219,35 @@ async def read_body(request: Request, limit: int, timeout: float) -> bytes | Non
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > limit:
-                    return None
+                    break
                 chunks.append(chunk)
+            else:
+                return b"".join(chunks)
         except ClientDisconnect:
             raise ClientGone(f"the client disconnected after {size} bytes of its body"
                              ) from None
     if late.cancelled_caught:
         raise BodyTimeout(f"{size} bytes of {(declared or 'an undeclared length')[:20]} came")
-    return b"".join(chunks)
+    await _discard(request, timeout, size - limit)
+    return None
+
+
+async def _discard(request: Request, timeout: float, past: int = 0) -> None:
+    """Read and drop what is left of a body refused for its size, at most
+    :data:`DISCARD_MAX_BYTES` past the limit (``past``: read past it already) and for at most
+    :data:`DISCARD_MAX_S` (or ``timeout``) seconds; not one announced with ``Expect:
+    100-continue`` and not read yet (reading it would ask the client for the body it is
+    refused). A client gone meanwhile ends it."""
+    if past == 0 and expects_continue(request):
+        return
+    with anyio.move_on_after(min(timeout, DISCARD_MAX_S)):
+        try:
+            async for chunk in request.stream():
+                past += len(chunk)
+                if past > DISCARD_MAX_BYTES:
+                    return
+        except (ClientDisconnect, RuntimeError):  # (RuntimeError: the stream was consumed)
+            return
 
 
 @dataclass(frozen=True)
