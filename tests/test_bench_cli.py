@@ -153,7 +153,11 @@ def test_server_bench_json_report(capsys):
         for side in ("direct", "server", "server_stream", "server_no_ahead",
                      "server_always_prearm", "server_no_bursts", "server_thread_waits",
                      "http_floor"):
-            assert all(math.isfinite(v) and v > 0 for v in report[level][side].values())
+            figures = dict(report[level][side])
+            by_thread = figures.pop("cpu_ms_per_request_by_thread", {})  # ms per role
+            figures.pop("threads_ended", None)  # a count, 0 when none ended
+            assert all(math.isfinite(v) and v > 0 for v in figures.values())
+            assert all(math.isfinite(v) and v >= 0 for v in by_thread.values())
         assert {"ttft_p50_ms", "ttft_p99_ms"} <= report[level]["server_stream"].keys()
         assert math.isfinite(report[level]["stream_throughput_ratio"])
         assert math.isfinite(report[level]["throughput_ratio"])
