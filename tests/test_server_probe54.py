@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import stat
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -21,10 +19,10 @@ from calexec.drivers.serving.server import ServerConfig, create_app
 from test_server_support import (
     MODEL,
     ServeLikeServer,
-    read_until_closed,
+    draining_with_a_stream,
+    sent_with_and_without_expect,
     split_head,
     started_executor,
-    wait_for,
 )
 
 
@@ -203,50 +201,18 @@ def test_a_completion_sent_while_the_server_drains_is_refused_before_its_body(tm
     sending, as here, had to send it first: it hung). Now the draining 503 (``Retry-After``,
     ``Connection: close``) is answered before the body is read, with no ``100 Continue``;
     a request without the expectation (its body on its way) is read and refused as before."""
-    import httpx
-
-    executor = started_executor(tmp_path, device_config="decode_us=20000")
-    app = create_app(executor, ServerConfig(admin_token=TOKEN))
-    service = app.state.service
-    stop = threading.Event()
-
-    def stream(url: str) -> None:  # holds the drain open until the test ends it
-        with httpx.Client(timeout=30) as http, http.stream(
-                "POST", f"{url}/v1/completions",
-                json={"prompt": [1, 2], "max_tokens": 500, "stream": True}) as r:
-            for _ in r.iter_lines():
-                if stop.is_set():
-                    return
-    try:
-        with ServeLikeServer(app) as server:
-            holder = threading.Thread(target=stream, args=(server.url,), daemon=True)
-            holder.start()
-            wait_for(lambda: service.active == 1, what="the stream running")
-            r = httpx.post(f"{server.url}/admin/drain?grace=30", headers=AUTH, timeout=10)
-            assert r.status_code == 202, r.text
-            payload = json.dumps({"prompt": [1], "max_tokens": 1}).encode()
-            for expect in (b"expect: 100-continue\r\n", b"connection: close\r\n"):
-                head = (b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n" + expect
-                        + b"content-type: application/json\r\ncontent-length: %d\r\n\r\n"
-                        % len(payload))
-                with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
-                    # (no body when it expects the 100)
-                    sock.sendall(head if b"expect" in expect else head + payload)
-                    data, ended = read_until_closed(sock)
-                assert b"100 Continue" not in data, data[:300]
-                status, headers, body = split_head(data)
-                assert status.startswith(b"HTTP/1.1 503 "), data[:300]
-                assert headers.get("connection") == "close" and "retry-after" in headers, headers
-                error = json.loads(body)["error"]
-                assert "server is draining" in error["message"], error
-                assert ended == "eof", (expect, ended)
-            assert service.active == 1 and service.drain_status is None  # still draining
-            stop.set()
-            holder.join(30)
-            wait_for(lambda: service.drain_status is not None, timeout=30, what="drain")
-    finally:
-        stop.set()
-        executor.shutdown(5.0)
+    payload = json.dumps({"prompt": [1], "max_tokens": 1}).encode()
+    head = (b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+            b"content-type: application/json\r\n")
+    with draining_with_a_stream(tmp_path, TOKEN) as (server, _, _):
+        for data, ended in sent_with_and_without_expect(server.port, head, payload):
+            assert b"100 Continue" not in data, data[:300]
+            status, headers, body = split_head(data)
+            assert status.startswith(b"HTTP/1.1 503 "), data[:300]
+            assert headers.get("connection") == "close" and "retry-after" in headers, headers
+            error = json.loads(body)["error"]
+            assert "server is draining" in error["message"], error
+            assert ended == "eof", ended
 
 
 def test_serve_dump_prompts_writes_a_file_only_its_owner_can_read(tmp_path):

@@ -10,7 +10,6 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import tracemalloc
 
 import pytest
@@ -167,64 +166,25 @@ def test_a_reload_sent_while_the_server_drains_is_refused_before_its_body(tmp_pa
     is draining``, ``param: calbin``, ``Retry-After``, ``Connection: close``) is answered
     before the body is read, as the OpenAI endpoints do; a reload without the expectation
     (its body on its way) is read and refused as before; nothing moves."""
-    import httpx
+    from test_server_support import draining_with_a_stream, sent_with_and_without_expect, split_head
 
-    from calexec.drivers.serving.server import ServerConfig, create_app
-    from test_server_support import (
-        ServeLikeServer,
-        read_until_closed,
-        split_head,
-        started_executor,
-        wait_for,
-    )
-
-    executor = started_executor(tmp_path, device_config="decode_us=20000")
-    app = create_app(executor, ServerConfig(admin_token=TOKEN))
-    service = app.state.service
-    stop = threading.Event()
-
-    def stream(url: str) -> None:  # holds the drain open until the test ends it
-        with httpx.Client(timeout=30) as http, http.stream(
-                "POST", f"{url}/v1/completions",
-                json={"prompt": [1, 2], "max_tokens": 500, "stream": True}) as r:
-            for _ in r.iter_lines():
-                if stop.is_set():
-                    return
-    try:
-        with ServeLikeServer(app) as server:
-            holder = threading.Thread(target=stream, args=(server.url,), daemon=True)
-            holder.start()
-            wait_for(lambda: service.active == 1, what="the stream running")
-            r = httpx.post(f"{server.url}/admin/drain?grace=30", headers=AUTH, timeout=10)
-            assert r.status_code == 202, r.text
-            generation = executor.gen.id
-            payload = json.dumps({"calbin": executor.gen.calbin_path}).encode()
-            for expect in (b"expect: 100-continue\r\n", b"connection: close\r\n"):
-                head = (b"POST /admin/reload HTTP/1.1\r\nhost: 127.0.0.1\r\n" + expect
-                        + f"authorization: Bearer {TOKEN}\r\n".encode()
-                        + b"content-type: application/json\r\ncontent-length: %d\r\n\r\n"
-                        % len(payload))
-                with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
-                    # (no body when it expects the 100)
-                    sock.sendall(head if b"expect" in expect else head + payload)
-                    data, ended = read_until_closed(sock)
-                assert b"100 Continue" not in data, data[:300]
-                status, headers, body = split_head(data)
-                assert status.startswith(b"HTTP/1.1 503 "), data[:300]
-                assert headers.get("connection") == "close" and "retry-after" in headers, headers
-                error = json.loads(body)["error"]
-                assert error["message"] == ("reload refused, lifecycle unchanged: server is "
-                                            "draining"), error
-                assert error["param"] == "calbin", error
-                assert ended == "eof", (expect, ended)
-            assert executor.gen.id == generation and executor.state == "Ready"
-            assert service.active == 1 and service.drain_status is None  # still draining
-            stop.set()
-            holder.join(30)
-            wait_for(lambda: service.drain_status is not None, timeout=30, what="drain")
-    finally:
-        stop.set()
-        executor.shutdown(5.0)
+    with draining_with_a_stream(tmp_path, TOKEN) as (server, executor, _):
+        generation = executor.gen.id
+        payload = json.dumps({"calbin": executor.gen.calbin_path}).encode()
+        head = (b"POST /admin/reload HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+                + f"authorization: Bearer {TOKEN}\r\n".encode()
+                + b"content-type: application/json\r\n")
+        for data, ended in sent_with_and_without_expect(server.port, head, payload):
+            assert b"100 Continue" not in data, data[:300]
+            status, headers, body = split_head(data)
+            assert status.startswith(b"HTTP/1.1 503 "), data[:300]
+            assert headers.get("connection") == "close" and "retry-after" in headers, headers
+            error = json.loads(body)["error"]
+            assert error["message"] == ("reload refused, lifecycle unchanged: server is "
+                                        "draining"), error
+            assert error["param"] == "calbin", error
+            assert ended == "eof", ended
+        assert executor.gen.id == generation and executor.state == "Ready"
 
 
 def test_a_draining_fleet_ingress_reads_the_body_it_refuses_so_the_client_gets_the_503():

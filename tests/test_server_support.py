@@ -267,3 +267,59 @@ def stream_tool_calls(text: str) -> tuple[list[dict], list[str], object]:
         for piece in d.get("tool_calls", ()):
             calls[piece["index"]] = calls.get(piece["index"], "") + piece["function"]["arguments"]
     return deltas, [calls[i] for i in sorted(calls)], stream
+
+
+@contextlib.contextmanager
+def draining_with_a_stream(tmp: Path, token: str) -> Iterator[tuple]:
+    """A server (admin token ``token``) whose ``POST /admin/drain?grace=30`` waits for one
+    stream the helper holds open: yields ``(server, executor, service)`` while it drains.
+    After the block the drain must still be waiting (nothing the block sent ended it or
+    started anything); then the stream is let go and the drain ends (bounded); the executor
+    is shut down either way."""
+    import httpx
+
+    from calexec.drivers.serving.server import ServerConfig, create_app
+
+    executor = started_executor(tmp, device_config="decode_us=20000")
+    app = create_app(executor, ServerConfig(admin_token=token))
+    service = app.state.service
+    stop = threading.Event()
+
+    def stream(url: str) -> None:  # holds the drain open until the block ends
+        with httpx.Client(timeout=30) as http, http.stream(
+                "POST", f"{url}/v1/completions",
+                json={"prompt": [1, 2], "max_tokens": 500, "stream": True}) as r:
+            for _ in r.iter_lines():
+                if stop.is_set():
+                    return
+    try:
+        with ServeLikeServer(app) as server:
+            holder = threading.Thread(target=stream, args=(server.url,), daemon=True)
+            holder.start()
+            wait_for(lambda: service.active == 1, what="the stream running")
+            r = httpx.post(f"{server.url}/admin/drain?grace=30",
+                           headers={"Authorization": f"Bearer {token}"}, timeout=10)
+            assert r.status_code == 202, r.text
+            yield server, executor, service
+            assert service.active == 1 and service.drain_status is None  # still draining
+            stop.set()
+            holder.join(30)
+            wait_for(lambda: service.drain_status is not None, timeout=30, what="drain")
+    finally:
+        stop.set()
+        executor.shutdown(5.0)
+
+
+def sent_with_and_without_expect(port: int, head: bytes, payload: bytes
+                                 ) -> list[tuple[bytes, str]]:
+    """``head`` (a request line and headers, without the blank line) sent twice on fresh
+    connections: with ``Expect: 100-continue`` and no body (a client waiting for the 100),
+    then with ``Connection: close`` and ``payload``; what came back each time until the
+    server closed, and how (``read_until_closed``)."""
+    out = []
+    for expect in (b"expect: 100-continue\r\n", b"connection: close\r\n"):
+        whole = head + expect + b"content-length: %d\r\n\r\n" % len(payload)
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            sock.sendall(whole if b"expect" in expect else whole + payload)
+            out.append(read_until_closed(sock))
+    return out
