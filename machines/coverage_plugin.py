@@ -32,6 +32,7 @@ would check nothing while the option says it checks.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -62,7 +63,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--chart-coverage", action="append", default=[], metavar="MODULE:CLASS",
                     help="record the transitions every run of this chart class takes "
                          "(repeatable)")
-    group.addoption("--chart-coverage-min", type=float, default=None, metavar="PCT",
+    # taken as text and read by ``_minimum``: argparse's own ``type=float`` answered a value that
+    # is no number with pytest's multi-line usage, and echoed 150 as '150.0'
+    group.addoption("--chart-coverage-min", default=None, metavar="PCT",
                     help="fail a passing run whose coverage of a chart is below PCT percent")
     group.addoption("--chart-contracts", action="append", default=[], metavar="MODULE:CLASS",
                     help="check the contracts declared in this chart class on every run during "
@@ -76,11 +79,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def _minimum(text: str, origin: str) -> float:
+    """``text`` as a gate, or one usage error naming ``origin`` and the value as given."""
     try:
         value = float(text)
     except ValueError:
-        raise pytest.UsageError(f"{origin}={text!r}: expected a percentage (0-100)") from None
-    if not 0 <= value <= 100:
+        value = math.nan
+    if not 0 <= value <= 100:  # (nan, inf and a word included)
         raise pytest.UsageError(f"{origin}={text!r}: expected a percentage (0-100)")
     return value
 
@@ -131,7 +135,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
     minimum: float | None
     if cli_min is not None:
-        minimum, whole_suite_only = _minimum(str(cli_min), "--chart-coverage-min"), False
+        minimum, whole_suite_only = _minimum(cli_min, "--chart-coverage-min"), False
     elif config.getini("chart_coverage_min") and os.environ.get(GATE_ENV, "1") != "0":
         minimum = _minimum(str(config.getini("chart_coverage_min")), "chart_coverage_min")
         whole_suite_only = True

@@ -218,10 +218,19 @@ def test_a_chart_the_tests_import_under_another_module_name_is_named(tmp_path):
         (("--chart-coverage=nowhere:Kettle",), "--chart-coverage='nowhere:Kettle': cannot import"),
         (("--chart-coverage=kettle:Pot",), "module 'kettle' has no attribute 'Pot'"),
         (("--chart-coverage=kettle:Kettle", "--chart-coverage-min=120"),
-         "--chart-coverage-min='120.0': expected a percentage"),
+         "ERROR: --chart-coverage-min='120': expected a percentage (0-100)\n"),
+        # a word was argparse's own error: pytest's usage, several lines, naming no percentage
+        (("--chart-coverage=kettle:Kettle", "--chart-coverage-min=abc"),
+         "ERROR: --chart-coverage-min='abc': expected a percentage (0-100)\n"),
+        (("--chart-coverage=kettle:Kettle", "--chart-coverage-min="),
+         "ERROR: --chart-coverage-min='': expected a percentage (0-100)\n"),
+        # (named as given, not as the float it became: 'inf')
+        (("--chart-coverage=kettle:Kettle", "--chart-coverage-min=1e400"),
+         "ERROR: --chart-coverage-min='1e400': expected a percentage (0-100)\n"),
         (("--chart-coverage-min=50",), "--chart-coverage-min needs --chart-coverage"),
     ],
-    ids=["no-colon", "no-module", "no-class", "min-out-of-range", "min-without-chart"],
+    ids=["no-colon", "no-module", "no-class", "min-out-of-range", "min-not-a-number",
+         "min-empty", "min-overflow", "min-without-chart"],
 )
 def test_bad_plugin_options_are_one_usage_error(tmp_path, args, message):
     (tmp_path / "kettle.py").write_text(textwrap.dedent(USER_CHART))
@@ -229,6 +238,7 @@ def test_bad_plugin_options_are_one_usage_error(tmp_path, args, message):
     status, output = _run_pytest(tmp_path, USER_TESTS, *args, ini=ini)
     assert status == 4, output  # pytest's usage error
     assert message in output and "Traceback" not in output, output
+    assert "usage:" not in output, output  # one line, not pytest's usage
 
 
 def test_a_bad_configured_chart_is_named_by_its_configuration_key(tmp_path):

@@ -203,13 +203,18 @@ def test_mutant_that_never_reaches_the_chart_is_an_error(tmp_path, capsys):
          "--fail-under=-5: expected a percentage (0-100)"),
         (["door:Door", "--test-cmd", "true", "--fail-under", "nan"],
          "--fail-under=nan: expected a percentage (0-100)"),
+        # a word was argparse's 'invalid float value', naming no percentage; 1e400 was 'inf'
+        (["door:Door", "--test-cmd", "true", "--fail-under", "most"],
+         "--fail-under=most: expected a percentage (0-100)"),
+        (["door:Door", "--test-cmd", "true", "--fail-under", "1e400"],
+         "--fail-under=1e400: expected a percentage (0-100)"),
     ],
     ids=["no-test-cmd", "unknown-mutant", "not-a-chart", "no-module", "bad-spec", "red-baseline",
          "bad-equivalent-list", "first-failure-with-own-command", "empty-test-cmd",
          "test-cmd-not-found", "unwritable-report", "negative-timeout", "bad-error-codes",
          "unbalanced-quote", "equivalent-not-tables", "positional-chart",
          "positional-not-a-chart", "fail-under-above-100", "fail-under-negative",
-         "fail-under-nan"],
+         "fail-under-nan", "fail-under-not-a-number", "fail-under-overflow"],
 )
 def test_bad_arguments_are_named(tmp_path, capsys, args, message):
     _door_project(tmp_path)

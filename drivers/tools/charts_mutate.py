@@ -184,7 +184,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--equivalent", metavar="TOML",
                         help="documented equivalent mutants ([[mutant]] chart, id, reason); "
                              f"default for calexec's command: {DEFAULT_EQUIVALENT}")
-    parser.add_argument("--fail-under", type=float, metavar="PCT",
+    parser.add_argument("--fail-under", metavar="PCT",  # (text: read in main, named as given)
                         help="exit 1 when a chart's score is below PCT percent (0-100)")
     parser.add_argument("--fail-on-survivor", action="store_true",
                         help="exit 1 when a mutant survives that is not a documented equivalent")
@@ -424,6 +424,19 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _percentage(flag: str, text: str) -> float:
+    """``text`` as a percentage, or a ``ValueError`` naming ``flag`` and ``text`` as given (a
+    word, nan, inf and 1e400 included), as ``charts cover --min`` and the pytest plugin's
+    ``--chart-coverage-min`` refuse theirs."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value <= 100:  # (nan too)
+        raise ValueError(f"{flag}={text}: expected a percentage (0-100)")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     while argv[:1] in (["charts"], ["mutate"]):  # the dispatcher passes the command words
@@ -447,8 +460,8 @@ def main(argv: list[str] | None = None) -> int:
                             ("--equivalent", args.equivalent)):
             if value is not None and not value:  # ('' was taken for no flag, or for '.')
                 raise ValueError(f"{flag}='': empty path (omit the flag for its default)")
-        if args.fail_under is not None and not 0 <= args.fail_under <= 100:  # (nan too)
-            raise ValueError(f"--fail-under={args.fail_under:g}: expected a percentage (0-100)")
+        if args.fail_under is not None:
+            args.fail_under = _percentage("--fail-under", args.fail_under)
         if not cwd.is_dir():
             raise ValueError(f"--cwd={args.cwd!r}: not a directory")
         try:
