@@ -878,12 +878,15 @@ def _configuration_tour(chart: CompiledChart) -> list[Walk]:
     on by the shortest steps to the nearest transition not taken yet, until none is
     reachable; then the next walk starts over."""
     graph = _graph(chart)
-    first_start = graph.starts[0]
-    untaken = {t.id for t in chart.transitions} - graph.at_start  # (every walk takes those)
+    # first the walks to every other transition; then, if none of them began where every
+    # guard holds (each begins with a start step refusing a guarded transition the chart takes
+    # as it starts: it takes none of those), a walk of no step from there, which takes them
+    untaken = {t.id for t in chart.transitions} - graph.at_start
+    started: set[int] = set()  # the transitions the starts of the walks took
     walks: list[Walk] = []
-    if not untaken and graph.at_start:  # the chart's start takes every transition
-        walks.append(_walk((), _walk_end(chart, graph, (), first_start), first_start))
-    while untaken:
+    while untaken or graph.at_start - started:
+        if not untaken:
+            untaken = set(graph.at_start - started)
         # the start nearest a transition not taken yet (where every guard holds on a tie)
         nearest_start: tuple[int, int] | None = None
         for index, begun in enumerate(graph.starts):
@@ -897,6 +900,7 @@ def _configuration_tour(chart: CompiledChart) -> list[Walk]:
         start = graph.starts[nearest_start[1]]
         took = untaken & start.taken
         untaken -= start.taken
+        started |= start.taken
         node, steps = start.node, list[_Edge]()
         while True:
             _, first = _from(graph, node)
