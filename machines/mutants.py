@@ -40,6 +40,7 @@ import importlib.abc
 import os
 import sys
 import types
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from importlib.machinery import ModuleSpec
 from typing import Any
@@ -248,6 +249,18 @@ def derive(declaration: type[StateMachine], targets_per_transition: int = 2) -> 
     return [mutant for mutant, _ in _sites(declaration, targets_per_transition)]
 
 
+#: the chart classes a mutant was applied to in this process (``mutated``)
+_MUTATED: weakref.WeakSet[type] = weakref.WeakSet()
+
+
+def mutated(declaration: object) -> bool:
+    """Whether ``apply`` mutated the chart class ``declaration`` (or a ``CompiledChart``'s) in
+    this process: a mutation run's test process, its mutant applied at import. A check a
+    test makes against the chart as declared (``GuardTable.for_chart(..., strict=True)``)
+    is the unmutated run's to make, which ``charts mutate`` runs first."""
+    return _chart_class(declaration) in _MUTATED
+
+
 def apply(declaration: type[StateMachine], mutant_id: str) -> Mutant:
     """Mutate ``declaration`` in place by ``mutant_id`` (as ``derive`` names it, with any
     number of target mutants). Raises ``ValueError`` for an unknown id, ``TypeError`` for a
@@ -260,6 +273,7 @@ def apply(declaration: type[StateMachine], mutant_id: str) -> Mutant:
     for mutant, action in _sites(declaration, 0):
         if mutant.id == mutant_id:
             action()
+            _MUTATED.add(declaration)
             return mutant
     raise ValueError(f"{declaration.__name__}: no mutant {mutant_id!r} (see derive())")
 

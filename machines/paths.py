@@ -53,6 +53,7 @@ another order of events than that run, and replays its steps for its ``end`` (``
 
 from __future__ import annotations
 
+import difflib
 import functools
 import weakref
 from collections import deque
@@ -63,6 +64,7 @@ from typing import Any, TypedDict
 import attrs
 from statemachine.callbacks import CallbackGroup
 
+from calexec.machines import mutants
 from calexec.machines.compiled import (
     ChartLike,
     ChartRun,
@@ -1001,9 +1003,24 @@ class GuardTable:
 
     Build one with ``GuardTable.for_chart(chart)``: python-statemachine resolves guard names
     on the model when an instance is created, so the guards must exist as methods.
+    ``strict=True`` (of ``for_chart``): outcomes naming no guard of the chart (a typo) are a
+    ``ValueError`` naming them, except in a process whose chart a mutant changed.
     """
 
-    def __init__(self, outcomes: Mapping[str, bool] | None = None, default: bool = True) -> None:
+    #: set by ``for_chart`` on the class it makes: the chart's name and the names its guards
+    #: read (None: a table made without a chart, which cannot be strict)
+    _calexec_chart: str | None = None
+    _calexec_guards: frozenset[str] | None = None
+    _calexec_declaration: type | None = None
+
+    def __init__(self, outcomes: Mapping[str, bool] | None = None, default: bool = True,
+                 strict: bool = False) -> None:
+        if not isinstance(strict, bool):
+            raise TypeError(f"GuardTable: strict={strict!r}: expected True or False")
+        if strict and self._calexec_guards is None:
+            raise ValueError("GuardTable: strict=True needs the chart whose guards it checks: "
+                             "GuardTable.for_chart(chart, strict=True)")
+        self._strict = strict
         self.outcomes = {} if outcomes is None else outcomes
         self._default = default
 
@@ -1012,7 +1029,10 @@ class GuardTable:
         """Guard name -> what it answers (a step's ``guards``); set to a mapping (anything
         else is a ``TypeError`` naming it). A name that is no guard of the chart is taken:
         under a chart mutant the guard a test sets may be gone from the chart (forced,
-        dropped), and refusing it would kill the mutant for the wrong reason."""
+        dropped), and refusing it would kill the mutant for the wrong reason. A strict table
+        (``for_chart(chart, strict=True)``) refuses it, a ``ValueError`` naming it, unless a
+        mutant changed the chart in this process (``mutants.mutated``): the unmutated run
+        that ``charts mutate`` makes first has refused a typo already."""
         return self._outcomes
 
     @outcomes.setter
@@ -1020,7 +1040,21 @@ class GuardTable:
         if not isinstance(value, Mapping):
             raise TypeError(f"GuardTable: outcomes={value!r:.80}: expected a mapping of guard "
                             f"name -> bool (a step's 'guards')")
+        if self._strict:
+            self._refuse_unknown(value)
         self._outcomes: dict[str, bool] = dict(value)
+
+    def _refuse_unknown(self, value: Mapping[str, bool]) -> None:
+        known = self._calexec_guards or frozenset()
+        unknown = [name for name in value if name not in known]
+        if not unknown or mutants.mutated(self._calexec_declaration):
+            return
+        name = unknown[0]
+        close = difflib.get_close_matches(str(name), sorted(known), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(
+            f"GuardTable for {self._calexec_chart}: outcomes name {name!r}, no guard of the "
+            f"chart{hint}; its guards read {', '.join(sorted(known)) or 'no name'}")
 
     @property
     def default(self) -> bool:
@@ -1037,7 +1071,7 @@ class GuardTable:
     def for_chart(cls, chart: ChartLike, **kwargs: object) -> GuardTable:
         """An instance whose class has one method per guard name of ``chart``. A guard named
         ``outcomes`` (the table a test sets) is a ``ValueError`` naming it and its transition:
-        no model can answer both."""
+        no model can answer both. ``kwargs``: ``outcomes``, ``default``, ``strict``."""
         chart = compiled(chart)
         every = {name for t in chart.transitions for text in t.conds + t.unless
                  for name in _guard_names(text)}
@@ -1051,7 +1085,9 @@ class GuardTable:
                 f"{_describe(where)} has the name of the table a test sets "
                 f"(model.outcomes = step['guards']); rename the guard, or drive the chart "
                 f"with a model of your own")
-        methods = {name: _guard_method(name) for name in sorted(names_read)}
+        methods: dict[str, object] = {name: _guard_method(name) for name in sorted(names_read)}
+        methods.update(_calexec_chart=chart.name, _calexec_guards=frozenset(names_read),
+                       _calexec_declaration=chart.declaration)
         table: GuardTable = type(f"{cls.__name__}_{chart.name}", (cls,), methods)(**kwargs)
         return table
 

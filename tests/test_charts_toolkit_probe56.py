@@ -3,8 +3,10 @@ test is a defect found there."""
 
 from __future__ import annotations
 
+import pytest
 from statemachine import State, StateChart
 
+from calexec.machines import mutants
 from calexec.machines.compiled import compile_chart
 from calexec.machines.coverage import TransitionListener, TransitionRecorder, recording, report
 from calexec.machines.paths import GuardTable, as_data, drive, transition_tour
@@ -60,3 +62,40 @@ def test_the_tour_as_data_takes_every_transition_on_python_statemachine_instance
         assert ",".join(machine.configuration_values) == end
     coverage = report([chart], recorder)[0]
     assert coverage.complete, coverage.untaken
+
+
+def test_a_strict_guard_table_refuses_outcomes_naming_no_guard_of_the_chart():
+    """A typo in hand-written outcomes (``{"brokn": False}``) was taken silently: the guard
+    answered the default and the test drove another path than it meant. That stays so by
+    default (under a mutant the guard a test sets may be gone); ``strict=True`` refuses it,
+    naming it and the guard it resembles."""
+    chart = compile_chart(_brewer())
+    GuardTable.for_chart(chart).outcomes = {"brokn": False}  # taken, as documented
+    table = GuardTable.for_chart(chart, strict=True)
+    table.outcomes = {"broken": False}
+    with pytest.raises(ValueError, match=r"GuardTable for Brewer: outcomes name 'brokn', no "
+                                         r"guard of the chart \(did you mean 'broken'\?\)"):
+        table.outcomes = {"brokn": False}
+    assert table.outcomes == {"broken": False}
+    with pytest.raises(ValueError, match="outcomes name 'brokn'"):
+        GuardTable.for_chart(chart, outcomes={"brokn": False}, strict=True)
+    with pytest.raises(ValueError, match=r"strict=True needs the chart"):
+        GuardTable(strict=True)
+    with pytest.raises(TypeError, match="strict='yes'"):
+        GuardTable.for_chart(chart, strict="yes")  # type: ignore[arg-type]
+
+
+def test_a_strict_guard_table_takes_a_guard_a_mutant_forced_away():
+    """Under a mutant the chart's guard may be gone (forced to a constant, dropped with its
+    transition): a strict table refusing the name then would kill the mutant for the wrong
+    reason. In a process whose chart a mutant changed, the check is left to the unmutated
+    run ``charts mutate`` makes first."""
+    declaration = _brewer()
+    assert not mutants.mutated(declaration)
+    mutants.apply(declaration, "guard-true:off-->done:broken")
+    assert mutants.mutated(declaration)
+    chart = compile_chart(declaration)
+    assert "broken" not in chart.guard_names
+    table = GuardTable.for_chart(chart, strict=True)
+    table.outcomes = {"broken": False}
+    assert table.outcomes == {"broken": False}
