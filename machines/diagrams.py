@@ -73,8 +73,12 @@ class GraphvizError(RuntimeError):
 
 def declared_in(chart: CompiledChart) -> str:
     """Where the chart is declared, as the diagram's title says it: the file of its class's
-    module relative to the import root (``calexec/machines/charts.py``, ``order_workflow.py``)."""
-    return chart.declaration.__module__.replace(".", "/") + ".py"
+    module relative to the import root (``calexec/machines/charts.py``, ``order_workflow.py``).
+    A byte of the file's name that is no UTF-8 (a module imported from ``caf\xe9.py`` written
+    in Latin-1: Python names it with a lone surrogate, which no UTF-8 text can hold) reads
+    ``?``: the DOT, SVG and PNG are UTF-8."""
+    path = chart.declaration.__module__.replace(".", "/") + ".py"
+    return path.encode("utf-8", errors="replace").decode("utf-8")
 
 
 def _q(text: str) -> str:

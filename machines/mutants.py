@@ -336,7 +336,9 @@ def install_from_env(environ: Mapping[str, str] = os.environ) -> None:
         state["done"] = True
         ack = environ.get(ACK_ENV)
         if ack:
-            with open(ack, "a", encoding="utf-8") as out:
+            # (a module named from a file name that is no UTF-8 holds a lone surrogate: the
+            # runner reads the file back so)
+            with open(ack, "a", encoding="utf-8", errors="surrogateescape") as out:
                 out.write(value + "\n")
 
     def mutate(module: Any) -> None:

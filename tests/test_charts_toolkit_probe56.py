@@ -3,9 +3,16 @@ test is a defect found there."""
 
 from __future__ import annotations
 
+import json
+import os
+import sys
+from pathlib import Path
+
 import pytest
 from statemachine import State, StateChart
 
+from calexec.cli import main as cli
+from calexec.drivers.tools import charts_mutate
 from calexec.machines import mutants
 from calexec.machines.compiled import compile_chart
 from calexec.machines.coverage import TransitionListener, TransitionRecorder, recording, report
@@ -99,3 +106,55 @@ def test_a_strict_guard_table_takes_a_guard_a_mutant_forced_away():
     table = GuardTable.for_chart(chart, strict=True)
     table.outcomes = {"broken": False}
     assert table.outcomes == {"broken": False}
+
+
+LATIN1_CHART = b"""
+from statemachine import State, StateChart
+
+
+class Kettle(StateChart):
+    cold = State(initial=True)
+    hot = State(final=True)
+    heat = cold.to(hot)
+"""
+
+
+def _latin1_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A chart module in a file whose name is Latin-1, not UTF-8 (``caf\\xe9.py`` on a disk
+    written by an old tool): Python imports it as a module whose name holds a lone surrogate.
+    A name of its own per test (the import is cached)."""
+    module = f"caf\udce9_{tmp_path.name.replace('-', '_')}"
+    with open(os.fsencode(tmp_path / f"{module}.py"), "wb") as out:
+        out.write(LATIN1_CHART)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return module
+
+
+@pytest.mark.requires_tool("dot")
+def test_a_chart_in_a_file_whose_name_is_no_utf8_is_drawn(tmp_path, monkeypatch, capsys):
+    """``charts draw`` of it was ``internal error: UnicodeEncodeError`` (exit 70): the DOT's
+    title names the file, and the DOT is UTF-8. The byte reads ``?`` there."""
+    module = _latin1_module(tmp_path, monkeypatch)
+    assert cli(["charts", "draw", f"{module}:Kettle"]) == 0, capsys.readouterr().err
+    dot = (tmp_path / "diagrams" / "Kettle.dot").read_text(encoding="utf-8")
+    assert f"declared in caf?_{tmp_path.name.replace('-', '_')}.py" in dot
+    assert cli(["charts", "draw", f"{module}:Kettle", "--check"]) == 0
+
+
+def test_mutants_of_a_chart_in_a_file_whose_name_is_no_utf8_are_applied(tmp_path, monkeypatch,
+                                                                       capsys):
+    """``charts mutate`` of it judged every mutant an error, "never applied": the test process
+    failed writing the acknowledgement (the module's name is no UTF-8 text), and the unmutated
+    run's report of what it imported was lost the same way (a warning that it never imported
+    the chart). Both are written and read back with the surrogate kept."""
+    module = _latin1_module(tmp_path, monkeypatch)
+    # (the command is ASCII: the module's name as a Python literal, its surrogate escaped)
+    command = f"{sys.executable} -c \"import sys; sys.path.insert(0, ''); __import__({module!r})\""
+    status = charts_mutate.main(["charts", "mutate", f"{module}:Kettle", "--test-cmd", command,
+                                 "--cwd", str(tmp_path), "--kind", "drop", "--json"])
+    out = capsys.readouterr()
+    assert status == 0, out.err
+    assert "never imported" not in out.err, out.err
+    (outcome,) = json.loads(out.out)["mutants"]
+    assert outcome["status"] == "survived", outcome

@@ -98,7 +98,8 @@ if _os.environ.get("{PROBE_ENV}") and _os.environ.get("{mutants_mod.ACK_ENV}"):
                         ack=_os.environ["{mutants_mod.ACK_ENV}"]):
         seen = [name for name in names if name in _sys.modules]
         if seen:
-            with open(ack, "a", encoding="utf-8") as out:
+            # (a module named from a file name that is no UTF-8 holds a lone surrogate)
+            with open(ack, "a", encoding="utf-8", errors="surrogateescape") as out:
                 out.write("".join("imported " + name + "\\n" for name in seen))
 
     _atexit.register(_report_imports)
@@ -562,7 +563,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         timeout = args.timeout if args.timeout is not None else 5 * baseline_s + 30
         try:
-            imported = set((scratch / "ack-baseline").read_text(encoding="utf-8").splitlines())
+            imported = set((scratch / "ack-baseline").read_text(
+                encoding="utf-8", errors="surrogateescape").splitlines())
         except OSError:  # no process of the command reported any
             imported = set()
         for name, chart in modules.items():
@@ -579,7 +581,8 @@ def main(argv: list[str] | None = None) -> int:
             env[mutants_mod.ENV] = f"{chart.target}@{mutant.id}"
             env[mutants_mod.ACK_ENV] = str(ack)
             code, outcome.seconds, output = _run(command, cwd, env, timeout)
-            applied = ack.is_file() and env[mutants_mod.ENV] in ack.read_text().splitlines()
+            applied = ack.is_file() and env[mutants_mod.ENV] in ack.read_text(
+                encoding="utf-8", errors="surrogateescape").splitlines()
             _judge(outcome, code, output, applied, error_codes, chart.target.partition(":")[0])
             outcome.reason = equivalents.get((chart.name, mutant.id), "")
             if outcome.status == "survived" and outcome.reason:
