@@ -477,8 +477,8 @@ def main(argv: list[str] | None = None) -> int:
                   *((spec, False) for spec in args.charts)]
                  or [(spec, True) for spec in CALEXEC_CHARTS])
         charts: list[Chart] = []
-        for spec, by_flag in specs:
-            chart = _resolve_chart(spec, cwd, by_flag)
+        for spec, flag in specs:
+            chart = _resolve_chart(spec, cwd, flag)
             same = next((c for c in charts if c.name == chart.name), None)
             if same is None:
                 charts.append(chart)
