@@ -194,25 +194,22 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _resolve_chart(spec: str, cwd: Path, flag: bool = True) -> Chart:
-    """The chart ``spec`` names; ``flag``: given as ``--chart`` (else as a positional CHART,
-    named as given, as ``charts draw`` names its chart)."""
-    given = f"--chart={spec!r}" if flag else repr(spec)
+def _resolve_chart(spec: str, cwd: Path) -> Chart:
     name, target = spec, CALEXEC_CHARTS.get(spec, spec)
     if "=" in spec:
         name, _, target = spec.partition("=")
     if ":" not in target:
-        raise ValueError(f"{given}: expected one of {', '.join(CALEXEC_CHARTS)} or "
+        raise ValueError(f"--chart={spec!r}: expected one of {', '.join(CALEXEC_CHARTS)} or "
                          f"MODULE:CLASS")
     try:
         with contextlib.redirect_stdout(sys.stderr):  # stdout is the report (--json)
             declaration = load_chart(target, str(cwd))
     except ChartRefError as err:
-        raise ValueError(f"{given}: {err.reason}") from None
+        raise ValueError(f"--chart={spec!r}: {err.reason}") from None
     try:
         refuse_unsupported(declaration, "chart mutation")
     except UnsupportedChart as err:  # named by the flag, as charts cover's --chart is
-        raise ValueError(f"{given}: {err}") from None
+        raise ValueError(f"--chart={spec!r}: {err}") from None
     class_name = target.partition(":")[2]
     if spec == target and ":" in spec:  # a bare module:Class: calexec's own keep their names
         name = next((n for n, t in CALEXEC_CHARTS.items() if t == target), class_name)
@@ -473,12 +470,10 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError:
             raise ValueError(f"--error-codes={args.error_codes!r}: expected exit codes separated "
                              f"by commas (e.g. 3,4,5)") from None
-        specs = ([*((spec, True) for spec in args.chart or ()),
-                  *((spec, False) for spec in args.charts)]
-                 or [(spec, True) for spec in CALEXEC_CHARTS])
+        specs = [*(args.chart or ()), *args.charts] or list(CALEXEC_CHARTS)
         charts: list[Chart] = []
-        for spec, flag in specs:
-            chart = _resolve_chart(spec, cwd, flag)
+        for spec in specs:
+            chart = _resolve_chart(spec, cwd)
             same = next((c for c in charts if c.name == chart.name), None)
             if same is None:
                 charts.append(chart)
