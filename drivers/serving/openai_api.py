@@ -1086,11 +1086,19 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
 
     def truncated(ids: list[int], keep: int | None) -> list[int]:
         """vLLM's ``truncate_prompt_tokens``: the last ``keep`` ids (-1: the context's
-        length); ``ids`` itself when nothing is cut."""
+        length); ``ids`` itself when nothing is cut. A ``keep`` above the context's length
+        is refused naming it (as vLLM: "greater than max_model_len"), whatever the prompt's
+        length: it asks for more than the model can take, so it truncates nothing where a
+        long prompt needs it."""
         if keep == 0:
             raise Refusal(invalid("truncate_prompt_tokens=0: must be >= 1, or -1 for the "
                                   "model's context"), "truncate_prompt_tokens")
-        limit = max_seq() if keep == -1 else keep
+        context = max_seq()
+        if keep is not None and context is not None and keep > context:
+            raise Refusal(invalid(f"truncate_prompt_tokens={keep!s:.80}: must be at most the "
+                                  f"model's context, max_model_len={context} (or -1 for it)"),
+                          "truncate_prompt_tokens")
+        limit = context if keep == -1 else keep
         return ids if limit is None or len(ids) <= limit else ids[len(ids) - limit:]
 
     # the generation served, or during a recovery's gap between two generations the last one
