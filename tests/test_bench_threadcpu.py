@@ -90,3 +90,32 @@ def test_the_emulators_engine_threads_carry_their_names(tmp_path):
     finally:
         ex.shutdown()
     assert {"calrt-emu-e0", "calrt-emu-e1", "calexec-submitter", "calexec-completion"} <= roles
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/task: Linux only")
+def test_a_native_thread_that_never_named_itself_is_not_counted_as_python():
+    """A thread a library starts without naming it (numpy's OpenBLAS workers, an OpenMP pool)
+    keeps the kernel name it inherited, the process's own (``python``): its CPU was reported
+    under the role ``python``, read as the interpreter's. It is now ``native (unnamed)``. The
+    thread here is a real one of libc's (``pthread_create`` running ``sleep``), no Python
+    in it, as OpenBLAS's are."""
+    import ctypes
+    import time
+
+    libc = ctypes.CDLL(None)
+    before = threadcpu.snapshot() or {}
+    handle = ctypes.c_ulong()
+    start = ctypes.cast(libc.sleep, ctypes.c_void_p)  # void *(*)(void *): sleep(2)
+    assert libc.pthread_create(ctypes.byref(handle), None, start, ctypes.c_void_p(2)) == 0
+    try:
+        deadline = time.monotonic() + 1.5
+        new: dict[int, ThreadCpu] = {}
+        while not new and time.monotonic() < deadline:  # bounded: the thread sleeps 2 s
+            new = {tid: one for tid, one in (threadcpu.snapshot() or {}).items()
+                   if tid not in before}
+            time.sleep(0.01)
+    finally:
+        assert libc.pthread_join(handle, None) == 0
+    assert [one.role for one in new.values()] == ["native (unnamed)"], new
+    roles = {one.role for one in before.values()}
+    assert "python" not in roles and "MainThread" in roles

@@ -7,7 +7,11 @@ system ticks where there is no schedstat), not a sampling profiler.
 A thread's role is its Python name (``threading.Thread.name``) with a trailing number cut
 (``AnyIO worker thread``, ``calexec-submitter``, ``bench-load``), or, for a thread Python
 did not start, its kernel name (``comm``) whole: the emulator names its engines
-``calrt-emu-e0`` and ``calrt-emu-e1``, one per chiplet. A span's figures are each role's CPU
+``calrt-emu-e0`` and ``calrt-emu-e1``, one per chiplet. A thread Python did not start that
+never named itself keeps the kernel name of the thread that created it, the process's own
+(``python``): numpy's OpenBLAS workers, an OpenMP pool. Its role is :data:`UNNAMED_NATIVE`,
+not that name, which read as the interpreter's own CPU (the main thread is ``MainThread``).
+A span's figures are each role's CPU
 between two snapshots; a thread that started inside the span counts from zero; a thread
 that ended inside it is lost to the account and counted in ``threads_ended``; one that
 started and ended inside it is not seen at all, unless it reported its own CPU before it
@@ -31,6 +35,10 @@ _NUMBER = re.compile(r"[-_ ]?\d+$")
 #: threading's default names, "Thread-7 (worker)": the target's name is the role
 _DEFAULT_NAME = re.compile(r"^Thread-\d+ \((?P<target>.+)\)$")
 _TASKS = "/proc/self/task"
+#: the role of a thread Python did not start that kept the name it inherited (a Python
+#: thread's kernel name): numpy's OpenBLAS workers, an OpenMP pool, any library's unnamed
+#: thread; which library started it, the kernel does not say
+UNNAMED_NATIVE = "native (unnamed)"
 
 
 def role_of(name: str) -> str:
@@ -51,30 +59,34 @@ class ThreadCpu:
     cpu_s: float
 
 
-def snapshot() -> dict[int, ThreadCpu] | None:
+def snapshot(tasks: str = _TASKS) -> dict[int, ThreadCpu] | None:
     """Every live thread of this process by kernel thread id, with its role and CPU so far;
-    None where ``/proc/self/task`` is not there (not Linux). A thread that ends while it is
-    read is left out."""
+    None where ``tasks`` (``/proc/self/task``) is not there (not Linux). A thread that ends
+    while it is read is left out."""
     try:
-        tids = os.listdir(_TASKS)
+        tids = os.listdir(tasks)
     except OSError:
         return None
     named = {t.native_id: role_of(t.name) for t in threading.enumerate()
              if t.native_id is not None}
+    # the kernel names Python's threads have: the name a thread they created inherits
+    inherited = {comm for comm in (_comm(tasks, str(tid)) for tid in named) if comm}
     tick = float(os.sysconf("SC_CLK_TCK"))
     out: dict[int, ThreadCpu] = {}
     for entry in tids:
         try:
             tid = int(entry)
-            with open(f"{_TASKS}/{entry}/stat", encoding="ascii", errors="replace") as f:
+            with open(f"{tasks}/{entry}/stat", encoding="ascii", errors="replace") as f:
                 stat = f.read()
-            role = named.get(tid)
-            if role is None:  # not a Python thread: its kernel name, whole
-                with open(f"{_TASKS}/{entry}/comm", encoding="utf-8", errors="replace") as f:
-                    role = f.read().strip() or "?"
         except (OSError, ValueError):
             continue  # ended meanwhile
-        cpu = _schedstat_s(entry)
+        role = named.get(tid)
+        if role is None:  # not a Python thread: its kernel name, whole, if it chose one
+            comm = _comm(tasks, entry)
+            if comm is None:
+                continue  # ended meanwhile
+            role = UNNAMED_NATIVE if comm in inherited else (comm or "?")
+        cpu = _schedstat_s(tasks, entry)
         if cpu is None:  # no schedstat: stat's utime + stime, in clock ticks (10 ms)
             # fields after the command name, which is in parentheses and may hold any
             # byte: state is the 3rd field of stat, utime and stime the 14th and 15th
@@ -87,12 +99,21 @@ def snapshot() -> dict[int, ThreadCpu] | None:
     return out
 
 
-def _schedstat_s(entry: str) -> float | None:
+def _comm(tasks: str, entry: str) -> str | None:
+    """A thread's kernel name (``comm``), None when it ended meanwhile."""
+    try:
+        with open(f"{tasks}/{entry}/comm", encoding="utf-8", errors="replace") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _schedstat_s(tasks: str, entry: str) -> float | None:
     """A thread's time on a CPU (s) from ``schedstat``'s first field, in ns (the kernel's
     scheduler account; stat's utime and stime count 10 ms ticks, too coarse for a block of a
     few hundred requests); None when the kernel has no schedstat."""
     try:
-        with open(f"{_TASKS}/{entry}/schedstat", encoding="ascii") as f:
+        with open(f"{tasks}/{entry}/schedstat", encoding="ascii") as f:
             return int(f.read().split()[0]) / 1e9
     except (OSError, ValueError, IndexError):
         return None
