@@ -173,10 +173,14 @@ def test_the_listening_line_comes_once_the_server_answers(tmp_path):
     import sys
 
     from test_server_support import free_port
+    import os
+
     port = free_port()
+    scratch = tmp_path / "tmp"  # the server's temp dir, where its start's scratch goes
+    scratch.mkdir()
     proc = subprocess.Popen([sys.executable, "-m", "calexec", "serve", "--port", str(port),
                              "--log-level", "info"], stderr=subprocess.PIPE, text=True,
-                            cwd=tmp_path)
+                            cwd=tmp_path, env={**os.environ, "TMPDIR": str(scratch)})
     lines: list[str] = []
     watchdog = threading.Timer(30.0, proc.kill)  # bounds the read below
     watchdog.start()
@@ -186,10 +190,17 @@ def test_the_listening_line_comes_once_the_server_answers(tmp_path):
             lines.append(line)
             if "listening on" in line or len(lines) > 50:
                 break
+        watchdog.cancel()
         ready = httpx.get(f"http://127.0.0.1:{port}/ready", timeout=5)
+        # stopped as an operator stops it: a SIGKILL here left the start's scratch directory
+        # (``calexec-serve-*``, the synthetic calbin) in the temp dir on every run
+        proc.send_signal(signal.SIGTERM)
+        code, err = stopped(proc)
     finally:
         watchdog.cancel()
         killed(proc)
+    assert code == 0, err
+    assert not list(scratch.glob("calexec-serve-*")), "the start's scratch directory was left"
     bound = [i for i, line in enumerate(lines) if "bound http://127.0.0.1:" in line]
     assert bound and "connections are refused until it serves" in lines[bound[0]], lines
     assert f"listening on http://127.0.0.1:{port}" in lines[-1], lines
