@@ -80,3 +80,20 @@ def test_check_says_stale_and_write_fixes_it(tmp_path):
     assert param_table.main(["--root", str(tmp_path)]) == 0
     assert param_table.main(["--root", str(tmp_path), "--check"]) == 0
     assert "| 1: `test_one.py::test_seeded` |" in doc.read_text(encoding="utf-8")
+
+
+def test_a_row_given_twice_is_refused_naming_both(tmp_path, capsys):
+    """docs/server.md carried the ``model``, ``prompt``, ``messages`` and ``max_tokens`` rows
+    twice (since a regeneration at stop 53), and the check took it: a reader met each rule
+    twice, any later edit of one copy would leave the other saying something else. A row
+    given twice is now refused, naming both, and the table has each once."""
+    lines = DOC.split("\n")
+    start, _ = param_table.table_span(lines)
+    assert param_table.render(DOC, ROOT / "tests") == DOC  # each row once
+    twice = "\n".join(lines[:start + 3] + [lines[start + 2]] + lines[start + 3:])
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "docs" / "server.md").write_text(twice, encoding="utf-8")
+    assert param_table.main(["--root", str(tmp_path), "--check"]) == 2
+    err = capsys.readouterr().err
+    assert "rows 1 and 2 are the same row (| `model` | both |" in err, err

@@ -147,6 +147,12 @@ def render(doc: str, tests_dir: Path) -> str:
     lines = doc.split("\n")
     start, end = table_span(lines)
     cut = [_without_proof(row) for row in lines[start + 2:end]]
+    seen: dict[str, int] = {}
+    for i, row in enumerate(cut):  # a row pasted twice reads as two rules for its fields
+        first = seen.setdefault(row, i)
+        if first != i:
+            raise ValueError(f"the table's rows {first + 1} and {i + 1} are the same row "
+                             f"({row[:60]}...): keep one")
     fields = {field for row in cut for field in row_fields(row)}
     sending = tests_sending(tests_dir, fields)
     body = [f"{row} {proof_cell(row_fields(row), sending)} |" for row in cut]
