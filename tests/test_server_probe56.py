@@ -6,7 +6,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from calexec.drivers.serving.server import ServerConfig, create_app
 from calexec.drivers.synthetic.calbin import MAX_SEQ, VOCAB
+from test_server_support import LiveServer, started_executor
 from test_server_support import live_fixture  # noqa: F401 - the fixture `live`
 
 MODEL = "calexec-qwen3-synthetic"
@@ -60,3 +62,50 @@ def test_a_top_k_at_or_above_the_vocabulary_samples_as_top_k_off(live, route):
     off = drawn(-1)
     assert drawn(VOCAB) == off and drawn(10**30) == off
     assert drawn(VOCAB - 1) != off or drawn(2) != off  # (a real k does cut: the draw can see it)
+
+
+@pytest.mark.parametrize("decoder", [None, "WordPiece"])
+def test_a_tokenizer_llguidance_cannot_load_makes_structured_fields_a_400_naming_them(
+        tmp_path, decoder):
+    """``--tokenizer`` takes any ``tokenizer.json`` the ``tokenizers`` library loads, but
+    llguidance builds a grammar's vocabulary only from one whose decoder is ByteLevel or
+    Metaspace: with a WordPiece decoder (or none) every request with ``response_format``
+    (json types) or ``tools`` was a 500 ``server.unexpected_error`` (ValueError "can't
+    determine decoder type", the tokenizer read again each time). It is now a 400 naming the
+    field and llguidance's reason, as when llguidance is not installed; text requests are
+    served as before."""
+    pytest.importorskip("llguidance")
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import decoders, models, pre_tokenizers
+    tok = tokenizers.Tokenizer(models.WordLevel(
+        {"[UNK]": 0, "hello": 5, "user": 6, ":": 7, "assistant": 8, "{": 9, "}": 10},
+        unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    if decoder is not None:
+        tok.decoder = getattr(decoders, decoder)()
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    executor = started_executor(tmp_path)
+    app = create_app(executor, ServerConfig(tokenizer_path=str(path)))
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    asks = [("completions", {"prompt": "hello", "response_format": {"type": "json_object"}},
+             "response_format"),
+            ("chat/completions", {**CHAT, "response_format": {"type": "json_object"}},
+             "response_format"),
+            ("chat/completions", {**CHAT, "tools": [tool], "tool_choice": "required"}, "tools")]
+    try:
+        with LiveServer(app) as server:
+            for _ in range(2):  # (the second time from the kept refusal)
+                for route, body, param in asks:
+                    r = httpx.post(f"{server.url}/v1/{route}",
+                                   json={"model": MODEL, "max_tokens": 2, **body}, timeout=30)
+                    assert r.status_code == 400, (route, r.text)
+                    error = r.json()["error"]
+                    assert error["param"] == param, error
+                    assert "llguidance cannot load" in error["message"], error
+                    assert str(path) in error["message"], error
+            r = httpx.post(f"{server.url}/v1/completions",
+                           json={"model": MODEL, "max_tokens": 2, "prompt": "hello"}, timeout=30)
+            assert r.status_code == 200, r.text
+    finally:
+        executor.shutdown(5.0)

@@ -91,24 +91,41 @@ class _ByteVocabulary:
 
 
 _TOKENIZERS: dict[tuple[str, int, int], Any] = {}
+#: why llguidance could not load a tokenizer (its message), by the same key: kept, so a
+#: tokenizer it refuses is read once, not on every structured request
+_REFUSED: dict[tuple[str, int, int], str] = {}
 _TOKENIZERS_MU = threading.Lock()
 
 
-def ll_tokenizer(tok: Tokenizer, vocab: int, end_token: int) -> Any:
+def ll_tokenizer(tok: Tokenizer, vocab: int, end_token: int, param: str, what: str) -> Any:
     """The ``llguidance.LLTokenizer`` of the server's tokenizer (built once, ~0.4 s for the
     synthetic vocabulary): the byte-level one from its vocabulary, a Hugging Face one from its
-    ``tokenizer.json`` (``HFTokenizer.name``), padded to the model's ``vocab``."""
+    ``tokenizer.json`` (``HFTokenizer.name``), padded to the model's ``vocab``. A tokenizer
+    llguidance cannot load (a ``tokenizer.json`` whose decoder is neither ByteLevel nor
+    Metaspace: WordPiece, none) is :class:`GrammarError` naming ``param`` (the field asking
+    for a grammar, ``what`` it asked) and llguidance's reason: no grammar can be served."""
     from llguidance import LLTokenizer
     key = (tok.name, vocab, end_token)
     with _TOKENIZERS_MU:
         built = _TOKENIZERS.get(key)
-        if built is None:
-            if isinstance(tok, ByteTokenizer):
-                built = LLTokenizer(_ByteVocabulary(vocab, end_token),  # type: ignore[arg-type]
-                                    slices=LLTokenizer.json_slices())
+        if built is None and key not in _REFUSED:
+            try:
+                if isinstance(tok, ByteTokenizer):
+                    built = LLTokenizer(_ByteVocabulary(vocab, end_token),  # type: ignore[arg-type]
+                                        slices=LLTokenizer.json_slices())
+                else:
+                    built = LLTokenizer(tok.name, n_vocab=vocab,
+                                        slices=LLTokenizer.json_slices())
+            except ValueError as err:  # llguidance's refusal of the tokenizer itself
+                _REFUSED[key] = str(err)
             else:
-                built = LLTokenizer(tok.name, n_vocab=vocab, slices=LLTokenizer.json_slices())
-            _TOKENIZERS[key] = built
+                _TOKENIZERS[key] = built
+        if built is None:
+            raise GrammarError(param, f"{param}: {what} needs a grammar over the server's "
+                                      f"tokenizer {tok.name!r}, which llguidance cannot load "
+                                      f"({_REFUSED[key]}); structured outputs and tools need "
+                                      "a tokenizer.json whose decoder is ByteLevel or "
+                                      "Metaspace")
         return built
 
 
@@ -287,7 +304,8 @@ def completion_structure(response_format: Any, tok: Tokenizer, vocab: int, end_t
     schema, strict = asked
     param = ("response_format.json_schema.schema" if response_format["type"] == "json_schema"
              else "response_format")
-    ll = ll_tokenizer(tok, vocab, end_token)
+    ll = ll_tokenizer(tok, vocab, end_token, "response_format",
+                      f"{response_format.get('type')}")
     grammar = _checked(_schema_grammar(schema, param, strict), ll, param)
     return Structure(grammar, ll, vocab, end_token)
 
@@ -395,7 +413,7 @@ def chat_structure(response_format: Any, setup: ToolSetup, parallel_tool_calls: 
         return completion_structure(response_format, tok, vocab, end_token)
     _need_llguidance("tools", f"tool_choice={setup.choice!r}")
     asked = response_format_schema(response_format)
-    ll = ll_tokenizer(tok, vocab, end_token)
+    ll = ll_tokenizer(tok, vocab, end_token, "tools", f"tool_choice={setup.choice!r}")
     for i, tool in enumerate(setup.tools):  # each tool's schema on its own: the field named
         param = f"tools.{i}.function.parameters"
         _checked(_schema_grammar(dict(tool.parameters), param, tool.strict), ll, param)
