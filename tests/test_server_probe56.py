@@ -109,3 +109,56 @@ def test_a_tokenizer_llguidance_cannot_load_makes_structured_fields_a_400_naming
             assert r.status_code == 200, r.text
     finally:
         executor.shutdown(5.0)
+
+
+def test_tokenize_counts_a_chat_as_the_chat_route_with_its_special_tokens_and_continuation(
+        tmp_path):
+    """``/tokenize`` is documented to count a chat as the chat route renders it (its
+    ``prompt_tokens``), but with ``messages`` it took ``add_special_tokens: true`` and ignored
+    it (8 tokens where the chat counts 9 with the tokenizer's BOS), and refused vLLM's
+    ``continue_final_message`` as an unknown parameter. Both now render as chat does; a
+    prompt still gets its special tokens by default, and ``continue_final_message``
+    without ``messages`` is named."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers, processors
+    tok = tokenizers.Tokenizer(models.WordLevel({"[UNK]": 0, "[BOS]": 1, "hello": 5,
+                                                 "user": 6, ":": 7, "assistant": 8},
+                                                unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="[BOS] $A",
+                                                       special_tokens=[("[BOS]", 1)])
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    executor = started_executor(tmp_path)
+    app = create_app(executor, ServerConfig(tokenizer_path=str(path)))
+    messages = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hello"}]
+    try:
+        with LiveServer(app) as server:
+            def chat_ids(**extra) -> list[int]:
+                r = httpx.post(f"{server.url}/v1/chat/completions", timeout=30, json={
+                    "model": MODEL, "messages": messages, "max_tokens": 1,
+                    "return_token_ids": True, **extra})
+                assert r.status_code == 200, r.text
+                return r.json()["prompt_token_ids"]
+
+            def counted(**body) -> list[int]:
+                r = httpx.post(f"{server.url}/tokenize", json=body, timeout=30)
+                assert r.status_code == 200, r.text
+                return r.json()["tokens"]
+
+            for extra in ({}, {"add_special_tokens": True}, {"add_special_tokens": False},
+                          {"continue_final_message": True, "add_generation_prompt": False}):
+                assert counted(messages=messages, **extra) == chat_ids(**extra), extra
+            assert chat_ids(add_special_tokens=True)[0] == 1
+            assert counted(prompt="hello") == [1, 5]  # a prompt: true by default, as ever
+            assert counted(prompt="hello", add_special_tokens=False) == [5]
+            r = httpx.post(f"{server.url}/tokenize", timeout=30,
+                           json={"prompt": "hello", "continue_final_message": True})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == "continue_final_message", r.text
+            r = httpx.post(f"{server.url}/tokenize", timeout=30,
+                           json={"messages": messages, "continue_final_message": True})
+            assert r.status_code == 400, r.text  # as chat: needs add_generation_prompt false
+            assert r.json()["error"]["param"] == "continue_final_message", r.text
+    finally:
+        executor.shutdown(5.0)

@@ -1277,20 +1277,22 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
                 raise Refusal(invalid("give exactly one of prompt, content (llama-server) and "
                                       f"messages; got {given or 'none'}"),
                               given[1] if len(given) > 1 else "prompt")
-            if body.tools is not None and body.messages is None:
-                raise Refusal(invalid("tools: only with messages (the chat template writes "
-                                      "them into a chat's prompt)"), "tools")
+            for name in ("tools", "continue_final_message"):  # chat's: named, not ignored
+                if getattr(body, name) not in (None, False) and body.messages is None:
+                    raise Refusal(invalid(f"{name}: only with messages (the chat template "
+                                          "renders a chat's prompt)"), name)
             text = body.prompt if body.prompt is not None else body.content
             if text is not None:
-                special = body.add_special_tokens if body.add_special is None \
-                    else body.add_special
+                special = body.add_special if body.add_special is not None \
+                    else body.add_special_tokens is not False
                 ids = service.tokenizer.encode(text, special)
             elif body.messages is not None:  # (exactly one of the three)
                 tools = structure(grammar.tool_setup, body.tools, None)
                 ids = service.tokenizer.encode(
                     render_chat(body.messages, service.tokenizer, body.add_generation_prompt,
-                                body.chat_template_kwargs, tools=tools),
-                    add_special_tokens=False)
+                                body.chat_template_kwargs, body.continue_final_message,
+                                tools),
+                    add_special_tokens=bool(body.add_special_tokens))
         except Refusal as err:
             return answered(err)
         texts = [service.tokenizer.token_text(t) for t in ids] \
@@ -1672,8 +1674,9 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
 
 
 class TokenizeRequest(BaseModel):
-    """``POST /tokenize``: vLLM's bodies, ``prompt`` (+ ``add_special_tokens``) or chat
-    ``messages`` (+ ``add_generation_prompt``, ``chat_template_kwargs``, ``tools``), with
+    """``POST /tokenize``: vLLM's bodies, ``prompt`` (+ ``add_special_tokens``, default true)
+    or chat ``messages`` (+ ``add_generation_prompt``, ``continue_final_message``,
+    ``add_special_tokens`` (default false, as chat), ``chat_template_kwargs``, ``tools``), with
     ``return_token_strs``; or llama-server's ``content`` (+ ``add_special``, ``with_pieces``:
     ``tokens`` as ``{"id", "piece"}`` objects)."""
 
@@ -1684,9 +1687,12 @@ class TokenizeRequest(BaseModel):
     content: StrictStr | None = None  # llama-server
     # at least one, as chat's: [] was tokenized as the generation prompt alone
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
-    add_special_tokens: StrictBool = True
+    # null: true for a prompt, false for messages (the chat template writes its own), as
+    # vLLM's TokenizeCompletionRequest and TokenizeChatRequest and as the chat route
+    add_special_tokens: StrictBool | None = None
     add_special: StrictBool | None = None  # llama-server's add_special_tokens
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False  # vLLM's TokenizeChatRequest, as chat's
     chat_template_kwargs: dict[StrictStr, Any] | None = None
     # vLLM's TokenizeChatRequest: the tools the chat template writes into the prompt, so the
     # count is a tool-using chat's own (checked as chat checks them)
