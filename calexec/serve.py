@@ -100,7 +100,7 @@ def _parser() -> argparse.ArgumentParser:
                         "eos_token) loaded with the `tokenizers` library (pip install "
                         "'calexec[tokenizer]'); default: the byte-level tokenizer of the "
                         "synthetic model")
-    p.add_argument("--api-key", metavar="KEY", default=os.environ.get("CALEXEC_API_KEY"),
+    p.add_argument("--api-key", metavar="KEY",  # None: $CALEXEC_API_KEY (main)
                    help="OpenAI endpoints (/v1/*, /tokenize, /detokenize) need "
                         "'Authorization: Bearer KEY' (default: $CALEXEC_API_KEY; unset: open); "
                         "/health, /ready, /metrics stay open")
@@ -237,6 +237,11 @@ def _warn_exposure(args: argparse.Namespace) -> None:
 def main(argv: list[str]) -> int:
     """Entry point; ``argv`` starts with the command word ``serve``."""
     args = _parser().parse_args(argv[1:])
+    # the key's source, named when it is refused: a key set (empty) in the environment by a
+    # container's settings was refused as "--api-key is empty", a flag the command never had
+    key_source = "--api-key"
+    if args.api_key is None and "CALEXEC_API_KEY" in os.environ:
+        args.api_key, key_source = os.environ["CALEXEC_API_KEY"], "$CALEXEC_API_KEY"
     pin_mmap_threshold()  # a long-running server: freed buffers go back to the OS
     port = args.port if args.port is not None else 0 if args.once else 8000
     log_level = args.log_level or ("warning" if args.once else "info")
@@ -273,7 +278,9 @@ def main(argv: list[str]) -> int:
                              "(no control characters, no separator other than a space)")
         problem = None if args.api_key is None else api_key_problem(args.api_key)
         if problem is not None:  # checked here: it would refuse every request
-            raise ValueError(f"--api-key {problem}")
+            raise ValueError(f"{key_source} {problem}" + (
+                " (it gives --api-key: unset it for an open server)"
+                if key_source != "--api-key" else ""))
         for origin in args.cors_origin:
             problem = cors_origin_problem(origin)
             if problem is not None:

@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import httpx
 import pytest
 
@@ -162,3 +166,26 @@ def test_tokenize_counts_a_chat_as_the_chat_route_with_its_special_tokens_and_co
             assert r.json()["error"]["param"] == "continue_final_message", r.text
     finally:
         executor.shutdown(5.0)
+
+
+@pytest.mark.parametrize(("value", "problem"), [
+    ("", "is empty"), ("caf\u00e9", "has U+00E9 at character 4")])
+def test_a_bad_api_key_from_the_environment_is_named_as_the_environment_s(value, problem):
+    """``--api-key`` defaults to ``$CALEXEC_API_KEY``; a key there that no request could
+    present (set but empty, as a container's ``CALEXEC_API_KEY: ${KEY}`` with ``KEY`` unset
+    gives) was refused as ``calexec serve: --api-key is empty``, naming a flag the command
+    never had. The refusal now names the variable (exit 2, one line, nothing started); the
+    flag, when given, is still named as the flag and wins over the variable."""
+    code = "import sys\nfrom calexec.cli import main\nsys.exit(main(sys.argv[1:]))"
+    env = {**os.environ, "CALEXEC_API_KEY": value}
+    done = subprocess.run([sys.executable, "-c", code, "serve", "--once"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert lines[0].startswith(f"calexec serve: $CALEXEC_API_KEY {problem}"), lines
+    assert value not in lines[0] or not value, lines  # the key itself is never shown
+    done = subprocess.run([sys.executable, "-c", code, "serve", "--once", "--api-key", " k"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("calexec serve: --api-key starts or ends with whitespace"), \
+        done.stderr
