@@ -120,6 +120,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-choices", type=cliargs.positive_int, default=16,
                    help="choices one request may ask for: prompts x n (above it: 400 naming "
                         "n or prompt); at most half the sequence ids run at once")
+    p.add_argument("--max-body-bytes", type=cliargs.positive_int, default=1 << 20,
+                   help="largest request body (above it: 413); raise it for batches of long "
+                        "prompts (lm-eval's windows: 4 prompts of 40,000 token ids are "
+                        "~1.3 MB)")
     p.add_argument("--metrics-names", choices=("calexec", "vllm"), default="calexec",
                    help="vllm: /metrics also exports vLLM's vllm: families (names, types and "
                         "labels as vLLM's server; docs/server.md)")
@@ -293,6 +297,7 @@ def main(argv: list[str]) -> int:
                               api_key=args.api_key, tokenizer_path=tokenizer_path,
                               end_token_id=end_token, max_waiting=args.max_waiting,
                               max_resumes=args.max_resumes, max_choices=args.max_choices,
+                              max_body_bytes=args.max_body_bytes,
                               cors_origins=tuple(args.cors_origin),
                               metrics_names=args.metrics_names, drain_grace_s=args.grace)
         if args.replicas is not None and not args.ray:

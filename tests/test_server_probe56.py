@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -12,7 +14,7 @@ import pytest
 
 from calexec.drivers.serving.server import ServerConfig, create_app
 from calexec.drivers.synthetic.calbin import MAX_SEQ, VOCAB
-from test_server_support import LiveServer, started_executor
+from test_server_support import LiveServer, free_port, started_executor, wait_for
 from test_server_support import live_fixture  # noqa: F401 - the fixture `live`
 
 MODEL = "calexec-qwen3-synthetic"
@@ -189,3 +191,45 @@ def test_a_bad_api_key_from_the_environment_is_named_as_the_environment_s(value,
     assert done.returncode == 2, done.stderr
     assert done.stderr.startswith("calexec serve: --api-key starts or ends with whitespace"), \
         done.stderr
+
+
+def test_a_batch_of_long_prompts_past_the_default_body_limit_is_served_with_max_body_bytes(
+        live):
+    """lm-eval sends its context windows as one completions request (``prompt``: a list of
+    token-id lists, ``batch_size`` of them): 4 windows of 40,000 ids are ~1.3 MB, over the
+    1 MiB body limit, a 413 the server's own ``max_choices`` (16) and context (40,960) would
+    otherwise serve, and ``calexec serve`` had no way to raise it (``ServerConfig``'s
+    ``max_body_bytes`` only). ``--max-body-bytes`` sets it."""
+    ids = [100000 + i % 50000 for i in range(40000)]
+    body = json.dumps({"prompt": [ids] * 4, "max_tokens": 1}).encode()
+    assert len(body) > 1 << 20
+    server, _, _ = live  # the default limit: refused, naming it
+    r = httpx.post(f"{server.url}/v1/completions", content=body, timeout=60,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "max_body_bytes=1048576" in r.text, r.text
+    port = free_port()
+    code = "import sys\nfrom calexec.cli import main\nsys.exit(main(sys.argv[1:]))"
+    proc = subprocess.Popen([sys.executable, "-c", code, "serve", "--port", str(port),
+                             "--max-body-bytes", "2000000", "--log-level", "warning"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        assert proc.poll() is None, proc.communicate(timeout=10)
+        try:
+            return httpx.get(f"{url}/ready", timeout=1).status_code == 200
+        except httpx.TransportError:
+            return False
+    try:
+        wait_for(up, timeout=60, what="calexec serve to become ready")
+        r = httpx.post(f"{url}/v1/completions", content=body, timeout=60,
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 200, r.text[:500]
+        assert len(r.json()["choices"]) == 4 and r.json()["usage"]["prompt_tokens"] == 160000
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=10)
