@@ -169,11 +169,11 @@ def test_the_listening_line_comes_once_the_server_answers(tmp_path):
     """``listening on http://...`` was logged before the executor's start (warm-up, golden):
     a probe of that address was then refused for the whole start. It comes once the socket
     listens; before the start a ``bound ...`` line says connections are refused until then."""
+    import os
     import subprocess
     import sys
 
     from test_server_support import free_port
-    import os
 
     port = free_port()
     scratch = tmp_path / "tmp"  # the server's temp dir, where its start's scratch goes

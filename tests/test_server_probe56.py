@@ -14,8 +14,13 @@ import pytest
 
 from calexec.drivers.serving.server import ServerConfig, create_app
 from calexec.drivers.synthetic.calbin import MAX_SEQ, VOCAB
-from test_server_support import LiveServer, free_port, started_executor, wait_for
-from test_server_support import live_fixture  # noqa: F401 - the fixture `live`
+from test_server_support import (
+    LiveServer,
+    free_port,
+    live_fixture,  # noqa: F401 - the fixture `live`
+    started_executor,
+    wait_for,
+)
 
 MODEL = "calexec-qwen3-synthetic"
 CHAT = {"messages": [{"role": "user", "content": "hello"}]}
