@@ -238,3 +238,33 @@ def test_a_batch_of_long_prompts_past_the_default_body_limit_is_served_with_max_
         if proc.poll() is None:
             proc.kill()
             proc.communicate(timeout=10)
+
+
+def test_a_chat_template_that_does_not_compile_is_refused_at_start_naming_it(tmp_path):
+    """A ``tokenizer_config.json`` whose ``chat_template`` is no Jinja template (a typo:
+    ``{{ m.content }``) was taken at start; every chat request was then a 400 blaming the
+    client, ``param: messages``, "messages: the chat template refused them: unexpected
+    '}'", for as long as the server ran. It is the server's file: ``calexec serve`` now
+    refuses it at start, one line naming ``--tokenizer``, the file and Jinja's reason, exit
+    2; a template that compiles is taken as before."""
+    tokenizers = pytest.importorskip("tokenizers")
+    pytest.importorskip("jinja2")
+    from tokenizers import models, pre_tokenizers
+    tok = tokenizers.Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 5}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    config = tmp_path / "tokenizer_config.json"
+    config.write_text(json.dumps(
+        {"chat_template": "{% for m in messages %}{{ m.content }{% endfor %}"}))
+    code = "import sys\nfrom calexec.cli import main\nsys.exit(main(sys.argv[1:]))"
+    done = subprocess.run([sys.executable, "-c", code, "serve", "--once", "--tokenizer",
+                           str(tmp_path)], capture_output=True, text=True, timeout=120)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert lines[0].startswith(f"calexec serve: --tokenizer={str(tmp_path)!r}: "
+                               f"{str(config)!r}: its chat_template is no Jinja template: "
+                               "unexpected '}'"), lines
+    from calexec.drivers.serving import hf_tokenizer
+    config.write_text(json.dumps(
+        {"chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"}))
+    assert hf_tokenizer.load(str(tmp_path)).chat_template is not None

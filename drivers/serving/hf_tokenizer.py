@@ -8,6 +8,8 @@ offer ``encode``, ``decode``, ``detokenizer()`` (incremental ``feed``/``flush``)
 from __future__ import annotations
 
 import re
+import time
+from typing import Any
 
 from calexec.drivers.serving.byte_tokenizer import ByteTokenizer
 
@@ -64,6 +66,19 @@ class HFTokenizer:
                 named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
                 template = named.get("default")
             self.chat_template = template if isinstance(template, str) else None
+            if self.chat_template is not None:  # a template that does not compile refused
+                # every chat request as the client's ("messages: the chat template refused
+                # them: unexpected '}'"): it is the server's, refused here
+                try:
+                    compiled_chat_template(self.chat_template)
+                except ImportError:
+                    pass  # (no jinja2: rendering says so, naming it)
+                except Exception as err:  # noqa: BLE001 - jinja2's TemplateSyntaxError
+                    line = getattr(err, "lineno", None)
+                    raise TokenizerLoadError(
+                        f"{setting}={path!r}: {config_file!r}: its chat_template is no "
+                        f"Jinja template: {err}" + (f" (line {line})" if line else "")
+                    ) from None
             self.bos_token = _special(config.get("bos_token"))
             self.eos_token = _special(config.get("eos_token"))
             if self.eos_token:
@@ -156,6 +171,27 @@ class _StreamDetokenizer:
 
 #: what the server encodes and decodes with
 Tokenizer = ByteTokenizer | HFTokenizer
+
+_TEMPLATES: dict[str, Any] = {}
+
+
+def compiled_chat_template(source: str) -> Any:
+    """A chat template compiled as transformers compiles it (Jinja, sandboxed, immutable,
+    ``trim_blocks`` and ``lstrip_blocks``, with ``raise_exception`` and ``strftime_now``),
+    kept by its source. Raises jinja2's ``TemplateSyntaxError`` for one that does not
+    compile, ImportError without jinja2 (the ``[tokenizer]`` extra)."""
+    compiled = _TEMPLATES.get(source)
+    if compiled is None:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str) -> None:
+            raise ValueError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: time.strftime(fmt)
+        compiled = _TEMPLATES[source] = env.from_string(source)
+    return compiled
 
 
 def load(path: str | None, setting: str = "tokenizer_path") -> Tokenizer:

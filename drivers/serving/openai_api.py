@@ -43,7 +43,7 @@ from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import TaskKind
 from calexec.drivers.serving import error_bodies, grammar, handoff, sampling, wire
-from calexec.drivers.serving.hf_tokenizer import Tokenizer
+from calexec.drivers.serving.hf_tokenizer import Tokenizer, compiled_chat_template
 from calexec.drivers.serving.resume import RESUMABLE
 from calexec.drivers.serving.sampling import (
     SamplingError,
@@ -674,22 +674,8 @@ def _render_template(template: str, tok: Tokenizer, plain: list[dict[str, Any]],
                       "messages") from None
 
 
-_TEMPLATES: dict[str, Any] = {}
-
-
 def _jinja_template(source: str) -> Any:
-    compiled = _TEMPLATES.get(source)
-    if compiled is None:
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message: str) -> None:
-            raise ValueError(message)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        env.globals["strftime_now"] = lambda fmt: time.strftime(fmt)
-        compiled = _TEMPLATES[source] = env.from_string(source)
-    return compiled
+    return compiled_chat_template(source)
 
 
 # ---- text, stop strings, logprobs -----------------------------------------------------------
