@@ -268,3 +268,38 @@ def test_a_chat_template_that_does_not_compile_is_refused_at_start_naming_it(tmp
     config.write_text(json.dumps(
         {"chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"}))
     assert hf_tokenizer.load(str(tmp_path)).chat_template is not None
+
+
+def test_a_chat_template_renders_tools_and_loops_as_transformers_does(tmp_path):
+    """A chat template is rendered as transformers' ``apply_chat_template`` renders it (vLLM
+    does so): Qwen3's and Llama 3.1's templates write each tool with ``tojson``, which was
+    Jinja's own filter, sorting the keys and escaping ``<>&'`` and non-ASCII (the model saw
+    ``{"description": "a \\u003cb\\u003e caf\\u00e9", "name": ...}`` where transformers
+    writes ``{"name": ..., "description": "a <b> café"}``); ``{% break %}`` (the loopcontrols
+    extension) and transformers' ``{% generation %}`` block did not compile at all."""
+    tokenizers = pytest.importorskip("tokenizers")
+    pytest.importorskip("jinja2")
+    from tokenizers import models, pre_tokenizers
+
+    from calexec.drivers.serving import grammar, hf_tokenizer
+    from calexec.drivers.serving.openai_api import ChatMessage, render_chat
+    tok = tokenizers.Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 5}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    template = ("{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+                "{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}"
+                "{% generation %}{{ m.role }}: {{ m.content }}\n{% endgeneration %}{% endfor %}"
+                "{{ {'b': 1, 'a': 2} | tojson(indent=1) }}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    loaded = hf_tokenizer.load(str(tmp_path))
+    tools = grammar.tool_setup([{"type": "function", "function": {
+        "name": "f", "description": "a <b> caf\u00e9 & 'q'",
+        "parameters": {"type": "object", "properties": {"z": {}, "a": {}}}}}], "none")
+    messages = [ChatMessage(role="user", content=c) for c in ("one", "two", "three")]
+    text = render_chat(messages, loaded, False, None, False, tools)
+    first = text.split("\n")[0]
+    assert first.startswith('{"type": "function", "function": {"name": "f", '
+                            '"description": "a <b> caf\u00e9 & \'q\'"'), text
+    assert '"properties": {"z": {}, "a": {}}' in first, text
+    assert "user: one\nuser: two\n" in text and "three" not in text, text
+    assert text.endswith('{\n "b": 1,\n "a": 2\n}'), text

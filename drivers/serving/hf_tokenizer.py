@@ -176,22 +176,57 @@ _TEMPLATES: dict[str, Any] = {}
 
 
 def compiled_chat_template(source: str) -> Any:
-    """A chat template compiled as transformers compiles it (Jinja, sandboxed, immutable,
-    ``trim_blocks`` and ``lstrip_blocks``, with ``raise_exception`` and ``strftime_now``),
-    kept by its source. Raises jinja2's ``TemplateSyntaxError`` for one that does not
+    """A chat template compiled as transformers compiles it (``apply_chat_template``, which
+    vLLM renders with): Jinja, sandboxed, immutable, ``trim_blocks`` and ``lstrip_blocks``,
+    the ``loopcontrols`` extension (``{% break %}``, ``{% continue %}``), the
+    ``{% generation %}`` block (rendered as its body), ``raise_exception``, ``strftime_now``
+    and transformers' ``tojson`` filter: ``json.dumps`` as it is, keys in their order,
+    non-ASCII and ``<>&'`` written as they are (Jinja's own sorts the keys and escapes
+    those, so a tool's schema in Qwen3's template was not the text the model was trained
+    on). Kept by its source. Raises jinja2's ``TemplateSyntaxError`` for one that does not
     compile, ImportError without jinja2 (the ``[tokenizer]`` extra)."""
     compiled = _TEMPLATES.get(source)
     if compiled is None:
+        import json
+
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message: str) -> None:
             raise ValueError(message)
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+                   separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+            return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                              separators=separators, sort_keys=sort_keys)
+
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True,
+            extensions=["jinja2.ext.loopcontrols", _generation_block()])
+        env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: time.strftime(fmt)
         compiled = _TEMPLATES[source] = env.from_string(source)
     return compiled
+
+
+def _generation_block() -> Any:
+    """transformers' ``{% generation %}...{% endgeneration %}`` (its ``AssistantTracker``
+    marks the assistant's tokens with it): here the body, rendered as it is."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> Any:
+            return caller()
+
+    return Generation
 
 
 def load(path: str | None, setting: str = "tokenizer_path") -> Tokenizer:
