@@ -303,3 +303,28 @@ def test_a_chat_template_renders_tools_and_loops_as_transformers_does(tmp_path):
     assert '"properties": {"z": {}, "a": {}}' in first, text
     assert "user: one\nuser: two\n" in text and "three" not in text, text
     assert text.endswith('{\n "b": 1,\n "a": 2\n}'), text
+
+
+def test_a_message_of_several_text_parts_is_rendered_with_a_line_between_them(live):
+    """A message whose ``content`` is a list of text parts (LangChain's and llama-index's
+    content blocks, the SDK's part lists) had its parts run together ("Part one.Part two.");
+    vLLM joins them with a line end for a text model's template, and so does this server
+    now: the chat's prompt is the one of the same text given as a string."""
+    server, _, _ = live
+    parts = [{"type": "text", "text": "Part one."}, {"type": "text", "text": "Part two."}]
+
+    def prompt_ids(content) -> list[int]:
+        r = httpx.post(f"{server.url}/v1/chat/completions", timeout=30, json={
+            "model": MODEL, "max_tokens": 1, "return_token_ids": True,
+            "messages": [{"role": "user", "content": content}]})
+        assert r.status_code == 200, r.text
+        return r.json()["prompt_token_ids"]
+
+    def counted(content) -> list[int]:
+        r = httpx.post(f"{server.url}/tokenize", timeout=30,
+                       json={"messages": [{"role": "user", "content": content}]})
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+
+    assert prompt_ids(parts) == prompt_ids("Part one.\nPart two.") == counted(parts)
+    assert prompt_ids([parts[0]]) == prompt_ids("Part one.")  # one part: its text alone

@@ -572,8 +572,9 @@ def content_refusal(message: ChatMessage, index: int) -> Refusal | None:
 
 
 def message_text(message: ChatMessage, index: int) -> str:
-    """The text of a message: a string, or its ``text`` parts joined (other parts refused); an
-    assistant message without content: its ``refusal``, if any."""
+    """The text of a message: a string, or its ``text`` parts joined by a line end, as vLLM
+    joins them for a text model's template (they were run together: "Part one.Part two.");
+    other parts refused; an assistant message without content: its ``refusal``, if any."""
     if message.role not in CHAT_ROLES:
         raise Refusal(invalid(f"messages[{index}].role={message.role!r:.80}: must be one of "
                               f"{list(CHAT_ROLES)}"), f"messages.{index}.role")
@@ -599,7 +600,7 @@ def message_text(message: ChatMessage, index: int) -> str:
             raise Refusal(invalid(f"{at}.text={part.get('text')!r:.80}: must be a string"),
                           f"messages.{index}.content.{j}.text")
         texts.append(part["text"])
-    return "".join(texts)
+    return "\n".join(texts)
 
 
 def _template_message(message: ChatMessage, index: int) -> dict[str, Any]:
