@@ -565,14 +565,16 @@ def test_a_structured_stream_continued_on_a_sibling_equals_an_uncut_one(app, llg
 
 def test_a_jinja_chat_template_gets_the_tools_and_the_calls():
     """A tokenizer's template (Qwen3's reads them so) gets the request's ``tools`` and each
-    message's ``tool_calls`` and ``tool_call_id``; with tool_choice "none" the tools are still
-    offered to it."""
+    message's ``tool_calls`` (``arguments`` parsed from their JSON text, as transformers'
+    templates read them and vLLM passes them: written back with ``tojson``) and
+    ``tool_call_id``; with tool_choice "none" the tools are still offered to it."""
     needs.module("jinja2", "tokenizer")  # a tokenizer's chat template is rendered by jinja2
     tok = ByteTokenizer()
     tok.chat_template = (
         "{% if tools %}<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}</tools>"
         "{% endif %}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}"
-        "{% for c in m.tool_calls or [] %}<call>{{ c.function.name }}:{{ c.function.arguments }}"
+        "{% for c in m.tool_calls or [] %}<call>{{ c.function.name }}:"
+        "{{ c.function.arguments | tojson }}"
         "</call>{% endfor %}{% if m.tool_call_id %}[{{ m.tool_call_id }}]{% endif %}"
         "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
     messages = [ChatMessage(role="user", content="time?"),
@@ -580,7 +582,7 @@ def test_a_jinja_chat_template_gets_the_tools_and_the_calls():
                     "id": "call_1", "type": "function",
                     "function": {"name": "get_time", "arguments": '{"zone":1}'}}]),
                 ChatMessage(role="tool", tool_call_id="call_1", content="12:00")]
-    expected = ('<|user|>time?<|assistant|><call>get_time:{"zone":1}</call>'
+    expected = ('<|user|>time?<|assistant|><call>get_time:{"zone": 1}</call>'
                 '<|tool|>12:00[call_1]<|assistant|>')
     for choice in ("auto", "none"):
         setup = grammar.tool_setup([CLOCK, WEATHER], choice)

@@ -328,3 +328,36 @@ def test_a_message_of_several_text_parts_is_rendered_with_a_line_between_them(li
 
     assert prompt_ids(parts) == prompt_ids("Part one.\nPart two.") == counted(parts)
     assert prompt_ids([parts[0]]) == prompt_ids("Part one.")  # one part: its text alone
+
+
+def test_a_chat_template_reads_an_assistant_s_call_arguments_as_their_value(tmp_path):
+    """An assistant message's tool calls carry ``arguments`` as JSON text (OpenAI's shape);
+    transformers' templates read them as a value, and vLLM parses them before rendering.
+    Given the text, Llama 3.1's ``arguments | tojson`` wrote the arguments as one quoted
+    string (``"{\\"x\\":1}"``) and Qwen3-Coder's ``arguments | items`` refused every
+    multi-turn tool conversation (400 ``messages``). Empty arguments are ``{}``; text that
+    is no JSON is kept as given."""
+    tokenizers = pytest.importorskip("tokenizers")
+    pytest.importorskip("jinja2")
+    from tokenizers import models, pre_tokenizers
+
+    from calexec.drivers.serving import hf_tokenizer
+    from calexec.drivers.serving.openai_api import ChatMessage, render_chat
+    tok = tokenizers.Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 5}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    template = ("{% for m in messages %}{% for c in m.tool_calls or [] %}"
+                "{{ c.function.name }}={{ c.function.arguments | tojson }};"
+                "{% if c.function.arguments is mapping %}"
+                "{% for k, v in c.function.arguments | items %}[{{ k }}:{{ v }}]{% endfor %}"
+                "{% endif %}{% endfor %}{% endfor %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    loaded = hf_tokenizer.load(str(tmp_path))
+
+    def call(name: str, arguments: str) -> dict:
+        return {"id": name, "type": "function", "function": {"name": name,
+                                                              "arguments": arguments}}
+    message = ChatMessage(role="assistant", content=None, tool_calls=[
+        call("f", '{"x":1,"y":"a"}'), call("g", ""), call("h", "not json")])
+    text = render_chat([message], loaded, False)
+    assert text == ('f={"x": 1, "y": "a"};[x:1][y:a]g={};h="not json";'), text

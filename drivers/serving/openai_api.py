@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import json
 import logging
 import math
 import re
@@ -667,7 +668,7 @@ def _render_template(template: str, tok: Tokenizer, plain: list[dict[str, Any]],
                      ) -> str:
     try:
         return _jinja_template(template).render(**{
-            **(template_kwargs or {}), "messages": plain,
+            **(template_kwargs or {}), "messages": [_with_parsed_arguments(m) for m in plain],
             "add_generation_prompt": add_generation_prompt, "bos_token": tok.bos_token,
             "eos_token": tok.eos_token})
     except Exception as err:  # noqa: BLE001 - a template's raise_exception() or a rendering error
@@ -677,6 +678,30 @@ def _render_template(template: str, tok: Tokenizer, plain: list[dict[str, Any]],
 
 def _jinja_template(source: str) -> Any:
     return compiled_chat_template(source)
+
+
+def _with_parsed_arguments(message: dict[str, Any]) -> dict[str, Any]:
+    """``message`` as a chat template reads an assistant's tool calls: each call's
+    ``arguments`` (OpenAI's JSON text) parsed into its value, as transformers' templates expect
+    them and vLLM passes them (Llama 3.1 writes ``arguments | tojson``: given the text, it
+    wrote the arguments as one quoted string; Qwen3-Coder's ``arguments | items`` failed);
+    empty arguments are ``{}``; text that is no JSON stays as given."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    parsed = []
+    for call in calls:
+        fn = dict(call["function"])
+        text = fn.get("arguments")
+        if not text:
+            fn["arguments"] = {}
+        else:
+            try:
+                fn["arguments"] = json.loads(text)
+            except (ValueError, RecursionError):
+                pass  # the model's own text, written as it is
+        parsed.append({**call, "function": fn})
+    return {**message, "tool_calls": parsed}
 
 
 # ---- text, stop strings, logprobs -----------------------------------------------------------
