@@ -361,3 +361,27 @@ def test_a_chat_template_reads_an_assistant_s_call_arguments_as_their_value(tmp_
         call("f", '{"x":1,"y":"a"}'), call("g", ""), call("h", "not json")])
     text = render_chat([message], loaded, False)
     assert text == ('f={"x": 1, "y": "a"};[x:1][y:a]g={};h="not json";'), text
+
+
+def test_a_chat_template_gets_a_message_s_name(tmp_path):
+    """OpenAI's messages carry an optional ``name`` (the speaker's); vLLM hands it to the chat
+    template, which may write it (``<|im_start|>user name=alice``); it was dropped, so such
+    a template wrote every speaker alike. The plain template is unchanged."""
+    tokenizers = pytest.importorskip("tokenizers")
+    pytest.importorskip("jinja2")
+    from tokenizers import models, pre_tokenizers
+
+    from calexec.drivers.serving import hf_tokenizer
+    from calexec.drivers.serving.byte_tokenizer import ByteTokenizer
+    from calexec.drivers.serving.openai_api import ChatMessage, render_chat
+    tok = tokenizers.Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 5}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    template = ("{% for m in messages %}<{{ m.role }}{% if m.name %} name={{ m.name }}{% endif %}>"
+                "{{ m.content }}{% endfor %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    messages = [ChatMessage(role="user", content="hi", name="alice"),
+                ChatMessage(role="user", content="yo")]
+    text = render_chat(messages, hf_tokenizer.load(str(tmp_path)), False)
+    assert text == "<user name=alice>hi<user>yo", text
+    assert render_chat(messages, ByteTokenizer(), False) == "user: hi\nuser: yo\n"

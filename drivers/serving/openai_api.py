@@ -605,9 +605,13 @@ def message_text(message: ChatMessage, index: int) -> str:
 
 
 def _template_message(message: ChatMessage, index: int) -> dict[str, Any]:
-    """A message as the chat template reads it: role and content, an assistant's
-    ``tool_calls`` (checked: grammar.check_history_calls), a tool message's ``tool_call_id``."""
+    """A message as the chat template reads it: role and content, its ``name`` when given
+    (as vLLM passes it: a template may write the speaker's name; it was dropped), an
+    assistant's ``tool_calls`` (checked: grammar.check_history_calls), a tool message's
+    ``tool_call_id``."""
     entry: dict[str, Any] = {"role": message.role, "content": message_text(message, index)}
+    if message.name is not None:
+        entry["name"] = message.name
     if message.tool_calls:
         try:
             entry["tool_calls"] = grammar.check_history_calls(
