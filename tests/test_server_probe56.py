@@ -385,3 +385,32 @@ def test_a_chat_template_gets_a_message_s_name(tmp_path):
     text = render_chat(messages, hf_tokenizer.load(str(tmp_path)), False)
     assert text == "<user name=alice>hi<user>yo", text
     assert render_chat(messages, ByteTokenizer(), False) == "user: hi\nuser: yo\n"
+
+
+def test_continue_final_message_continues_a_template_that_trims_the_content(tmp_path):
+    """``continue_final_message`` cuts the rendered chat right after the final message's
+    content; a template that trims it (Llama 3.1's ``message['content'] | trim``) does not
+    write a prefix ending in a space (``"Sure, here is "``) as it is, and the request was
+    refused (400 ``continue_final_message``) where transformers, and so vLLM, cut after the
+    trimmed text. A content the template does not write at all is still refused."""
+    tokenizers = pytest.importorskip("tokenizers")
+    pytest.importorskip("jinja2")
+    from tokenizers import models, pre_tokenizers
+
+    from calexec.drivers.serving import hf_tokenizer
+    from calexec.drivers.serving.openai_api import ChatMessage, Refusal, render_chat
+    tok = tokenizers.Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 5}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    template = ("{% for m in messages %}<{{ m.role }}>{{ m.content | trim }}</s>"
+                "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    loaded = hf_tokenizer.load(str(tmp_path))
+    messages = [ChatMessage(role="user", content="hi"),
+                ChatMessage(role="assistant", content="Sure, here is ")]
+    text = render_chat(messages, loaded, False, None, True)
+    assert text == "<user>hi</s><assistant>Sure, here is", text
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": "{% for m in messages %}<{{ m.role }}>{% endfor %}"}))
+    with pytest.raises(Refusal):
+        render_chat(messages, hf_tokenizer.load(str(tmp_path)), False, None, True)

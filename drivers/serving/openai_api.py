@@ -659,6 +659,10 @@ def render_chat(messages: list[ChatMessage], tok: Tokenizer, add_generation_prom
     if continue_final:
         final = plain[-1]["content"]
         at = text.rfind(final) if final else -1
+        if at < 0 and final.strip():  # a template that trims the content (Llama 3.1's
+            # ``| trim``): cut after the trimmed text, as transformers does (it was refused)
+            final = final.strip()
+            at = text.rfind(final)
         if at < 0:
             raise Refusal(invalid("continue_final_message=true: the chat template does not "
                                   "write the final message's content as it is"),
