@@ -818,18 +818,20 @@ class DeviceLifecycle:
                                      **self._gctx())
             self.fail(status)
             return status
-        drained = self._drain(policy.drain_grace_s)
+        drained = self._drain(policy.drain_grace_s, interruptible=True)
         reset_done = False
         # A job still on the device after the drain grace needs the safe reset whatever the
         # cause of this recovery (§9.1: a model switch or a LIFECYCLE rebuild asks for none,
         # but a hung job would otherwise end it Failed).
-        if not drained and policy.reset_kind != "none":
+        if not drained and policy.reset_kind != "none" and not self.stopping:
             status = self._reset(policy.reset_kind)  # aborts what the device still holds
             if not status.ok:
                 self.fail(status)
                 return status
             reset_done = True
-            drained = self._drain(policy.drain_grace_s)
+            drained = self._drain(policy.drain_grace_s, interruptible=True)
+        if not drained and self.stopping:
+            return self._stopped_draining(reason, reset_done, record)
         if not drained:
             how = (f"after a device {policy.reset_kind}" if reset_done else
                    f"and no safe reset is configured (reset_kind={policy.reset_kind})")
@@ -942,6 +944,26 @@ class DeviceLifecycle:
             self.fail(status)
             return status
         return self._go_ready()
+
+    def _stopped_draining(self, reason: Status, reset_done: bool,
+                          record: _RecoveryProgress) -> Status:
+        """A shutdown interrupted this recovery in its drain of the old generation (its jobs
+        still on the device): the recovery stops there, Draining, with neither a reset nor
+        a teardown. The generation keeps its buffers, and the shutdown's own drain, within
+        what is left of its grace, takes the jobs over: Stopped and the generation released
+        once the device let go, else ``shutdown.not_drained`` with everything kept. (The
+        drain went on for ``drain_grace_s`` whatever the shutdown's grace, which then
+        answered ``shutdown.recovery_busy`` with nothing torn down.)"""
+        host = self._host
+        record["reset_kind"] = host.config.recovery.reset_kind if reset_done else None
+        on_device = len(host.completion)
+        log.info("recovery after %s stopped by the shutdown while it drained generation %s "
+                 "(%d jobs on the device)", reason.code, host.gen.id if host.gen else None,
+                 on_device)
+        return Status.unavailable(
+            Phase.RECOVERY, f"the recovery after {reason.code} was stopped by shutdown() while "
+            f"it drained generation {host.gen.id if host.gen else None} ({on_device} jobs "
+            "still on the device); the shutdown's drain takes them over", **self._gctx())
 
     def _retry_golden(self, status: Status, refused: list[str]) -> bool:
         """Whether a generation of a calbin that served, refused with ``status`` (after
@@ -1059,11 +1081,14 @@ class DeviceLifecycle:
             while host.dispatch.has_work() and host.submit_one():
                 pass
 
-    def _drain(self, grace: float, device_too: bool = True) -> bool:
+    def _drain(self, grace: float, device_too: bool = True,
+               interruptible: bool = False) -> bool:
         """Wait until every queued job was failed or submitted and every submitted job
         returned from Wait (or the grace ends: bounded). ``device_too`` False: wait only for
         the queued ones (the submitter fails them at once once cancelled), then answer
-        whether everything drained, never waiting for a job on the device."""
+        whether everything drained, never waiting for a job on the device.
+        ``interruptible``: a recovery's drain, which a shutdown's interrupt (``stopping``)
+        ends at once, undrained; the shutdown's own drain, within its grace, takes over."""
         host = self._host
         clock = host.clock
         deadline = clock.monotonic() + grace
@@ -1073,6 +1098,8 @@ class DeviceLifecycle:
                     pass
             if self.all_submitted_drained():
                 return True
+            if interruptible and self.stopping:
+                return False
             if not device_too:
                 queue = host.dispatch.snapshot()
                 if not (queue["queued"] or queue["armed"] or queue["handing_off"]):
@@ -1108,9 +1135,10 @@ class DeviceLifecycle:
         ``recover``/``switch_model``) ends first: it gets half of ``grace`` to finish on its own
         (a switch then goes live and shutdown ends Stopped); then admission (golden runs
         included) stops and queued jobs are cancelled, so it ends quickly (Failed, if it had
-        already torn the old generation down). Shutdown holds ``recovery_mu`` from then on,
-        so no recovery runs under its teardown (a later one finds the executor stopping and
-        does nothing). If it still runs after ``grace`` nothing is torn down and
+        already torn the old generation down; a recovery still draining the old generation
+        stops there, its jobs left to the shutdown's drain). Shutdown holds ``recovery_mu``
+        from then on, so no recovery runs under its teardown (a later one finds the executor
+        stopping and does nothing). If it still runs after ``grace`` nothing is torn down and
         ``shutdown.recovery_busy`` is returned. Another thread's shutdown in progress is waited
         for (bounded by ``grace``; else ``shutdown.in_progress``), then this call answers as
         one after it. A ``grace`` that is no finite number of
