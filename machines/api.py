@@ -150,7 +150,8 @@ class ExecutorSnapshot(TypedDict):
     slots: dict[str, int] | None  #: buffer slots per chart state (None before start)
     recoveries: int  #: recoveries and model switches so far
     #: controller recoveries dropped: asked for a generation that a model switch (or another
-    #: recovery) had replaced when their turn came (``DeviceLifecycle.run_pending_recovery``)
+    #: recovery) had replaced when their turn came (``DeviceLifecycle.run_pending_recovery``),
+    #: or asked for once ``shutdown`` began (``DeviceLifecycle.request_recovery``)
     recoveries_dropped: int
     golden: str | None  #: where the generation's golden came from: pinned|config|unpinned
     allow_unpinned_golden: bool

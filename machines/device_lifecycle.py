@@ -213,7 +213,8 @@ class DeviceLifecycle:
         #: (``mu``): that recovery resets the device before it tears the generation down
         self._reset_for: Status | None = None
         #: controller recoveries dropped: asked for a generation a model switch (or another
-        #: recovery) had already replaced when their turn came (``run_pending_recovery``)
+        #: recovery) had already replaced when their turn came (``run_pending_recovery``), or
+        #: asked for once a shutdown began (``request_recovery``)
         self.dropped_recoveries = 0
         self._recovery_thread: threading.Thread | None = None
         self.recoveries: list[RecoveryRecord] = []
@@ -670,6 +671,16 @@ class DeviceLifecycle:
                 self._reset_for = decision.status
             if self.run.state != LIFECYCLE_READY or self._asked():
                 return  # already draining/recovering: one recovery covers it
+            if self._shutdown_called:
+                # asked once a shutdown began (it waits for the recovery before it, still
+                # Ready): no recovery of a device about to be closed. Its thread took
+                # ``recovery_mu`` before the shutdown and ran a whole drain, reset and golden
+                # run (or, interrupted, a failed recovery), counted as a fault recovery
+                self.admitting = False
+                self.dropped_recoveries += 1
+                log.warning("recovery dropped: asked for once shutdown() began (%s -> %s)",
+                            decision.status, decision.action.value)
+                return
             # (one asked for a generation since replaced is superseded: its thread, waiting
             # for ``recovery_mu``, runs this one instead)
             superseded = self._pending_recovery is not None

@@ -8,13 +8,17 @@ condition; nothing asserts a duration.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import pytest
 
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
-from calexec.machines.faults import RecoveryPolicy
-from executor_harness import prefill, running_executor, until, write_calbin
+from calexec.drivers.calrt.runtime import CalRT
+from calexec.machines.clock import Clock
+from calexec.machines.executor import DeviceExecutor, ExecutorConfig
+from calexec.machines.faults import Action, Decision, RecoveryPolicy
+from executor_harness import MANIFEST, prefill, running_executor, until, write_calbin
 
 DEVICE_FAULT = Status.failure("device.ccu_exception", Category.DEVICE, Phase.RECOVERY,
                               "the test's reason")
@@ -79,3 +83,55 @@ def test_a_shutdown_ends_a_recovery_still_draining_the_old_generation_within_its
         until(lambda: handle.done and ex.snapshot()["completing"] == 0, 20, "the job ended")
         assert ex.shutdown(5.0) == ex.failure and ex.gen is None
         assert emu.counters() == {}, "the device was never closed"
+
+
+# ---- 2. a recovery asked for once a shutdown began ----------------------------------------------
+class JoinHookClock(Clock):
+    """The system clock, whose next ``join`` first runs ``hook`` (once) on the joining
+    thread: the shutdown's wait for the previous recovery thread, i.e. after the shutdown
+    began and before it holds ``recovery_mu`` or moved the lifecycle to Draining."""
+
+    __slots__ = ("hook",)
+
+    def __init__(self) -> None:
+        self.hook: Callable[[], None] | None = None
+
+    def join(self, thread: threading.Thread, timeout: float) -> bool:
+        hook, self.hook = self.hook, None
+        if hook is not None:
+            hook()
+        return super().join(thread, timeout)
+
+
+def test_a_recovery_asked_for_once_a_shutdown_began_is_dropped_not_run(calbin):
+    """A fault reported while a shutdown waits for the previous recovery thread (the
+    lifecycle still Ready): the controller's recovery was taken, its thread got
+    ``recovery_mu`` before the shutdown and ran a whole drain, reset and golden run of a
+    device about to be closed (or, interrupted, ended as a failed recovery), and its record
+    counted in ``calexec_recoveries_total``. A recovery asked for once the shutdown began is
+    now dropped, logged and counted (``recoveries_dropped``), as a stale one is."""
+    clock = JoinHookClock()
+    ex = DeviceExecutor(CalRT.load(), MANIFEST, ExecutorConfig(calbin_path=calbin),
+                        clock=clock)
+    assert ex.start().ok
+    try:
+        ex.life.request_recovery(Decision(Action.RESET_REBUILD, DEVICE_FAULT, "first"))
+        until(lambda: not ex.life.recovery_active and ex.state == "Ready", 30,
+              "the first recovery done")
+        assert len(ex.recoveries) == 1 and ex.recoveries[0]["ok"], ex.recoveries
+
+        def fault_now() -> None:
+            assert ex.state == "Ready"
+            ex.life.request_recovery(Decision(Action.RESET_REBUILD, DEVICE_FAULT, "second"))
+            # (the old code: its thread takes ``recovery_mu`` and moves the lifecycle)
+            until(lambda: ex.state == "Draining" or not ex.life.recovery_active, 20,
+                  "the second recovery taken or dropped")
+
+        clock.hook = fault_now
+        status = ex.shutdown(5.0)
+        assert clock.hook is None, "the shutdown never waited for the first recovery thread"
+        assert status.ok and ex.state == "Stopped", (status, ex.state)
+        assert len(ex.recoveries) == 1, ex.recoveries
+        assert ex.snapshot()["recoveries_dropped"] == 1
+    finally:
+        ex.shutdown(5.0)

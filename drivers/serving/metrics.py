@@ -115,7 +115,8 @@ class _ExecutorCollector(Collector):
         yield recoveries
         dropped = CounterMetricFamily("calexec_recoveries_dropped",
                                       "Fault recoveries dropped unrun: asked for a generation a "
-                                      "model switch had replaced when their turn came.")
+                                      "model switch had replaced when their turn came, or once "
+                                      "the shutdown began.")
         dropped.add_metric([], snap.get("recoveries_dropped", 0))
         yield dropped
         switches = CounterMetricFamily("calexec_model_switches",
