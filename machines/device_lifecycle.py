@@ -1016,20 +1016,26 @@ class DeviceLifecycle:
         # its queued jobs to be failed, and does not reset: the job is left to the device and
         # the generation kept, the shutdown's own drain (next, within what is left of its
         # grace) releases it once the device let go; a drain of ``drain_grace_s`` here made
-        # the shutdown answer start_busy
+        # the shutdown answer start_busy. A shutdown that interrupts a recovery in this drain
+        # ends it the same way, and no reset follows (the drain went on for
+        # ``drain_grace_s``, and the shutdown answered recovery_busy)
         interrupted = self.stopping
-        drained = fenced and self._drain(policy.drain_grace_s, device_too=not interrupted)
-        if fenced and not drained and policy.reset_kind != "none" and not interrupted:
+        drained = fenced and self._drain(policy.drain_grace_s, device_too=not interrupted,
+                                         interruptible=True)
+        if fenced and not drained and policy.reset_kind != "none" and not self.stopping:
             reset = self._reset(policy.reset_kind)
-            drained = reset.ok and self._drain(policy.drain_grace_s)
+            drained = reset.ok and self._drain(policy.drain_grace_s, interruptible=True)
         host.gen = None
         if not drained:
             self._retire(gen)  # kept, never released: the device may still use it
+            how = ("shutdown() stopped its drain; its buffers stay mapped until the device "
+                   "lets go" if self.stopping else
+                   f"no reset freed it (reset_kind={policy.reset_kind}); its buffers stay "
+                   "mapped; the process should exit for its supervisor (§9.1)")
             return Status.failure(
                 "recovery.generation_on_device", Category.DEVICE, Phase.RECOVERY,
                 f"generation {gen.id} was refused while a job of it is still on the device "
-                f"and no reset freed it (reset_kind={policy.reset_kind}); its buffers stay "
-                "mapped; the process should exit for its supervisor (§9.1)", generation=gen.id)
+                f"and {how}", generation=gen.id)
         status = gen.release(host.device)
         self._retire(gen)
         return status

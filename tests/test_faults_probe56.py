@@ -135,3 +135,38 @@ def test_a_recovery_asked_for_once_a_shutdown_began_is_dropped_not_run(calbin):
         assert ex.snapshot()["recoveries_dropped"] == 1
     finally:
         ex.shutdown(5.0)
+
+
+# ---- 3. a shutdown cuts a refused generation's drain short --------------------------------------
+def test_a_shutdown_ends_a_recovery_draining_its_refused_generation_within_its_grace(calbin):
+    """A recovery whose golden job the device holds past ``golden_timeout_s`` (0.05 s) refuses
+    generation 2 and drains it before the retry, ``drain_grace_s`` 30; a ``shutdown(2.0)``
+    then interrupted the recovery, but that drain went on (the interrupt was checked only
+    as it began), so the shutdown answered ``shutdown.recovery_busy`` with nothing torn
+    down. The interrupt now ends it: the generation is kept with its buffers (its job is on
+    the device), the lifecycle ends Failed, and the shutdown answers within its grace."""
+    with running_executor(calbin, golden_timeout_s=0.05, execution_timeout_s=60.0,
+                          timeout_grace_s=60.0,
+                          recovery=RecoveryPolicy(drain_grace_s=30.0)) as ex:
+        emu = ex.device.emu
+        assert emu.set_stepped(True) == 0  # the device finishes nothing from now
+        try:
+            thread, out = recover_in_thread(ex, reset=False)
+            until(lambda: ex.state == "Warming" and ex.gen is not None and ex.gen.id == 2
+                  and ex.gen.closing and on_device(ex, 1), 20,
+                  "generation 2 refused and fenced, its golden job on the device")
+            status = ex.shutdown(2.0)
+            assert status.code != "shutdown.recovery_busy", status
+            assert ex.state == "Failed" and status == ex.failure, (status, ex.state)
+            thread.join(30)
+            assert out and out[0] == ex.failure, out
+            assert out[0].code == "recovery.generation_on_device", out[0]
+            assert "shutdown() stopped its drain" in out[0].message, out[0]
+            kept = [gen for gen in ex.life.retired if gen.id == 2]
+            assert kept and not kept[0].released, "generation 2 released with its job on it"
+        finally:
+            emu.set_stepped(False)  # the device lets go: a later shutdown tears it down
+        until(lambda: ex.snapshot()["completing"] == 0, 20, "the golden job ended, late")
+        assert ex.shutdown(5.0) == ex.failure and ex.gen is None
+        assert not ex.life.retired or all(gen.released for gen in ex.life.retired)
+        assert emu.counters() == {}, "the device was never closed"
