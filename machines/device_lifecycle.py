@@ -210,7 +210,9 @@ class DeviceLifecycle:
         self._claimed: Decision | None = None
         #: a fault calling for a reset (§8 DEVICE, UNKNOWN, INTERNAL) met while a recovery
         #: that asked for none (a model switch, a LIFECYCLE rebuild) is pending or drains
-        #: (``mu``): that recovery resets the device before it tears the generation down
+        #: (``mu``): that recovery resets the device before it tears the generation down;
+        #: and one met by a golden job of a recovery's new generation (Configuring, Warming):
+        #: the device is reset before the next generation (``_release_failed_generation``)
         self._reset_for: Status | None = None
         #: controller recoveries dropped: asked for a generation a model switch (or another
         #: recovery) had already replaced when their turn came (``run_pending_recovery``), or
@@ -664,10 +666,14 @@ class DeviceLifecycle:
         with self.mu:
             if (decision.action is Action.RESET_REBUILD and not self.stopping and (
                     self._asked() or self.run.state in (LIFECYCLE_DRAINING,
-                                                        LIFECYCLE_RECOVERING))):
+                                                        LIFECYCLE_RECOVERING)
+                    or (self._recovery_owner is not None
+                        and self.run.state in (LIFECYCLE_CONFIGURING, LIFECYCLE_WARMING)))):
                 # the recovery asked for or under way covers it, with the reset it calls for
                 # (a model switch, or a rebuild asked for a LIFECYCLE fault, went on without
-                # one: the next generation on a device never reset)
+                # one: the next generation on a device never reset); a fault of a golden job
+                # refuses that generation, and the device is reset before the next one
+                # (``_release_failed_generation``: it was configured on a device never reset)
                 self._reset_for = decision.status
             if self.run.state != LIFECYCLE_READY or self._asked():
                 return  # already draining/recovering: one recovery covers it
@@ -900,7 +906,7 @@ class DeviceLifecycle:
         refused: list[str] = []
         while not status.ok and not self.stopping and self.run.can(LIFECYCLE_EV_ROLL_BACK):
             refused.append(status.code)
-            released = self._release_failed_generation()
+            released = self._release_failed_generation(record)
             if not released.ok:  # its job still runs on the device: §9.1, never torn down
                 record["refused"] = refused
                 self.fail(released)
@@ -998,12 +1004,16 @@ class DeviceLifecycle:
         status = self._advance(LIFECYCLE_EV_CONFIGURED)
         return self.warm_up() if status.ok else status
 
-    def _release_failed_generation(self) -> Status:
+    def _release_failed_generation(self, record: _RecoveryProgress | None = None) -> Status:
         """Tear down a generation refused while Configuring/Warming, or at a failed start,
         only once the runtime let go of it (§9.1): its golden jobs may still be on the
         device, so fence, drain, and reset if they do not finish. A job still on the device
         after that keeps the generation alive (buffers mapped, KvManager kept): the Status
-        says so and the caller ends Failed for the supervisor instead of rolling back."""
+        says so and the caller ends Failed for the supervisor instead of rolling back. A
+        fault of its golden run that calls for a reset (``_reset_for``: a CCU exception, a
+        NaN row) gets it before the generation is torn down and the next one configured
+        (with ``reset_kind=none``: ``recovery.no_safe_reset``, as in ``_recover``); a reset
+        made here is noted in ``record``."""
         host = self._host
         gen = host.gen
         if gen is None:
@@ -1022,9 +1032,23 @@ class DeviceLifecycle:
         interrupted = self.stopping
         drained = fenced and self._drain(policy.drain_grace_s, device_too=not interrupted,
                                          interruptible=True)
-        if fenced and not drained and policy.reset_kind != "none" and not self.stopping:
+        with self.mu:
+            met, self._reset_for = self._reset_for, None
+        reset = Status.OK
+        if fenced and not self.stopping and policy.reset_kind != "none" and (
+                not drained or met is not None):
+            if drained:
+                log.warning("%s met by generation %d's golden run: the device is reset before "
+                            "the next generation", met, gen.id)
             reset = self._reset(policy.reset_kind)
+            if record is not None:
+                record["reset_kind"] = policy.reset_kind
             drained = reset.ok and self._drain(policy.drain_grace_s, interruptible=True)
+        elif drained and met is not None and not self.stopping:
+            reset = Status.failure("recovery.no_safe_reset", Category.DEVICE, Phase.RECOVERY,
+                                   f"{met.code} met by generation {gen.id}'s golden run needs "
+                                   "a device reset and reset_kind=none; the process should "
+                                   "exit for its supervisor", generation=gen.id)
         host.gen = None
         if not drained:
             self._retire(gen)  # kept, never released: the device may still use it
@@ -1038,7 +1062,7 @@ class DeviceLifecycle:
                 f"and {how}", generation=gen.id)
         status = gen.release(host.device)
         self._retire(gen)
-        return status
+        return reset if not reset.ok else status
 
     def _retire(self, gen: Generation) -> None:
         """Keep a retired generation's host storage until the device proves it writes none of

@@ -18,7 +18,7 @@ from calexec.drivers.calrt.runtime import CalRT
 from calexec.machines.clock import Clock
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 from calexec.machines.faults import Action, Decision, RecoveryPolicy
-from executor_harness import MANIFEST, prefill, running_executor, until, write_calbin
+from executor_harness import MANIFEST, arm, prefill, running_executor, until, write_calbin
 
 DEVICE_FAULT = Status.failure("device.ccu_exception", Category.DEVICE, Phase.RECOVERY,
                               "the test's reason")
@@ -170,3 +170,44 @@ def test_a_shutdown_ends_a_recovery_draining_its_refused_generation_within_its_g
         assert ex.shutdown(5.0) == ex.failure and ex.gen is None
         assert not ex.life.retired or all(gen.released for gen in ex.life.retired)
         assert emu.counters() == {}, "the device was never closed"
+
+
+# ---- 4. a device fault of a golden job during a switch or recovery gets its reset ---------------
+@pytest.mark.parametrize("switch", [True, False])
+def test_a_device_fault_of_a_golden_job_resets_the_device_before_the_next_generation(calbin,
+                                                                                     switch):
+    """A model switch (reset asked for: none) or a recovery (its reset made before the new
+    generation) whose golden job ends with a CCU exception: the fault controller asked for
+    a reset and rebuild (§8 DEVICE), refused while the lifecycle was Warming, and the
+    generation was refused and the next one configured and served on a device never reset
+    after the fault (the switch's record: ``reset_kind`` None). The device is now reset
+    before the next generation, and the record says so."""
+    with running_executor(calbin) as ex:
+        emu = ex.device.emu
+        resets = emu.counters()["resets_full"]
+        arm(ex, "CCU_EXCEPTION")  # the next job accepted: generation 2's golden prefill
+        status = ex.switch_model(calbin) if switch else ex.recover(DEVICE_FAULT)
+        assert status.ok and ex.state == "Ready" and ex.gen.id == 3, (status, ex.state)
+        record = ex.recoveries[-1]
+        assert record["refused"] == ["device.ccu_exception"], record
+        assert record["reset_kind"] == "reset", record
+        counters = emu.counters()
+        assert counters["ccu_exceptions"] == 1, counters
+        # the recovery's own reset (before generation 2) and the one the golden's fault
+        # calls for (before generation 3)
+        assert counters["resets_full"] - resets == (1 if switch else 2), counters
+        assert [d.action for d in ex.faults.decisions] == [Action.RESET_REBUILD]
+
+
+def test_a_device_fault_of_a_golden_job_without_a_safe_reset_ends_failed(calbin):
+    """The same with ``reset_kind=none``: the device cannot be reset safely, so the switch
+    ends Failed (``recovery.no_safe_reset``, as a device fault met in its drain does) rather
+    than serving the next generation on a device never reset after the fault."""
+    with running_executor(calbin, recovery=RecoveryPolicy(reset_kind="none")) as ex:
+        arm(ex, "CCU_EXCEPTION")
+        status = ex.switch_model(calbin)
+        assert status.code == "recovery.no_safe_reset", status
+        assert "device.ccu_exception" in status.message and "reset_kind=none" in status.message
+        assert ex.state == "Failed" and ex.failure == status
+        assert ex.shutdown(5.0) == status and ex.device is not None
+        assert ex.device.emu.counters() == {}, "the device was never closed"
