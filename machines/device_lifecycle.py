@@ -692,6 +692,11 @@ class DeviceLifecycle:
             superseded = self._pending_recovery is not None
             self._pending_recovery = decision
             self._pending_gen = self._host.gen.id if self._host.gen is not None else None
+            if decision.action is Action.RESET_REBUILD:
+                # a model switch that takes the recovery lock first replaces this recovery
+                # (dropped, stale, when its turn comes): it makes its reset. It drained and
+                # rebuilt without one, and the device was never reset after the fault
+                self._reset_for = decision.status
             self.admitting = False  # stop admission at once (§8 Device row)
         if self._host.config.threads and not superseded:
             self._recovery_thread = self._host.clock.start_thread(self._supervised_recovery,

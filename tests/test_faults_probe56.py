@@ -18,7 +18,15 @@ from calexec.drivers.calrt.runtime import CalRT
 from calexec.machines.clock import Clock
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 from calexec.machines.faults import Action, Decision, RecoveryPolicy
-from executor_harness import MANIFEST, arm, prefill, running_executor, until, write_calbin
+from executor_harness import (
+    MANIFEST,
+    arm,
+    make_executor,
+    prefill,
+    running_executor,
+    until,
+    write_calbin,
+)
 
 DEVICE_FAULT = Status.failure("device.ccu_exception", Category.DEVICE, Phase.RECOVERY,
                               "the test's reason")
@@ -211,3 +219,44 @@ def test_a_device_fault_of_a_golden_job_without_a_safe_reset_ends_failed(calbin)
         assert ex.state == "Failed" and ex.failure == status
         assert ex.shutdown(5.0) == status and ex.device is not None
         assert ex.device.emu.counters() == {}, "the device was never closed"
+
+
+# ---- 5. a model switch that takes a pending device-fault recovery's turn -----------------------
+def test_a_switch_that_replaces_a_pending_device_fault_recovery_makes_its_reset(calbin):
+    """A CCU exception of generation 1 (§8 DEVICE: reset and rebuild) left a recovery
+    pending, and a ``switch_model`` took the recovery lock first (stepped mode: that order
+    every time). The switch drained and rebuilt without a reset (it asks for none) and the
+    pending recovery, stale, was dropped: the device was never reset after the fault. The
+    switch now makes the reset the recovery it replaces called for."""
+    ex = make_executor(calbin, threads=False)
+    try:
+        resets = ex.device.emu.counters()["resets_full"]
+        ex.faults.report(Status.failure("device.ccu_exception", Category.DEVICE, Phase.STATUS,
+                                        "a fault of generation 1", generation=1))
+        assert ex.life.recovery_pending and ex.faults.last().action is Action.RESET_REBUILD
+        assert ex.switch_model(calbin).ok and ex.gen.id == 2
+        record = ex.recoveries[-1]
+        assert record["reason"] == "lifecycle.model_switch", record
+        assert record["reset_kind"] == "reset", record
+        assert ex.device.emu.counters()["resets_full"] == resets + 1
+        assert ex.life.run_pending_recovery() is None  # covered by the switch: dropped
+        assert ex.gen.id == 2 and ex.life.dropped_recoveries == 1 and ex.state == "Ready"
+    finally:
+        ex.shutdown(5.0)
+
+
+def test_a_switch_that_replaces_a_pending_rebuild_without_reset_makes_none(calbin):
+    """The same with a LIFECYCLE fault pending (§8: drain and rebuild, no reset): the
+    switch still resets nothing."""
+    ex = make_executor(calbin, threads=False)
+    try:
+        resets = ex.device.emu.counters()["resets_full"]
+        ex.faults.report(Status.failure("calrt.configure_failed", Category.LIFECYCLE,
+                                        Phase.STATUS, "a lifecycle fault", generation=1))
+        assert ex.life.recovery_pending and ex.faults.last().action is Action.REBUILD
+        assert ex.switch_model(calbin).ok and ex.gen.id == 2
+        assert ex.recoveries[-1]["reset_kind"] is None, ex.recoveries[-1]
+        assert ex.device.emu.counters()["resets_full"] == resets
+        assert ex.life.run_pending_recovery() is None and ex.life.dropped_recoveries == 1
+    finally:
+        ex.shutdown(5.0)
