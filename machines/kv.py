@@ -278,8 +278,10 @@ class KvCoordinator:
             if view.unknown_reason is not None:
                 return Status.failure(
                     "kv.sequence_unknown", Category.UNAVAILABLE, Phase.ADMISSION,
-                    f"sequence {seq_id} is Unknown after '{view.unknown_reason}'; reset it "
-                    "before reuse", **ctx)
+                    f"sequence {seq_id} is Unknown after '{view.unknown_reason}' (a job of it "
+                    "failed after submit: its KV on the device is not known); "
+                    f"release_sequence({seq_id}) resets it, then prefill it again from "
+                    "past_len=0; until then every request on it is refused so", **ctx)
             if view.open_txn is not None or view.next_txn is not None:
                 return Status.failure(
                     "kv.sequence_busy", Category.INVALID_REQUEST, Phase.ADMISSION,

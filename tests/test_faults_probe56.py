@@ -17,10 +17,12 @@ from calexec.contracts.status import Phase, Status
 from calexec.drivers.calrt.runtime import CalRT
 from calexec.machines.clock import Clock
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
-from calexec.machines.faults import Action, Decision, RecoveryPolicy
+from calexec.machines.faults import Action, Decision, RecordingFaultSink, RecoveryPolicy
 from executor_harness import (
     MANIFEST,
     arm,
+    deadline,
+    decode,
     make_executor,
     prefill,
     running_executor,
@@ -260,3 +262,24 @@ def test_a_switch_that_replaces_a_pending_rebuild_without_reset_makes_none(calbi
         assert ex.life.run_pending_recovery() is None and ex.life.dropped_recoveries == 1
     finally:
         ex.shutdown(5.0)
+
+
+# ---- 6. an Unknown sequence's refusal names the call that resets it ----------------------------
+def test_a_request_on_an_unknown_sequence_names_release_sequence(calbin):
+    """A sequence whose decode failed after submit (a NaN row; no recovery: a passive fault
+    sink) is Unknown: every later request on it, a restart from ``past_len=0`` included,
+    answered ``kv.sequence_unknown`` "reset it before reuse", naming no call of the executor's
+    surface (an embedder retried a 503 that never clears). It names ``release_sequence``,
+    after which the sequence serves again."""
+    with running_executor(calbin, fault_sink=RecordingFaultSink()) as ex:
+        first = ex.enqueue(prefill(1, [1, 2, 3])).wait_until(deadline())
+        assert not isinstance(first, Status), first
+        arm(ex, "OUTPUT_NAN")
+        failed = ex.enqueue(decode(1, first.argmax, first.kv_len)).wait_until(deadline())
+        assert isinstance(failed, Status) and failed.code == "internal.output_not_finite"
+        again = ex.enqueue(prefill(1, [1, 2, 3])).wait_until(deadline())
+        assert isinstance(again, Status) and again.code == "kv.sequence_unknown", again
+        assert "release_sequence(1)" in again.message, again
+        assert ex.release_sequence(1, 1.0).ok
+        restarted = ex.enqueue(prefill(1, [1, 2, 3])).wait_until(deadline())
+        assert not isinstance(restarted, Status) and restarted.argmax == first.argmax, restarted
