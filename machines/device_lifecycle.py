@@ -984,8 +984,8 @@ class DeviceLifecycle:
                  on_device)
         return Status.unavailable(
             Phase.RECOVERY, f"the recovery after {reason.code} was stopped by shutdown() while "
-            f"it drained generation {host.gen.id if host.gen else None} ({on_device} jobs "
-            "still on the device); the shutdown's drain takes them over", **self._gctx())
+            f"it drained generation {host.gen.id if host.gen else None} (jobs still on the "
+            f"device: {on_device}); the shutdown's drain takes them over", **self._gctx())
 
     def _retry_golden(self, status: Status, refused: list[str]) -> bool:
         """Whether a generation of a calbin that served, refused with ``status`` (after
