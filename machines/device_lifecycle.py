@@ -798,10 +798,20 @@ class DeviceLifecycle:
     def _recover_held(self, reason: Status, reset: bool, calbin_path: str | None) -> Status:
         """``recover`` with ``recovery_mu`` held by this thread."""
         host = self._host
+        if self.stopping:  # shutdown ran first: nothing left to recover
+            return Status.unavailable(Phase.RECOVERY, "the executor is shutting down")
+        with self.mu:
+            state = self.run.state
+            if state != LIFECYCLE_READY:
+                # Failed, Stopped, or a start still warming up: nothing is done, so no
+                # recovery is recorded (it was, as a failed one, in ``recoveries`` and
+                # calexec_recoveries_total)
+                return Status.unavailable(Phase.RECOVERY, f"cannot recover from lifecycle "
+                                          f"{state}: nothing was done", **self._gctx())
+            self.run.send(LIFECYCLE_EV_DRAIN)
+            self._claimed = None  # under way as Draining from here
         self._recovery_owner = threading.get_ident()
         try:
-            if self.stopping:  # shutdown ran first: nothing left to recover
-                return Status.unavailable(Phase.RECOVERY, "the executor is shutting down")
             t0 = host.clock.monotonic()
             from_generation = host.gen.id if host.gen else None
             progress: _RecoveryProgress = {}
@@ -823,12 +833,7 @@ class DeviceLifecycle:
         host = self._host
         config = host.config
         policy = config.recovery
-        with self.mu:
-            if self.run.state != LIFECYCLE_READY:
-                return Status.unavailable(Phase.RECOVERY,
-                                          f"cannot recover from lifecycle {self.run.state}")
-            self.run.send(LIFECYCLE_EV_DRAIN)
-            self._claimed = None  # under way as Draining from here
+        # (Ready -> Draining already, by ``_recover_held``)
         unavailable = Status.unavailable(Phase.RECOVERY,
                                          f"device recovering after {reason.code}; retry later")
         self._stop_admission(unavailable)

@@ -577,9 +577,12 @@ class DeviceExecutor(SequenceOwnership):
             job.gen, job.generation_id = gen, gen.id if gen is not None else 0
         if not (life.admitting or (internal and life.run.state == LIFECYCLE_WARMING)) \
                 or life.stopping or gen is None:
+            # (a shutdown stops admission with the lifecycle still Ready or Draining: named,
+            # so a caller does not retry a device that only drains)
+            why = ("the executor is shutting down (shutdown() called)" if life.stopping
+                   else f"device lifecycle is {life.run.state}")
             return self.outcomes.fail_early(job, Status.unavailable(
-                Phase.ADMISSION, f"device lifecycle is {life.run.state}; not admitting",
-                **job.ctx()))
+                Phase.ADMISSION, f"{why}; not admitting", **job.ctx()))
         generation = gen.contracts
         status = check_request(request, generation)
         if status.ok:
