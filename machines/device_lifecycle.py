@@ -1010,6 +1010,14 @@ class DeviceLifecycle:
         status = self._open(calbin_path)
         if not status.ok:
             self._host.gen = None
+            if status.category is Category.DEVICE and self._recovery_owner is not None:
+                # a recovery's configure refused by the device itself (§8: 24 map broken, 18
+                # unavailable: reset, restart or escalate): the device is reset before the
+                # next generation (``_release_failed_generation``); no fault controller hears
+                # of it (no job), and the roll-back configured the next one on a device never
+                # reset
+                with self.mu:
+                    self._reset_for = self._reset_for or status
             return status
         status = self._advance(LIFECYCLE_EV_CONFIGURED)
         return self.warm_up() if status.ok else status
@@ -1026,9 +1034,9 @@ class DeviceLifecycle:
         made here is noted in ``record``."""
         host = self._host
         gen = host.gen
-        if gen is None:
-            return Status.OK
         policy = host.config.recovery
+        if gen is None:  # its configure failed: nothing to tear down; a reset it called for
+            return self._reset_after_refused_open(record)
         self._stop_admission(Status.unavailable(Phase.RECOVERY,
                                                 f"generation {gen.id} refused; retry later"))
         fenced = self._fence(gen, host.config.fence_grace_s)
@@ -1073,6 +1081,28 @@ class DeviceLifecycle:
         status = gen.release(host.device)
         self._retire(gen)
         return reset if not reset.ok else status
+
+    def _reset_after_refused_open(self, record: _RecoveryProgress | None) -> Status:
+        """A generation whose configure the device refused (``_configure_and_warm``: a
+        DEVICE failure such as ``calrt.map_failed``, rc 24) has nothing to tear down, but
+        the device gets the reset §8 calls for before the next generation is configured
+        (``reset_kind=none``: ``recovery.no_safe_reset``, as for a fault of a golden job)."""
+        with self.mu:
+            met, self._reset_for = self._reset_for, None
+        if met is None or self.stopping:
+            return Status.OK
+        policy = self._host.config.recovery
+        if policy.reset_kind == "none":
+            return Status.failure("recovery.no_safe_reset", Category.DEVICE, Phase.RECOVERY,
+                                  f"{met.code} met while configuring a generation needs a "
+                                  "device reset and reset_kind=none; the process should exit "
+                                  "for its supervisor", **self._gctx())
+        log.warning("%s met while configuring a generation: the device is reset before the "
+                    "next one", met)
+        status = self._reset(policy.reset_kind)
+        if status.ok and record is not None:
+            record["reset_kind"] = policy.reset_kind
+        return status
 
     def _retire(self, gen: Generation) -> None:
         """Keep a retired generation's host storage until the device proves it writes none of

@@ -12,7 +12,17 @@ import pytest
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
 from calexec.drivers.synthetic import calbin as cb
-from executor_harness import SEED, deadline, prefill, running_executor, until, write_calbin
+from calexec.machines.faults import RecoveryPolicy
+from executor_harness import (
+    SEED,
+    arm,
+    deadline,
+    fired,
+    prefill,
+    running_executor,
+    until,
+    write_calbin,
+)
 from test_concurrency_defects import PROMPT, recovery_held_in_warming
 
 
@@ -86,3 +96,39 @@ def test_a_request_a_shutdown_releases_from_the_wait_for_ready_is_told_it_shuts_
             release.set()
             recovery.join(10)
             shutdown.join(20)
+
+
+@pytest.mark.parametrize("switch", [True, False])
+def test_a_configure_the_device_refuses_resets_it_before_the_next_generation(calbins, switch):
+    """§8: rc 24 (map broken) is a DEVICE failure: quarantine, reset, restart or escalate.
+    A model switch or recovery whose new generation's configure met it (the emulator's
+    ``MAP_FAIL``) rolled on to configure the next generation on a device never reset: no job
+    failed, so no fault controller heard of it (the record: ``reset_kind`` None). The device
+    is now reset before the next generation."""
+    with running_executor(calbins["main"]) as ex:
+        emu = ex.device.emu
+        resets = emu.counters()["resets_full"]
+        arm(ex, "MAP_FAIL")  # the next buffer map: generation 2's configure
+        status = (ex.switch_model(calbins["main"]) if switch else ex.recover(Status.failure(
+            "device.ccu_exception", Category.DEVICE, Phase.RECOVERY, "the test's")))
+        assert status.ok and ex.state == "Ready" and ex.gen.id == 3, (status, ex.state)
+        record = ex.recoveries[-1]
+        assert record["refused"] == ["calrt.map_failed"], record
+        assert record["reset_kind"] == "reset", record
+        assert fired(ex, "MAP_FAIL") == 1
+        # the recovery's own reset (before generation 2), and the one the refused configure
+        # calls for (before generation 3)
+        assert emu.counters()["resets_full"] - resets == (1 if switch else 2)
+
+
+def test_a_configure_the_device_refuses_without_a_safe_reset_ends_failed(calbins):
+    """The same with ``reset_kind=none``: Failed, ``recovery.no_safe_reset``, as for a device
+    fault of a golden job, never the next generation on a device that was not reset."""
+    with running_executor(calbins["main"], recovery=RecoveryPolicy(reset_kind="none")) as ex:
+        arm(ex, "MAP_FAIL")
+        status = ex.switch_model(calbins["main"])
+        assert status.code == "recovery.no_safe_reset", status
+        assert "calrt.map_failed" in status.message and "reset_kind=none" in status.message
+        assert ex.state == "Failed" and ex.failure == status
+        assert ex.shutdown(5.0) == status
+        assert ex.device.emu.counters() == {}, "the device was never closed"
