@@ -53,6 +53,7 @@ from calexec.drivers.serving import byte_tokenizer, hf_tokenizer
 from calexec.drivers.serving.dumpsink import DumpConfigError, DumpSink
 from calexec.drivers.serving.executor_view import served
 from calexec.drivers.serving.process import (
+    MAX_SWITCH_INTERVAL_US,
     SERVING_SWITCH_INTERVAL_US,
     raise_open_file_limit,
     set_gil_switch_interval_us,
@@ -138,10 +139,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="dump size cap in bytes")
     p.add_argument("--dump-prompts", action="store_true",
                    help="also dump prompt and completion content (off by default)")
-    p.add_argument("--gil-switch-us", type=cliargs.non_negative_int,
+    p.add_argument("--gil-switch-us", type=cliargs.int_in(0, MAX_SWITCH_INTERVAL_US),
                    default=SERVING_SWITCH_INTERVAL_US,
-                   help="GIL switch interval in microseconds (0 keeps Python's 5000): shorter "
-                        "hand-offs between the executor's threads, see drivers/serving/process.py")
+                   help="GIL switch interval in microseconds, at most "
+                        f"{MAX_SWITCH_INTERVAL_US} (0 keeps Python's 5000): shorter hand-offs "
+                        "between the executor's threads, see drivers/serving/process.py")
     p.add_argument("--native-relay", action="store_true",
                    help="the executor's submitter waits in the native relay and infers the "
                         "steps fired for it from C (ExecutorConfig.native_relay; off by "

@@ -81,7 +81,11 @@ from calexec.drivers.fleet.edge import ReplicaEdge, serve_relayed
 from calexec.drivers.fleet.ingress import CAUSES, FailoverSettings, FleetIngress
 from calexec.drivers.serving.executor_view import served
 from calexec.drivers.serving.handoff import PROGRESS_TYPE
-from calexec.drivers.serving.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
+from calexec.drivers.serving.process import (
+    MAX_SWITCH_INTERVAL_US,
+    SERVING_SWITCH_INTERVAL_US,
+    set_gil_switch_interval_us,
+)
 from calexec.drivers.serving.server import ServerConfig, create_app
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 
@@ -140,7 +144,8 @@ class ReplicaSettings:
     metrics_period_s: float = attrs.field(default=1.0, validator=attrs.validators.gt(0))
     #: GIL switch interval of the replica process in us (0: Python's default; drivers/serving/process.py)
     gil_switch_us: int = attrs.field(default=SERVING_SWITCH_INTERVAL_US,
-                                     validator=attrs.validators.ge(0))
+                                     validator=[attrs.validators.ge(0),
+                                                attrs.validators.le(MAX_SWITCH_INTERVAL_US)])
     #: ``ExecutorConfig.native_relay`` of every replica's executor (``serve --native-relay``)
     native_relay: bool = False
 

@@ -33,15 +33,21 @@ except ImportError:  # not POSIX: no RLIMIT_NOFILE to raise
 
 #: the interval serving entry points use, in microseconds (Python's default is 5000).
 SERVING_SWITCH_INTERVAL_US = 500
+#: the longest interval taken, in microseconds (1 s, 200 x Python's default): longer lets a
+#: thread running Python keep the GIL for seconds while the executor's hand-offs and the event
+#: loop wait, and CPython stores the interval as an unsigned long of microseconds, so a value
+#: past it (``1e21``) silently wrapped to 0 (a switch at every check)
+MAX_SWITCH_INTERVAL_US = 1_000_000
 
 
 def set_gil_switch_interval_us(interval_us: int) -> int:
     """Set the GIL switch interval; 0 leaves it unchanged. Returns the interval in force
-    before, in microseconds. Raises ``ValueError`` naming the value if it is negative."""
+    before, in microseconds. Raises ``ValueError`` naming the value if it is negative or
+    above :data:`MAX_SWITCH_INTERVAL_US`."""
     previous = round(sys.getswitchinterval() * 1e6)
-    if interval_us < 0:
-        raise ValueError(f"gil switch interval={interval_us} us: must be >= 0 (0 keeps "
-                         f"Python's {previous} us)")
+    if not 0 <= interval_us <= MAX_SWITCH_INTERVAL_US:
+        raise ValueError(f"gil switch interval={interval_us} us: must be in "
+                         f"0..{MAX_SWITCH_INTERVAL_US} us (0 keeps Python's {previous} us)")
     if interval_us:
         sys.setswitchinterval(interval_us / 1e6)
     return previous

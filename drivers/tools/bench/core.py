@@ -86,7 +86,11 @@ from calexec.drivers.calrt.runtime import CalRT, bundled_emulator
 from calexec.drivers.device_spec import DeviceSpec
 from calexec.drivers.direct import DirectRunner, DriverError
 from calexec.drivers.native.fused_logits import FusedLogits
-from calexec.drivers.serving.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
+from calexec.drivers.serving.process import (
+    MAX_SWITCH_INTERVAL_US,
+    SERVING_SWITCH_INTERVAL_US,
+    set_gil_switch_interval_us,
+)
 from calexec.drivers.synthetic import calbin as calbin_fmt
 from calexec.drivers.tools.bench import pyfloor, relayfloor
 from calexec.drivers.tools.bench.floor import FloorError, FloorLoop, build_floor
@@ -1349,7 +1353,8 @@ def main(argv: list[str]) -> int:
                                  f"{','.join(map(str, DEFAULT_PROFILES_US))})")
         parser.add_argument("--runs", type=cliargs.positive_int, default=6,
                             help="blocks per side and phase, order rotated (default 6)")
-        parser.add_argument("--gil-switch-us", type=int, default=SERVING_SWITCH_INTERVAL_US,
+        parser.add_argument("--gil-switch-us", type=cliargs.int_in(0, MAX_SWITCH_INTERVAL_US),
+                            default=SERVING_SWITCH_INTERVAL_US,
                             help="GIL switch interval for the run (us; 0 keeps Python's 5000; "
                                  "default: what calexec serve uses)")
         parser.add_argument("--zero-tokens", type=cliargs.positive_int, default=300,
@@ -1402,8 +1407,6 @@ def main(argv: list[str]) -> int:
             limit = calbin_fmt.MAX_SEQ - PROMPT_LEN
             if max(args.tokens or 0, args.zero_tokens) > limit:
                 parser.error(f"--tokens/--zero-tokens must be <= {limit}")
-            if args.gil_switch_us < 0:
-                parser.error(f"--gil-switch-us={args.gil_switch_us}: must be >= 0")
             try:
                 profiles_us = decode_profiles(args.decode_us)
             except ValueError as exc:

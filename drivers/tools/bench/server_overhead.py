@@ -78,7 +78,11 @@ from calexec.contracts.status import Status
 from calexec.contracts.types import TaskKind
 from calexec.drivers.device_spec import DeviceSpec
 from calexec.drivers.memory import pin_mmap_threshold
-from calexec.drivers.serving.process import SERVING_SWITCH_INTERVAL_US, set_gil_switch_interval_us
+from calexec.drivers.serving.process import (
+    MAX_SWITCH_INTERVAL_US,
+    SERVING_SWITCH_INTERVAL_US,
+    set_gil_switch_interval_us,
+)
 from calexec.drivers.tools.bench import threadcpu
 from calexec.drivers.tools.bench.api_floor import EngineSocket
 from calexec.drivers.tools.bench.core import cpu_model
@@ -629,7 +633,8 @@ def main(argv: list[str]) -> int:
                         help="interleaved rounds of the direct, server and server_stream "
                              "sides per level, fewer when a block would be short "
                              f"(default {DEFAULT_ROUNDS})")
-    parser.add_argument("--gil-switch-us", type=int, default=SERVING_SWITCH_INTERVAL_US,
+    parser.add_argument("--gil-switch-us", type=cliargs.int_in(0, MAX_SWITCH_INTERVAL_US),
+                        default=SERVING_SWITCH_INTERVAL_US,
                         help="GIL switch interval for the run (us; 0 keeps Python's 5000; "
                              "default: what calexec serve uses)")
     parser.add_argument("--native-relay", action="store_true",
@@ -639,8 +644,6 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv[2:])
     if args.decode_us < 0:
         parser.error(f"--decode-us={args.decode_us}: must be >= 0")
-    if args.gil_switch_us < 0:
-        parser.error(f"--gil-switch-us={args.gil_switch_us}: must be >= 0")
     device = cliargs.device_spec(args)
     # the process policy calexec serve applies at start (both sides run under it): the
     # server is measured as it is deployed
