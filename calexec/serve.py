@@ -60,6 +60,7 @@ from calexec.drivers.serving.process import (
 )
 from calexec.drivers.serving.server import DrainingServer, ServerConfig, create_app, uvicorn_config
 from calexec.drivers.serving.service import (
+    MAX_CHOICES,
     api_key_problem,
     cors_origin_problem,
     sequence_ids_problem,
@@ -118,9 +119,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-waiting", type=int, default=1024,
                    help="requests that may wait within their deadline for a sequence id or for "
                         "Ready during a recovery (0: refuse at once with 429/503)")
-    p.add_argument("--max-choices", type=cliargs.positive_int, default=16,
+    p.add_argument("--max-choices", type=cliargs.int_in(1, MAX_CHOICES), default=16,
                    help="choices one request may ask for: prompts x n (above it: 400 naming "
-                        "n or prompt); at most half the sequence ids run at once")
+                        f"n or prompt), 1..{MAX_CHOICES}; at most half the sequence ids run "
+                        "at once")
     p.add_argument("--max-body-bytes", type=cliargs.positive_int, default=1 << 20,
                    help="largest request body (above it: 413); raise it for batches of long "
                         "prompts (lm-eval's windows: 4 prompts of 40,000 token ids are "

@@ -167,6 +167,12 @@ def _model_name(instance: Any, attribute: Any, value: Any) -> None:
                          "no separator other than a space)")
 
 
+#: the largest ``ServerConfig.max_choices`` (``serve --max-choices``): the choices of one
+#: request are set up together, each an admission, a task and a held answer, before the
+#: first runs; OpenAI's own cap on ``n`` is 128
+MAX_CHOICES = 1024
+
+
 def _count(low: int) -> Callable[[Any, Any, Any], None]:
     """attrs validator of a count setting: an int >= ``low``, never a bool (``True`` was
     taken as 1 sequence) nor a float (2.5 worker threads)."""
@@ -272,8 +278,11 @@ class ServerConfig:
     #: answers are the same either way. 0: always pre-arm (while ``prearm``)
     prearm_min_device_ms: float = attrs.field(default=0.5, validator=_seconds(positive=False))
     #: choices one request may ask for: prompts x ``n`` (completions; chat: ``n``); above it
-    #: the request is refused with a 400 naming ``n`` (or ``prompt``) and this cap
-    max_choices: int = attrs.field(default=16, validator=_count(1))
+    #: the request is refused with a 400 naming ``n`` (or ``prompt``) and this cap. At most
+    #: :data:`MAX_CHOICES`: a request's choices are set up together (one admission, task and
+    #: answer each), so a cap of 10**11 let one request with a huge ``n`` take every byte
+    max_choices: int = attrs.field(default=16, validator=fields.number(1, MAX_CHOICES,
+                                                                       integral=True))
     #: greedy requests: the executor's completion thread fires each next decode step with the
     #: argmax itself (``decode_stream(greedy_ahead=True)``), so the device does not wait for
     #: the event loop; a request ended by a stop string costs at most one discarded step
