@@ -1340,8 +1340,17 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
+        """vLLM's ``POST /detokenize``. An id outside the served vocabulary is a 400 naming
+        it, as in a prompt (a ``--tokenizer``'s decode dropped it silently, the byte-level
+        tokenizer printed ``<id>``: the same ids read differently by tokenizer)."""
         try:
             body = await read(request, DetokenizeRequest)
+            n = vocab()
+            bad = next((i for i, t in enumerate(body.tokens) if n is not None and t >= n),
+                       None)
+            if bad is not None:
+                raise Refusal(invalid(f"tokens[{bad}]={body.tokens[bad]} outside the "
+                                      f"vocabulary [0, {n})"), "tokens")
         except Refusal as err:
             return answered(err)
         return JSONResponse({"prompt": service.tokenizer.decode(body.tokens)})
