@@ -3,15 +3,20 @@ hit before its fix."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import subprocess
 import sys
 
 import httpx
 import pytest
 
+from calexec.drivers.fleet.edge import serve_relayed
+from calexec.drivers.fleet.ingress import FailoverSettings, FleetIngress
 from calexec.drivers.serving import byte_tokenizer
+from calexec.drivers.serving.server import create_app
 from calexec.drivers.serving.service import MAX_CHOICES, ServerConfig
-from test_server_support import openai_server
+from test_server_support import openai_server, started_executor
 
 
 def test_serve_refuses_a_max_choices_past_its_bound_naming_flag_value_and_range():
@@ -65,3 +70,95 @@ def test_detokenize_refuses_an_id_outside_the_vocabulary_with_either_tokenizer(
         fine = httpx.post(f"{server.url}/detokenize", json={"tokens": good}, timeout=30)
         assert fine.status_code == 200
         assert fine.json()["prompt"] == ("hello" if with_tokenizer else "hi")
+
+
+# ---- the fleet ingress and a request of several choices --------------------------------------
+@pytest.fixture(scope="module")
+def replica_app(tmp_path_factory):
+    """One server app, every replica of the fleet (each call is a replica of its own)."""
+    executor = started_executor(tmp_path_factory.mktemp("fleet56"))
+    try:
+        yield create_app(executor, ServerConfig())
+    finally:
+        executor.shutdown(5.0)
+
+
+async def _dies_after(stream, chunks: int):
+    """``stream`` until ``chunks`` non-empty body chunks went out; then its process "dies"."""
+    sent = 0
+    try:
+        async for message in stream:
+            if message["type"] == "http.response.body" and message.get("body"):
+                if sent == chunks:
+                    raise RuntimeError("ActorDiedError: the replica's process died")
+                sent += 1
+            yield message
+    finally:
+        await stream.aclose()
+
+
+def _through_ingress(app, path: str, body: dict, die_after: int) -> tuple[bytes, list[dict]]:
+    """(what the client got, the calls the ingress made) of ``body`` through the fleet ingress,
+    its first replica dying after ``die_after`` body chunks."""
+    calls: list[dict] = []
+
+    def call(request):
+        calls.append(request)
+        stream = serve_relayed(app, request)
+        return _dies_after(stream, die_after) if len(calls) == 1 else stream
+
+    ingress = FleetIngress(call, FailoverSettings(backoff_s=0.001))
+    sent: list[dict] = []
+
+    async def go():
+        scope = {"type": "http", "method": "POST", "path": path, "query_string": b"",
+                 "headers": [(b"content-type", b"application/json")], "http_version": "1.1"}
+        given = asyncio.Event()
+
+        async def receive():
+            if not given.is_set():
+                given.set()
+                return {"type": "http.request", "body": json.dumps(body).encode(),
+                        "more_body": False}
+            await asyncio.Event().wait()  # the client stays
+
+        async def send(message):
+            sent.append(message)
+        await asyncio.wait_for(ingress(scope, receive, send), timeout=60)
+    asyncio.run(go())
+    assert sum(m["type"] == "http.response.start" for m in sent) == 1
+    return b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body"), calls
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 4, "n": 2}),
+    ("/v1/completions", {"prompt": [[1, 2], [3, 4]], "max_tokens": 4}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "max_tokens": 3, "n": 2}),
+], ids=["n2", "prompt-list", "chat-n2"])
+def test_a_started_stream_of_several_choices_is_not_run_again_on_a_sibling(replica_app, path,
+                                                                           body):
+    """A streamed request of several choices through the fleet ingress whose replica died
+    after a few chunks: the ingress continued it on a sibling with no resume state (such a
+    request reports none), the sibling ran it from its start, and the client got the first
+    chunks twice, the second time under another id, then two ``[DONE]``-less halves glued
+    into one stream with one ``[DONE]``. It ends now with the SSE error event saying why,
+    as on a single server; no sibling is called."""
+    content, calls = _through_ingress(replica_app, path, {**body, "stream": True}, 3)
+    events = [part for part in content.decode().split("\n\n") if part]
+    assert len(calls) == 1, [c.get("resume") for c in calls]
+    assert b"[DONE]" not in content
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events]
+    assert len({c["id"] for c in chunks[:-1]}) == 1 and len(chunks) == 4, events
+    error = chunks[-1]["error"]
+    assert "several choices" in error["message"] and error["code"] == "lifecycle.unavailable"
+
+
+def test_a_request_of_several_choices_that_sent_nothing_is_run_whole_on_a_sibling(replica_app):
+    """Before its first byte, a request of several choices fails over as any request: run
+    whole on the sibling, one answer."""
+    content, calls = _through_ingress(
+        replica_app, "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 4, "n": 2}, 0)
+    assert len(calls) == 2
+    answer = json.loads(content)
+    assert [c["index"] for c in answer["choices"]] == [0, 1]

@@ -25,6 +25,11 @@ the device replicas, each reached through a streaming call (``call(request)``: t
    token, the same id. A whole (non-streaming) answer is re-run on the sibling with the same
    seed: identical for greedy and seeded sampling. Routing avoids the replicas that failed
    this request (``request["avoid"]``, read by ``LifecycleRouter``) while others exist.
+   A response that started without resume state (a request of several choices, ``n`` > 1
+   or a prompt list: the replica reports no progress for it, docs/server.md) is never
+   continued: the sibling would run it again from its start and the client would get every
+   choice's chunks twice, under two ids; it ends with the SSE error event, as on a single
+   server. Before its first byte it is run again whole on a sibling, as any request.
 3. **Bounded.** At most ``max_failovers`` failovers and the request's deadline (its
    ``timeout`` or ``default_timeout_s``), which bounds each attempt too (at the deadline +
    twice ``deadline_slack_s``: a replica that stopped answering, or a call no replica
@@ -161,6 +166,8 @@ class _Outcome:
     retryable: bool = True
     held: tuple[Message, bytes] | None = None  # a refused response, not forwarded
     error_chunk: bytes | None = None  # the SSE error event of a failed stream, not forwarded
+    #: said after the cause when the client is told (why no sibling continues it)
+    note: str | None = None
 
 
 async def _to_client(send: Send, message: Message, client: _Client) -> None:
@@ -315,6 +322,12 @@ class FleetIngress:
                     avoid.append(outcome.replica)
                     client.failed_from = client.failed_from or outcome.replica
                 left = deadline - time.monotonic()
+                if failover and outcome.retryable and client.started and client.admitted is None:
+                    # its response started with no resume state (several choices): a sibling
+                    # would send it again from its start, so it ends here
+                    outcome = attrs.evolve(outcome, retryable=False, note=(
+                        "a response of several choices (n > 1 or a prompt list) that started "
+                        "is not continued on a sibling"))
                 if not (failover and outcome.retryable and attempts <= self.settings.max_failovers
                         and left > 0):
                     if failover and outcome.retryable:
@@ -478,8 +491,10 @@ def unavailable(outcome: _Outcome) -> Status:
     if outcome.cause == DEADLINE:
         return Status.unavailable(Phase.ADMISSION, "no replica finished the request within "
                                   "its deadline (its timeout, or the server's default)")
+    note = "" if outcome.note is None else f": {outcome.note}"
     return Status.unavailable(Phase.ADMISSION, f"no replica could finish the request (last: "
-                              f"{outcome.cause} at {outcome.replica or 'an unknown replica'})")
+                              f"{outcome.cause} at {outcome.replica or 'an unknown replica'})"
+                              f"{note}")
 
 
 def refusal(status: Status, code: int, retry_after_s: int,
