@@ -315,7 +315,8 @@ class FleetIngress:
                     await self._give_up(client, _Outcome(DEADLINE, retryable=False), send)
                     return
                 outcome = forwarding.result()
-                if outcome.cause is None:
+                cause = outcome.cause
+                if cause is None:
                     return
                 attempts += 1
                 if outcome.replica is not None:
@@ -338,7 +339,7 @@ class FleetIngress:
                                 outcome.cause, outcome.replica)
                     await self._give_up(client, outcome, send)
                     return
-                self._count(outcome.cause, client)
+                self._count(cause, client)
                 # the first retry after a replica that answered goes at once (the router
                 # avoids it); a call that reached nobody, or a later retry, backs off
                 if attempts > 1 or outcome.replica is None:
