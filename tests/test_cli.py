@@ -508,7 +508,8 @@ def test_conform_with_a_library_that_is_not_calrt_is_exit_2(tmp_path):
     # "[Errno 17] File exists: '...'"
     (["serve", "--dump-dir", "{file}"], "--dump-dir='{file}': "),
     # "gil switch interval=-5 us: must be >= 0"
-    (["serve", "--gil-switch-us", "-5"], "argument --gil-switch-us: must be >= 0, got -5"),
+    (["serve", "--gil-switch-us", "-5"], "argument --gil-switch-us: must be in 0..1000000, "
+                                         "got -5"),
     # "seed must be a u64, got -1", "hidden must be >= 1, got 0"
     (["sim", "write-calbin", "{tmp}/c.calbin", "--seed", "-1"], "argument --seed: "),
     (["sim", "write-calbin", "{tmp}/c.calbin", "--hidden", "0"], "argument --hidden: "),

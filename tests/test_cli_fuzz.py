@@ -20,6 +20,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from calexec import cli, cliargs
+from calexec.drivers.serving.process import MAX_SWITCH_INTERVAL_US
+from calexec.drivers.serving.service import MAX_CHOICES
 
 # ---- what a flag refuses, by the kind of value it takes ---------------------------------------
 _WORDS = st.sampled_from(["x", "", " ", "1.5", "2.0", "1e3", "nan", "inf", "-inf", "0x10",
@@ -42,6 +44,11 @@ NON_NEGATIVE_INT = _below(0)
 LATENCY_US = st.one_of(_below(0), st.integers(min_value=cliargs.MAX_LATENCY_US + 1).map(str),
                        st.just(str(10 ** 30)))
 PORT = st.one_of(_below(0), st.integers(min_value=65536).map(str))
+# above the bound too (stop 56: 1e21 us wrapped to 0 in CPython; 1e11 choices exhausted memory)
+GIL_US = st.one_of(_below(0), st.integers(min_value=MAX_SWITCH_INTERVAL_US + 1).map(str),
+                   st.just(str(10 ** 21)))
+CHOICES = st.one_of(_below(1), st.integers(min_value=MAX_CHOICES + 1).map(str),
+                    st.just(str(10 ** 11)))
 SECONDS = st.one_of(
     st.sampled_from(["x", "", "nan", "inf", "-inf", "0", "-0", "-1", "1e30", str(10 ** 30),
                      "1e8", "soon", "5s"]),
@@ -61,8 +68,8 @@ FLAGS: dict[str, dict[str, st.SearchStrategy[str]]] = {
     "demo": {"--seqs": POSITIVE_INT, "--tokens": POSITIVE_INT, "--prompt-len": POSITIVE_INT,
              "--decode-us": LATENCY_US},
     "serve": {"--port": PORT, "--grace": SECONDS, "--timeout": SECONDS,
-              "--max-sequences": POSITIVE_INT, "--max-choices": POSITIVE_INT,
-              "--dump-max-bytes": POSITIVE_INT, "--gil-switch-us": NON_NEGATIVE_INT,
+              "--max-sequences": POSITIVE_INT, "--max-choices": CHOICES,
+              "--dump-max-bytes": POSITIVE_INT, "--gil-switch-us": GIL_US,
               "--tokenizer": EMPTY, "--dump-dir": EMPTY, "--admin-token-file": EMPTY,
               "--metrics-names": _choice(("calexec", "vllm")),
               "--log-level": _choice(("debug", "info", "warning", "error")),
@@ -77,7 +84,8 @@ FLAGS: dict[str, dict[str, st.SearchStrategy[str]]] = {
     "sim write-calbin": {"--tile-d0": POSITIVE_INT, "--hidden": POSITIVE_INT},
     "bench charts": {"--iters": POSITIVE_INT},
     "bench overhead": {"--seed": NON_NEGATIVE_INT, "--tokens": POSITIVE_INT,
-                       "--runs": POSITIVE_INT, "--zero-tokens": POSITIVE_INT},
+                       "--runs": POSITIVE_INT, "--zero-tokens": POSITIVE_INT,
+                       "--gil-switch-us": GIL_US},
     "bench logits": {"--seed": NON_NEGATIVE_INT, "--iters": POSITIVE_INT},
     "bench recovery": {"--seed": NON_NEGATIVE_INT, "--recoveries": POSITIVE_INT},
     "bench pingpong": {"--seqs": POSITIVE_INT, "--tokens": POSITIVE_INT,
@@ -85,7 +93,7 @@ FLAGS: dict[str, dict[str, st.SearchStrategy[str]]] = {
     "bench server": {"--requests": POSITIVE_INT, "--max-tokens": POSITIVE_INT,
                      "--decode-us": LATENCY_US, "--rounds": POSITIVE_INT,
                      "--loadgen": _choice(("process", "thread")),
-                     "--client": _choice(("stdlib", "httpx"))},
+                     "--client": _choice(("stdlib", "httpx")), "--gil-switch-us": GIL_US},
     "bench faults": {"--faults": POSITIVE_INT, "--clients": POSITIVE_INT},
     "bench soak": {"--requests": POSITIVE_INT, "--faults": NON_NEGATIVE_INT,
                    "--clients": POSITIVE_INT, "--max-seconds": SECONDS,
