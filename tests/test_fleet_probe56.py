@@ -162,3 +162,16 @@ def test_a_request_of_several_choices_that_sent_nothing_is_run_whole_on_a_siblin
     assert len(calls) == 2
     answer = json.loads(content)
     assert [c["index"] for c in answer["choices"]] == [0, 1]
+
+
+def test_a_replica_s_settings_refuse_a_gil_switch_interval_past_the_bound():
+    """``serve --ray``'s replicas set the interval from ``ReplicaSettings.gil_switch_us``:
+    refused past the bound when the settings are built, not wrapped to 0 in each replica."""
+    pytest.importorskip("ray")
+    from calexec.drivers.fleet.ray_serve import ReplicaSettings
+    from calexec.drivers.serving.process import MAX_SWITCH_INTERVAL_US
+
+    with pytest.raises(ValueError, match="gil_switch_us"):
+        ReplicaSettings(gil_switch_us=10 ** 21)
+    assert ReplicaSettings(gil_switch_us=MAX_SWITCH_INTERVAL_US).gil_switch_us \
+        == MAX_SWITCH_INTERVAL_US
