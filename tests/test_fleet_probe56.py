@@ -175,3 +175,26 @@ def test_a_replica_s_settings_refuse_a_gil_switch_interval_past_the_bound():
         ReplicaSettings(gil_switch_us=10 ** 21)
     assert ReplicaSettings(gil_switch_us=MAX_SWITCH_INTERVAL_US).gil_switch_us \
         == MAX_SWITCH_INTERVAL_US
+
+
+def test_a_one_prompt_list_stream_continues_on_a_sibling_as_a_plain_prompt(replica_app):
+    """``prompt: ["..."]`` (LangChain's ``OpenAI`` LLM sends its prompt as a one-element
+    list) is one choice, but it was served as a request of several choices, which reports no
+    progress: through the fleet, a replica dying mid-stream left it with no resume (its first
+    chunks sent twice under two ids; since the fix above, an error event). It is served as a
+    plain prompt now: the sibling continues it and the client sees one stream, the same as
+    the uncut one."""
+    body = {"prompt": ["hello"], "max_tokens": 6, "stream": True, "seed": 5,
+            "temperature": 1.0}
+    whole, _ = _through_ingress(replica_app, "/v1/completions", body, 99)  # never dies
+    cut, calls = _through_ingress(replica_app, "/v1/completions", body, 3)
+    assert len(calls) == 2 and calls[1]["resume"]["tokens"], [c.get("resume") for c in calls]
+    assert cut.count(b"[DONE]") == 1 and b'"error"' not in cut
+
+    def tokens_and_ids(content: bytes) -> tuple[list[int], set[str]]:
+        events = [json.loads(e.removeprefix("data: ")) for e in content.decode().split("\n\n")
+                  if e and e != "data: [DONE]"]
+        return ([t for e in events for t in e["choices"][0]["token_ids"]],
+                {e["id"] for e in events})
+    (whole_tokens, _), (cut_tokens, cut_ids) = tokens_and_ids(whole), tokens_and_ids(cut)
+    assert cut_tokens == whole_tokens and len(cut_tokens) == 6 and len(cut_ids) == 1

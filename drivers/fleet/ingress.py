@@ -26,7 +26,7 @@ the device replicas, each reached through a streaming call (``call(request)``: t
    seed: identical for greedy and seeded sampling. Routing avoids the replicas that failed
    this request (``request["avoid"]``, read by ``LifecycleRouter``) while others exist.
    A response that started without resume state (a request of several choices, ``n`` > 1
-   or a prompt list: the replica reports no progress for it, docs/server.md) is never
+   or a list of two prompts or more: the replica reports no progress for it) is never
    continued: the sibling would run it again from its start and the client would get every
    choice's chunks twice, under two ids; it ends with the SSE error event, as on a single
    server. Before its first byte it is run again whole on a sibling, as any request.
@@ -327,7 +327,7 @@ class FleetIngress:
                     # its response started with no resume state (several choices): a sibling
                     # would send it again from its start, so it ends here
                     outcome = attrs.evolve(outcome, retryable=False, note=(
-                        "a response of several choices (n > 1 or a prompt list) that started "
+                        "a response of several choices (n > 1, a list of prompts) that started "
                         "is not continued on a sibling"))
                 if not (failover and outcome.retryable and attempts <= self.settings.max_failovers
                         and left > 0):

@@ -1227,7 +1227,10 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         def admission(ids: list[int], j: int = 0) -> Admission:  # j: the choice of its prompt
             return Admission(ids, wanted, body.stream, body.timeout, prompt_logprobs=rows,
                              n_param=body.n if j == 0 else None)
-        if not batch and body.n == 1:
+        if len(prepared) == 1 and body.n == 1:  # one choice, a one-prompt list's too
+            # (LangChain's OpenAI LLM sends one): the answer is the same, and it reports
+            # progress, so the fleet resumes it on a sibling and a draining replica hands it
+            # off, as a plain prompt
             ids, echo = prepared[0]
             return await _generate(request, admission(ids), params, shape_of(echo),
                                    include_usage(body), response_id)
