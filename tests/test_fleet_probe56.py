@@ -198,3 +198,36 @@ def test_a_one_prompt_list_stream_continues_on_a_sibling_as_a_plain_prompt(repli
                 {e["id"] for e in events})
     (whole_tokens, _), (cut_tokens, cut_ids) = tokens_and_ids(whole), tokens_and_ids(cut)
     assert cut_tokens == whole_tokens and len(cut_tokens) == 6 and len(cut_ids) == 1
+
+
+def test_a_replica_whose_constructor_fails_past_the_executor_start_shuts_it_down(
+        tmp_path, monkeypatch):
+    """``CalexecReplica.__init__`` started its executor (device open, the golden run, its
+    threads) and then raised on a later step (here ``serve.get_replica_context()`` outside a
+    Serve replica): the executor ran on in the process with its threads and device, and its
+    scratch directory stayed in TMPDIR (``__del__`` stops only a replica that was built). It
+    is now shut down, the directory removed, and the error raised as before."""
+    pytest.importorskip("ray")
+    import tempfile
+    import threading
+
+    from calexec.drivers.fleet import local_ray
+    from calexec.drivers.fleet.ray_serve import CalexecReplica, ReplicaSettings
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(local_ray, "bind_serve_grpc_to_node_ip", lambda: False)
+    before = {t.ident for t in threading.enumerate()}
+    interval = sys.getswitchinterval()
+
+    async def construct() -> None:
+        CalexecReplica(ReplicaSettings(grace_s=5.0, gil_switch_us=0))
+
+    try:
+        with pytest.raises(Exception, match="get_replica_context"):
+            asyncio.run(construct())
+    finally:
+        sys.setswitchinterval(interval)
+    left = [t.name for t in threading.enumerate()
+            if t.ident not in before and t.name.startswith("calexec-")]
+    assert left == [], f"the executor's threads still run: {left}"
+    assert list(tmp_path.glob("calexec-replica-*")) == []

@@ -264,33 +264,42 @@ class CalexecReplica:
             calbin_path=spec.calbin(self._tmp.name), device_config=settings.device_config,
             recovery=spec.recovery(), native_relay=settings.native_relay))
         status = self.executor.start()
-        if not status.ok:
+        if not status.ok:  # (Failed: its device closed, its threads ended, by the shutdown)
+            self.executor.shutdown(grace=settings.grace_s)
             self._tmp.cleanup()
             raise RuntimeError(f"calexec replica: executor failed to start: {status}")
-        self._app = create_app(served(self.executor), settings.server)
-        self.service = self._app.state.service
-        self.device = device_label(self.executor, settings)
-        replica_id = serve.get_replica_context().replica_id
-        replica_registry.set_self_replica(replica_id)
-        self.replica = replica_id.unique_id
-        self._app.add_middleware(ReplicaHeaders, replica=self.replica, device=self.device)
-        deployment = replica_id.deployment_id
-        self._siblings = serve.get_deployment_handle(deployment.name, deployment.app_name)
-        self._relay_handle = self._siblings.options(method_name=RELAY_METHOD, stream=True)
-        self.edge = ReplicaEdge(
-            self._app, replica=self.replica, serving=lambda: self.service.ready,
-            relay=lambda request: self._relay_handle.remote(request),
-            relay_target=lambda: sibling_serves(deployment.app_name, replica_id),
-            max_body_bytes=settings.server.max_body_bytes,
-            retry_after_s=settings.server.retry_after_s,
-            body_timeout_s=settings.server.body_timeout_s)
-        self._gauges = {name: serve_metrics.Gauge(name, doc, tag_keys=("device",))
-                        for name, (doc, _) in RAY_GAUGES.items()}
-        for gauge in self._gauges.values():
-            gauge.set_default_tags({"device": self.device})
-        loop = asyncio.get_running_loop()
-        self._metrics_task = loop.create_task(self._export_metrics())
-        self._warm_task = loop.create_task(self._warm_relay())
+        try:
+            self._app = create_app(served(self.executor), settings.server)
+            self.service = self._app.state.service
+            self.device = device_label(self.executor, settings)
+            replica_id = serve.get_replica_context().replica_id
+            replica_registry.set_self_replica(replica_id)
+            self.replica = replica_id.unique_id
+            self._app.add_middleware(ReplicaHeaders, replica=self.replica, device=self.device)
+            deployment = replica_id.deployment_id
+            self._siblings = serve.get_deployment_handle(deployment.name, deployment.app_name)
+            self._relay_handle = self._siblings.options(method_name=RELAY_METHOD, stream=True)
+            self.edge = ReplicaEdge(
+                self._app, replica=self.replica, serving=lambda: self.service.ready,
+                relay=lambda request: self._relay_handle.remote(request),
+                relay_target=lambda: sibling_serves(deployment.app_name, replica_id),
+                max_body_bytes=settings.server.max_body_bytes,
+                retry_after_s=settings.server.retry_after_s,
+                body_timeout_s=settings.server.body_timeout_s)
+            self._gauges = {name: serve_metrics.Gauge(name, doc, tag_keys=("device",))
+                            for name, (doc, _) in RAY_GAUGES.items()}
+            for gauge in self._gauges.values():
+                gauge.set_default_tags({"device": self.device})
+            loop = asyncio.get_running_loop()
+            self._metrics_task = loop.create_task(self._export_metrics())
+            self._warm_task = loop.create_task(self._warm_relay())
+        except BaseException:
+            # the executor runs (device open, its threads, the golden passed): a constructor
+            # failing past its start left it so in this process, its device held and its
+            # scratch directory behind (``__del__`` stops only a replica that was built)
+            self.executor.shutdown(grace=settings.grace_s)
+            self._tmp.cleanup()
+            raise
 
     def __serve_build_asgi_app__(self) -> Any:
         return self.edge
