@@ -51,12 +51,15 @@ METRICS_PORT = free_port()
 
 
 @pytest.fixture(scope="module")
-def proxy_url():
+def proxy_url(tmp_path_factory):
     # Ray's metrics agent serves every process's metrics in the Prometheus format on
-    # METRICS_PORT (loopback), pushed every second instead of Ray's default 10 s
+    # METRICS_PORT (loopback), pushed every second instead of Ray's default 10 s. The
+    # workers' TMPDIR is the test's: a replica the tests kill (SIGKILL, no __del__) leaves
+    # its calexec-replica-* scratch directory there, not in the host's /tmp
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              _metrics_export_port=METRICS_PORT,
-             _system_config={"metrics_report_interval_ms": 1000})
+             _system_config={"metrics_report_interval_ms": 1000},
+             runtime_env={"env_vars": {"TMPDIR": str(tmp_path_factory.mktemp("ray-tmp"))}})
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
