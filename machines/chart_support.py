@@ -23,6 +23,7 @@ Imports nothing of calexec (``mutants`` uses it before the charts are imported).
 
 from __future__ import annotations
 
+import ast
 import difflib
 import gc
 import inspect
@@ -115,7 +116,7 @@ def async_only(declaration: type[StateChart[Any]]) -> list[str]:
 def _scan(declaration: type[StateChart[Any]]) -> list[tuple[str, bool]]:
     """``unsupported``'s entries in declaration order, each with whether only a run cannot
     follow it (an async callback)."""
-    found = [(entry, False) for entry in _same_ids(declaration)]
+    found = [(entry, False) for entry in _same_ids(declaration) + _redeclared(declaration)]
     states = _all_states(declaration)
     # and the history states (not in ``states_map``): their default is a transition too
     for state in [*states, *(h for s in states for h in getattr(s, "history", ()) or ())]:
@@ -157,6 +158,58 @@ def _same_ids(declaration: type[StateChart[Any]]) -> list[str]:
         pending.extend(getattr(state, "history", ()) or ())
     return [f"{len(where)} states with id {state_id!r} (in {', '.join(map(repr, where))})"
             for state_id, where in parents.items() if len(where) > 1]
+
+
+def _redeclared(declaration: type[StateChart[Any]]) -> list[str]:
+    """``event 'go' declared twice in Door (line 6: a.to(b); line 7: b.to(c)) ...`` for each
+    event name a class body (the chart's or a compound state's) assigns transitions to twice:
+    python-statemachine keeps the last assignment and the first one's transitions, left
+    unnamed, become eventless (taken at once, with no event sent). Read from the class's
+    source (a class without one, made by ``exec`` or in a REPL, is not checked); ``go =
+    a.to(b) | b.to(c)``, ``go |= b.to(c)`` and ``go = go | b.to(c)`` declare one event."""
+    try:
+        lines, first = inspect.getsourcelines(declaration)
+        tree = ast.parse(inspect.cleandoc("\n" + "".join(lines)) if lines[0][:1].isspace()
+                         else "".join(lines))
+    except (OSError, TypeError, SyntaxError, IndexError):
+        return []
+    found: list[str] = []
+    pending = [(node, node.name) for node in tree.body if isinstance(node, ast.ClassDef)][:1]
+    while pending:
+        body, where = pending.pop(0)
+        seen: dict[str, ast.Assign] = {}
+        for node in body.body:
+            if isinstance(node, ast.ClassDef):
+                pending.append((node, f"{where}.{node.name}"))
+            if not (isinstance(node, ast.Assign) and len(node.targets) == 1
+                    and isinstance(node.targets[0], ast.Name) and _transitions(node.value)):
+                continue
+            name = node.targets[0].id
+            before = seen.get(name)
+            reads_itself = any(isinstance(n, ast.Name) and n.id == name
+                               for n in ast.walk(node.value))
+            if before is not None and not reads_itself:
+                old, new = ast.unparse(before.value), ast.unparse(node.value)
+                found.append(
+                    f"event {name!r} declared twice in {where} (line "
+                    f"{before.lineno + first - 1}: {old}; line {node.lineno + first - 1}: "
+                    f"{new}): python-statemachine keeps the last and makes the first's "
+                    f"transitions eventless (declare one event with |: {name} = {old} | {new})")
+            seen[name] = node
+    return found
+
+
+def _transitions(value: ast.expr) -> bool:
+    """Whether a class-body value declares transitions (``a.to(b)``, ``a.from_(b)``,
+    ``Event(...)``, or ``|`` of them)."""
+    for node in ast.walk(value):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if name in ("to", "from_", "Event") or (name == "itself" and isinstance(
+                    func, ast.Attribute)):
+                return True
+    return False
 
 
 def _is_async(declaration: type[StateChart[Any]], spec: Any) -> bool:

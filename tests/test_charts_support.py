@@ -527,3 +527,48 @@ def test_a_flat_chart_s_start_configuration_values_are_where_its_run_starts():
     with pytest.raises(ValueError, match=r"^Two: start_configuration_values=\['opened', 7\]: "
                                          r"a flat chart starts in one state"):
         compile_chart(Two)
+
+
+def test_an_event_declared_twice_is_refused_naming_both_declarations():
+    """``go = a.to(b)`` then ``go = b.to(c)``: python-statemachine keeps the second and makes
+    the first's transition eventless, so the chart left ``a`` at once with no event sent and
+    every tool showed an ``(eventless)`` transition without a word. Refused, naming the class,
+    the event and both declarations; one event declared with ``|`` is taken as before."""
+
+    class Twice(StateChart):
+        a = State(initial=True)
+        b = State()
+        c = State(final=True)
+        go = a.to(b)
+        go = b.to(c)  # noqa: PIE794 - the mistake under test
+
+    class Inner(StateChart):
+        class outer(State.Compound):  # noqa: N801 - python-statemachine's declaration style
+            x = State(initial=True)
+            y = State()
+            step = x.to(y)
+            step = y.to(x)  # noqa: PIE794 - the mistake under test
+
+        done = State(final=True)
+        leave = outer.to(done)
+
+    class Joined(StateChart):
+        a = State(initial=True)
+        b = State()
+        c = State()
+        go = a.to(b) | b.to(c)
+        back = b.to(a)
+        back |= c.to.itself()
+        again = a.to(c)
+        again = again | b.to.itself()
+
+    [entry] = unsupported(Twice)
+    assert entry.startswith("event 'go' declared twice in Twice (line "), entry
+    assert "a.to(b); line " in entry and ": b.to(c)): " in entry
+    assert "(declare one event with |: go = a.to(b) | b.to(c))" in entry
+    with pytest.raises(UnsupportedChart, match="event 'go' declared twice in Twice"):
+        compile_chart(Twice)
+    assert [e.split(" (")[0] for e in unsupported(Inner)] == [
+        "event 'step' declared twice in Inner.outer"]
+    assert unsupported(Joined) == []
+    compile_chart(Joined)
