@@ -183,7 +183,7 @@ def test_mutant_that_never_reaches_the_chart_is_an_error(tmp_path, capsys):
         (["--chart", "door:Door", "--test-cmd", "true", "--report", "/proc/no/such/dir"],
          "--report='/proc/no/such/dir': cannot make the directory: "),
         (["--chart", "door:Door", "--test-cmd", "true", "--timeout", "-1"],
-         "--timeout=-1.0: must be a number of seconds > 0"),
+         "--timeout=-1: must be a number of seconds > 0"),
         (["--chart", "door:Door", "--test-cmd", "true", "--error-codes", "three"],
          "--error-codes='three': expected exit codes"),
         (["--chart", "door:Door", "--test-cmd", "python -c 'pass"],
@@ -208,13 +208,28 @@ def test_mutant_that_never_reaches_the_chart_is_an_error(tmp_path, capsys):
          "--fail-under=most: expected a percentage (0-100)"),
         (["door:Door", "--test-cmd", "true", "--fail-under", "1e400"],
          "--fail-under=1e400: expected a percentage (0-100)"),
+        # the timeout was echoed converted (0.0, inf), a word was argparse's 'invalid float
+        # value': named as given, as --fail-under is
+        (["door:Door", "--test-cmd", "true", "--timeout", "0"],
+         "--timeout=0: must be a number of seconds > 0 and at most 1e+06"),
+        (["door:Door", "--test-cmd", "true", "--timeout", "1e400"],
+         "--timeout=1e400: must be a number of seconds > 0 and at most 1e+06"),
+        (["door:Door", "--test-cmd", "true", "--timeout", "soon"],
+         "--timeout=soon: must be a number of seconds > 0"),
+        # a value with a line break broke the one-line refusal in two: quoted
+        (["door:Door", "--test-cmd", "true", "--fail-under", "5\n6"],
+         "--fail-under='5\\n6': expected a percentage (0-100)\n"),
+        (["door:Door", "--test-cmd", "true", "--timeout", "5\n6"],
+         "--timeout='5\\n6': must be a number of seconds > 0"),
     ],
     ids=["no-test-cmd", "unknown-mutant", "not-a-chart", "no-module", "bad-spec", "red-baseline",
          "bad-equivalent-list", "first-failure-with-own-command", "empty-test-cmd",
          "test-cmd-not-found", "unwritable-report", "negative-timeout", "bad-error-codes",
          "unbalanced-quote", "equivalent-not-tables", "positional-chart",
          "positional-not-a-chart", "fail-under-above-100", "fail-under-negative",
-         "fail-under-nan", "fail-under-not-a-number", "fail-under-overflow"],
+         "fail-under-nan", "fail-under-not-a-number", "fail-under-overflow", "timeout-zero",
+         "timeout-overflow", "timeout-not-a-number", "fail-under-two-lines",
+         "timeout-two-lines"],
 )
 def test_bad_arguments_are_named(tmp_path, capsys, args, message):
     _door_project(tmp_path)

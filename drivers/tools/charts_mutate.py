@@ -162,7 +162,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="a deterministic sample of N mutants spread over charts and kinds")
     parser.add_argument("--seed", type=int, default=0, help="seed of --sample (default 0)")
     parser.add_argument("--jobs", type=int, default=2, help="mutants run at once (default 2)")
-    parser.add_argument("--timeout", type=float, metavar="S",
+    parser.add_argument("--timeout", metavar="S",  # (text: read in main, named as given)
                         help="seconds per mutant; longer counts as killed (default: 5x the "
                              "unmutated run + 30)")
     parser.add_argument("--first-failure", action="store_true",
@@ -434,7 +434,27 @@ def _percentage(flag: str, text: str) -> float:
     except ValueError:
         value = float("nan")
     if not 0 <= value <= 100:  # (nan too)
-        raise ValueError(f"{flag}={text}: expected a percentage (0-100)")
+        raise ValueError(f"{flag}={_as_given(text)}: expected a percentage (0-100)")
+    return value
+
+
+def _as_given(text: str) -> str:
+    """A flag's value in its refusal: as typed (``1e400``, ``most``), quoted when it would
+    not read as one line (``'5\\n6'``: the refusal is one line)."""
+    return text if text.isprintable() else repr(text)
+
+
+def _seconds(flag: str, text: str) -> float:
+    """``text`` as seconds > 0 and at most ``cliargs.MAX_SECONDS``, or a ``ValueError`` naming
+    ``flag`` and ``text`` as given (0 and 1e400 were echoed converted, as 0.0 and inf; a word
+    was argparse's 'invalid float value'), as ``--fail-under`` names its value."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= cliargs.MAX_SECONDS:  # (nan too; 1e30 overflowed the first wait)
+        raise ValueError(f"{flag}={_as_given(text)}: must be a number of seconds > 0 and at "
+                         f"most {cliargs.MAX_SECONDS:g}")
     return value
 
 
@@ -451,10 +471,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--targets-per-transition={args.targets_per_transition}: must be >= 0")
         if args.sample is not None and args.sample < 1:
             raise ValueError(f"--sample={args.sample}: must be at least 1")
-        if args.timeout is not None and not 0 < args.timeout <= cliargs.MAX_SECONDS:
-            # (1e30 overflowed the wait for the first mutant: an internal error, exit 70)
-            raise ValueError(f"--timeout={args.timeout}: must be a number of seconds > 0 and "
-                             f"at most {cliargs.MAX_SECONDS:g}")
+        if args.timeout is not None:
+            args.timeout = _seconds("--timeout", args.timeout)
         if args.examples is not None and args.examples < 1:
             raise ValueError(f"--examples={args.examples}: must be at least 1")
         for flag, value in (("--report", args.report), ("--cwd", args.cwd),
