@@ -4,9 +4,12 @@ schedule's failure carries when the user's own checks raise."""
 from __future__ import annotations
 
 import math
+import threading
+import time
 
 import pytest
 
+from calexec.drivers.tools import explore
 from calexec.drivers.tools.interleave import explore_threads, replay_threads
 from calexec.machines.clock import SYSTEM
 
@@ -211,3 +214,44 @@ def test_finite_waits_still_run_in_virtual_time():
         return lambda: len(done) == 1 or "the waiter did not finish"
 
     assert explore_threads(scenario, seeds=range(2), horizon_s=1e7).failure is None
+
+
+def ping_pong(rounds: int):
+    """Two threads taking turns ``rounds`` times each: every step hands the baton over."""
+    def scenario(clock):
+        cond, turn, count = clock.condition(clock.lock()), [0], [0]
+
+        def player(me: int) -> None:
+            for _ in range(rounds):
+                with cond:
+                    while turn[0] != me:
+                        cond.wait()
+                    turn[0], count[0] = 1 - me, count[0] + 1
+                    cond.notify_all()
+        for me in (0, 1):
+            clock.start_thread(player, f"player{me}", (me,))
+        return lambda: count[0] == 2 * rounds or f"count {count[0]}"
+    return scenario
+
+
+def test_the_watchdog_times_a_stretch_without_a_point_not_the_whole_schedule(monkeypatch):
+    """The real-time watchdog timed the whole schedule: one longer than
+    ``CALEXEC_EXPLORE_WATCHDOG_S`` (60 s: a few million steps, or fewer on a loaded machine)
+    failed as "watchdog: thread ... did not reach a scheduling point", though every step
+    reached one. A long schedule passes; a thread held outside the scheduler is still named."""
+    monkeypatch.setattr(explore, "WATCHDOG_S", 0.3)
+    started = time.monotonic()
+    found = explore_threads(ping_pong(20_000), seeds=[0], steps=10**6)
+    took = time.monotonic() - started
+    assert found.failure is None, (round(took, 2), found.failure.message[:300])
+    assert took > 0.3  # (else the schedule proved nothing: it fit the watchdog anyway)
+
+    held = threading.Event()  # not the clock's: the thread blocks outside the scheduler
+
+    def stuck(clock):
+        clock.start_thread(lambda: held.wait(1.0), "stuck")
+    found = explore_threads(stuck, seeds=[0])
+    assert found.failure is not None
+    assert found.failure.message.startswith(
+        "watchdog: thread stuck did not reach a scheduling point within 0.3s"), (
+        found.failure.message)

@@ -661,9 +661,15 @@ class Scheduler:
         if nxt is not None:
             self.running = nxt
             nxt.sem.release()
-            if not self.driver_sem.acquire(timeout=WATCHDOG_S):
-                self.fail(self._watchdog_report())
-                self.stop_reason = "failure"
+            # the watchdog times each stretch without a scheduling point, not the whole run:
+            # a long schedule (millions of steps) that keeps reaching points is no hang
+            seen = self.steps
+            while not self.driver_sem.acquire(timeout=WATCHDOG_S):
+                if self.steps == seen:
+                    self.fail(self._watchdog_report())
+                    self.stop_reason = "failure"
+                    break
+                seen = self.steps
         return self.stop_reason
 
     def _watchdog_report(self) -> str:
