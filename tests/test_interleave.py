@@ -255,3 +255,49 @@ def test_the_watchdog_times_a_stretch_without_a_point_not_the_whole_schedule(mon
     assert found.failure.message.startswith(
         "watchdog: thread stuck did not reach a scheduling point within 0.3s"), (
         found.failure.message)
+
+
+def test_an_invariant_may_take_the_code_s_lock():
+    """An invariant reading the state under the code's own lock (``with lock: ...``) failed
+    every schedule with "invariant raised RecursionError": its acquire was a scheduling point,
+    which ran the invariant again. A check runs with every thread stopped, outside the
+    controlled world: a free lock is taken at once, ``acquire(blocking=False)`` of a held one
+    is False, and a blocking acquire of a held one (it would wait for ever) names its holder."""
+    def scenario(clock):
+        lock, counts = clock.lock(), [0]
+
+        def bump():
+            for _ in range(2):
+                with lock:
+                    counts[0] += 1
+                    clock.sleep(0.5)  # (a point while it holds the lock)
+        for name in ("a", "b"):
+            clock.start_thread(bump, name)
+
+        def with_the_lock():
+            with lock:
+                return 0 <= counts[0] <= 4 or f"count {counts[0]}"
+
+        def if_free():
+            if not lock.acquire(blocking=False):
+                return True  # mid-update: not checked now
+            try:
+                return 0 <= counts[0] <= 4
+            finally:
+                lock.release()
+        invariants.update(blocking=with_the_lock, free=if_free)
+        return lambda: counts[0] == 4 or f"count {counts[0]}"
+
+    invariants: dict = {}
+    for kind in ("free", "blocking"):
+        found = explore_threads(scenario, seeds=range(20),
+                                invariant=lambda kind=kind: invariants[kind]())
+        if kind == "free":
+            assert found.failure is None, found.failure.message[:300]
+            assert found.schedules == 20
+        else:  # a point inside the `with lock:` above: the invariant would wait for ever
+            assert found.failure is not None
+            assert found.failure.message.startswith(
+                "invariant raised RuntimeError: a controlled lock held by thread "), (
+                found.failure.message[:300])
+            assert "acquire(blocking=False)" in found.failure.message

@@ -283,13 +283,21 @@ class CLock:
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
         sched = self.sched
         me = sched.me()
-        if me is None:  # outside the controlled world (setup, teardown): never blocks
+        if me is None:  # outside the controlled world (setup, a check, teardown): never blocks
             if self.owner is None:
                 self.owner = sched.OUTSIDE
                 return True
             if sched.aborting:
                 raise _Abort()
-            raise RuntimeError("an uncontrolled thread met a held controlled lock")
+            if not blocking:
+                return False
+            holder = (f"thread {self.owner.name}" if isinstance(self.owner, CThread)
+                      else "code outside the controlled threads")
+            raise RuntimeError(
+                f"a controlled lock held by {holder} was waited for outside the controlled "
+                f"threads (by a check, invariant or final check, or a thread not started by "
+                f"clock.start_thread): with the controlled threads stopped it would wait for "
+                f"ever; a check can take it with acquire(blocking=False) and skip when held")
         if timeout is not None and timeout != -1:  # as threading.Lock.acquire refuses them
             if not blocking:
                 raise ValueError("can't specify a timeout for a non-blocking call")
@@ -505,11 +513,27 @@ class Scheduler:
         #: on that same deadline) run in the same order on every one of them
         self.rank: Callable[[CThread], int] | None = None
         self._jumped = False
+        #: a check (``on_point``, ``on_blocked``, ``on_jump``) is running: it runs in whichever
+        #: controlled thread holds the baton, but as the driver would, outside the controlled
+        #: world (a lock it takes is no scheduling point: one was a recursion into the check)
+        self.checking = False
 
     # -- from controlled threads --
     def me(self) -> CThread | None:
+        if self.checking:
+            return None
         thread = threading.current_thread()
         return thread if isinstance(thread, CThread) and thread.sched is self else None
+
+    def _check(self, check: Callable[[], None] | None) -> None:
+        """Run one of the checks (``on_point`` ...) outside the controlled world."""
+        if check is None:
+            return
+        self.checking = True
+        try:
+            check()
+        finally:
+            self.checking = False
 
     def spawn(self, target: Callable, name: str, args: tuple = ()) -> CThread:
         thread = CThread(self, target, name, args)
@@ -585,8 +609,7 @@ class Scheduler:
                 self.stop_reason = "failure"
                 return None
             try:
-                if self.on_point is not None:
-                    self.on_point()
+                self._check(self.on_point)
             except AssertionError as exc:
                 self.fail(str(exc))
                 continue
@@ -605,8 +628,7 @@ class Scheduler:
                 deadlines.append(ready)
             if not runnable:
                 try:
-                    if self.on_blocked is not None:
-                        self.on_blocked()
+                    self._check(self.on_blocked)
                 except AssertionError as exc:
                     self.fail(str(exc))
                     continue
@@ -642,8 +664,7 @@ class Scheduler:
                 self.now = max(now, target)
                 self._jumped = True
                 try:
-                    if self.on_jump is not None:
-                        self.on_jump()
+                    self._check(self.on_jump)
                 except AssertionError as exc:
                     self.fail(str(exc))
             elif self.device is not None:  # (a device step is an option only with one)

@@ -24,7 +24,10 @@ moves only when every thread is blocked (a 5 s timeout costs nothing).
 ``scenario(clock)`` returns a final check, or None: called once nothing can run any more, it
 returns True/None when all is well, else False or a message. ``invariant`` (optional) is
 checked at every scheduling point. A check that raises (an ``assert``) fails the schedule,
-naming the check and the error. Any exception a controlled thread raises fails the
+naming the check and the error. A check runs with every thread stopped, outside the
+controlled world: it may take the code's lock when free (no scheduling point), and
+``acquire(blocking=False)`` is False while a thread holds it; waiting for a held lock fails
+the schedule, naming the holder. Any exception a controlled thread raises fails the
 schedule; so does a deadlock (threads blocked for good), and a chart contract violated by a
 run of ``charts`` (their contracts are enabled for the exploration, recorded, never raised in
 the threads: machines/chart_contracts.py).
