@@ -301,3 +301,37 @@ def test_an_invariant_may_take_the_code_s_lock():
                 "invariant raised RuntimeError: a controlled lock held by thread "), (
                 found.failure.message[:300])
             assert "acquire(blocking=False)" in found.failure.message
+
+
+def test_a_thread_not_started_by_the_clock_using_its_objects_fails_the_schedule_naming_it():
+    """A scenario that started one of its threads with ``threading.Thread`` instead of
+    ``clock.start_thread`` passed every schedule: that thread took the explorer's lock as
+    setup code does, unscheduled, so its races were never explored (and, met while another
+    held the lock, its error went to ``threading``'s excepthook, not the schedule). It fails
+    the schedule, naming the thread and the fix."""
+    raised: list[BaseException] = []
+
+    def scenario(clock):
+        lock, counts = clock.lock(), [0]
+
+        def bump():
+            with lock:
+                counts[0] += 1
+
+        def plain():
+            try:
+                bump()
+            except RuntimeError as err:
+                raised.append(err)
+        clock.start_thread(bump, "scheduled")
+        stray = threading.Thread(target=plain, name="stray")
+        stray.start()
+        stray.join(10.0)
+        return lambda: counts[0] >= 1
+
+    found = explore_threads(scenario, seeds=range(3))
+    assert found.failure is not None and found.schedules == 1
+    assert found.failure.message.startswith(
+        "thread stray used a lock made by the explorer's clock but is not one of its threads "
+        "(not started by clock.start_thread)"), found.failure.message
+    assert str(raised[0]) == found.failure.message

@@ -247,6 +247,7 @@ class CThread(threading.Thread):
     def join(self, timeout: float | None = None) -> None:
         sched = self.sched
         if sched.me() is None:
+            sched.foreign("a thread's join")
             return super().join(timeout)
         _as_threading(timeout, nan_ok=False)
         sched.point("join")
@@ -284,6 +285,7 @@ class CLock:
         sched = self.sched
         me = sched.me()
         if me is None:  # outside the controlled world (setup, a check, teardown): never blocks
+            sched.foreign("a lock")
             if self.owner is None:
                 self.owner = sched.OUTSIDE
                 return True
@@ -358,6 +360,8 @@ class CCondition:
 
     def wait(self, timeout: float | None = None) -> bool:
         sched = self.sched
+        if sched.me() is None:
+            sched.foreign("a condition")
         token = [False]
         _as_threading(timeout)
         self._waiters.append(token)
@@ -406,6 +410,8 @@ class CEvent:
     def set(self) -> None:
         if self.sched.me() is not None:
             self.sched.point("event.set")
+        else:
+            self.sched.foreign("an event")
         self.flag = True
 
     def clear(self) -> None:
@@ -414,6 +420,7 @@ class CEvent:
     def wait(self, timeout: float | None = None) -> bool:
         sched = self.sched
         if sched.me() is None:
+            sched.foreign("an event")
             return self.flag
         _as_threading(timeout)
         sched.point("event.wait")
@@ -448,6 +455,7 @@ class VirtualClock(Clock):
     def sleep(self, seconds: float) -> None:
         sched = self.sched
         if sched.me() is None:
+            sched.foreign("a sleep")
             return
         _as_threading(seconds)  # what ``SYSTEM.sleep`` (``time.sleep``) raises for it
         sched.point("sleep")
@@ -517,6 +525,10 @@ class Scheduler:
         #: controlled thread holds the baton, but as the driver would, outside the controlled
         #: world (a lock it takes is no scheduling point: one was a recursion into the check)
         self.checking = False
+        #: the thread that builds the scenario and runs the final check (``interleave`` sets
+        #: it): another thread that is not a controlled one using a controlled object fails
+        #: the schedule (``foreign``). None (the executor's explorer): not checked
+        self.driver: threading.Thread | None = None
 
     # -- from controlled threads --
     def me(self) -> CThread | None:
@@ -524,6 +536,21 @@ class Scheduler:
             return None
         thread = threading.current_thread()
         return thread if isinstance(thread, CThread) and thread.sched is self else None
+
+    def foreign(self, what: str) -> None:
+        """Called where a controlled object is used outside the controlled threads: from a
+        thread that is neither one of them nor the ``driver`` (nor a check, nor the
+        teardown), fail the schedule and raise, naming the thread. Its steps are not
+        scheduled: the exploration would miss its races and could not replay them."""
+        thread = threading.current_thread()
+        if self.driver is None or thread is self.driver or self.checking or self.aborting:
+            return
+        message = (f"thread {thread.name} used {what} made by the explorer's clock but is not "
+                   f"one of its threads (not started by clock.start_thread): its steps are not "
+                   f"scheduled, so the exploration would miss its races and could not replay "
+                   f"them; start it with clock.start_thread(target, name)")
+        self.fail(message)
+        raise RuntimeError(message)
 
     def _check(self, check: Callable[[], None] | None) -> None:
         """Run one of the checks (``on_point`` ...) outside the controlled world."""
@@ -536,6 +563,8 @@ class Scheduler:
             self.checking = False
 
     def spawn(self, target: Callable, name: str, args: tuple = ()) -> CThread:
+        if self.me() is None:
+            self.foreign("start_thread")
         thread = CThread(self, target, name, args)
         self.threads.append(thread)
         thread.start()  # parked on its semaphore until chosen

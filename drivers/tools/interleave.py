@@ -28,15 +28,17 @@ naming the check and the error. A check runs with every thread stopped, outside 
 controlled world: it may take the code's lock when free (no scheduling point), and
 ``acquire(blocking=False)`` is False while a thread holds it; waiting for a held lock fails
 the schedule, naming the holder. Any exception a controlled thread raises fails the
-schedule; so does a deadlock (threads blocked for good), and a chart contract violated by a
-run of ``charts`` (their contracts are enabled for the exploration, recorded, never raised in
-the threads: machines/chart_contracts.py).
+schedule; so does a thread not started by ``clock.start_thread`` using the clock's objects
+(its steps would be neither scheduled nor replayed), a deadlock (threads blocked for good),
+and a chart contract violated by a run of ``charts`` (their contracts are enabled for the
+exploration, recorded, never raised in the threads: machines/chart_contracts.py).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import threading
 from collections.abc import Callable, Iterable, Sequence
 
 import attrs
@@ -102,6 +104,7 @@ def run_schedule(scenario: Scenario, chooser: TapeChooser | PCTChooser, *,
     """Run ``scenario`` once under ``chooser``'s schedule; the failure, or None."""
     charts = _contracted(charts)
     sched = Scheduler(chooser)
+    sched.driver = threading.current_thread()  # the scenario and its final check run here
     contracts = enable_contracts(*charts, raise_on_violation=False)
 
     def at_point() -> None:
