@@ -103,20 +103,28 @@ class Registered:
 
     def counted(self) -> tuple[dict[str, int], str | None]:
         """(count per state, None), or ({}, why) when the app's ``runs``/``counts`` function
-        raised or answered a count that is no integer: one chart's failing function leaves
-        the other charts, the page and the drawings answering."""
+        raised, or answered a count that is no integer or below 0, or a state the chart does
+        not have: one chart's failing function leaves the other charts, the page and the
+        drawings answering."""
         try:
             answered = dict(self.counts().items())
         except Exception as err:  # noqa: BLE001 - the app's function may raise anything
             return {}, (f"{self.name}: the runs= or counts= function given to register raised "
                         f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
         found: dict[str, int] = {}
+        said = f"{self.name}: the counts= function given to register answered"
         for state, n in answered.items():
             try:
                 found[state] = int(n)
             except (TypeError, ValueError, OverflowError):  # (runs= counts integers itself)
-                return {}, (f"{self.name}: the counts= function given to register answered a "
-                            f"count that is no integer: {state!r:.60}={n!r:.60}")
+                return {}, f"{said} a count that is no integer: {state!r:.60}={n!r:.60}"
+            # (a state's name or value for its id, a typo: drawn nowhere, silently)
+            if state not in self.chart.states:
+                known = ", ".join(self.chart.states)
+                return {}, (f"{said} a state the chart does not have: {state!r:.60} (its "
+                            f"states, by id: {known:.200})")
+            if found[state] < 0:
+                return {}, f"{said} a count below 0: {state!r:.60}={n!r:.60}"
         return found, None
 
     def highlighted(self) -> str | None:

@@ -354,3 +354,25 @@ def test_a_runs_function_that_raises_is_named_and_the_rest_still_answers(monkeyp
         assert client.get("/charts/OrderWorkflow.svg").text == "<svg>OrderWorkflow None</svg>"
         assert client.get("/charts/working.svg").text == "<svg>OrderWorkflow cart</svg>"
     inspector.close()
+
+
+@pytest.mark.parametrize(("answered", "named"), [
+    ({"Green": 2}, "answered a state the chart does not have: 'Green' (its states, by id: "),
+    ({"green": -1}, "answered a count below 0: 'green'=-1"),
+])
+def test_counts_for_a_state_the_chart_lacks_or_below_zero_are_named(monkeypatch, answered,
+                                                                     named):
+    """A ``counts=`` keyed by a state's name or value (``"Green"``) instead of its id, or by a
+    typo, was shown as given in ``live.json`` and drawn nowhere: the page showed no run in
+    any state, without a word; a negative count was painted as given. Named as a count that
+    is no integer is."""
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    from traffic_light import TrafficLight
+
+    inspector = Inspector()
+    inspector.register(TrafficLight, counts=lambda: answered)
+    chart = inspector.live()["charts"]["TrafficLight"]
+    assert chart["counts"] == {}
+    assert chart["error"].startswith(
+        f"TrafficLight: the counts= function given to register {named}"), chart["error"]
+    inspector.close()
