@@ -335,3 +335,27 @@ def test_a_thread_not_started_by_the_clock_using_its_objects_fails_the_schedule_
         "thread stray used a lock made by the explorer's clock but is not one of its threads "
         "(not started by clock.start_thread)"), found.failure.message
     assert str(raised[0]) == found.failure.message
+
+
+@pytest.mark.parametrize(("use", "what"), [
+    (lambda cond: cond.notify(), "notify"),
+    (lambda cond: cond.notify_all(), "notify"),
+    (lambda cond: cond.wait(1.0), "wait"),
+], ids=["notify", "notify_all", "wait"])
+def test_a_condition_used_without_its_lock_fails_as_it_fails_the_real_clock(use, what):
+    """A producer calling ``cond.notify()`` outside ``with cond:`` raises ``RuntimeError:
+    cannot notify on un-acquired lock`` on the real clock (``threading.Condition``) at its
+    first call; under the explorer the notify was taken and every schedule passed (a
+    ``wait`` outside it raised "release of an unlocked lock", not threading's words). The
+    virtual condition raises what the real one raises: the schedule fails naming it."""
+    def scenario(clock):
+        cond = clock.condition(clock.lock())
+        clock.start_thread(lambda: use(cond), "producer")
+
+    found = explore_threads(scenario, seeds=range(3))
+    assert found.failure is not None, "the explorer passed what the real clock refuses"
+    assert found.failure.message.startswith(
+        f"thread producer raised RuntimeError: cannot {what} on un-acquired lock"), (
+        found.failure.message)
+    with pytest.raises(RuntimeError, match=f"cannot {what} on un-acquired lock"):
+        use(SYSTEM.condition(SYSTEM.lock()))

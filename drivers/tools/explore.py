@@ -362,6 +362,7 @@ class CCondition:
         sched = self.sched
         if sched.me() is None:
             sched.foreign("a condition")
+        self._owned("wait")
         token = [False]
         _as_threading(timeout)
         self._waiters.append(token)
@@ -388,12 +389,21 @@ class CCondition:
             result = predicate()
         return result
 
+    def _owned(self, what: str) -> None:
+        """Raise what ``threading.Condition`` raises when its lock is not held (its
+        ``_is_owned`` on a ``Lock``: the lock is free): the explorer would pass code whose
+        ``notify`` outside ``with cond:`` fails on the real clock at its first call."""
+        if not self._lock.locked():
+            raise RuntimeError(f"cannot {what} on un-acquired lock")
+
     def notify(self, n: int = 1) -> None:
+        self._owned("notify")
         for token in self._waiters[:n]:
             token[0] = True
         del self._waiters[:n]
 
     def notify_all(self) -> None:
+        self._owned("notify")
         self.notify(len(self._waiters))
 
 
