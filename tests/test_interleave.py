@@ -359,3 +359,40 @@ def test_a_condition_used_without_its_lock_fails_as_it_fails_the_real_clock(use,
         found.failure.message)
     with pytest.raises(RuntimeError, match=f"cannot {what} on un-acquired lock"):
         use(SYSTEM.condition(SYSTEM.lock()))
+
+
+def test_a_try_or_timed_acquire_of_a_lock_the_thread_holds_answers_false_as_threading():
+    """``lock.acquire(blocking=False)`` (or ``acquire(timeout=0.5)``) by the thread holding
+    the lock answers False on the real clock (``threading.Lock``: a try-lock); the explorer
+    failed every schedule with "re-acquired a non-reentrant lock it holds", which only a
+    blocking acquire with no timeout (one that would wait for ever) is."""
+    def code(clock, answers: list[bool]):
+        lock = clock.lock()
+
+        def holder() -> None:
+            with lock:
+                answers.append(lock.acquire(blocking=False))
+                answers.append(lock.acquire(timeout=0.5))
+        return holder, lock
+
+    real: list[bool] = []
+    code(SYSTEM, real)[0]()
+    assert real == [False, False]
+
+    def scenario(clock):
+        answers: list[bool] = []
+        clock.start_thread(code(clock, answers)[0], "holder")
+        return lambda: answers == real or f"answers {answers}"
+    found = explore_threads(scenario, seeds=range(3))
+    assert found.failure is None, found.failure.message
+
+    def forever(clock):
+        holder, lock = code(clock, [])
+
+        def again() -> None:
+            with lock:
+                lock.acquire()
+        clock.start_thread(again, "again")
+    found = explore_threads(forever, seeds=range(1))
+    assert found.failure is not None
+    assert found.failure.message == "thread again re-acquired a non-reentrant lock it holds"

@@ -310,7 +310,8 @@ class CLock:
         if self.owner is None:
             self.owner = me
             return True
-        if self.owner is me:
+        if self.owner is me and blocking and (timeout is None or timeout < 0):
+            # (it would wait for ever; a try or a timed acquire answers False, as threading's)
             sched.fail(f"thread {me.name} re-acquired a non-reentrant lock it holds")
             raise _Abort()
         if not blocking:
