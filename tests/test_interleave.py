@@ -396,3 +396,16 @@ def test_a_try_or_timed_acquire_of_a_lock_the_thread_holds_answers_false_as_thre
     found = explore_threads(forever, seeds=range(1))
     assert found.failure is not None
     assert found.failure.message == "thread again re-acquired a non-reentrant lock it holds"
+
+
+def test_a_long_exploration_reports_its_progress():
+    """``explore_threads(seeds=itertools.count())`` explores until a failure, saying nothing
+    meanwhile: on code without the bug a user could not tell a long search from a hang.
+    ``progress(schedules, seed)`` is called after each schedule that passed; one that is not
+    callable is refused before a schedule runs."""
+    seen: list[tuple[int, int]] = []
+    found = explore_threads(lambda clock: two_counters(clock) and None, seeds=[7, 3, 9],
+                            progress=lambda schedules, seed: seen.append((schedules, seed)))
+    assert found.failure is None and seen == [(1, 7), (2, 3), (3, 9)]
+    with pytest.raises(TypeError, match=r"progress=5: a function of \(schedules, seed\)"):
+        explore_threads(two_counters, progress=5)

@@ -152,12 +152,17 @@ def run_schedule(scenario: Scenario, chooser: TapeChooser | PCTChooser, *,
 def explore_threads(scenario: Scenario, *, seeds: Iterable[int] = range(100), depth: int = 3,
                     length: int = 60, invariant: Callable[[], Verdict] | None = None,
                     charts: Iterable[ChartLike] = (), steps: int = 100_000,
-                    horizon_s: float = 60.0) -> Exploration:
+                    horizon_s: float = 60.0,
+                    progress: Callable[[int, int], object] | None = None) -> Exploration:
     """Run ``scenario`` under one PCT schedule per seed (random thread priorities and
     ``depth - 1`` priority change points placed among the first ``length`` choices, as
-    Shuttle's and Coyote's PCT) until one fails; ``charts``: whose contracts are checked."""
+    Shuttle's and Coyote's PCT) until one fails; ``charts``: whose contracts are checked.
+    ``progress(schedules, seed)`` (optional) is called after each schedule that passed: a
+    long exploration (``seeds=itertools.count()``) can say how far it got."""
     _check_bounds(scenario, steps=steps, horizon_s=horizon_s, invariant=invariant,
                   depth=depth, length=length)
+    if progress is not None and not callable(progress):
+        raise TypeError(f"progress={progress!r}: a function of (schedules, seed) (or None)")
     if isinstance(seeds, (int, str, bytes)):
         raise TypeError(f"seeds={seeds!r}: an iterable of integer seeds, e.g. range({seeds!r})"
                         if isinstance(seeds, int) else
@@ -171,6 +176,8 @@ def explore_threads(scenario: Scenario, *, seeds: Iterable[int] = range(100), de
                                horizon_s=horizon_s, seed=seed)
         if failure is not None:
             return Exploration(count, failure)
+        if progress is not None:
+            progress(count, seed)
     return Exploration(count, None)
 
 
