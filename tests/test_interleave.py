@@ -409,3 +409,25 @@ def test_a_long_exploration_reports_its_progress():
     assert found.failure is None and seen == [(1, 7), (2, 3), (3, 9)]
     with pytest.raises(TypeError, match=r"progress=5: a function of \(schedules, seed\)"):
         explore_threads(two_counters, progress=5)
+
+
+def test_a_scenario_that_joins_its_threads_is_told_the_explorer_runs_them():
+    """A scenario that joined the threads it started (as the same code does on the real
+    clock) hung for ever on ``thread.join()``, before any watchdog (no thread runs until the
+    scenario returns), or waited out ``clock.join(thread, 1.0)`` in real time and went on
+    with the thread not run. Refused at the join, naming the thread and what to do."""
+    def scenario(clock, join):
+        done: list[int] = []
+        thread = clock.start_thread(lambda: done.append(1), "worker")
+        join(clock, thread)
+        return lambda: done == [1]
+
+    for join in (lambda clock, thread: clock.join(thread, 1.0),
+                 lambda clock, thread: thread.join()):
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match="the scenario joined thread worker, which runs "
+                                               "only once the scenario has returned"):
+            explore_threads(lambda clock, join=join: scenario(clock, join), seeds=[0])
+        assert time.monotonic() - started < 0.9
+    assert explore_threads(lambda clock: scenario(clock, lambda c, t: None),
+                           seeds=range(2)).failure is None

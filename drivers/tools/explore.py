@@ -248,6 +248,16 @@ class CThread(threading.Thread):
         sched = self.sched
         if sched.me() is None:
             sched.foreign("a thread's join")
+            if (threading.current_thread() is sched.driver and not self.finished
+                    and not sched.aborting):
+                # (no thread runs until the scenario returns: a join without a timeout hung
+                # for ever, before the watchdog, one with a timeout waited it out in real time)
+                raise RuntimeError(
+                    f"the scenario joined thread {self.name}, which runs only once the "
+                    f"scenario has returned: a scenario builds the code under test and "
+                    f"returns its final check, which runs when every thread is done; leave "
+                    f"the threads to the explorer (or join them in a thread started with "
+                    f"clock.start_thread)")
             return super().join(timeout)
         _as_threading(timeout, nan_ok=False)
         sched.point("join")
