@@ -431,3 +431,17 @@ def test_a_scenario_that_joins_its_threads_is_told_the_explorer_runs_them():
         assert time.monotonic() - started < 0.9
     assert explore_threads(lambda clock: scenario(clock, lambda c, t: None),
                            seeds=range(2)).failure is None
+
+
+@pytest.mark.parametrize("seeds", [[], range(0), iter(())], ids=["list", "range", "iterator"])
+def test_no_seed_is_refused_not_a_pass(seeds):
+    """``explore_threads(scenario, seeds=range(n))`` with ``n`` 0 (a schedule count read from
+    the environment, say) returned ``Exploration(schedules=0, failure=None)``: a test asserting
+    ``failure is None`` passed having run no schedule. Refused, naming ``seeds``."""
+    with pytest.raises(ValueError, match=r"^seeds=.*: no seed, so no schedule ran"):
+        explore_threads(two_counters_checked, seeds=seeds)
+
+
+def two_counters_checked(clock):
+    counts = two_counters(clock)
+    return lambda: counts[0] == 4

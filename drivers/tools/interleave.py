@@ -178,7 +178,15 @@ def explore_threads(scenario: Scenario, *, seeds: Iterable[int] = range(100), de
             return Exploration(count, failure)
         if progress is not None:
             progress(count, seed)
+    if count == 0:  # (an exploration that passed having run nothing would look checked)
+        raise ValueError(f"seeds={_short_seeds(seeds)}: no seed, so no schedule ran (give "
+                         f"at least one, e.g. seeds=range(100))")
     return Exploration(count, None)
+
+
+def _short_seeds(seeds: Iterable[int]) -> str:
+    text = repr(seeds)
+    return text if len(text) <= 60 else text[:56] + "..."
 
 
 def replay_threads(scenario: Scenario, choices: Sequence[int], *,
