@@ -167,6 +167,9 @@ def _redeclared(declaration: type[StateChart[Any]]) -> list[str]:
     unnamed, become eventless (taken at once, with no event sent). Read from the class's
     source (a class without one, made by ``exec`` or in a REPL, is not checked); ``go =
     a.to(b) | b.to(c)``, ``go |= b.to(c)`` and ``go = go | b.to(c)`` declare one event."""
+    if not any(t.is_eventless for state in _all_states(declaration)
+               for t in state.transitions):
+        return []  # (nothing was made eventless: no refusal to make)
     try:
         lines, first = inspect.getsourcelines(declaration)
         tree = ast.parse(inspect.cleandoc("\n" + "".join(lines)) if lines[0][:1].isspace()
@@ -184,17 +187,22 @@ def _redeclared(declaration: type[StateChart[Any]]) -> list[str]:
             if not (isinstance(node, ast.Assign) and len(node.targets) == 1
                     and isinstance(node.targets[0], ast.Name) and _transitions(node.value)):
                 continue
+            if any(k.arg == "event" for n in ast.walk(node.value) if isinstance(n, ast.Call)
+                   for k in n.keywords):
+                continue  # (``event=`` names its transitions' events itself)
             name = node.targets[0].id
             before = seen.get(name)
             reads_itself = any(isinstance(n, ast.Name) and n.id == name
                                for n in ast.walk(node.value))
             if before is not None and not reads_itself:
                 old, new = ast.unparse(before.value), ast.unparse(node.value)
+                plain = "Event(" not in old + new
                 found.append(
                     f"event {name!r} declared twice in {where} (line "
                     f"{before.lineno + first - 1}: {old}; line {node.lineno + first - 1}: "
                     f"{new}): python-statemachine keeps the last and makes the first's "
-                    f"transitions eventless (declare one event with |: {name} = {old} | {new})")
+                    f"transitions eventless (declare one event"
+                    + (f" with |: {name} = {old} | {new})" if plain else " for both)"))
             seen[name] = node
     return found
 

@@ -561,6 +561,12 @@ def test_an_event_declared_twice_is_refused_naming_both_declarations():
         back |= c.to.itself()
         again = a.to(c)
         again = again | b.to.itself()
+        named = a.to(b, event="x")
+        named = b.to(c, event="x")  # noqa: PIE794 - event= names them: not made eventless
+        c.to(a, cond="ready")  # an eventless transition, declared as one
+
+        def ready(self) -> bool:
+            return False
 
     [entry] = unsupported(Twice)
     assert entry.startswith("event 'go' declared twice in Twice (line "), entry
@@ -570,5 +576,6 @@ def test_an_event_declared_twice_is_refused_naming_both_declarations():
         compile_chart(Twice)
     assert [e.split(" (")[0] for e in unsupported(Inner)] == [
         "event 'step' declared twice in Inner.outer"]
+    assert any(t.is_eventless for t in Joined.c.transitions)
     assert unsupported(Joined) == []
     compile_chart(Joined)
