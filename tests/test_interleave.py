@@ -425,8 +425,8 @@ def test_a_scenario_that_joins_its_threads_is_told_the_explorer_runs_them():
     for join in (lambda clock, thread: clock.join(thread, 1.0),
                  lambda clock, thread: thread.join()):
         started = time.monotonic()
-        with pytest.raises(RuntimeError, match="the scenario joined thread worker, which runs "
-                                               "only once the scenario has returned"):
+        with pytest.raises(RuntimeError, match="the scenario joined thread worker: no thread "
+                                               "runs until the scenario has returned"):
             explore_threads(lambda clock, join=join: scenario(clock, join), seeds=[0])
         assert time.monotonic() - started < 0.9
     assert explore_threads(lambda clock: scenario(clock, lambda c, t: None),
@@ -445,3 +445,39 @@ def test_no_seed_is_refused_not_a_pass(seeds):
 def two_counters_checked(clock):
     counts = two_counters(clock)
     return lambda: counts[0] == 4
+
+
+@pytest.mark.parametrize(("where", "said"), [
+    ("scenario", "the scenario waited for an event no thread has set yet: no thread runs "
+                 "until the scenario has returned"),
+    ("final", "final check raised RuntimeError: the final check waited on a condition: it "
+              "runs once no thread can go on"),
+    ("invariant", "invariant raised RuntimeError: an invariant waited for an event no thread "
+                  "has set yet: it runs with every thread stopped"),
+], ids=["scenario", "final", "invariant"])
+def test_a_wait_outside_the_threads_is_refused_naming_who_waited(where, said):
+    """The scenario waiting for an event its thread sets (``started.wait(5)``, as on the
+    real clock) was answered False at once and went on as if the thread had not started; a
+    final check's or an invariant's ``cond.wait`` raised "block('cond') outside a
+    controlled thread". Each is refused naming who waited and why no wait can end there."""
+    def scenario(clock):
+        started, cond = clock.event(), clock.condition(clock.lock())
+        clock.start_thread(lambda: clock.sleep(1.0) or started.set(), "starter")
+        if where == "scenario":
+            started.wait(5.0)
+
+        def final():
+            with cond:
+                cond.wait(1.0)
+        checks["invariant"] = lambda: started.wait() or True
+        return final if where == "final" else None
+
+    checks: dict = {}
+    invariant = (lambda: checks["invariant"]()) if where == "invariant" else None
+    if where == "scenario":
+        with pytest.raises(RuntimeError, match=f"^{said}"):
+            explore_threads(scenario, seeds=[0])
+        return
+    found = explore_threads(scenario, seeds=[0], invariant=invariant)
+    assert found.failure is not None and found.failure.message.startswith(said), (
+        found.failure and found.failure.message)

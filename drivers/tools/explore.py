@@ -248,16 +248,10 @@ class CThread(threading.Thread):
         sched = self.sched
         if sched.me() is None:
             sched.foreign("a thread's join")
-            if (threading.current_thread() is sched.driver and not self.finished
-                    and not sched.aborting):
+            if not self.finished:
                 # (no thread runs until the scenario returns: a join without a timeout hung
                 # for ever, before the watchdog, one with a timeout waited it out in real time)
-                raise RuntimeError(
-                    f"the scenario joined thread {self.name}, which runs only once the "
-                    f"scenario has returned: a scenario builds the code under test and "
-                    f"returns its final check, which runs when every thread is done; leave "
-                    f"the threads to the explorer (or join them in a thread started with "
-                    f"clock.start_thread)")
+                sched.cannot_wait(f"joined thread {self.name}")
             return super().join(timeout)
         _as_threading(timeout, nan_ok=False)
         sched.point("join")
@@ -373,6 +367,8 @@ class CCondition:
         sched = self.sched
         if sched.me() is None:
             sched.foreign("a condition")
+            self._owned("wait")
+            sched.cannot_wait("waited on a condition")
         self._owned("wait")
         token = [False]
         _as_threading(timeout)
@@ -442,6 +438,8 @@ class CEvent:
         sched = self.sched
         if sched.me() is None:
             sched.foreign("an event")
+            if not self.flag and (timeout is None or timeout > 0):
+                sched.cannot_wait("waited for an event no thread has set yet")
             return self.flag
         _as_threading(timeout)
         sched.point("event.wait")
@@ -572,6 +570,29 @@ class Scheduler:
                    f"them; start it with clock.start_thread(target, name)")
         self.fail(message)
         raise RuntimeError(message)
+
+    def cannot_wait(self, what: str) -> None:
+        """Refuse a wait that only a controlled thread can make (one that would block) by the
+        ``driver``: the scenario, before any thread ran, or a check, with every thread
+        stopped; it would wait for ever (or its timeout, in real time) for threads that run
+        only once it returns. Nothing for the executor's explorer (no ``driver``)."""
+        if self.driver is None or self.aborting:
+            return
+        if self.checking:
+            raise RuntimeError(
+                f"an invariant {what}: it runs with every thread stopped, so the wait would "
+                f"never end; read the state without waiting")
+        if threading.current_thread() is not self.driver:
+            return
+        if self.budget:  # (the run is over: the final check)
+            raise RuntimeError(
+                f"the final check {what}: it runs once no thread can go on, so the wait "
+                f"would never end; read the state without waiting")
+        raise RuntimeError(
+            f"the scenario {what}: no thread runs until the scenario has returned (it builds "
+            f"the code under test and returns its final check, which runs when every thread "
+            f"is done); leave the threads to the explorer, or wait in a thread started with "
+            f"clock.start_thread")
 
     def _check(self, check: Callable[[], None] | None) -> None:
         """Run one of the checks (``on_point`` ...) outside the controlled world."""
