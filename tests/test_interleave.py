@@ -98,6 +98,10 @@ def test_a_condition_s_wait_for_runs_under_the_explorer():
     ({"depth": 0}, "depth=0"), ({"depth": 2.5}, "depth=2.5"), ({"length": 0}, "length=0"),
     ({"steps": 0}, "steps=0"), ({"horizon_s": 0}, "horizon_s=0"),
     ({"horizon_s": float("nan")}, "horizon_s=nan"), ({"invariant": 3}, "invariant=3"),
+    # a depth above length placed change points past it; depth=10**8 took gigabytes (PCT's
+    # change points are sampled from a list that long) before the first schedule
+    ({"depth": 61, "length": 60}, "depth=61: at most length=60"),
+    ({"depth": 10**9}, "depth=1000000000: at most length=60"),
 ])
 def test_bad_arguments_are_refused_naming_the_argument_and_its_value(kwargs, named):
     """``seeds=5`` (meant: five seeds) failed with ``'int' object is not iterable``; ``depth``

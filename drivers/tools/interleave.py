@@ -161,6 +161,10 @@ def explore_threads(scenario: Scenario, *, seeds: Iterable[int] = range(100), de
     long exploration (``seeds=itertools.count()``) can say how far it got."""
     _check_bounds(scenario, steps=steps, horizon_s=horizon_s, invariant=invariant,
                   depth=depth, length=length)
+    if depth > length:  # (PCTChooser samples its change points from a list that long:
+        # depth=10**8 took gigabytes before the first schedule)
+        raise ValueError(f"depth={depth!r}: at most length={length!r} (its depth - 1 priority "
+                         f"change points are placed among the first length choices)")
     if progress is not None and not callable(progress):
         raise TypeError(f"progress={progress!r}: a function of (schedules, seed) (or None)")
     if isinstance(seeds, (int, str, bytes)):
