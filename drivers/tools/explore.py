@@ -365,11 +365,12 @@ class CCondition:
 
     def wait(self, timeout: float | None = None) -> bool:
         sched = self.sched
-        if sched.me() is None:
+        outside = sched.me() is None
+        if outside:
             sched.foreign("a condition")
-            self._owned("wait")
-            sched.cannot_wait("waited on a condition")
         self._owned("wait")
+        if outside:
+            sched.cannot_wait("waited on a condition")
         token = [False]
         _as_threading(timeout)
         self._waiters.append(token)
