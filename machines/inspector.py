@@ -175,7 +175,8 @@ def _counting(chart: CompiledChart, runs: Callable[[], Iterable[object]]
 class TransitionRates:
     """Transitions taken per minute over the last ``window_s``, per chart and transition id,
     from differences of the charts' taken counters sampled when asked (at most once a
-    second)."""
+    second). Over less than a second (just after the first sample) a count is read as per
+    second (x 60), not extrapolated from the few milliseconds it took."""
 
     def __init__(self, taken: Callable[[], dict[str, tuple[int, ...]]],
                  window_s: float = WINDOW_S, clock: Callable[[], float] = time.monotonic) -> None:
@@ -215,7 +216,9 @@ class TransitionRates:
         span = now - start
         if span <= 0:
             return {name: [0.0] * len(counts) for name, counts in snap.items()}
-        scale = 60.0 / span
+        # over less than a sample gap (just after start or registration) the count is per
+        # that gap, not extrapolated: one transition 2 ms in read 30,000/min
+        scale = 60.0 / max(span, _MIN_SAMPLE_GAP_S)
         return {name: [round((new - before) * scale, 1)
                        for new, before in zip(counts, old.get(name, (0,) * len(counts)),
                                               strict=True)]

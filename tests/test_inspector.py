@@ -376,3 +376,21 @@ def test_counts_for_a_state_the_chart_lacks_or_below_zero_are_named(monkeypatch,
     assert chart["error"].startswith(
         f"TrafficLight: the counts= function given to register {named}"), chart["error"]
     inspector.close()
+
+
+def test_a_rate_just_after_the_first_sample_is_not_extrapolated_from_milliseconds(monkeypatch):
+    """One transition 2 ms after the inspector's first sample read 30,000 per minute (the
+    count over 2 ms, times 60 s): the live page showed a burst that never was. Over less
+    than a second it is now read as per second."""
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    from order_workflow import Order, OrderWorkflow
+
+    now = [100.0]
+    inspector = Inspector(window_s=60.0, clock=lambda: now[0])
+    inspector.register(OrderWorkflow, counts=dict, count_instances=False)
+    place = next(t for t in compiled(OrderWorkflow).transitions if t.event == "place")
+    compiled(OrderWorkflow).run(Order(items=["pen"])).send("place")
+    now[0] += 0.002
+    assert inspector.rates.per_minute()["OrderWorkflow"][place.id] == pytest.approx(60.0)
+    now[0] += 29.998  # one in 30 s: 2 per minute, as before
+    assert inspector.rates.per_minute()["OrderWorkflow"][place.id] == pytest.approx(2.0)
