@@ -164,8 +164,11 @@ class InferenceRequest:
 
     @property
     def seq_id(self) -> int:
-        """The request's sequence (the first id; step 3 guarantees there is exactly one)."""
-        return self.seq_ids[0]
+        """The request's sequence (the first id; step 3 guarantees there is exactly one).
+        -1 for a request naming none (``seq_id=[]``), which step 3 refuses (``seq_count=0``):
+        the job refused for it still names a sequence in its Status and trail, as a job
+        refused for no request at all does. (It raised IndexError out of ``enqueue``.)"""
+        return self.seq_ids[0] if self.seq_ids else -1
 
     @property
     def primary(self) -> np.ndarray | None:
