@@ -68,7 +68,7 @@ import numpy as np
 from calexec.contracts import fields
 from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.status import Phase, Status
-from calexec.contracts.types import TaskKind
+from calexec.contracts.types import S32_MAX, TaskKind
 from calexec.machines.dispatch import Arm
 from calexec.machines.job import InferenceResult, Job, JobHandle, job_of
 
@@ -91,6 +91,19 @@ _AHEAD_WAIT_S = 10.0
 
 def _is_token(token: object, vocab: int) -> bool:
     return fields.is_token_id(token) and token < vocab
+
+
+def _position(past: object) -> np.ndarray:
+    """The int32 ``positions`` of a decode step at ``past``, for the request that checks
+    ``past``. A ``past_len`` no s32 holds (``decode_stream(seq, 2**31, ...)``) is clipped:
+    §6.3 step 2 refuses it (beyond u32, or beyond ``max_seq`` <= S32_MAX) before positions
+    are read, so the stream answers ``request.invalid`` naming ``past_len``. One that is no
+    int (None, a str) is left to ``InferenceRequest``'s converter, whose TypeError names
+    ``past_len``. (``np.full`` raised OverflowError, or for None a TypeError naming nothing,
+    out of ``decode_stream`` and ``submit``.)"""
+    if not fields.is_int(past):
+        return np.zeros(1, np.int32)
+    return np.full(1, min(max(int(past), -S32_MAX - 1), S32_MAX), np.int32)
 
 
 class DecodeStream:
@@ -313,7 +326,7 @@ class DecodeStream:
         UNAVAILABLE while a recovery runs); the stream closes when it is waited for."""
         request = InferenceRequest(
             seq_id=self.seq_id, kind=TaskKind.DECODE, tokens=np.asarray([token], np.int32),
-            positions=np.full(1, self.past_len, np.int32), past_len=self.past_len,
+            positions=_position(self.past_len), past_len=self.past_len,
             deadline=self.deadline, want_logits=self.want_logits, request_id=self.request_id)
 
         def cancel(created: JobHandle) -> None:
@@ -592,7 +605,7 @@ class DecodeStream:
                                      f"{self.max_len}")
         request = InferenceRequest(
             seq_id=self.seq_id, kind=TaskKind.DECODE, tokens=np.zeros(1, np.int32),
-            positions=np.full(1, past, np.int32), past_len=past, deadline=self.deadline,
+            positions=_position(past), past_len=past, deadline=self.deadline,
             want_logits=self.want_logits, request_id=self.request_id)
         parity = (past - self._row0) % 2
         rows = self._rows  # (_fresh is only ever True with rows)

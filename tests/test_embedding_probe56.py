@@ -53,3 +53,32 @@ def test_a_request_naming_no_sequence_is_refused_at_step_3_not_raised(calbin):
         assert isinstance(result, InferenceResult), result  # the executor serves on
         assert ex.release_sequence(1, 1.0).ok
         assert ex.shutdown(5.0).ok and ex.state == "Stopped"
+
+
+# ---- a decode stream from a past_len no s32 holds ---------------------------------------------
+@pytest.mark.parametrize("past_len", [2**31, 2**40, -(2**40)])
+def test_a_stream_from_a_past_len_no_int32_holds_is_closed_naming_it(calbin, past_len):
+    """docs/embedding.md: a stream whose first step's request fails the §6.3 checks (a
+    ``past_len`` beyond ``max_seq``) is returned closed, its ``status`` that
+    ``request.invalid``. A ``past_len`` beyond the int32 range raised ``OverflowError: Python
+    integer ... out of bounds for int32`` out of ``decode_stream`` (and, with a ``max_len``
+    that kept the stream open, out of ``submit``)."""
+    with running_executor(calbin) as ex:
+        first = ex.enqueue(prefill(1, PROMPT)).wait_until(deadline(BOUND_S))
+        assert isinstance(first, InferenceResult), first
+        stream = ex.decode_stream(1, past_len, deadline(BOUND_S))
+        assert stream.closed and stream.status is not None
+        assert stream.status.code == "request.invalid" and stream.status.step == 2
+        assert f"past_len={past_len}" in stream.status.message, stream.status
+        kept_open = ex.decode_stream(1, past_len, deadline(BOUND_S), max_len=16)
+        kept_open.cancel()  # a cancelled stream's step is built another way: the same answer
+        step = kept_open.submit(first.argmax)
+        answer = step if isinstance(step, Status) else kept_open.wait()
+        assert isinstance(answer, Status), answer
+        stream = ex.decode_stream(1, past_len, deadline(BOUND_S), max_len=16)
+        step = stream.submit(first.argmax)
+        assert isinstance(step, Status) and step.code == "request.invalid", step
+        assert f"past_len={past_len}" in step.message, step
+        with pytest.raises(TypeError, match="past_len=None"):
+            ex.decode_stream(1, None, deadline(BOUND_S))  # type: ignore[arg-type]
+        assert ex.release_sequence(1, 1.0).ok
