@@ -444,15 +444,15 @@ class DeviceExecutor(SequenceOwnership):
                 calbin_path: str | None = None) -> Status:
         """Drain, optionally reset, replace the generation, golden, reopen admission
         (``DeviceLifecycle.recover``). Called on the submitter or completion thread (a done
-        callback) it raises RuntimeError, changing nothing (``_refuse_on_worker_thread``)."""
-        self._refuse_on_worker_thread("recover")
+        callback) it raises RuntimeError, changing nothing (``refuse_on_worker_thread``)."""
+        self.refuse_on_worker_thread("recover")
         return self.life.recover(reason, reset, calbin_path)
 
     def switch_model(self, calbin_path: str | os.PathLike[str]) -> Status:
         """Model switch through the lifecycle; a refused calbin rolls back
         (``DeviceLifecycle.switch_model``). Called on the submitter or completion thread (a
-        done callback) it raises RuntimeError, changing nothing (``_refuse_on_worker_thread``)."""
-        self._refuse_on_worker_thread("switch_model")
+        done callback) it raises RuntimeError, changing nothing (``refuse_on_worker_thread``)."""
+        self.refuse_on_worker_thread("switch_model")
         return self.life.switch_model(calbin_path)
 
     def check_calbin(self, calbin_path: object, max_bytes: int | None = None,
@@ -471,8 +471,8 @@ class DeviceExecutor(SequenceOwnership):
         stop the threads, release the generation and the device: Stopped when drained (FI13),
         Failed otherwise; idempotent (``DeviceLifecycle.shutdown``). Called on the submitter
         or completion thread (a done callback) it raises RuntimeError, changing nothing
-        (``_refuse_on_worker_thread``)."""
-        self._refuse_on_worker_thread("shutdown")
+        (``refuse_on_worker_thread``)."""
+        self.refuse_on_worker_thread("shutdown")
         return self.life.shutdown(grace)
 
     # ---- observability: what the components count ----------------------------------------------
@@ -522,8 +522,8 @@ class DeviceExecutor(SequenceOwnership):
         (zero allocations per token); None allocates one per job. An ``on_created`` that is
         not callable raises TypeError naming it, before anything is created. Called on the
         submitter or completion thread (a done callback) it raises RuntimeError
-        (``_refuse_on_worker_thread``): an admission that waits there holds every other job."""
-        self._refuse_on_worker_thread("enqueue")
+        (``refuse_on_worker_thread``): an admission that waits there holds every other job."""
+        self.refuse_on_worker_thread("enqueue")
         if on_created is not None and not callable(on_created):
             raise TypeError(f"enqueue: on_created={on_created!r:.200}: expected a callable "
                             "taking the handle, or None")
@@ -1235,7 +1235,7 @@ class DeviceExecutor(SequenceOwnership):
             reasons.append(f"the device has not let go of {held} failed job(s)")
         return reasons
 
-    def _refuse_on_worker_thread(self, call: str) -> None:
+    def refuse_on_worker_thread(self, call: str, owner: str = "DeviceExecutor") -> None:
         """RuntimeError naming ``call`` and the thread when the calling thread is this
         executor's submitter or completion thread, i.e. a done callback called the executor
         (docs/embedding.md section 4 forbids it). ``shutdown`` there stopped admission, then
@@ -1245,11 +1245,13 @@ class DeviceExecutor(SequenceOwnership):
         way whenever its admission waited for KV or a buffer; ``recover`` and ``switch_model``
         there drained a generation whose job that very thread holds, for ``drain_grace_s``
         twice around a reset, and ended the lifecycle Failed (``recovery.not_drained``). Each
-        is refused before anything changes."""
+        is refused before anything changes. A decode stream's ``submit`` and ``wait``
+        (``owner`` ``DecodeSteps``) are refused the same way: a step there waited for a job
+        only that thread completes, past the stream's deadline, and every other job with it."""
         current = threading.current_thread()
         if current in self._threads:  # a list of two: identity, at C speed
             raise RuntimeError(
-                f"DeviceExecutor.{call}() called on the executor's own thread {current.name} "
+                f"{owner}.{call}() called on the executor's own thread {current.name} "
                 "(from a done callback?): it could wait for that thread itself; a done "
                 "callback must only hand the result on (loop.call_soon_threadsafe, "
                 "queue.put_nowait) and call the executor from a thread of yours")
@@ -1274,8 +1276,8 @@ class DeviceExecutor(SequenceOwnership):
         job_id, seq_id, generation, raw CalRT code and phase. ``logits_out`` as for
         ``enqueue`` (a llama context's own logits row: no allocation per token). Called on
         the submitter or completion thread (a done callback) it raises RuntimeError
-        (``_refuse_on_worker_thread``)."""
-        self._refuse_on_worker_thread("decode_sync")
+        (``refuse_on_worker_thread``)."""
+        self.refuse_on_worker_thread("decode_sync")
         handle = self.enqueue(request, logits_out=logits_out)
         if not self.config.threads:
             while not handle.done and (self.submit_one() or self.complete_one()):

@@ -209,7 +209,10 @@ class DecodeStream:
         """Hand ``token`` to the pre-armed job (or admit one now) and queue it; the submitter
         arms the job after it once it has nothing to submit. Returns the job's handle
         (``wait`` resolves it) or, when the stream is closed or the token is invalid, a
-        Status (the stream is then closed)."""
+        Status (the stream is then closed). Called on the executor's submitter or completion
+        thread (a done callback) it raises RuntimeError naming it, before anything changes:
+        its admission, and its ``wait``, would wait for the thread it runs on."""
+        self.ex.refuse_on_worker_thread("submit", "DecodeSteps")
         refused = self._refused()
         if refused is not None:
             return refused
@@ -349,11 +352,17 @@ class DecodeStream:
         return self.ex.fire_armed(job, token, self if more else None, arm_delay_s)
 
     def wait(self) -> InferenceResult | Status:
-        """The result of the step submitted last (bounded by the stream's deadline)."""
+        """The result of the step submitted last (bounded by the stream's deadline). Called
+        on the executor's submitter or completion thread (a done callback) while that step is
+        not resolved, it raises RuntimeError naming it, before anything changes: only that
+        thread could resolve it (it waited out the deadline, then ``cancelled_job_bound``,
+        with every other job stalled behind it). A resolved step is taken there as anywhere."""
         handle = self._current
         if handle is None:
             return self.status or Status.invalid(4, "decode stream: wait() without submit()")
         ex = self.ex
+        if not handle.done:
+            ex.refuse_on_worker_thread("wait", "DecodeSteps")
         if not ex.config.threads:  # stepped mode: drive the executor like decode_sync
             while not handle.done and (ex.submit_one() or ex.complete_one()):
                 pass

@@ -8,6 +8,8 @@ No timing threshold: every wait is bounded, and a bound that is reached fails th
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from calexec.contracts.status import Status
@@ -17,6 +19,7 @@ from calexec.machines.job import InferenceResult
 from executor_harness import (
     MANIFEST,
     deadline,
+    expected_greedy,
     prefill,
     running_executor,
     write_calbin,
@@ -82,3 +85,82 @@ def test_a_stream_from_a_past_len_no_int32_holds_is_closed_naming_it(calbin, pas
         with pytest.raises(TypeError, match="past_len=None"):
             ex.decode_stream(1, None, deadline(BOUND_S))  # type: ignore[arg-type]
         assert ex.release_sequence(1, 1.0).ok
+
+
+# ---- a decode stream stepped from a done callback ---------------------------------------------
+def test_a_stream_step_from_a_done_callback_raises_naming_it_and_the_executor_serves_on(calbin):
+    """A done callback runs on ``calexec-completion`` and must not call back in (section 4),
+    which ``enqueue`` and ``decode_sync`` there enforce with a RuntimeError. A decode stream's
+    ``step`` there (a callback chaining the next token) was taken: its ``wait`` waited for a
+    job only that same thread completes, past the stream's deadline and on for the cancelled
+    job's bound, every other job stalled behind it: an unrelated request ended
+    ``submit.deadline`` and ``shutdown`` answered ``shutdown.not_drained`` (Failed). Now
+    ``submit`` raises naming ``DecodeSteps.submit()`` and the thread, changing nothing."""
+    with running_executor(calbin) as ex:
+        first = ex.enqueue(prefill(1, PROMPT)).wait_until(deadline(BOUND_S))
+        assert isinstance(first, InferenceResult), first
+        stream = ex.decode_stream(1, first.kv_len, deadline(BOUND_S))
+        seen: dict[str, object] = {}
+        ran = threading.Event()
+
+        def callback(_handle) -> None:
+            seen["thread"] = threading.current_thread().name
+            try:
+                seen["answer"] = stream.step(first.argmax)
+            except RuntimeError as exc:
+                seen["error"] = str(exc)
+            finally:
+                ran.set()
+
+        other = ex.enqueue(prefill(2, PROMPT), on_created=lambda h: h.add_done_callback(callback))
+        assert isinstance(other.wait_until(deadline(BOUND_S)), InferenceResult)
+        assert ran.wait(BOUND_S)
+        assert seen["thread"] == "calexec-completion" and "answer" not in seen, seen
+        assert "DecodeSteps.submit()" in str(seen["error"])
+        assert "calexec-completion" in str(seen["error"])
+        third = ex.enqueue(prefill(3, PROMPT)).wait_until(deadline(5.0))
+        assert isinstance(third, InferenceResult), third  # nothing stalled behind it
+        step = stream.step(first.argmax)  # the stream is as it was: its owner steps it
+        assert isinstance(step, InferenceResult), step
+        assert [first.argmax, step.argmax] == expected_greedy(PROMPT, 1)
+        assert stream.close().code == "request.cancelled"
+        assert all(ex.release_sequence(s, 1.0).ok for s in (1, 2, 3))
+        status = ex.shutdown(5.0)
+        assert status.ok and ex.state == "Stopped", status
+
+
+def test_a_stream_wait_from_a_done_callback_for_a_step_in_flight_raises_naming_it(calbin):
+    """The step's ``wait`` from a callback of another job (on ``calexec-completion``) while
+    the step is still unresolved: only that thread resolves it, so the wait is refused naming
+    ``DecodeSteps.wait()``, and the owner takes the step afterwards. (The prefill before it
+    is slowed, so the step is queued behind it when its callback runs.)"""
+    with running_executor(calbin) as ex:
+        first = ex.enqueue(prefill(1, PROMPT)).wait_until(deadline(BOUND_S))
+        assert isinstance(first, InferenceResult), first
+        stream = ex.decode_stream(1, first.kv_len, deadline(BOUND_S))
+        seen: dict[str, object] = {}
+        ran = threading.Event()
+
+        def callback(_handle) -> None:
+            try:
+                seen["answer"] = stream.wait()
+            except RuntimeError as exc:
+                seen["error"] = str(exc)
+            finally:
+                ran.set()
+
+        assert ex.device.emu.set_knob("prefill_per_token_us", 150_000) == 0  # 1.2 s
+        slow = ex.enqueue(prefill(2, PROMPT), on_created=lambda h: h.add_done_callback(callback))
+        handle = stream.submit(first.argmax)
+        assert not isinstance(handle, Status), handle
+        assert not slow.done  # the step is queued behind the slow prefill
+        assert ran.wait(BOUND_S)
+        assert ex.device.emu.set_knob("prefill_per_token_us", 0) == 0
+        assert "answer" not in seen, seen
+        assert "DecodeSteps.wait()" in str(seen["error"]), seen
+        step = stream.wait()
+        assert isinstance(step, InferenceResult), step
+        assert [first.argmax, step.argmax] == expected_greedy(PROMPT, 1)
+        stream.close()
+        assert all(ex.release_sequence(s, 1.0).ok for s in (1, 2))
+        assert ex.shutdown(5.0).ok and ex.state == "Stopped"
