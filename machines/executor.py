@@ -1196,6 +1196,11 @@ class DeviceExecutor(SequenceOwnership):
             self.outcomes.count(status)
             job.resolve(status)
 
+    def on_worker_thread(self) -> bool:
+        """The calling thread is this executor's submitter or completion thread (a done
+        callback runs there): it must not wait for what only that thread does."""
+        return threading.current_thread() in self._threads  # a list of two: identity
+
     def threads_alive(self) -> dict[str, bool]:
         return {t.name: t.is_alive() for t in self._threads}
 
@@ -1248,8 +1253,8 @@ class DeviceExecutor(SequenceOwnership):
         is refused before anything changes. A decode stream's ``submit`` and ``wait``
         (``owner`` ``DecodeSteps``) are refused the same way: a step there waited for a job
         only that thread completes, past the stream's deadline, and every other job with it."""
-        current = threading.current_thread()
-        if current in self._threads:  # a list of two: identity, at C speed
+        if self.on_worker_thread():
+            current = threading.current_thread()
             raise RuntimeError(
                 f"{owner}.{call}() called on the executor's own thread {current.name} "
                 "(from a done callback?): it could wait for that thread itself; a done "

@@ -225,7 +225,10 @@ class JobOutcomes:
         a closing stream): until each is resolved its KV txn still holds the sequence. A
         caller whose armed job was taken (a stream's step, a request whose guess expired)
         learns it at once, before that release ends; without this wait its reserve would
-        answer ``kv.sequence_busy`` on its own sequence, where the plain path admits it."""
+        answer ``kv.sequence_busy`` on its own sequence, where the plain path admits it. So
+        for the step fired ahead and discarded, last (``DecodeStream.wait_discarded``,
+        bounded): it answered ``kv.sequence_busy`` to a plain decode of a greedy stream's
+        sequence, and then to the stream's own next step, both admitted without greedy ahead."""
         dispatch = self.dispatch
         if not dispatch.anything_for(seq_id):  # (unlocked hint: the common case, nothing)
             return
@@ -243,6 +246,8 @@ class JobOutcomes:
         if not dispatch.wait_releases(seq_id, end):
             log.warning("seq %d: an armed job of it still being released after %.1fs",
                         seq_id, ARMING_WAIT_S)
+        if ahead is not None and stream is not None:  # on the device, cancelled: let it end
+            stream.wait_discarded(ahead)
 
     def reclaim_armed(self) -> None:
         """An admission is short of a slot or of token budget: release every pre-armed job

@@ -19,6 +19,7 @@ from calexec.machines.job import InferenceResult
 from executor_harness import (
     MANIFEST,
     deadline,
+    decode,
     expected_greedy,
     prefill,
     running_executor,
@@ -163,4 +164,38 @@ def test_a_stream_wait_from_a_done_callback_for_a_step_in_flight_raises_naming_i
         assert [first.argmax, step.argmax] == expected_greedy(PROMPT, 1)
         stream.close()
         assert all(ex.release_sequence(s, 1.0).ok for s in (1, 2))
+        assert ex.shutdown(5.0).ok and ex.state == "Stopped"
+
+
+# ---- a plain request on a greedy stream's sequence --------------------------------------------
+@pytest.mark.parametrize("greedy_ahead", [False, True])
+def test_a_plain_decode_on_a_greedy_streams_sequence_is_answered_as_without_greedy_ahead(
+        calbin, greedy_ahead):
+    """Another request of a stream's sequence releases what the stream armed, and a step the
+    completion thread fired ahead (``greedy_ahead``) and the caller has not taken is
+    discarded: "the caller's step is admitted again, after that request, as the plain path
+    runs it" (machines/stream.py). The discarded step was cancelled but not waited for, so
+    while the device still ran it the request answered ``kv.sequence_busy`` (400, "a
+    sequence runs one job at a time", for a sequence whose caller had nothing in flight), and
+    so did the stream's own next step, which closed the stream; without greedy ahead both
+    are served. Now the request waits (bounded) for the discarded step to end, and both
+    answers are the plain path's. (The decode is slowed so the step fired ahead is still on
+    the device when the request comes.)"""
+    with running_executor(calbin, device_config="decode_us=300000") as ex:
+        first = ex.enqueue(prefill(1, PROMPT, kv_reserve_len=16)).wait_until(
+            deadline(BOUND_S))
+        assert isinstance(first, InferenceResult), first
+        stream = ex.decode_stream(1, first.kv_len, deadline(BOUND_S), greedy_ahead=greedy_ahead)
+        step = stream.step(first.argmax)
+        assert isinstance(step, InferenceResult), step
+        assert (stream.ahead is not None) == greedy_ahead  # fired before step() returned
+        plain = ex.enqueue(decode(1, step.argmax, step.kv_len)).wait_until(deadline(BOUND_S))
+        assert isinstance(plain, InferenceResult), plain
+        again = stream.step(step.argmax)  # the stream's step rewrites that position
+        assert isinstance(again, InferenceResult), again
+        expected = expected_greedy(PROMPT, 2)
+        assert [first.argmax, step.argmax, plain.argmax] == expected
+        assert again.argmax == plain.argmax and again.kv_len == plain.kv_len
+        stream.close()
+        assert ex.release_sequence(1, 1.0).ok
         assert ex.shutdown(5.0).ok and ex.state == "Stopped"
