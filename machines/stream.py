@@ -417,7 +417,9 @@ class DecodeStream:
         ahead that the caller never took is cancelled; with ``wait`` (the default) close()
         also waits for it to end (bounded), so the sequence is free once it returns. With
         ``wait=False`` it returns at once: ``quiet`` tells when the discarded step has ended
-        (a server answers its client first and releases the sequence in the background)."""
+        (a server answers its client first and releases the sequence in the background).
+        Called on the executor's submitter or completion thread (a done callback), it never
+        waits, as with ``wait=False``: only that thread could end what it would wait for."""
         return self._close(Status.cancelled(Phase.CANCEL, "decode stream closed"), wait=wait)
 
     @property
@@ -440,6 +442,11 @@ class DecodeStream:
     def _close(self, status: Status, wait: bool = True) -> Status:
         ex = self.ex
         dispatch = ex.dispatch
+        # On the executor's own thread (a done callback closing the stream) nothing below is
+        # waited for, as with ``wait=False``: the step fired ahead ends only once that very
+        # thread completes it (the completion thread stood still for the whole bound, 10 s,
+        # every other job behind it); ``quiet`` tells when it ended.
+        waits = ex.config.threads and not ex.on_worker_thread()
         with dispatch.cv:  # the submitter reads status when it finishes arming
             if self.status is None:
                 self.status = status
@@ -456,7 +463,7 @@ class DecodeStream:
             ahead = self._take_ahead()
         if job is not None and not ex.release_armed(job, Status.cancelled(
                 Phase.CANCEL, f"decode stream of seq {self.seq_id} closed: {status.code}")
-        ) and ex.config.threads:
+        ) and waits:
             # the submitter took it first (cancelled, expired, fenced) and releases it now:
             # wait (bounded) for the end of that release, which resolves the job last, so
             # that once close() returns the sequence is free
@@ -465,9 +472,9 @@ class DecodeStream:
             handle = ahead[1]  # stepped mode: whoever drives the executor completes it)
             handle.cancel()
             self._discarded = handle
-            if ex.config.threads and wait:
+            if waits and wait:
                 handle.wait_until(min(self.deadline, ex.clock.monotonic() + _AHEAD_WAIT_S))
-        elif wait and self._discarded is not None and ex.config.threads:
+        elif wait and self._discarded is not None and waits:
             # an earlier close(wait=False) left it: a later close() waits as promised
             self._discarded.wait_until(min(self.deadline,
                                            ex.clock.monotonic() + _AHEAD_WAIT_S))

@@ -23,6 +23,7 @@ from executor_harness import (
     expected_greedy,
     prefill,
     running_executor,
+    until,
     write_calbin,
 )
 
@@ -198,4 +199,38 @@ def test_a_plain_decode_on_a_greedy_streams_sequence_is_answered_as_without_gree
         assert again.argmax == plain.argmax and again.kv_len == plain.kv_len
         stream.close()
         assert ex.release_sequence(1, 1.0).ok
+        assert ex.shutdown(5.0).ok and ex.state == "Stopped"
+
+
+# ---- a greedy stream closed from a done callback ----------------------------------------------
+def test_closing_a_greedy_stream_from_a_done_callback_never_holds_the_completion_thread(calbin):
+    """A done callback of a stream's step that closes the stream (a stop condition of the
+    embedder's own) runs on ``calexec-completion``, just after that thread fired the next step
+    ahead. ``close()`` waited there, up to 10 s, for that step to end, which only that very
+    thread can complete: every other job stood still behind it (an unrelated request with a
+    5 s deadline ended ``submit.deadline``). On the executor's own threads ``close()`` now
+    never waits, as ``close(wait=False)``; ``quiet`` tells when the discarded step ended."""
+    with running_executor(calbin, device_config="decode_us=300000") as ex:
+        first = ex.enqueue(prefill(1, PROMPT, kv_reserve_len=16)).wait_until(
+            deadline(BOUND_S))
+        assert isinstance(first, InferenceResult), first
+        stream = ex.decode_stream(1, first.kv_len, deadline(BOUND_S), greedy_ahead=True)
+        seen: dict[str, object] = {}
+
+        def callback(_handle) -> None:
+            seen["thread"] = threading.current_thread().name
+            seen["ahead"] = stream.ahead is not None
+            seen["closed"] = stream.close()
+
+        handle = stream.submit(first.argmax)
+        assert not isinstance(handle, Status), handle
+        handle.add_done_callback(callback)  # the step runs 0.3 s: registered before it ends
+        step = stream.wait()
+        assert isinstance(step, InferenceResult), step
+        other = ex.enqueue(prefill(2, PROMPT, seconds=5.0)).wait_until(deadline(BOUND_S))
+        assert isinstance(other, InferenceResult), other  # nothing stood still behind it
+        assert seen["thread"] == "calexec-completion" and seen["ahead"] is True, seen
+        assert isinstance(seen["closed"], Status) and stream.closed
+        until(lambda: stream.quiet, BOUND_S, "the discarded step to end")
+        assert ex.release_sequence(1, 1.0).ok and ex.release_sequence(2, 1.0).ok
         assert ex.shutdown(5.0).ok and ex.state == "Stopped"
