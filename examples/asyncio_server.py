@@ -10,6 +10,9 @@ A connection sends requests, one JSON object per line, and reads the answer line
                       "grpc_code": ..., "message": ...}}   (Status.to_dict(); the tokens sent stay)
     {"op": "health"}  -> {"ready": true, "reasons": [], "lifecycle": "Ready"}
 
+A request line is at most 1 MiB (``MAX_LINE_BYTES``: a prompt of the model's whole context
+fits); a longer one is answered with a ``request.invalid`` error line and the connection closed.
+
 Greedy decoding: a prefill reserving the KV of the whole request, then the executor's pre-armed
 decode stream with greedy ahead. Every completion is awaited with ``JobHandle.wait_async``: no
 thread waits for the device. The calls that may block (admission, a stream's submit and close,
@@ -58,6 +61,11 @@ T = TypeVar("T")
 P = ParamSpec("P")
 #: how long a finished generation waits for its cancelled last job before withholding its id
 RELEASE_WAIT_S = 30.0
+#: the longest request line read: a prompt as long as the model's context (40,960 ids of up
+#: to 6 digits and a separator) fits; asyncio's default, 64 KiB, held ~10,000 ids
+MAX_LINE_BYTES = 1 << 20
+#: a token id is an int32 on the device (§6.3 checks it against the vocabulary)
+TOKEN_ID_MAX = 2**31 - 1
 
 
 class Refused(Exception):
@@ -207,6 +215,9 @@ def parse(body: object) -> tuple[list[int], int, frozenset[int], float]:
     stop, timeout_s = body.get("stop", []), body.get("timeout_s", 30.0)
     if not (isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt)):
         raise Refused(_invalid("prompt: a non-empty list of token ids"))
+    beyond = next((i for i, t in enumerate(prompt) if not 0 <= t <= TOKEN_ID_MAX), None)
+    if beyond is not None:  # (np.asarray(prompt, np.int32) raised OverflowError on it)
+        raise Refused(_invalid(f"prompt[{beyond}]={prompt[beyond]}: not a token id"))
     if type(max_tokens) is not int or max_tokens < 1:
         raise Refused(_invalid(f"max_tokens={max_tokens!r}: an int >= 1"))
     if not (isinstance(stop, list) and all(type(t) is int for t in stop)):
@@ -228,7 +239,8 @@ class JsonLineServer:
         self.draining = False
 
     async def start(self) -> None:
-        self.server = await asyncio.start_server(self._connection, self.host, self.port)
+        self.server = await asyncio.start_server(self._connection, self.host, self.port,
+                                                 limit=MAX_LINE_BYTES)
         self.port = self.server.sockets[0].getsockname()[1]
 
     async def _send(self, writer: asyncio.StreamWriter, message: dict[str, Any]) -> None:
@@ -258,6 +270,10 @@ class JsonLineServer:
                 await task
         except (ConnectionError, asyncio.IncompleteReadError):
             pass  # the client went away: its generation was cancelled with this task
+        except ValueError:  # readline: a line longer than the limit; the rest is unread
+            with contextlib.suppress(ConnectionError):
+                await self._send(writer, {"error": _invalid(
+                    f"a request line is longer than {MAX_LINE_BYTES} bytes").to_dict()})
         finally:
             if me is not None:
                 self.connections.discard(me)

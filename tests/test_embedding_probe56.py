@@ -8,7 +8,11 @@ No timing threshold: every wait is bounded, and a bound that is reached fails th
 
 from __future__ import annotations
 
+import asyncio
+import importlib.util
+import json
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -234,3 +238,73 @@ def test_closing_a_greedy_stream_from_a_done_callback_never_holds_the_completion
         until(lambda: stream.quiet, BOUND_S, "the discarded step to end")
         assert ex.release_sequence(1, 1.0).ok and ex.release_sequence(2, 1.0).ok
         assert ex.shutdown(5.0).ok and ex.state == "Stopped"
+
+
+# ---- the example server: a long prompt, an id no int32 holds -----------------------------------
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "asyncio_server.py"
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("asyncio_server_example56", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+async def _ask(port: int, line: bytes) -> list[dict]:
+    """One request line on a fresh loopback connection: every line answered, up to the last
+    (an answer that is no token), or up to the connection's end."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(line + b"\n")
+        await writer.drain()
+        answers: list[dict] = []
+        while raw := await asyncio.wait_for(reader.readline(), BOUND_S):
+            answers.append(json.loads(raw))
+            if "token" not in answers[-1]:
+                break
+        return answers
+    finally:
+        writer.close()
+
+
+def test_the_example_server_takes_a_context_long_prompt_and_names_what_it_refuses(calbin):
+    """examples/asyncio_server.py, the page's server to copy: a prompt of 40,000 ids (the
+    model's context is 40,960) is a ~240 KB line, past asyncio's 64 KiB default line limit:
+    the connection handler raised ("Separator is not found, and chunk exceed the limit") and
+    the client's connection was dropped with no answer, as for any prompt of more than about
+    10,000 ids. A prompt id no int32 holds (``10**12``) raised OverflowError out of
+    ``np.asarray(prompt, np.int32)``: dropped too. Now the long prompt is served, a line over
+    the (1 MiB) limit and the id are refused with an error line naming them, and the
+    sequence ids all come back."""
+    example = _example()
+    from calexec.machines.executor import ExecutorConfig as Config
+
+    async def main():
+        executor = DeviceExecutor(CalRT.load(), MANIFEST, Config(calbin_path=calbin))
+        embedding = example.Embedding(executor, 2)
+        assert (await embedding.call(executor.start)).ok
+        server = example.JsonLineServer(embedding)
+        await server.start()
+        try:
+            long_prompt = await _ask(server.port, json.dumps(
+                {"prompt": [5] * 40_000, "max_tokens": 2}).encode())
+            huge_id = await _ask(server.port, b'{"prompt": [1000000000000], "max_tokens": 2}')
+            too_long = await _ask(server.port, b'{"prompt": [' + b"1, " * 400_000 + b"1]}")
+            after = await _ask(server.port, json.dumps(
+                {"prompt": PROMPT, "max_tokens": 2}).encode())
+        finally:
+            status = await server.drain(BOUND_S)
+        return long_prompt, huge_id, too_long, after, status, embedding
+
+    long_prompt, huge_id, too_long, after, status, embedding = asyncio.run(main())
+    assert long_prompt and long_prompt[-1].get("done") is True, long_prompt
+    assert len(long_prompt[-1]["tokens"]) == 2
+    assert huge_id and huge_id[-1]["error"]["code"] == "request.invalid", huge_id
+    assert "prompt[0]=1000000000000" in huge_id[-1]["error"]["message"]
+    assert too_long and too_long[-1]["error"]["code"] == "request.invalid", too_long
+    assert "longer than" in too_long[-1]["error"]["message"]
+    assert after[-1] == {"done": True, "finish_reason": "length",
+                         "tokens": expected_greedy(PROMPT, 1)}
+    assert status.ok and embedding.ex.state == "Stopped"
+    assert embedding.free.qsize() == 2 and not embedding.withheld
