@@ -107,8 +107,10 @@ def _kv_reserve_len(value: SupportsIndex | None) -> int | None:
 
 
 def _deadline(value: SupportsFloat) -> float:
-    """An absolute ``time.monotonic()`` value (None is no deadline here: pass one)."""
-    if isinstance(value, (str, bytes)):  # float("3") would parse it: refuse, as for None
+    """An absolute ``time.monotonic()`` value (None is no deadline here: pass one). A bool
+    is no time, as it is no int for the other fields (and no seconds for a handle's waits):
+    ``deadline=True`` was 1.0, a deadline long past, answered ``admission.deadline``."""
+    if isinstance(value, (str, bytes, bool, np.bool_)):  # float("3") would parse it: refuse
         raise TypeError(f"InferenceRequest.deadline={value!r}: expected an absolute "
                         f"time.monotonic() value (a float), got {type(value).__name__}")
     try:

@@ -14,9 +14,12 @@ import json
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.status import Status
+from calexec.contracts.types import TaskKind
 from calexec.drivers.calrt.runtime import CalRT
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 from calexec.machines.job import InferenceResult
@@ -308,3 +311,15 @@ def test_the_example_server_takes_a_context_long_prompt_and_names_what_it_refuse
                          "tokens": expected_greedy(PROMPT, 1)}
     assert status.ok and embedding.ex.state == "Stopped"
     assert embedding.free.qsize() == 2 and not embedding.withheld
+
+
+# ---- a bool where a deadline belongs ----------------------------------------------------------
+@pytest.mark.parametrize("flag", [True, False, np.bool_(True)], ids=["True", "False", "np.True_"])
+def test_a_bool_deadline_is_refused_at_construction_naming_it(flag):
+    """``InferenceRequest(deadline=True)`` (a flag where the deadline belongs) was taken as
+    1.0, a monotonic time long past, and answered ``admission.deadline`` (504, "the deadline
+    passed"), where every other field refuses a bool ("a bool is no int here") and so do a
+    handle's waits and ``shutdown``'s grace; now a TypeError naming ``deadline``."""
+    with pytest.raises(TypeError, match=r"InferenceRequest\.deadline=.*got bool"):
+        InferenceRequest(seq_id=1, kind=TaskKind.DECODE, tokens=np.zeros(1, np.int32),
+                         positions=np.zeros(1, np.int32), past_len=0, deadline=flag)
