@@ -590,6 +590,10 @@ class DeviceExecutor(SequenceOwnership):
         if not status.ok:
             return self.outcomes.fail_early(job, status.with_context(**job.ctx()))
         job.submodel = generation.submodels[request.kind]
+        if arm is None and not internal:  # a greedy stream's step fired ahead on this
+            # sequence is discarded: let it leave the device first (bounded by this request's
+            # deadline), outside the fence, so a recovery never waits for this thread here
+            self.outcomes.release_armed_of(request.seq_id, ahead_until=request.deadline)
         # Fencing: from here until the job is queued (or failed) this thread works on ``gen``;
         # a recovery closes the generation and waits for it to leave before tearing it down.
         if not self.dispatch.enter(gen, self.gen):
@@ -1330,7 +1334,8 @@ class DeviceExecutor(SequenceOwnership):
         from calexec.machines.stream import DecodeStream
         _check_stream_arguments(max_len=max_len, max_steps=max_steps, stop_tokens=stop_tokens,
                                 greedy_ahead=greedy_ahead)
-        self.outcomes.release_armed_of(seq_id)  # the stream arms its own
+        # the stream arms its own; a step an earlier greedy stream fired ahead leaves first
+        self.outcomes.release_armed_of(seq_id, ahead_until=self.clock.monotonic() + 1.0)
         stream = DecodeStream(self, seq_id, past_len, deadline, logits_out, want_logits,
                               max_len, request_id, greedy_ahead, stop_tokens, max_steps)
         if not stream.closed:

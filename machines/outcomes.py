@@ -210,7 +210,7 @@ class JobOutcomes:
             self.fail_before_submit(job, Status.cancelled(Phase.CANCEL, f"auto pre-arm {why}",
                                                           **job.ctx()))
 
-    def release_armed_of(self, seq_id: int) -> None:
+    def release_armed_of(self, seq_id: int, ahead_until: float = 0.0) -> None:
         """``KvCoordinator.on_busy``: an operation on ``seq_id`` is coming (a reserve, reset
         or truncation); release what was armed for it first (its guess, a decode stream's
         next step, an arming in progress): an armed job is a guess and never makes a
@@ -225,10 +225,15 @@ class JobOutcomes:
         a closing stream): until each is resolved its KV txn still holds the sequence. A
         caller whose armed job was taken (a stream's step, a request whose guess expired)
         learns it at once, before that release ends; without this wait its reserve would
-        answer ``kv.sequence_busy`` on its own sequence, where the plain path admits it. So
-        for the step fired ahead and discarded, last (``DecodeStream.wait_discarded``,
-        bounded): it answered ``kv.sequence_busy`` to a plain decode of a greedy stream's
-        sequence, and then to the stream's own next step, both admitted without greedy ahead."""
+        answer ``kv.sequence_busy`` on its own sequence, where the plain path admits it.
+
+        ``ahead_until`` (``Clock.monotonic()``; 0: not at all): wait, last and at most until
+        then, for the step fired ahead and discarded to leave the device
+        (``DecodeStream.wait_discarded``). A caller's request (``DeviceExecutor.enqueue``,
+        before it enters the generation's fence, so a recovery never waits for it) and
+        ``decode_stream`` ask for it: without it a plain request of a greedy stream's sequence
+        answered ``kv.sequence_busy`` while that step ran, and so did the stream's own next
+        step, both admitted without greedy ahead. (``on_busy``, inside the fence, does not.)"""
         dispatch = self.dispatch
         if not dispatch.anything_for(seq_id):  # (unlocked hint: the common case, nothing)
             return
@@ -246,8 +251,8 @@ class JobOutcomes:
         if not dispatch.wait_releases(seq_id, end):
             log.warning("seq %d: an armed job of it still being released after %.1fs",
                         seq_id, ARMING_WAIT_S)
-        if ahead is not None and stream is not None:  # on the device, cancelled: let it end
-            stream.wait_discarded(ahead)
+        if ahead is not None and stream is not None and ahead_until > 0.0:
+            stream.wait_discarded(ahead, ahead_until)  # on the device, cancelled: let it end
 
     def reclaim_armed(self) -> None:
         """An admission is short of a slot or of token budget: release every pre-armed job

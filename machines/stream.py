@@ -505,17 +505,17 @@ class DecodeStream:
             self._discarded = ahead[1]
             return ahead[1]
 
-    def wait_discarded(self, handle: JobHandle) -> None:
+    def wait_discarded(self, handle: JobHandle, until: float) -> None:
         """(For the executor, after ``discard_ahead`` and its cancel, on the thread whose
-        request, reset or truncation of the sequence is coming.) Wait for the discarded step
-        to end, bounded as ``close()`` waits for it: until it ends its KV txn holds the
-        sequence, and that request (or the caller's own next step, admitted again) answered
-        ``kv.sequence_busy`` where the plain path, with no step fired ahead, admits it. Not
-        on the executor's own threads (only the completion thread resolves it) nor in stepped
-        mode (whoever drives the executor completes it)."""
+        request of the sequence is coming.) Wait for the discarded step to end, until
+        ``until`` (``Clock.monotonic()``) and bounded as ``close()`` waits for it: until it
+        ends its KV txn holds the sequence, and that request (or the caller's own next step,
+        admitted again) answered ``kv.sequence_busy`` where the plain path, with no step fired
+        ahead, admits it. Not on the executor's own threads (only the completion thread
+        resolves it) nor in stepped mode (whoever drives the executor completes it)."""
         ex = self.ex
         if ex.config.threads and not ex.on_worker_thread():
-            handle.wait_until(min(self.deadline, ex.clock.monotonic() + _AHEAD_WAIT_S))
+            handle.wait_until(min(until, self.deadline, ex.clock.monotonic() + _AHEAD_WAIT_S))
 
     def _take_ahead(self) -> tuple[int, JobHandle] | None:
         """The job fired ahead (submit_mu held), once its firing finished (bounded by the
