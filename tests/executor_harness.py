@@ -4,6 +4,7 @@ builders, and the numpy oracle's expectation for a sequence."""
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -124,6 +125,30 @@ def fired(executor: DeviceExecutor, point: str) -> int:
     rc, _calls, count = executor.device.emu.fault_stats(Fault[point])
     assert rc == 0
     return count
+
+
+def jobs_on_device(executor: DeviceExecutor, jobs: int) -> bool:
+    """The device holds ``jobs`` jobs (queued or running on its engines): the emulator's own
+    count, not the executor's completion queue, which still holds the start's last golden
+    job for a moment after ``start()`` returned. False before the device is opened."""
+    if executor.device is None:
+        return False
+    held = 0
+    for engine in (0, 1):
+        rc, count, _stage = executor.device.emu.pending(engine)
+        held += count if rc == 0 else 0
+    return held == jobs
+
+
+def recover_in_thread(executor: DeviceExecutor, reason: Status, name: str = "test-recover",
+                      **kw) -> tuple[threading.Thread, list[Status]]:
+    """``executor.recover(reason, **kw)`` on a thread of its own (started, daemon): the thread
+    and the list its answer is appended to."""
+    out: list[Status] = []
+    thread = threading.Thread(target=lambda: out.append(executor.recover(reason, **kw)),
+                              name=name, daemon=True)
+    thread.start()
+    return thread, out
 
 
 def until(predicate, seconds: float = 10.0, what: str = "condition") -> None:

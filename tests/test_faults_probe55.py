@@ -27,8 +27,10 @@ from executor_harness import (  # noqa: E402
     arm,
     deadline,
     decode,
+    jobs_on_device,
     make_executor,
     prefill,
+    recover_in_thread,
     running_executor,
     until,
     write_calbin,
@@ -50,26 +52,8 @@ def calbin(tmp_path_factory):
     return write_calbin(tmp_path_factory.mktemp("probe55"))
 
 
-def _on_device(ex, jobs: int) -> bool:
-    """The device holds ``jobs`` jobs (queued or running on its engines): the emulator's own
-    count, not the executor's completion queue, which still holds the start's last golden
-    job for a moment after ``start()`` returned."""
-    if ex.device is None:  # not opened yet
-        return False
-    held = 0
-    for engine in (0, 1):
-        rc, count, _stage = ex.device.emu.pending(engine)
-        held += count if rc == 0 else 0
-    return held == jobs
 
 
-def _recover_in_thread(ex, reason: Status = DEVICE_FAULT, **kw) -> tuple[threading.Thread,
-                                                                          list[Status]]:
-    out: list[Status] = []
-    thread = threading.Thread(target=lambda: out.append(ex.recover(reason, **kw)),
-                              name="probe55-recover", daemon=True)
-    thread.start()
-    return thread, out
 
 
 # ---- 1. a job the executor's own reset aborts --------------------------------------------------
@@ -88,9 +72,9 @@ def test_a_job_the_recovery_s_own_reset_aborts_ends_retryable_and_downgrades_not
         assert emu.set_stepped(True) == 0  # the device finishes nothing from now
         try:
             handles = [ex.enqueue(prefill(seq, [1, 2, 3])) for seq in (1, 2)]
-            until(lambda: _on_device(ex, 2), 20, "both jobs on the device")
+            until(lambda: jobs_on_device(ex, 2), 20, "both jobs on the device")
             decided = len(ex.faults.decisions)
-            thread, out = _recover_in_thread(ex)
+            thread, out = recover_in_thread(ex, DEVICE_FAULT, "probe55-recover")
             until(lambda: all(h.done for h in handles), 30, "the reset to abort both jobs")
         finally:
             emu.set_stepped(False)  # the recovery's golden run goes on
@@ -128,9 +112,9 @@ def test_a_request_whose_job_the_recovery_s_reset_aborted_gets_503_without_resum
                     "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4})),
                     daemon=True)
                 request.start()
-                wait_for(lambda: _on_device(executor, 1), 30,
+                wait_for(lambda: jobs_on_device(executor, 1), 30,
                          "the request's job on the device")
-                thread, out = _recover_in_thread(executor)
+                thread, out = recover_in_thread(executor, DEVICE_FAULT, "probe55-recover")
                 request.join(30)
             finally:
                 emu.set_stepped(False)
@@ -247,8 +231,8 @@ def test_a_shutdown_ends_a_recovery_whose_golden_job_the_device_holds_within_its
         emu = ex.device.emu
         assert emu.set_stepped(True) == 0  # the device finishes nothing from now
         try:
-            thread, out = _recover_in_thread(ex, reset=False)
-            until(lambda: ex.state == "Warming" and _on_device(ex, 1), 20,
+            thread, out = recover_in_thread(ex, DEVICE_FAULT, "probe55-recover", reset=False)
+            until(lambda: ex.state == "Warming" and jobs_on_device(ex, 1), 20,
                   "the golden job on the device")
             status = ex.shutdown(2.0)
             assert status.code != "shutdown.recovery_busy", status
@@ -279,7 +263,7 @@ def test_a_shutdown_ends_a_start_whose_golden_job_the_device_holds_within_its_gr
     start = threading.Thread(target=lambda: out.append(ex.start()), daemon=True)
     start.start()
     try:
-        until(lambda: ex.state == "Warming" and _on_device(ex, 1), 20,
+        until(lambda: ex.state == "Warming" and jobs_on_device(ex, 1), 20,
               "the golden job on the device")
         status = ex.shutdown(2.0)
         assert status.code != "shutdown.start_busy", status
@@ -371,7 +355,7 @@ def test_a_switch_from_a_done_callback_a_recovery_runs_raises_instead_of_waiting
 
     try:
         ex.enqueue(prefill(1, [1, 2, 3]), on_created=lambda h: h.add_done_callback(callback))
-        thread, out = _recover_in_thread(ex)
+        thread, out = recover_in_thread(ex, DEVICE_FAULT, "probe55-recover")
         thread.join(30)
         assert not thread.is_alive(), "the recovery waits for itself"
         assert "answer" not in seen and "switch_model()" in str(seen["error"]), seen
@@ -396,7 +380,7 @@ def test_a_device_fault_met_while_a_model_switch_drains_resets_the_device(calbin
         assert emu.set_stepped(True) == 0  # ... when the test steps it
         try:
             handle = ex.enqueue(prefill(1, [1, 2, 3]))
-            until(lambda: _on_device(ex, 1), 20, "the job on the device")
+            until(lambda: jobs_on_device(ex, 1), 20, "the job on the device")
             out: list[Status] = []
             thread = threading.Thread(target=lambda: out.append(ex.switch_model(calbin)),
                                       daemon=True)

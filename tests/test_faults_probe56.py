@@ -23,8 +23,10 @@ from executor_harness import (
     arm,
     deadline,
     decode,
+    jobs_on_device,
     make_executor,
     prefill,
+    recover_in_thread,
     running_executor,
     until,
     write_calbin,
@@ -39,24 +41,8 @@ def calbin(tmp_path_factory):
     return write_calbin(tmp_path_factory.mktemp("probe56"))
 
 
-def on_device(ex, jobs: int) -> bool:
-    """The device holds ``jobs`` jobs (the emulator's own count, both engines)."""
-    if ex.device is None:
-        return False
-    held = 0
-    for engine in (0, 1):
-        rc, count, _stage = ex.device.emu.pending(engine)
-        held += count if rc == 0 else 0
-    return held == jobs
 
 
-def recover_in_thread(ex, reason: Status = DEVICE_FAULT, **kw) -> tuple[threading.Thread,
-                                                                         list[Status]]:
-    out: list[Status] = []
-    thread = threading.Thread(target=lambda: out.append(ex.recover(reason, **kw)),
-                              name="probe56-recover", daemon=True)
-    thread.start()
-    return thread, out
 
 
 # ---- 1. a shutdown cuts a recovery's drain short ------------------------------------------------
@@ -74,8 +60,8 @@ def test_a_shutdown_ends_a_recovery_still_draining_the_old_generation_within_its
         assert emu.set_stepped(True) == 0  # the device finishes nothing from now
         try:
             handle = ex.enqueue(prefill(1, [1, 2, 3]))
-            until(lambda: on_device(ex, 1), 20, "the job on the device")
-            thread, out = recover_in_thread(ex)
+            until(lambda: jobs_on_device(ex, 1), 20, "the job on the device")
+            thread, out = recover_in_thread(ex, DEVICE_FAULT, "probe56-recover")
             until(lambda: ex.state == "Draining", 20, "the recovery draining")
             status = ex.shutdown(2.0)
             assert status.code == "shutdown.not_drained", status
@@ -161,9 +147,9 @@ def test_a_shutdown_ends_a_recovery_draining_its_refused_generation_within_its_g
         emu = ex.device.emu
         assert emu.set_stepped(True) == 0  # the device finishes nothing from now
         try:
-            thread, out = recover_in_thread(ex, reset=False)
+            thread, out = recover_in_thread(ex, DEVICE_FAULT, "probe56-recover", reset=False)
             until(lambda: ex.state == "Warming" and ex.gen is not None and ex.gen.id == 2
-                  and ex.gen.closing and on_device(ex, 1), 20,
+                  and ex.gen.closing and jobs_on_device(ex, 1), 20,
                   "generation 2 refused and fenced, its golden job on the device")
             status = ex.shutdown(2.0)
             assert status.code != "shutdown.recovery_busy", status
