@@ -27,6 +27,25 @@ CHAT = {"messages": [{"role": "user", "content": "hello"}]}
 PROMPT = {"prompt": [300, 301, 302]}
 
 
+def templated_tokenizer(tmp_path, template: str | None = None):
+    """A tokenizer.json of two words in ``tmp_path`` (a ``--tokenizer`` directory), its
+    ``tokenizer_config.json`` holding ``template`` as the chat template when given; the
+    directory loaded (``hf_tokenizer.load``) when a template is given. Skips without the
+    ``[tokenizer]`` extra (tokenizers, jinja2)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    pytest.importorskip("jinja2")
+    from tokenizers import models, pre_tokenizers
+
+    from calexec.drivers.serving import hf_tokenizer
+    tok = tokenizers.Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 5}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    if template is None:
+        return None
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    return hf_tokenizer.load(str(tmp_path))
+
+
 @pytest.mark.parametrize("route", ["completions", "chat/completions"])
 @pytest.mark.parametrize("keep", [MAX_SEQ + 1, 10**30], ids=["context+1", "huge"])
 def test_truncate_prompt_tokens_above_the_context_is_a_400_naming_it_and_the_limit(
@@ -247,12 +266,7 @@ def test_a_chat_template_that_does_not_compile_is_refused_at_start_naming_it(tmp
     '}'", for as long as the server ran. It is the server's file: ``calexec serve`` now
     refuses it at start, one line naming ``--tokenizer``, the file and Jinja's reason, exit
     2; a template that compiles is taken as before."""
-    tokenizers = pytest.importorskip("tokenizers")
-    pytest.importorskip("jinja2")
-    from tokenizers import models, pre_tokenizers
-    tok = tokenizers.Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 5}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(tmp_path / "tokenizer.json"))
+    templated_tokenizer(tmp_path)
     config = tmp_path / "tokenizer_config.json"
     config.write_text(json.dumps(
         {"chat_template": "{% for m in messages %}{{ m.content }{% endfor %}"}))
@@ -277,21 +291,13 @@ def test_a_chat_template_renders_tools_and_loops_as_transformers_does(tmp_path):
     ``{"description": "a \\u003cb\\u003e caf\\u00e9", "name": ...}`` where transformers
     writes ``{"name": ..., "description": "a <b> café"}``); ``{% break %}`` (the loopcontrols
     extension) and transformers' ``{% generation %}`` block did not compile at all."""
-    tokenizers = pytest.importorskip("tokenizers")
-    pytest.importorskip("jinja2")
-    from tokenizers import models, pre_tokenizers
-
-    from calexec.drivers.serving import grammar, hf_tokenizer
+    from calexec.drivers.serving import grammar
     from calexec.drivers.serving.openai_api import ChatMessage, render_chat
-    tok = tokenizers.Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 5}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(tmp_path / "tokenizer.json"))
     template = ("{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
                 "{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}"
                 "{% generation %}{{ m.role }}: {{ m.content }}\n{% endgeneration %}{% endfor %}"
                 "{{ {'b': 1, 'a': 2} | tojson(indent=1) }}")
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
-    loaded = hf_tokenizer.load(str(tmp_path))
+    loaded = templated_tokenizer(tmp_path, template)
     tools = grammar.tool_setup([{"type": "function", "function": {
         "name": "f", "description": "a <b> caf\u00e9 & 'q'",
         "parameters": {"type": "object", "properties": {"z": {}, "a": {}}}}}], "none")
@@ -337,22 +343,13 @@ def test_a_chat_template_reads_an_assistant_s_call_arguments_as_their_value(tmp_
     string (``"{\\"x\\":1}"``) and Qwen3-Coder's ``arguments | items`` refused every
     multi-turn tool conversation (400 ``messages``). Empty arguments are ``{}``; text that
     is no JSON is kept as given."""
-    tokenizers = pytest.importorskip("tokenizers")
-    pytest.importorskip("jinja2")
-    from tokenizers import models, pre_tokenizers
-
-    from calexec.drivers.serving import hf_tokenizer
     from calexec.drivers.serving.openai_api import ChatMessage, render_chat
-    tok = tokenizers.Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 5}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(tmp_path / "tokenizer.json"))
     template = ("{% for m in messages %}{% for c in m.tool_calls or [] %}"
                 "{{ c.function.name }}={{ c.function.arguments | tojson }};"
                 "{% if c.function.arguments is mapping %}"
                 "{% for k, v in c.function.arguments | items %}[{{ k }}:{{ v }}]{% endfor %}"
                 "{% endif %}{% endfor %}{% endfor %}")
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
-    loaded = hf_tokenizer.load(str(tmp_path))
+    loaded = templated_tokenizer(tmp_path, template)
 
     def call(name: str, arguments: str) -> dict:
         return {"id": name, "type": "function", "function": {"name": name,
@@ -367,22 +364,13 @@ def test_a_chat_template_gets_a_message_s_name(tmp_path):
     """OpenAI's messages carry an optional ``name`` (the speaker's); vLLM hands it to the chat
     template, which may write it (``<|im_start|>user name=alice``); it was dropped, so such
     a template wrote every speaker alike. The plain template is unchanged."""
-    tokenizers = pytest.importorskip("tokenizers")
-    pytest.importorskip("jinja2")
-    from tokenizers import models, pre_tokenizers
-
-    from calexec.drivers.serving import hf_tokenizer
     from calexec.drivers.serving.byte_tokenizer import ByteTokenizer
     from calexec.drivers.serving.openai_api import ChatMessage, render_chat
-    tok = tokenizers.Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 5}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(tmp_path / "tokenizer.json"))
     template = ("{% for m in messages %}<{{ m.role }}{% if m.name %} name={{ m.name }}{% endif %}>"
                 "{{ m.content }}{% endfor %}")
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
     messages = [ChatMessage(role="user", content="hi", name="alice"),
                 ChatMessage(role="user", content="yo")]
-    text = render_chat(messages, hf_tokenizer.load(str(tmp_path)), False)
+    text = render_chat(messages, templated_tokenizer(tmp_path, template), False)
     assert text == "<user name=alice>hi<user>yo", text
     assert render_chat(messages, ByteTokenizer(), False) == "user: hi\nuser: yo\n"
 
@@ -393,19 +381,11 @@ def test_continue_final_message_continues_a_template_that_trims_the_content(tmp_
     write a prefix ending in a space (``"Sure, here is "``) as it is, and the request was
     refused (400 ``continue_final_message``) where transformers, and so vLLM, cut after the
     trimmed text. A content the template does not write at all is still refused."""
-    tokenizers = pytest.importorskip("tokenizers")
-    pytest.importorskip("jinja2")
-    from tokenizers import models, pre_tokenizers
-
     from calexec.drivers.serving import hf_tokenizer
     from calexec.drivers.serving.openai_api import ChatMessage, Refusal, render_chat
-    tok = tokenizers.Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 5}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(tmp_path / "tokenizer.json"))
     template = ("{% for m in messages %}<{{ m.role }}>{{ m.content | trim }}</s>"
                 "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
-    loaded = hf_tokenizer.load(str(tmp_path))
+    loaded = templated_tokenizer(tmp_path, template)
     messages = [ChatMessage(role="user", content="hi"),
                 ChatMessage(role="assistant", content="Sure, here is ")]
     text = render_chat(messages, loaded, False, None, True)
