@@ -914,8 +914,10 @@ class DeviceLifecycle:
                                target if target in self.good_calbins else None)
         status = self._configure_and_warm(target)
         refused: list[str] = []
+        first_refusal: Status | None = None
         while not status.ok and not self.stopping and self.run.can(LIFECYCLE_EV_ROLL_BACK):
             refused.append(status.code)
+            first_refusal = first_refusal or status
             released = self._release_failed_generation(record)
             if not released.ok:  # its job still runs on the device: §9.1, never torn down
                 record["refused"] = refused
@@ -939,8 +941,13 @@ class DeviceLifecycle:
                 ready = self._go_ready()
                 if not ready.ok:
                     return ready
+                # the refusal's own message says why and what to do (a golden not pinned:
+                # the `calexec golden record` to run; a golden that differs: its tokens);
+                # the code alone left the operator of a reload nothing to act on
+                why = (f"{first_refusal.code}: {first_refusal.message}" if first_refusal
+                       else refused[0])
                 return Status.failure("recovery.rolled_back", Category.ARTIFACT, Phase.RECOVERY,
-                                      f"{target!r} was refused ({refused[0]}); {fallback!r} "
+                                      f"{target!r} was refused ({why}); {fallback!r} "
                                       "serves again", **self._gctx())
         record["refused"] = refused
         if not status.ok:
