@@ -54,7 +54,9 @@ EXIT_OK, EXIT_FAILED, EXIT_CONFIG, EXIT_REFUSED = 0, 1, 2, 3
 
 #: optional extras and the modules whose absence means the extra is not installed
 EXTRAS: dict[str, tuple[str, ...]] = {
-    "server": ("fastapi", "uvicorn", "prometheus_client"),
+    # httpx: the loopback clients of `bench faults`, `bench soak`, `diagrams live` and the
+    # chaos gate (without it they ended in an internal error, exit 70)
+    "server": ("fastapi", "uvicorn", "prometheus_client", "httpx"),
     "plots": ("matplotlib",),
     "ray": ("ray",),
 }

@@ -4,6 +4,10 @@ bundled emulator, in process (no socket), every wait bounded."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
+import pytest
 from fastapi.testclient import TestClient
 
 from calexec.drivers.serving.server import ServerConfig, create_app
@@ -37,3 +41,64 @@ def test_a_reload_rolled_back_says_why_the_calbin_was_refused_and_what_to_do(tmp
             assert client.get("/ready").status_code == 200
     finally:
         executor.shutdown(10.0)
+
+
+def blocked(*modules: str) -> str:
+    """Python run first in a child: ``modules`` are not installed (as without an extra)."""
+    return f"""
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {modules!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}} (blocked by the test)")
+        return None
+sys.meta_path.insert(0, Block())
+"""
+
+
+def calexec(pre: str, *argv: str) -> subprocess.CompletedProcess:
+    code = f"{pre}\nimport sys\nfrom calexec.cli import main\nsys.exit(main({list(argv)!r}))"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+
+
+def one_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert "Traceback" not in stderr and len(lines) == 1, stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv", [("--gates", "chaos"), ()], ids=["chaos", "every gate"])
+def test_accept_with_the_chaos_gate_and_no_server_extra_says_which_pip_install(argv):
+    """README: a command whose extra is missing says which ``pip install`` to run and exits 2.
+    ``calexec accept --quick`` (every gate) or ``--gates chaos`` without the [server] extra
+    ran the other gates, then printed ``FAIL  chaos_a  problems = 0``, exit 1, the reason
+    (``needs the [server] extra``) only in the JSON report. It is refused before any gate
+    runs, naming the install and, when other gates were asked for, the ``--gates`` without
+    chaos."""
+    run = calexec(blocked("fastapi", "uvicorn", "starlette"), "accept", "--quick",
+                  "--phase", "a", *argv)
+    assert run.returncode == 2, (run.returncode, run.stdout, run.stderr)
+    line = one_line(run.stderr)
+    assert line.startswith("calexec accept: the chaos gate (a fault soak of the reference "
+                           "server) needs the optional [server] extra: "
+                           "pip install 'calexec[server]'"), line
+    if argv:
+        assert "--gates" not in line, line
+    else:
+        assert line.endswith("; or leave the gate out: --gates "
+                             "correctness,lengths,crosstalk,injections,soak"), line
+    assert "FAIL" not in run.stdout, run.stdout
+
+
+@pytest.mark.parametrize("command", [("bench", "faults", "--json", "--faults", "2"),
+                                     ("bench", "soak", "--json")], ids=["faults", "soak"])
+def test_a_server_client_command_without_httpx_says_which_pip_install(command):
+    """The [server] extra brings httpx for the loopback clients of ``bench faults``, ``bench
+    soak`` and the chaos gate (pyproject.toml, README); an install without it (the server's
+    packages installed by hand) ended those commands in ``internal error: ModuleNotFoundError:
+    No module named 'httpx'``, exit 70, where README promises the ``pip install`` line, exit 2."""
+    run = calexec(blocked("httpx"), *command)
+    assert run.returncode == 2, (run.returncode, run.stdout, run.stderr)
+    assert one_line(run.stderr) == (f"calexec {command[0]} {command[1]}: needs the optional "
+                                    "[server] extra: pip install 'calexec[server]'")

@@ -182,6 +182,17 @@ def main(argv: list[str]) -> int:
     if args.report:  # before the run: a missing extra or directory must not cost the run
         cliargs.require_extra("plots", "--report (PNG plots)")
         cliargs.output_dir("--report", args.report, REPORT_FILES)
+    if "chaos" in (args.gates or GATES):
+        # the chaos gate soaks the reference server with loopback clients: without the
+        # [server] extra it ran the other gates for minutes, then printed "FAIL chaos_a
+        # problems = 0", exit 1, the reason only in report.json
+        install = cliargs.missing_extra("server")
+        others = ",".join(g for g in (args.gates or GATES) if g != "chaos")
+        if install is not None:
+            raise cliargs.UserError(
+                "the chaos gate (a fault soak of the reference server) needs the optional "
+                f"[server] extra: {install}"
+                + (f"; or leave the gate out: --gates {others}" if others else ""))
     device = cliargs.device_spec(
         args, synthetic="the gates check every token against the synthetic model's oracle")
     try:
