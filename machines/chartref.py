@@ -63,7 +63,9 @@ def load_chart(ref: str, cwd: str | None = None) -> type[StateChart[Any]]:
                                 f"module as it was imported, no Ctrl-C)") from err
         except BaseException as err:  # noqa: BLE001 - the user's module may raise anything at
             # import, sys.exit() and an argparse error (SystemExit) included
-            why = _first_line(str(err))
+            # (a bare `sys.exit()` or `raise ValueError()` has no text: the line ended in ": )")
+            why = _first_line(str(err)) or (
+                "sys.exit() with no code" if isinstance(err, SystemExit) else "no message")
             raise ChartRefError(ref, f"cannot import module {module_name!r} from {root} "
                                 f"({type(err).__name__}{_where(err, root)}: {why})") from err
     found: object = module

@@ -12,6 +12,7 @@ from fastapi.testclient import TestClient
 
 from calexec.drivers.serving.server import ServerConfig, create_app
 from calexec.drivers.synthetic import calbin as cb
+from calexec.machines.chartref import ChartRefError, load_chart
 from test_server_support import started_executor
 
 TOKEN = "docs-probe-admin-token"
@@ -102,3 +103,21 @@ def test_a_server_client_command_without_httpx_says_which_pip_install(command):
     assert run.returncode == 2, (run.returncode, run.stdout, run.stderr)
     assert one_line(run.stderr) == (f"calexec {command[0]} {command[1]}: needs the optional "
                                     "[server] extra: pip install 'calexec[server]'")
+
+
+@pytest.mark.parametrize(("source", "said"), [
+    ("import sys\nsys.exit()\n", "(SystemExit at shop_exit.py:2: sys.exit() with no code)"),
+    ("raise ValueError()\n", "(ValueError at shop_exit.py:1: no message)")],
+    ids=["sys.exit()", "bare ValueError"])
+def test_a_chart_module_that_ends_its_import_without_a_message_is_said_so(tmp_path, monkeypatch,
+                                                                       source, said):
+    """docs/framework.md: a module that ends the import itself is one line naming where and
+    its message (`SystemExit at shop.py:3: 2`). A bare ``sys.exit()`` (or an exception with
+    no text) read ``(SystemExit at shop.py:2: )``, the line ending in an empty message."""
+    monkeypatch.setattr(sys, "path", list(sys.path))  # load_chart puts tmp_path first
+    (tmp_path / "shop_exit.py").write_text(source, encoding="utf-8")
+    with pytest.raises(ChartRefError) as caught:
+        load_chart("shop_exit:Light", cwd=str(tmp_path))
+    message = str(caught.value)
+    sys.modules.pop("shop_exit", None)
+    assert message.endswith(said), message
