@@ -34,6 +34,7 @@ from __future__ import annotations
 import html
 import json
 import math
+import operator
 import threading
 import time
 from collections import deque
@@ -115,7 +116,11 @@ class Registered:
         said = f"{self.name}: the counts= function given to register answered"
         for state, n in answered.items():
             try:
-                found[state] = int(n)
+                # an integer (numpy's too), never read through int(): 1.5 was drawn as 1,
+                # "3" as 3 and True as 1, where a count that is no integer names the error
+                if isinstance(n, bool):
+                    raise TypeError("a bool is no count")
+                found[state] = operator.index(n)
             except (TypeError, ValueError, OverflowError):  # (runs= counts integers itself)
                 return {}, f"{said} a count that is no integer: {state!r:.60}={n!r:.60}"
             # (a state's name or value for its id, a typo: drawn nowhere, silently)

@@ -7,12 +7,15 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from fastapi.testclient import TestClient
+from statemachine import State, StateMachine
 
 from calexec.drivers.serving.server import ServerConfig, create_app
 from calexec.drivers.synthetic import calbin as cb
 from calexec.machines.chartref import ChartRefError, load_chart
+from calexec.machines.inspector import Inspector
 from test_server_support import started_executor
 
 TOKEN = "docs-probe-admin-token"
@@ -121,3 +124,27 @@ def test_a_chart_module_that_ends_its_import_without_a_message_is_said_so(tmp_pa
     message = str(caught.value)
     sys.modules.pop("shop_exit", None)
     assert message.endswith(said), message
+
+
+@pytest.mark.parametrize("count", [1.5, "3", True, 2.0], ids=["float", "str", "bool", "2.0"])
+def test_an_inspector_count_that_is_no_integer_is_named_not_drawn(count):
+    """docs/framework.md: a ``counts`` function answering a count that is no integer leaves
+    that chart's counts empty and names the error in ``live.json``. The count went through
+    ``int()``: 1.5 was drawn as 1 live run, ``"3"`` as 3 and ``True`` as 1, silently. An
+    integer (numpy's too) is still taken."""
+    class Turnstile(StateMachine):
+        locked = State(initial=True)
+        unlocked = State()
+        coin = locked.to(unlocked)
+        push = unlocked.to(locked)
+
+    inspector = Inspector()
+    inspector.register(Turnstile, counts=lambda: {"locked": count}, name="bad")
+    inspector.register(Turnstile, counts=lambda: {"locked": np.int64(4), "unlocked": 2},
+                       name="good")
+    charts = inspector.live()["charts"]
+    assert charts["bad"]["counts"] == {}, charts["bad"]
+    assert charts["bad"]["error"] == ("bad: the counts= function given to register answered a "
+                                      f"count that is no integer: 'locked'={count!r}")
+    assert charts["good"]["counts"] == {"locked": 4, "unlocked": 2}, charts["good"]
+    assert "error" not in charts["good"] or charts["good"]["error"] is None
