@@ -12,6 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 from statemachine import State, StateMachine
 
+from calexec import cli
 from calexec.drivers.serving.server import ServerConfig, create_app
 from calexec.drivers.synthetic import calbin as cb
 from calexec.machines.chartref import ChartRefError, load_chart
@@ -148,3 +149,43 @@ def test_an_inspector_count_that_is_no_integer_is_named_not_drawn(count):
                                       f"count that is no integer: 'locked'={count!r}")
     assert charts["good"]["counts"] == {"locked": 4, "unlocked": 2}, charts["good"]
     assert "error" not in charts["good"] or charts["good"]["error"] is None
+
+
+@pytest.mark.requires_tool("dot")
+def test_check_of_a_diagram_another_chart_holds_names_a_fix_that_is_not_refused(
+        tmp_path, monkeypatch, capsys):
+    """docs/framework.md: two charts of one class name from two modules share their diagram
+    files; drawing the second where the first's are is refused (exit 2) and ``--check`` says
+    the file is the other chart's. That ``--check`` then printed ``fix: calexec charts draw
+    billing_p56.orders:Order --out diagrams``, the very command that is refused: its fix
+    now says to draw into another directory or delete the other chart's file."""
+    for package in ("shop_p56", "billing_p56"):
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("", encoding="utf-8")
+        (tmp_path / package / "orders.py").write_text(
+            "from statemachine import State, StateMachine\n\n"
+            "class Order(StateMachine):\n"
+            "    a = State(initial=True)\n"
+            "    b = State(final=True)\n"
+            f"    go = a.to(b)\n    {package} = a.to(a)\n", encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    for name in list(sys.modules):
+        if name.split(".")[0] in ("shop_p56", "billing_p56"):
+            monkeypatch.delitem(sys.modules, name)
+    try:
+        assert cli.main(["charts", "draw", "shop_p56.orders:Order"]) == 0
+        capsys.readouterr()
+        assert cli.main(["charts", "draw", "billing_p56.orders:Order", "--check"]) == 1
+        err = capsys.readouterr().err
+        fix = [line for line in err.splitlines() if line.startswith("fix: ")]
+        assert fix == ["fix: draw it into another directory (calexec charts draw "
+                       "billing_p56.orders:Order --out DIR), or delete diagrams/Order.dot to "
+                       "replace the other chart's diagram"], err
+        # the command the old fix named is refused
+        assert cli.main(["charts", "draw", "billing_p56.orders:Order", "--out",
+                         "diagrams"]) == 2
+    finally:
+        for name in list(sys.modules):
+            if name.split(".")[0] in ("shop_p56", "billing_p56"):
+                del sys.modules[name]

@@ -106,22 +106,31 @@ def stale(chart: CompiledChart, out: Path, png: bool) -> list[str]:
     return problems
 
 
-def refuse_another_chart(chart: CompiledChart, ref: str, dot_path: Path) -> None:
-    """``UserError`` (exit 2) when ``dot_path`` holds the diagram of another chart of the same
-    class name (declared in another module): drawing would overwrite it silently."""
+def other_chart_file(chart: CompiledChart, dot_path: Path) -> str | None:
+    """The file declaring another chart of the same class name whose diagram ``dot_path``
+    holds, or None (no file there, unreadable, or this chart's)."""
     if not dot_path.is_file():  # none there yet, or a FIFO/device (never read: it may block)
-        return
+        return None
     try:
         with dot_path.open("rb") as handle:  # (the title is on the second line)
             head = handle.read(64 * 1024).decode("utf-8", errors="replace")
         found = _TITLE.search(head)
     except OSError:  # unreadable: writing it says so
-        return
+        return None
     if found is None or found.group("file") == declared_in(chart):
+        return None
+    return found.group("file")
+
+
+def refuse_another_chart(chart: CompiledChart, ref: str, dot_path: Path) -> None:
+    """``UserError`` (exit 2) when ``dot_path`` holds the diagram of another chart of the same
+    class name (declared in another module): drawing would overwrite it silently."""
+    other = other_chart_file(chart, dot_path)
+    if other is None:
         return
     raise UserError(
         f"{ref}: {dot_path} is the diagram of another chart named {chart.declaration.__name__}, "
-        f"declared in {found.group('file')} (this one is declared in {declared_in(chart)}); "
+        f"declared in {other} (this one is declared in {declared_in(chart)}); "
         f"draw one of them into another --out, or delete {dot_path} to replace it")
 
 
@@ -140,6 +149,14 @@ def draw(argv: list[str]) -> int:
         for problem in problems:
             print(f"stale: {problem}", file=sys.stderr)
         if problems:
+            dot_path = args.out / f"{chart.declaration.__name__}.dot"
+            if other_chart_file(chart, dot_path) is not None:
+                # drawing there is refused (the other chart's diagram would be overwritten):
+                # the fix the line named was that refusal, exit 2
+                print(f"fix: draw it into another directory (calexec charts draw "
+                      f"{shlex.quote(args.chart)} --out DIR), or delete {dot_path} to "
+                      "replace the other chart's diagram", file=sys.stderr)
+                return EXIT_FAILED
             print(f"fix: calexec charts draw {shlex.quote(args.chart)} --out "
                   f"{shlex.quote(str(args.out))}" + (" --png" if args.png else ""),
                   file=sys.stderr)
