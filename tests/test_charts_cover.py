@@ -180,4 +180,5 @@ def test_a_chart_the_command_imports_under_another_module_name_is_named(project,
     assert "transition coverage Light: 0/3 (0.0 %)" in out, out
     assert ("transition coverage Light: the command imported its file as module 'lamp' too, "
             "another class whose runs are not counted: name the chart as it imports it "
-            "(--chart=lamp:Light)") in out, out
+            f"(--chart=lamp:Light, with PYTHONPATH=app_{module}: the directory it is imported "
+            "from)") in out, out

@@ -189,3 +189,43 @@ def test_check_of_a_diagram_another_chart_holds_names_a_fix_that_is_not_refused(
         for name in list(sys.modules):
             if name.split(".")[0] in ("shop_p56", "billing_p56"):
                 del sys.modules[name]
+
+
+def test_cover_names_a_reference_it_can_import_for_a_chart_the_tests_import_otherwise(
+        tmp_path, monkeypatch, capsys):
+    """docs/framework.md: when the tests import the chart's file under another module name,
+    ``charts cover``'s summary names the other module and the reference to give. The tests
+    here put ``app_p56/`` on ``sys.path`` themselves and import ``kettle_p56``; the summary
+    said ``--chart=kettle_p56:Kettle``, which ``charts cover`` refused (``cannot import module
+    'kettle_p56'``): it is found only from that directory. The summary now says with which
+    ``PYTHONPATH``."""
+    (tmp_path / "app_p56").mkdir()
+    (tmp_path / "app_p56" / "__init__.py").write_text("", encoding="utf-8")
+    (tmp_path / "app_p56" / "kettle_p56.py").write_text(
+        "from statemachine import State, StateMachine\n\n"
+        "class Kettle(StateMachine):\n"
+        "    cold = State(initial=True)\n"
+        "    hot = State(final=True)\n"
+        "    heat = cold.to(hot)\n", encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    tests = ("import sys; sys.path.insert(0, 'app_p56'); from kettle_p56 import Kettle; "
+             "Kettle().send('heat')")
+    try:
+        code = cli.main(["charts", "cover", "--chart", "app_p56.kettle_p56:Kettle", "--",
+                         sys.executable, "-c", tests])
+        out = capsys.readouterr().out
+        assert code == 0, out
+        assert ("name the chart as it imports it (--chart=kettle_p56:Kettle, with "
+                "PYTHONPATH=app_p56: the directory it is imported from)") in out, out
+        # the reference, with that PYTHONPATH, is taken and counts the tests' run
+        monkeypatch.setenv("PYTHONPATH", "app_p56")
+        sys.path.insert(0, str(tmp_path / "app_p56"))
+        code = cli.main(["charts", "cover", "--chart", "kettle_p56:Kettle", "--",
+                         sys.executable, "-c", tests])
+        out = capsys.readouterr().out
+        assert code == 0 and "transition coverage Kettle: 1/1 (100.0 %)" in out, out
+    finally:
+        for name in list(sys.modules):
+            if name.split(".")[0] in ("app_p56", "kettle_p56"):
+                del sys.modules[name]

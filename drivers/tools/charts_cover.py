@@ -122,6 +122,29 @@ def twins(scratch: Path) -> dict[str, list[str]]:
     return {ref: sorted(names) for ref, names in found.items() if names}
 
 
+def path_for(chart: CompiledChart, name: str) -> str:
+    """``, with PYTHONPATH=DIR ...`` when module ``name`` of the file declaring ``chart`` is
+    imported from a directory this process does not import from (a test's own
+    ``sys.path.insert``): ``--chart=name:Class`` alone is refused there, the module not found."""
+    home = sys.modules.get(chart.declaration.__module__)
+    file = getattr(home, "__file__", None)
+    if not file:
+        return ""
+    root = Path(file).resolve().parent
+    if Path(file).name == "__init__.py":
+        root = root.parent
+    for _ in name.split(".")[:-1]:
+        root = root.parent
+    searched = {Path(entry or os.getcwd()).resolve() for entry in sys.path}
+    if root in searched:
+        return ""
+    try:
+        shown = os.path.relpath(root)
+    except ValueError:  # another drive
+        shown = str(root)
+    return f", with PYTHONPATH={shown}: the directory it is imported from"
+
+
 def main(argv: list[str]) -> int:
     """``argv`` starts with the command words (``["charts", "cover", ...]``)."""
     parser = cli_parser("calexec charts cover", __doc__)
@@ -189,7 +212,8 @@ def main(argv: list[str]) -> int:
         for name in other.get(ref, []):
             print(f"transition coverage {chart.name}: the command imported its file as module "
                   f"{name!r} too, another class whose runs are not counted: name the chart as "
-                  f"it imports it (--chart={name}:{chart.declaration.__name__})")
+                  f"it imports it (--chart={name}:{chart.declaration.__name__}"
+                  f"{path_for(chart, name)})")
     for coverage in report(charts, recorder):
         print(coverage.line() + f" ({coverage.percent:.1f} %)")
         for transition in coverage.untaken:
