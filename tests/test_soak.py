@@ -230,6 +230,10 @@ def test_errors_beyond_the_documented_budget_are_counted():
     ("--decode-us", "0,x", "--decode-us='0,x': 'x' is not US or US:SHARE"),
     ("--decode-us", "2000:0", "--decode-us='2000:0': share '0' of 2000 must be > 0"),
     ("--max-tokens", "8-4", "--max-tokens='8-4': needs 1 <= LO <= HI"),
+    # above the model's context: the server was started, then its first request was a 400
+    # context_length_exceeded and the run ended "fault-free reference failed", exit 1 (stop 56)
+    ("--max-tokens", "4-40945", "--max-tokens='4-40945': at most 40944 tokens"),
+    ("--max-tokens", "99999999999999", "at most 40944 tokens"),
     ("--requests", "0", "must be >= 1"),
 ])
 def test_bad_arguments_are_refused_naming_the_flag(capsys, flag, value, message):

@@ -81,6 +81,7 @@ from typing import Any
 
 from calexec import cliargs
 from calexec.drivers.memory import pin_mmap_threshold
+from calexec.drivers.synthetic import calbin as calbin_fmt
 
 MODES = ("plain", "stream", "slow", "disconnect")
 #: the faults a request is not resumed from (drivers/serving/resume.py): the request whose job
@@ -98,6 +99,11 @@ LIVE_OBJECTS_SLACK = 20_000
 SAMPLED_SHARE = 0.25
 SAMPLED_POOL = 32
 PROMPT_POOL = 256
+#: the longest prompt of the traffic (``_Traffic``: 1 to this many ids)
+MAX_PROMPT_TOKENS = 16
+#: the most tokens a request may ask for: the longest prompt and them fit the synthetic
+#: model's context (``max_seq``); more is the server's 400 ``context_length_exceeded``
+MAX_TOKENS = calbin_fmt.MAX_SEQ - MAX_PROMPT_TOKENS
 EXAMPLES = 3
 
 
@@ -152,7 +158,9 @@ def parse_phases(text: str) -> list[Phase]:
 
 
 def parse_range(text: str) -> tuple[int, int]:
-    """``LO-HI`` or ``N`` -> (lo, hi), 1 <= lo <= hi."""
+    """``LO-HI`` or ``N`` -> (lo, hi), 1 <= lo <= hi <= :data:`MAX_TOKENS` (a request asking
+    for more than the model's context holds is refused by the server: the soak would start it,
+    then end at its first request)."""
     lo, _, hi = text.partition("-")
     try:
         pair = (int(lo), int(hi or lo))
@@ -160,6 +168,10 @@ def parse_range(text: str) -> tuple[int, int]:
         raise ValueError(f"--max-tokens={text!r}: not N or LO-HI") from None
     if not 1 <= pair[0] <= pair[1]:
         raise ValueError(f"--max-tokens={text!r}: needs 1 <= LO <= HI")
+    if pair[1] > MAX_TOKENS:
+        raise ValueError(f"--max-tokens={text!r}: at most {MAX_TOKENS} tokens (the synthetic "
+                         f"model's context of {calbin_fmt.MAX_SEQ} holds a prompt of up to "
+                         f"{MAX_PROMPT_TOKENS} and them)")
     return pair
 
 
@@ -276,7 +288,8 @@ class _Traffic:
     def __init__(self, seed: int, tokens: tuple[int, int]) -> None:
         rng = random.Random(seed)
         self.lo, self.hi = tokens
-        self.prompts = [tuple(rng.randrange(1, 150000) for _ in range(rng.randint(1, 16)))
+        self.prompts = [tuple(rng.randrange(1, 150000)
+                              for _ in range(rng.randint(1, MAX_PROMPT_TOKENS)))
                         for _ in range(PROMPT_POOL)]
         self.sampled = [{"prompt": list(self.prompts[rng.randrange(PROMPT_POOL)]),
                          "max_tokens": rng.randint(self.lo, self.hi),
