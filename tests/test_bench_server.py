@@ -199,6 +199,21 @@ def test_bad_flags_exit_2_naming_them(argv, named, capsys):
     assert len(err.splitlines()) == 1 and named in err, err
 
 
+@pytest.mark.parametrize("max_tokens", ["40958", "99999999"])
+def test_max_tokens_beyond_the_model_s_context_is_refused_before_any_request(max_tokens,
+                                                                            capsys):
+    # the 3-token prompt and them must fit max_seq=40960: more was every side's failure at its
+    # first request (the API process floor's HTTP 500 naming step 2's past_len), exit 1
+    code = bench_server.main(["bench", "server", "--max-tokens", max_tokens, "--requests", "1",
+                              "--concurrency", "1", "--rounds", "1", "--decode-us", "0",
+                              "--no-stream"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert err.splitlines()[-1] == (
+        f"calexec bench server: --max-tokens={max_tokens}: at most 40957 (the model's context "
+        "max_seq=40960 holds the bench's 3-token prompt and them)"), err
+
+
 def test_loadgen_refuses_a_non_loopback_url(capsys):
     # refused before any client exists: nothing is sent anywhere
     assert loadgen.main(["--url", "http://example.invalid:8000", "--requests", "1",

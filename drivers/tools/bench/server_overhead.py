@@ -429,6 +429,22 @@ def http_floor_app() -> Any:
     return app
 
 
+#: the prompt length of every request of the bench (``[i % 1000 + 1, 7, 9]``: loadgen.py, the
+#: direct side, the API process floor's check)
+PROMPT_TOKENS = 3
+
+
+def max_tokens_refusal(ex: DeviceExecutor, max_tokens: int) -> str | None:
+    """Why the started ``ex``'s model cannot serve ``max_tokens`` tokens after the bench's
+    prompt (None: it can): the prompt and them must fit its context (``max_seq``), else the
+    server answers 400 ``context_length_exceeded`` and the direct side fails step 2."""
+    context = None if ex.gen is None else ex.gen.contracts.submodels[TaskKind.DECODE].max_seq
+    if context is None or PROMPT_TOKENS + max_tokens <= context:
+        return None
+    return (f"--max-tokens={max_tokens}: at most {context - PROMPT_TOKENS} (the model's context "
+            f"max_seq={context} holds the bench's {PROMPT_TOKENS}-token prompt and them)")
+
+
 def run_server_bench(requests: int, max_tokens: int, decode_us: int,
                      device: DeviceSpec = DeviceSpec(),
                      levels: Sequence[int] = DEFAULT_LEVELS, loadgen: str = "process",
@@ -467,7 +483,12 @@ def run_server_bench(requests: int, max_tokens: int, decode_us: int,
                                            native_relay=native_relay))
         status = ex.start()
         if not status.ok:
+            ex.shutdown()
             raise cliargs.UserError(f"executor start failed: {status}", cliargs.EXIT_REFUSED)
+        refusal = max_tokens_refusal(ex, max_tokens)
+        if refusal is not None:  # before any request: each side would fail at its first one
+            ex.shutdown()
+            raise cliargs.UserError(refusal)
         app = create_app(served(ex), ServerConfig())
         try:
             with LiveServer(app, name="uvicorn-server") as live, \
