@@ -55,6 +55,11 @@ SECONDS = st.one_of(
     st.floats(max_value=0.0).map(repr),
     st.floats(min_value=cliargs.MAX_SECONDS, exclude_min=True).map(repr))
 EMPTY = st.just("")
+#: jobs of one sequence: it and the seed token fit the synthetic model's max_seq (sim bench)
+SIM_JOBS = st.one_of(_below(1), st.integers(min_value=40960).map(str))
+#: a number >= 0 (inf: no bound)
+MIB_BOUND = st.one_of(st.sampled_from(["x", "", "nan", "-1", "-inf", "1,5", "5 MiB"]),
+                      st.floats(max_value=0.0, exclude_max=True).map(repr))
 GATES = st.one_of(st.sampled_from(["", ",", "correctness,,", "nope", "soak,x", " "]),
                   st.text(alphabet="abc,", min_size=1, max_size=8))
 
@@ -97,8 +102,9 @@ FLAGS: dict[str, dict[str, st.SearchStrategy[str]]] = {
     "bench faults": {"--faults": POSITIVE_INT, "--clients": POSITIVE_INT},
     "bench soak": {"--requests": POSITIVE_INT, "--faults": NON_NEGATIVE_INT,
                    "--clients": POSITIVE_INT, "--max-seconds": SECONDS,
-                   "--progress-s": SECONDS},
+                   "--progress-s": SECONDS, "--rss-bound-mib": MIB_BOUND},
     "golden record": {"--out": EMPTY},
+    "sim bench": {"--iters": SIM_JOBS, "--profile-iters": SIM_JOBS},
 }
 #: what a command needs besides the flag under test to get as far as its flags
 REQUIRED = {"golden record": ["--calbin", "x.calbin"], "sim write-calbin": ["out.calbin"]}
@@ -208,6 +214,12 @@ def test_an_unknown_flag_with_control_characters_stays_one_line(command: str, ju
     # a newline or escape in an unknown word was written out raw: two lines, a live escape
     (["demo", "--se\nqs", "1"], "--se\\nqs", "did you mean --seqs?"),
     (["demo", "--x\x1b[2J"], "--x\\x1b[2J", "unrecognized arguments"),
+    # (stop 56) argparse's words for a type it called: "invalid _mib_bound value: 'x'" (this
+    # module's function name), "invalid int value: '1e3'"
+    (["bench", "soak", "--rss-bound-mib", "x"], "--rss-bound-mib", "'x' is not a number"),
+    (["bench", "soak", "--rss-bound-mib", "-1"], "--rss-bound-mib", "must be >= 0, got -1"),
+    (["sim", "bench", "--iters", "1e3"], "--iters", "'1e3' is not an integer"),
+    (["sim", "bench", "--profile-iters", "40960"], "--profile-iters", "must be in 1..40959"),
 ])
 def test_found_by_fuzzing_is_a_usage_error(argv: list[str], flag: str, said: str):
     line = _assert_usage_error(argv, flag)

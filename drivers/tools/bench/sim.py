@@ -96,14 +96,12 @@ def _decode_job_times(runner: DirectRunner, iters: int, seq: int) -> np.ndarray:
 def _bench(argv: list[str]) -> int:
     p = cliargs.parser("calexec sim bench", __doc__)
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--iters", type=int, default=2000, help="zero-latency decode jobs")
-    p.add_argument("--profile-iters", type=int, default=50, help="10 ms decode jobs")
+    # each run decodes one sequence: its tokens + the seed token fit the model's max_seq
+    jobs = cliargs.int_in(1, calbin_fmt.MAX_SEQ - 1)
+    p.add_argument("--iters", type=jobs, default=2000, help="zero-latency decode jobs")
+    p.add_argument("--profile-iters", type=jobs, default=50, help="10 ms decode jobs")
     cliargs.add_device_args(p, manifest=False)
     args = p.parse_args(argv)
-    # each run decodes one sequence: its tokens + the seed token fit the model's max_seq
-    for flag, value in (("--iters", args.iters), ("--profile-iters", args.profile_iters)):
-        if not 1 <= value < calbin_fmt.MAX_SEQ:
-            raise cliargs.UserError(f"{flag}={value}: must be in 1..{calbin_fmt.MAX_SEQ - 1}")
     device = cliargs.device_spec(args, synthetic="sim bench runs on the emulator")
     with tempfile.TemporaryDirectory(prefix="calexec-bench-") as tmp:
         path = device.calbin(tmp)

@@ -833,7 +833,10 @@ def _readable(report: dict[str, Any]) -> str:
 def _mib_bound(text: str) -> float:
     """argparse type of ``--rss-bound-mib``: a number >= 0 (inf: no bound); nan compares false
     with everything, so it would pass the check below it and fail the run's rss check."""
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:  # (argparse would say "invalid _mib_bound value", this function's name)
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
