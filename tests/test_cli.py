@@ -451,8 +451,8 @@ def test_golden_record_bad_flags_are_one_line_exit_2(extra, named, synthetic_cal
 
 @pytest.mark.parametrize("argv, named", [
     # the KvManager refused iters + 1 tokens mid-run: internal error (exit 70)
-    (["--iters", "1", "--profile-iters", "40960"], "--profile-iters=40960: must be in 1..40959"),
-    (["--iters", "40960", "--profile-iters", "1"], "--iters=40960: must be in 1..40959"),
+    (["--iters", "1", "--profile-iters", "40960"], "--profile-iters: must be in 1..40959, got 40960"),
+    (["--iters", "40960", "--profile-iters", "1"], "--iters: must be in 1..40959, got 40960"),
     # calbin_load refused it: 'internal error: DriverError ... code 12' (exit 70)
     (["--iters", "1", "--profile-iters", "1", "--calbin", "{not_calbin}"],
      "--calbin='{not_calbin}': "),
