@@ -17,8 +17,8 @@
 - :func:`make_dir` / :func:`output_dir` / :func:`cannot_make_dir`: an output directory flag
   (``--out``, ``--report``, ``--dump-dir``) whose directory cannot be made: one line naming
   the flag and its value, ``not a directory`` when a file is there, exit 2.
-- :func:`staged_report`: a command's output files (``--report DIR``, ``charts draw``'s
-  diagrams, ``charts names``' module) written all together or not at all: a Ctrl-C or an
+- :func:`staged_report`: a command's output files (``--report DIR``, ``diagrams``' and
+  ``charts draw``'s diagrams, ``charts names``' module) written all together or not at all: a Ctrl-C or an
   error while they are written leaves ``DIR`` as it was; a report's, written, replace the
   older report whole (its files this run did not write are removed, nothing else in
   ``DIR``).
@@ -307,8 +307,8 @@ def staged_report(flag: str, directory: str | os.PathLike[str],
                   files: tuple[str, ...] = (), *,
                   given: str | os.PathLike[str] | None = None) -> Iterator[str]:
     """A scratch directory inside the output directory ``directory``, for the block to write
-    the command's files into (a report's, ``charts draw``'s diagrams, ``charts names``'
-    module: every command that replaces a set of files goes through here). When the block
+    the command's files into (a report's, ``diagrams``' and ``charts draw``'s diagrams,
+    ``charts names``' module: every command that replaces a set of files goes through here). When the block
     ends without an exception they replace the files of the same names in ``directory``
     together, and each of ``files`` (the names a report of this kind may have, say
     ``timing.png``) this run did not write is removed, so no file of an older run sits beside

@@ -406,3 +406,40 @@ def test_a_state_the_chart_names_is_labelled_with_its_name_and_id():
     assert 'rot_ [label="Rot (rot_)", id="s_rot_"];' in lines, lines
     assert 'lang [label="Lange warten (lang)", id="s_lang", peripheries=2];' in lines, lines
     assert any(line.startswith('label="Warten auf Grün (warte)";') for line in lines), lines
+
+
+@pytest.mark.requires_tool("dot")
+@pytest.mark.parametrize("failure", [OSError(28, "No space left on device"), KeyboardInterrupt()])
+def test_a_write_cut_short_leaves_every_old_diagram_as_it_was(tmp_path, capsys, monkeypatch,
+                                                             failure):
+    """A full disk (or a Ctrl-C) at the third file ``calexec diagrams`` wrote left the first
+    two charts' files new and the rest old, the third cut short: ``--check`` then failed on
+    diagrams no one had touched by hand. Every file or none now, as ``charts draw``."""
+    out = tmp_path / "out"
+    out.mkdir()
+    names = [f"{name}.{ext}" for name in CHARTS for ext in ("dot", "svg")]
+    for name in names:
+        (out / name).write_text(f"old {name}\n", encoding="utf-8")
+    real_write_text = Path.write_text
+    calls = []
+
+    def failing_write_text(self, data, *args, **kwargs):
+        calls.append(self)
+        if len(calls) == 3:
+            real_write_text(self, data[:10], *args, **kwargs)  # (cut short, then the error)
+            raise failure
+        return real_write_text(self, data, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", failing_write_text)
+    if isinstance(failure, KeyboardInterrupt):
+        with pytest.raises(KeyboardInterrupt):
+            diagrams_cli.main(["diagrams", "--out", str(out)])
+    else:
+        assert diagrams_cli.main(["diagrams", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"calexec diagrams: --out={str(out)!r}: cannot write "), err
+        assert "No space left on device" in err and ".partial" not in err, err
+    assert len(calls) == 3
+    assert sorted(p.name for p in out.iterdir()) == sorted(names)  # (no scratch left)
+    for name in names:
+        assert (out / name).read_text(encoding="utf-8") == f"old {name}\n", name

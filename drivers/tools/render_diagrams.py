@@ -29,8 +29,10 @@ def write_all(out: Path, png: Path | None = None) -> list[Path]:
     ``png/<chart>.png`` when ``png`` is given); return the files written. Everything is
     rendered, and every file found writable (``UserError`` naming ``--out`` or ``--png``
     otherwise), before the first is written: a graphviz failure or a directory in the way
-    leaves the old diagrams as they were, never some charts new and some old."""
-    from calexec.cliargs import UserError, make_dir, writable_file
+    leaves the old diagrams as they were, never some charts new and some old; so does a
+    Ctrl-C or a full disk while they are written (every file is written into a scratch
+    directory, then all replace the old ones together: ``cliargs.staged_report``)."""
+    from calexec.cliargs import UserError, make_dir, staged_report, writable_file
 
     targets = [(out / f"{name}.{ext}", "--out", out) for name in CHARTS for ext in ("dot", "svg")]
     if png is not None:
@@ -57,11 +59,18 @@ def write_all(out: Path, png: Path | None = None) -> list[Path]:
             with contextlib.suppress(OSError):
                 directory.rmdir()
         raise
-    for path, data in contents.items():
-        if isinstance(data, bytes):
-            path.write_bytes(data)
-        else:
-            path.write_text(data, encoding="utf-8")
+    # every file or none (each directory's): a Ctrl-C or a full disk while they are written
+    # left some charts' files new and the rest old, or one cut short
+    with contextlib.ExitStack() as stack:
+        scratch = {directory: Path(stack.enter_context(staged_report(flag, directory)))
+                   for directory, flag in dict.fromkeys(
+                       [(out, "--out"), *([(png, "--png")] if png is not None else [])])}
+        for path, data in contents.items():
+            staged = scratch[path.parent] / path.name
+            if isinstance(data, bytes):
+                staged.write_bytes(data)
+            else:
+                staged.write_text(data, encoding="utf-8")
     return list(contents)
 
 
