@@ -38,3 +38,19 @@ def test_golden_record_of_a_calbin_the_loader_refuses_names_it_before_the_warm_u
         f"calexec golden record: --calbin={str(path)!r}: not a valid calbin ({code}): "
         f"{'not a calbin the runtime loads: ' if code == 'calbin.invalid' else ''}{said}"]
     assert captured.out == "" and not out.exists()
+
+
+def test_pingpong_trace_that_cannot_be_written_is_refused_before_the_run(
+        capsys: pytest.CaptureFixture[str]):
+    """``bench pingpong --trace /proc/x.json`` (a directory that exists but takes no new file:
+    /proc, a read-only mount, one the user may not write in) ran every overlap setting, then
+    failed writing the trace, exit 2 after the whole run (every setting at the default sizes); the
+    check before the run looked only for a directory in the way or a missing parent."""
+    trace = "/proc/calexec-probe56-trace.json"
+    code = cli.main(["bench", "pingpong", "--seqs", "1", "--tokens", "1", "--solo-tokens", "1",
+                     "--trace", trace])
+    captured = capsys.readouterr()
+    assert code == 2, captured.err
+    assert captured.err.splitlines() == [  # (no progress line: nothing ran)
+        f"calexec bench pingpong: --trace={trace!r}: cannot write it: No such file or directory"]
+    assert captured.out == ""

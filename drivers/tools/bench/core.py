@@ -71,7 +71,6 @@ import threading
 import time
 import tracemalloc
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -1430,13 +1429,9 @@ def main(argv: list[str]) -> int:
             limit = calbin_fmt.MAX_SEQ - PROMPT_LEN
             if max(args.tokens, args.solo_tokens) > limit:
                 parser.error(f"--tokens/--solo-tokens must be <= {limit}")
-            if args.trace:  # written at the end: refused before the run, not after it
-                trace = Path(args.trace)
-                if trace.is_dir() or not trace.parent.is_dir():
-                    raise cliargs.UserError(
-                        f"--trace={args.trace!r}: cannot write it: "
-                        + ("a directory" if trace.is_dir() else
-                           f"no directory {str(trace.parent)!r}"))
+            if args.trace:  # written at the end: refused before the run, not after it (a
+                # directory, a missing one, one this user cannot write in: /proc, read-only)
+                cliargs.writable_file("--trace", args.trace)
             result = run_pingpong(args.seqs, args.tokens, args.solo_tokens, args.trace,
                                   device=device)
         else:
