@@ -3,6 +3,10 @@ each pinned (docs/traceability.md, "Found at stop 56 (cli)")."""
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -54,3 +58,50 @@ def test_pingpong_trace_that_cannot_be_written_is_refused_before_the_run(
     assert captured.err.splitlines() == [  # (no progress line: nothing ran)
         f"calexec bench pingpong: --trace={trace!r}: cannot write it: No such file or directory"]
     assert captured.out == ""
+
+
+def _alive(pid: int) -> bool:
+    """``pid`` runs (not gone, not a zombie no one reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_a_ctrl_c_during_the_browser_shot_ends_the_browser(tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch):
+    """``calexec diagrams live`` runs headless Chromium in a session of its own, so a Ctrl-C
+    at the terminal reaches only calexec: the KeyboardInterrupt left the browser (and its
+    helpers) running after exit 130, writing its PNG later. Now it is killed, as on its
+    timeout."""
+    from calexec.drivers.tools.live_screenshots import chromium_capture
+
+    pid_file = tmp_path / "browser.pid"
+    fake = tmp_path / "bin" / "chromium"
+    fake.parent.mkdir()
+    fake.write_text(f"#!/bin/sh\necho $$ > {pid_file}\nexec sleep 60\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    main = threading.get_ident()
+
+    def interrupt() -> None:  # the terminal's SIGINT, to the main thread blocked on the browser
+        deadline = time.monotonic() + 20
+        while not pid_file.exists() or not pid_file.read_text().strip():
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.02)
+        signal.pthread_kill(main, signal.SIGINT)
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        chromium_capture("http://127.0.0.1:9/", str(tmp_path), timeout=30.0)
+    pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    alive = _alive(pid)
+    if alive:  # (the old code's browser: ended here, not left to the machine)
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, "the browser ran on after the Ctrl-C"

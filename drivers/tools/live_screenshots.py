@@ -9,6 +9,7 @@ The pages themselves are drivers/serving/live_charts.py.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -32,6 +33,12 @@ def _run_bounded(argv: list[str], timeout: float, env: dict[str, str]) -> subpro
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         return subprocess.CompletedProcess(argv, -9, out, err + f"\ntimed out after {timeout}s")
+    except BaseException:  # a Ctrl-C (in its own session, the browser does not get it): the
+        # browser and its helpers would run on after the command ended, and write the PNG then
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
     try:  # helpers a browser leaves behind
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
