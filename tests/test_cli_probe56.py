@@ -105,3 +105,22 @@ def test_a_ctrl_c_during_the_browser_shot_ends_the_browser(tmp_path: Path,
     if alive:  # (the old code's browser: ended here, not left to the machine)
         os.kill(pid, signal.SIGKILL)
     assert not alive, "the browser ran on after the Ctrl-C"
+
+
+@pytest.mark.parametrize(("argv", "said"), [
+    (["--soak-seconds", "1"], "--soak-seconds=1: the soak gate needs at least 3 s in quick mode"),
+    (["--full", "--soak-seconds", "30"],
+     "--soak-seconds=30: the soak gate needs at least 60 s in full mode"),
+])
+def test_a_soak_too_short_to_judge_is_refused_not_failed(
+        capsys: pytest.CaptureFixture[str], argv: list[str], said: str):
+    """``accept --gates soak --soak-seconds 1`` ran the soak and failed it, exit 1, the RSS
+    check "growing" on one sample per third (3 samples after the warm-up: noise); a shorter
+    soak still was "only 2 samples after warm-up", failed too. Refused now before any gate
+    runs, naming the flag and the least it takes, exit 2."""
+    code = cli.main(["accept", "--gates", "soak", "--phase", "a", *argv])
+    captured = capsys.readouterr()
+    assert code == 2, captured.err
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"calexec accept: {said} "), lines
+    assert captured.out == ""

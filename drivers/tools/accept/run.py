@@ -87,6 +87,21 @@ FULL = Sizes(mode="full", prompts=100, max_prompt_len=256, decode_steps=32,
              soak_seconds=24 * 3600.0, soak_sample_s=5.0, soak_fault_every_s=600.0,
              soak_warmup_fraction=0.1, chaos_seconds=1800.0)
 PHASES = {"a": ("a",), "b": ("b",), "both": ("a", "b")}
+#: the fewest RSS / slot / queue samples the soak gate judges growth on: its check compares
+#: thirds of the samples after the warm-up, so a shorter soak (a 1 s quick one: 3 samples
+#: left, one per third) read one sample's noise as RSS growth and failed the gate
+MIN_SOAK_SAMPLES = 12
+
+
+def soak_refusal(sizes: Sizes) -> str | None:
+    """Why the soak gate cannot judge a soak of ``sizes`` (None: it can): shorter than
+    :data:`MIN_SOAK_SAMPLES` samples."""
+    least = MIN_SOAK_SAMPLES * sizes.soak_sample_s
+    if sizes.soak_seconds >= least:
+        return None
+    return (f"--soak-seconds={sizes.soak_seconds:g}: the soak gate needs at least {least:g} s "
+            f"in {sizes.mode} mode ({MIN_SOAK_SAMPLES} samples, one every "
+            f"{sizes.soak_sample_s:g} s: it compares thirds of those after its warm-up)")
 
 
 def run_accept(sizes: Sizes = QUICK, phases: Sequence[str] = ("a", "b"),
@@ -105,6 +120,9 @@ def run_accept(sizes: Sizes = QUICK, phases: Sequence[str] = ("a", "b"),
         raise ValueError(f"runtime library {device.library!r} has no emulator controls "
                          "(calrt_emu_*): the gates inject faults and set latencies through them")
     if "soak" in names:
+        refusal = soak_refusal(sizes)
+        if refusal is not None:
+            raise ValueError(refusal)
         pin_mmap_threshold()  # RSS must reflect live memory (drivers/memory.py)
     progress = progress or Silent(0)
     progress.total = max(1, len(names) * len(phases))
