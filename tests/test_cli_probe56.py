@@ -27,8 +27,8 @@ def test_golden_record_of_a_calbin_the_loader_refuses_names_it_before_the_warm_u
     started the executor: exit 3 and two lines, the executor's ``device lifecycle Failed:
     calrt.calbin_load_failed ... returned 12 (FILE_FORMAT)`` log line and the same Status
     again, the flag not named; now the check ``serve --calbin`` and a model switch run, one
-    line naming ``--calbin``, exit 2 (a bad flag, as the command's help says), no file
-    written."""
+    line naming ``--calbin``, exit 3 (a runtime refusal, as ``serve --calbin`` exits for it),
+    no file written."""
     path = tmp_path / "model.calbin"
     if content is None:
         whole = calbin_fmt.dumps(calbin_fmt.default_spec())
@@ -37,7 +37,7 @@ def test_golden_record_of_a_calbin_the_loader_refuses_names_it_before_the_warm_u
     out = tmp_path / "model.goldens.toml"
     code_ = cli.main(["golden", "record", "--calbin", str(path), "--out", str(out)])
     captured = capsys.readouterr()
-    assert code_ == 2, captured.err
+    assert code_ == 3, captured.err
     assert captured.err.splitlines() == [
         f"calexec golden record: --calbin={str(path)!r}: not a valid calbin ({code}): "
         f"{'not a calbin the runtime loads: ' if code == 'calbin.invalid' else ''}{said}"]

@@ -9,9 +9,10 @@ without one is refused unless ``allow_unpinned_golden`` is set.
 
 Record on the runtime that will serve: the golden is what *this* runtime computes.
 Exit status: 0 recorded; 2 a bad flag (one line naming it, before anything runs: the paths,
-the library's load, the device config's keys, a ``--calbin`` the runtime's loader refuses or
-the manifest does not describe, an ``--out`` that cannot be updated); 3 the executor did not
-start (its Status printed).
+the library's load, the device config's keys, an ``--out`` that cannot be updated); 3 a
+runtime refusal, as ``calexec serve --calbin`` answers it: a ``--calbin`` the runtime's loader
+refuses or the manifest does not describe (one line naming it, before the warm-up), or the
+executor did not start (its Status printed).
 """
 
 from __future__ import annotations
@@ -84,15 +85,16 @@ def _default_note(calbin: str) -> str:
 def _check_calbin(spec: DeviceSpec, calbin: str) -> None:
     """Refuse a ``--calbin`` the runtime's loader refuses (a truncated or garbage file) or the
     manifest does not describe, before the warm-up: the check a model switch and ``serve
-    --calbin`` run (machines/switch_check.py). Raises UserError naming the flag (a failed
-    start said the CalRT configure code, twice: the executor's log line and the Status)."""
+    --calbin`` run (machines/switch_check.py). Raises UserError naming the flag, exit 3 as
+    ``serve --calbin`` exits for it (a failed start said the CalRT configure code, twice: the
+    executor's log line and the Status)."""
     from calexec.machines import switch_check
 
     checked = switch_check.check_calbin(spec.runtime(), spec.manifest(), calbin, hash_pin=False)
     if not checked.ok:
         why = checked.message.removeprefix(f"calbin={calbin!r}: ")
         raise cliargs.UserError(f"--calbin={calbin!r}: not a valid calbin ({checked.code}): "
-                                f"{why}")
+                                f"{why}", cliargs.EXIT_REFUSED)
 
 
 def _check_out(out: Path) -> None:
