@@ -46,14 +46,20 @@ def _failures(service, code: str) -> float:
     return metric_value(text, "calexec_request_failures_total", {"code": code}) or 0.0
 
 
-def _server(tmp_path):
+def _server(tmp_path, prearm: bool):
+    """``prearm`` pins the decode path: the server picks it by the device time it measured
+    (``prearm_min_device_ms``), which a loaded host reads long enough to pre-arm for; left to
+    that, the interleaving each test forces depended on the host's load."""
     executor = started_executor(tmp_path, execution_timeout_s=1.0, timeout_grace_s=0.2,
                                 recovery=RecoveryPolicy(max_recoveries=1000))
-    return executor, create_app(executor, ServerConfig(max_resumes=0))
+    config = ServerConfig(max_resumes=0, prearm=prearm, prearm_min_device_ms=0.0)
+    return executor, create_app(executor, config)
 
 
+@pytest.mark.parametrize("prearm", [False, True], ids=["plain", "prearmed"])
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_choice_s_fault_is_the_answer_when_a_sibling_s_knock_on_came_first(tmp_path, stream):
+def test_a_choice_s_fault_is_the_answer_when_a_sibling_s_knock_on_came_first(tmp_path, stream,
+                                                                            prearm):
     """``n`` = 2, ``max_resumes`` 0, a CCU exception on one choice's job: the recovery it sets
     off ends the other choice too (503 ``lifecycle.unavailable``, "device recovering after
     device.ccu_exception"), and whichever of the two the event loop saw first was the
@@ -62,17 +68,23 @@ def test_a_choice_s_fault_is_the_answer_when_a_sibling_s_knock_on_came_first(tmp
     Here the thread that reports the fault waits until the knock-on was counted before the
     faulted job is resolved (the old code's losing order, every time); the answer is the
     fault that set the recovery off."""
-    executor, app = _server(tmp_path)
+    executor, app = _server(tmp_path, prearm)
     service = app.state.service
     report = executor.request_recovery
     forced: list[bool] = []
 
     def gated(decision) -> None:  # the completion thread, between the report and the resolve
         # the other choice's next job is queued behind the faulted one (one job in flight:
-        # it cannot be submitted while this thread holds the permit), so the recovery's stop
-        # of admission fails it: the knock-on (a job enqueued later would wait for Ready)
+        # it cannot be submitted while this thread holds the permit), or, pre-armed, waits
+        # for a slot (the faulted job's is quarantined, the faulted stream's own next step
+        # holds the other), so the recovery's stop of admission fails it: the knock-on (a
+        # job enqueued later would wait for Ready)
+        def sibling_waits() -> bool:
+            dispatch = executor.snapshot()["dispatch"]
+            return dispatch["queued"] + (dispatch["armed"] if prearm else 0) >= 1
+
         end = time.monotonic() + 30.0
-        while executor.snapshot()["queued"] < 1 and time.monotonic() < end:
+        while not sibling_waits() and time.monotonic() < end:
             time.sleep(0.005)
         before = _failures(service, "lifecycle.unavailable")
         report(decision)
@@ -101,14 +113,15 @@ def test_a_choice_s_fault_is_the_answer_when_a_sibling_s_knock_on_came_first(tmp
         executor.shutdown(5.0)
 
 
-def test_a_fault_is_the_answer_when_its_recovery_retired_the_generation_first(tmp_path):
+@pytest.mark.parametrize("prearm", [False, True], ids=["plain", "prearmed"])
+def test_a_fault_is_the_answer_when_its_recovery_retired_the_generation_first(tmp_path, prearm):
     """``n`` = 1, ``max_resumes`` 0, a CCU exception: when the event loop took the failed job
     only after the recovery it set off had replaced the generation (a busy loop), the answer
     was 503 ``lifecycle.unavailable`` ("the request's generation 1 was replaced by 2") instead
     of the fault's own 503 ``device.ccu_exception`` (for a NaN row, 503 instead of 500), the
     code a matter of timing. Here the loop is held from just before the job is resolved until
     the generation moved."""
-    executor, app = _server(tmp_path)
+    executor, app = _server(tmp_path, prearm)
     loops: list[asyncio.AbstractEventLoop] = []
 
     @app.get("/probe54-loop")
