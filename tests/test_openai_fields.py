@@ -25,6 +25,7 @@ from calexec.drivers.serving.server import ServerConfig, create_app
 from calexec.drivers.synthetic.calbin import VOCAB
 from test_server_support import (
     LiveServer,
+    bos_tokenizer,
     live_fixture,  # noqa: F401 - the fixture `live`
     oracle_tokens,
     started_executor,
@@ -762,17 +763,9 @@ def test_truncate_prompt_tokens_keeps_the_last_k(live):
 
 
 def test_add_special_tokens_defaults_true_for_completions_false_for_chat(tmp_path):
-    tokenizers = pytest.importorskip("tokenizers")
-    from tokenizers import models, pre_tokenizers, processors
-    tok = tokenizers.Tokenizer(models.WordLevel({"[UNK]": 0, "[BOS]": 1, "hello": 5,
-                                                 "user": 6, ":": 7, "assistant": 8},
-                                                unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.post_processor = processors.TemplateProcessing(single="[BOS] $A",
-                                                       special_tokens=[("[BOS]", 1)])
-    tok.save(str(tmp_path / "tokenizer.json"))
+    path = bos_tokenizer(tmp_path / "tokenizer.json")
     executor = started_executor(tmp_path)
-    app = create_app(executor, ServerConfig(tokenizer_path=str(tmp_path / "tokenizer.json")))
+    app = create_app(executor, ServerConfig(tokenizer_path=str(path)))
     try:
         with LiveServer(app) as server:
             client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)

@@ -16,6 +16,7 @@ from calexec.drivers.serving.server import ServerConfig, create_app
 from calexec.drivers.synthetic.calbin import MAX_SEQ, VOCAB
 from test_server_support import (
     LiveServer,
+    bos_tokenizer,
     free_port,
     live_fixture,  # noqa: F401 - the fixture `live`
     started_executor,
@@ -149,16 +150,7 @@ def test_tokenize_counts_a_chat_as_the_chat_route_with_its_special_tokens_and_co
     ``continue_final_message`` as an unknown parameter. Both now render as chat does; a
     prompt still gets its special tokens by default, and ``continue_final_message``
     without ``messages`` is named."""
-    tokenizers = pytest.importorskip("tokenizers")
-    from tokenizers import models, pre_tokenizers, processors
-    tok = tokenizers.Tokenizer(models.WordLevel({"[UNK]": 0, "[BOS]": 1, "hello": 5,
-                                                 "user": 6, ":": 7, "assistant": 8},
-                                                unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.post_processor = processors.TemplateProcessing(single="[BOS] $A",
-                                                       special_tokens=[("[BOS]", 1)])
-    path = tmp_path / "tokenizer.json"
-    tok.save(str(path))
+    path = bos_tokenizer(tmp_path / "tokenizer.json")
     executor = started_executor(tmp_path)
     app = create_app(executor, ServerConfig(tokenizer_path=str(path)))
     messages = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hello"}]

@@ -41,6 +41,22 @@ def started_executor(tmp: Path, device_config: str = "", **config) -> DeviceExec
     return executor
 
 
+def bos_tokenizer(path: Path) -> Path:
+    """A WordLevel ``tokenizer.json`` written at ``path`` (returned) whose post-processor puts
+    ``[BOS]`` (id 1) before every single text: ``hello`` 5, ``user`` 6, ``:`` 7,
+    ``assistant`` 8, any other word ``[UNK]`` (0)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers, processors
+    tok = tokenizers.Tokenizer(models.WordLevel({"[UNK]": 0, "[BOS]": 1, "hello": 5,
+                                                 "user": 6, ":": 7, "assistant": 8},
+                                                unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="[BOS] $A",
+                                                       special_tokens=[("[BOS]", 1)])
+    tok.save(str(path))
+    return path
+
+
 @contextlib.contextmanager
 def openai_server(tmp: Path, config=None, timeout: float = 60.0) -> Iterator[tuple]:
     """A started executor on the synthetic calbin behind ``create_app`` on a loopback uvicorn
