@@ -612,10 +612,27 @@ def inspector_app(inspector: Inspector, options: AppOptions | None = None) -> St
     def base(request: Request) -> str:
         return str(request.scope.get("root_path", "")).rstrip("/")
 
+    def query_taken(request: Request, route: str) -> Response | None:
+        """The 400 of a query parameter a route without any was given (None: none given),
+        naming each, as ``runs/{run_id}`` refuses one it does not take: ``live.json?run=3``
+        answered as if it had been honoured."""
+        unknown = sorted(set(request.query_params))
+        if not unknown:
+            return None
+        said = "unknown parameter" if len(unknown) == 1 else "unknown parameters"
+        return refused(request, 400, f"{', '.join(key[:60] for key in unknown[:8])}: {said} "
+                                     f"({route} takes no query parameter)")
+
     async def live(request: Request) -> Response:
+        unknown = query_taken(request, "live.json")
+        if unknown is not None:
+            return unknown
         return JSONResponse(inspector.live())
 
     async def chart_svg(request: Request) -> Response:
+        unknown = query_taken(request, "{chart}.svg")
+        if unknown is not None:
+            return unknown
         name = request.path_params["chart"]
         entry = inspector.charts.get(name)
         if entry is None:
@@ -628,6 +645,9 @@ def inspector_app(inspector: Inspector, options: AppOptions | None = None) -> St
         return Response(svg, media_type="image/svg+xml")
 
     async def index(request: Request) -> Response:
+        unknown = query_taken(request, "the page")
+        if unknown is not None:
+            return unknown
         names = list(inspector.charts)
         if opts.order is not None:
             names = opts.order(names)

@@ -54,6 +54,20 @@ def admin_refusal(request: Request, config: ServerConfig) -> JSONResponse | None
 
 
 
+def query_refusal(request: Request, allowed: tuple[str, ...], usage: str
+                  ) -> JSONResponse | None:
+    """The 400 of a query parameter ``request``'s route does not take (None: every one is
+    in ``allowed``), naming each (``param`` the first, sorted) and the route's ``usage``: a
+    typo such as ``?limt=5`` or ``?grase=0`` answers as if unsaid otherwise. The rule of every
+    ``/admin`` and ``/debug`` route."""
+    unknown = sorted({key for key in request.query_params if key not in allowed})
+    if not unknown:
+        return None
+    names = ", ".join(key[:64] for key in unknown[:8]) + (", ..." if len(unknown) > 8 else "")
+    said = "unknown parameter" if len(unknown) == 1 else "unknown parameters"
+    return error_response(invalid(f"{names}: {said}, refused ({usage})"), unknown[0][:64])
+
+
 #: the keys of a ``/admin/reload`` body (any other is refused, named, as the OpenAI bodies do)
 RELOAD_KEYS = ("calbin",)
 #: the query parameters of ``/admin/drain``
@@ -160,10 +174,9 @@ def add_admin_routes(app: FastAPI, service: CompletionService) -> None:
         refused = admin_refusal(request, config)
         if refused is not None:
             return refused
-        unknown = sorted(key for key in request.query_params if key not in DRAIN_PARAMS)
-        if unknown:
-            return error_response(invalid(f"{unknown[0][:64]}: unknown parameter, refused "
-                                          "(POST /admin/drain?grace=S)"), unknown[0][:64])
+        unknown = query_refusal(request, DRAIN_PARAMS, "POST /admin/drain?grace=S")
+        if unknown is not None:
+            return unknown
         raw = await read_body(request)
         if not isinstance(raw, bytes):
             return raw
@@ -220,11 +233,10 @@ def add_admin_routes(app: FastAPI, service: CompletionService) -> None:
         if transfer is not None:
             return error_response(transfer_coding_refused(transfer), None,
                                   http_status=501)
-        unknown = sorted(request.query_params)
-        if unknown:
-            return error_response(invalid(f"{unknown[0][:64]}: unknown parameter, refused "
-                                          "(POST /admin/reload takes the body "
-                                          "{\"calbin\": PATH} and no query)"), unknown[0][:64])
+        unknown = query_refusal(request, (), "POST /admin/reload takes the body "
+                                "{\"calbin\": PATH} and no query")
+        if unknown is not None:
+            return unknown
         raw = await read_body(request)
         if not isinstance(raw, bytes):
             return raw

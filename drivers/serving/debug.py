@@ -7,7 +7,6 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Mapping
-from typing import Any
 
 from anyio import to_thread
 from fastapi import FastAPI, Request
@@ -15,7 +14,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Resp
 
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
-from calexec.drivers.serving.admin import admin_refusal
+from calexec.drivers.serving.admin import admin_refusal, query_refusal
 from calexec.drivers.serving.error_bodies import error_response, invalid, route_error
 from calexec.drivers.serving.live_charts import COUNTED, LABELS, path_page, server_inspector
 from calexec.drivers.serving.service import CompletionService
@@ -63,8 +62,14 @@ def add_debug_routes(app: FastAPI, service: CompletionService) -> None:
     executor, config = service.executor, service.config
 
     @app.get("/debug/jobs")
-    async def debug_jobs() -> dict[str, Any]:
-        return {"lifecycle": executor.state, "jobs": service.live_job_counts()}
+    async def debug_jobs(request: Request) -> Response:
+        """Live job counts; it takes no query parameter (``?limt=5``: a 400 naming it, as
+        every ``/admin`` and ``/debug`` route answers one it does not take)."""
+        unknown = query_refusal(request, (), "GET /debug/jobs takes no query parameter; "
+                                "one job's path: GET /debug/jobs/{id}")
+        if unknown is not None:
+            return unknown
+        return JSONResponse({"lifecycle": executor.state, "jobs": service.live_job_counts()})
 
     @app.get("/debug/jobs/{job_id}")
     async def debug_job(job_id: str, request: Request) -> Response:
@@ -76,11 +81,9 @@ def add_debug_routes(app: FastAPI, service: CompletionService) -> None:
         if not JOB_ID.fullmatch(job_id):  # str.isdigit() takes "²", which int() refuses
             return error_response(invalid(f"job_id={job_id!r:.40}: must be a job id (a "
                                           "decimal integer)"), "job_id")
-        unknown = sorted(key for key in request.query_params if key not in JOB_PARAMS)
-        if unknown:
-            return error_response(invalid(f"{unknown[0][:64]}: unknown parameter, refused "
-                                          "(GET /debug/jobs/{id}?format=json|html)"),
-                                  unknown[0][:64])
+        unknown = query_refusal(request, JOB_PARAMS, "GET /debug/jobs/{id}?format=json|html")
+        if unknown is not None:
+            return unknown
         given = request.query_params.getlist("format")
         if len(given) > 1:  # (which one was meant is the client's)
             return error_response(invalid(f"format={given[0][:64]!r}: given {len(given)} "
@@ -104,9 +107,13 @@ def add_debug_routes(app: FastAPI, service: CompletionService) -> None:
         return HTMLResponse(svg_page)
 
     @app.get("/debug/statecharts")
-    async def statecharts_page() -> Response:
+    async def statecharts_page(request: Request) -> Response:
         """The mounted page is ``/debug/statecharts/``: a redirect there by a relative
         Location (the router's own slash redirect is off: it named the client's Host)."""
+        unknown = query_refusal(request, (), "GET /debug/statecharts/ takes no query "
+                                "parameter")
+        if unknown is not None:  # (the redirect dropped it: as if honoured)
+            return unknown
         return RedirectResponse("statecharts/", status_code=307)
 
     # the live statecharts page: the generic inspector, mounted as any app would mount it
