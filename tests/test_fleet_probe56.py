@@ -11,12 +11,10 @@ import sys
 import httpx
 import pytest
 
-from calexec.drivers.fleet.edge import serve_relayed
-from calexec.drivers.fleet.ingress import FailoverSettings, FleetIngress
 from calexec.drivers.serving import byte_tokenizer
 from calexec.drivers.serving.server import create_app
 from calexec.drivers.serving.service import MAX_CHOICES, ServerConfig
-from test_server_support import openai_server, started_executor
+from test_server_support import openai_server, started_executor, through_ingress
 
 
 def test_serve_refuses_a_max_choices_past_its_bound_naming_flag_value_and_range():
@@ -83,53 +81,6 @@ def replica_app(tmp_path_factory):
         executor.shutdown(5.0)
 
 
-async def _dies_after(stream, chunks: int):
-    """``stream`` until ``chunks`` non-empty body chunks went out; then its process "dies"."""
-    sent = 0
-    try:
-        async for message in stream:
-            if message["type"] == "http.response.body" and message.get("body"):
-                if sent == chunks:
-                    raise RuntimeError("ActorDiedError: the replica's process died")
-                sent += 1
-            yield message
-    finally:
-        await stream.aclose()
-
-
-def _through_ingress(app, path: str, body: dict, die_after: int) -> tuple[bytes, list[dict]]:
-    """(what the client got, the calls the ingress made) of ``body`` through the fleet ingress,
-    its first replica dying after ``die_after`` body chunks."""
-    calls: list[dict] = []
-
-    def call(request):
-        calls.append(request)
-        stream = serve_relayed(app, request)
-        return _dies_after(stream, die_after) if len(calls) == 1 else stream
-
-    ingress = FleetIngress(call, FailoverSettings(backoff_s=0.001))
-    sent: list[dict] = []
-
-    async def go():
-        scope = {"type": "http", "method": "POST", "path": path, "query_string": b"",
-                 "headers": [(b"content-type", b"application/json")], "http_version": "1.1"}
-        given = asyncio.Event()
-
-        async def receive():
-            if not given.is_set():
-                given.set()
-                return {"type": "http.request", "body": json.dumps(body).encode(),
-                        "more_body": False}
-            await asyncio.Event().wait()  # the client stays
-
-        async def send(message):
-            sent.append(message)
-        await asyncio.wait_for(ingress(scope, receive, send), timeout=60)
-    asyncio.run(go())
-    assert sum(m["type"] == "http.response.start" for m in sent) == 1
-    return b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body"), calls
-
-
 @pytest.mark.parametrize("path,body", [
     ("/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 4, "n": 2}),
     ("/v1/completions", {"prompt": [[1, 2], [3, 4]], "max_tokens": 4}),
@@ -144,7 +95,7 @@ def test_a_started_stream_of_several_choices_is_not_run_again_on_a_sibling(repli
     chunks twice, the second time under another id, then two ``[DONE]``-less halves glued
     into one stream with one ``[DONE]``. It ends now with the SSE error event saying why,
     as on a single server; no sibling is called."""
-    content, calls = _through_ingress(replica_app, path, {**body, "stream": True}, 3)
+    content, calls = through_ingress(replica_app, path, {**body, "stream": True}, 3)
     events = [part for part in content.decode().split("\n\n") if part]
     assert len(calls) == 1, [c.get("resume") for c in calls]
     assert b"[DONE]" not in content
@@ -157,7 +108,7 @@ def test_a_started_stream_of_several_choices_is_not_run_again_on_a_sibling(repli
 def test_a_request_of_several_choices_that_sent_nothing_is_run_whole_on_a_sibling(replica_app):
     """Before its first byte, a request of several choices fails over as any request: run
     whole on the sibling, one answer."""
-    content, calls = _through_ingress(
+    content, calls = through_ingress(
         replica_app, "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 4, "n": 2}, 0)
     assert len(calls) == 2
     answer = json.loads(content)
@@ -186,8 +137,8 @@ def test_a_one_prompt_list_stream_continues_on_a_sibling_as_a_plain_prompt(repli
     the uncut one."""
     body = {"prompt": ["hello"], "max_tokens": 6, "stream": True, "seed": 5,
             "temperature": 1.0}
-    whole, _ = _through_ingress(replica_app, "/v1/completions", body, 99)  # never dies
-    cut, calls = _through_ingress(replica_app, "/v1/completions", body, 3)
+    whole, _ = through_ingress(replica_app, "/v1/completions", body, 99)  # never dies
+    cut, calls = through_ingress(replica_app, "/v1/completions", body, 3)
     assert len(calls) == 2 and calls[1]["resume"]["tokens"], [c.get("resume") for c in calls]
     assert cut.count(b"[DONE]") == 1 and b'"error"' not in cut
 

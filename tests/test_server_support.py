@@ -20,6 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from calexec.contracts.manifest import default_manifest_path, load_manifest
 from calexec.drivers.calrt.runtime import CalRT
+from calexec.drivers.fleet.edge import serve_relayed
+from calexec.drivers.fleet.ingress import FailoverSettings, FleetIngress
 from calexec.drivers.synthetic import calbin, oracle
 from calexec.drivers.tools.chaos import LiveServer  # noqa: F401 - re-exported for the server tests
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
@@ -339,3 +341,50 @@ def sent_with_and_without_expect(port: int, head: bytes, payload: bytes
             sock.sendall(whole if b"expect" in expect else whole + payload)
             out.append(read_until_closed(sock))
     return out
+
+
+async def dies_after(stream, chunks: int):
+    """``stream`` until ``chunks`` non-empty body chunks went out; then its process "dies"."""
+    sent = 0
+    try:
+        async for message in stream:
+            if message["type"] == "http.response.body" and message.get("body"):
+                if sent == chunks:
+                    raise RuntimeError("ActorDiedError: the replica's process died")
+                sent += 1
+            yield message
+    finally:
+        await stream.aclose()
+
+
+def through_ingress(app, path: str, body: dict, die_after: int) -> tuple[bytes, list[dict]]:
+    """(what the client got, the calls the ingress made) of ``body`` through the fleet ingress,
+    its first replica dying after ``die_after`` body chunks."""
+    calls: list[dict] = []
+
+    def call(request):
+        calls.append(request)
+        stream = serve_relayed(app, request)
+        return dies_after(stream, die_after) if len(calls) == 1 else stream
+
+    ingress = FleetIngress(call, FailoverSettings(backoff_s=0.001))
+    sent: list[dict] = []
+
+    async def go():
+        scope = {"type": "http", "method": "POST", "path": path, "query_string": b"",
+                 "headers": [(b"content-type", b"application/json")], "http_version": "1.1"}
+        given = asyncio.Event()
+
+        async def receive():
+            if not given.is_set():
+                given.set()
+                return {"type": "http.request", "body": json.dumps(body).encode(),
+                        "more_body": False}
+            await asyncio.Event().wait()  # the client stays
+
+        async def send(message):
+            sent.append(message)
+        await asyncio.wait_for(ingress(scope, receive, send), timeout=60)
+    asyncio.run(go())
+    assert sum(m["type"] == "http.response.start" for m in sent) == 1
+    return b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body"), calls
