@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from fastapi.testclient import TestClient
 
 from calexec.drivers.serving.server import ServerConfig, create_app
-from test_server_support import started_executor
+from test_server_support import started_executor, through_ingress
 
 TOKEN = "probe57-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -54,3 +56,62 @@ def test_every_unknown_query_parameter_is_named_not_only_the_first(client, metho
     error = r.json()["error"]
     assert error["param"] == "alpha", error
     assert error["message"].startswith("alpha, zeta: unknown parameters, refused"), error
+
+
+# ---- the fleet ingress and a started stream of several choices ------------------------------
+@pytest.fixture(scope="module")
+def replica_app(tmp_path_factory):
+    """One server app, every replica of the fleet (each call is a replica of its own)."""
+    executor = started_executor(tmp_path_factory.mktemp("fleet57"))
+    try:
+        yield create_app(executor, ServerConfig())
+    finally:
+        executor.shutdown(5.0)
+
+
+def _per_choice(content: bytes) -> tuple[dict[object, list[str]], set[str], int]:
+    """A stream's events by choice index (each choice's entries, as JSON), with ``"usage"``
+    the usage chunks; the ids of its chunks; how many ``[DONE]`` it has."""
+    by_choice: dict[object, list[str]] = {}
+    ids: set[str] = set()
+    events = [e for e in content.decode().split("\n\n") if e]
+    for event in events:
+        if event == "data: [DONE]":
+            continue
+        chunk = json.loads(event.removeprefix("data: "))
+        assert "error" not in chunk, chunk
+        ids.add(chunk["id"])
+        for choice in chunk["choices"]:
+            by_choice.setdefault(choice["index"], []).append(json.dumps(choice, sort_keys=True))
+        if chunk.get("usage"):
+            by_choice.setdefault("usage", []).append(json.dumps(chunk["usage"], sort_keys=True))
+    return by_choice, ids, events.count("data: [DONE]")
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 4, "n": 2, "temperature": 1.0}),
+    ("/v1/completions", {"prompt": [[1, 2], [3, 4]], "max_tokens": 4,
+                         "stream_options": {"include_usage": True}}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                              "n": 3, "temperature": 1.0, "seed": 11}),
+], ids=["n2-unseeded", "prompt-list-usage", "chat-n3-seeded"])
+@pytest.mark.parametrize("cut", [1, 4])
+def test_a_started_stream_of_several_choices_finishes_on_a_sibling(replica_app, path, body, cut):
+    """A streamed request of several choices (``n`` > 1, a prompt list) through the fleet
+    ingress whose replica died after some chunks ended with the SSE error event
+    (``lifecycle.unavailable``, "not continued on a sibling"): such a request reported no
+    progress, so nothing could resume it. The replica reports its seed, id, ``created`` and
+    each event's choice now; the sibling runs every choice again with them and sends only
+    the events the client lacks: one stream, one id, one ``[DONE]``, each choice's events
+    those of the same request uncut (its seed the one the first replica drew)."""
+    content, calls = through_ingress(replica_app, path, {**body, "stream": True}, cut)
+    assert len(calls) == 2, [c.get("resume") for c in calls]
+    resume = calls[1]["resume"]
+    assert sum(resume["choices"]) == cut and resume["tokens"] == [], resume
+    cut_choices, cut_ids, done = _per_choice(content)
+    assert done == 1 and cut_ids == {resume["id"]}, cut_ids
+    whole, _ = through_ingress(replica_app, path, {**body, "stream": True,
+                                                  "seed": resume["seed"]}, 10 ** 6)
+    whole_choices, _, _ = _per_choice(whole)
+    assert cut_choices == whole_choices
+    assert len([k for k in cut_choices if k != "usage"]) >= 2

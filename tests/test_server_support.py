@@ -357,13 +357,17 @@ async def dies_after(stream, chunks: int):
         await stream.aclose()
 
 
-def through_ingress(app, path: str, body: dict, die_after: int) -> tuple[bytes, list[dict]]:
+def through_ingress(app, path: str, body: dict, die_after: int, progress: bool = True
+                    ) -> tuple[bytes, list[dict]]:
     """(what the client got, the calls the ingress made) of ``body`` through the fleet ingress,
-    its first replica dying after ``die_after`` body chunks."""
+    its first replica dying after ``die_after`` body chunks. ``progress`` False: the replicas
+    report no progress (as one from before a request kind reported any)."""
     calls: list[dict] = []
 
     def call(request):
         calls.append(request)
+        if not progress:
+            request = {key: value for key, value in request.items() if key != "progress"}
         stream = serve_relayed(app, request)
         return dies_after(stream, die_after) if len(calls) == 1 else stream
 

@@ -25,11 +25,14 @@ the device replicas, each reached through a streaming call (``call(request)``: t
    token, the same id. A whole (non-streaming) answer is re-run on the sibling with the same
    seed: identical for greedy and seeded sampling. Routing avoids the replicas that failed
    this request (``request["avoid"]``, read by ``LifecycleRouter``) while others exist.
-   A response that started without resume state (a request of several choices, ``n`` > 1
-   or a list of two prompts or more: the replica reports no progress for it) is never
-   continued: the sibling would run it again from its start and the client would get every
-   choice's chunks twice, under two ids; it ends with the SSE error event, as on a single
-   server. Before its first byte it is run again whole on a sibling, as any request.
+   A request of several choices (``n`` > 1 or a list of two prompts or more) reports its
+   seed, id, ``created`` and the choice of each event: the sibling runs every choice again
+   from its start with them and sends, of each choice, only the events after those the
+   client has (``resume["choices"]``), so its stream finishes as the uncut one would. A
+   response that started without resume state (a replica that reported no progress) is
+   never continued: the sibling would run it again from its start and the client would get
+   every choice's chunks twice, under two ids; it ends with the SSE error event, as on a
+   single server. Before its first byte it is run again whole on a sibling, as any request.
 3. **Bounded.** At most ``max_failovers`` failovers and the request's deadline (its
    ``timeout`` or ``default_timeout_s``), which bounds each attempt too (at the deadline +
    twice ``deadline_slack_s``: a replica that stopped answering, or a call no replica
@@ -143,6 +146,10 @@ class _Client:
     opened: bool = False  # a non-empty body chunk went out (a chat stream's opening)
     tokens: list[int] = attrs.Factory(list)  # tokens whose chunks went out
     pending: list[int] = attrs.Factory(list)  # announced, their chunk not forwarded yet
+    #: a request of several choices: the events of each choice that went out, and those
+    #: announced whose chunk was not forwarded yet
+    events: collections.Counter[int] = attrs.Factory(collections.Counter)
+    pending_events: list[int] = attrs.Factory(list)
     admitted: dict[str, Any] | None = None  # seed, id, created, prompt_tokens
     final: bool = False  # the next forwarded chunk is the response's last one
     complete: bool = False  # the last chunk went out (only the end-of-body may be missing)
@@ -152,9 +159,18 @@ class _Client:
 
     def resume(self, deadline: float) -> dict[str, Any]:
         admitted = self.admitted or {}
-        return {"tokens": list(self.tokens), "seed": admitted.get("seed"),
-                "id": admitted.get("id"), "created": admitted.get("created"),
-                "opened": self.opened, "timeout": max(1e-3, deadline - time.monotonic())}
+        state = {"tokens": list(self.tokens), "seed": admitted.get("seed"),
+                 "id": admitted.get("id"), "created": admitted.get("created"),
+                 "opened": self.opened, "timeout": max(1e-3, deadline - time.monotonic())}
+        choices = admitted.get("choices")
+        if isinstance(choices, int) and not isinstance(choices, bool) and choices > 0:
+            state["choices"] = [self.events[k] for k in range(choices)]
+        return state
+
+    def drop_pending(self) -> None:
+        """What was announced and not forwarded is not the client's."""
+        self.pending.clear()
+        self.pending_events.clear()
 
 
 @attrs.define
@@ -324,11 +340,12 @@ class FleetIngress:
                     client.failed_from = client.failed_from or outcome.replica
                 left = deadline - time.monotonic()
                 if failover and outcome.retryable and client.started and client.admitted is None:
-                    # its response started with no resume state (several choices): a sibling
-                    # would send it again from its start, so it ends here
+                    # its response started with no resume state (a replica that reported no
+                    # progress): a sibling would send it again from its start, so it ends here
                     outcome = attrs.evolve(outcome, retryable=False, note=(
                         "a response of several choices (n > 1, a list of prompts) that started "
-                        "is not continued on a sibling"))
+                        "without resume state (its replica reported no progress) is not "
+                        "continued on a sibling"))
                 if not (failover and outcome.retryable and attempts <= self.settings.max_failovers
                         and left > 0):
                     if failover and outcome.retryable:
@@ -386,8 +403,10 @@ class FleetIngress:
                     replica = message.get("replica", replica)  # the host names its replica
                     if "seed" in message and client.admitted is None:
                         client.admitted = {k: message.get(k) for k in
-                                           ("seed", "id", "created", "prompt_tokens")}
+                                           ("seed", "id", "created", "prompt_tokens",
+                                            "choices")}
                     client.pending.extend(message.get("tokens", ()))
+                    client.pending_events.extend(message.get("events", ()))
                     if "error" in message:
                         error = message
                     client.final = bool(message.get("final")) or (
@@ -413,7 +432,7 @@ class FleetIngress:
                     if more:
                         continue
                     ended = True
-                    client.pending.clear()
+                    client.drop_pending()
                     status = held["status"]
                     return _Outcome(handed or "unavailable", replica,
                                     retryable=status == 503 or (client.started and status == 429),
@@ -423,7 +442,7 @@ class FleetIngress:
                     if more:
                         continue
                     ended = True
-                    client.pending.clear()
+                    client.drop_pending()
                     return _Outcome(str(error.get("cause") or "unavailable"), replica,
                                     error_chunk=b"".join(held_body))
                 if start is not None:
@@ -437,7 +456,8 @@ class FleetIngress:
                     client.opened = True
                     client.complete = client.final
                 client.tokens.extend(client.pending)
-                client.pending.clear()
+                client.events.update(client.pending_events)
+                client.drop_pending()
                 if not more:
                     ended = True
                     return _Outcome(None, replica)
@@ -458,7 +478,7 @@ class FleetIngress:
     async def _cut(client: _Client, send: Send, outcome: _Outcome) -> _Outcome:
         """A replica's stream broke off: a failover, unless the client already had the
         response's last chunk (then only its end is sent)."""
-        client.pending.clear()
+        client.drop_pending()
         if client.complete:
             try:
                 await _to_client(send, {"type": "http.response.body", "body": b"",

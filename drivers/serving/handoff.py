@@ -14,13 +14,20 @@ direct client of the server has no way to inject any of this):
   True}`` right before the chunk that ends the stream (last chunk, usage and ``[DONE]`` in
   one message); ``{"error": code, "retryable", "cause"}`` right before a stream's SSE error
   event; ``{"handoff": "drained"}`` when a draining replica ends the stream at a token
-  boundary for a sibling.
+  boundary for a sibling. A request of several choices (``n`` > 1, a prompt list) reports
+  ``{"seed", "id", "created", "prompt_tokens", "choices": count}`` once admitted and
+  ``{"events": [k]}`` right before each SSE event of its choice ``k`` (not the usage chunk
+  or ``[DONE]``, which follow ``{"final": True}`` in one message).
 - :data:`RESUME`: what a sibling continues from (:class:`Resume`): the tokens the client
   already has text for, the sampling seed, the completion id and ``created``, whether a chat
   stream's opening chunk went out, and the time left until the request's deadline. The
   sibling re-prefills prompt + tokens (the same path as an in-process resume,
   drivers/serving/resume.py), rebuilds the detokenizer and stop-string state from the tokens
-  and sends only what the client has not seen.
+  and sends only what the client has not seen. A request of several choices is not
+  re-prefilled (its ``tokens`` are empty): the sibling runs every choice again from its
+  start with the same seed, id and ``created`` (each choice draws what it drew before: the
+  same tokens, the same events) and sends, of choice ``k``, only the events after the first
+  ``choices[k]`` (those the client has).
 - :data:`HANDOFF`: a callable, True while a sibling that serves is known; a draining replica
   hands streams off at a token boundary only then (else it finishes them within its grace).
 """
@@ -60,6 +67,8 @@ class Resume:
     created: int | None = None
     opened: bool = False
     timeout: float | None = None
+    #: a request of several choices: the SSE events of each choice the client has
+    choices: tuple[int, ...] = ()
 
     @classmethod
     def parse(cls, raw: Any) -> Resume:
@@ -90,9 +99,14 @@ class Resume:
                                         and not isinstance(timeout, bool)
                                         and math.isfinite(timeout) and timeout > 0):
             raise ResumeError("timeout", timeout, "must be a number > 0 or null")
+        choices = raw.get("choices", ())
+        if not isinstance(choices, (list, tuple)) or len(choices) > MAX_RESUME_TOKENS or not all(
+                isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in choices):
+            raise ResumeError("choices", choices, "must be a list of event counts >= 0")
         return cls(tuple(tokens), seed, raw.get("id"), created, raw.get("opened", False),
-                   None if timeout is None else float(timeout))
+                   None if timeout is None else float(timeout), tuple(choices))
 
     def to_dict(self) -> dict[str, Any]:
         return {"tokens": list(self.tokens), "seed": self.seed, "id": self.id,
-                "created": self.created, "opened": self.opened, "timeout": self.timeout}
+                "created": self.created, "opened": self.opened, "timeout": self.timeout,
+                "choices": list(self.choices)}

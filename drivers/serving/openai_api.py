@@ -1005,6 +1005,32 @@ class _Choices:
         self.room = STREAM_AHEAD * count
         self._taken = asyncio.Event()
         self.prompt_tokens = self.completion_tokens = 0
+        #: the fleet's progress channel (drivers/serving/handoff.py), None without it
+        self.progress: Callable[[dict], None] | None = None
+        #: a resumed stream: the events of each choice its client already has (not sent)
+        self.skip: list[int] = [0] * count
+        self._events_of = [0] * count
+
+    @staticmethod
+    def index_of(chunk: dict[str, Any]) -> int | None:
+        """The choice a stream's chunk is of (None: no choice's)."""
+        choices = chunk.get("choices")
+        if isinstance(choices, list) and len(choices) == 1 and isinstance(choices[0], dict):
+            index = choices[0].get("index")
+            return index if isinstance(index, int) else None
+        return None
+
+    def owed(self, k: int | None) -> bool:
+        """Whether choice ``k``'s next event goes to the client (not one a resumed stream's
+        client has); reported to the fleet's progress channel before it goes out."""
+        if k is None or not 0 <= k < len(self.skip):
+            return True
+        self._events_of[k] += 1
+        if self._events_of[k] <= self.skip[k]:
+            return False
+        if self.progress is not None:
+            self.progress({"events": [k]})
+        return True
 
     async def put(self, chunk: dict[str, Any]) -> None:
         """Queue a stream's chunk, once there is room (the sender took enough)."""
@@ -1430,10 +1456,33 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         request, at most ``service.choice_concurrency`` at once (the rest wait for their
         turn), sampled with :func:`choice_seed`. The first failure ends the request with
         that error: the other choices are cancelled and every run releases what it holds.
-        No fleet resume or hand-off: a draining replica finishes such a request itself."""
+        No hand-off: a draining replica finishes such a request itself. Through the fleet
+        (a progress channel) it reports its seed, id and ``created`` and, before each
+        event, the choice the event is of; a sibling resuming it (``resume.choices``) runs
+        every choice again from its start with that seed, id and ``created`` and sends, of
+        each choice, only the events after those the client has (drivers/serving/handoff.py).
+        """
+        progress = request.scope.get(handoff.PROGRESS)
+        resume = None
         if request.scope.get(handoff.RESUME) is not None:
-            return refused(Refusal(invalid("resume: a request of several choices (a prompt "
-                                           "list or n > 1) is not resumed"), "resume"))
+            try:
+                resume = handoff.Resume.parse(request.scope[handoff.RESUME])
+                if resume.seed is not None:
+                    params = attrs.evolve(params, seed=resume.seed)
+            except (handoff.ResumeError, SamplingError) as err:
+                return refused(Refusal(invalid(str(err)), "resume"))
+            if resume.tokens or len(resume.choices) > len(specs):
+                return refused(Refusal(invalid(
+                    "resume: a request of several choices (a prompt list or n > 1) is run "
+                    "again from its start (resume.choices), not re-prefilled from tokens"),
+                    "resume"))
+            if resume.id is not None:
+                response_id = resume.id
+                wire.name_request(request.scope, resume.id)  # the id the first replica started
+            if resume.timeout is not None:
+                first_timeout = specs[0][0].timeout or config.default_timeout_s
+                specs[0] = (attrs.evolve(specs[0][0], timeout=min(resume.timeout,
+                                                                  first_timeout)), specs[0][1])
         for k, (admission, _) in enumerate(specs[::n]):  # every prompt checked first
             ids, status, param = service.check(admission)
             if ids is None:
@@ -1446,6 +1495,15 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         timeout = config.default_timeout_s if first.timeout is None else first.timeout
         deadline = time.monotonic() + timeout  # the request's: every choice ends by it
         state = _Choices(n, len(specs), response_id, wire.request_id(request.scope))
+        if resume is not None and resume.created is not None:
+            state.created = resume.created
+        if resume is not None:
+            state.skip = list(resume.choices) + [0] * (len(specs) - len(resume.choices))
+        state.progress = progress
+        if progress is not None:
+            progress({"seed": params.seed, "id": state.id, "created": state.created,
+                      "prompt_tokens": sum(len(a.prompt) for a, _ in specs[::n]),
+                      "choices": len(specs)})
 
         async def one(k: int, admission: Admission, shape: _Shape,
                       limit: anyio.Semaphore, scope: anyio.CancelScope) -> None:
@@ -1587,21 +1645,31 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
                 # SDK's stream helper adds a choice it has not seen at the end of its list
                 for k in range(len(state.results)):
                     for chunk in state.shapes[0].opening(k):
-                        yield wire.sse(chunk)
+                        if state.owed(k):
+                            yield wire.sse(chunk)
                 while item is not None:
-                    yield wire.sse(item)
+                    if state.owed(_Choices.index_of(item)):
+                        yield wire.sse(item)
                     item = await state.take()
                 if state.failure is not None:
                     status, param, counted = state.failure
                     if not counted:
                         service.metrics.observe_failure(status)
+                    if state.progress is not None:
+                        state.progress({"error": status.code, "retryable":
+                                        status.category in RESUMABLE or not service.ready,
+                                        "cause": "drained" if service.draining
+                                        else "unavailable"})
                     yield wire.sse({"error": error_bodies.error_body(
                         status, param or error_bodies.PARAM_OF_CODE.get(status.code))})
                     return
+                tail = b"data: [DONE]\n\n"
                 if usage_chunk:
-                    yield wire.sse({**head._head(chunk=True), "choices": [],
-                                    "usage": state.usage()})
-                yield b"data: [DONE]\n\n"
+                    tail = wire.sse({**head._head(chunk=True), "choices": [],
+                                     "usage": state.usage()}) + tail
+                if state.progress is not None:  # one message: a cut never splits the tail
+                    state.progress({"final": True})
+                yield tail
             finally:
                 await stop()
 
