@@ -115,3 +115,13 @@ def test_a_started_stream_of_several_choices_finishes_on_a_sibling(replica_app, 
     whole_choices, _, _ = _per_choice(whole)
     assert cut_choices == whole_choices
     assert len([k for k in cut_choices if k != "usage"]) >= 2
+
+
+@pytest.mark.parametrize("job_id", ["9" * 19, "1" * 30])
+def test_a_job_id_past_18_digits_is_refused_saying_what_is_taken(client, job_id):
+    """``GET /debug/jobs/9999999999999999999`` said ``must be a job id (a decimal integer)``
+    of a decimal integer: the rule (1 to 18 ASCII digits, docs/server.md) was not said."""
+    r = client.get(f"/debug/jobs/{job_id}", headers=AUTH)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "job_id" and "1 to 18 ASCII digits" in error["message"], error

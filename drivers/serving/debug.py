@@ -79,8 +79,9 @@ def add_debug_routes(app: FastAPI, service: CompletionService) -> None:
         if refused is not None:
             return refused
         if not JOB_ID.fullmatch(job_id):  # str.isdigit() takes "²", which int() refuses
-            return error_response(invalid(f"job_id={job_id!r:.40}: must be a job id (a "
-                                          "decimal integer)"), "job_id")
+            # (a 19-digit id is a decimal integer too: the message says what is taken)
+            return error_response(invalid(f"job_id={job_id!r:.40}: must be a job id, 1 to 18 "
+                                          "ASCII digits"), "job_id")
         unknown = query_refusal(request, JOB_PARAMS, "GET /debug/jobs/{id}?format=json|html")
         if unknown is not None:
             return unknown
