@@ -8,6 +8,7 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
+import needs
 from calexec.drivers.serving.server import ServerConfig, create_app
 from test_server_support import started_executor, through_ingress
 
@@ -125,3 +126,37 @@ def test_a_job_id_past_18_digits_is_refused_saying_what_is_taken(client, job_id)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == "job_id" and "1 to 18 ASCII digits" in error["message"], error
+
+
+# ---- a named tool_choice ---------------------------------------------------------------------
+GET_Q = {"type": "function", "function": {"name": "get", "description": "get q", "parameters": {
+    "type": "object", "properties": {"q": {"type": "integer"}}, "required": ["q"]}}}
+
+
+def test_a_named_tool_choice_is_one_call_whole_and_streamed(client):
+    """``tool_choice: {"type": "function", "function": {"name": "get"}}`` (langchain's
+    ``with_structured_output(method="function_calling")`` and ``bind_tools(tool_choice=)``
+    send it) let the model write call after call of that function: here greedy went on until
+    ``max_tokens`` (400), and the whole answer, cut inside the next call's arguments, had no
+    ``tool_calls`` at all, its first call complete (langchain's structured output: None).
+    A named function is called once now, as vLLM answers it: one call, ``finish_reason``
+    ``"stop"``, whole and streamed alike."""
+    needs.module("llguidance", "server")
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [GET_Q],
+            "tool_choice": {"type": "function", "function": {"name": "get"}}, "max_tokens": 400}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    calls = choice["message"].get("tool_calls") or []
+    assert [call["function"]["name"] for call in calls] == ["get"], choice
+    assert isinstance(json.loads(calls[0]["function"]["arguments"])["q"], int)
+    assert choice["finish_reason"] == "stop", choice
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    deltas = [d for c in chunks if c["choices"] for d in c["choices"][0]["delta"].get(
+        "tool_calls") or ()]
+    assert {d["index"] for d in deltas} == {0}, deltas
+    arguments = "".join(d["function"].get("arguments", "") for d in deltas)
+    assert arguments == calls[0]["function"]["arguments"]
+    assert [c["choices"][0]["finish_reason"] for c in chunks
+            if c["choices"] and c["choices"][0]["finish_reason"]] == ["stop"]

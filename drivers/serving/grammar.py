@@ -404,8 +404,9 @@ def _call_schema(tool: Tool) -> dict[str, Any]:
 def chat_structure(response_format: Any, setup: ToolSetup, parallel_tool_calls: bool | None,
                    tok: Tokenizer, vocab: int, end_token: int) -> Structure | None:
     """The grammar of a chat request: its tools (``setup``) and ``response_format``. With
-    ``tool_choice`` "required" or a named function the output is one or more calls (one
-    when ``parallel_tool_calls`` is false; only that function when named); with "auto" free
+    ``tool_choice`` "required" the output is one or more calls (one when
+    ``parallel_tool_calls`` is false), with a named function one call of that function (as
+    vLLM, whatever ``parallel_tool_calls`` says); with "auto" free
     text without a call, or text then calls (every call follows its schema: a call can only
     be written as one), or with ``response_format`` its JSON answer or calls; no tools: the
     ``response_format`` alone (None: free text)."""
@@ -421,7 +422,10 @@ def chat_structure(response_format: Any, setup: ToolSetup, parallel_tool_calls: 
     lines = ['call: "' + CALL_OPEN + '\\n" fn "\\n' + CALL_CLOSE + '"',
              "fn: " + " | ".join(f"fn{i}" for i in range(len(tools)))]
     lines += [f"fn{i}: %json {json.dumps(_call_schema(t))}" for i, t in enumerate(tools)]
-    more = "" if parallel_tool_calls is False else ' ("\\n" call)*'
+    # a named function is called once, as vLLM answers it (the function's arguments, one
+    # call) and as OpenAI's forced function: "calls of that one" went on call after call
+    # until max_tokens, and an answer cut in the next call's arguments had no call at all
+    more = "" if parallel_tool_calls is False or setup.named else ' ("\\n" call)*'
     lines.append("calls: call" + more)
     if setup.choice == "auto" and not setup.named:
         if asked is None:  # text without a call, or text (maybe none) then calls
