@@ -1502,7 +1502,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         state.progress = progress
         if progress is not None:
             progress({"seed": params.seed, "id": state.id, "created": state.created,
-                      "prompt_tokens": sum(len(a.prompt) for a, _ in specs[::n]),
+                      "prompt_tokens": sum(len(a.prompt) for a, _ in specs),  # (each re-prefilled)
                       "choices": len(specs)})
 
         async def one(k: int, admission: Admission, shape: _Shape,
