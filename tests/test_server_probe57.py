@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
 from fastapi.testclient import TestClient
 
 import needs
+from calexec.drivers.fleet.edge import serve_relayed
 from calexec.drivers.serving.server import ServerConfig, create_app
 from test_server_support import started_executor, through_ingress
 
@@ -160,3 +162,30 @@ def test_a_named_tool_choice_is_one_call_whole_and_streamed(client):
     assert arguments == calls[0]["function"]["arguments"]
     assert [c["choices"][0]["finish_reason"] for c in chunks
             if c["choices"] and c["choices"][0]["finish_reason"]] == ["stop"]
+
+
+@pytest.mark.parametrize("resume, said", [
+    ({"tokens": [5, 6], "choices": [1, 0]}, "not re-prefilled from tokens"),
+    ({"choices": [1, 0, 0]}, "not re-prefilled from tokens"),  # more choices than asked
+    ({"choices": [-1, 0]}, "resume.choices=[-1, 0]: must be a list of event counts >= 0"),
+    ({"choices": "12"}, "resume.choices='12': must be a list of event counts >= 0"),
+])
+def test_a_resume_of_several_choices_the_sibling_cannot_use_is_a_400_naming_resume(
+        replica_app, resume, said):
+    """The resume state of a request of several choices is its seed, id, ``created`` and
+    the events of each choice the client has; one that carries tokens (a one-choice resume),
+    more choices than the request asks, or counts that are no counts is refused naming
+    ``resume``, before anything is generated."""
+    body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 2, "n": 2, "stream": True}).encode()
+    request = {"method": "POST", "path": "/v1/completions", "query_string": b"",
+               "headers": [(b"content-type", b"application/json")], "body": body,
+               "http_version": "1.1", "progress": True, "resume": {"seed": 1, **resume}}
+
+    async def answer() -> list[dict]:
+        return [m async for m in serve_relayed(replica_app, request)]
+    messages = asyncio.run(asyncio.wait_for(answer(), 60))
+    start = next(m for m in messages if m["type"] == "http.response.start")
+    payload = b"".join(m.get("body", b"") for m in messages if m["type"] == "http.response.body")
+    assert start["status"] == 400, payload
+    error = json.loads(payload)["error"]
+    assert error["param"] == "resume" and said in error["message"], error
