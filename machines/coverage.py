@@ -225,3 +225,31 @@ def other_imports(chart: ChartLike) -> list[str]:
         if isinstance(twin, type) and twin is not declaration:
             found.append(name)
     return sorted(found)
+
+
+def import_directory(chart: ChartLike, name: str, searched: Iterable[str],
+                     cwd: str | None = None) -> str | None:
+    """The directory module ``name`` (one of ``other_imports(chart)``) of the file declaring
+    ``chart`` is imported from, relative to ``cwd`` (default: the current directory), when it
+    is none of the ``searched`` ``sys.path`` entries; None when it is one, or is not known.
+    ``MODULE:CLASS`` is imported from ``searched``: a module found only from a directory the
+    tests put on ``sys.path`` themselves (``sys.path.insert`` in a test, after the chart was
+    loaded) is not found from there, so ``name:Class`` alone would be refused
+    (``cannot import module``) unless that directory is added (``PYTHONPATH``)."""
+    declaration = compiled(chart).declaration
+    home = sys.modules.get(declaration.__module__)
+    file = getattr(home, "__file__", None)
+    if not file:
+        return None
+    root = os.path.dirname(os.path.realpath(file))
+    if os.path.basename(file) == "__init__.py":
+        root = os.path.dirname(root)
+    for _ in name.split(".")[:-1]:
+        root = os.path.dirname(root)
+    base = cwd or os.getcwd()
+    if any(os.path.realpath(os.path.join(base, entry)) == root for entry in searched):
+        return None
+    try:
+        return os.path.relpath(root, base)
+    except ValueError:  # another drive
+        return root

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -56,6 +57,9 @@ class _Session:
         self.whole_suite_only, self.undo = whole_suite_only, undo
         self.deselected = False
         self.failed: list[ChartCoverage] = []
+        #: ``sys.path`` as the charts were imported: what a reference the summary suggests is
+        #: imported from (the tests may add a directory later, ``sys.path.insert`` in a test)
+        self.searched = list(sys.path)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -226,16 +230,25 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter,
     state = config.stash.get(_STATE, None)
     if state is None:
         return
-    from calexec.machines.coverage import describe, other_imports, report
+    from calexec.machines.coverage import describe, import_directory, other_imports, report
 
     for coverage in report(state.charts, state.recorder):
         terminalreporter.write_line(coverage.line())
     for declaration in state.charts:
         for twin in other_imports(declaration):
+            # (a directory the tests put on sys.path themselves, after the plugin imported the
+            # charts: until stop 57 the hint named the reference alone, which the next run
+            # refused, "cannot import module 'kettle'")
+            where = import_directory(declaration, twin, state.searched,
+                                     str(config.invocation_params.dir))
+            path = "" if where is None else (
+                f", with {where} on the path as pytest starts: PYTHONPATH={where}, or "
+                f"pythonpath = {where} in the pytest configuration; the tests put it on "
+                f"sys.path themselves, after the chart was imported")
             terminalreporter.write_line(
                 f"transition coverage {declaration.__name__}: the tests imported its file as "
                 f"module {twin!r} too, another class whose runs are not counted: name the "
-                f"chart as they import it ({twin}:{declaration.__name__})", yellow=True)
+                f"chart as they import it ({twin}:{declaration.__name__}{path})", yellow=True)
     for coverage in state.failed:
         terminalreporter.write_line(
             f"transition coverage gate FAILED for {coverage.chart}: {coverage.percent:.1f} % < "

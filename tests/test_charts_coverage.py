@@ -211,6 +211,29 @@ def test_a_chart_the_tests_import_under_another_module_name_is_named(tmp_path):
     assert "imported its file as module" not in output, output
 
 
+def test_the_hint_names_the_path_a_test_put_on_sys_path_itself(tmp_path):
+    """A src layout whose test puts ``src/`` on ``sys.path`` itself and imports ``kettle``,
+    the chart given as ``src.kettle:Kettle``: the summary said to name it ``kettle:Kettle``,
+    which the next run refused (``cannot import module 'kettle'``: the plugin imports the chart
+    before any test has put ``src`` there). It now names the path to add as pytest starts, and
+    both ways it names count the tests' runs."""
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "kettle.py").write_text(textwrap.dedent(USER_CHART))
+    ini = "[pytest]\ntestpaths = tests\n"
+    own_path = ("import sys, pathlib\n"
+                "sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / 'src'))\n")
+    tests = own_path + textwrap.dedent(USER_TESTS)
+    status, output = _run_pytest(tmp_path, tests, "--chart-coverage=src.kettle:Kettle", ini=ini)
+    assert status == 0 and "transition coverage Kettle: 0/3" in output, output
+    assert ("name the chart as they import it (kettle:Kettle, with src on the path as pytest "
+            "starts: PYTHONPATH=src, or pythonpath = src in the pytest configuration; the tests "
+            "put it on sys.path themselves, after the chart was imported)") in output, output
+    status, output = _run_pytest(tmp_path, tests, "--chart-coverage=kettle:Kettle",
+                                 ini=ini + "pythonpath = src\n")
+    assert status == 0 and "transition coverage Kettle: 2/3" in output, output
+    assert "imported its file as module" not in output, output
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

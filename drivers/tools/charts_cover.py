@@ -36,6 +36,7 @@ from calexec.machines.compiled import CompiledChart, compiled
 from calexec.machines.coverage import (
     TransitionRecorder,
     describe,
+    import_directory,
     other_imports,
     report,
     track,
@@ -126,23 +127,8 @@ def path_for(chart: CompiledChart, name: str) -> str:
     """``, with PYTHONPATH=DIR ...`` when module ``name`` of the file declaring ``chart`` is
     imported from a directory this process does not import from (a test's own
     ``sys.path.insert``): ``--chart=name:Class`` alone is refused there, the module not found."""
-    home = sys.modules.get(chart.declaration.__module__)
-    file = getattr(home, "__file__", None)
-    if not file:
-        return ""
-    root = Path(file).resolve().parent
-    if Path(file).name == "__init__.py":
-        root = root.parent
-    for _ in name.split(".")[:-1]:
-        root = root.parent
-    searched = {Path(entry or os.getcwd()).resolve() for entry in sys.path}
-    if root in searched:
-        return ""
-    try:
-        shown = os.path.relpath(root)
-    except ValueError:  # another drive
-        shown = str(root)
-    return f", with PYTHONPATH={shown}: the directory it is imported from"
+    shown = import_directory(chart, name, sys.path)
+    return "" if shown is None else f", with PYTHONPATH={shown}: the directory it is imported from"
 
 
 def main(argv: list[str]) -> int:
