@@ -19,7 +19,8 @@ created after it). ``status`` (a callable returning ``{key: value}``) adds lines
 
 Routes, relative to the mount point: ``/`` the page (the charts drawn by graphviz, counts and
 rates painted and refreshed by its own script, no reload), ``/live.json`` the data,
-``/{chart}.svg`` one chart (its ``active`` state highlighted), ``/runs/{run_id}`` the path of
+``/{chart}.svg`` one chart (its ``active`` state highlighted; ``?active=STATE``: that state,
+a 400 naming it and the chart's states when the chart has none of that id), ``/runs/{run_id}`` the path of
 one followed run (``?format=json``: its steps; else its chart with the path drawn). Drawing
 needs graphviz's ``dot``: without it those routes answer 503 naming it; ``/live.json`` and the
 JSON path do not draw.
@@ -98,6 +99,9 @@ class Registered:
     counts: Callable[[], Mapping[str, int]]
     active: Callable[[], str | None]
     instances: _InstanceCounter
+    #: ``active`` is the app's own function (not the default, the busiest state of ``counts``):
+    #: what it answers is checked, and its error named in ``live.json``
+    given_active: bool = False
 
     def taken(self) -> tuple[int, ...]:
         return tuple(a + b for a, b in zip(self.chart.taken, self.instances.taken, strict=True))
@@ -133,11 +137,25 @@ class Registered:
         return found, None
 
     def highlighted(self) -> str | None:
-        """The state to highlight (``active``), None when the app's function raised."""
+        """The state to highlight (``active``), None when the app's function raised or
+        answered a state the chart does not have (``live.json`` names why)."""
+        return self.active_state()[0]
+
+    def active_state(self) -> tuple[str | None, str | None]:
+        """(the state ``active`` answers, None), or (None, why) when the app's function raised
+        or answered a state the chart does not have: that state failed every drawing of the
+        chart, and the page of every chart, with a 500 naming nothing."""
         try:
-            return self.active()
-        except Exception:  # noqa: BLE001 - as counted(): live.json names the error
-            return None
+            state = self.active()
+        except Exception as err:  # noqa: BLE001 - the app's function may raise anything
+            return None, (f"{self.name}: the active= function given to register raised "
+                          f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+        if state is not None and state not in self.chart.states:
+            known = ", ".join(self.chart.states)
+            return None, (f"{self.name}: the active= function given to register answered a "
+                          f"state the chart does not have: {state!r:.60} (its states, by id: "
+                          f"{known:.200})")
+        return state, None
 
 
 def state_of(run: object) -> str | None:
@@ -360,6 +378,7 @@ class Inspector:
         elif runs is not None or counts is None:
             raise ValueError(f"register({shared.name}): give exactly one of runs= (the live "
                              f"runs) or counts= (state -> count)")
+        given_active = active is not None
         if active is None:
             counted = counts
 
@@ -374,7 +393,8 @@ class Inspector:
                 raise ValueError(f"register: a chart named {name!r} is already registered")
             if count_instances:  # python-statemachine 3's class listeners (coverage.track)
                 shared.declaration._class_listeners.append(instances)
-            entry = self.charts[name] = Registered(name, shared, counts, active, instances)
+            entry = self.charts[name] = Registered(name, shared, counts, active, instances,
+                                                   given_active)
         self.rates.baseline()
         return entry
 
@@ -391,11 +411,15 @@ class Inspector:
     def live(self) -> dict[str, Json]:
         """What the page shows: ``status`` (the app's lines), ``window_s`` and per chart its
         ``counts`` per state and ``per_minute`` per transition id (and ``error``, naming it,
-        when the chart's ``runs``/``counts`` function raised: its counts are then empty)."""
+        when the chart's ``runs``/``counts`` function raised: its counts are then empty; or
+        when its ``active`` function raised or answered a state the chart does not have:
+        nothing is highlighted)."""
         per_minute = self.rates.per_minute()
         charts: dict[str, Json] = {}
         for name, entry in list(self.charts.items()):
             found, error = entry.counted()
+            if error is None and entry.given_active:
+                error = entry.active_state()[1]
             counts: dict[str, Json] = dict(found)
             rates: list[Json] = list(per_minute.get(name, [0.0] * len(entry.chart.transitions)))
             info: dict[str, Json] = {"counts": counts, "per_minute": rates}
@@ -638,8 +662,21 @@ def inspector_app(inspector: Inspector, options: AppOptions | None = None) -> St
         if entry is None:
             return refused(request, 404, f"chart={name!r:.60} is not one of "
                                          f"{sorted(inspector.charts)}")
+        unknown = sorted(key for key in request.query_params if key != "active")
+        given = request.query_params.getlist("active")
+        if unknown:  # (every query was ignored: ?active=on drew the busiest state)
+            return refused(request, 400, f"{unknown[0][:60]}: unknown parameter ({{chart}}.svg"
+                                         "?active=STATE)")
+        if len(given) > 1:
+            return refused(request, 400, "active: given more than once (one state to "
+                                         "highlight)")
+        if given and given[0] not in entry.chart.states:
+            known = ", ".join(entry.chart.states)
+            return refused(request, 400, f"active={given[0][:60]!r}: not a state of {name!r:.60} "
+                                         f"(its states, by id: {known:.200})")
+        active = given[0] if given else entry.highlighted()
         try:
-            svg = await run_in_threadpool(opts.svg, entry.chart, entry.highlighted())
+            svg = await run_in_threadpool(opts.svg, entry.chart, active)
         except GraphvizError as err:
             return drawing_failed(err, f"{base(request)}/{name}.svg")
         return Response(svg, media_type="image/svg+xml")

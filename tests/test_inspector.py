@@ -394,3 +394,53 @@ def test_a_rate_just_after_the_first_sample_is_not_extrapolated_from_millisecond
     assert inspector.rates.per_minute()["OrderWorkflow"][place.id] == pytest.approx(60.0)
     now[0] += 29.998  # one in 30 s: 2 per minute, as before
     assert inspector.rates.per_minute()["OrderWorkflow"][place.id] == pytest.approx(2.0)
+
+
+def test_an_active_state_the_chart_does_not_have_is_named_not_drawn():
+    """``/Lamp.svg?active=nope`` was answered 200 with the chart as if no query were given
+    (every query key was ignored, ``?active=on`` too), and an ``active=`` function answering
+    a state the chart does not have (its name, ``On``, for its id) failed that chart's
+    drawing and the page of every chart with a bare 500. ``?active=STATE`` now highlights
+    that state, one the chart does not have is a 400 naming it and the chart's states; the
+    function's unknown state highlights nothing and ``live.json`` names it."""
+    from statemachine import State, StateMachine
+
+    from calexec.machines.diagrams import render_chart_dot
+    from calexec.machines.inspector import AppOptions
+
+    class Lamp(StateMachine):
+        off = State("Off", initial=True)
+        on = State("On")
+        flip = off.to(on) | on.to(off)
+
+    def svg(chart, active):
+        render_chart_dot(chart, active)  # what render_chart_svg lays out: refuses 'On'
+        return f"<svg>{chart.name} {active}</svg>"
+
+    inspector = Inspector()
+    inspector.register(Lamp, counts=lambda: {"off": 2, "on": 1})
+    inspector.register(Lamp, counts=lambda: {"off": 2, "on": 1}, active=lambda: "On",
+                       name="typo")
+    app = Starlette(routes=[Mount("/charts", inspector_app(inspector, AppOptions(svg=svg)))])
+    with TestClient(app) as client:
+        assert client.get("/charts/Lamp.svg").text == "<svg>Lamp off</svg>"
+        assert client.get("/charts/Lamp.svg?active=on").text == "<svg>Lamp on</svg>"
+        for query, error in [
+                ("active=nope", "active='nope': not a state of 'Lamp' (its states, by id: "
+                                "off, on)"),
+                ("active=", "active='': not a state of 'Lamp' (its states, by id: off, on)"),
+                ("activ=on", "activ: unknown parameter ({chart}.svg?active=STATE)"),
+                ("active=on&active=off", "active: given more than once (one state to "
+                                         "highlight)")]:
+            answer = client.get(f"/charts/Lamp.svg?{query}")
+            assert answer.status_code == 400, (query, answer.text)
+            assert answer.json() == {"error": error}, query
+        typo = client.get("/charts/typo.svg")
+        assert typo.status_code == 200 and typo.text == "<svg>Lamp None</svg>", typo.text
+        assert client.get("/charts/").status_code == 200
+        live = client.get("/charts/live.json").json()["charts"]
+        assert live["typo"]["error"] == (
+            "typo: the active= function given to register answered a state the chart does "
+            "not have: 'On' (its states, by id: off, on)")
+        assert live["typo"]["counts"] == {"off": 2, "on": 1} and "error" not in live["Lamp"]
+    inspector.close()
