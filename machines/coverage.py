@@ -239,7 +239,7 @@ def import_directory(chart: ChartLike, name: str, searched: Iterable[str],
     declaration = compiled(chart).declaration
     home = sys.modules.get(declaration.__module__)
     file = getattr(home, "__file__", None)
-    if not file:
+    if not isinstance(file, str) or not file:
         return None
     root = os.path.dirname(os.path.realpath(file))
     if os.path.basename(file) == "__init__.py":
