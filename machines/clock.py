@@ -19,7 +19,8 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol, cast
+from queue import Queue
+from typing import Any, Protocol, cast
 
 
 class LockLike(Protocol):
@@ -81,6 +82,20 @@ class Clock:
 
     def event(self) -> threading.Event:
         return threading.Event()
+
+    def rlock(self) -> threading.RLock:
+        """A reentrant lock (``threading.RLock``)."""
+        return threading.RLock()
+
+    def semaphore(self, value: int = 1) -> threading.Semaphore:
+        return threading.Semaphore(value)
+
+    def bounded_semaphore(self, value: int = 1) -> threading.BoundedSemaphore:
+        return threading.BoundedSemaphore(value)
+
+    def queue(self, maxsize: int = 0) -> Queue[Any]:
+        """A FIFO queue (``queue.Queue``; ``maxsize`` <= 0: unbounded)."""
+        return Queue(maxsize)
 
     def start_thread(self, target: Callable[..., object], name: str, args: tuple[object, ...] = ()
                      ) -> threading.Thread:

@@ -485,3 +485,175 @@ def test_a_wait_outside_the_threads_is_refused_naming_who_waited(where, said):
     found = explore_threads(scenario, seeds=[0], invariant=invariant)
     assert found.failure is not None and found.failure.message.startswith(said), (
         found.failure and found.failure.message)
+
+
+class Ledger:
+    """A payment worker pool a newcomer writes with ``threading``'s other primitives, all made
+    by the clock: jobs on a ``queue.Queue``, an ``RLock`` a method re-takes through another,
+    a ``Semaphore`` capping the payments in flight, a ``BoundedSemaphore`` of two slots.
+    ``racy``: a payment checks the balance, lets go of the lock while it waits for a slot of
+    the payment gateway, and debits after it: two payments may both pass the check."""
+
+    def __init__(self, clock, racy: bool) -> None:
+        self.clock, self.racy = clock, racy
+        self.mu = clock.rlock()
+        self.gateway = clock.semaphore(1)
+        self.slots = clock.bounded_semaphore(2)
+        self.jobs = clock.queue(maxsize=1)
+        self.balance, self.paid = 100, []
+
+    def funds(self, amount: int) -> bool:
+        with self.mu:  # (re-taken by pay, which holds it)
+            return self.balance >= amount
+
+    def pay(self, amount: int) -> None:
+        with self.slots:
+            with self.mu:
+                ok = self.funds(amount)
+                if ok and not self.racy:
+                    self.balance -= amount
+            if not ok:
+                return
+            with self.gateway:  # the bug: the check above is stale once the lock is let go
+                self.clock.sleep(0.01)
+            with self.mu:
+                if self.racy:
+                    self.balance -= amount
+                self.paid.append(amount)
+
+    def worker(self) -> None:
+        while True:
+            amount = self.jobs.get(timeout=5.0)
+            try:
+                if amount is None:
+                    return
+                self.pay(amount)
+            finally:
+                self.jobs.task_done()
+
+    def producer(self, workers: int) -> None:
+        for amount in (70, 60):
+            self.jobs.put(amount)
+        self.jobs.join()  # every payment judged: then stop the workers
+        for _ in range(workers):
+            self.jobs.put(None)
+
+
+def ledger_scenario(racy: bool):
+    def scenario(clock):
+        ledger = Ledger(clock, racy)
+        for name in ("w1", "w2"):
+            clock.start_thread(ledger.worker, name)
+        clock.start_thread(lambda: ledger.producer(2), "producer")
+        return lambda: ledger.balance >= 0 or f"overdrawn: {ledger.balance} after {ledger.paid}"
+    return scenario
+
+
+def test_the_explorer_schedules_rlock_semaphores_and_queues_made_by_the_clock():
+    """``Clock`` made locks, conditions and events only: a newcomer's code using an
+    ``RLock``, a ``Semaphore``, a ``BoundedSemaphore`` or a ``queue.Queue`` had none to
+    take from the clock (``AttributeError``), and ``threading``'s own are not scheduled (a
+    thread blocked on one stalled the schedule until the 60 s watchdog). The clock now makes
+    them (``rlock``, ``semaphore``, ``bounded_semaphore``, ``queue``), ``SYSTEM`` as
+    ``threading``/``queue`` do and the explorer controlled: a check-then-act race across a
+    semaphore wait is found, replayed exactly, and the fixed code passes every schedule."""
+    found = explore_threads(ledger_scenario(racy=True), seeds=range(200))
+    assert found.failure is not None
+    assert found.failure.message.startswith("final check: overdrawn: -30 after "), (
+        found.failure.message)
+    again = replay_threads(ledger_scenario(racy=True), found.failure.choices)
+    assert again is not None and again.message == found.failure.message
+    fixed = explore_threads(ledger_scenario(racy=False), seeds=range(60))
+    assert fixed.failure is None and fixed.schedules == 60
+    # the real clock's are threading's and queue's own: the same code runs on real threads
+    import queue as queue_module
+    assert isinstance(SYSTEM.queue(), queue_module.Queue)
+    assert isinstance(SYSTEM.bounded_semaphore(), threading.BoundedSemaphore)
+    ledger = Ledger(SYSTEM, racy=False)
+    threads = [SYSTEM.start_thread(ledger.worker, name) for name in ("w1", "w2")]
+    ledger.producer(2)
+    for thread in threads:
+        assert SYSTEM.join(thread, 10.0)
+    assert ledger.balance == 30 and ledger.paid == [70]
+
+
+def test_the_clock_s_rlock_semaphores_and_queue_answer_as_threading_s():
+    """Under the explorer each answers as its ``threading``/``queue`` original: an RLock
+    taken twice is released twice (a condition over it waits releasing every level), a
+    bounded semaphore released above its value and a queue's extra ``task_done`` are
+    ``ValueError``s, a full or empty queue without blocking raises ``Full``/``Empty``, a
+    timed wait ends in virtual time."""
+    import queue as queue_module
+    seen: list[object] = []
+
+    def scenario(clock):
+        mu = clock.rlock()
+        ready = clock.condition(mu)
+        box, sem = clock.queue(maxsize=1), clock.bounded_semaphore(1)
+        state = {"go": False}
+
+        def waiter():
+            with mu, mu:
+                while not state["go"]:
+                    ready.wait()
+                seen.append("woken holding both levels")
+            seen.append(sem.acquire(timeout=1.0))
+            seen.append(sem.acquire(timeout=1.0))  # (taken above: times out, virtually)
+            sem.release()
+            try:
+                sem.release()
+            except ValueError as err:
+                seen.append(str(err))
+            box.put_nowait(1)
+            try:
+                box.put_nowait(2)
+            except queue_module.Full:
+                seen.append("full")
+            seen.append(box.get())
+            try:
+                box.get(timeout=2.0)
+            except queue_module.Empty:
+                seen.append("empty")
+            box.task_done()
+            try:
+                box.task_done()
+            except ValueError as err:
+                seen.append(str(err))
+
+        def setter():
+            with mu:
+                state["go"] = True
+                ready.notify()
+        clock.start_thread(waiter, "waiter")
+        clock.start_thread(setter, "setter")
+        return None
+
+    for seed in range(5):
+        seen.clear()
+        found = explore_threads(scenario, seeds=[seed])
+        assert found.failure is None, found.failure.message
+        assert seen == ["woken holding both levels", True, False,
+                        "Semaphore released too many times", "full", 1, "empty",
+                        "task_done() called too many times"], seen
+
+
+def test_a_thread_blocked_on_threading_s_own_queue_or_semaphore_is_named(monkeypatch):
+    """``queue.Queue`` or ``threading.Semaphore`` used directly (the clock made none until
+    stop 57) blocks outside the scheduler: the watchdog said only "an uncontrolled blocking
+    call?". It now names the call the thread is blocked in and the clock's factory to use."""
+    import queue as queue_module
+    monkeypatch.setattr(explore, "WATCHDOG_S", 0.3)
+    jobs, gate = queue_module.Queue(), threading.Semaphore(0)
+    for name, wait, named in [("q", lambda: jobs.get(timeout=1.0), "queue.Queue.get"),
+                              ("s", lambda: gate.acquire(timeout=1.0),
+                               "threading.Semaphore.acquire")]:
+        def scenario(clock, wait=wait, name=name):
+            clock.start_thread(wait, name)
+        found = explore_threads(scenario, seeds=[0])
+        assert found.failure is not None
+        assert found.failure.message.startswith(
+            f"watchdog: thread {name} did not reach a scheduling point within 0.3s real time "
+            f"(blocked in {named}) (an uncontrolled blocking call? threading's and queue's own "
+            f"objects are not scheduled: make them with the clock, clock.lock(), rlock(), "
+            f"condition(lock), event(), semaphore(n), bounded_semaphore(n), queue(maxsize))"), (
+            found.failure.message)

@@ -46,6 +46,7 @@ import gc
 import hashlib
 import json
 import os
+import queue
 import random
 import re
 import sys
@@ -374,14 +375,20 @@ class CCondition:
         token = [False]
         _as_threading(timeout)
         self._waiters.append(token)
-        self._lock.release()
+        reentrant = isinstance(self._lock, CRLock)  # (every level released, as threading's)
+        saved = self._lock.release_save() if reentrant else 0
+        if not reentrant:
+            self._lock.release()
         try:
             deadline = None if timeout is None else sched.now + max(0.0, timeout)
             got = sched.block(lambda: token[0], deadline, "cond")
         finally:
             if not token[0] and token in self._waiters:
                 self._waiters.remove(token)
-            self._lock.acquire()
+            if reentrant:
+                self._lock.acquire_restore(saved)
+            else:
+                self._lock.acquire()
         return got
 
     def wait_for(self, predicate: Callable[[], Any], timeout: float | None = None) -> Any:
@@ -401,7 +408,9 @@ class CCondition:
         """Raise what ``threading.Condition`` raises when its lock is not held (its
         ``_is_owned`` on a ``Lock``: the lock is free): the explorer would pass code whose
         ``notify`` outside ``with cond:`` fails on the real clock at its first call."""
-        if not self._lock.locked():
+        held = (self._lock.is_owned() if isinstance(self._lock, CRLock)
+                else self._lock.locked())
+        if not held:
             raise RuntimeError(f"cannot {what} on un-acquired lock")
 
     def notify(self, n: int = 1) -> None:
@@ -450,6 +459,212 @@ class CEvent:
         return sched.block(lambda: self.flag, deadline, "event")
 
 
+class CRLock:
+    """A reentrant lock (``threading.RLock``): its holder may take it again, and must release
+    it as often; acquire is a scheduling point, blocking is virtual. A ``CCondition`` over it
+    releases every level while it waits and takes them all back, as ``threading``'s."""
+
+    __slots__ = ("sched", "owner", "count")
+
+    def __init__(self, sched: Scheduler) -> None:
+        self.sched = sched
+        #: the holding thread, ``Scheduler.OUTSIDE`` (held outside the controlled world), or None
+        self.owner: object = None
+        self.count = 0
+
+    def _me(self) -> object:
+        return self.sched.me() or self.sched.OUTSIDE
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        sched = self.sched
+        me = sched.me()
+        if me is None:  # outside the controlled world: never blocks (as CLock)
+            sched.foreign("a reentrant lock")
+            if self.owner is None or self.owner is sched.OUTSIDE:
+                self.owner = sched.OUTSIDE
+                self.count += 1
+                return True
+            if sched.aborting:
+                raise _Abort()
+            if not blocking:
+                return False
+            raise RuntimeError(
+                f"a controlled reentrant lock held by thread {getattr(self.owner, 'name', '?')} "
+                f"was waited for outside the controlled threads (by a check, invariant or final "
+                f"check, or a thread not started by clock.start_thread): with the controlled "
+                f"threads stopped it would wait for ever; a check can take it with "
+                f"acquire(blocking=False) and skip when held")
+        if timeout is not None and timeout != -1:  # as threading.RLock.acquire refuses them
+            if not blocking:
+                raise ValueError("can't specify a timeout for a non-blocking call")
+            if timeout < 0:
+                raise ValueError("timeout value must be positive")
+            _as_threading(timeout, nan_ok=False)
+        if self.owner is me:  # (its holder: never blocks, no other thread can interleave)
+            self.count += 1
+            return True
+        sched.point("rlock.acquire")
+        if self.owner is None:
+            self.owner, self.count = me, 1
+            return True
+        if not blocking:
+            return False
+        deadline = None if timeout is None or timeout < 0 else sched.now + timeout
+        if sched.block(lambda: self.owner is None, deadline, "rlock"):
+            self.owner, self.count = me, 1
+            return True
+        return False
+
+    def release(self) -> None:
+        if self.owner is None and self.sched.aborting:  # (a wait unwound by the teardown)
+            return
+        if self.owner is None or self.owner is not self._me():
+            raise RuntimeError("cannot release un-acquired lock")
+        self.count -= 1
+        if self.count == 0:
+            self.owner = None
+
+    def is_owned(self) -> bool:
+        """Whether the calling thread holds it (``threading.Condition`` asks an RLock so)."""
+        return self.owner is not None and self.owner is self._me()
+
+    def release_save(self) -> int:
+        """Release every level (a condition's wait); what ``acquire_restore`` takes back."""
+        count, self.owner, self.count = self.count, None, 0
+        return count
+
+    def acquire_restore(self, count: int) -> None:
+        self.acquire()
+        self.count = count
+
+    __enter__ = acquire
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class CSemaphore:
+    """``threading.Semaphore`` (``bounded``: ``BoundedSemaphore``, whose release above the
+    initial value is a ``ValueError``); acquire and release are scheduling points, blocking
+    is virtual."""
+
+    __slots__ = ("sched", "value", "initial", "bounded")
+
+    def __init__(self, sched: Scheduler, value: int = 1, bounded: bool = False) -> None:
+        if value < 0:
+            raise ValueError("semaphore initial value must be >= 0")
+        self.sched, self.value, self.initial, self.bounded = sched, value, value, bounded
+
+    def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
+        if not blocking and timeout is not None:
+            raise ValueError("can't specify timeout for non-blocking acquire")
+        sched = self.sched
+        if sched.me() is None:
+            sched.foreign("a semaphore")
+            if self.value > 0:
+                self.value -= 1
+                return True
+            if not blocking or (timeout is not None and timeout <= 0) or sched.aborting:
+                return False
+            sched.cannot_wait("acquired a semaphore no thread has released yet")
+            raise RuntimeError("a controlled semaphore at 0 was acquired outside the "
+                               "controlled threads: nothing would release it")
+        _as_threading(timeout)
+        sched.point("semaphore.acquire")
+        if self.value <= 0:
+            if not blocking:
+                return False
+            deadline = None if timeout is None else sched.now + max(0.0, timeout)
+            if not sched.block(lambda: self.value > 0, deadline, "semaphore"):
+                return False
+        self.value -= 1
+        return True
+
+    def release(self, n: int = 1) -> None:
+        if n < 1:
+            raise ValueError("n must be one or more")
+        if self.sched.me() is not None:
+            self.sched.point("semaphore.release")
+        else:
+            self.sched.foreign("a semaphore")
+        if self.bounded and self.value + n > self.initial:
+            raise ValueError("Semaphore released too many times")
+        self.value += n
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class CQueue:
+    """``queue.Queue`` (FIFO, ``maxsize`` <= 0: unbounded): ``put``, ``get`` (and their
+    ``_nowait``), ``qsize``, ``empty``, ``full``, ``task_done``, ``join``, raising
+    ``queue.Full``/``queue.Empty`` as it does; every put, get and join is a scheduling
+    point, a wait is virtual (a timeout costs no real time)."""
+
+    def __init__(self, sched: Scheduler, maxsize: int = 0) -> None:
+        self.sched, self.maxsize = sched, maxsize
+        self.items: deque[Any] = deque()
+        self.unfinished = 0
+
+    def qsize(self) -> int:
+        return len(self.items)
+
+    def empty(self) -> bool:
+        return not self.items
+
+    def full(self) -> bool:
+        return 0 < self.maxsize <= len(self.items)
+
+    def _wait(self, ready: Callable[[], bool], block: bool, timeout: float | None,
+              what: str) -> bool:
+        """Whether ``ready()`` holds, waiting for it (virtually) when ``block``."""
+        sched = self.sched
+        if block and timeout is not None and timeout < 0:
+            raise ValueError("'timeout' must be a non-negative number")
+        if sched.me() is None:
+            sched.foreign("a queue")
+            if ready() or not block or sched.aborting:
+                return ready()
+            sched.cannot_wait(f"{what} (a controlled queue)")
+            raise RuntimeError(f"{what} outside the controlled threads: nothing would end "
+                               f"the wait")
+        _as_threading(timeout)
+        sched.point(f"queue.{what.split()[0]}")
+        if ready() or not block:
+            return ready()
+        deadline = None if timeout is None else sched.now + timeout
+        return sched.block(ready, deadline, f"queue.{what.split()[0]}")
+
+    def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
+        if not self._wait(lambda: not self.full(), block, timeout, "put to a full queue"):
+            raise queue.Full
+        self.items.append(item)
+        self.unfinished += 1
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        if not self._wait(lambda: bool(self.items), block, timeout, "get from an empty queue"):
+            raise queue.Empty
+        return self.items.popleft()
+
+    def put_nowait(self, item: Any) -> None:
+        self.put(item, block=False)
+
+    def get_nowait(self) -> Any:
+        return self.get(block=False)
+
+    def task_done(self) -> None:
+        if self.unfinished <= 0:
+            raise ValueError("task_done() called too many times")
+        self.unfinished -= 1
+
+    def join(self) -> None:
+        self._wait(lambda: self.unfinished == 0, True, None, "join of a queue with "
+                   "unfinished tasks")
+
+
 class VirtualClock(Clock):
     """The executor's clock under the explorer: controlled primitives, virtual time."""
 
@@ -496,6 +711,18 @@ class VirtualClock(Clock):
 
     def event(self):
         return CEvent(self.sched)
+
+    def rlock(self):
+        return CRLock(self.sched)
+
+    def semaphore(self, value: int = 1):
+        return CSemaphore(self.sched, value)
+
+    def bounded_semaphore(self, value: int = 1):
+        return CSemaphore(self.sched, value, bounded=True)
+
+    def queue(self, maxsize: int = 0):
+        return CQueue(self.sched, maxsize)
 
     def start_thread(self, target, name, args=()):
         return self.sched.spawn(target, name, args)
@@ -771,8 +998,22 @@ class Scheduler:
         stack = ""
         if running is not None and running.ident in frames:
             stack = "".join(traceback.format_stack(frames[running.ident])[-12:])
+        blocked = ""
+        if running is not None and running.ident in frames:
+            # (threading's and queue's own objects wait in those modules: name the call)
+            # the innermost frames in those modules, the outermost of them: the user's call
+            for frame, _ in traceback.walk_stack(frames[running.ident]):
+                module = frame.f_globals.get("__name__")
+                if module not in ("threading", "queue"):
+                    break
+                owner = frame.f_locals.get("self")
+                kind = type(owner).__name__ + "." if owner is not None else ""
+                blocked = f" (blocked in {module}.{kind}{frame.f_code.co_name})"
         return (f"watchdog: thread {running and running.name} did not reach a scheduling point "
-                f"within {WATCHDOG_S}s real time (an uncontrolled blocking call?)\n{stack}")
+                f"within {WATCHDOG_S}s real time{blocked} (an uncontrolled blocking call? "
+                f"threading's and queue's own objects are not scheduled: make them with the "
+                f"clock, clock.lock(), rlock(), condition(lock), event(), semaphore(n), "
+                f"bounded_semaphore(n), queue(maxsize))\n{stack}")
 
     def abort_threads(self) -> None:
         """Tear down: every parked thread raises _Abort and ends."""

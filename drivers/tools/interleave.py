@@ -3,9 +3,10 @@
 
 The injection point is ``calexec.machines.clock.Clock``: code under test takes a clock (the
 real one, ``calexec.machines.clock.SYSTEM``, by default) and makes every lock
-(``clock.lock()``), condition (``clock.condition(lock)``), event (``clock.event()``) and thread
-(``clock.start_thread(target, name)``) through it, and sleeps and reads time through it
-(``clock.sleep(s)``, ``clock.monotonic()``). Under the explorer the clock is a
+(``clock.lock()``, ``clock.rlock()``), condition (``clock.condition(lock)``), event
+(``clock.event()``), semaphore (``clock.semaphore(n)``, ``clock.bounded_semaphore(n)``), queue
+(``clock.queue(maxsize)``) and thread (``clock.start_thread(target, name)``) through it, and
+sleeps and reads time through it (``clock.sleep(s)``, ``clock.monotonic()``). Under the explorer the clock is a
 ``VirtualClock``: exactly one of those threads runs at a time, every acquire, wait, set,
 start, join and sleep is a scheduling point where a chooser picks who runs next, and time
 moves only when every thread is blocked (a 5 s timeout costs nothing).
