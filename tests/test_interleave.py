@@ -657,3 +657,25 @@ def test_a_thread_blocked_on_threading_s_own_queue_or_semaphore_is_named(monkeyp
             f"objects are not scheduled: make them with the clock, clock.lock(), rlock(), "
             f"condition(lock), event(), semaphore(n), bounded_semaphore(n), queue(maxsize))"), (
             found.failure.message)
+
+
+def test_a_wait_on_the_clock_s_queue_or_semaphore_outside_the_threads_is_refused():
+    """As for a condition or an event: the scenario (no thread has run yet) or a final check
+    (none can run any more) that would wait on a controlled queue or semaphore is refused,
+    naming the wait, instead of waiting for ever."""
+    def getter(clock):
+        jobs = clock.queue()
+        clock.start_thread(lambda: jobs.put(1), "producer")
+        jobs.get()
+    with pytest.raises(RuntimeError, match=r"^the scenario got from an empty queue \(a "
+                                           r"controlled queue\): no thread runs until"):
+        explore_threads(getter, seeds=[0])
+
+    def acquirer(clock):
+        gate = clock.semaphore(0)
+        clock.start_thread(gate.release, "releaser")
+        return lambda: gate.acquire() and gate.acquire()
+    found = explore_threads(acquirer, seeds=[0])
+    assert found.failure is not None and found.failure.message.startswith(
+        "final check raised RuntimeError: the final check acquired a semaphore no thread has "
+        "released yet: it runs once no thread can go on"), found.failure.message

@@ -619,8 +619,9 @@ class CQueue:
         return 0 < self.maxsize <= len(self.items)
 
     def _wait(self, ready: Callable[[], bool], block: bool, timeout: float | None,
-              what: str) -> bool:
-        """Whether ``ready()`` holds, waiting for it (virtually) when ``block``."""
+              point: str, what: str) -> bool:
+        """Whether ``ready()`` holds, waiting for it (virtually) when ``block``; ``point`` names
+        the scheduling point, ``what`` the wait a thread outside the controlled ones made."""
         sched = self.sched
         if block and timeout is not None and timeout < 0:
             raise ValueError("'timeout' must be a non-negative number")
@@ -632,20 +633,22 @@ class CQueue:
             raise RuntimeError(f"{what} outside the controlled threads: nothing would end "
                                f"the wait")
         _as_threading(timeout)
-        sched.point(f"queue.{what.split()[0]}")
+        sched.point(point)
         if ready() or not block:
             return ready()
         deadline = None if timeout is None else sched.now + timeout
-        return sched.block(ready, deadline, f"queue.{what.split()[0]}")
+        return sched.block(ready, deadline, point)
 
     def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
-        if not self._wait(lambda: not self.full(), block, timeout, "put to a full queue"):
+        if not self._wait(lambda: not self.full(), block, timeout, "queue.put",
+                          "put to a full queue"):
             raise queue.Full
         self.items.append(item)
         self.unfinished += 1
 
     def get(self, block: bool = True, timeout: float | None = None) -> Any:
-        if not self._wait(lambda: bool(self.items), block, timeout, "get from an empty queue"):
+        if not self._wait(lambda: bool(self.items), block, timeout, "queue.get",
+                          "got from an empty queue"):
             raise queue.Empty
         return self.items.popleft()
 
@@ -661,8 +664,8 @@ class CQueue:
         self.unfinished -= 1
 
     def join(self) -> None:
-        self._wait(lambda: self.unfinished == 0, True, None, "join of a queue with "
-                   "unfinished tasks")
+        self._wait(lambda: self.unfinished == 0, True, None, "queue.join",
+                   "joined a queue with unfinished tasks")
 
 
 class VirtualClock(Clock):
