@@ -66,8 +66,12 @@ def load_chart(ref: str, cwd: str | None = None) -> type[StateChart[Any]]:
             # (a bare `sys.exit()` or `raise ValueError()` has no text: the line ended in ": )")
             why = _first_line(str(err)) or (
                 "sys.exit() with no code" if isinstance(err, SystemExit) else "no message")
+            hint = ""
+            if isinstance(err, ModuleNotFoundError) and err.name == module_name.split(".")[0]:
+                hint = _found_below(root, module_name)
             raise ChartRefError(ref, f"cannot import module {module_name!r} from {root} "
-                                f"({type(err).__name__}{_where(err, root)}: {why})") from err
+                                f"({type(err).__name__}{_where(err, root)}: {why}){hint}"
+                                ) from err
     found: object = module
     missing = object()
     for part in class_name.split("."):
@@ -159,6 +163,49 @@ def _where(err: BaseException, root: str) -> str:
             line = f"{os.path.relpath(filename, root)}:{tb.tb_lineno}"
         tb = tb.tb_next
     return (f" in chart class {chart}" if chart else "") + (f" at {line}" if line else "")
+
+
+#: directories ``_found_below`` does not look into: none holds a project's own modules
+_NOT_SEARCHED = {"node_modules", "site-packages", "__pycache__", "build", "dist"}
+
+
+def _found_below(root: str, module_name: str, depth: int = 3, budget: int = 2000) -> str:
+    """``; src/kettle.py is there: ...`` naming the directories below ``root`` (at most
+    ``depth`` deep, ``budget`` directories looked at) from which ``module_name`` would be
+    imported, and how to put one on the path; "" when there is none. A project whose tests put
+    ``src`` on ``sys.path`` themselves imports ``kettle`` fine, while ``kettle:Kettle``, imported
+    before any test runs, was refused naming only the missing module."""
+    parts = module_name.split(".")
+    found: list[str] = []
+    level = [root]
+    for _ in range(depth):
+        below: list[str] = []
+        for directory in level:
+            try:
+                entries = sorted(os.scandir(directory), key=lambda entry: entry.name)
+            except OSError:
+                continue
+            for entry in entries:
+                if (budget <= 0 or entry.name.startswith(".") or entry.name in _NOT_SEARCHED
+                        or not entry.is_dir(follow_symlinks=False)):
+                    continue
+                budget -= 1
+                if os.path.isfile(os.path.join(entry.path, "pyvenv.cfg")):
+                    continue  # a virtual environment
+                module = os.path.join(entry.path, *parts)
+                if os.path.isfile(module + ".py") or os.path.isfile(
+                        os.path.join(module, "__init__.py")):
+                    found.append(os.path.relpath(entry.path, root))
+                below.append(entry.path)
+        level = below
+    if not found:
+        return ""
+    first = found[0]
+    shown = os.path.join(first, *parts) + (
+        ".py" if os.path.isfile(os.path.join(root, first, *parts) + ".py") else "")
+    more = f" (and below {', '.join(found[1:3])})" if len(found) > 1 else ""
+    return (f"; {shown} is there{more}: put {first} on the path as the command starts "
+            f"(PYTHONPATH={first}; in pytest's configuration, pythonpath = {first})")
 
 
 def _module_under(root: str, path: str) -> str | None:

@@ -282,3 +282,30 @@ def test_a_bad_configured_chart_is_named_by_its_configuration_key(tmp_path):
     ini = "[pytest]\ntestpaths = tests\npythonpath = .\n"
     status, output = _run_pytest(tmp_path, USER_TESTS, "--chart-contracts=kettle:Pan", ini=ini)
     assert status == 4 and "ERROR: --chart-contracts='kettle:Pan': module" in output, output
+
+
+def test_a_chart_module_found_only_below_the_directory_names_the_path_to_add(tmp_path):
+    """``--chart-coverage=kettle:Kettle`` in a src layout whose tests put ``src`` on
+    ``sys.path`` themselves (so ``from kettle import Kettle`` works in every test) was refused
+    naming only the missing module, ``No module named 'kettle'``: the plugin imports the chart
+    before any test runs. The refusal now names the file it would be and the path to add; a
+    module that is nowhere below is refused as before."""
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "kettle.py").write_text(textwrap.dedent(USER_CHART))
+    ini = "[pytest]\ntestpaths = tests\n"
+    tests = ("import sys, pathlib\n"
+             "sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / 'src'))\n"
+             + textwrap.dedent(USER_TESTS))
+    status, output = _run_pytest(tmp_path, tests, "--chart-coverage=kettle:Kettle", ini=ini)
+    assert status == 4, output
+    assert (f"ERROR: --chart-coverage='kettle:Kettle': cannot import module 'kettle' from "
+            f"{tmp_path} (ModuleNotFoundError: No module named 'kettle'); src/kettle.py is there: "
+            f"put src on the path as the command starts (PYTHONPATH=src; in pytest's "
+            f"configuration, pythonpath = src)") in output, output
+    status, output = _run_pytest(tmp_path, tests, "--chart-coverage=kettle:Kettle",
+                                 ini=ini + "pythonpath = src\n")
+    assert status == 0 and "transition coverage Kettle: 2/3" in output, output
+    status, output = _run_pytest(tmp_path, tests, "--chart-coverage=teapot:Kettle", ini=ini)
+    assert status == 4 and ("cannot import module 'teapot' from "
+                            f"{tmp_path} (ModuleNotFoundError: No module named 'teapot')\n"
+                            ) in output, output
