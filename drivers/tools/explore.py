@@ -516,9 +516,10 @@ class CRLock:
         return False
 
     def release(self) -> None:
-        if self.owner is None and self.sched.aborting:  # (a wait unwound by the teardown)
+        mine = self.owner is not None and self.owner is self._me()
+        if not mine and self.sched.aborting:  # (a wait unwound by the teardown)
             return
-        if self.owner is None or self.owner is not self._me():
+        if not mine:
             raise RuntimeError("cannot release un-acquired lock")
         self.count -= 1
         if self.count == 0:
