@@ -20,7 +20,10 @@ import threading
 import time
 from collections.abc import Callable
 from queue import Queue
-from typing import Any, Protocol, cast
+from typing import Protocol, TypeVar, cast
+
+#: a queue's item type (``Clock.queue``)
+Item = TypeVar("Item")
 
 
 class LockLike(Protocol):
@@ -93,8 +96,9 @@ class Clock:
     def bounded_semaphore(self, value: int = 1) -> threading.BoundedSemaphore:
         return threading.BoundedSemaphore(value)
 
-    def queue(self, maxsize: int = 0) -> Queue[Any]:
-        """A FIFO queue (``queue.Queue``; ``maxsize`` <= 0: unbounded)."""
+    def queue(self, maxsize: int = 0) -> Queue[Item]:
+        """A FIFO queue (``queue.Queue``; ``maxsize`` <= 0: unbounded); its item type is the
+        caller's (``jobs: Queue[Job] = clock.queue()``)."""
         return Queue(maxsize)
 
     def start_thread(self, target: Callable[..., object], name: str, args: tuple[object, ...] = ()
