@@ -654,19 +654,17 @@ def inspector_app(inspector: Inspector, options: AppOptions | None = None) -> St
         return JSONResponse(inspector.live())
 
     async def chart_svg(request: Request) -> Response:
-        unknown = query_taken(request, "{chart}.svg")
-        if unknown is not None:
-            return unknown
         name = request.path_params["chart"]
         entry = inspector.charts.get(name)
         if entry is None:
             return refused(request, 404, f"chart={name!r:.60} is not one of "
                                          f"{sorted(inspector.charts)}")
-        unknown = sorted(key for key in request.query_params if key != "active")
+        unknown = sorted({key for key in request.query_params if key != "active"})
         given = request.query_params.getlist("active")
         if unknown:  # (every query was ignored: ?active=on drew the busiest state)
-            return refused(request, 400, f"{unknown[0][:60]}: unknown parameter ({{chart}}.svg"
-                                         "?active=STATE)")
+            said = "unknown parameter" if len(unknown) == 1 else "unknown parameters"
+            return refused(request, 400, f"{', '.join(key[:60] for key in unknown[:8])}: "
+                                         f"{said} ({{chart}}.svg?active=STATE)")
         if len(given) > 1:
             return refused(request, 400, "active: given more than once (one state to "
                                          "highlight)")
