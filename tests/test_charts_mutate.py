@@ -519,3 +519,30 @@ def test_examples_with_a_test_command_of_ones_own_is_refused_as_first_failure_is
         "(CALEXEC_STATEFUL_EXAMPLES of its stateful tests); set your own tests' example count "
         "in --test-cmd"], out.err
     assert out.out == ""
+
+
+def test_a_chart_the_command_never_imports_stops_running_its_mutants(tmp_path, capsys):
+    """The unmutated run never imports ``door`` (the command tests something else): every
+    mutant ran the whole command only to be 'never applied' (found at stop 57 by the toolkit
+    probe: about 10 s a mutant of a real suite, for a verdict the first one gave). Once one
+    mutant of such a chart is not applied, the others are errors without a run, saying why."""
+    (tmp_path / "door.py").write_text(textwrap.dedent(DOOR))
+    runs = tmp_path / "runs.txt"
+    script = f"open({str(runs)!r}, 'a').write('run\\n')"
+    ids = ["drop:opened-close->closed", "guard-true:closed-lock->locked:has_key",
+           "guard-false:closed-push->opened:strong"]
+    status, out = _mutate(capsys, tmp_path, "--chart", "door:Door", "--jobs", "1",
+                          "--test-cmd", f"{sys.executable} -c \"{script}\"",
+                          *[arg for mutant in ids for arg in ("--mutant", mutant)])
+    assert status == 1, out.err
+    assert "never imported module 'door'" in out.err, out.err
+    mutants_run = json.loads(out.out)["mutants"]
+    assert [m["status"] for m in mutants_run] == ["error"] * 3, mutants_run
+    assert runs.read_text().splitlines() == ["run"] * 2  # the unmutated run and one mutant
+    first, *rest = mutants_run
+    assert "not run" not in first["how"], first
+    for mutant in rest:
+        assert mutant["how"].startswith("mutant never applied: the command did not import "
+                                        "the chart"), mutant
+        assert mutant["how"].endswith(f"not run: neither the unmutated run nor mutant "
+                                      f"{first['id']} imported it"), mutant

@@ -580,15 +580,30 @@ def main(argv: list[str] | None = None) -> int:
                 encoding="utf-8", errors="surrogateescape").splitlines())
         except OSError:  # no process of the command reported any
             imported = set()
+        unseen = {chart.name for name, chart in modules.items()
+                  if f"imported {name}" not in imported}
         for name, chart in modules.items():
-            if f"imported {name}" not in imported:
+            if chart.name in unseen:
                 print(f"calexec charts mutate: warning: the unmutated run of --test-cmd never "
                       f"imported module {name!r} (--chart={chart.target!r}): no mutant of "
-                      f"{chart.name} can be applied, each will be an error. Give --chart as "
-                      f"the tests import it, or a command that imports it", file=sys.stderr)
+                      f"{chart.name} can be applied, each will be an error (its mutants stop "
+                      f"running once one is not applied). Give --chart as the tests import it, "
+                      f"or a command that imports it", file=sys.stderr)
+        #: charts the unmutated run did not import and whose mutant, run, was not applied
+        #: either (an acknowledgement written as the mutant is applied, not at exit: a
+        #: process that ends by os._exit, which the import report misses, still writes it):
+        #: their other mutants are errors without a run (each took a whole test run to say so)
+        never_applied: dict[str, str] = {}
 
         def one(index: int, chart: Chart, mutant: mutants_mod.Mutant) -> Outcome:
             outcome = Outcome(chart.name, mutant)
+            if chart.name in never_applied:
+                _judge(outcome, None, "", False, error_codes, chart.target.partition(":")[0])
+                outcome.how += f"; not run: neither the unmutated run nor mutant " \
+                    f"{never_applied[chart.name]} imported it"
+                print(f"  [{index + 1}/{len(chosen)}] {outcome.status:8} {chart.name} "
+                      f"{mutant.id} (not run)", file=sys.stderr)
+                return outcome
             env = env_for(str(index))
             ack = scratch / f"ack-{index}"
             env[mutants_mod.ENV] = f"{chart.target}@{mutant.id}"
@@ -597,6 +612,8 @@ def main(argv: list[str] | None = None) -> int:
             applied = ack.is_file() and env[mutants_mod.ENV] in ack.read_text(
                 encoding="utf-8", errors="surrogateescape").splitlines()
             _judge(outcome, code, output, applied, error_codes, chart.target.partition(":")[0])
+            if not applied and chart.name in unseen:
+                never_applied.setdefault(chart.name, mutant.id)
             outcome.reason = equivalents.get((chart.name, mutant.id), "")
             if outcome.status == "survived" and outcome.reason:
                 outcome.status = "equivalent"
