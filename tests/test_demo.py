@@ -8,3 +8,14 @@ def test_demo_runs_through_the_executor_and_matches_the_oracle(capsys):
     out = capsys.readouterr().out
     assert "oracle match: yes" in out and "lifecycle Stopped" in out
     assert out.count("seq ") == 2 and "generation 1, lifecycle Ready" in out
+
+
+def test_demo_runs_a_decode_slower_than_the_warm_up_deadline(capsys):
+    """``--decode-us`` takes 0..60 s, but the warm-up's golden jobs waited 10 s each: a decode
+    of 10.5 s failed the start (exit 3, ``wait.deadline``, the flag not named). The deadlines
+    now follow the flag, and a run this slow says each step on stderr."""
+    assert demo.main(["demo", "--seqs", "1", "--tokens", "1", "--decode-us", "10500000"]) == 0
+    captured = capsys.readouterr()
+    assert "oracle match: yes" in captured.out, captured.err
+    assert "calexec demo: warm-up: a prefill and 2 decode steps of 10.5 s each" in captured.err
+    assert "calexec demo: seq 1: prefill_ids at position 0" in captured.err

@@ -13,6 +13,7 @@ import tempfile
 import time
 from typing import TYPE_CHECKING
 
+import attrs
 import numpy as np
 
 from calexec import cliargs
@@ -21,7 +22,7 @@ from calexec.drivers.synthetic import oracle
 
 if TYPE_CHECKING:
     from calexec.machines.api import ExecutorSnapshot
-    from calexec.machines.executor import DeviceExecutor
+    from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 
 
 def _argmax(row: np.ndarray) -> int:
@@ -30,6 +31,21 @@ def _argmax(row: np.ndarray) -> int:
 
 #: how long the demo waits for the last job's buffer slot to come back before it reports
 SETTLE_S = 5.0
+#: a request's deadline beyond its emulated decode latency
+REQUEST_SLACK_S = 30.0
+#: from this decode latency on (a second per token) the demo says on stderr what it is doing
+PROGRESS_FROM_US = 1_000_000
+
+
+def slow_device_config(config: ExecutorConfig, decode_us: int) -> ExecutorConfig:
+    """``config`` with its golden and execution deadlines moved out by one emulated decode
+    step of ``decode_us``: every value ``--decode-us`` takes (0..60 s) runs. The warm-up's
+    golden jobs waited ``golden_timeout_s`` (10 s), so a decode of 20 s failed the start
+    (exit 3) in words that did not name the flag; a decode past ``execution_timeout_s`` (30 s)
+    would be taken for a hung device."""
+    step_s = decode_us / 1e6
+    return attrs.evolve(config, golden_timeout_s=config.golden_timeout_s + step_s,
+                        execution_timeout_s=config.execution_timeout_s + step_s)
 
 
 def _settled_snapshot(ex: DeviceExecutor) -> ExecutorSnapshot:
@@ -61,7 +77,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--prompt-len", type=cliargs.positive_int, default=17,
                    help="prompt tokens per sequence")
     p.add_argument("--decode-us", type=cliargs.latency_us, default=0,
-                   help="emulated decode latency in microseconds (emulator device config)")
+                   help="emulated decode latency in microseconds (emulator device config); "
+                        "the warm-up's and each request's deadline grow by it, and from "
+                        f"{PROGRESS_FROM_US} (a second per token) each step is said on stderr")
     cliargs.add_device_args(p)
     args = p.parse_args(argv[1:])
     if args.prompt_len + args.tokens > calbin_fmt.MAX_SEQ:
@@ -80,10 +98,15 @@ def main(argv: list[str]) -> int:
         seed = spec_of_calbin.seed
         with open(path, "rb") as f:
             sha = hashlib.sha256(f.read()).hexdigest()
-        config = ExecutorConfig(calbin_path=path, device_config=f"decode_us={args.decode_us}",
-                                recovery=spec.recovery())
+        config = slow_device_config(
+            ExecutorConfig(calbin_path=path, device_config=f"decode_us={args.decode_us}",
+                           recovery=spec.recovery()), args.decode_us)
+        slow = args.decode_us >= PROGRESS_FROM_US
         runtime = spec.runtime()
         ex = DeviceExecutor(runtime, spec.manifest(), config)
+        if slow:
+            cliargs.say("calexec demo", f"warm-up: a prefill and {config.golden_decode_steps} "
+                                        f"decode steps of {args.decode_us / 1e6:g} s each")
         status = ex.start()
         if not status.ok:
             raise cliargs.UserError(f"executor start failed: {status}", cliargs.EXIT_REFUSED)
@@ -105,7 +128,9 @@ def main(argv: list[str]) -> int:
             request = InferenceRequest(
                 seq_id=seq, kind=kind, tokens=np.asarray(tokens, dtype=np.int32),
                 positions=np.arange(past, past + len(tokens), dtype=np.int32), past_len=past,
-                deadline=time.monotonic() + 30.0)
+                deadline=time.monotonic() + REQUEST_SLACK_S + args.decode_us / 1e6)
+            if slow:
+                cliargs.say("calexec demo", f"seq {seq}: {kind.name.lower()} at position {past}")
             return ex.enqueue(request).wait_until(request.deadline)
 
         ok = True
