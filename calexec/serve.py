@@ -47,7 +47,7 @@ import attrs
 
 from calexec import cliargs
 from calexec.contracts.status import Status
-from calexec.drivers.device_spec import DeviceSpec
+from calexec.drivers.device_spec import DeviceSpec, with_emulated_latency
 from calexec.drivers.memory import pin_mmap_threshold
 from calexec.drivers.serving import byte_tokenizer, hf_tokenizer
 from calexec.drivers.serving.dumpsink import DumpConfigError, DumpSink
@@ -386,11 +386,12 @@ def _serve(args: argparse.Namespace, config: ServerConfig, port: int, spec: Devi
             runtime = spec.runtime()
             spec.check_device_config(runtime, args.device_config)
             reset_kind, why = spec.reset()
-            executor = DeviceExecutor(runtime, spec.manifest(), ExecutorConfig(
-                calbin_path=spec.calbin(tmp), device_config=args.device_config,
-                recovery=spec.recovery(),
-                allow_unpinned_golden=args.allow_unpinned_golden,
-                native_relay=args.native_relay))
+            # (an emulated latency in --device-config moves the deadlines out with it)
+            executor = DeviceExecutor(runtime, spec.manifest(), with_emulated_latency(
+                ExecutorConfig(calbin_path=spec.calbin(tmp), device_config=args.device_config,
+                               recovery=spec.recovery(),
+                               allow_unpinned_golden=args.allow_unpinned_golden,
+                               native_relay=args.native_relay)))
         except (OSError, ValueError) as err:
             print(f"calexec serve: {err}", file=sys.stderr)
             return EXIT_USAGE

@@ -28,12 +28,50 @@ from calexec.machines.faults import RecoveryPolicy
 
 if TYPE_CHECKING:
     from calexec.machines.device_api import RuntimeApi
+    from calexec.machines.executor import ExecutorConfig
 
 RESET_KINDS = ("reset", "reset_ccu", "reset_configuration", "none")
 
 
 class DeviceSpecError(ValueError):
     """A bad entry-point setting; the message names the flag and the value (one line)."""
+
+
+#: the emulator's latency keys (docs/emulator.md section 7), each in microseconds
+LATENCY_KEYS = ("h2d_us", "prefill_per_token_us", "decode_us", "d2h_us")
+
+
+def emulated_latency_us(device_config: str) -> dict[str, int]:
+    """The emulator latency keys ``device_config`` (``"k=v;k=v"``) sets, in microseconds (a
+    value that is no integer >= 0 is left out: the runtime refuses it when it opens)."""
+    latency: dict[str, int] = {}
+    for item in device_config.split(";"):
+        key, _, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if key in LATENCY_KEYS and value.isdigit():
+            latency[key] = int(value)
+    return latency
+
+
+def with_emulated_latency(config: ExecutorConfig) -> ExecutorConfig:
+    """``config`` with its deadlines moved out by the emulated latency its ``device_config``
+    asks for (the emulator's ``decode_us`` and the other keys go up to 60 s): each golden job
+    of the warm-up by the longest one (``golden_timeout_s``, 10 s by default, failed the start
+    of a 20 s decode, exit 3, in words that named neither the flag nor the key), the
+    execution deadline by a decode's and a prefill's per-token cost (``execution_timeout_s``,
+    ``execution_timeout_per_token_s``: past them a slow job is taken for a hung device). A
+    config without latency keys is returned as it is."""
+    latency = emulated_latency_us(config.device_config)
+    if not any(latency.values()):
+        return config
+    transfer_s = (latency.get("h2d_us", 0) + latency.get("d2h_us", 0)) / 1e6
+    decode_s = latency.get("decode_us", 0) / 1e6
+    per_token_s = latency.get("prefill_per_token_us", 0) / 1e6
+    golden_job_s = transfer_s + max(decode_s, per_token_s * len(config.golden_tokens))
+    return attrs.evolve(
+        config, golden_timeout_s=config.golden_timeout_s + golden_job_s,
+        execution_timeout_s=config.execution_timeout_s + transfer_s + decode_s,
+        execution_timeout_per_token_s=config.execution_timeout_per_token_s + per_token_s)
 
 
 def _readable_file(flag: str, path: str | None) -> None:

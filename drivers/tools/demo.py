@@ -13,7 +13,6 @@ import tempfile
 import time
 from typing import TYPE_CHECKING
 
-import attrs
 import numpy as np
 
 from calexec import cliargs
@@ -22,7 +21,7 @@ from calexec.drivers.synthetic import oracle
 
 if TYPE_CHECKING:
     from calexec.machines.api import ExecutorSnapshot
-    from calexec.machines.executor import DeviceExecutor, ExecutorConfig
+    from calexec.machines.executor import DeviceExecutor
 
 
 def _argmax(row: np.ndarray) -> int:
@@ -35,17 +34,6 @@ SETTLE_S = 5.0
 REQUEST_SLACK_S = 30.0
 #: from this decode latency on (a second per token) the demo says on stderr what it is doing
 PROGRESS_FROM_US = 1_000_000
-
-
-def slow_device_config(config: ExecutorConfig, decode_us: int) -> ExecutorConfig:
-    """``config`` with its golden and execution deadlines moved out by one emulated decode
-    step of ``decode_us``: every value ``--decode-us`` takes (0..60 s) runs. The warm-up's
-    golden jobs waited ``golden_timeout_s`` (10 s), so a decode of 20 s failed the start
-    (exit 3) in words that did not name the flag; a decode past ``execution_timeout_s`` (30 s)
-    would be taken for a hung device."""
-    step_s = decode_us / 1e6
-    return attrs.evolve(config, golden_timeout_s=config.golden_timeout_s + step_s,
-                        execution_timeout_s=config.execution_timeout_s + step_s)
 
 
 def _settled_snapshot(ex: DeviceExecutor) -> ExecutorSnapshot:
@@ -67,6 +55,7 @@ def main(argv: list[str]) -> int:
     from calexec.contracts.status import Status
     from calexec.contracts.types import TaskKind
     from calexec.drivers.calrt.runtime import emulator_of
+    from calexec.drivers.device_spec import with_emulated_latency
     from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 
     p = cliargs.parser("calexec demo", __doc__)
@@ -98,9 +87,10 @@ def main(argv: list[str]) -> int:
         seed = spec_of_calbin.seed
         with open(path, "rb") as f:
             sha = hashlib.sha256(f.read()).hexdigest()
-        config = slow_device_config(
+        # (the warm-up's and the execution deadlines grow by the decode latency)
+        config = with_emulated_latency(
             ExecutorConfig(calbin_path=path, device_config=f"decode_us={args.decode_us}",
-                           recovery=spec.recovery()), args.decode_us)
+                           recovery=spec.recovery()))
         slow = args.decode_us >= PROGRESS_FROM_US
         runtime = spec.runtime()
         ex = DeviceExecutor(runtime, spec.manifest(), config)

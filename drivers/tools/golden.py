@@ -34,7 +34,7 @@ from calexec.contracts.goldens import (
 )
 from calexec.contracts.manifest import ManifestError, default_manifest_path, load_manifest
 from calexec.contracts.status import Status
-from calexec.drivers.device_spec import DeviceSpec
+from calexec.drivers.device_spec import DeviceSpec, with_emulated_latency
 
 
 class _RecordingUnpinned(logging.Filter):
@@ -53,8 +53,8 @@ def record(calbin: str, manifest_path: str | Path, runtime_lib: str | None = Non
     from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 
     manifest = attrs.evolve(load_manifest(manifest_path), goldens=NO_GOLDENS)
-    config = ExecutorConfig(calbin_path=str(calbin), device_config=device_config,
-                            allow_unpinned_golden=True)
+    config = with_emulated_latency(ExecutorConfig(
+        calbin_path=str(calbin), device_config=device_config, allow_unpinned_golden=True))
     ex = DeviceExecutor(CalRT.load(runtime_lib), manifest, config)
     quiet = _RecordingUnpinned()  # the warm-up trusts its first run: that is what is recorded
     executor_log = logging.getLogger("calexec.executor")

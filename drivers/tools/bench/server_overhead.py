@@ -76,7 +76,7 @@ from calexec import cliargs
 from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.status import Status
 from calexec.contracts.types import TaskKind
-from calexec.drivers.device_spec import DeviceSpec
+from calexec.drivers.device_spec import DeviceSpec, with_emulated_latency
 from calexec.drivers.memory import pin_mmap_threshold
 from calexec.drivers.serving.process import (
     MAX_SWITCH_INTERVAL_US,
@@ -477,10 +477,9 @@ def run_server_bench(requests: int, max_tokens: int, decode_us: int,
         raise BenchError(f"client must be one of {CLIENTS}, got {client!r}")
     with tempfile.TemporaryDirectory(prefix="calexec-bench-") as tmp:
         path = device.calbin(tmp)
-        ex = DeviceExecutor(device.runtime(), device.manifest(),
-                            ExecutorConfig(calbin_path=path, device_config=f"decode_us={decode_us}",
-                                           recovery=device.recovery(),
-                                           native_relay=native_relay))
+        ex = DeviceExecutor(device.runtime(), device.manifest(), with_emulated_latency(
+            ExecutorConfig(calbin_path=path, device_config=f"decode_us={decode_us}",
+                           recovery=device.recovery(), native_relay=native_relay)))
         status = ex.start()
         if not status.ok:
             ex.shutdown()

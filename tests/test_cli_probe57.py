@@ -1,0 +1,63 @@
+"""What the CLI probe of stop 57 found in the command-line entry points, each pinned
+(docs/traceability.md, "Found at stop 57 (cli)")."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from calexec import cli
+from calexec.drivers.device_spec import emulated_latency_us, with_emulated_latency
+from calexec.drivers.synthetic import calbin as calbin_fmt
+from calexec.machines.executor import ExecutorConfig
+
+#: an emulated prefill of 0.59 s per token: the warm-up's 17-token golden prefill takes 10.03 s,
+#: just past the golden job's 10 s deadline (``ExecutorConfig.golden_timeout_s``)
+SLOW_PREFILL = "prefill_per_token_us=590000"
+
+
+def test_emulated_latency_moves_the_deadlines_out_by_the_job_it_costs():
+    base = ExecutorConfig(calbin_path="model.calbin",
+                          device_config="h2d_us=1000;decode_us=20000000;d2h_us=2000;"
+                                        "prefill_per_token_us=500000;kv_blocks=64")
+    assert emulated_latency_us(base.device_config) == {
+        "h2d_us": 1000, "decode_us": 20000000, "d2h_us": 2000, "prefill_per_token_us": 500000}
+    config = with_emulated_latency(base)
+    # the golden's longest job: the transfers and the slower of a decode (20 s) and the
+    # 17-token prefill (8.5 s)
+    assert config.golden_timeout_s == pytest.approx(base.golden_timeout_s + 20.003)
+    assert config.execution_timeout_s == pytest.approx(base.execution_timeout_s + 20.003)
+    assert config.execution_timeout_per_token_s == pytest.approx(
+        base.execution_timeout_per_token_s + 0.5)
+    plain = ExecutorConfig(calbin_path="model.calbin", device_config="kv_blocks=64;decode_us=x")
+    assert with_emulated_latency(plain) == plain
+
+
+def test_golden_record_with_an_emulated_prefill_slower_than_the_warm_up_deadline(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """``golden record --device-config prefill_per_token_us=590000`` (the emulator takes up to
+    60 s) failed its warm-up, exit 3, ``wait.deadline ... (job_id=1 seq_id=0 ...)``, neither
+    the flag nor the key named: each golden job waited ``golden_timeout_s`` (10 s) whatever
+    latency the device was asked for. The deadlines now grow by it."""
+    calbin = tmp_path / "model.calbin"
+    calbin.write_bytes(calbin_fmt.dumps(calbin_fmt.default_spec()))
+    out = tmp_path / "model.goldens.toml"
+    code = cli.main(["golden", "record", "--calbin", str(calbin), "--out", str(out),
+                     "--device-config", SLOW_PREFILL])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert out.exists() and "wait.deadline" not in captured.err
+
+
+def test_serve_once_with_an_emulated_prefill_slower_than_the_warm_up_deadline():
+    """``serve --once --device-config prefill_per_token_us=590000``: the same warm-up failure,
+    exit 3 (``executor failed to start: wait.deadline``); now the server starts and its
+    sample request (16 prompt tokens, 9.4 s) is answered."""
+    run = subprocess.run([sys.executable, "-m", "calexec.cli", "serve", "--once",
+                          "--device-config", SLOW_PREFILL],
+                         capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert run.returncode == 0, run.stderr
+    assert "drained: executor Stopped; exit 0" in run.stdout
