@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -61,3 +62,14 @@ def test_serve_once_with_an_emulated_prefill_slower_than_the_warm_up_deadline():
                          capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
     assert run.returncode == 0, run.stderr
     assert "drained: executor Stopped; exit 0" in run.stdout
+
+
+def test_conform_timeout_is_said_as_given(capsys: pytest.CaptureFixture[str]):
+    """``conform --timeout 0.04``: the experiment's evidence said ``did not finish within 0.0 s
+    (child killed)``, a timeout of nothing, not the one given."""
+    code = cli.main(["conform", "--quick", "--only", "parallel", "--timeout", "0.04", "--json"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    report = json.loads(captured.out)
+    evidence = {q["evidence"] for q in report["questions"] if q["id"].startswith("parallel.")}
+    assert evidence == {"experiment did not finish within 0.04 s (child killed): the runtime hung"}

@@ -104,7 +104,8 @@ def run_isolated(target: str, kwargs: dict, timeout_s: float,
         if not got:
             proc.kill()
             proc.join(5)
-            return Outcome(TIMEOUT, None, f"experiment did not finish within {timeout_s:.1f} s "
+            # (the timeout as given: 0.04 s was said "within 0.0 s")
+            return Outcome(TIMEOUT, None, f"experiment did not finish within {round(timeout_s, 6)} s "
                                           f"(child killed): the runtime hung", seconds)
         proc.join(5)
         code = proc.exitcode
