@@ -204,6 +204,17 @@ def int_in(low: int, high: int) -> Callable[[str], int]:
     return bounded
 
 
+#: the most concurrent loopback clients a load command starts (``--clients``), as ``bench
+#: server --concurrency`` takes: each is an OS thread with its own connection, so
+#: ``--clients 100000`` started threads for minutes, silent, before the first request
+MAX_CLIENTS = 256
+
+
+def clients(text: str) -> int:
+    """A ``--clients`` flag's value: an integer in 1..:data:`MAX_CLIENTS`."""
+    return int_in(1, MAX_CLIENTS)(text)
+
+
 def utf8_text(text: str) -> str:
     """A free-text flag's value (``golden record --note``) that a UTF-8 file can hold: an
     argument with a byte that is not UTF-8 reaches Python as a lone surrogate (``\\udcff``),

@@ -54,6 +54,8 @@ SECONDS = st.one_of(
                      "1e8", "soon", "5s"]),
     st.floats(max_value=0.0).map(repr),
     st.floats(min_value=cliargs.MAX_SECONDS, exclude_min=True).map(repr))
+CLIENTS = st.one_of(_below(1), st.integers(min_value=cliargs.MAX_CLIENTS + 1).map(str),
+                    st.just(str(10 ** 5)))
 EMPTY = st.just("")
 #: jobs of one sequence: it and the seed token fit the synthetic model's max_seq (sim bench)
 SIM_JOBS = st.one_of(_below(1), st.integers(min_value=40960).map(str))
@@ -85,7 +87,7 @@ FLAGS: dict[str, dict[str, st.SearchStrategy[str]]] = {
                 "--only": _choice(("parallel", "overlap", "slot_reuse", "exec_timeout",
                                    "kv_failed_wait", "reset"))},
     "diagrams": {"--out": EMPTY, "--png": EMPTY},
-    "diagrams live": {"--out": EMPTY, "--seconds": SECONDS, "--clients": POSITIVE_INT},
+    "diagrams live": {"--out": EMPTY, "--seconds": SECONDS, "--clients": CLIENTS},
     "sim write-calbin": {"--tile-d0": POSITIVE_INT, "--hidden": POSITIVE_INT},
     "bench charts": {"--iters": POSITIVE_INT},
     "bench overhead": {"--seed": NON_NEGATIVE_INT, "--tokens": POSITIVE_INT,
@@ -99,9 +101,9 @@ FLAGS: dict[str, dict[str, st.SearchStrategy[str]]] = {
                      "--decode-us": LATENCY_US, "--rounds": POSITIVE_INT,
                      "--loadgen": _choice(("process", "thread")),
                      "--client": _choice(("stdlib", "httpx")), "--gil-switch-us": GIL_US},
-    "bench faults": {"--faults": POSITIVE_INT, "--clients": POSITIVE_INT},
+    "bench faults": {"--faults": POSITIVE_INT, "--clients": CLIENTS},
     "bench soak": {"--requests": POSITIVE_INT, "--faults": NON_NEGATIVE_INT,
-                   "--clients": POSITIVE_INT, "--max-seconds": SECONDS,
+                   "--clients": CLIENTS, "--max-seconds": SECONDS,
                    "--progress-s": SECONDS, "--rss-bound-mib": MIB_BOUND},
     "golden record": {"--out": EMPTY},
     "sim bench": {"--iters": SIM_JOBS, "--profile-iters": SIM_JOBS},

@@ -73,3 +73,22 @@ def test_conform_timeout_is_said_as_given(capsys: pytest.CaptureFixture[str]):
     report = json.loads(captured.out)
     evidence = {q["evidence"] for q in report["questions"] if q["id"].startswith("parallel.")}
     assert evidence == {"experiment did not finish within 0.04 s (child killed): the runtime hung"}
+
+
+@pytest.mark.parametrize("argv", [
+    ["bench", "faults", "--faults", "1"],
+    ["bench", "soak", "--requests", "10", "--faults", "0"],
+    ["diagrams", "live", "--seconds", "1", "--job-out", ""],
+])
+def test_clients_beyond_what_a_load_command_starts_are_refused(argv: list[str]):
+    """``--clients 100000`` was taken: ``bench faults`` then started a hundred thousand client
+    threads before its first fault, minutes without a line (``bench soak`` the same, after
+    one progress line), where ``bench server --concurrency`` takes 1..256; now the same bound,
+    one line naming the flag, exit 2, before anything starts. (A subprocess, bounded: the old
+    code ran on.)"""
+    run = subprocess.run([sys.executable, "-m", "calexec.cli", *argv, "--clients", "257"],
+                         capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.splitlines() == [
+        f"calexec {' '.join(argv[:2])}: error: argument --clients: must be in 1..256, got 257 "
+        f"(see calexec {' '.join(argv[:2])} --help)"]

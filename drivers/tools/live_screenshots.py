@@ -74,7 +74,7 @@ def main(argv: list[str]) -> int:
                              "exception ('' to skip)")
     parser.add_argument("--seconds", type=cliargs.seconds, default=5.0,
                         help="load before the shot")
-    parser.add_argument("--clients", type=cliargs.positive_int, default=4,
+    parser.add_argument("--clients", type=cliargs.clients, default=4,
                         help="concurrent client threads")
     args = parser.parse_args(argv[2:])
     # before the executor and the load start: what would fail only at the shot

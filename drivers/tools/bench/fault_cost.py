@@ -340,7 +340,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--faults", type=cliargs.positive_int, default=100,
                         help="device faults to inject, one at a time (1000: the issue's figure)")
-    parser.add_argument("--clients", type=cliargs.positive_int, default=6,
+    parser.add_argument("--clients", type=cliargs.clients, default=6,
                         help="concurrent loopback clients; half of them stream")
     parser.add_argument("--seed", type=cliargs.non_negative_int, default=16,
                         help="seed of the schedule and prompts")

@@ -886,7 +886,7 @@ def run_cli(argv: list[str], hooks: Hooks | None = None) -> int:
     parser.add_argument("--faults", type=cliargs.non_negative_int, default=50,
                         help="device faults spread over the requests, one at a time "
                              "(2500: the issue's figure)")
-    parser.add_argument("--clients", type=cliargs.positive_int, default=8,
+    parser.add_argument("--clients", type=cliargs.clients, default=8,
                         help="concurrent loopback clients")
     parser.add_argument("--seed", type=cliargs.non_negative_int, default=28,
                         help="seed of the schedule and prompts")
