@@ -547,6 +547,26 @@ def device_spec(args: argparse.Namespace, synthetic: str | None = None) -> Any:
     return spec
 
 
+def check_calbin(spec: Any) -> None:
+    """Refuse the ``--calbin`` of ``spec`` (a ``DeviceSpec``; a given one: the default synthetic
+    calbin is the packaged manifest's) that the runtime's loader refuses (a garbage or cut
+    file) or the manifest does not describe (``sim write-calbin --hidden 63`` under the
+    packaged manifest), before the executor starts: the check ``serve --calbin`` and a model
+    switch run (machines/switch_check.py). Raises UserError naming the flag, exit 3 as ``serve
+    --calbin`` exits for it (a failed start said the CalRT configure error twice, the
+    executor's log line and the Status, the flag not named)."""
+    path = spec.calbin_path
+    if path is None:
+        return
+    from calexec.machines import switch_check
+
+    checked = switch_check.check_calbin(spec.runtime(), spec.manifest(), path, hash_pin=False)
+    if not checked.ok:
+        why = checked.message.removeprefix(f"calbin={path!r}: ")
+        raise UserError(f"--calbin={path!r}: not a valid calbin ({checked.code}): {why}",
+                        EXIT_REFUSED)
+
+
 def say(prog: str, message: str) -> None:
     """One line on stderr, prefixed with the command."""
     print(f"{prog}: {message}", file=sys.stderr, flush=True)

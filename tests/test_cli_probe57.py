@@ -92,3 +92,32 @@ def test_clients_beyond_what_a_load_command_starts_are_refused(argv: list[str]):
     assert run.stderr.splitlines() == [
         f"calexec {' '.join(argv[:2])}: error: argument --clients: must be in 1..256, got 257 "
         f"(see calexec {' '.join(argv[:2])} --help)"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["demo", "--seqs", "1", "--tokens", "1"],
+    ["bench", "recovery", "--recoveries", "1"],
+    ["bench", "pingpong", "--seqs", "1", "--tokens", "1", "--solo-tokens", "1"],
+    ["accept", "--gates", "correctness"],
+])
+def test_a_calbin_the_manifest_does_not_describe_is_named_before_the_start(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str]):
+    """``sim write-calbin --hidden 63 c.calbin`` writes a synthetic calbin the packaged
+    manifest (hidden 64) does not describe; ``demo --calbin c.calbin`` (and the benches, the
+    gates) started the executor: exit 3 and two lines, the executor's ``device lifecycle
+    Failed: manifest.tensor_mismatch ...`` log line and the Status again, the flag not named,
+    where ``serve --calbin`` and ``golden record --calbin`` name it before the start. Now the
+    same check and line, exit 3."""
+    calbin = tmp_path / "h63.calbin"
+    assert cli.main(["sim", "write-calbin", "--hidden", "63", str(calbin)]) == 0
+    capsys.readouterr()
+    code = cli.main([*argv, "--calbin", str(calbin)])
+    captured = capsys.readouterr()
+    assert code == 3, captured.err
+    command = " ".join(argv[:2]) if argv[0] == "bench" else argv[0]
+    assert captured.err.splitlines() == [
+        f"calexec {command}: --calbin={str(calbin)!r}: not a valid calbin "
+        "(calbin.manifest_mismatch): manifest.tensor_mismatch: model "
+        "'qwen3_prefill_embeds_s40960_b1' tensor 'inputs_embeds': shape "
+        "manifest=[1, 40960, 64] runtime=[1, 40960, 63]"]
+    assert captured.out == ""

@@ -76,6 +76,7 @@ def main(argv: list[str]) -> int:
                                 f"above the model's max_seq {calbin_fmt.MAX_SEQ}")
     spec = cliargs.device_spec(
         args, synthetic="the demo checks tokens against the synthetic model's oracle")
+    cliargs.check_calbin(spec)
     with tempfile.TemporaryDirectory(prefix="calexec-demo-") as tmp:
         path = spec.calbin(tmp)
         try:  # the oracle checks the tokens: only a synthetic calbin has one

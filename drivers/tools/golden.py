@@ -82,21 +82,6 @@ def _default_note(calbin: str) -> str:
     return f"recorded from {name}"
 
 
-def _check_calbin(spec: DeviceSpec, calbin: str) -> None:
-    """Refuse a ``--calbin`` the runtime's loader refuses (a truncated or garbage file) or the
-    manifest does not describe, before the warm-up: the check a model switch and ``serve
-    --calbin`` run (machines/switch_check.py). Raises UserError naming the flag, exit 3 as
-    ``serve --calbin`` exits for it (a failed start said the CalRT configure code, twice: the
-    executor's log line and the Status)."""
-    from calexec.machines import switch_check
-
-    checked = switch_check.check_calbin(spec.runtime(), spec.manifest(), calbin, hash_pin=False)
-    if not checked.ok:
-        why = checked.message.removeprefix(f"calbin={calbin!r}: ")
-        raise cliargs.UserError(f"--calbin={calbin!r}: not a valid calbin ({checked.code}): "
-                                f"{why}", cliargs.EXIT_REFUSED)
-
-
 def _check_out(out: Path) -> None:
     """Refuse an ``--out`` that cannot be updated before the warm-up runs: a directory, a file
     that is no goldens file, a missing parent directory. Raises UserError."""
@@ -133,7 +118,7 @@ def main(argv: list[str]) -> int:
                       runtime_lib=args.runtime_lib)
     spec.check()
     spec.check_device_config(spec.runtime(), args.device_config)
-    _check_calbin(spec, args.calbin)
+    cliargs.check_calbin(spec)  # (before the warm-up: exit 3 naming --calbin)
     if args.out is not None and args.out.endswith(("/", os.sep)):  # (Path() drops the slash:
         # `--out dir/` wrote the goldens into a new file named `dir`)
         raise cliargs.UserError(f"--out={args.out!r}: names a directory; give the goldens "

@@ -213,6 +213,7 @@ def main(argv: list[str]) -> int:
                 + (f"; or leave the gate out: --gates {others}" if others else ""))
     device = cliargs.device_spec(
         args, synthetic="the gates check every token against the synthetic model's oracle")
+    cliargs.check_calbin(device)
     try:
         if args.soak_seconds is not None:
             sizes = attrs.evolve(sizes, soak_seconds=args.soak_seconds)

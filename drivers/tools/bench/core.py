@@ -1401,6 +1401,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv[2:])
     device = (cliargs.device_spec(args, synthetic="the benchmark runs on the emulator")
               if command != "logits" else DeviceSpec())
+    cliargs.check_calbin(device)
     try:
         if command == "overhead":
             limit = calbin_fmt.MAX_SEQ - PROMPT_LEN

@@ -665,6 +665,7 @@ def main(argv: list[str]) -> int:
     if args.decode_us < 0:
         parser.error(f"--decode-us={args.decode_us}: must be >= 0")
     device = cliargs.device_spec(args)
+    cliargs.check_calbin(device)
     # the process policy calexec serve applies at start (both sides run under it): the
     # server is measured as it is deployed
     pinned = pin_mmap_threshold()
