@@ -121,3 +121,21 @@ def test_a_calbin_the_manifest_does_not_describe_is_named_before_the_start(
         "'qwen3_prefill_embeds_s40960_b1' tensor 'inputs_embeds': shape "
         "manifest=[1, 40960, 64] runtime=[1, 40960, 63]"]
     assert captured.out == ""
+
+
+def test_conform_takes_the_library_of_calexec_calrt_lib(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch):
+    """README: every command that opens a device, ``conform`` included, takes
+    ``$CALEXEC_CALRT_LIB`` as its ``--runtime-lib``; ``conform`` built and measured the bundled
+    emulator whatever the variable named (exit 0, a report of the wrong library). Now the
+    variable's library is the one measured, named as the variable when it cannot load."""
+    lib = tmp_path / "libvendor.so"
+    lib.write_bytes(b"not a shared library")
+    monkeypatch.setenv("CALEXEC_CALRT_LIB", str(lib))
+    code = cli.main(["conform", "--quick", "--only", "parallel", "--json"])
+    captured = capsys.readouterr()
+    assert code == 2, captured.err
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        f"calexec conform: $CALEXEC_CALRT_LIB={str(lib)!r}: cannot load it: "), captured.err
+    assert captured.out == ""

@@ -20,6 +20,7 @@ from typing import Any
 
 from calexec import cliargs
 from calexec.drivers.calrt import conformance as report
+from calexec.drivers.calrt.runtime import ENV_LIB
 from calexec.drivers.calrt.verdict import inconclusive
 from calexec.drivers.synthetic import calbin as calbin_fmt
 from calexec.drivers.tools.conform import overlap_trace
@@ -141,7 +142,8 @@ def write_report(run_dict: dict[str, Any], out_dir: str) -> list[str]:
 def main(argv: list[str]) -> int:
     p = cliargs.parser("calexec conform", __doc__)
     p.add_argument("--lib", "--runtime-lib", dest="lib", metavar="PATH",
-                   help="shared library implementing calrt.h (default: build the bundled emulator)")
+                   help=f"shared library implementing calrt.h (default: ${ENV_LIB}, else build "
+                        "the bundled emulator)")
     p.add_argument("--calbin", metavar="PATH", help="synthetic calbin the experiments load and check "
                    "against its oracle (default: the default synthetic calbin)")
     p.add_argument("--report", metavar="DIR", type=cliargs.nonempty,
@@ -155,17 +157,21 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv[1:])
     if args.lib == "":  # (not the default: an unset variable in a script)
         raise cliargs.UserError("--lib='': empty (omit the flag to build the bundled emulator)")
+    flag = "--lib"
+    if args.lib is None and os.environ.get(ENV_LIB):  # as every command that opens a device
+        # (conform built and measured the bundled emulator whatever the variable named)
+        args.lib, flag = os.environ[ENV_LIB], f"${ENV_LIB}"
     if args.lib and not os.path.exists(args.lib):
-        print(f"calexec conform: --lib={args.lib!r}: does not exist", file=sys.stderr)
+        print(f"calexec conform: {flag}={args.lib!r}: does not exist", file=sys.stderr)
         return 2
     if args.lib:  # a library Python cannot even load is a typo, not a run of inconclusives
         if not os.path.isfile(args.lib):
-            raise cliargs.UserError(f"--lib={args.lib!r}: not a regular file")
+            raise cliargs.UserError(f"{flag}={args.lib!r}: not a regular file")
         probe = run_isolated("calexec.drivers.tools.conform.runner:probe_library",
                              {"lib": args.lib}, 30.0)
         if probe.status == ERROR:  # (a crash or a hang in it is reported by the run)
             reason = probe.reason.removeprefix("experiment failed: ").split("  Additionally")[0]
-            raise cliargs.UserError(f"--lib={args.lib!r}: cannot load it: {reason}")
+            raise cliargs.UserError(f"{flag}={args.lib!r}: cannot load it: {reason}")
     if args.calbin is not None:
         try:
             calbin_fmt.read(args.calbin)
