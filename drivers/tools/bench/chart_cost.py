@@ -70,9 +70,15 @@ def _measure(work: Callable[[_SuccessModel], None], iters: int) -> list[float]:
     return samples
 
 
-def run_bench(iters: int) -> dict[str, float | int | str]:
-    """Measure both forms; return the figures (microseconds per job)."""
+def run_bench(iters: int, progress: Callable[[str], None] | None = None
+              ) -> dict[str, float | int | str]:
+    """Measure both forms; return the figures (microseconds per job). ``progress`` is told
+    which form is being measured (the default size takes seconds, most of them the baseline)."""
+    if progress is not None:
+        progress(f"{iters} jobs on the compiled charts")
     compiled = _measure(_compiled_job, iters)
+    if progress is not None:
+        progress(f"{iters} jobs on python-statemachine (the baseline)")
     baseline = _measure(_statemachine_job, iters)
     p50, base_p50 = _percentile(compiled, 0.5), _percentile(baseline, 0.5)
     return {
@@ -94,7 +100,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--iters", type=cliargs.positive_int, default=2000,
                         help="jobs per form (default 2000)")
     args = parser.parse_args(argv[2:])
-    result = run_bench(args.iters)
+    result = run_bench(args.iters, lambda text: cliargs.say("bench charts", text))
     if args.json:
         print(json.dumps(result))
     else:
