@@ -4,8 +4,11 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -151,3 +154,53 @@ def test_bench_charts_says_what_it_measures(capsys: pytest.CaptureFixture[str]):
         "bench charts: 3 jobs on the compiled charts",
         "bench charts: 3 jobs on python-statemachine (the baseline)"]
     assert json.loads(captured.out)["iters"] == 3
+
+
+def _alive(pid: int) -> bool:
+    """The process runs (a zombie, ended but not reaped by a container's init, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupt_during_the_unmutated_run_ends_the_test_command(
+        tmp_path: Path, sig: signal.Signals):
+    """``charts mutate`` runs the test command in a session of its own, so a Ctrl-C at the
+    terminal reaches only calexec: during the unmutated run (calexec's whole suite by
+    default) it left the command running after exit 130 (a SIGTERM: calexec ended at once,
+    the command ran on). Now the command's process group is killed, as during the mutants'
+    runs."""
+    pid_file = tmp_path / "test-cmd.pid"
+    script = tmp_path / "slow_test.py"
+    script.write_text("import os, time\n"
+                      f"open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+                      "time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-m", "calexec.cli", "charts", "mutate",
+                             "--chart", "job", "--sample", "1", "--cwd", str(tmp_path),
+                             "--test-cmd", f"{sys.executable} {script}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not (pid_file.exists() and pid_file.read_text().strip()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr
+            time.sleep(0.05)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    alive = _alive(child)
+    if alive:  # (the old code's test command: ended here, not left to the machine)
+        os.kill(child, signal.SIGKILL)
+    assert not alive, f"the test command ran on after the {sig.name}"
+    assert proc.returncode == 130, err
+    assert err.splitlines()[-1] == "calexec charts mutate: interrupted"

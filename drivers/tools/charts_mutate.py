@@ -275,7 +275,9 @@ def _shown(text: str) -> str:
 
 def _run(command: list[str], cwd: Path, env: dict[str, str], timeout: float | None):
     """(exit code or None on timeout, seconds, output). The command runs in its own process
-    group, killed whole on timeout."""
+    group, killed whole on timeout and on an interrupt (a Ctrl-C reaches calexec only, not a
+    session of its own: the unmutated run, calexec's whole suite by default, ran on after
+    exit 130)."""
     start = time.monotonic()
     # (a test's output is shown, never parsed: a byte that is not UTF-8, a test printing
     # binary, is U+FFFD, not a UnicodeDecodeError ending the whole run as an internal error)
@@ -290,6 +292,9 @@ def _run(command: list[str], cwd: Path, env: dict[str, str], timeout: float | No
         _kill(proc)
         output, _ = proc.communicate()
         code = None
+    except BaseException:  # (KeyboardInterrupt: Ctrl-C, or SIGTERM while it is one)
+        _kill(proc)
+        raise
     finally:
         _LIVE.discard(proc)
     return code, time.monotonic() - start, output
@@ -563,12 +568,16 @@ def main(argv: list[str] | None = None) -> int:
         modules = {chart.target.partition(":")[0]: chart for chart in charts}
         probe[PROBE_ENV] = ",".join(modules)
         probe[mutants_mod.ACK_ENV] = str(scratch / "ack-baseline")
+        previous = _on_sigterm_interrupt()  # (a SIGTERM ends the command's run too)
         try:
             code, baseline_s, output = _run(command, cwd, probe, None)
         except OSError as err:  # not found, not executable
             print(f"calexec charts mutate: --test-cmd={command_text!r}: cannot run "
                   f"{command[0]!r}: {err.strerror or err}", file=sys.stderr)
             return 2
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
         if code != 0:
             print(f"calexec charts mutate: the test command fails without any mutant "
                   f"(exit code {code}); fix it first. Its output ends:\n{output[-3000:]}",
