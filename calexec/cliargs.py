@@ -396,6 +396,31 @@ def staged_report(flag: str, directory: str | os.PathLike[str],
 
 
 @contextlib.contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """A SIGTERM during the block (``timeout``, a supervisor) raises ``KeyboardInterrupt`` in
+    the main thread, as a Ctrl-C does, so a command whose child processes would outlive it
+    ends them on its interrupt path and exits 130 (``conform``: its experiment child ran on,
+    then printed a traceback). Nothing changes off the main thread or where no handler can
+    be set."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(_signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGTERM, interrupt)
+    except (ValueError, OSError):
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
 def _sigint_held() -> Iterator[None]:
     """Hold a SIGINT for the block (the main thread only: elsewhere Python runs no handler)
     and deliver it after, as Python's handler in place would have."""

@@ -165,6 +165,21 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _children(parent: int) -> list[int]:
+    """The processes whose parent is ``parent`` (from /proc: no pgrep needed)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:  # (ended meanwhile)
+                continue
+            if int(fields[1]) == parent:
+                found.append(int(entry))
+    return found
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_an_interrupt_during_the_unmutated_run_ends_the_test_command(
         tmp_path: Path, sig: signal.Signals):
@@ -204,3 +219,41 @@ def test_an_interrupt_during_the_unmutated_run_ends_the_test_command(
     assert not alive, f"the test command ran on after the {sig.name}"
     assert proc.returncode == 130, err
     assert err.splitlines()[-1] == "calexec charts mutate: interrupted"
+
+
+def test_a_sigterm_during_conform_ends_its_experiment_child_quietly():
+    """``timeout 60 calexec conform`` (a SIGTERM): calexec ended by the signal and its
+    experiment child ran on, to the end of its experiment (up to its timeout, 120 s by
+    default), then printed two ``BrokenPipeError`` tracebacks on the terminal. A SIGTERM is
+    now an interrupt as a Ctrl-C is: the child is killed, exit 130, one line."""
+    proc = subprocess.Popen([sys.executable, "-m", "calexec.cli", "conform", "--quick",
+                             "--only", "parallel", "--config", "decode_us=2000000", "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            stdin=subprocess.DEVNULL)
+    children: list[int] = []
+    try:
+        assert proc.stderr is not None
+        deadline = time.monotonic() + 120
+        for line in proc.stderr:  # (bounded by the run's own timeout, 30 s per experiment)
+            if line.startswith("[conform] experiment parallel ...") or time.monotonic() > deadline:
+                break
+        deadline = time.monotonic() + 30
+        while not children and time.monotonic() < deadline:  # the experiment's spawn child
+            children = _children(proc.pid)
+            time.sleep(0.05)
+        assert children, "no experiment child"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    deadline = time.monotonic() + 5
+    while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = [pid for pid in children if _alive(pid)]
+    for pid in left:  # (the old code's child: ended here, not left to the machine)
+        os.kill(pid, signal.SIGKILL)
+    assert not left, "the experiment's child ran on after the SIGTERM"
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and err.splitlines()[-1] == "calexec conform: interrupted"

@@ -35,13 +35,29 @@ class Outcome:
     seconds: float
 
 
+def _failure(exc: BaseException) -> tuple[str, str]:
+    where = traceback.extract_tb(exc.__traceback__)[-1]
+    return ERROR, f"{type(exc).__name__}: {exc} (at {os.path.basename(where.filename)}:{where.lineno})"
+
+
 def _child(conn, module: str, func: str, kwargs: dict) -> None:
+    """Run the experiment and send its outcome. A parent that is gone (killed: its end of the
+    pipe closed) is told nothing, quietly: the send's BrokenPipeError, and the one of the
+    ERROR sent for it, were two tracebacks on the terminal, after the shell's prompt."""
     try:
-        result = getattr(importlib.import_module(module), func)(**kwargs)
-        conn.send((OK, result))
-    except Exception as exc:  # noqa: BLE001 - any failure of the experiment is reported, not raised
-        where = traceback.extract_tb(exc.__traceback__)[-1]
-        conn.send((ERROR, f"{type(exc).__name__}: {exc} (at {os.path.basename(where.filename)}:{where.lineno})"))
+        try:
+            message = (OK, getattr(importlib.import_module(module), func)(**kwargs))
+        except Exception as exc:  # noqa: BLE001 - any failure of the experiment is reported, not raised
+            message = _failure(exc)
+        try:
+            conn.send(message)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # (the parent is gone: no one to tell)
+        except Exception as exc:  # noqa: BLE001 - a result that cannot be sent (not picklable)
+            try:
+                conn.send(_failure(exc))
+            except (BrokenPipeError, ConnectionResetError):
+                pass
     finally:
         conn.close()
 

@@ -183,8 +183,9 @@ def main(argv: list[str]) -> int:
         cliargs.output_dir("--report", args.report, REPORT_FILES)
     t0 = time.monotonic()
     try:
-        result = run(args.lib, args.config, args.quick, tuple(args.only or ()), args.timeout,
-                     calbin_path=args.calbin)
+        with cliargs.sigterm_interrupts():  # (a SIGTERM ends the experiment's child too)
+            result = run(args.lib, args.config, args.quick, tuple(args.only or ()),
+                         args.timeout, calbin_path=args.calbin)
     except ConfigRefused as exc:
         raise cliargs.UserError(str(exc)) from None
     except (RuntimeError, OSError, ValueError) as exc:
