@@ -257,3 +257,41 @@ def test_a_sigterm_during_conform_ends_its_experiment_child_quietly():
     assert not left, "the experiment's child ran on after the SIGTERM"
     assert proc.returncode == 130, err
     assert "Traceback" not in err and err.splitlines()[-1] == "calexec conform: interrupted"
+
+
+def test_a_sigterm_during_the_browser_shot_ends_the_browser(tmp_path: Path):
+    """``diagrams live`` runs headless Chromium in a session of its own; a Ctrl-C killed it
+    (stop 56), but a SIGTERM ended calexec by the signal and left the browser running. A
+    SIGTERM is now an interrupt: the browser is killed, exit 130."""
+    pid_file = tmp_path / "browser.pid"
+    fake = tmp_path / "bin" / "chromium"
+    fake.parent.mkdir()
+    fake.write_text(f"#!/bin/sh\necho $$ > {pid_file}\nexec sleep 60\n")
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    proc = subprocess.Popen([sys.executable, "-m", "calexec.cli", "diagrams", "live",
+                             "--seconds", "0.5", "--clients", "1", "--job-out", "",
+                             "--out", str(tmp_path / "live.png")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            stdin=subprocess.DEVNULL, env=env)
+    try:
+        deadline = time.monotonic() + 90
+        while not (pid_file.exists() and pid_file.read_text().strip()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    browser = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while _alive(browser) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    alive = _alive(browser)
+    if alive:  # (the old code's browser: ended here, not left to the machine)
+        os.kill(browser, signal.SIGKILL)
+    assert not alive, "the browser ran on after the SIGTERM"
+    assert proc.returncode == 130, err
+    assert err.splitlines()[-1] == "calexec diagrams live: interrupted"

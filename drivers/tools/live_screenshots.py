@@ -97,7 +97,8 @@ def main(argv: list[str]) -> int:
     from calexec.drivers.synthetic import calbin
     from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 
-    with tempfile.TemporaryDirectory(prefix="calexec-live-") as tmp:
+    # (a SIGTERM is an interrupt: the browser, in a session of its own, is killed with it)
+    with cliargs.sigterm_interrupts(), tempfile.TemporaryDirectory(prefix="calexec-live-") as tmp:
         path = os.path.join(tmp, "synthetic.calbin")
         calbin.write(path, calbin.default_spec())
         ex = DeviceExecutor(CalRT.load(), load_manifest(default_manifest_path()),
