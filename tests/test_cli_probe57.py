@@ -295,3 +295,42 @@ def test_a_sigterm_during_the_browser_shot_ends_the_browser(tmp_path: Path):
     assert not alive, "the browser ran on after the SIGTERM"
     assert proc.returncode == 130, err
     assert err.splitlines()[-1] == "calexec diagrams live: interrupted"
+
+
+def test_a_sigterm_during_charts_cover_ends_the_test_command(tmp_path: Path):
+    """``timeout 600 calexec charts cover ... -- python -m pytest``: the SIGTERM ended calexec
+    by the signal and left the test command running (a Ctrl-C at a terminal reaches both,
+    and ``subprocess.call`` kills the command on it). A SIGTERM is now an interrupt: the
+    command is killed, exit 130."""
+    pid_file = tmp_path / "test-cmd.pid"
+    script = tmp_path / "slow_test.py"
+    script.write_text("import os, time\n"
+                      f"open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+                      "time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-m", "calexec.cli", "charts", "cover", "--chart",
+                             "calexec.machines.charts:JobChart", "--", sys.executable,
+                             str(script)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not (pid_file.exists() and pid_file.read_text().strip()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        child = int(pid_file.read_text())
+        deadline = time.monotonic() + 5
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        alive = _alive(child)
+        if alive:  # (the old code's test command: ended here, not left to the machine; it
+            os.kill(child, signal.SIGKILL)  # holds calexec's stderr, read below)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert not alive, "the test command ran on after the SIGTERM"
+    assert proc.returncode == 130, err
+    assert err.splitlines()[-1] == "calexec charts cover: interrupted"

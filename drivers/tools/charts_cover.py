@@ -28,7 +28,7 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-from calexec.cliargs import EXIT_FAILED, UserError
+from calexec.cliargs import EXIT_FAILED, UserError, sigterm_interrupts
 from calexec.cliargs import parser as cli_parser
 from calexec.drivers.tools.sitecustomize_template import sitecustomize_source
 from calexec.machines.chartref import ChartRefError, load_chart
@@ -175,8 +175,10 @@ def main(argv: list[str]) -> int:
         env[OUT_ENV] = str(scratch)
         env["PYTHONPATH"] = os.pathsep.join(
             filter(None, [str(site), os.getcwd(), env.get("PYTHONPATH")]))
-        try:
-            code = subprocess.call(args.command, env=env)
+        try:  # (a SIGTERM is an interrupt: subprocess.call kills the command on it, as on
+            # a Ctrl-C; the signal ended calexec alone and left the command running)
+            with sigterm_interrupts():
+                code = subprocess.call(args.command, env=env)
         except OSError as err:
             raise UserError(f"test command {args.command[0]!r}: {err.strerror or err}") from None
         hits, loaded, errors = merge(scratch)
