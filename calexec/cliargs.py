@@ -580,16 +580,9 @@ def check_calbin(spec: Any) -> None:
     switch run (machines/switch_check.py). Raises UserError naming the flag, exit 3 as ``serve
     --calbin`` exits for it (a failed start said the CalRT configure error twice, the
     executor's log line and the Status, the flag not named)."""
-    path = spec.calbin_path
-    if path is None:
-        return
-    from calexec.machines import switch_check
-
-    checked = switch_check.check_calbin(spec.runtime(), spec.manifest(), path, hash_pin=False)
-    if not checked.ok:
-        why = checked.message.removeprefix(f"calbin={path!r}: ")
-        raise UserError(f"--calbin={path!r}: not a valid calbin ({checked.code}): {why}",
-                        EXIT_REFUSED)
+    refusal = spec.calbin_refusal()
+    if refusal is not None:
+        raise UserError(refusal, EXIT_REFUSED)
 
 
 def say(prog: str, message: str) -> None:

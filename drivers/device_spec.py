@@ -158,6 +158,23 @@ class DeviceSpec:
             raise DeviceSpecError(f"--calbin={self.calbin_path!r}: not a synthetic calbin "
                                   f"(calexec sim write-calbin), which {why}: {exc}") from None
 
+    def calbin_refusal(self) -> str | None:
+        """Why the given ``--calbin`` cannot start: the runtime's loader refuses it or the
+        manifest does not describe it (the check ``serve --calbin`` and a model switch run,
+        machines/switch_check.py), as one line naming the flag; None when it passes or none
+        was given (the default synthetic calbin is the packaged manifest's)."""
+        if self.calbin_path is None:
+            return None
+        from calexec.machines import switch_check
+
+        path = self.calbin_path
+        checked = switch_check.check_calbin(self.runtime(), self.manifest(), path,
+                                            hash_pin=False)
+        if checked.ok:
+            return None
+        why = checked.message.removeprefix(f"calbin={path!r}: ")
+        return f"--calbin={path!r}: not a valid calbin ({checked.code}): {why}"
+
     def served(self) -> str:
         """What runs, for a banner: ``calbin 'PATH'`` or the synthetic calbin, on the bundled
         emulator or ``runtime library 'LIB'``."""
