@@ -924,6 +924,21 @@ class DeviceLifecycle:
                 self.fail(released)
                 return released
             fallback = self._rollback_path
+            if self.stopping:
+                # A shutdown began while the refused generation was torn down: nothing is
+                # configured once it has (its golden run would be refused anyway, as a
+                # recovery the controller asks for then is dropped). The roll back went on and
+                # loaded, configured and mapped the fallback only for the shutdown to tear it
+                # down. The lifecycle ends as a recovery the shutdown stopped: Warming ->
+                # Stopped (the refused generation's golden), else Failed (its configure).
+                self._rollback_path = None
+                why = (f"{first_refusal.code}: {first_refusal.message}" if first_refusal
+                       else refused[0])
+                status = Status.unavailable(
+                    Phase.RECOVERY, f"{target!r} was refused ({why}) and shutdown() began "
+                    f"before {fallback!r} was configured again: no roll back, nothing "
+                    "configured")
+                break
             advanced = self._advance(LIFECYCLE_EV_ROLL_BACK)
             if not advanced.ok:
                 record["refused"] = refused

@@ -1,0 +1,125 @@
+"""Stop 57 (core): the control core's lifecycle, job handles and sequence ownership, each
+defect replayed with its interleaving forced (a device proxy or a done callback holds a thread
+at the point a race needs it) rather than hoped for. Real executor on the bundled emulator;
+every wait is a bounded poll of a condition; nothing asserts a duration.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import pytest
+
+from calexec.contracts.errors import Category
+from calexec.contracts.status import Status
+from calexec.drivers.calrt.runtime import CalRT
+from calexec.drivers.synthetic import calbin as cb
+from calexec.machines.executor import DeviceExecutor, ExecutorConfig
+from calexec.machines.faults import RecordingFaultSink
+from executor_harness import (
+    MANIFEST,
+    arm,
+    deadline,
+    decode,
+    prefill,
+    running_executor,
+    until,
+    write_calbin,
+)
+
+OTHER_SEED = 4242
+
+
+@pytest.fixture(scope="module")
+def calbins(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("probe57")
+    main = write_calbin(directory)
+    other = str(directory / "other.calbin")
+    other_sha = cb.write(other, cb.default_spec(seed=OTHER_SEED))
+    return {"main": main, "other": other, "other_sha": other_sha}
+
+
+# ---- 1. a shutdown during a model switch's roll back ---------------------------------------
+class _HookedDevice:
+    """The bundled device, recording each calbin load (and whether a shutdown had begun),
+    whose ``reset_configuration`` (a generation's teardown) runs ``hook`` first once
+    ``skip`` more teardowns went by."""
+
+    def __init__(self, device, stopping: Callable[[], bool]) -> None:
+        self._device = device
+        self._stopping = stopping
+        self.loads: list[tuple[str, bool]] = []
+        self.hook: Callable[[], None] | None = None
+        self.skip = 0
+
+    def load_calbin(self, path):
+        self.loads.append((path, self._stopping()))
+        return self._device.load_calbin(path)
+
+    def reset_configuration(self):
+        if self.hook is not None and self.skip > 0:
+            self.skip -= 1
+        elif self.hook is not None:
+            hook, self.hook = self.hook, None
+            hook()
+        return self._device.reset_configuration()
+
+    def __getattr__(self, name):
+        return getattr(self._device, name)
+
+
+class _HookedRuntime:
+    def __init__(self, runtime: CalRT) -> None:
+        self._runtime = runtime
+        self.device: _HookedDevice | None = None
+        self.executor: DeviceExecutor | None = None
+
+    def open_device(self, config):
+        rc, device = self._runtime.open_device(config)
+        if rc == 0:
+            self.device = device = _HookedDevice(
+                device, lambda: self.executor is not None and self.executor.life.stopping)
+        return rc, device
+
+    def __getattr__(self, name):
+        return getattr(self._runtime, name)
+
+
+def test_a_shutdown_during_a_switch_s_roll_back_configures_no_fallback(calbins):
+    """A model switch whose golden is refused tears the refused generation down and rolls
+    back to the previous calbin. A ``shutdown`` that began during that teardown (it
+    interrupts the switch at half its grace) did not stop the roll back: the fallback
+    calbin was loaded, configured and mapped, its golden refused (admission stopped), and
+    the shutdown tore it down again. Nothing is configured once the shutdown began: the
+    switch answers that the shutdown stopped it before the roll back, the lifecycle ends
+    Stopped (Warming -> Stopped, as a recovery whose golden the shutdown stopped), and the
+    shutdown answers OK."""
+    runtime = _HookedRuntime(CalRT.load())
+    ex = DeviceExecutor(runtime, MANIFEST, ExecutorConfig(
+        calbin_path=calbins["main"], goldens={calbins["other_sha"]: (1, 2, 3)}))
+    runtime.executor = ex
+    assert ex.start().ok
+    device = runtime.device
+    shutdowns: list[Status] = []
+    thread = threading.Thread(target=lambda: shutdowns.append(ex.shutdown(2.0)),
+                              name="probe57-shutdown", daemon=True)
+
+    def shutdown_begins() -> None:  # on the switch's thread, tearing generation 2 down
+        thread.start()
+        until(lambda: ex.life.stopping, 20, "the shutdown interrupting the switch")
+
+    try:
+        device.hook, device.skip = shutdown_begins, 1  # not generation 1's: generation 2's
+        status = ex.switch_model(calbins["other"])  # its golden differs: refused
+        thread.join(30)
+        assert device.hook is None, "the refused generation was never torn down"
+        after = [path for path, stopping in device.loads if stopping]
+        assert after == [], f"calbins loaded once the shutdown began: {after}"
+        assert not status.ok and "shutdown() began" in status.message, status
+        assert "golden.mismatch" in status.message and calbins["main"] in status.message
+        assert shutdowns and shutdowns[0].ok and ex.state == "Stopped", (shutdowns, ex.state)
+        assert ex.gen is None
+    finally:
+        thread.join(30) if thread.is_alive() else None
+        ex.shutdown(5.0)
