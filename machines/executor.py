@@ -547,6 +547,8 @@ class DeviceExecutor(SequenceOwnership):
                   self.wake_waiters, internal=internal, clock=self.clock)
         job.gen = gen
         job.logits_out = logits_out
+        if self.config.threads:  # a done callback's wait for it is refused (``JobHandle``)
+            job.refuse_wait = self.refuse_on_worker_thread
         if request.kind == TaskKind.DECODE:
             job.early_wake_s = self._early_wake_s()
         job.uncounted = arm is not None and not arm.blocking  # a pre-arm attempt may miss
@@ -1256,7 +1258,9 @@ class DeviceExecutor(SequenceOwnership):
         twice around a reset, and ended the lifecycle Failed (``recovery.not_drained``). Each
         is refused before anything changes. A decode stream's ``submit`` and ``wait``
         (``owner`` ``DecodeSteps``) are refused the same way: a step there waited for a job
-        only that thread completes, past the stream's deadline, and every other job with it."""
+        only that thread completes, past the stream's deadline, and every other job with it;
+        and so are a handle's ``wait_until`` and ``result`` (``owner`` ``JobHandle``, through
+        ``Job.refuse_wait``) for a job not resolved yet."""
         if self.on_worker_thread():
             current = threading.current_thread()
             raise RuntimeError(

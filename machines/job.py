@@ -106,7 +106,7 @@ class Job:
                  "output_status", "result", "_done", "_on_cancel", "internal", "logits_out",
                  "_gen", "budget_taken", "permit_held", "clock", "on_resolved", "submitted_at", "uncounted",
                  "stream", "early_wake_s", "auto", "auto_next", "_callbacks", "row_claimed",
-                 "relayed", "in_flight_marked", "__weakref__")
+                 "relayed", "in_flight_marked", "refuse_wait", "__weakref__")
 
     def __init__(self, job_id: int, generation_id: int, request: InferenceRequest,
                  on_cancel: Callable[[], None], internal: bool = False,
@@ -160,6 +160,9 @@ class Job:
         #: done callbacks (``JobHandle.add_done_callback``): None (none registered), a list
         #: of (handle, fn), or ``_FIRED`` once run; changed only under ``_CALLBACKS_MU``
         self._callbacks: list[_Callback] | tuple[()] | None = None
+        #: the executor's ``refuse_on_worker_thread``: a wait for this job, not resolved yet,
+        #: on the executor's own submitter or completion thread (a done callback) raises
+        self.refuse_wait: Callable[[str, str], None] | None = None
 
     @property
     def gen(self) -> Generation | None:
@@ -326,9 +329,24 @@ class JobHandle:
     def wait_until(self, deadline: float | None) -> InferenceResult | Status:
         """Block until the job is resolved or ``deadline`` (absolute ``time.monotonic()``;
         None waits without limit). Never cancels: on timeout the job keeps running and a
-        ``wait.deadline`` Status is returned."""
+        ``wait.deadline`` Status is returned. Called on the executor's submitter or completion
+        thread (a done callback) for a job not resolved yet, with a deadline still ahead, it
+        raises RuntimeError naming the call and the thread (``refuse_on_worker_thread``): that
+        thread stood still until the deadline, every other job behind it. A job resolved
+        already, or a deadline passed (a look), answers as anywhere."""
         _check_deadline("JobHandle.wait_until", deadline)
-        clock = self._job.clock
+        return self._wait("wait_until", deadline)
+
+    def _wait(self, call: str, deadline: float | None) -> InferenceResult | Status:
+        job = self._job
+        clock = job.clock
+        if (job.refuse_wait is not None and not job._done.is_set()
+                and (deadline is None or clock.remaining(deadline) > 0)):
+            # a done callback waiting for a job that only the thread it runs on (or the
+            # submitter, whose next step may be that very thread's) brings on: the completion
+            # thread stood still, every job behind it, until the deadline. A job resolved
+            # already, or a look (a deadline passed: nothing is waited for), answers as ever.
+            job.refuse_wait(call, "JobHandle")
         early = self._job.early_wake_s
         if early > 0 and not self._job._done.is_set():
             # wake shortly before the job is expected to end, so the hand-off of its result
@@ -347,10 +365,10 @@ class JobHandle:
 
     def result(self, timeout: float | None = None) -> InferenceResult | Status:
         """``wait_until`` with a relative timeout in seconds (None or ``math.inf``: no limit;
-        0 or less: only looks)."""
+        0 or less: only looks, and so may a done callback)."""
         _check_deadline("JobHandle.result", timeout, "timeout")
-        return self.wait_until(None if timeout is None else
-                               self._job.clock.monotonic() + timeout)
+        return self._wait("result", None if timeout is None else
+                          self._job.clock.monotonic() + timeout)
 
     def cancel(self) -> bool:
         """Request cancellation. Idempotent. True when the request was recorded before the job

@@ -123,3 +123,49 @@ def test_a_shutdown_during_a_switch_s_roll_back_configures_no_fallback(calbins):
     finally:
         thread.join(30) if thread.is_alive() else None
         ex.shutdown(5.0)
+
+
+# ---- 2. a done callback waiting for another job ---------------------------------------------
+def test_a_done_callback_s_wait_for_another_job_is_refused_a_look_is_not(calbins):
+    """A done callback (on ``calexec-completion``) that waited for another job with
+    ``wait_until`` or ``result`` stalled that thread until its deadline: the job it waited
+    for is completed only by that very thread, and every other job stood behind it.
+    ``enqueue``, ``decode_sync`` and a stream's ``submit``/``wait`` already raised
+    RuntimeError there; the handle's waits now do too, naming the call and the thread. A
+    callback may still read what is at hand: its own (resolved) handle answers at once, and
+    so does a look at another (``result(0)``: a ``wait.deadline`` Status)."""
+    with running_executor(calbins["main"]) as ex:
+        emu = ex.device.emu
+        assert emu.set_stepped(True) == 0  # the device finishes nothing until released
+        seen: dict[str, object] = {}
+        try:
+            first = ex.enqueue(prefill(1, [1, 2, 3]))
+            second = ex.enqueue(prefill(2, [4, 5, 6]))
+
+            def on_done(handle) -> None:  # calexec-completion
+                seen["thread"] = threading.current_thread().name
+                seen["own"] = handle.wait_until(deadline())
+                seen["look"] = second.result(0)
+                for name, wait in (("wait_until", lambda: second.wait_until(deadline(5.0))),
+                                   ("result", lambda: second.result(5.0)),
+                                   ("no_limit", lambda: second.result(None))):
+                    try:
+                        seen[name] = wait()
+                    except RuntimeError as exc:
+                        seen[name] = exc
+
+            first.add_done_callback(on_done)
+            assert not first.done
+        finally:
+            assert emu.set_stepped(False) == 0
+        until(lambda: "no_limit" in seen and second.done, 30, "the callback and both jobs")
+        assert seen["thread"] == "calexec-completion", seen
+        assert not isinstance(seen["own"], Status), seen["own"]
+        assert isinstance(seen["look"], Status) and seen["look"].code == "wait.deadline"
+        for name, call in (("wait_until", "wait_until"), ("result", "result"),
+                           ("no_limit", "result")):
+            refused = seen[name]
+            assert isinstance(refused, RuntimeError), (name, refused)
+            assert f"JobHandle.{call}()" in str(refused), refused
+            assert "calexec-completion" in str(refused), refused
+        assert not isinstance(second.wait_until(deadline()), Status)
