@@ -509,6 +509,17 @@ class DeviceExecutor(SequenceOwnership):
     def kv(self) -> KvManagerApi | None:
         return None if self.gen is None else self.gen.kv
 
+    # ---- sequence ownership (machines/sequences.py) ---------------------------------------------
+    def _before_release(self, seq_id: int, wait_s: float) -> None:
+        """``release_sequence``: a step an open greedy stream of ``seq_id`` fired ahead and
+        its caller never took is discarded, and waited for (at most ``wait_s``, at least about
+        1 s, as ``decode_stream`` waits for it) until it left the device, as a request of the
+        sequence does. Without greedy ahead nothing of the stream runs once its caller took
+        its step (its armed next job is a guess, released), and the release answered OK; with
+        it, the step fired ahead still ran and the release answered ``kv.sequence_busy``."""
+        self.outcomes.release_armed_of(
+            seq_id, ahead_until=self.clock.monotonic() + max(wait_s, ARMING_WAIT_S))
+
     # ---- enqueue (§6.2) -------------------------------------------------------------------------
     def enqueue(self, request: InferenceRequest, logits_out: np.ndarray | None = None,
                 on_created: Callable[[JobHandle], None] | None = None) -> JobHandle:

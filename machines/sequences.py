@@ -18,7 +18,8 @@ the generation's ``KvCoordinator`` before destroying its KvManager, and ``close`
 KvManager call under the coordinator's call lock (a call after it answers without the device).
 
 The mixin reads ``self.gen`` (the executor's current ``Generation``, None during a switch) and
-touches nothing else of the executor; it takes no executor lock.
+touches nothing else of the executor but its ``_before_release`` hook (a step a greedy stream
+fired ahead leaves the device first); it takes no executor lock.
 """
 
 from __future__ import annotations
@@ -54,7 +55,12 @@ class SequenceOwnership:
         kvc = None if gen is None else gen.kvc
         if kvc is None or seq_id not in kvc.seqs:
             return Status.OK  # no KV of it in a live KvManager: nothing to release on the device
+        self._before_release(seq_id, wait_s)
         return kvc.reset_sequence(seq_id, wait_s=wait_s)
+
+    def _before_release(self, seq_id: int, wait_s: float) -> None:
+        """(The owner's hook, before the reset of a sequence held by the live KvManager.)
+        Nothing here; the executor lets a step a greedy stream fired ahead leave first."""
 
 
 def _argument_refusal(seq_id: object, wait_s: object) -> Status | None:

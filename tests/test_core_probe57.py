@@ -169,3 +169,53 @@ def test_a_done_callback_s_wait_for_another_job_is_refused_a_look_is_not(calbins
             assert f"JobHandle.{call}()" in str(refused), refused
             assert "calexec-completion" in str(refused), refused
         assert not isinstance(second.wait_until(deadline()), Status)
+
+
+# ---- 3. release_sequence beside an open greedy stream ---------------------------------------
+def _release_beside_an_open_stream(ex: DeviceExecutor, api: str) -> list:
+    """Seq 1: a prefill, one decode step taken through ``api``, then ``release_sequence(1)``
+    with the stream (if any) still open, the next step, the stream closed and a fresh
+    prefill. The answers, as codes and tokens."""
+    first = ex.enqueue(prefill(1, [1, 2, 3], kv_reserve_len=12)).wait_until(deadline())
+    assert not isinstance(first, Status), first
+    stream = None
+    if api == "enqueue":
+        step = ex.enqueue(decode(1, first.argmax, first.kv_len)).wait_until(deadline())
+    else:
+        stream = ex.decode_stream(1, first.kv_len, deadline(), max_len=12,
+                                  greedy_ahead=api == "ahead")
+        assert not isinstance(stream.submit(first.argmax), Status)
+        step = stream.wait()
+    assert not isinstance(step, Status), step
+    answers: list = [step.argmax, ex.release_sequence(1, 5.0).code]
+    if stream is None:
+        after = ex.enqueue(decode(1, step.argmax, step.kv_len)).wait_until(deadline())
+    else:
+        submitted = stream.submit(step.argmax)
+        after = submitted if isinstance(submitted, Status) else stream.wait()
+        stream.close()
+    answers.append(after.code if isinstance(after, Status) else after.argmax)
+    fresh = ex.enqueue(prefill(1, [1, 2, 3])).wait_until(deadline())
+    answers.append(fresh.code if isinstance(fresh, Status) else fresh.argmax)
+    answers.append(ex.release_sequence(1, 5.0).code)
+    return answers
+
+
+def test_release_sequence_beside_an_open_greedy_stream_answers_as_the_plain_path(calbins):
+    """``release_sequence(1)`` after the caller took a decode step, its decode stream still
+    open: the plain path (``enqueue``) and a stream without greedy ahead released the
+    sequence (OK; the stream's armed next job is a guess, released first, and its next step
+    finds the sequence empty: ``kv.past_len_beyond_committed``); with greedy ahead the step
+    the completion thread fired ahead still ran on the device, and the release answered
+    ``kv.sequence_busy`` (the next step then ran on the sequence as if nothing happened). The
+    release now lets that discarded step leave first, as a request of the sequence does: the
+    same answers on every path. Each decode step takes 0.5 s on the device, so the step fired
+    ahead is on it when the release comes."""
+    answers = {}
+    for api in ("enqueue", "stream", "ahead"):
+        with running_executor(calbins["main"], device_config="decode_us=500000") as ex:
+            answers[api] = _release_beside_an_open_stream(ex, api)
+    assert answers["enqueue"][1:] == ["ok", "kv.past_len_beyond_committed",
+                                      answers["enqueue"][3], "ok"], answers
+    assert answers["stream"] == answers["enqueue"], answers
+    assert answers["ahead"] == answers["enqueue"], answers
