@@ -218,6 +218,12 @@ class KvCoordinator:
         blocks: int | None = getattr(self.kv, "capacity_blocks", None)  # optional member
         return blocks
 
+    def max_seqs(self) -> int | None:
+        """The KvManager's sequence ids are ``0..max_seqs-1`` (None when the runtime object
+        does not say)."""
+        seqs: int | None = getattr(self.kv, "max_seqs", None)  # optional member
+        return seqs
+
     def _bump(self) -> None:
         """Capacity was given back (a release, a shrink), or a job a reset waits for let go:
         wake the waiters (caller holds admission_mu). Never for a change that gives nothing
@@ -258,7 +264,7 @@ class KvCoordinator:
         ctx = {"seq_id": seq_id, "generation": self.generation_id}
         if self.on_busy is not None:
             self.on_busy(seq_id)
-        max_seqs = getattr(self.kv, "max_seqs", None)
+        max_seqs = self.max_seqs()
         if max_seqs is not None and not 0 <= seq_id < max_seqs:
             # Apply would only say "false" (0.7.6 gives no reason): refuse now, not at the deadline
             return Status.failure("kv.seq_id_out_of_range", Category.INVALID_REQUEST,

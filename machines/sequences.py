@@ -47,12 +47,21 @@ class SequenceOwnership:
         (its generation retired: the KV died with that KvManager; or the lifecycle is between
         generations). ``kv.sequence_on_device`` (UNAVAILABLE: retry) while the device still
         runs a job of it after ``wait_s`` seconds; ``kv.sequence_busy`` while a job of it is
-        open (the caller released too early: a bug on its side)."""
+        open (the caller released too early: a bug on its side); ``kv.seq_id_out_of_range``
+        (INVALID_REQUEST) for an id at or above the live KvManager's ``max_seqs``."""
         refusal = _argument_refusal(seq_id, wait_s)
         if refusal is not None:
             return refusal
         gen: Generation | None = getattr(self, "gen", None)
         kvc = None if gen is None else gen.kvc
+        max_seqs = None if kvc is None else kvc.max_seqs()
+        if max_seqs is not None and seq_id >= max_seqs:
+            # no sequence of that id can exist: answered OK, so the id the caller meant (a
+            # typo, an off-by-one of its free list) kept its KV; refused as ``enqueue`` is
+            return Status.failure("kv.seq_id_out_of_range", Category.INVALID_REQUEST,
+                                  Phase.VALIDATE, f"release_sequence: seq_id={int(seq_id)} is "
+                                  f"outside the KvManager's [0, max_seqs={max_seqs}); nothing "
+                                  "was released", seq_id=int(seq_id))
         if kvc is None or seq_id not in kvc.seqs:
             return Status.OK  # no KV of it in a live KvManager: nothing to release on the device
         self._before_release(seq_id, wait_s)

@@ -219,3 +219,28 @@ def test_release_sequence_beside_an_open_greedy_stream_answers_as_the_plain_path
                                       answers["enqueue"][3], "ok"], answers
     assert answers["stream"] == answers["enqueue"], answers
     assert answers["ahead"] == answers["enqueue"], answers
+
+
+# ---- 4. release_sequence of an id the device has not ----------------------------------------
+def test_release_sequence_of_an_id_beyond_max_seqs_is_refused_naming_the_range(calbins):
+    """``release_sequence(8)`` on a device of ``max_seqs=8`` (an off-by-one of the embedder's
+    free list, ``range(1, max_seqs + 1)``) answered OK: "released", while ``enqueue`` on that
+    id answers ``kv.seq_id_out_of_range``. It is refused so, naming ``seq_id``, the value and
+    the range, and nothing is released: the ids that hold KV keep it."""
+    with running_executor(calbins["main"],
+                          device_config="kv_blocks=16;kv_block_size=16;max_seqs=8") as ex:
+        first = ex.enqueue(prefill(7, [1, 2, 3])).wait_until(deadline())
+        assert not isinstance(first, Status), first
+        request = ex.enqueue(prefill(8, [1, 2, 3])).wait_until(deadline())
+        assert isinstance(request, Status) and request.code == "kv.seq_id_out_of_range"
+        for bad in (8, 9, 1 << 20):
+            status = ex.release_sequence(bad)
+            assert status.code == "kv.seq_id_out_of_range", (bad, status)
+            assert status.category is Category.INVALID_REQUEST and status.http_status == 400
+            assert f"seq_id={bad}" in status.message and "max_seqs=8" in status.message, status
+        for bad in (-1, "7", 7.0, True):  # no sequence id at all: as before
+            status = ex.release_sequence(bad)
+            assert status.code == "request.invalid" and f"seq_id={bad!r}" in status.message
+        after = ex.enqueue(decode(7, first.argmax, first.kv_len)).wait_until(deadline())
+        assert not isinstance(after, Status), after  # seq 7 kept its KV
+        assert ex.release_sequence(7).ok and ex.release_sequence(0).ok
