@@ -282,8 +282,11 @@ class KvCoordinator:
         with self.admission_mu:
             view = self._view(seq_id)
             if view.unknown_reason is not None:
+                # INVALID_REQUEST (400), not UNAVAILABLE (503, "retry"): no retry of it is
+                # ever served until the caller acts (§8 names no row for it: its 503 is for
+                # a device that recovers, and a recovery's generation starts it empty)
                 return Status.failure(
-                    "kv.sequence_unknown", Category.UNAVAILABLE, Phase.ADMISSION,
+                    "kv.sequence_unknown", Category.INVALID_REQUEST, Phase.ADMISSION,
                     f"sequence {seq_id} is Unknown after '{view.unknown_reason}' (a job of it "
                     "failed after submit: its KV on the device is not known); "
                     f"release_sequence({seq_id}) resets it, then prefill it again from "
@@ -417,9 +420,10 @@ class KvCoordinator:
             if self._closed or view is None:
                 return Status.unavailable(Phase.ADMISSION, "KV coordinator closed", **ctx)
             if view.unknown_reason is not None:
-                return Status.failure("kv.sequence_unknown", Category.UNAVAILABLE,
+                return Status.failure("kv.sequence_unknown", Category.INVALID_REQUEST,
                                       Phase.ADMISSION, f"sequence {seq_id} is Unknown after "
-                                      f"'{view.unknown_reason}'", **ctx)
+                                      f"'{view.unknown_reason}'; release_sequence({seq_id}) "
+                                      "resets it", **ctx)
             if self.blocks_for(target) > self.blocks_for(view.reserved_len):
                 return Status.failure("kv.prearm_beyond_reservation",
                                       Category.RESOURCE_EXHAUSTED, Phase.ADMISSION,
