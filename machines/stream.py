@@ -84,8 +84,10 @@ log = logging.getLogger("calexec.stream")
 #: how long ``close()`` waits for the submitter to finish arming the stream's next job (it is
 #: a few hundred microseconds of work that never waits; the bound only guards a bug)
 _CLOSE_WAIT_S = 2.0
-#: how long ``close()`` waits (at most; never past the stream's deadline) for a job fired ahead
-#: and never taken to end after its cancel, so the sequence is quiescent when it returns
+#: how long ``close()`` waits (at most) for a job fired ahead and never taken to end after its
+#: cancel, so the sequence is quiescent when it returns: past the stream's deadline too (bounded
+#: by the stream's deadline, a close after it waited not at all, and the release that follows
+#: answered ``kv.sequence_busy`` where a stream without greedy ahead leaves the sequence free)
 _AHEAD_WAIT_S = 10.0
 
 
@@ -473,11 +475,10 @@ class DecodeStream:
             handle.cancel()
             self._discarded = handle
             if waits and wait:
-                handle.wait_until(min(self.deadline, ex.clock.monotonic() + _AHEAD_WAIT_S))
+                handle.wait_until(ex.clock.monotonic() + _AHEAD_WAIT_S)
         elif wait and self._discarded is not None and waits:
             # an earlier close(wait=False) left it: a later close() waits as promised
-            self._discarded.wait_until(min(self.deadline,
-                                           ex.clock.monotonic() + _AHEAD_WAIT_S))
+            self._discarded.wait_until(ex.clock.monotonic() + _AHEAD_WAIT_S)
         return status
 
     # ---- greedy ahead ----------------------------------------------------------------------
@@ -515,7 +516,7 @@ class DecodeStream:
         resolves it) nor in stepped mode (whoever drives the executor completes it)."""
         ex = self.ex
         if ex.config.threads and not ex.on_worker_thread():
-            handle.wait_until(min(until, self.deadline, ex.clock.monotonic() + _AHEAD_WAIT_S))
+            handle.wait_until(min(until, ex.clock.monotonic() + _AHEAD_WAIT_S))
 
     def _take_ahead(self) -> tuple[int, JobHandle] | None:
         """The job fired ahead (submit_mu held), once its firing finished (bounded by the

@@ -7,6 +7,7 @@ every wait is a bounded poll of a condition; nothing asserts a duration.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 import pytest
@@ -268,3 +269,41 @@ def test_a_request_on_an_unknown_sequence_is_a_400_the_caller_must_act_on(calbin
         assert "release_sequence(1)" in again.message, again
         assert ex.release_sequence(1, 1.0).ok
         assert not isinstance(ex.enqueue(prefill(1, [1, 2, 3])).wait_until(deadline()), Status)
+
+
+# ---- 6. a greedy stream closed after its deadline ---------------------------------------------
+def _close_after_the_deadline(ex: DeviceExecutor, greedy_ahead: bool) -> list:
+    """Seq 1: a prefill, a stream whose deadline falls while the step after the caller's
+    would run (each decode step takes 1 s): the caller's step taken, the deadline passed,
+    the stream closed, then ``release_sequence(1)`` and a fresh prefill, as section 3 of
+    docs/embedding.md orders them. The answers, as codes and tokens."""
+    first = ex.enqueue(prefill(1, [1, 2, 3], kv_reserve_len=12)).wait_until(deadline())
+    assert not isinstance(first, Status), first
+    stream = ex.decode_stream(1, first.kv_len, deadline(1.5), max_len=12,
+                              greedy_ahead=greedy_ahead)
+    assert not isinstance(stream.submit(first.argmax), Status)
+    step = stream.wait()
+    assert not isinstance(step, Status), step
+    until(lambda: time.monotonic() > stream.deadline, 10, "the stream's deadline passed")
+    stream.close()
+    answers: list = [step.argmax, ex.release_sequence(1, 5.0).code]
+    fresh = ex.enqueue(prefill(1, [1, 2, 3])).wait_until(deadline())
+    answers.append(fresh.code if isinstance(fresh, Status) else fresh.argmax)
+    return answers
+
+
+def test_a_greedy_stream_closed_after_its_deadline_leaves_its_sequence_free(calbins):
+    """An embedder following docs/embedding.md section 3 (last step resolved, stream closed,
+    then ``release_sequence``) with a greedy stream whose deadline passed after its last step:
+    ``close()`` waited for the step fired ahead and never taken only until the stream's
+    deadline, i.e. not at all, and the release answered ``kv.sequence_busy`` ("a bug in the
+    order above": the id is withheld for good), the next prefill on it too. Without greedy
+    ahead nothing of the stream runs then: OK. The step fired ahead is now waited for after
+    the deadline too (bounded as ``wait()`` waits for a step it cancelled at the deadline):
+    the same answers."""
+    answers = {}
+    for greedy_ahead in (False, True):
+        with running_executor(calbins["main"], device_config="decode_us=1000000") as ex:
+            answers[greedy_ahead] = _close_after_the_deadline(ex, greedy_ahead)
+    assert answers[False][1] == "ok" and isinstance(answers[False][2], int), answers
+    assert answers[True] == answers[False], answers
