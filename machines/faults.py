@@ -77,6 +77,21 @@ def _policy_number(low: float, high: float = math.inf, *, integral: bool = False
     return fields.number(low, high, integral=integral, above=above, owner="RecoveryPolicy")
 
 
+#: the resets a recovery may use (``RecoveryPolicy.reset_kind``)
+RESET_KINDS = ("reset", "reset_ccu", "reset_configuration", "none")
+
+
+def _reset_kind(instance: Any, attribute: Any, value: Any) -> None:
+    """attrs validator of ``RecoveryPolicy.reset_kind``: one of ``RESET_KINDS``, named as the
+    other fields are (attrs' ``in_`` raised a ValueError whose text was a tuple of the
+    message, the whole ``Attribute`` repr, the options and the value)."""
+    if value in RESET_KINDS and isinstance(value, str):
+        return
+    error = ValueError if isinstance(value, str) else TypeError
+    raise error(f"RecoveryPolicy.reset_kind={value!r}: expected one of "
+                f"{', '.join(map(repr, RESET_KINDS))}")
+
+
 @attrs.define
 class RecoveryPolicy:
     """Recovery thresholds (documented defaults)."""
@@ -84,8 +99,7 @@ class RecoveryPolicy:
     #: which reset a recovery uses: "reset" | "reset_ccu" | "reset_configuration" | "none".
     #: "none" means the runtime offers no safe reset: a hung device ends Failed and the
     #: embedding process exits for its supervisor (§9.1).
-    reset_kind: str = attrs.field(default="reset", validator=attrs.validators.in_(
-        ("reset", "reset_ccu", "reset_configuration", "none")))
+    reset_kind: str = attrs.field(default="reset", validator=_reset_kind)
     #: how long a drain waits for submitted jobs before the reset (or Failed)
     drain_grace_s: float = attrs.field(default=5.0, validator=_policy_number(0))
     #: escalation: more recoveries than this within the window -> Failed

@@ -17,7 +17,7 @@ from calexec.contracts.status import Status
 from calexec.drivers.calrt.runtime import CalRT
 from calexec.drivers.synthetic import calbin as cb
 from calexec.machines.executor import DeviceExecutor, ExecutorConfig
-from calexec.machines.faults import RecordingFaultSink
+from calexec.machines.faults import RecordingFaultSink, RecoveryPolicy
 from executor_harness import (
     MANIFEST,
     arm,
@@ -307,3 +307,24 @@ def test_a_greedy_stream_closed_after_its_deadline_leaves_its_sequence_free(calb
             answers[greedy_ahead] = _close_after_the_deadline(ex, greedy_ahead)
     assert answers[False][1] == "ok" and isinstance(answers[False][2], int), answers
     assert answers[True] == answers[False], answers
+
+
+# ---- 7. a RecoveryPolicy.reset_kind that is none of the resets ----------------------------------
+@pytest.mark.parametrize("value", ["bogus", None, "RESET", 1])
+def test_a_reset_kind_that_is_no_reset_is_refused_naming_the_field(value):
+    """``RecoveryPolicy(reset_kind="bogus")`` (in ``ExecutorConfig(recovery=...)``) raised
+    attrs' own ValueError, whose text is a tuple holding the message, the whole ``Attribute``
+    repr, the options and the value, where every other field of the policy (and of
+    ``ExecutorConfig`` and ``HotPathTuning``) names ``Owner.field=value`` in one line. It
+    names ``RecoveryPolicy.reset_kind=...`` and the resets it takes, when built and when
+    assigned: a ValueError for a str, a TypeError for another type, as the other fields."""
+    error = ValueError if isinstance(value, str) else TypeError
+    with pytest.raises(error) as built:
+        RecoveryPolicy(reset_kind=value)
+    text = str(built.value)
+    assert text.startswith(f"RecoveryPolicy.reset_kind={value!r}: "), text
+    assert "'reset_ccu'" in text and "'none'" in text and "Attribute(" not in text, text
+    policy = RecoveryPolicy()
+    with pytest.raises(error, match=r"^RecoveryPolicy\.reset_kind="):
+        policy.reset_kind = value
+    assert policy.reset_kind == "reset"
