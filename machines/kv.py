@@ -541,6 +541,14 @@ class KvCoordinator:
         device lets go) and is refused with ``kv.sequence_on_device`` (UNAVAILABLE: retry
         later) if the device still holds the job."""
         deadline = self.clock.monotonic() + wait_s
+        max_seqs = self.max_seqs()
+        if max_seqs is not None and not 0 <= seq_id < max_seqs:
+            # the KvManager's release said only INVALID_VALUE (rc 4): the golden run of an
+            # ``ExecutorConfig.golden_seq_id`` the device has not failed every start so
+            return Status.failure("kv.seq_id_out_of_range", Category.INVALID_REQUEST,
+                                  Phase.ADMISSION, f"seq_id={seq_id} outside the KvManager's "
+                                  f"[0, max_seqs={max_seqs})", seq_id=seq_id,
+                                  generation=self.generation_id)
         if self.on_busy is not None:
             self.on_busy(seq_id)
         with self.admission_mu:

@@ -328,3 +328,21 @@ def test_a_reset_kind_that_is_no_reset_is_refused_naming_the_field(value):
     with pytest.raises(error, match=r"^RecoveryPolicy\.reset_kind="):
         policy.reset_kind = value
     assert policy.reset_kind == "reset"
+
+
+# ---- 8. a golden_seq_id the device has not ----------------------------------------------------
+def test_a_golden_seq_id_beyond_max_seqs_fails_the_start_naming_the_range(calbins):
+    """``ExecutorConfig(golden_seq_id=7)`` on a device of ``max_seqs=4``: the start failed
+    ``calrt.admission_failed`` "CalRT admission returned 4 (INVALID_VALUE): KvManager release
+    of seq 7", the KvManager's word for it, naming no range. The reset of a sequence the
+    KvManager cannot hold is refused ``kv.seq_id_out_of_range`` before it is called, as a
+    request on it is, so the start names the setting, the value and ``max_seqs``."""
+    ex = DeviceExecutor(CalRT.load(), MANIFEST, ExecutorConfig(
+        calbin_path=calbins["main"], device_config="max_seqs=4", golden_seq_id=7))
+    try:
+        status = ex.start()
+        assert status.code == "kv.seq_id_out_of_range" and ex.state == "Failed", status
+        assert "ExecutorConfig.golden_seq_id=7" in status.message, status
+        assert "max_seqs=4" in status.message, status
+    finally:
+        ex.shutdown(5.0)
