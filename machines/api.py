@@ -197,7 +197,9 @@ class CompletionHandle(Protocol):
 
     def wait_until(self, deadline: float | None) -> InferenceResult | Status:
         """Block the calling thread until resolved or ``deadline`` (absolute
-        ``time.monotonic()``); then a ``wait.deadline`` Status and the job keeps running."""
+        ``time.monotonic()``); then a ``wait.deadline`` Status and the job keeps running. On
+        the executor's own threads (a done callback) a wait for a job not resolved yet, its
+        deadline ahead, raises RuntimeError naming the call and the thread."""
         ...
 
     def result(self, timeout: float | None = None) -> InferenceResult | Status:
