@@ -46,6 +46,7 @@ import functools
 import itertools
 import logging
 import math
+import numbers
 import os
 import threading
 from collections import deque
@@ -510,6 +511,17 @@ class DeviceExecutor(SequenceOwnership):
         return None if self.gen is None else self.gen.kv
 
     # ---- sequence ownership (machines/sequences.py) ---------------------------------------------
+    def release_sequence(self, seq_id: int, wait_s: float = 0.0) -> Status:
+        """``SequenceOwnership.release_sequence``. Called on the submitter or completion
+        thread (a done callback) with ``wait_s`` > 0 it raises RuntimeError naming it
+        (``refuse_on_worker_thread``): its wait for the device to let go of a failed job is
+        ended by that very thread, which stood still for all of ``wait_s`` (every job behind
+        it), and the release then answered ``kv.sequence_on_device`` though the device had
+        let go. With ``wait_s`` 0 (no wait) it answers there as anywhere."""
+        if isinstance(wait_s, numbers.Real) and not isinstance(wait_s, bool) and wait_s > 0:
+            self.refuse_on_worker_thread("release_sequence")
+        return super().release_sequence(seq_id, wait_s)
+
     def _before_release(self, seq_id: int, wait_s: float) -> None:
         """``release_sequence``: a step an open greedy stream of ``seq_id`` fired ahead and
         its caller never took is discarded, and waited for (at most ``wait_s``, at least about

@@ -346,3 +346,45 @@ def test_a_golden_seq_id_beyond_max_seqs_fails_the_start_naming_the_range(calbin
         assert "max_seqs=4" in status.message, status
     finally:
         ex.shutdown(5.0)
+
+
+# ---- 9. a done callback releasing its sequence with a wait -----------------------------------
+def test_a_done_callback_s_release_that_would_wait_is_refused_one_that_does_not_answers(calbins):
+    """The natural callback of a failed job: release its sequence. A job whose ``Wait``
+    failed while the device still ran it (``WAIT_RC``, 1.5 s decode) leaves its sequence on
+    the device; ``release_sequence(1, 10.0)`` from its done callback waited on
+    ``calexec-completion`` for the device to let go, which only that thread (or the
+    submitter's poll) notices: the thread stood still the whole 10 s, every job behind it,
+    and the release answered ``kv.sequence_on_device`` though the device had let go after
+    1.5 s. Such a release is refused there (RuntimeError naming it, as a handle's waits); one
+    with ``wait_s`` 0 answers at once, and from a thread of the caller's the wait works."""
+    with running_executor(calbins["main"], timeout_grace_s=30.0,
+                          fault_sink=RecordingFaultSink()) as ex:
+        first = ex.enqueue(prefill(1, [1, 2, 3])).wait_until(deadline())
+        assert not isinstance(first, Status), first
+        ex.device.emu.set_latency(0, 0, 1_500_000, 0)  # the next decode runs 1.5 s
+        seen: dict[str, object] = {}
+
+        def on_done(handle) -> None:  # calexec-completion
+            seen["thread"] = threading.current_thread().name
+            try:
+                seen["waiting"] = ex.release_sequence(1, 10.0)
+            except RuntimeError as exc:
+                seen["waiting"] = exc
+            seen["look"] = ex.release_sequence(1)
+
+        try:
+            arm(ex, "WAIT_RC")  # Wait says TIMEOUT while the job still runs on the device
+            failed = ex.enqueue(decode(1, first.argmax, first.kv_len))
+            failed.add_done_callback(on_done)
+            assert isinstance(failed.wait_until(deadline()), Status)
+            until(lambda: "look" in seen, 30, "the callback")
+        finally:
+            ex.device.emu.set_latency(0, 0, 0, 0)
+        assert seen["thread"] == "calexec-completion", seen
+        refused = seen["waiting"]
+        assert isinstance(refused, RuntimeError), refused
+        assert "release_sequence()" in str(refused) and "calexec-completion" in str(refused)
+        assert isinstance(seen["look"], Status), seen["look"]
+        assert seen["look"].code in ("ok", "kv.sequence_on_device"), seen["look"]
+        assert ex.release_sequence(1, 10.0).ok
