@@ -27,9 +27,15 @@ def test_fault_bench_json_report_every_kind_no_client_error_identical_tokens(cap
     kinds = len(bench_faults.KINDS)
     assert bench_faults.main(["bench", "faults", "--json", "--faults", str(kinds),
                               "--clients", "4", "--seed", "3"]) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert out.count("\n") == 1, f"--json must print exactly one line, got {out!r}"
     report = json.loads(out)
+    # progress on stderr for both parts: the faults, and the fault-free replay of every
+    # completed request (minutes with many clients; it said nothing, found at stop 57)
+    assert f"bench faults: {kinds}/{kinds} faults" in captured.err, captured.err
+    assert f"bench faults: {report['completed']}/{report['completed']} reference requests" \
+        in captured.err, captured.err
     assert set(report) == KEYS
     assert report["faults_fired"] + sum(report["faults_not_fired"].values()) == kinds
     assert set(report["faults_by_kind"]) | set(report["faults_not_fired"]) \

@@ -45,6 +45,8 @@ KINDS = ("ccu_exception", "output_nan", "output_inf", "output_short", "wait_rc",
 FIRE_WAIT_S = 10.0  # a fault that has not fired by then (no traffic reached it) is skipped
 READY_WAIT_S = 30.0
 REQUEST_TIMEOUT_S = 60.0
+#: seconds between two progress lines of the reference replay on stderr
+PROGRESS_S = 10.0
 
 
 class BenchError(RuntimeError):
@@ -180,7 +182,9 @@ def bench_executor(workdir: Path, native_relay: bool = False):
 def run_fault_bench(faults: int, clients: int, seed: int, progress=None,
                     native_relay: bool = False) -> dict[str, Any]:
     """One run; the report (module docstring). ``native_relay``: the executor's submitter on
-    its native relay (``--native-relay``)."""
+    its native relay (``--native-relay``). ``progress(done, total, what)``: called after each
+    fault (``what`` "faults") and each request of the fault-free reference replay ("reference
+    requests")."""
     import httpx
 
     from calexec.drivers.calrt.runtime import Fault, FaultMode, bundled_emulator
@@ -243,7 +247,7 @@ def run_fault_bench(faults: int, clients: int, seed: int, progress=None,
                     else:
                         skipped[kind] += 1
                     if progress is not None:
-                        progress(i + 1, faults)
+                        progress(i + 1, faults, "faults")
                 wait_until(lambda: executor.state == "Ready" and not executor.health(),
                       READY_WAIT_S)
                 stop.set()
@@ -256,6 +260,8 @@ def run_fault_bench(faults: int, clients: int, seed: int, progress=None,
                 todo = iter(range(len(done)))
                 lock = threading.Lock()
 
+                replayed = [0]
+
                 def replay() -> None:
                     with httpx.Client(base_url=server.url, timeout=REQUEST_TIMEOUT_S) as http:
                         while True:
@@ -265,6 +271,10 @@ def run_fault_bench(faults: int, clients: int, seed: int, progress=None,
                                 return
                             reference[k] = _request(http, {**done[k][0], "stream": False},
                                                     ref_examples)
+                            if progress is not None:  # (the replay is the longer part)
+                                with lock:
+                                    replayed[0] += 1
+                                    progress(replayed[0], len(done), "reference requests")
                 replayers = [threading.Thread(target=replay) for _ in range(clients)]
                 for thread in replayers:
                     thread.start()
@@ -349,9 +359,16 @@ def main(argv: list[str]) -> int:
                              "(ExecutorConfig.native_relay, serve --native-relay)")
     args = parser.parse_args(argv[2:])
 
-    def progress(done: int, total: int) -> None:
-        if done % 50 == 0 or done == total:
-            print(f"bench faults: {done}/{total} faults", file=sys.stderr)
+    said = {"faults": 0.0, "reference requests": 0.0}
+
+    def progress(done: int, total: int, what: str) -> None:
+        # every 50 faults; the replay (every completed request again, minutes with many
+        # clients, silent before) every PROGRESS_S; each part's last one always
+        now = time.monotonic()
+        due = done % 50 == 0 if what == "faults" else now - said[what] >= PROGRESS_S
+        if due or done == total or (what != "faults" and done == 1):
+            said[what] = now
+            print(f"bench faults: {done}/{total} {what}", file=sys.stderr)
     try:
         result = run_fault_bench(args.faults, args.clients, args.seed, progress,
                                  args.native_relay)
