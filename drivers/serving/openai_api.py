@@ -732,6 +732,8 @@ class TextOutput:
         self.text = ""
         self._sent = 0
         self.stopped = False
+        #: the stop string that ended the text (vLLM's ``stop_reason``), once ``stopped``
+        self.stop_string: str | None = None
         # the hold-back (``_held``): per stop string, its KMP prefix function and the length
         # of its longest prefix the text ends with, carried over the characters fed so far
         self._prefix = [_prefix_function(s) for s in stop]
@@ -764,11 +766,12 @@ class TextOutput:
     def _emit(self, text: str, final: bool) -> str:
         if self._stop:
             start = max(0, self._sent - max(len(s) for s in self._stop))
-            hits = [(p, len(s)) for p, s in
+            hits = [(p, len(s), s) for p, s in
                     ((text.find(s, max(start, self._check_from - len(s) + 1)), s)
                      for s in self._stop) if p >= 0]
             if hits:
-                at, length = min(hits)  # the first match (the shorter string at a tie)
+                at, length, self.stop_string = min(hits)  # the first match (the shorter
+                # string at a tie)
                 text = text[:at + length] if self._keep_stop else text[:at]
                 self.stopped = final = True
         self.text = text
@@ -938,7 +941,7 @@ def continue_from(resume: handoff.Resume, run: RequestRun, out: TextOutput, shap
         out.add(token)
     shape.resumed(resume, len(tokens) if sse else 0, out.sent)  # a whole answer: none sent
     if out.stopped:
-        run.finish_reason = "stop"
+        run.finish_reason, run.stop_reason = "stop", out.stop_string
     elif len(tokens) >= run.max_tokens:
         run.finish_reason = "length"
 
@@ -1431,7 +1434,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
                 while (token := await service.advance(run)) is not None:
                     out.add(token)
                     if out.stopped:
-                        run.finish_reason = "stop"
+                        run.finish_reason, run.stop_reason = "stop", out.stop_string
                     elif hand_off(request, run):
                         handed = True
                         run.status = HANDED_OFF
@@ -1567,7 +1570,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
             while token is not None:
                 piece = out.add(token)
                 if out.stopped:
-                    run.finish_reason = "stop"
+                    run.finish_reason, run.stop_reason = "stop", out.stop_string
                 if sse:
                     sent = shape.piece(piece, token, run)
                     if sent is not None:
@@ -1723,7 +1726,7 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
                 while token is not None:
                     piece = out.add(token)
                     if out.stopped:
-                        run.finish_reason = "stop"
+                        run.finish_reason, run.stop_reason = "stop", out.stop_string
                     if progress is not None:  # before its chunk: the chunk commits it
                         progress({"tokens": [token]})
                     chunk = shape.piece(piece, token, run)
@@ -1929,8 +1932,10 @@ class _CompletionShape(_Shape):
             self.text_at += sum(len(t) for t in logprobs["tokens"])
             if head is not None:
                 logprobs = {key: head[key] + logprobs[key] for key in logprobs}
+        # vLLM's stop_reason: on every chunk of a stream, null until the one that finishes
         choice = {"index": self.index, "text": text, "logprobs": logprobs,
-                  "finish_reason": finish, "token_ids": tokens}
+                  "finish_reason": finish, "stop_reason": None if finish is None else
+                  run.stop_reason, "token_ids": tokens}
         if self.vllm_rows is not None:
             choice["prompt_logprobs"] = vllm_prompt_logprobs(
                 self.tok, run.prompt, run.prompt_rows, run.prompt_ranks, self.vllm_rows)
@@ -1984,7 +1989,8 @@ class _ChatShape(_Shape):
         return {**self._head(), "choices": [{
             "index": self.index, "message": {"role": "assistant", "content": text},
             "logprobs": self._logprobs(run, run.token_logprobs),
-            "finish_reason": run.finish_reason, "token_ids": run.tokens}],
+            "finish_reason": run.finish_reason, "stop_reason": run.stop_reason,
+            "token_ids": run.tokens}],
             "usage": _usage(run), **({"prompt_token_ids": run.prompt} if self.prompt_ids else {})}
 
     def opening(self, index: int | None = None) -> list[dict[str, Any]]:
@@ -2007,7 +2013,7 @@ class _ChatShape(_Shape):
         chunk = {**self._head(chunk=True), "choices": [{
             "index": self.index, "delta": {"content": text} if text else {},
             "logprobs": self._logprobs(run, infos) if infos else None,
-            "finish_reason": run.finish_reason}]}
+            "finish_reason": run.finish_reason, "stop_reason": run.stop_reason}]}
         if run.stop_token is not None:
             chunk["choices"][0]["token_ids"] = _stop_ids(run)
         return chunk
@@ -2075,6 +2081,7 @@ class _ToolChatShape(_ChatShape):
         finish = self._finish(run, 0 if self.calls.cut else self.calls.complete)
         ids, self.held_ids = self.held_ids + _stop_ids(run), []
         chunk = self._chunk(_merged(deltas) if deltas else {}, run, ids, finish)
+        chunk["choices"][0]["stop_reason"] = run.stop_reason
         if not ids:
             del chunk["choices"][0]["token_ids"]
         return chunk

@@ -435,6 +435,10 @@ class RequestRun:
     tokens: list[int] = attrs.Factory(list)
     #: the end token or ``stop_token_ids`` id that ended the generation (None: another end)
     stop_token: int | None = None
+    #: vLLM's ``stop_reason`` of the choice: the ``stop`` string or the ``stop_token_ids`` id
+    #: that ended it; None when it ended another way (the end token, ``max_tokens``, the
+    #: grammar)
+    stop_reason: int | str | None = None
     past: int = 0
     handle: Any = None  # JobHandle of the current/last job
     abandoned: bool = False  # the client went away: cancel whatever job is or becomes current
@@ -1053,6 +1057,8 @@ class CompletionService:
         if stop:
             run.finish_reason = "stop"
             run.stop_token = token
+            if token != self.config.end_token_id or run.sampling.ignore_eos:
+                run.stop_reason = token  # a stop_token_ids id (the end token: None, as vLLM)
             return None
         if run.constraint is not None and run.constraint.finished:
             run.finish_reason = "stop"  # the grammar is complete: nothing may follow
