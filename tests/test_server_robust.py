@@ -173,7 +173,15 @@ def test_refused_reload_under_load_every_client_gets_a_json_error_or_sse_error(t
             clients = [threading.Thread(target=client, args=(i,)) for i in range(8)]
             for t in clients:
                 t.start()
-            wait_for(lambda: executor.counters["succeeded"] >= 8 + 3, what="clients decoding")
+            # every client's request admitted before the reload: one that came after the
+            # switch began waited for Ready within its 30 s deadline, past this test's 20 s wait
+            # for the answers (the order a loaded host gave; the job count alone let it pass)
+            def admitted() -> float:
+                return metric_value(service.metrics.exposition().decode(),
+                                    "calexec_requests_total",
+                                    {"stream": "true" if stream else "false"}) or 0.0
+            wait_for(lambda: admitted() == 8 and executor.counters["succeeded"] >= 8 + 3,
+                     what="every client admitted and decoding")
             reload: list = []
             reloading = threading.Thread(target=lambda: reload.append(httpx.post(
                 f"{server.url}/admin/reload", json={"calbin": unpinned}, headers=AUTH,
