@@ -204,6 +204,16 @@ def int_in(low: int, high: int) -> Callable[[str], int]:
     return bounded
 
 
+def add_inflight_capacity(parser: argparse.ArgumentParser) -> None:
+    """``--inflight-capacity {1,2}``: ``ExecutorConfig.inflight_capacity`` (1: Phase A, the
+    default; 2: Phase B, two jobs on the device), for ``serve``, ``bench soak`` and ``bench
+    faults``."""
+    parser.add_argument("--inflight-capacity", type=int_in(1, 2), default=1, metavar="{1,2}",
+                        help="jobs on the device at once: 1 (Phase A, default) or 2 (Phase B, "
+                             "ExecutorConfig.inflight_capacity; enable after `calexec accept "
+                             "--phase b` and `calexec conform` passed on the device)")
+
+
 #: the most concurrent loopback clients a load command starts (``--clients``), as ``bench
 #: server --concurrency`` takes: each is an OS thread with its own connection, so
 #: ``--clients 100000`` started threads for minutes, silent, before the first request

@@ -150,6 +150,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="the executor's submitter waits in the native relay and infers the "
                         "steps fired for it from C (ExecutorConfig.native_relay; off by "
                         "default: docs/architecture.md \"Native hand-offs\")")
+    cliargs.add_inflight_capacity(p)
     p.add_argument("--log-level", choices=("debug", "info", "warning", "error"),
                    help="log level (default info; with --once warning)")
     p.add_argument("--ray", action="store_true",
@@ -391,11 +392,15 @@ def _serve(args: argparse.Namespace, config: ServerConfig, port: int, spec: Devi
                 ExecutorConfig(calbin_path=spec.calbin(tmp), device_config=args.device_config,
                                recovery=spec.recovery(),
                                allow_unpinned_golden=args.allow_unpinned_golden,
-                               native_relay=args.native_relay)))
+                               native_relay=args.native_relay,
+                               inflight_capacity=args.inflight_capacity)))
         except (OSError, ValueError) as err:
             print(f"calexec serve: {err}", file=sys.stderr)
             return EXIT_USAGE
         logging.getLogger("calexec.serve").info("reset_kind=%s from %s", reset_kind, why)
+        logging.getLogger("calexec.serve").info(
+            "inflight_capacity=%d (Phase %s)", executor.config.inflight_capacity,
+            "B" if executor.config.inflight_capacity == 2 else "A")
         bound_host, bound_port = listener.getsockname()[:2]
         shown = f"[{bound_host}]" if ":" in bound_host else bound_host
         logging.getLogger("calexec.serve").info(

@@ -20,6 +20,7 @@ KEYS = {"faults_requested", "faults_fired", "faults_by_kind", "faults_not_fired"
         "tokens_identical_pct_sampled", "resumes", "resumes_by_cause",
         "resumes_per_fault", "faults_with_a_resume", "added_latency_per_fault_ms",
         "resume_budget_exhausted", "recoveries", "native_relay", "relay_submitted",
+        "inflight_capacity", "downgrades", "inflight_capacity_end",
         "sequences_at_end", "seconds_with_faults", "cpu_model"}
 
 
@@ -78,6 +79,17 @@ def test_fault_bench_on_the_native_relay_reports_it_and_keeps_every_fact(capsys)
     assert report["reference_errors"] == {}, report["reference_error_examples"]
     seqs = report["sequences_at_end"]
     assert seqs["free"] == seqs["capacity"] and seqs["withheld"] == 0
+
+
+def test_fault_bench_in_phase_b_keeps_two_in_flight_and_every_fact(capsys):
+    """``--inflight-capacity 2`` (stop 57): the faults under load with two jobs on the device
+    for the whole run (never downgraded), no client error, tokens as without faults."""
+    assert bench_faults.main(["bench", "faults", "--json", "--faults", "3", "--clients", "4",
+                              "--seed", "5", "--inflight-capacity", "2"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["inflight_capacity"] == 2 and report["inflight_capacity_end"] == 2
+    assert report["downgrades"] == 0 and report["client_errors"] == 0, report
+    assert report["tokens_identical_pct"] == 100.0, report
 
 
 @pytest.mark.parametrize("flag", ["--native-relay=yes", "--native-relay=0"])

@@ -66,6 +66,11 @@ GATES = st.one_of(st.sampled_from(["", ",", "correctness,,", "nope", "soak,x", "
                   st.text(alphabet="abc,", min_size=1, max_size=8))
 
 
+#: --inflight-capacity: 1 or 2 only
+INFLIGHT = st.one_of(st.sampled_from(["0", "3", "-1", "x", "", "1.5", "nan", "2 "]),
+                     st.integers(min_value=3).map(str))
+
+
 def _choice(choices: tuple[str, ...]) -> st.SearchStrategy[str]:
     return st.one_of(_WORDS, st.text(max_size=6)).filter(lambda t: t not in choices)
 
@@ -80,7 +85,8 @@ FLAGS: dict[str, dict[str, st.SearchStrategy[str]]] = {
               "--tokenizer": EMPTY, "--dump-dir": EMPTY, "--admin-token-file": EMPTY,
               "--metrics-names": _choice(("calexec", "vllm")),
               "--log-level": _choice(("debug", "info", "warning", "error")),
-              "--reset-kind": _choice(("reset", "reset_ccu", "reset_configuration", "none"))},
+              "--reset-kind": _choice(("reset", "reset_ccu", "reset_configuration", "none")),
+              "--inflight-capacity": INFLIGHT},
     "accept": {"--soak-seconds": SECONDS, "--chaos-seconds": SECONDS, "--gates": GATES,
                "--report": EMPTY, "--phase": _choice(("a", "b", "both"))},
     "conform": {"--timeout": SECONDS, "--report": EMPTY,
@@ -101,10 +107,12 @@ FLAGS: dict[str, dict[str, st.SearchStrategy[str]]] = {
                      "--decode-us": LATENCY_US, "--rounds": POSITIVE_INT,
                      "--loadgen": _choice(("process", "thread")),
                      "--client": _choice(("stdlib", "httpx")), "--gil-switch-us": GIL_US},
-    "bench faults": {"--faults": POSITIVE_INT, "--clients": CLIENTS},
+    "bench faults": {"--faults": POSITIVE_INT, "--clients": CLIENTS,
+                     "--inflight-capacity": INFLIGHT},
     "bench soak": {"--requests": POSITIVE_INT, "--faults": NON_NEGATIVE_INT,
                    "--clients": CLIENTS, "--max-seconds": SECONDS,
-                   "--progress-s": SECONDS, "--rss-bound-mib": MIB_BOUND},
+                   "--progress-s": SECONDS, "--rss-bound-mib": MIB_BOUND,
+                   "--inflight-capacity": INFLIGHT},
     "golden record": {"--out": EMPTY},
     "sim bench": {"--iters": SIM_JOBS, "--profile-iters": SIM_JOBS},
 }

@@ -75,6 +75,25 @@ def test_serve_once_prints_a_curl_command_and_the_completion(tmp_path, flags):
     assert out.rstrip().endswith("drained: executor Stopped; exit 0")
 
 
+def test_serve_once_in_phase_b(tmp_path):
+    """``--inflight-capacity 2`` (stop 57: the server could not run Phase B but through an
+    embedder's own ``ExecutorConfig``): the executor starts with two jobs in flight, says so,
+    and the sample is the oracle's; 3 is refused naming the flag, exit 2."""
+    done = run_bounded([sys.executable, "-m", "calexec", "serve", "--once", "--log-level",
+                        "info", "--inflight-capacity", "2"], timeout=60, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "inflight_capacity=2 (Phase B)" in done.stderr, done.stderr
+    reply = json.loads(done.stdout[done.stdout.index("\n{\n") + 1:
+                                   done.stdout.index("\n}\n") + 2])
+    prompt = tokenizer.encode(SAMPLE_REQUEST["prompt"])
+    assert reply["choices"][0]["token_ids"] == oracle_tokens(prompt,
+                                                             SAMPLE_REQUEST["max_tokens"])
+    refused = run_bounded([sys.executable, "-m", "calexec", "serve", "--once",
+                           "--inflight-capacity", "3"], timeout=60, cwd=tmp_path)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "argument --inflight-capacity: must be in 1..2, got 3" in refused.stderr
+
+
 def test_serve_once_exits_non_zero_when_the_sample_request_fails(tmp_path):
     # a deadline nobody can meet: the sample gets 504 and the run must not report success
     done = run_bounded([sys.executable, "-m", "calexec", "serve", "--once",

@@ -89,6 +89,19 @@ def test_a_small_soak_on_the_native_relay_passes_every_check(capsys):
     assert report["relay_submitted"] >= report["phases"][1]["relay_submitted"]
 
 
+def test_a_small_soak_in_phase_b_passes_every_check(capsys):
+    """``--inflight-capacity 2``: the same faults under the same load with two jobs on the
+    device (Phase B), kept there for the whole run (no downgrade: two faults after submit
+    would end Phase B for the rest of it): no wrong token, nothing beyond the budget, nothing
+    leaked. Before stop 57 neither soak nor fault bench could run Phase B at all."""
+    code, report, _ = _run(capsys, REQUESTS, FAULT_COUNT, flags=("--inflight-capacity", "2"))
+    failed = {name: c["detail"] for name, c in report["checks"].items() if not c["ok"]}
+    assert code == 0 and report["ok"], failed
+    assert report["inflight_capacity"] == 2 and report["faults_fired"] == FAULT_COUNT
+    assert report["downgrades"] == 0 and report["inflight_capacity_end"] == 2, report
+    assert report["wrong_tokens"] == 0 and report["errors_beyond_budget"] == {}
+
+
 def test_a_wrong_token_a_leaked_id_a_leaked_thread_growing_rss_and_objects_fail_the_run(
         capsys, monkeypatch):
     monkeypatch.setattr(soak, "THREAD_WAIT_S", 1.0)  # the leaked thread is waited for that long

@@ -152,10 +152,12 @@ def wait_until(predicate, timeout: float) -> bool:
     return True
 
 
-def bench_executor(workdir: Path, native_relay: bool = False):
+def bench_executor(workdir: Path, native_relay: bool = False, inflight_capacity: int = 1):
     """drivers/tools/chaos.py's executor (fast latency profile, no escalation to Failed) with a
     shorter execution deadline and drain grace: a hung job costs well under a second.
-    ``native_relay``: ``ExecutorConfig.native_relay`` (``bench soak --native-relay``)."""
+    ``native_relay``: ``ExecutorConfig.native_relay`` (``bench soak --native-relay``);
+    ``inflight_capacity``: ``ExecutorConfig.inflight_capacity`` (``--inflight-capacity``, 2:
+    Phase B, never downgraded: the schedule's faults would end it after two)."""
     from calexec.contracts.manifest import default_manifest_path, load_manifest
     from calexec.drivers.calrt.runtime import CalRT
     from calexec.drivers.synthetic import calbin
@@ -172,7 +174,12 @@ def bench_executor(workdir: Path, native_relay: bool = False):
                                   golden_timeout_s=5.0,
                                   recovery=RecoveryPolicy(max_recoveries=1_000_000,
                                                           drain_grace_s=0.2),
-                                  native_relay=native_relay))
+                                  native_relay=native_relay,
+                                  inflight_capacity=inflight_capacity,
+                                  # Phase B under a fault schedule: no downgrade to one job
+                                  # in flight (two faults after submit would end Phase B
+                                  # for the rest of the run), as no escalation to Failed
+                                  downgrade_after_faults=1_000_000))
     status = executor.start()
     if not status.ok:
         raise BenchError(f"executor did not start: {status}")
@@ -180,9 +187,10 @@ def bench_executor(workdir: Path, native_relay: bool = False):
 
 
 def run_fault_bench(faults: int, clients: int, seed: int, progress=None,
-                    native_relay: bool = False) -> dict[str, Any]:
+                    native_relay: bool = False, inflight_capacity: int = 1) -> dict[str, Any]:
     """One run; the report (module docstring). ``native_relay``: the executor's submitter on
-    its native relay (``--native-relay``). ``progress(done, total, what)``: called after each
+    its native relay (``--native-relay``); ``inflight_capacity`` 2: Phase B
+    (``--inflight-capacity``). ``progress(done, total, what)``: called after each
     fault (``what`` "faults") and each request of the fault-free reference replay ("reference
     requests")."""
     import httpx
@@ -195,7 +203,7 @@ def run_fault_bench(faults: int, clients: int, seed: int, progress=None,
     points = {name: (point, rc) for name, point, rc in FAULTS}
     rng = random.Random(seed)
     with tempfile.TemporaryDirectory(prefix="calexec-bench-faults-") as tmp:
-        executor = bench_executor(Path(tmp), native_relay)
+        executor = bench_executor(Path(tmp), native_relay, inflight_capacity)
         app = create_app(executor, ServerConfig())
         service = app.state.service
         resumed: list[tuple[float, float, str]] = []
@@ -286,6 +294,9 @@ def run_fault_bench(faults: int, clients: int, seed: int, progress=None,
                 service_sequences = service.sequences.counts()
                 # steps the submitter gave to infer from its native relay (--native-relay)
                 relay_submitted = int(executor.snapshot().get("relay_submitted", 0))
+                # Phase B's automatic downgrades to one job in flight (faults after submit)
+                downgrades = int(executor.snapshot().get("downgrades", 0))
+                capacity_end = int(executor.snapshot().get("inflight_capacity", 0))
         finally:
             stop.set()
             emu.clear_all_faults()
@@ -338,6 +349,8 @@ def run_fault_bench(faults: int, clients: int, seed: int, progress=None,
         "resume_budget_exhausted": int(budget_exhausted),
         "recoveries": len(executor.recoveries),
         "native_relay": native_relay, "relay_submitted": relay_submitted,
+        "inflight_capacity": inflight_capacity, "downgrades": downgrades,
+        "inflight_capacity_end": capacity_end,
         "sequences_at_end": service_sequences,
         "seconds_with_faults": round(faulted_s, 3),
         "cpu_model": cpu_model(),
@@ -357,6 +370,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--native-relay", action="store_true",
                         help="the executor's submitter on its native relay "
                              "(ExecutorConfig.native_relay, serve --native-relay)")
+    cliargs.add_inflight_capacity(parser)
     args = parser.parse_args(argv[2:])
 
     said = {"faults": 0.0, "reference requests": 0.0}
@@ -371,7 +385,7 @@ def main(argv: list[str]) -> int:
             print(f"bench faults: {done}/{total} {what}", file=sys.stderr)
     try:
         result = run_fault_bench(args.faults, args.clients, args.seed, progress,
-                                 args.native_relay)
+                                 args.native_relay, args.inflight_capacity)
     except BenchError as exc:
         print(f"calexec bench faults: {exc}", file=sys.stderr)
         return 1

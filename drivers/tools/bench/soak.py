@@ -529,9 +529,10 @@ def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
              phases: list[Phase] | None = None, max_tokens: tuple[int, int] = (4, 8),
              max_seconds: float = 3600.0, progress_s: float = 30.0,
              rss_bound_mib: float = 64.0, hooks: Hooks | None = None,
-             native_relay: bool = False) -> dict[str, Any]:
+             native_relay: bool = False, inflight_capacity: int = 1) -> dict[str, Any]:
     """One soak; the report (module docstring), ``ok`` False when a check failed.
-    ``native_relay``: the executor's submitter on its native relay (``--native-relay``)."""
+    ``native_relay``: the executor's submitter on its native relay (``--native-relay``);
+    ``inflight_capacity`` 2: Phase B, two jobs on the device (``--inflight-capacity``)."""
     import httpx
 
     from calexec.drivers.calrt.runtime import Fault, FaultMode, bundled_emulator
@@ -563,7 +564,7 @@ def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
     current: list[float | None] = [None] * clients
     with tempfile.TemporaryDirectory(prefix="calexec-bench-soak-") as tmp:
         try:
-            executor = bench_executor(Path(tmp), native_relay)
+            executor = bench_executor(Path(tmp), native_relay, inflight_capacity)
         except Exception as exc:  # noqa: BLE001 - said in one line by main
             raise SoakError(f"executor did not start: {exc}") from exc
         calbin_path = executor.gen.calbin_path if executor.gen is not None else ""
@@ -781,6 +782,8 @@ def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
         "decode_steps_prearmed": int(prearmed), "decode_steps_ahead": int(ahead),
         "auto_prearmed": counters.get("auto_prearmed"),
         "native_relay": native_relay, "relay_submitted": counters.get("relay_submitted"),
+        "inflight_capacity": inflight_capacity, "downgrades": counters.get("downgrades"),
+        "inflight_capacity_end": counters.get("inflight_capacity"),
         "recoveries": counters.get("recoveries"),
         "rss_mib": {"first": None if rss_first is None else round(rss_first / mib, 1),
                     "after_warm_up": None if warm is None else round(warm / mib, 1),
@@ -823,7 +826,9 @@ def _readable(report: dict[str, Any]) -> str:
                 "decode_steps_prearmed", "decode_steps_ahead", "auto_prearmed",
                 # whether the submitter ran on its native relay and what it gave to infer
                 # there (--native-relay): the JSON had them, the readable report did not
-                "native_relay", "relay_submitted", "recoveries",
+                "native_relay", "relay_submitted", "inflight_capacity", "downgrades",
+                "inflight_capacity_end",
+                "recoveries",
                 "rss_mib", "mmap_threshold_pinned", "live_objects", "pools_end",
                 "threads_leaked"):
         lines.append(f"  {key}: {json.dumps(report[key])}")
@@ -902,6 +907,7 @@ def run_cli(argv: list[str], hooks: Hooks | None = None) -> int:
     parser.add_argument("--native-relay", action="store_true",
                         help="the executor's submitter on its native relay "
                              "(ExecutorConfig.native_relay, serve --native-relay)")
+    cliargs.add_inflight_capacity(parser)
     args = parser.parse_args(argv[2:])
     try:
         phases = parse_phases(args.decode_us)
@@ -915,7 +921,7 @@ def run_cli(argv: list[str], hooks: Hooks | None = None) -> int:
     try:
         report = run_soak(args.requests, args.faults, args.clients, args.seed, phases, tokens,
                           args.max_seconds, args.progress_s, args.rss_bound_mib, hooks,
-                          args.native_relay)
+                          args.native_relay, args.inflight_capacity)
     except SoakError as exc:
         print(f"calexec bench soak: {exc}", file=sys.stderr)
         return 1
