@@ -165,6 +165,34 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _interrupt(proc: subprocess.Popen, pid_file: Path, sig: signal.Signals,
+               start_s: float = 60.0) -> tuple[bool, str]:
+    """Once the child calexec starts has written its pid to ``pid_file`` (bounded by
+    ``start_s``), send ``sig`` to calexec; then (whether that child still ran 5 s after calexec
+    ended, calexec's stderr). A child left running is killed here, not left to the machine
+    (the old code's: it may hold calexec's stderr, read after it)."""
+    try:
+        deadline = time.monotonic() + start_s
+        while not (pid_file.exists() and pid_file.read_text().strip()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        proc.send_signal(sig)
+        proc.wait(timeout=60)
+        child = int(pid_file.read_text())
+        deadline = time.monotonic() + 5
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        alive = _alive(child)
+        if alive:
+            os.kill(child, signal.SIGKILL)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return alive, err
+
+
 def _children(parent: int) -> list[int]:
     """The processes whose parent is ``parent`` (from /proc: no pgrep needed)."""
     found = []
@@ -198,24 +226,7 @@ def test_an_interrupt_during_the_unmutated_run_ends_the_test_command(
                              "--test-cmd", f"{sys.executable} {script}"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             stdin=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 60
-        while not (pid_file.exists() and pid_file.read_text().strip()):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr
-            time.sleep(0.05)
-        proc.send_signal(sig)
-        _, err = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    child = int(pid_file.read_text())
-    deadline = time.monotonic() + 5
-    while _alive(child) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    alive = _alive(child)
-    if alive:  # (the old code's test command: ended here, not left to the machine)
-        os.kill(child, signal.SIGKILL)
+    alive, err = _interrupt(proc, pid_file, sig)
     assert not alive, f"the test command ran on after the {sig.name}"
     assert proc.returncode == 130, err
     assert err.splitlines()[-1] == "calexec charts mutate: interrupted"
@@ -274,24 +285,7 @@ def test_a_sigterm_during_the_browser_shot_ends_the_browser(tmp_path: Path):
                              "--out", str(tmp_path / "live.png")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             stdin=subprocess.DEVNULL, env=env)
-    try:
-        deadline = time.monotonic() + 90
-        while not (pid_file.exists() and pid_file.read_text().strip()):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    browser = int(pid_file.read_text())
-    deadline = time.monotonic() + 5
-    while _alive(browser) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    alive = _alive(browser)
-    if alive:  # (the old code's browser: ended here, not left to the machine)
-        os.kill(browser, signal.SIGKILL)
+    alive, err = _interrupt(proc, pid_file, signal.SIGTERM, start_s=90)
     assert not alive, "the browser ran on after the SIGTERM"
     assert proc.returncode == 130, err
     assert err.splitlines()[-1] == "calexec diagrams live: interrupted"
@@ -312,25 +306,7 @@ def test_a_sigterm_during_charts_cover_ends_the_test_command(tmp_path: Path):
                              str(script)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             stdin=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 60
-        while not (pid_file.exists() and pid_file.read_text().strip()):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
-        child = int(pid_file.read_text())
-        deadline = time.monotonic() + 5
-        while _alive(child) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        alive = _alive(child)
-        if alive:  # (the old code's test command: ended here, not left to the machine; it
-            os.kill(child, signal.SIGKILL)  # holds calexec's stderr, read below)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+    alive, err = _interrupt(proc, pid_file, signal.SIGTERM)
     assert not alive, "the test command ran on after the SIGTERM"
     assert proc.returncode == 130, err
     assert err.splitlines()[-1] == "calexec charts cover: interrupted"
