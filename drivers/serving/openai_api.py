@@ -1387,19 +1387,31 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
             return answered(err)
         return JSONResponse({"prompt": service.tokenizer.decode(body.tokens)})
 
+    def _resume_of(request: Request, params: SamplingParams
+                   ) -> tuple[handoff.Resume | None, SamplingParams] | Response:
+        """The fleet's resume state of ``request`` (None: not a resumed request) and
+        ``params`` with its sampling seed, or the 400 naming ``resume`` when it does not
+        parse."""
+        if request.scope.get(handoff.RESUME) is None:
+            return None, params
+        try:
+            resume = handoff.Resume.parse(request.scope[handoff.RESUME])
+            if resume.seed is not None:
+                params = attrs.evolve(params, seed=resume.seed)
+        except (handoff.ResumeError, SamplingError) as err:
+            return refused(Refusal(invalid(str(err)), "resume"))
+        return resume, params
+
     async def _generate(request: Request, admission: Admission, params: SamplingParams,
                         shape: _Shape, usage_chunk: bool, response_id: str) -> Response:
         # the fleet's out-of-band channel (drivers/serving/handoff.py): ASGI scope keys only
         # drivers/fleet/edge.serve_relayed sets; an HTTP request cannot carry them
         progress = request.scope.get(handoff.PROGRESS)
-        resume = None
-        if request.scope.get(handoff.RESUME) is not None:
-            try:
-                resume = handoff.Resume.parse(request.scope[handoff.RESUME])
-                if resume.seed is not None:
-                    params = attrs.evolve(params, seed=resume.seed)
-            except (handoff.ResumeError, SamplingError) as err:
-                return refused(Refusal(invalid(str(err)), "resume"))
+        resumed = _resume_of(request, params)
+        if isinstance(resumed, Response):
+            return resumed
+        resume, params = resumed
+        if resume is not None:
             if resume.timeout is not None:
                 admission.timeout = min(resume.timeout,
                                         admission.timeout or config.default_timeout_s)
@@ -1466,14 +1478,11 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
         each choice, only the events after those the client has (drivers/serving/handoff.py).
         """
         progress = request.scope.get(handoff.PROGRESS)
-        resume = None
-        if request.scope.get(handoff.RESUME) is not None:
-            try:
-                resume = handoff.Resume.parse(request.scope[handoff.RESUME])
-                if resume.seed is not None:
-                    params = attrs.evolve(params, seed=resume.seed)
-            except (handoff.ResumeError, SamplingError) as err:
-                return refused(Refusal(invalid(str(err)), "resume"))
+        resumed = _resume_of(request, params)
+        if isinstance(resumed, Response):
+            return resumed
+        resume, params = resumed
+        if resume is not None:
             if resume.tokens or len(resume.choices) > len(specs):
                 return refused(Refusal(invalid(
                     "resume: a request of several choices (a prompt list or n > 1) is run "
