@@ -276,6 +276,18 @@ def _as_threading(timeout: float | None, *, nan_ok: bool = True) -> None:
         raise OverflowError("timestamp out of range for platform time_t")
 
 
+def _lock_timeout(blocking: bool, timeout: float | None) -> None:
+    """Refuse the ``acquire(blocking, timeout)`` arguments ``threading.Lock`` and ``RLock``
+    refuse, with their exceptions (a timeout given to a non-blocking call, a negative one
+    other than -1, a NaN)."""
+    if timeout is not None and timeout != -1:
+        if not blocking:
+            raise ValueError("can't specify a timeout for a non-blocking call")
+        if timeout < 0:
+            raise ValueError("timeout value must be positive")
+        _as_threading(timeout, nan_ok=False)
+
+
 class CLock:
     """A non-reentrant lock; acquire is a scheduling point, blocking is virtual."""
 
@@ -305,12 +317,7 @@ class CLock:
                 f"threads (by a check, invariant or final check, or a thread not started by "
                 f"clock.start_thread): with the controlled threads stopped it would wait for "
                 f"ever; a check can take it with acquire(blocking=False) and skip when held")
-        if timeout is not None and timeout != -1:  # as threading.Lock.acquire refuses them
-            if not blocking:
-                raise ValueError("can't specify a timeout for a non-blocking call")
-            if timeout < 0:
-                raise ValueError("timeout value must be positive")
-            _as_threading(timeout, nan_ok=False)
+        _lock_timeout(blocking, timeout)
         sched.point("acquire")
         if self.owner is None:
             self.owner = me
@@ -494,12 +501,7 @@ class CRLock:
                 f"check, or a thread not started by clock.start_thread): with the controlled "
                 f"threads stopped it would wait for ever; a check can take it with "
                 f"acquire(blocking=False) and skip when held")
-        if timeout is not None and timeout != -1:  # as threading.RLock.acquire refuses them
-            if not blocking:
-                raise ValueError("can't specify a timeout for a non-blocking call")
-            if timeout < 0:
-                raise ValueError("timeout value must be positive")
-            _as_threading(timeout, nan_ok=False)
+        _lock_timeout(blocking, timeout)
         if self.owner is me:  # (its holder: never blocks, no other thread can interleave)
             self.count += 1
             return True
