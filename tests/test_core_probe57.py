@@ -247,28 +247,8 @@ def test_release_sequence_of_an_id_beyond_max_seqs_is_refused_naming_the_range(c
         assert ex.release_sequence(7).ok and ex.release_sequence(0).ok
 
 
-# ---- 5. the category of a request on an Unknown sequence -------------------------------------
-def test_a_request_on_an_unknown_sequence_is_a_400_the_caller_must_act_on(calbins):
-    """A sequence left Unknown by a job that failed after submit (a NaN row; a passive fault
-    sink: no recovery replaces the generation) refuses every request ``kv.sequence_unknown``
-    until ``release_sequence``. It was UNAVAILABLE: a 503 with a Retry-After, which a client
-    retries, and no retry is ever served. The §8 table gives it no row (it is no CalRT error;
-    its 503 is for a device that is recovering, "设备恢复中 UNAVAILABLE/503", and a
-    recovery's generation starts the sequence empty): it is INVALID_REQUEST, a 400 the caller
-    acts on, as ``kv.sequence_busy``."""
-    with running_executor(calbins["main"], fault_sink=RecordingFaultSink()) as ex:
-        first = ex.enqueue(prefill(1, [1, 2, 3])).wait_until(deadline())
-        assert not isinstance(first, Status), first
-        arm(ex, "OUTPUT_NAN")
-        failed = ex.enqueue(decode(1, first.argmax, first.kv_len)).wait_until(deadline())
-        assert isinstance(failed, Status) and failed.code == "internal.output_not_finite"
-        again = ex.enqueue(prefill(1, [1, 2, 3])).wait_until(deadline())
-        assert isinstance(again, Status) and again.code == "kv.sequence_unknown", again
-        assert again.category is Category.INVALID_REQUEST, again
-        assert again.http_status == 400 and again.grpc_code == "INVALID_ARGUMENT", again
-        assert "release_sequence(1)" in again.message, again
-        assert ex.release_sequence(1, 1.0).ok
-        assert not isinstance(ex.enqueue(prefill(1, [1, 2, 3])).wait_until(deadline()), Status)
+# (5, the category of a request on an Unknown sequence: tests/test_faults_probe56.py::
+# test_a_request_on_an_unknown_sequence_names_release_sequence, which it extends)
 
 
 # ---- 6. a greedy stream closed after its deadline ---------------------------------------------

@@ -265,6 +265,10 @@ def test_a_request_on_an_unknown_sequence_names_release_sequence(calbin):
         assert isinstance(failed, Status) and failed.code == "internal.output_not_finite"
         again = ex.enqueue(prefill(1, [1, 2, 3])).wait_until(deadline())
         assert isinstance(again, Status) and again.code == "kv.sequence_unknown", again
+        # (stop 57) not UNAVAILABLE, a 503 with a Retry-After that no retry ever clears: a
+        # 400 the caller acts on, as kv.sequence_busy; §8's 503 is for a recovering device
+        assert again.category is Category.INVALID_REQUEST, again
+        assert again.http_status == 400 and again.grpc_code == "INVALID_ARGUMENT", again
         assert "release_sequence(1)" in again.message, again
         assert ex.release_sequence(1, 1.0).ok
         restarted = ex.enqueue(prefill(1, [1, 2, 3])).wait_until(deadline())
