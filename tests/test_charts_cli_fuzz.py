@@ -692,7 +692,8 @@ def test_mutate_says_after_the_unmutated_run_that_the_command_never_imports_the_
             assert warned == [
                 f"calexec charts mutate: warning: the unmutated run of --test-cmd never imported "
                 f"module {module('charts')!r} (--chart={ref!r}): no mutant of Door can be "
-                f"applied, each will be an error. Give --chart as the tests import it, or a "
+                f"applied, each will be an error (its mutants stop running once one is not "
+                f"applied). Give --chart as the tests import it, or a "
                 f"command that imports it"], err
             lines = err.splitlines()
             assert lines.index(warned[0]) < next(i for i, line in enumerate(lines)

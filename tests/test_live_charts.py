@@ -150,7 +150,7 @@ def test_debug_job_path_of_a_failed_request_names_the_refusing_guard(executor):
     [
         (["--seconds", "-1"], "argument --seconds: must be a number of seconds > 0 and at most 1e+06, got '-1'"),
         (["--seconds", "nan"], "argument --seconds: must be a number of seconds > 0 and at most 1e+06, got 'nan'"),
-        (["--clients", "0"], "argument --clients: must be >= 1, got 0"),
+        (["--clients", "0"], "argument --clients: must be in 1..256, got 0"),
         (["--out", "/nonexistent-dir/live.png"], "--out='/nonexistent-dir/live.png': no directory"),
         (["--out", "{tmp}/live.png"], "needs headless Chromium: chromium is not on PATH"),
         # stop 38: a directory (or a read-only file) was found only by Chromium, after the load
