@@ -97,6 +97,31 @@ def test_a_stream_from_a_past_len_no_int32_holds_is_closed_naming_it(calbin, pas
 
 
 # ---- a decode stream stepped from a done callback ---------------------------------------------
+def _prefilled_stream(ex):
+    """Sequence 1 prefilled with ``PROMPT`` and a decode stream opened after it."""
+    first = ex.enqueue(prefill(1, PROMPT)).wait_until(deadline(BOUND_S))
+    assert isinstance(first, InferenceResult), first
+    return first, ex.decode_stream(1, first.kv_len, deadline(BOUND_S))
+
+
+def _calling_back(call):
+    """A done callback that runs ``call()`` and records, in ``seen``, its thread and either
+    its ``answer`` or the RuntimeError's text (``error``); ``ran`` is set once it ran."""
+    seen: dict[str, object] = {}
+    ran = threading.Event()
+
+    def callback(_handle) -> None:
+        seen["thread"] = threading.current_thread().name
+        try:
+            seen["answer"] = call()
+        except RuntimeError as exc:
+            seen["error"] = str(exc)
+        finally:
+            ran.set()
+
+    return seen, ran, callback
+
+
 def test_a_stream_step_from_a_done_callback_raises_naming_it_and_the_executor_serves_on(calbin):
     """A done callback runs on ``calexec-completion`` and must not call back in (section 4),
     which ``enqueue`` and ``decode_sync`` there enforce with a RuntimeError. A decode stream's
@@ -106,20 +131,8 @@ def test_a_stream_step_from_a_done_callback_raises_naming_it_and_the_executor_se
     ``submit.deadline`` and ``shutdown`` answered ``shutdown.not_drained`` (Failed). Now
     ``submit`` raises naming ``DecodeSteps.submit()`` and the thread, changing nothing."""
     with running_executor(calbin) as ex:
-        first = ex.enqueue(prefill(1, PROMPT)).wait_until(deadline(BOUND_S))
-        assert isinstance(first, InferenceResult), first
-        stream = ex.decode_stream(1, first.kv_len, deadline(BOUND_S))
-        seen: dict[str, object] = {}
-        ran = threading.Event()
-
-        def callback(_handle) -> None:
-            seen["thread"] = threading.current_thread().name
-            try:
-                seen["answer"] = stream.step(first.argmax)
-            except RuntimeError as exc:
-                seen["error"] = str(exc)
-            finally:
-                ran.set()
+        first, stream = _prefilled_stream(ex)
+        seen, ran, callback = _calling_back(lambda: stream.step(first.argmax))
 
         other = ex.enqueue(prefill(2, PROMPT), on_created=lambda h: h.add_done_callback(callback))
         assert isinstance(other.wait_until(deadline(BOUND_S)), InferenceResult)
@@ -144,19 +157,8 @@ def test_a_stream_wait_from_a_done_callback_for_a_step_in_flight_raises_naming_i
     ``DecodeSteps.wait()``, and the owner takes the step afterwards. (The prefill before it
     is slowed, so the step is queued behind it when its callback runs.)"""
     with running_executor(calbin) as ex:
-        first = ex.enqueue(prefill(1, PROMPT)).wait_until(deadline(BOUND_S))
-        assert isinstance(first, InferenceResult), first
-        stream = ex.decode_stream(1, first.kv_len, deadline(BOUND_S))
-        seen: dict[str, object] = {}
-        ran = threading.Event()
-
-        def callback(_handle) -> None:
-            try:
-                seen["answer"] = stream.wait()
-            except RuntimeError as exc:
-                seen["error"] = str(exc)
-            finally:
-                ran.set()
+        first, stream = _prefilled_stream(ex)
+        seen, ran, callback = _calling_back(stream.wait)
 
         assert ex.device.emu.set_knob("prefill_per_token_us", 150_000) == 0  # 1.2 s
         slow = ex.enqueue(prefill(2, PROMPT), on_created=lambda h: h.add_done_callback(callback))
