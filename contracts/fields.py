@@ -9,12 +9,17 @@ hung ``start()``; an infinite yield crashed a thread's wait).
 ``is_int`` and ``is_token_id``: an int (numpy's included, never a bool) and a token id, which
 the configs' token settings, a decode stream's steps and stop tokens and the sampling
 parameters ask of their values.
+
+``shown``: a value as a JSON client wrote it, for the messages an HTTP client reads
+(``null``, ``true``, ``"text"``, ``NaN``: not Python's ``None``, ``True``, ``'text'``, ``nan``).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
+import re
 from collections.abc import Callable
 from typing import Any, TypeGuard
 
@@ -71,3 +76,33 @@ def is_token_id(value: object) -> TypeGuard[int]:
 def token_ids(value: object) -> bool:
     """A non-empty tuple of token ids (``is_token_id``)."""
     return isinstance(value, tuple) and bool(value) and all(map(is_token_id, value))
+
+
+#: a lone surrogate (a str from ``\\ud800`` escapes or ``surrogateescape``), not UTF-8 encodable
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _plain(value: Any) -> Any:
+    """``json.dumps``' fallback: a numpy scalar as its Python value, anything else as text."""
+    item = getattr(value, "item", None)
+    if callable(item) and not isinstance(value, (list, tuple, dict)):
+        try:
+            got = item()
+        except (TypeError, ValueError):
+            return str(value)
+        if isinstance(got, (bool, int, float, str)) or got is None:
+            return got
+    return str(value)
+
+
+def shown(value: Any, limit: int = 80) -> str:
+    """``value`` written as JSON (as a client wrote it: ``null``, ``true``, ``"x"``, ``[1, 2]``,
+    ``NaN``/``Infinity`` as Python's JSON reads them), cut to ``limit`` characters; a lone
+    surrogate written as its ``\\uXXXX`` escape, so the message it goes into is UTF-8."""
+    try:
+        text = json.dumps(value, ensure_ascii=False, default=_plain)
+    except (TypeError, ValueError, RecursionError):  # (an int past 4300 digits; a cycle)
+        text = "(a value too large to show)"
+    if _SURROGATE.search(text):
+        text = _SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+    return text[:limit]

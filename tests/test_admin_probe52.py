@@ -74,11 +74,11 @@ def test_a_server_config_refuses_a_drain_grace_that_is_no_seconds():
 
 
 @pytest.mark.parametrize("query, param, said", [
-    ({"format": "JSON"}, "format", "format='JSON': must be one of html, json"),
-    ({"format": "xml"}, "format", "format='xml': must be one of html, json"),
-    ({"format": ""}, "format", "format='': must be one of html, json"),
+    ({"format": "JSON"}, "format", 'format="JSON": must be one of html, json'),
+    ({"format": "xml"}, "format", 'format="xml": must be one of html, json'),
+    ({"format": ""}, "format", 'format="": must be one of html, json'),
     ([("format", "json"), ("format", "html")], "format",
-     "format='json': given 2 times in the query, give it once"),
+     'format="json": given 2 times in the query, give it once'),
     ({"fromat": "json"}, "fromat", "fromat: unknown parameter, refused"),
 ])
 def test_a_job_pages_query_it_does_not_take_is_a_400_naming_it(client, job_id, query, param,

@@ -69,19 +69,19 @@ def test_a_bad_token_in_a_late_prompt_list_element_is_named_with_its_position(
         client: openai.OpenAI):
     """A prompt list of token-id lists with one bad id far in (lm-eval's ``None`` prefix token
     in a batch, docs/server.md), or one list of ids with a null at its end: the 400 names
-    ``prompt`` and the item, ``prompt[3][0]=None``; the message used to show the value cut to
+    ``prompt`` and the item, ``prompt[3][0]=null``; the message used to show the value cut to
     80 characters, the first ids only."""
     prompts = [[300 + i] * 30 for i in range(3)] + [[None, 301, 302]]
     with pytest.raises(openai.BadRequestError) as refused:
         client.completions.create(model=MODEL, prompt=prompts, max_tokens=1)  # type: ignore[arg-type]
     assert refused.value.param == "prompt"
     message = refused.value.message
-    assert "prompt[3][0]=None" in message and "list[list[int]]" in message, message
+    assert "prompt[3][0]=null" in message and "list[list[int]]" in message, message
     # one list of ids with a null far in: named as well (the list[int] form is the closest)
     with pytest.raises(openai.BadRequestError) as refused:
         client.completions.create(model=MODEL, prompt=[300] * 40 + [None],  # type: ignore[list-item]
                                   max_tokens=1)
-    assert "prompt[40]=None" in refused.value.message and "as list[int]" in refused.value.message
+    assert "prompt[40]=null" in refused.value.message and "as list[int]" in refused.value.message
     # a value of no form at all still names the forms
     with pytest.raises(openai.BadRequestError) as refused:
         client.completions.create(model=MODEL, prompt=5, max_tokens=1)  # type: ignore[arg-type]

@@ -261,7 +261,7 @@ def test_a_wrong_type_names_the_field_and_value_not_the_union_branch(live, path,
     assert error["param"] == param, error
     assert error["message"].startswith(f"{param}"), error
     if field in ("prompt", "temperature", "stop"):
-        assert error["message"].startswith(f"{param}={value!r}: must be one of "), error
+        assert error["message"].startswith(f"{param}={json.dumps(value)}: must be one of "), error
         assert {"prompt": "list[int]", "temperature": "float",
                 "stop": "list[str]"}[field] in error["message"]
 

@@ -128,7 +128,7 @@ def test_chat_refuses_a_value_outside_the_fields_set_naming_field_and_values(liv
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == field, error
-    assert "'auto'" in error["message"] or "'24h'" in error["message"], error
+    assert '"auto"' in error["message"] or '"24h"' in error["message"], error
 
 
 @pytest.mark.parametrize(("field", "value"), [

@@ -4,6 +4,7 @@ validation errors that name the field and the value."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -86,11 +87,11 @@ def test_logprobs_are_the_raw_distributions():
 def test_invalid_values_name_the_field_and_the_value(field, value):
     with pytest.raises(SamplingError) as err:
         SamplingParams(**{field: value})
-    assert err.value.field == field and str(err.value).startswith(f"{field}={value!r}")
+    assert err.value.field == field and str(err.value).startswith(f"{field}={json.dumps(value)}")
 
 
 def test_stop_lists_are_bounded_and_named():
-    with pytest.raises(SamplingError, match=r"stop\[1\]=''"):
+    with pytest.raises(SamplingError, match=r'stop\[1\]=""'):
         SamplingParams(stop=["a", ""])
     with pytest.raises(SamplingError, match=r"^stop="):
         SamplingParams(stop=["x"] * 17)

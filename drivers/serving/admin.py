@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from calexec.contracts.errors import Category
+from calexec.contracts.fields import shown
 from calexec.contracts.status import Phase, Status
 from calexec.drivers.serving import wire
 from calexec.drivers.serving.error_bodies import error_response, invalid, transfer_coding_refused
@@ -186,7 +187,7 @@ def add_admin_routes(app: FastAPI, service: CompletionService) -> None:
                                           "?grace=S"), None)
         given = request.query_params.getlist("grace")
         if len(given) > 1:  # (the last would win: which one was meant is the client's)
-            return error_response(invalid(f"grace={given[0][:64]!r}: given {len(given)} times "
+            return error_response(invalid(f"grace={shown(given[0], 64)}: given {len(given)} times "
                                           "in the query, give it once"), "grace")
         raw_grace = request.query_params.get("grace")
         if raw_grace is None:  # the server's own drain grace (`--grace`), as its signals'
@@ -197,7 +198,7 @@ def add_admin_routes(app: FastAPI, service: CompletionService) -> None:
             grace = math.nan
         if raw_grace is not None and not (
                 math.isfinite(grace) and 0 <= grace <= config.max_drain_grace_s):
-            return error_response(invalid(f"grace={raw_grace[:64]!r}: must be a finite number "
+            return error_response(invalid(f"grace={shown(raw_grace, 64)}: must be a finite number "
                                            f"of seconds in [0, {config.max_drain_grace_s:g}]"),
                                   "grace")
         started = service.drain_grace is None
@@ -222,11 +223,11 @@ def add_admin_routes(app: FastAPI, service: CompletionService) -> None:
             return draining_refusal(retry, wire.CLOSE)
         media = wire.non_json_media(request)
         if media is not None:
-            return error_response(invalid(f"content-type {media!r}: the body must be JSON "
+            return error_response(invalid(f"content-type {shown(media)}: the body must be JSON "
                                           "(application/json)"), None, http_status=415)
         coding = wire.unsupported_coding(request)
         if coding is not None:
-            return error_response(invalid(f"content-encoding {coding!r}: not supported, send "
+            return error_response(invalid(f"content-encoding {shown(coding)}: not supported, send "
                                           "the body uncompressed"), None, http_status=415,
                                   headers=wire.IDENTITY_ONLY)
         transfer = wire.unsupported_transfer_coding(request)
@@ -249,7 +250,7 @@ def add_admin_routes(app: FastAPI, service: CompletionService) -> None:
         checked = await to_thread.run_sync(executor.check_calbin, path,
                                            config.max_calbin_bytes)
         if not checked.ok or not isinstance(path, str):  # (checked ok: a str)
-            return error_response(checked if not checked.ok else invalid(f"calbin={path!r}"),
+            return error_response(checked if not checked.ok else invalid(f"calbin={shown(path)}"),
                                   "calbin", http_status=400)
         # the lifecycle moves only when it can: not while draining, recovering or unhealthy
         if service.draining:

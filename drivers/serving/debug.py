@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 
 from calexec.contracts.errors import Category
+from calexec.contracts.fields import shown
 from calexec.contracts.status import Phase, Status
 from calexec.drivers.serving.admin import admin_refusal, query_refusal
 from calexec.drivers.serving.error_bodies import error_response, invalid, route_error
@@ -80,18 +81,18 @@ def add_debug_routes(app: FastAPI, service: CompletionService) -> None:
             return refused
         if not JOB_ID.fullmatch(job_id):  # str.isdigit() takes "²", which int() refuses
             # (a 19-digit id is a decimal integer too: the message says what is taken)
-            return error_response(invalid(f"job_id={job_id!r:.40}: must be a job id, 1 to 18 "
+            return error_response(invalid(f"job_id={shown(job_id, 40)}: must be a job id, 1 to 18 "
                                           "ASCII digits"), "job_id")
         unknown = query_refusal(request, JOB_PARAMS, "GET /debug/jobs/{id}?format=json|html")
         if unknown is not None:
             return unknown
         given = request.query_params.getlist("format")
         if len(given) > 1:  # (which one was meant is the client's)
-            return error_response(invalid(f"format={given[0][:64]!r}: given {len(given)} "
+            return error_response(invalid(f"format={shown(given[0], 64)}: given {len(given)} "
                                           "times in the query, give it once"), "format")
         view = given[0] if given else "html"
         if view not in JOB_FORMATS:  # (`format=JSON` answered the HTML page)
-            return error_response(invalid(f"format={view[:64]!r}: must be one of "
+            return error_response(invalid(f"format={shown(view, 64)}: must be one of "
                                           f"{', '.join(JOB_FORMATS)}"), "format")
         wanted = int(job_id)
         record = executor.job_trail(wanted)

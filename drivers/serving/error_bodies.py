@@ -10,6 +10,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from calexec.contracts.errors import Category
+from calexec.contracts.fields import shown
 from calexec.contracts.status import Phase, Status
 
 #: the request field a refusal by the executor is about (the error body's ``param``)
@@ -93,7 +94,7 @@ def invalid(message: str) -> Status:
 def transfer_coding_refused(coding: str) -> Status:
     """The failure of a request whose body comes in a transfer coding other than chunked
     (``wire.unsupported_transfer_coding``; answered 501)."""
-    return invalid(f"transfer-encoding {coding!r}: not supported (RFC 9112 section 6.1): "
+    return invalid(f"transfer-encoding {shown(coding)}: not supported (RFC 9112 section 6.1): "
                    f"send the body with chunked alone or a Content-Length, uncompressed")
 
 

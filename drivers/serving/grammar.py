@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import numpy as np
 
+from calexec.contracts.fields import shown
 from calexec.drivers.serving.byte_tokenizer import BYTE_OFFSET, ByteTokenizer, is_byte_token
 
 if TYPE_CHECKING:
@@ -65,7 +66,7 @@ def missing() -> str | None:
     try:
         import llguidance  # noqa: F401
     except ImportError as err:
-        return f"needs the {PACKAGE!r} package, which is not installed ({err}): {INSTALL}"
+        return f"needs the {shown(PACKAGE)} package, which is not installed ({err}): {INSTALL}"
     return None
 
 
@@ -122,7 +123,7 @@ def ll_tokenizer(tok: Tokenizer, vocab: int, end_token: int, param: str, what: s
                 _TOKENIZERS[key] = built
         if built is None:
             raise GrammarError(param, f"{param}: {what} needs a grammar over the server's "
-                                      f"tokenizer {tok.name!r}, which llguidance cannot load "
+                                      f"tokenizer {shown(tok.name)}, which llguidance cannot load "
                                       f"({_REFUSED[key]}); structured outputs and tools need "
                                       "a tokenizer.json whose decoder is ByteLevel or "
                                       "Metaspace")
@@ -270,7 +271,7 @@ def response_format_schema(response_format: Any) -> tuple[Any, bool] | None:
     if kind == "json_object":
         return {"type": "object"}, True
     if kind != "json_schema":
-        raise GrammarError("response_format", f"response_format.type={kind!r:.40}: must be "
+        raise GrammarError("response_format", f"response_format.type={shown(kind, 40)}: must be "
                                               "one of text, json_object, json_schema")
     spec = response_format.get("json_schema")
     if not isinstance(spec, dict):
@@ -279,7 +280,7 @@ def response_format_schema(response_format: Any) -> tuple[Any, bool] | None:
     name = spec.get("name")
     if not isinstance(name, str) or not FUNCTION_NAME.match(name):
         raise GrammarError("response_format.json_schema.name",
-                           f"response_format.json_schema.name={name!r:.80}: must be a string of "
+                           f"response_format.json_schema.name={shown(name, 80)}: must be a string of "
                            "1 to 64 letters, digits, _ or -")
     unknown = set(spec) - {"name", "schema", "strict", "description"}
     if unknown:
@@ -288,7 +289,7 @@ def response_format_schema(response_format: Any) -> tuple[Any, bool] | None:
     strict = spec.get("strict")
     if strict is not None and not isinstance(strict, bool):
         raise GrammarError("response_format.json_schema.strict",
-                           f"response_format.json_schema.strict={strict!r:.40}: must be a "
+                           f"response_format.json_schema.strict={shown(strict, 40)}: must be a "
                            "boolean")
     schema = spec.get("schema", {})
     return schema, bool(strict)
@@ -315,7 +316,7 @@ def tool_setup(tools: Any, tool_choice: Any, functions: Any = None) -> ToolSetup
     :class:`GrammarError` naming the bad field."""
     if tools is None or tools == []:
         if tool_choice not in (None, "none"):
-            raise GrammarError("tool_choice", f"tool_choice={tool_choice!r:.80}: needs tools")
+            raise GrammarError("tool_choice", f"tool_choice={shown(tool_choice, 80)}: needs tools")
         return ToolSetup()
     if not isinstance(tools, list):
         raise GrammarError("tools", "tools: must be a list of {\"type\": \"function\", "
@@ -325,7 +326,7 @@ def tool_setup(tools: Any, tool_choice: Any, functions: Any = None) -> ToolSetup
         where = f"tools.{i}"
         if not isinstance(entry, dict) or entry.get("type") != "function":
             kind = entry.get("type") if isinstance(entry, dict) else entry
-            raise GrammarError(f"{where}.type", f"{where}.type={kind!r:.40}: only \"function\" "
+            raise GrammarError(f"{where}.type", f"{where}.type={shown(kind, 40)}: only \"function\" "
                                                 "tools are supported")
         if set(entry) - {"type", "function"}:
             field = f"{where}.{sorted(set(entry) - {'type', 'function'})[0]}"
@@ -340,11 +341,11 @@ def tool_setup(tools: Any, tool_choice: Any, functions: Any = None) -> ToolSetup
         name = fn.get("name")
         if not isinstance(name, str) or not FUNCTION_NAME.match(name):
             raise GrammarError(f"{where}.function.name",
-                               f"{where}.function.name={name!r:.80}: must be a string of 1 to "
+                               f"{where}.function.name={shown(name, 80)}: must be a string of 1 to "
                                "64 letters, digits, _ or -")
         if any(t.name == name for t in parsed):
             raise GrammarError(f"{where}.function.name",
-                               f"{where}.function.name={name!r}: declared twice")
+                               f"{where}.function.name={shown(name)}: declared twice")
         params = fn.get("parameters")
         if params is None:  # OpenAI: "omitting parameters defines ... an empty parameter list"
             params = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -360,7 +361,7 @@ def tool_setup(tools: Any, tool_choice: Any, functions: Any = None) -> ToolSetup
         strict = fn.get("strict")
         if strict is not None and not isinstance(strict, bool):
             raise GrammarError(f"{where}.function.strict",
-                               f"{where}.function.strict={strict!r:.40}: must be a boolean")
+                               f"{where}.function.strict={shown(strict, 40)}: must be a boolean")
         parsed.append(Tool(name, params, description, bool(strict)))
     choice, named = _tool_choice(tool_choice, parsed)
     if choice == "none" and not named:
@@ -379,10 +380,10 @@ def _tool_choice(tool_choice: Any, tools: list[Tool]) -> tuple[str, bool]:
             and set(tool_choice) == {"type", "function"}:
         name = tool_choice["function"].get("name")
         if not any(t.name == name for t in tools):
-            raise GrammarError("tool_choice", f"tool_choice.function.name={name!r:.80}: not "
+            raise GrammarError("tool_choice", f"tool_choice.function.name={shown(name, 80)}: not "
                                               f"one of the tools {[t.name for t in tools]}")
         return str(name), True
-    raise GrammarError("tool_choice", f"tool_choice={tool_choice!r:.80}: must be \"none\", "
+    raise GrammarError("tool_choice", f"tool_choice={shown(tool_choice, 80)}: must be \"none\", "
                                       "\"auto\", \"required\" or {\"type\": \"function\", "
                                       "\"function\": {\"name\": ...}}")
 
@@ -412,9 +413,9 @@ def chat_structure(response_format: Any, setup: ToolSetup, parallel_tool_calls: 
     ``response_format`` alone (None: free text)."""
     if not setup.tools:
         return completion_structure(response_format, tok, vocab, end_token)
-    _need_llguidance("tools", f"tool_choice={setup.choice!r}")
+    _need_llguidance("tools", f"tool_choice={shown(setup.choice)}")
     asked = response_format_schema(response_format)
-    ll = ll_tokenizer(tok, vocab, end_token, "tools", f"tool_choice={setup.choice!r}")
+    ll = ll_tokenizer(tok, vocab, end_token, "tools", f"tool_choice={shown(setup.choice)}")
     for i, tool in enumerate(setup.tools):  # each tool's schema on its own: the field named
         param = f"tools.{i}.function.parameters"
         _checked(_schema_grammar(dict(tool.parameters), param, tool.strict), ll, param)

@@ -41,6 +41,7 @@ from pydantic import (
 )
 
 from calexec.contracts.errors import Category
+from calexec.contracts.fields import shown
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import TaskKind
 from calexec.drivers.serving import error_bodies, grammar, handoff, sampling, wire
@@ -335,7 +336,7 @@ def parse(model: type[Body], raw: bytes) -> Body:
                           param) from None
         if param is None or first["type"] == "missing":
             raise Refusal(invalid(f"{param or 'body'}: {first['msg']}"), param) from None
-        value = f"{param}={first['input']!r:.80}"
+        value = f"{param}={shown(first['input'], 80)}"
         if branches:  # a union: none of its forms matched; name them all
             forms: dict[str, None] = {}
             inside: list[tuple[list[Any], str, object, str]] = []  # (where, form, input, why)
@@ -359,10 +360,21 @@ def parse(model: type[Body], raw: bytes) -> Body:
                 at, form, bad, why = next(got for got in inside if got[1] == closest[0]
                                           and len(got[0]) == deepest)
                 item = "".join(f"[{i}]" for i in at)
-                raise Refusal(invalid(f"{param}{item}={bad!r:.80}: {why[:200]} "
+                raise Refusal(invalid(f"{param}{item}={shown(bad, 80)}: {why[:200]} "
                                       f"(as {form}; {param} {one_of})"), param) from None
             raise Refusal(invalid(f"{value}: {one_of}"), param) from None
-        raise Refusal(invalid(f"{value}: {first['msg']}"), param) from None
+        raise Refusal(invalid(f"{value}: {json_quoted(first)}"), param) from None
+
+
+#: a value pydantic's message quotes as Python does (``Input should be 'auto' or 'fast'``)
+PYTHON_QUOTED = re.compile(r"'([^'\\]*)'")
+
+
+def json_quoted(error: Any) -> str:
+    """A pydantic error's message; a ``literal_error``'s with the values it quotes as Python
+    does in JSON's double quotes (what the client writes: ``"auto"``)."""
+    message = str(error["msg"])
+    return PYTHON_QUOTED.sub(r'"\1"', message) if error["type"] == "literal_error" else message
 
 
 def _field_path(model: type[BaseModel], loc: tuple, extra: bool = False
@@ -413,7 +425,7 @@ def refusal(body: _Body) -> None:
     for name, (neutral, why) in REFUSED.items():  # where declared Any (chat's echo, not ours)
         if name in fields and fields[name].annotation is Any \
                 and not neutral(getattr(body, name)):
-            raise Refusal(invalid(f"{name}={getattr(body, name)!r:.80}: {why}"), name)
+            raise Refusal(invalid(f"{name}={shown(getattr(body, name), 80)}: {why}"), name)
     if body.n < 1:
         raise Refusal(invalid(f"n={body.n}: must be >= 1"), "n")
     if body.stream_options is not None:
@@ -463,7 +475,7 @@ def _logit_bias(bias: dict[str, int | float] | None, vocab: int | None
         # at most 18 ASCII digits: "²".isdigit() holds and int() raises on more than 4300
         token = int(key) if TOKEN_ID_KEY.fullmatch(key) else None
         if token is None or (vocab is not None and token >= vocab):
-            raise Refusal(invalid(f"logit_bias[{key[:40]!r}]: the key must be a token id in "
+            raise Refusal(invalid(f"logit_bias[{shown(key, 40)}]: the key must be a token id in "
                                   f"[0, {vocab if vocab is not None else 'vocab'})"),
                           "logit_bias")
         pairs.append((token, as_float(value)))
@@ -536,8 +548,8 @@ def model_refusal(name: str | None, served: tuple[str, ...]) -> Refusal | None:
     if name is None or name in served:
         return None
     return Refusal(Status.failure("request.model_not_found", Category.INVALID_REQUEST, Phase.VALIDATE,
-                                  f"model={name[:200]!r} does not exist; served: "
-                                  f"{list(served)}"), "model", 404)
+                                  f"model={shown(name, 200)} does not exist; served: "
+                                  f"{', '.join(served)}"), "model", 404)
 
 
 # ---- chat template --------------------------------------------------------------------------
@@ -555,7 +567,7 @@ def content_refusal(message: ChatMessage, index: int) -> Refusal | None:
     dumps a refused answer, a ``refusal``)."""
     role = message.role
     if role == "tool" and message.tool_call_id is None:
-        return Refusal(invalid(f"messages[{index}].tool_call_id: missing, a 'tool' message "
+        return Refusal(invalid(f"messages[{index}].tool_call_id: missing, a \"tool\" message "
                                "needs the id of the call it answers"),
                        f"messages.{index}.tool_call_id")
     if message.content is not None and message.content != []:
@@ -568,7 +580,7 @@ def content_refusal(message: ChatMessage, index: int) -> Refusal | None:
         needs = "content (a string or a list of text parts)"
     field = f"messages[{index}].content"
     given = f"{field}: missing (or null)" if message.content is None else f"{field}=[]: no part"
-    return Refusal(invalid(f"{given}, a {role!r} message needs {needs}"),
+    return Refusal(invalid(f"{given}, a {shown(role)} message needs {needs}"),
                    f"messages.{index}.content")
 
 
@@ -577,12 +589,12 @@ def message_text(message: ChatMessage, index: int) -> str:
     joins them for a text model's template (they were run together: "Part one.Part two.");
     other parts refused; an assistant message without content: its ``refusal``, if any."""
     if message.role not in CHAT_ROLES:
-        raise Refusal(invalid(f"messages[{index}].role={message.role!r:.80}: must be one of "
-                              f"{list(CHAT_ROLES)}"), f"messages.{index}.role")
+        raise Refusal(invalid(f"messages[{index}].role={shown(message.role, 80)}: must be one of "
+                              f"{', '.join(CHAT_ROLES)}"), f"messages.{index}.role")
     for key, why in UNRENDERABLE.items():
         value = getattr(message, key)
         if value is not None and value != []:
-            raise Refusal(invalid(f"messages[{index}].{key}={value!r:.80}: {why}"),
+            raise Refusal(invalid(f"messages[{index}].{key}={shown(value, 80)}: {why}"),
                           f"messages.{index}.{key}")
     missing = content_refusal(message, index)
     if missing is not None:
@@ -595,10 +607,10 @@ def message_text(message: ChatMessage, index: int) -> str:
     for j, part in enumerate(message.content):
         at = f"messages[{index}].content[{j}]"
         if part.get("type") != "text":
-            raise Refusal(invalid(f"{at}.type={part.get('type')!r:.80}: only text parts are "
+            raise Refusal(invalid(f"{at}.type={shown(part.get('type'), 80)}: only text parts are "
                                   "supported"), f"messages.{index}.content.{j}.type")
         if not isinstance(part.get("text"), str):
-            raise Refusal(invalid(f"{at}.text={part.get('text')!r:.80}: must be a string"),
+            raise Refusal(invalid(f"{at}.text={shown(part.get('text'), 80)}: must be a string"),
                           f"messages.{index}.content.{j}.text")
         texts.append(part["text"])
     return "\n".join(texts)
@@ -644,7 +656,7 @@ def render_chat(messages: list[ChatMessage], tok: Tokenizer, add_generation_prom
                           "continue_final_message")
         if plain[-1]["role"] != "assistant":
             raise Refusal(invalid(f"continue_final_message=true: the last message is a "
-                                  f"{plain[-1]['role']!r} one, not an assistant's"),
+                                  f"{shown(plain[-1]['role'])} one, not an assistant's"),
                           "continue_final_message")
     template = getattr(tok, "chat_template", None)
     declared = list(tools.declared) if tools is not None and tools.declared else None
@@ -1115,11 +1127,11 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
             raise draining_refusal()
         media = wire.non_json_media(request)
         if media is not None:
-            raise Refusal(invalid(f"content-type {media!r}: the body must be JSON "
+            raise Refusal(invalid(f"content-type {shown(media)}: the body must be JSON "
                                   "(application/json)"), None, 415)
         coding = wire.unsupported_coding(request)
         if coding is not None:
-            raise Refusal(invalid(f"content-encoding {coding!r}: not supported, send the body "
+            raise Refusal(invalid(f"content-encoding {shown(coding)}: not supported, send the body "
                                   "uncompressed"), None, 415, wire.IDENTITY_ONLY)
         transfer = wire.unsupported_transfer_coding(request)
         if transfer is not None:

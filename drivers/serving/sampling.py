@@ -55,7 +55,7 @@ class SamplingError(ValueError):
     """A sampling parameter is invalid: ``field`` names it, the message gives the value."""
 
     def __init__(self, field: str, value: Any, why: str) -> None:
-        super().__init__(f"{field}={value!r:.80}: {why}")  # (a stop string may be 1 MB)
+        super().__init__(f"{field}={fields.shown(value, 80)}: {why}")  # (a stop string may be 1 MB)
         self.field = field
         self.value = value
 
@@ -130,9 +130,9 @@ def _validate_logit_bias(_inst: Any, _attr: Any, value: tuple[tuple[int, float],
     _check("logit_bias", len(value) <= MAX_LOGIT_BIAS, len(value),
            f"at most {MAX_LOGIT_BIAS} entries")
     for token, bias in value:
-        _check(f"logit_bias[{token!r}]", fields.is_token_id(token), token,
+        _check(f"logit_bias[{fields.shown(token)}]", fields.is_token_id(token), token,
                "the key must be a token id >= 0")
-        _check(f"logit_bias[{token!r}]", _is_number(bias) and math.isfinite(bias)
+        _check(f"logit_bias[{fields.shown(token)}]", _is_number(bias) and math.isfinite(bias)
                and -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE, bias,
                f"must be a number in [{-LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]")
 

@@ -38,6 +38,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from calexec.contracts.errors import Category
+from calexec.contracts.fields import shown
 from calexec.contracts.status import Phase, Status
 from calexec.drivers.serving import error_bodies, openai_api, wire
 from calexec.drivers.serving.admin import MAX_PATH_CHARS, add_admin_routes
@@ -215,10 +216,10 @@ class OpenAICORS(CORSMiddleware):
         origin = request_headers.get("origin", "")
         method = request_headers.get("access-control-request-method", "")
         if not self.is_allowed_origin(origin=origin):  # what was refused, first the origin
-            param, why = "origin", (f"origin {origin[:200]!r} is not allowed (allowed: the "
+            param, why = "origin", (f"origin {shown(origin, 200)} is not allowed (allowed: the "
                                     "--cors-origin ones)")
         elif method not in self.allow_methods:
-            param, why = "method", (f"method {method[:40]!r} is not allowed (allowed: "
+            param, why = "method", (f"method {shown(method, 40)} is not allowed (allowed: "
                                     f"{', '.join(self.allow_methods)})")
         else:
             param, why = None, refused
