@@ -92,7 +92,10 @@ def test_chat_bind_tools_answers_an_openai_shaped_tool_call(url):
     class get_weather(pydantic.BaseModel):  # noqa: N801 - the tool's name, as a function's
         """The weather in a city."""
 
-        # bounded, as in the structured-output test above
+        # bounded, as in the structured-output test above, and no other key: the greedy
+        # synthetic model may write key after key until max_tokens where the schema allows
+        # them (it did once a named call's output became its arguments alone, stop 58)
+        model_config = pydantic.ConfigDict(extra="forbid")
         city: str = pydantic.Field(max_length=12)
 
     bound = _chat(url, max_tokens=200).bind_tools([get_weather], tool_choice="get_weather")
@@ -181,6 +184,7 @@ def test_a_bind_tools_loop_sends_the_tool_result_back_for_a_second_turn(url, aru
     class get_weather(pydantic.BaseModel):  # noqa: N801 - the tool's name, as a function's
         """The weather in a city."""
 
+        model_config = pydantic.ConfigDict(extra="forbid")  # (no other key: as above)
         city: str = pydantic.Field(max_length=12)
 
     async def go():

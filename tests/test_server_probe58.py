@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from fastapi.testclient import TestClient
 
+import needs
 from calexec.contracts.fields import shown
 from calexec.drivers.serving.server import ServerConfig, create_app
 from test_server_support import MODEL, started_executor
@@ -110,3 +113,78 @@ def test_shown_writes_a_lone_surrogate_as_its_escape_so_the_message_is_utf8():
     assert shown(10 ** 5000) == "(a value too large to show)"
     assert shown("x" * 500, 10) == '"' + "x" * 9
 
+
+# ---- a named tool_choice: the output is the arguments alone, as vLLM's ----------------------
+PARIS = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris"]}},
+        "required": ["city"], "additionalProperties": False}}}
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+ARGUMENTS = '{"city":"Paris"}'  # the only value the schema allows: one byte token each
+
+
+def _named(max_tokens: int, **fields) -> dict:
+    return {"messages": CHAT, "tools": [PARIS], "tool_choice": NAMED, "max_tokens": max_tokens,
+            **fields}
+
+
+def _streamed_call(client, body: dict) -> tuple[dict, str, list]:
+    """(the call the stream's deltas assemble, the last finish_reason, the contents sent)."""
+    call: dict = {"function": {"arguments": ""}}
+    finish, contents = None, []
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            contents.append(choice["delta"].get("content"))
+            for piece in choice["delta"].get("tool_calls") or []:
+                assert piece["index"] == 0, piece
+                if "id" in piece:
+                    assert "name" not in call["function"], "a second call opened"
+                    call.update(id=piece["id"], type=piece["type"])
+                    call["function"]["name"] = piece["function"]["name"]
+                call["function"]["arguments"] += piece["function"]["arguments"]
+            finish = choice["finish_reason"] or finish
+    return call, finish, contents
+
+
+def test_a_named_tool_calls_arguments_alone_count_against_max_tokens(client):
+    """With ``tool_choice`` naming a function, the output was ``<tool_call>\\n{"name":
+    "get_weather", "arguments": ...}\\n</tool_call>``: the markup and the name took max_tokens,
+    so a budget the arguments fit in (vLLM generates only them) ended "length", with no call
+    and the markup as the content. Now the output is the arguments: they complete, "stop",
+    and usage counts their tokens alone; streamed, the same call."""
+    needs.module("llguidance", "server")
+    r = client.post("/v1/chat/completions", json=_named(len(ARGUMENTS)))
+    assert r.status_code == 200, r.text[:300]
+    answer = r.json()
+    choice = answer["choices"][0]
+    assert choice["finish_reason"] == "stop", choice
+    assert choice["message"]["content"] is None, choice
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": ARGUMENTS}, call
+    assert call["type"] == "function" and call["id"].startswith("call_"), call
+    assert answer["usage"]["completion_tokens"] == len(ARGUMENTS), answer["usage"]
+    streamed, finish, contents = _streamed_call(client, _named(len(ARGUMENTS)))
+    assert finish == "stop" and streamed["function"] == call["function"], streamed
+    assert not any(contents), contents
+
+
+def test_a_named_tool_call_cut_by_max_tokens_is_the_call_as_generated(client):
+    """Cut short, a named call is the call with the arguments generated so far and
+    ``finish_reason`` "length" (vLLM's answer), whole and streamed alike; never the markup
+    ``<tool_call>\\n{"name":`` as the message's content."""
+    needs.module("llguidance", "server")
+    cut = 6
+    r = client.post("/v1/chat/completions", json=_named(cut))
+    assert r.status_code == 200, r.text[:300]
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "length", choice
+    assert choice["message"]["content"] is None, choice
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": ARGUMENTS[:cut]}, call
+    streamed, finish, contents = _streamed_call(client, _named(cut))
+    assert finish == "length" and streamed["function"] == call["function"], streamed
+    assert not any(contents), contents

@@ -416,10 +416,19 @@ def chat_structure(response_format: Any, setup: ToolSetup, parallel_tool_calls: 
     _need_llguidance("tools", f"tool_choice={shown(setup.choice)}")
     asked = response_format_schema(response_format)
     ll = ll_tokenizer(tok, vocab, end_token, "tools", f"tool_choice={shown(setup.choice)}")
+    arguments: dict[str, str] = {}
     for i, tool in enumerate(setup.tools):  # each tool's schema on its own: the field named
         param = f"tools.{i}.function.parameters"
-        _checked(_schema_grammar(dict(tool.parameters), param, tool.strict), ll, param)
+        arguments[tool.name] = _checked(_schema_grammar(dict(tool.parameters), param,
+                                                        tool.strict), ll, param)
     tools = [t for t in setup.tools if not setup.named or t.name == setup.choice]
+    if setup.named:
+        # as vLLM: the output is the named function's arguments alone (one JSON value), the
+        # call around them the response's (ToolCallStream's ``named``); the <tool_call>
+        # markup and the name, generated, took max_tokens a tight budget needed for the
+        # arguments: a call vLLM completes ("stop") ended "length", its markup the content
+        return Structure(arguments[setup.choice], ll, vocab, end_token, tuple(tools),
+                         setup.choice, True)
     lines = ['call: "' + CALL_OPEN + '\\n" fn "\\n' + CALL_CLOSE + '"',
              "fn: " + " | ".join(f"fn{i}" for i in range(len(tools)))]
     lines += [f"fn{i}: %json {json.dumps(_call_schema(t))}" for i, t in enumerate(tools)]
@@ -461,17 +470,20 @@ def _tool_call(name: str, arguments: str, index: int | None = None) -> dict[str,
     return call if index is None else {"index": index, **call}
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+def parse_tool_calls(text: str, named: str | None = None
+                     ) -> tuple[str | None, list[dict[str, Any]]]:
     """A finished output -> (content, OpenAI ``tool_calls``), exactly what
     :class:`ToolCallStream` streams for it: each ``<tool_call>\\n{"name": ..., "arguments":
     {...}}\\n</tool_call>`` is a call (``function.arguments`` the arguments' JSON text as
     generated), the text outside the calls is the content (None when there is none). An
     output cut short (max_tokens) in a call's closing markup or in the opening of one more
     call has the calls, as streamed; cut inside a call's arguments (not one JSON value):
-    no calls, the whole text is the content (the stream sent the arguments as generated)."""
-    stream = ToolCallStream()
+    no calls, the whole text is the content (the stream sent the arguments as generated).
+    ``named`` (``tool_choice`` named the function): the text is its arguments, one call of
+    it, also when cut short (as vLLM answers a named call: ``finish_reason`` says "length")."""
+    stream = ToolCallStream(named)
     deltas = stream.feed(text, final=True)
-    if not stream.calls or stream.args_cut:
+    if not stream.calls or (stream.args_cut and named is None):
         return text, []
     content = "".join(d.get("content", "") for d in deltas)
     calls: list[dict[str, Any]] = []
@@ -490,7 +502,10 @@ class ToolCallStream:
     OpenAI streams it, a first ``tool_calls`` delta with its ``index``, ``id``, ``type`` and
     ``function.name`` (``arguments`` empty), then ``function.arguments`` pieces as they are
     generated. Text that may still open a call (a prefix of ``<tool_call>``) or end one is
-    held back until it is known. ``calls``: calls opened; ``complete``: calls closed."""
+    held back until it is known. ``calls``: calls opened; ``complete``: calls closed.
+    ``named``: ``tool_choice`` named this function, whose arguments alone the output is (no
+    markup, chat_structure): its one call opens with the first text, every piece is its
+    arguments."""
 
     _OPENED = re.compile(re.escape(CALL_OPEN) + r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")'
                          r'\s*,\s*"arguments"\s*:\s*')
@@ -498,7 +513,8 @@ class ToolCallStream:
     #: end (never raw inside compact JSON), the close tag
     _END = "}\n" + CALL_CLOSE
 
-    def __init__(self) -> None:
+    def __init__(self, named: str | None = None) -> None:
+        self._named = named
         self._text = ""
         self._at = 0  # characters of _text turned into deltas
         self._in_call = False
@@ -514,6 +530,8 @@ class ToolCallStream:
     def feed(self, piece: str, final: bool = False) -> list[dict[str, Any]]:
         """The deltas ``piece`` completes (``final``: the end of the output: flush)."""
         self._text += piece
+        if self._named is not None:
+            return self._arguments(piece, final)
         deltas: list[dict[str, Any]] = []
         while True:
             rest = self._text[self._at:]
@@ -560,6 +578,20 @@ class ToolCallStream:
                 self._content(rest[:ready], deltas)
                 self._at += ready
             return deltas
+
+    def _arguments(self, piece: str, final: bool) -> list[dict[str, Any]]:
+        """A named function's call: opened by the first text (or the end), then arguments."""
+        deltas: list[dict[str, Any]] = []
+        if not self.calls and (piece or final):
+            deltas.append({"tool_calls": [_tool_call(str(self._named), piece, 0)]})
+            self.calls = 1
+        elif piece:
+            deltas.append({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]})
+        if final:
+            whole = _whole_json(self._text)
+            self.complete = int(whole)
+            self.cut = self.args_cut = not whole
+        return deltas
 
     def _content(self, text: str, deltas: list[dict[str, Any]], final: bool = False) -> None:
         if self.calls and not text.strip():

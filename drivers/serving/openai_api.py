@@ -2053,7 +2053,9 @@ class _ToolChatShape(_ChatShape):
         #: ``tool_choice`` named the function: its calls end ``"stop"``, as OpenAI's (and
         #: vLLM's) do; "auto" and "required" calls end ``"tool_calls"``
         self.named = named
-        self.calls = grammar.ToolCallStream()
+        #: a named function's output is its arguments alone (grammar.chat_structure)
+        self.function = tools[0].name if named else None
+        self.calls = grammar.ToolCallStream(self.function)
         self.held_ids: list[int] = []
 
     def opening(self, index: int | None = None) -> list[dict[str, Any]]:
@@ -2073,7 +2075,7 @@ class _ToolChatShape(_ChatShape):
 
     def whole(self, text: str, run: RequestRun) -> dict[str, Any]:
         answer = super().whole(text, run)
-        content, calls = grammar.parse_tool_calls(text)
+        content, calls = grammar.parse_tool_calls(text, self.function)
         choice = answer["choices"][0]
         choice["message"] = {"role": "assistant", "content": content,
                              **({"tool_calls": calls} if calls else {})}
