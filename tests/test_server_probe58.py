@@ -101,6 +101,21 @@ def test_an_admin_or_debug_refusal_echoes_its_query_value_in_json_quotes(client,
     assert client.get("/ready").status_code == 200  # (no drain started)
 
 
+@pytest.mark.parametrize("calbin,said", [(None, "null"), (5, "5"), (["a"], '["a"]'),
+                                         ("", '""'), (False, "false")])
+def test_a_reload_without_a_path_names_the_value_as_json(client, calbin, said):
+    """``POST /admin/reload {"calbin": null}`` was refused ``calbin=None: ...`` (the
+    executor's check prints the value as Python does; ``["a"]`` as ``['a']``). The route
+    names it as the client wrote it; still 400 ``calbin.path_required``, nothing moved."""
+    r = client.post("/admin/reload", json={"calbin": calbin}, headers=AUTH)
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["code"] == "calbin.path_required" and error["param"] == "calbin", error
+    assert error["message"] == (f"calbin={said}: a calbin file path (a non-empty string) is "
+                                "required"), error
+    assert client.get("/ready").status_code == 200
+
+
 def test_shown_writes_a_lone_surrogate_as_its_escape_so_the_message_is_utf8():
     """``shown`` (the value in a message) keeps a message UTF-8 encodable: a lone surrogate
     (a query or header decoded with ``surrogateescape``) as JSON's ``\\udXXX`` escape,

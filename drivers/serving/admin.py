@@ -245,6 +245,11 @@ def add_admin_routes(app: FastAPI, service: CompletionService) -> None:
         if isinstance(body, tuple):
             return error_response(body[0], body[1], http_status=400)
         path = body.get("calbin")
+        if not isinstance(path, str) or not path:  # named as the client wrote it (JSON):
+            # the executor's check prints it as Python does (calbin=None, calbin=['a'])
+            return error_response(switch_check.refused(
+                "path_required", shown(path, 200), "a calbin file path (a non-empty string) "
+                "is required"), "calbin", http_status=400)
         # the calbin is checked before anything moves (no drain, no switch): a path that is
         # not a calbin this manifest describes is the client's error, answered 400
         checked = await to_thread.run_sync(executor.check_calbin, path,
