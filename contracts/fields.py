@@ -82,7 +82,7 @@ def token_ids(value: object) -> bool:
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def _plain(value: Any) -> Any:
+def _plain(value: object) -> object:
     """``json.dumps``' fallback: a numpy scalar as its Python value, anything else as text."""
     item = getattr(value, "item", None)
     if callable(item) and not isinstance(value, (list, tuple, dict)):
@@ -95,7 +95,7 @@ def _plain(value: Any) -> Any:
     return str(value)
 
 
-def shown(value: Any, limit: int = 80) -> str:
+def shown(value: object, limit: int = 80) -> str:
     """``value`` written as JSON (as a client wrote it: ``null``, ``true``, ``"x"``, ``[1, 2]``,
     ``NaN``/``Infinity`` as Python's JSON reads them), cut to ``limit`` characters; a lone
     surrogate written as its ``\\uXXXX`` escape, so the message it goes into is UTF-8."""
