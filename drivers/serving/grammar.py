@@ -477,13 +477,15 @@ def parse_tool_calls(text: str, named: str | None = None
     {...}}\\n</tool_call>`` is a call (``function.arguments`` the arguments' JSON text as
     generated), the text outside the calls is the content (None when there is none). An
     output cut short (max_tokens) in a call's closing markup or in the opening of one more
-    call has the calls, as streamed; cut inside a call's arguments (not one JSON value):
-    no calls, the whole text is the content (the stream sent the arguments as generated).
+    call has the calls, as streamed; cut in the opening of its first call (before the call
+    is named), the text before that opening is the content, as streamed (the opening is the
+    call's markup, no content); cut inside a call's arguments (not one JSON value): no calls,
+    the whole text is the content (the stream sent the arguments as generated).
     ``named`` (``tool_choice`` named the function): the text is its arguments, one call of
     it, also when cut short (as vLLM answers a named call: ``finish_reason`` says "length")."""
     stream = ToolCallStream(named)
     deltas = stream.feed(text, final=True)
-    if not stream.calls or (stream.args_cut and named is None):
+    if (stream.args_cut and named is None) or not (stream.calls or stream.cut):
         return text, []
     content = "".join(d.get("content", "") for d in deltas)
     calls: list[dict[str, Any]] = []
