@@ -82,3 +82,30 @@ def test_an_auto_answer_cut_in_its_first_call_s_opening_parses_as_it_streams(tex
     assert "".join(d.get("content", "") for d in deltas) == (content or "")
     assert stream.cut and stream.calls == 0
     assert grammar.parse_tool_calls(text) == (content, [])
+
+
+@pytest.mark.parametrize("tool_choice", ["required",
+                                         {"type": "function", "function": {"name": "get"}}],
+                         ids=["required", "named"])
+@pytest.mark.parametrize("into", [1, 3, 5])
+def test_a_forced_call_cut_in_its_arguments_is_the_call_whole_as_streamed(
+        client: openai.OpenAI, tool_choice, into):
+    """``max_tokens`` cut a forced call (``required``, a named tool: the grammar writes the
+    call, the model only its arguments) ``into`` tokens into its arguments: the stream sent
+    the call with its arguments as generated (``{"x``), as OpenAI streams a cut call and as
+    vLLM answers a named tool's cut arguments whole or streamed, while the whole answer gave
+    no call and the grammar's markup as the message's content
+    (``'<tool_call>\\n{"name":"get","arguments":{"x'``): langchain's
+    ``with_structured_output(method="function_calling")`` and ``bind_tools`` read a call from
+    ``stream`` and none, with markup as text, from ``invoke``. The whole answer now has the
+    call as streamed, content null, ``finish_reason: length``."""
+    needs.module("llguidance", "server")
+    kwargs = {"model": MODEL, "messages": MESSAGES, "tools": [TOOL], "tool_choice": tool_choice,
+              "max_tokens": len(OPENING) + into, "temperature": 0}
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    streamed = _streamed(client, **kwargs)
+    calls = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or ()]
+    assert (whole.message.content, calls, whole.finish_reason) == streamed
+    assert whole.message.content is None and whole.finish_reason == "length"
+    assert len(calls) == 1 and calls[0][0] == "get", calls
+    assert calls[0][1].startswith("{") and len(calls[0][1]) == into, calls

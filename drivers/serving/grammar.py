@@ -470,7 +470,7 @@ def _tool_call(name: str, arguments: str, index: int | None = None) -> dict[str,
     return call if index is None else {"index": index, **call}
 
 
-def parse_tool_calls(text: str, named: str | None = None
+def parse_tool_calls(text: str, named: str | None = None, forced: bool = False
                      ) -> tuple[str | None, list[dict[str, Any]]]:
     """A finished output -> (content, OpenAI ``tool_calls``), exactly what
     :class:`ToolCallStream` streams for it: each ``<tool_call>\\n{"name": ..., "arguments":
@@ -480,12 +480,16 @@ def parse_tool_calls(text: str, named: str | None = None
     call has the calls, as streamed; cut in the opening of its first call (before the call
     is named), the text before that opening is the content, as streamed (the opening is the
     call's markup, no content); cut inside a call's arguments (not one JSON value): no calls,
-    the whole text is the content (the stream sent the arguments as generated).
+    the whole text is the content, as vLLM parses a model's cut call (the stream sent the
+    arguments as generated), except for a ``forced`` call (``tool_choice`` "required" or a
+    named function: the grammar wrote the call, the model only its arguments), which is the
+    call with its arguments as generated, as streamed (vLLM's named call, OpenAI's).
     ``named`` (``tool_choice`` named the function): the text is its arguments, one call of
     it, also when cut short (as vLLM answers a named call: ``finish_reason`` says "length")."""
     stream = ToolCallStream(named)
     deltas = stream.feed(text, final=True)
-    if (stream.args_cut and named is None) or not (stream.calls or stream.cut):
+    if (stream.args_cut and not forced and named is None) \
+            or not (stream.calls or stream.cut):
         return text, []
     content = "".join(d.get("content", "") for d in deltas)
     calls: list[dict[str, Any]] = []

@@ -1320,7 +1320,8 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
                               else "max_tokens")
 
         def chat_shape() -> _Shape:
-            shape = (_ToolChatShape(plan.tools, plan.named)
+            shape = (_ToolChatShape(plan.tools, plan.named,
+                                    plan.named or plan.tool_choice == "required")
                      if plan is not None and plan.tools else _ChatShape())
             shape.prompt_ids = body.return_token_ids
             return shape
@@ -2048,13 +2049,17 @@ class _ToolChatShape(_ChatShape):
     OpenAI sends them (grammar.ToolCallStream). A token whose text is held back (it may open
     or close a call) sends no chunk: its id goes with the next one."""
 
-    def __init__(self, tools: tuple[grammar.Tool, ...], named: bool = False) -> None:
+    def __init__(self, tools: tuple[grammar.Tool, ...], named: bool = False,
+                 forced: bool = False) -> None:
         self.tools = tools
         #: ``tool_choice`` named the function: its calls end ``"stop"``, as OpenAI's (and
         #: vLLM's) do; "auto" and "required" calls end ``"tool_calls"``
         self.named = named
         #: a named function's output is its arguments alone (grammar.chat_structure)
         self.function = tools[0].name if named else None
+        #: the output is calls only (named or "required"): a call cut in its arguments is
+        #: the call, as streamed (grammar.parse_tool_calls)
+        self.forced = forced
         self.calls = grammar.ToolCallStream(self.function)
         self.held_ids: list[int] = []
 
@@ -2075,7 +2080,7 @@ class _ToolChatShape(_ChatShape):
 
     def whole(self, text: str, run: RequestRun) -> dict[str, Any]:
         answer = super().whole(text, run)
-        content, calls = grammar.parse_tool_calls(text, self.function)
+        content, calls = grammar.parse_tool_calls(text, self.function, self.forced)
         choice = answer["choices"][0]
         choice["message"] = {"role": "assistant", "content": content,
                              **({"tool_calls": calls} if calls else {})}
