@@ -4,10 +4,12 @@ the synthetic model: what a client reading vLLM's or OpenAI's answer met, each p
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 
 import needs
+from calexec.drivers.calrt.runtime import Emulator, Fault, FaultMode
 from calexec.drivers.serving import grammar
 from test_server_support import MODEL, openai_server
 
@@ -109,3 +111,38 @@ def test_a_forced_call_cut_in_its_arguments_is_the_call_whole_as_streamed(
     assert whole.message.content is None and whole.finish_reason == "length"
     assert len(calls) == 1 and calls[0][0] == "get", calls
     assert calls[0][1].startswith("{") and len(calls[0][1]) == into, calls
+
+
+@pytest.mark.parametrize(("rc", "category", "retried"), [
+    (27, "programming", False),  # UNSUPPORTED on a mandatory path: a bug or configuration
+    (8, "compatibility", False),  # DRIVER_INCOMPATIBLE: "needs a manual fix"
+    (17, "transient", True),  # busy: a retry may be served
+])
+def test_the_sdk_does_not_retry_a_failure_no_retry_can_fix(tmp_path, rc, category, retried):
+    """The SDK retries every 5xx (``max_retries``, 2 by default, after a back-off) unless the
+    answer says ``x-should-retry: false``. A submit failing with a PROGRAMMING or
+    COMPATIBILITY CalRT code, which contracts/errors.py's table says no retry fixes ("a
+    calexec bug or configuration error", "needs a manual fix"), was a plain 500: the SDK ran
+    the request 3 times, each prefill failing again (a COMPATIBILITY fault had failed the
+    lifecycle: the retries met 503s), and its caller waited the back-offs for the same
+    error. Those 500s now say ``x-should-retry: false``: one try, the first error; a
+    TRANSIENT failure (503 with Retry-After) is still retried."""
+    with openai_server(tmp_path, timeout=TIMEOUT_S) as (server, _, service):
+        answers: list[httpx.Response] = []
+        http = httpx.Client(event_hooks={"response": [answers.append]})
+        sdk = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=2,
+                            timeout=TIMEOUT_S, http_client=http)
+        Emulator(service.executor.device).set_fault(Fault.SUBMIT_RC, FaultMode.ALWAYS, 1,
+                                                    rc=rc)
+        with pytest.raises(openai.APIStatusError) as failed:
+            sdk.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+        http.close()
+    first = answers[0]
+    assert first.json()["status"]["category"] == category, first.json()
+    if retried:
+        assert first.status_code == 503 and "x-should-retry" not in first.headers
+        assert len(answers) == 3
+    else:
+        assert first.status_code == 500 and first.headers["x-should-retry"] == "false"
+        assert len(answers) == 1, [(a.status_code, a.json()["error"]) for a in answers]
+        assert failed.value.status_code == 500

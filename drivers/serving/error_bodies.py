@@ -1,6 +1,7 @@
 """Error bodies of the reference server: a §8 Status rendered with ``Status.http_status`` in
 the OpenAI shape ``{"error": {"message", "type", "code", "param"}}`` plus ``"status":
-Status.to_dict()``; 429 and 503 carry ``Retry-After``."""
+Status.to_dict()``; 429 and 503 carry ``Retry-After``, a failure no retry fixes
+``x-should-retry: false``."""
 
 from __future__ import annotations
 
@@ -24,6 +25,13 @@ ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error",
                431: "invalid_request_error",
                501: "invalid_request_error",
                499: "cancelled_error", 503: "unavailable_error", 504: "timeout_error"}
+
+
+#: categories no retry of the same request fixes (contracts/errors.py's table: COMPATIBILITY
+#: "needs a manual fix", PROGRAMMING "a calexec bug or configuration error"): their answers
+#: carry ``x-should-retry: false``, which the OpenAI SDKs obey over their own rule (every 5xx
+#: retried, ``max_retries`` times after a back-off)
+NOT_RETRYABLE = frozenset({Category.COMPATIBILITY, Category.PROGRAMMING})
 
 
 #: Status codes whose OpenAI error ``code`` is OpenAI's own name (``status.code`` keeps calexec's)
@@ -56,6 +64,8 @@ def error_response(status: Status, param: str | None = None, retry_after: int = 
     headers = dict(headers or {})
     if code in (429, 503):
         headers["Retry-After"] = str(retry_after)
+    if status.category in NOT_RETRYABLE:
+        headers["x-should-retry"] = "false"
     if code == 401:  # RFC 9110 section 11.6.1: a 401 MUST carry a challenge (RFC 6750's)
         headers.setdefault("WWW-Authenticate", "Bearer")
     return JSONResponse(body, status_code=code, headers=headers or None)
