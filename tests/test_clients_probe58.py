@@ -46,21 +46,19 @@ def _streamed(client: openai.OpenAI, **kwargs) -> tuple[str | None, list, str | 
     return content, [tuple(calls[k]) for k in sorted(calls)], finish
 
 
-@pytest.mark.parametrize("tool_choice", ["required",
-                                         {"type": "function", "function": {"name": "get"}}],
-                         ids=["required", "named"])
 @pytest.mark.parametrize("cut", [12, 16, len(OPENING) - 1])
 def test_a_tool_call_cut_in_its_opening_is_no_content_whole_as_streamed(
-        client: openai.OpenAI, tool_choice, cut):
-    """``max_tokens`` cut a forced call (``required``, a named tool) inside its opening
+        client: openai.OpenAI, cut):
+    """``max_tokens`` cut a ``required`` call inside its opening
     ``<tool_call>\\n{"name":"get","arguments":``, the grammar's markup: the stream sent no
     content and no call (docs/server.md: "a ``<tool_call>`` opening cut short is no content",
     "whole or streamed alike"), while the whole answer gave the markup itself as the
     message's content (``'<tool_call>\\n{"na'``), text no client asked for and that the
     ``required`` tool choice promises is not there. Both now answer content null, no call,
-    ``finish_reason: length``."""
+    ``finish_reason: length``. (A named tool's output has no opening: its arguments alone,
+    the next test.)"""
     needs.module("llguidance", "server")
-    kwargs = {"model": MODEL, "messages": MESSAGES, "tools": [TOOL], "tool_choice": tool_choice,
+    kwargs = {"model": MODEL, "messages": MESSAGES, "tools": [TOOL], "tool_choice": "required",
               "max_tokens": cut, "temperature": 0}
     whole = client.chat.completions.create(**kwargs).choices[0]
     assert whole.finish_reason == "length"
@@ -86,12 +84,13 @@ def test_an_auto_answer_cut_in_its_first_call_s_opening_parses_as_it_streams(tex
     assert grammar.parse_tool_calls(text) == (content, [])
 
 
-@pytest.mark.parametrize("tool_choice", ["required",
-                                         {"type": "function", "function": {"name": "get"}}],
-                         ids=["required", "named"])
+@pytest.mark.parametrize(("tool_choice", "markup"), [
+    ("required", len(OPENING)),
+    ({"type": "function", "function": {"name": "get"}}, 0)],  # (the arguments alone)
+    ids=["required", "named"])
 @pytest.mark.parametrize("into", [1, 3, 5])
 def test_a_forced_call_cut_in_its_arguments_is_the_call_whole_as_streamed(
-        client: openai.OpenAI, tool_choice, into):
+        client: openai.OpenAI, tool_choice, markup, into):
     """``max_tokens`` cut a forced call (``required``, a named tool: the grammar writes the
     call, the model only its arguments) ``into`` tokens into its arguments: the stream sent
     the call with its arguments as generated (``{"x``), as OpenAI streams a cut call and as
@@ -103,7 +102,7 @@ def test_a_forced_call_cut_in_its_arguments_is_the_call_whole_as_streamed(
     call as streamed, content null, ``finish_reason: length``."""
     needs.module("llguidance", "server")
     kwargs = {"model": MODEL, "messages": MESSAGES, "tools": [TOOL], "tool_choice": tool_choice,
-              "max_tokens": len(OPENING) + into, "temperature": 0}
+              "max_tokens": markup + into, "temperature": 0}
     whole = client.chat.completions.create(**kwargs).choices[0]
     streamed = _streamed(client, **kwargs)
     calls = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or ()]
