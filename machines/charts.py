@@ -51,6 +51,10 @@ class _LifecycleModel(Protocol):
 
     def never_opened(self) -> bool: ...
 
+    def shutdown_requested(self) -> bool: ...
+
+    def all_submitted_drained(self) -> bool: ...
+
 
 class _SlotModel(Protocol):
     def undo_slice_done(self) -> bool: ...
@@ -98,6 +102,11 @@ GUARD_RULES: dict[str, str] = {
     "never_opened": (
         "FI13: shutdown before start: no device was opened and no generation exists, so "
         "there is nothing to drain and the exit is orderly (Stopped, not Failed)"
+    ),
+    "shutdown_requested": (
+        "FI13: shutdown() was called: nothing is configured from then on, so a recovery or "
+        "model switch that already tore the old generation down ends there (Stopped once "
+        "drained) instead of configuring a generation only for the shutdown to tear it down"
     ),
     "reset_confirmed": (
         "§9.1/§9.2: after the drain or the vendor-confirmed reset, the runtime no longer "
@@ -247,10 +256,15 @@ class LifecycleChart(StateMachine):
     reconfigure = Recovering.to(Configuring, cond="reset_confirmed")
     # a shutdown before start(): nothing was opened, so the exit is orderly (not Failed);
     # a shutdown that stopped a recovery's golden run (FI13: the golden's queued jobs are
-    # cancelled like any others) drains what was submitted and ends as orderly
+    # cancelled like any others) drains what was submitted and ends as orderly; a shutdown
+    # that began once a recovery or model switch tore the old generation down (Recovering),
+    # or before it configured the next one (Configuring: a refused one torn down, no roll
+    # back), ends it there: nothing is configured once a shutdown was requested
     stop = (Draining.to(Stopped, cond="all_submitted_drained")
             | Configuring.to(Stopped, cond="never_opened")
-            | Warming.to(Stopped, cond="all_submitted_drained"))
+            | Warming.to(Stopped, cond="all_submitted_drained")
+            | Recovering.to(Stopped, cond=["shutdown_requested", "all_submitted_drained"])
+            | Configuring.to(Stopped, cond=["shutdown_requested", "all_submitted_drained"]))
     # §9.2 model switch: a generation that fails to configure or to pass its golden is
     # refused and the last known good calbin is configured again (as Triton keeps the old
     # model on a failed reload); the previous model keeps serving after its own golden.

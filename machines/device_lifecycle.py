@@ -296,6 +296,11 @@ class DeviceLifecycle:
     def last_good_known(self) -> bool:
         return self._rollback_path is not None
 
+    def shutdown_requested(self) -> bool:
+        """``shutdown()`` was called (or runs, from within a recovery): nothing is configured
+        from then on."""
+        return self._shutdown_called or self.stopping
+
     # ---- what the executor and its tests observe (read-only) -------------------------------
     @property
     def ready_waiters(self) -> int:
@@ -900,10 +905,20 @@ class DeviceLifecycle:
         if not status.ok:
             self.fail(status)
             return status
-        status = self._advance(LIFECYCLE_EV_RECONFIGURE)
-        if not status.ok:
-            return status
         target = calbin_path or old.calbin_path
+        # A shutdown requested by now ends the recovery here, the old generation torn down
+        # and nothing configured (Recovering -> Stopped; Configuring -> Stopped if it came
+        # between the two steps): the target was loaded, configured and mapped, its golden
+        # refused (admission stopped) and the lifecycle went Warming -> Stopped, the
+        # shutdown tearing it down again
+        stopped = self._stop_for_shutdown(f"before {target!r} was configured")
+        if stopped is None:
+            status = self._advance(LIFECYCLE_EV_RECONFIGURE)
+            if not status.ok:
+                return status
+            stopped = self._stop_for_shutdown(f"before {target!r} was configured")
+        if stopped is not None:
+            return stopped
         # The other chance if this one is refused: a switch to another calbin rolls back to
         # the last good one (Triton keeps the old model on a failed reload); a recovery, or a
         # reload of the calbin that served, retries it; and a calbin that served is retried
@@ -924,26 +939,33 @@ class DeviceLifecycle:
                 self.fail(released)
                 return released
             fallback = self._rollback_path
-            if self.stopping:
+            why = (f"{first_refusal.code}: {first_refusal.message}" if first_refusal
+                   else refused[0])
+            refusal = (f"{target!r} was refused ({why}) and shutdown() began before "
+                       f"{fallback!r} was configured again: no roll back, nothing configured")
+            if self.shutdown_requested():
                 # A shutdown began while the refused generation was torn down: nothing is
                 # configured once it has (its golden run would be refused anyway, as a
                 # recovery the controller asks for then is dropped). The roll back went on and
                 # loaded, configured and mapped the fallback only for the shutdown to tear it
-                # down. The lifecycle ends as a recovery the shutdown stopped: Warming ->
-                # Stopped (the refused generation's golden), else Failed (its configure).
+                # down. The lifecycle ends Stopped (from Warming: the refused generation's
+                # golden; from Configuring: its configure), Failed if that cannot be.
                 self._rollback_path = None
-                why = (f"{first_refusal.code}: {first_refusal.message}" if first_refusal
-                       else refused[0])
-                status = Status.unavailable(
-                    Phase.RECOVERY, f"{target!r} was refused ({why}) and shutdown() began "
-                    f"before {fallback!r} was configured again: no roll back, nothing "
-                    "configured")
+                stopped = self._stop_for_shutdown(refusal=refusal)
+                if stopped is not None:
+                    record["refused"] = refused
+                    return stopped
+                status = Status.unavailable(Phase.RECOVERY, refusal)
                 break
             advanced = self._advance(LIFECYCLE_EV_ROLL_BACK)
             if not advanced.ok:
                 record["refused"] = refused
                 return advanced
             self._rollback_path = None
+            stopped = self._stop_for_shutdown(refusal=refusal)  # (between the two steps)
+            if stopped is not None:
+                record["refused"] = refused
+                return stopped
             status = self._configure_and_warm(fallback)
             if self._retry_golden(status, refused):
                 # the fallback served, and a job of its golden met a fault (a NaN, a hung or
@@ -965,6 +987,19 @@ class DeviceLifecycle:
                                       f"{target!r} was refused ({why}); {fallback!r} "
                                       "serves again", **self._gctx())
         record["refused"] = refused
+        if (not status.ok and self.run.state == LIFECYCLE_CONFIGURING
+                and self._host.gen is None and self.shutdown_requested()):
+            # the calbin's configure was refused (nothing of it is left) with a shutdown
+            # begun: no roll back, nothing configured, Configuring -> Stopped (it ended
+            # Failed, an exit 3 as for a broken device, though nothing was left on it)
+            fallback, self._rollback_path = self._rollback_path, None
+            then = (f"before {fallback!r} was configured again: no roll back, nothing "
+                    "configured" if fallback else "nothing configured")
+            stopped = self._stop_for_shutdown(refusal=(
+                f"{target!r} was refused ({status.code}: {status.message}) and shutdown() "
+                f"began {then}"))
+            if stopped is not None:
+                return stopped
         if not status.ok:
             # A shutdown stopped the golden run (its queued jobs are cancelled as any others,
             # FI13): no verdict on the calbin. With nothing left on the device the exit is
@@ -993,6 +1028,27 @@ class DeviceLifecycle:
             self.fail(status)
             return status
         return self._go_ready()
+
+    def _stop_for_shutdown(self, before: str = "", refusal: str = "") -> Status | None:
+        """(a recovery, its old or refused generation torn down, the next one not configured
+        yet) A shutdown was requested: the recovery ends here, nothing configured (the
+        lifecycle's ``stop`` from Recovering, Configuring or Warming, guarded by
+        ``shutdown_requested`` and ``all_submitted_drained``), and the Status it answers says
+        so (``refusal``: the refused calbin and the roll back not made; else ``before`` what
+        it stopped). None when the lifecycle chart takes no ``stop`` now (its guards decide: no
+        shutdown requested, or a job still on the device): the caller goes on as before."""
+        with self.mu:
+            if not self.run.can(LIFECYCLE_EV_STOP):
+                return None
+            state = self.run.state
+            self.run.send(LIFECYCLE_EV_STOP)
+            self.admitting = False
+            self.ready_cv.notify_all()
+        log.info("recovery stopped by shutdown() in %s, nothing configured: lifecycle "
+                 "Stopped", state)
+        return Status.unavailable(
+            Phase.RECOVERY, refusal or f"shutdown() began once the recovery had torn the old "
+            f"generation down, {before}: nothing configured, lifecycle Stopped")
 
     def _stopped_draining(self, reason: Status, reset_done: bool,
                           record: _RecoveryProgress) -> Status:

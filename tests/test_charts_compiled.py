@@ -145,7 +145,30 @@ def test_lifecycle_properties(steps):
             assert outcomes["all_submitted_drained"]
         if target == "Stopped":  # FI13: clean shutdown drains submitted work, or had none
             assert (source in ("Draining", "Warming") and outcomes["all_submitted_drained"]) \
-                or (source == "Configuring" and outcomes["never_opened"])
+                or (source == "Configuring" and outcomes["never_opened"]) \
+                or (source in ("Recovering", "Configuring") and outcomes["shutdown_requested"]
+                    and outcomes["all_submitted_drained"])
+
+
+@pytest.mark.parametrize("source", ["Recovering", "Configuring"])
+@pytest.mark.parametrize("requested", [True, False])
+@pytest.mark.parametrize("drained", [True, False])
+def test_lifecycle_stops_mid_recovery_only_when_shutdown_requested_and_drained(
+        source, requested, drained):
+    """FI13 (stop 58): a recovery that tore its old generation down stops there (Recovering,
+    or Configuring after a start) only once a shutdown was requested and nothing submitted is
+    left: each guard of the two decides on its own."""
+    run = LIFECYCLE.run(GuardTable.for_chart(LIFECYCLE))
+    for event in ("configured", "warmed", "drain", "recover"):
+        run.send(event)
+    if source == "Configuring":
+        run.send("reconfigure")
+    assert run.state == source
+    run.model.outcomes = {"shutdown_requested": requested, "all_submitted_drained": drained,
+                          "never_opened": False}
+    assert run.can("stop") == (requested and drained), (source, requested, drained)
+    if requested and drained:
+        assert run.send("stop") == "Stopped"
 
 
 def test_bench_reports_both_forms(capsys):

@@ -736,6 +736,16 @@ def lifecycle_scenarios(calbins):
         until(lambda: ex.state == "Warming" and ex.kvc is not None and ex.kvc.waiting == 1,
               what="the recovery's golden waiting for KV")
         assert ex.shutdown(grace=1.0).ok and ex.state == "Stopped"
+    # Recovering -> Stopped (a shutdown began once a switch tore the old generation down)
+    from lifecycle_hooks import shutdown_at_a_refused_configure, shutdown_once_torn_down
+    other_sha = cb.write(calbins["other"], cb.default_spec(seed=OTHER_SEED))
+    shutdown_once_torn_down(calbins["main"], calbins["other"],
+                            {other_sha: oracle_golden(OTHER_SEED)}, "switch_model")
+    # Configuring -> Stopped (a shutdown began at the switch's refused configure)
+    garbage = calbins["main"] + ".garbage"
+    with open(garbage, "wb") as out:
+        out.write(b"not a calbin" * 64)
+    shutdown_at_a_refused_configure(calbins["main"], garbage)
     # ... but Warming -> Failed when the stopped golden's job is still on the device (hung)
     with running_executor(calbins["main"], golden_timeout_s=1.0) as ex:
         arm(ex, "HANG")
