@@ -602,12 +602,7 @@ class DeviceExecutor(SequenceOwnership):
             job.gen, job.generation_id = gen, gen.id if gen is not None else 0
         if not (life.admitting or (internal and life.run.state == LIFECYCLE_WARMING)) \
                 or life.stopping or gen is None:
-            # (a shutdown stops admission with the lifecycle still Ready or Draining: named,
-            # so a caller does not retry a device that only drains)
-            why = ("the executor is shutting down (shutdown() called)" if life.stopping
-                   else f"device lifecycle is {life.run.state}")
-            return self.outcomes.fail_early(job, Status.unavailable(
-                Phase.ADMISSION, f"{why}; not admitting", **job.ctx()))
+            return self.outcomes.fail_early(job, self._not_admitting(**job.ctx()))
         generation = gen.contracts
         status = check_request(request, generation)
         if status.ok:
@@ -631,6 +626,29 @@ class DeviceExecutor(SequenceOwnership):
             return self.outcomes.abandon_before_submit(job, exc, "enqueue")
         finally:
             self.dispatch.exit(gen)
+
+    def _not_admitting(self, **ctx: int) -> Status:
+        """The ``lifecycle.unavailable`` of a request (or a decode stream) the lifecycle does
+        not admit: a shutdown is named (it stops admission with the lifecycle still Ready or
+        Draining), so a caller does not retry a device that only drains, and so is a
+        ``start()`` never called (the lifecycle's Configuring read as a device configuring);
+        else the state."""
+        life = self.life
+        why = ("the executor is shutting down (shutdown() called)" if life.stopping
+               else f"start() was not called yet (device lifecycle {life.run.state})"
+               if life.never_opened() else f"device lifecycle is {life.run.state}")
+        return Status.unavailable(Phase.ADMISSION, f"{why}; not admitting", **ctx)
+
+    def _admits_no_stream(self, seq_id: int) -> Status | None:
+        """Why a ``decode_stream`` opened now could never take a step: ``start()`` not called
+        yet, a shutdown begun, or the lifecycle final (Failed, Stopped). What ``enqueue``
+        answers then (its handle resolved at once), for the stream returned closed. None
+        otherwise: through a start or a recovery the stream stays open, its steps admitted
+        as ``enqueue`` admits requests then."""
+        life = self.life
+        if not (life.stopping or life.run.final or life.never_opened()):
+            return None
+        return self._not_admitting(seq_id=seq_id)
 
     def enqueue_internal(self, request: InferenceRequest) -> JobHandle:
         """A job of the executor's own (the lifecycle's golden run): admitted while Warming,
@@ -1364,7 +1382,8 @@ class DeviceExecutor(SequenceOwnership):
         # the stream arms its own; a step an earlier greedy stream fired ahead leaves first
         self.outcomes.release_armed_of(seq_id, ahead_until=self.clock.monotonic() + 1.0)
         stream = DecodeStream(self, seq_id, past_len, deadline, logits_out, want_logits,
-                              max_len, request_id, greedy_ahead, stop_tokens, max_steps)
+                              max_len, request_id, greedy_ahead, stop_tokens, max_steps,
+                              refused=self._admits_no_stream(seq_id))
         if not stream.closed:
             self.dispatch.open_stream(seq_id, stream)  # (``_drop_armed``: its step ahead)
         return stream

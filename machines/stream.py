@@ -117,7 +117,7 @@ class DecodeStream:
                  want_logits: tuple[int, int] | None = None,
                  max_len: int | None = None, request_id: int = 0,
                  greedy_ahead: bool = False, stop_tokens: Collection[SupportsInt] = (),
-                 max_steps: int | None = None) -> None:
+                 max_steps: int | None = None, refused: Status | None = None) -> None:
         self.ex = ex
         self.seq_id = seq_id
         self.past_len = past_len  # committed length the next job starts from
@@ -160,6 +160,13 @@ class DecodeStream:
         # guarded by the dispatch lock (``ex.dispatch.cv``): the submitter arms the next job
         # after the one just fired (``arm_next``: its KV txn and the next position)
         self._next: tuple[KvTxn | None, int] = (None, past_len)
+        if refused is not None:
+            # the executor admits no step of it (start() not called, a shutdown begun, the
+            # lifecycle final): returned closed, as ``enqueue`` returns its handle resolved
+            # then, ``status`` saying why (it was returned open, and only its first submit
+            # answered, naming neither the shutdown nor the missing start)
+            self.status = refused
+            return
         job = self._arm_job(None, past_len, blocking=False, notify=True)
         if isinstance(job, Job):
             self._armed = job

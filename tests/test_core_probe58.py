@@ -8,9 +8,23 @@ from __future__ import annotations
 
 import pytest
 
+from calexec.contracts.errors import Category
+from calexec.contracts.status import Phase, Status
+from calexec.drivers.calrt.runtime import CalRT
 from calexec.drivers.synthetic import calbin as cb
-from executor_harness import oracle_golden, write_calbin
-from lifecycle_hooks import shutdown_at_a_refused_configure, shutdown_once_torn_down
+from calexec.machines.executor import DeviceExecutor, ExecutorConfig
+from executor_harness import (
+    MANIFEST,
+    deadline,
+    oracle_golden,
+    prefill,
+    write_calbin,
+)
+from lifecycle_hooks import (
+    hooked_executor,
+    shutdown_at_a_refused_configure,
+    shutdown_once_torn_down,
+)
 
 OTHER_SEED = 5858
 
@@ -47,4 +61,65 @@ def test_a_shutdown_during_a_refused_configure_ends_stopped_not_failed(calbins):
     way from Configuring to Stopped once a device was opened. Nothing is left on the device
     and nothing configured: it ends Stopped (``shutdown_requested``) and the shutdown OK."""
     shutdown_at_a_refused_configure(calbins["main"], calbins["garbage"])
+
+
+# ---- 2. a decode stream the executor can never serve ----------------------------------------
+@pytest.mark.parametrize("when", ["before start", "after shutdown"])
+def test_a_decode_stream_before_start_or_after_shutdown_is_returned_closed(calbins, when):
+    """``enqueue`` before ``start()`` (or after ``shutdown()``) returns a handle resolved at
+    once with ``lifecycle.unavailable``, and ``decode_sync`` answers it; ``decode_stream``
+    returned an open stream (``closed`` False, ``status`` None) whose first ``submit`` only
+    then answered, after a shutdown with another text ("device lifecycle is Stopped: no
+    model generation is loaded") than the shutdown ``enqueue`` names. The stream is now
+    returned closed, its ``status`` what ``enqueue`` answers, and ``submit`` answers it; before
+    ``start()`` all three name the missing start (it read "device lifecycle is Configuring",
+    a device still configuring, to retry)."""
+    ex = DeviceExecutor(CalRT.load(), MANIFEST, ExecutorConfig(calbin_path=calbins["main"]))
+    if when == "after shutdown":
+        assert ex.start().ok
+        assert ex.shutdown(5.0).ok
+    expected = "start() was not called" if when == "before start" else "shutdown() called"
+    try:
+        handle = ex.enqueue(prefill(1, [1, 2, 3]))
+        assert handle.done
+        refused = handle.wait_until(deadline())
+        assert isinstance(refused, Status) and refused.code == "lifecycle.unavailable"
+        assert expected in refused.message, refused
+        code, synced = ex.decode_sync(prefill(1, [1, 2, 3]))
+        assert code != 0 and isinstance(synced, Status)
+        assert (synced.code, synced.message) == (refused.code, refused.message), synced
+        stream = ex.decode_stream(1, 3, deadline())
+        assert stream.closed, "decode_stream returned an open stream it can never serve"
+        assert (stream.status.code, stream.status.message) == (refused.code, refused.message)
+        assert stream.status.seq_id == 1, stream.status
+        submitted = stream.submit(5)
+        assert isinstance(submitted, Status) and submitted.message == refused.message
+        stream.close()
+        assert stream.quiet
+    finally:
+        ex.shutdown(5.0)
+    assert ex.state == "Stopped", ex.state
+
+
+def test_a_decode_stream_opened_during_a_recovery_stays_open(calbins):
+    """The stream closed at birth is only for an executor that can never serve it: one
+    opened while a recovery runs stays open, its step admitted once the lifecycle is Ready
+    again (as ``enqueue`` queues through a recovery)."""
+    ex, device = hooked_executor(ExecutorConfig(calbin_path=calbins["main"]))
+    opened: list = []
+
+    def open_a_stream() -> None:  # on the recovery's thread, tearing generation 1 down
+        opened.append(ex.decode_stream(1, 0, deadline()))
+
+    try:
+        first = ex.enqueue(prefill(1, [1, 2, 3])).wait_until(deadline())
+        assert not isinstance(first, Status), first
+        assert ex.release_sequence(1).ok
+        device.on_teardown = open_a_stream
+        assert ex.recover(Status.failure("lifecycle.probe", Category.LIFECYCLE,
+                                         Phase.RECOVERY, "a rebuild"), reset=False).ok
+        assert opened and not opened[0].closed, opened
+        opened[0].close()
+    finally:
+        ex.shutdown(5.0)
 

@@ -805,17 +805,20 @@ def test_a_stream_step_with_no_generation_is_unavailable_not_an_invalid_token(ca
     """With no model generation (here: after shutdown; also between two during a switch) a
     stream's step used to answer ``request.invalid`` "token=1: outside [0, vocab_size=0)",
     a 400 blaming a valid token. It is ``lifecycle.unavailable`` (503: retry elsewhere), as
-    ``enqueue`` answers then (found at stop 44 by an embedder)."""
+    ``enqueue`` answers then (found at stop 44 by an embedder). Since stop 58 a stream
+    opened after shutdown is returned closed with that Status (the shutdown named, as
+    ``enqueue`` names it), so even ``submit_nowait`` answers it at once."""
     with running_job_path(calbin) as ex:
         assert ex.shutdown(grace=5.0).ok
         stream = ex.decode_stream(1, 0, deadline(BOUND_S))
-        assert stream.submit_nowait(1) is None  # it cannot answer without blocking
+        assert stream.closed
         step = stream.step(1)
         assert isinstance(step, Status), step
         assert (step.code, step.category.name, step.seq_id) == (
             "lifecycle.unavailable", "UNAVAILABLE", 1), step
-        assert "Stopped" in step.message and stream.closed
+        assert "shutdown() called" in step.message, step
         assert stream.submit(1) is step  # the closed stream keeps its reason
+        assert stream.submit_nowait(1) is step
 
 
 def test_a_second_start_raises_at_once_and_the_executor_serves_on(calbin):
