@@ -337,7 +337,11 @@ class JobHandle:
         _check_deadline("JobHandle.wait_until", deadline)
         return self._wait("wait_until", deadline)
 
-    def _wait(self, call: str, deadline: float | None) -> InferenceResult | Status:
+    def _wait(self, call: str, deadline: float | None,
+              timeout_given: float | None = None) -> InferenceResult | Status:
+        """The wait of ``call`` (``wait_until``, or ``result`` given ``timeout_given``
+        seconds: its ``wait.deadline`` names that call and that timeout, not a deadline the
+        caller never gave)."""
         job = self._job
         clock = job.clock
         if (job.refuse_wait is not None and not job._done.is_set()
@@ -360,15 +364,18 @@ class JobHandle:
             timeout = None  # beyond what a thread can wait (an infinite deadline): no limit
         if clock.wait_event(self._job._done, timeout):
             return self._job.resolved_result()
-        return Status.deadline(Phase.WAIT, "wait_until deadline passed; the job continues "
+        what = (f"JobHandle.result(timeout={timeout_given!r}) timed out" if call == "result"
+                else "wait_until deadline passed")
+        return Status.deadline(Phase.WAIT, f"{what}; the job continues "
                                            f"(state {self._job.run.state})", **self._job.ctx())
 
     def result(self, timeout: float | None = None) -> InferenceResult | Status:
         """``wait_until`` with a relative timeout in seconds (None or ``math.inf``: no limit;
-        0 or less: only looks, and so may a done callback)."""
+        0 or less: only looks, and so may a done callback). Timed out: a ``wait.deadline``
+        naming ``result`` and the timeout given."""
         _check_deadline("JobHandle.result", timeout, "timeout")
         return self._wait("result", None if timeout is None else
-                          self._job.clock.monotonic() + timeout)
+                          self._job.clock.monotonic() + timeout, timeout)
 
     def cancel(self) -> bool:
         """Request cancellation. Idempotent. True when the request was recorded before the job

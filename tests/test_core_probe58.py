@@ -18,6 +18,7 @@ from executor_harness import (
     deadline,
     oracle_golden,
     prefill,
+    running_executor,
     write_calbin,
 )
 from lifecycle_hooks import (
@@ -123,3 +124,26 @@ def test_a_decode_stream_opened_during_a_recovery_stays_open(calbins):
     finally:
         ex.shutdown(5.0)
 
+
+# ---- 3. result(timeout) timing out names the call made ----------------------------------------
+def test_result_timing_out_names_result_and_its_timeout(calbins):
+    """``handle.result(timeout=0.05)`` on a job the device has not finished answered
+    ``wait.deadline`` "wait_until deadline passed", naming a call the caller never made and
+    no timeout; it now names ``JobHandle.result(timeout=0.05)``. ``wait_until`` keeps its
+    own words."""
+    with running_executor(calbins["main"]) as ex:
+        emu = ex.device.emu
+        assert emu.set_stepped(True) == 0  # the device finishes nothing until released
+        try:
+            handle = ex.enqueue(prefill(1, [1, 2, 3]))
+            timed_out = handle.result(timeout=0.05)
+            looked = handle.result(0)
+            waited = handle.wait_until(deadline(0.05))
+        finally:
+            assert emu.set_stepped(False) == 0
+        assert isinstance(timed_out, Status) and timed_out.code == "wait.deadline", timed_out
+        assert "JobHandle.result(timeout=0.05) timed out" in timed_out.message, timed_out
+        assert "wait_until" not in timed_out.message, timed_out
+        assert isinstance(looked, Status) and "result(timeout=0)" in looked.message, looked
+        assert isinstance(waited, Status) and "wait_until" in waited.message, waited
+        assert not isinstance(handle.result(10.0), Status)
