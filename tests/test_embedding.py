@@ -32,6 +32,7 @@ from executor_harness import (
     make_executor,
     prefill,
     running_job_path,
+    settle,
     until,
     write_calbin,
 )
@@ -671,7 +672,10 @@ def test_example_generation_given_up_early_or_cancelled_gives_everything_back(ca
                 await task
             await asyncio.wait_for(asyncio.gather(*embedding.finishing), BOUND_S)
             assert embedding.free.qsize() == 1 and not embedding.withheld
-            snap = ex.snapshot()
+            # the last job's lease goes back after its caller was woken (its permit and
+            # budget before): read at once, a completion thread preempted between the two
+            # (two CPU hogs) still had it InFlight. Wait (bounded) for the completion side
+            snap = await embedding.call(settle, ex)
             assert snap["pending_tokens"] == 0 and snap["slots"]["Leased"] == 0, snap
             assert snap["slots"]["InFlight"] == 0 and not snap["dispatch"]["armed"]
             full = [token async for token in embedding.generate(PROMPT, 5, frozenset(), far)]
