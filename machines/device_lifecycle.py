@@ -911,14 +911,14 @@ class DeviceLifecycle:
         # between the two steps): the target was loaded, configured and mapped, its golden
         # refused (admission stopped) and the lifecycle went Warming -> Stopped, the
         # shutdown tearing it down again
-        stopped = self._stop_for_shutdown(f"before {target!r} was configured")
-        if stopped is None:
+        ended = self._stop_for_shutdown(f"before {target!r} was configured")
+        if ended is None:
             status = self._advance(LIFECYCLE_EV_RECONFIGURE)
             if not status.ok:
                 return status
-            stopped = self._stop_for_shutdown(f"before {target!r} was configured")
-        if stopped is not None:
-            return stopped
+            ended = self._stop_for_shutdown(f"before {target!r} was configured")
+        if ended is not None:
+            return ended
         # The other chance if this one is refused: a switch to another calbin rolls back to
         # the last good one (Triton keeps the old model on a failed reload); a recovery, or a
         # reload of the calbin that served, retries it; and a calbin that served is retried
@@ -951,10 +951,10 @@ class DeviceLifecycle:
                 # down. The lifecycle ends Stopped (from Warming: the refused generation's
                 # golden; from Configuring: its configure), Failed if that cannot be.
                 self._rollback_path = None
-                stopped = self._stop_for_shutdown(refusal=refusal)
-                if stopped is not None:
+                ended = self._stop_for_shutdown(refusal=refusal)
+                if ended is not None:
                     record["refused"] = refused
-                    return stopped
+                    return ended
                 status = Status.unavailable(Phase.RECOVERY, refusal)
                 break
             advanced = self._advance(LIFECYCLE_EV_ROLL_BACK)
@@ -962,10 +962,10 @@ class DeviceLifecycle:
                 record["refused"] = refused
                 return advanced
             self._rollback_path = None
-            stopped = self._stop_for_shutdown(refusal=refusal)  # (between the two steps)
-            if stopped is not None:
+            ended = self._stop_for_shutdown(refusal=refusal)  # (between the two steps)
+            if ended is not None:
                 record["refused"] = refused
-                return stopped
+                return ended
             status = self._configure_and_warm(fallback)
             if self._retry_golden(status, refused):
                 # the fallback served, and a job of its golden met a fault (a NaN, a hung or
@@ -995,11 +995,11 @@ class DeviceLifecycle:
             fallback, self._rollback_path = self._rollback_path, None
             then = (f"before {fallback!r} was configured again: no roll back, nothing "
                     "configured" if fallback else "nothing configured")
-            stopped = self._stop_for_shutdown(refusal=(
+            ended = self._stop_for_shutdown(refusal=(
                 f"{target!r} was refused ({status.code}: {status.message}) and shutdown() "
                 f"began {then}"))
-            if stopped is not None:
-                return stopped
+            if ended is not None:
+                return ended
         if not status.ok:
             # A shutdown stopped the golden run (its queued jobs are cancelled as any others,
             # FI13): no verdict on the calbin. With nothing left on the device the exit is
