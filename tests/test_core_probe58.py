@@ -6,6 +6,8 @@ bounded poll of a condition or a bounded join; nothing asserts a duration.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from calexec.contracts.errors import Category
@@ -19,6 +21,7 @@ from executor_harness import (
     oracle_golden,
     prefill,
     running_executor,
+    until,
     write_calbin,
 )
 from lifecycle_hooks import (
@@ -62,6 +65,32 @@ def test_a_shutdown_during_a_refused_configure_ends_stopped_not_failed(calbins):
     way from Configuring to Stopped once a device was opened. Nothing is left on the device
     and nothing configured: it ends Stopped (``shutdown_requested``) and the shutdown OK."""
     shutdown_at_a_refused_configure(calbins["main"], calbins["garbage"])
+
+
+def test_a_shutdown_with_grace_to_spare_stops_a_torn_down_switch_at_once(calbins):
+    """The same shutdown with a long grace (10 s: the switch may take half of it to finish
+    on its own): once it was requested, the switch, its old generation torn down, configures
+    nothing (it loaded the calbin again and ran the golden to go live for the shutdown to
+    tear it all down); the lifecycle ends Stopped and the shutdown answers OK."""
+    ex, device = hooked_executor(ExecutorConfig(calbin_path=calbins["main"]))
+    answers: list[Status] = []
+    thread = threading.Thread(target=lambda: answers.append(ex.shutdown(10.0)),
+                              name="probe58-shutdown", daemon=True)
+
+    def shutdown_requested() -> None:  # on the switch's thread, tearing generation 1 down
+        thread.start()
+        until(lambda: ex.life.shutdown_requested(), 20, "the shutdown requested")
+
+    try:
+        device.on_teardown = shutdown_requested
+        status = ex.switch_model(calbins["main"])
+        thread.join(30)
+        assert [path for path, _ in device.loads] == [calbins["main"]], device.loads
+        assert status.code == "lifecycle.unavailable" and "shutdown()" in status.message
+        assert answers and answers[0].ok and ex.state == "Stopped", (answers, ex.state)
+    finally:
+        thread.join(30) if thread.ident is not None else None
+        ex.shutdown(5.0)
 
 
 # ---- 2. a decode stream the executor can never serve ----------------------------------------
