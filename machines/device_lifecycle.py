@@ -1292,7 +1292,9 @@ class DeviceLifecycle:
 
         A recovery or model switch in progress (the controller's thread, or a caller's
         ``recover``/``switch_model``) ends first: it gets half of ``grace`` to finish on its own
-        (a switch then goes live and shutdown ends Stopped); then admission (golden runs
+        (a switch then goes live and shutdown ends Stopped; one that tore its old generation
+        down before or meanwhile configures nothing more and ends Stopped there, the chart's
+        ``stop`` guarded by ``shutdown_requested``); then admission (golden runs
         included) stops and queued jobs are cancelled, so it ends quickly (Failed, if it had
         already torn the old generation down; a recovery still draining the old generation
         stops there, its jobs left to the shutdown's drain). Shutdown holds ``recovery_mu``
