@@ -21,7 +21,8 @@ Routes, relative to the mount point: ``/`` the page (the charts drawn by graphvi
 rates painted and refreshed by its own script, no reload), ``/live.json`` the data,
 ``/{chart}.svg`` one chart (its ``active`` state highlighted; ``?active=STATE``: that state,
 a 400 naming it and the chart's states when the chart has none of that id), ``/runs/{run_id}`` the path of
-one followed run (``?format=json``: its steps; else its chart with the path drawn). Drawing
+one followed run (``?format=json``: its steps; else its chart with the path drawn). A
+parameter given empty (``?active=``) is not given, on every route. Drawing
 needs graphviz's ``dot``: without it those routes answer 503 naming it; ``/live.json`` and the
 JSON path do not draw.
 
@@ -636,11 +637,28 @@ def inspector_app(inspector: Inspector, options: AppOptions | None = None) -> St
     def base(request: Request) -> str:
         return str(request.scope.get("root_path", "")).rstrip("/")
 
+    def query(request: Request, taken: tuple[str, ...]) -> tuple[list[str], dict[str, list[str]]]:
+        """The query's keys a route does not take (sorted), and the values given to those it
+        takes, each list in the query's order. A value that is empty or blank (``?active=``,
+        ``?active``: an empty form field, a JS ``null`` left out) is not given, on every route,
+        so ``?active=&active=on`` gives ``on`` once (until stop 58 it was a 400, ``active='':
+        not a state``), and a bare ``?=`` is no parameter; a key not taken is refused whatever
+        its value."""
+        unknown: set[str] = set()
+        given: dict[str, list[str]] = {key: [] for key in taken}
+        for key, value in request.query_params.multi_items():
+            if key not in given:
+                if key or value:
+                    unknown.add(key)
+            elif value.strip():
+                given[key].append(value)
+        return sorted(unknown), given
+
     def query_taken(request: Request, route: str) -> Response | None:
         """The 400 of a query parameter a route without any was given (None: none given),
         naming each, as ``runs/{run_id}`` refuses one it does not take: ``live.json?run=3``
         answered as if it had been honoured."""
-        unknown = sorted(set(request.query_params))
+        unknown, _ = query(request, ())
         if not unknown:
             return None
         said = "unknown parameter" if len(unknown) == 1 else "unknown parameters"
@@ -659,8 +677,8 @@ def inspector_app(inspector: Inspector, options: AppOptions | None = None) -> St
         if entry is None:
             return refused(request, 404, f"chart={name!r:.60} is not one of "
                                          f"{sorted(inspector.charts)}")
-        unknown = sorted({key for key in request.query_params if key != "active"})
-        given = request.query_params.getlist("active")
+        unknown, taken = query(request, ("active",))
+        given = taken["active"]
         if unknown:  # (every query was ignored: ?active=on drew the busiest state)
             said = "unknown parameter" if len(unknown) == 1 else "unknown parameters"
             return refused(request, 400, f"{', '.join(key[:60] for key in unknown[:8])}: "
@@ -704,8 +722,8 @@ def inspector_app(inspector: Inspector, options: AppOptions | None = None) -> St
         if record is None or chart is None:
             return refused(request, 404, f"run_id={run_id!r:.60}: not followed (or older "
                                          f"than the last {inspector.paths.keep} runs)")
-        unknown = sorted(key for key in request.query_params if key != "format")
-        given = request.query_params.getlist("format")
+        unknown, taken = query(request, ("format",))
+        given = taken["format"]
         if unknown:  # (a mistyped key answered the page, as if honoured)
             return refused(request, 400, f"{unknown[0][:60]}: unknown parameter (runs/"
                                          "{run_id}?format=json|html)")

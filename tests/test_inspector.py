@@ -428,7 +428,6 @@ def test_an_active_state_the_chart_does_not_have_is_named_not_drawn():
         for query, error in [
                 ("active=nope", "active='nope': not a state of 'Lamp' (its states, by id: "
                                 "off, on)"),
-                ("active=", "active='': not a state of 'Lamp' (its states, by id: off, on)"),
                 ("activ=on", "activ: unknown parameter ({chart}.svg?active=STATE)"),
                 ("active=on&active=off", "active: given more than once (one state to "
                                          "highlight)")]:
@@ -443,4 +442,57 @@ def test_an_active_state_the_chart_does_not_have_is_named_not_drawn():
             "typo: the active= function given to register answered a state the chart does "
             "not have: 'On' (its states, by id: off, on)")
         assert live["typo"]["counts"] == {"off": 2, "on": 1} and "error" not in live["Lamp"]
+    inspector.close()
+
+
+def test_a_parameter_given_empty_is_taken_as_not_given_on_every_route():
+    """Found at stop 58: ``/Lamp.svg?active=`` (what a link built from an empty field or a
+    JS ``null`` sends, or ``?active`` alone) was a 400, ``active='': not a state``, and
+    ``runs/{id}?format=`` a 400, ``format='': must be json or html``, where a user means "not
+    given". Every route now takes a known parameter given empty as not given (the busiest
+    state highlighted, the page answered), drops it before counting repeats
+    (``?active=&active=on`` highlights ``on``), ignores a bare ``?=`` or ``&``, and still
+    refuses an unknown key, empty or not, naming it."""
+    from statemachine import State, StateMachine
+
+    from calexec.machines.inspector import AppOptions
+
+    class Lamp(StateMachine):
+        off = State(initial=True)
+        on = State()
+        flip = off.to(on) | on.to(off)
+
+    inspector = Inspector()
+    inspector.register(Lamp, counts=lambda: {"off": 1, "on": 3}, count_instances=False)
+    run = compiled(Lamp).run(object())
+    inspector.paths.follow("r1", run)
+    run.send("flip")
+    app = Starlette(routes=[Mount("/charts", inspector_app(
+        inspector, AppOptions(svg=lambda chart, active: f"<svg>{chart.name} {active}</svg>")))])
+    with TestClient(app) as client:
+        for query in ["active=", "active", "active=%20", "active=&active=", "=", "&", "active=&"]:
+            answer = client.get(f"/charts/Lamp.svg?{query}")
+            assert answer.status_code == 200, (query, answer.text)
+            assert answer.text == "<svg>Lamp on</svg>", query  # the busiest, as with no query
+        both = client.get("/charts/Lamp.svg?active=&active=off")
+        assert both.status_code == 200 and both.text == "<svg>Lamp off</svg>", both.text
+        for query in ["format=", "format", "format=&format=", "="]:
+            page = client.get(f"/charts/runs/r1?{query}")
+            assert page.status_code == 200, (query, page.text[:300])
+            assert page.headers["content-type"].startswith("text/html"), query
+        data = client.get("/charts/runs/r1?format=&format=json")
+        assert data.status_code == 200 and data.json()["state"] == "on", data.text[:300]
+        for route in ["/charts/", "/charts/live.json"]:
+            answer = client.get(f"{route}?=")
+            assert answer.status_code == 200, (route, answer.text[:300])
+        for url, error in [
+                ("/charts/live.json?run=", "run: unknown parameter (live.json takes no query "
+                                           "parameter)"),
+                ("/charts/Lamp.svg?activ=", "activ: unknown parameter ({chart}.svg?active="
+                                            "STATE)"),
+                ("/charts/runs/r1?fromat=", "fromat: unknown parameter (runs/{run_id}?format="
+                                            "json|html)")]:
+            answer = client.get(url)
+            assert answer.status_code == 400, (url, answer.text)
+            assert answer.json() == {"error": error}, url
     inspector.close()
