@@ -7,8 +7,10 @@ directory (it is put first on ``sys.path``), so a user's own chart needs no inst
 from __future__ import annotations
 
 import contextlib
+import difflib
 import importlib
 import os
+import pkgutil
 import signal
 import sys
 import threading
@@ -69,12 +71,17 @@ def load_chart(ref: str, cwd: str | None = None) -> type[StateChart[Any]]:
             hint = ""
             if isinstance(err, ModuleNotFoundError) and err.name == module_name.split(".")[0]:
                 hint = _found_below(root, module_name)
+            if (not hint and isinstance(err, ModuleNotFoundError) and err.name
+                    and module_name.startswith(err.name)):
+                hint = _near_module(root, err.name)
             raise ChartRefError(ref, f"cannot import module {module_name!r} from {root} "
                                 f"({type(err).__name__}{_where(err, root)}: {why}){hint}"
                                 ) from err
     found: object = module
+    owner: object = module  # what the last part is read from
     missing = object()
     for part in class_name.split("."):
+        owner = found
         try:
             found = getattr(found, part, missing)
         except Exception as err:  # noqa: BLE001 - a module's __getattr__, a property
@@ -82,11 +89,12 @@ def load_chart(ref: str, cwd: str | None = None) -> type[StateChart[Any]]:
                                 f"raised {type(err).__name__}: {_first_line(str(err))}") from err
         if found is missing:
             raise ChartRefError(ref, f"module {module_name!r} has no attribute "
-                                f"{class_name!r} (expected a chart class there)")
+                                f"{class_name!r} (expected a chart class there)"
+                                f"{_near_chart(owner, part)}")
     if not (isinstance(found, type) and issubclass(found, StateChart)):
         raise ChartRefError(ref, f"{class_name} is {type(found).__name__} {_shown(found)}, "
                             f"not a python-statemachine chart class (a StateMachine or "
-                            f"StateChart subclass)")
+                            f"StateChart subclass){_near_chart(owner, '')}")
     if not found.states:
         raise ChartRefError(ref, f"{class_name} declares no states (a base class of "
                             f"charts? name the subclass that declares them)")
@@ -206,6 +214,59 @@ def _found_below(root: str, module_name: str, depth: int = 3, budget: int = 2000
     more = f" (and below {', '.join(found[1:3])})" if len(found) > 1 else ""
     return (f"; {shown} is there{more}: put {first} on the path as the command starts "
             f"(PYTHONPATH={first}; in pytest's configuration, pythonpath = {first})")
+
+
+def _is_chart(value: object) -> bool:
+    return isinstance(value, type) and issubclass(value, StateChart) and bool(value.states)
+
+
+def _near_chart(owner: object, name: str) -> str:
+    """``; did you mean 'ParcelLocker'?`` naming the chart class of ``owner`` (a module, or a
+    class holding charts) nearest ``name``, or its chart classes when none is near
+    (``; its chart classes: A, B``), "" when it holds none: ``locker:Parcellocker`` (a case
+    slip) or ``locker:Parcel`` (the model) said only that the name is missing or no chart."""
+    try:
+        charts = sorted(key for key, value in vars(owner).items()
+                        if isinstance(key, str) and _is_chart(value))
+    except TypeError:  # an object without __dict__
+        return ""
+    if not charts:
+        return ""
+    near = _near(name, charts) if name else None
+    if near is not None:
+        return f"; did you mean {near!r}?"
+    return f"; its chart classes: {', '.join(charts[:8])}{', ...' if len(charts) > 8 else ''}"
+
+
+def _near(name: str, names: list[str]) -> str | None:
+    """The one of ``names`` ``name`` most likely mistypes (the same but for case first), or
+    None."""
+    same = [candidate for candidate in names if candidate.lower() == name.lower()]
+    if same:
+        return same[0]
+    close = difflib.get_close_matches(name, names, n=1, cutoff=0.75)
+    return close[0] if close else None
+
+
+def _near_module(root: str, missing: str) -> str:
+    """``; did you mean 'locker'?`` naming the module nearest ``missing`` (a dotted name
+    ``import`` did not find) beside where it was looked for: ``root`` for a top-level one
+    (not the rest of ``sys.path``: a stdlib name is no chart's), the parent package for a
+    submodule; "" when none is near."""
+    parent, _, leaf = missing.rpartition(".")
+    if parent:
+        package = sys.modules.get(parent)
+        where = list(getattr(package, "__path__", None) or [])
+    else:
+        where = [root]
+    try:
+        names = sorted({module.name for module in pkgutil.iter_modules(where)})
+    except OSError:
+        return ""
+    near = _near(leaf, names)
+    if near is None:
+        return ""
+    return f"; did you mean {(parent + '.' if parent else '') + near!r}?"
 
 
 def _module_under(root: str, path: str) -> str | None:
