@@ -247,7 +247,9 @@ class CompiledChart:
                 raise UnsupportedChart(
                     f"{self.name}: the model already holds state={saved!r} (a python-"
                     f"statemachine instance restores it): a general run starts in the declared "
-                    f"initial configuration; give it a model whose state is None")
+                    f"initial configuration; give it a model whose state is None, or, to "
+                    f"run both on one model (a stateful test comparing them), make the run "
+                    f"before the python-statemachine instance: the run writes no state")
             from calexec.machines.statechart_run import StatechartRun  # imports this module
 
             return StatechartRun(self, model)  # type: ignore[return-value]
