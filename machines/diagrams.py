@@ -205,9 +205,12 @@ def groups(chart: CompiledChart) -> list[tuple[tuple[str, ...], tuple[Transition
             for box, members in boxes]
 
 
-def _legend(chart: CompiledChart, boxed: bool, finals: list[str]) -> list[str]:
+def _legend(chart: CompiledChart, boxed: bool, finals: list[str],
+            drawn: frozenset[str] = frozenset()) -> list[str]:
     """One HTML-like table node: each drawing convention next to a sample of it, kept below
-    the chart (invisible edges from the final states) so the chart itself comes first."""
+    the chart (invisible edges from the final states) so the chart itself comes first.
+    ``drawn``: what a hierarchical chart draws beside (``compound``, ``parallel``,
+    ``history``, ``default``: a history's ``no history yet`` arrow), each given its row."""
     cell = '<TD ALIGN="LEFT">{}</TD>'
     rows = [
         ('<TD>&#9679;&#8594; <B>S</B></TD>', "initial state S"),
@@ -226,6 +229,22 @@ def _legend(chart: CompiledChart, boxed: bool, finals: list[str]) -> list[str]:
     if any(internal(chart, t) for t in chart.transitions):
         rows.append(("<TD>Event (internal)</TD>",
                      "internal: its source is not exited and entered again"))
+    if "compound" in drawn:
+        rows.append(('<TD><TABLE BORDER="1" CELLBORDER="0" STYLE="ROUNDED"><TR><TD>&#9679; '
+                     'S</TD></TR></TABLE></TD>',
+                     "compound state: its children inside, the dot at its initial child; a "
+                     "<B>bold</B> edge leaving the box: from every state inside"))
+    if "parallel" in drawn:
+        rows.append(('<TD><TABLE BORDER="1" CELLBORDER="1" STYLE="ROUNDED,DASHED"><TR><TD>'
+                     'A</TD><TD>B</TD></TR></TABLE></TD>',
+                     "parallel state: one box per region, every region active at once"))
+    if "history" in drawn:
+        rows.append(("<TD>(H)  (H*)</TD>",
+                     "history state: entered, it re-enters the child last active (H*: and "
+                     "that child's own, deep)"))
+    if "default" in drawn:
+        rows.append((f"<TD>- - {HISTORY_DEFAULT} - &#8594;</TD>",
+                     "where a history state enters before it recorded one"))
     if boxed:
         rows.append(('<TD>dashed box &#8594;</TD>',
                      "<B>bold</B> edge leaving a dashed box: declared from EVERY state in it"))
@@ -462,7 +481,14 @@ def _render_nested_dot(chart: CompiledChart, active_state: str | None, taken: fr
         if taken.intersection(ids[(source, target)]):
             extra += f", color={PATH_COLOR}, fontcolor={PATH_COLOR}, penwidth=3.5"
         out.append(f"{anchor(source)} -> {anchor(target)} [label={text}, id={edge_id}{extra}];")
-    out += _legend(chart, False, [s for s in chart.states if s in chart.finals])
+    drawn = {"history"} if history_ids else set()
+    if any(source in history_ids for source, _ in edges):
+        drawn.add("default")
+    for state in by_id.values():
+        if state.states:
+            drawn.add("parallel" if state.parallel else "compound")
+    out += _legend(chart, False, [s for s in chart.states if s in chart.finals],
+                   frozenset(drawn))
     out.append("}")
     return "\n".join(out) + "\n"
 

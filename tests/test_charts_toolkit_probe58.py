@@ -93,3 +93,53 @@ def test_a_general_run_on_a_model_an_instance_started_says_to_make_the_run_first
         run.send(event)
         assert set(machine.configuration_values) == set(run.state.split(",")), event
     assert set(run.state.split(",")) == {"running", "yellow"}
+
+
+def test_a_hierarchical_diagrams_legend_reads_its_boxes_and_history_circles() -> None:
+    """Found at stop 58: every diagram "carries this legend", but a hierarchical chart's
+    legend explained none of what only it draws: the ``H``/``H*`` circle of a history state,
+    the dashed ``no history yet`` arrow, the dashed box of a parallel state (which the same
+    legend, on a flat chart, calls a group of sources) and the bold edge leaving a compound's
+    box (from every state inside). Each now has its row, only in a chart that draws it."""
+    from statemachine import HistoryState, State, StateChart, StateMachine
+
+    from calexec.machines.diagrams import render_chart_dot
+
+    class Light58(StateChart):
+        class running(State.Compound):
+            green = State(initial=True)
+            red = State()
+            h = HistoryState()
+            tick = green.to(red) | red.to(green)
+            h.to(red)
+
+        fault = State()
+        broken = running.to(fault)
+        fixed = fault.to(running.h)
+
+    class Duo58(StateChart):
+        class both(State.Parallel):
+            class left(State.Compound):
+                a = State(initial=True)
+                b = State()
+                go = a.to(b)
+
+            class right(State.Compound):
+                c = State(initial=True)
+                d = State()
+                go2 = c.to(d)
+
+    class Flat58(StateMachine):
+        off = State(initial=True)
+        on = State()
+        flip = off.to(on) | on.to(off)
+
+    light, duo, flat = (render_chart_dot(chart) for chart in (Light58, Duo58, Flat58))
+    history = "history state: entered, it re-enters the child last active"
+    default = "where a history state enters before it recorded one"
+    compound = "compound state: its children inside"
+    parallel = "parallel state: one box per region"
+    assert history in light and default in light and compound in light, light
+    assert parallel not in light
+    assert parallel in duo and compound in duo and history not in duo, duo
+    assert not any(row in flat for row in (history, default, compound, parallel)), flat
