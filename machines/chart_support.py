@@ -116,7 +116,7 @@ def async_only(declaration: type[StateChart[Any]]) -> list[str]:
 def _scan(declaration: type[StateChart[Any]]) -> list[tuple[str, bool]]:
     """``unsupported``'s entries in declaration order, each with whether only a run cannot
     follow it (an async callback)."""
-    found = [(entry, False) for entry in _same_ids(declaration) + _redeclared(declaration)]
+    found = [(entry, False) for entry in same_ids(declaration) + _redeclared(declaration)]
     states = _all_states(declaration)
     # and the history states (not in ``states_map``): their default is a transition too
     for state in [*states, *(h for s in states for h in getattr(s, "history", ()) or ())]:
@@ -144,7 +144,7 @@ def _scan(declaration: type[StateChart[Any]]) -> list[tuple[str, bool]]:
     return list(dict.fromkeys(found))
 
 
-def _same_ids(declaration: type[StateChart[Any]]) -> list[str]:
+def same_ids(declaration: type[StateChart[Any]]) -> list[str]:
     """``N states with id 'x' (in 'a', 'b')`` for each id declared by several states (children
     of different compound states may share a name; python-statemachine's ``states_map`` keeps
     one of them, and every tool would answer for that one)."""

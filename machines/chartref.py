@@ -19,6 +19,8 @@ from typing import Any
 
 from statemachine import StateChart
 
+from calexec.machines.chart_support import same_ids
+
 
 class ChartRefError(ValueError):
     """``MODULE:CLASS`` does not name a chart class; the message is one line naming what was
@@ -71,6 +73,7 @@ def load_chart(ref: str, cwd: str | None = None) -> type[StateChart[Any]]:
             hint = ""
             if isinstance(err, ModuleNotFoundError) and err.name == module_name.split(".")[0]:
                 hint = _found_below(root, module_name)
+            hint += _same_ids_hint(err)
             if (not hint and isinstance(err, ModuleNotFoundError) and err.name
                     and module_name.startswith(err.name)):
                 hint = _near_module(root, err.name)
@@ -153,19 +156,48 @@ def _interrupts() -> Iterator[list[int] | None]:
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def _made(err: BaseException) -> type[StateChart[Any]] | None:
+    """The chart class python-statemachine was creating when ``err`` was raised (its
+    metaclass's ``cls``; the innermost), or None."""
+    made = None
+    tb = err.__traceback__
+    while tb is not None:
+        found = tb.tb_frame.f_locals.get("cls") if tb.tb_frame.f_code.co_name == "__init__" else None
+        if isinstance(found, type) and issubclass(found, StateChart):
+            made = found
+        tb = tb.tb_next
+    return made
+
+
+def _same_ids_hint(err: BaseException) -> str:
+    """``; its cause may be: 2 states with id 'idle' (in 'p', 'q'), ...`` when the chart
+    class python-statemachine refused as it was made declares one state id twice: it keeps
+    one of them, and its refusal names what follows from that (``unreachable states ...
+    ['done']``), not the cause. "" otherwise."""
+    made = _made(err)
+    if made is None:
+        return ""
+    try:
+        same = same_ids(made)
+    except Exception:  # noqa: BLE001 - a class half made: no hint rather than another error
+        return ""
+    if not same:
+        return ""
+    return (f"; its cause may be: {'; '.join(same)}, of which python-statemachine keeps "
+            f"one: rename one")
+
+
 def _where(err: BaseException, root: str) -> str:
     """`` in chart class Broken at bad_chart.py:7`` for an error raised while a module under
     ``root`` was imported: the chart class python-statemachine was creating when it refused
     the definition (its metaclass's ``cls``), and the last line of a file under ``root`` the
     error passed through; ``""`` when neither is known. The chart's own message names the
     problem, not the class: a module of several charts would leave the reader guessing."""
-    chart = ""
+    made = _made(err)
+    chart = made.__qualname__ if made is not None else ""
     line = ""
     tb = err.__traceback__
     while tb is not None:
-        made = tb.tb_frame.f_locals.get("cls") if tb.tb_frame.f_code.co_name == "__init__" else None
-        if isinstance(made, type) and issubclass(made, StateChart):
-            chart = made.__qualname__
         filename = tb.tb_frame.f_code.co_filename  # "<frozen importlib...>": no file
         if os.path.isabs(filename) and filename.startswith(root + os.sep):
             line = f"{os.path.relpath(filename, root)}:{tb.tb_lineno}"

@@ -143,3 +143,33 @@ def test_a_hierarchical_diagrams_legend_reads_its_boxes_and_history_circles() ->
     assert parallel not in light
     assert parallel in duo and compound in duo and history not in duo, duo
     assert not any(row in flat for row in (history, default, compound, parallel)), flat
+
+
+def test_a_chart_python_statemachine_refuses_for_a_state_id_declared_twice_names_the_twice(
+        tmp_path: Path) -> None:
+    """Found at stop 58: two compound states each with a child ``idle`` (python-statemachine
+    keys states by id and keeps one) made python-statemachine refuse the class as it was
+    created, ``There are unreachable states ... Disconnected states: ['done']``, naming a
+    state nothing is wrong with; the cause, which every tool names for a chart it can
+    import ("2 states with id 'idle' (in 'p', 'q')"), was left to find. The refusal now ends
+    with it."""
+    (tmp_path / "dup58.py").write_text('''
+from statemachine import State, StateChart
+
+class Dup(StateChart):
+    class p(State.Compound):
+        idle = State(initial=True)
+        busy = State()
+        go = idle.to(busy)
+    class q(State.Compound):
+        idle = State(initial=True)
+        done = State(final=True)
+        fin = idle.to(done)
+    sw = p.to(q)
+''', encoding="utf-8")
+    with pytest.raises(ChartRefError) as raised:
+        load_chart("dup58:Dup", cwd=str(tmp_path))
+    message = str(raised.value)
+    assert "InvalidDefinition in chart class Dup at dup58.py:" in message, message
+    assert message.endswith("; its cause may be: 2 states with id 'idle' (in 'p', 'q'), of "
+                            "which python-statemachine keeps one: rename one"), message
