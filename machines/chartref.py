@@ -39,8 +39,12 @@ def load_chart(ref: str, cwd: str | None = None) -> type[StateChart[Any]]:
     current directory) goes first on ``sys.path``. Raises ``ChartRefError``."""
     module_name, sep, class_name = ref.partition(":")
     if not sep or not module_name or not class_name:
+        head, _, tail = ref.rpartition(".")
+        as_python = not sep and tail.isidentifier() and all(
+            part.isidentifier() for part in head.split("."))  # locker.ParcelLocker
         raise ChartRefError(ref, "expected MODULE:CLASS, a chart class and the module "
-                                 "that declares it (e.g. order_workflow:OrderWorkflow)")
+                                 "that declares it (e.g. order_workflow:OrderWorkflow)"
+                                 + (f"; did you mean {head + ':' + tail!r}?" if as_python else ""))
     root = os.path.abspath(cwd or os.getcwd())
     if "/" in module_name or os.sep in module_name or (
             module_name.endswith(".py") and os.path.isfile(os.path.join(root, module_name))):

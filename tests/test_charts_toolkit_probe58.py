@@ -31,6 +31,8 @@ class Parcel:
     ("Locker58:ParcelLocker", "; did you mean 'locker58'?"),
     ("lockr58:ParcelLocker", "; did you mean 'locker58'?"),
     ("pkg58.lockers:ParcelLocker", "; did you mean 'pkg58.locker'?"),
+    ("locker58.ParcelLocker", "; did you mean 'locker58:ParcelLocker'?"),
+    ("pkg58.locker.ParcelLocker", "; did you mean 'pkg58.locker:ParcelLocker'?"),
 ])
 def test_a_typo_in_the_module_or_class_of_a_chart_reference_says_what_is_there(
         tmp_path: Path, ref: str, hint: str) -> None:
@@ -38,7 +40,8 @@ def test_a_typo_in_the_module_or_class_of_a_chart_reference_says_what_is_there(
     'locker' has no attribute 'Parcellocker'`` and ``lockr:ParcelLocker`` as ``No module named
     'lockr'``, leaving the newcomer to find the name; ``locker:Parcel`` (a plain class of the
     module) said only that it is no chart. Each now ends with the near name (``did you mean
-    'ParcelLocker'?``), or, with none near, the module's chart classes."""
+    'ParcelLocker'?``), or, with none near, the module's chart classes; a dotted
+    ``locker.ParcelLocker`` names the reference with its colon."""
     (tmp_path / "locker58.py").write_text(LOCKER, encoding="utf-8")
     (tmp_path / "pkg58").mkdir()
     (tmp_path / "pkg58" / "__init__.py").write_text("", encoding="utf-8")
