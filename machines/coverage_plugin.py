@@ -19,7 +19,8 @@ pyproject.toml does)::
 
 The configured gate judges only a run of the whole suite (no ``-k``/``-m``, nothing
 deselected, no node ids, no paths but the configured ``testpaths``): one test file alone does
-not take every transition. ``CALEXEC_TRANSITION_GATE=0`` turns the configured gate off. A gate
+not take every transition (the summary says it was not applied, and why, when a chart is below
+it). ``CALEXEC_TRANSITION_GATE=0`` turns the configured gate off. A gate
 given on the command line judges whatever ran. Without either, the plugin does nothing.
 
 ``--chart-contracts=MODULE:CLASS`` (repeatable; or ``chart_contracts`` in the configuration)
@@ -57,6 +58,8 @@ class _Session:
         self.whole_suite_only, self.undo = whole_suite_only, undo
         self.deselected = False
         self.failed: list[ChartCoverage] = []
+        #: why the configured gate did not judge this run ("-k", ...; None: it did, or none)
+        self.not_judged: str | None = None
         #: ``sys.path`` as the charts were imported: what a reference the summary suggests is
         #: imported from (the tests may add a directory later, ``sys.path.insert`` in a test)
         self.searched = list(sys.path)
@@ -191,15 +194,21 @@ def pytest_deselected(items: list[pytest.Item]) -> None:
             state.deselected = True
 
 
-def _whole_suite(config: pytest.Config, state: _Session) -> bool:
-    if config.option.keyword or config.option.markexpr or state.deselected:
-        return False
+def _partial(config: pytest.Config, state: _Session) -> str | None:
+    """Why this run is not the whole suite (``-k``, ``-m``, ``tests deselected``, ``paths or
+    node ids given``), or None when it is."""
+    if config.option.keyword:
+        return "-k"
+    if config.option.markexpr:
+        return "-m"
+    if state.deselected:
+        return "tests deselected"
     root = config.rootpath
     allowed = {root} | {(root / path).resolve() for path in config.getini("testpaths")}
-    return all(
-        "::" not in arg and Path(config.invocation_params.dir, arg).resolve() in allowed
-        for arg in config.args
-    )
+    if all("::" not in arg and Path(config.invocation_params.dir, arg).resolve() in allowed
+           for arg in config.args):
+        return None
+    return "paths or node ids given"
 
 
 @pytest.hookimpl(trylast=True)
@@ -211,8 +220,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     state = config.stash.get(_STATE, None)
     if state is None or state.minimum is None or exitstatus != 0:
         return
-    if state.whole_suite_only and not _whole_suite(config, state):
-        return
+    if state.whole_suite_only:
+        state.not_judged = _partial(config, state)
+        if state.not_judged is not None:
+            return
     from calexec.machines.coverage import report
 
     minimum = state.minimum
@@ -232,8 +243,16 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter,
         return
     from calexec.machines.coverage import describe, import_directory, other_imports, report
 
-    for coverage in report(state.charts, state.recorder):
+    coverages = report(state.charts, state.recorder)
+    for coverage in coverages:
         terminalreporter.write_line(coverage.line())
+    if state.not_judged is not None and state.minimum is not None and any(
+            coverage.percent < state.minimum for coverage in coverages):
+        # (a partial run below the gate passed without a word: read as a passing gate)
+        terminalreporter.write_line(
+            f"transition coverage gate chart_coverage_min={state.minimum:g} not applied: a "
+            f"partial run ({state.not_judged}); it judges a run of the whole suite",
+            yellow=True)
     for declaration in state.charts:
         for twin in other_imports(declaration):
             # (a directory the tests put on sys.path themselves, after the plugin imported the

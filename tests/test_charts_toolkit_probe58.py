@@ -176,3 +176,47 @@ class Dup(StateChart):
     assert "InvalidDefinition in chart class Dup at dup58.py:" in message, message
     assert message.endswith("; its cause may be: 2 states with id 'idle' (in 'p', 'q'), of "
                             "which python-statemachine keeps one: rename one"), message
+
+
+def _pytest_in(project: Path, *args: str) -> tuple[int, str]:
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTEST_ADDOPTS", "CALEXEC_TRANSITION_GATE")}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q",
+                           *args], cwd=project, env=env, capture_output=True, text=True,
+                          timeout=120)
+    return done.returncode, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("args, why", [
+    (("-k", "drop"), "-k"),
+    (("tests/test_locker.py",), "paths or node ids given"),
+])
+def test_a_configured_gate_a_partial_run_does_not_judge_says_so_when_it_would_fail(
+        tmp_path: Path, args: tuple[str, ...], why: str) -> None:
+    """Found at stop 58: with ``chart_coverage_min = "100"`` configured, ``pytest -k drop``
+    printed ``transition coverage ParcelLocker: 1/2`` and passed, exit 0, without a word that
+    the gate had not judged the run (it judges only the whole suite, as documented): a
+    newcomer reads a passing gate. The summary now says the configured gate was not applied,
+    and why, when a chart is below it; the whole suite is still judged (exit 1)."""
+    (tmp_path / "locker.py").write_text(LOCKER, encoding="utf-8")
+    (tmp_path / "pyproject.toml").write_text(
+        '[tool.pytest.ini_options]\npythonpath = ["."]\ntestpaths = ["tests"]\n'
+        'chart_coverage = ["locker:ParcelLocker"]\nchart_coverage_min = "100"\n',
+        encoding="utf-8")
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_locker.py").write_text(
+        "from locker import ParcelLocker\n\n"
+        "def test_drop():\n    ParcelLocker().send('drop')\n\n"
+        "def test_nothing():\n    ParcelLocker()\n", encoding="utf-8")
+    status, output = _pytest_in(tmp_path, *args)
+    assert status == 0, output
+    assert "transition coverage ParcelLocker: 1/2" in output, output
+    assert (f"transition coverage gate chart_coverage_min=100 not applied: a partial run "
+            f"({why}); it judges a run of the whole suite") in output, output
+    status, output = _pytest_in(tmp_path)
+    assert status == 1 and "gate FAILED for ParcelLocker: 50.0 % < 100 %" in output, output
+    assert "not applied" not in output, output
