@@ -83,3 +83,38 @@ def test_what_is_not_a_chart_given_to_the_explorer_is_refused_naming_charts(char
                                                                             ) -> None:
     with pytest.raises(TypeError, match="charts"):
         explore_threads(_racing_till, seeds=range(3), charts=charts)  # type: ignore[arg-type]
+
+
+def test_an_exploration_answers_as_its_schedules_run_one_at_a_time() -> None:
+    """``explore_threads`` enables the charts' contracts once for all its schedules (enabling
+    them walks the heap for the charts' instances): each seed's schedule, and the first
+    failure (seed, choices, message), are what one exploration per seed answers."""
+    alone = {seed: explore_threads(_racing_till, seeds=[seed], charts=[Checkout]).failure
+             for seed in range(40)}
+    passing = [seed for seed, failure in alone.items() if failure is None]
+    failing = [seed for seed, failure in alone.items() if failure is not None]
+    assert len(passing) >= 5 and failing  # both kinds of schedule, or this proves nothing
+    together = explore_threads(_racing_till, seeds=passing + [failing[-1]], charts=[Checkout])
+    assert together.schedules == len(passing) + 1
+    found, expected = together.failure, alone[failing[-1]]
+    assert found is not None and expected is not None
+    assert (found.seed, found.choices) == (expected.seed, expected.choices)
+    assert found.message.split("; model:")[0] == expected.message.split("; model:")[0]
+    assert "closes_only_paid_sales" in found.message
+
+
+def test_a_contract_broken_between_two_schedules_fails_neither() -> None:
+    """A violation reported while no schedule runs (here by ``progress``, between two
+    schedules) is not the next schedule's: only those reported from its start count."""
+    broken: list[int] = []
+
+    def progress(schedules: int, seed: int) -> None:
+        if not broken:
+            broken.append(seed)
+            Checkout(model=Till()).send("close")  # unpaid: breaks closes_only_paid_sales
+
+    passing = [seed for seed in range(40)
+               if explore_threads(_racing_till, seeds=[seed], charts=[Checkout]).failure is None]
+    found = explore_threads(_racing_till, seeds=passing[:3], charts=[Checkout], progress=progress)
+    assert broken == passing[:1]
+    assert found.failure is None and found.schedules == 3

@@ -51,7 +51,7 @@ from calexec.drivers.tools.explore import (
     TapeChooser,
     VirtualClock,
 )
-from calexec.machines.chart_contracts import declared_contracts, enable_contracts
+from calexec.machines.chart_contracts import ContractMonitor, declared_contracts, enable_contracts
 from calexec.machines.clock import Clock
 from calexec.machines.compiled import ChartLike, compiled
 
@@ -103,14 +103,26 @@ def run_schedule(scenario: Scenario, chooser: TapeChooser | PCTChooser, *,
                  charts: Iterable[ChartLike] = (), steps: int = 100_000,
                  horizon_s: float = 60.0, seed: int | None = None) -> ScheduleFailure | None:
     """Run ``scenario`` once under ``chooser``'s schedule; the failure, or None."""
-    charts = _contracted(charts)
+    contracts = enable_contracts(*_contracted(charts), raise_on_violation=False)
+    try:
+        return _run_schedule(scenario, chooser, contracts, invariant=invariant, steps=steps,
+                             horizon_s=horizon_s, seed=seed)
+    finally:
+        contracts.disable()
+
+
+def _run_schedule(scenario: Scenario, chooser: TapeChooser | PCTChooser,
+                  contracts: ContractMonitor, *, invariant: Callable[[], Verdict] | None,
+                  steps: int, horizon_s: float, seed: int | None) -> ScheduleFailure | None:
+    """``run_schedule`` with the charts' contracts enabled already (``contracts``, perhaps
+    for many schedules: only the violations reported from this schedule's start count)."""
     sched = Scheduler(chooser)
     sched.driver = threading.current_thread()  # the scenario and its final check run here
-    contracts = enable_contracts(*charts, raise_on_violation=False)
+    since = len(contracts.violations)
 
     def at_point() -> None:
-        if contracts.violations:
-            raise AssertionError(f"chart contract violated: {contracts.violations[0]}")
+        if len(contracts.violations) > since:
+            raise AssertionError(f"chart contract violated: {contracts.violations[since]}")
         if invariant is not None:
             problem = _ask(invariant, "invariant")
             if problem is not None:
@@ -144,7 +156,6 @@ def run_schedule(scenario: Scenario, chooser: TapeChooser | PCTChooser, *,
                     sched.fail(problem)
     finally:
         sched.abort_threads()
-        contracts.disable()
     if sched.failure is None:
         return None
     return ScheduleFailure(sched.failure, seed, tuple(sched.choices), tuple(sched.trace[-40:]))
@@ -174,15 +185,23 @@ def explore_threads(scenario: Scenario, *, seeds: Iterable[int] = range(100), de
                         f"seeds={seeds!r}: an iterable of integer seeds, e.g. range(100)")
     charts = _contracted(charts)
     count = 0
-    for seed in map(functools.partial(_index, "seeds"), seeds):  # lazily: count() may go on
-        count += 1
-        failure = run_schedule(scenario, PCTChooser(seed, depth=depth, steps=length, p_jump=0.0),
-                               invariant=invariant, charts=charts, steps=steps,
-                               horizon_s=horizon_s, seed=seed)
-        if failure is not None:
-            return Exploration(count, failure)
-        if progress is not None:
-            progress(count, seed)
+    # the contracts enabled once for every schedule: enabling them looks for the charts'
+    # instances made before (gc.get_referrers, a walk of the whole heap), which was most of a
+    # small scenario's schedule in a large process (a test session)
+    contracts = enable_contracts(*charts, raise_on_violation=False)
+    try:
+        for seed in map(functools.partial(_index, "seeds"), seeds):  # lazily: count() may go on
+            count += 1
+            failure = _run_schedule(scenario,
+                                    PCTChooser(seed, depth=depth, steps=length, p_jump=0.0),
+                                    contracts, invariant=invariant, steps=steps,
+                                    horizon_s=horizon_s, seed=seed)
+            if failure is not None:
+                return Exploration(count, failure)
+            if progress is not None:
+                progress(count, seed)
+    finally:
+        contracts.disable()
     if count == 0:  # (an exploration that passed having run nothing would look checked)
         raise ValueError(f"seeds={_short_seeds(seeds)}: no seed, so no schedule ran (give "
                          f"at least one, e.g. seeds=range(100))")
