@@ -1,10 +1,10 @@
 """``calexec accept``: the spec's §13 acceptance gates on the bundled emulator.
 
 ``calexec accept [--quick | --full] [--phase a|b|both] [--report DIR] [--json]
-[--soak-seconds S] [--gates NAME,...]``
+[--soak-seconds S] [--chaos-seconds S] [--gates NAME,...]``
 
 Gates (``drivers/tools/accept/gates.py`` says what each proves): correctness, lengths, crosstalk,
-injections, soak; each runs once per selected phase (``a``: in-flight capacity 1; ``b``:
+injections, soak, chaos; each runs once per selected phase (``a``: in-flight capacity 1; ``b``:
 capacity 2 with PING/PONG slots) and is reported as ``<gate>_<phase>`` with ``passed``, its
 measured ``value`` (named by ``metric``) and details. ``--quick`` (the default, what CI runs)
 uses reduced sizes and a 20 s soak; ``--full`` the spec's sizes and a 24 h soak unless
@@ -104,6 +104,26 @@ def soak_refusal(sizes: Sizes) -> str | None:
             f"{sizes.soak_sample_s:g} s: it compares thirds of those after its warm-up)")
 
 
+#: the shortest chaos gate (``--chaos-seconds``) that judges anything: each step of its schedule
+#: arms one fault and lets the 16 clients meet it for 0.2-0.5 s before waiting for ``/ready``
+#: (about 0.45 s a step here, 6 s: 14 faults, ~110 requests). A shorter one (0.01 s) ran one
+#: fault and ~16 requests and PASSED, a verdict on nearly nothing; 3 s is ~6 faults of the 16
+#: kinds and ~50 requests, the least the rules (wrong tokens, ids conserved, /ready after each
+#: fault) are worth checking on
+MIN_CHAOS_SECONDS = 3.0
+
+
+def chaos_refusal(sizes: Sizes) -> str | None:
+    """Why the chaos gate cannot judge a fault soak of ``sizes`` (None: it can): shorter than
+    :data:`MIN_CHAOS_SECONDS`."""
+    if sizes.chaos_seconds >= MIN_CHAOS_SECONDS:
+        return None
+    return (f"--chaos-seconds={sizes.chaos_seconds:g}: the chaos gate needs at least "
+            f"{MIN_CHAOS_SECONDS:g} s (its schedule arms one fault every 0.2-0.5 s of traffic; "
+            "a shorter soak injects one or two faults into a few requests, too small a sample "
+            "to pass or fail on)")
+
+
 def run_accept(sizes: Sizes = QUICK, phases: Sequence[str] = ("a", "b"),
                gates: Sequence[str] | None = None, progress: Progress | None = None,
                device: DeviceSpec = DeviceSpec()) -> dict[str, Any]:
@@ -124,6 +144,10 @@ def run_accept(sizes: Sizes = QUICK, phases: Sequence[str] = ("a", "b"),
         if refusal is not None:
             raise ValueError(refusal)
         pin_mmap_threshold()  # RSS must reflect live memory (drivers/memory.py)
+    if "chaos" in names:
+        refusal = chaos_refusal(sizes)
+        if refusal is not None:
+            raise ValueError(refusal)
     progress = progress or Silent(0)
     progress.total = max(1, len(names) * len(phases))
     started = time.time()
@@ -185,7 +209,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="soak duration (quick 20, full 86400)")
     p.add_argument("--chaos-seconds", type=cliargs.seconds,
                    help="length of the chaos gate's fault soak of the server per phase "
-                        "(quick 6, full 1800)")
+                        f"(quick 6, full 1800; at least {MIN_CHAOS_SECONDS:g})")
     p.add_argument("--gates", type=gate_list, help=f"comma-separated subset of {','.join(GATES)}")
     cliargs.add_device_args(p)
     return p
