@@ -346,8 +346,9 @@ def staged_report(flag: str, directory: str | os.PathLike[str],
     make_dir(flag, directory)
     try:
         scratch = tempfile.mkdtemp(prefix=".partial-", dir=directory)
-    except OSError as exc:
-        raise cannot_write(shown, exc, flag) from None
+    except OSError as exc:  # (named as the output, not the scratch name the user never gave)
+        unnamed = OSError(exc.errno, exc.strerror or str(exc))
+        raise cannot_write(shown, unnamed, flag) from None
     try:
         try:
             yield scratch

@@ -24,3 +24,19 @@ def test_a_chaos_gate_too_short_to_judge_is_refused_not_passed(
     assert lines[0].startswith(f"calexec accept: --chaos-seconds={seconds}: the chaos gate "
                                "needs at least 3 s "), lines
     assert captured.out == ""
+
+
+def test_an_output_directory_that_takes_no_file_is_named_not_the_scratch_one(
+        capsys: pytest.CaptureFixture[str]):
+    """``charts names --out /proc/x.py`` (a directory that exists but takes no new file: a
+    read-only mount, one the user may not write) said ``cannot write '/proc/.partial-3m707l3l'``,
+    the name of the scratch directory the output is staged in, which the user never gave nor
+    will find; it names the output the flag gave now."""
+    code = cli.main(["charts", "names", "--out", "/proc/x.py"])
+    captured = capsys.readouterr()
+    assert code == 2, captured.err
+    lines = captured.err.splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("calexec charts names: --out='/proc/x.py': cannot write it: "), lines
+    assert ".partial-" not in lines[0]
+    assert captured.out == ""
