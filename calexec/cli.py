@@ -18,7 +18,7 @@ one line naming the offender; an unexpected exception prints one line and exits 
 ``CALEXEC_DEBUG=1`` to see the traceback). Exit codes: 0 success; 1 the command's check failed
 (gate, stale diagram, oracle mismatch); 2 bad usage or configuration; 3 runtime refusal (the
 executor did not start or ended Failed); 4 ``serve --once``'s sample request failed; 70 an
-internal error (a bug); 130 interrupted; 141 the reader closed stdout (``| head``); a stdout
+internal error (a bug); 130 interrupted (Ctrl-C, or a SIGTERM to any command but ``serve``); 141 the reader closed stdout (``| head``); a stdout
 that cannot be written (a full disk, an I/O error: :class:`StdoutError`), or an output file, is
 one line naming it and the OS error (``cliargs.cannot_write``), exit 2.
 """
@@ -26,6 +26,7 @@ one line naming it and the OS error (``cliargs.cannot_write``), exit 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import errno
 import importlib
@@ -41,6 +42,7 @@ from calexec.cliargs import (
     as_user_error,
     cannot_write,
     missing_extra,
+    sigterm_interrupts,
 )
 from calexec.commands import COMMANDS, lookup
 
@@ -204,7 +206,12 @@ def _run(argv: list[str] | None) -> int:
             if install is not None:
                 raise UserError(f"needs the optional [{command.extra}] extra: {install}")
         module = importlib.import_module(command.module)
-        return int(module.main(argv) or 0)
+        # a SIGTERM (`timeout 600 calexec ...`, a supervisor, `kill PID`) is an interrupt as a
+        # Ctrl-C is, so the command's temporary directory is removed and its child processes
+        # end with it (they left /tmp/calexec-* behind, and `bench server`'s load generators
+        # and `bench overhead`'s build ran on); `serve` drains on it instead (docs/operations.md)
+        with contextlib.nullcontext() if name == "serve" else sigterm_interrupts():
+            return int(module.main(argv) or 0)
     except UserError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return exc.code

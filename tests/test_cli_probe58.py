@@ -3,6 +3,13 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 
 from calexec import cli
@@ -40,3 +47,60 @@ def test_an_output_directory_that_takes_no_file_is_named_not_the_scratch_one(
     assert lines[0].startswith("calexec charts names: --out='/proc/x.py': cannot write it: "), lines
     assert ".partial-" not in lines[0]
     assert captured.out == ""
+
+
+def _group(pgid: int) -> list[int]:
+    """The live processes of process group ``pgid`` (from /proc; zombies not counted)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:  # (ended meanwhile)
+                continue
+            if fields[0] != "Z" and int(fields[2]) == pgid:
+                found.append(int(entry))
+    return found
+
+
+@pytest.mark.parametrize(("argv", "children"), [
+    (["demo", "--seqs", "4", "--tokens", "2000", "--decode-us", "2000"], 0),
+    (["bench", "server", "--requests", "200", "--rounds", "2"], 1),
+], ids=["demo", "bench-server"])
+def test_a_sigterm_mid_run_removes_the_temporary_directory_and_ends_the_children(
+        tmp_path: Path, argv: list[str], children: int):
+    """A SIGTERM (``timeout 600 calexec ...``, a supervisor, ``kill PID``) to ``demo``, ``accept``,
+    every ``bench`` and ``sim bench`` ended calexec by the signal: its ``calexec-*`` temporary
+    directory stayed in $TMPDIR and ``bench server``'s load generator process ran on. A SIGTERM
+    is an interrupt now as a Ctrl-C is (it was for ``conform``, ``charts mutate``, ``charts
+    cover``, ``diagrams live`` only): the directory removed, the children ended, exit 130, one
+    line."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "calexec.cli", *argv],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            stdin=subprocess.DEVNULL, start_new_session=True,
+                            env={**os.environ, "TMPDIR": str(scratch)})
+    try:
+        deadline = time.monotonic() + 120
+        while not (any(scratch.iterdir()) and len(_group(proc.pid)) > children):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+        deadline = time.monotonic() + 5
+        while _group(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = _group(proc.pid)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        for pid in _group(proc.pid):  # (the old code's load generator: ended here)
+            os.kill(pid, signal.SIGKILL)
+    assert left == [], "a child process ran on after the SIGTERM"
+    assert proc.returncode == 130, err
+    assert err.splitlines()[-1] == f"calexec {' '.join(argv[:2 if argv[0] == 'bench' else 1])}: interrupted"
+    assert "Traceback" not in err
+    assert sorted(p.name for p in scratch.iterdir()) == []
