@@ -101,6 +101,51 @@ class _Stdout:
         return getattr(self._stream, name)
 
 
+class _Stderr:
+    """``sys.stderr`` while a command runs: the same stream, but a write that fails (its reader
+    left: ``2> >(head -1)``; a full disk: ``2>/dev/full``; a closed log pipe) stops the
+    command's messages and progress there instead of ending the command. Progress is a side
+    channel: its failure ended the run with exit 141 ("the reader of stdout left") or 1 ("a
+    check failed", the interpreter's own exit for the unreportable error) and the result on
+    stdout was never printed. The stream's descriptor then points at /dev/null, so the
+    interpreter's final flush of what was buffered does not fail again."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self.failed: OSError | None = None
+
+    def _lost(self, exc: OSError) -> None:
+        self.failed = exc
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._stream.fileno())
+            os.close(devnull)
+        except (OSError, ValueError, AttributeError):  # no descriptor: nothing flushes it later
+            pass
+
+    def write(self, text: str) -> int:
+        if self.failed is None:
+            try:
+                return int(self._stream.write(text))
+            except OSError as exc:
+                self._lost(exc)
+        return len(text)
+
+    def writelines(self, lines: Any) -> None:
+        for line in lines:
+            self.write(line)
+
+    def flush(self) -> None:
+        if self.failed is None:
+            try:
+                self._stream.flush()
+            except OSError as exc:
+                self._lost(exc)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
 _EPILOG = """\
 'calexec COMMAND --help' lists a command's flags with their defaults.
 
@@ -160,10 +205,13 @@ def main(argv: list[str] | None = None) -> int:
     flushed here, not at interpreter exit: a reader that left (``| head``) is exit 141 whether
     it left during the command or before its buffered output was written, and a stdout that
     cannot take the output (a full disk, an I/O error) is one line, exit 2."""
-    real = sys.stdout
+    real, real_err = sys.stdout, sys.stderr
     stdout = _Stdout(real) if real is not None else None
     if stdout is not None:
         sys.stdout = stdout
+    stderr = _Stderr(real_err) if real_err is not None else None
+    if stderr is not None:
+        sys.stderr = stderr
     try:
         code = _run(argv)
         if sys.stdout is not None:
@@ -181,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if stdout is not None and sys.stdout is stdout:
             sys.stdout = real
+        if stderr is not None and sys.stderr is stderr:
+            sys.stderr = real_err
 
 
 def _run(argv: list[str] | None) -> int:

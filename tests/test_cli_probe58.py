@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -104,3 +105,33 @@ def test_a_sigterm_mid_run_removes_the_temporary_directory_and_ends_the_children
     assert err.splitlines()[-1] == f"calexec {' '.join(argv[:2 if argv[0] == 'bench' else 1])}: interrupted"
     assert "Traceback" not in err
     assert sorted(p.name for p in scratch.iterdir()) == []
+
+
+@pytest.mark.parametrize("stderr", ["full", "reader-left"])
+def test_a_stderr_that_cannot_be_written_does_not_cost_the_result(stderr: str):
+    """The progress lines go to stderr; when it could not be written (``2>/dev/full``; its
+    reader left: ``2> >(head -1)``, a log pipe that closed) the first one ended the command:
+    exit 141, "the reader of stdout left", or 1, "a check failed" (the interpreter's exit for
+    the error it could not report), and the result on stdout was never printed. Stderr's
+    failure now only silences it: the JSON result, exit 0."""
+    argv = [sys.executable, "-m", "calexec.cli", "bench", "charts", "--iters", "2", "--json"]
+    if stderr == "full":
+        with open("/dev/full", "w") as full:
+            done = subprocess.run(argv, stdout=subprocess.PIPE, stderr=full, text=True,
+                                  stdin=subprocess.DEVNULL, timeout=120)
+        code, out = done.returncode, done.stdout
+    else:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                stdin=subprocess.DEVNULL)
+        assert proc.stderr is not None and proc.stdout is not None
+        proc.stderr.close()  # (the reader leaves before the first progress line)
+        try:
+            out = proc.stdout.read()
+            code = proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            proc.stdout.close()
+    assert code == 0, (code, out)
+    assert json.loads(out)["iters"] == 2
