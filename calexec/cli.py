@@ -18,9 +18,11 @@ one line naming the offender; an unexpected exception prints one line and exits 
 ``CALEXEC_DEBUG=1`` to see the traceback). Exit codes: 0 success; 1 the command's check failed
 (gate, stale diagram, oracle mismatch); 2 bad usage or configuration; 3 runtime refusal (the
 executor did not start or ended Failed); 4 ``serve --once``'s sample request failed; 70 an
-internal error (a bug); 130 interrupted (Ctrl-C, or a SIGTERM to any command but ``serve``); 141 the reader closed stdout (``| head``); a stdout
-that cannot be written (a full disk, an I/O error: :class:`StdoutError`), or an output file, is
-one line naming it and the OS error (``cliargs.cannot_write``), exit 2.
+internal error (a bug); 130 interrupted (Ctrl-C, or a SIGTERM to any command but ``serve``);
+141 the reader closed stdout (``| head``); a stdout that cannot be written (a full disk, an I/O
+error: :class:`StdoutError`), or an output file, is one line naming it and the OS error
+(``cliargs.cannot_write``), exit 2. A stderr that cannot be written only silences the messages
+(:class:`_Stderr`).
 """
 
 from __future__ import annotations
