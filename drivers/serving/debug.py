@@ -86,7 +86,9 @@ def add_debug_routes(app: FastAPI, service: CompletionService) -> None:
         unknown = query_refusal(request, JOB_PARAMS, "GET /debug/jobs/{id}?format=json|html")
         if unknown is not None:
             return unknown
-        given = request.query_params.getlist("format")
+        # a value given empty or blank (``?format=``, a client's null left out) is not given,
+        # as on every route of the inspector mounted beside it
+        given = [value for value in request.query_params.getlist("format") if value.strip()]
         if len(given) > 1:  # (which one was meant is the client's)
             return error_response(invalid(f"format={shown(given[0], 64)}: given {len(given)} "
                                           "times in the query, give it once"), "format")
