@@ -17,6 +17,7 @@ from calexec import cli
 from calexec.drivers.device_spec import emulated_latency_us, with_emulated_latency
 from calexec.drivers.synthetic import calbin as calbin_fmt
 from calexec.machines.executor import ExecutorConfig
+from proc_table import stat_rows
 
 #: an emulated prefill of 0.59 s per token: the warm-up's 17-token golden prefill takes 10.03 s,
 #: just past the golden job's 10 s deadline (``ExecutorConfig.golden_timeout_s``)
@@ -194,18 +195,8 @@ def _interrupt(proc: subprocess.Popen, pid_file: Path, sig: signal.Signals,
 
 
 def _children(parent: int) -> list[int]:
-    """The processes whose parent is ``parent`` (from /proc: no pgrep needed)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:  # (ended meanwhile)
-                continue
-            if int(fields[1]) == parent:
-                found.append(int(entry))
-    return found
+    """The processes whose parent is ``parent``."""
+    return [pid for pid, _, ppid, _ in stat_rows() if ppid == parent]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])

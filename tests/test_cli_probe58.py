@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from calexec import cli
+from proc_table import stat_rows
 
 
 @pytest.mark.parametrize("seconds", ["0.01", "2.99"])
@@ -51,18 +52,8 @@ def test_an_output_directory_that_takes_no_file_is_named_not_the_scratch_one(
 
 
 def _group(pgid: int) -> list[int]:
-    """The live processes of process group ``pgid`` (from /proc; zombies not counted)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:  # (ended meanwhile)
-                continue
-            if fields[0] != "Z" and int(fields[2]) == pgid:
-                found.append(int(entry))
-    return found
+    """The live processes of process group ``pgid`` (zombies not counted)."""
+    return [pid for pid, state, _, group in stat_rows() if state != "Z" and group == pgid]
 
 
 @pytest.mark.parametrize(("argv", "children"), [
