@@ -162,6 +162,47 @@ def test_a_leak_is_found_and_the_report_replays_it(monkeypatch):
     assert str(again.value).split("\n")[0] == str(first.value).split("\n")[0]
 
 
+def test_each_failure_report_names_a_replay_file_of_its_own(monkeypatch, tmp_path):
+    """Found at stop 58: the replay file a failure's message names
+    (``replay_file('/tmp/calexec-explore-PID-N.json')``) was named by the process and the
+    number of choices alone, so a second failure with as many choices in the same process
+    (a test session, a loop over scenarios) overwrote it: the first message's replay then
+    ran the second failure's script. Each failure now has a file of its own, and
+    ``replay_file`` of each reproduces its own failure."""
+    import json
+    import re
+    import tempfile
+
+    from calexec.machines.dispatch import Dispatch
+    original = Dispatch.release_budget
+
+    def leaky(self, job):
+        if not job.internal:
+            return
+        original(self, job)
+    monkeypatch.setattr(Dispatch, "release_budget", leaky)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    failures = []
+    for seq in (1, 2):
+        x = X.Explorer(CALBINS)
+        with pytest.raises(X.ExplorationFailure) as failed:
+            try:
+                x.start()
+                x.prefill(seq, 4)
+                x.run()
+            finally:
+                x.close()
+        failures.append(failed.value)
+    paths = [re.search(r"replay_file\('([^']+)'\)", str(f)).group(1) for f in failures]
+    assert paths[0] != paths[1], paths
+    for failure, path in zip(failures, paths, strict=True):
+        with open(path) as f:
+            assert json.load(f)["script"] == json.loads(json.dumps(failure.replay_info["script"]))
+        with pytest.raises(X.ExplorationFailure) as again:
+            X.replay_file(path, CALBINS)
+        assert str(again.value).split("\n")[0] == str(failure).split("\n")[0]
+
+
 @pytest.mark.contract_violations_expected
 def test_a_violated_chart_contract_is_reported_by_the_explorer(monkeypatch):
     """A planted bug: the KV commit guard says yes once and the txn's own evidence says no

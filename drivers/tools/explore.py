@@ -1871,10 +1871,12 @@ class Explorer:
         info = {"seed": self.seed, "options": self.options, "script": self.script,
                 "choices": list(sched.choices),
                 "pct": getattr(self.chooser, "params", None)}
-        path = os.path.join(tempfile.gettempdir(),
-                            f"calexec-explore-{os.getpid()}-{len(sched.choices)}.json")
+        # a file of its own (named by the process and the choices alone, a second failure
+        # with as many choices in the same process overwrote the one a message names)
         try:
-            with open(path, "w") as f:
+            fd, path = tempfile.mkstemp(prefix=f"calexec-explore-{os.getpid()}-"
+                                               f"{len(sched.choices)}-", suffix=".json")
+            with os.fdopen(fd, "w") as f:
                 json.dump(info, f)
         except OSError:
             path = "(not written)"
