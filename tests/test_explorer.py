@@ -136,9 +136,9 @@ def test_a_schedule_serves_requests_and_shuts_down_clean():
         x.close()
 
 
-def test_a_leak_is_found_and_the_report_replays_it(monkeypatch):
-    """A planted bug (the token budget is never given back) is reported with a replay file
-    that reproduces the same failure."""
+@pytest.fixture
+def leaky_budget(monkeypatch):
+    """A planted bug: a request's token budget is never given back."""
     from calexec.machines.dispatch import Dispatch
     original = Dispatch.release_budget
 
@@ -147,22 +147,34 @@ def test_a_leak_is_found_and_the_report_replays_it(monkeypatch):
             return
         original(self, job)
     monkeypatch.setattr(Dispatch, "release_budget", leaky)
+
+
+def _failed_prefill(seq: int) -> X.ExplorationFailure:
+    """The failure an explorer reports for one prefill of ``seq`` (a bug planted first)."""
     x = X.Explorer(CALBINS)
-    with pytest.raises(X.ExplorationFailure) as first:
+    with pytest.raises(X.ExplorationFailure) as failed:
         try:
             x.start()
-            x.prefill(1, 4)
+            x.prefill(seq, 4)
             x.run()
         finally:
             x.close()
-    assert "pending_tokens=4" in str(first.value)
-    info = first.value.replay_info
+    return failed.value
+
+
+def test_a_leak_is_found_and_the_report_replays_it(leaky_budget):
+    """A planted bug (the token budget is never given back) is reported with a replay file
+    that reproduces the same failure."""
+    first = _failed_prefill(1)
+    assert "pending_tokens=4" in str(first)
+    info = first.replay_info
     with pytest.raises(X.ExplorationFailure) as again:
         X.replay(CALBINS, info["script"], info["choices"], **info["options"])
-    assert str(again.value).split("\n")[0] == str(first.value).split("\n")[0]
+    assert str(again.value).split("\n")[0] == str(first).split("\n")[0]
 
 
-def test_each_failure_report_names_a_replay_file_of_its_own(monkeypatch, tmp_path):
+def test_each_failure_report_names_a_replay_file_of_its_own(leaky_budget, monkeypatch,
+                                                             tmp_path):
     """Found at stop 58: the replay file a failure's message names
     (``replay_file('/tmp/calexec-explore-PID-N.json')``) was named by the process and the
     number of choices alone, so a second failure with as many choices in the same process
@@ -173,26 +185,8 @@ def test_each_failure_report_names_a_replay_file_of_its_own(monkeypatch, tmp_pat
     import re
     import tempfile
 
-    from calexec.machines.dispatch import Dispatch
-    original = Dispatch.release_budget
-
-    def leaky(self, job):
-        if not job.internal:
-            return
-        original(self, job)
-    monkeypatch.setattr(Dispatch, "release_budget", leaky)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    failures = []
-    for seq in (1, 2):
-        x = X.Explorer(CALBINS)
-        with pytest.raises(X.ExplorationFailure) as failed:
-            try:
-                x.start()
-                x.prefill(seq, 4)
-                x.run()
-            finally:
-                x.close()
-        failures.append(failed.value)
+    failures = [_failed_prefill(seq) for seq in (1, 2)]
     paths = [re.search(r"replay_file\('([^']+)'\)", str(f)).group(1) for f in failures]
     assert paths[0] != paths[1], paths
     for failure, path in zip(failures, paths, strict=True):
