@@ -423,11 +423,14 @@ class ExecutorMachine(RuleBasedStateMachine):
         test_recovery.py); the golden's own deadline bounds it either way."""
         assert self.emu.clear_all_faults() == 0
         assert self.emu.set_stepped(False) == 0
+        before = self.ex.gen
         status = action()
         assert self.emu.set_stepped(True) == 0
         self.settle_results()
         self.instrument_generation()
-        if self.ex.gen is not None:  # generation+1: a fresh KvManager, every sequence empty
+        # a new generation: a fresh KvManager, every sequence empty. A recovery dropped because
+        # a switch already replaced its generation leaves the serving one (and its KV) alone
+        if self.ex.gen is not None and self.ex.gen is not before:
             self.seed = self.seeds[self.ex.gen.calbin_path]
             self.oracles = {seq: oracle.OracleSequence(self.seed) for seq in SEQS}
         return status
@@ -588,3 +591,29 @@ PhaseBMachine.TestCase.settings = settings(
     max_examples=max(EXAMPLES // 4, 50), stateful_step_count=25, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 TestPhaseBStateful = PhaseBMachine.TestCase
+
+
+def test_a_recovery_dropped_after_a_switch_leaves_the_serving_generations_kv_alone():
+    """Found by a randomised run of TestPhaseBStateful (stop 59), replayed step by step: a CCU
+    exception asks for a recovery of generation 1, a refused switch rolls back to generation
+    3, and the pending recovery is then dropped (generation 3 serves since). The model reset
+    its sequences at every recovery, so it expected sequence 2 empty where generation 3 had
+    committed a token, and failed on the stream's next step (past 1 beyond length 0)."""
+    state = PhaseBMachine()
+    try:
+        state.start()
+        state.stream_step(ahead=False, follow=False, seq=2, token=0)
+        state.arm_fault(nth=1, point="CCU_EXCEPTION")
+        state.decode_sync_run(steps=1, token=0)
+        state.switch_model(golden_ok=False, to_other=True)
+        state.decode_sync_run(steps=1, token=0)
+        state.stream_submit(follow=False, seq=2, token=0)
+        assert state.ex.life.recovery_pending  # generation 1's, asked before the switch
+        serving = state.ex.gen
+        state.run_recovery()
+        assert state.ex.gen is serving  # dropped: the generation and its KV stay
+        state.device_stage()
+        state.submit_and_complete()
+        assert state.committed(2) == 2 and state.oracles[2].length == 2
+    finally:
+        state.teardown()
