@@ -88,7 +88,9 @@ def test_a_request_finishing_during_a_refused_switch_gives_its_sequence_back(tmp
     "running" and kept its id)."""
     executor = started_executor(tmp_path)
     try:
-        app = create_app(executor, ServerConfig(admin_token=TOKEN))
+        # the request's resume waits for a Ready generation the gated switch withholds: a
+        # second of budget (the default's 10 s only took longer) ends it with its 503
+        app = create_app(executor, ServerConfig(admin_token=TOKEN, resume_budget_s=1.0))
         service = app.state.service
         gated = GatedLoads(executor.device,
                            corrupt if window == "old_kv_destroyed" else executor.gen.calbin_path)
@@ -150,7 +152,9 @@ def test_refused_reload_under_load_every_client_gets_a_json_error_or_sse_error(t
     body, or a stream ending with [DONE] or an SSE error event; nothing stays running; every
     id is free again; the previous model serves again."""
     executor = started_executor(tmp_path, "decode_us=20000")
-    app = create_app(executor, ServerConfig(admin_token=TOKEN))
+    # the clients' resumes wait for a Ready generation the held fallback load withholds: a
+    # second of budget (the default's 10 s only took longer) ends each with its error
+    app = create_app(executor, ServerConfig(admin_token=TOKEN, resume_budget_s=1.0))
     service = app.state.service
     gated = GatedLoads(executor.device, executor.gen.calbin_path)
     executor.device = gated
