@@ -878,9 +878,10 @@ def test_decode_sync_waits_for_its_cancelled_job_as_long_as_the_execution_deadli
     10 s: a job the device finishes 12 s after the deadline (a slow prefill; an operator's
     ``execution_timeout_s=60`` for a slow model) made decode_sync return "still on its way"
     and the caller's ``release_sequence`` fail ``kv.sequence_busy`` (stop 44's leftover)."""
-    # 59 tokens at 200 ms a token: about 11.8 s on the device, past a 50 ms deadline
-    with running_job_path(calbin, device_config="prefill_per_token_us=200000",
-                          execution_timeout_s=60.0) as ex:
+    # 59 tokens at 200 ms a token: about 11.8 s on the device, past a 50 ms deadline (set once
+    # the executor started: in the device config the warm-up's golden prefill took 3.4 s more)
+    with running_job_path(calbin, execution_timeout_s=60.0) as ex:
+        assert ex.device.emu.set_knob("prefill_per_token_us", 200_000) == 0
         code, status = ex.decode_sync(prefill(8, list(range(1, 60)), seconds=0.05,
                                               kv_reserve_len=63))
         assert code == 2 and isinstance(status, Status), status
