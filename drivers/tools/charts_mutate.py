@@ -67,10 +67,12 @@ REPORT_FILES = ("mutation.md", "mutation.json")
 #: chart rules proved through the executor (tests/test_chart_rules_*.py: one test per rule
 #: only the tests of the charts alone checked before), the single-thread stateful test.
 #: A mutant that breaks path generation is a collection error; the other files still run, so
-#: the report still says whether the executor's tests notice it too.
+#: the report still says whether the executor's tests notice it too. LangSmith's pytest plugin
+#: (the ``[clients]`` extra installs it; none of these tests uses it) is not loaded: its
+#: imports cost 2-3 s of each run's start, once per mutant.
 DEFAULT_TEST_CMD = (
-    f"{shlex.quote(sys.executable)} -m pytest -q -p no:cacheprovider --hypothesis-profile=mutate "
-    "--continue-on-collection-errors "
+    f"{shlex.quote(sys.executable)} -m pytest -q -p no:cacheprovider -p no:langsmith_plugin "
+    "--hypothesis-profile=mutate --continue-on-collection-errors "
     "tests/test_charts_declared.py tests/test_charts_compiled.py tests/test_charts_paths.py "
     "tests/test_executor_paths.py tests/test_recovery.py::test_lifecycle_transition_reached_through_executor "
     "tests/test_chart_rules_job.py tests/test_chart_rules_buffer_slot.py "
