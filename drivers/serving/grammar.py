@@ -23,6 +23,7 @@ llguidance is imported only when a grammar is compiled (the module itself needs 
 from __future__ import annotations
 
 import json
+import math
 import re
 import threading
 import uuid
@@ -227,11 +228,54 @@ class ToolSetup:
     named: bool = False
 
 
+def _finite(schema: Any, param: str) -> None:
+    """Refuse a number in ``schema`` that is not finite: the body's parser reads ``1e400`` as
+    Infinity (and takes ``NaN``, ``Infinity``), which llguidance's JSON writes as ``null``, so
+    ``{"const": 1e400}`` was a grammar of ``null`` and the answer ``null`` with
+    ``finish_reason: stop``, a value the schema never allowed (``maximum: 1e400`` a 400 saying
+    "got null"). The walk is bounded by the body's own nesting limit."""
+    todo: list[tuple[str, Any]] = [(param, schema)]
+    while todo:
+        where, value = todo.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            raise GrammarError(param, f"{where}={shown(value)}: not a finite number (a number "
+                                      "past a double's range, such as 1e400, reads as "
+                                      "Infinity): a JSON Schema needs finite numbers")
+        if isinstance(value, dict):
+            todo.extend((f"{where}.{key}", item) for key, item in value.items())
+        elif isinstance(value, list):
+            todo.extend((f"{where}[{i}]", item) for i, item in enumerate(value))
+
+
+def _admits_a_value(grammar: str, tokenizer: Any, param: str) -> str:
+    """Refuse a schema whose grammar can only end at once (a ``$ref`` that refers only to
+    itself, or to a cycle of such): no JSON value satisfies it, and llguidance's first mask
+    allows only its end token, so the answer was empty text with ``finish_reason: stop``, as
+    if all went well (with tools, the answer left out and the model sent to call one)."""
+    from llguidance import LLMatcher
+    from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+    matcher = LLMatcher(tokenizer, grammar, log_level=0)
+    if matcher.is_accepting() or matcher.is_error():
+        return grammar
+    bits = allocate_token_bitmask(1, tokenizer.vocab_size)
+    fill_next_token_bitmask(matcher, bits)
+    words = bits[0].view(np.uint32).copy()
+    for token in tokenizer.eos_tokens:
+        if 0 <= token < tokenizer.vocab_size:
+            words[token // 32] &= ~np.uint32(1 << (token % 32))
+    if not words.any():
+        raise GrammarError(param, f"{param}: no JSON value satisfies it (its grammar can only "
+                                  "end before any text: a $ref that refers only to itself, "
+                                  "or to a cycle of such, defines no value)")
+    return grammar
+
+
 def _schema_grammar(schema: Any, param: str, strict: bool) -> str:
     from llguidance import LLMatcher
     if not isinstance(schema, dict):
         raise GrammarError(param, f"{param}: must be a JSON Schema object, got "
                                   f"{type(schema).__name__}")
+    _finite(schema, param)
     try:
         options: Any = {**JSON_OPTIONS, "lenient": not strict}  # llguidance's JsonCompileOptions
         return LLMatcher.grammar_from_json_schema(schema, overrides=options)
@@ -307,7 +351,8 @@ def completion_structure(response_format: Any, tok: Tokenizer, vocab: int, end_t
              else "response_format")
     ll = ll_tokenizer(tok, vocab, end_token, "response_format",
                       f"{response_format.get('type')}")
-    grammar = _checked(_schema_grammar(schema, param, strict), ll, param)
+    grammar = _admits_a_value(_checked(_schema_grammar(schema, param, strict), ll, param), ll,
+                              param)
     return Structure(grammar, ll, vocab, end_token)
 
 
@@ -419,8 +464,8 @@ def chat_structure(response_format: Any, setup: ToolSetup, parallel_tool_calls: 
     arguments: dict[str, str] = {}
     for i, tool in enumerate(setup.tools):  # each tool's schema on its own: the field named
         param = f"tools.{i}.function.parameters"
-        arguments[tool.name] = _checked(_schema_grammar(dict(tool.parameters), param,
-                                                        tool.strict), ll, param)
+        arguments[tool.name] = _admits_a_value(_checked(_schema_grammar(
+            dict(tool.parameters), param, tool.strict), ll, param), ll, param)
     tools = [t for t in setup.tools if not setup.named or t.name == setup.choice]
     if setup.named:
         # as vLLM: the output is the named function's arguments alone (one JSON value), the
@@ -449,6 +494,11 @@ def chat_structure(response_format: Any, setup: ToolSetup, parallel_tool_calls: 
                 raise GrammarError("response_format.json_schema.schema",
                                    "response_format.json_schema.schema: must be a JSON Schema "
                                    "object")
+            param = ("response_format.json_schema.schema"
+                     if response_format["type"] == "json_schema" else "response_format")
+            # checked on its own, as without tools (it is written into the grammar below)
+            _admits_a_value(_checked(_schema_grammar(schema, param, strict), ll, param), ll,
+                            param)
             lines.append("answer: %json " + json.dumps(
                 {**schema, "x-guidance": {**JSON_OPTIONS, "lenient": not strict}}))
             lines.append("start: answer | calls")

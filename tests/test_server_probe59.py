@@ -1,0 +1,116 @@
+"""Found at stop 59 (server): each test names what a user hit before its fix (docs/traceability.md,
+"Found at stop 59 (server)"). Real executor on the bundled emulator; every wait bounded."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+import needs
+from calexec.drivers.serving.server import ServerConfig, create_app
+from test_server_support import started_executor
+
+CHAT = [{"role": "user", "content": "hi"}]
+LOOP = {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    executor = started_executor(tmp_path_factory.mktemp("probe59"))
+    try:
+        with TestClient(create_app(executor, ServerConfig())) as client:
+            yield client
+    finally:
+        executor.shutdown(5.0)
+
+
+def _format(schema: str) -> str:
+    return ('"response_format": {"type": "json_schema", "json_schema": {"name": "x", '
+            f'"schema": {schema}}}}}')
+
+
+def _tools(parameters: str, choice: str = '"required"') -> str:
+    return ('"tools": [{"type": "function", "function": {"name": "f", "parameters": '
+            f'{parameters}}}}}], "tool_choice": {choice}')
+
+
+def _post(client, route: str, fields: str, stream: bool = False):
+    lead = ('"prompt": "x"' if route == "/v1/completions"
+            else '"messages": [{"role": "user", "content": "hi"}]')
+    raw = "{" + lead + ', "max_tokens": 8, ' + fields + (', "stream": true' if stream else "") + "}"
+    return client.post(route, content=raw, headers={"content-type": "application/json"})
+
+
+# ---- a number past a double's range in a schema ------------------------------------------------
+@pytest.mark.parametrize("route,fields,param,where", [
+    ("/v1/chat/completions", _format('{"const": 1e400}'),
+     "response_format.json_schema.schema", "response_format.json_schema.schema.const"),
+    ("/v1/chat/completions", _format('{"enum": [2, 1e400]}'),
+     "response_format.json_schema.schema", "response_format.json_schema.schema.enum[1]"),
+    ("/v1/completions", _format('{"type": "number", "maximum": -1e400}'),
+     "response_format.json_schema.schema", "response_format.json_schema.schema.maximum"),
+    ("/v1/chat/completions",
+     _tools('{"type": "object", "properties": {"a": {"const": 1e400}}, "required": ["a"]}'),
+     "tools.0.function.parameters", "tools.0.function.parameters.properties.a.const"),
+    ("/v1/chat/completions",
+     _tools('{"type": "object"}', '"auto"') + ", " + _format('{"const": 1e400}'),
+     "response_format.json_schema.schema", "response_format.json_schema.schema.const"),
+], ids=["const", "enum", "completions-maximum", "tool-parameters", "tools-and-format"])
+def test_a_schema_number_past_a_double_is_a_400_naming_where_it_is(client, route, fields,
+                                                                    param, where):
+    """The body's parser reads ``1e400`` as Infinity, which llguidance's JSON writes as
+    ``null``: ``{"const": 1e400}`` was answered 200 ``null`` with ``finish_reason: stop``,
+    a value the schema never allowed (``maximum: 1e400``: a 400 saying "Expected f64 for
+    'maximum', got null", a null the client never wrote). Now a 400 naming the field and
+    the number's place in the schema."""
+    needs.module("llguidance", "server")
+    r = _post(client, route, fields)
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["param"] == param
+    assert f"{where}=Infinity: not a finite number" in error["message"] or \
+        f"{where}=-Infinity: not a finite number" in error["message"], error["message"]
+
+
+# ---- a schema no JSON value satisfies ----------------------------------------------------------
+@pytest.mark.parametrize("route,fields,param,stream", [
+    ("/v1/chat/completions", _format(json.dumps(LOOP)), "response_format.json_schema.schema",
+     False),
+    ("/v1/chat/completions", _format(json.dumps(LOOP)), "response_format.json_schema.schema",
+     True),
+    ("/v1/completions", _format(json.dumps(LOOP)), "response_format.json_schema.schema", False),
+    ("/v1/chat/completions", _tools('{"type": "object"}', '"auto"') + ", "
+     + _format(json.dumps(LOOP)), "response_format.json_schema.schema", False),
+], ids=["chat", "chat-stream", "completions", "tools-and-format"])
+def test_a_schema_no_value_satisfies_is_a_400_not_an_empty_answer(client, route, fields, param,
+                                                                  stream):
+    """A ``$ref`` that refers only to itself defines no value: llguidance compiles it, and its
+    first mask allows only the end token, so the answer was empty text with
+    ``finish_reason: stop``, 200, as if the schema had been honoured (with tools, the answer
+    left out and the model sent to call one). Now a 400 naming the field, whole or streamed
+    (before any chunk)."""
+    needs.module("llguidance", "server")
+    r = _post(client, route, fields, stream)
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["param"] == param
+    assert "no JSON value satisfies it" in error["message"], error["message"]
+
+
+def test_a_recursive_schema_that_has_values_is_still_served(client):
+    """The check refuses only a grammar that can end before any text: a schema recursing
+    through a choice that ends (a linked list of nulls) is answered, its JSON parsed."""
+    needs.module("llguidance", "server")
+    schema = {"anyOf": [{"type": "null"}, {"type": "array", "items": {"$ref": "#"},
+                                           "maxItems": 1}]}
+    r = client.post("/v1/chat/completions", json={
+        "messages": CHAT, "max_tokens": 64,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x",
+                                                                   "schema": schema}}})
+    assert r.status_code == 200, r.text[:300]
+    choice = r.json()["choices"][0]
+    if choice["finish_reason"] == "stop":
+        json.loads(choice["message"]["content"])
+    assert choice["message"]["content"]
