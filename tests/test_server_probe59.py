@@ -114,3 +114,22 @@ def test_a_recursive_schema_that_has_values_is_still_served(client):
     if choice["finish_reason"] == "stop":
         json.loads(choice["message"]["content"])
     assert choice["message"]["content"]
+
+
+# ---- best_of below n ----------------------------------------------------------------------------
+@pytest.mark.parametrize("stream", [False, True])
+def test_best_of_below_n_is_a_400_naming_best_of(client, stream):
+    """``best_of: 1`` with ``n: 2`` asks for the best one of one candidate and for two
+    choices; OpenAI and vLLM refuse it (vLLM: "best_of must be greater than or equal to n").
+    It was served with two choices. Now a 400 naming ``best_of``; ``best_of`` equal to ``n``
+    (1) and left out are still served."""
+    r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "n": 2,
+                                              "best_of": 1, "stream": stream})
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["param"] == "best_of"
+    assert error["message"].startswith("best_of=1 < n=2: best_of must be >= n"), error["message"]
+    for body in ({"n": 1, "best_of": 1}, {"n": 2}, {"n": 2, "best_of": None}):
+        served = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, **body})
+        assert served.status_code == 200, served.text[:300]
+        assert len(served.json()["choices"]) == body["n"]

@@ -428,6 +428,12 @@ def refusal(body: _Body) -> None:
             raise Refusal(invalid(f"{name}={shown(getattr(body, name), 80)}: {why}"), name)
     if body.n < 1:
         raise Refusal(invalid(f"n={body.n}: must be >= 1"), "n")
+    best_of = getattr(body, "best_of", None)  # here null or 1 (REFUSED took any other)
+    if best_of is not None and best_of < body.n:
+        # OpenAI and vLLM refuse it ("best_of must be greater than or equal to n"); served,
+        # the answer had n choices where the client asked for the best of one
+        raise Refusal(invalid(f"best_of={best_of} < n={body.n}: best_of must be >= n (or "
+                              "left out)"), "best_of")
     if body.stream_options is not None:
         if not body.stream:
             raise Refusal(invalid("stream_options: only allowed with stream=true"),
