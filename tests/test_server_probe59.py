@@ -133,3 +133,45 @@ def test_best_of_below_n_is_a_400_naming_best_of(client, stream):
         served = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, **body})
         assert served.status_code == 200, served.text[:300]
         assert len(served.json()["choices"]) == body["n"]
+
+
+# ---- Authorization given twice ----------------------------------------------------------------
+KEY = "probe59-api-key"
+TOKEN = "probe59-admin-token"
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory):
+    executor = started_executor(tmp_path_factory.mktemp("probe59-keyed"))
+    try:
+        with TestClient(create_app(executor, ServerConfig(api_key=KEY, admin_token=TOKEN))
+                        ) as client:
+            yield client
+    finally:
+        executor.shutdown(5.0)
+
+
+@pytest.mark.parametrize("route,secret", [("/v1/completions", KEY),
+                                          ("/admin/drain?grace=abc", TOKEN)],
+                         ids=["api-key", "admin-token"])
+@pytest.mark.parametrize("order", ["right-first", "wrong-first"])
+def test_authorization_given_twice_is_a_401_whichever_comes_first(keyed, route, secret, order):
+    """``Authorization`` is one credential (RFC 9110 section 11.6.2), and the server took the
+    first of two: the right key followed by a wrong one was let in, the wrong one first
+    refused as if no key had been sent, whatever a proxy in front had checked. Two are now a
+    401 naming the header given twice, whichever is first; one is read as before."""
+    pair = [("authorization", f"Bearer {secret}"), ("authorization", "Bearer wrong")]
+    if order == "wrong-first":
+        pair.reverse()
+    body = {"prompt": "hi", "max_tokens": 1} if route == "/v1/completions" else None
+    r = keyed.post(route, json=body, headers=pair)
+    assert r.status_code == 401, r.text[:300]
+    error = r.json()["error"]
+    assert error["type"] == "authentication_error"
+    assert error["message"].startswith("Authorization given 2 times: send one"), error["message"]
+    once = keyed.post(route, json=body, headers={"authorization": f"Bearer {secret}"})
+    # the key alone serves; the admin token alone reaches the route (its 400 naming grace)
+    if route == "/v1/completions":
+        assert once.status_code == 200, once.text[:300]
+    else:
+        assert once.status_code == 400 and once.json()["error"]["param"] == "grace", once.text

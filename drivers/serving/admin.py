@@ -36,11 +36,17 @@ def admin_refusal(request: Request, config: ServerConfig) -> JSONResponse | None
     401/403 answer. The token is read as the API key is (``openai_api.auth_refusal``): the
     spaces after ``Bearer`` (RFC 9110 allows more than one) and around the token are not
     part of it."""
-    header = request.headers.get("authorization", "")
+    given = request.headers.getlist("authorization")
+    header = given[0] if given else ""
     if config.admin_token is None:
         return error_response(Status.failure("admin.disabled", Category.INVALID_REQUEST,
                                              Phase.VALIDATE, "no admin token is configured"),
                               http_status=403)
+    if len(given) > 1:  # one credential, as the API key (openai_api.auth_refusal)
+        return error_response(Status.failure("admin.unauthenticated", Category.INVALID_REQUEST,
+                                             Phase.VALIDATE, f"Authorization given {len(given)} "
+                                             "times: send one, Authorization: Bearer <token>"),
+                              http_status=401)
     scheme, _, token = header.partition(" ")
     token = token.strip()
     if scheme.lower() != "bearer" or not token:

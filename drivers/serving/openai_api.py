@@ -540,7 +540,15 @@ def auth_refusal(request: Request, api_key: str | None) -> Refusal | None:
     time); else a 401 refusal."""
     if api_key is None:
         return None
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    given = request.headers.getlist("authorization")
+    if len(given) > 1:
+        # one credential (RFC 9110 section 11.6.2: not a list field); the first was taken,
+        # so a key behind a wrong one was refused and a wrong one behind the key let in,
+        # whichever a proxy in front read
+        return Refusal(Status.failure("request.invalid_api_key", Category.INVALID_REQUEST,
+                                      Phase.VALIDATE, f"Authorization given {len(given)} times: "
+                                      "send one, Authorization: Bearer <key>"), None, 401)
+    scheme, _, token = (given[0] if given else "").partition(" ")
     if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("utf-8"),
                                                           api_key.encode("utf-8")):
         return None
