@@ -93,7 +93,7 @@ def test_invalid_values_name_the_field_and_the_value(field, value):
 def test_stop_lists_are_bounded_and_named():
     with pytest.raises(SamplingError, match=r'stop\[1\]=""'):
         SamplingParams(stop=["a", ""])
-    with pytest.raises(SamplingError, match=r"^stop="):
+    with pytest.raises(SamplingError, match=r"^stop: 17 given: at most 16 stop strings$"):
         SamplingParams(stop=["x"] * 17)
     with pytest.raises(SamplingError, match=r"stop_token_ids\[0\]=-1"):
         SamplingParams(stop_token_ids=[-1])

@@ -175,3 +175,21 @@ def test_authorization_given_twice_is_a_401_whichever_comes_first(keyed, route, 
         assert once.status_code == 200, once.text[:300]
     else:
         assert once.status_code == 400 and once.json()["error"]["param"] == "grace", once.text
+
+
+# ---- a list refused for its length ------------------------------------------------------------
+@pytest.mark.parametrize("field,value,expected", [
+    ("stop", [f"s{i}" for i in range(17)], "stop: 17 given: at most 16 stop strings"),
+    ("stop_token_ids", list(range(100)), "stop_token_ids: 100 given: at most 64 ids"),
+    ("logit_bias", {str(i): 1 for i in range(301)}, "logit_bias: 301 given: at most 300 entries"),
+])
+def test_a_list_over_its_limit_is_refused_naming_its_count(client, field, value, expected):
+    """17 stop strings were refused ``stop=["s0", "s1", "s2", "s3"]: at most 16 stop
+    strings``: the first four shown as if they were the whole list, a list of 4 refused for
+    being over 16; 301 ``logit_bias`` entries ``logit_bias=301: ...``, as if the bias were
+    301. The refusal now says how many were given."""
+    r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, field: value})
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert error["param"] == field
+    assert error["message"] == expected

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Sequence
+from collections.abc import Sequence, Sized
 from typing import Any, Protocol
 
 import attrs
@@ -54,8 +54,12 @@ SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 class SamplingError(ValueError):
     """A sampling parameter is invalid: ``field`` names it, the message gives the value."""
 
-    def __init__(self, field: str, value: Any, why: str) -> None:
-        super().__init__(f"{field}={fields.shown(value, 80)}: {why}")  # (a stop string may be 1 MB)
+    def __init__(self, field: str, value: Any, why: str, *, count: int | None = None) -> None:
+        # a list refused for its length is named by its count, not shown: its first items
+        # (``stop=["a", "b", "c", "d"]: at most 16 stop strings``) read as the whole list
+        shown = (f"{field}: {count} given" if count is not None
+                 else f"{field}={fields.shown(value, 80)}")  # (a stop string may be 1 MB)
+        super().__init__(f"{shown}: {why}")
         self.field = field
         self.value = value
 
@@ -69,6 +73,11 @@ class NoTokenLeft(SamplingError):
 def _check(field: str, ok: bool, value: Any, why: str) -> None:
     if not ok:
         raise SamplingError(field, value, why)
+
+
+def _check_count(field: str, value: Sized, limit: int, what: str) -> None:
+    if len(value) > limit:
+        raise SamplingError(field, value, f"at most {limit} {what}", count=len(value))
 
 
 def _is_number(value: Any) -> bool:
@@ -96,16 +105,14 @@ def _validate_seed(_inst: Any, _attr: Any, value: int | None) -> None:
 
 
 def _validate_stop(_inst: Any, _attr: Any, value: tuple[str, ...]) -> None:
-    _check("stop", len(value) <= MAX_STOP_STRINGS, list(value)[:4],
-           f"at most {MAX_STOP_STRINGS} stop strings")
+    _check_count("stop", value, MAX_STOP_STRINGS, "stop strings")
     for i, s in enumerate(value):
         _check(f"stop[{i}]", isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS, s,
                f"must be a non-empty string of at most {MAX_STOP_CHARS} characters")
 
 
 def _validate_stop_ids(_inst: Any, _attr: Any, value: tuple[int, ...]) -> None:
-    _check("stop_token_ids", len(value) <= MAX_STOP_TOKEN_IDS, list(value)[:4],
-           f"at most {MAX_STOP_TOKEN_IDS} ids")
+    _check_count("stop_token_ids", value, MAX_STOP_TOKEN_IDS, "ids")
     for i, t in enumerate(value):
         _check(f"stop_token_ids[{i}]", fields.is_token_id(t), t, "must be an integer >= 0")
 
@@ -127,8 +134,7 @@ def _validate_penalty(_inst: Any, attr: Any, value: float) -> None:
 
 
 def _validate_logit_bias(_inst: Any, _attr: Any, value: tuple[tuple[int, float], ...]) -> None:
-    _check("logit_bias", len(value) <= MAX_LOGIT_BIAS, len(value),
-           f"at most {MAX_LOGIT_BIAS} entries")
+    _check_count("logit_bias", value, MAX_LOGIT_BIAS, "entries")
     for token, bias in value:
         _check(f"logit_bias[{fields.shown(token)}]", fields.is_token_id(token), token,
                "the key must be a token id >= 0")
