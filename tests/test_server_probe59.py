@@ -193,3 +193,27 @@ def test_a_list_over_its_limit_is_refused_naming_its_count(client, field, value,
     error = r.json()["error"]
     assert error["param"] == field
     assert error["message"] == expected
+
+
+# ---- a body in Latin-1 ------------------------------------------------------------------------
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions", "/tokenize"])
+def test_a_body_that_is_not_utf8_names_the_byte_not_a_json_syntax_error(client, route):
+    """A body encoded in Latin-1 (``café`` as ``caf\\xe9``: what a Windows client or
+    ``curl --data @file`` of a cp1252 file sends) was refused with the parser's words,
+    ``body: Invalid JSON: invalid unicode code point at line 1 column 16`` (or "EOF while
+    parsing a string"): a JSON syntax error the client did not make. UTF-16 and UTF-32 were
+    already named; the refusal now says the body is not UTF-8 and which byte."""
+    body = ({"messages": [{"role": "user", "content": "caf\u00e9"}]}
+            if route == "/v1/chat/completions" else {"prompt": "caf\u00e9"})
+    raw = json.dumps(body, ensure_ascii=False).encode("latin-1")  # é as one byte, 0xE9
+    r = client.post(route, content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    at = raw.index(b"\xe9")
+    assert error["message"] == ("body: JSON must be UTF-8 (RFC 8259 section 8.1); byte "
+                                f"{at} (0xE9) is not UTF-8 (a Latin-1 or Windows-1252 body?): "
+                                "send it encoded as UTF-8"), error["message"]
+    assert error["param"] is None
+    good = client.post(route, content=raw.decode("latin-1").encode("utf-8"),
+                       headers={"content-type": "application/json"})
+    assert good.status_code == 200, good.text[:300]

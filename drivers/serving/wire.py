@@ -172,6 +172,15 @@ def utf8_json(raw: bytes) -> bytes | str:
     if encoding != "utf-8":
         return (f"body: JSON must be UTF-8 (RFC 8259 section 8.1); this body is "
                 f"{encoding.upper()}: send it encoded as UTF-8")
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        # the parser's own words ("invalid unicode code point at line 1 column 16", "EOF
+        # while parsing a string") named neither the encoding nor the byte: a Latin-1 or
+        # cp1252 body (é as 0xE9) reads as a JSON syntax error
+        return (f"body: JSON must be UTF-8 (RFC 8259 section 8.1); byte {err.start} "
+                f"(0x{raw[err.start]:02X}) is not UTF-8 (a Latin-1 or Windows-1252 body?): "
+                "send it encoded as UTF-8")
     return raw
 
 
