@@ -47,6 +47,7 @@ import attrs
 from statemachine import StateChart
 from statemachine.transition import Transition as DeclaredTransition
 
+from calexec.contracts.fields import shown
 from calexec.machines.chart_support import ToolListener, remove_listener
 from calexec.machines.compiled import ChartLike, ChartRun, CompiledChart, compiled
 from calexec.machines.diagrams import (
@@ -127,14 +128,14 @@ class Registered:
                     raise TypeError("a bool is no count")
                 found[state] = operator.index(n)
             except (TypeError, ValueError, OverflowError):  # (runs= counts integers itself)
-                return {}, f"{said} a count that is no integer: {state!r:.60}={n!r:.60}"
+                return {}, f"{said} a count that is no integer: {shown(state, 60)}={shown(n, 60)}"
             # (a state's name or value for its id, a typo: drawn nowhere, silently)
             if state not in self.chart.states:
                 known = ", ".join(self.chart.states)
-                return {}, (f"{said} a state the chart does not have: {state!r:.60} (its "
+                return {}, (f"{said} a state the chart does not have: {shown(state, 60)} (its "
                             f"states, by id: {known:.200})")
             if found[state] < 0:
-                return {}, f"{said} a count below 0: {state!r:.60}={n!r:.60}"
+                return {}, f"{said} a count below 0: {shown(state, 60)}={shown(n, 60)}"
         return found, None
 
     def highlighted(self) -> str | None:
@@ -154,7 +155,7 @@ class Registered:
         if state is not None and state not in self.chart.states:
             known = ", ".join(self.chart.states)
             return None, (f"{self.name}: the active= function given to register answered a "
-                          f"state the chart does not have: {state!r:.60} (its states, by id: "
+                          f"state the chart does not have: {shown(state, 60)} (its states, by id: "
                           f"{known:.200})")
         return state, None
 
@@ -450,7 +451,7 @@ section svg{max-width:100%;height:auto}
 _SCRIPT = """
 const NODE_ID = %(node_id)s, EDGE_ID = %(edge_id)s, LIVE = %(live)s, FILL = "#40e0d0";
 function badge(group, cls, x, y, text, anchor) {
-  let t = group.querySelector("text." + cls);
+  let t = Array.from(group.children).find((c) => c.getAttribute("class") === cls);
   if (!t) {
     t = document.createElementNS("http://www.w3.org/2000/svg", "text");
     t.setAttribute("class", cls);
@@ -460,11 +461,18 @@ function badge(group, cls, x, y, text, anchor) {
   }
   t.textContent = text;
 }
+// a chart's section and a state's group are found by comparing names, never by a selector
+// built from one: a name holding '"' or '\\' made an invalid selector, and the SyntaxError
+// stopped every chart's painting
 function paint(chart, info) {
-  const svg = document.querySelector('section[data-chart="' + chart + '"] svg');
+  const section = Array.from(document.querySelectorAll("section[data-chart]"))
+    .find((s) => s.dataset.chart === chart);
+  const svg = section && section.querySelector("svg");
   if (!svg) return;
+  const groups = new Map();
+  svg.querySelectorAll("g[id]").forEach((g) => groups.set(g.id, g));
   for (const [state, n] of Object.entries(info.counts)) {
-    const g = svg.querySelector('g[id="' + NODE_ID + state + '"]');
+    const g = groups.get(NODE_ID + state);
     if (!g) continue;
     const shapes = g.querySelectorAll("path, polygon, ellipse");
     shapes.forEach((s, i) => {
@@ -478,7 +486,8 @@ function paint(chart, info) {
     badge(g, "live-count", box.x + box.width + 3, box.y + 11, String(n), "start");
     g.dataset.count = String(n);
   }
-  svg.querySelectorAll('g.edge[id^="' + EDGE_ID + '"]').forEach((g) => {
+  svg.querySelectorAll("g.edge").forEach((g) => {
+    if (!g.id.startsWith(EDGE_ID)) return;
     const ids = g.id.slice(EDGE_ID.length).split("_").map(Number);
     const rate = ids.reduce((sum, i) => sum + (info.per_minute[i] || 0), 0);
     const label = g.querySelector("text");
@@ -675,8 +684,8 @@ def inspector_app(inspector: Inspector, options: AppOptions | None = None) -> St
         name = request.path_params["chart"]
         entry = inspector.charts.get(name)
         if entry is None:
-            return refused(request, 404, f"chart={name!r:.60} is not one of "
-                                         f"{sorted(inspector.charts)}")
+            return refused(request, 404, f"chart={shown(name, 60)} is not one of "
+                                         f"{shown(sorted(inspector.charts), 400)}")
         unknown, taken = query(request, ("active",))
         given = taken["active"]
         if unknown:  # (every query was ignored: ?active=on drew the busiest state)
@@ -688,7 +697,7 @@ def inspector_app(inspector: Inspector, options: AppOptions | None = None) -> St
                                          "highlight)")
         if given and given[0] not in entry.chart.states:
             known = ", ".join(entry.chart.states)
-            return refused(request, 400, f"active={given[0][:60]!r}: not a state of {name!r:.60} "
+            return refused(request, 400, f"active={shown(given[0][:60])}: not a state of {shown(name, 60)} "
                                          f"(its states, by id: {known:.200})")
         active = given[0] if given else entry.highlighted()
         try:
@@ -720,7 +729,7 @@ def inspector_app(inspector: Inspector, options: AppOptions | None = None) -> St
         record = inspector.paths.record(run_id)
         chart = inspector.paths.chart_of(run_id)
         if record is None or chart is None:
-            return refused(request, 404, f"run_id={run_id!r:.60}: not followed (or older "
+            return refused(request, 404, f"run_id={shown(run_id, 60)}: not followed (or older "
                                          f"than the last {inspector.paths.keep} runs)")
         unknown, taken = query(request, ("format",))
         given = taken["format"]
@@ -728,7 +737,7 @@ def inspector_app(inspector: Inspector, options: AppOptions | None = None) -> St
             return refused(request, 400, f"{unknown[0][:60]}: unknown parameter (runs/"
                                          "{run_id}?format=json|html)")
         if len(given) > 1 or (given and given[0] not in ("json", "html")):
-            return refused(request, 400, f"format={given[0][:60]!r}: must be json or html, "
+            return refused(request, 400, f"format={shown(given[0][:60])}: must be json or html, "
                                          "given once")  # (format=JSON answered the page)
         if given == ["json"]:
             return JSONResponse(record)

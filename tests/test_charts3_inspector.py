@@ -67,9 +67,9 @@ def test_a_path_step_to_a_target_the_chart_does_not_have_is_named() -> None:
 
 
 @pytest.mark.parametrize("query, named", [
-    ("format=JSON", "format='JSON'"),
-    ("format=xml", "format='xml'"),
-    ("format=json&format=html", "format='json'"),
+    ('format=JSON', 'format="JSON"'),
+    ('format=xml', 'format="xml"'),
+    ('format=json&format=html', 'format="json"'),
     ("fromat=json", "fromat: unknown parameter"),
 ])
 def test_a_run_pages_query_it_does_not_take_is_a_400_naming_it(query: str, named: str) -> None:

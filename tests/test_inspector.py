@@ -240,7 +240,7 @@ def test_a_chart_name_with_a_slash_is_served(monkeypatch):
             assert answer.headers["content-type"].startswith("image/svg+xml")
         missing = client.get("/charts/shop/other.svg")
         assert missing.status_code == 404
-        assert missing.json() == {"error": "chart='shop/other' is not one of ['shop/orders']"}
+        assert missing.json() == {"error": 'chart="shop/other" is not one of ["shop/orders"]'}
     assert drawn == [("OrderWorkflow", "cart")] * 2
     inspector.close()
 
@@ -349,7 +349,7 @@ def test_a_runs_function_that_raises_is_named_and_the_rest_still_answers(monkeyp
             "ConnectionError: orders database unreachable")
         assert charts["TrafficLight"]["error"] == (  # it answered: it raised nothing
             "TrafficLight: the counts= function given to register answered a count that is "
-            "no integer: 'off'='many'")
+            'no integer: "off"="many"')
         assert charts["working"]["counts"]["cart"] == 1 and "error" not in charts["working"]
         assert client.get("/charts/").status_code == 200
         assert client.get("/charts/OrderWorkflow.svg").text == "<svg>OrderWorkflow None</svg>"
@@ -358,8 +358,8 @@ def test_a_runs_function_that_raises_is_named_and_the_rest_still_answers(monkeyp
 
 
 @pytest.mark.parametrize(("answered", "named"), [
-    ({"Green": 2}, "answered a state the chart does not have: 'Green' (its states, by id: "),
-    ({"green": -1}, "answered a count below 0: 'green'=-1"),
+    ({"Green": 2}, 'answered a state the chart does not have: "Green" (its states, by id: '),
+    ({"green": -1}, 'answered a count below 0: "green"=-1'),
 ])
 def test_counts_for_a_state_the_chart_lacks_or_below_zero_are_named(monkeypatch, answered,
                                                                      named):
@@ -427,7 +427,7 @@ def test_an_active_state_the_chart_does_not_have_is_named_not_drawn():
         assert client.get("/charts/Lamp.svg").text == "<svg>Lamp off</svg>"
         assert client.get("/charts/Lamp.svg?active=on").text == "<svg>Lamp on</svg>"
         for query, error in [
-                ("active=nope", "active='nope': not a state of 'Lamp' (its states, by id: "
+                ("active=nope", 'active="nope": not a state of "Lamp" (its states, by id: '
                                 "off, on)"),
                 ("activ=on", "activ: unknown parameter ({chart}.svg?active=STATE)"),
                 ("active=on&active=off", "active: given more than once (one state to "
@@ -441,7 +441,7 @@ def test_an_active_state_the_chart_does_not_have_is_named_not_drawn():
         live = client.get("/charts/live.json").json()["charts"]
         assert live["typo"]["error"] == (
             "typo: the active= function given to register answered a state the chart does "
-            "not have: 'On' (its states, by id: off, on)")
+            'not have: "On" (its states, by id: off, on)')
         assert live["typo"]["counts"] == {"off": 2, "on": 1} and "error" not in live["Lamp"]
     inspector.close()
 

@@ -370,7 +370,7 @@ def test_errors_of_the_mounted_statecharts_inspector_are_openai_shaped(client, m
         assert set(allowed.split(", ")) == {"GET", "HEAD"}, allowed
         assert f"allowed: {allowed}" in error["message"], error
     if route.endswith("nochart.svg"):
-        assert "chart='nochart'" in error["message"] and "lifecycle" in error["message"]
+        assert 'chart="nochart"' in error["message"] and "lifecycle" in error["message"]
 
 
 def test_the_mounted_inspectors_400_is_request_invalid_not_not_found():
@@ -384,10 +384,10 @@ def test_the_mounted_inspectors_400_is_request_invalid_not_not_found():
     request = Request({"type": "http", "method": "GET", "path": "/debug/statecharts/runs/r",
                        "headers": [], "query_string": b"format=xml"})
     for status, code in ((400, "request.invalid"), (404, "not_found")):
-        r = inspector_error(request, status, "format='xml': must be json or html", {})
+        r = inspector_error(request, status, 'format="xml": must be json or html', {})
         body = json.loads(bytes(r.body))
         assert r.status_code == status and body["error"]["code"] == code, body
-        assert body["error"]["message"].startswith("format='xml'"), body
+        assert body["error"]["message"].startswith('format="xml"'), body
 
 
 @pytest.mark.parametrize("token", ["caf\u00e9", "\u2603-token", " token", ""])
