@@ -480,7 +480,7 @@ def _serve(args: argparse.Namespace, config: ServerConfig, port: int, spec: Devi
 def _calbin_refused(path: str, refusal: Status, started: str) -> str:
     """The one line of a ``--calbin`` refused (a ``calbin.<reason>`` failure of
     machines/switch_check.py): the flag, the path, the reason, what became of the executor."""
-    why = refusal.message.removeprefix(f"calbin={path!r}: ")
+    why = refusal.message.removeprefix(f"calbin={switch_check.named(path)}: ")
     return (f"calexec serve: --calbin={path!r}: not a valid calbin ({refusal.code}): {why}; "
             f"the executor {started}")
 

@@ -172,7 +172,7 @@ class DeviceSpec:
                                             hash_pin=False)
         if checked.ok:
             return None
-        why = checked.message.removeprefix(f"calbin={path!r}: ")
+        why = checked.message.removeprefix(f"calbin={switch_check.named(path)}: ")
         return f"--calbin={path!r}: not a valid calbin ({checked.code}): {why}"
 
     def served(self) -> str:

@@ -19,7 +19,8 @@ which rolls back.
 can see (a vendor runtime's loader, the pin) with :func:`start_refusal`, worded as the check's.
 
 Every refusal is a ``Status`` (INVALID_REQUEST, phase VALIDATE: HTTP 400) whose code is
-``calbin.<reason>`` and whose message starts ``calbin=<path>:``; nothing raises.
+``calbin.<reason>`` and whose message starts ``calbin=<path>:``, the path as JSON writes it
+(``calbin="m.calbin": no such file``: :func:`named`); nothing raises.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from collections.abc import Callable
 
 from calexec.contracts.codes import CalrtCode, describe
 from calexec.contracts.errors import Category
+from calexec.contracts.fields import shown as as_json
 from calexec.contracts.manifest import Manifest
 from calexec.contracts.runtime_view import RuntimeModelInfo
 from calexec.contracts.status import Phase, Status
@@ -47,16 +49,21 @@ def refused(reason: str, shown: str, message: str) -> Status:
                           f"calbin={shown}: {message}")
 
 
-def _shown(path: str) -> str:
-    """``path`` as a refusal names it: quoted, its first 200 characters."""
-    return repr(path[:200]) + ("..." if len(path) > 200 else "")
+def named(path: object) -> str:
+    """``path`` as a refusal names it (``calbin=<named>: ...``): as JSON writes it, the way
+    the HTTP client of ``POST /admin/reload`` wrote it (``"m.calbin"``, ``null``; until stop
+    59 Python's ``'m.calbin'``, ``None``), a str cut to its first 200 characters. A caller
+    rewording a refusal (``calexec serve --calbin``) strips ``calbin=<named>: `` with it."""
+    if not isinstance(path, str):
+        return as_json(path, 200)
+    return as_json(path[:200], 2000) + ("..." if len(path) > 200 else "")
 
 
 def _file_refusal(path: object, max_bytes: int | None) -> Status | None:
     if not isinstance(path, str) or not path:
-        return refused("path_required", repr(path)[:200],
+        return refused("path_required", named(path),
                        "a calbin file path (a non-empty string) is required")
-    shown = _shown(path)
+    shown = named(path)
     if "\x00" in path:
         return refused("bad_path", shown, "the path contains a NUL character")
     if len(path) > MAX_PATH_CHARS:
@@ -121,8 +128,8 @@ def check_calbin(runtime: object, manifest: Manifest, path: object,
     if status is not None:
         return status
     if not isinstance(path, str):  # (_file_refusal refused it; said again for the types)
-        return refused("path_required", repr(path)[:200], "a calbin file path is required")
-    shown = _shown(path)
+        return refused("path_required", named(path), "a calbin file path is required")
+    shown = named(path)
     unreadable = _unreadable(path)
     if unreadable is not None:
         return refused("unreadable", shown, f"cannot read the file ({unreadable})")
@@ -162,7 +169,7 @@ def start_refusal(status: Status, path: str) -> Status | None:
     loaded (``manifest.<reason>``, the sha256 pin included: ``calbin.manifest_mismatch``).
     A vendor runtime's loader runs only there (its check on the host would need a second
     device), and a start does not read the file once more for a check of its own."""
-    shown = _shown(path)
+    shown = named(path)
     if status.code == CALBIN_LOAD_FAILED and status.category is Category.ARTIFACT:
         return refused("invalid", shown, "not a calbin the runtime loads: the loader refused "
                        f"it ({_rc_name(status.raw)})")

@@ -16,6 +16,8 @@ from starlette.routing import Mount  # noqa: E402
 from starlette.testclient import TestClient  # noqa: E402
 from statemachine import State, StateMachine  # noqa: E402
 
+from calexec.contracts.manifest import default_manifest_path, load_manifest  # noqa: E402
+from calexec.machines import switch_check  # noqa: E402
 from calexec.machines.compiled import compiled  # noqa: E402
 from calexec.machines.inspector import AppOptions, Inspector, inspector_app, page  # noqa: E402
 
@@ -80,6 +82,22 @@ def test_the_live_json_errors_show_the_apps_answer_as_json(door_app):
     assert charts["nan"]["error"] == (
         'nan: the counts= function given to register answered a count that is no integer: '
         '"open"="two"')
+
+
+@pytest.mark.parametrize("path, reason, said", [
+    ("/no/such/dir/m.calbin", "not_found", '"/no/such/dir/m.calbin": no such file'),
+    ("/", "not_a_file", '"/": not a regular file'),
+    ("", "path_required", '"": a calbin file path'),
+    ("it's.calbin", "not_found", "\"it's.calbin\": no such file"),
+])
+def test_the_switch_checks_refusal_shows_the_path_as_json(path, reason, said):
+    """Found at stop 59: ``check_calbin`` (``POST /admin/reload``'s check) named the path
+    as Python prints it, ``calbin='m.calbin': ...`` (``calbin="it's"`` in Python's other
+    quotes); the HTTP client wrote it as JSON, and reads it so: ``calbin="m.calbin"``."""
+    manifest = load_manifest(default_manifest_path())
+    checked = switch_check.check_calbin(object(), manifest, path)
+    assert checked.code == f"calbin.{reason}", checked
+    assert (checked.message or "").startswith(f"calbin={said}"), checked.message
 
 
 class _Sections(html.parser.HTMLParser):

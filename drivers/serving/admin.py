@@ -251,8 +251,8 @@ def add_admin_routes(app: FastAPI, service: CompletionService) -> None:
         if isinstance(body, tuple):
             return error_response(body[0], body[1], http_status=400)
         path = body.get("calbin")
-        if not isinstance(path, str) or not path:  # named as the client wrote it (JSON):
-            # the executor's check prints it as Python does (calbin=None, calbin=['a'])
+        if not isinstance(path, str) or not path:  # named as the client wrote it (JSON),
+            # as the executor's check names it (switch_check.named), without calling it
             return error_response(switch_check.refused(
                 "path_required", shown(path, 200), "a calbin file path (a non-empty string) "
                 "is required"), "calbin", http_status=400)
