@@ -546,3 +546,61 @@ def test_a_chart_the_command_never_imports_stops_running_its_mutants(tmp_path, c
                                         "the chart"), mutant
         assert mutant["how"].endswith(f"not run: neither the unmutated run nor mutant "
                                       f"{first['id']} imported it"), mutant
+
+
+def test_a_killer_whose_parametrized_id_holds_a_space_is_named_whole(tmp_path, capsys):
+    """Found at stop 59: a mutant killed by ``test_x[call fail]`` (a parametrized id with a
+    space, as ``@pytest.mark.parametrize("path", ["call fail"])`` makes) was reported killed
+    by ``test_door.py::test_x[call``: the summary line was cut at its first space. The whole
+    id is named, up to pytest's `` - <message>``."""
+    command = _door_project(tmp_path)
+    (tmp_path / "test_door.py").write_text(textwrap.dedent(DOOR_TESTS) + textwrap.dedent('''
+        @pytest.mark.parametrize("events", ["push close", "push - close"])
+        def test_events_end_closed(events):
+            door = Door(Who())
+            for event in events.split():
+                if event != "-":
+                    door.send(event)
+            assert state(door) == "closed"
+        '''))
+    dropped = "drop:opened-close->closed"
+    status, out = _mutate(capsys, tmp_path, "--chart", "door:Door", "--test-cmd", command,
+                          "--mutant", dropped)
+    assert status == 0, out.err
+    (mutant,) = json.loads(out.out)["mutants"]
+    assert mutant["status"] == "killed", mutant
+    assert mutant["killed_by"] == [
+        "test_door.py::test_push_opens_and_close_closes",
+        "test_door.py::test_events_end_closed[push close]",
+        "test_door.py::test_events_end_closed[push - close]"], mutant
+
+
+def test_every_chart_of_a_module_the_command_never_imports_is_warned_and_stops(tmp_path,
+                                                                             capsys):
+    """Found at stop 59: of two charts of one module (``door:Door``, ``door:Gate``) that the
+    unmutated run never imports, only the last was warned about and stopped after its first
+    mutant; the other's mutants each ran the whole command, to be "never applied". Each
+    chart of the module is now warned about and stops after one."""
+    (tmp_path / "door.py").write_text(textwrap.dedent(DOOR) + textwrap.dedent('''
+        class Gate(StateMachine):
+            shut = State(initial=True)
+            up = State()
+            raise_ = shut.to(up)
+            lower = up.to(shut)
+        '''))
+    runs = tmp_path / "runs.txt"
+    script = f"open({str(runs)!r}, 'a').write('run\\n')"
+    mutants_given = ["Door/drop:opened-close->closed", "Door/drop:closed-push->opened",
+                     "Gate/drop:shut-raise_->up", "Gate/drop:up-lower->shut"]
+    status, out = _mutate(capsys, tmp_path, "--chart", "door:Door", "--chart", "door:Gate",
+                          "--jobs", "1", "--test-cmd", f"{sys.executable} -c \"{script}\"",
+                          *[arg for mutant in mutants_given for arg in ("--mutant", mutant)])
+    assert status == 1, out.err
+    for target in ("door:Door", "door:Gate"):
+        assert f"never imported module 'door' (--chart='{target}')" in out.err, out.err
+    statuses = [(m["chart"], m["status"], "not run" in m["how"])
+                for m in json.loads(out.out)["mutants"]]
+    assert statuses == [("Door", "error", False), ("Door", "error", True),
+                        ("Gate", "error", False), ("Gate", "error", True)], statuses
+    # the unmutated run and one mutant of each chart
+    assert runs.read_text().splitlines() == ["run"] * 3

@@ -106,7 +106,9 @@ if _os.environ.get("{PROBE_ENV}") and _os.environ.get("{mutants_mod.ACK_ENV}"):
 
     _atexit.register(_report_imports)
 '''
-FAILED_LINE = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.MULTILINE)
+#: a failing test's id in pytest's short summary: the whole id up to `` - <message>`` (a
+#: parametrized id holds spaces, ``test_x[call fail]``: it was cut at the first one)
+FAILED_LINE = re.compile(r"^(?:FAILED|ERROR) ([^\[\n]+?(?:\[.*?\])?)(?: - |$)", re.MULTILINE)
 
 
 @attrs.frozen
@@ -339,7 +341,7 @@ def _judge(outcome: Outcome, code: int | None, output: str, applied: bool,
         outcome.status, outcome.how = "error", f"exit code {code}"
     else:
         outcome.status, outcome.how = "killed", f"exit code {code}"
-        outcome.killed_by = list(dict.fromkeys(m.split(" ")[0] for m in FAILED_LINE.findall(output)))
+        outcome.killed_by = list(dict.fromkeys(m.strip() for m in FAILED_LINE.findall(output)))
     if outcome.status == "error":
         outcome.output_tail = output[-2000:]
 
@@ -567,7 +569,11 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"charts mutate: unmutated run of `{_shown(command_text)}` ...", file=sys.stderr)
         probe = env_for("baseline")
-        modules = {chart.target.partition(":")[0]: chart for chart in charts}
+        # (every chart of a module: two charts of one module kept the last alone, and the
+        # other's mutants each ran the whole command to be "never applied", unwarned)
+        modules: dict[str, list[Chart]] = {}
+        for chart in charts:
+            modules.setdefault(chart.target.partition(":")[0], []).append(chart)
         probe[PROBE_ENV] = ",".join(modules)
         probe[mutants_mod.ACK_ENV] = str(scratch / "ack-baseline")
         previous = _on_sigterm_interrupt()  # (a SIGTERM ends the command's run too)
@@ -591,9 +597,10 @@ def main(argv: list[str] | None = None) -> int:
                 encoding="utf-8", errors="surrogateescape").splitlines())
         except OSError:  # no process of the command reported any
             imported = set()
-        unseen = {chart.name for name, chart in modules.items()
+        unseen = {chart.name for name, in_module in modules.items() for chart in in_module
                   if f"imported {name}" not in imported}
-        for name, chart in modules.items():
+        for name, chart in ((name, chart) for name, in_module in modules.items()
+                            for chart in in_module):
             if chart.name in unseen:
                 print(f"calexec charts mutate: warning: the unmutated run of --test-cmd never "
                       f"imported module {name!r} (--chart={chart.target!r}): no mutant of "
