@@ -129,3 +129,34 @@ def test_a_chart_name_with_css_or_html_special_characters_is_found_by_the_page(n
     # no CSS selector is built by concatenating a value into it
     assert not re.search(r"""querySelector(All)?\([^)]*\+""", script), script
     assert "dataset.chart === chart" in script
+
+
+def test_the_explorer_reaches_a_schedule_of_two_preemptions_between_two_threads():
+    """Found at stop 59: two threads, each taking a lock twice; the bug shows only in
+    ``a1 b1 a2`` (a preempted after its first block, then b after its first). PCT with
+    ``depth=3`` (two change points) reaches it when the later change point gives the lower
+    priority: Burckhardt et al. give change point ``k_i`` priority ``i`` for change points
+    drawn in random order. calexec's ``PCTChooser`` gave them in time order (the first victim
+    always the lowest), so the second victim always ran on: ``a1 b1 a2 b2`` and ``b1 a1 b2 a2``
+    were never scheduled, by any seed. The priorities now follow the draw's order."""
+    from calexec.drivers.tools.interleave import explore_threads, replay_threads
+
+    def scenario(clock):
+        lock = clock.lock()
+        log: list[str] = []
+
+        def worker(name: str) -> None:
+            for step in (1, 2):
+                with lock:
+                    log.append(f"{name}{step}")
+
+        clock.start_thread(lambda: worker("a"), "a")
+        clock.start_thread(lambda: worker("b"), "b")
+        return lambda: log[:3] not in (["a1", "b1", "a2"], ["b1", "a1", "b2"]) or \
+            f"two preemptions: {' '.join(log)}"
+
+    found = explore_threads(scenario, seeds=range(300), depth=3, length=8)
+    assert found.failure is not None, found
+    assert "two preemptions" in found.failure.message
+    again = replay_threads(scenario, found.failure.choices)
+    assert again is not None and again.message == found.failure.message

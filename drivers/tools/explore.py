@@ -164,16 +164,20 @@ class PCTChooser:
     """Probabilistic concurrency testing (Burckhardt et al., ASPLOS 2010; Shuttle's and
     Coyote's PCT): each thread (and each device engine) gets a random priority when first
     seen; the highest-priority runnable one runs; at ``depth - 1`` random change points the
-    running one drops below all undemoted ones (the j-th victim gets priority j, so the
-    first victim stays the lowest). When no thread can run but the device could, time
-    is let pass instead with probability ``p_jump`` (a slow device)."""
+    running one drops below all undemoted ones, change point ``k_j`` to priority ``j``, the
+    points drawn in random order (Burckhardt et al.: which victim ends lowest is random, not
+    the first in time; until stop 59 it was, so a second victim always ran on and no seed
+    scheduled ``a1 b1 a2``, two preemptions between two threads). When no thread can run but
+    the device could, time is let pass instead with probability ``p_jump`` (a slow
+    device)."""
 
     def __init__(self, seed: int, depth: int = 3, steps: int = 400, p_jump: float = 0.08) -> None:
         self.rng = random.Random(seed)
         self.depth = depth
-        self.change = set(self.rng.sample(range(1, max(steps, depth + 1)), max(0, depth - 1)))
+        # change point (choice index) -> its priority rank j (1: the lowest), in draw order
+        self.change = {point: rank for rank, point in enumerate(
+            self.rng.sample(range(1, max(steps, depth + 1)), max(0, depth - 1)), start=1)}
         self.prio: dict[str, float] = {}
-        self.low = 0.0
         self.p_jump = p_jump
         self.i = 0
         self.offset = 0  # change points count from here; the Explorer moves it past start
@@ -185,11 +189,10 @@ class PCTChooser:
 
     def choose(self, options: list, sched: Scheduler) -> int:
         self.i += 1
-        if self.i - self.offset in self.change and sched.running is not None:
-            # the j-th change point gives priority j/1000: below every undemoted thread, above
-            # the threads demoted before (PCT: the first victim stays the lowest)
-            self.low += 1e-3
-            self.prio[sched.running.label] = self.low
+        rank = self.change.get(self.i - self.offset)
+        if rank is not None and sched.running is not None:
+            # change point k_j gives priority j/1000: below every undemoted thread (> 1)
+            self.prio[sched.running.label] = rank * 1e-3
         if options[-1] == "jump" and self.rng.random() < self.p_jump:
             return len(options) - 1
         best, best_p = 0, None
