@@ -552,7 +552,16 @@ def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
     kinds = [name for name, _, _ in FAULTS] + ["map_fail"]
     rng = random.Random(seed)
     traffic = _Traffic(seed, max_tokens)
-    tally = Tally(requests)
+    def due(i: int) -> int:  # fault i is armed once this many requests were sent
+        return (i + 1) * requests // (faults + 1)
+    # the traffic is held at fault i's step until it is armed, then runs on to the next step:
+    # every fault meets traffic (the last one too), however long the schedule takes to arm it
+    # (a recovery, in-flight requests draining, a busy host). The first step is set before
+    # any client starts: set after them, more clients than that step's requests (--clients
+    # 64, --requests 50 --faults 2) had sent every request before it was set, so the faults
+    # were armed with no traffic left (not fired), and a request a KV fault refused had no
+    # other request to give KV back (429 kv.deadline after its whole deadline, FI04)
+    tally = Tally(requests, gate=due(0) if faults > 0 else requests)
     problems: list[str] = []
     windows: list[dict[str, Any]] = []
     not_fired: Counter = Counter()
@@ -615,12 +624,6 @@ def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
                     thread.start()
                 order = list(kinds)
 
-                def due(i: int) -> int:  # fault i is armed once this many requests were sent
-                    return (i + 1) * requests // (faults + 1)
-                # the traffic is held at fault i's step until it is armed, then runs on to the
-                # next step: every fault meets traffic (the last one too), however long the
-                # schedule takes to arm it (a recovery, in-flight requests draining, a busy host)
-                tally.set_gate(due(0) if faults > 0 else requests)
                 with httpx.Client(base_url=server.url, timeout=REQUEST_TIMEOUT_S) as admin:
                     for i in range(faults):
                         wait_until(lambda i=i: tally.issued >= due(i) or stop.is_set()

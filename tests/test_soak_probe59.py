@@ -1,0 +1,58 @@
+"""Stop 59 (faults): ``calexec bench soak`` with more clients than a fault step has requests
+(more than the server's 32 sequence ids too). The first step of the fault schedule was set
+after the clients started, so 64 clients had sent the requests of the first steps (or all
+of them) before it held them: a fault armed then met no traffic and never fired, and a
+request a KV fault refused (``can_allocate_false``: it waits for another request to give KV
+back, FI04) had none behind it and failed ``429 kv.deadline`` after its whole deadline.
+Never a timing figure.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import needs
+
+needs.module("httpx", "server")  # the soak drives the server over HTTP ([server])
+from calexec.drivers.tools.bench import soak  # noqa: E402
+
+REQUESTS, FAULTS, CLIENTS = 12, 2, 64
+
+
+def test_more_clients_than_a_fault_step_holds_wait_at_the_first_step(capsys):
+    """Each fault is armed with exactly the requests of the steps before it sent (and
+    ended: the schedule waits for them), so every fault meets traffic and fires."""
+    finished = 0
+    mu = threading.Lock()
+    seen_at_arm: list[tuple[int, int]] = []
+
+    def count(body, tokens):
+        nonlocal finished
+        with mu:
+            finished += 1
+        return tokens
+
+    def before_arm(i: int) -> None:
+        with mu:
+            seen_at_arm.append((i, finished))
+
+    code = soak.run_cli(["bench", "soak", "--json", "--requests", str(REQUESTS), "--faults",
+                         str(FAULTS), "--clients", str(CLIENTS), "--seed", "3",
+                         "--max-tokens", "3-5", "--progress-s", "600", "--max-seconds", "300",
+                         "--rss-bound-mib", "4096"],
+                        soak.Hooks(tokens=count, before_arm=before_arm))
+    out, _ = capsys.readouterr()
+    report = json.loads(out)
+    due = [(i + 1) * REQUESTS // (FAULTS + 1) for i in range(FAULTS)]
+    assert [i for i, _ in seen_at_arm] == list(range(FAULTS)), (seen_at_arm, report["checks"])
+    # no more requests than its step had been sent when a fault was armed (each had ended:
+    # the schedule waits for them); before the first fault, each of them completed
+    assert all(n <= due[i] for i, n in seen_at_arm), (seen_at_arm, due)
+    assert seen_at_arm[0][1] == due[0], (seen_at_arm, due)
+    assert report["faults_not_fired"] == {}, report["checks"]["faults"]["detail"]
+    assert report["faults_fired"] == FAULTS, report["checks"]["faults"]["detail"]
+    assert report["errors_beyond_budget"] == {}, report["error_examples"]
+    assert report["requests_finished"] == REQUESTS
+    assert code == 0 and report["ok"], {k: c["detail"] for k, c in report["checks"].items()
+                                        if not c["ok"]}
