@@ -373,7 +373,8 @@ class InferenceExecutor(Protocol):
         """Stop admission, cancel queued and armed jobs, drain submitted ones within ``grace``
         seconds, stop the threads, release the device. OK and ``state`` Stopped when drained;
         ``shutdown.not_drained`` (Failed: the device kept a job, its buffers stay mapped) or
-        ``shutdown.recovery_busy`` (a recovery outlived ``grace``; nothing torn down) or
+        ``shutdown.recovery_busy`` (a recovery outlived ``grace``; nothing torn down yet: the
+        recovery, interrupted, completes this shutdown as it ends) or
         ``shutdown.start_busy`` (a ``start`` on another thread outlived it) or
         ``shutdown.in_progress`` (another thread's ``shutdown`` outlived it) or the
         ``failure`` of an executor already Failed. Idempotent; blocks up to about ``grace``

@@ -117,6 +117,10 @@ log = logging.getLogger("calexec.executor")
 #: what a drained shutdown gives the executor's idle threads to end, at least (beyond its
 #: grace only when the drain ended at its very end): the device is closed after they did
 THREADS_EXIT_S = 1.0
+#: a shutdown past its grace that finds ``recovery_mu`` held by no recovery's work (a thread
+#: about to find the shutdown and return, or one that has just ended a recovery) waits this
+#: long for it, beyond the grace: that holder makes no runtime call before it lets go
+OWNERLESS_WAIT_S = 1.0
 
 _RECOVERING = (LIFECYCLE_DRAINING, LIFECYCLE_RECOVERING, LIFECYCLE_CONFIGURING,
                LIFECYCLE_WARMING)
@@ -201,7 +205,12 @@ class DeviceLifecycle:
         self._ready_waiters = 0
         # recovery: one at a time, on its own thread (threads mode) or run by the caller
         self._recovery_mu = host.locks.lock(RECOVERY)
-        self._recovery_owner: int | None = None  # thread ident holding recovery_mu in recover()
+        #: thread ident running a recovery's work with recovery_mu held (``_recover_held``;
+        #: written under ``mu``)
+        self._recovery_owner: int | None = None
+        #: the ``grace`` of a ``shutdown`` that answered ``shutdown.recovery_busy`` (``mu``):
+        #: the recovery it interrupted completes that shutdown as it ends
+        self._shutdown_owed: float | None = None
         self._pending_recovery: Decision | None = None
         #: the generation the pending decision was made for (the one serving when asked)
         self._pending_gen: int | None = None
@@ -803,9 +812,9 @@ class DeviceLifecycle:
     def _recover_held(self, reason: Status, reset: bool, calbin_path: str | None) -> Status:
         """``recover`` with ``recovery_mu`` held by this thread."""
         host = self._host
-        if self.stopping:  # shutdown ran first: nothing left to recover
-            return Status.unavailable(Phase.RECOVERY, "the executor is shutting down")
         with self.mu:
+            if self.stopping:  # shutdown ran first: nothing left to recover
+                return Status.unavailable(Phase.RECOVERY, "the executor is shutting down")
             state = self.run.state
             if state != LIFECYCLE_READY:
                 # Failed, Stopped, or a start still warming up: nothing is done, so no
@@ -815,23 +824,46 @@ class DeviceLifecycle:
                                           f"{state}: nothing was done", **self._gctx())
             self.run.send(LIFECYCLE_EV_DRAIN)
             self._claimed = None  # under way as Draining from here
-        self._recovery_owner = threading.get_ident()
+            # (with the check of ``stopping``: a shutdown that finds no owner knows the
+            # holder of recovery_mu does no recovery's work, ``_shutdown_once``)
+            self._recovery_owner = threading.get_ident()
         try:
             t0 = host.clock.monotonic()
             from_generation = host.gen.id if host.gen else None
             progress: _RecoveryProgress = {}
             status = self._recover(reason, reset, calbin_path, progress)
-        finally:
-            self._recovery_owner = None
+        except BaseException:
             with self.mu:
-                self._reset_for = None  # (met by this recovery, or too late for its reset)
+                self._recovery_owner = None
+                self._reset_for = None
+            raise
+        with self.mu:
+            self._reset_for = None  # (met by this recovery, or too late for its reset)
         record: RecoveryRecord = {
             "reason": reason.code, "reset": reset, "from_generation": from_generation,
             **progress, "ok": status.ok, "status": status.code,
             "seconds": host.clock.monotonic() - t0,
             "to_generation": host.gen.id if host.gen else None, "lifecycle": self.run.state}
         self.recoveries.append(record)
+        self._complete_owed_shutdown()
         return status
+
+    def _complete_owed_shutdown(self) -> None:
+        """(the recovery's thread, its work done, ``recovery_mu`` held) A ``shutdown`` that
+        answered ``shutdown.recovery_busy`` meanwhile interrupted this recovery, which then
+        stopped (nothing is configured once a shutdown was called): complete that shutdown
+        now, with its grace. Left to a later ``shutdown()``, the lifecycle was ``Stopped``
+        with the device open and the executor's threads running. Ends the recovery's
+        ownership (under ``mu``, once no shutdown is owed: none is lost)."""
+        while True:
+            with self.mu:
+                grace, self._shutdown_owed = self._shutdown_owed, None
+                if grace is None:
+                    self._recovery_owner = None
+                    return
+            status = self._shutdown(grace)
+            log.info("the shutdown that found this recovery busy was completed as it ended: "
+                     "%s, lifecycle %s", status.code, self.run.state)
 
     def _recover(self, reason: Status, reset: bool, calbin_path: str | None,
                  record: _RecoveryProgress) -> Status:
@@ -1300,7 +1332,9 @@ class DeviceLifecycle:
         stops there, its jobs left to the shutdown's drain). Shutdown holds ``recovery_mu``
         from then on, so no recovery runs under its teardown (a later one finds the executor
         stopping and does nothing). If it still runs after ``grace`` nothing is torn down and
-        ``shutdown.recovery_busy`` is returned. Another thread's shutdown in progress is waited
+        ``shutdown.recovery_busy`` is returned; the recovery, interrupted, completes this
+        shutdown (with ``grace``) as it ends (``_complete_owed_shutdown``). Another thread's
+        shutdown in progress is waited
         for (bounded by ``grace``; else ``shutdown.in_progress``), then this call answers as
         one after it. A ``grace`` that is no finite number of
         seconds (None, NaN, inf) raises TypeError or ValueError naming it, changing nothing;
@@ -1373,10 +1407,23 @@ class DeviceLifecycle:
         if not self._recovery_mu.acquire(timeout=left(halfway)):
             self._interrupt()  # the recovery still runs: make it end
             if not self._recovery_mu.acquire(timeout=left(end)):
-                return Status.failure(
-                    "shutdown.recovery_busy", Category.LIFECYCLE, Phase.SHUTDOWN,
-                    f"a recovery or model switch still runs after grace={grace}s; nothing "
-                    "was torn down")
+                with self.mu:
+                    busy = self._recovery_owner is not None
+                    if busy:  # it completes this shutdown as it ends
+                        self._shutdown_owed = grace
+                if busy:
+                    return Status.failure(
+                        "shutdown.recovery_busy", Category.LIFECYCLE, Phase.SHUTDOWN,
+                        f"a recovery or model switch still runs after grace={grace}s; nothing "
+                        "was torn down yet: interrupted, it configures nothing more and "
+                        "completes this shutdown as it ends")
+                # the holder does no recovery's work (it is about to find the shutdown, or
+                # has just ended one): it only returns now
+                if not self._recovery_mu.acquire(timeout=OWNERLESS_WAIT_S):
+                    return Status.failure(
+                        "shutdown.recovery_busy", Category.LIFECYCLE, Phase.SHUTDOWN,
+                        f"the recovery lock was still held {OWNERLESS_WAIT_S}s after "
+                        f"grace={grace}s; nothing was torn down")
         try:
             # what is left of grace: the wait for a start or recovery above came out of it
             # (the drain got the whole grace again, so shutdown(2.0) took 3 s)
