@@ -396,6 +396,32 @@ def _idle(executor, service) -> bool:
             and snap["completing"] == 0 and snap["auto_armed"] == 0)
 
 
+def _settle(since: float, current: list[float | None], tally: Tally,
+            kv_waiting: Callable[[], int], nudge: Callable[[], None]) -> None:
+    """Wait (at most ``REQUEST_TIMEOUT_S``) until every request in flight at ``since``
+    ended. A request a KV fault refused (``can_allocate_false``, ``apply_false``) waits for
+    another request to give KV back or to ask for KV after it (FI04: woken by releases, never
+    by polling); with the traffic held at the next fault's step none comes, and it waited out
+    its whole deadline (429 ``kv.deadline``, an error beyond the budget: 2 clients and 3
+    requests a step, when the fault met a step's last request). So while the traffic is held
+    and a request waits for KV, one nudge request at a time is sent (``kv_nudges`` in the
+    report), as the held traffic would have been."""
+    from calexec.drivers.tools.bench.fault_cost import wait_until
+
+    end = time.monotonic() + REQUEST_TIMEOUT_S
+
+    def ended() -> bool:
+        return all(c is None or c >= since for c in current)
+
+    def starved() -> bool:
+        return tally.issued >= min(tally.gate, tally.total) and kv_waiting() > 0
+
+    while not ended() and time.monotonic() < end:
+        if wait_until(lambda: ended() or starved(), max(0.0, end - time.monotonic())) \
+                and not ended():
+            nudge()
+
+
 def classify_errors(errors: list[tuple[float, float, str]], windows: list[dict[str, Any]]
               ) -> tuple[Counter, Counter]:
     """(documented errors by fault kind, errors beyond the budget by error kind): an error
@@ -596,6 +622,14 @@ def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
             f"requests {tally.finished}/{requests} faults {len(windows)}/{faults} "
             f"wrong {tally.wrong} errors {len(tally.errors)} rss "
             f"{(rss_bytes() or 0) >> 20} MiB"))
+        nudges: Counter = Counter()  # the nudge requests (``_settle``) by HTTP status
+
+        def nudge(admin) -> None:
+            r = admin.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1,
+                                                    "timeout": REQUEST_TIMEOUT_S})
+            nudges[str(r.status_code)] += 1
+            if r.status_code != 200:
+                problems.append(f"a nudge request answered {r.status_code}: {r.text[:200]}")
         start_pools = end_pools = None
         objects_start: int | None = None
         objects_end: int | None = None
@@ -665,9 +699,9 @@ def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
                         emu.clear_all_faults()
                         wait_until(lambda: executor.state == "Ready" and not executor.health(),
                                    READY_WAIT_S)
-                        ended_at = time.monotonic()
-                        wait_until(lambda ended_at=ended_at: all(
-                            c is None or c >= ended_at for c in current), REQUEST_TIMEOUT_S)
+                        _settle(time.monotonic(), current, tally, lambda: (
+                            executor.gen.kvc.waiting if executor.gen is not None else 0),
+                            lambda: nudge(admin))
                         if fired:
                             windows.append({"kind": kind, "armed": armed, "fired": n_fired,
                                             "ended": time.monotonic()})
@@ -774,6 +808,7 @@ def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
                         for k in monitor.marks[j]} if j + 1 < len(monitor.marks) else {})}
                    for j, (p, b) in enumerate(zip(phases, monitor.bounds))],
         "profile_errors": monitor.profile_errors,
+        "kv_nudges": dict(nudges),
         "faults_requested": faults, "faults_fired": len(windows),
         "faults_by_kind": dict(by_kind), "faults_not_fired": dict(not_fired),
         "map_fail_reloads": dict(reloads),
