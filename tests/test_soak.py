@@ -184,14 +184,14 @@ def test_a_run_cut_by_max_seconds_fails_the_requests_and_faults_checks(capsys):
 @pytest.mark.parametrize("argv,flag,value", [
     (["--requests", "8", "--faults", "2"], "--requests", "8"),      # 3 * (2 + 1) = 9 needed
     (["--requests", "2", "--faults", "1", "--clients", "4"], "--requests", "2"),
-    (["--requests", "9", "--faults", "2", "--clients", "1"], "--clients", "1"),
 ])
 def test_a_run_whose_requests_cannot_carry_its_faults_is_refused_at_the_cli(capsys, argv, flag,
                                                                             value):
     """``calexec bench soak`` refuses, in one line naming the flag and its value, exit 2, a run
     too small for its fault schedule: fault i is armed at (i + 1) * requests // (faults + 1)
     requests and each fault needs 3 of its own (armed on one of the next 1-3 calls), so
-    ``--requests >= 3 * (faults + 1)``; a fault run needs two clients. Before the fix such a
+    ``--requests >= 3 * (faults + 1)`` (one client carries them since stop 59: the schedule
+    nudges a request a KV fault refused, tests/test_soak_probe59.py). Before the fix such a
     run started a server and failed (faults not fired), or ran with its faults unplaced."""
     from calexec import cli
 
@@ -210,6 +210,7 @@ def test_the_bound_is_the_fewest_requests_that_give_each_fault_three(capsys):
         due = [(i + 1) * requests // (faults + 1) for i in range(faults)] + [requests]
         assert min(b - a for a, b in zip(due, due[1:])) >= soak.REQUESTS_PER_FAULT
     assert soak.schedule_refusal(1, 0, 1) is None  # no fault: anything goes
+    assert soak.schedule_refusal(9, 2, 1) is None  # one client carries faults (stop 59)
 
 
 def test_a_run_with_no_faults_is_allowed_and_runs(capsys):

@@ -14,7 +14,8 @@ fault. The run goes through decode-latency phases (``--decode-us``, default ``0,
 the requests at the zero-latency profile, half at a 2 ms decode, where implicit pre-arms and
 greedy ahead run; ``US:SHARE`` weighs a phase). ``F`` faults are spread over the requests, one at
 a time as ``calexec bench faults`` does (arm on one of the next 1-3 jobs, wait until it fired,
-for Ready, and until every request in flight during it ended; the traffic waits at each
+for Ready, and until every request in flight during it ended, sending a nudge request while a
+request a KV fault refused waits for KV with the traffic held; the traffic waits at each
 fault's step until the fault is armed, so it always has requests to land on), cycling in seeded
 order through every fault the emulator injects: drivers/tools/chaos.py's job-level and artifact faults
 (§12 FI02-FI10, FI14) and a buffer map failure on a reload (``map_fail``).
@@ -896,11 +897,10 @@ def schedule_refusal(requests: int, faults: int, clients: int) -> str | None:
     they can). Fault i is armed once ``(i + 1) * requests // (faults + 1)`` requests were sent
     and the traffic is held there until it is (``due`` in ``run_soak``), so the requests
     between two steps, and after the last, number ``requests // (faults + 1)`` at least: that
-    must be ``REQUESTS_PER_FAULT``. ``--clients 1`` cannot carry the faults either: a request
-    refused KV by ``can_allocate_false``/``apply_false`` waits for another request to give
-    KV back, and with one client there is none, so it waits out its whole deadline and fails
-    (429 ``kv.deadline``, an error beyond the documented budget: measured, ``--requests 45
-    --faults 14 --clients 1``)."""
+    must be ``REQUESTS_PER_FAULT``. One client carries them too (until stop 59 ``--clients 1``
+    was refused: a request ``can_allocate_false``/``apply_false`` refused waited for another
+    request to give KV back and, with none, failed 429 ``kv.deadline`` at its deadline; the
+    schedule now nudges it, ``_settle``)."""
     if faults == 0:
         return None
     least = REQUESTS_PER_FAULT * (faults + 1)
@@ -909,9 +909,6 @@ def schedule_refusal(requests: int, faults: int, clients: int) -> str | None:
                 f"needs {REQUESTS_PER_FAULT} requests of its own and the traffic before the "
                 f"first one its share too, so --requests >= {REQUESTS_PER_FAULT} * (faults + 1)"
                 f" = {least} (or fewer --faults, or --faults 0)")
-    if clients < 2:
-        return (f"argument --clients: {clients} cannot carry --faults {faults}: a fault run "
-                f"needs --clients >= 2 (or --faults 0)")
     return None
 
 
