@@ -15,7 +15,7 @@ the requests at the zero-latency profile, half at a 2 ms decode, where implicit 
 greedy ahead run; ``US:SHARE`` weighs a phase). ``F`` faults are spread over the requests, one at
 a time as ``calexec bench faults`` does (arm on one of the next 1-3 jobs, wait until it fired,
 for Ready, and until every request in flight during it ended, sending a nudge request while a
-request a KV fault refused waits for KV with the traffic held; the traffic waits at each
+request a KV fault refused waits for KV with no other request running; the traffic waits at each
 fault's step until the fault is armed, so it always has requests to land on), cycling in seeded
 order through every fault the emulator injects: drivers/tools/chaos.py's job-level and artifact faults
 (§12 FI02-FI10, FI14) and a buffer map failure on a reload (``map_fail``).
@@ -404,9 +404,10 @@ def _settle(since: float, current: list[float | None], tally: Tally,
     another request to give KV back or to ask for KV after it (FI04: woken by releases, never
     by polling); with the traffic held at the next fault's step none comes, and it waited out
     its whole deadline (429 ``kv.deadline``, an error beyond the budget: 2 clients and 3
-    requests a step, when the fault met a step's last request). So while the traffic is held
-    and a request waits for KV, one nudge request at a time is sent (``kv_nudges`` in the
-    report), as the held traffic would have been."""
+    requests a step, when the fault met a step's last request; with one client, always). So
+    while every request in flight waits for KV (no other one runs to give KV back or ask
+    after it: the traffic held at the step, or every client waiting so), one nudge request at
+    a time is sent (``kv_nudges`` in the report), as more traffic would have been."""
     from calexec.drivers.tools.bench.fault_cost import wait_until
 
     end = time.monotonic() + REQUEST_TIMEOUT_S
@@ -415,7 +416,8 @@ def _settle(since: float, current: list[float | None], tally: Tally,
         return all(c is None or c >= since for c in current)
 
     def starved() -> bool:
-        return tally.issued >= min(tally.gate, tally.total) and kv_waiting() > 0
+        waiting = kv_waiting()
+        return waiting > 0 and sum(c is not None for c in current) <= waiting
 
     while not ended() and time.monotonic() < end:
         if wait_until(lambda: ended() or starved(), max(0.0, end - time.monotonic())) \
