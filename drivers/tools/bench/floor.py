@@ -21,7 +21,7 @@ import subprocess
 from collections.abc import Sequence
 from typing import Any
 
-from calexec.drivers.tools.bench.subproc import run_json_program
+from calexec.drivers.tools.bench.subproc import run_group, run_json_program
 
 #: drivers/calrt/ of this installation (the emulator's sources and Makefile)
 CALRT_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
@@ -46,9 +46,8 @@ def build_floor(out_dir: str, calrt_dir: str = CALRT_DIR) -> tuple[str | None, s
     if shutil.which(compiler) is None:
         return None, f"no C compiler {compiler!r} on PATH (set CC)"
     try:
-        done = subprocess.run([make, "-s", "-C", calrt_dir, "floor", f"O={out_dir}"],
-                              capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S,
-                              check=False)
+        done = run_group([make, "-s", "-C", calrt_dir, "floor", f"O={out_dir}"],
+                         _BUILD_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         return None, f"make floor did not finish in {_BUILD_TIMEOUT_S:.0f} s"
     except OSError as exc:

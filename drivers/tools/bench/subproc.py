@@ -1,13 +1,45 @@
 """One way the benchmarks run a helper program that prints one JSON report (the C floor
 program, the out-of-process load generator): bounded by a timeout, and every failure an error
-of the caller's kind naming the program and the last line it printed."""
+of the caller's kind naming the program and the last line it printed; and the one way the
+tools run a build (``make``, the compiler it starts): :func:`run_group`."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 from collections.abc import Sequence
 from typing import Any
+
+
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # (already gone)
+        pass
+
+
+def run_group(argv: Sequence[str], timeout: float | None = None,
+              cwd: str | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` as ``subprocess.run(argv, capture_output=True, text=True)`` does, but in a
+    process group of its own, killed whole when it times out (``subprocess.TimeoutExpired``,
+    raised) or the caller is interrupted (a Ctrl-C, a SIGTERM that ``calexec`` turns into one):
+    ``subprocess.run`` kills only the program it started, so ``make``'s compiler ran on after
+    calexec had exited 130."""
+    proc = subprocess.Popen(list(argv), cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+                            errors="replace", start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException:  # (TimeoutExpired, KeyboardInterrupt: the group ends with the call)
+        _kill_group(proc)
+        try:
+            proc.communicate(timeout=5.0)
+        except BaseException:  # (a second interrupt, a pipe a grandchild kept: stop there)
+            proc.kill()
+        raise
+    return subprocess.CompletedProcess(list(argv), proc.returncode, out, err)
 
 
 def run_json_program(argv: Sequence[str], timeout: float, what: str,
@@ -15,8 +47,7 @@ def run_json_program(argv: Sequence[str], timeout: float, what: str,
     """Run ``argv`` and return the JSON object it printed on stdout; ``error(message)`` when it
     does not finish within ``timeout`` seconds, exits non-zero or prints no JSON object."""
     try:
-        done = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout,
-                              check=False)
+        done = run_group(argv, timeout)
     except subprocess.TimeoutExpired:
         raise error(f"{what} did not finish in {timeout:.0f} s") from None
     if done.returncode != 0:

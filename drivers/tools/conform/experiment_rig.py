@@ -12,7 +12,6 @@ bundled emulator is exercised through ``ffi.dlopen``, exactly like a vendor shim
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 
 import numpy as np
@@ -22,6 +21,7 @@ from calexec.drivers.calrt.runtime import CalRT, JobStatus
 from calexec.drivers.direct import DriverError, check, open_configured
 from calexec.drivers.synthetic import calbin as calbin_fmt
 from calexec.drivers.synthetic import oracle
+from calexec.drivers.tools.bench.subproc import run_group
 
 CANARY = 0xFFFF  # BF16 NaN bits: the synthetic model never produces them
 FINAL_STATUSES = (JobStatus.DONE, JobStatus.DONE_CCU_EXCEPTION, JobStatus.ABORTED)
@@ -32,7 +32,8 @@ def build_emulator_lib(out_dir: str) -> str:
     """Build libcalrt_emu.so into out_dir with drivers/calrt/Makefile; returns its path.
     Raises RuntimeError with the compiler output when the build fails."""
     here = os.path.dirname(os.path.abspath(calrt_pkg.__file__))  # drivers/calrt: Makefile + C
-    proc = subprocess.run(["make", "-s", "-C", here, "lib", f"O={out_dir}"], capture_output=True, text=True)
+    # (in a process group of its own, ended whole on an interrupt: the compiler ran on)
+    proc = run_group(["make", "-s", "-C", here, "lib", f"O={out_dir}"])
     path = os.path.join(out_dir, "libcalrt_emu.so")
     if proc.returncode != 0 or not os.path.exists(path):
         raise RuntimeError(f"building libcalrt_emu.so failed (make exit {proc.returncode}): {proc.stderr[-2000:]}")
