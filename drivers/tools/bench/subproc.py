@@ -36,7 +36,8 @@ def run_group(argv: Sequence[str], timeout: float | None = None,
         _kill_group(proc)
         try:
             proc.communicate(timeout=5.0)
-        except BaseException:  # (a second interrupt, a pipe a grandchild kept: stop there)
+        except (subprocess.TimeoutExpired, KeyboardInterrupt):  # (a pipe a grandchild kept,
+            # a second interrupt: stop there)
             proc.kill()
         raise
     return subprocess.CompletedProcess(list(argv), proc.returncode, out, err)
