@@ -44,6 +44,7 @@ import stat
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
@@ -599,6 +600,29 @@ def check_calbin(spec: Any) -> None:
 def say(prog: str, message: str) -> None:
     """One line on stderr, prefixed with the command."""
     print(f"{prog}: {message}", file=sys.stderr, flush=True)
+
+
+#: seconds between two progress lines of a long loop (:class:`Ticker`)
+PROGRESS_S = 10.0
+
+
+class Ticker:
+    """Progress of a long loop (``bench charts --iters 10000000``) on stderr, through
+    :func:`say`: ``prog: what done/total`` at most once every ``every_s`` seconds, and once
+    when the loop is done. Call it with the count done after each step; it only reads the clock
+    until a line is due. Such loops printed one line when they started, then nothing for
+    minutes."""
+
+    def __init__(self, prog: str, what: str, total: int, every_s: float = PROGRESS_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.prog, self.what, self.total = prog, what, total
+        self.every_s, self.clock = every_s, clock
+        self._due = clock() + every_s
+
+    def __call__(self, done: int) -> None:
+        if done >= self.total or self.clock() >= self._due:
+            self._due = self.clock() + self.every_s
+            say(self.prog, f"{self.what} {done}/{self.total}")
 
 
 def command_main(fn: Callable[[list[str]], int]) -> Callable[[list[str]], int]:

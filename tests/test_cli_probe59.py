@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from calexec import cli, cliargs
 from proc_table import stat_rows
 
 
@@ -62,3 +64,37 @@ def test_a_sigterm_during_the_native_build_ends_the_compiler(tmp_path: Path, arg
     assert proc.returncode == 130, err
     assert "Traceback" not in err
     assert err.splitlines()[-1] == f"calexec {' '.join(argv[:2 if argv[0] == 'bench' else 1])}: interrupted"
+
+
+def test_a_ticker_says_a_long_loops_count_at_most_every_interval_and_at_its_end(
+        capsys: pytest.CaptureFixture[str]):
+    """The progress of a long loop: one line when ``every_s`` has passed since the last (or
+    the start), none between, and the last count always."""
+    now = [100.0]
+    tick = cliargs.Ticker("bench charts", "jobs", 7, every_s=10.0, clock=lambda: now[0])
+    for done, at in enumerate([101.0, 109.9, 110.0, 115.0, 119.9, 120.5, 121.0], start=1):
+        now[0] = at
+        tick(done)
+    assert capsys.readouterr().err.splitlines() == [
+        "bench charts: jobs 3/7", "bench charts: jobs 6/7", "bench charts: jobs 7/7"]
+
+
+@pytest.mark.parametrize(("argv", "lines"), [
+    (["bench", "charts", "--iters", "3"],
+     ["bench charts: compiled charts: jobs 3/3", "bench charts: python-statemachine: jobs 3/3"]),
+    (["bench", "logits", "--iters", "3"], ["bench: logits: iterations 3/3"]),
+    (["sim", "bench", "--iters", "3", "--profile-iters", "2"],
+     ["sim bench: zero-latency decode jobs 3/3", "sim bench: decode jobs at 10000 us 2/2"]),
+], ids=["bench-charts", "bench-logits", "sim-bench"])
+def test_the_timed_loops_of_the_microbenchmarks_say_their_progress(
+        capsys: pytest.CaptureFixture[str], argv: list[str], lines: list[str]):
+    """``bench charts``, ``bench logits`` and ``sim bench`` said one line as each timed loop
+    began, then nothing until the result: with a large ``--iters`` (``--profile-iters`` of
+    10 ms jobs) minutes of silence, a hang to whoever watches. Each loop now says its count on
+    stderr every ``cliargs.PROGRESS_S`` seconds and at its end (``cliargs.Ticker``); stdout
+    is still the one JSON object."""
+    assert cli.main([*argv, "--json"]) == 0
+    captured = capsys.readouterr()
+    assert isinstance(json.loads(captured.out), dict)
+    err = captured.err.splitlines()
+    assert [line for line in err if line in lines] == lines, err

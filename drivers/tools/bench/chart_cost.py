@@ -56,7 +56,10 @@ def _percentile(sorted_us: list[float], fraction: float) -> float:
     return sorted_us[min(len(sorted_us) - 1, int(fraction * len(sorted_us)))]
 
 
-def _measure(work: Callable[[_SuccessModel], None], iters: int) -> list[float]:
+def _measure(work: Callable[[_SuccessModel], None], iters: int,
+             tick: Callable[[int], None] | None = None) -> list[float]:
+    """Per-job microseconds of ``iters`` timed jobs (sorted); ``tick(done)`` after each one,
+    outside the timed part."""
     model = _SuccessModel()
     for _ in range(min(iters, 200)):  # warm-up
         work(model)
@@ -66,20 +69,26 @@ def _measure(work: Callable[[_SuccessModel], None], iters: int) -> list[float]:
         start = clock()
         work(model)
         samples.append((clock() - start) / 1000.0)
+        if tick is not None:
+            tick(len(samples))
     samples.sort()
     return samples
 
 
-def run_bench(iters: int, progress: Callable[[str], None] | None = None
+def run_bench(iters: int, progress: Callable[[str], None] | None = None,
+              ticks: Callable[[str, int], Callable[[int], None]] | None = None
               ) -> dict[str, float | int | str]:
     """Measure both forms; return the figures (microseconds per job). ``progress`` is told
-    which form is being measured (the default size takes seconds, most of them the baseline)."""
+    which form is being measured (the default size takes seconds, most of them the baseline);
+    ``ticks(form, iters)`` gives the ``tick(done)`` called after each job of that form (a
+    :class:`calexec.cliargs.Ticker`: a large ``--iters`` is minutes per form)."""
     if progress is not None:
         progress(f"{iters} jobs on the compiled charts")
-    compiled = _measure(_compiled_job, iters)
+    compiled = _measure(_compiled_job, iters, ticks("compiled charts", iters) if ticks else None)
     if progress is not None:
         progress(f"{iters} jobs on python-statemachine (the baseline)")
-    baseline = _measure(_statemachine_job, iters)
+    baseline = _measure(_statemachine_job, iters,
+                        ticks("python-statemachine", iters) if ticks else None)
     p50, base_p50 = _percentile(compiled, 0.5), _percentile(baseline, 0.5)
     return {
         "per_job_chart_us_p50": round(p50, 2),
@@ -100,7 +109,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--iters", type=cliargs.positive_int, default=2000,
                         help="jobs per form (default 2000)")
     args = parser.parse_args(argv[2:])
-    result = run_bench(args.iters, lambda text: cliargs.say("bench charts", text))
+    result = run_bench(args.iters, lambda text: cliargs.say("bench charts", text),
+                       lambda form, total: cliargs.Ticker("bench charts", f"{form}: jobs", total))
     if args.json:
         print(json.dumps(result))
     else:

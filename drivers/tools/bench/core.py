@@ -948,6 +948,7 @@ def run_logits(iters: int, seed: int) -> dict[str, Any]:
     samples: dict[str, list[float]] = {name: [] for name in names}
     clock = time.perf_counter_ns
     _progress(f"logits: {iters} interleaved iterations of {len(names)} cases")
+    tick = cliargs.Ticker("bench", "logits: iterations", iters)  # (--iters 10000000: minutes)
     for i in range(iters):
         for k in range(len(names)):  # rotate the order each iteration: drift hits all alike
             name = names[(i + k) % len(names)]
@@ -955,6 +956,7 @@ def run_logits(iters: int, seed: int) -> dict[str, Any]:
             t0 = clock()
             fn()
             samples[name].append((clock() - t0) / 1e3)
+        tick(i + 1)
 
     def same_bits(a: str, b: str) -> bool:
         return np.array_equal(dst[a].view(np.uint32), dst[b].view(np.uint32))

@@ -17,6 +17,7 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -62,8 +63,10 @@ def _write_calbin(argv: list[str]) -> int:
     return 0
 
 
-def _decode_job_times(runner: DirectRunner, iters: int, seq: int) -> np.ndarray:
-    """Per-job infer+Wait time in microseconds of iters consecutive decode jobs on seq."""
+def _decode_job_times(runner: DirectRunner, iters: int, seq: int,
+                      tick: Callable[[int], None] | None = None) -> np.ndarray:
+    """Per-job infer+Wait time in microseconds of iters consecutive decode jobs on seq;
+    ``tick(done)`` after each job, outside the timed part."""
     name = calbin_fmt.DECODE
     s = runner.slot(name)
     dev, kv, model, inbuf, outbuf = runner.device, runner.kv, s.model, s.inbuf, s.outbuf
@@ -87,6 +90,8 @@ def _decode_job_times(runner: DirectRunner, iters: int, seq: int) -> np.ndarray:
         out[i] = (clock() - t0) / 1e3
         check(rc, "infer")
         check(wrc, "wait")
+        if tick is not None:
+            tick(i + 1)
     rc, status = outbuf.get_status()
     if status != JobStatus.DONE:
         raise RuntimeError(f"decode job ended with status {status}")
@@ -111,10 +116,12 @@ def _bench(argv: list[str]) -> int:
                                     "sim bench measures the emulator")
         runner = DirectRunner(rt, path)
         print(f"sim bench: {args.iters} zero-latency decode jobs", file=sys.stderr)
-        zero = _decode_job_times(runner, args.iters, seq=0)
+        zero = _decode_job_times(runner, args.iters, seq=0, tick=cliargs.Ticker(
+            "sim bench", "zero-latency decode jobs", args.iters))
         print(f"sim bench: {args.profile_iters} decode jobs at {PROFILE_DECODE_US} us", file=sys.stderr)
         check(runner.device.emu.set_latency(decode_us=PROFILE_DECODE_US), "set_latency")
-        prof = _decode_job_times(runner, args.profile_iters, seq=1)
+        prof = _decode_job_times(runner, args.profile_iters, seq=1, tick=cliargs.Ticker(
+            "sim bench", f"decode jobs at {PROFILE_DECODE_US} us", args.profile_iters))
         counters = runner.device.emu.counters()
         runner.close()
     med = float(np.median(prof))
