@@ -42,6 +42,17 @@ settings.load_profile("ci" if os.environ.get("CI") else "dev")
 os.environ.setdefault("CALEXEC_CHECK_LOCK_ORDER", "1")
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _explorer_replay_files_in_the_sessions_directory(tmp_path_factory):
+    """The failures the explorer's tests expect each write a replay file
+    (``CALEXEC_EXPLORE_REPLAY_DIR``, docs/testing.md): into this session's temporary directory,
+    not /tmp, where every run of the suite left a few more behind (test commands run in a
+    subprocess inherit it)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CALEXEC_EXPLORE_REPLAY_DIR", str(tmp_path_factory.mktemp("explore-replays")))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _no_lock_order_violations():
     from calexec.machines.locks import ALL_ORDERS

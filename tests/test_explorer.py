@@ -197,6 +197,42 @@ def test_each_failure_report_names_a_replay_file_of_its_own(leaky_budget, monkey
         assert str(again.value).split("\n")[0] == str(failure).split("\n")[0]
 
 
+def test_a_failures_replay_file_is_written_where_the_environment_says(leaky_budget, monkeypatch,
+                                                                   tmp_path):
+    """Found at stop 59: a failure's replay file always went to the temporary directory, so
+    every test expecting a failure left a ``/tmp/calexec-explore-*.json`` behind, run after
+    run, and a CI job could not collect them as artifacts. ``CALEXEC_EXPLORE_REPLAY_DIR``
+    names the directory (made when missing)."""
+    import re
+
+    where = tmp_path / "replays" / "of this run"
+    monkeypatch.setenv("CALEXEC_EXPLORE_REPLAY_DIR", str(where))
+    failure = _failed_prefill(1)
+    path = re.search(r"replay_file\('([^']+)'\)", str(failure)).group(1)
+    assert os.path.dirname(path) == str(where)
+    assert os.path.isfile(path)
+
+
+def test_replaying_a_file_without_calbins_leaves_no_directory_behind(leaky_budget, monkeypatch,
+                                                                     tmp_path):
+    """Found at stop 59: ``replay_file(path)`` (no calbins: the replay writes its own) made a
+    ``calexec-explore-*`` directory of two calbins in the temporary directory for every
+    replay and never removed it; it is removed when the replay ends, failing or not."""
+    import re
+    import tempfile
+
+    monkeypatch.setenv("CALEXEC_EXPLORE_REPLAY_DIR", str(tmp_path / "replays"))
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    failure = _failed_prefill(1)
+    path = re.search(r"replay_file\('([^']+)'\)", str(failure)).group(1)
+    with pytest.raises(X.ExplorationFailure) as again:
+        X.replay_file(path)
+    assert str(again.value).split("\n")[0] == str(failure).split("\n")[0]
+    assert [p.name for p in scratch.iterdir() if p.is_dir()] == []
+
+
 @pytest.mark.contract_violations_expected
 def test_a_violated_chart_contract_is_reported_by_the_explorer(monkeypatch):
     """A planted bug: the KV commit guard says yes once and the txn's own evidence says no

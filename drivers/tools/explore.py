@@ -73,6 +73,16 @@ if TYPE_CHECKING:
     from calexec.machines.executor import DeviceExecutor
 
 WATCHDOG_S = float(os.environ.get("CALEXEC_EXPLORE_WATCHDOG_S", "60"))
+#: the environment variable naming the directory a failure's replay file is written in (made
+#: when missing); unset or empty: the temporary directory ($TMPDIR, else /tmp)
+REPLAY_DIR_ENV = "CALEXEC_EXPLORE_REPLAY_DIR"
+
+
+def replay_dir() -> str:
+    """The directory a failure's replay file is written in: ``$CALEXEC_EXPLORE_REPLAY_DIR``,
+    else the temporary directory. Read at each failure (a test suite points it at its own
+    temporary directory: the failures its tests expect left a file in /tmp each)."""
+    return os.environ.get(REPLAY_DIR_ENV) or tempfile.gettempdir()
 _PENDING = (int(DeviceJobStatus.PENDING), int(DeviceJobStatus.RUNNING))
 
 
@@ -1876,13 +1886,16 @@ class Explorer:
                 "pct": getattr(self.chooser, "params", None)}
         # a file of its own (named by the process and the choices alone, a second failure
         # with as many choices in the same process overwrote the one a message names)
+        directory = replay_dir()
         try:
+            os.makedirs(directory, exist_ok=True)
             fd, path = tempfile.mkstemp(prefix=f"calexec-explore-{os.getpid()}-"
-                                               f"{len(sched.choices)}-", suffix=".json")
+                                               f"{len(sched.choices)}-", suffix=".json",
+                                        dir=directory)
             with os.fdopen(fd, "w") as f:
                 json.dump(info, f)
-        except OSError:
-            path = "(not written)"
+        except OSError as exc:
+            path = f"(not written in {directory!r}: {exc.strerror or exc})"
         choices = sched.choices
         shown = choices if len(choices) <= 200 else f"{len(choices)} choices, see {path}"
         message = (f"{sched.failure}\n--- at virtual t={sched.now - 1000.0:.3f}s after "
@@ -2090,10 +2103,12 @@ def shrink(calbins: dict[str, str], info: dict, attempts: int = 300) -> dict:
 
 
 def replay_file(path: str, calbins: dict[str, str] | None = None) -> Explorer:
-    """Replay the JSON a failure report names (calbins: rewritten in a temp dir if None)."""
+    """Replay the JSON a failure report names (calbins: None writes them to a temporary
+    directory, removed when the replay ends, failing or not: each replay left one behind)."""
     with open(path) as f:
         info = json.load(f)
-    if calbins is None:
-        calbins = write_calbins(tempfile.mkdtemp(prefix="calexec-explore-"))
     options = {k: v for k, v in info["options"].items()}
-    return replay(calbins, info["script"], info["choices"], **options)
+    if calbins is not None:
+        return replay(calbins, info["script"], info["choices"], **options)
+    with tempfile.TemporaryDirectory(prefix="calexec-explore-") as tmp:
+        return replay(write_calbins(tmp), info["script"], info["choices"], **options)
