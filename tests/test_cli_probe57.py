@@ -153,7 +153,9 @@ def test_bench_charts_says_what_it_measures(capsys: pytest.CaptureFixture[str]):
     captured = capsys.readouterr()
     assert captured.err.splitlines() == [
         "bench charts: 3 jobs on the compiled charts",
-        "bench charts: 3 jobs on python-statemachine (the baseline)"]
+        "bench charts: compiled charts: jobs 3/3",  # (each loop's count: stop 59)
+        "bench charts: 3 jobs on python-statemachine (the baseline)",
+        "bench charts: python-statemachine: jobs 3/3"]
     assert json.loads(captured.out)["iters"] == 3
 
 
