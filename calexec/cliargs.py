@@ -306,6 +306,14 @@ def cannot_make_dir(flag: str, path: str | os.PathLike[str], exc: BaseException)
                      f"{getattr(exc, 'strerror', None) or exc}")
 
 
+def refuse_non_directory(flag: str, path: str | os.PathLike[str]) -> None:
+    """Raise :func:`cannot_make_dir`'s "not a directory" when something other than a directory
+    is at the output directory ``flag`` names (a missing one passes: it is made later, or is
+    stale for a ``--check``)."""
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise cannot_make_dir(flag, path, FileExistsError())
+
+
 def make_dir(flag: str, path: str | os.PathLike[str]) -> None:
     """Make the output directory ``flag`` names (with its parents), or raise
     :func:`cannot_make_dir`'s error."""

@@ -98,3 +98,28 @@ def test_the_timed_loops_of_the_microbenchmarks_say_their_progress(
     assert isinstance(json.loads(captured.out), dict)
     err = captured.err.splitlines()
     assert [line for line in err if line in lines] == lines, err
+
+
+@pytest.mark.parametrize(("argv", "flag"), [
+    (["diagrams", "--check", "--out", "{file}"], "--out"),
+    (["diagrams", "--check", "--out", "{dir}", "--png", "{file}"], "--png"),
+    (["charts", "draw", "calexec.machines.charts:JobChart", "--check", "--out", "{file}"],
+     "--out"),
+], ids=["diagrams-out", "diagrams-png", "charts-draw-out"])
+def test_a_check_whose_output_directory_is_a_file_is_refused_naming_it(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, argv: list[str], flag: str):
+    """``diagrams --check --out x.txt`` (``--png``, ``charts draw --check --out``: a file where
+    the directory should be) said every diagram was ``missing``, exit 1 "a check failed", and
+    named the fix ``calexec diagrams --out x.txt``, which is refused, exit 2, ``not a
+    directory``. The check refuses it as the write does: one line naming the flag and the
+    value, exit 2."""
+    file = tmp_path / "x.txt"
+    file.write_text("not a directory\n")
+    args = [word.format(file=file, dir=tmp_path / "diagrams") for word in argv]
+    code = cli.main(args)
+    captured = capsys.readouterr()
+    assert code == 2, captured.err
+    assert captured.err.splitlines() == [
+        f"calexec {' '.join(argv[:2] if argv[0] == 'charts' else argv[:1])}: "
+        f"{flag}={str(file)!r}: not a directory"], captured.err
+    assert captured.out == ""

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import re
 import shlex
 import shutil
@@ -36,9 +35,9 @@ from calexec.cliargs import (
     EXIT_CONFIG,
     EXIT_FAILED,
     UserError,
-    cannot_make_dir,
     make_dir,
     nonempty_path,
+    refuse_non_directory,
     staged_report,
     writable_file,
 )
@@ -145,6 +144,8 @@ def draw(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     chart = chart_from(args.chart)
     if args.check:
+        # (a file there: every diagram "missing", exit 1, and the fix named refused, exit 2)
+        refuse_non_directory("--out", args.out)
         problems = stale(chart, args.out, args.png)
         for problem in problems:
             print(f"stale: {problem}", file=sys.stderr)
@@ -166,8 +167,7 @@ def draw(argv: list[str]) -> int:
     dot = render_chart_dot(chart)
     stem = args.out / chart.declaration.__name__
     refuse_another_chart(chart, args.chart, stem.with_suffix(".dot"))
-    if os.path.lexists(args.out) and not args.out.is_dir():  # before a layout of up to a minute
-        raise cannot_make_dir("--out", args.out, FileExistsError())
+    refuse_non_directory("--out", args.out)  # before a layout of up to a minute
     size = f"{len(chart.states)} states, {len(chart.transitions)} transitions"
     if len(chart.states) > LARGE_STATES or len(chart.transitions) > LARGE_TRANSITIONS:
         print(f"calexec charts draw: laying out {chart.name} ({size}) with graphviz's dot, "

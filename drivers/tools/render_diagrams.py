@@ -106,7 +106,13 @@ def main(argv: list[str]) -> int:
     """Entry point; ``argv`` starts with the command word ``diagrams``. Exit 0, 1 when
     ``--check`` finds a stale file, 2 when ``--out`` cannot be written or graphviz's ``dot``
     is missing (one line, no traceback)."""
-    from calexec.cliargs import EXIT_CONFIG, UserError, cannot_write, nonempty_path
+    from calexec.cliargs import (
+        EXIT_CONFIG,
+        UserError,
+        cannot_write,
+        nonempty_path,
+        refuse_non_directory,
+    )
     from calexec.cliargs import parser as cli_parser
 
     parser = cli_parser("calexec diagrams", __doc__)
@@ -121,6 +127,10 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv[1:])
     try:
         if args.check:
+            # (a file there: every diagram "missing", exit 1, and the fix named refused, exit 2)
+            refuse_non_directory("--out", args.out)
+            if args.png is not None:
+                refuse_non_directory("--png", args.png)
             problems = stale_files(args.out, args.png)
             for problem in problems:
                 print(f"stale: {problem}", file=sys.stderr)
