@@ -610,25 +610,47 @@ def say(prog: str, message: str) -> None:
     print(f"{prog}: {message}", file=sys.stderr, flush=True)
 
 
-#: seconds between two progress lines of a long loop (:class:`Ticker`)
+#: seconds between two progress lines of a long loop (:class:`Ticker`), unless the environment
+#: variable ``CALEXEC_PROGRESS_S`` says otherwise (0: a line every step)
 PROGRESS_S = 10.0
+PROGRESS_ENV = "CALEXEC_PROGRESS_S"
+
+
+def progress_s() -> float:
+    """Seconds between two progress lines: ``$CALEXEC_PROGRESS_S`` (a number of seconds >= 0
+    and at most :data:`MAX_SECONDS`; anything else a :class:`UserError` naming it), else
+    :data:`PROGRESS_S`."""
+    text = os.environ.get(PROGRESS_ENV, "").strip()
+    if not text:
+        return PROGRESS_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value <= MAX_SECONDS:  # (NaN fails both)
+        raise UserError(f"{PROGRESS_ENV}={text!r}: must be a number of seconds >= 0 and at most "
+                        f"{MAX_SECONDS:g}")
+    return value
 
 
 class Ticker:
     """Progress of a long loop (``bench charts --iters 10000000``) on stderr, through
-    :func:`say`: ``prog: what done/total`` at most once every ``every_s`` seconds, and once
-    when the loop is done. Call it with the count done after each step; it only reads the clock
+    :func:`say`: ``prog: what done/total`` at most once every ``every_s`` seconds (default:
+    :func:`progress_s`), and once
+    when the loop is done (unless ``last`` is False: a command whose short runs should stay as
+    quiet as they were). Call it with the count done after each step; it only reads the clock
     until a line is due. Such loops printed one line when they started, then nothing for
     minutes."""
 
-    def __init__(self, prog: str, what: str, total: int, every_s: float = PROGRESS_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, prog: str, what: str, total: int, every_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic, last: bool = True) -> None:
         self.prog, self.what, self.total = prog, what, total
-        self.every_s, self.clock = every_s, clock
-        self._due = clock() + every_s
+        self.every_s = progress_s() if every_s is None else every_s
+        self.clock, self.last = clock, last
+        self._due = clock() + self.every_s
 
     def __call__(self, done: int) -> None:
-        if done >= self.total or self.clock() >= self._due:
+        if (self.last and done >= self.total) or self.clock() >= self._due:
             self._due = self.clock() + self.every_s
             say(self.prog, f"{self.what} {done}/{self.total}")
 

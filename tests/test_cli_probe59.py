@@ -123,3 +123,42 @@ def test_a_check_whose_output_directory_is_a_file_is_refused_naming_it(
         f"calexec {' '.join(argv[:2] if argv[0] == 'charts' else argv[:1])}: "
         f"{flag}={str(file)!r}: not a directory"], captured.err
     assert captured.out == ""
+
+
+@pytest.mark.parametrize(("argv", "lines"), [
+    (["demo", "--seqs", "1", "--tokens", "3"],
+     ["calexec demo: decode rounds 0/2", "calexec demo: decode rounds 1/2"]),
+    (["bench", "pingpong", "--seqs", "1", "--tokens", "2", "--solo-tokens", "2", "--json"],
+     ["bench: pingpong: tokens of 1 sequences 2/2"]),
+], ids=["demo", "bench-pingpong"])
+def test_the_decode_loops_of_demo_and_pingpong_say_their_progress_when_due(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, argv: list[str],
+        lines: list[str]):
+    """``demo --tokens 3000 --decode-us 2000`` and ``bench pingpong --tokens 3000`` said one
+    line, then nothing for minutes while they decoded. Their loops say their count when one is
+    due (every ``$CALEXEC_PROGRESS_S`` seconds, 10 by default; 0 here: every step), and a
+    quick run stays as quiet as it was (no count at its end)."""
+    monkeypatch.setenv("CALEXEC_PROGRESS_S", "0")
+    assert cli.main(argv) == 0
+    err = capsys.readouterr().err.splitlines()
+    for line in lines:
+        assert line in err, err
+    monkeypatch.delenv("CALEXEC_PROGRESS_S")
+    assert cli.main(argv) == 0
+    assert not [line for line in capsys.readouterr().err.splitlines()
+                if any(word in line for word in ("decode rounds", "tokens of"))]
+
+
+@pytest.mark.parametrize("value", ["x", "nan", "-1", "inf", "1e30"])
+def test_a_bad_progress_interval_in_the_environment_is_refused_naming_it(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, value: str):
+    """``$CALEXEC_PROGRESS_S`` is refused before the run, one line naming it and the value,
+    exit 2, nothing on stdout."""
+    monkeypatch.setenv("CALEXEC_PROGRESS_S", value)
+    code = cli.main(["bench", "charts", "--iters", "2", "--json"])
+    captured = capsys.readouterr()
+    assert code == 2
+    assert captured.err.splitlines() == [
+        f"calexec bench charts: CALEXEC_PROGRESS_S={value!r}: must be a number of seconds >= 0 "
+        "and at most 1e+06"]
+    assert captured.out == ""

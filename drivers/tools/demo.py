@@ -71,6 +71,7 @@ def main(argv: list[str]) -> int:
                         f"{PROGRESS_FROM_US} (a second per token) each step is said on stderr")
     cliargs.add_device_args(p)
     args = p.parse_args(argv[1:])
+    cliargs.progress_s()  # (a bad $CALEXEC_PROGRESS_S refused before the run, not in it)
     if args.prompt_len + args.tokens > calbin_fmt.MAX_SEQ:
         raise cliargs.UserError(f"--prompt-len + --tokens = {args.prompt_len + args.tokens}: "
                                 f"above the model's max_seq {calbin_fmt.MAX_SEQ}")
@@ -135,7 +136,11 @@ def main(argv: list[str]) -> int:
             ok &= result.argmax == refs[seq].next_token()
             state[seq] = {"prompt": len(prompt), "tokens": [result.argmax], "past": result.kv_len,
                           "ttft_ms": result.timings.total_ms(), "tpot_ms": []}
-        for _ in range(args.tokens - 1):
+        # (quick runs stay as quiet as they were; a slow decode says every job already)
+        tick = cliargs.Ticker("calexec demo", "decode rounds", args.tokens - 1, last=False)
+        for done in range(args.tokens - 1):
+            if not slow:
+                tick(done)
             for seq in seqs:
                 st = state[seq]
                 result = run(seq, TaskKind.DECODE, [st["tokens"][-1]], st["past"])

@@ -109,6 +109,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--iters", type=cliargs.positive_int, default=2000,
                         help="jobs per form (default 2000)")
     args = parser.parse_args(argv[2:])
+    cliargs.progress_s()  # (a bad $CALEXEC_PROGRESS_S refused before the run, not in it)
     result = run_bench(args.iters, lambda text: cliargs.say("bench charts", text),
                        lambda form, total: cliargs.Ticker("bench charts", f"{form}: jobs", total))
     if args.json:

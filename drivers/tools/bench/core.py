@@ -1209,11 +1209,18 @@ class _PingPongRun:
         errors: list[str] = []
         threads = [threading.Thread(target=self._client, args=(s, tokens, tpot, errors),
                                     name=f"pingpong-{s}") for s in seqs]
+        # the joins in slices, each a count of the tokens decoded when one is due (a large
+        # --tokens was minutes with no line after the setting's)
+        tick = cliargs.Ticker("bench", f"pingpong: tokens of {len(threads)} sequences",
+                              tokens * len(threads), last=False)
         t0 = time.perf_counter()
         for t in threads:
             t.start()
+        deadline = time.monotonic() + _WAIT_S * (tokens + 1)
         for t in threads:
-            t.join(_WAIT_S * (tokens + 1))
+            while t.is_alive() and time.monotonic() < deadline:
+                t.join(min(1.0, max(0.0, deadline - time.monotonic())))
+                tick(len(tpot))
         wall = time.perf_counter() - t0
         if errors or any(t.is_alive() for t in threads):
             raise BenchError("; ".join(errors) or "a pingpong client did not finish")
@@ -1401,6 +1408,7 @@ def main(argv: list[str]) -> int:
               file=sys.stderr)
         return 2
     args = parser.parse_args(argv[2:])
+    cliargs.progress_s()  # (a bad $CALEXEC_PROGRESS_S refused before the run, not in it)
     device = (cliargs.device_spec(args, synthetic="the benchmark runs on the emulator")
               if command != "logits" else DeviceSpec())
     cliargs.check_calbin(device)

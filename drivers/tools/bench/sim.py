@@ -107,6 +107,7 @@ def _bench(argv: list[str]) -> int:
     p.add_argument("--profile-iters", type=jobs, default=50, help="10 ms decode jobs")
     cliargs.add_device_args(p, manifest=False)
     args = p.parse_args(argv)
+    cliargs.progress_s()  # (a bad $CALEXEC_PROGRESS_S refused before the run, not in it)
     device = cliargs.device_spec(args, synthetic="sim bench runs on the emulator")
     with tempfile.TemporaryDirectory(prefix="calexec-bench-") as tmp:
         path = device.calbin(tmp)
