@@ -85,14 +85,16 @@ def test_a_ticker_says_a_long_loops_count_at_most_every_interval_and_at_its_end(
     (["bench", "logits", "--iters", "3"], ["bench: logits: iterations 3/3"]),
     (["sim", "bench", "--iters", "3", "--profile-iters", "2"],
      ["sim bench: zero-latency decode jobs 3/3", "sim bench: decode jobs at 10000 us 2/2"]),
-], ids=["bench-charts", "bench-logits", "sim-bench"])
+    (["bench", "recovery", "--recoveries", "2"], ["bench: recovery: recoveries 2/2"]),
+], ids=["bench-charts", "bench-logits", "sim-bench", "bench-recovery"])
 def test_the_timed_loops_of_the_microbenchmarks_say_their_progress(
         capsys: pytest.CaptureFixture[str], argv: list[str], lines: list[str]):
     """``bench charts``, ``bench logits`` and ``sim bench`` said one line as each timed loop
     began, then nothing until the result: with a large ``--iters`` (``--profile-iters`` of
     10 ms jobs) minutes of silence, a hang to whoever watches. Each loop now says its count on
     stderr every ``cliargs.PROGRESS_S`` seconds and at its end (``cliargs.Ticker``); stdout
-    is still the one JSON object."""
+    is still the one JSON object. (``bench recovery`` said ``bench: bench recovery: 20/100``
+    every 10 recoveries, whatever their pace: it counts as they do now.)"""
     assert cli.main([*argv, "--json"]) == 0
     captured = capsys.readouterr()
     assert isinstance(json.loads(captured.out), dict)

@@ -1074,10 +1074,11 @@ def run_recovery(recoveries: int, seed: int, device: DeviceSpec = DeviceSpec()) 
         thread = threading.Thread(target=client, name="bench-client", daemon=True)
         thread.start()
         seconds: list[float] = []
+        # (a line every 10 recoveries was a hundred lines a second, `bench: bench recovery:
+        # 20/100`: the count every 10 s now, and at the end)
+        tick = cliargs.Ticker("bench", "recovery: recoveries", recoveries)
         try:
             for i in range(recoveries):
-                if i % 10 == 0:
-                    _progress(f"bench recovery: {i}/{recoveries}")
                 _kvc(ex).reset_sequence(1)
                 first = InferenceRequest(seq_id=1, kind=TaskKind.PREFILL_IDS, tokens=prompt,
                                          positions=np.arange(PROMPT_LEN, dtype=np.int32),
@@ -1101,6 +1102,7 @@ def run_recovery(recoveries: int, seed: int, device: DeviceSpec = DeviceSpec()) 
                         raise BenchError(f"recovery {i} ended Failed: {ex.failure}")
                     time.sleep(0.0002)
                 seconds.append(time.perf_counter() - t0)
+                tick(len(seconds))
         finally:
             stop.set()
             thread.join(_WAIT_S)
