@@ -164,3 +164,25 @@ def test_a_bad_progress_interval_in_the_environment_is_refused_naming_it(
         f"calexec bench charts: CALEXEC_PROGRESS_S={value!r}: must be a number of seconds >= 0 "
         "and at most 1e+06"]
     assert captured.out == ""
+
+
+def test_bench_server_under_a_long_temporary_directory_runs_the_api_process_floor(
+        tmp_path: Path):
+    """``bench server`` binds its API-process floor's engine socket in its temporary
+    directory; under a long $TMPDIR (a CI workspace's, macOS's /var/folders/...: a Unix
+    socket's path takes about 100 bytes) the run ended ``internal error: OSError: AF_UNIX path
+    too long``, exit 70. The socket goes to a short directory of its own then, removed at the
+    end, and the side is measured."""
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir()
+    before = set(Path("/tmp").glob("calexec-sock-*"))
+    done = subprocess.run(
+        [sys.executable, "-m", "calexec.cli", "bench", "server", "--requests", "4", "--rounds",
+         "1", "--concurrency", "1", "--max-tokens", "2", "--json"],
+        capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=300,
+        env={**os.environ, "TMPDIR": str(deep)})
+    assert done.returncode == 0, done.stderr
+    floor = json.loads(done.stdout)["c1"]["api_process_floor"]
+    assert isinstance(floor, dict) and floor["req_per_s"] > 0, floor
+    assert list(deep.iterdir()) == []
+    assert set(Path("/tmp").glob("calexec-sock-*")) == before

@@ -61,6 +61,7 @@ import json
 import os
 import platform
 import queue
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -313,6 +314,10 @@ class _DirectSeqs:
             self._seqs.put(seq)
 
 
+#: the bytes a Unix socket's path may take (sun_path: 108 on Linux with its NUL, 104 on macOS)
+SUN_PATH_MAX = 104
+
+
 class _ApiFloor:
     """The ``api_process_floor`` side's two halves (``api_floor.py``): the engine socket in
     this process, running each request straight through ``ex`` on sequence ids of its own
@@ -327,6 +332,7 @@ class _ApiFloor:
         self.reason: str | None = None
         self._engine: EngineSocket | None = None
         self._proc: subprocess.Popen[str] | None = None
+        self._short: str | None = None  # the socket's own short directory, when one is made
         self.run = _DirectSeqs(ex, DIRECT_SEQS).run
 
     def __enter__(self) -> _ApiFloor:
@@ -336,7 +342,18 @@ class _ApiFloor:
             self.reason = "no Unix sockets on this platform"
             return self
         path = f"{self.tmp}/engine.sock"
-        self._engine = EngineSocket(path, self.run)
+        try:
+            if len(os.fsencode(path)) >= SUN_PATH_MAX:
+                # a long $TMPDIR (a CI workspace's, macOS's /var/folders/...): a Unix socket's
+                # path takes ~100 bytes, and the bind was `internal error: OSError: AF_UNIX
+                # path too long`, exit 70
+                self._short = tempfile.mkdtemp(prefix="calexec-sock-", dir="/tmp")
+                path = f"{self._short}/engine.sock"
+            self._engine = EngineSocket(path, self.run)
+        except OSError as exc:  # (no /tmp to write in: the side is skipped, saying why)
+            self.__exit__()
+            self.reason = f"its engine socket {path!r} cannot be bound: {exc.strerror or exc}"
+            return self
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "calexec.drivers.tools.bench.api_floor", "--socket", path,
              "--max-seconds", str(_WAIT_S * 120)],
@@ -372,6 +389,9 @@ class _ApiFloor:
         if self._engine is not None:
             self._engine.close()
             self._engine = None
+        if self._short is not None:
+            shutil.rmtree(self._short, ignore_errors=True)
+            self._short = None
 
 
 def _first_line(proc: subprocess.Popen[str], timeout: float) -> str:
