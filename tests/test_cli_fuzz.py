@@ -66,8 +66,9 @@ GATES = st.one_of(st.sampled_from(["", ",", "correctness,,", "nope", "soak,x", "
                   st.text(alphabet="abc,", min_size=1, max_size=8))
 
 
-#: --inflight-capacity: 1 or 2 only
-INFLIGHT = st.one_of(st.sampled_from(["0", "3", "-1", "x", "", "1.5", "nan", "2 "]),
+#: --inflight-capacity: 1 or 2 only ("2 " is 2, as " 3" is 3 for every integer flag: drawn, it
+#: ran a whole `bench faults` and failed the test, now and then, under the dev profile)
+INFLIGHT = st.one_of(st.sampled_from(["0", "3", "-1", "x", "", "1.5", "nan", "2x", "1 2"]),
                      st.integers(min_value=3).map(str))
 
 
