@@ -18,7 +18,7 @@ import pytest
 
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
-from calexec.drivers.calrt.runtime import CalRT, Did, Stage
+from calexec.drivers.calrt.runtime import CalRT, Device, Did, Stage
 from calexec.drivers.synthetic import calbin as cb
 from calexec.drivers.synthetic import oracle
 from calexec.machines.clock import Clock
@@ -80,6 +80,29 @@ def serves_oracle(ex, seq=1, seed=SEED):
 
 def last_action(ex):
     return ex.faults.last().action
+
+
+@pytest.fixture
+def infers(monkeypatch):
+    """Every job the device accepted, as the driver saw it: (KvManager, sequence id) of each
+    ``Device.infer`` / ``infer_with_fixed_task_type`` call (wrapped by the test)."""
+    calls: list[tuple[object, int]] = []
+    for name in ("infer", "infer_with_fixed_task_type"):
+        real = getattr(Device, name)
+
+        def recorded(self, model, kv, seq, *args, real=real):
+            calls.append((kv, seq))  # list.append: atomic
+            return real(self, model, kv, seq, *args)
+
+        monkeypatch.setattr(Device, name, recorded)
+    return calls
+
+
+def golden_jobs(ex, infers) -> int:
+    """Jobs of the §9.2 golden run the device accepted for the current generation (its own
+    KvManager, the golden's sequence): the golden provably ran, not only ``golden_passed``."""
+    seq = ex.config.golden_seq_id
+    return sum(1 for kv, s in infers if kv is ex.kv and s == seq)
 
 
 # ---- FI06, FI07, FI08, FI10, FI14 ----------------------------------------------------------------
@@ -177,8 +200,10 @@ def test_execution_timeout_of_a_hung_job_resets_and_rebuilds(calbins):
 
 
 @pytest.mark.parametrize("point", ["CCU_EXCEPTION", "OUTPUT_NAN"])  # FI08, FI10
-def test_fi08_fi10_device_and_output_faults_rebuild_the_generation(calbins, point):
+def test_fi08_fi10_device_and_output_faults_rebuild_the_generation(calbins, point, infers):
     with running_executor(calbins["main"]) as ex:
+        at_start = golden_jobs(ex, infers)
+        assert at_start == 1 + ex.config.golden_decode_steps  # the prefill and each decode
         greedy(ex, 1, PROMPT, 0)
         old_pool: BufferPool = ex.pool
         arm(ex, point)
@@ -186,6 +211,9 @@ def test_fi08_fi10_device_and_output_faults_rebuild_the_generation(calbins, poin
         assert isinstance(res, Status) and fired(ex, point) == 1
         assert wait_state(ex, ("Ready",)) == "Ready"
         assert ex.gen.id == 2 and ex.life.golden_passed()
+        # the golden re-ran on generation 2's device state (§9.2, FI10 "golden 复测"): a
+        # recovery that went Ready without it passed ``golden_passed`` (stop 59's audit)
+        assert golden_jobs(ex, infers) == at_start
         # invariant 8: every old-generation slot was quarantined and retired
         assert all(s.run.state == "Retired" for s in old_pool.slots)
         assert serves_oracle(ex)
@@ -230,8 +258,9 @@ def test_fi14_stale_completion_after_reset_never_touches_the_new_generation(calb
     (26, Category.UNKNOWN, Action.RESET_REBUILD, "Ready"),
 ])
 def test_each_category_ends_ready_with_golden_or_failed_with_reason(calbins, rc, category,
-                                                                    action, end):
+                                                                    action, end, infers):
     with running_executor(calbins["main"]) as ex:
+        at_start = golden_jobs(ex, infers)
         greedy(ex, 1, PROMPT, 0)
         arm(ex, "SUBMIT_RC", rc=rc)
         res = ex.enqueue(decode(1, 3, len(PROMPT))).wait_until(deadline())
@@ -242,6 +271,9 @@ def test_each_category_ends_ready_with_golden_or_failed_with_reason(calbins, rc,
             assert ex.life.golden_passed()
             rebuilt = action not in (Action.RECORD, Action.DISABLE_FEATURE)
             assert ex.gen.id == (2 if rebuilt else 1)
+            # a rebuilt generation ran its own golden on the device (§8 "each ending Ready
+            # (golden)"); one not rebuilt keeps generation 1's
+            assert golden_jobs(ex, infers) == at_start > 0
             assert serves_oracle(ex, seq=2)
         else:
             assert ex.failure is not None and ex.failure.raw == rc
