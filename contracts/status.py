@@ -291,7 +291,9 @@ class Status:
     def __str__(self) -> str:
         if self.category is None:  # ok
             return "ok"
-        ctx = " ".join(f"{k}={getattr(self, k)}" for k in ("job_id", "seq_id", "generation")
+        # the raw CalRT code too (§6.1: a log line names job, sequence, generation, raw code
+        # and phase): a message need not spell it out (an execution deadline's keeps Wait's)
+        ctx = " ".join(f"{k}={getattr(self, k)}" for k in ("job_id", "seq_id", "generation", "raw")
                        if getattr(self, k) is not None)
         phase = None if self.phase is None else self.phase.value
         return (f"{self.code} [{self.category.value}/{phase}] {self.message}"

@@ -1,0 +1,54 @@
+"""The operator's probe at stop 59: what the log says on a device fault.
+
+docs/manifest.md section 4 (spec section 6.1): the caller logs the full Status, job, sequence,
+generation, raw CalRT code and phase. The fault controller's line is the operator's record of
+a fault, so it must name all five whatever the Status's message says."""
+
+from __future__ import annotations
+
+import logging
+
+from calexec.contracts.errors import Category
+from calexec.contracts.status import Phase, Status
+from calexec.machines.faults import RecoveryPolicy
+from executor_harness import arm, deadline, decode, greedy, running_executor, write_calbin
+
+PROMPT = [7, 7, 8, 9, 10]
+
+
+def test_a_status_written_out_names_its_raw_code_beside_the_job_it_belongs_to():
+    """A Status whose message does not spell out its raw code (an execution deadline's keeps
+    Wait's rc, 13) was written as ``... (job_id=5 seq_id=1 generation=1)``: the raw code was
+    lost from every log line that writes a Status. It is now in the context: ``raw=13``."""
+    status = Status.failure("execution.deadline", Category.DEVICE, Phase.WAIT,
+                            "execution deadline passed", raw=13, job_id=5, seq_id=1,
+                            generation=2)
+    text = str(status)
+    assert "(job_id=5 seq_id=1 generation=2 raw=13)" in text, text
+    assert "[device/wait]" in text, text
+    without = Status.failure("device.hung", Category.DEVICE, Phase.WAIT, "still there", job_id=5)
+    assert "raw=" not in str(without), str(without)  # no raw code: none invented
+
+
+def test_the_fault_line_of_a_hung_job_names_job_seq_generation_raw_code_and_phase(
+        tmp_path, caplog):
+    """A job the device never finishes ends at its execution deadline; the fault controller's
+    WARNING line for it said ``INJECTED fault execution.deadline [device/wait] execution
+    deadline passed; ... (job_id=5 seq_id=1 generation=1) -> reset_rebuild``: no raw code,
+    though the Status carries Wait's (13) and its HTTP body says it (``raw_name``)."""
+    caplog.set_level(logging.WARNING, logger="calexec.faults")
+    with running_executor(write_calbin(tmp_path), execution_timeout_s=0.2,
+                          timeout_grace_s=0.1, execution_timeout_per_token_s=0.05,
+                          recovery=RecoveryPolicy(drain_grace_s=0.2)) as ex:
+        greedy(ex, 1, PROMPT, 0)
+        arm(ex, "HANG")
+        res = ex.enqueue(decode(1, 3, len(PROMPT))).wait_until(deadline())
+        assert isinstance(res, Status) and res.code == "execution.deadline", res
+        assert res.raw is not None
+        lines = [r.getMessage() for r in caplog.records
+                 if r.name == "calexec.faults" and "execution.deadline [" in r.getMessage()]
+    assert lines, [r.getMessage() for r in caplog.records]
+    line = lines[0]
+    for part in (f"job_id={res.job_id}", "seq_id=1", f"generation={res.generation}",
+                 f"raw={res.raw}", "[device/wait]"):
+        assert part in line, (part, line)
