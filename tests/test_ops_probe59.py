@@ -6,6 +6,7 @@ a fault, so it must name all five whatever the Status's message says."""
 
 from __future__ import annotations
 
+import json
 import logging
 
 from calexec.contracts.errors import Category
@@ -52,3 +53,36 @@ def test_the_fault_line_of_a_hung_job_names_job_seq_generation_raw_code_and_phas
     for part in (f"job_id={res.job_id}", "seq_id=1", f"generation={res.generation}",
                  f"raw={res.raw}", "[device/wait]"):
         assert part in line, (part, line)
+
+
+def test_the_dump_holds_admitted_requests_and_not_the_ones_refused_before(tmp_path):
+    """docs/operations.md called the dump "one JSON line per request": an operator looking up
+    a refused request's ``x-request-id`` (a 400 for a parameter, a 401 without the API key, a 503 while draining)
+    finds no record, as none is written before admission; the doc now says which requests
+    have one, and this pins it."""
+    from fastapi.testclient import TestClient
+
+    from calexec.drivers.serving.dumpsink import DumpSink
+    from calexec.drivers.serving.server import ServerConfig, create_app
+    from test_server_support import started_executor
+
+    executor = started_executor(tmp_path)
+    try:
+        sink = DumpSink(tmp_path / "dump", max_bytes=100_000)
+        app = create_app(executor, ServerConfig(api_key="k1", admin_token="adm"), sink)
+        key = {"authorization": "Bearer k1"}
+        with TestClient(app) as client:
+            served = client.post("/v1/completions", headers=key,
+                                 json={"prompt": "a", "max_tokens": 2})
+            bad = client.post("/v1/completions", headers=key,
+                              json={"prompt": "a", "max_tokens": -1})
+            keyless = client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})
+            drain = client.post("/admin/drain?grace=5", headers={"authorization": "Bearer adm"})
+            draining = client.post("/v1/completions", headers=key,
+                                   json={"prompt": "a", "max_tokens": 2})
+        assert (served.status_code, bad.status_code, keyless.status_code, drain.status_code,
+                draining.status_code) == (200, 400, 401, 202, 503)
+        records = [json.loads(line) for line in sink.path.read_text().splitlines()]
+        assert [r["x_request_id"] for r in records] == [served.headers["x-request-id"]]
+    finally:
+        executor.shutdown(5.0)
