@@ -86,3 +86,22 @@ def test_the_dump_holds_admitted_requests_and_not_the_ones_refused_before(tmp_pa
         assert [r["x_request_id"] for r in records] == [served.headers["x-request-id"]]
     finally:
         executor.shutdown(5.0)
+
+
+def test_a_second_signal_that_cuts_nothing_exits_as_the_drain_does(tmp_path):
+    """docs/operations.md's signal table said a second signal during the drain exits 3, and
+    docs/server.md "never 0"; the exit is 3 when the forced exit cut requests (the product's
+    rule: a cut request is no clean drain). Two signals to an idle server cut nothing, and the
+    executor stops: exit 0, no "forced exit by a second signal" line. The docs say so now."""
+    import os
+    import signal
+
+    from test_ops_sweep import serve_process, stopped
+
+    proc, _url = serve_process(tmp_path, "--log-level", "info", "--grace", "30")
+    os.kill(proc.pid, signal.SIGTERM)
+    os.kill(proc.pid, signal.SIGTERM)
+    code, err = stopped(proc)
+    assert code == 0, err
+    assert "forced exit by a second signal" not in err, err
+    assert "Traceback" not in err, err
