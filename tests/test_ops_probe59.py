@@ -105,3 +105,23 @@ def test_a_second_signal_that_cuts_nothing_exits_as_the_drain_does(tmp_path):
     assert code == 0, err
     assert "forced exit by a second signal" not in err, err
     assert "Traceback" not in err, err
+
+
+def test_the_serve_synopsis_names_every_flag_of_serve_help():
+    """The synopsis at the top of docs/server.md is what a newcomer reads first: it left out
+    ``--cors-origin`` and ``--ray``/``--replicas``. Every flag ``calexec serve --help`` lists is
+    in it now, and it names no flag serve does not have."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "server.md").read_text()
+    start = doc.index("calexec serve [")
+    synopsis = doc[start:doc.index("\n\n", start)]
+    helped = subprocess.run([sys.executable, "-m", "calexec", "serve", "--help"],
+                            capture_output=True, text=True, timeout=60, check=True).stdout
+    flags = set(re.findall(r"^\s+(--[a-z][a-z-]*)", helped, re.M)) - {"--help"}
+    named = set(re.findall(r"(--[a-z][a-z-]*)", synopsis))
+    assert flags - named == set(), f"serve flags missing from the synopsis: {flags - named}"
+    assert named - flags == set(), f"synopsis flags serve does not have: {named - flags}"
