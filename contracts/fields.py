@@ -39,7 +39,7 @@ def number(low: float = -math.inf, high: float = math.inf, *, integral: bool = F
         if isinstance(value, bool) or not isinstance(value, kind):
             raise TypeError(f"{name}={value!r}: expected {'an int' if integral else 'a number'}"
                             f", got {type(value).__name__}")
-        as_float = float(value)
+        as_float = to_float(value)
         if not (math.isfinite(as_float) and (as_float > low if above else as_float >= low)
                 and as_float <= high):
             parts = [] if low == -math.inf else [f"{'>' if above else '>='} {low:g}"]
@@ -47,6 +47,17 @@ def number(low: float = -math.inf, high: float = math.inf, *, integral: bool = F
             raise ValueError(f"{name}={value!r}: must be finite"
                              + "".join(f" and {part}" for part in parts))
     return check
+
+
+def to_float(value: Any) -> float:
+    """``float(value)``, an int beyond the largest float (``10**400``) being an infinity of
+    its sign: ``float()`` raises ``OverflowError`` for it, naming neither the field nor the
+    value, where a finite check then names both (a deadline or wait that far away is one
+    that never passes, as ``math.inf``)."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
 
 
 def flag(owner: str | None = None) -> Validator:

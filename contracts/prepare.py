@@ -26,6 +26,7 @@ from typing import SupportsFloat, SupportsIndex
 import attrs
 import numpy as np
 
+from calexec.contracts import fields
 from calexec.contracts.status import Status
 from calexec.contracts.types import (
     S32_MAX,
@@ -114,7 +115,7 @@ def _deadline(value: SupportsFloat) -> float:
         raise TypeError(f"InferenceRequest.deadline={value!r}: expected an absolute "
                         f"time.monotonic() value (a float), got {type(value).__name__}")
     try:
-        return float(value)
+        return fields.to_float(value)  # an int beyond any float: an infinity (request.invalid)
     except (TypeError, ValueError):
         raise TypeError(f"InferenceRequest.deadline={value!r}: expected an absolute "
                         f"time.monotonic() value (a float), got {type(value).__name__}"

@@ -68,6 +68,7 @@ from typing import TYPE_CHECKING, Protocol, TypedDict, runtime_checkable
 import attrs
 import numpy as np
 
+from calexec.contracts import fields
 from calexec.contracts.errors import Category
 from calexec.contracts.goldens import goldens_path
 from calexec.contracts.goldens import lookup as lookup_golden
@@ -1342,7 +1343,7 @@ class DeviceLifecycle:
         if isinstance(grace, bool) or not isinstance(grace, numbers.Real):
             raise TypeError(f"shutdown: grace={grace!r}: expected seconds (a float), got "
                             f"{type(grace).__name__}")
-        if not math.isfinite(grace):  # NaN: every bound compares false, a hung job is waited
+        if not math.isfinite(fields.to_float(grace)):  # 10**400: isfinite raised; NaN: every bound compares false, a hung job is waited
             raise ValueError(f"shutdown: grace={grace!r}: expected a finite number of "
                              "seconds")  # for without end; inf: the thread waits overflow
         if self._recovery_owner == threading.get_ident():

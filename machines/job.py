@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, TypedDict
 import attrs
 import numpy as np
 
+from calexec.contracts import fields
 from calexec.contracts.codes import DeviceJobStatus
 from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.status import Phase, Status
@@ -334,8 +335,7 @@ class JobHandle:
         raises RuntimeError naming the call and the thread (``refuse_on_worker_thread``): that
         thread stood still until the deadline, every other job behind it. A job resolved
         already, or a deadline passed (a look), answers as anywhere."""
-        _check_deadline("JobHandle.wait_until", deadline)
-        return self._wait("wait_until", deadline)
+        return self._wait("wait_until", _check_deadline("JobHandle.wait_until", deadline))
 
     def _wait(self, call: str, deadline: float | None,
               timeout_given: float | None = None) -> InferenceResult | Status:
@@ -373,9 +373,9 @@ class JobHandle:
         """``wait_until`` with a relative timeout in seconds (None or ``math.inf``: no limit;
         0 or less: only looks, and so may a done callback). Timed out: a ``wait.deadline``
         naming ``result`` and the timeout given."""
-        _check_deadline("JobHandle.result", timeout, "timeout")
-        return self._wait("result", None if timeout is None else
-                          self._job.clock.monotonic() + timeout, timeout)
+        seconds = _check_deadline("JobHandle.result", timeout, "timeout")
+        return self._wait("result", None if seconds is None else
+                          self._job.clock.monotonic() + seconds, timeout)
 
     def cancel(self) -> bool:
         """Request cancellation. Idempotent. True when the request was recorded before the job
@@ -464,7 +464,7 @@ class JobHandle:
         ``wait.deadline`` Status. Parks no thread (``as_future``). Never cancels: on the
         deadline, or when the awaiting task is cancelled, the job keeps running and the
         registration is removed; a caller that gives the job up calls ``cancel()``."""
-        _check_deadline("JobHandle.wait_async", deadline)
+        deadline = _check_deadline("JobHandle.wait_async", deadline)
         job = self._job
         if job._done.is_set():
             return job.resolved_result()
@@ -491,21 +491,24 @@ class JobHandle:
         return f"JobHandle({self._job!r})"
 
 
-def _check_deadline(call: str, value: object, name: str = "deadline") -> None:
+def _check_deadline(call: str, value: object, name: str = "deadline") -> float | None:
     """A wait's ``deadline`` (or ``timeout``) is None or a number that is not NaN: a NaN
     compares false with every time, so the wait would end at once reporting a deadline that
     never was; a str would fail deep in the clock. Both are the caller's bug: ValueError or
     TypeError naming the call, the argument and its value. ``math.inf`` waits without limit.
     (A float that is no NaN, what every wait of the executor's own passes, returns at the
-    first test: this runs on every caller's wait.)"""
+    first test: this runs on every caller's wait.) Returns the value as a float (None kept):
+    an int beyond any float (``10**400``) is an infinity of its sign, a wait without limit or
+    a look, where the clock's arithmetic raised ``OverflowError`` naming nothing."""
     if value is None or (type(value) is float and value == value):
-        return
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{call}: {name}={value!r}: expected seconds (a float) or None, got "
                         f"{type(value).__name__}")
     if value != value:
         raise ValueError(f"{call}: {name}=nan: expected a time.monotonic() value, math.inf "
                          "or None")
+    return fields.to_float(value)
 
 
 def job_of(handle: JobHandle) -> Job:

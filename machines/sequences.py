@@ -29,6 +29,7 @@ import numbers
 import operator
 from typing import TYPE_CHECKING
 
+from calexec.contracts import fields
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
 from calexec.contracts.types import S32_MAX
@@ -87,7 +88,7 @@ def _argument_refusal(seq_id: object, wait_s: object) -> Status | None:
                               f"release_sequence: seq_id={seq_id!r}: expected a sequence id, "
                               f"an int in 0..{S32_MAX}")
     if isinstance(wait_s, bool) or not isinstance(wait_s, numbers.Real) or not math.isfinite(
-            wait_s):
+            fields.to_float(wait_s)):  # 10**400: math.isfinite raised OverflowError
         return Status.failure("request.invalid", Category.INVALID_REQUEST, Phase.VALIDATE,
                               f"release_sequence: wait_s={wait_s!r}: expected a finite number of "
                               "seconds", seq_id=index)
