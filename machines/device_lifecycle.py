@@ -1343,9 +1343,11 @@ class DeviceLifecycle:
         if isinstance(grace, bool) or not isinstance(grace, numbers.Real):
             raise TypeError(f"shutdown: grace={grace!r}: expected seconds (a float), got "
                             f"{type(grace).__name__}")
-        if not math.isfinite(fields.to_float(grace)):  # 10**400: isfinite raised; NaN: every bound compares false, a hung job is waited
+        # NaN: every bound compares false, a hung job is waited for without end; inf: the
+        # thread waits overflow; 10**400: math.isfinite itself raised OverflowError
+        if not math.isfinite(fields.to_float(grace)):
             raise ValueError(f"shutdown: grace={grace!r}: expected a finite number of "
-                             "seconds")  # for without end; inf: the thread waits overflow
+                             "seconds")
         if self._recovery_owner == threading.get_ident():
             return self._shutdown(grace)  # called from within a recovery: it holds the lock
         clock = self._host.clock

@@ -12,7 +12,6 @@ import asyncio
 import attrs
 import pytest
 
-from calexec.contracts.prepare import InferenceRequest
 from calexec.contracts.status import Status
 from calexec.machines.executor import ExecutorConfig
 from calexec.machines.job import InferenceResult
