@@ -61,7 +61,7 @@ from calexec.contracts.codes import CalrtCode
 from calexec.contracts.errors import Category
 from calexec.contracts.prepare import InferenceRequest, check_request
 from calexec.contracts.status import Phase, Status, llama_decode_code
-from calexec.contracts.types import EngineSlot, ModelGeneration, TaskKind
+from calexec.contracts.types import SHA256_RE, EngineSlot, ModelGeneration, TaskKind
 from calexec.machines import switch_check
 from calexec.machines.api import (
     DowngradeRecord,
@@ -159,6 +159,11 @@ def _goldens(instance: Any, attribute: Any, value: Any) -> None:
                 map(fields.is_token_id, tokens)):
             raise ValueError(f"ExecutorConfig.goldens[{sha!r}]={tokens!r}: must map a calbin "
                              "sha256 (str) to a tuple of token ids (ints >= 0)")
+        if not SHA256_RE.match(sha):  # the lifecycle looks the calbin's hex digest up: an
+            # upper-case, prefixed or short key never matches, the override silently unused
+            raise ValueError(f"ExecutorConfig.goldens[{sha!r}]: a calbin sha256 is 64 "
+                             "lower-case hex digits (as `sha256sum` prints it and the goldens "
+                             "file takes it)")
 
 
 #: most buffer slots per task kind: each holds host copies of a submodel's inputs and outputs

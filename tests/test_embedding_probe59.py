@@ -84,3 +84,21 @@ def test_a_shutdown_grace_beyond_a_float_raises_naming_it_and_stops_nothing(calb
         assert isinstance(ex.enqueue(prefill(1, [3, 14, 15])).wait_until(deadline()),
                           InferenceResult)
         assert ex.shutdown(5.0).ok
+
+
+SHA = "ba8b41c989a906f22add01ea65f9c47b956b0fe6520025e74c03263c0b48a168"
+
+
+@pytest.mark.parametrize("key", [SHA.upper(), SHA[:63], "sha256:" + SHA, "model.calbin"],
+                         ids=["upper_case", "a_digit_short", "prefixed", "a_path"])
+def test_a_goldens_key_that_is_no_sha256_is_refused_naming_it(key):
+    """``ExecutorConfig.goldens`` overrides the goldens pinned next to the manifest, by calbin
+    sha256; the lifecycle looks the calbin's lower-case hex digest up in it. A key that can
+    never be one (upper case, as some tools print it, a digit short, ``sha256:``-prefixed, a
+    path) was taken silently: the override never applied, and the warm-up checked the pinned
+    golden instead (or refused the calbin ``golden.unpinned``) as if it had not been given.
+    The goldens file refuses such a key ("must be 64 lower-case hex digits"); so does the
+    config, naming the key."""
+    with pytest.raises(ValueError, match=r"^ExecutorConfig\.goldens\[.*64 lower-case hex"):
+        ExecutorConfig(calbin_path="model.calbin", goldens={key: (1, 2, 3)})
+    assert ExecutorConfig(calbin_path="model.calbin", goldens={SHA: (1, 2, 3)}).goldens
