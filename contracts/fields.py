@@ -21,7 +21,7 @@ import math
 import numbers
 import re
 from collections.abc import Callable
-from typing import Any, TypeGuard
+from typing import Any, SupportsFloat, TypeGuard
 
 Validator = Callable[[Any, Any, Any], None]
 
@@ -49,7 +49,7 @@ def number(low: float = -math.inf, high: float = math.inf, *, integral: bool = F
     return check
 
 
-def to_float(value: Any) -> float:
+def to_float(value: SupportsFloat) -> float:
     """``float(value)``, an int beyond the largest float (``10**400``) being an infinity of
     its sign: ``float()`` raises ``OverflowError`` for it, naming neither the field nor the
     value, where a finite check then names both (a deadline or wait that far away is one
@@ -57,7 +57,7 @@ def to_float(value: Any) -> float:
     try:
         return float(value)
     except OverflowError:
-        return math.inf if value > 0 else -math.inf
+        return math.inf if value > 0 else -math.inf  # type: ignore[operator]  # an int here
 
 
 def flag(owner: str | None = None) -> Validator:
