@@ -426,6 +426,8 @@ class DecodeStream:
         ahead that the caller never took is cancelled; with ``wait`` (the default) close()
         also waits for it to end (bounded), so the sequence is free once it returns. With
         ``wait=False`` it returns at once: ``quiet`` tells when the discarded step has ended
+        (and a ``submit`` admitting its step on another thread, which ends CANCELLED as with
+        ``cancel()``, and is waited for the same way)
         (a server answers its client first and releases the sequence in the background).
         Called on the executor's submitter or completion thread (a done callback), it never
         waits, as with ``wait=False``: only that thread could end what it would wait for."""
@@ -434,12 +436,15 @@ class DecodeStream:
     @property
     def quiet(self) -> bool:
         """No job of this stream is left on its way to the device or on it: nothing armed,
-        no arming in progress and the step fired ahead (if any) resolved. (The step the
+        no arming in progress, the step fired ahead (if any) resolved, and no ``submit``
+        still admitting its step (closed from another thread). (The step the
         caller submitted last is the caller's to wait for.)"""
         with self.ex.dispatch.cv:
             ahead = self._discarded
+            admitting = self._admitting
             return (self._armed is None and not self.ex.dispatch.arming(self)
-                    and (ahead is None or ahead.done))
+                    and (ahead is None or ahead.done)
+                    and (admitting is None or admitting.done))
 
     def __enter__(self) -> DecodeStream:
         return self
@@ -470,6 +475,17 @@ class DecodeStream:
                             "after %.1fs; it releases it when done", self.seq_id, _CLOSE_WAIT_S)
             job, self._armed = self._armed, None
             ahead = self._take_ahead()
+            admitting = self._admitting
+        if admitting is not None and not admitting.done:
+            # a ``submit`` admitting its step on its owner's thread (waiting for KV, a slot or
+            # Ready), closed from another (a disconnect handler's): it waited on until the
+            # stream's deadline, holding the sequence, while close() had returned and
+            # ``release_sequence`` answered ``kv.sequence_busy``. Cancelled, as ``cancel()``
+            # does, it ends CANCELLED at once; wait (bounded) for that, so that once close()
+            # returns the sequence is free
+            admitting.cancel()
+            if waits and wait:
+                admitting.wait_until(ex.clock.monotonic() + _CLOSE_WAIT_S)
         if job is not None and not ex.release_armed(job, Status.cancelled(
                 Phase.CANCEL, f"decode stream of seq {self.seq_id} closed: {status.code}")
         ) and waits:
@@ -624,7 +640,7 @@ class DecodeStream:
         sets the flag before it reads the handle, and this keeps the handle before it reads
         the flag: one of the two sees the other.)"""
         self._admitting = handle
-        if self._cancelled:
+        if self._cancelled or self.status is not None:  # cancelled, or closed (``_close``)
             handle.cancel()
 
     def _beyond_max_len(self, past: int) -> bool:

@@ -8,6 +8,7 @@ emulator; every wait is bounded; nothing asserts a duration."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import attrs
 import pytest
@@ -15,7 +16,7 @@ import pytest
 from calexec.contracts.status import Status
 from calexec.machines.executor import ExecutorConfig
 from calexec.machines.job import InferenceResult
-from executor_harness import deadline, prefill, running_executor, write_calbin
+from executor_harness import deadline, prefill, running_executor, until, write_calbin
 
 HUGE = 10**400  # beyond the largest float (about 1.8e308)
 
@@ -102,3 +103,30 @@ def test_a_goldens_key_that_is_no_sha256_is_refused_naming_it(key):
     with pytest.raises(ValueError, match=r"^ExecutorConfig\.goldens\[.*64 lower-case hex"):
         ExecutorConfig(calbin_path="model.calbin", goldens={key: (1, 2, 3)})
     assert ExecutorConfig(calbin_path="model.calbin", goldens={SHA: (1, 2, 3)}).goldens
+
+
+def test_closing_a_stream_whose_step_waits_for_kv_ends_that_step(calbin):
+    """A server's disconnect handler closes the stream while its owner's ``step`` waits for
+    the KV block the next token needs (docs/embedding.md §3: close, then release). ``close()``
+    returned at once and ``quiet`` said nothing was left, but the step went on waiting until
+    the stream's deadline (then ``kv.deadline``), holding the owner's thread and the
+    sequence: ``release_sequence`` answered ``kv.sequence_busy`` ("a bug in the order", the id
+    withheld) though the caller had closed everything it held. ``cancel()`` reached that step
+    (stop 53); ``close()`` now does too: the step answers CANCELLED, close waits for it
+    (bounded), and the release answers OK."""
+    with running_executor(calbin, "kv_blocks=2;kv_block_size=16;max_seqs=8") as ex:
+        for seq in (1, 2):  # each holds one full block of the two: the next token needs one
+            code, result = ex.decode_sync(prefill(seq, [3] * 16))
+            assert code == 0, result
+        stream = ex.decode_stream(1, 16, deadline(20.0))
+        answers: list[object] = []
+        owner = threading.Thread(target=lambda: answers.append(stream.step(7)), daemon=True)
+        owner.start()
+        until(lambda: ex.snapshot()["pending_tokens"] == 1, what="the step admitting")
+        assert stream.close().code == "request.cancelled"
+        assert stream.quiet
+        released = ex.release_sequence(1, 1.0)
+        assert released.ok, released
+        owner.join(10.0)
+        assert not owner.is_alive()
+        assert isinstance(answers[0], Status) and answers[0].code == "request.cancelled", answers
