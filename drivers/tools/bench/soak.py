@@ -397,8 +397,8 @@ def _idle(executor, service) -> bool:
             and snap["completing"] == 0 and snap["auto_armed"] == 0)
 
 
-def _settle(since: float, current: list[float | None], tally: Tally,
-            kv_waiting: Callable[[], int], nudge: Callable[[], None]) -> None:
+def _settle(since: float, current: list[float | None], kv_waiting: Callable[[], int],
+            nudge: Callable[[], None]) -> None:
     """Wait (at most ``REQUEST_TIMEOUT_S``) until every request in flight at ``since``
     ended. A request a KV fault refused (``can_allocate_false``, ``apply_false``) waits for
     another request to give KV back or to ask for KV after it (FI04: woken by releases, never
@@ -702,7 +702,7 @@ def run_soak(requests: int, faults: int, clients: int, seed: int = 28,
                         emu.clear_all_faults()
                         wait_until(lambda: executor.state == "Ready" and not executor.health(),
                                    READY_WAIT_S)
-                        _settle(time.monotonic(), current, tally, lambda: (
+                        _settle(time.monotonic(), current, lambda: (
                             executor.gen.kvc.waiting if executor.gen is not None else 0),
                             lambda: nudge(admin))
                         if fired:
