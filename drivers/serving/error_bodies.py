@@ -32,6 +32,17 @@ ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error",
 #: carry ``x-should-retry: false``, which the OpenAI SDKs obey over their own rule (every 5xx
 #: retried, ``max_retries`` times after a back-off)
 NOT_RETRYABLE = frozenset({Category.COMPATIBILITY, Category.PROGRAMMING})
+#: 5xx answers no retry of the same request changes: 501, a transfer coding this server does
+#: not implement (the SDKs retry every 5xx they are not told not to)
+NOT_RETRYABLE_HTTP = frozenset({501})
+
+
+def own_deadline(status: Status, http_status: int | None = None) -> bool:
+    """``status`` is the 504 of a request's own deadline (its ``timeout``, or the server's
+    default), which a completion route answers ``x-should-retry: false`` while the server
+    serves (server.py ``fail``): a 408 (the body's ``body_timeout_s``) is not one."""
+    code = status.http_status if http_status is None else http_status
+    return status.category is Category.DEADLINE and code == 504
 
 
 #: Status codes whose OpenAI error ``code`` is OpenAI's own name (``status.code`` keeps calexec's)
@@ -64,7 +75,7 @@ def error_response(status: Status, param: str | None = None, retry_after: int = 
     headers = dict(headers or {})
     if code in (429, 503):
         headers["Retry-After"] = str(retry_after)
-    if status.category in NOT_RETRYABLE:
+    if status.category in NOT_RETRYABLE or code in NOT_RETRYABLE_HTTP:
         headers["x-should-retry"] = "false"
     if code == 401:  # RFC 9110 section 11.6.1: a 401 MUST carry a challenge (RFC 6750's)
         headers.setdefault("WWW-Authenticate", "Bearer")

@@ -152,6 +152,12 @@ def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
         param = param or PARAM_OF_CODE.get(status.code)
         if count:
             service.metrics.observe_failure(status)
+        if error_bodies.own_deadline(status, http_status) and service.ready:
+            # the request's own deadline (its ``timeout``, or the server's): sent again as
+            # it is, it gets the same budget on the same server, which the SDKs' retries
+            # (twice, after a back-off) spent for the same 504. One met while the lifecycle
+            # was not serving (a recovery, a model switch) may be served once it is: retried
+            headers = {**(headers or {}), "x-should-retry": "false"}
         return error_response(status, param, retry, http_status, headers)
 
     @app.get("/health")
