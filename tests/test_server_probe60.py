@@ -13,7 +13,16 @@ import openai
 import pytest
 
 from calexec.drivers.calrt.runtime import Emulator
-from test_server_support import MODEL, metric_value, openai_server, send_raw, wait_for
+from test_server_support import (
+    MODEL,
+    ServeLikeServer,
+    metric_value,
+    openai_server,
+    send_raw,
+    split_head,
+    started_executor,
+    wait_for,
+)
 
 TIMEOUT_S = 20.0
 
@@ -79,3 +88,88 @@ def test_a_504_met_while_the_model_switches_stays_retryable(tmp_path):
     assert answer.status_code == 504, answer.text
     assert answer.json()["error"]["code"] == "admission.deadline"
     assert "x-should-retry" not in answer.headers
+
+
+@pytest.fixture(scope="module")
+def serve_like(tmp_path_factory):
+    """The app on the uvicorn configuration ``calexec serve`` runs (its HTTP protocol)."""
+    from calexec.drivers.serving.server import create_app
+
+    executor = started_executor(tmp_path_factory.mktemp("calbin"))
+    try:
+        with ServeLikeServer(create_app(executor)) as server:
+            yield server
+    finally:
+        executor.shutdown(5.0)
+
+
+BODY = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1}).encode()
+CHUNKED = b"%x\r\n%s\r\n0\r\n\r\n" % (len(BODY), BODY)
+
+
+def _posted(port: int, fields: list[bytes], payload: bytes) -> tuple[bytes, dict, dict]:
+    """POST /v1/completions with the header ``fields``: status line, headers, JSON body."""
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + b"".join(field + b"\r\n" for field in fields) + b"\r\n")
+    data, how = send_raw(port, head + payload, timeout=TIMEOUT_S)
+    status, headers, rest = split_head(data)
+    assert how == "eof", (how, data[:300])
+    return status, headers, json.loads(rest[:int(headers["content-length"])])
+
+
+@pytest.mark.parametrize("fields", [
+    [b"Transfer-Encoding: identity", b"Transfer-Encoding: chunked"],
+    [b"Transfer-Encoding: identity, chunked"],
+], ids=["two-fields", "one-field"])
+def test_identity_before_chunked_is_no_transfer_coding_the_server_takes(serve_like, fields):
+    """``Transfer-Encoding: identity`` then ``chunked`` (two fields, or one list) was served
+    200 as if ``identity`` were a coding that changes nothing: RFC 7230 dropped it, RFC 9112
+    section 6.1 has no such transfer coding, and a server SHOULD answer a coding it does not
+    understand 501, as this one answers ``gzip, chunked``. It now does, naming it, with
+    ``x-should-retry: false`` (the SDKs retry a 5xx otherwise)."""
+    status, headers, body = _posted(serve_like.port, fields + [b"Connection: close"], CHUNKED)
+    assert status.startswith(b"HTTP/1.1 501"), (status, body)
+    assert body["error"]["message"].startswith('transfer-encoding "identity": no transfer '
+                                               'coding'), body
+    assert headers["x-should-retry"] == "false"
+
+
+@pytest.mark.parametrize(("fields", "payload", "said"), [
+    ([b"Transfer-Encoding: gzip"], BODY, 'Transfer-Encoding "gzip": a request body\'s '
+     "transfer codings must end with chunked"),
+    ([b"Transfer-Encoding: identity"], BODY, 'Transfer-Encoding "identity": a request '
+     "body's transfer codings must end with chunked"),
+    ([b"Transfer-Encoding: chunked, gzip"], CHUNKED, "Transfer-Encoding: a request body's "
+     "transfer codings must end with chunked, given once"),
+    ([b"Transfer-Encoding: chunked, chunked"], CHUNKED, "must end with chunked, given once"),
+    ([b"Transfer-Encoding: chunked", b"Transfer-Encoding: chunked"], CHUNKED,
+     "must end with chunked, given once"),
+    ([b"Transfer-Encoding: "], BODY, "Transfer-Encoding is empty"),
+    ([b"Transfer-Encoding: chunked", b"Content-Length: %d" % len(CHUNKED)], CHUNKED,
+     'Transfer-Encoding "chunked" with a Content-Length: the body\'s length cannot be told '
+     "(RFC 9112 section 6.3)"),
+    ([b"Content-Length: %d" % len(CHUNKED), b"Transfer-Encoding: chunked"], CHUNKED,
+     "with a Content-Length: the body's length cannot be told (RFC 9112 section 6.3)"),
+], ids=["gzip", "identity", "chunked-gzip", "chunked-twice", "two-chunked-fields", "empty",
+        "te-then-cl", "cl-then-te"])
+def test_a_transfer_encoding_the_body_cannot_be_framed_by_is_a_400_naming_it(
+        serve_like, fields, payload, said):
+    """RFC 9112 section 6.3: a request whose Transfer-Encoding does not end with chunked (or
+    gives it twice, or comes with a Content-Length) has no length a server can tell, and
+    gets a 400 and a closed connection. It did (the HTTP parser refuses it), but its
+    message was "Invalid HTTP request received." for every such request: which field and
+    which rule, the client was not told. The message now names both, the parser's words
+    after them."""
+    status, _, body = _posted(serve_like.port, fields, payload)
+    assert status.startswith(b"HTTP/1.1 400"), (status, body)
+    assert body["error"]["code"] == "request.malformed_http"
+    assert said in body["error"]["message"], body
+    assert "(the HTTP parser: " in body["error"]["message"]
+
+
+def test_a_body_framed_by_chunked_alone_is_served(serve_like):
+    """(What stays served: ``chunked`` in any case, an empty list element before it.)"""
+    for field in (b"Transfer-Encoding: chunked", b"Transfer-Encoding: CHUNKED",
+                  b"Transfer-Encoding: , chunked"):
+        status, _, body = _posted(serve_like.port, [field, b"Connection: close"], CHUNKED)
+        assert status.startswith(b"HTTP/1.1 200"), (field, body)

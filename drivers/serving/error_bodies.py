@@ -114,9 +114,38 @@ def invalid(message: str) -> Status:
 
 def transfer_coding_refused(coding: str) -> Status:
     """The failure of a request whose body comes in a transfer coding other than chunked
-    (``wire.unsupported_transfer_coding``; answered 501)."""
+    (``wire.unsupported_transfer_coding``; answered 501). ``identity`` is named as what it
+    is: no transfer coding since RFC 7230 (the registry keeps the name reserved)."""
+    if coding == "identity":
+        return invalid("transfer-encoding \"identity\": no transfer coding (RFC 9112 section "
+                       "6.1 has none of that name since RFC 7230): send the body with chunked "
+                       "alone or a Content-Length")
     return invalid(f"transfer-encoding {shown(coding)}: not supported (RFC 9112 section 6.1): "
                    f"send the body with chunked alone or a Content-Length, uncompressed")
+
+
+def framing_refused(parser_error: str, transfer_encodings: list[str]) -> str | None:
+    """The message of the 400 refusing a request whose body the HTTP parser cannot frame
+    for its ``Transfer-Encoding`` (RFC 9112 section 6.3), from the parser's own words
+    (``parser_error``, kept in parentheses) and the field's values it read
+    (``transfer_encodings``); None when the parser's error is about something else. The
+    connection answered every one "Invalid HTTP request received.", naming neither the
+    field nor the rule."""
+    said = parser_error.strip() or "refused"
+    if "transfer-encoding" not in said.lower():
+        return None
+    given = ", ".join(shown(v, 60) for v in transfer_encodings[:4])
+    field = f"Transfer-Encoding {given}" if given else "Transfer-Encoding"
+    if "content-length" in said.lower():
+        why = (f"{field} with a Content-Length: the body's length cannot be told (RFC 9112 "
+               "section 6.3): send one of them")
+    elif said.lower().startswith("empty"):
+        why = f"{field} is empty: a request body's transfer codings must end with chunked"
+    else:
+        why = (f"{field}: a request body's transfer codings must end with chunked, given once "
+               "(RFC 9112 sections 6.1 and 6.3): send the body with chunked alone or a "
+               "Content-Length")
+    return f"{why} (the HTTP parser: {said[:120]})"
 
 
 def body_timeout(came: str, timeout_s: float) -> Status:

@@ -366,7 +366,7 @@ def abortable(protocol: type) -> type:
             while self._refusal is None:  # once per upgrade in data (pipelined: a loop)
                 try:
                     self.parser.feed_data(data)
-                except httptools.HttpParserError:
+                except httptools.HttpParserError as err:
                     if self._target_too_long:  # on_headers_complete stopped the parser
                         self.logger.warning("Invalid HTTP request received: request target "
                                             "of %d bytes.", len(self.url))
@@ -379,9 +379,12 @@ def abortable(protocol: type) -> type:
                         self._refuse(error_bodies.malformed_http(self._head_refused,
                                                                  uuid.uuid4().hex))
                         return
+                    framing = error_bodies.framing_refused(str(err), [
+                        value.decode("latin-1") for name, value in getattr(self, "headers", None) or ()
+                        if name.lower() == b"transfer-encoding"])
                     msg = "Invalid HTTP request received."
-                    self.logger.warning(msg)
-                    self.send_400_response(msg)
+                    self.logger.warning(msg if framing is None else f"{msg[:-1]}: {framing}.")
+                    self.send_400_response(framing or msg)
                 except httptools.HttpParserUpgrade as upgrade:
                     head, self._plain_head = self._plain_head, None
                     if head is None:  # CONNECT: uvicorn's way (its route answers)

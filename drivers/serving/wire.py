@@ -185,13 +185,14 @@ def utf8_json(raw: bytes) -> bytes | str:
 
 
 def unsupported_transfer_coding(request: Request) -> str | None:
-    """A transfer coding of the request's body other than ``chunked`` (and ``identity``), else
-    None: the HTTP parser frames a ``Transfer-Encoding: gzip, chunked`` body by its final
-    ``chunked`` and hands the route the gzip bytes as they came, which it cannot read (it
-    decodes nothing); a route answers it 501 (RFC 9112 section 6.1)."""
+    """A transfer coding of the request's body other than ``chunked``, else None: the HTTP
+    parser frames a ``Transfer-Encoding: gzip, chunked`` body by its final ``chunked`` and
+    hands the route the gzip bytes as they came, which it cannot read (it decodes nothing);
+    a route answers it 501 (RFC 9112 section 6.1). ``identity`` is one too: no transfer
+    coding since RFC 7230 (``identity, chunked``, or two fields, was served until stop 60)."""
     codings = [c.strip().lower() for value in request.headers.getlist("transfer-encoding")
                for c in value.split(",")]
-    return next((c[:40] for c in codings if c and c not in ("chunked", "identity")), None)
+    return next((c[:40] for c in codings if c and c != "chunked"), None)
 
 
 #: how many bytes past ``max_body_bytes`` a refused body is read and dropped before its 413
