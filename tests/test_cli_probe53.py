@@ -241,17 +241,18 @@ def test_golden_record_of_a_calbin_whose_name_is_not_utf8_keeps_the_file_readabl
         PinnedGolden("0" * 64, (1,), 0, (2,), "x\udcff")
 
 
-@pytest.mark.parametrize("body, code", [
-    ('{"calbin\\udcff": 1}', "dcff"),  # (a key: its "unknown parameter" answer was a 500)
-    ('{"calbin": "/tmp/model.calbin\\ud800"}', "d800"),
-    ('{"calbin": "x", "\\udfff": 1}', "dfff"),
+@pytest.mark.parametrize("body, code, where", [
+    ('{"calbin\\udcff": 1}', "dcff", None),  # (a key: its "unknown parameter" answer was a 500)
+    ('{"calbin": "/tmp/model.calbin\\ud800"}', "d800", "calbin"),
+    ('{"calbin": "x", "\\udfff": 1}', "dfff", None),
 ])
-def test_an_admin_reload_body_with_a_lone_surrogate_escape_is_a_400(tmp_path, body, code):
+def test_an_admin_reload_body_with_a_lone_surrogate_escape_is_a_400(tmp_path, body, code, where):
     """``POST /admin/reload`` with a ``\\udcff`` escape in a key (Python's JSON parser takes a
     lone surrogate; the API's bodies are refused for one, a 400): the "unknown parameter"
     answer named the key, its JSON could not be encoded, and the client got a 500
     ``server.unexpected_error`` with a traceback in the server's log; now a 400 ``body:``
-    naming the escape, as the API answers, nothing checked or moved."""
+    naming the escape, as the API answers, nothing checked or moved. (Since stop 60 the
+    message names where the escape is, the value's field or the key, as the API's does.)"""
     from fastapi.testclient import TestClient
 
     from calexec.drivers.serving.server import ServerConfig, create_app
@@ -266,9 +267,11 @@ def test_an_admin_reload_body_with_a_lone_surrogate_escape_is_a_400(tmp_path, bo
                                      "content-type": "application/json"})
         assert r.status_code == 400, r.text
         error = r.json()["error"]
-        assert error["message"] == (f"body: not valid JSON (a lone surrogate escape \\u{code}: "
-                                    'not a Unicode character); send {"calbin": PATH}'), error
-        assert error["param"] is None
+        said = f"the escape \\u{code} is a lone surrogate, no Unicode character"
+        assert error["message"].startswith(f"{where}: {said}" if where else
+                                           "a key of the body ("), error
+        assert said in error["message"], error
+        assert error["param"] == where
         assert executor.state == "Ready" and executor.gen is not None and executor.gen.id == 1
     finally:
         executor.shutdown(5.0)

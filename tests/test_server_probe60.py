@@ -173,3 +173,43 @@ def test_a_body_framed_by_chunked_alone_is_served(serve_like):
                   b"Transfer-Encoding: , chunked"):
         status, _, body = _posted(serve_like.port, [field, b"Connection: close"], CHUNKED)
         assert status.startswith(b"HTTP/1.1 200"), (field, body)
+
+
+@pytest.mark.parametrize(("route", "body", "where", "escape"), [
+    ("/v1/completions", '{"model": "M", "prompt": "a\\ud800b", "max_tokens": 1}', "prompt",
+     "d800"),
+    ("/v1/completions", '{"model": "M", "prompt": "x\\udc00", "max_tokens": 1}', "prompt",
+     "dc00"),
+    ("/v1/completions", '{"model": "M", "prompt": ["ok", "\\ud83d\\u0041"]}', "prompt.1",
+     "d83d"),
+    ("/v1/chat/completions", '{"model": "M", "messages": [{"role": "user", "content": '
+     '"\\udbff"}]}', "messages.0.content", "dbff"),
+    ("/tokenize", '{"prompt": "\\ud800"}', "prompt", "d800"),
+], ids=["leading", "trailing", "in-a-list", "chat", "tokenize"])
+def test_a_lone_surrogate_escape_is_refused_naming_where_and_what(
+        serve_like, route, body, where, escape):
+    """A ``\\ud800``-``\\udfff`` escape of a lone surrogate (no Unicode character) got the
+    JSON parser's words, ``body: Invalid JSON: unexpected end of hex escape at line 1
+    column 53`` (a trailing one: "lone leading surrogate"): a syntax error the client did
+    not make, no field, no escape. It now names the field (``param`` too) and the escape,
+    and how a character past U+FFFF is written, as the non-UTF-8 byte's message says what
+    the byte is."""
+    answer = httpx.post(f"{serve_like.url}{route}", timeout=TIMEOUT_S,
+                        content=body.replace('"M"', json.dumps(MODEL)).encode("ascii"),
+                        headers={"content-type": "application/json"})
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["message"].startswith(
+        f"{where}: the escape \\u{escape} is a lone surrogate, no Unicode character (RFC 8259 "
+        "section 8.2)"), error
+    assert error["param"] == where
+    assert "Invalid JSON" not in error["message"]
+
+
+def test_a_surrogate_pair_and_an_escaped_backslash_are_still_taken(serve_like):
+    """(A pair is one character; ``\\\\ud800``, a backslash then text, no escape at all.)"""
+    for prompt in ("\\ud83d\\ude00", "\\\\ud800"):
+        answer = httpx.post(f"{serve_like.url}/tokenize", timeout=TIMEOUT_S,
+                            content=f'{{"prompt": "{prompt}"}}'.encode("ascii"),
+                            headers={"content-type": "application/json"})
+        assert answer.status_code == 200, (prompt, answer.text)

@@ -132,10 +132,12 @@ def reload_body(raw: bytes) -> dict[str, Any] | tuple[Status, str | None]:
         return invalid(f"body: not valid JSON ({why}); send {{\"calbin\": PATH}}"), None
     try:  # (Python's parser takes "\udcff"; the API's bodies are refused for it, as here)
         json.dumps(body, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError as err:
-        return invalid(f"body: not valid JSON (a lone surrogate escape \\u"
-                       f"{ord(err.object[err.start]):04x}: not a Unicode character); send "
-                       "{\"calbin\": PATH}"), None
+    except UnicodeEncodeError:
+        surrogate = wire.lone_surrogate(utf8)
+        if surrogate is not None:  # named as the API's bodies name it: where, and why
+            return invalid(surrogate[0]), surrogate[1]
+        return invalid("body: not valid JSON (a lone surrogate escape: not a Unicode "
+                       "character); send {\"calbin\": PATH}"), None
     except RecursionError:  # (as deep as the parser took, past the encoder's limit)
         return invalid("body: not valid JSON (nested too deeply); send {\"calbin\": PATH}"), None
     if repeated:

@@ -327,6 +327,9 @@ def parse(model: type[Body], raw: bytes) -> Body:
     except ValidationError as err:
         errors = err.errors()
         first = errors[0]
+        surrogate = wire.lone_surrogate(raw) if first["type"] == "json_invalid" else None
+        if surrogate is not None:  # (the parser's words named neither place nor escape)
+            raise Refusal(invalid(surrogate[0]), surrogate[1]) from None
         path, branches = _field_path(model, first["loc"], first["type"] == "extra_forbidden")
         # (an unknown key is the client's, of any length: cut as every echoed value is)
         param = ".".join(str(p) for p in path)[:80] or None

@@ -21,6 +21,7 @@ from fastapi.responses import StreamingResponse
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from calexec.contracts.fields import shown
 from calexec.contracts.status import Phase, Status
 from calexec.drivers.serving.error_bodies import body_timeout, invalid
 
@@ -182,6 +183,55 @@ def utf8_json(raw: bytes) -> bytes | str:
                 f"(0x{raw[err.start]:02X}) is not UTF-8 (a Latin-1 or Windows-1252 body?): "
                 "send it encoded as UTF-8")
     return raw
+
+
+#: a lone surrogate in a str Python's JSON parser read (``"\\ud800"`` escapes)
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate(raw: bytes) -> tuple[str, str | None] | None:
+    """The message (and its ``param``: the path, None for the body or a key) refusing a UTF-8 JSON body that holds a ``\\ud800``-``\\udfff`` escape of
+    a lone surrogate (no Unicode character: RFC 8259 section 8.2), naming where (the path of
+    the first string holding one, ``messages.0.content``; a key's object and the key) and
+    the escape; None when the body is no JSON Python's parser reads or holds none. The API's
+    parser refuses such a body in its own words ("unexpected end of hex escape", "lone
+    leading surrogate" for a trailing one), which say neither where nor what is wrong."""
+    try:
+        value = json.loads(raw)  # (Python's parser takes lone surrogates)
+    except (ValueError, RecursionError):
+        return None
+    # (path, a value, or the key of an object at path): depth first, in document order,
+    # no recursion (the body may be as deep as the parser took)
+    todo: list[tuple[list[str], Any, str | None]] = [([], value, None)]
+    while todo:
+        path, item, key = todo.pop()
+        if key is not None:
+            hit = _SURROGATE.search(key)
+            if hit is not None:
+                return _surrogate_message(f"a key of {'.'.join(path) or 'the body'}",
+                                          hit.group(), key), None
+            continue
+        if isinstance(item, str):
+            hit = _SURROGATE.search(item)
+            if hit is not None:
+                where = ".".join(path)[:80]
+                return _surrogate_message(where or "body", hit.group(), None), where or None
+        elif isinstance(item, dict):
+            for name, child in reversed(list(item.items())):
+                todo.append(([*path, name], child, None))
+                todo.append((path, None, name))
+        elif isinstance(item, list):
+            todo.extend(([*path, str(i)], child, None) for i, child in reversed(list(
+                enumerate(item))))
+    return None
+
+
+def _surrogate_message(where: str, char: str, key: str | None) -> str:
+    escape = f"\\u{ord(char):04x}"
+    said = "" if key is None else f" ({shown(key, 60)})"
+    return (f"{where[:120]}{said}: the escape {escape} is a lone surrogate, no Unicode "
+            "character (RFC 8259 section 8.2): a character past U+FFFF is escaped as a "
+            "surrogate pair (\\ud83d\\ude00), or sent as UTF-8")
 
 
 def unsupported_transfer_coding(request: Request) -> str | None:
