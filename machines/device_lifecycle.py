@@ -426,7 +426,7 @@ class DeviceLifecycle:
         host = self._host
         rc, host.device = host.runtime.open_device(host.config.device_config)
         status = (Status.from_calrt(rc, Phase.CONFIGURE, "device open with device_config="
-                                    f"{host.config.device_config!r} (the emulator's keys: "
+                                    f"{fields.shown(host.config.device_config, 300)} (the emulator's keys: "
                                     "docs/emulator.md)") if rc != 0 else
                   # (0 and no device broke the driver contract: said so, not an
                   # AttributeError from the first call on None)
@@ -532,7 +532,7 @@ class DeviceLifecycle:
         if expected is None and not cfg.allow_unpinned_golden:
             return Status.failure(
                 "golden.unpinned", Category.ARTIFACT, Phase.GOLDEN,
-                f"calbin {host.gen.calbin_path!r} (sha256 {sha}) has no pinned golden for "
+                f"calbin {fields.shown(host.gen.calbin_path, 300)} (sha256 {sha}) has no pinned golden for "
                 f"golden_tokens/golden_decode_steps={cfg.golden_decode_steps} in "
                 f"{goldens_path(getattr(host.manifest, 'source', 'manifest'))}; run `calexec "
                 f"golden record --calbin {host.gen.calbin_path}` or set allow_unpinned_golden",
@@ -787,7 +787,7 @@ class DeviceLifecycle:
                                         "a calbin file path (a str) is required")
         self._refuse_within_recovery("switch_model")
         return self.recover(Status.failure("lifecycle.model_switch", Category.LIFECYCLE,
-                                           Phase.RECOVERY, f"switch to {calbin_path!r}"),
+                                           Phase.RECOVERY, f"switch to {fields.shown(calbin_path, 300)}"),
                             reset=False, calbin_path=calbin_path)
 
     def recover(self, reason: Status, reset: bool = True,
@@ -944,12 +944,12 @@ class DeviceLifecycle:
         # between the two steps): the target was loaded, configured and mapped, its golden
         # refused (admission stopped) and the lifecycle went Warming -> Stopped, the
         # shutdown tearing it down again
-        ended = self._stop_for_shutdown(f"before {target!r} was configured")
+        ended = self._stop_for_shutdown(f"before {fields.shown(target, 300)} was configured")
         if ended is None:
             status = self._advance(LIFECYCLE_EV_RECONFIGURE)
             if not status.ok:
                 return status
-            ended = self._stop_for_shutdown(f"before {target!r} was configured")
+            ended = self._stop_for_shutdown(f"before {fields.shown(target, 300)} was configured")
         if ended is not None:
             return ended
         # The other chance if this one is refused: a switch to another calbin rolls back to
@@ -974,8 +974,8 @@ class DeviceLifecycle:
             fallback = self._rollback_path
             why = (f"{first_refusal.code}: {first_refusal.message}" if first_refusal
                    else refused[0])
-            refusal = (f"{target!r} was refused ({why}) and shutdown() began before "
-                       f"{fallback!r} was configured again: no roll back, nothing configured")
+            refusal = (f"{fields.shown(target, 300)} was refused ({why}) and shutdown() began before "
+                       f"{fields.shown(fallback, 300)} was configured again: no roll back, nothing configured")
             if self.shutdown_requested():
                 # A shutdown began while the refused generation was torn down: nothing is
                 # configured once it has (its golden run would be refused anyway, as a
@@ -1017,7 +1017,7 @@ class DeviceLifecycle:
                 why = (f"{first_refusal.code}: {first_refusal.message}" if first_refusal
                        else refused[0])
                 return Status.failure("recovery.rolled_back", Category.ARTIFACT, Phase.RECOVERY,
-                                      f"{target!r} was refused ({why}); {fallback!r} "
+                                      f"{fields.shown(target, 300)} was refused ({why}); {fields.shown(fallback, 300)} "
                                       "serves again", **self._gctx())
         record["refused"] = refused
         if (not status.ok and self.run.state == LIFECYCLE_CONFIGURING
@@ -1026,10 +1026,10 @@ class DeviceLifecycle:
             # begun: no roll back, nothing configured, Configuring -> Stopped (it ended
             # Failed, an exit 3 as for a broken device, though nothing was left on it)
             fallback, self._rollback_path = self._rollback_path, None
-            then = (f"before {fallback!r} was configured again: no roll back, nothing "
+            then = (f"before {fields.shown(fallback, 300)} was configured again: no roll back, nothing "
                     "configured" if fallback else "nothing configured")
             ended = self._stop_for_shutdown(refusal=(
-                f"{target!r} was refused ({status.code}: {status.message}) and shutdown() "
+                f"{fields.shown(target, 300)} was refused ({status.code}: {status.message}) and shutdown() "
                 f"began {then}"))
             if ended is not None:
                 return ended

@@ -213,3 +213,39 @@ def test_a_surrogate_pair_and_an_escaped_backslash_are_still_taken(serve_like):
                             content=f'{{"prompt": "{prompt}"}}'.encode("ascii"),
                             headers={"content-type": "application/json"})
         assert answer.status_code == 200, (prompt, answer.text)
+
+
+def test_a_reload_rolled_back_quotes_its_paths_as_json_and_names_the_flag(tmp_path):
+    """``POST /admin/reload`` of a calbin with no pinned golden is rolled back, a 500 whose
+    message is the lifecycle's: it quoted both paths as Python does
+    (``'/x/unpinned.calbin' was refused (golden.unpinned: calbin '/x/unpinned.calbin' ...
+    or set allow_unpinned_golden); '/x/synthetic.calbin' serves again``), what no JSON
+    client writes (since stop 58 the server's own messages show values as JSON), and told
+    the operator to set a config field a ``calexec serve`` user does not have. The paths
+    are JSON strings now, the flag named beside the field."""
+    from calexec.drivers.serving.server import ServerConfig, create_app
+    from calexec.drivers.synthetic import calbin as cb
+
+    unpinned = str(tmp_path / "unpinned.calbin")
+    cb.write(unpinned, cb.default_spec(seed=cb.DEFAULT_SEED ^ 0x3C))
+    executor = started_executor(tmp_path)
+    try:
+        serving = executor.gen.calbin_path
+        app = create_app(executor, ServerConfig(admin_token="probe60-admin"))
+        with ServeLikeServer(app) as server:
+            answer = httpx.post(f"{server.url}/admin/reload", timeout=TIMEOUT_S,
+                                json={"calbin": unpinned},
+                                headers={"authorization": "Bearer probe60-admin"})
+        state = executor.state
+    finally:
+        executor.shutdown(5.0)
+    assert answer.status_code == 500, answer.text
+    error = answer.json()["error"]
+    assert error["code"] == "recovery.rolled_back", error
+    message = error["message"]
+    assert message.startswith(f"{json.dumps(unpinned)} was refused (golden.unpinned: calbin "
+                              f"{json.dumps(unpinned)} (sha256 "), message
+    assert message.endswith(f"; {json.dumps(serving)} serves again"), message
+    assert "(calexec serve: --allow-unpinned-golden)" in message
+    assert "'" not in message, message
+    assert state == "Ready"

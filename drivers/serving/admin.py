@@ -13,6 +13,7 @@ import math
 import re
 from typing import Any
 
+import attrs
 from anyio import to_thread
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -273,15 +274,21 @@ def add_admin_routes(app: FastAPI, service: CompletionService) -> None:
             return error_response(Status.unavailable(
                 Phase.RECOVERY, f"reload refused, lifecycle unchanged: {'; '.join(reasons)}"),
                 "calbin", retry_after=retry)
-        log.info("admin: switching to calbin %r, x-request-id %s", path,
+        log.info("admin: switching to calbin %s, x-request-id %s", shown(path, 300),
                  wire.request_id(request.scope))
         status = await to_thread.run_sync(executor.switch_model, path)
         if not status.ok:
-            log.warning("admin: switch to calbin %r failed, lifecycle %s: %s", path,
+            if "golden.unpinned" in status.message:
+                # the core names its config field; a `calexec serve` operator has the flag
+                status = attrs.evolve(status, message=status.message.replace(
+                    "set allow_unpinned_golden", "set allow_unpinned_golden (calexec serve: "
+                    "--allow-unpinned-golden)", 1))
+            log.warning("admin: switch to calbin %s failed, lifecycle %s: %s", shown(path, 300),
                         executor.state, status)
             return error_response(status, "calbin")
         gen = executor.gen  # the switch succeeded: the new generation
-        log.info("admin: calbin %r serves, generation %s", path, None if gen is None else gen.id)
+        log.info("admin: calbin %s serves, generation %s", shown(path, 300),
+                 None if gen is None else gen.id)
         return JSONResponse({"reloaded": True, "calbin": path,
                              "generation": None if gen is None else gen.id,
                              "lifecycle": executor.state})

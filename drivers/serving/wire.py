@@ -190,12 +190,13 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def lone_surrogate(raw: bytes) -> tuple[str, str | None] | None:
-    """The message (and its ``param``: the path, None for the body or a key) refusing a UTF-8 JSON body that holds a ``\\ud800``-``\\udfff`` escape of
-    a lone surrogate (no Unicode character: RFC 8259 section 8.2), naming where (the path of
-    the first string holding one, ``messages.0.content``; a key's object and the key) and
-    the escape; None when the body is no JSON Python's parser reads or holds none. The API's
-    parser refuses such a body in its own words ("unexpected end of hex escape", "lone
-    leading surrogate" for a trailing one), which say neither where nor what is wrong."""
+    """The message (and its ``param``: the path, None for the body or a key) refusing a
+    UTF-8 JSON body that holds a ``\\ud800``-``\\udfff`` escape of a lone surrogate (no
+    Unicode character: RFC 8259 section 8.2), naming where (the path of the first string
+    holding one, ``messages.0.content``; a key's object and the key) and the escape; None
+    when the body is no JSON Python's parser reads or holds none. The API's parser refuses
+    such a body in its own words ("unexpected end of hex escape", "lone leading surrogate"
+    for a trailing one), which say neither where nor what is wrong."""
     try:
         value = json.loads(raw)  # (Python's parser takes lone surrogates)
     except (ValueError, RecursionError):
