@@ -249,3 +249,21 @@ def test_a_reload_rolled_back_quotes_its_paths_as_json_and_names_the_flag(tmp_pa
     assert "(calexec serve: --allow-unpinned-golden)" in message
     assert "'" not in message, message
     assert state == "Ready"
+
+
+@pytest.mark.parametrize(("field", "value", "said"), [
+    ("top_p", 0, "top_p=0: must be a number in (0, 1]"),
+    ("presence_penalty", -3, "presence_penalty=-3: must be a number in [-2, 2]"),
+    ("temperature", 10 ** 40, f"temperature={10 ** 40}: must be a number in [0, 2]"),
+    ("logit_bias", {"5": 101}, "logit_bias[5]=101: must be a number in [-100, 100]"),
+], ids=["top_p", "penalty", "huge-int", "logit_bias"])
+def test_a_refused_number_is_shown_as_the_body_wrote_it(serve_like, field, value, said):
+    """The sampling parameters hold floats, and their refusal showed the converted value:
+    ``top_p: 0`` was told ``top_p=0.0``, a bias of ``101`` ``101.0``, and an integer past a
+    double's range (``10**400``; here a smaller one for the same path) ``Infinity`` where
+    too large to convert: numbers the client never wrote. They are shown as written."""
+    answer = httpx.post(f"{serve_like.url}/v1/completions", timeout=TIMEOUT_S, json={
+        "model": MODEL, "prompt": "hi", "max_tokens": 1, field: value})
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["message"] == said
+    assert answer.json()["error"]["param"] == field

@@ -533,8 +533,31 @@ def sampling_params(body: _Body, logprobs: int | None, vocab: int | None = None,
             ignore_eos=body.ignore_eos, allowed_token_ids=body.allowed_token_ids,
             include_stop_str_in_output=body.include_stop_str_in_output)
     except SamplingError as err:
-        raise Refusal(invalid(str(err)), err.field.split("[")[0]) from None
+        raise Refusal(invalid(_as_written(err, body)), err.field.split("[")[0]) from None
     return params
+
+
+def _as_written(err: SamplingError, body: _Body) -> str:
+    """``err``'s message with the number it refused as the body wrote it: the sampling
+    parameters hold floats, so ``top_p: 0`` was told ``top_p=0.0``, ``logit_bias: {"5":
+    101}`` ``logit_bias[5]=101.0`` and an integer past a double's range (``temperature:
+    1000...0``) ``Infinity``, none of which the client wrote."""
+    message = str(err)
+    told = f"{err.field}={shown(err.value, 80)}"
+    name, _, key = err.field.partition("[")
+    if name == "logit_bias":
+        written = next((value for given, value in (body.logit_bias or {}).items()
+                        if TOKEN_ID_KEY.fullmatch(given) and f"{int(given)}]" == key), None)
+    else:
+        written = getattr(body, name, None) if name in _FLOAT_FIELDS else None
+    if written is None or isinstance(written, bool) or not message.startswith(told):
+        return message
+    return f"{err.field}={shown(written, 80)}{message[len(told):]}"
+
+
+#: the body's number fields the sampling parameters hold as floats (``sampling_params``)
+_FLOAT_FIELDS = frozenset({"temperature", "top_p", "min_p", "repetition_penalty",
+                           "presence_penalty", "frequency_penalty"})
 
 
 # ---- authentication and model names ---------------------------------------------------------
