@@ -267,3 +267,23 @@ def test_a_refused_number_is_shown_as_the_body_wrote_it(serve_like, field, value
     assert answer.status_code == 400, answer.text
     assert answer.json()["error"]["message"] == said
     assert answer.json()["error"]["param"] == field
+
+
+@pytest.mark.parametrize(("head", "reason"), [
+    (b"Content-Length: 2\r\nContent-Length: 3\r\n", "Duplicate Content-Length"),
+    (b"X-A: a\r\n b\r\nContent-Length: 2\r\n", "Unexpected whitespace after header value"),
+    (b"Content-Length : 2\r\n", "Invalid header field char"),
+    (b"Content-Length: +2\r\n", "Invalid character in Content-Length"),
+], ids=["two-content-lengths", "obs-fold", "space-before-colon", "signed-length"])
+def test_a_request_the_parser_refuses_is_told_the_parsers_reason(serve_like, head, reason):
+    """docs/server.md said the 400 ``request.malformed_http`` carries the parser's message;
+    it carried uvicorn's ``Invalid HTTP request received.`` for every refusal, whichever rule
+    the request broke (two Content-Lengths, an obs-fold line, a space before a colon, a
+    signed length: RFC 9112 sections 5.1, 5.2, 6.3). The parser's reason now follows."""
+    raw = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + head + b"\r\n{}"
+    data, how = send_raw(serve_like.port, raw, timeout=TIMEOUT_S)
+    status, headers, rest = split_head(data)
+    assert status.startswith(b"HTTP/1.1 400") and how == "eof", (how, data[:300])
+    error = json.loads(rest[:int(headers["content-length"])])["error"]
+    assert error["code"] == "request.malformed_http"
+    assert error["message"] == f"Invalid HTTP request received: {reason}.", error

@@ -382,8 +382,15 @@ def abortable(protocol: type) -> type:
                     framing = error_bodies.framing_refused(str(err), [
                         value.decode("latin-1") for name, value in getattr(self, "headers", None) or ()
                         if name.lower() == b"transfer-encoding"])
-                    msg = "Invalid HTTP request received."
-                    self.logger.warning(msg if framing is None else f"{msg[:-1]}: {framing}.")
+                    # the parser's own words (llhttp's fixed reasons: "Invalid header value
+                    # char", "Duplicate Content-Length", "Invalid HTTP version"), which
+                    # uvicorn dropped: every refusal read "Invalid HTTP request received."
+                    said = str(err).strip()[:120]
+                    if said == "User callback error":  # (one of uvicorn's callbacks raised:
+                        said = ""  # a target its URL parser refuses; says nothing to a client)
+                    msg = ("Invalid HTTP request received." if framing is None and not said
+                           else f"Invalid HTTP request received: {framing or said}.")
+                    self.logger.warning(msg)
                     self.send_400_response(framing or msg)
                 except httptools.HttpParserUpgrade as upgrade:
                     head, self._plain_head = self._plain_head, None
