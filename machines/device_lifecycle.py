@@ -122,6 +122,9 @@ THREADS_EXIT_S = 1.0
 #: about to find the shutdown and return, or one that has just ended a recovery) waits this
 #: long for it, beyond the grace: that holder makes no runtime call before it lets go
 OWNERLESS_WAIT_S = 1.0
+#: how every refusal names a shutdown that was called (``enqueue``, a stream's step, an
+#: admission wait it ends, ``recover``, ``switch_model``): one state, one text
+SHUTDOWN_CALLED = "the executor is shutting down (shutdown() called)"
 
 _RECOVERING = (LIFECYCLE_DRAINING, LIFECYCLE_RECOVERING, LIFECYCLE_CONFIGURING,
                LIFECYCLE_WARMING)
@@ -815,7 +818,8 @@ class DeviceLifecycle:
         host = self._host
         with self.mu:
             if self.stopping:  # shutdown ran first: nothing left to recover
-                return Status.unavailable(Phase.RECOVERY, "the executor is shutting down")
+                return Status.unavailable(Phase.RECOVERY, f"{SHUTDOWN_CALLED}; nothing was "
+                                          "done")
             state = self.run.state
             if state != LIFECYCLE_READY:
                 # Failed, Stopped, or a start still warming up: nothing is done, so no

@@ -84,7 +84,7 @@ from calexec.machines.clock import SYSTEM, Clock
 from calexec.machines.compiled import ChartRun
 from calexec.machines.completion import Completion
 from calexec.machines.device_api import RELAY_CLOSED, RELAY_INFERRED, SubmitRelay
-from calexec.machines.device_lifecycle import DeviceLifecycle
+from calexec.machines.device_lifecycle import SHUTDOWN_CALLED, DeviceLifecycle
 from calexec.machines.dispatch import Arm, Dispatch, RelayOffer
 from calexec.machines.faults import Decision, FaultController, FaultSink, RecoveryPolicy
 from calexec.machines.generation import Generation
@@ -639,7 +639,7 @@ class DeviceExecutor(SequenceOwnership):
         ``start()`` never called (the lifecycle's Configuring read as a device configuring);
         else the state."""
         life = self.life
-        why = ("the executor is shutting down (shutdown() called)" if life.stopping
+        why = (SHUTDOWN_CALLED if life.stopping
                else f"start() was not called yet (device lifecycle {life.run.state})"
                if life.never_opened() else f"device lifecycle is {life.run.state}")
         return Status.unavailable(Phase.ADMISSION, f"{why}; not admitting", **ctx)
@@ -756,10 +756,13 @@ class DeviceExecutor(SequenceOwnership):
                 return Status.cancelled(Phase.ADMISSION, **job.ctx())
             # a golden job (internal) is admitted while admission is closed (Warming), but
             # not once a shutdown stops: its wait would outlive the shutdown's grace
-            if life.stopping or (not job.internal and not life.admitting) or (
-                    gen is not None and gen.closing):
-                return Status.unavailable(Phase.ADMISSION, "executor is shutting down or "
-                                          "recovering; retry later", **job.ctx())
+            # named as ``enqueue`` names it: a shutdown (never "retry later": the
+            # executor stops), a generation a recovery closes, or the lifecycle's state
+            if life.stopping or (not job.internal and not life.admitting):
+                return self._not_admitting(**job.ctx())
+            if gen is not None and gen.closing:
+                return Status.unavailable(Phase.ADMISSION, f"generation {gen.id} is closing; "
+                                          "retry later", **job.ctx())
             if self.clock.monotonic() >= job.deadline:
                 return Status.deadline(Phase.ADMISSION, "admission deadline passed", **job.ctx())
             return None
@@ -1042,6 +1045,11 @@ class DeviceExecutor(SequenceOwnership):
         (resolved with why when nothing was armed)."""
         return job_of(self._enqueue(request, internal=False, logits_out=logits_out, arm=arm,
                                     on_created=arm.on_created))
+
+    def step_refused(self, seq_id: int) -> Status:
+        """Why a stream's step finds no generation to check its token against (shut down,
+        or between two generations): what ``enqueue`` answers then, naming ``seq_id``."""
+        return self._not_admitting(seq_id=seq_id)
 
     @property
     def expected_decode_s(self) -> float:

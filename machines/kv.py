@@ -364,14 +364,16 @@ class KvCoordinator:
                       ctx: dict[str, Any]) -> Status | None:
         while True:
             with self.admission_mu:
-                if self._closed:
-                    return Status.unavailable(Phase.ADMISSION, "executor is shutting down", **ctx)
+                closed = self._closed
                 epoch = self._epoch
                 # a fresh reservation waits its turn behind the ones that waited before it
                 behind = fresh and bool(self._fifo) and self._fifo[0] is not ticket
             stopped = stop()
-            if stopped is not None:
+            if stopped is not None:  # the owner's words first (a shutdown closes the KV)
                 return stopped
+            if closed:
+                return Status.unavailable(Phase.ADMISSION, "the KvManager was closed (its "
+                                          "generation ends); not admitting", **ctx)
             if not behind:
                 with self._kv_call_mu:
                     fits = not self._kv_closed and bool(self.kv.can_allocate(needed))

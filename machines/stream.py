@@ -227,10 +227,10 @@ class DecodeStream:
             return refused
         ex, vocab = self.ex, self._vocab()
         if vocab == 0:  # no generation (shut down, or between two): the token cannot be
-            # checked, and the request is not the caller's fault (503, not 400)
-            return self._close(Status.unavailable(
-                Phase.ADMISSION, f"device lifecycle is {ex.state}: no model generation is "
-                                 "loaded; not admitting", seq_id=self.seq_id))
+            # checked, and the request is not the caller's fault (503, not 400); answered as
+            # ``enqueue`` answers then (it read "device lifecycle is Stopped: no model
+            # generation is loaded" where ``enqueue`` names the shutdown)
+            return self._close(ex.step_refused(self.seq_id))
         if not _is_token(token, vocab):
             problem = ("outside [0, vocab_size=" f"{vocab})" if fields.is_int(token) else
                        f"not a token id (an int), got {type(token).__name__}")

@@ -1,0 +1,114 @@
+"""Stop 60 (core): what the control core answers once ``shutdown()`` was called, and the
+shutdown/start and submitter interleavings, each forced (a gate, a device proxy or the stepped
+executor) rather than hoped for. Real executor on the bundled emulator; every wait is a bounded
+poll of a condition or a bounded join; nothing asserts a duration.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from calexec.contracts.errors import Category
+from calexec.contracts.status import Phase, Status
+from calexec.machines.job import InferenceResult
+from executor_harness import (
+    deadline,
+    make_executor,
+    prefill,
+    until,
+    write_calbin,
+)
+
+PROMPT = [1, 2, 3, 4]
+SHUTDOWN = "the executor is shutting down (shutdown() called)"
+
+
+@pytest.fixture(scope="module")
+def calbin(tmp_path_factory):
+    return write_calbin(tmp_path_factory.mktemp("probe60"))
+
+
+def _refused_after_shutdown(ex) -> Status:
+    """What ``enqueue`` answers once the shutdown was called: the reference answer."""
+    refused = ex.enqueue(prefill(1, PROMPT)).wait_until(deadline())
+    assert isinstance(refused, Status) and refused.code == "lifecycle.unavailable", refused
+    assert SHUTDOWN in refused.message, refused
+    return refused
+
+
+# ---- 1. after shutdown(): one state, one answer --------------------------------------------
+@pytest.mark.parametrize("greedy_ahead", [False, True])
+@pytest.mark.parametrize("took_a_step", [False, True])
+def test_a_stream_opened_before_shutdown_answers_its_steps_as_enqueue_does(
+        calbin, greedy_ahead, took_a_step):
+    """A decode stream opened before ``shutdown()`` (armed, or after a step) and stepped after
+    it answered "device lifecycle is Stopped: no model generation is loaded" where ``enqueue``
+    (and a stream opened after the shutdown) answer "the executor is shutting down
+    (shutdown() called)": two texts for one state. Every step of it now answers what
+    ``enqueue`` answers (code, category, message), naming the sequence."""
+    ex = make_executor(calbin)
+    try:
+        first = ex.enqueue(prefill(3, PROMPT)).wait_until(deadline())
+        assert isinstance(first, InferenceResult), first
+        stream = ex.decode_stream(3, first.kv_len, deadline(), greedy_ahead=greedy_ahead)
+        if took_a_step:
+            step = stream.step(first.argmax)
+            assert isinstance(step, InferenceResult), step
+        assert ex.shutdown(5.0).ok
+        refused = _refused_after_shutdown(ex)
+        for call in ("submit", "submit_nowait", "step"):
+            answer = getattr(stream, call)(5)
+            assert isinstance(answer, Status), (call, answer)
+            assert (answer.code, answer.category, answer.message) == (
+                refused.code, refused.category, refused.message), (call, answer)
+            assert answer.seq_id == 3, (call, answer)
+        assert stream.closed and stream.status.message == refused.message
+        stream.close()
+    finally:
+        ex.shutdown(5.0)
+
+
+def test_recover_and_switch_model_after_shutdown_name_the_shutdown_as_enqueue_does(calbin):
+    """``recover`` and ``switch_model`` after ``shutdown()`` answered "the executor is
+    shutting down", ``enqueue`` "the executor is shutting down (shutdown() called); not
+    admitting": the same state, now the same words (and nothing done)."""
+    ex = make_executor(calbin)
+    try:
+        assert ex.shutdown(5.0).ok
+        _refused_after_shutdown(ex)
+        recovered = ex.recover(Status.failure("test.reason", Category.DEVICE, Phase.RECOVERY,
+                                              "the test's"))
+        switched = ex.switch_model(calbin)
+        for answer in (recovered, switched):
+            assert answer.code == "lifecycle.unavailable", answer
+            assert SHUTDOWN in answer.message, answer
+        assert ex.state == "Stopped" and ex.recoveries == []
+    finally:
+        ex.shutdown(5.0)
+
+
+def test_a_request_waiting_for_kv_that_a_shutdown_ends_is_told_the_shutdown(calbin):
+    """A request waiting for KV capacity when ``shutdown()`` is called was told "executor is
+    shutting down" (the closed KvManager's words) or "executor is shutting down or
+    recovering; retry later" (a retry is never served: the executor stops): it is now told
+    what ``enqueue`` answers once the shutdown was called."""
+    ex = make_executor(calbin, "kv_blocks=4;kv_block_size=16")
+    try:
+        first = ex.enqueue(prefill(1, PROMPT, kv_reserve_len=64)).wait_until(deadline())
+        assert isinstance(first, InferenceResult), first
+        handles = []
+        waiter = threading.Thread(target=lambda: handles.append(
+            ex.enqueue(prefill(2, PROMPT, seconds=30))), daemon=True)
+        waiter.start()
+        until(lambda: ex.kvc.waiting == 1, 10, "the request to wait for KV")
+        assert ex.shutdown(5.0).ok
+        waiter.join(10)
+        assert handles, "the request still waits"
+        answer = handles[0].wait_until(deadline())
+        assert isinstance(answer, Status) and answer.category is Category.UNAVAILABLE, answer
+        assert SHUTDOWN in answer.message and "retry" not in answer.message, answer
+        assert answer.seq_id == 2, answer
+    finally:
+        ex.shutdown(5.0)
