@@ -375,7 +375,8 @@ class InferenceExecutor(Protocol):
         ``shutdown.not_drained`` (Failed: the device kept a job, its buffers stay mapped) or
         ``shutdown.recovery_busy`` (a recovery outlived ``grace``; nothing torn down yet: the
         recovery, interrupted, completes this shutdown as it ends) or
-        ``shutdown.start_busy`` (a ``start`` on another thread outlived it) or
+        ``shutdown.start_busy`` (a ``start`` on another thread outlived it; interrupted, it
+        completes this shutdown as it ends) or
         ``shutdown.in_progress`` (another thread's ``shutdown`` outlived it) or the
         ``failure`` of an executor already Failed. Idempotent; blocks up to about ``grace``
         plus the threads' joins. Called on the executor's submitter or completion thread (a

@@ -267,6 +267,9 @@ class DeviceLifecycle:
         #: replaced (``KvCoordinator.gone_with_it``): each next generation is told (``_open``)
         self._kv_gone: dict[int, tuple[int, int]] = {}
         self._start_thread: int | None = None  # ident of the thread running ``start``
+        #: the grace of a ``shutdown`` that answered ``shutdown.start_busy`` (``mu``): the
+        #: start completes it as it ends (``_complete_start_owed``)
+        self._start_owed: float | None = None
         self.failure: Status | None = None  # why the lifecycle is Failed
         #: the device was closed (by a failed start or a shutdown): never closed twice
         self._device_closed = False
@@ -384,11 +387,37 @@ class DeviceLifecycle:
                     f"{self.run.state}); build a new DeviceExecutor to start again")
             self._started = True
         try:
-            return self._start_once()
+            status = self._start_once()
         finally:
-            self._start_running = False  # then wake a shutdown that saw it running
+            with self.mu:  # (with the shutdown's check: an owed shutdown is never lost)
+                self._start_running = False  # then wake a shutdown that saw it running
+                owed, self._start_owed = self._start_owed, None
             if self._shutdown_called:
                 self._start_done.set()
+        return status if owed is None else self._complete_start_owed(status, owed)
+
+    def _complete_start_owed(self, status: Status, grace: float) -> Status:
+        """(the start's thread, the start ended) A ``shutdown`` answered
+        ``shutdown.start_busy`` meanwhile, "nothing was torn down": complete it now with its
+        grace, as a recovery completes the shutdown it outlived. Left to a later
+        ``shutdown()``, a start that passed its golden run went Ready (admitting nothing),
+        answered OK and kept the device open and the threads running; a failed one kept what
+        its golden job held. A start that went Ready answers that it was interrupted (the
+        executor serves nothing); a failed one answers its failure."""
+        with self.mu:
+            other = self._shutdown_owner is not None
+        if other:  # (the shutdown that answered start_busy, returning now: its grace may be
+            # 0, and this call answered ``shutdown.in_progress`` with nothing done)
+            self._host.clock.wait_event(self._shutdown_done, OWNERLESS_WAIT_S)
+        done = self.shutdown(grace)
+        log.info("the shutdown that found start() busy was completed as it ended: %s, "
+                 "lifecycle %s", done.code, self.run.state)
+        if not status.ok:
+            return status
+        return Status.unavailable(
+            Phase.CONFIGURE, f"start() was interrupted by shutdown() from another thread, "
+            f"which answered shutdown.start_busy; the start went Ready and then completed that "
+            f"shutdown ({done.code}, lifecycle {self.run.state})")
 
     def _start_once(self) -> Status:
         """``start`` after its once-only check (``_start_running`` meanwhile)."""
@@ -1338,8 +1367,9 @@ class DeviceLifecycle:
         from then on, so no recovery runs under its teardown (a later one finds the executor
         stopping and does nothing). If it still runs after ``grace`` nothing is torn down and
         ``shutdown.recovery_busy`` is returned; the recovery, interrupted, completes this
-        shutdown (with ``grace``) as it ends (``_complete_owed_shutdown``). Another thread's
-        shutdown in progress is waited
+        shutdown (with ``grace``) as it ends (``_complete_owed_shutdown``); so does a
+        ``start`` that outlived it (``shutdown.start_busy``, ``_complete_start_owed``).
+        Another thread's shutdown in progress is waited
         for (bounded by ``grace``; else ``shutdown.in_progress``), then this call answers as
         one after it. A ``grace`` that is no finite number of
         seconds (None, NaN, inf) raises TypeError or ValueError naming it, changing nothing;
@@ -1405,9 +1435,15 @@ class DeviceLifecycle:
         if starting and not clock.wait_event(self._start_done, left(halfway)):
             self._interrupt()
             if not clock.wait_event(self._start_done, left(end)):
-                return Status.failure(
-                    "shutdown.start_busy", Category.LIFECYCLE, Phase.SHUTDOWN,
-                    f"start() still ran after grace={grace}s; nothing was torn down")
+                with self.mu:
+                    busy = self._start_running
+                    if busy:  # it completes this shutdown as it ends
+                        self._start_owed = grace
+                if busy:
+                    return Status.failure(
+                        "shutdown.start_busy", Category.LIFECYCLE, Phase.SHUTDOWN,
+                        f"start() still ran after grace={grace}s; nothing was torn down "
+                        "yet: interrupted, it completes this shutdown as it ends")
         recovery = self._recovery_thread
         if recovery is not None and recovery is not threading.current_thread():
             clock.join(recovery, left(halfway))

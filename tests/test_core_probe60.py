@@ -12,8 +12,11 @@ import pytest
 
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
+from calexec.drivers.calrt.runtime import CalRT
+from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 from calexec.machines.job import InferenceResult
 from executor_harness import (
+    MANIFEST,
     deadline,
     make_executor,
     prefill,
@@ -110,5 +113,83 @@ def test_a_request_waiting_for_kv_that_a_shutdown_ends_is_told_the_shutdown(calb
         assert isinstance(answer, Status) and answer.category is Category.UNAVAILABLE, answer
         assert SHUTDOWN in answer.message and "retry" not in answer.message, answer
         assert answer.seq_id == 2, answer
+    finally:
+        ex.shutdown(5.0)
+
+
+# ---- 2. a shutdown that answered shutdown.start_busy ---------------------------------------
+class _KvGate:
+    """The bundled KvManager whose ``release`` runs ``hook(seq_id)`` first (on the thread
+    releasing: the start's, as its warm-up resets the golden sequence)."""
+
+    def __init__(self, kv, hook) -> None:
+        self._kv, self._hook = kv, hook
+
+    def release(self, seq_id):
+        self._hook(seq_id)
+        return self._kv.release(seq_id)
+
+    def __getattr__(self, name):
+        return getattr(self._kv, name)
+
+
+class _GatedRuntime:
+    """The bundled runtime whose device's KvManagers are ``_KvGate``s."""
+
+    def __init__(self, hook) -> None:
+        self._runtime = CalRT.load()
+        self._hook = hook
+
+    def open_device(self, config):
+        rc, device = self._runtime.open_device(config)
+        return rc, (device if rc != 0 else _GatedDevice(device, self._hook))
+
+    def __getattr__(self, name):
+        return getattr(self._runtime, name)
+
+
+class _GatedDevice:
+    def __init__(self, device, hook) -> None:
+        self._device, self._hook = device, hook
+
+    def create_kv(self, calbin):
+        rc, kv = self._device.create_kv(calbin)
+        return rc, (kv if kv is None else _KvGate(kv, self._hook))
+
+    def __getattr__(self, name):
+        return getattr(self._device, name)
+
+
+def test_a_start_that_passed_its_golden_after_start_busy_completes_the_shutdown(calbin):
+    """``shutdown(0.0)`` while ``start()`` ran on another thread past its golden run (here:
+    resetting the golden sequence, before Warming -> Ready) answered ``shutdown.start_busy``,
+    "nothing was torn down"; the start then went on: Ready (not admitting), ``start()``
+    answered OK, and the device stayed open with the executor's threads running until some
+    later ``shutdown()``: a shutdown asked for and never done, and a start saying "serve"
+    to a caller whose executor refuses everything. The shutdown is now owed: the start
+    completes it as it ends (Stopped, threads gone), and answers that it was interrupted."""
+    answers: list[Status] = []
+    holder: dict[str, DeviceExecutor] = {}
+
+    def hook(seq_id) -> None:  # on the start's thread
+        ex = holder["ex"]
+        if answers or ex.counters["succeeded"] != ex.config.golden_decode_steps + 1:
+            return  # not yet past the golden run
+        shutdown = threading.Thread(target=lambda: answers.append(ex.shutdown(0.0)),
+                                    name="probe60-shutdown", daemon=True)
+        shutdown.start()
+        shutdown.join(10)
+
+    ex = holder["ex"] = DeviceExecutor(_GatedRuntime(hook), MANIFEST,
+                                       ExecutorConfig(calbin_path=calbin))
+    try:
+        started = ex.start()
+        assert [a.code for a in answers] == ["shutdown.start_busy"], answers
+        assert not started.ok and "shutdown()" in started.message, started
+        assert ex.state == "Stopped", ex.state
+        assert not any(ex.threads_alive().values()), ex.threads_alive()
+        refused = ex.enqueue(prefill(1, PROMPT)).wait_until(deadline())
+        assert isinstance(refused, Status) and SHUTDOWN in refused.message, refused
+        assert ex.shutdown(1.0).ok
     finally:
         ex.shutdown(5.0)
