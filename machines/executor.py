@@ -1031,6 +1031,17 @@ class DeviceExecutor(SequenceOwnership):
             return Status.deadline(Phase.SUBMIT, "queue deadline passed before infer()",
                                    **job.ctx())
         gen = job.gen
+        # ``gen.closing`` alone decides; ``gen is None`` and ``gen is not self.gen`` are kept
+        # as a guard and never change the answer (a hand mutant dropping them survives every
+        # test, and must): (1) a queued or armed job holds a generation (``_enqueue`` refuses
+        # with none before a job can be queued or armed), and (2) a generation stops being
+        # ``self.gen`` only after it was closed: every path that replaces or clears the
+        # executor's generation (a recovery, a model switch and its roll back, a refused
+        # generation, a failed start, a shutdown) first fences it (``Dispatch.close``, under
+        # this lock) or releases it (``Generation.release``), both setting ``closing``, which
+        # is never cleared; a generation that never became current holds no job. The
+        # invariant (2) is checked at every runtime call of those paths by
+        # tests/test_core_probe60.py::test_a_generation_that_is_not_the_current_one_is_always_closing.
         if gen is None or gen is not self.gen or gen.closing:
             return Status.unavailable(Phase.SUBMIT, f"generation {job.generation_id} retired "
                                       "before submit; retry", **job.ctx())

@@ -193,3 +193,90 @@ def test_a_start_that_passed_its_golden_after_start_busy_completes_the_shutdown(
         assert ex.shutdown(1.0).ok
     finally:
         ex.shutdown(5.0)
+
+
+# ---- 3. the invariant the submitter's generation check rests on ----------------------------
+class _Watched:
+    """A runtime object whose every method call first runs ``check`` (on the calling thread:
+    a request's, the submitter's, the completion thread's, a recovery's)."""
+
+    def __init__(self, inner, check) -> None:
+        self._inner, self._check = inner, check
+
+    def __getattr__(self, name):
+        attr = getattr(self._inner, name)
+        if not callable(attr):
+            return attr
+
+        def watched(*args, **kwargs):
+            self._check()
+            out = attr(*args, **kwargs)
+            self._check()
+            return out
+        return watched
+
+
+class _WatchedRuntime:
+    def __init__(self, check) -> None:
+        self._runtime, self._check = CalRT.load(), check
+
+    def open_device(self, config):
+        rc, device = self._runtime.open_device(config)
+        return rc, (device if rc != 0 else _Watched(device, self._check))
+
+    def __getattr__(self, name):
+        return getattr(self._runtime, name)
+
+
+def test_a_generation_that_is_not_the_current_one_is_always_closing(tmp_path, calbin):
+    """``DeviceExecutor._unsubmittable`` refuses a job whose generation ``is not`` the
+    executor's current one or is ``closing``; the first clause alone never decides (a hand
+    mutant dropping it survives every test): it rests on "a generation that is no longer the
+    current one is closing", which this checks at every runtime call of a start, a served
+    request, a recovery, a model switch, a refused switch (rolled back), a switch to a calbin
+    with no pinned golden and a shutdown, on whichever thread makes the call."""
+    from calexec.drivers.synthetic import calbin as cb
+    from executor_harness import oracle_golden
+    other = str(tmp_path / "other.calbin")
+    other_sha = cb.write(other, cb.default_spec(seed=6060))
+    unpinned = str(tmp_path / "unpinned.calbin")
+    cb.write(unpinned, cb.default_spec(seed=6061))
+    garbage = tmp_path / "garbage.calbin"
+    garbage.write_bytes(b"not a calbin" * 64)
+    seen: list = []
+    broken: list[str] = []
+    holder: dict[str, DeviceExecutor] = {}
+
+    def check() -> None:
+        ex = holder.get("ex")
+        if ex is None:
+            return
+        current = ex.gen
+        if current is not None and all(g is not current for g in seen):
+            seen.append(current)
+        for gen in seen:
+            if gen is not current and not gen.closing:
+                broken.append(f"generation {gen.id} is not current ({current and current.id}) "
+                              f"and not closing, on {threading.current_thread().name}")
+
+    ex = holder["ex"] = DeviceExecutor(
+        _WatchedRuntime(check), MANIFEST,
+        ExecutorConfig(calbin_path=calbin, goldens={other_sha: oracle_golden(6060)}))
+    try:
+        assert ex.start().ok
+        served = ex.enqueue(prefill(1, PROMPT)).wait_until(deadline())
+        assert isinstance(served, InferenceResult), served
+        assert ex.recover(Status.failure("test.reason", Category.DEVICE, Phase.RECOVERY,
+                                         "the test's")).ok
+        assert ex.switch_model(other).ok
+        assert not ex.switch_model(str(garbage)).ok and ex.state == "Ready"
+        assert not ex.switch_model(unpinned).ok and ex.state == "Ready"
+        served = ex.enqueue(prefill(2, PROMPT)).wait_until(deadline())
+        assert isinstance(served, InferenceResult), served
+        assert ex.shutdown(5.0).ok
+        check()
+    finally:
+        ex.shutdown(5.0)
+    assert len(seen) >= 4, [g.id for g in seen]  # start, recovery, switch, roll backs
+    assert broken == [], broken[:5]
+    assert all(gen.closing for gen in seen)
