@@ -97,7 +97,7 @@ from calexec.machines.compiled import LIFECYCLE
 from calexec.machines.device_api import no_object
 from calexec.machines.faults import Action, Decision
 from calexec.machines.generation import Generation, open_generation
-from calexec.machines.job import InferenceResult, Job, JobHandle
+from calexec.machines.job import SHUTDOWN_CALLED, InferenceResult, Job, JobHandle
 from calexec.machines.locks import LIFECYCLE as LIFECYCLE_RANK
 from calexec.machines.locks import RECOVERY
 
@@ -122,9 +122,6 @@ THREADS_EXIT_S = 1.0
 #: about to find the shutdown and return, or one that has just ended a recovery) waits this
 #: long for it, beyond the grace: that holder makes no runtime call before it lets go
 OWNERLESS_WAIT_S = 1.0
-#: how every refusal names a shutdown that was called (``enqueue``, a stream's step, an
-#: admission wait it ends, ``recover``, ``switch_model``): one state, one text
-SHUTDOWN_CALLED = "the executor is shutting down (shutdown() called)"
 
 _RECOVERING = (LIFECYCLE_DRAINING, LIFECYCLE_RECOVERING, LIFECYCLE_CONFIGURING,
                LIFECYCLE_WARMING)

@@ -48,6 +48,7 @@ from calexec.machines.api import DispatchSnapshot
 from calexec.machines.chart_names import JOB_EV_CANCEL, JOB_EV_ENQUEUE
 from calexec.machines.clock import Clock
 from calexec.machines.compiled import GuardRejected
+from calexec.machines.job import SHUTDOWN_CALLED
 from calexec.machines.locks import SUBMIT, LockOrder
 
 if TYPE_CHECKING:
@@ -360,6 +361,8 @@ class Dispatch:
         """Shutdown: every queued and armed job is cancelled (the submitter releases them)."""
         with self.cv:
             for job in (*self._queue, *self._armed):
+                if not job.cancel_flag:  # (its caller's cancel came first: its own words)
+                    job.cancel_why = f"{SHUTDOWN_CALLED}: cancelled before it was submitted"
                 job.cancel_flag = True
             self._notify()
 
@@ -439,7 +442,7 @@ class Dispatch:
             job.run.send(JOB_EV_ENQUEUE)
         except GuardRejected:
             job.run.send(JOB_EV_CANCEL)
-            return Status.cancelled(Phase.PREPARE, "cancel requested", **job.ctx())
+            return Status.cancelled(Phase.PREPARE, job.cancel_message(), **job.ctx())
         # the request exists from now: its admission ran ahead (S11, §9.1: the job's
         # timings are the request's, not the guess's)
         timings = job.timings

@@ -84,11 +84,18 @@ from calexec.machines.clock import SYSTEM, Clock
 from calexec.machines.compiled import ChartRun
 from calexec.machines.completion import Completion
 from calexec.machines.device_api import RELAY_CLOSED, RELAY_INFERRED, SubmitRelay
-from calexec.machines.device_lifecycle import SHUTDOWN_CALLED, DeviceLifecycle
+from calexec.machines.device_lifecycle import DeviceLifecycle
 from calexec.machines.dispatch import Arm, Dispatch, RelayOffer
 from calexec.machines.faults import Decision, FaultController, FaultSink, RecoveryPolicy
 from calexec.machines.generation import Generation
-from calexec.machines.job import InferenceResult, Job, JobHandle, advance, job_of
+from calexec.machines.job import (
+    SHUTDOWN_CALLED,
+    InferenceResult,
+    Job,
+    JobHandle,
+    advance,
+    job_of,
+)
 from calexec.machines.kv import KvCoordinator
 from calexec.machines.locks import LockOrder
 from calexec.machines.outcomes import ARMING_WAIT_S, JobOutcomes
@@ -1026,7 +1033,7 @@ class DeviceExecutor(SequenceOwnership):
         if refusal is not None:
             return refusal.with_context(**job.ctx())
         if job.cancel_flag:
-            return Status.cancelled(Phase.SUBMIT, **job.ctx())
+            return Status.cancelled(Phase.SUBMIT, job.cancel_message(), **job.ctx())
         if now >= job.deadline:
             return Status.deadline(Phase.SUBMIT, "queue deadline passed before infer()",
                                    **job.ctx())

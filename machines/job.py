@@ -99,6 +99,11 @@ class JobContext(TypedDict):
     generation: int
 
 
+#: how every refusal names a shutdown that was called (``enqueue``, a stream's step, an
+#: admission wait it ends, a job it cancels, ``recover``, ``switch_model``): one state, one text
+SHUTDOWN_CALLED = "the executor is shutting down (shutdown() called)"
+
+
 class Job:
     """The executor's per-job context and JobChart guard provider."""
 
@@ -107,7 +112,7 @@ class Job:
                  "output_status", "result", "_done", "_on_cancel", "internal", "logits_out",
                  "_gen", "budget_taken", "permit_held", "clock", "on_resolved", "submitted_at", "uncounted",
                  "stream", "early_wake_s", "auto", "auto_next", "_callbacks", "row_claimed",
-                 "relayed", "in_flight_marked", "refuse_wait", "__weakref__")
+                 "relayed", "in_flight_marked", "refuse_wait", "cancel_why", "__weakref__")
 
     def __init__(self, job_id: int, generation_id: int, request: InferenceRequest,
                  on_cancel: Callable[[], None], internal: bool = False,
@@ -120,6 +125,9 @@ class Job:
         self.submodel: SubmodelContract | None = None
         self.deadline: float = request.deadline
         self.cancel_flag = False
+        #: who cancelled it when not its caller (a shutdown: ``Dispatch.cancel_pending``);
+        #: None: its caller (``cancel_message``)
+        self.cancel_why: str | None = None
         #: the completion thread writes this job's result into the caller's row (``claim_row``)
         self.row_claimed = False
         #: the buffer slot and KV transaction, from admission until released
@@ -191,6 +199,11 @@ class Job:
             self.cancel_flag = True
         self._on_cancel()
         return True
+
+    def cancel_message(self) -> str:
+        """What the job's cancel answers: "cancel requested" (its caller's), or who else
+        cancelled it (a shutdown said "cancel requested" too, a cancel nobody asked for)."""
+        return self.cancel_why or "cancel requested"
 
     def claim_row(self) -> bool:
         """The completion thread is about to write this job's result into the caller's row

@@ -280,3 +280,26 @@ def test_a_generation_that_is_not_the_current_one_is_always_closing(tmp_path, ca
     assert len(seen) >= 4, [g.id for g in seen]  # start, recovery, switch, roll backs
     assert broken == [], broken[:5]
     assert all(gen.closing for gen in seen)
+
+
+def test_a_job_a_shutdown_cancels_in_the_queue_says_the_shutdown_cancelled_it(calbin):
+    """The jobs ``shutdown()`` cancels before they were submitted (queued, or armed for a
+    decode stream) answered ``request.cancelled`` "cancel requested", as if their caller had
+    cancelled them: an embedder looking for its own cancel found none. They keep their code
+    (a server tells a drain's cancels by it) and now name the shutdown; a job its caller
+    cancelled still says "cancel requested"."""
+    ex = make_executor(calbin, threads=False)
+    try:
+        mine = ex.enqueue(prefill(1, PROMPT))
+        queued = ex.enqueue(prefill(2, PROMPT))
+        assert not mine.done and not queued.done and ex.snapshot()["queued"] == 2
+        assert mine.cancel()
+        assert ex.shutdown(5.0).ok
+        cancelled, shut = mine.wait_until(deadline()), queued.wait_until(deadline())
+        for answer in (cancelled, shut):
+            assert isinstance(answer, Status) and answer.code == "request.cancelled", answer
+        assert cancelled.message == "cancel requested", cancelled
+        assert SHUTDOWN in shut.message and "cancel requested" not in shut.message, shut
+        assert shut.seq_id == 2, shut
+    finally:
+        ex.shutdown(5.0)
