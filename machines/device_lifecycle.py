@@ -386,10 +386,15 @@ class DeviceLifecycle:
         try:
             status = self._start_once()
         finally:
-            with self.mu:  # (with the shutdown's check: an owed shutdown is never lost)
-                self._start_running = False  # then wake a shutdown that saw it running
-                owed, self._start_owed = self._start_owed, None
+            owed = None
+            self._start_running = False  # then wake a shutdown that saw it running
             if self._shutdown_called:
+                # a shutdown that found it running under ``mu`` and answered start_busy left
+                # its grace here first (its check and this take, both under ``mu``, follow
+                # the flag's write: none is lost); no lock without a shutdown, so a start
+                # adds no scheduling point
+                with self.mu:
+                    owed, self._start_owed = self._start_owed, None
                 self._start_done.set()
         return status if owed is None else self._complete_start_owed(status, owed)
 
@@ -1326,9 +1331,22 @@ class DeviceLifecycle:
                 queue = host.dispatch.snapshot()
                 if not (queue["queued"] or queue["armed"] or queue["handing_off"]):
                     return False
-            if clock.monotonic() >= deadline:
+            now = clock.monotonic()
+            # past the grace, the completion thread still finishing jobs their callers
+            # already have (a job resolves before its slot goes back: no device wait is
+            # left) gets up to THREADS_EXIT_S more: a ``shutdown(0.0)`` right after the last
+            # result, or right after ``start()`` (its last golden job), answered
+            # ``shutdown.not_drained`` (Failed, the device left open) for that tail
+            if now >= deadline and not (now < deadline + THREADS_EXIT_S
+                                        and self._only_finishing()):
                 return False
             clock.sleep(0.002)
+
+    def _only_finishing(self) -> bool:
+        """Nothing queued, armed or in flight, and every job the completion thread still
+        holds is resolved: what is left is its tail (the lease back), no device wait."""
+        host = self._host
+        return host.dispatch.drained() and all(job.done for job in host.completion.jobs())
 
     def _fence(self, gen: Generation, grace: float) -> bool:
         """Close ``gen`` to request threads and wait (at most ``grace`` s) for those inside

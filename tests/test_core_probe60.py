@@ -338,3 +338,47 @@ def test_a_shutdown_racing_a_model_switch_passes_every_explored_schedule(
         assert ex.state == "Stopped", (seed, ex.state, ex.failure)
         interrupted += any(r["lifecycle"] == "Stopped" for r in ex.recoveries)
     assert interrupted >= 5, interrupted  # the race was run: the shutdown stopped the switch
+
+
+# ---- 5. shutdown(0.0) right after the last result ------------------------------------------
+def test_a_shutdown_with_no_grace_right_after_the_last_result_ends_stopped(calbin):
+    """A job resolves before the completion thread gives its buffer slot back; a
+    ``shutdown(0.0)`` right after the caller got its result (or right after ``start()``
+    returned: its last golden job) found that job still "completing" and answered
+    ``shutdown.not_drained``: Failed (``calexec serve`` exits 3), the device left open and
+    every buffer mapped, with nothing on the device (a third of ``start(); shutdown(0.0)``
+    runs). The drain now lets the completion thread finish jobs whose callers already have
+    their answer (no device wait left; bounded). Forced: the job's done callback, on the
+    completion thread, holds that tail until the shutdown's drain waits."""
+    from calexec.machines.clock import Clock
+    main = threading.current_thread()
+    drain_waits = threading.Event()
+
+    class DrainClock(Clock):
+        __slots__ = ()
+
+        def sleep(self, seconds: float) -> None:  # the drain's poll, on the shutdown's thread
+            if threading.current_thread() is main:
+                drain_waits.set()
+            super().sleep(seconds)
+
+    ex = DeviceExecutor(CalRT.load(), MANIFEST, ExecutorConfig(calbin_path=calbin),
+                        clock=DrainClock())
+    try:
+        assert ex.start().ok
+        drain_waits.clear()  # (the start's own polls)
+        handle = ex.enqueue(prefill(1, PROMPT))
+        resolved = threading.Event()
+
+        def hold_the_tail(_handle) -> None:  # the completion thread, after the resolve
+            resolved.set()
+            drain_waits.wait(5)
+
+        handle.add_done_callback(hold_the_tail)
+        assert resolved.wait(10)
+        assert isinstance(handle.wait_until(deadline()), InferenceResult)
+        status = ex.shutdown(0.0)
+        assert status.ok and ex.state == "Stopped", (status, ex.state)
+        assert not any(ex.threads_alive().values()), ex.threads_alive()
+    finally:
+        ex.shutdown(5.0)
