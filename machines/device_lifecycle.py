@@ -239,6 +239,9 @@ class DeviceLifecycle:
         self._retired: deque[Generation] = deque()
         self._golden_ok = False
         self._rollback_path: str | None = None
+        #: the last ``_configure_and_warm`` was refused by the device itself at its configure
+        #: (§8 DEVICE: rc 24 map broken, 18 unavailable), not by a golden or the calbin
+        self._configure_refused_by_device = False
         self.good_calbins: list[str] = []  # calbin paths that reached Ready, newest last
         self.goldens: dict[str, tuple[int, ...]] = dict(config.goldens)
         self.golden_source: str | None = None  # the current generation's: pinned|config|unpinned
@@ -1142,10 +1145,14 @@ class DeviceLifecycle:
         """Whether a generation of a calbin that served, refused with ``status`` (after
         ``refused``), is configured again: a job of its golden run met a fault on the device
         path (a NaN row, a CCU exception, a hung job, a failed CSR write: ``status.job_id``
-        set; not a golden that ran and differs, not COMPATIBILITY), at most
-        ``RecoveryPolicy.max_recoveries`` attempts in one recovery, and only while the
+        set; not a golden that ran and differs, not COMPATIBILITY), or the device itself
+        refused its configure (§8 DEVICE, rc 24 map broken: reset, restart or escalate; the
+        device is reset before the next attempt, ``_release_failed_generation``; it ended
+        the lifecycle Failed at the second such refusal of one recovery, the budget unspent),
+        at most ``RecoveryPolicy.max_recoveries`` attempts in one recovery, and only while the
         controller, told of every such fault, has not escalated (the lifecycle is not final)."""
-        return (not status.ok and status.job_id is not None
+        return (not status.ok
+                and (status.job_id is not None or self._configure_refused_by_device)
                 and status.category is not Category.COMPATIBILITY
                 and status.code != "golden.mismatch" and not self.stopping
                 and not self.run.final
@@ -1154,6 +1161,8 @@ class DeviceLifecycle:
     def _configure_and_warm(self, calbin_path: str) -> Status:
         """Configuring -> Warming -> (golden) with a fresh generation of ``calbin_path``."""
         status = self._open(calbin_path)
+        self._configure_refused_by_device = (not status.ok
+                                             and status.category is Category.DEVICE)
         if not status.ok:
             self._host.gen = None
             if status.category is Category.DEVICE and self._recovery_owner is not None:
