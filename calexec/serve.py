@@ -47,7 +47,7 @@ import attrs
 
 from calexec import cliargs
 from calexec.contracts.status import Status
-from calexec.drivers.device_spec import DeviceSpec, with_emulated_latency
+from calexec.drivers.device_spec import DeviceSpec, with_emulated_latency, within_request_timeout
 from calexec.drivers.memory import pin_mmap_threshold
 from calexec.drivers.serving import byte_tokenizer, hf_tokenizer
 from calexec.drivers.serving.dumpsink import DumpConfigError, DumpSink
@@ -135,7 +135,8 @@ def _parser() -> argparse.ArgumentParser:
                         "(docs/server.md; 0: the request fails as the fault did)")
     p.add_argument("--timeout", type=cliargs.seconds, default=30.0,
                    help="default request deadline in seconds (at most the server's "
-                        f"max_timeout_s, {MAX_TIMEOUT_S:g})")
+                        f"max_timeout_s, {MAX_TIMEOUT_S:g}); a job on the device longer than a "
+                        "third of it (at least 5 s) is taken for a hung device")
     p.add_argument("--dump-dir", type=cliargs.nonempty_path, help="enable the dump sink in this directory")
     p.add_argument("--dump-max-bytes", type=cliargs.positive_int, default=16 << 20,
                    help="dump size cap in bytes")
@@ -387,13 +388,14 @@ def _serve(args: argparse.Namespace, config: ServerConfig, port: int, spec: Devi
             runtime = spec.runtime()
             spec.check_device_config(runtime, args.device_config)
             reset_kind, why = spec.reset()
-            # (an emulated latency in --device-config moves the deadlines out with it)
+            # (a hung job is found within a third of --timeout; an emulated latency in
+            # --device-config moves the deadlines out with it)
             executor = DeviceExecutor(runtime, spec.manifest(), with_emulated_latency(
-                ExecutorConfig(calbin_path=spec.calbin(tmp), device_config=args.device_config,
-                               recovery=spec.recovery(),
-                               allow_unpinned_golden=args.allow_unpinned_golden,
-                               native_relay=args.native_relay,
-                               inflight_capacity=args.inflight_capacity)))
+                within_request_timeout(ExecutorConfig(
+                    calbin_path=spec.calbin(tmp), device_config=args.device_config,
+                    recovery=spec.recovery(), allow_unpinned_golden=args.allow_unpinned_golden,
+                    native_relay=args.native_relay, inflight_capacity=args.inflight_capacity),
+                    args.timeout)))
         except (OSError, ValueError) as err:
             print(f"calexec serve: {err}", file=sys.stderr)
             return EXIT_USAGE
@@ -401,6 +403,11 @@ def _serve(args: argparse.Namespace, config: ServerConfig, port: int, spec: Devi
         logging.getLogger("calexec.serve").info(
             "inflight_capacity=%d (Phase %s)", executor.config.inflight_capacity,
             "B" if executor.config.inflight_capacity == 2 else "A")
+        logging.getLogger("calexec.serve").info(
+            "execution deadline %gs + %gs per token (--timeout %gs): a job on the device "
+            "longer is taken for a hung device and the device recovered",
+            executor.config.execution_timeout_s, executor.config.execution_timeout_per_token_s,
+            args.timeout)
         bound_host, bound_port = listener.getsockname()[:2]
         shown = f"[{bound_host}]" if ":" in bound_host else bound_host
         logging.getLogger("calexec.serve").info(

@@ -74,6 +74,29 @@ def with_emulated_latency(config: ExecutorConfig) -> ExecutorConfig:
         execution_timeout_per_token_s=config.execution_timeout_per_token_s + per_token_s)
 
 
+#: the share of the server's request deadline (``serve --timeout``) a job may spend on the
+#: device before it is taken for a hung one (``within_request_timeout``), and the least
+#: execution deadline that share gives: a short ``--timeout`` must not make a busy host's
+#: slow job (the start's golden among them) look like a hung device
+EXECUTION_SHARE_OF_TIMEOUT = 1 / 3
+EXECUTION_TIMEOUT_FLOOR_S = 5.0
+
+
+def within_request_timeout(config: ExecutorConfig, timeout_s: float) -> ExecutorConfig:
+    """``config`` with the base of its §9.1 execution deadline (``execution_timeout_s``) at
+    most a third of the server's request deadline ``timeout_s`` (never below
+    ``EXECUTION_TIMEOUT_FLOOR_S``), so a hung device is found, reset and the request resumed
+    before that request's own deadline (``calexec serve`` kept the executor's 30 s beside its
+    default 30 s ``--timeout``: for 30 s every request stalled behind a hung job, ``/ready``
+    200, nothing logged, then all ended 504 or 503 and none resumed). Apply before
+    :func:`with_emulated_latency`, which moves the deadline out by the emulated latency. A
+    config already within it is returned as it is."""
+    base = max(EXECUTION_TIMEOUT_FLOOR_S, timeout_s * EXECUTION_SHARE_OF_TIMEOUT)
+    if base >= config.execution_timeout_s:
+        return config
+    return attrs.evolve(config, execution_timeout_s=base)
+
+
 def _readable_file(flag: str, path: str | None) -> None:
     if path is None:
         return

@@ -74,7 +74,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 from calexec.drivers.calrt.runtime import Fault, FaultMode, emulator_of
-from calexec.drivers.device_spec import DeviceSpec, with_emulated_latency
+from calexec.drivers.device_spec import DeviceSpec, with_emulated_latency, within_request_timeout
 from calexec.drivers.fleet import local_ray
 from calexec.drivers.fleet import registry as replica_registry
 from calexec.drivers.fleet.edge import ReplicaEdge, serve_relayed
@@ -261,9 +261,10 @@ class CalexecReplica:
         spec = DeviceSpec(manifest_path=settings.manifest_path, calbin_path=settings.calbin_path,
                           runtime_lib=settings.runtime_lib, reset_kind=settings.reset_kind)
         self.executor = DeviceExecutor(spec.runtime(), spec.manifest(), with_emulated_latency(
-            ExecutorConfig(calbin_path=spec.calbin(self._tmp.name),
-                           device_config=settings.device_config, recovery=spec.recovery(),
-                           native_relay=settings.native_relay)))
+            within_request_timeout(ExecutorConfig(
+                calbin_path=spec.calbin(self._tmp.name), device_config=settings.device_config,
+                recovery=spec.recovery(), native_relay=settings.native_relay),
+                settings.server.default_timeout_s)))
         status = self.executor.start()
         if not status.ok:  # (Failed: its device closed, its threads ended, by the shutdown)
             self.executor.shutdown(grace=settings.grace_s)
