@@ -17,6 +17,7 @@ needs a reset ends the lifecycle ``Failed`` and ``calexec serve`` exits for its 
 from __future__ import annotations
 
 import os
+import re
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -41,15 +42,22 @@ class DeviceSpecError(ValueError):
 LATENCY_KEYS = ("h2d_us", "prefill_per_token_us", "decode_us", "d2h_us")
 
 
+#: a value as the emulator reads it (``strtoll``, base 10, nothing after the digits): leading
+#: blanks, a sign and leading zeros are taken (``decode_us=+20000000`` is 20 s); ``_``, non-ASCII
+#: digits and trailing blanks, which Python's ``int`` would take, are not
+_C_INTEGER = re.compile(r"[ \t\n\v\f\r]*([+-]?[0-9]+)")
+
+
 def emulated_latency_us(device_config: str) -> dict[str, int]:
-    """The emulator latency keys ``device_config`` (``"k=v;k=v"``) sets, in microseconds (a
-    value that is no integer >= 0 is left out: the runtime refuses it when it opens)."""
+    """The emulator latency keys ``device_config`` (``"k=v;k=v"``) sets, in microseconds, read
+    as the emulator reads them (the last of a key given twice; a value that is no integer >= 0
+    is left out: the runtime refuses it when it opens)."""
     latency: dict[str, int] = {}
     for item in device_config.split(";"):
         key, _, value = item.partition("=")
-        key, value = key.strip(), value.strip()
-        if key in LATENCY_KEYS and value.isdigit():
-            latency[key] = int(value)
+        number = _C_INTEGER.fullmatch(value)
+        if key.strip() in LATENCY_KEYS and number is not None and int(number[1]) >= 0:
+            latency[key.strip()] = int(number[1])
     return latency
 
 

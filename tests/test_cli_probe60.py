@@ -1,0 +1,50 @@
+"""What the CLI probe of stop 60 found in the command-line entry points, each pinned
+(docs/traceability.md, "Found at stop 60 (cli)")."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from calexec import cli
+from calexec.drivers.calrt.runtime import CalRT
+from calexec.drivers.device_spec import LATENCY_KEYS, emulated_latency_us
+from calexec.drivers.synthetic import calbin as calbin_fmt
+
+#: how a latency key's value may be written: the emulator reads it with strtoll (leading
+#: blanks, a sign, leading zeros) and refuses anything after the digits
+WRITTEN = ["590000", "+590000", " 590000", "\t590000", "0590000", "+0", "-0", "590000 ",
+           "590_000", "٣", "0x5", "-5", "", "60000001", "5e5"]
+
+
+@pytest.mark.parametrize("key", LATENCY_KEYS)
+@pytest.mark.parametrize("value", WRITTEN)
+def test_the_latency_a_device_config_asks_for_is_read_as_the_emulator_reads_it(
+        key: str, value: str):
+    """``emulated_latency_us`` (which moves the warm-up's and the execution's deadlines out)
+    read only plain digits: ``prefill_per_token_us=+590000``, which the emulator takes as
+    590000, was not counted, so the deadlines stayed where a fast device has them."""
+    rc, device = CalRT.load().open_device(f"{key}={value}")
+    if device is not None:
+        device.close()
+    counted = emulated_latency_us(f"kv_blocks=64;{key}={value}").get(key)
+    if rc == 0:
+        assert counted == int(value.strip()), (value, counted)
+    # (a value the runtime refuses is refused at open, whatever is counted for it)
+
+
+def test_golden_record_with_a_signed_emulated_prefill_slower_than_the_warm_up_deadline(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """``golden record --device-config prefill_per_token_us=+590000`` (the emulator's 0.59 s per
+    token: the 17-token golden prefill takes 10.03 s, past the 10 s golden deadline) failed
+    its warm-up, exit 3, ``wait.deadline ... (job_id=1 seq_id=0 ...)``, neither flag nor key
+    named, where ``=590000`` ran (stop 57): the ``+`` hid the latency from the deadlines."""
+    calbin = tmp_path / "model.calbin"
+    calbin.write_bytes(calbin_fmt.dumps(calbin_fmt.default_spec()))
+    out = tmp_path / "model.goldens.toml"
+    code = cli.main(["golden", "record", "--calbin", str(calbin), "--out", str(out),
+                     "--device-config", "prefill_per_token_us=+590000"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert out.exists() and "wait.deadline" not in captured.err
