@@ -116,7 +116,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="drain grace in seconds")
     p.add_argument("--max-sequences", type=cliargs.positive_int, default=32,
                    help="KV sequence ids to lease")
-    p.add_argument("--max-waiting", type=int, default=1024,
+    p.add_argument("--max-waiting", type=cliargs.non_negative_int, default=1024,
                    help="requests that may wait within their deadline for a sequence id or for "
                         "Ready during a recovery (0: refuse at once with 429/503)")
     p.add_argument("--max-choices", type=cliargs.int_in(1, MAX_CHOICES), default=16,
@@ -130,7 +130,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-names", choices=("calexec", "vllm"), default="calexec",
                    help="vllm: /metrics also exports vLLM's vllm: families (names, types and "
                         "labels as vLLM's server; docs/server.md)")
-    p.add_argument("--max-resumes", type=int, default=3,
+    p.add_argument("--max-resumes", type=cliargs.non_negative_int, default=3,
                    help="resumes of one request after device-side/retryable failures "
                         "(docs/server.md; 0: the request fails as the fault did)")
     p.add_argument("--timeout", type=cliargs.seconds, default=30.0,
@@ -277,10 +277,6 @@ def main(argv: list[str]) -> int:
         if args.timeout > MAX_TIMEOUT_S:  # refused here, not per request blaming the client
             raise ValueError(f"--timeout={args.timeout:g}: above the server's largest request "
                              f"deadline, max_timeout_s={MAX_TIMEOUT_S:g}")
-        for flag, value in (("--max-waiting", args.max_waiting),
-                            ("--max-resumes", args.max_resumes)):
-            if value < 0:
-                raise ValueError(f"{flag}={value}: must be >= 0")
         if not args.served_model_name.strip():  # every response would say "model": ""
             raise ValueError(f"--served-model-name={args.served_model_name!r}: must not be empty")
         if not args.served_model_name.isprintable():  # (responses would carry a newline)

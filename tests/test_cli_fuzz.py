@@ -81,7 +81,8 @@ FLAGS: dict[str, dict[str, st.SearchStrategy[str]]] = {
     "demo": {"--seqs": POSITIVE_INT, "--tokens": POSITIVE_INT, "--prompt-len": POSITIVE_INT,
              "--decode-us": LATENCY_US},
     "serve": {"--port": PORT, "--grace": SECONDS, "--timeout": SECONDS,
-              "--max-sequences": POSITIVE_INT, "--max-choices": CHOICES,
+              "--max-sequences": POSITIVE_INT, "--max-waiting": NON_NEGATIVE_INT,
+              "--max-resumes": NON_NEGATIVE_INT, "--max-body-bytes": POSITIVE_INT, "--max-choices": CHOICES,
               "--dump-max-bytes": POSITIVE_INT, "--gil-switch-us": GIL_US,
               "--tokenizer": EMPTY, "--dump-dir": EMPTY, "--admin-token-file": EMPTY,
               "--metrics-names": _choice(("calexec", "vllm")),
@@ -230,6 +231,9 @@ def test_an_unknown_flag_with_control_characters_stays_one_line(command: str, ju
     (["bench", "soak", "--rss-bound-mib", "x"], "--rss-bound-mib", "'x' is not a number"),
     (["bench", "soak", "--rss-bound-mib", "-1"], "--rss-bound-mib", "must be >= 0, got -1"),
     (["sim", "bench", "--iters", "1e3"], "--iters", "'1e3' is not an integer"),
+    # (stop 60) serve's two plain `int` flags: "invalid int value: 'x'", argparse's words
+    (["serve", "--max-waiting", "x"], "--max-waiting", "'x' is not an integer"),
+    (["serve", "--max-resumes", "1.5"], "--max-resumes", "'1.5' is not an integer"),
     (["sim", "bench", "--profile-iters", "40960"], "--profile-iters", "must be in 1..40959"),
 ])
 def test_found_by_fuzzing_is_a_usage_error(argv: list[str], flag: str, said: str):

@@ -282,10 +282,10 @@ def test_an_id_answered_at_once_but_never_taken_goes_back_on_leave():
 
 @pytest.mark.parametrize("flag", ["--max-waiting", "--max-resumes"])
 def test_serve_refuses_a_negative_waiting_or_resume_bound_naming_the_flag(flag, capsys):
-    from calexec import serve
-    assert serve.main(["serve", flag, "-1"]) == 2
+    from calexec import cli
+    assert cli.main(["serve", flag, "-1"]) == 2
     err = capsys.readouterr().err
-    assert f"{flag}=-1: must be >= 0" in err and err.count("\n") == 1
+    assert f"argument {flag}: must be >= 0, got -1" in err and err.count("\n") == 1
 
 
 # ---- the queue's decisions (hand mutants of admission.py the tests above let through) ------------
