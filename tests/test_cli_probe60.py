@@ -3,11 +3,18 @@
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import resource
+import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from calexec import cli
+from calexec.contracts.files import new_file_mode
 from calexec.drivers.calrt.runtime import CalRT
 from calexec.drivers.device_spec import LATENCY_KEYS, emulated_latency_us
 from calexec.drivers.synthetic import calbin as calbin_fmt
@@ -48,3 +55,51 @@ def test_golden_record_with_a_signed_emulated_prefill_slower_than_the_warm_up_de
     captured = capsys.readouterr()
     assert code == 0, captured.err
     assert out.exists() and "wait.deadline" not in captured.err
+
+
+def _limited_to(size: int) -> None:
+    # (in the child: a write past `size` bytes fails with EFBIG part way, as on a full disk;
+    # Python ignores SIGXFSZ)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
+
+
+def test_a_calbin_write_cut_short_leaves_the_old_calbin_as_it_was(tmp_path: Path):
+    """``sim write-calbin model.calbin --seed 7`` over a calbin, on a disk that fills part way
+    (here a file-size limit of 512 bytes), said ``cannot write ...: File too large``, exit 2,
+    and left the old calbin cut to its first 512 bytes: a calbin its pinned golden and every
+    command refused (``not a calbin``). The new file replaces the old one only once whole."""
+    path = tmp_path / "model.calbin"
+    old = calbin_fmt.dumps(calbin_fmt.default_spec())
+    path.write_bytes(old)
+    run = subprocess.run([sys.executable, "-m", "calexec.cli", "sim", "write-calbin",
+                          str(path), "--seed", "7"], capture_output=True, text=True,
+                         timeout=120, stdin=subprocess.DEVNULL,
+                         preexec_fn=functools.partial(_limited_to, 512))
+    assert run.returncode == 2, run.stderr
+    assert run.stderr == f"calexec sim write-calbin: cannot write {str(path)!r}: File too large\n"
+    assert path.read_bytes() == old
+    assert [p.name for p in tmp_path.iterdir()] == ["model.calbin"]  # no scratch file left
+
+
+def test_a_calbin_written_over_another_keeps_its_mode_and_a_new_one_gets_the_umasks(
+        tmp_path: Path):
+    path = tmp_path / "model.calbin"
+    path.write_bytes(b"old")
+    path.chmod(0o640)
+    assert cli.main(["sim", "write-calbin", str(path)]) == 0
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640
+    assert path.read_bytes() == calbin_fmt.dumps(calbin_fmt.default_spec())
+    fresh = tmp_path / "fresh.calbin"
+    assert cli.main(["sim", "write-calbin", str(fresh)]) == 0
+    assert stat.S_IMODE(fresh.stat().st_mode) == new_file_mode()
+
+
+def test_a_calbin_written_to_a_pipe_goes_through_it(tmp_path: Path):
+    """``sim write-calbin /dev/stdout | sha256sum``: the write goes to what the path is (a
+    pipe, a device), never a file put in its place."""
+    run = subprocess.run([sys.executable, "-m", "calexec.cli", "sim", "write-calbin",
+                          "/dev/stdout"], capture_output=True, timeout=120,
+                         stdin=subprocess.DEVNULL)
+    assert run.returncode == 0, run.stderr
+    data = calbin_fmt.dumps(calbin_fmt.default_spec())
+    assert run.stdout == data + hashlib.sha256(data).hexdigest().encode() + b"\n"
