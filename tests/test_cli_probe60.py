@@ -103,3 +103,13 @@ def test_a_calbin_written_to_a_pipe_goes_through_it(tmp_path: Path):
     assert run.returncode == 0, run.stderr
     data = calbin_fmt.dumps(calbin_fmt.default_spec())
     assert run.stdout == data + hashlib.sha256(data).hexdigest().encode() + b"\n"
+
+
+def test_a_demo_of_one_token_says_it_has_no_tpot_not_nan(capsys: pytest.CaptureFixture[str]):
+    """``demo --tokens 1`` (the prefill's token only: no decode step) printed ``tpot nan ms``
+    for every sequence, a number that is none."""
+    assert cli.main(["demo", "--tokens", "1", "--seqs", "2"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("seq ")]
+    assert len(lines) == 2
+    for line in lines:
+        assert "nan" not in line and "tpot - (one token: no decode step)" in line, line

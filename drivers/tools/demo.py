@@ -154,9 +154,10 @@ def main(argv: list[str]) -> int:
                 st["tpot_ms"].append(result.timings.total_ms())
         for seq in seqs:
             st = state[seq]
-            tpot = np.median(st["tpot_ms"]) if st["tpot_ms"] else float("nan")
+            tpot = (f"{np.median(st['tpot_ms']):.3f} ms" if st["tpot_ms"]
+                    else "- (one token: no decode step)")  # (not "nan ms")
             print(f"seq {seq}: prompt {st['prompt']} tokens, ttft {st['ttft_ms']:.2f} ms, "
-                  f"tpot {tpot:.3f} ms, tokens {st['tokens']}")
+                  f"tpot {tpot}, tokens {st['tokens']}")
         snapshot = _settled_snapshot(ex)
         emu = emulator_of(ex.device)
         counters = emu.counters() if emu else {}
