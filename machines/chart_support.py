@@ -28,6 +28,7 @@ import difflib
 import gc
 import inspect
 import logging
+import sys
 import threading
 import weakref
 from collections import deque
@@ -88,7 +89,7 @@ class GuardRejected(ChartTransitionError):
 def describe_transition(transition: DeclaredTransition) -> str:
     """``source --event--> target`` of a python-statemachine transition."""
     events = "|".join(str(e) for e in transition.events) or "(eventless)"
-    targets = ",".join(t.id for t in transition.targets) or "(none)"
+    targets = ",".join(getattr(t, "id", None) or repr(t) for t in transition.targets) or "(none)"
     return f"{transition.source.id} --{events}--> {targets}"
 
 
@@ -104,6 +105,74 @@ def unsupported(declaration: type[StateChart[Any]], runs: bool = True) -> list[s
     ``runs=False``: leave out what only a run cannot follow (async callbacks, ``async_only``):
     the tools that run nothing of the chart (diagrams, path enumeration) take it."""
     return [entry for entry, only_runs in _scan(declaration) if runs or not only_runs]
+
+
+def undeclared_targets(declaration: type[StateChart[Any]]) -> list[str]:
+    """``transition a --go--> voting goes to a state 'voting' Chart does not declare ...`` for
+    each transition whose target is a ``State`` the chart does not hold: one made outside the
+    class body (``voting = State()`` at module level: python-statemachine gives it no id) or
+    another chart's (``Other.voting``). python-statemachine takes such a class; an instance
+    taking the transition is left in no state at all, or fails (``InvalidStateValue``), so
+    every tool refuses it by name."""
+    name = declaration.__name__
+    declared, pending = [], list(declaration.states)  # the tree: two children of one id too
+    while pending:
+        state = pending.pop(0)
+        declared.append(state)
+        pending.extend([*state.states, *(getattr(state, "history", ()) or ())])
+    own = {id(state) for state in declared}
+    by_id = {state.id for state in declared}
+    found = []
+    for state in declared:
+        for transition in state.transitions:
+            for target in transition.targets:
+                if id(target) in own or not hasattr(target, "id"):
+                    continue  # (a str target: python-statemachine refuses the class itself)
+                label, whose = _foreign(declaration, target)
+                if label in by_id:
+                    whose += f", another object than its own {label!r}"
+                events = "|".join(str(e) for e in transition.events) or "(eventless)"
+                found.append(
+                    f"transition {state.id} --{events}--> {label} goes to a state {label!r} "
+                    f"{name} does not declare ({whose}: an instance taking it is left in no "
+                    f"state, or fails); declare the state in {name} and go to that one")
+    return list(dict.fromkeys(found))
+
+
+def _foreign(declaration: type[StateChart[Any]], target: Any) -> tuple[str, str]:
+    """A state ``declaration`` does not hold, named for a message: its id (or, made outside
+    any class, which has none, the name the chart's module gives it) and whose it is."""
+    module = sys.modules.get(declaration.__module__)
+    names = dict(vars(module)) if module is not None else {}
+    for key, value in names.items():
+        if value is target:
+            return (target.id or key), (f"a State made outside the class body, {key!r} of "
+                                        f"module {declaration.__module__!r}")
+    for key, value in names.items():
+        if (isinstance(value, type) and issubclass(value, StateChart) and value is not declaration
+                and any(s is target for s in getattr(value, "states_map", {}).values())):
+            return target.id, f"chart {key}'s state"
+    return (target.id or "?"), "a State made outside the class body, or another chart's"
+
+
+def named_targets(declaration: type[StateChart[Any]]) -> list[str]:
+    """``transition go of Chart goes to 'voting', a str, not a State ...`` for each transition
+    given a state's name where python-statemachine takes the ``State`` itself
+    (``idle.to("voting")``): it refuses the class with ``'str' object has no attribute
+    'transitions'``, naming neither. Reads a class python-statemachine was refusing as it made
+    it (its states are known by then)."""
+    found = []
+    for state in list(getattr(declaration, "states_map", {}).values()):
+        for transition in state.transitions:
+            events = "|".join(str(e) for e in transition.events)
+            for target in transition.targets:
+                if isinstance(target, str):
+                    what = f"transition {events}" if events else (
+                        f"an eventless transition of {state.id!r}")
+                    found.append(f"{what} of {declaration.__name__} goes to {target!r}, a str, "
+                                 f"not a State: name the state itself "
+                                 f"({state.id}.to({target}))")
+    return list(dict.fromkeys(found))
 
 
 def async_only(declaration: type[StateChart[Any]]) -> list[str]:
@@ -325,7 +394,12 @@ def _name(func: Any) -> str:
 def refuse_unsupported(declaration: type[StateChart[Any]], tool: str,
                        runs: bool = True) -> None:
     """Raise ``UnsupportedChart`` naming every unsupported construct of ``declaration``
-    (``runs=False``: all but the async callbacks, see ``unsupported``)."""
+    (``runs=False``: all but the async callbacks, see ``unsupported``); first, a transition to
+    a state the chart does not declare (``undeclared_targets``), a declaration bug rather than
+    a construct to support."""
+    wrong = undeclared_targets(declaration)
+    if wrong:
+        raise UnsupportedChart(f"{declaration.__name__}: {'; '.join(wrong)}")
     found = unsupported(declaration, runs)
     if found:
         raise UnsupportedChart(f"{declaration.__name__}: {tool} does not support yet: "

@@ -19,7 +19,7 @@ from typing import Any
 
 from statemachine import StateChart
 
-from calexec.machines.chart_support import same_ids
+from calexec.machines.chart_support import named_targets, same_ids
 
 
 class ChartRefError(ValueError):
@@ -97,11 +97,11 @@ def load_chart(ref: str, cwd: str | None = None) -> type[StateChart[Any]]:
         if found is missing:
             raise ChartRefError(ref, f"module {module_name!r} has no attribute "
                                 f"{class_name!r} (expected a chart class there)"
-                                f"{_near_chart(owner, part)}")
+                                f"{_near_chart(owner, part) or _no_chart(module)}")
     if not (isinstance(found, type) and issubclass(found, StateChart)):
         raise ChartRefError(ref, f"{class_name} is {type(found).__name__} {_shown(found)}, "
                             f"not a python-statemachine chart class (a StateMachine or "
-                            f"StateChart subclass){_near_chart(owner, '')}")
+                            f"StateChart subclass){_near_chart(owner, '') or _no_chart(module)}")
     if not found.states:
         raise ChartRefError(ref, f"{class_name} declares no states (a base class of "
                             f"charts? name the subclass that declares them)")
@@ -185,10 +185,14 @@ def _same_ids_hint(err: BaseException) -> str:
         same = same_ids(made)
     except Exception:  # noqa: BLE001 - a class half made: no hint rather than another error
         return ""
-    if not same:
+    if same:
+        return (f"; its cause may be: {'; '.join(same)}, of which python-statemachine keeps "
+                f"one: rename one")
+    try:
+        named = named_targets(made)
+    except Exception:  # noqa: BLE001 - as above
         return ""
-    return (f"; its cause may be: {'; '.join(same)}, of which python-statemachine keeps "
-            f"one: rename one")
+    return f"; its cause may be: {'; '.join(named)}" if named else ""
 
 
 def _where(err: BaseException, root: str) -> str:
@@ -272,6 +276,18 @@ def _near_chart(owner: object, name: str) -> str:
     if near is not None:
         return f"; did you mean {near!r}?"
     return f"; its chart classes: {', '.join(charts[:8])}{', ...' if len(charts) > 8 else ''}"
+
+
+def _no_chart(module: object) -> str:
+    """``; module 'm' declares no chart class`` when ``module`` holds none (a chart module
+    mixed up with the model's), "" otherwise."""
+    try:
+        held = list(vars(module).values())
+    except TypeError:
+        return ""
+    if any(_is_chart(value) for value in held):
+        return ""
+    return f"; module {getattr(module, '__name__', '?')!r} declares no chart class"
 
 
 def _near(name: str, names: list[str]) -> str | None:

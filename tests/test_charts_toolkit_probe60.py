@@ -1,0 +1,133 @@
+"""Stop 60 (toolkit): a newcomer's own charts (a washing machine with parallel door-lock and
+water regions and a deep history) through every command as docs/framework.md tells it, then
+the broken charts a newcomer writes: each answer one line naming the chart, the transition or
+state and what is wrong, exit 2, no traceback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from calexec.cli import main as cli
+from calexec.machines.chartref import ChartRefError, load_chart
+
+#: a target made outside the class body: python-statemachine takes the class, and an instance
+#: sending ``go`` is left in no state at all (``configuration_values`` empty)
+OUTSIDE = '''
+from statemachine import State, StateChart
+
+voting = State()
+
+class Coordinator(StateChart):
+    idle = State(initial=True)
+    done = State(final=True)
+    go = idle.to(voting)
+    end = idle.to(done)
+'''
+
+#: a target of another chart (of the same id as none of this one's): an instance sending
+#: ``go`` fails with ``InvalidStateValue: 'voting' is not a valid state value``
+OTHERS = '''
+from statemachine import State, StateChart
+
+class Participant(StateChart):
+    ready = State(initial=True)
+    voting = State(final=True)
+    vote = ready.to(voting)
+
+class Coordinator(StateChart):
+    idle = State(initial=True)
+    done = State(final=True)
+    go = idle.to(Participant.voting)
+    end = idle.to(done)
+'''
+
+
+def _module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str) -> str:
+    """``source`` as a module of a name of its own (the import is cached), the commands run
+    from its directory."""
+    name = f"coord_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text(source, encoding="utf-8")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return name
+
+
+@pytest.mark.parametrize("source", [OUTSIDE, OTHERS], ids=["made-outside", "another-charts"])
+@pytest.mark.parametrize("command", [
+    ["charts", "draw", "{ref}"],
+    ["charts", "paths", "{ref}"],
+    ["charts", "cover", "--chart", "{ref}", "--", "python", "-c", "pass"],
+    ["charts", "mutate", "--chart", "{ref}", "--test-cmd", "true"],
+], ids=["draw", "paths", "cover", "mutate"])
+def test_a_transition_to_a_state_the_chart_does_not_declare_is_refused_naming_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        source: str, command: list[str]) -> None:
+    """Found at stop 60: ``go = idle.to(voting)`` with ``voting`` a State made outside the
+    class (or another chart's) is taken by python-statemachine, and every command took it:
+    ``draw`` drew a ``voting`` box, ``paths`` offered ``go (ends in )`` (or ``ends in
+    voting``), exit 0, while an instance sending ``go`` is left in no state (or raises
+    ``InvalidStateValue``). It is now refused by every tool, naming the chart, the transition
+    and the state, exit 2, one line."""
+    module = _module(tmp_path, monkeypatch, source)
+    ref = f"{module}:Coordinator"
+    assert cli([part.format(ref=ref) for part in command]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
+    assert ("Coordinator: transition idle --go--> voting goes to a state 'voting' "
+            "Coordinator does not declare") in lines[0], lines[0]
+    assert not (tmp_path / "diagrams").exists()
+
+
+def test_compiling_a_chart_with_a_target_it_does_not_declare_is_a_value_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same through the API every tool shares (``compiled``)."""
+    from calexec.machines.chart_support import UnsupportedChart
+    from calexec.machines.compiled import compile_chart
+
+    chart = load_chart(f"{_module(tmp_path, monkeypatch, OUTSIDE)}:Coordinator")
+    with pytest.raises(UnsupportedChart, match=r"idle --go--> voting goes to a state 'voting' "
+                                               r"Coordinator does not declare"):
+        compile_chart(chart)
+
+
+@pytest.mark.parametrize("declared", ['go = idle.to("voting")', 'go = idle.to(done, "voting")'],
+                         ids=["a-name", "a-name-among-targets"])
+def test_a_transition_to_a_state_given_by_its_name_names_the_transition(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, declared: str) -> None:
+    """Found at stop 60: ``go = idle.to("voting")`` (a state named by a string, as some
+    libraries take it) made python-statemachine refuse the class with ``AttributeError: 'str'
+    object has no attribute 'transitions'``, naming neither the transition nor the state; the
+    chart reference's refusal now ends with the cause."""
+    source = ("from statemachine import State, StateChart\n\n"
+              "class Coordinator(StateChart):\n"
+              "    idle = State(initial=True)\n"
+              "    voting = State()\n"
+              "    done = State(final=True)\n"
+              f"    {declared}\n"
+              "    end = idle.to(done)\n"
+              "    close = voting.to(done)\n")
+    module = _module(tmp_path, monkeypatch, source)
+    with pytest.raises(ChartRefError) as raised:
+        load_chart(f"{module}:Coordinator")
+    message = str(raised.value)
+    assert "'str' object has no attribute 'transitions'" in message, message
+    assert message.endswith(
+        "; its cause may be: transition go of Coordinator goes to 'voting', a str, not a "
+        "State: name the state itself (idle.to(voting))"), message
+
+
+def test_a_module_without_any_chart_class_says_so(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found at stop 60: a module declaring no chart at all (a chart module mixed up with the
+    model's) answered only ``module 'm' has no attribute 'Nope' (expected a chart class
+    there)`` or ``Coordinator is type ..., not a python-statemachine chart class``, where a
+    module with charts lists them; it now says the module declares none."""
+    module = _module(tmp_path, monkeypatch, "class Coordinator:\n    pass\n")
+    for name in ("Nope", "Coordinator"):
+        assert cli(["charts", "paths", f"{module}:{name}"]) == 2
+        line = capsys.readouterr().err.strip()
+        assert line.endswith(f"; module {module!r} declares no chart class"), line
