@@ -830,8 +830,10 @@ def _configuration_walks(chart: CompiledChart) -> dict[str, Walk]:
     entered = graph.entered
     missing = [state for state in chart.states if state not in entered]
     if missing:
+        into = [t for t in chart.transitions if t.target in missing]
         raise ValueError(f"{chart.name}: state(s) {', '.join(missing)} never entered from "
-                         f"{chart.initial}{_never_raised(chart, graph)}")
+                         f"{chart.initial}{_never_raised(chart, graph)}"
+                         f"{_left_at_once(chart, into)}")
     return {state: _walk(entered[state][1], entered[state][2], graph.starts[entered[state][0]])
             for state in chart.states}
 
@@ -843,7 +845,7 @@ def _configuration_paths(chart: CompiledChart) -> list[Path]:
     if never:
         raise ValueError(f"{chart.name}: transition(s) {', '.join(map(_describe, never))} "
                          f"taken from no reachable configuration{_never_raised(chart, graph)}"
-                         f"{_only_at_start(chart, graph, never)}")
+                         f"{_only_at_start(chart, graph, never)}{_left_at_once(chart, never)}")
     paths = []
     for transition in chart.transitions:
         index, edges = first[transition.id]
@@ -852,6 +854,34 @@ def _configuration_paths(chart: CompiledChart) -> list[Path]:
         paths.append(Path(transition, *_steps(edges), start.outcomes, start.state, end=end)
                      if start.outcomes else Path(transition, *_steps(edges), end=end))
     return paths
+
+
+def _left_at_once(chart: CompiledChart, never: list[Transition]) -> str:
+    """Why a transition out of a final child state is in ``never`` when its compound is left
+    by an unguarded ``done.state`` transition: entering the child raises the event, which that
+    transition takes in the same macrostep (python-statemachine refuses a transition out of a
+    final state of the chart itself, not of a compound)."""
+    states = chart.declaration.states_map
+    reasons = []
+    for transition in never:
+        final = states.get(transition.source)
+        parent = getattr(final, "parent", None)
+        if final is None or not final.final or parent is None:
+            continue
+        ancestors, up = [], parent
+        while up is not None:
+            ancestors.append(up.id)
+            up = up.parent
+        event = f"done.state.{parent.id}"
+        leaving = next((t for t in chart.transitions if t.event == event
+                        and t.source in ancestors and not t.conds and not t.unless), None)
+        if leaving is not None:
+            reasons.append(f"; {_describe(transition)}: out of {final.id}, a final state of "
+                           f"{parent.id}: entering it raises {event}, and {_describe(leaving)} "
+                           f"leaves {leaving.source} at once, so no transition out of "
+                           f"{final.id} is taken (make {final.id} no final state, or drop the "
+                           f"transition)")
+    return "".join(dict.fromkeys(reasons))
 
 
 def _only_at_start(chart: CompiledChart, graph: _Graph, never: list[Transition]) -> str:

@@ -131,3 +131,57 @@ def test_a_module_without_any_chart_class_says_so(
         assert cli(["charts", "paths", f"{module}:{name}"]) == 2
         line = capsys.readouterr().err.strip()
         assert line.endswith(f"; module {module!r} declares no chart class"), line
+
+
+def test_a_transition_out_of_a_final_child_its_parent_leaves_at_once_says_why(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found at stop 60: a final child state with a transition out of it (python-statemachine
+    refuses that on the chart's own final states only) whose compound is left by its
+    ``done.state`` transition as soon as the child is entered: ``charts paths`` said only
+    ``transition(s) got --revote--> waiting taken from no reachable configuration``, naming
+    neither the final state nor the transition that leaves at once; it now says both."""
+    source = ("from statemachine import State, StateChart\n\n"
+              "class Coordinator(StateChart):\n"
+              "    class collecting(State.Compound):\n"
+              "        waiting = State(initial=True)\n"
+              "        got = State(final=True)\n"
+              "        vote = waiting.to(got)\n"
+              "        revote = got.to(waiting)\n"
+              "    done = State(final=True)\n"
+              "    done_state_collecting = collecting.to(done)\n")
+    module = _module(tmp_path, monkeypatch, source)
+    assert cli(["charts", "paths", f"{module}:Coordinator"]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
+    assert lines[0].endswith(
+        "; got --revote--> waiting: out of got, a final state of collecting: entering it raises "
+        "done.state.collecting, and collecting --done.state.collecting--> done leaves "
+        "collecting at once, so no transition out of got is taken (make got no final state, "
+        "or drop the transition)"), lines[0]
+
+
+def test_a_state_entered_only_from_a_final_child_left_at_once_says_why(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The same final child, its transition going to a state entered no other way: ``paths``
+    said only ``state(s) recount never entered from waiting``."""
+    source = ("from statemachine import State, StateChart\n\n"
+              "class Coordinator(StateChart):\n"
+              "    class collecting(State.Compound):\n"
+              "        waiting = State(initial=True)\n"
+              "        recount = State()\n"
+              "        got = State(final=True)\n"
+              "        vote = waiting.to(got) | recount.to(got)\n"
+              "        revote = got.to(recount)\n"
+              "    done = State(final=True)\n"
+              "    done_state_collecting = collecting.to(done)\n")
+    module = _module(tmp_path, monkeypatch, source)
+    assert cli(["charts", "paths", f"{module}:Coordinator"]) == 2
+    line = capsys.readouterr().err.strip()
+    assert "state(s) recount never entered" in line and line.endswith(
+        "; got --revote--> recount: out of got, a final state of collecting: entering it "
+        "raises done.state.collecting, and collecting --done.state.collecting--> done leaves "
+        "collecting at once, so no transition out of got is taken (make got no final state, "
+        "or drop the transition)"), line
