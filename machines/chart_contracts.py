@@ -36,6 +36,7 @@ hypothesis ``@invariant`` calls it between rules).
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -129,6 +130,22 @@ def _data(model: Model) -> str:
     return text if len(text) <= REPR_LIMIT else text[:REPR_LIMIT] + "..."
 
 
+def _stand_in(model: Model, err: Exception) -> str:
+    """What to do when a contract reading the model's data raised ``AttributeError`` on a
+    ``GuardTable``, the model of generated paths (docs/framework.md step 3), which answers the
+    chart's guards only: ``--chart-contracts`` on the whole session failed every path test
+    with the bare ``AttributeError``."""
+    paths = sys.modules.get("calexec.machines.paths")
+    table = getattr(paths, "GuardTable", None) if paths is not None else None
+    if not (isinstance(err, AttributeError) and table is not None and isinstance(model, table)):
+        return ""
+    return ("; the model is a GuardTable, which answers the chart's guards only (a generated "
+            "path forces their outcomes): check contracts reading the model's data on runs of "
+            "your own model (a subclass whose guards answer the path's outcomes, as "
+            "examples/charts/test_traffic_light.py's ForcedJunction), or enable them around "
+            "the other tests only (contracts_checked)")
+
+
 class ContractChecker:
     """The checks of one chart's contracts, indexed by state and event; the ``checker`` a
     ``ChartRun`` calls (``before``/``after``) and ``ContractListener`` calls for a
@@ -158,7 +175,8 @@ class ContractChecker:
                 held = bool(contract.check(model))
                 data = _data(model)
             except Exception as err:  # noqa: BLE001 (a check that raises is a violation, named)
-                held, data = False, f"{_data(model)} (the check raised {err!r})"
+                held, data = False, (f"{_data(model)} (the check raised {err!r}"
+                                     f"{_stand_in(model, err)})")
             if not held:
                 violation = ContractViolation(self.chart.name, contract, state, transition, data)
                 # every monitor records it before any raises it

@@ -185,3 +185,36 @@ def test_a_state_entered_only_from_a_final_child_left_at_once_says_why(
         "raises done.state.collecting, and collecting --done.state.collecting--> done leaves "
         "collecting at once, so no transition out of got is taken (make got no final state, "
         "or drop the transition)"), line
+
+
+def test_a_contract_reading_model_data_on_a_guard_table_says_what_to_do() -> None:
+    """Found at stop 60: the doc's step 3 drives generated paths on ``GuardTable.for_chart``,
+    and "Contracts on a chart" turns contracts on for the whole session
+    (``--chart-contracts``): with both, every path test failed ``ContractViolation ... (the
+    check raised AttributeError("'GuardTable_Washer' object has no attribute
+    'door_closed'"))`` (the example's own tests too: 7 of them), a GuardTable answering the
+    chart's guards only. The violation now says so, and what to do."""
+    from statemachine import State, StateChart
+
+    from calexec.machines.chart_contracts import ContractViolation, contracts_checked, invariant
+    from calexec.machines.paths import GuardTable
+
+    class Washer60(StateChart):
+        unlocked = State(initial=True)
+        locked = State()
+        engage = unlocked.to(locked, cond="door_is_closed")
+        release = locked.to(unlocked)
+
+        @invariant("locked")
+        def locked_only_with_the_door_closed(laundry: object) -> bool:
+            return bool(laundry.door_closed)  # type: ignore[attr-defined]
+
+    model = GuardTable.for_chart(Washer60)
+    washer = Washer60(model)
+    with contracts_checked(Washer60), pytest.raises(ContractViolation) as raised:
+        washer.send("engage")
+    message = str(raised.value)
+    assert "no attribute 'door_closed'" in message, message
+    assert ("; the model is a GuardTable, which answers the chart's guards only (a generated "
+            "path forces their outcomes): check contracts reading the model's data on runs of "
+            "your own model") in message, message
