@@ -309,8 +309,10 @@ FLAGS: dict[str, dict[str, st.SearchStrategy[str]]] = {
     "charts cover": {"--min": _PERCENT},
     "charts mutate": {"--timeout": _SECONDS, "--fail-under": _PERCENT,
                       "--report": st.just(""), "--cwd": st.just(""),
-                      "--equivalent": st.just(""), "--jobs": _NOT_AN_INT,
+                      "--equivalent": st.just(""), "--jobs": st.one_of(_NOT_AN_INT, st.sampled_from(
+                          ["0", "-1", "65", str(10 ** 30)])),
                       "--sample": _NOT_AN_INT, "--examples": st.sampled_from(["0", "-1", "x"]),
+                      "--seed": st.sampled_from(["-1", "x", "1.5"]),
                       "--targets-per-transition": st.sampled_from(["-1", "x", ""]),
                       "--error-codes": st.sampled_from(["three", "1,x", "1.5"])},
     "diagrams": {"--out": st.just(""), "--png": st.just("")},
@@ -373,6 +375,14 @@ def test_a_mistyped_chart_flag_is_refused_with_a_suggestion(project: Path,
     # `--timeout 1e30` ran the unmutated command, then `internal error: OverflowError`, exit 70
     (["charts", "mutate", "--chart", "{m}:Door", "--test-cmd", "true", "--timeout", "1e30"],
      "--timeout", "at most 1e+06"),
+    # `--jobs 10**30` was taken (a worker pool as large as the mutants: a test process each,
+    # hundreds at once), `--jobs x` said argparse's `invalid int value` (stop 60)
+    (["charts", "mutate", "--chart", "{m}:Door", "--test-cmd", "true", "--jobs",
+      str(10 ** 30)], "--jobs", "must be in 1..64"),
+    (["charts", "mutate", "--chart", "{m}:Door", "--test-cmd", "true", "--jobs", "x"],
+     "--jobs", "'x' is not an integer"),
+    (["charts", "mutate", "--chart", "{m}:Door", "--test-cmd", "true", "--examples", "1.5"],
+     "--examples", "'1.5' is not an integer"),
     # `charts cover -- ''` said `Permission denied`
     (["charts", "cover", "--chart", "{m}:Door", "--", ""], "test command ''",
      "empty program name"),

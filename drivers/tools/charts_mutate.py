@@ -85,6 +85,9 @@ DEFAULT_CHART_ONLY_PREFIX = "tests/test_charts_"
 DEFAULT_EQUIVALENT = "docs/chart_mutants_equivalent.toml"
 #: CALEXEC_STATEFUL_EXAMPLES the default command's stateful test runs (``--examples``)
 DEFAULT_EXAMPLES = 30
+#: the most mutants ``--jobs`` runs at once: each is a test process of its own (``--jobs
+#: 10**30`` was taken, a pool as large as the mutants: hundreds of pytest processes at once)
+MAX_JOBS = 64
 STATUSES = ("killed", "survived", "equivalent", "error")
 #: modules (comma-separated) the unmutated run reports importing, into CALEXEC_CHART_MUTANT_ACK
 PROBE_ENV = "CALEXEC_CHART_MUTATE_PROBE"
@@ -154,7 +157,7 @@ def _parser() -> argparse.ArgumentParser:
                         "mutant (shell words, no shell); default: calexec's model-based tests")
     parser.add_argument("--cwd", default=".", help="directory the test command runs in and "
                         "that is put on sys.path to import --chart modules (default: .)")
-    parser.add_argument("--targets-per-transition", type=int, default=2, metavar="K",
+    parser.add_argument("--targets-per-transition", type=cliargs.non_negative_int, default=2, metavar="K",
                         help="target mutants per transition: the source itself, then the states "
                              "declared after the target, a state entered exactly as the target "
                              "is (a compound's initial child) last (0: every other state)")
@@ -162,10 +165,11 @@ def _parser() -> argparse.ArgumentParser:
                         help="only these mutant kinds (repeatable)")
     parser.add_argument("--mutant", action="append", metavar="ID",
                         help="only this mutant id (repeatable; CHART/ID when several charts)")
-    parser.add_argument("--sample", type=int, metavar="N",
+    parser.add_argument("--sample", type=cliargs.positive_int, metavar="N",
                         help="a deterministic sample of N mutants spread over charts and kinds")
-    parser.add_argument("--seed", type=int, default=0, help="seed of --sample (default 0)")
-    parser.add_argument("--jobs", type=int, default=2, help="mutants run at once (default 2)")
+    parser.add_argument("--seed", type=cliargs.non_negative_int, default=0, help="seed of --sample (default 0)")
+    parser.add_argument("--jobs", type=cliargs.int_in(1, MAX_JOBS), default=2,
+                        help=f"mutants run at once, 1..{MAX_JOBS} (default 2)")
     parser.add_argument("--timeout", metavar="S",  # (text: read in main, named as given)
                         help="seconds per mutant; longer counts as killed (default: 5x the "
                              "unmutated run + 30)")
@@ -176,7 +180,7 @@ def _parser() -> argparse.ArgumentParser:
                              "mutant that makes the executor wait); the report then names one "
                              "killer per mutant. For your own --test-cmd, add your runner's "
                              "flag to it")
-    parser.add_argument("--examples", type=int, default=None,
+    parser.add_argument("--examples", type=cliargs.positive_int, default=None,
                         help=f"CALEXEC_STATEFUL_EXAMPLES for the default command (default "
                              f"{DEFAULT_EXAMPLES})")
     parser.add_argument("--error-codes", default="3,4,5",
@@ -474,16 +478,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     cwd = Path(args.cwd or ".").resolve()
     try:
-        if args.jobs < 1:
-            raise ValueError(f"--jobs={args.jobs}: must be at least 1")
-        if args.targets_per_transition < 0:
-            raise ValueError(f"--targets-per-transition={args.targets_per_transition}: must be >= 0")
-        if args.sample is not None and args.sample < 1:
-            raise ValueError(f"--sample={args.sample}: must be at least 1")
         if args.timeout is not None:
             args.timeout = _seconds("--timeout", args.timeout)
-        if args.examples is not None and args.examples < 1:
-            raise ValueError(f"--examples={args.examples}: must be at least 1")
         for flag, value in (("--report", args.report), ("--cwd", args.cwd),
                             ("--equivalent", args.equivalent)):
             if value is not None and not value:  # ('' was taken for no flag, or for '.')
