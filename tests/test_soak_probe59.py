@@ -18,17 +18,33 @@ needs.module("httpx", "server")  # the soak drives the server over HTTP ([server
 from calexec.drivers.tools.bench import soak  # noqa: E402
 
 REQUESTS, FAULTS, CLIENTS = 12, 2, 64
+#: how long the last request of the first step holds its count, waiting for the fault to be
+#: armed (it must not be, before the count); not a timing assertion: the wait's end is the
+#: fixed schedule's normal path
+HOLD_S = 2.0
 
 
 def test_more_clients_than_a_fault_step_holds_wait_at_the_first_step(capsys):
     """Each fault is armed with exactly the requests of the steps before it sent (and
     ended: the schedule waits for them), so every fault meets traffic and fires."""
-    finished = 0
+    finished = counting = 0  # counted; begun to count
     mu = threading.Lock()
     seen_at_arm: list[tuple[int, int]] = []
+    armed = threading.Event()
+    due = [(i + 1) * REQUESTS // (FAULTS + 1) for i in range(FAULTS)]
 
     def count(body, tokens):
-        nonlocal finished
+        # The last request of the first step is still in flight while its client counts
+        # it: the fault may not be armed before. Its count is held until the fault is armed
+        # or HOLD_S passed (bounded): this forces an interleaving a loaded host can give.
+        # The client dropped its request from those in flight before counting it, so the
+        # schedule could arm the fault while the step's last request was being counted.
+        nonlocal counting, finished
+        with mu:
+            counting += 1
+            last_of_step = counting == due[0]
+        if last_of_step:
+            armed.wait(HOLD_S)
         with mu:
             finished += 1
         return tokens
@@ -36,6 +52,7 @@ def test_more_clients_than_a_fault_step_holds_wait_at_the_first_step(capsys):
     def before_arm(i: int) -> None:
         with mu:
             seen_at_arm.append((i, finished))
+        armed.set()
 
     code = soak.run_cli(["bench", "soak", "--json", "--requests", str(REQUESTS), "--faults",
                          str(FAULTS), "--clients", str(CLIENTS), "--seed", "3",
@@ -44,7 +61,6 @@ def test_more_clients_than_a_fault_step_holds_wait_at_the_first_step(capsys):
                         soak.Hooks(tokens=count, before_arm=before_arm))
     out, _ = capsys.readouterr()
     report = json.loads(out)
-    due = [(i + 1) * REQUESTS // (FAULTS + 1) for i in range(FAULTS)]
     assert [i for i, _ in seen_at_arm] == list(range(FAULTS)), (seen_at_arm, report["checks"])
     # no more requests than its step had been sent when a fault was armed (each had ended:
     # the schedule waits for them); before the first fault, each of them completed

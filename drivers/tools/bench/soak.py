@@ -332,26 +332,35 @@ def _client(url: str, index: int, seed: int, stop: threading.Event, tally: Tally
             body, expected = traffic.pick(rng)
             body["stream"] = mode != "plain"
             started = current[index] = time.monotonic()
-            outcome = _read(http, body, mode, rng)
-            current[index] = None
-            if outcome.error is None and hooks.tokens is not None:
-                outcome.tokens = hooks.tokens(body, outcome.tokens)
-            wrong = outcome.error is None and _wrong(outcome, expected)
-            with tally.mu:
-                tally.finished += 1
-                tally.by_mode[mode] += 1
-                if outcome.error is not None:
-                    tally.errors.append((started, time.monotonic(), outcome.error))
-                    tally.error_examples.setdefault(outcome.error, outcome.message)
-                    continue
-                if outcome.finish != "disconnected":
-                    tally.completed += 1
-                if wrong:
-                    tally.wrong += 1
-                    if len(tally.wrong_examples) < EXAMPLES:
-                        tally.wrong_examples.append({"request": body, "mode": mode,
-                                                     "tokens": outcome.tokens,
-                                                     "expected": expected})
+            try:
+                outcome = _read(http, body, mode, rng)
+                if outcome.error is None and hooks.tokens is not None:
+                    outcome.tokens = hooks.tokens(body, outcome.tokens)
+                _count(tally, outcome, body, mode, expected, started)
+            finally:
+                # in flight until counted: the fault schedule waits for the requests in
+                # flight to end, then reads what they did (``Hooks.before_arm``)
+                current[index] = None
+
+
+def _count(tally: Tally, outcome: Outcome, body: dict[str, Any], mode: str,
+           expected: list[int], started: float) -> None:
+    wrong = outcome.error is None and _wrong(outcome, expected)
+    with tally.mu:
+        tally.finished += 1
+        tally.by_mode[mode] += 1
+        if outcome.error is not None:
+            tally.errors.append((started, time.monotonic(), outcome.error))
+            tally.error_examples.setdefault(outcome.error, outcome.message)
+            return
+        if outcome.finish != "disconnected":
+            tally.completed += 1
+        if wrong:
+            tally.wrong += 1
+            if len(tally.wrong_examples) < EXAMPLES:
+                tally.wrong_examples.append({"request": body, "mode": mode,
+                                             "tokens": outcome.tokens,
+                                             "expected": expected})
 
 
 def _pools(executor, service) -> dict[str, Any]:
