@@ -133,7 +133,8 @@ class Hooks:
     rss: Callable[[], int | None] | None = None
     #: the live-object counter; default: ``live_objects`` (a full collection, then a count)
     objects: Callable[[], int] | None = None
-    #: called with the fault's index right before it is armed (a slow schedule, in the tests)
+    #: called with the fault's index right before it is armed (a slow schedule, in the tests),
+    #: once every request in flight before it ended and was counted (``tokens`` called)
     before_arm: Callable[[int], None] | None = None
 
 
