@@ -1035,7 +1035,7 @@ def test_a_device_config_the_runtime_refuses_is_named_in_starts_status(calbin):
                         fault_sink=RecordingFaultSink())
     status = ex.start()
     assert status.code == "calrt.configure_failed" and status.raw == 5, status
-    assert f"device_config={bad!r}" in status.message, status.message
+    assert f"device_config={json.dumps(bad)}" in status.message, status.message
     assert ex.state == "Failed"
     assert ex.shutdown(grace=1.0).code == status.code
 

@@ -16,6 +16,7 @@ end (tests/test_ops_sweep.py's helpers).
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 
@@ -245,9 +246,9 @@ def test_admin_drains_and_switches_are_logged(tmp_path, caplog):
         executor.shutdown(5.0)
     assert (ok.status_code, bad.status_code, drain.status_code) == (200, 500, 202)
     lines = [r.getMessage() for r in caplog.records if r.name == "calexec.admin"]
-    assert lines[0] == f"admin: switching to calbin {str(other)!r}, x-request-id sw-1", lines
-    assert lines[1] == f"admin: calbin {str(other)!r} serves, generation 2", lines
-    assert lines[3].startswith(f"admin: switch to calbin {str(unpinned)!r} failed, lifecycle Ready")
+    assert lines[0] == f"admin: switching to calbin {json.dumps(str(other))}, x-request-id sw-1", lines
+    assert lines[1] == f"admin: calbin {json.dumps(str(other))} serves, generation 2", lines
+    assert lines[3].startswith(f"admin: switch to calbin {json.dumps(str(unpinned))} failed, lifecycle Ready")
     assert lines[4] == "admin: draining (grace 5s), x-request-id dr-1", lines
     assert len(lines) == 5, lines
 
