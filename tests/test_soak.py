@@ -85,8 +85,11 @@ def test_a_small_soak_on_the_native_relay_passes_every_check(capsys):
     assert code == 0 and report["ok"], failed
     assert report["native_relay"] is True and report["faults_fired"] == FAULT_COUNT
     assert report["wrong_tokens"] == 0 and report["errors_beyond_budget"] == {}
-    assert report["phases"][1]["relay_submitted"] >= 1, report["phases"]
-    assert report["relay_submitted"] >= report["phases"][1]["relay_submitted"]
+    # the run's whole count, not a phase's: in a phase, under load, a step reaches the relay
+    # only while the submitter idles in it (CI once saw 0 of phase 1's 16 pre-armed steps);
+    # the fault-free references before the phases come one at a time, to an idle submitter
+    assert report["relay_submitted"] >= 1, report["phases"]
+    assert report["relay_submitted"] >= sum(p["relay_submitted"] for p in report["phases"])
 
 
 def test_a_small_soak_in_phase_b_passes_every_check(capsys):
