@@ -285,9 +285,10 @@ def test_a_dump_writer_behind_a_stuck_file_drops_and_counts_past_its_bound(tmp_p
     record = {"i": 0, "pad": "x" * 27}  # 44 bytes a line: 2 fit in the bound
     with caplog.at_level(logging.WARNING, logger="calexec.dump"):
         taken = [sink.submit({**record, "i": i}) for i in range(6)]
-    # (whether the third is taken depends on when the writer took the first off the queue
-    # to block in open(); one warning per streak of drops)
-    assert taken[:2] == [True, True] and taken[-2:] == [False, False], taken
+    # the queue holds 2; the writer takes one record off it to block in open(), and when is
+    # timing (before the third, or only after the fifth on a loaded host: CI once saw
+    # [T, T, F, F, F, T]), so 2 or 3 are taken and the rest dropped; one warning per streak
+    assert taken[:2] == [True, True] and taken.count(True) <= 3, taken
     assert sink.counts()["overflow"] == taken.count(False)
     warned = [r for r in caplog.records if "dump writer behind" in r.getMessage()]
     assert 1 <= len(warned) <= 2, warned
