@@ -1,4 +1,4 @@
-"""The process's file-creation mask, read without changing it.
+"""The process's file-creation mask, read without changing it; a file replaced whole.
 
 ``os.umask`` can only be read by setting it: a thread that creates a file between the set and
 the restore creates it under the wrong mask (with ``os.umask(0)``: world-writable). Every
@@ -9,6 +9,8 @@ reader of the umask in calexec goes through :func:`process_umask`, which reads i
 from __future__ import annotations
 
 import os
+import stat
+import tempfile
 
 
 def process_umask() -> int:
@@ -29,3 +31,29 @@ def process_umask() -> int:
 def new_file_mode() -> int:
     """The permission bits ``open()`` gives a new file now: 0o666 less the umask."""
     return 0o666 & ~process_umask()
+
+
+def write_whole(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that it holds the old content or the new, never a part: a
+    regular file (or none yet) is replaced by a scratch file beside it once that is whole,
+    keeping the old file's mode (a new one gets ``open()``'s); anything else there (a pipe,
+    ``/dev/stdout``, a device) is written to as it is. OSError as ``open``/``write`` raise it."""
+    try:
+        mode: int | None = os.stat(path).st_mode  # (through a symlink: what it points to)
+    except FileNotFoundError:
+        mode = None
+    if not path or (mode is not None and not stat.S_ISREG(mode)):
+        with open(path, "wb") as out:
+            out.write(data)
+        return
+    target = os.path.realpath(path)  # (a symlink stays; the file it points to is replaced)
+    fd, scratch = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.",
+                                   dir=os.path.dirname(target))
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+        os.chmod(scratch, new_file_mode() if mode is None else stat.S_IMODE(mode))
+        os.replace(scratch, target)
+    except BaseException:
+        os.unlink(scratch)
+        raise

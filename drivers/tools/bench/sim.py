@@ -15,8 +15,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
-import stat
 import sys
 import tempfile
 import time
@@ -25,7 +23,7 @@ from collections.abc import Callable
 import numpy as np
 
 from calexec import cliargs
-from calexec.contracts.files import new_file_mode
+from calexec.contracts.files import write_whole
 from calexec.drivers.calrt.runtime import JobStatus
 from calexec.drivers.direct import DirectRunner, check
 from calexec.drivers.synthetic import calbin as calbin_fmt
@@ -39,32 +37,6 @@ def _u64(text: str) -> int:
     if value >= 2**64:
         raise argparse.ArgumentTypeError(f"must be in 0..2**64-1, got {value}")
     return value
-
-
-def write_whole(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that it holds the old content or the new, never a part: a
-    regular file (or none yet) is replaced by a scratch file beside it once that is whole,
-    keeping the old file's mode (a new one gets ``open()``'s); anything else there (a pipe,
-    ``/dev/stdout``, a device) is written to as it is. OSError as ``open``/``write`` raise it."""
-    try:
-        mode: int | None = os.stat(path).st_mode  # (through a symlink: what it points to)
-    except FileNotFoundError:
-        mode = None
-    if not path or (mode is not None and not stat.S_ISREG(mode)):
-        with open(path, "wb") as out:
-            out.write(data)
-        return
-    target = os.path.realpath(path)  # (a symlink stays; the file it points to is replaced)
-    fd, scratch = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.",
-                                   dir=os.path.dirname(target))
-    try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(data)
-        os.chmod(scratch, new_file_mode() if mode is None else stat.S_IMODE(mode))
-        os.replace(scratch, target)
-    except BaseException:
-        os.unlink(scratch)
-        raise
 
 
 def _write_calbin(argv: list[str]) -> int:
