@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 import stat
-import tempfile
 import tomllib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -33,7 +32,7 @@ from typing import Any
 
 import attrs
 
-from calexec.contracts.files import new_file_mode
+from calexec.contracts.files import write_whole
 from calexec.contracts.types import SHA256_RE
 
 FORMAT = 1
@@ -192,14 +191,6 @@ def dumps(goldens: Goldens) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _mode_of(target: Path) -> int:
-    """The permission bits ``target`` has, or a new file's (0666 less the umask)."""
-    try:
-        return stat.S_IMODE(os.stat(target).st_mode)
-    except FileNotFoundError:
-        return new_file_mode()
-
-
 def pin(path: str | Path, golden: PinnedGolden) -> Goldens:
     """Add ``golden`` to the file at ``path`` (replacing the entry for the same calbin, prompt
     and decode steps), written atomically; returns the file's new content."""
@@ -209,16 +200,8 @@ def pin(path: str | Path, golden: PinnedGolden) -> Goldens:
             if not g.matches(golden.prompt, golden.decode_steps)]
     merged[golden.calbin_sha256] = kept + [golden]
     result: Goldens = MappingProxyType({sha: tuple(gs) for sha, gs in merged.items()})
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent or ".")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(dumps(result))
-        # the file keeps its mode (a new one gets open()'s, the umask applied): mkstemp's 0600
-        # made a goldens file the server reads as another user unreadable to it
-        os.chmod(tmp, _mode_of(target))
-        os.replace(tmp, target)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    # whole or not at all, the file keeping its mode (a new one gets open()'s, the umask
+    # applied: mkstemp's 0600 made a goldens file the server reads as another user
+    # unreadable to it); a symlink stays, the file it points to replaced
+    write_whole(os.fspath(path), dumps(result).encode("utf-8"))
     return result

@@ -230,6 +230,25 @@ def test_goldens_round_trip_through_the_writer(tmp_path):
     assert gl.load_goldens(path)["a" * 64] == (a, b)
 
 
+def test_pinning_through_a_symlinked_goldens_file_keeps_the_link_and_the_mode(tmp_path):
+    """A goldens file kept elsewhere and linked in (a deployment's shared file): ``pin``
+    replaced the link with a file of its own, so the shared file never saw the golden. It
+    now replaces the file the link points to, whole, keeping its mode."""
+    shared = tmp_path / "shared" / "g.toml"
+    shared.parent.mkdir()
+    first = gl.PinnedGolden("a" * 64, (1, 2), 1, (5, 6))
+    gl.pin(shared, first)
+    shared.chmod(0o640)
+    link = tmp_path / "g.toml"
+    link.symlink_to(shared)
+    second = gl.PinnedGolden("b" * 64, (3,), 0, (7,))
+    gl.pin(link, second)
+    assert link.is_symlink() and link.resolve() == shared.resolve()
+    assert gl.load_goldens(shared) == {"a" * 64: (first,), "b" * 64: (second,)}
+    assert shared.stat().st_mode & 0o777 == 0o640
+    assert sorted(p.name for p in shared.parent.iterdir()) == ["g.toml"]  # no scratch left
+
+
 # ---- §8 PROGRAMMING: the feature is really off until the next generation ----------------------
 class EngineCalls(TaskTypes):
     """Records which submit path each infer took: "infer" or "fixed" (the fixed task type)."""
