@@ -23,7 +23,7 @@ ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error",
                413: "invalid_request_error", 414: "invalid_request_error",
                415: "invalid_request_error", 429: "rate_limit_error",
                431: "invalid_request_error",
-               501: "invalid_request_error",
+               501: "invalid_request_error", 505: "invalid_request_error",
                499: "cancelled_error", 503: "unavailable_error", 504: "timeout_error"}
 
 
@@ -33,8 +33,9 @@ ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error",
 #: retried, ``max_retries`` times after a back-off)
 NOT_RETRYABLE = frozenset({Category.COMPATIBILITY, Category.PROGRAMMING})
 #: 5xx answers no retry of the same request changes: 501, a transfer coding this server does
-#: not implement (the SDKs retry every 5xx they are not told not to)
-NOT_RETRYABLE_HTTP = frozenset({501})
+#: not implement; 505, an HTTP version it does not speak (the SDKs retry every 5xx they are
+#: not told not to)
+NOT_RETRYABLE_HTTP = frozenset({501, 505})
 
 
 def own_deadline(status: Status, http_status: int | None = None) -> bool:
@@ -57,7 +58,7 @@ OPENAI_CODE = {"request.model_not_found": "model_not_found",
 #: of the body says the same as the response: a 401 is UNAUTHENTICATED, not a 400)
 GRPC_OF_HTTP = {401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND",
                 405: "UNIMPLEMENTED", 408: "DEADLINE_EXCEEDED", 413: "INVALID_ARGUMENT", 415: "INVALID_ARGUMENT",
-                499: "CANCELLED", 501: "UNIMPLEMENTED"}
+                499: "CANCELLED", 501: "UNIMPLEMENTED", 505: "UNIMPLEMENTED"}
 
 
 def error_response(status: Status, param: str | None = None, retry_after: int = 1,
@@ -185,17 +186,36 @@ def target_too_long(length: int, limit: int, request_id: str) -> bytes:
                        request_id)
 
 
+def version_not_supported(version: str, request_id: str) -> bytes:
+    """The whole HTTP/1.1 response to a request line whose HTTP version has a major version
+    other than 1 (``HTTP/2.0``, ``HTTP/3.0``, ``HTTP/0.9``; ``version`` as "M.m", or
+    "2.0 preface" for HTTP/2's connection preface, ``PRI * HTTP/2.0``): 505 (RFC 9110
+    section 15.6.6; RFC 9112 section 2.3), code ``request.http_version_not_supported``,
+    ``x-should-retry: false``, ``connection: close``, written by the connection itself."""
+    if version.endswith("preface"):
+        said = ("the HTTP/2 connection preface (PRI * HTTP/2.0, HTTP/2 with prior knowledge): "
+                "HTTP/2 is not supported")
+    else:
+        said = f"HTTP/{version} is not supported"
+    return raw_refusal(505, "HTTP Version Not Supported", "request.http_version_not_supported",
+                       f"{said}: this server speaks HTTP/1.1 and HTTP/1.0 (RFC 9110 section "
+                       f"15.6.6): send the request as HTTP/1.1", request_id,
+                       {"x-should-retry": "false"})
+
+
 def raw_refusal(http_status: int, reason: str, code: str, message: str,
-                request_id: str) -> bytes:
+                request_id: str, headers: dict[str, str] | None = None) -> bytes:
     """A whole HTTP/1.1 response refusing what the connection received before any ASGI app
     was called: the OpenAI-shaped JSON body of an invalid request with ``code`` and
     ``message``, the ``x-request-id`` every response carries (``request_id``, ASCII),
-    ``connection: close``."""
+    ``headers`` (ASCII), ``connection: close``."""
     status = Status.failure(code, Category.INVALID_REQUEST, Phase.VALIDATE, message)
     described = status.to_dict()
     described["http_status"] = http_status
+    described["grpc_code"] = GRPC_OF_HTTP.get(http_status, described["grpc_code"])
     body = json.dumps({"error": error_body(status, None, http_status), "status": described},
                       separators=(",", ":")).encode()
+    extra = "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
     return (f"HTTP/1.1 {http_status} {reason}\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(body)}\r\nx-request-id: {request_id}\r\n"
+            f"content-length: {len(body)}\r\nx-request-id: {request_id}\r\n{extra}"
             f"connection: close\r\n\r\n").encode("ascii") + body

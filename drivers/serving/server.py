@@ -296,11 +296,16 @@ def abortable(protocol: type) -> type:
         #: why the request head is refused (an HTTP/1.1 head without exactly one Host):
         #: answered 400 (:meth:`_feed`)
         _head_refused: str | None = None
+        #: the HTTP version ("M.m") of a request line whose major version is not 1: answered
+        #: 505 (:meth:`_feed`)
+        _version_refused: str | None = None
         parser: Any  # uvicorn's httptools parser (replaced for a head parsed again: _feed)
 
         def connection_made(self, transport: Any) -> None:
             self._cycles: list[Any] = []
             super().connection_made(transport)
+            if parses_heads:
+                _lenient(self.parser)
             self._await_head()
             app = getattr(self, "app", None)  # uvicorn's protocols keep the ASGI app there
             if app is None:
@@ -373,6 +378,14 @@ def abortable(protocol: type) -> type:
                         self._refuse(error_bodies.target_too_long(
                             len(self.url), MAX_TARGET_BYTES, uuid.uuid4().hex))
                         return
+                    if self._version_refused is not None:  # on_headers_complete stopped it
+                        self._refuse_version(self._version_refused)
+                        return
+                    if str(err).strip() == "Pause on PRI/Upgrade":
+                        # HTTP/2's connection preface ("PRI * HTTP/2.0", h2 with prior
+                        # knowledge: curl --http2-prior-knowledge): llhttp stops at it
+                        self._refuse_version("2.0 preface")
+                        return
                     if self._head_refused is not None:  # on_headers_complete stopped it
                         self.logger.warning("Invalid HTTP request received: %s.",
                                             self._head_refused)
@@ -398,14 +411,16 @@ def abortable(protocol: type) -> type:
                         self._unsupported_upgrade_warning()
                         return
                     self.parser = httptools.HttpRequestParser(self)
-                    with contextlib.suppress(AttributeError):  # httptools < 0.6.3: none
-                        # as uvicorn's own parser: what follows a "connection: close"
-                        # request is no error (its answer is the connection's last)
-                        self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
+                    _lenient(self.parser)
                     self._reading_head, self._head_bytes = True, 0
                     data = head + data[upgrade.args[0]:]
                     continue
                 return
+
+        def _refuse_version(self, version: str) -> None:
+            """Answer a request line of an HTTP version this server does not speak 505."""
+            self.logger.warning("Invalid HTTP request received: HTTP version %s.", version)
+            self._refuse(error_bodies.version_not_supported(version, uuid.uuid4().hex))
 
         def _ignore_upgrade(self) -> bytes:
             """The head of the request being parsed (its method, target, version and header
@@ -455,8 +470,17 @@ def abortable(protocol: type) -> type:
                 self._target_too_long = True
                 raise ValueError("request target too long")
             if parses_heads:
+                version = self.parser.get_http_version()
+                if not version.startswith("1."):
+                    # RFC 9112 section 2.3, RFC 9110 section 15.6.6: a major version other
+                    # than 1 (HTTP/2.0, HTTP/3.0 in an HTTP/1 request line; HTTP/0.9) is no
+                    # HTTP/1 request: 505. llhttp parsed 2.0 and 0.9 (served as HTTP/1.1)
+                    # and refused the others as 400 "Invalid HTTP version" (the parser is
+                    # lenient about the version: _lenient). The parser stops here
+                    self._version_refused = version
+                    raise ValueError(f"HTTP/{version}")
                 hosts = sum(1 for name, _ in self.headers if name == b"host")
-                if hosts > 1 or (hosts == 0 and self.parser.get_http_version() == "1.1"):
+                if hosts > 1 or (hosts == 0 and version != "1.0"):
                     # RFC 9112 section 3.2: a server MUST answer 400 to an HTTP/1.1 request
                     # without a Host field or with several (uvicorn's h11 protocol refuses
                     # both; its httptools one served them). The parser stops here
@@ -474,6 +498,10 @@ def abortable(protocol: type) -> type:
                 return
             before = getattr(self, "cycle", None)
             super().on_headers_complete()
+            if parses_heads and self.scope.get("http_version") not in ("1.0", "1.1"):
+                # HTTP/1.2 and on: RFC 9112 section 2.3, a recipient SHOULD process it as
+                # the highest minor version it conforms to (llhttp frames it as 1.1)
+                self.scope["http_version"] = "1.1"
             # after uvicorn's: bytes it refuses in the head are no refusal of a body
             self._reading_head, self._head_bytes = False, 0
             cycle = getattr(self, "cycle", None)
@@ -569,6 +597,17 @@ def abortable(protocol: type) -> type:
 
     Abortable.__name__ = Abortable.__qualname__ = f"Abortable{protocol.__name__}"
     return Abortable
+
+
+def _lenient(parser: Any) -> None:
+    """``parser`` (httptools') takes what uvicorn's own parser takes (what follows a
+    ``connection: close`` request is no error: its answer is the connection's last) and any
+    one-digit HTTP version, which ``Abortable.on_headers_complete`` judges: a major version
+    other than 1 is answered 505, HTTP/1.2 and on served as HTTP/1.1 (RFC 9112 section 2.3;
+    llhttp refused them 400 "Invalid HTTP version", and parsed 2.0 and 0.9 as if they were
+    1.1)."""
+    with contextlib.suppress(AttributeError):  # httptools < 0.6.3: none
+        parser.set_dangerous_leniencies(lenient_data_after_close=True, lenient_version=True)
 
 
 def answer_framing(cycle: Any) -> None:

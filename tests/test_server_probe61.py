@@ -1,0 +1,95 @@
+"""Stop 61's server probe (docs/traceability.md "Found at stop 61 (server)"): the HTTP
+version of a request line, an empty list element in a Transfer-Encoding. Loopback servers on
+the bundled emulator; every wait bounded."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from test_server_support import (
+    MODEL,
+    ServeLikeServer,
+    responses,
+    send_raw,
+    started_executor,
+)
+
+TIMEOUT_S = 20.0
+
+
+@pytest.fixture(scope="module")
+def serve_like(tmp_path_factory):
+    """The app on the uvicorn configuration ``calexec serve`` runs (its HTTP protocol)."""
+    from calexec.drivers.serving.server import create_app
+
+    executor = started_executor(tmp_path_factory.mktemp("calbin"))
+    try:
+        with ServeLikeServer(create_app(executor)) as server:
+            yield server
+    finally:
+        executor.shutdown(5.0)
+
+
+def _answers(port: int, raw: bytes) -> tuple[list, str]:
+    data, how = send_raw(port, raw, timeout=TIMEOUT_S)
+    return responses(data), how
+
+
+@pytest.mark.parametrize(("line", "named"), [
+    (b"GET /health HTTP/2.0\r\nHost: x\r\n\r\n", "HTTP/2.0 is not supported"),
+    (b"GET /health HTTP/3.0\r\nHost: x\r\n\r\n", "HTTP/3.0 is not supported"),
+    (b"GET /health HTTP/0.9\r\nHost: x\r\n\r\n", "HTTP/0.9 is not supported"),
+    (b"GET /health\r\n\r\n", "HTTP/0.9 is not supported"),
+    (b"POST /v1/completions HTTP/9.9\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}",
+     "HTTP/9.9 is not supported"),
+    (b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", "the HTTP/2 connection preface"),
+], ids=["2.0", "3.0", "0.9", "0.9-no-version", "9.9-with-body", "h2-preface"])
+def test_an_http_version_whose_major_is_not_1_is_a_505_naming_it(serve_like, line, named):
+    """RFC 9112 section 2.3, RFC 9110 section 15.6.6: a request line whose HTTP version has
+    a major version other than 1 is not an HTTP/1 request. ``HTTP/2.0`` and ``HTTP/0.9``
+    (and a request line with no version) were served as HTTP/1.1 (200), ``HTTP/3.0`` and
+    HTTP/2's connection preface answered 400 ``Invalid HTTP version`` / ``Pause on
+    PRI/Upgrade``; every one is now 505 in the OpenAI error shape, naming the version and
+    what the server speaks, ``x-should-retry: false`` (the SDKs retry a 5xx otherwise) and
+    the connection closed."""
+    answers, how = _answers(serve_like.port, line)
+    assert how == "eof" and len(answers) == 1, (how, answers)
+    status, headers, body = answers[0]
+    assert status == b"HTTP/1.1 505 HTTP Version Not Supported", (status, body)
+    error = json.loads(body)["error"]
+    assert error["code"] == "request.http_version_not_supported", error
+    assert error["message"].startswith(named), error
+    assert "this server speaks HTTP/1.1 and HTTP/1.0" in error["message"], error
+    assert json.loads(body)["status"]["http_status"] == 505
+    assert headers["connection"] == "close"
+    assert headers["x-should-retry"] == "false"
+    assert headers.get("x-request-id")
+
+
+def test_a_505_pipelined_behind_a_request_is_written_after_its_answer(serve_like):
+    """(The refusal keeps the connection's order: the good request before it is answered
+    first, RFC 9112 section 9.3.2.)"""
+    answers, how = _answers(serve_like.port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+                                             b"GET /health HTTP/2.0\r\nHost: x\r\n\r\n")
+    assert how == "eof", (how, answers)
+    assert [status.split(b" ")[1] for status, _, _ in answers] == [b"200", b"505"], answers
+
+
+def test_http_1_2_is_served_as_http_1_1(serve_like):
+    """RFC 9112 section 2.3: a recipient SHOULD process a higher minor version of a major
+    version it implements as the highest minor it conforms to: ``HTTP/1.2`` was a 400
+    ``Invalid HTTP version``; it is served as HTTP/1.1 now, kept alive (two pipelined
+    requests answered on one connection) and, like HTTP/1.1, refused without a Host."""
+    payload = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1}).encode()
+    answers, how = _answers(serve_like.port, (
+        b"GET /health HTTP/1.2\r\nHost: x\r\n\r\n"
+        b"POST /v1/completions HTTP/1.9\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(payload), payload)))
+    assert how == "eof", (how, answers)
+    assert [status for status, _, _ in answers] == [b"HTTP/1.1 200 OK"] * 2, answers
+    assert json.loads(answers[1][2])["choices"][0]["finish_reason"] == "length"
+    answers, how = _answers(serve_like.port, b"GET /health HTTP/1.2\r\n\r\n")
+    assert answers[0][0].startswith(b"HTTP/1.1 400"), answers
+    assert "no Host header" in json.loads(answers[0][2])["error"]["message"]
