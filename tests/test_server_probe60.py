@@ -139,8 +139,8 @@ def test_identity_before_chunked_is_no_transfer_coding_the_server_takes(serve_li
      "transfer codings must end with chunked"),
     ([b"Transfer-Encoding: identity"], BODY, 'Transfer-Encoding "identity": a request '
      "body's transfer codings must end with chunked"),
-    ([b"Transfer-Encoding: chunked, gzip"], CHUNKED, "Transfer-Encoding: a request body's "
-     "transfer codings must end with chunked, given once"),
+    ([b"Transfer-Encoding: chunked, gzip"], CHUNKED, 'Transfer-Encoding "chunked, gzip": a '
+     "request body's transfer codings must end with chunked, given once"),
     ([b"Transfer-Encoding: chunked, chunked"], CHUNKED, "must end with chunked, given once"),
     ([b"Transfer-Encoding: chunked", b"Transfer-Encoding: chunked"], CHUNKED,
      "must end with chunked, given once"),

@@ -93,3 +93,26 @@ def test_http_1_2_is_served_as_http_1_1(serve_like):
     answers, how = _answers(serve_like.port, b"GET /health HTTP/1.2\r\n\r\n")
     assert answers[0][0].startswith(b"HTTP/1.1 400"), answers
     assert "no Host header" in json.loads(answers[0][2])["error"]["message"]
+
+
+@pytest.mark.parametrize("value", [b"chunked ,", b"chunked,", b"chunked,,", b"CHUNKED , "])
+def test_an_empty_list_element_after_chunked_is_a_400_naming_the_field_and_why(
+        serve_like, value):
+    """RFC 9110 section 5.6.1 says a recipient ignores empty list elements, so
+    ``Transfer-Encoding: chunked ,`` is ``chunked``; the HTTP parser (llhttp, which this
+    server cannot change) refuses it in a request, inside the field's value, before it
+    delivers the field: the 400 said "a request body's transfer codings must end with
+    chunked, given once", naming no value and a rule the field does not break. It now
+    names the value and says what the parser refuses."""
+    payload = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1}).encode()
+    answers, how = _answers(serve_like.port, (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Transfer-Encoding: %s\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (value, len(payload), payload)))
+    assert how == "eof" and len(answers) == 1, (how, answers)
+    status, _, body = answers[0]
+    assert status.startswith(b"HTTP/1.1 400"), (status, body)
+    message = json.loads(body)["error"]["message"]
+    shown = json.dumps(value.decode().strip())
+    assert message.startswith(f"Transfer-Encoding {shown}: an empty list element after "
+                              "chunked, which RFC 9110 section 5.6.1 says a recipient "
+                              "ignores"), message

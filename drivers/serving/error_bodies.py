@@ -6,6 +6,7 @@ Status.to_dict()``; 429 and 503 carry ``Retry-After``, a failure no retry fixes
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -137,7 +138,12 @@ def framing_refused(parser_error: str, transfer_encodings: list[str]) -> str | N
         return None
     given = ", ".join(shown(v, 60) for v in transfer_encodings[:4])
     field = f"Transfer-Encoding {given}" if given else "Transfer-Encoding"
-    if "content-length" in said.lower():
+    empty = next((v for v in transfer_encodings if _empty_element_after_chunked(v)), None)
+    if "content-length" not in said.lower() and empty is not None:
+        why = (f"Transfer-Encoding {shown(empty, 60)}: an empty list element after chunked, "
+               "which RFC 9110 section 5.6.1 says a recipient ignores, but this server's "
+               "HTTP parser (llhttp) refuses in a request: send chunked alone")
+    elif "content-length" in said.lower():
         why = (f"{field} with a Content-Length: the body's length cannot be told (RFC 9112 "
                "section 6.3): send one of them")
     elif said.lower().startswith("empty"):
@@ -147,6 +153,42 @@ def framing_refused(parser_error: str, transfer_encodings: list[str]) -> str | N
                "(RFC 9112 sections 6.1 and 6.3): send the body with chunked alone or a "
                "Content-Length")
     return f"{why} (the HTTP parser: {said[:120]})"
+
+
+#: a Transfer-Encoding field line in a request's bytes (its value, up to the line's end)
+_TE_LINE = re.compile(rb"(?:^|\n)transfer-encoding:([^\r\n]*)", re.IGNORECASE)
+
+
+def _items(value: str) -> list[str]:
+    return [item.strip(" \t").lower() for item in value.split(",")]
+
+
+def _empty_element_after_chunked(value: str) -> bool:
+    """``value`` (a Transfer-Encoding field value) ends with chunked, given once, followed
+    by an empty list element (``chunked ,``): what llhttp refuses in a request though RFC
+    9110 section 5.6.1 says to ignore empty elements."""
+    items = _items(value)
+    named = [item for item in items if item]
+    return (bool(named) and named[-1] == "chunked" and named.count("chunked") == 1
+            and items[-1] == "")
+
+
+def refused_transfer_encoding(data: bytes, read: list[str]) -> str | None:
+    """The value of the Transfer-Encoding field the HTTP parser refused while it read
+    ``data`` (the bytes it was fed), when the field is in ``data`` and not among the values
+    it delivered already (``read``): llhttp stops inside the field's value and never
+    delivers it, so the 400 could not name it. The first such value a request body cannot
+    be framed by (RFC 9112 section 6.3: not ending with chunked, chunked twice, an empty
+    element after it)."""
+    for match in _TE_LINE.finditer(data):
+        value = match.group(1).decode("latin-1").strip(" \t")
+        if not value or value in read:  # empty: the parser's "Empty" refusal says it
+            continue
+        named = [item for item in _items(value) if item]
+        if (not named or named[-1] != "chunked" or named.count("chunked") > 1
+                or _empty_element_after_chunked(value)):
+            return value
+    return None
 
 
 def body_timeout(came: str, timeout_s: float) -> Status:

@@ -392,9 +392,14 @@ def abortable(protocol: type) -> type:
                         self._refuse(error_bodies.malformed_http(self._head_refused,
                                                                  uuid.uuid4().hex))
                         return
-                    framing = error_bodies.framing_refused(str(err), [
-                        value.decode("latin-1") for name, value in getattr(self, "headers", None) or ()
-                        if name.lower() == b"transfer-encoding"])
+                    read = [value.decode("latin-1") for name, value
+                            in getattr(self, "headers", None) or ()
+                            if name.lower() == b"transfer-encoding"]
+                    if "transfer-encoding" in str(err).lower():
+                        # the field the parser stopped in, never delivered (on_header)
+                        refused = error_bodies.refused_transfer_encoding(data, read)
+                        read += [refused] if refused is not None else []
+                    framing = error_bodies.framing_refused(str(err), read)
                     # the parser's own words (llhttp's fixed reasons: "Invalid header value
                     # char", "Duplicate Content-Length", "Invalid HTTP version"), which
                     # uvicorn dropped: every refusal read "Invalid HTTP request received."
