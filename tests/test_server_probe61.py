@@ -116,3 +116,26 @@ def test_an_empty_list_element_after_chunked_is_a_400_naming_the_field_and_why(
     assert message.startswith(f"Transfer-Encoding {shown}: an empty list element after "
                               "chunked, which RFC 9110 section 5.6.1 says a recipient "
                               "ignores"), message
+
+
+@pytest.mark.parametrize(("path", "content_type"), [
+    ("/v1/completions", "application/vnd.api+json"),
+    ("/v1/completions", "Application/Merge-Patch+JSON; charset=utf-8"),
+    ("/tokenize", "application/vnd.example.v2+json"),
+])
+def test_a_json_suffixed_content_type_is_read_as_json(serve_like, path, content_type):
+    """RFC 6839 section 3.1: an ``application/...+json`` media type is JSON's syntax, and
+    FastAPI (so vLLM's server) reads such a body as JSON; this server answered it 415
+    ``the body must be JSON (application/json)``. It is read as JSON now (``text/json``,
+    ``application/x-ndjson`` stay refused)."""
+    import httpx
+
+    payload = {"model": MODEL, "prompt": "hi"} | (
+        {"max_tokens": 1} if path == "/v1/completions" else {})
+    answer = httpx.post(f"{serve_like.url}{path}", content=json.dumps(payload).encode(),
+                        headers={"content-type": content_type}, timeout=TIMEOUT_S)
+    assert answer.status_code == 200, answer.text[:300]
+    for refused in ("text/json", "application/x-ndjson", "application/+json"):
+        answer = httpx.post(f"{serve_like.url}{path}", content=json.dumps(payload).encode(),
+                            headers={"content-type": refused}, timeout=TIMEOUT_S)
+        assert answer.status_code == 415, (refused, answer.text[:300])

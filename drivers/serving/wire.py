@@ -133,10 +133,18 @@ def sse(data: Any) -> bytes:
 
 def non_json_media(request: Request) -> str | None:
     """The media type of a body that is declared and not JSON (a JSON route answers it 415),
-    else None: ``application/json`` in any case and with parameters (``; charset=utf-8``), or
-    no content type at all (raw clients and relays that send none; the body is read as JSON)."""
+    else None: ``application/json`` in any case and with parameters (``; charset=utf-8``), an
+    ``application/...+json`` type (RFC 6839 section 3.1: the ``+json`` suffix is JSON's
+    syntax; FastAPI, and so vLLM's server, reads such a body as JSON), or no content type at
+    all (raw clients and relays that send none; the body is read as JSON)."""
     media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-    return None if media in ("", "application/json") else media[:80]
+    if media in ("", "application/json") or _JSON_SUFFIXED.fullmatch(media):
+        return None
+    return media[:80]
+
+
+#: an ``application`` media type with the ``+json`` structured syntax suffix (RFC 6839)
+_JSON_SUFFIXED = re.compile(r"application/[!#$%&'*.^_`|~0-9a-z-]+\+json")
 
 
 def expects_continue(request: Request) -> bool:
