@@ -139,3 +139,25 @@ def test_a_json_suffixed_content_type_is_read_as_json(serve_like, path, content_
         answer = httpx.post(f"{serve_like.url}{path}", content=json.dumps(payload).encode(),
                             headers={"content-type": refused}, timeout=TIMEOUT_S)
         assert answer.status_code == 415, (refused, answer.text[:300])
+
+
+@pytest.mark.parametrize(("written", "said"), [
+    ("1" + "0" * 500, "timeout=" + "1" + "0" * 79 + " > max_timeout_s=600"),
+    ("1e400", "timeout=Infinity > max_timeout_s=600"),
+    ("600.5", "timeout=600.5 > max_timeout_s=600"),
+], ids=["500-digits", "past-a-double", "just-over"])
+def test_a_timeout_over_the_servers_bound_is_echoed_as_json_and_cut(serve_like, written, said):
+    """A body's ``timeout`` over ``max_timeout_s`` was echoed as Python prints it: an
+    integer of 500 digits whole (a 531-character message, where docs/server.md says every
+    echoed value is cut to 80 characters), ``1e400`` as ``inf`` (every other refused
+    number past a double's range reads ``Infinity``), the bound as ``600.0``. Now the
+    value is written as JSON, cut to 80 characters."""
+    import httpx
+
+    raw = ('{"model": "%s", "prompt": "hi", "max_tokens": 1, "timeout": %s}'
+           % (MODEL, written)).encode()
+    answer = httpx.post(f"{serve_like.url}/v1/completions", content=raw,
+                        headers={"content-type": "application/json"}, timeout=TIMEOUT_S)
+    error = answer.json()["error"]
+    assert (answer.status_code, error["param"]) == (400, "timeout"), error
+    assert error["message"] == said, error

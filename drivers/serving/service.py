@@ -843,8 +843,10 @@ class CompletionService:
                 f"the prompt or {field}."), field
         timeout = self.config.default_timeout_s if body.timeout is None else body.timeout
         if timeout > self.config.max_timeout_s:
-            return None, invalid(f"timeout={timeout} > max_timeout_s="
-                                  f"{self.config.max_timeout_s}"), "timeout"
+            # the body's number written as JSON, cut (an integer of 500 digits was echoed
+            # whole, 1e400 as Python's "inf")
+            return None, invalid(f"timeout={fields.shown(timeout)} > max_timeout_s="
+                                  f"{self.config.max_timeout_s:g}"), "timeout"
         return list(prompt), Status.OK, None
 
     def admit(self, body: Admission, admitted: bool = False
