@@ -161,3 +161,46 @@ def test_a_timeout_over_the_servers_bound_is_echoed_as_json_and_cut(serve_like, 
     error = answer.json()["error"]
     assert (answer.status_code, error["param"]) == (400, "timeout"), error
     assert error["message"] == said, error
+
+
+HUGE = "1" + "0" * 500  # an integer JSON has no bound for, 501 digits
+CUT = "1" + "0" * 79  # as an echo shows it: cut to 80 characters
+CHAT = '"messages": [{"role": "user", "content": "hi"}]'
+
+
+@pytest.mark.parametrize(("path", "fields", "said"), [
+    ("/v1/completions", f'"prompt": "hi", "max_tokens": 2, "n": -{HUGE}', f"n=-{CUT[:79]}"),
+    ("/v1/completions", f'"prompt": "hi", "max_tokens": 2, "n": {HUGE}', f"n={CUT}: 1 prompt"),
+    ("/v1/completions", f'"prompt": "hi", "max_tokens": 2, "min_tokens": {HUGE}',
+     f"min_tokens={CUT}: must be <= max_tokens=2"),
+    ("/v1/completions", f'"prompt": "hi", "max_tokens": 2, "prompt_logprobs": {HUGE}',
+     f"prompt_logprobs={CUT}: must be in [0, 20]"),
+    ("/v1/completions", f'"prompt": [{HUGE}], "max_tokens": 2',
+     f"prompt[0]={CUT} outside the vocabulary"),
+    ("/v1/completions", f'"prompt": "hi", "max_tokens": 2, "stop_token_ids": [{HUGE}]',
+     f"stop_token_ids[0]={CUT} outside the vocabulary"),
+    ("/v1/completions", f'"prompt": "hi", "max_tokens": {HUGE}',
+     f"you requested {CUT} tokens (2 in the prompt, max_tokens={CUT} for the completion)"),
+    ("/v1/chat/completions", f'{CHAT}, "logprobs": true, "top_logprobs": {HUGE}',
+     f"top_logprobs={CUT}: must be in [0, 20]"),
+    ("/v1/chat/completions", f'{CHAT}, "max_tokens": 2, "max_completion_tokens": {HUGE}',
+     f"max_completion_tokens={CUT} and max_tokens=2 differ"),
+], ids=["n-negative", "n-over-max-choices", "min-tokens", "prompt-logprobs", "prompt-id",
+        "stop-token-id", "max-tokens-over-context", "top-logprobs", "max-completion-tokens"])
+def test_an_integer_of_500_digits_is_echoed_cut_to_80_characters(serve_like, path, fields,
+                                                                 said):
+    """docs/server.md: a value echoed in a message is cut to 80 characters, so an error
+    body stays small whatever the request sent. An integer of 501 digits (JSON has no bound)
+    was echoed whole by the refusals of ``n``, ``min_tokens``, ``prompt_logprobs``,
+    ``top_logprobs``, ``max_completion_tokens``, a prompt or stop token id outside the
+    vocabulary and the context-length message (twice there: 1,176 characters); each is cut
+    now."""
+    import httpx
+
+    raw = f'{{"model": "{MODEL}", {fields}}}'.encode()
+    answer = httpx.post(f"{serve_like.url}{path}", content=raw,
+                        headers={"content-type": "application/json"}, timeout=TIMEOUT_S)
+    error = answer.json()["error"]
+    assert answer.status_code == 400, error
+    assert said in error["message"], error
+    assert "0" * 80 not in error["message"], len(error["message"])

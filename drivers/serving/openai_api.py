@@ -430,12 +430,12 @@ def refusal(body: _Body) -> None:
                 and not neutral(getattr(body, name)):
             raise Refusal(invalid(f"{name}={shown(getattr(body, name), 80)}: {why}"), name)
     if body.n < 1:
-        raise Refusal(invalid(f"n={body.n}: must be >= 1"), "n")
+        raise Refusal(invalid(f"n={shown(body.n)}: must be >= 1"), "n")
     best_of = getattr(body, "best_of", None)  # here null or 1 (REFUSED took any other)
     if best_of is not None and best_of < body.n:
         # OpenAI and vLLM refuse it ("best_of must be greater than or equal to n"); served,
         # the answer had n choices where the client asked for the best of one
-        raise Refusal(invalid(f"best_of={best_of} < n={body.n}: best_of must be >= n (or "
+        raise Refusal(invalid(f"best_of={shown(best_of)} < n={shown(body.n)}: best_of must be >= n (or "
                               "left out)"), "best_of")
     if body.stream_options is not None:
         if not body.stream:
@@ -502,7 +502,7 @@ def sampling_params(body: _Body, logprobs: int | None, vocab: int | None = None,
                        ("allowed_token_ids", body.allowed_token_ids or [])):
         bad = next((i for i, t in enumerate(ids) if vocab is not None and t >= vocab), None)
         if bad is not None:
-            raise Refusal(invalid(f"{field}[{bad}]={ids[bad]} outside the vocabulary "
+            raise Refusal(invalid(f"{field}[{bad}]={shown(ids[bad])} outside the vocabulary "
                                   f"[0, {vocab})"), field)
 
     # vLLM's rule: a minimum above the maximum the body gives can never be met (without a
@@ -511,7 +511,8 @@ def sampling_params(body: _Body, logprobs: int | None, vocab: int | None = None,
         body, "max_completion_tokens", None)
     if body.min_tokens is not None and given is not None and body.min_tokens > given:
         field = "max_tokens" if body.max_tokens is not None else "max_completion_tokens"
-        raise Refusal(invalid(f"min_tokens={body.min_tokens}: must be <= {field}={given}"),
+        raise Refusal(invalid(f"min_tokens={shown(body.min_tokens)}: must be <= "
+                              f"{field}={shown(given)}"),
                       "min_tokens")
 
     def number(value: int | float | None, default: float) -> float:
@@ -885,7 +886,7 @@ def prompt_rows(body: CompletionRequest) -> int | None:
     (OpenAI) and ``prompt_logprobs`` (vLLM) both need them."""
     if body.prompt_logprobs is not None and \
             not 0 <= body.prompt_logprobs <= sampling.MAX_LOGPROBS:
-        raise Refusal(invalid(f"prompt_logprobs={body.prompt_logprobs}: must be in "
+        raise Refusal(invalid(f"prompt_logprobs={shown(body.prompt_logprobs)}: must be in "
                               f"[0, {sampling.MAX_LOGPROBS}]"), "prompt_logprobs")
     wanted = [n for n in (body.logprobs if body.echo else None, body.prompt_logprobs)
               if n is not None]
@@ -965,7 +966,7 @@ def resume_refusal(resume: handoff.Resume, run: RequestRun) -> Refusal | None:
     tokens = resume.tokens
     bad = next((i for i, t in enumerate(tokens) if t >= run.logits.shape[0]), None)
     if bad is not None:
-        return Refusal(invalid(f"resume.tokens[{bad}]={tokens[bad]} outside the vocabulary "
+        return Refusal(invalid(f"resume.tokens[{bad}]={shown(tokens[bad])} outside the vocabulary "
                                f"[0, {run.logits.shape[0]})"), "resume")
     if len(tokens) > run.max_tokens:
         return Refusal(invalid(f"resume.tokens: {len(tokens)} tokens > max_tokens="
@@ -1008,7 +1009,7 @@ def choices_refusal(prompts: int, n: int, cap: int) -> None:
         raise Refusal(invalid(f"prompt: {prompts} prompts > max_choices={cap}, the server's "
                               "cap on choices (prompts x n) per request; send fewer"),
                       "prompt")
-    raise Refusal(invalid(f"n={n}: {prompts} prompt(s) x n = {prompts * n} choices > "
+    raise Refusal(invalid(f"n={shown(n)}: {prompts} prompt(s) x n = {shown(prompts * n)} choices > "
                           f"max_choices={cap}, the server's cap per request"), "n")
 
 
@@ -1329,15 +1330,16 @@ def add_routes(app: FastAPI, service: CompletionService, fail: Callable[..., Res
             top = body.top_logprobs
             # 0 without logprobs asks for nothing (vLLM takes it): only more is refused
             if top and not body.logprobs:
-                raise Refusal(invalid(f"top_logprobs={top}: needs logprobs=true"),
+                raise Refusal(invalid(f"top_logprobs={shown(top)}: needs logprobs=true"),
                               "top_logprobs")
             if top is not None and not 0 <= top <= sampling.MAX_LOGPROBS:
-                raise Refusal(invalid(f"top_logprobs={top}: must be in "
+                raise Refusal(invalid(f"top_logprobs={shown(top)}: must be in "
                                       f"[0, {sampling.MAX_LOGPROBS}]"), "top_logprobs")
             if body.max_tokens is not None and body.max_completion_tokens is not None \
                     and body.max_tokens != body.max_completion_tokens:
-                raise Refusal(invalid(f"max_completion_tokens={body.max_completion_tokens} "
-                                      f"and max_tokens={body.max_tokens} differ: give one"),
+                raise Refusal(invalid(f"max_completion_tokens={shown(body.max_completion_tokens)} "
+                                      f"and max_tokens={shown(body.max_tokens)} differ: "
+                                      "give one"),
                               "max_completion_tokens")
             choices_refusal(1, body.n, config.max_choices)
             params = sampling_params(body, (top or 0) if body.logprobs else None, vocab(),

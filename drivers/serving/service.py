@@ -827,7 +827,7 @@ class CompletionService:
             return None, invalid("prompt is empty"), body.prompt_param
         bad = next((i for i, t in enumerate(prompt) if not 0 <= t < vocab), None)
         if bad is not None:
-            return None, invalid(f"prompt[{bad}]={prompt[bad]} outside the vocabulary "
+            return None, invalid(f"prompt[{bad}]={fields.shown(prompt[bad])} outside the vocabulary "
                                   f"[0, {vocab})"), body.prompt_param
         if len(prompt) > max_seq:  # phrased as OpenAI and vLLM do: clients look for it
             return None, context_exceeded(
@@ -838,8 +838,9 @@ class CompletionService:
             field = body.max_tokens_param
             return None, context_exceeded(
                 f"This model's maximum context length is {max_seq} tokens. However, you "
-                f"requested {len(prompt) + body.max_tokens} tokens ({len(prompt)} in the "
-                f"prompt, {field}={body.max_tokens} for the completion). Please reduce "
+                f"requested {fields.shown(len(prompt) + body.max_tokens)} tokens "
+                f"({len(prompt)} in the prompt, {field}={fields.shown(body.max_tokens)} for "
+                f"the completion). Please reduce "
                 f"the prompt or {field}."), field
         timeout = self.config.default_timeout_s if body.timeout is None else body.timeout
         if timeout > self.config.max_timeout_s:
