@@ -204,3 +204,38 @@ def test_an_integer_of_500_digits_is_echoed_cut_to_80_characters(serve_like, pat
     assert answer.status_code == 400, error
     assert said in error["message"], error
     assert "0" * 80 not in error["message"], len(error["message"])
+
+
+DEEP_OBJECT = '{"a": ' * 300 + "1" + "}" * 300  # valid JSON, 300 levels
+
+
+@pytest.mark.parametrize(("path", "raw"), [
+    ("/v1/chat/completions", f'{{"model": "{MODEL}", {CHAT}, "metadata": {DEEP_OBJECT}}}'),
+    ("/v1/completions", f'{{"model": "{MODEL}", "prompt": "hi", "logit_bias": {DEEP_OBJECT}}}'),
+    ("/tokenize", f'{{"model": "{MODEL}", "prompt": "hi", "x": {DEEP_OBJECT}}}'),
+    ("/admin/reload", '{"calbin": ' + "[" * 5000 + "]" * 5000 + "}"),
+], ids=["chat", "completions", "tokenize", "admin-reload"])
+def test_valid_json_nested_past_the_parsers_depth_is_not_called_invalid(tmp_path_factory,
+                                                                        path, raw):
+    """RFC 8259 section 9 lets a parser bound the nesting; the body is valid JSON all the
+    same. Nested past the parser's depth it was refused ``body: Invalid JSON: recursion
+    limit exceeded at line 1 column 1106`` (``/admin/reload``: ``body: not valid JSON
+    (nested too deeply)``), a syntax error the client did not make. The 400 now says the
+    body is nested deeper than the parser reads and that the JSON is valid."""
+    import httpx
+
+    from calexec.drivers.serving.server import ServerConfig, create_app
+
+    executor = started_executor(tmp_path_factory.mktemp("calbin"))
+    try:
+        with ServeLikeServer(create_app(executor, ServerConfig(admin_token="t0ken"))) as server:
+            answer = httpx.post(f"{server.url}{path}", content=raw.encode(), timeout=TIMEOUT_S,
+                                headers={"content-type": "application/json",
+                                         "authorization": "Bearer t0ken"})
+    finally:
+        executor.shutdown(5.0)
+    error = answer.json()["error"]
+    assert (answer.status_code, error["param"]) == (400, None), error
+    assert error["message"].startswith("body: nested deeper than the server's JSON parser "
+                                       "reads"), error
+    assert "the JSON is valid" in error["message"] and "Invalid JSON" not in error["message"]

@@ -128,9 +128,13 @@ def reload_body(raw: bytes) -> dict[str, Any] | tuple[Status, str | None]:
     repeated: list[str] = []  # keys given twice in one object (JSON's last one would win)
     try:
         body = json.loads(text, object_pairs_hook=lambda pairs: _object(pairs, repeated))
-    except (ValueError, RecursionError) as err:
-        why = "nested too deeply" if isinstance(err, RecursionError) else str(err)[:120]
-        return invalid(f"body: not valid JSON ({why}); send {{\"calbin\": PATH}}"), None
+    except RecursionError:  # valid JSON, nested past the parser's depth: not "not valid"
+        return invalid("body: nested deeper than the server's JSON parser reads (RFC 8259 "
+                       "section 9 lets a parser bound the nesting): the JSON is valid, send "
+                       "{\"calbin\": PATH}"), None
+    except ValueError as err:
+        return invalid(f"body: not valid JSON ({str(err)[:120]}); send "
+                       "{\"calbin\": PATH}"), None
     try:  # (Python's parser takes "\udcff"; the API's bodies are refused for it, as here)
         json.dumps(body, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:

@@ -330,6 +330,10 @@ def parse(model: type[Body], raw: bytes) -> Body:
         surrogate = wire.lone_surrogate(raw) if first["type"] == "json_invalid" else None
         if surrogate is not None:  # (the parser's words named neither place nor escape)
             raise Refusal(invalid(surrogate[0]), surrogate[1]) from None
+        if first["type"] == "json_invalid" and "recursion limit" in first["msg"]:
+            # valid JSON nested past the parser's depth; its words, "Invalid JSON", blamed
+            # the client for a syntax error it did not make
+            raise Refusal(invalid(_too_deep(first["msg"])), None) from None
         path, branches = _field_path(model, first["loc"], first["type"] == "extra_forbidden")
         # (an unknown key is the client's, of any length: cut as every echoed value is)
         param = ".".join(str(p) for p in path)[:80] or None
@@ -536,6 +540,15 @@ def sampling_params(body: _Body, logprobs: int | None, vocab: int | None = None,
     except SamplingError as err:
         raise Refusal(invalid(_as_written(err, body)), err.field.split("[")[0]) from None
     return params
+
+
+def _too_deep(said: str) -> str:
+    """The message refusing a body nested past the JSON parser's depth (pydantic's ``said``:
+    "Invalid JSON: recursion limit exceeded at line 1 column 206"), naming where."""
+    where = said.partition(" exceeded")[2].strip()
+    return (f"body: nested deeper than the server's JSON parser reads{' ' + where if where else ''}"
+            " (about 200 levels of arrays and objects; RFC 8259 section 9 lets a parser "
+            "bound the nesting): the JSON is valid, send it less deeply nested")
 
 
 def _as_written(err: SamplingError, body: _Body) -> str:
