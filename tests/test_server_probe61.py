@@ -154,8 +154,7 @@ def test_a_timeout_over_the_servers_bound_is_echoed_as_json_and_cut(serve_like, 
     value is written as JSON, cut to 80 characters."""
     import httpx
 
-    raw = ('{"model": "%s", "prompt": "hi", "max_tokens": 1, "timeout": %s}'
-           % (MODEL, written)).encode()
+    raw = f'{{"model": "{MODEL}", "prompt": "hi", "max_tokens": 1, "timeout": {written}}}'.encode()
     answer = httpx.post(f"{serve_like.url}/v1/completions", content=raw,
                         headers={"content-type": "application/json"}, timeout=TIMEOUT_S)
     error = answer.json()["error"]
