@@ -238,3 +238,29 @@ def test_valid_json_nested_past_the_parsers_depth_is_not_called_invalid(tmp_path
     assert error["message"].startswith("body: nested deeper than the server's JSON parser "
                                        "reads"), error
     assert "the JSON is valid" in error["message"] and "Invalid JSON" not in error["message"]
+
+
+@pytest.mark.parametrize(("fields", "said"), [
+    ([b"Content-Encoding: identity", b"Content-Encoding: gzip"],
+     'content-encoding "gzip": not supported'),
+    ([b"Content-Type: application/json", b"Content-Type: text/plain"],
+     'content-type "text/plain": the body must be JSON'),
+], ids=["encoding-in-a-second-field", "type-in-a-second-field"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/tokenize"])
+def test_a_second_field_line_is_judged_as_the_first(serve_like, path, fields, said):
+    """Only the first ``Content-Encoding`` and ``Content-Type`` field was looked at:
+    ``identity`` then ``gzip`` in two fields (one list, RFC 9110 section 5.3: the body is
+    gzip) was read as an uncompressed body, and a JSON type then ``text/plain`` as JSON,
+    where either in one field is a 415. Every field line is judged now."""
+    payload = json.dumps({"model": MODEL, "prompt": "hi"} | (
+        {"max_tokens": 1} if path == "/v1/completions" else {})).encode()
+    head = b"POST %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n" % path.encode()
+    if not any(field.startswith(b"Content-Type") for field in fields):
+        head += b"Content-Type: application/json\r\n"
+    head += b"".join(field + b"\r\n" for field in fields)
+    answers, how = _answers(serve_like.port,
+                            head + b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+    assert how == "eof" and len(answers) == 1, (how, answers)
+    status, _, body = answers[0]
+    assert status.startswith(b"HTTP/1.1 415"), (status, body)
+    assert json.loads(body)["error"]["message"].startswith(said), body

@@ -136,11 +136,14 @@ def non_json_media(request: Request) -> str | None:
     else None: ``application/json`` in any case and with parameters (``; charset=utf-8``), an
     ``application/...+json`` type (RFC 6839 section 3.1: the ``+json`` suffix is JSON's
     syntax; FastAPI, and so vLLM's server, reads such a body as JSON), or no content type at
-    all (raw clients and relays that send none; the body is read as JSON)."""
-    media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-    if media in ("", "application/json") or _JSON_SUFFIXED.fullmatch(media):
-        return None
-    return media[:80]
+    all (raw clients and relays that send none; the body is read as JSON). Every
+    ``Content-Type`` field is judged: a JSON one, then ``text/plain``, was read as JSON (the
+    first field alone was looked at)."""
+    for value in request.headers.getlist("content-type") or [""]:
+        media = value.split(";", 1)[0].strip().lower()
+        if not (media in ("", "application/json") or _JSON_SUFFIXED.fullmatch(media)):
+            return media[:80]
+    return None
 
 
 #: an ``application`` media type with the ``+json`` structured syntax suffix (RFC 6839)
@@ -162,8 +165,11 @@ IDENTITY_ONLY = {"Accept-Encoding": "identity"}
 
 def unsupported_coding(request: Request) -> str | None:
     """The content coding of a body this server cannot read (any but ``identity``: it
-    decompresses nothing), else None; a route answers it 415 with :data:`IDENTITY_ONLY`."""
-    codings = [c.strip().lower() for c in request.headers.get("content-encoding", "").split(",")]
+    decompresses nothing), else None; a route answers it 415 with :data:`IDENTITY_ONLY`. The
+    codings of every ``Content-Encoding`` field (a list: two fields are one list, RFC 9110
+    section 5.3): ``identity`` then ``gzip`` in two fields was read as if uncompressed."""
+    codings = [c.strip().lower() for value in request.headers.getlist("content-encoding")
+               for c in value.split(",")]
     return next((c[:40] for c in reversed(codings) if c and c != "identity"), None)
 
 
