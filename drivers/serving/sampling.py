@@ -21,7 +21,11 @@ before every processor, temperature, min-p, top-k and top-p), like vLLM's defaul
 A grammar (structured outputs and tools, drivers/serving/grammar.py) is one more processor,
 applied first: every token its :class:`RowConstraint` does not allow next is set to -inf.
 It is stateful (it advances with each accepted token), so it lives on the request's run, not
-in the frozen params: :attr:`SamplingParams.grammar` only says which one to start.
+in the frozen params: :attr:`SamplingParams.grammar` only says which one to start. Unlike the
+other processors it also shapes the log-probabilities: vLLM applies the grammar's bitmask to
+the logits before its sampler computes ``raw_logprobs``, so a structured output's
+log-probabilities are over the tokens the grammar allows (a token it forces: 0.0) and its top
+tokens are allowed ones only.
 """
 
 from __future__ import annotations
@@ -307,15 +311,30 @@ def process(logits: np.ndarray, params: SamplingParams, prompt: Sequence[int] = 
     divided by it, a negative one multiplied);
     then ``frequency_penalty`` times each token's count in ``output`` and ``presence_penalty``
     for each token in ``output`` subtracted. ``logits`` itself when no processor is on."""
+    return _process(logits, params, prompt, output,
+                    None if constraint is None else constraint.allowed())
+
+
+def grammar_masked(logits: np.ndarray, allowed: np.ndarray) -> np.ndarray:
+    """A float32 copy of ``logits`` with every token ``allowed`` (a grammar's mask, one bool
+    a token; ids past its end are not allowed) does not hold set to -inf."""
+    row = logits.astype(np.float32, copy=True)
+    n = min(row.shape[0], allowed.shape[0])
+    row[:n][~allowed[:n]] = -np.inf
+    row[n:] = -np.inf
+    return row
+
+
+def _process(logits: np.ndarray, params: SamplingParams, prompt: Sequence[int],
+             output: Sequence[int], allowed: np.ndarray | None) -> np.ndarray:
+    """:func:`process` with the grammar's mask of this step (``allowed``) computed once."""
     if not params.processed:
         return logits
-    row = logits.astype(np.float32, copy=True)
+    if allowed is not None:
+        row = grammar_masked(logits, allowed)
+    else:
+        row = logits.astype(np.float32, copy=True)
     vocab = row.shape[0]
-    if constraint is not None:
-        allowed = constraint.allowed()
-        n = min(vocab, allowed.shape[0])
-        row[:n][~allowed[:n]] = -np.inf
-        row[n:] = -np.inf
     if params.allowed_token_ids is not None:
         allowed = np.asarray([t for t in params.allowed_token_ids if t < vocab], dtype=np.int64)
         kept = row[allowed]
@@ -374,7 +393,8 @@ def pick(logits: np.ndarray, params: SamplingParams, index: int,
     needs ``params.seed`` (see :meth:`SamplingParams.resolved`)."""
     if params.plain_greedy:
         return (int(np.argmax(logits)) if argmax is None else int(argmax)), None
-    row = process(logits, params, prompt, output, constraint)
+    allowed = None if constraint is None else constraint.allowed()
+    row = _process(logits, params, prompt, output, allowed)
     if params.allowed_token_ids is not None and not np.isfinite(row).any():
         # the grammar (response_format, tools) allows none of allowed_token_ids next: every
         # logit -inf, and the argmax or the draw was id 0, outside both, silently
@@ -392,15 +412,19 @@ def pick(logits: np.ndarray, params: SamplingParams, index: int,
         constraint.accept(token)
     if params.logprobs is None:
         return token, None
-    return token, token_logprobs(logits, token, params.logprobs)
+    # vLLM's raw logprobs are computed on the row its grammar bitmask was applied to (before
+    # the sampler's own processors): over the tokens the grammar allows, as the answer is
+    raw = logits if allowed is None else grammar_masked(logits, allowed)
+    return token, token_logprobs(raw, token, params.logprobs)
 
 
 def token_logprobs(logits: np.ndarray, token: int, top: int) -> TokenLogprobs:
-    """The chosen ``token``'s log-probability and the ``top`` most likely tokens'."""
+    """The chosen ``token``'s log-probability and the ``top`` most likely tokens' (only
+    tokens of finite logit: a grammar's masked row may hold fewer than ``top``)."""
     lp = log_softmax(logits)
     best: tuple[tuple[int, float], ...] = ()
     if top > 0:
-        top = min(top, lp.shape[0])
+        top = min(top, int(np.isfinite(lp).sum()))
         ids = np.argpartition(-lp, top - 1)[:top]
         ids = ids[np.lexsort((ids, -lp[ids]))]  # most likely first, ties by id
         best = tuple((int(i), float(lp[i])) for i in ids)
