@@ -65,6 +65,7 @@ from calexec.machines.chart_support import (
     semantics,
 )
 from calexec.machines.charts import DECLARED
+from calexec.machines.guard_expr import shown
 
 
 @attrs.frozen
@@ -82,8 +83,12 @@ class Transition:
 
     @property
     def guards(self) -> tuple[str, ...]:
-        """Guard names as python-statemachine prints them (``!name`` for ``unless``)."""
-        return self.conds + tuple(f"!{name}" for name in self.unless)
+        """The guards in the toolkit's one notation (``guard_expr.shown``), as diagrams draw
+        them, paths write a step's outcomes and every tool names them: ``!name`` for an
+        ``unless``, an expression's conditions that must all hold each on its own
+        (``cond="a and not b"``: ``a``, ``!b``)."""
+        return tuple(part for name in self.conds for part in shown(name)) + tuple(
+            part for name in self.unless for part in shown(name, expected=False))
 
 
 class TransitionChecker(Protocol):

@@ -125,3 +125,55 @@ def _alternatives(node: ast.expr, value: bool) -> list[dict[str, bool]]:
                         merged.append(both)
         ways = merged[:MAX_ALTERNATIVES + 1]
     return ways
+
+
+@functools.lru_cache(maxsize=4096)
+def shown(text: str, expected: bool = True) -> tuple[str, ...]:
+    """``text`` (a ``cond`` when ``expected``, an ``unless`` otherwise) in the toolkit's one
+    notation, the one ``charts paths`` writes a step's outcomes in and every tool draws and
+    names a guard by: each of the conditions that must all hold, ``!name`` for a name that must
+    not (``cond="has_job and not toner_empty"`` -> ``("has_job", "!toner_empty")``, drawn
+    ``[has_job, !toner_empty]``; ``unless="a or b"`` -> ``("!a", "!b")``), a disjunction as
+    ``a or b`` (parenthesized inside another operator). Text that is no expression over names
+    (a comparison, a call) is kept as written, ``!(...)`` for an ``unless``."""
+    if text.isidentifier():
+        return (text if expected else f"!{text}",)
+    try:
+        node = _parse(text)
+    except UnsettableGuard:
+        return (text if expected else f"!({text})",)
+    if not expected:
+        node = ast.UnaryOp(op=ast.Not(), operand=node)
+    return tuple(_show(part, nested=False) for part in _conjuncts(node))
+
+
+def _conjuncts(node: ast.expr) -> list[ast.expr]:
+    """The operands that must all hold for ``node`` to hold (``not (a or b)``: ``not a``,
+    ``not b``), double negations dropped."""
+    if isinstance(node, ast.BoolOp) and isinstance(node.op, ast.And):
+        return [part for value in node.values for part in _conjuncts(value)]
+    if isinstance(node, ast.UnaryOp):
+        inner = node.operand
+        if isinstance(inner, ast.UnaryOp):
+            return _conjuncts(inner.operand)
+        if isinstance(inner, ast.BoolOp) and isinstance(inner.op, ast.Or):
+            return [part for value in inner.values
+                    for part in _conjuncts(ast.UnaryOp(op=ast.Not(), operand=value))]
+    return [node]
+
+
+def _show(node: ast.expr, nested: bool) -> str:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Constant):
+        return str(bool(node.value)).lower()
+    if isinstance(node, ast.UnaryOp):
+        inner = node.operand
+        if isinstance(inner, ast.UnaryOp):
+            return _show(inner.operand, nested)
+        return f"!{_show(inner, nested=True)}"
+    if not isinstance(node, ast.BoolOp):  # _parse admits nothing else
+        return ast.unparse(node)
+    word = " and " if isinstance(node.op, ast.And) else " or "
+    text = word.join(_show(value, nested=True) for value in node.values)
+    return f"({text})" if nested else text

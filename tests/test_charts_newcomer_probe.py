@@ -145,7 +145,7 @@ def test_the_inspector_follows_a_general_runs_refusals_with_their_guards():
         record = inspector.paths.record("t1")
         assert record is not None
         assert [(s["event"], s["from"], s["to"], s["refused_by"]) for s in record["trail"]] == [
-            ("triage", "new", None, ["assigned and not duplicate"]),
+            ("triage", "new", None, ["assigned", "!duplicate"]),
             ("triage", "new", "open_", None)]
     finally:
         inspector.close()
