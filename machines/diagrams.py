@@ -536,7 +536,8 @@ def png_sha(png: bytes) -> str | None:
 
 def render_path_svg(chart: ChartLike, steps: Iterable[Mapping[str, object]]) -> str:
     """SVG of ``chart`` (a chart class or its ``CompiledChart``) with one run's path drawn on it. ``steps`` are
-    ``DeviceExecutor.job_trail`` steps (``event``, ``from``, ``to``, ``refused_by``): the taken
+    ``DeviceExecutor.job_trail`` steps (``event``, ``from``, ``to``, ``refused_by``; a followed
+    run's step into a history state has ``via``, the history, and ``to``, what it re-entered): the taken
     transitions in ``PATH_COLOR``, the last state filled, and inside each state the events
     refused there with their guards (and, for an ``[else]`` fallback, the guards of the
     alternatives passed over, which therefore did not hold)."""
@@ -546,19 +547,24 @@ def render_path_svg(chart: ChartLike, steps: Iterable[Mapping[str, object]]) -> 
     last: str | None = None
     for step in steps:
         event, source, target = step["event"], step["from"], step["to"]
+        via = step.get("via")  # a history state the step re-entered ``to`` through
         if not (isinstance(event, str) and isinstance(source, str)
-                and (target is None or isinstance(target, str))):
+                and (target is None or isinstance(target, str))
+                and (via is None or isinstance(via, str))):
             raise TypeError(f"{chart.name}: step {dict(step)!r:.200}: 'event' and 'from' must "
-                            "be names (str), 'to' a state name or None (a refused event)")
+                            "be names (str), 'to' a state name or None (a refused event), "
+                            "'via' a history state's name or None")
         line = None
         if target is not None:
             candidates = chart.table.get((source, event), ())
-            chosen = next((t for t in candidates if t.target == target), None)
+            declared = target if via is None else via
+            chosen = next((t for t in candidates if t.target == declared), None)
             if chosen is None:
-                raise ValueError(f"{chart.name}: step {source} --{event}--> {target} is not "
+                raise ValueError(f"{chart.name}: step {source} --{event}--> {declared} is not "
                                  "a declared transition")
             taken.add(chosen.id)
-            last = _drawn_state(chart, target)
+            entered = target.split(",")[-1] if via is not None else target
+            last = _drawn_state(chart, entered if entered in chart.states else declared)
             passed_over = [g for t in candidates if t.id < chosen.id for g in t.guards]
             if passed_over:
                 line = f"{_event_label(chart, event)}: [{', '.join(passed_over)}] refused"

@@ -265,21 +265,20 @@ class PathLog:
                 raise ValueError(f"PathLog({field}={value}): must be >= 1")
         self.keep, self.steps, self._clock = keep, steps, clock
         self._mu = threading.Lock()
-        self._runs: dict[str, tuple[CompiledChart, object, deque[tuple[
-            str, str, str | None, tuple[str, ...] | None, float]], _TrailListener | None]] = {}
+        self._runs: dict[str, tuple[CompiledChart, object, _Trail, _TrailListener | None]] = {}
 
     def follow(self, run_id: str, run: object, chart: ChartLike | None = None) -> None:
         """Record the path of ``run`` (a ``ChartRun``, or a python-statemachine instance of
         ``chart``'s class, ``chart`` defaulting to its class) under ``run_id`` from now on."""
-        trail: deque[tuple[str, str, str | None, tuple[str, ...] | None, float]] = deque(
-            maxlen=self.steps)
         listener: _TrailListener | None = None
         if isinstance(run, (ChartRun, StatechartRun)):
             shared = run.chart
+            trail = _Trail(self.steps, shared, run)
             run.keep_trail(trail, self._clock)
         elif isinstance(run, StateChart):
             shared = compiled(chart if chart is not None else type(run))
             shared.refuse_runs()  # (its own async callbacks: no run to follow)
+            trail = _Trail(self.steps, shared, run)
             listener = _TrailListener(shared, trail, self._clock)
             run.add_listener(listener)  # type: ignore[no-untyped-call]
         else:
@@ -304,11 +303,14 @@ class PathLog:
             if found is None:
                 return None
             shared, run, trail, _ = found
-            steps = list(trail)
+            steps = list(zip(trail, trail.entered, strict=True))
+        # a transition to a history state: ``to`` the state(s) it re-entered, ``via`` the
+        # history (until stop 61 ``to`` was the history pseudo-state's id, where no run is)
         return {"run_id": run_id, "chart": shared.name, "state": state_of(run),
-                "trail": [{"event": e, "from": s, "to": t,
+                "trail": [{"event": e, "from": s, "to": t if entered is None else entered,
+                           "via": None if entered is None else t,
                            "refused_by": None if r is None else list(r), "t": at}
-                          for e, s, t, r, at in steps]}
+                          for (e, s, t, r, at), entered in steps]}
 
     def chart_of(self, run_id: str) -> CompiledChart | None:
         with self._mu:
@@ -316,9 +318,40 @@ class PathLog:
         return None if found is None else found[0]
 
 
+_TrailEntry = tuple[str, str, str | None, tuple[str, ...] | None, float]
+
+
+class _Trail(deque[_TrailEntry]):
+    """A followed run's trail, and beside each step (``entered``) the state(s) a transition
+    to a history state re-entered, joined by ``,`` (None for any other step): what the
+    history had recorded as the step was trailed, or, empty, its default's target."""
+
+    def __init__(self, maxlen: int, chart: CompiledChart, run: object) -> None:
+        super().__init__(maxlen=maxlen)
+        self.entered: deque[str | None] = deque(maxlen=maxlen)
+        self._run = run
+        self._defaults: dict[str, list[str]] = {}
+        histories = {str(h.id) for state in chart.declaration.states_map.values()
+                     for h in getattr(state, "history", ()) or ()}
+        for transition in chart.transitions:
+            if transition.source in histories:
+                self._defaults.setdefault(transition.source, []).append(transition.target)
+        self._histories = frozenset(histories)
+
+    def append(self, entry: _TrailEntry) -> None:
+        target = entry[2]
+        entered = None
+        if target is not None and target in self._histories:
+            recorded = getattr(self._run, "history_values", None) or {}
+            states = [str(s.id) for s in recorded.get(target, ())] or self._defaults.get(
+                target, [])
+            entered = ",".join(states) or None
+        self.entered.append(entered)
+        super().append(entry)
+
+
 class _TrailListener:
-    def __init__(self, chart: CompiledChart, trail: deque[tuple[
-            str, str, str | None, tuple[str, ...] | None, float]],
+    def __init__(self, chart: CompiledChart, trail: deque[_TrailEntry],
             clock: Callable[[], float]) -> None:
         self.chart, self.trail, self.clock = chart, trail, clock
 
@@ -580,10 +613,14 @@ def path_page(chart: ChartLike, record: Mapping[str, object], heading: str,
         guards = step.get("refused_by")
         return ", ".join(map(str, guards)) if isinstance(guards, list) else ""
 
+    def to(step: Mapping[str, Json]) -> str:
+        via = step.get("via")
+        return str(step.get("to") or "refused") + (f" (via history {via})" if via else "")
+
     rows = "".join(
         f"<tr><td>{ms(s)}</td><td>{html.escape(str(s.get('event')))}</td>"
         f"<td>{html.escape(str(s.get('from')))}</td>"
-        f"<td>{html.escape(str(s.get('to') or 'refused'))}</td>"
+        f"<td>{html.escape(to(s))}</td>"
         f"<td class='refused'>{html.escape(refused(s))}</td></tr>"
         for s in steps)
     return (

@@ -49,7 +49,9 @@ def test_the_path_of_a_run_that_resumed_a_history_state_is_drawn(tmp_path: Path)
             page = client.get(f"/runs/{run_id}")
             assert page.status_code == 200, page.text[:300]
             data = client.get(f"/runs/{run_id}?format=json").json()
-            assert data["trail"][-1]["to"] == "hist"
+            # (since stop 61: the states the deep history re-entered, the history as ``via``)
+            assert (data["trail"][-1]["to"], data["trail"][-1]["via"]) == (
+                "track,decoder,buffering,output,speakers", "hist")
             assert data["state"] == ",".join(run.configuration)
         counts = client.get("/live.json").json()["charts"]["MediaPlayer"]["counts"]
     assert counts["playing"] == 2 and counts["headphones"] == 0 and counts["paused"] == 0
