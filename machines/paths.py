@@ -834,6 +834,7 @@ def _configuration_walks(chart: CompiledChart) -> dict[str, Walk]:
         raise ValueError(f"{chart.name}: state(s) {', '.join(missing)} never entered from "
                          f"{chart.initial}{_never_raised(chart, graph)}"
                          f"{_left_at_once(chart, into)}")
+    _refuse_out_of_finals(chart, graph)
     return {state: _walk(entered[state][1], entered[state][2], graph.starts[entered[state][0]])
             for state in chart.states}
 
@@ -846,6 +847,7 @@ def _configuration_paths(chart: CompiledChart) -> list[Path]:
         raise ValueError(f"{chart.name}: transition(s) {', '.join(map(_describe, never))} "
                          f"taken from no reachable configuration{_never_raised(chart, graph)}"
                          f"{_only_at_start(chart, graph, never)}{_left_at_once(chart, never)}")
+    _refuse_out_of_finals(chart, graph)
     paths = []
     for transition in chart.transitions:
         index, edges = first[transition.id]
@@ -854,6 +856,34 @@ def _configuration_paths(chart: CompiledChart) -> list[Path]:
         paths.append(Path(transition, *_steps(edges), start.outcomes, start.state, end=end)
                      if start.outcomes else Path(transition, *_steps(edges), end=end))
     return paths
+
+
+def _refuse_out_of_finals(chart: CompiledChart, graph: _Graph) -> None:
+    """Raise ``ValueError`` naming the transitions out of a final child state that a run can
+    take (those it never takes are named by ``_left_at_once``): entering the child raises
+    ``done.state`` of its compound, which says the compound is done, and the transition then
+    takes the compound on, so "final" is untrue (SCXML's ``<final>`` declares no transition;
+    python-statemachine refuses one out of the chart's own final states only)."""
+    states = chart.declaration.states_map
+    taken = _from_starts(graph)
+    found: dict[tuple[str, str], list[Transition]] = {}
+    for transition in chart.transitions:
+        final = states.get(transition.source) if transition.id in taken else None
+        if final is not None and final.final and final.parent is not None:
+            found.setdefault((str(final.id), str(final.parent.id)), []).append(transition)
+    if not found:
+        return
+    reasons = []
+    for (final_id, parent), transitions in found.items():
+        reasons.append(
+            f"{', '.join(map(_describe, transitions))} out of {final_id}, a final state of "
+            f"{parent}: entering {final_id} raises done.state.{parent} (the compound is done), "
+            f"yet {'this transition takes' if len(transitions) == 1 else 'these transitions take'}"
+            f" {parent} on from there, so {final_id} is no final state (make {final_id} no "
+            f"final state, or drop the transition)")
+    raise ValueError(f"{chart.name}: transition(s) {'; '.join(reasons)} (SCXML's <final> "
+                     f"declares no transition; python-statemachine refuses one only out of the "
+                     f"chart's own final states)")
 
 
 def _left_at_once(chart: CompiledChart, never: list[Transition]) -> str:
