@@ -59,7 +59,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, TypedDict
+from typing import Any, NotRequired, TypedDict
 
 import attrs
 from statemachine.callbacks import CallbackGroup
@@ -999,8 +999,11 @@ def _walk_end(chart: CompiledChart, graph: _Graph, steps: tuple[_Edge, ...],
 #: One step of ``as_data``'s walks: ``event`` sent from ``from`` to ``to`` after setting the
 #: guard outcomes ``guards``; a start step has ``event`` and ``from`` None. (Spelled as a call:
 #: ``from`` is a Python keyword.)
+#: A step into a history state (``paused --resume--> h``) has ``to`` the state(s) it re-enters
+#: there (what the history recorded, ``a,b`` for a deep one's; its default's target when it
+#: recorded nothing) and ``via`` the history, as the live inspector shows a followed run's.
 PathStep = TypedDict("PathStep", {"event": str | None, "from": str | None, "to": str,
-                                  "guards": dict[str, bool]})
+                                  "guards": dict[str, bool], "via": NotRequired[str]})
 #: One transition of ``as_data``: the transition and the steps of its shortest path.
 TransitionData = TypedDict("TransitionData", {"event": str, "from": str, "to": str,
                                               "guards": list[str], "path": list[PathStep]})
@@ -1021,13 +1024,37 @@ PathsData = TypedDict("PathsData", {
     "tour": list[list[PathStep]], "ends": PathEnds})
 
 
-def _steps_data(walk: Path | Walk) -> list[PathStep]:
+def _steps_data(walk: Path | Walk, chart: CompiledChart) -> list[PathStep]:
     """The steps of ``walk``, after a start step (``"event": None``, the outcomes to set
     before the chart starts and the configuration it starts in) when it needs one."""
     start: list[PathStep] = [] if not walk.start else [
         {"event": None, "from": None, "to": walk.started, "guards": dict(walk.start)}]
-    return start + [{"event": step.event, "from": step.source, "to": step.target,
-                     "guards": dict(outcomes)} for step, outcomes in zip(walk.steps, walk.guards)]
+    steps: list[PathStep] = [{"event": step.event, "from": step.source, "to": step.target,
+                              "guards": dict(outcomes)}
+                             for step, outcomes in zip(walk.steps, walk.guards)]
+    defaults = _history_defaults(chart)
+    if any(step.target in defaults for step in walk.steps):
+        # (until stop 61 ``to`` was the history pseudo-state, which no configuration holds)
+        run = StatechartRun.skeleton(chart, walk.start)
+        for step, outcomes, data in zip(walk.steps, walk.guards, steps):
+            if step.target in defaults:
+                recorded = [str(s.id) for s in run.history_values.get(step.target, ())]
+                data["to"] = ",".join(recorded or defaults[step.target])
+                data["via"] = step.target
+            if run.force(step, outcomes) is None:  # (the walk's own steps: never)
+                break
+    return start + steps
+
+
+def _history_defaults(chart: CompiledChart) -> dict[str, list[str]]:
+    """History state id -> the targets of its default transitions (none declared: [])."""
+    found: dict[str, list[str]] = {
+        str(h.id): [] for state in chart.declaration.states_map.values()
+        for h in getattr(state, "history", ()) or ()}
+    for transition in chart.transitions:
+        if transition.source in found:
+            found[transition.source].append(transition.target)
+    return found
 
 
 def as_data(chart: ChartLike) -> PathsData:
@@ -1047,11 +1074,11 @@ def as_data(chart: ChartLike) -> PathsData:
         "class": f"{chart.declaration.__module__}:{chart.declaration.__qualname__}",
         "initial": chart.initial,
         "finals": sorted(chart.finals),
-        "states": {state: _steps_data(walk) for state, walk in walks.items()},
+        "states": {state: _steps_data(walk, chart) for state, walk in walks.items()},
         "transitions": [{"event": p.transition.event, "from": p.transition.source,
                          "to": p.transition.target, "guards": list(p.transition.guards),
-                         "path": _steps_data(p)} for p in paths],
-        "tour": [_steps_data(walk) for walk in tour],
+                         "path": _steps_data(p, chart)} for p in paths],
+        "tour": [_steps_data(walk, chart) for walk in tour],
         "ends": {"states": {state: walk.end for state, walk in walks.items()},
                  "transitions": [p.end for p in paths],
                  "tour": [walk.end for walk in tour]},

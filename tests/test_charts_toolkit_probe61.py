@@ -197,3 +197,27 @@ def test_a_transition_a_run_takes_out_of_a_final_child_state_is_a_declaration_bu
             "no final state, or drop the transition)") in lines[0], lines[0]
     with pytest.raises(ValueError, match="cooled --reheat--> heating out of cooled"):
         as_data(module.Kiln)
+
+
+def test_a_paths_step_into_a_history_names_the_state_a_run_is_in_after_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found at stop 61: ``as_data``'s (``charts paths --json``) step ``resume`` said ``"to":
+    "h"``, the history pseudo-state, which no configuration holds, so a newcomer's tour test
+    checking each step's ``to`` against ``configuration_values`` (step 3's, on a hierarchical
+    chart) failed on the one step it was right to take. It now says the state the history
+    re-enters on that walk, ``via`` the history."""
+    module = _module(tmp_path, monkeypatch, SPOOLER)
+    chart = module.PrintSpooler
+    from calexec.machines.paths import GuardTable
+
+    resumed = []
+    for walk in as_data(chart)["tour"]:
+        model = GuardTable.for_chart(chart)
+        spooler = chart(model)
+        for step in walk:
+            model.outcomes = step["guards"]
+            spooler.send(step["event"])
+            assert set(step["to"].split(",")) <= set(spooler.configuration_values), step
+            if "via" in step:
+                resumed.append((step["to"], step["via"]))
+    assert resumed and all(via == "h" for _, via in resumed), resumed
