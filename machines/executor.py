@@ -1083,7 +1083,18 @@ class DeviceExecutor(SequenceOwnership):
         job the submitter arms ``arm_delay_s`` from now. None when the job was not armed any
         more: someone released it (cancelled, expired, fenced, reclaimed for a request short
         of a slot or budget); it was a guess, and the caller admits its step the ordinary
-        way."""
+        way.
+
+        Once a shutdown has begun (``stopping``) the job is released and None returned: the
+        token came after the shutdown, and the step is answered as an ``enqueue`` then is
+        (``lifecycle.unavailable`` naming the shutdown), whether or not its job was still
+        armed. (Fired, a job the shutdown's cancel had flagged answered ``request.cancelled``;
+        released first, the same step answered ``lifecycle.unavailable``: the submitter's
+        timing chose.) A token that came before is queued, and the shutdown cancels it as it
+        cancels a queued ``enqueue``: ``request.cancelled``, naming the shutdown."""
+        if self.life.stopping:
+            self.release_armed(job, self._not_admitting(**job.ctx()))
+            return None
         at = self.clock.monotonic() + arm_delay_s if arm_delay_s > 0 else 0.0
         owned, status = self.dispatch.fire(job, token, self.gen, rearm, at,
                                            self._relay_offer if self._relay_open else None)

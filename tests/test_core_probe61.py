@@ -1,0 +1,142 @@
+"""Stop 61 (core): a decode stream's step during a shutdown, and the shutdown a failed start
+owes; each interleaving forced (a gate on the shutdown's own steps, the stepped executor)
+rather than hoped for. Real executor on the bundled emulator; every wait is a bounded wait
+for a condition or a bounded join; nothing asserts a duration.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from calexec.contracts.errors import Category
+from calexec.contracts.status import Status
+from calexec.machines.job import InferenceResult
+from executor_harness import (
+    deadline,
+    make_executor,
+    prefill,
+    write_calbin,
+)
+
+PROMPT = [1, 2, 3, 4]
+SHUTDOWN = "the executor is shutting down (shutdown() called)"
+
+
+@pytest.fixture(scope="module")
+def calbin(tmp_path_factory):
+    return write_calbin(tmp_path_factory.mktemp("probe61"))
+
+
+class _PausedShutdown:
+    """``shutdown()`` on its own thread, held just after it cancelled the pending jobs (the
+    executor stopping, its generation not fenced yet: a stream's pre-armed job is still
+    armed, its cancel flag set)."""
+
+    def __init__(self, ex) -> None:
+        self.ex = ex
+        self.paused, self.go = threading.Event(), threading.Event()
+        self.answers: list[Status] = []
+        original = ex.dispatch.cancel_pending
+
+        def cancel_pending() -> None:
+            original()
+            if threading.current_thread() is self.thread:
+                self.paused.set()
+                self.go.wait(10)
+
+        self.cancel_pending = cancel_pending
+        self.thread = threading.Thread(target=lambda: self.answers.append(ex.shutdown(5.0)),
+                                       name="probe61-shutdown", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+        assert self.paused.wait(10), "the shutdown never cancelled the pending jobs"
+
+    def finish(self) -> Status:
+        self.go.set()
+        self.thread.join(10)
+        assert self.answers, "the shutdown still runs"
+        return self.answers[0]
+
+
+# ---- 1. a stream's step during a shutdown: one answer, whether its job was armed or not ----
+@pytest.mark.parametrize("released_first", [False, True])
+@pytest.mark.parametrize("greedy_ahead", [False, True])
+def test_a_step_during_a_shutdown_answers_as_enqueue_whether_or_not_its_job_was_armed(
+        calbin, monkeypatch, released_first, greedy_ahead):
+    """A decode stream stepped once ``shutdown()`` had begun answered ``request.cancelled``
+    when its pre-armed job was still armed (the shutdown's cancel flag refused the job as it
+    was fired) and ``lifecycle.unavailable`` when the job had been released first (the step
+    admitted afresh): which one, the submitter's timing decided. The token came after the
+    shutdown began either way: the step now answers what ``enqueue`` answers then
+    (``lifecycle.unavailable`` naming the shutdown), in both interleavings, each forced on the
+    stepped executor with the shutdown held after its cancel."""
+    ex = make_executor(calbin, threads=False)
+    paused = _PausedShutdown(ex)
+    monkeypatch.setattr(ex.dispatch, "cancel_pending", paused.cancel_pending)
+    try:
+        first = ex.enqueue(prefill(3, PROMPT))
+        while not first.done and (ex.submit_one() or ex.complete_one()):
+            pass
+        result = first.wait_until(deadline())
+        assert isinstance(result, InferenceResult), result
+        stream = ex.decode_stream(3, result.kv_len, deadline(), greedy_ahead=greedy_ahead)
+        armed = stream.armed
+        assert armed is not None, "the stream armed no job"
+        paused.start()
+        assert armed.cancel_flag and not armed.done  # cancelled, still armed
+        if released_first:  # the submitter's look releases the cancelled armed job
+            for _ in range(10):
+                if armed.done:
+                    break
+                ex.submit_one()
+            assert armed.done and not ex.dispatch.armed_jobs()
+        refused = ex.enqueue(prefill(1, PROMPT)).wait_until(deadline())
+        assert isinstance(refused, Status) and SHUTDOWN in refused.message, refused
+        answer = stream.step(result.argmax)
+        assert isinstance(answer, Status), answer
+        assert (answer.code, answer.category, answer.message) == (
+            refused.code, refused.category, refused.message), answer
+        assert answer.category is Category.UNAVAILABLE and answer.seq_id == 3, answer
+        assert stream.closed and armed.done
+        assert paused.finish().ok
+        assert ex.state == "Stopped"
+    finally:
+        paused.go.set()
+        ex.shutdown(5.0)
+
+
+def test_a_step_submitted_before_the_shutdown_is_cancelled_as_a_queued_enqueue(calbin,
+                                                                              monkeypatch):
+    """The other half of the rule: a step whose token came before ``shutdown()`` (its job
+    queued, not yet submitted) is cancelled by the shutdown as a queued ``enqueue`` is:
+    ``request.cancelled`` naming the shutdown, on the stepped executor with the shutdown
+    held after its cancel."""
+    ex = make_executor(calbin, threads=False)
+    paused = _PausedShutdown(ex)
+    monkeypatch.setattr(ex.dispatch, "cancel_pending", paused.cancel_pending)
+    try:
+        first = ex.enqueue(prefill(3, PROMPT))
+        while not first.done and (ex.submit_one() or ex.complete_one()):
+            pass
+        result = first.wait_until(deadline())
+        assert isinstance(result, InferenceResult), result
+        queued = ex.enqueue(prefill(4, PROMPT))
+        stream = ex.decode_stream(3, result.kv_len, deadline())
+        handle = stream.submit(result.argmax)
+        assert not isinstance(handle, Status) and not handle.done, handle
+        paused.start()
+        for _ in range(10):  # the submitter's looks release the cancelled queued jobs
+            if queued.done and handle.done:
+                break
+            ex.submit_one()
+        answers = [queued.wait_until(deadline()), stream.wait()]
+        for answer in answers:
+            assert isinstance(answer, Status) and answer.code == "request.cancelled", answer
+            assert SHUTDOWN in answer.message, answer
+        assert paused.finish().ok
+    finally:
+        paused.go.set()
+        ex.shutdown(5.0)
