@@ -212,6 +212,8 @@ class DeviceLifecycle:
         #: the ``grace`` of a ``shutdown`` that answered ``shutdown.recovery_busy`` (``mu``):
         #: the recovery it interrupted completes that shutdown as it ends
         self._shutdown_owed: float | None = None
+        #: the deadline of a golden job a shutdown's interrupt left on the device (``mu``)
+        self._golden_left_until: float | None = None
         self._pending_recovery: Decision | None = None
         #: the generation the pending decision was made for (the one serving when asked)
         self._pending_gen: int | None = None
@@ -414,6 +416,8 @@ class DeviceLifecycle:
         if other:  # (the shutdown that answered start_busy, returning now: its grace may be
             # 0, and this call answered ``shutdown.in_progress`` with nothing done)
             self._host.clock.wait_event(self._shutdown_done, OWNERLESS_WAIT_S)
+        if not status.ok:
+            self._wait_golden_left()
         done = self.shutdown(grace)
         log.info("the shutdown that found start() busy was completed as it ended: %s, "
                  "lifecycle %s", done.code, self.run.state)
@@ -423,6 +427,21 @@ class DeviceLifecycle:
             Phase.CONFIGURE, f"start() was interrupted by shutdown() from another thread, "
             f"which answered shutdown.start_busy; the start went Ready and then completed that "
             f"shutdown ({done.code}, lifecycle {self.run.state})")
+
+    def _wait_golden_left(self) -> None:
+        """(the start's thread, completing the shutdown it owes) Wait for the golden job the
+        interrupt left on the device to end, bounded by its deadline (``golden_timeout_s``
+        from its enqueue: what the start would have waited for it without the shutdown).
+        The shutdown that answered ``shutdown.start_busy`` has returned, with its grace (often
+        0): its drain, left to that grace, gave up at once, and the executor ended Failed with
+        the device open and the generation's buffers mapped, however soon the device let go.
+        Past the deadline nothing more is waited for: that shutdown's drain decides."""
+        clock = self._host.clock
+        with self.mu:
+            until = self._golden_left_until
+        while until is not None and not self.all_submitted_drained() \
+                and clock.monotonic() < until:
+            clock.sleep(0.002)
 
     def _start_once(self) -> Status:
         """``start`` after its once-only check (``_start_running`` meanwhile)."""
@@ -445,8 +464,21 @@ class DeviceLifecycle:
                 f"{status.message})")
         if not status.ok:
             self.start_status = status
-            self.fail(status)
+            # A start a shutdown interrupted in its warm-up is no verdict on the device: the
+            # shutdown it returns to (waiting for it, or owed: ``_complete_start_owed``)
+            # ends the lifecycle, Warming -> Stopped once nothing is left on the device (its
+            # drain), else Failed with this Status, as a recovery stopped while warming, and
+            # stops the threads and closes the device. Failed here, with the threads stopped,
+            # a golden job the device still held (a SIGTERM during the warm-up) left the
+            # executor Failed with the device open even once that job ended within its
+            # deadline (and a job the submitter was still handing to the completion thread,
+            # stopped meanwhile, was never completed)
+            interrupted = self.stopping and self.run.state == LIFECYCLE_WARMING
+            if not interrupted:
+                self.fail(status)
             released = self._release_failed_generation()
+            if interrupted:
+                return status
             # drained: the idle threads end at once; a golden job still on the device keeps
             # the completion thread in its Wait() until the device answers (its execution
             # deadline), and waiting the default 5 s for it only held the start up (a
@@ -645,6 +677,8 @@ class DeviceLifecycle:
                 self._golden_wake = None
         if handle.done or not self.stopping:
             return handle.wait_until(request.deadline)
+        with self.mu:
+            self._golden_left_until = request.deadline
         return Status.unavailable(
             Phase.GOLDEN, "the golden run was stopped by shutdown() with its job still on "
             f"the device (state {handle.state}); the job continues", job_id=handle.job_id,
@@ -1550,10 +1584,15 @@ class DeviceLifecycle:
                 self.run.send(LIFECYCLE_EV_STOP)
             elif not self.run.final:
                 self.run.send(LIFECYCLE_EV_FAIL)
-                self.failure = Status.failure(
+                # (a start this shutdown interrupted in its warm-up, a golden job still on
+                # the device: its own Status says so, as it did when it failed itself)
+                start = self.start_status
+                self.failure = start if start is not None and not start.ok else Status.failure(
                     "shutdown.not_drained", Category.DEVICE, Phase.SHUTDOWN,
                     f"submitted work did not drain within grace={grace}s")
         if host.device is None or self._device_closed:
+            if self.run.state == LIFECYCLE_STOPPED:
+                return Status.OK
             return self.failure or self.start_status or Status.OK
         if not drained:
             # the runtime may still DMA into our buffers: keep everything mapped and alive

@@ -12,13 +12,20 @@ import pytest
 
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Status
+from calexec.drivers.calrt.runtime import CalRT
+from calexec.machines.clock import Clock
+from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 from calexec.machines.job import InferenceResult
 from executor_harness import (
+    MANIFEST,
     deadline,
+    jobs_on_device,
     make_executor,
     prefill,
+    until,
     write_calbin,
 )
+from test_recovery import SteppedRuntime
 
 PROMPT = [1, 2, 3, 4]
 SHUTDOWN = "the executor is shutting down (shutdown() called)"
@@ -139,4 +146,80 @@ def test_a_step_submitted_before_the_shutdown_is_cancelled_as_a_queued_enqueue(c
         assert paused.finish().ok
     finally:
         paused.go.set()
+        ex.shutdown(5.0)
+
+
+# ---- 2. a failed start completing the shutdown it owes --------------------------------------
+class _SleepHook(Clock):
+    """The system clock; ``hook`` (when set) runs before each of its sleeps (the executor's
+    polls: a drain's, a wait for a job to leave the device)."""
+
+    __slots__ = ("hook",)
+
+    def __init__(self) -> None:
+        self.hook = None
+
+    def sleep(self, seconds: float) -> None:
+        hook = self.hook
+        if hook is not None:
+            hook()
+        super().sleep(seconds)
+
+
+def test_a_start_owing_a_shutdown_waits_for_its_golden_job_and_ends_stopped(calbin,
+                                                                           monkeypatch):
+    """``shutdown(0.0)`` while ``start()``'s golden job was on the device answered
+    ``shutdown.start_busy``; the start, interrupted, completed that shutdown as it ended, with
+    its grace 0: its golden job still on the device, the shutdown's drain gave up at once, and
+    the executor ended ``Failed`` (``shutdown.not_drained``) with the device open and the
+    refused generation's buffers mapped until some later ``shutdown()``, which nothing made.
+    The golden job has a deadline: the start now waits for it (bounded by that deadline)
+    before completing the owed shutdown, and the device answering within it ends the executor
+    ``Stopped`` with the generation released and the device closed. Forced: the device
+    (stepped) finishes the golden job only once the start's thread polls for it."""
+    clock = _SleepHook()
+    ex = DeviceExecutor(SteppedRuntime(CalRT.load()), MANIFEST,
+                        ExecutorConfig(calbin_path=calbin), clock=clock)
+    answers: dict[str, Status] = {}
+    started: list[Status] = []
+    starter = threading.Thread(target=lambda: started.append(ex.start()),
+                               name="probe61-start", daemon=True)
+    original = ex.dispatch.close
+
+    def close(gen):
+        # the interrupted start fencing its generation: held until the shutdown answered
+        if threading.current_thread() is starter and "shutdown" not in answers:
+            until(lambda: "shutdown" in answers, 10, "the shutdown's answer")
+        return original(gen)
+
+    monkeypatch.setattr(ex.dispatch, "close", close)
+    released = threading.Event()
+
+    def let_go() -> None:  # on the start's thread, once it polls: the device finishes
+        if threading.current_thread() is starter and not released.is_set():
+            released.set()
+            assert ex.device.emu.set_stepped(False) == 0
+
+    starter.start()
+    try:
+        until(lambda: ex.state == "Warming" and jobs_on_device(ex, 1), 20,
+              "the golden job on the device")
+        clock.hook = let_go
+        answers["shutdown"] = ex.shutdown(0.0)
+        starter.join(30)
+        assert not starter.is_alive(), "start() still runs"
+        assert answers["shutdown"].code == "shutdown.start_busy", answers
+        assert started and not started[0].ok, started
+        assert "interrupted by shutdown()" in started[0].message, started[0]
+        assert released.is_set(), "the start never waited for its golden job"
+        assert ex.state == "Stopped", (ex.state, ex.failure)
+        assert ex.gen is None and not ex.life.retired, "the refused generation was kept"
+        assert ex.device.emu.counters() == {}, "the device was never closed"
+        assert not any(ex.threads_alive().values()), ex.threads_alive()
+        assert ex.shutdown(1.0).ok, "a later shutdown answers as the one it completed"
+    finally:
+        clock.hook = None
+        if ex.device is not None and not released.is_set():
+            ex.device.emu.set_stepped(False)
+        starter.join(30)
         ex.shutdown(5.0)
