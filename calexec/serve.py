@@ -164,6 +164,24 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def host_problem(host: str) -> str | None:
+    """Why ``--host`` is written as no bind address is (``--host=...: ...``), or None: a URL's
+    spelling of it (``[::1]``, ``127.0.0.1:8000``, ``http://...``) was refused as a name "this
+    machine does not resolve", with no word of what to write instead."""
+    shown = f"--host={host!r}"
+    if "://" in host:
+        return f"{shown}: give the address alone, not a URL (e.g. --host 127.0.0.1 --port 8000)"
+    bracketed = re.fullmatch(r"\[([^\]]+)\](?::(.*))?", host)
+    if bracketed is not None:
+        port = "" if bracketed[2] is None else f" --port {bracketed[2]}"
+        return (f"{shown}: write an IPv6 address without the brackets a URL puts around it "
+                f"(--host {bracketed[1]}{port})")
+    name, colon, port = host.rpartition(":")
+    if colon and name and ":" not in name and port.isdigit():  # (IPv6 has two colons or more)
+        return f"{shown}: give the port as --port, not in --host (--host {name} --port {port})"
+    return None
+
+
 def _listen_socket(host: str, port: int) -> socket.socket:
     """The server's listening socket, bound before the executor starts, so a ``--host`` that
     is no address of this machine or a ``--port`` in use is refused in one line naming them
@@ -302,6 +320,9 @@ def main(argv: list[str]) -> int:
                               max_body_bytes=args.max_body_bytes,
                               cors_origins=tuple(args.cors_origin),
                               metrics_names=args.metrics_names, drain_grace_s=args.grace)
+        problem = host_problem(args.host)
+        if problem is not None:
+            raise ValueError(problem)
         if args.replicas is not None and not args.ray:
             raise ValueError(f"--replicas={args.replicas} needs --ray")
         if args.ray and dump is not None:

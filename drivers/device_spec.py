@@ -42,6 +42,11 @@ class DeviceSpecError(ValueError):
 LATENCY_KEYS = ("h2d_us", "prefill_per_token_us", "decode_us", "d2h_us")
 
 
+#: the longest device config string the bundled emulator reads (``parse_config``'s buffer is
+#: 1024 bytes with its NUL; one more and ``calrt_device_open`` returns 5, whatever the keys)
+EMU_CONFIG_MAX_BYTES = 1023
+
+
 #: a value as the emulator reads it (``strtoll``, base 10, nothing after the digits): leading
 #: blanks, a sign and leading zeros are taken (``decode_us=+20000000`` is 20 s); ``_``, non-ASCII
 #: digits and trailing blanks, which Python's ``int`` would take, are not
@@ -256,30 +261,51 @@ class DeviceSpec:
 
     def check_device_config(self, rt: CalRT, config: str, flag: str = "--device-config") -> None:
         """Name the ``key=value`` of ``config`` (given as ``flag``) the runtime refuses: when
-        ``calrt_device_open`` refuses the whole string, each item is tried alone. Raises
-        DeviceSpecError."""
+        ``calrt_device_open`` refuses the whole string, each item is tried alone. A key given
+        twice is refused before the runtime sees it (the emulator takes the last one, so
+        ``decode_us=0;...;decode_us=20000`` ran at 20 ms with no word), and a string the
+        runtime refuses that the bundled emulator's buffer cannot hold
+        (:data:`EMU_CONFIG_MAX_BYTES`) is named by its length. Raises DeviceSpecError."""
         if not config:
             return
-        items = [item for item in config.split(";") if item.strip()]
+        try:
+            size = len(config.encode())
+        except UnicodeEncodeError as err:  # (bytes of argv that are no UTF-8)
+            raise DeviceSpecError(f"{flag}={config!r}: not UTF-8 text (at character "
+                                  f"{err.start + 1})") from None
+        # as the emulator splits it: items between ';', leading spaces skipped ("\t" is an item)
+        items = [item for item in config.split(";") if item.lstrip(" ")]
+        seen: dict[str, str] = {}
         for item in items:
             if "=" not in item:
                 raise DeviceSpecError(f"{flag}: item {item!r} is not key=value")
+            key = item.partition("=")[0].strip()
+            if key in seen:
+                raise DeviceSpecError(f"{flag}: {key} given more than once ({seen[key]!r}, "
+                                      f"{item.strip()!r}): give each key once")
+            seen[key] = item.strip()
         rc, device = rt.open_device(config)
         if rc == 0 and device is not None:
             device.close()
             return
+        if size > EMU_CONFIG_MAX_BYTES:
+            raise DeviceSpecError(f"{flag}: {size} bytes, refused by the runtime "
+                                  f"(calrt_device_open returned {rc}); the bundled emulator "
+                                  f"reads at most {EMU_CONFIG_MAX_BYTES} bytes (a 1 KiB "
+                                  "buffer, docs/emulator.md)")
         for item in items:
             rc_one, one = rt.open_device(item)
             if rc_one == 0 and one is not None:
                 one.close()
                 continue
             key, _, value = item.partition("=")
-            raise DeviceSpecError(f"{flag}: {key.strip()}={value.strip()!r} refused by "
+            shown = key.strip() if key.lstrip(" ") == key.strip() else repr(key.lstrip(" "))
+            blank = "" if shown == key.strip() else "; a blank in a key is part of it"
+            raise DeviceSpecError(f"{flag}: {shown}={value!r} refused by "
                                   f"the runtime (calrt_device_open returned {rc_one}); the "
-                                  "emulator's keys are listed in docs/emulator.md")
+                                  f"emulator's keys are listed in docs/emulator.md{blank}")
         raise DeviceSpecError(f"{flag}={config!r}: refused by the runtime "
                               f"(calrt_device_open returned {rc}), though each item alone opens")
-
 
 
 if TYPE_CHECKING:

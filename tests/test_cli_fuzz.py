@@ -260,3 +260,61 @@ def test_the_longest_seconds_value_fits_the_waits_under_it():
 def test_a_seconds_value_the_waits_cannot_take_is_a_usage_error(argv: list[str]):
     line = _assert_usage_error(argv, argv[-2])
     assert f"at most {cliargs.MAX_SECONDS:g}" in line, line
+
+
+# ---- stop 61 ---------------------------------------------------------------------------------
+@pytest.mark.parametrize(("host", "said"), [
+    # a URL's spelling of the address was "not an address or a host name this machine
+    # resolves ([Errno -2] Name or service not known)", nothing said of what to write
+    ("[::1]", "without the brackets a URL puts around it (--host ::1)"),
+    ("[::1]:8000", "(--host ::1 --port 8000)"),
+    ("127.0.0.1:8000", "give the port as --port, not in --host (--host 127.0.0.1 --port 8000)"),
+    ("http://127.0.0.1", "give the address alone, not a URL"),
+])
+def test_a_host_written_as_in_a_url_is_refused_saying_how_to_write_it(host: str, said: str):
+    line = _assert_usage_error(["serve", "--once", "--host", host], "--host")
+    assert said in line, line
+
+
+@pytest.fixture(scope="module")
+def calbin(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = str(tmp_path_factory.mktemp("calbin") / "m.calbin")
+    assert _run(["sim", "write-calbin", path])[0] == 0
+    return path
+
+
+@pytest.mark.parametrize(("config", "said"), [
+    # the emulator takes the last of a key given twice: `golden record` pinned a golden
+    # recorded at decode_us=20000 though the string began decode_us=0, exit 0
+    ("decode_us=0;kv_blocks=64;decode_us=20000",
+     "decode_us given more than once ('decode_us=0', 'decode_us=20000'): give each key once"),
+    ("max_seqs=8; max_seqs=8", "max_seqs given more than once"),
+    # 1 KiB or more: the emulator's buffer refused it (rc 5); the message blamed the one item
+    # that made it long (`decode_us='000...0' refused`), or said "though each item alone opens"
+    ("decode_us=" + "0" * 1100, "1110 bytes, refused by the runtime"),
+    (";".join(["h2d_us=1", "d2h_us=1"] + [" "] * 600), "1217 bytes, refused by the runtime"),
+    # a tab item: the emulator skips only spaces, so it is an item with no '=' (it said
+    # "refused ... though each item alone opens")
+    ("decode_us=1;\t", "item '\\t' is not key=value"),
+    # a blank before '=' is part of the emulator's key (it said `decode_us='5' refused`)
+    ("decode_us =5", "'decode_us '='5' refused by the runtime"),
+    # bytes of argv that are no UTF-8: the encoder's words, no flag named
+    ("decode_us=\udcff", "--device-config='decode_us=\\udcff': not UTF-8 text"),
+], ids=["twice", "twice-blank", "long-value", "long-blanks", "tab", "blank-key", "not-utf8"])
+def test_a_device_config_the_emulator_would_misread_is_refused_naming_why(
+        config: str, said: str, calbin: str, tmp_path):
+    out = tmp_path / "g.toml"
+    line = _assert_usage_error(["golden", "record", "--calbin", calbin, "--out", str(out),
+                                "--device-config", config], "--device-config")
+    assert said in line, line
+    if len(config) > 1023:
+        assert "the bundled emulator reads at most 1023 bytes (a 1 KiB buffer" in line, line
+    assert not out.exists()
+
+
+def test_a_device_config_of_1023_bytes_is_taken(calbin: str, tmp_path):
+    config = "decode_us=" + "0" * 1013
+    assert len(config) == 1023
+    code, _, err = _run(["golden", "record", "--calbin", calbin, "--out",
+                         str(tmp_path / "g.toml"), "--device-config", config])
+    assert code == 0, err
