@@ -523,6 +523,13 @@ def _serve_ray(args: argparse.Namespace, config: ServerConfig, port: int, spec) 
 
     os.environ.update(local_ray.local_environment(args.host))  # read at `import ray`
     local = not local_ray.joins_cluster()
+    if local:  # (as without --ray: a key the runtime refuses or one given twice is named
+        # before Ray starts, not as every replica's failed deployment)
+        try:
+            spec.check_device_config(spec.runtime(), args.device_config)
+        except (OSError, ValueError) as err:
+            print(f"calexec serve --ray: {err}", file=sys.stderr)
+            return EXIT_USAGE
     if local and args.calbin is not None:  # before Ray starts (a minute or more): a file its
         # replicas would refuse at deploy is named now, as without --ray; a cluster's nodes
         # read the path on their own file systems, so it is not checked here then

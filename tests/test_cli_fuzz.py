@@ -318,3 +318,17 @@ def test_a_device_config_of_1023_bytes_is_taken(calbin: str, tmp_path):
     code, _, err = _run(["golden", "record", "--calbin", calbin, "--out",
                          str(tmp_path / "g.toml"), "--device-config", config])
     assert code == 0, err
+
+
+@pytest.mark.parametrize("config", ["decode_us=1;decode_us=2", "kv_blockz=1"])
+def test_serve_ray_names_a_device_config_it_refuses_before_ray_starts(config: str):
+    """`serve --ray` handed `--device-config` to its replicas unchecked: a key the runtime
+    refuses was each replica's failed deployment (exit 3) after Ray had started, a key given
+    twice was served with its last value. Now refused as without --ray (a subprocess: on the
+    old code Ray starts)."""
+    done = subprocess.run([sys.executable, "-m", "calexec.cli", "serve", "--ray",
+                           "--device-config", config], capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert done.returncode == cliargs.EXIT_CONFIG, done.stderr[-2000:]
+    assert done.stderr.startswith("calexec serve --ray: --device-config: "), done.stderr[-2000:]
+    assert len(done.stderr.splitlines()) == 1, done.stderr[-2000:]
