@@ -58,7 +58,13 @@ from calexec.drivers.serving.process import (
     raise_open_file_limit,
     set_gil_switch_interval_us,
 )
-from calexec.drivers.serving.server import DrainingServer, ServerConfig, create_app, uvicorn_config
+from calexec.drivers.serving.server import (
+    DrainingServer,
+    ServerConfig,
+    create_app,
+    listening_url,
+    uvicorn_config,
+)
 from calexec.drivers.serving.service import (
     MAX_CHOICES,
     api_key_problem,
@@ -425,11 +431,10 @@ def _serve(args: argparse.Namespace, config: ServerConfig, port: int, spec: Devi
             "longer is taken for a hung device and the device recovered",
             executor.config.execution_timeout_s, executor.config.execution_timeout_per_token_s,
             args.timeout)
-        bound_host, bound_port = listener.getsockname()[:2]
-        shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+        bound_url = listening_url(*listener.getsockname()[:2])
         logging.getLogger("calexec.serve").info(
-            "bound http://%s:%d; starting the executor (warm-up, golden): connections are "
-            "refused until it serves", shown, bound_port)
+            "bound %s; starting the executor (warm-up, golden): connections are "
+            "refused until it serves", bound_url)
         if args.calbin is not None:  # the reload's check, before the device is touched: a
             # file the loader refuses is named as a calbin, not as a CalRT configure failure;
             # the sha256 pin is the start's to check (it hashes the file as it loads it: read
@@ -465,8 +470,7 @@ def _serve(args: argparse.Namespace, config: ServerConfig, port: int, spec: Devi
         def started(server: DrainingServer, url: str) -> None:
             # once the socket listens, not before the executor's start: a probe of the logged
             # address is then answered (uvicorn, handed the socket, does not say it)
-            logging.getLogger("calexec.serve").info("listening on http://%s:%d", shown,
-                                                    bound_port)
+            logging.getLogger("calexec.serve").info("listening on %s", bound_url)
             if sample is not None:
                 sample.start(server, url)
         # log_config=None: uvicorn's lines go through the root handler above, one format
@@ -580,12 +584,13 @@ def _serve_ray(args: argparse.Namespace, config: ServerConfig, port: int, spec) 
             except RuntimeError as err:  # a replica could not start (see its logs)
                 print(f"calexec serve --ray: deployment failed: {err}", file=sys.stderr)
                 return EXIT_FAILED
-            url = f"http://{args.host}:{port}"
+            url = listening_url(args.host, port)
             if args.once:
                 sample = SampleRun(args.timeout + 10.0, sys.stdout, args.api_key)
                 sample.served = (f"{spec.served()}, {args.replicas or 1} replica(s) under "
                                  "Ray Serve")
-                ok = sample.request(url)
+                # (a wildcard --host: the sample asks this machine's loopback, as without --ray)
+                ok = sample.request(listening_url(args.host, port, reachable=True))
                 return EXIT_OK if ok else EXIT_SAMPLE_FAILED
             print(f"calexec serve --ray: {args.replicas or 1} replica(s) serving {url}",
                   flush=True)

@@ -675,11 +675,17 @@ def uvicorn_config(app: Any, host: str = "127.0.0.1", port: int = 8000,
     return uvicorn.Config(app, host=host, port=port, **kwargs)
 
 
-def _listening_url(sockname: tuple) -> str:
-    """``http://HOST:PORT`` for a bound socket's address; a wildcard bind maps to loopback."""
-    host, port = sockname[0], sockname[1]
-    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+def listening_url(host: str, port: int, *, reachable: bool = False) -> str:
+    """``http://HOST:PORT`` for a server on ``host`` (a ``--host``, or a bound socket's
+    address), an IPv6 address in brackets (RFC 3986 section 3.2.2: ``http://::1:8000`` is
+    no URL a client reads) and its zone's ``%`` as ``%25`` (RFC 6874); ``reachable``: a
+    wildcard bind (``0.0.0.0``, ``::``) is written as the loopback address a client on this
+    machine connects to."""
+    if reachable:
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    if ":" in host:
+        return f"http://[{host.replace('%', '%25')}]:{port}"
+    return f"http://{host}:{port}"
 
 
 class _CutTracebacks(logging.Filter):
@@ -761,7 +767,8 @@ class DrainingServer(uvicorn.Server):
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets=sockets)
         if self.started and self.on_started is not None:
-            self.on_started(self, _listening_url(self.servers[0].sockets[0].getsockname()))
+            bound = self.servers[0].sockets[0].getsockname()
+            self.on_started(self, listening_url(bound[0], bound[1], reachable=True))
 
     def drain_soon(self) -> None:
         """Start the drain from any thread (no-op before the loop runs or once draining)."""
