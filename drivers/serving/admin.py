@@ -111,12 +111,15 @@ def _object(pairs: list[tuple[str, Any]], repeated: list[str]) -> dict[str, Any]
 
 def reload_body(raw: bytes) -> dict[str, Any] | tuple[Status, str | None]:
     """The ``/admin/reload`` body as a JSON object, or the 400 failure saying why it is not
-    one and its ``param``: not UTF-8 (UTF-16 or -32 too), not JSON (a byte order mark
+    one and its ``param``: empty (or whitespace alone), not UTF-8 (UTF-16 or -32 too), not JSON (a byte order mark
     included; a ``\\ud800``-``\\udfff`` escape of a lone surrogate, which the API's parser
     refuses too: a key of one was answered 500), nested past the parser's recursion limit,
     not an object (``param`` None: the body as a whole), a key given twice in an object
     (that key: ``{"calbin": A, "calbin": B}`` switched to B, the first one unsaid), a key
     other than ``calbin`` (that key)."""
+    nothing = wire.no_json_value(raw, "{\"calbin\": PATH} (application/json)")
+    if nothing is not None:  # (the parser's words: "Expecting value: line 1 column 1")
+        return invalid(nothing), None
     utf8 = wire.utf8_json(raw)  # (as the API's bodies: a UTF-8 BOM skipped, UTF-16/32 refused)
     if isinstance(utf8, str):
         return invalid(utf8), None

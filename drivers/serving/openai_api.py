@@ -315,9 +315,20 @@ def draining_refusal() -> Refusal:
                    wire.CLOSE)
 
 
+def _shape(model: type[Body]) -> str:
+    """What a body of ``model`` is, for a refusal of one that holds nothing: a JSON object
+    and the fields it must have."""
+    required = [name for name, field in model.model_fields.items() if field.is_required()]
+    return ("a JSON object" + (f" with {', '.join(required)}" if required else "")
+            + " (application/json; docs/server.md lists the fields)")
+
+
 def parse(model: type[Body], raw: bytes) -> Body:
     """The validated body, or :class:`Refusal` naming the first bad field (its path in the
     body, e.g. ``messages.0.content``: never pydantic's union branch) and value."""
+    nothing = wire.no_json_value(raw, _shape(model))
+    if nothing is not None:  # (pydantic's words: "Invalid JSON: EOF while parsing a value")
+        raise Refusal(invalid(nothing), None)
     raw_or_why = wire.utf8_json(raw)
     if isinstance(raw_or_why, str):  # UTF-16 or -32: refused naming it
         raise Refusal(invalid(raw_or_why), None)

@@ -173,6 +173,24 @@ def unsupported_coding(request: Request) -> str | None:
     return next((c[:40] for c in reversed(codings) if c and c != "identity"), None)
 
 
+def no_json_value(raw: bytes, shape: str) -> str | None:
+    """The message refusing a JSON body that holds no value, empty or JSON's whitespace alone
+    (RFC 8259 section 2; a UTF-8 byte order mark aside), saying so and what it should hold
+    (``shape``: ``{"calbin": PATH}``), or None. The parsers' own words, ``Expecting value:
+    line 1 column 1 (char 0)`` and ``EOF while parsing a value at line 1 column 0``, read as
+    a syntax error in a body the client did not send (a ``curl -X POST`` without ``-d``, a
+    client whose serializer wrote nothing)."""
+    if raw.removeprefix(b"\xef\xbb\xbf").strip(b" \t\r\n"):
+        return None
+    if not raw:
+        said = "empty"
+    elif raw == b"\xef\xbb\xbf":
+        said = "no JSON value, a UTF-8 byte order mark alone"
+    else:
+        said = f"no JSON value, only whitespace ({len(raw)} bytes)"
+    return f"body: {said}: send {shape}"
+
+
 def utf8_json(raw: bytes) -> bytes | str:
     """A request's JSON body as its parser reads it, UTF-8 without a byte order mark, or the
     message refusing it (a ``str``). RFC 8259 section 8.1 lets a parser ignore a UTF-8 BOM, as
