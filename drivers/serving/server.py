@@ -37,6 +37,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from calexec import __version__
 from calexec.contracts.errors import Category
 from calexec.contracts.fields import shown
 from calexec.contracts.status import Phase, Status
@@ -185,6 +186,26 @@ def create_app(executor: ServedExecutor, config: ServerConfig | None = None,
         reason = ("server is draining" if service.draining else "; ".join(reasons) if reasons
                   else f"device lifecycle is {state}")
         return error_response(Status.unavailable(Phase.ADMISSION, reason), retry_after=retry)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        """vLLM's ``/ping`` (SageMaker's health probe, GET or POST), which answers as its
+        ``/health``: 200 with no body while the engine lives, 503 once it is dead. Here: 503
+        once the executor's lifecycle ended (``Failed``, ``Stopped``) or the server drains,
+        when it will not serve again, so a probe routes away (a recovery or a model switch,
+        after which it serves, stays 200, as vLLM's busy engine does; ``/ready`` says when
+        it serves)."""
+        state = executor.state
+        if state in ("Failed", "Stopped") or service.draining:
+            reason = "server is draining" if service.draining else f"device lifecycle is {state}"
+            return error_response(Status.unavailable(Phase.ADMISSION, reason),
+                                  retry_after=retry)
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        """vLLM's ``/version``, ``{"version": ...}``: calexec's version here."""
+        return {"version": __version__}
 
     @app.get("/metrics")
     async def metrics() -> Response:
