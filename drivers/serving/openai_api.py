@@ -354,7 +354,7 @@ def parse(model: type[Body], raw: bytes) -> Body:
                           param) from None
         if param is None or first["type"] == "missing":
             raise Refusal(invalid(f"{param or 'body'}: {first['msg']}"), param) from None
-        value = f"{param}={shown(first['input'], 80)}"
+        value = f"{param}={_written(raw, first['loc'], first['input'])}"
         if branches:  # a union: none of its forms matched; name them all
             forms: dict[str, None] = {}
             inside: list[tuple[list[Any], str, object, str]] = []  # (where, form, input, why)
@@ -378,10 +378,37 @@ def parse(model: type[Body], raw: bytes) -> Body:
                 at, form, bad, why = next(got for got in inside if got[1] == closest[0]
                                           and len(got[0]) == deepest)
                 item = "".join(f"[{i}]" for i in at)
-                raise Refusal(invalid(f"{param}{item}={shown(bad, 80)}: {why[:200]} "
+                raise Refusal(invalid(f"{param}{item}={_written(raw, (*path, *at), bad)}: "
+                                      f"{why[:200]} "
                                       f"(as {form}; {param} {one_of})"), param) from None
             raise Refusal(invalid(f"{value}: {one_of}"), param) from None
         raise Refusal(invalid(f"{value}: {json_quoted(first)}"), param) from None
+
+
+class _Number(str):
+    """A JSON number as the body wrote it (``json.loads``' ``parse_float``/``parse_int``)."""
+
+
+def _written(raw: bytes, loc: tuple[int | str, ...], value: object) -> str:
+    """``value``, refused at ``loc`` in the body ``raw``, as a refusal shows it: written as
+    JSON, cut to 80 characters; a number that is not an integer as the body wrote it (the
+    parser made a float of it: ``max_tokens: 1E0`` was told ``max_tokens=1.0``, ``1e400``
+    ``Infinity``), as the sampling numbers are (``_as_written``). ``loc`` is pydantic's: a
+    key the body does not hold (a union's tag) is passed over."""
+    if not isinstance(value, float):
+        return shown(value, 80)
+    try:
+        at: object = json.loads(raw, parse_float=_Number, parse_int=_Number)
+    except (ValueError, RecursionError):
+        return shown(value, 80)
+    for key in loc:
+        if isinstance(at, dict) and isinstance(key, str):
+            at = at[key] if key in at else at
+        elif isinstance(at, list) and isinstance(key, int) and 0 <= key < len(at):
+            at = at[key]
+        elif not isinstance(key, str):
+            return shown(value, 80)
+    return at[:80] if isinstance(at, _Number) else shown(value, 80)
 
 
 #: a value pydantic's message quotes as Python does (``Input should be 'auto' or 'fast'``)
