@@ -157,7 +157,7 @@ def test_a_refused_integer_written_as_a_float_is_shown_as_written(server, route,
     """A number the parser made a float of was shown as Python prints it: ``max_tokens:
     1E0`` told ``max_tokens=1.0``, ``n: 2.50`` ``n=2.5``, ``1e400`` ``Infinity``, none of
     which the client wrote (the sampling numbers were already shown as written, stop 60)."""
-    r = httpx.post(_url(server) + route, content="{%s}" % fields, timeout=TIMEOUT_S,
+    r = httpx.post(_url(server) + route, content="{" + fields + "}", timeout=TIMEOUT_S,
                    headers={"content-type": "application/json"})
     assert r.status_code == 400, r.text[:300]
     message = r.json()["error"]["message"]
