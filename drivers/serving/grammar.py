@@ -228,6 +228,71 @@ class ToolSetup:
     named: bool = False
 
 
+#: keywords whose value maps names to subschemas, and keywords whose value is a subschema or a
+#: list of them (JSON Schema 2020-12 and draft-07's ``definitions``, ``dependencies``)
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas",
+                "dependencies")
+_SUBSCHEMAS = ("additionalProperties", "unevaluatedProperties", "propertyNames", "contains",
+               "additionalItems", "unevaluatedItems", "not", "if", "then", "else", "items",
+               "prefixItems", "anyOf", "oneOf", "allOf", "contentSchema")
+#: keywords beside which unevaluatedProperties/Items see more than the schema's own
+#: properties/items (what these evaluate counts as evaluated)
+_APPLICATORS = ("allOf", "anyOf", "oneOf", "$ref", "if", "dependentSchemas", "dependencies")
+
+
+def closed_schema(schema: Any, closing: bool = True) -> Any:
+    """``schema`` with its objects and tuples closed as vLLM closes them: its default
+    structured-output backend (xgrammar, ``strict_mode=True``) allows no property an object
+    schema does not declare unless it says ``additionalProperties`` (or
+    ``unevaluatedProperties``), and no item past a ``prefixItems`` tuple unless it says
+    ``items``; its guidance backend's ``disable_additional_properties`` does the same for
+    objects. llguidance follows JSON Schema's default (anything more is allowed), so a model
+    added keys of its own until ``max_tokens`` and the answer did not parse (langchain's
+    ``with_structured_output(method="function_calling")``). An object declaring
+    ``properties`` or ``patternProperties`` without saying more gets
+    ``"additionalProperties": false``, a ``prefixItems`` without ``items`` gets
+    ``"items": false``; what a schema says (``additionalProperties: true`` or a schema) is
+    kept, and an object declaring no properties (``{"type": "object"}``, ``json_object``) stays
+    any object. The direct members of an ``allOf`` are not closed (each would refuse the
+    others' properties), their insides are. ``unevaluatedProperties`` / ``unevaluatedItems``,
+    which llguidance ignores (strict or not), become ``additionalProperties`` / ``items``
+    where no applicator (``allOf``, ``anyOf``, ``oneOf``, ``$ref``, ``if``, dependencies) sits
+    beside them, so ``"unevaluatedProperties": false`` closes an object as in xgrammar. A
+    copy: the request's schema is left as it was. The walk is bounded by the body's own
+    nesting limit."""
+    if isinstance(schema, list):
+        return [closed_schema(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: closed_schema(sub) for name, sub in value.items()}
+        elif key == "allOf" and isinstance(value, list):
+            out[key] = [closed_schema(sub, closing=False) for sub in value]
+        elif key in _SUBSCHEMAS:
+            out[key] = closed_schema(value)
+        else:
+            out[key] = value
+    if not any(key in out for key in _APPLICATORS):
+        # llguidance ignores unevaluatedProperties/Items (lenient or strict alike: a model's
+        # own keys followed an object that said "unevaluatedProperties": false); without an
+        # applicator beside it, it means what additionalProperties / items say
+        if "unevaluatedProperties" in out and "additionalProperties" not in out:
+            out["additionalProperties"] = out.pop("unevaluatedProperties")
+        if "unevaluatedItems" in out and "items" not in out and "additionalItems" not in out:
+            out["items"] = out.pop("unevaluatedItems")
+    if closing:
+        if (isinstance(out.get("properties"), dict) or isinstance(out.get("patternProperties"),
+                                                                  dict)) \
+                and "additionalProperties" not in out and "unevaluatedProperties" not in out:
+            out["additionalProperties"] = False
+        if isinstance(out.get("prefixItems"), list) and "items" not in out \
+                and "unevaluatedItems" not in out and "additionalItems" not in out:
+            out["items"] = False
+    return out
+
+
 def _finite(schema: Any, param: str) -> None:
     """Refuse a number in ``schema`` that is not finite: the body's parser reads ``1e400`` as
     Infinity (and takes ``NaN``, ``Infinity``), which llguidance's JSON writes as ``null``, so
@@ -336,7 +401,7 @@ def response_format_schema(response_format: Any) -> tuple[Any, bool] | None:
                            f"response_format.json_schema.strict={shown(strict, 40)}: must be a "
                            "boolean")
     schema = spec.get("schema", {})
-    return schema, bool(strict)
+    return closed_schema(schema), bool(strict)
 
 
 def completion_structure(response_format: Any, tok: Tokenizer, vocab: int, end_token: int
@@ -407,7 +472,7 @@ def tool_setup(tools: Any, tool_choice: Any, functions: Any = None) -> ToolSetup
         if strict is not None and not isinstance(strict, bool):
             raise GrammarError(f"{where}.function.strict",
                                f"{where}.function.strict={shown(strict, 40)}: must be a boolean")
-        parsed.append(Tool(name, params, description, bool(strict)))
+        parsed.append(Tool(name, closed_schema(params), description, bool(strict)))
     choice, named = _tool_choice(tool_choice, parsed)
     if choice == "none" and not named:
         return ToolSetup((), "none", tuple(tools))

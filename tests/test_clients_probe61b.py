@@ -1,0 +1,181 @@
+"""Stop 61's second probe with real clients (the official ``openai`` SDK, langchain-openai)
+against a loopback server on the synthetic model: structured outputs as vLLM answers them
+(docs/traceability.md "Found at stop 61 (clients, second)"). vLLM's default structured-output
+backend (xgrammar, ``strict_mode=True``) allows no key an object schema does not declare and no
+item past a ``prefixItems`` tuple unless the schema says so; llguidance follows JSON Schema's
+default (anything more is allowed), so the greedy synthetic model wrote keys of its own until
+``max_tokens``. Client timeout 10 s, no retries."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import openai
+import pydantic
+import pytest
+
+import needs
+from calexec.drivers.serving.grammar import closed_schema
+from test_server_support import MODEL, openai_server
+
+TIMEOUT_S = 10.0
+#: an object schema as a client writes it: declared properties, nothing said of others
+AGE = {"type": "object", "properties": {"age": {"type": "integer", "minimum": 0,
+                                                "maximum": 150}}, "required": ["age"]}
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0,
+                                                   "maximum": 150}},
+          "required": ["name", "age"]}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    with openai_server(tmp_path_factory.mktemp("calbin"), timeout=TIMEOUT_S) as (server, sdk,
+                                                                                 _):
+        yield server, sdk
+
+
+def _answer(sdk: openai.OpenAI, prompt: str, schema: dict, how: str) -> tuple[str, str]:
+    """(the JSON text answered, finish_reason) of ``schema`` as a ``response_format`` or as
+    the parameters of a named tool's call."""
+    messages = [{"role": "user", "content": prompt}]
+    if how == "response_format":
+        answer = sdk.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=120,
+            response_format={"type": "json_schema", "json_schema": {"name": "p",
+                                                                    "schema": schema}})
+        return answer.choices[0].message.content, answer.choices[0].finish_reason
+    answer = sdk.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=120,
+        tools=[{"type": "function", "function": {"name": "p", "parameters": schema}}],
+        tool_choice={"type": "function", "function": {"name": "p"}})
+    calls = answer.choices[0].message.tool_calls
+    assert calls and len(calls) == 1, answer
+    return calls[0].function.arguments, answer.choices[0].finish_reason
+
+
+@pytest.mark.parametrize("prompt,schema", [
+    pytest.param("hi", AGE, id="age"),
+    pytest.param("hi", PERSON, id="person"),
+    pytest.param("Invent a person.", PERSON, id="person_invented"),
+])
+@pytest.mark.parametrize("how", ["response_format", "named_tool"])
+def test_an_object_schema_that_says_nothing_of_other_keys_gets_none(served, prompt, schema,
+                                                                      how):
+    """A schema without ``additionalProperties`` (what pydantic, zod and most hand-written
+    schemas send unless asked for ``strict``) is closed, as vLLM's default backend closes it:
+    the answer is one JSON object with the declared keys only, ``finish_reason: stop``. On
+    the old code the model added keys of its own (``{"age":48,"l~mu-...`` until
+    ``max_tokens``: ``"length"``, not JSON)."""
+    needs.module("llguidance", "server")
+    _, sdk = served
+    text, finish = _answer(sdk, prompt, schema, how)
+    assert finish == "stop", text
+    value = json.loads(text)
+    assert set(value) == set(schema["required"]), text
+
+
+def test_langchain_function_calling_without_strict_parses_into_the_model(served):
+    """langchain's ``with_structured_output(Model, method="function_calling")`` without
+    ``strict`` sends the pydantic schema as a named tool's parameters, no
+    ``additionalProperties``: on the old code the call's arguments went on with keys the
+    model made up until ``max_tokens``, the answer had no call and the parse gave None; now
+    it is the model."""
+    needs.module("llguidance", "server")
+    langchain_openai = needs.module("langchain_openai", "clients")
+    server, _ = served
+
+    class Person(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=12)
+        age: int = pydantic.Field(ge=0, le=150)
+
+    chat = langchain_openai.ChatOpenAI(model=MODEL, base_url=f"{server.url}/v1",
+                                       api_key="unused", temperature=0, max_tokens=200,
+                                       timeout=TIMEOUT_S, max_retries=0)
+    person = chat.with_structured_output(Person, method="function_calling").invoke(
+        "Invent a person.")
+    assert isinstance(person, Person), person
+
+
+def test_unevaluated_properties_false_closes_an_object(served):
+    """``"unevaluatedProperties": false`` (JSON Schema 2019-09's way to close an object,
+    which xgrammar honours) was ignored by llguidance: the named call's arguments went on
+    with the model's own keys (``{"a":false,"=...``); without an applicator beside it, it now
+    closes the object as ``additionalProperties: false`` does."""
+    needs.module("llguidance", "server")
+    _, sdk = served
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"],
+              "unevaluatedProperties": False}
+    text, finish = _answer(sdk, "hi", schema, "named_tool")
+    assert (json.loads(text), finish) == ({"a": False}, "stop"), text
+
+
+def test_a_tuple_without_items_gets_no_item_past_it(served):
+    """``prefixItems`` without ``items``: vLLM's default backend allows nothing past the
+    tuple (``unevaluatedItems`` false in strict mode); llguidance allowed any items after."""
+    needs.module("llguidance", "server")
+    _, sdk = served
+    schema = {"type": "object", "properties": {"t": {
+        "type": "array", "prefixItems": [{"type": "boolean"}, {"enum": ["x", "y"]}]}},
+        "required": ["t"]}
+    for how in ("response_format", "named_tool"):
+        text, finish = _answer(sdk, "hi", schema, how)
+        value = json.loads(text)
+        assert len(value["t"]) <= 2 and finish == "stop", text
+
+
+def test_an_object_that_says_it_is_open_stays_open(served):
+    """What a schema says is kept: ``additionalProperties: true`` lets the model add keys (the
+    greedy synthetic model does, after the declared one), and ``{"type": "object"}`` with no
+    properties (``json_object``) is any object."""
+    needs.module("llguidance", "server")
+    _, sdk = served
+    text, _ = _answer(sdk, "hi", {**AGE, "additionalProperties": True}, "response_format")
+    assert text.startswith('{"age":48,"'), text
+
+
+def test_closed_schema_closes_what_says_nothing_and_keeps_what_is_said():
+    """The rewrite itself (the request's schema left as it was): every object with
+    properties, wherever it is (``$defs``, ``anyOf``, array ``items``, nested properties);
+    not the members of an ``allOf`` (each would refuse the others' keys), their insides yes;
+    ``unevaluatedProperties`` moved to ``additionalProperties`` only without an applicator
+    beside it."""
+    inner = {"type": "object", "properties": {"k": {"type": "boolean"}}}
+    schema = {"type": "object",
+              "$defs": {"D": copy.deepcopy(inner)},
+              "properties": {
+                  "n": copy.deepcopy(inner),
+                  "l": {"type": "array", "items": copy.deepcopy(inner)},
+                  "u": {"anyOf": [copy.deepcopy(inner), {"type": "null"}]},
+                  "t": {"type": "array", "prefixItems": [{"type": "boolean"}]},
+                  "open": {**copy.deepcopy(inner), "additionalProperties": True},
+                  "typed": {**copy.deepcopy(inner), "additionalProperties": {"type": "integer"}},
+                  "any": {"type": "object"},
+                  "both": {"allOf": [{"properties": {"x": {"type": "boolean"}}},
+                                     {"properties": {"y": copy.deepcopy(inner)}}]},
+                  "uneval": {**copy.deepcopy(inner), "unevaluatedProperties": False},
+                  "uneval_ref": {"$ref": "#/$defs/D", "unevaluatedProperties": False},
+              }}
+    given = copy.deepcopy(schema)
+    out = closed_schema(schema)
+    assert schema == given  # not changed in place
+    props = out["properties"]
+    assert out["additionalProperties"] is False
+    assert out["$defs"]["D"]["additionalProperties"] is False
+    assert props["n"]["additionalProperties"] is False
+    assert props["l"]["items"]["additionalProperties"] is False
+    assert props["u"]["anyOf"][0]["additionalProperties"] is False
+    assert props["t"]["items"] is False
+    assert props["open"]["additionalProperties"] is True
+    assert props["typed"]["additionalProperties"] == {"type": "integer"}
+    assert props["any"] == {"type": "object"}
+    assert [set(m) for m in props["both"]["allOf"]] == [{"properties"}, {"properties"}]
+    assert props["both"]["allOf"][1]["properties"]["y"]["additionalProperties"] is False
+    assert props["uneval"]["additionalProperties"] is False
+    assert "unevaluatedProperties" not in props["uneval"]
+    assert props["uneval_ref"] == {"$ref": "#/$defs/D", "unevaluatedProperties": False}
+    # a property named like a keyword is a name, not a keyword
+    named = closed_schema({"type": "object", "properties": {"items": {"type": "boolean"}}})
+    assert named["properties"] == {"items": {"type": "boolean"}}
+    assert closed_schema(True) is True and closed_schema([1, "a"]) == [1, "a"]
