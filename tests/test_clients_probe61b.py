@@ -179,3 +179,68 @@ def test_closed_schema_closes_what_says_nothing_and_keeps_what_is_said():
     named = closed_schema({"type": "object", "properties": {"items": {"type": "boolean"}}})
     assert named["properties"] == {"items": {"type": "boolean"}}
     assert closed_schema(True) is True and closed_schema([1, "a"]) == [1, "a"]
+
+
+@pytest.mark.parametrize("schema,where", [
+    pytest.param({"type": "array", "items": {"type": "boolean"}, "maxItems": 10 ** 30},
+                 "schema.maxItems=1000000000000000000000000000000", id="maxItems"),
+    pytest.param({"type": "object", "properties": {"n": {"type": "integer",
+                                                         "minimum": 2 ** 64}}},
+                 "schema.properties.n.minimum=18446744073709551616", id="minimum"),
+    pytest.param({"enum": [1, -(2 ** 63) - 1]}, "schema.enum[1]=-9223372036854775809",
+                 id="enum"),
+    pytest.param({"const": 2 ** 53 + 1}, "schema.const=9007199254740993", id="const_inexact"),
+    pytest.param({"type": "integer", "minimum": 12345678901234567,
+                  "maximum": 12345678901234567},
+                 "schema.maximum=12345678901234567", id="bounds_inexact"),
+])
+def test_an_integer_llguidance_cannot_keep_is_a_400_naming_where_it_is(served, schema, where):
+    """JSON has no integer bound; llguidance refused one past 64 bits as ``Value is not
+    JSON serializable: 1000...``, which the client's valid JSON is not, with no place named,
+    and read the others as doubles: ``{"const": 9007199254740993}`` was answered
+    ``9007199254740992`` and ``minimum`` = ``maximum`` = 12345678901234567 answered
+    ``12345678901234568``, values the schema did not allow, ``finish_reason: stop``; now the
+    400 names the field, the number's place and why."""
+    needs.module("llguidance", "server")
+    _, sdk = served
+    error = _refused(sdk, schema)
+    assert f"response_format.json_schema.{where}: an integer llguidance cannot take" \
+        in error["message"], error
+    assert "not JSON serializable" not in error["message"]
+
+
+@pytest.mark.parametrize("schema,where", [
+    pytest.param({"const": -(2 ** 63)}, "schema.const=-9223372036854775808", id="const"),
+    pytest.param({"type": "object", "properties": {"a": {"enum": [1, -(2 ** 63) + 512]}}},
+                 "schema.properties.a.enum[1]=-9223372036854775296", id="enum"),
+    pytest.param({"const": {"a": [-(2 ** 63)]}}, "schema.const.a[0]=-9223372036854775808",
+                 id="nested_const"),
+])
+def test_an_integer_near_minus_2_to_the_63_is_a_400_not_a_crash(served, schema, where):
+    """``{"const": -9223372036854775808}`` (i64's least, a valid JSON number; any integer
+    within 512 of it, in an ``enum`` or a nested ``const`` alike) crashed llguidance's
+    grammar compiler with SIGSEGV: one request killed the whole server process. It is a 400
+    naming the number's place now, and the server answers the next request."""
+    needs.module("llguidance", "server")
+    _, sdk = served
+    error = _refused(sdk, schema)
+    assert f"response_format.json_schema.{where}: an integer llguidance cannot take" \
+        in error["message"], error
+    # the least integer it takes is served, and so is the next request
+    fine = {"enum": [-(2 ** 63) + 2 ** 11, 2 ** 63, 2 ** 53]}
+    answer = sdk.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=30,
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": fine}})
+    assert json.loads(answer.choices[0].message.content) in fine["enum"], answer
+
+
+def _refused(sdk: openai.OpenAI, schema: dict) -> dict:
+    """The 400 error body of ``schema`` as a ``response_format``."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        sdk.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+            response_format={"type": "json_schema", "json_schema": {"name": "p",
+                                                                    "schema": schema}})
+    error = caught.value.body
+    assert error["param"] == "response_format.json_schema.schema", error
+    return error

@@ -293,12 +293,28 @@ def closed_schema(schema: Any, closing: bool = True) -> Any:
     return out
 
 
+#: the integers llguidance 1.9.1 takes in a schema: past u64 and i64 it says "Value is not
+#: JSON serializable" (which the client's valid JSON is not), and an integer within 512 of
+#: -2^63 (``{"const": -9223372036854775808}``, in an ``enum`` or a nested ``const`` alike)
+#: crashed the whole server process (SIGSEGV in its grammar compiler); within them it reads
+#: a number as a double, so only the integers a double holds are kept as written
+INT_LOW, INT_HIGH = -(2 ** 63) + 2 ** 10, 2 ** 64
+
+
+def _takes(value: int) -> bool:
+    """Whether llguidance keeps the integer ``value`` of a schema as written."""
+    return INT_LOW <= value < INT_HIGH and float(value) == value
+
+
 def _finite(schema: Any, param: str) -> None:
     """Refuse a number in ``schema`` that is not finite: the body's parser reads ``1e400`` as
     Infinity (and takes ``NaN``, ``Infinity``), which llguidance's JSON writes as ``null``, so
     ``{"const": 1e400}`` was a grammar of ``null`` and the answer ``null`` with
     ``finish_reason: stop``, a value the schema never allowed (``maximum: 1e400`` a 400 saying
-    "got null"). The walk is bounded by the body's own nesting limit."""
+    "got null"). Likewise an integer llguidance cannot take as written (``"maxItems":
+    10**30``, refused as "Value is not JSON serializable: 1000...", no place named;
+    ``{"const": -2**63}`` crashed the server process; ``{"const": 2**53 + 1}`` was answered
+    ``9007199254740992``). The walk is bounded by the body's own nesting limit."""
     todo: list[tuple[str, Any]] = [(param, schema)]
     while todo:
         where, value = todo.pop()
@@ -306,6 +322,12 @@ def _finite(schema: Any, param: str) -> None:
             raise GrammarError(param, f"{where}={shown(value)}: not a finite number (a number "
                                       "past a double's range, such as 1e400, reads as "
                                       "Infinity): a JSON Schema needs finite numbers")
+        if isinstance(value, int) and not isinstance(value, bool) and not _takes(value):
+            raise GrammarError(param, f"{where}={shown(value)}: an integer llguidance cannot "
+                                      "take as written (it reads a schema's numbers as "
+                                      "doubles, from -2^63+1024 to 2^64: 9007199254740993 "
+                                      "became 9007199254740992, a value the schema did not "
+                                      "allow): write one a double holds, or leave it out")
         if isinstance(value, dict):
             todo.extend((f"{where}.{key}", item) for key, item in value.items())
         elif isinstance(value, list):
