@@ -209,22 +209,28 @@ def test_an_integer_llguidance_cannot_keep_is_a_400_naming_where_it_is(served, s
     assert "not JSON serializable" not in error["message"]
 
 
-@pytest.mark.parametrize("schema,where", [
-    pytest.param({"const": -(2 ** 63)}, "schema.const=-9223372036854775808", id="const"),
+@pytest.mark.parametrize("schema,where,what", [
+    pytest.param({"const": -(2 ** 63)}, "schema.const=-9223372036854775808", "an integer",
+                 id="const"),
     pytest.param({"type": "object", "properties": {"a": {"enum": [1, -(2 ** 63) + 512]}}},
-                 "schema.properties.a.enum[1]=-9223372036854775296", id="enum"),
+                 "schema.properties.a.enum[1]=-9223372036854775296", "an integer", id="enum"),
     pytest.param({"const": {"a": [-(2 ** 63)]}}, "schema.const.a[0]=-9223372036854775808",
-                 id="nested_const"),
+                 "an integer", id="nested_const"),
+    pytest.param({"type": "integer", "const": -1e30}, "schema.const=-1e+30", "a number",
+                 id="float"),
+    pytest.param({"type": "integer", "minimum": -9.3e18, "maximum": -9.25e18},
+                 "schema.maximum=-9.25e+18", "a number", id="float_range"),
 ])
-def test_an_integer_near_minus_2_to_the_63_is_a_400_not_a_crash(served, schema, where):
+def test_an_integer_near_minus_2_to_the_63_is_a_400_not_a_crash(served, schema, where, what):
     """``{"const": -9223372036854775808}`` (i64's least, a valid JSON number; any integer
-    within 512 of it, in an ``enum`` or a nested ``const`` alike) crashed llguidance's
-    grammar compiler with SIGSEGV: one request killed the whole server process. It is a 400
-    naming the number's place now, and the server answers the next request."""
+    within 512 of it, in an ``enum`` or a nested ``const`` alike; a float at or below
+    -2^63+1024 as an integer's ``const`` or range) crashed llguidance's grammar compiler
+    with SIGSEGV: one request killed the whole server process. It is a 400 naming the
+    number's place now, and the server answers the next request."""
     needs.module("llguidance", "server")
     _, sdk = served
     error = _refused(sdk, schema)
-    assert f"response_format.json_schema.{where}: an integer llguidance cannot take" \
+    assert f"response_format.json_schema.{where}: {what} llguidance cannot take" \
         in error["message"], error
     # the least integer it takes is served, and so is the next request
     fine = {"enum": [-(2 ** 63) + 2 ** 11, 2 ** 63, 2 ** 53]}

@@ -293,12 +293,13 @@ def closed_schema(schema: Any, closing: bool = True) -> Any:
     return out
 
 
-#: the integers llguidance 1.9.1 takes in a schema: past u64 and i64 it says "Value is not
-#: JSON serializable" (which the client's valid JSON is not), and an integer within 512 of
-#: -2^63 (``{"const": -9223372036854775808}``, in an ``enum`` or a nested ``const`` alike)
-#: crashed the whole server process (SIGSEGV in its grammar compiler); within them it reads
-#: a number as a double, so only the integers a double holds are kept as written
-INT_LOW, INT_HIGH = -(2 ** 63) + 2 ** 10, 2 ** 64
+#: the numbers llguidance 1.9.1 takes in a schema: past u64 and i64 it says "Value is not
+#: JSON serializable" (which the client's valid JSON is not), and a number at or below
+#: -2^63+1024 (``{"const": -9223372036854775808}``, in an ``enum`` or a nested ``const``;
+#: ``{"type": "integer", "const": -1e30}``; an integer range below it) crashed the whole
+#: server process (SIGSEGV in its grammar compiler); within them it reads a number as a
+#: double, so only the integers a double holds are kept as written
+INT_LOW, INT_HIGH = -(2 ** 63) + 2 ** 11, 2 ** 64
 
 
 def _takes(value: int) -> bool:
@@ -322,10 +323,14 @@ def _finite(schema: Any, param: str) -> None:
             raise GrammarError(param, f"{where}={shown(value)}: not a finite number (a number "
                                       "past a double's range, such as 1e400, reads as "
                                       "Infinity): a JSON Schema needs finite numbers")
+        if isinstance(value, float) and value < INT_LOW:
+            raise GrammarError(param, f"{where}={shown(value)}: a number llguidance cannot "
+                                      "take (below -2^63+2048, where its grammar compiler "
+                                      "crashes): write a larger one, or leave it out")
         if isinstance(value, int) and not isinstance(value, bool) and not _takes(value):
             raise GrammarError(param, f"{where}={shown(value)}: an integer llguidance cannot "
                                       "take as written (it reads a schema's numbers as "
-                                      "doubles, from -2^63+1024 to 2^64: 9007199254740993 "
+                                      "doubles, from -2^63+2048 to 2^64: 9007199254740993 "
                                       "became 9007199254740992, a value the schema did not "
                                       "allow): write one a double holds, or leave it out")
         if isinstance(value, dict):
