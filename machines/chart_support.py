@@ -36,6 +36,7 @@ from typing import Any
 
 from statemachine import StateChart, StateMachine
 from statemachine.callbacks import CallbackGroup
+from statemachine.spec_parser import UnsupportedExpression, operator_mapping, parse_boolean_expr
 from statemachine.transition import Transition as DeclaredTransition
 
 log = logging.getLogger(__name__)
@@ -137,6 +138,44 @@ def undeclared_targets(declaration: type[StateChart[Any]]) -> list[str]:
                     f"{name} does not declare ({whose}: an instance taking it is left in no "
                     f"state, or fails); declare the state in {name} and go to that one")
     return list(dict.fromkeys(found))
+
+
+def malformed_guards(declaration: type[StateChart[Any]]) -> list[str]:
+    """``guard 'has_job and' (cond) on transition idle --go--> busy is no boolean expression
+    python-statemachine reads (invalid syntax) ...`` for each ``cond``/``unless`` text
+    python-statemachine's own parser refuses. It takes such a class and refuses every instance
+    (``InvalidDefinition: Failed to parse boolean expression``), so every tool refuses it by
+    name rather than drawing, counting or mutating a chart no run can make."""
+    name = declaration.__name__
+    found = []
+    for state in _all_states(declaration):
+        for transition in state.transitions:
+            for spec in transition._specs:
+                if (spec.group != CallbackGroup.COND or not isinstance(spec.func, str)
+                        or spec.func.isidentifier()):
+                    continue
+                reason = _unparsable(spec.func)
+                if reason:
+                    kind = "cond" if spec.expected_value else "unless"
+                    found.append(
+                        f"guard {spec.func!r} ({kind}) on transition "
+                        f"{describe_transition(transition)} is no boolean expression "
+                        f"python-statemachine reads ({reason}): every instance of {name} fails "
+                        f"(InvalidDefinition); write names joined by and/or/not")
+    return list(dict.fromkeys(found))
+
+
+def _unparsable(text: str) -> str | None:
+    """Why python-statemachine's parser refuses the guard ``text``, or None when it reads it."""
+    def hook(_name: str) -> Any:
+        return lambda *args, **kwargs: True
+    try:
+        parse_boolean_expr(text, hook, operator_mapping)
+    except SyntaxError as err:
+        return err.msg or "invalid syntax"
+    except UnsupportedExpression as err:
+        return str(err)
+    return None
 
 
 def _foreign(declaration: type[StateChart[Any]], target: Any) -> tuple[str, str]:
@@ -395,9 +434,9 @@ def refuse_unsupported(declaration: type[StateChart[Any]], tool: str,
                        runs: bool = True) -> None:
     """Raise ``UnsupportedChart`` naming every unsupported construct of ``declaration``
     (``runs=False``: all but the async callbacks, see ``unsupported``); first, a transition to
-    a state the chart does not declare (``undeclared_targets``), a declaration bug rather than
-    a construct to support."""
-    wrong = undeclared_targets(declaration)
+    a state the chart does not declare (``undeclared_targets``) and a guard no instance can
+    parse (``malformed_guards``), declaration bugs rather than constructs to support."""
+    wrong = undeclared_targets(declaration) + malformed_guards(declaration)
     if wrong:
         raise UnsupportedChart(f"{declaration.__name__}: {'; '.join(wrong)}")
     found = unsupported(declaration, runs)
