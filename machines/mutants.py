@@ -60,12 +60,19 @@ KINDS = ("guard-true", "guard-false", "drop", "target")
 class Mutant:
     """One mutant of one chart. ``id`` is ``<kind>:<transition>[:<detail>]``, where
     ``transition`` is ``Source-event->Target`` (``#n`` for the n-th duplicate) and ``detail``
-    the guard (``!name`` for ``unless``) or the new target."""
+    the guard or the new target. A guard's detail reads one way only (``guard_detail``):
+    ``!`` leads an ``unless`` alone (``!fused``, ``!(a or b)``), a ``cond`` expression that
+    starts with ``!`` is parenthesized (``(!motor_hot)``), a second guard of one transition
+    with the same detail gets ``#2``. ``aliases``: the id the mutant had until stop 61
+    (python-statemachine's text of the guard, ``!a or b`` for ``unless="a or b"``), still
+    taken by ``apply``, ``--mutant`` and the ``--equivalent`` list when it names no other
+    mutant."""
 
     id: str
     kind: str
     transition: str
     detail: str = ""
+    aliases: tuple[str, ...] = ()
 
 
 def constant_guard(value: bool) -> Callable[..., bool]:
@@ -111,10 +118,13 @@ def _sites(declaration: type[StateMachine], targets_per_transition: int) -> Iter
             seen[base] = seen.get(base, 0) + 1
             label = base if seen[base] == 1 else f"{base}#{seen[base]}"
             # (a history's default has none: python-statemachine never asks its ``cond``)
-            for spec in [] if state.is_history else _guard_specs(transition):
+            specs = [] if state.is_history else _guard_specs(transition)
+            details = _guard_details(specs)
+            for spec, detail, legacy in zip(specs, details, _legacy(specs, details)):
                 for value in (True, False):
                     kind = f"guard-{str(value).lower()}"
-                    yield (Mutant(f"{kind}:{label}:{spec}", kind, label, str(spec)),
+                    aliases = (f"{kind}:{label}:{legacy}",) if legacy else ()
+                    yield (Mutant(f"{kind}:{label}:{detail}", kind, label, detail, aliases),
                            _force(transition, spec, value))
             yield Mutant(f"drop:{label}", "drop", label), _drop(state, transition)
             # a history's default enters a state of the history's compound (SCXML): only
@@ -124,6 +134,43 @@ def _sites(declaration: type[StateMachine], targets_per_transition: int) -> Iter
             for new in _other_targets(inside, transition, targets_per_transition):
                 yield (Mutant(f"target:{label}:{new.id}", "target", label, new.id),
                        _retarget(transition, new))
+
+
+def guard_detail(spec: CallbackSpec) -> str:
+    """How a guard mutant's id names ``spec``, one way to read it: a ``cond`` as written
+    (``(...)`` round one that starts with ``!``, which would read as an ``unless``), an
+    ``unless`` as ``!name``, or ``!(...)`` round an expression (``!a or b`` reads as ``(not
+    a) or b``)."""
+    text = str(spec.attr_name)
+    if spec.expected_value is False:
+        return f"!{text}" if text.isidentifier() else f"!({text})"
+    return f"({text})" if text.lstrip().startswith("!") else text
+
+
+def _guard_details(specs: list[CallbackSpec]) -> list[str]:
+    """``guard_detail`` of each of one transition's guards, ``#n`` on the n-th of one detail
+    (``cond=["a", "a"]``), so that each mutant has an id of its own."""
+    seen: dict[str, int] = {}
+    details = []
+    for spec in specs:
+        detail = guard_detail(spec)
+        seen[detail] = seen.get(detail, 0) + 1
+        details.append(detail if seen[detail] == 1 else f"{detail}#{seen[detail]}")
+    return details
+
+
+def _legacy(specs: list[CallbackSpec], details: list[str]) -> list[str]:
+    """The detail each guard's id had until stop 61 (``str(spec)``) where it differs from
+    today's and still names this guard alone: the first of that text (the one ``apply``
+    took), and no other guard's detail now."""
+    taken = set(details)
+    found, legacy = set(), []
+    for spec, detail in zip(specs, details):
+        old = str(spec)
+        keep = old != detail and old not in taken and old not in found
+        found.add(old)
+        legacy.append(old if keep else "")
+    return legacy
 
 
 def _other_targets(states: list[Any], transition: Any, limit: int) -> list[Any]:
@@ -271,7 +318,8 @@ def apply(declaration: type[StateMachine], mutant_id: str) -> Mutant:
                         "mutates it in place, and a CompiledChart made before would not see "
                         "the mutation")
     for mutant, action in _sites(declaration, 0):
-        if mutant.id == mutant_id:
+        # (an alias, an id of before stop 61, is no other mutant's id: ``_legacy``)
+        if mutant_id == mutant.id or mutant_id in mutant.aliases:
             action()
             _MUTATED.add(declaration)
             return mutant

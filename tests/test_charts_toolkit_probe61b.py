@@ -5,6 +5,7 @@ lane beside a compound ``fault`` state with a deep history) through the toolkit'
 from __future__ import annotations
 
 import importlib
+import json
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -14,7 +15,7 @@ import pytest
 from calexec.cli import main as cli
 from calexec.machines.compiled import compiled
 from calexec.machines.inspector import Inspector
-from calexec.machines.mutants import derive
+from calexec.machines.mutants import apply, derive
 
 BROKEN = '''
 from statemachine import State, StateChart
@@ -78,3 +79,87 @@ def test_a_guard_no_instance_can_parse_is_refused_by_the_api_and_the_inspector(
                     lambda: Inspector().register(chart, counts=dict)):
         with pytest.raises(ValueError, match=r"guard 'has_job and' \(cond\) on transition"):
             attempt()
+
+
+GATE = '''
+from statemachine import State, StateChart
+
+
+class Gate(StateChart):
+    shut = State(initial=True)
+    up = State()
+    lift = shut.to(up, cond="!motor_hot", unless="motor_hot")
+    drop = up.to(shut, unless="car_in_loop or ticket_held")
+'''
+
+
+def _gate_ids(chart: type) -> list[str]:
+    return [m.id for m in derive(chart) if m.kind == "guard-true"]
+
+
+def test_a_guard_mutant_id_reads_one_way_and_names_one_mutant(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found at stop 61: a guard mutant's id was python-statemachine's text of the guard, where
+    ``!`` marks an ``unless`` (docs/testing.md): ``cond="!motor_hot"`` and ``unless=
+    "motor_hot"`` were both ``guard-true:shut-lift->up:!motor_hot`` (forcing the first true
+    lets ``lift`` go, the second refuses it), one id for two opposite mutants, of which
+    ``--mutant``, ``apply`` and the equivalent list reached only the first; ``unless="car_in_loop
+    or ticket_held"`` read ``!car_in_loop or ticket_held``, ``(not car_in_loop) or
+    ticket_held``."""
+    chart = _module(tmp_path, monkeypatch, GATE).Gate
+    ids = _gate_ids(chart)
+    assert ids == [
+        "guard-true:shut-lift->up:(!motor_hot)", "guard-true:shut-lift->up:!motor_hot",
+        "guard-true:up-drop->shut:!(car_in_loop or ticket_held)",
+    ], ids
+    every = [m.id for m in derive(chart, 0)]
+    assert len(every) == len(set(every)), every
+
+
+@pytest.mark.parametrize(("mutant", "hot", "taken"), [
+    ("guard-true:shut-lift->up:(!motor_hot)", False, True),  # cond forced true: unless decides
+    ("guard-true:shut-lift->up:!motor_hot", True, False),  # unless forced true: refused
+    ("guard-false:shut-lift->up:!motor_hot", True, False),  # the cond still refuses it
+])
+def test_each_guard_mutant_id_applies_its_own_mutant(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mutant: str, hot: bool,
+        taken: bool) -> None:
+    """Each id applies the mutant it names (the unless's, not the cond's first)."""
+    chart = _module(tmp_path, monkeypatch, GATE).Gate
+    assert apply(chart, mutant).id == mutant
+
+    class Motor:
+        def motor_hot(self) -> bool:
+            return hot
+
+        def car_in_loop(self) -> bool:
+            return False
+
+        def ticket_held(self) -> bool:
+            return False
+
+    gate = chart(Motor())
+    gate.send("lift")
+    assert ("up" in gate.configuration_values) is taken, gate.configuration_values
+
+
+def test_a_mutant_id_of_before_is_still_taken_by_apply_mutant_and_the_equivalent_list(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The ids of before stop 61 (``!car_in_loop or ticket_held``) still name their mutant:
+    in ``apply``, in ``--mutant`` and in an ``--equivalent`` list, the report saying the id
+    of today."""
+    module = _module(tmp_path, monkeypatch, GATE)
+    old = "guard-true:up-drop->shut:!car_in_loop or ticket_held"
+    new = "guard-true:up-drop->shut:!(car_in_loop or ticket_held)"
+    (tmp_path / "equivalent.toml").write_text(
+        f'[[mutant]]\nchart = "Gate"\nid = "{old}"\nreason = "no test drives drop"\n',
+        encoding="utf-8")
+    code = cli(["charts", "mutate", "--chart", f"{module.__name__}:Gate", "--mutant", old,
+                "--equivalent", "equivalent.toml", "--json", "--jobs", "1",
+                "--test-cmd", f"{sys.executable} -c 'import {module.__name__}'"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    report = json.loads(captured.out)
+    assert [(m["id"], m["status"]) for m in report["mutants"]] == [(new, "equivalent")], report
+    assert apply(module.Gate, old).id == new

@@ -236,9 +236,11 @@ def select_mutants(charts: list[Chart], args: argparse.Namespace) -> list[tuple[
         by_id = {}
         for chart in charts:  # explicit ids may name any target, whatever --targets-per-transition
             for mutant in mutants_mod.derive(chart.declaration, 0):
-                by_id[f"{chart.name}/{mutant.id}"] = (chart, mutant)
-                if len(charts) == 1:
-                    by_id[mutant.id] = (chart, mutant)
+                # an id of before stop 61 too (``Mutant.aliases``: no other mutant's id)
+                for known in (mutant.id, *mutant.aliases):
+                    by_id[f"{chart.name}/{known}"] = (chart, mutant)
+                    if len(charts) == 1:
+                        by_id[known] = (chart, mutant)
         unknown = sorted(wanted - set(by_id))
         if unknown:
             raise ValueError(f"--mutant={unknown[0]!r}: no such mutant (list them with --json "
@@ -628,7 +630,8 @@ def main(argv: list[str] | None = None) -> int:
             _judge(outcome, code, output, applied, error_codes, chart.target.partition(":")[0])
             if not applied and chart.name in unseen:
                 never_applied.setdefault(chart.name, mutant.id)
-            outcome.reason = equivalents.get((chart.name, mutant.id), "")
+            outcome.reason = next((equivalents[(chart.name, known)] for known in (
+                mutant.id, *mutant.aliases) if (chart.name, known) in equivalents), "")
             if outcome.status == "survived" and outcome.reason:
                 outcome.status = "equivalent"
             print(f"  [{index + 1}/{len(chosen)}] {outcome.status:8} {chart.name} {mutant.id} "
