@@ -57,7 +57,7 @@ import difflib
 import functools
 import weakref
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, NotRequired, TypedDict
 
@@ -648,8 +648,9 @@ def _graph(chart: CompiledChart) -> _Graph:
                        _node(start, rank, ordered), start.state)
         if any((s.taken, s.node) == (begun.taken, begun.node) for s in starts):
             continue  # this start went as one before, whatever these outcomes
-        if not start.configuration:
-            raise ValueError(_emptied(chart, start.taken_at_start, None, ()))
+        if not start.configuration or _orphans(chart, start.configuration):
+            raise ValueError(_emptied(chart, start.taken_at_start, None, (),
+                                      start.configuration))
         starts.append(begun)
         for state in [*start.entered, *start.configuration]:
             entered.setdefault(state, (len(starts) - 1, (), start.state))
@@ -700,8 +701,8 @@ def _graph(chart: CompiledChart) -> _Graph:
                 went.add((record.id, taken, after))
                 edge: _Edge = (record, taken, after, outcomes)
                 path = (*steps, edge)
-                if not twin.configuration:
-                    raise ValueError(_emptied(chart, forced, record, path))
+                if not twin.configuration or _orphans(chart, twin.configuration):
+                    raise ValueError(_emptied(chart, forced, record, path, twin.configuration))
                 for state in twin.entered:
                     entered.setdefault(state, (origin, path, twin.state))
                 for state in twin.configuration:
@@ -719,12 +720,36 @@ def _graph(chart: CompiledChart) -> _Graph:
     return graph
 
 
+def _orphans(chart: CompiledChart, configuration: Iterable[str]) -> list[str]:
+    """The states of ``configuration`` whose parent state is not in it (``fault`` active
+    without ``operating``): no configuration a chart is meant to be in."""
+    active = set(configuration)
+    states = chart.declaration.states_map
+    return [state for state in configuration if state in states
+            and getattr(states[state].parent, "id", None) not in (None, *active)]
+
+
 def _emptied(chart: CompiledChart, forced: Sequence[Transition], sent: Transition | None,
-             path: tuple[_Edge, ...]) -> str:
-    """Why a step that leaves no state active is a declaration bug: python-statemachine
-    enters nothing for a history state that has recorded nothing yet and declares no default
-    (``h.to(state)``), and its configuration is then empty, so the chart takes no event
-    again. Names the history states the step's transitions target and the walk to it."""
+             path: tuple[_Edge, ...], configuration: Iterable[str] = ()) -> str:
+    """Why a step that leaves no state active, or states without their parent, is a
+    declaration bug: python-statemachine enters nothing for a history state that has recorded
+    nothing yet and declares no default (``h.to(state)``); its configuration is then empty,
+    so the chart takes no event again, or, the history entered from inside its own compound
+    (``fault.to(h)``, ``h`` of ``operating``), holds the states entered without the compound
+    it exited (``fault,jammed`` without ``operating``). Names the history states the step's
+    transitions target and the walk to it."""
+    configuration = list(configuration)
+    orphans = _orphans(chart, configuration)
+    if orphans:
+        states = chart.declaration.states_map
+        parents = dict.fromkeys(str(states[state].parent.id) for state in orphans)
+        left = (f"leaves {','.join(configuration)} active without {', '.join(parents)} (the "
+                f"parent state of {', '.join(orphans)})")
+        outcome = (f"its configuration then holds {', '.join(orphans)} without "
+                   f"{', '.join(parents)}")
+    else:
+        left, outcome = "leaves no state active", ("its configuration is empty and it takes "
+                                                   "no event again")
     empty = [f"{target.id!r} of {getattr(target.parent, 'id', None)!r}"  # (a history has one)
              for taken in forced if taken.id < len(chart.declared)
              for target in chart.declared[taken.id].targets
@@ -733,10 +758,11 @@ def _emptied(chart: CompiledChart, forced: Sequence[Transition], sent: Transitio
              if sent is not None else "the chart's start")
     why = (f"it enters history state {', '.join(dict.fromkeys(empty))} before anything was "
            f"recorded there, and no default is declared: python-statemachine then enters "
-           f"nothing, its configuration is empty and it takes no event again; declare the "
-           f"default (`h.to(<state>)`) or reach the history only after its state was left"
-           if empty else "python-statemachine's configuration is then empty")
-    return f"{chart.name}: {where} leaves no state active: {why}"
+           f"nothing, {outcome}; declare the default (`h.to(<state>)`) or reach the history "
+           f"only after its state was left"
+           if empty else f"python-statemachine's configuration is then "
+                         f"{'that' if orphans else 'empty'}")
+    return f"{chart.name}: {where} {left}: {why}"
 
 
 def _too_many(chart: CompiledChart) -> str:

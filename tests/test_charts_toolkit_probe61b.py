@@ -16,6 +16,7 @@ from calexec.cli import main as cli
 from calexec.machines.compiled import compiled
 from calexec.machines.inspector import Inspector
 from calexec.machines.mutants import apply, derive
+from calexec.machines.paths import GuardTable
 
 BROKEN = '''
 from statemachine import State, StateChart
@@ -163,3 +164,58 @@ def test_a_mutant_id_of_before_is_still_taken_by_apply_mutant_and_the_equivalent
     report = json.loads(captured.out)
     assert [(m["id"], m["status"]) for m in report["mutants"]] == [(new, "equivalent")], report
     assert apply(module.Gate, old).id == new
+
+
+CARPARK = '''
+from statemachine import HistoryState, State, StateChart
+
+
+class CarPark(StateChart):
+    class operating(State.Compound):
+        class lane(State.Parallel):
+            class barrier(State.Compound):
+                closed = State(initial=True)
+                opening = State()
+                raise_ = closed.to(opening, cond="ticket_valid and (paid or season_pass)")
+                lower = opening.to(closed, unless="car_in_loop")
+
+            class payment(State.Compound):
+                unpaid = State(initial=True)
+                paid_ = State("Paid")
+                pay = unpaid.to(paid_, cond="card_ok")
+
+        class fault(State.Compound):
+            jammed = State(initial=True)
+            power_loss = State()
+            brown_out = jammed.to(power_loss)
+
+        h = HistoryState(type="deep")
+        break_down = lane.to(fault)
+        repair = fault.to(h, cond="!motor_hot")
+    out_of_service = State(final=True)
+    retire = operating.to(out_of_service)
+'''
+
+
+def test_a_history_without_default_entered_from_inside_its_compound_is_a_declaration_bug(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Found at stop 61 on a newcomer's car park: ``repair = fault.to(h)``, ``h`` a deep
+    history of ``operating`` without a default, sent before ``operating`` was ever left:
+    python-statemachine leaves the instance in ``fault,jammed`` without ``operating`` (no
+    configuration a chart can be in). ``charts paths`` refused a history entering nothing only
+    when the configuration came out empty; here it offered the step, ``"to": ""``, the walk
+    ending in ``fault,jammed``, exit 0. It is the same declaration bug, named, exit 2."""
+    module = _module(tmp_path, monkeypatch, CARPARK)
+    machine = module.CarPark(GuardTable.for_chart(module.CarPark, outcomes={"motor_hot": False}))
+    machine.send("break_down")
+    machine.send("repair")
+    assert sorted(machine.configuration_values) == ["fault", "jammed"]  # what a run is left in
+    assert cli(["charts", "paths", f"{module.__name__}:CarPark", "--json"]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and not captured.out and "Traceback" not in captured.err, captured
+    assert ("CarPark: fault --repair--> h (walk: break_down repair) leaves fault,jammed active "
+            "without operating (the parent state of fault): it enters history state 'h' of "
+            "'operating' before anything was recorded there, and no default is declared"
+            ) in lines[0], lines[0]
