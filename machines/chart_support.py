@@ -170,7 +170,7 @@ def _unparsable(text: str) -> str | None:
     def hook(_name: str) -> Any:
         return lambda *args, **kwargs: True
     try:
-        parse_boolean_expr(text, hook, operator_mapping)
+        parse_boolean_expr(text, hook, operator_mapping)  # type: ignore[no-untyped-call]
     except SyntaxError as err:
         return err.msg or "invalid syntax"
     except UnsupportedExpression as err:

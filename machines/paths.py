@@ -742,7 +742,7 @@ def _emptied(chart: CompiledChart, forced: Sequence[Transition], sent: Transitio
     orphans = _orphans(chart, configuration)
     if orphans:
         states = chart.declaration.states_map
-        parents = dict.fromkeys(str(states[state].parent.id) for state in orphans)
+        parents = dict.fromkeys(str(getattr(states[state].parent, "id", "")) for state in orphans)
         left = (f"leaves {','.join(configuration)} active without {', '.join(parents)} (the "
                 f"parent state of {', '.join(orphans)})")
         outcome = (f"its configuration then holds {', '.join(orphans)} without "
