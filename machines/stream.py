@@ -240,7 +240,12 @@ class DecodeStream:
         dispatch = ex.dispatch
         with dispatch.cv:
             # fired ahead by the completion thread (greedy_ahead), else the armed job
-            ahead, job = self._take_ahead(), None
+            ahead, job, outlived = self._take_ahead(), None, None
+            if ahead is not None and self._outlived(ahead[1]):
+                # fired before its generation was replaced (a model switch, a recovery): a
+                # guess the plain path never made; the step is admitted now, as it is there
+                outlived, ahead = ahead[1], None
+                self._discarded = outlived  # (``quiet``, ``close()``: until it ends)
             if ahead is None:
                 job, self._armed = self._armed, None
                 if job is None:  # not picked up yet (or no slot): arm it here, or take the
@@ -249,6 +254,8 @@ class DecodeStream:
                     job, self._armed = self._armed, None
         if ahead is not None:
             return self._adopt(ahead, int(token))
+        if outlived is not None:
+            outlived.cancel()
         # the armed job is a guess: released meanwhile (reclaimed for a request short of a
         # slot or budget, cancelled, expired, fenced), the step is admitted the ordinary way
         handle = None if job is None else self._fire_step(job, int(token))
@@ -312,8 +319,8 @@ class DecodeStream:
             ahead = self._ahead
             if ahead is not None:
                 fired, handle = ahead
-                if handle is None or fired != token:  # firing now, or a mismatch (closes)
-                    return None
+                if handle is None or fired != token or self._outlived(handle):
+                    return None  # firing now, a mismatch (closes), a generation replaced
                 self._ahead = None
                 return fired, handle
             job, self._armed = self._armed, None
@@ -551,6 +558,22 @@ class DecodeStream:
             return None
         fired, handle = ahead
         return None if handle is None else (fired, handle)
+
+    def _outlived(self, handle: JobHandle) -> bool:
+        """(The dispatch lock held.) The step fired ahead outlived its generation: that
+        generation is no longer the serving one, or is being replaced (a model switch, a
+        recovery), and the step did not fail on the device (its own fault, which the plain
+        path's step meets too). Its answer, the old generation's result or the refusal of a
+        job the switch found queued (``lifecycle.unavailable`` "device recovering after
+        lifecycle.model_switch" long after the switch ended), is not what the caller's step
+        gets on the plain path, where it is sent now: the step is admitted now instead
+        (``kv.past_len_beyond_committed``, "prefill it again", once the new generation
+        serves; ``lifecycle.unavailable`` while it is not)."""
+        job = job_of(handle)
+        gen = job.gen
+        if gen is not None and gen is self.ex.gen and not gen.closing:
+            return False
+        return not (job.submitted_at > 0 and job.done and isinstance(job.result, Status))
 
     def _adopt(self, ahead: tuple[int, JobHandle], token: int) -> JobHandle | Status:
         """The caller's step takes the job the completion thread fired with ``ahead[0]``."""
