@@ -240,12 +240,17 @@ class DecodeStream:
         dispatch = ex.dispatch
         with dispatch.cv:
             # fired ahead by the completion thread (greedy_ahead), else the armed job
-            ahead, job, outlived = self._take_ahead(), None, None
-            if ahead is not None and self._outlived(ahead[1]):
-                # fired before its generation was replaced (a model switch, a recovery): a
-                # guess the plain path never made; the step is admitted now, as it is there
-                outlived, ahead = ahead[1], None
-                self._discarded = outlived  # (``quiet``, ``close()``: until it ends)
+            # a token that came once the stream's deadline passed: the plain path's request
+            # is refused at its admission (``admission.deadline``); the armed job, fired, was
+            # refused at submit (``submit.deadline``), the step fired ahead answered its
+            # result: both are guesses the plain path never made, released for the admission
+            late = ex.clock.monotonic() >= self.deadline
+            ahead, job, discarded = self._take_ahead(), None, None
+            if ahead is not None and (late or self._outlived(ahead[1])):
+                # fired before its deadline passed or its generation was replaced (a model
+                # switch, a recovery): the step is admitted now, as on the plain path
+                discarded, ahead = ahead[1], None
+                self._discarded = discarded  # (``quiet``, ``close()``: until it ends)
             if ahead is None:
                 job, self._armed = self._armed, None
                 if job is None:  # not picked up yet (or no slot): arm it here, or take the
@@ -254,8 +259,11 @@ class DecodeStream:
                     job, self._armed = self._armed, None
         if ahead is not None:
             return self._adopt(ahead, int(token))
-        if outlived is not None:
-            outlived.cancel()
+        if discarded is not None:
+            discarded.cancel()
+        if late and job is not None and ex.release_armed(job, Status.deadline(
+                Phase.SUBMIT, "the step's token came after its deadline", **job.ctx())):
+            job = None
         # the armed job is a guess: released meanwhile (reclaimed for a request short of a
         # slot or budget, cancelled, expired, fenced), the step is admitted the ordinary way
         handle = None if job is None else self._fire_step(job, int(token))
@@ -287,14 +295,16 @@ class DecodeStream:
         (greedy_ahead) taken, or the pre-armed job fired with ``token``. None when ``submit``
         would have to wait or admit (nothing armed yet, the submitter or the completion thread
         arming or firing right now, a fired-ahead argmax that is not ``token``, an invalid
-        token, a cancelled stream, a pre-armed guess released meanwhile): this call then
+        token, a cancelled stream, the stream's deadline passed, a pre-armed guess released
+        meanwhile, a step fired ahead before its generation was replaced): this call then
         changed nothing ``submit`` reads, and ``submit(token)`` on a thread that may block
         takes the step, exactly as it would have from the start."""
         refused = self._refused()
         if refused is not None:
             return refused
         vocab = self._vocab()
-        if self._cancelled or not _is_token(token, vocab):
+        if (self._cancelled or not _is_token(token, vocab)
+                or self.ex.clock.monotonic() >= self.deadline):
             return None
         token = int(token)
         ready = self._take_ready(token)

@@ -8,15 +8,19 @@ must be equal. Real executor on the bundled emulator; nothing asserts a duration
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
 from calexec.contracts.errors import Category
 from calexec.contracts.status import Phase, Status
+from calexec.drivers.calrt.runtime import CalRT
+from calexec.machines.clock import Clock
+from calexec.machines.executor import DeviceExecutor, ExecutorConfig
 from calexec.machines.job import InferenceResult
 from executor_harness import (
-    deadline,
+    MANIFEST,
+    arm,
     decode,
-    make_executor,
     prefill,
     until,
     write_calbin,
@@ -24,6 +28,21 @@ from executor_harness import (
 
 PROMPT = [1, 2, 3, 4]
 PATHS = ("enqueue", "prearm", "greedy")
+#: how far the ``deadline`` event moves the executor's clock, past the caller's deadline
+LATE_S = 2.0
+
+
+class _Shifted(Clock):
+    """The system clock, moved on by ``offset`` seconds: a deadline passes when the test
+    says so, not when a thread happens to be slow."""
+
+    __slots__ = ("offset",)
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def monotonic(self) -> float:
+        return super().monotonic() + self.offset
 
 
 @pytest.fixture(scope="module")
@@ -47,24 +66,33 @@ def _answer(result) -> tuple:
 
 
 class _Caller:
-    """One caller's decode of sequence 1 on one path: ``step(token)`` answers as the path
-    answers it."""
+    """One caller's decode of sequence 1 on one path, every request with the deadline
+    ``end``: ``step(token)`` answers as the path answers it; ``cancel()`` is a caller that
+    gave up (a server cancels every job of a request its client left)."""
 
-    def __init__(self, ex, path: str, past: int) -> None:
-        self.ex, self.path, self.past = ex, path, past
+    def __init__(self, ex, path: str, past: int, end: float) -> None:
+        self.ex, self.path, self.past, self.end = ex, path, past, end
+        self.cancelled = False
         self.stream = (None if path == "enqueue" else
-                       ex.decode_stream(1, past, deadline(), greedy_ahead=path == "greedy"))
+                       ex.decode_stream(1, past, end, greedy_ahead=path == "greedy"))
 
     def step(self, token: int):
         if self.stream is None:
-            handle = self.ex.enqueue(decode(1, token, self.past))
+            request = attrs.evolve(decode(1, token, self.past), deadline=self.end)
+            handle = self.ex.enqueue(request, on_created=(
+                (lambda created: created.cancel()) if self.cancelled else None))
             _drive(self.ex, handle)
-            result = handle.wait_until(deadline())
+            result = handle.wait_until(self.end)
         else:
             result = self.stream.step(token)
         if isinstance(result, InferenceResult):
             self.past = result.kv_len
         return result
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        if self.stream is not None:
+            self.stream.cancel()
 
     def ahead_ended(self) -> bool:
         ahead = None if self.stream is None else self.stream.ahead
@@ -77,29 +105,50 @@ def _event(ex, calbin, caller: _Caller, event: str) -> None:
     elif event == "recover":  # a completed recovery (a device fault's, reset made)
         status = ex.recover(Status.failure("test.ccu_fault", Category.DEVICE, Phase.RECOVERY,
                                            "a CCU fault the test reports"))
+    elif event == "ccu":  # another sequence's job meets a CCU exception: the fault
+        arm(ex, "CCU_EXCEPTION")  # controller's recovery replaces the generation
+        gen = ex.snapshot()["generation"]
+        handle = ex.enqueue(prefill(2, PROMPT))
+        _drive(ex, handle)
+        failed = handle.wait_until(caller.end)
+        assert isinstance(failed, Status) and failed.category is Category.DEVICE, failed
+        until(lambda: ex.state == "Ready" and ex.snapshot()["generation"] > gen, what="the recovery")
+        status = Status.OK
     elif event == "release":
         status = ex.release_sequence(1, wait_s=5.0)
     elif event == "shutdown":
         status = ex.shutdown(5.0)
+    elif event == "cancel":
+        caller.cancel()
+        status = Status.OK
+    elif event == "deadline":  # the caller's deadline passes (the executor's clock moves)
+        ex.clock.offset += LATE_S
+        status = Status.OK
     else:
         raise AssertionError(event)
     assert status.ok, (event, status)
 
 
-def _history(calbin, path: str, event: str, threads: bool, before: int
-             ) -> tuple[list[tuple], int]:
+def _history(calbin, path: str, event: str, threads: bool, before: int,
+             on_device: bool = False) -> tuple[list[tuple], int]:
     """Prefill, ``before`` decode steps (greedy: until one fired its next step ahead, at most
     ``before``), ``event``, then up to two more steps with the argmax. The answers, and how
     many steps came before the event."""
-    ex = make_executor(calbin, threads=threads)
+    ex = DeviceExecutor(CalRT.load(), MANIFEST, ExecutorConfig(
+        calbin_path=calbin, threads=threads, check_lock_order=True, strict_lock_order=False),
+        clock=_Shifted())
+    started = ex.start()
+    assert started.ok, started
+    # the caller's deadline: one the ``deadline`` event passes, else far
+    end = ex.clock.monotonic() + (LATE_S / 2 if event == "deadline" else 30.0)
     try:
         if threads:  # the caller waits for each step: the completion thread fires ahead
             assert ex.device.emu.set_latency(decode_us=20000) == 0
         first = ex.enqueue(prefill(1, PROMPT, kv_reserve_len=len(PROMPT) + 16))
         _drive(ex, first)
-        result = first.wait_until(deadline())
+        result = first.wait_until(end)
         assert isinstance(result, InferenceResult), result
-        caller = _Caller(ex, path, result.kv_len)
+        caller = _Caller(ex, path, result.kv_len, end)
         answers = []
         for _ in range(before):
             result = caller.step(result.argmax)
@@ -115,6 +164,8 @@ def _history(calbin, path: str, event: str, threads: bool, before: int
                 until(caller.ahead_ended, what="the step fired ahead ended")
             else:  # nobody drives the stepped executor: it waits in the queue
                 assert not ahead[1].done
+                if on_device:  # (or, one submit later, on the device)
+                    assert ex.submit_one() and not ahead[1].done
         taken = len(answers)
         _event(ex, calbin, caller, event)
         for _ in range(2):
@@ -129,10 +180,11 @@ def _history(calbin, path: str, event: str, threads: bool, before: int
         ex.shutdown(5.0)
 
 
-def _differential(calbin, event: str, threads: bool) -> dict[str, list[tuple]]:
+def _differential(calbin, event: str, threads: bool, on_device: bool = False
+                  ) -> dict[str, list[tuple]]:
     """The history on the three paths: the greedy one first (how many steps it took until
     one was fired ahead: the others take as many before the event)."""
-    greedy, taken = _history(calbin, "greedy", event, threads, before=8)
+    greedy, taken = _history(calbin, "greedy", event, threads, before=8, on_device=on_device)
     answers = {path: _history(calbin, path, event, threads, before=taken)[0]
                for path in PATHS if path != "greedy"}
     answers["greedy"] = greedy
@@ -151,7 +203,7 @@ def test_a_step_after_a_completed_generation_change_answers_as_the_plain_path(
     ``kv.past_len_beyond_committed`` ("prefill it again"). Now all three answer alike."""
     answers = _differential(calbin, event, threads)
     plain = answers["enqueue"]
-    assert plain[1][0] == "kv.past_len_beyond_committed", plain
+    assert plain[-1][0] == "kv.past_len_beyond_committed", plain
     for path in PATHS:
         assert answers[path] == plain, (path, answers)
 
@@ -167,5 +219,42 @@ def test_a_step_after_a_release_or_a_shutdown_answers_as_the_plain_path(calbin, 
     leaves only when whoever drives the executor runs it; docs/embedding.md §3.)"""
     answers = _differential(calbin, event, threads)
     plain = answers["enqueue"]
+    for path in PATHS:
+        assert answers[path] == plain, (path, answers)
+
+
+def test_a_step_after_a_ccu_fault_of_another_sequence_answers_as_the_plain_path(calbin):
+    """The recovery of a device fault (a CCU exception of another sequence's job) between
+    two steps: the step fired ahead before it is not adopted either. (Threaded: the step
+    ahead ended first. On the stepped executor the queued step ahead would be the job that
+    meets the fault: another history; ``recover`` there.)"""
+    answers = _differential(calbin, "ccu", True)
+    plain = answers["enqueue"]
+    assert plain[-1][0] == "kv.past_len_beyond_committed", plain
+    for path in PATHS:
+        assert answers[path] == plain, (path, answers)
+
+
+@pytest.mark.parametrize("threads", [False, True], ids=["stepped", "threads"])
+def test_a_step_after_its_caller_gave_up_answers_as_the_plain_path(calbin, threads):
+    """A cancel (the caller gave up) racing the step fired ahead: queued (stepped) or ended
+    (threads); the next step is cancelled on every path."""
+    answers = _differential(calbin, "cancel", threads)
+    plain = answers["enqueue"]
+    assert plain[-1][0] == "request.cancelled", plain
+    for path in PATHS:
+        assert answers[path] == plain, (path, answers)
+
+
+@pytest.mark.parametrize("on_device", [False, True], ids=["queued", "on_device"])
+def test_a_step_whose_deadline_passed_answers_as_the_plain_path(calbin, on_device):
+    """The caller's deadline passes while the step fired ahead waits in the queue or runs on
+    the device (the stepped executor; the executor's clock moved past it). The token comes
+    late: the plain path refuses it at admission (``admission.deadline``); the pre-armed
+    stream answered ``submit.deadline`` (its armed job fired late) and greedy ahead the
+    result of the step fired before the deadline."""
+    answers = _differential(calbin, "deadline", False, on_device=on_device)
+    plain = answers["enqueue"]
+    assert plain[-1][:2] == ("admission.deadline", Category.DEADLINE), plain
     for path in PATHS:
         assert answers[path] == plain, (path, answers)
