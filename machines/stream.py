@@ -50,6 +50,13 @@ the caller never takes (it stopped on a stop string, or closed) is cancelled and
 ``close()`` (``close(wait=False)``: not waited for; ``quiet`` says when it ended): at most one
 wasted device step per stream, whose KV the next job at that position rewrites.
 
+A step is answered as the same token sent with ``enqueue`` at that moment (docs/embedding.md
+§3): the armed job and the step fired ahead are guesses made earlier. A token that comes
+after the stream's deadline releases them (the step is refused at admission, as a late
+``enqueue``), and a step fired ahead whose generation was replaced since (a model switch, a
+recovery) is discarded unless it failed on the device itself (``_outlived``): the step is
+admitted in the new generation.
+
 The stream closes itself on any failed step (the pre-armed job behind it is released: its KV
 txn was chained to a job that did not commit). ``close()`` (also the context manager's exit)
 releases the armed job; ``cancel()`` also cancels the job in flight (thread-safe: a client
