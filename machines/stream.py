@@ -579,16 +579,18 @@ class DecodeStream:
     def _outlived(self, handle: JobHandle) -> bool:
         """(The dispatch lock held.) The step fired ahead outlived its generation: that
         generation is no longer the serving one, or is being replaced (a model switch, a
-        recovery), and the step did not fail on the device (its own fault, which the plain
-        path's step meets too). Its answer, the old generation's result or the refusal of a
-        job the switch found queued (``lifecycle.unavailable`` "device recovering after
+        recovery: admission stopped, or the generation fenced), or a shutdown began, and the
+        step did not fail on the device (its own fault, which the plain path's step meets
+        too). Its answer, the old generation's result or the refusal of a job the switch
+        found queued (``lifecycle.unavailable`` "device recovering after
         lifecycle.model_switch" long after the switch ended), is not what the caller's step
         gets on the plain path, where it is sent now: the step is admitted now instead
         (``kv.past_len_beyond_committed``, "prefill it again", once the new generation
         serves; ``lifecycle.unavailable`` while it is not)."""
         job = job_of(handle)
-        gen = job.gen
-        if gen is not None and gen is self.ex.gen and not gen.closing:
+        gen, ex = job.gen, self.ex
+        if (gen is not None and gen is ex.gen and not gen.closing and ex.life.admitting
+                and not ex.life.stopping):
             return False
         return not (job.submitted_at > 0 and job.done and isinstance(job.result, Status))
 

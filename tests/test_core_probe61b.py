@@ -8,6 +8,8 @@ must be equal. Real executor on the bundled emulator; nothing asserts a duration
 
 from __future__ import annotations
 
+import threading
+
 import attrs
 import pytest
 
@@ -99,7 +101,38 @@ class _Caller:
         return ahead is None or (ahead[1] is not None and ahead[1].done)
 
 
-def _event(ex, calbin, caller: _Caller, event: str) -> None:
+class _PausedSwitch:
+    """``switch_model`` on its own thread, held just before its fence closes the serving
+    generation: admission has stopped, the generation is still current and not closing."""
+
+    def __init__(self, ex, calbin) -> None:
+        self.ex, self.paused, self.go = ex, threading.Event(), threading.Event()
+        self.answers: list[Status] = []
+        original = ex.dispatch.close
+
+        def close(gen):
+            if threading.current_thread() is self.thread and not self.paused.is_set():
+                self.paused.set()
+                self.go.wait(10)
+            return original(gen)
+
+        ex.dispatch.close = close
+        self.thread = threading.Thread(
+            target=lambda: self.answers.append(ex.switch_model(calbin)),
+            name="probe61b-switch", daemon=True)
+        self.thread.start()
+        assert self.paused.wait(10), "the switch never reached its fence"
+        assert not ex.life.admitting
+
+    def finish(self) -> None:
+        self.go.set()
+        self.thread.join(10)
+        assert self.answers and self.answers[0].ok, self.answers
+
+
+def _event(ex, calbin, caller: _Caller, event: str) -> _PausedSwitch | None:
+    if event == "switching":  # a switch under way: admission stopped, not fenced yet
+        return _PausedSwitch(ex, calbin)
     if event == "switch":  # a completed model switch (to the same calbin)
         status = ex.switch_model(calbin)
     elif event == "recover":  # a completed recovery (a device fault's, reset made)
@@ -127,6 +160,7 @@ def _event(ex, calbin, caller: _Caller, event: str) -> None:
     else:
         raise AssertionError(event)
     assert status.ok, (event, status)
+    return None
 
 
 def _history(calbin, path: str, event: str, threads: bool, before: int,
@@ -167,14 +201,16 @@ def _history(calbin, path: str, event: str, threads: bool, before: int,
                 if on_device:  # (or, one submit later, on the device)
                     assert ex.submit_one() and not ahead[1].done
         taken = len(answers)
-        _event(ex, calbin, caller, event)
+        switching = _event(ex, calbin, caller, event)
         for _ in range(2):
             result = caller.step(result.argmax)
             answers.append(_answer(result))
             if not isinstance(result, InferenceResult):
                 break
         if caller.stream is not None:
-            caller.stream.close()
+            caller.stream.close(wait=switching is None)
+        if switching is not None:
+            switching.finish()
         return answers, taken
     finally:
         ex.shutdown(5.0)
@@ -256,5 +292,16 @@ def test_a_step_whose_deadline_passed_answers_as_the_plain_path(calbin, on_devic
     answers = _differential(calbin, "deadline", False, on_device=on_device)
     plain = answers["enqueue"]
     assert plain[-1][:2] == ("admission.deadline", Category.DEADLINE), plain
+    for path in PATHS:
+        assert answers[path] == plain, (path, answers)
+
+
+def test_a_step_during_a_switch_answers_as_the_plain_path(calbin):
+    """A step taken while a model switch is under way (admission stopped, the generation not
+    fenced yet; threaded, the step fired ahead ended on the device before the switch): the
+    plain path answers ``lifecycle.unavailable``; so must the fast paths."""
+    answers = _differential(calbin, "switching", True)
+    plain = answers["enqueue"]
+    assert plain[-1][:2] == ("lifecycle.unavailable", Category.UNAVAILABLE), plain
     for path in PATHS:
         assert answers[path] == plain, (path, answers)
