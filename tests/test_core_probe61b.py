@@ -101,27 +101,34 @@ class _Caller:
         return ahead is None or (ahead[1] is not None and ahead[1].done)
 
 
-class _PausedSwitch:
+class _HeldLifecycle:
     """``switch_model`` on its own thread, held just before its fence closes the serving
-    generation: admission has stopped, the generation is still current and not closing."""
+    generation: admission has stopped, the generation is still current and not closing.
+    (``shutdown``: ``shutdown()`` held just after it cancelled the queued jobs.)"""
 
-    def __init__(self, ex, calbin) -> None:
+    def __init__(self, ex, calbin, shutdown: bool = False) -> None:
         self.ex, self.paused, self.go = ex, threading.Event(), threading.Event()
         self.answers: list[Status] = []
-        original = ex.dispatch.close
+        name = "cancel_pending" if shutdown else "close"
+        original = getattr(ex.dispatch, name)
 
-        def close(gen):
+        def gate(*args):
             if threading.current_thread() is self.thread and not self.paused.is_set():
+                if shutdown:
+                    original(*args)
                 self.paused.set()
                 self.go.wait(10)
-            return original(gen)
+                if shutdown:
+                    return None
+            return original(*args)
 
-        ex.dispatch.close = close
-        self.thread = threading.Thread(
-            target=lambda: self.answers.append(ex.switch_model(calbin)),
-            name="probe61b-switch", daemon=True)
+        setattr(ex.dispatch, name, gate)
+        call = ((lambda: ex.shutdown(5.0)) if shutdown else
+                (lambda: ex.switch_model(calbin)))
+        self.thread = threading.Thread(target=lambda: self.answers.append(call()),
+                                       name="probe61b-lifecycle", daemon=True)
         self.thread.start()
-        assert self.paused.wait(10), "the switch never reached its fence"
+        assert self.paused.wait(10), f"the {name} gate was never reached"
         assert not ex.life.admitting
 
     def finish(self) -> None:
@@ -130,9 +137,11 @@ class _PausedSwitch:
         assert self.answers and self.answers[0].ok, self.answers
 
 
-def _event(ex, calbin, caller: _Caller, event: str) -> _PausedSwitch | None:
+def _event(ex, calbin, caller: _Caller, event: str) -> _HeldLifecycle | None:
     if event == "switching":  # a switch under way: admission stopped, not fenced yet
-        return _PausedSwitch(ex, calbin)
+        return _HeldLifecycle(ex, calbin)
+    if event == "shutting":  # a shutdown under way: the queued jobs cancelled
+        return _HeldLifecycle(ex, calbin, shutdown=True)
     if event == "switch":  # a completed model switch (to the same calbin)
         status = ex.switch_model(calbin)
     elif event == "recover":  # a completed recovery (a device fault's, reset made)
@@ -296,11 +305,13 @@ def test_a_step_whose_deadline_passed_answers_as_the_plain_path(calbin, on_devic
         assert answers[path] == plain, (path, answers)
 
 
-def test_a_step_during_a_switch_answers_as_the_plain_path(calbin):
+@pytest.mark.parametrize("event", ["switching", "shutting"])
+def test_a_step_during_a_switch_or_a_shutdown_answers_as_the_plain_path(calbin, event):
     """A step taken while a model switch is under way (admission stopped, the generation not
-    fenced yet; threaded, the step fired ahead ended on the device before the switch): the
-    plain path answers ``lifecycle.unavailable``; so must the fast paths."""
-    answers = _differential(calbin, "switching", True)
+    fenced yet), or a shutdown (its queued jobs cancelled); threaded, the step fired ahead
+    ended on the device before: the plain path answers ``lifecycle.unavailable``; so must
+    the fast paths."""
+    answers = _differential(calbin, event, True)
     plain = answers["enqueue"]
     assert plain[-1][:2] == ("lifecycle.unavailable", Category.UNAVAILABLE), plain
     for path in PATHS:
