@@ -36,6 +36,7 @@ from executor_harness import (
     until,
     write_calbin,
 )
+from thread_starts import recording_thread_starts
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79]
 BOUND_S = 30.0  # a hang guard: reaching it fails the test
@@ -240,7 +241,8 @@ def test_cancelling_the_awaiting_task_leaves_the_job_and_no_registration(caplog)
 
 def test_many_concurrent_awaits_on_executor_jobs_park_no_thread(calbin, caplog):
     """Jobs of a stepped executor stay queued until the test drives it: while the awaits are
-    pending the process has exactly the threads it had before them; a driver thread then
+    pending no thread was started for them (the process's other threads, which other tests
+    may have left, are not judged: tests/thread_starts.py); a driver thread then
     resolves every job (callbacks on a foreign thread, loop in debug mode) and each await gets
     its own sequence's oracle token."""
     caplog.set_level(logging.ERROR, logger="calexec.job")
@@ -258,22 +260,22 @@ def test_many_concurrent_awaits_on_executor_jobs_park_no_thread(calbin, caplog):
                     break
 
         async def main():
-            before = set(threading.enumerate())
-            tasks = {seq: asyncio.create_task(handle.wait_async(deadline(BOUND_S)))
-                     for seq, handle in handles.items()}
-            futures = [handle.as_future() for handle in handles.values()]
-            await asyncio.sleep(0)
-            assert all(handle.pending_callbacks == 2 for handle in handles.values())
-            during = set(threading.enumerate())
+            with recording_thread_starts() as starts:
+                tasks = {seq: asyncio.create_task(handle.wait_async(deadline(BOUND_S)))
+                         for seq, handle in handles.items()}
+                futures = [handle.as_future() for handle in handles.values()]
+                await asyncio.sleep(0)
+                assert all(handle.pending_callbacks == 2 for handle in handles.values())
+            during = starts.names()
             driver = threading.Thread(target=drive, name="driver")
             driver.start()
             results = {seq: await task for seq, task in tasks.items()}
             also = await asyncio.wait_for(asyncio.gather(*futures), BOUND_S)
             driver.join(BOUND_S)
-            return before, during, results, also
+            return during, results, also
 
-        before, during, results, also = asyncio.run(main(), debug=True)
-        assert during - before == set()  # n pending awaits, no thread for any of them
+        during, results, also = asyncio.run(main(), debug=True)
+        assert during == []  # n pending awaits, no thread started for any of them
         assert callback_errors(caplog) == []  # every result went through the loop
         for seq, result in results.items():
             assert isinstance(result, InferenceResult), result
@@ -591,8 +593,8 @@ def test_example_server_serves_concurrent_clients_oracle_tokens_without_waiting_
         calbin, monkeypatch):
     """Six clients at once on four sequence ids: every client gets its prompt's oracle tokens,
     ids are reused after their release, no thread ever waits for an unresolved job (every
-    completion is awaited on the loop), the process's threads stay within the fixed control
-    pool, and the drain ends the executor Stopped with every id free."""
+    completion is awaited on the loop), the only threads started while serving are the fixed
+    control pool's, and the drain ends the executor Stopped with every id free."""
     example = load_example()
     sequences, max_tokens = 4, 8
     blocking = []
@@ -608,16 +610,19 @@ def test_example_server_serves_concurrent_clients_oracle_tokens_without_waiting_
         assert (await embedding.call(embedding.ex.start)).ok
         server = example.JsonLineServer(embedding)
         await server.start()
-        baseline = set(threading.enumerate())
+        executor_threads = set(embedding.ex.threads_alive())
+        roots = [t for t in threading.enumerate() if t.name in executor_threads]
         monkeypatch.setattr(JobHandle, "wait_until", counting)
         prompts = [[i, *PROMPT] for i in range(1, 7)]
-        added: set[str] = set()  # threads that appeared while serving (idle ones stay alive)
         answers = []
-        for answer in asyncio.as_completed([ask(server.port, {"prompt": p,
-                                                              "max_tokens": max_tokens})
-                                            for p in prompts]):
-            answers.append(await answer)
-            added |= {t.name for t in set(threading.enumerate()) - baseline}
+        # the threads the server, its control pool or its executor started while serving
+        # (not the process's: another test's leftover thread may start one meanwhile)
+        with recording_thread_starts(roots) as starts:
+            for answer in asyncio.as_completed([ask(server.port, {"prompt": p,
+                                                                  "max_tokens": max_tokens})
+                                                for p in prompts]):
+                answers.append(await answer)
+        added = set(starts.names())
         monkeypatch.undo()
         health = await ask(server.port, {"op": "health"})
         status = await server.drain(BOUND_S)

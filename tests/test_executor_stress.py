@@ -54,6 +54,7 @@ from executor_harness import (
     settle,
     write_calbin,
 )
+from thread_starts import recording_thread_starts
 
 # Outcomes of one resolved job (each maps to exactly one executor counter).
 DELIVERED = "succeeded"
@@ -442,58 +443,60 @@ def loop_client(client: SequenceClient, jobs: int, warmed: threading.Barrier,
 
 def test_thousand_jobs_leave_no_leak(calbin):
     fix_mmap_threshold()
-    threads_before = set(threading.enumerate())
-    ex = job_path_executor(calbin, "kv_block_size=16", slots_per_kind=LOOP_SLOTS)
-    pool = ex.pool
-    try:
-        slots_before = len(ex.pool.slots)
-        base, emu_base = dict(ex.counters), ex.device.emu.counters()["jobs_submitted"]
-        plan = random.Random(2024)
-        arm_prob(ex, ("SUBMIT_RC", "UNKNOWN_CSR", "CAN_ALLOCATE_FALSE"), 5_000, seed=201)
-        for point in POST_SUBMIT_FAULTS:  # each fires exactly once, at a seeded call
-            arm(ex, point, "NTH", plan.randint(100, 600))
-        book = Book(keep_handles=False)
-        warmed, go = threading.Barrier(LOOP_THREADS + 1), threading.Event()
-        shares = [LOOP_JOBS // LOOP_THREADS + (i < LOOP_JOBS % LOOP_THREADS)
-                  for i in range(LOOP_THREADS)]
-        workers = [book.run(loop_client,
-                            SequenceClient(ex, seq, book, random.Random(plan.random()),
-                                           decode_share=0.9, restart_at=100, seconds=2.0,
-                                           cancel_share=0.06),
-                            jobs, warmed, go, name=f"loop-seq{seq}")
-                   for seq, jobs in zip(range(1, LOOP_THREADS + 1), shares)]
-        warmed.wait(RESOLVE_S)
-        gc.collect()
-        leased_warm = ex.pool.counts()["Leased"]
-        rss_warm = rss_bytes()
-        go.set()
-        for thread in workers:
-            thread.join(RESOLVE_S * 2)
-        assert not any(t.is_alive() for t in workers)
-        assert book.errors == [], "\n".join(book.errors)
-        gc.collect()
-        rss_end = rss_bytes()
+    with recording_thread_starts() as starts:  # the threads this test and its executor start
+        ex = job_path_executor(calbin, "kv_block_size=16", slots_per_kind=LOOP_SLOTS)
+        pool = ex.pool
+        try:
+            slots_before = len(ex.pool.slots)
+            base, emu_base = dict(ex.counters), ex.device.emu.counters()["jobs_submitted"]
+            plan = random.Random(2024)
+            arm_prob(ex, ("SUBMIT_RC", "UNKNOWN_CSR", "CAN_ALLOCATE_FALSE"), 5_000, seed=201)
+            for point in POST_SUBMIT_FAULTS:  # each fires exactly once, at a seeded call
+                arm(ex, point, "NTH", plan.randint(100, 600))
+            book = Book(keep_handles=False)
+            warmed, go = threading.Barrier(LOOP_THREADS + 1), threading.Event()
+            shares = [LOOP_JOBS // LOOP_THREADS + (i < LOOP_JOBS % LOOP_THREADS)
+                      for i in range(LOOP_THREADS)]
+            workers = [book.run(loop_client,
+                                SequenceClient(ex, seq, book, random.Random(plan.random()),
+                                               decode_share=0.9, restart_at=100, seconds=2.0,
+                                               cancel_share=0.06),
+                                jobs, warmed, go, name=f"loop-seq{seq}")
+                       for seq, jobs in zip(range(1, LOOP_THREADS + 1), shares)]
+            warmed.wait(RESOLVE_S)
+            gc.collect()
+            leased_warm = ex.pool.counts()["Leased"]
+            rss_warm = rss_bytes()
+            go.set()
+            for thread in workers:
+                thread.join(RESOLVE_S * 2)
+            assert not any(t.is_alive() for t in workers)
+            assert book.errors == [], "\n".join(book.errors)
+            gc.collect()
+            rss_end = rss_bytes()
 
-        assert book.enqueued == LOOP_JOBS
-        assert rss_end - rss_warm <= RSS_SLACK, (rss_warm, rss_end)
-        snap = settle(ex)
-        assert snap["queued"] == snap["inflight"] == snap["pending_tokens"] == 0
-        assert ex.pool.counts()["Leased"] == 0 <= leased_warm
-        assert len(ex.pool.slots) == slots_before
-        post_submit_fired = sum(fired(ex, p) for p in POST_SUBMIT_FAULTS)
-        assert post_submit_fired == len(POST_SUBMIT_FAULTS)
-        assert (ex.pool.counts()["Quarantined"] == book.outcomes[AFTER_SUBMIT]
-                == post_submit_fired)
-        assert book.outcomes[CANCELLED] > 0 and book.outcomes[BEFORE_SUBMIT] > 0
-        assert_counters_add_up(ex, base, book, emu_base)
-        kv_matches_device(ex)
-        assert ex.locks.violations == []
-    finally:
-        status = ex.shutdown(grace=5.0)
+            assert book.enqueued == LOOP_JOBS
+            assert rss_end - rss_warm <= RSS_SLACK, (rss_warm, rss_end)
+            snap = settle(ex)
+            assert snap["queued"] == snap["inflight"] == snap["pending_tokens"] == 0
+            assert ex.pool.counts()["Leased"] == 0 <= leased_warm
+            assert len(ex.pool.slots) == slots_before
+            post_submit_fired = sum(fired(ex, p) for p in POST_SUBMIT_FAULTS)
+            assert post_submit_fired == len(POST_SUBMIT_FAULTS)
+            assert (ex.pool.counts()["Quarantined"] == book.outcomes[AFTER_SUBMIT]
+                    == post_submit_fired)
+            assert book.outcomes[CANCELLED] > 0 and book.outcomes[BEFORE_SUBMIT] > 0
+            assert_counters_add_up(ex, base, book, emu_base)
+            kv_matches_device(ex)
+            assert ex.locks.violations == []
+        finally:
+            status = ex.shutdown(grace=5.0)
     assert status.ok and ex.state == "Stopped", status
     counts = pool.counts()
     assert counts["Leased"] == counts["InFlight"] == 0
-    assert set(threading.enumerate()) == threads_before
+    # every thread the executor or the test started has ended (another test's leftover
+    # threads are not judged: they may start or end meanwhile)
+    assert [t.name for t in starts.ours() if t.is_alive()] == []
 
 
 # ---- 3. KV pressure ------------------------------------------------------------------------------------

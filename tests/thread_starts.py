@@ -1,0 +1,53 @@
+"""Which threads the code under test started: a "no new thread" check over the whole process's
+threads (``threading.enumerate()`` before and after) also sees a thread another test left
+running start one of its own (or end) inside the window, and fails under CI's load for what
+the code under test never did. :func:`recording_thread_starts` notes every
+``threading.Thread.start`` in the window with the thread that called it; :meth:`ThreadStarts.ours`
+keeps those started by the recording thread, by one of the given roots (the executor's own
+threads, say), or by a thread one of these started in the window.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+
+class ThreadStarts:
+    """The threads started while recording, each with its starter, in start order."""
+
+    def __init__(self, roots: Iterable[threading.Thread]) -> None:
+        self.roots = {threading.current_thread(), *roots}
+        self.starts: list[tuple[threading.Thread, threading.Thread]] = []  # (starter, started)
+
+    def ours(self) -> list[threading.Thread]:
+        """The threads started in the window by a root or, transitively, by one of ours."""
+        owners = set(self.roots)
+        found = []
+        for starter, thread in list(self.starts):  # start order: a starter comes first
+            if starter in owners:
+                owners.add(thread)
+                found.append(thread)
+        return found
+
+    def names(self) -> list[str]:
+        return [thread.name for thread in self.ours()]
+
+
+@contextmanager
+def recording_thread_starts(roots: Iterable[threading.Thread] = ()) -> Iterator[ThreadStarts]:
+    """Record the threads started inside the ``with`` block (``threading.Thread.start``
+    wrapped, restored on exit); ``roots`` own their starts besides the entering thread."""
+    record = ThreadStarts(roots)
+    real = threading.Thread.start
+
+    def start(self: threading.Thread) -> None:
+        record.starts.append((threading.current_thread(), self))
+        real(self)
+
+    threading.Thread.start = start  # type: ignore[method-assign]
+    try:
+        yield record
+    finally:
+        threading.Thread.start = real  # type: ignore[method-assign]
