@@ -15,6 +15,7 @@ from calexec.drivers.serving import byte_tokenizer
 from calexec.drivers.serving.server import create_app
 from calexec.drivers.serving.service import MAX_CHOICES, ServerConfig
 from test_server_support import openai_server, started_executor, through_ingress
+from thread_starts import recording_thread_starts
 
 
 def test_serve_refuses_a_max_choices_past_its_bound_naming_flag_value_and_range():
@@ -164,14 +165,12 @@ def test_a_replica_whose_constructor_fails_past_the_executor_start_shuts_it_down
     pytest.importorskip("ray")
     import gc
     import tempfile
-    import threading
 
     from calexec.drivers.fleet import local_ray
     from calexec.drivers.fleet.ray_serve import CalexecReplica, ReplicaSettings
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.setattr(local_ray, "bind_serve_grpc_to_node_ip", lambda: False)
-    before = {t.ident for t in threading.enumerate()}
     interval = sys.getswitchinterval()
 
     stopped: list[bool] = []
@@ -197,14 +196,14 @@ def test_a_replica_whose_constructor_fails_past_the_executor_start_shuts_it_down
         OutsideRay(ReplicaSettings(grace_s=5.0, gil_switch_us=0))
 
     try:
-        with pytest.raises(Exception, match="get_replica_context") as raised:
+        with recording_thread_starts() as starts, \
+                pytest.raises(Exception, match="get_replica_context") as raised:
             asyncio.run(construct())
     finally:
         sys.setswitchinterval(interval)
     del raised  # its traceback holds the replica
     gc.collect()
     assert stopped == [True]  # the hook ran, once, and had nothing to drain
-    left = [t.name for t in threading.enumerate()
-            if t.ident not in before and t.name.startswith("calexec-")]
+    left = [t.name for t in starts.ours() if t.is_alive() and t.name.startswith("calexec-")]
     assert left == [], f"the executor's threads still run: {left}"
     assert list(tmp_path.glob("calexec-replica-*")) == []
