@@ -35,6 +35,7 @@ from executor_harness import (
     prefill,
     write_calbin,
 )
+from thread_starts import ThreadStarts, recording_thread_starts
 
 PROMPT = [11, 12, 13, 14, 15]
 STEPS = 16
@@ -67,12 +68,11 @@ def runtime_calls(monkeypatch):
     return calls
 
 
-def executor_threads(before: set[threading.Thread]) -> dict[str, int]:
-    """The executor's threads, found by name among the threads that appeared since
-    ``before`` (other executors of the process may use the same names). Thread objects, not
-    idents: a thread of ``before`` that ended meanwhile may leave its ident to a new one."""
-    found = {t.name: t.ident for t in threading.enumerate()
-             if t not in before and t.name in EXECUTOR_THREADS}
+def executor_threads(starts: ThreadStarts) -> dict[str, int]:
+    """The executor's threads, found by name among the threads the test's thread started
+    (tests/thread_starts.py): other executors of the process may use the same names, and
+    another test's leftover one may start a thread meanwhile."""
+    found = {t.name: t.ident for t in starts.ours() if t.name in EXECUTOR_THREADS}
     assert set(found) == set(EXECUTOR_THREADS), found
     return found
 
@@ -136,11 +136,11 @@ def run_callers(targets) -> dict[str, int]:
 @pytest.mark.parametrize("capacity", [1, 2], ids=["phase_a", "phase_b"])
 def test_only_the_submitter_infers_and_only_the_completion_thread_waits(calbin, runtime_calls,
                                                                          capacity):
-    before = set(threading.enumerate())
     # the golden's calls at start recorded too; a slot per stream and one to arm with
-    ex = make_executor(calbin, inflight_capacity=capacity, slots_per_kind=4)
+    with recording_thread_starts() as starts:
+        ex = make_executor(calbin, inflight_capacity=capacity, slots_per_kind=4)
     try:
-        owners = executor_threads(before)
+        owners = executor_threads(starts)
         base = ex.snapshot()
         # decode jobs of >= 2 ms: implicit pre-arms and greedy ahead need a device that is
         # not instant (machines/autoarm.py, machines/stream.py)
