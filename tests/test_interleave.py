@@ -3,6 +3,7 @@ schedule's failure carries when the user's own checks raise."""
 
 from __future__ import annotations
 
+import inspect
 import math
 import threading
 import time
@@ -415,24 +416,38 @@ def test_a_long_exploration_reports_its_progress():
         explore_threads(two_counters, progress=5)
 
 
-def test_a_scenario_that_joins_its_threads_is_told_the_explorer_runs_them():
+def test_a_scenario_that_joins_its_threads_is_told_the_explorer_runs_them(monkeypatch):
     """A scenario that joined the threads it started (as the same code does on the real
     clock) hung for ever on ``thread.join()``, before any watchdog (no thread runs until the
     scenario returns), or waited out ``clock.join(thread, 1.0)`` in real time and went on
-    with the thread not run. Refused at the join, naming the thread and what to do."""
+    with the thread not run. Refused at the join, naming the thread and what to do, before
+    any real join (one is recorded and refused here, so a regression fails, not hangs)."""
     def scenario(clock, join):
         done: list[int] = []
         thread = clock.start_thread(lambda: done.append(1), "worker")
         join(clock, thread)
         return lambda: done == [1]
 
+    real_joins: list[float | None] = []
+    real_join = threading.Thread.join
+
+    def recorded_join(self, timeout=None):
+        frame = inspect.currentframe()  # called by the scenario (the explorer's own clean-up joins)
+        while frame is not None and frame.f_code is not scenario.__code__:
+            frame = frame.f_back
+        if frame is None:
+            return real_join(self, timeout)
+        real_joins.append(timeout)
+        raise AssertionError(f"the scenario's worker was joined in real time ({timeout})")
+
     for join in (lambda clock, thread: clock.join(thread, 1.0),
                  lambda clock, thread: thread.join()):
-        started = time.monotonic()
-        with pytest.raises(RuntimeError, match="the scenario joined thread worker: no thread "
-                                               "runs until the scenario has returned"):
-            explore_threads(lambda clock, join=join: scenario(clock, join), seeds=[0])
-        assert time.monotonic() - started < 0.9
+        with monkeypatch.context() as patch:
+            patch.setattr(threading.Thread, "join", recorded_join)
+            with pytest.raises(RuntimeError, match="the scenario joined thread worker: no "
+                                                   "thread runs until the scenario has returned"):
+                explore_threads(lambda clock, join=join: scenario(clock, join), seeds=[0])
+    assert real_joins == []
     assert explore_threads(lambda clock: scenario(clock, lambda c, t: None),
                            seeds=range(2)).failure is None
 
