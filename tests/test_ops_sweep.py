@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -108,11 +110,13 @@ class StoppedReader(Client):
         self.messages.append(message)
 
 
-def test_a_client_that_stops_reading_is_cut_at_its_deadline_by_the_ingress():
+def test_a_client_that_stops_reading_is_cut_at_its_deadline_by_the_ingress(caplog):
     """A single server cuts a stream whose client stopped reading at the request's deadline
     + slack (docs/server.md); the fleet's ingress waited in its send for ever: the request
     stayed active (a fleet drain then waited its whole grace and exited 3) and the replica's
-    stream was never stopped."""
+    stream was never stopped. Judged by what the ingress says it waited (at most the
+    deadline + slack), not by a wall-clock threshold (a loaded host is slow, not wrong)."""
+    caplog.set_level(logging.INFO, logger="calexec.fleet_ingress")
     gate = asyncio.Event()
     gate.set()
     r1, r2 = Replica("r1", gate=gate), Replica("r2")
@@ -120,11 +124,14 @@ def test_a_client_that_stops_reading_is_cut_at_its_deadline_by_the_ingress():
     app = FleetIngress(router, FailoverSettings(backoff_s=0.001, deadline_slack_s=0.2))
 
     async def scenario():
-        t0 = asyncio.get_running_loop().time()
         client = await StoppedReader({**BODY, "timeout": 0.5}, leave_after=len(chunk(0))).run(app)
-        return client, asyncio.get_running_loop().time() - t0, r1.closed
-    client, took, stopped = asyncio.run(scenario())
-    assert took < 2.0  # the deadline (0.5 s) + slack (0.2 s), not the client's whim
+        return client, r1.closed
+    client, stopped = asyncio.run(scenario())  # (Client.run gives up after 10 s)
+    # the send was bounded by the deadline (0.5 s) + slack (0.2 s), not the client's whim
+    waits = [float(m.group(1)) for r in caplog.records
+             if (m := re.search(r"client left while replica r1 answered \(the client read "
+                                r"nothing for ([0-9.]+) s, past its deadline\)", r.getMessage()))]
+    assert len(waits) == 1 and waits[0] <= 0.7, [r.getMessage() for r in caplog.records]
     assert client.content == chunk(0) and stopped and not r1.finished
     assert app.active == 0 and app.failovers == {} and router.calls == ["r1"]
 
@@ -166,11 +173,10 @@ def test_a_replica_that_never_answers_is_bounded_by_the_request_deadline():
                                                     retry_after_s=2))
 
         async def scenario(app: FleetIngress):
-            t0 = asyncio.get_running_loop().time()
-            client = await Client({**BODY, "timeout": 0.4}).run(app)
-            return client, asyncio.get_running_loop().time() - t0
-        client, took = asyncio.run(scenario(app))
-        assert took < 2.0, answer  # 0.4 s + slack, not the test's 10 s cap
+            return await Client({**BODY, "timeout": 0.4}).run(app)  # gives up after 10 s
+        client = asyncio.run(scenario(app))
+        # the attempt was ended by the request's deadline (its bound), the budget then spent
+        assert app.exhausted == 1, answer
         assert frozen.closed and app.active == 0 and client.ended
         if answer == "nothing":
             assert client.starts[0]["status"] == 503 and client.header(b"retry-after") == b"2"
