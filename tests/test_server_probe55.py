@@ -231,9 +231,8 @@ def test_the_fleet_ingress_closes_the_connection_of_a_body_it_timed_out():
     408, as the server does; but without ``Connection: close``: the connection stayed
     open, uvicorn reading the rest as the same request's body for as long as the client
     trickled it (here a byte every second for 8 s: never closed), so the timeout bounded
-    nothing. The 408 (and the 413 of a body too large) now close it, as the server's."""
-    import time
-
+    nothing. The 408 (and the 413 of a body too large) now close it, as the server's:
+    closed while the trickle goes on (judged by the connection's end, not by a duration)."""
     from calexec.drivers.fleet.ingress import FailoverSettings, FleetIngress
     from test_fleet_ingress import Replica, Router
     from test_server_support import LiveServer
@@ -244,7 +243,7 @@ def test_the_fleet_ingress_closes_the_connection_of_a_body_it_timed_out():
             socket.create_connection(("127.0.0.1", server.port), timeout=1) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
                      b"content-type: application/json\r\ncontent-length: 100\r\n\r\n")
-        got, ended, began = b"", None, time.monotonic()
+        got, ended = b"", None
         for _ in range(8):  # a byte a second, never the whole body
             try:
                 sock.sendall(b" ")
@@ -258,10 +257,9 @@ def test_the_fleet_ingress_closes_the_connection_of_a_body_it_timed_out():
                 ended = "eof"
                 break
             got += chunk
-        took = time.monotonic() - began
     assert got.startswith(b"HTTP/1.1 408 "), got[:300]
     assert b"\r\nconnection: close\r\n" in got.lower(), got[:300]
-    assert ended in ("eof", "ConnectionResetError", "BrokenPipeError") and took < 6, (ended, took)
+    assert ended in ("eof", "ConnectionResetError", "BrokenPipeError"), ended  # not still open
     assert replica.requests == []
 
 

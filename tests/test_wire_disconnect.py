@@ -54,19 +54,23 @@ def test_the_work_runs_to_its_end_and_no_watcher_is_left():
 
 
 def test_a_disconnect_cancels_the_work_and_returns_normally():
-    async def main() -> tuple[bool, bool]:
+    """The work waits for ever: only the disconnect's cancel ends it (else ``_run``'s 10 s
+    bound fails the test), and until_disconnect returns normally."""
+    async def main() -> list[str]:
         client = _Client()
-        reached_end = False
+        seen: list[str] = []
 
         async def work() -> None:
-            nonlocal reached_end
             client.gone.set()  # the client leaves while the work waits
-            await asyncio.sleep(5)
-            reached_end = True
-        started = asyncio.get_running_loop().time()
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                seen.append("cancelled")
+                raise
+            seen.append("reached its end")
         await wire.until_disconnect(client, work)  # type: ignore[arg-type]
-        return reached_end, asyncio.get_running_loop().time() - started < 4
-    assert _run(main()) == (False, True)
+        return seen
+    assert _run(main()) == ["cancelled"]
 
 
 def test_a_failure_of_the_work_reaches_the_caller_as_itself():
@@ -95,11 +99,14 @@ def test_a_cancel_from_outside_is_not_swallowed():
     """The caller's own cancellation (its deadline, the server shutting down) goes through:
     only the disconnect's cancel ends quietly."""
     async def main() -> str:
+        working = asyncio.Event()
+
         async def work() -> None:
-            await asyncio.sleep(5)
+            working.set()
+            await asyncio.Event().wait()
         task = asyncio.get_running_loop().create_task(
             wire.until_disconnect(_Client(), work))  # type: ignore[arg-type]
-        await asyncio.sleep(0.05)
+        await working.wait()  # the cancel lands while the work runs, not before it started
         task.cancel()
         try:
             await task
