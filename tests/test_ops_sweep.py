@@ -26,7 +26,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 
@@ -291,10 +290,8 @@ def test_a_second_signal_that_cuts_a_stream_is_no_clean_exit(tmp_path):
         proc.send_signal(signal.SIGTERM)
         wait_for(lambda: httpx.get(f"{url}/ready", timeout=2).status_code == 503,
                  what="/ready to report draining")
-        t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         code, err = stopped(proc)
-        assert time.monotonic() - t0 < 10  # forced: not the 30 s grace
         worker.join(10)
     finally:
         if proc.poll() is None:
@@ -302,7 +299,8 @@ def test_a_second_signal_that_cuts_a_stream_is_no_clean_exit(tmp_path):
             proc.communicate(timeout=10)
     assert b"data: [DONE]" not in events  # the stream was cut...
     assert code == 3, err  # ...so the exit says so
-    assert "1 request(s) still running were cut" in err
+    # forced by the second signal, not the 30 s grace run out (it says which)
+    assert "forced exit by a second signal: 1 request(s) still running were cut" in err
 
 
 def test_a_non_loopback_host_without_an_api_key_is_warned_about():
