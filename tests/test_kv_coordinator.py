@@ -10,6 +10,7 @@ import time
 import pytest
 
 from calexec.contracts.errors import Category
+from calexec.machines.clock import Clock
 from calexec.machines.kv import KvCoordinator, KvTxn
 from calexec.machines.locks import LockOrder
 
@@ -72,9 +73,35 @@ class _Finished:
 FINISHED = _Finished()
 
 
+class WatchedClock(Clock):
+    """The system's clock, telling which threads entered one of its condition waits: a test
+    waits for that instead of sleeping and hoping the other thread got there."""
+
+    __slots__ = ("entered", "waited")
+
+    def __init__(self) -> None:
+        self.entered = threading.Condition()
+        self.waited: set[threading.Thread] = set()
+
+    def wait(self, cond: threading.Condition, timeout: float | None) -> bool:
+        with self.entered:
+            self.waited.add(threading.current_thread())
+            self.entered.notify_all()
+        return super().wait(cond, timeout)
+
+
 def coordinator(capacity_blocks: int | None = None) -> tuple[KvCoordinator, GatedKv]:
     kv = GatedKv(capacity_blocks)
-    return KvCoordinator(kv, 1, LockOrder(checking=True, strict=True)), kv
+    return KvCoordinator(kv, 1, LockOrder(checking=True, strict=True, clock=WatchedClock())), kv
+
+
+def parked(kvc: KvCoordinator, thread: threading.Thread) -> bool:
+    """Whether ``thread`` reached a condition wait of ``kvc``'s clock (within 10 s) and still
+    waits."""
+    clock = kvc.clock
+    with clock.entered:
+        clock.entered.wait_for(lambda: thread in clock.waited or not thread.is_alive(), 10)
+        return thread in clock.waited and thread.is_alive()
 
 
 def reserve(kvc: KvCoordinator, seq: int, past: int = 0, tokens: int = 4, seconds: float = 5,
@@ -137,8 +164,7 @@ def test_reset_waits_for_the_device_to_let_go_of_a_failed_job():
     assert refused.code == "kv.sequence_on_device" and refused.category is Category.UNAVAILABLE
     assert kvc.reset_sequence(3, wait_s=0.05).code == "kv.sequence_on_device"  # bounded
     waiting, result = in_thread(lambda: kvc.reset_sequence(3, wait_s=10))
-    time.sleep(0.05)
-    assert waiting.is_alive() and 3 in kv.lens  # waiting, KV not released under the job
+    assert parked(kvc, waiting) and 3 in kv.lens  # waiting, KV not released under the job
     kvc.device_let_go(3)
     waiting.join(5)
     assert result[0].ok and 3 not in kv.lens and kvc.seqs[3].unknown_reason is None
@@ -152,7 +178,7 @@ def test_a_waiting_reset_ends_when_the_coordinator_closes():
     kvc.mark_submitted(txn)
     kvc.mark_unknown(txn, "calrt.wait_failed", on_device=True)
     waiting, result = in_thread(lambda: kvc.reset_sequence(4, wait_s=10))
-    time.sleep(0.05)
+    assert parked(kvc, waiting)  # the reset waits when the coordinator closes
     calls = kv.calls
     kvc.close()
     waiting.join(5)
@@ -207,8 +233,7 @@ def test_reserve_applies_the_whole_request_up_front_all_or_nothing():
     assert isinstance(first, KvTxn) and kv.lens[1] == 70 and kvc.seqs[1].reserved_len == 70
     second, result = in_thread(lambda: kvc.reserve(2, 0, 40, time.monotonic() + 10,
                                                    reserve_len=70))
-    time.sleep(0.05)
-    assert second.is_alive() and 2 not in kv.lens  # waiting, holding nothing
+    assert parked(kvc, second) and 2 not in kv.lens  # waiting, holding nothing
     kvc.mark_submitted(first, evidence=FINISHED)
     kvc.commit(first)
     # the decodes of the first request never wait: their KV is already reserved
