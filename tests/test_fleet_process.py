@@ -155,6 +155,10 @@ class Fleet:
                 pass
         for reader in self._readers:
             reader.join(10)
+        if not any(reader.is_alive() for reader in self._readers):  # (else one still reads)
+            for stream in (self.proc.stdout, self.proc.stderr):  # (ResourceWarning: unclosed)
+                if stream is not None:
+                    stream.close()
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
