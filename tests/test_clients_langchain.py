@@ -28,6 +28,7 @@ from needs import module
 from test_server_support import MODEL, openai_server, oracle_tokens
 
 langchain_openai = module("langchain_openai", "clients")
+openai = module("openai", "clients")
 
 TIMEOUT_S = 10.0
 
@@ -109,9 +110,9 @@ def test_chat_bind_tools_answers_an_openai_shaped_tool_call(url):
 
 
 # ---- the OpenAI completion LLM ---------------------------------------------------------------
-def _llm(url: str):
+def _llm(url: str, **extra):
     return langchain_openai.OpenAI(model=MODEL, base_url=url, api_key="unused", temperature=0,
-                                   max_tokens=3, timeout=TIMEOUT_S, max_retries=0)
+                                   max_tokens=3, timeout=TIMEOUT_S, max_retries=0, **extra)
 
 
 def test_llm_invoke_sends_a_one_element_prompt_list(url):
@@ -134,18 +135,41 @@ def loop():
     running.close()
 
 
+@pytest.fixture(scope="module")
+def http(loop):
+    """The async tests' HTTP client (``http_async_client``), closed on the module's loop at
+    the end: each ``OpenAI`` LLM built an ``AsyncOpenAI`` of its own and langchain-openai
+    cached ``ChatOpenAI``'s, none ever closed (``ResourceWarning: unclosed socket`` when the
+    collector found them, in whichever later test)."""
+    client = openai.DefaultAsyncHttpxClient(timeout=TIMEOUT_S)
+    yield client
+    loop.run_until_complete(client.aclose())
+
+
+@pytest.fixture
+def achat(url, http):
+    """``_chat`` for the async tests, on the module's client."""
+    return lambda **extra: _chat(url, http_async_client=http, **extra)
+
+
+@pytest.fixture
+def allm(url, http):
+    """``_llm`` for the async tests, on the module's client."""
+    return lambda: _llm(url, http_async_client=http)
+
+
 @pytest.fixture
 def arun(loop):
     return lambda coro: loop.run_until_complete(asyncio.wait_for(coro, TIMEOUT_S * 3))
 
 
-def test_chat_ainvoke_astream_and_abatch(url, arun):
+def test_chat_ainvoke_astream_and_abatch(achat, arun):
     """``ChatOpenAI``'s async calls (``AsyncOpenAI`` under it): ``ainvoke``, ``astream`` with
     usage, ``abatch`` (concurrent requests), each the oracle's greedy reply."""
     async def go():
-        reply = await _chat(url).ainvoke("Hello async")
-        chunks = [c async for c in _chat(url, stream_usage=True).astream("Stream async")]
-        replies = await _chat(url).abatch(["a1", "a2", "a3", "a4"])
+        reply = await achat().ainvoke("Hello async")
+        chunks = [c async for c in achat(stream_usage=True).astream("Stream async")]
+        replies = await achat().abatch(["a1", "a2", "a3", "a4"])
         return reply, chunks, replies
 
     reply, chunks, replies = arun(go())
@@ -157,12 +181,12 @@ def test_chat_ainvoke_astream_and_abatch(url, arun):
     assert [r.content for r in replies] == [_chat_answer(p, 4) for p in ("a1", "a2", "a3", "a4")]
 
 
-def test_chat_astream_events_reports_each_token_and_the_end(url, arun):
+def test_chat_astream_events_reports_each_token_and_the_end(achat, arun):
     """``astream_events`` (v2), what agent frameworks and UIs subscribe to: a start, one
     ``on_chat_model_stream`` per token chunk (their text the oracle's reply) and an end
     whose output is the whole message."""
     async def go():
-        return [e async for e in _chat(url).astream_events("Events", version="v2")]
+        return [e async for e in achat().astream_events("Events", version="v2")]
 
     events = arun(go())
     kinds = [e["event"] for e in events]
@@ -173,7 +197,7 @@ def test_chat_astream_events_reports_each_token_and_the_end(url, arun):
     assert events[-1]["data"]["output"].content == streamed
 
 
-def test_a_bind_tools_loop_sends_the_tool_result_back_for_a_second_turn(url, arun):
+def test_a_bind_tools_loop_sends_the_tool_result_back_for_a_second_turn(achat, arun):
     """The tool-calling loop as LangChain's docs write it, async: the model calls the tool
     (``bind_tools``, ``tool_choice`` forcing it), the application appends the ``AIMessage``
     (content "", ``tool_calls``) and a ``ToolMessage`` answering its call id, and asks again
@@ -188,13 +212,13 @@ def test_a_bind_tools_loop_sends_the_tool_result_back_for_a_second_turn(url, aru
         city: str = pydantic.Field(max_length=12)
 
     async def go():
-        forced = _chat(url, max_tokens=200).bind_tools([get_weather], tool_choice="get_weather")
+        forced = achat(max_tokens=200).bind_tools([get_weather], tool_choice="get_weather")
         history: list = [HumanMessage("Weather in Paris?")]
         called = await forced.ainvoke(history)
         history.append(called)
         for call in called.tool_calls:
             history.append(ToolMessage(content="sunny, 21 C", tool_call_id=call["id"]))
-        free = _chat(url, max_tokens=8).bind_tools([get_weather])
+        free = achat(max_tokens=8).bind_tools([get_weather])
         second = await free.ainvoke(history)
         streamed = [c async for c in free.astream(history)]
         return called, second, streamed
@@ -209,12 +233,12 @@ def test_a_bind_tools_loop_sends_the_tool_result_back_for_a_second_turn(url, aru
     assert [c["args"] for c in joined.tool_calls] == [c["args"] for c in second.tool_calls]
 
 
-def test_llm_ainvoke_astream_and_abatch(url, arun):
+def test_llm_ainvoke_astream_and_abatch(allm, arun):
     """The ``OpenAI`` completion LLM's async calls: ``ainvoke``, ``astream`` (token pieces
     joining to the reply), ``abatch``."""
     async def go():
-        return (await _llm(url).ainvoke("abc"), [c async for c in _llm(url).astream("xyz")],
-                await _llm(url).abatch(["abc", "hello"]))
+        return (await allm().ainvoke("abc"), [c async for c in allm().astream("xyz")],
+                await allm().abatch(["abc", "hello"]))
 
     one, pieces, many = arun(go())
     assert one == _completion_answer("abc", 3)
