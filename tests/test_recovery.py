@@ -166,7 +166,8 @@ def test_phase_b_a_job_behind_one_the_device_keeps_is_completed_without_its_grac
     the other engine, is the completion thread's next job. It must be delivered then, not
     after A's ``timeout_grace_s`` (the completion thread used to wait that grace in Wait);
     A's permit still comes back only once the device lets go (here: the reset)."""
-    with running_executor(calbins["main"], inflight_capacity=2, execution_timeout_s=0.3,
+    # 2 s: A, hung, misses it by far; B and the jobs before have seconds of margin
+    with running_executor(calbins["main"], inflight_capacity=2, execution_timeout_s=2.0,
                           timeout_grace_s=30.0,
                           recovery=RecoveryPolicy(drain_grace_s=0.2)) as ex:
         greedy(ex, 1, PROMPT, 0)
@@ -176,16 +177,17 @@ def test_phase_b_a_job_behind_one_the_device_keeps_is_completed_without_its_grac
         b = ex.enqueue(decode(2, 3, len(PROMPT)))
         result = b.wait_until(deadline(10.0))
         assert isinstance(result, InferenceResult), result  # not after a 30 s grace
-        status = a.wait_until(deadline(1.0))
+        status = a.wait_until(deadline(10.0))
         assert isinstance(status, Status) and status.code == "execution.deadline", status
         assert ex.snapshot()["inflight"] >= 1 or ex.state != "Ready"  # A's permit kept
 
 
 def test_execution_timeout_of_a_hung_job_resets_and_rebuilds(calbins):
     policy = RecoveryPolicy(drain_grace_s=0.2)
-    # 0.2 s for the hung decode; a prefill (the golden run's, the oracle check's) gets 50 ms
-    # more per token, so a loaded host (CI beside a soak) does not time out a healthy one
-    with running_executor(calbins["main"], execution_timeout_s=0.2, timeout_grace_s=0.1,
+    # 2 s for the hung decode (it never ends: it misses them by far); a healthy job (the
+    # golden run's, the oracle check's decodes) has seconds of margin on a loaded host, and a
+    # prefill 50 ms more per token
+    with running_executor(calbins["main"], execution_timeout_s=2.0, timeout_grace_s=0.1,
                           execution_timeout_per_token_s=0.05, recovery=policy) as ex:
         greedy(ex, 1, PROMPT, 0)
         arm(ex, "HANG")
@@ -220,7 +222,9 @@ def test_fi08_fi10_device_and_output_faults_rebuild_the_generation(calbins, poin
 
 
 def test_fi14_stale_completion_after_reset_never_touches_the_new_generation(calbins):
-    with running_executor(calbins["main"], "stale_delay_us=20000", execution_timeout_s=0.2,
+    # 2 s: the hung job misses it by far; the recovery's golden and the oracle check after
+    # it have seconds of margin on a loaded host
+    with running_executor(calbins["main"], "stale_delay_us=20000", execution_timeout_s=2.0,
                           timeout_grace_s=0.05, recovery=RecoveryPolicy(drain_grace_s=0.2)) as ex:
         greedy(ex, 1, PROMPT, 0)
         arm(ex, "HANG")
@@ -320,7 +324,8 @@ def test_one_hung_job_spends_one_recovery_of_the_escalation_budget(calbins):
     recovery (``max_recoveries=5``: Failed at the third hung job, after two). The second
     report now belongs to the recovery under way: not counted, no escalation."""
     policy = RecoveryPolicy(drain_grace_s=1.0, max_recoveries=2)
-    with running_executor(calbins["main"], recovery=policy, execution_timeout_s=0.3,
+    # 1.5 s: each hung job misses it by far; each recovery's golden has the margin
+    with running_executor(calbins["main"], recovery=policy, execution_timeout_s=1.5,
                           timeout_grace_s=0.05) as ex:
         states = []
         for _incident in range(3):
@@ -347,7 +352,8 @@ def test_a_recovery_the_fault_controller_escalates_meanwhile_answers_a_status(ca
     'Failed'"); it answers the failure that ended the lifecycle, and the executor still shuts
     down."""
     policy = RecoveryPolicy(max_recoveries=max_recoveries, drain_grace_s=0.3)
-    with running_executor(calbins["main"], recovery=policy, golden_timeout_s=0.3,
+    # 2 s: the recovery's golden (never stepped) misses it by far; the start's has the margin
+    with running_executor(calbins["main"], recovery=policy, golden_timeout_s=2.0,
                           execution_timeout_s=60.0, timeout_grace_s=60.0) as ex:
         report = ex.faults.report
         meanwhile = Status.failure("device.ccu_exception", Category.DEVICE, Phase.STATUS,
@@ -371,8 +377,8 @@ def test_a_recovery_the_fault_controller_escalates_meanwhile_answers_a_status(ca
 
 def test_no_safe_reset_ends_failed_for_the_supervisor(calbins):
     policy = RecoveryPolicy(reset_kind="none", drain_grace_s=0.2)
-    with running_executor(calbins["main"], recovery=policy, execution_timeout_s=0.2,
-                          timeout_grace_s=0.05) as ex:
+    with running_executor(calbins["main"], recovery=policy, execution_timeout_s=2.0,
+                          timeout_grace_s=0.05) as ex:  # the hung job misses it by far
         greedy(ex, 1, PROMPT, 0)
         arm(ex, "HANG")
         ex.enqueue(decode(1, 3, len(PROMPT))).wait_until(deadline())
@@ -489,8 +495,11 @@ def test_a_shutdown_that_meets_a_recovery_and_a_hung_job_waits_within_its_grace(
     aside). Deadlines, not durations: a slow host cannot fail it."""
     clock = _WaitsRecorded()
     policy = RecoveryPolicy(reset_kind="none", drain_grace_s=0.2)
+    # golden 5 s: the start's golden has the margin, and the recovery's (never stepped) is
+    # still on the device when the shutdown comes, however slow the host (a shutdown ends a
+    # golden wait at once: the test is no longer for it)
     ex = DeviceExecutor(CalRT.load(), MANIFEST, ExecutorConfig(
-        calbin_path=calbins["main"], golden_timeout_s=0.5, execution_timeout_s=60.0,
+        calbin_path=calbins["main"], golden_timeout_s=5.0, execution_timeout_s=60.0,
         timeout_grace_s=60.0, recovery=policy), clock=clock)
     assert ex.start().ok
     try:
@@ -643,7 +652,8 @@ def test_a_generation_kept_for_its_golden_job_is_torn_down_once_the_device_let_g
     device open (its engine threads running), however often it was called. It now releases
     the generation and closes the device once the drain finds nothing on it."""
     policy = RecoveryPolicy(reset_kind="none", drain_grace_s=0.2)
-    with running_executor(calbins["main"], recovery=policy, golden_timeout_s=0.3,
+    # golden 2 s: the recovery's (never stepped) misses it by far; the start's has the margin
+    with running_executor(calbins["main"], recovery=policy, golden_timeout_s=2.0,
                           execution_timeout_s=60.0, timeout_grace_s=60.0) as ex:
         emu = ex.device.emu
         kept = _refused_with_its_golden_job_on_the_device(ex)
@@ -666,7 +676,8 @@ def test_a_late_fault_of_a_retired_generation_reports_no_exhausted_pool(calbins)
     with a NaN row: its own fault is reported; ``pool.exhausted`` is not (its generation,
     one slot per kind, is no longer the one serving: no rebuild is asked for it)."""
     policy = RecoveryPolicy(reset_kind="none", drain_grace_s=0.2)
-    with running_executor(calbins["main"], recovery=policy, golden_timeout_s=0.3,
+    # golden 2 s: the recovery's (never stepped) misses it by far; the start's has the margin
+    with running_executor(calbins["main"], recovery=policy, golden_timeout_s=2.0,
                           execution_timeout_s=60.0, timeout_grace_s=60.0,
                           slots_per_kind=1) as ex:
         arm(ex, "OUTPUT_NAN")  # the next job the device accepts: the golden's first
@@ -779,7 +790,9 @@ def lifecycle_scenarios(calbins):
         out.write(b"not a calbin" * 64)
     shutdown_at_a_refused_configure(calbins["main"], garbage)
     # ... but Warming -> Failed when the stopped golden's job is still on the device (hung)
-    with running_executor(calbins["main"], golden_timeout_s=1.0) as ex:
+    # golden 5 s: the start's has the margin, and the recovery's (hung) is still on the
+    # device when the shutdown comes, however slow the host (the shutdown ends its wait)
+    with running_executor(calbins["main"], golden_timeout_s=5.0) as ex:
         arm(ex, "HANG")
         recovery = threading.Thread(target=ex.recover, args=(Status.failure(
             "device.ccu_exception", Category.DEVICE, Phase.RECOVERY, "a fault"),), daemon=True)
