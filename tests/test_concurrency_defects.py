@@ -191,8 +191,10 @@ def switch_with_hung_golden(ex, other):
 
 def test_a_switch_whose_golden_hangs_rolls_back_after_a_reset(calbins):
     policy = RecoveryPolicy(drain_grace_s=0.2)
-    with running_executor(calbins["main"], execution_timeout_s=0.3, timeout_grace_s=0.05,
-                          golden_timeout_s=0.3, recovery=policy,
+    # 2 s: the hung golden misses them by far, and the start's golden, the rollback's and the
+    # jobs around them have seconds of margin on a loaded host (0.3 s was missed by a healthy job)
+    with running_executor(calbins["main"], execution_timeout_s=2.0, timeout_grace_s=0.05,
+                          golden_timeout_s=2.0, recovery=policy,
                           goldens=calbins["goldens"]) as ex:
         greedy(ex, 1, PROMPT, 0)
         status = switch_with_hung_golden(ex, calbins["other"])
@@ -208,8 +210,10 @@ def test_a_switch_whose_golden_hangs_without_safe_reset_ends_failed_keeping_the_
     """§9.1: no safe reset and a job still on the device: the refused generation is never
     torn down (its buffers stay mapped), the lifecycle ends Failed with the reason."""
     policy = RecoveryPolicy(drain_grace_s=0.2, reset_kind="none")
-    with running_executor(calbins["main"], execution_timeout_s=0.3, timeout_grace_s=0.05,
-                          golden_timeout_s=0.3, recovery=policy,
+    # 2 s: the hung golden misses them by far, and the start's golden, the rollback's and the
+    # jobs around them have seconds of margin on a loaded host (0.3 s was missed by a healthy job)
+    with running_executor(calbins["main"], execution_timeout_s=2.0, timeout_grace_s=0.05,
+                          golden_timeout_s=2.0, recovery=policy,
                           goldens=calbins["goldens"]) as ex:
         greedy(ex, 1, PROMPT, 0)
         status = switch_with_hung_golden(ex, calbins["other"])
@@ -292,7 +296,9 @@ def test_retired_memory_is_kept_while_a_stale_dma_is_pending(calbins):
     """Four model switches right after: the old ring of 4 dropped the generation the stale
     DMA will write into; now it stays alive while the device says the write is pending."""
     policy = RecoveryPolicy(drain_grace_s=0.2, max_recoveries=20)
-    with running_executor(calbins["main"], execution_timeout_s=0.2, timeout_grace_s=0.05,
+    # 2 s: the hung job misses it by far; the switches' goldens and the jobs after it have
+    # seconds of margin on a loaded host
+    with running_executor(calbins["main"], execution_timeout_s=2.0, timeout_grace_s=0.05,
                           recovery=policy, goldens=calbins["goldens"]) as ex:
         victim = hang_with_stale_dma(ex, 60_000_000)  # lands in 60 s: pending throughout
         for path in ("other", "main", "other", "main"):
@@ -305,7 +311,9 @@ def test_retired_memory_is_kept_while_a_stale_dma_is_pending(calbins):
 
 def test_retired_memory_is_dropped_once_the_device_proves_no_dma_is_pending(calbins):
     policy = RecoveryPolicy(drain_grace_s=0.2, max_recoveries=20)
-    with running_executor(calbins["main"], execution_timeout_s=0.2, timeout_grace_s=0.05,
+    # 2 s: the hung job misses it by far; the switches' goldens and the jobs after it have
+    # seconds of margin on a loaded host
+    with running_executor(calbins["main"], execution_timeout_s=2.0, timeout_grace_s=0.05,
                           recovery=policy, goldens=calbins["goldens"]) as ex:
         victim = hang_with_stale_dma(ex, 1000)
         until(lambda: ex.device.emu.counters()["stale_pending"] == 0, 10, "the stale DMA")
