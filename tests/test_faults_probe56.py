@@ -135,13 +135,15 @@ def test_a_recovery_asked_for_once_a_shutdown_began_is_dropped_not_run(calbin):
 
 # ---- 3. a shutdown cuts a refused generation's drain short --------------------------------------
 def test_a_shutdown_ends_a_recovery_draining_its_refused_generation_within_its_grace(calbin):
-    """A recovery whose golden job the device holds past ``golden_timeout_s`` (0.05 s) refuses
+    """A recovery whose golden job the device holds past ``golden_timeout_s`` (2 s) refuses
     generation 2 and drains it before the retry, ``drain_grace_s`` 30; a ``shutdown(2.0)``
     then interrupted the recovery, but that drain went on (the interrupt was checked only
     as it began), so the shutdown answered ``shutdown.recovery_busy`` with nothing torn
     down. The interrupt now ends it: the generation is kept with its buffers (its job is on
     the device), the lifecycle ends Failed, and the shutdown answers within its grace."""
-    with running_executor(calbin, golden_timeout_s=0.05, execution_timeout_s=60.0,
+    # golden 2 s: the recovery's (never stepped) misses it by far; the start's, at 0.05 s
+    # before, had no margin on a loaded host
+    with running_executor(calbin, golden_timeout_s=2.0, execution_timeout_s=60.0,
                           timeout_grace_s=60.0,
                           recovery=RecoveryPolicy(drain_grace_s=30.0)) as ex:
         emu = ex.device.emu

@@ -38,7 +38,9 @@ def test_the_fault_line_of_a_hung_job_names_job_seq_generation_raw_code_and_phas
     deadline passed; ... (job_id=5 seq_id=1 generation=1) -> reset_rebuild``: no raw code,
     though the Status carries Wait's (13) and its HTTP body says it (``raw_name``)."""
     caplog.set_level(logging.WARNING, logger="calexec.faults")
-    with running_executor(write_calbin(tmp_path), execution_timeout_s=0.2,
+    # 2 s: the hung job misses it by far; the golden and the greedy run before it have
+    # seconds of margin on a loaded host
+    with running_executor(write_calbin(tmp_path), execution_timeout_s=2.0,
                           timeout_grace_s=0.1, execution_timeout_per_token_s=0.05,
                           recovery=RecoveryPolicy(drain_grace_s=0.2)) as ex:
         greedy(ex, 1, PROMPT, 0)
