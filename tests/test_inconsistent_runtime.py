@@ -80,7 +80,9 @@ def test_with_the_fault_controller_the_recovery_reaps_such_a_job_and_serves_agai
     recovery's device reset; the recovery then finds the executor drained (the held permit
     reaped once the runtime let go), rebuilds generation+1 and serves again. (Before the
     fix the permit was never reaped: ``recovery.not_drained``, lifecycle Failed.)"""
-    with running_executor(calbin, execution_timeout_s=1.0, timeout_grace_s=0.2,
+    # 3 s: no job here is meant to miss it (Wait says done at once); the recovery's golden
+    # and the prefill after it have seconds of margin on a loaded host
+    with running_executor(calbin, execution_timeout_s=3.0, timeout_grace_s=0.2,
                           recovery=RecoveryPolicy(drain_grace_s=0.2)) as ex:
         assert ex.gen.id == 1
         arm(ex, "HANG")
