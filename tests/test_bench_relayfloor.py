@@ -31,15 +31,20 @@ def _relay_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("calexec-bench-relay")]
 
 
-@pytest.fixture(params=DELIVERIES)
+@pytest.fixture(params=[(deliver, True) for deliver in DELIVERIES] + [("python", False)],
+                ids=lambda p: p[0] if p[1] else f"{p[0]}-no-rules")
 def loops(request):
+    """Each delivery with fire rules (which path a job takes then depends on whether the
+    submitter armed the next job before it completed: both happen), and with none (every job
+    on the plain path: the completion thread's Python checks it and fires the next)."""
+    deliver, rules = request.param
     device = DeviceSpec()
     with tempfile.TemporaryDirectory() as tmp:
         path = device.calbin(tmp)
         rt = device.runtime()
         direct = bench.DirectLoop(rt, path)
         relay = RelayLoop(rt, path, bench.BENCH_SEQ, wait_s=10.0, python_work_us=20,
-                          deliver=request.param)
+                          deliver=deliver, rules=rules)
         try:
             yield direct, relay
         finally:
@@ -60,6 +65,8 @@ def test_the_relay_loop_answers_as_the_direct_loop(loops, decode_us):
     again, _ = relay.decode_block(PROMPT, 30)  # a second block on the same sequence id
     assert again == want
     assert relay.rule_fires + relay.plain_fires == 2 * 29
+    if not relay.rules:
+        assert relay.rule_fires == 0
     assert relay.dma_violations() == 0
 
 

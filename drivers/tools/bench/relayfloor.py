@@ -13,7 +13,10 @@ submitter, which infers it in C: no Python on the way from one job to the next. 
 Python, the completion thread delivers k's token to the caller (a condition, as the
 executor's job event), which times it. Should the arming come after k completed (the
 submitter late), the rule is refused by the completion side's bookkeeping, and the completion
-thread fires k + 1 itself (the plain path); ``plain_fires`` counts those.
+thread fires k + 1 itself (the plain path); ``plain_fires`` counts those. The plain path
+checks the job as the relay does (status, valid bytes, finite logits) before it fires the
+next: a job either path refuses ends the block with the same reason. ``rules=False``
+registers none, every job on the plain path.
 
 Every wait is bounded (``wait_s``); a failure in a thread is raised to the caller as
 :class:`RelayLoopError` naming the thread and the call.
@@ -98,7 +101,8 @@ class RelayLoop:
     """The direct loop's greedy decode, its hand-offs in the native relay (module docstring)."""
 
     def __init__(self, rt: CalRT, calbin_path: str, seq_id: int, wait_s: float = 30.0,
-                 python_work_us: float = 0.0, deliver: str = "python") -> None:
+                 python_work_us: float = 0.0, deliver: str = "python",
+                 rules: bool = True) -> None:
         if deliver not in DELIVERIES:
             raise ValueError(f"deliver={deliver!r}: one of {', '.join(DELIVERIES)}")
         self.runner = DirectRunner(rt, calbin_path)
@@ -107,6 +111,8 @@ class RelayLoop:
         #: and by the completion thread or, with ``deliver="caller"``, the caller)
         self.python_work_us = python_work_us
         self.deliver = deliver
+        #: register fire rules (False: the completion thread's Python fires every next job)
+        self.rules = rules
         self.seq_id = seq_id
         self.wait_s = wait_s
         self.relay = NativeRelay(rt.relay_functions())
@@ -156,7 +162,7 @@ class RelayLoop:
         """(submitter) job ``tag`` is on the device: arm ``tag + 1`` and register its rule,
         unless ``tag`` already completed (then the completion thread fires it)."""
         nxt = tag + 1
-        if nxt > self._last:
+        if nxt > self._last or not self.rules:
             return
         slot, cur = self._slot(nxt), self._slot(tag)
         slot.arm(self._past0 + nxt - 1)
@@ -218,7 +224,7 @@ class RelayLoop:
                 self.rule_fires += 1
             else:  # the plain path: the argmax in Python, the next job fired from here
                 slot = self._slot(tag)
-                bf16_to_f32_into(slot.logits.reshape(-1), 0, slot.row.shape[0], slot.row)
+                self._check_output(event, slot)
                 token = int(np.argmax(slot.row))
                 if tag + 1 <= self._last:
                     nxt = self._slot(tag + 1)
@@ -233,6 +239,19 @@ class RelayLoop:
             with self._cv:
                 self._tokens[tag] = token
                 self._cv.notify_all()
+
+    @staticmethod
+    def _check_output(event: RelayEvent, slot: _DecodeSlot) -> None:
+        """(completion, plain path) The relay's checks of a job no rule decided: its valid
+        bytes, then its logits converted into ``slot.row`` and finite (the status the relay
+        checked for every job). Raises naming the job and why, as the relay's decision."""
+        rc, valid = slot.outbuf.valid_bytes()
+        if rc != 0 or valid < slot.nbytes:
+            raise RelayLoopError(f"job {event.tag}: valid_bytes rc {rc}, {valid} of "
+                                 f"{slot.nbytes} bytes, {Why.SHORT.name}")
+        bf16_to_f32_into(slot.logits.reshape(-1), 0, slot.row.shape[0], slot.row)
+        if not np.isfinite(slot.row).all():
+            raise RelayLoopError(f"job {event.tag}: logits not finite, {Why.NONFINITE.name}")
 
     # ---- the caller ----------------------------------------------------------------------
     def decode_block(self, prompt: np.ndarray, n: int) -> tuple[list[int], list[float]]:
