@@ -488,11 +488,14 @@ class Dispatch:
             return self._relayed.pop(tag, None)
 
     def relay_refused(self, job: Job) -> None:
-        """The relay did not take ``job`` (closed): the submitter submits it itself, before
-        anything else (its permit and hand-off stay counted)."""
+        """The relay did not take ``job`` (closed, full, or its fire raised): the submitter
+        submits it itself, before anything else (its permit and hand-off stay counted). Taking
+        the job for the relay left the submitter's relay wait to the fire, which woke nobody
+        in C: the wait is woken here (else the job waited out the submitter's idle wait)."""
         with self.cv:
             if self._relayed.pop(job.job_id, None) is job:
                 self._refused_by_relay.append(job)
+            self._relay_waiting = self.relay_wake is not None
             self._notify()
 
     def take_armed(self, job: Job) -> bool:

@@ -282,6 +282,26 @@ def test_a_job_the_relay_refused_is_submitted_by_the_submitter_first(d):
     assert d.snapshot()["handing_off"] == 1  # counted once, when it was taken
 
 
+def test_a_job_the_relay_refused_wakes_the_submitter_waiting_in_its_relay(d):
+    """Taking a job for the relay tells the submitter's relay wait nothing (the relay's fire
+    wakes it in C); a fire the relay refuses (full, or it raised) wakes nobody in C, so the
+    refusal must: the submitter, still waiting in its relay, slept out its idle wait (up to
+    ``RELAY_IDLE_MAX_S``) with the job waiting for it."""
+    woken = []
+    d.relay_wake = lambda: woken.append(1)
+    gen = Gen()
+    step = d.next_for_submitter(never, 2, block=True, wake_at=None, relay_idle=True)
+    assert step.idle_for is not None  # nothing to do: it waits in its relay
+    job = make_job(1, gen)
+    d.arm(job, gen)
+    assert d.fire(job, 42, gen, relay=offer()) == (True, None) and job.relayed
+    assert not woken  # the fire would wake it in C
+    d.relay_refused(job)
+    assert woken == [1]  # it did not: the refusal does
+    step = d.next_for_submitter(never, 2, block=False, wake_at=None)
+    assert step.submit is job
+
+
 def test_a_stopping_submitter_waits_for_the_jobs_taken_for_its_relay(d):
     gen = Gen()
     job = make_job(1, gen)

@@ -171,3 +171,63 @@ def test_without_native_relay_nothing_goes_through_a_relay(calbin):
                 out.append(result.argmax)
         assert ex.counters["relay_submitted"] == 0
         assert out == expected_greedy(PROMPT, 6)
+
+
+class _Full:
+    """The C relay, full: every ``fire`` answers False (``SubmitRelay.fire``: "closed or
+    full"), so every fired job takes the path a relay that fills up sends it down, the
+    submitter's Python (``Dispatch.relay_refused``), rare on a quiet host; the relay's waits
+    are the C relay's."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.refused = inner, 0
+
+    def fire(self, *args) -> bool:
+        self.refused += 1
+        return False
+
+    def wake(self) -> None:
+        self.inner.wake()
+
+    def wait(self, timeout_s: float) -> tuple[int, int, int]:
+        return self.inner.wait(timeout_s)
+
+    def close(self) -> list[int]:
+        return self.inner.close()
+
+    def free(self) -> None:
+        self.inner.free()
+
+
+@pytest.mark.parametrize("ahead", [True, False], ids=["greedy_ahead", "prearmed"])
+def test_a_job_the_relay_refuses_is_submitted_by_the_submitters_python(calbin, monkeypatch,
+                                                                       ahead):
+    """A fired job the relay does not take (full) is the submitter's to submit in Python:
+    the stream's steps are the oracle's, and nothing is held."""
+    relays = []
+    made = CalRT.submit_relay
+
+    def full(self, clock):
+        relay = made(self, clock)
+        if relay is not None:
+            relay = _Full(relay)
+            relays.append(relay)
+        return relay
+    monkeypatch.setattr(CalRT, "submit_relay", full)
+    steps = 16
+    with relay_executor(calbin) as ex:
+        stream, token = open_stream(ex, 7, steps, greedy_ahead=ahead, max_steps=steps)
+        out = [token]
+        with stream:
+            for _ in range(steps):
+                result = stream.step(out[-1])
+                assert isinstance(result, InferenceResult), result
+                out.append(result.argmax)
+        assert out == expected_greedy(PROMPT, steps)
+        [relay] = relays
+        # fired steps the submitter would take at once were offered to the relay (which
+        # ones is the host's timing; on a 2 ms device most are), and none went through it
+        assert relay.refused >= 1 and ex.counters["relay_submitted"] == 0, ex.counters
+        assert ex.infer_threads == {"calexec-submitter"}
+        assert ex.kvc.seqs[7].committed_len == len(PROMPT) + steps
+        released(ex)
