@@ -870,7 +870,11 @@ class DeviceExecutor(SequenceOwnership):
     def _relay_fire(self, job: Job) -> None:
         """(The thread that fired ``job``, after the dispatch took it for the submitter:
         ``job.relayed``.) Its slot goes in flight and the relay's submitter infers it; a
-        closed relay leaves it to the submitter's Python (``Dispatch.relay_refused``)."""
+        relay that refuses it (closed, full, or its fire raised: logged) leaves it to the
+        submitter's Python (``Dispatch.relay_refused``), and the job is fired all the same:
+        its caller keeps its handle. (A fire that raised raised on to the caller, which took
+        the job for not fired while the submitter ran it: the step raised, or was admitted
+        again, ``kv.sequence_busy``.)"""
         gen, lease, relay = job.gen, job.lease, self._relay
         fired = False
         try:
@@ -881,9 +885,13 @@ class DeviceExecutor(SequenceOwnership):
                 gen.pool.mark_in_flight(lease)
                 job.in_flight_marked = True
             slot = lease.slot
-            fired = relay is not None and relay.fire(job.job_id, self.device, slot.model,
-                                                     gen.kv, job.request.seq_id, slot.inbuf,
-                                                     slot.outbuf)
+            try:
+                fired = relay is not None and relay.fire(
+                    job.job_id, self.device, slot.model, gen.kv, job.request.seq_id,
+                    slot.inbuf, slot.outbuf)
+            except Exception:  # noqa: BLE001 - refused: the submitter's Python submits it
+                log.exception("the submit relay's fire of job %d raised; the submitter "
+                              "submits it", job.job_id)
         finally:
             if not fired:  # the submitter's Python submits it (it raises on, if this did)
                 self.dispatch.relay_refused(job)

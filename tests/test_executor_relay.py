@@ -199,18 +199,30 @@ class _Full:
         self.inner.free()
 
 
+class _Raising(_Full):
+    """The C relay whose every ``fire`` raises (a handle it cannot pass, a bug in a
+    runtime's relay): the job was never queued in it, as when it is full."""
+
+    def fire(self, *args) -> bool:
+        self.refused += 1
+        raise RuntimeError("the relay's fire raised")
+
+
+@pytest.mark.parametrize("relay_kind", [_Full, _Raising], ids=["full", "raising"])
 @pytest.mark.parametrize("ahead", [True, False], ids=["greedy_ahead", "prearmed"])
 def test_a_job_the_relay_refuses_is_submitted_by_the_submitters_python(calbin, monkeypatch,
-                                                                       ahead):
-    """A fired job the relay does not take (full) is the submitter's to submit in Python:
-    the stream's steps are the oracle's, and nothing is held."""
+                                                                       ahead, relay_kind):
+    """A fired job the relay does not take (full, or its fire raised) is the submitter's to
+    submit in Python: the stream's steps are the oracle's, and nothing is held. (A fire that
+    raised was handed to the submitter and raised on to the thread that fired: the caller's
+    step raised, or, fired ahead, the caller admitted the step again, kv.sequence_busy.)"""
     relays = []
     made = CalRT.submit_relay
 
     def full(self, clock):
         relay = made(self, clock)
         if relay is not None:
-            relay = _Full(relay)
+            relay = relay_kind(relay)
             relays.append(relay)
         return relay
     monkeypatch.setattr(CalRT, "submit_relay", full)
