@@ -116,8 +116,61 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
         return text
 
 
+class _Given(argparse.Namespace):
+    """A namespace that remembers each value stored in it once ``armed_``."""
+
+    given_: dict[str, list[Any]]
+    armed_: bool
+
+    def __init__(self) -> None:
+        super().__init__()
+        object.__setattr__(self, "given_", {})
+        object.__setattr__(self, "armed_", False)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.armed_:
+            self.given_.setdefault(name, []).append(value)
+        super().__setattr__(name, value)
+
+
 class Parser(argparse.ArgumentParser):
-    """One-line errors with suggestions; exit 2 through ``SystemExit`` as argparse does."""
+    """One-line errors with suggestions; exit 2 through ``SystemExit`` as argparse does.
+
+    A flag that takes one value (``--port N``, ``--host H``, a switch and its ``--no-``
+    form) given twice with different values is refused, naming the flag and both values
+    (argparse keeps the last: a wrapper script appending ``--port 2`` to a command line that
+    says ``--port 1`` silently overrode it); the same value twice is taken, and a flag that
+    collects (``action="append"``, ``"count"``, ...) may be repeated as before.
+    """
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        if namespace is not None:  # a caller's namespace: argparse's own rules
+            return super().parse_known_args(args, namespace)
+        given = _Given()
+        # the defaults, set before the check is armed (argparse sets only the missing ones)
+        for action in self._actions:
+            if action.dest is not argparse.SUPPRESS and action.default is not argparse.SUPPRESS:
+                setattr(given, action.dest, action.default)
+        for dest, value in self._defaults.items():
+            setattr(given, dest, value)
+        object.__setattr__(given, "armed_", True)
+        _, extras = super().parse_known_args(args, given)
+        object.__setattr__(given, "armed_", False)
+        collecting = tuple(self._registry_get("action", kind)
+                           for kind in ("append", "append_const", "extend", "count"))
+        for dest, values in given.given_.items():
+            actions = [a for a in self._actions if a.dest == dest and a.option_strings]
+            if not actions or any(isinstance(a, collecting) for a in actions):
+                continue
+            for value in values[1:]:
+                if value != values[0]:
+                    flags = "/".join(next((o for o in a.option_strings if o.startswith("--")),
+                                          a.option_strings[0]) for a in actions)
+                    self.error(f"{flags} given twice with different values "
+                               f"({_shown(values[0])}, then {_shown(value)}): give it once")
+        result = argparse.Namespace(**{k: v for k, v in vars(given).items()
+                                        if k not in ("given_", "armed_")})
+        return result, extras
 
     def _get_values(self, action: argparse.Action, arg_strings: list[str]) -> Any:
         # `--iters=--`: Python 3.11's argparse drops the '--' as the end of options and hands
@@ -141,6 +194,11 @@ class Parser(argparse.ArgumentParser):
         # unknown word, an escape sequence) is shown escaped, never written to the terminal
         message = message.translate(_CONTROL_ESCAPES)
         self.exit(EXIT_CONFIG, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _shown(value: Any) -> str:
+    """A stored value as a usage error shows it: a string quoted, the rest as Python prints."""
+    return repr(value) if isinstance(value, str) else str(value)
 
 
 #: control characters (C0, DEL, C1) and the Unicode line separators escaped in a usage error
