@@ -6,10 +6,19 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 
 import pytest
 
 from calexec import cli, cliargs
+from calexec.drivers.serving.server import ServerConfig, create_app
+from test_server_support import (
+    ServeLikeServer,
+    responses,
+    send_raw,
+    split_head,
+    started_executor,
+)
 
 
 # ---- a single-value flag given twice -----------------------------------------------------------
@@ -77,3 +86,69 @@ def test_a_switch_and_its_opposite_given_together_are_refused():
     assert "--stream/--no-stream given twice with different values (True, then False)" in (
         err.getvalue())
 
+
+# ---- a Host field whose value is no host ------------------------------------------------------
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    executor = started_executor(tmp_path_factory.mktemp("calbin"))
+    try:
+        with ServeLikeServer(create_app(executor, ServerConfig())) as live:
+            yield live
+    finally:
+        executor.shutdown(5.0)
+
+
+HEALTH = b"GET /health HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n"
+COMPLETION = json.dumps({"prompt": [1, 2, 3], "max_tokens": 2}).encode()
+
+
+def _completion(host: bytes, version: bytes = b"1.1") -> bytes:
+    return (b"POST /v1/completions HTTP/" + version + b"\r\nhost: " + host
+            + b"\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+            % len(COMPLETION) + COMPLETION)
+
+
+@pytest.mark.parametrize("host", [
+    b"a b", b"evil.example/path", b"user@evil.example", b"x?y", b"x#y", b'"x"', b"x\\y",
+    b"<x>", b"x{y}", b"\xc3\xa9.example", b"a" * 100 + b" b",
+], ids=["space", "slash", "userinfo", "query", "fragment", "quote", "backslash", "angle",
+        "brace", "non-ascii", "long"])
+def test_a_host_field_whose_value_is_no_host_is_a_400_naming_it(served, host):
+    """RFC 9112 section 3.2: a server MUST answer 400 to a request whose Host field has an
+    invalid value (as to none or several, refused since stop 53). ``Host: a b``, a path, a
+    userinfo, a non-ASCII byte were served (the completion ran: 200). Now the OpenAI-shaped
+    400 ``request.malformed_http`` naming the value (JSON-quoted, cut to 80 characters),
+    after the answer to the request pipelined before it; nothing of it runs. The bytes taken
+    are Go's net/http's (``httpguts.ValidHostHeader``)."""
+    data, ended = send_raw(served.port, HEALTH + _completion(host))
+    answers = responses(data)
+    assert [a[0][:12] for a in answers] == [b"HTTP/1.1 200", b"HTTP/1.1 400"], data[:800]
+    assert answers[1][1].get("x-request-id"), answers[1][1]
+    error = json.loads(answers[1][2])["error"]
+    assert error["code"] == "request.malformed_http", error
+    shown = json.dumps(host.decode("latin-1"))
+    assert f"Host {shown[:80]}" in error["message"] and "RFC 9112" in error["message"], error
+    assert ended == "eof", ended
+
+
+@pytest.mark.parametrize("host", [
+    b"127.0.0.1", b"127.0.0.1:8000", b"localhost", b"[::1]:8000", b"[fe80::1%25eth0]",
+    b"my-host.example_1", b"", b"x:", b"a!$&'()*+,;=~.example",
+], ids=["v4", "v4-port", "name", "v6-port", "v6-zone", "name-dash-underscore", "empty",
+        "empty-port", "sub-delims"])
+def test_a_valid_host_is_still_served(served, host):
+    """A host, with or without its port, an IPv6 literal, the empty value (RFC 9112 section
+    3.2: a target without an authority) and RFC 3986's sub-delims are taken."""
+    data, _ = send_raw(served.port, _completion(host).replace(
+        b"content-type", b"connection: close\r\ncontent-type"))
+    status, _, body = split_head(data)
+    assert status.startswith(b"HTTP/1.1 200 "), data[:500]
+    assert len(json.loads(body)["choices"][0]["token_ids"]) == 2
+
+
+def test_an_http_1_0_request_with_a_host_that_is_no_host_is_a_400_too(served):
+    """The rule is for any request with a Host field; an HTTP/1.0 request needs none."""
+    data, _ = send_raw(served.port, _completion(b"a b", b"1.0"))
+    status, _, body = split_head(data)
+    assert status.startswith(b"HTTP/1.1 400 "), data[:500]
+    assert json.loads(body)["error"]["code"] == "request.malformed_http"

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import logging
 import signal
 import socket
@@ -515,6 +516,16 @@ def abortable(protocol: type) -> type:
                         else "an HTTP/1.1 request with no Host header"
                     ) + " (RFC 9112 section 3.2: exactly one)"
                     raise ValueError(self._head_refused)
+                bad_host = next((value for name, value in self.headers
+                                 if name == b"host" and not valid_host(value)), None)
+                if bad_host is not None:
+                    # RFC 9112 section 3.2: a server MUST answer 400 to a Host field with an
+                    # invalid value too (`Host: a b`, a path, a userinfo were served). The
+                    # parser stops here
+                    shown = json.dumps(bad_host.decode("latin-1"))[:80]
+                    self._head_refused = (f"Host {shown}: not a host[:port] (RFC 9112 section "
+                                          "3.2: a Host field with an invalid value)")
+                    raise ValueError(self._head_refused)
             if parses_heads and self.parser.should_upgrade() and any(
                     name == b"upgrade" for name, _ in self.headers):
                 # parsed again without the upgrade once the parser stops at it (_feed): no
@@ -682,6 +693,18 @@ def _framed_cycle() -> type:
                 self.expected_content_length = len(message.get("body", b""))  # sent whole
             await super().send(message)
     return FramedCycle
+
+
+#: the bytes a Host field's value may hold: RFC 3986's ``host [":" port]`` (an IP literal's
+#: brackets, a zone's ``%25``), as Go's net/http takes them (``httpguts.ValidHostHeader``)
+_HOST_BYTES = frozenset(b"0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                        b"!$%&'()*+,-.:;=[]_~")
+
+
+def valid_host(value: bytes) -> bool:
+    """Whether ``value`` may be a Host field's (RFC 9112 section 3.2; empty is: a target
+    with no authority): no space, ``/``, ``@``, ``?``, ``#``, quote or non-ASCII byte."""
+    return all(byte in _HOST_BYTES for byte in value)
 
 
 def uvicorn_config(app: Any, host: str = "127.0.0.1", port: int = 8000,
