@@ -258,16 +258,21 @@ def closed_schema(schema: Any, closing: bool = True) -> Any:
     which llguidance ignores (strict or not), become ``additionalProperties`` / ``items``
     where no applicator (``allOf``, ``anyOf``, ``oneOf``, ``$ref``, ``if``, dependencies) sits
     beside them, so ``"unevaluatedProperties": false`` closes an object as in xgrammar. A
-    copy: the request's schema is left as it was. The walk is bounded by the body's own
-    nesting limit."""
+    copy: the request's schema is left as it was. A ``pattern`` and a ``patternProperties``
+    key are anchored (:func:`anchored`), as xgrammar matches them. The walk is bounded by the
+    body's own nesting limit."""
     if isinstance(schema, list):
         return [closed_schema(item) for item in schema]
     if not isinstance(schema, dict):
         return schema
     out: dict[str, Any] = {}
     for key, value in schema.items():
-        if key in _SCHEMA_MAPS and isinstance(value, dict):
+        if key == "patternProperties" and isinstance(value, dict):
+            out[key] = _anchored_keys(value)
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
             out[key] = {name: closed_schema(sub) for name, sub in value.items()}
+        elif key == "pattern" and isinstance(value, str):
+            out[key] = anchored(value)
         elif key == "allOf" and isinstance(value, list):
             out[key] = [closed_schema(sub, closing=False) for sub in value]
         elif key in _SUBSCHEMAS:
@@ -291,6 +296,45 @@ def closed_schema(schema: Any, closing: bool = True) -> Any:
                 and "unevaluatedItems" not in out and "additionalItems" not in out:
             out["items"] = False
     return out
+
+
+def anchored(pattern: str) -> str:
+    """A schema's ``pattern`` matched against the whole string, as vLLM's default backend
+    matches it (xgrammar converts the regex to a grammar of the whole string, a leading ``^``
+    and a trailing ``$`` dropped); llguidance follows JSON Schema (a match anywhere in the
+    string), so ``"[a-z]+"`` was answered ``"Y'wV}x4.us"``. ``^(?:pattern)$``: the same
+    language as xgrammar's for an anchored pattern or not (``^a|b$`` is ``a`` or ``b``, ``""``
+    the empty string alone). A pattern whose parentheses or classes do not close (``a)(b``,
+    ``[a-``: no regex) is left as it is, so llguidance still refuses it rather than the
+    wrapping making it one."""
+    depth, i, in_class = 0, 0, False
+    while i < len(pattern):
+        char = pattern[i]
+        if char == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = char != "]"
+        elif char == "[":
+            in_class = True
+            if pattern[i + 1:i + 2] == "^":
+                i += 1
+            if pattern[i + 1:i + 2] == "]":
+                i += 1  # a "]" first in a class is one of its characters
+        elif char == "(":
+            depth += 1
+        elif char == ")":
+            depth -= 1
+            if depth < 0:
+                return pattern
+        i += 1
+    return pattern if depth or in_class else f"^(?:{pattern})$"
+
+
+def _anchored_keys(properties: Mapping[str, Any]) -> dict[str, Any]:
+    """``patternProperties`` with each key anchored: xgrammar matches a key's pattern against
+    the whole key, as it does a ``pattern`` (two keys never anchor alike)."""
+    return {anchored(key): closed_schema(sub) for key, sub in properties.items()}
 
 
 #: the numbers llguidance 1.9.1 takes in a schema: past u64 and i64 it says "Value is not
