@@ -26,6 +26,7 @@ import json
 import math
 import re
 import threading
+import urllib.parse
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -253,49 +254,191 @@ def closed_schema(schema: Any, closing: bool = True) -> Any:
     ``"additionalProperties": false``, a ``prefixItems`` without ``items`` gets
     ``"items": false``; what a schema says (``additionalProperties: true`` or a schema) is
     kept, and an object declaring no properties (``{"type": "object"}``, ``json_object``) stays
-    any object. The direct members of an ``allOf`` are not closed (each would refuse the
-    others' properties), their insides are. ``unevaluatedProperties`` / ``unevaluatedItems``,
-    which llguidance ignores (strict or not), become ``additionalProperties`` / ``items``
-    where no applicator (``allOf``, ``anyOf``, ``oneOf``, ``$ref``, ``if``, dependencies) sits
-    beside them, so ``"unevaluatedProperties": false`` closes an object as in xgrammar. A
-    copy: the request's schema is left as it was. A ``pattern`` and a ``patternProperties``
+    any object. ``unevaluatedProperties`` / ``unevaluatedItems``, which llguidance ignores
+    (strict or not), become ``additionalProperties`` / ``items`` where no applicator
+    (``allOf``, ``anyOf``, ``oneOf``, ``$ref``, ``if``, dependencies) sits beside them, so
+    ``"unevaluatedProperties": false`` closes an object as in xgrammar.
+
+    An ``allOf`` (OpenAPI's inheritance, ``allOf: [{"$ref": "#/$defs/Pet"}, {...}]``), or a
+    ``$ref`` beside an object's own ``properties``, is closed at its parent: llguidance
+    intersects the members, so a closed member would refuse the others' keys (the closed
+    ``Pet`` made a required ``bark`` unsatisfiable, a 400), while open members let the model
+    write keys of its own. Its members (and, within them, ``anyOf``/``oneOf`` branches) are
+    left open, a ``$ref`` among them pointing to an open copy of its definition (added to the
+    root's ``$defs``, once per definition; the definition stays closed where it is used
+    alone), their insides closed; the parent gets the union of the keys they declare (their
+    definitions' and nested members' too) and ``"additionalProperties": false``, unless it
+    says otherwise (``unevaluatedProperties: false`` says the same), or a member does
+    (``additionalProperties`` other than false, ``patternProperties``), or none declares a
+    key. xgrammar itself answers an ``allOf`` of several members with any JSON value (a
+    warning, "Support for allOf with multiple options is still ongoing") and one of one
+    member as that member, closed: this keeps what a client means, the declared keys.
+
+    A copy: the request's schema is left as it was. A ``pattern`` and a ``patternProperties``
     key are anchored (:func:`anchored`), as xgrammar matches them. The walk is bounded by the
-    body's own nesting limit."""
-    if isinstance(schema, list):
-        return [closed_schema(item) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out: dict[str, Any] = {}
-    for key, value in schema.items():
-        if key == "patternProperties" and isinstance(value, dict):
-            out[key] = _anchored_keys(value)
-        elif key in _SCHEMA_MAPS and isinstance(value, dict):
-            out[key] = {name: closed_schema(sub) for name, sub in value.items()}
-        elif key == "pattern" and isinstance(value, str):
-            out[key] = anchored(value)
-        elif key == "allOf" and isinstance(value, list):
-            out[key] = [closed_schema(sub, closing=False) for sub in value]
-        elif key in _SUBSCHEMAS:
-            out[key] = closed_schema(value)
-        else:
-            out[key] = value
-    if not any(key in out for key in _APPLICATORS):
-        # llguidance ignores unevaluatedProperties/Items (lenient or strict alike: a model's
-        # own keys followed an object that said "unevaluatedProperties": false); without an
-        # applicator beside it, it means what additionalProperties / items say
-        if "unevaluatedProperties" in out and "additionalProperties" not in out:
-            out["additionalProperties"] = out.pop("unevaluatedProperties")
-        if "unevaluatedItems" in out and "items" not in out and "additionalItems" not in out:
-            out["items"] = out.pop("unevaluatedItems")
-    if closing:
-        if (isinstance(out.get("properties"), dict) or isinstance(out.get("patternProperties"),
-                                                                  dict)) \
-                and "additionalProperties" not in out and "unevaluatedProperties" not in out:
-            out["additionalProperties"] = False
-        if isinstance(out.get("prefixItems"), list) and "items" not in out \
+    body's own nesting limit and each definition is walked once."""
+    return _Closer(schema).root(closing)
+
+
+#: where the open copies of allOf members' definitions go (in the root's ``$defs``)
+_OPEN_PREFIX = "open."
+
+
+class _Closer:
+    """One :func:`closed_schema` rewrite: its root (``$ref`` pointers resolve in it), the open
+    copies of the definitions made so far, and the keys each schema declares (by identity:
+    every schema is looked at once however many members refer to it)."""
+
+    def __init__(self, root: Any) -> None:
+        self.given = root
+        self.opened: dict[str, str] = {}  # a $ref -> the $defs name of its open copy
+        self.copies: dict[str, Any] = {}  # that name -> the open copy
+        self.declared: dict[int, tuple[frozenset[str], bool]] = {}
+        self.walking: set[int] = set()
+
+    def root(self, closing: bool) -> Any:
+        out = self.closed(self.given, closing)
+        if self.copies and isinstance(out, dict):
+            defs = out.get("$defs")
+            out["$defs"] = {**(defs if isinstance(defs, dict) else {}), **self.copies}
+        return out
+
+    def closed(self, schema: Any, closing: bool = True) -> Any:
+        if isinstance(schema, list):
+            return [self.closed(item) for item in schema]
+        if not isinstance(schema, dict):
+            return schema
+        merging = isinstance(schema.get("allOf"), list) or (
+            isinstance(schema.get("$ref"), str) and isinstance(schema.get("properties"), dict))
+        out: dict[str, Any] = {}
+        for key, value in schema.items():
+            if key == "patternProperties" and isinstance(value, dict):
+                out[key] = _anchored_keys(value, self.closed)
+            elif key in _SCHEMA_MAPS and isinstance(value, dict):
+                out[key] = {name: self.closed(sub) for name, sub in value.items()}
+            elif key == "pattern" and isinstance(value, str):
+                out[key] = anchored(value)
+            elif key in ("allOf", "anyOf", "oneOf") and isinstance(value, list) \
+                    and (key == "allOf" or not closing):
+                out[key] = [self.closed(sub, closing=False) for sub in value]
+            elif key == "$ref" and isinstance(value, str) and (merging or not closing):
+                out[key] = self.open_ref(value)
+            elif key in _SUBSCHEMAS:
+                out[key] = self.closed(value)
+            else:
+                out[key] = value
+        if merging and closing:
+            self.close_merged(schema, out)
+        elif not any(key in out for key in _APPLICATORS):
+            # llguidance ignores unevaluatedProperties/Items (lenient or strict alike: a
+            # model's own keys followed an object that said "unevaluatedProperties": false);
+            # without an applicator beside it, it means what additionalProperties / items say
+            if "unevaluatedProperties" in out and "additionalProperties" not in out:
+                out["additionalProperties"] = out.pop("unevaluatedProperties")
+            if "unevaluatedItems" in out and "items" not in out and "additionalItems" not in out:
+                out["items"] = out.pop("unevaluatedItems")
+        if closing and not merging:
+            if (isinstance(out.get("properties"), dict)
+                    or isinstance(out.get("patternProperties"), dict)) \
+                    and "additionalProperties" not in out and "unevaluatedProperties" not in out:
+                out["additionalProperties"] = False
+        if closing and isinstance(out.get("prefixItems"), list) and "items" not in out \
                 and "unevaluatedItems" not in out and "additionalItems" not in out:
             out["items"] = False
-    return out
+        return out
+
+    def close_merged(self, schema: dict[str, Any], out: dict[str, Any]) -> None:
+        """Close an ``allOf`` parent (or a ``$ref`` beside properties) on the union of the keys
+        its members declare, unless it or a member says otherwise."""
+        if "additionalProperties" in out or out.get("unevaluatedProperties", False) is not False:
+            return
+        own = out.get("properties")
+        names: set[str] = set(own) if isinstance(own, dict) else set()
+        said_open = False
+        self.walking.add(id(schema))
+        for member in self.members(schema):
+            more, member_open = self.keys(member)
+            names.update(more)
+            said_open = said_open or member_open
+        self.walking.discard(id(schema))
+        if said_open or not names:
+            return
+        properties = dict(own) if isinstance(own, dict) else {}
+        for name in sorted(names - set(properties)):
+            properties[name] = {}
+        out["properties"] = properties
+        out.pop("unevaluatedProperties", None)
+        out["additionalProperties"] = False
+
+    def keys(self, schema: Any) -> tuple[frozenset[str], bool]:
+        """(the keys ``schema`` declares, its own and its members', whether one of them says
+        other keys are allowed) as given, each schema looked at once (a cycle adds nothing)."""
+        if not isinstance(schema, dict) or id(schema) in self.walking:
+            return frozenset(), False
+        if id(schema) in self.declared:
+            return self.declared[id(schema)]
+        self.walking.add(id(schema))
+        names: set[str] = set()
+        properties = schema.get("properties")
+        if isinstance(properties, dict):
+            names.update(properties)
+        said_open = bool(schema.get("patternProperties")) or any(
+            key in schema and schema[key] is not False
+            for key in ("additionalProperties", "unevaluatedProperties"))
+        for member in self.members(schema):
+            more, member_open = self.keys(member)
+            names.update(more)
+            said_open = said_open or member_open
+        self.walking.discard(id(schema))
+        found = frozenset(names), said_open
+        self.declared[id(schema)] = found
+        return found
+
+    def members(self, schema: dict[str, Any]) -> list[Any]:
+        """What ``schema``'s value must also be: its ``allOf``/``anyOf``/``oneOf`` members and
+        what its ``$ref`` points to."""
+        found: list[Any] = []
+        for key in ("allOf", "anyOf", "oneOf"):
+            if isinstance(schema.get(key), list):
+                found.extend(schema[key])
+        if isinstance(schema.get("$ref"), str):
+            found.append(self.resolve(schema["$ref"]))
+        return found
+
+    def resolve(self, ref: str) -> Any:
+        """The schema a local ``$ref`` (``#/$defs/Pet``) points to in the root, else None."""
+        if not ref.startswith("#/"):
+            return None
+        node = self.given
+        for part in ref[2:].split("/"):
+            part = urllib.parse.unquote(part).replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                return None
+        return node
+
+    def open_ref(self, ref: str) -> str:
+        """A ``$ref`` to an open copy of what ``ref`` points to (made once, in the root's
+        ``$defs``), or ``ref`` itself where it points to nothing here (llguidance names it)."""
+        if ref in self.opened:
+            return self.opened[ref]
+        target = self.resolve(ref)
+        if not isinstance(target, dict) or not isinstance(self.given, dict):
+            return ref
+        defs = self.given.get("$defs")
+        taken = set(defs) if isinstance(defs, dict) else set()
+        base = _OPEN_PREFIX + (re.sub(r"[^A-Za-z0-9_.-]", "_", ref.rsplit("/", 1)[-1]) or "_")
+        name, n = base, 1
+        while name in taken or name in self.copies:
+            n += 1
+            name = f"{base}.{n}"
+        self.opened[ref] = f"#/$defs/{name}"
+        self.copies[name] = None  # taken (a definition inheriting itself refers to its copy)
+        self.copies[name] = self.closed(target, closing=False)
+        return self.opened[ref]
 
 
 def anchored(pattern: str) -> str:
@@ -331,10 +474,12 @@ def anchored(pattern: str) -> str:
     return pattern if depth or in_class else f"^(?:{pattern})$"
 
 
-def _anchored_keys(properties: Mapping[str, Any]) -> dict[str, Any]:
+def _anchored_keys(properties: Mapping[str, Any], close: Any = None) -> dict[str, Any]:
     """``patternProperties`` with each key anchored: xgrammar matches a key's pattern against
-    the whole key, as it does a ``pattern`` (two keys never anchor alike)."""
-    return {anchored(key): closed_schema(sub) for key, sub in properties.items()}
+    the whole key, as it does a ``pattern`` (two keys never anchor alike); each subschema
+    through ``close`` (:func:`closed_schema`'s)."""
+    close = close or closed_schema
+    return {anchored(key): close(sub) for key, sub in properties.items()}
 
 
 #: the numbers llguidance 1.9.1 takes in a schema: past u64 and i64 it says "Value is not
