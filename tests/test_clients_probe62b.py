@@ -97,6 +97,29 @@ def test_an_inheritance_chain_of_references_is_closed_at_the_end(served, how):
     assert set(json.loads(text)) == {"name", "bark", "age"}, text
 
 
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_ref_beside_an_objects_own_properties_is_merged_as_an_allof(served, strict):
+    """JSON Schema 2019-09's ``$ref`` beside sibling keywords (``{"$ref": Pet, "properties":
+    {bark}}``) is the same inheritance: on the old code the closed Pet refused ``bark`` and
+    the closed parent refused ``name`` (a 400 ``required property 'name' is
+    unsatisfiable``). With ``strict`` the ``unevaluatedProperties: false`` a strict schema
+    writes beside it closes the parent on the union too (on the old code a 400
+    ``Unimplemented keys``)."""
+    needs.module("llguidance", "server")
+    _, sdk = served
+    schema = {"$defs": {"Pet": PET}, "$ref": "#/$defs/Pet", "type": "object",
+              "properties": {"bark": {"type": "boolean"}}, "required": ["bark"]}
+    if strict:
+        schema["unevaluatedProperties"] = False
+    answer = sdk.chat.completions.create(
+        model=MODEL, max_tokens=120, messages=[{"role": "user", "content": "hi"}],
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema,
+                                                                "strict": strict}})
+    text = answer.choices[0].message.content
+    assert answer.choices[0].finish_reason == "stop", text
+    assert set(json.loads(text)) == {"name", "bark"}, text
+
+
 def test_a_property_referencing_a_definition_still_gets_it_closed(served):
     """A ``$ref`` used as a property's schema (not an allOf member) is the closed
     definition: the nested object has its own keys only, beside an inheritance that opens
