@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import json
 import os
 import random
@@ -380,6 +381,46 @@ def load_equivalents(path: Path) -> dict[tuple[str, str], str]:
     return result
 
 
+def refuse_unknown_equivalents(equivalents: dict[tuple[str, str], str], charts: list[Chart],
+                               path: Path) -> None:
+    """A ``ValueError`` naming the first entry of the ``--equivalent`` list for a chart of this
+    run whose id names no mutant of it (a typo, or a mutant of a chart since changed: it was
+    ignored without a word, its survivor reported undocumented and the entry never checked
+    again). Each id is looked up among every mutant the chart has (all kinds, every target,
+    the ids of before stop 61 too), not those this run picked: a run narrowed by
+    ``--mutant``, ``--kind``, ``--sample`` or ``--targets-per-transition`` judges an entry as
+    the whole run would. An entry for a chart not mutated in this run is not judged (one list
+    serves several charts: calexec's names all four); a list none of whose entries names a
+    chart of this run is a warning on stderr."""
+    names = {chart.name for chart in charts}
+    if equivalents and not any(chart in names for chart, _ in equivalents):
+        listed = ", ".join(sorted({chart for chart, _ in equivalents}))
+        print(f"calexec charts mutate: warning: --equivalent={_shown(str(path))!r}: no entry "
+              f"names a chart of this run ({', '.join(sorted(names))}); its entries name "
+              f"{listed:.200} (an entry's chart is the chart's name here: CHART, or NAME of "
+              f"NAME=module:Class, or the class's name)", file=sys.stderr)
+    for chart in charts:
+        wanted = [mutant_id for name, mutant_id in equivalents if name == chart.name]
+        if not wanted:
+            continue
+        every = mutants_mod.derive(chart.declaration, 0)
+        known = {known for mutant in every for known in (mutant.id, *mutant.aliases)}
+        unknown = [mutant_id for mutant_id in wanted if mutant_id not in known]
+        if not unknown:
+            continue
+        close = difflib.get_close_matches(unknown[0], [m.id for m in every], n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        others = ", ".join(map(repr, unknown[1:4])) + (", ..." if len(unknown) > 4 else "")
+        more = (f" (and {len(unknown) - 1} more entr{'y' if len(unknown) == 2 else 'ies'} of "
+                f"{chart.name}: {others})" if len(unknown) > 1 else "")
+        raise ValueError(
+            f"--equivalent={_shown(str(path))!r}: the entry chart = {chart.name!r}, id = "
+            f"{unknown[0]!r} names no mutant of {chart.name} ({chart.target}){hint}{more}: "
+            f"correct it or remove it (a chart changed since the entry was written has "
+            f"mutants of other ids: mutants.derive(Chart, 0) lists the {len(every)} of "
+            f"{chart.name}, and a report names each mutant it ran)")
+
+
 def _score(killed: int, survived: int) -> float | None:
     return None if killed + survived == 0 else 100.0 * killed / (killed + survived)
 
@@ -540,6 +581,7 @@ def main(argv: list[str] | None = None) -> int:
         equivalents = {}
         if equivalent_path is not None and (args.equivalent or equivalent_path.is_file()):
             equivalents = load_equivalents(cwd / equivalent_path)
+            refuse_unknown_equivalents(equivalents, charts, equivalent_path)
     except ValueError as err:
         print(f"calexec charts mutate: {err}", file=sys.stderr)
         return 2
